@@ -1,0 +1,131 @@
+/* bemalloc: an allocator whose memory is already registered with the NIC.
+ *
+ * Memory comes from 4 MiB chunks, aligned to their size, each registered
+ * once through a *registrar* when the chunk is mapped and deregistered when
+ * it is returned to the system. The chunk header holds the memory region, so
+ * bex_mem_mr() finds the MR of any pointer in O(1) by masking the pointer.
+ * Allocations larger than a chunk get their own aligned, separately
+ * registered mapping, found the same way.
+ *
+ * Threads: every function may be called from any thread. A buffer may be
+ * freed by a thread other than the one that allocated it (the usual case
+ * for received messages handed to application threads).
+ *
+ * bemalloc does not interpose malloc(): it lives beside the process's own
+ * allocator and serves network-bound buffers only. */
+#ifndef BEX_MEM_H
+#define BEX_MEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bex/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ibv_pd;
+struct ibv_context;
+
+/* A registered region as bemalloc reports it. For a pointer p returned by
+ * bex_mem_alloc(), [p, p + bex_mem_usable_size(p)) lies inside
+ * [addr, addr + length). */
+typedef struct bex_mem_mr {
+    void *addr;     /* start of the registered region */
+    size_t length;  /* its length in bytes */
+    uint32_t lkey;  /* local key, for scatter/gather entries */
+    uint32_t rkey;  /* remote key, for a peer's WRITE/READ */
+    void *handle;   /* the registrar's own object (struct ibv_mr * for verbs) */
+} bex_mem_mr;
+
+/* How a pool registers memory. reg() fills lkey, rkey and handle of *mr
+ * (addr and length are already set) and returns 0 or a negative errno;
+ * dereg() undoes it. Both are called rarely (once per chunk), never on the
+ * allocation fast path, possibly from any thread that allocates. */
+typedef struct bex_mem_registrar {
+    int (*reg)(void *ctx, bex_mem_mr *mr);
+    void (*dereg)(void *ctx, bex_mem_mr *mr);
+    void *ctx;
+} bex_mem_registrar;
+
+/* Default access flags of the verbs registrar. */
+#define BEX_MEM_ACCESS_DEFAULT 0 /* local write | remote write | remote read */
+
+/* A registrar over a verbs protection domain: ibv_reg_mr(pd, ..., access).
+ * access = 0 means IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+ * IBV_ACCESS_REMOTE_READ. The PD must outlive every pool using it. */
+void bex_mem_registrar_verbs(bex_mem_registrar *out, struct ibv_pd *pd, int access);
+
+/* A registrar that registers nothing (TCP-only use); keys are 0. */
+void bex_mem_registrar_noop(bex_mem_registrar *out);
+
+/* Pool configuration; zero in any field means its default. */
+typedef struct bex_mem_config {
+    size_t retain_bytes; /* fully free chunk bytes kept registered
+                            (default 64 MiB); beyond this, empty chunks
+                            are deregistered and unmapped */
+} bex_mem_config;
+
+typedef struct bex_mem_pool bex_mem_pool;
+
+/* Create a pool. *reg is copied. cfg may be NULL. Returns 0 or -ENOMEM /
+ * -EINVAL. */
+int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
+                        bex_mem_pool **out);
+
+/* Destroy a pool: deregisters and unmaps all its memory. Every buffer of the
+ * pool must have been freed, and no thread may use the pool any more.
+ * Returns 0, or -EBUSY (and destroys nothing) when buffers are still live. */
+int bex_mem_pool_destroy(bex_mem_pool *pool);
+
+/* Allocate size bytes (size 0 gives a minimal buffer), 16-byte aligned (and
+ * 4 KiB aligned from 64 KiB up). Registered and owned by the caller. Returns NULL
+ * when memory or registration fails (errno set to ENOMEM or the registrar's
+ * error). */
+void *bex_mem_alloc(bex_mem_pool *pool, size_t size);
+
+/* Free a buffer from bex_mem_alloc(); any thread; NULL is ignored. */
+void bex_mem_free(void *ptr);
+
+/* Bytes usable at ptr (>= the size asked for). */
+size_t bex_mem_usable_size(const void *ptr);
+
+/* The registered region covering ptr, in O(1). ptr may point anywhere inside
+ * a live allocation. The result stays valid while the allocation is live. */
+const bex_mem_mr *bex_mem_mr(const void *ptr);
+
+/* The pool a live buffer belongs to. */
+bex_mem_pool *bex_mem_pool_of(const void *ptr);
+
+typedef struct bex_mem_stats {
+    size_t registered_bytes; /* bytes currently registered */
+    size_t chunks;           /* chunks (and large mappings) currently mapped */
+    uint64_t registrations;  /* reg() calls so far */
+    uint64_t deregistrations;/* dereg() calls so far */
+    size_t in_use_bytes;     /* bytes handed out and not yet freed (usable sizes) */
+    size_t peak_in_use_bytes;
+    size_t peak_registered_bytes;
+} bex_mem_stats;
+
+/* A snapshot of the pool's counters (approximate while other threads run). */
+void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out);
+
+/* The process-wide default pool, the paper's Figure 3 shape:
+ *   bex_mem_default_init(ctx);  void *p = bex_mem_default_alloc(n);
+ *   const bex_mem_mr *mr = bex_mem_mr(p);  bex_mem_free(p);
+ * init with a device context allocates a PD on it and a verbs registrar
+ * over it; ctx == NULL gives a no-op registrar. Returns 0, -EALREADY when
+ * already initialized, or an error. */
+int bex_mem_default_init(struct ibv_context *ctx);
+/* The default pool's PD (NULL before init or with ctx == NULL). */
+struct ibv_pd *bex_mem_default_pd(void);
+bex_mem_pool *bex_mem_default_pool(void);
+void *bex_mem_default_alloc(size_t size);
+/* Tear the default pool down (same rules as bex_mem_pool_destroy). */
+int bex_mem_default_fini(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
