@@ -31,21 +31,21 @@ struct ibv_context;
 /* A registered region as bemalloc reports it. For a pointer p returned by
  * bex_mem_alloc(), [p, p + bex_mem_usable_size(p)) lies inside
  * [addr, addr + length). */
-typedef struct bex_mem_mr {
+typedef struct bex_mem_region {
     void *addr;     /* start of the registered region */
     size_t length;  /* its length in bytes */
     uint32_t lkey;  /* local key, for scatter/gather entries */
     uint32_t rkey;  /* remote key, for a peer's WRITE/READ */
     void *handle;   /* the registrar's own object (struct ibv_mr * for verbs) */
-} bex_mem_mr;
+} bex_mem_region;
 
 /* How a pool registers memory. reg() fills lkey, rkey and handle of *mr
  * (addr and length are already set) and returns 0 or a negative errno;
  * dereg() undoes it. Both are called rarely (once per chunk), never on the
  * allocation fast path, possibly from any thread that allocates. */
 typedef struct bex_mem_registrar {
-    int (*reg)(void *ctx, bex_mem_mr *mr);
-    void (*dereg)(void *ctx, bex_mem_mr *mr);
+    int (*reg)(void *ctx, bex_mem_region *mr);
+    void (*dereg)(void *ctx, bex_mem_region *mr);
     void *ctx;
 } bex_mem_registrar;
 
@@ -93,7 +93,7 @@ size_t bex_mem_usable_size(const void *ptr);
 
 /* The registered region covering ptr, in O(1). ptr may point anywhere inside
  * a live allocation. The result stays valid while the allocation is live. */
-const bex_mem_mr *bex_mem_mr(const void *ptr);
+const bex_mem_region *bex_mem_mr(const void *ptr);
 
 /* The pool a live buffer belongs to. */
 bex_mem_pool *bex_mem_pool_of(const void *ptr);
@@ -113,7 +113,7 @@ void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out);
 
 /* The process-wide default pool, the paper's Figure 3 shape:
  *   bex_mem_default_init(ctx);  void *p = bex_mem_default_alloc(n);
- *   const bex_mem_mr *mr = bex_mem_mr(p);  bex_mem_free(p);
+ *   const bex_mem_region *mr = bex_mem_mr(p);  bex_mem_free(p);
  * init with a device context allocates a PD on it and a verbs registrar
  * over it; ctx == NULL gives a no-op registrar. Returns 0, -EALREADY when
  * already initialized, or an error. */
