@@ -1,0 +1,200 @@
+/* bemalloc internals, shared by the files of src/mem/.
+ *
+ * Address layout. A chunk is 4 MiB, aligned to 4 MiB, registered once. It
+ * is cut into 64 spans of 64 KiB. Span 0 holds the chunk header: one 128-byte
+ * descriptor per span (so a span's descriptor is found from any pointer by
+ * masking) followed by the MR and the pool's bookkeeping. Spans 1..63 are
+ * handed to per-thread heaps in runs of one or more contiguous spans:
+ *   - a small run (1..8 spans) is carved into blocks of one size class;
+ *   - a medium run (1..32 spans) is one allocation of up to 2 MiB;
+ * Anything larger gets its own 4 MiB-aligned mapping ("huge"), whose header
+ * looks like a chunk header with only descriptor 0 in use, so the same
+ * masking finds it.
+ *
+ * Ownership. Each heap belongs to one thread at a time. A span's owner-only
+ * fields are touched by the owning thread alone (no atomics); other threads
+ * touch xfree (a lock-free stack of blocks freed remotely) and, through it,
+ * the heap's xspans stack. The pool mutex guards chunk bitmaps, the chunk
+ * and heap lists and huge mappings: slow paths only. */
+#ifndef BEX_MEM_INTERNAL_H
+#define BEX_MEM_INTERNAL_H
+
+#include <pthread.h>
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bex/mem.h"
+
+#define BEX__MEM_LIKELY(x) __builtin_expect(!!(x), 1)
+#define BEX__MEM_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+#define BEX__MEM_CHUNK_SHIFT 22
+#define BEX__MEM_CHUNK_SIZE ((size_t)1 << BEX__MEM_CHUNK_SHIFT)
+#define BEX__MEM_CHUNK_MASK (BEX__MEM_CHUNK_SIZE - 1)
+#define BEX__MEM_SPAN_SHIFT 16
+#define BEX__MEM_SPAN_SIZE ((size_t)1 << BEX__MEM_SPAN_SHIFT)
+#define BEX__MEM_SPANS 64 /* spans per chunk, span 0 is the header */
+#define BEX__MEM_SPANS_USABLE_MASK (~(uint64_t)1)
+#define BEX__MEM_PAGE 4096
+
+/* Size classes: 16-byte steps up to 128 B, then 4 classes per power of two
+ * up to 32 KiB (worst internal waste 20 %). */
+#define BEX__MEM_NCLS 40
+#define BEX__MEM_SMALL_MAX ((size_t)32768)
+/* Medium: whole-span runs up to 2 MiB. */
+#define BEX__MEM_MAX_RUN 32
+#define BEX__MEM_MEDIUM_MAX ((size_t)BEX__MEM_MAX_RUN << BEX__MEM_SPAN_SHIFT)
+
+enum bex__mem_kind {
+    BEX__MEM_FREE = 0, /* in the chunk's free bitmap */
+    BEX__MEM_CACHED,   /* free run parked in a heap's cache */
+    BEX__MEM_SMALL,    /* run carved into blocks of one class */
+    BEX__MEM_MEDIUM,   /* run that is one allocation */
+    BEX__MEM_HUGE,     /* descriptor 0 of a huge mapping */
+    BEX__MEM_TAIL,     /* non-first span of a small run */
+};
+
+/* xfree word: bit 0 = DETACHED (the owner dropped the span from its lists
+ * because it was full; the first remote free clears it and queues the span
+ * on the heap's xspans), bits 1..47 = top block of the stack, bits 48..63 =
+ * how many blocks the stack holds, so the owner can account for them
+ * without walking the list. */
+#define BEX__MEM_XDETACHED ((uintptr_t)1)
+#define BEX__MEM_XPTR_MASK (((uintptr_t)1 << 48) - 2)
+#define BEX__MEM_XCNT_SHIFT 48
+
+struct bex__mem_heap;
+
+struct bex__mem_span {
+    /* first line: owner-only */
+    void *free;              /* local free list */
+    uint32_t used;           /* blocks out, including uncollected remote frees */
+    uint32_t capacity;       /* blocks in the run */
+    uint32_t block_size;
+    uint32_t offset;         /* descriptors back to the run's head (TAIL only) */
+    uint8_t kind;
+    uint8_t cls;
+    uint8_t attached;        /* in the heap's class list */
+    uint8_t pad_;
+    uint32_t span_count;     /* run length in spans (head only) */
+    uint32_t bump;           /* bytes of the run carved so far */
+    struct bex__mem_heap *heap;
+    struct bex__mem_span *next, *prev;
+    /* second line: written by other threads */
+    alignas(64) _Atomic uintptr_t xfree;
+    struct bex__mem_span *xnext; /* link in heap->xspans, written by the queuer */
+};
+
+struct bex__mem_chunk {
+    struct bex__mem_span spans[BEX__MEM_SPANS];
+    bex_mem_region mr;
+    struct bex_mem_pool *pool;
+    size_t map_size;     /* bytes mapped */
+    size_t usable;       /* huge: bytes usable at the user pointer */
+    uint64_t free_mask;  /* pool lock: bit i = span i free */
+    unsigned max_run;    /* pool lock: longest run of free spans */
+    struct bex__mem_chunk *next, *prev; /* pool lock */
+};
+
+/* User data of a huge mapping starts here; descriptor 0 covers it. */
+#define BEX__MEM_HUGE_HDR \
+    ((sizeof(struct bex__mem_chunk) + BEX__MEM_PAGE - 1) & ~(size_t)(BEX__MEM_PAGE - 1))
+
+struct bex__mem_heap {
+    _Atomic uint64_t owner;  /* thread id of the owner, BEX__MEM_NO_OWNER if none */
+    _Atomic int64_t delta;   /* in-use bytes not yet added to the pool counter */
+    struct bex__mem_span *active[BEX__MEM_NCLS]; /* class lists, head = active */
+    struct bex__mem_span *cache[BEX__MEM_MAX_RUN + 1]; /* free runs by length */
+    size_t cache_bytes;
+    struct bex_mem_pool *pool;
+    struct bex__mem_heap *all_next;    /* pool lock */
+    struct bex__mem_heap *orphan_next; /* pool lock */
+    alignas(64) _Atomic(struct bex__mem_span *) xspans; /* detached spans with remote frees */
+};
+
+#define BEX__MEM_NO_OWNER UINT64_MAX
+
+struct bex_mem_pool {
+    uint64_t id; /* unique for the process lifetime; thread caches key on it */
+    bex_mem_registrar reg;
+    size_t retain;
+    pthread_mutex_t lock;
+    struct bex__mem_chunk *chunks;      /* by address, for first fit */
+    struct bex__mem_chunk *huge_live;
+    struct bex__mem_chunk *huge_cached;
+    size_t retained_bytes;              /* empty chunks + cached huge mappings */
+    struct bex__mem_heap *heaps;
+    struct bex__mem_heap *orphans;
+    _Atomic size_t norphans;            /* hint, read without the lock */
+    struct bex_mem_pool *reg_next;      /* registry of live pools */
+
+    _Atomic size_t registered_bytes;
+    _Atomic size_t peak_registered_bytes;
+    _Atomic size_t nchunks;
+    _Atomic uint64_t registrations;
+    _Atomic uint64_t deregistrations;
+    _Atomic int64_t in_use;             /* flushed from heap deltas */
+    _Atomic int64_t peak_in_use;
+};
+
+extern struct bex__mem_span bex__mem_empty_span;
+extern struct bex__mem_heap bex__mem_ownerless_heap;
+extern const uint32_t bex__mem_class_size[BEX__MEM_NCLS];
+extern const uint8_t bex__mem_class_spans[BEX__MEM_NCLS];
+
+static inline struct bex__mem_chunk *bex__mem_chunk_of(const void *p)
+{
+    return (struct bex__mem_chunk *)((uintptr_t)p & ~(uintptr_t)BEX__MEM_CHUNK_MASK);
+}
+
+static inline unsigned bex__mem_span_index(const void *p)
+{
+    return (unsigned)(((uintptr_t)p >> BEX__MEM_SPAN_SHIFT) & (BEX__MEM_SPANS - 1));
+}
+
+static inline char *bex__mem_span_base(struct bex__mem_span *s)
+{
+    struct bex__mem_chunk *c = bex__mem_chunk_of(s);
+    return (char *)c + ((size_t)(s - c->spans) << BEX__MEM_SPAN_SHIFT);
+}
+
+/* The head descriptor of the run holding p (p from bex_mem_alloc). */
+static inline struct bex__mem_span *bex__mem_span_of(const void *p)
+{
+    struct bex__mem_span *s = &bex__mem_chunk_of(p)->spans[bex__mem_span_index(p)];
+    return s - s->offset;
+}
+
+static inline unsigned bex__mem_class_of(size_t size)
+{
+    size_t n = size - (size != 0);
+    if (n < 128)
+        return (unsigned)(n >> 4);
+    unsigned e = 63u - (unsigned)__builtin_clzl(n);
+    return 8u + ((e - 7u) << 2) + (unsigned)((n >> (e - 2u)) & 3u);
+}
+
+/* pool.c: run and chunk management (pool lock taken inside). */
+struct bex__mem_span *bex__mem_pool_run_alloc(bex_mem_pool *pool, unsigned n);
+void bex__mem_pool_run_free(bex_mem_pool *pool, struct bex__mem_span *s);
+void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size);
+void bex__mem_huge_free(struct bex__mem_chunk *c);
+void bex__mem_pool_note_in_use(bex_mem_pool *pool, int64_t delta);
+struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool);
+void bex__mem_pool_heap_orphan(bex_mem_pool *pool, struct bex__mem_heap *h);
+bool bex__mem_pool_reclaim(bex_mem_pool *pool);
+/* heap.c */
+void bex__mem_heap_tidy(bex_mem_pool *pool, struct bex__mem_heap *h);
+
+/* pool.c: registry of live pools, for thread-exit handlers. */
+void bex__mem_registry_lock(void);
+void bex__mem_registry_unlock(void);
+bex_mem_pool *bex__mem_registry_find(uint64_t id);
+/* pool.c: huge mappings longer than a chunk, for interior-pointer lookup. */
+extern _Atomic size_t bex__mem_huge_multi;
+struct bex__mem_chunk *bex__mem_huge_lookup(const void *p);
+
+#endif

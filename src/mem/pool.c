@@ -1,0 +1,599 @@
+/* bemalloc pools: chunks, their registration, runs of spans, huge mappings,
+ * statistics and teardown. Everything here runs on slow paths, under the
+ * pool mutex; registration and mmap/munmap run outside it, so one thread
+ * registering a chunk does not stall the others' span refills. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "mem/internal.h"
+
+#define DEFAULT_RETAIN ((size_t)64 << 20)
+
+const uint32_t bex__mem_class_size[BEX__MEM_NCLS] = {
+    16,    32,    48,    64,    80,    96,    112,   128,   160,   192,
+    224,   256,   320,   384,   448,   512,   640,   768,   896,   1024,
+    1280,  1536,  1792,  2048,  2560,  3072,  3584,  4096,  5120,  6144,
+    7168,  8192,  10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768,
+};
+/* Spans per small run: enough for at least 16 blocks, so big classes do
+ * not churn through runs; capped at 8 spans (512 KiB). */
+const uint8_t bex__mem_class_spans[BEX__MEM_NCLS] = {
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8,
+};
+
+/* ---- registry of live pools ---------------------------------------------
+ * A thread's exit handler must know whether the pools it holds heaps of
+ * still exist; pools are looked up by id under this mutex, which
+ * bex_mem_pool_destroy() also takes, so the two never overlap. */
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static bex_mem_pool *registry;
+static _Atomic uint64_t next_pool_id = 1;
+
+void bex__mem_registry_lock(void) { pthread_mutex_lock(&registry_lock); }
+void bex__mem_registry_unlock(void) { pthread_mutex_unlock(&registry_lock); }
+
+bex_mem_pool *bex__mem_registry_find(uint64_t id)
+{
+    for (bex_mem_pool *p = registry; p; p = p->reg_next)
+        if (p->id == id)
+            return p;
+    return NULL;
+}
+
+/* ---- the huge-mapping table -----------------------------------------------
+ * bex_mem_mr() accepts interior pointers. Inside a huge mapping longer than
+ * 4 MiB, masking an interior pointer lands on user data, not on the header,
+ * so such mappings enter every later 4 MiB slot they cover in a two-level
+ * table. The table is consulted only while such a mapping exists. */
+#define L1_BITS 13
+#define L2_BITS (47 - BEX__MEM_CHUNK_SHIFT - L1_BITS)
+static _Atomic(_Atomic(struct bex__mem_chunk *) *) huge_l1[1u << L1_BITS];
+_Atomic size_t bex__mem_huge_multi;
+
+static _Atomic(struct bex__mem_chunk *) *huge_slot(uintptr_t addr, bool create)
+{
+    uintptr_t slot = addr >> BEX__MEM_CHUNK_SHIFT;
+    size_t i1 = (slot >> L2_BITS) & ((1u << L1_BITS) - 1);
+    _Atomic(struct bex__mem_chunk *) *l2 = atomic_load_explicit(&huge_l1[i1], memory_order_acquire);
+    if (!l2) {
+        if (!create)
+            return NULL;
+        size_t len = sizeof(*l2) << L2_BITS;
+        void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED)
+            return NULL;
+        _Atomic(struct bex__mem_chunk *) *expect = NULL;
+        if (atomic_compare_exchange_strong_explicit(&huge_l1[i1], &expect, m,
+                                                    memory_order_acq_rel, memory_order_acquire)) {
+            l2 = m;
+        } else {
+            munmap(m, len); /* another thread installed it first */
+            l2 = expect;
+        }
+    }
+    return &l2[slot & ((1u << L2_BITS) - 1)];
+}
+
+struct bex__mem_chunk *bex__mem_huge_lookup(const void *p)
+{
+    _Atomic(struct bex__mem_chunk *) *e = huge_slot((uintptr_t)p, false);
+    return e ? atomic_load_explicit(e, memory_order_acquire) : NULL;
+}
+
+static int huge_table_set(struct bex__mem_chunk *c, struct bex__mem_chunk *val)
+{
+    uintptr_t a = (uintptr_t)c + BEX__MEM_CHUNK_SIZE, end = (uintptr_t)c + c->map_size;
+    for (; a < end; a += BEX__MEM_CHUNK_SIZE) {
+        _Atomic(struct bex__mem_chunk *) *e = huge_slot(a, val != NULL);
+        if (!e)
+            return -ENOMEM; /* only when creating; the caller unwinds */
+        atomic_store_explicit(e, val, memory_order_release);
+    }
+    return 0;
+}
+
+/* ---- mapping and registration ------------------------------------------ */
+
+static void stat_max(_Atomic size_t *peak, size_t v)
+{
+    size_t cur = atomic_load_explicit(peak, memory_order_relaxed);
+    while (v > cur && !atomic_compare_exchange_weak_explicit(peak, &cur, v, memory_order_relaxed,
+                                                              memory_order_relaxed))
+        ;
+}
+
+/* mmap len bytes aligned to a chunk: over-map, then trim both ends. */
+static void *map_aligned(size_t len)
+{
+    size_t over = len + BEX__MEM_CHUNK_SIZE - BEX__MEM_PAGE;
+    char *raw = mmap(NULL, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+    if (raw == MAP_FAILED)
+        return NULL;
+    char *al = (char *)(((uintptr_t)raw + BEX__MEM_CHUNK_MASK) & ~(uintptr_t)BEX__MEM_CHUNK_MASK);
+    if (al > raw)
+        munmap(raw, (size_t)(al - raw));
+    if (raw + over > al + len)
+        munmap(al + len, (size_t)(raw + over - (al + len)));
+    if ((uintptr_t)al + len > ((uintptr_t)1 << 47)) {
+        /* xfree packs a count above bit 48: refuse addresses it can't hold. */
+        munmap(al, len);
+        errno = ENOMEM;
+        return NULL;
+    }
+    return al;
+}
+
+/* Map and register a chunk-aligned region of len bytes; its header is set
+ * up except for kind-specific fields. Returns NULL with errno set. */
+static struct bex__mem_chunk *region_create(bex_mem_pool *pool, size_t len)
+{
+    struct bex__mem_chunk *c = map_aligned(len);
+    if (!c)
+        return NULL;
+    c->mr.addr = c;
+    c->mr.length = len;
+    c->pool = pool;
+    c->map_size = len;
+    int rc = pool->reg.reg(pool->reg.ctx, &c->mr);
+    if (rc != 0) {
+        munmap(c, len);
+        errno = rc < 0 ? -rc : rc;
+        return NULL;
+    }
+    atomic_fetch_add_explicit(&pool->registrations, 1, memory_order_relaxed);
+    size_t r = atomic_fetch_add_explicit(&pool->registered_bytes, len, memory_order_relaxed) + len;
+    stat_max(&pool->peak_registered_bytes, r);
+    atomic_fetch_add_explicit(&pool->nchunks, 1, memory_order_relaxed);
+    return c;
+}
+
+static void region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
+{
+    size_t len = c->map_size;
+    pool->reg.dereg(pool->reg.ctx, &c->mr);
+    atomic_fetch_add_explicit(&pool->deregistrations, 1, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&pool->registered_bytes, len, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&pool->nchunks, 1, memory_order_relaxed);
+    munmap(c, len);
+}
+
+/* ---- runs of spans ------------------------------------------------------ */
+
+static unsigned longest_run(uint64_t m)
+{
+    unsigned n = 0;
+    while (m) {
+        m &= m >> 1;
+        n++;
+    }
+    return n;
+}
+
+/* Bit i of the result: spans i..i+n-1 are all free. */
+static uint64_t run_starts(uint64_t m, unsigned n)
+{
+    for (unsigned have = 1; have < n;) {
+        unsigned step = have < n - have ? have : n - have;
+        m &= m >> step;
+        have += step;
+    }
+    return m;
+}
+
+static struct bex__mem_span *take_run(bex_mem_pool *pool, struct bex__mem_chunk *c, unsigned n)
+{
+    uint64_t starts = run_starts(c->free_mask, n);
+    if (!starts)
+        return NULL;
+    unsigned i = (unsigned)__builtin_ctzll(starts);
+    if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK)
+        pool->retained_bytes -= BEX__MEM_CHUNK_SIZE;
+    c->free_mask &= ~((n == 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << i);
+    c->max_run = longest_run(c->free_mask);
+    struct bex__mem_span *s = &c->spans[i];
+    s->span_count = n;
+    s->offset = 0;
+    return s;
+}
+
+static void chunk_insert(bex_mem_pool *pool, struct bex__mem_chunk *c)
+{
+    struct bex__mem_chunk **pp = &pool->chunks, *prev = NULL;
+    while (*pp && *pp < c) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    c->next = *pp;
+    c->prev = prev;
+    if (*pp)
+        (*pp)->prev = c;
+    *pp = c;
+}
+
+static void chunk_unlink(bex_mem_pool *pool, struct bex__mem_chunk *c)
+{
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        pool->chunks = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+}
+
+/* A run of n free spans for a heap; first fit by address keeps the pool
+ * compact, so empty chunks at the top can be released. NULL + errno. */
+static struct bex__mem_span *find_run(bex_mem_pool *pool, unsigned n)
+{
+    struct bex__mem_span *s = NULL;
+    pthread_mutex_lock(&pool->lock);
+    for (struct bex__mem_chunk *c = pool->chunks; c && !s; c = c->next)
+        if (c->max_run >= n)
+            s = take_run(pool, c, n);
+    pthread_mutex_unlock(&pool->lock);
+    return s;
+}
+
+struct bex__mem_span *bex__mem_pool_run_alloc(bex_mem_pool *pool, unsigned n)
+{
+    struct bex__mem_span *s = find_run(pool, n);
+    if (s)
+        return s;
+    if (atomic_load_explicit(&pool->norphans, memory_order_relaxed) && bex__mem_pool_reclaim(pool) && (s = find_run(pool, n)) != NULL)
+        return s;
+
+    struct bex__mem_chunk *c = region_create(pool, BEX__MEM_CHUNK_SIZE);
+    if (!c)
+        return NULL;
+    c->free_mask = BEX__MEM_SPANS_USABLE_MASK;
+    c->max_run = BEX__MEM_SPANS - 1;
+    /* Descriptor 0 is never a run; make a stray free of a header pointer
+     * fail loudly instead of corrupting a heap. */
+    c->spans[0].kind = BEX__MEM_HUGE;
+    c->spans[0].heap = &bex__mem_ownerless_heap;
+    pthread_mutex_lock(&pool->lock);
+    chunk_insert(pool, c);
+    pool->retained_bytes += BEX__MEM_CHUNK_SIZE; /* empty until take_run */
+    s = take_run(pool, c, n);
+    pthread_mutex_unlock(&pool->lock);
+    return s;
+}
+
+/* Give a run back to its chunk. A chunk that becomes empty is kept while
+ * the pool retains less than retain_bytes, else deregistered and unmapped. */
+void bex__mem_pool_run_free(bex_mem_pool *pool, struct bex__mem_span *s)
+{
+    struct bex__mem_chunk *c = bex__mem_chunk_of(s);
+    unsigned i = (unsigned)(s - c->spans), n = s->span_count;
+    s->kind = BEX__MEM_FREE;
+    bool release = false;
+    pthread_mutex_lock(&pool->lock);
+    c->free_mask |= (n == 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << i;
+    c->max_run = longest_run(c->free_mask);
+    if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK) {
+        if (pool->retained_bytes + BEX__MEM_CHUNK_SIZE > pool->retain) {
+            chunk_unlink(pool, c);
+            release = true;
+        } else {
+            pool->retained_bytes += BEX__MEM_CHUNK_SIZE;
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (release)
+        region_destroy(pool, c);
+}
+
+/* ---- huge allocations ---------------------------------------------------- */
+
+static void huge_list_remove(struct bex__mem_chunk **head, struct bex__mem_chunk *c)
+{
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        *head = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+}
+
+static void huge_list_push(struct bex__mem_chunk **head, struct bex__mem_chunk *c)
+{
+    c->prev = NULL;
+    c->next = *head;
+    if (*head)
+        (*head)->prev = c;
+    *head = c;
+}
+
+void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
+{
+    if (size > ((size_t)1 << 46)) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    size_t len = (BEX__MEM_HUGE_HDR + size + BEX__MEM_PAGE - 1) & ~(size_t)(BEX__MEM_PAGE - 1);
+    struct bex__mem_chunk *c = NULL;
+
+    /* A retained mapping no more than twice the need keeps steady-state
+     * huge traffic off the registrar without wasting much. */
+    pthread_mutex_lock(&pool->lock);
+    for (struct bex__mem_chunk *h = pool->huge_cached; h; h = h->next) {
+        if (h->map_size >= len && h->map_size / 2 <= len &&
+            (!c || h->map_size < c->map_size))
+            c = h;
+    }
+    if (c) {
+        huge_list_remove(&pool->huge_cached, c);
+        pool->retained_bytes -= c->map_size;
+        huge_list_push(&pool->huge_live, c);
+    }
+    pthread_mutex_unlock(&pool->lock);
+
+    if (!c) {
+        c = region_create(pool, len);
+        if (!c)
+            return NULL;
+        if (c->map_size > BEX__MEM_CHUNK_SIZE) {
+            if (huge_table_set(c, c) != 0) {
+                huge_table_set(c, NULL);
+                region_destroy(pool, c);
+                errno = ENOMEM;
+                return NULL;
+            }
+            atomic_fetch_add_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
+        }
+        struct bex__mem_span *s = &c->spans[0];
+        s->kind = BEX__MEM_HUGE;
+        s->heap = &bex__mem_ownerless_heap;
+        s->span_count = 1;
+        pthread_mutex_lock(&pool->lock);
+        huge_list_push(&pool->huge_live, c);
+        pthread_mutex_unlock(&pool->lock);
+    }
+    c->usable = c->map_size - BEX__MEM_HUGE_HDR;
+    bex__mem_pool_note_in_use(pool, (int64_t)c->usable);
+    return (char *)c + BEX__MEM_HUGE_HDR;
+}
+
+void bex__mem_huge_free(struct bex__mem_chunk *c)
+{
+    bex_mem_pool *pool = c->pool;
+    bool release = false;
+    bex__mem_pool_note_in_use(pool, -(int64_t)c->usable);
+    pthread_mutex_lock(&pool->lock);
+    huge_list_remove(&pool->huge_live, c);
+    if (pool->retained_bytes + c->map_size > pool->retain) {
+        release = true;
+    } else {
+        pool->retained_bytes += c->map_size;
+        huge_list_push(&pool->huge_cached, c);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (release) {
+        if (c->map_size > BEX__MEM_CHUNK_SIZE) {
+            huge_table_set(c, NULL);
+            atomic_fetch_sub_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
+        }
+        region_destroy(pool, c);
+    }
+}
+
+/* ---- heaps --------------------------------------------------------------- */
+
+/* A heap for a thread that has none in this pool: a dead thread's heap if
+ * one is waiting (its spans and blocks come along), else a new one. */
+struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct bex__mem_heap *h = pool->orphans;
+    if (h) {
+        pool->orphans = h->orphan_next;
+        h->orphan_next = NULL;
+        atomic_fetch_sub_explicit(&pool->norphans, 1, memory_order_relaxed);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (h)
+        return h;
+
+    h = aligned_alloc(64, (sizeof(*h) + 63) & ~(size_t)63);
+    if (!h)
+        return NULL;
+    memset(h, 0, sizeof(*h));
+    atomic_init(&h->owner, BEX__MEM_NO_OWNER);
+    atomic_init(&h->delta, 0);
+    atomic_init(&h->xspans, NULL);
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++)
+        h->active[c] = &bex__mem_empty_span;
+    h->pool = pool;
+    pthread_mutex_lock(&pool->lock);
+    h->all_next = pool->heaps;
+    pool->heaps = h;
+    pthread_mutex_unlock(&pool->lock);
+    return h;
+}
+
+/* Heaps of dead threads keep receiving remote frees that nobody collects
+ * until a new thread adopts them. Before the pool grows (and for stats),
+ * take them off the orphan list for a moment and tidy them. Returns whether
+ * there was any orphan. */
+bool bex__mem_pool_reclaim(bex_mem_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct bex__mem_heap *list = pool->orphans;
+    pool->orphans = NULL;
+    pthread_mutex_unlock(&pool->lock);
+    if (!list)
+        return false;
+    struct bex__mem_heap *last = NULL;
+    for (struct bex__mem_heap *h = list; h; h = h->orphan_next) {
+        bex__mem_heap_tidy(pool, h);
+        last = h;
+    }
+    pthread_mutex_lock(&pool->lock);
+    last->orphan_next = pool->orphans;
+    pool->orphans = list;
+    pthread_mutex_unlock(&pool->lock);
+    return true;
+}
+
+void bex__mem_pool_heap_orphan(bex_mem_pool *pool, struct bex__mem_heap *h)
+{
+    pthread_mutex_lock(&pool->lock);
+    atomic_store_explicit(&h->owner, BEX__MEM_NO_OWNER, memory_order_relaxed);
+    h->orphan_next = pool->orphans;
+    pool->orphans = h;
+    atomic_fetch_add_explicit(&pool->norphans, 1, memory_order_relaxed);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* ---- statistics ---------------------------------------------------------- */
+
+static void note_peak(bex_mem_pool *pool, int64_t v)
+{
+    int64_t cur = atomic_load_explicit(&pool->peak_in_use, memory_order_relaxed);
+    while (v > cur && !atomic_compare_exchange_weak_explicit(&pool->peak_in_use, &cur, v,
+                                                              memory_order_relaxed,
+                                                              memory_order_relaxed))
+        ;
+}
+
+void bex__mem_pool_note_in_use(bex_mem_pool *pool, int64_t delta)
+{
+    int64_t v = atomic_fetch_add_explicit(&pool->in_use, delta, memory_order_relaxed) + delta;
+    if (delta > 0)
+        note_peak(pool, v);
+}
+
+void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (!pool)
+        return;
+    bex__mem_pool_reclaim(pool);
+    pthread_mutex_lock(&pool->lock);
+    int64_t in_use = atomic_load_explicit(&pool->in_use, memory_order_relaxed);
+    for (struct bex__mem_heap *h = pool->heaps; h; h = h->all_next)
+        in_use += atomic_load_explicit(&h->delta, memory_order_relaxed);
+    pthread_mutex_unlock(&pool->lock);
+    if (in_use < 0)
+        in_use = 0; /* a remote free can be counted before its allocation is flushed */
+    note_peak(pool, in_use);
+    out->registered_bytes = atomic_load_explicit(&pool->registered_bytes, memory_order_relaxed);
+    out->peak_registered_bytes = atomic_load_explicit(&pool->peak_registered_bytes, memory_order_relaxed);
+    out->chunks = atomic_load_explicit(&pool->nchunks, memory_order_relaxed);
+    out->registrations = atomic_load_explicit(&pool->registrations, memory_order_relaxed);
+    out->deregistrations = atomic_load_explicit(&pool->deregistrations, memory_order_relaxed);
+    out->in_use_bytes = (size_t)in_use;
+    out->peak_in_use_bytes = (size_t)atomic_load_explicit(&pool->peak_in_use, memory_order_relaxed);
+}
+
+/* ---- create / destroy ---------------------------------------------------- */
+
+int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
+                        bex_mem_pool **out)
+{
+    if (!reg || !reg->reg || !reg->dereg || !out)
+        return -EINVAL;
+    bex_mem_pool *pool = aligned_alloc(64, (sizeof(*pool) + 63) & ~(size_t)63);
+    if (!pool)
+        return -ENOMEM;
+    memset(pool, 0, sizeof(*pool));
+    pool->reg = *reg;
+    pool->retain = cfg && cfg->retain_bytes ? cfg->retain_bytes : DEFAULT_RETAIN;
+    int rc = pthread_mutex_init(&pool->lock, NULL);
+    if (rc != 0) {
+        free(pool);
+        return -rc;
+    }
+    atomic_init(&pool->registered_bytes, 0);
+    atomic_init(&pool->peak_registered_bytes, 0);
+    atomic_init(&pool->nchunks, 0);
+    atomic_init(&pool->registrations, 0);
+    atomic_init(&pool->deregistrations, 0);
+    atomic_init(&pool->in_use, 0);
+    atomic_init(&pool->peak_in_use, 0);
+    atomic_init(&pool->norphans, 0);
+    pool->id = atomic_fetch_add_explicit(&next_pool_id, 1, memory_order_relaxed);
+    bex__mem_registry_lock();
+    pool->reg_next = registry;
+    registry = pool;
+    bex__mem_registry_unlock();
+    *out = pool;
+    return 0;
+}
+
+/* Blocks still out in the run headed by s, without changing anything:
+ * those handed out minus those freed remotely and not yet collected. */
+static uint32_t run_live(struct bex__mem_span *s)
+{
+    if (s->kind != BEX__MEM_SMALL && s->kind != BEX__MEM_MEDIUM)
+        return 0;
+    uintptr_t x = atomic_load_explicit(&s->xfree, memory_order_acquire);
+    return s->used - (uint32_t)(x >> BEX__MEM_XCNT_SHIFT);
+}
+
+static bool pool_busy(bex_mem_pool *pool)
+{
+    if (pool->huge_live)
+        return true;
+    for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next) {
+        for (unsigned i = 1; i < BEX__MEM_SPANS;) {
+            if (c->free_mask & ((uint64_t)1 << i)) {
+                i++;
+                continue;
+            }
+            struct bex__mem_span *s = &c->spans[i];
+            if (run_live(s))
+                return true;
+            i += s->span_count ? s->span_count : 1;
+        }
+    }
+    return false;
+}
+
+int bex_mem_pool_destroy(bex_mem_pool *pool)
+{
+    if (!pool)
+        return -EINVAL;
+    bex__mem_registry_lock();
+    pthread_mutex_lock(&pool->lock);
+    bool busy = pool_busy(pool);
+    pthread_mutex_unlock(&pool->lock);
+    if (busy) {
+        bex__mem_registry_unlock();
+        return -EBUSY;
+    }
+    for (bex_mem_pool **pp = &registry; *pp; pp = &(*pp)->reg_next) {
+        if (*pp == pool) {
+            *pp = pool->reg_next;
+            break;
+        }
+    }
+    bex__mem_registry_unlock();
+
+    /* No thread may use the pool now: heaps and caches die with it. */
+    while (pool->chunks) {
+        struct bex__mem_chunk *c = pool->chunks;
+        pool->chunks = c->next;
+        region_destroy(pool, c);
+    }
+    while (pool->huge_cached) {
+        struct bex__mem_chunk *c = pool->huge_cached;
+        pool->huge_cached = c->next;
+        if (c->map_size > BEX__MEM_CHUNK_SIZE) {
+            huge_table_set(c, NULL);
+            atomic_fetch_sub_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
+        }
+        region_destroy(pool, c);
+    }
+    while (pool->heaps) {
+        struct bex__mem_heap *h = pool->heaps;
+        pool->heaps = h->all_next;
+        free(h);
+    }
+    pthread_mutex_destroy(&pool->lock);
+    free(pool);
+    return 0;
+}
