@@ -1,0 +1,280 @@
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "rdma/hello.h"
+
+/* Byte offsets of the v1 layout; docs/protocol.md has the same table. */
+enum {
+    OFF_MAGIC = 0,
+    OFF_VERSION = 4,
+    OFF_LENGTH = 6,
+    OFF_FLAGS = 8,
+    OFF_QPN = 12,
+    OFF_PSN = 16,
+    OFF_GID = 20,
+    OFF_MTU = 36,
+    OFF_RD_ATOMIC = 37,
+    OFF_RECV_DEPTH = 38,
+    OFF_SQ_DEPTH = 40,
+    OFF_RSVD0 = 42, /* 2 bytes */
+    OFF_MAX_MSG = 44,
+    OFF_FRAG_SIZE = 48,
+    OFF_CONN_ID = 52,
+    OFF_RSVD1 = 60, /* 4 bytes */
+};
+_Static_assert(OFF_RSVD1 + 4 == BEX__HELLO_LEN, "hello layout must fill BEX__HELLO_LEN");
+
+/* Explicit shifts rather than htonl() + memcpy: the layout is then the same
+ * on every host and no unaligned access is ever made. */
+static void put16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)(v >> 8);
+    p[1] = (uint8_t)v;
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)(v >> 24);
+    p[1] = (uint8_t)(v >> 16);
+    p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    put32(p, (uint32_t)(v >> 32));
+    put32(p + 4, (uint32_t)v);
+}
+
+static uint16_t get16(const uint8_t *p)
+{
+    return (uint16_t)((unsigned)p[0] << 8 | p[1]);
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+    return (uint64_t)get32(p) << 32 | get32(p + 4);
+}
+
+static int all_zero(const uint8_t *p, size_t n)
+{
+    uint8_t acc = 0;
+    for (size_t i = 0; i < n; i++)
+        acc |= p[i];
+    return acc == 0;
+}
+
+void bex__hello_encode(const struct bex__hello *h, uint8_t buf[BEX__HELLO_LEN])
+{
+    memset(buf, 0, BEX__HELLO_LEN);
+    put32(buf + OFF_MAGIC, BEX__HELLO_MAGIC);
+    put16(buf + OFF_VERSION, BEX__HELLO_VERSION);
+    put16(buf + OFF_LENGTH, BEX__HELLO_LEN);
+    put32(buf + OFF_FLAGS, h->flags);
+    put32(buf + OFF_QPN, h->qpn);
+    put32(buf + OFF_PSN, h->psn);
+    memcpy(buf + OFF_GID, h->gid, 16);
+    buf[OFF_MTU] = h->mtu;
+    buf[OFF_RD_ATOMIC] = h->rd_atomic;
+    put16(buf + OFF_RECV_DEPTH, h->recv_depth);
+    put16(buf + OFF_SQ_DEPTH, h->sq_depth);
+    put32(buf + OFF_MAX_MSG, h->max_msg);
+    put32(buf + OFF_FRAG_SIZE, h->frag_size);
+    put64(buf + OFF_CONN_ID, h->conn_id);
+}
+
+int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
+{
+    /* Magic and version first, so a stranger (an HTTP client, a future
+     * version) is told "wrong protocol" rather than "malformed". */
+    if (len < 6)
+        return -EBADMSG;
+    if (get32(buf + OFF_MAGIC) != BEX__HELLO_MAGIC)
+        return -EPROTO;
+    if (get16(buf + OFF_VERSION) != BEX__HELLO_VERSION)
+        return -EPROTO;
+    if (len != BEX__HELLO_LEN || get16(buf + OFF_LENGTH) != BEX__HELLO_LEN)
+        return -EBADMSG;
+    if (buf[OFF_RSVD0] | buf[OFF_RSVD0 + 1] | !all_zero(buf + OFF_RSVD1, 4))
+        return -EBADMSG;
+
+    struct bex__hello h;
+    h.flags = get32(buf + OFF_FLAGS);
+    h.qpn = get32(buf + OFF_QPN);
+    h.psn = get32(buf + OFF_PSN);
+    memcpy(h.gid, buf + OFF_GID, 16);
+    h.mtu = buf[OFF_MTU];
+    h.rd_atomic = buf[OFF_RD_ATOMIC];
+    h.recv_depth = get16(buf + OFF_RECV_DEPTH);
+    h.sq_depth = get16(buf + OFF_SQ_DEPTH);
+    h.max_msg = get32(buf + OFF_MAX_MSG);
+    h.frag_size = get32(buf + OFF_FRAG_SIZE);
+    h.conn_id = get64(buf + OFF_CONN_ID);
+
+    if (h.flags & ~BEX__HELLO_F_ALL)
+        return -EBADMSG;
+    if (h.conn_id == 0)
+        return -EBADMSG;
+    if (h.max_msg == 0 || h.max_msg > BEX__HELLO_MAX_MSG)
+        return -EBADMSG;
+
+    if (h.flags & BEX__HELLO_F_NO_RDMA) {
+        /* A side without RDMA must not look like it has a QP: the peer would
+         * otherwise be tempted to connect to garbage. */
+        if (h.qpn | h.psn | h.mtu | h.rd_atomic | h.recv_depth | h.sq_depth | h.frag_size)
+            return -EBADMSG;
+        if (!all_zero(h.gid, 16) || (h.flags & BEX__HELLO_F_SRQ))
+            return -EBADMSG;
+    } else {
+        /* QPN 0 and 1 are the special QPs (SMI, GSI), never an RC QP. */
+        if (h.qpn < 2 || h.qpn > 0xffffffu)
+            return -EBADMSG;
+        if (h.psn > 0xffffffu)
+            return -EBADMSG;
+        if (all_zero(h.gid, 16))
+            return -EBADMSG;
+        if (h.mtu < 1 || h.mtu > 5) /* IBV_MTU_256 .. IBV_MTU_4096 */
+            return -EBADMSG;
+        if (h.recv_depth == 0 || h.sq_depth == 0)
+            return -EBADMSG;
+        if (h.frag_size < BEX__HELLO_MIN_FRAG || h.frag_size > BEX__HELLO_MAX_MSG)
+            return -EBADMSG;
+    }
+    *out = h;
+    return 0;
+}
+
+int64_t bex__hello_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Wait until fd is ready for events or the deadline passes. */
+static int wait_fd(int fd, short events, int64_t deadline_ms)
+{
+    for (;;) {
+        int64_t left = deadline_ms - bex__hello_now_ms();
+        if (left <= 0)
+            return -ETIMEDOUT;
+        struct pollfd p = {.fd = fd, .events = events};
+        int n = poll(&p, 1, left > 60000 ? 60000 : (int)left);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (n > 0) {
+            if (p.revents & POLLNVAL)
+                return -EBADF;
+            /* POLLERR/POLLHUP: let the next recv/send report the error or
+             * EOF, which is more precise than anything said here. */
+            return 0;
+        }
+    }
+}
+
+/* MSG_DONTWAIT keeps a blocking socket from sleeping past the deadline;
+ * MSG_NOSIGNAL turns a closed peer into EPIPE instead of SIGPIPE. Pipes and
+ * other non-sockets (tests) fall back to read/write. */
+static ssize_t send_some(int fd, const uint8_t *p, size_t n)
+{
+    ssize_t r = send(fd, p, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (r < 0 && errno == ENOTSOCK)
+        r = write(fd, p, n);
+    return r;
+}
+
+static ssize_t recv_some(int fd, uint8_t *p, size_t n)
+{
+    ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
+    if (r < 0 && errno == ENOTSOCK)
+        r = read(fd, p, n);
+    return r;
+}
+
+int bex__hello_write_all(int fd, const void *buf, size_t len, int64_t deadline_ms)
+{
+    const uint8_t *p = buf;
+    while (len > 0) {
+        int rc = wait_fd(fd, POLLOUT, deadline_ms);
+        if (rc < 0)
+            return rc;
+        ssize_t n = send_some(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+                continue;
+            return -errno;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+int bex__hello_read_all(int fd, void *buf, size_t len, int64_t deadline_ms)
+{
+    uint8_t *p = buf;
+    while (len > 0) {
+        int rc = wait_fd(fd, POLLIN, deadline_ms);
+        if (rc < 0)
+            return rc;
+        ssize_t n = recv_some(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+                continue;
+            return -errno;
+        }
+        if (n == 0)
+            return -ECONNRESET;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+int bex__hello_send(int fd, const struct bex__hello *h, int64_t deadline_ms)
+{
+    uint8_t buf[BEX__HELLO_LEN];
+    bex__hello_encode(h, buf);
+    return bex__hello_write_all(fd, buf, sizeof buf, deadline_ms);
+}
+
+int bex__hello_recv(int fd, struct bex__hello *out, int64_t deadline_ms)
+{
+    uint8_t buf[BEX__HELLO_LEN];
+    int rc = bex__hello_read_all(fd, buf, sizeof buf, deadline_ms);
+    if (rc < 0)
+        return rc;
+    return bex__hello_decode(buf, sizeof buf, out);
+}
+
+int bex__hello_ready_send(int fd, uint32_t status, int64_t deadline_ms)
+{
+    uint8_t buf[BEX__READY_LEN];
+    put32(buf, BEX__READY_MAGIC);
+    put32(buf + 4, status);
+    return bex__hello_write_all(fd, buf, sizeof buf, deadline_ms);
+}
+
+int bex__hello_ready_recv(int fd, uint32_t *status, int64_t deadline_ms)
+{
+    uint8_t buf[BEX__READY_LEN];
+    int rc = bex__hello_read_all(fd, buf, sizeof buf, deadline_ms);
+    if (rc < 0)
+        return rc;
+    if (get32(buf) != BEX__READY_MAGIC)
+        return -EBADMSG;
+    *status = get32(buf + 4);
+    return 0;
+}
