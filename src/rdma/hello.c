@@ -24,9 +24,13 @@ enum {
     OFF_MAX_MSG = 44,
     OFF_FRAG_SIZE = 48,
     OFF_CONN_ID = 52,
-    OFF_RSVD1 = 60, /* 4 bytes */
+    OFF_EAGER_MAX = 60,
+    OFF_KA_ADDR = 64,
+    OFF_KA_RKEY = 72,
+    OFF_MAX_RNDV = 76,
+    OFF_RSVD1 = 78, /* 2 bytes */
 };
-_Static_assert(OFF_RSVD1 + 4 == BEX__HELLO_LEN, "hello layout must fill BEX__HELLO_LEN");
+_Static_assert(OFF_RSVD1 + 2 == BEX__HELLO_LEN, "hello layout must fill BEX__HELLO_LEN");
 
 /* Explicit shifts rather than htonl() + memcpy: the layout is then the same
  * on every host and no unaligned access is ever made. */
@@ -90,6 +94,10 @@ void bex__hello_encode(const struct bex__hello *h, uint8_t buf[BEX__HELLO_LEN])
     put32(buf + OFF_MAX_MSG, h->max_msg);
     put32(buf + OFF_FRAG_SIZE, h->frag_size);
     put64(buf + OFF_CONN_ID, h->conn_id);
+    put32(buf + OFF_EAGER_MAX, h->eager_max);
+    put64(buf + OFF_KA_ADDR, h->ka_addr);
+    put32(buf + OFF_KA_RKEY, h->ka_rkey);
+    put16(buf + OFF_MAX_RNDV, h->max_rndv);
 }
 
 int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
@@ -104,7 +112,7 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
         return -EPROTO;
     if (len != BEX__HELLO_LEN || get16(buf + OFF_LENGTH) != BEX__HELLO_LEN)
         return -EBADMSG;
-    if (buf[OFF_RSVD0] | buf[OFF_RSVD0 + 1] | !all_zero(buf + OFF_RSVD1, 4))
+    if (buf[OFF_RSVD0] | buf[OFF_RSVD0 + 1] | !all_zero(buf + OFF_RSVD1, 2))
         return -EBADMSG;
 
     struct bex__hello h;
@@ -119,6 +127,10 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
     h.max_msg = get32(buf + OFF_MAX_MSG);
     h.frag_size = get32(buf + OFF_FRAG_SIZE);
     h.conn_id = get64(buf + OFF_CONN_ID);
+    h.eager_max = get32(buf + OFF_EAGER_MAX);
+    h.ka_addr = get64(buf + OFF_KA_ADDR);
+    h.ka_rkey = get32(buf + OFF_KA_RKEY);
+    h.max_rndv = get16(buf + OFF_MAX_RNDV);
 
     if (h.flags & ~BEX__HELLO_F_ALL)
         return -EBADMSG;
@@ -130,7 +142,8 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
     if (h.flags & BEX__HELLO_F_NO_RDMA) {
         /* A side without RDMA must not look like it has a QP: the peer would
          * otherwise be tempted to connect to garbage. */
-        if (h.qpn | h.psn | h.mtu | h.rd_atomic | h.recv_depth | h.sq_depth | h.frag_size)
+        if (h.qpn | h.psn | h.mtu | h.rd_atomic | h.recv_depth | h.sq_depth | h.frag_size |
+            h.eager_max | h.ka_rkey | h.max_rndv | h.ka_addr)
             return -EBADMSG;
         if (!all_zero(h.gid, 16) || (h.flags & BEX__HELLO_F_SRQ))
             return -EBADMSG;
@@ -147,6 +160,8 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
         if (h.recv_depth == 0 || h.sq_depth == 0)
             return -EBADMSG;
         if (h.frag_size < BEX__HELLO_MIN_FRAG || h.frag_size > BEX__HELLO_MAX_MSG)
+            return -EBADMSG;
+        if (h.eager_max > BEX__HELLO_MAX_EAGER || h.ka_addr == 0 || h.max_rndv == 0)
             return -EBADMSG;
     }
     *out = h;

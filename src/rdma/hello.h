@@ -15,7 +15,7 @@
 
 #define BEX__HELLO_MAGIC   0x42455848u /* "BEXH" */
 #define BEX__HELLO_VERSION 1
-#define BEX__HELLO_LEN     64
+#define BEX__HELLO_LEN     80
 
 /* flags */
 #define BEX__HELLO_F_NO_RDMA 0x1u /* sender has no usable device: stay on TCP */
@@ -45,7 +45,15 @@ struct bex__hello {
                             256..2^31 */
     uint64_t conn_id;    /* non-zero; chosen at random by the client,
                             echoed by the server */
+    /* the engine's part */
+    uint32_t eager_max;  /* largest message the sender takes by SEND (its
+                            receive buffers' size), 0..BEX__HELLO_MAX_EAGER */
+    uint64_t ka_addr;    /* where the peer WRITEs its keepalive sequence
+                            (8 bytes), non-zero */
+    uint32_t ka_rkey;    /* rkey of that word */
+    uint16_t max_rndv;   /* rendezvous the sender holds open at once, >= 1 */
 };
+#define BEX__HELLO_MAX_EAGER (1u << 20)
 
 /* Encode h into exactly BEX__HELLO_LEN bytes (magic, version and length are
  * added; reserved bytes are zero). h is not validated: encode what you mean

@@ -24,6 +24,10 @@ static struct bex__hello sample(void)
         .max_msg = 8u << 20,
         .frag_size = 4096,
         .conn_id = 0x0123456789abcdefull,
+        .eager_max = 8192,
+        .ka_addr = 0x00007f0011223344ull,
+        .ka_rkey = 0xdeadbeef,
+        .max_rndv = 256,
     };
     return h;
 }
@@ -39,7 +43,9 @@ static int same(const struct bex__hello *a, const struct bex__hello *b)
     return a->flags == b->flags && a->qpn == b->qpn && a->psn == b->psn &&
            memcmp(a->gid, b->gid, 16) == 0 && a->mtu == b->mtu && a->rd_atomic == b->rd_atomic &&
            a->recv_depth == b->recv_depth && a->sq_depth == b->sq_depth &&
-           a->max_msg == b->max_msg && a->frag_size == b->frag_size && a->conn_id == b->conn_id;
+           a->max_msg == b->max_msg && a->frag_size == b->frag_size && a->conn_id == b->conn_id &&
+           a->eager_max == b->eager_max && a->ka_addr == b->ka_addr && a->ka_rkey == b->ka_rkey &&
+           a->max_rndv == b->max_rndv;
 }
 
 /* Decode h after encoding it; the decoder's verdict. */
@@ -84,7 +90,7 @@ static int roundtrip(void)
 static int wire_layout(void)
 {
     static const uint8_t want[BEX__HELLO_LEN] = {
-        'B',  'E',  'X',  'H',  0,    1,    0,    64,   /* magic, version, length */
+        'B',  'E',  'X',  'H',  0,    1,    0,    80,   /* magic, version, length */
         0,    0,    0,    0,                            /* flags */
         0,    0x12, 0x34, 0x56,                         /* qpn */
         0,    0xab, 0xcd, 0xef,                         /* psn */
@@ -94,7 +100,11 @@ static int wire_layout(void)
         0,    0x80, 0,    0,                            /* max_msg 8 MiB */
         0,    0,    0x10, 0,                            /* frag 4096 */
         0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, /* conn_id */
-        0,    0,    0,    0,                            /* reserved */
+        0,    0,    0x20, 0,                            /* eager_max 8192 */
+        0,    0,    0x7f, 0,    0x11, 0x22, 0x33, 0x44, /* ka_addr */
+        0xde, 0xad, 0xbe, 0xef,                         /* ka_rkey */
+        1,    0,                                        /* max_rndv 256 */
+        0,    0,                                        /* reserved */
     };
     struct bex__hello h = sample();
     uint8_t buf[BEX__HELLO_LEN];
@@ -138,7 +148,7 @@ static int bad_length(void)
     CHECK_EQ(bex__hello_decode(buf, BEX__HELLO_LEN + 1, &out), -EBADMSG);
     CHECK_EQ(bex__hello_decode(buf, BEX__HELLO_LEN + 8, &out), -EBADMSG);
     /* length field disagreeing */
-    const uint16_t lens[] = {0, 63, 65, 128, 0xffff};
+    const uint16_t lens[] = {0, 64, 79, 81, 128, 0xffff};
     for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
         bex__hello_encode(&h, buf);
         buf[6] = (uint8_t)(lens[i] >> 8);
@@ -170,7 +180,7 @@ static int reserved_bytes(void)
     struct bex__hello h = sample(), out;
     uint8_t buf[BEX__HELLO_LEN], bad[BEX__HELLO_LEN];
     bex__hello_encode(&h, buf);
-    const int offs[] = {42, 43, 60, 61, 62, 63};
+    const int offs[] = {42, 43, 78, 79};
     for (size_t i = 0; i < sizeof offs / sizeof offs[0]; i++) {
         for (int bit = 0; bit < 8; bit++) {
             memcpy(bad, buf, sizeof bad);
@@ -235,6 +245,12 @@ static int bad_fields(void)
     EXPECT_GOOD(frag_size, BEX__HELLO_MIN_FRAG);
     EXPECT_BAD(conn_id, 0);
     EXPECT_GOOD(rd_atomic, 255);
+    EXPECT_BAD(eager_max, BEX__HELLO_MAX_EAGER + 1);
+    EXPECT_GOOD(eager_max, 0);
+    EXPECT_GOOD(eager_max, BEX__HELLO_MAX_EAGER);
+    EXPECT_BAD(ka_addr, 0);
+    EXPECT_BAD(max_rndv, 0);
+    EXPECT_GOOD(max_rndv, 65535);
 
     h = sample();
     memset(h.gid, 0, sizeof h.gid);
@@ -258,6 +274,10 @@ static int bad_fields(void)
     EXPECT_BAD_NO_RDMA(recv_depth, 1);
     EXPECT_BAD_NO_RDMA(sq_depth, 1);
     EXPECT_BAD_NO_RDMA(frag_size, 4096);
+    EXPECT_BAD_NO_RDMA(eager_max, 1);
+    EXPECT_BAD_NO_RDMA(ka_addr, 1);
+    EXPECT_BAD_NO_RDMA(ka_rkey, 1);
+    EXPECT_BAD_NO_RDMA(max_rndv, 1);
     EXPECT_BAD_NO_RDMA(flags, BEX__HELLO_F_NO_RDMA | BEX__HELLO_F_SRQ);
     EXPECT_BAD_NO_RDMA(max_msg, 0);
     EXPECT_BAD_NO_RDMA(conn_id, 0);

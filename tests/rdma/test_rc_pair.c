@@ -234,6 +234,11 @@ static int setup_local(struct side *s)
         .max_msg = WRITE_LEN,
         .frag_size = FRAG_LEN,
         .conn_id = bex__rdma_random_u64(),
+        /* this test drives its QP by hand: no engine keepalive, one
+         * "rendezvous" (the 1 MiB WRITE target) */
+        .ka_addr = (uintptr_t)s->area,
+        .ka_rkey = s->mr->rkey,
+        .max_rndv = 1,
     };
     memcpy(s->mine.gid, s->path.gid.raw, 16);
     return 0;

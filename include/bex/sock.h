@@ -1,0 +1,189 @@
+/* bex sockets: logical connections over RDMA engines.
+ *
+ * A context (bex_ctx) owns one RDMA device, its protection domain, a
+ * bemalloc pool registered with it, and an I/O thread. A socket (bex_sock)
+ * is a logical connection, such as an RPC channel. Sockets to the same remote
+ * address share one engine: one RC queue pair with its work-request chain,
+ * receive buffers and credits. A round-robin scheduler interleaves the
+ * sockets of an engine fragment by fragment.
+ *
+ * Delivery model: callbacks, run on the context's I/O thread. A callback
+ * must not block; it may call any bex_sock_* function. Every other function
+ * may be called from any thread, unless its comment says otherwise.
+ *
+ * Ownership (zero-copy): a buffer passed to bex_sock_send() must come from
+ * bex_sock_alloc() (the context's bemalloc pool). It belongs to bex until
+ * on_send_done reports it, with 0 or an error; then it is the caller's again.
+ * A received buffer (on_recv) belongs to the application, which frees it
+ * with bex_mem_free() from any thread, whenever it likes.
+ *
+ * Every message handed to bex_sock_send() that returned 0 is reported
+ * exactly once through on_send_done: delivered (status 0: the peer's engine
+ * holds it and will hand it to its socket), or handed back with an error.
+ * Messages of one socket are delivered in the order they were sent. */
+#ifndef BEX_SOCK_H
+#define BEX_SOCK_H
+
+#include <netinet/in.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bex/common.h"
+#include "bex/mem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bex_ctx bex_ctx;
+typedef struct bex_sock bex_sock;
+typedef struct bex_listener bex_listener;
+
+/* Context configuration; zero in any field means its default. */
+typedef struct bex_ctx_config {
+    /* The local IPv4 address to use; it chooses the RDMA device and GID
+     * (RoCEv2). Required (INADDR_ANY is refused with -EINVAL). */
+    struct in_addr local_addr;
+    uint32_t sq_depth;        /* send-queue depth = work-request chain length (32) */
+    uint32_t rq_depth;        /* receive-queue depth d = initial credits (64) */
+    uint32_t eager_max;       /* largest message sent by SEND (8192); larger ones
+                                 use rendezvous + WRITE fragments */
+    uint32_t frag_size;       /* WRITE fragment size (65536) */
+    uint32_t send_window;     /* per-engine bytes in flight (Cwnd); 0 = off */
+    uint32_t rndv_ahead;      /* rendezvous requests a socket may have
+                                 outstanding ahead of its data (8) */
+    uint32_t keepalive_ms;    /* keepalive interval (100) */
+    uint32_t keepalive_timeout_ms; /* no peer progress for this long -> error (2000) */
+    uint32_t connect_timeout_ms;   /* TCP connect + hello (3000) */
+    uint32_t poll_spin_us;    /* busy-poll this long before sleeping (50) */
+    uint8_t qp_timeout;       /* verbs local ACK timeout exponent (14) */
+    uint8_t qp_retry_cnt;     /* transport retries (7) */
+    uint8_t qp_rnr_retry;     /* RNR retries (7; credits keep RNR from happening) */
+    bex_mem_pool *pool;       /* use this pool (registered with this context's
+                                 PD, see bex_ctx_pd) instead of creating one */
+} bex_ctx_config;
+
+/* Create a context: open the device that carries cfg->local_addr, allocate a
+ * PD and a bemalloc pool registered with it, start the I/O thread.
+ * Returns 0, -ENODEV (no RDMA device has that address), -EINVAL, or another
+ * negative errno. */
+int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out);
+
+/* Stop the I/O thread and free everything. Every socket and listener of the
+ * context must have been closed (and their on_close reported). Must not be
+ * called from a callback. */
+void bex_ctx_destroy(bex_ctx *ctx);
+
+/* The context's bemalloc pool and PD. */
+bex_mem_pool *bex_ctx_pool(bex_ctx *ctx);
+struct ibv_pd *bex_ctx_pd(bex_ctx *ctx);
+
+/* Allocate a buffer that can be passed to bex_sock_send (bex_mem_alloc on
+ * the context's pool). NULL on failure. */
+void *bex_sock_alloc(bex_ctx *ctx, size_t size);
+
+/* Callbacks of a socket. All run on the I/O thread. Any may be NULL. */
+typedef struct bex_sock_ops {
+    /* connect finished: status 0, or -ECONNREFUSED / -ETIMEDOUT / ... (the
+     * socket is then dead: close it with bex_sock_close()). */
+    void (*on_connect)(bex_sock *s, int status, void *user);
+    /* a message arrived; buf (len bytes valid) now belongs to the
+     * application: free it with bex_mem_free(). len may be 0 (buf non-NULL). */
+    void (*on_recv)(bex_sock *s, void *buf, size_t len, void *user);
+    /* a message given to bex_sock_send is done: status 0 when delivered to
+     * the peer, else a negative errno; buf belongs to the caller again. */
+    void (*on_send_done)(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
+                         void *user);
+    /* the socket failed (engine error, keepalive timeout, peer closed):
+     * every send the engine held has been handed back via on_send_done;
+     * sends still in the hand-off queue come back right after. Close the
+     * socket with bex_sock_close(); on_close follows. */
+    void (*on_error)(bex_sock *s, int err, void *user);
+    /* after bex_sock_close(), once every message is reported: the socket is
+     * gone; s is invalid after this returns. */
+    void (*on_close)(bex_sock *s, void *user);
+} bex_sock_ops;
+
+/* Connect a socket to a listener at addr. Asynchronous: returns 0 and
+ * reports the outcome through ops->on_connect; or returns an error at once
+ * (then nothing is reported). If an engine to addr exists, the socket joins
+ * it; otherwise an engine is created (TCP connect, hello, QP up). Sends may
+ * be issued before on_connect; they wait. */
+int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
+                     void *user, bex_sock **out);
+
+/* Send len bytes at buf (from bex_sock_alloc/bex_mem_alloc of this context's
+ * pool; any pointer inside a live allocation, as long as [buf, buf+len) stays
+ * inside it). Returns 0 (on_send_done will report it) or at once -EINVAL (bad
+ * buffer or length), -EPIPE (socket failed or closing), -EMSGSIZE (len >
+ * 2 GiB - 1). msg_user is handed back in on_send_done. */
+int bex_sock_send(bex_sock *s, void *buf, size_t len, void *msg_user);
+
+/* A peer-writable buffer, for sends that skip the rendezvous. */
+typedef struct bex_remote_buf {
+    uint64_t addr;
+    uint32_t rkey;
+    uint32_t len;
+    uint32_t token; /* names the buffer in the final WRITE_WITH_IMM */
+} bex_remote_buf;
+
+/* Expose buf (len bytes, from this context's pool) on socket s so that the
+ * peer can write a message into it directly (bex_sock_send_direct). The
+ * descriptor is for the application to pass to the peer (e.g. in an RPC).
+ * The buffer belongs to bex until it is delivered through on_recv (with len
+ * = the exposed length), or handed back through on_send_done with -ECANCELED
+ * when the socket closes first. Returns 0, -EINVAL, -ENOSPC (too many
+ * exposed buffers), -EPIPE. */
+int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_remote_buf *out);
+
+/* Write len bytes at buf straight into the peer's exposed buffer rb: WRITE
+ * fragments and a final WRITE_WITH_IMM, no rendezvous round trip. len must
+ * equal rb->len. Completion as for bex_sock_send. */
+int bex_sock_send_direct(bex_sock *s, void *buf, size_t len, const bex_remote_buf *rb,
+                         void *msg_user);
+
+/* Close the socket: queued sends are still sent (then on_send_done), the
+ * peer's socket is told, then on_close is reported. Idempotent. */
+void bex_sock_close(bex_sock *s);
+
+void *bex_sock_user(const bex_sock *s);
+void bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user);
+
+/* Listener callbacks. on_accept hands over a new socket (opened by a peer's
+ * bex_sock_connect); it sets the socket's ops with bex_sock_set_user() before
+ * returning, and closes it with bex_sock_close() when done. Runs on the I/O
+ * thread. */
+typedef struct bex_listener_ops {
+    void (*on_accept)(bex_listener *l, bex_sock *s, void *user);
+} bex_listener_ops;
+
+/* Listen on addr (port 0 picks one; bex_listener_addr tells which). */
+int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_ops *ops,
+               void *user, bex_listener **out);
+void bex_listener_addr(const bex_listener *l, struct sockaddr_in *out);
+/* Stop listening (sockets already accepted are not affected). Synchronous;
+ * must not be called from a callback. */
+void bex_listener_close(bex_listener *l);
+
+/* Engine counters, for tests and benchmarks (approximate while running). */
+typedef struct bex_sock_stats {
+    uint64_t msgs_sent, msgs_recv;
+    uint64_t bytes_sent, bytes_recv;
+    uint64_t sends_posted;       /* SEND work requests */
+    uint64_t writes_posted;      /* WRITE + WRITE_WITH_IMM work requests */
+    uint64_t post_send_calls;    /* ibv_post_send calls (doorbells) */
+    uint64_t post_recv_calls;
+    uint64_t signaled;           /* signaled work requests */
+    uint64_t credit_stalls;      /* times a send waited for peer credit */
+    uint64_t window_stalls;      /* times a send waited for the send window */
+    uint64_t max_inflight_bytes; /* highest bytes in flight seen on an engine */
+    uint64_t credit_msgs;        /* explicit credit-update messages sent */
+    uint64_t engines;            /* engines currently up */
+} bex_sock_stats;
+
+void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,1111 @@
+/* The RDMA engine: one RC QP, its work-request chain, receive buffers,
+ * credits, rendezvous, send window and keepalive. See internal.h. */
+#include <arpa/inet.h>
+#include <assert.h>
+#include <endian.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine/internal.h"
+
+#define DEFAULT_MAX_RNDV 256
+#define CTLQ_EXTRA 8
+#define DRAIN_TIMEOUT_MS 1000
+
+/* wr_id low 32 bits: bit 31 receive, bit 30 drain, the rest a counter/index */
+#define WR_RECV (1u << 31)
+#define WR_DRAIN (1u << 30)
+#define WR_CNT_MASK (WR_DRAIN - 1)
+
+enum { E_INIT, E_CONNECTED, E_UP, E_FAILING, E_DEAD };
+
+struct sslot {
+    struct ibv_send_wr wr;
+    struct ibv_sge sge[2];
+    struct bex__msg *done;      /* message finished by this request */
+    struct bex__stream *closed; /* stream whose CLOSE this is */
+    uint32_t bytes;             /* payload bytes (send window) */
+    uint8_t *hdr;               /* this slot's header buffer */
+};
+
+struct rslot {
+    struct ibv_recv_wr wr;
+    struct ibv_sge sge[2];
+    uint8_t *hdr;
+    void *buf; /* eager_max payload buffer */
+};
+
+struct rndv_in {
+    void *buf;
+    uint32_t len, stream;
+    uint16_t gen;
+    bool used;
+};
+
+struct rndv_out {
+    struct bex__msg *m;
+    uint16_t gen;
+};
+
+struct bex__engine {
+    struct bex__engine_shared *sh;
+    struct bex__engine_config cfg;
+    const struct bex__engine_ops *ops;
+    uint32_t id;
+    void *user;
+    struct ibv_qp *qp;
+    uint32_t psn;
+    int state, fail_err;
+
+    /* send chain: counters grow forever; slot = counter % sq */
+    struct sslot *ss;
+    uint32_t sq, head, post, tail;
+    uint32_t peer_credits, to_return;
+    uint32_t inflight;        /* payload bytes posted, not completed */
+    uint32_t peer_eager;      /* largest message the peer takes by SEND */
+    uint32_t frag;            /* effective fragment size */
+
+    /* receive side */
+    struct rslot *rs;
+    uint32_t rq, k;
+    uint32_t *unposted; /* consumed receive slots awaiting repost */
+    uint32_t n_unposted;
+    uint8_t *hdr_area; /* (sq + rq) headers + keepalive words, registered */
+    uint32_t hdr_lkey;
+
+    /* control messages waiting for a slot (RNDV_RESP) */
+    struct bex__hdr *ctlq;
+    uint32_t ctl_cap, ctl_head, ctl_n;
+
+    /* rendezvous */
+    uint32_t max_rndv;      /* our table sizes */
+    uint32_t peer_max_rndv; /* the peer's incoming table */
+    uint32_t peer_rndv_used;
+    struct rndv_in *rin;
+    struct rndv_out *rout;
+    uint32_t rout_used;
+
+    /* streams */
+    struct bex__stream *all;
+    struct bex__stream *ring; /* scheduler cursor; ring is circular */
+
+    /* keepalive */
+    volatile uint64_t *ka_local; /* the peer writes its sequence here */
+    uint64_t ka_seen, ka_seq, ka_last_ms, ka_next_ms;
+    uint64_t peer_ka_addr;
+    uint32_t peer_ka_rkey;
+
+    /* failure */
+    uint64_t drain_deadline;
+    bool drain_send_seen, drain_recv_seen;
+};
+
+uint64_t bex__now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* ---------------- header codec ---------------- */
+
+static void put16(uint8_t *p, uint16_t v)
+{
+    v = htole16(v);
+    memcpy(p, &v, 2);
+}
+static void put32(uint8_t *p, uint32_t v)
+{
+    v = htole32(v);
+    memcpy(p, &v, 4);
+}
+static void put64(uint8_t *p, uint64_t v)
+{
+    v = htole64(v);
+    memcpy(p, &v, 8);
+}
+static uint16_t get16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return le16toh(v);
+}
+static uint32_t get32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return le32toh(v);
+}
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return le64toh(v);
+}
+
+void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out)
+{
+    out[0] = h->type;
+    out[1] = h->flags;
+    put16(out + 2, h->credits);
+    put32(out + 4, h->stream);
+    put32(out + 8, h->len);
+    put32(out + 12, h->id);
+    put64(out + 16, h->addr);
+    put32(out + 24, h->rkey);
+    put32(out + 28, (uint32_t)h->status);
+}
+
+int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h)
+{
+    if (len < BEX__HDR_LEN)
+        return -EPROTO;
+    h->type = in[0];
+    h->flags = in[1];
+    h->credits = get16(in + 2);
+    h->stream = get32(in + 4);
+    h->len = get32(in + 8);
+    h->id = get32(in + 12);
+    h->addr = get64(in + 16);
+    h->rkey = get32(in + 24);
+    h->status = (int32_t)get32(in + 28);
+    if (h->type < BEX__MSG_DATA || h->type > BEX__MSG_CLOSE || h->flags != 0)
+        return -EPROTO;
+    if (h->type == BEX__MSG_DATA && h->len != len - BEX__HDR_LEN)
+        return -EPROTO;
+    if (h->type != BEX__MSG_DATA && len != BEX__HDR_LEN)
+        return -EPROTO;
+    if (h->type == BEX__MSG_RNDV_RESP && h->status > 0)
+        return -EPROTO;
+    return 0;
+}
+
+/* ---------------- creation ---------------- */
+
+static uint64_t wrid(const struct bex__engine *e, uint32_t low)
+{
+    return ((uint64_t)e->id << 32) | low;
+}
+
+static void fail_now(struct bex__engine *e, int err);
+
+int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                       const struct bex__engine_ops *ops, uint32_t id, void *user,
+                       struct bex__engine **out)
+{
+    int err = -ENOMEM;
+    struct bex__engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return -ENOMEM;
+    e->sh = sh;
+    e->cfg = *cfg;
+    e->ops = ops;
+    e->id = id;
+    e->user = user;
+    e->sq = cfg->sq_depth;
+    e->rq = cfg->rq_depth;
+    e->k = e->rq / 2;
+    e->max_rndv = DEFAULT_MAX_RNDV;
+    e->frag = cfg->frag_size;
+    if (cfg->send_window && cfg->send_window < e->frag)
+        e->frag = cfg->send_window;
+    e->state = E_INIT;
+
+    e->ss = calloc(e->sq, sizeof(*e->ss));
+    e->rs = calloc(e->rq, sizeof(*e->rs));
+    e->unposted = calloc(e->rq, sizeof(*e->unposted));
+    e->ctl_cap = e->max_rndv + CTLQ_EXTRA;
+    e->ctlq = calloc(e->ctl_cap, sizeof(*e->ctlq));
+    e->rin = calloc(e->max_rndv, sizeof(*e->rin));
+    e->rout = calloc(e->max_rndv, sizeof(*e->rout));
+    if (!e->ss || !e->rs || !e->unposted || !e->ctlq || !e->rin || !e->rout)
+        goto err_free;
+
+    /* One registered area for every header and the keepalive word. */
+    size_t hdr_bytes = (size_t)(e->sq + e->rq) * BEX__HDR_LEN + 64;
+    e->hdr_area = bex_mem_alloc(sh->pool, hdr_bytes);
+    if (!e->hdr_area) {
+        err = errno ? -errno : -ENOMEM;
+        goto err_free;
+    }
+    memset(e->hdr_area, 0, hdr_bytes);
+    e->hdr_lkey = bex_mem_mr(e->hdr_area)->lkey;
+    e->ka_local = (volatile uint64_t *)(e->hdr_area + (size_t)(e->sq + e->rq) * BEX__HDR_LEN);
+
+    for (uint32_t i = 0; i < e->sq; i++)
+        e->ss[i].hdr = e->hdr_area + (size_t)i * BEX__HDR_LEN;
+    for (uint32_t i = 0; i < e->rq; i++) {
+        struct rslot *r = &e->rs[i];
+        r->hdr = e->hdr_area + (size_t)(e->sq + i) * BEX__HDR_LEN;
+        r->buf = bex_mem_alloc(sh->pool, cfg->eager_max);
+        if (!r->buf) {
+            err = errno ? -errno : -ENOMEM;
+            goto err_free_bufs;
+        }
+        r->sge[0] = (struct ibv_sge){(uintptr_t)r->hdr, BEX__HDR_LEN, e->hdr_lkey};
+        r->sge[1] = (struct ibv_sge){(uintptr_t)r->buf, cfg->eager_max, bex_mem_mr(r->buf)->lkey};
+        r->wr.wr_id = wrid(e, WR_RECV | i);
+        r->wr.sg_list = r->sge;
+        r->wr.num_sge = 2;
+    }
+
+    struct bex__rdma_qp_config qc = {
+        .send_cq = sh->cq,
+        .recv_cq = sh->cq,
+        .srq = sh->srq,
+        .pd = sh->pd,
+        .sq_depth = e->sq + 1, /* + the drain marker */
+        .rq_depth = e->rq + 1,
+        .max_send_sge = 2,
+        .max_recv_sge = 2,
+    };
+    err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, NULL);
+    if (err)
+        goto err_free_bufs;
+    err = bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
+    if (err)
+        goto err_destroy_qp;
+    /* Every receive is posted before the peer can learn our QPN: no SEND
+     * can ever find an empty receive queue. */
+    for (uint32_t i = 0; i < e->rq; i++)
+        e->rs[i].wr.next = i + 1 < e->rq ? &e->rs[i + 1].wr : NULL;
+    struct ibv_recv_wr *bad;
+    err = bex__rdma_err(ibv_post_recv(e->qp, &e->rs[0].wr, &bad));
+    if (err)
+        goto err_destroy_qp;
+    BEX__STAT_ADD(sh->stats, post_recv_calls, 1);
+    e->psn = bex__rdma_random_psn();
+    *out = e;
+    return 0;
+
+err_destroy_qp:
+    bex__rdma_qp_destroy(e->qp);
+err_free_bufs:
+    for (uint32_t i = 0; i < e->rq; i++)
+        bex_mem_free(e->rs[i].buf);
+    bex_mem_free(e->hdr_area);
+err_free:
+    free(e->ss);
+    free(e->rs);
+    free(e->unposted);
+    free(e->ctlq);
+    free(e->rin);
+    free(e->rout);
+    free(e);
+    return err;
+}
+
+void bex__engine_destroy(struct bex__engine *e)
+{
+    if (!e)
+        return;
+    bex__rdma_qp_destroy(e->qp);
+    for (uint32_t i = 0; i < e->rq; i++)
+        bex_mem_free(e->rs[i].buf);
+    for (uint32_t i = 0; i < e->max_rndv; i++)
+        if (e->rin[i].used)
+            bex_mem_free(e->rin[i].buf);
+    bex_mem_free(e->hdr_area);
+    free(e->ss);
+    free(e->rs);
+    free(e->unposted);
+    free(e->ctlq);
+    free(e->rin);
+    free(e->rout);
+    free(e);
+}
+
+void *bex__engine_user(struct bex__engine *e)
+{
+    return e->user;
+}
+uint32_t bex__engine_id(struct bex__engine *e)
+{
+    return e->id;
+}
+bool bex__engine_is_up(struct bex__engine *e)
+{
+    return e->state == E_UP;
+}
+bool bex__engine_is_dead(struct bex__engine *e)
+{
+    return e->state >= E_FAILING;
+}
+
+void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out)
+{
+    out->qpn = e->qp->qp_num;
+    out->psn = e->psn;
+    out->rq_depth = e->rq;
+    out->max_rndv = e->max_rndv;
+    out->eager_max = e->cfg.eager_max;
+    out->ka_addr = (uintptr_t)e->ka_local;
+    out->ka_rkey = bex_mem_mr(e->hdr_area)->rkey;
+}
+
+int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
+{
+    if (e->state != E_INIT)
+        return -EINVAL;
+    int err = bex__rdma_qp_to_rtr(e->qp, e->sh->dev, &e->sh->path, &p->rdma, &e->sh->conn);
+    if (!err)
+        err = bex__rdma_qp_to_rts(e->qp, e->sh->dev, e->psn, &p->rdma, &e->sh->conn);
+    if (err)
+        return err;
+    e->peer_credits = p->rq_depth;
+    e->peer_max_rndv = p->max_rndv < e->max_rndv ? p->max_rndv : e->max_rndv;
+    e->peer_eager = p->eager_max;
+    e->peer_ka_addr = p->ka_addr;
+    e->peer_ka_rkey = p->ka_rkey;
+    e->state = E_CONNECTED;
+    return 0;
+}
+
+void bex__engine_start(struct bex__engine *e)
+{
+    if (e->state != E_CONNECTED)
+        return;
+    e->state = E_UP;
+    uint64_t now = bex__now_ms();
+    e->ka_last_ms = now;
+    e->ka_next_ms = now;
+    e->ops->on_up(e);
+}
+
+/* ---------------- streams ---------------- */
+
+static void ring_add(struct bex__engine *e, struct bex__stream *st)
+{
+    if (st->in_ring)
+        return;
+    st->in_ring = true;
+    if (!e->ring) {
+        st->rr_next = st;
+        e->ring = st;
+    } else {
+        /* insert just before the cursor: served last in this round */
+        struct bex__stream *p = e->ring;
+        while (p->rr_next != e->ring)
+            p = p->rr_next;
+        p->rr_next = st;
+        st->rr_next = e->ring;
+    }
+}
+
+static void ring_remove(struct bex__engine *e, struct bex__stream *st)
+{
+    if (!st->in_ring)
+        return;
+    st->in_ring = false;
+    if (st->rr_next == st) {
+        e->ring = NULL;
+    } else {
+        struct bex__stream *p = st;
+        while (p->rr_next != st)
+            p = p->rr_next;
+        p->rr_next = st->rr_next;
+        if (e->ring == st)
+            e->ring = st->rr_next;
+    }
+    st->rr_next = NULL;
+}
+
+void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id, bool client)
+{
+    memset(st, 0, sizeof(*st));
+    st->eng = e;
+    st->id = id;
+    st->need_open = client;
+    st->all_next = e->all;
+    if (e->all)
+        e->all->all_prev = st;
+    e->all = st;
+    if (client)
+        ring_add(e, st);
+}
+
+static void unlink_stream(struct bex__engine *e, struct bex__stream *st)
+{
+    ring_remove(e, st);
+    if (st->all_prev)
+        st->all_prev->all_next = st->all_next;
+    else if (e->all == st)
+        e->all = st->all_next;
+    if (st->all_next)
+        st->all_next->all_prev = st->all_prev;
+    st->all_prev = st->all_next = NULL;
+}
+
+static void msg_done(struct bex__engine *e, struct bex__msg *m, int status)
+{
+    if (m->st)
+        m->st->inflight_msgs -= m->state == BEX__M_POSTED;
+    e->ops->on_send_done(e, m, status);
+}
+
+/* Hand back every message still queued on a stream. */
+static void flush_queue(struct bex__engine *e, struct bex__stream *st, int err)
+{
+    struct bex__msg *m = st->q_head;
+    st->q_head = st->q_tail = NULL;
+    st->q_len = 0;
+    while (m) {
+        struct bex__msg *next = m->next;
+        if (m->rndv_id) {
+            e->rout[m->rndv_id - 1].m = NULL;
+            e->rout_used--;
+            m->rndv_id = 0;
+        }
+        if (m->state == BEX__M_RNDV_SENT || (m->state == BEX__M_READY && !m->direct))
+            e->peer_rndv_used--;
+        m->state = BEX__M_QUEUED;
+        msg_done(e, m, err);
+        m = next;
+    }
+}
+
+void bex__engine_detach(struct bex__stream *st)
+{
+    struct bex__engine *e = st->eng;
+    if (!e)
+        return;
+    flush_queue(e, st, -ECONNRESET);
+    /* posted messages keep a pointer to their stream for accounting */
+    for (uint32_t c = e->head; c != e->tail; c++) {
+        struct sslot *s = &e->ss[c % e->sq];
+        if (s->done && s->done->st == st)
+            s->done->st = NULL;
+        if (s->closed == st)
+            s->closed = NULL;
+    }
+    unlink_stream(e, st);
+    st->eng = NULL;
+}
+
+void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    m->next = NULL;
+    m->st = st;
+    m->off = 0;
+    m->rndv_id = 0;
+    m->rndv_asked = false;
+    m->status = 0;
+    if (!e || st->failed || st->close_sent || e->state >= E_FAILING) {
+        m->state = BEX__M_QUEUED;
+        if (e)
+            e->ops->on_send_done(e, m, -EPIPE);
+        return;
+    }
+    m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
+    m->lkey = m->len ? bex_mem_mr(m->buf)->lkey : 0;
+    if (st->q_tail)
+        st->q_tail->next = m;
+    else
+        st->q_head = m;
+    st->q_tail = m;
+    st->q_len++;
+    ring_add(e, st);
+}
+
+void bex__engine_close_stream(struct bex__stream *st)
+{
+    if (!st->eng)
+        return;
+    st->close_req = true;
+    ring_add(st->eng, st);
+}
+
+/* ---------------- send side ---------------- */
+
+static uint32_t free_slots(const struct bex__engine *e)
+{
+    return e->sq - (e->tail - e->head);
+}
+
+/* Credits: ordinary SENDs leave one credit for a CREDIT message, so that two
+ * peers that have used up each other's receives can always tell each other
+ * about reposted ones. */
+static bool have_credit(struct bex__engine *e, bool credit_msg)
+{
+    return e->peer_credits > (credit_msg ? 0u : 1u);
+}
+
+static bool window_allows(struct bex__engine *e, uint32_t bytes)
+{
+    if (!e->cfg.send_window || e->inflight == 0 || bytes == 0)
+        return true;
+    return e->inflight + bytes <= e->cfg.send_window;
+}
+
+static struct sslot *slot_take(struct bex__engine *e)
+{
+    struct sslot *s = &e->ss[e->tail % e->sq];
+    memset(&s->wr, 0, sizeof(s->wr));
+    s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
+    s->wr.sg_list = s->sge;
+    s->done = NULL;
+    s->closed = NULL;
+    s->bytes = 0;
+    e->tail++;
+    return s;
+}
+
+static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes)
+{
+    s->bytes = bytes;
+    e->inflight += bytes;
+    if (e->inflight > atomic_load_explicit(&e->sh->stats->max_inflight_bytes,
+                                           memory_order_relaxed))
+        atomic_store_explicit(&e->sh->stats->max_inflight_bytes, e->inflight,
+                              memory_order_relaxed);
+}
+
+/* Prepare a SEND of header h (and payload). Caller checked slot + credit. */
+static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *payload,
+                               uint32_t len, uint32_t lkey)
+{
+    struct sslot *s = slot_take(e);
+    h->credits = (uint16_t)(e->to_return > 0xffff ? 0xffff : e->to_return);
+    e->to_return -= h->credits;
+    bex__hdr_encode(h, s->hdr);
+    s->sge[0] = (struct ibv_sge){(uintptr_t)s->hdr, BEX__HDR_LEN, e->hdr_lkey};
+    s->wr.num_sge = 1;
+    if (len) {
+        s->sge[1] = (struct ibv_sge){(uintptr_t)payload, len, lkey};
+        s->wr.num_sge = 2;
+    }
+    s->wr.opcode = IBV_WR_SEND;
+    e->peer_credits--;
+    account_bytes(e, s, len);
+    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    return s;
+}
+
+static void pop_head(struct bex__stream *st)
+{
+    struct bex__msg *m = st->q_head;
+    st->q_head = m->next;
+    if (!st->q_head)
+        st->q_tail = NULL;
+    st->q_len--;
+    m->next = NULL;
+}
+
+/* Ask for destinations of large messages ahead of the head. */
+static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *blocked)
+{
+    uint32_t ahead = 0;
+    for (struct bex__msg *m = st->q_head; m && ahead < e->cfg.rndv_ahead; m = m->next, ahead++) {
+        if (m->direct || m->len <= e->peer_eager || m->rndv_asked)
+            continue;
+        if (e->peer_rndv_used >= e->peer_max_rndv || e->rout_used >= e->max_rndv ||
+            !free_slots(e)) {
+            *blocked = true;
+            return false;
+        }
+        if (!have_credit(e, false)) {
+            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        uint32_t i = 0;
+        while (e->rout[i].m)
+            i++;
+        e->rout[i].m = m;
+        e->rout[i].gen = (uint16_t)((e->rout[i].gen + 1) & 0x7fff);
+        e->rout_used++;
+        e->peer_rndv_used++;
+        m->rndv_id = i + 1;
+        m->rndv_asked = true;
+        m->state = BEX__M_RNDV_SENT;
+        struct bex__hdr h = {.type = BEX__MSG_RNDV_REQ,
+                             .stream = st->id,
+                             .len = (uint32_t)m->len,
+                             .id = ((uint32_t)e->rout[i].gen << 16) | i};
+        prep_send(e, &h, NULL, 0, 0);
+        return true;
+    }
+    return false;
+}
+
+/* One turn of a stream: at most one fragment or one small message (or one
+ * control message of its own). Returns true if it prepared a request. */
+static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blocked)
+{
+    *blocked = false;
+    if (!free_slots(e)) {
+        *blocked = true;
+        return false;
+    }
+    if (st->need_open && !st->open_sent) {
+        if (!have_credit(e, false)) {
+            *blocked = true;
+            return false;
+        }
+        struct bex__hdr h = {.type = BEX__MSG_OPEN, .stream = st->id};
+        prep_send(e, &h, NULL, 0, 0);
+        st->open_sent = true;
+        return true;
+    }
+    struct bex__msg *m = st->q_head;
+    if (m && m->status) {
+        /* failed before posting (rendezvous refused): hand back in order */
+        pop_head(st);
+        msg_done(e, m, m->status);
+        return true;
+    }
+    if (m && m->len <= e->peer_eager && !m->direct) {
+        if (!have_credit(e, false)) {
+            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        if (!window_allows(e, (uint32_t)m->len)) {
+            BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
+        struct sslot *s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
+        pop_head(st);
+        m->state = BEX__M_POSTED;
+        st->inflight_msgs++;
+        s->done = m;
+        return true;
+    }
+    if (m && m->state == BEX__M_READY) {
+        uint32_t frag = (uint32_t)(m->len - m->off < e->frag ? m->len - m->off : e->frag);
+        bool last = m->off + frag == m->len;
+        if (last && !have_credit(e, false)) {
+            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        if (!window_allows(e, frag)) {
+            BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        struct sslot *s = slot_take(e);
+        s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf + m->off, frag, m->lkey};
+        s->wr.num_sge = 1;
+        s->wr.wr.rdma.remote_addr = m->raddr + m->off;
+        s->wr.wr.rdma.rkey = m->rkey;
+        account_bytes(e, s, frag);
+        BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+        m->off += frag;
+        if (!last) {
+            s->wr.opcode = IBV_WR_RDMA_WRITE;
+            return true;
+        }
+        s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        s->wr.imm_data = htonl(m->imm);
+        e->peer_credits--;
+        if (!m->direct)
+            e->peer_rndv_used--;
+        pop_head(st);
+        m->state = BEX__M_POSTED;
+        st->inflight_msgs++;
+        s->done = m;
+        return true;
+    }
+    /* head waits for its destination: meanwhile ask for later ones */
+    if (try_rndv_req(e, st, blocked))
+        return true;
+    if (*blocked)
+        return false;
+    if (!m && st->close_req && !st->close_sent) {
+        if (!have_credit(e, false)) {
+            *blocked = true;
+            return false;
+        }
+        struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = st->id};
+        struct sslot *s = prep_send(e, &h, NULL, 0, 0);
+        s->closed = st;
+        st->close_sent = true;
+        return true;
+    }
+    return false;
+}
+
+static void post_pending(struct bex__engine *e)
+{
+    if (e->post == e->tail)
+        return;
+    struct sslot *first = &e->ss[e->post % e->sq];
+    for (uint32_t c = e->post; c != e->tail; c++) {
+        struct sslot *s = &e->ss[c % e->sq];
+        bool last = c + 1 == e->tail;
+        s->wr.next = last ? NULL : &e->ss[(c + 1) % e->sq].wr;
+        s->wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
+    }
+    struct ibv_send_wr *bad;
+    int rc = ibv_post_send(e->qp, &first->wr, &bad);
+    BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
+    BEX__STAT_ADD(e->sh->stats, signaled, 1);
+    if (rc) {
+        fprintf(stderr, "bex: ibv_post_send: %s\n", strerror(rc));
+        /* nothing was posted from bad on: treat the chain as lost */
+        e->post = e->tail;
+        fail_now(e, -rc);
+        return;
+    }
+    e->post = e->tail;
+}
+
+static void repost_recvs(struct bex__engine *e)
+{
+    if (e->n_unposted == 0)
+        return;
+    for (uint32_t i = 0; i < e->n_unposted; i++) {
+        struct rslot *r = &e->rs[e->unposted[i]];
+        r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
+    }
+    struct ibv_recv_wr *bad;
+    int rc = ibv_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
+    BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
+    if (rc) {
+        fail_now(e, -rc);
+        return;
+    }
+    e->to_return += e->n_unposted;
+    e->n_unposted = 0;
+}
+
+bool bex__engine_progress(struct bex__engine *e)
+{
+    if (e->state != E_UP)
+        return false;
+    uint32_t before = e->tail;
+    /* control messages first: they unblock the peer */
+    while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
+        struct bex__hdr h = e->ctlq[e->ctl_head];
+        e->ctl_head = (e->ctl_head + 1) % e->ctl_cap;
+        e->ctl_n--;
+        prep_send(e, &h, NULL, 0, 0);
+    }
+    /* Round-robin over streams with work, one unit each per turn. A stream
+     * that can do nothing until an answer or a new message leaves the ring;
+     * one held back by a shared budget (slots, credits, window) stays. */
+    for (;;) {
+        uint32_t n = 0;
+        if (e->ring) {
+            struct bex__stream *p = e->ring;
+            do {
+                n++;
+                p = p->rr_next;
+            } while (p != e->ring);
+        }
+        bool any = false;
+        for (uint32_t i = 0; i < n && e->ring && free_slots(e); i++) {
+            struct bex__stream *st = e->ring;
+            e->ring = st->rr_next;
+            bool blocked;
+            if (stream_turn(e, st, &blocked))
+                any = true;
+            else if (!blocked)
+                ring_remove(e, st);
+        }
+        if (!any || !free_slots(e) || e->state != E_UP)
+            break;
+    }
+    /* credits nobody carried: an explicit update once half the queue waits */
+    if (e->to_return >= e->k && free_slots(e) && have_credit(e, true)) {
+        struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+        prep_send(e, &h, NULL, 0, 0);
+        BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
+    }
+    post_pending(e);
+    return e->tail != before;
+}
+
+/* ---------------- completions ---------------- */
+
+static void queue_ctl(struct bex__engine *e, const struct bex__hdr *h)
+{
+    /* bounded: at most one answer per rendezvous slot */
+    assert(e->ctl_n < e->ctl_cap);
+    e->ctlq[(e->ctl_head + e->ctl_n) % e->ctl_cap] = *h;
+    e->ctl_n++;
+}
+
+static void send_completed(struct bex__engine *e, uint32_t cnt)
+{
+    /* Completions come in posting order: everything up to cnt is done. */
+    while (e->head != e->post) {
+        uint32_t c = e->head;
+        struct sslot *s = &e->ss[c % e->sq];
+        e->head++;
+        e->inflight -= s->bytes;
+        if (s->done) {
+            struct bex__msg *m = s->done;
+            s->done = NULL;
+            BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
+            BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
+            msg_done(e, m, 0);
+        }
+        if (s->closed) {
+            struct bex__stream *st = s->closed;
+            s->closed = NULL;
+            unlink_stream(e, st);
+            st->eng = NULL;
+            e->ops->on_stream_closed(e, st);
+        }
+        if ((c & WR_CNT_MASK) == cnt)
+            break;
+    }
+}
+
+static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
+{
+    switch (h->type) {
+    case BEX__MSG_RNDV_REQ: {
+        uint32_t i = 0;
+        while (i < e->max_rndv && e->rin[i].used)
+            i++;
+        if (i == e->max_rndv || h->len == 0)
+            return -EPROTO; /* the peer ignored our limit */
+        struct bex__hdr r = {.type = BEX__MSG_RNDV_RESP, .id = h->id};
+        void *buf = bex_mem_alloc(e->sh->pool, h->len);
+        if (!buf) {
+            r.status = -ENOMEM;
+        } else {
+            struct rndv_in *in = &e->rin[i];
+            in->used = true;
+            in->gen = (uint16_t)((in->gen + 1) & 0x7fff);
+            in->buf = buf;
+            in->len = h->len;
+            in->stream = h->stream;
+            r.addr = (uintptr_t)buf;
+            r.rkey = bex_mem_mr(buf)->rkey;
+            r.stream = ((uint32_t)in->gen << 16) | i;
+        }
+        queue_ctl(e, &r);
+        return 0;
+    }
+    case BEX__MSG_RNDV_RESP: {
+        uint32_t i = h->id & 0xffff;
+        if (i >= e->max_rndv || !e->rout[i].m || e->rout[i].gen != (h->id >> 16))
+            return -EPROTO;
+        struct bex__msg *m = e->rout[i].m;
+        e->rout[i].m = NULL;
+        e->rout_used--;
+        m->rndv_id = 0;
+        if (h->status) {
+            m->status = h->status;
+            e->peer_rndv_used--;
+        } else {
+            m->raddr = h->addr;
+            m->rkey = h->rkey;
+            m->imm = h->stream;
+        }
+        m->state = BEX__M_READY;
+        if (m->st)
+            ring_add(e, m->st);
+        return 0;
+    }
+    case BEX__MSG_OPEN:
+        e->ops->on_open(e, h->stream);
+        return 0;
+    case BEX__MSG_CLOSE:
+        e->ops->on_peer_close(e, h->stream);
+        return 0;
+    case BEX__MSG_CREDIT:
+        return 0;
+    }
+    return -EPROTO;
+}
+
+static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
+{
+    if (idx >= e->rq)
+        return -EPROTO;
+    struct rslot *r = &e->rs[idx];
+    e->unposted[e->n_unposted++] = idx;
+    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        uint32_t imm = ntohl(wc->imm_data);
+        uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
+        if (imm & BEX__IMM_DIRECT) {
+            BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+            return e->ops->on_direct(e, imm);
+        } else {
+            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen)
+                return -EPROTO;
+            struct rndv_in *in = &e->rin[i];
+            in->used = false;
+            BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+            BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
+            e->ops->on_msg(e, in->stream, in->buf, in->len);
+        }
+        return 0;
+    }
+    if (wc->opcode != IBV_WC_RECV)
+        return -EPROTO;
+    struct bex__hdr h;
+    if (bex__hdr_decode(r->hdr, wc->byte_len, &h))
+        return -EPROTO;
+    e->peer_credits += h.credits;
+    if (e->peer_credits > e->rq + 0xffffu)
+        return -EPROTO;
+    if (h.type != BEX__MSG_DATA)
+        return handle_ctl(e, &h);
+    if (h.len > e->cfg.eager_max)
+        return -EPROTO;
+    /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
+    void *buf = r->buf;
+    void *fresh = bex_mem_alloc(e->sh->pool, e->cfg.eager_max);
+    if (!fresh)
+        return -ENOMEM;
+    r->buf = fresh;
+    r->sge[1].addr = (uintptr_t)fresh;
+    r->sge[1].lkey = bex_mem_mr(fresh)->lkey;
+    BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+    BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
+    e->ops->on_msg(e, h.stream, buf, h.len);
+    return 0;
+}
+
+static void finish_fail(struct bex__engine *e);
+
+void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
+{
+    uint32_t low = (uint32_t)wc->wr_id;
+    if (low & WR_DRAIN) {
+        if (low & WR_RECV)
+            e->drain_recv_seen = true;
+        else
+            e->drain_send_seen = true;
+        if (e->state == E_FAILING && e->drain_recv_seen && e->drain_send_seen)
+            finish_fail(e);
+        return;
+    }
+    if (e->state >= E_FAILING)
+        return; /* flushed; everything is handed back at the end */
+    if (wc->status != IBV_WC_SUCCESS) {
+        fprintf(stderr, "bex: engine %u: work completion error: %s (vendor 0x%x)\n", e->id,
+                ibv_wc_status_str(wc->status), wc->vendor_err);
+        bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
+        return;
+    }
+    int rc = 0;
+    if (low & WR_RECV) {
+        rc = recv_completed(e, wc, low & WR_CNT_MASK);
+        if (!rc && e->n_unposted >= e->k)
+            repost_recvs(e);
+    } else {
+        send_completed(e, low & WR_CNT_MASK);
+    }
+    if (rc) {
+        fprintf(stderr, "bex: engine %u: %s from peer\n", e->id,
+                rc == -EPROTO ? "protocol violation" : strerror(-rc));
+        bex__engine_fail(e, rc);
+    }
+}
+
+/* ---------------- keepalive and failure ---------------- */
+
+void bex__engine_tick(struct bex__engine *e, uint64_t now)
+{
+    if (e->state == E_FAILING) {
+        if (now >= e->drain_deadline)
+            finish_fail(e);
+        return;
+    }
+    if (e->state != E_UP)
+        return;
+    uint64_t seen = __atomic_load_n(e->ka_local, __ATOMIC_ACQUIRE);
+    if (seen != e->ka_seen) {
+        e->ka_seen = seen;
+        e->ka_last_ms = now;
+    } else if (now - e->ka_last_ms > e->cfg.keepalive_timeout_ms) {
+        fprintf(stderr, "bex: engine %u: keepalive timeout (%u ms)\n", e->id,
+                e->cfg.keepalive_timeout_ms);
+        bex__engine_fail(e, -ETIMEDOUT);
+        return;
+    }
+    if (now < e->ka_next_ms || !free_slots(e))
+        return;
+    e->ka_next_ms = now + e->cfg.keepalive_ms;
+    /* the sequence goes by RDMA WRITE: no receive, no credit, no peer CPU */
+    struct sslot *s = slot_take(e);
+    uint64_t seq = ++e->ka_seq;
+    memcpy(s->hdr, &seq, sizeof(seq));
+    s->sge[0] = (struct ibv_sge){(uintptr_t)s->hdr, sizeof(seq), e->hdr_lkey};
+    s->wr.num_sge = 1;
+    s->wr.opcode = IBV_WR_RDMA_WRITE;
+    s->wr.wr.rdma.remote_addr = e->peer_ka_addr;
+    s->wr.wr.rdma.rkey = e->peer_ka_rkey;
+    post_pending(e);
+}
+
+static void finish_fail(struct bex__engine *e)
+{
+    if (e->state != E_FAILING)
+        return;
+    e->state = E_DEAD;
+    int err = e->fail_err;
+    /* The QP goes first: after this the NIC touches none of our buffers. */
+    if (e->qp) {
+        bex__rdma_qp_destroy(e->qp);
+        e->qp = NULL;
+    }
+    /* posted messages, in order, then queued ones */
+    for (uint32_t c = e->head; c != e->tail; c++) {
+        struct sslot *s = &e->ss[c % e->sq];
+        if (s->done) {
+            struct bex__msg *m = s->done;
+            s->done = NULL;
+            msg_done(e, m, err);
+        }
+        s->closed = NULL;
+    }
+    e->head = e->post = e->tail;
+    for (struct bex__stream *st = e->all; st; st = st->all_next) {
+        st->failed = true;
+        flush_queue(e, st, err);
+    }
+    for (uint32_t i = 0; i < e->max_rndv; i++) {
+        if (e->rin[i].used) {
+            e->rin[i].used = false;
+            bex_mem_free(e->rin[i].buf);
+        }
+    }
+    while (e->all) {
+        struct bex__stream *st = e->all;
+        unlink_stream(e, st);
+        st->eng = NULL;
+    }
+    e->ops->on_fail(e, err);
+}
+
+static void fail_now(struct bex__engine *e, int err)
+{
+    if (e->state >= E_FAILING)
+        return;
+    e->fail_err = err;
+    e->state = E_FAILING;
+    e->drain_deadline = bex__now_ms() + DRAIN_TIMEOUT_MS;
+    e->drain_send_seen = e->drain_recv_seen = false;
+    if (!e->qp) {
+        finish_fail(e);
+        return;
+    }
+    /* Move to error and post one marker on each queue: when both come back
+     * flushed, the NIC has let go of every buffer (completions are ordered). */
+    struct ibv_send_wr swr = {.wr_id = wrid(e, WR_DRAIN), .opcode = IBV_WR_SEND,
+                              .send_flags = IBV_SEND_SIGNALED};
+    struct ibv_recv_wr rwr = {.wr_id = wrid(e, WR_DRAIN | WR_RECV)};
+    struct ibv_send_wr *sbad;
+    struct ibv_recv_wr *rbad;
+    if (bex__rdma_qp_to_err(e->qp) || ibv_post_send(e->qp, &swr, &sbad) ||
+        ibv_post_recv(e->qp, &rwr, &rbad))
+        finish_fail(e);
+}
+
+void bex__engine_fail(struct bex__engine *e, int err)
+{
+    fail_now(e, err);
+}

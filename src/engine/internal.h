@@ -1,0 +1,214 @@
+/* engine: one RC queue pair and everything needed to move messages on it.
+ *
+ * An engine belongs to exactly one I/O thread; every function here is
+ * called on that thread only. The sock layer above hands it streams (the
+ * engine-side half of a logical socket) and messages, and learns about
+ * arrivals, completions and failure through bex__engine_ops.
+ *
+ * Send side: a circular work-request chain of sq_depth slots split into
+ * in-flight [head, post), pending [post, tail) and free [tail, head)
+ * segments. A scheduler fills pending slots round-robin over the streams,
+ * one fragment (or one small message) per stream per turn, then posts every
+ * pending slot with one ibv_post_send; only the last of a batch is signaled.
+ * SQ slots, peer receive credits and the send window are three separate
+ * budgets.
+ *
+ * Receive side: rq_depth receives, each a 32-byte header slot plus an
+ * eager_max payload buffer from bemalloc. A SEND's payload buffer goes to the
+ * application as it is and a fresh one takes its place; receives are
+ * reposted k = rq_depth/2 at a time with one ibv_post_recv, and the credits
+ * go back to the peer in the next header (or an explicit CREDIT message). */
+#ifndef BEX_ENGINE_INTERNAL_H
+#define BEX_ENGINE_INTERNAL_H
+
+#include <infiniband/verbs.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bex/mem.h"
+#include "bex/sock.h"
+#include "rdma/rdma.h"
+
+/* ---- wire header of every SEND (32 bytes, little-endian) ---- */
+enum {
+    BEX__MSG_DATA = 1,      /* small message; payload follows the header */
+    BEX__MSG_RNDV_REQ = 2,  /* sender asks for a destination buffer */
+    BEX__MSG_RNDV_RESP = 3, /* receiver answers with address, rkey, slot */
+    BEX__MSG_CREDIT = 4,    /* credits only */
+    BEX__MSG_OPEN = 5,      /* a logical socket opens */
+    BEX__MSG_CLOSE = 6,     /* a logical socket closes */
+};
+#define BEX__HDR_LEN 32
+#define BEX__IMM_DIRECT 0x80000000u
+
+struct bex__hdr {
+    uint8_t type;
+    uint8_t flags;
+    uint16_t credits; /* receives the sender has reposted for us */
+    uint32_t stream;
+    uint32_t len;    /* DATA: payload bytes; RNDV_REQ: message bytes */
+    uint32_t id;     /* RNDV_REQ/RESP: sender's rendezvous id */
+    uint64_t addr;   /* RNDV_RESP: destination */
+    uint32_t rkey;   /* RNDV_RESP */
+    int32_t status;  /* RNDV_RESP: 0 or negative errno; with slot below */
+};
+/* RNDV_RESP carries the receiver's slot in 'stream' (the immediate value). */
+
+void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out);
+/* Returns 0 or -EPROTO for a header no valid peer sends. */
+int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h);
+
+/* ---- messages and streams ---- */
+enum bex__msg_state {
+    BEX__M_QUEUED,    /* waiting in its stream's queue */
+    BEX__M_RNDV_SENT, /* large: rendezvous request posted, no answer yet */
+    BEX__M_READY,     /* large: destination known, fragments may go */
+    BEX__M_POSTED,    /* every work request posted; waiting for completion */
+};
+
+struct bex__stream;
+
+struct bex__msg {
+    struct bex__msg *next;
+    struct bex__stream *st;
+    void *buf;
+    size_t len;
+    void *user;
+    size_t off;       /* bytes of payload already in posted fragments */
+    uint64_t raddr;   /* destination (large messages) */
+    uint32_t rkey;
+    uint32_t imm;
+    uint32_t lkey;
+    uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
+    uint8_t state;
+    bool direct;      /* destination given by the caller */
+    bool rndv_asked;  /* request already prepared */
+    int status;       /* set when failed before posting */
+};
+
+struct bex__engine;
+
+/* The engine-side half of a socket. Embedded in the sock layer's socket. */
+struct bex__stream {
+    struct bex__engine *eng;
+    uint32_t id;
+    struct bex__msg *q_head, *q_tail; /* not fully posted, in order */
+    uint32_t q_len;
+    uint32_t rndv_out;                /* requests outstanding ahead */
+    struct bex__stream *rr_next;      /* scheduler ring */
+    struct bex__stream *all_prev, *all_next; /* every stream of the engine */
+    bool in_ring;
+    bool open_sent;                   /* OPEN prepared (client side) */
+    bool need_open;                   /* client stream: send OPEN first */
+    bool close_req;                   /* application closed: send CLOSE after queue */
+    bool close_sent;
+    bool failed;
+    uint32_t inflight_msgs;           /* posted, not completed */
+};
+
+/* Upcalls to the sock layer, on the I/O thread. */
+struct bex__engine_ops {
+    /* the QP is up (RTS, peer ready) */
+    void (*on_up)(struct bex__engine *e);
+    /* a message for stream id arrived; buf is the application's */
+    void (*on_msg)(struct bex__engine *e, uint32_t stream, void *buf, size_t len);
+    /* the peer opened (server side) or closed a stream */
+    void (*on_open)(struct bex__engine *e, uint32_t stream);
+    void (*on_peer_close)(struct bex__engine *e, uint32_t stream);
+    /* a message is done: status 0 (the peer has it) or an error */
+    void (*on_send_done)(struct bex__engine *e, struct bex__msg *m, int status);
+    /* the CLOSE of a stream has been posted and completed */
+    void (*on_stream_closed)(struct bex__engine *e, struct bex__stream *st);
+    /* a WRITE_WITH_IMM named an exposed buffer (imm has BEX__IMM_DIRECT):
+     * deliver it; return -EPROTO if the token names nothing */
+    int (*on_direct)(struct bex__engine *e, uint32_t imm);
+    /* the engine failed; after this every stream is dead and every message
+     * has been handed back. The engine may be destroyed after the call. */
+    void (*on_fail)(struct bex__engine *e, int err);
+};
+
+struct bex__engine_config {
+    uint32_t sq_depth, rq_depth, eager_max, frag_size, send_window, rndv_ahead;
+    uint32_t keepalive_ms, keepalive_timeout_ms;
+};
+
+/* What an engine tells its peer in the hello (the rest the rdma module
+ * fills). */
+struct bex__engine_local {
+    uint32_t qpn, psn, rq_depth, max_rndv, eager_max;
+    uint64_t ka_addr;
+    uint32_t ka_rkey;
+};
+struct bex__engine_peer {
+    struct bex__rdma_peer rdma; /* QPN, PSN, GID, MTU, READ depth */
+    uint32_t rq_depth, max_rndv, eager_max;
+    uint64_t ka_addr;
+    uint32_t ka_rkey;
+};
+
+/* Per-I/O-thread resources every engine of the thread shares. */
+struct bex__engine_shared {
+    struct bex__rdma_dev *dev;
+    struct bex__rdma_path path; /* device, port, GID index, active MTU */
+    struct bex__rdma_conn_config conn;
+    struct ibv_pd *pd;   /* dev->pd, or a thread domain's parent domain */
+    struct ibv_cq *cq;   /* the I/O thread's CQ, for every queue */
+    struct ibv_srq *srq; /* NULL: dedicated receive queues */
+    bex_mem_pool *pool;
+    struct bex__stats *stats;
+};
+
+/* Counters written by the I/O thread only, read by anyone: relaxed atomics,
+ * updated without a locked instruction (single writer). */
+struct bex__stats {
+    _Atomic uint64_t msgs_sent, msgs_recv, bytes_sent, bytes_recv, sends_posted, writes_posted,
+        post_send_calls, post_recv_calls, signaled, credit_stalls, window_stalls,
+        max_inflight_bytes, credit_msgs, engines, rnr_naks;
+};
+#define BEX__STAT_ADD(st, field, n)                                                        \
+    atomic_store_explicit(&(st)->field,                                                    \
+                          atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),  \
+                          memory_order_relaxed)
+
+int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                       const struct bex__engine_ops *ops, uint32_t id, void *user,
+                       struct bex__engine **out);
+/* Only once on_fail has been reported, or before the engine went up. */
+void bex__engine_destroy(struct bex__engine *e);
+void *bex__engine_user(struct bex__engine *e);
+uint32_t bex__engine_id(struct bex__engine *e);
+void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out);
+/* Bring the QP to RTS with the peer's hello. */
+int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *peer);
+/* The peer is ready: traffic may start. */
+void bex__engine_start(struct bex__engine *e);
+bool bex__engine_is_up(struct bex__engine *e);
+bool bex__engine_is_dead(struct bex__engine *e);
+
+void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id,
+                        bool client);
+/* Queue a message (ownership passes to the engine until on_send_done). */
+void bex__engine_send(struct bex__stream *st, struct bex__msg *m);
+void bex__engine_close_stream(struct bex__stream *st);
+/* Forget a stream without sending anything (peer closed it, or it failed). */
+void bex__engine_detach(struct bex__stream *st);
+
+/* Completion of one of this engine's work requests. */
+void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);
+/* Schedule and post what can go. Returns true if anything was posted. */
+bool bex__engine_progress(struct bex__engine *e);
+/* Timer tick: keepalive, drain timeouts. now in ms (CLOCK_MONOTONIC). */
+void bex__engine_tick(struct bex__engine *e, uint64_t now_ms);
+/* Fail the engine (QP to error, flush, hand everything back, on_fail). */
+void bex__engine_fail(struct bex__engine *e, int err);
+
+/* wr_id layout shared with the I/O loop: engine id in the high 32 bits. */
+static inline uint32_t bex__wr_engine(uint64_t wr_id)
+{
+    return (uint32_t)(wr_id >> 32);
+}
+
+uint64_t bex__now_ms(void);
+
+#endif

@@ -1,0 +1,135 @@
+/* sock: contexts, the I/O thread, connection setup, the connection table and
+ * logical sockets over engines. */
+#ifndef BEX_SOCK_INTERNAL_H
+#define BEX_SOCK_INTERNAL_H
+
+#include <netinet/in.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "bex/sock.h"
+#include "engine/internal.h"
+#include "rdma/rdma.h"
+
+/* A command handed from any thread to the I/O thread (lock-free stack,
+ * reversed into FIFO order by the I/O thread). */
+enum { CMD_SEND, CMD_CONNECT, CMD_CLOSE, CMD_LISTEN, CMD_UNLISTEN, CMD_STOP };
+
+/* What an epoll event belongs to. */
+enum { EV_CHANNEL = 1, EV_EVENTFD, EV_LISTENER, EV_CONN };
+struct ep_tag {
+    int kind;
+};
+
+struct bex__cmd {
+    struct bex__cmd *next;
+    int type;
+};
+
+struct conn;
+
+/* A message on its way: the command, the engine's descriptor, its socket. */
+struct sock_msg {
+    struct bex__cmd cmd;
+    struct bex__msg m;
+    struct bex_sock *s;
+};
+
+/* Buffers exposed for direct writes, context-wide so that any thread can
+ * claim one: state goes FREE -> CLAIMED (the claiming thread fills it) ->
+ * ARMED (release; the I/O thread may deliver it) -> FREE. */
+enum { X_FREE, X_CLAIMED, X_ARMED };
+#define EXPOSED_MAX 1024
+struct exp_slot {
+    _Atomic uint32_t state;
+    uint16_t gen;
+    uint32_t eng_id;
+    uint32_t len;
+    void *buf, *user;
+    struct bex_sock *s; /* NULL once the socket is gone */
+};
+
+enum { S_CONNECTING, S_OPEN, S_FAILED, S_CLOSING };
+
+struct bex_sock {
+    struct bex__cmd connect_cmd, close_cmd;
+    bex_ctx *ctx;
+    struct conn *conn;
+    struct bex__stream st;
+    bex_sock_ops ops;
+    void *user;
+    struct sockaddr_in peer;
+    _Atomic int state;
+    _Atomic uint32_t eng_id; /* 0 until attached to an engine */
+    uint32_t id;
+    uint32_t pending;     /* messages handed to bex, not yet reported */
+    bool attached;        /* st is on an engine */
+    bool app_closed;      /* bex_sock_close was processed */
+    bool dead;            /* no more traffic: failed, peer-closed or closed */
+    bool close_reported;
+    struct bex_sock *map_next; /* conn's stream table */
+};
+
+struct bex_listener {
+    struct ep_tag tag;
+    struct bex__cmd cmd;
+    bex_ctx *ctx;
+    int fd;
+    bex_listener_ops ops;
+    void *user;
+    struct sockaddr_in addr;
+    sem_t done;
+    struct bex_listener *next;
+};
+
+#define CONN_MAP 64
+
+struct conn {
+    struct ep_tag tag;
+    bex_ctx *ctx;
+    int fd;
+    int phase;
+    bool client;
+    struct sockaddr_in key; /* client: the listener we connected to */
+    struct bex__engine *eng;
+    uint32_t eng_id;
+    uint8_t rbuf[BEX__HELLO_LEN + BEX__READY_LEN];
+    size_t rlen, rwant;
+    uint8_t wbuf[BEX__HELLO_LEN + BEX__READY_LEN];
+    size_t wlen, woff;
+    uint64_t deadline;
+    int err;
+    bool dead; /* failed: destroy at the next safe point */
+    struct bex_listener *l;
+    struct bex_sock *map[CONN_MAP];
+    uint32_t nsocks;
+    uint32_t next_stream;
+    struct conn *next;
+};
+
+struct bex_ctx {
+    bex_ctx_config cfg;
+    struct bex__rdma_dev *dev;
+    struct bex__engine_shared sh;
+    struct bex__engine_config ecfg;
+    struct bex__stats stats;
+    bool own_pool;
+    struct ibv_comp_channel *ch;
+    int epfd, evfd;
+    struct ep_tag ch_tag, ev_tag;
+    pthread_t thread;
+    _Atomic(struct bex__cmd *) cmds;
+    _Atomic int sleeping;
+    struct conn *conns;
+    struct bex_listener *listeners;
+    struct conn **engines; /* by engine id % ENGINE_TABLE */
+    uint32_t next_engine_id;
+    uint32_t cqe_used, cqe_cap;
+    bool stopping;
+    struct bex__cmd stop_cmd;
+    struct exp_slot exposed[EXPOSED_MAX];
+};
+
+#endif

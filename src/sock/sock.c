@@ -1,0 +1,1222 @@
+/* Contexts, the I/O thread, connection setup and logical sockets. */
+#include <arpa/inet.h>
+#include <assert.h>
+#include <fcntl.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "sock/internal.h"
+
+#define ENGINE_TABLE 4096
+#define TICK_MS 10
+#define WC_BATCH 64
+
+enum { P_CONNECTING, P_SEND_HELLO, P_WAIT_HELLO, P_WAIT_READY, P_UP };
+
+static const struct bex__engine_ops engine_ops;
+static void exposed_cancel(bex_ctx *ctx, uint32_t eng_id);
+
+static uint64_t now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+}
+
+/* ---------------- command queue ---------------- */
+
+static void wake(bex_ctx *ctx)
+{
+    /* seq_cst on both sides: either the I/O thread sees our command before it
+     * sleeps, or we see it sleeping and write the eventfd. */
+    if (atomic_load(&ctx->sleeping)) {
+        uint64_t one = 1;
+        ssize_t r = write(ctx->evfd, &one, sizeof(one));
+        (void)r;
+    }
+}
+
+static void push_cmd(bex_ctx *ctx, struct bex__cmd *c, int type)
+{
+    c->type = type;
+    struct bex__cmd *head = atomic_load_explicit(&ctx->cmds, memory_order_relaxed);
+    do {
+        c->next = head;
+    } while (!atomic_compare_exchange_weak(&ctx->cmds, &head, c));
+    wake(ctx);
+}
+
+/* ---------------- socket bookkeeping (I/O thread) ---------------- */
+
+static void map_add(struct conn *c, struct bex_sock *s)
+{
+    struct bex_sock **b = &c->map[s->id % CONN_MAP];
+    s->map_next = *b;
+    *b = s;
+    c->nsocks++;
+}
+
+static struct bex_sock *map_find(struct conn *c, uint32_t id)
+{
+    for (struct bex_sock *s = c->map[id % CONN_MAP]; s; s = s->map_next)
+        if (s->id == id)
+            return s;
+    return NULL;
+}
+
+static void map_del(struct conn *c, struct bex_sock *s)
+{
+    for (struct bex_sock **p = &c->map[s->id % CONN_MAP]; *p; p = &(*p)->map_next) {
+        if (*p == s) {
+            *p = s->map_next;
+            c->nsocks--;
+            return;
+        }
+    }
+}
+
+/* Free the socket once the application closed it, the engine let go of it
+ * and every message was reported. */
+static void maybe_finish(struct bex_sock *s)
+{
+    if (!s->app_closed || !s->dead || s->pending || s->close_reported)
+        return;
+    s->close_reported = true;
+    /* exposed buffers outlive the socket: a late write frees them */
+    for (uint32_t i = 0; i < EXPOSED_MAX; i++)
+        if (s->ctx->exposed[i].s == s)
+            s->ctx->exposed[i].s = NULL;
+    if (s->conn)
+        map_del(s->conn, s);
+    s->conn = NULL;
+    if (s->ops.on_close)
+        s->ops.on_close(s, s->user);
+    free(s);
+}
+
+/* The socket can carry no more traffic: tell the application once. */
+static void sock_fail(struct bex_sock *s, int err, bool connecting)
+{
+    if (s->dead)
+        return;
+    if (s->attached) {
+        bex__engine_detach(&s->st);
+        s->attached = false;
+    }
+    s->dead = true;
+    atomic_store(&s->state, S_FAILED);
+    if (!s->app_closed) {
+        if (connecting) {
+            if (s->ops.on_connect)
+                s->ops.on_connect(s, err, s->user);
+        } else if (s->ops.on_error) {
+            s->ops.on_error(s, err, s->user);
+        }
+    }
+    maybe_finish(s);
+}
+
+/* ---------------- engines and connections ---------------- */
+
+static struct conn *engine_conn(bex_ctx *ctx, uint32_t id)
+{
+    struct conn *c = ctx->engines[id % ENGINE_TABLE];
+    return c && c->eng_id == id ? c : NULL;
+}
+
+static int conn_new(bex_ctx *ctx, int fd, bool client, struct conn **out)
+{
+    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
+    if (ctx->cqe_used + need > ctx->cqe_cap)
+        return -ENOSPC; /* the shared CQ could overflow */
+    struct conn *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    uint32_t id;
+    do {
+        id = ++ctx->next_engine_id;
+    } while (id == 0 || ctx->engines[id % ENGINE_TABLE]);
+    c->tag.kind = EV_CONN;
+    c->ctx = ctx;
+    c->fd = fd;
+    c->client = client;
+    c->eng_id = id;
+    c->next_stream = 1;
+    c->deadline = bex__now_ms() + ctx->cfg.connect_timeout_ms;
+    ctx->engines[id % ENGINE_TABLE] = c;
+    ctx->cqe_used += need;
+    c->next = ctx->conns;
+    ctx->conns = c;
+    *out = c;
+    return 0;
+}
+
+static void conn_free(struct conn *c)
+{
+    bex_ctx *ctx = c->ctx;
+    for (struct conn **p = &ctx->conns; *p; p = &(*p)->next) {
+        if (*p == c) {
+            *p = c->next;
+            break;
+        }
+    }
+    ctx->engines[c->eng_id % ENGINE_TABLE] = NULL;
+    ctx->cqe_used -= ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
+    if (c->fd >= 0) {
+        epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+        close(c->fd);
+    }
+    if (c->eng) {
+        bex__engine_destroy(c->eng);
+        BEX__STAT_ADD(&ctx->stats, engines, (uint64_t)-1);
+    }
+    free(c);
+}
+
+/* Fail a connection: every socket on it learns the error. */
+static void conn_fail(struct conn *c, int err)
+{
+    if (c->dead)
+        return;
+    if (c->fd >= 0) {
+        /* the TCP side has nothing more to say; level-triggered events of a
+         * failed socket would otherwise come back every loop */
+        epoll_ctl(c->ctx->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+        close(c->fd);
+        c->fd = -1;
+    }
+    if (c->eng && !bex__engine_is_dead(c->eng)) {
+        c->err = err;
+        bex__engine_fail(c->eng, err); /* on_fail finishes the job */
+        return;
+    }
+    c->dead = true;
+    bool connecting = c->phase != P_UP;
+    exposed_cancel(c->ctx, c->eng_id);
+    for (int i = 0; i < CONN_MAP; i++) {
+        struct bex_sock *s = c->map[i];
+        while (s) {
+            struct bex_sock *next = s->map_next;
+            s->attached = false; /* the engine already let go */
+            sock_fail(s, err, connecting && atomic_load(&s->state) == S_CONNECTING);
+            s = next;
+        }
+    }
+}
+
+static int conn_want(struct conn *c, uint32_t events)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = &c->tag};
+    return epoll_ctl(c->ctx->epfd, EPOLL_CTL_MOD, c->fd, &ev) ? -errno : 0;
+}
+
+static int engine_make(struct conn *c)
+{
+    bex_ctx *ctx = c->ctx;
+    int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &engine_ops, c->eng_id, c, &c->eng);
+    if (!err)
+        BEX__STAT_ADD(&ctx->stats, engines, 1);
+    return err;
+}
+
+static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
+{
+    bex_ctx *ctx = c->ctx;
+    struct bex__engine_local l;
+    bex__engine_local(c->eng, &l);
+    memset(h, 0, sizeof(*h));
+    h->qpn = l.qpn;
+    h->psn = l.psn;
+    memcpy(h->gid, ctx->sh.path.gid.raw, 16);
+    h->mtu = (uint8_t)ctx->sh.path.active_mtu;
+    h->rd_atomic = bex__rdma_dest_rd_atomic(ctx->dev, &ctx->sh.conn);
+    h->recv_depth = (uint16_t)l.rq_depth;
+    h->sq_depth = (uint16_t)ctx->ecfg.sq_depth;
+    h->max_msg = BEX__HELLO_MAX_MSG;
+    h->frag_size = ctx->ecfg.frag_size;
+    h->conn_id = conn_id;
+    h->eager_max = l.eager_max;
+    h->max_rndv = (uint16_t)l.max_rndv;
+    h->ka_addr = l.ka_addr;
+    h->ka_rkey = l.ka_rkey;
+}
+
+static int engine_peer(struct conn *c, const struct bex__hello *h)
+{
+    if (h->flags & BEX__HELLO_F_NO_RDMA)
+        return -EPROTONOSUPPORT;
+    struct bex__engine_peer p = {
+        .rdma = {.qpn = h->qpn, .psn = h->psn, .active_mtu = h->mtu, .rd_atomic = h->rd_atomic},
+        .rq_depth = h->recv_depth,
+        .max_rndv = h->max_rndv,
+        .eager_max = h->eager_max,
+        .ka_addr = h->ka_addr,
+        .ka_rkey = h->ka_rkey,
+    };
+    memcpy(p.rdma.gid.raw, h->gid, 16);
+    return bex__engine_connect(c->eng, &p);
+}
+
+static void put_ready(uint8_t *p, uint32_t status)
+{
+    uint32_t v = htonl(BEX__READY_MAGIC);
+    memcpy(p, &v, 4);
+    v = htonl(status);
+    memcpy(p + 4, &v, 4);
+}
+
+/* Write what is left in wbuf; returns 0 when all is out, 1 when waiting. */
+static int conn_flush(struct conn *c)
+{
+    while (c->woff < c->wlen) {
+        ssize_t n = send(c->fd, c->wbuf + c->woff, c->wlen - c->woff, MSG_NOSIGNAL);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return conn_want(c, EPOLLIN | EPOLLOUT | EPOLLRDHUP) ? -EIO : 1;
+        if (n <= 0)
+            return n < 0 ? -errno : -ECONNRESET;
+        c->woff += (size_t)n;
+    }
+    return 0;
+}
+
+static void conn_queue(struct conn *c, const uint8_t *p, size_t n)
+{
+    if (c->woff == c->wlen)
+        c->woff = c->wlen = 0;
+    memcpy(c->wbuf + c->wlen, p, n);
+    c->wlen += n;
+}
+
+/* Advance the setup state machine; any error fails the connection. */
+static void conn_step(struct conn *c, uint32_t events)
+{
+    int err = 0;
+    if (c->dead || c->fd < 0)
+        return;
+    if (c->phase == P_CONNECTING) {
+        if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP)))
+            return;
+        socklen_t sl = sizeof(err);
+        if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &sl) || err) {
+            err = err ? -err : -errno;
+            goto fail;
+        }
+        struct bex__hello h;
+        hello_fill(c, &h, bex__rdma_random_u64());
+        uint8_t buf[BEX__HELLO_LEN];
+        bex__hello_encode(&h, buf);
+        conn_queue(c, buf, sizeof(buf));
+        c->phase = P_WAIT_HELLO;
+        c->rwant = BEX__HELLO_LEN;
+        c->rlen = 0;
+        if ((err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
+            goto fail;
+    }
+    if (events & EPOLLOUT || c->woff < c->wlen) {
+        err = conn_flush(c);
+        if (err < 0)
+            goto fail;
+        if (err == 0 && (err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
+            goto fail;
+    }
+    while (c->rlen < c->rwant) {
+        ssize_t n = recv(c->fd, c->rbuf + c->rlen, c->rwant - c->rlen, 0);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return;
+        if (n <= 0) {
+            err = n < 0 ? -errno : -ECONNRESET;
+            goto fail;
+        }
+        c->rlen += (size_t)n;
+        if (c->rlen < c->rwant)
+            continue;
+        if (c->phase == P_WAIT_HELLO) {
+            struct bex__hello h;
+            if ((err = bex__hello_decode(c->rbuf, c->rlen, &h)))
+                goto fail;
+            if (!c->client && (err = engine_make(c)))
+                goto fail;
+            if ((err = engine_peer(c, &h)))
+                goto fail;
+            uint8_t out[BEX__HELLO_LEN + BEX__READY_LEN];
+            size_t n_out = 0;
+            if (!c->client) {
+                struct bex__hello mine;
+                hello_fill(c, &mine, h.conn_id);
+                bex__hello_encode(&mine, out);
+                n_out = BEX__HELLO_LEN;
+            }
+            /* our receives are posted and the QP is at RTS: the peer may send */
+            put_ready(out + n_out, 0);
+            conn_queue(c, out, n_out + BEX__READY_LEN);
+            if ((err = conn_flush(c)) < 0)
+                goto fail;
+            c->phase = P_WAIT_READY;
+            c->rwant = BEX__READY_LEN;
+            c->rlen = 0;
+        } else if (c->phase == P_WAIT_READY) {
+            uint32_t magic, status;
+            memcpy(&magic, c->rbuf, 4);
+            memcpy(&status, c->rbuf + 4, 4);
+            if (ntohl(magic) != BEX__READY_MAGIC) {
+                err = -EBADMSG;
+                goto fail;
+            }
+            if (status) {
+                err = -(int)(ntohl(status) & 0xffff);
+                goto fail;
+            }
+            c->phase = P_UP;
+            c->rwant = 1; /* from now on the TCP connection only tells EOF */
+            c->rlen = 0;
+            bex__engine_start(c->eng);
+        } else {
+            err = -EPROTO; /* nothing may follow the ready notice */
+            goto fail;
+        }
+    }
+    return;
+fail:
+    conn_fail(c, err);
+}
+
+/* ---------------- engine upcalls (I/O thread) ---------------- */
+
+static void eng_on_up(struct bex__engine *e)
+{
+    struct conn *c = bex__engine_user(e);
+    for (int i = 0; i < CONN_MAP; i++) {
+        for (struct bex_sock *s = c->map[i]; s; s = s->map_next) {
+            int st = S_CONNECTING;
+            if (atomic_compare_exchange_strong(&s->state, &st, S_OPEN) && !s->app_closed &&
+                s->ops.on_connect)
+                s->ops.on_connect(s, 0, s->user);
+        }
+    }
+}
+
+static void eng_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t len)
+{
+    struct conn *c = bex__engine_user(e);
+    struct bex_sock *s = map_find(c, stream);
+    if (!s || s->dead || s->app_closed || !s->ops.on_recv) {
+        bex_mem_free(buf); /* the socket is gone: nobody to give it to */
+        return;
+    }
+    s->ops.on_recv(s, buf, len, s->user);
+}
+
+static void eng_on_open(struct bex__engine *e, uint32_t stream)
+{
+    struct conn *c = bex__engine_user(e);
+    struct bex_sock *s = map_find(c, stream);
+    if (s || c->client) {
+        fprintf(stderr, "bex: engine %u: unexpected OPEN of stream %u\n", c->eng_id, stream);
+        conn_fail(c, -EPROTO);
+        return;
+    }
+    s = calloc(1, sizeof(*s));
+    if (!s) {
+        conn_fail(c, -ENOMEM);
+        return;
+    }
+    s->ctx = c->ctx;
+    s->conn = c;
+    s->id = stream;
+    atomic_init(&s->state, S_OPEN);
+    bex__engine_attach(e, &s->st, stream, false);
+    s->attached = true;
+    atomic_init(&s->eng_id, c->eng_id);
+    map_add(c, s);
+    struct bex_listener *l = c->l;
+    if (l && l->ops.on_accept)
+        l->ops.on_accept(l, s, l->user);
+    else
+        bex_sock_close(s);
+}
+
+static void eng_on_peer_close(struct bex__engine *e, uint32_t stream)
+{
+    struct conn *c = bex__engine_user(e);
+    struct bex_sock *s = map_find(c, stream);
+    if (s)
+        sock_fail(s, -ECONNRESET, false);
+}
+
+static void eng_on_send_done(struct bex__engine *e, struct bex__msg *m, int status)
+{
+    (void)e;
+    struct sock_msg *w = (struct sock_msg *)((char *)m - offsetof(struct sock_msg, m));
+    struct bex_sock *s = w->s;
+    s->pending--;
+    if (s->ops.on_send_done)
+        s->ops.on_send_done(s, m->buf, m->len, m->user, status, s->user);
+    free(w);
+    maybe_finish(s);
+}
+
+static void eng_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
+{
+    (void)e;
+    struct bex_sock *s = (struct bex_sock *)((char *)st - offsetof(struct bex_sock, st));
+    s->attached = false;
+    s->dead = true;
+    maybe_finish(s);
+}
+
+static int eng_on_direct(struct bex__engine *e, uint32_t imm)
+{
+    struct conn *c = bex__engine_user(e);
+    uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
+    if (i >= EXPOSED_MAX)
+        return -EPROTO;
+    struct exp_slot *x = &c->ctx->exposed[i];
+    if (atomic_load_explicit(&x->state, memory_order_acquire) != X_ARMED || x->gen != gen ||
+        x->eng_id != c->eng_id)
+        return -EPROTO;
+    struct bex_sock *s = x->s;
+    void *buf = x->buf;
+    uint32_t len = x->len;
+    atomic_store_explicit(&x->state, X_FREE, memory_order_release);
+    BEX__STAT_ADD(&c->ctx->stats, bytes_recv, len);
+    if (s && !s->dead && !s->app_closed && s->ops.on_recv)
+        s->ops.on_recv(s, buf, len, s->user);
+    else
+        bex_mem_free(buf); /* its socket is gone: the application gave it up */
+    return 0;
+}
+
+/* Hand back the exposed buffers of a dead engine. */
+static void exposed_cancel(bex_ctx *ctx, uint32_t eng_id)
+{
+    for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
+        struct exp_slot *x = &ctx->exposed[i];
+        if (atomic_load_explicit(&x->state, memory_order_acquire) != X_ARMED ||
+            x->eng_id != eng_id)
+            continue;
+        struct bex_sock *s = x->s;
+        void *buf = x->buf, *user = x->user;
+        uint32_t len = x->len;
+        atomic_store_explicit(&x->state, X_FREE, memory_order_release);
+        if (s && s->ops.on_send_done)
+            s->ops.on_send_done(s, buf, len, user, -ECANCELED, s->user);
+        else if (!s)
+            bex_mem_free(buf);
+    }
+}
+
+static void eng_on_fail(struct bex__engine *e, int err)
+{
+    struct conn *c = bex__engine_user(e);
+    conn_fail(c, err);
+}
+
+static const struct bex__engine_ops engine_ops = {
+    .on_up = eng_on_up,
+    .on_msg = eng_on_msg,
+    .on_open = eng_on_open,
+    .on_peer_close = eng_on_peer_close,
+    .on_send_done = eng_on_send_done,
+    .on_stream_closed = eng_on_stream_closed,
+    .on_direct = eng_on_direct,
+    .on_fail = eng_on_fail,
+};
+
+/* ---------------- commands (I/O thread) ---------------- */
+
+static int conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct conn **out)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = ctx->cfg.local_addr};
+    int err = 0;
+    if (bind(fd, (struct sockaddr *)&me, sizeof(me)) ||
+        (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS)) {
+        err = -errno;
+        close(fd);
+        return err;
+    }
+    struct conn *c;
+    if ((err = conn_new(ctx, fd, true, &c))) {
+        close(fd);
+        return err;
+    }
+    c->key = *to;
+    c->phase = P_CONNECTING;
+    /* the engine exists from the start, so sockets can queue sends at once */
+    if ((err = engine_make(c))) {
+        c->dead = true;
+        return err;
+    }
+    struct epoll_event ev = {.events = EPOLLOUT | EPOLLIN | EPOLLRDHUP, .data.ptr = &c->tag};
+    if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, fd, &ev)) {
+        err = -errno;
+        c->dead = true;
+        return err;
+    }
+    *out = c;
+    return 0;
+}
+
+static void do_connect(bex_ctx *ctx, struct bex_sock *s)
+{
+    struct conn *c = NULL;
+    for (struct conn *p = ctx->conns; p; p = p->next) {
+        if (p->client && !p->dead && (!p->eng || !bex__engine_is_dead(p->eng)) &&
+            p->key.sin_addr.s_addr == s->peer.sin_addr.s_addr &&
+            p->key.sin_port == s->peer.sin_port) {
+            c = p;
+            break;
+        }
+    }
+    if (!c) {
+        int err = conn_start_client(ctx, &s->peer, &c);
+        if (err) {
+            s->dead = true;
+            atomic_store(&s->state, S_FAILED);
+            if (s->ops.on_connect && !s->app_closed)
+                s->ops.on_connect(s, err, s->user);
+            maybe_finish(s);
+            return;
+        }
+    }
+    s->conn = c;
+    s->id = c->next_stream++;
+    map_add(c, s);
+    bex__engine_attach(c->eng, &s->st, s->id, true);
+    s->attached = true;
+    atomic_store(&s->eng_id, c->eng_id);
+    if (bex__engine_is_up(c->eng)) {
+        atomic_store(&s->state, S_OPEN);
+        if (s->ops.on_connect && !s->app_closed)
+            s->ops.on_connect(s, 0, s->user);
+    }
+}
+
+static void do_send(bex_ctx *ctx, struct sock_msg *w)
+{
+    (void)ctx;
+    struct bex_sock *s = w->s;
+    s->pending++;
+    if (!s->attached || s->dead) {
+        s->pending--;
+        if (s->ops.on_send_done)
+            s->ops.on_send_done(s, w->m.buf, w->m.len, w->m.user, -EPIPE, s->user);
+        free(w);
+        maybe_finish(s);
+        return;
+    }
+    bex__engine_send(&s->st, &w->m);
+}
+
+static void do_close(struct bex_sock *s)
+{
+    if (s->app_closed)
+        return;
+    s->app_closed = true;
+    if (s->attached && !s->dead && s->conn && s->conn->eng && bex__engine_is_up(s->conn->eng)) {
+        bex__engine_close_stream(&s->st); /* on_stream_closed finishes */
+        return;
+    }
+    if (s->attached) {
+        bex__engine_detach(&s->st);
+        s->attached = false;
+    }
+    s->dead = true;
+    maybe_finish(s);
+}
+
+static bool drain_cmds(bex_ctx *ctx)
+{
+    struct bex__cmd *list = atomic_exchange(&ctx->cmds, NULL);
+    if (!list)
+        return false;
+    struct bex__cmd *fifo = NULL;
+    while (list) { /* the stack is newest first */
+        struct bex__cmd *n = list->next;
+        list->next = fifo;
+        fifo = list;
+        list = n;
+    }
+    while (fifo) {
+        struct bex__cmd *c = fifo;
+        fifo = c->next;
+        switch (c->type) {
+        case CMD_SEND:
+            do_send(ctx, (struct sock_msg *)c);
+            break;
+        case CMD_CONNECT:
+            do_connect(ctx, (struct bex_sock *)((char *)c - offsetof(struct bex_sock, connect_cmd)));
+            break;
+        case CMD_CLOSE:
+            do_close((struct bex_sock *)((char *)c - offsetof(struct bex_sock, close_cmd)));
+            break;
+        case CMD_LISTEN: {
+            struct bex_listener *l = (struct bex_listener *)((char *)c -
+                                                             offsetof(struct bex_listener, cmd));
+            l->next = ctx->listeners;
+            ctx->listeners = l;
+            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &l->tag};
+            epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, l->fd, &ev);
+            sem_post(&l->done);
+            break;
+        }
+        case CMD_UNLISTEN: {
+            struct bex_listener *l = (struct bex_listener *)((char *)c -
+                                                             offsetof(struct bex_listener, cmd));
+            for (struct bex_listener **p = &ctx->listeners; *p; p = &(*p)->next)
+                if (*p == l) {
+                    *p = l->next;
+                    break;
+                }
+            epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, l->fd, NULL);
+            for (struct conn *cn = ctx->conns; cn; cn = cn->next)
+                if (cn->l == l)
+                    cn->l = NULL;
+            sem_post(&l->done);
+            break;
+        }
+        case CMD_STOP:
+            ctx->stopping = true;
+            break;
+        }
+    }
+    return true;
+}
+
+static void do_accept(bex_ctx *ctx, struct bex_listener *l)
+{
+    for (;;) {
+        int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return;
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        struct conn *c;
+        if (conn_new(ctx, fd, false, &c)) {
+            close(fd);
+            continue;
+        }
+        c->l = l;
+        c->phase = P_WAIT_HELLO;
+        c->rwant = BEX__HELLO_LEN;
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &c->tag};
+        if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, fd, &ev))
+            c->dead = true;
+    }
+}
+
+/* ---------------- the I/O thread ---------------- */
+
+static void reap(bex_ctx *ctx)
+{
+    struct conn *c = ctx->conns;
+    while (c) {
+        struct conn *next = c->next;
+        if (c->dead && c->nsocks == 0)
+            conn_free(c);
+        c = next;
+    }
+}
+
+static void tick(bex_ctx *ctx, uint64_t now)
+{
+    for (struct conn *c = ctx->conns; c; c = c->next) {
+        if (c->dead)
+            continue;
+        if (c->phase != P_UP && now > c->deadline) {
+            conn_fail(c, -ETIMEDOUT);
+            continue;
+        }
+        if (c->eng)
+            bex__engine_tick(c->eng, now);
+    }
+}
+
+static void handle_events(bex_ctx *ctx, struct epoll_event *ev, int n)
+{
+    for (int i = 0; i < n; i++) {
+        struct ep_tag *t = ev[i].data.ptr;
+        switch (t->kind) {
+        case EV_CHANNEL: {
+            struct ibv_cq *cq;
+            void *cq_ctx;
+            while (ibv_get_cq_event(ctx->ch, &cq, &cq_ctx) == 0)
+                ibv_ack_cq_events(cq, 1);
+            break;
+        }
+        case EV_EVENTFD: {
+            uint64_t v;
+            ssize_t r = read(ctx->evfd, &v, sizeof(v));
+            (void)r;
+            break;
+        }
+        case EV_LISTENER:
+            do_accept(ctx, (struct bex_listener *)t);
+            break;
+        case EV_CONN:
+            conn_step((struct conn *)t, ev[i].events);
+            break;
+        }
+    }
+}
+
+static void *io_main(void *arg)
+{
+    bex_ctx *ctx = arg;
+    struct ibv_wc wc[WC_BATCH];
+    struct epoll_event ev[16];
+    uint64_t next_tick = 0, idle_since = 0;
+    uint32_t spins = 0;
+    while (!ctx->stopping) {
+        bool did = false;
+        int n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        for (int i = 0; i < n; i++) {
+            struct conn *c = engine_conn(ctx, bex__wr_engine(wc[i].wr_id));
+            if (c && c->eng) /* else a stale completion of a destroyed engine */
+                bex__engine_complete(c->eng, &wc[i]);
+        }
+        did |= n > 0;
+        did |= drain_cmds(ctx);
+        for (struct conn *c = ctx->conns; c; c = c->next)
+            if (c->eng && !c->dead)
+                did |= bex__engine_progress(c->eng);
+        reap(ctx);
+        uint64_t now = bex__now_ms();
+        if (now >= next_tick) {
+            tick(ctx, now);
+            next_tick = now + TICK_MS;
+        }
+        if (did) {
+            idle_since = 0;
+            if (++spins % 64 == 0) {
+                int m = epoll_wait(ctx->epfd, ev, 16, 0);
+                handle_events(ctx, ev, m);
+            }
+            continue;
+        }
+        uint64_t t = now_us();
+        if (!idle_since)
+            idle_since = t;
+        if (t - idle_since < ctx->cfg.poll_spin_us) {
+            if (++spins % 64 == 0) {
+                int m = epoll_wait(ctx->epfd, ev, 16, 0);
+                handle_events(ctx, ev, m);
+            }
+            continue;
+        }
+        /* Sleep: arm the CQ, then look once more so nothing slips between. */
+        ibv_req_notify_cq(ctx->sh.cq, 0);
+        atomic_store(&ctx->sleeping, 1);
+        n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        if (n > 0 || atomic_load(&ctx->cmds)) {
+            atomic_store(&ctx->sleeping, 0);
+            for (int i = 0; i < n; i++) {
+                struct conn *c = engine_conn(ctx, bex__wr_engine(wc[i].wr_id));
+                if (c && c->eng)
+                    bex__engine_complete(c->eng, &wc[i]);
+            }
+            idle_since = 0;
+            continue;
+        }
+        now = bex__now_ms();
+        int timeout = next_tick > now ? (int)(next_tick - now) : 0;
+        int m = epoll_wait(ctx->epfd, ev, 16, timeout);
+        atomic_store(&ctx->sleeping, 0);
+        if (m > 0)
+            handle_events(ctx, ev, m);
+        idle_since = 0;
+    }
+    return NULL;
+}
+
+/* ---------------- public API ---------------- */
+
+#define DEF(field, v)                                                                      \
+    do {                                                                                   \
+        if (!c->field)                                                                     \
+            c->field = (v);                                                                \
+    } while (0)
+
+static int config_check(bex_ctx_config *c)
+{
+    if (c->local_addr.s_addr == htonl(INADDR_ANY))
+        return -EINVAL;
+    DEF(sq_depth, 32);
+    DEF(rq_depth, 64);
+    DEF(eager_max, 8192);
+    DEF(frag_size, 65536);
+    DEF(rndv_ahead, 8);
+    DEF(keepalive_ms, 100);
+    DEF(keepalive_timeout_ms, 2000);
+    DEF(connect_timeout_ms, 3000);
+    DEF(poll_spin_us, 50);
+    DEF(qp_timeout, 14);
+    DEF(qp_retry_cnt, 7);
+    DEF(qp_rnr_retry, 7);
+    if (c->sq_depth < 2 || c->sq_depth > 4096 || c->rq_depth < 4 || c->rq_depth > 16384 ||
+        c->eager_max > (1u << 20) || c->frag_size < 256 || c->rndv_ahead > 256 ||
+        c->keepalive_timeout_ms < 2 * c->keepalive_ms)
+        return -EINVAL;
+    return 0;
+}
+
+int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
+{
+    if (!cfg || !out)
+        return -EINVAL;
+    bex_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (!ctx)
+        return -ENOMEM;
+    ctx->cfg = *cfg;
+    int err = config_check(&ctx->cfg);
+    if (err)
+        goto err_free;
+    const bex_ctx_config *c = &ctx->cfg;
+    ctx->ecfg = (struct bex__engine_config){
+        .sq_depth = c->sq_depth,
+        .rq_depth = c->rq_depth,
+        .eager_max = c->eager_max,
+        .frag_size = c->frag_size,
+        .send_window = c->send_window,
+        .rndv_ahead = c->rndv_ahead,
+        .keepalive_ms = c->keepalive_ms,
+        .keepalive_timeout_ms = c->keepalive_timeout_ms,
+    };
+    ctx->engines = calloc(ENGINE_TABLE, sizeof(*ctx->engines));
+    if (!ctx->engines) {
+        err = -ENOMEM;
+        goto err_free;
+    }
+    err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
+    if (err)
+        goto err_free;
+    if (ctx->sh.path.active_mtu == 0) {
+        err = -ENETDOWN;
+        goto err_close_dev;
+    }
+    ctx->sh.dev = ctx->dev;
+    ctx->sh.pd = ctx->dev->pd;
+    ctx->sh.stats = &ctx->stats;
+    ctx->sh.conn = (struct bex__rdma_conn_config){
+        .timeout = c->qp_timeout, .retry_cnt = c->qp_retry_cnt, .rnr_retry = c->qp_rnr_retry};
+    if (c->pool) {
+        ctx->sh.pool = c->pool;
+    } else {
+        bex_mem_registrar reg;
+        bex_mem_registrar_verbs(&reg, ctx->dev->pd, 0);
+        if ((err = bex_mem_pool_create(&reg, NULL, &ctx->sh.pool)))
+            goto err_close_dev;
+        ctx->own_pool = true;
+    }
+    if ((err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
+        goto err_pool;
+    int cqe = ctx->dev->attr.max_cqe < 16384 ? ctx->dev->attr.max_cqe : 16384;
+    if ((err = bex__rdma_cq_create(ctx->dev, cqe, ctx->ch, &ctx->sh.cq)))
+        goto err_channel;
+    ctx->cqe_cap = (uint32_t)cqe;
+    ctx->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (ctx->epfd < 0) {
+        err = -errno;
+        goto err_cq;
+    }
+    ctx->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (ctx->evfd < 0) {
+        err = -errno;
+        goto err_epoll;
+    }
+    ctx->ch_tag.kind = EV_CHANNEL;
+    ctx->ev_tag.kind = EV_EVENTFD;
+    struct epoll_event e1 = {.events = EPOLLIN, .data.ptr = &ctx->ch_tag};
+    struct epoll_event e2 = {.events = EPOLLIN, .data.ptr = &ctx->ev_tag};
+    if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, ctx->ch->fd, &e1) ||
+        epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, ctx->evfd, &e2)) {
+        err = -errno;
+        goto err_evfd;
+    }
+    if ((err = -pthread_create(&ctx->thread, NULL, io_main, ctx)))
+        goto err_evfd;
+    *out = ctx;
+    return 0;
+
+err_evfd:
+    close(ctx->evfd);
+err_epoll:
+    close(ctx->epfd);
+err_cq:
+    bex__rdma_cq_destroy(ctx->sh.cq);
+err_channel:
+    bex__rdma_channel_destroy(ctx->ch);
+err_pool:
+    if (ctx->own_pool)
+        bex_mem_pool_destroy(ctx->sh.pool);
+err_close_dev:
+    bex__rdma_dev_close(ctx->dev);
+err_free:
+    free(ctx->engines);
+    free(ctx);
+    return err;
+}
+
+void bex_ctx_destroy(bex_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    push_cmd(ctx, &ctx->stop_cmd, CMD_STOP);
+    pthread_join(ctx->thread, NULL);
+    while (ctx->conns) {
+        struct conn *cn = ctx->conns;
+        for (int i = 0; i < CONN_MAP; i++) {
+            while (cn->map[i]) {
+                struct bex_sock *s = cn->map[i];
+                cn->map[i] = s->map_next;
+                free(s); /* the application did not close it: reclaim anyway */
+            }
+        }
+        cn->nsocks = 0;
+        conn_free(cn);
+    }
+    close(ctx->evfd);
+    close(ctx->epfd);
+    bex__rdma_cq_destroy(ctx->sh.cq);
+    bex__rdma_channel_destroy(ctx->ch);
+    if (ctx->own_pool && bex_mem_pool_destroy(ctx->sh.pool))
+        fprintf(stderr, "bex: context destroyed while buffers of its pool are live\n");
+    bex__rdma_dev_close(ctx->dev);
+    free(ctx->engines);
+    free(ctx);
+}
+
+bex_mem_pool *bex_ctx_pool(bex_ctx *ctx)
+{
+    return ctx->sh.pool;
+}
+
+struct ibv_pd *bex_ctx_pd(bex_ctx *ctx)
+{
+    return ctx->dev->pd;
+}
+
+void *bex_sock_alloc(bex_ctx *ctx, size_t size)
+{
+    return bex_mem_alloc(ctx->sh.pool, size);
+}
+
+void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
+{
+    struct bex__stats *s = &ctx->stats;
+#define LD(f) o->f = atomic_load_explicit(&s->f, memory_order_relaxed)
+    LD(msgs_sent);
+    LD(msgs_recv);
+    LD(bytes_sent);
+    LD(bytes_recv);
+    LD(sends_posted);
+    LD(writes_posted);
+    LD(post_send_calls);
+    LD(post_recv_calls);
+    LD(signaled);
+    LD(credit_stalls);
+    LD(window_stalls);
+    LD(max_inflight_bytes);
+    LD(credit_msgs);
+    LD(engines);
+#undef LD
+}
+
+int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
+                     void *user, bex_sock **out)
+{
+    if (!ctx || !addr || !out || addr->sin_family != AF_INET || addr->sin_port == 0)
+        return -EINVAL;
+    struct bex_sock *s = calloc(1, sizeof(*s));
+    if (!s)
+        return -ENOMEM;
+    s->ctx = ctx;
+    if (ops)
+        s->ops = *ops;
+    s->user = user;
+    s->peer = *addr;
+    atomic_init(&s->state, S_CONNECTING);
+    *out = s;
+    push_cmd(ctx, &s->connect_cmd, CMD_CONNECT);
+    return 0;
+}
+
+static int check_buf(bex_sock *s, void *buf, size_t len)
+{
+    if (len > INT32_MAX)
+        return -EMSGSIZE;
+    if (!buf)
+        return -EINVAL;
+    const bex_mem_region *r = bex_mem_mr(buf);
+    if (!r || bex_mem_pool_of(buf) != s->ctx->sh.pool || (uintptr_t)buf < (uintptr_t)r->addr ||
+        (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
+        return -EINVAL;
+    return 0;
+}
+
+static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_remote_buf *rb)
+{
+    int st = atomic_load(&s->state);
+    if (st == S_FAILED || st == S_CLOSING)
+        return -EPIPE;
+    int err = check_buf(s, buf, len);
+    if (err)
+        return err;
+    if (rb && (rb->len != len || !(rb->token & BEX__IMM_DIRECT) || len == 0))
+        return -EINVAL;
+    struct sock_msg *w = calloc(1, sizeof(*w));
+    if (!w)
+        return -ENOMEM;
+    w->s = s;
+    w->m.buf = buf;
+    w->m.len = len;
+    w->m.user = msg_user;
+    if (rb) {
+        w->m.direct = true;
+        w->m.raddr = rb->addr;
+        w->m.rkey = rb->rkey;
+        w->m.imm = rb->token;
+    }
+    push_cmd(s->ctx, &w->cmd, CMD_SEND);
+    return 0;
+}
+
+int bex_sock_send(bex_sock *s, void *buf, size_t len, void *msg_user)
+{
+    if (!s)
+        return -EINVAL;
+    return submit(s, buf, len, msg_user, NULL);
+}
+
+int bex_sock_send_direct(bex_sock *s, void *buf, size_t len, const bex_remote_buf *rb,
+                         void *msg_user)
+{
+    if (!s || !rb)
+        return -EINVAL;
+    return submit(s, buf, len, msg_user, rb);
+}
+
+int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_remote_buf *out)
+{
+    if (!s || !out || len == 0)
+        return -EINVAL;
+    int st = atomic_load(&s->state);
+    if (st == S_FAILED || st == S_CLOSING)
+        return -EPIPE;
+    uint32_t eng = atomic_load(&s->eng_id);
+    if (!eng)
+        return -ENOTCONN;
+    int err = check_buf(s, buf, len);
+    if (err)
+        return err;
+    bex_ctx *ctx = s->ctx;
+    for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
+        struct exp_slot *x = &ctx->exposed[i];
+        uint32_t want = X_FREE;
+        if (!atomic_compare_exchange_strong(&x->state, &want, X_CLAIMED))
+            continue;
+        x->gen = (uint16_t)((x->gen + 1) & 0x7fff);
+        x->eng_id = eng;
+        x->buf = buf;
+        x->len = len;
+        x->user = msg_user;
+        x->s = s;
+        out->addr = (uintptr_t)buf;
+        out->rkey = bex_mem_mr(buf)->rkey;
+        out->len = len;
+        out->token = BEX__IMM_DIRECT | ((uint32_t)x->gen << 16) | i;
+        atomic_store_explicit(&x->state, X_ARMED, memory_order_release);
+        return 0;
+    }
+    return -ENOSPC;
+}
+
+void bex_sock_close(bex_sock *s)
+{
+    if (!s)
+        return;
+    int st = atomic_exchange(&s->state, S_CLOSING);
+    if (st == S_CLOSING)
+        return;
+    push_cmd(s->ctx, &s->close_cmd, CMD_CLOSE);
+}
+
+void *bex_sock_user(const bex_sock *s)
+{
+    return s->user;
+}
+
+void bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user)
+{
+    if (ops)
+        s->ops = *ops;
+    s->user = user;
+}
+
+int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_ops *ops,
+               void *user, bex_listener **out)
+{
+    if (!ctx || !addr || !out || addr->sin_family != AF_INET)
+        return -EINVAL;
+    struct bex_listener *l = calloc(1, sizeof(*l));
+    if (!l)
+        return -ENOMEM;
+    int err;
+    l->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (l->fd < 0) {
+        err = -errno;
+        goto err_free;
+    }
+    int one = 1;
+    setsockopt(l->fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    socklen_t sl = sizeof(l->addr);
+    if (bind(l->fd, (const struct sockaddr *)addr, sizeof(*addr)) || listen(l->fd, 128) ||
+        getsockname(l->fd, (struct sockaddr *)&l->addr, &sl)) {
+        err = -errno;
+        goto err_close;
+    }
+    l->tag.kind = EV_LISTENER;
+    l->ctx = ctx;
+    if (ops)
+        l->ops = *ops;
+    l->user = user;
+    sem_init(&l->done, 0, 0);
+    push_cmd(ctx, &l->cmd, CMD_LISTEN);
+    while (sem_wait(&l->done) && errno == EINTR)
+        ;
+    *out = l;
+    return 0;
+err_close:
+    close(l->fd);
+err_free:
+    free(l);
+    return err;
+}
+
+void bex_listener_addr(const bex_listener *l, struct sockaddr_in *out)
+{
+    *out = l->addr;
+}
+
+void bex_listener_close(bex_listener *l)
+{
+    if (!l)
+        return;
+    push_cmd(l->ctx, &l->cmd, CMD_UNLISTEN);
+    while (sem_wait(&l->done) && errno == EINTR)
+        ;
+    close(l->fd);
+    sem_destroy(&l->done);
+    free(l);
+}

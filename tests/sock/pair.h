@@ -1,0 +1,233 @@
+/* Two-process test scaffolding for socket tests on real RDMA devices.
+ *
+ * pair_run() forks: the child is the server, on BEX_TEST_ADDR0 (rxe0); the
+ * parent is the client, on BEX_TEST_ADDR1 (rxe1). The server listens on an
+ * ephemeral port and tells the parent which one through a pipe. Each side
+ * runs its function; the parent reaps the child with a deadline and the
+ * case passes only if both sides return 0. */
+#ifndef BEX_TEST_PAIR_H
+#define BEX_TEST_PAIR_H
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bex/sock.h"
+#include "harness.h"
+
+struct pair {
+    bex_ctx *ctx;
+    bex_listener *l;          /* server */
+    struct sockaddr_in srv;   /* client: where the server listens */
+    pid_t child;              /* client: the server's pid */
+    int to_child, from_child; /* client: pipes to/from the server */
+    int to_parent, from_parent;
+};
+
+static inline int pair_addrs(struct in_addr *a0, struct in_addr *a1)
+{
+    const char *s0 = getenv("BEX_TEST_ADDR0"), *s1 = getenv("BEX_TEST_ADDR1");
+    if (!s0 || !s1 || inet_pton(AF_INET, s0, a0) != 1 || inet_pton(AF_INET, s1, a1) != 1)
+        return bex_test_skip("BEX_TEST_ADDR0/1 not set (run under scripts/rxe-vm)");
+    return 0;
+}
+
+static inline uint64_t pair_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static inline void pair_sleep_ms(unsigned ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+/* Deterministic content: byte i of message (seed) */
+static inline void fill_pattern(uint8_t *p, size_t len, uint32_t seed)
+{
+    uint32_t x = seed * 2654435761u + 1;
+    for (size_t i = 0; i < len; i++) {
+        if ((i & 3) == 0)
+            x = x * 1103515245u + 12345u;
+        p[i] = (uint8_t)(x >> ((i & 3) * 8));
+    }
+}
+
+static inline int check_pattern(const uint8_t *p, size_t len, uint32_t seed)
+{
+    uint32_t x = seed * 2654435761u + 1;
+    for (size_t i = 0; i < len; i++) {
+        if ((i & 3) == 0)
+            x = x * 1103515245u + 12345u;
+        if (p[i] != (uint8_t)(x >> ((i & 3) * 8))) {
+            fprintf(stderr, "pattern mismatch at byte %zu of %zu (seed %u)\n", i, len, seed);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Small blocking "wait until" on a condition set from I/O callbacks. */
+struct waiter {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+};
+#define WAITER_INIT {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER}
+
+static inline void waiter_signal(struct waiter *w)
+{
+    pthread_mutex_lock(&w->mu);
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* Wait until *flag >= want or timeout_ms passes; returns 0 or -1. */
+static inline int wait_count(struct waiter *w, _Atomic long *flag, long want, unsigned timeout_ms)
+{
+    uint64_t end = pair_now_ms() + timeout_ms;
+    pthread_mutex_lock(&w->mu);
+    while (atomic_load(flag) < want) {
+        uint64_t now = pair_now_ms();
+        if (now >= end)
+            break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t ns = (uint64_t)ts.tv_nsec + (end - now > 50 ? 50 : end - now) * 1000000ull;
+        ts.tv_sec += (time_t)(ns / 1000000000ull);
+        ts.tv_nsec = (long)(ns % 1000000000ull);
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return atomic_load(flag) >= want ? 0 : -1;
+}
+
+/* An RDMA hardware counter summed over every rxe device, or -1. */
+static inline long long rxe_counter(const char *name)
+{
+    long long sum = -1;
+    DIR *d = opendir("/sys/class/infiniband");
+    if (!d)
+        return -1;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        if (de->d_name[0] == '.')
+            continue;
+        char path[512];
+        snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/1/hw_counters/%s",
+                 de->d_name, name);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        long long v;
+        if (fscanf(f, "%lld", &v) == 1)
+            sum = (sum < 0 ? 0 : sum) + v;
+        fclose(f);
+    }
+    closedir(d);
+    return sum;
+}
+
+typedef int (*pair_fn)(struct pair *p, void *arg);
+
+/* Fill cfg->local_addr and run server_fn in a child on ADDR0, client_fn here
+ * on ADDR1. The configs may be NULL (defaults). */
+static inline int pair_run(const bex_ctx_config *scfg, const bex_ctx_config *ccfg,
+                           pair_fn server_fn, pair_fn client_fn, void *arg, unsigned timeout_s)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    int up[2], down[2];
+    signal(SIGPIPE, SIG_IGN); /* a server killed on purpose closes its pipe */
+    CHECK(pipe(up) == 0 && pipe(down) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(up[0]);
+        close(down[1]);
+        struct pair p = {.to_parent = up[1], .from_parent = down[0]};
+        bex_ctx_config c = scfg ? *scfg : (bex_ctx_config){0};
+        c.local_addr = a0;
+        int err = bex_ctx_create(&c, &p.ctx);
+        if (err) {
+            fprintf(stderr, "server: bex_ctx_create: %s\n", bex_strerror(err));
+            _exit(2);
+        }
+        rc = server_fn(&p, arg);
+        _exit(rc ? 1 : 0);
+    }
+    close(up[1]);
+    close(down[0]);
+    struct pair p = {.child = pid, .from_child = up[0], .to_child = down[1]};
+    bex_ctx_config c = ccfg ? *ccfg : (bex_ctx_config){0};
+    c.local_addr = a1;
+    int err = bex_ctx_create(&c, &p.ctx);
+    if (err) {
+        fprintf(stderr, "client: bex_ctx_create: %s\n", bex_strerror(err));
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return 1;
+    }
+    uint16_t port = 0;
+    if (read(p.from_child, &port, sizeof port) != sizeof port) {
+        fprintf(stderr, "client: server did not report its port\n");
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return 1;
+    }
+    p.srv = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+    rc = client_fn(&p, arg);
+    /* tell the server we are done, then reap it with a deadline */
+    char bye = 'q';
+    if (write(p.to_child, &bye, 1) < 0) {
+        /* the server may be dead on purpose */
+    }
+    int status = 0;
+    uint64_t end = pair_now_ms() + timeout_s * 1000ull;
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
+        pair_sleep_ms(20);
+    if (w == 0) {
+        fprintf(stderr, "server did not finish in %u s\n", timeout_s);
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        rc = 1;
+    } else if (w == pid && p.child && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+        fprintf(stderr, "server failed (status 0x%x)\n", status);
+        rc = 1;
+    }
+    bex_ctx_destroy(p.ctx);
+    return rc;
+}
+
+/* Server side: listen on an ephemeral port, report it to the parent. */
+static inline void pair_listen(struct pair *p, const bex_listener_ops *ops, void *user)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR0"));
+    CHECK_OK(bex_listen(p->ctx, &a, ops, user, &p->l));
+    struct sockaddr_in got;
+    bex_listener_addr(p->l, &got);
+    CHECK(write(p->to_parent, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+}
+
+/* Server side: block until the parent says it is done. */
+static inline void pair_wait_parent(struct pair *p)
+{
+    char c;
+    ssize_t r = read(p->from_parent, &c, 1);
+    (void)r;
+}
+
+#endif

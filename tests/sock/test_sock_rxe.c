@@ -1,0 +1,587 @@
+/* Socket and engine tests on real RDMA devices (rxe0 <-> rxe1, two
+ * processes). See pair.h for the scaffolding. */
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pair.h"
+
+/* ---------------- an echo server ---------------- */
+
+struct echo_srv {
+    _Atomic long recvd, bytes;
+    long expect; /* >0: exit only after this many messages (no echo) */
+    unsigned delay_us;
+    bool no_echo;
+};
+
+static void echo_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct echo_srv *e = user;
+    atomic_fetch_add(&e->recvd, 1);
+    atomic_fetch_add(&e->bytes, (long)len);
+    if (e->delay_us)
+        usleep(e->delay_us);
+    if (e->no_echo || bex_sock_send(s, buf, len, NULL) != 0)
+        bex_mem_free(buf);
+}
+
+static void echo_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
+{
+    (void)s, (void)len, (void)mu, (void)status, (void)user;
+    bex_mem_free(buf);
+}
+
+static void echo_error(bex_sock *s, int err, void *user)
+{
+    (void)err, (void)user;
+    bex_sock_close(s);
+}
+
+static const bex_sock_ops echo_ops = {
+    .on_recv = echo_recv, .on_send_done = echo_done, .on_error = echo_error};
+
+static void echo_accept(bex_listener *l, bex_sock *s, void *user)
+{
+    (void)l;
+    bex_sock_set_user(s, &echo_ops, user);
+}
+
+static int echo_server(struct pair *p, void *arg)
+{
+    struct echo_srv *e = arg ? arg : &(struct echo_srv){0};
+    bex_listener_ops lops = {.on_accept = echo_accept};
+    pair_listen(p, &lops, e);
+    if (e->expect) {
+        uint64_t end = pair_now_ms() + 120000;
+        while (atomic_load(&e->recvd) < e->expect && pair_now_ms() < end)
+            pair_sleep_ms(5);
+        if (atomic_load(&e->recvd) != e->expect) {
+            fprintf(stderr, "server: got %ld of %ld messages\n", atomic_load(&e->recvd),
+                    e->expect);
+            return 1;
+        }
+    }
+    pair_wait_parent(p);
+    return 0;
+}
+
+/* ---------------- a client that checks echoes ---------------- */
+
+#define MAXS 64
+
+struct cli {
+    struct waiter w;
+    _Atomic long connected, recvd, done, send_err, errors, closed;
+    int conn_status, err;
+    int bad;
+    /* per socket: next expected sequence number */
+    uint32_t next_seq[MAXS];
+    bex_sock *socks[MAXS];
+};
+
+/* message layout: [0..3] socket index, [4..7] seq, rest pattern(seed) */
+static uint32_t seed_of(uint32_t si, uint32_t seq)
+{
+    return si * 100003u + seq;
+}
+
+static void *make_msg(bex_ctx *ctx, uint32_t si, uint32_t seq, size_t len)
+{
+    uint8_t *b = bex_sock_alloc(ctx, len ? len : 1);
+    CHECK(b);
+    if (len >= 8) {
+        memcpy(b, &si, 4);
+        memcpy(b + 4, &seq, 4);
+        fill_pattern(b + 8, len - 8, seed_of(si, seq));
+    } else {
+        fill_pattern(b, len, seed_of(si, seq));
+    }
+    return b;
+}
+
+static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct cli *c = user;
+    (void)s;
+    if (len >= 8) {
+        uint32_t si, seq;
+        memcpy(&si, buf, 4);
+        memcpy(&seq, (uint8_t *)buf + 4, 4);
+        if (si >= MAXS || seq != c->next_seq[si] ||
+            check_pattern((uint8_t *)buf + 8, len - 8, seed_of(si, seq))) {
+            fprintf(stderr, "bad echo: socket %u seq %u (expected %u) len %zu\n", si, seq,
+                    si < MAXS ? c->next_seq[si] : 0, len);
+            c->bad++;
+        } else {
+            c->next_seq[si]++;
+        }
+    }
+    bex_mem_free(buf);
+    atomic_fetch_add(&c->recvd, 1);
+    waiter_signal(&c->w);
+}
+
+static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
+{
+    struct cli *c = user;
+    (void)s, (void)len, (void)mu;
+    if (status)
+        atomic_fetch_add(&c->send_err, 1);
+    bex_mem_free(buf);
+    atomic_fetch_add(&c->done, 1);
+    waiter_signal(&c->w);
+}
+
+static void cli_connect(bex_sock *s, int status, void *user)
+{
+    struct cli *c = user;
+    (void)s;
+    if (status)
+        c->conn_status = status;
+    atomic_fetch_add(&c->connected, 1);
+    waiter_signal(&c->w);
+}
+
+static void cli_error(bex_sock *s, int err, void *user)
+{
+    struct cli *c = user;
+    (void)s;
+    c->err = err;
+    atomic_fetch_add(&c->errors, 1);
+    waiter_signal(&c->w);
+}
+
+static void cli_close(bex_sock *s, void *user)
+{
+    struct cli *c = user;
+    (void)s;
+    atomic_fetch_add(&c->closed, 1);
+    waiter_signal(&c->w);
+}
+
+static const bex_sock_ops cli_ops = {.on_connect = cli_connect,
+                                     .on_recv = cli_recv,
+                                     .on_send_done = cli_done,
+                                     .on_error = cli_error,
+                                     .on_close = cli_close};
+
+static struct cli *cli_new(void)
+{
+    struct cli *c = calloc(1, sizeof(*c));
+    CHECK(c);
+    pthread_mutex_init(&c->w.mu, NULL);
+    pthread_cond_init(&c->w.cv, NULL);
+    return c;
+}
+
+static void cli_connect_n(struct pair *p, struct cli *c, int n)
+{
+    for (int i = 0; i < n; i++)
+        CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[i]));
+    CHECK(wait_count(&c->w, &c->connected, n, 20000) == 0);
+    CHECK_EQ(c->conn_status, 0);
+}
+
+static void cli_close_all(struct cli *c, int n)
+{
+    long before = atomic_load(&c->closed);
+    for (int i = 0; i < n; i++)
+        bex_sock_close(c->socks[i]);
+    CHECK(wait_count(&c->w, &c->closed, before + n, 20000) == 0);
+}
+
+/* ---------------- cases ---------------- */
+
+static int sizes_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    const size_t K = 1024, M = 1024 * 1024;
+    /* around eager_max (8 KiB), the fragment (64 KiB), the chunk (4 MiB),
+     * rxe's message limit (8 MiB) and up to 64 MiB */
+    size_t sizes[] = {0,         1,         7,         8,         100,       8 * K - 1,
+                      8 * K,     8 * K + 1, 64 * K - 1, 64 * K,   64 * K + 1, 1 * M,
+                      4 * M - 1, 4 * M,     4 * M + 1, 8 * M + 1, 64 * M};
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, 1);
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        void *b = make_msg(p->ctx, 0, (uint32_t)i, sizes[i]);
+        CHECK_OK(bex_sock_send(c->socks[0], b, sizes[i], NULL));
+        if (sizes[i] < 8)
+            c->next_seq[0]++; /* too short to carry a sequence */
+        CHECK(wait_count(&c->w, &c->recvd, (long)i + 1, 60000) == 0);
+        CHECK_EQ(c->bad, 0);
+    }
+    CHECK(wait_count(&c->w, &c->done, sizeof sizes / sizeof sizes[0], 10000) == 0);
+    CHECK_EQ(atomic_load(&c->send_err), 0);
+    cli_close_all(c, 1);
+    free(c);
+    return 0;
+}
+
+static int sizes(void)
+{
+    /* 64 MiB buffers are allocated, registered and checked on the I/O
+     * threads of an emulated VM: give keepalive room for such stalls */
+    bex_ctx_config cfg = {.keepalive_timeout_ms = 30000};
+    return pair_run(&cfg, &cfg, echo_server, sizes_client, NULL, 120);
+}
+
+/* 16 sockets to one address share one engine; interleaved traffic keeps
+ * per-socket order. */
+static int multiplex_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    enum { NS = 16, PER = 24 };
+    const size_t lens[] = {100, 5000, 20000, 300000};
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, NS);
+    bex_sock_stats st;
+    bex_ctx_stats(p->ctx, &st);
+    CHECK_EQ(st.engines, 1);
+    for (uint32_t seq = 0; seq < PER; seq++)
+        for (uint32_t si = 0; si < NS; si++) {
+            size_t len = lens[(seq + si) % 4];
+            CHECK_OK(bex_sock_send(c->socks[si], make_msg(p->ctx, si, seq, len), len, NULL));
+        }
+    CHECK(wait_count(&c->w, &c->recvd, NS * PER, 60000) == 0);
+    CHECK_EQ(c->bad, 0);
+    for (int si = 0; si < NS; si++)
+        CHECK_EQ(c->next_seq[si], PER);
+    CHECK(wait_count(&c->w, &c->done, NS * PER, 10000) == 0);
+    CHECK_EQ(atomic_load(&c->send_err), 0);
+    bex_ctx_stats(p->ctx, &st);
+    CHECK_EQ(st.engines, 1);
+    /* doorbell batching: fewer ibv_post_send calls than work requests */
+    CHECK(st.post_send_calls < st.sends_posted + st.writes_posted);
+    cli_close_all(c, NS);
+    free(c);
+    return 0;
+}
+
+static int multiplex(void)
+{
+    return pair_run(NULL, NULL, echo_server, multiplex_client, NULL, 120);
+}
+
+/* A receiver with 4 receives that handles each message slowly: the sender
+ * is paced by credits and no RNR ever happens. */
+#define SLOW_N 400
+static int slow_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    long long rnr0 = rxe_counter("rcvd_rnr_err"), rnr1 = rxe_counter("send_rnr_err");
+    CHECK(rnr0 >= 0 && rnr1 >= 0);
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, 1);
+    for (uint32_t i = 0; i < SLOW_N; i++)
+        CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 0, i, 1024), 1024, NULL));
+    CHECK(wait_count(&c->w, &c->done, SLOW_N, 60000) == 0);
+    CHECK_EQ(atomic_load(&c->send_err), 0);
+    bex_sock_stats st;
+    bex_ctx_stats(p->ctx, &st);
+    fprintf(stderr, "credit stalls %llu, rnr %lld/%lld -> %lld/%lld\n",
+            (unsigned long long)st.credit_stalls, rnr0, rnr1, rxe_counter("rcvd_rnr_err"),
+            rxe_counter("send_rnr_err"));
+    CHECK(st.credit_stalls > 0);
+    CHECK_EQ(rxe_counter("rcvd_rnr_err"), rnr0);
+    CHECK_EQ(rxe_counter("send_rnr_err"), rnr1);
+    cli_close_all(c, 1);
+    free(c);
+    return 0;
+}
+
+static int slow_receiver(void)
+{
+    bex_ctx_config scfg = {.rq_depth = 4};
+    struct echo_srv e = {.expect = SLOW_N, .delay_us = 2000, .no_echo = true};
+    return pair_run(&scfg, NULL, echo_server, slow_client, &e, 120);
+}
+
+/* The send window bounds the bytes in flight of an engine. */
+static int window_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    enum { NS = 4, PER = 6 };
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, NS);
+    for (uint32_t seq = 0; seq < PER; seq++)
+        for (uint32_t si = 0; si < NS; si++)
+            CHECK_OK(bex_sock_send(c->socks[si], make_msg(p->ctx, si, seq, 256 * 1024),
+                                   256 * 1024, NULL));
+    CHECK(wait_count(&c->w, &c->recvd, NS * PER, 60000) == 0);
+    CHECK_EQ(c->bad, 0);
+    bex_sock_stats st;
+    bex_ctx_stats(p->ctx, &st);
+    fprintf(stderr, "max in flight %llu bytes, window stalls %llu\n",
+            (unsigned long long)st.max_inflight_bytes, (unsigned long long)st.window_stalls);
+    *(uint64_t *)arg = st.max_inflight_bytes;
+    cli_close_all(c, NS);
+    free(c);
+    return 0;
+}
+
+static int send_window(void)
+{
+    uint64_t with = 0, without = 0;
+    bex_ctx_config on = {.send_window = 16384, .frag_size = 4096};
+    bex_ctx_config off = {.frag_size = 4096};
+    int rc = pair_run(NULL, &on, echo_server, window_client, &with, 120);
+    if (rc)
+        return rc;
+    rc = pair_run(NULL, &off, echo_server, window_client, &without, 120);
+    if (rc)
+        return rc;
+    CHECK(with > 0);
+    CHECK(with <= 16384);
+    CHECK(without > 16384); /* the bound is the window's doing */
+    return 0;
+}
+
+/* kill -9 of the peer: the error event comes within the keepalive timeout
+ * and every message given to bex is handed back. */
+static int kill_client(struct pair *p, void *arg)
+{
+    int sig = *(int *)arg;
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, 1);
+    long sent = 0;
+    /* keep 16 messages of 64 KiB in flight for a while */
+    while (atomic_load(&c->done) < 200) {
+        while (sent - atomic_load(&c->done) < 16) {
+            CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 0, (uint32_t)sent, 65536),
+                                   65536, NULL));
+            sent++;
+        }
+        pair_sleep_ms(1);
+    }
+    while (sent - atomic_load(&c->done) < 16) {
+        CHECK_OK(
+            bex_sock_send(c->socks[0], make_msg(p->ctx, 0, (uint32_t)sent, 65536), 65536, NULL));
+        sent++;
+    }
+    uint64_t t0 = pair_now_ms();
+    kill(p->child, sig);
+    /* keepalive timeout 1000 ms: allow scheduling slack in the VM */
+    CHECK(wait_count(&c->w, &c->errors, 1, 3000) == 0);
+    uint64_t dt = pair_now_ms() - t0;
+    fprintf(stderr, "error %d (%s) after %llu ms; %ld sent, %ld done, %ld failed\n", c->err,
+            bex_strerror(c->err), (unsigned long long)dt, sent, atomic_load(&c->done),
+            atomic_load(&c->send_err));
+    CHECK(dt <= 2500);
+    if (sig == SIGSTOP)
+        CHECK_EQ(c->err, -ETIMEDOUT); /* only keepalive can tell */
+    /* every message handed to bex comes back, some with an error (those
+     * still in the hand-off queue right after the error event) */
+    CHECK(wait_count(&c->w, &c->done, sent, 1000) == 0);
+    CHECK_EQ(atomic_load(&c->done), sent);
+    CHECK(atomic_load(&c->send_err) > 0);
+    /* sending on a failed socket is refused at once */
+    void *b = bex_sock_alloc(p->ctx, 16);
+    CHECK_EQ(bex_sock_send(c->socks[0], b, 16, NULL), -EPIPE);
+    bex_mem_free(b);
+    cli_close_all(c, 1);
+    kill(p->child, SIGKILL);
+    waitpid(p->child, NULL, 0);
+    p->child = 0;
+    free(c);
+    return 0;
+}
+
+static int peer_killed(void)
+{
+    int sig = SIGKILL;
+    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1000};
+    return pair_run(&cfg, &cfg, echo_server, kill_client, &sig, 60);
+}
+
+static int peer_frozen(void)
+{
+    int sig = SIGSTOP;
+    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1000};
+    return pair_run(&cfg, &cfg, echo_server, kill_client, &sig, 60);
+}
+
+/* 1 % packet loss on the wire: every message still arrives intact. */
+static int loss_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    enum { NS = 4, PER = 15 };
+    const size_t lens[] = {1000, 30000, 200000};
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, NS);
+    for (uint32_t seq = 0; seq < PER; seq++)
+        for (uint32_t si = 0; si < NS; si++) {
+            size_t len = lens[(seq + si) % 3];
+            CHECK_OK(bex_sock_send(c->socks[si], make_msg(p->ctx, si, seq, len), len, NULL));
+        }
+    CHECK(wait_count(&c->w, &c->recvd, NS * PER, 120000) == 0);
+    CHECK_EQ(c->bad, 0);
+    CHECK_EQ(atomic_load(&c->errors), 0);
+    cli_close_all(c, NS);
+    free(c);
+    return 0;
+}
+
+static int netem(const char *op)
+{
+    char cmd[256];
+    int rc = 0;
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd, "tc qdisc %s dev veth%d root netem loss 1%% 2>&1", op, i);
+        rc |= system(cmd);
+    }
+    return rc;
+}
+
+static int packet_loss(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    long long retries0 = rxe_counter("completer_retry_err") + rxe_counter("duplicate_request");
+    CHECK(netem("add") == 0);
+    rc = pair_run(NULL, NULL, echo_server, loss_client, NULL, 180);
+    netem("del");
+    long long retries = rxe_counter("completer_retry_err") + rxe_counter("duplicate_request");
+    fprintf(stderr, "retransmission counters: %lld -> %lld\n", retries0, retries);
+    CHECK(retries > retries0); /* the loss really happened */
+    return rc;
+}
+
+/* A direct write into a buffer the peer exposed, without rendezvous. */
+#define DIRECT_LEN 100000
+#define DIRECT_SEED 77
+
+struct dsrv {
+    bex_ctx *ctx;
+    void *exposed;
+};
+
+static void dsrv_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct dsrv *d = user;
+    /* the exposed buffer itself comes back, filled */
+    int ok = buf == d->exposed && len == DIRECT_LEN && check_pattern(buf, len, DIRECT_SEED) == 0;
+    bex_mem_free(buf);
+    char *r = bex_sock_alloc(d->ctx, 4);
+    memcpy(r, ok ? "GOOD" : "BAD!", 4);
+    if (bex_sock_send(s, r, 4, NULL))
+        bex_mem_free(r);
+}
+
+static const bex_sock_ops dsrv_ops = {
+    .on_recv = dsrv_recv, .on_send_done = echo_done, .on_error = echo_error};
+
+static void dsrv_accept(bex_listener *l, bex_sock *s, void *user)
+{
+    (void)l;
+    struct dsrv *d = user;
+    bex_sock_set_user(s, &dsrv_ops, d);
+    d->exposed = bex_sock_alloc(d->ctx, DIRECT_LEN);
+    CHECK(d->exposed);
+    bex_remote_buf *rb = bex_sock_alloc(d->ctx, sizeof(*rb));
+    CHECK_OK(bex_sock_expose(s, d->exposed, DIRECT_LEN, NULL, rb));
+    CHECK_OK(bex_sock_send(s, rb, sizeof(*rb), NULL));
+}
+
+static int direct_server(struct pair *p, void *arg)
+{
+    (void)arg;
+    struct dsrv d = {.ctx = p->ctx};
+    bex_listener_ops lops = {.on_accept = dsrv_accept};
+    pair_listen(p, &lops, &d);
+    pair_wait_parent(p);
+    return 0;
+}
+
+struct dcli {
+    struct cli c;
+    bex_remote_buf rb;
+    char reply[4];
+};
+
+static void dcli_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct dcli *d = user;
+    (void)s;
+    if (atomic_load(&d->c.recvd) == 0 && len == sizeof(d->rb))
+        memcpy(&d->rb, buf, sizeof(d->rb));
+    else if (len == 4)
+        memcpy(d->reply, buf, 4);
+    else
+        d->c.bad++;
+    bex_mem_free(buf);
+    atomic_fetch_add(&d->c.recvd, 1);
+    waiter_signal(&d->c.w);
+}
+
+static int direct_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    struct dcli *d = calloc(1, sizeof(*d));
+    CHECK(d);
+    pthread_mutex_init(&d->c.w.mu, NULL);
+    pthread_cond_init(&d->c.w.cv, NULL);
+    bex_sock_ops ops = cli_ops;
+    ops.on_recv = dcli_recv;
+    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &ops, d, &d->c.socks[0]));
+    CHECK(wait_count(&d->c.w, &d->c.recvd, 1, 20000) == 0);
+    CHECK_EQ(d->c.bad, 0);
+    CHECK_EQ(d->rb.len, DIRECT_LEN);
+    uint8_t *b = bex_sock_alloc(p->ctx, DIRECT_LEN);
+    fill_pattern(b, DIRECT_LEN, DIRECT_SEED);
+    /* a length other than the exposed one is refused */
+    CHECK_EQ(bex_sock_send_direct(d->c.socks[0], b, DIRECT_LEN - 1, &d->rb, NULL), -EINVAL);
+    bex_sock_stats before, after;
+    bex_ctx_stats(p->ctx, &before);
+    CHECK_OK(bex_sock_send_direct(d->c.socks[0], b, DIRECT_LEN, &d->rb, NULL));
+    CHECK(wait_count(&d->c.w, &d->c.recvd, 2, 20000) == 0);
+    CHECK(memcmp(d->reply, "GOOD", 4) == 0);
+    CHECK(wait_count(&d->c.w, &d->c.done, 1, 5000) == 0);
+    CHECK_EQ(atomic_load(&d->c.send_err), 0);
+    bex_ctx_stats(p->ctx, &after);
+    /* no rendezvous: the only SENDs are credit returns, never a request */
+    CHECK(after.writes_posted - before.writes_posted >= 2);
+    bex_sock_close(d->c.socks[0]);
+    CHECK(wait_count(&d->c.w, &d->c.closed, 1, 20000) == 0);
+    free(d);
+    return 0;
+}
+
+static int direct_write(void)
+{
+    bex_ctx_config cfg = {.frag_size = 16384};
+    return pair_run(&cfg, &cfg, direct_server, direct_client, NULL, 60);
+}
+
+static int connect_refused_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    struct cli *c = cli_new();
+    struct sockaddr_in to = p->srv;
+    to.sin_port = htons(1); /* nothing listens there */
+    CHECK_OK(bex_sock_connect(p->ctx, &to, &cli_ops, c, &c->socks[0]));
+    CHECK(wait_count(&c->w, &c->connected, 1, 10000) == 0);
+    CHECK_EQ(c->conn_status, -ECONNREFUSED);
+    void *b = bex_sock_alloc(p->ctx, 16);
+    CHECK_EQ(bex_sock_send(c->socks[0], b, 16, NULL), -EPIPE);
+    bex_mem_free(b);
+    cli_close_all(c, 1);
+    /* bad arguments are refused at once */
+    bex_sock *s;
+    struct sockaddr_in zero = {.sin_family = AF_INET};
+    CHECK_EQ(bex_sock_connect(p->ctx, &zero, &cli_ops, c, &s), -EINVAL);
+    free(c);
+    return 0;
+}
+
+static int connect_refused(void)
+{
+    return pair_run(NULL, NULL, echo_server, connect_refused_client, NULL, 30);
+}
+
+BEX_TEST_MAIN(BEX_CASE(sizes), BEX_CASE(multiplex), BEX_CASE(slow_receiver),
+              BEX_CASE(send_window), BEX_CASE(peer_killed), BEX_CASE(peer_frozen),
+              BEX_CASE(packet_loss), BEX_CASE(direct_write), BEX_CASE(connect_refused))
