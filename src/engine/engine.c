@@ -63,6 +63,7 @@ struct bex__engine {
     struct sslot *ss;
     uint32_t sq, head, post, tail;
     uint32_t peer_credits, to_return;
+    uint32_t peer_rq;         /* credits the peer granted in its hello */
     uint32_t inflight;        /* payload bytes posted, not completed */
     uint32_t peer_eager;      /* largest message the peer takes by SEND */
     uint32_t frag;            /* effective fragment size */
@@ -355,6 +356,7 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
     if (err)
         return err;
     e->peer_credits = p->rq_depth;
+    e->peer_rq = p->rq_depth;
     e->peer_max_rndv = p->max_rndv < e->max_rndv ? p->max_rndv : e->max_rndv;
     e->peer_eager = p->eager_max;
     e->peer_ka_addr = p->ka_addr;
@@ -869,9 +871,9 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
         if (i == e->max_rndv || h->len == 0)
             return -EPROTO; /* the peer ignored our limit */
         struct bex__hdr r = {.type = BEX__MSG_RNDV_RESP, .id = h->id};
-        void *buf = bex_mem_alloc(e->sh->pool, h->len);
+        void *buf = h->len > INT32_MAX ? NULL : bex_mem_alloc(e->sh->pool, h->len);
         if (!buf) {
-            r.status = -ENOMEM;
+            r.status = h->len > INT32_MAX ? -EMSGSIZE : -ENOMEM;
         } else {
             struct rndv_in *in = &e->rin[i];
             in->used = true;
@@ -948,8 +950,8 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     if (bex__hdr_decode(r->hdr, wc->byte_len, &h))
         return -EPROTO;
     e->peer_credits += h.credits;
-    if (e->peer_credits > e->rq + 0xffffu)
-        return -EPROTO;
+    if (e->peer_credits > e->peer_rq)
+        return -EPROTO; /* more credits back than the peer ever granted */
     if (h.type != BEX__MSG_DATA)
         return handle_ctl(e, &h);
     if (h.len > e->cfg.eager_max)

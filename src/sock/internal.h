@@ -100,6 +100,7 @@ struct conn {
     uint8_t wbuf[BEX__HELLO_LEN + BEX__READY_LEN];
     size_t wlen, woff;
     uint64_t deadline;
+    uint64_t conn_id;
     int err;
     bool dead; /* failed: destroy at the next safe point */
     struct bex_listener *l;

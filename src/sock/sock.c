@@ -309,7 +309,8 @@ static void conn_step(struct conn *c, uint32_t events)
             goto fail;
         }
         struct bex__hello h;
-        hello_fill(c, &h, bex__rdma_random_u64());
+        c->conn_id = bex__rdma_random_u64();
+        hello_fill(c, &h, c->conn_id);
         uint8_t buf[BEX__HELLO_LEN];
         bex__hello_encode(&h, buf);
         conn_queue(c, buf, sizeof(buf));
@@ -341,6 +342,10 @@ static void conn_step(struct conn *c, uint32_t events)
             struct bex__hello h;
             if ((err = bex__hello_decode(c->rbuf, c->rlen, &h)))
                 goto fail;
+            if (c->client && h.conn_id != c->conn_id) {
+                err = -EPROTO; /* not an answer to our hello */
+                goto fail;
+            }
             if (!c->client && (err = engine_make(c)))
                 goto fail;
             if ((err = engine_peer(c, &h)))
