@@ -12,14 +12,14 @@
 
 #include "mem/internal.h"
 
-/* Free runs a heap keeps for itself before giving them back to the pool. */
-#define HEAP_CACHE_MAX ((size_t)4 << 20)
+/* Slow paths stay out of line, so the fast paths need no stack frame. */
+#define BEX__MEM_SLOW __attribute__((noinline, cold))
+
 /* In-use bytes a heap may accumulate before adding them to the pool
  * counter: bounds the error of the stats without a shared atomic per op. */
 #define FLUSH_BYTES ((int64_t)256 << 10)
 
-/* The empty class list: its free list is always NULL, so the fast path
- * needs no separate NULL test. Never written. */
+/* The empty class list: never written. */
 struct bex__mem_span bex__mem_empty_span;
 /* Owner of huge mappings and chunk headers: nobody, so frees of those take
  * the remote path, which knows them by their kind. */
@@ -78,7 +78,7 @@ static void list_insert(struct bex__mem_heap *h, struct bex__mem_span *s)
         h->active[s->cls] = s;
         return;
     }
-    /* Behind the head: the head is being consumed, and a span that comes
+    /* Behind the head: the head is being consumed, and a run that comes
      * back usually holds only a few free blocks. */
     s->prev = head;
     s->next = head->next;
@@ -100,35 +100,123 @@ static void list_remove(struct bex__mem_heap *h, struct bex__mem_span *s)
 
 /* ---- runs ------------------------------------------------------------------ */
 
+/* Runs come out of chunks the heap owns, without locks: each owned chunk
+ * sits in a bucket by its longest free run, so a request for n spans goes
+ * to the chunk whose longest run fits it most tightly (best fit keeps long
+ * runs whole), and freed runs coalesce in the chunk's bitmap at once. */
+
+static unsigned longest_run(uint64_t m)
+{
+    unsigned n = 0;
+    while (m) {
+        m &= m >> 1;
+        n++;
+    }
+    return n;
+}
+
+/* Bit i of the result: spans i..i+n-1 are all free. */
+static uint64_t run_starts(uint64_t m, unsigned n)
+{
+    for (unsigned have = 1; have < n;) {
+        unsigned step = have < n - have ? have : n - have;
+        m &= m >> step;
+        have += step;
+    }
+    return m;
+}
+
+static uint64_t span_bits(unsigned i, unsigned n)
+{
+    return (n >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << i;
+}
+
+static void bucket_remove(struct bex__mem_heap *h, struct bex__mem_chunk *c)
+{
+    if (c->bprev) {
+        c->bprev->bnext = c->bnext;
+    } else {
+        h->by_run[c->max_run] = c->bnext;
+        if (!c->bnext)
+            h->run_mask &= ~((uint64_t)1 << c->max_run);
+    }
+    if (c->bnext)
+        c->bnext->bprev = c->bprev;
+}
+
+static void bucket_insert(struct bex__mem_heap *h, struct bex__mem_chunk *c)
+{
+    c->bprev = NULL;
+    c->bnext = h->by_run[c->max_run];
+    if (c->bnext)
+        c->bnext->bprev = c;
+    h->by_run[c->max_run] = c;
+    h->run_mask |= (uint64_t)1 << c->max_run;
+}
+
+/* n contiguous free spans; NULL + errno when the pool can't grow. */
 static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
 {
-    struct bex__mem_span *s = h->cache[n];
-    if (s) {
-        h->cache[n] = s->next;
-        h->cache_bytes -= (size_t)n << BEX__MEM_SPAN_SHIFT;
-        return s;
+    uint64_t fit = h->run_mask & (~(uint64_t)0 << n);
+    struct bex__mem_chunk *c;
+    if (fit) {
+        c = h->by_run[__builtin_ctzll(fit)];
+    } else {
+        c = bex__mem_pool_chunk_get(h->pool);
+        if (!c)
+            return NULL;
+        h->nempty++;
+        bucket_insert(h, c);
     }
-    return bex__mem_pool_run_alloc(h->pool, n);
+    unsigned i = (unsigned)__builtin_ctzll(run_starts(c->free_mask, n));
+    if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK)
+        h->nempty--;
+    bucket_remove(h, c);
+    c->free_mask &= ~span_bits(i, n);
+    c->max_run = longest_run(c->free_mask);
+    bucket_insert(h, c);
+    struct bex__mem_span *s = &c->spans[i];
+    s->span_count = (uint8_t)n;
+    s->offset = 0;
+    return s;
 }
+
+/* Owned empty chunks kept beyond the one being used: the rest go back to
+ * the pool, which keeps up to retain_bytes registered. */
+#define KEEP_EMPTY 1
 
 static void run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
 {
-    size_t bytes = (size_t)s->span_count << BEX__MEM_SPAN_SHIFT;
+    struct bex__mem_chunk *c = bex__mem_chunk_of(s);
+    unsigned i = (unsigned)(s - c->spans);
+    s->kind = BEX__MEM_FREE;
     s->free = NULL;
-    if (h->cache_bytes + bytes <= HEAP_CACHE_MAX) {
-        s->kind = BEX__MEM_CACHED;
-        s->next = h->cache[s->span_count];
-        h->cache[s->span_count] = s;
-        h->cache_bytes += bytes;
-        return;
+    bucket_remove(h, c);
+    c->free_mask |= span_bits(i, s->span_count);
+    c->max_run = longest_run(c->free_mask);
+    if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK) {
+        if (h->nempty >= KEEP_EMPTY) {
+            bex__mem_pool_chunk_put(h->pool, c);
+            return;
+        }
+        h->nempty++;
     }
-    bex__mem_pool_run_free(h->pool, s);
+    bucket_insert(h, c);
+}
+
+static void release_empty_chunks(bex_mem_pool *pool, struct bex__mem_heap *h)
+{
+    struct bex__mem_chunk *c;
+    while ((c = h->by_run[BEX__MEM_SPANS - 1]) != NULL) {
+        bucket_remove(h, c);
+        bex__mem_pool_chunk_put(pool, c);
+    }
+    h->nempty = 0;
 }
 
 /* ---- remote frees ---------------------------------------------------------- */
 
-/* Move blocks that other threads freed (the xfree word x, already taken)
- * onto the span's local list. */
+/* Put a stack taken from xfree onto the run's local list. */
 static void take_remote(struct bex__mem_heap *h, struct bex__mem_span *s, uintptr_t x)
 {
     void *list = (void *)(x & BEX__MEM_XPTR_MASK);
@@ -136,6 +224,7 @@ static void take_remote(struct bex__mem_heap *h, struct bex__mem_span *s, uintpt
         return;
     uint32_t n = (uint32_t)(x >> BEX__MEM_XCNT_SHIFT);
     s->used -= n;
+    s->nfree += n;
     add_delta(h, -(int64_t)n * s->block_size);
     if (s->free) {
         void *t = list;
@@ -146,36 +235,44 @@ static void take_remote(struct bex__mem_heap *h, struct bex__mem_span *s, uintpt
     s->free = list;
 }
 
-static bool collect(struct bex__mem_heap *h, struct bex__mem_span *s)
+/* Take the remotely freed blocks of an attached run, keeping its flags. */
+static void collect(struct bex__mem_heap *h, struct bex__mem_span *s)
 {
-    if (atomic_load_explicit(&s->xfree, memory_order_relaxed) == 0)
-        return false;
-    take_remote(h, s, atomic_exchange_explicit(&s->xfree, 0, memory_order_acquire));
-    return s->free != NULL;
+    uintptr_t x = atomic_load_explicit(&s->xfree, memory_order_relaxed);
+    if (!(x & BEX__MEM_XPTR_MASK))
+        return;
+    while (!atomic_compare_exchange_weak_explicit(&s->xfree, &x, x & BEX__MEM_XFLAGS,
+                                                  memory_order_acquire, memory_order_relaxed))
+        ;
+    take_remote(h, s, x);
 }
 
-/* An empty small run goes back to the cache unless it is the class's active
- * run: keeping that one stops a single alloc/free pair from cycling a run. */
+/* An empty small run goes back to its chunk, unless it is the class's
+ * active run (keeping that one stops a lone alloc/free pair from cycling a
+ * run) or a remote freer has queued it (drain() must see it first). */
 static void maybe_release(struct bex__mem_heap *h, struct bex__mem_span *s)
 {
-    if (s->used == 0 && h->active[s->cls] != s) {
+    if (s->used == 0 && h->active[s->cls] != s &&
+        !(atomic_load_explicit(&s->xfree, memory_order_relaxed) & BEX__MEM_XQUEUED)) {
         list_remove(h, s);
         run_put(h, s);
     }
 }
 
-/* Take back the spans other threads queued after freeing into them while
- * they were detached (full small runs, medium runs). */
+/* Take back the runs other threads queued: detached small runs that got a
+ * remote free, and medium runs freed remotely. */
 static void drain(struct bex__mem_heap *h)
 {
     struct bex__mem_span *s = atomic_exchange_explicit(&h->xspans, NULL, memory_order_acquire);
     while (s) {
         struct bex__mem_span *next = s->xnext;
+        /* Clears QUEUED and NOTIFY too: the run is attached again below. */
         take_remote(h, s, atomic_exchange_explicit(&s->xfree, 0, memory_order_acquire));
         if (s->kind == BEX__MEM_MEDIUM) {
             run_put(h, s);
         } else {
-            list_insert(h, s);
+            if (!s->attached)
+                list_insert(h, s);
             maybe_release(h, s);
         }
         s = next;
@@ -184,18 +281,76 @@ static void drain(struct bex__mem_heap *h)
 
 /* ---- small allocations ---------------------------------------------------- */
 
-static inline void *pop(struct bex__mem_heap *h, struct bex__mem_span *s)
+static void free_remote(struct bex__mem_span *s, void *p);
+
+/* A block goes back from a bin to its run: directly if the run is ours,
+ * through the run's remote list if the block came from another heap. */
+static void block_return(struct bex__mem_heap *h, void *p)
 {
-    void *b = s->free;
-    s->free = *(void **)b;
-    s->used++;
-    add_delta(h, s->block_size);
-    return b;
+    struct bex__mem_span *s = bex__mem_span_of(p);
+    if (s->heap != h) {
+        free_remote(s, p);
+        return;
+    }
+    *(void **)p = s->free;
+    s->free = p;
+    s->nfree++;
+    s->used--;
+    if (!s->attached)
+        list_insert(h, s); /* was full; NOTIFY may stay set, see xfree */
+    maybe_release(h, s);
 }
 
-/* Thread the next stretch of never-used blocks onto the free list; about a
- * page at a time, so a run's pages are touched only when needed. */
-static bool carve(struct bex__mem_span *s)
+/* The bin overflowed: return half of it to the runs. */
+BEX__MEM_SLOW static void bin_spill(struct bex__mem_heap *h, struct bex__mem_bin *b)
+{
+    for (uint32_t k = b->limit / 2; k > 0; k--) {
+        void *p = b->list;
+        b->list = *(void **)p;
+        b->count--;
+        block_return(h, p);
+    }
+}
+
+void bex__mem_heap_flush_bins(struct bex__mem_heap *h)
+{
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
+        struct bex__mem_bin *b = &h->bins[c];
+        while (b->list) {
+            void *p = b->list;
+            b->list = *(void **)p;
+            block_return(h, p);
+        }
+        b->count = 0;
+    }
+}
+
+/* Refill an empty bin from run s: up to half a bin of its free blocks. */
+static void bin_fill(struct bex__mem_bin *b, struct bex__mem_span *s)
+{
+    uint32_t want = b->limit / 2 ? b->limit / 2 : 1;
+    if (s->nfree <= want) {
+        b->list = s->free;
+        b->count = s->nfree;
+        s->used += s->nfree;
+        s->free = NULL;
+        s->nfree = 0;
+        return;
+    }
+    void *first = s->free, *last = first;
+    for (uint32_t k = 1; k < want; k++)
+        last = *(void **)last;
+    s->free = *(void **)last;
+    *(void **)last = NULL;
+    s->nfree -= want;
+    s->used += want;
+    b->list = first;
+    b->count = want;
+}
+
+/* Carve never-used blocks of run s straight into the bin, about a page at
+ * a time, so a run's pages are touched only when needed. */
+static bool bin_carve(struct bex__mem_bin *b, struct bex__mem_span *s)
 {
     uint32_t bs = s->block_size, total = s->capacity * bs;
     if (s->bump >= total)
@@ -203,13 +358,17 @@ static bool carve(struct bex__mem_span *s)
     char *base = bex__mem_span_base(s) + s->bump;
     uint32_t n = (total - s->bump) / bs;
     uint32_t batch = bs >= BEX__MEM_PAGE ? 1 : BEX__MEM_PAGE / bs;
+    if (batch > b->limit / 2)
+        batch = b->limit / 2 ? b->limit / 2 : 1;
     if (n > batch)
         n = batch;
     for (uint32_t i = 0; i + 1 < n; i++)
         *(void **)(base + (size_t)i * bs) = base + (size_t)(i + 1) * bs;
     *(void **)(base + (size_t)(n - 1) * bs) = NULL;
-    s->free = base;
+    b->list = base;
+    b->count = n;
     s->bump += n * bs;
+    s->used += n;
     return true;
 }
 
@@ -224,32 +383,52 @@ static struct bex__mem_span *span_new(struct bex__mem_heap *h, unsigned c)
     s->block_size = bex__mem_class_size[c];
     s->capacity = (uint32_t)(((size_t)n << BEX__MEM_SPAN_SHIFT) / s->block_size);
     s->used = 0;
+    s->nfree = 0;
     s->bump = 0;
     s->free = NULL;
     s->heap = h;
     atomic_store_explicit(&s->xfree, 0, memory_order_relaxed);
     for (unsigned j = 1; j < n; j++) {
-        s[j].offset = j;
+        s[j].offset = (uint8_t)j;
         s[j].kind = BEX__MEM_TAIL;
     }
     return s;
 }
 
-static void *small_slow(struct bex__mem_heap *h, unsigned c)
+/* The bin of class c is empty: refill it from the class's runs. */
+BEX__MEM_SLOW static void *small_refill(struct bex__mem_heap *h, unsigned c)
 {
+    struct bex__mem_bin *b = &h->bins[c];
     maybe_flush(h, false);
     for (;;) {
         struct bex__mem_span *s = h->active[c];
         if (s != &bex__mem_empty_span) {
-            if (s->free || collect(h, s) || carve(s))
-                return pop(h, s);
-            /* Full: detach it, so frees find it again (see free paths). The
-             * CAS fails only if a remote free just arrived: use that. */
-            uintptr_t expect = 0;
-            if (atomic_compare_exchange_strong_explicit(&s->xfree, &expect, BEX__MEM_XDETACHED,
-                                                        memory_order_acq_rel,
-                                                        memory_order_relaxed))
+            if (!s->free)
+                collect(h, s);
+            if (s->free)
+                bin_fill(b, s);
+            else if (!bin_carve(b, s))
+                goto full;
+            void *p = b->list;
+            b->list = *(void **)p;
+            b->count--;
+            add_delta(h, s->block_size);
+            return p;
+full:
+            /* Detach the full run; the next remote free into it queues it
+             * on h->xspans. NOTIFY may already be set from an earlier
+             * detach: then no atomic write at all. */
+            {
+                uintptr_t x = atomic_load_explicit(&s->xfree, memory_order_relaxed);
+                if (x & BEX__MEM_XPTR_MASK)
+                    continue; /* a remote free just arrived: collect it */
+                if (!(x & BEX__MEM_XNOTIFY) &&
+                    !atomic_compare_exchange_strong_explicit(&s->xfree, &x, x | BEX__MEM_XNOTIFY,
+                                                             memory_order_acq_rel,
+                                                             memory_order_relaxed))
+                    continue;
                 list_remove(h, s);
+            }
             continue;
         }
         if (atomic_load_explicit(&h->xspans, memory_order_relaxed)) {
@@ -266,7 +445,7 @@ static void *small_slow(struct bex__mem_heap *h, unsigned c)
 
 /* ---- medium allocations ---------------------------------------------------- */
 
-static void *medium_alloc(struct bex__mem_heap *h, size_t size)
+BEX__MEM_SLOW static void *medium_alloc(struct bex__mem_heap *h, size_t size)
 {
     if (atomic_load_explicit(&h->xspans, memory_order_relaxed))
         drain(h);
@@ -276,46 +455,40 @@ static void *medium_alloc(struct bex__mem_heap *h, size_t size)
     if (!s)
         return NULL;
     s->kind = BEX__MEM_MEDIUM;
+    s->cls = BEX__MEM_NO_CLASS;
     s->heap = h;
     s->block_size = (uint32_t)n << BEX__MEM_SPAN_SHIFT;
     s->capacity = 1;
     s->used = 1;
     s->free = NULL;
     s->attached = 0;
-    /* Born detached: its one free, if remote, queues it on h->xspans. */
-    atomic_store_explicit(&s->xfree, BEX__MEM_XDETACHED, memory_order_relaxed);
+    /* Born detached: its free, if remote, queues it on h->xspans. */
+    atomic_store_explicit(&s->xfree, BEX__MEM_XNOTIFY, memory_order_relaxed);
     add_delta(h, s->block_size);
     return bex__mem_span_base(s);
 }
 
-/* ---- thread heaps ---------------------------------------------------------- */
-
-/* Collect every remote free of a heap nobody owns (the caller holds it
- * exclusively), and give its empty runs and its cache back to the pool. */
+/* Collect every remote free of a heap, and give its empty runs and its
+ * cache back to the pool. The caller owns h: its thread, or exclusively
+ * (thread exit, orphan reclaim). */
 void bex__mem_heap_tidy(bex_mem_pool *pool, struct bex__mem_heap *h)
 {
+    bex__mem_heap_flush_bins(h);
     drain(h);
     for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
         struct bex__mem_span *s = h->active[c];
         while (s && s != &bex__mem_empty_span) {
             struct bex__mem_span *next = s->next;
             collect(h, s);
-            if (s->used == 0) {
+            if (s->used == 0 &&
+                !(atomic_load_explicit(&s->xfree, memory_order_relaxed) & BEX__MEM_XQUEUED)) {
                 list_remove(h, s);
-                s->free = NULL;
-                bex__mem_pool_run_free(pool, s);
+                run_put(h, s);
             }
             s = next;
         }
     }
-    for (unsigned n = 1; n <= BEX__MEM_MAX_RUN; n++) {
-        while (h->cache[n]) {
-            struct bex__mem_span *s = h->cache[n];
-            h->cache[n] = s->next;
-            bex__mem_pool_run_free(pool, s);
-        }
-    }
-    h->cache_bytes = 0;
+    release_empty_chunks(pool, h);
     maybe_flush(h, true);
 }
 
@@ -365,7 +538,7 @@ static void prune_dead(void)
     tl.heap = NULL;
 }
 
-static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
+BEX__MEM_SLOW static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
 {
     if (!pool) {
         errno = EINVAL;
@@ -425,57 +598,42 @@ void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
         return NULL;
     if (BEX__MEM_LIKELY(size <= BEX__MEM_SMALL_MAX)) {
         unsigned c = bex__mem_class_of(size);
-        struct bex__mem_span *s = h->active[c];
-        void *b = s->free;
-        if (BEX__MEM_LIKELY(b != NULL)) {
-            s->free = *(void **)b;
-            s->used++;
+        struct bex__mem_bin *b = &h->bins[c];
+        void *p = b->list;
+        if (BEX__MEM_LIKELY(p != NULL)) {
+            b->list = *(void **)p;
+            b->count--;
             add_delta(h, bex__mem_class_size[c]);
-            return b;
+            return p;
         }
-        return small_slow(h, c);
+        return small_refill(h, c);
     }
     if (size <= BEX__MEM_MEDIUM_MAX)
         return medium_alloc(h, size);
     return bex__mem_huge_alloc(pool, size);
 }
 
-static void free_local_slow(struct bex__mem_heap *h, struct bex__mem_span *s)
-{
-    if (s->kind == BEX__MEM_MEDIUM) {
-        run_put(h, s);
-        return;
-    }
-    if (!s->attached) {
-        /* Full and detached. If a remote free already cleared the flag, that
-         * thread queued the span on h->xspans and drain() re-attaches it. */
-        uintptr_t old = atomic_fetch_and_explicit(&s->xfree, ~BEX__MEM_XDETACHED,
-                                                  memory_order_acq_rel);
-        if (!(old & BEX__MEM_XDETACHED))
-            return;
-        list_insert(h, s);
-    }
-    maybe_release(h, s);
-}
-
-static void free_remote(struct bex__mem_span *s, void *p)
+BEX__MEM_SLOW static void free_remote(struct bex__mem_span *s, void *p)
 {
     if (s->kind == BEX__MEM_HUGE) {
         bex__mem_huge_free(bex__mem_chunk_of(p));
         return;
     }
     /* Read the heap before the push: once the block is on the stack the
-     * owner may collect it and recycle the span. */
+     * owner may collect it and recycle the run. */
     struct bex__mem_heap *h = s->heap;
     uintptr_t old = atomic_load_explicit(&s->xfree, memory_order_relaxed), nw;
     do {
         *(void **)p = (void *)(old & BEX__MEM_XPTR_MASK);
-        nw = ((((old >> BEX__MEM_XCNT_SHIFT) + 1)) << BEX__MEM_XCNT_SHIFT) | (uintptr_t)p;
+        nw = (((old >> BEX__MEM_XCNT_SHIFT) + 1) << BEX__MEM_XCNT_SHIFT) | (uintptr_t)p |
+             (old & BEX__MEM_XQUEUED);
+        if (old & BEX__MEM_XNOTIFY)
+            nw |= BEX__MEM_XQUEUED;
     } while (!atomic_compare_exchange_weak_explicit(&s->xfree, &old, nw, memory_order_acq_rel,
                                                     memory_order_relaxed));
-    if (old & BEX__MEM_XDETACHED) {
-        /* We cleared the flag, so we alone queue the span; the owner cannot
-         * reach it until then, so it stays valid. */
+    if ((old & BEX__MEM_XFLAGS) == BEX__MEM_XNOTIFY) {
+        /* We turned NOTIFY into QUEUED, so we alone queue the run; it cannot
+         * be released before drain() sees it, so it stays valid. */
         struct bex__mem_span *top = atomic_load_explicit(&h->xspans, memory_order_relaxed);
         do {
             s->xnext = top;
@@ -491,11 +649,35 @@ void bex_mem_free(void *ptr)
     struct bex__mem_span *s = bex__mem_span_of(ptr);
     struct bex__mem_heap *h = s->heap;
     if (BEX__MEM_LIKELY(atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
-        *(void **)ptr = s->free;
-        s->free = ptr;
+        unsigned c = s->cls;
+        if (BEX__MEM_LIKELY(c != BEX__MEM_NO_CLASS)) {
+            struct bex__mem_bin *b = &h->bins[c];
+            *(void **)ptr = b->list;
+            b->list = ptr;
+            add_delta(h, -(int64_t)bex__mem_class_size[c]);
+            if (BEX__MEM_UNLIKELY(++b->count > b->limit))
+                bin_spill(h, b);
+            return;
+        }
+        /* our own medium run */
         add_delta(h, -(int64_t)s->block_size);
-        if (BEX__MEM_UNLIKELY(--s->used == 0 || !s->attached))
-            free_local_slow(h, s);
+        s->used = 0;
+        run_put(h, s);
+        return;
+    }
+    unsigned c = s->cls;
+    if (c != BEX__MEM_NO_CLASS && tl.pool_id == h->pool->id) {
+        /* Another heap's small block, freed by a thread that allocates from
+         * the same pool: keep it in our bin, as tcmalloc does, so the next
+         * allocation of the class reuses it while it is in this core's
+         * cache. It goes to its run's remote list only if the bin spills. */
+        struct bex__mem_heap *me = tl.heap;
+        struct bex__mem_bin *b = &me->bins[c];
+        *(void **)ptr = b->list;
+        b->list = ptr;
+        add_delta(me, -(int64_t)bex__mem_class_size[c]);
+        if (BEX__MEM_UNLIKELY(++b->count > b->limit))
+            bin_spill(me, b);
         return;
     }
     free_remote(s, ptr);

@@ -57,32 +57,43 @@ enum bex__mem_kind {
     BEX__MEM_TAIL,     /* non-first span of a small run */
 };
 
-/* xfree word: bit 0 = DETACHED (the owner dropped the span from its lists
- * because it was full; the first remote free clears it and queues the span
- * on the heap's xspans), bits 1..47 = top block of the stack, bits 48..63 =
- * how many blocks the stack holds, so the owner can account for them
- * without walking the list. */
-#define BEX__MEM_XDETACHED ((uintptr_t)1)
-#define BEX__MEM_XPTR_MASK (((uintptr_t)1 << 48) - 2)
+/* xfree word, the one field other threads write:
+ *   bits 4..47  top block of a stack of blocks freed by other threads;
+ *   bits 48..63 how many blocks that stack holds (so the owner accounts for
+ *               them without walking it);
+ *   bit 0 (NOTIFY) the owner detached the run from its class list (full, or
+ *               a medium run) and wants to hear about the next remote free;
+ *               it may stay set after the owner re-attaches the run itself;
+ *   bit 1 (QUEUED) a remote freer found NOTIFY, cleared it and pushed the
+ *               run on heap->xspans; drain() clears it. A queued run is never
+ *               released before drain() has seen it. */
+#define BEX__MEM_XNOTIFY ((uintptr_t)1)
+#define BEX__MEM_XQUEUED ((uintptr_t)2)
+#define BEX__MEM_XFLAGS (BEX__MEM_XNOTIFY | BEX__MEM_XQUEUED)
+#define BEX__MEM_XPTR_MASK ((((uintptr_t)1 << 48) - 1) & ~(uintptr_t)15)
 #define BEX__MEM_XCNT_SHIFT 48
+
+#define BEX__MEM_NO_CLASS 0xff /* cls of runs that are not small */
 
 struct bex__mem_heap;
 
 struct bex__mem_span {
-    /* first line: owner-only */
-    void *free;              /* local free list */
-    uint32_t used;           /* blocks out, including uncollected remote frees */
+    /* first line: owner-only; the free fast path reads heap, cls and
+     * block_size of the run's head */
+    void *free;              /* local free list (blocks back in the run) */
+    struct bex__mem_heap *heap;
+    struct bex__mem_span *next, *prev; /* class list, or heap cache list */
+    uint32_t used;           /* blocks not in the run: held by the user, in the
+                                heap's bin, or freed remotely and not collected */
+    uint32_t nfree;          /* blocks on the local free list */
     uint32_t capacity;       /* blocks in the run */
     uint32_t block_size;
-    uint32_t offset;         /* descriptors back to the run's head (TAIL only) */
-    uint8_t kind;
-    uint8_t cls;
-    uint8_t attached;        /* in the heap's class list */
-    uint8_t pad_;
-    uint32_t span_count;     /* run length in spans (head only) */
     uint32_t bump;           /* bytes of the run carved so far */
-    struct bex__mem_heap *heap;
-    struct bex__mem_span *next, *prev;
+    uint8_t kind;
+    uint8_t cls;             /* size class, BEX__MEM_NO_CLASS if not small */
+    uint8_t attached;        /* in the heap's class list */
+    uint8_t offset;          /* descriptors back to the run's head (TAIL only) */
+    uint8_t span_count;      /* run length in spans (head only) */
     /* second line: written by other threads */
     alignas(64) _Atomic uintptr_t xfree;
     struct bex__mem_span *xnext; /* link in heap->xspans, written by the queuer */
@@ -94,25 +105,42 @@ struct bex__mem_chunk {
     struct bex_mem_pool *pool;
     size_t map_size;     /* bytes mapped */
     size_t usable;       /* huge: bytes usable at the user pointer */
-    uint64_t free_mask;  /* pool lock: bit i = span i free */
-    unsigned max_run;    /* pool lock: longest run of free spans */
-    struct bex__mem_chunk *next, *prev; /* pool lock */
+    /* owning heap only (pool lock while the pool holds it empty): */
+    uint64_t free_mask;  /* bit i = span i free */
+    unsigned max_run;    /* longest run of free spans */
+    struct bex__mem_chunk *bnext, *bprev; /* heap bucket by max_run / pool empty list */
+    /* pool lock: */
+    struct bex__mem_chunk *next, *prev;   /* all regular chunks / huge lists */
 };
 
 /* User data of a huge mapping starts here; descriptor 0 covers it. */
 #define BEX__MEM_HUGE_HDR \
     ((sizeof(struct bex__mem_chunk) + BEX__MEM_PAGE - 1) & ~(size_t)(BEX__MEM_PAGE - 1))
 
+/* Per-class cache of free blocks in front of the runs, tcmalloc-style:
+ * the owner's frees push here and its allocations pop here, so the fast
+ * paths never write a run descriptor, and a block just freed is the next
+ * one handed out (still in cache). Overflow goes back to the runs. */
+#define BEX__MEM_BIN_BYTES 131072u /* a bin's limit: this many bytes, 16..1024 blocks */
+
+struct bex__mem_bin {
+    void *list;
+    uint32_t count;
+    uint32_t limit;
+};
+
 struct bex__mem_heap {
     _Atomic uint64_t owner;  /* thread id of the owner, BEX__MEM_NO_OWNER if none */
     _Atomic int64_t delta;   /* in-use bytes not yet added to the pool counter */
+    struct bex__mem_bin bins[BEX__MEM_NCLS];
     struct bex__mem_span *active[BEX__MEM_NCLS]; /* class lists, head = active */
-    struct bex__mem_span *cache[BEX__MEM_MAX_RUN + 1]; /* free runs by length */
-    size_t cache_bytes;
+    struct bex__mem_chunk *by_run[BEX__MEM_SPANS]; /* owned chunks by longest free run */
+    uint64_t run_mask;       /* bit k: by_run[k] not empty */
+    unsigned nempty;         /* owned chunks with no run in use */
     struct bex_mem_pool *pool;
     struct bex__mem_heap *all_next;    /* pool lock */
     struct bex__mem_heap *orphan_next; /* pool lock */
-    alignas(64) _Atomic(struct bex__mem_span *) xspans; /* detached spans with remote frees */
+    alignas(64) _Atomic(struct bex__mem_span *) xspans; /* queued by remote freers */
 };
 
 #define BEX__MEM_NO_OWNER UINT64_MAX
@@ -122,7 +150,8 @@ struct bex_mem_pool {
     bex_mem_registrar reg;
     size_t retain;
     pthread_mutex_t lock;
-    struct bex__mem_chunk *chunks;      /* by address, for first fit */
+    struct bex__mem_chunk *chunks;      /* all regular chunks */
+    struct bex__mem_chunk *empty;       /* retained empty chunks */
     struct bex__mem_chunk *huge_live;
     struct bex__mem_chunk *huge_cached;
     size_t retained_bytes;              /* empty chunks + cached huge mappings */
@@ -178,8 +207,8 @@ static inline unsigned bex__mem_class_of(size_t size)
 }
 
 /* pool.c: run and chunk management (pool lock taken inside). */
-struct bex__mem_span *bex__mem_pool_run_alloc(bex_mem_pool *pool, unsigned n);
-void bex__mem_pool_run_free(bex_mem_pool *pool, struct bex__mem_span *s);
+struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool);
+void bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c);
 void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size);
 void bex__mem_huge_free(struct bex__mem_chunk *c);
 void bex__mem_pool_note_in_use(bex_mem_pool *pool, int64_t delta);
@@ -188,6 +217,7 @@ void bex__mem_pool_heap_orphan(bex_mem_pool *pool, struct bex__mem_heap *h);
 bool bex__mem_pool_reclaim(bex_mem_pool *pool);
 /* heap.c */
 void bex__mem_heap_tidy(bex_mem_pool *pool, struct bex__mem_heap *h);
+void bex__mem_heap_flush_bins(struct bex__mem_heap *h);
 
 /* pool.c: registry of live pools, for thread-exit handlers. */
 void bex__mem_registry_lock(void);

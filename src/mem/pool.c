@@ -1,4 +1,4 @@
-/* bemalloc pools: chunks, their registration, runs of spans, huge mappings,
+/* bemalloc pools: chunks and their registration, huge mappings,
  * statistics and teardown. Everything here runs on slow paths, under the
  * pool mutex; registration and mmap/munmap run outside it, so one thread
  * registering a chunk does not stall the others' span refills. */
@@ -161,125 +161,70 @@ static void region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
     munmap(c, len);
 }
 
-/* ---- runs of spans ------------------------------------------------------ */
+/* ---- chunks ---------------------------------------------------------------
+ * Regular chunks belong to one heap at a time, which cuts runs out of them
+ * without locks (see heap.c). The pool only hands out empty chunks and
+ * takes them back: it keeps up to retain_bytes of them registered. */
 
-static unsigned longest_run(uint64_t m)
+/* An empty chunk for a heap: a retained one, else a new registration.
+ * NULL + errno. */
+struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool)
 {
-    unsigned n = 0;
-    while (m) {
-        m &= m >> 1;
-        n++;
+    for (int round = 0;; round++) {
+        pthread_mutex_lock(&pool->lock);
+        struct bex__mem_chunk *c = pool->empty;
+        if (c) {
+            pool->empty = c->bnext;
+            pool->retained_bytes -= BEX__MEM_CHUNK_SIZE;
+        }
+        pthread_mutex_unlock(&pool->lock);
+        if (c)
+            return c;
+        /* Dead threads' heaps may hold chunks that remote frees emptied
+         * after they died: look there before growing. */
+        if (round > 0 || !atomic_load_explicit(&pool->norphans, memory_order_relaxed) ||
+            !bex__mem_pool_reclaim(pool))
+            break;
     }
-    return n;
-}
-
-/* Bit i of the result: spans i..i+n-1 are all free. */
-static uint64_t run_starts(uint64_t m, unsigned n)
-{
-    for (unsigned have = 1; have < n;) {
-        unsigned step = have < n - have ? have : n - have;
-        m &= m >> step;
-        have += step;
-    }
-    return m;
-}
-
-static struct bex__mem_span *take_run(bex_mem_pool *pool, struct bex__mem_chunk *c, unsigned n)
-{
-    uint64_t starts = run_starts(c->free_mask, n);
-    if (!starts)
-        return NULL;
-    unsigned i = (unsigned)__builtin_ctzll(starts);
-    if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK)
-        pool->retained_bytes -= BEX__MEM_CHUNK_SIZE;
-    c->free_mask &= ~((n == 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << i);
-    c->max_run = longest_run(c->free_mask);
-    struct bex__mem_span *s = &c->spans[i];
-    s->span_count = n;
-    s->offset = 0;
-    return s;
-}
-
-static void chunk_insert(bex_mem_pool *pool, struct bex__mem_chunk *c)
-{
-    struct bex__mem_chunk **pp = &pool->chunks, *prev = NULL;
-    while (*pp && *pp < c) {
-        prev = *pp;
-        pp = &(*pp)->next;
-    }
-    c->next = *pp;
-    c->prev = prev;
-    if (*pp)
-        (*pp)->prev = c;
-    *pp = c;
-}
-
-static void chunk_unlink(bex_mem_pool *pool, struct bex__mem_chunk *c)
-{
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        pool->chunks = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
-}
-
-/* A run of n free spans for a heap; first fit by address keeps the pool
- * compact, so empty chunks at the top can be released. NULL + errno. */
-static struct bex__mem_span *find_run(bex_mem_pool *pool, unsigned n)
-{
-    struct bex__mem_span *s = NULL;
-    pthread_mutex_lock(&pool->lock);
-    for (struct bex__mem_chunk *c = pool->chunks; c && !s; c = c->next)
-        if (c->max_run >= n)
-            s = take_run(pool, c, n);
-    pthread_mutex_unlock(&pool->lock);
-    return s;
-}
-
-struct bex__mem_span *bex__mem_pool_run_alloc(bex_mem_pool *pool, unsigned n)
-{
-    struct bex__mem_span *s = find_run(pool, n);
-    if (s)
-        return s;
-    if (atomic_load_explicit(&pool->norphans, memory_order_relaxed) && bex__mem_pool_reclaim(pool) && (s = find_run(pool, n)) != NULL)
-        return s;
 
     struct bex__mem_chunk *c = region_create(pool, BEX__MEM_CHUNK_SIZE);
     if (!c)
         return NULL;
     c->free_mask = BEX__MEM_SPANS_USABLE_MASK;
     c->max_run = BEX__MEM_SPANS - 1;
-    /* Descriptor 0 is never a run; make a stray free of a header pointer
-     * fail loudly instead of corrupting a heap. */
+    /* Descriptor 0 is never a run; a stray free of a header pointer takes
+     * the ownerless path instead of corrupting a heap. */
     c->spans[0].kind = BEX__MEM_HUGE;
+    c->spans[0].cls = BEX__MEM_NO_CLASS;
     c->spans[0].heap = &bex__mem_ownerless_heap;
     pthread_mutex_lock(&pool->lock);
-    chunk_insert(pool, c);
-    pool->retained_bytes += BEX__MEM_CHUNK_SIZE; /* empty until take_run */
-    s = take_run(pool, c, n);
+    c->prev = NULL;
+    c->next = pool->chunks;
+    if (c->next)
+        c->next->prev = c;
+    pool->chunks = c;
     pthread_mutex_unlock(&pool->lock);
-    return s;
+    return c;
 }
 
-/* Give a run back to its chunk. A chunk that becomes empty is kept while
- * the pool retains less than retain_bytes, else deregistered and unmapped. */
-void bex__mem_pool_run_free(bex_mem_pool *pool, struct bex__mem_span *s)
+/* A heap gives back an empty chunk: retained up to retain_bytes, else
+ * deregistered and unmapped. */
+void bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c)
 {
-    struct bex__mem_chunk *c = bex__mem_chunk_of(s);
-    unsigned i = (unsigned)(s - c->spans), n = s->span_count;
-    s->kind = BEX__MEM_FREE;
     bool release = false;
     pthread_mutex_lock(&pool->lock);
-    c->free_mask |= (n == 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << i;
-    c->max_run = longest_run(c->free_mask);
-    if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK) {
-        if (pool->retained_bytes + BEX__MEM_CHUNK_SIZE > pool->retain) {
-            chunk_unlink(pool, c);
-            release = true;
-        } else {
-            pool->retained_bytes += BEX__MEM_CHUNK_SIZE;
-        }
+    if (pool->retained_bytes + BEX__MEM_CHUNK_SIZE > pool->retain) {
+        if (c->prev)
+            c->prev->next = c->next;
+        else
+            pool->chunks = c->next;
+        if (c->next)
+            c->next->prev = c->prev;
+        release = true;
+    } else {
+        c->bnext = pool->empty;
+        pool->empty = c;
+        pool->retained_bytes += BEX__MEM_CHUNK_SIZE;
     }
     pthread_mutex_unlock(&pool->lock);
     if (release)
@@ -346,6 +291,7 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
         }
         struct bex__mem_span *s = &c->spans[0];
         s->kind = BEX__MEM_HUGE;
+        s->cls = BEX__MEM_NO_CLASS;
         s->heap = &bex__mem_ownerless_heap;
         s->span_count = 1;
         pthread_mutex_lock(&pool->lock);
@@ -404,8 +350,11 @@ struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool)
     atomic_init(&h->owner, BEX__MEM_NO_OWNER);
     atomic_init(&h->delta, 0);
     atomic_init(&h->xspans, NULL);
-    for (unsigned c = 0; c < BEX__MEM_NCLS; c++)
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
+        uint32_t lim = BEX__MEM_BIN_BYTES / bex__mem_class_size[c];
+        h->bins[c].limit = lim < 16 ? 16 : lim > 1024 ? 1024 : lim;
         h->active[c] = &bex__mem_empty_span;
+    }
     h->pool = pool;
     pthread_mutex_lock(&pool->lock);
     h->all_next = pool->heaps;
@@ -558,6 +507,13 @@ int bex_mem_pool_destroy(bex_mem_pool *pool)
     if (!pool)
         return -EINVAL;
     bex__mem_registry_lock();
+    /* Blocks parked in heap bins count as used by their runs: put them
+     * back first. Invisible to users, so it is no change on -EBUSY. */
+    pthread_mutex_lock(&pool->lock);
+    struct bex__mem_heap *heaps = pool->heaps;
+    pthread_mutex_unlock(&pool->lock);
+    for (struct bex__mem_heap *h = heaps; h; h = h->all_next)
+        bex__mem_heap_flush_bins(h);
     pthread_mutex_lock(&pool->lock);
     bool busy = pool_busy(pool);
     pthread_mutex_unlock(&pool->lock);
