@@ -95,6 +95,8 @@ struct bex__engine {
     /* keepalive */
     volatile uint64_t *ka_local; /* the peer writes its sequence here */
     uint64_t ka_seen, ka_seq, ka_last_ms, ka_next_ms;
+    bool ka_due;      /* a keepalive write waits for a slot */
+    bool peer_heard;  /* a receive completed since the last tick */
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
 
@@ -777,11 +779,30 @@ static void repost_recvs(struct bex__engine *e)
     e->n_unposted = 0;
 }
 
+/* The keepalive sequence goes by RDMA WRITE: no receive, no credit, no
+ * peer CPU. It takes the first free slot, ahead of any data, so a busy
+ * engine cannot starve it. */
+static void prep_keepalive(struct bex__engine *e)
+{
+    if (!e->ka_due || !free_slots(e))
+        return;
+    e->ka_due = false;
+    struct sslot *s = slot_take(e);
+    uint64_t seq = ++e->ka_seq;
+    memcpy(s->hdr, &seq, sizeof(seq));
+    s->sge[0] = (struct ibv_sge){(uintptr_t)s->hdr, sizeof(seq), e->hdr_lkey};
+    s->wr.num_sge = 1;
+    s->wr.opcode = IBV_WR_RDMA_WRITE;
+    s->wr.wr.rdma.remote_addr = e->peer_ka_addr;
+    s->wr.wr.rdma.rkey = e->peer_ka_rkey;
+}
+
 bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
     uint32_t before = e->tail;
+    prep_keepalive(e);
     /* control messages first: they unblock the peer */
     while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -994,6 +1015,7 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
     }
     int rc = 0;
     if (low & WR_RECV) {
+        e->peer_heard = true;
         rc = recv_completed(e, wc, low & WR_CNT_MASK);
         if (!rc && e->n_unposted >= e->k)
             repost_recvs(e);
@@ -1019,28 +1041,23 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
     if (e->state != E_UP)
         return;
     uint64_t seen = __atomic_load_n(e->ka_local, __ATOMIC_ACQUIRE);
-    if (seen != e->ka_seen) {
+    if (seen != e->ka_seen || e->peer_heard) {
+        /* the sequence advanced, or the peer's messages arrived: alive */
         e->ka_seen = seen;
         e->ka_last_ms = now;
+        e->peer_heard = false;
     } else if (now - e->ka_last_ms > e->cfg.keepalive_timeout_ms) {
         fprintf(stderr, "bex: engine %u: keepalive timeout (%u ms)\n", e->id,
                 e->cfg.keepalive_timeout_ms);
         bex__engine_fail(e, -ETIMEDOUT);
         return;
     }
-    if (now < e->ka_next_ms || !free_slots(e))
-        return;
-    e->ka_next_ms = now + e->cfg.keepalive_ms;
-    /* the sequence goes by RDMA WRITE: no receive, no credit, no peer CPU */
-    struct sslot *s = slot_take(e);
-    uint64_t seq = ++e->ka_seq;
-    memcpy(s->hdr, &seq, sizeof(seq));
-    s->sge[0] = (struct ibv_sge){(uintptr_t)s->hdr, sizeof(seq), e->hdr_lkey};
-    s->wr.num_sge = 1;
-    s->wr.opcode = IBV_WR_RDMA_WRITE;
-    s->wr.wr.rdma.remote_addr = e->peer_ka_addr;
-    s->wr.wr.rdma.rkey = e->peer_ka_rkey;
-    post_pending(e);
+    if (now >= e->ka_next_ms) {
+        e->ka_next_ms = now + e->cfg.keepalive_ms;
+        e->ka_due = true;
+        prep_keepalive(e);
+        post_pending(e);
+    }
 }
 
 static void finish_fail(struct bex__engine *e)

@@ -90,9 +90,11 @@ static void maybe_finish(struct bex_sock *s)
         return;
     s->close_reported = true;
     /* exposed buffers outlive the socket: a late write frees them */
-    for (uint32_t i = 0; i < EXPOSED_MAX; i++)
-        if (s->ctx->exposed[i].s == s)
-            s->ctx->exposed[i].s = NULL;
+    for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
+        struct exp_slot *x = &s->ctx->exposed[i];
+        if (atomic_load_explicit(&x->state, memory_order_acquire) == X_ARMED && x->s == s)
+            x->s = NULL;
+    }
     if (s->conn)
         map_del(s->conn, s);
     s->conn = NULL;

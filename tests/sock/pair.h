@@ -138,10 +138,11 @@ static inline long long rxe_counter(const char *name)
 
 typedef int (*pair_fn)(struct pair *p, void *arg);
 
-/* Fill cfg->local_addr and run server_fn in a child on ADDR0, client_fn here
- * on ADDR1. The configs may be NULL (defaults). */
-static inline int pair_run(const bex_ctx_config *scfg, const bex_ctx_config *ccfg,
-                           pair_fn server_fn, pair_fn client_fn, void *arg, unsigned timeout_s)
+/* Fill cfg->local_addr and run server_fn(sarg) in a child on ADDR0,
+ * client_fn(carg) here on ADDR1. The configs may be NULL (defaults). */
+static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *sarg,
+                           const bex_ctx_config *ccfg, pair_fn client_fn, void *carg,
+                           unsigned timeout_s)
 {
     struct in_addr a0, a1;
     int rc = pair_addrs(&a0, &a1);
@@ -164,7 +165,7 @@ static inline int pair_run(const bex_ctx_config *scfg, const bex_ctx_config *ccf
             fprintf(stderr, "server: bex_ctx_create: %s\n", bex_strerror(err));
             _exit(2);
         }
-        rc = server_fn(&p, arg);
+        rc = server_fn(&p, sarg);
         _exit(rc ? 1 : 0);
     }
     close(up[1]);
@@ -187,7 +188,7 @@ static inline int pair_run(const bex_ctx_config *scfg, const bex_ctx_config *ccf
         return 1;
     }
     p.srv = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
-    rc = client_fn(&p, arg);
+    rc = client_fn(&p, carg);
     /* tell the server we are done, then reap it with a deadline */
     char bye = 'q';
     if (write(p.to_child, &bye, 1) < 0) {
