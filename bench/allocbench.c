@@ -8,8 +8,13 @@
  * child's own. The child reports operations and its CPU time over the
  * measured phase; peak RSS is the child's ru_maxrss from wait4().
  *
+ * Each cell does a fixed amount of work (operations), the same for every
+ * allocator, so peak RSS compares like with like; --scale multiplies it.
+ * --repeat runs every cell several times (interleaved with the others) and
+ * keeps the best rate and the largest peak RSS.
+ *
  * usage: bex-allocbench [--json] [--allocators=a,b] [--workloads=large,small]
- *                       [--threads=1,2,4,8] [--duration=S] [--warmup=S]
+ *                       [--threads=1,2,4,8] [--scale=F] [--repeat=N]
  * --json prints one JSON object per cell on stdout (the table then goes to
  * stderr). */
 #include <errno.h>
@@ -29,12 +34,17 @@ static const char *all_allocators[] = {"bemalloc", "bemalloc-mlock", "glibc",
 static const char *all_workloads[] = {"large", "small"};
 static const int all_threads[] = {1, 2, 4, 8};
 
+/* Operations per cell at --scale=1: enough for a second or more of CPU
+ * for the fast allocators, a few seconds for the slowest. */
+#define OPS_LARGE 6e6
+#define OPS_SMALL 40e6
+
 struct result {
     const char *alloc, *workload;
     int threads;
     int ok;
-    double ops_per_cpu;
-    long long peak_rss;
+    double ops_per_cpu; /* best over repeats */
+    long long peak_rss; /* largest over repeats */
 };
 
 static char dir[PATH_MAX];
@@ -48,9 +58,9 @@ static int split(char *s, const char **out)
 }
 
 /* Run one cell; 0 on success. */
-static int run_cell(struct result *r, double duration, double warmup)
+static int run_cell(struct result *r, double scale)
 {
-    char exe[PATH_MAX + 64], th[16], du[32], wu[32];
+    char exe[PATH_MAX + 64], th[16], ops[32];
     const char *drv = strncmp(r->alloc, "bemalloc", 8) == 0 ? "bemalloc" : r->alloc;
     snprintf(exe, sizeof exe, "%s/bex-allocbench-%s", dir, drv);
     if (access(exe, X_OK) != 0) {
@@ -58,8 +68,8 @@ static int run_cell(struct result *r, double duration, double warmup)
         return -1;
     }
     snprintf(th, sizeof th, "%d", r->threads);
-    snprintf(du, sizeof du, "%g", duration);
-    snprintf(wu, sizeof wu, "%g", warmup);
+    snprintf(ops, sizeof ops, "%.0f",
+             scale * (strcmp(r->workload, "large") == 0 ? OPS_LARGE : OPS_SMALL));
     int fd[2];
     if (pipe(fd) != 0)
         return -1;
@@ -71,7 +81,7 @@ static int run_cell(struct result *r, double duration, double warmup)
         dup2(fd[1], STDOUT_FILENO);
         close(fd[0]);
         close(fd[1]);
-        execl(exe, exe, r->alloc, r->workload, th, du, wu, (char *)NULL);
+        execl(exe, exe, r->alloc, r->workload, th, ops, (char *)NULL);
         _exit(127);
     }
     close(fd[1]);
@@ -97,20 +107,23 @@ static int run_cell(struct result *r, double duration, double warmup)
                 status);
         return -1;
     }
-    unsigned long long ops;
+    unsigned long long nops;
     double cpu, wall;
     char served[512];
-    if (sscanf(buf, "ops=%llu cpu=%lf wall=%lf served_by=%511s", &ops, &cpu, &wall, served) != 4 ||
+    if (sscanf(buf, "ops=%llu cpu=%lf wall=%lf served_by=%511s", &nops, &cpu, &wall, served) != 4 ||
         cpu <= 0) {
         fprintf(stderr, "%s: unparsable driver output: %s\n", r->alloc, buf);
         return -1;
     }
-    r->ops_per_cpu = (double)ops / cpu;
-    r->peak_rss = (long long)ru.ru_maxrss * 1024;
+    double rate = (double)nops / cpu;
+    long long rss = (long long)ru.ru_maxrss * 1024;
+    if (rate > r->ops_per_cpu)
+        r->ops_per_cpu = rate;
+    if (rss > r->peak_rss)
+        r->peak_rss = rss;
     r->ok = 1;
-    fprintf(stderr, "  %-15s %-6s %d thr: %6.2f M ops/CPU-s, peak RSS %7.1f MiB (malloc: %s)\n",
-            r->alloc, r->workload, r->threads, r->ops_per_cpu / 1e6,
-            (double)r->peak_rss / 1048576.0, served);
+    fprintf(stderr, "  %-15s %-6s %d thr: %6.2f M ops/CPU-s (%.2f CPU-s), peak RSS %7.1f MiB (malloc: %s)\n",
+            r->alloc, r->workload, r->threads, rate / 1e6, cpu, (double)rss / 1048576.0, served);
     return 0;
 }
 
@@ -118,17 +131,18 @@ static void usage(const char *argv0)
 {
     fprintf(stderr,
             "usage: %s [--json] [--allocators=LIST] [--workloads=LIST] [--threads=LIST]\n"
-            "          [--duration=S] [--warmup=S]\n"
+            "          [--scale=F] [--repeat=N]\n"
             "  allocators: bemalloc,bemalloc-mlock,glibc,jemalloc,tcmalloc,mimalloc\n"
             "  workloads:  large (64 KB-1 MB exponential), small (16 B-16 KB uniform)\n"
-            "  defaults:   all allocators and workloads, threads 1,2,4,8, duration 4, warmup 0.5\n",
-            argv0);
+            "  --scale:    work per cell, x %.0fM ops (large) / %.0fM ops (small)\n"
+            "  defaults:   all allocators and workloads, threads 1,2,4,8, scale 1, repeat 2\n",
+            argv0, OPS_LARGE / 1e6, OPS_SMALL / 1e6);
 }
 
 int main(int argc, char **argv)
 {
-    int json = 0;
-    double duration = 4.0, warmup = 0.5;
+    int json = 0, repeat = 2;
+    double scale = 1.0;
     const char *allocs[MAX_LIST], *workloads[MAX_LIST];
     int threads[MAX_LIST];
     int na = 6, nw = 2, nt = 4;
@@ -149,16 +163,16 @@ int main(int argc, char **argv)
             nt = split(a + 10, t);
             for (int k = 0; k < nt; k++)
                 threads[k] = atoi(t[k]);
-        } else if (strncmp(a, "--duration=", 11) == 0) {
-            duration = atof(a + 11);
-        } else if (strncmp(a, "--warmup=", 9) == 0) {
-            warmup = atof(a + 9);
+        } else if (strncmp(a, "--scale=", 8) == 0) {
+            scale = atof(a + 8);
+        } else if (strncmp(a, "--repeat=", 9) == 0) {
+            repeat = atoi(a + 9);
         } else {
             usage(argv[0]);
             return strcmp(a, "--help") == 0 ? 0 : 2;
         }
     }
-    if (na == 0 || nw == 0 || nt == 0 || duration <= 0) {
+    if (na == 0 || nw == 0 || nt == 0 || scale <= 0 || repeat < 1) {
         usage(argv[0]);
         return 2;
     }
@@ -171,26 +185,27 @@ int main(int argc, char **argv)
 
     struct result *res = calloc((size_t)(na * nw * nt), sizeof(*res));
     int failed = 0, k = 0;
-    /* Allocators innermost: drift of the machine hits them all alike. */
-    for (int w = 0; w < nw; w++) {
-        for (int t = 0; t < nt; t++) {
-            for (int a = 0; a < na; a++, k++) {
-                struct result *r = &res[k];
-                r->alloc = allocs[a];
-                r->workload = workloads[w];
-                r->threads = threads[t];
-                if (run_cell(r, duration, warmup) != 0) {
-                    failed++;
-                    continue;
-                }
-                if (json) {
-                    printf("{\"allocator\":\"%s\",\"workload\":\"%s\",\"threads\":%d,"
-                           "\"ops_per_cpu_sec\":%.0f,\"peak_rss_bytes\":%lld}\n",
-                           r->alloc, r->workload, r->threads, r->ops_per_cpu, r->peak_rss);
-                    fflush(stdout);
-                }
-            }
+    for (int w = 0; w < nw; w++)
+        for (int t = 0; t < nt; t++)
+            for (int a = 0; a < na; a++, k++)
+                res[k] = (struct result){allocs[a], workloads[w], threads[t], 0, 0, 0};
+    /* Allocators innermost and repeats outermost: drift of the machine
+     * hits them all alike. */
+    for (int rep = 0; rep < repeat; rep++) {
+        fprintf(stderr, "round %d of %d\n", rep + 1, repeat);
+        for (int i = 0; i < k; i++)
+            if (run_cell(&res[i], scale) != 0)
+                failed++;
+    }
+    if (json) {
+        for (int i = 0; i < k; i++) {
+            const struct result *r = &res[i];
+            if (r->ok)
+                printf("{\"allocator\":\"%s\",\"workload\":\"%s\",\"threads\":%d,"
+                       "\"ops_per_cpu_sec\":%.0f,\"peak_rss_bytes\":%lld}\n",
+                       r->alloc, r->workload, r->threads, r->ops_per_cpu, r->peak_rss);
         }
+        fflush(stdout);
     }
 
     FILE *out = json ? stderr : stdout;

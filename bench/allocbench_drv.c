@@ -8,7 +8,11 @@
  * at start-up which library really serves malloc, so a mis-link shows up
  * as an error rather than as a wrong number.
  *
- * usage: drv ALLOCATOR WORKLOAD THREADS DURATION_S WARMUP_S
+ * Every allocator does the same work: a fixed number of operations, so the
+ * pages touched (hence peak RSS) compare like with like; the rate is those
+ * operations over the CPU time the process spent on them.
+ *
+ * usage: drv ALLOCATOR WORKLOAD THREADS OPS
  * prints: ops=N cpu=S wall=S served_by=PATH */
 #include <dlfcn.h>
 #include <errno.h>
@@ -46,7 +50,7 @@ struct ring {
 };
 
 struct worker {
-    alignas(64) _Atomic uint64_t ops; /* published every 256 iterations */
+    alignas(64) _Atomic uint64_t ops; /* of the measured part */
     pthread_t tid;
     unsigned id;
     struct ring in;
@@ -54,8 +58,9 @@ struct worker {
 
 static struct worker *workers;
 static unsigned nthreads, nslots;
+static uint64_t iters; /* measured iterations per thread */
 static uint32_t sizes[SIZE_TABLE];
-static _Atomic int stop;
+static pthread_barrier_t phase; /* workers + main: warm-up done, measured part done */
 
 static inline uint64_t rng_next(uint64_t *s)
 {
@@ -99,10 +104,37 @@ static void *touch(void *p, size_t n)
     return p;
 }
 
-/* Each iteration replaces a random slot of the thread's working set: the
+/* One iteration replaces a random slot of the thread's working set: the
  * old buffer is freed here, or (HANDOFF_PCT %) handed to the right
  * neighbour, which frees it; then a new buffer is allocated and touched.
  * One operation = one allocation or one free. */
+static uint64_t run_iters(struct worker *w, void **slot, struct ring *right, uint64_t *rng,
+                          uint64_t n)
+{
+    uint64_t ops = 0;
+    for (uint64_t it = 0; it < n; it++) {
+        uint64_t r = rng_next(rng);
+        unsigned i = (unsigned)(r % nslots);
+        if ((r >> 32) % 100 < HANDOFF_PCT && ring_push(right, slot[i])) {
+            /* freed (and counted) by the neighbour */
+        } else {
+            FREE(slot[i]);
+            ops++;
+        }
+        size_t sz = sizes[(r >> 20) & (SIZE_TABLE - 1)];
+        slot[i] = touch(ALLOC(sz), sz);
+        ops++;
+        for (int j = 0; j < 2; j++) {
+            void *p = ring_pop(&w->in);
+            if (!p)
+                break;
+            FREE(p);
+            ops++;
+        }
+    }
+    return ops;
+}
+
 static void *worker_main(void *arg)
 {
     struct worker *w = arg;
@@ -111,34 +143,14 @@ static void *worker_main(void *arg)
     void **slot = calloc(nslots, sizeof(void *));
     if (!slot)
         exit(2);
-    uint64_t ops = 0;
     for (unsigned i = 0; i < nslots; i++) {
         size_t n = sizes[rng_next(&rng) & (SIZE_TABLE - 1)];
         slot[i] = touch(ALLOC(n), n);
     }
-    while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
-        for (int k = 0; k < 256; k++) {
-            uint64_t r = rng_next(&rng);
-            unsigned i = (unsigned)(r % nslots);
-            if ((r >> 32) % 100 < HANDOFF_PCT && ring_push(right, slot[i])) {
-                /* freed (and counted) by the neighbour */
-            } else {
-                FREE(slot[i]);
-                ops++;
-            }
-            size_t n = sizes[(r >> 20) & (SIZE_TABLE - 1)];
-            slot[i] = touch(ALLOC(n), n);
-            ops++;
-            for (int j = 0; j < 2; j++) {
-                void *p = ring_pop(&w->in);
-                if (!p)
-                    break;
-                FREE(p);
-                ops++;
-            }
-        }
-        atomic_store_explicit(&w->ops, ops, memory_order_relaxed);
-    }
+    run_iters(w, slot, right, &rng, (uint64_t)nslots * 4); /* warm-up */
+    pthread_barrier_wait(&phase);
+    atomic_store_explicit(&w->ops, run_iters(w, slot, right, &rng, iters), memory_order_relaxed);
+    pthread_barrier_wait(&phase);
     for (unsigned i = 0; i < nslots; i++)
         FREE(slot[i]);
     free(slot);
@@ -158,13 +170,6 @@ static uint64_t total_ops(void)
     for (unsigned i = 0; i < nthreads; i++)
         s += atomic_load_explicit(&workers[i].ops, memory_order_relaxed);
     return s;
-}
-
-static void sleep_s(double s)
-{
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
-        ;
 }
 
 #ifdef BEX_BENCH_BEMALLOC
@@ -198,14 +203,14 @@ static const char *malloc_provider(void)
 
 int main(int argc, char **argv)
 {
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s ALLOCATOR WORKLOAD THREADS DURATION_S WARMUP_S\n", argv[0]);
+    if (argc != 5) {
+        fprintf(stderr, "usage: %s ALLOCATOR WORKLOAD THREADS OPS\n", argv[0]);
         return 2;
     }
     const char *alloc = argv[1], *workload = argv[2];
     nthreads = (unsigned)atoi(argv[3]);
-    double duration = atof(argv[4]), warmup = atof(argv[5]);
-    if (nthreads < 1 || nthreads > MAX_THREADS || duration <= 0) {
+    double total = atof(argv[4]);
+    if (nthreads < 1 || nthreads > MAX_THREADS || total < 1) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
@@ -259,6 +264,9 @@ int main(int argc, char **argv)
         return 2;
     }
 
+    /* about two operations per iteration */
+    iters = (uint64_t)(total / 2.0 / nthreads) + 1;
+    pthread_barrier_init(&phase, NULL, nthreads + 1);
     workers = aligned_alloc(64, sizeof(*workers) * nthreads);
     if (!workers)
         return 2;
@@ -270,12 +278,11 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    sleep_s(warmup);
-    uint64_t ops0 = total_ops();
+    pthread_barrier_wait(&phase);
     double cpu0 = now(CLOCK_PROCESS_CPUTIME_ID), wall0 = now(CLOCK_MONOTONIC);
-    sleep_s(duration);
-    uint64_t ops1 = total_ops();
+    pthread_barrier_wait(&phase);
     double cpu1 = now(CLOCK_PROCESS_CPUTIME_ID), wall1 = now(CLOCK_MONOTONIC);
+    uint64_t ops = total_ops();
 #ifdef BEX_BENCH_BEMALLOC
     if (getenv("BEX_ALLOCBENCH_STATS")) {
         bex_mem_stats st;
@@ -287,13 +294,12 @@ int main(int argc, char **argv)
                 (unsigned long long)st.registrations);
     }
 #endif
-    atomic_store(&stop, 1);
     for (unsigned i = 0; i < nthreads; i++)
         pthread_join(workers[i].tid, NULL);
     for (unsigned i = 0; i < nthreads; i++)
         for (void *p; (p = ring_pop(&workers[i].in)) != NULL;)
             FREE(p);
-    printf("ops=%llu cpu=%.6f wall=%.6f served_by=%s\n", (unsigned long long)(ops1 - ops0),
+    printf("ops=%llu cpu=%.6f wall=%.6f served_by=%s\n", (unsigned long long)ops,
            cpu1 - cpu0, wall1 - wall0, served);
     fflush(stdout);
     free(workers);

@@ -58,6 +58,12 @@ static inline void add_delta(struct bex__mem_heap *h, int64_t d)
                           memory_order_relaxed);
 }
 
+static inline void bin_count_add(struct bex__mem_bin *b, uint32_t d)
+{
+    atomic_store_explicit(&b->count, atomic_load_explicit(&b->count, memory_order_relaxed) + d,
+                          memory_order_relaxed);
+}
+
 static void maybe_flush(struct bex__mem_heap *h, bool all)
 {
     int64_t d = atomic_load_explicit(&h->delta, memory_order_relaxed);
@@ -115,20 +121,29 @@ static unsigned longest_run(uint64_t m)
     return n;
 }
 
-/* Bit i of the result: spans i..i+n-1 are all free. */
-static uint64_t run_starts(uint64_t m, unsigned n)
-{
-    for (unsigned have = 1; have < n;) {
-        unsigned step = have < n - have ? have : n - have;
-        m &= m >> step;
-        have += step;
-    }
-    return m;
-}
-
 static uint64_t span_bits(unsigned i, unsigned n)
 {
     return (n >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << i;
+}
+
+/* Start of the smallest hole of at least n free spans in mask m (one
+ * exists). Best fit inside the chunk too: big holes stay big. */
+static unsigned best_hole(uint64_t m, unsigned n)
+{
+    unsigned best = 0, best_len = 65;
+    while (m) {
+        unsigned start = (unsigned)__builtin_ctzll(m);
+        uint64_t rest = ~(m >> start);
+        unsigned len = rest ? (unsigned)__builtin_ctzll(rest) : 64 - start;
+        if (len >= n && len < best_len) {
+            best = start;
+            best_len = len;
+            if (len == n)
+                break;
+        }
+        m &= ~span_bits(start, len);
+    }
+    return best;
 }
 
 static void bucket_remove(struct bex__mem_heap *h, struct bex__mem_chunk *c)
@@ -168,7 +183,7 @@ static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
         h->nempty++;
         bucket_insert(h, c);
     }
-    unsigned i = (unsigned)__builtin_ctzll(run_starts(c->free_mask, n));
+    unsigned i = best_hole(c->free_mask, n);
     if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK)
         h->nempty--;
     bucket_remove(h, c);
@@ -296,6 +311,7 @@ static void block_return(struct bex__mem_heap *h, void *p)
     s->free = p;
     s->nfree++;
     s->used--;
+    add_delta(h, -(int64_t)s->block_size);
     if (!s->attached)
         list_insert(h, s); /* was full; NOTIFY may stay set, see xfree */
     maybe_release(h, s);
@@ -307,7 +323,7 @@ BEX__MEM_SLOW static void bin_spill(struct bex__mem_heap *h, struct bex__mem_bin
     for (uint32_t k = b->limit / 2; k > 0; k--) {
         void *p = b->list;
         b->list = *(void **)p;
-        b->count--;
+        bin_count_add(b, (uint32_t)-1);
         block_return(h, p);
     }
 }
@@ -321,17 +337,18 @@ void bex__mem_heap_flush_bins(struct bex__mem_heap *h)
             b->list = *(void **)p;
             block_return(h, p);
         }
-        b->count = 0;
+        atomic_store_explicit(&b->count, 0, memory_order_relaxed);
     }
 }
 
 /* Refill an empty bin from run s: up to half a bin of its free blocks. */
-static void bin_fill(struct bex__mem_bin *b, struct bex__mem_span *s)
+static void bin_fill(struct bex__mem_heap *h, struct bex__mem_bin *b, struct bex__mem_span *s)
 {
     uint32_t want = b->limit / 2 ? b->limit / 2 : 1;
     if (s->nfree <= want) {
         b->list = s->free;
-        b->count = s->nfree;
+        atomic_store_explicit(&b->count, s->nfree, memory_order_relaxed);
+        add_delta(h, (int64_t)s->nfree * s->block_size);
         s->used += s->nfree;
         s->free = NULL;
         s->nfree = 0;
@@ -344,13 +361,14 @@ static void bin_fill(struct bex__mem_bin *b, struct bex__mem_span *s)
     *(void **)last = NULL;
     s->nfree -= want;
     s->used += want;
+    add_delta(h, (int64_t)want * s->block_size);
     b->list = first;
-    b->count = want;
+    atomic_store_explicit(&b->count, want, memory_order_relaxed);
 }
 
 /* Carve never-used blocks of run s straight into the bin, about a page at
  * a time, so a run's pages are touched only when needed. */
-static bool bin_carve(struct bex__mem_bin *b, struct bex__mem_span *s)
+static bool bin_carve(struct bex__mem_heap *h, struct bex__mem_bin *b, struct bex__mem_span *s)
 {
     uint32_t bs = s->block_size, total = s->capacity * bs;
     if (s->bump >= total)
@@ -366,9 +384,10 @@ static bool bin_carve(struct bex__mem_bin *b, struct bex__mem_span *s)
         *(void **)(base + (size_t)i * bs) = base + (size_t)(i + 1) * bs;
     *(void **)(base + (size_t)(n - 1) * bs) = NULL;
     b->list = base;
-    b->count = n;
+    atomic_store_explicit(&b->count, n, memory_order_relaxed);
     s->bump += n * bs;
     s->used += n;
+    add_delta(h, (int64_t)n * bs);
     return true;
 }
 
@@ -400,19 +419,22 @@ BEX__MEM_SLOW static void *small_refill(struct bex__mem_heap *h, unsigned c)
 {
     struct bex__mem_bin *b = &h->bins[c];
     maybe_flush(h, false);
+    /* Runs queued by remote frees hold free blocks: take them back before
+     * this class grows, whichever class they belong to. */
+    if (atomic_load_explicit(&h->xspans, memory_order_relaxed))
+        drain(h);
     for (;;) {
         struct bex__mem_span *s = h->active[c];
         if (s != &bex__mem_empty_span) {
             if (!s->free)
                 collect(h, s);
             if (s->free)
-                bin_fill(b, s);
-            else if (!bin_carve(b, s))
+                bin_fill(h, b, s);
+            else if (!bin_carve(h, b, s))
                 goto full;
             void *p = b->list;
             b->list = *(void **)p;
-            b->count--;
-            add_delta(h, s->block_size);
+            bin_count_add(b, (uint32_t)-1);
             return p;
 full:
             /* Detach the full run; the next remote free into it queues it
@@ -602,8 +624,7 @@ void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
         void *p = b->list;
         if (BEX__MEM_LIKELY(p != NULL)) {
             b->list = *(void **)p;
-            b->count--;
-            add_delta(h, bex__mem_class_size[c]);
+            bin_count_add(b, (uint32_t)-1);
             return p;
         }
         return small_refill(h, c);
@@ -654,8 +675,9 @@ void bex_mem_free(void *ptr)
             struct bex__mem_bin *b = &h->bins[c];
             *(void **)ptr = b->list;
             b->list = ptr;
-            add_delta(h, -(int64_t)bex__mem_class_size[c]);
-            if (BEX__MEM_UNLIKELY(++b->count > b->limit))
+            uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed) + 1;
+            atomic_store_explicit(&b->count, n, memory_order_relaxed);
+            if (BEX__MEM_UNLIKELY(n > b->limit))
                 bin_spill(h, b);
             return;
         }
@@ -675,8 +697,9 @@ void bex_mem_free(void *ptr)
         struct bex__mem_bin *b = &me->bins[c];
         *(void **)ptr = b->list;
         b->list = ptr;
-        add_delta(me, -(int64_t)bex__mem_class_size[c]);
-        if (BEX__MEM_UNLIKELY(++b->count > b->limit))
+        uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed) + 1;
+        atomic_store_explicit(&b->count, n, memory_order_relaxed);
+        if (BEX__MEM_UNLIKELY(n > b->limit))
             bin_spill(me, b);
         return;
     }

@@ -125,13 +125,14 @@ struct bex__mem_chunk {
 
 struct bex__mem_bin {
     void *list;
-    uint32_t count;
+    _Atomic uint32_t count; /* owner-only writes (load + store); stats read it */
     uint32_t limit;
 };
 
 struct bex__mem_heap {
     _Atomic uint64_t owner;  /* thread id of the owner, BEX__MEM_NO_OWNER if none */
-    _Atomic int64_t delta;   /* in-use bytes not yet added to the pool counter */
+    _Atomic int64_t delta;   /* bytes moved out of runs (to users or bins) and not
+                                yet added to the pool counter; slow paths only */
     struct bex__mem_bin bins[BEX__MEM_NCLS];
     struct bex__mem_span *active[BEX__MEM_NCLS]; /* class lists, head = active */
     struct bex__mem_chunk *by_run[BEX__MEM_SPANS]; /* owned chunks by longest free run */
@@ -197,13 +198,15 @@ static inline struct bex__mem_span *bex__mem_span_of(const void *p)
     return s - s->offset;
 }
 
+extern const uint8_t bex__mem_class_lut_small[65];
+extern const uint8_t bex__mem_class_lut_big[257];
+
+/* size <= BEX__MEM_SMALL_MAX */
 static inline unsigned bex__mem_class_of(size_t size)
 {
-    size_t n = size - (size != 0);
-    if (n < 128)
-        return (unsigned)(n >> 4);
-    unsigned e = 63u - (unsigned)__builtin_clzl(n);
-    return 8u + ((e - 7u) << 2) + (unsigned)((n >> (e - 2u)) & 3u);
+    if (size <= 1024)
+        return bex__mem_class_lut_small[(size + 15) >> 4];
+    return bex__mem_class_lut_big[(size + 127) >> 7];
 }
 
 /* pool.c: run and chunk management (pool lock taken inside). */

@@ -17,6 +17,28 @@ const uint32_t bex__mem_class_size[BEX__MEM_NCLS] = {
     1280,  1536,  1792,  2048,  2560,  3072,  3584,  4096,  5120,  6144,
     7168,  8192,  10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768,
 };
+/* Size -> class without arithmetic: by 16 B up to 1 KiB, by 128 B above
+ * (every class boundary above 1 KiB is a multiple of 256). */
+const uint8_t bex__mem_class_lut_small[65] = {
+    0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14,
+    14, 14, 14, 15, 15, 15, 15, 16, 16, 16, 16, 16, 16, 16, 16, 17, 17, 17, 17, 17, 17, 17, 17,
+    18, 18, 18, 18, 18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19,
+};
+const uint8_t bex__mem_class_lut_big[257] = {
+    20, 20, 20, 20, 20, 20, 20, 20, 20, 20, 20, 21, 21, 22, 22, 23, 23, 24, 24, 24, 24, 25, 25,
+    25, 25, 26, 26, 26, 26, 27, 27, 27, 27, 28, 28, 28, 28, 28, 28, 28, 28, 29, 29, 29, 29, 29,
+    29, 29, 29, 30, 30, 30, 30, 30, 30, 30, 30, 31, 31, 31, 31, 31, 31, 31, 31, 32, 32, 32, 32,
+    32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33,
+    33, 33, 33, 33, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 35, 35,
+    35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 36, 36, 36, 36, 36, 36, 36, 36, 36,
+    36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36,
+    37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37,
+    37, 37, 37, 37, 37, 37, 37, 37, 37, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38,
+    38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 39, 39, 39, 39, 39,
+    39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39,
+    39, 39, 39, 39,
+};
+
 /* Spans per small run: enough for at least 16 blocks, so big classes do
  * not churn through runs; capped at 8 spans (512 KiB). */
 const uint8_t bex__mem_class_spans[BEX__MEM_NCLS] = {
@@ -422,9 +444,15 @@ void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out)
         return;
     bex__mem_pool_reclaim(pool);
     pthread_mutex_lock(&pool->lock);
+    /* Blocks out of their runs, less those parked in bins (free to the
+     * user): exact for a quiescent pool. */
     int64_t in_use = atomic_load_explicit(&pool->in_use, memory_order_relaxed);
-    for (struct bex__mem_heap *h = pool->heaps; h; h = h->all_next)
+    for (struct bex__mem_heap *h = pool->heaps; h; h = h->all_next) {
         in_use += atomic_load_explicit(&h->delta, memory_order_relaxed);
+        for (unsigned c = 0; c < BEX__MEM_NCLS; c++)
+            in_use -= (int64_t)atomic_load_explicit(&h->bins[c].count, memory_order_relaxed) *
+                      bex__mem_class_size[c];
+    }
     pthread_mutex_unlock(&pool->lock);
     if (in_use < 0)
         in_use = 0; /* a remote free can be counted before its allocation is flushed */

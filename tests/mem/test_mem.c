@@ -10,6 +10,7 @@
 
 #include "bex/mem.h"
 #include "harness.h"
+#include "mem/internal.h"
 
 /* ---- fake registrar -------------------------------------------------------- */
 
@@ -231,6 +232,22 @@ static size_t random_size(uint64_t *rng)
     default:
         return (size_t)(r >> 8) % 512;
     }
+}
+
+/* The size -> class tables give the smallest class that fits. */
+static int size_classes(void)
+{
+    for (size_t size = 0; size <= BEX__MEM_SMALL_MAX; size++) {
+        unsigned c = bex__mem_class_of(size);
+        CHECK(c < BEX__MEM_NCLS);
+        CHECK(bex__mem_class_size[c] >= size);
+        CHECK(c == 0 || bex__mem_class_size[c - 1] < size);
+    }
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
+        CHECK(bex__mem_class_size[c] % 16 == 0);
+        CHECK(((size_t)bex__mem_class_spans[c] << BEX__MEM_SPAN_SHIFT) / bex__mem_class_size[c] >= 8);
+    }
+    return 0;
 }
 
 static int no_overlap(void)
@@ -755,7 +772,7 @@ static int default_pool(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(sizes_covered), BEX_CASE(huge_interior), BEX_CASE(no_overlap),
+BEX_TEST_MAIN(BEX_CASE(size_classes), BEX_CASE(sizes_covered), BEX_CASE(huge_interior), BEX_CASE(no_overlap),
               BEX_CASE(stats_in_use), BEX_CASE(pools_and_bad_args), BEX_CASE(destroy_busy),
               BEX_CASE(cross_thread_free), BEX_CASE(thread_exit_adopt), BEX_CASE(stress),
               BEX_CASE(steady_registrations), BEX_CASE(chunks_released),
