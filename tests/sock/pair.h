@@ -138,6 +138,26 @@ static inline long long rxe_counter(const char *name)
 
 typedef int (*pair_fn)(struct pair *p, void *arg);
 
+/* Sanitizer builds run several times slower in the emulated VM: scripts/test
+ * sets BEX_TEST_TIME_SCALE for them, and every liveness deadline of the
+ * socket tests is multiplied by it. */
+static inline unsigned time_scale(void)
+{
+    const char *s = getenv("BEX_TEST_TIME_SCALE");
+    int v = s ? atoi(s) : 1;
+    return v >= 1 ? (unsigned)v : 1;
+}
+
+static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
+{
+    bex_ctx_config c = in ? *in : (bex_ctx_config){0};
+    c.local_addr = a;
+    if (!c.keepalive_timeout_ms)
+        c.keepalive_timeout_ms = 2000;
+    c.keepalive_timeout_ms *= time_scale();
+    return c;
+}
+
 /* Fill cfg->local_addr and run server_fn(sarg) in a child on ADDR0,
  * client_fn(carg) here on ADDR1. The configs may be NULL (defaults). */
 static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *sarg,
@@ -158,8 +178,7 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         close(up[0]);
         close(down[1]);
         struct pair p = {.to_parent = up[1], .from_parent = down[0]};
-        bex_ctx_config c = scfg ? *scfg : (bex_ctx_config){0};
-        c.local_addr = a0;
+        bex_ctx_config c = scaled(scfg, a0);
         int err = bex_ctx_create(&c, &p.ctx);
         if (err) {
             fprintf(stderr, "server: bex_ctx_create: %s\n", bex_strerror(err));
@@ -171,8 +190,7 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
     close(up[1]);
     close(down[0]);
     struct pair p = {.child = pid, .from_child = up[0], .to_child = down[1]};
-    bex_ctx_config c = ccfg ? *ccfg : (bex_ctx_config){0};
-    c.local_addr = a1;
+    bex_ctx_config c = scaled(ccfg, a1);
     int err = bex_ctx_create(&c, &p.ctx);
     if (err) {
         fprintf(stderr, "client: bex_ctx_create: %s\n", bex_strerror(err));

@@ -378,12 +378,12 @@ static int kill_client(struct pair *p, void *arg)
     uint64_t t0 = pair_now_ms();
     kill(p->child, sig);
     /* keepalive timeout 1500 ms: allow scheduling slack in the VM */
-    CLI_WAIT(c, errors, 1, 5000);
+    CLI_WAIT(c, errors, 1, 5000 * time_scale());
     uint64_t dt = pair_now_ms() - t0;
     fprintf(stderr, "error %d (%s) after %llu ms; %ld sent, %ld done, %ld failed\n", c->err,
             bex_strerror(c->err), (unsigned long long)dt, sent, atomic_load(&c->done),
             atomic_load(&c->send_err));
-    CHECK(dt <= 3500);
+    CHECK(dt <= 3500 * time_scale());
     if (sig == SIGSTOP)
         CHECK_EQ(c->err, -ETIMEDOUT); /* only keepalive can tell */
     /* every message handed to bex comes back, some with an error (those
