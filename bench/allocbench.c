@@ -122,8 +122,10 @@ static int run_cell(struct result *r, double scale)
     if (rss > r->peak_rss)
         r->peak_rss = rss;
     r->ok = 1;
-    fprintf(stderr, "  %-15s %-6s %d thr: %6.2f M ops/CPU-s (%.2f CPU-s), peak RSS %7.1f MiB (malloc: %s)\n",
-            r->alloc, r->workload, r->threads, rate / 1e6, cpu, (double)rss / 1048576.0, served);
+    fprintf(
+        stderr,
+        "  %-15s %-6s %d thr: %6.2f M ops/CPU-s (%.2f CPU-s), peak RSS %7.1f MiB (malloc: %s)\n",
+        r->alloc, r->workload, r->threads, rate / 1e6, cpu, (double)rss / 1048576.0, served);
     return 0;
 }
 
@@ -216,7 +218,8 @@ int main(int argc, char **argv)
             fprintf(out, "%-16s %-6s %7d %16.2f %14.1f\n", res[i].alloc, res[i].workload,
                     res[i].threads, res[i].ops_per_cpu / 1e6, (double)res[i].peak_rss / 1048576.0);
     /* bemalloc against the best of the general-purpose allocators. */
-    fprintf(out, "\n%-6s %7s %22s %22s\n", "load", "threads", "bemalloc/best ops", "bemalloc/lowest RSS");
+    fprintf(out, "\n%-6s %7s %22s %22s\n", "load", "threads", "bemalloc/best ops",
+            "bemalloc/lowest RSS");
     for (int w = 0; w < nw; w++) {
         for (int t = 0; t < nt; t++) {
             const struct result *be = NULL;

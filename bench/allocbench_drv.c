@@ -31,15 +31,15 @@
 #include "bex/mem.h"
 static bex_mem_pool *pool;
 #define ALLOC(n) bex_mem_alloc(pool, (n))
-#define FREE(p) bex_mem_free(p)
+#define FREE(p)  bex_mem_free(p)
 #else
 #define ALLOC(n) malloc(n)
-#define FREE(p) free(p)
+#define FREE(p)  free(p)
 #endif
 
 #define MAX_THREADS 64
-#define SIZE_TABLE 4096 /* sizes drawn in advance: no libm in the loop */
-#define QCAP 32 /* hand-off ring per thread, power of two; bounds the extra live set */
+#define SIZE_TABLE  4096 /* sizes drawn in advance: no libm in the loop */
+#define QCAP        32   /* hand-off ring per thread, power of two; bounds the extra live set */
 #define HANDOFF_PCT 10
 
 struct ring {
@@ -287,8 +287,9 @@ int main(int argc, char **argv)
     if (getenv("BEX_ALLOCBENCH_STATS")) {
         bex_mem_stats st;
         bex_mem_pool_stats(pool, &st);
-        fprintf(stderr, "bemalloc: in use %.1f MiB (peak %.1f), registered %.1f MiB (peak %.1f), "
-                        "%zu chunks, %llu registrations\n",
+        fprintf(stderr,
+                "bemalloc: in use %.1f MiB (peak %.1f), registered %.1f MiB (peak %.1f), "
+                "%zu chunks, %llu registrations\n",
                 st.in_use_bytes / 1048576.0, st.peak_in_use_bytes / 1048576.0,
                 st.registered_bytes / 1048576.0, st.peak_registered_bytes / 1048576.0, st.chunks,
                 (unsigned long long)st.registrations);
@@ -299,8 +300,8 @@ int main(int argc, char **argv)
     for (unsigned i = 0; i < nthreads; i++)
         for (void *p; (p = ring_pop(&workers[i].in)) != NULL;)
             FREE(p);
-    printf("ops=%llu cpu=%.6f wall=%.6f served_by=%s\n", (unsigned long long)ops,
-           cpu1 - cpu0, wall1 - wall0, served);
+    printf("ops=%llu cpu=%.6f wall=%.6f served_by=%s\n", (unsigned long long)ops, cpu1 - cpu0,
+           wall1 - wall0, served);
     fflush(stdout);
     free(workers);
 #ifdef BEX_BENCH_BEMALLOC

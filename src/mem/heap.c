@@ -5,6 +5,7 @@
  * plain loads and stores only. Everything else is a slow path: refilling a
  * class from remote frees, carving, a new run, medium runs, remote frees
  * (one CAS), and thread exit. */
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -17,7 +18,7 @@
 
 /* In-use bytes a heap may accumulate before adding them to the pool
  * counter: bounds the error of the stats without a shared atomic per op. */
-#define FLUSH_BYTES ((int64_t)256 << 10)
+#define FLUSH_BYTES ((int64_t)4 << 20)
 
 /* The empty class list: never written. */
 struct bex__mem_span bex__mem_empty_span;
@@ -111,38 +112,48 @@ static void list_remove(struct bex__mem_heap *h, struct bex__mem_span *s)
  * to the chunk whose longest run fits it most tightly (best fit keeps long
  * runs whole), and freed runs coalesce in the chunk's bitmap at once. */
 
-static unsigned longest_run(uint64_t m)
-{
-    unsigned n = 0;
-    while (m) {
-        m &= m >> 1;
-        n++;
-    }
-    return n;
-}
-
 static uint64_t span_bits(unsigned i, unsigned n)
 {
     return (n >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << i;
 }
 
-/* Start of the smallest hole of at least n free spans in mask m (one
- * exists). Best fit inside the chunk too: big holes stay big. */
-static unsigned best_hole(uint64_t m, unsigned n)
+/* Length of the run of free spans in m that contains span i. */
+static unsigned hole_at(uint64_t m, unsigned i)
 {
-    unsigned best = 0, best_len = 65;
-    while (m) {
-        unsigned start = (unsigned)__builtin_ctzll(m);
-        uint64_t rest = ~(m >> start);
-        unsigned len = rest ? (unsigned)__builtin_ctzll(rest) : 64 - start;
+    uint64_t below = ~m & (((uint64_t)1 << i) - 1);
+    unsigned start = below ? 64u - (unsigned)__builtin_clzll(below) : 0;
+    uint64_t above = ~m >> i;
+    unsigned end = above ? i + (unsigned)__builtin_ctzll(above) : 64;
+    return end - start;
+}
+
+/* Take n spans from mask *m: the smallest hole that fits (best fit keeps
+ * big holes big); returns its start and sets *max_run for the new mask. */
+static unsigned take_hole(uint64_t *m, unsigned n, unsigned *max_run)
+{
+    uint64_t rest = *m;
+    unsigned best = 0, best_len = 65, top = 0, second = 0;
+    while (rest) {
+        unsigned start = (unsigned)__builtin_ctzll(rest);
+        uint64_t zeros = ~(rest >> start);
+        unsigned len = zeros ? (unsigned)__builtin_ctzll(zeros) : 64 - start;
         if (len >= n && len < best_len) {
             best = start;
             best_len = len;
-            if (len == n)
-                break;
         }
-        m &= ~span_bits(start, len);
+        if (len > top) {
+            second = top;
+            top = len;
+        } else if (len > second) {
+            second = len;
+        }
+        rest &= ~span_bits(start, len);
     }
+    *m &= ~span_bits(best, n);
+    unsigned left = best_len - n;
+    /* the longest hole shrank only if it was the one taken */
+    unsigned longest = best_len == top ? second : top;
+    *max_run = left > longest ? left : longest;
     return best;
 }
 
@@ -183,12 +194,10 @@ static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
         h->nempty++;
         bucket_insert(h, c);
     }
-    unsigned i = best_hole(c->free_mask, n);
     if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK)
         h->nempty--;
     bucket_remove(h, c);
-    c->free_mask &= ~span_bits(i, n);
-    c->max_run = longest_run(c->free_mask);
+    unsigned i = take_hole(&c->free_mask, n, &c->max_run);
     bucket_insert(h, c);
     struct bex__mem_span *s = &c->spans[i];
     s->span_count = (uint8_t)n;
@@ -208,7 +217,9 @@ static void run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
     s->free = NULL;
     bucket_remove(h, c);
     c->free_mask |= span_bits(i, s->span_count);
-    c->max_run = longest_run(c->free_mask);
+    unsigned len = hole_at(c->free_mask, i);
+    if (len > c->max_run)
+        c->max_run = len;
     if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK) {
         if (h->nempty >= KEEP_EMPTY) {
             bex__mem_pool_chunk_put(h->pool, c);
@@ -296,17 +307,12 @@ static void drain(struct bex__mem_heap *h)
 
 /* ---- small allocations ---------------------------------------------------- */
 
-static void free_remote(struct bex__mem_span *s, void *p);
-
-/* A block goes back from a bin to its run: directly if the run is ours,
- * through the run's remote list if the block came from another heap. */
+/* A block goes back from a bin to its run (bins hold only the heap's own
+ * blocks: other threads' frees go to the run's remote list). */
 static void block_return(struct bex__mem_heap *h, void *p)
 {
     struct bex__mem_span *s = bex__mem_span_of(p);
-    if (s->heap != h) {
-        free_remote(s, p);
-        return;
-    }
+    assert(s->heap == h);
     *(void **)p = s->free;
     s->free = p;
     s->nfree++;
@@ -407,9 +413,13 @@ static struct bex__mem_span *span_new(struct bex__mem_heap *h, unsigned c)
     s->free = NULL;
     s->heap = h;
     atomic_store_explicit(&s->xfree, 0, memory_order_relaxed);
+    /* Tails carry heap and class too: the free fast path reads only the
+     * descriptor of the span holding the block. */
     for (unsigned j = 1; j < n; j++) {
         s[j].offset = (uint8_t)j;
         s[j].kind = BEX__MEM_TAIL;
+        s[j].heap = h;
+        s[j].cls = (uint8_t)c;
     }
     return s;
 }
@@ -436,7 +446,7 @@ BEX__MEM_SLOW static void *small_refill(struct bex__mem_heap *h, unsigned c)
             b->list = *(void **)p;
             bin_count_add(b, (uint32_t)-1);
             return p;
-full:
+        full:
             /* Detach the full run; the next remote free into it queues it
              * on h->xspans. NOTIFY may already be set from an earlier
              * detach: then no atomic write at all. */
@@ -444,10 +454,9 @@ full:
                 uintptr_t x = atomic_load_explicit(&s->xfree, memory_order_relaxed);
                 if (x & BEX__MEM_XPTR_MASK)
                     continue; /* a remote free just arrived: collect it */
-                if (!(x & BEX__MEM_XNOTIFY) &&
-                    !atomic_compare_exchange_strong_explicit(&s->xfree, &x, x | BEX__MEM_XNOTIFY,
-                                                             memory_order_acq_rel,
-                                                             memory_order_relaxed))
+                if (!(x & BEX__MEM_XNOTIFY) && !atomic_compare_exchange_strong_explicit(
+                                                   &s->xfree, &x, x | BEX__MEM_XNOTIFY,
+                                                   memory_order_acq_rel, memory_order_relaxed))
                     continue;
                 list_remove(h, s);
             }
@@ -484,10 +493,19 @@ BEX__MEM_SLOW static void *medium_alloc(struct bex__mem_heap *h, size_t size)
     s->used = 1;
     s->free = NULL;
     s->attached = 0;
+    /* Cache colour: start successive runs at different 4 KiB offsets when
+     * the run's slack allows, so the first lines of buffers do not all fall
+     * into the same few cache sets (runs are 64 KiB aligned). */
+    size_t slack = ((size_t)n << BEX__MEM_SPAN_SHIFT) - size;
+    unsigned colours = (unsigned)(slack / BEX__MEM_PAGE) + 1;
+    if (colours > 16)
+        colours = 16;
+    s->bump = (uint32_t)((h->colour++ % colours) * BEX__MEM_PAGE);
+    s->block_size -= s->bump; /* usable bytes */
     /* Born detached: its free, if remote, queues it on h->xspans. */
     atomic_store_explicit(&s->xfree, BEX__MEM_XNOTIFY, memory_order_relaxed);
     add_delta(h, s->block_size);
-    return bex__mem_span_base(s);
+    return bex__mem_span_base(s) + s->bump;
 }
 
 /* Collect every remote free of a heap, and give its empty runs and its
@@ -611,13 +629,20 @@ BEX__MEM_SLOW static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
 
 /* ---- public entry points --------------------------------------------------- */
 
+/* First allocation of this thread from this pool (or a switch of pools):
+ * find or make the heap, then take the normal path. */
+BEX__MEM_SLOW static void *alloc_slow(bex_mem_pool *pool, size_t size)
+{
+    if (!heap_get_slow(pool))
+        return NULL;
+    return bex_mem_alloc(pool, size);
+}
+
 void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
 {
-    struct bex__mem_heap *h;
-    if (BEX__MEM_LIKELY(pool && tl.pool_id == pool->id))
-        h = tl.heap;
-    else if (!(h = heap_get_slow(pool)))
-        return NULL;
+    if (BEX__MEM_UNLIKELY(!pool || tl.pool_id != pool->id))
+        return alloc_slow(pool, size); /* a tail call: no frame here */
+    struct bex__mem_heap *h = tl.heap;
     if (BEX__MEM_LIKELY(size <= BEX__MEM_SMALL_MAX)) {
         unsigned c = bex__mem_class_of(size);
         struct bex__mem_bin *b = &h->bins[c];
@@ -663,47 +688,42 @@ BEX__MEM_SLOW static void free_remote(struct bex__mem_span *s, void *p)
     }
 }
 
-void bex_mem_free(void *ptr)
+/* Everything but a small block freed by its owner. */
+BEX__MEM_SLOW static void free_slow(void *ptr)
 {
-    if (!ptr)
-        return;
     struct bex__mem_span *s = bex__mem_span_of(ptr);
     struct bex__mem_heap *h = s->heap;
-    if (BEX__MEM_LIKELY(atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
-        unsigned c = s->cls;
-        if (BEX__MEM_LIKELY(c != BEX__MEM_NO_CLASS)) {
-            struct bex__mem_bin *b = &h->bins[c];
-            *(void **)ptr = b->list;
-            b->list = ptr;
-            uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed) + 1;
-            atomic_store_explicit(&b->count, n, memory_order_relaxed);
-            if (BEX__MEM_UNLIKELY(n > b->limit))
-                bin_spill(h, b);
-            return;
-        }
+    if (atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid) {
         /* our own medium run */
         add_delta(h, -(int64_t)s->block_size);
         s->used = 0;
         run_put(h, s);
         return;
     }
+    free_remote(s, ptr);
+}
+
+void bex_mem_free(void *ptr)
+{
+    if (!ptr)
+        return;
+    /* The descriptor of the span holding the block: for a small run, head
+     * and tails alike carry heap and class. */
+    struct bex__mem_span *s = &bex__mem_chunk_of(ptr)->spans[bex__mem_span_index(ptr)];
+    struct bex__mem_heap *h = s->heap;
     unsigned c = s->cls;
-    if (c != BEX__MEM_NO_CLASS && tl.pool_id == h->pool->id) {
-        /* Another heap's small block, freed by a thread that allocates from
-         * the same pool: keep it in our bin, as tcmalloc does, so the next
-         * allocation of the class reuses it while it is in this core's
-         * cache. It goes to its run's remote list only if the bin spills. */
-        struct bex__mem_heap *me = tl.heap;
-        struct bex__mem_bin *b = &me->bins[c];
+    if (BEX__MEM_LIKELY(c != BEX__MEM_NO_CLASS &&
+                        atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
+        struct bex__mem_bin *b = &h->bins[c];
         *(void **)ptr = b->list;
         b->list = ptr;
         uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed) + 1;
         atomic_store_explicit(&b->count, n, memory_order_relaxed);
         if (BEX__MEM_UNLIKELY(n > b->limit))
-            bin_spill(me, b);
+            bin_spill(h, b);
         return;
     }
-    free_remote(s, ptr);
+    free_slow(ptr);
 }
 
 static struct bex__mem_chunk *header_of(const void *p)
@@ -725,7 +745,7 @@ size_t bex_mem_usable_size(const void *ptr)
     case BEX__MEM_SMALL:
         return s->block_size;
     case BEX__MEM_MEDIUM:
-        return (size_t)s->span_count << BEX__MEM_SPAN_SHIFT;
+        return s->block_size;
     case BEX__MEM_HUGE:
         return bex__mem_chunk_of(ptr)->usable;
     default:

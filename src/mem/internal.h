@@ -28,24 +28,24 @@
 
 #include "bex/mem.h"
 
-#define BEX__MEM_LIKELY(x) __builtin_expect(!!(x), 1)
+#define BEX__MEM_LIKELY(x)   __builtin_expect(!!(x), 1)
 #define BEX__MEM_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-#define BEX__MEM_CHUNK_SHIFT 22
-#define BEX__MEM_CHUNK_SIZE ((size_t)1 << BEX__MEM_CHUNK_SHIFT)
-#define BEX__MEM_CHUNK_MASK (BEX__MEM_CHUNK_SIZE - 1)
-#define BEX__MEM_SPAN_SHIFT 16
-#define BEX__MEM_SPAN_SIZE ((size_t)1 << BEX__MEM_SPAN_SHIFT)
-#define BEX__MEM_SPANS 64 /* spans per chunk, span 0 is the header */
+#define BEX__MEM_CHUNK_SHIFT       22
+#define BEX__MEM_CHUNK_SIZE        ((size_t)1 << BEX__MEM_CHUNK_SHIFT)
+#define BEX__MEM_CHUNK_MASK        (BEX__MEM_CHUNK_SIZE - 1)
+#define BEX__MEM_SPAN_SHIFT        16
+#define BEX__MEM_SPAN_SIZE         ((size_t)1 << BEX__MEM_SPAN_SHIFT)
+#define BEX__MEM_SPANS             64 /* spans per chunk, span 0 is the header */
 #define BEX__MEM_SPANS_USABLE_MASK (~(uint64_t)1)
-#define BEX__MEM_PAGE 4096
+#define BEX__MEM_PAGE              4096
 
 /* Size classes: 16-byte steps up to 128 B, then 4 classes per power of two
  * up to 32 KiB (worst internal waste 20 %). */
-#define BEX__MEM_NCLS 40
+#define BEX__MEM_NCLS      40
 #define BEX__MEM_SMALL_MAX ((size_t)32768)
 /* Medium: whole-span runs up to 2 MiB. */
-#define BEX__MEM_MAX_RUN 32
+#define BEX__MEM_MAX_RUN    32
 #define BEX__MEM_MEDIUM_MAX ((size_t)BEX__MEM_MAX_RUN << BEX__MEM_SPAN_SHIFT)
 
 enum bex__mem_kind {
@@ -67,10 +67,10 @@ enum bex__mem_kind {
  *   bit 1 (QUEUED) a remote freer found NOTIFY, cleared it and pushed the
  *               run on heap->xspans; drain() clears it. A queued run is never
  *               released before drain() has seen it. */
-#define BEX__MEM_XNOTIFY ((uintptr_t)1)
-#define BEX__MEM_XQUEUED ((uintptr_t)2)
-#define BEX__MEM_XFLAGS (BEX__MEM_XNOTIFY | BEX__MEM_XQUEUED)
-#define BEX__MEM_XPTR_MASK ((((uintptr_t)1 << 48) - 1) & ~(uintptr_t)15)
+#define BEX__MEM_XNOTIFY    ((uintptr_t)1)
+#define BEX__MEM_XQUEUED    ((uintptr_t)2)
+#define BEX__MEM_XFLAGS     (BEX__MEM_XNOTIFY | BEX__MEM_XQUEUED)
+#define BEX__MEM_XPTR_MASK  ((((uintptr_t)1 << 48) - 1) & ~(uintptr_t)15)
 #define BEX__MEM_XCNT_SHIFT 48
 
 #define BEX__MEM_NO_CLASS 0xff /* cls of runs that are not small */
@@ -80,20 +80,21 @@ struct bex__mem_heap;
 struct bex__mem_span {
     /* first line: owner-only; the free fast path reads heap, cls and
      * block_size of the run's head */
-    void *free;              /* local free list (blocks back in the run) */
+    void *free; /* local free list (blocks back in the run) */
     struct bex__mem_heap *heap;
     struct bex__mem_span *next, *prev; /* class list, or heap cache list */
-    uint32_t used;           /* blocks not in the run: held by the user, in the
-                                heap's bin, or freed remotely and not collected */
-    uint32_t nfree;          /* blocks on the local free list */
-    uint32_t capacity;       /* blocks in the run */
+    uint32_t used;                     /* blocks not in the run: held by the user, in the
+                                          heap's bin, or freed remotely and not collected */
+    uint32_t nfree;                    /* blocks on the local free list */
+    uint32_t capacity;                 /* blocks in the run */
     uint32_t block_size;
-    uint32_t bump;           /* bytes of the run carved so far */
+    uint32_t bump; /* small: bytes of the run carved so far;
+                      medium: offset of the block in the run */
     uint8_t kind;
-    uint8_t cls;             /* size class, BEX__MEM_NO_CLASS if not small */
-    uint8_t attached;        /* in the heap's class list */
-    uint8_t offset;          /* descriptors back to the run's head (TAIL only) */
-    uint8_t span_count;      /* run length in spans (head only) */
+    uint8_t cls;        /* size class, BEX__MEM_NO_CLASS if not small */
+    uint8_t attached;   /* in the heap's class list */
+    uint8_t offset;     /* descriptors back to the run's head (TAIL only) */
+    uint8_t span_count; /* run length in spans (head only) */
     /* second line: written by other threads */
     alignas(64) _Atomic uintptr_t xfree;
     struct bex__mem_span *xnext; /* link in heap->xspans, written by the queuer */
@@ -103,25 +104,35 @@ struct bex__mem_chunk {
     struct bex__mem_span spans[BEX__MEM_SPANS];
     bex_mem_region mr;
     struct bex_mem_pool *pool;
-    size_t map_size;     /* bytes mapped */
-    size_t usable;       /* huge: bytes usable at the user pointer */
+    size_t map_size; /* bytes mapped */
+    size_t usable;   /* huge: bytes usable at the user pointer */
     /* owning heap only (pool lock while the pool holds it empty): */
-    uint64_t free_mask;  /* bit i = span i free */
-    unsigned max_run;    /* longest run of free spans */
+    uint64_t free_mask;                   /* bit i = span i free */
+    unsigned max_run;                     /* longest run of free spans */
     struct bex__mem_chunk *bnext, *bprev; /* heap bucket by max_run / pool empty list */
     /* pool lock: */
-    struct bex__mem_chunk *next, *prev;   /* all regular chunks / huge lists */
+    struct bex__mem_chunk *next, *prev; /* all regular chunks / huge lists */
 };
 
+/* Cache colour of chunk headers. Chunks are 4 MiB aligned, so headers at
+ * their very start would all map to the same few cache sets, and the
+ * descriptors of many chunks would evict each other. The header sits at
+ * an offset derived from the chunk's address bits instead, which costs two
+ * ALU operations per lookup and no memory access. */
+#define BEX__MEM_COLOURS     32
+#define BEX__MEM_COLOUR_STEP 512
+
 /* User data of a huge mapping starts here; descriptor 0 covers it. */
-#define BEX__MEM_HUGE_HDR \
-    ((sizeof(struct bex__mem_chunk) + BEX__MEM_PAGE - 1) & ~(size_t)(BEX__MEM_PAGE - 1))
+#define BEX__MEM_HUGE_HDR                                                                          \
+    (((BEX__MEM_COLOURS - 1) * BEX__MEM_COLOUR_STEP + sizeof(struct bex__mem_chunk) +              \
+      BEX__MEM_PAGE - 1) &                                                                         \
+     ~(size_t)(BEX__MEM_PAGE - 1))
 
 /* Per-class cache of free blocks in front of the runs, tcmalloc-style:
  * the owner's frees push here and its allocations pop here, so the fast
  * paths never write a run descriptor, and a block just freed is the next
  * one handed out (still in cache). Overflow goes back to the runs. */
-#define BEX__MEM_BIN_BYTES 131072u /* a bin's limit: this many bytes, 16..1024 blocks */
+#define BEX__MEM_BIN_BYTES 524288u /* a bin's limit: this many bytes, 16..1024 blocks */
 
 struct bex__mem_bin {
     void *list;
@@ -130,17 +141,18 @@ struct bex__mem_bin {
 };
 
 struct bex__mem_heap {
-    _Atomic uint64_t owner;  /* thread id of the owner, BEX__MEM_NO_OWNER if none */
-    _Atomic int64_t delta;   /* bytes moved out of runs (to users or bins) and not
-                                yet added to the pool counter; slow paths only */
+    _Atomic uint64_t owner; /* thread id of the owner, BEX__MEM_NO_OWNER if none */
+    _Atomic int64_t delta;  /* bytes moved out of runs (to users or bins) and not
+                               yet added to the pool counter; slow paths only */
     struct bex__mem_bin bins[BEX__MEM_NCLS];
-    struct bex__mem_span *active[BEX__MEM_NCLS]; /* class lists, head = active */
+    struct bex__mem_span *active[BEX__MEM_NCLS];   /* class lists, head = active */
     struct bex__mem_chunk *by_run[BEX__MEM_SPANS]; /* owned chunks by longest free run */
-    uint64_t run_mask;       /* bit k: by_run[k] not empty */
-    unsigned nempty;         /* owned chunks with no run in use */
+    uint64_t run_mask;                             /* bit k: by_run[k] not empty */
+    unsigned nempty;                               /* owned chunks with no run in use */
+    unsigned colour;                               /* next cache colour of a medium run */
     struct bex_mem_pool *pool;
-    struct bex__mem_heap *all_next;    /* pool lock */
-    struct bex__mem_heap *orphan_next; /* pool lock */
+    struct bex__mem_heap *all_next;                     /* pool lock */
+    struct bex__mem_heap *orphan_next;                  /* pool lock */
     alignas(64) _Atomic(struct bex__mem_span *) xspans; /* queued by remote freers */
 };
 
@@ -151,22 +163,22 @@ struct bex_mem_pool {
     bex_mem_registrar reg;
     size_t retain;
     pthread_mutex_t lock;
-    struct bex__mem_chunk *chunks;      /* all regular chunks */
-    struct bex__mem_chunk *empty;       /* retained empty chunks */
+    struct bex__mem_chunk *chunks; /* all regular chunks */
+    struct bex__mem_chunk *empty;  /* retained empty chunks */
     struct bex__mem_chunk *huge_live;
     struct bex__mem_chunk *huge_cached;
-    size_t retained_bytes;              /* empty chunks + cached huge mappings */
+    size_t retained_bytes; /* empty chunks + cached huge mappings */
     struct bex__mem_heap *heaps;
     struct bex__mem_heap *orphans;
-    _Atomic size_t norphans;            /* hint, read without the lock */
-    struct bex_mem_pool *reg_next;      /* registry of live pools */
+    _Atomic size_t norphans;       /* hint, read without the lock */
+    struct bex_mem_pool *reg_next; /* registry of live pools */
 
     _Atomic size_t registered_bytes;
     _Atomic size_t peak_registered_bytes;
     _Atomic size_t nchunks;
     _Atomic uint64_t registrations;
     _Atomic uint64_t deregistrations;
-    _Atomic int64_t in_use;             /* flushed from heap deltas */
+    _Atomic int64_t in_use; /* flushed from heap deltas */
     _Atomic int64_t peak_in_use;
 };
 
@@ -175,9 +187,22 @@ extern struct bex__mem_heap bex__mem_ownerless_heap;
 extern const uint32_t bex__mem_class_size[BEX__MEM_NCLS];
 extern const uint8_t bex__mem_class_spans[BEX__MEM_NCLS];
 
+/* Start of the chunk (or huge mapping) holding p. */
+static inline uintptr_t bex__mem_base_of(const void *p)
+{
+    return (uintptr_t)p & ~(uintptr_t)BEX__MEM_CHUNK_MASK;
+}
+
+static inline struct bex__mem_chunk *bex__mem_header_at(uintptr_t base)
+{
+    return (struct bex__mem_chunk *)(base +
+                                     ((base >> BEX__MEM_CHUNK_SHIFT) & (BEX__MEM_COLOURS - 1)) *
+                                         BEX__MEM_COLOUR_STEP);
+}
+
 static inline struct bex__mem_chunk *bex__mem_chunk_of(const void *p)
 {
-    return (struct bex__mem_chunk *)((uintptr_t)p & ~(uintptr_t)BEX__MEM_CHUNK_MASK);
+    return bex__mem_header_at(bex__mem_base_of(p));
 }
 
 static inline unsigned bex__mem_span_index(const void *p)
@@ -187,8 +212,9 @@ static inline unsigned bex__mem_span_index(const void *p)
 
 static inline char *bex__mem_span_base(struct bex__mem_span *s)
 {
-    struct bex__mem_chunk *c = bex__mem_chunk_of(s);
-    return (char *)c + ((size_t)(s - c->spans) << BEX__MEM_SPAN_SHIFT);
+    uintptr_t base = bex__mem_base_of(s);
+    struct bex__mem_chunk *c = bex__mem_header_at(base);
+    return (char *)base + ((size_t)(s - c->spans) << BEX__MEM_SPAN_SHIFT);
 }
 
 /* The head descriptor of the run holding p (p from bex_mem_alloc). */

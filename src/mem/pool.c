@@ -12,31 +12,29 @@
 #define DEFAULT_RETAIN ((size_t)64 << 20)
 
 const uint32_t bex__mem_class_size[BEX__MEM_NCLS] = {
-    16,    32,    48,    64,    80,    96,    112,   128,   160,   192,
-    224,   256,   320,   384,   448,   512,   640,   768,   896,   1024,
-    1280,  1536,  1792,  2048,  2560,  3072,  3584,  4096,  5120,  6144,
-    7168,  8192,  10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768,
+    16,   32,   48,   64,   80,    96,    112,   128,   160,   192,   224,   256,   320,  384,
+    448,  512,  640,  768,  896,   1024,  1280,  1536,  1792,  2048,  2560,  3072,  3584, 4096,
+    5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768,
 };
 /* Size -> class without arithmetic: by 16 B up to 1 KiB, by 128 B above
  * (every class boundary above 1 KiB is a multiple of 256). */
 const uint8_t bex__mem_class_lut_small[65] = {
-    0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14,
-    14, 14, 14, 15, 15, 15, 15, 16, 16, 16, 16, 16, 16, 16, 16, 17, 17, 17, 17, 17, 17, 17, 17,
-    18, 18, 18, 18, 18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19,
+    0,  0,  1,  2,  3,  4,  5,  6,  7,  8,  8,  9,  9,  10, 10, 11, 11, 12, 12, 12, 12, 13,
+    13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15, 16, 16, 16, 16, 16, 16, 16, 16, 17, 17, 17,
+    17, 17, 17, 17, 17, 18, 18, 18, 18, 18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19,
 };
 const uint8_t bex__mem_class_lut_big[257] = {
-    20, 20, 20, 20, 20, 20, 20, 20, 20, 20, 20, 21, 21, 22, 22, 23, 23, 24, 24, 24, 24, 25, 25,
-    25, 25, 26, 26, 26, 26, 27, 27, 27, 27, 28, 28, 28, 28, 28, 28, 28, 28, 29, 29, 29, 29, 29,
-    29, 29, 29, 30, 30, 30, 30, 30, 30, 30, 30, 31, 31, 31, 31, 31, 31, 31, 31, 32, 32, 32, 32,
-    32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33,
-    33, 33, 33, 33, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 35, 35,
-    35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 35, 36, 36, 36, 36, 36, 36, 36, 36, 36,
-    36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36,
-    37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37,
-    37, 37, 37, 37, 37, 37, 37, 37, 37, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38,
-    38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 39, 39, 39, 39, 39,
-    39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39,
-    39, 39, 39, 39,
+    20, 20, 20, 20, 20, 20, 20, 20, 20, 20, 20, 21, 21, 22, 22, 23, 23, 24, 24, 24, 24, 25, 25, 25,
+    25, 26, 26, 26, 26, 27, 27, 27, 27, 28, 28, 28, 28, 28, 28, 28, 28, 29, 29, 29, 29, 29, 29, 29,
+    29, 30, 30, 30, 30, 30, 30, 30, 30, 31, 31, 31, 31, 31, 31, 31, 31, 32, 32, 32, 32, 32, 32, 32,
+    32, 32, 32, 32, 32, 32, 32, 32, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33,
+    33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 35, 35, 35, 35, 35, 35, 35,
+    35, 35, 35, 35, 35, 35, 35, 35, 35, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36,
+    36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 37, 37, 37, 37, 37, 37, 37,
+    37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37, 37,
+    37, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38, 38,
+    38, 38, 38, 38, 38, 38, 38, 38, 38, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39,
+    39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39, 39,
 };
 
 /* Spans per small run: enough for at least 16 blocks, so big classes do
@@ -54,8 +52,14 @@ static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static bex_mem_pool *registry;
 static _Atomic uint64_t next_pool_id = 1;
 
-void bex__mem_registry_lock(void) { pthread_mutex_lock(&registry_lock); }
-void bex__mem_registry_unlock(void) { pthread_mutex_unlock(&registry_lock); }
+void bex__mem_registry_lock(void)
+{
+    pthread_mutex_lock(&registry_lock);
+}
+void bex__mem_registry_unlock(void)
+{
+    pthread_mutex_unlock(&registry_lock);
+}
 
 bex_mem_pool *bex__mem_registry_find(uint64_t id)
 {
@@ -88,8 +92,8 @@ static _Atomic(struct bex__mem_chunk *) *huge_slot(uintptr_t addr, bool create)
         if (m == MAP_FAILED)
             return NULL;
         _Atomic(struct bex__mem_chunk *) *expect = NULL;
-        if (atomic_compare_exchange_strong_explicit(&huge_l1[i1], &expect, m,
-                                                    memory_order_acq_rel, memory_order_acquire)) {
+        if (atomic_compare_exchange_strong_explicit(&huge_l1[i1], &expect, m, memory_order_acq_rel,
+                                                    memory_order_acquire)) {
             l2 = m;
         } else {
             munmap(m, len); /* another thread installed it first */
@@ -107,7 +111,8 @@ struct bex__mem_chunk *bex__mem_huge_lookup(const void *p)
 
 static int huge_table_set(struct bex__mem_chunk *c, struct bex__mem_chunk *val)
 {
-    uintptr_t a = (uintptr_t)c + BEX__MEM_CHUNK_SIZE, end = (uintptr_t)c + c->map_size;
+    uintptr_t base = bex__mem_base_of(c);
+    uintptr_t a = base + BEX__MEM_CHUNK_SIZE, end = base + c->map_size;
     for (; a < end; a += BEX__MEM_CHUNK_SIZE) {
         _Atomic(struct bex__mem_chunk *) *e = huge_slot(a, val != NULL);
         if (!e)
@@ -123,7 +128,7 @@ static void stat_max(_Atomic size_t *peak, size_t v)
 {
     size_t cur = atomic_load_explicit(peak, memory_order_relaxed);
     while (v > cur && !atomic_compare_exchange_weak_explicit(peak, &cur, v, memory_order_relaxed,
-                                                              memory_order_relaxed))
+                                                             memory_order_relaxed))
         ;
 }
 
@@ -131,8 +136,8 @@ static void stat_max(_Atomic size_t *peak, size_t v)
 static void *map_aligned(size_t len)
 {
     size_t over = len + BEX__MEM_CHUNK_SIZE - BEX__MEM_PAGE;
-    char *raw = mmap(NULL, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                     -1, 0);
+    char *raw = mmap(NULL, over, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (raw == MAP_FAILED)
         return NULL;
     char *al = (char *)(((uintptr_t)raw + BEX__MEM_CHUNK_MASK) & ~(uintptr_t)BEX__MEM_CHUNK_MASK);
@@ -153,16 +158,17 @@ static void *map_aligned(size_t len)
  * up except for kind-specific fields. Returns NULL with errno set. */
 static struct bex__mem_chunk *region_create(bex_mem_pool *pool, size_t len)
 {
-    struct bex__mem_chunk *c = map_aligned(len);
-    if (!c)
+    void *base = map_aligned(len);
+    if (!base)
         return NULL;
-    c->mr.addr = c;
+    struct bex__mem_chunk *c = bex__mem_header_at((uintptr_t)base);
+    c->mr.addr = base;
     c->mr.length = len;
     c->pool = pool;
     c->map_size = len;
     int rc = pool->reg.reg(pool->reg.ctx, &c->mr);
     if (rc != 0) {
-        munmap(c, len);
+        munmap(base, len);
         errno = rc < 0 ? -rc : rc;
         return NULL;
     }
@@ -180,7 +186,7 @@ static void region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
     atomic_fetch_add_explicit(&pool->deregistrations, 1, memory_order_relaxed);
     atomic_fetch_sub_explicit(&pool->registered_bytes, len, memory_order_relaxed);
     atomic_fetch_sub_explicit(&pool->nchunks, 1, memory_order_relaxed);
-    munmap(c, len);
+    munmap((void *)bex__mem_base_of(c), len);
 }
 
 /* ---- chunks ---------------------------------------------------------------
@@ -287,8 +293,7 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
      * huge traffic off the registrar without wasting much. */
     pthread_mutex_lock(&pool->lock);
     for (struct bex__mem_chunk *h = pool->huge_cached; h; h = h->next) {
-        if (h->map_size >= len && h->map_size / 2 <= len &&
-            (!c || h->map_size < c->map_size))
+        if (h->map_size >= len && h->map_size / 2 <= len && (!c || h->map_size < c->map_size))
             c = h;
     }
     if (c) {
@@ -322,7 +327,7 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
     }
     c->usable = c->map_size - BEX__MEM_HUGE_HDR;
     bex__mem_pool_note_in_use(pool, (int64_t)c->usable);
-    return (char *)c + BEX__MEM_HUGE_HDR;
+    return (char *)bex__mem_base_of(c) + BEX__MEM_HUGE_HDR;
 }
 
 void bex__mem_huge_free(struct bex__mem_chunk *c)
@@ -424,9 +429,8 @@ void bex__mem_pool_heap_orphan(bex_mem_pool *pool, struct bex__mem_heap *h)
 static void note_peak(bex_mem_pool *pool, int64_t v)
 {
     int64_t cur = atomic_load_explicit(&pool->peak_in_use, memory_order_relaxed);
-    while (v > cur && !atomic_compare_exchange_weak_explicit(&pool->peak_in_use, &cur, v,
-                                                              memory_order_relaxed,
-                                                              memory_order_relaxed))
+    while (v > cur && !atomic_compare_exchange_weak_explicit(
+                          &pool->peak_in_use, &cur, v, memory_order_relaxed, memory_order_relaxed))
         ;
 }
 
@@ -458,7 +462,8 @@ void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out)
         in_use = 0; /* a remote free can be counted before its allocation is flushed */
     note_peak(pool, in_use);
     out->registered_bytes = atomic_load_explicit(&pool->registered_bytes, memory_order_relaxed);
-    out->peak_registered_bytes = atomic_load_explicit(&pool->peak_registered_bytes, memory_order_relaxed);
+    out->peak_registered_bytes =
+        atomic_load_explicit(&pool->peak_registered_bytes, memory_order_relaxed);
     out->chunks = atomic_load_explicit(&pool->nchunks, memory_order_relaxed);
     out->registrations = atomic_load_explicit(&pool->registrations, memory_order_relaxed);
     out->deregistrations = atomic_load_explicit(&pool->deregistrations, memory_order_relaxed);
@@ -468,8 +473,7 @@ void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out)
 
 /* ---- create / destroy ---------------------------------------------------- */
 
-int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
-                        bex_mem_pool **out)
+int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg, bex_mem_pool **out)
 {
     if (!reg || !reg->reg || !reg->dereg || !out)
         return -EINVAL;

@@ -25,10 +25,10 @@ struct fake_region {
 
 struct fake {
     pthread_mutex_t lock;
-    unsigned long calls;    /* reg() calls */
-    unsigned long fail_at;  /* fail call number fail_at (1-based); 0 = never */
-    int fail_after;         /* and every call after it */
-    int err;                /* negative errno to fail with */
+    unsigned long calls;   /* reg() calls */
+    unsigned long fail_at; /* fail call number fail_at (1-based); 0 = never */
+    int fail_after;        /* and every call after it */
+    int err;               /* negative errno to fail with */
     unsigned long regs, deregs;
     struct fake_region r[FAKE_MAX];
     unsigned n;
@@ -162,10 +162,56 @@ static void finish(bex_mem_pool *pool, struct fake *f)
 /* ---- cases ----------------------------------------------------------------- */
 
 static const size_t boundary_sizes[] = {
-    0, 1, 15, 16, 17, 31, 32, 33, 100, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024, 1025,
-    2047, 2048, 2049, 4095, 4096, 4097, 8191, 8192, 8193, 16383, 16384, 16385, 32767, 32768,
-    32769, 65535, 65536, 65537, 131071, 131072, 131073, 1048576, 2097151, 2097152, 2097153,
-    4194304 - 65536, 4194303, 4194304, 4194305, 9 * 1048576 + 7, 20 * 1048576,
+    0,
+    1,
+    15,
+    16,
+    17,
+    31,
+    32,
+    33,
+    100,
+    127,
+    128,
+    129,
+    255,
+    256,
+    257,
+    1000,
+    1023,
+    1024,
+    1025,
+    2047,
+    2048,
+    2049,
+    4095,
+    4096,
+    4097,
+    8191,
+    8192,
+    8193,
+    16383,
+    16384,
+    16385,
+    32767,
+    32768,
+    32769,
+    65535,
+    65536,
+    65537,
+    131071,
+    131072,
+    131073,
+    1048576,
+    2097151,
+    2097152,
+    2097153,
+    4194304 - 65536,
+    4194303,
+    4194304,
+    4194305,
+    9 * 1048576 + 7,
+    20 * 1048576,
 };
 #define NSIZES (sizeof boundary_sizes / sizeof boundary_sizes[0])
 
@@ -227,7 +273,9 @@ static size_t random_size(uint64_t *rng)
         return (size_t)(r >> 8) % 300000;
     case 1:
         return (r >> 8) % 64 == 0 ? 4194304 + (size_t)(r >> 20) % 3000000 : 70000;
-    case 2: case 3: case 4:
+    case 2:
+    case 3:
+    case 4:
         return (size_t)(r >> 8) % 16384;
     default:
         return (size_t)(r >> 8) % 512;
@@ -245,7 +293,8 @@ static int size_classes(void)
     }
     for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
         CHECK(bex__mem_class_size[c] % 16 == 0);
-        CHECK(((size_t)bex__mem_class_spans[c] << BEX__MEM_SPAN_SHIFT) / bex__mem_class_size[c] >= 8);
+        CHECK(((size_t)bex__mem_class_spans[c] << BEX__MEM_SPAN_SHIFT) / bex__mem_class_size[c] >=
+              8);
     }
     return 0;
 }
@@ -462,7 +511,7 @@ static int thread_exit_adopt(void)
 /* ---- randomized stress with hand-off between threads ---------------------- */
 
 #define STRESS_THREADS 4
-#define QCAP 1024
+#define QCAP           1024
 
 struct msg {
     uint32_t magic, seed;
@@ -531,7 +580,9 @@ static void *stress_thread(void *a)
         for (int k = 0; k < 64; k++, ops++) {
             unsigned i = (unsigned)(rng_next(&rng) % SLOTS);
             if (slot[i]) {
-                struct queue *q = &st->q[(unsigned)(sa->id + 1 + rng_next(&rng) % (STRESS_THREADS - 1)) % STRESS_THREADS];
+                struct queue *q =
+                    &st->q[(unsigned)(sa->id + 1 + rng_next(&rng) % (STRESS_THREADS - 1)) %
+                           STRESS_THREADS];
                 if (rng_next(&rng) % 3 != 0 || !q_push(q, slot[i]))
                     check_and_free(slot[i]);
                 slot[i] = NULL;
@@ -548,7 +599,8 @@ static void *stress_thread(void *a)
                 fill((char *)(m + 1) + n - 1, 1, m->seed + 1);
             if (rng_next(&rng) % 64 == 0) {
                 const bex_mem_region *mr = bex_mem_mr((char *)m + size - 1);
-                CHECK((char *)m >= (char *)mr->addr && (char *)m + size <= (char *)mr->addr + mr->length);
+                CHECK((char *)m >= (char *)mr->addr &&
+                      (char *)m + size <= (char *)mr->addr + mr->length);
             }
             slot[i] = m;
             for (void *p; (p = q_pop(&st->q[sa->id])) != NULL;)
@@ -581,8 +633,9 @@ static int stress(void)
             sa[i] = (struct sarg){st, i};
             CHECK(pthread_create(&t[i], NULL, stress_thread, &sa[i]) == 0);
         }
-        struct timespec ts = {(time_t)(secs / generations),
-                              (long)((secs / generations - (double)(time_t)(secs / generations)) * 1e9)};
+        struct timespec ts = {
+            (time_t)(secs / generations),
+            (long)((secs / generations - (double)(time_t)(secs / generations)) * 1e9)};
         nanosleep(&ts, NULL);
         atomic_store(&st->stop, 1);
         for (int i = 0; i < STRESS_THREADS; i++)
@@ -772,8 +825,8 @@ static int default_pool(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(size_classes), BEX_CASE(sizes_covered), BEX_CASE(huge_interior), BEX_CASE(no_overlap),
-              BEX_CASE(stats_in_use), BEX_CASE(pools_and_bad_args), BEX_CASE(destroy_busy),
-              BEX_CASE(cross_thread_free), BEX_CASE(thread_exit_adopt), BEX_CASE(stress),
-              BEX_CASE(steady_registrations), BEX_CASE(chunks_released),
+BEX_TEST_MAIN(BEX_CASE(size_classes), BEX_CASE(sizes_covered), BEX_CASE(huge_interior),
+              BEX_CASE(no_overlap), BEX_CASE(stats_in_use), BEX_CASE(pools_and_bad_args),
+              BEX_CASE(destroy_busy), BEX_CASE(cross_thread_free), BEX_CASE(thread_exit_adopt),
+              BEX_CASE(stress), BEX_CASE(steady_registrations), BEX_CASE(chunks_released),
               BEX_CASE(registrar_failure), BEX_CASE(default_pool))
