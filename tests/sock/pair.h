@@ -138,6 +138,10 @@ static inline long long rxe_counter(const char *name)
 
 typedef int (*pair_fn)(struct pair *p, void *arg);
 
+/* When set, the server process builds its context's pool with this (before
+ * the context exists), e.g. to inject registration failures. */
+static bex_mem_pool *(*pair_server_pool)(struct in_addr addr);
+
 /* Sanitizer builds run several times slower in the emulated VM: scripts/test
  * sets BEX_TEST_TIME_SCALE for them, and every liveness deadline of the
  * socket tests is multiplied by it. */
@@ -179,6 +183,8 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         close(down[1]);
         struct pair p = {.to_parent = up[1], .from_parent = down[0]};
         bex_ctx_config c = scaled(scfg, a0);
+        if (pair_server_pool)
+            c.pool = pair_server_pool(a0);
         int err = bex_ctx_create(&c, &p.ctx);
         if (err) {
             fprintf(stderr, "server: bex_ctx_create: %s\n", bex_strerror(err));

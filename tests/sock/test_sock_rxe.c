@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "pair.h"
+#include "rdma/rdma.h"
 
 /* ---------------- an echo server ---------------- */
 
@@ -571,6 +572,63 @@ static int direct_write(void)
     return pair_run(&cfg, direct_server, NULL, &cfg, direct_client, NULL, 60);
 }
 
+/* The receiver cannot register a rendezvous buffer: that message comes back
+ * to its sender with -ENOMEM, and the socket goes on working. */
+static int failing_reg(void *ctx, bex_mem_region *mr)
+{
+    const bex_mem_registrar *inner = ctx;
+    if (mr->length > (4u << 20))
+        return -ENOMEM; /* a registration beyond one chunk: refused */
+    return inner->reg(inner->ctx, mr);
+}
+
+static void failing_dereg(void *ctx, bex_mem_region *mr)
+{
+    const bex_mem_registrar *inner = ctx;
+    inner->dereg(inner->ctx, mr);
+}
+
+static bex_mem_pool *failing_pool(struct in_addr a)
+{
+    /* the context opens the same per-process device handle and PD */
+    static struct bex__rdma_dev *dev;
+    static struct bex__rdma_path path;
+    static bex_mem_registrar inner;
+    CHECK_OK(bex__rdma_dev_open_ipv4(a, &dev, &path));
+    bex_mem_registrar_verbs(&inner, dev->pd, 0);
+    bex_mem_registrar reg = {.reg = failing_reg, .dereg = failing_dereg, .ctx = &inner};
+    bex_mem_pool *pool;
+    CHECK_OK(bex_mem_pool_create(&reg, NULL, &pool));
+    return pool;
+}
+
+static int nomem_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, 1);
+    const size_t lens[] = {6u << 20, 100, 2u << 20};
+    c->next_seq[0] = 1; /* seq 0 never comes back: the echoes of 1, 2 do, in order */
+    for (uint32_t i = 0; i < 3; i++)
+        CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 0, i, lens[i]), lens[i], NULL));
+    CLI_WAIT(c, recvd, 2, 30000);
+    CHECK_EQ(c->bad, 0);
+    CLI_WAIT(c, done, 3, 10000);
+    CHECK_EQ(atomic_load(&c->send_err), 1);
+    CHECK_EQ(atomic_load(&c->errors), 0);
+    cli_close_all(c, 1);
+    free(c);
+    return 0;
+}
+
+static int rndv_nomem(void)
+{
+    pair_server_pool = failing_pool;
+    int rc = pair_run(NULL, echo_server, NULL, NULL, nomem_client, NULL, 60);
+    pair_server_pool = NULL;
+    return rc;
+}
+
 static int connect_refused_client(struct pair *p, void *arg)
 {
     (void)arg;
@@ -599,4 +657,5 @@ static int connect_refused(void)
 
 BEX_TEST_MAIN(BEX_CASE(sizes), BEX_CASE(multiplex), BEX_CASE(slow_receiver),
               BEX_CASE(send_window), BEX_CASE(peer_killed), BEX_CASE(peer_frozen),
-              BEX_CASE(packet_loss), BEX_CASE(direct_write), BEX_CASE(connect_refused))
+              BEX_CASE(packet_loss), BEX_CASE(direct_write), BEX_CASE(rndv_nomem),
+              BEX_CASE(connect_refused))
