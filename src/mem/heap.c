@@ -181,7 +181,7 @@ static void bucket_insert(struct bex__mem_heap *h, struct bex__mem_chunk *c)
 }
 
 /* n contiguous free spans; NULL + errno when the pool can't grow. */
-static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
+static struct bex__mem_span *chunk_run_get(struct bex__mem_heap *h, unsigned n)
 {
     uint64_t fit = h->run_mask & (~(uint64_t)0 << n);
     struct bex__mem_chunk *c;
@@ -209,7 +209,7 @@ static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
  * the pool, which keeps up to retain_bytes registered. */
 #define KEEP_EMPTY 1
 
-static void run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
+static void chunk_run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
 {
     struct bex__mem_chunk *c = bex__mem_chunk_of(s);
     unsigned i = (unsigned)(s - c->spans);
@@ -228,6 +228,54 @@ static void run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
         h->nempty++;
     }
     bucket_insert(h, c);
+}
+
+/* In front of the chunks, a few free runs per length, LIFO: a run freed
+ * and asked for again at the same length (the common case in a steady
+ * state) skips the chunk's bitmap and buckets, whose lines are cold. */
+#define RCACHE_PER_LEN 2
+#define RCACHE_BYTES   ((size_t)1 << 20)
+
+static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
+{
+    struct bex__mem_span *s = h->rcache[n];
+    if (s) {
+        h->rcache[n] = s->next;
+        h->rcache_len[n]--;
+        h->rcache_bytes -= (size_t)n << BEX__MEM_SPAN_SHIFT;
+        return s;
+    }
+    return chunk_run_get(h, n);
+}
+
+static void run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
+{
+    unsigned n = s->span_count;
+    size_t bytes = (size_t)n << BEX__MEM_SPAN_SHIFT;
+    if (n <= BEX__MEM_MAX_RUN && h->rcache_len[n] < RCACHE_PER_LEN &&
+        h->rcache_bytes + bytes <= RCACHE_BYTES) {
+        s->kind = BEX__MEM_CACHED;
+        s->free = NULL;
+        s->next = h->rcache[n];
+        h->rcache[n] = s;
+        h->rcache_len[n]++;
+        h->rcache_bytes += bytes;
+        return;
+    }
+    chunk_run_put(h, s);
+}
+
+static void rcache_flush(struct bex__mem_heap *h)
+{
+    for (unsigned n = 1; n <= BEX__MEM_MAX_RUN; n++) {
+        while (h->rcache[n]) {
+            struct bex__mem_span *s = h->rcache[n];
+            h->rcache[n] = s->next;
+            chunk_run_put(h, s);
+        }
+        h->rcache_len[n] = 0;
+    }
+    h->rcache_bytes = 0;
 }
 
 static void release_empty_chunks(bex_mem_pool *pool, struct bex__mem_heap *h)
@@ -294,6 +342,7 @@ static void drain(struct bex__mem_heap *h)
         struct bex__mem_span *next = s->xnext;
         /* Clears QUEUED and NOTIFY too: the run is attached again below. */
         take_remote(h, s, atomic_exchange_explicit(&s->xfree, 0, memory_order_acquire));
+        s->xclean = 0;
         if (s->kind == BEX__MEM_MEDIUM) {
             run_put(h, s);
         } else {
@@ -413,6 +462,7 @@ static struct bex__mem_span *span_new(struct bex__mem_heap *h, unsigned c)
     s->free = NULL;
     s->heap = h;
     atomic_store_explicit(&s->xfree, 0, memory_order_relaxed);
+    s->xclean = 0;
     /* Tails carry heap and class too: the free fast path reads only the
      * descriptor of the span holding the block. */
     for (unsigned j = 1; j < n; j++) {
@@ -502,8 +552,13 @@ BEX__MEM_SLOW static void *medium_alloc(struct bex__mem_heap *h, size_t size)
         colours = 16;
     s->bump = (uint32_t)((h->colour++ % colours) * BEX__MEM_PAGE);
     s->block_size -= s->bump; /* usable bytes */
-    /* Born detached: its free, if remote, queues it on h->xspans. */
-    atomic_store_explicit(&s->xfree, BEX__MEM_XNOTIFY, memory_order_relaxed);
+    /* Born detached: its free, if remote, queues it on h->xspans. A run
+     * that was medium and freed by us still holds exactly that: skip the
+     * store (and the cold line). */
+    if (!s->xclean) {
+        atomic_store_explicit(&s->xfree, BEX__MEM_XNOTIFY, memory_order_relaxed);
+        s->xclean = 1;
+    }
     add_delta(h, s->block_size);
     return bex__mem_span_base(s) + s->bump;
 }
@@ -528,6 +583,7 @@ void bex__mem_heap_tidy(bex_mem_pool *pool, struct bex__mem_heap *h)
             s = next;
         }
     }
+    rcache_flush(h);
     release_empty_chunks(pool, h);
     maybe_flush(h, true);
 }

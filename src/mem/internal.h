@@ -95,6 +95,7 @@ struct bex__mem_span {
     uint8_t attached;   /* in the heap's class list */
     uint8_t offset;     /* descriptors back to the run's head (TAIL only) */
     uint8_t span_count; /* run length in spans (head only) */
+    uint8_t xclean;     /* medium: xfree is known to hold just NOTIFY */
     /* second line: written by other threads */
     alignas(64) _Atomic uintptr_t xfree;
     struct bex__mem_span *xnext; /* link in heap->xspans, written by the queuer */
@@ -145,11 +146,14 @@ struct bex__mem_heap {
     _Atomic int64_t delta;  /* bytes moved out of runs (to users or bins) and not
                                yet added to the pool counter; slow paths only */
     struct bex__mem_bin bins[BEX__MEM_NCLS];
-    struct bex__mem_span *active[BEX__MEM_NCLS];   /* class lists, head = active */
-    struct bex__mem_chunk *by_run[BEX__MEM_SPANS]; /* owned chunks by longest free run */
-    uint64_t run_mask;                             /* bit k: by_run[k] not empty */
-    unsigned nempty;                               /* owned chunks with no run in use */
-    unsigned colour;                               /* next cache colour of a medium run */
+    struct bex__mem_span *active[BEX__MEM_NCLS];        /* class lists, head = active */
+    struct bex__mem_chunk *by_run[BEX__MEM_SPANS];      /* owned chunks by longest free run */
+    uint64_t run_mask;                                  /* bit k: by_run[k] not empty */
+    unsigned nempty;                                    /* owned chunks with no run in use */
+    unsigned colour;                                    /* next cache colour of a medium run */
+    struct bex__mem_span *rcache[BEX__MEM_MAX_RUN + 1]; /* free runs by length */
+    uint8_t rcache_len[BEX__MEM_MAX_RUN + 1];
+    size_t rcache_bytes;
     struct bex_mem_pool *pool;
     struct bex__mem_heap *all_next;                     /* pool lock */
     struct bex__mem_heap *orphan_next;                  /* pool lock */
