@@ -32,11 +32,11 @@ struct ibv_context;
  * bex_mem_alloc(), [p, p + bex_mem_usable_size(p)) lies inside
  * [addr, addr + length). */
 typedef struct bex_mem_region {
-    void *addr;     /* start of the registered region */
-    size_t length;  /* its length in bytes */
-    uint32_t lkey;  /* local key, for scatter/gather entries */
-    uint32_t rkey;  /* remote key, for a peer's WRITE/READ */
-    void *handle;   /* the registrar's own object (struct ibv_mr * for verbs) */
+    void *addr;    /* start of the registered region */
+    size_t length; /* its length in bytes */
+    uint32_t lkey; /* local key, for scatter/gather entries */
+    uint32_t rkey; /* remote key, for a peer's WRITE/READ */
+    void *handle;  /* the registrar's own object (struct ibv_mr * for verbs) */
 } bex_mem_region;
 
 /* How a pool registers memory. reg() fills lkey, rkey and handle of *mr
@@ -99,12 +99,16 @@ const bex_mem_region *bex_mem_mr(const void *ptr);
 bex_mem_pool *bex_mem_pool_of(const void *ptr);
 
 typedef struct bex_mem_stats {
-    size_t registered_bytes; /* bytes currently registered */
-    size_t chunks;           /* chunks (and large mappings) currently mapped */
-    uint64_t registrations;  /* reg() calls so far */
-    uint64_t deregistrations;/* dereg() calls so far */
-    size_t in_use_bytes;     /* bytes handed out and not yet freed (usable sizes) */
-    size_t peak_in_use_bytes;
+    size_t registered_bytes;  /* bytes currently registered */
+    size_t chunks;            /* chunks (and large mappings) currently mapped */
+    uint64_t registrations;   /* successful reg() calls so far */
+    uint64_t deregistrations; /* dereg() calls so far */
+    size_t in_use_bytes;      /* bytes handed out and not yet freed (usable sizes);
+                                 a buffer freed by a thread other than its
+                                 allocator's counts until that heap collects it */
+    size_t peak_in_use_bytes; /* sampled on slow paths and at each stats call:
+                                 may miss short peaks, may include up to a few
+                                 MiB per thread of cached free blocks */
     size_t peak_registered_bytes;
 } bex_mem_stats;
 
