@@ -471,6 +471,9 @@ static struct bex__mem_span *span_new(struct bex__mem_heap *h, unsigned c)
         s[j].heap = h;
         s[j].cls = (uint8_t)c;
     }
+    struct bex__mem_chunk *ch = bex__mem_chunk_of(s);
+    for (unsigned j = 0, i = (unsigned)(s - ch->spans); j < n; j++)
+        ch->fast[i + j] = (struct bex__mem_fast){h, c};
     return s;
 }
 
@@ -538,6 +541,8 @@ BEX__MEM_SLOW static void *medium_alloc(struct bex__mem_heap *h, size_t size)
     s->kind = BEX__MEM_MEDIUM;
     s->cls = BEX__MEM_NO_CLASS;
     s->heap = h;
+    bex__mem_chunk_of(s)->fast[s - bex__mem_chunk_of(s)->spans] =
+        (struct bex__mem_fast){h, BEX__MEM_NO_CLASS};
     s->block_size = (uint32_t)n << BEX__MEM_SPAN_SHIFT;
     s->capacity = 1;
     s->used = 1;
@@ -763,11 +768,10 @@ void bex_mem_free(void *ptr)
 {
     if (!ptr)
         return;
-    /* The descriptor of the span holding the block: for a small run, head
-     * and tails alike carry heap and class. */
-    struct bex__mem_span *s = &bex__mem_chunk_of(ptr)->spans[bex__mem_span_index(ptr)];
-    struct bex__mem_heap *h = s->heap;
-    unsigned c = s->cls;
+    /* heap and class of the span holding the block (head or tail alike) */
+    const struct bex__mem_fast *f = &bex__mem_chunk_of(ptr)->fast[bex__mem_span_index(ptr)];
+    struct bex__mem_heap *h = f->heap;
+    unsigned c = (unsigned)f->cls;
     if (BEX__MEM_LIKELY(c != BEX__MEM_NO_CLASS &&
                         atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
         struct bex__mem_bin *b = &h->bins[c];

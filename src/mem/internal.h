@@ -101,8 +101,17 @@ struct bex__mem_span {
     struct bex__mem_span *xnext; /* link in heap->xspans, written by the queuer */
 };
 
+/* What the free fast path needs of a span, packed four to a cache line so
+ * the lookups of a large working set stay in L1 (the descriptors are two
+ * lines each). Kept equal to the descriptor's heap and cls. */
+struct bex__mem_fast {
+    struct bex__mem_heap *heap;
+    uintptr_t cls;
+};
+
 struct bex__mem_chunk {
     struct bex__mem_span spans[BEX__MEM_SPANS];
+    struct bex__mem_fast fast[BEX__MEM_SPANS];
     bex_mem_region mr;
     struct bex_mem_pool *pool;
     size_t map_size; /* bytes mapped */

@@ -225,6 +225,7 @@ struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool)
     c->spans[0].kind = BEX__MEM_HUGE;
     c->spans[0].cls = BEX__MEM_NO_CLASS;
     c->spans[0].heap = &bex__mem_ownerless_heap;
+    c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
     pthread_mutex_lock(&pool->lock);
     c->prev = NULL;
     c->next = pool->chunks;
@@ -320,6 +321,7 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
         s->kind = BEX__MEM_HUGE;
         s->cls = BEX__MEM_NO_CLASS;
         s->heap = &bex__mem_ownerless_heap;
+        c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
         s->span_count = 1;
         pthread_mutex_lock(&pool->lock);
         huge_list_push(&pool->huge_live, c);
