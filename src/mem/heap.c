@@ -191,11 +191,8 @@ static struct bex__mem_span *chunk_run_get(struct bex__mem_heap *h, unsigned n)
         c = bex__mem_pool_chunk_get(h->pool);
         if (!c)
             return NULL;
-        h->nempty++;
         bucket_insert(h, c);
     }
-    if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK)
-        h->nempty--;
     bucket_remove(h, c);
     unsigned i = take_hole(&c->free_mask, n, &c->max_run);
     bucket_insert(h, c);
@@ -204,10 +201,6 @@ static struct bex__mem_span *chunk_run_get(struct bex__mem_heap *h, unsigned n)
     s->offset = 0;
     return s;
 }
-
-/* Owned empty chunks kept beyond the one being used: the rest go back to
- * the pool, which keeps up to retain_bytes registered. */
-#define KEEP_EMPTY 1
 
 static void chunk_run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
 {
@@ -221,11 +214,11 @@ static void chunk_run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
     if (len > c->max_run)
         c->max_run = len;
     if (c->free_mask == BEX__MEM_SPANS_USABLE_MASK) {
-        if (h->nempty >= KEEP_EMPTY) {
-            bex__mem_pool_chunk_put(h->pool, c);
-            return;
-        }
-        h->nempty++;
+        /* Empty: back to the pool at once, where any heap can take it; a
+         * heap keeping its own spare measured 20 MiB more peak RSS at 8
+         * threads and no faster. */
+        bex__mem_pool_chunk_put(h->pool, c);
+        return;
     }
     bucket_insert(h, c);
 }
@@ -276,16 +269,6 @@ static void rcache_flush(struct bex__mem_heap *h)
         h->rcache_len[n] = 0;
     }
     h->rcache_bytes = 0;
-}
-
-static void release_empty_chunks(bex_mem_pool *pool, struct bex__mem_heap *h)
-{
-    struct bex__mem_chunk *c;
-    while ((c = h->by_run[BEX__MEM_SPANS - 1]) != NULL) {
-        bucket_remove(h, c);
-        bex__mem_pool_chunk_put(pool, c);
-    }
-    h->nempty = 0;
 }
 
 /* ---- remote frees ---------------------------------------------------------- */
@@ -571,7 +554,7 @@ BEX__MEM_SLOW static void *medium_alloc(struct bex__mem_heap *h, size_t size)
 /* Collect every remote free of a heap, and give its empty runs and its
  * cache back to the pool. The caller owns h: its thread, or exclusively
  * (thread exit, orphan reclaim). */
-void bex__mem_heap_tidy(bex_mem_pool *pool, struct bex__mem_heap *h)
+void bex__mem_heap_tidy(struct bex__mem_heap *h)
 {
     bex__mem_heap_flush_bins(h);
     drain(h);
@@ -588,14 +571,13 @@ void bex__mem_heap_tidy(bex_mem_pool *pool, struct bex__mem_heap *h)
             s = next;
         }
     }
-    rcache_flush(h);
-    release_empty_chunks(pool, h);
+    rcache_flush(h); /* chunks that become empty go back to the pool */
     maybe_flush(h, true);
 }
 
 static void heap_abandon(bex_mem_pool *pool, struct bex__mem_heap *h)
 {
-    bex__mem_heap_tidy(pool, h);
+    bex__mem_heap_tidy(h);
     /* What is left holds live blocks; it waits for the next thread that
      * needs a heap in this pool, and meanwhile for bex__mem_pool_reclaim. */
     bex__mem_pool_heap_orphan(pool, h);

@@ -158,7 +158,6 @@ struct bex__mem_heap {
     struct bex__mem_span *active[BEX__MEM_NCLS];        /* class lists, head = active */
     struct bex__mem_chunk *by_run[BEX__MEM_SPANS];      /* owned chunks by longest free run */
     uint64_t run_mask;                                  /* bit k: by_run[k] not empty */
-    unsigned nempty;                                    /* owned chunks with no run in use */
     unsigned colour;                                    /* next cache colour of a medium run */
     struct bex__mem_span *rcache[BEX__MEM_MAX_RUN + 1]; /* free runs by length */
     uint8_t rcache_len[BEX__MEM_MAX_RUN + 1];
@@ -258,7 +257,7 @@ struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool);
 void bex__mem_pool_heap_orphan(bex_mem_pool *pool, struct bex__mem_heap *h);
 bool bex__mem_pool_reclaim(bex_mem_pool *pool);
 /* heap.c */
-void bex__mem_heap_tidy(bex_mem_pool *pool, struct bex__mem_heap *h);
+void bex__mem_heap_tidy(struct bex__mem_heap *h);
 void bex__mem_heap_flush_bins(struct bex__mem_heap *h);
 
 /* pool.c: registry of live pools, for thread-exit handlers. */

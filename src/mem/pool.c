@@ -406,7 +406,7 @@ bool bex__mem_pool_reclaim(bex_mem_pool *pool)
         return false;
     struct bex__mem_heap *last = NULL;
     for (struct bex__mem_heap *h = list; h; h = h->orphan_next) {
-        bex__mem_heap_tidy(pool, h);
+        bex__mem_heap_tidy(h);
         last = h;
     }
     pthread_mutex_lock(&pool->lock);
