@@ -13,33 +13,33 @@
 
 #define BEX_TEST_SKIP 77
 
-#define CHECK(cond)                                                                    \
-    do {                                                                               \
-        if (!(cond)) {                                                                 \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);    \
-            exit(1);                                                                   \
-        }                                                                              \
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
-#define CHECK_EQ(a, b)                                                                 \
-    do {                                                                               \
-        long long a_ = (long long)(a), b_ = (long long)(b);                            \
-        if (a_ != b_) {                                                                \
-            fprintf(stderr, "%s:%d: CHECK_EQ failed: %s (%lld) != %s (%lld)\n",        \
-                    __FILE__, __LINE__, #a, a_, #b, b_);                               \
-            exit(1);                                                                   \
-        }                                                                              \
+#define CHECK_EQ(a, b)                                                                             \
+    do {                                                                                           \
+        long long a_ = (long long)(a), b_ = (long long)(b);                                        \
+        if (a_ != b_) {                                                                            \
+            fprintf(stderr, "%s:%d: CHECK_EQ failed: %s (%lld) != %s (%lld)\n", __FILE__,          \
+                    __LINE__, #a, a_, #b, b_);                                                     \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 /* Expect a bex call to return 0; print bex_strerror otherwise. */
-#define CHECK_OK(expr)                                                                 \
-    do {                                                                               \
-        int rc_ = (expr);                                                              \
-        if (rc_ != 0) {                                                                \
-            fprintf(stderr, "%s:%d: %s returned %d (%s)\n", __FILE__, __LINE__, #expr, \
-                    rc_, strerror(rc_ < 0 ? -rc_ : rc_));                              \
-            exit(1);                                                                   \
-        }                                                                              \
+#define CHECK_OK(expr)                                                                             \
+    do {                                                                                           \
+        int rc_ = (expr);                                                                          \
+        if (rc_ != 0) {                                                                            \
+            fprintf(stderr, "%s:%d: %s returned %d (%s)\n", __FILE__, __LINE__, #expr, rc_,        \
+                    strerror(rc_ < 0 ? -rc_ : rc_));                                               \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 struct bex_test_case {
@@ -59,8 +59,7 @@ static inline int bex_test_skip(const char *why)
     return BEX_TEST_SKIP;
 }
 
-static inline int bex_test_run(const struct bex_test_case *cases, size_t n, int argc,
-                               char **argv)
+static inline int bex_test_run(const struct bex_test_case *cases, size_t n, int argc, char **argv)
 {
     int ran = 0;
     for (size_t i = 0; i < n; i++) {
@@ -83,12 +82,15 @@ static inline int bex_test_run(const struct bex_test_case *cases, size_t n, int 
     return 0;
 }
 
-#define BEX_TEST_MAIN(...)                                                             \
-    int main(int argc, char **argv)                                                    \
-    {                                                                                  \
-        static const struct bex_test_case cases_[] = {__VA_ARGS__};                    \
-        return bex_test_run(cases_, sizeof cases_ / sizeof cases_[0], argc, argv);     \
+#define BEX_TEST_MAIN(...)                                                                         \
+    int main(int argc, char **argv)                                                                \
+    {                                                                                              \
+        static const struct bex_test_case cases_[] = {__VA_ARGS__};                                \
+        return bex_test_run(cases_, sizeof cases_ / sizeof cases_[0], argc, argv);                 \
     }
-#define BEX_CASE(fn) {#fn, fn}
+#define BEX_CASE(fn)                                                                               \
+    {                                                                                              \
+#fn, fn                                                                                    \
+    }
 
 #endif

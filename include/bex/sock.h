@@ -44,23 +44,23 @@ typedef struct bex_ctx_config {
     /* The local IPv4 address to use; it chooses the RDMA device and GID
      * (RoCEv2). Required (INADDR_ANY is refused with -EINVAL). */
     struct in_addr local_addr;
-    uint32_t sq_depth;        /* send-queue depth = work-request chain length (32) */
-    uint32_t rq_depth;        /* receive-queue depth d = initial credits (64) */
-    uint32_t eager_max;       /* largest message sent by SEND (8192); larger ones
-                                 use rendezvous + WRITE fragments */
-    uint32_t frag_size;       /* WRITE fragment size (65536) */
-    uint32_t send_window;     /* per-engine bytes in flight (Cwnd); 0 = off */
-    uint32_t rndv_ahead;      /* rendezvous requests a socket may have
-                                 outstanding ahead of its data (8) */
-    uint32_t keepalive_ms;    /* keepalive interval (100) */
+    uint32_t sq_depth;             /* send-queue depth = work-request chain length (32) */
+    uint32_t rq_depth;             /* receive-queue depth d = initial credits (64) */
+    uint32_t eager_max;            /* largest message sent by SEND (8192); larger ones
+                                      use rendezvous + WRITE fragments */
+    uint32_t frag_size;            /* WRITE fragment size (65536) */
+    uint32_t send_window;          /* per-engine bytes in flight (Cwnd); 0 = off */
+    uint32_t rndv_ahead;           /* rendezvous requests a socket may have
+                                      outstanding ahead of its data (8) */
+    uint32_t keepalive_ms;         /* keepalive interval (100) */
     uint32_t keepalive_timeout_ms; /* no peer progress for this long -> error (2000) */
     uint32_t connect_timeout_ms;   /* TCP connect + hello (3000) */
-    uint32_t poll_spin_us;    /* busy-poll this long before sleeping (50) */
-    uint8_t qp_timeout;       /* verbs local ACK timeout exponent (14) */
-    uint8_t qp_retry_cnt;     /* transport retries (7) */
-    uint8_t qp_rnr_retry;     /* RNR retries (7; credits keep RNR from happening) */
-    bex_mem_pool *pool;       /* use this pool (registered with this context's
-                                 PD, see bex_ctx_pd) instead of creating one */
+    uint32_t poll_spin_us;         /* busy-poll this long before sleeping (50) */
+    uint8_t qp_timeout;            /* verbs local ACK timeout exponent (14) */
+    uint8_t qp_retry_cnt;          /* transport retries (7) */
+    uint8_t qp_rnr_retry;          /* RNR retries (7; credits keep RNR from happening) */
+    bex_mem_pool *pool;            /* use this pool (registered with this context's
+                                      PD, see bex_ctx_pd) instead of creating one */
 } bex_ctx_config;
 
 /* Create a context: open the device that carries cfg->local_addr, allocate a
@@ -169,9 +169,9 @@ void bex_listener_close(bex_listener *l);
 typedef struct bex_sock_stats {
     uint64_t msgs_sent, msgs_recv;
     uint64_t bytes_sent, bytes_recv;
-    uint64_t sends_posted;       /* SEND work requests */
-    uint64_t writes_posted;      /* WRITE + WRITE_WITH_IMM work requests */
-    uint64_t post_send_calls;    /* ibv_post_send calls (doorbells) */
+    uint64_t sends_posted;    /* SEND work requests */
+    uint64_t writes_posted;   /* WRITE + WRITE_WITH_IMM work requests */
+    uint64_t post_send_calls; /* ibv_post_send calls (doorbells) */
     uint64_t post_recv_calls;
     uint64_t signaled;           /* signaled work requests */
     uint64_t credit_stalls;      /* times a send waited for peer credit */

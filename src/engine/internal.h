@@ -39,7 +39,7 @@ enum {
     BEX__MSG_OPEN = 5,      /* a logical socket opens */
     BEX__MSG_CLOSE = 6,     /* a logical socket closes */
 };
-#define BEX__HDR_LEN 32
+#define BEX__HDR_LEN    32
 #define BEX__IMM_DIRECT 0x80000000u
 
 struct bex__hdr {
@@ -47,11 +47,11 @@ struct bex__hdr {
     uint8_t flags;
     uint16_t credits; /* receives the sender has reposted for us */
     uint32_t stream;
-    uint32_t len;    /* DATA: payload bytes; RNDV_REQ: message bytes */
-    uint32_t id;     /* RNDV_REQ/RESP: sender's rendezvous id */
-    uint64_t addr;   /* RNDV_RESP: destination */
-    uint32_t rkey;   /* RNDV_RESP */
-    int32_t status;  /* RNDV_RESP: 0 or negative errno; with slot below */
+    uint32_t len;   /* DATA: payload bytes; RNDV_REQ: message bytes */
+    uint32_t id;    /* RNDV_REQ/RESP: sender's rendezvous id */
+    uint64_t addr;  /* RNDV_RESP: destination */
+    uint32_t rkey;  /* RNDV_RESP */
+    int32_t status; /* RNDV_RESP: 0 or negative errno; with slot below */
 };
 /* RNDV_RESP carries the receiver's slot in 'stream' (the immediate value). */
 
@@ -75,16 +75,16 @@ struct bex__msg {
     void *buf;
     size_t len;
     void *user;
-    size_t off;       /* bytes of payload already in posted fragments */
-    uint64_t raddr;   /* destination (large messages) */
+    size_t off;     /* bytes of payload already in posted fragments */
+    uint64_t raddr; /* destination (large messages) */
     uint32_t rkey;
     uint32_t imm;
     uint32_t lkey;
     uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
     uint8_t state;
-    bool direct;      /* destination given by the caller */
-    bool rndv_asked;  /* request already prepared */
-    int status;       /* set when failed before posting */
+    bool direct;     /* destination given by the caller */
+    bool rndv_asked; /* request already prepared */
+    int status;      /* set when failed before posting */
 };
 
 struct bex__engine;
@@ -95,16 +95,16 @@ struct bex__stream {
     uint32_t id;
     struct bex__msg *q_head, *q_tail; /* not fully posted, in order */
     uint32_t q_len;
-    uint32_t rndv_out;                /* requests outstanding ahead */
-    struct bex__stream *rr_next;      /* scheduler ring */
+    uint32_t rndv_out;                       /* requests outstanding ahead */
+    struct bex__stream *rr_next;             /* scheduler ring */
     struct bex__stream *all_prev, *all_next; /* every stream of the engine */
     bool in_ring;
-    bool open_sent;                   /* OPEN prepared (client side) */
-    bool need_open;                   /* client stream: send OPEN first */
-    bool close_req;                   /* application closed: send CLOSE after queue */
+    bool open_sent; /* OPEN prepared (client side) */
+    bool need_open; /* client stream: send OPEN first */
+    bool close_req; /* application closed: send CLOSE after queue */
     bool close_sent;
     bool failed;
-    uint32_t inflight_msgs;           /* posted, not completed */
+    uint32_t inflight_msgs; /* posted, not completed */
 };
 
 /* Upcalls to the sock layer, on the I/O thread. */
@@ -166,9 +166,9 @@ struct bex__stats {
         post_send_calls, post_recv_calls, signaled, credit_stalls, window_stalls,
         max_inflight_bytes, credit_msgs, engines, rnr_naks;
 };
-#define BEX__STAT_ADD(st, field, n)                                                        \
-    atomic_store_explicit(&(st)->field,                                                    \
-                          atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),  \
+#define BEX__STAT_ADD(st, field, n)                                                                \
+    atomic_store_explicit(&(st)->field,                                                            \
+                          atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),          \
                           memory_order_relaxed)
 
 int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
@@ -186,8 +186,7 @@ void bex__engine_start(struct bex__engine *e);
 bool bex__engine_is_up(struct bex__engine *e);
 bool bex__engine_is_dead(struct bex__engine *e);
 
-void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id,
-                        bool client);
+void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id, bool client);
 /* Queue a message (ownership passes to the engine until on_send_done). */
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m);
 void bex__engine_close_stream(struct bex__stream *st);

@@ -46,12 +46,12 @@ struct bex__hello {
     uint64_t conn_id;    /* non-zero; chosen at random by the client,
                             echoed by the server */
     /* the engine's part */
-    uint32_t eager_max;  /* largest message the sender takes by SEND (its
-                            receive buffers' size), 0..BEX__HELLO_MAX_EAGER */
-    uint64_t ka_addr;    /* where the peer WRITEs its keepalive sequence
-                            (8 bytes), non-zero */
-    uint32_t ka_rkey;    /* rkey of that word */
-    uint16_t max_rndv;   /* rendezvous the sender holds open at once, >= 1 */
+    uint32_t eager_max; /* largest message the sender takes by SEND (its
+                           receive buffers' size), 0..BEX__HELLO_MAX_EAGER */
+    uint64_t ka_addr;   /* where the peer WRITEs its keepalive sequence
+                           (8 bytes), non-zero */
+    uint32_t ka_rkey;   /* rkey of that word */
+    uint16_t max_rndv;  /* rendezvous the sender holds open at once, >= 1 */
 };
 #define BEX__HELLO_MAX_EAGER (1u << 20)
 

@@ -64,10 +64,10 @@ struct bex_sock {
     _Atomic int state;
     _Atomic uint32_t eng_id; /* 0 until attached to an engine */
     uint32_t id;
-    uint32_t pending;     /* messages handed to bex, not yet reported */
-    bool attached;        /* st is on an engine */
-    bool app_closed;      /* bex_sock_close was processed */
-    bool dead;            /* no more traffic: failed, peer-closed or closed */
+    uint32_t pending; /* messages handed to bex, not yet reported */
+    bool attached;    /* st is on an engine */
+    bool app_closed;  /* bex_sock_close was processed */
+    bool dead;        /* no more traffic: failed, peer-closed or closed */
     bool close_reported;
     struct bex_sock *map_next; /* conn's stream table */
 };

@@ -81,7 +81,10 @@ struct waiter {
     pthread_mutex_t mu;
     pthread_cond_t cv;
 };
-#define WAITER_INIT {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER}
+#define WAITER_INIT                                                                                \
+    {                                                                                              \
+        PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER                                        \
+    }
 
 static inline void waiter_signal(struct waiter *w)
 {
@@ -122,8 +125,8 @@ static inline long long rxe_counter(const char *name)
         if (de->d_name[0] == '.')
             continue;
         char path[512];
-        snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/1/hw_counters/%s",
-                 de->d_name, name);
+        snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/1/hw_counters/%s", de->d_name,
+                 name);
         FILE *f = fopen(path, "r");
         if (!f)
             continue;

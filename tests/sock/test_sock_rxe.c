@@ -58,8 +58,7 @@ static int echo_server(struct pair *p, void *arg)
         while (atomic_load(&e->recvd) < e->expect && pair_now_ms() < end)
             pair_sleep_ms(5);
         if (atomic_load(&e->recvd) != e->expect) {
-            fprintf(stderr, "server: got %ld of %ld messages\n", atomic_load(&e->recvd),
-                    e->expect);
+            fprintf(stderr, "server: got %ld of %ld messages\n", atomic_load(&e->recvd), e->expect);
             return 1;
         }
     }
@@ -172,8 +171,9 @@ static void cli_wait(struct cli *c, _Atomic long *what, long want, unsigned ms, 
 {
     if (wait_count(&c->w, what, want, ms) == 0)
         return;
-    fprintf(stderr, "line %d: timed out waiting (%ld of %ld); recvd %ld done %ld send_err %ld "
-                    "errors %ld (last %s)\n",
+    fprintf(stderr,
+            "line %d: timed out waiting (%ld of %ld); recvd %ld done %ld send_err %ld "
+            "errors %ld (last %s)\n",
             line, atomic_load(what), want, atomic_load(&c->recvd), atomic_load(&c->done),
             atomic_load(&c->send_err), atomic_load(&c->errors), bex_strerror(c->err));
     exit(1);
@@ -213,9 +213,9 @@ static int sizes_client(struct pair *p, void *arg)
     const size_t K = 1024, M = 1024 * 1024;
     /* around eager_max (8 KiB), the fragment (64 KiB), the chunk (4 MiB),
      * rxe's message limit (8 MiB) and up to 64 MiB */
-    size_t sizes[] = {0,         1,         7,         8,         100,       8 * K - 1,
-                      8 * K,     8 * K + 1, 64 * K - 1, 64 * K,   64 * K + 1, 1 * M,
-                      4 * M - 1, 4 * M,     4 * M + 1, 8 * M + 1, 64 * M};
+    size_t sizes[] = {0,         1,         7,          8,         100,        8 * K - 1,
+                      8 * K,     8 * K + 1, 64 * K - 1, 64 * K,    64 * K + 1, 1 * M,
+                      4 * M - 1, 4 * M,     4 * M + 1,  8 * M + 1, 64 * M};
     struct cli *c = cli_new();
     cli_connect_n(p, c, 1);
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
@@ -323,8 +323,8 @@ static int window_client(struct pair *p, void *arg)
     cli_connect_n(p, c, NS);
     for (uint32_t seq = 0; seq < PER; seq++)
         for (uint32_t si = 0; si < NS; si++)
-            CHECK_OK(bex_sock_send(c->socks[si], make_msg(p->ctx, si, seq, 256 * 1024),
-                                   256 * 1024, NULL));
+            CHECK_OK(bex_sock_send(c->socks[si], make_msg(p->ctx, si, seq, 256 * 1024), 256 * 1024,
+                                   NULL));
     CLI_WAIT(c, recvd, NS * PER, 60000);
     CHECK_EQ(c->bad, 0);
     bex_sock_stats st;
@@ -365,8 +365,8 @@ static int kill_client(struct pair *p, void *arg)
     /* keep 16 messages of 64 KiB in flight for a while */
     while (atomic_load(&c->done) < 200) {
         while (sent - atomic_load(&c->done) < 16) {
-            CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 0, (uint32_t)sent, 65536),
-                                   65536, NULL));
+            CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 0, (uint32_t)sent, 65536), 65536,
+                                   NULL));
             sent++;
         }
         pair_sleep_ms(1);
@@ -467,7 +467,7 @@ static int packet_loss(void)
 }
 
 /* A direct write into a buffer the peer exposed, without rendezvous. */
-#define DIRECT_LEN 100000
+#define DIRECT_LEN  100000
 #define DIRECT_SEED 77
 
 struct dsrv {
@@ -655,7 +655,6 @@ static int connect_refused(void)
     return pair_run(NULL, echo_server, NULL, NULL, connect_refused_client, NULL, 30);
 }
 
-BEX_TEST_MAIN(BEX_CASE(sizes), BEX_CASE(multiplex), BEX_CASE(slow_receiver),
-              BEX_CASE(send_window), BEX_CASE(peer_killed), BEX_CASE(peer_frozen),
-              BEX_CASE(packet_loss), BEX_CASE(direct_write), BEX_CASE(rndv_nomem),
-              BEX_CASE(connect_refused))
+BEX_TEST_MAIN(BEX_CASE(sizes), BEX_CASE(multiplex), BEX_CASE(slow_receiver), BEX_CASE(send_window),
+              BEX_CASE(peer_killed), BEX_CASE(peer_frozen), BEX_CASE(packet_loss),
+              BEX_CASE(direct_write), BEX_CASE(rndv_nomem), BEX_CASE(connect_refused))
