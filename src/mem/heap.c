@@ -227,7 +227,7 @@ static void chunk_run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
  * and asked for again at the same length (the common case in a steady
  * state) skips the chunk's bitmap and buckets, whose lines are cold. */
 #define RCACHE_PER_LEN 2
-#define RCACHE_BYTES   ((size_t)1 << 20)
+#define RCACHE_BYTES   ((size_t)512 << 10)
 
 static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
 {
