@@ -2,8 +2,8 @@
  * CTest runs each case as its own test (argv[1] = case name).
  *
  * Exit codes: 0 pass, 1 fail, 77 skip (CTest SKIP_RETURN_CODE). A case that
- * needs an RDMA device calls bex_test_need_rdma(): without a device it skips,
- * unless BEX_REQUIRE_RDMA=1, when it fails. */
+ * finds no RDMA device returns bex_test_skip(why): that skips, unless
+ * BEX_REQUIRE_RDMA=1, when it fails. */
 #ifndef BEX_TEST_HARNESS_H
 #define BEX_TEST_HARNESS_H
 
