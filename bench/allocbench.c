@@ -137,13 +137,13 @@ static void usage(const char *argv0)
             "  allocators: bemalloc,bemalloc-mlock,glibc,jemalloc,tcmalloc,mimalloc\n"
             "  workloads:  large (64 KB-1 MB exponential), small (16 B-16 KB uniform)\n"
             "  --scale:    work per cell, x %.0fM ops (large) / %.0fM ops (small)\n"
-            "  defaults:   all allocators and workloads, threads 1,2,4,8, scale 1, repeat 2\n",
+            "  defaults:   all allocators and workloads, threads 1,2,4,8, scale 1, repeat 3\n",
             argv0, OPS_LARGE / 1e6, OPS_SMALL / 1e6);
 }
 
 int main(int argc, char **argv)
 {
-    int json = 0, repeat = 2;
+    int json = 0, repeat = 3;
     double scale = 1.0;
     const char *allocs[MAX_LIST], *workloads[MAX_LIST];
     int threads[MAX_LIST];
