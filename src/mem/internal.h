@@ -171,10 +171,12 @@ struct bex__mem_heap {
 #define BEX__MEM_NO_OWNER UINT64_MAX
 
 struct bex_mem_pool {
+    /* read-mostly: every allocation reads id */
     uint64_t id; /* unique for the process lifetime; thread caches key on it */
     bex_mem_registrar reg;
     size_t retain;
-    pthread_mutex_t lock;
+    /* written on slow paths: kept off id's cache line */
+    alignas(64) pthread_mutex_t lock;
     struct bex__mem_chunk *chunks; /* all regular chunks */
     struct bex__mem_chunk *empty;  /* retained empty chunks */
     struct bex__mem_chunk *huge_live;
@@ -185,7 +187,7 @@ struct bex_mem_pool {
     _Atomic size_t norphans;       /* hint, read without the lock */
     struct bex_mem_pool *reg_next; /* registry of live pools */
 
-    _Atomic size_t registered_bytes;
+    alignas(64) _Atomic size_t registered_bytes;
     _Atomic size_t peak_registered_bytes;
     _Atomic size_t nchunks;
     _Atomic uint64_t registrations;
