@@ -508,6 +508,58 @@ static int thread_exit_adopt(void)
     return 0;
 }
 
+/* A thread holds heaps of two pools; one pool is destroyed while the
+ * thread lives on; the thread's exit must skip it and orphan the other. */
+struct two_pools {
+    bex_mem_pool *a, *b;
+    pthread_barrier_t bar;
+};
+
+static void *use_two_pools(void *arg)
+{
+    struct two_pools *tp = arg;
+    for (int i = 0; i < 100; i++) {
+        bex_mem_free(bex_mem_alloc(tp->a, (size_t)i * 300));
+        bex_mem_free(bex_mem_alloc(tp->b, (size_t)i * 300));
+    }
+    void *keep = bex_mem_alloc(tp->b, 5000);
+    CHECK(keep);
+    pthread_barrier_wait(&tp->bar); /* main destroys a */
+    pthread_barrier_wait(&tp->bar);
+    for (int i = 0; i < 100; i++)
+        bex_mem_free(bex_mem_alloc(tp->b, 70000));
+    return keep; /* freed by main after the exit */
+}
+
+static int destroyed_pool_thread_exit(void)
+{
+    struct fake *fa = fake_new(), *fb = fake_new();
+    struct two_pools tp;
+    tp.a = pool_new(fa, 0);
+    tp.b = pool_new(fb, 0);
+    pthread_barrier_init(&tp.bar, NULL, 2);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, use_two_pools, &tp) == 0);
+    pthread_barrier_wait(&tp.bar);
+    finish(tp.a, fa);
+    /* a new pool may land where a was: the thread must not mistake it */
+    struct fake *fc = fake_new();
+    bex_mem_pool *c = pool_new(fc, 0);
+    pthread_barrier_wait(&tp.bar);
+    void *keep;
+    pthread_join(t, &keep);
+    CHECK_EQ(bex_mem_pool_destroy(tp.b), -EBUSY);
+    check_buf(fb, tp.b, keep, 5000);
+    bex_mem_free(keep); /* into the dead thread's orphaned heap */
+    void *x = bex_mem_alloc(c, 100);
+    check_buf(fc, c, x, 100);
+    bex_mem_free(x);
+    finish(c, fc);
+    finish(tp.b, fb);
+    pthread_barrier_destroy(&tp.bar);
+    return 0;
+}
+
 /* ---- randomized stress with hand-off between threads ---------------------- */
 
 #define STRESS_THREADS 4
@@ -828,5 +880,6 @@ static int default_pool(void)
 BEX_TEST_MAIN(BEX_CASE(size_classes), BEX_CASE(sizes_covered), BEX_CASE(huge_interior),
               BEX_CASE(no_overlap), BEX_CASE(stats_in_use), BEX_CASE(pools_and_bad_args),
               BEX_CASE(destroy_busy), BEX_CASE(cross_thread_free), BEX_CASE(thread_exit_adopt),
-              BEX_CASE(stress), BEX_CASE(steady_registrations), BEX_CASE(chunks_released),
+              BEX_CASE(destroyed_pool_thread_exit), BEX_CASE(stress),
+              BEX_CASE(steady_registrations), BEX_CASE(chunks_released),
               BEX_CASE(registrar_failure), BEX_CASE(default_pool))
