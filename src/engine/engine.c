@@ -228,14 +228,14 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     e->rin = calloc(e->max_rndv, sizeof(*e->rin));
     e->rout = calloc(e->max_rndv, sizeof(*e->rout));
     if (!e->ss || !e->rs || !e->unposted || !e->ctlq || !e->rin || !e->rout)
-        goto err_free;
+        goto err_destroy;
 
     /* One registered area for every header and the keepalive word. */
     size_t hdr_bytes = (size_t)(e->sq + e->rq) * BEX__HDR_LEN + 64;
     e->hdr_area = bex_mem_alloc(sh->pool, hdr_bytes);
     if (!e->hdr_area) {
         err = errno ? -errno : -ENOMEM;
-        goto err_free;
+        goto err_destroy;
     }
     memset(e->hdr_area, 0, hdr_bytes);
     e->hdr_lkey = bex_mem_mr(e->hdr_area)->lkey;
@@ -249,7 +249,7 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
         r->buf = bex_mem_alloc(sh->pool, cfg->eager_max);
         if (!r->buf) {
             err = errno ? -errno : -ENOMEM;
-            goto err_free_bufs;
+            goto err_destroy;
         }
         r->sge[0] = (struct ibv_sge){(uintptr_t)r->hdr, BEX__HDR_LEN, e->hdr_lkey};
         r->sge[1] = (struct ibv_sge){(uintptr_t)r->buf, cfg->eager_max, bex_mem_mr(r->buf)->lkey};
@@ -270,10 +270,10 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     };
     err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, NULL);
     if (err)
-        goto err_free_bufs;
+        goto err_destroy;
     err = bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
     if (err)
-        goto err_destroy_qp;
+        goto err_destroy;
     /* Every receive is posted before the peer can learn our QPN: no SEND
      * can ever find an empty receive queue. */
     for (uint32_t i = 0; i < e->rq; i++)
@@ -281,37 +281,28 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     struct ibv_recv_wr *bad;
     err = bex__rdma_err(ibv_post_recv(e->qp, &e->rs[0].wr, &bad));
     if (err)
-        goto err_destroy_qp;
+        goto err_destroy;
     BEX__STAT_ADD(sh->stats, post_recv_calls, 1);
     e->psn = bex__rdma_random_psn();
     *out = e;
     return 0;
 
-err_destroy_qp:
-    bex__rdma_qp_destroy(e->qp);
-err_free_bufs:
-    for (uint32_t i = 0; i < e->rq; i++)
-        bex_mem_free(e->rs[i].buf);
-    bex_mem_free(e->hdr_area);
-err_free:
-    free(e->ss);
-    free(e->rs);
-    free(e->unposted);
-    free(e->ctlq);
-    free(e->rin);
-    free(e->rout);
-    free(e);
+err_destroy:
+    bex__engine_destroy(e);
     return err;
 }
 
+/* Also the tail of bex__engine_create's cleanup ladder: every field may
+ * still be NULL (calloc), and bex_mem_free(NULL) is a no-op. */
 void bex__engine_destroy(struct bex__engine *e)
 {
     if (!e)
         return;
-    bex__rdma_qp_destroy(e->qp);
-    for (uint32_t i = 0; i < e->rq; i++)
+    if (e->qp)
+        bex__rdma_qp_destroy(e->qp);
+    for (uint32_t i = 0; e->rs && i < e->rq; i++)
         bex_mem_free(e->rs[i].buf);
-    for (uint32_t i = 0; i < e->max_rndv; i++)
+    for (uint32_t i = 0; e->rin && i < e->max_rndv; i++)
         if (e->rin[i].used)
             bex_mem_free(e->rin[i].buf);
     bex_mem_free(e->hdr_area);
