@@ -11,12 +11,12 @@
 #include "engine/internal.h"
 
 #define DEFAULT_MAX_RNDV 256
-#define CTLQ_EXTRA 8
+#define CTLQ_EXTRA       8
 #define DRAIN_TIMEOUT_MS 1000
 
 /* wr_id low 32 bits: bit 31 receive, bit 30 drain, the rest a counter/index */
-#define WR_RECV (1u << 31)
-#define WR_DRAIN (1u << 30)
+#define WR_RECV     (1u << 31)
+#define WR_DRAIN    (1u << 30)
 #define WR_CNT_MASK (WR_DRAIN - 1)
 
 enum { E_INIT, E_CONNECTED, E_UP, E_FAILING, E_DEAD };
@@ -63,10 +63,10 @@ struct bex__engine {
     struct sslot *ss;
     uint32_t sq, head, post, tail;
     uint32_t peer_credits, to_return;
-    uint32_t peer_rq;         /* credits the peer granted in its hello */
-    uint32_t inflight;        /* payload bytes posted, not completed */
-    uint32_t peer_eager;      /* largest message the peer takes by SEND */
-    uint32_t frag;            /* effective fragment size */
+    uint32_t peer_rq;    /* credits the peer granted in its hello */
+    uint32_t inflight;   /* payload bytes posted, not completed */
+    uint32_t peer_eager; /* largest message the peer takes by SEND */
+    uint32_t frag;       /* effective fragment size */
 
     /* receive side */
     struct rslot *rs;
@@ -95,8 +95,8 @@ struct bex__engine {
     /* keepalive */
     volatile uint64_t *ka_local; /* the peer writes its sequence here */
     uint64_t ka_seen, ka_seq, ka_last_ms, ka_next_ms;
-    bool ka_due;      /* a keepalive write waits for a slot */
-    bool peer_heard;  /* a receive completed since the last tick */
+    bool ka_due;     /* a keepalive write waits for a slot */
+    bool peer_heard; /* a receive completed since the last tick */
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
 
@@ -556,10 +556,8 @@ static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes
 {
     s->bytes = bytes;
     e->inflight += bytes;
-    if (e->inflight > atomic_load_explicit(&e->sh->stats->max_inflight_bytes,
-                                           memory_order_relaxed))
-        atomic_store_explicit(&e->sh->stats->max_inflight_bytes, e->inflight,
-                              memory_order_relaxed);
+    if (e->inflight > atomic_load_explicit(&e->sh->stats->max_inflight_bytes, memory_order_relaxed))
+        atomic_store_explicit(&e->sh->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
 }
 
 /* Prepare a SEND of header h (and payload). Caller checked slot + credit. */
@@ -1109,8 +1107,8 @@ static void fail_now(struct bex__engine *e, int err)
     }
     /* Move to error and post one marker on each queue: when both come back
      * flushed, the NIC has let go of every buffer (completions are ordered). */
-    struct ibv_send_wr swr = {.wr_id = wrid(e, WR_DRAIN), .opcode = IBV_WR_SEND,
-                              .send_flags = IBV_SEND_SIGNALED};
+    struct ibv_send_wr swr = {
+        .wr_id = wrid(e, WR_DRAIN), .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
     struct ibv_recv_wr rwr = {.wr_id = wrid(e, WR_DRAIN | WR_RECV)};
     struct ibv_send_wr *sbad;
     struct ibv_recv_wr *rbad;

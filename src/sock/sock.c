@@ -15,8 +15,8 @@
 #include "sock/internal.h"
 
 #define ENGINE_TABLE 4096
-#define TICK_MS 10
-#define WC_BATCH 64
+#define TICK_MS      10
+#define WC_BATCH     64
 
 enum { P_CONNECTING, P_SEND_HELLO, P_WAIT_HELLO, P_WAIT_READY, P_UP };
 
@@ -505,8 +505,7 @@ static void exposed_cancel(bex_ctx *ctx, uint32_t eng_id)
 {
     for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
         struct exp_slot *x = &ctx->exposed[i];
-        if (atomic_load_explicit(&x->state, memory_order_acquire) != X_ARMED ||
-            x->eng_id != eng_id)
+        if (atomic_load_explicit(&x->state, memory_order_acquire) != X_ARMED || x->eng_id != eng_id)
             continue;
         struct bex_sock *s = x->s;
         void *buf = x->buf, *user = x->user;
@@ -668,14 +667,15 @@ static bool drain_cmds(bex_ctx *ctx)
             do_send(ctx, (struct sock_msg *)c);
             break;
         case CMD_CONNECT:
-            do_connect(ctx, (struct bex_sock *)((char *)c - offsetof(struct bex_sock, connect_cmd)));
+            do_connect(ctx,
+                       (struct bex_sock *)((char *)c - offsetof(struct bex_sock, connect_cmd)));
             break;
         case CMD_CLOSE:
             do_close((struct bex_sock *)((char *)c - offsetof(struct bex_sock, close_cmd)));
             break;
         case CMD_LISTEN: {
-            struct bex_listener *l = (struct bex_listener *)((char *)c -
-                                                             offsetof(struct bex_listener, cmd));
+            struct bex_listener *l =
+                (struct bex_listener *)((char *)c - offsetof(struct bex_listener, cmd));
             l->next = ctx->listeners;
             ctx->listeners = l;
             struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &l->tag};
@@ -684,8 +684,8 @@ static bool drain_cmds(bex_ctx *ctx)
             break;
         }
         case CMD_UNLISTEN: {
-            struct bex_listener *l = (struct bex_listener *)((char *)c -
-                                                             offsetof(struct bex_listener, cmd));
+            struct bex_listener *l =
+                (struct bex_listener *)((char *)c - offsetof(struct bex_listener, cmd));
             for (struct bex_listener **p = &ctx->listeners; *p; p = &(*p)->next)
                 if (*p == l) {
                     *p = l->next;
@@ -866,10 +866,10 @@ static void *io_main(void *arg)
 
 /* ---------------- public API ---------------- */
 
-#define DEF(field, v)                                                                      \
-    do {                                                                                   \
-        if (!c->field)                                                                     \
-            c->field = (v);                                                                \
+#define DEF(field, v)                                                                              \
+    do {                                                                                           \
+        if (!c->field)                                                                             \
+            c->field = (v);                                                                        \
     } while (0)
 
 static int config_check(bex_ctx_config *c)
