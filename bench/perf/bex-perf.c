@@ -1,0 +1,1071 @@
+/* bex-perf: bex's data path measured the way perftest measures verbs.
+ *
+ *   server: bex-perf -s --local ADDR [-p PORT] [--eager B] [--spin-us N] [--runs N]
+ *   client: bex-perf -c SERVER --local ADDR [-p PORT] --test lat|bw|frag [options]
+ *
+ * lat   one message outstanding: the client sends --size bytes, the server
+ *       echoes the same buffer back, --iters times after --warmup round
+ *       trips. The ping-pong runs inside the I/O thread's callbacks (on_recv
+ *       sends the next message), so no thread hop is measured. Reports half
+ *       the round trip like perftest's *_lat: median (perftest's t_typical),
+ *       P99, min, mean, max.
+ *   bw    --size-byte messages (1 MiB) client -> server over --sockets
+ *       sockets of one engine, --outstanding messages in flight; the server
+ *       answers each with a 32-byte message. Reports payload MiB/s (2^20
+ *       bytes per second: perftest's "MB/sec" column is the same unit) and
+ *       messages/s, between the response to message --warmup and the last.
+ *   frag  bw once per fragment size of --frag-list (paper Figure 10); the
+ *       fragment size is the sender's configuration, so the client builds a
+ *       fresh context for each.
+ *
+ * Session protocol: the first message on each socket is a 32-byte setup
+ * (magic, version, response size; 0 = echo); the server sends it back when
+ * it is ready. Every later message is answered per the setup.
+ *
+ * The server serves any number of clients one after another or at once,
+ * and exits cleanly on SIGINT/SIGTERM, or once --runs sockets have closed
+ * (a client run opens one socket, or --sockets of them).
+ * With --json every result is one JSON object on one line. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
+
+#include "bex/sock.h"
+
+#define PERF_MAGIC   0x46505842u /* "BXPF" */
+#define PERF_VERSION 1
+#define SETUP_LEN    32
+#define RESP_LEN     32
+#define DEFAULT_PORT 18516
+#define SETUP_TAG    ((void *)(uintptr_t)UINTPTR_MAX)
+
+enum test { T_NONE, T_LAT, T_BW, T_FRAG };
+
+struct opts {
+    bool server, json;
+    const char *client;
+    struct in_addr local;
+    bool have_local;
+    uint16_t port;
+    enum test test;
+    size_t size;
+    uint64_t iters, warmup;
+    uint32_t outstanding, sockets;
+    uint32_t frag, eager, spin_us, sq_depth, rq_depth;
+    uint32_t frag_list[32];
+    int n_frag_list;
+    long runs;
+    unsigned timeout_s;
+    bool size_set, iters_set;
+};
+
+/* ---------------- small helpers ---------------- */
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The latency loop reads a cycle counter, like perftest: on this project's
+ * test VMs clock_gettime() is a system call plus an emulated HPET read,
+ * which would add microseconds to every sample. Ticks are converted with a
+ * rate measured against CLOCK_MONOTONIC over the run itself. */
+static uint64_t ticks(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    return __rdtsc();
+#else
+    return mono_ns();
+#endif
+}
+
+static double cpu_seconds(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
+           ru.ru_stime.tv_usec / 1e6;
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    v = htonl(v);
+    memcpy(p, &v, 4);
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return ntohl(v);
+}
+
+static void setup_encode(uint8_t *p, uint32_t resp)
+{
+    memset(p, 0, SETUP_LEN);
+    put32(p, PERF_MAGIC);
+    put32(p + 4, PERF_VERSION);
+    put32(p + 8, resp);
+}
+
+static int setup_decode(const uint8_t *p, size_t len, uint32_t *resp)
+{
+    if (len != SETUP_LEN || get32(p) != PERF_MAGIC || get32(p + 4) != PERF_VERSION)
+        return -EPROTO;
+    *resp = get32(p + 8);
+    return 0;
+}
+
+static void fill_cfg(const struct opts *o, bex_ctx_config *c, uint32_t frag)
+{
+    memset(c, 0, sizeof(*c));
+    c->local_addr = o->local;
+    c->eager_max = o->eager;
+    c->frag_size = frag;
+    c->poll_spin_us = o->spin_us;
+    c->sq_depth = o->sq_depth;
+    c->rq_depth = o->rq_depth;
+}
+
+/* A one-shot "wait until the I/O thread says so". */
+struct gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+};
+
+static void gate_init(struct gate *g)
+{
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+}
+
+static void gate_destroy(struct gate *g)
+{
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->cv);
+}
+
+static void gate_signal(struct gate *g)
+{
+    pthread_mutex_lock(&g->mu);
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* Wait until *v >= want, or *fail is set, or timeout_s passes. Returns 0,
+ * the failure, or -ETIMEDOUT. */
+static int gate_wait(struct gate *g, _Atomic long *v, long want, _Atomic int *fail,
+                     unsigned timeout_s)
+{
+    uint64_t end = mono_ns() + (uint64_t)timeout_s * 1000000000ull;
+    int rc = 0;
+    pthread_mutex_lock(&g->mu);
+    while (atomic_load(v) < want && !(rc = atomic_load(fail))) {
+        if (mono_ns() >= end) {
+            rc = -ETIMEDOUT;
+            break;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&g->cv, &g->mu, &ts);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return rc;
+}
+
+/* ---------------- server ---------------- */
+
+struct srv_sock {
+    struct server *srv;
+    bex_sock *s;
+    bool ready;
+    uint32_t resp;
+    uint64_t msgs, bytes;
+    struct srv_sock *prev, *next;
+};
+
+struct server {
+    bex_ctx *ctx;
+    const struct opts *o;
+    pthread_mutex_t mu; /* the list of live sockets: main thread closes them */
+    struct srv_sock *live;
+    _Atomic long sessions, n_live;
+};
+
+static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct srv_sock *ss = user;
+    if (!ss->ready) {
+        if (setup_decode(buf, len, &ss->resp) || ss->resp > (1u << 30)) {
+            fprintf(stderr, "bex-perf server: bad setup message (%zu bytes)\n", len);
+            bex_mem_free(buf);
+            bex_sock_close(s);
+            return;
+        }
+        ss->ready = true;
+        /* the setup goes back as it came: the client starts on it */
+        if (bex_sock_send(s, buf, len, NULL))
+            bex_mem_free(buf);
+        return;
+    }
+    ss->msgs++;
+    ss->bytes += len;
+    if (ss->resp == 0) {
+        /* echo: the received buffer is the reply (zero copy) */
+        if (bex_sock_send(s, buf, len, NULL))
+            bex_mem_free(buf);
+        return;
+    }
+    bex_mem_free(buf);
+    void *r = bex_sock_alloc(ss->srv->ctx, ss->resp);
+    if (!r) {
+        fprintf(stderr, "bex-perf server: out of registered memory\n");
+        bex_sock_close(s);
+        return;
+    }
+    memset(r, 0, ss->resp);
+    if (bex_sock_send(s, r, ss->resp, NULL))
+        bex_mem_free(r);
+}
+
+static void srv_send_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
+{
+    (void)s, (void)len, (void)mu, (void)status, (void)user;
+    bex_mem_free(buf);
+}
+
+static void srv_error(bex_sock *s, int err, void *user)
+{
+    (void)err, (void)user;
+    bex_sock_close(s);
+}
+
+static void srv_close(bex_sock *s, void *user)
+{
+    (void)s;
+    struct srv_sock *ss = user;
+    struct server *srv = ss->srv;
+    pthread_mutex_lock(&srv->mu);
+    if (ss->prev)
+        ss->prev->next = ss->next;
+    else
+        srv->live = ss->next;
+    if (ss->next)
+        ss->next->prev = ss->prev;
+    pthread_mutex_unlock(&srv->mu);
+    if (!srv->o->json && ss->ready)
+        fprintf(stderr, "bex-perf server: session done: %" PRIu64 " messages, %" PRIu64 " bytes\n",
+                ss->msgs, ss->bytes);
+    free(ss);
+    atomic_fetch_sub(&srv->n_live, 1);
+    atomic_fetch_add(&srv->sessions, 1);
+}
+
+static const bex_sock_ops srv_ops = {.on_recv = srv_recv,
+                                     .on_send_done = srv_send_done,
+                                     .on_error = srv_error,
+                                     .on_close = srv_close};
+
+static void srv_accept(bex_listener *l, bex_sock *s, void *user)
+{
+    (void)l;
+    struct server *srv = user;
+    struct srv_sock *ss = calloc(1, sizeof(*ss));
+    if (!ss) {
+        bex_sock_close(s);
+        return;
+    }
+    ss->srv = srv;
+    ss->s = s;
+    pthread_mutex_lock(&srv->mu);
+    ss->next = srv->live;
+    if (srv->live)
+        srv->live->prev = ss;
+    srv->live = ss;
+    pthread_mutex_unlock(&srv->mu);
+    atomic_fetch_add(&srv->n_live, 1);
+    bex_sock_set_user(s, &srv_ops, ss);
+}
+
+static int run_server(const struct opts *o)
+{
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    /* blocked before the I/O thread exists, so only sigtimedwait sees them */
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+
+    struct server srv = {.o = o};
+    pthread_mutex_init(&srv.mu, NULL);
+    bex_ctx_config cfg;
+    fill_cfg(o, &cfg, o->frag);
+    int err = bex_ctx_create(&cfg, &srv.ctx);
+    if (err) {
+        fprintf(stderr, "bex-perf server: bex_ctx_create: %s\n", bex_strerror(err));
+        return 1;
+    }
+    struct sockaddr_in a = {
+        .sin_family = AF_INET, .sin_port = htons(o->port), .sin_addr = o->local};
+    bex_listener *l;
+    bex_listener_ops lops = {.on_accept = srv_accept};
+    err = bex_listen(srv.ctx, &a, &lops, &srv, &l);
+    if (err) {
+        fprintf(stderr, "bex-perf server: bex_listen: %s\n", bex_strerror(err));
+        bex_ctx_destroy(srv.ctx);
+        return 1;
+    }
+    char ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &o->local, ip, sizeof(ip));
+    printf("bex-perf server: listening on %s:%u\n", ip, o->port);
+    fflush(stdout);
+
+    struct timespec tick = {0, 200 * 1000000L};
+    for (;;) {
+        int sig = sigtimedwait(&sigs, NULL, &tick);
+        if (sig == SIGINT || sig == SIGTERM)
+            break;
+        if (o->runs > 0 && atomic_load(&srv.sessions) >= o->runs)
+            break;
+    }
+    bex_listener_close(l);
+    pthread_mutex_lock(&srv.mu);
+    for (struct srv_sock *ss = srv.live; ss; ss = ss->next)
+        bex_sock_close(ss->s);
+    pthread_mutex_unlock(&srv.mu);
+    uint64_t end = mono_ns() + 5000000000ull;
+    while (atomic_load(&srv.n_live) > 0 && mono_ns() < end)
+        usleep(10000);
+    int rc = atomic_load(&srv.n_live) == 0 ? 0 : 1;
+    if (rc)
+        fprintf(stderr, "bex-perf server: %ld sockets did not close\n", atomic_load(&srv.n_live));
+    bex_ctx_destroy(srv.ctx);
+    pthread_mutex_destroy(&srv.mu);
+    return rc;
+}
+
+/* ---------------- client ---------------- */
+
+struct client;
+
+struct csock {
+    struct client *cl;
+    bex_sock *s;
+    bool ready;
+};
+
+struct client {
+    const struct opts *o;
+    bex_ctx *ctx;
+    enum test test;
+    size_t size;
+    struct gate g;
+    _Atomic long connected, ready, closed, finished;
+    _Atomic int fail;
+    struct csock *cs;
+    uint32_t ncs;
+    uint64_t total, warm, iters;
+
+    /* lat: two buffers alternate, since the echo of one may arrive before
+     * its own send is reported done */
+    void *lbuf[2];
+    bool lbusy[2];
+    int lcur;
+    bool lwaiting; /* next send waits for lbuf[lcur] */
+    uint64_t lcount, last_tick, *samples;
+    uint64_t t0_tick, t1_tick, t0_ns, t1_ns;
+
+    /* bw */
+    void **bufs;
+    uint32_t nbufs, *freeb, nfree, rr;
+    uint64_t sent, resp;
+
+    bex_sock_stats st0, st1;
+    double cpu0, cpu1;
+};
+
+static void cl_fail(struct client *cl, int err)
+{
+    int zero = 0;
+    atomic_compare_exchange_strong(&cl->fail, &zero, err ? err : -EIO);
+    gate_signal(&cl->g);
+}
+
+static void phase_start(struct client *cl)
+{
+    bex_ctx_stats(cl->ctx, &cl->st0);
+    cl->cpu0 = cpu_seconds();
+    cl->t0_ns = mono_ns();
+    cl->t0_tick = ticks();
+}
+
+static void phase_end(struct client *cl)
+{
+    cl->t1_tick = ticks();
+    cl->t1_ns = mono_ns();
+    cl->cpu1 = cpu_seconds();
+    bex_ctx_stats(cl->ctx, &cl->st1);
+    atomic_store(&cl->finished, 1);
+    gate_signal(&cl->g);
+}
+
+static void lat_send(struct client *cl)
+{
+    int b = cl->lcur;
+    if (cl->lbusy[b]) {
+        cl->lwaiting = true;
+        return;
+    }
+    cl->lwaiting = false;
+    cl->lbusy[b] = true;
+    int err = bex_sock_send(cl->cs[0].s, cl->lbuf[b], cl->size, (void *)(uintptr_t)b);
+    if (err) {
+        cl->lbusy[b] = false;
+        cl_fail(cl, err);
+    }
+}
+
+static void lat_recv(struct client *cl, size_t len)
+{
+    uint64_t now = ticks();
+    if (len != cl->size) {
+        fprintf(stderr, "bex-perf: echo of %zu bytes, expected %zu\n", len, cl->size);
+        cl_fail(cl, -EPROTO);
+        return;
+    }
+    cl->lcount++;
+    if (cl->lcount > cl->warm)
+        cl->samples[cl->lcount - cl->warm - 1] = now - cl->last_tick;
+    else if (cl->lcount == cl->warm)
+        phase_start(cl);
+    cl->last_tick = now;
+    if (cl->lcount == cl->total) {
+        phase_end(cl);
+        return;
+    }
+    cl->lcur ^= 1;
+    lat_send(cl);
+}
+
+static void bw_issue(struct client *cl)
+{
+    while (cl->sent < cl->total && cl->sent - cl->resp < cl->o->outstanding && cl->nfree) {
+        uint32_t b = cl->freeb[--cl->nfree];
+        struct csock *c = &cl->cs[cl->rr++ % cl->ncs];
+        int err = bex_sock_send(c->s, cl->bufs[b], cl->size, (void *)(uintptr_t)b);
+        if (err) {
+            cl->freeb[cl->nfree++] = b;
+            cl_fail(cl, err);
+            return;
+        }
+        cl->sent++;
+    }
+}
+
+static void bw_recv(struct client *cl, size_t len)
+{
+    if (len != RESP_LEN) {
+        fprintf(stderr, "bex-perf: response of %zu bytes, expected %d\n", len, RESP_LEN);
+        cl_fail(cl, -EPROTO);
+        return;
+    }
+    cl->resp++;
+    if (cl->resp == cl->warm)
+        phase_start(cl);
+    if (cl->resp == cl->total) {
+        phase_end(cl);
+        return;
+    }
+    bw_issue(cl);
+}
+
+static void start_test(struct client *cl)
+{
+    if (cl->test == T_LAT) {
+        cl->last_tick = ticks();
+        if (cl->warm == 0)
+            phase_start(cl);
+        lat_send(cl);
+    } else {
+        if (cl->warm == 0)
+            phase_start(cl);
+        bw_issue(cl);
+    }
+}
+
+static void cl_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct csock *c = user;
+    struct client *cl = c->cl;
+    (void)s;
+    if (!c->ready) {
+        uint32_t resp;
+        int bad = setup_decode(buf, len, &resp);
+        bex_mem_free(buf);
+        if (bad) {
+            cl_fail(cl, -EPROTO);
+            return;
+        }
+        c->ready = true;
+        if (atomic_fetch_add(&cl->ready, 1) + 1 == (long)cl->ncs)
+            start_test(cl);
+        return;
+    }
+    bex_mem_free(buf);
+    if (atomic_load_explicit(&cl->fail, memory_order_relaxed) || atomic_load(&cl->finished))
+        return;
+    if (cl->test == T_LAT)
+        lat_recv(cl, len);
+    else
+        bw_recv(cl, len);
+}
+
+static void cl_send_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
+{
+    struct csock *c = user;
+    struct client *cl = c->cl;
+    (void)s, (void)len;
+    if (mu == SETUP_TAG) {
+        bex_mem_free(buf);
+        if (status)
+            cl_fail(cl, status);
+        return;
+    }
+    if (status) {
+        cl_fail(cl, status);
+        return;
+    }
+    uint32_t b = (uint32_t)(uintptr_t)mu;
+    if (cl->test == T_LAT) {
+        cl->lbusy[b] = false;
+        if (cl->lwaiting && (int)b == cl->lcur && !atomic_load(&cl->finished))
+            lat_send(cl);
+    } else {
+        cl->freeb[cl->nfree++] = b;
+        if (!atomic_load(&cl->finished) && !atomic_load_explicit(&cl->fail, memory_order_relaxed))
+            bw_issue(cl);
+    }
+}
+
+static void cl_connect(bex_sock *s, int status, void *user)
+{
+    struct csock *c = user;
+    struct client *cl = c->cl;
+    if (status) {
+        cl_fail(cl, status);
+        return;
+    }
+    uint8_t *b = bex_sock_alloc(cl->ctx, SETUP_LEN);
+    if (!b) {
+        cl_fail(cl, -ENOMEM);
+        return;
+    }
+    setup_encode(b, cl->test == T_LAT ? 0 : RESP_LEN);
+    int err = bex_sock_send(s, b, SETUP_LEN, SETUP_TAG);
+    if (err) {
+        bex_mem_free(b);
+        cl_fail(cl, err);
+        return;
+    }
+    atomic_fetch_add(&cl->connected, 1);
+    gate_signal(&cl->g);
+}
+
+static void cl_error(bex_sock *s, int err, void *user)
+{
+    struct csock *c = user;
+    (void)s;
+    if (!atomic_load(&c->cl->finished))
+        fprintf(stderr, "bex-perf: socket error: %s\n", bex_strerror(err));
+    cl_fail(c->cl, err);
+}
+
+static void cl_close(bex_sock *s, void *user)
+{
+    struct csock *c = user;
+    (void)s;
+    atomic_fetch_add(&c->cl->closed, 1);
+    gate_signal(&c->cl->g);
+}
+
+static const bex_sock_ops cl_ops = {.on_connect = cl_connect,
+                                    .on_recv = cl_recv,
+                                    .on_send_done = cl_send_done,
+                                    .on_error = cl_error,
+                                    .on_close = cl_close};
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void print_stats_json(const struct client *cl)
+{
+    const bex_sock_stats *a = &cl->st0, *b = &cl->st1;
+    printf(",\"cpu_s\":%.3f,\"post_send_calls\":%" PRIu64 ",\"sends_posted\":%" PRIu64
+           ",\"writes_posted\":%" PRIu64 ",\"signaled\":%" PRIu64 ",\"post_recv_calls\":%" PRIu64
+           ",\"credit_stalls\":%" PRIu64 ",\"window_stalls\":%" PRIu64 ",\"credit_msgs\":%" PRIu64
+           ",\"max_inflight_bytes\":%" PRIu64,
+           cl->cpu1 - cl->cpu0, b->post_send_calls - a->post_send_calls,
+           b->sends_posted - a->sends_posted, b->writes_posted - a->writes_posted,
+           b->signaled - a->signaled, b->post_recv_calls - a->post_recv_calls,
+           b->credit_stalls - a->credit_stalls, b->window_stalls - a->window_stalls,
+           b->credit_msgs - a->credit_msgs, b->max_inflight_bytes);
+}
+
+static void print_stats_text(const struct client *cl, uint64_t msgs)
+{
+    const bex_sock_stats *a = &cl->st0, *b = &cl->st1;
+    double m = msgs ? (double)msgs : 1;
+    fprintf(
+        stderr,
+        "  per message: %.2f post_send calls, %.2f SENDs, %.2f WRITEs, %.2f signaled, "
+        "%.3f post_recv calls; credit stalls %" PRIu64 ", window stalls %" PRIu64
+        ", credit msgs %" PRIu64 "; CPU %.2f s\n",
+        (double)(b->post_send_calls - a->post_send_calls) / m,
+        (double)(b->sends_posted - a->sends_posted) / m,
+        (double)(b->writes_posted - a->writes_posted) / m, (double)(b->signaled - a->signaled) / m,
+        (double)(b->post_recv_calls - a->post_recv_calls) / m, b->credit_stalls - a->credit_stalls,
+        b->window_stalls - a->window_stalls, b->credit_msgs - a->credit_msgs, cl->cpu1 - cl->cpu0);
+}
+
+static void report_lat(struct client *cl)
+{
+    uint64_t n = cl->iters;
+    double dticks = (double)(cl->t1_tick - cl->t0_tick);
+    double ns_per_tick = dticks > 0 ? (double)(cl->t1_ns - cl->t0_ns) / dticks : 1.0;
+    qsort(cl->samples, n, sizeof(uint64_t), cmp_u64);
+    double sum = 0;
+    for (uint64_t i = 0; i < n; i++)
+        sum += (double)cl->samples[i];
+    /* half the round trip, in microseconds */
+    double f = ns_per_tick / 2000.0;
+    double min = (double)cl->samples[0] * f, max = (double)cl->samples[n - 1] * f;
+    double med = (double)cl->samples[n / 2] * f;
+    uint64_t i99 = (uint64_t)((double)n * 0.99);
+    double p99 = (double)cl->samples[i99 < n ? i99 : n - 1] * f;
+    double mean = sum / (double)n * f;
+    if (cl->o->json) {
+        printf("{\"test\":\"lat\",\"size\":%zu,\"iters\":%" PRIu64 ",\"warmup\":%" PRIu64
+               ",\"median_us\":%.2f,\"p99_us\":%.2f,\"min_us\":%.2f,\"mean_us\":%.2f,"
+               "\"max_us\":%.2f,\"eager\":%u,\"spin_us\":%u",
+               cl->size, n, cl->warm, med, p99, min, mean, max, cl->o->eager, cl->o->spin_us);
+        print_stats_json(cl);
+        printf("}\n");
+    } else {
+        printf(" %-8s %-11s %-10s %-10s %-12s %-10s %-10s\n", "#bytes", "#iterations", "t_min[us]",
+               "t_max[us]", "t_typical[us]", "t_avg[us]", "99%[us]");
+        printf(" %-8zu %-11" PRIu64 " %-10.2f %-10.2f %-12.2f %-10.2f %-10.2f\n", cl->size, n, min,
+               max, med, mean, p99);
+        print_stats_text(cl, n * 2);
+    }
+    fflush(stdout);
+}
+
+static void report_bw(struct client *cl, uint32_t frag, enum test shown)
+{
+    double secs = (double)(cl->t1_ns - cl->t0_ns) / 1e9;
+    uint64_t msgs = cl->total - cl->warm;
+    double mib_s = (double)msgs * (double)cl->size / secs / 1048576.0;
+    double msg_s = (double)msgs / secs;
+    const char *name = shown == T_FRAG ? "frag" : "bw";
+    if (cl->o->json) {
+        printf("{\"test\":\"%s\",\"size\":%zu,\"frag\":%u,\"iters\":%" PRIu64 ",\"warmup\":%" PRIu64
+               ",\"outstanding\":%u,\"sockets\":%u,\"seconds\":%.3f,"
+               "\"mib_s\":%.2f,\"msg_s\":%.1f,\"unit\":\"MiB/s\",\"spin_us\":%u",
+               name, cl->size, frag, msgs, cl->warm, cl->o->outstanding, cl->ncs, secs, mib_s,
+               msg_s, cl->o->spin_us);
+        print_stats_json(cl);
+        printf("}\n");
+    } else {
+        if (shown != T_FRAG || frag == cl->o->frag_list[0])
+            printf(" %-10s %-10s %-11s %-8s %-14s %-12s\n", "#bytes", "frag", "#iterations",
+                   "sockets", "BW[MiB/sec]", "msg/s");
+        char fs[16] = "default";
+        if (frag)
+            snprintf(fs, sizeof(fs), "%u", frag);
+        printf(" %-10zu %-10s %-11" PRIu64 " %-8u %-14.2f %-12.1f\n", cl->size, fs, msgs, cl->ncs,
+               mib_s, msg_s);
+        print_stats_text(cl, msgs);
+    }
+    fflush(stdout);
+}
+
+/* One client run: a context, its sockets, one test, teardown. */
+static int client_run(const struct opts *o, enum test test, uint32_t frag, enum test shown)
+{
+    struct client cl = {.o = o, .test = test, .size = o->size};
+    gate_init(&cl.g);
+    int rc = 1;
+    cl.ncs = test == T_LAT ? 1 : o->sockets;
+    cl.iters = o->iters;
+    cl.warm = o->warmup;
+    cl.total = cl.warm + cl.iters;
+    cl.cs = calloc(cl.ncs, sizeof(*cl.cs));
+    if (!cl.cs)
+        goto out;
+    bex_ctx_config cfg;
+    fill_cfg(o, &cfg, frag);
+    int err = bex_ctx_create(&cfg, &cl.ctx);
+    if (err) {
+        fprintf(stderr, "bex-perf: bex_ctx_create: %s\n", bex_strerror(err));
+        goto out;
+    }
+    if (test == T_LAT) {
+        cl.samples = calloc(cl.iters, sizeof(uint64_t));
+        for (int i = 0; i < 2; i++)
+            cl.lbuf[i] = bex_sock_alloc(cl.ctx, cl.size ? cl.size : 1);
+        if (!cl.samples || !cl.lbuf[0] || !cl.lbuf[1]) {
+            fprintf(stderr, "bex-perf: out of memory\n");
+            goto out_free;
+        }
+        memset(cl.lbuf[0], 0xa5, cl.size);
+        memset(cl.lbuf[1], 0x5a, cl.size);
+    } else {
+        cl.nbufs = o->outstanding + 2;
+        cl.bufs = calloc(cl.nbufs, sizeof(void *));
+        cl.freeb = calloc(cl.nbufs, sizeof(uint32_t));
+        if (!cl.bufs || !cl.freeb)
+            goto out_free;
+        for (uint32_t i = 0; i < cl.nbufs; i++) {
+            cl.bufs[i] = bex_sock_alloc(cl.ctx, cl.size ? cl.size : 1);
+            if (!cl.bufs[i]) {
+                fprintf(stderr, "bex-perf: out of registered memory\n");
+                goto out_free;
+            }
+            memset(cl.bufs[i], (int)i, cl.size);
+            cl.freeb[cl.nfree++] = i;
+        }
+    }
+    struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = htons(o->port)};
+    if (inet_pton(AF_INET, o->client, &srv.sin_addr) != 1) {
+        fprintf(stderr, "bex-perf: bad server address '%s'\n", o->client);
+        goto out_free;
+    }
+    uint32_t opened = 0;
+    for (; opened < cl.ncs; opened++) {
+        cl.cs[opened].cl = &cl;
+        err = bex_sock_connect(cl.ctx, &srv, &cl_ops, &cl.cs[opened], &cl.cs[opened].s);
+        if (err) {
+            fprintf(stderr, "bex-perf: bex_sock_connect: %s\n", bex_strerror(err));
+            cl_fail(&cl, err);
+            break;
+        }
+    }
+    if (!atomic_load(&cl.fail)) {
+        err = gate_wait(&cl.g, &cl.finished, 1, &cl.fail, o->timeout_s);
+        if (err == -ETIMEDOUT)
+            fprintf(stderr,
+                    "bex-perf: no result within %u s (sent %" PRIu64 ", answered %" PRIu64
+                    ", round trips %" PRIu64 ")\n",
+                    o->timeout_s, cl.sent, cl.resp, cl.lcount);
+        else if (err)
+            fprintf(stderr, "bex-perf: test failed: %s\n", bex_strerror(err));
+        else
+            rc = 0;
+    }
+    for (uint32_t i = 0; i < opened; i++)
+        bex_sock_close(cl.cs[i].s);
+    if (gate_wait(&cl.g, &cl.closed, (long)opened, &(_Atomic int){0}, 20)) {
+        fprintf(stderr, "bex-perf: sockets did not close\n");
+        rc = 1;
+    }
+    if (rc == 0) {
+        if (test == T_LAT)
+            report_lat(&cl);
+        else
+            report_bw(&cl, frag, shown);
+    }
+out_free:
+    /* every send has been reported by now (on_close comes after them) */
+    for (int i = 0; i < 2; i++)
+        bex_mem_free(cl.lbuf[i]);
+    for (uint32_t i = 0; cl.bufs && i < cl.nbufs; i++)
+        bex_mem_free(cl.bufs[i]);
+    bex_ctx_destroy(cl.ctx);
+out:
+    free(cl.samples);
+    free(cl.bufs);
+    free(cl.freeb);
+    free(cl.cs);
+    gate_destroy(&cl.g);
+    return rc;
+}
+
+/* ---------------- command line ---------------- */
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: bex-perf -s --local ADDR [options]          (server)\n"
+            "       bex-perf -c SERVER --local ADDR [options]   (client)\n"
+            "  -s, --server          serve until SIGINT/SIGTERM (or --runs)\n"
+            "  -c, --client ADDR     run a test against the server at ADDR\n"
+            "  -p, --port PORT       server port (%d)\n"
+            "      --local ADDR      local IPv4 address; chooses the RDMA device (required)\n"
+            "  -t, --test T          lat | bw | frag (lat)\n"
+            "      --size BYTES      message size (lat 32, bw/frag 1048576)\n"
+            "  -n, --iters N         measured messages (lat 1000, bw 200, frag 64)\n"
+            "      --warmup N        unmeasured messages first (lat 100, bw/frag outstanding)\n"
+            "      --outstanding N   bw: messages in flight (16)\n"
+            "      --sockets N       bw: sockets multiplexed on one engine (1)\n"
+            "      --frag BYTES      ctx frag_size (library default)\n"
+            "      --frag-list LIST  frag: comma-separated sizes (1K,2K,4K,8K,16K,32K,64K,256K)\n"
+            "      --eager BYTES     ctx eager_max (library default); the receiver's decides\n"
+            "      --spin-us N       ctx poll_spin_us (library default)\n"
+            "      --sq-depth N, --rq-depth N   ctx queue depths (library default)\n"
+            "      --runs N          server: exit after N sockets have closed\n"
+            "      --timeout S       client: give up after S seconds per run (300)\n"
+            "      --json            one JSON object per result line\n",
+            DEFAULT_PORT);
+}
+
+/* "64K", "1M", "4096" -> bytes (suffixes only when sizes); 0 on error. */
+static uint64_t parse_num(const char *s, bool sizes)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *s == '-')
+        return 0;
+    if (sizes && (*end == 'k' || *end == 'K'))
+        v <<= 10, end++;
+    else if (sizes && (*end == 'm' || *end == 'M'))
+        v <<= 20, end++;
+    else if (sizes && (*end == 'g' || *end == 'G'))
+        v <<= 30, end++;
+    return *end ? 0 : v;
+}
+
+/* A positive 32-bit option value; prints the complaint itself. */
+static int parse_u32(const char *name, const char *s, uint32_t *out, bool sizes)
+{
+    uint64_t v = parse_num(s, sizes);
+    if (v == 0 || v > UINT32_MAX) {
+        fprintf(stderr, "bex-perf: bad %s '%s'\n", name, s);
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static int parse_args(int argc, char **argv, struct opts *o)
+{
+    enum {
+        O_LOCAL = 256,
+        O_SIZE,
+        O_WARM,
+        O_OUT,
+        O_SOCKS,
+        O_FRAG,
+        O_FLIST,
+        O_EAGER,
+        O_SPIN,
+        O_SQ,
+        O_RQ,
+        O_RUNS,
+        O_TIMEOUT,
+        O_JSON
+    };
+    static const struct option lo[] = {{"server", no_argument, NULL, 's'},
+                                       {"client", required_argument, NULL, 'c'},
+                                       {"port", required_argument, NULL, 'p'},
+                                       {"test", required_argument, NULL, 't'},
+                                       {"iters", required_argument, NULL, 'n'},
+                                       {"local", required_argument, NULL, O_LOCAL},
+                                       {"size", required_argument, NULL, O_SIZE},
+                                       {"warmup", required_argument, NULL, O_WARM},
+                                       {"outstanding", required_argument, NULL, O_OUT},
+                                       {"sockets", required_argument, NULL, O_SOCKS},
+                                       {"frag", required_argument, NULL, O_FRAG},
+                                       {"frag-list", required_argument, NULL, O_FLIST},
+                                       {"eager", required_argument, NULL, O_EAGER},
+                                       {"spin-us", required_argument, NULL, O_SPIN},
+                                       {"sq-depth", required_argument, NULL, O_SQ},
+                                       {"rq-depth", required_argument, NULL, O_RQ},
+                                       {"runs", required_argument, NULL, O_RUNS},
+                                       {"timeout", required_argument, NULL, O_TIMEOUT},
+                                       {"json", no_argument, NULL, O_JSON},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {NULL, 0, NULL, 0}};
+    static const uint32_t def_frags[] = {1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
+    *o = (struct opts){
+        .port = DEFAULT_PORT, .test = T_LAT, .outstanding = 16, .sockets = 1, .timeout_s = 300};
+    bool warm_set = false;
+    uint32_t v;
+    int c;
+    while ((c = getopt_long(argc, argv, "sc:p:t:n:h", lo, NULL)) != -1) {
+        switch (c) {
+        case 's':
+            o->server = true;
+            break;
+        case 'c':
+            o->client = optarg;
+            break;
+        case 'p':
+            if (parse_u32("port", optarg, &v, false) || v > 65535)
+                return -1;
+            o->port = (uint16_t)v;
+            break;
+        case 't':
+            if (!strcmp(optarg, "lat"))
+                o->test = T_LAT;
+            else if (!strcmp(optarg, "bw"))
+                o->test = T_BW;
+            else if (!strcmp(optarg, "frag"))
+                o->test = T_FRAG;
+            else {
+                fprintf(stderr, "bex-perf: unknown test '%s'\n", optarg);
+                return -1;
+            }
+            break;
+        case 'n':
+            if (parse_u32("iters", optarg, &v, false))
+                return -1;
+            o->iters = v;
+            o->iters_set = true;
+            break;
+        case O_LOCAL:
+            if (inet_pton(AF_INET, optarg, &o->local) != 1) {
+                fprintf(stderr, "bex-perf: bad --local '%s'\n", optarg);
+                return -1;
+            }
+            o->have_local = true;
+            break;
+        case O_SIZE:
+            if (parse_u32("size", optarg, &v, true))
+                return -1;
+            o->size = v;
+            o->size_set = true;
+            break;
+        case O_WARM:
+            /* 0 is allowed: measure from the first message */
+            if (strcmp(optarg, "0") && parse_u32("warmup", optarg, &v, false))
+                return -1;
+            o->warmup = strcmp(optarg, "0") ? v : 0;
+            warm_set = true;
+            break;
+        case O_OUT:
+            if (parse_u32("outstanding", optarg, &o->outstanding, false))
+                return -1;
+            break;
+        case O_SOCKS:
+            if (parse_u32("sockets", optarg, &o->sockets, false) || o->sockets > 1024)
+                return -1;
+            break;
+        case O_FRAG:
+            if (parse_u32("frag", optarg, &o->frag, true))
+                return -1;
+            break;
+        case O_FLIST: {
+            char *dup = strdup(optarg), *save = NULL;
+            o->n_frag_list = 0;
+            for (char *t = strtok_r(dup, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+                if (o->n_frag_list == 32 || parse_u32("fragment size", t, &v, true)) {
+                    free(dup);
+                    return -1;
+                }
+                o->frag_list[o->n_frag_list++] = v;
+            }
+            free(dup);
+            break;
+        }
+        case O_EAGER:
+            if (parse_u32("eager", optarg, &o->eager, true))
+                return -1;
+            break;
+        case O_SPIN:
+            if (parse_u32("spin-us", optarg, &o->spin_us, false))
+                return -1;
+            break;
+        case O_SQ:
+            if (parse_u32("sq-depth", optarg, &o->sq_depth, false))
+                return -1;
+            break;
+        case O_RQ:
+            if (parse_u32("rq-depth", optarg, &o->rq_depth, false))
+                return -1;
+            break;
+        case O_RUNS:
+            if (parse_u32("runs", optarg, &v, false))
+                return -1;
+            o->runs = v;
+            break;
+        case O_TIMEOUT:
+            if (parse_u32("timeout", optarg, &o->timeout_s, false))
+                return -1;
+            break;
+        case O_JSON:
+            o->json = true;
+            break;
+        case 'h':
+            usage(stdout);
+            exit(0);
+        default:
+            return -1;
+        }
+    }
+    if (optind < argc || o->server == !!o->client) {
+        fprintf(stderr, "bex-perf: give exactly one of -s or -c ADDR\n");
+        return -1;
+    }
+    if (!o->have_local) {
+        fprintf(stderr, "bex-perf: --local ADDR is required (it chooses the RDMA device)\n");
+        return -1;
+    }
+    if (!o->size_set)
+        o->size = o->test == T_LAT ? 32 : 1048576;
+    if (!o->iters_set)
+        o->iters = o->test == T_LAT ? 1000 : o->test == T_BW ? 200 : 64;
+    if (!warm_set)
+        o->warmup = o->test == T_LAT ? 100 : o->outstanding;
+    if (o->test == T_LAT && o->size > (1u << 30)) {
+        fprintf(stderr, "bex-perf: lat size too large\n");
+        return -1;
+    }
+    if (o->n_frag_list == 0) {
+        memcpy(o->frag_list, def_frags, sizeof(def_frags));
+        o->n_frag_list = (int)(sizeof(def_frags) / sizeof(def_frags[0]));
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o;
+    if (parse_args(argc, argv, &o)) {
+        usage(stderr);
+        return 2;
+    }
+    if (o.server)
+        return run_server(&o);
+    if (o.test != T_FRAG)
+        return client_run(&o, o.test, o.frag, o.test);
+    int rc = 0;
+    for (int i = 0; i < o.n_frag_list && rc == 0; i++)
+        rc = client_run(&o, T_BW, o.frag_list[i], T_FRAG);
+    return rc;
+}
