@@ -10,6 +10,7 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -141,6 +142,43 @@ static inline long long rxe_counter(const char *name)
 
 typedef int (*pair_fn)(struct pair *p, void *arg);
 
+/* Print every thread's stack of a process (when gdb is there), so that a
+ * hang in CI leaves evidence rather than only a timeout. */
+static inline void pair_dump_stacks(pid_t pid)
+{
+    char cmd[160];
+    snprintf(cmd, sizeof cmd,
+             "command -v gdb >/dev/null && gdb -p %d -batch -ex 'thread apply all bt' 2>&1 "
+             "| grep -E '^#|^Thread' >&2",
+             (int)pid);
+    if (system(cmd) != 0)
+        fprintf(stderr, "(no stacks for pid %d)\n", (int)pid);
+}
+
+/* A watchdog for the client side: if the case is still running past its
+ * deadline, dump both processes' stacks and fail. */
+struct pair_watchdog {
+    pthread_t t;
+    pid_t child;
+    unsigned seconds;
+    _Atomic int done;
+};
+
+static inline void *pair_watch(void *arg)
+{
+    struct pair_watchdog *w = arg;
+    for (unsigned i = 0; i < w->seconds * 10; i++) {
+        if (atomic_load(&w->done))
+            return NULL;
+        pair_sleep_ms(100);
+    }
+    fprintf(stderr, "watchdog: the case hangs after %u s; stacks follow\n", w->seconds);
+    pair_dump_stacks(getpid());
+    pair_dump_stacks(w->child);
+    kill(w->child, SIGKILL);
+    _exit(1);
+}
+
 /* When set, the server process builds its context's pool with this (before
  * the context exists), e.g. to inject registration failures. */
 static bex_mem_pool *(*pair_server_pool)(struct in_addr addr);
@@ -207,11 +245,19 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         waitpid(pid, NULL, 0);
         return 1;
     }
+    /* below CTest's 240 s, so the stacks are printed before CTest kills us */
+    struct pair_watchdog wd = {.child = pid, .seconds = 180};
+    CHECK(pthread_create(&wd.t, NULL, pair_watch, &wd) == 0);
     uint16_t port = 0;
-    if (read(p.from_child, &port, sizeof port) != sizeof port) {
+    struct pollfd pf = {.fd = p.from_child, .events = POLLIN};
+    if (poll(&pf, 1, (int)(30000 * time_scale())) != 1 ||
+        read(p.from_child, &port, sizeof port) != sizeof port) {
         fprintf(stderr, "client: server did not report its port\n");
+        pair_dump_stacks(pid);
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
+        atomic_store(&wd.done, 1);
+        pthread_join(wd.t, NULL);
         return 1;
     }
     p.srv = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
@@ -236,6 +282,8 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         rc = 1;
     }
     bex_ctx_destroy(p.ctx);
+    atomic_store(&wd.done, 1);
+    pthread_join(wd.t, NULL);
     return rc;
 }
 
