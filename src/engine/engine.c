@@ -439,8 +439,6 @@ static void unlink_stream(struct bex__engine *e, struct bex__stream *st)
 
 static void msg_done(struct bex__engine *e, struct bex__msg *m, int status)
 {
-    if (m->st)
-        m->st->inflight_msgs -= m->state == BEX__M_POSTED;
     e->ops->on_send_done(e, m, status);
 }
 
@@ -669,7 +667,6 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         struct sslot *s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
         pop_head(st);
         m->state = BEX__M_POSTED;
-        st->inflight_msgs++;
         s->done = m;
         return true;
     }
@@ -705,7 +702,6 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
             e->peer_rndv_used--;
         pop_head(st);
         m->state = BEX__M_POSTED;
-        st->inflight_msgs++;
         s->done = m;
         return true;
     }

@@ -95,7 +95,6 @@ struct bex__stream {
     uint32_t id;
     struct bex__msg *q_head, *q_tail; /* not fully posted, in order */
     uint32_t q_len;
-    uint32_t rndv_out;                       /* requests outstanding ahead */
     struct bex__stream *rr_next;             /* scheduler ring */
     struct bex__stream *all_prev, *all_next; /* every stream of the engine */
     bool in_ring;
@@ -104,7 +103,6 @@ struct bex__stream {
     bool close_req; /* application closed: send CLOSE after queue */
     bool close_sent;
     bool failed;
-    uint32_t inflight_msgs; /* posted, not completed */
 };
 
 /* Upcalls to the sock layer, on the I/O thread. */

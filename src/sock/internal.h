@@ -101,7 +101,6 @@ struct conn {
     size_t wlen, woff;
     uint64_t deadline;
     uint64_t conn_id;
-    int err;
     bool dead; /* failed: destroy at the next safe point */
     struct bex_listener *l;
     struct bex_sock *map[CONN_MAP];

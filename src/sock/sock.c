@@ -18,7 +18,7 @@
 #define TICK_MS      10
 #define WC_BATCH     64
 
-enum { P_CONNECTING, P_SEND_HELLO, P_WAIT_HELLO, P_WAIT_READY, P_UP };
+enum { P_CONNECTING, P_WAIT_HELLO, P_WAIT_READY, P_UP };
 
 static const struct bex__engine_ops engine_ops;
 static void exposed_cancel(bex_ctx *ctx, uint32_t eng_id);
@@ -195,7 +195,6 @@ static void conn_fail(struct conn *c, int err)
         c->fd = -1;
     }
     if (c->eng && !bex__engine_is_dead(c->eng)) {
-        c->err = err;
         bex__engine_fail(c->eng, err); /* on_fail finishes the job */
         return;
     }
