@@ -782,6 +782,16 @@ static void handle_events(bex_ctx *ctx, struct epoll_event *ev, int n)
     }
 }
 
+/* Hand each completion to its engine, found by the id in its wr_id. */
+static void dispatch(bex_ctx *ctx, const struct ibv_wc *wc, int n)
+{
+    for (int i = 0; i < n; i++) {
+        struct conn *c = engine_conn(ctx, bex__wr_engine(wc[i].wr_id));
+        if (c && c->eng) /* else a stale completion of a destroyed engine */
+            bex__engine_complete(c->eng, &wc[i]);
+    }
+}
+
 static void *io_main(void *arg)
 {
     bex_ctx *ctx = arg;
@@ -793,11 +803,7 @@ static void *io_main(void *arg)
     while (!ctx->stopping) {
         bool did = false;
         int n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
-        for (int i = 0; i < n; i++) {
-            struct conn *c = engine_conn(ctx, bex__wr_engine(wc[i].wr_id));
-            if (c && c->eng) /* else a stale completion of a destroyed engine */
-                bex__engine_complete(c->eng, &wc[i]);
-        }
+        dispatch(ctx, wc, n);
         did |= n > 0;
         did |= drain_cmds(ctx);
         for (struct conn *c = ctx->conns; c; c = c->next)
@@ -840,11 +846,7 @@ static void *io_main(void *arg)
         n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
         if (n > 0 || atomic_load(&ctx->cmds)) {
             atomic_store(&ctx->sleeping, 0);
-            for (int i = 0; i < n; i++) {
-                struct conn *c = engine_conn(ctx, bex__wr_engine(wc[i].wr_id));
-                if (c && c->eng)
-                    bex__engine_complete(c->eng, &wc[i]);
-            }
+            dispatch(ctx, wc, n);
             idle_since = 0;
             idle_polls = 0;
             spun_out = false;
