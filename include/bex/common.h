@@ -18,6 +18,16 @@ extern "C" {
  * is static and may be used from any thread. */
 const char *bex_strerror(int err);
 
+/* Log levels of the library's log hook (bex_ctx_config.log_fn). */
+enum { BEX_LOG_ERROR = 1, BEX_LOG_WARN = 2, BEX_LOG_INFO = 3, BEX_LOG_DEBUG = 4 };
+
+/* A log hook: one line (no newline) at a level. Called from bex's threads
+ * (any of them), never with a bex lock held that the hook could need; it must
+ * not block for long. Lines beyond a rate limit (20 a second per context)
+ * are dropped and counted; the next line that passes is preceded by one that
+ * says how many were dropped. */
+typedef void (*bex_log_fn)(int level, const char *msg, void *arg);
+
 #ifdef __cplusplus
 }
 #endif

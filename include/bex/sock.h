@@ -61,6 +61,10 @@ typedef struct bex_ctx_config {
     uint8_t qp_rnr_retry;          /* RNR retries (7; credits keep RNR from happening) */
     bex_mem_pool *pool;            /* use this pool (registered with this context's
                                       PD, see bex_ctx_pd) instead of creating one */
+    bex_log_fn log_fn;             /* where the library's log lines go (NULL: stderr,
+                                      "bex: " prefixed) */
+    void *log_arg;                 /* passed to log_fn */
+    int log_level;                 /* highest BEX_LOG_* level passed on (BEX_LOG_WARN) */
 } bex_ctx_config;
 
 /* Create a context: open the device that carries cfg->local_addr, allocate a

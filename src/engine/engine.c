@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <assert.h>
 #include <endian.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -740,7 +739,7 @@ static void post_pending(struct bex__engine *e)
     BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
     BEX__STAT_ADD(e->sh->stats, signaled, 1);
     if (rc) {
-        fprintf(stderr, "bex: ibv_post_send: %s\n", strerror(rc));
+        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_send: %s", e->id, strerror(rc));
         /* nothing was posted from bad on: treat the chain as lost */
         e->post = e->tail;
         fail_now(e, -rc);
@@ -997,8 +996,8 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
     if (e->state >= E_FAILING)
         return; /* flushed; everything is handed back at the end */
     if (wc->status != IBV_WC_SUCCESS) {
-        fprintf(stderr, "bex: engine %u: work completion error: %s (vendor 0x%x)\n", e->id,
-                ibv_wc_status_str(wc->status), wc->vendor_err);
+        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: work completion error: %s (vendor 0x%x)",
+                 e->id, ibv_wc_status_str(wc->status), wc->vendor_err);
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return;
     }
@@ -1012,8 +1011,8 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         send_completed(e, low & WR_CNT_MASK);
     }
     if (rc) {
-        fprintf(stderr, "bex: engine %u: %s from peer\n", e->id,
-                rc == -EPROTO ? "protocol violation" : strerror(-rc));
+        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: %s from peer", e->id,
+                 rc == -EPROTO ? "protocol violation" : strerror(-rc));
         bex__engine_fail(e, rc);
     }
 }
@@ -1036,8 +1035,8 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
         e->ka_last_ms = now;
         e->peer_heard = false;
     } else if (now - e->ka_last_ms > e->cfg.keepalive_timeout_ms) {
-        fprintf(stderr, "bex: engine %u: keepalive timeout (%u ms)\n", e->id,
-                e->cfg.keepalive_timeout_ms);
+        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: keepalive timeout (%u ms)", e->id,
+                 e->cfg.keepalive_timeout_ms);
         bex__engine_fail(e, -ETIMEDOUT);
         return;
     }

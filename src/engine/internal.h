@@ -28,6 +28,7 @@
 
 #include "bex/mem.h"
 #include "bex/sock.h"
+#include "common/log.h"
 #include "rdma/rdma.h"
 
 /* ---- wire header of every SEND (32 bytes, little-endian) ---- */
@@ -155,6 +156,7 @@ struct bex__engine_shared {
     struct ibv_srq *srq; /* NULL: dedicated receive queues */
     bex_mem_pool *pool;
     struct bex__stats *stats;
+    struct bex__log *log; /* the context's logger */
 };
 
 /* Counters written by the I/O thread only, read by anyone: relaxed atomics,

@@ -115,6 +115,7 @@ struct bex_ctx {
     struct bex__engine_shared sh;
     struct bex__engine_config ecfg;
     struct bex__stats stats;
+    struct bex__log log;
     bool own_pool;
     struct ibv_comp_channel *ch;
     int epfd, evfd;

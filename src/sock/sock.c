@@ -424,7 +424,8 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
     struct conn *c = bex__engine_user(e);
     struct bex_sock *s = map_find(c, stream);
     if (s || c->client) {
-        fprintf(stderr, "bex: engine %u: unexpected OPEN of stream %u\n", c->eng_id, stream);
+        bex__log(&c->ctx->log, BEX_LOG_ERROR, "engine %u: unexpected OPEN of stream %u", c->eng_id,
+                 stream);
         conn_fail(c, -EPROTO);
         return;
     }
@@ -891,7 +892,8 @@ static int config_check(bex_ctx_config *c)
     DEF(qp_rnr_retry, 7);
     if (c->sq_depth < 2 || c->sq_depth > 4096 || c->rq_depth < 4 || c->rq_depth > 16384 ||
         c->eager_max > (1u << 20) || c->frag_size < 256 || c->rndv_ahead > 256 ||
-        c->keepalive_timeout_ms < 2 * c->keepalive_ms)
+        c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
+        c->log_level > BEX_LOG_DEBUG)
         return -EINVAL;
     return 0;
 }
@@ -905,8 +907,11 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         return -ENOMEM;
     ctx->cfg = *cfg;
     int err = config_check(&ctx->cfg);
-    if (err)
-        goto err_free;
+    if (err) {
+        free(ctx);
+        return err;
+    }
+    bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
     const bex_ctx_config *c = &ctx->cfg;
     ctx->ecfg = (struct bex__engine_config){
         .sq_depth = c->sq_depth,
@@ -933,6 +938,7 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     ctx->sh.dev = ctx->dev;
     ctx->sh.pd = ctx->dev->pd;
     ctx->sh.stats = &ctx->stats;
+    ctx->sh.log = &ctx->log;
     ctx->sh.conn = (struct bex__rdma_conn_config){
         .timeout = c->qp_timeout, .retry_cnt = c->qp_retry_cnt, .rnr_retry = c->qp_rnr_retry};
     if (c->pool) {
@@ -988,6 +994,7 @@ err_pool:
 err_close_dev:
     bex__rdma_dev_close(ctx->dev);
 err_free:
+    bex__log_fini(&ctx->log);
     free(ctx->engines);
     free(ctx);
     return err;
@@ -1016,8 +1023,9 @@ void bex_ctx_destroy(bex_ctx *ctx)
     bex__rdma_cq_destroy(ctx->sh.cq);
     bex__rdma_channel_destroy(ctx->ch);
     if (ctx->own_pool && bex_mem_pool_destroy(ctx->sh.pool))
-        fprintf(stderr, "bex: context destroyed while buffers of its pool are live\n");
+        bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while buffers of its pool are live");
     bex__rdma_dev_close(ctx->dev);
+    bex__log_fini(&ctx->log);
     free(ctx->engines);
     free(ctx);
 }

@@ -1,0 +1,40 @@
+/* The library's log: a hook per context, rate-limited.
+ *
+ * Nothing in the library writes to stderr itself; it calls bex__log() with
+ * the context's logger, which hands a formatted line to the application's
+ * hook (bex_ctx_config.log_fn) or, without one, writes "bex: <line>" to
+ * stderr. A peer can make us log (every refusal of bad input does), so the
+ * logger lets through at most BEX__LOG_BURST lines per second and counts the
+ * rest; the next line that passes says how many were dropped.
+ *
+ * Threads: bex__log() may be called from any thread; the rate limit is kept
+ * under a mutex (logging is rare by construction, never on a hot path). */
+#ifndef BEX_COMMON_LOG_H
+#define BEX_COMMON_LOG_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "bex/common.h"
+
+#define BEX__LOG_BURST 20 /* lines per second before suppression */
+
+struct bex__log {
+    bex_log_fn fn; /* NULL: stderr */
+    void *arg;
+    int level; /* highest level passed on (BEX_LOG_*) */
+    pthread_mutex_t lock;
+    uint64_t window_ms; /* start of the current one-second window */
+    uint32_t in_window; /* lines passed in it */
+    uint32_t dropped;   /* lines suppressed since the last one passed */
+};
+
+/* Set up a logger; fn NULL means stderr, level 0 means BEX_LOG_WARN. */
+void bex__log_init(struct bex__log *lg, bex_log_fn fn, void *arg, int level);
+void bex__log_fini(struct bex__log *lg);
+
+/* Log one line (no trailing newline needed). lg NULL: stderr, no limit. */
+void bex__log(struct bex__log *lg, int level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#endif
