@@ -65,7 +65,31 @@ typedef struct bex_ctx_config {
                                       "bex: " prefixed) */
     void *log_arg;                 /* passed to log_fn */
     int log_level;                 /* highest BEX_LOG_* level passed on (BEX_LOG_WARN) */
+    /* Shared cluster secret (BEX_SECRET_MIN..BEX_SECRET_MAX bytes, copied at
+     * create). With one, a connection is set up only with a peer that proves
+     * it holds the same secret, and nothing about our QPs or memory is sent
+     * before it did (docs/protocol.md). NULL: the environment's BEX_SECRET
+     * (the variable's bytes), else the key file named by BEX_SECRET_FILE
+     * (bex_secret_load); none of them: connections are unauthenticated
+     * (docs/security.md says what that exposes). An invalid secret, variable
+     * or file fails bex_ctx_create with its error rather than running
+     * without one. */
+    const void *secret;
+    size_t secret_len;
 } bex_ctx_config;
+
+/* Bounds of a shared secret, in bytes. */
+#define BEX_SECRET_MIN 16
+#define BEX_SECRET_MAX 4096
+
+/* Read a key file into buf (cap bytes): its whole content, less one
+ * trailing "\n" or "\r\n" (so `openssl rand -hex 32 > key` works as well as
+ * 32 raw bytes). The file must be a regular file that neither group nor
+ * others may read or write (mode 0600 or stricter, as ssh asks of its keys).
+ * Returns 0 and sets *len, or -errno of open/read, -EPERM (group/other
+ * access), -EINVAL (not a regular file, or fewer than BEX_SECRET_MIN bytes),
+ * -EFBIG (more than cap or BEX_SECRET_MAX bytes). Any thread. */
+int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
 
 /* Create a context: open the device that carries cfg->local_addr, allocate a
  * PD and a bemalloc pool registered with it, start the I/O thread.
@@ -89,7 +113,10 @@ void *bex_sock_alloc(bex_ctx *ctx, size_t size);
 /* Callbacks of a socket. All run on the I/O thread. Any may be NULL. */
 typedef struct bex_sock_ops {
     /* connect finished: status 0, or -ECONNREFUSED / -ETIMEDOUT / ... (the
-     * socket is then dead: close it with bex_sock_close()). */
+     * socket is then dead: close it with bex_sock_close()). Refusals:
+     * -EACCES the secrets differ, or one side has a secret and the other
+     * none; -EPROTO the peer's hello does not fit the connection (e.g. its
+     * GID is not the TCP peer's address); -EBADMSG a malformed message. */
     void (*on_connect)(bex_sock *s, int status, void *user);
     /* a message arrived; buf (len bytes valid) now belongs to the
      * application: free it with bex_mem_free(). len may be 0 (buf non-NULL). */

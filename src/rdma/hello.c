@@ -5,6 +5,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
+#include "bex/sock.h"
 #include "rdma/hello.h"
 
 /* Byte offsets of the v1 layout; docs/protocol.md has the same table. */
@@ -165,6 +168,164 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
             return -EBADMSG;
     }
     *out = h;
+    return 0;
+}
+
+/* ---- authenticated setup -------------------------------------------- */
+
+enum { OFF_AUTH_TYPE = 8, OFF_AUTH_RSVD = 9 /* 3 bytes */ };
+
+int bex__setup_peek(const uint8_t pre[BEX__SETUP_PRE_LEN], size_t *len)
+{
+    uint32_t magic = get32(pre);
+    if (magic == BEX__READY_MAGIC) {
+        *len = BEX__READY_LEN;
+        return BEX__SETUP_NOTICE;
+    }
+    if (magic != BEX__HELLO_MAGIC)
+        return -EPROTO;
+    uint16_t version = get16(pre + OFF_VERSION);
+    if (version == BEX__HELLO_VERSION) {
+        /* the hello's own length field is judged by its decoder */
+        *len = BEX__HELLO_LEN;
+        return BEX__SETUP_HELLO;
+    }
+    if (version != BEX__AUTH_VERSION)
+        return -EPROTO;
+    uint16_t n = get16(pre + OFF_LENGTH);
+    if (n != BEX__AUTH_SHORT_LEN && n != BEX__AUTH_HELLO_LEN)
+        return -EBADMSG;
+    *len = n;
+    return BEX__SETUP_AUTH;
+}
+
+static void auth_header(uint8_t *buf, uint8_t type, uint16_t len)
+{
+    memset(buf, 0, BEX__AUTH_HDR_LEN);
+    put32(buf + OFF_MAGIC, BEX__HELLO_MAGIC);
+    put16(buf + OFF_VERSION, BEX__AUTH_VERSION);
+    put16(buf + OFF_LENGTH, len);
+    buf[OFF_AUTH_TYPE] = type;
+}
+
+/* Header checks shared by every version-2 message. */
+static int auth_check(const uint8_t *buf, size_t len, uint8_t type, size_t want)
+{
+    if (len < 6)
+        return -EBADMSG;
+    if (get32(buf + OFF_MAGIC) != BEX__HELLO_MAGIC || get16(buf + OFF_VERSION) != BEX__AUTH_VERSION)
+        return -EPROTO;
+    if (len != want || len < BEX__AUTH_HDR_LEN || get16(buf + OFF_LENGTH) != want)
+        return -EBADMSG;
+    if (!all_zero(buf + OFF_AUTH_RSVD, 3))
+        return -EBADMSG;
+    if (buf[OFF_AUTH_TYPE] != type)
+        return -EPROTO; /* a well-formed message, but not the one due now */
+    return 0;
+}
+
+void bex__auth_encode(uint8_t type, const uint8_t body[32], uint8_t buf[BEX__AUTH_SHORT_LEN])
+{
+    auth_header(buf, type, BEX__AUTH_SHORT_LEN);
+    memcpy(buf + BEX__AUTH_HDR_LEN, body, 32);
+}
+
+int bex__auth_decode(const uint8_t *buf, size_t len, uint8_t type, uint8_t body[32])
+{
+    if (type == BEX__AUTH_HELLO)
+        return -EINVAL; /* has its own decoder */
+    int err = auth_check(buf, len, type, BEX__AUTH_SHORT_LEN);
+    if (err)
+        return err;
+    memcpy(body, buf + BEX__AUTH_HDR_LEN, 32);
+    return 0;
+}
+
+void bex__auth_encode_hello(const uint8_t hello[BEX__HELLO_LEN],
+                            const uint8_t mac[BEX__AUTH_MAC_LEN], uint8_t buf[BEX__AUTH_HELLO_LEN])
+{
+    auth_header(buf, BEX__AUTH_HELLO, BEX__AUTH_HELLO_LEN);
+    memcpy(buf + BEX__AUTH_HDR_LEN, hello, BEX__HELLO_LEN);
+    memcpy(buf + BEX__AUTH_HDR_LEN + BEX__HELLO_LEN, mac, BEX__AUTH_MAC_LEN);
+}
+
+int bex__auth_decode_hello(const uint8_t *buf, size_t len, struct bex__hello *h,
+                           uint8_t mac[BEX__AUTH_MAC_LEN])
+{
+    int err = auth_check(buf, len, BEX__AUTH_HELLO, BEX__AUTH_HELLO_LEN);
+    if (err)
+        return err;
+    struct bex__hello tmp;
+    if ((err = bex__hello_decode(buf + BEX__AUTH_HDR_LEN, BEX__HELLO_LEN, &tmp)))
+        return err;
+    *h = tmp;
+    memcpy(mac, buf + BEX__AUTH_HDR_LEN + BEX__HELLO_LEN, BEX__AUTH_MAC_LEN);
+    return 0;
+}
+
+void bex__auth_ends(struct bex__auth_transcript *t, uint32_t client_ip, uint16_t client_port,
+                    uint32_t listener_ip, uint16_t listener_port)
+{
+    /* already in network order: copy the bytes as they are */
+    memcpy(t->ends, &client_ip, 4);
+    memcpy(t->ends + 4, &client_port, 2);
+    memcpy(t->ends + 6, &listener_ip, 4);
+    memcpy(t->ends + 10, &listener_port, 2);
+}
+
+/* Equal lengths, so label || fields is unambiguous without separators. */
+static const char *const mac_label[] = {"bex2 proof c", "bex2 hello l", "bex2 hello c"};
+
+void bex__auth_mac(const uint8_t key[BEX__AUTH_KEY_LEN], int which,
+                   const struct bex__auth_transcript *t, const uint8_t *hello_l,
+                   const uint8_t *hello_c, uint8_t mac[BEX__AUTH_MAC_LEN])
+{
+    crypto_auth_hmacsha256_state st;
+    crypto_auth_hmacsha256_init(&st, key, BEX__AUTH_KEY_LEN);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)mac_label[which], 12);
+    crypto_auth_hmacsha256_update(&st, t->nonce_l, sizeof t->nonce_l);
+    crypto_auth_hmacsha256_update(&st, t->nonce_c, sizeof t->nonce_c);
+    crypto_auth_hmacsha256_update(&st, t->ends, sizeof t->ends);
+    if (which != BEX__AUTH_MAC_PROOF_C)
+        crypto_auth_hmacsha256_update(&st, hello_l, BEX__HELLO_LEN);
+    if (which == BEX__AUTH_MAC_HELLO_C)
+        crypto_auth_hmacsha256_update(&st, hello_c, BEX__HELLO_LEN);
+    crypto_auth_hmacsha256_final(&st, mac);
+    sodium_memzero(&st, sizeof st);
+}
+
+int bex__auth_verify(const uint8_t key[BEX__AUTH_KEY_LEN], int which,
+                     const struct bex__auth_transcript *t, const uint8_t *hello_l,
+                     const uint8_t *hello_c, const uint8_t mac[BEX__AUTH_MAC_LEN])
+{
+    uint8_t want[BEX__AUTH_MAC_LEN];
+    bex__auth_mac(key, which, t, hello_l, hello_c, want);
+    int bad = sodium_memcmp(want, mac, BEX__AUTH_MAC_LEN);
+    sodium_memzero(want, sizeof want);
+    return bad ? -EACCES : 0;
+}
+
+int bex__auth_key(const void *secret, size_t len, uint8_t key[BEX__AUTH_KEY_LEN])
+{
+    static const char label[] = "bex setup key v2";
+    if (!secret || len < BEX_SECRET_MIN || len > BEX_SECRET_MAX)
+        return -EINVAL;
+    if (sodium_init() < 0)
+        return -EIO;
+    crypto_auth_hmacsha256_state st;
+    crypto_auth_hmacsha256_init(&st, secret, len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, sizeof label - 1);
+    crypto_auth_hmacsha256_final(&st, key);
+    sodium_memzero(&st, sizeof st);
+    return 0;
+}
+
+int bex__auth_nonce(uint8_t nonce[BEX__AUTH_NONCE_LEN])
+{
+    /* idempotent and cheap once done; nonces are made once per setup */
+    if (sodium_init() < 0)
+        return -EIO;
+    randombytes_buf(nonce, BEX__AUTH_NONCE_LEN);
     return 0;
 }
 

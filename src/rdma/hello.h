@@ -76,6 +76,99 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out);
 #define BEX__READY_MAGIC 0x42455852u /* "BEXR" */
 #define BEX__READY_LEN   8
 
+/* ---- authenticated setup (a shared secret; docs/protocol.md) ---------- */
+
+/* Every setup message starts with 8 bytes that say what it is: "BEXH" +
+ * version 1 (a plain hello, BEX__HELLO_LEN bytes), "BEXH" + version 2 (an
+ * authenticated-setup message, its length in bytes 6..7) or "BEXR" (a
+ * notice, BEX__READY_LEN bytes: readiness, or a refusal with an errno). A
+ * reader takes these 8 bytes first, so a peer of the other kind (with or
+ * without a secret) is told apart at once instead of leaving the reader
+ * waiting for bytes that never come. */
+#define BEX__SETUP_PRE_LEN 8
+enum { BEX__SETUP_HELLO = 1, BEX__SETUP_AUTH = 2, BEX__SETUP_NOTICE = 3 };
+
+/* Classify a preamble: returns BEX__SETUP_* and sets *len to the whole
+ * message's length (8 for a notice, 80 for a plain hello, 44 or 124 for an
+ * authenticated-setup message), or -EPROTO (not a bex setup message, or an
+ * unknown version) or -EBADMSG (version 2 with an impossible length). */
+int bex__setup_peek(const uint8_t pre[BEX__SETUP_PRE_LEN], size_t *len);
+
+#define BEX__AUTH_VERSION   2
+#define BEX__AUTH_KEY_LEN   32 /* derived key: HMAC-SHA-256 key size */
+#define BEX__AUTH_NONCE_LEN 32
+#define BEX__AUTH_MAC_LEN   32                       /* HMAC-SHA-256 */
+#define BEX__AUTH_HDR_LEN   12                       /* preamble, type, 3 reserved bytes */
+#define BEX__AUTH_SHORT_LEN (BEX__AUTH_HDR_LEN + 32) /* OPEN, CHALLENGE, PROOF */
+#define BEX__AUTH_HELLO_LEN (BEX__AUTH_HDR_LEN + BEX__HELLO_LEN + BEX__AUTH_MAC_LEN)
+#define BEX__SETUP_MAX_LEN  BEX__AUTH_HELLO_LEN /* the longest setup message */
+/* The most one side ever writes during setup (client with a secret: OPEN,
+ * PROOF, HELLO, ready), so an output buffer of this size cannot overflow
+ * however the peer times its messages. */
+#define BEX__SETUP_OUT_MAX (2 * BEX__AUTH_SHORT_LEN + BEX__AUTH_HELLO_LEN + BEX__READY_LEN)
+
+/* Message types (byte 8). Body: OPEN and CHALLENGE a nonce, PROOF a MAC,
+ * HELLO a plain hello (BEX__HELLO_LEN bytes, as bex__hello_encode writes it)
+ * followed by a MAC. */
+enum { BEX__AUTH_OPEN = 1, BEX__AUTH_CHALLENGE = 2, BEX__AUTH_PROOF = 3, BEX__AUTH_HELLO = 4 };
+
+/* Encode an OPEN, CHALLENGE or PROOF with its 32-byte body. */
+void bex__auth_encode(uint8_t type, const uint8_t body[32], uint8_t buf[BEX__AUTH_SHORT_LEN]);
+/* Decode one of the above, expecting type. Returns 0 and fills body, or
+ *   -EPROTO  not a version-2 message, or another type than expected,
+ *   -EBADMSG wrong length (len or the length field) or non-zero reserved
+ *            bytes.
+ * body is written only on success. Never reads beyond buf[len-1]. */
+int bex__auth_decode(const uint8_t *buf, size_t len, uint8_t type, uint8_t body[32]);
+
+/* Encode a HELLO: hello is the plain hello's encoding, mac its MAC. */
+void bex__auth_encode_hello(const uint8_t hello[BEX__HELLO_LEN],
+                            const uint8_t mac[BEX__AUTH_MAC_LEN], uint8_t buf[BEX__AUTH_HELLO_LEN]);
+/* Decode a HELLO: errors as bex__auth_decode, plus bex__hello_decode's for
+ * the embedded hello. On success *h is the decoded hello, mac its MAC; the
+ * raw hello (for the MAC) is buf + BEX__AUTH_HDR_LEN. */
+int bex__auth_decode_hello(const uint8_t *buf, size_t len, struct bex__hello *h,
+                           uint8_t mac[BEX__AUTH_MAC_LEN]);
+
+/* What both sides MAC: the two nonces and the TCP connection's endpoints as
+ * each side sees them (so a proof made for one connection, e.g. relayed by
+ * a host in the middle, is worthless on another). */
+struct bex__auth_transcript {
+    uint8_t nonce_l[BEX__AUTH_NONCE_LEN]; /* the listener's (CHALLENGE) */
+    uint8_t nonce_c[BEX__AUTH_NONCE_LEN]; /* the connector's (OPEN) */
+    uint8_t ends[12]; /* client IPv4, port, listener IPv4, port; network order */
+};
+
+/* Fill t->ends from the two endpoints (sin_addr, sin_port as in a
+ * sockaddr_in, network order). */
+void bex__auth_ends(struct bex__auth_transcript *t, uint32_t client_ip, uint16_t client_port,
+                    uint32_t listener_ip, uint16_t listener_port);
+
+/* The three MACs, each with its own label so none can stand for another:
+ *   PROOF_C  the connector's proof:  label || nonce_l || nonce_c || ends
+ *   HELLO_L  the listener's hello:   ... || hello_l
+ *   HELLO_C  the connector's hello:  ... || hello_l || hello_c
+ * hello_l / hello_c are the plain hellos' encodings (BEX__HELLO_LEN bytes);
+ * pass NULL where the MAC does not cover them. */
+enum { BEX__AUTH_MAC_PROOF_C, BEX__AUTH_MAC_HELLO_L, BEX__AUTH_MAC_HELLO_C };
+void bex__auth_mac(const uint8_t key[BEX__AUTH_KEY_LEN], int which,
+                   const struct bex__auth_transcript *t, const uint8_t *hello_l,
+                   const uint8_t *hello_c, uint8_t mac[BEX__AUTH_MAC_LEN]);
+/* Recompute and compare in constant time: 0 or -EACCES. */
+int bex__auth_verify(const uint8_t key[BEX__AUTH_KEY_LEN], int which,
+                     const struct bex__auth_transcript *t, const uint8_t *hello_l,
+                     const uint8_t *hello_c, const uint8_t mac[BEX__AUTH_MAC_LEN]);
+
+/* The key both sides MAC with: HMAC-SHA-256 keyed by the secret over a fixed
+ * label, so the secret itself never keys anything that reaches the wire.
+ * Returns 0, -EINVAL (len outside BEX_SECRET_MIN..BEX_SECRET_MAX) or -EIO
+ * (libsodium could not initialise). */
+int bex__auth_key(const void *secret, size_t len, uint8_t key[BEX__AUTH_KEY_LEN]);
+
+/* A fresh random nonce (libsodium's randombytes): 0, or -EIO when libsodium
+ * cannot initialise. */
+int bex__auth_nonce(uint8_t nonce[BEX__AUTH_NONCE_LEN]);
+
 /* ---- blocking I/O with a deadline ------------------------------------ */
 
 /* CLOCK_MONOTONIC now, in milliseconds. */

@@ -95,10 +95,15 @@ struct conn {
     struct sockaddr_in key; /* client: the listener we connected to */
     struct bex__engine *eng;
     uint32_t eng_id;
-    uint8_t rbuf[BEX__HELLO_LEN + BEX__READY_LEN];
+    uint8_t rbuf[BEX__SETUP_MAX_LEN]; /* one setup message at a time */
     size_t rlen, rwant;
-    uint8_t wbuf[BEX__HELLO_LEN + BEX__READY_LEN];
+    int rkind;        /* BEX__SETUP_* of the message in rbuf, once framed */
+    bool framed;      /* rbuf's preamble is read: rwant is the message's length */
+    bool hello_first; /* our hello went out before the peer's: it must echo conn_id */
+    uint8_t wbuf[BEX__SETUP_OUT_MAX];
     size_t wlen, woff;
+    struct bex__auth_transcript auth; /* with a secret */
+    uint8_t hello_l[BEX__HELLO_LEN];  /* listener with a secret: the hello it MACed */
     uint64_t deadline;
     uint64_t conn_id;
     bool dead; /* failed: destroy at the next safe point */
@@ -116,6 +121,8 @@ struct bex_ctx {
     struct bex__engine_config ecfg;
     struct bex__stats stats;
     struct bex__log log;
+    bool has_secret; /* setups are authenticated with auth_key */
+    uint8_t auth_key[BEX__AUTH_KEY_LEN];
     bool own_pool;
     struct ibv_comp_channel *ch;
     int epfd, evfd;

@@ -12,13 +12,27 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
 #include "sock/internal.h"
+#include "sock/secret.h"
 
 #define ENGINE_TABLE 4096
 #define TICK_MS      10
 #define WC_BATCH     64
 
-enum { P_CONNECTING, P_WAIT_HELLO, P_WAIT_READY, P_UP };
+/* Setup phases; with a shared secret the client goes CONNECTING ->
+ * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
+ * WAIT_OPEN -> WAIT_PROOF -> WAIT_HELLO -> WAIT_READY -> UP. */
+enum {
+    P_CONNECTING,
+    P_WAIT_HELLO,
+    P_WAIT_READY,
+    P_UP,
+    P_WAIT_OPEN,
+    P_WAIT_PROOF,
+    P_WAIT_CHALLENGE
+};
 
 static const struct bex__engine_ops engine_ops;
 static void exposed_cancel(bex_ctx *ctx, uint32_t eng_id);
@@ -287,18 +301,298 @@ static int conn_flush(struct conn *c)
     return 0;
 }
 
-static void conn_queue(struct conn *c, const uint8_t *p, size_t n)
+static int conn_queue(struct conn *c, const uint8_t *p, size_t n)
 {
     if (c->woff == c->wlen)
         c->woff = c->wlen = 0;
+    if (n > sizeof(c->wbuf) - c->wlen)
+        return -ENOBUFS; /* cannot happen: wbuf holds all a side ever writes */
     memcpy(c->wbuf + c->wlen, p, n);
     c->wlen += n;
+    return 0;
+}
+
+/* Queue and push out one or more setup messages: 0 or an error. */
+static int conn_send(struct conn *c, const uint8_t *p, size_t n)
+{
+    int err = conn_queue(c, p, n);
+    if (!err)
+        err = conn_flush(c);
+    return err < 0 ? err : 0;
+}
+
+/* Read the next setup message: its preamble first, which tells its kind and
+ * length, so a peer of the other kind is recognised from 8 bytes. */
+static void conn_expect(struct conn *c, int phase)
+{
+    c->phase = phase;
+    c->rlen = 0;
+    c->rwant = BEX__SETUP_PRE_LEN;
+    c->framed = false;
+}
+
+static void conn_peer_addr(struct conn *c, struct sockaddr_in *a)
+{
+    socklen_t sl = sizeof(*a);
+    if (c->fd < 0 || getpeername(c->fd, (struct sockaddr *)a, &sl) || a->sin_family != AF_INET)
+        *a = c->key;
+}
+
+/* Refuse the peer: log once, tell it why when nothing else is on its way
+ * (best effort: a notice with the errno, so its on_connect reports that and
+ * not a bare reset), and close. */
+static void conn_refuse(struct conn *c, int err, const char *why)
+{
+    struct sockaddr_in a;
+    conn_peer_addr(c, &a);
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
+    if (c->client)
+        bex__log(&c->ctx->log, BEX_LOG_WARN, "connection to %s:%u refused: %s (%s)", ip,
+                 ntohs(a.sin_port), why, bex_strerror(err));
+    else
+        bex__log(&c->ctx->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip, ntohs(a.sin_port),
+                 why, bex_strerror(err));
+    if (c->fd >= 0 && c->woff == c->wlen) {
+        uint8_t n[BEX__READY_LEN];
+        put_ready(n, (uint32_t)-err);
+        ssize_t r = send(c->fd, n, sizeof n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        /* read what the peer already sent, so that close sends a FIN, not a
+         * reset that could overtake the notice */
+        uint8_t junk[256];
+        for (int i = 0; i < 4 && recv(c->fd, junk, sizeof junk, MSG_DONTWAIT) > 0; i++)
+            ;
+        (void)r;
+    }
+    conn_fail(c, err);
+}
+
+/* The TCP endpoints as both sides name them: client first, then listener. */
+static int conn_ends(struct conn *c)
+{
+    struct sockaddr_in me, peer;
+    socklen_t sl = sizeof(me), pl = sizeof(peer);
+    if (getsockname(c->fd, (struct sockaddr *)&me, &sl) ||
+        getpeername(c->fd, (struct sockaddr *)&peer, &pl))
+        return -errno;
+    const struct sockaddr_in *cl = c->client ? &me : &peer, *li = c->client ? &peer : &me;
+    bex__auth_ends(&c->auth, cl->sin_addr.s_addr, cl->sin_port, li->sin_addr.s_addr, li->sin_port);
+    return 0;
+}
+
+/* RoCEv2: a peer at a.b.c.d has the GID ::ffff:a.b.c.d. A hello naming any
+ * other GID would point our QP at someone else's, or at a host that merely
+ * relays the setup. */
+static bool gid_is_peer(struct conn *c, const uint8_t gid[16])
+{
+    struct sockaddr_in a;
+    socklen_t sl = sizeof(a);
+    if (getpeername(c->fd, (struct sockaddr *)&a, &sl) || a.sin_family != AF_INET)
+        return false;
+    uint8_t want[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    memcpy(want + 12, &a.sin_addr.s_addr, 4);
+    return memcmp(want, gid, 16) == 0;
+}
+
+/* The client's first message: a plain hello, or with a secret an OPEN that
+ * carries nothing but a nonce. */
+static int setup_client_start(struct conn *c)
+{
+    if (c->ctx->has_secret) {
+        uint8_t m[BEX__AUTH_SHORT_LEN];
+        int err = bex__auth_nonce(c->auth.nonce_c);
+        if (err)
+            return err;
+        bex__auth_encode(BEX__AUTH_OPEN, c->auth.nonce_c, m);
+        conn_expect(c, P_WAIT_CHALLENGE);
+        return conn_queue(c, m, sizeof m);
+    }
+    struct bex__hello h;
+    uint8_t buf[BEX__HELLO_LEN];
+    c->conn_id = bex__rdma_random_u64();
+    hello_fill(c, &h, c->conn_id);
+    bex__hello_encode(&h, buf);
+    c->hello_first = true;
+    conn_expect(c, P_WAIT_HELLO);
+    return conn_queue(c, buf, sizeof buf);
+}
+
+/* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
+ * checks): check it fits this connection, bring the QP up, answer. */
+static int setup_hello(struct conn *c, const char **why)
+{
+    bex_ctx *ctx = c->ctx;
+    struct bex__hello h;
+    int err;
+    if (ctx->has_secret) {
+        uint8_t mac[BEX__AUTH_MAC_LEN];
+        if ((err = bex__auth_decode_hello(c->rbuf, c->rlen, &h, mac))) {
+            *why = "malformed authenticated hello";
+            return err;
+        }
+        const uint8_t *raw = c->rbuf + BEX__AUTH_HDR_LEN;
+        if (c->client)
+            err = bex__auth_verify(ctx->auth_key, BEX__AUTH_MAC_HELLO_L, &c->auth, raw, NULL, mac);
+        else
+            err = bex__auth_verify(ctx->auth_key, BEX__AUTH_MAC_HELLO_C, &c->auth, c->hello_l, raw,
+                                   mac);
+        if (err) {
+            *why = c->client ? "the listener did not prove the shared secret"
+                             : "the hello's MAC is wrong";
+            return err;
+        }
+    } else {
+        if (c->rkind == BEX__SETUP_AUTH) {
+            *why = "the peer uses a shared secret; this side has none";
+            return -EACCES;
+        }
+        if ((err = bex__hello_decode(c->rbuf, c->rlen, &h))) {
+            *why = "malformed hello";
+            return err;
+        }
+    }
+    if (c->hello_first && h.conn_id != c->conn_id) {
+        *why = "the hello does not answer ours (conn_id)";
+        return -EPROTO;
+    }
+    if (!(h.flags & BEX__HELLO_F_NO_RDMA) && !gid_is_peer(c, h.gid)) {
+        *why = "the hello's GID is not the TCP peer's address";
+        return -EPROTO;
+    }
+    *why = "local setup failed";
+    if (!c->eng && (err = engine_make(c)))
+        return err;
+    if ((err = engine_peer(c, &h))) {
+        if (err == -EPROTONOSUPPORT)
+            *why = "the peer has no RDMA device";
+        return err;
+    }
+    uint8_t out[BEX__AUTH_HELLO_LEN + BEX__READY_LEN];
+    size_t n = 0;
+    if (!c->hello_first) {
+        /* our hello answers the peer's: echo its conn_id */
+        struct bex__hello mine;
+        uint8_t raw[BEX__HELLO_LEN];
+        hello_fill(c, &mine, h.conn_id);
+        bex__hello_encode(&mine, raw);
+        if (ctx->has_secret) {
+            uint8_t mac[BEX__AUTH_MAC_LEN];
+            bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_HELLO_C, &c->auth,
+                          c->rbuf + BEX__AUTH_HDR_LEN, raw, mac);
+            bex__auth_encode_hello(raw, mac, out);
+            n = BEX__AUTH_HELLO_LEN;
+        } else {
+            memcpy(out, raw, BEX__HELLO_LEN);
+            n = BEX__HELLO_LEN;
+        }
+    }
+    /* our receives are posted and the QP is at RTS: the peer may send */
+    put_ready(out + n, 0);
+    *why = NULL; /* from here on an error is the connection's, not the peer's fault */
+    conn_expect(c, P_WAIT_READY);
+    return conn_send(c, out, n + BEX__READY_LEN);
+}
+
+/* One whole setup message is in rbuf: act on it. Returns 0 or an error;
+ * *why is set when the error refuses the peer (logged, peer told). */
+static int setup_msg(struct conn *c, const char **why)
+{
+    bex_ctx *ctx = c->ctx;
+    int err;
+    if (c->rkind == BEX__SETUP_NOTICE) {
+        uint32_t st;
+        memcpy(&st, c->rbuf + 4, 4);
+        st = ntohl(st);
+        if (st == 0 && c->phase == P_WAIT_READY) {
+            c->phase = P_UP;
+            c->rwant = 1; /* from now on the TCP connection only tells EOF */
+            c->rlen = 0;
+            bex__engine_start(c->eng);
+            return 0;
+        }
+        if (st == 0) {
+            *why = "a readiness notice before the hellos";
+            return -EPROTO;
+        }
+        /* the peer refused us or failed: say so once, it is closing anyway */
+        err = st < 4096 ? -(int)st : -EPROTO;
+        struct sockaddr_in a;
+        conn_peer_addr(c, &a);
+        char ip[INET_ADDRSTRLEN] = "?";
+        inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
+        bex__log(&ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
+                 bex_strerror(err));
+        return err;
+    }
+    switch (c->phase) {
+    case P_WAIT_OPEN: { /* listener with a secret: the client's nonce */
+        if (c->rkind == BEX__SETUP_HELLO) {
+            *why = "the peer has no shared secret (plain hello)";
+            return -EACCES;
+        }
+        if ((err = bex__auth_decode(c->rbuf, c->rlen, BEX__AUTH_OPEN, c->auth.nonce_c))) {
+            *why = "expected OPEN";
+            return err;
+        }
+        uint8_t m[BEX__AUTH_SHORT_LEN];
+        if ((err = bex__auth_nonce(c->auth.nonce_l)) || (err = conn_ends(c)))
+            return err;
+        bex__auth_encode(BEX__AUTH_CHALLENGE, c->auth.nonce_l, m);
+        conn_expect(c, P_WAIT_PROOF);
+        return conn_send(c, m, sizeof m);
+    }
+    case P_WAIT_CHALLENGE: { /* client with a secret: prove it */
+        if ((err = bex__auth_decode(c->rbuf, c->rlen, BEX__AUTH_CHALLENGE, c->auth.nonce_l))) {
+            *why = "expected CHALLENGE";
+            return err;
+        }
+        if ((err = conn_ends(c)))
+            return err;
+        uint8_t mac[BEX__AUTH_MAC_LEN], m[BEX__AUTH_SHORT_LEN];
+        bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_PROOF_C, &c->auth, NULL, NULL, mac);
+        bex__auth_encode(BEX__AUTH_PROOF, mac, m);
+        conn_expect(c, P_WAIT_HELLO);
+        return conn_send(c, m, sizeof m);
+    }
+    case P_WAIT_PROOF: { /* listener: the client proved the secret, or goes */
+        uint8_t mac[BEX__AUTH_MAC_LEN], m[BEX__AUTH_HELLO_LEN];
+        if ((err = bex__auth_decode(c->rbuf, c->rlen, BEX__AUTH_PROOF, mac))) {
+            *why = "expected PROOF";
+            return err;
+        }
+        if ((err = bex__auth_verify(ctx->auth_key, BEX__AUTH_MAC_PROOF_C, &c->auth, NULL, NULL,
+                                    mac))) {
+            *why = "wrong shared secret";
+            return err;
+        }
+        /* only now does the peer cost us a QP */
+        if ((err = engine_make(c))) {
+            *why = "local setup failed";
+            return err;
+        }
+        struct bex__hello mine;
+        c->conn_id = bex__rdma_random_u64();
+        hello_fill(c, &mine, c->conn_id);
+        bex__hello_encode(&mine, c->hello_l);
+        bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_HELLO_L, &c->auth, c->hello_l, NULL, mac);
+        bex__auth_encode_hello(c->hello_l, mac, m);
+        c->hello_first = true;
+        conn_expect(c, P_WAIT_HELLO);
+        return conn_send(c, m, sizeof m);
+    }
+    case P_WAIT_HELLO:
+        return setup_hello(c, why);
+    default:
+        *why = "unexpected setup message";
+        return -EPROTO;
+    }
 }
 
 /* Advance the setup state machine; any error fails the connection. */
 static void conn_step(struct conn *c, uint32_t events)
 {
     int err = 0;
+    const char *why = NULL;
     if (c->dead || c->fd < 0)
         return;
     if (c->phase == P_CONNECTING) {
@@ -309,15 +603,8 @@ static void conn_step(struct conn *c, uint32_t events)
             err = err ? -err : -errno;
             goto fail;
         }
-        struct bex__hello h;
-        c->conn_id = bex__rdma_random_u64();
-        hello_fill(c, &h, c->conn_id);
-        uint8_t buf[BEX__HELLO_LEN];
-        bex__hello_encode(&h, buf);
-        conn_queue(c, buf, sizeof(buf));
-        c->phase = P_WAIT_HELLO;
-        c->rwant = BEX__HELLO_LEN;
-        c->rlen = 0;
+        if ((err = setup_client_start(c)))
+            goto fail;
         if ((err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
             goto fail;
     }
@@ -339,58 +626,34 @@ static void conn_step(struct conn *c, uint32_t events)
         c->rlen += (size_t)n;
         if (c->rlen < c->rwant)
             continue;
-        if (c->phase == P_WAIT_HELLO) {
-            struct bex__hello h;
-            if ((err = bex__hello_decode(c->rbuf, c->rlen, &h)))
-                goto fail;
-            if (c->client && h.conn_id != c->conn_id) {
-                err = -EPROTO; /* not an answer to our hello */
-                goto fail;
-            }
-            if (!c->client && (err = engine_make(c)))
-                goto fail;
-            if ((err = engine_peer(c, &h)))
-                goto fail;
-            uint8_t out[BEX__HELLO_LEN + BEX__READY_LEN];
-            size_t n_out = 0;
-            if (!c->client) {
-                struct bex__hello mine;
-                hello_fill(c, &mine, h.conn_id);
-                bex__hello_encode(&mine, out);
-                n_out = BEX__HELLO_LEN;
-            }
-            /* our receives are posted and the QP is at RTS: the peer may send */
-            put_ready(out + n_out, 0);
-            conn_queue(c, out, n_out + BEX__READY_LEN);
-            if ((err = conn_flush(c)) < 0)
-                goto fail;
-            c->phase = P_WAIT_READY;
-            c->rwant = BEX__READY_LEN;
-            c->rlen = 0;
-        } else if (c->phase == P_WAIT_READY) {
-            uint32_t magic, status;
-            memcpy(&magic, c->rbuf, 4);
-            memcpy(&status, c->rbuf + 4, 4);
-            if (ntohl(magic) != BEX__READY_MAGIC) {
-                err = -EBADMSG;
-                goto fail;
-            }
-            if (status) {
-                err = -(int)(ntohl(status) & 0xffff);
-                goto fail;
-            }
-            c->phase = P_UP;
-            c->rwant = 1; /* from now on the TCP connection only tells EOF */
-            c->rlen = 0;
-            bex__engine_start(c->eng);
-        } else {
+        if (c->phase == P_UP) {
             err = -EPROTO; /* nothing may follow the ready notice */
             goto fail;
         }
+        if (!c->framed) {
+            size_t len = 0;
+            int kind = bex__setup_peek(c->rbuf, &len);
+            if (kind < 0) {
+                err = kind;
+                why = "not a bex setup message";
+                goto fail;
+            }
+            c->rkind = kind;
+            c->framed = true;
+            if (len > c->rlen) {
+                c->rwant = len; /* <= BEX__SETUP_MAX_LEN, the peek's promise */
+                continue;
+            }
+        }
+        if ((err = setup_msg(c, &why)))
+            goto fail;
     }
     return;
 fail:
-    conn_fail(c, err);
+    if (why)
+        conn_refuse(c, err, why);
+    else
+        conn_fail(c, err);
 }
 
 /* ---------------- engine upcalls (I/O thread) ---------------- */
@@ -720,8 +983,7 @@ static void do_accept(bex_ctx *ctx, struct bex_listener *l)
             continue;
         }
         c->l = l;
-        c->phase = P_WAIT_HELLO;
-        c->rwant = BEX__HELLO_LEN;
+        conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &c->tag};
         if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, fd, &ev))
             c->dead = true;
@@ -911,6 +1173,15 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         free(ctx);
         return err;
     }
+    /* keep the derived key only: the caller's buffer may go away */
+    int have = bex__secret_resolve(cfg->secret, cfg->secret_len, ctx->auth_key);
+    ctx->cfg.secret = NULL;
+    ctx->cfg.secret_len = 0;
+    if (have < 0) {
+        free(ctx);
+        return have;
+    }
+    ctx->has_secret = have > 0;
     bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
     const bex_ctx_config *c = &ctx->cfg;
     ctx->ecfg = (struct bex__engine_config){
@@ -996,6 +1267,7 @@ err_close_dev:
 err_free:
     bex__log_fini(&ctx->log);
     free(ctx->engines);
+    sodium_memzero(ctx->auth_key, sizeof ctx->auth_key);
     free(ctx);
     return err;
 }
@@ -1027,6 +1299,7 @@ void bex_ctx_destroy(bex_ctx *ctx)
     bex__rdma_dev_close(ctx->dev);
     bex__log_fini(&ctx->log);
     free(ctx->engines);
+    sodium_memzero(ctx->auth_key, sizeof ctx->auth_key);
     free(ctx);
 }
 
