@@ -440,8 +440,7 @@ static int secret_file(void)
              -EINVAL);
     static uint8_t big[BEX_SECRET_MAX + 10];
     memset(big, 'x', sizeof big);
-    CHECK_EQ(bex_secret_load(write_file("k9", big, sizeof big, 0600), buf, sizeof buf, &n),
-             -EFBIG);
+    CHECK_EQ(bex_secret_load(write_file("k9", big, sizeof big, 0600), buf, sizeof buf, &n), -EFBIG);
     p = write_file("k10", big, BEX_SECRET_MAX, 0600);
     CHECK_OK(bex_secret_load(p, buf, sizeof buf, &n));
     CHECK_EQ(n, BEX_SECRET_MAX);
