@@ -93,8 +93,9 @@ int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
 
 /* Create a context: open the device that carries cfg->local_addr, allocate a
  * PD and a bemalloc pool registered with it, start the I/O thread.
- * Returns 0, -ENODEV (no RDMA device has that address), -EINVAL, or another
- * negative errno. */
+ * Returns 0, -ENODEV (no RDMA device has that address), -EINVAL (also: a
+ * secret, or BEX_SECRET, of the wrong size), bex_secret_load's errors for
+ * BEX_SECRET_FILE, or another negative errno. */
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out);
 
 /* Stop the I/O thread and free everything. Every socket and listener of the
