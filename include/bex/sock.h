@@ -17,9 +17,20 @@
  * A received buffer (on_recv) belongs to the application, which frees it
  * with bex_mem_free() from any thread, whenever it likes.
  *
- * Every message handed to bex_sock_send() that returned 0 is reported
- * exactly once through on_send_done: delivered (status 0: the peer's engine
- * holds it and will hand it to its socket), or handed back with an error.
+ * Every message handed to bex_sock_send() or bex_sock_send_direct() that
+ * returned 0 is reported exactly once through on_send_done, and only once
+ * the NIC no longer reads its buffer. Its status says what became of it:
+ *   0            delivered: the peer's engine holds it and hands it to
+ *                its socket (unless that socket is closed by then).
+ *   -ECANCELED   not delivered, and never will be: it never left this host,
+ *                or only fragments did that the peer drops (its last work
+ *                request was never posted). Safe to send again.
+ *   -EIO         in doubt: its last work request was posted, and the
+ *                connection failed before the peer acknowledged it. It may
+ *                or may not have arrived; only the application can tell.
+ *   other        the peer refused it before any of it was written (its
+ *                negative errno: -ENOMEM, no memory for it now; -EMSGSIZE,
+ *                too large): not delivered.
  * Messages of one socket are delivered in the order they were sent. */
 #ifndef BEX_SOCK_H
 #define BEX_SOCK_H
@@ -44,7 +55,8 @@ typedef struct bex_ctx_config {
     /* The local IPv4 address to use; it chooses the RDMA device and GID
      * (RoCEv2). Required (INADDR_ANY is refused with -EINVAL). */
     struct in_addr local_addr;
-    uint32_t sq_depth;             /* send-queue depth = work-request chain length (32) */
+    uint32_t sq_depth;             /* send-queue depth = work-request chain length (32;
+                                      a power of two, 2..4096) */
     uint32_t rq_depth;             /* receive-queue depth d = initial credits (64) */
     uint32_t eager_max;            /* largest message sent by SEND (8192); larger ones
                                       use rendezvous + WRITE fragments */
@@ -99,9 +111,9 @@ int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out);
 
 /* Stop the I/O thread and free everything. Every socket and listener of the
- * context must have been closed (and their on_close reported). Must not be
- * called from a callback. */
-void bex_ctx_destroy(bex_ctx *ctx);
+ * context must have been closed (and their on_close reported). Returns 0,
+ * or -EDEADLK (nothing done) when called from a callback of this context. */
+int bex_ctx_destroy(bex_ctx *ctx);
 
 /* The context's bemalloc pool and PD. */
 bex_mem_pool *bex_ctx_pool(bex_ctx *ctx);
@@ -122,17 +134,25 @@ typedef struct bex_sock_ops {
     /* a message arrived; buf (len bytes valid) now belongs to the
      * application: free it with bex_mem_free(). len may be 0 (buf non-NULL). */
     void (*on_recv)(bex_sock *s, void *buf, size_t len, void *user);
-    /* a message given to bex_sock_send is done: status 0 when delivered to
-     * the peer, else a negative errno; buf belongs to the caller again. */
+    /* a message given to bex_sock_send is done (status: see the top of this
+     * file), or an exposed buffer comes back undelivered (-ECANCELED); buf
+     * belongs to the caller again. When NULL, bex frees each such buffer
+     * with bex_mem_free() instead (so pass buffers as bex_sock_alloc
+     * returned them). */
     void (*on_send_done)(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
                          void *user);
     /* the socket failed (engine error, keepalive timeout, peer closed):
-     * every send the engine held has been handed back via on_send_done;
-     * sends still in the hand-off queue come back right after. Close the
-     * socket with bex_sock_close(); on_close follows. */
+     * every send the engine held has been handed back via on_send_done,
+     * except those whose fragments the NIC still reads, which come back
+     * when it is done (at once when the engine failed: its QP is gone),
+     * and sends still in the hand-off queue, which come back right after
+     * (-ECANCELED); exposed buffers have come back too. Not reported once
+     * the socket is closed. Close the socket with bex_sock_close() (from
+     * here too); on_close follows. */
     void (*on_error)(bex_sock *s, int err, void *user);
-    /* after bex_sock_close(), once every message is reported: the socket is
-     * gone; s is invalid after this returns. */
+    /* after bex_sock_close(), once every message and exposed buffer is
+     * reported and the peer has answered the close (or the connection
+     * failed): the socket is gone; s is invalid after this returns. */
     void (*on_close)(bex_sock *s, void *user);
 } bex_sock_ops;
 
@@ -163,9 +183,12 @@ typedef struct bex_remote_buf {
  * peer can write a message into it directly (bex_sock_send_direct). The
  * descriptor is for the application to pass to the peer (e.g. in an RPC).
  * The buffer belongs to bex until it is delivered through on_recv (with len
- * = the exposed length), or handed back through on_send_done with -ECANCELED
- * when the socket closes first. Returns 0, -EINVAL, -ENOSPC (too many
- * exposed buffers), -EPIPE. */
+ * = the exposed length), or handed back through on_send_done (msg_user,
+ * -ECANCELED) when it can no longer be delivered: the socket failed, or was
+ * closed (then before on_close), or a write arrived after the application
+ * closed it. Returns 0, -EINVAL, -ENOSPC (too many exposed buffers), -EPIPE
+ * (the socket failed or is closing: the buffer was not taken),
+ * -ENOTCONN. */
 int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_remote_buf *out);
 
 /* Write len bytes at buf straight into the peer's exposed buffer rb: WRITE
@@ -174,12 +197,21 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
 int bex_sock_send_direct(bex_sock *s, void *buf, size_t len, const bex_remote_buf *rb,
                          void *msg_user);
 
-/* Close the socket: queued sends are still sent (then on_send_done), the
- * peer's socket is told, then on_close is reported. Idempotent. */
+/* Close the socket: queued sends are still sent (then on_send_done), also
+ * when it is still connecting; the peer's socket is told (it gets on_error
+ * -ECONNRESET and answers); then on_close is reported. Sends and exposes
+ * after this return -EPIPE. Idempotent; any thread, callbacks included. */
 void bex_sock_close(bex_sock *s);
 
+/* The user pointer last set (any thread). */
 void *bex_sock_user(const bex_sock *s);
-void bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user);
+/* Replace the socket's callbacks (ops NULL: keep them) and user pointer.
+ * From a callback (on the I/O thread, e.g. on_accept) the change is
+ * immediate. From another thread it is applied on the I/O thread in order
+ * with this thread's other calls (a later send's on_send_done sees it);
+ * callbacks running meanwhile see the old pair, never a mix. Returns 0, or
+ * -ENOMEM (nothing changed), -EINVAL. */
+int bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user);
 
 /* Listener callbacks. on_accept hands over a new socket (opened by a peer's
  * bex_sock_connect); it sets the socket's ops with bex_sock_set_user() before
@@ -189,13 +221,15 @@ typedef struct bex_listener_ops {
     void (*on_accept)(bex_listener *l, bex_sock *s, void *user);
 } bex_listener_ops;
 
-/* Listen on addr (port 0 picks one; bex_listener_addr tells which). */
+/* Listen on addr (port 0 picks one; bex_listener_addr tells which). Any
+ * thread, callbacks included. */
 int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_ops *ops,
                void *user, bex_listener **out);
 void bex_listener_addr(const bex_listener *l, struct sockaddr_in *out);
-/* Stop listening (sockets already accepted are not affected). Synchronous;
- * must not be called from a callback. */
-void bex_listener_close(bex_listener *l);
+/* Stop listening (sockets already accepted are not affected). Synchronous:
+ * returns 0 once no on_accept runs or will run; -EDEADLK (nothing done) when
+ * called from a callback of its context. */
+int bex_listener_close(bex_listener *l);
 
 /* Engine counters, for tests and benchmarks (approximate while running). */
 typedef struct bex_sock_stats {

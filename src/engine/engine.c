@@ -11,14 +11,27 @@
 
 #define DEFAULT_MAX_RNDV 256
 #define CTLQ_EXTRA       8
-#define DRAIN_TIMEOUT_MS 1000
 
-/* wr_id low 32 bits: bit 31 receive, bit 30 drain, the rest a counter/index */
+/* wr_id low 32 bits: bit 31 receive, the rest a counter/index */
 #define WR_RECV     (1u << 31)
-#define WR_DRAIN    (1u << 30)
-#define WR_CNT_MASK (WR_DRAIN - 1)
+#define WR_CNT_MASK ((1u << 30) - 1)
 
-enum { E_INIT, E_CONNECTED, E_UP, E_FAILING, E_DEAD };
+/* Send counters start this far below their wrap, so that every engine
+ * crosses 2^32 within its first few hundred work requests and a slot
+ * mapping that breaks there is caught by any test (cf. Linux' jiffies). */
+#define SEND_CNT_START (0u - 256u)
+
+/* How a message handed back ended (the contract is in bex/sock.h):
+ * UNSENT: the peer never delivers it (no final work request was posted);
+ * INDOUBT: its final work request was posted but never completed. */
+#define ST_UNSENT  (-ECANCELED)
+#define ST_INDOUBT (-EIO)
+
+/* Engine states; only the engine changes them (docs/architecture.md):
+ * INIT -> CONNECTED (bex__engine_connect) -> UP (bex__engine_start) -> DEAD
+ * (bex__engine_fail, from any state; synchronous: the QP is destroyed and
+ * everything handed back before on_fail returns). */
+enum { E_INIT, E_CONNECTED, E_UP, E_DEAD };
 
 struct sslot {
     struct ibv_send_wr wr;
@@ -43,9 +56,19 @@ struct rndv_in {
     bool used;
 };
 
+/* A request of ours. used with m == NULL: its message was handed back
+ * (stream flushed) while the answer was on its way; the answer frees it. */
 struct rndv_out {
     struct bex__msg *m;
     uint16_t gen;
+    bool used;
+};
+
+/* A destination the peer granted that we give back unwritten: a
+ * zero-length WRITE_WITH_IMM naming it frees the peer's slot. */
+struct rndv_rel {
+    uint64_t addr;
+    uint32_t rkey, imm;
 };
 
 struct bex__engine {
@@ -56,9 +79,10 @@ struct bex__engine {
     void *user;
     struct ibv_qp *qp;
     uint32_t psn;
-    int state, fail_err;
+    int state;
 
-    /* send chain: counters grow forever; slot = counter % sq */
+    /* send chain: counters grow and wrap; slot = counter & (sq - 1), sq a
+     * power of two, so the mapping stays continuous across the wrap */
     struct sslot *ss;
     uint32_t sq, head, post, tail;
     uint32_t peer_credits, to_return;
@@ -80,12 +104,15 @@ struct bex__engine {
     uint32_t ctl_cap, ctl_head, ctl_n;
 
     /* rendezvous */
-    uint32_t max_rndv;      /* our table sizes */
-    uint32_t peer_max_rndv; /* the peer's incoming table */
-    uint32_t peer_rndv_used;
+    uint32_t max_rndv;       /* our table sizes */
+    uint32_t peer_max_rndv;  /* the peer's incoming table */
+    uint32_t peer_rndv_used; /* peer slots we hold: asked, granted, not yet
+                                written or released */
     struct rndv_in *rin;
     struct rndv_out *rout;
     uint32_t rout_used;
+    struct rndv_rel *relq; /* releases waiting for a slot and a credit */
+    uint32_t rel_head, rel_n;
 
     /* streams */
     struct bex__stream *all;
@@ -98,10 +125,6 @@ struct bex__engine {
     bool peer_heard; /* a receive completed since the last tick */
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
-
-    /* failure */
-    uint64_t drain_deadline;
-    bool drain_send_seen, drain_recv_seen;
 };
 
 /* Every user is a millisecond timeout, and the I/O loop reads this on every
@@ -197,11 +220,18 @@ static uint64_t wrid(const struct bex__engine *e, uint32_t low)
 
 static void fail_now(struct bex__engine *e, int err);
 
+static struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
+{
+    return &e->ss[c & (e->sq - 1)];
+}
+
 int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
                        const struct bex__engine_ops *ops, uint32_t id, void *user,
                        struct bex__engine **out)
 {
     int err = -ENOMEM;
+    if (cfg->sq_depth == 0 || (cfg->sq_depth & (cfg->sq_depth - 1)))
+        return -EINVAL; /* the slot mapping needs a power of two */
     struct bex__engine *e = calloc(1, sizeof(*e));
     if (!e)
         return -ENOMEM;
@@ -218,6 +248,7 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     if (cfg->send_window && cfg->send_window < e->frag)
         e->frag = cfg->send_window;
     e->state = E_INIT;
+    e->head = e->post = e->tail = SEND_CNT_START;
 
     e->ss = calloc(e->sq, sizeof(*e->ss));
     e->rs = calloc(e->rq, sizeof(*e->rs));
@@ -226,7 +257,8 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     e->ctlq = calloc(e->ctl_cap, sizeof(*e->ctlq));
     e->rin = calloc(e->max_rndv, sizeof(*e->rin));
     e->rout = calloc(e->max_rndv, sizeof(*e->rout));
-    if (!e->ss || !e->rs || !e->unposted || !e->ctlq || !e->rin || !e->rout)
+    e->relq = calloc(e->max_rndv, sizeof(*e->relq));
+    if (!e->ss || !e->rs || !e->unposted || !e->ctlq || !e->rin || !e->rout || !e->relq)
         goto err_destroy;
 
     /* One registered area for every header and the keepalive word. */
@@ -262,8 +294,8 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
         .recv_cq = sh->cq,
         .srq = sh->srq,
         .pd = sh->pd,
-        .sq_depth = e->sq + 1, /* + the drain marker */
-        .rq_depth = e->rq + 1,
+        .sq_depth = e->sq,
+        .rq_depth = e->rq,
         .max_send_sge = 2,
         .max_recv_sge = 2,
     };
@@ -311,6 +343,7 @@ void bex__engine_destroy(struct bex__engine *e)
     free(e->ctlq);
     free(e->rin);
     free(e->rout);
+    free(e->relq);
     free(e);
 }
 
@@ -328,7 +361,7 @@ bool bex__engine_is_up(struct bex__engine *e)
 }
 bool bex__engine_is_dead(struct bex__engine *e)
 {
-    return e->state >= E_FAILING;
+    return e->state == E_DEAD;
 }
 
 void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out)
@@ -441,23 +474,60 @@ static void msg_done(struct bex__engine *e, struct bex__msg *m, int status)
     e->ops->on_send_done(e, m, status);
 }
 
+static void queue_release(struct bex__engine *e, uint64_t addr, uint32_t rkey, uint32_t imm)
+{
+    /* bounded: one entry per peer slot we hold, at most max_rndv */
+    assert(e->rel_n < e->max_rndv);
+    e->relq[(e->rel_head + e->rel_n) % e->max_rndv] = (struct rndv_rel){addr, rkey, imm};
+    e->rel_n++;
+}
+
+/* Is counter c in flight, [head, tail)? */
+static bool slot_live(const struct bex__engine *e, uint32_t c)
+{
+    return c - e->head < e->tail - e->head;
+}
+
+/* A message leaves its stream's queue unfinished (the peer closed the
+ * stream). Whatever it holds of the peer is given back, and the message
+ * itself only once the NIC is done with it: if fragments of it are still
+ * in flight, the slot of its last one reports it. */
+static void abandon(struct bex__engine *e, struct bex__msg *m)
+{
+    if (m->rndv_id) {
+        /* the answer is on its way: the slot stays taken until it comes,
+         * and then releases what the peer granted */
+        e->rout[m->rndv_id - 1].m = NULL;
+        m->rndv_id = 0;
+        m->peer_slot = false;
+    }
+    if (m->peer_slot) {
+        m->peer_slot = false;
+        queue_release(e, m->raddr, m->rkey, m->imm);
+    }
+    int status = m->status ? m->status : ST_UNSENT;
+    m->state = BEX__M_QUEUED;
+    if (m->off && slot_live(e, m->last_wr)) {
+        struct sslot *s = sslot_at(e, m->last_wr);
+        assert(!s->done);
+        m->status = status;
+        m->state = BEX__M_POSTED;
+        s->done = m;
+        return;
+    }
+    msg_done(e, m, status);
+}
+
 /* Hand back every message still queued on a stream. */
-static void flush_queue(struct bex__engine *e, struct bex__stream *st, int err)
+static void flush_queue(struct bex__engine *e, struct bex__stream *st)
 {
     struct bex__msg *m = st->q_head;
     st->q_head = st->q_tail = NULL;
     st->q_len = 0;
     while (m) {
         struct bex__msg *next = m->next;
-        if (m->rndv_id) {
-            e->rout[m->rndv_id - 1].m = NULL;
-            e->rout_used--;
-            m->rndv_id = 0;
-        }
-        if (m->state == BEX__M_RNDV_SENT || (m->state == BEX__M_READY && !m->direct))
-            e->peer_rndv_used--;
-        m->state = BEX__M_QUEUED;
-        msg_done(e, m, err);
+        m->next = NULL;
+        abandon(e, m);
         m = next;
     }
 }
@@ -467,10 +537,10 @@ void bex__engine_detach(struct bex__stream *st)
     struct bex__engine *e = st->eng;
     if (!e)
         return;
-    flush_queue(e, st, -ECONNRESET);
+    flush_queue(e, st);
     /* posted messages keep a pointer to their stream for accounting */
     for (uint32_t c = e->head; c != e->tail; c++) {
-        struct sslot *s = &e->ss[c % e->sq];
+        struct sslot *s = sslot_at(e, c);
         if (s->done && s->done->st == st)
             s->done->st = NULL;
         if (s->closed == st)
@@ -478,6 +548,14 @@ void bex__engine_detach(struct bex__stream *st)
     }
     unlink_stream(e, st);
     st->eng = NULL;
+}
+
+/* Both CLOSEs are through: nothing of the stream is in flight either way. */
+static void finish_stream(struct bex__engine *e, struct bex__stream *st)
+{
+    unlink_stream(e, st);
+    st->eng = NULL;
+    e->ops->on_stream_closed(e, st);
 }
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
@@ -488,11 +566,12 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
     m->off = 0;
     m->rndv_id = 0;
     m->rndv_asked = false;
+    m->peer_slot = false;
     m->status = 0;
-    if (!e || st->failed || st->close_sent || e->state >= E_FAILING) {
+    if (!e || st->failed || st->close_req || st->peer_closed || e->state == E_DEAD) {
         m->state = BEX__M_QUEUED;
         if (e)
-            e->ops->on_send_done(e, m, -EPIPE);
+            msg_done(e, m, ST_UNSENT);
         return;
     }
     m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
@@ -508,10 +587,26 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
 
 void bex__engine_close_stream(struct bex__stream *st)
 {
-    if (!st->eng)
+    if (!st->eng || st->close_req)
         return;
     st->close_req = true;
     ring_add(st->eng, st);
+}
+
+void bex__engine_peer_closed(struct bex__stream *st)
+{
+    struct bex__engine *e = st->eng;
+    if (!e || st->peer_closed)
+        return;
+    st->peer_closed = true;
+    /* The peer takes nothing more on this stream; our CLOSE answers its
+     * own and tells it we write nothing more into its buffers. */
+    flush_queue(e, st);
+    st->close_req = true;
+    if (st->close_done)
+        finish_stream(e, st);
+    else
+        ring_add(e, st);
 }
 
 /* ---------------- send side ---------------- */
@@ -538,7 +633,7 @@ static bool window_allows(struct bex__engine *e, uint32_t bytes)
 
 static struct sslot *slot_take(struct bex__engine *e)
 {
-    struct sslot *s = &e->ss[e->tail % e->sq];
+    struct sslot *s = sslot_at(e, e->tail);
     memset(&s->wr, 0, sizeof(s->wr));
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
     s->wr.sg_list = s->sge;
@@ -606,12 +701,14 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
             return false;
         }
         uint32_t i = 0;
-        while (e->rout[i].m)
+        while (e->rout[i].used)
             i++;
         e->rout[i].m = m;
+        e->rout[i].used = true;
         e->rout[i].gen = (uint16_t)((e->rout[i].gen + 1) & 0x7fff);
         e->rout_used++;
         e->peer_rndv_used++;
+        m->peer_slot = true;
         m->rndv_id = i + 1;
         m->rndv_asked = true;
         m->state = BEX__M_RNDV_SENT;
@@ -690,6 +787,7 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         account_bytes(e, s, frag);
         BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
         m->off += frag;
+        m->last_wr = e->tail - 1;
         if (!last) {
             s->wr.opcode = IBV_WR_RDMA_WRITE;
             return true;
@@ -697,8 +795,10 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
         s->wr.imm_data = htonl(m->imm);
         e->peer_credits--;
-        if (!m->direct)
+        if (m->peer_slot) {
+            m->peer_slot = false;
             e->peer_rndv_used--;
+        }
         pop_head(st);
         m->state = BEX__M_POSTED;
         s->done = m;
@@ -727,11 +827,11 @@ static void post_pending(struct bex__engine *e)
 {
     if (e->post == e->tail)
         return;
-    struct sslot *first = &e->ss[e->post % e->sq];
+    struct sslot *first = sslot_at(e, e->post);
     for (uint32_t c = e->post; c != e->tail; c++) {
-        struct sslot *s = &e->ss[c % e->sq];
+        struct sslot *s = sslot_at(e, c);
         bool last = c + 1 == e->tail;
-        s->wr.next = last ? NULL : &e->ss[(c + 1) % e->sq].wr;
+        s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
         s->wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
     }
     struct ibv_send_wr *bad;
@@ -739,10 +839,11 @@ static void post_pending(struct bex__engine *e)
     BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
     BEX__STAT_ADD(e->sh->stats, signaled, 1);
     if (rc) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_send: %s", e->id, strerror(rc));
+        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_send: %s", e->id,
+                 bex_strerror(bex__rdma_err(rc)));
         /* nothing was posted from bad on: treat the chain as lost */
         e->post = e->tail;
-        fail_now(e, -rc);
+        fail_now(e, bex__rdma_err(rc));
         return;
     }
     e->post = e->tail;
@@ -760,7 +861,9 @@ static void repost_recvs(struct bex__engine *e)
     int rc = ibv_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
     BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
     if (rc) {
-        fail_now(e, -rc);
+        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_recv: %s", e->id,
+                 bex_strerror(bex__rdma_err(rc)));
+        fail_now(e, bex__rdma_err(rc));
         return;
     }
     e->to_return += e->n_unposted;
@@ -797,6 +900,21 @@ bool bex__engine_progress(struct bex__engine *e)
         e->ctl_head = (e->ctl_head + 1) % e->ctl_cap;
         e->ctl_n--;
         prep_send(e, &h, NULL, 0, 0);
+    }
+    /* destinations given back unwritten: each frees a peer slot */
+    while (e->rel_n && free_slots(e) && have_credit(e, false)) {
+        struct rndv_rel r = e->relq[e->rel_head];
+        e->rel_head = (e->rel_head + 1) % e->max_rndv;
+        e->rel_n--;
+        struct sslot *s = slot_take(e);
+        s->wr.num_sge = 0;
+        s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        s->wr.imm_data = htonl(r.imm);
+        s->wr.wr.rdma.remote_addr = r.addr;
+        s->wr.wr.rdma.rkey = r.rkey;
+        e->peer_credits--;
+        e->peer_rndv_used--;
+        BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
     }
     /* Round-robin over streams with work, one unit each per turn. A stream
      * that can do nothing until an answer or a new message leaves the ring;
@@ -848,22 +966,25 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
     /* Completions come in posting order: everything up to cnt is done. */
     while (e->head != e->post) {
         uint32_t c = e->head;
-        struct sslot *s = &e->ss[c % e->sq];
+        struct sslot *s = sslot_at(e, c);
         e->head++;
         e->inflight -= s->bytes;
         if (s->done) {
             struct bex__msg *m = s->done;
             s->done = NULL;
-            BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
-            BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
-            msg_done(e, m, 0);
+            if (!m->status) {
+                BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
+                BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
+            }
+            /* status set: abandoned with fragments in flight, now done */
+            msg_done(e, m, m->status);
         }
         if (s->closed) {
             struct bex__stream *st = s->closed;
             s->closed = NULL;
-            unlink_stream(e, st);
-            st->eng = NULL;
-            e->ops->on_stream_closed(e, st);
+            st->close_done = true;
+            if (st->peer_closed)
+                finish_stream(e, st);
         }
         if ((c & WR_CNT_MASK) == cnt)
             break;
@@ -899,14 +1020,29 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
     }
     case BEX__MSG_RNDV_RESP: {
         uint32_t i = h->id & 0xffff;
-        if (i >= e->max_rndv || !e->rout[i].m || e->rout[i].gen != (h->id >> 16))
+        if (i >= e->max_rndv || !e->rout[i].used || e->rout[i].gen != (h->id >> 16))
             return -EPROTO;
         struct bex__msg *m = e->rout[i].m;
         e->rout[i].m = NULL;
+        e->rout[i].used = false;
         e->rout_used--;
+        if (!m) {
+            /* its message was handed back meanwhile: a granted destination
+             * goes back unwritten, a refusal frees the slot at once */
+            if (h->status)
+                e->peer_rndv_used--;
+            else
+                queue_release(e, h->addr, h->rkey, h->stream);
+            return 0;
+        }
         m->rndv_id = 0;
         if (h->status) {
-            m->status = h->status;
+            /* the peer refused it; never let a peer's number pass for one
+             * of the codes that say what happened here */
+            m->status = h->status >= -4095 && h->status != ST_UNSENT && h->status != ST_INDOUBT
+                            ? h->status
+                            : -EREMOTEIO;
+            m->peer_slot = false;
             e->peer_rndv_used--;
         } else {
             m->raddr = h->addr;
@@ -979,22 +1115,11 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     return 0;
 }
 
-static void finish_fail(struct bex__engine *e);
-
 void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
-    if (low & WR_DRAIN) {
-        if (low & WR_RECV)
-            e->drain_recv_seen = true;
-        else
-            e->drain_send_seen = true;
-        if (e->state == E_FAILING && e->drain_recv_seen && e->drain_send_seen)
-            finish_fail(e);
-        return;
-    }
-    if (e->state >= E_FAILING)
-        return; /* flushed; everything is handed back at the end */
+    if (e->state == E_DEAD)
+        return; /* queued before the QP went: everything was handed back */
     if (wc->status != IBV_WC_SUCCESS) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: work completion error: %s (vendor 0x%x)",
                  e->id, ibv_wc_status_str(wc->status), wc->vendor_err);
@@ -1005,7 +1130,8 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
     if (low & WR_RECV) {
         e->peer_heard = true;
         rc = recv_completed(e, wc, low & WR_CNT_MASK);
-        if (!rc && e->n_unposted >= e->k)
+        /* the upcalls may have failed the engine (a bad OPEN, say) */
+        if (!rc && e->state != E_DEAD && e->n_unposted >= e->k)
             repost_recvs(e);
     } else {
         send_completed(e, low & WR_CNT_MASK);
@@ -1021,11 +1147,6 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
 
 void bex__engine_tick(struct bex__engine *e, uint64_t now)
 {
-    if (e->state == E_FAILING) {
-        if (now >= e->drain_deadline)
-            finish_fail(e);
-        return;
-    }
     if (e->state != E_UP)
         return;
     uint64_t seen = __atomic_load_n(e->ka_local, __ATOMIC_ACQUIRE);
@@ -1048,31 +1169,59 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
     }
 }
 
-static void finish_fail(struct bex__engine *e)
+/* Failure is synchronous. The QP goes first: once ibv_destroy_qp returns
+ * the NIC touches none of our buffers, so everything can be handed back at
+ * once. (Moving the QP to error and waiting for flushed markers instead
+ * costs a timeout on rxe, where a receive posted to a QP in error never
+ * completes.) Completions of the QP still in the CQ are dropped. */
+static void fail_now(struct bex__engine *e, int err)
 {
-    if (e->state != E_FAILING)
+    if (e->state == E_DEAD)
         return;
     e->state = E_DEAD;
-    int err = e->fail_err;
-    /* The QP goes first: after this the NIC touches none of our buffers. */
     if (e->qp) {
-        bex__rdma_qp_destroy(e->qp);
+        int rc = bex__rdma_qp_destroy(e->qp);
+        if (rc) {
+            /* cannot happen for a QP of ours (no multicast, no MW bound to
+             * it by us); stop it at least */
+            bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_destroy_qp: %s", e->id,
+                     bex_strerror(rc));
+            bex__rdma_qp_to_err(e->qp);
+        }
         e->qp = NULL;
     }
-    /* posted messages, in order, then queued ones */
+    /* posted messages first, in order; then queued ones */
     for (uint32_t c = e->head; c != e->tail; c++) {
-        struct sslot *s = &e->ss[c % e->sq];
+        struct sslot *s = sslot_at(e, c);
+        s->closed = NULL;
         if (s->done) {
             struct bex__msg *m = s->done;
             s->done = NULL;
-            msg_done(e, m, err);
+            msg_done(e, m, m->status ? m->status : ST_INDOUBT);
         }
-        s->closed = NULL;
     }
     e->head = e->post = e->tail;
+    e->inflight = 0;
+    for (uint32_t i = 0; i < e->max_rndv; i++) {
+        e->rout[i].m = NULL;
+        e->rout[i].used = false;
+    }
+    e->rout_used = 0;
+    e->rel_n = 0;
+    e->ctl_n = 0;
     for (struct bex__stream *st = e->all; st; st = st->all_next) {
         st->failed = true;
-        flush_queue(e, st, err);
+        struct bex__msg *m = st->q_head;
+        st->q_head = st->q_tail = NULL;
+        st->q_len = 0;
+        while (m) {
+            struct bex__msg *next = m->next;
+            m->next = NULL;
+            m->rndv_id = 0;
+            m->state = BEX__M_QUEUED;
+            msg_done(e, m, m->status ? m->status : ST_UNSENT);
+            m = next;
+        }
     }
     for (uint32_t i = 0; i < e->max_rndv; i++) {
         if (e->rin[i].used) {
@@ -1086,30 +1235,6 @@ static void finish_fail(struct bex__engine *e)
         st->eng = NULL;
     }
     e->ops->on_fail(e, err);
-}
-
-static void fail_now(struct bex__engine *e, int err)
-{
-    if (e->state >= E_FAILING)
-        return;
-    e->fail_err = err;
-    e->state = E_FAILING;
-    e->drain_deadline = bex__now_ms() + DRAIN_TIMEOUT_MS;
-    e->drain_send_seen = e->drain_recv_seen = false;
-    if (!e->qp) {
-        finish_fail(e);
-        return;
-    }
-    /* Move to error and post one marker on each queue: when both come back
-     * flushed, the NIC has let go of every buffer (completions are ordered). */
-    struct ibv_send_wr swr = {
-        .wr_id = wrid(e, WR_DRAIN), .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
-    struct ibv_recv_wr rwr = {.wr_id = wrid(e, WR_DRAIN | WR_RECV)};
-    struct ibv_send_wr *sbad;
-    struct ibv_recv_wr *rbad;
-    if (bex__rdma_qp_to_err(e->qp) || ibv_post_send(e->qp, &swr, &sbad) ||
-        ibv_post_recv(e->qp, &rwr, &rbad))
-        finish_fail(e);
 }
 
 void bex__engine_fail(struct bex__engine *e, int err)

@@ -82,10 +82,14 @@ struct bex__msg {
     uint32_t imm;
     uint32_t lkey;
     uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
+    uint32_t last_wr; /* send counter of its last posted fragment (off > 0) */
     uint8_t state;
     bool direct;     /* destination given by the caller */
     bool rndv_asked; /* request already prepared */
-    int status;      /* set when failed before posting */
+    bool peer_slot;  /* holds one of the peer's rendezvous slots (counted in
+                        the engine's peer_rndv_used until written or released) */
+    int status;      /* the error it ends with, when it failed before posting
+                        (rendezvous refused) or was abandoned in flight */
 };
 
 struct bex__engine;
@@ -99,10 +103,12 @@ struct bex__stream {
     struct bex__stream *rr_next;             /* scheduler ring */
     struct bex__stream *all_prev, *all_next; /* every stream of the engine */
     bool in_ring;
-    bool open_sent; /* OPEN prepared (client side) */
-    bool need_open; /* client stream: send OPEN first */
-    bool close_req; /* application closed: send CLOSE after queue */
-    bool close_sent;
+    bool open_sent;   /* OPEN prepared (client side) */
+    bool need_open;   /* client stream: send OPEN first */
+    bool close_req;   /* send CLOSE after the queue (we or the peer closed) */
+    bool close_sent;  /* our CLOSE is posted ... */
+    bool close_done;  /* ... and completed */
+    bool peer_closed; /* the peer's CLOSE arrived */
     bool failed;
 };
 
@@ -114,16 +120,24 @@ struct bex__engine_ops {
     void (*on_msg)(struct bex__engine *e, uint32_t stream, void *buf, size_t len);
     /* the peer opened (server side) or closed a stream */
     void (*on_open)(struct bex__engine *e, uint32_t stream);
+    /* the peer's CLOSE of a stream arrived; the sock layer answers with
+     * bex__engine_peer_closed() if it knows the stream */
     void (*on_peer_close)(struct bex__engine *e, uint32_t stream);
-    /* a message is done: status 0 (the peer has it) or an error */
+    /* a message is done, and the NIC no longer touches its buffer: status 0
+     * (the peer's engine holds it), -ECANCELED (the peer never delivers
+     * it), -EIO (its final work request was posted, the engine failed
+     * before it completed), or the peer's refusal (-ENOMEM, ...) */
     void (*on_send_done)(struct bex__engine *e, struct bex__msg *m, int status);
-    /* the CLOSE of a stream has been posted and completed */
+    /* both sides' CLOSE of a stream are through (ours posted and completed,
+     * the peer's arrived): nothing of the stream is in flight either way;
+     * the engine has let go of it */
     void (*on_stream_closed)(struct bex__engine *e, struct bex__stream *st);
     /* a WRITE_WITH_IMM named an exposed buffer (imm has BEX__IMM_DIRECT):
      * deliver it; return -EPROTO if the token names nothing */
     int (*on_direct)(struct bex__engine *e, uint32_t imm);
-    /* the engine failed; after this every stream is dead and every message
-     * has been handed back. The engine may be destroyed after the call. */
+    /* the engine failed; its QP is gone, every stream is unlinked and every
+     * message has been handed back. The engine may be destroyed after the
+     * call. */
     void (*on_fail)(struct bex__engine *e, int err);
 };
 
@@ -189,17 +203,24 @@ bool bex__engine_is_dead(struct bex__engine *e);
 void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id, bool client);
 /* Queue a message (ownership passes to the engine until on_send_done). */
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m);
+/* Close a stream: its queue is sent, then CLOSE; on_stream_closed once the
+ * peer's CLOSE has arrived too. Works before the engine is up. */
 void bex__engine_close_stream(struct bex__stream *st);
-/* Forget a stream without sending anything (peer closed it, or it failed). */
+/* The peer closed the stream (its CLOSE arrived): queued messages are handed
+ * back (-ECANCELED), our CLOSE answers; on_stream_closed follows. */
+void bex__engine_peer_closed(struct bex__stream *st);
+/* Forget a stream without sending anything; queued messages come back with
+ * -ECANCELED (those with fragments in flight once these complete). */
 void bex__engine_detach(struct bex__stream *st);
 
 /* Completion of one of this engine's work requests. */
 void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);
 /* Schedule and post what can go. Returns true if anything was posted. */
 bool bex__engine_progress(struct bex__engine *e);
-/* Timer tick: keepalive, drain timeouts. now in ms (CLOCK_MONOTONIC). */
+/* Timer tick: keepalive. now in ms (CLOCK_MONOTONIC). */
 void bex__engine_tick(struct bex__engine *e, uint64_t now_ms);
-/* Fail the engine (QP to error, flush, hand everything back, on_fail). */
+/* Fail the engine, synchronously: destroy the QP, hand every message back,
+ * unlink every stream, report on_fail. No-op on a dead engine. */
 void bex__engine_fail(struct bex__engine *e, int err);
 
 /* wr_id layout shared with the I/O loop: engine id in the high 32 bits. */

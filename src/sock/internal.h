@@ -15,7 +15,7 @@
 
 /* A command handed from any thread to the I/O thread (lock-free stack,
  * reversed into FIFO order by the I/O thread). */
-enum { CMD_SEND, CMD_CONNECT, CMD_CLOSE, CMD_LISTEN, CMD_UNLISTEN, CMD_STOP };
+enum { CMD_SEND, CMD_CONNECT, CMD_CLOSE, CMD_LISTEN, CMD_UNLISTEN, CMD_STOP, CMD_SET_USER };
 
 /* What an epoll event belongs to. */
 enum { EV_CHANNEL = 1, EV_EVENTFD, EV_LISTENER, EV_CONN };
@@ -37,37 +37,59 @@ struct sock_msg {
     struct bex_sock *s;
 };
 
+/* bex_sock_set_user from a thread other than the I/O thread: applied there,
+ * in order with that thread's other commands. */
+struct set_user_cmd {
+    struct bex__cmd cmd;
+    struct bex_sock *s;
+    bex_sock_ops ops;
+    bool has_ops;
+    void *user;
+};
+
 /* Buffers exposed for direct writes, context-wide so that any thread can
  * claim one: state goes FREE -> CLAIMED (the claiming thread fills it) ->
- * ARMED (release; the I/O thread may deliver it) -> FREE. */
+ * ARMED (release; the I/O thread may deliver it) -> FREE. The state word
+ * also holds the slot's generation (bits 16-30), bumped at each claim: the
+ * compare-and-swap that takes an ARMED slot back to FREE (delivery or
+ * cancel, whichever thread does it) then cannot take a later arming. */
 enum { X_FREE, X_CLAIMED, X_ARMED };
-#define EXPOSED_MAX 1024
+#define X_KIND(v)    ((v)&0xffffu)
+#define X_GEN(v)     ((v) >> 16)
+#define X_WORD(g, k) (((uint32_t)(g) << 16) | (k))
+#define EXPOSED_MAX  1024
 struct exp_slot {
     _Atomic uint32_t state;
-    uint16_t gen;
     uint32_t eng_id;
     uint32_t len;
     void *buf, *user;
     struct bex_sock *s; /* NULL once the socket is gone */
 };
 
-enum { S_CONNECTING, S_OPEN, S_FAILED, S_CLOSING };
+/* Socket states (docs/architecture.md); the I/O thread alone writes them.
+ * Whether the application closed the socket is a separate flag, written
+ * once by bex_sock_close, so that neither can overwrite the other. */
+enum { S_CONNECTING, S_OPEN, S_FAILED };
 
 struct bex_sock {
     struct bex__cmd connect_cmd, close_cmd;
     bex_ctx *ctx;
     struct conn *conn;
     struct bex__stream st;
-    bex_sock_ops ops;
-    void *user;
+    bex_sock_ops ops;         /* I/O thread only (see bex_sock_set_user) */
+    void *user;               /* I/O thread only */
+    _Atomic(void *) user_pub; /* what bex_sock_user returns, any thread */
     struct sockaddr_in peer;
     _Atomic int state;
+    _Atomic bool closing;    /* bex_sock_close was called */
     _Atomic uint32_t eng_id; /* 0 until attached to an engine */
     uint32_t id;
     uint32_t pending; /* messages handed to bex, not yet reported */
-    bool attached;    /* st is on an engine */
+    bool attached;    /* st is on an engine (the engine lets go by
+                         on_stream_closed or on_fail) */
     bool app_closed;  /* bex_sock_close was processed */
     bool dead;        /* no more traffic: failed, peer-closed or closed */
+    bool error_told;  /* on_error (or on_connect with an error) reported */
     bool close_reported;
     struct bex_sock *map_next; /* conn's stream table */
 };

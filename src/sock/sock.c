@@ -35,7 +35,11 @@ enum {
 };
 
 static const struct bex__engine_ops engine_ops;
-static void exposed_cancel(bex_ctx *ctx, uint32_t eng_id);
+static void exposed_cancel(struct bex_sock *s);
+
+/* The context whose I/O thread this is (NULL on other threads): the calls
+ * that wait for the I/O thread must not wait for themselves. */
+static _Thread_local bex_ctx *io_ctx;
 
 static uint64_t now_us(void)
 {
@@ -96,19 +100,26 @@ static void map_del(struct conn *c, struct bex_sock *s)
     }
 }
 
+/* Hand a buffer back to the application; without an on_send_done nobody
+ * would ever free it, so bex does. */
+static void report_done(struct bex_sock *s, void *buf, size_t len, void *msg_user, int status)
+{
+    if (s->ops.on_send_done)
+        s->ops.on_send_done(s, buf, len, msg_user, status, s->user);
+    else
+        bex_mem_free(buf);
+}
+
 /* Free the socket once the application closed it, the engine let go of it
- * and every message was reported. */
+ * and every message was reported; exposed buffers not delivered come back
+ * before on_close. */
 static void maybe_finish(struct bex_sock *s)
 {
-    if (!s->app_closed || !s->dead || s->pending || s->close_reported)
+    if (!s->app_closed || s->attached || s->pending || s->close_reported)
         return;
     s->close_reported = true;
-    /* exposed buffers outlive the socket: a late write frees them */
-    for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
-        struct exp_slot *x = &s->ctx->exposed[i];
-        if (atomic_load_explicit(&x->state, memory_order_acquire) == X_ARMED && x->s == s)
-            x->s = NULL;
-    }
+    s->dead = true;
+    exposed_cancel(s);
     if (s->conn)
         map_del(s->conn, s);
     s->conn = NULL;
@@ -117,18 +128,19 @@ static void maybe_finish(struct bex_sock *s)
     free(s);
 }
 
-/* The socket can carry no more traffic: tell the application once. */
+/* The socket can carry no more traffic: tell the application once (unless
+ * it closed the socket already). The engine has let go of the stream (on_fail)
+ * or is closing it (the peer's CLOSE); either way the peer writes nothing
+ * more into its exposed buffers, which come back now. */
 static void sock_fail(struct bex_sock *s, int err, bool connecting)
 {
-    if (s->dead)
-        return;
-    if (s->attached) {
-        bex__engine_detach(&s->st);
-        s->attached = false;
+    if (!s->dead) {
+        s->dead = true;
+        atomic_store(&s->state, S_FAILED);
+        exposed_cancel(s);
     }
-    s->dead = true;
-    atomic_store(&s->state, S_FAILED);
-    if (!s->app_closed) {
+    if (!s->error_told && !s->app_closed) {
+        s->error_told = true;
         if (connecting) {
             if (s->ops.on_connect)
                 s->ops.on_connect(s, err, s->user);
@@ -196,11 +208,13 @@ static void conn_free(struct conn *c)
     free(c);
 }
 
-/* Fail a connection: every socket on it learns the error. */
-static void conn_fail(struct conn *c, int err)
+/* The connection is finished: its engine is dead or never was. Every socket
+ * on it learns the error; the engine already handed their messages back. */
+static void conn_finish(struct conn *c, int err)
 {
     if (c->dead)
         return;
+    c->dead = true;
     if (c->fd >= 0) {
         /* the TCP side has nothing more to say; level-triggered events of a
          * failed socket would otherwise come back every loop */
@@ -208,22 +222,28 @@ static void conn_fail(struct conn *c, int err)
         close(c->fd);
         c->fd = -1;
     }
-    if (c->eng && !bex__engine_is_dead(c->eng)) {
-        bex__engine_fail(c->eng, err); /* on_fail finishes the job */
-        return;
-    }
-    c->dead = true;
     bool connecting = c->phase != P_UP;
-    exposed_cancel(c->ctx, c->eng_id);
     for (int i = 0; i < CONN_MAP; i++) {
         struct bex_sock *s = c->map[i];
         while (s) {
             struct bex_sock *next = s->map_next;
-            s->attached = false; /* the engine already let go */
+            s->attached = false; /* the engine let go */
             sock_fail(s, err, connecting && atomic_load(&s->state) == S_CONNECTING);
             s = next;
         }
     }
+}
+
+/* Fail a connection. Engine failure is synchronous: its on_fail finishes
+ * the connection before this returns. */
+static void conn_fail(struct conn *c, int err)
+{
+    if (c->dead)
+        return;
+    if (c->eng && !bex__engine_is_dead(c->eng))
+        bex__engine_fail(c->eng, err); /* on_fail -> conn_finish */
+    else
+        conn_finish(c, err);
 }
 
 static int conn_want(struct conn *c, uint32_t events)
@@ -701,6 +721,8 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
     s->conn = c;
     s->id = stream;
     atomic_init(&s->state, S_OPEN);
+    atomic_init(&s->closing, false);
+    atomic_init(&s->user_pub, NULL);
     bex__engine_attach(e, &s->st, stream, false);
     s->attached = true;
     atomic_init(&s->eng_id, c->eng_id);
@@ -716,8 +738,15 @@ static void eng_on_peer_close(struct bex__engine *e, uint32_t stream)
 {
     struct conn *c = bex__engine_user(e);
     struct bex_sock *s = map_find(c, stream);
-    if (s)
-        sock_fail(s, -ECONNRESET, false);
+    if (!s)
+        return;
+    /* the engine hands back what it held first (on_error says so); the
+     * extra count keeps s alive should the stream finish meanwhile */
+    s->pending++;
+    if (s->attached)
+        bex__engine_peer_closed(&s->st);
+    s->pending--;
+    sock_fail(s, -ECONNRESET, false);
 }
 
 static void eng_on_send_done(struct bex__engine *e, struct bex__msg *m, int status)
@@ -726,8 +755,7 @@ static void eng_on_send_done(struct bex__engine *e, struct bex__msg *m, int stat
     struct sock_msg *w = (struct sock_msg *)((char *)m - offsetof(struct sock_msg, m));
     struct bex_sock *s = w->s;
     s->pending--;
-    if (s->ops.on_send_done)
-        s->ops.on_send_done(s, m->buf, m->len, m->user, status, s->user);
+    report_done(s, m->buf, m->len, m->user, status);
     free(w);
     maybe_finish(s);
 }
@@ -741,6 +769,14 @@ static void eng_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
     maybe_finish(s);
 }
 
+/* Take an armed exposed slot back (delivery or cancel); false if another
+ * thread took it first or it is no longer that arming. */
+static bool exposed_take(struct exp_slot *x, uint32_t gen)
+{
+    uint32_t want = X_WORD(gen, X_ARMED);
+    return atomic_compare_exchange_strong(&x->state, &want, X_WORD(gen, X_FREE));
+}
+
 static int eng_on_direct(struct bex__engine *e, uint32_t imm)
 {
     struct conn *c = bex__engine_user(e);
@@ -748,43 +784,44 @@ static int eng_on_direct(struct bex__engine *e, uint32_t imm)
     if (i >= EXPOSED_MAX)
         return -EPROTO;
     struct exp_slot *x = &c->ctx->exposed[i];
-    if (atomic_load_explicit(&x->state, memory_order_acquire) != X_ARMED || x->gen != gen ||
+    if (atomic_load_explicit(&x->state, memory_order_acquire) != X_WORD(gen, X_ARMED) ||
         x->eng_id != c->eng_id)
         return -EPROTO;
     struct bex_sock *s = x->s;
-    void *buf = x->buf;
+    void *buf = x->buf, *user = x->user;
     uint32_t len = x->len;
-    atomic_store_explicit(&x->state, X_FREE, memory_order_release);
+    if (!exposed_take(x, gen))
+        return 0; /* bex_sock_expose took it back in a race with a failure */
     BEX__STAT_ADD(&c->ctx->stats, bytes_recv, len);
-    if (s && !s->dead && !s->app_closed && s->ops.on_recv)
+    /* an exposed buffer is the application's until it is reported, never
+     * freed by bex behind its back */
+    if (!s->dead && !s->app_closed && s->ops.on_recv)
         s->ops.on_recv(s, buf, len, s->user);
     else
-        bex_mem_free(buf); /* its socket is gone: the application gave it up */
+        report_done(s, buf, len, user, -ECANCELED);
     return 0;
 }
 
-/* Hand back the exposed buffers of a dead engine. */
-static void exposed_cancel(bex_ctx *ctx, uint32_t eng_id)
+/* Hand back the exposed buffers of a socket that can take no more (the
+ * engine is dead, or the peer closed the stream: it writes nothing more). */
+static void exposed_cancel(struct bex_sock *s)
 {
     for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
-        struct exp_slot *x = &ctx->exposed[i];
-        if (atomic_load_explicit(&x->state, memory_order_acquire) != X_ARMED || x->eng_id != eng_id)
+        struct exp_slot *x = &s->ctx->exposed[i];
+        uint32_t v = atomic_load(&x->state);
+        if (X_KIND(v) != X_ARMED || x->s != s)
             continue;
-        struct bex_sock *s = x->s;
         void *buf = x->buf, *user = x->user;
         uint32_t len = x->len;
-        atomic_store_explicit(&x->state, X_FREE, memory_order_release);
-        if (s && s->ops.on_send_done)
-            s->ops.on_send_done(s, buf, len, user, -ECANCELED, s->user);
-        else if (!s)
-            bex_mem_free(buf);
+        if (exposed_take(x, X_GEN(v)))
+            report_done(s, buf, len, user, -ECANCELED);
     }
 }
 
 static void eng_on_fail(struct bex__engine *e, int err)
 {
     struct conn *c = bex__engine_user(e);
-    conn_fail(c, err);
+    conn_finish(c, err);
 }
 
 static const struct bex__engine_ops engine_ops = {
@@ -851,11 +888,7 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
     if (!c) {
         int err = conn_start_client(ctx, &s->peer, &c);
         if (err) {
-            s->dead = true;
-            atomic_store(&s->state, S_FAILED);
-            if (s->ops.on_connect && !s->app_closed)
-                s->ops.on_connect(s, err, s->user);
-            maybe_finish(s);
+            sock_fail(s, err, true);
             return;
         }
     }
@@ -876,15 +909,14 @@ static void do_send(bex_ctx *ctx, struct sock_msg *w)
 {
     (void)ctx;
     struct bex_sock *s = w->s;
-    s->pending++;
     if (!s->attached || s->dead) {
-        s->pending--;
-        if (s->ops.on_send_done)
-            s->ops.on_send_done(s, w->m.buf, w->m.len, w->m.user, -EPIPE, s->user);
+        /* accepted by bex_sock_send, but the socket died meanwhile */
+        report_done(s, w->m.buf, w->m.len, w->m.user, -ECANCELED);
         free(w);
         maybe_finish(s);
         return;
     }
+    s->pending++;
     bex__engine_send(&s->st, &w->m);
 }
 
@@ -893,16 +925,22 @@ static void do_close(struct bex_sock *s)
     if (s->app_closed)
         return;
     s->app_closed = true;
-    if (s->attached && !s->dead && s->conn && s->conn->eng && bex__engine_is_up(s->conn->eng)) {
-        bex__engine_close_stream(&s->st); /* on_stream_closed finishes */
-        return;
-    }
-    if (s->attached) {
-        bex__engine_detach(&s->st);
-        s->attached = false;
-    }
-    s->dead = true;
+    /* Connecting or up alike, the queue is sent, then CLOSE; the engine
+     * lets go by on_stream_closed (or on_fail). A stream the peer closed
+     * is closing already. */
+    if (s->attached && !s->dead)
+        bex__engine_close_stream(&s->st);
+    if (!s->attached)
+        s->dead = true;
     maybe_finish(s);
+}
+
+static void do_listen(bex_ctx *ctx, struct bex_listener *l)
+{
+    l->next = ctx->listeners;
+    ctx->listeners = l;
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &l->tag};
+    epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, l->fd, &ev);
 }
 
 static bool drain_cmds(bex_ctx *ctx)
@@ -939,11 +977,16 @@ static bool drain_cmds(bex_ctx *ctx)
         case CMD_LISTEN: {
             struct bex_listener *l =
                 (struct bex_listener *)((char *)c - offsetof(struct bex_listener, cmd));
-            l->next = ctx->listeners;
-            ctx->listeners = l;
-            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &l->tag};
-            epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, l->fd, &ev);
+            do_listen(ctx, l);
             sem_post(&l->done);
+            break;
+        }
+        case CMD_SET_USER: {
+            struct set_user_cmd *u = (struct set_user_cmd *)c;
+            if (u->has_ops)
+                u->s->ops = u->ops;
+            u->s->user = u->user;
+            free(u);
             break;
         }
         case CMD_UNLISTEN: {
@@ -1055,9 +1098,20 @@ static void dispatch(bex_ctx *ctx, const struct ibv_wc *wc, int n)
     }
 }
 
+/* ibv_poll_cq failed: completions may be lost, and with them the hand-back
+ * of messages; no engine of this CQ can be trusted to finish. */
+static void cq_failed(bex_ctx *ctx, int n)
+{
+    bex__log(&ctx->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; failing every engine", n);
+    for (struct conn *c = ctx->conns; c; c = c->next)
+        if (c->eng)
+            conn_fail(c, -EIO);
+}
+
 static void *io_main(void *arg)
 {
     bex_ctx *ctx = arg;
+    io_ctx = ctx;
     struct ibv_wc wc[WC_BATCH];
     struct epoll_event ev[16];
     uint64_t next_tick = 0, idle_since = 0;
@@ -1066,6 +1120,8 @@ static void *io_main(void *arg)
     while (!ctx->stopping) {
         bool did = false;
         int n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        if (n < 0)
+            cq_failed(ctx, n);
         dispatch(ctx, wc, n);
         did |= n > 0;
         did |= drain_cmds(ctx);
@@ -1107,6 +1163,8 @@ static void *io_main(void *arg)
         ibv_req_notify_cq(ctx->sh.cq, 0);
         atomic_store(&ctx->sleeping, 1);
         n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        if (n < 0)
+            cq_failed(ctx, n);
         if (n > 0 || atomic_load(&ctx->cmds)) {
             atomic_store(&ctx->sleeping, 0);
             dispatch(ctx, wc, n);
@@ -1152,9 +1210,11 @@ static int config_check(bex_ctx_config *c)
     DEF(qp_timeout, 14);
     DEF(qp_retry_cnt, 7);
     DEF(qp_rnr_retry, 7);
-    if (c->sq_depth < 2 || c->sq_depth > 4096 || c->rq_depth < 4 || c->rq_depth > 16384 ||
-        c->eager_max > (1u << 20) || c->frag_size < 256 || c->rndv_ahead > 256 ||
-        c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
+    /* sq_depth: a power of two, so that send slots map continuously when
+     * the engine's 32-bit counters wrap */
+    if (c->sq_depth < 2 || c->sq_depth > 4096 || (c->sq_depth & (c->sq_depth - 1)) ||
+        c->rq_depth < 4 || c->rq_depth > 16384 || c->eager_max > (1u << 20) || c->frag_size < 256 ||
+        c->rndv_ahead > 256 || c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
         c->log_level > BEX_LOG_DEBUG)
         return -EINVAL;
     return 0;
@@ -1272,10 +1332,12 @@ err_free:
     return err;
 }
 
-void bex_ctx_destroy(bex_ctx *ctx)
+int bex_ctx_destroy(bex_ctx *ctx)
 {
     if (!ctx)
-        return;
+        return 0;
+    if (io_ctx == ctx)
+        return -EDEADLK; /* it would join the thread it runs on */
     push_cmd(ctx, &ctx->stop_cmd, CMD_STOP);
     pthread_join(ctx->thread, NULL);
     while (ctx->conns) {
@@ -1301,6 +1363,7 @@ void bex_ctx_destroy(bex_ctx *ctx)
     free(ctx->engines);
     sodium_memzero(ctx->auth_key, sizeof ctx->auth_key);
     free(ctx);
+    return 0;
 }
 
 bex_mem_pool *bex_ctx_pool(bex_ctx *ctx)
@@ -1351,8 +1414,10 @@ int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_soc
     if (ops)
         s->ops = *ops;
     s->user = user;
+    atomic_init(&s->user_pub, user);
     s->peer = *addr;
     atomic_init(&s->state, S_CONNECTING);
+    atomic_init(&s->closing, false);
     *out = s;
     push_cmd(ctx, &s->connect_cmd, CMD_CONNECT);
     return 0;
@@ -1373,8 +1438,7 @@ static int check_buf(bex_sock *s, void *buf, size_t len)
 
 static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_remote_buf *rb)
 {
-    int st = atomic_load(&s->state);
-    if (st == S_FAILED || st == S_CLOSING)
+    if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED)
         return -EPIPE;
     int err = check_buf(s, buf, len);
     if (err)
@@ -1417,8 +1481,7 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
 {
     if (!s || !out || len == 0)
         return -EINVAL;
-    int st = atomic_load(&s->state);
-    if (st == S_FAILED || st == S_CLOSING)
+    if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED)
         return -EPIPE;
     uint32_t eng = atomic_load(&s->eng_id);
     if (!eng)
@@ -1429,10 +1492,12 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
     bex_ctx *ctx = s->ctx;
     for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
         struct exp_slot *x = &ctx->exposed[i];
-        uint32_t want = X_FREE;
-        if (!atomic_compare_exchange_strong(&x->state, &want, X_CLAIMED))
+        uint32_t v = atomic_load_explicit(&x->state, memory_order_relaxed);
+        if (X_KIND(v) != X_FREE)
             continue;
-        x->gen = (uint16_t)((x->gen + 1) & 0x7fff);
+        uint32_t gen = (X_GEN(v) + 1) & 0x7fff;
+        if (!atomic_compare_exchange_strong(&x->state, &v, X_WORD(gen, X_CLAIMED)))
+            continue;
         x->eng_id = eng;
         x->buf = buf;
         x->len = len;
@@ -1441,8 +1506,17 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
         out->addr = (uintptr_t)buf;
         out->rkey = bex_mem_mr(buf)->rkey;
         out->len = len;
-        out->token = BEX__IMM_DIRECT | ((uint32_t)x->gen << 16) | i;
-        atomic_store_explicit(&x->state, X_ARMED, memory_order_release);
+        out->token = BEX__IMM_DIRECT | (gen << 16) | i;
+        atomic_store(&x->state, X_WORD(gen, X_ARMED));
+        /* The I/O thread marks a socket failed, then cancels its armed
+         * slots (both seq_cst): either it saw this slot armed, or we see
+         * the failure here and take the slot back ourselves. */
+        if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED) {
+            uint32_t want = X_WORD(gen, X_ARMED);
+            if (atomic_compare_exchange_strong(&x->state, &want, X_WORD(gen, X_FREE)))
+                return -EPIPE;
+            /* the I/O thread took it: it is (or will be) reported */
+        }
         return 0;
     }
     return -ENOSPC;
@@ -1452,22 +1526,39 @@ void bex_sock_close(bex_sock *s)
 {
     if (!s)
         return;
-    int st = atomic_exchange(&s->state, S_CLOSING);
-    if (st == S_CLOSING)
+    /* the first call only: a second push of close_cmd while it is still
+     * queued would loop the command stack */
+    if (atomic_exchange(&s->closing, true))
         return;
     push_cmd(s->ctx, &s->close_cmd, CMD_CLOSE);
 }
 
 void *bex_sock_user(const bex_sock *s)
 {
-    return s->user;
+    return atomic_load_explicit(&((bex_sock *)s)->user_pub, memory_order_acquire);
 }
 
-void bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user)
+int bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user)
 {
+    if (!s)
+        return -EINVAL;
+    if (io_ctx == s->ctx) {
+        /* a callback (on_accept, say): callbacks run here, so at once */
+        if (ops)
+            s->ops = *ops;
+        s->user = user;
+        atomic_store_explicit(&s->user_pub, user, memory_order_release);
+        return 0;
+    }
+    struct set_user_cmd *u = malloc(sizeof(*u));
+    if (!u)
+        return -ENOMEM;
+    *u = (struct set_user_cmd){.s = s, .has_ops = ops != NULL, .user = user};
     if (ops)
-        s->ops = *ops;
-    s->user = user;
+        u->ops = *ops;
+    atomic_store_explicit(&s->user_pub, user, memory_order_release);
+    push_cmd(s->ctx, &u->cmd, CMD_SET_USER);
+    return 0;
 }
 
 int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_ops *ops,
@@ -1498,9 +1589,13 @@ int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_
         l->ops = *ops;
     l->user = user;
     sem_init(&l->done, 0, 0);
-    push_cmd(ctx, &l->cmd, CMD_LISTEN);
-    while (sem_wait(&l->done) && errno == EINTR)
-        ;
+    if (io_ctx == ctx) {
+        do_listen(ctx, l); /* from a callback: waiting for ourselves would hang */
+    } else {
+        push_cmd(ctx, &l->cmd, CMD_LISTEN);
+        while (sem_wait(&l->done) && errno == EINTR)
+            ;
+    }
     *out = l;
     return 0;
 err_close:
@@ -1515,14 +1610,17 @@ void bex_listener_addr(const bex_listener *l, struct sockaddr_in *out)
     *out = l->addr;
 }
 
-void bex_listener_close(bex_listener *l)
+int bex_listener_close(bex_listener *l)
 {
     if (!l)
-        return;
+        return 0;
+    if (io_ctx == l->ctx)
+        return -EDEADLK; /* it waits for the I/O thread */
     push_cmd(l->ctx, &l->cmd, CMD_UNLISTEN);
     while (sem_wait(&l->done) && errno == EINTR)
         ;
     close(l->fd);
     sem_destroy(&l->done);
     free(l);
+    return 0;
 }
