@@ -1102,10 +1102,15 @@ static void dispatch(bex_ctx *ctx, const struct ibv_wc *wc, int n)
  * of messages; no engine of this CQ can be trusted to finish. */
 static void cq_failed(bex_ctx *ctx, int n)
 {
-    bex__log(&ctx->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; failing every engine", n);
-    for (struct conn *c = ctx->conns; c; c = c->next)
-        if (c->eng)
+    bool any = false;
+    for (struct conn *c = ctx->conns; c; c = c->next) {
+        if (c->eng && !c->dead) {
+            any = true;
             conn_fail(c, -EIO);
+        }
+    }
+    if (any) /* once per failure, not per poll */
+        bex__log(&ctx->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
 }
 
 static void *io_main(void *arg)

@@ -362,6 +362,7 @@ static int close_one_client(struct pair *p, void *arg)
     while (atomic_load(&t->sock_ok[1]) < 40) {
         CHECK(pair_now_ms() < end);
         if (atomic_load(&t->err[1]) || atomic_load(&t->sock_err_reports[1])) {
+            pair_sleep_ms(100); /* on_error follows the hand-back */
             fprintf(stderr, "B failed (%s) when the peer closed A\n",
                     bex_strerror(atomic_load(&t->err[1])));
             exit(1);
@@ -394,12 +395,45 @@ static int close_one_client(struct pair *p, void *arg)
     return 0;
 }
 
+/* The server side of close_one: once both sockets are gone, no rendezvous
+ * buffer may still be held. A destination granted to A and never written
+ * (the message was cut off, or the answer came after the close) is given
+ * back by the client; it used to stay allocated while the engine lived. */
+static int close_one_server(struct pair *p, void *arg)
+{
+    struct srv *sv = arg;
+    sv->ctx = p->ctx;
+    bex_listener_ops lops = {.on_accept = srv_accept};
+    pair_listen(p, &lops, sv);
+    pair_wait_parent(p);
+    uint64_t end = pair_now_ms() + 5000ull * time_scale();
+    while (atomic_load(&sv->closed) < 2 && pair_now_ms() < end)
+        pair_sleep_ms(5);
+    if (atomic_load(&sv->closed) != 2) {
+        fprintf(stderr, "server: %ld of 2 sockets closed\n", atomic_load(&sv->closed));
+        return 1;
+    }
+    /* what stays is the engine's receive buffers (64 x 8 KiB) and headers;
+     * one rendezvous buffer is 1 MiB */
+    bex_mem_stats ms;
+    bex_mem_pool_stats(bex_ctx_pool(p->ctx), &ms);
+    if (ms.in_use_bytes >= (1u << 20)) {
+        fprintf(stderr, "server: %zu bytes still in use\n", ms.in_use_bytes);
+        return 1;
+    }
+    return 0;
+}
+
+/* Cases not about keepalive: no false timeout while a loaded emulated VM
+ * streams megabytes. */
+static const bex_ctx_config calm = {.keepalive_timeout_ms = 8000};
+
 static int close_one(void)
 {
     struct srv sv = {.close_tag0_after = 3};
     /* several rounds: where the close falls among A's requests varies */
     for (int round = 0; round < 3; round++) {
-        int rc = pair_run(NULL, srv_main, &sv, NULL, close_one_client, NULL, 60);
+        int rc = pair_run(&calm, close_one_server, &sv, &calm, close_one_client, NULL, 60);
         if (rc)
             return rc;
     }
@@ -479,12 +513,17 @@ static int refused_flush(void)
     pair_server_pool = failing_pool;
     int rc = 0;
     for (int round = 0; round < 3 && !rc; round++)
-        rc = pair_run(NULL, srv_main, NULL, NULL, refused_client, NULL, 60);
+        rc = pair_run(&calm, srv_main, NULL, &calm, refused_client, NULL, 60);
     pair_server_pool = NULL;
     return rc;
 }
 
 /* ---------------- the server is killed (or frozen, then killed) ---------------- */
+
+/* Keepalive writes queue behind up to 2 MiB of fragments, and the peer
+ * hears of a rendezvous only at its end: on a loaded emulated VM 1.5 s gave
+ * false timeouts while streaming. */
+#define KA_TIMEOUT 3000
 
 /* 2 sockets stream 1 MiB messages, 16 in flight each (32 on the engine);
  * the server gets sig. Every accepted send is reported exactly once, each
@@ -512,6 +551,11 @@ static int kill_client(struct pair *p, void *arg)
         pair_sleep_ms(1);
     }
     uint64_t t_err = t->t_error[0] > t->t_error[1] ? t->t_error[0] : t->t_error[1];
+    if (!t_kill) {
+        fprintf(stderr, "the engine failed (%s) before the server was killed\n",
+                bex_strerror(atomic_load(&t->err[0])));
+        exit(1);
+    }
     if (sig == SIGSTOP)
         kill(p->child, SIGKILL); /* keepalive fired: now it dies */
     /* everything was reported at on_error: on_close comes at once */
@@ -534,8 +578,8 @@ static int kill_client(struct pair *p, void *arg)
         /* the TCP connection ends at once: no 1 s wait for flush markers */
         CHECK(t_err - t_kill <= 900ull * time_scale());
     } else {
-        /* keepalive timeout (1500 ms) and no more: no 1 s drain after it */
-        CHECK(t_err - t_kill <= 2400ull * time_scale());
+        /* the keepalive timeout and no more: no 1 s drain after it */
+        CHECK(t_err - t_kill <= (KA_TIMEOUT + 500ull) * time_scale());
         CHECK_EQ(atomic_load(&t->err[0]), -ETIMEDOUT);
         CHECK_EQ(atomic_load(&t->err[1]), -ETIMEDOUT);
     }
@@ -549,7 +593,7 @@ static int kill_client(struct pair *p, void *arg)
 static int kill_stream(void)
 {
     int sig = SIGKILL;
-    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1500};
+    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = KA_TIMEOUT};
     /* it used to fail about one run in five */
     for (int round = 0; round < 6; round++) {
         int rc = pair_run(&cfg, srv_main, NULL, &cfg, kill_client, &sig, 60);
@@ -562,7 +606,7 @@ static int kill_stream(void)
 static int stop_kill_stream(void)
 {
     int sig = SIGSTOP;
-    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1500};
+    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = KA_TIMEOUT};
     for (int round = 0; round < 2; round++) {
         int rc = pair_run(&cfg, srv_main, NULL, &cfg, kill_client, &sig, 60);
         if (rc)
@@ -984,7 +1028,7 @@ static int srv_expect_wrap(struct pair *p, void *arg)
 
 static int sq_wrap(void)
 {
-    bex_ctx_config cfg = {.sq_depth = 2, .frag_size = 4096};
+    bex_ctx_config cfg = {.sq_depth = 2, .frag_size = 4096, .keepalive_timeout_ms = 8000};
     return pair_run(&cfg, srv_expect_wrap, NULL, &cfg, wrap_client, NULL, 90);
 }
 
