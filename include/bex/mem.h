@@ -115,6 +115,19 @@ typedef struct bex_mem_stats {
 /* A snapshot of the pool's counters (approximate while other threads run). */
 void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out);
 
+/* Take back into the calling thread's heap of pool every block other threads
+ * have freed into it so far, and publish the heap's counts: after this, the
+ * next bex_mem_pool_stats() counts those frees. Without it a remote free
+ * counts as in use until the allocating thread happens to need the block's
+ * run again. For a pool one thread allocates from while others free (the
+ * buffers a context receives). Cheap (no system call, the pool lock only for
+ * runs that became empty); a thread without a heap in pool does nothing. */
+void bex_mem_pool_collect(bex_mem_pool *pool);
+
+/* The registrar pool was created with (a copy): to make a sibling pool that
+ * registers its memory the same way. */
+void bex_mem_pool_registrar(const bex_mem_pool *pool, bex_mem_registrar *out);
+
 /* The process-wide default pool, the paper's Figure 3 shape:
  *   bex_mem_default_init(ctx);  void *p = bex_mem_default_alloc(n);
  *   const bex_mem_region *mr = bex_mem_mr(p);  bex_mem_free(p);

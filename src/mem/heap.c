@@ -808,3 +808,28 @@ bex_mem_pool *bex_mem_pool_of(const void *ptr)
         return NULL;
     return header_of(ptr)->pool;
 }
+
+/* The calling thread's heap of pool, or NULL: never creates one. */
+static struct bex__mem_heap *heap_find(const bex_mem_pool *pool)
+{
+    if (tl.pool_id == pool->id)
+        return tl.heap;
+    for (unsigned i = 0; i < tl.n; i++)
+        if (tl.ents[i].pool_id == pool->id)
+            return tl.ents[i].heap;
+    return NULL;
+}
+
+void bex_mem_pool_collect(bex_mem_pool *pool)
+{
+    struct bex__mem_heap *h = pool ? heap_find(pool) : NULL;
+    if (!h)
+        return;
+    /* detached runs (full small ones, medium ones) that got a remote free */
+    drain(h);
+    /* and the attached runs of every class, whose remote frees wait in xfree */
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++)
+        for (struct bex__mem_span *s = h->active[c]; s && s != &bex__mem_empty_span; s = s->next)
+            collect(h, s);
+    maybe_flush(h, true);
+}

@@ -473,6 +473,11 @@ void bex_mem_pool_stats(bex_mem_pool *pool, bex_mem_stats *out)
     out->peak_in_use_bytes = (size_t)atomic_load_explicit(&pool->peak_in_use, memory_order_relaxed);
 }
 
+void bex_mem_pool_registrar(const bex_mem_pool *pool, bex_mem_registrar *out)
+{
+    *out = pool->reg;
+}
+
 /* ---- create / destroy ---------------------------------------------------- */
 
 int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg, bex_mem_pool **out)
