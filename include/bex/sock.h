@@ -88,6 +88,26 @@ typedef struct bex_ctx_config {
      * without one. */
     const void *secret;
     size_t secret_len;
+    /* Limits: what one peer, or all of them, may make this context hold.
+     * docs/configuration.md says how each is enforced. */
+    uint32_t max_msg;           /* largest message we accept, bytes (64 MiB; at most
+                                   2 GiB - 1); told to the peer in the hello, whose own
+                                   limit bounds our sends (-EMSGSIZE) */
+    uint32_t rndv_max;          /* rendezvous requests a peer may have in flight to us
+                                   (256; 1..32767); told to the peer */
+    uint64_t rndv_bytes_max;    /* destination bytes we allocate for one peer at once
+                                   (256 MiB); further requests wait for room */
+    uint64_t recv_bytes_max;    /* received bytes the application holds (not yet
+                                   freed) over the whole context (1 GiB); above it
+                                   the engines stop returning credits; ~0 = no limit */
+    uint32_t streams_max;       /* sockets a peer may open on one connection (1024);
+                                   further OPENs are refused (the peer's socket fails) */
+    uint32_t setup_max;         /* accepted connections still in setup (64); a new one
+                                   closes the oldest of them */
+    uint32_t rndv_timeout_ms;   /* a rendezvous request of ours unanswered this long
+                                   fails the engine with -ETIMEDOUT (30000) */
+    uint32_t credit_timeout_ms; /* sends waiting this long for credits the peer does
+                                   not return fail the engine with -ETIMEDOUT (30000) */
 } bex_ctx_config;
 
 /* Bounds of a shared secret, in bytes. */
@@ -165,10 +185,13 @@ int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_soc
                      void *user, bex_sock **out);
 
 /* Send len bytes at buf (from bex_sock_alloc/bex_mem_alloc of this context's
- * pool; any pointer inside a live allocation, as long as [buf, buf+len) stays
- * inside it). Returns 0 (on_send_done will report it) or at once -EINVAL (bad
- * buffer or length), -EPIPE (socket failed or closing), -EMSGSIZE (len >
- * 2 GiB - 1). msg_user is handed back in on_send_done. */
+ * pool, or a buffer this context received; any pointer inside a live
+ * allocation, as long as [buf, buf+len) stays inside it). Returns 0
+ * (on_send_done will report it) or at once -EINVAL (bad buffer or length),
+ * -EPIPE (socket failed or closing), -EMSGSIZE (len > 2 GiB - 1, or above the
+ * peer's max_msg once the connection is up; a send queued before that and
+ * found too large is handed back through on_send_done with -EMSGSIZE).
+ * msg_user is handed back in on_send_done. */
 int bex_sock_send(bex_sock *s, void *buf, size_t len, void *msg_user);
 
 /* A peer-writable buffer, for sends that skip the rendezvous. */
@@ -245,6 +268,9 @@ typedef struct bex_sock_stats {
     uint64_t max_inflight_bytes; /* highest bytes in flight seen on an engine */
     uint64_t credit_msgs;        /* explicit credit-update messages sent */
     uint64_t engines;            /* engines currently up */
+    uint64_t recv_paused;        /* receives left unposted or rendezvous answers deferred
+                                    for the receive limits (recv_bytes_max,
+                                    rndv_bytes_max): the peers were paced */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

@@ -3,14 +3,15 @@
 #include <arpa/inet.h>
 #include <assert.h>
 #include <endian.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "engine/internal.h"
 
-#define DEFAULT_MAX_RNDV 256
-#define CTLQ_EXTRA       8
+#define CTLQ_EXTRA 8
 
 /* wr_id low 32 bits: bit 31 receive, the rest a counter/index */
 #define WR_RECV     (1u << 31)
@@ -50,8 +51,9 @@ struct rslot {
 };
 
 struct rndv_in {
-    void *buf;
+    void *buf; /* NULL while the request waits for room (deferred) */
     uint32_t len, stream;
+    uint32_t req_id; /* the sender's id, echoed in the answer */
     uint16_t gen;
     bool used;
 };
@@ -60,6 +62,7 @@ struct rndv_in {
  * (stream flushed) while the answer was on its way; the answer frees it. */
 struct rndv_out {
     struct bex__msg *m;
+    uint64_t sent_ms; /* when the request went out: its answer is due */
     uint16_t gen;
     bool used;
 };
@@ -86,22 +89,29 @@ struct bex__engine {
     struct sslot *ss;
     uint32_t sq, head, post, tail;
     uint32_t peer_credits, to_return;
-    uint32_t peer_rq;    /* credits the peer granted in its hello */
-    uint32_t inflight;   /* payload bytes posted, not completed */
-    uint32_t peer_eager; /* largest message the peer takes by SEND */
-    uint32_t frag;       /* effective fragment size */
+    uint32_t peer_rq;      /* credits the peer granted in its hello */
+    uint32_t inflight;     /* payload bytes posted, not completed */
+    uint32_t peer_eager;   /* largest message the peer takes by SEND */
+    uint32_t peer_max_msg; /* largest message the peer accepts at all */
+    uint32_t frag;         /* effective fragment size */
+    uint64_t credit_wait;  /* since when sends wait for a credit (0: none wait) */
 
     /* receive side */
     struct rslot *rs;
     uint32_t rq, k;
     uint32_t *unposted; /* consumed receive slots awaiting repost */
     uint32_t n_unposted;
+    uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
+                          (the context's received bytes are at their limit) */
+    uint32_t n_starved;
     uint8_t *hdr_area; /* (sq + rq) headers + keepalive words, registered */
     uint32_t hdr_lkey;
 
-    /* control messages waiting for a slot (RNDV_RESP) */
+    /* control messages waiting for a slot (RNDV_RESP, refusing CLOSE) */
     struct bex__hdr *ctlq;
     uint32_t ctl_cap, ctl_head, ctl_n;
+    uint32_t ctl_errs;     /* of which: RNDV_RESP with an error (no slot held) */
+    uint32_t ctl_refusals; /* of which: CLOSE refusing an OPEN */
 
     /* rendezvous */
     uint32_t max_rndv;       /* our table sizes */
@@ -113,6 +123,10 @@ struct bex__engine {
     uint32_t rout_used;
     struct rndv_rel *relq; /* releases waiting for a slot and a credit */
     uint32_t rel_head, rel_n;
+    uint32_t rin_used;  /* slots held: answered or deferred */
+    uint64_t rin_bytes; /* destination bytes allocated, not yet delivered */
+    uint32_t *rin_wait; /* deferred requests' slots, oldest first (a ring) */
+    uint32_t wait_head, wait_n;
 
     /* streams */
     struct bex__stream *all;
@@ -125,6 +139,7 @@ struct bex__engine {
     bool peer_heard; /* a receive completed since the last tick */
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
+    bool violation_logged; /* the peer's fault is logged: no second line */
 };
 
 /* Every user is a millisecond timeout, and the I/O loop reads this on every
@@ -225,6 +240,102 @@ static struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
     return &e->ss[c & (e->sq - 1)];
 }
 
+/* ---------------- received memory ----------------
+ *
+ * Received buffers (eager receives and rendezvous destinations) come from
+ * the context's recv_pool, which only the I/O thread allocates from. What
+ * the context holds of it = recv_in_use - recv_posted: messages handed to
+ * the application and not yet freed, plus destinations being written. The
+ * engine allocates no more of it while that is at recv_max: a consumed
+ * receive then stays unposted (its credit is not returned: the peer is
+ * paced), a rendezvous request waits for its answer.
+ *
+ * The application frees received buffers from any thread (bex_mem_free), so
+ * the count is kept this way: every allocation adds its usable size at once,
+ * frees are learnt from an exact count (collect the I/O thread's heap, read
+ * the pool's stats), taken only when the estimate says "full", at most once
+ * per clock tick. The estimate is never below the truth, and every decision
+ * to hold back is made on a count that was exact a moment before. */
+
+static void recv_refresh(struct bex__engine_shared *sh)
+{
+    uint64_t now = bex__now_ms();
+    if (sh->recv_refreshed == now)
+        return;
+    sh->recv_refreshed = now;
+    bex_mem_pool_collect(sh->recv_pool);
+    bex_mem_stats st;
+    bex_mem_pool_stats(sh->recv_pool, &st);
+    sh->recv_in_use = (int64_t)st.in_use_bytes;
+}
+
+/* May want more bytes be received? With nothing held, one message of any
+ * size may: a limit below max_msg slows, it never stops, a connection. */
+static bool recv_room(struct bex__engine *e, uint64_t want)
+{
+    struct bex__engine_shared *sh = e->sh;
+    if (!sh->recv_max)
+        return true;
+    for (int pass = 0;; pass++) {
+        int64_t held = sh->recv_in_use - sh->recv_posted;
+        if (held <= 0 || (uint64_t)held + want <= sh->recv_max)
+            return true;
+        if (pass)
+            return false;
+        recv_refresh(sh);
+    }
+}
+
+static void *recv_alloc(struct bex__engine *e, size_t len)
+{
+    void *b = bex_mem_alloc(e->sh->recv_pool, len);
+    if (b)
+        e->sh->recv_in_use += (int64_t)bex_mem_usable_size(b);
+    return b;
+}
+
+/* A received buffer that never reached the application goes back. */
+static void recv_free(struct bex__engine *e, void *b)
+{
+    if (!b)
+        return;
+    e->sh->recv_in_use -= (int64_t)bex_mem_usable_size(b);
+    bex_mem_free(b);
+}
+
+static void slot_set_buf(struct bex__engine *e, struct rslot *r, void *buf)
+{
+    r->buf = buf;
+    r->sge[1] = (struct ibv_sge){(uintptr_t)buf, e->cfg.eager_max, bex_mem_mr(buf)->lkey};
+    e->sh->recv_posted += (int64_t)bex_mem_usable_size(buf);
+}
+
+/* The slot's buffer goes up to the application (or back to the pool). */
+static void *slot_take_buf(struct bex__engine *e, struct rslot *r)
+{
+    void *buf = r->buf;
+    r->buf = NULL;
+    if (buf)
+        e->sh->recv_posted -= (int64_t)bex_mem_usable_size(buf);
+    return buf;
+}
+
+/* The peer broke the protocol: say how, once (the engine fails after). */
+__attribute__((format(printf, 2, 3))) static int violation(struct bex__engine *e, const char *fmt,
+                                                           ...)
+{
+    char msg[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (!e->violation_logged)
+        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: protocol violation by the peer: %s", e->id,
+                 msg);
+    e->violation_logged = true;
+    return -EPROTO;
+}
+
 int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
                        const struct bex__engine_ops *ops, uint32_t id, void *user,
                        struct bex__engine **out)
@@ -243,7 +354,7 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     e->sq = cfg->sq_depth;
     e->rq = cfg->rq_depth;
     e->k = e->rq / 2;
-    e->max_rndv = DEFAULT_MAX_RNDV;
+    e->max_rndv = cfg->rndv_max;
     e->frag = cfg->frag_size;
     if (cfg->send_window && cfg->send_window < e->frag)
         e->frag = cfg->send_window;
@@ -253,12 +364,17 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     e->ss = calloc(e->sq, sizeof(*e->ss));
     e->rs = calloc(e->rq, sizeof(*e->rs));
     e->unposted = calloc(e->rq, sizeof(*e->unposted));
-    e->ctl_cap = e->max_rndv + CTLQ_EXTRA;
+    e->starved = calloc(e->rq, sizeof(*e->starved));
+    /* one answer per rendezvous slot, one refusal per receive (see
+     * bex__engine_refuse_stream) */
+    e->ctl_cap = e->max_rndv + e->rq + CTLQ_EXTRA;
     e->ctlq = calloc(e->ctl_cap, sizeof(*e->ctlq));
     e->rin = calloc(e->max_rndv, sizeof(*e->rin));
     e->rout = calloc(e->max_rndv, sizeof(*e->rout));
     e->relq = calloc(e->max_rndv, sizeof(*e->relq));
-    if (!e->ss || !e->rs || !e->unposted || !e->ctlq || !e->rin || !e->rout || !e->relq)
+    e->rin_wait = calloc(e->max_rndv, sizeof(*e->rin_wait));
+    if (!e->ss || !e->rs || !e->unposted || !e->starved || !e->ctlq || !e->rin || !e->rout ||
+        !e->relq || !e->rin_wait)
         goto err_destroy;
 
     /* One registered area for every header and the keepalive word. */
@@ -277,13 +393,13 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     for (uint32_t i = 0; i < e->rq; i++) {
         struct rslot *r = &e->rs[i];
         r->hdr = e->hdr_area + (size_t)(e->sq + i) * BEX__HDR_LEN;
-        r->buf = bex_mem_alloc(sh->pool, cfg->eager_max);
-        if (!r->buf) {
+        void *buf = recv_alloc(e, cfg->eager_max);
+        if (!buf) {
             err = errno ? -errno : -ENOMEM;
             goto err_destroy;
         }
+        slot_set_buf(e, r, buf);
         r->sge[0] = (struct ibv_sge){(uintptr_t)r->hdr, BEX__HDR_LEN, e->hdr_lkey};
-        r->sge[1] = (struct ibv_sge){(uintptr_t)r->buf, cfg->eager_max, bex_mem_mr(r->buf)->lkey};
         r->wr.wr_id = wrid(e, WR_RECV | i);
         r->wr.sg_list = r->sge;
         r->wr.num_sge = 2;
@@ -332,14 +448,16 @@ void bex__engine_destroy(struct bex__engine *e)
     if (e->qp)
         bex__rdma_qp_destroy(e->qp);
     for (uint32_t i = 0; e->rs && i < e->rq; i++)
-        bex_mem_free(e->rs[i].buf);
+        recv_free(e, slot_take_buf(e, &e->rs[i]));
     for (uint32_t i = 0; e->rin && i < e->max_rndv; i++)
         if (e->rin[i].used)
-            bex_mem_free(e->rin[i].buf);
+            recv_free(e, e->rin[i].buf);
     bex_mem_free(e->hdr_area);
     free(e->ss);
     free(e->rs);
     free(e->unposted);
+    free(e->starved);
+    free(e->rin_wait);
     free(e->ctlq);
     free(e->rin);
     free(e->rout);
@@ -371,15 +489,29 @@ void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out)
     out->rq_depth = e->rq;
     out->max_rndv = e->max_rndv;
     out->eager_max = e->cfg.eager_max;
+    out->max_msg = e->cfg.max_msg;
     out->ka_addr = (uintptr_t)e->ka_local;
     out->ka_rkey = bex_mem_mr(e->hdr_area)->rkey;
+}
+
+int bex__engine_check_peer(const struct bex__engine_peer *p)
+{
+    return p->rq_depth < BEX__ENGINE_MIN_DEPTH ? -EPROTO : 0;
+}
+
+uint32_t bex__engine_peer_max_msg(struct bex__engine *e)
+{
+    return e->peer_max_msg;
 }
 
 int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
 {
     if (e->state != E_INIT)
         return -EINVAL;
-    int err = bex__rdma_qp_to_rtr(e->qp, e->sh->dev, &e->sh->path, &p->rdma, &e->sh->conn);
+    int err = bex__engine_check_peer(p);
+    if (err)
+        return err;
+    err = bex__rdma_qp_to_rtr(e->qp, e->sh->dev, &e->sh->path, &p->rdma, &e->sh->conn);
     if (!err)
         err = bex__rdma_qp_to_rts(e->qp, e->sh->dev, e->psn, &p->rdma, &e->sh->conn);
     if (err)
@@ -388,6 +520,7 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
     e->peer_rq = p->rq_depth;
     e->peer_max_rndv = p->max_rndv < e->max_rndv ? p->max_rndv : e->max_rndv;
     e->peer_eager = p->eager_max;
+    e->peer_max_msg = p->max_msg;
     e->peer_ka_addr = p->ka_addr;
     e->peer_ka_rkey = p->ka_rkey;
     e->state = E_CONNECTED;
@@ -688,8 +821,12 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
 {
     uint32_t ahead = 0;
     for (struct bex__msg *m = st->q_head; m && ahead < e->cfg.rndv_ahead; m = m->next, ahead++) {
-        if (m->direct || m->len <= e->peer_eager || m->rndv_asked)
+        if (m->direct || m->len <= e->peer_eager || m->rndv_asked || m->status)
             continue;
+        if (m->len > e->peer_max_msg) {
+            m->status = -EMSGSIZE; /* the peer said it takes none so large */
+            continue;
+        }
         if (e->peer_rndv_used >= e->peer_max_rndv || e->rout_used >= e->max_rndv ||
             !free_slots(e)) {
             *blocked = true;
@@ -705,6 +842,7 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
             i++;
         e->rout[i].m = m;
         e->rout[i].used = true;
+        e->rout[i].sent_ms = bex__now_ms();
         e->rout[i].gen = (uint16_t)((e->rout[i].gen + 1) & 0x7fff);
         e->rout_used++;
         e->peer_rndv_used++;
@@ -742,6 +880,8 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         return true;
     }
     struct bex__msg *m = st->q_head;
+    if (m && !m->direct && !m->status && m->len > e->peer_max_msg)
+        m->status = -EMSGSIZE; /* the peer said it takes none so large */
     if (m && m->status) {
         /* failed before posting (rendezvous refused): hand back in order */
         pop_head(st);
@@ -899,6 +1039,10 @@ bool bex__engine_progress(struct bex__engine *e)
         struct bex__hdr h = e->ctlq[e->ctl_head];
         e->ctl_head = (e->ctl_head + 1) % e->ctl_cap;
         e->ctl_n--;
+        if (h.type == BEX__MSG_RNDV_RESP && h.status)
+            e->ctl_errs--;
+        else if (h.type == BEX__MSG_CLOSE)
+            e->ctl_refusals--;
         prep_send(e, &h, NULL, 0, 0);
     }
     /* destinations given back unwritten: each frees a peer slot */
@@ -953,12 +1097,109 @@ bool bex__engine_progress(struct bex__engine *e)
 
 /* ---------------- completions ---------------- */
 
-static void queue_ctl(struct bex__engine *e, const struct bex__hdr *h)
+static int queue_ctl(struct bex__engine *e, const struct bex__hdr *h)
 {
-    /* bounded: at most one answer per rendezvous slot */
-    assert(e->ctl_n < e->ctl_cap);
+    /* Bounded by what a peer that keeps the limits can cause (one answer per
+     * rendezvous slot, one refusal per receive); past that the peer sends
+     * requests without letting us answer them. */
+    if (e->ctl_n >= e->ctl_cap)
+        return violation(e, "%u control messages wait for credits it does not return", e->ctl_n);
     e->ctlq[(e->ctl_head + e->ctl_n) % e->ctl_cap] = *h;
     e->ctl_n++;
+    if (h->type == BEX__MSG_RNDV_RESP && h->status)
+        e->ctl_errs++;
+    else if (h->type == BEX__MSG_CLOSE)
+        e->ctl_refusals++;
+    return 0;
+}
+
+int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
+{
+    /* A peer sends at most rq OPENs before it needs our credits back, and
+     * answers go out as our credits allow: more waiting refusals than that
+     * means it keeps opening without returning credits. */
+    if (e->ctl_refusals >= e->rq)
+        return violation(e, "it opens sockets faster than it lets us refuse them");
+    struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = id};
+    return queue_ctl(e, &h);
+}
+
+/* ---------------- rendezvous, receiver side ---------------- */
+
+/* A request fits when the peer's destinations stay within rndv_bytes_max
+ * and the context may receive that much more (one fits whatever its size
+ * when none is allocated: a limit below max_msg slows, never stops). */
+static bool rndv_fits(struct bex__engine *e, uint32_t len)
+{
+    if (e->rin_bytes && e->rin_bytes + len > e->cfg.rndv_bytes_max)
+        return false;
+    return recv_room(e, len);
+}
+
+/* Allocate the destination of request slot i and queue the answer. */
+static int rndv_answer(struct bex__engine *e, uint32_t i)
+{
+    struct rndv_in *in = &e->rin[i];
+    struct bex__hdr r = {.type = BEX__MSG_RNDV_RESP, .id = in->req_id};
+    void *buf = recv_alloc(e, in->len);
+    if (!buf) {
+        r.status = -ENOMEM; /* the sender hands this message back, and goes on */
+        in->used = false;
+        e->rin_used--;
+    } else {
+        in->buf = buf;
+        e->rin_bytes += in->len;
+        r.addr = (uintptr_t)buf;
+        r.rkey = bex_mem_mr(buf)->rkey;
+        r.stream = ((uint32_t)in->gen << 16) | i;
+    }
+    return queue_ctl(e, &r);
+}
+
+/* Answer deferred requests, oldest first, while they fit. */
+static int rndv_resume(struct bex__engine *e)
+{
+    while (e->wait_n) {
+        uint32_t i = e->rin_wait[e->wait_head];
+        if (!rndv_fits(e, e->rin[i].len))
+            return 0;
+        e->wait_head = (e->wait_head + 1) % e->max_rndv;
+        e->wait_n--;
+        int rc = rndv_answer(e, i);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+static int rndv_request(struct bex__engine *e, const struct bex__hdr *h)
+{
+    if (h->len == 0 || h->len > e->cfg.max_msg)
+        return violation(e, "a rendezvous request of %u bytes (max_msg %u)", h->len,
+                         e->cfg.max_msg);
+    /* An error answer holds no slot, but the sender counts the request until
+     * it reads the answer: count it until it is posted. */
+    if (e->rin_used + e->ctl_errs >= e->max_rndv)
+        return violation(e, "more than %u rendezvous requests in flight", e->max_rndv);
+    uint32_t i = 0;
+    while (e->rin[i].used) /* rin_used < max_rndv: a free slot exists */
+        i++;
+    struct rndv_in *in = &e->rin[i];
+    in->used = true;
+    in->buf = NULL;
+    in->gen = (uint16_t)((in->gen + 1) & 0x7fff);
+    in->len = h->len;
+    in->stream = h->stream;
+    in->req_id = h->id;
+    e->rin_used++;
+    /* in order: a request never overtakes one deferred before it */
+    if (e->wait_n || !rndv_fits(e, h->len)) {
+        e->rin_wait[(e->wait_head + e->wait_n) % e->max_rndv] = i;
+        e->wait_n++;
+        BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
+        return 0;
+    }
+    return rndv_answer(e, i);
 }
 
 static void send_completed(struct bex__engine *e, uint32_t cnt)
@@ -994,30 +1235,8 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
 static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
 {
     switch (h->type) {
-    case BEX__MSG_RNDV_REQ: {
-        uint32_t i = 0;
-        while (i < e->max_rndv && e->rin[i].used)
-            i++;
-        if (i == e->max_rndv || h->len == 0)
-            return -EPROTO; /* the peer ignored our limit */
-        struct bex__hdr r = {.type = BEX__MSG_RNDV_RESP, .id = h->id};
-        void *buf = h->len > INT32_MAX ? NULL : bex_mem_alloc(e->sh->pool, h->len);
-        if (!buf) {
-            r.status = h->len > INT32_MAX ? -EMSGSIZE : -ENOMEM;
-        } else {
-            struct rndv_in *in = &e->rin[i];
-            in->used = true;
-            in->gen = (uint16_t)((in->gen + 1) & 0x7fff);
-            in->buf = buf;
-            in->len = h->len;
-            in->stream = h->stream;
-            r.addr = (uintptr_t)buf;
-            r.rkey = bex_mem_mr(buf)->rkey;
-            r.stream = ((uint32_t)in->gen << 16) | i;
-        }
-        queue_ctl(e, &r);
-        return 0;
-    }
+    case BEX__MSG_RNDV_REQ:
+        return rndv_request(e, h);
     case BEX__MSG_RNDV_RESP: {
         uint32_t i = h->id & 0xffff;
         if (i >= e->max_rndv || !e->rout[i].used || e->rout[i].gen != (h->id >> 16))
@@ -1066,26 +1285,63 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
     return -EPROTO;
 }
 
+/* Give consumed slot idx a fresh buffer and queue it for reposting, or,
+ * when the context may not receive more (or memory is short), leave it
+ * starved: its credit stays with us until refill_starved() succeeds. */
+static void slot_refill(struct bex__engine *e, uint32_t idx)
+{
+    void *fresh = NULL;
+    if (e->n_starved == 0 && recv_room(e, e->cfg.eager_max))
+        fresh = recv_alloc(e, e->cfg.eager_max);
+    if (!fresh) {
+        e->starved[e->n_starved++] = idx;
+        BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
+        return;
+    }
+    slot_set_buf(e, &e->rs[idx], fresh);
+    e->unposted[e->n_unposted++] = idx;
+}
+
+static void refill_starved(struct bex__engine *e)
+{
+    uint32_t done = 0;
+    while (done < e->n_starved && recv_room(e, e->cfg.eager_max)) {
+        void *fresh = recv_alloc(e, e->cfg.eager_max);
+        if (!fresh)
+            break;
+        uint32_t idx = e->starved[done++];
+        slot_set_buf(e, &e->rs[idx], fresh);
+        e->unposted[e->n_unposted++] = idx;
+    }
+    e->n_starved -= done;
+    memmove(e->starved, e->starved + done, e->n_starved * sizeof(*e->starved));
+}
+
 static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
 {
-    if (idx >= e->rq)
-        return -EPROTO;
+    if (idx >= e->rq || !e->rs[idx].buf)
+        return -EPROTO; /* not a receive of ours, or one not posted */
     struct rslot *r = &e->rs[idx];
-    e->unposted[e->n_unposted++] = idx;
     if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        e->unposted[e->n_unposted++] = idx; /* its buffer was not used */
         uint32_t imm = ntohl(wc->imm_data);
         uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
         if (imm & BEX__IMM_DIRECT) {
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             return e->ops->on_direct(e, imm);
         } else {
-            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen)
+            /* a deferred request (no buffer yet) was never answered */
+            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen || !e->rin[i].buf)
                 return -EPROTO;
             struct rndv_in *in = &e->rin[i];
             in->used = false;
+            e->rin_used--;
+            e->rin_bytes -= in->len;
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
             e->ops->on_msg(e, in->stream, in->buf, in->len);
+            if (e->state == E_UP)
+                return rndv_resume(e); /* the peer's budget has room again */
         }
         return 0;
     }
@@ -1097,18 +1353,17 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     e->peer_credits += h.credits;
     if (e->peer_credits > e->peer_rq)
         return -EPROTO; /* more credits back than the peer ever granted */
-    if (h.type != BEX__MSG_DATA)
+    if (h.credits)
+        e->credit_wait = 0;
+    if (h.type != BEX__MSG_DATA) {
+        e->unposted[e->n_unposted++] = idx; /* its buffer was not used */
         return handle_ctl(e, &h);
-    if (h.len > e->cfg.eager_max)
+    }
+    if (h.len > e->cfg.eager_max || h.len > e->cfg.max_msg)
         return -EPROTO;
     /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
-    void *buf = r->buf;
-    void *fresh = bex_mem_alloc(e->sh->pool, e->cfg.eager_max);
-    if (!fresh)
-        return -ENOMEM;
-    r->buf = fresh;
-    r->sge[1].addr = (uintptr_t)fresh;
-    r->sge[1].lkey = bex_mem_mr(fresh)->lkey;
+    void *buf = slot_take_buf(e, r);
+    slot_refill(e, idx);
     BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
     BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
     e->ops->on_msg(e, h.stream, buf, h.len);
@@ -1137,13 +1392,47 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         send_completed(e, low & WR_CNT_MASK);
     }
     if (rc) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: %s from peer", e->id,
-                 rc == -EPROTO ? "protocol violation" : strerror(-rc));
+        if (!e->violation_logged)
+            bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: %s from peer", e->id,
+                     rc == -EPROTO ? "protocol violation" : strerror(-rc));
+        e->violation_logged = true;
         bex__engine_fail(e, rc);
     }
 }
 
 /* ---------------- keepalive and failure ---------------- */
+
+/* A live peer that stops answering: keepalive goes on, but our rendezvous
+ * requests or the credits our sends wait for never come. Fail the engine
+ * with -ETIMEDOUT rather than hold those sends forever. */
+static bool stalled(struct bex__engine *e, uint64_t now)
+{
+    if (e->cfg.rndv_timeout_ms && e->rout_used) {
+        for (uint32_t i = 0; i < e->max_rndv; i++) {
+            if (e->rout[i].used && now - e->rout[i].sent_ms > e->cfg.rndv_timeout_ms) {
+                bex__log(e->sh->log, BEX_LOG_ERROR,
+                         "engine %u: a rendezvous request got no answer in %u ms", e->id,
+                         e->cfg.rndv_timeout_ms);
+                bex__engine_fail(e, -ETIMEDOUT);
+                return true;
+            }
+        }
+    }
+    if (!have_credit(e, false) && (e->ring || e->ctl_n)) {
+        if (!e->credit_wait) {
+            e->credit_wait = now;
+        } else if (e->cfg.credit_timeout_ms && now - e->credit_wait > e->cfg.credit_timeout_ms) {
+            bex__log(e->sh->log, BEX_LOG_ERROR,
+                     "engine %u: sends waited %u ms for credits the peer never returned", e->id,
+                     e->cfg.credit_timeout_ms);
+            bex__engine_fail(e, -ETIMEDOUT);
+            return true;
+        }
+    } else {
+        e->credit_wait = 0;
+    }
+    return false;
+}
 
 void bex__engine_tick(struct bex__engine *e, uint64_t now)
 {
@@ -1159,6 +1448,22 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
         bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: keepalive timeout (%u ms)", e->id,
                  e->cfg.keepalive_timeout_ms);
         bex__engine_fail(e, -ETIMEDOUT);
+        return;
+    }
+    if (stalled(e, now))
+        return;
+    /* received memory the application freed lets starved receives and
+     * deferred rendezvous answers go on */
+    if (e->n_starved) {
+        refill_starved(e);
+        if (e->n_unposted >= e->k || (e->n_starved == 0 && e->n_unposted))
+            repost_recvs(e);
+        if (e->state != E_UP)
+            return;
+    }
+    int rc = rndv_resume(e);
+    if (rc) {
+        bex__engine_fail(e, rc);
         return;
     }
     if (now >= e->ka_next_ms) {
@@ -1208,7 +1513,7 @@ static void fail_now(struct bex__engine *e, int err)
     }
     e->rout_used = 0;
     e->rel_n = 0;
-    e->ctl_n = 0;
+    e->ctl_n = e->ctl_errs = e->ctl_refusals = 0;
     for (struct bex__stream *st = e->all; st; st = st->all_next) {
         st->failed = true;
         struct bex__msg *m = st->q_head;
@@ -1226,9 +1531,13 @@ static void fail_now(struct bex__engine *e, int err)
     for (uint32_t i = 0; i < e->max_rndv; i++) {
         if (e->rin[i].used) {
             e->rin[i].used = false;
-            bex_mem_free(e->rin[i].buf);
+            recv_free(e, e->rin[i].buf);
+            e->rin[i].buf = NULL;
         }
     }
+    e->rin_used = 0;
+    e->rin_bytes = 0;
+    e->wait_n = 0;
     while (e->all) {
         struct bex__stream *st = e->all;
         unlink_stream(e, st);

@@ -144,18 +144,29 @@ struct bex__engine_ops {
 struct bex__engine_config {
     uint32_t sq_depth, rq_depth, eager_max, frag_size, send_window, rndv_ahead;
     uint32_t keepalive_ms, keepalive_timeout_ms;
+    /* limits (bex_ctx_config has their meaning and defaults) */
+    uint32_t max_msg;           /* largest message we accept (advertised) */
+    uint32_t rndv_max;          /* rendezvous a peer may have in flight (advertised) */
+    uint64_t rndv_bytes_max;    /* destination bytes allocated for one peer at once */
+    uint32_t rndv_timeout_ms;   /* a rendezvous request of ours unanswered this long */
+    uint32_t credit_timeout_ms; /* sends waiting for credit this long, none coming */
 };
+
+/* The smallest recv_depth a peer may grant: ordinary SENDs keep the last
+ * credit for a CREDIT message, and credit messages cannot answer each other
+ * forever only when k = depth / 2 >= 2 (docs/protocol.md). */
+#define BEX__ENGINE_MIN_DEPTH 4
 
 /* What an engine tells its peer in the hello (the rest the rdma module
  * fills). */
 struct bex__engine_local {
-    uint32_t qpn, psn, rq_depth, max_rndv, eager_max;
+    uint32_t qpn, psn, rq_depth, max_rndv, eager_max, max_msg;
     uint64_t ka_addr;
     uint32_t ka_rkey;
 };
 struct bex__engine_peer {
     struct bex__rdma_peer rdma; /* QPN, PSN, GID, MTU, READ depth */
-    uint32_t rq_depth, max_rndv, eager_max;
+    uint32_t rq_depth, max_rndv, eager_max, max_msg;
     uint64_t ka_addr;
     uint32_t ka_rkey;
 };
@@ -171,6 +182,14 @@ struct bex__engine_shared {
     bex_mem_pool *pool;
     struct bex__stats *stats;
     struct bex__log *log; /* the context's logger */
+    /* Received buffers (eager receives and rendezvous destinations) come from
+     * recv_pool, which only the I/O thread allocates from, and are bounded
+     * per context: see recv_room() in engine.c. */
+    bex_mem_pool *recv_pool;
+    uint64_t recv_max;       /* received-but-not-freed bytes allowed; 0 = no limit */
+    int64_t recv_in_use;     /* recv_pool bytes in use: an estimate, never below the truth */
+    int64_t recv_posted;     /* of which: receive buffers posted, nothing received in them */
+    uint64_t recv_refreshed; /* bex__now_ms() of the last exact count */
 };
 
 /* Counters written by the I/O thread only, read by anyone: relaxed atomics,
@@ -178,7 +197,7 @@ struct bex__engine_shared {
 struct bex__stats {
     _Atomic uint64_t msgs_sent, msgs_recv, bytes_sent, bytes_recv, sends_posted, writes_posted,
         post_send_calls, post_recv_calls, signaled, credit_stalls, window_stalls,
-        max_inflight_bytes, credit_msgs, engines, rnr_naks;
+        max_inflight_bytes, credit_msgs, engines, rnr_naks, recv_paused;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \
@@ -199,6 +218,16 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *pe
 void bex__engine_start(struct bex__engine *e);
 bool bex__engine_is_up(struct bex__engine *e);
 bool bex__engine_is_dead(struct bex__engine *e);
+/* Whether a peer's hello describes an engine we can work with (a
+ * recv_depth that leaves credit for data): 0 or -EPROTO. */
+int bex__engine_check_peer(const struct bex__engine_peer *peer);
+/* The largest message the peer accepts (its hello's max_msg; 0 before
+ * bex__engine_connect). */
+uint32_t bex__engine_peer_max_msg(struct bex__engine *e);
+/* Answer a peer's OPEN of stream id with a CLOSE, creating nothing (the
+ * socket limit of the connection is reached). Returns 0, or -EPROTO when the
+ * peer opens faster than the refusals can go out (then fail the engine). */
+int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id);
 
 void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id, bool client);
 /* Queue a message (ownership passes to the engine until on_send_done). */

@@ -81,8 +81,9 @@ struct bex_sock {
     _Atomic(void *) user_pub; /* what bex_sock_user returns, any thread */
     struct sockaddr_in peer;
     _Atomic int state;
-    _Atomic bool closing;    /* bex_sock_close was called */
-    _Atomic uint32_t eng_id; /* 0 until attached to an engine */
+    _Atomic bool closing;     /* bex_sock_close was called */
+    _Atomic uint32_t eng_id;  /* 0 until attached to an engine */
+    _Atomic uint32_t max_msg; /* the peer's max_msg once its engine is up, else 0 */
     uint32_t id;
     uint32_t pending; /* messages handed to bex, not yet reported */
     bool attached;    /* st is on an engine (the engine lets go by
@@ -104,6 +105,12 @@ struct bex_listener {
     struct sockaddr_in addr;
     sem_t done;
     struct bex_listener *next;
+    /* accept ran out of descriptors (EMFILE, ENFILE, ...): the listener is
+     * out of epoll until paused_until, so its level-triggered readiness
+     * does not spin the I/O thread */
+    bool paused;
+    uint64_t paused_until;
+    uint32_t backoff_ms;
 };
 
 #define CONN_MAP 64
@@ -128,7 +135,10 @@ struct conn {
     uint8_t hello_l[BEX__HELLO_LEN];  /* listener with a secret: the hello it MACed */
     uint64_t deadline;
     uint64_t conn_id;
-    bool dead; /* failed: destroy at the next safe point */
+    bool dead;             /* failed: destroy at the next safe point */
+    bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
+    bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
+    uint32_t cqe_reserved; /* CQ entries held for the engine */
     struct bex_listener *l;
     struct bex_sock *map[CONN_MAP];
     uint32_t nsocks;
@@ -157,6 +167,9 @@ struct bex_ctx {
     struct conn **engines; /* by engine id % ENGINE_TABLE */
     uint32_t next_engine_id;
     uint32_t cqe_used, cqe_cap;
+    uint32_t n_setup; /* accepted connections in setup (setup_max) */
+    uint64_t n_setup_evictions;
+    bool own_recv_pool;
     bool stopping;
     struct bex__cmd stop_cmd;
     struct exp_slot exposed[EXPOSED_MAX];

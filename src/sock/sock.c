@@ -159,11 +159,20 @@ static struct conn *engine_conn(bex_ctx *ctx, uint32_t id)
     return c && c->eng_id == id ? c : NULL;
 }
 
+/* An accepted connection leaves the setup table (bex_ctx_config.setup_max):
+ * its hello finished, or it failed. */
+static void setup_end(struct conn *c)
+{
+    if (c->in_setup) {
+        c->in_setup = false;
+        c->ctx->n_setup--;
+    }
+}
+
+/* A connection holds nothing but its descriptor and this struct until its
+ * engine is made (engine_make): CQ entries are reserved then. */
 static int conn_new(bex_ctx *ctx, int fd, bool client, struct conn **out)
 {
-    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
-    if (ctx->cqe_used + need > ctx->cqe_cap)
-        return -ENOSPC; /* the shared CQ could overflow */
     struct conn *c = calloc(1, sizeof(*c));
     if (!c)
         return -ENOMEM;
@@ -179,7 +188,6 @@ static int conn_new(bex_ctx *ctx, int fd, bool client, struct conn **out)
     c->next_stream = 1;
     c->deadline = bex__now_ms() + ctx->cfg.connect_timeout_ms;
     ctx->engines[id % ENGINE_TABLE] = c;
-    ctx->cqe_used += need;
     c->next = ctx->conns;
     ctx->conns = c;
     *out = c;
@@ -196,7 +204,8 @@ static void conn_free(struct conn *c)
         }
     }
     ctx->engines[c->eng_id % ENGINE_TABLE] = NULL;
-    ctx->cqe_used -= ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
+    ctx->cqe_used -= c->cqe_reserved;
+    setup_end(c);
     if (c->fd >= 0) {
         epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, c->fd, NULL);
         close(c->fd);
@@ -214,6 +223,7 @@ static void conn_finish(struct conn *c, int err)
 {
     if (c->dead)
         return;
+    setup_end(c); /* its place in the setup table is free at once */
     c->dead = true;
     if (c->fd >= 0) {
         /* the TCP side has nothing more to say; level-triggered events of a
@@ -255,9 +265,20 @@ static int conn_want(struct conn *c, uint32_t events)
 static int engine_make(struct conn *c)
 {
     bex_ctx *ctx = c->ctx;
+    /* every completion the engine can have outstanding must fit the shared CQ */
+    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
+    if (ctx->cqe_used + need > ctx->cqe_cap) {
+        bex__log(&ctx->log, BEX_LOG_WARN,
+                 "no room for another engine: %u of %u completion queue entries in use",
+                 ctx->cqe_used, ctx->cqe_cap);
+        return -ENOSPC;
+    }
     int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &engine_ops, c->eng_id, c, &c->eng);
-    if (!err)
+    if (!err) {
+        ctx->cqe_used += need;
+        c->cqe_reserved = need;
         BEX__STAT_ADD(&ctx->stats, engines, 1);
+    }
     return err;
 }
 
@@ -274,7 +295,7 @@ static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
     h->rd_atomic = bex__rdma_dest_rd_atomic(ctx->dev, &ctx->sh.conn);
     h->recv_depth = (uint16_t)l.rq_depth;
     h->sq_depth = (uint16_t)ctx->ecfg.sq_depth;
-    h->max_msg = BEX__HELLO_MAX_MSG;
+    h->max_msg = l.max_msg;
     h->frag_size = ctx->ecfg.frag_size;
     h->conn_id = conn_id;
     h->eager_max = l.eager_max;
@@ -283,20 +304,21 @@ static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
     h->ka_rkey = l.ka_rkey;
 }
 
-static int engine_peer(struct conn *c, const struct bex__hello *h)
+static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
 {
     if (h->flags & BEX__HELLO_F_NO_RDMA)
         return -EPROTONOSUPPORT;
-    struct bex__engine_peer p = {
+    *p = (struct bex__engine_peer){
         .rdma = {.qpn = h->qpn, .psn = h->psn, .active_mtu = h->mtu, .rd_atomic = h->rd_atomic},
         .rq_depth = h->recv_depth,
         .max_rndv = h->max_rndv,
         .eager_max = h->eager_max,
+        .max_msg = h->max_msg,
         .ka_addr = h->ka_addr,
         .ka_rkey = h->ka_rkey,
     };
-    memcpy(p.rdma.gid.raw, h->gid, 16);
-    return bex__engine_connect(c->eng, &p);
+    memcpy(p->rdma.gid.raw, h->gid, 16);
+    return bex__engine_check_peer(p);
 }
 
 static void put_ready(uint8_t *p, uint32_t status)
@@ -479,14 +501,17 @@ static int setup_hello(struct conn *c, const char **why)
         *why = "the hello's GID is not the TCP peer's address";
         return -EPROTO;
     }
+    struct bex__engine_peer peer; /* a hello we cannot work with costs no engine */
+    if ((err = peer_of_hello(&h, &peer))) {
+        *why = err == -EPROTONOSUPPORT ? "the peer has no RDMA device"
+                                       : "the hello grants too few receive credits to work";
+        return err;
+    }
     *why = "local setup failed";
     if (!c->eng && (err = engine_make(c)))
         return err;
-    if ((err = engine_peer(c, &h))) {
-        if (err == -EPROTONOSUPPORT)
-            *why = "the peer has no RDMA device";
+    if ((err = bex__engine_connect(c->eng, &peer)))
         return err;
-    }
     uint8_t out[BEX__AUTH_HELLO_LEN + BEX__READY_LEN];
     size_t n = 0;
     if (!c->hello_first) {
@@ -525,6 +550,7 @@ static int setup_msg(struct conn *c, const char **why)
         st = ntohl(st);
         if (st == 0 && c->phase == P_WAIT_READY) {
             c->phase = P_UP;
+            setup_end(c);
             c->rwant = 1; /* from now on the TCP connection only tells EOF */
             c->rlen = 0;
             bex__engine_start(c->eng);
@@ -683,6 +709,7 @@ static void eng_on_up(struct bex__engine *e)
     struct conn *c = bex__engine_user(e);
     for (int i = 0; i < CONN_MAP; i++) {
         for (struct bex_sock *s = c->map[i]; s; s = s->map_next) {
+            atomic_store(&s->max_msg, bex__engine_peer_max_msg(e));
             int st = S_CONNECTING;
             if (atomic_compare_exchange_strong(&s->state, &st, S_OPEN) && !s->app_closed &&
                 s->ops.on_connect)
@@ -712,6 +739,18 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
         conn_fail(c, -EPROTO);
         return;
     }
+    if (c->nsocks >= c->ctx->cfg.streams_max) {
+        /* the peer's socket fails; nothing is allocated for it here */
+        if (!c->refusal_logged)
+            bex__log(&c->ctx->log, BEX_LOG_WARN,
+                     "engine %u: the peer opens more than %u sockets on one connection; "
+                     "refusing them (logged once per connection)",
+                     c->eng_id, c->ctx->cfg.streams_max);
+        c->refusal_logged = true;
+        if (bex__engine_refuse_stream(e, stream))
+            conn_fail(c, -EPROTO);
+        return;
+    }
     s = calloc(1, sizeof(*s));
     if (!s) {
         conn_fail(c, -ENOMEM);
@@ -723,6 +762,7 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
     atomic_init(&s->state, S_OPEN);
     atomic_init(&s->closing, false);
     atomic_init(&s->user_pub, NULL);
+    atomic_init(&s->max_msg, bex__engine_peer_max_msg(e));
     bex__engine_attach(e, &s->st, stream, false);
     s->attached = true;
     atomic_init(&s->eng_id, c->eng_id);
@@ -899,6 +939,7 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
     s->attached = true;
     atomic_store(&s->eng_id, c->eng_id);
     if (bex__engine_is_up(c->eng)) {
+        atomic_store(&s->max_msg, bex__engine_peer_max_msg(c->eng));
         atomic_store(&s->state, S_OPEN);
         if (s->ops.on_connect && !s->app_closed)
             s->ops.on_connect(s, 0, s->user);
@@ -1012,19 +1053,74 @@ static bool drain_cmds(bex_ctx *ctx)
     return true;
 }
 
+/* Close the accepted connection that has been in setup longest. Returns
+ * whether there was one. */
+static bool setup_evict_oldest(bex_ctx *ctx)
+{
+    struct conn *old = NULL;
+    for (struct conn *c = ctx->conns; c; c = c->next) /* newest first */
+        if (c->in_setup && (!old || c->deadline <= old->deadline))
+            old = c;
+    if (!old)
+        return false;
+    conn_fail(old, -ECONNABORTED);
+    return true;
+}
+
+/* accept4 failed for want of descriptors or memory: the backlog stays
+ * readable, and a level-triggered listener would wake the I/O thread at
+ * once, forever. Leave epoll for a while (doubling up to 500 ms); tick()
+ * brings the listener back. */
+static void listener_pause(bex_ctx *ctx, struct bex_listener *l, int err)
+{
+    if (!l->backoff_ms)
+        bex__log(&ctx->log, BEX_LOG_WARN, "listener on port %u: accept: %s; retrying with backoff",
+                 ntohs(l->addr.sin_port), strerror(err));
+    l->backoff_ms = l->backoff_ms ? (l->backoff_ms * 2 > 500 ? 500 : l->backoff_ms * 2) : 20;
+    epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, l->fd, NULL);
+    l->paused = true;
+    l->paused_until = bex__now_ms() + l->backoff_ms;
+}
+
 static void do_accept(bex_ctx *ctx, struct bex_listener *l)
 {
+    bool evicted = false;
     for (;;) {
         int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0)
+        if (fd < 0) {
+            int err = errno;
+            if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM)
+                return; /* EAGAIN: the backlog is empty; or an aborted connection */
+            /* a descriptor held by a connection that never finished its
+             * hello is the one to give up first */
+            if (!evicted && setup_evict_oldest(ctx)) {
+                evicted = true;
+                continue;
+            }
+            listener_pause(ctx, l, err);
             return;
+        }
+        l->backoff_ms = 0;
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        /* Setup costs no CQ entries or QP, but it is bounded: an idle or
+         * slow connection gives its place to the newcomer, so connections
+         * held open without a hello cannot lock out the ones that talk. */
+        if (ctx->n_setup >= ctx->cfg.setup_max) {
+            if (ctx->n_setup_evictions++ == 0)
+                bex__log(&ctx->log, BEX_LOG_WARN,
+                         "%u connections in setup: closing the oldest for each new one "
+                         "(logged once)",
+                         ctx->n_setup);
+            setup_evict_oldest(ctx);
+        }
         struct conn *c;
         if (conn_new(ctx, fd, false, &c)) {
             close(fd);
             continue;
         }
+        c->in_setup = true;
+        ctx->n_setup++;
         c->l = l;
         conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &c->tag};
@@ -1048,6 +1144,14 @@ static void reap(bex_ctx *ctx)
 
 static void tick(bex_ctx *ctx, uint64_t now)
 {
+    for (struct bex_listener *l = ctx->listeners; l; l = l->next) {
+        if (l->paused && now >= l->paused_until) {
+            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &l->tag};
+            l->paused = false;
+            if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, l->fd, &ev))
+                listener_pause(ctx, l, errno);
+        }
+    }
     for (struct conn *c = ctx->conns; c; c = c->next) {
         if (c->dead)
             continue;
@@ -1215,12 +1319,21 @@ static int config_check(bex_ctx_config *c)
     DEF(qp_timeout, 14);
     DEF(qp_retry_cnt, 7);
     DEF(qp_rnr_retry, 7);
+    DEF(max_msg, 64u << 20);
+    DEF(rndv_max, 256);
+    DEF(rndv_bytes_max, (uint64_t)256 << 20);
+    DEF(recv_bytes_max, (uint64_t)1 << 30);
+    DEF(streams_max, 1024);
+    DEF(setup_max, 64);
+    DEF(rndv_timeout_ms, 30000);
+    DEF(credit_timeout_ms, 30000);
     /* sq_depth: a power of two, so that send slots map continuously when
      * the engine's 32-bit counters wrap */
     if (c->sq_depth < 2 || c->sq_depth > 4096 || (c->sq_depth & (c->sq_depth - 1)) ||
-        c->rq_depth < 4 || c->rq_depth > 16384 || c->eager_max > (1u << 20) || c->frag_size < 256 ||
-        c->rndv_ahead > 256 || c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
-        c->log_level > BEX_LOG_DEBUG)
+        c->rq_depth < BEX__ENGINE_MIN_DEPTH || c->rq_depth > 16384 || c->eager_max > (1u << 20) ||
+        c->frag_size < 256 || c->rndv_ahead > 256 ||
+        c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
+        c->log_level > BEX_LOG_DEBUG || c->max_msg > INT32_MAX || c->rndv_max > 32767)
         return -EINVAL;
     return 0;
 }
@@ -1258,6 +1371,11 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         .rndv_ahead = c->rndv_ahead,
         .keepalive_ms = c->keepalive_ms,
         .keepalive_timeout_ms = c->keepalive_timeout_ms,
+        .max_msg = c->max_msg,
+        .rndv_max = c->rndv_max,
+        .rndv_bytes_max = c->rndv_bytes_max,
+        .rndv_timeout_ms = c->rndv_timeout_ms,
+        .credit_timeout_ms = c->credit_timeout_ms,
     };
     ctx->engines = calloc(ENGINE_TABLE, sizeof(*ctx->engines));
     if (!ctx->engines) {
@@ -1286,8 +1404,16 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
             goto err_close_dev;
         ctx->own_pool = true;
     }
-    if ((err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
+    /* Received buffers have a pool of their own, registered like the main
+     * one: only the I/O thread allocates from it, so its in-use count is what
+     * the context holds of received data (recv_bytes_max). */
+    bex_mem_registrar rreg;
+    bex_mem_pool_registrar(ctx->sh.pool, &rreg);
+    if ((err = bex_mem_pool_create(&rreg, NULL, &ctx->sh.recv_pool)))
         goto err_pool;
+    ctx->sh.recv_max = c->recv_bytes_max;
+    if ((err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
+        goto err_recv_pool;
     int cqe = ctx->dev->attr.max_cqe < 16384 ? ctx->dev->attr.max_cqe : 16384;
     if ((err = bex__rdma_cq_create(ctx->dev, cqe, ctx->ch, &ctx->sh.cq)))
         goto err_channel;
@@ -1324,6 +1450,8 @@ err_cq:
     bex__rdma_cq_destroy(ctx->sh.cq);
 err_channel:
     bex__rdma_channel_destroy(ctx->ch);
+err_recv_pool:
+    bex_mem_pool_destroy(ctx->sh.recv_pool);
 err_pool:
     if (ctx->own_pool)
         bex_mem_pool_destroy(ctx->sh.pool);
@@ -1363,6 +1491,8 @@ int bex_ctx_destroy(bex_ctx *ctx)
     bex__rdma_channel_destroy(ctx->ch);
     if (ctx->own_pool && bex_mem_pool_destroy(ctx->sh.pool))
         bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while buffers of its pool are live");
+    if (bex_mem_pool_destroy(ctx->sh.recv_pool))
+        bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while received buffers are live");
     bex__rdma_dev_close(ctx->dev);
     bex__log_fini(&ctx->log);
     free(ctx->engines);
@@ -1404,6 +1534,7 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
     LD(max_inflight_bytes);
     LD(credit_msgs);
     LD(engines);
+    LD(recv_paused);
 #undef LD
 }
 
@@ -1435,7 +1566,9 @@ static int check_buf(bex_sock *s, void *buf, size_t len)
     if (!buf)
         return -EINVAL;
     const bex_mem_region *r = bex_mem_mr(buf);
-    if (!r || bex_mem_pool_of(buf) != s->ctx->sh.pool || (uintptr_t)buf < (uintptr_t)r->addr ||
+    bex_mem_pool *pool = bex_mem_pool_of(buf);
+    if (!r || (pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool) ||
+        (uintptr_t)buf < (uintptr_t)r->addr ||
         (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
         return -EINVAL;
     return 0;
@@ -1450,6 +1583,11 @@ static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_
         return err;
     if (rb && (rb->len != len || !(rb->token & BEX__IMM_DIRECT) || len == 0))
         return -EINVAL;
+    /* the peer's limit, once known (sends queued before are checked by the
+     * engine); a direct write goes to a buffer the peer sized itself */
+    uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
+    if (!rb && peer_max && len > peer_max)
+        return -EMSGSIZE;
     /* malloc, not calloc (nor malloc + memset, which compilers turn into
      * calloc): glibc's calloc skips the per-thread cache and takes the
      * arena lock, some 300 instructions more per message */
