@@ -257,16 +257,27 @@ static struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
  * per clock tick. The estimate is never below the truth, and every decision
  * to hold back is made on a count that was exact a moment before. */
 
+/* Where rendezvous destinations come from: received memory too. */
+static bex_mem_pool *rndv_pool(struct bex__engine_shared *sh)
+{
+    return sh->recv_pool;
+}
+
 static void recv_refresh(struct bex__engine_shared *sh)
 {
     uint64_t now = bex__now_ms();
     if (sh->recv_refreshed == now)
         return;
     sh->recv_refreshed = now;
-    bex_mem_pool_collect(sh->recv_pool);
     bex_mem_stats st;
+    bex_mem_pool_collect(sh->recv_pool);
     bex_mem_pool_stats(sh->recv_pool, &st);
     sh->recv_in_use = (int64_t)st.in_use_bytes;
+    if (rndv_pool(sh) != sh->recv_pool) {
+        bex_mem_pool_collect(rndv_pool(sh));
+        bex_mem_pool_stats(rndv_pool(sh), &st);
+        sh->recv_in_use += (int64_t)st.in_use_bytes;
+    }
 }
 
 /* May want more bytes be received? With nothing held, one message of any
@@ -286,9 +297,9 @@ static bool recv_room(struct bex__engine *e, uint64_t want)
     }
 }
 
-static void *recv_alloc(struct bex__engine *e, size_t len)
+static void *recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len)
 {
-    void *b = bex_mem_alloc(e->sh->recv_pool, len);
+    void *b = bex_mem_alloc(pool, len);
     if (b)
         e->sh->recv_in_use += (int64_t)bex_mem_usable_size(b);
     return b;
@@ -393,7 +404,7 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     for (uint32_t i = 0; i < e->rq; i++) {
         struct rslot *r = &e->rs[i];
         r->hdr = e->hdr_area + (size_t)(e->sq + i) * BEX__HDR_LEN;
-        void *buf = recv_alloc(e, cfg->eager_max);
+        void *buf = recv_alloc(e, sh->recv_pool, cfg->eager_max);
         if (!buf) {
             err = errno ? -errno : -ENOMEM;
             goto err_destroy;
@@ -1141,7 +1152,7 @@ static int rndv_answer(struct bex__engine *e, uint32_t i)
 {
     struct rndv_in *in = &e->rin[i];
     struct bex__hdr r = {.type = BEX__MSG_RNDV_RESP, .id = in->req_id};
-    void *buf = recv_alloc(e, in->len);
+    void *buf = recv_alloc(e, rndv_pool(e->sh), in->len);
     if (!buf) {
         r.status = -ENOMEM; /* the sender hands this message back, and goes on */
         in->used = false;
@@ -1292,7 +1303,7 @@ static void slot_refill(struct bex__engine *e, uint32_t idx)
 {
     void *fresh = NULL;
     if (e->n_starved == 0 && recv_room(e, e->cfg.eager_max))
-        fresh = recv_alloc(e, e->cfg.eager_max);
+        fresh = recv_alloc(e, e->sh->recv_pool, e->cfg.eager_max);
     if (!fresh) {
         e->starved[e->n_starved++] = idx;
         BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
@@ -1306,7 +1317,7 @@ static void refill_starved(struct bex__engine *e)
 {
     uint32_t done = 0;
     while (done < e->n_starved && recv_room(e, e->cfg.eager_max)) {
-        void *fresh = recv_alloc(e, e->cfg.eager_max);
+        void *fresh = recv_alloc(e, e->sh->recv_pool, e->cfg.eager_max);
         if (!fresh)
             break;
         uint32_t idx = e->starved[done++];
