@@ -29,6 +29,11 @@ static int run(const bex_ctx_config *scfg, pair_fn sfn, void *sarg, const bex_ct
     s.log_fn = c.log_fn = tagged_log;
     s.log_arg = (void *)"server";
     c.log_arg = (void *)"client";
+    /* connection setup is slow under sanitizers too (pair.h scales keepalive) */
+    if (!s.connect_timeout_ms)
+        s.connect_timeout_ms = 3000 * time_scale();
+    if (!c.connect_timeout_ms)
+        c.connect_timeout_ms = 3000 * time_scale();
     return pair_run(&s, sfn, sarg, &c, cfn, carg, timeout_s);
 }
 
@@ -321,7 +326,9 @@ static int emfile_server(struct pair *p, void *arg)
             (unsigned long long)wall);
     for (int i = 0; i < nfill; i++)
         close(fill[i]);
-    int rc = cpu_us > 200000 ? 1 : 0; /* a spinning thread burns about 2 s */
+    /* a spinning I/O thread burns the whole 2 s; an idle one, ticking every
+     * 10 ms, a few ms (some 250 ms under TSan) */
+    int rc = cpu_us > (long)wall * 1000 / 3 ? 1 : 0;
     pair_wait_parent(p);
     CHECK(atomic_load(&e.accepted) == 1);
     return rc;
@@ -397,11 +404,14 @@ static int maxmsg_client(struct pair *p, void *arg)
 {
     (void)arg;
     struct cli *c = cli_new();
+    /* sent right after the connect, before the hello (a TCP round trip and
+     * QP set-up away): the limit is not known yet */
+    void *m1 = make_msg(p->ctx, 1, 5000), *m2 = make_msg(p->ctx, 2, (1u << 20) + 1),
+         *m3 = make_msg(p->ctx, 3, 1u << 20);
     CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[0]));
-    /* queued before the hello: the limit is not known yet */
-    CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 1, 5000), 5000, NULL));
-    CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 2, (1u << 20) + 1), (1u << 20) + 1, NULL));
-    CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, 3, 1u << 20), 1u << 20, NULL));
+    CHECK_OK(bex_sock_send(c->socks[0], m1, 5000, NULL));
+    CHECK_OK(bex_sock_send(c->socks[0], m2, (1u << 20) + 1, NULL));
+    CHECK_OK(bex_sock_send(c->socks[0], m3, 1u << 20, NULL));
     CLI_WAIT(c, connected, 1, 10000);
     CHECK_EQ(c->conn_status[0], 0);
     CLI_WAIT(c, done, 3, 20000);
@@ -673,7 +683,7 @@ static int rl_server(struct pair *p, void *arg)
      * thread other than the I/O thread: the frees are remote) */
     while (!r.recvd)
         pair_sleep_ms(5);
-    pair_sleep_ms(3000);
+    pair_sleep_ms(3000 * time_scale());
     pthread_mutex_lock(&r.mu);
     int held_then = r.recvd;
     r.release = true;
