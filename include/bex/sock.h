@@ -137,6 +137,11 @@ int bex_ctx_destroy(bex_ctx *ctx);
 
 /* The context's bemalloc pool and PD. */
 bex_mem_pool *bex_ctx_pool(bex_ctx *ctx);
+/* The pool received buffers come from (eager receives and rendezvous
+ * destinations; only the I/O thread allocates from it): its in-use bytes are
+ * what the context holds of received data, bounded by recv_bytes_max. Its
+ * buffers may be sent like those of bex_ctx_pool. */
+bex_mem_pool *bex_ctx_recv_pool(bex_ctx *ctx);
 struct ibv_pd *bex_ctx_pd(bex_ctx *ctx);
 
 /* Allocate a buffer that can be passed to bex_sock_send (bex_mem_alloc on

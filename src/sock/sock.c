@@ -1506,6 +1506,11 @@ bex_mem_pool *bex_ctx_pool(bex_ctx *ctx)
     return ctx->sh.pool;
 }
 
+bex_mem_pool *bex_ctx_recv_pool(bex_ctx *ctx)
+{
+    return ctx->sh.recv_pool;
+}
+
 struct ibv_pd *bex_ctx_pd(bex_ctx *ctx)
 {
     return ctx->dev->pd;

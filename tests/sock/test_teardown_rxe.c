@@ -414,9 +414,12 @@ static int close_one_server(struct pair *p, void *arg)
         return 1;
     }
     /* what stays is the engine's receive buffers (64 x 8 KiB) and headers;
-     * one rendezvous buffer is 1 MiB */
-    bex_mem_stats ms;
+     * one rendezvous buffer is 1 MiB (received buffers have a pool of
+     * their own) */
+    bex_mem_stats ms, rs;
     bex_mem_pool_stats(bex_ctx_pool(p->ctx), &ms);
+    bex_mem_pool_stats(bex_ctx_recv_pool(p->ctx), &rs);
+    ms.in_use_bytes += rs.in_use_bytes;
     if (ms.in_use_bytes >= (1u << 20)) {
         fprintf(stderr, "server: %zu bytes still in use\n", ms.in_use_bytes);
         return 1;
