@@ -30,7 +30,8 @@ struct ibv_context;
 
 /* A registered region as bemalloc reports it. For a pointer p returned by
  * bex_mem_alloc(), [p, p + bex_mem_usable_size(p)) lies inside
- * [addr, addr + length). */
+ * [addr, addr + length). In a landing pool the region is exactly the
+ * payload pages of p's chunk (or huge mapping), nothing else. */
 typedef struct bex_mem_region {
     void *addr;    /* start of the registered region */
     size_t length; /* its length in bytes */
@@ -50,29 +51,49 @@ typedef struct bex_mem_registrar {
 } bex_mem_registrar;
 
 /* Default access flags of the verbs registrar. */
-#define BEX_MEM_ACCESS_DEFAULT 0 /* local write | remote write | remote read */
+#define BEX_MEM_ACCESS_DEFAULT 0 /* local write only: no peer may touch it */
 
 /* A registrar over a verbs protection domain: ibv_reg_mr(pd, ..., access).
- * access = 0 means IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
- * IBV_ACCESS_REMOTE_READ. The PD must outlive every pool using it. */
+ * access = 0 means IBV_ACCESS_LOCAL_WRITE alone: memory a peer must not
+ * reach. Memory a peer may write belongs in a landing pool (below),
+ * registered with IBV_ACCESS_REMOTE_WRITE (or IBV_ACCESS_MW_BIND, for
+ * memory windows). The PD must outlive every pool using it. */
 void bex_mem_registrar_verbs(bex_mem_registrar *out, struct ibv_pd *pd, int access);
 
 /* A registrar that registers nothing (TCP-only use); keys are 0. */
 void bex_mem_registrar_noop(bex_mem_registrar *out);
+
+/* Pool kinds.
+ * GENERAL: the allocator described above; its chunk headers and free lists
+ *   live inside the registered chunks, so its registrar must grant no
+ *   remote access.
+ * LANDING: memory a peer may write (rendezvous destinations, exposed
+ *   buffers). Each allocation is a run of whole pages (4 KiB aligned, usable
+ *   size a multiple of 4 KiB) in a chunk whose registered range holds
+ *   payload pages only: every piece of bookkeeping (header, page map, the
+ *   free state of a page) lies outside it, so what a peer writes through
+ *   the chunk's key, anywhere, can only change payload bytes. Allocation and
+ *   free take the pool lock (no per-thread caches): meant for buffers of a
+ *   few KiB and up, not for small hot objects. */
+enum { BEX_MEM_POOL_GENERAL = 0, BEX_MEM_POOL_LANDING = 1 };
 
 /* Pool configuration; zero in any field means its default. */
 typedef struct bex_mem_config {
     size_t retain_bytes; /* fully free chunk bytes kept registered
                             (default 64 MiB); beyond this, empty chunks
                             are deregistered and unmapped */
+    int kind;            /* BEX_MEM_POOL_* (GENERAL) */
 } bex_mem_config;
 
 typedef struct bex_mem_pool bex_mem_pool;
 
 /* Create a pool. *reg is copied. cfg may be NULL. Returns 0 or -ENOMEM /
- * -EINVAL. */
+ * -EINVAL (also for an unknown kind). */
 int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
                         bex_mem_pool **out);
+
+/* The pool's BEX_MEM_POOL_* kind, or -EINVAL for NULL. */
+int bex_mem_pool_kind(const bex_mem_pool *pool);
 
 /* Destroy a pool: deregisters and unmaps all its memory. Every buffer of the
  * pool must have been freed, and no thread may use the pool any more.
@@ -80,9 +101,9 @@ int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
 int bex_mem_pool_destroy(bex_mem_pool *pool);
 
 /* Allocate size bytes (size 0 gives a minimal buffer), 16-byte aligned (and
- * 4 KiB aligned from 64 KiB up). Registered and owned by the caller. Returns NULL
- * when memory or registration fails (errno set to ENOMEM or the registrar's
- * error). */
+ * 4 KiB aligned from 64 KiB up; always 4 KiB aligned in a landing pool). Registered and owned by
+ * the caller. Returns NULL when memory or registration fails (errno set to ENOMEM or the
+ * registrar's error). */
 void *bex_mem_alloc(bex_mem_pool *pool, size_t size);
 
 /* Free a buffer from bex_mem_alloc(); any thread; NULL is ignored. */

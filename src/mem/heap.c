@@ -676,6 +676,10 @@ BEX__MEM_SLOW static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
  * find or make the heap, then take the normal path. */
 BEX__MEM_SLOW static void *alloc_slow(bex_mem_pool *pool, size_t size)
 {
+    /* Landing pools have no heaps: tl never names one, so they always come
+     * here, and the general pools' fast path pays nothing for them. */
+    if (pool && pool->kind == BEX_MEM_POOL_LANDING)
+        return bex__mem_land_alloc(pool, size);
     if (!heap_get_slow(pool))
         return NULL;
     return bex_mem_alloc(pool, size);
@@ -706,6 +710,10 @@ BEX__MEM_SLOW static void free_remote(struct bex__mem_span *s, void *p)
 {
     if (s->kind == BEX__MEM_HUGE) {
         bex__mem_huge_free(bex__mem_chunk_of(p));
+        return;
+    }
+    if (s->kind == BEX__MEM_LANDING) {
+        bex__mem_land_free(p);
         return;
     }
     /* Read the heap before the push: once the block is on the stack the
@@ -790,6 +798,8 @@ size_t bex_mem_usable_size(const void *ptr)
         return s->block_size;
     case BEX__MEM_HUGE:
         return bex__mem_chunk_of(ptr)->usable;
+    case BEX__MEM_LANDING:
+        return bex__mem_land_usable(ptr);
     default:
         return 0;
     }

@@ -55,6 +55,7 @@ enum bex__mem_kind {
     BEX__MEM_MEDIUM,   /* run that is one allocation */
     BEX__MEM_HUGE,     /* descriptor 0 of a huge mapping */
     BEX__MEM_TAIL,     /* non-first span of a small run */
+    BEX__MEM_LANDING,  /* span of a landing chunk (pages tracked in its land) */
 };
 
 /* xfree word, the one field other threads write:
@@ -122,6 +123,7 @@ struct bex__mem_chunk {
     struct bex__mem_chunk *bnext, *bprev; /* heap bucket by max_run / pool empty list */
     /* pool lock: */
     struct bex__mem_chunk *next, *prev; /* all regular chunks / huge lists */
+    struct bex__mem_land *land;         /* landing chunks: page map, in span 0 */
 };
 
 /* Cache colour of chunk headers. Chunks are 4 MiB aligned, so headers at
@@ -137,6 +139,20 @@ struct bex__mem_chunk {
     (((BEX__MEM_COLOURS - 1) * BEX__MEM_COLOUR_STEP + sizeof(struct bex__mem_chunk) +              \
       BEX__MEM_PAGE - 1) &                                                                         \
      ~(size_t)(BEX__MEM_PAGE - 1))
+
+/* Landing chunks (pools of kind BEX_MEM_POOL_LANDING) hold peer-writable
+ * payloads only. Only spans 1..63 are registered; the header, with this
+ * page map right behind it, stays in the unregistered span 0. Allocations
+ * are runs of whole pages tracked here, out of band: nothing bemalloc reads
+ * is ever stored in a page a peer may write, free or not. Pool lock. */
+#define BEX__MEM_LAND_PAGES  ((unsigned)(BEX__MEM_CHUNK_SIZE / BEX__MEM_PAGE)) /* 1024 */
+#define BEX__MEM_LAND_FIRST  ((unsigned)(BEX__MEM_SPAN_SIZE / BEX__MEM_PAGE))  /* 16 */
+#define BEX__MEM_LAND_USABLE (BEX__MEM_LAND_PAGES - BEX__MEM_LAND_FIRST)       /* 1008 */
+struct bex__mem_land {
+    uint64_t free[BEX__MEM_LAND_PAGES / 64]; /* bit p: page p is free */
+    uint16_t len[BEX__MEM_LAND_PAGES];       /* pages of the run starting at p, else 0 */
+    unsigned nfree;                          /* free pages */
+};
 
 /* Per-class cache of free blocks in front of the runs, tcmalloc-style:
  * the owner's frees push here and its allocations pop here, so the fast
@@ -173,6 +189,7 @@ struct bex__mem_heap {
 struct bex_mem_pool {
     /* read-mostly: every allocation reads id */
     uint64_t id; /* unique for the process lifetime; thread caches key on it */
+    int kind;    /* BEX_MEM_POOL_*, fixed at creation */
     bex_mem_registrar reg;
     size_t retain;
     /* written on slow paths: kept off id's cache line */
@@ -250,6 +267,8 @@ static inline unsigned bex__mem_class_of(size_t size)
 }
 
 /* pool.c: run and chunk management (pool lock taken inside). */
+struct bex__mem_chunk *bex__mem_region_create(bex_mem_pool *pool, size_t len, size_t reg_off);
+void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c);
 struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool);
 void bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c);
 void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size);
@@ -258,6 +277,11 @@ void bex__mem_pool_note_in_use(bex_mem_pool *pool, int64_t delta);
 struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool);
 void bex__mem_pool_heap_orphan(bex_mem_pool *pool, struct bex__mem_heap *h);
 bool bex__mem_pool_reclaim(bex_mem_pool *pool);
+/* landing.c: landing pools (pool lock taken inside). */
+void *bex__mem_land_alloc(bex_mem_pool *pool, size_t size);
+void bex__mem_land_free(void *p);
+size_t bex__mem_land_usable(const void *p);
+bool bex__mem_land_busy(bex_mem_pool *pool); /* pool lock held */
 /* heap.c */
 void bex__mem_heap_tidy(struct bex__mem_heap *h);
 void bex__mem_heap_flush_bins(struct bex__mem_heap *h);

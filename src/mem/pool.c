@@ -154,16 +154,18 @@ static void *map_aligned(size_t len)
     return al;
 }
 
-/* Map and register a chunk-aligned region of len bytes; its header is set
- * up except for kind-specific fields. Returns NULL with errno set. */
-static struct bex__mem_chunk *region_create(bex_mem_pool *pool, size_t len)
+/* Map a chunk-aligned region of len bytes and register [reg_off, len) of
+ * it (landing pools keep their header out of the registered range); its
+ * header is set up except for kind-specific fields. Returns NULL with errno
+ * set. */
+struct bex__mem_chunk *bex__mem_region_create(bex_mem_pool *pool, size_t len, size_t reg_off)
 {
     void *base = map_aligned(len);
     if (!base)
         return NULL;
     struct bex__mem_chunk *c = bex__mem_header_at((uintptr_t)base);
-    c->mr.addr = base;
-    c->mr.length = len;
+    c->mr.addr = (char *)base + reg_off;
+    c->mr.length = len - reg_off;
     c->pool = pool;
     c->map_size = len;
     int rc = pool->reg.reg(pool->reg.ctx, &c->mr);
@@ -173,18 +175,20 @@ static struct bex__mem_chunk *region_create(bex_mem_pool *pool, size_t len)
         return NULL;
     }
     atomic_fetch_add_explicit(&pool->registrations, 1, memory_order_relaxed);
-    size_t r = atomic_fetch_add_explicit(&pool->registered_bytes, len, memory_order_relaxed) + len;
+    size_t r =
+        atomic_fetch_add_explicit(&pool->registered_bytes, c->mr.length, memory_order_relaxed) +
+        c->mr.length;
     stat_max(&pool->peak_registered_bytes, r);
     atomic_fetch_add_explicit(&pool->nchunks, 1, memory_order_relaxed);
     return c;
 }
 
-static void region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
+void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
 {
     size_t len = c->map_size;
     pool->reg.dereg(pool->reg.ctx, &c->mr);
     atomic_fetch_add_explicit(&pool->deregistrations, 1, memory_order_relaxed);
-    atomic_fetch_sub_explicit(&pool->registered_bytes, len, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&pool->registered_bytes, c->mr.length, memory_order_relaxed);
     atomic_fetch_sub_explicit(&pool->nchunks, 1, memory_order_relaxed);
     munmap((void *)bex__mem_base_of(c), len);
 }
@@ -215,7 +219,7 @@ struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool)
             break;
     }
 
-    struct bex__mem_chunk *c = region_create(pool, BEX__MEM_CHUNK_SIZE);
+    struct bex__mem_chunk *c = bex__mem_region_create(pool, BEX__MEM_CHUNK_SIZE, 0);
     if (!c)
         return NULL;
     c->free_mask = BEX__MEM_SPANS_USABLE_MASK;
@@ -257,7 +261,7 @@ void bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c)
     }
     pthread_mutex_unlock(&pool->lock);
     if (release)
-        region_destroy(pool, c);
+        bex__mem_region_destroy(pool, c);
 }
 
 /* ---- huge allocations ---------------------------------------------------- */
@@ -305,13 +309,15 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
     pthread_mutex_unlock(&pool->lock);
 
     if (!c) {
-        c = region_create(pool, len);
+        /* A landing mapping registers its user data only, not its header. */
+        c = bex__mem_region_create(pool, len,
+                                   pool->kind == BEX_MEM_POOL_LANDING ? BEX__MEM_HUGE_HDR : 0);
         if (!c)
             return NULL;
         if (c->map_size > BEX__MEM_CHUNK_SIZE) {
             if (huge_table_set(c, c) != 0) {
                 huge_table_set(c, NULL);
-                region_destroy(pool, c);
+                bex__mem_region_destroy(pool, c);
                 errno = ENOMEM;
                 return NULL;
             }
@@ -351,7 +357,7 @@ void bex__mem_huge_free(struct bex__mem_chunk *c)
             huge_table_set(c, NULL);
             atomic_fetch_sub_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
         }
-        region_destroy(pool, c);
+        bex__mem_region_destroy(pool, c);
     }
 }
 
@@ -484,11 +490,14 @@ int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
 {
     if (!reg || !reg->reg || !reg->dereg || !out)
         return -EINVAL;
+    if (cfg && cfg->kind != BEX_MEM_POOL_GENERAL && cfg->kind != BEX_MEM_POOL_LANDING)
+        return -EINVAL;
     bex_mem_pool *pool = aligned_alloc(64, (sizeof(*pool) + 63) & ~(size_t)63);
     if (!pool)
         return -ENOMEM;
     memset(pool, 0, sizeof(*pool));
     pool->reg = *reg;
+    pool->kind = cfg ? cfg->kind : BEX_MEM_POOL_GENERAL;
     pool->retain = cfg && cfg->retain_bytes ? cfg->retain_bytes : DEFAULT_RETAIN;
     int rc = pthread_mutex_init(&pool->lock, NULL);
     if (rc != 0) {
@@ -512,6 +521,11 @@ int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
     return 0;
 }
 
+int bex_mem_pool_kind(const bex_mem_pool *pool)
+{
+    return pool ? pool->kind : -EINVAL;
+}
+
 /* Blocks still out in the run headed by s, without changing anything:
  * those handed out minus those freed remotely and not yet collected. */
 static uint32_t run_live(struct bex__mem_span *s)
@@ -526,6 +540,8 @@ static bool pool_busy(bex_mem_pool *pool)
 {
     if (pool->huge_live)
         return true;
+    if (pool->kind == BEX_MEM_POOL_LANDING)
+        return bex__mem_land_busy(pool);
     for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next) {
         for (unsigned i = 1; i < BEX__MEM_SPANS;) {
             if (c->free_mask & ((uint64_t)1 << i)) {
@@ -572,7 +588,7 @@ int bex_mem_pool_destroy(bex_mem_pool *pool)
     while (pool->chunks) {
         struct bex__mem_chunk *c = pool->chunks;
         pool->chunks = c->next;
-        region_destroy(pool, c);
+        bex__mem_region_destroy(pool, c);
     }
     while (pool->huge_cached) {
         struct bex__mem_chunk *c = pool->huge_cached;
@@ -581,7 +597,7 @@ int bex_mem_pool_destroy(bex_mem_pool *pool)
             huge_table_set(c, NULL);
             atomic_fetch_sub_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
         }
-        region_destroy(pool, c);
+        bex__mem_region_destroy(pool, c);
     }
     while (pool->heaps) {
         struct bex__mem_heap *h = pool->heaps;

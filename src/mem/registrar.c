@@ -6,7 +6,9 @@
 
 #include "mem/internal.h"
 
-#define DEFAULT_ACCESS (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ)
+/* Local only: a general pool keeps its allocator metadata inside its
+ * chunks, so no peer may ever reach them (see mem.h, landing pools). */
+#define DEFAULT_ACCESS IBV_ACCESS_LOCAL_WRITE
 
 static int verbs_reg_access(struct ibv_pd *pd, int access, bex_mem_region *mr)
 {
