@@ -67,6 +67,7 @@ struct opts {
     uint64_t iters, warmup;
     uint32_t outstanding, sockets;
     uint32_t frag, eager, spin_us, sq_depth, rq_depth;
+    uint32_t remote_access; /* BEX_REMOTE_ACCESS_* */
     uint32_t frag_list[32];
     int n_frag_list;
     long runs;
@@ -142,6 +143,12 @@ static void fill_cfg(const struct opts *o, bex_ctx_config *c, uint32_t frag)
     c->poll_spin_us = o->spin_us;
     c->sq_depth = o->sq_depth;
     c->rq_depth = o->rq_depth;
+    c->remote_access = o->remote_access;
+}
+
+static const char *mode_name(bex_ctx *ctx)
+{
+    return bex_ctx_remote_access(ctx) == BEX_REMOTE_ACCESS_WINDOW ? "window" : "landing";
 }
 
 /* A one-shot "wait until the I/O thread says so". */
@@ -671,8 +678,9 @@ static void report_lat(struct client *cl)
     if (cl->o->json) {
         printf("{\"test\":\"lat\",\"size\":%zu,\"iters\":%" PRIu64 ",\"warmup\":%" PRIu64
                ",\"median_us\":%.2f,\"p99_us\":%.2f,\"min_us\":%.2f,\"mean_us\":%.2f,"
-               "\"max_us\":%.2f,\"eager\":%u,\"spin_us\":%u",
-               cl->size, n, cl->warm, med, p99, min, mean, max, cl->o->eager, cl->o->spin_us);
+               "\"max_us\":%.2f,\"eager\":%u,\"spin_us\":%u,\"remote_access\":\"%s\"",
+               cl->size, n, cl->warm, med, p99, min, mean, max, cl->o->eager, cl->o->spin_us,
+               mode_name(cl->ctx));
         print_stats_json(cl);
         printf("}\n");
     } else {
@@ -695,9 +703,10 @@ static void report_bw(struct client *cl, uint32_t frag, enum test shown)
     if (cl->o->json) {
         printf("{\"test\":\"%s\",\"size\":%zu,\"frag\":%u,\"iters\":%" PRIu64 ",\"warmup\":%" PRIu64
                ",\"outstanding\":%u,\"sockets\":%u,\"seconds\":%.3f,"
-               "\"mib_s\":%.2f,\"msg_s\":%.1f,\"unit\":\"MiB/s\",\"spin_us\":%u",
+               "\"mib_s\":%.2f,\"msg_s\":%.1f,\"unit\":\"MiB/s\",\"spin_us\":%u,"
+               "\"remote_access\":\"%s\"",
                name, cl->size, frag, msgs, cl->warm, cl->o->outstanding, cl->ncs, secs, mib_s,
-               msg_s, cl->o->spin_us);
+               msg_s, cl->o->spin_us, mode_name(cl->ctx));
         print_stats_json(cl);
         printf("}\n");
     } else {
@@ -839,7 +848,9 @@ static void usage(FILE *f)
             "      --sq-depth N, --rq-depth N   ctx queue depths (library default)\n"
             "      --runs N          server: exit after N sockets have closed\n"
             "      --timeout S       client: give up after S seconds per run (300)\n"
-            "      --json            one JSON object per result line\n",
+            "      --json            one JSON object per result line\n"
+            "      --remote-access M auto | landing | window: ctx remote_access (auto);\n"
+            "                        the receiver's decides how its destinations are reached\n",
             DEFAULT_PORT);
 }
 
@@ -888,7 +899,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         O_RQ,
         O_RUNS,
         O_TIMEOUT,
-        O_JSON
+        O_JSON,
+        O_REMOTE
     };
     static const struct option lo[] = {{"server", no_argument, NULL, 's'},
                                        {"client", required_argument, NULL, 'c'},
@@ -909,6 +921,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
                                        {"runs", required_argument, NULL, O_RUNS},
                                        {"timeout", required_argument, NULL, O_TIMEOUT},
                                        {"json", no_argument, NULL, O_JSON},
+                                       {"remote-access", required_argument, NULL, O_REMOTE},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
     static const uint32_t def_frags[] = {1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
@@ -1020,6 +1033,18 @@ static int parse_args(int argc, char **argv, struct opts *o)
             break;
         case O_JSON:
             o->json = true;
+            break;
+        case O_REMOTE:
+            if (strcmp(optarg, "auto") == 0)
+                o->remote_access = BEX_REMOTE_ACCESS_AUTO;
+            else if (strcmp(optarg, "landing") == 0)
+                o->remote_access = BEX_REMOTE_ACCESS_LANDING;
+            else if (strcmp(optarg, "window") == 0)
+                o->remote_access = BEX_REMOTE_ACCESS_WINDOW;
+            else {
+                fprintf(stderr, "bex-perf: --remote-access is auto, landing or window\n");
+                return -1;
+            }
             break;
         case 'h':
             usage(stdout);

@@ -12,7 +12,8 @@
  * may be called from any thread, unless its comment says otherwise.
  *
  * Ownership (zero-copy): a buffer passed to bex_sock_send() must come from
- * bex_sock_alloc() (the context's bemalloc pool). It belongs to bex until
+ * bex_sock_alloc() (the context's bemalloc pool), bex_sock_alloc_exposable(),
+ * or be a buffer this context received. It belongs to bex until
  * on_send_done reports it, with 0 or an error; then it is the caller's again.
  * A received buffer (on_recv) belongs to the application, which frees it
  * with bex_mem_free() from any thread, whenever it likes.
@@ -50,6 +51,18 @@ typedef struct bex_ctx bex_ctx;
 typedef struct bex_sock bex_sock;
 typedef struct bex_listener bex_listener;
 
+/* How a peer reaches the memory it may write (rendezvous destinations,
+ * exposed buffers). Both keep that memory in landing chunks that hold
+ * payloads only (bex/mem.h). LANDING: the chunks are registered with remote
+ * write and one key each. WINDOW: they carry no remote access; each
+ * destination gets a type-2 memory window bound to it on its connection's
+ * QP with a fresh key, revoked once the message is delivered. */
+enum {
+    BEX_REMOTE_ACCESS_AUTO = 0,
+    BEX_REMOTE_ACCESS_LANDING = 1,
+    BEX_REMOTE_ACCESS_WINDOW = 2,
+};
+
 /* Context configuration; zero in any field means its default. */
 typedef struct bex_ctx_config {
     /* The local IPv4 address to use; it chooses the RDMA device and GID
@@ -72,7 +85,19 @@ typedef struct bex_ctx_config {
     uint8_t qp_retry_cnt;          /* transport retries (7) */
     uint8_t qp_rnr_retry;          /* RNR retries (7; credits keep RNR from happening) */
     bex_mem_pool *pool;            /* use this pool (registered with this context's
-                                      PD, see bex_ctx_pd) instead of creating one */
+                                      PD, see bex_ctx_pd, with local access only)
+                                      instead of creating one */
+    uint32_t remote_access;        /* how peers reach our memory: BEX_REMOTE_ACCESS_*
+                                      (AUTO: WINDOW on devices with type-2 memory
+                                      windows except rxe, else LANDING); see
+                                      docs/security.md */
+    bex_mem_pool *landing_pool;    /* use this landing pool (BEX_MEM_POOL_LANDING,
+                                      registered with this context's PD with
+                                      IBV_ACCESS_LOCAL_WRITE |
+                                      IBV_ACCESS_REMOTE_WRITE, or with
+                                      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND in
+                                      window mode) for peer-writable memory instead
+                                      of creating one */
     bex_log_fn log_fn;             /* where the library's log lines go (NULL: stderr,
                                       "bex: " prefixed) */
     void *log_arg;                 /* passed to log_fn */
@@ -142,11 +167,21 @@ bex_mem_pool *bex_ctx_pool(bex_ctx *ctx);
  * what the context holds of received data, bounded by recv_bytes_max. Its
  * buffers may be sent like those of bex_ctx_pool. */
 bex_mem_pool *bex_ctx_recv_pool(bex_ctx *ctx);
+/* The mode the context runs in: BEX_REMOTE_ACCESS_LANDING or _WINDOW. */
+int bex_ctx_remote_access(const bex_ctx *ctx);
 struct ibv_pd *bex_ctx_pd(bex_ctx *ctx);
 
 /* Allocate a buffer that can be passed to bex_sock_send (bex_mem_alloc on
  * the context's pool). NULL on failure. */
 void *bex_sock_alloc(bex_ctx *ctx, size_t size);
+
+/* Allocate a buffer that can be exposed with bex_sock_expose: memory of the
+ * context's landing pool (see bex/mem.h), the only memory a peer may write.
+ * It holds payload only: whatever a peer writes into the landing pool
+ * cannot reach allocator state or any buffer of bex_sock_alloc. Free it
+ * with bex_mem_free() (any thread); it may also be passed to
+ * bex_sock_send. Usable size is a multiple of 4 KiB. NULL on failure. */
+void *bex_sock_alloc_exposable(bex_ctx *ctx, size_t size);
 
 /* Callbacks of a socket. All run on the I/O thread. Any may be NULL. */
 typedef struct bex_sock_ops {
@@ -190,7 +225,7 @@ int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_soc
                      void *user, bex_sock **out);
 
 /* Send len bytes at buf (from bex_sock_alloc/bex_mem_alloc of this context's
- * pool, or a buffer this context received; any pointer inside a live
+ * pool, bex_sock_alloc_exposable, or a buffer this context received; any pointer inside a live
  * allocation, as long as [buf, buf+len) stays inside it). Returns 0
  * (on_send_done will report it) or at once -EINVAL (bad buffer or length),
  * -EPIPE (socket failed or closing), -EMSGSIZE (len > 2 GiB - 1, or above the
@@ -207,8 +242,9 @@ typedef struct bex_remote_buf {
     uint32_t token; /* names the buffer in the final WRITE_WITH_IMM */
 } bex_remote_buf;
 
-/* Expose buf (len bytes, from this context's pool) on socket s so that the
- * peer can write a message into it directly (bex_sock_send_direct). The
+/* Expose buf (len bytes, from bex_sock_alloc_exposable of this context;
+ * any other buffer is refused with -EINVAL) on socket s so that the peer
+ * can write a message into it directly (bex_sock_send_direct). The
  * descriptor is for the application to pass to the peer (e.g. in an RPC).
  * The buffer belongs to bex until it is delivered through on_recv (with len
  * = the exposed length), or handed back through on_send_done (msg_user,

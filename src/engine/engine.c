@@ -7,11 +7,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "engine/internal.h"
 
 #define CTLQ_EXTRA 8
+#define KA_PAGE    4096
 
 /* wr_id low 32 bits: bit 31 receive, the rest a counter/index */
 #define WR_RECV     (1u << 31)
@@ -41,6 +43,7 @@ struct sslot {
     struct bex__stream *closed; /* stream whose CLOSE this is */
     uint32_t bytes;             /* payload bytes (send window) */
     uint8_t *hdr;               /* this slot's header buffer */
+    struct ibv_mw *free_mw;     /* window to deallocate once this LOCAL_INV is done */
 };
 
 struct rslot {
@@ -56,6 +59,21 @@ struct rndv_in {
     uint32_t req_id; /* the sender's id, echoed in the answer */
     uint16_t gen;
     bool used;
+    /* window mode: this slot's window, kept across transfers */
+    struct ibv_mw *mw;
+    uint32_t key; /* the key of its current binding */
+    bool bound;   /* bound (bind posted or queued) and not invalidated */
+};
+
+/* Window mode: a bind or an invalidation waiting for a send slot. They go
+ * out in order, ahead of control messages, so a window is bound before the
+ * answer naming it leaves, and invalidated before the slot is reused. */
+struct wop {
+    struct ibv_mw *mw;
+    void *addr;
+    uint32_t rkey, len;
+    bool inv;     /* LOCAL_INV of rkey; else BIND_MW to rkey */
+    bool dealloc; /* after the invalidation, deallocate the window */
 };
 
 /* A request of ours. used with m == NULL: its message was handed back
@@ -104,7 +122,7 @@ struct bex__engine {
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
     uint32_t n_starved;
-    uint8_t *hdr_area; /* (sq + rq) headers + keepalive words, registered */
+    uint8_t *hdr_area; /* (sq + rq) headers, general pool (no remote access) */
     uint32_t hdr_lkey;
 
     /* control messages waiting for a slot (RNDV_RESP, refusing CLOSE) */
@@ -112,6 +130,14 @@ struct bex__engine {
     uint32_t ctl_cap, ctl_head, ctl_n;
     uint32_t ctl_errs;     /* of which: RNDV_RESP with an error (no slot held) */
     uint32_t ctl_refusals; /* of which: CLOSE refusing an OPEN */
+
+    /* window operations waiting for a slot (window mode) */
+    struct wop *wq;
+    uint32_t wq_cap, wq_head, wq_n;
+    /* exposed buffers' windows bound here: the engine deallocates them if
+     * it fails, before its QP goes (see release_windows) */
+    struct ibv_mw **xw;
+    uint32_t xw_n, xw_cap;
 
     /* rendezvous */
     uint32_t max_rndv;       /* our table sizes */
@@ -133,7 +159,9 @@ struct bex__engine {
     struct bex__stream *ring; /* scheduler cursor; ring is circular */
 
     /* keepalive */
-    volatile uint64_t *ka_local; /* the peer writes its sequence here */
+    volatile uint64_t *ka_local; /* the peer writes its sequence here: a page of
+                                    its own, the only bytes ka_mr covers */
+    struct ibv_mr *ka_mr;
     uint64_t ka_seen, ka_seq, ka_last_ms, ka_next_ms;
     bool ka_due;     /* a keepalive write waits for a slot */
     bool peer_heard; /* a receive completed since the last tick */
@@ -257,10 +285,11 @@ static struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
  * per clock tick. The estimate is never below the truth, and every decision
  * to hold back is made on a count that was exact a moment before. */
 
-/* Where rendezvous destinations come from: received memory too. */
+/* Where rendezvous destinations come from: the landing pool (counted as
+ * received memory too). */
 static bex_mem_pool *rndv_pool(struct bex__engine_shared *sh)
 {
-    return sh->recv_pool;
+    return sh->landing; /* the only memory a peer may write */
 }
 
 static void recv_refresh(struct bex__engine_shared *sh)
@@ -388,8 +417,8 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
         !e->relq || !e->rin_wait)
         goto err_destroy;
 
-    /* One registered area for every header and the keepalive word. */
-    size_t hdr_bytes = (size_t)(e->sq + e->rq) * BEX__HDR_LEN + 64;
+    /* One registered area for every header. */
+    size_t hdr_bytes = (size_t)(e->sq + e->rq) * BEX__HDR_LEN;
     e->hdr_area = bex_mem_alloc(sh->pool, hdr_bytes);
     if (!e->hdr_area) {
         err = errno ? -errno : -ENOMEM;
@@ -397,7 +426,22 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     }
     memset(e->hdr_area, 0, hdr_bytes);
     e->hdr_lkey = bex_mem_mr(e->hdr_area)->lkey;
-    e->ka_local = (volatile uint64_t *)(e->hdr_area + (size_t)(e->sq + e->rq) * BEX__HDR_LEN);
+    /* The keepalive word is the one long-lived target any connected peer
+     * holds a key to: it gets a page of its own and a region of exactly its
+     * 8 bytes, so that key reaches nothing else. */
+    void *ka = mmap(NULL, KA_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (ka == MAP_FAILED) {
+        err = -errno;
+        goto err_destroy;
+    }
+    e->ka_local = ka;
+    errno = 0;
+    e->ka_mr = ibv_reg_mr(sh->dev->pd, ka, sizeof(uint64_t),
+                          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (!e->ka_mr) {
+        err = errno ? -errno : -ENOMEM;
+        goto err_destroy;
+    }
 
     for (uint32_t i = 0; i < e->sq; i++)
         e->ss[i].hdr = e->hdr_area + (size_t)i * BEX__HDR_LEN;
@@ -450,12 +494,49 @@ err_destroy:
     return err;
 }
 
+/* Forget queued window operations, deallocating the windows handed over
+ * for retirement. */
+static void drop_wops(struct bex__engine *e)
+{
+    for (; e->wq_n; e->wq_n--, e->wq_head = (e->wq_head + 1) % e->wq_cap)
+        if (e->wq[e->wq_head].dealloc)
+            ibv_dealloc_mw(e->wq[e->wq_head].mw);
+}
+
+/* Before the QP is destroyed, every window that may still be bound on it
+ * goes: a bound window holds a reference to its QP, and rxe's destroy then
+ * waits for it (the I/O thread stalls, its other engines miss their
+ * keepalives); its MR cannot be deregistered either. Deallocating is no
+ * invalidation, so it is safe whatever the window's state. */
+static void release_windows(struct bex__engine *e)
+{
+    for (uint32_t i = 0; e->rin && i < e->max_rndv; i++) {
+        if (e->rin[i].mw) {
+            ibv_dealloc_mw(e->rin[i].mw);
+            e->rin[i].mw = NULL;
+            e->rin[i].bound = false;
+        }
+    }
+    for (uint32_t i = 0; e->ss && i < e->sq; i++) {
+        if (e->ss[i].free_mw) {
+            ibv_dealloc_mw(e->ss[i].free_mw);
+            e->ss[i].free_mw = NULL;
+        }
+    }
+    if (e->wq)
+        drop_wops(e);
+    for (uint32_t i = 0; i < e->xw_n; i++)
+        ibv_dealloc_mw(e->xw[i]);
+    e->xw_n = 0;
+}
+
 /* Also the tail of bex__engine_create's cleanup ladder: every field may
  * still be NULL (calloc), and bex_mem_free(NULL) is a no-op. */
 void bex__engine_destroy(struct bex__engine *e)
 {
     if (!e)
         return;
+    release_windows(e);
     if (e->qp)
         bex__rdma_qp_destroy(e->qp);
     for (uint32_t i = 0; e->rs && i < e->rq; i++)
@@ -463,7 +544,13 @@ void bex__engine_destroy(struct bex__engine *e)
     for (uint32_t i = 0; e->rin && i < e->max_rndv; i++)
         if (e->rin[i].used)
             recv_free(e, e->rin[i].buf);
+    free(e->wq);
+    free(e->xw);
     bex_mem_free(e->hdr_area);
+    if (e->ka_mr)
+        ibv_dereg_mr(e->ka_mr);
+    if (e->ka_local)
+        munmap((void *)e->ka_local, KA_PAGE);
     free(e->ss);
     free(e->rs);
     free(e->unposted);
@@ -502,7 +589,7 @@ void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out)
     out->eager_max = e->cfg.eager_max;
     out->max_msg = e->cfg.max_msg;
     out->ka_addr = (uintptr_t)e->ka_local;
-    out->ka_rkey = bex_mem_mr(e->hdr_area)->rkey;
+    out->ka_rkey = e->ka_mr->rkey;
 }
 
 int bex__engine_check_peer(const struct bex__engine_peer *p)
@@ -783,6 +870,7 @@ static struct sslot *slot_take(struct bex__engine *e)
     s->wr.sg_list = s->sge;
     s->done = NULL;
     s->closed = NULL;
+    s->free_mw = NULL;
     s->bytes = 0;
     e->tail++;
     return s;
@@ -997,6 +1085,12 @@ static void post_pending(struct bex__engine *e)
         fail_now(e, bex__rdma_err(rc));
         return;
     }
+    /* rxe takes a window's current key from mw->rkey when the next bind is
+     * posted: it is the new key from now on */
+    if (e->sh->windows)
+        for (uint32_t c = e->post; c != e->tail; c++)
+            if (e->ss[c % e->sq].wr.opcode == IBV_WR_BIND_MW)
+                e->ss[c % e->sq].wr.bind_mw.mw->rkey = e->ss[c % e->sq].wr.bind_mw.rkey;
     e->post = e->tail;
 }
 
@@ -1039,12 +1133,121 @@ static void prep_keepalive(struct bex__engine *e)
     s->wr.wr.rdma.rkey = e->peer_ka_rkey;
 }
 
+/* ---------------- memory windows (window mode) ---------------- */
+
+static int wop_push(struct bex__engine *e, const struct wop *w)
+{
+    if (e->wq_n == e->wq_cap) {
+        uint32_t cap = e->wq_cap ? e->wq_cap * 2 : 64;
+        struct wop *q = malloc(cap * sizeof(*q));
+        if (!q)
+            return -ENOMEM;
+        for (uint32_t i = 0; i < e->wq_n; i++)
+            q[i] = e->wq[(e->wq_head + i) % e->wq_cap];
+        free(e->wq);
+        e->wq = q;
+        e->wq_cap = cap;
+        e->wq_head = 0;
+    }
+    e->wq[(e->wq_head + e->wq_n) % e->wq_cap] = *w;
+    e->wq_n++;
+    return 0;
+}
+
+static void prep_wops(struct bex__engine *e)
+{
+    while (e->wq_n && free_slots(e)) {
+        struct wop *w = &e->wq[e->wq_head];
+        e->wq_head = (e->wq_head + 1) % e->wq_cap;
+        e->wq_n--;
+        struct sslot *s = slot_take(e);
+        if (w->inv) {
+            s->wr.opcode = IBV_WR_LOCAL_INV;
+            s->wr.invalidate_rkey = w->rkey;
+            s->free_mw = w->dealloc ? w->mw : NULL;
+        } else {
+            const bex_mem_region *r = bex_mem_mr(w->addr);
+            s->wr.opcode = IBV_WR_BIND_MW;
+            s->wr.bind_mw.mw = w->mw;
+            s->wr.bind_mw.rkey = w->rkey;
+            s->wr.bind_mw.bind_info = (struct ibv_mw_bind_info){
+                .mr = r->handle,
+                .addr = (uintptr_t)w->addr,
+                .length = w->len,
+                .mw_access_flags = IBV_ACCESS_REMOTE_WRITE,
+            };
+        }
+    }
+}
+
+void bex__engine_bind_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t rkey, void *addr,
+                             uint32_t len)
+{
+    if (e->xw_n == e->xw_cap) {
+        uint32_t cap = e->xw_cap ? e->xw_cap * 2 : 16;
+        struct ibv_mw **n = realloc(e->xw, cap * sizeof(*n));
+        if (!n) {
+            ibv_dealloc_mw(mw);
+            fail_now(e, -ENOMEM);
+            return;
+        }
+        e->xw = n;
+        e->xw_cap = cap;
+    }
+    e->xw[e->xw_n++] = mw; /* ours from now on (see the header) */
+    if (e->state == E_DEAD)
+        return; /* no QP: bex__engine_destroy deallocates it */
+    struct wop w = {.mw = mw, .addr = addr, .rkey = rkey, .len = len};
+    if (wop_push(e, &w))
+        fail_now(e, -ENOMEM);
+}
+
+void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t rkey, bool bound)
+{
+    bool ours = false;
+    for (uint32_t i = 0; i < e->xw_n; i++) {
+        if (e->xw[i] == mw) {
+            e->xw[i] = e->xw[--e->xw_n];
+            ours = true;
+            break;
+        }
+    }
+    if (bound && !ours)
+        return; /* bound here once, and released with the QP already */
+    struct wop w = {.mw = mw, .rkey = rkey, .inv = true, .dealloc = true};
+    if (bound && e->state != E_DEAD) {
+        if (wop_push(e, &w) == 0)
+            return;
+        ibv_dealloc_mw(mw); /* before fail_now destroys the QP it is bound on */
+        fail_now(e, -ENOMEM);
+        return;
+    }
+    /* not bound, or its QP is gone */
+    ibv_dealloc_mw(mw);
+}
+
+/* A rendezvous slot's transfer is over (delivered, or its engine failed):
+ * revoke its window before anything else goes out. */
+static void rin_unbind(struct bex__engine *e, struct rndv_in *in)
+{
+    if (!in->bound)
+        return;
+    in->bound = false;
+    if (e->state == E_DEAD)
+        return; /* the QP is gone: the key works nowhere */
+    struct wop w = {.mw = in->mw, .rkey = in->key, .inv = true};
+    if (wop_push(e, &w))
+        fail_now(e, -ENOMEM);
+}
+
 bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
     uint32_t before = e->tail;
     prep_keepalive(e);
+    /* window binds and revocations: ahead of the answers that name them */
+    prep_wops(e);
     /* control messages first: they unblock the peer */
     while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -1148,6 +1351,8 @@ static bool rndv_fits(struct bex__engine *e, uint32_t len)
 }
 
 /* Allocate the destination of request slot i and queue the answer. */
+static int rin_bind(struct bex__engine *e, struct rndv_in *in);
+
 static int rndv_answer(struct bex__engine *e, uint32_t i)
 {
     struct rndv_in *in = &e->rin[i];
@@ -1163,6 +1368,19 @@ static int rndv_answer(struct bex__engine *e, uint32_t i)
         r.addr = (uintptr_t)buf;
         r.rkey = bex_mem_mr(buf)->rkey;
         r.stream = ((uint32_t)in->gen << 16) | i;
+        if (e->sh->windows) {
+            int err = rin_bind(e, in);
+            if (err) {
+                recv_free(e, buf);
+                in->buf = NULL;
+                e->rin_bytes -= in->len;
+                in->used = false;
+                e->rin_used--;
+                r = (struct bex__hdr){.type = BEX__MSG_RNDV_RESP, .id = in->req_id, .status = err};
+            } else {
+                r.rkey = in->key; /* the window's, not the chunk's */
+            }
+        }
     }
     return queue_ctl(e, &r);
 }
@@ -1221,6 +1439,10 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         struct sslot *s = sslot_at(e, c);
         e->head++;
         e->inflight -= s->bytes;
+        if (s->free_mw) {
+            ibv_dealloc_mw(s->free_mw); /* its invalidation is done */
+            s->free_mw = NULL;
+        }
         if (s->done) {
             struct bex__msg *m = s->done;
             s->done = NULL;
@@ -1241,6 +1463,27 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         if ((c & WR_CNT_MASK) == cnt)
             break;
     }
+}
+
+/* Window mode: bind the slot's window (allocated on first use) to its
+ * new buffer with a fresh key; the key is what the answer carries. */
+static int rin_bind(struct bex__engine *e, struct rndv_in *in)
+{
+    if (!in->mw) {
+        errno = 0;
+        in->mw = ibv_alloc_mw(e->sh->pd, IBV_MW_TYPE_2);
+        if (!in->mw)
+            return errno ? -errno : -ENOMEM;
+    }
+    /* mw->rkey is the key of the last posted bind (post_pending) */
+    struct wop w = {
+        .mw = in->mw, .addr = in->buf, .rkey = ibv_inc_rkey(in->mw->rkey), .len = in->len};
+    int err = wop_push(e, &w);
+    if (err)
+        return err;
+    in->key = w.rkey;
+    in->bound = true;
+    return 0;
 }
 
 static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
@@ -1348,6 +1591,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
             in->used = false;
             e->rin_used--;
             e->rin_bytes -= in->len;
+            rin_unbind(e, in); /* the next progress posts it, first thing */
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
             e->ops->on_msg(e, in->stream, in->buf, in->len);
@@ -1356,7 +1600,9 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
         }
         return 0;
     }
-    if (wc->opcode != IBV_WC_RECV)
+    /* bex never sends SEND_WITH_INV: a peer that does is revoking our
+     * windows behind our back (rxe sets bit 0x4, the kernel's flag) */
+    if (wc->opcode != IBV_WC_RECV || (wc->wc_flags & (IBV_WC_WITH_INV | 0x4)))
         return -EPROTO;
     struct bex__hdr h;
     if (bex__hdr_decode(r->hdr, wc->byte_len, &h))
@@ -1495,6 +1741,7 @@ static void fail_now(struct bex__engine *e, int err)
     if (e->state == E_DEAD)
         return;
     e->state = E_DEAD;
+    release_windows(e); /* before the QP: see release_windows */
     if (e->qp) {
         int rc = bex__rdma_qp_destroy(e->qp);
         if (rc) {

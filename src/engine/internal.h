@@ -14,10 +14,12 @@
  * budgets.
  *
  * Receive side: rq_depth receives, each a 32-byte header slot plus an
- * eager_max payload buffer from bemalloc. A SEND's payload buffer goes to the
- * application as it is and a fresh one takes its place; receives are
- * reposted k = rq_depth/2 at a time with one ibv_post_recv, and the credits
- * go back to the peer in the next header (or an explicit CREDIT message). */
+ * eager_max payload buffer from bemalloc's general pool, which no peer can
+ * reach by RDMA. Rendezvous destinations come from the landing pool (see
+ * bex/mem.h); the keepalive word is a registered region of its own. A SEND's payload buffer goes to
+ * the application as it is and a fresh one takes its place; receives are reposted k = rq_depth/2 at
+ * a time with one ibv_post_recv, and the credits go back to the peer in the next header (or an
+ * explicit CREDIT message). */
 #ifndef BEX_ENGINE_INTERNAL_H
 #define BEX_ENGINE_INTERNAL_H
 
@@ -176,10 +178,15 @@ struct bex__engine_shared {
     struct bex__rdma_dev *dev;
     struct bex__rdma_path path; /* device, port, GID index, active MTU */
     struct bex__rdma_conn_config conn;
-    struct ibv_pd *pd;   /* dev->pd, or a thread domain's parent domain */
-    struct ibv_cq *cq;   /* the I/O thread's CQ, for every queue */
-    struct ibv_srq *srq; /* NULL: dedicated receive queues */
-    bex_mem_pool *pool;
+    struct ibv_pd *pd;     /* dev->pd, or a thread domain's parent domain */
+    struct ibv_cq *cq;     /* the I/O thread's CQ, for every queue */
+    struct ibv_srq *srq;   /* NULL: dedicated receive queues */
+    bex_mem_pool *pool;    /* general pool: headers, SEND buffers (local access only) */
+    bex_mem_pool *landing; /* peer-writable payloads: rendezvous destinations
+                              (a BEX_MEM_POOL_LANDING pool the context owns) */
+    bool windows;          /* window mode: landing memory is registered MW_BIND and
+                              each destination is reached through a type-2 window
+                              bound on its engine's QP (docs/security.md) */
     struct bex__stats *stats;
     struct bex__log *log; /* the context's logger */
     /* Received buffers (eager receives and rendezvous destinations) come from
@@ -241,6 +248,18 @@ void bex__engine_peer_closed(struct bex__stream *st);
 /* Forget a stream without sending anything; queued messages come back with
  * -ECANCELED (those with fragments in flight once these complete). */
 void bex__engine_detach(struct bex__stream *st);
+
+/* Window mode, for exposed buffers: bind mw to [addr, addr + len) of its
+ * landing region with key rkey (ibv_inc_rkey of the window's current key)
+ * on this engine's QP, ahead of anything posted later. The engine owns mw
+ * from then on: it deallocates it if it fails (before its QP goes; the
+ * sock layer must then forget it), or when it is retired. */
+void bex__engine_bind_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t rkey, void *addr,
+                             uint32_t len);
+/* Give a window back: invalidated first if bound (never otherwise: rxe
+ * panics on an unbound invalidate), then deallocated. Also on a dead
+ * engine (then deallocated at once: its QP is gone). */
+void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t rkey, bool bound);
 
 /* Completion of one of this engine's work requests. */
 void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);

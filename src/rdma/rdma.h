@@ -221,7 +221,7 @@ struct bex__rdma_conn_config {
     uint8_t traffic_class;      /* IP DSCP/ECN byte (default 0) */
     uint8_t sl;                 /* service level / priority (default 0) */
     uint32_t access;            /* remote access flags for INIT (default
-                                   REMOTE_WRITE | REMOTE_READ | LOCAL_WRITE) */
+                                   REMOTE_WRITE | LOCAL_WRITE; never READ) */
 };
 
 /* What the peer told us in its hello, as the RTR transition needs it. */

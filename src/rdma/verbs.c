@@ -242,9 +242,10 @@ int bex__rdma_qp_to_init(struct ibv_qp *qp, const struct bex__rdma_path *path,
         .qp_state = IBV_QPS_INIT,
         .pkey_index = 0,
         .port_num = path->port,
+        /* No REMOTE_READ: the protocol never reads, and a peer that may not
+         * read cannot copy out what any key it holds reaches. */
         .qp_access_flags =
-            cfg->access ? (int)cfg->access
-                        : IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE,
+            cfg->access ? (int)cfg->access : IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE,
     };
     return bex__rdma_err(ibv_modify_qp(
         qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS));

@@ -15,7 +15,16 @@
 
 /* A command handed from any thread to the I/O thread (lock-free stack,
  * reversed into FIFO order by the I/O thread). */
-enum { CMD_SEND, CMD_CONNECT, CMD_CLOSE, CMD_LISTEN, CMD_UNLISTEN, CMD_STOP, CMD_SET_USER };
+enum {
+    CMD_SEND,
+    CMD_CONNECT,
+    CMD_CLOSE,
+    CMD_LISTEN,
+    CMD_UNLISTEN,
+    CMD_STOP,
+    CMD_SET_USER,
+    CMD_BIND
+};
 
 /* What an epoll event belongs to. */
 enum { EV_CHANNEL = 1, EV_EVENTFD, EV_LISTENER, EV_CONN };
@@ -64,6 +73,18 @@ struct exp_slot {
     uint32_t len;
     void *buf, *user;
     struct bex_sock *s; /* NULL once the socket is gone */
+    /* window mode: a window of its own per exposure (set by the claiming
+     * thread), bound by the I/O thread on the engine's QP */
+    struct ibv_mw *mw;
+    uint32_t key;
+    bool bound; /* I/O thread only */
+};
+
+/* Window mode: bind an exposed slot's window (CMD_BIND). */
+struct bind_cmd {
+    struct bex__cmd cmd;
+    uint32_t slot;
+    uint16_t gen;
 };
 
 /* Socket states (docs/architecture.md); the I/O thread alone writes them.
@@ -155,7 +176,7 @@ struct bex_ctx {
     struct bex__log log;
     bool has_secret; /* setups are authenticated with auth_key */
     uint8_t auth_key[BEX__AUTH_KEY_LEN];
-    bool own_pool;
+    bool own_pool, own_landing;
     struct ibv_comp_channel *ch;
     int epfd, evfd;
     struct ep_tag ch_tag, ev_tag;

@@ -811,6 +811,33 @@ static void eng_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
 
 /* Take an armed exposed slot back (delivery or cancel); false if another
  * thread took it first or it is no longer that arming. */
+/* Window mode: an exposed slot's window, read before the slot is taken
+ * (once it is free, another thread may claim it and set a new one). */
+struct exposed_win {
+    struct ibv_mw *mw;
+    uint32_t key, eng_id;
+    bool bound;
+};
+
+static struct exposed_win exposed_win_of(const struct exp_slot *x)
+{
+    return (struct exposed_win){x->mw, x->key, x->eng_id, x->bound};
+}
+
+/* The slot was taken by the I/O thread: its window goes. Bound on a live
+ * engine: revoked there first; bound on a dead one: released with its QP
+ * already; never bound: deallocated here. */
+static void exposed_win_drop(bex_ctx *ctx, const struct exposed_win *w)
+{
+    if (!w->mw)
+        return;
+    struct conn *c = w->bound ? engine_conn(ctx, w->eng_id) : NULL;
+    if (c && c->eng)
+        bex__engine_retire_window(c->eng, w->mw, w->key, true);
+    else if (!w->bound)
+        ibv_dealloc_mw(w->mw);
+}
+
 static bool exposed_take(struct exp_slot *x, uint32_t gen)
 {
     uint32_t want = X_WORD(gen, X_ARMED);
@@ -830,8 +857,13 @@ static int eng_on_direct(struct bex__engine *e, uint32_t imm)
     struct bex_sock *s = x->s;
     void *buf = x->buf, *user = x->user;
     uint32_t len = x->len;
+    struct ibv_mw *mw = x->mw; /* read before the take: then the slot may be reused */
+    uint32_t key = x->key;
+    bool bound = x->bound;
     if (!exposed_take(x, gen))
         return 0; /* bex_sock_expose took it back in a race with a failure */
+    if (mw)       /* revoked before anything else goes out on this QP */
+        bex__engine_retire_window(e, mw, key, bound);
     BEX__STAT_ADD(&c->ctx->stats, bytes_recv, len);
     /* an exposed buffer is the application's until it is reported, never
      * freed by bex behind its back */
@@ -853,8 +885,11 @@ static void exposed_cancel(struct bex_sock *s)
             continue;
         void *buf = x->buf, *user = x->user;
         uint32_t len = x->len;
-        if (exposed_take(x, X_GEN(v)))
+        struct exposed_win w = exposed_win_of(x);
+        if (exposed_take(x, X_GEN(v))) {
+            exposed_win_drop(s->ctx, &w);
             report_done(s, buf, len, user, -ECANCELED);
+        }
     }
 }
 
@@ -976,6 +1011,20 @@ static void do_close(struct bex_sock *s)
     maybe_finish(s);
 }
 
+/* Window mode: bind an exposed buffer's window on its engine's QP. */
+static void do_bind(bex_ctx *ctx, struct bind_cmd *bc)
+{
+    struct exp_slot *x = &ctx->exposed[bc->slot];
+    if (atomic_load(&x->state) == X_WORD(bc->gen, X_ARMED) && x->mw && !x->bound) {
+        struct conn *c = engine_conn(ctx, x->eng_id);
+        if (c && c->eng && !bex__engine_is_dead(c->eng)) {
+            bex__engine_bind_window(c->eng, x->mw, x->key, x->buf, x->len);
+            x->bound = true;
+        }
+    }
+    free(bc);
+}
+
 static void do_listen(bex_ctx *ctx, struct bex_listener *l)
 {
     l->next = ctx->listeners;
@@ -1047,6 +1096,9 @@ static bool drain_cmds(bex_ctx *ctx)
         }
         case CMD_STOP:
             ctx->stopping = true;
+            break;
+        case CMD_BIND:
+            do_bind(ctx, (struct bind_cmd *)c);
             break;
         }
     }
@@ -1333,9 +1385,43 @@ static int config_check(bex_ctx_config *c)
         c->rq_depth < BEX__ENGINE_MIN_DEPTH || c->rq_depth > 16384 || c->eager_max > (1u << 20) ||
         c->frag_size < 256 || c->rndv_ahead > 256 ||
         c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
-        c->log_level > BEX_LOG_DEBUG || c->max_msg > INT32_MAX || c->rndv_max > 32767)
+        c->log_level > BEX_LOG_DEBUG || c->max_msg > INT32_MAX || c->rndv_max > 32767 ||
+        c->remote_access > BEX_REMOTE_ACCESS_WINDOW)
+        return -EINVAL;
+    /* peer-writable memory only in a landing pool, nothing else there */
+    if ((c->pool && bex_mem_pool_kind(c->pool) != BEX_MEM_POOL_GENERAL) ||
+        (c->landing_pool && bex_mem_pool_kind(c->landing_pool) != BEX_MEM_POOL_LANDING))
         return -EINVAL;
     return 0;
+}
+
+/* Landing or window mode (docs/security.md). Automatic: windows where they
+ * are trustworthy. Not on rxe: it checks a write against the MR's range,
+ * not the window's, so a window there scopes nothing the landing layout
+ * does not; and invalidating an unbound window panics its kernel, which a
+ * peer can provoke (SEND_WITH_INV) once windows are in use. */
+static int pick_remote_access(bex_ctx *ctx, uint32_t want)
+{
+    const struct ibv_device_attr *a = &ctx->dev->attr;
+    bool rxe = strncmp(ctx->dev->name, "rxe", 3) == 0 || a->vendor_id == 0xffffff;
+    bool mw2 =
+        a->device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B);
+    if (want == BEX_REMOTE_ACCESS_AUTO)
+        want = mw2 && !rxe ? BEX_REMOTE_ACCESS_WINDOW : BEX_REMOTE_ACCESS_LANDING;
+    ctx->sh.windows = want == BEX_REMOTE_ACCESS_WINDOW;
+    if (ctx->sh.windows) {
+        /* the device must really allocate type-2 windows on this PD */
+        struct ibv_mw *mw = ibv_alloc_mw(ctx->dev->pd, IBV_MW_TYPE_2);
+        if (!mw)
+            return -EOPNOTSUPP;
+        ibv_dealloc_mw(mw);
+    }
+    return 0;
+}
+
+int bex_ctx_remote_access(const bex_ctx *ctx)
+{
+    return ctx->sh.windows ? BEX_REMOTE_ACCESS_WINDOW : BEX_REMOTE_ACCESS_LANDING;
 }
 
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
@@ -1412,8 +1498,26 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     if ((err = bex_mem_pool_create(&rreg, NULL, &ctx->sh.recv_pool)))
         goto err_pool;
     ctx->sh.recv_max = c->recv_bytes_max;
-    if ((err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
+    if ((err = pick_remote_access(ctx, c->remote_access)))
         goto err_recv_pool;
+    if (c->landing_pool) {
+        ctx->sh.landing = c->landing_pool;
+    } else {
+        /* Rendezvous destinations and exposed buffers: the only memory a
+         * peer may write, payload pages with no allocator state in reach.
+         * In window mode only windows bound on it grant remote access. */
+        bex_mem_registrar reg;
+        bex_mem_registrar_verbs(
+            &reg, ctx->dev->pd,
+            IBV_ACCESS_LOCAL_WRITE |
+                (ctx->sh.windows ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE));
+        bex_mem_config mc = {.kind = BEX_MEM_POOL_LANDING};
+        if ((err = bex_mem_pool_create(&reg, &mc, &ctx->sh.landing)))
+            goto err_recv_pool;
+        ctx->own_landing = true;
+    }
+    if ((err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
+        goto err_landing;
     int cqe = ctx->dev->attr.max_cqe < 16384 ? ctx->dev->attr.max_cqe : 16384;
     if ((err = bex__rdma_cq_create(ctx->dev, cqe, ctx->ch, &ctx->sh.cq)))
         goto err_channel;
@@ -1450,6 +1554,9 @@ err_cq:
     bex__rdma_cq_destroy(ctx->sh.cq);
 err_channel:
     bex__rdma_channel_destroy(ctx->ch);
+err_landing:
+    if (ctx->own_landing)
+        bex_mem_pool_destroy(ctx->sh.landing);
 err_recv_pool:
     bex_mem_pool_destroy(ctx->sh.recv_pool);
 err_pool:
@@ -1485,6 +1592,9 @@ int bex_ctx_destroy(bex_ctx *ctx)
         cn->nsocks = 0;
         conn_free(cn);
     }
+    for (uint32_t i = 0; i < EXPOSED_MAX; i++)
+        if (ctx->exposed[i].mw && !ctx->exposed[i].bound)
+            ibv_dealloc_mw(ctx->exposed[i].mw); /* exposed, never bound */
     close(ctx->evfd);
     close(ctx->epfd);
     bex__rdma_cq_destroy(ctx->sh.cq);
@@ -1493,6 +1603,9 @@ int bex_ctx_destroy(bex_ctx *ctx)
         bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while buffers of its pool are live");
     if (bex_mem_pool_destroy(ctx->sh.recv_pool))
         bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while received buffers are live");
+    if (ctx->own_landing && bex_mem_pool_destroy(ctx->sh.landing))
+        bex__log(&ctx->log, BEX_LOG_ERROR,
+                 "context destroyed while buffers of its landing pool are live");
     bex__rdma_dev_close(ctx->dev);
     bex__log_fini(&ctx->log);
     free(ctx->engines);
@@ -1519,6 +1632,11 @@ struct ibv_pd *bex_ctx_pd(bex_ctx *ctx)
 void *bex_sock_alloc(bex_ctx *ctx, size_t size)
 {
     return bex_mem_alloc(ctx->sh.pool, size);
+}
+
+void *bex_sock_alloc_exposable(bex_ctx *ctx, size_t size)
+{
+    return bex_mem_alloc(ctx->sh.landing, size);
 }
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
@@ -1572,7 +1690,8 @@ static int check_buf(bex_sock *s, void *buf, size_t len)
         return -EINVAL;
     const bex_mem_region *r = bex_mem_mr(buf);
     bex_mem_pool *pool = bex_mem_pool_of(buf);
-    if (!r || (pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool) ||
+    if (!r ||
+        (pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool && pool != s->ctx->sh.landing) ||
         (uintptr_t)buf < (uintptr_t)r->addr ||
         (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
         return -EINVAL;
@@ -1638,6 +1757,23 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
     if (err)
         return err;
     bex_ctx *ctx = s->ctx;
+    if (bex_mem_pool_of(buf) != ctx->sh.landing)
+        return -EINVAL; /* only landing memory may be peer-writable */
+    /* Window mode: a window for this exposure alone; the I/O thread binds
+     * it on the engine's QP ahead of anything sent after this call. */
+    struct ibv_mw *mw = NULL;
+    struct bind_cmd *bc = NULL;
+    if (ctx->sh.windows) {
+        errno = 0;
+        mw = ibv_alloc_mw(ctx->dev->pd, IBV_MW_TYPE_2);
+        if (!mw)
+            return errno ? -errno : -ENOMEM;
+        bc = malloc(sizeof(*bc));
+        if (!bc) {
+            ibv_dealloc_mw(mw);
+            return -ENOMEM;
+        }
+    }
     for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
         struct exp_slot *x = &ctx->exposed[i];
         uint32_t v = atomic_load_explicit(&x->state, memory_order_relaxed);
@@ -1651,8 +1787,11 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
         x->len = len;
         x->user = msg_user;
         x->s = s;
+        x->mw = mw;
+        x->key = mw ? ibv_inc_rkey(mw->rkey) : 0;
+        x->bound = false;
         out->addr = (uintptr_t)buf;
-        out->rkey = bex_mem_mr(buf)->rkey;
+        out->rkey = mw ? x->key : bex_mem_mr(buf)->rkey;
         out->len = len;
         out->token = BEX__IMM_DIRECT | (gen << 16) | i;
         atomic_store(&x->state, X_WORD(gen, X_ARMED));
@@ -1661,12 +1800,26 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
          * the failure here and take the slot back ourselves. */
         if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED) {
             uint32_t want = X_WORD(gen, X_ARMED);
-            if (atomic_compare_exchange_strong(&x->state, &want, X_WORD(gen, X_FREE)))
+            if (atomic_compare_exchange_strong(&x->state, &want, X_WORD(gen, X_FREE))) {
+                free(bc); /* never bound: the window is still ours */
+                if (mw)
+                    ibv_dealloc_mw(mw);
                 return -EPIPE;
+            }
             /* the I/O thread took it: it is (or will be) reported */
+            free(bc);
+            return 0;
+        }
+        if (bc) {
+            bc->slot = i;
+            bc->gen = (uint16_t)gen;
+            push_cmd(ctx, &bc->cmd, CMD_BIND);
         }
         return 0;
     }
+    free(bc);
+    if (mw)
+        ibv_dealloc_mw(mw);
     return -ENOSPC;
 }
 

@@ -101,7 +101,7 @@ static int layout(void)
 {
     struct rec *f = rec_new();
     bex_mem_pool *pool = landing_pool(f, 0);
-    const size_t sizes[] = {0,       1,         4096,       4097,       65536,   100000,
+    const size_t sizes[] = {0,       1,         4096,          4097,      65536,  100000,
                             1 << 20, (2 << 20), (2 << 20) + 1, (4 << 20), 9 << 20};
     enum { N = sizeof sizes / sizeof sizes[0] };
     void *p[N];
@@ -114,8 +114,7 @@ static int layout(void)
         CHECK_EQ(u % 4096, 0);
         CHECK(bex_mem_pool_of(p[i]) == pool);
         const bex_mem_region *r = bex_mem_mr(p[i]);
-        CHECK((char *)p[i] >= (char *)r->addr &&
-              (char *)p[i] + u <= (char *)r->addr + r->length);
+        CHECK((char *)p[i] >= (char *)r->addr && (char *)p[i] + u <= (char *)r->addr + r->length);
         /* an interior pointer finds the same region */
         CHECK(bex_mem_mr((char *)p[i] + u - 1) == r);
         uintptr_t base = bex__mem_base_of(p[i]);
@@ -233,22 +232,22 @@ static void *xt_main(void *arg)
     uint32_t x = (uint32_t)(uintptr_t)pthread_self();
     for (int i = 0; i < XT_ITERS; i++) {
         x = x * 1103515245u + 12345u;
-        size_t len = 1 + (x >> 8) % 200000;
+        size_t len = 16 + (x >> 8) % 200000; /* room for the length itself */
         uint8_t *p = bex_mem_alloc(t->pool, len);
         if (!p) {
             atomic_store(&t->bad, 1);
             return NULL;
         }
         memset(p, (int)(len & 0xff), len);
-        memcpy(p, &len, sizeof(len) < len ? sizeof(len) : len);
+        memcpy(p, &len, sizeof(len));
         /* swap into a shared slot; free whatever was there (another
          * thread's buffer, usually), after checking it is intact */
         uint8_t *old = atomic_exchange(&t->slot[(x >> 4) % XT_SLOTS], p);
         if (old) {
             size_t olen = 0;
             memcpy(&olen, old, sizeof(olen));
-            if (olen > sizeof(olen) && (old[olen - 1] != (uint8_t)(olen & 0xff) ||
-                                         bex_mem_usable_size(old) < olen))
+            if (olen > sizeof(olen) &&
+                (old[olen - 1] != (uint8_t)(olen & 0xff) || bex_mem_usable_size(old) < olen))
                 atomic_store(&t->bad, 1);
             bex_mem_free(old);
         }

@@ -3,6 +3,7 @@
  * with what bex_mem_mr() returns; the source buffers come from a second pool
  * registered with rxe1's PD (their lkeys also from bex_mem_mr()). One
  * process drives both sides; the packets cross the veth wire. */
+#include <stdbool.h>
 #include <string.h>
 
 #include "bex/mem.h"
@@ -19,7 +20,7 @@ struct end {
     bex_mem_pool *pool;
 };
 
-static void end_open(struct end *e, struct in_addr ip)
+static void end_open(struct end *e, struct in_addr ip, bool landing)
 {
     CHECK_OK(bex__rdma_dev_open_ipv4(ip, &e->dev, &e->path));
     CHECK_OK(bex__rdma_cq_create(e->dev, 64, NULL, &e->cq));
@@ -27,9 +28,12 @@ static void end_open(struct end *e, struct in_addr ip)
     CHECK_OK(bex__rdma_qp_create(e->dev, &qc, &e->qp, NULL));
     CHECK_OK(bex__rdma_qp_to_init(e->qp, &e->path, NULL));
     e->psn = bex__rdma_random_psn();
+    /* the written side is a landing pool, the only kind a peer may write */
     bex_mem_registrar reg;
-    bex_mem_registrar_verbs(&reg, e->dev->pd, 0);
-    CHECK_OK(bex_mem_pool_create(&reg, NULL, &e->pool));
+    bex_mem_registrar_verbs(&reg, e->dev->pd,
+                            landing ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE : 0);
+    bex_mem_config mc = {.kind = landing ? BEX_MEM_POOL_LANDING : BEX_MEM_POOL_GENERAL};
+    CHECK_OK(bex_mem_pool_create(&reg, &mc, &e->pool));
 }
 
 static void end_connect(struct end *e, const struct end *peer)
@@ -87,8 +91,8 @@ static int remote_write(void)
     if (rc)
         return rc;
     struct end e0 = {0}, e1 = {0};
-    end_open(&e0, a.a0);
-    end_open(&e1, a.a1);
+    end_open(&e0, a.a0, true);
+    end_open(&e1, a.a1, false);
     end_connect(&e0, &e1);
     end_connect(&e1, &e0);
 

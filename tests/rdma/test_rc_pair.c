@@ -214,8 +214,8 @@ static int setup_local(struct side *s)
     if (!s->area)
         FAILF(s, "out of memory");
     memset(s->area, 0, AREA_LEN);
-    s->mr = ibv_reg_mr(s->dev->pd, s->area, AREA_LEN,
-                       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+    s->mr =
+        ibv_reg_mr(s->dev->pd, s->area, AREA_LEN, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!s->mr)
         FAILF(s, "ibv_reg_mr: %s (is RLIMIT_MEMLOCK large enough?)", strerror(errno));
 

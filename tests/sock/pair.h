@@ -182,6 +182,8 @@ static inline void *pair_watch(void *arg)
 /* When set, the server process builds its context's pool with this (before
  * the context exists), e.g. to inject registration failures. */
 static bex_mem_pool *(*pair_server_pool)(struct in_addr addr);
+/* The same for its landing pool (rendezvous destinations, exposed buffers). */
+static bex_mem_pool *(*pair_server_landing)(struct in_addr addr);
 
 /* Sanitizer builds run several times slower in the emulated VM: scripts/test
  * sets BEX_TEST_TIME_SCALE for them, and every liveness deadline of the
@@ -226,6 +228,8 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         bex_ctx_config c = scaled(scfg, a0);
         if (pair_server_pool)
             c.pool = pair_server_pool(a0);
+        if (pair_server_landing)
+            c.landing_pool = pair_server_landing(a0);
         int err = bex_ctx_create(&c, &p.ctx);
         if (err) {
             fprintf(stderr, "server: bex_ctx_create: %s\n", bex_strerror(err));

@@ -495,9 +495,14 @@ static void dsrv_accept(bex_listener *l, bex_sock *s, void *user)
     (void)l;
     struct dsrv *d = user;
     bex_sock_set_user(s, &dsrv_ops, d);
-    d->exposed = bex_sock_alloc(d->ctx, DIRECT_LEN);
-    CHECK(d->exposed);
+    /* only landing memory may be exposed */
+    void *plain = bex_sock_alloc(d->ctx, DIRECT_LEN);
+    CHECK(plain);
     bex_remote_buf *rb = bex_sock_alloc(d->ctx, sizeof(*rb));
+    CHECK_EQ(bex_sock_expose(s, plain, DIRECT_LEN, NULL, rb), -EINVAL);
+    bex_mem_free(plain);
+    d->exposed = bex_sock_alloc_exposable(d->ctx, DIRECT_LEN);
+    CHECK(d->exposed);
     CHECK_OK(bex_sock_expose(s, d->exposed, DIRECT_LEN, NULL, rb));
     CHECK_OK(bex_sock_send(s, rb, sizeof(*rb), NULL));
 }
@@ -588,6 +593,7 @@ static void failing_dereg(void *ctx, bex_mem_region *mr)
     inner->dereg(inner->ctx, mr);
 }
 
+/* Rendezvous destinations come from the landing pool: that one fails. */
 static bex_mem_pool *failing_pool(struct in_addr a)
 {
     /* the context opens the same per-process device handle and PD */
@@ -595,10 +601,11 @@ static bex_mem_pool *failing_pool(struct in_addr a)
     static struct bex__rdma_path path;
     static bex_mem_registrar inner;
     CHECK_OK(bex__rdma_dev_open_ipv4(a, &dev, &path));
-    bex_mem_registrar_verbs(&inner, dev->pd, 0);
+    bex_mem_registrar_verbs(&inner, dev->pd, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     bex_mem_registrar reg = {.reg = failing_reg, .dereg = failing_dereg, .ctx = &inner};
+    bex_mem_config mc = {.kind = BEX_MEM_POOL_LANDING};
     bex_mem_pool *pool;
-    CHECK_OK(bex_mem_pool_create(&reg, NULL, &pool));
+    CHECK_OK(bex_mem_pool_create(&reg, &mc, &pool));
     return pool;
 }
 
@@ -623,9 +630,9 @@ static int nomem_client(struct pair *p, void *arg)
 
 static int rndv_nomem(void)
 {
-    pair_server_pool = failing_pool;
+    pair_server_landing = failing_pool;
     int rc = pair_run(NULL, echo_server, NULL, NULL, nomem_client, NULL, 60);
-    pair_server_pool = NULL;
+    pair_server_landing = NULL;
     return rc;
 }
 
