@@ -1745,8 +1745,8 @@ static void fail_now(struct bex__engine *e, int err)
     if (e->qp) {
         int rc = bex__rdma_qp_destroy(e->qp);
         if (rc) {
-            /* cannot happen for a QP of ours (no multicast, no MW bound to
-             * it by us); stop it at least */
+            /* cannot happen for a QP of ours (no multicast, and every
+             * window bound on it went just above); stop it at least */
             bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_destroy_qp: %s", e->id,
                      bex_strerror(rc));
             bex__rdma_qp_to_err(e->qp);

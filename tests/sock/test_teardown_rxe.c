@@ -719,7 +719,8 @@ static int expose_client(struct pair *p, void *arg)
     long x0 = atomic_fetch_add(&t->next_id, 1), x1 = atomic_fetch_add(&t->next_id, 1);
     t->sock_of[x0] = 0;
     t->sock_of[x1] = 1;
-    void *b0 = bex_sock_alloc(p->ctx, 65536), *b1 = bex_sock_alloc(p->ctx, 4096);
+    void *b0 = bex_sock_alloc_exposable(p->ctx, 65536),
+         *b1 = bex_sock_alloc_exposable(p->ctx, 4096);
     CHECK(b0 && b1);
     bex_remote_buf rb;
     CHECK_OK(bex_sock_expose(t->socks[0], b0, 65536, (void *)(uintptr_t)(x0 + 1), &rb));
@@ -738,7 +739,7 @@ static int expose_client(struct pair *p, void *arg)
     CHECK_EQ(atomic_load(&t->status[x0]), -ECANCELED);
     CHECK_EQ(atomic_load(&t->closes_seen_at_done), 0); /* before on_close */
     /* a socket closed or failed takes no more */
-    void *b2 = bex_sock_alloc(p->ctx, 4096);
+    void *b2 = bex_sock_alloc_exposable(p->ctx, 4096);
     CHECK_EQ(bex_sock_expose(t->socks[1], b2, 4096, NULL, &rb), -EPIPE);
     bex_mem_free(b2);
     bex_sock_close(t->socks[1]);
@@ -788,7 +789,7 @@ static int expose_null_client(struct pair *p, void *arg)
     bex_sock *s;
     CHECK_OK(bex_sock_connect(ctx, &p->srv, &ops, (void *)&closed, &s));
     bex_remote_buf rb;
-    void *b = bex_sock_alloc(ctx, 65536);
+    void *b = bex_sock_alloc_exposable(ctx, 65536);
     uint64_t end = pair_now_ms() + 20000ull * time_scale();
     int rc;
     while ((rc = bex_sock_expose(s, b, 65536, NULL, &rb)) == -ENOTCONN && pair_now_ms() < end)
