@@ -42,6 +42,18 @@
         }                                                                                          \
     } while (0)
 
+/* Sanitizer builds run several times slower (and slower still in the
+ * emulated VM): tests/CMakeLists.txt gives every test BEX_TEST_TIME_SCALE
+ * (1 plain, 3 ASan, 10 TSan) and stretches CTest's timeouts by it. Every
+ * liveness deadline of a test (a wait, a watchdog, a reaping deadline) is
+ * written unscaled and multiplied by this at the one place that waits. */
+static inline unsigned bex_test_time_scale(void)
+{
+    const char *s = getenv("BEX_TEST_TIME_SCALE");
+    int v = s ? atoi(s) : 1;
+    return v >= 1 ? (unsigned)v : 1;
+}
+
 struct bex_test_case {
     const char *name;
     int (*fn)(void); /* returns 0, or BEX_TEST_SKIP */

@@ -1073,10 +1073,15 @@ static void post_pending(struct bex__engine *e)
         s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
         s->wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
     }
-    struct ibv_send_wr *bad;
+    struct ibv_send_wr *bad = NULL;
     int rc = ibv_post_send(e->qp, &first->wr, &bad);
+    /* counted from the flags of what was posted (up to bad on failure), so
+     * that the counter shows the signaling policy, whatever it is */
+    uint64_t signaled = 0;
+    for (struct ibv_send_wr *w = &first->wr; w && !(rc && w == bad); w = w->next)
+        signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
     BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
-    BEX__STAT_ADD(e->sh->stats, signaled, 1);
+    BEX__STAT_ADD(e->sh->stats, signaled, signaled);
     if (rc) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_send: %s", e->id,
                  bex_strerror(bex__rdma_err(rc)));

@@ -11,8 +11,10 @@
  *   3. client -> server: 64 SENDs of assorted sizes (each with its checksum);
  *   4. server checks everything and SENDs an ACK with what it saw; the
  *      client checks the ACK.
- * Both processes must succeed. Every wait is bounded; the parent reaps the
- * child (killing it past its deadline), and the child dies with the parent. */
+ * Both processes must succeed. Every wait is bounded (DEADLINE_MS, stretched
+ * by BEX_TEST_TIME_SCALE); the parent reaps the child (killing it past its
+ * deadline), and the child dies with the parent. Both tear down everything
+ * and leave through exit(), so that the sanitizers' leak check runs in each. */
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -34,7 +36,7 @@
 #define RQ_DEPTH    80 /* NMSGS + 1 WRITE_WITH_IMM, with room to spare */
 #define SQ_DEPTH    32
 #define BATCH       16
-#define DEADLINE_MS 30000
+#define DEADLINE_MS 30000 /* unscaled: see deadline_ms() */
 #define WRITE_SEED  0xb0e5
 
 _Static_assert(NFRAGS <= SQ_DEPTH, "the WRITE chain must fit the send queue");
@@ -75,6 +77,11 @@ struct side {
     struct bex__rdma_peer peer;
     int credits; /* the peer's receives we may still consume */
 };
+
+static int64_t deadline_ms(void)
+{
+    return (int64_t)DEADLINE_MS * bex_test_time_scale();
+}
 
 /* A failed step: one line per message (the two processes share stderr, so
  * it is written in one call), and TEST_FAILED for the callers to pass up. */
@@ -515,7 +522,7 @@ static int child_main(const struct test_addrs *ta, uint16_t port, pid_t parent)
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent)
         return 1;
-    struct side s = {.who = "client", .fd = -1, .deadline = bex__hello_now_ms() + DEADLINE_MS};
+    struct side s = {.who = "client", .fd = -1, .deadline = bex__hello_now_ms() + deadline_ms()};
     s.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (s.fd < 0)
         return 1;
@@ -587,13 +594,13 @@ static int rc_pair(void)
     CHECK(pid >= 0);
     if (pid == 0) {
         close(lfd);
-        _exit(child_main(&ta, port, parent));
+        exit(child_main(&ta, port, parent));
     }
 
-    struct side s = {.who = "server", .fd = -1, .deadline = bex__hello_now_ms() + DEADLINE_MS};
+    struct side s = {.who = "server", .fd = -1, .deadline = bex__hello_now_ms() + deadline_ms()};
     int srv_rc = -1;
     struct pollfd p = {.fd = lfd, .events = POLLIN};
-    if (poll(&p, 1, DEADLINE_MS) == 1) {
+    if (poll(&p, 1, (int)deadline_ms()) == 1) {
         s.fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
         if (s.fd >= 0)
             srv_rc = server_run(&s);
@@ -604,7 +611,7 @@ static int rc_pair(void)
     }
     close(lfd);
     srv_rc |= teardown(&s);
-    int cli_rc = reap(pid, s.deadline + 5000);
+    int cli_rc = reap(pid, s.deadline + 5000 * (int64_t)bex_test_time_scale());
     fprintf(stderr, "server %s, client %s\n", srv_rc ? "FAILED" : "ok", cli_rc ? "FAILED" : "ok");
     return srv_rc || cli_rc ? 1 : 0;
 }

@@ -4,7 +4,20 @@
  * parent is the client, on BEX_TEST_ADDR1 (rxe1). The server listens on an
  * ephemeral port and tells the parent which one through a pipe. Each side
  * runs its function; the parent reaps the child with a deadline and the
- * case passes only if both sides return 0. */
+ * case passes only if both sides return 0.
+ *
+ * The server tears down for real: when the parent says it is done
+ * (pair_wait_parent), the listener is closed, every accepted socket is
+ * closed and its on_close awaited, then the context (and a pool the test
+ * gave it) is destroyed and the process leaves through exit(), so that the
+ * sanitizers' leak check runs there too. A teardown that hangs, a socket
+ * whose on_close never comes, or a buffer of the pool still live fails the
+ * case. Callback state of a server must therefore live until its function
+ * returns after pair_wait_parent() (or pair_server_close()); a server that
+ * uses pair_wait_done() instead keeps it alive past its return.
+ *
+ * Every deadline here and in the tests is written unscaled and stretched by
+ * BEX_TEST_TIME_SCALE (harness.h) where it is waited for. */
 #ifndef BEX_TEST_PAIR_H
 #define BEX_TEST_PAIR_H
 
@@ -21,6 +34,7 @@
 
 #include "bex/sock.h"
 #include "harness.h"
+#include "sock/internal.h" /* struct bex_sock: the ops an on_accept installed */
 
 struct pair {
     bex_ctx *ctx;
@@ -29,6 +43,11 @@ struct pair {
     pid_t child;              /* client: the server's pid */
     int to_child, from_child; /* client: pipes to/from the server */
     int to_parent, from_parent;
+    /* server: the test's listener callbacks (pair_listen wraps them) */
+    bex_listener_ops accept_ops;
+    void *accept_user;
+    bool closed;      /* server: pair_server_close ran */
+    int close_failed; /* server: it failed */
 };
 
 static inline int pair_addrs(struct in_addr *a0, struct in_addr *a1)
@@ -94,10 +113,18 @@ static inline void waiter_signal(struct waiter *w)
     pthread_mutex_unlock(&w->mu);
 }
 
-/* Wait until *flag >= want or timeout_ms passes; returns 0 or -1. */
+/* Sanitizer builds run several times slower in the emulated VM: every
+ * liveness deadline of the socket tests is multiplied by this. */
+static inline unsigned time_scale(void)
+{
+    return bex_test_time_scale();
+}
+
+/* Wait until *flag >= want or timeout_ms (unscaled: stretched here by
+ * time_scale()) passes; returns 0 or -1. */
 static inline int wait_count(struct waiter *w, _Atomic long *flag, long want, unsigned timeout_ms)
 {
-    uint64_t end = pair_now_ms() + timeout_ms;
+    uint64_t end = pair_now_ms() + (uint64_t)timeout_ms * time_scale();
     pthread_mutex_lock(&w->mu);
     while (atomic_load(flag) < want) {
         uint64_t now = pair_now_ms();
@@ -180,19 +207,178 @@ static inline void *pair_watch(void *arg)
 }
 
 /* When set, the server process builds its context's pool with this (before
- * the context exists), e.g. to inject registration failures. */
+ * the context exists), e.g. to inject registration failures. The server
+ * destroys that pool after its context (every buffer must be free by then)
+ * and then calls pair_server_pool_release, when set, to drop what the pool
+ * needed (e.g. a device reference). */
 static bex_mem_pool *(*pair_server_pool)(struct in_addr addr);
 /* The same for its landing pool (rendezvous destinations, exposed buffers). */
 static bex_mem_pool *(*pair_server_landing)(struct in_addr addr);
+static void (*pair_server_pool_release)(void);
 
-/* Sanitizer builds run several times slower in the emulated VM: scripts/test
- * sets BEX_TEST_TIME_SCALE for them, and every liveness deadline of the
- * socket tests is multiplied by it. */
-static inline unsigned time_scale(void)
+/* ---- server side: accepted sockets, tracked until their on_close ---- */
+
+struct pair_ssock {
+    bex_sock *s;
+    void (*on_close)(bex_sock *s, void *user); /* the test's own, if any */
+    struct pair_ssock *next;
+};
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct pair_ssock *live; /* accepted, on_close not yet reported */
+    long accepted, closed;
+} pair_srv = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0};
+
+static inline void pair_srv_on_close(bex_sock *s, void *user)
 {
-    const char *s = getenv("BEX_TEST_TIME_SCALE");
-    int v = s ? atoi(s) : 1;
-    return v >= 1 ? (unsigned)v : 1;
+    pthread_mutex_lock(&pair_srv.mu);
+    struct pair_ssock **pp = &pair_srv.live;
+    while (*pp && (*pp)->s != s)
+        pp = &(*pp)->next;
+    struct pair_ssock *t = *pp;
+    pthread_mutex_unlock(&pair_srv.mu);
+    CHECK(t); /* every on_close we see is of a socket we track */
+    if (t->on_close)
+        t->on_close(s, user);
+    /* unlinked only now: the teardown waits for the test's on_close too */
+    pthread_mutex_lock(&pair_srv.mu);
+    for (pp = &pair_srv.live; *pp != t; pp = &(*pp)->next)
+        ;
+    *pp = t->next;
+    pair_srv.closed++;
+    pthread_cond_broadcast(&pair_srv.cv);
+    pthread_mutex_unlock(&pair_srv.mu);
+    free(t);
+}
+
+/* The test's on_accept, then our on_close hook over the ops it installed
+ * (read on the I/O thread, which is the one writing them). A server that
+ * replaces a socket's ops later loses the hook, and the teardown then
+ * fails waiting for that socket. */
+static inline void pair_srv_on_accept(bex_listener *l, bex_sock *s, void *user)
+{
+    struct pair *p = user;
+    if (p->accept_ops.on_accept)
+        p->accept_ops.on_accept(l, s, p->accept_user);
+    else
+        bex_sock_close(s); /* what bex does for a listener without one */
+    struct pair_ssock *t = calloc(1, sizeof(*t));
+    CHECK(t);
+    t->s = s;
+    t->on_close = s->ops.on_close;
+    bex_sock_ops ops = s->ops;
+    ops.on_close = pair_srv_on_close;
+    pthread_mutex_lock(&pair_srv.mu);
+    t->next = pair_srv.live;
+    pair_srv.live = t;
+    pair_srv.accepted++;
+    pthread_mutex_unlock(&pair_srv.mu);
+    CHECK_OK(bex_sock_set_user(s, &ops, s->user)); /* on the I/O thread: at once */
+}
+
+/* Server side: close the listener and every accepted socket, and wait
+ * (20 s, scaled) until each has reported on_close. Idempotent; returns 0,
+ * or -1 (and says which sockets are left). pair_wait_parent() calls it. */
+static inline int pair_server_close(struct pair *p)
+{
+    if (p->closed)
+        return p->close_failed ? -1 : 0;
+    p->closed = true;
+    if (p->l) {
+        bex_listener_close(p->l);
+        p->l = NULL;
+    }
+    /* a socket still in the list has not returned from on_close, so it is
+     * alive while we hold the lock; closing one twice is allowed */
+    pthread_mutex_lock(&pair_srv.mu);
+    for (struct pair_ssock *t = pair_srv.live; t; t = t->next)
+        bex_sock_close(t->s);
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (pair_srv.live && pair_now_ms() < end) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&pair_srv.cv, &pair_srv.mu, &ts);
+    }
+    long left = 0;
+    for (struct pair_ssock *t = pair_srv.live; t; t = t->next)
+        left++;
+    if (left)
+        fprintf(stderr,
+                "server: %ld of %ld accepted sockets never reported on_close after "
+                "bex_sock_close\n",
+                left, pair_srv.accepted);
+    pthread_mutex_unlock(&pair_srv.mu);
+    p->close_failed = left != 0;
+    return left ? -1 : 0;
+}
+
+/* The server's log: as bex's own (stderr), or the test's hook; an error
+ * logged while the context is destroyed (e.g. its pool still has live
+ * buffers) fails the case. */
+static struct {
+    bex_log_fn fn;
+    void *arg;
+    _Atomic int destroying, errors;
+} pair_srv_log;
+
+static inline void pair_srv_log_fn(int level, const char *msg, void *arg)
+{
+    (void)arg;
+    if (level <= BEX_LOG_ERROR && atomic_load(&pair_srv_log.destroying)) {
+        atomic_fetch_add(&pair_srv_log.errors, 1);
+        fprintf(stderr, "server: error while destroying the context: %s\n", msg);
+    }
+    if (pair_srv_log.fn)
+        pair_srv_log.fn(level, msg, pair_srv_log.arg);
+    else
+        fprintf(stderr, "bex (server): %s\n", msg);
+}
+
+/* The server process after its function returned rc: tear down and leave
+ * through exit(). */
+static inline int pair_pool_gone(bex_mem_pool *pool)
+{
+    int err = bex_mem_pool_destroy(pool);
+    if (err)
+        fprintf(stderr, "server: bex_mem_pool_destroy: %s (buffers still live)\n",
+                bex_strerror(err));
+    return err;
+}
+
+static inline void pair_server_exit(struct pair *p, bex_mem_pool *pool, bex_mem_pool *landing,
+                                    int rc)
+{
+    if (rc) {
+        /* a failed server function may have left callbacks pointing into
+         * its stack: leave at once, the failure is reported already */
+        fflush(NULL);
+        _exit(1);
+    }
+    if (pair_server_close(p))
+        rc = 1;
+    atomic_store(&pair_srv_log.destroying, 1);
+    bex_ctx_destroy(p->ctx);
+    if (atomic_load(&pair_srv_log.errors))
+        rc = 1;
+    int perr = 0;
+    if (pool && pair_pool_gone(pool))
+        perr = 1;
+    if (landing && pair_pool_gone(landing))
+        perr = 1;
+    if (perr)
+        rc = 1;
+    else if ((pool || landing) && pair_server_pool_release)
+        pair_server_pool_release();
+    close(p->to_parent);
+    close(p->from_parent);
+    exit(rc ? 1 : 0);
 }
 
 static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
@@ -230,13 +416,16 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
             c.pool = pair_server_pool(a0);
         if (pair_server_landing)
             c.landing_pool = pair_server_landing(a0);
+        pair_srv_log.fn = c.log_fn;
+        pair_srv_log.arg = c.log_arg;
+        c.log_fn = pair_srv_log_fn;
         int err = bex_ctx_create(&c, &p.ctx);
         if (err) {
             fprintf(stderr, "server: bex_ctx_create: %s\n", bex_strerror(err));
             _exit(2);
         }
-        rc = server_fn(&p, sarg);
-        _exit(rc ? 1 : 0);
+        pair_server_exit(&p, pair_server_pool ? c.pool : NULL,
+                         pair_server_landing ? c.landing_pool : NULL, server_fn(&p, sarg));
     }
     close(up[1]);
     close(down[0]);
@@ -249,8 +438,9 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         waitpid(pid, NULL, 0);
         return 1;
     }
-    /* below CTest's 240 s, so the stacks are printed before CTest kills us */
-    struct pair_watchdog wd = {.child = pid, .seconds = 180};
+    /* below CTest's 240 s (both scaled), so the stacks are printed before
+     * CTest kills us */
+    struct pair_watchdog wd = {.child = pid, .seconds = 180 * time_scale()};
     CHECK(pthread_create(&wd.t, NULL, pair_watch, &wd) == 0);
     uint16_t port = 0;
     struct pollfd pf = {.fd = p.from_child, .events = POLLIN};
@@ -272,17 +462,21 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         /* the server may be dead on purpose */
     }
     int status = 0;
-    uint64_t end = pair_now_ms() + timeout_s * 1000ull;
+    uint64_t end = pair_now_ms() + timeout_s * 1000ull * time_scale();
     pid_t w;
     while ((w = waitpid(pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
         pair_sleep_ms(20);
     if (w == 0) {
-        fprintf(stderr, "server did not finish in %u s\n", timeout_s);
+        fprintf(stderr, "server did not finish in %u s\n", timeout_s * time_scale());
+        pair_dump_stacks(pid);
         kill(pid, SIGKILL);
         waitpid(pid, &status, 0);
         rc = 1;
     } else if (w == pid && p.child && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-        fprintf(stderr, "server failed (status 0x%x)\n", status);
+        if (WIFEXITED(status))
+            fprintf(stderr, "server failed (exit status %d)\n", WEXITSTATUS(status));
+        else
+            fprintf(stderr, "server failed (signal %d)\n", WTERMSIG(status));
         rc = 1;
     }
     bex_ctx_destroy(p.ctx);
@@ -291,23 +485,39 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
     return rc;
 }
 
-/* Server side: listen on an ephemeral port, report it to the parent. */
+/* Server side: listen on an ephemeral port, report it to the parent.
+ * Accepted sockets are tracked for the teardown (pair_server_close). */
 static inline void pair_listen(struct pair *p, const bex_listener_ops *ops, void *user)
 {
     struct sockaddr_in a = {.sin_family = AF_INET};
     a.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR0"));
-    CHECK_OK(bex_listen(p->ctx, &a, ops, user, &p->l));
+    p->accept_ops = ops ? *ops : (bex_listener_ops){0};
+    p->accept_user = user;
+    bex_listener_ops wrap = {.on_accept = pair_srv_on_accept};
+    CHECK_OK(bex_listen(p->ctx, &a, &wrap, p, &p->l));
     struct sockaddr_in got;
     bex_listener_addr(p->l, &got);
     CHECK(write(p->to_parent, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
 }
 
-/* Server side: block until the parent says it is done. */
-static inline void pair_wait_parent(struct pair *p)
+/* Server side: block until the parent says it is done (or is gone); close
+ * nothing. For a server that checks the state the client left before the
+ * teardown closes anything; its callback state must outlive its function
+ * (the teardown runs after it returns). */
+static inline void pair_wait_done(struct pair *p)
 {
     char c;
     ssize_t r = read(p->from_parent, &c, 1);
     (void)r;
+}
+
+/* Server side: pair_wait_done, then close the listener and every accepted
+ * socket (pair_server_close), while the server function's state is still
+ * there for their callbacks. */
+static inline void pair_wait_parent(struct pair *p)
+{
+    pair_wait_done(p);
+    pair_server_close(p);
 }
 
 #endif

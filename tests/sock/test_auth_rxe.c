@@ -207,7 +207,7 @@ static struct tc *tc_start(bex_ctx *ctx, const struct sockaddr_in *srv)
 /* Wait for on_connect; returns its status. */
 static int tc_wait_connect(struct tc *t)
 {
-    CHECK_OK(wait_count(&t->w, &t->connected, 1, ms(15000)));
+    CHECK_OK(wait_count(&t->w, &t->connected, 1, 15000));
     return t->status;
 }
 
@@ -224,8 +224,8 @@ static void tc_echo(bex_ctx *ctx, struct tc *t, uint32_t n)
         fill_pattern(b + 4, len - 4, seq);
         CHECK_OK(bex_sock_send(t->s, b, len, NULL));
     }
-    CHECK_OK(wait_count(&t->w, &t->recvd, (long)(first + n), ms(60000)));
-    CHECK_OK(wait_count(&t->w, &t->done, (long)(first + n), ms(10000)));
+    CHECK_OK(wait_count(&t->w, &t->recvd, (long)(first + n), 60000));
+    CHECK_OK(wait_count(&t->w, &t->done, (long)(first + n), 10000));
     CHECK_EQ(t->bad, 0);
     CHECK_EQ(atomic_load(&t->send_err), 0);
 }
@@ -234,7 +234,7 @@ static void tc_echo(bex_ctx *ctx, struct tc *t, uint32_t n)
 static void tc_close(struct tc *t)
 {
     bex_sock_close(t->s);
-    CHECK_OK(wait_count(&t->w, &t->closed, 1, ms(15000)));
+    CHECK_OK(wait_count(&t->w, &t->closed, 1, 15000));
     free(t);
 }
 
