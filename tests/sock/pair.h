@@ -388,6 +388,9 @@ static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
     if (!c.keepalive_timeout_ms)
         c.keepalive_timeout_ms = 2000;
     c.keepalive_timeout_ms *= time_scale();
+    if (!c.connect_timeout_ms)
+        c.connect_timeout_ms = 3000; /* bex's default */
+    c.connect_timeout_ms *= time_scale();
     return c;
 }
 
