@@ -364,7 +364,11 @@ static inline void pair_server_exit(struct pair *p, bex_mem_pool *pool, bex_mem_
     if (pair_server_close(p))
         rc = 1;
     atomic_store(&pair_srv_log.destroying, 1);
-    bex_ctx_destroy(p->ctx);
+    int err = bex_ctx_destroy(p->ctx);
+    if (err) {
+        fprintf(stderr, "server: bex_ctx_destroy: %s\n", bex_strerror(err));
+        rc = 1;
+    }
     if (atomic_load(&pair_srv_log.errors))
         rc = 1;
     int perr = 0;
