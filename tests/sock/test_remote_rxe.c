@@ -316,7 +316,7 @@ static struct ccli *ccli_new(void)
 
 #define WAIT(c, field, want, ms)                                                                   \
     do {                                                                                           \
-        if (wait_count(&(c)->w, &(c)->field, (want), (ms)*time_scale())) {                         \
+        if (wait_count(&(c)->w, &(c)->field, (want), (ms))) {                                      \
             fprintf(stderr, "%s:%d: waited for " #field " >= %ld, have %ld\n", __FILE__, __LINE__, \
                     (long)(want), atomic_load(&(c)->field));                                       \
             exit(1);                                                                               \
