@@ -147,11 +147,23 @@ static int get_report(struct adv_proc *srv, struct report *r, unsigned scale, bo
 #define K(name)                                                                                    \
     if (!strcmp(key, #name))                                                                       \
         r->name = (__typeof__(r->name))v;
-        K(rss_base_kb)
-        K(rss_peak_kb)
-        K(fds_base)
-        K(fds_now) K(engines) K(canaries) K(canary_bad) K(held) K(held_bad) K(held_large_bad)
-            K(good_msgs) K(good_bad) K(echo_bad) K(log_lost) K(pool_base) K(pool_peak) K(pool_now)
+        K(rss_base_kb);
+        K(rss_peak_kb);
+        K(fds_base);
+        K(fds_now);
+        K(engines);
+        K(canaries);
+        K(canary_bad);
+        K(held);
+        K(held_bad);
+        K(held_large_bad);
+        K(good_msgs);
+        K(good_bad);
+        K(echo_bad);
+        K(log_lost);
+        K(pool_base);
+        K(pool_peak);
+        K(pool_now);
 #undef K
     }
     r->ok = true;
