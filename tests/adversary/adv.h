@@ -39,7 +39,8 @@ struct adv_msg_hdr {
 
 /* Sizes 16 B .. 1 MiB: 16 B .. 64 KiB in turn (a third of them odd
  * lengths), every 100th 512 KiB and every 100th 1 MiB: about 24 MB per 1000
- * messages, so that the suite stays short under TCG. */
+ * messages, so that the suite stays short under TCG. Sanitizer builds
+ * (BEX_TEST_TIME_SCALE > 1) send the large ones every 250th: about 9 MB. */
 size_t adv_msg_size(uint32_t seq);
 void adv_msg_fill(void *buf, size_t len, uint32_t seq);
 /* 0 if buf (len bytes) is an intact message; else -1, with why[] filled. */
@@ -112,7 +113,12 @@ struct adv_server_opts {
 };
 int adv_server_main(int rd, int wr, void *arg);
 
+/* The cluster secret of the cases that set one (server, good clients and
+ * the authenticated attacker know it; the unauthenticated one does not). */
+#define ADV_SECRET "adversary-suite-cluster-secret-0123456789"
+
 struct adv_good_opts {
+    const char *secret; /* or NULL */
     uint16_t port;
     uint32_t min_msgs; /* at least this many echoes, all checked */
     bool wait_go;      /* wait for 'g' before sending; stop at 's' */
@@ -128,8 +134,8 @@ int adv_good_main(int rd, int wr, void *arg);
 struct adv_attack_ctx {
     int rd, wr;
     struct in_addr local, srv_addr;
-    uint16_t port; /* the listener's */
-    const char *secret;
+    uint16_t port;      /* the listener's */
+    const char *secret; /* the protocol-level attacker authenticates with it */
 };
 typedef int (*adv_attack_fn)(struct adv_attack_ctx *a);
 
@@ -147,5 +153,6 @@ int adv_attack_rkey_forged(struct adv_attack_ctx *a);
 int adv_attack_rkey_stale(struct adv_attack_ctx *a);
 int adv_attack_rkey_range(struct adv_attack_ctx *a);
 int adv_attack_kill9_rndv(struct adv_attack_ctx *a);
+int adv_attack_unauthenticated(struct adv_attack_ctx *a);
 
 #endif

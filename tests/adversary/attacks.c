@@ -885,3 +885,112 @@ int adv_attack_kill9_rndv(struct adv_attack_ctx *a)
     kill(getpid(), SIGKILL);
     return 1;
 }
+
+/* Read what the server sends until it closes (or wait_ms); "leak" if any
+ * of it is a hello (plain, or an authenticated HELLO): an unauthenticated
+ * peer must learn no QPN, GID or rkey. */
+static void unauth_drain(struct adv_attack_ctx *a, struct tconn *c, unsigned wait_ms)
+{
+    uint8_t buf[4096];
+    size_t n = 0;
+    uint64_t end = adv_now_ms() + wait_ms;
+    while (adv_now_ms() < end && n < sizeof buf) {
+        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
+        if (poll(&pf, 1, 50) <= 0)
+            continue;
+        ssize_t r = recv(c->fd, buf + n, sizeof buf - n, 0);
+        if (r <= 0) {
+            c->closed = true;
+            break;
+        }
+        n += (size_t)r;
+    }
+    if (c->closed)
+        adv_say(a->wr, "closed %u %llu", c->port, (unsigned long long)(adv_now_ms() - c->t0));
+    for (size_t off = 0; off + BEX__SETUP_PRE_LEN <= n;) {
+        size_t len = 0;
+        int kind = bex__setup_peek(buf + off, &len);
+        if (kind == BEX__SETUP_HELLO ||
+            (kind == BEX__SETUP_AUTH && off + 8 < n && buf[off + 8] == BEX__AUTH_HELLO)) {
+            adv_say(a->wr, "leak %u", c->port);
+            break;
+        }
+        if (kind < 0 || len == 0)
+            break;
+        off += len;
+    }
+}
+
+/* The server has a secret; these peers do not: a plain hello, a proof made
+ * with another secret, an OPEN and then silence, an OPEN followed at once by
+ * a HELLO (no proof), and a malformed authenticated-setup message. None may
+ * get a hello out of the server; each must be refused and logged. */
+int adv_attack_unauthenticated(struct adv_attack_ctx *a)
+{
+    enum { N = 5 };
+    static const char *what[N] = {"a plain hello", "a proof made with another secret",
+                                  "OPEN, then silence", "OPEN, then a HELLO without a proof",
+                                  "a malformed authenticated-setup message"};
+    struct tconn c[N];
+    uint8_t key[BEX__AUTH_KEY_LEN];
+    const char other[] = "not-the-cluster-secret-at-all-0123456789";
+    bex__auth_key(other, sizeof other - 1, key);
+    adv_say(a->wr, "underway");
+    for (int i = 0; i < N; i++) {
+        if (tcp_open(a, false, &c[i])) {
+            adv_say(a->wr, "fail connect %d: %s", i, strerror(errno));
+            return 1;
+        }
+        adv_say(a->wr, "conn %u", c[i].port);
+        adv_say(a->wr, "note conn %u: %s", c[i].port, what[i]);
+        uint8_t m[BEX__SETUP_MAX_LEN + BEX__READY_LEN];
+        struct bex__auth_transcript t;
+        bex__auth_nonce(t.nonce_c);
+        if (i == 0) {
+            struct bex__hello h;
+            fake_hello(a, &h);
+            bex__hello_encode(&h, m);
+            write_all(c[i].fd, m, BEX__HELLO_LEN);
+        } else if (i == 4) {
+            bex__auth_encode(BEX__AUTH_PROOF, t.nonce_c, m);
+            m[7] = 45; /* a length no message has */
+            write_all(c[i].fd, m, BEX__AUTH_SHORT_LEN);
+        } else {
+            bex__auth_encode(BEX__AUTH_OPEN, t.nonce_c, m);
+            write_all(c[i].fd, m, BEX__AUTH_SHORT_LEN);
+        }
+        if (i == 1) {
+            /* the challenge, then a proof under the wrong key */
+            int64_t dl = bex__hello_now_ms() + 5000 * (int64_t)adv_scale();
+            if (bex__hello_read_all(c[i].fd, m, BEX__AUTH_SHORT_LEN, dl) == 0 &&
+                bex__auth_decode(m, BEX__AUTH_SHORT_LEN, BEX__AUTH_CHALLENGE, t.nonce_l) == 0) {
+                struct sockaddr_in me, them;
+                socklen_t sl = sizeof me;
+                getsockname(c[i].fd, (struct sockaddr *)&me, &sl);
+                sl = sizeof them;
+                getpeername(c[i].fd, (struct sockaddr *)&them, &sl);
+                bex__auth_ends(&t, me.sin_addr.s_addr, me.sin_port, them.sin_addr.s_addr,
+                               them.sin_port);
+                uint8_t mac[BEX__AUTH_MAC_LEN];
+                bex__auth_mac(key, BEX__AUTH_MAC_PROOF_C, &t, NULL, NULL, mac);
+                bex__auth_encode(BEX__AUTH_PROOF, mac, m);
+                write_all(c[i].fd, m, BEX__AUTH_SHORT_LEN);
+            } else {
+                adv_say(a->wr, "note conn %u: no challenge came", c[i].port);
+            }
+        } else if (i == 3) {
+            struct bex__hello h;
+            fake_hello(a, &h);
+            uint8_t raw[BEX__HELLO_LEN], mac[BEX__AUTH_MAC_LEN] = {0};
+            bex__hello_encode(&h, raw);
+            bex__auth_encode_hello(raw, mac, m);
+            write_all(c[i].fd, m, BEX__AUTH_HELLO_LEN);
+        }
+        c[i].t0 = adv_now_ms();
+    }
+    for (int i = 0; i < N; i++)
+        unauth_drain(a, &c[i], 15000 * adv_scale());
+    tcp_close_all(c, N);
+    adv_say(a->wr, "done");
+    return 0;
+}

@@ -163,7 +163,9 @@ int adv_good_main(int rd, int wr, void *arg)
     const uint64_t lat_max = 10000ull * scale;
     bex_ctx_config cfg = {.local_addr = a1,
                           .keepalive_timeout_ms = ADV_KEEPALIVE_MS * scale,
-                          .qp_timeout = ADV_QP_TIMEOUT};
+                          .qp_timeout = ADV_QP_TIMEOUT,
+                          .secret = o->secret,
+                          .secret_len = o->secret ? strlen(o->secret) : 0};
     bex_ctx *ctx;
     int err = bex_ctx_create(&cfg, &ctx);
     if (err) {

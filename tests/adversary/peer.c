@@ -68,6 +68,120 @@ static int post_send(struct adv_peer *p, struct ibv_send_wr *wr)
 
 /* ---- setup ---- */
 
+/* Read one setup message: its 8-byte preamble, then the rest. A refusal
+ * notice from the server is returned as its error. */
+static int read_setup(int fd, uint8_t *buf, size_t cap, size_t *len, int64_t dl)
+{
+    int rc = bex__hello_read_all(fd, buf, BEX__SETUP_PRE_LEN, dl);
+    if (rc)
+        return rc;
+    int kind = bex__setup_peek(buf, len);
+    if (kind < 0)
+        return kind;
+    if (*len > cap)
+        return -EBADMSG;
+    rc = bex__hello_read_all(fd, buf + BEX__SETUP_PRE_LEN, *len - BEX__SETUP_PRE_LEN, dl);
+    if (rc)
+        return rc;
+    if (kind == BEX__SETUP_NOTICE) {
+        uint32_t st =
+            (uint32_t)buf[4] << 24 | (uint32_t)buf[5] << 16 | (uint32_t)buf[6] << 8 | buf[7];
+        return st ? (st < 4096 ? -(int)st : -EPROTO) : 0;
+    }
+    return kind;
+}
+
+static int to_rts(struct adv_peer *p)
+{
+    struct bex__rdma_peer peer = {.qpn = p->theirs.qpn,
+                                  .psn = p->theirs.psn,
+                                  .active_mtu = p->theirs.mtu,
+                                  .rd_atomic = p->theirs.rd_atomic};
+    memcpy(peer.gid.raw, p->theirs.gid, 16);
+    int rc = bex__rdma_qp_to_rtr(p->qp, p->dev, &p->path, &peer, &p->conn);
+    if (!rc)
+        rc = bex__rdma_qp_to_rts(p->qp, p->dev, p->mine.psn, &peer, &p->conn);
+    return rc;
+}
+
+/* The plain setup: our hello, theirs and their ready, our ready. */
+static int setup_plain(struct adv_peer *p, int64_t dl)
+{
+    int rc = bex__hello_send(p->fd, &p->mine, dl);
+    if (rc)
+        return rc;
+    uint8_t buf[BEX__SETUP_MAX_LEN];
+    size_t len;
+    rc = read_setup(p->fd, buf, sizeof buf, &len, dl);
+    if (rc < 0)
+        return rc;
+    if (rc != BEX__SETUP_HELLO)
+        return -EPROTO;
+    if ((rc = bex__hello_decode(buf, len, &p->theirs)))
+        return rc;
+    if ((rc = read_setup(p->fd, buf, sizeof buf, &len, dl)) < 0)
+        return rc;
+    if ((rc = to_rts(p)))
+        return rc;
+    return p->o.no_ready ? 0 : bex__hello_ready_send(p->fd, 0, dl);
+}
+
+/* With a secret (docs/protocol.md, "Authenticated setup"): OPEN, the
+ * server's CHALLENGE, our PROOF, its HELLO (verified), then our HELLO and
+ * ready, its ready. */
+static int setup_auth(struct adv_peer *p, int64_t dl)
+{
+    struct bex__auth_transcript t;
+    uint8_t key[BEX__AUTH_KEY_LEN], m[BEX__SETUP_MAX_LEN + BEX__READY_LEN], mac[BEX__AUTH_MAC_LEN];
+    size_t len;
+    int rc = bex__auth_key(p->o.secret, strlen(p->o.secret), key);
+    if (!rc)
+        rc = bex__auth_nonce(t.nonce_c);
+    if (rc)
+        return rc;
+    bex__auth_encode(BEX__AUTH_OPEN, t.nonce_c, m);
+    if ((rc = bex__hello_write_all(p->fd, m, BEX__AUTH_SHORT_LEN, dl)))
+        return rc;
+    if ((rc = read_setup(p->fd, m, sizeof m, &len, dl)) < 0)
+        return rc;
+    if ((rc = bex__auth_decode(m, len, BEX__AUTH_CHALLENGE, t.nonce_l)))
+        return rc;
+    struct sockaddr_in me, them;
+    socklen_t sl = sizeof me;
+    getsockname(p->fd, (struct sockaddr *)&me, &sl);
+    sl = sizeof them;
+    getpeername(p->fd, (struct sockaddr *)&them, &sl);
+    bex__auth_ends(&t, me.sin_addr.s_addr, me.sin_port, them.sin_addr.s_addr, them.sin_port);
+    bex__auth_mac(key, BEX__AUTH_MAC_PROOF_C, &t, NULL, NULL, mac);
+    bex__auth_encode(BEX__AUTH_PROOF, mac, m);
+    if ((rc = bex__hello_write_all(p->fd, m, BEX__AUTH_SHORT_LEN, dl)))
+        return rc;
+    if ((rc = read_setup(p->fd, m, sizeof m, &len, dl)) < 0)
+        return rc;
+    if ((rc = bex__auth_decode_hello(m, len, &p->theirs, mac)))
+        return rc;
+    uint8_t hello_l[BEX__HELLO_LEN], hello_c[BEX__HELLO_LEN];
+    memcpy(hello_l, m + BEX__AUTH_HDR_LEN, BEX__HELLO_LEN);
+    if ((rc = bex__auth_verify(key, BEX__AUTH_MAC_HELLO_L, &t, hello_l, NULL, mac)))
+        return rc;
+    if ((rc = to_rts(p)))
+        return rc;
+    p->mine.conn_id = p->theirs.conn_id; /* the listener picks it here */
+    bex__hello_encode(&p->mine, hello_c);
+    bex__auth_mac(key, BEX__AUTH_MAC_HELLO_C, &t, hello_l, hello_c, mac);
+    bex__auth_encode_hello(hello_c, mac, m);
+    size_t n = BEX__AUTH_HELLO_LEN;
+    if (!p->o.no_ready) {
+        uint8_t r[BEX__READY_LEN] = {0x42, 0x45, 0x58, 0x52, 0, 0, 0, 0}; /* "BEXR", 0 */
+        memcpy(m + n, r, sizeof r);
+        n += sizeof r;
+    }
+    if ((rc = bex__hello_write_all(p->fd, m, n, dl)))
+        return rc;
+    rc = read_setup(p->fd, m, sizeof m, &len, dl);
+    return rc < 0 ? rc : 0;
+}
+
 static int handshake(struct adv_peer *p, struct sockaddr_in const *srv, struct in_addr local)
 {
     int64_t dl = bex__hello_now_ms() + 10000 * (int64_t)adv_scale();
@@ -75,19 +189,7 @@ static int handshake(struct adv_peer *p, struct sockaddr_in const *srv, struct i
     if (fd < 0)
         return fd;
     p->fd = fd;
-    int rc = bex__hello_send(fd, &p->mine, dl);
-    if (rc)
-        return rc;
-    rc = bex__hello_recv(fd, &p->theirs, dl);
-    if (rc)
-        return rc;
-    uint32_t st;
-    rc = bex__hello_ready_recv(fd, &st, dl);
-    if (rc)
-        return rc;
-    if (st)
-        return -(int)st;
-    return 0;
+    return p->o.secret ? setup_auth(p, dl) : setup_plain(p, dl);
 }
 
 int adv_peer_open(struct adv_peer *p, struct in_addr local, const struct sockaddr_in *srv,
@@ -154,10 +256,9 @@ int adv_peer_open(struct adv_peer *p, struct in_addr local, const struct sockadd
     for (uint32_t i = 0; i < p->o.posted; i++)
         if ((rc = post_recv(p, i)))
             return rc;
-    uint32_t psn = bex__rdma_random_psn();
     struct bex__hello *h = &p->mine;
     h->qpn = p->qp->qp_num;
-    h->psn = psn;
+    h->psn = bex__rdma_random_psn();
     memcpy(h->gid, p->path.gid.raw, 16);
     h->mtu = (uint8_t)p->path.active_mtu;
     h->rd_atomic = bex__rdma_dest_rd_atomic(p->dev, &p->conn);
@@ -171,23 +272,12 @@ int adv_peer_open(struct adv_peer *p, struct in_addr local, const struct sockadd
     h->ka_rkey = p->mr->rkey;
     h->max_rndv = p->o.max_rndv;
     if ((rc = handshake(p, srv, local))) {
-        if (rc == -ECONNRESET || rc == -EPIPE) {
+        if (rc == -ECONNRESET || rc == -EPIPE || rc == -EACCES || rc == -EPROTO || rc == -EBADMSG) {
             p->closed = true;
             p->closed_ms = adv_now_ms();
         }
         return rc;
     }
-    struct bex__rdma_peer peer = {.qpn = p->theirs.qpn,
-                                  .psn = p->theirs.psn,
-                                  .active_mtu = p->theirs.mtu,
-                                  .rd_atomic = p->theirs.rd_atomic};
-    memcpy(peer.gid.raw, p->theirs.gid, 16);
-    if ((rc = bex__rdma_qp_to_rtr(p->qp, p->dev, &p->path, &peer, &p->conn)) ||
-        (rc = bex__rdma_qp_to_rts(p->qp, p->dev, psn, &peer, &p->conn)))
-        return rc;
-    if (!p->o.no_ready &&
-        (rc = bex__hello_ready_send(p->fd, 0, bex__hello_now_ms() + 5000 * (int64_t)adv_scale())))
-        return rc;
     fcntl(p->fd, F_SETFL, fcntl(p->fd, F_GETFL) | O_NONBLOCK);
     p->credits = p->theirs.recv_depth;
     p->up = true;

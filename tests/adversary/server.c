@@ -338,7 +338,6 @@ static int teardown(unsigned scale)
 int adv_server_main(int rd, int wr, void *arg)
 {
     const struct adv_server_opts *o = arg;
-    (void)o;
     struct in_addr a0, a1;
     if (adv_addrs(&a0, &a1))
         return 1;
@@ -352,6 +351,8 @@ int adv_server_main(int rd, int wr, void *arg)
         .qp_timeout = ADV_QP_TIMEOUT,
         .log_fn = log_hook,
         .log_level = BEX_LOG_WARN,
+        .secret = o->secret,
+        .secret_len = o->secret ? strlen(o->secret) : 0,
     };
     int err = bex_ctx_create(&cfg, &S.ctx);
     if (err) {

@@ -51,7 +51,11 @@ struct adv_case {
     enum log_rule log;
     bool close_each;  /* every abusive connection must be closed by the server */
     bool killed;      /* the attacker ends by SIGKILL */
-    const char *keys; /* '|'-separated words; a refusal line must have one */
+    bool secret;      /* the server has a secret: the good clients and a
+                         protocol-level attacker know it */
+    const char *keys; /* '|'-separated words; a refusal line must have one.
+                         None for bad keys: the server's NIC refuses those,
+                         and on rxe the server only sees its QP fail */
 };
 
 /* ---- failures are collected, so that a run lists all of them ---- */
@@ -267,7 +271,8 @@ static int run_case(const struct adv_case *c)
     char line[1200];
     nfail = 0;
 
-    struct adv_server_opts so = {0};
+    const char *secret = c->secret ? ADV_SECRET : NULL;
+    struct adv_server_opts so = {.secret = secret};
     struct adv_proc srv, good, late, atk;
     bool have_late = false, have_atk = false;
     CHECK(adv_spawn(&srv, "server", adv_server_main, &so) == 0);
@@ -278,7 +283,8 @@ static int run_case(const struct adv_case *c)
     }
     uint16_t port = (uint16_t)atoi(line + 5);
 
-    struct adv_good_opts go = {.port = port, .min_msgs = GOOD_MIN, .wait_go = true};
+    struct adv_good_opts go = {
+        .secret = secret, .port = port, .min_msgs = GOOD_MIN, .wait_go = true};
     CHECK(adv_spawn(&good, "good", adv_good_main, &go) == 0);
     if (adv_expect(&good, "ready", line, sizeof line, 30000 * sc) || strncmp(line, "ready", 5)) {
         failf("the early good client did not connect before the attack");
@@ -287,9 +293,11 @@ static int run_case(const struct adv_case *c)
     adv_cmd(&good, 'g');
     adv_sleep_ms(300);
 
-    struct adv_good_opts lo = {.port = port, .min_msgs = LATE_MIN, .seq0 = 1u << 20};
+    struct adv_good_opts lo = {
+        .secret = secret, .port = port, .min_msgs = LATE_MIN, .seq0 = 1u << 20};
     if (c->fn) {
-        struct atk_arg aa = {.fn = c->fn, .ac = {.local = a1, .srv_addr = a0, .port = port}};
+        struct atk_arg aa = {.fn = c->fn,
+                             .ac = {.local = a1, .srv_addr = a0, .port = port, .secret = secret}};
         CHECK(adv_spawn(&atk, "attacker", attacker_main, &aa) == 0);
         have_atk = true;
     } else {
@@ -314,6 +322,10 @@ static int run_case(const struct adv_case *c)
                 ports_add(&accepted, p);
             else if (sscanf(line, "killed %u", &p) == 1)
                 ports_add(&killed, p);
+            else if (sscanf(line, "leak %u", &p) == 1)
+                failf("the server sent its hello (QPN, GID, keepalive rkey) to "
+                      "unauthenticated connection %s:%u",
+                      addr1, p);
             else if (!strcmp(line, "underway")) {
                 if (!have_late) {
                     CHECK(adv_spawn(&late, "late", adv_good_main, &lo) == 0);
@@ -465,24 +477,27 @@ CASE(absurd_hello, .fn = adv_attack_absurd_hello, .log = LOG_SOME, .close_each =
 CASE(idle_conns, .fn = adv_attack_idle_conns, .log = LOG_SOME, .close_each = false,
      .keys = "timed out|timeout|setup|limit|too many")
 CASE(connect_close, .fn = adv_attack_connect_close, .log = LOG_ANY, .close_each = false)
-CASE(rndv_huge, .fn = adv_attack_rndv_huge, .log = LOG_EACH, .close_each = true,
+CASE(rndv_huge, .fn = adv_attack_rndv_huge, .secret = true, .log = LOG_EACH, .close_each = true,
      .keys = "rendezvous|max_msg|too large|size|limit")
-CASE(rndv_endless, .fn = adv_attack_rndv_endless, .log = LOG_EACH, .close_each = true,
-     .keys = "rendezvous|limit|max_rndv|too many")
-CASE(streams, .fn = adv_attack_streams, .log = LOG_EACH, .close_each = true,
+CASE(rndv_endless, .fn = adv_attack_rndv_endless, .secret = true, .log = LOG_EACH,
+     .close_each = true, .keys = "rendezvous|limit|max_rndv|too many")
+CASE(streams, .fn = adv_attack_streams, .secret = true, .log = LOG_EACH, .close_each = true,
      .keys = "stream|limit|too many")
-CASE(no_credits, .fn = adv_attack_no_credits, .log = LOG_EACH, .close_each = true,
+CASE(no_credits, .fn = adv_attack_no_credits, .secret = true, .log = LOG_EACH, .close_each = true,
      .keys = "credit|timed out|timeout")
-CASE(recv_depth_1, .fn = adv_attack_recv_depth_1, .log = LOG_EACH, .close_each = true,
-     .keys = "depth|credit|hello")
-CASE(rkey_forged, .fn = adv_attack_rkey_forged, .log = LOG_EACH, .close_each = true)
-CASE(rkey_stale, .fn = adv_attack_rkey_stale, .log = LOG_EACH, .close_each = true)
-CASE(rkey_range, .fn = adv_attack_rkey_range, .log = LOG_EACH, .close_each = true)
-CASE(kill9_rndv, .fn = adv_attack_kill9_rndv, .log = LOG_EACH, .close_each = true, .killed = true,
-     .keys = "closed|reset|eof|keepalive|timed out|timeout|lost")
+CASE(recv_depth_1, .fn = adv_attack_recv_depth_1, .secret = true, .log = LOG_EACH,
+     .close_each = true, .keys = "depth|credit|hello")
+CASE(rkey_forged, .fn = adv_attack_rkey_forged, .secret = true, .log = LOG_EACH, .close_each = true)
+CASE(rkey_stale, .fn = adv_attack_rkey_stale, .secret = true, .log = LOG_EACH, .close_each = true)
+CASE(rkey_range, .fn = adv_attack_rkey_range, .secret = true, .log = LOG_EACH, .close_each = true)
+CASE(kill9_rndv, .fn = adv_attack_kill9_rndv, .secret = true, .log = LOG_EACH, .close_each = true,
+     .killed = true, .keys = "closed|reset|eof|keepalive|timed out|timeout|lost")
+
+CASE(unauthenticated, .fn = adv_attack_unauthenticated, .secret = true, .log = LOG_EACH,
+     .close_each = true, .keys = "secret|auth|proof|mac|timed out|timeout|malformed")
 
 BEX_TEST_MAIN(BEX_CASE(baseline), BEX_CASE(random_bytes), BEX_CASE(truncated_hello),
               BEX_CASE(absurd_hello), BEX_CASE(idle_conns), BEX_CASE(connect_close),
               BEX_CASE(rndv_huge), BEX_CASE(rndv_endless), BEX_CASE(streams), BEX_CASE(no_credits),
               BEX_CASE(recv_depth_1), BEX_CASE(rkey_forged), BEX_CASE(rkey_stale),
-              BEX_CASE(rkey_range), BEX_CASE(kill9_rndv))
+              BEX_CASE(rkey_range), BEX_CASE(kill9_rndv), BEX_CASE(unauthenticated))
