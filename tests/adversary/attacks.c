@@ -355,6 +355,7 @@ int adv_attack_absurd_hello(struct adv_attack_ctx *a)
         adv_say(a->wr, "note conn %u: %s", c[i].port, what);
         write_all(c[i].fd, b, sizeof b);
         c[i].t0 = adv_now_ms();
+        adv_sleep_ms(100); /* 10 refusals a second: under the log's rate limit */
     }
     /* the decodable ones: read the server's hello and ready, answer ready */
     for (int i = N - DECODABLE; i < N; i++) {
@@ -376,7 +377,7 @@ int adv_attack_absurd_hello(struct adv_attack_ctx *a)
 }
 
 /* 1000 idle TCP connections held open; any the server closes is opened
- * again (at most 2000 a second), for 8 s. Meanwhile the parent starts a
+ * again (at most 200 a second), for 8 s. Meanwhile the parent starts a
  * fresh good client, which must get in. */
 int adv_attack_idle_conns(struct adv_attack_ctx *a)
 {
@@ -403,7 +404,7 @@ int adv_attack_idle_conns(struct adv_attack_ctx *a)
     while (adv_now_ms() < end) {
         if (adv_now_ms() >= tick + 100) {
             tick = adv_now_ms();
-            budget = 200; /* refills per 100 ms */
+            budget = 20; /* refills per 100 ms */
         }
         /* poll(), not a recv() per connection per turn: the attacker must
          * not eat the VM's CPU, only the server's resources */
@@ -472,6 +473,9 @@ int adv_attack_connect_close(struct adv_attack_ctx *a)
 
 /* ---- protocol-level attacks ---- */
 
+/* Bring an abusive peer up. A server that refuses it at setup has
+ * answered the attack: "underway" is said in any case, so that the late
+ * good client still comes. */
 static int peer_up(struct adv_attack_ctx *a, struct adv_peer *p, const struct adv_peer_opts *o)
 {
     struct sockaddr_in srv = srv_of(a);
@@ -484,6 +488,7 @@ static int peer_up(struct adv_attack_ctx *a, struct adv_peer *p, const struct ad
         if (p->closed && p->lport)
             adv_say(a->wr, "closed %u 0", p->lport);
         adv_say(a->wr, "note setup ended: %s", strerror(-rc));
+        adv_say(a->wr, "underway");
     }
     return rc;
 }
