@@ -26,6 +26,7 @@ struct sent {
 
 struct gsock {
     bex_sock *s;
+    bool closed; /* on_close came: s is gone (under G.mu) */
     struct sent fifo[FIFO];
     int head, n;
 };
@@ -129,8 +130,10 @@ static void g_error(bex_sock *s, int err, void *user)
 
 static void g_close(bex_sock *s, void *user)
 {
-    (void)s, (void)user;
+    struct gsock *gs = user;
+    (void)s;
     pthread_mutex_lock(&G.mu);
+    gs->closed = true;
     G.closed++;
     pthread_cond_broadcast(&G.cv);
     pthread_mutex_unlock(&G.mu);
@@ -270,8 +273,13 @@ int adv_good_main(int rd, int wr, void *arg)
     while (adv_get_cmd(rd, -1) != 'q')
         ;
 out:
+    /* under G.mu: a socket whose on_close is running waits for the lock
+     * and is not freed meanwhile; one already closed is not touched */
+    pthread_mutex_lock(&G.mu);
     for (int i = 0; i < NSOCK; i++)
-        bex_sock_close(G.gs[i].s);
+        if (!G.gs[i].closed)
+            bex_sock_close(G.gs[i].s);
+    pthread_mutex_unlock(&G.mu);
     end = adv_now_ms() + 10000ull * scale;
     pthread_mutex_lock(&G.mu);
     while (G.closed < NSOCK && adv_now_ms() < end)

@@ -363,6 +363,10 @@ int adv_server_main(int rd, int wr, void *arg)
         .rndv_bytes_max = 32u << 20,
         .recv_bytes_max = 48u << 20,
         .streams_max = 64,
+        /* 1000 idle connections: the oldest of 256 in setup is closed for
+         * each new one, so a legitimate client (even under TSan) has more
+         * than a second to finish its setup while they are refilled */
+        .setup_max = 256,
         .rndv_timeout_ms = 3000 * scale,
         .credit_timeout_ms = 3000 * scale,
     };
