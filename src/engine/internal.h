@@ -279,4 +279,17 @@ static inline uint32_t bex__wr_engine(uint64_t wr_id)
 
 uint64_t bex__now_ms(void);
 
+/* ---- without a device: for the fuzz targets (tests/fuzz) only ----
+ * An engine over a stand-in QP that the caller owns: the engine posts to it
+ * as to a real one (ibv_post_send/ibv_post_recv are inline calls through
+ * qp->context->ops, where the caller records the work requests), and
+ * skips the QP state changes that need the verbs library (create, INIT,
+ * RTR, RTS, error, destroy). Everything else runs as in production; the
+ * caller plays the NIC: it completes what was posted through
+ * bex__engine_complete. sh->dev, pd and cq may be NULL; the pool should use
+ * bex_mem_registrar_noop. */
+int bex__engine_create_nodev(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                             const struct bex__engine_ops *ops, uint32_t id, void *user,
+                             struct ibv_qp *stand_in, struct bex__engine **out);
+
 #endif
