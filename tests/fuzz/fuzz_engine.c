@@ -116,9 +116,9 @@ struct fz {
     bool client, rxe, started, repeating;
     uint32_t peer_eager;
     volatile uint64_t *ka_local; /* where the peer's keepalive WRITE lands */
-    int fails;      /* on_fail calls */
-    int inject;     /* 1: the next post_send fails, 2: the next post_recv */
-    uint64_t clock; /* virtual ms added to the real clock */
+    int fails;                   /* on_fail calls */
+    int inject;                  /* 1: the next post_send fails, 2: the next post_recv */
+    uint64_t clock;              /* virtual ms added to the real clock */
     uint32_t next_stream;
     uint32_t ops;
 
@@ -293,10 +293,8 @@ static void peer_sees_send(const struct swr *w)
         B.preq[i].answered = true;
         if (h.status == 0 && F.n_grant < MAX_REC) {
             FZ_CHECK(h.addr != 0);
-            B.grant[F.n_grant++] = (struct grant){.addr = h.addr,
-                                                  .len = B.preq[i].len,
-                                                  .stream = B.preq[i].stream,
-                                                  .imm = h.stream};
+            B.grant[F.n_grant++] = (struct grant){
+                .addr = h.addr, .len = B.preq[i].len, .stream = B.preq[i].stream, .imm = h.stream};
         }
     } else if (h.type == BEX__MSG_RNDV_REQ) {
         FZ_CHECK(h.len > 0);
@@ -467,9 +465,9 @@ static void nic_flush(void)
 /* An error completion on one queue; the QP goes to error. */
 static void nic_error(uint8_t how)
 {
-    static const enum ibv_wc_status st[] = {IBV_WC_RETRY_EXC_ERR, IBV_WC_REM_ACCESS_ERR,
+    static const enum ibv_wc_status st[] = {IBV_WC_RETRY_EXC_ERR,     IBV_WC_REM_ACCESS_ERR,
                                             IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_LOC_PROT_ERR,
-                                            IBV_WC_REM_OP_ERR, IBV_WC_LOC_LEN_ERR};
+                                            IBV_WC_REM_OP_ERR,        IBV_WC_LOC_LEN_ERR};
     if (F.qp.state != IBV_QPS_RTS && F.qp.state != IBV_QPS_RTR)
         return;
     struct ibv_wc wc = {.status = st[(how >> 1) % 6]};
