@@ -59,6 +59,7 @@ struct rndv_in {
     uint32_t req_id; /* the sender's id, echoed in the answer */
     uint16_t gen;
     bool used;
+    bool granted; /* its RNDV_RESP was posted: the peer may complete it */
     /* window mode: this slot's window, kept across transfers */
     struct ibv_mw *mw;
     uint32_t key; /* the key of its current binding */
@@ -1300,6 +1301,8 @@ bool bex__engine_progress(struct bex__engine *e)
         else if (h.type == BEX__MSG_CLOSE)
             e->ctl_refusals--;
         prep_send(e, &h, NULL, 0, 0);
+        if (h.type == BEX__MSG_RNDV_RESP && h.status == 0)
+            e->rin[h.stream & 0xffff].granted = true;
     }
     /* destinations given back unwritten: each frees a peer slot */
     while (e->rel_n && free_slots(e) && have_credit(e, false)) {
@@ -1457,6 +1460,7 @@ static int rndv_request(struct bex__engine *e, const struct bex__hdr *h)
         i++;
     struct rndv_in *in = &e->rin[i];
     in->used = true;
+    in->granted = false;
     in->buf = NULL;
     in->gen = (uint16_t)((in->gen + 1) & 0x7fff);
     in->len = h->len;
@@ -1626,8 +1630,10 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             return e->ops->on_direct(e, imm);
         } else {
-            /* a deferred request (no buffer yet) was never answered */
-            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen || !e->rin[i].buf)
+            /* a deferred request (no buffer yet) was never answered, and a
+             * slot the peer has not been told about cannot be done */
+            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen || !e->rin[i].buf ||
+                !e->rin[i].granted)
                 return -EPROTO;
             struct rndv_in *in = &e->rin[i];
             in->used = false;
