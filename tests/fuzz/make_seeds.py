@@ -4,7 +4,8 @@
     tests/fuzz/make_seeds.py        # rewrites the seed-* files
 
 The seeds are small, valid or nearly valid inputs from which libFuzzer
-starts: hellos, one header of each type, and engine sequences that reach
+starts: hellos, authenticated-setup messages, one header of each type, and
+engine sequences that reach
 the states a fuzzer is slow to find alone (a rendezvous answered and
 written, OPEN then CLOSE, a completion error in mid-rendezvous, ...).
 Regression inputs (regress-*) are written by hand from crashes and are not
@@ -46,6 +47,21 @@ write("hello", "limits", hello(qpn=0xFFFFFF, psn=0xFFFFFF, mtu=1, recv_depth=655
 write("hello", "bad-magic", b"GET / HTTP/1.1\r\n" + bytes(64))
 write("hello", "bad-version", hello(version=2))
 write("hello", "short", hello()[:40])
+
+
+# ---------------- authenticated setup (version 2, network byte order) ----------------
+def auth(typ, body, version=2):
+    return struct.pack(">IHHB3x", 0x42455848, version, 12 + len(body), typ) + body
+
+
+write("setup", "open", auth(1, bytes(range(32))))
+write("setup", "challenge", auth(2, bytes(range(32, 64))))
+write("setup", "proof", auth(3, bytes(32)))
+write("setup", "hello", auth(4, hello() + bytes(range(32))))
+write("setup", "plain-hello", hello())
+write("setup", "notice", struct.pack(">II", 0x42455852, 0))
+write("setup", "refusal", struct.pack(">II", 0x42455852, 13))
+write("setup", "bad-length", auth(1, bytes(40)))
 
 
 # ---------------- header (little-endian, 32 bytes + payload) ----------------
