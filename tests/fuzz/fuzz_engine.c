@@ -525,7 +525,13 @@ static bool peer_send(const uint8_t *bytes, uint32_t n)
     }
     /* what on_msg may hand up: the payload, in the second buffer as is */
     struct bex__hdr h;
-    if (bex__hdr_decode(bytes, n, &h) == 0 && h.type == BEX__MSG_DATA && w->num_sge == 2) {
+    bool valid = bex__hdr_decode(bytes, n, &h) == 0;
+    if (valid && h.type == BEX__MSG_RNDV_REQ && F.n_preq < MAX_REC) {
+        /* a request of the peer (structured or raw bytes alike): the
+         * engine's answer, posted later, is matched against it */
+        B.preq[F.n_preq++] = (struct preq){.id = h.id, .len = h.len, .stream = h.stream};
+    }
+    if (valid && h.type == BEX__MSG_DATA && w->num_sge == 2) {
         F.x_kind = X_DATA;
         F.x_buf = (void *)(uintptr_t)w->sge[1].addr;
         F.x_len = h.len;
@@ -809,11 +815,7 @@ static void run_op_once(uint8_t op, struct rd *r)
         if (!(h.len & 0x80000000u))
             h.len %= 65536; /* mostly sizes a test can write */
         h.id = u32(r);
-        /* recorded before it is handled: the answer goes out later */
-        FZ_CHECK(F.n_preq < MAX_REC);
-        B.preq[F.n_preq] = (struct preq){.id = h.id, .len = h.len, .stream = h.stream};
-        if (send_hdr(&h, NULL, 0))
-            F.n_preq++;
+        send_hdr(&h, NULL, 0);
         break;
     }
     case OP_RECV_RESP: {
