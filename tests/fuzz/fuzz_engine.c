@@ -70,7 +70,7 @@ struct hmsg {
 struct hstream {
     struct bex__stream st;
     uint32_t id;
-    bool used, dead, close_asked, closed_cb;
+    bool used, dead, close_asked, peer_closed, closed_cb;
 };
 
 struct swr {
@@ -101,7 +101,7 @@ struct ereq {
 };
 struct answer {
     uint64_t addr;
-    uint32_t rkey, len;
+    uint32_t rkey, len, slot;
 };
 
 struct fz {
@@ -306,6 +306,17 @@ static void peer_sees_send(const struct swr *w)
 /* A WRITE of ours: a slice of a live message, to where the peer said. */
 static void peer_sees_write(const struct swr *w)
 {
+    if (w->wr.num_sge == 0) {
+        /* a destination given back unwritten: one the peer granted */
+        FZ_CHECK(w->wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM);
+        uint32_t i = 0;
+        while (i < F.n_ans && B.ans[i].addr != w->wr.wr.rdma.remote_addr)
+            i++;
+        FZ_CHECK(i < F.n_ans && B.ans[i].rkey == w->wr.wr.rdma.rkey &&
+                 B.ans[i].slot == ntohl(w->wr.imm_data));
+        trace("  posted release");
+        return;
+    }
     trace("  posted WRITE%s len %u", w->wr.opcode == IBV_WR_RDMA_WRITE ? "" : "_WITH_IMM",
           w->sge[0].length);
     FZ_CHECK(w->wr.num_sge == 1);
@@ -343,7 +354,7 @@ static int fk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_se
         return ENOMEM;
     }
     for (; wr; wr = wr->next) {
-        FZ_CHECK(F.sq_n < F.cfg.sq_depth + 1); /* the QP's send queue */
+        FZ_CHECK(F.sq_n < F.cfg.sq_depth); /* the QP's send queue */
         FZ_CHECK(wr->num_sge >= 0 && wr->num_sge <= 2);
         struct swr *w = &B.sq[(F.sq_head + F.sq_n++) % QCAP];
         w->wr = *wr;
@@ -378,7 +389,7 @@ static int fk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_re
         return ENOMEM;
     }
     for (; wr; wr = wr->next) {
-        FZ_CHECK(F.rq_n < F.cfg.rq_depth + 1); /* the QP's receive queue */
+        FZ_CHECK(F.rq_n < F.cfg.rq_depth); /* the QP's receive queue */
         FZ_CHECK(wr->num_sge >= 0 && wr->num_sge <= 2);
         struct rwr *w = &B.rq[(F.rq_head + F.rq_n++) % QCAP];
         w->wr_id = wr->wr_id;
@@ -418,7 +429,7 @@ static void nic_send_ok(void)
         struct swr *w = &B.sq[F.sq_head];
         F.sq_head = (F.sq_head + 1) % QCAP;
         F.sq_n--;
-        if (w->wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM ||
+        if ((w->wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM && w->wr.num_sge == 1) ||
             (w->wr.opcode == IBV_WR_SEND && w->wr.num_sge == 2)) {
             uint64_t a = w->sge[w->wr.num_sge - 1].addr;
             struct hmsg *m = msg_at(a, 0);
@@ -635,8 +646,10 @@ static void up_on_peer_close(struct bex__engine *e, uint32_t stream)
     struct hstream *s = stream_by_id(stream);
     if (!s)
         return;
+    /* as the sock layer: the engine answers with our CLOSE */
     s->dead = true;
-    bex__engine_detach(&s->st);
+    s->peer_closed = true;
+    bex__engine_peer_closed(&s->st);
 }
 
 static void up_on_send_done(struct bex__engine *e, struct bex__msg *bm, int status)
@@ -648,6 +661,8 @@ static void up_on_send_done(struct bex__engine *e, struct bex__msg *bm, int stat
     FZ_CHECK(status <= 0);
     if (status == 0)
         FZ_CHECK(m->acked || m->m.len == 0);
+    if (status == -ECANCELED)
+        FZ_CHECK(!m->acked); /* "never delivered", yet its last request went through */
     /* the NIC must be done with it: no queued request of a live QP points in */
     if (!qp_dead())
         for (uint32_t i = 0; i < F.sq_n; i++)
@@ -660,7 +675,8 @@ static void up_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
     FZ_CHECK(e == F.e && F.fails == 0);
     struct hstream *s = (struct hstream *)st;
     trace("  on_stream_closed %u", s->id);
-    FZ_CHECK(s >= B.str && s < B.str + F.n_str && s->close_asked && !s->closed_cb);
+    FZ_CHECK(s >= B.str && s < B.str + F.n_str && !s->closed_cb);
+    FZ_CHECK(s->peer_closed); /* both CLOSEs are through */
     FZ_CHECK(st->eng == NULL);
     s->closed_cb = true;
     s->dead = true;
@@ -830,7 +846,8 @@ static void run_op_once(uint8_t op, struct rd *r)
             h.id = q->id;
             h.addr = PEER_DST * (F.n_ans + 1);
             if (h.status == 0 && F.n_ans < MAX_REC)
-                B.ans[F.n_ans++] = (struct answer){.addr = h.addr, .rkey = h.rkey, .len = q->len};
+                B.ans[F.n_ans++] = (struct answer){
+                    .addr = h.addr, .rkey = h.rkey, .len = q->len, .slot = h.stream};
         } else {
             h.id = (uint32_t)k << 16 | k;
             h.addr = PEER_DST;
@@ -884,13 +901,9 @@ static void run_op_once(uint8_t op, struct rd *r)
         if (s->close_asked)
             break;
         s->close_asked = true;
-        /* as bex_sock_close: a CLOSE on a live engine, else let go */
-        if (!s->dead && s->st.eng && bex__engine_is_up(F.e)) {
+        /* as bex_sock_close: the queue goes, then CLOSE */
+        if (!s->dead && s->st.eng)
             bex__engine_close_stream(&s->st);
-        } else if (!s->dead) {
-            s->dead = true;
-            bex__engine_detach(&s->st);
-        }
         break;
     }
     case OP_TICK: {
@@ -992,7 +1005,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     F.client = mode & 1;
     F.rxe = mode & 2;
     static const uint32_t eagers[] = {0, 16, 32, 64, 256, 1024, 4096, 8192};
-    F.cfg.sq_depth = 2 + u8(&in) % 31;
+    F.cfg.sq_depth = 2u << (u8(&in) % 5); /* a power of two, 2..32 */
     F.cfg.rq_depth = 4 + u8(&in) % 29;
     F.cfg.eager_max = eagers[u8(&in) % 8];
     uint8_t b = u8(&in);

@@ -90,7 +90,7 @@ write("hdr", "close", hdr(6, stream=9))
 def cfg(client=False, rxe=False, sq=16, rq=8, eager=5, frag=1, window=0, ahead=4,
         peer_rq=16, peer_rndv=8, peer_eager=256):
     """eager: index into the target's table (5 = 1024); frag: 256 << frag."""
-    b = bytes([(1 if client else 0) | (2 if rxe else 0), sq - 2, rq - 4, eager,
+    b = bytes([(1 if client else 0) | (2 if rxe else 0), sq.bit_length() - 2, rq - 4, eager,
                frag | (window << 3), ahead])
     return b + struct.pack("<HHI", peer_rq, peer_rndv, peer_eager)
 
