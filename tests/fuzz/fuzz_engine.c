@@ -629,7 +629,9 @@ static void up_on_open(struct bex__engine *e, uint32_t stream)
         return;
     }
     if (F.n_str == MAX_STR) {
-        sock_fail_conn(-ENOMEM);
+        /* as the sock layer at its stream limit: refuse with a CLOSE */
+        if (bex__engine_refuse_stream(e, stream))
+            sock_fail_conn(-EPROTO);
         return;
     }
     struct hstream *s = &B.str[F.n_str++];
@@ -1014,6 +1016,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     F.cfg.rndv_ahead = u8(&in) % 9;
     F.cfg.keepalive_ms = 100;
     F.cfg.keepalive_timeout_ms = 2000;
+    /* limits: small ones from the mode byte, else the context's defaults */
+    F.cfg.max_msg = mode & 4 ? 65536 : 64u << 20;
+    F.cfg.rndv_max = mode & 8 ? 4 : 256;
+    F.cfg.rndv_bytes_max = mode & 16 ? 65536 : (uint64_t)256 << 20;
+    F.cfg.rndv_timeout_ms = 30000;
+    F.cfg.credit_timeout_ms = 30000;
+    F.sh.recv_pool = F.pool;
+    F.sh.recv_max = mode & 32 ? 65536 : 0;
 
     /* the peer's hello, through the real decoder */
     struct bex__hello ph = {.qpn = 2,
@@ -1048,6 +1058,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         .eager_max = got.eager_max,
         .ka_addr = got.ka_addr,
         .ka_rkey = got.ka_rkey,
+        .max_msg = got.max_msg,
     };
     memcpy(peer.rdma.gid.raw, got.gid, 16);
     if (bex__engine_connect(F.e, &peer) == 0) {
