@@ -448,9 +448,12 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     }
     e->ka_local = ka;
     errno = 0;
-    e->ka_mr = ibv_reg_mr(sh->dev->pd, ka, sizeof(uint64_t),
-                          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-    if (!e->ka_mr) {
+    /* without a device nothing is registered: the peer gets key 0 (see
+     * bex__engine_local) and the stand-in NIC writes nothing there */
+    if (!e->nodev)
+        e->ka_mr = ibv_reg_mr(sh->dev->pd, ka, sizeof(uint64_t),
+                              IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (!e->ka_mr && !e->nodev) {
         err = errno ? -errno : -ENOMEM;
         goto err_destroy;
     }
@@ -624,7 +627,7 @@ void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out)
     out->eager_max = e->cfg.eager_max;
     out->max_msg = e->cfg.max_msg;
     out->ka_addr = (uintptr_t)e->ka_local;
-    out->ka_rkey = e->ka_mr->rkey;
+    out->ka_rkey = e->nodev ? 0 : e->ka_mr->rkey;
 }
 
 int bex__engine_check_peer(const struct bex__engine_peer *p)

@@ -284,10 +284,13 @@ uint64_t bex__now_ms(void);
  * as to a real one (ibv_post_send/ibv_post_recv are inline calls through
  * qp->context->ops, where the caller records the work requests), and
  * skips the QP state changes that need the verbs library (create, INIT,
- * RTR, RTS, error, destroy). Everything else runs as in production; the
- * caller plays the NIC: it completes what was posted through
- * bex__engine_complete. sh->dev, pd and cq may be NULL; the pool should use
- * bex_mem_registrar_noop. */
+ * RTR, RTS, error, destroy) and the keepalive word's registration (its key
+ * is 0). Everything else runs as in production; the caller plays the NIC:
+ * it completes what was posted through bex__engine_complete. sh->dev and
+ * cq may be NULL; the pools should use bex_mem_registrar_noop. In window
+ * mode (sh->windows) sh->pd must be a stand-in too whose context->ops have
+ * alloc_mw and dealloc_mw (ibv_alloc_mw/ibv_dealloc_mw are inline calls
+ * through them), and the caller completes BIND_MW and LOCAL_INV requests. */
 int bex__engine_create_nodev(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
                              const struct bex__engine_ops *ops, uint32_t id, void *user,
                              struct ibv_qp *stand_in, struct bex__engine **out);

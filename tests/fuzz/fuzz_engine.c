@@ -104,13 +104,23 @@ struct answer {
     uint32_t rkey, len, slot;
 };
 
+#define MAX_BINDS 512
 struct fz {
-    bex_mem_pool *pool;
+    bex_mem_pool *pool;    /* general pool: messages, headers, eager receives */
+    bex_mem_pool *landing; /* rendezvous destinations only */
     struct bex__log log;
     struct bex__stats stats;
     struct bex__engine_shared sh;
     struct ibv_context ctx;
     struct ibv_qp qp;
+    struct ibv_pd pd; /* window mode: windows come from the stand-in's ops */
+    int live_mw;      /* windows allocated and not deallocated */
+    uint32_t next_mw_key;
+    struct bind {
+        uint64_t addr, len;
+        uint32_t key;
+    } binds[MAX_BINDS]; /* window mode: bindings posted and not invalidated */
+    uint32_t n_binds;
     struct bex__engine *e;
     struct bex__engine_config cfg;
     bool client, rxe, started, repeating;
@@ -293,6 +303,18 @@ static void peer_sees_send(const struct swr *w)
         B.preq[i].answered = true;
         if (h.status == 0 && F.n_grant < MAX_REC) {
             FZ_CHECK(h.addr != 0);
+            /* a destination is landing memory, never the general pool's */
+            void *d = (void *)(uintptr_t)h.addr;
+            FZ_CHECK(bex_mem_pool_of(d) == F.landing && bex_mem_usable_size(d) >= B.preq[i].len);
+            if (F.sh.windows) {
+                /* the key is a window's, bound over exactly this buffer
+                 * by a request posted before the answer */
+                uint32_t k = 0;
+                while (k < F.n_binds && F.binds[k].key != h.rkey)
+                    k++;
+                FZ_CHECK(k < F.n_binds && F.binds[k].addr == h.addr &&
+                         F.binds[k].len == B.preq[i].len);
+            }
             B.grant[F.n_grant++] = (struct grant){
                 .addr = h.addr, .len = B.preq[i].len, .stream = B.preq[i].stream, .imm = h.stream};
         }
@@ -372,6 +394,33 @@ static int fk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_se
         case IBV_WR_RDMA_WRITE_WITH_IMM:
             peer_sees_write(w);
             break;
+        case IBV_WR_BIND_MW: {
+            /* window mode only: a window of ours over landing memory, remote
+             * write only, with a key whose index is the window's */
+            FZ_CHECK(F.sh.windows && wr->num_sge == 0);
+            const struct ibv_mw_bind_info *bi = &wr->bind_mw.bind_info;
+            void *d = (void *)(uintptr_t)bi->addr;
+            FZ_CHECK(wr->bind_mw.mw && wr->bind_mw.mw->pd == &F.pd);
+            FZ_CHECK(bex_mem_pool_of(d) == F.landing && bex_mem_usable_size(d) >= bi->length);
+            FZ_CHECK(bi->mw_access_flags == IBV_ACCESS_REMOTE_WRITE);
+            FZ_CHECK((wr->bind_mw.rkey & ~0xffu) == (wr->bind_mw.mw->rkey & ~0xffu));
+            trace("  posted BIND_MW len %zu key 0x%x", (size_t)bi->length, wr->bind_mw.rkey);
+            /* a window has one binding at a time: a new one replaces it */
+            for (uint32_t k = 0; k < F.n_binds; k++)
+                if (F.binds[k].key >> 8 == wr->bind_mw.rkey >> 8)
+                    F.binds[k--] = F.binds[--F.n_binds];
+            FZ_CHECK(F.n_binds < MAX_BINDS);
+            F.binds[F.n_binds++] =
+                (struct bind){.addr = bi->addr, .len = bi->length, .key = wr->bind_mw.rkey};
+            break;
+        }
+        case IBV_WR_LOCAL_INV:
+            FZ_CHECK(F.sh.windows && wr->num_sge == 0);
+            trace("  posted LOCAL_INV key 0x%x", wr->invalidate_rkey);
+            for (uint32_t k = 0; k < F.n_binds; k++)
+                if (F.binds[k].key == wr->invalidate_rkey)
+                    F.binds[k--] = F.binds[--F.n_binds];
+            break;
         default:
             FZ_CHECK(!"an opcode the engine never uses");
         }
@@ -437,7 +486,10 @@ static void nic_send_ok(void)
             m->acked = true;
         }
         wc.wr_id = w->wr.wr_id;
-        wc.opcode = w->wr.opcode == IBV_WR_SEND ? IBV_WC_SEND : IBV_WC_RDMA_WRITE;
+        wc.opcode = w->wr.opcode == IBV_WR_SEND        ? IBV_WC_SEND
+                    : w->wr.opcode == IBV_WR_BIND_MW   ? IBV_WC_BIND_MW
+                    : w->wr.opcode == IBV_WR_LOCAL_INV ? IBV_WC_LOCAL_INV
+                                                       : IBV_WC_RDMA_WRITE;
     }
     wc.status = IBV_WC_SUCCESS;
     complete(&wc);
@@ -610,7 +662,8 @@ static void up_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t 
         g->used = true;
         FZ_CHECK(memcmp(buf, pattern((uint8_t)g->imm), len < WRITE_MAX ? len : WRITE_MAX) == 0);
     }
-    FZ_CHECK(bex_mem_pool_of(buf) == F.pool && bex_mem_usable_size(buf) >= len);
+    FZ_CHECK(bex_mem_pool_of(buf) == (F.x_kind == X_RNDV ? F.landing : F.pool) &&
+             bex_mem_usable_size(buf) >= len);
     hold(buf);
 }
 
@@ -981,14 +1034,41 @@ static void run_op(struct rd *r)
  * must be empty between inputs. */
 static void reset(void)
 {
-    static bex_mem_pool *pool;
+    static bex_mem_pool *pool, *landing;
     if (!pool) {
         bex_mem_registrar reg;
         bex_mem_registrar_noop(&reg);
+        bex_mem_config lc = {.kind = BEX_MEM_POOL_LANDING};
         FZ_CHECK(bex_mem_pool_create(&reg, NULL, &pool) == 0);
+        FZ_CHECK(bex_mem_pool_create(&reg, &lc, &landing) == 0);
     }
     memset(&F, 0, sizeof(F));
     F.pool = pool;
+    F.landing = landing;
+}
+
+/* Window mode: the stand-in's windows (ibv_alloc_mw/ibv_dealloc_mw are
+ * inline calls through the context's ops). Keys index the window in their
+ * upper 24 bits, as a device's do. */
+static struct ibv_mw *fk_alloc_mw(struct ibv_pd *pd, enum ibv_mw_type type)
+{
+    FZ_CHECK(pd == &F.pd && type == IBV_MW_TYPE_2 && F.sh.windows);
+    struct ibv_mw *mw = calloc(1, sizeof(*mw));
+    FZ_CHECK(mw != NULL);
+    mw->context = &F.ctx;
+    mw->pd = pd;
+    mw->type = type;
+    mw->rkey = ++F.next_mw_key << 8;
+    F.live_mw++;
+    return mw;
+}
+
+static int fk_dealloc_mw(struct ibv_mw *mw)
+{
+    FZ_CHECK(mw && mw->pd == &F.pd && F.live_mw > 0);
+    F.live_mw--;
+    free(mw);
+    return 0;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -998,7 +1078,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     F.sh = (struct bex__engine_shared){.pool = F.pool, .stats = &F.stats, .log = &F.log};
     F.ctx.ops.post_send = fk_post_send;
     F.ctx.ops.post_recv = fk_post_recv;
+    F.ctx.ops.alloc_mw = fk_alloc_mw;
+    F.ctx.ops.dealloc_mw = fk_dealloc_mw;
     F.qp.context = &F.ctx;
+    F.pd.context = &F.ctx;
+    F.sh.pd = &F.pd;
+    F.sh.landing = F.landing;
     F.qp.qp_num = 0x123;
     F.qp.state = IBV_QPS_RESET;
 
@@ -1024,6 +1109,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     F.cfg.credit_timeout_ms = 30000;
     F.sh.recv_pool = F.pool;
     F.sh.recv_max = mode & 32 ? 65536 : 0;
+    F.sh.windows = mode & 64; /* window mode: rendezvous through bound windows */
 
     /* the peer's hello, through the real decoder */
     struct bex__hello ph = {.qpn = 2,
@@ -1084,7 +1170,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         bex_mem_free(B.msgs[i].m.buf);
     bex_mem_stats ms;
     bex_mem_pool_stats(F.pool, &ms);
-    FZ_CHECK(ms.in_use_bytes == 0); /* every receive and rendezvous buffer came back */
+    FZ_CHECK(ms.in_use_bytes == 0); /* every receive buffer came back */
+    bex_mem_pool_stats(F.landing, &ms);
+    FZ_CHECK(ms.in_use_bytes == 0); /* every rendezvous destination came back */
+    FZ_CHECK(F.live_mw == 0);       /* every window was deallocated */
     bex__log_fini(&F.log);
     return 0;
 }

@@ -88,9 +88,11 @@ write("hdr", "close", hdr(6, stream=9))
 
 
 def cfg(client=False, rxe=False, sq=16, rq=8, eager=5, frag=1, window=0, ahead=4,
-        peer_rq=16, peer_rndv=8, peer_eager=256):
-    """eager: index into the target's table (5 = 1024); frag: 256 << frag."""
-    b = bytes([(1 if client else 0) | (2 if rxe else 0), sq.bit_length() - 2, rq - 4, eager,
+        peer_rq=16, peer_rndv=8, peer_eager=256, windows=False):
+    """eager: index into the target's table (5 = 1024); frag: 256 << frag;
+    windows: memory-window mode (destinations reached through bound windows)."""
+    b = bytes([(1 if client else 0) | (2 if rxe else 0) | (64 if windows else 0),
+               sq.bit_length() - 2, rq - 4, eager,
                frag | (window << 3), ahead])
     return b + struct.pack("<HHI", peer_rq, peer_rndv, peer_eager)
 
@@ -113,6 +115,13 @@ write("engine", "open-data-close", cfg() + start + op(OP_RECV_OPEN, (B, 1), (B, 
 write("engine", "rndv-in", cfg() + start + op(OP_RECV_OPEN, (B, 2), (B, 0)) +
       op(OP_RECV_REQ, (B, 2), (B, 0), (I, 3000), (I, 0x10007)) + op(OP_SEND_OK) +
       op(OP_WRITE_GRANT, (B, 0)) + op(OP_WRITE_GRANT, (B, 0)))
+# the same in window mode: the window is bound before the answer leaves,
+# invalidated after the delivery; then the QP fails with a window bound
+write("engine", "window-rndv-in", cfg(windows=True) + start + op(OP_RECV_OPEN, (B, 2), (B, 0)) +
+      op(OP_RECV_REQ, (B, 2), (B, 0), (I, 3000), (I, 0x10007)) + op(OP_SEND_OK) +
+      op(OP_WRITE_GRANT, (B, 0)) + op(OP_SEND_OK) +
+      op(OP_RECV_REQ, (B, 2), (B, 0), (I, 9000), (I, 0x10008)) + op(OP_SEND_OK) +
+      op(OP_RECV_REQ, (B, 2), (B, 0), (I, 5000), (I, 0x10009)) + op(OP_NIC_ERROR, (B, 0)))
 # client: a small and a large message, the peer answers, the stream closes
 write("engine", "rndv-out", cfg(client=True) + start + op(OP_APP_OPEN) +
       op(OP_APP_SEND, (B, 0), (H, 100), (B, 0), (B, 0)) +
@@ -177,3 +186,12 @@ regress("answer-queue-overflow", cfg(peer_rq=2) + start +
 regress("repost-after-release", cfg(rq=8) + start + op(OP_RECV_OPEN, (B, 1), (B, 0)) +
         op(OP_RECV_DATA, (B, 1), (B, 0), (H, 5)) + op(OP_RECV_DATA, (B, 1), (B, 0), (H, 5)) +
         op(OP_INJECT, (B, 1)) + op(OP_RECV_OPEN, (B, 1), (B, 0)))
+# A WRITE_WITH_IMM naming rendezvous slot 0, generation 1, while the answer
+# granting it is still queued (our sends used up the peer's credits, none
+# came back): the slot is guessable; the write must be refused (-EPROTO),
+# never delivered. The input libFuzzer wrote no longer reached the bug once
+# the target took limits and window mode from its mode byte.
+regress("write-before-grant", cfg(peer_rq=4) + start + op(OP_RECV_OPEN, (B, 2), (B, 0)) +
+        op(OP_REPEAT, (B, 4)) + op(OP_APP_SEND, (B, 0), (H, 10), (B, 0), (B, 0)) +
+        op(OP_RECV_REQ, (B, 2), (B, 0), (I, 3000), (I, 0x10007)) +
+        op(OP_WRITE_IMM, (I, 0x10000)) + op(OP_SEND_OK))
