@@ -59,6 +59,7 @@ struct rndv_in {
     uint32_t req_id; /* the sender's id, echoed in the answer */
     uint16_t gen;
     bool used;
+    bool granted; /* its RNDV_RESP was posted: the peer may complete it */
     /* window mode: this slot's window, kept across transfers */
     struct ibv_mw *mw;
     uint32_t key; /* the key of its current binding */
@@ -99,6 +100,7 @@ struct bex__engine {
     uint32_t id;
     void *user;
     struct ibv_qp *qp;
+    bool nodev; /* qp is a stand-in: bex__engine_create_nodev */
     uint32_t psn;
     int state;
 
@@ -376,9 +378,18 @@ __attribute__((format(printf, 2, 3))) static int violation(struct bex__engine *e
     return -EPROTO;
 }
 
-int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
-                       const struct bex__engine_ops *ops, uint32_t id, void *user,
-                       struct bex__engine **out)
+/* A stand-in QP (bex__engine_create_nodev) goes through the states that
+ * ibv_modify_qp would take a real one to, and nothing else happens; RESET
+ * stands for destroyed. */
+static int nodev_to(struct bex__engine *e, enum ibv_qp_state s)
+{
+    e->qp->state = s;
+    return 0;
+}
+
+static int engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                         const struct bex__engine_ops *ops, uint32_t id, void *user,
+                         struct ibv_qp *stand_in, struct bex__engine **out)
 {
     int err = -ENOMEM;
     if (cfg->sq_depth == 0 || (cfg->sq_depth & (cfg->sq_depth - 1)))
@@ -391,6 +402,7 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     e->ops = ops;
     e->id = id;
     e->user = user;
+    e->nodev = stand_in != NULL;
     e->sq = cfg->sq_depth;
     e->rq = cfg->rq_depth;
     e->k = e->rq / 2;
@@ -436,9 +448,12 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
     }
     e->ka_local = ka;
     errno = 0;
-    e->ka_mr = ibv_reg_mr(sh->dev->pd, ka, sizeof(uint64_t),
-                          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-    if (!e->ka_mr) {
+    /* without a device nothing is registered: the peer gets key 0 (see
+     * bex__engine_local) and the stand-in NIC writes nothing there */
+    if (!e->nodev)
+        e->ka_mr = ibv_reg_mr(sh->dev->pd, ka, sizeof(uint64_t),
+                              IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (!e->ka_mr && !e->nodev) {
         err = errno ? -errno : -ENOMEM;
         goto err_destroy;
     }
@@ -470,10 +485,15 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
         .max_send_sge = 2,
         .max_recv_sge = 2,
     };
-    err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, NULL);
+    if (e->nodev) {
+        e->qp = stand_in;
+        err = 0;
+    } else {
+        err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, NULL);
+    }
     if (err)
         goto err_destroy;
-    err = bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
+    err = e->nodev ? nodev_to(e, IBV_QPS_INIT) : bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
     if (err)
         goto err_destroy;
     /* Every receive is posted before the peer can learn our QPN: no SEND
@@ -530,6 +550,22 @@ static void release_windows(struct bex__engine *e)
     e->xw_n = 0;
 }
 
+int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                       const struct bex__engine_ops *ops, uint32_t id, void *user,
+                       struct bex__engine **out)
+{
+    return engine_create(sh, cfg, ops, id, user, NULL, out);
+}
+
+int bex__engine_create_nodev(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                             const struct bex__engine_ops *ops, uint32_t id, void *user,
+                             struct ibv_qp *stand_in, struct bex__engine **out)
+{
+    if (!stand_in)
+        return -EINVAL;
+    return engine_create(sh, cfg, ops, id, user, stand_in, out);
+}
+
 /* Also the tail of bex__engine_create's cleanup ladder: every field may
  * still be NULL (calloc), and bex_mem_free(NULL) is a no-op. */
 void bex__engine_destroy(struct bex__engine *e)
@@ -537,7 +573,9 @@ void bex__engine_destroy(struct bex__engine *e)
     if (!e)
         return;
     release_windows(e);
-    if (e->qp)
+    if (e->qp && e->nodev)
+        nodev_to(e, IBV_QPS_RESET);
+    else if (e->qp)
         bex__rdma_qp_destroy(e->qp);
     for (uint32_t i = 0; e->rs && i < e->rq; i++)
         recv_free(e, slot_take_buf(e, &e->rs[i]));
@@ -589,7 +627,7 @@ void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out)
     out->eager_max = e->cfg.eager_max;
     out->max_msg = e->cfg.max_msg;
     out->ka_addr = (uintptr_t)e->ka_local;
-    out->ka_rkey = e->ka_mr->rkey;
+    out->ka_rkey = e->nodev ? 0 : e->ka_mr->rkey;
 }
 
 int bex__engine_check_peer(const struct bex__engine_peer *p)
@@ -609,8 +647,11 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
     int err = bex__engine_check_peer(p);
     if (err)
         return err;
-    err = bex__rdma_qp_to_rtr(e->qp, e->sh->dev, &e->sh->path, &p->rdma, &e->sh->conn);
-    if (!err)
+    err = e->nodev ? nodev_to(e, IBV_QPS_RTR)
+                   : bex__rdma_qp_to_rtr(e->qp, e->sh->dev, &e->sh->path, &p->rdma, &e->sh->conn);
+    if (!err && e->nodev)
+        err = nodev_to(e, IBV_QPS_RTS);
+    else if (!err)
         err = bex__rdma_qp_to_rts(e->qp, e->sh->dev, e->psn, &p->rdma, &e->sh->conn);
     if (err)
         return err;
@@ -1263,6 +1304,8 @@ bool bex__engine_progress(struct bex__engine *e)
         else if (h.type == BEX__MSG_CLOSE)
             e->ctl_refusals--;
         prep_send(e, &h, NULL, 0, 0);
+        if (h.type == BEX__MSG_RNDV_RESP && h.status == 0)
+            e->rin[h.stream & 0xffff].granted = true;
     }
     /* destinations given back unwritten: each frees a peer slot */
     while (e->rel_n && free_slots(e) && have_credit(e, false)) {
@@ -1420,6 +1463,7 @@ static int rndv_request(struct bex__engine *e, const struct bex__hdr *h)
         i++;
     struct rndv_in *in = &e->rin[i];
     in->used = true;
+    in->granted = false;
     in->buf = NULL;
     in->gen = (uint16_t)((in->gen + 1) & 0x7fff);
     in->len = h->len;
@@ -1589,8 +1633,10 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             return e->ops->on_direct(e, imm);
         } else {
-            /* a deferred request (no buffer yet) was never answered */
-            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen || !e->rin[i].buf)
+            /* a deferred request (no buffer yet) was never answered, and a
+             * slot the peer has not been told about cannot be done */
+            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen || !e->rin[i].buf ||
+                !e->rin[i].granted)
                 return -EPROTO;
             struct rndv_in *in = &e->rin[i];
             in->used = false;
@@ -1748,13 +1794,17 @@ static void fail_now(struct bex__engine *e, int err)
     e->state = E_DEAD;
     release_windows(e); /* before the QP: see release_windows */
     if (e->qp) {
-        int rc = bex__rdma_qp_destroy(e->qp);
-        if (rc) {
-            /* cannot happen for a QP of ours (no multicast, and every
-             * window bound on it went just above); stop it at least */
-            bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_destroy_qp: %s", e->id,
-                     bex_strerror(rc));
-            bex__rdma_qp_to_err(e->qp);
+        if (e->nodev) {
+            nodev_to(e, IBV_QPS_RESET);
+        } else {
+            int rc = bex__rdma_qp_destroy(e->qp);
+            if (rc) {
+                /* cannot happen for a QP of ours (no multicast, and every
+                 * window bound on it went just above); stop it at least */
+                bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_destroy_qp: %s", e->id,
+                         bex_strerror(rc));
+                bex__rdma_qp_to_err(e->qp);
+            }
         }
         e->qp = NULL;
     }

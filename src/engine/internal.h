@@ -279,4 +279,20 @@ static inline uint32_t bex__wr_engine(uint64_t wr_id)
 
 uint64_t bex__now_ms(void);
 
+/* ---- without a device: for the fuzz targets (tests/fuzz) only ----
+ * An engine over a stand-in QP that the caller owns: the engine posts to it
+ * as to a real one (ibv_post_send/ibv_post_recv are inline calls through
+ * qp->context->ops, where the caller records the work requests), and
+ * skips the QP state changes that need the verbs library (create, INIT,
+ * RTR, RTS, error, destroy) and the keepalive word's registration (its key
+ * is 0). Everything else runs as in production; the caller plays the NIC:
+ * it completes what was posted through bex__engine_complete. sh->dev and
+ * cq may be NULL; the pools should use bex_mem_registrar_noop. In window
+ * mode (sh->windows) sh->pd must be a stand-in too whose context->ops have
+ * alloc_mw and dealloc_mw (ibv_alloc_mw/ibv_dealloc_mw are inline calls
+ * through them), and the caller completes BIND_MW and LOCAL_INV requests. */
+int bex__engine_create_nodev(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                             const struct bex__engine_ops *ops, uint32_t id, void *user,
+                             struct ibv_qp *stand_in, struct bex__engine **out);
+
 #endif
