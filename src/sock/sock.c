@@ -1592,8 +1592,11 @@ int bex_ctx_destroy(bex_ctx *ctx)
         cn->nsocks = 0;
         conn_free(cn);
     }
+    /* A slot that is free had its window disposed of by whoever freed it
+     * (its mw is stale then): only armed ones still own theirs. */
     for (uint32_t i = 0; i < EXPOSED_MAX; i++)
-        if (ctx->exposed[i].mw && !ctx->exposed[i].bound)
+        if (X_KIND(atomic_load(&ctx->exposed[i].state)) == X_ARMED && ctx->exposed[i].mw &&
+            !ctx->exposed[i].bound)
             ibv_dealloc_mw(ctx->exposed[i].mw); /* exposed, never bound */
     close(ctx->evfd);
     close(ctx->epfd);
