@@ -34,8 +34,8 @@ int bex__fault_hit(enum bex__fault_kind k)
     return p->ret;
 }
 
-void bex__fault_arm(enum bex__fault_kind k, uint64_t nth, int ret, int err,
-                    void (*hook)(void *arg), void *arg)
+void bex__fault_arm(enum bex__fault_kind k, uint64_t nth, int ret, int err, void (*hook)(void *arg),
+                    void *arg)
 {
     struct point *p = &points[k];
     atomic_store(&p->nth, 0);

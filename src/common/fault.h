@@ -21,10 +21,10 @@
 #include <stdint.h>
 
 enum bex__fault_kind {
-    BEX__FAULT_POST_SEND, /* bex__rdma_post_send: every ibv_post_send of an engine */
-    BEX__FAULT_POST_RECV, /* bex__rdma_post_recv: every ibv_post_recv of an engine */
-    BEX__FAULT_POLL_CQ,   /* bex__rdma_poll_cq, counting only polls that found
-                             completions: those are lost, as on a broken CQ */
+    BEX__FAULT_POST_SEND,  /* bex__rdma_post_send: every ibv_post_send of an engine */
+    BEX__FAULT_POST_RECV,  /* bex__rdma_post_recv: every ibv_post_recv of an engine */
+    BEX__FAULT_POLL_CQ,    /* bex__rdma_poll_cq, counting only polls that found
+                              completions: those are lost, as on a broken CQ */
     BEX__FAULT_EXPOSE_ARM, /* bex_sock_expose: slot claimed, checks passed,
                               not yet armed (ret is ignored) */
     BEX__FAULT_KINDS,
@@ -37,8 +37,8 @@ enum bex__fault_kind {
 int bex__fault_hit(enum bex__fault_kind k);
 /* Tests: arm kind k (counting from now); nth 0 disarms. The hook (may be
  * NULL) runs once, on the thread making the armed call. */
-void bex__fault_arm(enum bex__fault_kind k, uint64_t nth, int ret, int err,
-                    void (*hook)(void *arg), void *arg);
+void bex__fault_arm(enum bex__fault_kind k, uint64_t nth, int ret, int err, void (*hook)(void *arg),
+                    void *arg);
 /* Tests: whether the armed call of kind k came (and its hook returned). */
 int bex__fault_fired(enum bex__fault_kind k);
 #define BEX__FAULT(k) bex__fault_hit(k)
