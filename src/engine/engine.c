@@ -501,7 +501,7 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     for (uint32_t i = 0; i < e->rq; i++)
         e->rs[i].wr.next = i + 1 < e->rq ? &e->rs[i + 1].wr : NULL;
     struct ibv_recv_wr *bad;
-    err = bex__rdma_err(ibv_post_recv(e->qp, &e->rs[0].wr, &bad));
+    err = bex__rdma_err(bex__rdma_post_recv(e->qp, &e->rs[0].wr, &bad));
     if (err)
         goto err_destroy;
     BEX__STAT_ADD(sh->stats, post_recv_calls, 1);
@@ -1115,7 +1115,7 @@ static void post_pending(struct bex__engine *e)
         s->wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
     }
     struct ibv_send_wr *bad = NULL;
-    int rc = ibv_post_send(e->qp, &first->wr, &bad);
+    int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
     /* counted from the flags of what was posted (up to bad on failure), so
      * that the counter shows the signaling policy, whatever it is */
     uint64_t signaled = 0;
@@ -1149,7 +1149,7 @@ static void repost_recvs(struct bex__engine *e)
         r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
     }
     struct ibv_recv_wr *bad;
-    int rc = ibv_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
+    int rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
     BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
     if (rc) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_recv: %s", e->id,

@@ -27,6 +27,7 @@
 #include <infiniband/verbs.h>
 
 #include "bex/common.h"
+#include "common/fault.h"
 #include "rdma/hello.h"
 
 /* ---- error translation ------------------------------------------------- */
@@ -58,6 +59,45 @@ static inline int bex__rdma_errno(void)
  *   everything else -> -EIO. IBV_WC_SUCCESS -> 0.
  * Use ibv_wc_status_str() for the text in logs. */
 int bex__rdma_wc_errno(enum ibv_wc_status status);
+
+/* ---- posting and polling --------------------------------------------- */
+
+/* ibv_post_send, ibv_post_recv and ibv_poll_cq, returning what they return.
+ * They exist for the fault points of the test library (common/fault.h): in
+ * libbex they are the verbs calls and nothing else. */
+static inline int bex__rdma_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr,
+                                      struct ibv_send_wr **bad)
+{
+    int f = BEX__FAULT(BEX__FAULT_POST_SEND);
+    if (f) {
+        *bad = wr; /* nothing of the chain was posted */
+        return f;
+    }
+    return ibv_post_send(qp, wr, bad);
+}
+
+static inline int bex__rdma_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr,
+                                      struct ibv_recv_wr **bad)
+{
+    int f = BEX__FAULT(BEX__FAULT_POST_RECV);
+    if (f) {
+        *bad = wr;
+        return f;
+    }
+    return ibv_post_recv(qp, wr, bad);
+}
+
+static inline int bex__rdma_poll_cq(struct ibv_cq *cq, int num, struct ibv_wc *wc)
+{
+    int n = ibv_poll_cq(cq, num, wc);
+    if (n > 0) {
+        /* a failing CQ loses what it had: these completions are gone */
+        int f = BEX__FAULT(BEX__FAULT_POLL_CQ);
+        if (f)
+            return f;
+    }
+    return n;
+}
 
 /* ---- MTU ------------------------------------------------------------- */
 

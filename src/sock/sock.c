@@ -1280,7 +1280,7 @@ static void *io_main(void *arg)
     bool spun_out = false;
     while (!ctx->stopping) {
         bool did = false;
-        int n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        int n = bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc);
         if (n < 0)
             cq_failed(ctx, n);
         dispatch(ctx, wc, n);
@@ -1323,7 +1323,7 @@ static void *io_main(void *arg)
         /* Sleep: arm the CQ, then look once more so nothing slips between. */
         ibv_req_notify_cq(ctx->sh.cq, 0);
         atomic_store(&ctx->sleeping, 1);
-        n = ibv_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        n = bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc);
         if (n < 0)
             cq_failed(ctx, n);
         if (n > 0 || atomic_load(&ctx->cmds)) {
@@ -1592,8 +1592,11 @@ int bex_ctx_destroy(bex_ctx *ctx)
         cn->nsocks = 0;
         conn_free(cn);
     }
+    /* A slot that is free had its window disposed of by whoever freed it
+     * (its mw is stale then): only armed ones still own theirs. */
     for (uint32_t i = 0; i < EXPOSED_MAX; i++)
-        if (ctx->exposed[i].mw && !ctx->exposed[i].bound)
+        if (X_KIND(atomic_load(&ctx->exposed[i].state)) == X_ARMED && ctx->exposed[i].mw &&
+            !ctx->exposed[i].bound)
             ibv_dealloc_mw(ctx->exposed[i].mw); /* exposed, never bound */
     close(ctx->evfd);
     close(ctx->epfd);
@@ -1794,6 +1797,7 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
         out->rkey = mw ? x->key : bex_mem_mr(buf)->rkey;
         out->len = len;
         out->token = BEX__IMM_DIRECT | (gen << 16) | i;
+        (void)BEX__FAULT(BEX__FAULT_EXPOSE_ARM); /* tests: a failure lands here */
         atomic_store(&x->state, X_WORD(gen, X_ARMED));
         /* The I/O thread marks a socket failed, then cancels its armed
          * slots (both seq_cst): either it saw this slot armed, or we see
