@@ -301,6 +301,7 @@ static void note_post(struct fk_side *s, struct fk_wr *w)
     if (w->fin) {
         FK_CHECK(!w->fin->final_posted);
         w->fin->final_posted = true;
+        w->fin->posted_bytes_at = s->payload_posted;
     }
     /* credits: receive-consuming requests never exceed what the peer granted,
      * and all but CREDIT messages leave the last one free */
@@ -322,6 +323,7 @@ static void note_post(struct fk_side *s, struct fk_wr *w)
     /* rendezvous bookkeeping: requests go to the peer's list, answers
      * become this side's grants */
     if (is_send && h.type == BEX__MSG_RNDV_REQ) {
+        s->last_req_id = h.id;
         FK_CHECK(peer->n_pending_req < FK_MAX_GRANTS);
         peer->pending_req_id[peer->n_pending_req] = h.id;
         peer->pending_req_len[peer->n_pending_req++] = h.len;

@@ -81,7 +81,8 @@ struct fk_msg {
     bool final_posted, final_acked, arrived;
     int delivered;         /* on_msg / on_direct calls at the peer */
     int exposed;           /* direct: index in the peer's exposed table, else -1 */
-    uint64_t post_bytes_at; /* fairness: others' bytes posted when it was queued */
+    uint64_t post_bytes_at;   /* its side's payload bytes posted when it was queued */
+    uint64_t posted_bytes_at; /* ... and when its last request was posted (before it) */
 };
 
 struct fk_stream {
@@ -156,6 +157,7 @@ struct fk_side {
     uint32_t pending_req_len[FK_MAX_GRANTS]; /* the peer's RNDV_REQ lens by slot */
     uint32_t pending_req_id[FK_MAX_GRANTS];
     uint32_t n_pending_req;
+    uint32_t last_req_id; /* id of the last RNDV_REQ this side posted */
 };
 
 struct fk_pair {
