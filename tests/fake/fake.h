@@ -43,7 +43,7 @@
 #include "engine/internal.h"
 
 enum {
-    FK_QCAP = 512,     /* requests a queue of the stand-in NIC holds */
+    FK_QCAP = 512,      /* requests a queue of the stand-in NIC holds */
     FK_MAX_MSGS = 4096, /* messages of one test */
     FK_MAX_STREAMS = 32,
     FK_MAX_GRANTS = 512,
@@ -69,6 +69,7 @@ struct fk_rwr {
 struct fk_wc {
     struct ibv_wc wc;
     uint16_t credits; /* RECV of a header: the credits it carries */
+    bool release;     /* a granted destination given back unwritten */
 };
 
 /* One message of the application. */
@@ -79,8 +80,8 @@ struct fk_msg {
     int done;   /* on_send_done calls */
     int status; /* of the first */
     bool final_posted, final_acked, arrived;
-    int delivered;         /* on_msg / on_direct calls at the peer */
-    int exposed;           /* direct: index in the peer's exposed table, else -1 */
+    int delivered;            /* on_msg / on_direct calls at the peer */
+    int exposed;              /* direct: index in the peer's exposed table, else -1 */
     uint64_t post_bytes_at;   /* its side's payload bytes posted when it was queued */
     uint64_t posted_bytes_at; /* ... and when its last request was posted (before it) */
 };
@@ -139,7 +140,7 @@ struct fk_side {
     uint64_t credits_granted;  /* peer's recv_depth + credits delivered here */
     uint64_t inflight;         /* payload bytes posted, not completed */
     uint64_t max_inflight;
-    uint64_t payload_posted; /* every payload byte posted (fairness) */
+    uint64_t payload_posted;   /* every payload byte posted (fairness) */
     uint32_t min_credits_left; /* lowest granted - posted seen after a post */
 
     /* the sock layer's side */
@@ -158,6 +159,8 @@ struct fk_side {
     uint32_t pending_req_id[FK_MAX_GRANTS];
     uint32_t n_pending_req;
     uint32_t last_req_id; /* id of the last RNDV_REQ this side posted */
+    bool x_release;       /* the completion being delivered is a release */
+    uint32_t releases;
 };
 
 struct fk_pair {

@@ -75,8 +75,8 @@ static int between_turns(void)
                     }
                     if (seen) {
                         if (others > (n - 1) * S)
-                            fprintf(stderr, "n %u seed %llu: socket %u waited for %llu bytes\n",
-                                    n, (unsigned long long)seed, st[i]->id,
+                            fprintf(stderr, "n %u seed %llu: socket %u waited for %llu bytes\n", n,
+                                    (unsigned long long)seed, st[i]->id,
                                     (unsigned long long)others);
                         CHECK(others <= (n - 1) * S);
                         if (others > widest)
