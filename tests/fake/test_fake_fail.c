@@ -1,0 +1,141 @@
+/* Failure mid-transfer over the fake transport: whatever the moment and the
+ * cause, every message is handed back exactly once, before on_fail, with
+ * the status bex/sock.h promises, and the status agrees with what the NIC
+ * did to it (fake.c up_on_send_done and fk_check_final):
+ *   0           its last request completed, and the peer delivered it
+ *               (unless the peer failed before it processed the completion);
+ *   -ECANCELED  its last request was never posted, and nothing delivered it;
+ *   -EIO        its last request was posted and never completed (it may or
+ *               may not have been delivered).
+ * Traffic: several sockets both ways, small messages, rendezvous and
+ * writes into exposed buffers, completions late at random. */
+#include <errno.h>
+
+#include "fake/fake.h"
+#include "harness.h"
+
+enum { HOW_LOCAL, HOW_NIC, HOW_PEER, HOW_CLOSE_THEN_LOCAL, HOW_COUNT };
+
+static uint32_t seen[4]; /* statuses over all seeds: 0, -ECANCELED, -EIO, other */
+
+static void tally(struct fk_pair *p)
+{
+    for (uint32_t i = 0; i < p->n_msgs; i++) {
+        int s = p->msgs[i].status;
+        seen[s == 0 ? 0 : s == -ECANCELED ? 1 : s == -EIO ? 2 : 3]++;
+    }
+}
+
+static struct fk_stream *pick(struct fk_pair *p, struct fk_stream **st, uint32_t n, int side)
+{
+    struct fk_stream *s = st[fk_rand(p, n)];
+    return side ? fk_stream(p, 1, s->id) : s;
+}
+
+static void traffic(struct fk_pair *p, struct fk_stream **st, uint32_t n, uint32_t steps)
+{
+    for (uint32_t step = 0; step < steps; step++) {
+        if (fk_rand(p, 3) == 0 && p->n_msgs < 600) {
+            int side = (int)fk_rand(p, 2);
+            struct fk_stream *s = pick(p, st, n, side);
+            uint32_t kind = fk_rand(p, 4);
+            uint32_t len = kind < 2 ? 8 + fk_rand(p, 1000) : 1025 + fk_rand(p, 40000);
+            if (s && !fk_dead(p, side))
+                fk_send(p, s, len, kind == 3);
+        }
+        fk_random_steps(p, 8);
+    }
+}
+
+/* One run: traffic, a failure of kind `how` at a random moment, drain. */
+static void run(uint64_t seed, int how)
+{
+    struct bex__engine_config c0, c1;
+    fk_default_config(&c0);
+    fk_default_config(&c1);
+    c0.rq_depth = 4 + (uint32_t)(seed % 13);
+    c1.rq_depth = 4 + (uint32_t)(seed / 13 % 13);
+    c0.send_window = seed % 3 ? 0 : 8192;
+    c0.frag_size = 1024u << (seed % 4);
+    c1.frag_size = 2048;
+    struct fk_pair p;
+    fk_pair_init(&p, &c0, &c1, seed);
+    struct fk_stream *st[4];
+    for (int i = 0; i < 4; i++)
+        st[i] = fk_open(&p);
+    fk_quiesce(&p);
+    traffic(&p, st, 4, 20 + fk_rand(&p, 200));
+    switch (how) {
+    case HOW_LOCAL: /* the sock layer fails the connection */
+        bex__engine_fail(p.s[0].e, -ECONNRESET);
+        break;
+    case HOW_NIC: /* a request of side 0 fails: an error completion */
+        p.s[0].fail_next = true;
+        break;
+    case HOW_PEER: /* the peer goes away */
+        bex__engine_fail(p.s[1].e, -ECONNRESET);
+        break;
+    case HOW_CLOSE_THEN_LOCAL: /* sockets close both ways, then a failure */
+        for (int i = 0; i < 2; i++) {
+            struct fk_stream *s = pick(&p, st, 4, i);
+            if (s && s->st.eng && !s->close_asked) {
+                s->close_asked = true;
+                bex__engine_close_stream(&s->st);
+            }
+        }
+        traffic(&p, st, 4, fk_rand(&p, 100));
+        bex__engine_fail(p.s[fk_rand(&p, 2)].e, -ECONNRESET);
+        break;
+    }
+    /* the other side goes on until it meets the failure; sends keep coming */
+    traffic(&p, st, 4, 100);
+    fk_quiesce(&p);
+    if (how == HOW_NIC)
+        CHECK(fk_dead(&p, 0) || p.s[0].fail_next);
+    /* the end: what still lives is failed by its sock layer */
+    for (int i = 0; i < 2; i++)
+        if (!fk_dead(&p, i))
+            bex__engine_fail(p.s[i].e, -ECONNRESET);
+    fk_check_final(&p);
+    tally(&p);
+    fk_pair_fini(&p);
+}
+
+static int local_fail(void)
+{
+    memset(seen, 0, sizeof seen);
+    for (uint64_t seed = 1; seed <= 150; seed++)
+        run(seed, HOW_LOCAL);
+    CHECK(seen[0] > 0 && seen[1] > 0 && seen[2] > 0);
+    return 0;
+}
+
+static int nic_error(void)
+{
+    memset(seen, 0, sizeof seen);
+    for (uint64_t seed = 1; seed <= 150; seed++)
+        run(seed, HOW_NIC);
+    CHECK(seen[0] > 0 && seen[1] > 0 && seen[2] > 0);
+    return 0;
+}
+
+static int peer_fail(void)
+{
+    memset(seen, 0, sizeof seen);
+    for (uint64_t seed = 1; seed <= 150; seed++)
+        run(seed, HOW_PEER);
+    CHECK(seen[0] > 0 && seen[1] > 0 && seen[2] > 0);
+    return 0;
+}
+
+static int random_schedules(void)
+{
+    memset(seen, 0, sizeof seen);
+    for (uint64_t seed = 1; seed <= 400; seed++)
+        run(seed * 7919, (int)(seed % HOW_COUNT));
+    CHECK(seen[0] > 0 && seen[1] > 0 && seen[2] > 0);
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(local_fail), BEX_CASE(nic_error), BEX_CASE(peer_fail),
+              BEX_CASE(random_schedules))
