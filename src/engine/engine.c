@@ -46,11 +46,12 @@ struct sslot {
     struct ibv_mw *free_mw;     /* window to deallocate once this LOCAL_INV is done */
 };
 
+/* One buffer per receive: a DATA's payload lands at its start (the header
+ * is in the immediate), a control message's header fills its first bytes. */
 struct rslot {
     struct ibv_recv_wr wr;
-    struct ibv_sge sge[2];
-    uint8_t *hdr;
-    void *buf; /* eager_max payload buffer */
+    struct ibv_sge sge;
+    void *buf; /* rbuf_len bytes */
 };
 
 struct rndv_in {
@@ -119,13 +120,15 @@ struct bex__engine {
     /* receive side */
     struct rslot *rs;
     uint32_t rq, k;
+    uint32_t rbuf_len;  /* receive buffer bytes: eager_max, at least a header */
     uint32_t *unposted; /* consumed receive slots awaiting repost */
     uint32_t n_unposted;
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
     uint32_t n_starved;
-    uint8_t *hdr_area; /* (sq + rq) headers, general pool (no remote access) */
+    uint8_t *hdr_area; /* sq headers, general pool (no remote access) */
     uint32_t hdr_lkey;
+    uint32_t max_inline; /* the QP's inline bytes: smaller DATA payloads go inline */
 
     /* control messages waiting for a slot (RNDV_RESP, refusing CLOSE) */
     struct bex__hdr *ctlq;
@@ -247,13 +250,30 @@ int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h)
     h->status = (int32_t)get32(in + 28);
     if (h->type < BEX__MSG_DATA || h->type > BEX__MSG_CLOSE || h->flags != 0)
         return -EPROTO;
-    if (h->type == BEX__MSG_DATA && h->len != len - BEX__HDR_LEN)
-        return -EPROTO;
+    if (h->type == BEX__MSG_DATA &&
+        (h->len != len - BEX__HDR_LEN || h->stream <= BEX__IMM_STREAM_MAX))
+        return -EPROTO; /* a stream the immediate names goes header-free */
     if (h->type != BEX__MSG_DATA && len != BEX__HDR_LEN)
         return -EPROTO;
     if (h->type == BEX__MSG_RNDV_RESP && h->status > 0)
         return -EPROTO;
     return 0;
+}
+
+uint32_t bex__imm_encode(uint32_t stream, uint32_t credits)
+{
+    return BEX__IMM_KIND_DATA << BEX__IMM_KIND_SHIFT | stream << BEX__IMM_STREAM_SHIFT | credits;
+}
+
+int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h)
+{
+    *h = (struct bex__hdr){
+        .type = BEX__MSG_DATA,
+        .credits = (uint16_t)(imm & BEX__IMM_CREDITS_MAX),
+        .stream = (imm >> BEX__IMM_STREAM_SHIFT) & BEX__IMM_STREAM_MAX,
+        .len = len,
+    };
+    return imm >> BEX__IMM_KIND_SHIFT == BEX__IMM_KIND_DATA ? 0 : -EPROTO;
 }
 
 /* ---------------- creation ---------------- */
@@ -348,7 +368,7 @@ static void recv_free(struct bex__engine *e, void *b)
 static void slot_set_buf(struct bex__engine *e, struct rslot *r, void *buf)
 {
     r->buf = buf;
-    r->sge[1] = (struct ibv_sge){(uintptr_t)buf, e->cfg.eager_max, bex_mem_mr(buf)->lkey};
+    r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
     e->sh->recv_posted += (int64_t)bex_mem_usable_size(buf);
 }
 
@@ -406,6 +426,7 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->sq = cfg->sq_depth;
     e->rq = cfg->rq_depth;
     e->k = e->rq / 2;
+    e->rbuf_len = cfg->eager_max > BEX__HDR_LEN ? cfg->eager_max : BEX__HDR_LEN;
     e->max_rndv = cfg->rndv_max;
     e->frag = cfg->frag_size;
     if (cfg->send_window && cfg->send_window < e->frag)
@@ -429,8 +450,9 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         !e->relq || !e->rin_wait)
         goto err_destroy;
 
-    /* One registered area for every header. */
-    size_t hdr_bytes = (size_t)(e->sq + e->rq) * BEX__HDR_LEN;
+    /* One registered area for the headers of control messages (and the
+     * keepalive sequence): one per send slot. */
+    size_t hdr_bytes = (size_t)e->sq * BEX__HDR_LEN;
     e->hdr_area = bex_mem_alloc(sh->pool, hdr_bytes);
     if (!e->hdr_area) {
         err = errno ? -errno : -ENOMEM;
@@ -462,17 +484,15 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         e->ss[i].hdr = e->hdr_area + (size_t)i * BEX__HDR_LEN;
     for (uint32_t i = 0; i < e->rq; i++) {
         struct rslot *r = &e->rs[i];
-        r->hdr = e->hdr_area + (size_t)(e->sq + i) * BEX__HDR_LEN;
-        void *buf = recv_alloc(e, sh->recv_pool, cfg->eager_max);
+        void *buf = recv_alloc(e, sh->recv_pool, e->rbuf_len);
         if (!buf) {
             err = errno ? -errno : -ENOMEM;
             goto err_destroy;
         }
         slot_set_buf(e, r, buf);
-        r->sge[0] = (struct ibv_sge){(uintptr_t)r->hdr, BEX__HDR_LEN, e->hdr_lkey};
         r->wr.wr_id = wrid(e, WR_RECV | i);
-        r->wr.sg_list = r->sge;
-        r->wr.num_sge = 2;
+        r->wr.sg_list = &r->sge;
+        r->wr.num_sge = 1;
     }
 
     struct bex__rdma_qp_config qc = {
@@ -483,13 +503,23 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         .sq_depth = e->sq,
         .rq_depth = e->rq,
         .max_send_sge = 2,
-        .max_recv_sge = 2,
+        .max_recv_sge = 1,
+        .max_inline = BEX__ENGINE_INLINE,
     };
     if (e->nodev) {
         e->qp = stand_in;
+        e->max_inline = BEX__ENGINE_INLINE; /* the stand-in copies nothing: any value works */
         err = 0;
     } else {
-        err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, NULL);
+        struct ibv_qp_cap cap;
+        err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, &cap);
+        if (err == -EINVAL || err == -ENOMEM) {
+            /* a device without (this much) inline data: payloads by gather */
+            qc.max_inline = 0;
+            err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, &cap);
+        }
+        if (!err)
+            e->max_inline = cap.max_inline_data;
     }
     if (err)
         goto err_destroy;
@@ -946,6 +976,40 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
     return s;
 }
 
+/* Prepare the header-free SEND_WITH_IMM of DATA m (the immediate carries
+ * stream and credits). Caller checked slot + credit. */
+static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+{
+    struct sslot *s = slot_take(e);
+    uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
+    e->to_return -= credits;
+    uint32_t len = (uint32_t)m->len;
+    s->wr.imm_data = htonl(bex__imm_encode(st->id, credits));
+    s->wr.opcode = IBV_WR_SEND_WITH_IMM;
+    if (len) {
+        s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf, len, m->lkey};
+        s->wr.num_sge = 1;
+        /* copied into the work request at posting: the NIC reads no memory */
+        if (len <= e->max_inline)
+            s->wr.send_flags = IBV_SEND_INLINE;
+    }
+    e->peer_credits--;
+    account_bytes(e, s, len);
+    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    return s;
+}
+
+/* Does m go by SEND? Up to the peer's eager_max header-free; on a stream
+ * the immediate cannot name, with the header in front, so it must fit the
+ * peer's receive buffer with it (zero bytes always do). */
+static bool goes_eager(const struct bex__engine *e, const struct bex__stream *st,
+                       const struct bex__msg *m)
+{
+    if (m->direct || m->len > e->peer_eager)
+        return false;
+    return st->id <= BEX__IMM_STREAM_MAX || m->len + BEX__HDR_LEN <= e->peer_eager || m->len == 0;
+}
+
 static void pop_head(struct bex__stream *st)
 {
     struct bex__msg *m = st->q_head;
@@ -961,7 +1025,7 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
 {
     uint32_t ahead = 0;
     for (struct bex__msg *m = st->q_head; m && ahead < e->cfg.rndv_ahead; m = m->next, ahead++) {
-        if (m->direct || m->len <= e->peer_eager || m->rndv_asked || m->status)
+        if (m->direct || goes_eager(e, st, m) || m->rndv_asked || m->status)
             continue;
         if (m->len > e->peer_max_msg) {
             m->status = -EMSGSIZE; /* the peer said it takes none so large */
@@ -1028,7 +1092,7 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         msg_done(e, m, m->status);
         return true;
     }
-    if (m && m->len <= e->peer_eager && !m->direct) {
+    if (m && goes_eager(e, st, m)) {
         if (!have_credit(e, false)) {
             BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
             *blocked = true;
@@ -1039,8 +1103,13 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
             *blocked = true;
             return false;
         }
-        struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
-        struct sslot *s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
+        struct sslot *s;
+        if (st->id <= BEX__IMM_STREAM_MAX) {
+            s = prep_data(e, st, m);
+        } else {
+            struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
+            s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
+        }
         pop_head(st);
         m->state = BEX__M_POSTED;
         s->done = m;
@@ -1112,7 +1181,8 @@ static void post_pending(struct bex__engine *e)
         struct sslot *s = sslot_at(e, c);
         bool last = c + 1 == e->tail;
         s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
-        s->wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
+        if (last) /* slot_take cleared the flags; prep_data may have set INLINE */
+            s->wr.send_flags |= IBV_SEND_SIGNALED;
     }
     struct ibv_send_wr *bad = NULL;
     int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
@@ -1594,8 +1664,8 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
 static void slot_refill(struct bex__engine *e, uint32_t idx)
 {
     void *fresh = NULL;
-    if (e->n_starved == 0 && recv_room(e, e->cfg.eager_max))
-        fresh = recv_alloc(e, e->sh->recv_pool, e->cfg.eager_max);
+    if (e->n_starved == 0 && recv_room(e, e->rbuf_len))
+        fresh = recv_alloc(e, e->sh->recv_pool, e->rbuf_len);
     if (!fresh) {
         e->starved[e->n_starved++] = idx;
         BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
@@ -1608,8 +1678,8 @@ static void slot_refill(struct bex__engine *e, uint32_t idx)
 static void refill_starved(struct bex__engine *e)
 {
     uint32_t done = 0;
-    while (done < e->n_starved && recv_room(e, e->cfg.eager_max)) {
-        void *fresh = recv_alloc(e, e->sh->recv_pool, e->cfg.eager_max);
+    while (done < e->n_starved && recv_room(e, e->rbuf_len)) {
+        void *fresh = recv_alloc(e, e->sh->recv_pool, e->rbuf_len);
         if (!fresh)
             break;
         uint32_t idx = e->starved[done++];
@@ -1656,8 +1726,16 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     if (wc->opcode != IBV_WC_RECV || (wc->wc_flags & (IBV_WC_WITH_INV | 0x4)))
         return -EPROTO;
     struct bex__hdr h;
-    if (bex__hdr_decode(r->hdr, wc->byte_len, &h))
-        return -EPROTO;
+    uint32_t off = 0; /* where a DATA's payload starts in the buffer */
+    if (wc->wc_flags & IBV_WC_WITH_IMM) {
+        if (bex__imm_decode(ntohl(wc->imm_data), wc->byte_len, &h))
+            return -EPROTO;
+    } else {
+        /* rbuf_len >= BEX__HDR_LEN: a header-sized SEND always fits */
+        if (bex__hdr_decode(r->buf, wc->byte_len, &h))
+            return -EPROTO;
+        off = BEX__HDR_LEN;
+    }
     e->peer_credits += h.credits;
     if (e->peer_credits > e->peer_rq)
         return -EPROTO; /* more credits back than the peer ever granted */
@@ -1671,6 +1749,8 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
         return -EPROTO;
     /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
     void *buf = slot_take_buf(e, r);
+    if (off) /* a stream beyond the immediate's: the payload goes to the start */
+        memmove(buf, (uint8_t *)buf + off, h.len);
     slot_refill(e, idx);
     BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
     BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);

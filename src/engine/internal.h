@@ -45,6 +45,23 @@ enum {
 #define BEX__HDR_LEN    32
 #define BEX__IMM_DIRECT 0x80000000u
 
+/* ---- immediate of a header-free DATA (SEND_WITH_IMM; docs/protocol.md) ----
+ * A DATA message is a SEND_WITH_IMM of its payload alone; the immediate
+ * (host order here, network order on the wire) says the rest:
+ *   bits 31..30  kind: 1 = DATA (0, 2, 3 reserved: a protocol violation)
+ *   bits 29..10  stream: 0 .. BEX__IMM_STREAM_MAX
+ *   bits  9..0   credits returned: 0 .. BEX__IMM_CREDITS_MAX
+ * A stream above BEX__IMM_STREAM_MAX sends DATA as a plain SEND with the
+ * header in front (the receiver moves the payload to the buffer's start);
+ * credits beyond BEX__IMM_CREDITS_MAX wait for the next message. Immediates
+ * of WRITE_WITH_IMM (rendezvous slots, exposed-buffer tokens) are another
+ * space: the completion's opcode tells which one a value belongs to. */
+#define BEX__IMM_KIND_SHIFT   30
+#define BEX__IMM_KIND_DATA    1u
+#define BEX__IMM_STREAM_SHIFT 10
+#define BEX__IMM_STREAM_MAX   ((1u << 20) - 1)
+#define BEX__IMM_CREDITS_MAX  ((1u << 10) - 1)
+
 struct bex__hdr {
     uint8_t type;
     uint8_t flags;
@@ -59,8 +76,16 @@ struct bex__hdr {
 /* RNDV_RESP carries the receiver's slot in 'stream' (the immediate value). */
 
 void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out);
-/* Returns 0 or -EPROTO for a header no valid peer sends. */
+/* Returns 0 or -EPROTO for a header no valid peer sends (a DATA header is
+ * valid only for a stream the immediate cannot name). */
 int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h);
+/* The immediate (host order) of a DATA on stream (<= BEX__IMM_STREAM_MAX)
+ * returning credits (<= BEX__IMM_CREDITS_MAX). */
+uint32_t bex__imm_encode(uint32_t stream, uint32_t credits);
+/* A received SEND_WITH_IMM of len bytes with immediate imm (host order) as
+ * the header it stands for (type DATA, stream, credits, len; the rest 0).
+ * Returns 0 or -EPROTO (a kind no valid peer sends). */
+int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h);
 
 /* ---- messages and streams ---- */
 enum bex__msg_state {
@@ -158,6 +183,10 @@ struct bex__engine_config {
  * credit for a CREDIT message, and credit messages cannot answer each other
  * forever only when k = depth / 2 >= 2 (docs/protocol.md). */
 #define BEX__ENGINE_MIN_DEPTH 4
+
+/* Inline bytes asked of the QP: a DATA payload up to what the device
+ * grants goes inside its work request (none where the device has none). */
+#define BEX__ENGINE_INLINE 256
 
 /* What an engine tells its peer in the hello (the rest the rdma module
  * fills). */

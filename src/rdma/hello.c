@@ -10,7 +10,8 @@
 #include "bex/sock.h"
 #include "rdma/hello.h"
 
-/* Byte offsets of the v1 layout; docs/protocol.md has the same table. */
+/* Byte offsets of the hello (version 3; 1 had the same layout); docs/protocol.md has the same
+ * table. */
 enum {
     OFF_MAGIC = 0,
     OFF_VERSION = 4,

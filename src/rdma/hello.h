@@ -13,8 +13,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BEX__HELLO_MAGIC   0x42455848u /* "BEXH" */
-#define BEX__HELLO_VERSION 1
+#define BEX__HELLO_MAGIC 0x42455848u /* "BEXH" */
+/* 3: DATA goes header-free (docs/protocol.md); 1 had a header on every
+ * SEND; 2 is the authenticated-setup envelope, not a hello */
+#define BEX__HELLO_VERSION 3
 #define BEX__HELLO_LEN     80
 
 /* flags */
@@ -61,7 +63,7 @@ struct bex__hello {
 void bex__hello_encode(const struct bex__hello *h, uint8_t buf[BEX__HELLO_LEN]);
 
 /* Decode and validate len bytes from a peer. Returns 0 and fills *out, or
- *   -EPROTO  wrong magic or an unsupported version (not a bex v1 peer),
+ *   -EPROTO  wrong magic or an unsupported version (not a peer of this version),
  *   -EBADMSG anything else: len or the length field differ from
  *            BEX__HELLO_LEN, unknown flags, non-zero reserved bytes, a field
  *            out of range (see the struct), or, with BEX__HELLO_F_NO_RDMA,
@@ -79,7 +81,7 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out);
 /* ---- authenticated setup (a shared secret; docs/protocol.md) ---------- */
 
 /* Every setup message starts with 8 bytes that say what it is: "BEXH" +
- * version 1 (a plain hello, BEX__HELLO_LEN bytes), "BEXH" + version 2 (an
+ * version 3 (a plain hello, BEX__HELLO_LEN bytes), "BEXH" + version 2 (an
  * authenticated-setup message, its length in bytes 6..7) or "BEXR" (a
  * notice, BEX__READY_LEN bytes: readiness, or a refusal with an errno). A
  * reader takes these 8 bytes first, so a peer of the other kind (with or

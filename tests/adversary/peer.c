@@ -44,11 +44,10 @@ static int tcp_connect(struct in_addr local, const struct sockaddr_in *srv, uint
 
 static int post_recv(struct adv_peer *p, uint32_t i)
 {
-    struct ibv_sge sge[2] = {
-        {(uintptr_t)(p->rhdr + (size_t)i * BEX__HDR_LEN), BEX__HDR_LEN, p->mr->lkey},
-        {(uintptr_t)(p->rbuf + (size_t)i * PEER_EAGER), PEER_EAGER, p->mr->lkey},
-    };
-    struct ibv_recv_wr wr = {.wr_id = WR_RECV | i, .sg_list = sge, .num_sge = 2}, *bad;
+    /* one buffer, as bex posts them: header-free DATA lands at its start, a
+     * control message's header fills its first 32 bytes */
+    struct ibv_sge sge = {(uintptr_t)(p->rbuf + (size_t)i * PEER_EAGER), PEER_EAGER, p->mr->lkey};
+    struct ibv_recv_wr wr = {.wr_id = WR_RECV | i, .sg_list = &sge, .num_sge = 1}, *bad;
     return bex__rdma_err(ibv_post_recv(p->qp, &wr, &bad));
 }
 
@@ -315,6 +314,14 @@ static int send_hdr(struct adv_peer *p, struct bex__hdr *h, uint32_t len, bool c
     struct ibv_sge sge[2] = {{(uintptr_t)hb, BEX__HDR_LEN, p->mr->lkey},
                              {(uintptr_t)p->spay, len, p->mr->lkey}};
     struct ibv_send_wr wr = {.sg_list = sge, .num_sge = len ? 2 : 1, .opcode = IBV_WR_SEND};
+    if (h->type == BEX__MSG_DATA && h->stream <= BEX__IMM_STREAM_MAX) {
+        /* as bex sends DATA: header-free, stream and credits in the immediate */
+        back = back > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : back;
+        wr.opcode = IBV_WR_SEND_WITH_IMM;
+        wr.imm_data = htonl(bex__imm_encode(h->stream, back));
+        wr.sg_list = &sge[1];
+        wr.num_sge = len ? 1 : 0;
+    }
     int rc = post_send(p, &wr);
     if (rc)
         return rc;
@@ -361,7 +368,10 @@ static void on_recv(struct adv_peer *p, const struct ibv_wc *wc)
         p->imm_recv++;
     } else {
         struct bex__hdr h;
-        if (bex__hdr_decode(p->rhdr + (size_t)i * BEX__HDR_LEN, wc->byte_len, &h) == 0) {
+        int rc = wc->wc_flags & IBV_WC_WITH_IMM
+                     ? bex__imm_decode(ntohl(wc->imm_data), wc->byte_len, &h)
+                     : bex__hdr_decode(p->rbuf + (size_t)i * PEER_EAGER, wc->byte_len, &h);
+        if (rc == 0) {
             p->credits += h.credits;
             switch (h.type) {
             case BEX__MSG_RNDV_RESP:

@@ -31,8 +31,10 @@ static int roundtrip(void)
     bex__hdr_encode(&h, buf);
     CHECK_OK(bex__hdr_decode(buf, BEX__HDR_LEN, &out));
     CHECK(same(&h, &out));
-    /* DATA: len must equal the payload that followed the header */
-    h = (struct bex__hdr){.type = BEX__MSG_DATA, .stream = 3, .len = 100, .credits = 7};
+    /* DATA (only on a stream the immediate cannot name): len must equal
+     * the payload that followed the header */
+    h = (struct bex__hdr){
+        .type = BEX__MSG_DATA, .stream = BEX__IMM_STREAM_MAX + 1, .len = 100, .credits = 7};
     bex__hdr_encode(&h, buf);
     CHECK_OK(bex__hdr_decode(buf, BEX__HDR_LEN + 100, &out));
     CHECK(same(&h, &out));
@@ -82,10 +84,18 @@ static int rejects(void)
         CHECK_EQ(bex__hdr_decode(buf, BEX__HDR_LEN, &out), -EPROTO);
     }
     /* DATA whose length disagrees with what arrived */
-    h = (struct bex__hdr){.type = BEX__MSG_DATA, .len = 8};
+    h = (struct bex__hdr){.type = BEX__MSG_DATA, .stream = BEX__IMM_STREAM_MAX + 1, .len = 8};
     bex__hdr_encode(&h, buf);
     CHECK_EQ(bex__hdr_decode(buf, BEX__HDR_LEN + 7, &out), -EPROTO);
     CHECK_EQ(bex__hdr_decode(buf, BEX__HDR_LEN, &out), -EPROTO);
+    /* DATA with a header on a stream the immediate names (it has one
+     * encoding: header-free) */
+    const uint32_t small[] = {0, 1, BEX__IMM_STREAM_MAX};
+    for (size_t i = 0; i < sizeof small / sizeof small[0]; i++) {
+        h = (struct bex__hdr){.type = BEX__MSG_DATA, .stream = small[i], .len = 8};
+        bex__hdr_encode(&h, buf);
+        CHECK_EQ(bex__hdr_decode(buf, BEX__HDR_LEN + 8, &out), -EPROTO);
+    }
     /* a control message with a payload */
     h = (struct bex__hdr){.type = BEX__MSG_CREDIT};
     bex__hdr_encode(&h, buf);

@@ -11,9 +11,13 @@
  *    into the receive's buffers as a NIC would; sends complete in order,
  *    one completion per signaled request; a QP in error flushes everything
  *    (on rxe, optionally, a receive posted after the error never completes);
- *  - the peer: sends any header (structured or raw bytes), answers our
- *    rendezvous requests, writes with immediate into the destinations our
- *    engine granted (or with any immediate at all);
+ *  - the peer: sends any header (structured or raw bytes), header-free DATA
+ *    (SEND_WITH_IMM, the immediate carrying stream and credits) or a
+ *    SEND_WITH_IMM with any immediate at all, answers our rendezvous
+ *    requests, writes with immediate into the destinations our engine
+ *    granted (or with any immediate at all); stream ids start just below
+ *    the immediate's limit when the mode byte says so (bit 7), so that
+ *    DATA of both encodings, header-free and with a header, goes both ways;
  *  - the sock layer: opens, sends on and closes streams, accepts OPENs,
  *    fails the engine, passes time (keepalive, drain timeout).
  *
@@ -24,7 +28,11 @@
  *    slices of queued messages, and writes go to the destination the peer
  *    gave for that message;
  *  - on_msg hands up exactly what the peer sent (the receive's buffer and
- *    bytes for DATA, the granted buffer, length and stream for rendezvous);
+ *    bytes for DATA, payload at its start whatever the encoding; the
+ *    granted buffer, length and stream for rendezvous);
+ *  - our DATA is header-free on a stream the immediate names (one SGE, the
+ *    whole message, an immediate that decodes to its stream), with a header
+ *    only beyond, and then fits the peer's receive buffer;
  *  - every message is handed back exactly once; with status 0 only after
  *    its last work request completed successfully; never while a work
  *    request on a live QP still points into it;
@@ -130,6 +138,7 @@ struct fz {
     int inject;                  /* 1: the next post_send fails, 2: the next post_recv */
     uint64_t clock;              /* virtual ms added to the real clock */
     uint32_t next_stream;
+    uint32_t sid_base; /* stream ids: sid_base + a byte of the input */
     uint32_t ops;
 
     uint32_t sq_head, sq_n, rq_head, rq_n;
@@ -286,8 +295,11 @@ static void peer_sees_send(const struct swr *w)
     trace("  posted SEND type %u stream 0x%x len %u id 0x%x status %d credits %u", h.type, h.stream,
           h.len, h.id, h.status, h.credits);
     if (h.type == BEX__MSG_DATA) {
-        /* payload: a live, small message of ours, whole */
-        FZ_CHECK(h.len <= F.peer_eager);
+        /* payload: a live, small message of ours, whole; with a header only
+         * where the immediate cannot name the stream, and then header and
+         * payload fit the peer's buffer (eager_max, at least a header) */
+        FZ_CHECK(h.len <= F.peer_eager && h.stream > BEX__IMM_STREAM_MAX);
+        FZ_CHECK(h.len == 0 || h.len + BEX__HDR_LEN <= F.peer_eager);
         if (h.len) {
             FZ_CHECK(w->wr.num_sge == 2);
             struct hmsg *m = msg_at(w->sge[1].addr, w->sge[1].length);
@@ -322,6 +334,31 @@ static void peer_sees_send(const struct swr *w)
         FZ_CHECK(h.len > 0);
         if (F.n_ereq < MAX_REC)
             B.ereq[F.n_ereq++] = (struct ereq){.id = h.id, .len = h.len, .stream = h.stream};
+    }
+}
+
+/* A header-free DATA of ours: the immediate names a stream of ours, the one
+ * entry is a live, small message, whole. */
+static void peer_sees_data(const struct swr *w)
+{
+    struct bex__hdr h;
+    uint32_t len = w->wr.num_sge ? w->sge[0].length : 0;
+    FZ_CHECK(bex__imm_decode(ntohl(w->wr.imm_data), len, &h) == 0);
+    trace("  posted DATA stream 0x%x len %u credits %u%s", h.stream, len, h.credits,
+          w->wr.send_flags & IBV_SEND_INLINE ? " inline" : "");
+    FZ_CHECK(w->wr.num_sge <= 1 && len <= F.peer_eager);
+    FZ_CHECK(w->wr.num_sge == 0 || len > 0);
+    FZ_CHECK(!(w->wr.send_flags & IBV_SEND_INLINE) || len <= BEX__ENGINE_INLINE);
+    FZ_CHECK(h.stream <= BEX__IMM_STREAM_MAX);
+    bool known = false;
+    for (uint32_t i = 0; i < F.n_str && !known; i++)
+        known = B.str[i].used && B.str[i].id == h.stream;
+    FZ_CHECK(known);
+    if (len) {
+        struct hmsg *m = msg_at(w->sge[0].addr, len);
+        FZ_CHECK(m && m->state == M_ENGINE && m->m.st);
+        FZ_CHECK(((struct hstream *)m->m.st)->id == h.stream); /* st is its first member */
+        FZ_CHECK((uintptr_t)m->m.buf == w->sge[0].addr && m->m.len == len);
     }
 }
 
@@ -389,6 +426,9 @@ static int fk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_se
         switch (wr->opcode) {
         case IBV_WR_SEND:
             peer_sees_send(w);
+            break;
+        case IBV_WR_SEND_WITH_IMM:
+            peer_sees_data(w);
             break;
         case IBV_WR_RDMA_WRITE:
         case IBV_WR_RDMA_WRITE_WITH_IMM:
@@ -479,6 +519,7 @@ static void nic_send_ok(void)
         F.sq_head = (F.sq_head + 1) % QCAP;
         F.sq_n--;
         if ((w->wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM && w->wr.num_sge == 1) ||
+            (w->wr.opcode == IBV_WR_SEND_WITH_IMM && w->wr.num_sge == 1) ||
             (w->wr.opcode == IBV_WR_SEND && w->wr.num_sge == 2)) {
             uint64_t a = w->sge[w->wr.num_sge - 1].addr;
             struct hmsg *m = msg_at(a, 0);
@@ -486,7 +527,8 @@ static void nic_send_ok(void)
             m->acked = true;
         }
         wc.wr_id = w->wr.wr_id;
-        wc.opcode = w->wr.opcode == IBV_WR_SEND        ? IBV_WC_SEND
+        wc.opcode = w->wr.opcode == IBV_WR_SEND || w->wr.opcode == IBV_WR_SEND_WITH_IMM
+                        ? IBV_WC_SEND
                     : w->wr.opcode == IBV_WR_BIND_MW   ? IBV_WC_BIND_MW
                     : w->wr.opcode == IBV_WR_LOCAL_INV ? IBV_WC_LOCAL_INV
                                                        : IBV_WC_RDMA_WRITE;
@@ -563,9 +605,10 @@ static struct rwr *next_recv(void)
     return w;
 }
 
-/* The peer's SEND of bytes[0..n): scattered into the next receive.
- * Returns whether it arrived (a receive was posted, the bytes fit). */
-static bool peer_send(const uint8_t *bytes, uint32_t n)
+/* The peer's SEND of bytes[0..n), with immediate imm if imm >= 0:
+ * scattered into the next receive. Returns whether it arrived (a receive
+ * was posted, the bytes fit). */
+static bool peer_send_imm(const uint8_t *bytes, uint32_t n, int64_t imm)
 {
     struct rwr *w = next_recv();
     if (!w)
@@ -574,6 +617,10 @@ static bool peer_send(const uint8_t *bytes, uint32_t n)
     for (int i = 0; i < w->num_sge; i++)
         cap += w->sge[i].length;
     struct ibv_wc wc = {.wr_id = w->wr_id, .opcode = IBV_WC_RECV, .byte_len = n};
+    if (imm >= 0) {
+        wc.wc_flags = IBV_WC_WITH_IMM;
+        wc.imm_data = htonl((uint32_t)imm);
+    }
     if (n > cap) {
         wc.status = IBV_WC_LOC_LEN_ERR;
         F.qp.state = IBV_QPS_ERR;
@@ -586,23 +633,30 @@ static bool peer_send(const uint8_t *bytes, uint32_t n)
         memcpy((void *)(uintptr_t)w->sge[i].addr, bytes + off, k);
         off += k;
     }
-    /* what on_msg may hand up: the payload, in the second buffer as is */
+    /* what on_msg may hand up: the payload, at the start of the buffer
+     * (after a header, the engine moves it there) */
     struct bex__hdr h;
-    bool valid = bex__hdr_decode(bytes, n, &h) == 0;
+    bool valid =
+        imm >= 0 ? bex__imm_decode((uint32_t)imm, n, &h) == 0 : bex__hdr_decode(bytes, n, &h) == 0;
     if (valid && h.type == BEX__MSG_RNDV_REQ && F.n_preq < MAX_REC) {
         /* a request of the peer (structured or raw bytes alike): the
          * engine's answer, posted later, is matched against it */
         B.preq[F.n_preq++] = (struct preq){.id = h.id, .len = h.len, .stream = h.stream};
     }
-    if (valid && h.type == BEX__MSG_DATA && w->num_sge == 2) {
+    if (valid && h.type == BEX__MSG_DATA && w->num_sge == 1) {
         F.x_kind = X_DATA;
-        F.x_buf = (void *)(uintptr_t)w->sge[1].addr;
+        F.x_buf = (void *)(uintptr_t)w->sge[0].addr;
         F.x_len = h.len;
         F.x_stream = h.stream;
-        F.x_bytes = bytes + BEX__HDR_LEN;
+        F.x_bytes = imm >= 0 ? bytes : bytes + BEX__HDR_LEN;
     }
     complete(&wc);
     return true;
+}
+
+static bool peer_send(const uint8_t *bytes, uint32_t n)
+{
+    return peer_send_imm(bytes, n, -1);
 }
 
 /* The peer's WRITE_WITH_IMM: into the granted buffer imm names, if any. */
@@ -805,6 +859,7 @@ enum {
     OP_EXPOSE,      /* tok:u16: the application exposes a buffer */
     OP_START,       /* the peer is ready: bex__engine_start */
     OP_REPEAT,      /* n:u8: run the next operation n times */
+    OP_RECV_IMM,    /* imm:u32 len:u16: a SEND_WITH_IMM with any immediate */
     OP_COUNT
 };
 
@@ -871,16 +926,28 @@ static void run_op_once(uint8_t op, struct rd *r)
         break;
     }
     case OP_RECV_DATA: {
+        /* as a peer sends it: header-free where the immediate names the
+         * stream, else with the header */
         h.type = BEX__MSG_DATA;
-        h.stream = u8(r);
+        uint8_t sb = u8(r);
+        h.stream = F.sid_base + sb;
         h.credits = credits_of(u8(r));
         h.len = u16(r) % (F.cfg.eager_max + 64);
-        send_hdr(&h, pattern((uint8_t)h.stream), h.len);
+        if (h.stream <= BEX__IMM_STREAM_MAX)
+            peer_send_imm(pattern(sb), h.len, bex__imm_encode(h.stream, h.credits));
+        else
+            send_hdr(&h, pattern(sb), h.len);
+        break;
+    }
+    case OP_RECV_IMM: {
+        uint32_t imm = u32(r);
+        uint16_t len = u16(r);
+        peer_send_imm(pattern((uint8_t)imm), len % (F.cfg.eager_max + 64), imm);
         break;
     }
     case OP_RECV_REQ: {
         h.type = BEX__MSG_RNDV_REQ;
-        h.stream = u8(r);
+        h.stream = F.sid_base + u8(r);
         h.credits = credits_of(u8(r));
         h.len = u32(r);
         if (!(h.len & 0x80000000u))
@@ -918,7 +985,7 @@ static void run_op_once(uint8_t op, struct rd *r)
     case OP_RECV_OPEN:
     case OP_RECV_CLOSE:
         h.type = op == OP_RECV_OPEN ? BEX__MSG_OPEN : BEX__MSG_CLOSE;
-        h.stream = u8(r);
+        h.stream = F.sid_base + u8(r);
         h.credits = credits_of(u8(r));
         send_hdr(&h, NULL, 0);
         break;
@@ -1110,6 +1177,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     F.sh.recv_pool = F.pool;
     F.sh.recv_max = mode & 32 ? 65536 : 0;
     F.sh.windows = mode & 64; /* window mode: rendezvous through bound windows */
+    /* streams around the immediate's limit: DATA with and without a header */
+    F.sid_base = mode & 128 ? BEX__IMM_STREAM_MAX - 3 : 0;
+    F.next_stream = F.sid_base;
 
     /* the peer's hello, through the real decoder */
     struct bex__hello ph = {.qpn = 2,

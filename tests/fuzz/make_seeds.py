@@ -29,7 +29,7 @@ def write(target, name, data):
 def hello(flags=0, qpn=0x1234, psn=7, gid=b"\xfe\x80" + bytes(13) + b"\x01", mtu=5,
           rd_atomic=16, recv_depth=64, sq_depth=32, max_msg=1 << 31, frag=65536,
           conn_id=0x1122334455667788, eager=8192, ka_addr=0x7F0000001000, ka_rkey=0x55,
-          max_rndv=256, magic=0x42455848, version=1, length=80):
+          max_rndv=256, magic=0x42455848, version=3, length=80):
     b = struct.pack(">IHHIII16sBBHHHIIQIQIHH", magic, version, length, flags, qpn, psn, gid,
                     mtu, rd_atomic, recv_depth, sq_depth, 0, max_msg, frag, conn_id, eager,
                     ka_addr, ka_rkey, max_rndv, 0)
@@ -46,6 +46,7 @@ write("hello", "limits", hello(qpn=0xFFFFFF, psn=0xFFFFFF, mtu=1, recv_depth=655
                                sq_depth=1, max_msg=1, frag=256, eager=1 << 20, max_rndv=1))
 write("hello", "bad-magic", b"GET / HTTP/1.1\r\n" + bytes(64))
 write("hello", "bad-version", hello(version=2))
+write("hello", "old-version", hello(version=1))  # from before DATA went header-free
 write("hello", "short", hello()[:40])
 
 
@@ -70,8 +71,11 @@ def hdr(typ, credits=0, stream=0, length=0, ident=0, addr=0, rkey=0, status=0, f
                        status)
 
 
-write("hdr", "data", hdr(1, credits=3, stream=5, length=11) + b"hello world")
-write("hdr", "data-empty", hdr(1, stream=1))
+# DATA has a header only on a stream the immediate cannot name (> 2^20 - 1)
+IMM_STREAM_MAX = (1 << 20) - 1
+write("hdr", "data", hdr(1, credits=3, stream=IMM_STREAM_MAX + 5, length=11) + b"hello world")
+write("hdr", "data-empty", hdr(1, stream=IMM_STREAM_MAX + 1))
+write("hdr", "data-small-stream", hdr(1, stream=5, length=2) + b"hi")  # refused
 write("hdr", "rndv-req", hdr(2, stream=5, length=1 << 20, ident=(1 << 16) | 3))
 write("hdr", "rndv-resp", hdr(3, stream=(1 << 16) | 3, ident=(1 << 16) | 3,
                               addr=0x7F0012345000, rkey=0x1234))
@@ -84,14 +88,23 @@ write("hdr", "close", hdr(6, stream=9))
 (OP_RECV_RAW, OP_RECV_DATA, OP_RECV_REQ, OP_RECV_RESP, OP_RECV_CREDIT, OP_RECV_OPEN,
  OP_RECV_CLOSE, OP_WRITE_GRANT, OP_WRITE_IMM, OP_SEND_OK, OP_NIC_ERROR, OP_APP_OPEN,
  OP_APP_SEND, OP_APP_CLOSE, OP_TICK, OP_KEEPALIVE, OP_FAIL, OP_INJECT, OP_EXPOSE, OP_START,
- OP_REPEAT) = range(21)
+ OP_REPEAT, OP_RECV_IMM) = range(22)
+
+
+def imm(stream, credits, kind=1):
+    """The immediate of a header-free DATA (host order; the target sends it
+    in network order): kind 31..30, stream 29..10, credits 9..0."""
+    return kind << 30 | stream << 10 | credits
 
 
 def cfg(client=False, rxe=False, sq=16, rq=8, eager=5, frag=1, window=0, ahead=4,
-        peer_rq=16, peer_rndv=8, peer_eager=256, windows=False):
+        peer_rq=16, peer_rndv=8, peer_eager=256, windows=False, big_ids=False):
     """eager: index into the target's table (5 = 1024); frag: 256 << frag;
-    windows: memory-window mode (destinations reached through bound windows)."""
-    b = bytes([(1 if client else 0) | (2 if rxe else 0) | (64 if windows else 0),
+    windows: memory-window mode (destinations reached through bound windows);
+    big_ids: stream ids start 3 below the immediate's limit (ids from the
+    input are that base + a byte)."""
+    b = bytes([(1 if client else 0) | (2 if rxe else 0) | (64 if windows else 0) |
+               (128 if big_ids else 0),
                sq.bit_length() - 2, rq - 4, eager,
                frag | (window << 3), ahead])
     return b + struct.pack("<HHI", peer_rq, peer_rndv, peer_eager)
@@ -166,6 +179,29 @@ write("engine", "tight", cfg(client=True, sq=2, rq=4, eager=2, window=1, ahead=1
       start + op(OP_APP_OPEN) + op(OP_APP_SEND, (B, 0), (H, 600), (B, 0), (B, 0)) +
       op(OP_RECV_RESP, (B, 0), (B, 0), (B, 2), (I, 7), (I, 0x10001)) +
       op(OP_APP_CLOSE, (B, 0)) + op(OP_SEND_OK) + op(OP_RECV_CREDIT, (H, 2)) + op(OP_SEND_OK))
+
+# DATA of both encodings both ways: streams on either side of the
+# immediate's limit (base 2^20 - 4: bytes 0..3 header-free, 4.. with header)
+write("engine", "data-encodings", cfg(big_ids=True) + start +
+      op(OP_RECV_OPEN, (B, 2), (B, 0)) + op(OP_RECV_OPEN, (B, 6), (B, 0)) +
+      op(OP_RECV_DATA, (B, 2), (B, 0), (H, 100)) + op(OP_RECV_DATA, (B, 6), (B, 0), (H, 100)) +
+      op(OP_RECV_DATA, (B, 6), (B, 0), (H, 0)) +
+      op(OP_APP_SEND, (B, 0), (H, 50), (B, 0), (B, 0)) +
+      op(OP_APP_SEND, (B, 1), (H, 50), (B, 0), (B, 0)) +
+      op(OP_APP_SEND, (B, 1), (H, 240), (B, 0), (B, 0)) + op(OP_SEND_OK) + op(OP_SEND_OK))
+write("engine", "data-encodings-client", cfg(client=True, big_ids=True) + start +
+      op(OP_REPEAT, (B, 6)) + op(OP_APP_OPEN) +
+      op(OP_APP_SEND, (B, 1), (H, 10), (B, 0), (B, 0)) +
+      op(OP_APP_SEND, (B, 5), (H, 10), (B, 0), (B, 0)) +
+      op(OP_APP_SEND, (B, 5), (H, 0), (B, 0), (B, 0)) + op(OP_REPEAT, (B, 12)) + op(OP_SEND_OK))
+# header-free DATA the peer should not send: a reserved kind, then (on a
+# fresh input) one returning more credits than were granted
+write("engine", "imm-bad-kind", cfg() + start + op(OP_RECV_OPEN, (B, 1), (B, 0)) +
+      op(OP_RECV_IMM, (I, imm(1, 0, kind=2)), (H, 8)))
+write("engine", "imm-credit-overflow", cfg() + start + op(OP_RECV_OPEN, (B, 1), (B, 0)) +
+      op(OP_RECV_IMM, (I, imm(1, 1023)), (H, 8)))
+# header-free DATA on a stream nobody opened
+write("engine", "imm-unknown-stream", cfg() + start + op(OP_RECV_IMM, (I, imm(77, 0)), (H, 3)))
 
 # Regression inputs for bugs the engine target found (crafted; the ones
 # libFuzzer wrote are committed as it wrote them).

@@ -201,8 +201,11 @@ static inline int rp_reap(struct rawpeer *rp)
                 continue; /* a write with immediate: not used by these tests */
             uint32_t slot = (uint32_t)wc[i].wr_id;
             struct bex__hdr h;
-            if (bex__hdr_decode(rp->mem + (size_t)slot * RP_SLOT, wc[i].byte_len, &h) == 0 &&
-                rp->ngot < RP_RECVQ) {
+            /* DATA comes header-free: stream and credits in the immediate */
+            int rc = wc[i].wc_flags & IBV_WC_WITH_IMM
+                         ? bex__imm_decode(ntohl(wc[i].imm_data), wc[i].byte_len, &h)
+                         : bex__hdr_decode(rp->mem + (size_t)slot * RP_SLOT, wc[i].byte_len, &h);
+            if (rc == 0 && rp->ngot < RP_RECVQ) {
                 rp->got[rp->ngot++] = h;
                 rp->credits += h.credits;
             }
