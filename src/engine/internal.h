@@ -13,13 +13,15 @@
  * SQ slots, peer receive credits and the send window are three separate
  * budgets.
  *
- * Receive side: rq_depth receives, each a 32-byte header slot plus an
- * eager_max payload buffer from bemalloc's general pool, which no peer can
- * reach by RDMA. Rendezvous destinations come from the landing pool (see
+ * Receive side: rq_depth receives, each one buffer of max(eager_max, 32)
+ * bytes from bemalloc's general pool, which no peer can reach by RDMA: DATA
+ * comes header-free (SEND_WITH_IMM, stream and credits in the immediate),
+ * so its payload lands at the buffer's start; a control message's header
+ * lands there too. Rendezvous destinations come from the landing pool (see
  * bex/mem.h); the keepalive word is a registered region of its own. A SEND's payload buffer goes to
  * the application as it is and a fresh one takes its place; receives are reposted k = rq_depth/2 at
- * a time with one ibv_post_recv, and the credits go back to the peer in the next header (or an
- * explicit CREDIT message). */
+ * a time with one ibv_post_recv, and the credits go back to the peer with the next SEND (the
+ * immediate or the header), or in an explicit CREDIT message. */
 #ifndef BEX_ENGINE_INTERNAL_H
 #define BEX_ENGINE_INTERNAL_H
 
