@@ -297,8 +297,8 @@ static int send_imm(void)
     /* OPEN: a plain SEND of the header */
     struct bex__hdr h;
     CHECK(T.sq[0].wr.opcode == IBV_WR_SEND && T.sq[0].wr.num_sge == 1);
-    CHECK_OK(bex__hdr_decode((const uint8_t *)(uintptr_t)T.sq[0].sge[0].addr,
-                             T.sq[0].sge[0].length, &h));
+    CHECK_OK(bex__hdr_decode((const uint8_t *)(uintptr_t)T.sq[0].sge[0].addr, T.sq[0].sge[0].length,
+                             &h));
     CHECK(h.type == BEX__MSG_OPEN && h.stream == 7);
     const size_t lens[] = {32, 0, 1000};
     for (int i = 1; i <= 3; i++) {

@@ -287,8 +287,16 @@ static bool is_write(const struct ibv_send_wr *wr)
     return wr->opcode == IBV_WR_RDMA_WRITE || wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
 }
 
+/* A SEND's header: the first entry of a plain SEND, or what the immediate
+ * of a header-free DATA (SEND_WITH_IMM of the payload alone) stands for. */
 static bool decode_send(const struct fk_wr *w, struct bex__hdr *h)
 {
+    if (w->wr.opcode == IBV_WR_SEND_WITH_IMM) {
+        FK_CHECK(w->wr.num_sge <= 1);
+        uint32_t len = w->wr.num_sge ? w->sge[0].length : 0;
+        FK_CHECK(bex__imm_decode(ntohl(w->wr.imm_data), len, h) == 0);
+        return true;
+    }
     if (w->wr.opcode != IBV_WR_SEND || w->wr.num_sge < 1 || w->sge[0].length != BEX__HDR_LEN)
         return false;
     uint32_t total = 0;
@@ -313,8 +321,10 @@ static void note_post(struct fk_side *s, struct fk_wr *w)
         w->payload = w->sge[0].length;
     /* the message this request is the last of */
     w->fin = NULL;
+    /* the payload's entry: after the header, or alone when header-free */
+    int pay = w->wr.opcode == IBV_WR_SEND ? 1 : 0;
     if (is_send && h.type == BEX__MSG_DATA && h.len)
-        w->fin = msg_at(p, s->idx, w->sge[1].addr);
+        w->fin = msg_at(p, s->idx, w->sge[pay].addr);
     else if (w->wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM && w->wr.num_sge == 1) {
         struct fk_msg *m = msg_at(p, s->idx, w->sge[0].addr);
         FK_CHECK(m && w->sge[0].addr + w->sge[0].length == (uintptr_t)m->m.buf + m->m.len);
@@ -327,7 +337,8 @@ static void note_post(struct fk_side *s, struct fk_wr *w)
     }
     /* credits: receive-consuming requests never exceed what the peer granted,
      * and all but CREDIT messages leave the last one free */
-    if (w->wr.opcode == IBV_WR_SEND || w->wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) {
+    if (w->wr.opcode == IBV_WR_SEND || w->wr.opcode == IBV_WR_SEND_WITH_IMM ||
+        w->wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) {
         s->consumers_posted++;
         uint64_t reserve = is_send && h.type == BEX__MSG_CREDIT ? 0 : 1;
         FK_CHECK(s->consumers_posted + reserve <= s->credits_granted);
@@ -369,7 +380,7 @@ static void note_post(struct fk_side *s, struct fk_wr *w)
         }
     }
     if (p->on_post && w->payload)
-        p->on_post(p, s->idx, w, msg_at(p, s->idx, w->sge[is_send ? 1 : 0].addr));
+        p->on_post(p, s->idx, w, msg_at(p, s->idx, w->sge[pay].addr));
 }
 
 static int fk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
@@ -453,7 +464,7 @@ static bool write_target_ok(struct fk_side *peer, uint64_t addr, uint32_t len)
 static void apply(struct fk_side *s, struct fk_wr *w)
 {
     struct fk_side *peer = peer_of(s);
-    if (w->wr.opcode == IBV_WR_SEND) {
+    if (w->wr.opcode == IBV_WR_SEND || w->wr.opcode == IBV_WR_SEND_WITH_IMM) {
         static uint8_t bytes[BEX__HDR_LEN + (1u << 20)];
         uint32_t n = 0;
         for (int i = 0; i < w->wr.num_sge; i++) {
@@ -470,8 +481,14 @@ static void apply(struct fk_side *s, struct fk_wr *w)
         }
         FK_CHECK(off == n); /* the receive was large enough */
         struct bex__hdr h;
-        FK_CHECK(bex__hdr_decode(bytes, n, &h) == 0);
         struct ibv_wc wc = {.wr_id = r->wr_id, .opcode = IBV_WC_RECV, .byte_len = n};
+        if (w->wr.opcode == IBV_WR_SEND_WITH_IMM) {
+            FK_CHECK(bex__imm_decode(ntohl(w->wr.imm_data), n, &h) == 0);
+            wc.wc_flags = IBV_WC_WITH_IMM;
+            wc.imm_data = w->wr.imm_data;
+        } else {
+            FK_CHECK(bex__hdr_decode(bytes, n, &h) == 0);
+        }
         push_rcq(peer, &wc, h.credits);
         return;
     }
@@ -555,7 +572,9 @@ bool fk_send_cqe(struct fk_pair *p, int side)
         s->done_n--;
         wc.wr_id = w->wr.wr_id;
         wc.status = w->status;
-        wc.opcode = w->wr.opcode == IBV_WR_SEND ? IBV_WC_SEND : IBV_WC_RDMA_WRITE;
+        wc.opcode = w->wr.opcode == IBV_WR_SEND || w->wr.opcode == IBV_WR_SEND_WITH_IMM
+                        ? IBV_WC_SEND
+                        : IBV_WC_RDMA_WRITE;
         if (ok) {
             s->inflight -= w->payload;
             if (w->fin)

@@ -7,7 +7,9 @@
  *    of one QP execute in posting order;
  *  - executing a SEND consumes the peer's next posted receive (none posted
  *    is an RNR: a test failure, the credits should have prevented it) and
- *    scatters header and payload into it; a WRITE copies into the peer's
+ *    scatters what it carries into it (a control message's header, or a
+ *    header-free DATA's payload with its immediate in the completion); a
+ *    WRITE copies into the peer's
  *    memory, which must be a destination the peer granted and has not
  *    seen completed, the peer's keepalive word or a buffer the test
  *    exposed; a WRITE_WITH_IMM also consumes a receive;
@@ -27,7 +29,8 @@
  * checks, as the test goes, what the tests' properties rest on:
  *  - credits: a side never has more receive-consuming requests posted than
  *    the peer granted (its hello's recv_depth plus the credits in headers
- *    delivered to it), and ordinary ones leave the last credit free;
+ *    and immediates delivered to it), and ordinary ones leave the last
+ *    credit free;
  *  - the send window: payload bytes posted and not completed never exceed
  *    cfg.send_window (when set);
  *  - every message handed back exactly once, with a status that agrees
