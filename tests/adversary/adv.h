@@ -63,6 +63,12 @@ long adv_pattern_diff(const void *p, size_t n, uint32_t seed);
 #define ADV_QP_TIMEOUT   18
 #define ADV_KEEPALIVE_MS 5000
 
+/* The server's setup deadline (connect_timeout_ms): a silent or truncated
+ * setup is refused after it. 4 s plain, 8 s ASan, 16 s TSan: a legitimate
+ * setup in the loaded TCG VM takes well under a second, but the first one
+ * of a process registers its pools' memory. */
+unsigned adv_setup_ms(void);
+
 uint64_t adv_now_ms(void);
 void adv_sleep_ms(unsigned ms);
 /* BEX_TEST_TIME_SCALE (1, 3 for ASan, 10 for TSan) */
@@ -109,7 +115,8 @@ char adv_get_cmd(int rd, int timeout_ms);
 /* ---- roles ------------------------------------------------------------ */
 
 struct adv_server_opts {
-    const char *secret; /* cluster secret, or NULL */
+    const char *secret;     /* cluster secret, or NULL */
+    uint32_t remote_access; /* BEX_REMOTE_ACCESS_* (0: the device's default) */
 };
 int adv_server_main(int rd, int wr, void *arg);
 
