@@ -194,6 +194,7 @@ struct bex_ctx {
     uint32_t cqe_used, cqe_cap;
     uint32_t n_setup; /* accepted connections in setup (setup_max) */
     uint64_t n_setup_evictions;
+    uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
     bool own_recv_pool;
     bool stopping;
     struct bex__cmd stop_cmd;

@@ -700,6 +700,14 @@ ALONE(rkey_stale)
 ALONE(rkey_range)
 ALONE(kill9_rndv)
 ALONE(unauthenticated)
+/* Window mode with good clients only (to tell a window-mode defect from an
+ * attack's effect). */
+static int window_baseline(void)
+{
+    struct group_def d = {
+        "window_baseline", false, BEX_REMOTE_ACCESS_WINDOW, {&baseline, &baseline, &baseline}};
+    return run_group(&d);
+}
 static int rkey_stale_window(void)
 {
     struct group_def d = {"rkey_stale_window", true, BEX_REMOTE_ACCESS_WINDOW, {&rkey_stale}};
@@ -716,4 +724,4 @@ BEX_TEST_MAIN(BEX_CASE(setup), BEX_CASE(protocol), BEX_CASE(window), ALONE_CASE(
               ALONE_CASE(rndv_endless), ALONE_CASE(streams), ALONE_CASE(no_credits),
               ALONE_CASE(recv_depth_1), ALONE_CASE(rkey_forged), ALONE_CASE(rkey_stale),
               ALONE_CASE(rkey_range), ALONE_CASE(kill9_rndv), ALONE_CASE(unauthenticated),
-              BEX_CASE(rkey_stale_window))
+              BEX_CASE(rkey_stale_window), BEX_CASE(window_baseline))
