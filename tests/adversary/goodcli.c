@@ -166,7 +166,7 @@ int adv_good_main(int rd, int wr, void *arg)
     /* "on time": no echo may take longer than this, attack or not */
     const uint64_t lat_max = 10000ull * scale;
     bex_ctx_config cfg = {.local_addr = a1,
-                          .keepalive_timeout_ms = ADV_KEEPALIVE_MS * scale,
+                          .keepalive_timeout_ms = ADV_KEEPALIVE_MS * adv_timer_scale(),
                           /* the server's setup deadline decides, not ours */
                           .connect_timeout_ms = 3 * adv_setup_ms(),
                           .qp_timeout = ADV_QP_TIMEOUT,

@@ -356,7 +356,7 @@ int adv_server_main(int rd, int wr, void *arg)
     pthread_mutex_init(&S.mu, NULL);
     bex_ctx_config cfg = {
         .local_addr = a0,
-        .keepalive_timeout_ms = ADV_KEEPALIVE_MS * scale,
+        .keepalive_timeout_ms = ADV_KEEPALIVE_MS * adv_timer_scale(),
         .connect_timeout_ms = adv_setup_ms(),
         .qp_timeout = ADV_QP_TIMEOUT,
         .log_fn = log_hook,
@@ -371,8 +371,8 @@ int adv_server_main(int rd, int wr, void *arg)
         /* setup_max: the default (64). 1000 idle connections refilled at
          * 200/s push out the one that kept us waiting longest, never a
          * client in the middle of its setup */
-        .rndv_timeout_ms = 3000 * scale,
-        .credit_timeout_ms = 3000 * scale,
+        .rndv_timeout_ms = 3000 * adv_timer_scale(),
+        .credit_timeout_ms = 3000 * adv_timer_scale(),
     };
     int err = bex_ctx_create(&cfg, &S.ctx);
     if (err) {
