@@ -2,6 +2,13 @@
  * clients while an attacker abuses it. See adv.h for the processes and
  * docs/testing.md for every case and what it asserts.
  *
+ * The registered tests are groups (run_group): one server and one early
+ * good client (at least 1000 messages, through every case of the group)
+ * serve the group's cases in turn; each case brings its attacker and a late
+ * good client and is checked on what it added (log lines, counters) once
+ * the server is back to the early client alone. Each case can also run
+ * alone (`test_adversary <case>`).
+ *
  * Each case passes only if, all at once:
  *   - the listener process is alive after the attack and its teardown
  *     (close every socket, bex_listener_close, bex_ctx_destroy) succeeds;
