@@ -596,11 +596,18 @@ int adv_attack_rndv_endless(struct adv_attack_ctx *a)
     return 0;
 }
 
-/* OPEN after OPEN, without end. */
+/* OPEN after OPEN, without end, and no receive ever given back: the
+ * server's refusals (a CLOSE per OPEN past streams_max) cannot go out, so
+ * it must end the connection rather than queue them without bound. (A
+ * peer that lets the refusals out is refused stream by stream and may stay:
+ * test_limits_rxe.open_flood.) Holding the receives makes this the same
+ * attack in every build: a TSan build's attacker is too slow to outrun the
+ * refusals otherwise. */
 int adv_attack_streams(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
-    if (peer_up(a, &p, NULL)) {
+    struct adv_peer_opts o = {.recv_depth = 16, .hold_credits = true};
+    if (peer_up(a, &p, &o)) {
         adv_peer_destroy(&p);
         adv_say(a->wr, "done");
         return 0;
