@@ -961,8 +961,7 @@ static int conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct 
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = ctx->cfg.local_addr};
     int err = 0;
-    if (bind(fd, (struct sockaddr *)&me, sizeof(me)) ||
-        (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS)) {
+    if (bind(fd, (struct sockaddr *)&me, sizeof(me))) {
         err = -errno;
         close(fd);
         return err;
@@ -974,8 +973,16 @@ static int conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct 
     }
     c->key = *to;
     c->phase = P_CONNECTING;
-    /* the engine exists from the start, so sockets can queue sends at once */
+    /* the engine exists from the start, so sockets can queue sends at once;
+     * and it is made before connect, so that our first setup message follows
+     * the handshake at once: a listener under a flood closes first the
+     * connections that have said nothing (setup_max) */
     if ((err = engine_make(c))) {
+        c->dead = true;
+        return err;
+    }
+    if (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS) {
+        err = -errno;
         c->dead = true;
         return err;
     }
