@@ -159,6 +159,7 @@ struct conn {
     uint64_t deadline;
     uint64_t waiting_since; /* setup: since when the peer owes us its next
                                message (setup_evict's order) */
+    bool heard;             /* setup: its first bytes wait to be read */
     uint64_t conn_id;
     bool dead;             /* failed: destroy at the next safe point */
     bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */

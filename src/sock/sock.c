@@ -1152,45 +1152,41 @@ static bool drain_cmds(bex_ctx *ctx)
     return true;
 }
 
-/* How readily an accepted connection in setup gives way to a newcomer:
- * 0 its peer is gone already (EOF or reset not yet read), 1 it has sent
- * nothing (or only part of its first message), 2 it is under way (its
- * first message is complete, or waiting to be read). */
-static int setup_rank(const struct conn *c, int first)
-{
-    if (c->phase != first || c->rlen)
-        return 2;
-    char b;
-    ssize_t n = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n > 0)
-        return 2;
-    return n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ? 0 : 1;
-}
-
-/* Close an accepted connection in setup to make room: the lowest
- * setup_rank, and among those the one whose next message is overdue the
- * most (since accept, or since our last answer to it). A legitimate client
- * sends its first message at once and answers each of ours at once: a
- * burst of connections that say nothing or close at once cannot push it
- * out, and ones that stop half way give way before it (docs/
- * configuration.md, setup_max). Returns whether there was one. */
+/* Close an accepted connection in setup to make room: the oldest that has
+ * said nothing yet (no byte read, none waiting: idle, or closed with its EOF
+ * not yet read), else the one whose next message is overdue the most (since
+ * our last answer to it). A legitimate client sends its first message at
+ * once and answers each of ours at once: a burst of connections that say
+ * nothing or close at once cannot push it out, and ones that stop half way
+ * give way before it (docs/configuration.md, setup_max). One recv(MSG_PEEK)
+ * per eviction, plus one per quiet-looking connection found talking (once:
+ * it is marked). Returns whether there was one. */
 static bool setup_evict_oldest(bex_ctx *ctx)
 {
-    struct conn *old = NULL;
-    int first = ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO, old_rank = 3;
-    for (struct conn *c = ctx->conns; c; c = c->next) { /* newest first */
-        if (!c->in_setup || c->fd < 0)
-            continue;
-        int rank = setup_rank(c, first);
-        if (rank < old_rank || (rank == old_rank && c->waiting_since <= old->waiting_since)) {
-            old = c;
-            old_rank = rank;
+    int first = ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
+    for (;;) {
+        struct conn *old = NULL;
+        bool old_quiet = false;
+        for (struct conn *c = ctx->conns; c; c = c->next) { /* newest first */
+            if (!c->in_setup || c->fd < 0)
+                continue;
+            bool quiet = c->phase == first && !c->rlen && !c->heard;
+            if (!old || (quiet && !old_quiet) ||
+                (quiet == old_quiet && c->waiting_since <= old->waiting_since)) {
+                old = c;
+                old_quiet = quiet;
+            }
         }
+        if (!old)
+            return false;
+        char b;
+        if (old_quiet && recv(old->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0) {
+            old->heard = true; /* its first bytes wait to be read: under way */
+            continue;
+        }
+        conn_fail(old, -ECONNABORTED);
+        return true;
     }
-    if (!old)
-        return false;
-    conn_fail(old, -ECONNABORTED);
-    return true;
 }
 
 /* accept4 failed for want of descriptors or memory: the backlog stays
