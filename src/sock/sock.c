@@ -1231,12 +1231,12 @@ static void do_accept(bex_ctx *ctx, struct bex_listener *l)
          * slow connection gives its place to the newcomer, so connections
          * held open without a hello cannot lock out the ones that talk. */
         if (ctx->n_setup >= ctx->cfg.setup_max) {
-            /* once per flood: the first eviction after a second without one */
+            /* once per flood: the first eviction after 10 s without one */
             uint64_t now = bex__now_ms();
-            if (ctx->n_setup_evictions++ == 0 || now - ctx->setup_evicted_ms > 1000)
+            if (ctx->n_setup_evictions++ == 0 || now - ctx->setup_evicted_ms > 10000)
                 bex__log(&ctx->log, BEX_LOG_WARN,
-                         "%u connections in setup (setup_max): closing the one that kept us "
-                         "waiting longest for each new one (logged once per flood)",
+                         "%u connections in setup (setup_max): closing the oldest silent one "
+                         "for each new one (logged once per flood)",
                          ctx->n_setup);
             ctx->setup_evicted_ms = now;
             setup_evict_oldest(ctx);
