@@ -371,7 +371,10 @@ int adv_server_main(int rd, int wr, void *arg)
         /* setup_max: the default (64). 1000 idle connections refilled at
          * 200/s push out the one that kept us waiting longest, never a
          * client in the middle of its setup */
-        .rndv_timeout_ms = 3000 * adv_timer_scale(),
+        /* no attack ends by our rendezvous timeout (the attackers answer
+         * or vanish): long enough that a good client stalled by the loaded
+         * VM is not failed by it. Credits: no_credits ends by this one */
+        .rndv_timeout_ms = 20000 * adv_timer_scale(),
         .credit_timeout_ms = 3000 * adv_timer_scale(),
     };
     int err = bex_ctx_create(&cfg, &S.ctx);
