@@ -167,6 +167,10 @@ bex_mem_pool *bex_ctx_pool(bex_ctx *ctx);
  * what the context holds of received data, bounded by recv_bytes_max. Its
  * buffers may be sent like those of bex_ctx_pool. */
 bex_mem_pool *bex_ctx_recv_pool(bex_ctx *ctx);
+/* The landing pool: rendezvous destinations and exposable buffers, the only
+ * memory a peer may write (bex_sock_alloc_exposable). The rendezvous
+ * destinations in it count toward recv_bytes_max. */
+bex_mem_pool *bex_ctx_landing_pool(bex_ctx *ctx);
 /* The mode the context runs in: BEX_REMOTE_ACCESS_LANDING or _WINDOW. */
 int bex_ctx_remote_access(const bex_ctx *ctx);
 struct ibv_pd *bex_ctx_pd(bex_ctx *ctx);

@@ -173,6 +173,7 @@ struct bex__engine {
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
     bool violation_logged; /* the peer's fault is logged: no second line */
+    char name[48];         /* how log lines name the connection (bex__engine_set_name) */
 };
 
 /* Every user is a millisecond timeout, and the I/O loop reads this on every
@@ -392,8 +393,7 @@ __attribute__((format(printf, 2, 3))) static int violation(struct bex__engine *e
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (!e->violation_logged)
-        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: protocol violation by the peer: %s", e->id,
-                 msg);
+        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: protocol violation by the peer: %s", e->name, msg);
     e->violation_logged = true;
     return -EPROTO;
 }
@@ -421,6 +421,7 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->cfg = *cfg;
     e->ops = ops;
     e->id = id;
+    snprintf(e->name, sizeof e->name, "engine %u", id);
     e->user = user;
     e->nodev = stand_in != NULL;
     e->sq = cfg->sq_depth;
@@ -1194,7 +1195,7 @@ static void post_pending(struct bex__engine *e)
     BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
     BEX__STAT_ADD(e->sh->stats, signaled, signaled);
     if (rc) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_send: %s", e->id,
+        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_send: %s", e->name,
                  bex_strerror(bex__rdma_err(rc)));
         /* nothing was posted from bad on: treat the chain as lost */
         e->post = e->tail;
@@ -1222,7 +1223,7 @@ static void repost_recvs(struct bex__engine *e)
     int rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
     BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
     if (rc) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_post_recv: %s", e->id,
+        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name,
                  bex_strerror(bex__rdma_err(rc)));
         fail_now(e, bex__rdma_err(rc));
         return;
@@ -1457,7 +1458,7 @@ int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
      * answers go out as our credits allow: more waiting refusals than that
      * means it keeps opening without returning credits. */
     if (e->ctl_refusals >= e->rq)
-        return violation(e, "it opens sockets faster than it lets us refuse them");
+        return violation(e, "it opens streams past the limit faster than it lets us refuse them");
     struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = id};
     return queue_ctl(e, &h);
 }
@@ -1764,14 +1765,46 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     return 0;
 }
 
+/* What a failed completion says about the connection, for the log line: the
+ * operator must tell a peer's abuse from a broken link. On the responder
+ * side (a peer's WRITE with a key or range we never granted) the NIC only
+ * moves our QP to the error state: all we see is our work flushed. */
+static const char *wc_why(enum ibv_wc_status st)
+{
+    switch (st) {
+    case IBV_WC_WR_FLUSH_ERR:
+        return "our QP went to the error state; most likely the peer wrote with a key or to "
+               "a range we did not grant (the NIC refused it), else the link failed";
+    case IBV_WC_REM_ACCESS_ERR:
+        return "the peer's NIC refused our write (key or range)";
+    case IBV_WC_REM_INV_REQ_ERR:
+        return "the peer's NIC refused our request as invalid";
+    case IBV_WC_RETRY_EXC_ERR:
+        return "the peer stopped acknowledging (transport retries exhausted)";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+        return "the peer had no receive posted (RNR retries exhausted)";
+    case IBV_WC_REM_OP_ERR:
+        return "the peer's NIC could not complete our request";
+    default:
+        return "the connection's QP failed";
+    }
+}
+
+void bex__engine_set_name(struct bex__engine *e, const char *name)
+{
+    snprintf(e->name, sizeof e->name, "%s (engine %u)", name, e->id);
+}
+
 void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
     if (e->state == E_DEAD)
         return; /* queued before the QP went: everything was handed back */
     if (wc->status != IBV_WC_SUCCESS) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: work completion error: %s (vendor 0x%x)",
-                 e->id, ibv_wc_status_str(wc->status), wc->vendor_err);
+        bex__log(e->sh->log, BEX_LOG_ERROR,
+                 "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name,
+                 low & WR_RECV ? "receive" : "send", ibv_wc_status_str(wc->status), wc->vendor_err,
+                 wc_why(wc->status));
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return;
     }
@@ -1787,7 +1820,7 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
     }
     if (rc) {
         if (!e->violation_logged)
-            bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: %s from peer", e->id,
+            bex__log(e->sh->log, BEX_LOG_ERROR, "%s: %s from peer", e->name,
                      rc == -EPROTO ? "protocol violation" : strerror(-rc));
         e->violation_logged = true;
         bex__engine_fail(e, rc);
@@ -1805,7 +1838,7 @@ static bool stalled(struct bex__engine *e, uint64_t now)
         for (uint32_t i = 0; i < e->max_rndv; i++) {
             if (e->rout[i].used && now - e->rout[i].sent_ms > e->cfg.rndv_timeout_ms) {
                 bex__log(e->sh->log, BEX_LOG_ERROR,
-                         "engine %u: a rendezvous request got no answer in %u ms", e->id,
+                         "%s: a rendezvous request got no answer in %u ms", e->name,
                          e->cfg.rndv_timeout_ms);
                 bex__engine_fail(e, -ETIMEDOUT);
                 return true;
@@ -1817,7 +1850,7 @@ static bool stalled(struct bex__engine *e, uint64_t now)
             e->credit_wait = now;
         } else if (e->cfg.credit_timeout_ms && now - e->credit_wait > e->cfg.credit_timeout_ms) {
             bex__log(e->sh->log, BEX_LOG_ERROR,
-                     "engine %u: sends waited %u ms for credits the peer never returned", e->id,
+                     "%s: sends waited %u ms for credits the peer never returned", e->name,
                      e->cfg.credit_timeout_ms);
             bex__engine_fail(e, -ETIMEDOUT);
             return true;
@@ -1839,7 +1872,7 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
         e->ka_last_ms = now;
         e->peer_heard = false;
     } else if (now - e->ka_last_ms > e->cfg.keepalive_timeout_ms) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: keepalive timeout (%u ms)", e->id,
+        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: keepalive timeout (%u ms)", e->name,
                  e->cfg.keepalive_timeout_ms);
         bex__engine_fail(e, -ETIMEDOUT);
         return;
@@ -1887,7 +1920,7 @@ static void fail_now(struct bex__engine *e, int err)
             if (rc) {
                 /* cannot happen for a QP of ours (no multicast, and every
                  * window bound on it went just above); stop it at least */
-                bex__log(e->sh->log, BEX_LOG_ERROR, "engine %u: ibv_destroy_qp: %s", e->id,
+                bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_destroy_qp: %s", e->name,
                          bex_strerror(rc));
                 bex__rdma_qp_to_err(e->qp);
             }

@@ -249,6 +249,9 @@ int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_c
 void bex__engine_destroy(struct bex__engine *e);
 void *bex__engine_user(struct bex__engine *e);
 uint32_t bex__engine_id(struct bex__engine *e);
+/* Name the connection in the engine's log lines ("<name> (engine <id>):"),
+ * e.g. the peer's "a.b.c.d:port": an operator must see who failed. */
+void bex__engine_set_name(struct bex__engine *e, const char *name);
 void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out);
 /* Bring the QP to RTS with the peer's hello. */
 int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *peer);

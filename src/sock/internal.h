@@ -142,7 +142,9 @@ struct conn {
     int fd;
     int phase;
     bool client;
-    struct sockaddr_in key; /* client: the listener we connected to */
+    struct sockaddr_in key; /* the peer: the listener we connected to, or the
+                               address accept4 gave (kept: a peer that reset
+                               has no getpeername) */
     struct bex__engine *eng;
     uint32_t eng_id;
     uint8_t rbuf[BEX__SETUP_MAX_LEN]; /* one setup message at a time */
@@ -155,6 +157,9 @@ struct conn {
     struct bex__auth_transcript auth; /* with a secret */
     uint8_t hello_l[BEX__HELLO_LEN];  /* listener with a secret: the hello it MACed */
     uint64_t deadline;
+    uint64_t waiting_since; /* setup: since when the peer owes us its next
+                               message (setup_evict's order) */
+    bool heard;             /* setup: its first bytes wait to be read */
     uint64_t conn_id;
     bool dead;             /* failed: destroy at the next safe point */
     bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
@@ -190,6 +195,7 @@ struct bex_ctx {
     uint32_t cqe_used, cqe_cap;
     uint32_t n_setup; /* accepted connections in setup (setup_max) */
     uint64_t n_setup_evictions;
+    uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
     bool own_recv_pool;
     bool stopping;
     struct bex__cmd stop_cmd;

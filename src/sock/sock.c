@@ -262,6 +262,15 @@ static int conn_want(struct conn *c, uint32_t events)
     return epoll_ctl(c->ctx->epfd, EPOLL_CTL_MOD, c->fd, &ev) ? -errno : 0;
 }
 
+/* "a.b.c.d:port" of the peer, for log lines (buf: 32 bytes). */
+static const char *conn_name(const struct conn *c, char *buf)
+{
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &c->key.sin_addr, ip, sizeof ip);
+    snprintf(buf, 32, "peer %s:%u", ip, ntohs(c->key.sin_port));
+    return buf;
+}
+
 static int engine_make(struct conn *c)
 {
     bex_ctx *ctx = c->ctx;
@@ -275,6 +284,8 @@ static int engine_make(struct conn *c)
     }
     int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &engine_ops, c->eng_id, c, &c->eng);
     if (!err) {
+        char name[32];
+        bex__engine_set_name(c->eng, conn_name(c, name));
         ctx->cqe_used += need;
         c->cqe_reserved = need;
         BEX__STAT_ADD(&ctx->stats, engines, 1);
@@ -371,13 +382,16 @@ static void conn_expect(struct conn *c, int phase)
     c->rlen = 0;
     c->rwant = BEX__SETUP_PRE_LEN;
     c->framed = false;
+    c->waiting_since = bex__now_ms();
 }
 
 static void conn_peer_addr(struct conn *c, struct sockaddr_in *a)
 {
     socklen_t sl = sizeof(*a);
-    if (c->fd < 0 || getpeername(c->fd, (struct sockaddr *)a, &sl) || a->sin_family != AF_INET)
-        *a = c->key;
+    if (c->key.sin_family == AF_INET)
+        *a = c->key; /* kept from connect/accept4: a peer that reset has no getpeername */
+    else if (c->fd < 0 || getpeername(c->fd, (struct sockaddr *)a, &sl) || a->sin_family != AF_INET)
+        memset(a, 0, sizeof(*a));
 }
 
 /* Refuse the peer: log once, tell it why when nothing else is on its way
@@ -634,6 +648,24 @@ static int setup_msg(struct conn *c, const char **why)
     }
 }
 
+/* The TCP connection of a connection that is up ended. After an orderly
+ * close (every socket closed by both sides) that is normal; with sockets
+ * the peer never closed, it vanished (killed, rebooted, unplugged): say so
+ * once, by name, before its sockets learn it. */
+static void conn_lost(struct conn *c, int err)
+{
+    uint32_t open = 0;
+    for (int i = 0; i < CONN_MAP; i++)
+        for (struct bex_sock *s = c->map[i]; s; s = s->map_next)
+            open += !s->dead;
+    if (!open)
+        return;
+    char name[32];
+    bex__log(&c->ctx->log, BEX_LOG_WARN,
+             "%s (engine %u): connection lost with %u socket%s open (%s)", conn_name(c, name),
+             c->eng_id, open, open == 1 ? "" : "s", bex_strerror(err));
+}
+
 /* Advance the setup state machine; any error fails the connection. */
 static void conn_step(struct conn *c, uint32_t events)
 {
@@ -698,8 +730,11 @@ static void conn_step(struct conn *c, uint32_t events)
 fail:
     if (why)
         conn_refuse(c, err, why);
-    else
+    else {
+        if (c->phase == P_UP)
+            conn_lost(c, err);
         conn_fail(c, err);
+    }
 }
 
 /* ---------------- engine upcalls (I/O thread) ---------------- */
@@ -734,18 +769,23 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
     struct conn *c = bex__engine_user(e);
     struct bex_sock *s = map_find(c, stream);
     if (s || c->client) {
-        bex__log(&c->ctx->log, BEX_LOG_ERROR, "engine %u: unexpected OPEN of stream %u", c->eng_id,
-                 stream);
+        char name[32];
+        bex__log(&c->ctx->log, BEX_LOG_ERROR, "%s (engine %u): unexpected OPEN of stream %u",
+                 conn_name(c, name), c->eng_id, stream);
         conn_fail(c, -EPROTO);
         return;
     }
     if (c->nsocks >= c->ctx->cfg.streams_max) {
         /* the peer's socket fails; nothing is allocated for it here */
+        /* INFO: refusing a stream is flow control; should the peer go on
+         * regardless, the engine fails with the one WARN/ERROR line that
+         * names it */
+        char name[32];
         if (!c->refusal_logged)
-            bex__log(&c->ctx->log, BEX_LOG_WARN,
-                     "engine %u: the peer opens more than %u sockets on one connection; "
+            bex__log(&c->ctx->log, BEX_LOG_INFO,
+                     "%s (engine %u): opens more than %u streams on one connection; "
                      "refusing them (logged once per connection)",
-                     c->eng_id, c->ctx->cfg.streams_max);
+                     conn_name(c, name), c->eng_id, c->ctx->cfg.streams_max);
         c->refusal_logged = true;
         if (bex__engine_refuse_stream(e, stream))
             conn_fail(c, -EPROTO);
@@ -921,8 +961,7 @@ static int conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct 
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = ctx->cfg.local_addr};
     int err = 0;
-    if (bind(fd, (struct sockaddr *)&me, sizeof(me)) ||
-        (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS)) {
+    if (bind(fd, (struct sockaddr *)&me, sizeof(me))) {
         err = -errno;
         close(fd);
         return err;
@@ -934,8 +973,16 @@ static int conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct 
     }
     c->key = *to;
     c->phase = P_CONNECTING;
-    /* the engine exists from the start, so sockets can queue sends at once */
+    /* the engine exists from the start, so sockets can queue sends at once;
+     * and it is made before connect, so that our first setup message follows
+     * the handshake at once: a listener under a flood closes first the
+     * connections that have said nothing (setup_max) */
     if ((err = engine_make(c))) {
+        c->dead = true;
+        return err;
+    }
+    if (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS) {
+        err = -errno;
         c->dead = true;
         return err;
     }
@@ -1105,18 +1152,41 @@ static bool drain_cmds(bex_ctx *ctx)
     return true;
 }
 
-/* Close the accepted connection that has been in setup longest. Returns
- * whether there was one. */
+/* Close an accepted connection in setup to make room: the oldest that has
+ * said nothing yet (no byte read, none waiting: idle, or closed with its EOF
+ * not yet read), else the one whose next message is overdue the most (since
+ * our last answer to it). A legitimate client sends its first message at
+ * once and answers each of ours at once: a burst of connections that say
+ * nothing or close at once cannot push it out, and ones that stop half way
+ * give way before it (docs/configuration.md, setup_max). One recv(MSG_PEEK)
+ * per eviction, plus one per quiet-looking connection found talking (once:
+ * it is marked). Returns whether there was one. */
 static bool setup_evict_oldest(bex_ctx *ctx)
 {
-    struct conn *old = NULL;
-    for (struct conn *c = ctx->conns; c; c = c->next) /* newest first */
-        if (c->in_setup && (!old || c->deadline <= old->deadline))
-            old = c;
-    if (!old)
-        return false;
-    conn_fail(old, -ECONNABORTED);
-    return true;
+    int first = ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
+    for (;;) {
+        struct conn *old = NULL;
+        bool old_quiet = false;
+        for (struct conn *c = ctx->conns; c; c = c->next) { /* newest first */
+            if (!c->in_setup || c->fd < 0)
+                continue;
+            bool quiet = c->phase == first && !c->rlen && !c->heard;
+            if (!old || (quiet && !old_quiet) ||
+                (quiet == old_quiet && c->waiting_since <= old->waiting_since)) {
+                old = c;
+                old_quiet = quiet;
+            }
+        }
+        if (!old)
+            return false;
+        char b;
+        if (old_quiet && recv(old->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0) {
+            old->heard = true; /* its first bytes wait to be read: under way */
+            continue;
+        }
+        conn_fail(old, -ECONNABORTED);
+        return true;
+    }
 }
 
 /* accept4 failed for want of descriptors or memory: the backlog stays
@@ -1138,7 +1208,9 @@ static void do_accept(bex_ctx *ctx, struct bex_listener *l)
 {
     bool evicted = false;
     for (;;) {
-        int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        struct sockaddr_in peer = {0};
+        socklen_t pl = sizeof(peer);
+        int fd = accept4(l->fd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             int err = errno;
             if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM)
@@ -1159,11 +1231,14 @@ static void do_accept(bex_ctx *ctx, struct bex_listener *l)
          * slow connection gives its place to the newcomer, so connections
          * held open without a hello cannot lock out the ones that talk. */
         if (ctx->n_setup >= ctx->cfg.setup_max) {
-            if (ctx->n_setup_evictions++ == 0)
+            /* once per flood: the first eviction after 10 s without one */
+            uint64_t now = bex__now_ms();
+            if (ctx->n_setup_evictions++ == 0 || now - ctx->setup_evicted_ms > 10000)
                 bex__log(&ctx->log, BEX_LOG_WARN,
-                         "%u connections in setup: closing the oldest for each new one "
-                         "(logged once)",
+                         "%u connections in setup (setup_max): closing the oldest silent one "
+                         "for each new one (logged once per flood)",
                          ctx->n_setup);
+            ctx->setup_evicted_ms = now;
             setup_evict_oldest(ctx);
         }
         struct conn *c;
@@ -1174,6 +1249,8 @@ static void do_accept(bex_ctx *ctx, struct bex_listener *l)
         c->in_setup = true;
         ctx->n_setup++;
         c->l = l;
+        if (peer.sin_family == AF_INET)
+            c->key = peer;
         conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &c->tag};
         if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, fd, &ev))
@@ -1208,7 +1285,10 @@ static void tick(bex_ctx *ctx, uint64_t now)
         if (c->dead)
             continue;
         if (c->phase != P_UP && now > c->deadline) {
-            conn_fail(c, -ETIMEDOUT);
+            if (c->client)
+                conn_fail(c, -ETIMEDOUT); /* on_connect says so */
+            else /* a peer that never finishes its setup is refused, by name */
+                conn_refuse(c, -ETIMEDOUT, "setup not finished in time");
             continue;
         }
         if (c->eng)
@@ -1625,6 +1705,11 @@ bex_mem_pool *bex_ctx_pool(bex_ctx *ctx)
 bex_mem_pool *bex_ctx_recv_pool(bex_ctx *ctx)
 {
     return ctx->sh.recv_pool;
+}
+
+bex_mem_pool *bex_ctx_landing_pool(bex_ctx *ctx)
+{
+    return ctx->sh.landing;
 }
 
 struct ibv_pd *bex_ctx_pd(bex_ctx *ctx)

@@ -59,9 +59,23 @@ long adv_pattern_diff(const void *p, size_t n, uint32_t seed);
  * timeout (2^14 * 4.096 us = 67 ms) rxe retransmits data that was never
  * lost, and the default keepalive timeout (2 s) ends healthy connections.
  * Neither protects against an attacker here (keepalive writes and TCP ends
- * do), so both are raised: ACK timeout 2^18 * 4.096 us = 1.07 s. */
+ * do), so both are raised: ACK timeout 2^18 * 4.096 us = 1.07 s, keepalive
+ * timeout 5 s x adv_timer_scale(). */
 #define ADV_QP_TIMEOUT   18
 #define ADV_KEEPALIVE_MS 5000
+
+/* The library's timers in the suite (setup deadline, keepalive, rendezvous
+ * and credit timeouts) are stretched by 1 + scale / 3: 1 plain, 2 ASan, 4
+ * TSan. What they must outlast is the loaded TCG VM's stalls, which the
+ * sanitizers lengthen less than their CPU cost (scale); and the attacks
+ * that end by one of them (truncated hellos, a silent OPEN, a hello
+ * naming a QP nobody has, credits never returned) take that long. */
+unsigned adv_timer_scale(void);
+/* The server's setup deadline (connect_timeout_ms): a silent or truncated
+ * setup is refused after it. 4 s x adv_timer_scale(): a legitimate setup
+ * takes well under a second, but the first one of a process registers its
+ * pools' memory. */
+unsigned adv_setup_ms(void);
 
 uint64_t adv_now_ms(void);
 void adv_sleep_ms(unsigned ms);
@@ -109,7 +123,8 @@ char adv_get_cmd(int rd, int timeout_ms);
 /* ---- roles ------------------------------------------------------------ */
 
 struct adv_server_opts {
-    const char *secret; /* cluster secret, or NULL */
+    const char *secret;     /* cluster secret, or NULL */
+    uint32_t remote_access; /* BEX_REMOTE_ACCESS_* (0: the device's default) */
 };
 int adv_server_main(int rd, int wr, void *arg);
 

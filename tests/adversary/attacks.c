@@ -493,6 +493,20 @@ static int peer_up(struct adv_attack_ctx *a, struct adv_peer *p, const struct ad
     return rc;
 }
 
+/* Ask the parent to hold the good clients' traffic (nothing in flight)
+ * until good_resume. */
+static void good_pause(struct adv_attack_ctx *a)
+{
+    adv_say(a->wr, "pause");
+    if (adv_get_cmd(a->rd, 60000 * (int)adv_scale()) != 'c')
+        adv_say(a->wr, "fail the good clients did not pause");
+}
+
+static void good_resume(struct adv_attack_ctx *a)
+{
+    adv_say(a->wr, "resume");
+}
+
 /* Wait for the server to close p; report it. */
 static void peer_wait(struct adv_attack_ctx *a, struct adv_peer *p, uint64_t t0, unsigned wait_ms)
 {
@@ -582,11 +596,18 @@ int adv_attack_rndv_endless(struct adv_attack_ctx *a)
     return 0;
 }
 
-/* OPEN after OPEN, without end. */
+/* OPEN after OPEN, without end, and no receive ever given back: the
+ * server's refusals (a CLOSE per OPEN past streams_max) cannot go out, so
+ * it must end the connection rather than queue them without bound. (A
+ * peer that lets the refusals out is refused stream by stream and may stay:
+ * test_limits_rxe.open_flood.) Holding the receives makes this the same
+ * attack in every build: a TSan build's attacker is too slow to outrun the
+ * refusals otherwise. */
 int adv_attack_streams(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
-    if (peer_up(a, &p, NULL)) {
+    struct adv_peer_opts o = {.recv_depth = 16, .hold_credits = true};
+    if (peer_up(a, &p, &o)) {
         adv_peer_destroy(&p);
         adv_say(a->wr, "done");
         return 0;
@@ -767,13 +788,20 @@ int adv_attack_rkey_range(struct adv_attack_ctx *a)
     struct adv_peer p;
     bool have = false;
     uint64_t t0 = 0;
-    adv_say(a->wr, "underway");
     /* the rendezvous targets first: the keepalive ones land in the
      * server's header area of this very connection on a server that lets
-     * them */
+     * them. A rendezvous key reaches its whole landing chunk on rxe, where
+     * other peers' payloads in flight may be (docs/security.md allows
+     * that): the good clients hold their traffic meanwhile, and the late
+     * one comes after */
+    good_pause(a);
     static const int order[] = {2, 3, 4, 0, 1, 5, 6};
     for (int oi = 0; oi < 7; oi++) {
         int k = order[oi];
+        if (oi == 3) {
+            good_resume(a);
+            adv_say(a->wr, "underway");
+        }
         if (!have) {
             if (peer_up(a, &p, NULL)) {
                 adv_peer_destroy(&p);

@@ -3,8 +3,9 @@
  * checks every echo: the length it sent, the header, the checksum and every
  * byte, in order, each within a deadline ("on time").
  * Lines: "ready" (connected), "result ok msgs=N bytes=B maxlat_ms=L" or
- * "result fail <why>". Commands: 'g' go (with wait_go), 's' stop after
- * min_msgs, 'q' close and exit. */
+ * "result fail <why>", "paused". Commands: 'g' go (with wait_go; also
+ * resumes), 's' stop after min_msgs, 'p' pause (send nothing more; say
+ * "paused" once nothing is in flight), 'q' close and exit. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -165,7 +166,9 @@ int adv_good_main(int rd, int wr, void *arg)
     /* "on time": no echo may take longer than this, attack or not */
     const uint64_t lat_max = 10000ull * scale;
     bex_ctx_config cfg = {.local_addr = a1,
-                          .keepalive_timeout_ms = ADV_KEEPALIVE_MS * scale,
+                          .keepalive_timeout_ms = ADV_KEEPALIVE_MS * adv_timer_scale(),
+                          /* the server's setup deadline decides, not ours */
+                          .connect_timeout_ms = 3 * adv_setup_ms(),
                           .qp_timeout = ADV_QP_TIMEOUT,
                           .secret = o->secret,
                           .secret_len = o->secret ? strlen(o->secret) : 0};
@@ -205,13 +208,14 @@ int adv_good_main(int rd, int wr, void *arg)
             goto out;
     }
     uint32_t seq = o->seq0, sent = 0;
+    bool paused = false, told = false;
     /* run until min_msgs are echoed and (with wait_go) the parent said stop */
     pthread_mutex_lock(&G.mu);
     for (;;) {
         if (G.fail[0])
             break;
         uint64_t now = adv_now_ms();
-        bool more = !stop || sent < o->min_msgs;
+        bool more = !paused && (!stop || sent < o->min_msgs);
         int inflight = 0;
         for (int i = 0; i < NSOCK; i++) {
             struct gsock *gs = &G.gs[i];
@@ -247,17 +251,26 @@ int adv_good_main(int rd, int wr, void *arg)
                 }
                 seq++;
                 sent++;
-                more = !stop || sent < o->min_msgs;
+                more = !paused && (!stop || sent < o->min_msgs);
             }
         }
-        if (G.fail[0] || (!more && inflight == 0))
+        if (paused && inflight == 0 && !told) {
+            adv_say(wr, "paused");
+            told = true;
+        }
+        if (G.fail[0] || (!more && !paused && inflight == 0))
             break;
-        if (!stop) {
+        if (!stop || paused) {
             pthread_mutex_unlock(&G.mu);
             char c = adv_get_cmd(rd, 0);
             pthread_mutex_lock(&G.mu);
             if (c == 's' || c == 'q')
                 stop = true;
+            if (c == 'p') /* nothing in flight while an attacker writes
+                             where payloads in flight may be (attacks.c) */
+                paused = true, told = false;
+            if (c == 'g' || c == 'q')
+                paused = false;
         }
         wait_cv(20);
     }

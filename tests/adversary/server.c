@@ -93,13 +93,15 @@ static void note_bad(const char *why)
     pthread_mutex_unlock(&S.mu);
 }
 
-/* Every pool the context allocates from: general and received. */
+/* Every pool the context allocates from: general, received (eager
+ * receives) and landing (rendezvous destinations, exposed buffers). */
 static size_t pools_in_use(void)
 {
-    bex_mem_stats st, rs;
+    bex_mem_stats st, rs, ls;
     bex_mem_pool_stats(S.pool, &st);
     bex_mem_pool_stats(bex_ctx_recv_pool(S.ctx), &rs);
-    return st.in_use_bytes + rs.in_use_bytes;
+    bex_mem_pool_stats(bex_ctx_landing_pool(S.ctx), &ls);
+    return st.in_use_bytes + rs.in_use_bytes + ls.in_use_bytes;
 }
 
 static void *sampler_main(void *arg)
@@ -284,6 +286,7 @@ static void report(void)
     adv_say(S.wr, "fds_base %d", S.fds_base);
     adv_say(S.wr, "fds_now %d", adv_fd_count());
     adv_say(S.wr, "engines %llu", (unsigned long long)ss.engines);
+    adv_say(S.wr, "mode %d", bex_ctx_remote_access(S.ctx));
     adv_say(S.wr, "canaries %d", ncan);
     adv_say(S.wr, "canary_bad %d", can_bad);
     adv_say(S.wr, "held %d", nheld);
@@ -353,22 +356,26 @@ int adv_server_main(int rd, int wr, void *arg)
     pthread_mutex_init(&S.mu, NULL);
     bex_ctx_config cfg = {
         .local_addr = a0,
-        .keepalive_timeout_ms = ADV_KEEPALIVE_MS * scale,
+        .keepalive_timeout_ms = ADV_KEEPALIVE_MS * adv_timer_scale(),
+        .connect_timeout_ms = adv_setup_ms(),
         .qp_timeout = ADV_QP_TIMEOUT,
         .log_fn = log_hook,
         .log_level = BEX_LOG_WARN,
         .secret = o->secret,
         .secret_len = o->secret ? strlen(o->secret) : 0,
+        .remote_access = o->remote_access,
         /* limits small enough that the stated bounds hold (test_adversary.c) */
         .rndv_bytes_max = 32u << 20,
         .recv_bytes_max = 48u << 20,
         .streams_max = 64,
-        /* 1000 idle connections: the oldest of 256 in setup is closed for
-         * each new one, so a legitimate client (even under TSan) has more
-         * than a second to finish its setup while they are refilled */
-        .setup_max = 256,
-        .rndv_timeout_ms = 3000 * scale,
-        .credit_timeout_ms = 3000 * scale,
+        /* setup_max: the default (64). 1000 idle connections refilled at
+         * 200/s push out the one that kept us waiting longest, never a
+         * client in the middle of its setup */
+        /* no attack ends by our rendezvous timeout (the attackers answer
+         * or vanish): long enough that a good client stalled by the loaded
+         * VM is not failed by it. Credits: no_credits ends by this one */
+        .rndv_timeout_ms = 20000 * adv_timer_scale(),
+        .credit_timeout_ms = 3000 * adv_timer_scale(),
     };
     int err = bex_ctx_create(&cfg, &S.ctx);
     if (err) {

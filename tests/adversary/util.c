@@ -72,6 +72,16 @@ long adv_pattern_diff(const void *p, size_t n, uint32_t seed)
     return -1;
 }
 
+unsigned adv_timer_scale(void)
+{
+    return 1 + adv_scale() / 3;
+}
+
+unsigned adv_setup_ms(void)
+{
+    return 4000 * adv_timer_scale();
+}
+
 size_t adv_msg_size(uint32_t seq)
 {
     /* sanitizer builds (a time scale above 1) move a third of the bytes:
