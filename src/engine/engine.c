@@ -61,7 +61,8 @@ struct rndv_in {
     uint16_t gen;
     bool used;
     bool granted; /* its RNDV_RESP was posted: the peer may complete it */
-    /* window mode: this slot's window, kept across transfers */
+    /* window mode: the window of this slot's current transfer (a fresh
+     * one per transfer, deallocated on delivery) */
     struct ibv_mw *mw;
     uint32_t key; /* the key of its current binding */
     bool bound;   /* bound (bind posted or queued) and not invalidated */
@@ -1343,18 +1344,23 @@ void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_
     ibv_dealloc_mw(mw);
 }
 
-/* A rendezvous slot's transfer is over (delivered, or its engine failed):
- * revoke its window before anything else goes out. */
+/* A rendezvous slot's transfer is over (delivered): its window goes at
+ * once, before the buffer is handed up. Deallocating revokes the key when
+ * the call returns (no invalidation: never one of an unbound window), and
+ * the next transfer of the slot binds a fresh window. Not a LOCAL_INV:
+ * rxe holds a LOCAL_INV until every earlier work request of the QP has
+ * completed (rxe_wqe_is_fenced, the "local invalidate fence" it makes
+ * mandatory), a round trip to the peer, and the answers and credits posted
+ * after it wait as long; that cost window mode much of its throughput
+ * (docs/benchmarks.md). */
 static void rin_unbind(struct bex__engine *e, struct rndv_in *in)
 {
-    if (!in->bound)
+    (void)e;
+    if (!in->mw)
         return;
+    ibv_dealloc_mw(in->mw);
+    in->mw = NULL;
     in->bound = false;
-    if (e->state == E_DEAD)
-        return; /* the QP is gone: the key works nowhere */
-    struct wop w = {.mw = in->mw, .rkey = in->key, .inv = true};
-    if (wop_push(e, &w))
-        fail_now(e, -ENOMEM);
 }
 
 bool bex__engine_progress(struct bex__engine *e)
@@ -1719,7 +1725,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
             in->used = false;
             e->rin_used--;
             e->rin_bytes -= in->len;
-            rin_unbind(e, in); /* the next progress posts it, first thing */
+            rin_unbind(e, in); /* the key is dead before the buffer goes up */
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
             e->ops->on_msg(e, in->stream, in->buf, in->len);

@@ -1134,6 +1134,10 @@ static int fk_dealloc_mw(struct ibv_mw *mw)
 {
     FZ_CHECK(mw && mw->pd == &F.pd && F.live_mw > 0);
     F.live_mw--;
+    /* its binding goes with it: the key works nowhere any more */
+    for (uint32_t k = 0; k < F.n_binds; k++)
+        if (F.binds[k].key >> 8 == mw->rkey >> 8)
+            F.binds[k--] = F.binds[--F.n_binds];
     free(mw);
     return 0;
 }
