@@ -29,7 +29,8 @@
  *    gave for that message;
  *  - on_msg hands up exactly what the peer sent (the receive's buffer and
  *    bytes for DATA, payload at its start whatever the encoding; the
- *    granted buffer, length and stream for rendezvous);
+ *    granted buffer, length and stream for rendezvous); in window mode a
+ *    rendezvous buffer goes up with no window bound over it any more;
  *  - our DATA is header-free on a stream the immediate names (one SGE, the
  *    whole message, an immediate that decodes to its stream), with a header
  *    only beyond, and then fits the peer's receive buffer;
@@ -715,6 +716,11 @@ static void up_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t 
         FZ_CHECK(!g->used && (uintptr_t)buf == g->addr && len == g->len && stream == g->stream);
         g->used = true;
         FZ_CHECK(memcmp(buf, pattern((uint8_t)g->imm), len < WRITE_MAX ? len : WRITE_MAX) == 0);
+        /* window mode: the key the peer wrote through is dead before the
+         * buffer goes up (no binding over it is left) */
+        for (uint32_t k = 0; F.sh.windows && k < F.n_binds; k++)
+            FZ_CHECK(F.binds[k].addr >= g->addr + g->len ||
+                     F.binds[k].addr + F.binds[k].len <= g->addr);
     }
     FZ_CHECK(bex_mem_pool_of(buf) == (F.x_kind == X_RNDV ? F.landing : F.pool) &&
              bex_mem_usable_size(buf) >= len);
