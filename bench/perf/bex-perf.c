@@ -68,6 +68,7 @@ struct opts {
     uint32_t outstanding, sockets;
     uint32_t frag, eager, spin_us, sq_depth, rq_depth;
     uint32_t remote_access; /* BEX_REMOTE_ACCESS_* */
+    uint32_t ka_timeout_ms; /* 0: the library's */
     uint32_t frag_list[32];
     int n_frag_list;
     long runs;
@@ -144,6 +145,7 @@ static void fill_cfg(const struct opts *o, bex_ctx_config *c, uint32_t frag)
     c->sq_depth = o->sq_depth;
     c->rq_depth = o->rq_depth;
     c->remote_access = o->remote_access;
+    c->keepalive_timeout_ms = o->ka_timeout_ms;
 }
 
 static const char *mode_name(bex_ctx *ctx)
@@ -850,7 +852,9 @@ static void usage(FILE *f)
             "      --timeout S       client: give up after S seconds per run (300)\n"
             "      --json            one JSON object per result line\n"
             "      --remote-access M auto | landing | window: ctx remote_access (auto);\n"
-            "                        the receiver's decides how its destinations are reached\n",
+            "                        the receiver's decides how its destinations are reached\n"
+            "      --keepalive-timeout MS  ctx keepalive_timeout_ms (library default), e.g.\n"
+            "                        longer on a loaded host where the VM stalls\n",
             DEFAULT_PORT);
 }
 
@@ -900,7 +904,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         O_RUNS,
         O_TIMEOUT,
         O_JSON,
-        O_REMOTE
+        O_REMOTE,
+        O_KA
     };
     static const struct option lo[] = {{"server", no_argument, NULL, 's'},
                                        {"client", required_argument, NULL, 'c'},
@@ -922,6 +927,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
                                        {"timeout", required_argument, NULL, O_TIMEOUT},
                                        {"json", no_argument, NULL, O_JSON},
                                        {"remote-access", required_argument, NULL, O_REMOTE},
+                                       {"keepalive-timeout", required_argument, NULL, O_KA},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
     static const uint32_t def_frags[] = {1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
@@ -1016,6 +1022,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
             break;
         case O_SQ:
             if (parse_u32("sq-depth", optarg, &o->sq_depth, false))
+                return -1;
+            break;
+        case O_KA:
+            if (parse_u32("keepalive-timeout", optarg, &o->ka_timeout_ms, false))
                 return -1;
             break;
         case O_RQ:
