@@ -1367,12 +1367,6 @@ bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
-    /* The I/O loop calls this on every turn, most of them idle: while
-     * nothing waits, the turn (and so the delay before the next poll of
-     * the CQ) stays short. */
-    if (!e->ring && !e->ka_due && !e->wq_n && !e->ctl_n && !e->rel_n && e->to_return < e->k &&
-        e->post == e->tail)
-        return false;
     uint32_t before = e->tail;
     prep_keepalive(e);
     /* window binds and revocations: ahead of the answers that name them */
