@@ -20,6 +20,7 @@
 #define ENGINE_TABLE 4096
 #define TICK_MS      10
 #define WC_BATCH     64
+#define ACCEPT_BATCH 16 /* connections accepted per listener event */
 
 /* Setup phases; with a shared secret the client goes CONNECTING ->
  * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
@@ -1207,7 +1208,10 @@ static void listener_pause(bex_ctx *ctx, struct bex_listener *l, int err)
 static void do_accept(bex_ctx *ctx, struct bex_listener *l)
 {
     bool evicted = false;
-    for (;;) {
+    /* a bounded batch: a flood that refills the backlog as fast as we
+     * accept must not keep the I/O thread from its engines (keepalive,
+     * completions); the level-triggered listener brings us back */
+    for (int k = 0; k < ACCEPT_BATCH; k++) {
         struct sockaddr_in peer = {0};
         socklen_t pl = sizeof(peer);
         int fd = accept4(l->fd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
