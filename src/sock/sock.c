@@ -20,6 +20,7 @@
 #define ENGINE_TABLE 4096
 #define TICK_MS      10
 #define WC_BATCH     64
+#define ACCEPT_BATCH 16 /* connections accepted per listener event */
 
 /* Setup phases; with a shared secret the client goes CONNECTING ->
  * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
@@ -394,10 +395,8 @@ static void conn_peer_addr(struct conn *c, struct sockaddr_in *a)
         memset(a, 0, sizeof(*a));
 }
 
-/* Refuse the peer: log once, tell it why when nothing else is on its way
- * (best effort: a notice with the errno, so its on_connect reports that and
- * not a bare reset), and close. */
-static void conn_refuse(struct conn *c, int err, const char *why)
+/* A refusal's one log line, naming the peer. */
+static void conn_log_refusal(struct conn *c, int err, const char *why)
 {
     struct sockaddr_in a;
     conn_peer_addr(c, &a);
@@ -409,6 +408,14 @@ static void conn_refuse(struct conn *c, int err, const char *why)
     else
         bex__log(&c->ctx->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip, ntohs(a.sin_port),
                  why, bex_strerror(err));
+}
+
+/* Refuse the peer: log once, tell it why when nothing else is on its way
+ * (best effort: a notice with the errno, so its on_connect reports that and
+ * not a bare reset), and close. */
+static void conn_refuse(struct conn *c, int err, const char *why)
+{
+    conn_log_refusal(c, err, why);
     if (c->fd >= 0 && c->woff == c->wlen) {
         uint8_t n[BEX__READY_LEN];
         put_ready(n, (uint32_t)-err);
@@ -1207,7 +1214,10 @@ static void listener_pause(bex_ctx *ctx, struct bex_listener *l, int err)
 static void do_accept(bex_ctx *ctx, struct bex_listener *l)
 {
     bool evicted = false;
-    for (;;) {
+    /* a bounded batch: a flood that refills the backlog as fast as we
+     * accept must not keep the I/O thread from its engines (keepalive,
+     * completions); the level-triggered listener brings us back */
+    for (int k = 0; k < ACCEPT_BATCH; k++) {
         struct sockaddr_in peer = {0};
         socklen_t pl = sizeof(peer);
         int fd = accept4(l->fd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -1287,8 +1297,11 @@ static void tick(bex_ctx *ctx, uint64_t now)
         if (c->phase != P_UP && now > c->deadline) {
             if (c->client)
                 conn_fail(c, -ETIMEDOUT); /* on_connect says so */
-            else /* a peer that never finishes its setup is refused, by name */
-                conn_refuse(c, -ETIMEDOUT, "setup not finished in time");
+            else {                        /* a peer that never finishes its setup is refused, by
+                                           * name; closed without a notice, as before */
+                conn_log_refusal(c, -ETIMEDOUT, "setup not finished in time");
+                conn_fail(c, -ETIMEDOUT);
+            }
             continue;
         }
         if (c->eng)
