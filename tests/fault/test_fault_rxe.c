@@ -161,8 +161,7 @@ static void c_close(bex_sock *s, void *user)
 {
     struct trk *t = user;
     (void)s;
-    atomic_fetch_add(&t->closed, 1);
-    waiter_signal(&t->w);
+    waiter_add(&t->w, &t->closed, 1);
 }
 
 static const bex_sock_ops c_ops = {.on_connect = c_connect,

@@ -113,6 +113,20 @@ static inline void waiter_signal(struct waiter *w)
     pthread_mutex_unlock(&w->mu);
 }
 
+/* Add n to *ctr and wake the waiters, under the waiter's lock. A callback
+ * whose last act this is may have its state freed as soon as a waiter sees
+ * the new count: wait_count reads the count under the same lock, so it sees
+ * it only once this thread has let go of the state (an on_close counted
+ * before the lock let the test free the state while the I/O thread was
+ * still signalling: TSan, test_teardown_rxe.stop_kill_stream). */
+static inline void waiter_add(struct waiter *w, _Atomic long *ctr, long n)
+{
+    pthread_mutex_lock(&w->mu);
+    atomic_fetch_add(ctr, n);
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
 /* Sanitizer builds run several times slower in the emulated VM: every
  * liveness deadline of the socket tests is multiplied by this. */
 static inline unsigned time_scale(void)

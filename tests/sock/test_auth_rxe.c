@@ -184,8 +184,7 @@ static void tc_closed(bex_sock *s, void *user)
 {
     struct tc *t = user;
     (void)s;
-    atomic_fetch_add(&t->closed, 1);
-    waiter_signal(&t->w);
+    waiter_add(&t->w, &t->closed, 1);
 }
 
 static const bex_sock_ops tc_ops = {.on_connect = tc_connect,

@@ -150,8 +150,7 @@ static void cli_close(bex_sock *s, void *user)
 {
     struct cli *c = user;
     (void)s;
-    atomic_fetch_add(&c->closed, 1);
-    waiter_signal(&c->w);
+    waiter_add(&c->w, &c->closed, 1);
 }
 
 static const bex_sock_ops cli_ops = {.on_connect = cli_connect,

@@ -295,8 +295,7 @@ static void ccli_close(bex_sock *s, void *user)
 {
     struct ccli *c = user;
     (void)s;
-    atomic_fetch_add(&c->closed, 1);
-    waiter_signal(&c->w);
+    waiter_add(&c->w, &c->closed, 1);
 }
 
 static const bex_sock_ops ccli_ops = {.on_connect = ccli_connect,

@@ -189,8 +189,7 @@ static void trk_close(bex_sock *s, void *user)
 {
     struct trk *t = user;
     t->t_closed[sock_index(t, s)] = pair_now_ms();
-    atomic_fetch_add(&t->closed, 1);
-    waiter_signal(&t->w);
+    waiter_add(&t->w, &t->closed, 1);
 }
 
 static const bex_sock_ops trk_ops = {.on_connect = trk_connect,
