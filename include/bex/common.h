@@ -14,6 +14,10 @@
 extern "C" {
 #endif
 
+/* The library is built with -fvisibility=hidden: what is declared here is
+ * its interface, everything else stays inside. */
+#pragma GCC visibility push(default)
+
 /* Text for a bex return code (a negative errno, or 0). Never NULL; the string
  * is static and may be used from any thread. */
 const char *bex_strerror(int err);
@@ -27,6 +31,8 @@ enum { BEX_LOG_ERROR = 1, BEX_LOG_WARN = 2, BEX_LOG_INFO = 3, BEX_LOG_DEBUG = 4 
  * are dropped and counted; the next line that passes is preceded by one that
  * says how many were dropped. */
 typedef void (*bex_log_fn)(int level, const char *msg, void *arg);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -25,6 +25,10 @@
 extern "C" {
 #endif
 
+/* The library is built with -fvisibility=hidden: what is declared here is
+ * its interface, everything else stays inside. */
+#pragma GCC visibility push(default)
+
 struct ibv_pd;
 struct ibv_context;
 
@@ -162,6 +166,8 @@ bex_mem_pool *bex_mem_default_pool(void);
 void *bex_mem_default_alloc(size_t size);
 /* Tear the default pool down (same rules as bex_mem_pool_destroy). */
 int bex_mem_default_fini(void);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -47,6 +47,10 @@
 extern "C" {
 #endif
 
+/* The library is built with -fvisibility=hidden: what is declared here is
+ * its interface, everything else stays inside. */
+#pragma GCC visibility push(default)
+
 typedef struct bex_ctx bex_ctx;
 typedef struct bex_sock bex_sock;
 typedef struct bex_listener bex_listener;
@@ -319,6 +323,8 @@ typedef struct bex_sock_stats {
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -16,7 +16,7 @@
  * follows verbs' own rules (a QP, CQ or channel is used by one thread at a
  * time unless verbs says otherwise).
  *
- * The connection-setup message (hello) is in rdma/hello.h, included below. */
+ * The connection-setup messages (hello) are in wire/hello.h, included below. */
 #ifndef BEX_RDMA_RDMA_H
 #define BEX_RDMA_RDMA_H
 
@@ -28,7 +28,7 @@
 
 #include "bex/common.h"
 #include "common/fault.h"
-#include "rdma/hello.h"
+#include "wire/hello.h"
 
 /* ---- error translation ------------------------------------------------- */
 

@@ -1,5 +1,6 @@
-/* sock: contexts, the I/O thread, connection setup, the connection table and
- * logical sockets over engines. */
+/* sock: contexts, the public socket API, the I/O thread's body, socket
+ * lifecycle and exposed buffers. Connections (setup, table) are in conn/,
+ * the loop's mechanics in loop/, the RDMA engine in transport/rdma/. */
 #ifndef BEX_SOCK_INTERNAL_H
 #define BEX_SOCK_INTERNAL_H
 
@@ -10,11 +11,13 @@
 #include <stdbool.h>
 
 #include "bex/sock.h"
-#include "engine/internal.h"
+#include "common/util.h"
+#include "conn/conn.h"
+#include "loop/loop.h"
 #include "rdma/rdma.h"
+#include "transport/rdma/engine.h"
 
-/* A command handed from any thread to the I/O thread (lock-free stack,
- * reversed into FIFO order by the I/O thread). */
+/* Commands handed from any thread to the I/O thread (bex__loop_push). */
 enum {
     CMD_SEND,
     CMD_CONNECT,
@@ -26,18 +29,8 @@ enum {
     CMD_BIND
 };
 
-/* What an epoll event belongs to. */
-enum { EV_CHANNEL = 1, EV_EVENTFD, EV_LISTENER, EV_CONN };
-struct ep_tag {
-    int kind;
-};
-
-struct bex__cmd {
-    struct bex__cmd *next;
-    int type;
-};
-
-struct conn;
+/* What an epoll event of the I/O thread belongs to (struct ep_tag). */
+enum { EV_CHANNEL = 1, EV_LISTENER, EV_CONN };
 
 /* A message on its way: the command, the engine's descriptor, its socket. */
 struct sock_msg {
@@ -116,62 +109,6 @@ struct bex_sock {
     struct bex_sock *map_next; /* conn's stream table */
 };
 
-struct bex_listener {
-    struct ep_tag tag;
-    struct bex__cmd cmd;
-    bex_ctx *ctx;
-    int fd;
-    bex_listener_ops ops;
-    void *user;
-    struct sockaddr_in addr;
-    sem_t done;
-    struct bex_listener *next;
-    /* accept ran out of descriptors (EMFILE, ENFILE, ...): the listener is
-     * out of epoll until paused_until, so its level-triggered readiness
-     * does not spin the I/O thread */
-    bool paused;
-    uint64_t paused_until;
-    uint32_t backoff_ms;
-};
-
-#define CONN_MAP 64
-
-struct conn {
-    struct ep_tag tag;
-    bex_ctx *ctx;
-    int fd;
-    int phase;
-    bool client;
-    struct sockaddr_in key; /* the peer: the listener we connected to, or the
-                               address accept4 gave (kept: a peer that reset
-                               has no getpeername) */
-    struct bex__engine *eng;
-    uint32_t eng_id;
-    uint8_t rbuf[BEX__SETUP_MAX_LEN]; /* one setup message at a time */
-    size_t rlen, rwant;
-    int rkind;        /* BEX__SETUP_* of the message in rbuf, once framed */
-    bool framed;      /* rbuf's preamble is read: rwant is the message's length */
-    bool hello_first; /* our hello went out before the peer's: it must echo conn_id */
-    uint8_t wbuf[BEX__SETUP_OUT_MAX];
-    size_t wlen, woff;
-    struct bex__auth_transcript auth; /* with a secret */
-    uint8_t hello_l[BEX__HELLO_LEN];  /* listener with a secret: the hello it MACed */
-    uint64_t deadline;
-    uint64_t waiting_since; /* setup: since when the peer owes us its next
-                               message (setup_evict's order) */
-    bool heard;             /* setup: its first bytes wait to be read */
-    uint64_t conn_id;
-    bool dead;             /* failed: destroy at the next safe point */
-    bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
-    bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
-    uint32_t cqe_reserved; /* CQ entries held for the engine */
-    struct bex_listener *l;
-    struct bex_sock *map[CONN_MAP];
-    uint32_t nsocks;
-    uint32_t next_stream;
-    struct conn *next;
-};
-
 struct bex_ctx {
     bex_ctx_config cfg;
     struct bex__rdma_dev *dev;
@@ -183,11 +120,9 @@ struct bex_ctx {
     uint8_t auth_key[BEX__AUTH_KEY_LEN];
     bool own_pool, own_landing;
     struct ibv_comp_channel *ch;
-    int epfd, evfd;
-    struct ep_tag ch_tag, ev_tag;
+    struct bex__loop loop;
+    struct ep_tag ch_tag;
     pthread_t thread;
-    _Atomic(struct bex__cmd *) cmds;
-    _Atomic int sleeping;
     struct conn *conns;
     struct bex_listener *listeners;
     struct conn **engines; /* by engine id % ENGINE_TABLE */
@@ -201,5 +136,35 @@ struct bex_ctx {
     struct bex__cmd stop_cmd;
     struct exp_slot exposed[EXPOSED_MAX];
 };
+
+/* The context whose I/O thread this is (NULL on other threads): the calls
+ * that wait for the I/O thread must not wait for themselves. */
+extern _Thread_local bex_ctx *bex__io_ctx;
+
+static inline void bex__ctx_push(bex_ctx *ctx, struct bex__cmd *c, int type)
+{
+    bex__loop_push(&ctx->loop, c, type);
+}
+
+/* sock.c: 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of
+ * this context's registered memory. */
+int bex__sock_check_buf(bex_sock *s, void *buf, size_t len);
+
+/* io.c: the I/O thread */
+void *bex__io_main(void *arg);
+void bex__io_listen(bex_ctx *ctx, struct bex_listener *l);
+
+/* stream.c: socket lifecycle and the engine's upcalls */
+extern const struct bex__engine_ops bex__sock_engine_ops;
+/* Hand a buffer back to the application (bex frees it without an
+ * on_send_done). */
+void bex__sock_report_done(struct bex_sock *s, void *buf, size_t len, void *msg_user, int status);
+void bex__sock_maybe_finish(struct bex_sock *s);
+void bex__sock_fail(struct bex_sock *s, int err, bool connecting);
+
+/* exposed.c: the exposed-buffer table */
+int bex__exposed_deliver(struct bex__engine *e, uint32_t imm);
+void bex__exposed_cancel(struct bex_sock *s);
+void bex__exposed_bind(bex_ctx *ctx, struct bind_cmd *bc);
 
 #endif

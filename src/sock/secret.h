@@ -1,12 +1,12 @@
 /* The context's shared secret: from the config, the environment or a key
- * file, turned into the key the setup MACs use (rdma/hello.h). */
+ * file, turned into the key the setup MACs use (wire/hello.h). */
 #ifndef BEX_SOCK_SECRET_H
 #define BEX_SOCK_SECRET_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "rdma/hello.h"
+#include "wire/hello.h"
 
 /* Find the secret: secret/len when secret is non-NULL, else the environment
  * variable BEX_SECRET (its bytes, when set and non-empty), else the file

@@ -1,5 +1,5 @@
 /* A protocol-speaking attacker: a raw peer of a bex engine, built from the
- * library's own codecs and verbs helpers (rdma/rdma.h, rdma/hello.h,
+ * library's own codecs and verbs helpers (rdma/rdma.h, wire/hello.h,
  * bex__hdr_encode), with its own RC QP. It completes a valid hello and then
  * sends whatever headers it likes, returns credits or not, answers the
  * server's rendezvous requests or not, and writes anywhere with any rkey.
@@ -11,8 +11,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "engine/internal.h"
+#include "transport/rdma/engine.h"
 #include "rdma/rdma.h"
+#include "conn/hello_io.h"
 
 #define PEER_RECV_MAX  64
 #define PEER_SEND_MAX  128 /* send WRs outstanding */

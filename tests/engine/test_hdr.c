@@ -2,7 +2,7 @@
  * decoder enforces, and random bytes (a peer may send anything). */
 #include <stdint.h>
 
-#include "engine/internal.h"
+#include "transport/rdma/engine.h"
 #include "harness.h"
 
 static struct bex__hdr sample(void)

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/internal.h"
+#include "transport/rdma/engine.h"
 #include "harness.h"
 
 enum { SQ_REC = 256, RQ_REC = 8192 };

@@ -43,7 +43,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "engine/internal.h"
+#include "transport/rdma/engine.h"
 
 enum {
     FK_QCAP = 512,      /* requests a queue of the stand-in NIC holds */

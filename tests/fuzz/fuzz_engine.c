@@ -50,9 +50,9 @@
 #include <stdbool.h>
 #include <string.h>
 
-#include "engine/internal.h"
+#include "transport/rdma/engine.h"
 #include "fuzz.h"
-#include "rdma/hello.h"
+#include "wire/hello.h"
 
 enum {
     QCAP = 128,      /* recorded work requests per queue (sq, rq <= 33) */

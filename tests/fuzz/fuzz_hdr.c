@@ -12,7 +12,7 @@
 #include <errno.h>
 #include <string.h>
 
-#include "engine/internal.h"
+#include "transport/rdma/engine.h"
 #include "fuzz.h"
 
 static void try_imm(const uint8_t *data, size_t size)

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "fuzz.h"
-#include "rdma/hello.h"
+#include "wire/hello.h"
 
 static int same(const struct bex__hello *a, const struct bex__hello *b)
 {

@@ -13,7 +13,7 @@
 
 #include "bex/sock.h"
 #include "harness.h"
-#include "rdma/hello.h"
+#include "wire/hello.h"
 #include "sock/secret.h"
 
 static const char SECRET[] = "correct horse battery staple";

@@ -8,7 +8,8 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "rdma/hello.h"
+#include "conn/hello_io.h"
+#include "wire/hello.h"
 
 static struct bex__hello sample(void)
 {

@@ -26,6 +26,7 @@
 
 #include "harness.h"
 #include "rdma/rdma.h"
+#include "conn/hello_io.h"
 #include "rdma_test.h"
 
 #define WRITE_LEN   (1u << 20)

@@ -14,9 +14,10 @@
 #include <poll.h>
 #include <sys/socket.h>
 
-#include "engine/internal.h"
+#include "transport/rdma/engine.h"
 #include "harness.h"
 #include "rdma/rdma.h"
+#include "conn/hello_io.h"
 
 #define RP_SLOTS 1024 /* receives it can post */
 #define RP_EAGER 1024 /* payload bytes a receive takes */

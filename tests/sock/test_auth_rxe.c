@@ -3,7 +3,7 @@
  * good clients go on; nothing about a QP (hello, QPN, GID, keepalive key) is
  * sent to a peer before it proved the secret, in either direction; a hello
  * whose GID is not the TCP peer's address is refused by both sides. Some
- * cases speak the setup by hand over TCP (rdma/hello.h has the codec). */
+ * cases speak the setup by hand over TCP (wire/hello.h has the codec). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdbool.h>
@@ -12,7 +12,8 @@
 #include <sys/stat.h>
 
 #include "pair.h"
-#include "rdma/hello.h"
+#include "conn/hello_io.h"
+#include "wire/hello.h"
 
 static const char S1[] = "bex test cluster secret, one";
 static const char S2[] = "bex test cluster secret, two";

@@ -22,8 +22,8 @@
  * the application as it is and a fresh one takes its place; receives are reposted k = rq_depth/2 at
  * a time with one ibv_post_recv, and the credits go back to the peer with the next SEND (the
  * immediate or the header), or in an explicit CREDIT message. */
-#ifndef BEX_ENGINE_INTERNAL_H
-#define BEX_ENGINE_INTERNAL_H
+#ifndef BEX_TRANSPORT_RDMA_ENGINE_H
+#define BEX_TRANSPORT_RDMA_ENGINE_H
 
 #include <infiniband/verbs.h>
 #include <stdatomic.h>
@@ -33,61 +33,9 @@
 #include "bex/mem.h"
 #include "bex/sock.h"
 #include "common/log.h"
+#include "loop/loop.h"
 #include "rdma/rdma.h"
-
-/* ---- wire header of every SEND (32 bytes, little-endian) ---- */
-enum {
-    BEX__MSG_DATA = 1,      /* small message; payload follows the header */
-    BEX__MSG_RNDV_REQ = 2,  /* sender asks for a destination buffer */
-    BEX__MSG_RNDV_RESP = 3, /* receiver answers with address, rkey, slot */
-    BEX__MSG_CREDIT = 4,    /* credits only */
-    BEX__MSG_OPEN = 5,      /* a logical socket opens */
-    BEX__MSG_CLOSE = 6,     /* a logical socket closes */
-};
-#define BEX__HDR_LEN    32
-#define BEX__IMM_DIRECT 0x80000000u
-
-/* ---- immediate of a header-free DATA (SEND_WITH_IMM; docs/protocol.md) ----
- * A DATA message is a SEND_WITH_IMM of its payload alone; the immediate
- * (host order here, network order on the wire) says the rest:
- *   bits 31..30  kind: 1 = DATA (0, 2, 3 reserved: a protocol violation)
- *   bits 29..10  stream: 0 .. BEX__IMM_STREAM_MAX
- *   bits  9..0   credits returned: 0 .. BEX__IMM_CREDITS_MAX
- * A stream above BEX__IMM_STREAM_MAX sends DATA as a plain SEND with the
- * header in front (the receiver moves the payload to the buffer's start);
- * credits beyond BEX__IMM_CREDITS_MAX wait for the next message. Immediates
- * of WRITE_WITH_IMM (rendezvous slots, exposed-buffer tokens) are another
- * space: the completion's opcode tells which one a value belongs to. */
-#define BEX__IMM_KIND_SHIFT   30
-#define BEX__IMM_KIND_DATA    1u
-#define BEX__IMM_STREAM_SHIFT 10
-#define BEX__IMM_STREAM_MAX   ((1u << 20) - 1)
-#define BEX__IMM_CREDITS_MAX  ((1u << 10) - 1)
-
-struct bex__hdr {
-    uint8_t type;
-    uint8_t flags;
-    uint16_t credits; /* receives the sender has reposted for us */
-    uint32_t stream;
-    uint32_t len;   /* DATA: payload bytes; RNDV_REQ: message bytes */
-    uint32_t id;    /* RNDV_REQ/RESP: sender's rendezvous id */
-    uint64_t addr;  /* RNDV_RESP: destination */
-    uint32_t rkey;  /* RNDV_RESP */
-    int32_t status; /* RNDV_RESP: 0 or negative errno; with slot below */
-};
-/* RNDV_RESP carries the receiver's slot in 'stream' (the immediate value). */
-
-void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out);
-/* Returns 0 or -EPROTO for a header no valid peer sends (a DATA header is
- * valid only for a stream the immediate cannot name). */
-int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h);
-/* The immediate (host order) of a DATA on stream (<= BEX__IMM_STREAM_MAX)
- * returning credits (<= BEX__IMM_CREDITS_MAX). */
-uint32_t bex__imm_encode(uint32_t stream, uint32_t credits);
-/* A received SEND_WITH_IMM of len bytes with immediate imm (host order) as
- * the header it stands for (type DATA, stream, credits, len; the rest 0).
- * Returns 0 or -EPROTO (a kind no valid peer sends). */
-int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h);
+#include "wire/hdr.h"
 
 /* ---- messages and streams ---- */
 enum bex__msg_state {
@@ -310,8 +258,6 @@ static inline uint32_t bex__wr_engine(uint64_t wr_id)
 {
     return (uint32_t)(wr_id >> 32);
 }
-
-uint64_t bex__now_ms(void);
 
 /* ---- without a device: for the fuzz targets (tests/fuzz) only ----
  * An engine over a stand-in QP that the caller owns: the engine posts to it

@@ -1,14 +1,14 @@
-/* The connection-setup message (hello) and the TCP helpers that carry it.
+/* The connection-setup messages (hello, authenticated setup, readiness
+ * notice): codecs and MACs, no I/O (src/conn/hello_io.h carries them).
  *
  * Wire format and sequence: docs/protocol.md, "Connection setup (hello)".
  * The hello is encoded field by field in network byte order; the struct
  * below is the decoded, host-order form. Nothing here touches verbs, so a
  * side without an RDMA device speaks it too (flag BEX__HELLO_F_NO_RDMA).
  *
- * Threads: all functions are reentrant; the fd helpers act on a caller-owned
- * fd that no other thread reads or writes meanwhile. */
-#ifndef BEX_RDMA_HELLO_H
-#define BEX_RDMA_HELLO_H
+ * Threads: all functions are reentrant. */
+#ifndef BEX_WIRE_HELLO_H
+#define BEX_WIRE_HELLO_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -171,28 +171,9 @@ int bex__auth_key(const void *secret, size_t len, uint8_t key[BEX__AUTH_KEY_LEN]
  * cannot initialise. */
 int bex__auth_nonce(uint8_t nonce[BEX__AUTH_NONCE_LEN]);
 
-/* ---- blocking I/O with a deadline ------------------------------------ */
-
-/* CLOCK_MONOTONIC now, in milliseconds. */
-int64_t bex__hello_now_ms(void);
-
-/* Write / read exactly len bytes on fd before the absolute monotonic time
- * deadline_ms (from bex__hello_now_ms() + timeout). Works on blocking and
- * non-blocking fds; never raises SIGPIPE on sockets. Returns 0, -ETIMEDOUT,
- * -ECONNRESET when the peer closed (EOF) before len bytes, or the errno of
- * poll/recv/send. A silent peer therefore costs at most the deadline. */
-int bex__hello_write_all(int fd, const void *buf, size_t len, int64_t deadline_ms);
-int bex__hello_read_all(int fd, void *buf, size_t len, int64_t deadline_ms);
-
-/* Encode + write, and read + decode, one hello. recv returns the decoder's
- * errors as well as the I/O errors. */
-int bex__hello_send(int fd, const struct bex__hello *h, int64_t deadline_ms);
-int bex__hello_recv(int fd, struct bex__hello *out, int64_t deadline_ms);
-
-/* Send our readiness status (0 or a positive errno); receive the peer's.
- * ready_recv returns 0 and sets *status (0 = peer ready), -EBADMSG for a
- * malformed notice, or an I/O error. */
-int bex__hello_ready_send(int fd, uint32_t status, int64_t deadline_ms);
-int bex__hello_ready_recv(int fd, uint32_t *status, int64_t deadline_ms);
+/* The readiness notice: encode status (0 = ready, else a positive errno);
+ * decode returns 0 and sets *status, or -EBADMSG without the magic. */
+void bex__ready_encode(uint32_t status, uint8_t buf[BEX__READY_LEN]);
+int bex__ready_decode(const uint8_t buf[BEX__READY_LEN], uint32_t *status);
 
 #endif

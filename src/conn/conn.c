@@ -1,0 +1,364 @@
+/* The connection table: connections by engine id, client connections by
+ * the listener address, accepting, the setup table, deadlines, teardown. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "sock/internal.h"
+
+#define ACCEPT_BATCH 16 /* connections accepted per listener event */
+
+void bex__conn_map_add(struct conn *c, struct bex_sock *s)
+{
+    struct bex_sock **b = &c->map[s->id % CONN_MAP];
+    s->map_next = *b;
+    *b = s;
+    c->nsocks++;
+}
+
+struct bex_sock *bex__conn_map_find(struct conn *c, uint32_t id)
+{
+    for (struct bex_sock *s = c->map[id % CONN_MAP]; s; s = s->map_next)
+        if (s->id == id)
+            return s;
+    return NULL;
+}
+
+void bex__conn_map_del(struct conn *c, struct bex_sock *s)
+{
+    for (struct bex_sock **p = &c->map[s->id % CONN_MAP]; *p; p = &(*p)->map_next) {
+        if (*p == s) {
+            *p = s->map_next;
+            c->nsocks--;
+            return;
+        }
+    }
+}
+
+struct conn *bex__conn_by_engine(bex_ctx *ctx, uint32_t id)
+{
+    struct conn *c = ctx->engines[id % ENGINE_TABLE];
+    return c && c->eng_id == id ? c : NULL;
+}
+
+/* An accepted connection leaves the setup table (bex_ctx_config.setup_max):
+ * its hello finished, or it failed. */
+void bex__conn_setup_end(struct conn *c)
+{
+    if (c->in_setup) {
+        c->in_setup = false;
+        c->ctx->n_setup--;
+    }
+}
+
+/* A connection holds nothing but its descriptor and this struct until its
+ * engine is made (bex__conn_engine_make): CQ entries are reserved then. */
+static int conn_new(bex_ctx *ctx, int fd, bool client, struct conn **out)
+{
+    struct conn *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    uint32_t id;
+    do {
+        id = ++ctx->next_engine_id;
+    } while (id == 0 || ctx->engines[id % ENGINE_TABLE]);
+    c->tag.kind = EV_CONN;
+    c->ctx = ctx;
+    c->fd = fd;
+    c->client = client;
+    c->eng_id = id;
+    c->next_stream = 1;
+    c->deadline = bex__now_ms() + ctx->cfg.connect_timeout_ms;
+    ctx->engines[id % ENGINE_TABLE] = c;
+    c->next = ctx->conns;
+    ctx->conns = c;
+    *out = c;
+    return 0;
+}
+
+void bex__conn_free(struct conn *c)
+{
+    bex_ctx *ctx = c->ctx;
+    for (struct conn **p = &ctx->conns; *p; p = &(*p)->next) {
+        if (*p == c) {
+            *p = c->next;
+            break;
+        }
+    }
+    ctx->engines[c->eng_id % ENGINE_TABLE] = NULL;
+    ctx->cqe_used -= c->cqe_reserved;
+    bex__conn_setup_end(c);
+    if (c->fd >= 0) {
+        bex__loop_unwatch(&ctx->loop, c->fd);
+        close(c->fd);
+    }
+    if (c->eng) {
+        bex__engine_destroy(c->eng);
+        BEX__STAT_ADD(&ctx->stats, engines, (uint64_t)-1);
+    }
+    free(c);
+}
+
+/* The connection is finished: its engine is dead or never was. Every socket
+ * on it learns the error; the engine already handed their messages back. */
+void bex__conn_finish(struct conn *c, int err)
+{
+    if (c->dead)
+        return;
+    bex__conn_setup_end(c); /* its place in the setup table is free at once */
+    c->dead = true;
+    if (c->fd >= 0) {
+        /* the TCP side has nothing more to say; level-triggered events of a
+         * failed socket would otherwise come back every loop */
+        bex__loop_unwatch(&c->ctx->loop, c->fd);
+        close(c->fd);
+        c->fd = -1;
+    }
+    bool connecting = c->phase != P_UP;
+    for (int i = 0; i < CONN_MAP; i++) {
+        struct bex_sock *s = c->map[i];
+        while (s) {
+            struct bex_sock *next = s->map_next;
+            s->attached = false; /* the engine let go */
+            bex__sock_fail(s, err, connecting && atomic_load(&s->state) == S_CONNECTING);
+            s = next;
+        }
+    }
+}
+
+/* Fail a connection. Engine failure is synchronous: its on_fail finishes
+ * the connection before this returns. */
+void bex__conn_fail(struct conn *c, int err)
+{
+    if (c->dead)
+        return;
+    if (c->eng && !bex__engine_is_dead(c->eng))
+        bex__engine_fail(c->eng, err); /* on_fail -> bex__conn_finish */
+    else
+        bex__conn_finish(c, err);
+}
+
+/* "peer a.b.c.d:port", for log lines (buf: 32 bytes). */
+const char *bex__conn_name(const struct conn *c, char *buf)
+{
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &c->key.sin_addr, ip, sizeof ip);
+    snprintf(buf, 32, "peer %s:%u", ip, ntohs(c->key.sin_port));
+    return buf;
+}
+
+int bex__conn_engine_make(struct conn *c)
+{
+    bex_ctx *ctx = c->ctx;
+    /* every completion the engine can have outstanding must fit the shared CQ */
+    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
+    if (ctx->cqe_used + need > ctx->cqe_cap) {
+        bex__log(&ctx->log, BEX_LOG_WARN,
+                 "no room for another engine: %u of %u completion queue entries in use",
+                 ctx->cqe_used, ctx->cqe_cap);
+        return -ENOSPC;
+    }
+    int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &bex__sock_engine_ops, c->eng_id, c, &c->eng);
+    if (!err) {
+        char name[32];
+        bex__engine_set_name(c->eng, bex__conn_name(c, name));
+        ctx->cqe_used += need;
+        c->cqe_reserved = need;
+        BEX__STAT_ADD(&ctx->stats, engines, 1);
+    }
+    return err;
+}
+
+int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct conn **out)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = ctx->cfg.local_addr};
+    int err = 0;
+    if (bind(fd, (struct sockaddr *)&me, sizeof(me))) {
+        err = -errno;
+        close(fd);
+        return err;
+    }
+    struct conn *c;
+    if ((err = conn_new(ctx, fd, true, &c))) {
+        close(fd);
+        return err;
+    }
+    c->key = *to;
+    c->phase = P_CONNECTING;
+    /* the engine exists from the start, so sockets can queue sends at once;
+     * and it is made before connect, so that our first setup message follows
+     * the handshake at once: a listener under a flood closes first the
+     * connections that have said nothing (setup_max) */
+    if ((err = bex__conn_engine_make(c))) {
+        c->dead = true;
+        return err;
+    }
+    if (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS) {
+        err = -errno;
+        c->dead = true;
+        return err;
+    }
+    if ((err = bex__loop_watch(&ctx->loop, fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &c->tag))) {
+        c->dead = true;
+        return err;
+    }
+    *out = c;
+    return 0;
+}
+
+/* Close an accepted connection in setup to make room: the oldest that has
+ * said nothing yet (no byte read, none waiting: idle, or closed with its EOF
+ * not yet read), else the one whose next message is overdue the most (since
+ * our last answer to it). A legitimate client sends its first message at
+ * once and answers each of ours at once: a burst of connections that say
+ * nothing or close at once cannot push it out, and ones that stop half way
+ * give way before it (docs/configuration.md, setup_max). One recv(MSG_PEEK)
+ * per eviction, plus one per quiet-looking connection found talking (once:
+ * it is marked). Returns whether there was one. */
+static bool setup_evict_oldest(bex_ctx *ctx)
+{
+    int first = ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
+    for (;;) {
+        struct conn *old = NULL;
+        bool old_quiet = false;
+        for (struct conn *c = ctx->conns; c; c = c->next) { /* newest first */
+            if (!c->in_setup || c->fd < 0)
+                continue;
+            bool quiet = c->phase == first && !c->rlen && !c->heard;
+            if (!old || (quiet && !old_quiet) ||
+                (quiet == old_quiet && c->waiting_since <= old->waiting_since)) {
+                old = c;
+                old_quiet = quiet;
+            }
+        }
+        if (!old)
+            return false;
+        char b;
+        if (old_quiet && recv(old->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0) {
+            old->heard = true; /* its first bytes wait to be read: under way */
+            continue;
+        }
+        bex__conn_fail(old, -ECONNABORTED);
+        return true;
+    }
+}
+
+/* accept4 failed for want of descriptors or memory: the backlog stays
+ * readable, and a level-triggered listener would wake the I/O thread at
+ * once, forever. Leave epoll for a while (doubling up to 500 ms); bex__conn_tick()
+ * brings the listener back. */
+static void listener_pause(bex_ctx *ctx, struct bex_listener *l, int err)
+{
+    if (!l->backoff_ms)
+        bex__log(&ctx->log, BEX_LOG_WARN, "listener on port %u: accept: %s; retrying with backoff",
+                 ntohs(l->addr.sin_port), strerror(err));
+    l->backoff_ms = l->backoff_ms ? (l->backoff_ms * 2 > 500 ? 500 : l->backoff_ms * 2) : 20;
+    bex__loop_unwatch(&ctx->loop, l->fd);
+    l->paused = true;
+    l->paused_until = bex__now_ms() + l->backoff_ms;
+}
+
+void bex__listener_accept(bex_ctx *ctx, struct bex_listener *l)
+{
+    bool evicted = false;
+    /* a bounded batch: a flood that refills the backlog as fast as we
+     * accept must not keep the I/O thread from its engines (keepalive,
+     * completions); the level-triggered listener brings us back */
+    for (int k = 0; k < ACCEPT_BATCH; k++) {
+        struct sockaddr_in peer = {0};
+        socklen_t pl = sizeof(peer);
+        int fd = accept4(l->fd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            int err = errno;
+            if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM)
+                return; /* EAGAIN: the backlog is empty; or an aborted connection */
+            /* a descriptor held by a connection that never finished its
+             * hello is the one to give up first */
+            if (!evicted && setup_evict_oldest(ctx)) {
+                evicted = true;
+                continue;
+            }
+            listener_pause(ctx, l, err);
+            return;
+        }
+        l->backoff_ms = 0;
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        /* Setup costs no CQ entries or QP, but it is bounded: an idle or
+         * slow connection gives its place to the newcomer, so connections
+         * held open without a hello cannot lock out the ones that talk. */
+        if (ctx->n_setup >= ctx->cfg.setup_max) {
+            /* once per flood: the first eviction after 10 s without one */
+            uint64_t now = bex__now_ms();
+            if (ctx->n_setup_evictions++ == 0 || now - ctx->setup_evicted_ms > 10000)
+                bex__log(&ctx->log, BEX_LOG_WARN,
+                         "%u connections in setup (setup_max): closing the oldest silent one "
+                         "for each new one (logged once per flood)",
+                         ctx->n_setup);
+            ctx->setup_evicted_ms = now;
+            setup_evict_oldest(ctx);
+        }
+        struct conn *c;
+        if (conn_new(ctx, fd, false, &c)) {
+            close(fd);
+            continue;
+        }
+        c->in_setup = true;
+        ctx->n_setup++;
+        c->l = l;
+        if (peer.sin_family == AF_INET)
+            c->key = peer;
+        bex__conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
+        if (bex__loop_watch(&ctx->loop, fd, EPOLLIN | EPOLLRDHUP, &c->tag))
+            c->dead = true;
+    }
+}
+
+void bex__conn_reap(bex_ctx *ctx)
+{
+    struct conn *c = ctx->conns;
+    while (c) {
+        struct conn *next = c->next;
+        if (c->dead && c->nsocks == 0)
+            bex__conn_free(c);
+        c = next;
+    }
+}
+
+void bex__conn_tick(bex_ctx *ctx, uint64_t now)
+{
+    for (struct bex_listener *l = ctx->listeners; l; l = l->next) {
+        if (l->paused && now >= l->paused_until) {
+            l->paused = false;
+            int err = bex__loop_watch(&ctx->loop, l->fd, EPOLLIN, &l->tag);
+            if (err)
+                listener_pause(ctx, l, -err);
+        }
+    }
+    for (struct conn *c = ctx->conns; c; c = c->next) {
+        if (c->dead)
+            continue;
+        if (c->phase != P_UP && now > c->deadline) {
+            if (c->client)
+                bex__conn_fail(c, -ETIMEDOUT); /* on_connect says so */
+            else { /* a peer that never finishes its setup is refused, by
+                    * name; closed without a notice, as before */
+                bex__conn_log_refusal(c, -ETIMEDOUT, "setup not finished in time");
+                bex__conn_fail(c, -ETIMEDOUT);
+            }
+            continue;
+        }
+        if (c->eng)
+            bex__engine_tick(c->eng, now);
+    }
+}

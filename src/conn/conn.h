@@ -1,0 +1,131 @@
+/* conn: connections to peers. A connection is one TCP connection and, once
+ * its setup is through, the engine that carries its sockets' traffic.
+ *
+ * - setup.c: the non-blocking setup state machine (hello, the authenticated
+ *   setup with a shared secret, readiness notice) on the I/O thread;
+ * - conn.c: the context's connection table (by engine id; client
+ *   connections by the listener address), accepting, the setup table
+ *   (setup_max), deadlines, and tearing a connection down;
+ * - hello_io.c: blocking setup I/O for tests and tools.
+ *
+ * Everything here runs on the context's I/O thread. */
+#ifndef BEX_CONN_H
+#define BEX_CONN_H
+
+#include <netinet/in.h>
+#include <semaphore.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bex/sock.h"
+#include "loop/loop.h"
+#include "wire/hello.h"
+
+struct bex__engine;
+
+/* Setup phases; with a shared secret the client goes CONNECTING ->
+ * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
+ * WAIT_OPEN -> WAIT_PROOF -> WAIT_HELLO -> WAIT_READY -> UP. */
+enum {
+    P_CONNECTING,
+    P_WAIT_HELLO,
+    P_WAIT_READY,
+    P_UP,
+    P_WAIT_OPEN,
+    P_WAIT_PROOF,
+    P_WAIT_CHALLENGE
+};
+
+#define ENGINE_TABLE 4096
+
+struct bex_listener {
+    struct ep_tag tag;
+    struct bex__cmd cmd;
+    bex_ctx *ctx;
+    int fd;
+    bex_listener_ops ops;
+    void *user;
+    struct sockaddr_in addr;
+    sem_t done;
+    struct bex_listener *next;
+    /* accept ran out of descriptors (EMFILE, ENFILE, ...): the listener is
+     * out of epoll until paused_until, so its level-triggered readiness
+     * does not spin the I/O thread */
+    bool paused;
+    uint64_t paused_until;
+    uint32_t backoff_ms;
+};
+
+#define CONN_MAP 64
+
+struct conn {
+    struct ep_tag tag;
+    bex_ctx *ctx;
+    int fd;
+    int phase;
+    bool client;
+    struct sockaddr_in key; /* the peer: the listener we connected to, or the
+                               address accept4 gave (kept: a peer that reset
+                               has no getpeername) */
+    struct bex__engine *eng;
+    uint32_t eng_id;
+    uint8_t rbuf[BEX__SETUP_MAX_LEN]; /* one setup message at a time */
+    size_t rlen, rwant;
+    int rkind;        /* BEX__SETUP_* of the message in rbuf, once framed */
+    bool framed;      /* rbuf's preamble is read: rwant is the message's length */
+    bool hello_first; /* our hello went out before the peer's: it must echo conn_id */
+    uint8_t wbuf[BEX__SETUP_OUT_MAX];
+    size_t wlen, woff;
+    struct bex__auth_transcript auth; /* with a secret */
+    uint8_t hello_l[BEX__HELLO_LEN];  /* listener with a secret: the hello it MACed */
+    uint64_t deadline;
+    uint64_t waiting_since; /* setup: since when the peer owes us its next
+                               message (setup_evict's order) */
+    bool heard;             /* setup: its first bytes wait to be read */
+    uint64_t conn_id;
+    bool dead;             /* failed: destroy at the next safe point */
+    bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
+    bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
+    uint32_t cqe_reserved; /* CQ entries held for the engine */
+    struct bex_listener *l;
+    struct bex_sock *map[CONN_MAP];
+    uint32_t nsocks;
+    uint32_t next_stream;
+    struct conn *next;
+};
+
+/* ---- conn.c ---- */
+struct conn *bex__conn_by_engine(bex_ctx *ctx, uint32_t id);
+/* A client connection to the listener at to, its engine made at once. */
+int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct conn **out);
+/* "peer a.b.c.d:port" of the connection, for log lines (buf: 32 bytes). */
+const char *bex__conn_name(const struct conn *c, char *buf);
+/* Make the connection's engine, reserving its CQ entries. */
+int bex__conn_engine_make(struct conn *c);
+/* An accepted connection leaves the setup table. */
+void bex__conn_setup_end(struct conn *c);
+/* Fail a connection (its engine too, synchronously). */
+void bex__conn_fail(struct conn *c, int err);
+/* The engine is dead or never was: fail every socket on the connection. */
+void bex__conn_finish(struct conn *c, int err);
+void bex__conn_free(struct conn *c);
+/* The connection's socket table (by stream id). */
+void bex__conn_map_add(struct conn *c, struct bex_sock *s);
+struct bex_sock *bex__conn_map_find(struct conn *c, uint32_t id);
+void bex__conn_map_del(struct conn *c, struct bex_sock *s);
+/* The listener is readable: accept what is there. */
+void bex__listener_accept(bex_ctx *ctx, struct bex_listener *l);
+/* Free dead connections no socket refers to. */
+void bex__conn_reap(bex_ctx *ctx);
+/* Timers: listener backoff, setup deadlines, engine keepalive. */
+void bex__conn_tick(bex_ctx *ctx, uint64_t now);
+
+/* ---- setup.c ---- */
+/* Read the next setup message in the given phase. */
+void bex__conn_expect(struct conn *c, int phase);
+/* A refusal's one log line, naming the peer (setup.c). */
+void bex__conn_log_refusal(struct conn *c, int err, const char *why);
+/* Advance the setup state machine on events; any error fails c. */
+void bex__conn_step(struct conn *c, uint32_t events);
+
+#endif

@@ -1,0 +1,455 @@
+/* Connection setup: a non-blocking state machine per TCP connection on the
+ * I/O thread (docs/protocol.md, "Connection setup"). */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "sock/internal.h"
+
+static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
+{
+    bex_ctx *ctx = c->ctx;
+    struct bex__engine_local l;
+    bex__engine_local(c->eng, &l);
+    memset(h, 0, sizeof(*h));
+    h->qpn = l.qpn;
+    h->psn = l.psn;
+    memcpy(h->gid, ctx->sh.path.gid.raw, 16);
+    h->mtu = (uint8_t)ctx->sh.path.active_mtu;
+    h->rd_atomic = bex__rdma_dest_rd_atomic(ctx->dev, &ctx->sh.conn);
+    h->recv_depth = (uint16_t)l.rq_depth;
+    h->sq_depth = (uint16_t)ctx->ecfg.sq_depth;
+    h->max_msg = l.max_msg;
+    h->frag_size = ctx->ecfg.frag_size;
+    h->conn_id = conn_id;
+    h->eager_max = l.eager_max;
+    h->max_rndv = (uint16_t)l.max_rndv;
+    h->ka_addr = l.ka_addr;
+    h->ka_rkey = l.ka_rkey;
+}
+
+static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
+{
+    if (h->flags & BEX__HELLO_F_NO_RDMA)
+        return -EPROTONOSUPPORT;
+    *p = (struct bex__engine_peer){
+        .rdma = {.qpn = h->qpn, .psn = h->psn, .active_mtu = h->mtu, .rd_atomic = h->rd_atomic},
+        .rq_depth = h->recv_depth,
+        .max_rndv = h->max_rndv,
+        .eager_max = h->eager_max,
+        .max_msg = h->max_msg,
+        .ka_addr = h->ka_addr,
+        .ka_rkey = h->ka_rkey,
+    };
+    memcpy(p->rdma.gid.raw, h->gid, 16);
+    return bex__engine_check_peer(p);
+}
+
+static int conn_want(struct conn *c, uint32_t events)
+{
+    return bex__loop_modify(&c->ctx->loop, c->fd, events, &c->tag);
+}
+
+/* Write what is left in wbuf; returns 0 when all is out, 1 when waiting. */
+static int conn_flush(struct conn *c)
+{
+    while (c->woff < c->wlen) {
+        ssize_t n = send(c->fd, c->wbuf + c->woff, c->wlen - c->woff, MSG_NOSIGNAL);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return conn_want(c, EPOLLIN | EPOLLOUT | EPOLLRDHUP) ? -EIO : 1;
+        if (n <= 0)
+            return n < 0 ? -errno : -ECONNRESET;
+        c->woff += (size_t)n;
+    }
+    return 0;
+}
+
+static int conn_queue(struct conn *c, const uint8_t *p, size_t n)
+{
+    if (c->woff == c->wlen)
+        c->woff = c->wlen = 0;
+    if (n > sizeof(c->wbuf) - c->wlen)
+        return -ENOBUFS; /* cannot happen: wbuf holds all a side ever writes */
+    memcpy(c->wbuf + c->wlen, p, n);
+    c->wlen += n;
+    return 0;
+}
+
+/* Queue and push out one or more setup messages: 0 or an error. */
+static int conn_send(struct conn *c, const uint8_t *p, size_t n)
+{
+    int err = conn_queue(c, p, n);
+    if (!err)
+        err = conn_flush(c);
+    return err < 0 ? err : 0;
+}
+
+/* Read the next setup message: its preamble first, which tells its kind and
+ * length, so a peer of the other kind is recognised from 8 bytes. */
+void bex__conn_expect(struct conn *c, int phase)
+{
+    c->phase = phase;
+    c->rlen = 0;
+    c->rwant = BEX__SETUP_PRE_LEN;
+    c->framed = false;
+    c->waiting_since = bex__now_ms();
+}
+
+static void conn_peer_addr(struct conn *c, struct sockaddr_in *a)
+{
+    socklen_t sl = sizeof(*a);
+    if (c->key.sin_family == AF_INET)
+        *a = c->key; /* kept from connect/accept4: a peer that reset has no getpeername */
+    else if (c->fd < 0 || getpeername(c->fd, (struct sockaddr *)a, &sl) || a->sin_family != AF_INET)
+        memset(a, 0, sizeof(*a));
+}
+
+/* A refusal's one log line, naming the peer. */
+void bex__conn_log_refusal(struct conn *c, int err, const char *why)
+{
+    struct sockaddr_in a;
+    conn_peer_addr(c, &a);
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
+    if (c->client)
+        bex__log(&c->ctx->log, BEX_LOG_WARN, "connection to %s:%u refused: %s (%s)", ip,
+                 ntohs(a.sin_port), why, bex_strerror(err));
+    else
+        bex__log(&c->ctx->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip, ntohs(a.sin_port),
+                 why, bex_strerror(err));
+}
+
+/* Refuse the peer: log once, tell it why when nothing else is on its way
+ * (best effort: a notice with the errno, so its on_connect reports that and
+ * not a bare reset), and close. */
+static void conn_refuse(struct conn *c, int err, const char *why)
+{
+    bex__conn_log_refusal(c, err, why);
+    if (c->fd >= 0 && c->woff == c->wlen) {
+        uint8_t n[BEX__READY_LEN];
+        bex__ready_encode((uint32_t)-err, n);
+        ssize_t r = send(c->fd, n, sizeof n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        /* read what the peer already sent, so that close sends a FIN, not a
+         * reset that could overtake the notice */
+        uint8_t junk[256];
+        for (int i = 0; i < 4 && recv(c->fd, junk, sizeof junk, MSG_DONTWAIT) > 0; i++)
+            ;
+        (void)r;
+    }
+    bex__conn_fail(c, err);
+}
+
+/* The TCP endpoints as both sides name them: client first, then listener. */
+static int conn_ends(struct conn *c)
+{
+    struct sockaddr_in me, peer;
+    socklen_t sl = sizeof(me), pl = sizeof(peer);
+    if (getsockname(c->fd, (struct sockaddr *)&me, &sl) ||
+        getpeername(c->fd, (struct sockaddr *)&peer, &pl))
+        return -errno;
+    const struct sockaddr_in *cl = c->client ? &me : &peer, *li = c->client ? &peer : &me;
+    bex__auth_ends(&c->auth, cl->sin_addr.s_addr, cl->sin_port, li->sin_addr.s_addr, li->sin_port);
+    return 0;
+}
+
+/* RoCEv2: a peer at a.b.c.d has the GID ::ffff:a.b.c.d. A hello naming any
+ * other GID would point our QP at someone else's, or at a host that merely
+ * relays the setup. */
+static bool gid_is_peer(struct conn *c, const uint8_t gid[16])
+{
+    struct sockaddr_in a;
+    socklen_t sl = sizeof(a);
+    if (getpeername(c->fd, (struct sockaddr *)&a, &sl) || a.sin_family != AF_INET)
+        return false;
+    uint8_t want[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    memcpy(want + 12, &a.sin_addr.s_addr, 4);
+    return memcmp(want, gid, 16) == 0;
+}
+
+/* The client's first message: a plain hello, or with a secret an OPEN that
+ * carries nothing but a nonce. */
+static int setup_client_start(struct conn *c)
+{
+    if (c->ctx->has_secret) {
+        uint8_t m[BEX__AUTH_SHORT_LEN];
+        int err = bex__auth_nonce(c->auth.nonce_c);
+        if (err)
+            return err;
+        bex__auth_encode(BEX__AUTH_OPEN, c->auth.nonce_c, m);
+        bex__conn_expect(c, P_WAIT_CHALLENGE);
+        return conn_queue(c, m, sizeof m);
+    }
+    struct bex__hello h;
+    uint8_t buf[BEX__HELLO_LEN];
+    c->conn_id = bex__rdma_random_u64();
+    hello_fill(c, &h, c->conn_id);
+    bex__hello_encode(&h, buf);
+    c->hello_first = true;
+    bex__conn_expect(c, P_WAIT_HELLO);
+    return conn_queue(c, buf, sizeof buf);
+}
+
+/* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
+ * checks): check it fits this connection, bring the QP up, answer. */
+static int setup_hello(struct conn *c, const char **why)
+{
+    bex_ctx *ctx = c->ctx;
+    struct bex__hello h;
+    int err;
+    if (ctx->has_secret) {
+        uint8_t mac[BEX__AUTH_MAC_LEN];
+        if ((err = bex__auth_decode_hello(c->rbuf, c->rlen, &h, mac))) {
+            *why = "malformed authenticated hello";
+            return err;
+        }
+        const uint8_t *raw = c->rbuf + BEX__AUTH_HDR_LEN;
+        if (c->client)
+            err = bex__auth_verify(ctx->auth_key, BEX__AUTH_MAC_HELLO_L, &c->auth, raw, NULL, mac);
+        else
+            err = bex__auth_verify(ctx->auth_key, BEX__AUTH_MAC_HELLO_C, &c->auth, c->hello_l, raw,
+                                   mac);
+        if (err) {
+            *why = c->client ? "the listener did not prove the shared secret"
+                             : "the hello's MAC is wrong";
+            return err;
+        }
+    } else {
+        if (c->rkind == BEX__SETUP_AUTH) {
+            *why = "the peer uses a shared secret; this side has none";
+            return -EACCES;
+        }
+        if ((err = bex__hello_decode(c->rbuf, c->rlen, &h))) {
+            *why = "malformed hello";
+            return err;
+        }
+    }
+    if (c->hello_first && h.conn_id != c->conn_id) {
+        *why = "the hello does not answer ours (conn_id)";
+        return -EPROTO;
+    }
+    if (!(h.flags & BEX__HELLO_F_NO_RDMA) && !gid_is_peer(c, h.gid)) {
+        *why = "the hello's GID is not the TCP peer's address";
+        return -EPROTO;
+    }
+    struct bex__engine_peer peer; /* a hello we cannot work with costs no engine */
+    if ((err = peer_of_hello(&h, &peer))) {
+        *why = err == -EPROTONOSUPPORT ? "the peer has no RDMA device"
+                                       : "the hello grants too few receive credits to work";
+        return err;
+    }
+    *why = "local setup failed";
+    if (!c->eng && (err = bex__conn_engine_make(c)))
+        return err;
+    if ((err = bex__engine_connect(c->eng, &peer)))
+        return err;
+    uint8_t out[BEX__AUTH_HELLO_LEN + BEX__READY_LEN];
+    size_t n = 0;
+    if (!c->hello_first) {
+        /* our hello answers the peer's: echo its conn_id */
+        struct bex__hello mine;
+        uint8_t raw[BEX__HELLO_LEN];
+        hello_fill(c, &mine, h.conn_id);
+        bex__hello_encode(&mine, raw);
+        if (ctx->has_secret) {
+            uint8_t mac[BEX__AUTH_MAC_LEN];
+            bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_HELLO_C, &c->auth,
+                          c->rbuf + BEX__AUTH_HDR_LEN, raw, mac);
+            bex__auth_encode_hello(raw, mac, out);
+            n = BEX__AUTH_HELLO_LEN;
+        } else {
+            memcpy(out, raw, BEX__HELLO_LEN);
+            n = BEX__HELLO_LEN;
+        }
+    }
+    /* our receives are posted and the QP is at RTS: the peer may send */
+    bex__ready_encode(0, out + n);
+    *why = NULL; /* from here on an error is the connection's, not the peer's fault */
+    bex__conn_expect(c, P_WAIT_READY);
+    return conn_send(c, out, n + BEX__READY_LEN);
+}
+
+/* One whole setup message is in rbuf: act on it. Returns 0 or an error;
+ * *why is set when the error refuses the peer (logged, peer told). */
+static int setup_msg(struct conn *c, const char **why)
+{
+    bex_ctx *ctx = c->ctx;
+    int err;
+    if (c->rkind == BEX__SETUP_NOTICE) {
+        uint32_t st;
+        memcpy(&st, c->rbuf + 4, 4);
+        st = ntohl(st);
+        if (st == 0 && c->phase == P_WAIT_READY) {
+            c->phase = P_UP;
+            bex__conn_setup_end(c);
+            c->rwant = 1; /* from now on the TCP connection only tells EOF */
+            c->rlen = 0;
+            bex__engine_start(c->eng);
+            return 0;
+        }
+        if (st == 0) {
+            *why = "a readiness notice before the hellos";
+            return -EPROTO;
+        }
+        /* the peer refused us or failed: say so once, it is closing anyway */
+        err = st < 4096 ? -(int)st : -EPROTO;
+        struct sockaddr_in a;
+        conn_peer_addr(c, &a);
+        char ip[INET_ADDRSTRLEN] = "?";
+        inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
+        bex__log(&ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
+                 bex_strerror(err));
+        return err;
+    }
+    switch (c->phase) {
+    case P_WAIT_OPEN: { /* listener with a secret: the client's nonce */
+        if (c->rkind == BEX__SETUP_HELLO) {
+            *why = "the peer has no shared secret (plain hello)";
+            return -EACCES;
+        }
+        if ((err = bex__auth_decode(c->rbuf, c->rlen, BEX__AUTH_OPEN, c->auth.nonce_c))) {
+            *why = "expected OPEN";
+            return err;
+        }
+        uint8_t m[BEX__AUTH_SHORT_LEN];
+        if ((err = bex__auth_nonce(c->auth.nonce_l)) || (err = conn_ends(c)))
+            return err;
+        bex__auth_encode(BEX__AUTH_CHALLENGE, c->auth.nonce_l, m);
+        bex__conn_expect(c, P_WAIT_PROOF);
+        return conn_send(c, m, sizeof m);
+    }
+    case P_WAIT_CHALLENGE: { /* client with a secret: prove it */
+        if ((err = bex__auth_decode(c->rbuf, c->rlen, BEX__AUTH_CHALLENGE, c->auth.nonce_l))) {
+            *why = "expected CHALLENGE";
+            return err;
+        }
+        if ((err = conn_ends(c)))
+            return err;
+        uint8_t mac[BEX__AUTH_MAC_LEN], m[BEX__AUTH_SHORT_LEN];
+        bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_PROOF_C, &c->auth, NULL, NULL, mac);
+        bex__auth_encode(BEX__AUTH_PROOF, mac, m);
+        bex__conn_expect(c, P_WAIT_HELLO);
+        return conn_send(c, m, sizeof m);
+    }
+    case P_WAIT_PROOF: { /* listener: the client proved the secret, or goes */
+        uint8_t mac[BEX__AUTH_MAC_LEN], m[BEX__AUTH_HELLO_LEN];
+        if ((err = bex__auth_decode(c->rbuf, c->rlen, BEX__AUTH_PROOF, mac))) {
+            *why = "expected PROOF";
+            return err;
+        }
+        if ((err = bex__auth_verify(ctx->auth_key, BEX__AUTH_MAC_PROOF_C, &c->auth, NULL, NULL,
+                                    mac))) {
+            *why = "wrong shared secret";
+            return err;
+        }
+        /* only now does the peer cost us a QP */
+        if ((err = bex__conn_engine_make(c))) {
+            *why = "local setup failed";
+            return err;
+        }
+        struct bex__hello mine;
+        c->conn_id = bex__rdma_random_u64();
+        hello_fill(c, &mine, c->conn_id);
+        bex__hello_encode(&mine, c->hello_l);
+        bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_HELLO_L, &c->auth, c->hello_l, NULL, mac);
+        bex__auth_encode_hello(c->hello_l, mac, m);
+        c->hello_first = true;
+        bex__conn_expect(c, P_WAIT_HELLO);
+        return conn_send(c, m, sizeof m);
+    }
+    case P_WAIT_HELLO:
+        return setup_hello(c, why);
+    default:
+        *why = "unexpected setup message";
+        return -EPROTO;
+    }
+}
+
+/* The TCP connection of a connection that is up ended. After an orderly
+ * close (every socket closed by both sides) that is normal; with sockets
+ * the peer never closed, it vanished (killed, rebooted, unplugged): say so
+ * once, by name, before its sockets learn it. */
+static void conn_lost(struct conn *c, int err)
+{
+    uint32_t open = 0;
+    for (int i = 0; i < CONN_MAP; i++)
+        for (struct bex_sock *s = c->map[i]; s; s = s->map_next)
+            open += !s->dead;
+    if (!open)
+        return;
+    char name[32];
+    bex__log(&c->ctx->log, BEX_LOG_WARN,
+             "%s (engine %u): connection lost with %u socket%s open (%s)", bex__conn_name(c, name),
+             c->eng_id, open, open == 1 ? "" : "s", bex_strerror(err));
+}
+
+/* Advance the setup state machine; any error fails the connection. */
+void bex__conn_step(struct conn *c, uint32_t events)
+{
+    int err = 0;
+    const char *why = NULL;
+    if (c->dead || c->fd < 0)
+        return;
+    if (c->phase == P_CONNECTING) {
+        if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP)))
+            return;
+        socklen_t sl = sizeof(err);
+        if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &sl) || err) {
+            err = err ? -err : -errno;
+            goto fail;
+        }
+        if ((err = setup_client_start(c)))
+            goto fail;
+        if ((err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
+            goto fail;
+    }
+    if (events & EPOLLOUT || c->woff < c->wlen) {
+        err = conn_flush(c);
+        if (err < 0)
+            goto fail;
+        if (err == 0 && (err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
+            goto fail;
+    }
+    while (c->rlen < c->rwant) {
+        ssize_t n = recv(c->fd, c->rbuf + c->rlen, c->rwant - c->rlen, 0);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return;
+        if (n <= 0) {
+            err = n < 0 ? -errno : -ECONNRESET;
+            goto fail;
+        }
+        c->rlen += (size_t)n;
+        if (c->rlen < c->rwant)
+            continue;
+        if (c->phase == P_UP) {
+            err = -EPROTO; /* nothing may follow the ready notice */
+            goto fail;
+        }
+        if (!c->framed) {
+            size_t len = 0;
+            int kind = bex__setup_peek(c->rbuf, &len);
+            if (kind < 0) {
+                err = kind;
+                why = "not a bex setup message";
+                goto fail;
+            }
+            c->rkind = kind;
+            c->framed = true;
+            if (len > c->rlen) {
+                c->rwant = len; /* <= BEX__SETUP_MAX_LEN, the peek's promise */
+                continue;
+            }
+        }
+        if ((err = setup_msg(c, &why)))
+            goto fail;
+    }
+    return;
+fail:
+    if (why)
+        conn_refuse(c, err, why);
+    else {
+        if (c->phase == P_UP)
+            conn_lost(c, err);
+        bex__conn_fail(c, err);
+    }
+}

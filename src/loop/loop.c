@@ -1,0 +1,147 @@
+/* The per-thread loop: epoll, wake-up eventfd, command queue, clocks. */
+#include <errno.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "loop/loop.h"
+
+int bex__loop_init(struct bex__loop *l)
+{
+    int err;
+    atomic_init(&l->cmds, NULL);
+    atomic_init(&l->sleeping, 0);
+    l->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (l->epfd < 0)
+        return -errno;
+    l->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (l->evfd < 0) {
+        err = -errno;
+        goto err_epoll;
+    }
+    /* the eventfd's entry points at the loop itself: no owner's tag can */
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = l};
+    if (epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->evfd, &ev)) {
+        err = -errno;
+        goto err_evfd;
+    }
+    return 0;
+err_evfd:
+    close(l->evfd);
+err_epoll:
+    close(l->epfd);
+    return err;
+}
+
+void bex__loop_fini(struct bex__loop *l)
+{
+    close(l->evfd);
+    close(l->epfd);
+}
+
+static void wake(struct bex__loop *l)
+{
+    /* seq_cst on both sides: either the loop sees our command before it
+     * sleeps, or we see it sleeping and write the eventfd. */
+    if (atomic_load(&l->sleeping)) {
+        uint64_t one = 1;
+        ssize_t r = write(l->evfd, &one, sizeof(one));
+        (void)r;
+    }
+}
+
+void bex__loop_push(struct bex__loop *l, struct bex__cmd *c, int type)
+{
+    c->type = type;
+    struct bex__cmd *head = atomic_load_explicit(&l->cmds, memory_order_relaxed);
+    do {
+        c->next = head;
+    } while (!atomic_compare_exchange_weak(&l->cmds, &head, c));
+    wake(l);
+}
+
+struct bex__cmd *bex__loop_take(struct bex__loop *l)
+{
+    /* a plain look first: the spinning loop must not take the line that
+     * other threads push to (a locked exchange) on every empty turn; the
+     * sleep path checks again with seq_cst */
+    if (!atomic_load_explicit(&l->cmds, memory_order_relaxed))
+        return NULL;
+    struct bex__cmd *list = atomic_exchange(&l->cmds, NULL);
+    struct bex__cmd *fifo = NULL;
+    while (list) { /* the stack is newest first */
+        struct bex__cmd *n = list->next;
+        list->next = fifo;
+        fifo = list;
+        list = n;
+    }
+    return fifo;
+}
+
+bool bex__loop_has_cmds(struct bex__loop *l)
+{
+    return atomic_load(&l->cmds) != NULL;
+}
+
+int bex__loop_watch(struct bex__loop *l, int fd, uint32_t events, struct ep_tag *tag)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = tag};
+    return epoll_ctl(l->epfd, EPOLL_CTL_ADD, fd, &ev) ? -errno : 0;
+}
+
+int bex__loop_modify(struct bex__loop *l, int fd, uint32_t events, struct ep_tag *tag)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = tag};
+    return epoll_ctl(l->epfd, EPOLL_CTL_MOD, fd, &ev) ? -errno : 0;
+}
+
+void bex__loop_unwatch(struct bex__loop *l, int fd)
+{
+    epoll_ctl(l->epfd, EPOLL_CTL_DEL, fd, NULL);
+}
+
+void bex__loop_sleep_begin(struct bex__loop *l)
+{
+    atomic_store(&l->sleeping, 1);
+}
+
+void bex__loop_sleep_end(struct bex__loop *l)
+{
+    atomic_store(&l->sleeping, 0);
+}
+
+int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms)
+{
+    int n = epoll_wait(l->epfd, ev, max, timeout_ms);
+    if (n <= 0)
+        return 0;
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        if (ev[i].data.ptr == l) {
+            uint64_t v;
+            ssize_t r = read(l->evfd, &v, sizeof(v));
+            (void)r;
+            continue;
+        }
+        ev[k++] = ev[i];
+    }
+    return k;
+}
+
+/* Every user is a millisecond timeout, and the I/O loop reads this on every
+ * turn: the coarse clock (one jiffy of resolution) comes from the vDSO even
+ * where CLOCK_MONOTONIC cannot, e.g. on an emulated HPET in a VM, where
+ * each CLOCK_MONOTONIC read is a system call of about 2 us. */
+uint64_t bex__now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+uint64_t bex__now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+}

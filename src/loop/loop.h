@@ -1,0 +1,69 @@
+/* loop: what an I/O thread waits on and how other threads reach it.
+ *
+ * One loop per I/O thread: an epoll set whose entries point at a tag (the
+ * first member of whatever the descriptor belongs to), an eventfd that wakes
+ * a sleeping loop, and a multi-producer command queue: any thread pushes,
+ * only the loop's thread takes. The loop knows nothing of sockets, engines
+ * or transports; what a tag or a command means is its owner's business.
+ *
+ * Sleep protocol: the loop's thread calls bex__loop_sleep_begin, looks for
+ * work once more (commands: bex__loop_has_cmds; completions), and only then
+ * waits; a pusher that sees the loop asleep writes the eventfd. Both sides
+ * are seq_cst, so a command is either seen before the sleep or wakes it. */
+#ifndef BEX_LOOP_H
+#define BEX_LOOP_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/epoll.h>
+
+/* What an epoll event belongs to: the first member of its owner. */
+struct ep_tag {
+    int kind;
+};
+
+/* A command handed from any thread to the loop's thread; embedded in the
+ * owner's object. type is the owner's. */
+struct bex__cmd {
+    struct bex__cmd *next;
+    int type;
+};
+
+struct bex__loop {
+    int epfd, evfd;
+    _Atomic(struct bex__cmd *) cmds; /* lock-free stack, newest first */
+    _Atomic int sleeping;
+};
+
+/* 0 or a negative errno; bex__loop_fini undoes it. */
+int bex__loop_init(struct bex__loop *l);
+void bex__loop_fini(struct bex__loop *l);
+
+/* Any thread: queue c (its type set to type) and wake the loop if asleep.
+ * c must not be queued already. */
+void bex__loop_push(struct bex__loop *l, struct bex__cmd *c, int type);
+/* The loop's thread: every queued command, oldest first (NULL if none). */
+struct bex__cmd *bex__loop_take(struct bex__loop *l);
+/* Whether commands are queued (seq_cst: for the sleep protocol). */
+bool bex__loop_has_cmds(struct bex__loop *l);
+
+/* Watch fd for events on behalf of tag (EPOLL_CTL_ADD / MOD / DEL):
+ * 0 or a negative errno. */
+int bex__loop_watch(struct bex__loop *l, int fd, uint32_t events, struct ep_tag *tag);
+int bex__loop_modify(struct bex__loop *l, int fd, uint32_t events, struct ep_tag *tag);
+void bex__loop_unwatch(struct bex__loop *l, int fd);
+
+void bex__loop_sleep_begin(struct bex__loop *l);
+void bex__loop_sleep_end(struct bex__loop *l);
+/* epoll_wait for up to max events (timeout_ms as epoll's): the number of
+ * events left for the caller. The loop's own wake-ups are consumed here and
+ * not returned. */
+int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms);
+
+/* Monotonic clocks. bex__now_ms is coarse (a jiffy) and cheap everywhere:
+ * every user is a millisecond timeout read on every loop turn. */
+uint64_t bex__now_ms(void);
+uint64_t bex__now_us(void);
+
+#endif

@@ -1,0 +1,185 @@
+/* Exposed buffers: a context-wide table of slots claimed with a
+ * compare-and-swap, so that any thread can expose a buffer and get its token
+ * at once; delivery and cancel take a slot back exactly once. */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "sock/internal.h"
+
+/* Window mode: an exposed slot's window, read before the slot is taken
+ * (once it is free, another thread may claim it and set a new one). */
+struct exposed_win {
+    struct ibv_mw *mw;
+    uint32_t key, eng_id;
+    bool bound;
+};
+
+static struct exposed_win exposed_win_of(const struct exp_slot *x)
+{
+    return (struct exposed_win){x->mw, x->key, x->eng_id, x->bound};
+}
+
+/* The slot was taken by the I/O thread: its window goes. Bound on a live
+ * engine: revoked there first; bound on a dead one: released with its QP
+ * already; never bound: deallocated here. */
+static void exposed_win_drop(bex_ctx *ctx, const struct exposed_win *w)
+{
+    if (!w->mw)
+        return;
+    struct conn *c = w->bound ? bex__conn_by_engine(ctx, w->eng_id) : NULL;
+    if (c && c->eng)
+        bex__engine_retire_window(c->eng, w->mw, w->key, true);
+    else if (!w->bound)
+        ibv_dealloc_mw(w->mw);
+}
+
+/* Take an armed exposed slot back (delivery or cancel); false if another
+ * thread took it first or it is no longer that arming. */
+static bool exposed_take(struct exp_slot *x, uint32_t gen)
+{
+    uint32_t want = X_WORD(gen, X_ARMED);
+    return atomic_compare_exchange_strong(&x->state, &want, X_WORD(gen, X_FREE));
+}
+
+int bex__exposed_deliver(struct bex__engine *e, uint32_t imm)
+{
+    struct conn *c = bex__engine_user(e);
+    uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
+    if (i >= EXPOSED_MAX)
+        return -EPROTO;
+    struct exp_slot *x = &c->ctx->exposed[i];
+    if (atomic_load_explicit(&x->state, memory_order_acquire) != X_WORD(gen, X_ARMED) ||
+        x->eng_id != c->eng_id)
+        return -EPROTO;
+    struct bex_sock *s = x->s;
+    void *buf = x->buf, *user = x->user;
+    uint32_t len = x->len;
+    struct ibv_mw *mw = x->mw; /* read before the take: then the slot may be reused */
+    uint32_t key = x->key;
+    bool bound = x->bound;
+    if (!exposed_take(x, gen))
+        return 0; /* bex_sock_expose took it back in a race with a failure */
+    if (mw)       /* revoked before anything else goes out on this QP */
+        bex__engine_retire_window(e, mw, key, bound);
+    BEX__STAT_ADD(&c->ctx->stats, bytes_recv, len);
+    /* an exposed buffer is the application's until it is reported, never
+     * freed by bex behind its back */
+    if (!s->dead && !s->app_closed && s->ops.on_recv)
+        s->ops.on_recv(s, buf, len, s->user);
+    else
+        bex__sock_report_done(s, buf, len, user, -ECANCELED);
+    return 0;
+}
+
+/* Hand back the exposed buffers of a socket that can take no more (the
+ * engine is dead, or the peer closed the stream: it writes nothing more). */
+void bex__exposed_cancel(struct bex_sock *s)
+{
+    for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
+        struct exp_slot *x = &s->ctx->exposed[i];
+        uint32_t v = atomic_load(&x->state);
+        if (X_KIND(v) != X_ARMED || x->s != s)
+            continue;
+        void *buf = x->buf, *user = x->user;
+        uint32_t len = x->len;
+        struct exposed_win w = exposed_win_of(x);
+        if (exposed_take(x, X_GEN(v))) {
+            exposed_win_drop(s->ctx, &w);
+            bex__sock_report_done(s, buf, len, user, -ECANCELED);
+        }
+    }
+}
+
+/* Window mode: bind an exposed buffer's window on its engine's QP. */
+void bex__exposed_bind(bex_ctx *ctx, struct bind_cmd *bc)
+{
+    struct exp_slot *x = &ctx->exposed[bc->slot];
+    if (atomic_load(&x->state) == X_WORD(bc->gen, X_ARMED) && x->mw && !x->bound) {
+        struct conn *c = bex__conn_by_engine(ctx, x->eng_id);
+        if (c && c->eng && !bex__engine_is_dead(c->eng)) {
+            bex__engine_bind_window(c->eng, x->mw, x->key, x->buf, x->len);
+            x->bound = true;
+        }
+    }
+    free(bc);
+}
+
+int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_remote_buf *out)
+{
+    if (!s || !out || len == 0)
+        return -EINVAL;
+    if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED)
+        return -EPIPE;
+    uint32_t eng = atomic_load(&s->eng_id);
+    if (!eng)
+        return -ENOTCONN;
+    int err = bex__sock_check_buf(s, buf, len);
+    if (err)
+        return err;
+    bex_ctx *ctx = s->ctx;
+    if (bex_mem_pool_of(buf) != ctx->sh.landing)
+        return -EINVAL; /* only landing memory may be peer-writable */
+    /* Window mode: a window for this exposure alone; the I/O thread binds
+     * it on the engine's QP ahead of anything sent after this call. */
+    struct ibv_mw *mw = NULL;
+    struct bind_cmd *bc = NULL;
+    if (ctx->sh.windows) {
+        errno = 0;
+        mw = ibv_alloc_mw(ctx->dev->pd, IBV_MW_TYPE_2);
+        if (!mw)
+            return errno ? -errno : -ENOMEM;
+        bc = malloc(sizeof(*bc));
+        if (!bc) {
+            ibv_dealloc_mw(mw);
+            return -ENOMEM;
+        }
+    }
+    for (uint32_t i = 0; i < EXPOSED_MAX; i++) {
+        struct exp_slot *x = &ctx->exposed[i];
+        uint32_t v = atomic_load_explicit(&x->state, memory_order_relaxed);
+        if (X_KIND(v) != X_FREE)
+            continue;
+        uint32_t gen = (X_GEN(v) + 1) & 0x7fff;
+        if (!atomic_compare_exchange_strong(&x->state, &v, X_WORD(gen, X_CLAIMED)))
+            continue;
+        x->eng_id = eng;
+        x->buf = buf;
+        x->len = len;
+        x->user = msg_user;
+        x->s = s;
+        x->mw = mw;
+        x->key = mw ? ibv_inc_rkey(mw->rkey) : 0;
+        x->bound = false;
+        out->addr = (uintptr_t)buf;
+        out->rkey = mw ? x->key : bex_mem_mr(buf)->rkey;
+        out->len = len;
+        out->token = BEX__IMM_DIRECT | (gen << 16) | i;
+        (void)BEX__FAULT(BEX__FAULT_EXPOSE_ARM); /* tests: a failure lands here */
+        atomic_store(&x->state, X_WORD(gen, X_ARMED));
+        /* The I/O thread marks a socket failed, then cancels its armed
+         * slots (both seq_cst): either it saw this slot armed, or we see
+         * the failure here and take the slot back ourselves. */
+        if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED) {
+            uint32_t want = X_WORD(gen, X_ARMED);
+            if (atomic_compare_exchange_strong(&x->state, &want, X_WORD(gen, X_FREE))) {
+                free(bc); /* never bound: the window is still ours */
+                if (mw)
+                    ibv_dealloc_mw(mw);
+                return -EPIPE;
+            }
+            /* the I/O thread took it: it is (or will be) reported */
+            free(bc);
+            return 0;
+        }
+        if (bc) {
+            bc->slot = i;
+            bc->gen = (uint16_t)gen;
+            bex__ctx_push(ctx, &bc->cmd, CMD_BIND);
+        }
+        return 0;
+    }
+    free(bc);
+    if (mw)
+        ibv_dealloc_mw(mw);
+    return -ENOSPC;
+}

@@ -1,0 +1,182 @@
+/* Socket lifecycle on the I/O thread, and the engine's upcalls. */
+#include <stdlib.h>
+
+#include "sock/internal.h"
+
+/* Hand a buffer back to the application; without an on_send_done nobody
+ * would ever free it, so bex does. */
+void bex__sock_report_done(struct bex_sock *s, void *buf, size_t len, void *msg_user, int status)
+{
+    if (s->ops.on_send_done)
+        s->ops.on_send_done(s, buf, len, msg_user, status, s->user);
+    else
+        bex_mem_free(buf);
+}
+
+/* Free the socket once the application closed it, the engine let go of it
+ * and every message was reported; exposed buffers not delivered come back
+ * before on_close. */
+void bex__sock_maybe_finish(struct bex_sock *s)
+{
+    if (!s->app_closed || s->attached || s->pending || s->close_reported)
+        return;
+    s->close_reported = true;
+    s->dead = true;
+    bex__exposed_cancel(s);
+    if (s->conn)
+        bex__conn_map_del(s->conn, s);
+    s->conn = NULL;
+    if (s->ops.on_close)
+        s->ops.on_close(s, s->user);
+    free(s);
+}
+
+/* The socket can carry no more traffic: tell the application once (unless
+ * it closed the socket already). The engine has let go of the stream (on_fail)
+ * or is closing it (the peer's CLOSE); either way the peer writes nothing
+ * more into its exposed buffers, which come back now. */
+void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
+{
+    if (!s->dead) {
+        s->dead = true;
+        atomic_store(&s->state, S_FAILED);
+        bex__exposed_cancel(s);
+    }
+    if (!s->error_told && !s->app_closed) {
+        s->error_told = true;
+        if (connecting) {
+            if (s->ops.on_connect)
+                s->ops.on_connect(s, err, s->user);
+        } else if (s->ops.on_error) {
+            s->ops.on_error(s, err, s->user);
+        }
+    }
+    bex__sock_maybe_finish(s);
+}
+
+static void eng_on_up(struct bex__engine *e)
+{
+    struct conn *c = bex__engine_user(e);
+    for (int i = 0; i < CONN_MAP; i++) {
+        for (struct bex_sock *s = c->map[i]; s; s = s->map_next) {
+            atomic_store(&s->max_msg, bex__engine_peer_max_msg(e));
+            int st = S_CONNECTING;
+            if (atomic_compare_exchange_strong(&s->state, &st, S_OPEN) && !s->app_closed &&
+                s->ops.on_connect)
+                s->ops.on_connect(s, 0, s->user);
+        }
+    }
+}
+
+static void eng_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t len)
+{
+    struct conn *c = bex__engine_user(e);
+    struct bex_sock *s = bex__conn_map_find(c, stream);
+    if (!s || s->dead || s->app_closed || !s->ops.on_recv) {
+        bex_mem_free(buf); /* the socket is gone: nobody to give it to */
+        return;
+    }
+    s->ops.on_recv(s, buf, len, s->user);
+}
+
+static void eng_on_open(struct bex__engine *e, uint32_t stream)
+{
+    struct conn *c = bex__engine_user(e);
+    struct bex_sock *s = bex__conn_map_find(c, stream);
+    if (s || c->client) {
+        char name[32];
+        bex__log(&c->ctx->log, BEX_LOG_ERROR, "%s (engine %u): unexpected OPEN of stream %u",
+                 bex__conn_name(c, name), c->eng_id, stream);
+        bex__conn_fail(c, -EPROTO);
+        return;
+    }
+    if (c->nsocks >= c->ctx->cfg.streams_max) {
+        /* the peer's socket fails; nothing is allocated for it here */
+        /* INFO: refusing a stream is flow control; should the peer go on
+         * regardless, the engine fails with the one WARN/ERROR line that
+         * names it */
+        char name[32];
+        if (!c->refusal_logged)
+            bex__log(&c->ctx->log, BEX_LOG_INFO,
+                     "%s (engine %u): opens more than %u streams on one connection; "
+                     "refusing them (logged once per connection)",
+                     bex__conn_name(c, name), c->eng_id, c->ctx->cfg.streams_max);
+        c->refusal_logged = true;
+        if (bex__engine_refuse_stream(e, stream))
+            bex__conn_fail(c, -EPROTO);
+        return;
+    }
+    s = calloc(1, sizeof(*s));
+    if (!s) {
+        bex__conn_fail(c, -ENOMEM);
+        return;
+    }
+    s->ctx = c->ctx;
+    s->conn = c;
+    s->id = stream;
+    atomic_init(&s->state, S_OPEN);
+    atomic_init(&s->closing, false);
+    atomic_init(&s->user_pub, NULL);
+    atomic_init(&s->max_msg, bex__engine_peer_max_msg(e));
+    bex__engine_attach(e, &s->st, stream, false);
+    s->attached = true;
+    atomic_init(&s->eng_id, c->eng_id);
+    bex__conn_map_add(c, s);
+    struct bex_listener *l = c->l;
+    if (l && l->ops.on_accept)
+        l->ops.on_accept(l, s, l->user);
+    else
+        bex_sock_close(s);
+}
+
+static void eng_on_peer_close(struct bex__engine *e, uint32_t stream)
+{
+    struct conn *c = bex__engine_user(e);
+    struct bex_sock *s = bex__conn_map_find(c, stream);
+    if (!s)
+        return;
+    /* the engine hands back what it held first (on_error says so); the
+     * extra count keeps s alive should the stream finish meanwhile */
+    s->pending++;
+    if (s->attached)
+        bex__engine_peer_closed(&s->st);
+    s->pending--;
+    bex__sock_fail(s, -ECONNRESET, false);
+}
+
+static void eng_on_send_done(struct bex__engine *e, struct bex__msg *m, int status)
+{
+    (void)e;
+    struct sock_msg *w = bex__container_of(m, struct sock_msg, m);
+    struct bex_sock *s = w->s;
+    s->pending--;
+    bex__sock_report_done(s, m->buf, m->len, m->user, status);
+    free(w);
+    bex__sock_maybe_finish(s);
+}
+
+static void eng_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
+{
+    (void)e;
+    struct bex_sock *s = bex__container_of(st, struct bex_sock, st);
+    s->attached = false;
+    s->dead = true;
+    bex__sock_maybe_finish(s);
+}
+
+static void eng_on_fail(struct bex__engine *e, int err)
+{
+    struct conn *c = bex__engine_user(e);
+    bex__conn_finish(c, err);
+}
+
+const struct bex__engine_ops bex__sock_engine_ops = {
+    .on_up = eng_on_up,
+    .on_msg = eng_on_msg,
+    .on_open = eng_on_open,
+    .on_peer_close = eng_on_peer_close,
+    .on_send_done = eng_on_send_done,
+    .on_stream_closed = eng_on_stream_closed,
+    .on_direct = bex__exposed_deliver,
+    .on_fail = eng_on_fail,
+};

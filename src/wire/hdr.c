@@ -1,0 +1,93 @@
+#include <endian.h>
+#include <errno.h>
+#include <string.h>
+
+#include "wire/hdr.h"
+
+static void put16(uint8_t *p, uint16_t v)
+{
+    v = htole16(v);
+    memcpy(p, &v, 2);
+}
+static void put32(uint8_t *p, uint32_t v)
+{
+    v = htole32(v);
+    memcpy(p, &v, 4);
+}
+static void put64(uint8_t *p, uint64_t v)
+{
+    v = htole64(v);
+    memcpy(p, &v, 8);
+}
+static uint16_t get16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return le16toh(v);
+}
+static uint32_t get32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return le32toh(v);
+}
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return le64toh(v);
+}
+
+void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out)
+{
+    out[0] = h->type;
+    out[1] = h->flags;
+    put16(out + 2, h->credits);
+    put32(out + 4, h->stream);
+    put32(out + 8, h->len);
+    put32(out + 12, h->id);
+    put64(out + 16, h->addr);
+    put32(out + 24, h->rkey);
+    put32(out + 28, (uint32_t)h->status);
+}
+
+int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h)
+{
+    if (len < BEX__HDR_LEN)
+        return -EPROTO;
+    h->type = in[0];
+    h->flags = in[1];
+    h->credits = get16(in + 2);
+    h->stream = get32(in + 4);
+    h->len = get32(in + 8);
+    h->id = get32(in + 12);
+    h->addr = get64(in + 16);
+    h->rkey = get32(in + 24);
+    h->status = (int32_t)get32(in + 28);
+    if (h->type < BEX__MSG_DATA || h->type > BEX__MSG_CLOSE || h->flags != 0)
+        return -EPROTO;
+    if (h->type == BEX__MSG_DATA &&
+        (h->len != len - BEX__HDR_LEN || h->stream <= BEX__IMM_STREAM_MAX))
+        return -EPROTO; /* a stream the immediate names goes header-free */
+    if (h->type != BEX__MSG_DATA && len != BEX__HDR_LEN)
+        return -EPROTO;
+    if (h->type == BEX__MSG_RNDV_RESP && h->status > 0)
+        return -EPROTO;
+    return 0;
+}
+
+uint32_t bex__imm_encode(uint32_t stream, uint32_t credits)
+{
+    return BEX__IMM_KIND_DATA << BEX__IMM_KIND_SHIFT | stream << BEX__IMM_STREAM_SHIFT | credits;
+}
+
+int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h)
+{
+    *h = (struct bex__hdr){
+        .type = BEX__MSG_DATA,
+        .credits = (uint16_t)(imm & BEX__IMM_CREDITS_MAX),
+        .stream = (imm >> BEX__IMM_STREAM_SHIFT) & BEX__IMM_STREAM_MAX,
+        .len = len,
+    };
+    return imm >> BEX__IMM_KIND_SHIFT == BEX__IMM_KIND_DATA ? 0 : -EPROTO;
+}
