@@ -97,8 +97,8 @@ void bex__conn_free(struct conn *c)
         bex__loop_unwatch(&ctx->loop, c->fd);
         close(c->fd);
     }
-    if (c->eng) {
-        bex__engine_destroy(c->eng);
+    if (c->x) {
+        c->x->ops->destroy(c->x);
         BEX__STAT_ADD(&ctx->stats, engines, (uint64_t)-1);
     }
     free(c);
@@ -137,8 +137,8 @@ void bex__conn_fail(struct conn *c, int err)
 {
     if (c->dead)
         return;
-    if (c->eng && !bex__engine_is_dead(c->eng))
-        bex__engine_fail(c->eng, err); /* on_fail -> bex__conn_finish */
+    if (c->x && !c->x->ops->is_dead(c->x))
+        c->x->ops->fail(c->x, err); /* on_fail -> bex__conn_finish */
     else
         bex__conn_finish(c, err);
 }
@@ -163,10 +163,11 @@ int bex__conn_engine_make(struct conn *c)
                  ctx->cqe_used, ctx->cqe_cap);
         return -ENOSPC;
     }
-    int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &bex__sock_engine_ops, c->eng_id, c, &c->eng);
+    int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &bex__sock_upcalls, c->eng_id, c, &c->eng);
     if (!err) {
         char name[32];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
+        c->x = bex__engine_xport(c->eng);
         ctx->cqe_used += need;
         c->cqe_reserved = need;
         BEX__STAT_ADD(&ctx->stats, engines, 1);
@@ -358,7 +359,7 @@ void bex__conn_tick(bex_ctx *ctx, uint64_t now)
             }
             continue;
         }
-        if (c->eng)
-            bex__engine_tick(c->eng, now);
+        if (c->x)
+            c->x->ops->tick(c->x, now);
     }
 }

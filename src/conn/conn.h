@@ -64,10 +64,11 @@ struct conn {
     int fd;
     int phase;
     bool client;
-    struct sockaddr_in key; /* the peer: the listener we connected to, or the
-                               address accept4 gave (kept: a peer that reset
-                               has no getpeername) */
-    struct bex__engine *eng;
+    struct sockaddr_in key;  /* the peer: the listener we connected to, or the
+                                address accept4 gave (kept: a peer that reset
+                                has no getpeername) */
+    struct bex__xport *x;    /* its transport, once made */
+    struct bex__engine *eng; /* RDMA: the engine behind x */
     uint32_t eng_id;
     uint8_t rbuf[BEX__SETUP_MAX_LEN]; /* one setup message at a time */
     size_t rlen, rwant;

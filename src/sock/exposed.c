@@ -27,8 +27,8 @@ static void exposed_win_drop(bex_ctx *ctx, const struct exposed_win *w)
     if (!w->mw)
         return;
     struct conn *c = w->bound ? bex__conn_by_engine(ctx, w->eng_id) : NULL;
-    if (c && c->eng)
-        bex__engine_retire_window(c->eng, w->mw, w->key, true);
+    if (c && c->x && c->x->ops->retire_window)
+        c->x->ops->retire_window(c->x, w->mw, w->key, true);
     else if (!w->bound)
         ibv_dealloc_mw(w->mw);
 }
@@ -41,9 +41,9 @@ static bool exposed_take(struct exp_slot *x, uint32_t gen)
     return atomic_compare_exchange_strong(&x->state, &want, X_WORD(gen, X_FREE));
 }
 
-int bex__exposed_deliver(struct bex__engine *e, uint32_t imm)
+int bex__exposed_deliver(struct bex__xport *xp, uint32_t imm)
 {
-    struct conn *c = bex__engine_user(e);
+    struct conn *c = xp->user;
     uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
     if (i >= EXPOSED_MAX)
         return -EPROTO;
@@ -60,7 +60,7 @@ int bex__exposed_deliver(struct bex__engine *e, uint32_t imm)
     if (!exposed_take(x, gen))
         return 0; /* bex_sock_expose took it back in a race with a failure */
     if (mw)       /* revoked before anything else goes out on this QP */
-        bex__engine_retire_window(e, mw, key, bound);
+        xp->ops->retire_window(xp, mw, key, bound);
     BEX__STAT_ADD(&c->ctx->stats, bytes_recv, len);
     /* an exposed buffer is the application's until it is reported, never
      * freed by bex behind its back */
@@ -96,8 +96,8 @@ void bex__exposed_bind(bex_ctx *ctx, struct bind_cmd *bc)
     struct exp_slot *x = &ctx->exposed[bc->slot];
     if (atomic_load(&x->state) == X_WORD(bc->gen, X_ARMED) && x->mw && !x->bound) {
         struct conn *c = bex__conn_by_engine(ctx, x->eng_id);
-        if (c && c->eng && !bex__engine_is_dead(c->eng)) {
-            bex__engine_bind_window(c->eng, x->mw, x->key, x->buf, x->len);
+        if (c && c->x && c->x->ops->bind_window && !c->x->ops->is_dead(c->x)) {
+            c->x->ops->bind_window(c->x, x->mw, x->key, x->buf, x->len);
             x->bound = true;
         }
     }

@@ -154,8 +154,8 @@ int bex__sock_check_buf(bex_sock *s, void *buf, size_t len);
 void *bex__io_main(void *arg);
 void bex__io_listen(bex_ctx *ctx, struct bex_listener *l);
 
-/* stream.c: socket lifecycle and the engine's upcalls */
-extern const struct bex__engine_ops bex__sock_engine_ops;
+/* stream.c: socket lifecycle and the transports' upcalls */
+extern const struct bex__transport_upcalls bex__sock_upcalls;
 /* Hand a buffer back to the application (bex frees it without an
  * on_send_done). */
 void bex__sock_report_done(struct bex_sock *s, void *buf, size_t len, void *msg_user, int status);
@@ -163,7 +163,7 @@ void bex__sock_maybe_finish(struct bex_sock *s);
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting);
 
 /* exposed.c: the exposed-buffer table */
-int bex__exposed_deliver(struct bex__engine *e, uint32_t imm);
+int bex__exposed_deliver(struct bex__xport *x, uint32_t imm);
 void bex__exposed_cancel(struct bex_sock *s);
 void bex__exposed_bind(bex_ctx *ctx, struct bind_cmd *bc);
 

@@ -14,7 +14,7 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
 {
     struct conn *c = NULL;
     for (struct conn *p = ctx->conns; p; p = p->next) {
-        if (p->client && !p->dead && (!p->eng || !bex__engine_is_dead(p->eng)) &&
+        if (p->client && !p->dead && (!p->x || !p->x->ops->is_dead(p->x)) &&
             p->key.sin_addr.s_addr == s->peer.sin_addr.s_addr &&
             p->key.sin_port == s->peer.sin_port) {
             c = p;
@@ -31,11 +31,11 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
     s->conn = c;
     s->id = c->next_stream++;
     bex__conn_map_add(c, s);
-    bex__engine_attach(c->eng, &s->st, s->id, true);
+    c->x->ops->attach(c->x, &s->st, s->id, true);
     s->attached = true;
     atomic_store(&s->eng_id, c->eng_id);
-    if (bex__engine_is_up(c->eng)) {
-        atomic_store(&s->max_msg, bex__engine_peer_max_msg(c->eng));
+    if (c->x->ops->is_up(c->x)) {
+        atomic_store(&s->max_msg, c->x->ops->peer_max_msg(c->x));
         atomic_store(&s->state, S_OPEN);
         if (s->ops.on_connect && !s->app_closed)
             s->ops.on_connect(s, 0, s->user);
@@ -54,7 +54,7 @@ static void do_send(bex_ctx *ctx, struct sock_msg *w)
         return;
     }
     s->pending++;
-    bex__engine_send(&s->st, &w->m);
+    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
 }
 
 static void do_close(struct bex_sock *s)
@@ -66,7 +66,7 @@ static void do_close(struct bex_sock *s)
      * lets go by on_stream_closed (or on_fail). A stream the peer closed
      * is closing already. */
     if (s->attached && !s->dead)
-        bex__engine_close_stream(&s->st);
+        s->conn->x->ops->close_stream(s->conn->x, &s->st);
     if (!s->attached)
         s->dead = true;
     bex__sock_maybe_finish(s);
@@ -201,8 +201,8 @@ void *bex__io_main(void *arg)
         did |= n > 0;
         did |= drain_cmds(ctx);
         for (struct conn *c = ctx->conns; c; c = c->next)
-            if (c->eng && !c->dead)
-                did |= bex__engine_progress(c->eng);
+            if (c->x && !c->dead)
+                did |= c->x->ops->progress(c->x);
         bex__conn_reap(ctx);
         uint64_t now = bex__now_ms();
         if (now >= next_tick) {

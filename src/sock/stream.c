@@ -1,4 +1,4 @@
-/* Socket lifecycle on the I/O thread, and the engine's upcalls. */
+/* Socket lifecycle on the I/O thread, and the transports' upcalls. */
 #include <stdlib.h>
 
 #include "sock/internal.h"
@@ -54,12 +54,12 @@ void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
     bex__sock_maybe_finish(s);
 }
 
-static void eng_on_up(struct bex__engine *e)
+static void on_up(struct bex__xport *x)
 {
-    struct conn *c = bex__engine_user(e);
+    struct conn *c = x->user;
     for (int i = 0; i < CONN_MAP; i++) {
         for (struct bex_sock *s = c->map[i]; s; s = s->map_next) {
-            atomic_store(&s->max_msg, bex__engine_peer_max_msg(e));
+            atomic_store(&s->max_msg, x->ops->peer_max_msg(x));
             int st = S_CONNECTING;
             if (atomic_compare_exchange_strong(&s->state, &st, S_OPEN) && !s->app_closed &&
                 s->ops.on_connect)
@@ -68,9 +68,9 @@ static void eng_on_up(struct bex__engine *e)
     }
 }
 
-static void eng_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t len)
+static void on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
 {
-    struct conn *c = bex__engine_user(e);
+    struct conn *c = x->user;
     struct bex_sock *s = bex__conn_map_find(c, stream);
     if (!s || s->dead || s->app_closed || !s->ops.on_recv) {
         bex_mem_free(buf); /* the socket is gone: nobody to give it to */
@@ -79,9 +79,9 @@ static void eng_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t
     s->ops.on_recv(s, buf, len, s->user);
 }
 
-static void eng_on_open(struct bex__engine *e, uint32_t stream)
+static void on_open(struct bex__xport *x, uint32_t stream)
 {
-    struct conn *c = bex__engine_user(e);
+    struct conn *c = x->user;
     struct bex_sock *s = bex__conn_map_find(c, stream);
     if (s || c->client) {
         char name[32];
@@ -102,7 +102,7 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
                      "refusing them (logged once per connection)",
                      bex__conn_name(c, name), c->eng_id, c->ctx->cfg.streams_max);
         c->refusal_logged = true;
-        if (bex__engine_refuse_stream(e, stream))
+        if (x->ops->refuse_stream(x, stream))
             bex__conn_fail(c, -EPROTO);
         return;
     }
@@ -117,8 +117,8 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
     atomic_init(&s->state, S_OPEN);
     atomic_init(&s->closing, false);
     atomic_init(&s->user_pub, NULL);
-    atomic_init(&s->max_msg, bex__engine_peer_max_msg(e));
-    bex__engine_attach(e, &s->st, stream, false);
+    atomic_init(&s->max_msg, x->ops->peer_max_msg(x));
+    x->ops->attach(x, &s->st, stream, false);
     s->attached = true;
     atomic_init(&s->eng_id, c->eng_id);
     bex__conn_map_add(c, s);
@@ -129,9 +129,9 @@ static void eng_on_open(struct bex__engine *e, uint32_t stream)
         bex_sock_close(s);
 }
 
-static void eng_on_peer_close(struct bex__engine *e, uint32_t stream)
+static void on_peer_close(struct bex__xport *x, uint32_t stream)
 {
-    struct conn *c = bex__engine_user(e);
+    struct conn *c = x->user;
     struct bex_sock *s = bex__conn_map_find(c, stream);
     if (!s)
         return;
@@ -139,14 +139,14 @@ static void eng_on_peer_close(struct bex__engine *e, uint32_t stream)
      * extra count keeps s alive should the stream finish meanwhile */
     s->pending++;
     if (s->attached)
-        bex__engine_peer_closed(&s->st);
+        x->ops->peer_closed(x, &s->st);
     s->pending--;
     bex__sock_fail(s, -ECONNRESET, false);
 }
 
-static void eng_on_send_done(struct bex__engine *e, struct bex__msg *m, int status)
+static void on_send_done(struct bex__xport *x, struct bex__msg *m, int status)
 {
-    (void)e;
+    (void)x;
     struct sock_msg *w = bex__container_of(m, struct sock_msg, m);
     struct bex_sock *s = w->s;
     s->pending--;
@@ -155,28 +155,28 @@ static void eng_on_send_done(struct bex__engine *e, struct bex__msg *m, int stat
     bex__sock_maybe_finish(s);
 }
 
-static void eng_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
+static void on_stream_closed(struct bex__xport *x, struct bex__stream *st)
 {
-    (void)e;
+    (void)x;
     struct bex_sock *s = bex__container_of(st, struct bex_sock, st);
     s->attached = false;
     s->dead = true;
     bex__sock_maybe_finish(s);
 }
 
-static void eng_on_fail(struct bex__engine *e, int err)
+static void on_fail(struct bex__xport *x, int err)
 {
-    struct conn *c = bex__engine_user(e);
+    struct conn *c = x->user;
     bex__conn_finish(c, err);
 }
 
-const struct bex__engine_ops bex__sock_engine_ops = {
-    .on_up = eng_on_up,
-    .on_msg = eng_on_msg,
-    .on_open = eng_on_open,
-    .on_peer_close = eng_on_peer_close,
-    .on_send_done = eng_on_send_done,
-    .on_stream_closed = eng_on_stream_closed,
+const struct bex__transport_upcalls bex__sock_upcalls = {
+    .on_up = on_up,
+    .on_msg = on_msg,
+    .on_open = on_open,
+    .on_peer_close = on_peer_close,
+    .on_send_done = on_send_done,
+    .on_stream_closed = on_stream_closed,
     .on_direct = bex__exposed_deliver,
-    .on_fail = eng_on_fail,
+    .on_fail = on_fail,
 };

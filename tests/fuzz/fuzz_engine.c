@@ -697,13 +697,15 @@ static void check_failed_clean(void)
         FZ_CHECK(!B.str[i].used || B.str[i].st.eng == NULL);
 }
 
-static void up_on_up(struct bex__engine *e)
+static void up_on_up(struct bex__xport *x)
 {
+    struct bex__engine *e = bex__engine_of(x);
     FZ_CHECK(e == F.e && F.fails == 0);
 }
 
-static void up_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t len)
+static void up_on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
 {
+    struct bex__engine *e = bex__engine_of(x);
     trace("  on_msg stream %u len %zu", stream, len);
     FZ_CHECK(e == F.e && F.fails == 0);
     FZ_CHECK(++F.x_msgs == 1); /* one message per completion */
@@ -733,8 +735,9 @@ static void sock_fail_conn(int err)
         bex__engine_fail(F.e, err);
 }
 
-static void up_on_open(struct bex__engine *e, uint32_t stream)
+static void up_on_open(struct bex__xport *x, uint32_t stream)
 {
+    struct bex__engine *e = bex__engine_of(x);
     trace("  on_open %u", stream);
     FZ_CHECK(e == F.e && F.fails == 0);
     if (F.client || stream_by_id(stream)) {
@@ -754,8 +757,9 @@ static void up_on_open(struct bex__engine *e, uint32_t stream)
     bex__engine_attach(e, &s->st, stream, false);
 }
 
-static void up_on_peer_close(struct bex__engine *e, uint32_t stream)
+static void up_on_peer_close(struct bex__xport *x, uint32_t stream)
 {
+    struct bex__engine *e = bex__engine_of(x);
     trace("  on_peer_close %u", stream);
     FZ_CHECK(e == F.e && F.fails == 0);
     struct hstream *s = stream_by_id(stream);
@@ -767,8 +771,9 @@ static void up_on_peer_close(struct bex__engine *e, uint32_t stream)
     bex__engine_peer_closed(&s->st);
 }
 
-static void up_on_send_done(struct bex__engine *e, struct bex__msg *bm, int status)
+static void up_on_send_done(struct bex__xport *x, struct bex__msg *bm, int status)
 {
+    struct bex__engine *e = bex__engine_of(x);
     FZ_CHECK(e == F.e && F.fails == 0);
     struct hmsg *m = (struct hmsg *)bm;
     trace("  on_send_done msg %d status %d", (int)(m - B.msgs), status);
@@ -785,8 +790,9 @@ static void up_on_send_done(struct bex__engine *e, struct bex__msg *bm, int stat
     m->state = M_DONE;
 }
 
-static void up_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
+static void up_on_stream_closed(struct bex__xport *x, struct bex__stream *st)
 {
+    struct bex__engine *e = bex__engine_of(x);
     FZ_CHECK(e == F.e && F.fails == 0);
     struct hstream *s = (struct hstream *)st;
     trace("  on_stream_closed %u", s->id);
@@ -797,8 +803,9 @@ static void up_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
     s->dead = true;
 }
 
-static int up_on_direct(struct bex__engine *e, uint32_t imm)
+static int up_on_direct(struct bex__xport *x, uint32_t imm)
 {
+    struct bex__engine *e = bex__engine_of(x);
     trace("  on_direct 0x%x", imm);
     FZ_CHECK(e == F.e && F.fails == 0);
     FZ_CHECK(imm & BEX__IMM_DIRECT);
@@ -812,8 +819,9 @@ static int up_on_direct(struct bex__engine *e, uint32_t imm)
     return -EPROTO;
 }
 
-static void up_on_fail(struct bex__engine *e, int err)
+static void up_on_fail(struct bex__xport *x, int err)
 {
+    struct bex__engine *e = bex__engine_of(x);
     trace("  on_fail %d", err);
     FZ_CHECK(e == F.e && ++F.fails == 1);
     FZ_CHECK(err < 0 && bex__engine_is_dead(e) && !bex__engine_is_up(e));
@@ -823,7 +831,7 @@ static void up_on_fail(struct bex__engine *e, int err)
         B.str[i].dead = true;
 }
 
-static const struct bex__engine_ops up_ops = {
+static const struct bex__transport_upcalls up_ops = {
     .on_up = up_on_up,
     .on_msg = up_on_msg,
     .on_open = up_on_open,

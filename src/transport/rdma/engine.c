@@ -96,9 +96,10 @@ struct rndv_rel {
 };
 
 struct bex__engine {
+    struct bex__xport x; /* first: what the connection holds */
     struct bex__engine_shared *sh;
     struct bex__engine_config cfg;
-    const struct bex__engine_ops *ops;
+    const struct bex__transport_upcalls *ops;
     uint32_t id;
     void *user;
     struct ibv_qp *qp;
@@ -308,7 +309,7 @@ static int nodev_to(struct bex__engine *e, enum ibv_qp_state s)
 }
 
 static int engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
-                         const struct bex__engine_ops *ops, uint32_t id, void *user,
+                         const struct bex__transport_upcalls *ops, uint32_t id, void *user,
                          struct ibv_qp *stand_in, struct bex__engine **out)
 {
     int err = -ENOMEM;
@@ -320,6 +321,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->sh = sh;
     e->cfg = *cfg;
     e->ops = ops;
+    e->x.ops = &bex__rdma_transport;
+    e->x.user = user;
     e->id = id;
     snprintf(e->name, sizeof e->name, "engine %u", id);
     e->user = user;
@@ -482,14 +485,14 @@ static void release_windows(struct bex__engine *e)
 }
 
 int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
-                       const struct bex__engine_ops *ops, uint32_t id, void *user,
+                       const struct bex__transport_upcalls *ops, uint32_t id, void *user,
                        struct bex__engine **out)
 {
     return engine_create(sh, cfg, ops, id, user, NULL, out);
 }
 
 int bex__engine_create_nodev(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
-                             const struct bex__engine_ops *ops, uint32_t id, void *user,
+                             const struct bex__transport_upcalls *ops, uint32_t id, void *user,
                              struct ibv_qp *stand_in, struct bex__engine **out)
 {
     if (!stand_in)
@@ -535,6 +538,14 @@ void bex__engine_destroy(struct bex__engine *e)
 void *bex__engine_user(struct bex__engine *e)
 {
     return e->user;
+}
+struct bex__xport *bex__engine_xport(struct bex__engine *e)
+{
+    return &e->x;
+}
+struct bex__engine *bex__engine_of(struct bex__xport *x)
+{
+    return (struct bex__engine *)((char *)x - offsetof(struct bex__engine, x));
 }
 uint32_t bex__engine_id(struct bex__engine *e)
 {
@@ -605,7 +616,7 @@ void bex__engine_start(struct bex__engine *e)
     uint64_t now = bex__now_ms();
     e->ka_last_ms = now;
     e->ka_next_ms = now;
-    e->ops->on_up(e);
+    e->ops->on_up(&e->x);
 }
 
 /* ---------------- streams ---------------- */
@@ -674,7 +685,7 @@ static void unlink_stream(struct bex__engine *e, struct bex__stream *st)
 
 static void msg_done(struct bex__engine *e, struct bex__msg *m, int status)
 {
-    e->ops->on_send_done(e, m, status);
+    e->ops->on_send_done(&e->x, m, status);
 }
 
 static void queue_release(struct bex__engine *e, uint64_t addr, uint32_t rkey, uint32_t imm)
@@ -758,7 +769,7 @@ static void finish_stream(struct bex__engine *e, struct bex__stream *st)
 {
     unlink_stream(e, st);
     st->eng = NULL;
-    e->ops->on_stream_closed(e, st);
+    e->ops->on_stream_closed(&e->x, st);
 }
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
@@ -1553,10 +1564,10 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
         return 0;
     }
     case BEX__MSG_OPEN:
-        e->ops->on_open(e, h->stream);
+        e->ops->on_open(&e->x, h->stream);
         return 0;
     case BEX__MSG_CLOSE:
-        e->ops->on_peer_close(e, h->stream);
+        e->ops->on_peer_close(&e->x, h->stream);
         return 0;
     case BEX__MSG_CREDIT:
         return 0;
@@ -1607,7 +1618,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
         uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
         if (imm & BEX__IMM_DIRECT) {
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
-            return e->ops->on_direct(e, imm);
+            return e->ops->on_direct(&e->x, imm);
         } else {
             /* a deferred request (no buffer yet) was never answered, and a
              * slot the peer has not been told about cannot be done */
@@ -1621,7 +1632,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
             rin_unbind(e, in); /* the key is dead before the buffer goes up */
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
-            e->ops->on_msg(e, in->stream, in->buf, in->len);
+            e->ops->on_msg(&e->x, in->stream, in->buf, in->len);
             if (e->state == E_UP)
                 return rndv_resume(e); /* the peer's budget has room again */
         }
@@ -1660,7 +1671,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     slot_refill(e, idx);
     BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
     BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
-    e->ops->on_msg(e, h.stream, buf, h.len);
+    e->ops->on_msg(&e->x, h.stream, buf, h.len);
     return 0;
 }
 
@@ -1874,7 +1885,7 @@ static void fail_now(struct bex__engine *e, int err)
         unlink_stream(e, st);
         st->eng = NULL;
     }
-    e->ops->on_fail(e, err);
+    e->ops->on_fail(&e->x, err);
 }
 
 void bex__engine_fail(struct bex__engine *e, int err)

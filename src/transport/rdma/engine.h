@@ -3,7 +3,8 @@
  * An engine belongs to exactly one I/O thread; every function here is
  * called on that thread only. The sock layer above hands it streams (the
  * engine-side half of a logical socket) and messages, and learns about
- * arrivals, completions and failure through bex__engine_ops.
+ * arrivals, completions and failure through bex__transport_upcalls. It is
+ * the RDMA transport (bex__rdma_transport, transport/rdma/ops.c).
  *
  * Send side: a circular work-request chain of sq_depth slots split into
  * in-flight [head, post), pending [post, tail) and free [tail, head)
@@ -35,88 +36,8 @@
 #include "common/log.h"
 #include "loop/loop.h"
 #include "rdma/rdma.h"
+#include "transport/transport.h"
 #include "wire/hdr.h"
-
-/* ---- messages and streams ---- */
-enum bex__msg_state {
-    BEX__M_QUEUED,    /* waiting in its stream's queue */
-    BEX__M_RNDV_SENT, /* large: rendezvous request posted, no answer yet */
-    BEX__M_READY,     /* large: destination known, fragments may go */
-    BEX__M_POSTED,    /* every work request posted; waiting for completion */
-};
-
-struct bex__stream;
-
-struct bex__msg {
-    struct bex__msg *next;
-    struct bex__stream *st;
-    void *buf;
-    size_t len;
-    void *user;
-    size_t off;     /* bytes of payload already in posted fragments */
-    uint64_t raddr; /* destination (large messages) */
-    uint32_t rkey;
-    uint32_t imm;
-    uint32_t lkey;
-    uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
-    uint32_t last_wr; /* send counter of its last posted fragment (off > 0) */
-    uint8_t state;
-    bool direct;     /* destination given by the caller */
-    bool rndv_asked; /* request already prepared */
-    bool peer_slot;  /* holds one of the peer's rendezvous slots (counted in
-                        the engine's peer_rndv_used until written or released) */
-    int status;      /* the error it ends with, when it failed before posting
-                        (rendezvous refused) or was abandoned in flight */
-};
-
-struct bex__engine;
-
-/* The engine-side half of a socket. Embedded in the sock layer's socket. */
-struct bex__stream {
-    struct bex__engine *eng;
-    uint32_t id;
-    struct bex__msg *q_head, *q_tail; /* not fully posted, in order */
-    uint32_t q_len;
-    struct bex__stream *rr_next;             /* scheduler ring */
-    struct bex__stream *all_prev, *all_next; /* every stream of the engine */
-    bool in_ring;
-    bool open_sent;   /* OPEN prepared (client side) */
-    bool need_open;   /* client stream: send OPEN first */
-    bool close_req;   /* send CLOSE after the queue (we or the peer closed) */
-    bool close_sent;  /* our CLOSE is posted ... */
-    bool close_done;  /* ... and completed */
-    bool peer_closed; /* the peer's CLOSE arrived */
-    bool failed;
-};
-
-/* Upcalls to the sock layer, on the I/O thread. */
-struct bex__engine_ops {
-    /* the QP is up (RTS, peer ready) */
-    void (*on_up)(struct bex__engine *e);
-    /* a message for stream id arrived; buf is the application's */
-    void (*on_msg)(struct bex__engine *e, uint32_t stream, void *buf, size_t len);
-    /* the peer opened (server side) or closed a stream */
-    void (*on_open)(struct bex__engine *e, uint32_t stream);
-    /* the peer's CLOSE of a stream arrived; the sock layer answers with
-     * bex__engine_peer_closed() if it knows the stream */
-    void (*on_peer_close)(struct bex__engine *e, uint32_t stream);
-    /* a message is done, and the NIC no longer touches its buffer: status 0
-     * (the peer's engine holds it), -ECANCELED (the peer never delivers
-     * it), -EIO (its final work request was posted, the engine failed
-     * before it completed), or the peer's refusal (-ENOMEM, ...) */
-    void (*on_send_done)(struct bex__engine *e, struct bex__msg *m, int status);
-    /* both sides' CLOSE of a stream are through (ours posted and completed,
-     * the peer's arrived): nothing of the stream is in flight either way;
-     * the engine has let go of it */
-    void (*on_stream_closed)(struct bex__engine *e, struct bex__stream *st);
-    /* a WRITE_WITH_IMM named an exposed buffer (imm has BEX__IMM_DIRECT):
-     * deliver it; return -EPROTO if the token names nothing */
-    int (*on_direct)(struct bex__engine *e, uint32_t imm);
-    /* the engine failed; its QP is gone, every stream is unlinked and every
-     * message has been handed back. The engine may be destroyed after the
-     * call. */
-    void (*on_fail)(struct bex__engine *e, int err);
-};
 
 struct bex__engine_config {
     uint32_t sq_depth, rq_depth, eager_max, frag_size, send_window, rndv_ahead;
@@ -178,24 +99,16 @@ struct bex__engine_shared {
     uint64_t recv_refreshed; /* bex__now_ms() of the last exact count */
 };
 
-/* Counters written by the I/O thread only, read by anyone: relaxed atomics,
- * updated without a locked instruction (single writer). */
-struct bex__stats {
-    _Atomic uint64_t msgs_sent, msgs_recv, bytes_sent, bytes_recv, sends_posted, writes_posted,
-        post_send_calls, post_recv_calls, signaled, credit_stalls, window_stalls,
-        max_inflight_bytes, credit_msgs, engines, rnr_naks, recv_paused;
-};
-#define BEX__STAT_ADD(st, field, n)                                                                \
-    atomic_store_explicit(&(st)->field,                                                            \
-                          atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),          \
-                          memory_order_relaxed)
-
 int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
-                       const struct bex__engine_ops *ops, uint32_t id, void *user,
+                       const struct bex__transport_upcalls *ops, uint32_t id, void *user,
                        struct bex__engine **out);
 /* Only once on_fail has been reported, or before the engine went up. */
 void bex__engine_destroy(struct bex__engine *e);
 void *bex__engine_user(struct bex__engine *e);
+/* The RDMA transport's ops table (struct bex__xport of every engine). */
+extern const struct bex__transport_ops bex__rdma_transport;
+struct bex__xport *bex__engine_xport(struct bex__engine *e);
+struct bex__engine *bex__engine_of(struct bex__xport *x);
 uint32_t bex__engine_id(struct bex__engine *e);
 /* Name the connection in the engine's log lines ("<name> (engine <id>):"),
  * e.g. the peer's "a.b.c.d:port": an operator must see who failed. */
@@ -272,7 +185,7 @@ static inline uint32_t bex__wr_engine(uint64_t wr_id)
  * alloc_mw and dealloc_mw (ibv_alloc_mw/ibv_dealloc_mw are inline calls
  * through them), and the caller completes BIND_MW and LOCAL_INV requests. */
 int bex__engine_create_nodev(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
-                             const struct bex__engine_ops *ops, uint32_t id, void *user,
+                             const struct bex__transport_upcalls *ops, uint32_t id, void *user,
                              struct ibv_qp *stand_in, struct bex__engine **out);
 
 #endif

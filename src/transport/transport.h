@@ -1,0 +1,165 @@
+/* transport: what moves a connection's messages, behind one ops table.
+ *
+ * A connection (src/conn) owns one transport instance, struct bex__xport,
+ * the first member of the transport's own object: the RDMA engine
+ * (transport/rdma/) or a TCP connection (transport/tcp/). The sock layer
+ * reaches it only through x->ops, and learns of arrivals, completions and
+ * failure through the upcalls it registered at creation. Everything here
+ * runs on the connection's I/O thread.
+ *
+ * Semantics every transport keeps (include/bex/sock.h has the contract):
+ * the same framing (wire/hdr.h), messages of a stream in order, every
+ * message handed back exactly once (on_send_done: 0, -ECANCELED, -EIO or
+ * the peer's refusal), sockets opened and closed with OPEN/CLOSE, the same
+ * limits (max_msg, streams_max, recv_bytes_max). */
+#ifndef BEX_TRANSPORT_H
+#define BEX_TRANSPORT_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct ibv_mw;
+struct bex__engine;
+struct bex__xport;
+
+/* ---- messages and streams ---- */
+enum bex__msg_state {
+    BEX__M_QUEUED,    /* waiting in its stream's queue */
+    BEX__M_RNDV_SENT, /* large: rendezvous request posted, no answer yet */
+    BEX__M_READY,     /* large: destination known, fragments may go */
+    BEX__M_POSTED,    /* every work request posted; waiting for completion */
+};
+
+struct bex__stream;
+
+struct bex__msg {
+    struct bex__msg *next;
+    struct bex__stream *st;
+    void *buf;
+    size_t len;
+    void *user;
+    size_t off;     /* bytes of payload already in posted fragments */
+    uint64_t raddr; /* destination (large messages) */
+    uint32_t rkey;
+    uint32_t imm;
+    uint32_t lkey;
+    uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
+    uint32_t last_wr; /* send counter of its last posted fragment (off > 0) */
+    uint8_t state;
+    bool direct;     /* destination given by the caller */
+    bool rndv_asked; /* request already prepared */
+    bool peer_slot;  /* holds one of the peer's rendezvous slots (counted in
+                        the engine's peer_rndv_used until written or released) */
+    int status;      /* the error it ends with, when it failed before posting
+                        (rendezvous refused) or was abandoned in flight */
+};
+
+struct bex__engine;
+
+/* The transport-side half of a socket. Embedded in the sock layer's
+ * socket; the fields below eng are every transport's. */
+struct bex__stream {
+    struct bex__engine *eng; /* RDMA */
+    uint32_t id;
+    struct bex__msg *q_head, *q_tail; /* not fully posted, in order */
+    uint32_t q_len;
+    struct bex__stream *rr_next;             /* scheduler ring */
+    struct bex__stream *all_prev, *all_next; /* every stream of the engine */
+    bool in_ring;
+    bool open_sent;   /* OPEN prepared (client side) */
+    bool need_open;   /* client stream: send OPEN first */
+    bool close_req;   /* send CLOSE after the queue (we or the peer closed) */
+    bool close_sent;  /* our CLOSE is posted ... */
+    bool close_done;  /* ... and completed */
+    bool peer_closed; /* the peer's CLOSE arrived */
+    bool failed;
+};
+
+/* Upcalls from a transport to the sock layer, on the I/O thread. */
+struct bex__transport_upcalls {
+    /* the transport is up (RDMA: QP at RTS, peer ready) */
+    void (*on_up)(struct bex__xport *x);
+    /* a message for stream id arrived; buf is the application's */
+    void (*on_msg)(struct bex__xport *x, uint32_t stream, void *buf, size_t len);
+    /* the peer opened (server side) or closed a stream */
+    void (*on_open)(struct bex__xport *x, uint32_t stream);
+    /* the peer's CLOSE of a stream arrived; the sock layer answers with
+     * the transport's peer_closed if it knows the stream */
+    void (*on_peer_close)(struct bex__xport *x, uint32_t stream);
+    /* a message is done, and the transport no longer touches its buffer: status 0
+     * (the peer's transport holds it), -ECANCELED (the peer never delivers
+     * it), -EIO (in doubt: it was handed to the wire, the transport
+     * failed before the peer acknowledged it), or the peer's refusal (-ENOMEM, ...) */
+    void (*on_send_done)(struct bex__xport *x, struct bex__msg *m, int status);
+    /* both sides' CLOSE of a stream are through (ours posted and completed,
+     * the peer's arrived): nothing of the stream is in flight either way;
+     * the engine has let go of it */
+    void (*on_stream_closed)(struct bex__xport *x, struct bex__stream *st);
+    /* data for an exposed buffer arrived (RDMA: a WRITE_WITH_IMM; TCP: a
+     * DIRECT frame, written into the buffer), token has BEX__IMM_DIRECT:
+     * deliver it; return -EPROTO if the token names nothing */
+    int (*on_direct)(struct bex__xport *x, uint32_t imm);
+    /* the transport failed; it touches no buffer any more (RDMA: its QP is
+     * gone), every stream is unlinked and every message has been handed
+     * back. It may be destroyed after the call. */
+    void (*on_fail)(struct bex__xport *x, int err);
+};
+
+struct bex__stream;
+
+/* The operations a connection's transport offers. Optional ones may be
+ * NULL (bind_window, retire_window: RDMA window mode only). */
+struct bex__transport_ops {
+    const char *name; /* "rdma", "tcp": for logs */
+    /* Only once on_fail has been reported, or before the transport went up. */
+    void (*destroy)(struct bex__xport *x);
+    bool (*is_up)(struct bex__xport *x);
+    bool (*is_dead)(struct bex__xport *x);
+    /* The largest message the peer accepts (0 before the peer is known). */
+    uint32_t (*peer_max_msg)(struct bex__xport *x);
+    /* Answer a peer's OPEN with a CLOSE, creating nothing: 0, or -EPROTO
+     * when the peer opens faster than refusals go out (fail x then). */
+    int (*refuse_stream)(struct bex__xport *x, uint32_t id);
+    void (*attach)(struct bex__xport *x, struct bex__stream *st, uint32_t id, bool client);
+    /* Queue a message (owned by the transport until on_send_done). */
+    void (*send)(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
+    /* Send the queue, then CLOSE; on_stream_closed once the peer's CLOSE
+     * has arrived too. Works before the transport is up. */
+    void (*close_stream)(struct bex__xport *x, struct bex__stream *st);
+    /* The peer's CLOSE arrived: hand the queue back (-ECANCELED), answer. */
+    void (*peer_closed)(struct bex__xport *x, struct bex__stream *st);
+    /* Move what can move; true if anything did. */
+    bool (*progress)(struct bex__xport *x);
+    /* Timers (keepalive, ...); now in ms (bex__now_ms). */
+    void (*tick)(struct bex__xport *x, uint64_t now_ms);
+    /* Fail synchronously: every message handed back, streams unlinked,
+     * on_fail reported, before it returns. No-op when dead. */
+    void (*fail)(struct bex__xport *x, int err);
+    /* Window mode (RDMA): see bex__engine_bind_window / retire_window. */
+    void (*bind_window)(struct bex__xport *x, struct ibv_mw *mw, uint32_t rkey, void *addr,
+                        uint32_t len);
+    void (*retire_window)(struct bex__xport *x, struct ibv_mw *mw, uint32_t rkey, bool bound);
+};
+
+/* A connection's transport instance: the first member of the transport's
+ * object. */
+struct bex__xport {
+    const struct bex__transport_ops *ops;
+    void *user; /* the connection */
+};
+
+/* Counters written by the I/O thread only, read by anyone: relaxed atomics,
+ * updated without a locked instruction (single writer). */
+struct bex__stats {
+    _Atomic uint64_t msgs_sent, msgs_recv, bytes_sent, bytes_recv, sends_posted, writes_posted,
+        post_send_calls, post_recv_calls, signaled, credit_stalls, window_stalls,
+        max_inflight_bytes, credit_msgs, engines, rnr_naks, recv_paused;
+};
+#define BEX__STAT_ADD(st, field, n)                                                                \
+    atomic_store_explicit(&(st)->field,                                                            \
+                          atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),          \
+                          memory_order_relaxed)
+
+#endif
