@@ -67,6 +67,17 @@ enum {
     BEX_REMOTE_ACCESS_WINDOW = 2,
 };
 
+/* Which transport carries a connection (bex_ctx_config.transport). AUTO:
+ * RDMA when both sides have a usable device and the QP comes up, else TCP
+ * on the same connection (a context without any device works on TCP
+ * alone). RDMA: RDMA only (a peer without RDMA is refused; no device fails
+ * bex_ctx_create with -ENODEV). TCP: TCP only (no device is opened). */
+enum {
+    BEX_TRANSPORT_AUTO = 0,
+    BEX_TRANSPORT_RDMA = 1,
+    BEX_TRANSPORT_TCP = 2,
+};
+
 /* Context configuration; zero in any field means its default. */
 typedef struct bex_ctx_config {
     /* The local IPv4 address to use; it chooses the RDMA device and GID
@@ -137,6 +148,8 @@ typedef struct bex_ctx_config {
                                    fails the engine with -ETIMEDOUT (30000) */
     uint32_t credit_timeout_ms; /* sends waiting this long for credits the peer does
                                    not return fail the engine with -ETIMEDOUT (30000) */
+    uint32_t transport;         /* BEX_TRANSPORT_* (AUTO); bex_sock_connect_opts can
+                                   choose per connection */
 } bex_ctx_config;
 
 /* Bounds of a shared secret, in bytes. */
@@ -226,11 +239,28 @@ typedef struct bex_sock_ops {
 
 /* Connect a socket to a listener at addr. Asynchronous: returns 0 and
  * reports the outcome through ops->on_connect; or returns an error at once
- * (then nothing is reported). If an engine to addr exists, the socket joins
- * it; otherwise an engine is created (TCP connect, hello, QP up). Sends may
- * be issued before on_connect; they wait. */
+ * (then nothing is reported). If a connection to addr exists, the socket
+ * joins it; otherwise one is made (TCP connect, hello, then the QP up, or
+ * TCP on (bex_ctx_config.transport)). Sends may be issued before
+ * on_connect; they wait. */
 int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
                      void *user, bex_sock **out);
+
+/* Per-connection choices for bex_sock_connect_opts; zero means the
+ * context's. */
+enum { BEX_CONNECT_TRANSPORT = 1u << 0 };
+typedef struct bex_connect_opts {
+    uint32_t flags;     /* BEX_CONNECT_*: which fields below apply */
+    uint32_t transport; /* with BEX_CONNECT_TRANSPORT: BEX_TRANSPORT_* for this
+                           connection (sockets join a connection to the same
+                           address only if it has the same choice) */
+} bex_connect_opts;
+
+/* bex_sock_connect with per-connection options (opts may be NULL).
+ * -ENODEV: RDMA only asked of a context without a device; -EINVAL: an
+ * unknown flag or transport. */
+int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
+                          void *user, const bex_connect_opts *opts, bex_sock **out);
 
 /* Send len bytes at buf (from bex_sock_alloc/bex_mem_alloc of this context's
  * pool, bex_sock_alloc_exposable, or a buffer this context received; any pointer inside a live

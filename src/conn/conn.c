@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "sock/internal.h"
+#include "transport/tcp/tcp.h"
 
 #define ACCEPT_BATCH 16 /* connections accepted per listener event */
 
@@ -72,6 +73,8 @@ static int conn_new(bex_ctx *ctx, int fd, bool client, struct conn **out)
     c->fd = fd;
     c->client = client;
     c->eng_id = id;
+    c->mode = ctx->cfg.transport;
+    c->rdma_ok = c->mode != BEX_TRANSPORT_TCP && ctx->dev;
     c->next_stream = 1;
     c->deadline = bex__now_ms() + ctx->cfg.connect_timeout_ms;
     ctx->engines[id % ENGINE_TABLE] = c;
@@ -91,7 +94,6 @@ void bex__conn_free(struct conn *c)
         }
     }
     ctx->engines[c->eng_id % ENGINE_TABLE] = NULL;
-    ctx->cqe_used -= c->cqe_reserved;
     bex__conn_setup_end(c);
     if (c->fd >= 0) {
         bex__loop_unwatch(&ctx->loop, c->fd);
@@ -99,8 +101,13 @@ void bex__conn_free(struct conn *c)
     }
     if (c->x) {
         c->x->ops->destroy(c->x);
+        if (c->eng) { /* the engine was the transport */
+            c->eng = NULL;
+            ctx->cqe_used -= c->cqe_reserved;
+        }
         BEX__STAT_ADD(&ctx->stats, engines, (uint64_t)-1);
     }
+    bex__conn_engine_drop(c); /* made for a setup that never chose */
     free(c);
 }
 
@@ -124,6 +131,8 @@ void bex__conn_finish(struct conn *c, int err)
         struct bex_sock *s = c->map[i];
         while (s) {
             struct bex_sock *next = s->map_next;
+            if (s->waiting)
+                bex__sock_drop_waiting(s);
             s->attached = false; /* the engine let go */
             bex__sock_fail(s, err, connecting && atomic_load(&s->state) == S_CONNECTING);
             s = next;
@@ -175,7 +184,19 @@ int bex__conn_engine_make(struct conn *c)
     return err;
 }
 
-int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct conn **out)
+void bex__conn_engine_drop(struct conn *c)
+{
+    if (!c->eng || (c->x && !bex__xport_is_tcp(c->x)))
+        return; /* none, or it is the transport (destroyed with it) */
+    bex__engine_destroy(c->eng);
+    c->eng = NULL;
+    c->ctx->cqe_used -= c->cqe_reserved;
+    c->cqe_reserved = 0;
+    BEX__STAT_ADD(&c->ctx->stats, engines, (uint64_t)-1);
+}
+
+int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, uint32_t mode,
+                           struct conn **out)
 {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
@@ -196,13 +217,19 @@ int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct co
     }
     c->key = *to;
     c->phase = P_CONNECTING;
-    /* the engine exists from the start, so sockets can queue sends at once;
-     * and it is made before connect, so that our first setup message follows
-     * the handshake at once: a listener under a flood closes first the
+    c->mode = mode;
+    c->rdma_ok = mode != BEX_TRANSPORT_TCP && ctx->dev;
+    /* the engine exists before the hello, which names its QP; sockets
+     * wait for the transport's choice (bex__sock_attach_waiting); and it is
+     * made before connect, so that our first setup message follows the
+     * handshake at once: a listener under a flood closes first the
      * connections that have said nothing (setup_max) */
-    if ((err = bex__conn_engine_make(c))) {
-        c->dead = true;
-        return err;
+    if (c->rdma_ok && (err = bex__conn_engine_make(c))) {
+        if (mode == BEX_TRANSPORT_RDMA) {
+            c->dead = true;
+            return err;
+        }
+        c->rdma_ok = false; /* no QP for it: a NO_RDMA hello, TCP */
     }
     if (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS) {
         err = -errno;

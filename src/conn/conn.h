@@ -84,6 +84,10 @@ struct conn {
                                message (setup_evict's order) */
     bool heard;             /* setup: its first bytes wait to be read */
     uint64_t conn_id;
+    uint32_t mode;         /* BEX_TRANSPORT_* wanted for this connection */
+    bool rdma_ok;          /* this side may use RDMA (mode, device) */
+    bool fallback;         /* our QP did not come up: TCP after the notices */
+    uint32_t peer_max_msg; /* from the peer's hello */
     bool dead;             /* failed: destroy at the next safe point */
     bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
     bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
@@ -98,11 +102,15 @@ struct conn {
 /* ---- conn.c ---- */
 struct conn *bex__conn_by_engine(bex_ctx *ctx, uint32_t id);
 /* A client connection to the listener at to, its engine made at once. */
-int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, struct conn **out);
+int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, uint32_t mode,
+                           struct conn **out);
 /* "peer a.b.c.d:port" of the connection, for log lines (buf: 32 bytes). */
 const char *bex__conn_name(const struct conn *c, char *buf);
 /* Make the connection's engine, reserving its CQ entries. */
 int bex__conn_engine_make(struct conn *c);
+/* Destroy the engine made for the setup (the connection goes over TCP, or
+ * is freed before its transport was chosen). */
+void bex__conn_engine_drop(struct conn *c);
 /* An accepted connection leaves the setup table. */
 void bex__conn_setup_end(struct conn *c);
 /* Fail a connection (its engine too, synchronously). */

@@ -2,14 +2,25 @@
  * I/O thread (docs/protocol.md, "Connection setup"). */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
 
 #include "sock/internal.h"
+#include "transport/tcp/tcp.h"
 
+/* Our hello: with an engine, what its QP needs; without, a NO_RDMA hello
+ * (the connection stays on TCP). */
 static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
 {
     bex_ctx *ctx = c->ctx;
+    if (!c->eng) {
+        memset(h, 0, sizeof(*h));
+        h->flags = BEX__HELLO_F_NO_RDMA;
+        h->max_msg = ctx->cfg.max_msg;
+        h->conn_id = conn_id;
+        return;
+    }
     struct bex__engine_local l;
     bex__engine_local(c->eng, &l);
     memset(h, 0, sizeof(*h));
@@ -190,8 +201,64 @@ static int setup_client_start(struct conn *c)
     return conn_queue(c, buf, sizeof buf);
 }
 
+/* The connection goes on over TCP: the engine goes (if any), a TCP
+ * transport takes the descriptor, the sockets waiting for a transport
+ * attach to it, and it is up. */
+static int go_tcp(struct conn *c)
+{
+    bex_ctx *ctx = c->ctx;
+    bex__conn_engine_drop(c);
+    struct bex__tcp_config tc = {
+        .max_msg = ctx->cfg.max_msg,
+        .peer_max_msg = c->peer_max_msg,
+        .frag_size = ctx->cfg.frag_size,
+        .keepalive_ms = ctx->cfg.keepalive_ms,
+        .keepalive_timeout_ms = ctx->cfg.keepalive_timeout_ms,
+    };
+    char name[32];
+    snprintf(tc.name, sizeof tc.name, "%s (engine %u)", bex__conn_name(c, name), c->eng_id);
+    int err =
+        bex__tcp_create(&ctx->sh, &tc, &bex__sock_upcalls, c, c->fd, &ctx->loop, &c->tag, &c->x);
+    if (err)
+        return err;
+    BEX__STAT_ADD(&ctx->stats, engines, 1); /* counts transports of either kind */
+    c->phase = P_UP;
+    bex__conn_setup_end(c);
+    c->rwant = c->rlen = 0;  /* the setup reads nothing more: frames are the transport's */
+    if (c->woff < c->wlen) { /* setup bytes not yet out go ahead of any frame */
+        if ((err = bex__tcp_prefix(c->x, c->wbuf + c->woff, c->wlen - c->woff)))
+            return err;
+        c->woff = c->wlen = 0;
+    }
+    if ((err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
+        return err;
+    bex__sock_attach_waiting(c);
+    bex__tcp_start(c->x);
+    return 0;
+}
+
+/* Our hello answering the peer's (echoing its conn_id), into out. */
+static size_t answer_hello(struct conn *c, uint64_t conn_id, uint8_t *out)
+{
+    bex_ctx *ctx = c->ctx;
+    struct bex__hello mine;
+    uint8_t raw[BEX__HELLO_LEN];
+    hello_fill(c, &mine, conn_id);
+    bex__hello_encode(&mine, raw);
+    if (ctx->has_secret) {
+        uint8_t mac[BEX__AUTH_MAC_LEN];
+        bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_HELLO_C, &c->auth, c->rbuf + BEX__AUTH_HDR_LEN,
+                      raw, mac);
+        bex__auth_encode_hello(raw, mac, out);
+        return BEX__AUTH_HELLO_LEN;
+    }
+    memcpy(out, raw, BEX__HELLO_LEN);
+    return BEX__HELLO_LEN;
+}
+
 /* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
- * checks): check it fits this connection, bring the QP up, answer. */
+ * checks): check it fits this connection, choose the transport (RDMA when
+ * both sides can, else TCP unless this side wants RDMA only), answer. */
 static int setup_hello(struct conn *c, const char **why)
 {
     bex_ctx *ctx = c->ctx;
@@ -228,40 +295,67 @@ static int setup_hello(struct conn *c, const char **why)
         *why = "the hello does not answer ours (conn_id)";
         return -EPROTO;
     }
-    if (!(h.flags & BEX__HELLO_F_NO_RDMA) && !gid_is_peer(c, h.gid)) {
+    c->peer_max_msg = h.max_msg;
+    bool peer_rdma = !(h.flags & BEX__HELLO_F_NO_RDMA);
+    if (!peer_rdma && c->mode == BEX_TRANSPORT_RDMA) {
+        *why = "the peer has no RDMA device";
+        return -EPROTONOSUPPORT;
+    }
+    uint8_t out[BEX__AUTH_HELLO_LEN + BEX__READY_LEN];
+    size_t n = 0;
+    if (!peer_rdma || !c->rdma_ok) {
+        /* TCP: the hellos were all; no readiness notices follow */
+        bex__conn_engine_drop(c);
+        if (!c->hello_first && (err = conn_send(c, out, answer_hello(c, h.conn_id, out)))) {
+            *why = NULL;
+            return err;
+        }
+        *why = NULL;
+        return go_tcp(c);
+    }
+    if (!gid_is_peer(c, h.gid)) {
         *why = "the hello's GID is not the TCP peer's address";
         return -EPROTO;
     }
     struct bex__engine_peer peer; /* a hello we cannot work with costs no engine */
     if ((err = peer_of_hello(&h, &peer))) {
-        *why = err == -EPROTONOSUPPORT ? "the peer has no RDMA device"
-                                       : "the hello grants too few receive credits to work";
+        *why = "the hello grants too few receive credits to work";
         return err;
     }
     *why = "local setup failed";
-    if (!c->eng && (err = bex__conn_engine_make(c)))
-        return err;
-    if ((err = bex__engine_connect(c->eng, &peer)))
-        return err;
-    uint8_t out[BEX__AUTH_HELLO_LEN + BEX__READY_LEN];
-    size_t n = 0;
-    if (!c->hello_first) {
-        /* our hello answers the peer's: echo its conn_id */
-        struct bex__hello mine;
-        uint8_t raw[BEX__HELLO_LEN];
-        hello_fill(c, &mine, h.conn_id);
-        bex__hello_encode(&mine, raw);
-        if (ctx->has_secret) {
-            uint8_t mac[BEX__AUTH_MAC_LEN];
-            bex__auth_mac(ctx->auth_key, BEX__AUTH_MAC_HELLO_C, &c->auth,
-                          c->rbuf + BEX__AUTH_HDR_LEN, raw, mac);
-            bex__auth_encode_hello(raw, mac, out);
-            n = BEX__AUTH_HELLO_LEN;
-        } else {
-            memcpy(out, raw, BEX__HELLO_LEN);
-            n = BEX__HELLO_LEN;
-        }
+    if (!c->eng && (err = bex__conn_engine_make(c))) {
+        if (c->mode == BEX_TRANSPORT_RDMA || c->hello_first)
+            return err;
+        c->rdma_ok = false; /* answer with a NO_RDMA hello: TCP */
+        *why = NULL;
+        if ((err = conn_send(c, out, answer_hello(c, h.conn_id, out))))
+            return err;
+        return go_tcp(c);
     }
+    if ((err = bex__engine_connect(c->eng, &peer))) {
+        if (c->mode == BEX_TRANSPORT_RDMA)
+            return err;
+        /* the QP cannot come up: over TCP instead. Answering, a NO_RDMA
+         * hello says so; having sent an RDMA hello, a FALLBACK notice does,
+         * and the peer's notice comes before the first frame. */
+        char name[32];
+        bex__log(&ctx->log, BEX_LOG_INFO, "%s (engine %u): the QP did not come up (%s): over TCP",
+                 bex__conn_name(c, name), c->eng_id, bex_strerror(err));
+        bex__conn_engine_drop(c);
+        c->rdma_ok = false;
+        *why = NULL;
+        if (!c->hello_first) {
+            if ((err = conn_send(c, out, answer_hello(c, h.conn_id, out))))
+                return err;
+            return go_tcp(c);
+        }
+        c->fallback = true;
+        bex__ready_encode(BEX__READY_FALLBACK, out);
+        bex__conn_expect(c, P_WAIT_READY);
+        return conn_send(c, out, BEX__READY_LEN);
+    }
+    if (!c->hello_first)
+        n = answer_hello(c, h.conn_id, out);
     /* our receives are posted and the QP is at RTS: the peer may send */
     bex__ready_encode(0, out + n);
     *why = NULL; /* from here on an error is the connection's, not the peer's fault */
@@ -279,11 +373,23 @@ static int setup_msg(struct conn *c, const char **why)
         uint32_t st;
         memcpy(&st, c->rbuf + 4, 4);
         st = ntohl(st);
+        if (c->phase == P_WAIT_READY && (c->fallback || st == BEX__READY_FALLBACK)) {
+            /* either QP could not come up: both sides go on over TCP */
+            if (c->mode == BEX_TRANSPORT_RDMA) {
+                *why = "the peer's QP did not come up";
+                return -EPROTONOSUPPORT;
+            }
+            if (st != 0 && st != BEX__READY_FALLBACK)
+                goto refused;
+            return go_tcp(c);
+        }
         if (st == 0 && c->phase == P_WAIT_READY) {
             c->phase = P_UP;
             bex__conn_setup_end(c);
             c->rwant = 1; /* from now on the TCP connection only tells EOF */
             c->rlen = 0;
+            c->x = bex__engine_xport(c->eng);
+            bex__sock_attach_waiting(c);
             bex__engine_start(c->eng);
             return 0;
         }
@@ -291,6 +397,7 @@ static int setup_msg(struct conn *c, const char **why)
             *why = "a readiness notice before the hellos";
             return -EPROTO;
         }
+    refused:
         /* the peer refused us or failed: say so once, it is closing anyway */
         err = st < 4096 ? -(int)st : -EPROTO;
         struct sockaddr_in a;
@@ -342,10 +449,13 @@ static int setup_msg(struct conn *c, const char **why)
             *why = "wrong shared secret";
             return err;
         }
-        /* only now does the peer cost us a QP */
-        if ((err = bex__conn_engine_make(c))) {
-            *why = "local setup failed";
-            return err;
+        /* only now does the peer cost us a QP (none if it will be TCP) */
+        if (c->rdma_ok && (err = bex__conn_engine_make(c))) {
+            if (c->mode == BEX_TRANSPORT_RDMA) {
+                *why = "local setup failed";
+                return err;
+            }
+            c->rdma_ok = false; /* a NO_RDMA hello: TCP */
         }
         struct bex__hello mine;
         c->conn_id = bex__rdma_random_u64();
@@ -390,6 +500,10 @@ void bex__conn_step(struct conn *c, uint32_t events)
     const char *why = NULL;
     if (c->dead || c->fd < 0)
         return;
+    if (c->phase == P_UP && bex__xport_is_tcp(c->x)) {
+        bex__tcp_events(c->x, events);
+        return;
+    }
     if (c->phase == P_CONNECTING) {
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP)))
             return;

@@ -58,9 +58,11 @@ int bex__exposed_deliver(struct bex__xport *xp, uint32_t imm)
     uint32_t key = x->key;
     bool bound = x->bound;
     if (!exposed_take(x, gen))
-        return 0; /* bex_sock_expose took it back in a race with a failure */
-    if (mw)       /* revoked before anything else goes out on this QP */
+        return 0;                     /* bex_sock_expose took it back in a race with a failure */
+    if (mw && xp->ops->retire_window) /* revoked before anything else goes out on this QP */
         xp->ops->retire_window(xp, mw, key, bound);
+    else if (mw && !bound)
+        ibv_dealloc_mw(mw); /* TCP: never bound */
     BEX__STAT_ADD(&c->ctx->stats, bytes_recv, len);
     /* an exposed buffer is the application's until it is reported, never
      * freed by bex behind its back */
@@ -69,6 +71,20 @@ int bex__exposed_deliver(struct bex__xport *xp, uint32_t imm)
     else
         bex__sock_report_done(s, buf, len, user, -ECANCELED);
     return 0;
+}
+
+void *bex__exposed_buf(struct bex__xport *xp, uint32_t token, uint32_t *len)
+{
+    struct conn *c = xp->user;
+    uint32_t i = token & 0xffff, gen = (token >> 16) & 0x7fff;
+    if (!(token & BEX__IMM_DIRECT) || i >= EXPOSED_MAX)
+        return NULL;
+    struct exp_slot *x = &c->ctx->exposed[i];
+    if (atomic_load_explicit(&x->state, memory_order_acquire) != X_WORD(gen, X_ARMED) ||
+        x->eng_id != c->eng_id)
+        return NULL;
+    *len = x->len;
+    return x->buf;
 }
 
 /* Hand back the exposed buffers of a socket that can take no more (the

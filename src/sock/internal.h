@@ -94,6 +94,7 @@ struct bex_sock {
     void *user;               /* I/O thread only */
     _Atomic(void *) user_pub; /* what bex_sock_user returns, any thread */
     struct sockaddr_in peer;
+    uint32_t mode; /* client: BEX_TRANSPORT_* of its connection */
     _Atomic int state;
     _Atomic bool closing;     /* bex_sock_close was called */
     _Atomic uint32_t eng_id;  /* 0 until attached to an engine */
@@ -106,6 +107,9 @@ struct bex_sock {
     bool dead;        /* no more traffic: failed, peer-closed or closed */
     bool error_told;  /* on_error (or on_connect with an error) reported */
     bool close_reported;
+    bool waiting; /* on a connection whose transport is not chosen yet:
+                     sends wait in wq (linked by m.next) */
+    struct sock_msg *wq_head, *wq_tail;
     struct bex_sock *map_next; /* conn's stream table */
 };
 
@@ -161,9 +165,15 @@ extern const struct bex__transport_upcalls bex__sock_upcalls;
 void bex__sock_report_done(struct bex_sock *s, void *buf, size_t len, void *msg_user, int status);
 void bex__sock_maybe_finish(struct bex_sock *s);
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting);
+/* c's transport is chosen: the sockets that waited for it attach, their
+ * queued sends and closes go to it. */
+void bex__sock_attach_waiting(struct conn *c);
+/* c failed before its transport was chosen: s's queued sends come back. */
+void bex__sock_drop_waiting(struct bex_sock *s);
 
 /* exposed.c: the exposed-buffer table */
 int bex__exposed_deliver(struct bex__xport *x, uint32_t imm);
+void *bex__exposed_buf(struct bex__xport *x, uint32_t token, uint32_t *len);
 void bex__exposed_cancel(struct bex_sock *s);
 void bex__exposed_bind(bex_ctx *ctx, struct bind_cmd *bc);
 

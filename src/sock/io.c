@@ -14,7 +14,7 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
 {
     struct conn *c = NULL;
     for (struct conn *p = ctx->conns; p; p = p->next) {
-        if (p->client && !p->dead && (!p->x || !p->x->ops->is_dead(p->x)) &&
+        if (p->client && !p->dead && (!p->x || !p->x->ops->is_dead(p->x)) && p->mode == s->mode &&
             p->key.sin_addr.s_addr == s->peer.sin_addr.s_addr &&
             p->key.sin_port == s->peer.sin_port) {
             c = p;
@@ -22,7 +22,7 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
         }
     }
     if (!c) {
-        int err = bex__conn_start_client(ctx, &s->peer, &c);
+        int err = bex__conn_start_client(ctx, &s->peer, s->mode, &c);
         if (err) {
             bex__sock_fail(s, err, true);
             return;
@@ -31,6 +31,10 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
     s->conn = c;
     s->id = c->next_stream++;
     bex__conn_map_add(c, s);
+    if (!c->x) { /* the setup has not chosen the transport yet */
+        s->waiting = true;
+        return;
+    }
     c->x->ops->attach(c->x, &s->st, s->id, true);
     s->attached = true;
     atomic_store(&s->eng_id, c->eng_id);
@@ -46,6 +50,16 @@ static void do_send(bex_ctx *ctx, struct sock_msg *w)
 {
     (void)ctx;
     struct bex_sock *s = w->s;
+    if (s->waiting && !s->dead) { /* goes to the transport once chosen */
+        w->m.next = NULL;
+        if (s->wq_tail)
+            s->wq_tail->m.next = &w->m;
+        else
+            s->wq_head = w;
+        s->wq_tail = w;
+        s->pending++;
+        return;
+    }
     if (!s->attached || s->dead) {
         /* accepted by bex_sock_send, but the socket died meanwhile */
         bex__sock_report_done(s, w->m.buf, w->m.len, w->m.user, -ECANCELED);
@@ -62,6 +76,11 @@ static void do_close(struct bex_sock *s)
     if (s->app_closed)
         return;
     s->app_closed = true;
+    if (s->waiting) {
+        if (s->wq_head)
+            return;         /* its sends go first: closed once attached */
+        s->waiting = false; /* nothing to say to the peer: the stream never opened */
+    }
     /* Connecting or up alike, the queue is sent, then CLOSE; the engine
      * lets go by on_stream_closed (or on_fail). A stream the peer closed
      * is closing already. */
@@ -194,7 +213,7 @@ void *bex__io_main(void *arg)
     bool spun_out = false;
     while (!ctx->stopping) {
         bool did = false;
-        int n = bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        int n = ctx->sh.cq ? bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc) : 0;
         if (n < 0)
             cq_failed(ctx, n);
         dispatch(ctx, wc, n);
@@ -235,9 +254,10 @@ void *bex__io_main(void *arg)
             continue;
         }
         /* Sleep: arm the CQ, then look once more so nothing slips between. */
-        ibv_req_notify_cq(ctx->sh.cq, 0);
+        if (ctx->sh.cq)
+            ibv_req_notify_cq(ctx->sh.cq, 0);
         bex__loop_sleep_begin(&ctx->loop);
-        n = bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc);
+        n = ctx->sh.cq ? bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc) : 0;
         if (n < 0)
             cq_failed(ctx, n);
         if (n > 0 || bex__loop_has_cmds(&ctx->loop)) {

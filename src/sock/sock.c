@@ -48,7 +48,7 @@ static int config_check(bex_ctx_config *c)
         c->frag_size < 256 || c->rndv_ahead > 256 ||
         c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
         c->log_level > BEX_LOG_DEBUG || c->max_msg > INT32_MAX || c->rndv_max > 32767 ||
-        c->remote_access > BEX_REMOTE_ACCESS_WINDOW)
+        c->remote_access > BEX_REMOTE_ACCESS_WINDOW || c->transport > BEX_TRANSPORT_TCP)
         return -EINVAL;
     /* peer-writable memory only in a landing pool, nothing else there */
     if ((c->pool && bex_mem_pool_kind(c->pool) != BEX_MEM_POOL_GENERAL) ||
@@ -64,6 +64,10 @@ static int config_check(bex_ctx_config *c)
  * peer can provoke (SEND_WITH_INV) once windows are in use. */
 static int pick_remote_access(bex_ctx *ctx, uint32_t want)
 {
+    if (!ctx->dev) { /* TCP only: no peer writes our memory */
+        ctx->sh.windows = false;
+        return 0;
+    }
     const struct ibv_device_attr *a = &ctx->dev->attr;
     bool rxe = strncmp(ctx->dev->name, "rxe", 3) == 0 || a->vendor_id == 0xffffff;
     bool mw2 =
@@ -130,15 +134,21 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         err = -ENOMEM;
         goto err_free;
     }
-    err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
-    if (err)
-        goto err_free;
-    if (ctx->sh.path.active_mtu == 0) {
-        err = -ENETDOWN;
-        goto err_close_dev;
+    if (c->transport != BEX_TRANSPORT_TCP) {
+        err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
+        if (!err && ctx->sh.path.active_mtu == 0) {
+            bex__rdma_dev_close(ctx->dev);
+            ctx->dev = NULL;
+            err = -ENETDOWN;
+        }
+        if (err && c->transport == BEX_TRANSPORT_RDMA)
+            goto err_free;
+        if (err) /* AUTO: a context without a device works over TCP */
+            bex__log(&ctx->log, BEX_LOG_INFO, "no usable RDMA device for %s (%s): TCP only",
+                     inet_ntoa(c->local_addr), bex_strerror(err));
     }
     ctx->sh.dev = ctx->dev;
-    ctx->sh.pd = ctx->dev->pd;
+    ctx->sh.pd = ctx->dev ? ctx->dev->pd : NULL;
     ctx->sh.stats = &ctx->stats;
     ctx->sh.log = &ctx->log;
     ctx->sh.conn = (struct bex__rdma_conn_config){
@@ -147,7 +157,10 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         ctx->sh.pool = c->pool;
     } else {
         bex_mem_registrar reg;
-        bex_mem_registrar_verbs(&reg, ctx->dev->pd, 0);
+        if (ctx->dev)
+            bex_mem_registrar_verbs(&reg, ctx->dev->pd, 0);
+        else
+            bex_mem_registrar_noop(&reg); /* TCP only: nothing to register */
         if ((err = bex_mem_pool_create(&reg, NULL, &ctx->sh.pool)))
             goto err_close_dev;
         ctx->own_pool = true;
@@ -169,25 +182,28 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
          * peer may write, payload pages with no allocator state in reach.
          * In window mode only windows bound on it grant remote access. */
         bex_mem_registrar reg;
-        bex_mem_registrar_verbs(
-            &reg, ctx->dev->pd,
-            IBV_ACCESS_LOCAL_WRITE |
-                (ctx->sh.windows ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE));
+        if (ctx->dev)
+            bex_mem_registrar_verbs(
+                &reg, ctx->dev->pd,
+                IBV_ACCESS_LOCAL_WRITE |
+                    (ctx->sh.windows ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE));
+        else
+            bex_mem_registrar_noop(&reg);
         bex_mem_config mc = {.kind = BEX_MEM_POOL_LANDING};
         if ((err = bex_mem_pool_create(&reg, &mc, &ctx->sh.landing)))
             goto err_recv_pool;
         ctx->own_landing = true;
     }
-    if ((err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
+    if (ctx->dev && (err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
         goto err_landing;
-    int cqe = ctx->dev->attr.max_cqe < 16384 ? ctx->dev->attr.max_cqe : 16384;
-    if ((err = bex__rdma_cq_create(ctx->dev, cqe, ctx->ch, &ctx->sh.cq)))
+    int cqe = ctx->dev && ctx->dev->attr.max_cqe < 16384 ? ctx->dev->attr.max_cqe : 16384;
+    if (ctx->dev && (err = bex__rdma_cq_create(ctx->dev, cqe, ctx->ch, &ctx->sh.cq)))
         goto err_channel;
     ctx->cqe_cap = (uint32_t)cqe;
     if ((err = bex__loop_init(&ctx->loop)))
         goto err_cq;
     ctx->ch_tag.kind = EV_CHANNEL;
-    if ((err = bex__loop_watch(&ctx->loop, ctx->ch->fd, EPOLLIN, &ctx->ch_tag)))
+    if (ctx->ch && (err = bex__loop_watch(&ctx->loop, ctx->ch->fd, EPOLLIN, &ctx->ch_tag)))
         goto err_loop;
     if ((err = -pthread_create(&ctx->thread, NULL, bex__io_main, ctx)))
         goto err_loop;
@@ -279,7 +295,7 @@ bex_mem_pool *bex_ctx_landing_pool(bex_ctx *ctx)
 
 struct ibv_pd *bex_ctx_pd(bex_ctx *ctx)
 {
-    return ctx->dev->pd;
+    return ctx->dev ? ctx->dev->pd : NULL;
 }
 
 void *bex_sock_alloc(bex_ctx *ctx, size_t size)
@@ -317,8 +333,26 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
 int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
                      void *user, bex_sock **out)
 {
+    return bex_sock_connect_opts(ctx, addr, ops, user, NULL, out);
+}
+
+int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
+                          void *user, const bex_connect_opts *opts, bex_sock **out)
+{
     if (!ctx || !addr || !out || addr->sin_family != AF_INET || addr->sin_port == 0)
         return -EINVAL;
+    uint32_t mode = ctx->cfg.transport;
+    if (opts) {
+        if (opts->flags & ~(uint32_t)BEX_CONNECT_TRANSPORT)
+            return -EINVAL;
+        if (opts->flags & BEX_CONNECT_TRANSPORT) {
+            if (opts->transport > BEX_TRANSPORT_TCP)
+                return -EINVAL;
+            mode = opts->transport;
+        }
+    }
+    if (mode == BEX_TRANSPORT_RDMA && !ctx->dev)
+        return -ENODEV;
     struct bex_sock *s = calloc(1, sizeof(*s));
     if (!s)
         return -ENOMEM;
@@ -328,6 +362,7 @@ int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_soc
     s->user = user;
     atomic_init(&s->user_pub, user);
     s->peer = *addr;
+    s->mode = mode;
     atomic_init(&s->state, S_CONNECTING);
     atomic_init(&s->closing, false);
     *out = s;

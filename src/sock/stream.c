@@ -1,4 +1,5 @@
 /* Socket lifecycle on the I/O thread, and the transports' upcalls. */
+#include <errno.h>
 #include <stdlib.h>
 
 #include "sock/internal.h"
@@ -170,6 +171,44 @@ static void on_fail(struct bex__xport *x, int err)
     bex__conn_finish(c, err);
 }
 
+void bex__sock_attach_waiting(struct conn *c)
+{
+    struct bex__xport *x = c->x;
+    for (int i = 0; i < CONN_MAP; i++) {
+        for (struct bex_sock *s = c->map[i]; s; s = s->map_next) {
+            if (!s->waiting)
+                continue;
+            s->waiting = false;
+            x->ops->attach(x, &s->st, s->id, true);
+            s->attached = true;
+            atomic_store(&s->eng_id, c->eng_id);
+            while (s->wq_head) {
+                struct sock_msg *w = s->wq_head;
+                s->wq_head = w->m.next ? bex__container_of(w->m.next, struct sock_msg, m) : NULL;
+                x->ops->send(x, &s->st, &w->m); /* counted in pending already */
+            }
+            s->wq_tail = NULL;
+            if (s->app_closed)
+                x->ops->close_stream(x, &s->st);
+        }
+    }
+}
+
+void bex__sock_drop_waiting(struct bex_sock *s)
+{
+    s->waiting = false;
+    s->pending++; /* s stays while its sends are reported */
+    while (s->wq_head) {
+        struct sock_msg *w = s->wq_head;
+        s->wq_head = w->m.next ? bex__container_of(w->m.next, struct sock_msg, m) : NULL;
+        s->pending--;
+        bex__sock_report_done(s, w->m.buf, w->m.len, w->m.user, -ECANCELED);
+        free(w);
+    }
+    s->wq_tail = NULL;
+    s->pending--;
+}
+
 const struct bex__transport_upcalls bex__sock_upcalls = {
     .on_up = on_up,
     .on_msg = on_msg,
@@ -178,5 +217,6 @@ const struct bex__transport_upcalls bex__sock_upcalls = {
     .on_send_done = on_send_done,
     .on_stream_closed = on_stream_closed,
     .on_direct = bex__exposed_deliver,
+    .direct_buf = bex__exposed_buf,
     .on_fail = on_fail,
 };

@@ -101,6 +101,10 @@ struct bex__transport_upcalls {
      * DIRECT frame, written into the buffer), token has BEX__IMM_DIRECT:
      * deliver it; return -EPROTO if the token names nothing */
     int (*on_direct)(struct bex__xport *x, uint32_t imm);
+    /* TCP: where a DIRECT frame's payload goes: the exposed buffer the
+     * token names on this connection (its length in *len), or NULL when it
+     * names nothing armed here */
+    void *(*direct_buf)(struct bex__xport *x, uint32_t token, uint32_t *len);
     /* the transport failed; it touches no buffer any more (RDMA: its QP is
      * gone), every stream is unlinked and every message has been handed
      * back. It may be destroyed after the call. */

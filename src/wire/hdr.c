@@ -51,10 +51,8 @@ void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out)
     put32(out + 28, (uint32_t)h->status);
 }
 
-int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h)
+static void fields(const uint8_t *in, struct bex__hdr *h)
 {
-    if (len < BEX__HDR_LEN)
-        return -EPROTO;
     h->type = in[0];
     h->flags = in[1];
     h->credits = get16(in + 2);
@@ -64,6 +62,13 @@ int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h)
     h->addr = get64(in + 16);
     h->rkey = get32(in + 24);
     h->status = (int32_t)get32(in + 28);
+}
+
+int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h)
+{
+    if (len < BEX__HDR_LEN)
+        return -EPROTO;
+    fields(in, h);
     if (h->type < BEX__MSG_DATA || h->type > BEX__MSG_CLOSE || h->flags != 0)
         return -EPROTO;
     if (h->type == BEX__MSG_DATA &&
@@ -90,4 +95,16 @@ int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h)
         .len = len,
     };
     return imm >> BEX__IMM_KIND_SHIFT == BEX__IMM_KIND_DATA ? 0 : -EPROTO;
+}
+
+int bex__hdr_decode_frame(const uint8_t *in, struct bex__hdr *h)
+{
+    fields(in, h);
+    /* no rendezvous over TCP: the payload follows its header */
+    if (h->flags != 0 || h->type == BEX__MSG_RNDV_REQ || h->type == BEX__MSG_RNDV_RESP ||
+        h->type < BEX__MSG_DATA || h->type > BEX__MSG_DIRECT)
+        return -EPROTO;
+    if (h->type != BEX__MSG_DATA && h->type != BEX__MSG_DIRECT && h->len != 0)
+        return -EPROTO;
+    return 0;
 }

@@ -14,6 +14,7 @@ enum {
     BEX__MSG_CREDIT = 4,    /* credits only */
     BEX__MSG_OPEN = 5,      /* a logical socket opens */
     BEX__MSG_CLOSE = 6,     /* a logical socket closes */
+    BEX__MSG_DIRECT = 7,    /* TCP only: payload for an exposed buffer */
 };
 #define BEX__HDR_LEN    32
 #define BEX__IMM_DIRECT 0x80000000u
@@ -49,8 +50,9 @@ struct bex__hdr {
 /* RNDV_RESP carries the receiver's slot in 'stream' (the immediate value). */
 
 void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out);
-/* Returns 0 or -EPROTO for a header no valid peer sends (a DATA header is
- * valid only for a stream the immediate cannot name). */
+/* An RDMA SEND of len bytes: returns 0 or -EPROTO for a header no valid
+ * peer sends (a DATA header is valid only for a stream the immediate cannot
+ * name). */
 int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h);
 /* The immediate (host order) of a DATA on stream (<= BEX__IMM_STREAM_MAX)
  * returning credits (<= BEX__IMM_CREDITS_MAX). */
@@ -59,5 +61,6 @@ uint32_t bex__imm_encode(uint32_t stream, uint32_t credits);
  * the header it stands for (type DATA, stream, credits, len; the rest 0).
  * Returns 0 or -EPROTO (a kind no valid peer sends). */
 int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h);
-
-#endif
+/* A TCP frame's header (BEX__HDR_LEN bytes; its payload follows, h->len
+ * bytes for DATA and DIRECT, none otherwise): 0 or -EPROTO. */
+int bex__hdr_decode_frame(const uint8_t *in, struct bex__hdr *h);

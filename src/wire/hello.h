@@ -77,6 +77,9 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out);
  * side and the connection stays on TCP (status = positive errno, for logs). */
 #define BEX__READY_MAGIC 0x42455852u /* "BEXR" */
 #define BEX__READY_LEN   8
+/* status of a notice from a side whose QP could not come up although both
+ * hellos offered RDMA: both sides go on over TCP after the notices */
+#define BEX__READY_FALLBACK 0x10000u
 
 /* ---- authenticated setup (a shared secret; docs/protocol.md) ---------- */
 

@@ -50,9 +50,24 @@ struct pair {
     int close_failed; /* server: it failed */
 };
 
+/* The transport under test: BEX_TEST_TRANSPORT=tcp runs a case over the TCP
+ * transport (natively, on loopback addresses when BEX_TEST_ADDR0/1 are not
+ * set); otherwise over RDMA. */
+static inline bool pair_tcp(void)
+{
+    const char *t = getenv("BEX_TEST_TRANSPORT");
+    return t && strcmp(t, "tcp") == 0;
+}
+
 static inline int pair_addrs(struct in_addr *a0, struct in_addr *a1)
 {
     const char *s0 = getenv("BEX_TEST_ADDR0"), *s1 = getenv("BEX_TEST_ADDR1");
+    if (pair_tcp() && (!s0 || !s1)) { /* the cases read them too */
+        setenv("BEX_TEST_ADDR0", "127.0.0.1", 1);
+        setenv("BEX_TEST_ADDR1", "127.0.0.2", 1);
+        s0 = getenv("BEX_TEST_ADDR0");
+        s1 = getenv("BEX_TEST_ADDR1");
+    }
     if (!s0 || !s1 || inet_pton(AF_INET, s0, a0) != 1 || inet_pton(AF_INET, s1, a1) != 1)
         return bex_test_skip("BEX_TEST_ADDR0/1 not set (run under scripts/rxe-vm)");
     return 0;
@@ -403,6 +418,8 @@ static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
 {
     bex_ctx_config c = in ? *in : (bex_ctx_config){0};
     c.local_addr = a;
+    if (pair_tcp())
+        c.transport = BEX_TRANSPORT_TCP;
     if (!c.keepalive_timeout_ms)
         c.keepalive_timeout_ms = 2000;
     c.keepalive_timeout_ms *= time_scale();

@@ -329,8 +329,10 @@ static int multiplex_client(struct pair *p, void *arg)
      * selective signaling: exactly one signaled request per call (its last,
      * which retires the whole chain), so fewer signaled than posted */
     CHECK(st.post_send_calls < st.sends_posted + st.writes_posted);
-    CHECK_EQ(st.signaled, st.post_send_calls);
-    CHECK(st.signaled < st.sends_posted + st.writes_posted);
+    if (!pair_tcp()) { /* over TCP: frames gathered into one sendmsg */
+        CHECK_EQ(st.signaled, st.post_send_calls);
+        CHECK(st.signaled < st.sends_posted + st.writes_posted);
+    }
     cli_close_all(c, NS);
     free(c);
     return 0;
@@ -348,7 +350,7 @@ static int slow_client(struct pair *p, void *arg)
 {
     (void)arg;
     long long rnr0 = rxe_counter("rcvd_rnr_err"), rnr1 = rxe_counter("send_rnr_err");
-    CHECK(rnr0 >= 0 && rnr1 >= 0);
+    CHECK(pair_tcp() || (rnr0 >= 0 && rnr1 >= 0));
     struct cli *c = cli_new();
     cli_connect_n(p, c, 1);
     for (uint32_t i = 0; i < SLOW_N; i++)
@@ -360,9 +362,11 @@ static int slow_client(struct pair *p, void *arg)
     fprintf(stderr, "credit stalls %llu, rnr %lld/%lld -> %lld/%lld\n",
             (unsigned long long)st.credit_stalls, rnr0, rnr1, rxe_counter("rcvd_rnr_err"),
             rxe_counter("send_rnr_err"));
-    CHECK(st.credit_stalls > 0);
-    CHECK_EQ(rxe_counter("rcvd_rnr_err"), rnr0);
-    CHECK_EQ(rxe_counter("send_rnr_err"), rnr1);
+    if (!pair_tcp()) { /* over TCP the kernel's flow control paces the sender */
+        CHECK(st.credit_stalls > 0);
+        CHECK_EQ(rxe_counter("rcvd_rnr_err"), rnr0);
+        CHECK_EQ(rxe_counter("send_rnr_err"), rnr1);
+    }
     cli_close_all(c, 1);
     free(c);
     return 0;
@@ -438,6 +442,21 @@ static int kill_client(struct pair *p, void *arg)
     }
     uint64_t t0 = pair_now_ms();
     kill(p->child, sig);
+    /* keep 16 in flight until the error: over TCP, messages the frozen or
+     * dead peer never acknowledges must come back in doubt */
+    while (!atomic_load(&c->errors) && pair_now_ms() - t0 < 5000ull * time_scale()) {
+        if (sent - atomic_load(&c->done) < 16) {
+            void *m = cli_msg(p, c, 0, (uint32_t)sent, 65536);
+            int rc = bex_sock_send(c->socks[0], m, 65536, NULL);
+            if (rc == -EPIPE) { /* failed meanwhile: that buffer is ours again */
+                bex_mem_free(m);
+                break;
+            }
+            CHECK_OK(rc);
+            sent++;
+        }
+        pair_sleep_ms(1);
+    }
     /* keepalive timeout 1500 ms: allow scheduling slack in the VM */
     CLI_WAIT(c, errors, 1, 5000);
     uint64_t dt = pair_now_ms() - t0;

@@ -326,7 +326,9 @@ static int error_close_client(struct pair *p, void *arg)
     trk_check_once(t);
     CHECK(atomic_load(&t->errors) <= 1);
     CHECK_EQ(atomic_load(&t->closes_seen_at_done), 0);
-    CHECK(atomic_load(&t->n_canceled) > 0); /* some were still queued */
+    /* some were still queued (over TCP the kernel's buffers may take them
+     * all before the peer's CLOSE: then all are acknowledged) */
+    CHECK(pair_tcp() || atomic_load(&t->n_canceled) > 0);
     CHECK_EQ(atomic_load(&t->n_indoubt) + atomic_load(&t->n_other), 0);
     fprintf(stderr, "ok %ld canceled %ld\n", atomic_load(&t->n_ok), atomic_load(&t->n_canceled));
     free(t);

@@ -1,0 +1,53 @@
+/* The TCP transport: a connection's messages over the TCP connection its
+ * setup ran on (docs/protocol.md, "Data path over TCP").
+ *
+ * Frames are the 32-byte header of wire/hdr.h followed by payload. A
+ * message goes as one or more DATA (or DIRECT) frames of at most frag_size
+ * payload bytes, one frame per stream per scheduler turn, so a large
+ * message delays the small messages of other sockets by at most one
+ * fragment each, as over RDMA. Sends are written with sendmsg straight from
+ * the application's bemalloc buffers (no staging copy); receives are read
+ * straight into recv_pool buffers, which go to the application as they are.
+ * Every header carries in its credits field the number of the peer's
+ * messages received whole since the last header: a message is reported
+ * sent (0) when the peer acknowledged it, in doubt (-EIO) when the
+ * connection failed after its last byte was written, and -ECANCELED when
+ * it was never written whole.
+ *
+ * Everything here runs on the connection's I/O thread. */
+#ifndef BEX_TRANSPORT_TCP_H
+#define BEX_TRANSPORT_TCP_H
+
+#include <stdint.h>
+
+#include "loop/loop.h"
+#include "transport/rdma/engine.h"
+#include "transport/transport.h"
+
+struct bex__tcp_config {
+    uint32_t max_msg;      /* the largest message we accept */
+    uint32_t peer_max_msg; /* the largest the peer accepts (its hello) */
+    uint32_t frag_size;    /* payload bytes per frame at most */
+    uint32_t keepalive_ms, keepalive_timeout_ms;
+    char name[48]; /* how log lines name the connection: "peer a.b.c.d:port (engine N)" */
+};
+
+/* A TCP transport on fd (non-blocking, connected, setup done), which the
+ * caller keeps owning (it closes it after on_fail or destroy) and watches
+ * in loop with tag: it hands the fd's events to bex__tcp_events. sh gives
+ * the pools, statistics, log and received-memory accounting (its RDMA
+ * fields are not used). */
+int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config *cfg,
+                    const struct bex__transport_upcalls *up, void *user, int fd,
+                    struct bex__loop *loop, struct ep_tag *tag, struct bex__xport **out);
+/* Bytes of the setup not yet written: they go out ahead of every frame. */
+int bex__tcp_prefix(struct bex__xport *x, const void *p, size_t n);
+/* The connection is up: on_up, then traffic. */
+void bex__tcp_start(struct bex__xport *x);
+/* The fd's epoll events. */
+void bex__tcp_events(struct bex__xport *x, uint32_t events);
+bool bex__xport_is_tcp(const struct bex__xport *x);
+
+extern const struct bex__transport_ops bex__tcp_transport;
+
+#endif
