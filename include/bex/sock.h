@@ -346,10 +346,16 @@ typedef struct bex_sock_stats {
     uint64_t window_stalls;      /* times a send waited for the send window */
     uint64_t max_inflight_bytes; /* highest bytes in flight seen on an engine */
     uint64_t credit_msgs;        /* explicit credit-update messages sent */
-    uint64_t engines;            /* engines currently up */
+    uint64_t engines;            /* transports currently made: RDMA engines (from the
+                                    start of their setup) and TCP connections */
     uint64_t recv_paused;        /* receives left unposted or rendezvous answers deferred
-                                    for the receive limits (recv_bytes_max,
-                                    rndv_bytes_max): the peers were paced */
+                                    (RDMA), or reading stopped (TCP), for the receive
+                                    limits (recv_bytes_max, rndv_bytes_max): the peers
+                                    were paced */
+    uint64_t tcp_conns;          /* of engines: connections over the TCP transport. Over TCP
+                                    the counters above count frames: a DIRECT frame as a
+                                    WRITE, any other as a SEND, a sendmsg call as a
+                                    doorbell */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

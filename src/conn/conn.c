@@ -104,6 +104,8 @@ void bex__conn_free(struct conn *c)
         if (c->eng) { /* the engine was the transport */
             c->eng = NULL;
             ctx->cqe_used -= c->cqe_reserved;
+        } else {
+            BEX__STAT_ADD(&ctx->stats, tcp_conns, (uint64_t)-1);
         }
         BEX__STAT_ADD(&ctx->stats, engines, (uint64_t)-1);
     }

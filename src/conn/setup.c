@@ -222,6 +222,7 @@ static int go_tcp(struct conn *c)
     if (err)
         return err;
     BEX__STAT_ADD(&ctx->stats, engines, 1); /* counts transports of either kind */
+    BEX__STAT_ADD(&ctx->stats, tcp_conns, 1);
     c->phase = P_UP;
     bex__conn_setup_end(c);
     c->rwant = c->rlen = 0;  /* the setup reads nothing more: frames are the transport's */

@@ -327,6 +327,7 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
     LD(credit_msgs);
     LD(engines);
     LD(recv_paused);
+    LD(tcp_conns);
 #undef LD
 }
 

@@ -69,11 +69,11 @@ struct bex__tcp {
     /* read side */
     uint8_t rhdr[BEX__HDR_LEN];
     uint32_t rhdr_len;
-    bool in_payload;    /* reading the payload of hdr */
-    bool need_buf;      /* hdr read; its message waits for room to be received */
+    bool in_payload; /* reading the payload of hdr */
+    bool need_buf;   /* hdr read; its message waits for room to be received */
     struct bex__hdr hdr;
-    struct part *cur;   /* where the payload goes (NULL: discarded) */
-    uint32_t cur_left;  /* payload bytes of the frame still to read */
+    struct part *cur;  /* where the payload goes (NULL: discarded) */
+    uint32_t cur_left; /* payload bytes of the frame still to read */
     struct part *parts[PART_HASH];
     uint64_t last_rx, last_tx;
     bool violation_logged;
