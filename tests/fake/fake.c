@@ -122,8 +122,9 @@ struct fk_stream *fk_stream(struct fk_pair *p, int side, uint32_t id)
     return NULL;
 }
 
-static void up_on_up(struct bex__engine *e)
+static void up_on_up(struct bex__xport *x)
 {
+    struct bex__engine *e = bex__engine_of(x);
     FK_CHECK(side_of(e)->fails == 0);
 }
 
@@ -144,8 +145,9 @@ static void delivered(struct fk_side *s, struct fk_msg *m, uint32_t stream)
     }
 }
 
-static void up_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t len)
+static void up_on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
 {
+    struct bex__engine *e = bex__engine_of(x);
     struct fk_side *s = side_of(e);
     if (s->x_release) {
         /* the sender gave the destination back unwritten: it does so only
@@ -166,8 +168,9 @@ static void up_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t 
         bex_mem_free(buf);
 }
 
-static void up_on_open(struct bex__engine *e, uint32_t stream)
+static void up_on_open(struct bex__xport *x, uint32_t stream)
 {
+    struct bex__engine *e = bex__engine_of(x);
     struct fk_side *s = side_of(e);
     FK_CHECK(s->fails == 0);
     if (fk_stream(s->pair, s->idx, stream) || s->n_streams == FK_MAX_STREAMS) {
@@ -182,8 +185,9 @@ static void up_on_open(struct bex__engine *e, uint32_t stream)
     bex__engine_attach(e, &st->st, stream, false);
 }
 
-static void up_on_peer_close(struct bex__engine *e, uint32_t stream)
+static void up_on_peer_close(struct bex__xport *x, uint32_t stream)
 {
+    struct bex__engine *e = bex__engine_of(x);
     struct fk_side *s = side_of(e);
     FK_CHECK(s->fails == 0);
     struct fk_stream *st = fk_stream(s->pair, s->idx, stream);
@@ -202,8 +206,9 @@ static bool refers_to(const struct fk_wr *w, const struct fk_msg *m)
     return false;
 }
 
-static void up_on_send_done(struct bex__engine *e, struct bex__msg *bm, int status)
+static void up_on_send_done(struct bex__xport *x, struct bex__msg *bm, int status)
 {
+    struct bex__engine *e = bex__engine_of(x);
     struct fk_side *s = side_of(e);
     struct fk_msg *m = (struct fk_msg *)bm;
     FK_CHECK(s->fails == 0);
@@ -228,8 +233,9 @@ static void up_on_send_done(struct bex__engine *e, struct bex__msg *bm, int stat
     }
 }
 
-static void up_on_stream_closed(struct bex__engine *e, struct bex__stream *bst)
+static void up_on_stream_closed(struct bex__xport *x, struct bex__stream *bst)
 {
+    struct bex__engine *e = bex__engine_of(x);
     struct fk_side *s = side_of(e);
     struct fk_stream *st = (struct fk_stream *)bst;
     FK_CHECK(s->fails == 0 && st->side == s->idx && !st->closed_cb && st->peer_closed);
@@ -237,8 +243,9 @@ static void up_on_stream_closed(struct bex__engine *e, struct bex__stream *bst)
     st->closed_cb = true;
 }
 
-static int up_on_direct(struct bex__engine *e, uint32_t imm)
+static int up_on_direct(struct bex__xport *xp, uint32_t imm)
 {
+    struct bex__engine *e = bex__engine_of(xp);
     struct fk_side *s = side_of(e);
     FK_CHECK(s->fails == 0);
     for (uint32_t i = 0; i < s->n_exposed; i++) {
@@ -254,8 +261,9 @@ static int up_on_direct(struct bex__engine *e, uint32_t imm)
     return -EPROTO;
 }
 
-static void up_on_fail(struct bex__engine *e, int err)
+static void up_on_fail(struct bex__xport *x, int err)
 {
+    struct bex__engine *e = bex__engine_of(x);
     struct fk_side *s = side_of(e);
     FK_CHECK(++s->fails == 1 && err < 0);
     FK_CHECK(bex__engine_is_dead(e) && s->qp.state == IBV_QPS_RESET); /* the QP went first */
@@ -269,7 +277,7 @@ static void up_on_fail(struct bex__engine *e, int err)
         FK_CHECK(!s->streams[i].used || s->streams[i].st.eng == NULL);
 }
 
-static const struct bex__engine_ops fk_ops = {
+static const struct bex__transport_upcalls fk_ops = {
     .on_up = up_on_up,
     .on_msg = up_on_msg,
     .on_open = up_on_open,
