@@ -27,6 +27,8 @@ enum bex__fault_kind {
                               completions: those are lost, as on a broken CQ */
     BEX__FAULT_EXPOSE_ARM, /* bex_sock_expose: slot claimed, checks passed,
                               not yet armed (ret is ignored) */
+    BEX__FAULT_QP_UP,      /* conn/setup.c: bringing the QP to RTR/RTS with the
+                              peer's hello (ret: the negative errno it fails with) */
     BEX__FAULT_KINDS,
 };
 

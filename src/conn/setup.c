@@ -333,7 +333,8 @@ static int setup_hello(struct conn *c, const char **why)
             return err;
         return go_tcp(c);
     }
-    if ((err = bex__engine_connect(c->eng, &peer))) {
+    err = BEX__FAULT(BEX__FAULT_QP_UP); /* tests: the QP does not come up */
+    if (err || (err = bex__engine_connect(c->eng, &peer))) {
         if (c->mode == BEX_TRANSPORT_RDMA)
             return err;
         /* the QP cannot come up: over TCP instead. Answering, a NO_RDMA

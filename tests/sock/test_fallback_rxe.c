@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/fault.h"
 #include "pair.h"
 
 #define N_MSG 64
@@ -17,6 +18,7 @@
 struct fsrv {
     int expect_tcp; /* tcp_conns the server must see while the client talks */
     int failed;
+    bool fail_qp; /* fault builds: the server's QP does not come up */
 };
 
 static void fecho_recv(bex_sock *s, void *buf, size_t len, void *user)
@@ -37,6 +39,10 @@ static void fecho_accept(bex_listener *l, bex_sock *s, void *user)
 static int fsrv_main(struct pair *p, void *arg)
 {
     struct fsrv *f = arg;
+#ifdef BEX_FAULT_INJECT
+    if (f->fail_qp)
+        bex__fault_arm(BEX__FAULT_QP_UP, 1, -EIO, 0, NULL, NULL);
+#endif
     bex_listener_ops lops = {.on_accept = fecho_accept};
     pair_listen(p, &lops, f);
     /* while the client talks, its connections must be of the kinds it
@@ -251,4 +257,51 @@ static int rdma_only(void)
     return pair_run(&scfg, fsrv_main, &f, NULL, refuse_client, NULL, 60);
 }
 
+#ifdef BEX_FAULT_INJECT
+/* Built again with the library's fault points (tests/fault/CMakeLists.txt):
+ * both hellos offer RDMA, then one QP does not come up. */
+
+/* An AUTO client whose QP fails (its hello went first: a FALLBACK notice)
+ * or whose server's QP fails (the server answers with a NO_RDMA hello):
+ * either way both go on over TCP on the same connection. */
+static int qp_client(struct pair *p, void *arg)
+{
+    bool mine = *(bool *)arg;
+    if (mine)
+        bex__fault_arm(BEX__FAULT_QP_UP, 1, -EIO, 0, NULL, NULL);
+    static struct fcli c;
+    c = (struct fcli){.w = WAITER_INIT};
+    bex_sock *s;
+    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &fcli_ops, &c, &s));
+    CHECK_OK(wait_count(&c.w, &c.connected, 1, 10000));
+    CHECK_EQ(c.conn_status, 0);
+    if (mine)
+        CHECK(bex__fault_fired(BEX__FAULT_QP_UP));
+    bex_sock_stats st;
+    bex_ctx_stats(p->ctx, &st);
+    CHECK_EQ(st.engines, 1);
+    CHECK_EQ(st.tcp_conns, 1);
+    CHECK_OK(echo_round(p->ctx, s, &c));
+    close_wait(s);
+    return 0;
+}
+
+static int qp_fails_client(void)
+{
+    static struct fsrv f = {.expect_tcp = 1};
+    static bool mine = true;
+    return pair_run(NULL, fsrv_main, &f, NULL, qp_client, &mine, 60);
+}
+
+static int qp_fails_server(void)
+{
+    static struct fsrv f = {.expect_tcp = 1, .fail_qp = true};
+    static bool mine = false;
+    return pair_run(NULL, fsrv_main, &f, NULL, qp_client, &mine, 60);
+}
+
+BEX_TEST_MAIN(BEX_CASE(no_device), BEX_CASE(per_connection), BEX_CASE(rdma_only),
+              BEX_CASE(qp_fails_client), BEX_CASE(qp_fails_server))
+#else
 BEX_TEST_MAIN(BEX_CASE(no_device), BEX_CASE(per_connection), BEX_CASE(rdma_only))
+#endif
