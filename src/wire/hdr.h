@@ -64,3 +64,5 @@ int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h);
 /* A TCP frame's header (BEX__HDR_LEN bytes; its payload follows, h->len
  * bytes for DATA and DIRECT, none otherwise): 0 or -EPROTO. */
 int bex__hdr_decode_frame(const uint8_t *in, struct bex__hdr *h);
+
+#endif

@@ -76,11 +76,11 @@ static int fk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_re
     return 0;
 }
 
-static void up_on_up(struct bex__engine *e)
+static void up_on_up(struct bex__xport *e)
 {
     (void)e;
 }
-static void up_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t len)
+static void up_on_msg(struct bex__xport *e, uint32_t stream, void *buf, size_t len)
 {
     (void)e;
     if (T.msg_buf)
@@ -90,37 +90,37 @@ static void up_on_msg(struct bex__engine *e, uint32_t stream, void *buf, size_t 
     T.msg_len = len;
     T.msgs++;
 }
-static void up_on_open(struct bex__engine *e, uint32_t stream)
+static void up_on_open(struct bex__xport *e, uint32_t stream)
 {
     (void)e, (void)stream;
 }
-static void up_on_peer_close(struct bex__engine *e, uint32_t stream)
+static void up_on_peer_close(struct bex__xport *e, uint32_t stream)
 {
     (void)e, (void)stream;
 }
-static void up_on_send_done(struct bex__engine *e, struct bex__msg *m, int status)
+static void up_on_send_done(struct bex__xport *e, struct bex__msg *m, int status)
 {
     (void)e, (void)status;
     bex_mem_free(m->buf);
     free(m);
     T.done++;
 }
-static void up_on_stream_closed(struct bex__engine *e, struct bex__stream *st)
+static void up_on_stream_closed(struct bex__xport *e, struct bex__stream *st)
 {
     (void)e, (void)st;
 }
-static int up_on_direct(struct bex__engine *e, uint32_t imm)
+static int up_on_direct(struct bex__xport *e, uint32_t imm)
 {
     (void)e, (void)imm;
     return -EPROTO;
 }
-static void up_on_fail(struct bex__engine *e, int err)
+static void up_on_fail(struct bex__xport *e, int err)
 {
     (void)e;
     T.fails++;
     T.fail_err = err;
 }
-static const struct bex__engine_ops ops = {
+static const struct bex__transport_upcalls ops = {
     .on_up = up_on_up,
     .on_msg = up_on_msg,
     .on_open = up_on_open,
