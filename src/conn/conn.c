@@ -175,10 +175,9 @@ int bex__conn_engine_make(struct conn *c)
         return -ENOSPC;
     }
     int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &bex__sock_upcalls, c->eng_id, c, &c->eng);
-    if (!err) {
+    if (!err) { /* c->x once the setup chose RDMA (bex__sock_attach_waiting) */
         char name[32];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
-        c->x = bex__engine_xport(c->eng);
         ctx->cqe_used += need;
         c->cqe_reserved = need;
         BEX__STAT_ADD(&ctx->stats, engines, 1);

@@ -76,6 +76,7 @@ struct bex__tcp {
     uint32_t cur_left; /* payload bytes of the frame still to read */
     struct part *parts[PART_HASH];
     uint64_t last_rx, last_tx;
+    uint64_t msgs_in; /* the peer's messages received whole */
     bool violation_logged;
     uint8_t *prefix;
 };
@@ -614,6 +615,7 @@ static void part_complete(struct bex__tcp *t, struct part *p)
 {
     *part_slot(t, p->stream) = p->next;
     t->acks_owed++;
+    t->msgs_in++;
     BEX__STAT_ADD(t->sh->stats, msgs_recv, 1);
     if (p->direct) {
         uint32_t token = p->token;
@@ -750,10 +752,19 @@ static bool on_header(struct bex__tcp *t)
 }
 
 /* Read what the socket has: payloads straight into their buffers, the next
- * header in the same call. */
+ * header in the same call. At most RX_BUDGET bytes or RX_MSGS messages a
+ * call: the application's callbacks run in here, and the loop must get to
+ * write (acknowledgements, keepalive) between batches, as it does between
+ * CQ polls over RDMA; the descriptor stays readable for the next call. */
+#define RX_BUDGET (1u << 20)
+#define RX_MSGS   16
 static void rx(struct bex__tcp *t)
 {
+    size_t budget = RX_BUDGET;
+    uint64_t msgs0 = t->msgs_in;
     while (!t->dead) {
+        if (!budget || t->msgs_in - msgs0 >= RX_MSGS)
+            return;
         if (t->need_buf) {
             if (!on_header(t))
                 return;
@@ -779,6 +790,7 @@ static void rx(struct bex__tcp *t)
         }
         t->last_rx = bex__now_ms();
         size_t got = (size_t)r;
+        budget = got < budget ? budget - got : 0;
         if (t->in_payload) {
             struct part *p = t->cur;
             size_t k = got < t->cur_left ? got : t->cur_left;
