@@ -134,6 +134,10 @@ void bex__conn_tick(bex_ctx *ctx, uint64_t now);
 void bex__conn_expect(struct conn *c, int phase);
 /* A refusal's one log line, naming the peer (setup.c). */
 void bex__conn_log_refusal(struct conn *c, int err, const char *why);
+/* Its TCP connection ended while up: logged by name when sockets the peer
+ * never closed are open (over RDMA the setup's descriptor tells, over TCP
+ * the transport's on_fail). */
+void bex__conn_lost(struct conn *c, int err);
 /* Advance the setup state machine on events; any error fails c. */
 void bex__conn_step(struct conn *c, uint32_t events);
 

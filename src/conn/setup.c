@@ -481,7 +481,7 @@ static int setup_msg(struct conn *c, const char **why)
  * close (every socket closed by both sides) that is normal; with sockets
  * the peer never closed, it vanished (killed, rebooted, unplugged): say so
  * once, by name, before its sockets learn it. */
-static void conn_lost(struct conn *c, int err)
+void bex__conn_lost(struct conn *c, int err)
 {
     uint32_t open = 0;
     for (int i = 0; i < CONN_MAP; i++)
@@ -565,7 +565,7 @@ fail:
         conn_refuse(c, err, why);
     else {
         if (c->phase == P_UP)
-            conn_lost(c, err);
+            bex__conn_lost(c, err);
         bex__conn_fail(c, err);
     }
 }

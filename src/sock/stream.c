@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "sock/internal.h"
+#include "transport/tcp/tcp.h"
 
 /* Hand a buffer back to the application; without an on_send_done nobody
  * would ever free it, so bex does. */
@@ -168,6 +169,8 @@ static void on_stream_closed(struct bex__xport *x, struct bex__stream *st)
 static void on_fail(struct bex__xport *x, int err)
 {
     struct conn *c = x->user;
+    if (bex__tcp_link_lost(x)) /* over RDMA the setup's descriptor tells (bex__conn_step) */
+        bex__conn_lost(c, err);
     bex__conn_finish(c, err);
 }
 

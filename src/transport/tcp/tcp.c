@@ -78,6 +78,7 @@ struct bex__tcp {
     uint64_t last_rx, last_tx;
     uint64_t msgs_in; /* the peer's messages received whole */
     bool violation_logged;
+    bool link_lost; /* failed because the TCP connection did (EOF, reset, write error) */
     uint8_t *prefix;
 };
 
@@ -89,6 +90,11 @@ static struct bex__tcp *tcp_of(struct bex__xport *x)
 bool bex__xport_is_tcp(const struct bex__xport *x)
 {
     return x && x->ops == &bex__tcp_transport;
+}
+
+bool bex__tcp_link_lost(const struct bex__xport *x)
+{
+    return bex__xport_is_tcp(x) && ((const struct bex__tcp *)x)->link_lost;
 }
 
 static void want(struct bex__tcp *t)
@@ -570,6 +576,7 @@ static bool tcp_progress(struct bex__xport *x)
         uint32_t before = t->out_n;
         int err = flush(t);
         if (err) {
+            t->link_lost = true;
             tcp_fail(x, err);
             return true;
         }
@@ -785,6 +792,7 @@ static void rx(struct bex__tcp *t)
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0) {
+            t->link_lost = true;
             tcp_fail(&t->x, r < 0 ? -errno : -ECONNRESET);
             return;
         }
@@ -822,8 +830,10 @@ void bex__tcp_events(struct bex__xport *x, uint32_t events)
         rx(t);
     if (!t->dead && events & EPOLLOUT) {
         int err = flush(t);
-        if (err)
+        if (err) {
+            t->link_lost = true;
             tcp_fail(x, err);
+        }
     }
     if (!t->dead)
         tcp_progress(x);

@@ -47,6 +47,10 @@ void bex__tcp_start(struct bex__xport *x);
 /* The fd's epoll events. */
 void bex__tcp_events(struct bex__xport *x, uint32_t events);
 bool bex__xport_is_tcp(const struct bex__xport *x);
+/* It failed because its TCP connection did (EOF, reset, a write error):
+ * nothing was logged, the connection says whether that was a loss
+ * (bex__conn_lost). */
+bool bex__tcp_link_lost(const struct bex__xport *x);
 
 extern const struct bex__transport_ops bex__tcp_transport;
 
