@@ -156,8 +156,7 @@ static void cli_closed(bex_sock *s, void *user)
 {
     (void)s;
     struct cli *c = user;
-    atomic_fetch_add(&c->closed, 1);
-    waiter_signal(&c->w);
+    waiter_add(&c->w, &c->closed, 1);
 }
 
 static const bex_sock_ops cli_ops = {.on_connect = cli_connected,
