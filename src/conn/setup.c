@@ -376,6 +376,10 @@ static int setup_msg(struct conn *c, const char **why)
         memcpy(&st, c->rbuf + 4, 4);
         st = ntohl(st);
         if (c->phase == P_WAIT_READY && (c->fallback || st == BEX__READY_FALLBACK)) {
+            if (c->x) { /* its frames came over RDMA already (on_peer_open) */
+                *why = "a fallback notice after frames over RDMA";
+                return -EPROTO;
+            }
             /* either QP could not come up: both sides go on over TCP */
             if (c->mode == BEX_TRANSPORT_RDMA) {
                 *why = "the peer's QP did not come up";

@@ -92,6 +92,12 @@ static void on_open(struct bex__xport *x, uint32_t stream)
         bex__conn_fail(c, -EPROTO);
         return;
     }
+    /* The peer's first frames may overtake its readiness notice, which
+     * comes over TCP (test_early_data_rxe): they show that it chose RDMA,
+     * so the engine is the transport from here on, and answers to them
+     * go out through it (the notice, when it comes, starts the engine). */
+    if (!c->x)
+        c->x = x;
     if (c->nsocks >= c->ctx->cfg.streams_max) {
         /* the peer's socket fails; nothing is allocated for it here */
         /* INFO: refusing a stream is flow control; should the peer go on
