@@ -18,8 +18,8 @@
 
 #include "pair.h"
 
-#define ROUNDS 24
-#define BUSY_LEN (64 * 1024)
+#define ROUNDS        24
+#define BUSY_LEN      (64 * 1024)
 #define BUSY_INFLIGHT 8
 
 /* ---------------- an echo server ---------------- */
