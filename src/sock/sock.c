@@ -8,6 +8,7 @@
 
 #include <sodium.h>
 
+#include "sock/ctx_access.h"
 #include "sock/internal.h"
 #include "sock/secret.h"
 
@@ -281,6 +282,16 @@ int bex_ctx_destroy(bex_ctx *ctx)
 bex_mem_pool *bex_ctx_pool(bex_ctx *ctx)
 {
     return ctx->sh.pool;
+}
+
+struct bex__log *bex__ctx_log(bex_ctx *ctx)
+{
+    return &ctx->log;
+}
+
+bool bex__ctx_on_io_thread(const bex_ctx *ctx)
+{
+    return bex__io_ctx == ctx;
 }
 
 bex_mem_pool *bex_ctx_recv_pool(bex_ctx *ctx)

@@ -1,0 +1,248 @@
+/* bex RPC: request/response over bex sockets (paper §7: the RPC layer,
+ * which knows the service, owns timeouts, retries and replica choice; the
+ * transport only reports failures).
+ *
+ * A server (bex_rpc_server) listens on a context and dispatches requests to
+ * handlers registered by (service id, method id). A handler may answer at
+ * once or later, from any thread, through the request handle it was given.
+ * A client opens a channel (bex_rpc_channel) over a list of endpoints
+ * (addresses with locality labels) and calls asynchronously: every call has
+ * a deadline and completes exactly once, through its completion callback,
+ * with the response or an error. Many calls may be outstanding on a
+ * channel; a call id in the wire header matches responses to calls.
+ *
+ * Bodies are zero-copy: a request or response body is a buffer from
+ * bex_rpc_alloc() (bemalloc memory of the context with room for the RPC
+ * header in front of it), or a body the RPC layer delivered (a request a
+ * handler got, a response a completion got), which has that room too. Large
+ * bodies travel by the socket layer's rendezvous (WRITE fragments straight
+ * into a buffer the receiver allocated). Free bodies with bex_rpc_free().
+ *
+ * Failures: a failed or timed out attempt is retried with a configurable
+ * probability, within a retry budget (retries bounded as a share of recent
+ * calls, like gRPC's retry throttling), on another endpoint when the
+ * channel has one; the call's deadline is never exceeded. Methods a server
+ * registers as state-changing (BEX_RPC_METHOD_WRITE) are applied at most
+ * once per (client id, sequence) within the server's dedup window; a retry
+ * of an applied call gets the first result. docs/protocol.md ("RPC") has
+ * the wire header and the window's rules.
+ *
+ * Threads: every function may be called from any thread, callbacks
+ * included, unless its comment says otherwise. Callbacks (handlers,
+ * completions) must not block for long: they run on the context's I/O
+ * thread or on the channel's timer thread. */
+#ifndef BEX_RPC_H
+#define BEX_RPC_H
+
+#include <netinet/in.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bex/common.h"
+#include "bex/sock.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#pragma GCC visibility push(default)
+
+typedef struct bex_rpc_server bex_rpc_server;
+typedef struct bex_rpc_req bex_rpc_req;
+typedef struct bex_rpc_channel bex_rpc_channel;
+
+/* Bytes of header room bex_rpc_alloc() keeps in front of every body. */
+#define BEX_RPC_HDR_LEN 64
+
+/* ---- bodies ---- */
+
+/* A body of len bytes (bemalloc memory of ctx, header room in front).
+ * NULL on failure. Free with bex_rpc_free() unless passed to bex_rpc_call
+ * or bex_rpc_reply, which take it over. */
+void *bex_rpc_alloc(bex_ctx *ctx, size_t len);
+/* Free a body from bex_rpc_alloc() or one the RPC layer delivered; any
+ * thread; NULL is ignored. */
+void bex_rpc_free(void *body);
+
+/* ---- server ---- */
+
+/* Registration flags. WRITE: the method changes state; a request of it is
+ * applied at most once per (client id, sequence) and a retry gets the
+ * first answer (docs/protocol.md, "Dedup window"). */
+enum { BEX_RPC_METHOD_WRITE = 1u << 0 };
+
+/* A handler: a request for (service, method) arrived. body (len bytes,
+ * NULL when len is 0) belongs to the handler: free it with bex_rpc_free()
+ * or send it back as the response. The handler must answer req exactly
+ * once with bex_rpc_reply(), now or later, from any thread. Runs on the
+ * I/O thread. */
+typedef void (*bex_rpc_handler)(bex_rpc_req *req, void *body, size_t len, void *user);
+
+typedef struct bex_rpc_server_config {
+    uint32_t dedup_window;   /* sequences remembered per client (256) */
+    uint32_t dedup_clients;  /* clients remembered (1024); the least recently
+                                seen one is forgotten beyond it */
+    uint32_t dedup_resp_max; /* largest response kept for a retry, bytes
+                                (65536); a retry of a call whose answer was
+                                larger gets -ESTALE */
+} bex_rpc_server_config;
+
+/* Create a server on ctx (cfg may be NULL). Returns 0, -EINVAL, -ENOMEM. */
+int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rpc_server **out);
+
+/* Register fn for (service, method) with BEX_RPC_METHOD_* flags. Only
+ * before bex_rpc_server_listen. Returns 0, -EEXIST, -EINVAL (flags, or
+ * after listen), -ENOMEM. */
+int bex_rpc_server_register(bex_rpc_server *srv, uint32_t service, uint32_t method, uint32_t flags,
+                            bex_rpc_handler fn, void *user);
+
+/* Listen on addr (port 0 picks one); bex_rpc_server_addr tells which.
+ * Once. Returns 0 or bex_listen's error. */
+int bex_rpc_server_listen(bex_rpc_server *srv, const struct sockaddr_in *addr);
+void bex_rpc_server_addr(const bex_rpc_server *srv, struct sockaddr_in *out);
+
+/* Answer req: status 0 or a negative errno for the caller's completion,
+ * and body (len bytes; from bex_rpc_alloc of the server's context or a
+ * delivered body; NULL for none), which bex owns from here on, whatever
+ * the return. Exactly once per request, from any thread. Returns 0, or
+ * -EPIPE when the request's connection is gone (the answer is dropped;
+ * for a WRITE method it is still kept for a retry), -ENOMEM. */
+int bex_rpc_reply(bex_rpc_req *req, int status, void *body, size_t len);
+
+/* The (client id, sequence) a request carries, e.g. for a handler's own
+ * records. */
+void bex_rpc_req_ids(const bex_rpc_req *req, uint64_t *client_id, uint64_t *seq);
+
+typedef struct bex_rpc_server_stats {
+    uint64_t requests;     /* requests dispatched to handlers */
+    uint64_t replies;      /* answers sent */
+    uint64_t no_method;    /* requests for an unregistered method (-ENOSYS) */
+    uint64_t bad_header;   /* connections closed for a malformed header */
+    uint64_t dup_replayed; /* WRITE retries answered from the window */
+    uint64_t dup_pending;  /* WRITE retries dropped: the first one not answered yet */
+    uint64_t stale;        /* WRITE retries past the window (-ESTALE) */
+    uint64_t conns;        /* connections accepted */
+} bex_rpc_server_stats;
+void bex_rpc_server_stats_get(bex_rpc_server *srv, bex_rpc_server_stats *out);
+
+/* Stop listening, close every connection and wait for them to go. Requests
+ * not answered yet may still be answered (their answers are dropped);
+ * the server's memory goes with the last of them. Answer every request
+ * before destroying the context. Returns 0, or -EDEADLK (nothing done)
+ * from a callback of the context. */
+int bex_rpc_server_destroy(bex_rpc_server *srv);
+
+/* ---- client ---- */
+
+/* One endpoint of a channel: a server's address and where it is. */
+typedef struct bex_rpc_endpoint {
+    struct sockaddr_in addr;
+    const char *locality; /* e.g. "dc1/pod3" (copied; NULL: none) */
+    uint32_t transport;   /* BEX_TRANSPORT_* for this endpoint (0: the context's) */
+} bex_rpc_endpoint;
+
+/* Channel configuration; zero in any field means its default. */
+typedef struct bex_rpc_channel_config {
+    const bex_rpc_endpoint *endpoints; /* the endpoint list (copied) */
+    size_t n_endpoints;                /* >= 1 */
+    const char *name;                  /* label in the Prometheus dump ("default") */
+    uint32_t request_timeout_ms;       /* Tr: a call's deadline, all attempts (40) */
+    uint32_t connect_timeout_ms;       /* Tc: an endpoint's connection not up by
+                                          then fails its attempts (10) */
+    uint32_t attempt_timeout_ms;       /* an attempt unanswered this long is
+                                          retried (0: only failures are) */
+    uint32_t max_attempts;             /* attempts per call, the first included (3;
+                                          1: no retries) */
+    uint32_t retry_permille;           /* chance a retryable failure is retried,
+                                          per mille (1000) */
+    uint32_t retry_budget_permille;    /* retry tokens each call earns, per mille
+                                          of a retry (100: retries <= 10 % of calls
+                                          plus the burst) */
+    uint32_t retry_budget_burst;       /* tokens at start and at most (10) */
+    uint32_t holddown_ms;              /* after a connection failure an endpoint
+                                          is avoided this long when another one
+                                          is there (100) */
+    uint64_t client_id;                /* (0: random) */
+} bex_rpc_channel_config;
+
+/* Create a channel on ctx. Connections are made on first use. Returns 0,
+ * -EINVAL, -ENOMEM. */
+int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out);
+
+/* Fail every outstanding call with -ECANCELED (each completes once), close
+ * the connections and wait for them and for the transport to give every
+ * buffer back; then free. Returns 0, or -EDEADLK (nothing done) from a
+ * callback (completion or socket callback of this context). */
+int bex_rpc_channel_destroy(bex_rpc_channel *ch);
+
+/* A call completed: status 0 and the response body, or the server's
+ * status (a negative errno from the handler or the server: -ENOSYS no such
+ * method, -ESTALE a retry past the dedup window, ...) with its body if it
+ * sent one, or a local error with body NULL: -ETIMEDOUT (deadline),
+ * -ECANCELED (bex_rpc_cancel, channel destroyed), -ECONNRESET,
+ * -ECONNREFUSED, ... (the last attempt's connection failure). body
+ * belongs to the callee: free it with bex_rpc_free(). Runs once per call,
+ * on the I/O thread, the channel's timer thread, or the thread calling
+ * bex_rpc_cancel / bex_rpc_channel_destroy. */
+typedef void (*bex_rpc_done_fn)(int status, void *body, size_t len, void *user);
+
+enum { BEX_RPC_CALL_NO_RETRY = 1u << 0 };
+typedef struct bex_rpc_call_opts {
+    uint32_t timeout_ms; /* this call's deadline (0: request_timeout_ms) */
+    uint32_t flags;      /* BEX_RPC_CALL_* */
+} bex_rpc_call_opts;
+
+/* Call (service, method) with body (len bytes, from bex_rpc_alloc of the
+ * channel's context or a delivered body; NULL when len is 0). On 0, bex
+ * owns body (it frees it once the transport no longer reads it) and done
+ * will run exactly once; *call_id (may be NULL) names the call for
+ * bex_rpc_cancel. On error nothing was sent, done will not run and body is
+ * the caller's: -EINVAL, -ENOMEM, -EPIPE (channel being destroyed). */
+int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body, size_t len,
+                 const bex_rpc_call_opts *opts, bex_rpc_done_fn done, void *user,
+                 uint64_t *call_id);
+
+/* Complete call_id now with -ECANCELED (its buffers are released once the
+ * transport is done with them; a late answer is dropped and counted).
+ * Returns 0, or -ENOENT (already completed). */
+int bex_rpc_cancel(bex_rpc_channel *ch, uint64_t call_id);
+
+/* The synchronous wrapper: call and wait for the completion. Returns its
+ * status; *resp / *resp_len (may be NULL: the body is freed) get the body.
+ * Never from a callback of the channel's context (it would wait for
+ * itself). */
+int bex_rpc_call_sync(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, const bex_rpc_call_opts *opts, void **resp, size_t *resp_len);
+
+/* Per-channel counters (a snapshot). */
+typedef struct bex_rpc_channel_stats {
+    uint64_t calls;           /* calls accepted by bex_rpc_call */
+    uint64_t ok;              /* completed with status 0 */
+    uint64_t failed;          /* completed otherwise; by kind below */
+    uint64_t fail_timeout;    /* -ETIMEDOUT: the deadline passed */
+    uint64_t fail_conn;       /* the last attempt's connection failed */
+    uint64_t fail_remote;     /* the server answered with a non-zero status */
+    uint64_t fail_cancel;     /* cancelled, or the channel destroyed */
+    uint64_t attempts;        /* requests sent, retries included */
+    uint64_t retries;         /* attempts after the first */
+    uint64_t retry_throttled; /* retries refused by the budget */
+    uint64_t late_responses;  /* answers to calls already completed: dropped */
+    uint64_t bad_header;      /* connections closed for a malformed answer */
+    uint64_t conn_failures;   /* connections that failed or timed out (Tc) */
+    /* latency of completed calls, microseconds, from the histogram */
+    double lat_mean_us, lat_p50_us, lat_p99_us, lat_p999_us;
+} bex_rpc_channel_stats;
+void bex_rpc_channel_stats_get(bex_rpc_channel *ch, bex_rpc_channel_stats *out);
+
+/* The counters and latency quantiles in Prometheus text exposition format
+ * (metric names bex_rpc_*, label channel="<name>"), NUL-terminated, into
+ * buf (cap bytes). Returns the length it needed (without the NUL), like
+ * snprintf: output is cut when that is >= cap. */
+int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap);
+
+#pragma GCC visibility pop
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,881 @@
+/* RPC client: channels over an endpoint list, calls with deadlines,
+ * retries within a budget, counters and a latency histogram.
+ *
+ * One mutex per channel guards everything of it; socket callbacks (I/O
+ * thread), the timer thread and callers take it. Completions are collected
+ * under it and run after it is released, so a completion may call again. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "common/log.h"
+#include "rpc/internal.h"
+#include "sock/ctx_access.h"
+
+enum { L_CONNECTING, L_UP, L_FAILED };
+
+/* One socket to an endpoint; lives until its on_close. */
+struct link {
+    struct bex_rpc_channel *ch;
+    struct endpoint *ep;
+    bex_sock *s;
+    int state;
+    uint64_t t_start; /* connect started (ns) */
+    bool bad;         /* refused for a malformed answer (logged once) */
+    struct link *next;
+};
+
+/* An endpoint of the channel's list. The list is its own abstraction so
+ * that a directory (issue 9 item 2) and quarantine (item 6) can replace or
+ * filter it; for now it is fixed at create. */
+struct endpoint {
+    struct sockaddr_in addr;
+    char *locality;
+    uint32_t transport;
+    struct link *cur;    /* the live link, or NULL: made on first use */
+    uint64_t down_until; /* ns: avoided until then after a failure */
+};
+
+/* completion kinds, for the counters */
+enum { K_OK, K_TIMEOUT, K_CONN, K_REMOTE, K_CANCEL };
+
+struct call {
+    uint64_t id;
+    uint32_t service, method, flags;
+    uint8_t *msg; /* header + body, one bemalloc buffer */
+    size_t len;
+    bex_rpc_done_fn done;
+    void *user;
+    uint64_t t_start, deadline, attempt_deadline; /* ns; attempt_deadline 0: none */
+    uint32_t attempts;
+    struct link *link;   /* the current attempt's */
+    struct endpoint *ep; /* the current attempt's */
+    int refs;            /* 1 while live or its completion runs, + 1 per send out */
+    bool live;
+    int status;
+    void *resp;
+    size_t resp_len;
+    struct call *hnext;       /* id hash */
+    struct call *prev, *next; /* live list */
+    struct call *dnext;       /* completions to run */
+};
+
+#define CALL_BUCKETS 4096
+
+struct bex_rpc_channel {
+    bex_ctx *ctx;
+    struct bex__log *log;
+    char *name;
+    uint64_t tr_ns, tc_ns, attempt_ns, holddown_ns;
+    uint32_t max_attempts, retry_permille, budget_permille, budget_burst;
+    struct endpoint *eps;
+    size_t n_eps, rr;
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* timer wake-ups and destroy's waits */
+    struct call *htab[CALL_BUCKETS];
+    struct call *live;
+    uint64_t next_id, next_seq, client_id;
+    int64_t tokens; /* retry budget, thousandths of a retry */
+    struct link *links;
+    size_t n_calls; /* not yet freed */
+    pthread_t timer;
+    bool stop, destroying;
+    uint64_t timer_next;
+    uint64_t rng;
+    bex_rpc_channel_stats st;
+    struct bex__rpc_hist hist;
+};
+
+static uint64_t rnd(struct bex_rpc_channel *ch)
+{
+    /* xorshift64*: retry coin flips, not security */
+    uint64_t x = ch->rng;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    ch->rng = x;
+    return x * 0x2545F4914F6CDD1Dull;
+}
+
+/* ---- calls (under ch->mu) ---- */
+
+static size_t bucket(uint64_t id)
+{
+    return (size_t)(id % CALL_BUCKETS);
+}
+
+static struct call *call_find(struct bex_rpc_channel *ch, uint64_t id)
+{
+    for (struct call *c = ch->htab[bucket(id)]; c; c = c->hnext)
+        if (c->id == id)
+            return c;
+    return NULL;
+}
+
+static void call_put(struct bex_rpc_channel *ch, struct call *c)
+{
+    if (--c->refs)
+        return;
+    bex_mem_free(c->msg);
+    free(c);
+    if (--ch->n_calls == 0)
+        pthread_cond_broadcast(&ch->cv);
+}
+
+/* Take c off the books with status; its completion runs once the lock is
+ * released (run_done). */
+static void complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
+                     size_t resp_len, int kind, struct call **done)
+{
+    if (!c->live) {
+        bex_rpc_free(resp);
+        return;
+    }
+    c->live = false;
+    struct call **pp = &ch->htab[bucket(c->id)];
+    while (*pp != c)
+        pp = &(*pp)->hnext;
+    *pp = c->hnext;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        ch->live = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->status = status;
+    c->resp = resp;
+    c->resp_len = resp_len;
+    switch (kind) {
+    case K_OK:
+        ch->st.ok++;
+        break;
+    case K_TIMEOUT:
+        ch->st.fail_timeout++;
+        break;
+    case K_CONN:
+        ch->st.fail_conn++;
+        break;
+    case K_REMOTE:
+        ch->st.fail_remote++;
+        break;
+    default:
+        ch->st.fail_cancel++;
+        break;
+    }
+    if (kind != K_OK)
+        ch->st.failed++;
+    bex__rpc_hist_add(&ch->hist, bex__rpc_now_ns() - c->t_start);
+    c->dnext = *done;
+    *done = c;
+}
+
+static void run_done(struct bex_rpc_channel *ch, struct call *done)
+{
+    /* oldest first: reverse the stack */
+    struct call *r = NULL;
+    while (done) {
+        struct call *n = done->dnext;
+        done->dnext = r;
+        r = done;
+        done = n;
+    }
+    for (struct call *c = r, *n; c; c = n) {
+        n = c->dnext;
+        c->done(c->status, c->resp, c->resp_len, c->user);
+        pthread_mutex_lock(&ch->mu);
+        call_put(ch, c);
+        pthread_mutex_unlock(&ch->mu);
+    }
+}
+
+/* ---- links and endpoints (under ch->mu) ---- */
+
+static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                           struct call **done);
+
+static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
+{
+    if (l->state == L_FAILED)
+        return;
+    l->state = L_FAILED;
+    ch->st.conn_failures++;
+    if (l->ep->cur == l)
+        l->ep->cur = NULL;
+    l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
+    bex_sock_close(l->s);
+    /* a retry never lands on l (it failed), and completing a call unlinks
+     * that call alone: the saved next stays valid */
+    for (struct call *c = ch->live, *n; c; c = n) {
+        n = c->next;
+        if (c->link == l)
+            attempt_failed(ch, c, err, false, done);
+    }
+}
+
+static void on_connect(bex_sock *s, int status, void *user);
+static void on_recv(bex_sock *s, void *buf, size_t len, void *user);
+static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
+                         void *user);
+static void on_error(bex_sock *s, int err, void *user);
+static void on_close(bex_sock *s, void *user);
+
+static const bex_sock_ops link_ops = {
+    .on_connect = on_connect,
+    .on_recv = on_recv,
+    .on_send_done = on_send_done,
+    .on_error = on_error,
+    .on_close = on_close,
+};
+
+static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out)
+{
+    struct link *l = calloc(1, sizeof(*l));
+    if (!l)
+        return -ENOMEM;
+    l->ch = ch;
+    l->ep = ep;
+    l->state = L_CONNECTING;
+    l->t_start = bex__rpc_now_ns();
+    bex_connect_opts o = {0};
+    if (ep->transport) {
+        o.flags = BEX_CONNECT_TRANSPORT;
+        o.transport = ep->transport;
+    }
+    /* callbacks wait for ch->mu, which we hold: l->s is set before any */
+    int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
+    if (err) {
+        free(l);
+        return err;
+    }
+    l->next = ch->links;
+    ch->links = l;
+    ep->cur = l;
+    /* the timer watches Tc */
+    if (l->t_start + ch->tc_ns < ch->timer_next)
+        pthread_cond_broadcast(&ch->cv);
+    *out = l;
+    return 0;
+}
+
+/* The next endpoint for an attempt: round robin over those not held down,
+ * other than exclude when there is another; else the one back soonest. */
+static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
+{
+    uint64_t now = bex__rpc_now_ns();
+    struct endpoint *soonest = NULL;
+    for (size_t i = 0; i < ch->n_eps; i++) {
+        size_t k = (ch->rr + i) % ch->n_eps;
+        struct endpoint *ep = &ch->eps[k];
+        if (ep == exclude && ch->n_eps > 1)
+            continue;
+        if (ep->down_until <= now) {
+            ch->rr = (k + 1) % ch->n_eps;
+            return ep;
+        }
+        if (!soonest || ep->down_until < soonest->down_until)
+            soonest = ep;
+    }
+    return soonest ? soonest : &ch->eps[0];
+}
+
+/* Send c on an endpoint (not exclude when there is another). Returns 0 or
+ * the error that kept the attempt from starting. */
+static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude)
+{
+    struct endpoint *ep = choose_ep(ch, exclude);
+    c->attempts++;
+    c->ep = ep;
+    c->link = NULL;
+    struct link *l = ep->cur;
+    int err = 0;
+    if (!l)
+        err = link_open(ch, ep, &l);
+    if (!err)
+        err = bex_sock_send(l->s, c->msg, c->len, c);
+    if (err) {
+        ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
+        return err;
+    }
+    ch->st.attempts++;
+    c->refs++;
+    c->link = l;
+    c->attempt_deadline = ch->attempt_ns ? bex__rpc_now_ns() + ch->attempt_ns : 0;
+    if (c->attempt_deadline && c->attempt_deadline < ch->timer_next)
+        pthread_cond_broadcast(&ch->cv);
+    return 0;
+}
+
+static bool retryable(int err, bool remote)
+{
+    if (remote)
+        return err == -EAGAIN || err == -EBUSY;
+    return err != -ENOMEM && err != -EINVAL && err != -EMSGSIZE;
+}
+
+/* Whether c may be tried again after err: attempts left, time left, the
+ * coin, then the budget (only a retry that happens spends a token). */
+static bool may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote)
+{
+    if ((c->flags & BEX_RPC_CALL_NO_RETRY) || c->attempts >= ch->max_attempts ||
+        !retryable(err, remote) || bex__rpc_now_ns() >= c->deadline || ch->destroying)
+        return false;
+    if (ch->retry_permille < 1000 && rnd(ch) % 1000 >= ch->retry_permille)
+        return false;
+    if (ch->tokens < 1000) {
+        ch->st.retry_throttled++;
+        return false;
+    }
+    ch->tokens -= 1000;
+    return true;
+}
+
+/* The current attempt of c failed with err: retry, or complete with err. */
+static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                           struct call **done)
+{
+    if (!c->live)
+        return;
+    c->link = NULL;
+    c->attempt_deadline = 0;
+    while (may_retry(ch, c, err, remote)) {
+        ch->st.retries++;
+        int e = start_attempt(ch, c, c->ep);
+        if (!e)
+            return;
+        err = e;
+        remote = false;
+    }
+    complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
+}
+
+/* ---- socket callbacks (I/O thread) ---- */
+
+static void on_connect(bex_sock *s, int status, void *user)
+{
+    (void)s;
+    struct link *l = user;
+    struct bex_rpc_channel *ch = l->ch;
+    struct call *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    if (status)
+        link_fail(ch, l, status, &done);
+    else if (l->state == L_CONNECTING)
+        l->state = L_UP;
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+}
+
+static void on_error(bex_sock *s, int err, void *user)
+{
+    (void)s;
+    struct link *l = user;
+    struct bex_rpc_channel *ch = l->ch;
+    struct call *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    link_fail(ch, l, err ? err : -ECONNRESET, &done);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+}
+
+static void on_close(bex_sock *s, void *user)
+{
+    (void)s;
+    struct link *l = user;
+    struct bex_rpc_channel *ch = l->ch;
+    pthread_mutex_lock(&ch->mu);
+    struct link **pp = &ch->links;
+    while (*pp != l)
+        pp = &(*pp)->next;
+    *pp = l->next;
+    if (l->ep->cur == l)
+        l->ep->cur = NULL;
+    /* calls still naming l as their attempt's link are failed by now
+     * (link_fail ran before the close), so nothing points to l */
+    pthread_cond_broadcast(&ch->cv);
+    pthread_mutex_unlock(&ch->mu);
+    free(l);
+}
+
+static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status, void *user)
+{
+    (void)s;
+    (void)buf;
+    (void)len;
+    struct link *l = user;
+    struct bex_rpc_channel *ch = l->ch;
+    struct call *c = msg_user;
+    struct call *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    if (status && c->live && c->link == l)
+        attempt_failed(ch, c, status, false, &done);
+    call_put(ch, c);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+}
+
+static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    (void)s;
+    struct link *l = user;
+    struct bex_rpc_channel *ch = l->ch;
+    struct call *done = NULL;
+    struct bex__rpc_hdr h;
+    const char *why = NULL;
+    pthread_mutex_lock(&ch->mu);
+    if (l->bad) {
+        pthread_mutex_unlock(&ch->mu);
+        bex_mem_free(buf);
+        return;
+    }
+    int err = bex__rpc_hdr_decode(buf, len, &h, &why);
+    struct call *c = NULL;
+    if (!err && h.kind == BEX__RPC_REQUEST)
+        why = "a request on a client connection";
+    else if (!err && h.client_id != ch->client_id)
+        why = "another client's id";
+    if (!why) {
+        c = call_find(ch, h.call_id);
+        if (c && (c->service != h.service || c->method != h.method))
+            why = "an answer naming another method";
+    }
+    if (why) {
+        ch->st.bad_header++;
+        l->bad = true;
+        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: malformed answer (%s): connection closed",
+                 ch->name, why);
+        link_fail(ch, l, -EPROTO, &done);
+        pthread_mutex_unlock(&ch->mu);
+        bex_mem_free(buf);
+        run_done(ch, done);
+        return;
+    }
+    if (!c) {
+        ch->st.late_responses++; /* completed already: timed out, cancelled */
+        pthread_mutex_unlock(&ch->mu);
+        bex_mem_free(buf);
+        return;
+    }
+    size_t blen = len - BEX_RPC_HDR_LEN;
+    void *body = blen ? (uint8_t *)buf + BEX_RPC_HDR_LEN : NULL;
+    if (!blen)
+        bex_mem_free(buf);
+    if (h.status && retryable(h.status, true) && c->link == l) {
+        bex_rpc_free(body);
+        attempt_failed(ch, c, h.status, true, &done);
+    } else if (h.status && retryable(h.status, true)) {
+        /* an earlier attempt's refusal: the current attempt may still do */
+        bex_rpc_free(body);
+    } else {
+        complete(ch, c, h.status, body, blen, h.status ? K_REMOTE : K_OK, &done);
+    }
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+}
+
+/* ---- timer thread: deadlines, attempt timeouts, Tc ---- */
+
+static void *timer_main(void *arg)
+{
+    struct bex_rpc_channel *ch = arg;
+    pthread_mutex_lock(&ch->mu);
+    while (!ch->stop) {
+        uint64_t now = bex__rpc_now_ns();
+        uint64_t next = now + 1000000000ull;
+        struct call *done = NULL;
+        for (struct link *l = ch->links; l; l = l->next) {
+            if (l->state != L_CONNECTING)
+                continue;
+            if (now >= l->t_start + ch->tc_ns)
+                link_fail(ch, l, -ETIMEDOUT, &done);
+            else if (l->t_start + ch->tc_ns < next)
+                next = l->t_start + ch->tc_ns;
+        }
+        for (struct call *c = ch->live, *n; c; c = n) {
+            n = c->next;
+            if (now >= c->deadline) {
+                complete(ch, c, -ETIMEDOUT, NULL, 0, K_TIMEOUT, &done);
+                continue;
+            }
+            if (c->attempt_deadline && now >= c->attempt_deadline) {
+                /* the attempt stays out (its answer is still taken); a
+                 * second one goes elsewhere */
+                c->attempt_deadline = 0;
+                struct link *pl = c->link;
+                struct endpoint *pe = c->ep;
+                if (may_retry(ch, c, -ETIMEDOUT, false)) {
+                    ch->st.retries++;
+                    if (start_attempt(ch, c, pe)) {
+                        /* no second attempt now: the first may still answer */
+                        c->link = pl;
+                        c->ep = pe;
+                    }
+                }
+            }
+            if (c->live && c->deadline < next)
+                next = c->deadline;
+            if (c->live && c->attempt_deadline && c->attempt_deadline < next)
+                next = c->attempt_deadline;
+        }
+        if (done) {
+            pthread_mutex_unlock(&ch->mu);
+            run_done(ch, done);
+            pthread_mutex_lock(&ch->mu);
+            continue;
+        }
+        ch->timer_next = next;
+        struct timespec ts = {(time_t)(next / 1000000000ull), (long)(next % 1000000000ull)};
+        pthread_cond_timedwait(&ch->cv, &ch->mu, &ts);
+        ch->timer_next = 0;
+    }
+    pthread_mutex_unlock(&ch->mu);
+    return NULL;
+}
+
+/* ---- API ---- */
+
+int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out)
+{
+    if (!ctx || !cfg || !out || !cfg->endpoints || cfg->n_endpoints == 0 ||
+        cfg->n_endpoints > 4096 || cfg->retry_permille > 1000)
+        return -EINVAL;
+    for (size_t i = 0; i < cfg->n_endpoints; i++)
+        if (cfg->endpoints[i].addr.sin_family != AF_INET || !cfg->endpoints[i].addr.sin_port ||
+            cfg->endpoints[i].transport > BEX_TRANSPORT_TCP)
+            return -EINVAL;
+    struct bex_rpc_channel *ch = calloc(1, sizeof(*ch));
+    if (!ch)
+        return -ENOMEM;
+    int err = -ENOMEM;
+    ch->ctx = ctx;
+    ch->log = bex__ctx_log(ctx);
+    ch->name = strdup(cfg->name ? cfg->name : "default");
+    ch->eps = calloc(cfg->n_endpoints, sizeof(*ch->eps));
+    if (!ch->name || !ch->eps)
+        goto err_free;
+    ch->n_eps = cfg->n_endpoints;
+    for (size_t i = 0; i < ch->n_eps; i++) {
+        ch->eps[i].addr = cfg->endpoints[i].addr;
+        ch->eps[i].transport = cfg->endpoints[i].transport;
+        if (cfg->endpoints[i].locality &&
+            !(ch->eps[i].locality = strdup(cfg->endpoints[i].locality)))
+            goto err_free;
+    }
+    ch->tr_ns = (cfg->request_timeout_ms ? cfg->request_timeout_ms : 40) * 1000000ull;
+    ch->tc_ns = (cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 10) * 1000000ull;
+    ch->attempt_ns = cfg->attempt_timeout_ms * 1000000ull;
+    ch->holddown_ns = (cfg->holddown_ms ? cfg->holddown_ms : 100) * 1000000ull;
+    ch->max_attempts = cfg->max_attempts ? cfg->max_attempts : 3;
+    ch->retry_permille = cfg->retry_permille ? cfg->retry_permille : 1000;
+    ch->budget_permille = cfg->retry_budget_permille ? cfg->retry_budget_permille : 100;
+    ch->budget_burst = cfg->retry_budget_burst ? cfg->retry_budget_burst : 10;
+    ch->tokens = (int64_t)ch->budget_burst * 1000;
+    ch->client_id = cfg->client_id;
+    while (!ch->client_id)
+        if (getrandom(&ch->client_id, sizeof ch->client_id, 0) != sizeof ch->client_id)
+            ch->client_id = bex__rpc_now_ns() ^ (uint64_t)(uintptr_t)ch;
+    ch->rng = ch->client_id | 1;
+    pthread_mutex_init(&ch->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&ch->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    err = -pthread_create(&ch->timer, NULL, timer_main, ch);
+    if (err)
+        goto err_sync;
+    *out = ch;
+    return 0;
+
+err_sync:
+    pthread_cond_destroy(&ch->cv);
+    pthread_mutex_destroy(&ch->mu);
+err_free:
+    if (ch->eps)
+        for (size_t i = 0; i < ch->n_eps; i++)
+            free(ch->eps[i].locality);
+    free(ch->eps);
+    free(ch->name);
+    free(ch);
+    return err;
+}
+
+int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body, size_t len,
+                 const bex_rpc_call_opts *opts, bex_rpc_done_fn done, void *user, uint64_t *call_id)
+{
+    if (!ch || !done || (!body && len) || len > (size_t)INT32_MAX - BEX_RPC_HDR_LEN ||
+        (opts && (opts->flags & ~(uint32_t)BEX_RPC_CALL_NO_RETRY)))
+        return -EINVAL;
+    bool own_body = !body;
+    if (own_body && !(body = bex_rpc_alloc(ch->ctx, 0)))
+        return -ENOMEM;
+    struct call *c = malloc(sizeof(*c));
+    if (!c) {
+        if (own_body)
+            bex_rpc_free(body);
+        return -ENOMEM;
+    }
+    uint64_t now = bex__rpc_now_ns();
+    uint64_t tmo_ns = opts && opts->timeout_ms ? opts->timeout_ms * 1000000ull : ch->tr_ns;
+    *c = (struct call){
+        .service = service,
+        .method = method,
+        .flags = opts ? opts->flags : 0,
+        .msg = bex__rpc_hdr_of(body),
+        .len = len + BEX_RPC_HDR_LEN,
+        .done = done,
+        .user = user,
+        .t_start = now,
+        .deadline = now + tmo_ns,
+        .refs = 1,
+        .live = true,
+    };
+    struct call *dl = NULL;
+    pthread_mutex_lock(&ch->mu);
+    if (ch->destroying) {
+        pthread_mutex_unlock(&ch->mu);
+        free(c);
+        if (own_body)
+            bex_rpc_free(body);
+        return -EPIPE;
+    }
+    c->id = ++ch->next_id;
+    struct bex__rpc_hdr h = {
+        .kind = BEX__RPC_REQUEST,
+        .service = service,
+        .method = method,
+        .call_id = c->id,
+        .client_id = ch->client_id,
+        .seq = ++ch->next_seq,
+        .body_len = (uint32_t)len,
+        .timeout_ms = (uint32_t)(tmo_ns / 1000000ull),
+    };
+    /* written once: every attempt sends these same bytes, and attempts
+     * may be out at once */
+    bex__rpc_hdr_encode(&h, c->msg);
+    ch->tokens += ch->budget_permille;
+    if (ch->tokens > (int64_t)ch->budget_burst * 1000)
+        ch->tokens = (int64_t)ch->budget_burst * 1000;
+    c->hnext = ch->htab[bucket(c->id)];
+    ch->htab[bucket(c->id)] = c;
+    c->next = ch->live;
+    if (c->next)
+        c->next->prev = c;
+    ch->live = c;
+    ch->n_calls++;
+    ch->st.calls++;
+    if (call_id)
+        *call_id = c->id;
+    if (c->deadline < ch->timer_next || !ch->timer_next)
+        pthread_cond_broadcast(&ch->cv);
+    int err = start_attempt(ch, c, NULL);
+    if (err)
+        attempt_failed(ch, c, err, false, &dl);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, dl);
+    return 0;
+}
+
+int bex_rpc_cancel(bex_rpc_channel *ch, uint64_t call_id)
+{
+    if (!ch)
+        return -EINVAL;
+    struct call *dl = NULL;
+    pthread_mutex_lock(&ch->mu);
+    struct call *c = call_find(ch, call_id);
+    if (c)
+        complete(ch, c, -ECANCELED, NULL, 0, K_CANCEL, &dl);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, dl);
+    return c ? 0 : -ENOENT;
+}
+
+struct sync_wait {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+    int status;
+    void *body;
+    size_t len;
+};
+
+static void sync_done(int status, void *body, size_t len, void *user)
+{
+    struct sync_wait *w = user;
+    pthread_mutex_lock(&w->mu);
+    w->status = status;
+    w->body = body;
+    w->len = len;
+    w->done = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+int bex_rpc_call_sync(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, const bex_rpc_call_opts *opts, void **resp, size_t *resp_len)
+{
+    if (!ch)
+        return -EINVAL;
+    if (bex__ctx_on_io_thread(ch->ctx) || pthread_equal(pthread_self(), ch->timer))
+        return -EDEADLK;
+    struct sync_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    int err = bex_rpc_call(ch, service, method, body, len, opts, sync_done, &w, NULL);
+    if (err)
+        return err;
+    pthread_mutex_lock(&w.mu);
+    while (!w.done)
+        pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    if (resp)
+        *resp = w.body;
+    else
+        bex_rpc_free(w.body);
+    if (resp_len)
+        *resp_len = w.len;
+    return w.status;
+}
+
+int bex_rpc_channel_destroy(bex_rpc_channel *ch)
+{
+    if (!ch)
+        return 0;
+    if (bex__ctx_on_io_thread(ch->ctx) || pthread_equal(pthread_self(), ch->timer))
+        return -EDEADLK;
+    struct call *dl = NULL;
+    pthread_mutex_lock(&ch->mu);
+    ch->destroying = true;
+    while (ch->live)
+        complete(ch, ch->live, -ECANCELED, NULL, 0, K_CANCEL, &dl);
+    for (struct link *l = ch->links; l; l = l->next)
+        link_fail(ch, l, -ECANCELED, &dl);
+    ch->stop = true;
+    pthread_cond_broadcast(&ch->cv);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, dl);
+    pthread_join(ch->timer, NULL);
+    pthread_mutex_lock(&ch->mu);
+    /* every socket's on_close, and with it every send's on_send_done */
+    while (ch->links || ch->n_calls)
+        pthread_cond_wait(&ch->cv, &ch->mu);
+    pthread_mutex_unlock(&ch->mu);
+    for (size_t i = 0; i < ch->n_eps; i++)
+        free(ch->eps[i].locality);
+    free(ch->eps);
+    free(ch->name);
+    pthread_cond_destroy(&ch->cv);
+    pthread_mutex_destroy(&ch->mu);
+    free(ch);
+    return 0;
+}
+
+void bex_rpc_channel_stats_get(bex_rpc_channel *ch, bex_rpc_channel_stats *out)
+{
+    pthread_mutex_lock(&ch->mu);
+    *out = ch->st;
+    if (ch->hist.count)
+        out->lat_mean_us = (double)ch->hist.sum_ns / (double)ch->hist.count / 1000.0;
+    out->lat_p50_us = bex__rpc_hist_quantile(&ch->hist, 0.5) / 1000.0;
+    out->lat_p99_us = bex__rpc_hist_quantile(&ch->hist, 0.99) / 1000.0;
+    out->lat_p999_us = bex__rpc_hist_quantile(&ch->hist, 0.999) / 1000.0;
+    pthread_mutex_unlock(&ch->mu);
+}
+
+/* Prometheus label values escape backslash, quote and newline. */
+static void escape_label(const char *in, char *out, size_t cap)
+{
+    size_t o = 0;
+    for (; *in && o + 3 < cap; in++) {
+        if (*in == '\\' || *in == '"') {
+            out[o++] = '\\';
+            out[o++] = *in;
+        } else if (*in == '\n') {
+            out[o++] = '\\';
+            out[o++] = 'n';
+        } else {
+            out[o++] = *in;
+        }
+    }
+    out[o] = 0;
+}
+
+struct out {
+    char *buf;
+    size_t cap, n; /* n: what was needed so far */
+};
+
+__attribute__((format(printf, 2, 3))) static void appendf(struct out *o, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k =
+        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
+    va_end(ap);
+    if (k > 0)
+        o->n += (size_t)k;
+}
+
+int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
+{
+    bex_rpc_channel_stats s;
+    bex_rpc_channel_stats_get(ch, &s);
+    pthread_mutex_lock(&ch->mu);
+    uint64_t count = ch->hist.count, sum_ns = ch->hist.sum_ns;
+    pthread_mutex_unlock(&ch->mu);
+    char name[256];
+    escape_label(ch->name, name, sizeof name);
+    struct out o = {buf, cap, 0};
+#define OUT(...) appendf(&o, __VA_ARGS__)
+    static const struct {
+        const char *metric, *help;
+        size_t off;
+    } ctrs[] = {
+        {"bex_rpc_calls_total", "Calls accepted", offsetof(bex_rpc_channel_stats, calls)},
+        {"bex_rpc_ok_total", "Calls completed with status 0", offsetof(bex_rpc_channel_stats, ok)},
+        {"bex_rpc_attempts_total", "Requests sent, retries included",
+         offsetof(bex_rpc_channel_stats, attempts)},
+        {"bex_rpc_retries_total", "Attempts after the first",
+         offsetof(bex_rpc_channel_stats, retries)},
+        {"bex_rpc_retry_throttled_total", "Retries refused by the retry budget",
+         offsetof(bex_rpc_channel_stats, retry_throttled)},
+        {"bex_rpc_late_responses_total", "Answers to completed calls, dropped",
+         offsetof(bex_rpc_channel_stats, late_responses)},
+        {"bex_rpc_bad_header_total", "Connections closed for a malformed answer",
+         offsetof(bex_rpc_channel_stats, bad_header)},
+        {"bex_rpc_conn_failures_total", "Connections failed or timed out",
+         offsetof(bex_rpc_channel_stats, conn_failures)},
+    };
+    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
+        uint64_t v;
+        memcpy(&v, (const char *)&s + ctrs[i].off, sizeof v);
+        OUT("# HELP %s %s.\n# TYPE %s counter\n%s{channel=\"%s\"} %llu\n", ctrs[i].metric,
+            ctrs[i].help, ctrs[i].metric, ctrs[i].metric, name, (unsigned long long)v);
+    }
+    OUT("# HELP bex_rpc_failures_total Calls completed with an error, by kind.\n"
+        "# TYPE bex_rpc_failures_total counter\n");
+    const struct {
+        const char *kind;
+        uint64_t v;
+    } fk[] = {{"timeout", s.fail_timeout},
+              {"connection", s.fail_conn},
+              {"remote", s.fail_remote},
+              {"cancelled", s.fail_cancel}};
+    for (size_t i = 0; i < 4; i++)
+        OUT("bex_rpc_failures_total{channel=\"%s\",kind=\"%s\"} %llu\n", name, fk[i].kind,
+            (unsigned long long)fk[i].v);
+    OUT("# HELP bex_rpc_latency_seconds Latency of completed calls.\n"
+        "# TYPE bex_rpc_latency_seconds summary\n");
+    const struct {
+        const char *q;
+        double us;
+    } qs[] = {{"0.5", s.lat_p50_us}, {"0.99", s.lat_p99_us}, {"0.999", s.lat_p999_us}};
+    for (size_t i = 0; i < 3; i++)
+        OUT("bex_rpc_latency_seconds{channel=\"%s\",quantile=\"%s\"} %.9g\n", name, qs[i].q,
+            qs[i].us / 1e6);
+    OUT("bex_rpc_latency_seconds_sum{channel=\"%s\"} %.9g\n", name, (double)sum_ns / 1e9);
+    OUT("bex_rpc_latency_seconds_count{channel=\"%s\"} %llu\n", name, (unsigned long long)count);
+#undef OUT
+    return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
+}

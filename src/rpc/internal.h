@@ -1,0 +1,67 @@
+/* RPC internals: the wire header codec, the latency histogram, and what
+ * the client and server share. The RPC layer uses the public socket API
+ * only (include/bex/sock.h), never an engine. */
+#ifndef BEX_RPC_INTERNAL_H
+#define BEX_RPC_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bex/rpc.h"
+
+/* ---- wire header (docs/protocol.md, "RPC"): 64 bytes, little-endian ---- */
+
+#define BEX__RPC_MAGIC   0xB5C1u
+#define BEX__RPC_VERSION 1u
+
+enum { BEX__RPC_REQUEST = 1, BEX__RPC_RESPONSE = 2, BEX__RPC_ERROR = 3 };
+
+/* flags: none defined yet in version 1 (a peer setting any is refused) */
+#define BEX__RPC_FLAGS_KNOWN 0u
+
+struct bex__rpc_hdr {
+    uint8_t kind;
+    uint32_t flags;
+    uint32_t service, method;
+    uint64_t call_id, client_id, seq;
+    int32_t status;
+    uint32_t body_len;
+    uint32_t timeout_ms; /* requests: what was left of the call's deadline */
+};
+
+/* Write h into out[0..63]. */
+void bex__rpc_hdr_encode(const struct bex__rpc_hdr *h, uint8_t *out);
+/* Decode a message of len bytes; strict: wrong magic or version, unknown
+ * kind or flags, non-zero reserved bytes, a body length that disagrees
+ * with len, a request with a status, or a status that is not 0 or a
+ * negative errno all fail. Returns 0, or -EBADMSG with *why set. */
+int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, const char **why);
+
+/* ---- latency histogram: log-linear buckets of nanoseconds ---- */
+
+#define BEX__RPC_HIST_SUB     16 /* sub-buckets per power of two */
+#define BEX__RPC_HIST_BUCKETS (64 * BEX__RPC_HIST_SUB)
+
+struct bex__rpc_hist {
+    uint64_t count, sum_ns;
+    uint64_t b[BEX__RPC_HIST_BUCKETS];
+};
+
+void bex__rpc_hist_add(struct bex__rpc_hist *h, uint64_t ns);
+/* The value (ns) below which a share q (0..1) of the samples lie: the
+ * midpoint of the bucket holding that rank; 0 with no samples. */
+double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q);
+
+uint64_t bex__rpc_now_ns(void);
+
+/* The header in front of a body, and back. */
+static inline uint8_t *bex__rpc_hdr_of(void *body)
+{
+    return (uint8_t *)body - BEX_RPC_HDR_LEN;
+}
+
+/* Tests: close the connection a request came on (its answer will find it
+ * closing and be dropped, though a WRITE's is kept for a retry), to lose
+ * a response after the request was applied. */
+void bex__rpc_req_close_conn(bex_rpc_req *req);
+#endif

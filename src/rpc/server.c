@@ -1,0 +1,593 @@
+/* RPC server: dispatch by (service, method), answers from any thread, the
+ * dedup window of state-changing methods. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "rpc/internal.h"
+#include "sock/ctx_access.h"
+
+struct method {
+    uint32_t service, method, flags;
+    bex_rpc_handler fn;
+    void *user;
+};
+
+/* One accepted socket. Referenced by the server's list until on_close and
+ * by every request of it not answered yet. */
+struct conn {
+    struct bex_rpc_server *srv;
+    bex_sock *s;
+    int refs;
+    bool closing; /* bex_sock_close called: nothing more is sent */
+    bool closed;  /* on_close ran: s is gone */
+    bool bad;     /* refused for a malformed header (logged once) */
+    struct conn *prev, *next;
+};
+
+/* Dedup window slot of one sequence. */
+enum { SLOT_EMPTY = 0, SLOT_PENDING, SLOT_DONE, SLOT_DONE_UNKEPT };
+struct dslot {
+    uint64_t seq;
+    uint8_t state;
+    int32_t status;
+    uint32_t len;
+    void *resp; /* malloc'd copy of the answer's body (SLOT_DONE) */
+};
+
+struct dclient {
+    uint64_t id;
+    uint64_t max_seq; /* highest sequence seen of a WRITE */
+    struct dslot *slots;
+    struct dclient *hnext;               /* hash chain */
+    struct dclient *lru_prev, *lru_next; /* most recent first */
+};
+
+#define DC_BUCKETS 1024
+
+struct bex_rpc_req {
+    struct bex_rpc_server *srv;
+    struct conn *c;
+    struct bex__rpc_hdr h;
+    bool write;
+};
+
+struct bex_rpc_server {
+    bex_ctx *ctx;
+    struct bex__log *log;
+    uint32_t window, max_clients, resp_max;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct method *methods;
+    size_t n_methods;
+    bex_listener *l;
+    bool listening, destroyed;
+    struct conn *conns;
+    int refs; /* 1 until destroy + one per request not answered */
+    struct dclient *dc_hash[DC_BUCKETS];
+    struct dclient *lru_head, *lru_tail;
+    uint32_t n_clients;
+    bex_rpc_server_stats st;
+};
+
+void *bex_rpc_alloc(bex_ctx *ctx, size_t len)
+{
+    if (!ctx || len > (size_t)INT32_MAX - BEX_RPC_HDR_LEN)
+        return NULL;
+    uint8_t *p = bex_sock_alloc(ctx, len + BEX_RPC_HDR_LEN);
+    return p ? p + BEX_RPC_HDR_LEN : NULL;
+}
+
+void bex_rpc_free(void *body)
+{
+    if (body)
+        bex_mem_free(bex__rpc_hdr_of(body));
+}
+
+int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rpc_server **out)
+{
+    if (!ctx || !out)
+        return -EINVAL;
+    struct bex_rpc_server *srv = calloc(1, sizeof(*srv));
+    if (!srv)
+        return -ENOMEM;
+    srv->ctx = ctx;
+    srv->log = bex__ctx_log(ctx);
+    srv->window = cfg && cfg->dedup_window ? cfg->dedup_window : 256;
+    srv->max_clients = cfg && cfg->dedup_clients ? cfg->dedup_clients : 1024;
+    srv->resp_max = cfg && cfg->dedup_resp_max ? cfg->dedup_resp_max : 65536;
+    srv->refs = 1;
+    pthread_mutex_init(&srv->mu, NULL);
+    pthread_cond_init(&srv->cv, NULL);
+    *out = srv;
+    return 0;
+}
+
+int bex_rpc_server_register(bex_rpc_server *srv, uint32_t service, uint32_t method, uint32_t flags,
+                            bex_rpc_handler fn, void *user)
+{
+    if (!srv || !fn || (flags & ~(uint32_t)BEX_RPC_METHOD_WRITE) || srv->listening)
+        return -EINVAL;
+    for (size_t i = 0; i < srv->n_methods; i++)
+        if (srv->methods[i].service == service && srv->methods[i].method == method)
+            return -EEXIST;
+    struct method *m = realloc(srv->methods, (srv->n_methods + 1) * sizeof(*m));
+    if (!m)
+        return -ENOMEM;
+    m[srv->n_methods++] = (struct method){service, method, flags, fn, user};
+    srv->methods = m;
+    return 0;
+}
+
+/* Read-only once listening: no lock. A linear scan: servers register a
+ * handful of methods. */
+static const struct method *find_method(const struct bex_rpc_server *srv, uint32_t service,
+                                        uint32_t method)
+{
+    for (size_t i = 0; i < srv->n_methods; i++)
+        if (srv->methods[i].service == service && srv->methods[i].method == method)
+            return &srv->methods[i];
+    return NULL;
+}
+
+static void dc_free_slots(struct dclient *d, uint32_t window)
+{
+    for (uint32_t i = 0; i < window; i++)
+        free(d->slots[i].resp);
+    free(d->slots);
+}
+
+static void srv_free(struct bex_rpc_server *srv)
+{
+    for (size_t i = 0; i < DC_BUCKETS; i++) {
+        struct dclient *d = srv->dc_hash[i];
+        while (d) {
+            struct dclient *n = d->hnext;
+            dc_free_slots(d, srv->window);
+            free(d);
+            d = n;
+        }
+    }
+    free(srv->methods);
+    pthread_mutex_destroy(&srv->mu);
+    pthread_cond_destroy(&srv->cv);
+    free(srv);
+}
+
+/* Under srv->mu. */
+static void conn_put_locked(struct conn *c)
+{
+    if (--c->refs == 0)
+        free(c);
+}
+
+/* ---- dedup window (under srv->mu) ---- */
+
+static void lru_unlink(struct bex_rpc_server *srv, struct dclient *d)
+{
+    if (d->lru_prev)
+        d->lru_prev->lru_next = d->lru_next;
+    else
+        srv->lru_head = d->lru_next;
+    if (d->lru_next)
+        d->lru_next->lru_prev = d->lru_prev;
+    else
+        srv->lru_tail = d->lru_prev;
+    d->lru_prev = d->lru_next = NULL;
+}
+
+static void lru_push_front(struct bex_rpc_server *srv, struct dclient *d)
+{
+    d->lru_next = srv->lru_head;
+    d->lru_prev = NULL;
+    if (srv->lru_head)
+        srv->lru_head->lru_prev = d;
+    srv->lru_head = d;
+    if (!srv->lru_tail)
+        srv->lru_tail = d;
+}
+
+static size_t dc_bucket(uint64_t id)
+{
+    return (size_t)((id * 0x9E3779B97F4A7C15ull) >> 54) % DC_BUCKETS;
+}
+
+static struct dclient *dc_find(struct bex_rpc_server *srv, uint64_t id, bool create)
+{
+    size_t b = dc_bucket(id);
+    for (struct dclient *d = srv->dc_hash[b]; d; d = d->hnext)
+        if (d->id == id) {
+            lru_unlink(srv, d);
+            lru_push_front(srv, d);
+            return d;
+        }
+    if (!create)
+        return NULL;
+    if (srv->n_clients >= srv->max_clients && srv->lru_tail) {
+        /* forget the client seen least recently (docs/protocol.md says
+         * what that costs it) */
+        struct dclient *old = srv->lru_tail;
+        lru_unlink(srv, old);
+        struct dclient **pp = &srv->dc_hash[dc_bucket(old->id)];
+        while (*pp != old)
+            pp = &(*pp)->hnext;
+        *pp = old->hnext;
+        dc_free_slots(old, srv->window);
+        free(old);
+        srv->n_clients--;
+    }
+    struct dclient *d = calloc(1, sizeof(*d));
+    if (!d)
+        return NULL;
+    d->slots = calloc(srv->window, sizeof(*d->slots));
+    if (!d->slots) {
+        free(d);
+        return NULL;
+    }
+    d->id = id;
+    d->hnext = srv->dc_hash[b];
+    srv->dc_hash[b] = d;
+    lru_push_front(srv, d);
+    srv->n_clients++;
+    return d;
+}
+
+/* What to do with a WRITE request. */
+enum { DD_APPLY, DD_PENDING, DD_REPLAY, DD_STALE, DD_NOMEM };
+
+static int dedup_check(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h,
+                       struct dslot *replay)
+{
+    struct dclient *d = dc_find(srv, h->client_id, true);
+    if (!d)
+        return DD_NOMEM;
+    uint64_t w = srv->window;
+    if (d->max_seq >= w && h->seq <= d->max_seq - w)
+        return DD_STALE; /* older than the window: applied or not, we cannot tell */
+    struct dslot *sl = &d->slots[h->seq % w];
+    if (sl->seq == h->seq && sl->state != SLOT_EMPTY) {
+        if (sl->state == SLOT_PENDING)
+            return DD_PENDING;
+        if (sl->state == SLOT_DONE_UNKEPT)
+            return DD_STALE;
+        *replay = *sl;
+        return DD_REPLAY;
+    }
+    /* a sequence the window does not hold: the slot's old occupant (if
+     * any) is out of the window by now */
+    free(sl->resp);
+    *sl = (struct dslot){.seq = h->seq, .state = SLOT_PENDING};
+    if (h->seq > d->max_seq)
+        d->max_seq = h->seq;
+    return DD_APPLY;
+}
+
+static void dedup_record(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h, int status,
+                         const void *body, size_t len)
+{
+    struct dclient *d = dc_find(srv, h->client_id, false);
+    if (!d)
+        return; /* forgotten meanwhile */
+    struct dslot *sl = &d->slots[h->seq % srv->window];
+    if (sl->seq != h->seq || sl->state != SLOT_PENDING)
+        return;
+    sl->status = status;
+    sl->len = (uint32_t)len;
+    sl->state = SLOT_DONE_UNKEPT;
+    if (len <= srv->resp_max) {
+        sl->resp = len ? malloc(len) : NULL;
+        if (len && !sl->resp)
+            return;
+        if (len)
+            memcpy(sl->resp, body, len);
+        sl->state = SLOT_DONE;
+    }
+}
+
+/* ---- sending answers ---- */
+
+/* Send an answer (kind, status) to the request h on c: body is an RPC body
+ * (or NULL: a header-only one is made). Under srv->mu. Frees body on
+ * failure. */
+static int send_answer(struct bex_rpc_server *srv, struct conn *c, const struct bex__rpc_hdr *rq,
+                       uint8_t kind, int status, void *body, size_t len)
+{
+    if (!body) {
+        body = bex_rpc_alloc(srv->ctx, 0);
+        if (!body)
+            return -ENOMEM;
+        len = 0;
+    }
+    if (c->closing || c->closed) {
+        bex_rpc_free(body);
+        return -EPIPE;
+    }
+    struct bex__rpc_hdr h = *rq;
+    h.kind = kind;
+    h.flags = 0;
+    h.status = status;
+    h.body_len = (uint32_t)len;
+    h.timeout_ms = 0;
+    uint8_t *hdr = bex__rpc_hdr_of(body);
+    bex__rpc_hdr_encode(&h, hdr);
+    int err = bex_sock_send(c->s, hdr, len + BEX_RPC_HDR_LEN, NULL);
+    if (err) {
+        bex_rpc_free(body);
+        return err;
+    }
+    srv->st.replies++;
+    return 0;
+}
+
+int bex_rpc_reply(bex_rpc_req *req, int status, void *body, size_t len)
+{
+    if (!req)
+        return -EINVAL;
+    struct bex_rpc_server *srv = req->srv;
+    if (status > 0 || status < -4095 || len > (size_t)INT32_MAX - BEX_RPC_HDR_LEN) {
+        bex_rpc_free(body);
+        status = -EINVAL; /* the caller still gets an answer */
+        body = NULL;
+        len = 0;
+    }
+    if (!body)
+        len = 0;
+    pthread_mutex_lock(&srv->mu);
+    if (req->write)
+        dedup_record(srv, &req->h, status, body, len);
+    int err = send_answer(srv, req->c, &req->h, BEX__RPC_RESPONSE, status, body, len);
+    conn_put_locked(req->c);
+    bool last = --srv->refs == 0;
+    pthread_mutex_unlock(&srv->mu);
+    free(req);
+    if (last)
+        srv_free(srv);
+    return err;
+}
+
+void bex_rpc_req_ids(const bex_rpc_req *req, uint64_t *client_id, uint64_t *seq)
+{
+    if (client_id)
+        *client_id = req->h.client_id;
+    if (seq)
+        *seq = req->h.seq;
+}
+
+/* ---- socket callbacks (I/O thread) ---- */
+
+static void conn_refuse(struct bex_rpc_server *srv, struct conn *c, const char *why)
+{
+    /* once per connection: later messages of it are dropped unlogged */
+    if (!c->bad) {
+        c->bad = true;
+        srv->st.bad_header++;
+        bex__log(srv->log, BEX_LOG_WARN,
+                 "rpc server: malformed request header (%s): connection closed", why);
+    }
+    if (!c->closing) {
+        c->closing = true;
+        bex_sock_close(c->s);
+    }
+}
+
+static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    (void)s;
+    struct conn *c = user;
+    struct bex_rpc_server *srv = c->srv;
+    struct bex__rpc_hdr h;
+    const char *why;
+    pthread_mutex_lock(&srv->mu);
+    if (c->bad || c->closing) {
+        pthread_mutex_unlock(&srv->mu);
+        bex_mem_free(buf);
+        return;
+    }
+    if (bex__rpc_hdr_decode(buf, len, &h, &why) || h.kind != BEX__RPC_REQUEST) {
+        conn_refuse(srv, c, why ? why : "not a request");
+        pthread_mutex_unlock(&srv->mu);
+        bex_mem_free(buf);
+        return;
+    }
+    void *body = (uint8_t *)buf + BEX_RPC_HDR_LEN;
+    const struct method *m = find_method(srv, h.service, h.method);
+    if (!m) {
+        srv->st.no_method++;
+        send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOSYS, body, 0);
+        pthread_mutex_unlock(&srv->mu);
+        return;
+    }
+    bool write = m->flags & BEX_RPC_METHOD_WRITE;
+    if (write) {
+        struct dslot sl;
+        switch (dedup_check(srv, &h, &sl)) {
+        case DD_APPLY:
+            break;
+        case DD_PENDING:
+            /* the first one is being applied; its answer goes where it
+             * came from, and a later retry finds it in the window */
+            srv->st.dup_pending++;
+            pthread_mutex_unlock(&srv->mu);
+            bex_mem_free(buf);
+            return;
+        case DD_REPLAY: {
+            srv->st.dup_replayed++;
+            void *copy = bex_rpc_alloc(srv->ctx, sl.len);
+            if (copy) {
+                if (sl.len)
+                    memcpy(copy, sl.resp, sl.len);
+                send_answer(srv, c, &h, BEX__RPC_RESPONSE, sl.status, copy, sl.len);
+            } else {
+                send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+                body = NULL;
+            }
+            pthread_mutex_unlock(&srv->mu);
+            if (body)
+                bex_mem_free(buf);
+            return;
+        }
+        case DD_STALE:
+            srv->st.stale++;
+            send_answer(srv, c, &h, BEX__RPC_ERROR, -ESTALE, body, 0);
+            pthread_mutex_unlock(&srv->mu);
+            return;
+        default:
+            send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+            pthread_mutex_unlock(&srv->mu);
+            return;
+        }
+    }
+    struct bex_rpc_req *req = malloc(sizeof(*req));
+    if (!req) {
+        send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+        pthread_mutex_unlock(&srv->mu);
+        return;
+    }
+    *req = (struct bex_rpc_req){.srv = srv, .c = c, .h = h, .write = write};
+    c->refs++;
+    srv->refs++;
+    srv->st.requests++;
+    pthread_mutex_unlock(&srv->mu);
+    size_t blen = len - BEX_RPC_HDR_LEN;
+    if (!blen) {
+        bex_mem_free(buf);
+        body = NULL;
+    }
+    m->fn(req, body, blen, m->user);
+}
+
+static void on_error(bex_sock *s, int err, void *user)
+{
+    (void)err;
+    struct conn *c = user;
+    pthread_mutex_lock(&c->srv->mu);
+    if (!c->closing) {
+        c->closing = true;
+        bex_sock_close(s);
+    }
+    pthread_mutex_unlock(&c->srv->mu);
+}
+
+static void on_close(bex_sock *s, void *user)
+{
+    (void)s;
+    struct conn *c = user;
+    struct bex_rpc_server *srv = c->srv;
+    pthread_mutex_lock(&srv->mu);
+    c->closed = c->closing = true;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        srv->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    pthread_cond_broadcast(&srv->cv);
+    conn_put_locked(c);
+    pthread_mutex_unlock(&srv->mu);
+}
+
+static const bex_sock_ops conn_ops = {
+    .on_recv = on_recv,
+    .on_error = on_error,
+    .on_close = on_close,
+};
+
+static void on_accept(bex_listener *l, bex_sock *s, void *user)
+{
+    (void)l;
+    struct bex_rpc_server *srv = user;
+    struct conn *c = calloc(1, sizeof(*c));
+    if (!c) {
+        bex_sock_close(s);
+        return;
+    }
+    c->srv = srv;
+    c->s = s;
+    c->refs = 1;
+    pthread_mutex_lock(&srv->mu);
+    if (srv->destroyed) {
+        pthread_mutex_unlock(&srv->mu);
+        free(c);
+        bex_sock_close(s);
+        return;
+    }
+    c->next = srv->conns;
+    if (c->next)
+        c->next->prev = c;
+    srv->conns = c;
+    srv->st.conns++;
+    pthread_mutex_unlock(&srv->mu);
+    /* on the I/O thread: takes effect at once */
+    if (bex_sock_set_user(s, &conn_ops, c)) {
+        /* cannot happen from a callback; keep the ladder honest anyway */
+        bex_sock_close(s);
+    }
+}
+
+int bex_rpc_server_listen(bex_rpc_server *srv, const struct sockaddr_in *addr)
+{
+    if (!srv || !addr || srv->listening)
+        return -EINVAL;
+    static const bex_listener_ops lops = {.on_accept = on_accept};
+    srv->listening = true; /* the method table is fixed from here on */
+    int err = bex_listen(srv->ctx, addr, &lops, srv, &srv->l);
+    if (err) {
+        srv->listening = false;
+        return err;
+    }
+    return 0;
+}
+
+void bex_rpc_server_addr(const bex_rpc_server *srv, struct sockaddr_in *out)
+{
+    if (srv->l)
+        bex_listener_addr(srv->l, out);
+    else
+        *out = (struct sockaddr_in){0};
+}
+
+void bex_rpc_server_stats_get(bex_rpc_server *srv, bex_rpc_server_stats *out)
+{
+    pthread_mutex_lock(&srv->mu);
+    *out = srv->st;
+    pthread_mutex_unlock(&srv->mu);
+}
+
+int bex_rpc_server_destroy(bex_rpc_server *srv)
+{
+    if (!srv)
+        return 0;
+    if (bex__ctx_on_io_thread(srv->ctx))
+        return -EDEADLK;
+    if (srv->l) {
+        bex_listener_close(srv->l);
+        srv->l = NULL;
+    }
+    pthread_mutex_lock(&srv->mu);
+    srv->destroyed = true;
+    for (struct conn *c = srv->conns; c; c = c->next)
+        if (!c->closing) {
+            c->closing = true;
+            bex_sock_close(c->s);
+        }
+    while (srv->conns)
+        pthread_cond_wait(&srv->cv, &srv->mu);
+    bool last = --srv->refs == 0;
+    pthread_mutex_unlock(&srv->mu);
+    if (last)
+        srv_free(srv);
+    return 0;
+}
+
+void bex__rpc_req_close_conn(bex_rpc_req *req)
+{
+    struct conn *c = req->c;
+    pthread_mutex_lock(&req->srv->mu);
+    if (!c->closing) {
+        c->closing = true;
+        bex_sock_close(c->s);
+    }
+    pthread_mutex_unlock(&req->srv->mu);
+}

@@ -1,0 +1,160 @@
+/* The RPC wire header, its histogram and small shared helpers. */
+#include <errno.h>
+#include <string.h>
+#include <time.h>
+
+#include "rpc/internal.h"
+
+static void put16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint16_t get16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | p[1] << 8);
+}
+static uint32_t get32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+void bex__rpc_hdr_encode(const struct bex__rpc_hdr *h, uint8_t *out)
+{
+    memset(out, 0, BEX_RPC_HDR_LEN);
+    put16(out + 0, BEX__RPC_MAGIC);
+    out[2] = BEX__RPC_VERSION;
+    out[3] = h->kind;
+    put32(out + 4, h->flags);
+    put32(out + 8, h->service);
+    put32(out + 12, h->method);
+    put64(out + 16, h->call_id);
+    put64(out + 24, h->client_id);
+    put64(out + 32, h->seq);
+    put32(out + 40, (uint32_t)h->status);
+    put32(out + 44, h->body_len);
+    put32(out + 48, h->timeout_ms);
+    /* 52..63 reserved, zero */
+}
+
+int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, const char **why)
+{
+    *why = NULL;
+    if (len < BEX_RPC_HDR_LEN)
+        *why = "shorter than the header";
+    else if (get16(msg) != BEX__RPC_MAGIC)
+        *why = "bad magic";
+    else if (msg[2] != BEX__RPC_VERSION)
+        *why = "unknown version";
+    if (*why)
+        return -EBADMSG;
+    *h = (struct bex__rpc_hdr){
+        .kind = msg[3],
+        .flags = get32(msg + 4),
+        .service = get32(msg + 8),
+        .method = get32(msg + 12),
+        .call_id = get64(msg + 16),
+        .client_id = get64(msg + 24),
+        .seq = get64(msg + 32),
+        .status = (int32_t)get32(msg + 40),
+        .body_len = get32(msg + 44),
+        .timeout_ms = get32(msg + 48),
+    };
+    static const uint8_t zero[12];
+    if (h->kind < BEX__RPC_REQUEST || h->kind > BEX__RPC_ERROR)
+        *why = "unknown kind";
+    else if (h->flags & ~BEX__RPC_FLAGS_KNOWN)
+        *why = "unknown flags";
+    else if (memcmp(msg + 52, zero, sizeof zero) != 0)
+        *why = "reserved bytes set";
+    else if ((uint64_t)h->body_len != len - BEX_RPC_HDR_LEN)
+        *why = "body length disagrees with the message";
+    else if (h->kind == BEX__RPC_REQUEST && (h->status != 0 || h->call_id == 0))
+        *why = "request with a status or without a call id";
+    else if (h->kind != BEX__RPC_REQUEST && h->timeout_ms != 0)
+        *why = "answer with a timeout";
+    else if (h->status > 0 || h->status < -4095)
+        *why = "status is not 0 or a negative errno";
+    else if (h->kind == BEX__RPC_ERROR && h->status == 0)
+        *why = "error without a status";
+    return *why ? -EBADMSG : 0;
+}
+
+static unsigned bucket_of(uint64_t v)
+{
+    if (v < BEX__RPC_HIST_SUB)
+        return (unsigned)v;
+    unsigned msb = 63u - (unsigned)__builtin_clzll(v); /* >= 4 */
+    unsigned sub = (unsigned)(v >> (msb - 4)) & (BEX__RPC_HIST_SUB - 1);
+    return (msb - 3) * BEX__RPC_HIST_SUB + sub;
+}
+
+/* [lo, hi) of bucket i */
+static void bucket_range(unsigned i, double *lo, double *hi)
+{
+    if (i < BEX__RPC_HIST_SUB) {
+        *lo = i;
+        *hi = i + 1;
+        return;
+    }
+    unsigned msb = i / BEX__RPC_HIST_SUB + 3, sub = i % BEX__RPC_HIST_SUB;
+    double w = (double)(1ull << (msb - 4));
+    *lo = (double)(1ull << msb) + sub * w;
+    *hi = *lo + w;
+}
+
+void bex__rpc_hist_add(struct bex__rpc_hist *h, uint64_t ns)
+{
+    h->count++;
+    h->sum_ns += ns;
+    h->b[bucket_of(ns)]++;
+}
+
+double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q)
+{
+    if (!h->count)
+        return 0;
+    /* the sample of rank ceil(q * count), 1-based */
+    uint64_t rank = (uint64_t)(q * (double)h->count);
+    if ((double)rank < q * (double)h->count)
+        rank++;
+    if (rank < 1)
+        rank = 1;
+    uint64_t seen = 0;
+    for (unsigned i = 0; i < BEX__RPC_HIST_BUCKETS; i++) {
+        seen += h->b[i];
+        if (seen >= rank) {
+            double lo, hi;
+            bucket_range(i, &lo, &hi);
+            return (lo + hi) / 2;
+        }
+    }
+    return 0;
+}
+
+uint64_t bex__rpc_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

@@ -1,0 +1,336 @@
+/* RPC test scaffolding: RPC servers in child processes (forked before the
+ * client's context exists), each on BEX_TEST_ADDR0 with its own port,
+ * serving the test methods below; the client runs in the parent on
+ * BEX_TEST_ADDR1. Over TCP natively (BEX_TEST_TRANSPORT=tcp, loopback) or
+ * over RDMA in the VM, as tests/sock/pair.h decides.
+ *
+ * A server child leaves through exit() after a full teardown (held
+ * requests answered, server and context destroyed), so a leak or a hang
+ * there fails the case; stop_server() checks its exit status. */
+#ifndef BEX_TEST_RPC_H
+#define BEX_TEST_RPC_H
+
+#include "bex/rpc.h"
+#include "rpc/internal.h"
+#include "sock/pair.h"
+
+enum {
+    SVC = 7,
+    M_ECHO = 1,
+    M_NEVER = 2,  /* held; answered -ECANCELED at teardown */
+    M_WRITE = 3,  /* WRITE: applied count + 1, answered with the count */
+    M_EAGAIN = 4, /* always -EAGAIN (a failing service), counted */
+    M_THREAD = 5, /* echo, answered from a worker thread */
+    M_STATS = 6,  /* the server's counters (struct tstats) */
+    M_LATE = 7,   /* echo from the worker after a delay (u32 ms in the body) */
+};
+
+/* A case returns at once with the skip (or failure) pair_addrs decides. */
+#define RPC_NEED_ADDRS()                                                                           \
+    do {                                                                                           \
+        struct in_addr a0_, a1_;                                                                   \
+        int rc_ = pair_addrs(&a0_, &a1_);                                                          \
+        if (rc_)                                                                                   \
+            return rc_;                                                                            \
+    } while (0)
+
+struct tstats {
+    int64_t applied, eagain, malformed_logs;
+    bex_rpc_server_stats st;
+};
+
+struct work {
+    bex_rpc_req *req;
+    void *body;
+    size_t len;
+    uint64_t due_ms;
+    struct work *next;
+};
+
+static struct {
+    bex_ctx *ctx;
+    bex_rpc_server *srv;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct work *q;    /* for the worker */
+    struct work *held; /* M_NEVER */
+    bool stop;
+    _Atomic int64_t applied, eagain, malformed_logs;
+    bool drop_first_write; /* lose the first WRITE's answer (close its connection) */
+} ts = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void ts_log(int level, const char *msg, void *arg)
+{
+    (void)arg;
+    if (strstr(msg, "malformed"))
+        atomic_fetch_add(&ts.malformed_logs, 1);
+    fprintf(stderr, "bex (server %d, level %d): %s\n", (int)getpid(), level, msg);
+}
+
+static void h_echo(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    bex_rpc_reply(req, 0, body, len); /* zero-copy: the request goes back */
+}
+
+static void queue_work(bex_rpc_req *req, void *body, size_t len, uint64_t due, bool held)
+{
+    struct work *w = calloc(1, sizeof(*w));
+    CHECK(w);
+    *w = (struct work){.req = req, .body = body, .len = len, .due_ms = due};
+    pthread_mutex_lock(&ts.mu);
+    struct work **list = held ? &ts.held : &ts.q;
+    w->next = *list;
+    *list = w;
+    pthread_cond_broadcast(&ts.cv);
+    pthread_mutex_unlock(&ts.mu);
+}
+
+static void h_never(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    queue_work(req, body, len, 0, true);
+}
+
+static void h_thread(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    queue_work(req, body, len, 0, false);
+}
+
+static void h_late(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    uint32_t ms = 0;
+    if (len >= 4)
+        memcpy(&ms, body, 4);
+    queue_work(req, body, len, pair_now_ms() + ms, false);
+}
+
+static void h_write(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    (void)len;
+    bex_rpc_free(body);
+    int64_t n = atomic_fetch_add(&ts.applied, 1) + 1;
+    int64_t *out = bex_rpc_alloc(ts.ctx, sizeof n);
+    CHECK(out);
+    *out = n;
+    if (ts.drop_first_write && n == 1)
+        bex__rpc_req_close_conn(req); /* the answer below is lost */
+    bex_rpc_reply(req, 0, out, sizeof n);
+}
+
+static void h_eagain(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    (void)len;
+    bex_rpc_free(body);
+    atomic_fetch_add(&ts.eagain, 1);
+    bex_rpc_reply(req, -EAGAIN, NULL, 0);
+}
+
+static void h_stats(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    (void)len;
+    bex_rpc_free(body);
+    struct tstats *t = bex_rpc_alloc(ts.ctx, sizeof *t);
+    CHECK(t);
+    t->applied = atomic_load(&ts.applied);
+    t->eagain = atomic_load(&ts.eagain);
+    t->malformed_logs = atomic_load(&ts.malformed_logs);
+    bex_rpc_server_stats_get(ts.srv, &t->st);
+    bex_rpc_reply(req, 0, t, sizeof *t);
+}
+
+/* Answers queued work when it is due, from its own thread. */
+static void *worker_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&ts.mu);
+    for (;;) {
+        uint64_t now = pair_now_ms();
+        struct work **pp = &ts.q, *w = NULL;
+        for (; *pp; pp = &(*pp)->next)
+            if ((*pp)->due_ms <= now || ts.stop) {
+                w = *pp;
+                *pp = w->next;
+                break;
+            }
+        if (w) {
+            pthread_mutex_unlock(&ts.mu);
+            bex_rpc_reply(w->req, 0, w->body, w->len);
+            free(w);
+            pthread_mutex_lock(&ts.mu);
+            continue;
+        }
+        if (ts.stop)
+            break;
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_nsec += 2 * 1000000L;
+        if (t.tv_nsec >= 1000000000L) {
+            t.tv_sec++;
+            t.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&ts.cv, &ts.mu, &t);
+    }
+    pthread_mutex_unlock(&ts.mu);
+    return NULL;
+}
+
+struct srv_proc {
+    pid_t pid;
+    struct sockaddr_in addr;
+    int to_child;
+};
+
+static void srv_child(int wfd, int rfd, bool drop_first_write)
+{
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    ts.drop_first_write = drop_first_write;
+    bex_ctx_config c = scaled(NULL, a0);
+    c.log_fn = ts_log;
+    CHECK_OK(bex_ctx_create(&c, &ts.ctx));
+    CHECK_OK(bex_rpc_server_create(ts.ctx, NULL, &ts.srv));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_ECHO, 0, h_echo, NULL));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_NEVER, 0, h_never, NULL));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_WRITE, BEX_RPC_METHOD_WRITE, h_write, NULL));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_EAGAIN, 0, h_eagain, NULL));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_THREAD, 0, h_thread, NULL));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_STATS, 0, h_stats, NULL));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_LATE, 0, h_late, NULL));
+    CHECK(bex_rpc_server_register(ts.srv, SVC, M_ECHO, 0, h_echo, NULL) == -EEXIST);
+    pthread_t worker;
+    CHECK(pthread_create(&worker, NULL, worker_main, NULL) == 0);
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(ts.srv, &la));
+    struct sockaddr_in got;
+    bex_rpc_server_addr(ts.srv, &got);
+    CHECK(got.sin_port != 0);
+    CHECK(write(wfd, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    char q;
+    ssize_t r = read(rfd, &q, 1); /* until the parent says so, or is gone */
+    (void)r;
+    /* answer everything held, then tear down for real */
+    pthread_mutex_lock(&ts.mu);
+    ts.stop = true;
+    struct work *held = ts.held;
+    ts.held = NULL;
+    pthread_cond_broadcast(&ts.cv);
+    pthread_mutex_unlock(&ts.mu);
+    CHECK(pthread_join(worker, NULL) == 0);
+    while (held) {
+        struct work *n = held->next;
+        bex_rpc_reply(held->req, -ECANCELED, held->body, held->len);
+        free(held);
+        held = n;
+    }
+    CHECK_OK(bex_rpc_server_destroy(ts.srv));
+    int err = bex_ctx_destroy(ts.ctx);
+    if (err) {
+        fprintf(stderr, "server: bex_ctx_destroy: %s\n", bex_strerror(err));
+        exit(1);
+    }
+    exit(0);
+}
+
+/* Fork a server; call before the client's context exists. */
+static void spawn_server(struct srv_proc *sp, bool drop_first_write)
+{
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    int up[2], down[2];
+    signal(SIGPIPE, SIG_IGN);
+    CHECK(pipe(up) == 0 && pipe(down) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(up[0]);
+        close(down[1]);
+        srv_child(up[1], down[0], drop_first_write);
+    }
+    close(up[1]);
+    close(down[0]);
+    uint16_t port = 0;
+    struct pollfd pf = {.fd = up[0], .events = POLLIN};
+    CHECK(poll(&pf, 1, (int)(30000 * time_scale())) == 1);
+    CHECK(read(up[0], &port, sizeof port) == sizeof port);
+    close(up[0]);
+    *sp = (struct srv_proc){.pid = pid, .to_child = down[1]};
+    sp->addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+}
+
+/* Tell a server to go and check it left cleanly (or reap a killed one:
+ * expect_kill). Returns 0 or -1. */
+static int stop_server(struct srv_proc *sp, bool expect_kill)
+{
+    char q = 'q';
+    if (write(sp->to_child, &q, 1) < 0) {
+        /* killed on purpose */
+    }
+    close(sp->to_child);
+    int status = 0;
+    uint64_t end = pair_now_ms() + 30000ull * time_scale();
+    pid_t w;
+    while ((w = waitpid(sp->pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    if (w == 0) {
+        fprintf(stderr, "server %d did not finish\n", (int)sp->pid);
+        pair_dump_stacks(sp->pid);
+        kill(sp->pid, SIGKILL);
+        waitpid(sp->pid, &status, 0);
+        return -1;
+    }
+    if (expect_kill)
+        return WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL ? 0 : -1;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "server %d failed (status 0x%x)\n", (int)sp->pid, status);
+        return -1;
+    }
+    return 0;
+}
+
+/* The client's context, on ADDR1. */
+static bex_ctx *client_ctx(void)
+{
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ctx_config c = scaled(NULL, a1);
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    return ctx;
+}
+
+/* A channel config over n servers with test-friendly timeouts: Tc and Tr
+ * scaled (the defaults of 10 and 40 ms are for a real cluster, not for a
+ * sanitizer build in an emulated VM). */
+static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *sps, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        eps[i] = (bex_rpc_endpoint){.addr = sps[i].addr, .locality = i ? "dc1/pod2" : "dc1/pod1"};
+    return (bex_rpc_channel_config){
+        .endpoints = eps,
+        .n_endpoints = n,
+        .name = "test",
+        .request_timeout_ms = 2000 * time_scale(),
+        .connect_timeout_ms = 1000 * time_scale(),
+    };
+}
+
+static struct tstats server_stats(bex_rpc_channel *ch)
+{
+    void *resp = NULL;
+    size_t len = 0;
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_STATS, NULL, 0, NULL, &resp, &len));
+    CHECK_EQ(len, sizeof(struct tstats));
+    struct tstats t;
+    memcpy(&t, resp, sizeof t);
+    bex_rpc_free(resp);
+    return t;
+}
+
+#endif

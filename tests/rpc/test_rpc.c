@@ -1,0 +1,503 @@
+/* RPC over bex sockets, two or three processes: echo at several sizes,
+ * many calls outstanding, deadlines and cancellation (exactly once, late
+ * answers dropped), failover to a second server when the first is killed
+ * with -9, the retry budget under a failing service, a retried write
+ * applied once, a peer sending garbage, answers from another thread, the
+ * counters and their Prometheus dump. Over RDMA (rxe) and TCP (tcp). */
+#include "rpc/rpc_test.h"
+
+/* ---- completion bookkeeping shared by the cases ---- */
+
+struct rec {
+    _Atomic long calls;   /* completions */
+    _Atomic long twice;   /* a call completed a second time */
+    _Atomic long ok, bad; /* status 0 with the right body / anything else */
+    _Atomic long late;    /* completed after its deadline + slack */
+    struct waiter w;
+};
+
+struct one {
+    struct rec *r;
+    uint32_t seed;
+    size_t len;
+    uint64_t t0_ms, limit_ms; /* must complete by t0 + limit */
+    int status;
+    _Atomic int done;
+};
+
+static void one_done(int status, void *body, size_t len, void *user)
+{
+    struct one *o = user;
+    struct rec *r = o->r;
+    if (atomic_fetch_add(&o->done, 1))
+        atomic_fetch_add(&r->twice, 1);
+    o->status = status;
+    if (o->limit_ms && pair_now_ms() > o->t0_ms + o->limit_ms)
+        atomic_fetch_add(&r->late, 1);
+    if (status == 0 && len == o->len && (len == 0 || check_pattern(body, len, o->seed) == 0))
+        atomic_fetch_add(&r->ok, 1);
+    else
+        atomic_fetch_add(&r->bad, 1);
+    bex_rpc_free(body);
+    waiter_add(&r->w, &r->calls, 1);
+}
+
+static void *pattern_body(bex_ctx *ctx, size_t len, uint32_t seed)
+{
+    void *b = bex_rpc_alloc(ctx, len);
+    CHECK(b);
+    fill_pattern(b, len, seed);
+    return b;
+}
+
+/* ---- cases ---- */
+
+/* Echo at 64 B, 4 KiB and 1 MiB (rendezvous), synchronously and with 64
+ * calls outstanding; the bodies come back intact and zero-copy. */
+static int t_echo(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    static const size_t sizes[] = {64, 4096, 1u << 20, 0};
+    for (size_t i = 0; i < 4; i++) {
+        void *resp = NULL;
+        size_t rlen = 1;
+        void *b = sizes[i] ? pattern_body(ctx, sizes[i], (uint32_t)i) : NULL;
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, b, sizes[i], NULL, &resp, &rlen));
+        CHECK_EQ(rlen, sizes[i]);
+        if (sizes[i])
+            CHECK(check_pattern(resp, rlen, (uint32_t)i) == 0);
+        else
+            CHECK(resp == NULL);
+        bex_rpc_free(resp);
+    }
+    /* many outstanding, mixed sizes */
+    enum { N = 512, OUT = 64 };
+    static struct rec r = {.w = WAITER_INIT};
+    static struct one o[N];
+    for (int i = 0; i < N; i++) {
+        CHECK(wait_count(&r.w, &r.calls, i - OUT + 1, 20000) == 0);
+        size_t len = sizes[i % 3] == (1u << 20) ? 65536 : sizes[i % 3];
+        o[i] = (struct one){.r = &r, .seed = 100 + (uint32_t)i, .len = len};
+        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, len, o[i].seed), len, NULL,
+                              one_done, &o[i], NULL));
+    }
+    CHECK(wait_count(&r.w, &r.calls, N, 20000) == 0);
+    CHECK_EQ(atomic_load(&r.ok), N);
+    CHECK_EQ(atomic_load(&r.twice), 0);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.calls, N + 4);
+    CHECK_EQ(st.ok, N + 4);
+    CHECK_EQ(st.failed, 0);
+    CHECK_EQ(st.attempts, N + 4);
+    CHECK(st.lat_p50_us > 0 && st.lat_p50_us <= st.lat_p99_us && st.lat_p99_us <= st.lat_p999_us);
+    /* an unregistered method: -ENOSYS from the server, not retried */
+    CHECK_EQ(bex_rpc_call_sync(ch, SVC, 99, NULL, 0, NULL, NULL, NULL), -ENOSYS);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* A handler that never answers: the call completes with -ETIMEDOUT at its
+ * deadline (within a small slack), exactly once. bex_rpc_cancel completes
+ * a call once with -ECANCELED; an answer arriving after a call's deadline
+ * is dropped and counted. */
+static int t_deadline(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL)); /* connected */
+    static struct rec r = {.w = WAITER_INIT};
+    const unsigned tmo = 100 * time_scale(), slack = 30 * time_scale();
+    static struct one o[3];
+    uint64_t t0 = pair_now_ms();
+    o[0] = (struct one){.r = &r, .t0_ms = t0, .limit_ms = tmo + slack};
+    bex_rpc_call_opts opts = {.timeout_ms = tmo};
+    CHECK_OK(bex_rpc_call(ch, SVC, M_NEVER, NULL, 0, &opts, one_done, &o[0], NULL));
+    CHECK(wait_count(&r.w, &r.calls, 1, 5000) == 0);
+    uint64_t took = pair_now_ms() - t0;
+    CHECK_EQ(o[0].status, -ETIMEDOUT);
+    CHECK(took >= tmo);
+    CHECK_EQ(atomic_load(&r.late), 0);
+    /* explicit cancel */
+    uint64_t id;
+    o[1] = (struct one){.r = &r};
+    CHECK_OK(bex_rpc_call(ch, SVC, M_NEVER, NULL, 0, NULL, one_done, &o[1], &id));
+    CHECK_OK(bex_rpc_cancel(ch, id));
+    CHECK(wait_count(&r.w, &r.calls, 2, 5000) == 0);
+    CHECK_EQ(o[1].status, -ECANCELED);
+    CHECK_EQ(bex_rpc_cancel(ch, id), -ENOENT);
+    /* a late answer: the server echoes after 3 x the deadline */
+    o[2] = (struct one){.r = &r};
+    uint32_t *b = bex_rpc_alloc(ctx, 4);
+    *b = 3 * tmo;
+    CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, b, 4, &opts, one_done, &o[2], NULL));
+    CHECK(wait_count(&r.w, &r.calls, 3, 5000) == 0);
+    CHECK_EQ(o[2].status, -ETIMEDOUT);
+    bex_rpc_channel_stats st;
+    for (int i = 0; i < 200; i++) {
+        bex_rpc_channel_stats_get(ch, &st);
+        if (st.late_responses)
+            break;
+        pair_sleep_ms(10 * time_scale());
+    }
+    CHECK_EQ(st.late_responses, 1);
+    pair_sleep_ms(tmo); /* nothing completes twice, even later */
+    CHECK_EQ(atomic_load(&r.calls), 3);
+    CHECK_EQ(atomic_load(&r.twice), 0);
+    CHECK_EQ(st.fail_timeout, 2);
+    CHECK_EQ(st.fail_cancel, 1);
+    CHECK_EQ(st.retries, 0); /* timeouts of the whole call are not retried */
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* Calls outstanding when the channel is destroyed complete once with
+ * -ECANCELED; their buffers come back (the context's pool is empty). */
+static int t_destroy(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    static struct rec r = {.w = WAITER_INIT};
+    static struct one o[16];
+    for (int i = 0; i < 16; i++) {
+        o[i] = (struct one){.r = &r};
+        size_t len = i % 2 ? 100000 : 64; /* some by rendezvous */
+        CHECK_OK(bex_rpc_call(ch, SVC, M_NEVER, pattern_body(ctx, len, 1), len, NULL, one_done,
+                              &o[i], NULL));
+    }
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_EQ(atomic_load(&r.calls), 16);
+    for (int i = 0; i < 16; i++)
+        CHECK_EQ(o[i].status, -ECANCELED);
+    bex_mem_stats ms;
+    bex_mem_pool_collect(bex_ctx_pool(ctx)); /* frees from the I/O thread count */
+    bex_mem_pool_stats(bex_ctx_pool(ctx), &ms);
+    CHECK_EQ(ms.in_use_bytes, 0);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* Steady load on a channel over two servers; the first is killed with -9
+ * mid-run. Every call completes within its deadline (plus a little for
+ * the completion to run), and none is lost: calls out on the dead server
+ * are retried on the other (attempt timeout or connection failure). */
+static int t_failover(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[2];
+    bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
+    const unsigned deadline = 400 * time_scale();
+    cc.request_timeout_ms = deadline;
+    cc.attempt_timeout_ms = deadline / 4;
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    enum { OUT = 8 };
+    static struct rec r = {.w = WAITER_INIT};
+    static struct one o[100000];
+    const unsigned slack = 20 * time_scale();
+    long n = 0;
+    uint64_t start = pair_now_ms(), kill_at = start + 300 * time_scale(),
+             end = start + 1000 * time_scale();
+    bool killed = false;
+    long before_kill = 0;
+    while (pair_now_ms() < end && n < 100000) {
+        CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
+        if (!killed && pair_now_ms() >= kill_at) {
+            CHECK(kill(sp[0].pid, SIGKILL) == 0);
+            killed = true;
+            before_kill = n;
+        }
+        o[n] = (struct one){.r = &r,
+                            .seed = (uint32_t)n,
+                            .len = 64,
+                            .t0_ms = pair_now_ms(),
+                            .limit_ms = deadline + slack};
+        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, 64, (uint32_t)n), 64, NULL,
+                              one_done, &o[n], NULL));
+        n++;
+    }
+    CHECK(killed);
+    CHECK(wait_count(&r.w, &r.calls, n, 20000) == 0);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    fprintf(stderr,
+            "failover: %ld calls (%ld before the kill), ok %ld, failed %ld, late %ld, "
+            "retries %llu, throttled %llu, conn failures %llu\n",
+            n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
+            (unsigned long long)st.retries, (unsigned long long)st.retry_throttled,
+            (unsigned long long)st.conn_failures);
+    CHECK(before_kill > OUT && n > before_kill + OUT);
+    CHECK_EQ(atomic_load(&r.twice), 0);
+    CHECK_EQ(atomic_load(&r.late), 0);
+    CHECK_EQ(atomic_load(&r.ok), n);
+    CHECK(st.retries >= 1);
+    CHECK(st.conn_failures >= 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = stop_server(&sp[0], true);
+    rc |= stop_server(&sp[1], false);
+    return rc ? 1 : 0;
+}
+
+/* A service that fails every call with a retryable -EAGAIN: the budget
+ * keeps the attempts near the calls (N calls, up to 5 attempts each, at
+ * most burst + 10 % of N retries), where without it there would be 5 N.
+ * The server counts what reached it. */
+static int t_budget(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    cc.max_attempts = 5; /* budget: defaults (burst 10, 100 per mille) */
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    enum { N = 200 };
+    for (int i = 0; i < N; i++)
+        CHECK_EQ(bex_rpc_call_sync(ch, SVC, M_EAGAIN, NULL, 0, NULL, NULL, NULL), -EAGAIN);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    bex_rpc_endpoint ep2[1];
+    bex_rpc_channel_config cc2 = chan_cfg(ep2, &sp, 1);
+    bex_rpc_channel *ch2;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc2, &ch2));
+    struct tstats ts_ = server_stats(ch2);
+    fprintf(stderr,
+            "budget: %d calls, %lld attempts reached the server, %llu retries, %llu throttled\n", N,
+            (long long)ts_.eagain, (unsigned long long)st.retries,
+            (unsigned long long)st.retry_throttled);
+    CHECK_EQ(ts_.eagain, (long long)st.attempts);
+    CHECK(ts_.eagain > N);                /* retries did happen */
+    CHECK(ts_.eagain <= N + 10 + N / 10); /* and the budget held them */
+    CHECK(st.retry_throttled > 0);
+    CHECK_EQ(st.fail_remote, N);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_rpc_channel_destroy(ch2));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* A state-changing call whose answer is lost (the server closes the
+ * connection after applying it): the retry, on a new connection, gets the
+ * first result from the dedup window; the write was applied once. A
+ * second write is applied as usual. */
+static int t_write_once(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, true);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    void *resp;
+    size_t len;
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_WRITE, NULL, 0, NULL, &resp, &len));
+    CHECK_EQ(len, 8);
+    CHECK_EQ(*(int64_t *)resp, 1); /* the first application's result */
+    bex_rpc_free(resp);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.retries, 1);
+    CHECK(st.conn_failures >= 1);
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_WRITE, NULL, 0, NULL, &resp, &len));
+    CHECK_EQ(*(int64_t *)resp, 2);
+    bex_rpc_free(resp);
+    struct tstats t = server_stats(ch);
+    CHECK_EQ(t.applied, 2);
+    CHECK_EQ(t.st.dup_replayed, 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* A raw socket sends the server messages that are not RPC requests: the
+ * server closes that socket (the peer sees on_error) and logs it once;
+ * a channel calling meanwhile goes on. */
+static struct waiter gw = WAITER_INIT;
+static _Atomic long g_err, g_closed;
+static void g_on_error(bex_sock *s, int err, void *user)
+{
+    (void)err;
+    (void)user;
+    waiter_add(&gw, &g_err, 1);
+    bex_sock_close(s);
+}
+static void g_on_close(bex_sock *s, void *user)
+{
+    (void)s;
+    (void)user;
+    waiter_add(&gw, &g_closed, 1);
+}
+
+static int t_garbage(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, pattern_body(ctx, 64, 1), 64, NULL, NULL, NULL));
+    bex_sock_ops ops = {.on_error = g_on_error, .on_close = g_on_close};
+    bex_sock *raw;
+    CHECK_OK(bex_sock_connect(ctx, &sp.addr, &ops, NULL, &raw));
+    /* a valid header with a body length that lies, then plain noise */
+    uint8_t *m1 = bex_sock_alloc(ctx, 128);
+    struct bex__rpc_hdr h = {.kind = BEX__RPC_REQUEST,
+                             .service = SVC,
+                             .method = M_ECHO,
+                             .call_id = 1,
+                             .client_id = 1,
+                             .seq = 1,
+                             .body_len = 1000};
+    bex__rpc_hdr_encode(&h, m1);
+    CHECK_OK(bex_sock_send(raw, m1, 128, NULL));
+    for (int i = 0; i < 5; i++) {
+        uint8_t *m = bex_sock_alloc(ctx, 200);
+        fill_pattern(m, 200, (uint32_t)i);
+        CHECK_OK(bex_sock_send(raw, m, 200, NULL));
+    }
+    CHECK(wait_count(&gw, &g_err, 1, 5000) == 0);
+    CHECK(wait_count(&gw, &g_closed, 1, 5000) == 0);
+    for (int i = 0; i < 50; i++) {
+        void *resp;
+        size_t len;
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, pattern_body(ctx, 4096, (uint32_t)i), 4096,
+                                   NULL, &resp, &len));
+        CHECK(len == 4096 && check_pattern(resp, len, (uint32_t)i) == 0);
+        bex_rpc_free(resp);
+    }
+    struct tstats t = server_stats(ch);
+    CHECK_EQ(t.st.bad_header, 1);
+    CHECK_EQ(t.malformed_logs, 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* Handlers answering from another thread, many calls outstanding from
+ * several client threads at once (TSan covers the hand-offs). */
+struct thr_arg {
+    bex_ctx *ctx;
+    bex_rpc_channel *ch;
+    int idx;
+};
+
+static void *thr_main(void *arg)
+{
+    struct thr_arg *a = arg;
+    enum { N = 300, OUT = 16 };
+    struct rec *r = calloc(1, sizeof(*r));
+    struct one *o = calloc(N, sizeof(*o));
+    CHECK(r && o);
+    pthread_mutex_init(&r->w.mu, NULL);
+    pthread_cond_init(&r->w.cv, NULL);
+    for (int i = 0; i < N; i++) {
+        CHECK(wait_count(&r->w, &r->calls, i - OUT + 1, 20000) == 0);
+        uint32_t seed = (uint32_t)(a->idx * 10000 + i);
+        size_t len = i % 7 == 0 ? 20000 : 256;
+        o[i] = (struct one){.r = r, .seed = seed, .len = len};
+        CHECK_OK(bex_rpc_call(a->ch, SVC, M_THREAD, pattern_body(a->ctx, len, seed), len, NULL,
+                              one_done, &o[i], NULL));
+    }
+    CHECK(wait_count(&r->w, &r->calls, N, 30000) == 0);
+    CHECK_EQ(atomic_load(&r->ok), N);
+    CHECK_EQ(atomic_load(&r->twice), 0);
+    free(o);
+    free(r);
+    return NULL;
+}
+
+static int t_threads(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    pthread_t t[3];
+    struct thr_arg a[3];
+    for (int i = 0; i < 3; i++) {
+        a[i] = (struct thr_arg){ctx, ch, i};
+        CHECK(pthread_create(&t[i], NULL, thr_main, &a[i]) == 0);
+    }
+    for (int i = 0; i < 3; i++)
+        CHECK(pthread_join(t[i], NULL) == 0);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.ok, 900);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* The Prometheus dump says what the counters say. */
+static int t_prometheus(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    cc.name = "pr\"om";
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    for (int i = 0; i < 10; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    CHECK_EQ(bex_rpc_call_sync(ch, SVC, 99, NULL, 0, NULL, NULL, NULL), -ENOSYS);
+    char small[16];
+    int need = bex_rpc_channel_prometheus(ch, small, sizeof small);
+    CHECK(need > (int)sizeof small && strlen(small) == sizeof small - 1);
+    char *buf = malloc((size_t)need + 1);
+    CHECK(buf);
+    CHECK_EQ(bex_rpc_channel_prometheus(ch, buf, (size_t)need + 1), need);
+    CHECK(strstr(buf, "# TYPE bex_rpc_calls_total counter\n"));
+    CHECK(strstr(buf, "bex_rpc_calls_total{channel=\"pr\\\"om\"} 11\n"));
+    CHECK(strstr(buf, "bex_rpc_ok_total{channel=\"pr\\\"om\"} 10\n"));
+    CHECK(strstr(buf, "bex_rpc_failures_total{channel=\"pr\\\"om\",kind=\"remote\"} 1\n"));
+    CHECK(strstr(buf, "bex_rpc_latency_seconds_count{channel=\"pr\\\"om\"} 11\n"));
+    CHECK(strstr(buf, "bex_rpc_latency_seconds{channel=\"pr\\\"om\",quantile=\"0.99\"} "));
+    free(buf);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"echo", t_echo}, {"deadline", t_deadline}, {"destroy", t_destroy},
+              {"failover", t_failover}, {"budget", t_budget}, {"write_once", t_write_once},
+              {"garbage", t_garbage}, {"threads", t_threads}, {"prometheus", t_prometheus})
