@@ -38,6 +38,7 @@ struct endpoint {
     uint32_t transport;
     struct link *cur;    /* the live link, or NULL: made on first use */
     uint64_t down_until; /* ns: avoided until then after a failure */
+    bool suspect;        /* failed, and no connection came up since */
 };
 
 /* completion kinds, for the counters */
@@ -206,6 +207,7 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
     if (l->ep->cur == l)
         l->ep->cur = NULL;
     l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
+    l->ep->suspect = true;
     bex_sock_close(l->s);
     /* a retry never lands on l (it failed), and completing a call unlinks
      * that call alone: the saved next stays valid */
@@ -262,7 +264,12 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
 }
 
 /* The next endpoint for an attempt: round robin over those not held down,
- * other than exclude when there is another; else the one back soonest. */
+ * other than exclude when there is another; else the one back soonest. An
+ * endpoint that failed and is being connected again (the first call after
+ * its hold-down probes it) takes no further calls until that connection is
+ * up, when another endpoint is there: otherwise every call of the moment
+ * would queue on a connection that may well be refused again, each then
+ * needing a retry. */
 static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
 {
     uint64_t now = bex__rpc_now_ns();
@@ -272,7 +279,7 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
         struct endpoint *ep = &ch->eps[k];
         if (ep == exclude && ch->n_eps > 1)
             continue;
-        if (ep->down_until <= now) {
+        if (ep->down_until <= now && !(ep->suspect && ep->cur && ch->n_eps > 1)) {
             ch->rr = (k + 1) % ch->n_eps;
             return ep;
         }
@@ -363,8 +370,10 @@ static void on_connect(bex_sock *s, int status, void *user)
     pthread_mutex_lock(&ch->mu);
     if (status)
         link_fail(ch, l, status, &done);
-    else if (l->state == L_CONNECTING)
+    else if (l->state == L_CONNECTING) {
         l->state = L_UP;
+        l->ep->suspect = false;
+    }
     pthread_mutex_unlock(&ch->mu);
     run_done(ch, done);
 }
