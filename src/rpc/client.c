@@ -304,7 +304,8 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
     if (!err)
         err = bex_sock_send(l->s, c->msg, c->len, c);
     if (err) {
-        ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
+        if (err != -EINVAL && err != -EMSGSIZE && err != -ENOMEM)
+            ep->down_until = bex__rpc_now_ns() + ch->holddown_ns; /* the connection's fault */
         return err;
     }
     ch->st.attempts++;
@@ -618,6 +619,14 @@ int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *b
     if (!ch || !done || (!body && len) || len > (size_t)INT32_MAX - BEX_RPC_HDR_LEN ||
         (opts && (opts->flags & ~(uint32_t)BEX_RPC_CALL_NO_RETRY)))
         return -EINVAL;
+    if (body) {
+        /* the header goes in front of body: refuse memory bex_rpc_alloc
+         * cannot have given */
+        bex_mem_pool *pool = bex_mem_pool_of(body);
+        if (pool != bex_ctx_pool(ch->ctx) && pool != bex_ctx_recv_pool(ch->ctx) &&
+            pool != bex_ctx_landing_pool(ch->ctx))
+            return -EINVAL;
+    }
     bool own_body = !body;
     if (own_body && !(body = bex_rpc_alloc(ch->ctx, 0)))
         return -ENOMEM;

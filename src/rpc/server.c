@@ -273,6 +273,12 @@ static void dedup_record(struct bex_rpc_server *srv, const struct bex__rpc_hdr *
     struct dslot *sl = &d->slots[h->seq % srv->window];
     if (sl->seq != h->seq || sl->state != SLOT_PENDING)
         return;
+    if (status == -EAGAIN || status == -EBUSY) {
+        /* "not applied, try again" (the client retries these): a retry
+         * must be applied, not answered from here */
+        *sl = (struct dslot){0};
+        return;
+    }
     sl->status = status;
     sl->len = (uint32_t)len;
     sl->state = SLOT_DONE_UNKEPT;

@@ -23,7 +23,12 @@ enum {
     M_THREAD = 5, /* echo, answered from a worker thread */
     M_STATS = 6,  /* the server's counters (struct tstats) */
     M_LATE = 7,   /* echo from the worker after a delay (u32 ms in the body) */
+    M_FLAKY = 8,  /* WRITE: the first request ever is refused -EAGAIN (not
+                     applied), later ones as M_WRITE */
 };
+
+/* The dedup window of the next spawn_server (0: the default). */
+static uint32_t srv_window;
 
 /* A case returns at once with the skip (or failure) pair_addrs decides. */
 #define RPC_NEED_ADDRS()                                                                           \
@@ -121,6 +126,17 @@ static void h_write(bex_rpc_req *req, void *body, size_t len, void *user)
     bex_rpc_reply(req, 0, out, sizeof n);
 }
 
+static void h_flaky(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    static _Atomic int seen;
+    if (atomic_fetch_add(&seen, 1) == 0) {
+        bex_rpc_free(body);
+        bex_rpc_reply(req, -EAGAIN, NULL, 0);
+        return;
+    }
+    h_write(req, body, len, user);
+}
+
 static void h_eagain(bex_rpc_req *req, void *body, size_t len, void *user)
 {
     (void)user;
@@ -194,7 +210,9 @@ static void srv_child(int wfd, int rfd, bool drop_first_write)
     bex_ctx_config c = scaled(NULL, a0);
     c.log_fn = ts_log;
     CHECK_OK(bex_ctx_create(&c, &ts.ctx));
-    CHECK_OK(bex_rpc_server_create(ts.ctx, NULL, &ts.srv));
+    bex_rpc_server_config scfg = {.dedup_window = srv_window};
+    CHECK_OK(bex_rpc_server_create(ts.ctx, &scfg, &ts.srv));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_FLAKY, BEX_RPC_METHOD_WRITE, h_flaky, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_ECHO, 0, h_echo, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_NEVER, 0, h_never, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_WRITE, BEX_RPC_METHOD_WRITE, h_write, NULL));

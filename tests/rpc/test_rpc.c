@@ -359,6 +359,106 @@ static int t_write_once(void)
     return stop_server(&sp, false) ? 1 : 0;
 }
 
+/* The dedup window's rules, with requests made by hand on a raw socket
+ * (client id 77, sequences chosen): a window of 4 sequences. Then a WRITE
+ * first refused -EAGAIN (not applied) is applied on the channel's retry,
+ * not answered -EAGAIN again from the window. */
+static struct {
+    struct waiter w;
+    _Atomic long n, closed;
+    struct bex__rpc_hdr h[16];
+    int64_t val[16];
+} rw = {.w = WAITER_INIT};
+
+static void raw_on_close(bex_sock *s, void *user)
+{
+    (void)s;
+    (void)user;
+    waiter_add(&rw.w, &rw.closed, 1);
+}
+
+static void raw_on_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    (void)s;
+    (void)user;
+    long i = atomic_load(&rw.n);
+    const char *why;
+    CHECK(i < 16);
+    CHECK_OK(bex__rpc_hdr_decode(buf, len, &rw.h[i], &why));
+    rw.val[i] = len == BEX_RPC_HDR_LEN + 8 ? *(int64_t *)((uint8_t *)buf + BEX_RPC_HDR_LEN) : -1;
+    bex_mem_free(buf);
+    waiter_add(&rw.w, &rw.n, 1);
+}
+
+/* Send a M_WRITE with seq; returns the answer's status, *val its value. */
+static int raw_write(bex_ctx *ctx, bex_sock *s, uint64_t seq, int64_t *val)
+{
+    static uint64_t call_id;
+    long i = atomic_load(&rw.n);
+    uint8_t *m = bex_sock_alloc(ctx, BEX_RPC_HDR_LEN);
+    CHECK(m);
+    struct bex__rpc_hdr h = {.kind = BEX__RPC_REQUEST,
+                             .service = SVC,
+                             .method = M_WRITE,
+                             .call_id = ++call_id,
+                             .client_id = 77,
+                             .seq = seq};
+    bex__rpc_hdr_encode(&h, m);
+    CHECK_OK(bex_sock_send(s, m, BEX_RPC_HDR_LEN, NULL));
+    CHECK(wait_count(&rw.w, &rw.n, i + 1, 5000) == 0);
+    CHECK(rw.h[i].call_id == call_id && rw.h[i].seq == seq && rw.h[i].client_id == 77);
+    *val = rw.val[i];
+    return rw.h[i].status;
+}
+
+static int t_window(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp;
+    srv_window = 4;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = client_ctx();
+    bex_sock_ops ops = {.on_recv = raw_on_recv, .on_close = raw_on_close};
+    bex_sock *s;
+    CHECK_OK(bex_sock_connect(ctx, &sp.addr, &ops, NULL, &s));
+    int64_t v;
+    CHECK_EQ(raw_write(ctx, s, 1, &v), 0);
+    CHECK_EQ(v, 1); /* applied */
+    CHECK_EQ(raw_write(ctx, s, 1, &v), 0);
+    CHECK_EQ(v, 1); /* the first answer again, not applied */
+    CHECK_EQ(raw_write(ctx, s, 10, &v), 0);
+    CHECK_EQ(v, 2);                              /* applied; the window is now (6, 10] */
+    CHECK_EQ(raw_write(ctx, s, 1, &v), -ESTALE); /* fell out: refused, not applied */
+    CHECK_EQ(raw_write(ctx, s, 8, &v), 0);
+    CHECK_EQ(v, 3);                              /* new, inside the window: applied */
+    CHECK_EQ(raw_write(ctx, s, 6, &v), -ESTALE); /* never seen, but below it */
+    CHECK_EQ(raw_write(ctx, s, 10, &v), 0);
+    CHECK_EQ(v, 2);
+    bex_sock_close(s);
+    CHECK(wait_count(&rw.w, &rw.closed, 1, 5000) == 0);
+    /* -EAGAIN from a WRITE leaves no trace: the retry is applied */
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    void *resp;
+    size_t len;
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_FLAKY, NULL, 0, NULL, &resp, &len));
+    CHECK_EQ(len, 8);
+    CHECK_EQ(*(int64_t *)resp, 4);
+    bex_rpc_free(resp);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.retries, 1);
+    struct tstats t = server_stats(ch);
+    CHECK_EQ(t.applied, 4);
+    CHECK_EQ(t.st.dup_replayed, 2);
+    CHECK_EQ(t.st.stale, 2);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
 /* A raw socket sends the server messages that are not RPC requests: the
  * server closes that socket (the peer sees on_error) and logs it once;
  * a channel calling meanwhile goes on. */
@@ -520,4 +620,5 @@ static int t_prometheus(void)
 
 BEX_TEST_MAIN({"echo", t_echo}, {"deadline", t_deadline}, {"destroy", t_destroy},
               {"failover", t_failover}, {"budget", t_budget}, {"write_once", t_write_once},
-              {"garbage", t_garbage}, {"threads", t_threads}, {"prometheus", t_prometheus})
+              {"window", t_window}, {"garbage", t_garbage}, {"threads", t_threads},
+              {"prometheus", t_prometheus})
