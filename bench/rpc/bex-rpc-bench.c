@@ -33,8 +33,8 @@
 
 #include "bex/rpc.h"
 
-#define SVC 1
-#define M_ECHO 1
+#define SVC          1
+#define M_ECHO       1
 #define DEFAULT_PORT 18520
 
 struct opts {
@@ -94,8 +94,8 @@ static int run_server(const struct opts *o, int ready_fd, int quit_fd)
     if ((err = bex_rpc_server_create(ctx, NULL, &srv)) ||
         (err = bex_rpc_server_register(srv, SVC, M_ECHO, 0, h_echo, NULL)))
         die("rpc server", err);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(o->port),
-                            .sin_addr = o->local};
+    struct sockaddr_in a = {
+        .sin_family = AF_INET, .sin_port = htons(o->port), .sin_addr = o->local};
     if ((err = bex_rpc_server_listen(srv, &a)))
         die("bex_rpc_server_listen", err);
     struct sockaddr_in got;
@@ -204,9 +204,12 @@ static int run_client(const struct opts *o, struct sockaddr_in srv, bex_ctx *ctx
                                  .request_timeout_ms = 10000,
                                  .connect_timeout_ms = 10000,
                                  .max_attempts = 1};
-    struct run r = {.ctx = ctx, .size = o->size, .total = o->warmup + o->iters,
+    struct run r = {.ctx = ctx,
+                    .size = o->size,
+                    .total = o->warmup + o->iters,
                     .warmup = o->warmup,
-                    .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+                    .mu = PTHREAD_MUTEX_INITIALIZER,
+                    .cv = PTHREAD_COND_INITIALIZER};
     int err = bex_rpc_channel_create(ctx, &cc, &r.ch);
     if (err)
         die("bex_rpc_channel_create", err);
@@ -250,8 +253,8 @@ static int run_client(const struct opts *o, struct sockaddr_in srv, bex_ctx *ctx
         printf("{\"bench\":\"bex-rpc\",\"transport\":\"%s\",\"size\":%zu,\"outstanding\":%u,"
                "\"iters\":%llu,\"p50_us\":%.2f,\"p99_us\":%.2f,\"mean_us\":%.2f,"
                "\"calls_per_s\":%.0f,\"errors\":%llu}\n",
-               transport_name(o->transport), o->size, o->outstanding,
-               (unsigned long long)o->iters, p50, p99, mean, rate, (unsigned long long)errors);
+               transport_name(o->transport), o->size, o->outstanding, (unsigned long long)o->iters,
+               p50, p99, mean, rate, (unsigned long long)errors);
     else
         printf("%-5s %8zu B %3u out: P50 %9.2f us  P99 %9.2f us  mean %9.2f us  %10.0f calls/s"
                "  errors %llu\n",
@@ -326,15 +329,20 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
-    struct opts o = {.port = DEFAULT_PORT, .size = 64, .outstanding = 1, .iters = 10000,
-                     .warmup = 1000};
-    static const struct option lo[] = {
-        {"server", no_argument, NULL, 's'},     {"client", required_argument, NULL, 'c'},
-        {"local", required_argument, NULL, 'l'}, {"port", required_argument, NULL, 'p'},
-        {"transport", required_argument, NULL, 't'}, {"size", required_argument, NULL, 'S'},
-        {"outstanding", required_argument, NULL, 'o'}, {"iters", required_argument, NULL, 'n'},
-        {"warmup", required_argument, NULL, 'w'}, {"json", no_argument, NULL, 'j'},
-        {"matrix", no_argument, NULL, 'm'},      {NULL, 0, NULL, 0}};
+    struct opts o = {
+        .port = DEFAULT_PORT, .size = 64, .outstanding = 1, .iters = 10000, .warmup = 1000};
+    static const struct option lo[] = {{"server", no_argument, NULL, 's'},
+                                       {"client", required_argument, NULL, 'c'},
+                                       {"local", required_argument, NULL, 'l'},
+                                       {"port", required_argument, NULL, 'p'},
+                                       {"transport", required_argument, NULL, 't'},
+                                       {"size", required_argument, NULL, 'S'},
+                                       {"outstanding", required_argument, NULL, 'o'},
+                                       {"iters", required_argument, NULL, 'n'},
+                                       {"warmup", required_argument, NULL, 'w'},
+                                       {"json", no_argument, NULL, 'j'},
+                                       {"matrix", no_argument, NULL, 'm'},
+                                       {NULL, 0, NULL, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "sc:l:p:", lo, NULL)) != -1) {
         switch (ch) {

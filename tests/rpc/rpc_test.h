@@ -27,6 +27,12 @@ enum {
                      applied), later ones as M_WRITE */
 };
 
+/* Keepalive timeout of both sides' contexts (scaled): the RPC cases are not
+ * about keepalive, and on a loaded host the VM stalled long enough for the
+ * 2 s default to fail a connection mid-case (test_rpc.threads). Failures
+ * the cases want (a killed server) show as a reset connection at once. */
+#define RPC_KEEPALIVE_MS 10000
+
 /* The dedup window of the next spawn_server (0: the default). */
 static uint32_t srv_window;
 
@@ -207,7 +213,8 @@ static void srv_child(int wfd, int rfd, bool drop_first_write)
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
     ts.drop_first_write = drop_first_write;
-    bex_ctx_config c = scaled(NULL, a0);
+    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS};
+    bex_ctx_config c = scaled(&base, a0);
     c.log_fn = ts_log;
     CHECK_OK(bex_ctx_create(&c, &ts.ctx));
     bex_rpc_server_config scfg = {.dedup_window = srv_window};
@@ -317,7 +324,8 @@ static bex_ctx *client_ctx(void)
 {
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
-    bex_ctx_config c = scaled(NULL, a1);
+    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS};
+    bex_ctx_config c = scaled(&base, a1);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&c, &ctx));
     return ctx;
@@ -325,7 +333,8 @@ static bex_ctx *client_ctx(void)
 
 /* A channel config over n servers with test-friendly timeouts: Tc and Tr
  * scaled (the defaults of 10 and 40 ms are for a real cluster, not for a
- * sanitizer build in an emulated VM). */
+ * sanitizer build in an emulated VM, where an RDMA connection's setup took
+ * over a second on a loaded host). */
 static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *sps, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -335,7 +344,7 @@ static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *s
         .n_endpoints = n,
         .name = "test",
         .request_timeout_ms = 2000 * time_scale(),
-        .connect_timeout_ms = 1000 * time_scale(),
+        .connect_timeout_ms = 5000 * time_scale(), /* above the context's 3 s setup */
     };
 }
 
