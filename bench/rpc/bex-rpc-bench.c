@@ -5,6 +5,7 @@
  *   client: bex-rpc-bench -c SERVER --local ADDR [-p PORT] [--transport ...]
  *                         [--size B] [--outstanding K] [--iters N] [--warmup W] [--json]
  *   matrix: bex-rpc-bench --matrix [--transport ...] [--iters N] [--json]
+ *   (all: [--keepalive-timeout MS], the contexts' keepalive timeout)
  *           forks a server on BEX_TEST_ADDR0 (default 127.0.0.1) and runs
  *           the client on BEX_TEST_ADDR1 (127.0.0.2) for 64 B, 4 KiB and
  *           64 KiB bodies with 1 and 64 calls outstanding.
@@ -47,6 +48,7 @@ struct opts {
     size_t size;
     uint32_t outstanding;
     uint64_t iters, warmup;
+    uint32_t ka_timeout_ms; /* 0: the library's */
 };
 
 static uint64_t now_ns(void)
@@ -85,7 +87,9 @@ static void h_echo(bex_rpc_req *req, void *body, size_t len, void *user)
 /* Serve until SIGINT/SIGTERM, or until ready_fd's peer closes (matrix). */
 static int run_server(const struct opts *o, int ready_fd, int quit_fd)
 {
-    bex_ctx_config c = {.local_addr = o->local, .transport = o->transport};
+    bex_ctx_config c = {.local_addr = o->local,
+                        .transport = o->transport,
+                        .keepalive_timeout_ms = o->ka_timeout_ms};
     bex_ctx *ctx;
     int err = bex_ctx_create(&c, &ctx);
     if (err)
@@ -294,7 +298,8 @@ static int run_matrix(struct opts *o)
     if (read(up[0], &port, sizeof port) != sizeof port)
         die("server did not start", -EIO);
     struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
-    bex_ctx_config c = {.local_addr = a1, .transport = o->transport};
+    bex_ctx_config c = {
+        .local_addr = a1, .transport = o->transport, .keepalive_timeout_ms = o->ka_timeout_ms};
     bex_ctx *ctx;
     int err = bex_ctx_create(&c, &ctx);
     if (err)
@@ -342,6 +347,7 @@ int main(int argc, char **argv)
                                        {"warmup", required_argument, NULL, 'w'},
                                        {"json", no_argument, NULL, 'j'},
                                        {"matrix", no_argument, NULL, 'm'},
+                                       {"keepalive-timeout", required_argument, NULL, 'k'},
                                        {NULL, 0, NULL, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "sc:l:p:", lo, NULL)) != -1) {
@@ -388,6 +394,9 @@ int main(int argc, char **argv)
         case 'm':
             o.matrix = true;
             break;
+        case 'k':
+            o.ka_timeout_ms = (uint32_t)atoi(optarg);
+            break;
         default:
             usage();
         }
@@ -403,7 +412,8 @@ int main(int argc, char **argv)
     struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = htons(o.port)};
     if (inet_pton(AF_INET, o.client, &srv.sin_addr) != 1)
         usage();
-    bex_ctx_config c = {.local_addr = o.local, .transport = o.transport};
+    bex_ctx_config c = {
+        .local_addr = o.local, .transport = o.transport, .keepalive_timeout_ms = o.ka_timeout_ms};
     bex_ctx *ctx;
     int err = bex_ctx_create(&c, &ctx);
     if (err)
