@@ -169,6 +169,15 @@ typedef struct bex_rpc_channel_config {
  * -EINVAL, -ENOMEM. */
 int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out);
 
+/* Replace the channel's endpoint list (eps copied; n >= 1), e.g. from a
+ * service directory. Endpoints in both lists (same address and transport)
+ * keep their connection and state; the connections of removed ones are
+ * closed and the calls out on them are retried on the new list like after
+ * a connection failure (within their attempts, deadline and the budget;
+ * else they complete with -ECONNABORTED). Returns 0, -EINVAL, -ENOMEM
+ * (nothing changed), -EPIPE (the channel is being destroyed). */
+int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *eps, size_t n);
+
 /* Fail every outstanding call with -ECANCELED (each completes once), close
  * the connections and wait for them and for the transport to give every
  * buffer back; then free. Returns 0, or -EDEADLK (nothing done) from a

@@ -30,12 +30,15 @@ struct link {
 };
 
 /* An endpoint of the channel's list. The list is its own abstraction so
- * that a directory (issue 9 item 2) and quarantine (item 6) can replace or
- * filter it; for now it is fixed at create. */
+ * that a directory (issue 9 item 2) and quarantine (item 6) can replace
+ * (bex_rpc_channel_set_endpoints) or filter it. Referenced by the list and
+ * by each of its links, so that one removed from the list lives until its
+ * last link's on_close. */
 struct endpoint {
     struct sockaddr_in addr;
     char *locality;
     uint32_t transport;
+    int refs;
     struct link *cur;    /* the live link, or NULL: made on first use */
     uint64_t down_until; /* ns: avoided until then after a failure */
     bool suspect;        /* failed, and no connection came up since */
@@ -73,7 +76,7 @@ struct bex_rpc_channel {
     char *name;
     uint64_t tr_ns, tc_ns, attempt_ns, holddown_ns;
     uint32_t max_attempts, retry_permille, budget_permille, budget_burst;
-    struct endpoint *eps;
+    struct endpoint **eps;
     size_t n_eps, rr;
     pthread_mutex_t mu;
     pthread_cond_t cv; /* timer wake-ups and destroy's waits */
@@ -198,12 +201,97 @@ static void run_done(struct bex_rpc_channel *ch, struct call *done)
 static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
                            struct call **done);
 
+static void ep_put(struct endpoint *ep)
+{
+    if (--ep->refs)
+        return;
+    free(ep->locality);
+    free(ep);
+}
+
+static int check_endpoints(const bex_rpc_endpoint *eps, size_t n)
+{
+    if (!eps || n == 0 || n > 4096)
+        return -EINVAL;
+    for (size_t i = 0; i < n; i++)
+        if (eps[i].addr.sin_family != AF_INET || !eps[i].addr.sin_port ||
+            eps[i].transport > BEX_TRANSPORT_TCP)
+            return -EINVAL;
+    return 0;
+}
+
+static bool ep_same(const struct endpoint *ep, const bex_rpc_endpoint *e)
+{
+    return ep->addr.sin_addr.s_addr == e->addr.sin_addr.s_addr &&
+           ep->addr.sin_port == e->addr.sin_port && ep->transport == e->transport;
+}
+
+/* The list for eps[0..n): endpoints of old (n_old of them) with the same
+ * address and transport are taken over (with their connection), the rest
+ * made. Takes nothing from old on failure. */
+static int build_eps(const bex_rpc_endpoint *eps, size_t n, struct endpoint **old, size_t n_old,
+                     struct endpoint ***out)
+{
+    struct endpoint **v = calloc(n, sizeof(*v));
+    char **loc = calloc(n, sizeof(*loc));
+    if (!v || !loc)
+        goto err_free;
+    for (size_t i = 0; i < n; i++)
+        if (eps[i].locality && !(loc[i] = strdup(eps[i].locality)))
+            goto err_free;
+    for (size_t i = 0; i < n; i++) {
+        for (size_t k = 0; k < n_old && !v[i]; k++)
+            if (old[k] && ep_same(old[k], &eps[i])) {
+                bool dup = false; /* the same endpoint listed twice: one */
+                for (size_t j = 0; j < i; j++)
+                    dup |= v[j] == old[k];
+                if (!dup)
+                    v[i] = old[k];
+            }
+        if (!v[i] && !(v[i] = calloc(1, sizeof(*v[i]))))
+            goto err_new;
+    }
+    for (size_t i = 0; i < n; i++) {
+        bool kept = false;
+        for (size_t k = 0; k < n_old; k++)
+            kept |= v[i] == old[k];
+        if (kept) {
+            free(v[i]->locality);
+        } else {
+            v[i]->addr = eps[i].addr;
+            v[i]->transport = eps[i].transport;
+            v[i]->refs = 1;
+        }
+        v[i]->locality = loc[i];
+    }
+    free(loc);
+    *out = v;
+    return 0;
+
+err_new:
+    for (size_t i = 0; i < n; i++) {
+        bool kept = false;
+        for (size_t k = 0; k < n_old; k++)
+            kept |= v[i] == old[k];
+        if (!kept)
+            free(v[i]);
+    }
+err_free:
+    if (loc)
+        for (size_t i = 0; i < n; i++)
+            free(loc[i]);
+    free(loc);
+    free(v);
+    return -ENOMEM;
+}
+
 static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
 {
     if (l->state == L_FAILED)
         return;
     l->state = L_FAILED;
-    ch->st.conn_failures++;
+    if (err != -ECONNABORTED && err != -ECANCELED) /* not removal, not destroy */
+        ch->st.conn_failures++;
     if (l->ep->cur == l)
         l->ep->cur = NULL;
     l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
@@ -240,6 +328,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
         return -ENOMEM;
     l->ch = ch;
     l->ep = ep;
+    ep->refs++;
     l->state = L_CONNECTING;
     l->t_start = bex__rpc_now_ns();
     bex_connect_opts o = {0};
@@ -250,6 +339,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     /* callbacks wait for ch->mu, which we hold: l->s is set before any */
     int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
     if (err) {
+        ep->refs--;
         free(l);
         return err;
     }
@@ -276,7 +366,7 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
     struct endpoint *soonest = NULL;
     for (size_t i = 0; i < ch->n_eps; i++) {
         size_t k = (ch->rr + i) % ch->n_eps;
-        struct endpoint *ep = &ch->eps[k];
+        struct endpoint *ep = ch->eps[k];
         if (ep == exclude && ch->n_eps > 1)
             continue;
         if (ep->down_until <= now && !(ep->suspect && ep->cur && ch->n_eps > 1)) {
@@ -286,7 +376,7 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
         if (!soonest || ep->down_until < soonest->down_until)
             soonest = ep;
     }
-    return soonest ? soonest : &ch->eps[0];
+    return soonest ? soonest : ch->eps[0];
 }
 
 /* Send c on an endpoint (not exclude when there is another). Returns 0 or
@@ -403,6 +493,7 @@ static void on_close(bex_sock *s, void *user)
     *pp = l->next;
     if (l->ep->cur == l)
         l->ep->cur = NULL;
+    ep_put(l->ep);
     /* calls still naming l as their attempt's link are failed by now
      * (link_fail ran before the close), so nothing points to l */
     pthread_cond_broadcast(&ch->cv);
@@ -549,13 +640,9 @@ static void *timer_main(void *arg)
 
 int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out)
 {
-    if (!ctx || !cfg || !out || !cfg->endpoints || cfg->n_endpoints == 0 ||
-        cfg->n_endpoints > 4096 || cfg->retry_permille > 1000)
+    if (!ctx || !cfg || !out || cfg->retry_permille > 1000 ||
+        check_endpoints(cfg->endpoints, cfg->n_endpoints))
         return -EINVAL;
-    for (size_t i = 0; i < cfg->n_endpoints; i++)
-        if (cfg->endpoints[i].addr.sin_family != AF_INET || !cfg->endpoints[i].addr.sin_port ||
-            cfg->endpoints[i].transport > BEX_TRANSPORT_TCP)
-            return -EINVAL;
     struct bex_rpc_channel *ch = calloc(1, sizeof(*ch));
     if (!ch)
         return -ENOMEM;
@@ -563,17 +650,9 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     ch->ctx = ctx;
     ch->log = bex__ctx_log(ctx);
     ch->name = strdup(cfg->name ? cfg->name : "default");
-    ch->eps = calloc(cfg->n_endpoints, sizeof(*ch->eps));
-    if (!ch->name || !ch->eps)
+    if (!ch->name || build_eps(cfg->endpoints, cfg->n_endpoints, NULL, 0, &ch->eps))
         goto err_free;
     ch->n_eps = cfg->n_endpoints;
-    for (size_t i = 0; i < ch->n_eps; i++) {
-        ch->eps[i].addr = cfg->endpoints[i].addr;
-        ch->eps[i].transport = cfg->endpoints[i].transport;
-        if (cfg->endpoints[i].locality &&
-            !(ch->eps[i].locality = strdup(cfg->endpoints[i].locality)))
-            goto err_free;
-    }
     ch->tr_ns = (cfg->request_timeout_ms ? cfg->request_timeout_ms : 40) * 1000000ull;
     ch->tc_ns = (cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 10) * 1000000ull;
     ch->attempt_ns = cfg->attempt_timeout_ms * 1000000ull;
@@ -606,7 +685,7 @@ err_sync:
 err_free:
     if (ch->eps)
         for (size_t i = 0; i < ch->n_eps; i++)
-            free(ch->eps[i].locality);
+            ep_put(ch->eps[i]);
     free(ch->eps);
     free(ch->name);
     free(ch);
@@ -711,6 +790,44 @@ int bex_rpc_cancel(bex_rpc_channel *ch, uint64_t call_id)
     return c ? 0 : -ENOENT;
 }
 
+int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *eps, size_t n)
+{
+    if (!ch || check_endpoints(eps, n))
+        return -EINVAL;
+    struct call *dl = NULL;
+    pthread_mutex_lock(&ch->mu);
+    struct endpoint **v;
+    int err = ch->destroying ? -EPIPE : build_eps(eps, n, ch->eps, ch->n_eps, &v);
+    if (err) {
+        pthread_mutex_unlock(&ch->mu);
+        return err;
+    }
+    struct endpoint **old = ch->eps;
+    size_t n_old = ch->n_eps;
+    ch->eps = v;
+    ch->n_eps = n;
+    ch->rr = 0;
+    for (size_t k = 0; k < n_old; k++) {
+        bool kept = false;
+        for (size_t i = 0; i < n; i++)
+            kept |= v[i] == old[k];
+        if (kept)
+            continue;
+        /* removed: no call may name it as the one to avoid, its connection
+         * goes and the calls on it are tried on the new list */
+        for (struct call *c = ch->live; c; c = c->next)
+            if (c->ep == old[k])
+                c->ep = NULL;
+        if (old[k]->cur)
+            link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
+        ep_put(old[k]);
+    }
+    free(old);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, dl);
+    return 0;
+}
+
 struct sync_wait {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -780,7 +897,7 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
         pthread_cond_wait(&ch->cv, &ch->mu);
     pthread_mutex_unlock(&ch->mu);
     for (size_t i = 0; i < ch->n_eps; i++)
-        free(ch->eps[i].locality);
+        ep_put(ch->eps[i]);
     free(ch->eps);
     free(ch->name);
     pthread_cond_destroy(&ch->cv);

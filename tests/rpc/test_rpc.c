@@ -354,6 +354,74 @@ static int t_connect_timeout(void)
     return stop_server(&sp[1], false) ? 1 : 0;
 }
 
+/* The endpoint list replaced at run time (what a directory will do): calls
+ * go to the new list only; a call out on a removed endpoint is retried on
+ * the new one and succeeds; an endpoint in both lists keeps its
+ * connection. */
+static int64_t requests_of(bex_rpc_channel *stats_ch)
+{
+    return (int64_t)server_stats(stats_ch).st.requests;
+}
+
+static int t_endpoints(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint ep[2], e0[1], e1[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
+    bex_rpc_channel *ch, *st0, *st1;
+    bex_rpc_channel_config c0 = chan_cfg(e0, &sp[0], 1), c1 = chan_cfg(e1, &sp[1], 1);
+    CHECK_OK(bex_rpc_channel_create(ctx, &c0, &st0)); /* the servers' counters */
+    CHECK_OK(bex_rpc_channel_create(ctx, &c1, &st1));
+    cc.n_endpoints = 1; /* the first server only */
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    CHECK_EQ(bex_rpc_channel_set_endpoints(ch, ep, 0), -EINVAL);
+    for (int i = 0; i < 10; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    /* a request counts itself: 10 echoes + this one */
+    CHECK_EQ(requests_of(st0), 11);
+    CHECK_EQ(requests_of(st1), 1);
+    /* a call out on the first server (answered after 1 s) when the list
+     * becomes the second server alone */
+    static struct rec r = {.w = WAITER_INIT};
+    static struct one o = {.r = &r}; /* (its body is no pattern: status only) */
+    uint32_t *b = bex_rpc_alloc(ctx, 4);
+    *b = 1000 * time_scale(); /* the server's delay */
+    CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, b, 4, NULL, one_done, &o, NULL));
+    int64_t n0;
+    while ((n0 = requests_of(st0)) < 13) /* 10 + 2 stats + the late call */
+        pair_sleep_ms(5);
+    CHECK_OK(bex_rpc_channel_set_endpoints(ch, &ep[1], 1));
+    CHECK(wait_count(&r.w, &r.calls, 1, 20000) == 0);
+    CHECK_EQ(o.status, 0); /* answered by the second server, after its own delay */
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.retries, 1);
+    for (int i = 0; i < 10; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    CHECK_EQ(requests_of(st0), n0 + 1); /* nothing more but this stats call */
+    CHECK_EQ(requests_of(st1), 13);     /* 1 stats + the retried call + 10 + this */
+    /* both servers now: the second keeps its connection (no new failure) */
+    uint64_t cf = st.conn_failures;
+    CHECK_OK(bex_rpc_channel_set_endpoints(ch, ep, 2));
+    for (int i = 0; i < 10; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.conn_failures, cf);
+    CHECK_EQ(requests_of(st0), n0 + 1 + 5 + 1); /* round robin: 5 each */
+    CHECK_EQ(requests_of(st1), 13 + 5 + 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_rpc_channel_destroy(st0));
+    CHECK_OK(bex_rpc_channel_destroy(st1));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = stop_server(&sp[0], false);
+    rc |= stop_server(&sp[1], false);
+    return rc ? 1 : 0;
+}
+
 /* A service that fails every call with a retryable -EAGAIN: the budget
  * keeps the attempts near the calls (N calls, up to 5 attempts each, at
  * most burst + 10 % of N retries), where without it there would be 5 N.
@@ -696,5 +764,6 @@ static int t_prometheus(void)
 
 BEX_TEST_MAIN({"echo", t_echo}, {"deadline", t_deadline}, {"destroy", t_destroy},
               {"failover", t_failover}, {"connect_timeout", t_connect_timeout},
-              {"budget", t_budget}, {"write_once", t_write_once}, {"window", t_window},
-              {"garbage", t_garbage}, {"threads", t_threads}, {"prometheus", t_prometheus})
+              {"endpoints", t_endpoints}, {"budget", t_budget}, {"write_once", t_write_once},
+              {"window", t_window}, {"garbage", t_garbage}, {"threads", t_threads},
+              {"prometheus", t_prometheus})
