@@ -42,6 +42,16 @@ static void one_done(int status, void *body, size_t len, void *user)
     waiter_add(&r->w, &r->calls, 1);
 }
 
+/* Say how the first few failed calls of o[0..n) failed. */
+static void show_failures(const struct one *o, long n, const char *what)
+{
+    for (long i = 0, shown = 0; i < n && shown < 5; i++)
+        if (o[i].status) {
+            fprintf(stderr, "%s: call %ld: %s\n", what, i, bex_strerror(o[i].status));
+            shown++;
+        }
+}
+
 static void *pattern_body(bex_ctx *ctx, size_t len, uint32_t seed)
 {
     void *b = bex_rpc_alloc(ctx, len);
@@ -62,6 +72,9 @@ static int t_echo(void)
     bex_ctx *ctx = client_ctx();
     bex_rpc_endpoint ep[1];
     bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    /* about bodies, not deadlines: 64 calls of up to 64 KiB out at once took
+     * over a second each in a loaded VM (docs/benchmarks.md) */
+    cc.request_timeout_ms = 20000 * time_scale();
     bex_rpc_channel *ch;
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     static const size_t sizes[] = {64, 4096, 1u << 20, 0};
@@ -89,6 +102,7 @@ static int t_echo(void)
                               one_done, &o[i], NULL));
     }
     CHECK(wait_count(&r.w, &r.calls, N, 20000) == 0);
+    show_failures(o, N, "echo");
     CHECK_EQ(atomic_load(&r.ok), N);
     CHECK_EQ(atomic_load(&r.twice), 0);
     bex_rpc_channel_stats st;
@@ -272,11 +286,7 @@ static int t_failover(void)
             n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
             (unsigned long long)st.retries, (unsigned long long)st.retry_throttled,
             (unsigned long long)st.conn_failures);
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
-            shown++;
-        }
+    show_failures(o, n, "failover");
     CHECK(before_kill > OUT && n > before_kill + OUT);
     CHECK_EQ(atomic_load(&r.twice), 0);
     CHECK_EQ(atomic_load(&r.late), 0);
@@ -690,11 +700,7 @@ static void *thr_main(void *arg)
                               one_done, &o[i], NULL));
     }
     CHECK(wait_count(&r->w, &r->calls, N, 30000) == 0);
-    for (int i = 0, shown = 0; i < N && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "thread %d call %d: %s\n", a->idx, i, bex_strerror(o[i].status));
-            shown++;
-        }
+    show_failures(o, N, a->idx == 0 ? "thread 0" : a->idx == 1 ? "thread 1" : "thread 2");
     CHECK_EQ(atomic_load(&r->ok), N);
     CHECK_EQ(atomic_load(&r->twice), 0);
     free(o);
