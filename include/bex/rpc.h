@@ -243,8 +243,25 @@ typedef struct bex_rpc_channel_stats {
 } bex_rpc_channel_stats;
 void bex_rpc_channel_stats_get(bex_rpc_channel *ch, bex_rpc_channel_stats *out);
 
+/* Per-endpoint counters (the "per node" view, for replica choice and
+ * quarantine to come). Counters follow an endpoint while it stays in the
+ * list (bex_rpc_channel_set_endpoints); a removed one's are gone. */
+typedef struct bex_rpc_endpoint_stats {
+    struct sockaddr_in addr;
+    char locality[64];      /* its label (cut to fit) */
+    uint64_t attempts;      /* requests sent to it */
+    uint64_t answers;       /* answers from it (late ones included) */
+    uint64_t failures;      /* attempts to it that failed or passed attempt_timeout_ms */
+    uint64_t conn_failures; /* its connections that failed or timed out (Tc) */
+} bex_rpc_endpoint_stats;
+/* Fill out[0..cap) with the endpoints' counters in list order; returns the
+ * number of endpoints (which may exceed cap). */
+size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stats *out, size_t cap);
+
 /* The counters and latency quantiles in Prometheus text exposition format
- * (metric names bex_rpc_*, label channel="<name>"), NUL-terminated, into
+ * (metric names bex_rpc_*, label channel="<name>"; the endpoints' counters
+ * as bex_rpc_endpoint_* with labels endpoint="<ip>:<port>" and locality,
+ * for the first 64 endpoints), NUL-terminated, into
  * buf (cap bytes). Returns the length it needed (without the NUL), like
  * snprintf: output is cut when that is >= cap. */
 int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap);

@@ -4,6 +4,7 @@
  * One mutex per channel guards everything of it; socket callbacks (I/O
  * thread), the timer thread and callers take it. Completions are collected
  * under it and run after it is released, so a completion may call again. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -39,6 +40,7 @@ struct endpoint {
     char *locality;
     uint32_t transport;
     int refs;
+    uint64_t attempts, answers, failures, conn_failures; /* bex_rpc_endpoint_stats */
     struct link *cur;    /* the live link, or NULL: made on first use */
     uint64_t down_until; /* ns: avoided until then after a failure */
     bool suspect;        /* failed, and no connection came up since */
@@ -290,8 +292,10 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
     if (l->state == L_FAILED)
         return;
     l->state = L_FAILED;
-    if (err != -ECONNABORTED && err != -ECANCELED) /* not removal, not destroy */
+    if (err != -ECONNABORTED && err != -ECANCELED) { /* not removal, not destroy */
         ch->st.conn_failures++;
+        l->ep->conn_failures++;
+    }
     if (l->ep->cur == l)
         l->ep->cur = NULL;
     l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
@@ -399,6 +403,7 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
         return err;
     }
     ch->st.attempts++;
+    ep->attempts++;
     c->refs++;
     c->link = l;
     c->attempt_deadline = ch->attempt_ns ? bex__rpc_now_ns() + ch->attempt_ns : 0;
@@ -437,6 +442,8 @@ static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, 
 {
     if (!c->live)
         return;
+    if (c->ep && c->link)
+        c->ep->failures++;
     c->link = NULL;
     c->attempt_deadline = 0;
     while (may_retry(ch, c, err, remote)) {
@@ -554,6 +561,7 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         run_done(ch, done);
         return;
     }
+    l->ep->answers++;
     if (!c) {
         ch->st.late_responses++; /* completed already: timed out, cancelled */
         pthread_mutex_unlock(&ch->mu);
@@ -607,6 +615,8 @@ static void *timer_main(void *arg)
                 c->attempt_deadline = 0;
                 struct link *pl = c->link;
                 struct endpoint *pe = c->ep;
+                if (pe)
+                    pe->failures++;
                 if (may_retry(ch, c, -ETIMEDOUT, false)) {
                     ch->st.retries++;
                     if (start_attempt(ch, c, pe)) {
@@ -918,6 +928,23 @@ void bex_rpc_channel_stats_get(bex_rpc_channel *ch, bex_rpc_channel_stats *out)
     pthread_mutex_unlock(&ch->mu);
 }
 
+size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stats *out, size_t cap)
+{
+    pthread_mutex_lock(&ch->mu);
+    size_t n = ch->n_eps;
+    for (size_t i = 0; i < n && i < cap; i++) {
+        const struct endpoint *ep = ch->eps[i];
+        out[i] = (bex_rpc_endpoint_stats){.addr = ep->addr,
+                                          .attempts = ep->attempts,
+                                          .answers = ep->answers,
+                                          .failures = ep->failures,
+                                          .conn_failures = ep->conn_failures};
+        snprintf(out[i].locality, sizeof out[i].locality, "%s", ep->locality ? ep->locality : "");
+    }
+    pthread_mutex_unlock(&ch->mu);
+    return n;
+}
+
 /* Prometheus label values escape backslash, quote and newline. */
 static void escape_label(const char *in, char *out, size_t cap)
 {
@@ -1011,6 +1038,36 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
             qs[i].us / 1e6);
     OUT("bex_rpc_latency_seconds_sum{channel=\"%s\"} %.9g\n", name, (double)sum_ns / 1e9);
     OUT("bex_rpc_latency_seconds_count{channel=\"%s\"} %llu\n", name, (unsigned long long)count);
+    /* per endpoint (the list as it is now) */
+    bex_rpc_endpoint_stats es[64];
+    size_t ne = bex_rpc_channel_endpoint_stats(ch, es, 64);
+    if (ne > 64)
+        ne = 64; /* a longer list is cut: bex_rpc_channel_endpoint_stats has it all */
+    static const struct {
+        const char *metric, *help;
+        size_t off;
+    } ectrs[] = {
+        {"bex_rpc_endpoint_attempts_total", "Attempts sent to the endpoint",
+         offsetof(bex_rpc_endpoint_stats, attempts)},
+        {"bex_rpc_endpoint_answers_total", "Answers received from the endpoint",
+         offsetof(bex_rpc_endpoint_stats, answers)},
+        {"bex_rpc_endpoint_failures_total", "Attempts to the endpoint that failed or timed out",
+         offsetof(bex_rpc_endpoint_stats, failures)},
+        {"bex_rpc_endpoint_conn_failures_total", "Connections to the endpoint that failed",
+         offsetof(bex_rpc_endpoint_stats, conn_failures)},
+    };
+    for (size_t k = 0; k < sizeof ectrs / sizeof ectrs[0]; k++) {
+        OUT("# HELP %s %s.\n# TYPE %s counter\n", ectrs[k].metric, ectrs[k].help, ectrs[k].metric);
+        for (size_t i = 0; i < ne; i++) {
+            char ip[INET_ADDRSTRLEN], loc[160];
+            inet_ntop(AF_INET, &es[i].addr.sin_addr, ip, sizeof ip);
+            escape_label(es[i].locality, loc, sizeof loc);
+            uint64_t v;
+            memcpy(&v, (const char *)&es[i] + ectrs[k].off, sizeof v);
+            OUT("%s{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} %llu\n", ectrs[k].metric,
+                name, ip, ntohs(es[i].addr.sin_port), loc, (unsigned long long)v);
+        }
+    }
 #undef OUT
     return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
 }

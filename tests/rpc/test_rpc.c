@@ -293,6 +293,14 @@ static int t_failover(void)
     CHECK_EQ(atomic_load(&r.ok), n);
     CHECK(st.retries >= 1);
     CHECK(st.conn_failures >= 1);
+    /* per endpoint: the killed one's connection failed, the other answered;
+     * every attempt is counted at one of them */
+    bex_rpc_endpoint_stats es[2];
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+    CHECK(es[0].conn_failures >= 1 && es[1].conn_failures == 0);
+    CHECK(es[0].failures >= 1);
+    CHECK(es[1].answers > es[0].answers);
+    CHECK_EQ(es[0].attempts + es[1].attempts, st.attempts);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     CHECK_OK(bex_ctx_destroy(ctx));
     int rc = stop_server(&sp[0], true);
@@ -762,6 +770,19 @@ static int t_prometheus(void)
     CHECK(strstr(buf, "bex_rpc_failures_total{channel=\"pr\\\"om\",kind=\"remote\"} 1\n"));
     CHECK(strstr(buf, "bex_rpc_latency_seconds_count{channel=\"pr\\\"om\"} 11\n"));
     CHECK(strstr(buf, "bex_rpc_latency_seconds{channel=\"pr\\\"om\",quantile=\"0.99\"} "));
+    /* the endpoint's counters: 11 attempts, 11 answers, nothing failed */
+    bex_rpc_endpoint_stats es[2];
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 1);
+    CHECK(es[0].attempts == 11 && es[0].answers == 11 && es[0].failures == 0 &&
+          es[0].conn_failures == 0);
+    CHECK(strcmp(es[0].locality, "dc1/pod1") == 0);
+    char want[256], ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &sp.addr.sin_addr, ip, sizeof ip);
+    snprintf(want, sizeof want,
+             "bex_rpc_endpoint_attempts_total{channel=\"pr\\\"om\",endpoint=\"%s:%u\","
+             "locality=\"dc1/pod1\"} 11\n",
+             ip, ntohs(sp.addr.sin_port));
+    CHECK(strstr(buf, want));
     free(buf);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     CHECK_OK(bex_ctx_destroy(ctx));
