@@ -192,7 +192,9 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch);
  * -ECONNREFUSED, ... (the last attempt's connection failure). body
  * belongs to the callee: free it with bex_rpc_free(). Runs once per call,
  * on the I/O thread, the channel's timer thread, or the thread calling
- * bex_rpc_cancel / bex_rpc_channel_destroy. */
+ * bex_rpc_cancel, bex_rpc_channel_set_endpoints or bex_rpc_channel_destroy
+ * (or bex_rpc_call itself, when every attempt failed at once), never with
+ * a lock of the channel held: it may call again. */
 typedef void (*bex_rpc_done_fn)(int status, void *body, size_t len, void *user);
 
 enum { BEX_RPC_CALL_NO_RETRY = 1u << 0 };
