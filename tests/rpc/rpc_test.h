@@ -32,6 +32,10 @@ enum {
  * 2 s default to fail a connection mid-case (test_rpc.threads). Failures
  * the cases want (a killed server) show as a reset connection at once. */
 #define RPC_KEEPALIVE_MS 10000
+/* The contexts' setup deadline (scaled; bex's default is 3 s): a loaded VM
+ * took over 3 s to set up an RDMA connection (the server closed it, the
+ * client saw it refused: test_rpc.deadline). */
+#define RPC_SETUP_MS 10000
 
 /* The dedup window of the next spawn_server (0: the default). */
 static uint32_t srv_window;
@@ -213,7 +217,8 @@ static void srv_child(int wfd, int rfd, bool drop_first_write)
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
     ts.drop_first_write = drop_first_write;
-    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS};
+    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS,
+                           .connect_timeout_ms = RPC_SETUP_MS};
     bex_ctx_config c = scaled(&base, a0);
     c.log_fn = ts_log;
     CHECK_OK(bex_ctx_create(&c, &ts.ctx));
@@ -324,15 +329,16 @@ static bex_ctx *client_ctx(void)
 {
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
-    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS};
+    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS,
+                           .connect_timeout_ms = RPC_SETUP_MS};
     bex_ctx_config c = scaled(&base, a1);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&c, &ctx));
     return ctx;
 }
 
-/* A channel config over n servers with test-friendly timeouts: Tc and Tr
- * scaled (the defaults of 10 and 40 ms are for a real cluster, not for a
+/* A channel config over n servers with test-friendly timeouts: Tc (15 s)
+ * and Tr (2 s) scaled (the defaults of 10 and 40 ms are for a real cluster, not for a
  * sanitizer build in an emulated VM, where an RDMA connection's setup took
  * over a second on a loaded host). */
 static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *sps, size_t n)
@@ -344,7 +350,7 @@ static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *s
         .n_endpoints = n,
         .name = "test",
         .request_timeout_ms = 2000 * time_scale(),
-        .connect_timeout_ms = 5000 * time_scale(), /* above the context's 3 s setup */
+        .connect_timeout_ms = 15000 * time_scale(), /* above the contexts' setup deadline */
     };
 }
 
