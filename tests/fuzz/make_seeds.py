@@ -231,3 +231,18 @@ regress("write-before-grant", cfg(peer_rq=4) + start + op(OP_RECV_OPEN, (B, 2), 
         op(OP_REPEAT, (B, 4)) + op(OP_APP_SEND, (B, 0), (H, 10), (B, 0), (B, 0)) +
         op(OP_RECV_REQ, (B, 2), (B, 0), (I, 3000), (I, 0x10007)) +
         op(OP_WRITE_IMM, (I, 0x10000)) + op(OP_SEND_OK))
+
+
+# ---------------- RPC header (little-endian, 64 bytes + body) ----------------
+def rpc(kind, service=7, method=1, call_id=1, client_id=0x1122334455667788, seq=1, status=0,
+        body=b"", timeout_ms=0, flags=0):
+    return struct.pack("<HBBIIIQQQiII12x", 0xB5C1, 1, kind, flags, service, method, call_id,
+                       client_id, seq, status, len(body), timeout_ms) + body
+
+
+write("rpc", "request", rpc(1, body=b"hello", timeout_ms=40))
+write("rpc", "request-empty", rpc(1, timeout_ms=40))
+write("rpc", "response", rpc(2, body=bytes(range(32))))
+write("rpc", "response-status", rpc(2, status=-11))
+write("rpc", "error", rpc(3, status=-38))
+write("rpc", "bad-length", rpc(1, body=b"abc", timeout_ms=40)[:-1])
