@@ -118,8 +118,9 @@ typedef struct bex_rpc_server_stats {
     uint64_t replies;      /* answers sent */
     uint64_t no_method;    /* requests for an unregistered method (-ENOSYS) */
     uint64_t bad_header;   /* connections closed for a malformed header */
-    uint64_t dup_replayed; /* WRITE retries answered from the window */
-    uint64_t dup_pending;  /* WRITE retries dropped: the first one not answered yet */
+    uint64_t dup_replayed; /* WRITE retries answered with the first answer */
+    uint64_t dup_pending;  /* WRITE retries while the first was not answered yet: not
+                              applied; the first answer goes to the latest of them too */
     uint64_t stale;        /* WRITE retries past the window (-ESTALE) */
     uint64_t conns;        /* connections accepted */
 } bex_rpc_server_stats;

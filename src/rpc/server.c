@@ -35,6 +35,11 @@ struct dslot {
     int32_t status;
     uint32_t len;
     void *resp; /* malloc'd copy of the answer's body (SLOT_DONE) */
+    /* SLOT_PENDING: the latest retry that arrived meanwhile (its connection,
+     * referenced, and header): the first answer goes there too, since the
+     * first request's connection may be the one that failed */
+    struct conn *wc;
+    struct bex__rpc_hdr wh;
 };
 
 struct dclient {
@@ -132,10 +137,21 @@ static const struct method *find_method(const struct bex_rpc_server *srv, uint32
     return NULL;
 }
 
+static void conn_put_locked(struct conn *c);
+
+/* Empty a slot (under srv->mu, or at the server's end). */
+static void slot_clear(struct dslot *sl)
+{
+    free(sl->resp);
+    if (sl->wc)
+        conn_put_locked(sl->wc);
+    *sl = (struct dslot){0};
+}
+
 static void dc_free_slots(struct dclient *d, uint32_t window)
 {
     for (uint32_t i = 0; i < window; i++)
-        free(d->slots[i].resp);
+        slot_clear(&d->slots[i]);
     free(d->slots);
 }
 
@@ -238,7 +254,7 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, uint64_t id, bool cre
 enum { DD_APPLY, DD_PENDING, DD_REPLAY, DD_STALE, DD_NOMEM };
 
 static int dedup_check(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h,
-                       struct dslot *replay)
+                       struct dslot *replay, struct dslot **pending)
 {
     struct dclient *d = dc_find(srv, h->client_id, true);
     if (!d)
@@ -248,8 +264,10 @@ static int dedup_check(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h,
         return DD_STALE; /* older than the window: applied or not, we cannot tell */
     struct dslot *sl = &d->slots[h->seq % w];
     if (sl->seq == h->seq && sl->state != SLOT_EMPTY) {
-        if (sl->state == SLOT_PENDING)
+        if (sl->state == SLOT_PENDING) {
+            *pending = sl;
             return DD_PENDING;
+        }
         if (sl->state == SLOT_DONE_UNKEPT)
             return DD_STALE;
         *replay = *sl;
@@ -257,12 +275,15 @@ static int dedup_check(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h,
     }
     /* a sequence the window does not hold: the slot's old occupant (if
      * any) is out of the window by now */
-    free(sl->resp);
+    slot_clear(sl);
     *sl = (struct dslot){.seq = h->seq, .state = SLOT_PENDING};
     if (h->seq > d->max_seq)
         d->max_seq = h->seq;
     return DD_APPLY;
 }
+
+static int send_answer(struct bex_rpc_server *srv, struct conn *c, const struct bex__rpc_hdr *rq,
+                       uint8_t kind, int status, void *body, size_t len);
 
 static void dedup_record(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h, int status,
                          const void *body, size_t len)
@@ -273,10 +294,22 @@ static void dedup_record(struct bex_rpc_server *srv, const struct bex__rpc_hdr *
     struct dslot *sl = &d->slots[h->seq % srv->window];
     if (sl->seq != h->seq || sl->state != SLOT_PENDING)
         return;
+    if (sl->wc) {
+        /* a retry waits for this answer: a copy goes to it */
+        void *copy = bex_rpc_alloc(srv->ctx, len);
+        if (copy) {
+            if (len)
+                memcpy(copy, body, len);
+            if (!send_answer(srv, sl->wc, &sl->wh, BEX__RPC_RESPONSE, status, copy, len))
+                srv->st.dup_replayed++;
+        }
+        conn_put_locked(sl->wc);
+        sl->wc = NULL;
+    }
     if (status == -EAGAIN || status == -EBUSY) {
         /* "not applied, try again" (the client retries these): a retry
          * must be applied, not answered from here */
-        *sl = (struct dslot){0};
+        slot_clear(sl);
         return;
     }
     sl->status = status;
@@ -407,14 +440,19 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     }
     bool write = m->flags & BEX_RPC_METHOD_WRITE;
     if (write) {
-        struct dslot sl;
-        switch (dedup_check(srv, &h, &sl)) {
+        struct dslot sl, *pend = NULL;
+        switch (dedup_check(srv, &h, &sl, &pend)) {
         case DD_APPLY:
             break;
         case DD_PENDING:
-            /* the first one is being applied; its answer goes where it
-             * came from, and a later retry finds it in the window */
+            /* the first one is being applied: not again; its answer goes
+             * where it came from and to this retry (the latest one) */
             srv->st.dup_pending++;
+            if (pend->wc)
+                conn_put_locked(pend->wc);
+            pend->wc = c;
+            pend->wh = h;
+            c->refs++;
             pthread_mutex_unlock(&srv->mu);
             bex_mem_free(buf);
             return;

@@ -25,6 +25,9 @@ enum {
     M_LATE = 7,   /* echo from the worker after a delay (u32 ms in the body) */
     M_FLAKY = 8,  /* WRITE: the first request ever is refused -EAGAIN (not
                      applied), later ones as M_WRITE */
+    M_SLOWW = 9,  /* WRITE: applied at once (counted with M_WRITE), its
+                     connection closed, answered 300 ms (scaled) later from
+                     the worker */
 };
 
 /* Keepalive timeout of both sides' contexts (scaled): the RPC cases are not
@@ -147,6 +150,19 @@ static void h_flaky(bex_rpc_req *req, void *body, size_t len, void *user)
     h_write(req, body, len, user);
 }
 
+static void h_slow_write(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    (void)len;
+    bex_rpc_free(body);
+    int64_t n = atomic_fetch_add(&ts.applied, 1) + 1;
+    int64_t *out = bex_rpc_alloc(ts.ctx, sizeof n);
+    CHECK(out);
+    *out = n;
+    bex__rpc_req_close_conn(req); /* the client retries on a new connection */
+    queue_work(req, out, sizeof n, pair_now_ms() + 300 * time_scale(), false);
+}
+
 static void h_eagain(bex_rpc_req *req, void *body, size_t len, void *user)
 {
     (void)user;
@@ -225,6 +241,8 @@ static void srv_child(int wfd, int rfd, bool drop_first_write)
     bex_rpc_server_config scfg = {.dedup_window = srv_window};
     CHECK_OK(bex_rpc_server_create(ts.ctx, &scfg, &ts.srv));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_FLAKY, BEX_RPC_METHOD_WRITE, h_flaky, NULL));
+    CHECK_OK(
+        bex_rpc_server_register(ts.srv, SVC, M_SLOWW, BEX_RPC_METHOD_WRITE, h_slow_write, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_ECHO, 0, h_echo, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_NEVER, 0, h_never, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_WRITE, BEX_RPC_METHOD_WRITE, h_write, NULL));
