@@ -164,10 +164,21 @@ typedef struct bex_rpc_channel_config {
                                           is avoided this long when another one
                                           is there (100) */
     uint64_t client_id;                /* (0: random) */
+    /* Directory mode (include/bex/dir.h): endpoints NULL, n_endpoints 0;
+     * each attempt goes to the replica of (service, shard) the directory
+     * picks for locality (nearest healthy, least outstanding, quarantine
+     * respected), and the outcomes are reported to it. dir must outlive
+     * the channel. */
+    struct bex_dir *dir;
+    const char *service; /* the directory's service name (copied) */
+    uint32_t shard;
+    const char *locality; /* this client's, e.g. "dc1/pod2" (copied; NULL:
+                             none, every replica equally near) */
 } bex_rpc_channel_config;
 
 /* Create a channel on ctx. Connections are made on first use. Returns 0,
- * -EINVAL, -ENOMEM. */
+ * -EINVAL, -ENOMEM. In directory mode, a call made while its shard has no
+ * replica fails with -EHOSTUNREACH. */
 int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out);
 
 /* Replace the channel's endpoint list (eps copied; n >= 1), e.g. from a
@@ -175,8 +186,9 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
  * keep their connection and state; the connections of removed ones are
  * closed and the calls out on them are retried on the new list like after
  * a connection failure (within their attempts, deadline and the budget;
- * else they complete with -ECONNABORTED). Returns 0, -EINVAL, -ENOMEM
- * (nothing changed), -EPIPE (the channel is being destroyed). */
+ * else they complete with -ECONNABORTED). Returns 0, -EINVAL (also for a
+ * channel in directory mode), -ENOMEM (nothing changed), -EPIPE (the
+ * channel is being destroyed). */
 int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *eps, size_t n);
 
 /* Fail every outstanding call with -ECANCELED (each completes once), close

@@ -14,6 +14,7 @@
 #include <sys/random.h>
 
 #include "common/log.h"
+#include "rpc/dir_internal.h"
 #include "rpc/internal.h"
 #include "sock/ctx_access.h"
 
@@ -41,9 +42,11 @@ struct endpoint {
     uint32_t transport;
     int refs;
     uint64_t attempts, answers, failures, conn_failures; /* bex_rpc_endpoint_stats */
-    struct link *cur;    /* the live link, or NULL: made on first use */
-    uint64_t down_until; /* ns: avoided until then after a failure */
-    bool suspect;        /* failed, and no connection came up since */
+    struct link *cur;           /* the live link, or NULL: made on first use */
+    uint64_t down_until;        /* ns: avoided until then after a failure */
+    bool suspect;               /* failed, and no connection came up since */
+    struct bex__dir_node *node; /* directory mode: its node (outcomes go there) */
+    struct endpoint *dnext;     /* directory mode: the channel's endpoints so far */
 };
 
 /* completion kinds, for the counters */
@@ -58,9 +61,10 @@ struct call {
     void *user;
     uint64_t t_start, deadline, attempt_deadline; /* ns; attempt_deadline 0: none */
     uint32_t attempts;
-    struct link *link;   /* the current attempt's */
-    struct endpoint *ep; /* the current attempt's */
-    int refs;            /* 1 while live or its completion runs, + 1 per send out */
+    struct link *link;        /* the current attempt's */
+    struct endpoint *ep;      /* the current attempt's */
+    struct endpoint *counted; /* directory mode: outstanding on this one's node */
+    int refs;                 /* 1 while live or its completion runs, + 1 per send out */
     bool live;
     int status;
     void *resp;
@@ -80,6 +84,13 @@ struct bex_rpc_channel {
     uint32_t max_attempts, retry_permille, budget_permille, budget_burst;
     struct endpoint **eps;
     size_t n_eps, rr;
+    /* directory mode (eps NULL): replicas of (service, shard) in dir,
+     * chosen per attempt (src/rpc/dir.c); an endpoint is made for each
+     * node the first time it is chosen */
+    bex_dir *dir;
+    char *service, *locality;
+    uint32_t shard;
+    struct endpoint *deps;
     pthread_mutex_t mu;
     pthread_cond_t cv; /* timer wake-ups and destroy's waits */
     struct call *htab[CALL_BUCKETS];
@@ -132,6 +143,22 @@ static void call_put(struct bex_rpc_channel *ch, struct call *c)
         pthread_cond_broadcast(&ch->cv);
 }
 
+/* ---- directory mode: outcomes for quarantine (under ch->mu) ---- */
+
+static void dir_report(struct bex_rpc_channel *ch, struct endpoint *ep, int outcome)
+{
+    if (ch->dir && ep && ep->node)
+        bex__dir_report_node(ch->dir, ep->node, outcome, false, bex__rpc_now_ns());
+}
+
+/* c's attempt no longer counts as outstanding on its node */
+static void dir_release(struct bex_rpc_channel *ch, struct call *c)
+{
+    if (c->counted)
+        bex__dir_report_node(ch->dir, c->counted->node, BEX_DIR_DONE, true, bex__rpc_now_ns());
+    c->counted = NULL;
+}
+
 /* Take c off the books with status; its completion runs once the lock is
  * released (run_done). */
 static void complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
@@ -155,6 +182,9 @@ static void complete(struct bex_rpc_channel *ch, struct call *c, int status, voi
     c->status = status;
     c->resp = resp;
     c->resp_len = resp_len;
+    if (kind == K_TIMEOUT && c->link)
+        dir_report(ch, c->ep, BEX_DIR_REQ_FAIL);
+    dir_release(ch, c);
     switch (kind) {
     case K_OK:
         ch->st.ok++;
@@ -300,6 +330,8 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
         l->ep->cur = NULL;
     l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
     l->ep->suspect = true;
+    if (err != -ECANCELED && err != -EPROTO && err != -ECONNABORTED)
+        dir_report(ch, l->ep, BEX_DIR_CONN_FAIL);
     bex_sock_close(l->s);
     /* a retry never lands on l (it failed), and completing a call unlinks
      * that call alone: the saved next stays valid */
@@ -364,8 +396,12 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
  * up, when another endpoint is there: otherwise every call of the moment
  * would queue on a connection that may well be refused again, each then
  * needing a retry. */
+static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude);
+
 static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
 {
+    if (ch->dir)
+        return dir_choose_ep(ch, exclude);
     uint64_t now = bex__rpc_now_ns();
     struct endpoint *soonest = NULL;
     for (size_t i = 0; i < ch->n_eps; i++) {
@@ -383,14 +419,71 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
     return soonest ? soonest : ch->eps[0];
 }
 
+struct dir_avoid {
+    struct bex_rpc_channel *ch;
+    const struct endpoint *exclude;
+    uint64_t now;
+};
+
+static struct endpoint *dir_ep_of(struct bex_rpc_channel *ch, const struct bex__dir_node *n)
+{
+    for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext)
+        if (ep->node == n)
+            return ep;
+    return NULL;
+}
+
+/* The channel's own exclusions, as in choose_ep: the failed attempt's
+ * endpoint, one held down, one being probed by its reconnection. */
+static bool dir_avoid_fn(void *arg, const struct bex__dir_node *n)
+{
+    const struct dir_avoid *a = arg;
+    const struct endpoint *ep = dir_ep_of(a->ch, n);
+    return ep && (ep == a->exclude || ep->down_until > a->now || (ep->suspect && ep->cur));
+}
+
+/* Directory mode: the directory picks the node (locality, load,
+ * quarantine); NULL when the shard has no replica. */
+static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
+{
+    struct dir_avoid a = {ch, exclude, bex__rpc_now_ns()};
+    struct bex__dir_node *n;
+    if (bex__dir_pick_node(ch->dir, ch->service, ch->shard, ch->locality, dir_avoid_fn, &a, a.now,
+                           &n))
+        return NULL;
+    struct endpoint *ep = dir_ep_of(ch, n);
+    if (!ep && (ep = calloc(1, sizeof(*ep)))) {
+        bex_dir_replica r;
+        bex__dir_node_info(n, &r);
+        ep->addr = r.addr;
+        ep->transport = r.transport;
+        ep->node = n;
+        ep->refs = 1; /* the deps list's */
+        ep->dnext = ch->deps;
+        ch->deps = ep;
+    }
+    if (!ep) {
+        bex__dir_report_node(ch->dir, n, BEX_DIR_DONE, true, a.now);
+        return NULL;
+    }
+    return ep;
+}
+
 /* Send c on an endpoint (not exclude when there is another). Returns 0 or
  * the error that kept the attempt from starting. */
 static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude)
 {
     struct endpoint *ep = choose_ep(ch, exclude);
     c->attempts++;
-    c->ep = ep;
     c->link = NULL;
+    if (ch->dir) {
+        /* the new pick counts as outstanding; the old attempt's no more */
+        dir_release(ch, c);
+        if (!ep)
+            return -EHOSTUNREACH; /* c->ep stays: the last endpoint tried */
+        c->counted = ep;
+    }
+    c->ep = ep;
     struct link *l = ep->cur;
     int err = 0;
     if (!l)
@@ -572,6 +665,7 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     void *body = blen ? (uint8_t *)buf + BEX_RPC_HDR_LEN : NULL;
     if (!blen)
         bex_mem_free(buf);
+    dir_report(ch, l->ep, h.status && retryable(h.status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
     if (h.status && retryable(h.status, true) && c->link == l) {
         bex_rpc_free(body);
         attempt_failed(ch, c, h.status, true, &done);
@@ -617,6 +711,7 @@ static void *timer_main(void *arg)
                 struct endpoint *pe = c->ep;
                 if (pe)
                     pe->failures++;
+                dir_report(ch, pe, BEX_DIR_REQ_FAIL);
                 if (may_retry(ch, c, -ETIMEDOUT, false)) {
                     ch->st.retries++;
                     if (start_attempt(ch, c, pe)) {
@@ -650,8 +745,10 @@ static void *timer_main(void *arg)
 
 int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out)
 {
+    bool dir = cfg && cfg->dir;
     if (!ctx || !cfg || !out || cfg->retry_permille > 1000 ||
-        check_endpoints(cfg->endpoints, cfg->n_endpoints))
+        (dir ? cfg->endpoints || cfg->n_endpoints || !cfg->service
+             : check_endpoints(cfg->endpoints, cfg->n_endpoints)))
         return -EINVAL;
     struct bex_rpc_channel *ch = calloc(1, sizeof(*ch));
     if (!ch)
@@ -660,8 +757,16 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     ch->ctx = ctx;
     ch->log = bex__ctx_log(ctx);
     ch->name = strdup(cfg->name ? cfg->name : "default");
-    if (!ch->name || build_eps(cfg->endpoints, cfg->n_endpoints, NULL, 0, &ch->eps))
+    if (dir) {
+        ch->dir = cfg->dir;
+        ch->shard = cfg->shard;
+        ch->service = strdup(cfg->service);
+        ch->locality = cfg->locality ? strdup(cfg->locality) : NULL;
+        if (!ch->name || !ch->service || (cfg->locality && !ch->locality))
+            goto err_free;
+    } else if (!ch->name || build_eps(cfg->endpoints, cfg->n_endpoints, NULL, 0, &ch->eps)) {
         goto err_free;
+    }
     ch->n_eps = cfg->n_endpoints;
     ch->tr_ns = (cfg->request_timeout_ms ? cfg->request_timeout_ms : 40) * 1000000ull;
     ch->tc_ns = (cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 10) * 1000000ull;
@@ -697,6 +802,8 @@ err_free:
         for (size_t i = 0; i < ch->n_eps; i++)
             ep_put(ch->eps[i]);
     free(ch->eps);
+    free(ch->service);
+    free(ch->locality);
     free(ch->name);
     free(ch);
     return err;
@@ -802,7 +909,7 @@ int bex_rpc_cancel(bex_rpc_channel *ch, uint64_t call_id)
 
 int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *eps, size_t n)
 {
-    if (!ch || check_endpoints(eps, n))
+    if (!ch || ch->dir || check_endpoints(eps, n))
         return -EINVAL;
     struct call *dl = NULL;
     pthread_mutex_lock(&ch->mu);
@@ -909,6 +1016,13 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     for (size_t i = 0; i < ch->n_eps; i++)
         ep_put(ch->eps[i]);
     free(ch->eps);
+    while (ch->deps) {
+        struct endpoint *n = ch->deps->dnext;
+        ep_put(ch->deps);
+        ch->deps = n;
+    }
+    free(ch->service);
+    free(ch->locality);
     free(ch->name);
     pthread_cond_destroy(&ch->cv);
     pthread_mutex_destroy(&ch->mu);

@@ -1,0 +1,61 @@
+/* What the directory (src/rpc/dir.c) offers the RPC channel and its etcd
+ * source (src/rpc/etcd.c): nodes by handle, picks with the channel's own
+ * exclusions, outcomes with an explicit clock (unit tests drive time). */
+#ifndef BEX_RPC_DIR_INTERNAL_H
+#define BEX_RPC_DIR_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bex/dir.h"
+
+/* A node: one address. Lives as long as its directory, so a channel may
+ * keep the handle. */
+struct bex__dir_node;
+
+/* The channel's exclusions: true to use n only when nothing else is
+ * usable. Called under the directory's lock: read only. */
+typedef bool (*bex__dir_avoid_fn)(void *arg, const struct bex__dir_node *n);
+
+/* bex_dir_pick with a handle, an avoid callback (may be NULL) and a clock
+ * (ns, monotonic). Returns 0 or -ENOENT. */
+int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const char *locality,
+                       bex__dir_avoid_fn avoid, void *arg, uint64_t now_ns,
+                       struct bex__dir_node **out);
+/* bex_dir_report with a handle and a clock. */
+void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool done,
+                          uint64_t now_ns);
+void bex__dir_node_info(const struct bex__dir_node *n, bex_dir_replica *out);
+/* The node at addr, NULL if never seen (tests). */
+struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr);
+
+/* One registration seen in a source: (service, shard) served by r. */
+struct bex__dir_member {
+    char service[BEX_DIR_NAME_MAX + 1];
+    uint32_t shard;
+    bex_dir_replica r;
+};
+
+/* Replace the contents with members[0..n). Returns 0, -ENOMEM, -ENOSPC
+ * (contents unchanged then). */
+int bex__dir_set_members(bex_dir *d, const struct bex__dir_member *m, size_t n);
+struct bex__log *bex__dir_log(bex_dir *d);
+
+/* Parse "a.b.c.d:port" into addr. Returns 0 or -EINVAL. */
+int bex__dir_parse_addr(const char *s, struct sockaddr_in *addr);
+/* A locality label's checks: printable, no spaces, <= BEX_DIR_LOCALITY_MAX,
+ * no empty component. */
+bool bex__dir_locality_ok(const char *s);
+/* Same-prefix components of two labels: 0 (none) .. all of them. */
+unsigned bex__dir_closeness(const char *a, const char *b);
+
+/* The etcd watch (src/rpc/etcd.c), owned by the directory. */
+struct bex__etcd_watch;
+int bex__etcd_watch_start(bex_dir *d, const char *url, const char *prefix, char *err,
+                          size_t errlen, struct bex__etcd_watch **out);
+void bex__etcd_watch_stop(struct bex__etcd_watch *w);
+/* Parse one registration's value (JSON) into m's replica. Returns 0 or
+ * -EINVAL with err set. */
+int bex__dir_parse_replica_json(const char *text, size_t len, bex_dir_replica *r, char *err,
+                                size_t errlen);
+#endif
