@@ -50,20 +50,20 @@ typedef struct bex_dir bex_dir;
 
 /* Directory configuration; zero in any field means its default. */
 typedef struct bex_dir_config {
-    uint32_t conn_fail_max;  /* M: more connection failures than this within
-                                the window quarantine a node (30) */
-    uint32_t req_fail_max;   /* N: the same for request failures (50) */
-    uint32_t fail_window_ms; /* the window (300000: 5 minutes) */
-    uint32_t quarantine_ms;  /* how long a quarantined node is left out
-                                before a probe (60000) */
+    uint32_t conn_fail_max;    /* M: more connection failures than this within
+                                  the window quarantine a node (30) */
+    uint32_t req_fail_max;     /* N: the same for request failures (50) */
+    uint32_t fail_window_ms;   /* the window (300000: 5 minutes) */
+    uint32_t quarantine_ms;    /* how long a quarantined node is left out
+                                  before a probe (60000) */
     uint32_t probe_timeout_ms; /* a probe not reported by then (its call
                                   cancelled, its channel gone) lets another
                                   call probe (10000) */
-    uint32_t max_nodes;      /* distinct addresses remembered, health
-                                included (65536); more is -ENOSPC */
-    bex_log_fn log_fn;       /* the log hook (NULL: stderr) */
+    uint32_t max_nodes;        /* distinct addresses remembered, health
+                                  included (65536); more is -ENOSPC */
+    bex_log_fn log_fn;         /* the log hook (NULL: stderr) */
     void *log_arg;
-    int log_level;           /* BEX_LOG_* (0: BEX_LOG_WARN) */
+    int log_level; /* BEX_LOG_* (0: BEX_LOG_WARN) */
 } bex_dir_config;
 
 /* An empty directory (cfg may be NULL). Returns 0, -EINVAL, -ENOMEM. */
@@ -129,18 +129,18 @@ void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int
 enum { BEX_DIR_HEALTHY = 0, BEX_DIR_QUARANTINED = 1, BEX_DIR_PROBING = 2 };
 
 typedef struct bex_dir_node_stats {
-    int state;                /* BEX_DIR_HEALTHY, _QUARANTINED, _PROBING */
-    uint64_t picks;           /* times chosen */
-    uint32_t outstanding;     /* calls picked and not reported done */
-    uint64_t ok;              /* BEX_DIR_OK reports */
-    uint64_t conn_failures;   /* BEX_DIR_CONN_FAIL reports */
-    uint64_t req_failures;    /* BEX_DIR_REQ_FAIL reports */
-    uint64_t quarantines;     /* times quarantined (probe failures included) */
+    int state;                   /* BEX_DIR_HEALTHY, _QUARANTINED, _PROBING */
+    uint64_t picks;              /* times chosen */
+    uint32_t outstanding;        /* calls picked and not reported done */
+    uint64_t ok;                 /* BEX_DIR_OK reports */
+    uint64_t conn_failures;      /* BEX_DIR_CONN_FAIL reports */
+    uint64_t req_failures;       /* BEX_DIR_REQ_FAIL reports */
+    uint64_t quarantines;        /* times quarantined (probe failures included) */
     uint64_t quarantine_refused; /* times it would have been, but it was the
                                     last replica of a shard outside quarantine */
-    uint64_t probes;          /* probe calls given out */
-    uint64_t probe_failures;  /* probes that failed (quarantined again) */
-    uint64_t lifts;           /* quarantines lifted by a good probe */
+    uint64_t probes;             /* probe calls given out */
+    uint64_t probe_failures;     /* probes that failed (quarantined again) */
+    uint64_t lifts;              /* quarantines lifted by a good probe */
 } bex_dir_node_stats;
 
 /* The counters of the node at addr. Returns 0, or -ENOENT (never seen). */

@@ -33,9 +33,9 @@ struct bex__dir_node {
     bex_dir_replica r;
     char name[32]; /* "a.b.c.d:port", for the log */
     int state;
-    uint64_t until;       /* QUARANTINED: till then; PROBING: the probe's expiry */
-    bool probe_out;       /* PROBING: a probe call is out */
-    bool refused_logged;  /* a refused quarantine was logged (reset by a lift) */
+    uint64_t until;      /* QUARANTINED: till then; PROBING: the probe's expiry */
+    bool probe_out;      /* PROBING: a probe call is out */
+    bool refused_logged; /* a refused quarantine was logged (reset by a lift) */
     struct fail_ring conn, req;
     bex_dir_node_stats st;
     struct bex__dir_node *next;
@@ -67,8 +67,8 @@ struct bex_dir {
     bool etcd;
 };
 
-__attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errlen,
-                                                          const char *fmt, ...)
+__attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errlen, const char *fmt,
+                                                          ...)
 {
     if (!err || !errlen)
         return;
@@ -104,8 +104,8 @@ int bex__dir_parse_addr(const char *s, struct sockaddr_in *addr)
     }
     if (!port)
         return -EINVAL;
-    *addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
-                                 .sin_addr = ia};
+    *addr = (struct sockaddr_in){
+        .sin_family = AF_INET, .sin_port = htons((uint16_t)port), .sin_addr = ia};
     return 0;
 }
 
@@ -307,8 +307,7 @@ static int parse_transport(const char *s, uint32_t *out)
 }
 
 /* One replica object; where names it for errors. */
-static int parse_replica(json_t *o, bex_dir_replica *r, const char *where, char *err,
-                         size_t errlen)
+static int parse_replica(json_t *o, bex_dir_replica *r, const char *where, char *err, size_t errlen)
 {
     if (!json_is_object(o)) {
         set_err(err, errlen, "%s: not an object", where);
@@ -395,8 +394,8 @@ static int load_root(bex_dir *d, json_t *root, char *err, size_t errlen)
     json_object_foreach(svcs, key, svc)
     {
         if (!*key || strlen(key) > BEX_DIR_NAME_MAX || strchr(key, '/')) {
-            set_err(err, errlen, "services.\"%s\": a name of 1-%d bytes without '/' expected",
-                    key, BEX_DIR_NAME_MAX);
+            set_err(err, errlen, "services.\"%s\": a name of 1-%d bytes without '/' expected", key,
+                    BEX_DIR_NAME_MAX);
             rc = -EINVAL;
             goto out;
         }
@@ -436,8 +435,7 @@ static int load_root(bex_dir *d, json_t *root, char *err, size_t errlen)
                     cap *= 2;
                 }
                 char where[160];
-                snprintf(where, sizeof where, "services.%s.shards[%zu].replicas[%zu]", key, si,
-                         ri);
+                snprintf(where, sizeof where, "services.%s.shards[%zu].replicas[%zu]", key, si, ri);
                 m[n] = (struct bex__dir_member){.shard = (uint32_t)si};
                 strcpy(m[n].service, key);
                 if ((rc = parse_replica(rep, &m[n].r, where, err, errlen)))
@@ -570,9 +568,10 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
     n->conn.n = n->req.n = 0;
     if (probe) {
         n->st.probe_failures++;
-        bex__log(&d->log, BEX_LOG_WARN, "dir: node %s failed its probe (%s): quarantined again "
-                 "for %llu ms", n->name, kind_name(outcome),
-                 (unsigned long long)(d->quarantine_ns / 1000000));
+        bex__log(&d->log, BEX_LOG_WARN,
+                 "dir: node %s failed its probe (%s): quarantined again "
+                 "for %llu ms",
+                 n->name, kind_name(outcome), (unsigned long long)(d->quarantine_ns / 1000000));
     } else {
         bex__log(&d->log, BEX_LOG_WARN,
                  "dir: node %s quarantined for %llu ms: more than %u %s failures within %llu ms",
@@ -594,8 +593,7 @@ static void node_tick(struct bex__dir_node *n, uint64_t now)
     }
 }
 
-void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool done,
-                          uint64_t now)
+void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool done, uint64_t now)
 {
     pthread_mutex_lock(&d->mu);
     if (done && n->st.outstanding)
@@ -649,8 +647,7 @@ static uint64_t rnd(bex_dir *d)
 enum { TIER_PROBE, TIER_HEALTHY, TIER_AVOIDED, TIER_LAST, TIER_NONE };
 
 int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const char *locality,
-                       bex__dir_avoid_fn avoid, void *arg, uint64_t now,
-                       struct bex__dir_node **out)
+                       bex__dir_avoid_fn avoid, void *arg, uint64_t now, struct bex__dir_node **out)
 {
     pthread_mutex_lock(&d->mu);
     struct shard *sh = service ? shard_find(d, service, shard) : NULL;
@@ -835,8 +832,8 @@ int bex_dir_pick(bex_dir *d, const char *service, uint32_t shard, const char *lo
         return -EINVAL;
     struct avoid_addr aa = {avoid};
     struct bex__dir_node *n;
-    int rc = bex__dir_pick_node(d, service, shard, locality, avoid_by_addr, &aa,
-                                bex__rpc_now_ns(), &n);
+    int rc =
+        bex__dir_pick_node(d, service, shard, locality, avoid_by_addr, &aa, bex__rpc_now_ns(), &n);
     if (!rc) {
         pthread_mutex_lock(&d->mu);
         *out = n->r;

@@ -51,8 +51,8 @@ unsigned bex__dir_closeness(const char *a, const char *b);
 
 /* The etcd watch (src/rpc/etcd.c), owned by the directory. */
 struct bex__etcd_watch;
-int bex__etcd_watch_start(bex_dir *d, const char *url, const char *prefix, char *err,
-                          size_t errlen, struct bex__etcd_watch **out);
+int bex__etcd_watch_start(bex_dir *d, const char *url, const char *prefix, char *err, size_t errlen,
+                          struct bex__etcd_watch **out);
 void bex__etcd_watch_stop(struct bex__etcd_watch *w);
 /* Parse one registration's value (JSON) into m's replica. Returns 0 or
  * -EINVAL with err set. */

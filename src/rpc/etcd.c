@@ -24,8 +24,8 @@
 
 #define OP_TIMEOUT_MS 3000 /* one unary call to etcd */
 
-__attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errlen,
-                                                          const char *fmt, ...)
+__attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errlen, const char *fmt,
+                                                          ...)
 {
     if (!err || !errlen)
         return;
@@ -221,8 +221,7 @@ struct bex__etcd_watch {
 };
 
 /* A key of ours to (service, shard, address); false for any other key. */
-static bool parse_key(const struct bex__etcd_watch *w, const char *key,
-                      struct bex__dir_member *m)
+static bool parse_key(const struct bex__etcd_watch *w, const char *key, struct bex__dir_member *m)
 {
     size_t pl = strlen(w->prefix);
     if (strncmp(key, w->prefix, pl) || strncmp(key + pl, "services/", 9))
@@ -255,15 +254,17 @@ static int ent_put(struct bex__etcd_watch *w, const char *key, const char *val, 
     struct bex__dir_member m;
     char err[200];
     if (!parse_key(w, key, &m)) {
-        bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: etcd key %s: not %sservices/<service>/"
-                 "<shard>/<a.b.c.d:port>: ignored", key, w->prefix);
+        bex__log(bex__dir_log(w->d), BEX_LOG_WARN,
+                 "dir: etcd key %s: not %sservices/<service>/"
+                 "<shard>/<a.b.c.d:port>: ignored",
+                 key, w->prefix);
         return 0;
     }
     struct sockaddr_in ka = m.r.addr;
     if (bex__dir_parse_replica_json(val, vlen, &m.r, err, sizeof err) ||
         m.r.addr.sin_addr.s_addr != ka.sin_addr.s_addr || m.r.addr.sin_port != ka.sin_port) {
-        bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: etcd key %s: bad value (%s): ignored",
-                 key, err[0] ? err : "its addr is not the key's");
+        bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: etcd key %s: bad value (%s): ignored", key,
+                 err[0] ? err : "its addr is not the key's");
         ent_del(w, key);
         return 0;
     }
@@ -506,8 +507,8 @@ static void watch_free(struct bex__etcd_watch *w)
     free(w);
 }
 
-int bex__etcd_watch_start(bex_dir *d, const char *url, const char *prefix, char *err,
-                          size_t errlen, struct bex__etcd_watch **out)
+int bex__etcd_watch_start(bex_dir *d, const char *url, const char *prefix, char *err, size_t errlen,
+                          struct bex__etcd_watch **out)
 {
     if (!*prefix) {
         set_err(err, errlen, "empty etcd prefix");
@@ -678,8 +679,8 @@ int bex_dir_register_etcd(const char *url, const char *prefix, const char *servi
     snprintf(key, sizeof key, "%sservices/%s/%u/%s", prefix ? prefix : "/bex/", service, shard,
              addr);
     static const char *const tnames[] = {"auto", "rdma", "tcp"};
-    json_t *v = json_pack("{s:s, s:s, s:s}", "addr", addr, "locality", self->locality,
-                          "transport", tnames[self->transport]);
+    json_t *v = json_pack("{s:s, s:s, s:s}", "addr", addr, "locality", self->locality, "transport",
+                          tnames[self->transport]);
     char *vtext = v ? json_dumps(v, JSON_COMPACT) : NULL;
     json_decref(v);
     r->url = strdup(url);

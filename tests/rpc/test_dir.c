@@ -16,15 +16,15 @@
 
 #define MS 1000000ull
 
-static struct sockaddr_in A(const char *s)
-{
+static struct sockaddr_in A(const char *s) {
     struct sockaddr_in a;
     CHECK(bex__dir_parse_addr(s, &a) == 0);
     return a;
 }
 
 /* log lines, by what they say */
-static _Atomic int n_quarantined, n_lifted, n_probe_failed, n_refused, n_lines;
+static _Atomic int n_quarantined,
+    n_lifted, n_probe_failed, n_refused, n_lines;
 
 static void count_log(int level, const char *msg, void *arg)
 {
@@ -121,13 +121,13 @@ static int t_parse_bad(void)
         {"{\"services\": {}, \"extra\": 1}", "unknown key \"extra\""},
         {"{\"version\": 2, \"services\": {}}", "version"},
         {"{\"services\": {\"ps\": {\"shards\": []}}}", "services.ps"},
-        {"{\"services\": {\"ps\": {\"shards\": [{\"replicas\": []}]}}}",
-         "services.ps.shards[0]"},
+        {"{\"services\": {\"ps\": {\"shards\": [{\"replicas\": []}]}}}", "services.ps.shards[0]"},
         {"{\"services\": {\"ps\": {\"shards\": [{\"replicas\": [{\"addr\": \"10.0.0.1\"}]}]}}}",
          "services.ps.shards[0].replicas[0].addr"},
         {"{\"services\": {\"ps\": {\"shards\": [{\"replicas\": [{\"addr\": \"10.0.0.1:0\"}]}]}}}",
          "replicas[0].addr"},
-        {"{\"services\": {\"ps\": {\"shards\": [{\"replicas\": [{\"addr\": \"10.0.0.1:70000\"}]}]}}}",
+        {"{\"services\": {\"ps\": {\"shards\": [{\"replicas\": [{\"addr\": "
+         "\"10.0.0.1:70000\"}]}]}}}",
          "replicas[0].addr"},
         {"{\"services\": {\"ps\": {\"shards\": [{\"replicas\": [{\"addr\": \"host:7\"}]}]}}}",
          "replicas[0].addr"},
@@ -460,13 +460,14 @@ static int t_quarantine_never_all(void)
     atomic_store(&n_refused, 0);
     bex_dir *d = mkdir_cfg(2, 2, 1000, 500);
     char err[256];
-    CHECK_OK(bex_dir_load_json(d,
-                               "{\"services\":{\"ps\":{\"shards\":["
-                               "{\"replicas\":[{\"addr\":\"10.0.0.1:1\"},{\"addr\":\"10.0.0.1:2\"}]},"
-                               "{\"replicas\":[{\"addr\":\"10.0.0.1:3\"}]},"
-                               "{\"replicas\":[{\"addr\":\"10.0.0.1:3\"},{\"addr\":\"10.0.0.1:4\"}]}"
-                               "]}}}",
-                               err, sizeof err));
+    CHECK_OK(
+        bex_dir_load_json(d,
+                          "{\"services\":{\"ps\":{\"shards\":["
+                          "{\"replicas\":[{\"addr\":\"10.0.0.1:1\"},{\"addr\":\"10.0.0.1:2\"}]},"
+                          "{\"replicas\":[{\"addr\":\"10.0.0.1:3\"}]},"
+                          "{\"replicas\":[{\"addr\":\"10.0.0.1:3\"},{\"addr\":\"10.0.0.1:4\"}]}"
+                          "]}}}",
+                          err, sizeof err));
     uint64_t t = 1000 * MS;
     struct bex__dir_node *p1 = node(d, "10.0.0.1:1"), *p2 = node(d, "10.0.0.1:2"),
                          *p3 = node(d, "10.0.0.1:3"), *p4 = node(d, "10.0.0.1:4");

@@ -1,0 +1,256 @@
+/* Channels over a directory, end to end over TCP natively (tcp): calls go
+ * to the nearest replica; when it is killed with -9 every call still
+ * completes in time through the other replica, the dead one is
+ * quarantined past its threshold and no longer tried, and after the
+ * period a probe finds it still dead and quarantines it again. A shard
+ * without replicas fails calls with -EHOSTUNREACH. */
+#include "bex/dir.h"
+#include "rpc/rpc_test.h"
+
+static _Atomic int n_quarantined, n_probe_failed;
+
+static void dir_log(int level, const char *msg, void *arg)
+{
+    (void)arg;
+    if (strstr(msg, "quarantined for"))
+        atomic_fetch_add(&n_quarantined, 1);
+    if (strstr(msg, "failed its probe"))
+        atomic_fetch_add(&n_probe_failed, 1);
+    fprintf(stderr, "dir log (level %d): %s\n", level, msg);
+}
+
+/* ps/0 on two servers: sps[0] in the client's pod, sps[1] in another. */
+static bex_dir *dir_of(struct srv_proc *sps, uint32_t quarantine_ms)
+{
+    bex_dir_config c = {.conn_fail_max = 3,
+                        .req_fail_max = 50,
+                        .fail_window_ms = 60000,
+                        .quarantine_ms = quarantine_ms,
+                        .log_fn = dir_log,
+                        .log_level = BEX_LOG_INFO};
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(&c, &d));
+    char j[512], ip[2][INET_ADDRSTRLEN], err[256];
+    for (int i = 0; i < 2; i++)
+        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip[i], sizeof ip[i]);
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
+             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"},"
+             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
+             ip[0], ntohs(sps[0].addr.sin_port), ip[1], ntohs(sps[1].addr.sin_port));
+    int rc = bex_dir_load_json(d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    return d;
+}
+
+static bex_rpc_channel_config dir_chan(bex_dir *d, unsigned deadline)
+{
+    return (bex_rpc_channel_config){
+        .dir = d,
+        .service = "ps",
+        .shard = 0,
+        .locality = "dc1/pod1",
+        .name = "dir",
+        .request_timeout_ms = deadline,
+        .attempt_timeout_ms = deadline / 4,
+        .connect_timeout_ms = 1000 * time_scale(),
+        .retry_budget_burst = 100,
+    };
+}
+
+struct rec {
+    _Atomic long calls, ok, bad, late, twice;
+    struct waiter w;
+};
+
+struct one {
+    struct rec *r;
+    uint32_t seed;
+    uint64_t t0_ms, limit_ms;
+    int status;
+    _Atomic int done;
+};
+
+static void one_done(int status, void *body, size_t len, void *user)
+{
+    struct one *o = user;
+    struct rec *r = o->r;
+    if (atomic_fetch_add(&o->done, 1))
+        atomic_fetch_add(&r->twice, 1);
+    o->status = status;
+    if (pair_now_ms() > o->t0_ms + o->limit_ms)
+        atomic_fetch_add(&r->late, 1);
+    if (status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0)
+        atomic_fetch_add(&r->ok, 1);
+    else
+        atomic_fetch_add(&r->bad, 1);
+    bex_rpc_free(body);
+    waiter_add(&r->w, &r->calls, 1);
+}
+
+static bex_dir_node_stats nstats(bex_dir *d, const struct srv_proc *sp)
+{
+    bex_dir_node_stats s;
+    CHECK_OK(bex_dir_node_stats_get(d, &sp->addr, &s));
+    return s;
+}
+
+/* The nearest replica takes the calls; killed with -9, every call still
+ * succeeds within its deadline via the other; the dead one is quarantined
+ * (once, logged once), then no longer connected to; after the period its
+ * probe fails and it is quarantined again. */
+static int t_kill(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    const uint32_t quarantine_ms = 1500 * time_scale();
+    bex_dir *d = dir_of(sp, quarantine_ms);
+    const unsigned deadline = 400 * time_scale();
+    bex_rpc_channel_config cc = dir_chan(d, deadline);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    /* nearest first: all of these go to sp[0] */
+    for (int i = 0; i < 20; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    CHECK_EQ(nstats(d, &sp[0]).picks, 20);
+    CHECK_EQ(nstats(d, &sp[0]).ok, 20);
+    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
+    CHECK(bex_dir_node_stats_get(d, &sp[1].addr, &(bex_dir_node_stats){0}) == -ENOENT ||
+          nstats(d, &sp[1]).picks == 0);
+    enum { OUT = 8, MAX = 200000 };
+    static struct rec r = {.w = WAITER_INIT};
+    static struct one o[MAX];
+    const unsigned slack = 20 * time_scale();
+    long n = 0;
+    uint64_t start = pair_now_ms(), kill_at = start + 200 * time_scale();
+    bool killed = false;
+    long before_kill = 0;
+    uint64_t quarantined_at = 0, probe_failed_at = 0;
+    bex_dir_node_stats at_q = {0};
+    /* until the dead replica failed a probe (after its period), with a cap */
+    uint64_t cap = start + (4000ull + 2 * quarantine_ms) * time_scale();
+    while (pair_now_ms() < cap && n < MAX && !probe_failed_at) {
+        CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
+        if (!killed && pair_now_ms() >= kill_at) {
+            CHECK(kill(sp[0].pid, SIGKILL) == 0);
+            killed = true;
+            before_kill = n;
+        }
+        if (killed && !quarantined_at && nstats(d, &sp[0]).state == BEX_DIR_QUARANTINED) {
+            quarantined_at = pair_now_ms();
+            at_q = nstats(d, &sp[0]);
+        }
+        if (quarantined_at && !probe_failed_at && nstats(d, &sp[0]).probe_failures >= 1)
+            probe_failed_at = pair_now_ms();
+        o[n] = (struct one){.r = &r,
+                            .seed = (uint32_t)n,
+                            .t0_ms = pair_now_ms(),
+                            .limit_ms = deadline + slack};
+        void *b = bex_rpc_alloc(ctx, 64);
+        CHECK(b);
+        fill_pattern(b, 64, (uint32_t)n);
+        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, b, 64, NULL, one_done, &o[n], NULL));
+        n++;
+    }
+    CHECK(wait_count(&r.w, &r.calls, n, 20000) == 0);
+    bex_dir_node_stats s0 = nstats(d, &sp[0]), s1 = nstats(d, &sp[1]);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    fprintf(stderr,
+            "kill: %ld calls (%ld before the kill), ok %ld, bad %ld, late %ld; retries %llu; "
+            "node0 picks %llu conn_fail %llu req_fail %llu quarantines %llu probes %llu "
+            "probe_fail %llu; node1 picks %llu; quarantined after %lld ms, probe failed "
+            "%lld ms later\n",
+            n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
+            (unsigned long long)st.retries, (unsigned long long)s0.picks,
+            (unsigned long long)s0.conn_failures, (unsigned long long)s0.req_failures,
+            (unsigned long long)s0.quarantines, (unsigned long long)s0.probes,
+            (unsigned long long)s0.probe_failures, (unsigned long long)s1.picks,
+            quarantined_at ? (long long)(quarantined_at - kill_at) : -1LL,
+            probe_failed_at ? (long long)(probe_failed_at - quarantined_at) : -1LL);
+    for (long i = 0, shown = 0; i < n && shown < 5; i++)
+        if (o[i].status) {
+            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
+            shown++;
+        }
+    CHECK(killed && before_kill > OUT);
+    /* every call completed once, in time, with its own body */
+    CHECK_EQ(atomic_load(&r.twice), 0);
+    CHECK_EQ(atomic_load(&r.late), 0);
+    CHECK_EQ(atomic_load(&r.ok), n);
+    /* before the kill, the near replica took the calls */
+    CHECK(s0.picks >= (uint64_t)before_kill);
+    /* quarantined past M = 3 connection failures, logged once for it */
+    CHECK(quarantined_at);
+    CHECK(at_q.conn_failures > 3 && at_q.quarantines == 1);
+    CHECK_EQ(atomic_load(&n_quarantined), 1);
+    /* while quarantined, no call and no connection went there: between
+     * the quarantine and the probe, its picks grew by the probe alone */
+    CHECK(probe_failed_at);
+    CHECK(probe_failed_at - quarantined_at + 200 * time_scale() >= quarantine_ms);
+    CHECK(s0.probes >= 1 && s0.probe_failures >= 1 && s0.quarantines >= 2);
+    CHECK_EQ(s0.picks - at_q.picks, s0.probes);
+    CHECK(atomic_load(&n_probe_failed) >= 1);
+    CHECK(s1.picks >= (uint64_t)(n - before_kill) / 2);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    CHECK(stop_server(&sp[0], true) == 0);
+    return stop_server(&sp[1], false) ? 1 : 0;
+}
+
+/* A shard with no replica: calls fail at once with -EHOSTUNREACH; a
+ * directory reloaded with one makes them succeed; a bad directory config
+ * of the channel is -EINVAL; a fixed-list channel still works. */
+static int t_empty(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of(sp, 1000);
+    bex_rpc_channel_config cc = dir_chan(d, 1000 * time_scale());
+    bex_rpc_channel *ch;
+    cc.shard = 1;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    CHECK_EQ(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL), -EHOSTUNREACH);
+    char j[512], ip[INET_ADDRSTRLEN], err[256];
+    inet_ntop(AF_INET, &sp[1].addr.sin_addr, ip, sizeof ip);
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s:%u\"}]},"
+             "{\"replicas\":[{\"addr\":\"%s:%u\"}]}]}}}",
+             ip, ntohs(sp[1].addr.sin_port), ip, ntohs(sp[1].addr.sin_port));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    CHECK_EQ(nstats(d, &sp[1]).ok, 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    /* directory mode takes no endpoint list, and needs a service */
+    bex_rpc_endpoint ep = {.addr = sp[0].addr};
+    cc.endpoints = &ep;
+    cc.n_endpoints = 1;
+    CHECK_EQ(bex_rpc_channel_create(ctx, &cc, &ch), -EINVAL);
+    cc.endpoints = NULL;
+    cc.n_endpoints = 0;
+    cc.service = NULL;
+    CHECK_EQ(bex_rpc_channel_create(ctx, &cc, &ch), -EINVAL);
+    /* the fixed-list mode beside it */
+    bex_rpc_endpoint eps[2];
+    bex_rpc_channel_config fc = chan_cfg(eps, sp, 2);
+    CHECK_OK(bex_rpc_channel_create(ctx, &fc, &ch));
+    struct tstats t0 = server_stats(ch), t1 = server_stats(ch); /* round robin: one each */
+    CHECK(t0.st.requests >= 1 && t1.st.requests >= 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    CHECK(stop_server(&sp[0], false) == 0);
+    return stop_server(&sp[1], false) ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty})
