@@ -140,8 +140,8 @@ static void start_etcd(char *url, size_t cap)
         fcntl(pfd[1], F_SETFD, FD_CLOEXEC);
         execlp(bin, bin, "--name", "t", "--data-dir", dd, "--listen-client-urls", curl_,
                "--advertise-client-urls", curl_, "--listen-peer-urls", purl,
-               "--initial-advertise-peer-urls", purl, "--initial-cluster", cluster,
-               "--log-level", "warn", (char *)NULL);
+               "--initial-advertise-peer-urls", purl, "--initial-cluster", cluster, "--log-level",
+               "warn", (char *)NULL);
         int e = errno;
         ssize_t w = write(pfd[1], &e, sizeof e);
         (void)w;
@@ -179,9 +179,9 @@ static pid_t spawn_registrant(const char *url, uint16_t port, const char *loc)
         char err[256] = "";
         uint64_t end = now_ms() + 30000ull * bex_test_time_scale();
         int rc;
-        while ((rc = bex_dir_register_etcd(url, NULL, "ps", 0, &self, TTL_S, err, sizeof err,
-                                           &reg)) &&
-               now_ms() < end)
+        while (
+            (rc = bex_dir_register_etcd(url, NULL, "ps", 0, &self, TTL_S, err, sizeof err, &reg)) &&
+            now_ms() < end)
             sleep_ms(50);
         if (rc) {
             fprintf(stderr, "registrant: %s\n", err);

@@ -147,10 +147,8 @@ static int t_kill(void)
         }
         if (quarantined_at && !probe_failed_at && nstats(d, &sp[0]).probe_failures >= 1)
             probe_failed_at = pair_now_ms();
-        o[n] = (struct one){.r = &r,
-                            .seed = (uint32_t)n,
-                            .t0_ms = pair_now_ms(),
-                            .limit_ms = deadline + slack};
+        o[n] = (struct one){
+            .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
         void *b = bex_rpc_alloc(ctx, 64);
         CHECK(b);
         fill_pattern(b, 64, (uint32_t)n);
