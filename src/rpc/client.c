@@ -329,9 +329,20 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
     if (l->ep->cur == l)
         l->ep->cur = NULL;
     l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
+    bool was_suspect = l->ep->suspect;
     l->ep->suspect = true;
     if (err != -ECANCELED && err != -EPROTO && err != -ECONNABORTED)
         dir_report(ch, l->ep, BEX_DIR_CONN_FAIL);
+    if (!was_suspect && err != -ECANCELED && err != -ECONNABORTED) {
+        /* once per transition: the endpoint stays suspect until a
+         * connection to it is up again */
+        ch->st.endpoints_down++;
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &l->ep->addr.sin_addr, a, sizeof a);
+        bex__log(ch->log, BEX_LOG_WARN,
+                 "rpc channel %s: endpoint %s:%u failed (%s): calls go to other replicas", ch->name,
+                 a, ntohs(l->ep->addr.sin_port), bex_strerror(err));
+    }
     bex_sock_close(l->s);
     /* a retry never lands on l (it failed), and completing a call unlinks
      * that call alone: the saved next stays valid */
@@ -497,6 +508,8 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
     }
     ch->st.attempts++;
     ep->attempts++;
+    if (exclude && ep != exclude)
+        ch->st.replica_switches++;
     c->refs++;
     c->link = l;
     c->attempt_deadline = ch->attempt_ns ? bex__rpc_now_ns() + ch->attempt_ns : 0;
@@ -563,6 +576,12 @@ static void on_connect(bex_sock *s, int status, void *user)
         link_fail(ch, l, status, &done);
     else if (l->state == L_CONNECTING) {
         l->state = L_UP;
+        if (l->ep->suspect) {
+            char a[INET_ADDRSTRLEN];
+            inet_ntop(AF_INET, &l->ep->addr.sin_addr, a, sizeof a);
+            bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again",
+                     ch->name, a, ntohs(l->ep->addr.sin_port));
+        }
         l->ep->suspect = false;
     }
     pthread_mutex_unlock(&ch->mu);
@@ -1122,6 +1141,10 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
          offsetof(bex_rpc_channel_stats, bad_header)},
         {"bex_rpc_conn_failures_total", "Connections failed or timed out",
          offsetof(bex_rpc_channel_stats, conn_failures)},
+        {"bex_rpc_replica_switches_total", "Retries sent to another endpoint",
+         offsetof(bex_rpc_channel_stats, replica_switches)},
+        {"bex_rpc_endpoints_down_total", "Endpoints that went from reachable to failed",
+         offsetof(bex_rpc_channel_stats, endpoints_down)},
     };
     for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
         uint64_t v;

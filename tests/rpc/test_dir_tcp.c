@@ -160,12 +160,14 @@ static int t_kill(void)
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
     fprintf(stderr,
-            "kill: %ld calls (%ld before the kill), ok %ld, bad %ld, late %ld; retries %llu; "
+            "kill: %ld calls (%ld before the kill), ok %ld, bad %ld, late %ld; retries %llu "
+            "(%llu to another replica), endpoints down %llu; "
             "node0 picks %llu conn_fail %llu req_fail %llu quarantines %llu probes %llu "
             "probe_fail %llu; node1 picks %llu; quarantined after %lld ms, probe failed "
             "%lld ms later\n",
             n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
-            (unsigned long long)st.retries, (unsigned long long)s0.picks,
+            (unsigned long long)st.retries, (unsigned long long)st.replica_switches,
+            (unsigned long long)st.endpoints_down, (unsigned long long)s0.picks,
             (unsigned long long)s0.conn_failures, (unsigned long long)s0.req_failures,
             (unsigned long long)s0.quarantines, (unsigned long long)s0.probes,
             (unsigned long long)s0.probe_failures, (unsigned long long)s1.picks,
@@ -195,6 +197,10 @@ static int t_kill(void)
     CHECK_EQ(s0.picks - at_q.picks, s0.probes);
     CHECK(atomic_load(&n_probe_failed) >= 1);
     CHECK(s1.picks >= (uint64_t)(n - before_kill) / 2);
+    /* the channel counted the move to the other replica, and the dead
+     * endpoint's fall once (it never came back) */
+    CHECK(st.replica_switches >= 1);
+    CHECK_EQ(st.endpoints_down, 1);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
     bex_dir_destroy(d);
