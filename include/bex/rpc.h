@@ -274,8 +274,9 @@ typedef struct bex_rpc_endpoint_stats {
     uint64_t failures;      /* attempts to it that failed or passed attempt_timeout_ms */
     uint64_t conn_failures; /* its connections that failed or timed out (Tc) */
 } bex_rpc_endpoint_stats;
-/* Fill out[0..cap) with the endpoints' counters in list order; returns the
- * number of endpoints (which may exceed cap). */
+/* Fill out[0..cap) with the endpoints' counters in list order (directory
+ * mode: the replicas chosen so far, newest first); returns the number of
+ * endpoints (which may exceed cap). */
 size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stats *out, size_t cap);
 
 /* The counters and latency quantiles in Prometheus text exposition format

@@ -465,7 +465,7 @@ static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct e
     struct endpoint *ep = dir_ep_of(ch, n);
     if (!ep && (ep = calloc(1, sizeof(*ep)))) {
         bex_dir_replica r;
-        bex__dir_node_info(n, &r);
+        bex__dir_node_info(ch->dir, n, &r);
         ep->addr = r.addr;
         ep->transport = r.transport;
         ep->node = n;
@@ -1073,6 +1073,19 @@ size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stat
                                           .failures = ep->failures,
                                           .conn_failures = ep->conn_failures};
         snprintf(out[i].locality, sizeof out[i].locality, "%s", ep->locality ? ep->locality : "");
+    }
+    /* directory mode: the endpoints made for the nodes chosen so far */
+    for (const struct endpoint *ep = ch->deps; ep; ep = ep->dnext, n++) {
+        if (n >= cap)
+            continue;
+        bex_dir_replica r;
+        bex__dir_node_info(ch->dir, ep->node, &r);
+        out[n] = (bex_rpc_endpoint_stats){.addr = ep->addr,
+                                          .attempts = ep->attempts,
+                                          .answers = ep->answers,
+                                          .failures = ep->failures,
+                                          .conn_failures = ep->conn_failures};
+        snprintf(out[n].locality, sizeof out[n].locality, "%s", r.locality);
     }
     pthread_mutex_unlock(&ch->mu);
     return n;

@@ -706,9 +706,11 @@ int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const ch
     return 0;
 }
 
-void bex__dir_node_info(const struct bex__dir_node *n, bex_dir_replica *out)
+void bex__dir_node_info(bex_dir *d, const struct bex__dir_node *n, bex_dir_replica *out)
 {
-    *out = n->r; /* set at creation or by a load, under d->mu; addr never changes */
+    pthread_mutex_lock(&d->mu); /* a load may update the replica's data */
+    *out = n->r;
+    pthread_mutex_unlock(&d->mu);
 }
 
 struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr)

@@ -25,7 +25,7 @@ int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const ch
 /* bex_dir_report with a handle and a clock. */
 void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool done,
                           uint64_t now_ns);
-void bex__dir_node_info(const struct bex__dir_node *n, bex_dir_replica *out);
+void bex__dir_node_info(bex_dir *d, const struct bex__dir_node *n, bex_dir_replica *out);
 /* The node at addr, NULL if never seen (tests). */
 struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr);
 

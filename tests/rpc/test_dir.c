@@ -42,6 +42,8 @@ static void count_log(int level, const char *msg, void *arg)
     fprintf(stderr, "log: %s\n", msg);
 }
 
+static bex_dir *cur_dir; /* the directory port_of asks */
+
 static bex_dir *mkdir_cfg(uint32_t m, uint32_t n, uint32_t window_ms, uint32_t q_ms)
 {
     bex_dir_config c = {.conn_fail_max = m,
@@ -52,6 +54,7 @@ static bex_dir *mkdir_cfg(uint32_t m, uint32_t n, uint32_t window_ms, uint32_t q
                         .log_level = BEX_LOG_INFO};
     bex_dir *d;
     CHECK_OK(bex_dir_create(&c, &d));
+    cur_dir = d;
     return d;
 }
 
@@ -191,7 +194,7 @@ static bex_dir *three(bex_dir *d, const char *l0, const char *l1, const char *l2
 static int port_of(struct bex__dir_node *n)
 {
     bex_dir_replica r;
-    bex__dir_node_info(n, &r);
+    bex__dir_node_info(cur_dir, n, &r);
     return ntohs(r.addr.sin_port);
 }
 
@@ -403,6 +406,7 @@ static int t_quarantine_lift(void)
                         .log_level = BEX_LOG_INFO};
     bex_dir *d;
     CHECK_OK(bex_dir_create(&c, &d));
+    cur_dir = d;
     three(d, "dc1/pod1", "dc1/pod2", "dc1/pod2");
     uint64_t t = 1000 * MS;
     struct bex__dir_node *p1 = node(d, "10.0.0.1:1");
@@ -500,7 +504,7 @@ static int t_quarantine_never_all(void)
         CHECK_OK(bex__dir_pick_node(d, "ps", sh, NULL, NULL, NULL, t + 100 * MS, &n));
         bex_dir_node_stats ns;
         bex_dir_replica r;
-        bex__dir_node_info(n, &r);
+        bex__dir_node_info(d, n, &r);
         CHECK_OK(bex_dir_node_stats_get(d, &r.addr, &ns));
         CHECK_EQ(ns.state, BEX_DIR_HEALTHY);
         bex__dir_report_node(d, n, BEX_DIR_DONE, true, t + 100 * MS);

@@ -218,6 +218,17 @@ static int t_kill(void)
      * endpoint's fall once (it never came back) */
     CHECK(st.replica_switches >= 1);
     CHECK_EQ(st.endpoints_down, 1);
+    /* per-endpoint counters cover the replicas the directory gave */
+    bex_rpc_endpoint_stats es[4];
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 4), 2);
+    for (int i = 0; i < 2; i++) {
+        int k = es[i].addr.sin_port == sp[0].addr.sin_port ? 0 : 1;
+        CHECK(es[i].addr.sin_port == sp[k].addr.sin_port);
+        CHECK(!strcmp(es[i].locality, k ? "dc1/pod2" : "dc1/pod1"));
+        CHECK(es[i].attempts >= 1);
+        if (k == 0)
+            CHECK(es[i].conn_failures >= 4);
+    }
     CHECK_OK(bex_rpc_channel_destroy(ch));
     CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
     bex_dir_destroy(d);
