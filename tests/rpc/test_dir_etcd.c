@@ -112,21 +112,18 @@ static uint16_t free_port(void)
 
 /* etcd in PATH (or BEX_ETCD), on free ports, data in a temporary
  * directory; its client URL into url. */
-static void start_etcd(char *url, size_t cap)
+static uint16_t cport, pport;
+
+/* (Re)start etcd on cport/pport with its data in datadir. */
+static void exec_etcd(void)
 {
     const char *bin = getenv("BEX_ETCD") ? getenv("BEX_ETCD") : "etcd";
-    uint16_t cport = free_port(), pport = free_port();
-    while (pport == cport)
-        pport = free_port();
-    snprintf(datadir, sizeof datadir, "/tmp/bex-etcd-XXXXXX");
-    CHECK(mkdtemp(datadir));
     char curl_[64], purl[64], cluster[96], logp[128], dd[96];
     snprintf(curl_, sizeof curl_, "http://127.0.0.1:%u", cport);
     snprintf(purl, sizeof purl, "http://127.0.0.1:%u", pport);
     snprintf(cluster, sizeof cluster, "t=%s", purl);
     snprintf(logp, sizeof logp, "%s/log", datadir);
     snprintf(dd, sizeof dd, "%s/data", datadir);
-    snprintf(url, cap, "%s", curl_);
     int pfd[2];
     CHECK(pipe(pfd) == 0);
     fflush(NULL);
@@ -134,7 +131,7 @@ static void start_etcd(char *url, size_t cap)
     CHECK(etcd_pid >= 0);
     if (etcd_pid == 0) {
         close(pfd[0]);
-        FILE *lf = freopen(logp, "w", stdout);
+        FILE *lf = freopen(logp, "a", stdout);
         (void)lf;
         dup2(STDOUT_FILENO, STDERR_FILENO);
         fcntl(pfd[1], F_SETFD, FD_CLOEXEC);
@@ -158,6 +155,18 @@ static void start_etcd(char *url, size_t cap)
         etcd_pid = 0;
         exit(1);
     }
+}
+
+static void start_etcd(char *url, size_t cap)
+{
+    cport = free_port();
+    pport = free_port();
+    while (pport == cport)
+        pport = free_port();
+    snprintf(datadir, sizeof datadir, "/tmp/bex-etcd-XXXXXX");
+    CHECK(mkdtemp(datadir));
+    snprintf(url, cap, "http://127.0.0.1:%u", cport);
+    exec_etcd();
 }
 
 /* A server process: registers (retrying while etcd starts), says so on
@@ -338,4 +347,39 @@ static int t_watch(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"watch", t_watch})
+/* etcd killed and started again (same ports and data): the watch is
+ * re-established by itself; a server registered after the restart shows,
+ * and one killed after it vanishes; the survivor's registration is kept
+ * (its lease renewed, or granted and put again). */
+static int t_restart(void)
+{
+    main_pid = getpid();
+    atexit(cleanup_main);
+    unsigned scale = bex_test_time_scale();
+    char url[64];
+    start_etcd(url, sizeof url);
+    child_pid[0] = spawn_registrant(url, 7001, "dc1/pod1");
+    bex_dir_config dc = {.log_fn = dlog};
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(&dc, &d));
+    char err[256] = "";
+    CHECK_OK(bex_dir_watch_etcd(d, url, NULL, err, sizeof err));
+    CHECK(wait_n(d, 1, 5000 * scale) >= 0);
+    reap(&etcd_pid, SIGKILL);
+    sleep_ms(1500);                       /* the watch sees the stream end and retries meanwhile */
+    CHECK(has_port(d, 7001, "dc1/pod1")); /* the last view is kept while etcd is away */
+    exec_etcd();
+    child_pid[1] = spawn_registrant(url, 7002, "dc1/pod2");
+    long seen = wait_n(d, 2, 15000 * scale);
+    fprintf(stderr, "registration after the restart seen after %ld ms\n", seen);
+    CHECK(seen >= 0);
+    CHECK(has_port(d, 7001, "dc1/pod1") && has_port(d, 7002, "dc1/pod2"));
+    reap(&child_pid[1], SIGKILL);
+    CHECK(wait_n(d, 1, (TTL_S * 1000 + 3000) * scale) >= 0);
+    CHECK(has_port(d, 7001, "dc1/pod1"));
+    bex_dir_destroy(d);
+    cleanup();
+    return 0;
+}
+
+BEX_TEST_MAIN({"watch", t_watch}, {"restart", t_restart})
