@@ -146,6 +146,13 @@ typedef struct bex_dir_node_stats {
 /* The counters of the node at addr. Returns 0, or -ENOENT (never seen). */
 int bex_dir_node_stats_get(bex_dir *d, const struct sockaddr_in *addr, bex_dir_node_stats *out);
 
+/* Every node's counters in Prometheus text exposition format (metric
+ * names bex_dir_node_*, label node="a.b.c.d:port"; state and outstanding
+ * as gauges), NUL-terminated, into buf (cap bytes). Returns the length it
+ * needed (without the NUL), like snprintf: output is cut when that is
+ * >= cap. */
+int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap);
+
 /* ---- server side: registration in etcd ---- */
 
 typedef struct bex_dir_registration bex_dir_registration;

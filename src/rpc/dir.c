@@ -12,6 +12,7 @@
 #include <jansson.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -853,6 +854,74 @@ void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int
     pthread_mutex_unlock(&d->mu);
     if (n) /* nodes are never freed before d */
         bex__dir_report_node(d, n, outcome, done != 0, bex__rpc_now_ns());
+}
+
+struct out {
+    char *buf;
+    size_t cap, n; /* n: what was needed so far */
+};
+
+__attribute__((format(printf, 2, 3))) static void appendf(struct out *o, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k =
+        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
+    va_end(ap);
+    if (k > 0)
+        o->n += (size_t)k;
+}
+
+int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
+{
+    if (!d || (!buf && cap))
+        return -EINVAL;
+    if (cap)
+        buf[0] = 0;
+    struct out o = {buf, cap, 0};
+    static const struct {
+        const char *metric, *help;
+        size_t off;
+    } ctrs[] = {
+        {"bex_dir_node_picks_total", "Times the node was chosen",
+         offsetof(bex_dir_node_stats, picks)},
+        {"bex_dir_node_ok_total", "Answers from the node", offsetof(bex_dir_node_stats, ok)},
+        {"bex_dir_node_conn_failures_total", "Connection failures to the node",
+         offsetof(bex_dir_node_stats, conn_failures)},
+        {"bex_dir_node_req_failures_total", "Request failures to the node",
+         offsetof(bex_dir_node_stats, req_failures)},
+        {"bex_dir_node_quarantines_total", "Times the node was quarantined",
+         offsetof(bex_dir_node_stats, quarantines)},
+        {"bex_dir_node_quarantine_refused_total",
+         "Quarantines refused: the node was a shard's last healthy replica",
+         offsetof(bex_dir_node_stats, quarantine_refused)},
+        {"bex_dir_node_probes_total", "Probe calls given to the node",
+         offsetof(bex_dir_node_stats, probes)},
+        {"bex_dir_node_probe_failures_total", "Probes that failed",
+         offsetof(bex_dir_node_stats, probe_failures)},
+        {"bex_dir_node_lifts_total", "Quarantines lifted by a good probe",
+         offsetof(bex_dir_node_stats, lifts)},
+    };
+    pthread_mutex_lock(&d->mu);
+    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
+        appendf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
+                ctrs[i].metric);
+        for (const struct bex__dir_node *n = d->nodes; n; n = n->next) {
+            uint64_t v;
+            memcpy(&v, (const char *)&n->st + ctrs[i].off, sizeof v);
+            appendf(&o, "%s{node=\"%s\"} %llu\n", ctrs[i].metric, n->name, (unsigned long long)v);
+        }
+    }
+    appendf(&o, "# HELP bex_dir_node_state 0 healthy, 1 quarantined, 2 probing.\n"
+                "# TYPE bex_dir_node_state gauge\n");
+    for (const struct bex__dir_node *n = d->nodes; n; n = n->next)
+        appendf(&o, "bex_dir_node_state{node=\"%s\"} %d\n", n->name, n->state);
+    appendf(&o, "# HELP bex_dir_node_outstanding Calls picked and not reported done.\n"
+                "# TYPE bex_dir_node_outstanding gauge\n");
+    for (const struct bex__dir_node *n = d->nodes; n; n = n->next)
+        appendf(&o, "bex_dir_node_outstanding{node=\"%s\"} %u\n", n->name, n->st.outstanding);
+    pthread_mutex_unlock(&d->mu);
+    return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
 }
 
 int bex_dir_node_stats_get(bex_dir *d, const struct sockaddr_in *addr, bex_dir_node_stats *out)

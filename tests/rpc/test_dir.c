@@ -509,6 +509,22 @@ static int t_quarantine_never_all(void)
         CHECK_EQ(ns.state, BEX_DIR_HEALTHY);
         bex__dir_report_node(d, n, BEX_DIR_DONE, true, t + 100 * MS);
     }
+    /* the Prometheus dump agrees; a short buffer is cut, the need told */
+    char small[32];
+    int need = bex_dir_prometheus(d, small, sizeof small);
+    CHECK(need > (int)sizeof small && strlen(small) == sizeof small - 1);
+    char *buf = malloc((size_t)need + 1);
+    CHECK(buf);
+    CHECK_EQ(bex_dir_prometheus(d, buf, (size_t)need + 1), need);
+    fprintf(stderr, "%s", buf);
+    CHECK(strstr(buf, "# TYPE bex_dir_node_quarantines_total counter\n"));
+    CHECK(strstr(buf, "bex_dir_node_quarantines_total{node=\"10.0.0.1:1\"} 1\n"));
+    CHECK(strstr(buf, "bex_dir_node_quarantines_total{node=\"10.0.0.1:2\"} 0\n"));
+    CHECK(strstr(buf, "bex_dir_node_conn_failures_total{node=\"10.0.0.1:2\"} 30\n"));
+    CHECK(strstr(buf, "bex_dir_node_state{node=\"10.0.0.1:4\"} 1\n"));
+    CHECK(strstr(buf, "bex_dir_node_state{node=\"10.0.0.1:3\"} 0\n"));
+    CHECK(strstr(buf, "bex_dir_node_outstanding{node=\"10.0.0.1:2\"} 0\n"));
+    free(buf);
     struct sockaddr_in unknown = A("10.9.9.9:9");
     bex_dir_node_stats ns;
     CHECK_EQ(bex_dir_node_stats_get(d, &unknown, &ns), -ENOENT);
