@@ -514,6 +514,29 @@ int bex_dir_load_file(bex_dir *d, const char *path, char *err, size_t errlen)
 
 /* ---- quarantine (under d->mu) ---- */
 
+/* A line to log once d->mu is released: the log hook may call back into
+ * the directory. */
+struct pending {
+    int level;
+    char text[256];
+};
+
+__attribute__((format(printf, 3, 4))) static void defer(struct pending *p, int level,
+                                                        const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->text, sizeof p->text, fmt, ap);
+    va_end(ap);
+    p->level = level;
+}
+
+static void flush(bex_dir *d, const struct pending *p)
+{
+    if (p->level)
+        bex__log(&d->log, p->level, "%s", p->text);
+}
+
 static bool in_shard(const struct shard *sh, const struct bex__dir_node *n)
 {
     for (size_t i = 0; i < sh->n; i++)
@@ -546,7 +569,8 @@ static const char *kind_name(int outcome)
 
 /* n passed a threshold (or failed its probe): quarantine it unless it is
  * the last healthy replica of a shard. */
-static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_t now)
+static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_t now,
+                       struct pending *pl)
 {
     bool probe = n->state == BEX_DIR_PROBING;
     if (!may_quarantine(d, n)) {
@@ -554,10 +578,10 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
         n->state = BEX_DIR_HEALTHY;
         n->probe_out = false;
         if (!n->refused_logged)
-            bex__log(&d->log, BEX_LOG_WARN,
-                     "dir: node %s not quarantined despite %s failures: it is the last replica "
-                     "of a shard outside quarantine",
-                     n->name, kind_name(outcome));
+            defer(pl, BEX_LOG_WARN,
+                  "dir: node %s not quarantined despite %s failures: it is the last replica "
+                  "of a shard outside quarantine",
+                  n->name, kind_name(outcome));
         n->refused_logged = true;
         return;
     }
@@ -569,16 +593,16 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
     n->conn.n = n->req.n = 0;
     if (probe) {
         n->st.probe_failures++;
-        bex__log(&d->log, BEX_LOG_WARN,
-                 "dir: node %s failed its probe (%s): quarantined again "
-                 "for %llu ms",
-                 n->name, kind_name(outcome), (unsigned long long)(d->quarantine_ns / 1000000));
+        defer(pl, BEX_LOG_WARN,
+              "dir: node %s failed its probe (%s): quarantined again "
+              "for %llu ms",
+              n->name, kind_name(outcome), (unsigned long long)(d->quarantine_ns / 1000000));
     } else {
-        bex__log(&d->log, BEX_LOG_WARN,
-                 "dir: node %s quarantined for %llu ms: more than %u %s failures within %llu ms",
-                 n->name, (unsigned long long)(d->quarantine_ns / 1000000),
-                 outcome == BEX_DIR_CONN_FAIL ? d->conn_max : d->req_max, kind_name(outcome),
-                 (unsigned long long)(d->window_ns / 1000000));
+        defer(pl, BEX_LOG_WARN,
+              "dir: node %s quarantined for %llu ms: more than %u %s failures within %llu ms",
+              n->name, (unsigned long long)(d->quarantine_ns / 1000000),
+              outcome == BEX_DIR_CONN_FAIL ? d->conn_max : d->req_max, kind_name(outcome),
+              (unsigned long long)(d->window_ns / 1000000));
     }
 }
 
@@ -596,6 +620,7 @@ static void node_tick(struct bex__dir_node *n, uint64_t now)
 
 void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool done, uint64_t now)
 {
+    struct pending pl = {0};
     pthread_mutex_lock(&d->mu);
     if (done && n->st.outstanding)
         n->st.outstanding--;
@@ -608,8 +633,7 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
             n->probe_out = false;
             n->refused_logged = false;
             n->st.lifts++;
-            bex__log(&d->log, BEX_LOG_WARN, "dir: node %s answered its probe: quarantine lifted",
-                     n->name);
+            defer(&pl, BEX_LOG_WARN, "dir: node %s answered its probe: quarantine lifted", n->name);
         }
         break;
     case BEX_DIR_CONN_FAIL:
@@ -621,15 +645,16 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
             n->st.req_failures++;
         bool over = ring_add(conn ? &n->conn : &n->req, now, d->window_ns);
         if (n->state == BEX_DIR_PROBING && n->probe_out)
-            quarantine(d, n, outcome, now);
+            quarantine(d, n, outcome, now, &pl);
         else if (n->state == BEX_DIR_HEALTHY && over)
-            quarantine(d, n, outcome, now);
+            quarantine(d, n, outcome, now, &pl);
         break;
     }
     default:
         break;
     }
     pthread_mutex_unlock(&d->mu);
+    flush(d, &pl);
 }
 
 /* ---- choice ---- */
@@ -650,6 +675,7 @@ enum { TIER_PROBE, TIER_HEALTHY, TIER_AVOIDED, TIER_LAST, TIER_NONE };
 int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const char *locality,
                        bex__dir_avoid_fn avoid, void *arg, uint64_t now, struct bex__dir_node **out)
 {
+    struct pending pl = {0};
     pthread_mutex_lock(&d->mu);
     struct shard *sh = service ? shard_find(d, service, shard) : NULL;
     if (!sh || sh->n == 0) {
@@ -698,12 +724,13 @@ int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const ch
         best->probe_out = true;
         best->until = now + d->probe_ns;
         best->st.probes++;
-        bex__log(&d->log, BEX_LOG_INFO, "dir: probing quarantined node %s", best->name);
+        defer(&pl, BEX_LOG_INFO, "dir: probing quarantined node %s", best->name);
     }
     best->st.picks++;
     best->st.outstanding++;
     *out = best;
     pthread_mutex_unlock(&d->mu);
+    flush(d, &pl);
     return 0;
 }
 

@@ -26,10 +26,15 @@ static struct sockaddr_in A(const char *s) {
 static _Atomic int n_quarantined,
     n_lifted, n_probe_failed, n_refused, n_lines;
 
+static bex_dir *cur_dir; /* the directory port_of and the log hook ask */
+
 static void count_log(int level, const char *msg, void *arg)
 {
     (void)level;
     (void)arg;
+    /* a hook may call back into the directory: no lock of it is held */
+    if (cur_dir)
+        (void)bex_dir_generation(cur_dir);
     atomic_fetch_add(&n_lines, 1);
     if (strstr(msg, "quarantined for"))
         atomic_fetch_add(&n_quarantined, 1);
@@ -41,8 +46,6 @@ static void count_log(int level, const char *msg, void *arg)
         atomic_fetch_add(&n_refused, 1);
     fprintf(stderr, "log: %s\n", msg);
 }
-
-static bex_dir *cur_dir; /* the directory port_of asks */
 
 static bex_dir *mkdir_cfg(uint32_t m, uint32_t n, uint32_t window_ms, uint32_t q_ms)
 {
