@@ -171,15 +171,23 @@ static void start_etcd(char *url, size_t cap)
 
 /* A server process: registers (retrying while etcd starts), says so on
  * the pipe, then lives until killed. */
-static pid_t spawn_registrant(const char *url, uint16_t port, const char *loc)
+/* A registrant forked now (before the test's process has threads: a
+ * child of a threaded process must not start any) that registers when
+ * told: *go gets the parent's end of that pipe, and registered() waits
+ * for the child's answer on *done. */
+static pid_t fork_registrant(const char *url, uint16_t port, const char *loc, int *go, int *done)
 {
-    int pfd[2];
-    CHECK(pipe(pfd) == 0);
+    int pfd[2], gfd[2];
+    CHECK(pipe(pfd) == 0 && pipe(gfd) == 0);
     fflush(NULL);
     pid_t pid = fork();
     CHECK(pid >= 0);
     if (pid == 0) {
         close(pfd[0]);
+        close(gfd[1]);
+        char g;
+        if (read(gfd[0], &g, 1) != 1)
+            _exit(1);
         bex_dir_replica self = {.addr = {.sin_family = AF_INET,
                                          .sin_port = htons(port),
                                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)}};
@@ -203,14 +211,32 @@ static pid_t spawn_registrant(const char *url, uint16_t port, const char *loc)
             pause();
     }
     close(pfd[1]);
-    char c;
+    close(gfd[0]);
+    *go = gfd[1];
+    *done = pfd[0];
+    return pid;
+}
+
+/* Tell a registrant to register, and wait until it did. */
+static void registered(int go, int done)
+{
+    char c = 'g';
+    CHECK(write(go, &c, 1) == 1);
+    close(go);
     struct timeval tv = {40 * (time_t)bex_test_time_scale(), 0};
     fd_set fs;
     FD_ZERO(&fs);
-    FD_SET(pfd[0], &fs);
-    CHECK(select(pfd[0] + 1, &fs, NULL, NULL, &tv) == 1);
-    CHECK(read(pfd[0], &c, 1) == 1 && c == 'r');
-    close(pfd[0]);
+    FD_SET(done, &fs);
+    CHECK(select(done + 1, &fs, NULL, NULL, &tv) == 1);
+    CHECK(read(done, &c, 1) == 1 && c == 'r');
+    close(done);
+}
+
+static pid_t spawn_registrant(const char *url, uint16_t port, const char *loc)
+{
+    int go, done;
+    pid_t pid = fork_registrant(url, port, loc, &go, &done);
+    registered(go, done);
     return pid;
 }
 
@@ -359,6 +385,8 @@ static int t_restart(void)
     char url[64];
     start_etcd(url, sizeof url);
     child_pid[0] = spawn_registrant(url, 7001, "dc1/pod1");
+    int go, done; /* the second registers after the restart */
+    child_pid[1] = fork_registrant(url, 7002, "dc1/pod2", &go, &done);
     bex_dir_config dc = {.log_fn = dlog};
     bex_dir *d;
     CHECK_OK(bex_dir_create(&dc, &d));
@@ -369,7 +397,7 @@ static int t_restart(void)
     sleep_ms(1500);                       /* the watch sees the stream end and retries meanwhile */
     CHECK(has_port(d, 7001, "dc1/pod1")); /* the last view is kept while etcd is away */
     exec_etcd();
-    child_pid[1] = spawn_registrant(url, 7002, "dc1/pod2");
+    registered(go, done);
     long seen = wait_n(d, 2, 15000 * scale);
     fprintf(stderr, "registration after the restart seen after %ld ms\n", seen);
     CHECK(seen >= 0);
