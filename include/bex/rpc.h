@@ -167,8 +167,9 @@ typedef struct bex_rpc_channel_config {
     /* Directory mode (include/bex/dir.h): endpoints NULL, n_endpoints 0;
      * each attempt goes to the replica of (service, shard) the directory
      * picks for locality (nearest healthy, least outstanding, quarantine
-     * respected), and the outcomes are reported to it. dir must outlive
-     * the channel. */
+     * respected), and the outcomes are reported to it; connections to
+     * replicas the directory stops listing are closed within about a
+     * second (their calls retried). dir must outlive the channel. */
     struct bex_dir *dir;
     const char *service; /* the directory's service name (copied) */
     uint32_t shard;

@@ -91,6 +91,7 @@ struct bex_rpc_channel {
     char *service, *locality;
     uint32_t shard;
     struct endpoint *deps;
+    uint64_t dir_gen; /* the directory's generation dir_prune last saw */
     pthread_mutex_t mu;
     pthread_cond_t cv; /* timer wake-ups and destroy's waits */
     struct call *htab[CALL_BUCKETS];
@@ -698,6 +699,23 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     run_done(ch, done);
 }
 
+/* Directory mode: after the directory changed, close the connections to
+ * nodes the shard no longer lists (a server deregistered, a file
+ * reloaded); the calls out on them are retried on the others, as after
+ * bex_rpc_channel_set_endpoints. Runs on the timer thread, so within about
+ * a second of the change. */
+static void dir_prune(struct bex_rpc_channel *ch, struct call **done)
+{
+    uint64_t g = bex_dir_generation(ch->dir);
+    if (g == ch->dir_gen)
+        return;
+    ch->dir_gen = g;
+    /* a retry may prepend an endpoint to deps: the walk goes on safely */
+    for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext)
+        if (ep->cur && !bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node))
+            link_fail(ch, ep->cur, -ECONNABORTED, done);
+}
+
 /* ---- timer thread: deadlines, attempt timeouts, Tc ---- */
 
 static void *timer_main(void *arg)
@@ -708,6 +726,8 @@ static void *timer_main(void *arg)
         uint64_t now = bex__rpc_now_ns();
         uint64_t next = now + 1000000000ull;
         struct call *done = NULL;
+        if (ch->dir)
+            dir_prune(ch, &done);
         for (struct link *l = ch->links; l; l = l->next) {
             if (l->state != L_CONNECTING)
                 continue;

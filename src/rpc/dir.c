@@ -741,6 +741,16 @@ void bex__dir_node_info(bex_dir *d, const struct bex__dir_node *n, bex_dir_repli
     pthread_mutex_unlock(&d->mu);
 }
 
+bool bex__dir_in_shard(bex_dir *d, const char *service, uint32_t shard,
+                       const struct bex__dir_node *n)
+{
+    pthread_mutex_lock(&d->mu);
+    struct shard *sh = shard_find(d, service, shard);
+    bool in = sh && in_shard(sh, n);
+    pthread_mutex_unlock(&d->mu);
+    return in;
+}
+
 struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr)
 {
     pthread_mutex_lock(&d->mu);

@@ -26,6 +26,9 @@ int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const ch
 void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool done,
                           uint64_t now_ns);
 void bex__dir_node_info(bex_dir *d, const struct bex__dir_node *n, bex_dir_replica *out);
+/* Whether (service, shard) lists n now. */
+bool bex__dir_in_shard(bex_dir *d, const char *service, uint32_t shard,
+                       const struct bex__dir_node *n);
 /* The node at addr, NULL if never seen (tests). */
 struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr);
 

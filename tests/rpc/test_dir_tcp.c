@@ -285,4 +285,71 @@ static int t_empty(void)
     return stop_server(&sp[1], false) ? 1 : 0;
 }
 
-BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty})
+/* ps/0 listing sp alone */
+static void load_one(bex_dir *d, const struct srv_proc *sp)
+{
+    char j[256], ip[INET_ADDRSTRLEN], err[256];
+    inet_ntop(AF_INET, &sp->addr.sin_addr, ip, sizeof ip);
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s:%u\"}]}]}}}", ip,
+             ntohs(sp->addr.sin_port));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+}
+
+static void late_done(int status, void *body, size_t len, void *user)
+{
+    (void)len;
+    bex_rpc_free(body);
+    struct rec *r = user;
+    if (status == 0)
+        atomic_fetch_add(&r->ok, 1);
+    else
+        atomic_fetch_add(&r->bad, 1);
+    waiter_add(&r->w, &r->calls, 1);
+}
+
+/* A replica the directory stops listing loses the channel's connection
+ * (within about a second: the timer thread looks), and a call out on it
+ * is retried on the replica listed now, which answers it. */
+static int t_prune(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of(sp, 1000);
+    load_one(d, &sp[0]);
+    bex_rpc_channel_config cc = dir_chan(d, 20000 * time_scale());
+    cc.attempt_timeout_ms = 0; /* only the prune may move the call */
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL)); /* to sp[0] */
+    /* a call sp[0] answers only after 5 s */
+    static struct rec r = {.w = WAITER_INIT};
+    uint32_t *b = bex_rpc_alloc(ctx, sizeof *b);
+    CHECK(b);
+    *b = 5000;
+    CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, b, sizeof *b, NULL, late_done, &r, NULL));
+    pair_sleep_ms(100);
+    load_one(d, &sp[1]); /* sp[0] leaves the shard */
+    uint64_t t0 = pair_now_ms();
+    CHECK(wait_count(&r.w, &r.calls, 1, 20000) == 0);
+    uint64_t took = pair_now_ms() - t0;
+    fprintf(stderr, "prune: the call completed %llu ms after sp[0] left\n",
+            (unsigned long long)took);
+    CHECK_EQ(atomic_load(&r.ok), 1);
+    /* sp[1] got the call (its M_LATE and this M_STATS): the retry */
+    struct tstats t = server_stats(ch);
+    CHECK(t.st.requests >= 2);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK(st.retries >= 1 && st.replica_switches >= 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    CHECK(stop_server(&sp[0], false) == 0);
+    return stop_server(&sp[1], false) ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty}, {"prune", t_prune})
