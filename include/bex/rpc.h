@@ -241,24 +241,24 @@ int bex_rpc_call_sync(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
 
 /* Per-channel counters (a snapshot). */
 typedef struct bex_rpc_channel_stats {
-    uint64_t calls;            /* calls accepted by bex_rpc_call */
-    uint64_t ok;               /* completed with status 0 */
-    uint64_t failed;           /* completed otherwise; by kind below */
-    uint64_t fail_timeout;     /* -ETIMEDOUT: the deadline passed */
-    uint64_t fail_conn;        /* the last attempt's connection failed */
-    uint64_t fail_remote;      /* the server answered with a non-zero status */
-    uint64_t fail_cancel;      /* cancelled, or the channel destroyed */
-    uint64_t attempts;         /* requests sent, retries included */
-    uint64_t retries;          /* attempts after the first */
-    uint64_t retry_throttled;  /* retries refused by the budget */
-    uint64_t late_responses;   /* answers to calls already completed: dropped */
-    uint64_t bad_header;       /* connections closed for a malformed answer */
-    uint64_t conn_failures;    /* connections that failed or timed out (Tc) */
-    uint64_t replica_switches; /* retries sent to another endpoint than the
-                                  failed or slow attempt's */
-    uint64_t endpoints_down;   /* endpoints that went from reachable to
-                                  failed (each logged once, and once when
-                                  it is reachable again) */
+    uint64_t calls;           /* calls accepted by bex_rpc_call */
+    uint64_t ok;              /* completed with status 0 */
+    uint64_t failed;          /* completed otherwise; by kind below */
+    uint64_t fail_timeout;    /* -ETIMEDOUT: the deadline passed */
+    uint64_t fail_conn;       /* the last attempt's connection failed */
+    uint64_t fail_remote;     /* the server answered with a non-zero status */
+    uint64_t fail_cancel;     /* cancelled, or the channel destroyed */
+    uint64_t attempts;        /* requests sent, retries included */
+    uint64_t retries;         /* attempts after the first */
+    uint64_t retry_throttled; /* retries refused by the budget */
+    uint64_t late_responses;  /* answers to calls already completed: dropped */
+    uint64_t bad_header;      /* connections closed for a malformed answer */
+    uint64_t conn_failures;   /* connections that failed or timed out (Tc) */
+    uint64_t failovers;       /* retries sent to another endpoint than the
+                                 failed or slow attempt's */
+    uint64_t endpoints_down;  /* endpoints that went from reachable to failed
+                                 (each logged once, and once when it is
+                                 reachable again) */
     /* latency of completed calls, microseconds, from the histogram */
     double lat_mean_us, lat_p50_us, lat_p99_us, lat_p999_us;
 } bex_rpc_channel_stats;

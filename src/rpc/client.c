@@ -510,7 +510,7 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
     ch->st.attempts++;
     ep->attempts++;
     if (exclude && ep != exclude)
-        ch->st.replica_switches++;
+        ch->st.failovers++;
     c->refs++;
     c->link = l;
     c->attempt_deadline = ch->attempt_ns ? bex__rpc_now_ns() + ch->attempt_ns : 0;
@@ -1174,8 +1174,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
          offsetof(bex_rpc_channel_stats, bad_header)},
         {"bex_rpc_conn_failures_total", "Connections failed or timed out",
          offsetof(bex_rpc_channel_stats, conn_failures)},
-        {"bex_rpc_replica_switches_total", "Retries sent to another endpoint",
-         offsetof(bex_rpc_channel_stats, replica_switches)},
+        {"bex_rpc_failovers_total", "Retries sent to another endpoint",
+         offsetof(bex_rpc_channel_stats, failovers)},
         {"bex_rpc_endpoints_down_total", "Endpoints that went from reachable to failed",
          offsetof(bex_rpc_channel_stats, endpoints_down)},
     };

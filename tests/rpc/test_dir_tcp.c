@@ -183,7 +183,7 @@ static int t_kill(void)
             "probe_fail %llu; node1 picks %llu; quarantined after %lld ms, probe failed "
             "%lld ms later\n",
             n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
-            (unsigned long long)st.retries, (unsigned long long)st.replica_switches,
+            (unsigned long long)st.retries, (unsigned long long)st.failovers,
             (unsigned long long)st.endpoints_down, (unsigned long long)s0.picks,
             (unsigned long long)s0.conn_failures, (unsigned long long)s0.req_failures,
             (unsigned long long)s0.quarantines, (unsigned long long)s0.probes,
@@ -216,7 +216,7 @@ static int t_kill(void)
     CHECK(s1.picks >= (uint64_t)(n - before_kill) / 2);
     /* the channel counted the move to the other replica, and the dead
      * endpoint's fall once (it never came back) */
-    CHECK(st.replica_switches >= 1);
+    CHECK(st.failovers >= 1);
     CHECK_EQ(st.endpoints_down, 1);
     /* per-endpoint counters cover the replicas the directory gave */
     bex_rpc_endpoint_stats es[4];
@@ -344,7 +344,7 @@ static int t_prune(void)
     CHECK(t.st.requests >= 2);
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
-    CHECK(st.retries >= 1 && st.replica_switches >= 1);
+    CHECK(st.retries >= 1 && st.failovers >= 1);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     bex_dir_destroy(d);
     CHECK_OK(bex_ctx_destroy(ctx));
