@@ -413,6 +413,25 @@ static int fk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_se
         *bad = wr;
         return ENOMEM;
     }
+    /* Window operations go out alone: posted on an empty send queue, in a
+     * chain of window operations only, and nothing is posted while one is
+     * outstanding. rxe executes a bind or an invalidation a second time
+     * when a retransmission covers it (engine.c, wops_hold); with nothing
+     * unacknowledged around it, none can. (A QP in error sends nothing.) */
+    if (F.qp.state == IBV_QPS_RTS) {
+        bool wop_chain = false, other = false;
+        for (const struct ibv_send_wr *x = wr; x; x = x->next) {
+            if (x->opcode == IBV_WR_BIND_MW || x->opcode == IBV_WR_LOCAL_INV)
+                wop_chain = true;
+            else
+                other = true;
+        }
+        for (uint32_t k = 0; k < F.sq_n; k++) {
+            enum ibv_wr_opcode op = B.sq[(F.sq_head + k) % QCAP].wr.opcode;
+            FZ_CHECK(op != IBV_WR_BIND_MW && op != IBV_WR_LOCAL_INV);
+        }
+        FZ_CHECK(!wop_chain || (!other && F.sq_n == 0));
+    }
     for (; wr; wr = wr->next) {
         FZ_CHECK(F.sq_n < F.cfg.sq_depth); /* the QP's send queue */
         FZ_CHECK(wr->num_sge >= 0 && wr->num_sge <= 2);

@@ -141,6 +141,7 @@ struct bex__engine {
     /* window operations waiting for a slot (window mode) */
     struct wop *wq;
     uint32_t wq_cap, wq_head, wq_n;
+    bool wop_busy; /* a chain of window operations is posted, not completed */
     /* exposed buffers' windows bound here: the engine deallocates them if
      * it fails, before its QP goes (see release_windows) */
     struct ibv_mw **xw;
@@ -1273,14 +1274,50 @@ static void rin_unbind(struct bex__engine *e, struct rndv_in *in)
     in->bound = false;
 }
 
+/* Window operations go out alone, on an idle send queue, and nothing
+ * follows them until they complete: true while that holds the queue.
+ *
+ * rxe (kernel 6.1, and upstream as far as we read it) executes a local
+ * operation (BIND_MW, LOCAL_INV) when the requester reaches it, but retires
+ * it only once every work request before it is acknowledged. When a
+ * retransmission starts in between (req_retry: the retransmit timer, a
+ * NAK), the requester walks the queue again from the oldest unacknowledged
+ * request and executes the done-but-unretired operation a second time. A
+ * second bind of a type-2 window fails (the key it names is no longer the
+ * window's, or the window is gone), and the QP either reports
+ * IBV_WC_MW_BIND_ERR or, when the retransmit timer fires again first,
+ * hangs for good in the RTS state with no completion at all (the requester
+ * in error never runs the pending retry, and the completer waits for it):
+ * the silent stall window mode showed under load. A second LOCAL_INV of a
+ * window would be an invalidation of an unbound window, which panics the
+ * kernel. With nothing unacknowledged before or after a window operation,
+ * no retransmission can cover it, and it runs exactly once. The cost is a
+ * drain of the send queue per batch of window operations. */
+static bool wops_hold(struct bex__engine *e)
+{
+    if (!e->wq_n && !e->wop_busy)
+        return false;
+    if (e->head != e->post)
+        return true; /* draining for them, or they are still in flight */
+    e->wop_busy = false;
+    if (!e->wq_n)
+        return false;
+    prep_wops(e);
+    e->wop_busy = true;
+    post_pending(e);
+    return true;
+}
+
 bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
     uint32_t before = e->tail;
+    /* window binds and revocations: ahead of the answers that name them,
+     * and alone (see wops_hold) */
+    if (wops_hold(e))
+        return e->tail != before;
     prep_keepalive(e);
-    /* window binds and revocations: ahead of the answers that name them */
-    prep_wops(e);
     /* control messages first: they unblock the peer */
     while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -1806,8 +1843,10 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
     if (now >= e->ka_next_ms) {
         e->ka_next_ms = now + e->cfg.keepalive_ms;
         e->ka_due = true;
-        prep_keepalive(e);
-        post_pending(e);
+        if (!wops_hold(e)) {
+            prep_keepalive(e);
+            post_pending(e);
+        }
     }
 }
 
