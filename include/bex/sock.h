@@ -78,6 +78,18 @@ enum {
     BEX_TRANSPORT_TCP = 2,
 };
 
+/* How an I/O thread waits for work (bex_ctx_config.poll_mode). SPIN_SLEEP:
+ * busy-poll for poll_spin_us after the last work, then sleep on the
+ * completion channel and epoll. BUSY: never sleep (a core per I/O thread,
+ * the lowest latency). EVENT: sleep as soon as there is nothing to do
+ * (completion channel + epoll; an idle thread costs almost no CPU, each
+ * wake-up costs latency). */
+enum {
+    BEX_POLL_SPIN_SLEEP = 0,
+    BEX_POLL_BUSY = 1,
+    BEX_POLL_EVENT = 2,
+};
+
 /* Context configuration; zero in any field means its default. */
 typedef struct bex_ctx_config {
     /* The local IPv4 address to use; it chooses the RDMA device and GID
@@ -150,6 +162,9 @@ typedef struct bex_ctx_config {
                                    not return fail the engine with -ETIMEDOUT (30000) */
     uint32_t transport;         /* BEX_TRANSPORT_* (AUTO); bex_sock_connect_opts can
                                    choose per connection */
+    uint32_t io_threads;        /* I/O threads of the context (1, at most 64); each
+                                   connection belongs to one, assigned round-robin */
+    uint32_t poll_mode;         /* BEX_POLL_* (SPIN_SLEEP): how I/O threads wait */
 } bex_ctx_config;
 
 /* Bounds of a shared secret, in bytes. */
