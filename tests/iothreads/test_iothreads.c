@@ -340,7 +340,7 @@ static int many(void)
  * progress calls per turn, and an echo takes several turns (plus the
  * spinning ones after it); with the ready list an idle connection is
  * visited only on its timer tick. */
-#define IDLE_CONNS 40
+#define IDLE_CONNS   40
 #define READY_ECHOES 200
 static int ready_list(void)
 {
@@ -446,13 +446,16 @@ static int idle_event(void)
 }
 
 /* The control for idle_event: busy polling keeps its threads on the CPU
- * while idle (so idle_event's measurement can see a spinning thread). */
+ * while idle (so idle_event's measurement can see a spinning thread). Two
+ * spinning threads would take 2000 ms of an idle machine's two cores; on a
+ * loaded one they were seen to get 270, so 150 is asked: still three times
+ * what idle_event allows. */
 static int idle_busy(void)
 {
     int rc = setup_addrs();
     if (rc)
         return rc;
-    CHECK(idle_run(1, BEX_POLL_BUSY) > 300);
+    CHECK(idle_run(1, BEX_POLL_BUSY) > 150);
     return 0;
 }
 
