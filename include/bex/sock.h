@@ -7,9 +7,12 @@
  * receive buffers and credits. A round-robin scheduler interleaves the
  * sockets of an engine fragment by fragment.
  *
- * Delivery model: callbacks, run on the context's I/O thread. A callback
- * must not block; it may call any bex_sock_* function. Every other function
- * may be called from any thread, unless its comment says otherwise.
+ * Delivery model: callbacks, run on the I/O thread of the socket's
+ * connection (a context has io_threads of them; a socket's callbacks all run
+ * on one, a listener's on_accept on the accepted socket's). A callback must
+ * not block (it holds up every connection of its thread); it may call any
+ * bex_sock_* function. Every other function may be called from any thread,
+ * unless its comment says otherwise.
  *
  * Ownership (zero-copy): a buffer passed to bex_sock_send() must come from
  * bex_sock_alloc() (the context's bemalloc pool), bex_sock_alloc_exposable(),
@@ -323,17 +326,18 @@ void bex_sock_close(bex_sock *s);
 /* The user pointer last set (any thread). */
 void *bex_sock_user(const bex_sock *s);
 /* Replace the socket's callbacks (ops NULL: keep them) and user pointer.
- * From a callback (on the I/O thread, e.g. on_accept) the change is
- * immediate. From another thread it is applied on the I/O thread in order
- * with this thread's other calls (a later send's on_send_done sees it);
+ * From a callback on the socket's I/O thread (e.g. its on_accept) the
+ * change is immediate. From another thread it is applied on the socket's
+ * I/O thread in order with this thread's other calls (a later send's on_send_done sees it);
  * callbacks running meanwhile see the old pair, never a mix. Returns 0, or
  * -ENOMEM (nothing changed), -EINVAL. */
 int bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user);
 
 /* Listener callbacks. on_accept hands over a new socket (opened by a peer's
  * bex_sock_connect); it sets the socket's ops with bex_sock_set_user() before
- * returning, and closes it with bex_sock_close() when done. Runs on the I/O
- * thread. */
+ * returning, and closes it with bex_sock_close() when done. Runs on the
+ * accepted socket's I/O thread: with io_threads > 1, on_accept of one
+ * listener may run on several threads at once. */
 typedef struct bex_listener_ops {
     void (*on_accept)(bex_listener *l, bex_sock *s, void *user);
 } bex_listener_ops;

@@ -141,7 +141,7 @@ void bex__conn_free(struct conn *c)
         c->x->ops->destroy(c->x);
         if (c->eng) { /* the engine was the transport */
             c->eng = NULL;
-            io->cqe_used -= c->cqe_reserved;
+            io->cqs[c->cq_idx].used -= c->cqe_reserved;
         } else {
             BEX__STAT_ADD(&io->stats, tcp_conns, (uint64_t)-1);
         }
@@ -201,36 +201,68 @@ const char *bex__conn_name(const struct conn *c, char *buf)
     return buf;
 }
 
-/* Room in the thread's CQ for need more entries: the CQ doubles (up to the
- * device's max_cqe) when the engines' reservations would overflow it, so
- * that the number of connections is not capped by the CQ's first size. */
-static int cq_room(struct bex__io *io, uint32_t need)
+uint32_t bex__cq_max_test;
+
+/* A CQ of the thread with room for need more entries (its index in
+ * io->cqs): one that has it, else one grown to have it (doubling, with
+ * ibv_resize_cq, up to the device's max_cqe), else a new one. So the
+ * number of connections is capped by neither the first CQ's size nor the
+ * largest CQ the device makes. */
+static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
 {
     bex_ctx *ctx = io->ctx;
-    if (io->cqe_used + need <= io->cqe_cap)
-        return 0;
     uint32_t max = (uint32_t)ctx->dev->attr.max_cqe;
-    uint32_t want = io->cqe_cap;
-    while (want < io->cqe_used + need && want < max)
-        want = want > max / 2 ? max : want * 2;
-    if (want < io->cqe_used + need) {
-        bex__log(&ctx->log, BEX_LOG_WARN,
-                 "no room for another engine: %u of %u completion queue entries in use "
-                 "(the device's most)",
-                 io->cqe_used, io->cqe_cap);
-        return -ENOSPC;
+    if (bex__cq_max_test && bex__cq_max_test < max)
+        max = bex__cq_max_test;
+    for (uint32_t i = 0; i < io->n_cq; i++) {
+        struct io_cq *q = &io->cqs[i];
+        if (q->used + need <= q->cap) {
+            *idx = i;
+            return 0;
+        }
     }
-    int err = bex__rdma_cq_resize(io->sh.cq, want);
+    for (uint32_t i = 0; i < io->n_cq; i++) {
+        struct io_cq *q = &io->cqs[i];
+        if (q->used + need > max || q->cap >= max)
+            continue;
+        uint32_t want = q->cap;
+        while (want < q->used + need)
+            want = want > max / 2 ? max : want * 2;
+        int err = bex__rdma_cq_resize(q->cq, (int)want);
+        if (err) {
+            bex__log(&ctx->log, BEX_LOG_WARN,
+                     "I/O thread %u: ibv_resize_cq from %u to %u entries: %s; adding a CQ", io->idx,
+                     q->cap, want, bex_strerror(err));
+            break;
+        }
+        bex__log(&ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u grown from %u to %u entries",
+                 io->idx, i, q->cap, want);
+        q->cap = want;
+        *idx = i;
+        return 0;
+    }
+    /* every CQ is at its largest: one more, polled beside the others */
+    if (need > max)
+        return -ENOSPC;
+    uint32_t cqe = BEX__CQ_INITIAL < max ? BEX__CQ_INITIAL : max;
+    if (cqe < need)
+        cqe = need;
+    struct io_cq *cqs = realloc(io->cqs, (io->n_cq + 1) * sizeof(*cqs));
+    if (!cqs)
+        return -ENOMEM;
+    io->cqs = cqs;
+    struct ibv_cq *cq;
+    int err = bex__rdma_cq_create(ctx->dev, (int)cqe, io->ch, &cq);
     if (err) {
         bex__log(&ctx->log, BEX_LOG_WARN,
-                 "no room for another engine: %u of %u completion queue entries in use, "
-                 "ibv_resize_cq to %u: %s",
-                 io->cqe_used, io->cqe_cap, want, bex_strerror(err));
+                 "no room for another engine: I/O thread %u has %u full CQs, another: %s", io->idx,
+                 io->n_cq, bex_strerror(err));
         return err;
     }
-    bex__log(&ctx->log, BEX_LOG_DEBUG, "I/O thread %u: completion queue grown from %u to %u",
-             io->idx, io->cqe_cap, want);
-    io->cqe_cap = want;
+    bex__log(&ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u added (%u entries)", io->idx, io->n_cq,
+             cqe);
+    io->cqs[io->n_cq] = (struct io_cq){.cq = cq, .cap = cqe};
+    *idx = io->n_cq++;
     return 0;
 }
 
@@ -238,17 +270,21 @@ int bex__conn_engine_make(struct conn *c)
 {
     bex_ctx *ctx = c->ctx;
     struct bex__io *io = c->io;
-    /* every completion the engine can have outstanding must fit the shared CQ */
-    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
-    int err = cq_room(io, need);
+    /* every completion the engine can have outstanding must fit its CQ */
+    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2, idx;
+    int err = cq_room(io, need, &idx);
     if (err)
         return err;
+    /* the engine takes its CQ from sh when it creates its QP, and only then */
+    io->sh.cq = io->cqs[idx].cq;
     err = bex__engine_create(&io->sh, &ctx->ecfg, &bex__sock_upcalls, c->eng_id, c, &c->eng);
+    io->sh.cq = io->cqs[0].cq;
     if (!err) { /* c->x once the setup chose RDMA (bex__sock_attach_waiting) */
         char name[32];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
-        io->cqe_used += need;
+        io->cqs[idx].used += need;
         c->cqe_reserved = need;
+        c->cq_idx = idx;
         BEX__STAT_ADD(&io->stats, engines, 1);
     }
     return err;
@@ -260,7 +296,7 @@ void bex__conn_engine_drop(struct conn *c)
         return; /* none, or it is the transport (destroyed with it) */
     bex__engine_destroy(c->eng);
     c->eng = NULL;
-    c->io->cqe_used -= c->cqe_reserved;
+    c->io->cqs[c->cq_idx].used -= c->cqe_reserved;
     c->cqe_reserved = 0;
     BEX__STAT_ADD(&c->io->stats, engines, (uint64_t)-1);
 }

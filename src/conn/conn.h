@@ -106,7 +106,8 @@ struct conn {
     bool dead;             /* failed: destroy at the next safe point */
     bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
     bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
-    uint32_t cqe_reserved; /* CQ entries held for the engine */
+    uint32_t cqe_reserved; /* CQ entries held for the engine ... */
+    uint32_t cq_idx;       /* ... in this CQ of its thread (io->cqs) */
     struct bex_listener *l;
     struct bex_sock *map[CONN_MAP];
     uint32_t nsocks;

@@ -125,8 +125,18 @@ struct bex_sock {
 };
 
 /* The first CQ entries of an I/O thread; the CQ grows (ibv_resize_cq,
- * doubling up to the device's max_cqe) as engines are made. */
+ * doubling up to the device's max_cqe) as engines are made, and once it
+ * is at max_cqe the thread adds another CQ. */
 #define BEX__CQ_INITIAL 1024
+/* Tests only: when non-zero, the largest CQ made or grown (instead of the
+ * device's max_cqe), so that a few connections need a second CQ. */
+extern uint32_t bex__cq_max_test;
+
+/* One of an I/O thread's CQs, and the entries its engines reserved. */
+struct io_cq {
+    struct ibv_cq *cq;
+    uint32_t used, cap;
+};
 
 /* bex_ctx_config.io_threads at most. */
 #define BEX__IO_THREADS_MAX 64
@@ -152,10 +162,12 @@ struct bex__io {
     struct conn *conns;
     struct conn *ready;      /* connections with work (bex__conn_ready) */
     _Atomic uint64_t visits; /* transport progress calls (single writer; tests read) */
+    _Atomic uint64_t turns;  /* loop turns (the same) */
     struct bex_listener *listeners;
     struct conn **engines; /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;
-    uint32_t cqe_used, cqe_cap;
+    struct io_cq *cqs; /* with a device: at least one; sh.cq is cqs[0].cq */
+    uint32_t n_cq;
     uint32_t n_setup; /* accepted connections in setup here (setup_max) */
     uint64_t n_setup_evictions;
     uint64_t setup_evicted_ms; /* the last one: a flood is logged once */

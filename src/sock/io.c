@@ -234,11 +234,11 @@ static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
 
 /* ibv_poll_cq failed: completions may be lost, and with them the hand-back
  * of messages; no engine of this CQ can be trusted to finish. */
-static void cq_failed(struct bex__io *io, int n)
+static void cq_failed(struct bex__io *io, uint32_t q, int n)
 {
     bool any = false;
     for (struct conn *c = io->conns; c; c = c->next) {
-        if (c->eng && !c->dead) {
+        if (c->eng && !c->dead && c->cq_idx == q) {
             any = true;
             bex__conn_fail(c, -EIO);
         }
@@ -272,6 +272,21 @@ static bool run_ready(struct bex__io *io)
     return did;
 }
 
+/* Poll every CQ of the thread once (a batch each): whether any had
+ * completions. */
+static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
+{
+    bool any = false;
+    for (uint32_t q = 0; q < io->n_cq; q++) {
+        int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+        if (n < 0)
+            cq_failed(io, q, n);
+        dispatch(io, wc, n);
+        any |= n > 0;
+    }
+    return any;
+}
+
 /* Whether the timer tick has anything to do on this thread. */
 static bool has_timers(struct bex__io *io)
 {
@@ -300,12 +315,8 @@ void *bex__io_main(void *arg)
     uint32_t spins = 0, idle_polls = 0;
     bool spun_out = false;
     while (!io->stopping) {
-        bool did = false;
-        int n = io->sh.cq ? bex__rdma_poll_cq(io->sh.cq, WC_BATCH, wc) : 0;
-        if (n < 0)
-            cq_failed(io, n);
-        dispatch(io, wc, n);
-        did |= n > 0;
+        BEX__STAT_ADD(io, turns, 1);
+        bool did = poll_cqs(io, wc);
         did |= drain_cmds(io);
         did |= run_ready(io);
         bex__conn_reap(io);
@@ -349,16 +360,13 @@ void *bex__io_main(void *arg)
             }
             continue;
         }
-        /* Sleep: arm the CQ, then look once more so nothing slips between. */
-        if (io->sh.cq)
-            ibv_req_notify_cq(io->sh.cq, 0);
+        /* Sleep: arm the CQs, then look once more so nothing slips between. */
+        for (uint32_t q = 0; q < io->n_cq; q++)
+            ibv_req_notify_cq(io->cqs[q].cq, 0);
         bex__loop_sleep_begin(&io->loop);
-        n = io->sh.cq ? bex__rdma_poll_cq(io->sh.cq, WC_BATCH, wc) : 0;
-        if (n < 0)
-            cq_failed(io, n);
-        if (n > 0 || bex__loop_has_cmds(&io->loop) || io->ready) {
+        bool found = poll_cqs(io, wc);
+        if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
             bex__loop_sleep_end(&io->loop);
-            dispatch(io, wc, n);
             idle_since = 0;
             idle_polls = 0;
             spun_out = false;

@@ -112,20 +112,27 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
             goto err_loop;
         int cqe =
             ctx->dev->attr.max_cqe < BEX__CQ_INITIAL ? ctx->dev->attr.max_cqe : BEX__CQ_INITIAL;
-        if ((err = bex__rdma_cq_create(ctx->dev, cqe, io->ch, &io->sh.cq)))
+        io->cqs = calloc(1, sizeof(*io->cqs));
+        if (!io->cqs) {
+            err = -ENOMEM;
             goto err_channel;
-        io->cqe_cap = (uint32_t)cqe;
+        }
+        if ((err = bex__rdma_cq_create(ctx->dev, cqe, io->ch, &io->sh.cq)))
+            goto err_cqs;
+        io->cqs[0] = (struct io_cq){.cq = io->sh.cq, .cap = (uint32_t)cqe};
+        io->n_cq = 1;
         io->ch_tag.kind = EV_CHANNEL;
         if ((err = bex__loop_watch(&io->loop, io->ch->fd, EPOLLIN, &io->ch_tag)))
             goto err_cq;
         /* A thread domain tells the provider that one thread drives these
          * QPs (no locks, a doorbell of its own); QPs go on its parent
          * domain over the device's one PD. Without them (rxe: EOPNOTSUPP)
-         * the QPs go on the PD itself; said once per context. */
+         * the QPs go on the PD itself; said once per process. */
+        static atomic_bool td_told;
         err = bex__rdma_td_alloc(ctx->dev, &io->td);
         if (!err) {
             io->sh.pd = io->td->pd;
-        } else if (idx == 0) {
+        } else if (!atomic_exchange(&td_told, true)) {
             bex__log(&ctx->log, BEX_LOG_INFO,
                      "%s: no thread domains (%s): QPs on the protection domain itself",
                      ctx->dev->name, bex_strerror(err));
@@ -136,6 +143,10 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
 err_cq:
     bex__rdma_cq_destroy(io->sh.cq);
     io->sh.cq = NULL;
+    io->n_cq = 0;
+err_cqs:
+    free(io->cqs);
+    io->cqs = NULL;
 err_channel:
     bex__rdma_channel_destroy(io->ch);
     io->ch = NULL;
@@ -155,7 +166,9 @@ static void io_fini(struct bex__io *io)
         return;
     bex__loop_fini(&io->loop);
     bex__rdma_td_free(io->td);
-    bex__rdma_cq_destroy(io->sh.cq);
+    for (uint32_t i = 0; i < io->n_cq; i++)
+        bex__rdma_cq_destroy(io->cqs[i].cq);
+    free(io->cqs);
     bex__rdma_channel_destroy(io->ch);
     free(io->engines);
     io->engines = NULL;
