@@ -13,6 +13,7 @@
  *   holds (BEX__CQ_INITIAL entries, sq + rq + 2 per engine): the CQ grows,
  *   every connection carries messages. */
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,10 +79,15 @@ static void srv_accept(bex_listener *l, bex_sock *s, void *user)
     struct srv *v = user;
     bex_sock_ops ops = {.on_recv = srv_recv, .on_error = srv_error, .on_close = srv_close};
     bex_sock_set_user(s, &ops, v);
+    /* on_accept runs on several server threads at once: the slot is taken
+     * under the waiter's lock */
+    pthread_mutex_lock(&v->w.mu);
     long i = atomic_load(&v->accepted);
     if (i < 64)
         v->socks[i] = s;
-    waiter_add(&v->w, &v->accepted, 1);
+    atomic_fetch_add(&v->accepted, 1);
+    pthread_cond_broadcast(&v->w.cv);
+    pthread_mutex_unlock(&v->w.mu);
 }
 
 static bex_listener *srv_listen(bex_ctx *ctx, struct srv *v, struct sockaddr_in *out)
@@ -369,6 +375,86 @@ static int many_cqs(void)
     return many_run(BEX__CQ_INITIAL);
 }
 
+/* A peer's first messages over RDMA may be polled from the CQ before its
+ * readiness notice is read from the TCP connection: a busy thread polls
+ * its CQs on every turn and epoll only every 64th. The server's socket is
+ * then opened (and its on_accept and on_recv run) on a connection whose
+ * setup has not yet made the engine its transport; an echo sent from that
+ * on_recv must go out. A busy connection keeps the server's only thread
+ * turning while new connections arrive and send at once. */
+#define EARLY_CONNS 12
+static void *stream_busy(void *arg)
+{
+    void **a = arg;
+    bex_ctx *ctx = a[0];
+    bex_sock *s = a[1];
+    _Atomic bool *stop = a[2];
+    struct cli *c = a[3];
+    long sent = 0;
+    while (!atomic_load(stop)) {
+        if (sent - atomic_load(&c->recvd) < 16) {
+            send_one(ctx, s);
+            sent++;
+        } else {
+            pair_sleep_ms(0);
+        }
+    }
+    return (void *)(intptr_t)sent;
+}
+
+static int early_open(void)
+{
+    int rc = setup_addrs();
+    if (rc)
+        return rc;
+    if (pair_tcp())
+        return bex_test_skip("about RDMA traffic ahead of the TCP readiness notice");
+    struct srv v = {.w = WAITER_INIT};
+    bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
+    struct sockaddr_in a0;
+    bex_listener *l0 = srv_listen(sctx, &v, &a0);
+    struct cli busy = {.w = &v.w};
+    bex_sock *bs = cli_open(cctx, &a0, &busy);
+    CHECK_OK(wait_count(&v.w, &busy.connected, 1, 5000));
+    _Atomic bool stop = false;
+    void *args[4] = {cctx, bs, &stop, &busy};
+    pthread_t th;
+    CHECK_OK(pthread_create(&th, NULL, stream_busy, args));
+    pair_sleep_ms(100);
+    /* each new connection (its own listener, so its own connection) sends
+     * at once: the message waits for the transport and goes right after
+     * the client's readiness notice */
+    bex_listener *l[EARLY_CONNS];
+    struct sockaddr_in a[EARLY_CONNS];
+    struct cli c[EARLY_CONNS];
+    bex_sock *s[EARLY_CONNS];
+    for (int i = 0; i < EARLY_CONNS; i++) {
+        l[i] = srv_listen(sctx, &v, &a[i]);
+        c[i] = (struct cli){.w = &v.w};
+        s[i] = cli_open(cctx, &a[i], &c[i]);
+        send_one(cctx, s[i]);
+        CHECK_OK(wait_count(&v.w, &c[i].recvd, 1, 10000));
+    }
+    atomic_store(&stop, true);
+    void *sent;
+    pthread_join(th, &sent);
+    CHECK_OK(wait_count(&v.w, &busy.recvd, (long)(intptr_t)sent, 10000));
+    fprintf(stderr, "%ld echoes on the busy connection meanwhile\n", (long)(intptr_t)sent);
+    bex_sock_close(bs);
+    for (int i = 0; i < EARLY_CONNS; i++)
+        bex_sock_close(s[i]);
+    CHECK_OK(wait_count(&v.w, &busy.closed, 1, 10000));
+    for (int i = 0; i < EARLY_CONNS; i++)
+        CHECK_OK(wait_count(&v.w, &c[i].closed, 1, 10000));
+    CHECK_OK(wait_count(&v.w, &v.closed, EARLY_CONNS + 1, 10000));
+    CHECK_OK(bex_listener_close(l0));
+    for (int i = 0; i < EARLY_CONNS; i++)
+        CHECK_OK(bex_listener_close(l[i]));
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
 /* The loop visits only connections with work: IDLE_CONNS idle connections
  * beside one that does ECHOES echoes one after the other. Visiting every
  * connection on every turn (as before the ready list) costs IDLE_CONNS + 1
@@ -520,7 +606,10 @@ static int idle_busy(void)
         return rc;
     uint64_t n;
     CHECK(idle_run(1, BEX_POLL_SPIN_SLEEP, BEX_POLL_BUSY, 5000, &n) > event_allowance_ms());
-    CHECK(n > 100000);
+    /* millions natively; 17,495 under TSan in the VM, where every turn is
+     * some thousand times dearer: the bound shrinks with the time scale,
+     * staying ten times what idle_event allows */
+    CHECK(n > 100000 / time_scale());
     return 0;
 }
 
@@ -615,4 +704,4 @@ static int td_fallback(void)
 
 BEX_TEST_MAIN(BEX_CASE(spread), BEX_CASE(stall), BEX_CASE(stall_one_thread), BEX_CASE(many),
               BEX_CASE(idle_event), BEX_CASE(idle_busy), BEX_CASE(one_pd), BEX_CASE(ready_list),
-              BEX_CASE(many_cqs), BEX_CASE(td_fallback))
+              BEX_CASE(many_cqs), BEX_CASE(td_fallback), BEX_CASE(early_open))
