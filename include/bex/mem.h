@@ -156,9 +156,10 @@ void bex_mem_pool_registrar(const bex_mem_pool *pool, bex_mem_registrar *out);
 /* The process-wide default pool, the paper's Figure 3 shape:
  *   bex_mem_default_init(ctx);  void *p = bex_mem_default_alloc(n);
  *   const bex_mem_region *mr = bex_mem_mr(p);  bex_mem_free(p);
- * init with a device context allocates a PD on it and a verbs registrar
- * over it; ctx == NULL gives a no-op registrar. Returns 0, -EALREADY when
- * already initialized, or an error. */
+ * init with a device context registers with a verbs registrar on the
+ * process's one PD of that device (the one every bex context on the device
+ * uses: bex_ctx_pd), allocating none of its own; ctx == NULL gives a no-op
+ * registrar. Returns 0, -EALREADY when already initialized, or an error. */
 int bex_mem_default_init(struct ibv_context *ctx);
 /* The default pool's PD (NULL before init or with ctx == NULL). */
 struct ibv_pd *bex_mem_default_pd(void);

@@ -7,9 +7,12 @@
  * receive buffers and credits. A round-robin scheduler interleaves the
  * sockets of an engine fragment by fragment.
  *
- * Delivery model: callbacks, run on the context's I/O thread. A callback
- * must not block; it may call any bex_sock_* function. Every other function
- * may be called from any thread, unless its comment says otherwise.
+ * Delivery model: callbacks, run on the I/O thread of the socket's
+ * connection (a context has io_threads of them; a socket's callbacks all run
+ * on one, a listener's on_accept on the accepted socket's). A callback must
+ * not block (it holds up every connection of its thread); it may call any
+ * bex_sock_* function. Every other function may be called from any thread,
+ * unless its comment says otherwise.
  *
  * Ownership (zero-copy): a buffer passed to bex_sock_send() must come from
  * bex_sock_alloc() (the context's bemalloc pool), bex_sock_alloc_exposable(),
@@ -76,6 +79,18 @@ enum {
     BEX_TRANSPORT_AUTO = 0,
     BEX_TRANSPORT_RDMA = 1,
     BEX_TRANSPORT_TCP = 2,
+};
+
+/* How an I/O thread waits for work (bex_ctx_config.poll_mode). SPIN_SLEEP:
+ * busy-poll for poll_spin_us after the last work, then sleep on the
+ * completion channel and epoll. BUSY: never sleep (a core per I/O thread,
+ * the lowest latency). EVENT: sleep as soon as there is nothing to do
+ * (completion channel + epoll; an idle thread costs almost no CPU, each
+ * wake-up costs latency). */
+enum {
+    BEX_POLL_SPIN_SLEEP = 0,
+    BEX_POLL_BUSY = 1,
+    BEX_POLL_EVENT = 2,
 };
 
 /* Context configuration; zero in any field means its default. */
@@ -150,6 +165,9 @@ typedef struct bex_ctx_config {
                                    not return fail the engine with -ETIMEDOUT (30000) */
     uint32_t transport;         /* BEX_TRANSPORT_* (AUTO); bex_sock_connect_opts can
                                    choose per connection */
+    uint32_t io_threads;        /* I/O threads of the context (1, at most 64); each
+                                   connection belongs to one, assigned round-robin */
+    uint32_t poll_mode;         /* BEX_POLL_* (SPIN_SLEEP): how I/O threads wait */
 } bex_ctx_config;
 
 /* Bounds of a shared secret, in bytes. */
@@ -308,17 +326,18 @@ void bex_sock_close(bex_sock *s);
 /* The user pointer last set (any thread). */
 void *bex_sock_user(const bex_sock *s);
 /* Replace the socket's callbacks (ops NULL: keep them) and user pointer.
- * From a callback (on the I/O thread, e.g. on_accept) the change is
- * immediate. From another thread it is applied on the I/O thread in order
- * with this thread's other calls (a later send's on_send_done sees it);
+ * From a callback on the socket's I/O thread (e.g. its on_accept) the
+ * change is immediate. From another thread it is applied on the socket's
+ * I/O thread in order with this thread's other calls (a later send's on_send_done sees it);
  * callbacks running meanwhile see the old pair, never a mix. Returns 0, or
  * -ENOMEM (nothing changed), -EINVAL. */
 int bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user);
 
 /* Listener callbacks. on_accept hands over a new socket (opened by a peer's
  * bex_sock_connect); it sets the socket's ops with bex_sock_set_user() before
- * returning, and closes it with bex_sock_close() when done. Runs on the I/O
- * thread. */
+ * returning, and closes it with bex_sock_close() when done. Runs on the
+ * accepted socket's I/O thread: with io_threads > 1, on_accept of one
+ * listener may run on several threads at once. */
 typedef struct bex_listener_ops {
     void (*on_accept)(bex_listener *l, bex_sock *s, void *user);
 } bex_listener_ops;

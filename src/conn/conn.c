@@ -41,10 +41,29 @@ void bex__conn_map_del(struct conn *c, struct bex_sock *s)
     }
 }
 
-struct conn *bex__conn_by_engine(bex_ctx *ctx, uint32_t id)
+/* Engine ids are unique in the context (an exposed buffer names its
+ * engine by id, whichever thread looks): thread i of n hands out
+ * seq * n + i, and keeps them in its table by seq. */
+static uint32_t engine_slot(struct bex__io *io, uint32_t id)
 {
-    struct conn *c = ctx->engines[id % ENGINE_TABLE];
+    return (id / io->ctx->n_io) % ENGINE_TABLE;
+}
+
+struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
+{
+    if (id % io->ctx->n_io != io->idx)
+        return NULL;
+    struct conn *c = io->engines[engine_slot(io, id)];
     return c && c->eng_id == id ? c : NULL;
+}
+
+void bex__conn_ready(struct conn *c)
+{
+    if (c->ready)
+        return;
+    c->ready = true;
+    c->ready_next = c->io->ready;
+    c->io->ready = c;
 }
 
 /* An accepted connection leaves the setup table (bex_ctx_config.setup_max):
@@ -53,23 +72,34 @@ void bex__conn_setup_end(struct conn *c)
 {
     if (c->in_setup) {
         c->in_setup = false;
-        c->ctx->n_setup--;
+        c->io->n_setup--;
     }
 }
 
 /* A connection holds nothing but its descriptor and this struct until its
  * engine is made (bex__conn_engine_make): CQ entries are reserved then. */
-static int conn_new(bex_ctx *ctx, int fd, bool client, struct conn **out)
+static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
 {
+    bex_ctx *ctx = io->ctx;
+    uint32_t id = 0;
+    for (uint32_t tries = 0;; tries++) {
+        if (tries == ENGINE_TABLE)
+            return -ENOSPC; /* every slot of the table is taken */
+        uint32_t seq = ++io->next_engine_seq;
+        if (seq == 0 || seq > (UINT32_MAX - io->idx) / ctx->n_io) {
+            io->next_engine_seq = 0; /* wrapped: ids start over (never 0) */
+            continue;
+        }
+        id = seq * ctx->n_io + io->idx;
+        if (!io->engines[engine_slot(io, id)])
+            break;
+    }
     struct conn *c = calloc(1, sizeof(*c));
     if (!c)
         return -ENOMEM;
-    uint32_t id;
-    do {
-        id = ++ctx->next_engine_id;
-    } while (id == 0 || ctx->engines[id % ENGINE_TABLE]);
     c->tag.kind = EV_CONN;
     c->ctx = ctx;
+    c->io = io;
     c->fd = fd;
     c->client = client;
     c->eng_id = id;
@@ -77,37 +107,45 @@ static int conn_new(bex_ctx *ctx, int fd, bool client, struct conn **out)
     c->rdma_ok = c->mode != BEX_TRANSPORT_TCP && ctx->dev;
     c->next_stream = 1;
     c->deadline = bex__now_ms() + ctx->cfg.connect_timeout_ms;
-    ctx->engines[id % ENGINE_TABLE] = c;
-    c->next = ctx->conns;
-    ctx->conns = c;
+    io->engines[engine_slot(io, id)] = c;
+    c->next = io->conns;
+    io->conns = c;
     *out = c;
     return 0;
 }
 
 void bex__conn_free(struct conn *c)
 {
-    bex_ctx *ctx = c->ctx;
-    for (struct conn **p = &ctx->conns; *p; p = &(*p)->next) {
+    struct bex__io *io = c->io;
+    for (struct conn **p = &io->conns; *p; p = &(*p)->next) {
         if (*p == c) {
             *p = c->next;
             break;
         }
     }
-    ctx->engines[c->eng_id % ENGINE_TABLE] = NULL;
+    if (c->ready) {
+        for (struct conn **p = &io->ready; *p; p = &(*p)->ready_next) {
+            if (*p == c) {
+                *p = c->ready_next;
+                break;
+            }
+        }
+    }
+    io->engines[engine_slot(io, c->eng_id)] = NULL;
     bex__conn_setup_end(c);
     if (c->fd >= 0) {
-        bex__loop_unwatch(&ctx->loop, c->fd);
+        bex__loop_unwatch(&io->loop, c->fd);
         close(c->fd);
     }
     if (c->x) {
         c->x->ops->destroy(c->x);
         if (c->eng) { /* the engine was the transport */
             c->eng = NULL;
-            ctx->cqe_used -= c->cqe_reserved;
+            io->cqs[c->cq_idx].used -= c->cqe_reserved;
         } else {
-            BEX__STAT_ADD(&ctx->stats, tcp_conns, (uint64_t)-1);
+            BEX__STAT_ADD(&io->stats, tcp_conns, (uint64_t)-1);
         }
-        BEX__STAT_ADD(&ctx->stats, engines, (uint64_t)-1);
+        BEX__STAT_ADD(&io->stats, engines, (uint64_t)-1);
     }
     bex__conn_engine_drop(c); /* made for a setup that never chose */
     free(c);
@@ -124,7 +162,7 @@ void bex__conn_finish(struct conn *c, int err)
     if (c->fd >= 0) {
         /* the TCP side has nothing more to say; level-triggered events of a
          * failed socket would otherwise come back every loop */
-        bex__loop_unwatch(&c->ctx->loop, c->fd);
+        bex__loop_unwatch(&c->io->loop, c->fd);
         close(c->fd);
         c->fd = -1;
     }
@@ -163,24 +201,91 @@ const char *bex__conn_name(const struct conn *c, char *buf)
     return buf;
 }
 
+uint32_t bex__cq_max_test;
+
+/* A CQ of the thread with room for need more entries (its index in
+ * io->cqs): one that has it, else one grown to have it (doubling, with
+ * ibv_resize_cq, up to the device's max_cqe), else a new one. So the
+ * number of connections is capped by neither the first CQ's size nor the
+ * largest CQ the device makes. */
+static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
+{
+    bex_ctx *ctx = io->ctx;
+    uint32_t max = (uint32_t)ctx->dev->attr.max_cqe;
+    if (bex__cq_max_test && bex__cq_max_test < max)
+        max = bex__cq_max_test;
+    for (uint32_t i = 0; i < io->n_cq; i++) {
+        struct io_cq *q = &io->cqs[i];
+        if (q->used + need <= q->cap) {
+            *idx = i;
+            return 0;
+        }
+    }
+    for (uint32_t i = 0; i < io->n_cq; i++) {
+        struct io_cq *q = &io->cqs[i];
+        if (q->used + need > max || q->cap >= max)
+            continue;
+        uint32_t want = q->cap;
+        while (want < q->used + need)
+            want = want > max / 2 ? max : want * 2;
+        int err = bex__rdma_cq_resize(q->cq, (int)want);
+        if (err) {
+            bex__log(&ctx->log, BEX_LOG_WARN,
+                     "I/O thread %u: ibv_resize_cq from %u to %u entries: %s; adding a CQ", io->idx,
+                     q->cap, want, bex_strerror(err));
+            break;
+        }
+        bex__log(&ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u grown from %u to %u entries",
+                 io->idx, i, q->cap, want);
+        q->cap = want;
+        *idx = i;
+        return 0;
+    }
+    /* every CQ is at its largest: one more, polled beside the others */
+    if (need > max)
+        return -ENOSPC;
+    uint32_t cqe = BEX__CQ_INITIAL < max ? BEX__CQ_INITIAL : max;
+    if (cqe < need)
+        cqe = need;
+    struct io_cq *cqs = realloc(io->cqs, (io->n_cq + 1) * sizeof(*cqs));
+    if (!cqs)
+        return -ENOMEM;
+    io->cqs = cqs;
+    struct ibv_cq *cq;
+    int err = bex__rdma_cq_create(ctx->dev, (int)cqe, io->ch, &cq);
+    if (err) {
+        bex__log(&ctx->log, BEX_LOG_WARN,
+                 "no room for another engine: I/O thread %u has %u full CQs, another: %s", io->idx,
+                 io->n_cq, bex_strerror(err));
+        return err;
+    }
+    bex__log(&ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u added (%u entries)", io->idx, io->n_cq,
+             cqe);
+    io->cqs[io->n_cq] = (struct io_cq){.cq = cq, .cap = cqe};
+    *idx = io->n_cq++;
+    return 0;
+}
+
 int bex__conn_engine_make(struct conn *c)
 {
     bex_ctx *ctx = c->ctx;
-    /* every completion the engine can have outstanding must fit the shared CQ */
-    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2;
-    if (ctx->cqe_used + need > ctx->cqe_cap) {
-        bex__log(&ctx->log, BEX_LOG_WARN,
-                 "no room for another engine: %u of %u completion queue entries in use",
-                 ctx->cqe_used, ctx->cqe_cap);
-        return -ENOSPC;
-    }
-    int err = bex__engine_create(&ctx->sh, &ctx->ecfg, &bex__sock_upcalls, c->eng_id, c, &c->eng);
+    struct bex__io *io = c->io;
+    /* every completion the engine can have outstanding must fit its CQ */
+    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2, idx;
+    int err = cq_room(io, need, &idx);
+    if (err)
+        return err;
+    /* the engine takes its CQ from sh when it creates its QP, and only then */
+    io->sh.cq = io->cqs[idx].cq;
+    err = bex__engine_create(&io->sh, &ctx->ecfg, &bex__sock_upcalls, c->eng_id, c, &c->eng);
+    io->sh.cq = io->cqs[0].cq;
     if (!err) { /* c->x once the setup chose RDMA (bex__sock_attach_waiting) */
         char name[32];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
-        ctx->cqe_used += need;
+        io->cqs[idx].used += need;
         c->cqe_reserved = need;
-        BEX__STAT_ADD(&ctx->stats, engines, 1);
+        c->cq_idx = idx;
+        BEX__STAT_ADD(&io->stats, engines, 1);
     }
     return err;
 }
@@ -191,14 +296,15 @@ void bex__conn_engine_drop(struct conn *c)
         return; /* none, or it is the transport (destroyed with it) */
     bex__engine_destroy(c->eng);
     c->eng = NULL;
-    c->ctx->cqe_used -= c->cqe_reserved;
+    c->io->cqs[c->cq_idx].used -= c->cqe_reserved;
     c->cqe_reserved = 0;
-    BEX__STAT_ADD(&c->ctx->stats, engines, (uint64_t)-1);
+    BEX__STAT_ADD(&c->io->stats, engines, (uint64_t)-1);
 }
 
-int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, uint32_t mode,
+int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uint32_t mode,
                            struct conn **out)
 {
+    bex_ctx *ctx = io->ctx;
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -errno;
@@ -212,7 +318,7 @@ int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, uint32_t 
         return err;
     }
     struct conn *c;
-    if ((err = conn_new(ctx, fd, true, &c))) {
+    if ((err = conn_new(io, fd, true, &c))) {
         close(fd);
         return err;
     }
@@ -237,7 +343,7 @@ int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, uint32_t 
         c->dead = true;
         return err;
     }
-    if ((err = bex__loop_watch(&ctx->loop, fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &c->tag))) {
+    if ((err = bex__loop_watch(&io->loop, fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &c->tag))) {
         c->dead = true;
         return err;
     }
@@ -254,13 +360,13 @@ int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, uint32_t 
  * give way before it (docs/configuration.md, setup_max). One recv(MSG_PEEK)
  * per eviction, plus one per quiet-looking connection found talking (once:
  * it is marked). Returns whether there was one. */
-static bool setup_evict_oldest(bex_ctx *ctx)
+static bool setup_evict_oldest(struct bex__io *io)
 {
-    int first = ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
+    int first = io->ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
     for (;;) {
         struct conn *old = NULL;
         bool old_quiet = false;
-        for (struct conn *c = ctx->conns; c; c = c->next) { /* newest first */
+        for (struct conn *c = io->conns; c; c = c->next) { /* newest first */
             if (!c->in_setup || c->fd < 0)
                 continue;
             bool quiet = c->phase == first && !c->rlen && !c->heard;
@@ -286,19 +392,21 @@ static bool setup_evict_oldest(bex_ctx *ctx)
  * readable, and a level-triggered listener would wake the I/O thread at
  * once, forever. Leave epoll for a while (doubling up to 500 ms); bex__conn_tick()
  * brings the listener back. */
-static void listener_pause(bex_ctx *ctx, struct bex_listener *l, int err)
+static void listener_pause(struct bex__io *io, struct bex_listener *l, int err)
 {
     if (!l->backoff_ms)
-        bex__log(&ctx->log, BEX_LOG_WARN, "listener on port %u: accept: %s; retrying with backoff",
-                 ntohs(l->addr.sin_port), strerror(err));
+        bex__log(&io->ctx->log, BEX_LOG_WARN,
+                 "listener on port %u: accept: %s; retrying with backoff", ntohs(l->addr.sin_port),
+                 strerror(err));
     l->backoff_ms = l->backoff_ms ? (l->backoff_ms * 2 > 500 ? 500 : l->backoff_ms * 2) : 20;
-    bex__loop_unwatch(&ctx->loop, l->fd);
+    bex__loop_unwatch(&io->loop, l->fd);
     l->paused = true;
     l->paused_until = bex__now_ms() + l->backoff_ms;
 }
 
-void bex__listener_accept(bex_ctx *ctx, struct bex_listener *l)
+void bex__listener_accept(struct bex__io *io, struct bex_listener *l)
 {
+    bex_ctx *ctx = io->ctx;
     bool evicted = false;
     /* a bounded batch: a flood that refills the backlog as fast as we
      * accept must not keep the I/O thread from its engines (keepalive,
@@ -312,50 +420,72 @@ void bex__listener_accept(bex_ctx *ctx, struct bex_listener *l)
             if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM)
                 return; /* EAGAIN: the backlog is empty; or an aborted connection */
             /* a descriptor held by a connection that never finished its
-             * hello is the one to give up first */
-            if (!evicted && setup_evict_oldest(ctx)) {
+             * hello is the one to give up first (this thread's: the others'
+             * are theirs to touch) */
+            if (!evicted && setup_evict_oldest(io)) {
                 evicted = true;
                 continue;
             }
-            listener_pause(ctx, l, err);
+            listener_pause(io, l, err);
             return;
         }
         l->backoff_ms = 0;
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        /* Setup costs no CQ entries or QP, but it is bounded: an idle or
-         * slow connection gives its place to the newcomer, so connections
-         * held open without a hello cannot lock out the ones that talk. */
-        if (ctx->n_setup >= ctx->cfg.setup_max) {
-            /* once per flood: the first eviction after 10 s without one */
-            uint64_t now = bex__now_ms();
-            if (ctx->n_setup_evictions++ == 0 || now - ctx->setup_evicted_ms > 10000)
-                bex__log(&ctx->log, BEX_LOG_WARN,
-                         "%u connections in setup (setup_max): closing the oldest silent one "
-                         "for each new one (logged once per flood)",
-                         ctx->n_setup);
-            ctx->setup_evicted_ms = now;
-            setup_evict_oldest(ctx);
+        struct bex__io *to = bex__io_next(ctx);
+        if (to == io) {
+            bex__conn_adopt(io, l, fd, &peer);
+            continue;
         }
-        struct conn *c;
-        if (conn_new(ctx, fd, false, &c)) {
+        struct adopt_cmd *a = malloc(sizeof(*a));
+        if (!a) {
             close(fd);
             continue;
         }
-        c->in_setup = true;
-        ctx->n_setup++;
-        c->l = l;
-        if (peer.sin_family == AF_INET)
-            c->key = peer;
-        bex__conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
-        if (bex__loop_watch(&ctx->loop, fd, EPOLLIN | EPOLLRDHUP, &c->tag))
-            c->dead = true;
+        *a = (struct adopt_cmd){.l = l, .fd = fd, .peer = peer};
+        bex__io_push(to, &a->cmd, CMD_ADOPT);
     }
 }
 
-void bex__conn_reap(bex_ctx *ctx)
+/* The setup table is per thread: each holds at most its share of
+ * setup_max (rounded up), and a newcomer makes room among its thread's. */
+void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
+                     const struct sockaddr_in *peer)
 {
-    struct conn *c = ctx->conns;
+    bex_ctx *ctx = io->ctx;
+    /* Setup costs no CQ entries or QP, but it is bounded: an idle or
+     * slow connection gives its place to the newcomer, so connections
+     * held open without a hello cannot lock out the ones that talk. */
+    uint32_t max = (ctx->cfg.setup_max + ctx->n_io - 1) / ctx->n_io;
+    if (io->n_setup >= max) {
+        /* once per flood: the first eviction after 10 s without one */
+        uint64_t now = bex__now_ms();
+        if (io->n_setup_evictions++ == 0 || now - io->setup_evicted_ms > 10000)
+            bex__log(&ctx->log, BEX_LOG_WARN,
+                     "%u connections in setup (setup_max): closing the oldest silent one "
+                     "for each new one (logged once per flood)",
+                     io->n_setup * ctx->n_io);
+        io->setup_evicted_ms = now;
+        setup_evict_oldest(io);
+    }
+    struct conn *c;
+    if (conn_new(io, fd, false, &c)) {
+        close(fd);
+        return;
+    }
+    c->in_setup = true;
+    io->n_setup++;
+    c->l = l;
+    if (peer->sin_family == AF_INET)
+        c->key = *peer;
+    bex__conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
+    if (bex__loop_watch(&io->loop, fd, EPOLLIN | EPOLLRDHUP, &c->tag))
+        c->dead = true;
+}
+
+void bex__conn_reap(struct bex__io *io)
+{
+    struct conn *c = io->conns;
     while (c) {
         struct conn *next = c->next;
         if (c->dead && c->nsocks == 0)
@@ -364,17 +494,17 @@ void bex__conn_reap(bex_ctx *ctx)
     }
 }
 
-void bex__conn_tick(bex_ctx *ctx, uint64_t now)
+void bex__conn_tick(struct bex__io *io, uint64_t now)
 {
-    for (struct bex_listener *l = ctx->listeners; l; l = l->next) {
+    for (struct bex_listener *l = io->listeners; l; l = l->next) {
         if (l->paused && now >= l->paused_until) {
             l->paused = false;
-            int err = bex__loop_watch(&ctx->loop, l->fd, EPOLLIN, &l->tag);
+            int err = bex__loop_watch(&io->loop, l->fd, EPOLLIN, &l->tag);
             if (err)
-                listener_pause(ctx, l, -err);
+                listener_pause(io, l, -err);
         }
     }
-    for (struct conn *c = ctx->conns; c; c = c->next) {
+    for (struct conn *c = io->conns; c; c = c->next) {
         if (c->dead)
             continue;
         if (c->phase != P_UP && now > c->deadline) {
@@ -387,7 +517,12 @@ void bex__conn_tick(bex_ctx *ctx, uint64_t now)
             }
             continue;
         }
-        if (c->x)
+        if (c->x) {
             c->x->ops->tick(c->x, now);
+            /* timers may have queued work (keepalive), and a connection
+             * held back by something no event announces (received memory
+             * freed by the application) is looked at again */
+            bex__conn_ready(c);
+        }
     }
 }

@@ -8,7 +8,8 @@
  *   (setup_max), deadlines, and tearing a connection down;
  * - hello_io.c: blocking setup I/O for tests and tools.
  *
- * Everything here runs on the context's I/O thread. */
+ * Everything here runs on the connection's I/O thread (struct bex__io):
+ * a connection belongs to one for its life. */
 #ifndef BEX_CONN_H
 #define BEX_CONN_H
 
@@ -22,6 +23,7 @@
 #include "wire/hello.h"
 
 struct bex__engine;
+struct bex__io;
 
 /* Setup phases; with a shared secret the client goes CONNECTING ->
  * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
@@ -38,10 +40,20 @@ enum {
 
 #define ENGINE_TABLE 4096
 
+/* A closing listener's word to each I/O thread (CMD_UNLISTEN_FWD). */
+struct listener_fwd {
+    struct bex__cmd cmd;
+    struct bex_listener *l;
+};
+
+/* A listener belongs to one I/O thread, which accepts and hands each new
+ * connection to the next thread in round-robin order (CMD_ADOPT). */
 struct bex_listener {
     struct ep_tag tag;
     struct bex__cmd cmd;
     bex_ctx *ctx;
+    struct bex__io *io;
+    struct listener_fwd *fwd; /* one per I/O thread */
     int fd;
     bex_listener_ops ops;
     void *user;
@@ -61,6 +73,9 @@ struct bex_listener {
 struct conn {
     struct ep_tag tag;
     bex_ctx *ctx;
+    struct bex__io *io;      /* the I/O thread it belongs to */
+    struct conn *ready_next; /* on io->ready while ready */
+    bool ready;
     int fd;
     int phase;
     bool client;
@@ -91,7 +106,8 @@ struct conn {
     bool dead;             /* failed: destroy at the next safe point */
     bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
     bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
-    uint32_t cqe_reserved; /* CQ entries held for the engine */
+    uint32_t cqe_reserved; /* CQ entries held for the engine ... */
+    uint32_t cq_idx;       /* ... in this CQ of its thread (io->cqs) */
     struct bex_listener *l;
     struct bex_sock *map[CONN_MAP];
     uint32_t nsocks;
@@ -100,9 +116,14 @@ struct conn {
 };
 
 /* ---- conn.c ---- */
-struct conn *bex__conn_by_engine(bex_ctx *ctx, uint32_t id);
+/* The connection of engine id on this thread (NULL: none, or another
+ * thread's: ids are unique in the context). */
+struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id);
+/* c has work: its transport's progress runs on the next turn of its
+ * thread's loop (which visits only connections marked so). */
+void bex__conn_ready(struct conn *c);
 /* A client connection to the listener at to, its engine made at once. */
-int bex__conn_start_client(bex_ctx *ctx, const struct sockaddr_in *to, uint32_t mode,
+int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uint32_t mode,
                            struct conn **out);
 /* "peer a.b.c.d:port" of the connection, for log lines (buf: 32 bytes). */
 const char *bex__conn_name(const struct conn *c, char *buf);
@@ -122,12 +143,16 @@ void bex__conn_free(struct conn *c);
 void bex__conn_map_add(struct conn *c, struct bex_sock *s);
 struct bex_sock *bex__conn_map_find(struct conn *c, uint32_t id);
 void bex__conn_map_del(struct conn *c, struct bex_sock *s);
-/* The listener is readable: accept what is there. */
-void bex__listener_accept(bex_ctx *ctx, struct bex_listener *l);
+/* The listener is readable: accept what is there, handing each new
+ * connection to its I/O thread. */
+void bex__listener_accept(struct bex__io *io, struct bex_listener *l);
+/* On the connection's thread: take an accepted descriptor into the setup. */
+void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
+                     const struct sockaddr_in *peer);
 /* Free dead connections no socket refers to. */
-void bex__conn_reap(bex_ctx *ctx);
+void bex__conn_reap(struct bex__io *io);
 /* Timers: listener backoff, setup deadlines, engine keepalive. */
-void bex__conn_tick(bex_ctx *ctx, uint64_t now);
+void bex__conn_tick(struct bex__io *io, uint64_t now);
 
 /* ---- setup.c ---- */
 /* Read the next setup message in the given phase. */

@@ -59,7 +59,7 @@ static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
 
 static int conn_want(struct conn *c, uint32_t events)
 {
-    return bex__loop_modify(&c->ctx->loop, c->fd, events, &c->tag);
+    return bex__loop_modify(&c->io->loop, c->fd, events, &c->tag);
 }
 
 /* Write what is left in wbuf; returns 0 when all is out, 1 when waiting. */
@@ -217,12 +217,12 @@ static int go_tcp(struct conn *c)
     };
     char name[32];
     snprintf(tc.name, sizeof tc.name, "%s (engine %u)", bex__conn_name(c, name), c->eng_id);
-    int err =
-        bex__tcp_create(&ctx->sh, &tc, &bex__sock_upcalls, c, c->fd, &ctx->loop, &c->tag, &c->x);
+    int err = bex__tcp_create(&c->io->sh, &tc, &bex__sock_upcalls, c, c->fd, &c->io->loop, &c->tag,
+                              &c->x);
     if (err)
         return err;
-    BEX__STAT_ADD(&ctx->stats, engines, 1); /* counts transports of either kind */
-    BEX__STAT_ADD(&ctx->stats, tcp_conns, 1);
+    BEX__STAT_ADD(&c->io->stats, engines, 1); /* counts transports of either kind */
+    BEX__STAT_ADD(&c->io->stats, tcp_conns, 1);
     c->phase = P_UP;
     bex__conn_setup_end(c);
     c->rwant = c->rlen = 0;  /* the setup reads nothing more: frames are the transport's */

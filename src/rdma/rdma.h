@@ -198,6 +198,10 @@ int bex__rdma_cq_create(struct bex__rdma_dev *dev, int cqe, struct ibv_comp_chan
                         struct ibv_cq **out);
 /* Returns 0, or -EBUSY while QPs still use the CQ. NULL is ignored. */
 int bex__rdma_cq_destroy(struct ibv_cq *cq);
+/* Grow (or shrink) cq to at least cqe entries (ibv_resize_cq): 0, -EINVAL
+ * beyond the device's max_cqe, or what verbs reports. Completions already
+ * in the CQ stay. */
+int bex__rdma_cq_resize(struct ibv_cq *cq, int cqe);
 
 /* ---- thread domains -------------------------------------------------- */
 

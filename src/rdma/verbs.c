@@ -121,6 +121,13 @@ int bex__rdma_cq_destroy(struct ibv_cq *cq)
     return bex__rdma_err(ibv_destroy_cq(cq));
 }
 
+int bex__rdma_cq_resize(struct ibv_cq *cq, int cqe)
+{
+    if (cqe <= 0)
+        return -EINVAL;
+    return bex__rdma_err(ibv_resize_cq(cq, cqe));
+}
+
 /* ---- thread domains -------------------------------------------------- */
 
 int bex__rdma_td_alloc(struct bex__rdma_dev *dev, struct bex__rdma_td **out)

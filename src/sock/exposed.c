@@ -22,11 +22,13 @@ static struct exposed_win exposed_win_of(const struct exp_slot *x)
 /* The slot was taken by the I/O thread: its window goes. Bound on a live
  * engine: revoked there first; bound on a dead one: released with its QP
  * already; never bound: deallocated here. */
-static void exposed_win_drop(bex_ctx *ctx, const struct exposed_win *w)
+static void exposed_win_drop(struct bex__io *io, const struct exposed_win *w)
 {
     if (!w->mw)
         return;
-    struct conn *c = w->bound ? bex__conn_by_engine(ctx, w->eng_id) : NULL;
+    /* bound: on the engine's thread, which is this one (a socket's exposed
+     * buffers are cancelled on its thread, its engine's) */
+    struct conn *c = w->bound ? bex__conn_by_engine(io, w->eng_id) : NULL;
     if (c && c->x && c->x->ops->retire_window)
         c->x->ops->retire_window(c->x, w->mw, w->key, true);
     else if (!w->bound)
@@ -63,7 +65,7 @@ int bex__exposed_deliver(struct bex__xport *xp, uint32_t imm)
         xp->ops->retire_window(xp, mw, key, bound);
     else if (mw && !bound)
         ibv_dealloc_mw(mw); /* TCP: never bound */
-    BEX__STAT_ADD(&c->ctx->stats, bytes_recv, len);
+    BEX__STAT_ADD(&c->io->stats, bytes_recv, len);
     /* an exposed buffer is the application's until it is reported, never
      * freed by bex behind its back */
     if (!s->dead && !s->app_closed && s->ops.on_recv)
@@ -100,21 +102,22 @@ void bex__exposed_cancel(struct bex_sock *s)
         uint32_t len = x->len;
         struct exposed_win w = exposed_win_of(x);
         if (exposed_take(x, X_GEN(v))) {
-            exposed_win_drop(s->ctx, &w);
+            exposed_win_drop(s->io, &w);
             bex__sock_report_done(s, buf, len, user, -ECANCELED);
         }
     }
 }
 
 /* Window mode: bind an exposed buffer's window on its engine's QP. */
-void bex__exposed_bind(bex_ctx *ctx, struct bind_cmd *bc)
+void bex__exposed_bind(struct bex__io *io, struct bind_cmd *bc)
 {
-    struct exp_slot *x = &ctx->exposed[bc->slot];
+    struct exp_slot *x = &io->ctx->exposed[bc->slot];
     if (atomic_load(&x->state) == X_WORD(bc->gen, X_ARMED) && x->mw && !x->bound) {
-        struct conn *c = bex__conn_by_engine(ctx, x->eng_id);
+        struct conn *c = bex__conn_by_engine(io, x->eng_id);
         if (c && c->x && c->x->ops->bind_window && !c->x->ops->is_dead(c->x)) {
             c->x->ops->bind_window(c->x, x->mw, x->key, x->buf, x->len);
             x->bound = true;
+            bex__conn_ready(c);
         }
     }
     free(bc);
@@ -190,7 +193,7 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
         if (bc) {
             bc->slot = i;
             bc->gen = (uint16_t)gen;
-            bex__ctx_push(ctx, &bc->cmd, CMD_BIND);
+            bex__io_push(s->io, &bc->cmd, CMD_BIND);
         }
         return 0;
     }

@@ -26,7 +26,9 @@ enum {
     CMD_UNLISTEN,
     CMD_STOP,
     CMD_SET_USER,
-    CMD_BIND
+    CMD_BIND,
+    CMD_ADOPT,       /* an accepted connection handed to its I/O thread */
+    CMD_UNLISTEN_FWD /* a closing listener: forget it on this thread too */
 };
 
 /* What an epoll event of the I/O thread belongs to (struct ep_tag). */
@@ -73,6 +75,14 @@ struct exp_slot {
     bool bound; /* I/O thread only */
 };
 
+/* A connection accepted by a listener's thread for another (CMD_ADOPT). */
+struct adopt_cmd {
+    struct bex__cmd cmd;
+    struct bex_listener *l;
+    int fd;
+    struct sockaddr_in peer;
+};
+
 /* Window mode: bind an exposed slot's window (CMD_BIND). */
 struct bind_cmd {
     struct bex__cmd cmd;
@@ -88,6 +98,7 @@ enum { S_CONNECTING, S_OPEN, S_FAILED };
 struct bex_sock {
     struct bex__cmd connect_cmd, close_cmd;
     bex_ctx *ctx;
+    struct bex__io *io; /* its connection's I/O thread, fixed at creation */
     struct conn *conn;
     struct bex__stream st;
     bex_sock_ops ops;         /* I/O thread only (see bex_sock_set_user) */
@@ -113,42 +124,98 @@ struct bex_sock {
     struct bex_sock *map_next; /* conn's stream table */
 };
 
+/* The first CQ entries of an I/O thread; the CQ grows (ibv_resize_cq,
+ * doubling up to the device's max_cqe) as engines are made, and once it
+ * is at max_cqe the thread adds another CQ. */
+#define BEX__CQ_INITIAL 1024
+/* Tests only: when non-zero, the largest CQ made or grown (instead of the
+ * device's max_cqe), so that a few connections need a second CQ. */
+extern uint32_t bex__cq_max_test;
+
+/* One of an I/O thread's CQs, and the entries its engines reserved. */
+struct io_cq {
+    struct ibv_cq *cq;
+    uint32_t used, cap;
+};
+
+/* bex_ctx_config.io_threads at most. */
+#define BEX__IO_THREADS_MAX 64
+
+/* One I/O thread of a context and everything only it touches: its loop
+ * (epoll, wake-up, command queue), its CQ and completion channel, the
+ * connections it owns, their engine table, its listeners and statistics.
+ * Nothing here is shared with the context's other I/O threads: they meet
+ * only in the command queues (any thread pushes) and in context-wide state
+ * that is read-only once the context is up or atomic (the exposed table). */
+struct bex__io {
+    bex_ctx *ctx;
+    uint32_t idx;
+    struct bex__loop loop;
+    struct bex__engine_shared sh; /* ctx->sh with this thread's CQ, stats and
+                                     received-memory estimate */
+    struct bex__stats stats;      /* this thread's; bex_ctx_stats sums them */
+    struct ibv_comp_channel *ch;
+    struct bex__rdma_td *td; /* thread + parent domain, where the device has them */
+    struct ep_tag ch_tag;
+    pthread_t thread;
+    bool started;
+    struct conn *conns;
+    struct conn *ready;      /* connections with work (bex__conn_ready) */
+    _Atomic uint64_t visits; /* transport progress calls (single writer; tests read) */
+    _Atomic uint64_t turns;  /* loop turns (the same) */
+    struct bex_listener *listeners;
+    struct conn **engines; /* by engine id (bex__conn_by_engine) */
+    uint32_t next_engine_seq;
+    struct io_cq *cqs; /* with a device: at least one; sh.cq is cqs[0].cq */
+    uint32_t n_cq;
+    uint32_t n_setup; /* accepted connections in setup here (setup_max) */
+    uint64_t n_setup_evictions;
+    uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
+    bool stopping;
+    struct bex__cmd stop_cmd;
+};
+
+/* Which I/O thread a client connection to a peer belongs to: sockets to
+ * the same listener (and transport choice) share one connection, so they
+ * go to the thread that has it. Control path only (bex_sock_connect). */
+struct peer_home {
+    struct peer_home *next;
+    struct sockaddr_in addr;
+    uint32_t mode, io;
+};
+#define PEER_HOME_BUCKETS 256
+
 struct bex_ctx {
     bex_ctx_config cfg;
     struct bex__rdma_dev *dev;
-    struct bex__engine_shared sh;
+    struct bex__engine_shared sh; /* what every I/O thread's sh starts from */
     struct bex__engine_config ecfg;
-    struct bex__stats stats;
     struct bex__log log;
     bool has_secret; /* setups are authenticated with auth_key */
     uint8_t auth_key[BEX__AUTH_KEY_LEN];
     bool own_pool, own_landing;
-    struct ibv_comp_channel *ch;
-    struct bex__loop loop;
-    struct ep_tag ch_tag;
-    pthread_t thread;
-    struct conn *conns;
-    struct bex_listener *listeners;
-    struct conn **engines; /* by engine id % ENGINE_TABLE */
-    uint32_t next_engine_id;
-    uint32_t cqe_used, cqe_cap;
-    uint32_t n_setup; /* accepted connections in setup (setup_max) */
-    uint64_t n_setup_evictions;
-    uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
-    bool own_recv_pool;
-    bool stopping;
-    struct bex__cmd stop_cmd;
+    struct bex__recv_acct recv_acct; /* received memory, every thread's */
+    struct bex__io *io;              /* cfg.io_threads of them */
+    uint32_t n_io;
+    _Atomic uint32_t next_io; /* round-robin */
+    pthread_mutex_t homes_lock;
+    struct peer_home *homes[PEER_HOME_BUCKETS];
     struct exp_slot exposed[EXPOSED_MAX];
 };
 
-/* The context whose I/O thread this is (NULL on other threads): the calls
- * that wait for the I/O thread must not wait for themselves. */
+/* The context whose I/O thread this is (NULL on other threads), and which
+ * of its threads: the calls that wait for an I/O thread must not wait for
+ * themselves, and a callback may act at once on its own thread's sockets. */
 extern _Thread_local bex_ctx *bex__io_ctx;
+extern _Thread_local struct bex__io *bex__io_self;
 
-static inline void bex__ctx_push(bex_ctx *ctx, struct bex__cmd *c, int type)
+static inline void bex__io_push(struct bex__io *io, struct bex__cmd *c, int type)
 {
-    bex__loop_push(&ctx->loop, c, type);
+    bex__loop_push(&io->loop, c, type);
 }
+
+/* The next I/O thread in round-robin order. */
+struct bex__io *bex__io_next(bex_ctx *ctx);
 
 /* sock.c: 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of
  * this context's registered memory. */
@@ -156,7 +223,7 @@ int bex__sock_check_buf(bex_sock *s, void *buf, size_t len);
 
 /* io.c: the I/O thread */
 void *bex__io_main(void *arg);
-void bex__io_listen(bex_ctx *ctx, struct bex_listener *l);
+void bex__io_listen(struct bex__io *io, struct bex_listener *l);
 
 /* stream.c: socket lifecycle and the transports' upcalls */
 extern const struct bex__transport_upcalls bex__sock_upcalls;
@@ -175,6 +242,6 @@ void bex__sock_drop_waiting(struct bex_sock *s);
 int bex__exposed_deliver(struct bex__xport *x, uint32_t imm);
 void *bex__exposed_buf(struct bex__xport *x, uint32_t token, uint32_t *len);
 void bex__exposed_cancel(struct bex_sock *s);
-void bex__exposed_bind(bex_ctx *ctx, struct bind_cmd *bc);
+void bex__exposed_bind(struct bex__io *io, struct bind_cmd *bc);
 
 #endif

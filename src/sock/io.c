@@ -5,15 +5,19 @@
 
 #include "sock/internal.h"
 
-#define TICK_MS  10
-#define WC_BATCH 64
+#define TICK_MS 10
+/* A thread with no connection (and no listener backing off) has no timer
+ * to run; it still wakes now and then to collect its heaps. */
+#define IDLE_WAKE_MS 1000
+#define WC_BATCH     64
 
 _Thread_local bex_ctx *bex__io_ctx;
+_Thread_local struct bex__io *bex__io_self;
 
-static void do_connect(bex_ctx *ctx, struct bex_sock *s)
+static void do_connect(struct bex__io *io, struct bex_sock *s)
 {
     struct conn *c = NULL;
-    for (struct conn *p = ctx->conns; p; p = p->next) {
+    for (struct conn *p = io->conns; p; p = p->next) {
         if (p->client && !p->dead && (!p->x || !p->x->ops->is_dead(p->x)) && p->mode == s->mode &&
             p->key.sin_addr.s_addr == s->peer.sin_addr.s_addr &&
             p->key.sin_port == s->peer.sin_port) {
@@ -22,7 +26,7 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
         }
     }
     if (!c) {
-        int err = bex__conn_start_client(ctx, &s->peer, s->mode, &c);
+        int err = bex__conn_start_client(io, &s->peer, s->mode, &c);
         if (err) {
             bex__sock_fail(s, err, true);
             return;
@@ -37,6 +41,7 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
     }
     c->x->ops->attach(c->x, &s->st, s->id, true);
     s->attached = true;
+    bex__conn_ready(c);
     atomic_store(&s->eng_id, c->eng_id);
     if (c->x->ops->is_up(c->x)) {
         atomic_store(&s->max_msg, c->x->ops->peer_max_msg(c->x));
@@ -46,9 +51,8 @@ static void do_connect(bex_ctx *ctx, struct bex_sock *s)
     }
 }
 
-static void do_send(bex_ctx *ctx, struct sock_msg *w)
+static void do_send(struct sock_msg *w)
 {
-    (void)ctx;
     struct bex_sock *s = w->s;
     if (s->waiting && !s->dead) { /* goes to the transport once chosen */
         w->m.next = NULL;
@@ -69,6 +73,7 @@ static void do_send(bex_ctx *ctx, struct sock_msg *w)
     }
     s->pending++;
     s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
+    bex__conn_ready(s->conn);
 }
 
 static void do_close(struct bex_sock *s)
@@ -84,23 +89,56 @@ static void do_close(struct bex_sock *s)
     /* Connecting or up alike, the queue is sent, then CLOSE; the engine
      * lets go by on_stream_closed (or on_fail). A stream the peer closed
      * is closing already. */
-    if (s->attached && !s->dead)
+    if (s->attached && !s->dead) {
         s->conn->x->ops->close_stream(s->conn->x, &s->st);
+        bex__conn_ready(s->conn);
+    }
     if (!s->attached)
         s->dead = true;
     bex__sock_maybe_finish(s);
 }
 
-void bex__io_listen(bex_ctx *ctx, struct bex_listener *l)
+void bex__io_listen(struct bex__io *io, struct bex_listener *l)
 {
-    l->next = ctx->listeners;
-    ctx->listeners = l;
-    bex__loop_watch(&ctx->loop, l->fd, EPOLLIN, &l->tag);
+    l->next = io->listeners;
+    io->listeners = l;
+    bex__loop_watch(&io->loop, l->fd, EPOLLIN, &l->tag);
 }
 
-static bool drain_cmds(bex_ctx *ctx)
+/* Forget a closing listener on this thread: its connections here keep
+ * going without it (an OPEN on them is refused from now on). */
+static void forget_listener(struct bex__io *io, struct bex_listener *l)
 {
-    struct bex__cmd *fifo = bex__loop_take(&ctx->loop);
+    for (struct conn *cn = io->conns; cn; cn = cn->next)
+        if (cn->l == l)
+            cn->l = NULL;
+}
+
+static void do_unlisten(struct bex__io *io, struct bex_listener *l)
+{
+    for (struct bex_listener **p = &io->listeners; *p; p = &(*p)->next)
+        if (*p == l) {
+            *p = l->next;
+            break;
+        }
+    bex__loop_unwatch(&io->loop, l->fd);
+    forget_listener(io, l);
+    /* The other threads next: connections this one handed them are queued
+     * there ahead of this word (a queue keeps one pusher's order), and no
+     * more come now that the listener is out of epoll. */
+    bex_ctx *ctx = io->ctx;
+    for (uint32_t i = 0; i < ctx->n_io; i++) {
+        if (&ctx->io[i] == io)
+            continue;
+        l->fwd[i].l = l;
+        bex__io_push(&ctx->io[i], &l->fwd[i].cmd, CMD_UNLISTEN_FWD);
+    }
+    sem_post(&l->done);
+}
+
+static bool drain_cmds(struct bex__io *io)
+{
+    struct bex__cmd *fifo = bex__loop_take(&io->loop);
     if (!fifo)
         return false;
     while (fifo) {
@@ -108,17 +146,17 @@ static bool drain_cmds(bex_ctx *ctx)
         fifo = c->next;
         switch (c->type) {
         case CMD_SEND:
-            do_send(ctx, bex__container_of(c, struct sock_msg, cmd));
+            do_send(bex__container_of(c, struct sock_msg, cmd));
             break;
         case CMD_CONNECT:
-            do_connect(ctx, bex__container_of(c, struct bex_sock, connect_cmd));
+            do_connect(io, bex__container_of(c, struct bex_sock, connect_cmd));
             break;
         case CMD_CLOSE:
             do_close(bex__container_of(c, struct bex_sock, close_cmd));
             break;
         case CMD_LISTEN: {
             struct bex_listener *l = bex__container_of(c, struct bex_listener, cmd);
-            bex__io_listen(ctx, l);
+            bex__io_listen(io, l);
             sem_post(&l->done);
             break;
         }
@@ -130,32 +168,34 @@ static bool drain_cmds(bex_ctx *ctx)
             free(u);
             break;
         }
-        case CMD_UNLISTEN: {
-            struct bex_listener *l = bex__container_of(c, struct bex_listener, cmd);
-            for (struct bex_listener **p = &ctx->listeners; *p; p = &(*p)->next)
-                if (*p == l) {
-                    *p = l->next;
-                    break;
-                }
-            bex__loop_unwatch(&ctx->loop, l->fd);
-            for (struct conn *cn = ctx->conns; cn; cn = cn->next)
-                if (cn->l == l)
-                    cn->l = NULL;
-            sem_post(&l->done);
+        case CMD_UNLISTEN:
+            do_unlisten(io, bex__container_of(c, struct bex_listener, cmd));
+            break;
+        case CMD_UNLISTEN_FWD: {
+            struct listener_fwd *f = bex__container_of(c, struct listener_fwd, cmd);
+            struct bex_listener *l = f->l;
+            forget_listener(io, l);
+            sem_post(&l->done); /* the last use of l here */
+            break;
+        }
+        case CMD_ADOPT: {
+            struct adopt_cmd *a = bex__container_of(c, struct adopt_cmd, cmd);
+            bex__conn_adopt(io, a->l, a->fd, &a->peer);
+            free(a);
             break;
         }
         case CMD_STOP:
-            ctx->stopping = true;
+            io->stopping = true;
             break;
         case CMD_BIND:
-            bex__exposed_bind(ctx, bex__container_of(c, struct bind_cmd, cmd));
+            bex__exposed_bind(io, bex__container_of(c, struct bind_cmd, cmd));
             break;
         }
     }
     return true;
 }
 
-static void handle_events(bex_ctx *ctx, struct epoll_event *ev, int n)
+static void handle_events(struct bex__io *io, struct epoll_event *ev, int n)
 {
     for (int i = 0; i < n; i++) {
         struct ep_tag *t = ev[i].data.ptr;
@@ -163,84 +203,151 @@ static void handle_events(bex_ctx *ctx, struct epoll_event *ev, int n)
         case EV_CHANNEL: {
             struct ibv_cq *cq;
             void *cq_ctx;
-            while (ibv_get_cq_event(ctx->ch, &cq, &cq_ctx) == 0)
+            while (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0)
                 ibv_ack_cq_events(cq, 1);
             break;
         }
         case EV_LISTENER:
-            bex__listener_accept(ctx, bex__container_of(t, struct bex_listener, tag));
+            bex__listener_accept(io, bex__container_of(t, struct bex_listener, tag));
             break;
-        case EV_CONN:
-            bex__conn_step(bex__container_of(t, struct conn, tag), ev[i].events);
+        case EV_CONN: {
+            struct conn *c = bex__container_of(t, struct conn, tag);
+            bex__conn_step(c, ev[i].events);
+            bex__conn_ready(c);
             break;
+        }
         }
     }
 }
 
 /* Hand each completion to its engine, found by the id in its wr_id. */
-static void dispatch(bex_ctx *ctx, const struct ibv_wc *wc, int n)
+static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
 {
     for (int i = 0; i < n; i++) {
-        struct conn *c = bex__conn_by_engine(ctx, bex__wr_engine(wc[i].wr_id));
-        if (c && c->eng) /* else a stale completion of a destroyed engine */
+        struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc[i].wr_id));
+        if (c && c->eng) { /* else a stale completion of a destroyed engine */
             bex__engine_complete(c->eng, &wc[i]);
+            bex__conn_ready(c);
+        }
     }
 }
 
 /* ibv_poll_cq failed: completions may be lost, and with them the hand-back
  * of messages; no engine of this CQ can be trusted to finish. */
-static void cq_failed(bex_ctx *ctx, int n)
+static void cq_failed(struct bex__io *io, uint32_t q, int n)
 {
     bool any = false;
-    for (struct conn *c = ctx->conns; c; c = c->next) {
-        if (c->eng && !c->dead) {
+    for (struct conn *c = io->conns; c; c = c->next) {
+        if (c->eng && !c->dead && c->cq_idx == q) {
             any = true;
             bex__conn_fail(c, -EIO);
         }
     }
     if (any) /* once per failure, not per poll */
-        bex__log(&ctx->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
+        bex__log(&io->ctx->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
+}
+
+/* Progress for the connections that have work, and only those: one that
+ * moved something stays on the list for the next turn (it may have more),
+ * one that did not leaves it until a command, completion, event or timer
+ * brings it back (bex__conn_ready). */
+static bool run_ready(struct bex__io *io)
+{
+    struct conn *list = io->ready;
+    io->ready = NULL;
+    bool did = false;
+    while (list) {
+        struct conn *c = list;
+        list = c->ready_next;
+        c->ready = false;
+        if (!c->x || c->dead)
+            continue;
+        BEX__STAT_ADD(io, visits, 1);
+        if (c->x->ops->progress(c->x)) {
+            did = true;
+            bex__conn_ready(c);
+        }
+        /* a callback in progress may have marked it again: it stays */
+    }
+    return did;
+}
+
+/* Poll every CQ of the thread once (a batch each): whether any had
+ * completions. */
+static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
+{
+    bool any = false;
+    for (uint32_t q = 0; q < io->n_cq; q++) {
+        int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+        if (n < 0)
+            cq_failed(io, q, n);
+        dispatch(io, wc, n);
+        any |= n > 0;
+    }
+    return any;
+}
+
+/* Whether the timer tick has anything to do on this thread. */
+static bool has_timers(struct bex__io *io)
+{
+    if (io->conns)
+        return true;
+    for (struct bex_listener *l = io->listeners; l; l = l->next)
+        if (l->paused)
+            return true;
+    return false;
 }
 
 void *bex__io_main(void *arg)
 {
-    bex_ctx *ctx = arg;
+    struct bex__io *io = arg;
+    bex_ctx *ctx = io->ctx;
     bex__io_ctx = ctx;
+    bex__io_self = io;
     struct ibv_wc wc[WC_BATCH];
     struct epoll_event ev[16];
     uint64_t next_tick = 0, idle_since = 0;
+    /* Event mode wakes for timers only as often as keepalive needs:
+     * every keepalive_ms / 2 (at least TICK_MS) instead of every TICK_MS. */
+    uint32_t tick_ms = TICK_MS;
+    if (ctx->cfg.poll_mode == BEX_POLL_EVENT && ctx->cfg.keepalive_ms / 2 > TICK_MS)
+        tick_ms = ctx->cfg.keepalive_ms / 2;
     uint32_t spins = 0, idle_polls = 0;
     bool spun_out = false;
-    while (!ctx->stopping) {
-        bool did = false;
-        int n = ctx->sh.cq ? bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc) : 0;
-        if (n < 0)
-            cq_failed(ctx, n);
-        dispatch(ctx, wc, n);
-        did |= n > 0;
-        did |= drain_cmds(ctx);
-        for (struct conn *c = ctx->conns; c; c = c->next)
-            if (c->x && !c->dead)
-                did |= c->x->ops->progress(c->x);
-        bex__conn_reap(ctx);
+    while (!io->stopping) {
+        BEX__STAT_ADD(io, turns, 1);
+        bool did = poll_cqs(io, wc);
+        did |= drain_cmds(io);
+        did |= run_ready(io);
+        bex__conn_reap(io);
         uint64_t now = bex__now_ms();
         if (now >= next_tick) {
-            bex__conn_tick(ctx, now);
-            next_tick = now + TICK_MS;
+            bex__conn_tick(io, now);
+            if (ctx->n_io > 1) {
+                /* frees of buffers this thread allocated wait in its heaps
+                 * until it collects them: another thread's exact count of
+                 * received memory (recv_bytes_max) sees them then */
+                bex_mem_pool_collect(io->sh.recv_pool);
+                bex_mem_pool_collect(io->sh.landing);
+            }
+            next_tick = now + tick_ms;
         }
         if (did) {
             idle_since = 0;
             idle_polls = 0;
             spun_out = false;
             if (++spins % 64 == 0) {
-                int m = bex__loop_wait(&ctx->loop, ev, 16, 0);
-                handle_events(ctx, ev, m);
+                int m = bex__loop_wait(&io->loop, ev, 16, 0);
+                handle_events(io, ev, m);
             }
             continue;
         }
         /* The precise clock may be a system call (see bex__now_ms): while
-         * spinning, look at it on every 16th idle poll only. */
-        if (idle_polls++ % 16 == 0) {
+         * spinning, look at it on every 16th idle poll only. Busy polling
+         * never sleeps; event mode sleeps at once. */
+        if (ctx->cfg.poll_mode == BEX_POLL_EVENT) {
+            spun_out = true;
+        } else if (ctx->cfg.poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0) {
             uint64_t t = bex__now_us();
             if (!idle_since)
                 idle_since = t;
@@ -248,21 +355,18 @@ void *bex__io_main(void *arg)
         }
         if (!spun_out) {
             if (++spins % 64 == 0) {
-                int m = bex__loop_wait(&ctx->loop, ev, 16, 0);
-                handle_events(ctx, ev, m);
+                int m = bex__loop_wait(&io->loop, ev, 16, 0);
+                handle_events(io, ev, m);
             }
             continue;
         }
-        /* Sleep: arm the CQ, then look once more so nothing slips between. */
-        if (ctx->sh.cq)
-            ibv_req_notify_cq(ctx->sh.cq, 0);
-        bex__loop_sleep_begin(&ctx->loop);
-        n = ctx->sh.cq ? bex__rdma_poll_cq(ctx->sh.cq, WC_BATCH, wc) : 0;
-        if (n < 0)
-            cq_failed(ctx, n);
-        if (n > 0 || bex__loop_has_cmds(&ctx->loop)) {
-            bex__loop_sleep_end(&ctx->loop);
-            dispatch(ctx, wc, n);
+        /* Sleep: arm the CQs, then look once more so nothing slips between. */
+        for (uint32_t q = 0; q < io->n_cq; q++)
+            ibv_req_notify_cq(io->cqs[q].cq, 0);
+        bex__loop_sleep_begin(&io->loop);
+        bool found = poll_cqs(io, wc);
+        if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
+            bex__loop_sleep_end(&io->loop);
             idle_since = 0;
             idle_polls = 0;
             spun_out = false;
@@ -270,10 +374,12 @@ void *bex__io_main(void *arg)
         }
         now = bex__now_ms();
         int timeout = next_tick > now ? (int)(next_tick - now) : 0;
-        int m = bex__loop_wait(&ctx->loop, ev, 16, timeout);
-        bex__loop_sleep_end(&ctx->loop);
+        if (!has_timers(io))
+            timeout = IDLE_WAKE_MS;
+        int m = bex__loop_wait(&io->loop, ev, 16, timeout);
+        bex__loop_sleep_end(&io->loop);
         if (m > 0)
-            handle_events(ctx, ev, m);
+            handle_events(io, ev, m);
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;

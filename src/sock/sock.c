@@ -42,6 +42,7 @@ static int config_check(bex_ctx_config *c)
     DEF(setup_max, 64);
     DEF(rndv_timeout_ms, 30000);
     DEF(credit_timeout_ms, 30000);
+    DEF(io_threads, 1);
     /* sq_depth: a power of two, so that send slots map continuously when
      * the engine's 32-bit counters wrap */
     if (c->sq_depth < 2 || c->sq_depth > 4096 || (c->sq_depth & (c->sq_depth - 1)) ||
@@ -49,7 +50,8 @@ static int config_check(bex_ctx_config *c)
         c->frag_size < 256 || c->rndv_ahead > 256 ||
         c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
         c->log_level > BEX_LOG_DEBUG || c->max_msg > INT32_MAX || c->rndv_max > 32767 ||
-        c->remote_access > BEX_REMOTE_ACCESS_WINDOW || c->transport > BEX_TRANSPORT_TCP)
+        c->remote_access > BEX_REMOTE_ACCESS_WINDOW || c->transport > BEX_TRANSPORT_TCP ||
+        c->io_threads > BEX__IO_THREADS_MAX || c->poll_mode > BEX_POLL_EVENT)
         return -EINVAL;
     /* peer-writable memory only in a landing pool, nothing else there */
     if ((c->pool && bex_mem_pool_kind(c->pool) != BEX_MEM_POOL_GENERAL) ||
@@ -91,6 +93,153 @@ int bex_ctx_remote_access(const bex_ctx *ctx)
     return ctx->sh.windows ? BEX_REMOTE_ACCESS_WINDOW : BEX_REMOTE_ACCESS_LANDING;
 }
 
+/* One I/O thread's resources: its loop, and with a device its completion
+ * channel and CQ (BEX__CQ_INITIAL entries, grown as engines come). */
+static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
+{
+    int err;
+    io->ctx = ctx;
+    io->idx = idx;
+    io->sh = ctx->sh;
+    io->sh.stats = &io->stats;
+    io->sh.recv_acct = &ctx->recv_acct;
+    io->engines = calloc(ENGINE_TABLE, sizeof(*io->engines));
+    if (!io->engines)
+        return -ENOMEM;
+    if ((err = bex__loop_init(&io->loop)))
+        goto err_engines;
+    if (ctx->dev) {
+        if ((err = bex__rdma_channel_create(ctx->dev, &io->ch)))
+            goto err_loop;
+        int cqe =
+            ctx->dev->attr.max_cqe < BEX__CQ_INITIAL ? ctx->dev->attr.max_cqe : BEX__CQ_INITIAL;
+        io->cqs = calloc(1, sizeof(*io->cqs));
+        if (!io->cqs) {
+            err = -ENOMEM;
+            goto err_channel;
+        }
+        if ((err = bex__rdma_cq_create(ctx->dev, cqe, io->ch, &io->sh.cq)))
+            goto err_cqs;
+        io->cqs[0] = (struct io_cq){.cq = io->sh.cq, .cap = (uint32_t)cqe};
+        io->n_cq = 1;
+        io->ch_tag.kind = EV_CHANNEL;
+        if ((err = bex__loop_watch(&io->loop, io->ch->fd, EPOLLIN, &io->ch_tag)))
+            goto err_cq;
+        /* A thread domain tells the provider that one thread drives these
+         * QPs (no locks, a doorbell of its own); QPs go on its parent
+         * domain over the device's one PD. Without them (rxe: EOPNOTSUPP)
+         * the QPs go on the PD itself; said once per process. */
+        static atomic_bool td_told;
+        err = bex__rdma_td_alloc(ctx->dev, &io->td);
+        if (!err) {
+            io->sh.pd = io->td->pd;
+        } else if (!atomic_exchange(&td_told, true)) {
+            bex__log(&ctx->log, BEX_LOG_INFO,
+                     "%s: no thread domains (%s): QPs on the protection domain itself",
+                     ctx->dev->name, bex_strerror(err));
+        }
+        err = 0;
+    }
+    return 0;
+err_cq:
+    bex__rdma_cq_destroy(io->sh.cq);
+    io->sh.cq = NULL;
+    io->n_cq = 0;
+err_cqs:
+    free(io->cqs);
+    io->cqs = NULL;
+err_channel:
+    bex__rdma_channel_destroy(io->ch);
+    io->ch = NULL;
+err_loop:
+    bex__loop_fini(&io->loop);
+err_engines:
+    free(io->engines);
+    io->engines = NULL;
+    return err;
+}
+
+/* Undo io_init (of a thread that is stopped or never ran); one that
+ * io_init never reached or undid itself has no engine table. */
+static void io_fini(struct bex__io *io)
+{
+    if (!io->engines)
+        return;
+    bex__loop_fini(&io->loop);
+    bex__rdma_td_free(io->td);
+    for (uint32_t i = 0; i < io->n_cq; i++)
+        bex__rdma_cq_destroy(io->cqs[i].cq);
+    free(io->cqs);
+    bex__rdma_channel_destroy(io->ch);
+    free(io->engines);
+    io->engines = NULL;
+}
+
+/* Stop and join every started I/O thread. */
+static void io_stop(bex_ctx *ctx)
+{
+    for (uint32_t i = 0; i < ctx->n_io; i++)
+        if (ctx->io[i].started)
+            bex__io_push(&ctx->io[i], &ctx->io[i].stop_cmd, CMD_STOP);
+    for (uint32_t i = 0; i < ctx->n_io; i++) {
+        if (ctx->io[i].started)
+            pthread_join(ctx->io[i].thread, NULL);
+        ctx->io[i].started = false;
+    }
+    /* A listener's thread may have handed a connection to a thread that
+     * had stopped already: its descriptor would leak. */
+    for (uint32_t i = 0; i < ctx->n_io; i++) {
+        if (!ctx->io[i].engines)
+            continue; /* io_init never made its loop */
+        for (struct bex__cmd *c = bex__loop_take(&ctx->io[i].loop), *n; c; c = n) {
+            n = c->next;
+            if (c->type == CMD_ADOPT) {
+                struct adopt_cmd *a = bex__container_of(c, struct adopt_cmd, cmd);
+                close(a->fd);
+                free(a);
+            }
+        }
+    }
+}
+
+struct bex__io *bex__io_next(bex_ctx *ctx)
+{
+    uint32_t i = atomic_fetch_add_explicit(&ctx->next_io, 1, memory_order_relaxed);
+    return &ctx->io[i % ctx->n_io];
+}
+
+/* The thread of the connection to addr with this transport choice: the one
+ * that has (or had) it, else the next in round-robin order. */
+static int peer_home(bex_ctx *ctx, const struct sockaddr_in *addr, uint32_t mode,
+                     struct bex__io **out)
+{
+    if (ctx->n_io == 1) {
+        *out = &ctx->io[0];
+        return 0;
+    }
+    uint32_t b = (ntohl(addr->sin_addr.s_addr) * 31u + ntohs(addr->sin_port)) % PEER_HOME_BUCKETS;
+    int err = 0;
+    pthread_mutex_lock(&ctx->homes_lock);
+    struct peer_home *h = ctx->homes[b];
+    while (h && !(h->mode == mode && h->addr.sin_addr.s_addr == addr->sin_addr.s_addr &&
+                  h->addr.sin_port == addr->sin_port))
+        h = h->next;
+    if (!h) {
+        h = malloc(sizeof(*h));
+        if (h) {
+            *h = (struct peer_home){
+                .next = ctx->homes[b], .addr = *addr, .mode = mode, .io = bex__io_next(ctx)->idx};
+            ctx->homes[b] = h;
+        } else {
+            err = -ENOMEM;
+        }
+    }
+    if (h)
+        *out = &ctx->io[h->io];
+    pthread_mutex_unlock(&ctx->homes_lock);
+    return err;
+}
+
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
 {
     if (!cfg || !out)
@@ -130,11 +279,6 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         .rndv_timeout_ms = c->rndv_timeout_ms,
         .credit_timeout_ms = c->credit_timeout_ms,
     };
-    ctx->engines = calloc(ENGINE_TABLE, sizeof(*ctx->engines));
-    if (!ctx->engines) {
-        err = -ENOMEM;
-        goto err_free;
-    }
     if (c->transport != BEX_TRANSPORT_TCP) {
         err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
         if (!err && ctx->sh.path.active_mtu == 0) {
@@ -150,7 +294,6 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     }
     ctx->sh.dev = ctx->dev;
     ctx->sh.pd = ctx->dev ? ctx->dev->pd : NULL;
-    ctx->sh.stats = &ctx->stats;
     ctx->sh.log = &ctx->log;
     ctx->sh.conn = (struct bex__rdma_conn_config){
         .timeout = c->qp_timeout, .retry_cnt = c->qp_retry_cnt, .rnr_retry = c->qp_rnr_retry};
@@ -195,29 +338,34 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
             goto err_recv_pool;
         ctx->own_landing = true;
     }
-    if (ctx->dev && (err = bex__rdma_channel_create(ctx->dev, &ctx->ch)))
+    pthread_mutex_init(&ctx->homes_lock, NULL);
+    ctx->n_io = c->io_threads;
+    /* round-robin from the second thread: the first runs the listeners */
+    atomic_init(&ctx->next_io, ctx->n_io > 1 ? 1 : 0);
+    ctx->io = calloc(ctx->n_io, sizeof(*ctx->io));
+    if (!ctx->io) {
+        err = -ENOMEM;
         goto err_landing;
-    int cqe = ctx->dev && ctx->dev->attr.max_cqe < 16384 ? ctx->dev->attr.max_cqe : 16384;
-    if (ctx->dev && (err = bex__rdma_cq_create(ctx->dev, cqe, ctx->ch, &ctx->sh.cq)))
-        goto err_channel;
-    ctx->cqe_cap = (uint32_t)cqe;
-    if ((err = bex__loop_init(&ctx->loop)))
-        goto err_cq;
-    ctx->ch_tag.kind = EV_CHANNEL;
-    if (ctx->ch && (err = bex__loop_watch(&ctx->loop, ctx->ch->fd, EPOLLIN, &ctx->ch_tag)))
-        goto err_loop;
-    if ((err = -pthread_create(&ctx->thread, NULL, bex__io_main, ctx)))
-        goto err_loop;
+    }
+    for (uint32_t i = 0; i < ctx->n_io; i++) {
+        if ((err = io_init(ctx, &ctx->io[i], i)))
+            goto err_io;
+    }
+    for (uint32_t i = 0; i < ctx->n_io; i++) {
+        if ((err = -pthread_create(&ctx->io[i].thread, NULL, bex__io_main, &ctx->io[i])))
+            goto err_io;
+        ctx->io[i].started = true;
+    }
     *out = ctx;
     return 0;
 
-err_loop:
-    bex__loop_fini(&ctx->loop);
-err_cq:
-    bex__rdma_cq_destroy(ctx->sh.cq);
-err_channel:
-    bex__rdma_channel_destroy(ctx->ch);
+err_io:
+    io_stop(ctx);
+    for (uint32_t i = 0; i < ctx->n_io; i++)
+        io_fini(&ctx->io[i]);
+    free(ctx->io);
 err_landing:
+    pthread_mutex_destroy(&ctx->homes_lock);
     if (ctx->own_landing)
         bex_mem_pool_destroy(ctx->sh.landing);
 err_recv_pool:
@@ -229,7 +377,6 @@ err_close_dev:
     bex__rdma_dev_close(ctx->dev);
 err_free:
     bex__log_fini(&ctx->log);
-    free(ctx->engines);
     sodium_memzero(ctx->auth_key, sizeof ctx->auth_key);
     free(ctx);
     return err;
@@ -241,19 +388,21 @@ int bex_ctx_destroy(bex_ctx *ctx)
         return 0;
     if (bex__io_ctx == ctx)
         return -EDEADLK; /* it would join the thread it runs on */
-    bex__ctx_push(ctx, &ctx->stop_cmd, CMD_STOP);
-    pthread_join(ctx->thread, NULL);
-    while (ctx->conns) {
-        struct conn *cn = ctx->conns;
-        for (int i = 0; i < CONN_MAP; i++) {
-            while (cn->map[i]) {
-                struct bex_sock *s = cn->map[i];
-                cn->map[i] = s->map_next;
-                free(s); /* the application did not close it: reclaim anyway */
+    io_stop(ctx);
+    for (uint32_t k = 0; k < ctx->n_io; k++) {
+        struct bex__io *io = &ctx->io[k];
+        while (io->conns) {
+            struct conn *cn = io->conns;
+            for (int i = 0; i < CONN_MAP; i++) {
+                while (cn->map[i]) {
+                    struct bex_sock *s = cn->map[i];
+                    cn->map[i] = s->map_next;
+                    free(s); /* the application did not close it: reclaim anyway */
+                }
             }
+            cn->nsocks = 0;
+            bex__conn_free(cn);
         }
-        cn->nsocks = 0;
-        bex__conn_free(cn);
     }
     /* A slot that is free had its window disposed of by whoever freed it
      * (its mw is stale then): only armed ones still own theirs. */
@@ -261,9 +410,17 @@ int bex_ctx_destroy(bex_ctx *ctx)
         if (X_KIND(atomic_load(&ctx->exposed[i].state)) == X_ARMED && ctx->exposed[i].mw &&
             !ctx->exposed[i].bound)
             ibv_dealloc_mw(ctx->exposed[i].mw); /* exposed, never bound */
-    bex__loop_fini(&ctx->loop);
-    bex__rdma_cq_destroy(ctx->sh.cq);
-    bex__rdma_channel_destroy(ctx->ch);
+    for (uint32_t k = 0; k < ctx->n_io; k++)
+        io_fini(&ctx->io[k]);
+    free(ctx->io);
+    for (int b = 0; b < PEER_HOME_BUCKETS; b++) {
+        while (ctx->homes[b]) {
+            struct peer_home *h = ctx->homes[b];
+            ctx->homes[b] = h->next;
+            free(h);
+        }
+    }
+    pthread_mutex_destroy(&ctx->homes_lock);
     if (ctx->own_pool && bex_mem_pool_destroy(ctx->sh.pool))
         bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while buffers of its pool are live");
     if (bex_mem_pool_destroy(ctx->sh.recv_pool))
@@ -273,7 +430,6 @@ int bex_ctx_destroy(bex_ctx *ctx)
                  "context destroyed while buffers of its landing pool are live");
     bex__rdma_dev_close(ctx->dev);
     bex__log_fini(&ctx->log);
-    free(ctx->engines);
     sodium_memzero(ctx->auth_key, sizeof ctx->auth_key);
     free(ctx);
     return 0;
@@ -319,27 +475,34 @@ void *bex_sock_alloc_exposable(bex_ctx *ctx, size_t size)
     return bex_mem_alloc(ctx->sh.landing, size);
 }
 
+/* Each I/O thread counts its own; the sums (the maximum for
+ * max_inflight_bytes) are what the context did. */
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
 {
-    struct bex__stats *s = &ctx->stats;
-#define LD(f) o->f = atomic_load_explicit(&s->f, memory_order_relaxed)
-    LD(msgs_sent);
-    LD(msgs_recv);
-    LD(bytes_sent);
-    LD(bytes_recv);
-    LD(sends_posted);
-    LD(writes_posted);
-    LD(post_send_calls);
-    LD(post_recv_calls);
-    LD(signaled);
-    LD(credit_stalls);
-    LD(window_stalls);
-    LD(max_inflight_bytes);
-    LD(credit_msgs);
-    LD(engines);
-    LD(recv_paused);
-    LD(tcp_conns);
+    memset(o, 0, sizeof(*o));
+    for (uint32_t i = 0; i < ctx->n_io; i++) {
+        struct bex__stats *s = &ctx->io[i].stats;
+        uint64_t m = atomic_load_explicit(&s->max_inflight_bytes, memory_order_relaxed);
+        if (m > o->max_inflight_bytes)
+            o->max_inflight_bytes = m;
+#define LD(f) o->f += atomic_load_explicit(&s->f, memory_order_relaxed)
+        LD(msgs_sent);
+        LD(msgs_recv);
+        LD(bytes_sent);
+        LD(bytes_recv);
+        LD(sends_posted);
+        LD(writes_posted);
+        LD(post_send_calls);
+        LD(post_recv_calls);
+        LD(signaled);
+        LD(credit_stalls);
+        LD(window_stalls);
+        LD(credit_msgs);
+        LD(engines);
+        LD(recv_paused);
+        LD(tcp_conns);
 #undef LD
+    }
 }
 
 int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
@@ -365,10 +528,15 @@ int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const be
     }
     if (mode == BEX_TRANSPORT_RDMA && !ctx->dev)
         return -ENODEV;
+    struct bex__io *io;
+    int err = peer_home(ctx, addr, mode, &io);
+    if (err)
+        return err;
     struct bex_sock *s = calloc(1, sizeof(*s));
     if (!s)
         return -ENOMEM;
     s->ctx = ctx;
+    s->io = io;
     if (ops)
         s->ops = *ops;
     s->user = user;
@@ -378,7 +546,7 @@ int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const be
     atomic_init(&s->state, S_CONNECTING);
     atomic_init(&s->closing, false);
     *out = s;
-    bex__ctx_push(ctx, &s->connect_cmd, CMD_CONNECT);
+    bex__io_push(io, &s->connect_cmd, CMD_CONNECT);
     return 0;
 }
 
@@ -425,7 +593,7 @@ static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_
         w->m.rkey = rb->rkey;
         w->m.imm = rb->token;
     }
-    bex__ctx_push(s->ctx, &w->cmd, CMD_SEND);
+    bex__io_push(s->io, &w->cmd, CMD_SEND);
     return 0;
 }
 
@@ -452,7 +620,7 @@ void bex_sock_close(bex_sock *s)
      * queued would loop the command stack */
     if (atomic_exchange(&s->closing, true))
         return;
-    bex__ctx_push(s->ctx, &s->close_cmd, CMD_CLOSE);
+    bex__io_push(s->io, &s->close_cmd, CMD_CLOSE);
 }
 
 void *bex_sock_user(const bex_sock *s)
@@ -464,8 +632,8 @@ int bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user)
 {
     if (!s)
         return -EINVAL;
-    if (bex__io_ctx == s->ctx) {
-        /* a callback (on_accept, say): callbacks run here, so at once */
+    if (bex__io_self == s->io) {
+        /* a callback (on_accept, say) on the socket's thread: at once */
         if (ops)
             s->ops = *ops;
         s->user = user;
@@ -479,7 +647,7 @@ int bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user)
     if (ops)
         u->ops = *ops;
     atomic_store_explicit(&s->user_pub, user, memory_order_release);
-    bex__ctx_push(s->ctx, &u->cmd, CMD_SET_USER);
+    bex__io_push(s->io, &u->cmd, CMD_SET_USER);
     return 0;
 }
 
@@ -510,11 +678,19 @@ int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_
     if (ops)
         l->ops = *ops;
     l->user = user;
+    l->fwd = calloc(ctx->n_io, sizeof(*l->fwd));
+    if (!l->fwd) {
+        err = -ENOMEM;
+        goto err_close;
+    }
     sem_init(&l->done, 0, 0);
+    l->io = bex__io_ctx == ctx ? bex__io_self : &ctx->io[0];
     if (bex__io_ctx == ctx) {
-        bex__io_listen(ctx, l); /* from a callback: waiting for ourselves would hang */
+        /* from a callback: waiting for ourselves would hang; the listener
+         * is this thread's */
+        bex__io_listen(bex__io_self, l);
     } else {
-        bex__ctx_push(ctx, &l->cmd, CMD_LISTEN);
+        bex__io_push(&ctx->io[0], &l->cmd, CMD_LISTEN);
         while (sem_wait(&l->done) && errno == EINTR)
             ;
     }
@@ -538,11 +714,14 @@ int bex_listener_close(bex_listener *l)
         return 0;
     if (bex__io_ctx == l->ctx)
         return -EDEADLK; /* it waits for the I/O thread */
-    bex__ctx_push(l->ctx, &l->cmd, CMD_UNLISTEN);
-    while (sem_wait(&l->done) && errno == EINTR)
-        ;
+    /* its thread lets go, then every other thread (do_unlisten) */
+    bex__io_push(l->io, &l->cmd, CMD_UNLISTEN);
+    for (uint32_t i = 0; i < l->ctx->n_io; i++)
+        while (sem_wait(&l->done) && errno == EINTR)
+            ;
     close(l->fd);
     sem_destroy(&l->done);
+    free(l->fwd);
     free(l);
     return 0;
 }

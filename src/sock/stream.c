@@ -120,6 +120,7 @@ static void on_open(struct bex__xport *x, uint32_t stream)
         return;
     }
     s->ctx = c->ctx;
+    s->io = c->io;
     s->conn = c;
     s->id = stream;
     atomic_init(&s->state, S_OPEN);

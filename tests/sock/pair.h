@@ -420,6 +420,10 @@ static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
     c.local_addr = a;
     if (pair_tcp())
         c.transport = BEX_TRANSPORT_TCP;
+    /* BEX_TEST_IO_THREADS=n: contexts with n I/O threads */
+    const char *io = getenv("BEX_TEST_IO_THREADS");
+    if (io && !c.io_threads)
+        c.io_threads = (uint32_t)atoi(io);
     if (!c.keepalive_timeout_ms)
         c.keepalive_timeout_ms = 2000;
     c.keepalive_timeout_ms *= time_scale();

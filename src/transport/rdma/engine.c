@@ -196,19 +196,30 @@ static struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
 /* ---------------- received memory ----------------
  *
  * Received buffers (eager receives and rendezvous destinations) come from
- * the context's recv_pool, which only the I/O thread allocates from. What
- * the context holds of it = recv_in_use - recv_posted: messages handed to
- * the application and not yet freed, plus destinations being written. The
+ * the context's recv_pool, which only the I/O threads allocate from. What
+ * the context holds of it = in use - posted: messages handed to the
+ * application and not yet freed, plus destinations being written. The
  * engine allocates no more of it while that is at recv_max: a consumed
  * receive then stays unposted (its credit is not returned: the peer is
  * paced), a rendezvous request waits for its answer.
  *
- * The application frees received buffers from any thread (bex_mem_free), so
- * the count is kept this way: every allocation adds its usable size at once,
- * frees are learnt from an exact count (collect the I/O thread's heap, read
- * the pool's stats), taken only when the estimate says "full", at most once
- * per clock tick. The estimate is never below the truth, and every decision
- * to hold back is made on a count that was exact a moment before. */
+ * The application frees received buffers from any thread (bex_mem_free),
+ * and the context's I/O threads all allocate, so the count is kept this
+ * way: every allocation adds its usable size to the context's allocated
+ * counter at once (an atomic shared by the threads), frees are learnt from
+ * an exact count (collect the thread's heap, read the pools' stats), taken
+ * only when the estimate says "full", at most once per clock tick. A
+ * thread's estimate is its last exact count plus what every thread
+ * allocated since (the counter was read before the count: an allocation in
+ * between is counted twice, never missed), so it is never below the truth,
+ * and every decision to hold back is made on a count that was exact a
+ * moment before. Another thread's frees not yet collected by it count as
+ * in use; each thread collects its heaps on its timer tick. */
+
+static struct bex__recv_acct *recv_acct(struct bex__engine_shared *sh)
+{
+    return sh->recv_acct ? sh->recv_acct : &sh->recv_own;
+}
 
 /* Where rendezvous destinations come from: the landing pool (counted as
  * received memory too). */
@@ -223,26 +234,29 @@ static void recv_refresh(struct bex__engine_shared *sh)
     if (sh->recv_refreshed == now)
         return;
     sh->recv_refreshed = now;
+    int64_t before = atomic_load(&recv_acct(sh)->allocated);
     bex_mem_stats st;
     bex_mem_pool_collect(sh->recv_pool);
     bex_mem_pool_stats(sh->recv_pool, &st);
-    sh->recv_in_use = (int64_t)st.in_use_bytes;
-    if (rndv_pool(sh) != sh->recv_pool) {
+    int64_t exact = (int64_t)st.in_use_bytes;
+    if (rndv_pool(sh) && rndv_pool(sh) != sh->recv_pool) {
         bex_mem_pool_collect(rndv_pool(sh));
         bex_mem_pool_stats(rndv_pool(sh), &st);
-        sh->recv_in_use += (int64_t)st.in_use_bytes;
+        exact += (int64_t)st.in_use_bytes;
     }
+    sh->recv_base = exact - before;
 }
 
 /* May want more bytes be received? With nothing held, one message of any
  * size may: a limit below max_msg slows, it never stops, a connection. */
-static bool recv_room(struct bex__engine *e, uint64_t want)
+bool bex__recv_room(struct bex__engine_shared *sh, uint64_t want)
 {
-    struct bex__engine_shared *sh = e->sh;
     if (!sh->recv_max)
         return true;
+    struct bex__recv_acct *a = recv_acct(sh);
     for (int pass = 0;; pass++) {
-        int64_t held = sh->recv_in_use - sh->recv_posted;
+        int64_t held = sh->recv_base + atomic_load_explicit(&a->allocated, memory_order_relaxed) -
+                       atomic_load_explicit(&a->posted, memory_order_relaxed);
         if (held <= 0 || (uint64_t)held + want <= sh->recv_max)
             return true;
         if (pass)
@@ -251,20 +265,36 @@ static bool recv_room(struct bex__engine *e, uint64_t want)
     }
 }
 
+void bex__recv_allocated(struct bex__engine_shared *sh, int64_t size)
+{
+    atomic_fetch_add(&recv_acct(sh)->allocated, size);
+}
+
+void bex__recv_posted(struct bex__engine_shared *sh, int64_t size)
+{
+    atomic_fetch_add_explicit(&recv_acct(sh)->posted, size, memory_order_relaxed);
+}
+
+static bool recv_room(struct bex__engine *e, uint64_t want)
+{
+    return bex__recv_room(e->sh, want);
+}
+
 static void *recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len)
 {
     void *b = bex_mem_alloc(pool, len);
     if (b)
-        e->sh->recv_in_use += (int64_t)bex_mem_usable_size(b);
+        bex__recv_allocated(e->sh, (int64_t)bex_mem_usable_size(b));
     return b;
 }
 
-/* A received buffer that never reached the application goes back. */
+/* A received buffer that never reached the application goes back (the
+ * estimate learns of it at its next exact count). */
 static void recv_free(struct bex__engine *e, void *b)
 {
+    (void)e;
     if (!b)
         return;
-    e->sh->recv_in_use -= (int64_t)bex_mem_usable_size(b);
     bex_mem_free(b);
 }
 
@@ -272,7 +302,7 @@ static void slot_set_buf(struct bex__engine *e, struct rslot *r, void *buf)
 {
     r->buf = buf;
     r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
-    e->sh->recv_posted += (int64_t)bex_mem_usable_size(buf);
+    bex__recv_posted(e->sh, (int64_t)bex_mem_usable_size(buf));
 }
 
 /* The slot's buffer goes up to the application (or back to the pool). */
@@ -281,7 +311,7 @@ static void *slot_take_buf(struct bex__engine *e, struct rslot *r)
     void *buf = r->buf;
     r->buf = NULL;
     if (buf)
-        e->sh->recv_posted -= (int64_t)bex_mem_usable_size(buf);
+        bex__recv_posted(e->sh, -(int64_t)bex_mem_usable_size(buf));
     return buf;
 }
 

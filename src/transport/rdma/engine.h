@@ -73,6 +73,13 @@ struct bex__engine_peer {
     uint32_t ka_rkey;
 };
 
+/* Received memory, counted per context (engine.c): bytes allocated by the
+ * I/O threads (only grows; frees are learnt from exact counts) and bytes
+ * in posted receive buffers. */
+struct bex__recv_acct {
+    _Atomic int64_t allocated, posted;
+};
+
 /* Per-I/O-thread resources every engine of the thread shares. */
 struct bex__engine_shared {
     struct bex__rdma_dev *dev;
@@ -90,14 +97,24 @@ struct bex__engine_shared {
     struct bex__stats *stats;
     struct bex__log *log; /* the context's logger */
     /* Received buffers (eager receives and rendezvous destinations) come from
-     * recv_pool, which only the I/O thread allocates from, and are bounded
-     * per context: see recv_room() in engine.c. */
+     * recv_pool, which only the I/O threads allocate from, and are bounded
+     * per context: see bex__recv_room() in engine.c. */
     bex_mem_pool *recv_pool;
-    uint64_t recv_max;       /* received-but-not-freed bytes allowed; 0 = no limit */
-    int64_t recv_in_use;     /* recv_pool bytes in use: an estimate, never below the truth */
-    int64_t recv_posted;     /* of which: receive buffers posted, nothing received in them */
-    uint64_t recv_refreshed; /* bex__now_ms() of the last exact count */
+    uint64_t recv_max; /* received-but-not-freed bytes allowed; 0 = no limit */
+    /* the context's counters, shared by its I/O threads (NULL: recv_own) */
+    struct bex__recv_acct *recv_acct;
+    struct bex__recv_acct recv_own;
+    int64_t recv_base;       /* this thread's last exact count less the allocated
+                                counter then: base + allocated is never below the truth */
+    uint64_t recv_refreshed; /* bex__now_ms() of this thread's last exact count */
 };
+
+/* May want more bytes be received (recv_max)? */
+bool bex__recv_room(struct bex__engine_shared *sh, uint64_t want);
+/* A received buffer of size bytes was allocated / posted (+) or taken
+ * from a posted receive (-). */
+void bex__recv_allocated(struct bex__engine_shared *sh, int64_t size);
+void bex__recv_posted(struct bex__engine_shared *sh, int64_t size);
 
 int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
                        const struct bex__transport_upcalls *ops, uint32_t id, void *user,

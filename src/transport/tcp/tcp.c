@@ -112,37 +112,11 @@ static void want(struct bex__tcp *t)
 
 /* ---------------- received memory (recv_bytes_max) ---------------- */
 
-static void recv_refresh(struct bex__engine_shared *sh)
-{
-    uint64_t now = bex__now_ms();
-    if (sh->recv_refreshed == now)
-        return;
-    sh->recv_refreshed = now;
-    bex_mem_stats st;
-    bex_mem_pool_collect(sh->recv_pool);
-    bex_mem_pool_stats(sh->recv_pool, &st);
-    sh->recv_in_use = (int64_t)st.in_use_bytes;
-    if (sh->landing && sh->landing != sh->recv_pool) {
-        bex_mem_pool_collect(sh->landing);
-        bex_mem_pool_stats(sh->landing, &st);
-        sh->recv_in_use += (int64_t)st.in_use_bytes;
-    }
-}
-
-/* As over RDMA: with nothing held, one message of any size may come. */
+/* As over RDMA (bex__recv_room): with nothing held, one message of any
+ * size may come. */
 static bool recv_room(struct bex__tcp *t, uint64_t want_bytes)
 {
-    struct bex__engine_shared *sh = t->sh;
-    if (!sh->recv_max)
-        return true;
-    for (int pass = 0;; pass++) {
-        int64_t held = sh->recv_in_use - sh->recv_posted;
-        if (held <= 0 || (uint64_t)held + want_bytes <= sh->recv_max)
-            return true;
-        if (pass)
-            return false;
-        recv_refresh(sh);
-    }
+    return bex__recv_room(t->sh, want_bytes);
 }
 
 /* ---------------- failure ---------------- */
@@ -154,10 +128,9 @@ static void done(struct bex__tcp *t, struct bex__msg *m, int status)
 
 static void part_free(struct bex__tcp *t, struct part *p)
 {
-    if (!p->direct && p->buf) {
-        t->sh->recv_in_use -= (int64_t)bex_mem_usable_size(p->buf);
-        bex_mem_free(p->buf);
-    }
+    (void)t;
+    if (!p->direct && p->buf)
+        bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
     free(p);
 }
 
@@ -728,7 +701,7 @@ static bool on_header(struct bex__tcp *t)
                 tcp_fail(&t->x, -ENOMEM);
                 return false;
             }
-            t->sh->recv_in_use += (int64_t)bex_mem_usable_size(p->buf);
+            bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
         }
         p->next = *pp;
         *pp = p;
