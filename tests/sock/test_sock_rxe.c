@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nomem.h"
 #include "pair.h"
 #include "rdma/rdma.h"
 
@@ -673,46 +674,9 @@ static int direct_write(void)
     return pair_run(&cfg, direct_server, NULL, &cfg, direct_client, NULL, 60);
 }
 
-/* The receiver cannot register a rendezvous buffer: that message comes back
- * to its sender with -ENOMEM, and the socket goes on working. */
-static int failing_reg(void *ctx, bex_mem_region *mr)
-{
-    const bex_mem_registrar *inner = ctx;
-    if (mr->length > (4u << 20))
-        return -ENOMEM; /* a registration beyond one chunk: refused */
-    return inner->reg(inner->ctx, mr);
-}
-
-static void failing_dereg(void *ctx, bex_mem_region *mr)
-{
-    const bex_mem_registrar *inner = ctx;
-    inner->dereg(inner->ctx, mr);
-}
-
-/* the context opens the same per-process device handle and PD */
-static struct bex__rdma_dev *failing_dev;
-
-static void failing_pool_release(void)
-{
-    CHECK_OK(bex__rdma_dev_close(failing_dev));
-}
-
-/* Rendezvous destinations come from the landing pool: that one fails. */
-static bex_mem_pool *failing_pool(struct in_addr a)
-{
-    static struct bex__rdma_path path;
-    static bex_mem_registrar inner;
-    struct bex__rdma_dev *dev;
-    CHECK_OK(bex__rdma_dev_open_ipv4(a, &dev, &path));
-    failing_dev = dev;
-    bex_mem_registrar_verbs(&inner, dev->pd, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-    bex_mem_registrar reg = {.reg = failing_reg, .dereg = failing_dereg, .ctx = &inner};
-    bex_mem_config mc = {.kind = BEX_MEM_POOL_LANDING};
-    bex_mem_pool *pool;
-    CHECK_OK(bex_mem_pool_create(&reg, &mc, &pool));
-    return pool;
-}
-
+/* The receiver cannot register a rendezvous buffer (tests/sock/nomem.h):
+ * that message comes back to its sender with -ENOMEM, and the socket goes on
+ * working. */
 static int nomem_client(struct pair *p, void *arg)
 {
     (void)arg;
@@ -736,8 +700,8 @@ static int nomem_client(struct pair *p, void *arg)
 
 static int rndv_nomem(void)
 {
-    pair_server_landing = failing_pool;
-    pair_server_pool_release = failing_pool_release;
+    pair_server_landing = nomem_landing;
+    pair_server_pool_release = nomem_landing_release;
     int rc = pair_run(NULL, echo_server, NULL, NULL, nomem_client, NULL, 60);
     pair_server_landing = NULL;
     pair_server_pool_release = NULL;
