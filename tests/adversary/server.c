@@ -285,6 +285,7 @@ static void report(void)
     adv_say(S.wr, "pool_now %zu", pools_in_use());
     adv_say(S.wr, "fds_base %d", S.fds_base);
     adv_say(S.wr, "fds_now %d", adv_fd_count());
+    adv_say(S.wr, "backlog %d", adv_listen_backlog());
     adv_say(S.wr, "engines %llu", (unsigned long long)ss.engines);
     adv_say(S.wr, "mode %d", bex_ctx_remote_access(S.ctx));
     adv_say(S.wr, "canaries %d", ncan);

@@ -1,5 +1,7 @@
 /* Messages, patterns, clocks and the roles' pipes. See adv.h. */
 #include <dirent.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
@@ -8,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -205,6 +208,28 @@ int adv_fd_count(void)
             n++;
     closedir(d);
     return n - 1; /* the directory's own fd */
+}
+
+int adv_listen_backlog(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        return -1;
+    int n = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        int fd = atoi(de->d_name), on = 0;
+        socklen_t ol = sizeof on;
+        struct tcp_info ti;
+        socklen_t tl = sizeof ti;
+        if (de->d_name[0] == '.' || fd == dirfd(d) ||
+            getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &ol) || !on ||
+            getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &tl))
+            continue;
+        n += (int)ti.tcpi_unacked; /* of a listening socket: its accept queue */
+    }
+    closedir(d);
+    return n;
 }
 
 int adv_addrs(struct in_addr *a0, struct in_addr *a1)
