@@ -172,5 +172,6 @@ int adv_attack_rkey_stale(struct adv_attack_ctx *a);
 int adv_attack_rkey_range(struct adv_attack_ctx *a);
 int adv_attack_kill9_rndv(struct adv_attack_ctx *a);
 int adv_attack_unauthenticated(struct adv_attack_ctx *a);
+int adv_attack_fallback_after_frames(struct adv_attack_ctx *a);
 
 #endif

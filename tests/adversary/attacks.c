@@ -1027,3 +1027,31 @@ int adv_attack_unauthenticated(struct adv_attack_ctx *a)
     adv_say(a->wr, "done");
     return 0;
 }
+
+/* The readiness notice held back, an OPEN over RDMA (the server then takes
+ * the QP as the connection's transport: a peer's first frames may overtake
+ * its notice), then a FALLBACK notice over TCP. The server must refuse it
+ * and close the connection, not move a connection that already has frames
+ * over RDMA to TCP. */
+int adv_attack_fallback_after_frames(struct adv_attack_ctx *a)
+{
+    struct adv_peer p;
+    struct adv_peer_opts o = {.no_ready = true};
+    if (peer_up(a, &p, &o)) {
+        adv_peer_destroy(&p);
+        adv_say(a->wr, "done");
+        return 0;
+    }
+    uint64_t t0 = adv_now_ms();
+    if (open_stream(&p, 1))
+        adv_say(a->wr, "fail the OPEN over RDMA did not go");
+    adv_peer_poll(&p, 300); /* the server takes the OPEN first */
+    adv_say(a->wr, "underway");
+    int64_t dl = bex__hello_now_ms() + 5000 * (int64_t)adv_scale();
+    int rc = bex__hello_ready_send(p.fd, BEX__READY_FALLBACK, dl);
+    adv_say(a->wr, "note FALLBACK notice after an OPEN over RDMA: %s", rc ? strerror(-rc) : "sent");
+    peer_wait(a, &p, t0, 10000 * adv_scale());
+    adv_peer_destroy(&p);
+    adv_say(a->wr, "done");
+    return 0;
+}

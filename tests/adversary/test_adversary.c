@@ -670,6 +670,8 @@ CASE(kill9_rndv, .fn = adv_attack_kill9_rndv, .secret = true, .log = LOG_EACH, .
      .killed = true, .keys = "closed|reset|eof|keepalive|timed out|timeout|lost")
 CASE(unauthenticated, .fn = adv_attack_unauthenticated, .secret = true, .log = LOG_EACH,
      .close_each = true, .keys = "secret|auth|proof|mac|timed out|timeout|malformed")
+CASE(fallback_after_frames, .fn = adv_attack_fallback_after_frames, .secret = true, .log = LOG_EACH,
+     .close_each = true, .keys = "fallback")
 
 /* The registered tests: every case, grouped so that one server and one early
  * good client (its 1000 messages) serve several attacks in turn. */
@@ -678,12 +680,12 @@ static const struct group_def g_setup = {
     false,
     0,
     {&baseline, &random_bytes, &truncated_hello, &absurd_hello, &connect_close, &idle_conns}};
-static const struct group_def g_protocol = {"protocol",
-                                            true,
-                                            0,
-                                            {&unauthenticated, &recv_depth_1, &rndv_huge,
-                                             &rndv_endless, &streams, &no_credits, &rkey_forged,
-                                             &rkey_stale, &rkey_range, &kill9_rndv}};
+static const struct group_def g_protocol = {
+    "protocol",
+    true,
+    0,
+    {&unauthenticated, &recv_depth_1, &rndv_huge, &rndv_endless, &streams, &no_credits,
+     &rkey_forged, &rkey_stale, &rkey_range, &kill9_rndv, &fallback_after_frames}};
 static const struct group_def g_window = {
     "window", true, BEX_REMOTE_ACCESS_WINDOW, {&rkey_stale, &rkey_range, &kill9_rndv}};
 
@@ -724,6 +726,7 @@ ALONE(rkey_stale)
 ALONE(rkey_range)
 ALONE(kill9_rndv)
 ALONE(unauthenticated)
+ALONE(fallback_after_frames)
 /* Window mode with good clients only (to tell a window-mode defect from an
  * attack's effect). */
 static int window_baseline(void)
@@ -748,4 +751,5 @@ BEX_TEST_MAIN(BEX_CASE(setup), BEX_CASE(protocol), BEX_CASE(window), ALONE_CASE(
               ALONE_CASE(rndv_endless), ALONE_CASE(streams), ALONE_CASE(no_credits),
               ALONE_CASE(recv_depth_1), ALONE_CASE(rkey_forged), ALONE_CASE(rkey_stale),
               ALONE_CASE(rkey_range), ALONE_CASE(kill9_rndv), ALONE_CASE(unauthenticated),
-              BEX_CASE(rkey_stale_window), BEX_CASE(window_baseline))
+              ALONE_CASE(fallback_after_frames), BEX_CASE(rkey_stale_window),
+              BEX_CASE(window_baseline))
