@@ -41,8 +41,8 @@ extern "C" {
 enum { BEX_PS_M_FETCH = 1, BEX_PS_M_PUSH = 2 };
 
 /* Bounds of the wire format (a body past them is refused, -E2BIG). */
-#define BEX_PS_DIM_MAX    4096u   /* floats in a row */
-#define BEX_PS_KEYS_MAX   65536u  /* keys in one Fetch or Push */
+#define BEX_PS_DIM_MAX    4096u       /* floats in a row */
+#define BEX_PS_KEYS_MAX   65536u      /* keys in one Fetch or Push */
 #define BEX_PS_BODY_MAX   (64u << 20) /* bytes of one body */
 #define BEX_PS_TABLES_MAX 64u
 
@@ -50,15 +50,15 @@ enum { BEX_PS_SGD = 1, BEX_PS_ADAGRAD = 2 };
 
 /* One table; zero in a float field means its default. */
 typedef struct bex_ps_table_config {
-    uint32_t id;         /* any value, unique in the shard */
-    uint32_t dim;        /* 1..BEX_PS_DIM_MAX */
-    uint32_t optimizer;  /* BEX_PS_SGD or BEX_PS_ADAGRAD */
-    float lr;            /* learning rate (0.01) */
-    float init_scale;    /* initial values uniform in [-s, s) (0.01) */
-    float adagrad_init;  /* Adagrad: accumulators start at this (0.1) */
-    float adagrad_eps;   /* Adagrad: added to the root (1e-8) */
-    uint32_t max_rows;   /* rows of this table in a shard (1 << 20); a
-                            request that would create more fails -ENOSPC */
+    uint32_t id;        /* any value, unique in the shard */
+    uint32_t dim;       /* 1..BEX_PS_DIM_MAX */
+    uint32_t optimizer; /* BEX_PS_SGD or BEX_PS_ADAGRAD */
+    float lr;           /* learning rate (0.01) */
+    float init_scale;   /* initial values uniform in [-s, s) (0.01) */
+    float adagrad_init; /* Adagrad: accumulators start at this (0.1) */
+    float adagrad_eps;  /* Adagrad: added to the root (1e-8) */
+    uint32_t max_rows;  /* rows of this table in a shard (1 << 20); a
+                           request that would create more fails -ENOSPC */
 } bex_ps_table_config;
 
 /* The initial value of (table, key, column) for init_scale s: splitmix64
@@ -101,8 +101,8 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx);
  * body, unknown table, wrong dim, a gradient not finite), -E2BIG (past a
  * bound), -ENOSPC (table full), -ENOMEM, -ENOSYS (method). A failed Push
  * changes nothing. */
-int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body,
-                       size_t len, void **resp, size_t *resp_len);
+int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
+                       void **resp, size_t *resp_len);
 
 /* Write the shard to path (through path.tmp and a rename: a crash leaves
  * the old file). Returns 0 or a negative errno. */
@@ -120,11 +120,11 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 typedef struct bex_ps_client bex_ps_client;
 
 typedef struct bex_ps_client_config {
-    bex_dir *dir;            /* where the shards are; outlives the client */
-    const char *service;     /* the directory's service name ("ps") */
-    uint32_t n_shards;       /* 0: as many as the directory lists now */
-    const char *locality;    /* this client's (NULL: none) */
-    uint32_t timeout_ms;     /* a request's deadline (1000) */
+    bex_dir *dir;                /* where the shards are; outlives the client */
+    const char *service;         /* the directory's service name ("ps") */
+    uint32_t n_shards;           /* 0: as many as the directory lists now */
+    const char *locality;        /* this client's (NULL: none) */
+    uint32_t timeout_ms;         /* a request's deadline (1000) */
     uint32_t attempt_timeout_ms; /* channel's (0: only failures retried) */
     uint32_t connect_timeout_ms; /* channel's (1000) */
 } bex_ps_client_config;
@@ -149,8 +149,8 @@ int bex_ps_push(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *
 /* The same, waiting. Never from a completion of the client's context. */
 int bex_ps_fetch_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows);
-int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
-                     size_t n, const float *grads);
+int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     const float *grads);
 
 #pragma GCC visibility pop
 

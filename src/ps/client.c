@@ -138,8 +138,13 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     struct op *op = calloc(1, sizeof *op + ns * sizeof(struct sub) + (n ? n : 1) * 4);
     if (!op)
         return -ENOMEM;
-    *op = (struct op){.method = method, .table = table, .dim = dim, .rows = rows,
-                      .done = done, .user = user, .subs = (struct sub *)(op + 1)};
+    *op = (struct op){.method = method,
+                      .table = table,
+                      .dim = dim,
+                      .rows = rows,
+                      .done = done,
+                      .user = user,
+                      .subs = (struct sub *)(op + 1)};
     uint32_t *pos = (uint32_t *)(op->subs + ns);
     for (size_t i = 0; i < n; i++)
         op->subs[bex_ps_key_shard(keys[i], c->n_shards)].n++;
@@ -243,8 +248,8 @@ int bex_ps_fetch_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint
     return wait_for(&w, bex_ps_fetch(c, table, dim, keys, n, rows, sync_done, &w));
 }
 
-int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
-                     size_t n, const float *grads)
+int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     const float *grads)
 {
     struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(&w, bex_ps_push(c, table, dim, keys, n, grads, sync_done, &w));

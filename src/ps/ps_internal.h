@@ -80,4 +80,12 @@ int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t t
 
 uint64_t bex__ps_mix(uint64_t x);
 
+/* The RPC registration flags of a method: Push changes state, so a retried
+ * Push is answered from the dedup window, not applied again. (Tests that
+ * wrap the handlers register with these too.) */
+static inline uint32_t bex__ps_method_flags(uint32_t method)
+{
+    return method == BEX_PS_M_PUSH ? BEX_RPC_METHOD_WRITE : 0;
+}
+
 #endif

@@ -22,9 +22,9 @@
 
 struct table {
     bex_ps_table_config cfg;
-    uint32_t width;  /* floats per row: dim, or 2 x dim with Adagrad */
-    uint64_t *keys;  /* row -> key */
-    float *vals;     /* row -> width floats */
+    uint32_t width; /* floats per row: dim, or 2 x dim with Adagrad */
+    uint64_t *keys; /* row -> key */
+    float *vals;    /* row -> width floats */
     uint32_t n_rows, cap_rows;
     uint32_t *slots; /* hash slot -> row + 1 (0: empty) */
     uint32_t n_slots;
@@ -350,12 +350,10 @@ static int snapshot_load(bex_ps_shard *s, const char *path)
     struct rd r = {.p = buf + sizeof snap_magic, .left = size - SNAP_HASH - sizeof snap_magic};
     uint32_t version, shard, n_shards, n_tables;
     if (memcmp(buf, snap_magic, sizeof snap_magic) || rd32(&r, &version) ||
-        version != SNAP_VERSION || rd32(&r, &shard) || rd32(&r, &n_shards) ||
-        rd32(&r, &n_tables) || shard != s->shard || n_shards != s->n_shards ||
-        n_tables != s->n_tables) {
+        version != SNAP_VERSION || rd32(&r, &shard) || rd32(&r, &n_shards) || rd32(&r, &n_tables) ||
+        shard != s->shard || n_shards != s->n_shards || n_tables != s->n_tables) {
         bex__log(&s->log, BEX_LOG_ERROR,
-                 "ps snapshot %s: not of this shard (version, shard, shard count or tables)",
-                 path);
+                 "ps snapshot %s: not of this shard (version, shard, shard count or tables)", path);
         rc = -EINVAL;
         goto out;
     }
@@ -488,8 +486,8 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
 
 /* ---- requests ---- */
 
-static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
-                       const uint8_t *p, void **resp, size_t *resp_len)
+static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
+                       void **resp, size_t *resp_len)
 {
     struct table *t = find_table(s, h->table);
     if (!t || t->cfg.dim != h->dim)
@@ -529,8 +527,8 @@ static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *
     return 0;
 }
 
-static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
-                      const uint8_t *p, void **resp, size_t *resp_len)
+static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
+                      void **resp, size_t *resp_len)
 {
     struct table *t = find_table(s, h->table);
     if (!t || t->cfg.dim != h->dim)
@@ -576,8 +574,8 @@ done:
     return rc;
 }
 
-int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body,
-                       size_t len, void **resp, size_t *resp_len)
+int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
+                       void **resp, size_t *resp_len)
 {
     if (method != BEX_PS_M_FETCH && method != BEX_PS_M_PUSH)
         return -ENOSYS;
@@ -616,9 +614,11 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
     struct reg *regs = s->regs;
     regs[0] = (struct reg){s, ctx, BEX_PS_M_FETCH};
     regs[1] = (struct reg){s, ctx, BEX_PS_M_PUSH};
-    int rc = bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_FETCH, 0, handler, &regs[0]);
-    if (rc)
-        return rc;
-    return bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_PUSH, BEX_RPC_METHOD_WRITE,
-                                   handler, &regs[1]);
+    for (int i = 0; i < 2; i++) {
+        int rc = bex_rpc_server_register(srv, BEX_PS_SERVICE, regs[i].method,
+                                         bex__ps_method_flags(regs[i].method), handler, &regs[i]);
+        if (rc)
+            return rc;
+    }
+    return 0;
 }

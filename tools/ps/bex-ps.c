@@ -74,20 +74,35 @@ int main(int argc, char **argv)
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables = 0;
     int verbose = 0;
-    static const struct option lo[] = {
-        {"cluster", required_argument, 0, 'c'},  {"service", required_argument, 0, 's'},
-        {"shard", required_argument, 0, 'n'},    {"replica", required_argument, 0, 'r'},
-        {"table", required_argument, 0, 't'},    {"snapshot-dir", required_argument, 0, 'd'},
-        {"transport", required_argument, 0, 'x'}, {"verbose", no_argument, 0, 'v'},
-        {0, 0, 0, 0}};
+    static const struct option lo[] = {{"cluster", required_argument, 0, 'c'},
+                                       {"service", required_argument, 0, 's'},
+                                       {"shard", required_argument, 0, 'n'},
+                                       {"replica", required_argument, 0, 'r'},
+                                       {"table", required_argument, 0, 't'},
+                                       {"snapshot-dir", required_argument, 0, 'd'},
+                                       {"transport", required_argument, 0, 'x'},
+                                       {"verbose", no_argument, 0, 'v'},
+                                       {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
-        case 'c': cluster = optarg; break;
-        case 's': service = optarg; break;
-        case 'n': shards = optarg; break;
-        case 'r': replica = (uint32_t)strtoul(optarg, NULL, 10); break;
-        case 'd': snap_dir = optarg; break;
-        case 'v': verbose = 1; break;
+        case 'c':
+            cluster = optarg;
+            break;
+        case 's':
+            service = optarg;
+            break;
+        case 'n':
+            shards = optarg;
+            break;
+        case 'r':
+            replica = (uint32_t)strtoul(optarg, NULL, 10);
+            break;
+        case 'd':
+            snap_dir = optarg;
+            break;
+        case 'v':
+            verbose = 1;
+            break;
         case 't':
             if (n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &tables[n_tables++]))
                 usage();
@@ -100,7 +115,8 @@ int main(int argc, char **argv)
             else if (strcmp(optarg, "auto") != 0)
                 usage();
             break;
-        default: usage();
+        default:
+            usage();
         }
     }
     if (!cluster || !shards || optind != argc)
