@@ -633,5 +633,233 @@ static int t_snapshot(void)
     return rc ? 1 : 0;
 }
 
+static void write_file(const char *path, const void *p, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    CHECK(f);
+    CHECK(fwrite(p, 1, n, f) == n);
+    CHECK(fclose(f) == 0);
+}
+
+static uint8_t *read_file(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    CHECK(f);
+    static uint8_t buf[1 << 16];
+    *n = fread(buf, 1, sizeof buf, f);
+    CHECK(*n > 0 && *n < sizeof buf);
+    fclose(f);
+    return buf;
+}
+
+/* In one process: a snapshot loads into a shard of the same config with
+ * the same rows; a file with one byte flipped, cut short, of another shard
+ * or of another table shape is refused with -EINVAL (not an empty start);
+ * no file is an empty start. */
+static int t_snapshot_bad(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    bex_ctx *ctx = client_ctx(); /* for bex_rpc_alloc */
+    char tmpl[] = "/tmp/bex-ps-test-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char path[128], bad[128];
+    snprintf(path, sizeof path, "%s/good", tmpl);
+    snprintf(bad, sizeof bad, "%s/bad", tmpl);
+    bex_ps_shard_config pc = {.shard = 1, .n_shards = NSH, .tables = TABLES, .n_tables = 2};
+    bex_ps_shard *s;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    /* 3 rows in each table through Push bodies */
+    for (int t = 0; t < 2; t++) {
+        uint32_t dim = TABLES[t].dim;
+        size_t len = bex__ps_req_len(BEX_PS_M_PUSH, 3, dim);
+        uint8_t *b = bex_rpc_alloc(ctx, len);
+        CHECK(b);
+        bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = TABLES[t].id, .n = 3, .dim = dim});
+        for (int k = 0; k < 3; k++)
+            bex__ps_put64(b + 16 + 8 * k, key_of(k));
+        for (uint32_t i = 0; i < 3 * dim; i++)
+            bex__ps_putf(b + 16 + 24 + 4 * i, 0.25f * (float)i);
+        void *resp;
+        size_t rlen;
+        CHECK_OK(bex_ps_shard_serve(s, ctx, BEX_PS_M_PUSH, b, len, &resp, &rlen));
+        bex_rpc_free(b);
+        bex_rpc_free(resp);
+    }
+    CHECK_OK(bex_ps_shard_snapshot(s, path));
+    CHECK(access(path, R_OK) == 0);
+    bex_ps_shard_destroy(s);
+    /* loads: the same rows */
+    pc.snapshot_path = path;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(s, &st);
+    CHECK_EQ(st.rows, 6);
+    bex_ps_shard_destroy(s);
+    size_t n;
+    uint8_t *f = read_file(path, &n);
+    /* one flipped byte anywhere (header, rows, checksum) */
+    size_t at[] = {0, 9, 30, n / 2, n - 40, n - 1};
+    for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) {
+        f[at[i]] ^= 0x10;
+        write_file(bad, f, n);
+        f[at[i]] ^= 0x10;
+        pc.snapshot_path = bad;
+        CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    }
+    write_file(bad, f, n - 7); /* cut short */
+    CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    write_file(bad, f, 10);
+    CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    /* another shard's; another table shape */
+    pc.snapshot_path = path;
+    pc.shard = 0;
+    CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    pc.shard = 1;
+    bex_ps_table_config other[2] = {TABLES[0], TABLES[1]};
+    other[1].dim = 6;
+    pc.tables = other;
+    CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    other[1].dim = TABLES[1].dim;
+    other[1].optimizer = BEX_PS_SGD;
+    CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    /* no file: an empty start */
+    pc.tables = TABLES;
+    pc.snapshot_path = bad;
+    unlink(bad);
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    bex_ps_shard_stats_get(s, &st);
+    CHECK_EQ(st.rows, 0);
+    bex_ps_shard_destroy(s);
+    unlink(path);
+    rmdir(tmpl);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return 0;
+}
+
+/* A free TCP port on 127.0.0.1 (racy, but only this test uses it). */
+static uint16_t free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    CHECK(getsockname(fd, (struct sockaddr *)&a, &l) == 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* Start bex-ps and wait for its "ready" line; its stdout stays on *out. */
+static pid_t start_bex_ps(const char *cluster, const char *snapdir)
+{
+    int p[2];
+    CHECK(pipe(p) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        dup2(p[1], 1);
+        close(p[0]);
+        close(p[1]);
+        execl(BEX_PS_BIN, "bex-ps", "--cluster", cluster, "--shard", "all", "--table",
+              "1:8:sgd:0.1", "--snapshot-dir", snapdir, "--transport", "tcp", (char *)NULL);
+        _exit(127);
+    }
+    close(p[1]);
+    FILE *f = fdopen(p[0], "r");
+    CHECK(f);
+    char line[256];
+    bool ready = false;
+    while (!ready && fgets(line, sizeof line, f)) {
+        fprintf(stderr, "%s", line);
+        ready = strcmp(line, "bex-ps: ready\n") == 0;
+    }
+    CHECK(ready);
+    fclose(f);
+    return pid;
+}
+
+/* SIGTERM: bex-ps leaves with status 0 in time. */
+static void term_bex_ps(pid_t pid)
+{
+    CHECK(kill(pid, SIGTERM) == 0);
+    int status = 0;
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    if (w == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        CHECK(!"bex-ps did not stop on SIGTERM");
+    }
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+/* The bex-ps program: two shards from a cluster file, Pushes and Fetches
+ * through the client match the reference; SIGTERM stops it cleanly with
+ * a snapshot per shard; started again it serves the same rows. (TCP
+ * natively only: the cluster file names loopback addresses.) */
+static int t_program(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program case runs over TCP only");
+    char tmpl[] = "/tmp/bex-ps-test-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char cluster[128], j[512];
+    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
+    snprintf(j, sizeof j,
+             "{\"version\":1,\"services\":{\"ps\":{\"shards\":["
+             "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]},"
+             "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]}]}}}\n",
+             free_port(), free_port());
+    write_file(cluster, j, strlen(j));
+    const bex_ps_table_config tc = {.id = 1,
+                                    .dim = 8,
+                                    .optimizer = BEX_PS_SGD,
+                                    .lr = 0.1f,
+                                    .init_scale = 0.01f}; /* bex-ps's default scale */
+    uint64_t keys[NK];
+    int all[NK];
+    keys_init(keys, all);
+    static struct ref r;
+    ref_init(&r, &tc, keys);
+    static float before[NK * DMAX], after[NK * DMAX];
+    for (int round = 0; round < 2; round++) {
+        pid_t pid = start_bex_ps(cluster, tmpl);
+        bex_ctx *ctx = client_ctx();
+        bex_dir *d;
+        char err[256];
+        CHECK_OK(bex_dir_create(NULL, &d));
+        CHECK_OK(bex_dir_load_file(d, cluster, err, sizeof err));
+        bex_ps_client *pc = client_of(ctx, d);
+        if (round == 0) {
+            push_ref(pc, &r, keys, all, NK, 50);
+            CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, keys, NK, before));
+            ref_check(&r, all, NK, before);
+        } else {
+            CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, keys, NK, after));
+            CHECK(memcmp(before, after, sizeof before) == 0);
+        }
+        bex_ps_client_destroy(pc);
+        bex_dir_destroy(d);
+        CHECK_OK(bex_ctx_destroy(ctx));
+        term_bex_ps(pid);
+        for (int s = 0; s < NSH; s++) {
+            char p[192];
+            snprintf(p, sizeof p, "%s/ps-shard%d-replica0.snap", tmpl, s);
+            CHECK(access(p, R_OK) == 0);
+            if (round == 1)
+                unlink(p);
+        }
+    }
+    unlink(cluster);
+    CHECK(rmdir(tmpl) == 0); /* nothing else left behind (no .tmp) */
+    return 0;
+}
+
 BEX_TEST_MAIN({"train", t_train}, {"write_once", t_write_once}, {"malformed", t_malformed},
-              {"snapshot", t_snapshot})
+              {"snapshot", t_snapshot}, {"snapshot_bad", t_snapshot_bad}, {"program", t_program})
