@@ -57,8 +57,8 @@ typedef struct bex_ps_table_config {
     float init_scale;   /* initial values uniform in [-s, s) (0.01) */
     float adagrad_init; /* Adagrad: accumulators start at this (0.1) */
     float adagrad_eps;  /* Adagrad: added to the root (1e-8) */
-    uint32_t max_rows;  /* rows of this table in a shard (1 << 20); a
-                           request that would create more fails -ENOSPC */
+    uint32_t max_rows;  /* rows of this table in a shard (1 << 20,
+                           at most 1 << 30); a request that would create more fails -ENOSPC */
 } bex_ps_table_config;
 
 /* The initial value of (table, key, column) for init_scale s: splitmix64

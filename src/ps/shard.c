@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,6 +20,9 @@
 #include "bex/ps.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
+
+/* rows of a table at most: its hash's slot count (2 x rows) fits in a u32 */
+#define BEX__PS_ROWS_MAX (1u << 30)
 
 struct table {
     bex_ps_table_config cfg;
@@ -357,6 +361,7 @@ static int snapshot_load(bex_ps_shard *s, const char *path)
         rc = -EINVAL;
         goto out;
     }
+    bool seen[BEX_PS_TABLES_MAX] = {false};
     for (uint32_t i = 0; i < n_tables; i++) {
         uint32_t id, dim, opt, n_rows;
         if (rd32(&r, &id) || rd32(&r, &dim) || rd32(&r, &opt) || rd32(&r, &n_rows)) {
@@ -364,12 +369,13 @@ static int snapshot_load(bex_ps_shard *s, const char *path)
             goto out;
         }
         struct table *t = find_table(s, id);
-        if (!t || t->n_rows || t->cfg.dim != dim || t->cfg.optimizer != opt) {
+        if (!t || seen[t - s->tables] || t->cfg.dim != dim || t->cfg.optimizer != opt) {
             bex__log(&s->log, BEX_LOG_ERROR, "ps snapshot %s: table %u does not match the config",
                      path, id);
             rc = -EINVAL;
             goto out;
         }
+        seen[t - s->tables] = true;
         size_t row_len = 8 + 4 * (size_t)t->width;
         if (n_rows > t->cfg.max_rows || r.left / row_len < n_rows) {
             rc = -EINVAL;
@@ -421,7 +427,7 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
             (t->optimizer != BEX_PS_SGD && t->optimizer != BEX_PS_ADAGRAD) || !isfinite(t->lr) ||
             t->lr < 0 || !isfinite(t->init_scale) || t->init_scale < 0 ||
             !isfinite(t->adagrad_init) || t->adagrad_init < 0 || !isfinite(t->adagrad_eps) ||
-            t->adagrad_eps < 0)
+            t->adagrad_eps < 0 || t->max_rows > BEX__PS_ROWS_MAX)
             return -EINVAL;
         for (size_t j = 0; j < i; j++)
             if (cfg->tables[j].id == t->id)

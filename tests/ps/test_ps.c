@@ -739,6 +739,93 @@ static int t_snapshot_bad(void)
     return 0;
 }
 
+/* A body for bex_ps_shard_serve: n keys from key_of(first), gradients g
+ * (Push). */
+static void *serve_body(bex_ctx *ctx, uint32_t method, uint32_t table, uint32_t dim, int first,
+                        uint32_t n, float g, size_t *len)
+{
+    *len = bex__ps_req_len(method, n, dim);
+    uint8_t *b = bex_rpc_alloc(ctx, *len);
+    CHECK(b);
+    bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = table, .n = n, .dim = dim});
+    for (uint32_t k = 0; k < n; k++)
+        bex__ps_put64(b + 16 + 8 * k, key_of(first + (int)k));
+    if (method == BEX_PS_M_PUSH)
+        for (uint32_t i = 0; i < n * dim; i++)
+            bex__ps_putf(b + 16 + 8 * n + 4 * i, g);
+    return b;
+}
+
+static int serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, uint32_t table, uint32_t dim,
+                 int first, uint32_t n)
+{
+    size_t len, rlen = 0;
+    void *b = serve_body(ctx, method, table, dim, first, n, 1.0f, &len), *resp = NULL;
+    int rc = bex_ps_shard_serve(s, ctx, method, b, len, &resp, &rlen);
+    bex_rpc_free(b);
+    if (rc == 0)
+        CHECK_EQ(rlen, BEX__PS_HDR_LEN + (method == BEX_PS_M_FETCH ? 4 * (size_t)n * dim : 0));
+    else
+        CHECK(resp == NULL);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+/* In one process: a table's max_rows holds (a request that would pass it
+ * is -ENOSPC and creates nothing, rows already there are still served);
+ * configurations out of range are -EINVAL; an unknown method -ENOSYS. */
+static int t_limits(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    bex_ctx *ctx = client_ctx();
+    bex_ps_table_config t = {.id = 1, .dim = 4, .optimizer = BEX_PS_SGD, .max_rows = 4};
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = &t, .n_tables = 1};
+    bex_ps_shard *s;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    bex_ps_shard_stats st;
+    CHECK_EQ(serve(s, ctx, BEX_PS_M_PUSH, 1, 4, 0, 5), -ENOSPC);
+    bex_ps_shard_stats_get(s, &st);
+    CHECK(st.rows == 0 && st.pushes == 0);
+    CHECK_OK(serve(s, ctx, BEX_PS_M_PUSH, 1, 4, 0, 3));
+    CHECK_EQ(serve(s, ctx, BEX_PS_M_FETCH, 1, 4, 2, 3), -ENOSPC); /* 2 new of 3 */
+    CHECK_OK(serve(s, ctx, BEX_PS_M_FETCH, 1, 4, 1, 3));          /* 1 new: the 4th */
+    CHECK_OK(serve(s, ctx, BEX_PS_M_FETCH, 1, 4, 0, 4));
+    CHECK_EQ(serve(s, ctx, BEX_PS_M_FETCH, 1, 4, 4, 1), -ENOSPC);
+    bex_ps_shard_stats_get(s, &st);
+    CHECK(st.rows == 4 && st.pushes == 1 && st.fetches == 2 && st.malformed == 0);
+    size_t len;
+    void *b = serve_body(ctx, BEX_PS_M_FETCH, 1, 4, 0, 1, 0, &len), *resp = NULL;
+    CHECK_EQ(bex_ps_shard_serve(s, ctx, 3, b, len, &resp, &len), -ENOSYS);
+    bex_rpc_free(b);
+    bex_ps_shard_destroy(s);
+    /* configurations refused */
+    bex_ps_table_config bad[] = {
+        {.id = 1, .dim = 0, .optimizer = BEX_PS_SGD},
+        {.id = 1, .dim = BEX_PS_DIM_MAX + 1, .optimizer = BEX_PS_SGD},
+        {.id = 1, .dim = 4, .optimizer = 3},
+        {.id = 1, .dim = 4, .optimizer = BEX_PS_SGD, .lr = -1},
+        {.id = 1, .dim = 4, .optimizer = BEX_PS_SGD, .lr = NAN},
+        {.id = 1, .dim = 4, .optimizer = BEX_PS_SGD, .max_rows = (1u << 30) + 1},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        pc.tables = &bad[i];
+        CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    }
+    bex_ps_table_config twice[2] = {t, t};
+    pc.tables = twice;
+    pc.n_tables = 2;
+    CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    pc.tables = &t;
+    pc.n_tables = 1;
+    pc.shard = 1; /* of 1 */
+    CHECK_EQ(bex_ps_shard_create(&pc, &s), -EINVAL);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return 0;
+}
+
 /* A free TCP port on 127.0.0.1 (racy, but only this test uses it). */
 static uint16_t free_port(void)
 {
@@ -862,4 +949,5 @@ static int t_program(void)
 }
 
 BEX_TEST_MAIN({"train", t_train}, {"write_once", t_write_once}, {"malformed", t_malformed},
-              {"snapshot", t_snapshot}, {"snapshot_bad", t_snapshot_bad}, {"program", t_program})
+              {"snapshot", t_snapshot}, {"snapshot_bad", t_snapshot_bad}, {"limits", t_limits},
+              {"program", t_program})
