@@ -139,8 +139,10 @@ void bex_ps_client_destroy(bex_ps_client *c);
 typedef void (*bex_ps_done_fn)(int status, void *user);
 
 /* Fetch the rows of keys[0..n) of table (dim floats each) into
- * rows[i * dim ...]; keys and rows must stay until done runs. On 0 done
- * runs exactly once (maybe before this returns); on error it does not. */
+ * rows[i * dim ...]; keys are copied, rows must stay until done runs. On 0
+ * done runs exactly once (maybe before this returns: n == 0, or every
+ * sub-request failed at once); on error (-EINVAL, -E2BIG: a shard's part
+ * past the wire's bounds, -ENOMEM) it does not. */
 int bex_ps_fetch(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                  float *rows, bex_ps_done_fn done, void *user);
 /* Push grads[i * dim ...] for keys[i]; keys and grads are copied. */
