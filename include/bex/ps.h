@@ -98,7 +98,8 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx);
 /* Serve one request body of method BEX_PS_M_*: what the registered
  * handlers do, for applications that wrap them. On 0, *resp / *resp_len
  * get the answer (from bex_rpc_alloc(ctx)). Errors: -EINVAL (malformed
- * body, unknown table, wrong dim, a gradient not finite), -E2BIG (past a
+ * body, unknown table, wrong dim, a key of another shard, a gradient not
+ * finite), -E2BIG (past a
  * bound), -ENOSPC (table full), -ENOMEM, -ENOSYS (method). A failed Push
  * changes nothing. */
 int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,

@@ -492,6 +492,18 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
 
 /* ---- requests ---- */
 
+/* The n keys at p into keys; each must be this shard's (a client with
+ * another shard count would otherwise create rows no one fetches). */
+static int read_keys(const bex_ps_shard *s, const uint8_t *p, uint32_t n, uint64_t *keys)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        keys[i] = bex__ps_get64(p + 8 * (size_t)i);
+        if (bex_ps_key_shard(keys[i], s->n_shards) != s->shard)
+            return -EINVAL;
+    }
+    return 0;
+}
+
 static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
                        void **resp, size_t *resp_len)
 {
@@ -507,10 +519,14 @@ static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *
         bex_rpc_free(out);
         return -ENOMEM;
     }
-    for (uint32_t i = 0; i < h->n; i++)
-        keys[i] = bex__ps_get64(p + 8 * (size_t)i);
+    int rc = read_keys(s, p, h->n, keys);
+    if (rc) {
+        free(keys);
+        bex_rpc_free(out);
+        return rc;
+    }
     pthread_mutex_lock(&s->mu);
-    int rc = table_reserve(t, missing_rows(t, keys, h->n));
+    rc = table_reserve(t, missing_rows(t, keys, h->n));
     if (rc == 0) {
         uint8_t *q = out + BEX__PS_HDR_LEN;
         for (uint32_t i = 0; i < h->n; i++) {
@@ -548,8 +564,8 @@ static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h
         rc = -ENOMEM;
         goto done;
     }
-    for (uint32_t i = 0; i < h->n; i++)
-        keys[i] = bex__ps_get64(p + 8 * (size_t)i);
+    if ((rc = read_keys(s, p, h->n, keys)))
+        goto done;
     const uint8_t *gp = p + 8 * (size_t)h->n;
     for (size_t i = 0; i < nf; i++) {
         g[i] = bex__ps_getf(gp + 4 * i);

@@ -532,14 +532,32 @@ static int t_malformed(void)
     uint64_t keys[NK];
     int all[NK];
     keys_init(keys, all);
+    uint64_t mine[2];
+    for (int i = 0, k = 0; k < 2; i++) /* two keys of shard 0 */
+        if (bex_ps_key_shard(keys[i], NSH) == 0)
+            mine[k++] = keys[i];
     {
         size_t len;
         uint8_t *b = bad_body(ctx, P, 1, 0, 1, 2, 8, 0, &len);
-        bex__ps_put64(b + 16, keys[0]);
-        bex__ps_put64(b + 24, keys[1]);
+        bex__ps_put64(b + 16, mine[0]);
+        bex__ps_put64(b + 24, mine[1]);
         for (int i = 0; i < 16; i++)
             bex__ps_putf(b + 32 + 4 * i, i == 13 ? NAN : 0.5f);
         CHECK_EQ(bex_rpc_call_sync(ch, BEX_PS_SERVICE, P, b, len, NULL, NULL, NULL), -EINVAL);
+        sent++;
+    }
+    /* a key of shard 1 among shard 0's: refused whole */
+    {
+        size_t len;
+        uint8_t *b = bad_body(ctx, F, 1, 0, 1, 2, 8, 0, &len);
+        int i0 = 0, i1 = 0;
+        while (bex_ps_key_shard(keys[i0], NSH) != 0)
+            i0++;
+        while (bex_ps_key_shard(keys[i1], NSH) != 1)
+            i1++;
+        bex__ps_put64(b + 16, keys[i0]);
+        bex__ps_put64(b + 24, keys[i1]);
+        CHECK_EQ(bex_rpc_call_sync(ch, BEX_PS_SERVICE, F, b, len, NULL, NULL, NULL), -EINVAL);
         sent++;
     }
     /* random bytes, random lengths */
@@ -678,8 +696,9 @@ static int t_snapshot_bad(void)
         uint8_t *b = bex_rpc_alloc(ctx, len);
         CHECK(b);
         bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = TABLES[t].id, .n = 3, .dim = dim});
-        for (int k = 0; k < 3; k++)
-            bex__ps_put64(b + 16 + 8 * k, key_of(k));
+        for (int k = 0, i = 0; k < 3; i++) /* keys of shard 1 */
+            if (bex_ps_key_shard(key_of(i), NSH) == 1)
+                bex__ps_put64(b + 16 + 8 * k++, key_of(i));
         for (uint32_t i = 0; i < 3 * dim; i++)
             bex__ps_putf(b + 16 + 24 + 4 * i, 0.25f * (float)i);
         void *resp;
