@@ -35,22 +35,38 @@ struct srv_stats {
 
 /* ---- the server child ---- */
 
+enum {
+    MODE_NORMAL, /* bex_ps_shard_register */
+    MODE_DROP,   /* the first Push's answer lost (its connection closed) */
+    MODE_HOLD,   /* Fetches never answered (until teardown: -ECANCELED) */
+};
+
 static struct {
     bex_ctx *ctx;
     bex_rpc_server *srv;
     bex_ps_shard *ps;
     _Atomic int pushes_seen;
-    bool drop_first_push;
+    int mode;
+    bex_rpc_req *held[64]; /* MODE_HOLD: Fetches never answered until teardown */
+    _Atomic int n_held;
 } sv;
 
 static void h_wrapped(bex_rpc_req *req, void *body, size_t len, void *user)
 {
     uint32_t method = (uint32_t)(uintptr_t)user;
+    if (sv.mode == MODE_HOLD && method == BEX_PS_M_FETCH) {
+        int i = atomic_fetch_add(&sv.n_held, 1);
+        CHECK(i < 64);
+        bex_rpc_free(body);
+        sv.held[i] = req;
+        return;
+    }
     void *resp = NULL;
     size_t rlen = 0;
     int rc = bex_ps_shard_serve(sv.ps, sv.ctx, method, body, len, &resp, &rlen);
     bex_rpc_free(body);
-    if (method == BEX_PS_M_PUSH && atomic_fetch_add(&sv.pushes_seen, 1) == 0)
+    if (sv.mode == MODE_DROP && method == BEX_PS_M_PUSH &&
+        atomic_fetch_add(&sv.pushes_seen, 1) == 0)
         bex__rpc_req_close_conn(req); /* applied, its answer lost: the client retries */
     bex_rpc_reply(req, rc, resp, rlen);
 }
@@ -67,11 +83,11 @@ static void h_stats(bex_rpc_req *req, void *body, size_t len, void *user)
     bex_rpc_reply(req, 0, t, sizeof *t);
 }
 
-static void srv_child(int wfd, int rfd, uint32_t shard, const char *snap, bool drop_first)
+static void srv_child(int wfd, int rfd, uint32_t shard, const char *snap, int mode)
 {
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
-    sv.drop_first_push = drop_first;
+    sv.mode = mode;
     bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
     bex_ctx_config c = scaled(&base, a0);
     CHECK_OK(bex_ctx_create(&c, &sv.ctx));
@@ -79,7 +95,7 @@ static void srv_child(int wfd, int rfd, uint32_t shard, const char *snap, bool d
     bex_ps_shard_config pc = {
         .shard = shard, .n_shards = NSH, .tables = TABLES, .n_tables = 2, .snapshot_path = snap};
     CHECK_OK(bex_ps_shard_create(&pc, &sv.ps));
-    if (drop_first) {
+    if (mode != MODE_NORMAL) {
         /* the library's handlers, wrapped, with the library's flags */
         for (uint32_t m = BEX_PS_M_FETCH; m <= BEX_PS_M_PUSH; m++)
             CHECK_OK(bex_rpc_server_register(sv.srv, BEX_PS_SERVICE, m, bex__ps_method_flags(m),
@@ -98,6 +114,8 @@ static void srv_child(int wfd, int rfd, uint32_t shard, const char *snap, bool d
     (void)r;
     /* as bex-ps does: the server first, so nothing is applied after the
      * snapshot */
+    for (int i = 0; i < atomic_load(&sv.n_held); i++)
+        bex_rpc_reply(sv.held[i], -ECANCELED, NULL, 0);
     CHECK_OK(bex_rpc_server_destroy(sv.srv));
     if (snap)
         CHECK_OK(bex_ps_shard_snapshot(sv.ps, snap));
@@ -112,7 +130,7 @@ struct srv_proc {
     int to_child;
 };
 
-static void spawn(struct srv_proc *sp, uint32_t shard, const char *snap, bool drop_first)
+static void spawn(struct srv_proc *sp, uint32_t shard, const char *snap, int mode)
 {
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
@@ -125,7 +143,7 @@ static void spawn(struct srv_proc *sp, uint32_t shard, const char *snap, bool dr
     if (pid == 0) {
         close(up[0]);
         close(down[1]);
-        srv_child(up[1], down[0], shard, snap, drop_first);
+        srv_child(up[1], down[0], shard, snap, mode);
     }
     close(up[1]);
     close(down[0]);
@@ -197,16 +215,21 @@ static bex_dir *dir_of(const struct srv_proc *sps)
     return d;
 }
 
-static bex_ps_client *client_of(bex_ctx *ctx, bex_dir *d)
+static bex_ps_client *client_tmo(bex_ctx *ctx, bex_dir *d, unsigned timeout_ms)
 {
     bex_ps_client_config cc = {.dir = d,
                                .service = "ps",
                                .locality = "dc1/pod1",
-                               .timeout_ms = 20000 * time_scale(),
+                               .timeout_ms = timeout_ms,
                                .connect_timeout_ms = 15000 * time_scale()};
     bex_ps_client *c;
     CHECK_OK(bex_ps_client_create(ctx, &cc, &c));
     return c;
+}
+
+static bex_ps_client *client_of(bex_ctx *ctx, bex_dir *d)
+{
+    return client_tmo(ctx, d, 20000 * time_scale());
 }
 
 /* A channel straight to one server: its counters, raw bodies. */
@@ -363,7 +386,7 @@ static int t_train(void)
         return rc;
     struct srv_proc sp[NSH];
     for (int s = 0; s < NSH; s++)
-        spawn(&sp[s], (uint32_t)s, NULL, false);
+        spawn(&sp[s], (uint32_t)s, NULL, MODE_NORMAL);
     bex_ctx *ctx = client_ctx();
     bex_dir *d = dir_of(sp);
     bex_ps_client *pc = client_of(ctx, d);
@@ -428,8 +451,8 @@ static int t_write_once(void)
     if ((rc = pair_addrs(&a0, &a1)))
         return rc;
     struct srv_proc sp[NSH];
-    spawn(&sp[0], 0, NULL, true);
-    spawn(&sp[1], 1, NULL, false);
+    spawn(&sp[0], 0, NULL, MODE_DROP);
+    spawn(&sp[1], 1, NULL, MODE_NORMAL);
     bex_ctx *ctx = client_ctx();
     bex_dir *d = dir_of(sp);
     bex_ps_client *pc = client_of(ctx, d);
@@ -453,6 +476,83 @@ static int t_write_once(void)
     for (int s = 0; s < NSH; s++)
         rc |= stop(&sp[s]);
     return rc ? 1 : 0;
+}
+
+struct timed {
+    _Atomic long calls;
+    int status;
+    uint64_t at_ms;
+    struct waiter w;
+};
+
+static void timed_done(int status, void *user)
+{
+    struct timed *t = user;
+    t->status = status;
+    t->at_ms = pair_now_ms();
+    waiter_add(&t->w, &t->calls, 1);
+}
+
+/* Shard 1 never answers Fetches: a Fetch over both shards completes once,
+ * with -ETIMEDOUT, at its deadline (not before, within a slack after),
+ * although shard 0 answered at once; a Fetch of shard 0's keys alone
+ * succeeds; Push to shard 1 (answered) still works. A dead shard (killed
+ * with -9) fails a request across shards by the deadline too. */
+static int t_deadline(void)
+{
+    int rc = 0;
+    struct in_addr a0, a1;
+    if ((rc = pair_addrs(&a0, &a1)))
+        return rc;
+    struct srv_proc sp[NSH];
+    spawn(&sp[0], 0, NULL, MODE_NORMAL);
+    spawn(&sp[1], 1, NULL, MODE_HOLD);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of(sp);
+    const unsigned tmo = 300 * time_scale(), slack = 100 * time_scale();
+    bex_ps_client *pc = client_tmo(ctx, d, tmo);
+    uint64_t keys[NK], k0[NK];
+    int all[NK], n0 = 0;
+    keys_init(keys, all);
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(keys[i], NSH) == 0)
+            k0[n0++] = keys[i];
+    static float rows[NK * DMAX];
+    /* the connections first (setup is not what is timed) */
+    float g[DMAX] = {0};
+    CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, k0, (size_t)n0, rows));
+    uint64_t k1 = keys[0];
+    for (int i = 0; bex_ps_key_shard(k1, NSH) != 1; i++)
+        k1 = keys[i];
+    CHECK_OK(bex_ps_push_sync(pc, 1, 8, &k1, 1, g));
+    static struct timed t = {.w = WAITER_INIT};
+    uint64_t t0 = pair_now_ms();
+    CHECK_OK(bex_ps_fetch(pc, 1, 8, keys, NK, rows, timed_done, &t));
+    CHECK(wait_count(&t.w, &t.calls, 1, 10000) == 0);
+    CHECK_EQ(t.status, -ETIMEDOUT);
+    CHECK(t.at_ms >= t0 + tmo);
+    if (t.at_ms > t0 + tmo + slack) {
+        fprintf(stderr, "completed %llu ms after its deadline\n",
+                (unsigned long long)(t.at_ms - t0 - tmo));
+        CHECK(0);
+    }
+    pair_sleep_ms(tmo);
+    CHECK_EQ(atomic_load(&t.calls), 1); /* once */
+    CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, k0, (size_t)n0, rows));
+    /* shard 1 dead: a request across shards fails by its deadline */
+    kill(sp[1].pid, SIGKILL);
+    int st;
+    waitpid(sp[1].pid, &st, 0);
+    close(sp[1].to_child);
+    t0 = pair_now_ms();
+    rc = bex_ps_fetch_sync(pc, 1, 8, keys, NK, rows);
+    CHECK(rc != 0);
+    CHECK(pair_now_ms() <= t0 + tmo + slack);
+    CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, k0, (size_t)n0, rows));
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop(&sp[0]) ? 1 : 0;
 }
 
 /* A body of method with header (version, flags, table, n, dim) and then
@@ -484,7 +584,7 @@ static int t_malformed(void)
         return rc;
     struct srv_proc sp[NSH];
     for (int s = 0; s < NSH; s++)
-        spawn(&sp[s], (uint32_t)s, NULL, false);
+        spawn(&sp[s], (uint32_t)s, NULL, MODE_NORMAL);
     bex_ctx *ctx = client_ctx();
     bex_rpc_channel *ch = raw_chan(ctx, &sp[0]);
     const uint32_t F = BEX_PS_M_FETCH, P = BEX_PS_M_PUSH;
@@ -618,7 +718,7 @@ static int t_snapshot(void)
     for (int round = 0; round < 2; round++) {
         struct srv_proc sp[NSH];
         for (int s = 0; s < NSH; s++)
-            spawn(&sp[s], (uint32_t)s, snap[s], false);
+            spawn(&sp[s], (uint32_t)s, snap[s], MODE_NORMAL);
         bex_ctx *ctx = client_ctx();
         bex_dir *d = dir_of(sp);
         bex_ps_client *pc = client_of(ctx, d);
@@ -967,6 +1067,6 @@ static int t_program(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"train", t_train}, {"write_once", t_write_once}, {"malformed", t_malformed},
-              {"snapshot", t_snapshot}, {"snapshot_bad", t_snapshot_bad}, {"limits", t_limits},
-              {"program", t_program})
+BEX_TEST_MAIN({"train", t_train}, {"write_once", t_write_once}, {"deadline", t_deadline},
+              {"malformed", t_malformed}, {"snapshot", t_snapshot},
+              {"snapshot_bad", t_snapshot_bad}, {"limits", t_limits}, {"program", t_program})
