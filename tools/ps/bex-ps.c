@@ -139,7 +139,10 @@ int main(int argc, char **argv)
     if (!rc)
         rc = bex_dir_load_file(dir, cluster, err, sizeof err);
     if (rc) {
-        fprintf(stderr, "bex-ps: %s: %s %s\n", cluster, bex_strerror(rc), err);
+        if (err[0])
+            fprintf(stderr, "bex-ps: %s\n", err);
+        else
+            fprintf(stderr, "bex-ps: %s: %s\n", cluster, bex_strerror(rc));
         return 1;
     }
     uint32_t n_shards = 0;
