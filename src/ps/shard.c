@@ -99,13 +99,21 @@ static struct table *find_table(bex_ps_shard *s, uint32_t id)
     return NULL;
 }
 
+/* A key's first hash slot: another hash than the shard's (bex_ps_key_shard
+ * uses bex__ps_mix(key) mod n_shards, so its low bits are the same for
+ * every key of a shard with a power-of-two count). */
+static uint32_t slot_of(uint64_t key, uint32_t mask)
+{
+    return (uint32_t)bex__ps_mix(key ^ 0xd6e8feb86659fd93ull) & mask;
+}
+
 /* The row of key, or UINT32_MAX. */
 static uint32_t row_find(const struct table *t, uint64_t key)
 {
     if (!t->n_slots)
         return UINT32_MAX;
     uint32_t mask = t->n_slots - 1;
-    for (uint32_t i = (uint32_t)bex__ps_mix(key) & mask;; i = (i + 1) & mask) {
+    for (uint32_t i = slot_of(key, mask);; i = (i + 1) & mask) {
         uint32_t r = t->slots[i];
         if (!r)
             return UINT32_MAX;
@@ -117,7 +125,7 @@ static uint32_t row_find(const struct table *t, uint64_t key)
 static void slot_put(uint32_t *slots, uint32_t n_slots, uint64_t key, uint32_t row)
 {
     uint32_t mask = n_slots - 1;
-    uint32_t i = (uint32_t)bex__ps_mix(key) & mask;
+    uint32_t i = slot_of(key, mask);
     while (slots[i])
         i = (i + 1) & mask;
     slots[i] = row + 1;

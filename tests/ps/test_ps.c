@@ -945,6 +945,61 @@ static int t_limits(void)
     return 0;
 }
 
+/* In one process: 100000 rows (the table grows and rehashes many times)
+ * pushed in batches of 10000 keys with gradient 1 and SGD rate 1: every
+ * row Fetched is its initial value - 1; the same after a snapshot and a
+ * load into a new shard. */
+static int t_many_rows(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    bex_ctx *ctx = client_ctx();
+    enum { ROWS = 100000, BATCH = 10000 };
+    bex_ps_table_config t = {.id = 7, .dim = 2, .optimizer = BEX_PS_SGD, .lr = 1.0f};
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = &t, .n_tables = 1};
+    char tmpl[] = "/tmp/bex-ps-test-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char path[128];
+    snprintf(path, sizeof path, "%s/snap", tmpl);
+    bex_ps_shard *s;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    for (int first = 0; first < ROWS; first += BATCH)
+        CHECK_OK(serve(s, ctx, BEX_PS_M_PUSH, 7, 2, first, BATCH));
+    for (int round = 0; round < 2; round++) {
+        bex_ps_shard_stats st;
+        bex_ps_shard_stats_get(s, &st);
+        CHECK_EQ(st.rows, ROWS);
+        for (int first = 0; first < ROWS; first += BATCH) {
+            size_t len, rlen;
+            void *b = serve_body(ctx, BEX_PS_M_FETCH, 7, 2, first, BATCH, 0, &len), *resp;
+            CHECK_OK(bex_ps_shard_serve(s, ctx, BEX_PS_M_FETCH, b, len, &resp, &rlen));
+            bex_rpc_free(b);
+            const uint8_t *p = (const uint8_t *)resp + BEX__PS_HDR_LEN;
+            for (int k = 0; k < BATCH; k++)
+                for (uint32_t c = 0; c < 2; c++, p += 4) {
+                    float want = bex_ps_init_value(7, key_of(first + k), c, 0.01f) - 1.0f;
+                    CHECK(bex__ps_getf(p) == want);
+                }
+            bex_rpc_free(resp);
+        }
+        bex_ps_shard_stats_get(s, &st);
+        CHECK_EQ(st.rows, ROWS); /* Fetches created none */
+        if (round == 0) {
+            CHECK_OK(bex_ps_shard_snapshot(s, path));
+            bex_ps_shard_destroy(s);
+            pc.snapshot_path = path;
+            CHECK_OK(bex_ps_shard_create(&pc, &s));
+        }
+    }
+    bex_ps_shard_destroy(s);
+    unlink(path);
+    rmdir(tmpl);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return 0;
+}
+
 /* A free TCP port on 127.0.0.1 (racy, but only this test uses it). */
 static uint16_t free_port(void)
 {
@@ -1069,4 +1124,5 @@ static int t_program(void)
 
 BEX_TEST_MAIN({"train", t_train}, {"write_once", t_write_once}, {"deadline", t_deadline},
               {"malformed", t_malformed}, {"snapshot", t_snapshot},
-              {"snapshot_bad", t_snapshot_bad}, {"limits", t_limits}, {"program", t_program})
+              {"snapshot_bad", t_snapshot_bad}, {"limits", t_limits}, {"many_rows", t_many_rows},
+              {"program", t_program})
