@@ -1101,6 +1101,17 @@ static int t_program(void)
             push_ref(pc, &r, keys, all, NK, 50);
             CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, keys, NK, before));
             ref_check(&r, all, NK, before);
+            /* SIGUSR1: a snapshot per shard on demand, the server goes on */
+            char p0[192];
+            snprintf(p0, sizeof p0, "%s/ps-shard0-replica0.snap", tmpl);
+            CHECK(access(p0, F_OK) != 0);
+            CHECK(kill(pid, SIGUSR1) == 0);
+            uint64_t end = pair_now_ms() + 10000ull * time_scale();
+            while (access(p0, R_OK) != 0 && pair_now_ms() < end)
+                pair_sleep_ms(5);
+            CHECK(access(p0, R_OK) == 0);
+            CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, keys, NK, after));
+            CHECK(memcmp(before, after, sizeof before) == 0);
         } else {
             CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, keys, NK, after));
             CHECK(memcmp(before, after, sizeof before) == 0);
