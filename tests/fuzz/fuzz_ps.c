@@ -57,8 +57,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     void *body = bex_rpc_alloc(ctx, len);
     FZ_CHECK(body);
     memcpy(body, data + 1, len);
-    bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = tables, .n_tables = 2,
-                              .log_fn = quiet};
+    bex_ps_shard_config pc = {
+        .shard = 0, .n_shards = 1, .tables = tables, .n_tables = 2, .log_fn = quiet};
     bex_ps_shard *s;
     FZ_CHECK(bex_ps_shard_create(&pc, &s) == 0);
     struct bex__ps_hdr h;
