@@ -19,10 +19,20 @@
  * sub-requests go out in parallel; the request completes once, when every
  * sub-request has answered or failed (each within the request's deadline).
  *
+ * Replicas: the directory may list several replicas of a shard (at
+ * different locality labels). A Fetch goes to one of them, the nearest
+ * healthy one the directory picks, and fails over to another when it fails
+ * or does not answer. A Push goes to every replica the directory lists for
+ * each of its shards, each on a channel of that replica alone: a retry
+ * after a lost answer goes to the same server with the same sequence, and
+ * its dedup window applies the Push once. A Push succeeds when every
+ * replica acknowledged; bex_ps_push_report says which did not.
+ *
  * Threads: every function may be called from any thread. */
 #ifndef BEX_PS_H
 #define BEX_PS_H
 
+#include <netinet/in.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -149,11 +159,36 @@ int bex_ps_fetch(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t 
 /* Push grads[i * dim ...] for keys[i]; keys and grads are copied. */
 int bex_ps_push(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                 const float *grads, bex_ps_done_fn done, void *user);
+/* A Push's outcome at one replica of one shard. */
+typedef struct bex_ps_replica_result {
+    uint32_t shard;
+    struct sockaddr_in addr; /* the replica (0.0.0.0:0 when the shard had none) */
+    int status;              /* 0: it applied the Push; else the error that ended its part
+                                (its answer, -ETIMEDOUT, -ECONNREFUSED, ...; -EHOSTUNREACH:
+                                the shard had no replica): not known to have applied it */
+} bex_ps_replica_result;
+
+/* Replicas of one shard a Push goes to, at most (more are left out). */
+#define BEX_PS_REPLICAS_MAX 16u
+
+/* bex_ps_push, reporting every replica's outcome: on 0, *n_res (may be
+ * NULL) gets the number of (shard, replica) parts the Push went out as,
+ * shards in order, a shard's replicas in the directory's order, and the
+ * first cap of them are written to res[] (shard and addr at once, status
+ * before done runs). done's status is 0 when every part succeeded, else
+ * the first error. res must stay until done runs. */
+int bex_ps_push_report(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                       size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
+                       size_t *n_res, bex_ps_done_fn done, void *user);
+
 /* The same, waiting. Never from a completion of the client's context. */
 int bex_ps_fetch_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows);
 int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      const float *grads);
+int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                            size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
+                            size_t *n_res);
 
 #pragma GCC visibility pop
 
