@@ -126,6 +126,17 @@ typedef struct bex_ps_shard_stats {
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 
+/* For shards[0..n), per table (labels shard and table): Fetches served,
+ * Pushes applied, rows fetched and pushed, rows held, and a histogram of
+ * the time a request took in the shard (bex_ps_serve_seconds, label
+ * method "fetch" or "push"); per shard the bodies refused; in Prometheus
+ * text exposition format (metric names bex_ps_*, each family once),
+ * NUL-terminated, into buf (cap bytes). Returns the length it needed
+ * (without the NUL), like snprintf: output is cut when that is >= cap;
+ * -EINVAL, -ENOMEM. The RPC servers' side (requests, dedup, latency from
+ * dispatch to answer): bex_rpc_server_prometheus. */
+int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, size_t cap);
+
 /* ---- client ---- */
 
 typedef struct bex_ps_client bex_ps_client;

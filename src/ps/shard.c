@@ -10,6 +10,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@
 #include "bex/ps.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
+#include "rpc/internal.h"
 
 /* rows of a table at most: its hash's slot count (2 x rows) fits in a u32 */
 #define BEX__PS_ROWS_MAX (1u << 30)
@@ -32,6 +34,10 @@ struct table {
     uint32_t n_rows, cap_rows;
     uint32_t *slots; /* hash slot -> row + 1 (0: empty) */
     uint32_t n_slots;
+    /* served (under the shard's lock): requests, rows, and the time a
+     * request took in the shard, from its decoding to its answer */
+    uint64_t fetches, pushes, rows_fetched, rows_pushed;
+    struct bex__rpc_hist lat[2]; /* Fetch, Push */
 };
 
 struct reg {
@@ -498,6 +504,88 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
     pthread_mutex_unlock(&s->mu);
 }
 
+int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, size_t cap)
+{
+    if ((n && !shards) || (!buf && cap))
+        return -EINVAL;
+    for (size_t k = 0; k < n; k++)
+        if (!shards[k])
+            return -EINVAL;
+    if (cap)
+        buf[0] = 0;
+    /* copies under each shard's lock (a table's histograms are some KB),
+     * printed outside them */
+    struct table **ts = calloc(n ? n : 1, sizeof *ts);
+    uint64_t *malformed = calloc(n ? n : 1, sizeof *malformed);
+    int rc = ts && malformed ? 0 : -ENOMEM;
+    for (size_t k = 0; k < n && !rc; k++) {
+        bex_ps_shard *s = shards[k];
+        if (!(ts[k] = malloc(s->n_tables * sizeof *ts[k]))) {
+            rc = -ENOMEM;
+            break;
+        }
+        pthread_mutex_lock(&s->mu);
+        memcpy(ts[k], s->tables, s->n_tables * sizeof *ts[k]);
+        malformed[k] = s->st.malformed;
+        pthread_mutex_unlock(&s->mu);
+    }
+    struct bex__prom o = {buf, cap, 0};
+    static const struct {
+        const char *metric, *help;
+        size_t off;
+    } ctrs[] = {
+        {"bex_ps_fetches_total", "Fetches served", offsetof(struct table, fetches)},
+        {"bex_ps_pushes_total", "Pushes applied", offsetof(struct table, pushes)},
+        {"bex_ps_rows_fetched_total", "Rows returned by Fetches",
+         offsetof(struct table, rows_fetched)},
+        {"bex_ps_rows_pushed_total", "Rows updated by Pushes", offsetof(struct table, rows_pushed)},
+    };
+    /* a metric family's samples together, every shard's */
+    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0] && !rc; i++) {
+        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
+                         ctrs[i].metric);
+        for (size_t k = 0; k < n; k++)
+            for (size_t t = 0; t < shards[k]->n_tables; t++) {
+                uint64_t v;
+                memcpy(&v, (const char *)&ts[k][t] + ctrs[i].off, sizeof v);
+                bex__prom_printf(&o, "%s{shard=\"%u\",table=\"%u\"} %llu\n", ctrs[i].metric,
+                                 shards[k]->shard, ts[k][t].cfg.id, (unsigned long long)v);
+            }
+    }
+    if (!rc) {
+        bex__prom_printf(&o, "# HELP bex_ps_rows Rows held.\n# TYPE bex_ps_rows gauge\n");
+        for (size_t k = 0; k < n; k++)
+            for (size_t t = 0; t < shards[k]->n_tables; t++)
+                bex__prom_printf(&o, "bex_ps_rows{shard=\"%u\",table=\"%u\"} %u\n",
+                                 shards[k]->shard, ts[k][t].cfg.id, ts[k][t].n_rows);
+        bex__prom_printf(&o, "# HELP bex_ps_malformed_total Request bodies refused.\n"
+                             "# TYPE bex_ps_malformed_total counter\n");
+        for (size_t k = 0; k < n; k++)
+            bex__prom_printf(&o, "bex_ps_malformed_total{shard=\"%u\"} %llu\n", shards[k]->shard,
+                             (unsigned long long)malformed[k]);
+        bex__prom_printf(&o, "# HELP bex_ps_serve_seconds Time a request took in the shard, "
+                             "decoding to answer.\n# TYPE bex_ps_serve_seconds histogram\n");
+        for (size_t k = 0; k < n; k++)
+            for (size_t t = 0; t < shards[k]->n_tables; t++)
+                for (int m = 0; m < 2; m++) {
+                    char lb[96];
+                    snprintf(lb, sizeof lb, "shard=\"%u\",table=\"%u\",method=\"%s\"",
+                             shards[k]->shard, ts[k][t].cfg.id, m ? "push" : "fetch");
+                    bex__prom_hist(&o, "bex_ps_serve_seconds", lb, &ts[k][t].lat[m]);
+                }
+    }
+    for (size_t k = 0; ts && k < n; k++)
+        free(ts[k]);
+    free(ts);
+    free(malformed);
+    if (rc) {
+        if (cap)
+            buf[0] = 0;
+        return rc;
+    }
+    return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
+}
+
 /* ---- requests ---- */
 
 /* The n keys at p into keys; each must be this shard's (a client with
@@ -544,6 +632,8 @@ static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *
         }
         s->st.fetches++;
         s->st.rows_fetched += h->n;
+        t->fetches++;
+        t->rows_fetched += h->n;
     }
     pthread_mutex_unlock(&s->mu);
     free(keys);
@@ -589,6 +679,8 @@ static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h
             apply(t, row_get(t, keys[i]), g + (size_t)i * h->dim);
         s->st.pushes++;
         s->st.rows_pushed += h->n;
+        t->pushes++;
+        t->rows_pushed += h->n;
     }
     pthread_mutex_unlock(&s->mu);
     if (rc)
@@ -610,11 +702,19 @@ int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
     if (method != BEX_PS_M_FETCH && method != BEX_PS_M_PUSH)
         return -ENOSYS;
     struct bex__ps_hdr h;
+    uint64_t t0 = bex__rpc_now_ns();
     int rc = bex__ps_decode(method, body, len, &h);
     if (rc == 0) {
         const uint8_t *p = (const uint8_t *)body + BEX__PS_HDR_LEN;
         rc = method == BEX_PS_M_FETCH ? serve_fetch(s, ctx, &h, p, resp, resp_len)
                                       : serve_push(s, ctx, &h, p, resp, resp_len);
+    }
+    if (rc == 0) {
+        /* the table exists: the request was served */
+        uint64_t ns = bex__rpc_now_ns() - t0;
+        pthread_mutex_lock(&s->mu);
+        bex__rpc_hist_add(&find_table(s, h.table)->lat[method == BEX_PS_M_PUSH], ns);
+        pthread_mutex_unlock(&s->mu);
     }
     if (rc == -EINVAL || rc == -E2BIG) {
         pthread_mutex_lock(&s->mu);

@@ -6,6 +6,7 @@
 #define BEX_TEST_PS_H
 
 #include <math.h>
+#include <sys/prctl.h>
 
 #include "bex/dir.h"
 #include "bex/ps.h"
@@ -315,7 +316,7 @@ static inline void grads_of(float *g, int n, uint32_t dim, int salt)
 
 /* Fetch the keys of idx[0..n) from table r->t and check them. */
 static inline void fetch_check(bex_ps_client *pc, const struct ref *r, const uint64_t *keys,
-                        const int *idx, int n)
+                               const int *idx, int n)
 {
     uint64_t k[NK * 2];
     float rows[NK * 2 * DMAX];
@@ -325,8 +326,8 @@ static inline void fetch_check(bex_ps_client *pc, const struct ref *r, const uin
     ref_check(r, idx, n, rows);
 }
 
-static inline void push_ref(bex_ps_client *pc, struct ref *r, const uint64_t *keys, const int *idx, int n,
-                     int salt)
+static inline void push_ref(bex_ps_client *pc, struct ref *r, const uint64_t *keys, const int *idx,
+                            int n, int salt)
 {
     uint64_t k[NK * 2];
     float g[NK * 2 * DMAX];
@@ -348,5 +349,93 @@ static inline void keys_init(uint64_t *keys, int *all)
     for (int s = 0; s < NSH; s++)
         CHECK(per[s] >= NK / 4); /* the requests do span both shards */
 }
+
+/* ---- files and the bex-ps program ---- */
+
+static inline void write_file(const char *path, const void *p, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    CHECK(f);
+    CHECK(fwrite(p, 1, n, f) == n);
+    CHECK(fclose(f) == 0);
+}
+
+/* A loopback TCP port free now. */
+static inline uint16_t free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    CHECK(getsockname(fd, (struct sockaddr *)&a, &l) == 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+#ifdef BEX_PS_BIN
+/* Start bex-ps with args (after the program's name, NULL-terminated) and
+ * wait for its "ready" line; the metrics URL it printed before, if any,
+ * goes to url (url_cap bytes; "" when none). */
+static inline pid_t bex_ps_start(const char *const *args, char *url, size_t url_cap)
+{
+    const char *argv[32] = {"bex-ps"};
+    size_t n = 1;
+    for (; args[n - 1]; n++) {
+        CHECK(n < 31);
+        argv[n] = args[n - 1];
+    }
+    argv[n] = NULL;
+    if (url_cap)
+        url[0] = 0;
+    int p[2];
+    CHECK(pipe(p) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        /* gone with the test, also when a check fails (no process left) */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        dup2(p[1], 1);
+        close(p[0]);
+        close(p[1]);
+        execv(BEX_PS_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    close(p[1]);
+    FILE *f = fdopen(p[0], "r");
+    CHECK(f);
+    char line[256];
+    bool ready = false;
+    static const char at[] = "bex-ps: metrics at ";
+    while (!ready && fgets(line, sizeof line, f)) {
+        fprintf(stderr, "%s", line);
+        ready = strcmp(line, "bex-ps: ready\n") == 0;
+        if (url_cap && strncmp(line, at, sizeof at - 1) == 0)
+            snprintf(url, url_cap, "%.*s", (int)strcspn(line + sizeof at - 1, "\n"),
+                     line + sizeof at - 1);
+    }
+    CHECK(ready);
+    fclose(f);
+    return pid;
+}
+
+/* SIGTERM: bex-ps leaves with status 0 in time. */
+static inline void term_bex_ps(pid_t pid)
+{
+    CHECK(kill(pid, SIGTERM) == 0);
+    int status = 0;
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    if (w == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        CHECK(!"bex-ps did not stop on SIGTERM");
+    }
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+#endif
 
 #endif

@@ -428,14 +428,6 @@ static int t_snapshot(void)
     return rc ? 1 : 0;
 }
 
-static void write_file(const char *path, const void *p, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    CHECK(f);
-    CHECK(fwrite(p, 1, n, f) == n);
-    CHECK(fclose(f) == 0);
-}
-
 static uint8_t *read_file(const char *path, size_t *n)
 {
     FILE *f = fopen(path, "rb");
@@ -678,63 +670,12 @@ static int t_many_rows(void)
 }
 
 /* A free TCP port on 127.0.0.1 (racy, but only this test uses it). */
-static uint16_t free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(fd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t l = sizeof a;
-    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
-    CHECK(getsockname(fd, (struct sockaddr *)&a, &l) == 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
-/* Start bex-ps and wait for its "ready" line; its stdout stays on *out. */
+/* bex-ps serving both shards of the cluster file, snapshots in snapdir. */
 static pid_t start_bex_ps(const char *cluster, const char *snapdir)
 {
-    int p[2];
-    CHECK(pipe(p) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        dup2(p[1], 1);
-        close(p[0]);
-        close(p[1]);
-        execl(BEX_PS_BIN, "bex-ps", "--cluster", cluster, "--shard", "all", "--table",
-              "1:8:sgd:0.1", "--snapshot-dir", snapdir, "--transport", "tcp", (char *)NULL);
-        _exit(127);
-    }
-    close(p[1]);
-    FILE *f = fdopen(p[0], "r");
-    CHECK(f);
-    char line[256];
-    bool ready = false;
-    while (!ready && fgets(line, sizeof line, f)) {
-        fprintf(stderr, "%s", line);
-        ready = strcmp(line, "bex-ps: ready\n") == 0;
-    }
-    CHECK(ready);
-    fclose(f);
-    return pid;
-}
-
-/* SIGTERM: bex-ps leaves with status 0 in time. */
-static void term_bex_ps(pid_t pid)
-{
-    CHECK(kill(pid, SIGTERM) == 0);
-    int status = 0;
-    uint64_t end = pair_now_ms() + 20000ull * time_scale();
-    pid_t w;
-    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
-        pair_sleep_ms(10);
-    if (w == 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
-        CHECK(!"bex-ps did not stop on SIGTERM");
-    }
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    const char *args[] = {"--cluster",      cluster, "--shard",     "all", "--table", "1:8:sgd:0.1",
+                          "--snapshot-dir", snapdir, "--transport", "tcp", NULL};
+    return bex_ps_start(args, NULL, 0);
 }
 
 /* The bex-ps program: two shards from a cluster file, Pushes and Fetches

@@ -5,10 +5,14 @@
  * address, each by its own RPC server on one context (the replicas served
  * must share an IP address: the context's). SIGUSR1 writes a snapshot of
  * every shard; SIGTERM and SIGINT stop the servers, write the snapshots and
- * leave with status 0. The snapshots (--snapshot-dir) are loaded at start. */
+ * leave with status 0. The snapshots (--snapshot-dir) are loaded at start.
+ * With --metrics-port, GET /metrics over HTTP (libmicrohttpd, on the
+ * replica's address) answers the shards' and their RPC servers' counters
+ * in Prometheus text format. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
+#include <microhttpd.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +30,7 @@ static void usage(void)
     fprintf(stderr,
             "usage: bex-ps --cluster FILE --shard N[,N...]|all [--service NAME] [--replica I]\n"
             "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
-            "              [--transport auto|rdma|tcp] [--verbose]\n");
+            "              [--transport auto|rdma|tcp] [--metrics-port PORT] [--verbose]\n");
     exit(2);
 }
 
@@ -55,6 +59,75 @@ struct served {
     char snap[4096];
 };
 
+/* ---- /metrics ---- */
+
+struct metrics {
+    bex_ps_shard *ps[MAX_SERVED];
+    bex_rpc_server *srv[MAX_SERVED];
+    const char *names[MAX_SERVED];
+    char name_buf[MAX_SERVED][16];
+    size_t n;
+};
+
+/* The shards' text, then their servers': malloc'd, NUL-terminated. */
+static char *metrics_text(const struct metrics *m)
+{
+    size_t cap = 16384;
+    for (int tries = 0; tries < 8; tries++) {
+        char *buf = malloc(cap);
+        if (!buf)
+            return NULL;
+        int a = bex_ps_shard_prometheus(m->ps, m->n, buf, cap);
+        int b = a < 0 || (size_t)a >= cap
+                    ? 0
+                    : bex_rpc_server_prometheus(m->srv, m->names, m->n, buf + a, cap - (size_t)a);
+        if (a < 0 || b < 0) {
+            free(buf);
+            return NULL;
+        }
+        if ((size_t)a + (size_t)b < cap)
+            return buf;
+        free(buf); /* grew meanwhile, or the first guess was short */
+        cap = 2 * ((size_t)a + (size_t)b + 1);
+    }
+    return NULL;
+}
+
+static enum MHD_Result http_answer(struct MHD_Connection *c, unsigned code, char *text)
+{
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(text);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE,
+                            code == MHD_HTTP_OK ? "text/plain; version=0.0.4; charset=utf-8"
+                                                : "text/plain; charset=utf-8");
+    enum MHD_Result ret = MHD_queue_response(c, code, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result on_http(void *cls, struct MHD_Connection *c, const char *url,
+                               const char *method, const char *version, const char *upload,
+                               size_t *upload_size, void **req_cls)
+{
+    (void)version;
+    (void)upload;
+    (void)req_cls;
+    if (*upload_size) /* no body is read: refuse one */
+        return MHD_NO;
+    if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
+        return http_answer(c, MHD_HTTP_METHOD_NOT_ALLOWED, strdup("only GET\n"));
+    if (strcmp(url, "/metrics") != 0)
+        return http_answer(c, MHD_HTTP_NOT_FOUND, strdup("only /metrics\n"));
+    char *text = metrics_text(cls);
+    if (!text)
+        return http_answer(c, MHD_HTTP_INTERNAL_SERVER_ERROR, strdup("out of memory\n"));
+    return http_answer(c, MHD_HTTP_OK, text);
+}
+
 static void snapshot_all(struct served *sv, size_t n, const char *dir)
 {
     if (!dir)
@@ -71,18 +144,16 @@ int main(int argc, char **argv)
 {
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
     uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO;
+    long metrics_port = -1;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables = 0;
     int verbose = 0;
-    static const struct option lo[] = {{"cluster", required_argument, 0, 'c'},
-                                       {"service", required_argument, 0, 's'},
-                                       {"shard", required_argument, 0, 'n'},
-                                       {"replica", required_argument, 0, 'r'},
-                                       {"table", required_argument, 0, 't'},
-                                       {"snapshot-dir", required_argument, 0, 'd'},
-                                       {"transport", required_argument, 0, 'x'},
-                                       {"verbose", no_argument, 0, 'v'},
-                                       {0, 0, 0, 0}};
+    static const struct option lo[] = {
+        {"cluster", required_argument, 0, 'c'},   {"service", required_argument, 0, 's'},
+        {"shard", required_argument, 0, 'n'},     {"replica", required_argument, 0, 'r'},
+        {"table", required_argument, 0, 't'},     {"snapshot-dir", required_argument, 0, 'd'},
+        {"transport", required_argument, 0, 'x'}, {"metrics-port", required_argument, 0, 'm'},
+        {"verbose", no_argument, 0, 'v'},         {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
         case 'c':
@@ -103,6 +174,13 @@ int main(int argc, char **argv)
         case 'v':
             verbose = 1;
             break;
+        case 'm': {
+            char *end;
+            metrics_port = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || metrics_port < 0 || metrics_port > 65535)
+                usage();
+            break;
+        }
         case 't':
             if (n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &tables[n_tables++]))
                 usage();
@@ -227,6 +305,35 @@ int main(int argc, char **argv)
         printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, n_shards, a,
                ntohs(self[up].addr.sin_port));
     }
+    static struct metrics mt;
+    struct MHD_Daemon *httpd = NULL;
+    if (status == 0 && metrics_port >= 0) {
+        for (size_t i = 0; i < n_sv; i++) {
+            mt.ps[i] = sv[i].ps;
+            mt.srv[i] = sv[i].srv;
+            snprintf(mt.name_buf[i], sizeof mt.name_buf[i], "shard%u", sv[i].shard);
+            mt.names[i] = mt.name_buf[i];
+        }
+        mt.n = n_sv;
+        struct sockaddr_in ma = {.sin_family = AF_INET,
+                                 .sin_addr = self[0].addr.sin_addr,
+                                 .sin_port = htons((uint16_t)metrics_port)};
+        /* its thread starts with the signals blocked, as every thread here */
+        httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
+                                 (uint16_t)metrics_port, NULL, NULL, on_http, &mt,
+                                 MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ma,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+        const union MHD_DaemonInfo *di =
+            httpd ? MHD_get_daemon_info(httpd, MHD_DAEMON_INFO_BIND_PORT) : NULL;
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &ma.sin_addr, a, sizeof a);
+        if (!di) {
+            fprintf(stderr, "bex-ps: metrics on %s:%ld: cannot listen\n", a, metrics_port);
+            status = 1;
+        } else {
+            printf("bex-ps: metrics at http://%s:%u/metrics\n", a, (unsigned)di->port);
+        }
+    }
     if (status == 0) {
         printf("bex-ps: ready\n");
         fflush(stdout);
@@ -238,6 +345,8 @@ int main(int argc, char **argv)
             snapshot_all(sv, n_sv, snap_dir);
         }
     }
+    if (httpd)
+        MHD_stop_daemon(httpd); /* it reads the shards and servers */
     /* servers first: no Push is applied after the snapshot */
     for (size_t i = 0; i < up; i++)
         bex_rpc_server_destroy(sv[i].srv);
