@@ -192,12 +192,12 @@ static int t_metrics(void)
         snprintf(k, sizeof k, "bex_ps_malformed_total{shard=\"%d\"}", s);
         CHECK(sample(text, k) == 0);
         /* the shard's histogram: every Push counted, +Inf is the count */
-        snprintf(k, sizeof k, "bex_ps_serve_seconds_count{shard=\"%d\",table=\"1\",method=\"push\"}",
-                 s);
-        CHECK(sample(text, k) == 3);
         snprintf(k, sizeof k,
-                 "bex_ps_serve_seconds_bucket{shard=\"%d\",table=\"1\",method=\"push\",le=\"+Inf\"}",
-                 s);
+                 "bex_ps_serve_seconds_count{shard=\"%d\",table=\"1\",method=\"push\"}", s);
+        CHECK(sample(text, k) == 3);
+        snprintf(
+            k, sizeof k,
+            "bex_ps_serve_seconds_bucket{shard=\"%d\",table=\"1\",method=\"push\",le=\"+Inf\"}", s);
         CHECK(sample(text, k) == 3);
         snprintf(k, sizeof k, "bex_ps_serve_seconds_sum{shard=\"%d\",table=\"1\",method=\"push\"}",
                  s);
@@ -252,9 +252,10 @@ static int t_replica_restart(void)
     cluster_file(cluster, 2);
     pid_t pid[2];
     for (int rp = 0; rp < 2; rp++) {
-        const char *args[] = {"--cluster",   cluster, "--shard",        "all", "--replica",
-                              rp ? "1" : "0", "--table", "1:8:sgd:0.1", "--transport", "tcp",
-                              "--snapshot-dir", tmpl, NULL};
+        const char *args[] = {"--cluster",   cluster,        "--shard",        "all",
+                              "--replica",   rp ? "1" : "0", "--table",        "1:8:sgd:0.1",
+                              "--transport", "tcp",          "--snapshot-dir", tmpl,
+                              NULL};
         pid[rp] = bex_ps_start(args, NULL, 0);
     }
     bex_ctx *ctx = client_ctx();
@@ -305,9 +306,9 @@ static int t_replica_restart(void)
         CHECK(is_r1 ? res[i].status != 0 : res[i].status == 0);
     }
     /* replica 1 back: the rows it had (not replica 0's, which moved on) */
-    const char *args[] = {"--cluster",   cluster, "--shard",        "all", "--replica",
-                          "1",           "--table", "1:8:sgd:0.1",  "--transport", "tcp",
-                          "--snapshot-dir", tmpl, NULL};
+    const char *args[] = {"--cluster", cluster,       "--shard",     "all", "--replica",      "1",
+                          "--table",   "1:8:sgd:0.1", "--transport", "tcp", "--snapshot-dir", tmpl,
+                          NULL};
     pid[1] = bex_ps_start(args, NULL, 0);
     {
         bex_dir *d1;
@@ -344,6 +345,79 @@ static int t_replica_restart(void)
     return 0;
 }
 
+/* Wait until path exists (10 s, scaled). */
+static void wait_file(const char *path)
+{
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while (access(path, R_OK) != 0 && pair_now_ms() < end)
+        pair_sleep_ms(5);
+    CHECK(access(path, R_OK) == 0);
+}
+
+/* bex-ps --snapshot-every 100: after Pushes, the snapshots are written
+ * again by themselves (each removed twice and back twice: the second was
+ * begun after the Pushes); killed with -9 (no snapshot at exit) and
+ * started again, it serves the rows it had, bit for bit. */
+static int t_snapshot_every(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char tmpl[] = "/tmp/bex-ps-test-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char cluster[128];
+    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
+    cluster_file(cluster, 1);
+    const char *args[] = {
+        "--cluster",   cluster, "--shard",        "all", "--table",          "1:8:sgd:0.1",
+        "--transport", "tcp",   "--snapshot-dir", tmpl,  "--snapshot-every", "100",
+        NULL};
+    pid_t pid = bex_ps_start(args, NULL, 0);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d;
+    char err[256];
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_file(d, cluster, err, sizeof err));
+    bex_ps_client *pc = client_of(ctx, d);
+    uint64_t keys[NK];
+    int all[NK];
+    keys_init(keys, all);
+    static struct ref r;
+    ref_init(&r, &TC, keys);
+    for (int i = 0; i < 3; i++)
+        push_ref(pc, &r, keys, all, NK, 90 + i);
+    static float had[NK * DMAX], now[NK * DMAX];
+    CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, keys, NK, had));
+    ref_check(&r, all, NK, had);
+    char snap[NSH][192];
+    for (int round = 0; round < 2; round++)
+        for (int s = 0; s < NSH; s++) {
+            snprintf(snap[s], sizeof snap[s], "%s/ps-shard%d-replica0.snap", tmpl, s);
+            wait_file(snap[s]);
+            CHECK(unlink(snap[s]) == 0);
+            wait_file(snap[s]);
+        }
+    bex_ps_client_destroy(pc);
+    CHECK(kill(pid, SIGKILL) == 0);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    const char *args2[] = {"--cluster",      cluster,       "--shard",     "all",
+                           "--table",        "1:8:sgd:0.1", "--transport", "tcp",
+                           "--snapshot-dir", tmpl,          NULL};
+    pid = bex_ps_start(args2, NULL, 0);
+    pc = client_of(ctx, d);
+    CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, keys, NK, now));
+    CHECK(memcmp(had, now, sizeof had) == 0);
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    term_bex_ps(pid);
+    for (int s = 0; s < NSH; s++)
+        CHECK(unlink(snap[s]) == 0);
+    unlink(cluster);
+    CHECK(rmdir(tmpl) == 0); /* nothing else left behind (no .tmp) */
+    return 0;
+}
+
 /* bex__prom_hist's buckets are exact at their bounds (2^k ns): samples
  * just under and at a bound land below and above it; +Inf, sum and count;
  * an empty histogram prints zeros. */
@@ -360,10 +434,10 @@ static int t_hist(void)
     struct bex__prom o = {buf, sizeof buf, 0};
     bex__prom_hist(&o, "m", "a=\"b\"", &h);
     CHECK(o.n < sizeof buf);
-    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"1.024e-06\"}") == 2);    /* 0, 1023 */
-    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"4.096e-06\"}") == 4);    /* 1024, 4095 */
-    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"1.6384e-05\"}") == 6);   /* 4096, 16383 */
-    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"0.001048576\"}") == 6);  /* 2^20: not below */
+    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"1.024e-06\"}") == 2);   /* 0, 1023 */
+    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"4.096e-06\"}") == 4);   /* 1024, 4095 */
+    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"1.6384e-05\"}") == 6);  /* 4096, 16383 */
+    CHECK(sample(buf, "m_bucket{a=\"b\",le=\"0.001048576\"}") == 6); /* 2^20: not below */
     CHECK(sample(buf, "m_bucket{a=\"b\",le=\"0.004194304\"}") == 7);
     CHECK(sample(buf, "m_bucket{a=\"b\",le=\"17.179869184\"}") == 7); /* 2^34: not below */
     CHECK(sample(buf, "m_bucket{a=\"b\",le=\"+Inf\"}") == 9);
@@ -383,4 +457,5 @@ static int t_hist(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"metrics", t_metrics}, {"replica_restart", t_replica_restart}, {"hist", t_hist})
+BEX_TEST_MAIN({"metrics", t_metrics}, {"replica_restart", t_replica_restart},
+              {"snapshot_every", t_snapshot_every}, {"hist", t_hist})

@@ -5,7 +5,8 @@
  * address, each by its own RPC server on one context (the replicas served
  * must share an IP address: the context's). SIGUSR1 writes a snapshot of
  * every shard; SIGTERM and SIGINT stop the servers, write the snapshots and
- * leave with status 0. The snapshots (--snapshot-dir) are loaded at start.
+ * leave with status 0. The snapshots (--snapshot-dir) are loaded at start;
+ * --snapshot-every writes them periodically too.
  * With --metrics-port, GET /metrics over HTTP (libmicrohttpd, on the
  * replica's address) answers the shards' and their RPC servers' counters
  * in Prometheus text format. */
@@ -17,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bex/dir.h"
 #include "bex/ps.h"
@@ -30,7 +32,8 @@ static void usage(void)
     fprintf(stderr,
             "usage: bex-ps --cluster FILE --shard N[,N...]|all [--service NAME] [--replica I]\n"
             "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
-            "              [--transport auto|rdma|tcp] [--metrics-port PORT] [--verbose]\n");
+            "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
+            "              [--metrics-port PORT] [--verbose]\n");
     exit(2);
 }
 
@@ -144,16 +147,21 @@ int main(int argc, char **argv)
 {
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
     uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO;
-    long metrics_port = -1;
+    long metrics_port = -1, snap_every_ms = 0;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables = 0;
     int verbose = 0;
-    static const struct option lo[] = {
-        {"cluster", required_argument, 0, 'c'},   {"service", required_argument, 0, 's'},
-        {"shard", required_argument, 0, 'n'},     {"replica", required_argument, 0, 'r'},
-        {"table", required_argument, 0, 't'},     {"snapshot-dir", required_argument, 0, 'd'},
-        {"transport", required_argument, 0, 'x'}, {"metrics-port", required_argument, 0, 'm'},
-        {"verbose", no_argument, 0, 'v'},         {0, 0, 0, 0}};
+    static const struct option lo[] = {{"cluster", required_argument, 0, 'c'},
+                                       {"service", required_argument, 0, 's'},
+                                       {"shard", required_argument, 0, 'n'},
+                                       {"replica", required_argument, 0, 'r'},
+                                       {"table", required_argument, 0, 't'},
+                                       {"snapshot-dir", required_argument, 0, 'd'},
+                                       {"transport", required_argument, 0, 'x'},
+                                       {"metrics-port", required_argument, 0, 'm'},
+                                       {"snapshot-every", required_argument, 0, 'e'},
+                                       {"verbose", no_argument, 0, 'v'},
+                                       {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
         case 'c':
@@ -174,6 +182,13 @@ int main(int argc, char **argv)
         case 'v':
             verbose = 1;
             break;
+        case 'e': {
+            char *end;
+            snap_every_ms = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || snap_every_ms <= 0 || snap_every_ms > 86400000)
+                usage();
+            break;
+        }
         case 'm': {
             char *end;
             metrics_port = strtol(optarg, &end, 10);
@@ -197,7 +212,7 @@ int main(int argc, char **argv)
             usage();
         }
     }
-    if (!cluster || !shards || optind != argc)
+    if (!cluster || !shards || optind != argc || (snap_every_ms && !snap_dir))
         usage();
     if (n_tables == 0)
         tables[n_tables++] = (bex_ps_table_config){.id = 1, .dim = 16, .optimizer = BEX_PS_SGD};
@@ -337,9 +352,17 @@ int main(int argc, char **argv)
     if (status == 0) {
         printf("bex-ps: ready\n");
         fflush(stdout);
+        /* --snapshot-every: a snapshot each period too, so that a replica
+         * killed without SIGTERM comes back with its rows of that moment */
+        struct timespec period = {snap_every_ms / 1000, (snap_every_ms % 1000) * 1000000};
         for (;;) {
-            int sig = 0;
-            sigwait(&sigs, &sig);
+            int sig = snap_every_ms ? sigtimedwait(&sigs, NULL, &period) : 0;
+            if (!snap_every_ms)
+                sigwait(&sigs, &sig);
+            if (sig < 0 && errno == EAGAIN)
+                sig = SIGUSR1; /* the period passed */
+            else if (sig < 0)
+                continue; /* EINTR */
             if (sig != SIGUSR1)
                 break;
             snapshot_all(sv, n_sv, snap_dir);
