@@ -418,6 +418,172 @@ static int t_snapshot_every(void)
     return 0;
 }
 
+/* ---- etcd ---- */
+
+static char etcd_dir[64];
+static pid_t etcd_pid;
+
+static void etcd_rm(void)
+{
+    if (!etcd_dir[0])
+        return;
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", etcd_dir);
+    int rc = system(cmd);
+    (void)rc;
+    etcd_dir[0] = 0;
+}
+
+/* atexit, in the test's process: etcd stopped and its files gone, also
+ * after a failed check (bex-ps children go by PR_SET_PDEATHSIG) */
+static pid_t main_pid;
+static void etcd_cleanup(void)
+{
+    if (getpid() != main_pid)
+        return;
+    if (etcd_pid > 0) {
+        kill(etcd_pid, SIGTERM);
+        waitpid(etcd_pid, NULL, 0);
+        etcd_pid = 0;
+    }
+    etcd_rm();
+}
+
+/* A local etcd (BEX_ETCD or etcd in PATH; scripts/deps has etcd-server) on
+ * free loopback ports, data in a temporary directory, answering /health
+ * before this returns; its client URL into url. */
+static void etcd_start(char *url, size_t cap)
+{
+    main_pid = getpid();
+    atexit(etcd_cleanup);
+    snprintf(etcd_dir, sizeof etcd_dir, "/tmp/bex-ps-etcd-XXXXXX");
+    CHECK(mkdtemp(etcd_dir));
+    uint16_t cp = free_port(), pp = free_port();
+    while (pp == cp)
+        pp = free_port();
+    char cu[64], pu[64], cl[96], dd[96], lg[96];
+    snprintf(cu, sizeof cu, "http://127.0.0.1:%u", cp);
+    snprintf(pu, sizeof pu, "http://127.0.0.1:%u", pp);
+    snprintf(cl, sizeof cl, "t=%s", pu);
+    snprintf(dd, sizeof dd, "%s/data", etcd_dir);
+    snprintf(lg, sizeof lg, "%s/log", etcd_dir);
+    const char *bin = getenv("BEX_ETCD") ? getenv("BEX_ETCD") : "etcd";
+    fflush(NULL);
+    etcd_pid = fork();
+    CHECK(etcd_pid >= 0);
+    if (etcd_pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (!freopen(lg, "a", stdout))
+            _exit(126);
+        dup2(STDOUT_FILENO, STDERR_FILENO);
+        execlp(bin, bin, "--name", "t", "--data-dir", dd, "--listen-client-urls", cu,
+               "--advertise-client-urls", cu, "--listen-peer-urls", pu,
+               "--initial-advertise-peer-urls", pu, "--initial-cluster", cl, "--log-level", "warn",
+               (char *)NULL);
+        _exit(127);
+    }
+    snprintf(url, cap, "%s", cu);
+    char health[96];
+    snprintf(health, sizeof health, "%s/health", cu);
+    uint64_t end = pair_now_ms() + 30000ull * time_scale();
+    for (;;) {
+        int st;
+        if (waitpid(etcd_pid, &st, WNOHANG) == etcd_pid) {
+            etcd_pid = 0;
+            fprintf(stderr, "FAIL: %s did not start (install etcd-server: scripts/deps)\n", bin);
+            CHECK(0);
+        }
+        CURL *c = curl_easy_init();
+        CHECK(c);
+        curl_easy_setopt(c, CURLOPT_URL, health);
+        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 1000L);
+        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+        struct body b = {NULL, 0};
+        curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+        long code = 0;
+        if (curl_easy_perform(c) == CURLE_OK)
+            curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+        curl_easy_cleanup(c);
+        free(b.p);
+        if (code == 200)
+            break;
+        CHECK(pair_now_ms() < end);
+        pair_sleep_ms(50);
+    }
+}
+
+/* Wait until d lists want replicas of shard (10 s, scaled). */
+static void wait_replicas(bex_dir *d, uint32_t shard, size_t want)
+{
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while (bex_dir_replicas(d, "ps", shard, NULL, 0) != want && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    CHECK_EQ(bex_dir_replicas(d, "ps", shard, NULL, 0), want);
+}
+
+/* Two bex-ps started with --etcd (shard 0 and shard 1, ports picked,
+ * lease TTL 30 s) register; a client's directory watching etcd finds both
+ * (address and locality), and Pushes and Fetches through it match the
+ * reference; shard 1's bex-ps stopped with SIGTERM deregisters: its entry
+ * goes within 5 s (well before the lease's 30 s), shard 0's stays. */
+static int t_etcd(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char url[96];
+    etcd_start(url, sizeof url);
+    pid_t pid[NSH];
+    for (int s = 0; s < NSH; s++) {
+        const char *args[] = {"--etcd", url,       "--listen",    "127.0.0.1",   "--n-shards",
+                              "2",      "--shard", s ? "1" : "0", "--locality",  "dc1/pod7",
+                              "--ttl",  "30",      "--table",     "1:8:sgd:0.1", "--transport",
+                              "tcp",    NULL};
+        pid[s] = bex_ps_start(args, NULL, 0);
+    }
+    bex_dir *d;
+    char err[256] = "";
+    CHECK_OK(bex_dir_create(NULL, &d));
+    int rc = bex_dir_watch_etcd(d, url, NULL, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    for (uint32_t s = 0; s < NSH; s++) {
+        wait_replicas(d, s, 1);
+        bex_dir_replica rp;
+        CHECK_EQ(bex_dir_replicas(d, "ps", s, &rp, 1), 1);
+        CHECK(strcmp(rp.locality, "dc1/pod7") == 0);
+        CHECK(rp.addr.sin_addr.s_addr == htonl(INADDR_LOOPBACK) && rp.addr.sin_port != 0);
+    }
+    bex_ctx *ctx = client_ctx();
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .n_shards = NSH,
+                               .timeout_ms = 20000 * time_scale(),
+                               .connect_timeout_ms = 15000 * time_scale()};
+    bex_ps_client *pc;
+    CHECK_OK(bex_ps_client_create(ctx, &cc, &pc));
+    uint64_t keys[NK];
+    int all[NK];
+    keys_init(keys, all);
+    static struct ref r;
+    ref_init(&r, &TC, keys);
+    for (int i = 0; i < 2; i++)
+        push_ref(pc, &r, keys, all, NK, 100 + i);
+    fetch_check(pc, &r, keys, all, NK);
+    bex_ps_client_destroy(pc);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    uint64_t t0 = pair_now_ms();
+    term_bex_ps(pid[1]);
+    wait_replicas(d, 1, 0);
+    CHECK(pair_now_ms() - t0 < 5000ull * time_scale());
+    CHECK_EQ(bex_dir_replicas(d, "ps", 0, NULL, 0), 1);
+    bex_dir_destroy(d);
+    term_bex_ps(pid[0]);
+    etcd_cleanup();
+    return 0;
+}
+
 /* bex__prom_hist's buckets are exact at their bounds (2^k ns): samples
  * just under and at a bound land below and above it; +Inf, sum and count;
  * an empty histogram prints zeros. */
@@ -458,4 +624,4 @@ static int t_hist(void)
 }
 
 BEX_TEST_MAIN({"metrics", t_metrics}, {"replica_restart", t_replica_restart},
-              {"snapshot_every", t_snapshot_every}, {"hist", t_hist})
+              {"snapshot_every", t_snapshot_every}, {"etcd", t_etcd}, {"hist", t_hist})

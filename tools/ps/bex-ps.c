@@ -3,7 +3,9 @@
  *
  * Every shard listed by --shard is served at its replica --replica's
  * address, each by its own RPC server on one context (the replicas served
- * must share an IP address: the context's). SIGUSR1 writes a snapshot of
+ * must share an IP address: the context's). Or, with --etcd instead of
+ * --cluster, at --listen's address, and registered in etcd under a lease
+ * (revoked at shutdown; it expires when the process dies). SIGUSR1 writes a snapshot of
  * every shard; SIGTERM and SIGINT stop the servers, write the snapshots and
  * leave with status 0. The snapshots (--snapshot-dir) are loaded at start;
  * --snapshot-every writes them periodically too.
@@ -29,11 +31,15 @@
 
 static void usage(void)
 {
-    fprintf(stderr,
-            "usage: bex-ps --cluster FILE --shard N[,N...]|all [--service NAME] [--replica I]\n"
-            "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
-            "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
-            "              [--metrics-port PORT] [--verbose]\n");
+    fprintf(
+        stderr,
+        "usage: bex-ps --cluster FILE --shard N[,N...]|all [--service NAME] [--replica I]\n"
+        "       bex-ps --etcd URL --listen IP[:PORT] --n-shards N --shard N[,N...]|all\n"
+        "              [--etcd-prefix P] [--locality L] [--ttl S] [--service NAME] [--replica I]\n"
+        "  both:\n"
+        "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
+        "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
+        "              [--metrics-port PORT] [--verbose]\n");
     exit(2);
 }
 
@@ -148,6 +154,8 @@ int main(int argc, char **argv)
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
     uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO;
     long metrics_port = -1, snap_every_ms = 0;
+    const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
+    unsigned long n_shards_opt = 0, ttl_s = 10;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables = 0;
     int verbose = 0;
@@ -160,6 +168,12 @@ int main(int argc, char **argv)
                                        {"transport", required_argument, 0, 'x'},
                                        {"metrics-port", required_argument, 0, 'm'},
                                        {"snapshot-every", required_argument, 0, 'e'},
+                                       {"etcd", required_argument, 0, 'E'},
+                                       {"etcd-prefix", required_argument, 0, 'P'},
+                                       {"listen", required_argument, 0, 'l'},
+                                       {"n-shards", required_argument, 0, 'N'},
+                                       {"locality", required_argument, 0, 'L'},
+                                       {"ttl", required_argument, 0, 'T'},
                                        {"verbose", no_argument, 0, 'v'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
@@ -182,6 +196,29 @@ int main(int argc, char **argv)
         case 'v':
             verbose = 1;
             break;
+        case 'E':
+            etcd = optarg;
+            break;
+        case 'P':
+            etcd_prefix = optarg;
+            break;
+        case 'l':
+            listen_s = optarg;
+            break;
+        case 'L':
+            locality = optarg;
+            if (strlen(locality) > BEX_DIR_LOCALITY_MAX)
+                usage();
+            break;
+        case 'N':
+        case 'T': {
+            char *end;
+            unsigned long v = strtoul(optarg, &end, 10);
+            if (*optarg == 0 || *end || v == 0 || v > 4096)
+                usage();
+            *(o == 'N' ? &n_shards_opt : &ttl_s) = v;
+            break;
+        }
         case 'e': {
             char *end;
             snap_every_ms = strtol(optarg, &end, 10);
@@ -212,7 +249,8 @@ int main(int argc, char **argv)
             usage();
         }
     }
-    if (!cluster || !shards || optind != argc || (snap_every_ms && !snap_dir))
+    if (!shards || optind != argc || (snap_every_ms && !snap_dir) || !cluster == !etcd ||
+        (etcd && (!listen_s || !n_shards_opt)))
         usage();
     if (n_tables == 0)
         tables[n_tables++] = (bex_ps_table_config){.id = 1, .dim = 16, .optimizer = BEX_PS_SGD};
@@ -226,24 +264,27 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
-    bex_dir *dir;
+    bex_dir *dir = NULL;
     char err[256] = "";
-    int rc = bex_dir_create(NULL, &dir);
-    if (!rc)
-        rc = bex_dir_load_file(dir, cluster, err, sizeof err);
-    if (rc) {
-        if (err[0])
-            fprintf(stderr, "bex-ps: %s\n", err);
-        else
-            fprintf(stderr, "bex-ps: %s: %s\n", cluster, bex_strerror(rc));
-        return 1;
-    }
-    uint32_t n_shards = 0;
-    while (n_shards < 4096 && bex_dir_replicas(dir, service, n_shards, NULL, 0) > 0)
-        n_shards++;
-    if (n_shards == 0) {
-        fprintf(stderr, "bex-ps: %s: no service \"%s\"\n", cluster, service);
-        return 1;
+    int rc = 0;
+    uint32_t n_shards = (uint32_t)n_shards_opt;
+    if (cluster) {
+        rc = bex_dir_create(NULL, &dir);
+        if (!rc)
+            rc = bex_dir_load_file(dir, cluster, err, sizeof err);
+        if (rc) {
+            if (err[0])
+                fprintf(stderr, "bex-ps: %s\n", err);
+            else
+                fprintf(stderr, "bex-ps: %s: %s\n", cluster, bex_strerror(rc));
+            return 1;
+        }
+        while (n_shards < 4096 && bex_dir_replicas(dir, service, n_shards, NULL, 0) > 0)
+            n_shards++;
+        if (n_shards == 0) {
+            fprintf(stderr, "bex-ps: %s: no service \"%s\"\n", cluster, service);
+            return 1;
+        }
     }
     static struct served sv[MAX_SERVED];
     size_t n_sv = 0;
@@ -264,7 +305,28 @@ int main(int argc, char **argv)
         p = *end == ',' ? end + 1 : end;
     }
     bex_dir_replica self[MAX_SERVED];
-    for (size_t i = 0; i < n_sv; i++) {
+    if (etcd) {
+        /* --listen IP[:PORT]: shard i of the list at PORT + i (0: any) */
+        char ip[INET_ADDRSTRLEN + 1];
+        unsigned port = 0;
+        int used = 0;
+        struct in_addr ia;
+        int k = sscanf(listen_s, "%16[0-9.]:%u%n", ip, &port, &used);
+        if (k < 1 || port + n_sv > 65536 || inet_pton(AF_INET, ip, &ia) != 1 ||
+            (k == 1 && strcmp(ip, listen_s) != 0) || (k == 2 && listen_s[used])) {
+            fprintf(stderr, "bex-ps: --listen %s: not IP[:PORT]\n", listen_s);
+            return 1;
+        }
+        for (size_t i = 0; i < n_sv; i++) {
+            self[i] =
+                (bex_dir_replica){.addr = {.sin_family = AF_INET,
+                                           .sin_addr = ia,
+                                           .sin_port = htons((uint16_t)(port ? port + i : 0))},
+                                  .transport = transport == BEX_TRANSPORT_AUTO ? 0 : transport};
+            snprintf(self[i].locality, sizeof self[i].locality, "%s", locality);
+        }
+    }
+    for (size_t i = 0; dir && i < n_sv; i++) {
         bex_dir_replica reps[64];
         size_t nr = bex_dir_replicas(dir, service, sv[i].shard, reps, 64);
         if (replica >= nr || replica >= 64) {
@@ -317,8 +379,21 @@ int main(int argc, char **argv)
             status = 1;
             break;
         }
+        bex_rpc_server_addr(s->srv, &self[up].addr); /* the port, when it was 0 */
         printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, n_shards, a,
                ntohs(self[up].addr.sin_port));
+    }
+    /* in etcd once every shard serves: clients find them from here on */
+    static bex_dir_registration *regs[MAX_SERVED];
+    for (size_t i = 0; etcd && status == 0 && i < n_sv; i++) {
+        if ((rc = bex_dir_register_etcd(etcd, etcd_prefix, service, sv[i].shard, &self[i],
+                                        (uint32_t)ttl_s, err, sizeof err, &regs[i]))) {
+            fprintf(stderr, "bex-ps: shard %u: etcd registration: %s\n", sv[i].shard,
+                    err[0] ? err : bex_strerror(rc));
+            status = 1;
+            break;
+        }
+        printf("bex-ps: shard %u registered in etcd\n", sv[i].shard);
     }
     static struct metrics mt;
     struct MHD_Daemon *httpd = NULL;
@@ -368,6 +443,11 @@ int main(int argc, char **argv)
             snapshot_all(sv, n_sv, snap_dir);
         }
     }
+    /* out of etcd first: clients stop picking us before we stop answering */
+    for (size_t i = 0; i < n_sv; i++)
+        if (regs[i] && (rc = bex_dir_deregister(regs[i])))
+            fprintf(stderr, "bex-ps: shard %u: etcd deregistration: %s (the lease expires)\n",
+                    sv[i].shard, bex_strerror(rc));
     if (httpd)
         MHD_stop_daemon(httpd); /* it reads the shards and servers */
     /* servers first: no Push is applied after the snapshot */
