@@ -149,6 +149,14 @@ typedef struct bex_ps_client_config {
     uint32_t timeout_ms;         /* a request's deadline (1000) */
     uint32_t attempt_timeout_ms; /* channel's (0: only failures retried) */
     uint32_t connect_timeout_ms; /* channel's (1000) */
+    /* The channels' retry policy (bex_rpc_channel_config; 0: its
+     * default): attempts per sub-request, the first included (3), and the
+     * retry budget's burst (10) and per-call earning (100 per mille). A
+     * client that must ride out a replica's death with many sub-requests
+     * out on it needs a burst about as large as that number. */
+    uint32_t max_attempts;
+    uint32_t retry_budget_burst;
+    uint32_t retry_budget_permille;
 } bex_ps_client_config;
 
 /* Returns 0, -EINVAL (no shard), -ENOMEM. */
@@ -156,6 +164,17 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
 /* Outstanding requests complete with -ECANCELED first. Never from a
  * completion. */
 void bex_ps_client_destroy(bex_ps_client *c);
+
+/* The client's channels' counters summed (the Fetch channel of every shard
+ * and the Push channel of every replica): sub-requests (RPC calls), how
+ * they ended, and the retries behind them (bex_rpc_channel_stats has the
+ * meaning of each). */
+typedef struct bex_ps_client_stats {
+    uint64_t calls, ok, failed;
+    uint64_t attempts, retries, retry_throttled, failovers;
+    uint64_t conn_failures;
+} bex_ps_client_stats;
+void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out);
 
 /* A request completed: 0, or the first error of its sub-requests. */
 typedef void (*bex_ps_done_fn)(int status, void *user);

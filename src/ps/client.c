@@ -44,6 +44,7 @@ struct bex_ps_client {
     bool has_loc;
     uint32_t n_shards;
     uint32_t timeout_ms, attempt_timeout_ms, connect_timeout_ms;
+    uint32_t max_attempts, budget_burst, budget_permille; /* the channels' (0: default) */
     bex_rpc_channel **ch;    /* Fetch: a directory-mode channel per shard */
     pthread_mutex_t mu;      /* the Push channels below */
     uint64_t gen;            /* the directory generation push follows */
@@ -105,6 +106,9 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
     c->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : 1000;
     c->attempt_timeout_ms = cfg->attempt_timeout_ms;
     c->connect_timeout_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 1000;
+    c->max_attempts = cfg->max_attempts;
+    c->budget_burst = cfg->retry_budget_burst;
+    c->budget_permille = cfg->retry_budget_permille;
     for (uint32_t i = 0; i < n; i++) {
         bex_rpc_channel_config cc = {
             .dir = cfg->dir,
@@ -115,6 +119,9 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
             .request_timeout_ms = c->timeout_ms,
             .attempt_timeout_ms = c->attempt_timeout_ms,
             .connect_timeout_ms = c->connect_timeout_ms,
+            .max_attempts = c->max_attempts,
+            .retry_budget_burst = c->budget_burst,
+            .retry_budget_permille = c->budget_permille,
         };
         int rc = bex_rpc_channel_create(ctx, &cc, &c->ch[i]);
         if (rc) {
@@ -154,6 +161,18 @@ void bex_ps_client_destroy(bex_ps_client *c)
     free(c);
 }
 
+static void stats_add(bex_ps_client_stats *o, const bex_rpc_channel_stats *st)
+{
+    o->calls += st->calls;
+    o->ok += st->ok;
+    o->failed += st->failed;
+    o->attempts += st->attempts;
+    o->retries += st->retries;
+    o->retry_throttled += st->retry_throttled;
+    o->failovers += st->failovers;
+    o->conn_failures += st->conn_failures;
+}
+
 /* The channel of replica r, made on first need. Under c->mu. */
 static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
 {
@@ -173,6 +192,9 @@ static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
         .request_timeout_ms = c->timeout_ms,
         .attempt_timeout_ms = c->attempt_timeout_ms,
         .connect_timeout_ms = c->connect_timeout_ms,
+        .max_attempts = c->max_attempts,
+        .retry_budget_burst = c->budget_burst,
+        .retry_budget_permille = c->budget_permille,
     };
     if (bex_rpc_channel_create(c->ctx, &cc, &p->ch)) {
         free(p);
@@ -218,6 +240,22 @@ static int push_refresh(bex_ps_client *c)
     c->push = nw;
     c->gen = g;
     return 0;
+}
+
+void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
+{
+    *out = (bex_ps_client_stats){0};
+    bex_rpc_channel_stats st;
+    for (uint32_t i = 0; i < c->n_shards; i++) {
+        bex_rpc_channel_stats_get(c->ch[i], &st);
+        stats_add(out, &st);
+    }
+    pthread_mutex_lock(&c->mu);
+    for (struct pch *p = c->all; p; p = p->next) {
+        bex_rpc_channel_stats_get(p->ch, &st);
+        stats_add(out, &st);
+    }
+    pthread_mutex_unlock(&c->mu);
 }
 
 static void op_put(struct op *op)
