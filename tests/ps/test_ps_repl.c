@@ -271,6 +271,23 @@ static int t_failover(void)
     waitpid(dead->pid, &st, 0);
     close(dead->to_child);
     dead->pid = 0;
+    {
+        /* max_attempts 1 (the channels' retry policy): shard 0's part goes
+         * to its nearest replica, the dead one, and is not retried */
+        bex_ps_client_config c1 = cc;
+        c1.max_attempts = 1;
+        bex_ps_client *one;
+        CHECK_OK(bex_ps_client_create(ctx, &c1, &one));
+        static float rows1[NK * DMAX];
+        CHECK(bex_ps_fetch_sync(one, 1, 8, keys, NK, rows1) != 0);
+        bex_ps_client_stats cs;
+        bex_ps_client_stats_get(one, &cs);
+        CHECK_EQ(cs.retries, 0);
+        CHECK_EQ(cs.calls, 2); /* one sub-request a shard */
+        CHECK_EQ(cs.failed, 1);
+        CHECK_EQ(cs.ok, 1);
+        bex_ps_client_destroy(one);
+    }
     for (int i = 0; i < 5; i++)
         for (int t = 0; t < 2; t++)
             fetch_check(pc, &refs[t], keys, all, NK);
@@ -295,6 +312,13 @@ static int t_failover(void)
     ref_push(&refs[0], all, NK, g);
     for (int t = 0; t < 2; t++)
         fetch_check(pc, &refs[t], keys, all, NK);
+    /* the channels' counters summed: every sub-request ended; the dead
+     * replica's Push part failed, its connection with it */
+    bex_ps_client_stats cs;
+    bex_ps_client_stats_get(pc, &cs);
+    CHECK_EQ(cs.calls, cs.ok + cs.failed);
+    CHECK(cs.failed >= 1 && cs.conn_failures >= 1);
+    CHECK(cs.attempts >= cs.calls);
     /* the survivors, each alone */
     static float rows[2][NK * DMAX];
     for (int r = 0; r < NR; r++) {
