@@ -364,6 +364,7 @@ struct phase {
     const char *name, *transport;
     double duration_s;
     int rankers, trainers;
+    double warmup_s; /* samples that start earlier are left out of the stats */
     int fault, f_shard, f_replica;
     double f_snap, f_kill, f_restart;
 };
@@ -420,6 +421,9 @@ static void plan_load(struct plan *pl, const char *arg)
             strcmp(ph->transport, "auto"))
             die("plan %s: phases[%zu].transport: rdma, tcp or auto", arg, i);
         ph->duration_s = jnum(p, "duration_s", 10) * g.scale;
+        ph->warmup_s = jnum(p, "warmup_s", jnum(r, "warmup_s", 2)) * g.scale;
+        if (ph->warmup_s >= ph->duration_s)
+            ph->warmup_s = 0;
         ph->rankers = (int)jnum(p, "rankers", 1);
         ph->trainers = (int)jnum(p, "trainers", 1);
         if (ph->rankers < 0 || ph->trainers < 0 || ph->rankers + ph->trainers > 64 ||
@@ -653,18 +657,21 @@ out:
 
 /* Latency samples of a phase, by role and op. */
 struct lat {
-    uint32_t *v;
+    uint32_t *v; /* the ok ones after the warm-up */
     size_t n, cap;
-    unsigned long long failed;
+    unsigned long long total, failed; /* all of them */
     double sum;
 };
 
-static void lat_add(struct lat *l, uint32_t us, int ok)
+static void lat_add(struct lat *l, uint32_t us, int ok, int measured)
 {
+    l->total++;
     if (!ok) {
         l->failed++;
         return;
     }
+    if (!measured)
+        return;
     if (l->n == l->cap) {
         l->cap = l->cap ? 2 * l->cap : 4096;
         if (!(l->v = realloc(l->v, l->cap * sizeof *l->v)))
@@ -685,8 +692,9 @@ static json_t *lat_json(struct lat *l, double secs)
     if (l->n)
         qsort(l->v, l->n, sizeof *l->v, cmp_u32);
     json_t *o = json_object();
-    json_object_set_new(o, "count", json_integer((json_int_t)(l->n + l->failed)));
+    json_object_set_new(o, "count", json_integer((json_int_t)l->total));
     json_object_set_new(o, "failed", json_integer((json_int_t)l->failed));
+    json_object_set_new(o, "measured", json_integer((json_int_t)l->n));
     json_object_set_new(o, "per_s", json_real(secs > 0 ? (double)l->n / secs : 0));
     json_object_set_new(o, "mean_us", json_real(l->n ? l->sum / (double)l->n : 0));
     json_object_set_new(o, "p50_us", json_integer(l->n ? l->v[l->n / 2] : 0));
@@ -706,7 +714,8 @@ struct bins {
     int n;
 };
 
-static void load_samples(const char *path, int role, struct lat *all, struct bins *bn)
+static void load_samples(const char *path, int role, double warmup_s, struct lat *all,
+                         struct bins *bn)
 {
     FILE *f = fopen(path, "r");
     if (!f)
@@ -722,10 +731,10 @@ static void load_samples(const char *path, int role, struct lat *all, struct bin
             s = strcmp(op, "fetch") == 0 ? S_TFETCH : strcmp(op, "push") == 0 ? S_TPUSH : -1;
         if (s < 0)
             continue;
-        lat_add(&all[s], us, (int)ok);
+        lat_add(&all[s], us, (int)ok, t >= warmup_s * 1000);
         int b = (int)((double)t / 1000.0 / SERIES_BIN);
         if (b >= 0 && b < 1024) {
-            lat_add(&bn->b[s][b], us, (int)ok);
+            lat_add(&bn->b[s][b], us, (int)ok, 1);
             if (b + 1 > bn->n)
                 bn->n = b + 1;
         }
@@ -889,6 +898,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
         argv_num(p, "--outstanding", o, "outstanding");
         argv_num(p, "--timeout-ms", o, "timeout_ms");
         argv_num(p, "--attempt-timeout-ms", o, "attempt_timeout_ms");
+        argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
         if (rk) {
             argv_num(p, "--models", o, "models");
             argv_num(p, "--keys-min", o, "keys_min");
@@ -1001,6 +1011,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(res, "transport", json_string(ph->transport));
     json_object_set_new(res, "duration_s", json_real(ph->duration_s));
     json_object_set_new(res, "elapsed_s", json_real(elapsed));
+    json_object_set_new(res, "warmup_s", json_real(ph->warmup_s));
     json_object_set_new(res, "rankers", json_integer(ph->rankers));
     json_object_set_new(res, "trainers", json_integer(ph->trainers));
     json_object_set_new(res, "shards", json_integer(S));
@@ -1039,7 +1050,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
             bad_clients++;
         }
         snprintf(path, sizeof path, "%s/%s.samples.csv", dir, p->name);
-        load_samples(path, p->role, all, bn);
+        load_samples(path, p->role, ph->warmup_s, all, bn);
     }
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++) {
@@ -1051,7 +1062,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(res, "client_errors", json_integer(bad_clients));
     json_t *lat = json_object();
     for (int s = 0; s < S_N; s++)
-        json_object_set_new(lat, s_names[s], lat_json(&all[s], elapsed));
+        json_object_set_new(lat, s_names[s], lat_json(&all[s], ph->duration_s - ph->warmup_s));
     json_object_set_new(res, "latency", lat);
     json_object_set_new(res, "failed_user_requests", json_integer((json_int_t)all[S_REQ].failed));
     json_object_set_new(res, "retries", json_integer(retries));

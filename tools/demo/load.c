@@ -27,6 +27,7 @@ enum {
     O_DIM,
     O_TIMEOUT,
     O_ATTEMPT_TIMEOUT,
+    O_CONNECT_TIMEOUT,
     O_SEED,
     O_PROGRESS,
     O_VERBOSE,
@@ -49,6 +50,7 @@ static const struct option common_opts[] = {
     {"dim", required_argument, 0, O_DIM},
     {"timeout-ms", required_argument, 0, O_TIMEOUT},
     {"attempt-timeout-ms", required_argument, 0, O_ATTEMPT_TIMEOUT},
+    {"connect-timeout-ms", required_argument, 0, O_CONNECT_TIMEOUT},
     {"seed", required_argument, 0, O_SEED},
     {"progress", no_argument, 0, O_PROGRESS},
     {"verbose", no_argument, 0, O_VERBOSE},
@@ -57,6 +59,10 @@ static const struct option common_opts[] = {
 #define N_COMMON (sizeof common_opts / sizeof common_opts[0])
 
 static uint32_t attempt_timeout_ms;
+/* A dead replica's connection is refused at once, so a long Tc costs the
+ * fault nothing, and an RDMA connection to a loaded server (or in the
+ * emulated VM) can take more than a second to come up. */
+static uint32_t connect_timeout_ms = 3000;
 
 static void usage(const char *prog, const char *extra)
 {
@@ -65,7 +71,8 @@ static void usage(const char *prog, const char *extra)
         "usage: %s --cluster FILE [--service NAME] [--addr A.B.C.D] [--transport auto|rdma|tcp]\n"
         "       [--locality L] [--duration S] [--outstanding N] [--zipf S] [--keys N]\n"
         "       [--table ID] [--dim D] [--timeout-ms MS] [--attempt-timeout-ms MS]\n"
-        "       [--seed N] [--json FILE] [--samples FILE] [--progress] [--verbose]\n%s",
+        "       [--connect-timeout-ms MS] [--seed N] [--json FILE] [--samples FILE]\n"
+        "       [--progress] [--verbose]\n%s",
         prog, extra ? extra : "");
     exit(2);
 }
@@ -158,6 +165,9 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
             break;
         case O_ATTEMPT_TIMEOUT:
             attempt_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 0, 3600000);
+            break;
+        case O_CONNECT_TIMEOUT:
+            connect_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
             break;
         case O_SEED:
             o->seed = (uint64_t)num(prog, usage_extra, optarg, 0, 1e15);
@@ -279,7 +289,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
                                .locality = o->locality,
                                .timeout_ms = o->timeout_ms,
                                .attempt_timeout_ms = attempt_timeout_ms,
-                               .connect_timeout_ms = 1000,
+                               .connect_timeout_ms = connect_timeout_ms,
                                .max_attempts = 4,
                                .retry_budget_burst = 1000,
                                .retry_budget_permille = 200};
