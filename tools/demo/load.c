@@ -258,6 +258,45 @@ uint64_t ld_now_us(void)
     return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
+/* Connect before the load starts, as a ranker or trainer is connected
+ * before it takes traffic: one Fetch with a key of every shard, again until
+ * it succeeds (an RDMA connection to a loaded server, or in the emulated
+ * VM, can take longer than a request's deadline). */
+static int warm_up(struct ld_run *r, const char *prog)
+{
+    uint32_t ns = 0;
+    while (ns < 4096 && bex_dir_replicas(r->dir, r->o->service, ns, NULL, 0) > 0)
+        ns++;
+    uint64_t *keys = calloc(ns ? ns : 1, sizeof *keys);
+    float *rows = calloc((size_t)(ns ? ns : 1) * r->o->dim, sizeof *rows);
+    char *have = calloc(ns ? ns : 1, 1);
+    int rc = -ENOMEM;
+    if (!keys || !rows || !have)
+        goto out;
+    uint32_t n = 0;
+    for (uint32_t rank = 0; n < ns && rank < (1u << 24); rank++) {
+        uint64_t k = ld_rank_key(rank);
+        uint32_t s = bex_ps_key_shard(k, ns);
+        if (!have[s]) {
+            have[s] = 1;
+            keys[n++] = k;
+        }
+    }
+    uint64_t end = ld_now_us() + 60 * 1000000ull;
+    while ((rc = bex_ps_fetch_sync(r->ps, r->o->table, r->o->dim, keys, n, rows)) &&
+           ld_now_us() < end) {
+        struct timespec ts = {0, 100 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    if (rc)
+        fprintf(stderr, "%s: not every shard answered within 60 s: %s\n", prog, bex_strerror(rc));
+out:
+    free(keys);
+    free(rows);
+    free(have);
+    return rc;
+}
+
 int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
 {
     *r = (struct ld_run){.o = o};
@@ -297,6 +336,8 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
         fprintf(stderr, "%s: PS client: %s\n", prog, bex_strerror(rc));
         goto err_ctx;
     }
+    if ((rc = warm_up(r, prog)))
+        goto err_ps;
     r->cap = 1 << 16;
     if (!(r->s = malloc(r->cap * sizeof *r->s))) {
         rc = -ENOMEM;
