@@ -54,9 +54,9 @@ static const char DEFAULT_PLAN[] =
     "  \"table\": {\"id\": 1, \"dim\": 16, \"lr\": 0.01},\n"
     "  \"keys\": 50000, \"zipf\": 0.99,\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
-    "             \"timeout_ms\": 2000, \"attempt_timeout_ms\": 500},\n"
+    "             \"timeout_ms\": 4000},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
-    "              \"p99_bytes\": 51200, \"timeout_ms\": 2000, \"attempt_timeout_ms\": 500},\n"
+    "              \"p99_bytes\": 51200, \"timeout_ms\": 4000},\n"
     "  \"phases\": [\n"
     "    {\"name\": \"rdma\", \"transport\": \"rdma\", \"duration_s\": 20, \"rankers\": 2,\n"
     "     \"trainers\": 2},\n"
@@ -509,24 +509,27 @@ static void free_ports(const char *addr, int n, int *ports)
 
 struct verify {
     int done;
-    long keys, applied, unsure;
-    struct {
+    long keys, acked, unsure; /* over every replica */
+    struct vrep {             /* per shard and replica */
         long checked, exact, twice, twice_rows, missing, missing_rows, unexplained, fetch_failed;
-    } rep[4];
+    } rep[16][4];
 };
 
 /* How many Pushes each replica applied to the trained keys: a row's value
  * after n Pushes of the constant gradient is init - lr*grad applied n times
- * (one float subtraction each, the same whatever the order). */
+ * (one float subtraction each, the same whatever the order). The trainers
+ * say, per key and replica, how many Pushes it acknowledged and how many
+ * failed there (maybe applied): a count above both is a Push applied
+ * twice, one below the acknowledged a Push lost. */
 static void verify_phase(const struct plan *pl, const struct phase *ph, const char *dir,
                          const char *cluster_json, struct verify *v, double grad)
 {
     *v = (struct verify){0};
-    /* the trainers' counts: rank key applied unsure */
+    const int R = pl->replicas;
     size_t cap = 0, n = 0;
     struct kc {
         uint64_t key;
-        long applied, unsure;
+        long acked[4], unsure[4];
     } *kc = NULL;
     uint32_t *rank_at = calloc(pl->keys, sizeof *rank_at); /* index + 1 */
     if (!rank_at)
@@ -537,11 +540,21 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
         FILE *f = fopen(path, "r");
         if (!f)
             continue;
-        unsigned rank, a, u;
+        unsigned rank, nr;
         unsigned long long key;
-        while (fscanf(f, "%u %llu %u %u", &rank, &key, &a, &u) == 4) {
-            if (rank >= pl->keys)
-                continue;
+        while (fscanf(f, "%u %llu %u", &rank, &key, &nr) == 3) {
+            long a[4] = {0}, u[4] = {0};
+            for (unsigned r = 0; r < nr; r++) {
+                unsigned x, y;
+                if (fscanf(f, "%u %u", &x, &y) != 2)
+                    die("%s: malformed", path);
+                if (r < 4) {
+                    a[r] = x;
+                    u[r] = y;
+                }
+            }
+            if (rank >= pl->keys || (int)nr != R)
+                die("%s: rank %u or %u replicas: not this plan's", path, rank, nr);
             if (!rank_at[rank]) {
                 if (n == cap) {
                     cap = cap ? 2 * cap : 4096;
@@ -551,17 +564,21 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
                 kc[n] = (struct kc){.key = key};
                 rank_at[rank] = (uint32_t)++n;
             }
-            kc[rank_at[rank] - 1].applied += a;
-            kc[rank_at[rank] - 1].unsure += u;
+            struct kc *k = &kc[rank_at[rank] - 1];
+            for (int r = 0; r < R; r++) {
+                k->acked[r] += a[r];
+                k->unsure[r] += u[r];
+            }
         }
         fclose(f);
     }
     free(rank_at);
     v->keys = (long)n;
-    for (size_t i = 0; i < n; i++) {
-        v->applied += kc[i].applied;
-        v->unsure += kc[i].unsure;
-    }
+    for (size_t i = 0; i < n; i++)
+        for (int r = 0; r < R; r++) {
+            v->acked += kc[i].acked[r];
+            v->unsure += kc[i].unsure[r];
+        }
     if (n == 0) {
         free(kc);
         return;
@@ -585,7 +602,7 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
         fprintf(stderr, "bex-cluster: check: context: %s\n", bex_strerror(rc));
         goto out;
     }
-    for (int r = 0; r < pl->replicas && r < 4; r++) {
+    for (int r = 0; r < R; r++) {
         /* a directory with only replica r of each shard */
         json_t *c1 = json_deep_copy(cl);
         json_t *shards =
@@ -614,12 +631,14 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
         }
         if (rc) {
             fprintf(stderr, "bex-cluster: check: replica %d: %s\n", r, bex_strerror(rc));
-            v->rep[r].fetch_failed = 1;
+            for (int s = 0; s < pl->shards; s++)
+                v->rep[s][r].fetch_failed = 1;
         }
         for (size_t i = 0; rc == 0 && i < n; i++) {
+            struct vrep *vr = &v->rep[bex_ps_key_shard(keys[i], (uint32_t)pl->shards)][r];
             float init = bex_ps_init_value(pl->table, keys[i], 0, 0.01f);
             float want = rows[i * pl->dim];
-            long lo = kc[i].applied, hi = kc[i].applied + kc[i].unsure;
+            long lo = kc[i].acked[r], hi = kc[i].acked[r] + kc[i].unsure[r];
             long limit = 2 * hi + 64, cnt = -1;
             volatile float x = init;
             for (long j = 0; j <= limit; j++) {
@@ -629,17 +648,17 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
                 }
                 x = x - step;
             }
-            v->rep[r].checked++;
+            vr->checked++;
             if (cnt < 0)
-                v->rep[r].unexplained++;
+                vr->unexplained++;
             else if (cnt > hi) {
-                v->rep[r].twice += cnt - hi;
-                v->rep[r].twice_rows++;
+                vr->twice += cnt - hi;
+                vr->twice_rows++;
             } else if (cnt < lo) {
-                v->rep[r].missing += lo - cnt;
-                v->rep[r].missing_rows++;
+                vr->missing += lo - cnt;
+                vr->missing_rows++;
             } else
-                v->rep[r].exact++;
+                vr->exact++;
         }
         bex_ps_client_destroy(ps);
         bex_dir_destroy(d);
@@ -1018,7 +1037,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(res, "replicas", json_integer(R));
     json_t *clients = json_array();
     double cu = 0, cs = 0, ops = 0, su = 0, ss = 0;
-    long long retries = 0, failovers = 0, throttled = 0;
+    long long retries = 0, failovers = 0, throttled = 0, partial = 0;
     struct lat all[S_N] = {0};
     struct bins *bn = calloc(1, sizeof *bn);
     if (!bn)
@@ -1043,6 +1062,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
             retries += (long long)jnum(cj, "retries", 0);
             failovers += (long long)jnum(cj, "failovers", 0);
             throttled += (long long)jnum(cj, "retry_throttled", 0);
+            partial += (long long)jnum(cj, "push_partial", 0);
             json_object_set_new(cj, "name", json_string(p->name));
             json_array_append_new(clients, cj);
         } else if (WIFEXITED(p->status) && WEXITSTATUS(p->status) == 0) {
@@ -1068,6 +1088,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(res, "retries", json_integer(retries));
     json_object_set_new(res, "failovers", json_integer(failovers));
     json_object_set_new(res, "retry_throttled", json_integer(throttled));
+    json_object_set_new(res, "push_partial", json_integer(partial));
     json_t *cpu = json_object();
     json_object_set_new(cpu, "ops", json_real(ops));
     json_object_set_new(cpu, "client_user_us_per_op", json_real(ops ? cu * 1e6 / ops : 0));
@@ -1086,26 +1107,34 @@ static json_t *run_phase(const struct plan *pl, int pi)
     if (vf.done) {
         json_t *v = json_object();
         json_object_set_new(v, "keys", json_integer(vf.keys));
-        json_object_set_new(v, "pushes_ok", json_integer(vf.applied));
-        json_object_set_new(v, "pushes_failed", json_integer(vf.unsure));
+        json_object_set_new(v, "acknowledged", json_integer(vf.acked));
+        json_object_set_new(v, "failed_at_replica", json_integer(vf.unsure));
         json_t *reps = json_array();
-        long twice = 0;
-        for (int r = 0; r < R && r < 4; r++) {
-            json_array_append_new(reps,
-                                  json_pack("{s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:b}", "replica", r,
-                                            "rows_checked", (json_int_t)vf.rep[r].checked,
-                                            "rows_exact", (json_int_t)vf.rep[r].exact,
-                                            "pushes_applied_twice", (json_int_t)vf.rep[r].twice,
-                                            "rows_applied_twice", (json_int_t)vf.rep[r].twice_rows,
-                                            "pushes_missing", (json_int_t)vf.rep[r].missing,
-                                            "rows_missing", (json_int_t)vf.rep[r].missing_rows,
-                                            "rows_unexplained", (json_int_t)vf.rep[r].unexplained,
-                                            "fetch_failed", (int)vf.rep[r].fetch_failed));
-            twice += vf.rep[r].twice;
-        }
+        long twice = 0, missing = 0;
+        for (int s = 0; s < S; s++)
+            for (int r = 0; r < R; r++) {
+                struct vrep *q = &vf.rep[s][r];
+                json_t *o = json_object();
+                json_object_set_new(o, "shard", json_integer(s));
+                json_object_set_new(o, "replica", json_integer(r));
+                json_object_set_new(
+                    o, "killed", json_boolean(ph->fault && s == ph->f_shard && r == ph->f_replica));
+                json_object_set_new(o, "rows_checked", json_integer(q->checked));
+                json_object_set_new(o, "rows_exact", json_integer(q->exact));
+                json_object_set_new(o, "pushes_applied_twice", json_integer(q->twice));
+                json_object_set_new(o, "rows_applied_twice", json_integer(q->twice_rows));
+                json_object_set_new(o, "pushes_missing", json_integer(q->missing));
+                json_object_set_new(o, "rows_missing", json_integer(q->missing_rows));
+                json_object_set_new(o, "rows_unexplained", json_integer(q->unexplained));
+                json_object_set_new(o, "fetch_failed", json_boolean(q->fetch_failed));
+                json_array_append_new(reps, o);
+                twice += q->twice;
+                missing += q->missing;
+            }
         json_object_set_new(v, "replicas", reps);
         json_object_set_new(res, "push_check", v);
         json_object_set_new(res, "pushes_applied_twice", json_integer(twice));
+        json_object_set_new(res, "pushes_missing", json_integer(missing));
     }
     json_object_set_new(res, "clients", clients);
 
@@ -1239,33 +1268,43 @@ static void print_tables(json_t *phases, int soft_roce)
         printf("  %-34s mean %.3f ms, P99 %.3f ms\n", "ranker Fetch",
                jpath(p, "latency", "ranker_fetch", "mean_us") / 1000,
                jpath(p, "latency", "ranker_fetch", "p99_us") / 1000);
-        printf("  %-34s mean %.3f ms, P99 %.3f ms, %.0f failed\n", "trainer Push",
-               jpath(p, "latency", "trainer_push", "mean_us") / 1000,
+        printf("  %-34s mean %.3f ms, P99 %.3f ms; %.0f of %.0f not acknowledged by every\n"
+               "  %-34s replica (%.0f of them by some)\n",
+               "trainer Push", jpath(p, "latency", "trainer_push", "mean_us") / 1000,
                jpath(p, "latency", "trainer_push", "p99_us") / 1000,
-               jpath(p, "latency", "trainer_push", "failed"));
+               jpath(p, "latency", "trainer_push", "failed"),
+               jpath(p, "latency", "trainer_push", "count"), "",
+               jpath(p, "push_partial", NULL, NULL));
         printf("  %-34s %.0f (failovers %.0f, refused by the budget %.0f)\n", "retries",
                jpath(p, "retries", NULL, NULL), jpath(p, "failovers", NULL, NULL),
                jpath(p, "retry_throttled", NULL, NULL));
     }
-    printf("\nPushes applied per replica (trained rows checked against the trainers' counts)\n");
+    printf("\nPushes applied, per shard and replica (each trained row read from each replica and "
+           "its value\nchecked against the Pushes the trainers saw that replica acknowledge)\n");
     json_array_foreach(phases, i, p)
     {
         json_t *pc = json_object_get(p, "push_check");
         if (!pc)
             continue;
-        printf("  phase \"%s\": %.0f keys, %.0f Pushes ok, %.0f failed\n",
+        printf("  phase \"%s\": %.0f keys; parts acknowledged %.0f, failed %.0f; Pushes applied "
+               "twice %.0f\n",
                json_string_value(json_object_get(p, "name")), jpath(pc, "keys", NULL, NULL),
-               jpath(pc, "pushes_ok", NULL, NULL), jpath(pc, "pushes_failed", NULL, NULL));
+               jpath(pc, "acknowledged", NULL, NULL), jpath(pc, "failed_at_replica", NULL, NULL),
+               jpath(p, "pushes_applied_twice", NULL, NULL));
         json_t *r;
         size_t j;
         json_array_foreach(json_object_get(pc, "replicas"), j, r)
         {
-            printf("    replica %zu: rows exact %.0f of %.0f, applied twice %.0f, missing %.0f "
-                   "(rows %.0f), unexplained %.0f%s\n",
-                   j, jpath(r, "rows_exact", NULL, NULL), jpath(r, "rows_checked", NULL, NULL),
+            printf("    shard %.0f replica %.0f: rows exact %.0f of %.0f, applied twice %.0f, "
+                   "acknowledged but missing %.0f (rows %.0f), unexplained %.0f%s%s\n",
+                   jpath(r, "shard", NULL, NULL), jpath(r, "replica", NULL, NULL),
+                   jpath(r, "rows_exact", NULL, NULL), jpath(r, "rows_checked", NULL, NULL),
                    jpath(r, "pushes_applied_twice", NULL, NULL),
                    jpath(r, "pushes_missing", NULL, NULL), jpath(r, "rows_missing", NULL, NULL),
                    jpath(r, "rows_unexplained", NULL, NULL),
+                   json_is_true(json_object_get(r, "killed"))
+                       ? " (the killed one: it lost what it applied after its last snapshot)"
+                       : "",
                    json_is_true(json_object_get(r, "fetch_failed")) ? " (its Fetch failed)" : "");
         }
     }

@@ -9,10 +9,13 @@
  * the paper's training workload).
  *
  * Every gradient value is --grad, so a row's value tells how many Pushes
- * were applied to it (SGD: each subtracts lr * grad); --counts writes, per
- * key, the Pushes that succeeded and the ones that failed (which may or
- * may not have been applied), for bex-cluster's check that none was
- * applied twice. Prints the JSON report of load.h at the end. */
+ * were applied to it (SGD: each subtracts lr * grad). A Push goes to every
+ * replica of its shards (bex_ps_push_report says which acknowledged it);
+ * --counts writes, per key and replica, the Pushes that replica
+ * acknowledged and the ones whose part there failed (which may or may not
+ * have been applied), for bex-cluster's check that none was applied twice
+ * and none acknowledged was lost. Prints the JSON report of load.h at the
+ * end. */
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -58,7 +61,11 @@ static struct topts to = {
     .compute_us = 2000, .mean_bytes = 20480, .p99_bytes = 51200, .grad = 0x1p-10};
 static double ln_mu, ln_sigma; /* of the Push body's size */
 static uint64_t end_us;
-static _Atomic uint32_t *applied, *unsure; /* per rank: Pushes ok, failed */
+#define REPS_MAX 4u
+/* per replica and rank: Pushes acknowledged, and failed there */
+static _Atomic uint32_t *applied[REPS_MAX], *unsure[REPS_MAX];
+static uint32_t n_shards, n_reps;
+static _Atomic uint64_t push_partial; /* Pushes some replicas acknowledged, not all */
 #define SIZES_MAX (1u << 20)
 static uint32_t sizes[SIZES_MAX]; /* the Push bodies' sizes */
 static _Atomic size_t n_sizes;
@@ -79,7 +86,10 @@ static void *loop(void *arg)
     uint64_t *keys = malloc(cap * sizeof *keys);
     float *rows = malloc(cap * o->dim * sizeof *rows);
     float *grads = malloc(cap * o->dim * sizeof *grads);
-    if (!ranks || !keys || !rows || !grads) {
+    size_t res_cap = (size_t)n_shards * BEX_PS_REPLICAS_MAX;
+    bex_ps_replica_result *res = malloc(res_cap * sizeof *res);
+    uint8_t *rep_ok = malloc((size_t)n_shards * REPS_MAX); /* 1 acked, 2 failed, per shard */
+    if (!ranks || !keys || !rows || !grads || !res || !rep_ok) {
         fprintf(stderr, "bex-trainer: out of memory\n");
         exit(1);
     }
@@ -119,17 +129,38 @@ static void *loop(void *arg)
             nanosleep(&ts, NULL);
         }
         uint64_t t_push = ld_now_us();
-        int prc = bex_ps_push_sync(run.ps, o->table, o->dim, keys, n, grads);
+        size_t n_res = 0;
+        int prc =
+            bex_ps_push_report_sync(run.ps, o->table, o->dim, keys, n, grads, res, res_cap, &n_res);
         ld_record(&run, LD_PUSH, t_push, prc == 0);
         ld_record(&run, LD_ITER, t_iter, rc == 0 && prc == 0);
-        for (size_t i = 0; i < n; i++)
-            atomic_fetch_add_explicit(prc == 0 ? &applied[ranks[i]] : &unsure[ranks[i]], 1,
-                                      memory_order_relaxed);
+        /* which replica of each shard acknowledged: parts come per shard in
+         * the directory's order of its replicas */
+        memset(rep_ok, 2, (size_t)n_shards * REPS_MAX);
+        int some_ok = 0;
+        for (size_t i = 0; i < n_res && i < res_cap; i++) {
+            int ri = ld_replica_index(&run, res[i].shard, &res[i].addr);
+            if (ri >= 0 && ri < (int)REPS_MAX && res[i].shard < n_shards) {
+                rep_ok[res[i].shard * REPS_MAX + (uint32_t)ri] = res[i].status == 0 ? 1 : 2;
+                some_ok |= res[i].status == 0;
+            }
+        }
+        if (prc && some_ok)
+            atomic_fetch_add(&push_partial, 1);
+        for (size_t i = 0; i < n; i++) {
+            uint32_t sh = bex_ps_key_shard(keys[i], n_shards);
+            for (uint32_t r = 0; r < n_reps; r++)
+                atomic_fetch_add_explicit(rep_ok[sh * REPS_MAX + r] == 1 ? &applied[r][ranks[i]]
+                                                                         : &unsure[r][ranks[i]],
+                                          1, memory_order_relaxed);
+        }
     }
     free(ranks);
     free(keys);
     free(rows);
     free(grads);
+    free(res);
+    free(rep_ok);
     return NULL;
 }
 
@@ -155,14 +186,21 @@ int main(int argc, char **argv)
     }
     ln_sigma = z - sqrt(z * z - 2 * q);
     ln_mu = log(to.mean_bytes) - ln_sigma * ln_sigma / 2;
-    applied = calloc(o.keys, sizeof *applied);
-    unsure = calloc(o.keys, sizeof *unsure);
-    if (!applied || !unsure || ld_zipf_init(&zipf, o.keys, o.zipf)) {
+    if (ld_zipf_init(&zipf, o.keys, o.zipf)) {
         fprintf(stderr, "bex-trainer: out of memory\n");
         return 1;
     }
     if (ld_run_start(&run, &o, "bex-trainer"))
         return 1;
+    n_shards = ld_shards(&run, &n_reps);
+    if (n_reps > REPS_MAX)
+        n_reps = REPS_MAX;
+    for (uint32_t r = 0; r < n_reps; r++)
+        if (!(applied[r] = calloc(o.keys, sizeof *applied[r])) ||
+            !(unsure[r] = calloc(o.keys, sizeof *unsure[r]))) {
+            fprintf(stderr, "bex-trainer: out of memory\n");
+            return 1;
+        }
     end_us = run.t0_us + (uint64_t)(o.duration_s * 1e6);
     pthread_t *th = calloc(o.outstanding, sizeof *th);
     uint32_t started = 0;
@@ -189,11 +227,18 @@ int main(int argc, char **argv)
             fprintf(stderr, "bex-trainer: %s: %s\n", to.counts, strerror(errno));
             rc = 1;
         } else {
-            /* rank key applied unsure */
-            for (uint32_t i = 0; i < o.keys; i++)
-                if (applied[i] || unsure[i])
-                    fprintf(f, "%u %llu %u %u\n", i, (unsigned long long)ld_rank_key(i), applied[i],
-                            unsure[i]);
+            /* rank key replicas, then per replica: acknowledged failed */
+            for (uint32_t i = 0; i < o.keys; i++) {
+                uint32_t any = 0;
+                for (uint32_t r = 0; r < n_reps; r++)
+                    any |= applied[r][i] | unsure[r][i];
+                if (!any)
+                    continue;
+                fprintf(f, "%u %llu %u", i, (unsigned long long)ld_rank_key(i), n_reps);
+                for (uint32_t r = 0; r < n_reps; r++)
+                    fprintf(f, " %u %u", applied[r][i], unsure[r][i]);
+                fputc('\n', f);
+            }
             if (fclose(f))
                 rc = 1;
         }
@@ -208,13 +253,16 @@ int main(int argc, char **argv)
     char extra_json[320];
     snprintf(extra_json, sizeof extra_json,
              ",\"compute_us\":%.0f,\"mean_bytes\":%.0f,\"p99_bytes\":%.0f,\"grad\":%.9g,"
-             "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u}",
+             "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u},\"push_partial\":%llu",
              to.compute_us, to.mean_bytes, to.p99_bytes, to.grad, ns ? sum / (double)ns : 0.0,
-             ns ? sizes[(size_t)((double)(ns - 1) * 0.99)] : 0);
+             ns ? sizes[(size_t)((double)(ns - 1) * 0.99)] : 0,
+             (unsigned long long)atomic_load(&push_partial));
     if (ld_run_finish(&run, "trainer", extra_json))
         rc = 1;
     ld_zipf_free(&zipf);
-    free(applied);
-    free(unsure);
+    for (uint32_t r = 0; r < n_reps; r++) {
+        free(applied[r]);
+        free(unsure[r]);
+    }
     return rc;
 }

@@ -359,6 +359,30 @@ err_msg:
     return rc;
 }
 
+uint32_t ld_shards(struct ld_run *r, uint32_t *max_reps)
+{
+    uint32_t n = 0;
+    size_t k;
+    *max_reps = 0;
+    while (n < 4096 && (k = bex_dir_replicas(r->dir, r->o->service, n, NULL, 0)) > 0) {
+        if (k > *max_reps)
+            *max_reps = (uint32_t)k;
+        n++;
+    }
+    return n;
+}
+
+int ld_replica_index(struct ld_run *r, uint32_t shard, const struct sockaddr_in *addr)
+{
+    bex_dir_replica reps[BEX_PS_REPLICAS_MAX];
+    size_t n = bex_dir_replicas(r->dir, r->o->service, shard, reps, BEX_PS_REPLICAS_MAX);
+    for (size_t i = 0; i < n && i < BEX_PS_REPLICAS_MAX; i++)
+        if (reps[i].addr.sin_addr.s_addr == addr->sin_addr.s_addr &&
+            reps[i].addr.sin_port == addr->sin_port)
+            return (int)i;
+    return -1;
+}
+
 void ld_record(struct ld_run *r, int op, uint64_t start_us, int ok)
 {
     uint64_t now = ld_now_us();

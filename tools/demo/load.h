@@ -83,6 +83,11 @@ struct ld_run {
 /* Create the context and client (the directory from o->cluster). Returns
  * 0 or a negative errno (said on stderr). */
 int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog);
+/* The directory's shards, and the most replicas one has (*max_reps). */
+uint32_t ld_shards(struct ld_run *r, uint32_t *max_reps);
+/* The place of addr among shard's replicas in the directory (the cluster
+ * file's order), or -1. */
+int ld_replica_index(struct ld_run *r, uint32_t shard, const struct sockaddr_in *addr);
 /* Record one operation that started at start_us. Any thread. */
 void ld_record(struct ld_run *r, int op, uint64_t start_us, int ok);
 /* Print a progress line when a second passed since the last (main
