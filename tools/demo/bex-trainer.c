@@ -186,6 +186,7 @@ int main(int argc, char **argv)
     }
     ln_sigma = z - sqrt(z * z - 2 * q);
     ln_mu = log(to.mean_bytes) - ln_sigma * ln_sigma / 2;
+    o.warm_push = 1;
     if (ld_zipf_init(&zipf, o.keys, o.zipf)) {
         fprintf(stderr, "bex-trainer: out of memory\n");
         return 1;

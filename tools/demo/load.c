@@ -259,9 +259,11 @@ uint64_t ld_now_us(void)
 }
 
 /* Connect before the load starts, as a ranker or trainer is connected
- * before it takes traffic: one Fetch with a key of every shard, again until
- * it succeeds (an RDMA connection to a loaded server, or in the emulated
- * VM, can take longer than a request's deadline). */
+ * before it takes traffic: one Fetch with a key of every shard, and one
+ * Push of zero gradients (SGD leaves the rows as they are) to every
+ * replica, again until they succeed (an RDMA connection to a loaded
+ * server, or in the emulated VM, can take longer than a request's
+ * deadline). */
 static int warm_up(struct ld_run *r, const char *prog)
 {
     uint32_t ns = 0;
@@ -269,9 +271,10 @@ static int warm_up(struct ld_run *r, const char *prog)
         ns++;
     uint64_t *keys = calloc(ns ? ns : 1, sizeof *keys);
     float *rows = calloc((size_t)(ns ? ns : 1) * r->o->dim, sizeof *rows);
+    float *zeros = calloc((size_t)(ns ? ns : 1) * r->o->dim, sizeof *zeros);
     char *have = calloc(ns ? ns : 1, 1);
     int rc = -ENOMEM;
-    if (!keys || !rows || !have)
+    if (!keys || !rows || !zeros || !have)
         goto out;
     uint32_t n = 0;
     for (uint32_t rank = 0; n < ns && rank < (1u << 24); rank++) {
@@ -283,7 +286,9 @@ static int warm_up(struct ld_run *r, const char *prog)
         }
     }
     uint64_t end = ld_now_us() + 60 * 1000000ull;
-    while ((rc = bex_ps_fetch_sync(r->ps, r->o->table, r->o->dim, keys, n, rows)) &&
+    while (((rc = bex_ps_fetch_sync(r->ps, r->o->table, r->o->dim, keys, n, rows)) ||
+            (r->o->warm_push &&
+             (rc = bex_ps_push_sync(r->ps, r->o->table, r->o->dim, keys, n, zeros)))) &&
            ld_now_us() < end) {
         struct timespec ts = {0, 100 * 1000000};
         nanosleep(&ts, NULL);
@@ -293,6 +298,7 @@ static int warm_up(struct ld_run *r, const char *prog)
 out:
     free(keys);
     free(rows);
+    free(zeros);
     free(have);
     return rc;
 }

@@ -27,7 +27,8 @@ struct ld_opts {
     uint32_t table, dim;
     uint32_t timeout_ms; /* a request's deadline */
     uint64_t seed;
-    int progress; /* a "progress OK FAILED" line every second */
+    int progress;  /* a "progress OK FAILED" line every second */
+    int warm_push; /* the warm-up Pushes too (trainers: every replica's channel) */
     int verbose;
 };
 
