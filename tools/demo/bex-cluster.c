@@ -53,6 +53,7 @@ static const char DEFAULT_PLAN[] =
     "  \"shards\": 2, \"replicas\": 2,\n"
     "  \"table\": {\"id\": 1, \"dim\": 16, \"lr\": 0.01},\n"
     "  \"keys\": 50000, \"zipf\": 0.99,\n"
+    "  \"ps\": {\"snapshot_every_ms\": 1000},\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
     "             \"timeout_ms\": 4000},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
@@ -374,7 +375,7 @@ struct plan {
     int shards, replicas;
     unsigned table, dim, keys;
     double lr, zipf;
-    json_t *ranker, *trainer;
+    json_t *ranker, *trainer, *ps;
     struct phase ph[MAX_PHASES];
     int n_ph;
 };
@@ -405,6 +406,7 @@ static void plan_load(struct plan *pl, const char *arg)
     pl->zipf = jnum(r, "zipf", 0.99);
     pl->ranker = json_object_get(r, "ranker");
     pl->trainer = json_object_get(r, "trainer");
+    pl->ps = json_object_get(r, "ps");
     if (pl->shards < 1 || pl->shards > 16 || pl->replicas < 1 || pl->replicas > 4 || pl->dim < 1 ||
         pl->dim > BEX_PS_DIM_MAX || pl->keys < 1)
         die("plan %s: shards 1-16, replicas 1-4, table.dim 1-%u, keys >= 1", arg, BEX_PS_DIM_MAX);
@@ -866,6 +868,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
             snprintf(b2, sizeof b2, "%d", r);
             argv_set(p, g.ps_bin, "--cluster", cluster, "--shard", b1, "--replica", b2, "--table",
                      tab, "--snapshot-dir", snapdir, "--transport", ph->transport, NULL);
+            argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
             snprintf(path, sizeof path, "%s/%s.log", dir, name);
             proc_spawn(p, path);
         }
