@@ -16,6 +16,10 @@ mode=$1 cluster=$2 plan=$3
 scale=${BEX_TEST_TIME_SCALE:-1}
 out=$(mktemp -d "${TMPDIR:-/tmp}/bex-cluster-test.XXXXXX")
 trap 'rm -rf "$out"' EXIT
+# bex-cluster keeps the servers' snapshots in a directory of TMPDIR: gone at its end
+mkdir "$out/tmp"
+export TMPDIR=$out/tmp
+tmp_left() { [ -z "$(ls -A "$out/tmp")" ] || { ls "$out/tmp" >&2; return 1; }; }
 fail() { echo "FAIL: $*" >&2; [ -f "$out/log" ] && tail -20 "$out/log" >&2; exit 1; }
 
 # Processes started by the run (OUT/pids) still alive, or still in its group.
@@ -58,6 +62,7 @@ run)
     cp "$out/run/pgid" "$out/run/pids" "$out/" 2>/dev/null
     [ $rc = 0 ] || fail "bex-cluster exited $rc"
     left_behind || fail "processes left behind"
+    tmp_left || fail "snapshot directory left in TMPDIR"
     python3 - "$out/run/results.json" <<'PY' || fail "results.json"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -131,6 +136,7 @@ interrupt | killed)
         rc=$?
         [ $rc = 130 ] || fail "bex-cluster exited $rc after SIGINT, not 130"
         left_behind || fail "processes left behind after SIGINT"
+        tmp_left || fail "snapshot directory left in TMPDIR after SIGINT"
     else
         kill -KILL $pid
         wait $pid

@@ -22,6 +22,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
@@ -95,6 +96,7 @@ struct proc {
 
 static struct {
     char out[2048], bin[2048], ps_bin[PATH_MAX];
+    char snap_root[1024]; /* the servers' snapshots: a directory in TMPDIR */
     char addrs[MAX_ADDRS][INET_ADDRSTRLEN];
     int n_addrs;
     pid_t self, pgid;
@@ -317,19 +319,32 @@ static void stop_role(int role)
         pump(50);
 }
 
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    remove(path);
+    return 0;
+}
+
 static void cleanup_all(void)
 {
-    if (!g.pgid)
-        return;
-    signal(SIGINT, SIG_IGN); /* a second ^C does not cut the cleanup short */
-    stop_role(-1);
-    /* the group: the keeper and anything a child left behind */
-    kill(-g.pgid, SIGKILL);
-    while (running_count(-1) > 0)
-        pump(50);
-    while (waitpid(-1, NULL, WNOHANG) > 0)
-        ;
-    g.pgid = 0;
+    if (g.pgid) {
+        signal(SIGINT, SIG_IGN); /* a second ^C does not cut the cleanup short */
+        stop_role(-1);
+        /* the group: the keeper and anything a child left behind */
+        kill(-g.pgid, SIGKILL);
+        while (running_count(-1) > 0)
+            pump(50);
+        while (waitpid(-1, NULL, WNOHANG) > 0)
+            ;
+        g.pgid = 0;
+    }
+    if (g.snap_root[0]) { /* the servers are gone: nothing writes there now */
+        nftw(g.snap_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        g.snap_root[0] = 0;
+    }
 }
 
 static void start_keeper(void)
@@ -823,8 +838,11 @@ static json_t *run_phase(const struct plan *pl, int pi)
     snprintf(dir, sizeof dir, "%s/phase%d-%s", g.out, pi + 1, ph->name);
     if (mkdir(dir, 0755) && errno != EEXIST)
         die("%s: %s", dir, strerror(errno));
+    /* snapshots in TMPDIR, not beside the results: written every second
+     * and fsynced, they cost little on a local disk or tmpfs, and a lot on
+     * the VM's 9p share where the results go */
     char snapdir[PATH_MAX + 16];
-    snprintf(snapdir, sizeof snapdir, "%s/snapshots", dir);
+    snprintf(snapdir, sizeof snapdir, "%s/phase%d", g.snap_root, pi + 1);
     if (mkdir(snapdir, 0755) && errno != EEXIST)
         die("%s: %s", snapdir, strerror(errno));
 
@@ -1428,6 +1446,14 @@ int main(int argc, char **argv)
 
     if (mkdir(g.out, 0755) && errno != EEXIST)
         die("%s: %s", g.out, strerror(errno));
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g.snap_root, sizeof g.snap_root, "%s/bex-cluster-snap.XXXXXX",
+             tmp && tmp[0] ? tmp : "/tmp");
+    if (!mkdtemp(g.snap_root)) {
+        g.snap_root[0] = 0;
+        die("a directory for the snapshots in %s: %s", tmp && tmp[0] ? tmp : "/tmp",
+            strerror(errno));
+    }
     char path[PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/pids", g.out);
     if (!(g.pids = fopen(path, "w")))
