@@ -54,11 +54,12 @@ static const char DEFAULT_PLAN[] =
     "  \"shards\": 2, \"replicas\": 2,\n"
     "  \"table\": {\"id\": 1, \"dim\": 16, \"lr\": 0.01},\n"
     "  \"keys\": 50000, \"zipf\": 0.99,\n"
-    "  \"ps\": {\"snapshot_every_ms\": 1000},\n"
+    "  \"ps\": {\"snapshot_every_ms\": 2000},\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
-    "             \"timeout_ms\": 4000},\n"
+    "             \"timeout_ms\": 4000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
-    "              \"p99_bytes\": 51200, \"timeout_ms\": 4000},\n"
+    "              \"p99_bytes\": 51200, \"timeout_ms\": 4000,\n"
+    "              \"keepalive_timeout_ms\": 10000},\n"
     "  \"phases\": [\n"
     "    {\"name\": \"rdma\", \"transport\": \"rdma\", \"duration_s\": 20, \"rankers\": 2,\n"
     "     \"trainers\": 2},\n"
@@ -939,6 +940,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
         argv_num(p, "--timeout-ms", o, "timeout_ms");
         argv_num(p, "--attempt-timeout-ms", o, "attempt_timeout_ms");
         argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
+        argv_num(p, "--keepalive-timeout-ms", o, "keepalive_timeout_ms");
         if (rk) {
             argv_num(p, "--models", o, "models");
             argv_num(p, "--keys-min", o, "keys_min");
