@@ -39,7 +39,7 @@ static void usage(void)
         "  both:\n"
         "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
-        "              [--metrics-port PORT] [--verbose]\n");
+        "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n");
     exit(2);
 }
 
@@ -153,7 +153,7 @@ int main(int argc, char **argv)
 {
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
     uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO;
-    long metrics_port = -1, snap_every_ms = 0;
+    long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0;
     const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
     unsigned long n_shards_opt = 0, ttl_s = 10;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
@@ -174,6 +174,7 @@ int main(int argc, char **argv)
                                        {"n-shards", required_argument, 0, 'N'},
                                        {"locality", required_argument, 0, 'L'},
                                        {"ttl", required_argument, 0, 'T'},
+                                       {"keepalive-timeout-ms", required_argument, 0, 'k'},
                                        {"verbose", no_argument, 0, 'v'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
@@ -223,6 +224,13 @@ int main(int argc, char **argv)
             char *end;
             snap_every_ms = strtol(optarg, &end, 10);
             if (*optarg == 0 || *end || snap_every_ms <= 0 || snap_every_ms > 86400000)
+                usage();
+            break;
+        }
+        case 'k': {
+            char *end;
+            keepalive_timeout_ms = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || keepalive_timeout_ms <= 0 || keepalive_timeout_ms > 3600000)
                 usage();
             break;
         }
@@ -343,6 +351,7 @@ int main(int argc, char **argv)
 
     bex_ctx_config cc = {.local_addr = self[0].addr.sin_addr,
                          .transport = self[0].transport ? self[0].transport : transport,
+                         .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
                          .log_level = verbose ? BEX_LOG_INFO : 0};
     bex_ctx *ctx;
     if ((rc = bex_ctx_create(&cc, &ctx))) {
