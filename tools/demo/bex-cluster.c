@@ -54,7 +54,7 @@ static const char DEFAULT_PLAN[] =
     "  \"shards\": 2, \"replicas\": 2,\n"
     "  \"table\": {\"id\": 1, \"dim\": 16, \"lr\": 0.01},\n"
     "  \"keys\": 50000, \"zipf\": 0.99,\n"
-    "  \"ps\": {\"snapshot_every_ms\": 2000},\n"
+    "  \"ps\": {\"snapshot_every_ms\": 2000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
     "             \"timeout_ms\": 4000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
@@ -888,6 +888,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
             argv_set(p, g.ps_bin, "--cluster", cluster, "--shard", b1, "--replica", b2, "--table",
                      tab, "--snapshot-dir", snapdir, "--transport", ph->transport, NULL);
             argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
+            argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
             snprintf(path, sizeof path, "%s/%s.log", dir, name);
             proc_spawn(p, path);
         }
