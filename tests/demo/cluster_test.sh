@@ -57,7 +57,10 @@ wait_gone() { # up to $1 seconds
 
 case "$mode" in
 run)
-    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.1 >"$out/log" 2>&1
+    # the plan's times stretched with the sanitizers' (the fault must find
+    # the clients under load)
+    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.1 --time-scale "$scale" \
+        >"$out/log" 2>&1
     rc=$?
     cp "$out/run/pgid" "$out/run/pids" "$out/" 2>/dev/null
     [ $rc = 0 ] || fail "bex-cluster exited $rc"
@@ -114,7 +117,8 @@ print("results.json: ok:", ", ".join(
 PY
     ;;
 interrupt | killed)
-    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.1 --time-scale 20 >"$out/log" 2>&1 &
+    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.1 --time-scale $((20 * scale)) \
+        >"$out/log" 2>&1 &
     pid=$!
     # until the first phase's clients run
     for ((i = 0; i < 300 * scale; i++)); do

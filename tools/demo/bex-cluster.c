@@ -1376,7 +1376,7 @@ int main(int argc, char **argv)
             break;
         case 's':
             g.scale = atof(optarg);
-            if (!(g.scale > 0 && g.scale <= 100))
+            if (!(g.scale > 0 && g.scale <= 1000))
                 usage();
             break;
         case 'q':
