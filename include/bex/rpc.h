@@ -126,6 +126,19 @@ typedef struct bex_rpc_server_stats {
 } bex_rpc_server_stats;
 void bex_rpc_server_stats_get(bex_rpc_server *srv, bex_rpc_server_stats *out);
 
+/* The counters of servers srvs[0..n) and, per registered method (labels
+ * service and method, as numbers), the requests its handler answered,
+ * those with an error status, and a histogram of the time from dispatch
+ * to the answer (bex_rpc_server_latency_seconds, buckets at 2^10, 2^12,
+ * ... 2^34 ns), in Prometheus text exposition format (metric names
+ * bex_rpc_server_*, label server="<names[i]>"; names or an entry NULL:
+ * "default"; each family once, every server's samples in it),
+ * NUL-terminated, into buf (cap bytes). Returns the length it needed
+ * (without the NUL), like snprintf: output is cut when that is >= cap;
+ * -EINVAL, -ENOMEM. */
+int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *names, size_t n,
+                              char *buf, size_t cap);
+
 /* Stop listening, close every connection and wait for them to go. Requests
  * not answered yet may still be answered (their answers are dropped);
  * the server's memory goes with the last of them. Answer every request

@@ -7,7 +7,6 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1111,40 +1110,6 @@ size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stat
     return n;
 }
 
-/* Prometheus label values escape backslash, quote and newline. */
-static void escape_label(const char *in, char *out, size_t cap)
-{
-    size_t o = 0;
-    for (; *in && o + 3 < cap; in++) {
-        if (*in == '\\' || *in == '"') {
-            out[o++] = '\\';
-            out[o++] = *in;
-        } else if (*in == '\n') {
-            out[o++] = '\\';
-            out[o++] = 'n';
-        } else {
-            out[o++] = *in;
-        }
-    }
-    out[o] = 0;
-}
-
-struct out {
-    char *buf;
-    size_t cap, n; /* n: what was needed so far */
-};
-
-__attribute__((format(printf, 2, 3))) static void appendf(struct out *o, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int k =
-        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
-    va_end(ap);
-    if (k > 0)
-        o->n += (size_t)k;
-}
-
 int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
 {
     bex_rpc_channel_stats s;
@@ -1153,9 +1118,9 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     uint64_t count = ch->hist.count, sum_ns = ch->hist.sum_ns;
     pthread_mutex_unlock(&ch->mu);
     char name[256];
-    escape_label(ch->name, name, sizeof name);
-    struct out o = {buf, cap, 0};
-#define OUT(...) appendf(&o, __VA_ARGS__)
+    bex__prom_escape(ch->name, name, sizeof name);
+    struct bex__prom o = {buf, cap, 0};
+#define OUT(...) bex__prom_printf(&o, __VA_ARGS__)
     static const struct {
         const char *metric, *help;
         size_t off;
@@ -1231,7 +1196,7 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
         for (size_t i = 0; i < ne; i++) {
             char ip[INET_ADDRSTRLEN], loc[160];
             inet_ntop(AF_INET, &es[i].addr.sin_addr, ip, sizeof ip);
-            escape_label(es[i].locality, loc, sizeof loc);
+            bex__prom_escape(es[i].locality, loc, sizeof loc);
             uint64_t v;
             memcpy(&v, (const char *)&es[i] + ectrs[k].off, sizeof v);
             OUT("%s{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} %llu\n", ectrs[k].metric,

@@ -893,29 +893,13 @@ void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int
         bex__dir_report_node(d, n, outcome, done != 0, bex__rpc_now_ns());
 }
 
-struct out {
-    char *buf;
-    size_t cap, n; /* n: what was needed so far */
-};
-
-__attribute__((format(printf, 2, 3))) static void appendf(struct out *o, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int k =
-        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
-    va_end(ap);
-    if (k > 0)
-        o->n += (size_t)k;
-}
-
 int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
 {
     if (!d || (!buf && cap))
         return -EINVAL;
     if (cap)
         buf[0] = 0;
-    struct out o = {buf, cap, 0};
+    struct bex__prom o = {buf, cap, 0};
     static const struct {
         const char *metric, *help;
         size_t off;
@@ -941,22 +925,24 @@ int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
     };
     pthread_mutex_lock(&d->mu);
     for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
-        appendf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
-                ctrs[i].metric);
+        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
+                         ctrs[i].metric);
         for (const struct bex__dir_node *n = d->nodes; n; n = n->next) {
             uint64_t v;
             memcpy(&v, (const char *)&n->st + ctrs[i].off, sizeof v);
-            appendf(&o, "%s{node=\"%s\"} %llu\n", ctrs[i].metric, n->name, (unsigned long long)v);
+            bex__prom_printf(&o, "%s{node=\"%s\"} %llu\n", ctrs[i].metric, n->name,
+                             (unsigned long long)v);
         }
     }
-    appendf(&o, "# HELP bex_dir_node_state 0 healthy, 1 quarantined, 2 probing.\n"
-                "# TYPE bex_dir_node_state gauge\n");
+    bex__prom_printf(&o, "# HELP bex_dir_node_state 0 healthy, 1 quarantined, 2 probing.\n"
+                         "# TYPE bex_dir_node_state gauge\n");
     for (const struct bex__dir_node *n = d->nodes; n; n = n->next)
-        appendf(&o, "bex_dir_node_state{node=\"%s\"} %d\n", n->name, n->state);
-    appendf(&o, "# HELP bex_dir_node_outstanding Calls picked and not reported done.\n"
-                "# TYPE bex_dir_node_outstanding gauge\n");
+        bex__prom_printf(&o, "bex_dir_node_state{node=\"%s\"} %d\n", n->name, n->state);
+    bex__prom_printf(&o, "# HELP bex_dir_node_outstanding Calls picked and not reported done.\n"
+                         "# TYPE bex_dir_node_outstanding gauge\n");
     for (const struct bex__dir_node *n = d->nodes; n; n = n->next)
-        appendf(&o, "bex_dir_node_outstanding{node=\"%s\"} %u\n", n->name, n->st.outstanding);
+        bex__prom_printf(&o, "bex_dir_node_outstanding{node=\"%s\"} %u\n", n->name,
+                         n->st.outstanding);
     pthread_mutex_unlock(&d->mu);
     return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
 }

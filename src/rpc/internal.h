@@ -54,6 +54,24 @@ double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q);
 
 uint64_t bex__rpc_now_ns(void);
 
+/* ---- Prometheus text exposition, shared by the dumps (channel,
+ * directory, server) and the parameter server's ---- */
+
+struct bex__prom {
+    char *buf;
+    size_t cap, n; /* n: what was needed so far (output cut past cap) */
+};
+__attribute__((format(printf, 2, 3))) void bex__prom_printf(struct bex__prom *o, const char *fmt,
+                                                            ...);
+/* A label value: backslash, quote and newline escaped, cut to fit cap. */
+void bex__prom_escape(const char *in, char *out, size_t cap);
+/* h (nanoseconds) as the samples of a Prometheus histogram in seconds:
+ * metric_bucket{labels,le=...} at 2^10, 2^12, ... 2^34 ns (bucket edges of
+ * h, so the counts are exact) and +Inf, metric_sum, metric_count. labels
+ * is "" or `name="value",...` (escaped). HELP and TYPE are the caller's. */
+void bex__prom_hist(struct bex__prom *o, const char *metric, const char *labels,
+                    const struct bex__rpc_hist *h);
+
 /* The header in front of a body, and back. */
 static inline uint8_t *bex__rpc_hdr_of(void *body)
 {

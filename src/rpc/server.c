@@ -2,6 +2,8 @@
  * dedup window of state-changing methods. */
 #include <errno.h>
 #include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,6 +15,10 @@ struct method {
     uint32_t service, method, flags;
     bex_rpc_handler fn;
     void *user;
+    /* under srv->mu: requests answered by the handler, those with an
+     * error status, and the time from dispatch to the answer */
+    uint64_t answered, errors;
+    struct bex__rpc_hist *hist;
 };
 
 /* One accepted socket. Referenced by the server's list until on_close and
@@ -57,6 +63,8 @@ struct bex_rpc_req {
     struct conn *c;
     struct bex__rpc_hdr h;
     bool write;
+    size_t mi;         /* its method's index (the table is fixed once listening) */
+    uint64_t start_ns; /* dispatched to the handler */
 };
 
 struct bex_rpc_server {
@@ -118,10 +126,13 @@ int bex_rpc_server_register(bex_rpc_server *srv, uint32_t service, uint32_t meth
     for (size_t i = 0; i < srv->n_methods; i++)
         if (srv->methods[i].service == service && srv->methods[i].method == method)
             return -EEXIST;
-    struct method *m = realloc(srv->methods, (srv->n_methods + 1) * sizeof(*m));
-    if (!m)
+    struct bex__rpc_hist *h = calloc(1, sizeof(*h));
+    struct method *m = h ? realloc(srv->methods, (srv->n_methods + 1) * sizeof(*m)) : NULL;
+    if (!m) {
+        free(h);
         return -ENOMEM;
-    m[srv->n_methods++] = (struct method){service, method, flags, fn, user};
+    }
+    m[srv->n_methods++] = (struct method){service, method, flags, fn, user, .hist = h};
     srv->methods = m;
     return 0;
 }
@@ -166,6 +177,8 @@ static void srv_free(struct bex_rpc_server *srv)
             d = n;
         }
     }
+    for (size_t i = 0; i < srv->n_methods; i++)
+        free(srv->methods[i].hist);
     free(srv->methods);
     pthread_mutex_destroy(&srv->mu);
     pthread_cond_destroy(&srv->cv);
@@ -373,7 +386,12 @@ int bex_rpc_reply(bex_rpc_req *req, int status, void *body, size_t len)
     }
     if (!body)
         len = 0;
+    uint64_t now = bex__rpc_now_ns();
     pthread_mutex_lock(&srv->mu);
+    struct method *m = &srv->methods[req->mi];
+    m->answered++;
+    m->errors += status != 0;
+    bex__rpc_hist_add(m->hist, now - req->start_ns);
     if (req->write)
         dedup_record(srv, &req->h, status, body, len);
     int err = send_answer(srv, req->c, &req->h, BEX__RPC_RESPONSE, status, body, len);
@@ -489,7 +507,12 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         pthread_mutex_unlock(&srv->mu);
         return;
     }
-    *req = (struct bex_rpc_req){.srv = srv, .c = c, .h = h, .write = write};
+    *req = (struct bex_rpc_req){.srv = srv,
+                                .c = c,
+                                .h = h,
+                                .write = write,
+                                .mi = (size_t)(m - srv->methods),
+                                .start_ns = bex__rpc_now_ns()};
     c->refs++;
     srv->refs++;
     srv->st.requests++;
@@ -597,6 +620,124 @@ void bex_rpc_server_stats_get(bex_rpc_server *srv, bex_rpc_server_stats *out)
     pthread_mutex_lock(&srv->mu);
     *out = srv->st;
     pthread_mutex_unlock(&srv->mu);
+}
+
+/* What bex_rpc_server_prometheus prints of one server, copied under its
+ * lock. */
+struct prom_snap {
+    char name[256]; /* escaped */
+    bex_rpc_server_stats st;
+    size_t nm;
+    struct method *ms;
+    struct bex__rpc_hist *hs;
+};
+
+int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *names, size_t n,
+                              char *buf, size_t cap)
+{
+    if ((n && !srvs) || (!buf && cap))
+        return -EINVAL;
+    for (size_t i = 0; i < n; i++)
+        if (!srvs[i])
+            return -EINVAL;
+    if (cap)
+        buf[0] = 0;
+    struct prom_snap *sn = calloc(n ? n : 1, sizeof(*sn));
+    int rc = sn ? 0 : -ENOMEM;
+    for (size_t k = 0; k < n && !rc; k++) {
+        bex_rpc_server *srv = srvs[k];
+        size_t nm = srv->n_methods; /* fixed once listening */
+        sn[k].ms = calloc(nm ? nm : 1, sizeof(*sn[k].ms));
+        sn[k].hs = calloc(nm ? nm : 1, sizeof(*sn[k].hs));
+        if (!sn[k].ms || !sn[k].hs) {
+            rc = -ENOMEM;
+            break;
+        }
+        bex__prom_escape(names && names[k] ? names[k] : "default", sn[k].name, sizeof sn[k].name);
+        pthread_mutex_lock(&srv->mu);
+        sn[k].st = srv->st;
+        sn[k].nm = nm;
+        for (size_t i = 0; i < nm; i++) {
+            sn[k].ms[i] = srv->methods[i];
+            sn[k].hs[i] = *srv->methods[i].hist;
+        }
+        pthread_mutex_unlock(&srv->mu);
+    }
+    struct bex__prom o = {buf, cap, 0};
+    static const struct {
+        const char *metric, *help;
+        size_t off;
+    } ctrs[] = {
+        {"bex_rpc_server_requests_total", "Requests dispatched to handlers",
+         offsetof(bex_rpc_server_stats, requests)},
+        {"bex_rpc_server_replies_total", "Answers sent", offsetof(bex_rpc_server_stats, replies)},
+        {"bex_rpc_server_no_method_total", "Requests for an unregistered method",
+         offsetof(bex_rpc_server_stats, no_method)},
+        {"bex_rpc_server_bad_header_total", "Connections closed for a malformed header",
+         offsetof(bex_rpc_server_stats, bad_header)},
+        {"bex_rpc_server_dup_replayed_total", "WRITE retries answered with the first answer",
+         offsetof(bex_rpc_server_stats, dup_replayed)},
+        {"bex_rpc_server_dup_pending_total", "WRITE retries while the first was not answered",
+         offsetof(bex_rpc_server_stats, dup_pending)},
+        {"bex_rpc_server_stale_total", "WRITE retries past the dedup window",
+         offsetof(bex_rpc_server_stats, stale)},
+        {"bex_rpc_server_conns_total", "Connections accepted",
+         offsetof(bex_rpc_server_stats, conns)},
+    };
+    /* a metric family's samples together, every server's */
+    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0] && !rc; i++) {
+        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
+                         ctrs[i].metric);
+        for (size_t k = 0; k < n; k++) {
+            uint64_t v;
+            memcpy(&v, (const char *)&sn[k].st + ctrs[i].off, sizeof v);
+            bex__prom_printf(&o, "%s{server=\"%s\"} %llu\n", ctrs[i].metric, sn[k].name,
+                             (unsigned long long)v);
+        }
+    }
+    static const struct {
+        const char *metric, *help;
+        size_t off;
+    } mctrs[] = {
+        {"bex_rpc_server_method_answered_total", "Requests of the method its handler answered",
+         offsetof(struct method, answered)},
+        {"bex_rpc_server_method_errors_total",
+         "Requests of the method answered with an error status", offsetof(struct method, errors)},
+    };
+    for (size_t i = 0; i < sizeof mctrs / sizeof mctrs[0] && !rc; i++) {
+        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", mctrs[i].metric, mctrs[i].help,
+                         mctrs[i].metric);
+        for (size_t k = 0; k < n; k++)
+            for (size_t j = 0; j < sn[k].nm; j++) {
+                uint64_t v;
+                memcpy(&v, (const char *)&sn[k].ms[j] + mctrs[i].off, sizeof v);
+                bex__prom_printf(&o, "%s{server=\"%s\",service=\"%u\",method=\"%u\"} %llu\n",
+                                 mctrs[i].metric, sn[k].name, sn[k].ms[j].service,
+                                 sn[k].ms[j].method, (unsigned long long)v);
+            }
+    }
+    if (!rc)
+        bex__prom_printf(&o, "# HELP bex_rpc_server_latency_seconds Time from a request's "
+                             "dispatch to its handler's answer.\n"
+                             "# TYPE bex_rpc_server_latency_seconds histogram\n");
+    for (size_t k = 0; k < n && !rc; k++)
+        for (size_t j = 0; j < sn[k].nm; j++) {
+            char lb[320];
+            snprintf(lb, sizeof lb, "server=\"%s\",service=\"%u\",method=\"%u\"", sn[k].name,
+                     sn[k].ms[j].service, sn[k].ms[j].method);
+            bex__prom_hist(&o, "bex_rpc_server_latency_seconds", lb, &sn[k].hs[j]);
+        }
+    for (size_t k = 0; sn && k < n; k++) {
+        free(sn[k].ms);
+        free(sn[k].hs);
+    }
+    free(sn);
+    if (rc) {
+        if (cap)
+            buf[0] = 0;
+        return rc;
+    }
+    return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
 }
 
 int bex_rpc_server_destroy(bex_rpc_server *srv)

@@ -1,5 +1,7 @@
 /* The RPC wire header, its histogram and small shared helpers. */
 #include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -157,4 +159,52 @@ uint64_t bex__rpc_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void bex__prom_printf(struct bex__prom *o, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k =
+        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
+    va_end(ap);
+    if (k > 0)
+        o->n += (size_t)k;
+}
+
+void bex__prom_escape(const char *in, char *out, size_t cap)
+{
+    size_t o = 0;
+    for (; *in && o + 3 < cap; in++) {
+        if (*in == '\\' || *in == '"') {
+            out[o++] = '\\';
+            out[o++] = *in;
+        } else if (*in == '\n') {
+            out[o++] = '\\';
+            out[o++] = 'n';
+        } else {
+            out[o++] = *in;
+        }
+    }
+    out[o] = 0;
+}
+
+void bex__prom_hist(struct bex__prom *o, const char *metric, const char *labels,
+                    const struct bex__rpc_hist *h)
+{
+    const char *sep = labels[0] ? "," : "";
+    /* 2^k ns is where bucket (k - 3) * SUB starts: the buckets below it
+     * are exactly the samples under 2^k ns */
+    uint64_t seen = 0;
+    unsigned i = 0;
+    for (unsigned k = 10; k <= 34; k += 2) {
+        for (; i < (k - 3) * BEX__RPC_HIST_SUB; i++)
+            seen += h->b[i];
+        bex__prom_printf(o, "%s_bucket{%s%sle=\"%.12g\"} %llu\n", metric, labels, sep,
+                         (double)(1ull << k) / 1e9, (unsigned long long)seen);
+    }
+    bex__prom_printf(o, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", metric, labels, sep,
+                     (unsigned long long)h->count);
+    bex__prom_printf(o, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", metric, labels,
+                     (double)h->sum_ns / 1e9, metric, labels, (unsigned long long)h->count);
 }

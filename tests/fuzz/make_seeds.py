@@ -246,3 +246,21 @@ write("rpc", "response", rpc(2, body=bytes(range(32))))
 write("rpc", "response-status", rpc(2, status=-11))
 write("rpc", "error", rpc(3, status=-38))
 write("rpc", "bad-length", rpc(1, body=b"abc", timeout_ms=40)[:-1])
+
+
+# ---------------- PS request bodies (little-endian; fuzz_ps.c) ----------------
+# The first byte picks the method (even: Fetch, odd: Push); then the body.
+def ps(method, table, dim, keys, grads=None, version=1):
+    b = struct.pack("<B3xIII", version, table, len(keys), dim)
+    b += b"".join(struct.pack("<Q", k) for k in keys)
+    if grads is not None:
+        b += b"".join(struct.pack("<f", g) for g in grads)
+    return bytes([method]) + b
+
+
+write("ps", "fetch", ps(0, 1, 4, [1, 2, 3]))
+write("ps", "fetch-adagrad", ps(0, 2, 3, [7, 7]))
+write("ps", "push-sgd", ps(1, 1, 4, [1, 5], [0.5] * 8))
+write("ps", "push-adagrad", ps(1, 2, 3, [9, 9, 4], [1.0, -2.0, 0.25] * 3))
+write("ps", "push-nan", ps(1, 1, 4, [1], [float("nan")] * 4))
+write("ps", "fetch-bad-length", ps(0, 1, 4, [1, 2])[:-3])

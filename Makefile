@@ -1,0 +1,10 @@
+# Shortcuts; the build itself is CMake's (build/).
+.PHONY: demo build test
+# The parameter-server demo: builds what is missing, runs it (RDMA natively
+# when the host has a device, else in the Soft-RoCE VM), prints the tables.
+demo:
+	scripts/demo
+build:
+	cmake -S . -B build && cmake --build build -j
+test:
+	scripts/test

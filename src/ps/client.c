@@ -1,0 +1,494 @@
+/* The PS client: a request's keys split by shard, one sub-request per
+ * shard, all out at once; the request completes when the last sub-request
+ * does. Each sub-request carries the request's deadline, so the request
+ * completes by then too.
+ *
+ * Fetch: one directory-mode channel per shard; the directory picks the
+ * replica (nearest healthy) and the channel fails over to another.
+ * Push: one sub-request per replica of each shard, each on a channel of
+ * that replica alone, so that a retry after a lost answer goes to the same
+ * server with the same (client id, sequence) and its dedup window applies
+ * it once. The Push channels follow the directory (its generation): a
+ * replica keeps its channel while it is listed, and a channel is only
+ * destroyed with the client (a Push may still be out on it). */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bex/ps.h"
+#include "ps/ps_internal.h"
+
+#define MAX_SHARDS 4096u
+
+/* A Push channel: one replica's. */
+struct pch {
+    bex_dir_replica r;
+    bex_rpc_channel *ch;
+    struct pch *next; /* every one the client made */
+};
+
+struct shard_reps {
+    size_t n;
+    struct pch **r;
+};
+
+struct bex_ps_client {
+    bex_ctx *ctx;
+    bex_dir *dir;
+    char svc[BEX_DIR_NAME_MAX + 1];
+    char loc[BEX_DIR_LOCALITY_MAX + 1];
+    bool has_loc;
+    uint32_t n_shards;
+    uint32_t timeout_ms, attempt_timeout_ms, connect_timeout_ms;
+    uint32_t max_attempts, budget_burst, budget_permille; /* the channels' (0: default) */
+    bex_rpc_channel **ch;    /* Fetch: a directory-mode channel per shard */
+    pthread_mutex_t mu;      /* the Push channels below */
+    uint64_t gen;            /* the directory generation push follows */
+    struct shard_reps *push; /* per shard (NULL until the first Push) */
+    struct pch *all;
+};
+
+struct op;
+struct sub {
+    struct op *op;
+    bex_rpc_channel *ch; /* NULL: a shard without replica */
+    uint32_t shard, n;
+    uint32_t *pos; /* the keys' places in the caller's arrays */
+    uint32_t idx;  /* its place among the request's sub-requests */
+};
+
+struct op {
+    _Atomic uint32_t left; /* sub-requests not complete, + 1 while issuing */
+    _Atomic int status;
+    uint32_t method, table, dim;
+    float *rows; /* Fetch: the caller's */
+    bex_ps_done_fn done;
+    void *user;
+    bex_ps_replica_result *res; /* Push: the caller's, res_cap entries */
+    size_t res_cap;
+    struct sub *subs; /* in the same block */
+};
+
+int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_client **out)
+{
+    if (!ctx || !cfg || !cfg->dir || !out)
+        return -EINVAL;
+    const char *svc = cfg->service ? cfg->service : "ps";
+    if (strlen(svc) > BEX_DIR_NAME_MAX ||
+        (cfg->locality && strlen(cfg->locality) > BEX_DIR_LOCALITY_MAX))
+        return -EINVAL;
+    uint32_t n = cfg->n_shards;
+    if (n == 0)
+        while (n < MAX_SHARDS && bex_dir_replicas(cfg->dir, svc, n, NULL, 0) > 0)
+            n++;
+    if (n == 0 || n > MAX_SHARDS)
+        return -EINVAL;
+    bex_ps_client *c = calloc(1, sizeof *c);
+    if (!c)
+        return -ENOMEM;
+    c->ch = calloc(n, sizeof *c->ch);
+    if (!c->ch) {
+        free(c);
+        return -ENOMEM;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    c->ctx = ctx;
+    c->dir = cfg->dir;
+    snprintf(c->svc, sizeof c->svc, "%s", svc);
+    if (cfg->locality) {
+        snprintf(c->loc, sizeof c->loc, "%s", cfg->locality);
+        c->has_loc = true;
+    }
+    c->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : 1000;
+    c->attempt_timeout_ms = cfg->attempt_timeout_ms;
+    c->connect_timeout_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 1000;
+    c->max_attempts = cfg->max_attempts;
+    c->budget_burst = cfg->retry_budget_burst;
+    c->budget_permille = cfg->retry_budget_permille;
+    for (uint32_t i = 0; i < n; i++) {
+        bex_rpc_channel_config cc = {
+            .dir = cfg->dir,
+            .service = svc,
+            .shard = i,
+            .locality = cfg->locality,
+            .name = "ps",
+            .request_timeout_ms = c->timeout_ms,
+            .attempt_timeout_ms = c->attempt_timeout_ms,
+            .connect_timeout_ms = c->connect_timeout_ms,
+            .max_attempts = c->max_attempts,
+            .retry_budget_burst = c->budget_burst,
+            .retry_budget_permille = c->budget_permille,
+        };
+        int rc = bex_rpc_channel_create(ctx, &cc, &c->ch[i]);
+        if (rc) {
+            c->n_shards = i;
+            bex_ps_client_destroy(c);
+            return rc;
+        }
+    }
+    c->n_shards = n;
+    *out = c;
+    return 0;
+}
+
+static void reps_free(struct shard_reps *sr, uint32_t n)
+{
+    if (!sr)
+        return;
+    for (uint32_t i = 0; i < n; i++)
+        free(sr[i].r);
+    free(sr);
+}
+
+void bex_ps_client_destroy(bex_ps_client *c)
+{
+    if (!c)
+        return;
+    for (uint32_t i = 0; i < c->n_shards; i++)
+        bex_rpc_channel_destroy(c->ch[i]);
+    for (struct pch *p = c->all, *nx; p; p = nx) {
+        nx = p->next;
+        bex_rpc_channel_destroy(p->ch);
+        free(p);
+    }
+    reps_free(c->push, c->n_shards);
+    pthread_mutex_destroy(&c->mu);
+    free(c->ch);
+    free(c);
+}
+
+static void stats_add(bex_ps_client_stats *o, const bex_rpc_channel_stats *st)
+{
+    o->calls += st->calls;
+    o->ok += st->ok;
+    o->failed += st->failed;
+    o->attempts += st->attempts;
+    o->retries += st->retries;
+    o->retry_throttled += st->retry_throttled;
+    o->failovers += st->failovers;
+    o->conn_failures += st->conn_failures;
+}
+
+/* The channel of replica r, made on first need. Under c->mu. */
+static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
+{
+    for (struct pch *p = c->all; p; p = p->next)
+        if (p->r.addr.sin_addr.s_addr == r->addr.sin_addr.s_addr &&
+            p->r.addr.sin_port == r->addr.sin_port && p->r.transport == r->transport)
+            return p;
+    struct pch *p = calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    p->r = *r;
+    bex_rpc_endpoint ep = {.addr = r->addr, .locality = r->locality, .transport = r->transport};
+    bex_rpc_channel_config cc = {
+        .endpoints = &ep,
+        .n_endpoints = 1,
+        .name = "ps-push",
+        .request_timeout_ms = c->timeout_ms,
+        .attempt_timeout_ms = c->attempt_timeout_ms,
+        .connect_timeout_ms = c->connect_timeout_ms,
+        .max_attempts = c->max_attempts,
+        .retry_budget_burst = c->budget_burst,
+        .retry_budget_permille = c->budget_permille,
+    };
+    if (bex_rpc_channel_create(c->ctx, &cc, &p->ch)) {
+        free(p);
+        return NULL;
+    }
+    p->next = c->all;
+    c->all = p;
+    return p;
+}
+
+/* Make c->push follow the directory's replicas. Under c->mu. 0 or -ENOMEM
+ * (the old lists kept). */
+static int push_refresh(bex_ps_client *c)
+{
+    uint64_t g = bex_dir_generation(c->dir);
+    if (c->push && g == c->gen)
+        return 0;
+    struct shard_reps *nw = calloc(c->n_shards, sizeof *nw);
+    if (!nw)
+        return -ENOMEM;
+    bex_dir_replica reps[BEX_PS_REPLICAS_MAX];
+    for (uint32_t s = 0; s < c->n_shards; s++) {
+        size_t nr = bex_dir_replicas(c->dir, c->svc, s, reps, BEX_PS_REPLICAS_MAX);
+        if (nr > BEX_PS_REPLICAS_MAX)
+            nr = BEX_PS_REPLICAS_MAX;
+        if (!nr)
+            continue;
+        nw[s].r = calloc(nr, sizeof *nw[s].r);
+        if (!nw[s].r) {
+            reps_free(nw, c->n_shards);
+            return -ENOMEM;
+        }
+        for (size_t i = 0; i < nr; i++) {
+            struct pch *p = pch_of(c, &reps[i]);
+            if (!p) {
+                reps_free(nw, c->n_shards);
+                return -ENOMEM;
+            }
+            nw[s].r[nw[s].n++] = p;
+        }
+    }
+    reps_free(c->push, c->n_shards);
+    c->push = nw;
+    c->gen = g;
+    return 0;
+}
+
+void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
+{
+    *out = (bex_ps_client_stats){0};
+    bex_rpc_channel_stats st;
+    for (uint32_t i = 0; i < c->n_shards; i++) {
+        bex_rpc_channel_stats_get(c->ch[i], &st);
+        stats_add(out, &st);
+    }
+    pthread_mutex_lock(&c->mu);
+    for (struct pch *p = c->all; p; p = p->next) {
+        bex_rpc_channel_stats_get(p->ch, &st);
+        stats_add(out, &st);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void op_put(struct op *op)
+{
+    if (atomic_fetch_sub(&op->left, 1) != 1)
+        return;
+    op->done(atomic_load(&op->status), op->user);
+    free(op);
+}
+
+static void op_fail(struct op *op, int status)
+{
+    int zero = 0;
+    atomic_compare_exchange_strong(&op->status, &zero, status);
+}
+
+/* A sub-request ended with status (before done runs). */
+static void sub_end(struct sub *sb, int status)
+{
+    struct op *op = sb->op;
+    if (op->res && sb->idx < op->res_cap)
+        op->res[sb->idx].status = status;
+    if (status)
+        op_fail(op, status);
+    op_put(op);
+}
+
+static void sub_done(int status, void *body, size_t len, void *user)
+{
+    struct sub *sb = user;
+    struct op *op = sb->op;
+    if (status == 0)
+        status = bex__ps_check_resp(op->method, body, len, op->table, sb->n, op->dim);
+    if (status == 0 && op->method == BEX_PS_M_FETCH) {
+        const uint8_t *p = (const uint8_t *)body + BEX__PS_HDR_LEN;
+        for (uint32_t i = 0; i < sb->n; i++) {
+            float *row = op->rows + (size_t)sb->pos[i] * op->dim;
+            for (uint32_t d = 0; d < op->dim; d++, p += 4)
+                row[d] = bex__ps_getf(p);
+        }
+    }
+    bex_rpc_free(body);
+    sub_end(sb, status);
+}
+
+static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t dim,
+                   const uint64_t *keys, size_t n, float *rows, const float *grads,
+                   bex_ps_replica_result *res, size_t res_cap, size_t *n_res, bex_ps_done_fn done,
+                   void *user)
+{
+    if (!c || !done || dim == 0 || dim > BEX_PS_DIM_MAX || (n && !keys) || n > BEX_PS_KEYS_MAX ||
+        (n && method == BEX_PS_M_FETCH && !rows) || (n && method == BEX_PS_M_PUSH && !grads) ||
+        (res_cap && !res))
+        return -EINVAL;
+    size_t ns = c->n_shards;
+    uint32_t *cnt = calloc(ns, sizeof *cnt);
+    if (!cnt)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        cnt[bex_ps_key_shard(keys[i], c->n_shards)]++;
+    for (size_t s = 0; s < ns; s++)
+        if (bex__ps_req_len(method, cnt[s], dim) > BEX_PS_BODY_MAX ||
+            (size_t)BEX__PS_HDR_LEN + 4 * (size_t)cnt[s] * dim > BEX_PS_BODY_MAX) {
+            free(cnt);
+            return -E2BIG;
+        }
+    bool push = method == BEX_PS_M_PUSH;
+    if (push)
+        pthread_mutex_lock(&c->mu);
+    int rc = push ? push_refresh(c) : 0;
+    /* the sub-requests: Fetch one per shard with keys, Push one per
+     * replica of such a shard (one without replica: one that fails) */
+    size_t n_subs = 0;
+    for (size_t s = 0; s < ns && !rc; s++)
+        if (cnt[s])
+            n_subs += push && c->push[s].n ? c->push[s].n : 1;
+    struct op *op = NULL;
+    if (!rc && !(op = calloc(1, sizeof *op + n_subs * sizeof(struct sub) + (n ? n : 1) * 4)))
+        rc = -ENOMEM;
+    if (rc) {
+        if (push)
+            pthread_mutex_unlock(&c->mu);
+        free(cnt);
+        return rc;
+    }
+    *op = (struct op){.method = method,
+                      .table = table,
+                      .dim = dim,
+                      .rows = rows,
+                      .done = done,
+                      .user = user,
+                      .res = res,
+                      .res_cap = res_cap,
+                      .subs = (struct sub *)(op + 1)};
+    uint32_t *pos = (uint32_t *)(op->subs + n_subs);
+    /* each shard's key places, then its subs (sharing them) */
+    uint32_t *at = calloc(ns, sizeof *at);
+    uint32_t k = 0, off = 0;
+    if (!at) {
+        if (push)
+            pthread_mutex_unlock(&c->mu);
+        free(cnt);
+        free(op);
+        return -ENOMEM;
+    }
+    for (size_t s = 0; s < ns; s++) {
+        at[s] = off;
+        off += cnt[s];
+        if (!cnt[s])
+            continue;
+        size_t nr = push ? c->push[s].n : 1;
+        for (size_t r = 0; r < (nr ? nr : 1); r++, k++) {
+            struct sub *sb = &op->subs[k];
+            *sb = (struct sub){
+                .op = op, .shard = (uint32_t)s, .n = cnt[s], .pos = pos + at[s], .idx = k};
+            sb->ch = push ? (nr ? c->push[s].r[r]->ch : NULL) : c->ch[s];
+            if (res && k < res_cap) {
+                res[k] = (bex_ps_replica_result){.shard = (uint32_t)s, .status = -EINPROGRESS};
+                if (push && nr)
+                    res[k].addr = c->push[s].r[r]->r.addr;
+            }
+        }
+    }
+    if (push)
+        pthread_mutex_unlock(&c->mu);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t s = bex_ps_key_shard(keys[i], c->n_shards);
+        pos[at[s]++] = (uint32_t)i;
+    }
+    free(at);
+    free(cnt);
+    if (n_res)
+        *n_res = push ? n_subs : 0;
+    atomic_store(&op->left, (uint32_t)n_subs + 1);
+    bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
+    for (size_t i = 0; i < n_subs; i++) {
+        struct sub *sb = &op->subs[i];
+        if (!sb->ch) {
+            sub_end(sb, -EHOSTUNREACH);
+            continue;
+        }
+        size_t len = bex__ps_req_len(method, sb->n, dim);
+        uint8_t *b = bex_rpc_alloc(c->ctx, len);
+        if (!b) {
+            sub_end(sb, -ENOMEM);
+            continue;
+        }
+        bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = table, .n = sb->n, .dim = dim});
+        uint8_t *p = b + BEX__PS_HDR_LEN;
+        for (uint32_t j = 0; j < sb->n; j++, p += 8)
+            bex__ps_put64(p, keys[sb->pos[j]]);
+        if (push)
+            for (uint32_t j = 0; j < sb->n; j++) {
+                const float *g = grads + (size_t)sb->pos[j] * dim;
+                for (uint32_t d = 0; d < dim; d++, p += 4)
+                    bex__ps_putf(p, g[d]);
+            }
+        rc = bex_rpc_call(sb->ch, BEX_PS_SERVICE, method, b, len, &opts, sub_done, sb, NULL);
+        if (rc) {
+            bex_rpc_free(b);
+            sub_end(sb, rc);
+        }
+    }
+    op_put(op); /* the issuing guard: done may run here */
+    return 0;
+}
+
+int bex_ps_fetch(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                 float *rows, bex_ps_done_fn done, void *user)
+{
+    return request(c, BEX_PS_M_FETCH, table, dim, keys, n, rows, NULL, NULL, 0, NULL, done, user);
+}
+
+int bex_ps_push(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                const float *grads, bex_ps_done_fn done, void *user)
+{
+    return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, NULL, 0, NULL, done, user);
+}
+
+int bex_ps_push_report(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                       size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
+                       size_t *n_res, bex_ps_done_fn done, void *user)
+{
+    return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, res, cap, n_res, done, user);
+}
+
+struct waitr {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+    int status;
+};
+
+static void sync_done(int status, void *user)
+{
+    struct waitr *w = user;
+    pthread_mutex_lock(&w->mu);
+    w->status = status;
+    w->done = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+static int wait_for(struct waitr *w, int rc)
+{
+    pthread_mutex_lock(&w->mu);
+    while (rc == 0 && !w->done)
+        pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    return rc ? rc : w->status;
+}
+
+int bex_ps_fetch_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                      size_t n, float *rows)
+{
+    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    return wait_for(&w, bex_ps_fetch(c, table, dim, keys, n, rows, sync_done, &w));
+}
+
+int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     const float *grads)
+{
+    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    return wait_for(&w, bex_ps_push(c, table, dim, keys, n, grads, sync_done, &w));
+}
+
+int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                            size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
+                            size_t *n_res)
+{
+    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    return wait_for(
+        &w, bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
+}

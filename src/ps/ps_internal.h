@@ -1,0 +1,91 @@
+/* The PS wire format's header and codecs (docs/protocol.md, "Parameter
+ * server"), shared by the shard, the client and the tests. Every integer
+ * and float on the wire and in snapshots is little-endian. */
+#ifndef BEX_PS_INTERNAL_H
+#define BEX_PS_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bex/ps.h"
+
+#define BEX__PS_VERSION 1
+#define BEX__PS_HDR_LEN 16
+
+/* u16 version, u16 flags (0), u32 table, u32 n (keys or rows), u32 dim */
+struct bex__ps_hdr {
+    uint32_t table, n, dim;
+};
+
+static inline void bex__ps_put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t bex__ps_get32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++)
+        v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+static inline void bex__ps_put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint64_t bex__ps_get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+static inline void bex__ps_putf(uint8_t *p, float f)
+{
+    uint32_t v;
+    memcpy(&v, &f, 4);
+    bex__ps_put32(p, v);
+}
+static inline float bex__ps_getf(const uint8_t *p)
+{
+    uint32_t v = bex__ps_get32(p);
+    float f;
+    memcpy(&f, &v, 4);
+    return f;
+}
+
+static inline void bex__ps_hdr_put(uint8_t *p, const struct bex__ps_hdr *h)
+{
+    p[0] = BEX__PS_VERSION;
+    p[1] = 0;
+    p[2] = p[3] = 0;
+    bex__ps_put32(p + 4, h->table);
+    bex__ps_put32(p + 8, h->n);
+    bex__ps_put32(p + 12, h->dim);
+}
+
+/* Bytes of a request body of method for n keys of dim floats. */
+size_t bex__ps_req_len(uint32_t method, uint32_t n, uint32_t dim);
+
+/* Check a request body of method strictly: header, bounds, exact length.
+ * Returns 0 and *h, or -EINVAL (malformed), -E2BIG (past a bound). */
+int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps_hdr *h);
+
+/* Check an answer to a request of method for (table, n, dim). 0 or
+ * -EBADMSG. */
+int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t table, uint32_t n,
+                       uint32_t dim);
+
+uint64_t bex__ps_mix(uint64_t x);
+
+/* The RPC registration flags of a method: Push changes state, so a retried
+ * Push is answered from the dedup window, not applied again. (Tests that
+ * wrap the handlers register with these too.) */
+static inline uint32_t bex__ps_method_flags(uint32_t method)
+{
+    return method == BEX_PS_M_PUSH ? BEX_RPC_METHOD_WRITE : 0;
+}
+
+#endif

@@ -1,0 +1,55 @@
+/* The PS wire format's strict decoder (docs/protocol.md, "Parameter
+ * server"): a peer's body is checked whole before anything is applied. */
+#include <errno.h>
+
+#include "ps/ps_internal.h"
+
+size_t bex__ps_req_len(uint32_t method, uint32_t n, uint32_t dim)
+{
+    size_t len = BEX__PS_HDR_LEN + 8 * (size_t)n;
+    if (method == BEX_PS_M_PUSH)
+        len += 4 * (size_t)n * dim;
+    return len;
+}
+
+static int hdr_get(const void *body, size_t len, struct bex__ps_hdr *h)
+{
+    const uint8_t *p = body;
+    if (!body || len < BEX__PS_HDR_LEN)
+        return -EINVAL;
+    if (p[0] != BEX__PS_VERSION || p[1] || p[2] || p[3])
+        return -EINVAL;
+    h->table = bex__ps_get32(p + 4);
+    h->n = bex__ps_get32(p + 8);
+    h->dim = bex__ps_get32(p + 12);
+    if (h->dim == 0)
+        return -EINVAL;
+    if (h->n > BEX_PS_KEYS_MAX || h->dim > BEX_PS_DIM_MAX || len > BEX_PS_BODY_MAX)
+        return -E2BIG;
+    return 0;
+}
+
+int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps_hdr *h)
+{
+    int rc = hdr_get(body, len, h);
+    if (rc)
+        return rc;
+    /* n and dim are bounded above: the products fit in size_t */
+    size_t want = bex__ps_req_len(method, h->n, h->dim);
+    size_t answer = BEX__PS_HDR_LEN + 4 * (size_t)h->n * h->dim; /* a Fetch's rows */
+    if (want > BEX_PS_BODY_MAX || (method == BEX_PS_M_FETCH && answer > BEX_PS_BODY_MAX))
+        return -E2BIG;
+    return len == want ? 0 : -EINVAL;
+}
+
+int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t table, uint32_t n,
+                       uint32_t dim)
+{
+    struct bex__ps_hdr h;
+    if (hdr_get(body, len, &h) || h.table != table || h.n != n || h.dim != dim)
+        return -EBADMSG;
+    size_t want = BEX__PS_HDR_LEN;
+    if (method == BEX_PS_M_FETCH)
+        want += 4 * (size_t)n * dim;
+    return len == want ? 0 : -EBADMSG;
+}

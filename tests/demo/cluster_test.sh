@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# bex-cluster end to end, natively over TCP (tests/demo/CMakeLists.txt).
+#
+#   cluster_test.sh run BEX_CLUSTER PLAN        the plan runs to its end: every
+#       phase has user requests and training iterations, none failed, no
+#       client error, no Push applied twice (checked from results.json);
+#       bex-cluster exits 0 and leaves no process behind
+#   cluster_test.sh interrupt BEX_CLUSTER PLAN  SIGINT mid-phase: bex-cluster
+#       exits 130 within 15 s and every process it started is gone
+#   cluster_test.sh killed BEX_CLUSTER PLAN     SIGKILL to bex-cluster mid-phase
+#       (no handler runs): its children die with it (PR_SET_PDEATHSIG)
+#
+# "Gone": no pid of OUT/pids alive and no process left in the group OUT/pgid.
+set -u
+mode=$1 cluster=$2 plan=$3
+scale=${BEX_TEST_TIME_SCALE:-1}
+out=$(mktemp -d "${TMPDIR:-/tmp}/bex-cluster-test.XXXXXX")
+trap 'rm -rf "$out"' EXIT
+# bex-cluster keeps the servers' snapshots in a directory of TMPDIR: gone at its end
+mkdir "$out/tmp"
+export TMPDIR=$out/tmp
+tmp_left() { [ -z "$(ls -A "$out/tmp")" ] || { ls "$out/tmp" >&2; return 1; }; }
+fail() { echo "FAIL: $*" >&2; [ -f "$out/log" ] && tail -20 "$out/log" >&2; exit 1; }
+
+# Processes started by the run (OUT/pids) still alive, or still in its group.
+left_behind() {
+    local pgid pid rest n=0 stat
+    pgid=$(cat "$out/pgid" 2>/dev/null) || return 0
+    for stat in /proc/[0-9]*/stat; do
+        # field 5 is the process group; comm (field 2) may hold spaces
+        rest=$(sed 's/^.*) //' "$stat" 2>/dev/null) || continue
+        set -- $rest
+        if [ "${3:-}" = "$pgid" ]; then
+            pid=${stat#/proc/}; pid=${pid%/stat}
+            echo "left in group $pgid: $pid $(tr '\0' ' ' </proc/$pid/cmdline 2>/dev/null)" >&2
+            n=$((n + 1))
+        fi
+    done
+    while read -r pid name; do
+        if kill -0 "$pid" 2>/dev/null && [ "$(cut -d' ' -f1 /proc/$pid/stat 2>/dev/null)" = "$pid" ] &&
+            grep -q "bex\|$name" /proc/$pid/cmdline 2>/dev/null; then
+            echo "left running: $pid ($name)" >&2
+            n=$((n + 1))
+        fi
+    done <"$out/pids"
+    return $n
+}
+
+wait_gone() { # up to $1 seconds
+    local i
+    for ((i = 0; i < $1 * 10; i++)); do
+        left_behind 2>/dev/null && return 0
+        sleep 0.1
+    done
+    left_behind
+}
+
+case "$mode" in
+run)
+    # the plan's times stretched with the sanitizers' (the fault must find
+    # the clients under load)
+    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.1 --time-scale "$scale" \
+        >"$out/log" 2>&1
+    rc=$?
+    cp "$out/run/pgid" "$out/run/pids" "$out/" 2>/dev/null
+    [ $rc = 0 ] || fail "bex-cluster exited $rc"
+    left_behind || fail "processes left behind"
+    tmp_left || fail "snapshot directory left in TMPDIR"
+    python3 - "$out/run/results.json" <<'PY' || fail "results.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+ph = r["phases"]
+plan = r["plan"]["phases"]
+assert len(ph) == len(plan), f"{len(ph)} phases of {len(plan)}"
+for p in ph:
+    lat = p["latency"]
+    n = p["name"]
+    assert lat["ranker_request"]["count"] > 0, f"{n}: no user request"
+    assert lat["ranker_fetch"]["count"] >= lat["ranker_request"]["count"], n
+    assert lat["trainer_push"]["count"] > 0, f"{n}: no Push"
+    assert p["failed_user_requests"] == 0, f"{n}: {p['failed_user_requests']} user requests failed"
+    fault = p.get("fault")
+    if fault:
+        # a Push to the dead replica's shard fails there; none may fail everywhere
+        assert lat["trainer_push"]["failed"] == p["push_partial"], \
+            f"{n}: {lat['trainer_push']['failed'] - p['push_partial']} Pushes no replica acknowledged"
+    else:
+        assert lat["trainer_push"]["failed"] == 0, f"{n}: Pushes failed"
+    assert p["client_errors"] == 0, f"{n}: client errors"
+    assert lat["ranker_fetch"]["p99_us"] > 0 and lat["ranker_fetch"]["mean_us"] > 0, n
+    pc = p["push_check"]
+    assert pc["acknowledged"] > 0 and pc["keys"] > 0, f"{n}: nothing checked"
+    reps = pc["replicas"]
+    assert len(reps) == r["plan"]["shards"] * r["plan"]["replicas"], n
+    for rep in reps:
+        w = f"{n}: shard {rep['shard']} replica {rep['replica']}"
+        assert not rep["fetch_failed"], f"{w}: not read"
+        assert rep["rows_checked"] > 0, f"{w}: no row"
+        assert rep["rows_unexplained"] == 0, f"{w}: rows the trainers' counts do not explain"
+        assert rep["pushes_applied_twice"] == 0, f"{w}: Pushes applied twice"
+        if not rep["killed"]:
+            # replicated: every replica has every Push it acknowledged
+            assert rep["pushes_missing"] == 0, f"{w}: {rep['pushes_missing']} acknowledged Pushes missing"
+            assert rep["rows_exact"] == rep["rows_checked"], w
+    for ri in range(r["plan"]["replicas"]):
+        assert sum(x["rows_checked"] for x in reps if x["replica"] == ri) == pc["keys"], n
+    assert p["pushes_applied_twice"] == 0, f"{n}: Pushes applied twice"
+    for c in p["clients"]:
+        assert c["cpu"]["ops"] > 0, f"{n}: {c['name']} reported no op"
+    if "fault" in p:
+        f = p["fault"]
+        assert 0 < f["killed_at_s"] < f["restarted_at_s"] <= f["ready_again_at_s"], f
+        assert p["retries"] > 0, f"{n}: a replica was killed under load but nothing was retried"
+print("results.json: ok:", ", ".join(
+    f"{p['name']}: {p['latency']['ranker_request']['count']} user requests, "
+    f"{p['latency']['trainer_push']['count']} Pushes, {p['retries']} retries" for p in ph))
+PY
+    ;;
+interrupt | killed)
+    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.1 --time-scale $((20 * scale)) \
+        >"$out/log" 2>&1 &
+    pid=$!
+    # until the first phase's clients run
+    for ((i = 0; i < 300 * scale; i++)); do
+        grep -q ' trainer-0$' "$out/run/pids" 2>/dev/null && break
+        kill -0 $pid 2>/dev/null || fail "bex-cluster ended early"
+        sleep 0.1
+    done
+    grep -q ' trainer-0$' "$out/run/pids" || fail "no trainer started"
+    sleep 1
+    cp "$out/run/pgid" "$out/run/pids" "$out/"
+    n=$(wc -l <"$out/pids")
+    [ "$n" -ge 7 ] || fail "only $n processes started"
+    left_behind 2>/dev/null && fail "nothing running before the signal"
+    if [ "$mode" = interrupt ]; then
+        kill -INT $pid
+        for ((i = 0; i < 150; i++)); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+        kill -0 $pid 2>/dev/null && { kill -9 $pid; fail "bex-cluster still running 15 s after SIGINT"; }
+        wait $pid
+        rc=$?
+        [ $rc = 130 ] || fail "bex-cluster exited $rc after SIGINT, not 130"
+        left_behind || fail "processes left behind after SIGINT"
+        tmp_left || fail "snapshot directory left in TMPDIR after SIGINT"
+    else
+        kill -KILL $pid
+        wait $pid
+        wait_gone 5 || fail "processes left behind after SIGKILL"
+    fi
+    echo "$mode: $n processes started, none left"
+    ;;
+*)
+    echo "usage: $0 run|interrupt|killed BEX_CLUSTER PLAN" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,1526 @@
+/* bex-cluster: run a parameter-server cluster on one machine through a
+ * phase plan, and report (issue 10 item 3; paper §8, Tables 5-7).
+ *
+ * Each phase starts n shards x r replicas (one bex-ps process each, at
+ * addresses from a cluster file it writes), then its rankers and trainers
+ * (bex-ranker, bex-trainer) for the phase's duration, over the phase's
+ * transport; a fault phase sends kill -9 to one replica mid-run and
+ * restarts it (from its snapshot). After the clients, it checks from every
+ * replica how many times each trained key's Pushes were applied (the
+ * trainers' gradients are constant, so a row's value counts them), stops
+ * the servers (SIGTERM), and collects the JSON reports and latency samples
+ * into results.json, series.dat (latency over time) and tables shaped like
+ * the paper's Tables 5-7 on stdout.
+ *
+ * Nothing is left running: every process it starts is in one process
+ * group (a keeper process leads it for the whole run) and dies with
+ * bex-cluster (PR_SET_PDEATHSIG); SIGINT, SIGTERM and SIGHUP stop the group
+ * (SIGTERM, then SIGKILL after 5 s) before bex-cluster exits. The pids it
+ * started are listed in OUT/pids and the group in OUT/pgid.
+ *
+ * Usage and plan format: docs/configuration.md ("bex-cluster"). */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bex/dir.h"
+#include "bex/ps.h"
+#include "bex/sock.h"
+
+/* The plan `make demo` runs: the same inference and training load over
+ * RDMA and over TCP, then a fault phase. Sized for 2 cores inside the
+ * Soft-RoCE VM (software-emulated RDMA under qemu TCG): a few hundred
+ * user requests a second. Its deadlines (10 s) and keepalive timeouts
+ * (10 s) are the VM's: on a loaded host the emulated processes stall for
+ * seconds (P99s of 1.5-3 s at a load of 10 on 2 cores), and a tighter
+ * deadline failed user requests in phases without a fault. */
+static const char DEFAULT_PLAN[] =
+    "{\n"
+    "  \"shards\": 2, \"replicas\": 2,\n"
+    "  \"table\": {\"id\": 1, \"dim\": 16, \"lr\": 0.01},\n"
+    "  \"keys\": 50000, \"zipf\": 0.99,\n"
+    "  \"ps\": {\"snapshot_every_ms\": 2000, \"keepalive_timeout_ms\": 10000},\n"
+    "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
+    "             \"timeout_ms\": 10000, \"keepalive_timeout_ms\": 10000},\n"
+    "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
+    "              \"p99_bytes\": 51200, \"timeout_ms\": 10000,\n"
+    "              \"keepalive_timeout_ms\": 10000},\n"
+    "  \"phases\": [\n"
+    "    {\"name\": \"rdma\", \"transport\": \"rdma\", \"duration_s\": 20, \"rankers\": 2,\n"
+    "     \"trainers\": 2},\n"
+    "    {\"name\": \"tcp\", \"transport\": \"tcp\", \"duration_s\": 20, \"rankers\": 2,\n"
+    "     \"trainers\": 2},\n"
+    "    {\"name\": \"fault\", \"transport\": \"rdma\", \"duration_s\": 24, \"rankers\": 2,\n"
+    "     \"trainers\": 2, \"fault\": {\"shard\": 0, \"replica\": 1, \"snapshot_at_s\": 4,\n"
+    "     \"kill_at_s\": 8, \"restart_at_s\": 14}}\n"
+    "  ]\n"
+    "}\n";
+
+#define MAX_PROCS  256
+#define MAX_ADDRS  8
+#define MAX_PHASES 16
+#define SERIES_BIN 1.0 /* seconds per point of series.dat */
+#define READY_WAIT 60  /* seconds for a bex-ps to say ready */
+#define STOP_WAIT  5   /* seconds between SIGTERM and SIGKILL */
+#define EXTRA_WAIT 30  /* seconds past a phase's end for its clients */
+
+enum { R_KEEPER, R_PS, R_RANKER, R_TRAINER };
+
+struct proc {
+    int used, role, idx; /* idx: ranker/trainer number, or shard * R + replica */
+    pid_t pid;
+    int out_fd, log_fd;
+    char name[64];
+    char line[512];
+    size_t line_len;
+    int running, ready, killed; /* killed: by the fault, expected */
+    int status;
+    struct rusage ru;
+    unsigned long long prog_ok, prog_failed;
+    char *argv[48];
+};
+
+static struct {
+    char out[2048], bin[2048], ps_bin[PATH_MAX];
+    char snap_root[1024]; /* the servers' snapshots: a directory in TMPDIR */
+    char addrs[MAX_ADDRS][INET_ADDRSTRLEN];
+    int n_addrs;
+    pid_t self, pgid;
+    FILE *pids;
+    struct proc procs[MAX_PROCS];
+    volatile sig_atomic_t stop_sig, got_chld;
+    int tty, quiet;
+    double scale; /* durations multiplied by this */
+} g;
+
+static void on_signal(int sig)
+{
+    if (sig == SIGCHLD)
+        g.got_chld = 1;
+    else if (!g.stop_sig)
+        g.stop_sig = sig;
+}
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void cleanup_all(void);
+
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%sbex-cluster: ", g.tty ? "\n" : "");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    cleanup_all();
+    exit(1);
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* ---- processes ---- */
+
+static void reap(void)
+{
+    g.got_chld = 0;
+    for (;;) {
+        int st;
+        struct rusage ru;
+        pid_t p = wait4(-1, &st, WNOHANG, &ru);
+        if (p <= 0)
+            return;
+        for (int i = 0; i < MAX_PROCS; i++) {
+            struct proc *pr = &g.procs[i];
+            if (pr->used && pr->running && pr->pid == p) {
+                pr->running = 0;
+                pr->status = st;
+                pr->ru = ru;
+            }
+        }
+    }
+}
+
+static void handle_line(struct proc *p, const char *line)
+{
+    unsigned long long a, b;
+    if (p->role == R_PS && strcmp(line, "bex-ps: ready") == 0)
+        p->ready = 1;
+    else if (sscanf(line, "progress %llu %llu", &a, &b) == 2) {
+        p->prog_ok = a;
+        p->prog_failed = b;
+        return; /* not worth a log line each */
+    }
+    if (p->log_fd >= 0) {
+        dprintf(p->log_fd, "%s\n", line);
+    }
+}
+
+/* Read what the children said, reap the dead; wait up to ms. Returns
+ * nonzero when a stop signal came. */
+static int pump(int ms)
+{
+    struct pollfd pf[MAX_PROCS];
+    struct proc *who[MAX_PROCS];
+    int n = 0;
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (g.procs[i].used && g.procs[i].out_fd >= 0) {
+            pf[n] = (struct pollfd){.fd = g.procs[i].out_fd, .events = POLLIN};
+            who[n++] = &g.procs[i];
+        }
+    sigset_t none;
+    sigemptyset(&none);
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    int rc = ppoll(pf, (nfds_t)n, &ts, &none);
+    for (int i = 0; rc > 0 && i < n; i++) {
+        if (!(pf[i].revents & (POLLIN | POLLHUP | POLLERR)))
+            continue;
+        struct proc *p = who[i];
+        char buf[4096];
+        ssize_t k = read(p->out_fd, buf, sizeof buf);
+        if (k <= 0) {
+            close(p->out_fd);
+            p->out_fd = -1;
+            continue;
+        }
+        for (ssize_t j = 0; j < k; j++) {
+            if (buf[j] == '\n' || p->line_len == sizeof p->line - 1) {
+                p->line[p->line_len] = 0;
+                handle_line(p, p->line);
+                p->line_len = 0;
+            }
+            if (buf[j] != '\n')
+                p->line[p->line_len++] = buf[j];
+        }
+    }
+    reap();
+    return g.stop_sig != 0;
+}
+
+static struct proc *proc_new(int role, int idx, const char *name)
+{
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (!g.procs[i].used) {
+            struct proc *p = &g.procs[i];
+            *p = (struct proc){.used = 1, .role = role, .idx = idx, .out_fd = -1, .log_fd = -1};
+            snprintf(p->name, sizeof p->name, "%s", name);
+            return p;
+        }
+    die("too many processes");
+}
+
+static void child_setup(void)
+{
+    /* die with bex-cluster, even by SIGKILL; the parent may be gone already */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != g.self)
+        _exit(1);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    signal(SIGCHLD, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+/* Start p->argv in the group, its stdout to us, its stderr to log. */
+static void proc_spawn(struct proc *p, const char *log)
+{
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC))
+        die("pipe: %s", strerror(errno));
+    if (p->log_fd < 0 &&
+        (p->log_fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0)
+        die("%s: %s", log, strerror(errno));
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork: %s", strerror(errno));
+    if (pid == 0) {
+        child_setup();
+        setpgid(0, g.pgid);
+        dup2(fds[1], 1);
+        dup2(p->log_fd, 2);
+        execv(p->argv[0], p->argv);
+        dprintf(2, "bex-cluster: exec %s: %s\n", p->argv[0], strerror(errno));
+        _exit(127);
+    }
+    setpgid(pid, g.pgid); /* both sides: no window outside the group */
+    close(fds[1]);
+    p->out_fd = fds[0];
+    p->pid = pid;
+    p->running = 1;
+    p->ready = 0;
+    p->killed = 0;
+    p->line_len = 0;
+    p->prog_ok = p->prog_failed = 0;
+    fprintf(g.pids, "%d %s\n", (int)pid, p->name);
+    fflush(g.pids);
+}
+
+static void proc_release(struct proc *p)
+{
+    if (p->out_fd >= 0)
+        close(p->out_fd);
+    if (p->log_fd >= 0)
+        close(p->log_fd);
+    for (int i = 0; p->argv[i]; i++)
+        free(p->argv[i]);
+    p->used = 0;
+}
+
+static int running_count(int role)
+{
+    int n = 0;
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (g.procs[i].used && g.procs[i].running && (role < 0 || g.procs[i].role == role))
+            n++;
+    return n;
+}
+
+/* Signal every running process of a role (-1: all but the keeper). */
+static void signal_role(int role, int sig)
+{
+    for (int i = 0; i < MAX_PROCS; i++) {
+        struct proc *p = &g.procs[i];
+        if (p->used && p->running && p->role != R_KEEPER && (role < 0 || p->role == role))
+            kill(p->pid, sig);
+    }
+}
+
+/* SIGTERM to a role, SIGKILL after STOP_WAIT; reaps them. */
+static void stop_role(int role)
+{
+    signal_role(role, SIGTERM);
+    double end = now_s() + STOP_WAIT;
+    while (running_count(role) > (role < 0 ? 1 : 0) && now_s() < end)
+        pump(50);
+    signal_role(role, SIGKILL);
+    while (running_count(role) > (role < 0 ? 1 : 0))
+        pump(50);
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    remove(path);
+    return 0;
+}
+
+static void cleanup_all(void)
+{
+    if (g.pgid) {
+        signal(SIGINT, SIG_IGN); /* a second ^C does not cut the cleanup short */
+        stop_role(-1);
+        /* the group: the keeper and anything a child left behind */
+        kill(-g.pgid, SIGKILL);
+        while (running_count(-1) > 0)
+            pump(50);
+        while (waitpid(-1, NULL, WNOHANG) > 0)
+            ;
+        g.pgid = 0;
+    }
+    if (g.snap_root[0]) { /* the servers are gone: nothing writes there now */
+        nftw(g.snap_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        g.snap_root[0] = 0;
+    }
+}
+
+static void start_keeper(void)
+{
+    struct proc *p = proc_new(R_KEEPER, 0, "keeper");
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork: %s", strerror(errno));
+    if (pid == 0) {
+        child_setup();
+        setpgid(0, 0);
+        for (;;)
+            pause();
+    }
+    setpgid(pid, pid);
+    g.pgid = pid;
+    p->pid = pid;
+    p->running = 1;
+    fprintf(g.pids, "%d keeper\n", (int)pid);
+    fflush(g.pids);
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/pgid", g.out);
+    FILE *f = fopen(path, "w");
+    if (f) {
+        fprintf(f, "%d\n", (int)pid);
+        fclose(f);
+    }
+}
+
+/* ---- plan ---- */
+
+struct phase {
+    const char *name, *transport;
+    double duration_s;
+    int rankers, trainers;
+    double warmup_s; /* samples that start earlier are left out of the stats */
+    int fault, f_shard, f_replica;
+    double f_snap, f_kill, f_restart;
+};
+
+struct plan {
+    json_t *root;
+    int shards, replicas;
+    unsigned table, dim, keys;
+    double lr, zipf;
+    json_t *ranker, *trainer, *ps;
+    struct phase ph[MAX_PHASES];
+    int n_ph;
+};
+
+static double jnum(json_t *o, const char *k, double def)
+{
+    json_t *v = o ? json_object_get(o, k) : NULL;
+    return v && json_is_number(v) ? json_number_value(v) : def;
+}
+
+static void plan_load(struct plan *pl, const char *arg)
+{
+    json_error_t err;
+    if (strcmp(arg, "default") == 0)
+        pl->root = json_loads(DEFAULT_PLAN, 0, &err);
+    else
+        pl->root = json_load_file(arg, 0, &err);
+    if (!pl->root)
+        die("plan %s: %s (line %d)", arg, err.text, err.line);
+    json_t *r = pl->root;
+    pl->shards = (int)jnum(r, "shards", 2);
+    pl->replicas = (int)jnum(r, "replicas", 2);
+    json_t *t = json_object_get(r, "table");
+    pl->table = (unsigned)jnum(t, "id", 1);
+    pl->dim = (unsigned)jnum(t, "dim", 16);
+    pl->lr = jnum(t, "lr", 0.01);
+    pl->keys = (unsigned)jnum(r, "keys", 100000);
+    pl->zipf = jnum(r, "zipf", 0.99);
+    pl->ranker = json_object_get(r, "ranker");
+    pl->trainer = json_object_get(r, "trainer");
+    pl->ps = json_object_get(r, "ps");
+    if (pl->shards < 1 || pl->shards > 16 || pl->replicas < 1 || pl->replicas > 4 || pl->dim < 1 ||
+        pl->dim > BEX_PS_DIM_MAX || pl->keys < 1)
+        die("plan %s: shards 1-16, replicas 1-4, table.dim 1-%u, keys >= 1", arg, BEX_PS_DIM_MAX);
+    json_t *phs = json_object_get(r, "phases");
+    if (!json_is_array(phs) || json_array_size(phs) == 0 || json_array_size(phs) > MAX_PHASES)
+        die("plan %s: \"phases\": an array of 1-%d phases", arg, MAX_PHASES);
+    for (size_t i = 0; i < json_array_size(phs); i++) {
+        json_t *p = json_array_get(phs, i);
+        struct phase *ph = &pl->ph[pl->n_ph++];
+        json_t *n = json_object_get(p, "name"), *tr = json_object_get(p, "transport");
+        ph->name = json_is_string(n) ? json_string_value(n) : "phase";
+        ph->transport = json_is_string(tr) ? json_string_value(tr) : "tcp";
+        if (strcmp(ph->transport, "rdma") && strcmp(ph->transport, "tcp") &&
+            strcmp(ph->transport, "auto"))
+            die("plan %s: phases[%zu].transport: rdma, tcp or auto", arg, i);
+        ph->duration_s = jnum(p, "duration_s", 10) * g.scale;
+        ph->warmup_s = jnum(p, "warmup_s", jnum(r, "warmup_s", 2)) * g.scale;
+        if (ph->warmup_s >= ph->duration_s)
+            ph->warmup_s = 0;
+        ph->rankers = (int)jnum(p, "rankers", 1);
+        ph->trainers = (int)jnum(p, "trainers", 1);
+        if (ph->rankers < 0 || ph->trainers < 0 || ph->rankers + ph->trainers > 64 ||
+            ph->duration_s <= 0)
+            die("plan %s: phases[%zu]: at most 64 clients, a positive duration", arg, i);
+        json_t *f = json_object_get(p, "fault");
+        if (f) {
+            ph->fault = 1;
+            ph->f_shard = (int)jnum(f, "shard", 0);
+            ph->f_replica = (int)jnum(f, "replica", pl->replicas - 1);
+            ph->f_snap = jnum(f, "snapshot_at_s", -1) * g.scale;
+            ph->f_kill = jnum(f, "kill_at_s", ph->duration_s / 3 / g.scale) * g.scale;
+            ph->f_restart = jnum(f, "restart_at_s", ph->duration_s * 2 / 3 / g.scale) * g.scale;
+            if (ph->f_shard >= pl->shards || ph->f_replica >= pl->replicas)
+                die("plan %s: phases[%zu].fault: no such shard or replica", arg, i);
+            if (pl->replicas < 2)
+                die("plan %s: phases[%zu].fault needs 2 replicas or more", arg, i);
+        }
+    }
+}
+
+/* ---- one phase ---- */
+
+static char *xstrdup(const char *s)
+{
+    char *d = strdup(s);
+    if (!d)
+        die("out of memory");
+    return d;
+}
+
+static void argv_set(struct proc *p, ...)
+{
+    va_list ap;
+    va_start(ap, p);
+    int n = 0;
+    for (const char *s; (s = va_arg(ap, const char *)) && n < 47;)
+        p->argv[n++] = xstrdup(s);
+    p->argv[n] = NULL;
+    va_end(ap);
+}
+
+static void argv_add(struct proc *p, const char *k, const char *v)
+{
+    int n = 0;
+    while (p->argv[n])
+        n++;
+    if (n + 2 >= 47)
+        die("too many arguments");
+    p->argv[n++] = xstrdup(k);
+    if (v)
+        p->argv[n++] = xstrdup(v);
+    p->argv[n] = NULL;
+}
+
+static void argv_num(struct proc *p, const char *k, json_t *o, const char *jk)
+{
+    json_t *v = o ? json_object_get(o, jk) : NULL;
+    if (!v || !json_is_number(v))
+        return;
+    char b[64];
+    snprintf(b, sizeof b, "%.17g", json_number_value(v));
+    argv_add(p, k, b);
+}
+
+/* Free TCP ports on addr: bound to port 0 all at once, so they differ. */
+static void free_ports(const char *addr, int n, int *ports)
+{
+    int fds[64];
+    for (int i = 0; i < n; i++) {
+        struct sockaddr_in a = {.sin_family = AF_INET};
+        inet_pton(AF_INET, addr, &a.sin_addr);
+        socklen_t len = sizeof a;
+        if ((fds[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+            bind(fds[i], (struct sockaddr *)&a, sizeof a) ||
+            getsockname(fds[i], (struct sockaddr *)&a, &len))
+            die("a free port on %s: %s", addr, strerror(errno));
+        ports[i] = ntohs(a.sin_port);
+    }
+    for (int i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+struct verify {
+    int done;
+    long keys, acked, unsure; /* over every replica */
+    struct vrep {             /* per shard and replica */
+        long checked, exact, twice, twice_rows, missing, missing_rows, unexplained, fetch_failed;
+    } rep[16][4];
+};
+
+/* How many Pushes each replica applied to the trained keys: a row's value
+ * after n Pushes of the constant gradient is init - lr*grad applied n times
+ * (one float subtraction each, the same whatever the order). The trainers
+ * say, per key and replica, how many Pushes it acknowledged and how many
+ * failed there (maybe applied): a count above both is a Push applied
+ * twice, one below the acknowledged a Push lost. */
+static void verify_phase(const struct plan *pl, const struct phase *ph, const char *dir,
+                         const char *cluster_json, struct verify *v, double grad)
+{
+    *v = (struct verify){0};
+    const int R = pl->replicas;
+    size_t cap = 0, n = 0;
+    struct kc {
+        uint64_t key;
+        long acked[4], unsure[4];
+    } *kc = NULL;
+    uint32_t *rank_at = calloc(pl->keys, sizeof *rank_at); /* index + 1 */
+    if (!rank_at)
+        die("out of memory");
+    for (int t = 0; t < ph->trainers; t++) {
+        char path[PATH_MAX + 32];
+        snprintf(path, sizeof path, "%s/trainer-%d.counts", dir, t);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        unsigned rank, nr;
+        unsigned long long key;
+        while (fscanf(f, "%u %llu %u", &rank, &key, &nr) == 3) {
+            long a[4] = {0}, u[4] = {0};
+            for (unsigned r = 0; r < nr; r++) {
+                unsigned x, y;
+                if (fscanf(f, "%u %u", &x, &y) != 2)
+                    die("%s: malformed", path);
+                if (r < 4) {
+                    a[r] = x;
+                    u[r] = y;
+                }
+            }
+            if (rank >= pl->keys || (int)nr != R)
+                die("%s: rank %u or %u replicas: not this plan's", path, rank, nr);
+            if (!rank_at[rank]) {
+                if (n == cap) {
+                    cap = cap ? 2 * cap : 4096;
+                    if (!(kc = realloc(kc, cap * sizeof *kc)))
+                        die("out of memory");
+                }
+                kc[n] = (struct kc){.key = key};
+                rank_at[rank] = (uint32_t)++n;
+            }
+            struct kc *k = &kc[rank_at[rank] - 1];
+            for (int r = 0; r < R; r++) {
+                k->acked[r] += a[r];
+                k->unsure[r] += u[r];
+            }
+        }
+        fclose(f);
+    }
+    free(rank_at);
+    v->keys = (long)n;
+    for (size_t i = 0; i < n; i++)
+        for (int r = 0; r < R; r++) {
+            v->acked += kc[i].acked[r];
+            v->unsure += kc[i].unsure[r];
+        }
+    if (n == 0) {
+        free(kc);
+        return;
+    }
+    const float step = (float)pl->lr * (float)grad;
+    json_error_t jerr;
+    json_t *cl = json_loads(cluster_json, 0, &jerr);
+    uint64_t *keys = malloc(n * sizeof *keys);
+    float *rows = malloc(n * pl->dim * sizeof *rows);
+    if (!cl || !keys || !rows)
+        die("out of memory");
+    for (size_t i = 0; i < n; i++)
+        keys[i] = kc[i].key;
+    bex_ctx_config cc = {.transport = strcmp(ph->transport, "tcp") == 0    ? BEX_TRANSPORT_TCP
+                                      : strcmp(ph->transport, "rdma") == 0 ? BEX_TRANSPORT_RDMA
+                                                                           : BEX_TRANSPORT_AUTO};
+    inet_pton(AF_INET, g.addrs[0], &cc.local_addr);
+    bex_ctx *ctx;
+    int rc = bex_ctx_create(&cc, &ctx);
+    if (rc) {
+        fprintf(stderr, "bex-cluster: check: context: %s\n", bex_strerror(rc));
+        goto out;
+    }
+    for (int r = 0; r < R; r++) {
+        /* a directory with only replica r of each shard */
+        json_t *c1 = json_deep_copy(cl);
+        json_t *shards =
+            json_object_get(json_object_get(json_object_get(c1, "services"), "ps"), "shards");
+        for (size_t s = 0; s < json_array_size(shards); s++) {
+            json_t *reps = json_object_get(json_array_get(shards, s), "replicas");
+            json_t *one = json_incref(json_array_get(reps, (size_t)r));
+            json_array_clear(reps);
+            json_array_append_new(reps, one);
+        }
+        char *txt = json_dumps(c1, 0);
+        json_decref(c1);
+        bex_dir *d = NULL;
+        bex_ps_client *ps = NULL;
+        char err[256];
+        rc = bex_dir_create(NULL, &d);
+        if (!rc)
+            rc = bex_dir_load_json(d, txt, err, sizeof err);
+        free(txt);
+        bex_ps_client_config pc = {.dir = d, .service = "ps", .timeout_ms = 10000};
+        if (!rc)
+            rc = bex_ps_client_create(ctx, &pc, &ps);
+        for (size_t at = 0; rc == 0 && at < n; at += 4096) {
+            size_t k = n - at < 4096 ? n - at : 4096;
+            rc = bex_ps_fetch_sync(ps, pl->table, pl->dim, keys + at, k, rows + at * pl->dim);
+        }
+        if (rc) {
+            fprintf(stderr, "bex-cluster: check: replica %d: %s\n", r, bex_strerror(rc));
+            for (int s = 0; s < pl->shards; s++)
+                v->rep[s][r].fetch_failed = 1;
+        }
+        for (size_t i = 0; rc == 0 && i < n; i++) {
+            struct vrep *vr = &v->rep[bex_ps_key_shard(keys[i], (uint32_t)pl->shards)][r];
+            float init = bex_ps_init_value(pl->table, keys[i], 0, 0.01f);
+            float want = rows[i * pl->dim];
+            long lo = kc[i].acked[r], hi = kc[i].acked[r] + kc[i].unsure[r];
+            long limit = 2 * hi + 64, cnt = -1;
+            volatile float x = init;
+            for (long j = 0; j <= limit; j++) {
+                if (x == want) {
+                    cnt = j;
+                    break;
+                }
+                x = x - step;
+            }
+            vr->checked++;
+            if (cnt < 0)
+                vr->unexplained++;
+            else if (cnt > hi) {
+                vr->twice += cnt - hi;
+                vr->twice_rows++;
+            } else if (cnt < lo) {
+                vr->missing += lo - cnt;
+                vr->missing_rows++;
+            } else
+                vr->exact++;
+        }
+        bex_ps_client_destroy(ps);
+        bex_dir_destroy(d);
+    }
+    v->done = 1;
+    rc = bex_ctx_destroy(ctx);
+    if (rc)
+        fprintf(stderr, "bex-cluster: check: context teardown: %s\n", bex_strerror(rc));
+out:
+    json_decref(cl);
+    free(keys);
+    free(rows);
+    free(kc);
+}
+
+/* Latency samples of a phase, by role and op. */
+struct lat {
+    uint32_t *v; /* the ok ones after the warm-up */
+    size_t n, cap;
+    unsigned long long total, failed; /* all of them */
+    double sum;
+};
+
+static void lat_add(struct lat *l, uint32_t us, int ok, int measured)
+{
+    l->total++;
+    if (!ok) {
+        l->failed++;
+        return;
+    }
+    if (!measured)
+        return;
+    if (l->n == l->cap) {
+        l->cap = l->cap ? 2 * l->cap : 4096;
+        if (!(l->v = realloc(l->v, l->cap * sizeof *l->v)))
+            die("out of memory");
+    }
+    l->v[l->n++] = us;
+    l->sum += us;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static json_t *lat_json(struct lat *l, double secs)
+{
+    if (l->n)
+        qsort(l->v, l->n, sizeof *l->v, cmp_u32);
+    json_t *o = json_object();
+    json_object_set_new(o, "count", json_integer((json_int_t)l->total));
+    json_object_set_new(o, "failed", json_integer((json_int_t)l->failed));
+    json_object_set_new(o, "measured", json_integer((json_int_t)l->n));
+    json_object_set_new(o, "per_s", json_real(secs > 0 ? (double)l->n / secs : 0));
+    json_object_set_new(o, "mean_us", json_real(l->n ? l->sum / (double)l->n : 0));
+    json_object_set_new(o, "p50_us", json_integer(l->n ? l->v[l->n / 2] : 0));
+    json_object_set_new(o, "p99_us",
+                        json_integer(l->n ? l->v[(size_t)((double)(l->n - 1) * 0.99)] : 0));
+    json_object_set_new(o, "max_us", json_integer(l->n ? l->v[l->n - 1] : 0));
+    return o;
+}
+
+enum { S_RFETCH, S_REQ, S_TFETCH, S_TPUSH, S_N };
+static const char *const s_names[] = {"ranker_fetch", "ranker_request", "trainer_fetch",
+                                      "trainer_push"};
+
+/* One bin of series.dat per SERIES_BIN seconds: every op's latencies. */
+struct bins {
+    struct lat b[S_N][1024];
+    int n;
+};
+
+static void load_samples(const char *path, int role, double warmup_s, struct lat *all,
+                         struct bins *bn)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    char op[32];
+    unsigned t, us, ok;
+    fscanf(f, "%*[^\n]\n");
+    while (fscanf(f, "%u,%31[^,],%u,%u\n", &t, op, &us, &ok) == 4) {
+        int s = -1;
+        if (role == R_RANKER)
+            s = strcmp(op, "fetch") == 0 ? S_RFETCH : strcmp(op, "request") == 0 ? S_REQ : -1;
+        else
+            s = strcmp(op, "fetch") == 0 ? S_TFETCH : strcmp(op, "push") == 0 ? S_TPUSH : -1;
+        if (s < 0)
+            continue;
+        lat_add(&all[s], us, (int)ok, t >= warmup_s * 1000);
+        int b = (int)((double)t / 1000.0 / SERIES_BIN);
+        if (b >= 0 && b < 1024) {
+            lat_add(&bn->b[s][b], us, (int)ok, 1);
+            if (b + 1 > bn->n)
+                bn->n = b + 1;
+        }
+    }
+    fclose(f);
+}
+
+static double tv(struct timeval t)
+{
+    return (double)t.tv_sec + (double)t.tv_usec / 1e6;
+}
+
+static const char *status_text(int st, char *buf, size_t len)
+{
+    if (WIFEXITED(st))
+        snprintf(buf, len, "exit %d", WEXITSTATUS(st));
+    else if (WIFSIGNALED(st))
+        snprintf(buf, len, "killed by signal %d", WTERMSIG(st));
+    else
+        snprintf(buf, len, "status %d", st);
+    return buf;
+}
+
+static void progress(int pi, int n_ph, const struct phase *ph, double t, const char *state)
+{
+    /* on a terminal, one line redrawn; in a log, a line every 2 s or when
+     * the state changes */
+    static double last;
+    static char last_state[128];
+    double now = now_s();
+    if (g.quiet || (now - last < (g.tty ? 0.2 : 2.0) && strcmp(state, last_state) == 0))
+        return;
+    last = now;
+    snprintf(last_state, sizeof last_state, "%s", state);
+    unsigned long long rq = 0, rf = 0, it = 0, itf = 0;
+    for (int i = 0; i < MAX_PROCS; i++) {
+        struct proc *p = &g.procs[i];
+        if (!p->used)
+            continue;
+        if (p->role == R_RANKER) {
+            rq += p->prog_ok;
+            rf += p->prog_failed;
+        } else if (p->role == R_TRAINER) {
+            it += p->prog_ok;
+            itf += p->prog_failed;
+        }
+    }
+    int ps_up = 0, ps_n = 0;
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (g.procs[i].used && g.procs[i].role == R_PS) {
+            ps_n++;
+            ps_up += g.procs[i].running && g.procs[i].ready;
+        }
+    fprintf(stderr,
+            "%s[phase %d/%d %s, %s] %5.1f/%.0f s | bex-ps %d/%d up | user requests %llu "
+            "(%llu failed) | training iterations %llu (%llu failed)%s%s%s",
+            g.tty ? "\r\033[K" : "", pi + 1, n_ph, ph->name, ph->transport, t, ph->duration_s,
+            ps_up, ps_n, rq, rf, it, itf, state[0] ? " | " : "", state, g.tty ? "" : "\n");
+}
+
+static json_t *run_phase(const struct plan *pl, int pi)
+{
+    const struct phase *ph = &pl->ph[pi];
+    char dir[3072], path[PATH_MAX + 64];
+    snprintf(dir, sizeof dir, "%s/phase%d-%s", g.out, pi + 1, ph->name);
+    if (mkdir(dir, 0755) && errno != EEXIST)
+        die("%s: %s", dir, strerror(errno));
+    /* snapshots in TMPDIR, not beside the results: written every second
+     * and fsynced, they cost little on a local disk or tmpfs, and a lot on
+     * the VM's 9p share where the results go */
+    char snapdir[PATH_MAX + 16];
+    snprintf(snapdir, sizeof snapdir, "%s/phase%d", g.snap_root, pi + 1);
+    if (mkdir(snapdir, 0755) && errno != EEXIST)
+        die("%s: %s", snapdir, strerror(errno));
+
+    /* the cluster file: replica r of every shard on address r */
+    int S = pl->shards, R = pl->replicas;
+    json_t *shards = json_array();
+    for (int r = 0; r < R; r++) {
+        const char *a = g.addrs[r % g.n_addrs];
+        int ports[64];
+        free_ports(a, S, ports);
+        for (int s = 0; s < S; s++) {
+            if (r == 0)
+                json_array_append_new(shards, json_pack("{s:[]}", "replicas"));
+            char ap[64], loc[32];
+            snprintf(ap, sizeof ap, "%s:%d", a, ports[s]);
+            snprintf(loc, sizeof loc, "dc1/pod%d", r);
+            json_array_append_new(json_object_get(json_array_get(shards, (size_t)s), "replicas"),
+                                  json_pack("{s:s,s:s,s:s}", "addr", ap, "locality", loc,
+                                            "transport", ph->transport));
+        }
+    }
+    json_t *cl = json_pack("{s:i,s:{s:{s:o}}}", "version", 1, "services", "ps", "shards", shards);
+    char *cl_txt = json_dumps(cl, JSON_INDENT(2));
+    json_decref(cl);
+    char cluster[PATH_MAX + 32];
+    snprintf(cluster, sizeof cluster, "%s/cluster.json", dir);
+    FILE *cf = fopen(cluster, "w");
+    if (!cf || fputs(cl_txt, cf) < 0 || fclose(cf))
+        die("%s: %s", cluster, strerror(errno));
+
+    /* the servers */
+    struct proc *ps[16][4];
+    char tab[64], b1[32], b2[32];
+    snprintf(tab, sizeof tab, "%u:%u:sgd:%.9g", pl->table, pl->dim, pl->lr);
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++) {
+            char name[64];
+            snprintf(name, sizeof name, "ps-shard%d-replica%d", s, r);
+            struct proc *p = ps[s][r] = proc_new(R_PS, s * R + r, name);
+            snprintf(b1, sizeof b1, "%d", s);
+            snprintf(b2, sizeof b2, "%d", r);
+            argv_set(p, g.ps_bin, "--cluster", cluster, "--shard", b1, "--replica", b2, "--table",
+                     tab, "--snapshot-dir", snapdir, "--transport", ph->transport, NULL);
+            argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
+            argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
+            snprintf(path, sizeof path, "%s/%s.log", dir, name);
+            proc_spawn(p, path);
+        }
+    double t0 = now_s();
+    for (;;) {
+        int ready = 0;
+        for (int s = 0; s < S; s++)
+            for (int r = 0; r < R; r++) {
+                if (!ps[s][r]->running)
+                    die("%s did not start (see %s/%s.log)", ps[s][r]->name, dir, ps[s][r]->name);
+                ready += ps[s][r]->ready;
+            }
+        if (ready == S * R)
+            break;
+        if (now_s() - t0 > READY_WAIT * g.scale)
+            die("bex-ps not ready after %d s (see %s)", READY_WAIT, dir);
+        if (pump(100))
+            return NULL;
+        progress(pi, pl->n_ph, ph, 0, "starting bex-ps");
+    }
+
+    /* the clients */
+    json_t *tr = pl->trainer;
+    double grad = jnum(tr, "grad", 0x1p-10);
+    char dur[32], keys[32], zipf[32], dim[32], table[32], seed[32];
+    snprintf(dur, sizeof dur, "%.3f", ph->duration_s);
+    snprintf(keys, sizeof keys, "%u", pl->keys);
+    snprintf(zipf, sizeof zipf, "%g", pl->zipf);
+    snprintf(dim, sizeof dim, "%u", pl->dim);
+    snprintf(table, sizeof table, "%u", pl->table);
+    int n_cl = ph->rankers + ph->trainers;
+    struct proc *cl_p[64];
+    for (int i = 0; i < n_cl; i++) {
+        int rk = i < ph->rankers, k = rk ? i : i - ph->rankers;
+        char name[64], loc[32], json[PATH_MAX + 64], smp[PATH_MAX + 64];
+        snprintf(name, sizeof name, "%s-%d", rk ? "ranker" : "trainer", k);
+        snprintf(loc, sizeof loc, "dc1/pod%d", k % R);
+        snprintf(json, sizeof json, "%s/%s.json", dir, name);
+        snprintf(smp, sizeof smp, "%s/%s.samples.csv", dir, name);
+        snprintf(seed, sizeof seed, "%d", 1000 * (pi + 1) + i);
+        struct proc *p = cl_p[i] = proc_new(rk ? R_RANKER : R_TRAINER, k, name);
+        char bin[PATH_MAX + 16];
+        snprintf(bin, sizeof bin, "%s/bex-%s", g.bin, rk ? "ranker" : "trainer");
+        argv_set(p, bin, "--cluster", cluster, "--transport", ph->transport, "--addr",
+                 g.addrs[k % g.n_addrs], "--locality", loc, "--duration", dur, "--keys", keys,
+                 "--zipf", zipf, "--dim", dim, "--table", table, "--seed", seed, "--json", json,
+                 "--samples", smp, "--progress", NULL);
+        json_t *o = rk ? pl->ranker : pl->trainer;
+        argv_num(p, "--outstanding", o, "outstanding");
+        argv_num(p, "--timeout-ms", o, "timeout_ms");
+        argv_num(p, "--attempt-timeout-ms", o, "attempt_timeout_ms");
+        argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
+        argv_num(p, "--keepalive-timeout-ms", o, "keepalive_timeout_ms");
+        if (rk) {
+            argv_num(p, "--models", o, "models");
+            argv_num(p, "--keys-min", o, "keys_min");
+            argv_num(p, "--keys-max", o, "keys_max");
+        } else {
+            argv_num(p, "--compute-us", o, "compute_us");
+            argv_num(p, "--mean-bytes", o, "mean_bytes");
+            argv_num(p, "--p99-bytes", o, "p99_bytes");
+            char gs[32], cnt[PATH_MAX + 64];
+            snprintf(gs, sizeof gs, "%.17g", grad);
+            argv_add(p, "--grad", gs);
+            snprintf(cnt, sizeof cnt, "%s/%s.counts", dir, name);
+            argv_add(p, "--counts", cnt);
+        }
+        snprintf(path, sizeof path, "%s/%s.log", dir, name);
+        proc_spawn(p, path);
+    }
+
+    /* run: the fault's events, the progress line, until the clients end */
+    double start = now_s();
+    int snapped = 0, killed = 0, restarted = 0, restart_ready = 0;
+    double kill_t = -1, restart_t = -1, ready_t = -1;
+    char state[128] = "";
+    json_t *events = json_array();
+    for (;;) {
+        double t = now_s() - start;
+        if (ph->fault) {
+            struct proc *v = ps[ph->f_shard][ph->f_replica];
+            if (!snapped && ph->f_snap >= 0 && t >= ph->f_snap) {
+                snapped = 1;
+                kill(v->pid, SIGUSR1);
+                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
+                                                        "snapshot (SIGUSR1)", "process", v->name));
+            }
+            if (!killed && t >= ph->f_kill) {
+                killed = 1;
+                kill_t = t;
+                v->killed = 1;
+                kill(v->pid, SIGKILL);
+                snprintf(state, sizeof state, "%s killed (kill -9) at %.1f s", v->name, t);
+                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
+                                                        "kill -9", "process", v->name));
+            }
+            if (killed && !restarted && t >= ph->f_restart && !v->running) {
+                restarted = 1;
+                restart_t = t;
+                if (v->out_fd >= 0) {
+                    close(v->out_fd);
+                    v->out_fd = -1;
+                }
+                snprintf(path, sizeof path, "%s/%s.log", dir, v->name);
+                proc_spawn(v, path);
+                snprintf(state, sizeof state, "%s restarted at %.1f s", v->name, t);
+                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
+                                                        "restart", "process", v->name));
+            }
+            if (restarted && !restart_ready && v->ready) {
+                restart_ready = 1;
+                ready_t = t;
+                snprintf(state, sizeof state, "%s back (restarted at %.1f s, ready at %.1f s)",
+                         v->name, restart_t, t);
+                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
+                                                        "ready again", "process", v->name));
+            }
+        }
+        int clients = 0;
+        for (int i = 0; i < n_cl; i++)
+            clients += cl_p[i]->running;
+        if (clients == 0)
+            break;
+        if (t > ph->duration_s + EXTRA_WAIT * g.scale) {
+            fprintf(stderr, "\nbex-cluster: clients still running %d s past the phase: stopped\n",
+                    EXTRA_WAIT);
+            for (int i = 0; i < n_cl; i++)
+                if (cl_p[i]->running)
+                    kill(cl_p[i]->pid, SIGKILL);
+        }
+        for (int s = 0; s < S; s++)
+            for (int r = 0; r < R; r++)
+                if (!ps[s][r]->running && !ps[s][r]->killed) {
+                    char st[64];
+                    die("%s stopped during the phase (%s; see %s/%s.log)", ps[s][r]->name,
+                        status_text(ps[s][r]->status, st, sizeof st), dir, ps[s][r]->name);
+                }
+        if (pump(200)) {
+            json_decref(events);
+            free(cl_txt);
+            return NULL;
+        }
+        progress(pi, pl->n_ph, ph, t < ph->duration_s ? t : ph->duration_s, state);
+    }
+    double elapsed = now_s() - start;
+    if (!g.quiet)
+        fprintf(stderr, "%s", g.tty ? "\n" : "");
+
+    /* the check of applied Pushes, while the servers still run */
+    struct verify vf = {0};
+    if (ph->trainers > 0) {
+        if (!g.quiet)
+            fprintf(stderr, "bex-cluster: phase %s: checking the trained rows on every replica\n",
+                    ph->name);
+        verify_phase(pl, ph, dir, cl_txt, &vf, grad);
+    }
+    free(cl_txt);
+    stop_role(R_PS);
+
+    /* results */
+    json_t *res = json_object();
+    json_object_set_new(res, "name", json_string(ph->name));
+    json_object_set_new(res, "transport", json_string(ph->transport));
+    json_object_set_new(res, "duration_s", json_real(ph->duration_s));
+    json_object_set_new(res, "elapsed_s", json_real(elapsed));
+    json_object_set_new(res, "warmup_s", json_real(ph->warmup_s));
+    json_object_set_new(res, "rankers", json_integer(ph->rankers));
+    json_object_set_new(res, "trainers", json_integer(ph->trainers));
+    json_object_set_new(res, "shards", json_integer(S));
+    json_object_set_new(res, "replicas", json_integer(R));
+    json_t *clients = json_array();
+    double cu = 0, cs = 0, ops = 0, su = 0, ss = 0;
+    long long retries = 0, failovers = 0, throttled = 0, partial = 0;
+    struct lat all[S_N] = {0};
+    struct bins *bn = calloc(1, sizeof *bn);
+    if (!bn)
+        die("out of memory");
+    int bad_clients = 0;
+    for (int i = 0; i < n_cl; i++) {
+        struct proc *p = cl_p[i];
+        char st[64];
+        if (!WIFEXITED(p->status) || WEXITSTATUS(p->status) != 0) {
+            fprintf(stderr, "bex-cluster: %s: %s (see %s/%s.log)\n", p->name,
+                    status_text(p->status, st, sizeof st), dir, p->name);
+            bad_clients++;
+        }
+        snprintf(path, sizeof path, "%s/%s.json", dir, p->name);
+        json_error_t je;
+        json_t *cj = json_load_file(path, 0, &je);
+        if (cj) {
+            json_t *cpu = json_object_get(cj, "cpu");
+            cu += jnum(cpu, "user_s", 0);
+            cs += jnum(cpu, "sys_s", 0);
+            ops += jnum(cpu, "ops", 0);
+            retries += (long long)jnum(cj, "retries", 0);
+            failovers += (long long)jnum(cj, "failovers", 0);
+            throttled += (long long)jnum(cj, "retry_throttled", 0);
+            partial += (long long)jnum(cj, "push_partial", 0);
+            json_object_set_new(cj, "name", json_string(p->name));
+            json_array_append_new(clients, cj);
+        } else if (WIFEXITED(p->status) && WEXITSTATUS(p->status) == 0) {
+            fprintf(stderr, "bex-cluster: %s: %s\n", path, je.text);
+            bad_clients++;
+        }
+        snprintf(path, sizeof path, "%s/%s.samples.csv", dir, p->name);
+        load_samples(path, p->role, ph->warmup_s, all, bn);
+    }
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++) {
+            /* a killed replica's first life is not in its rusage: only the
+             * restarted one's */
+            su += tv(ps[s][r]->ru.ru_utime);
+            ss += tv(ps[s][r]->ru.ru_stime);
+        }
+    json_object_set_new(res, "client_errors", json_integer(bad_clients));
+    json_t *lat = json_object();
+    for (int s = 0; s < S_N; s++)
+        json_object_set_new(lat, s_names[s], lat_json(&all[s], ph->duration_s - ph->warmup_s));
+    json_object_set_new(res, "latency", lat);
+    json_object_set_new(res, "failed_user_requests", json_integer((json_int_t)all[S_REQ].failed));
+    json_object_set_new(res, "retries", json_integer(retries));
+    json_object_set_new(res, "failovers", json_integer(failovers));
+    json_object_set_new(res, "retry_throttled", json_integer(throttled));
+    json_object_set_new(res, "push_partial", json_integer(partial));
+    json_t *cpu = json_object();
+    json_object_set_new(cpu, "ops", json_real(ops));
+    json_object_set_new(cpu, "client_user_us_per_op", json_real(ops ? cu * 1e6 / ops : 0));
+    json_object_set_new(cpu, "client_sys_us_per_op", json_real(ops ? cs * 1e6 / ops : 0));
+    json_object_set_new(cpu, "server_user_us_per_op", json_real(ops ? su * 1e6 / ops : 0));
+    json_object_set_new(cpu, "server_sys_us_per_op", json_real(ops ? ss * 1e6 / ops : 0));
+    json_object_set_new(res, "cpu", cpu);
+    if (ph->fault) {
+        json_t *f = json_pack("{s:i,s:i,s:f,s:f,s:f,s:o}", "shard", ph->f_shard, "replica",
+                              ph->f_replica, "killed_at_s", kill_t, "restarted_at_s", restart_t,
+                              "ready_again_at_s", ready_t, "events", events);
+        json_object_set_new(res, "fault", f);
+    } else {
+        json_decref(events);
+    }
+    if (vf.done) {
+        json_t *v = json_object();
+        json_object_set_new(v, "keys", json_integer(vf.keys));
+        json_object_set_new(v, "acknowledged", json_integer(vf.acked));
+        json_object_set_new(v, "failed_at_replica", json_integer(vf.unsure));
+        json_t *reps = json_array();
+        long twice = 0, missing = 0;
+        for (int s = 0; s < S; s++)
+            for (int r = 0; r < R; r++) {
+                struct vrep *q = &vf.rep[s][r];
+                json_t *o = json_object();
+                json_object_set_new(o, "shard", json_integer(s));
+                json_object_set_new(o, "replica", json_integer(r));
+                json_object_set_new(
+                    o, "killed", json_boolean(ph->fault && s == ph->f_shard && r == ph->f_replica));
+                json_object_set_new(o, "rows_checked", json_integer(q->checked));
+                json_object_set_new(o, "rows_exact", json_integer(q->exact));
+                json_object_set_new(o, "pushes_applied_twice", json_integer(q->twice));
+                json_object_set_new(o, "rows_applied_twice", json_integer(q->twice_rows));
+                json_object_set_new(o, "pushes_missing", json_integer(q->missing));
+                json_object_set_new(o, "rows_missing", json_integer(q->missing_rows));
+                json_object_set_new(o, "rows_unexplained", json_integer(q->unexplained));
+                json_object_set_new(o, "fetch_failed", json_boolean(q->fetch_failed));
+                json_array_append_new(reps, o);
+                twice += q->twice;
+                missing += q->missing;
+            }
+        json_object_set_new(v, "replicas", reps);
+        json_object_set_new(res, "push_check", v);
+        json_object_set_new(res, "pushes_applied_twice", json_integer(twice));
+        json_object_set_new(res, "pushes_missing", json_integer(missing));
+    }
+    json_object_set_new(res, "clients", clients);
+
+    /* series.dat: phase t_s mean/p99 (ms) per op, failed user requests */
+    snprintf(path, sizeof path, "%s/series.dat", g.out);
+    FILE *sf = fopen(path, "a");
+    if (sf) {
+        for (int b = 0; b < bn->n; b++) {
+            fprintf(sf, "%d %s %.1f", pi + 1, ph->name, (b + 0.5) * SERIES_BIN);
+            for (int s = 0; s < S_N; s++) {
+                struct lat *l = &bn->b[s][b];
+                if (l->n)
+                    qsort(l->v, l->n, sizeof *l->v, cmp_u32);
+                if (l->n)
+                    fprintf(sf, " %.3f %.3f", l->sum / (double)l->n / 1000,
+                            l->v[(size_t)((double)(l->n - 1) * 0.99)] / 1000.0);
+                else
+                    fprintf(sf, " NaN NaN");
+            }
+            fprintf(sf, " %llu\n", bn->b[S_REQ][b].failed);
+        }
+        fprintf(sf, "\n\n");
+        fclose(sf);
+    }
+    for (int s = 0; s < S_N; s++) {
+        free(all[s].v);
+        for (int b = 0; b < bn->n; b++)
+            free(bn->b[s][b].v);
+    }
+    free(bn);
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (g.procs[i].used && g.procs[i].role != R_KEEPER && !g.procs[i].running)
+            proc_release(&g.procs[i]);
+    return res;
+}
+
+/* ---- the tables ---- */
+
+static double jpath(json_t *o, const char *a, const char *b, const char *c)
+{
+    json_t *v = json_object_get(o, a);
+    if (b)
+        v = json_object_get(v, b);
+    if (c)
+        v = json_object_get(v, c);
+    return v && json_is_number(v) ? json_number_value(v) : NAN;
+}
+
+static void row(const char *what, double rdma, double tcp, const char *unit, int red)
+{
+    printf("  %-34s %12.3f %12.3f  %s", what, rdma, tcp, unit);
+    if (red && tcp > 0)
+        printf("   %+6.1f %%", (tcp - rdma) / tcp * 100);
+    printf("\n");
+}
+
+static void print_tables(json_t *phases, int soft_roce)
+{
+    json_t *rd = NULL, *tc = NULL, *p;
+    size_t i;
+    json_array_foreach(phases, i, p)
+    {
+        if (json_object_get(p, "fault"))
+            continue;
+        const char *t = json_string_value(json_object_get(p, "transport"));
+        if (!rd && t && strcmp(t, "rdma") == 0)
+            rd = p;
+        if (!tc && t && strcmp(t, "tcp") == 0)
+            tc = p;
+    }
+    printf("\n");
+    if (rd && tc) {
+        printf("Table 5 (shape): CPU time per PS operation (Fetch or Push), microseconds\n");
+        printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
+        row("rankers+trainers, user", jpath(rd, "cpu", "client_user_us_per_op", NULL),
+            jpath(tc, "cpu", "client_user_us_per_op", NULL), "us", 1);
+        row("rankers+trainers, system", jpath(rd, "cpu", "client_sys_us_per_op", NULL),
+            jpath(tc, "cpu", "client_sys_us_per_op", NULL), "us", 1);
+        row("bex-ps servers, user", jpath(rd, "cpu", "server_user_us_per_op", NULL),
+            jpath(tc, "cpu", "server_user_us_per_op", NULL), "us", 1);
+        row("bex-ps servers, system", jpath(rd, "cpu", "server_sys_us_per_op", NULL),
+            jpath(tc, "cpu", "server_sys_us_per_op", NULL), "us", 1);
+        printf("\nTable 6 (shape): PS Fetch latency, inference (rankers)\n");
+        printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
+        row("Fetch mean", jpath(rd, "latency", "ranker_fetch", "mean_us") / 1000,
+            jpath(tc, "latency", "ranker_fetch", "mean_us") / 1000, "ms", 1);
+        row("Fetch P99", jpath(rd, "latency", "ranker_fetch", "p99_us") / 1000,
+            jpath(tc, "latency", "ranker_fetch", "p99_us") / 1000, "ms", 1);
+        row("user request mean (k Fetches)",
+            jpath(rd, "latency", "ranker_request", "mean_us") / 1000,
+            jpath(tc, "latency", "ranker_request", "mean_us") / 1000, "ms", 1);
+        row("user request P99", jpath(rd, "latency", "ranker_request", "p99_us") / 1000,
+            jpath(tc, "latency", "ranker_request", "p99_us") / 1000, "ms", 1);
+        row("Fetch throughput", jpath(rd, "latency", "ranker_fetch", "per_s"),
+            jpath(tc, "latency", "ranker_fetch", "per_s"), "/s", 0);
+        row("user requests failed", jpath(rd, "failed_user_requests", NULL, NULL),
+            jpath(tc, "failed_user_requests", NULL, NULL), "", 0);
+        printf("\nTable 7 (shape): training (trainers)\n");
+        printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
+        row("Fetch mean", jpath(rd, "latency", "trainer_fetch", "mean_us") / 1000,
+            jpath(tc, "latency", "trainer_fetch", "mean_us") / 1000, "ms", 1);
+        row("Fetch P99", jpath(rd, "latency", "trainer_fetch", "p99_us") / 1000,
+            jpath(tc, "latency", "trainer_fetch", "p99_us") / 1000, "ms", 1);
+        row("Push mean", jpath(rd, "latency", "trainer_push", "mean_us") / 1000,
+            jpath(tc, "latency", "trainer_push", "mean_us") / 1000, "ms", 1);
+        row("Push P99", jpath(rd, "latency", "trainer_push", "p99_us") / 1000,
+            jpath(tc, "latency", "trainer_push", "p99_us") / 1000, "ms", 1);
+        row("Push throughput", jpath(rd, "latency", "trainer_push", "per_s"),
+            jpath(tc, "latency", "trainer_push", "per_s"), "/s", 0);
+        row("retries (all clients)", jpath(rd, "retries", NULL, NULL),
+            jpath(tc, "retries", NULL, NULL), "", 0);
+    }
+    json_array_foreach(phases, i, p)
+    {
+        if (rd && tc && (p == rd || p == tc))
+            continue;
+        json_t *f = json_object_get(p, "fault");
+        printf("\nPhase \"%s\" (%s)%s\n", json_string_value(json_object_get(p, "name")),
+               json_string_value(json_object_get(p, "transport")),
+               f ? ": one replica killed with kill -9 mid-run, then restarted" : "");
+        if (f)
+            printf("  %-34s shard %d replica %d: killed at %.1f s, restarted at %.1f s, "
+                   "serving again at %.1f s\n",
+                   "fault", (int)jpath(f, "shard", NULL, NULL),
+                   (int)jpath(f, "replica", NULL, NULL), jpath(f, "killed_at_s", NULL, NULL),
+                   jpath(f, "restarted_at_s", NULL, NULL),
+                   jpath(f, "ready_again_at_s", NULL, NULL));
+        printf("  %-34s %.0f of %.0f\n", "user requests failed",
+               jpath(p, "latency", "ranker_request", "failed"),
+               jpath(p, "latency", "ranker_request", "count"));
+        printf("  %-34s mean %.3f ms, P99 %.3f ms\n", "ranker Fetch",
+               jpath(p, "latency", "ranker_fetch", "mean_us") / 1000,
+               jpath(p, "latency", "ranker_fetch", "p99_us") / 1000);
+        printf("  %-34s mean %.3f ms, P99 %.3f ms; %.0f of %.0f not acknowledged by every\n"
+               "  %-34s replica (%.0f of them by some)\n",
+               "trainer Push", jpath(p, "latency", "trainer_push", "mean_us") / 1000,
+               jpath(p, "latency", "trainer_push", "p99_us") / 1000,
+               jpath(p, "latency", "trainer_push", "failed"),
+               jpath(p, "latency", "trainer_push", "count"), "",
+               jpath(p, "push_partial", NULL, NULL));
+        printf("  %-34s %.0f (failovers %.0f, refused by the budget %.0f)\n", "retries",
+               jpath(p, "retries", NULL, NULL), jpath(p, "failovers", NULL, NULL),
+               jpath(p, "retry_throttled", NULL, NULL));
+    }
+    printf("\nPushes applied, per shard and replica (each trained row read from each replica and "
+           "its value\nchecked against the Pushes the trainers saw that replica acknowledge)\n");
+    json_array_foreach(phases, i, p)
+    {
+        json_t *pc = json_object_get(p, "push_check");
+        if (!pc)
+            continue;
+        printf("  phase \"%s\": %.0f keys; parts acknowledged %.0f, failed %.0f; Pushes applied "
+               "twice %.0f\n",
+               json_string_value(json_object_get(p, "name")), jpath(pc, "keys", NULL, NULL),
+               jpath(pc, "acknowledged", NULL, NULL), jpath(pc, "failed_at_replica", NULL, NULL),
+               jpath(p, "pushes_applied_twice", NULL, NULL));
+        json_t *r;
+        size_t j;
+        json_array_foreach(json_object_get(pc, "replicas"), j, r)
+        {
+            printf("    shard %.0f replica %.0f: rows exact %.0f of %.0f, applied twice %.0f, "
+                   "acknowledged but missing %.0f (rows %.0f), unexplained %.0f%s%s\n",
+                   jpath(r, "shard", NULL, NULL), jpath(r, "replica", NULL, NULL),
+                   jpath(r, "rows_exact", NULL, NULL), jpath(r, "rows_checked", NULL, NULL),
+                   jpath(r, "pushes_applied_twice", NULL, NULL),
+                   jpath(r, "pushes_missing", NULL, NULL), jpath(r, "rows_missing", NULL, NULL),
+                   jpath(r, "rows_unexplained", NULL, NULL),
+                   json_is_true(json_object_get(r, "killed"))
+                       ? " (the killed one: it lost what it applied after its last snapshot)"
+                       : "",
+                   json_is_true(json_object_get(r, "fetch_failed")) ? " (its Fetch failed)" : "");
+        }
+    }
+    if (soft_roce)
+        printf("\nNOTE: RDMA here is Soft-RoCE (rdma_rxe) inside a qemu VM without KVM: the RDMA\n"
+               "timings are software-emulated, not a hardware result; compare the shapes, not the\n"
+               "numbers, with the paper's.\n");
+}
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: bex-cluster [--plan FILE|default] [--out DIR] [--addrs A[,B...]]\n"
+            "                   [--bin-dir DIR] [--time-scale X] [--quiet] [--print-plan]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv)
+{
+    const char *plan_arg = "default", *addrs = NULL;
+    g.scale = 1;
+    g.self = getpid();
+    snprintf(g.out, sizeof g.out, "bex-cluster-out");
+    static const struct option lo[] = {
+        {"plan", required_argument, 0, 'p'},       {"out", required_argument, 0, 'o'},
+        {"addrs", required_argument, 0, 'a'},      {"bin-dir", required_argument, 0, 'b'},
+        {"time-scale", required_argument, 0, 's'}, {"quiet", no_argument, 0, 'q'},
+        {"print-plan", no_argument, 0, 'P'},       {0, 0, 0, 0}};
+    for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
+        switch (o) {
+        case 'p':
+            plan_arg = optarg;
+            break;
+        case 'o':
+            snprintf(g.out, sizeof g.out, "%s", optarg);
+            break;
+        case 'a':
+            addrs = optarg;
+            break;
+        case 'b':
+            snprintf(g.bin, sizeof g.bin, "%s", optarg);
+            break;
+        case 's':
+            g.scale = atof(optarg);
+            if (!(g.scale > 0 && g.scale <= 1000))
+                usage();
+            break;
+        case 'q':
+            g.quiet = 1;
+            break;
+        case 'P':
+            fputs(DEFAULT_PLAN, stdout);
+            return 0;
+        default:
+            usage();
+        }
+    }
+    if (optind != argc)
+        usage();
+    g.tty = isatty(2);
+
+    /* where the programs are: beside us, bex-ps in ../ps of a build tree */
+    if (!g.bin[0]) {
+        char self[2048];
+        ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+        if (k <= 0)
+            die("/proc/self/exe: %s", strerror(errno));
+        self[k] = 0;
+        *strrchr(self, '/') = 0;
+        snprintf(g.bin, sizeof g.bin, "%s", self);
+    }
+    snprintf(g.ps_bin, sizeof g.ps_bin, "%s/bex-ps", g.bin);
+    if (access(g.ps_bin, X_OK))
+        snprintf(g.ps_bin, sizeof g.ps_bin, "%s/../ps/bex-ps", g.bin);
+    if (access(g.ps_bin, X_OK))
+        die("no bex-ps beside %s or in %s/../ps", g.bin, g.bin);
+
+    /* addresses: --addrs, else the VM's (BEX_TEST_ADDR0/1), else loopback */
+    char abuf[256];
+    const char *e0 = getenv("BEX_TEST_ADDR0"), *e1 = getenv("BEX_TEST_ADDR1");
+    if (!addrs && e0 && e1) {
+        snprintf(abuf, sizeof abuf, "%s,%s", e0, e1);
+        addrs = abuf;
+    }
+    if (!addrs)
+        addrs = "127.0.0.1";
+    {
+        char tmp[256];
+        snprintf(tmp, sizeof tmp, "%s", addrs);
+        for (char *sv, *t = strtok_r(tmp, ",", &sv); t; t = strtok_r(NULL, ",", &sv)) {
+            struct in_addr ia;
+            if (g.n_addrs == MAX_ADDRS || inet_pton(AF_INET, t, &ia) != 1)
+                die("--addrs: %s: not an IPv4 address (at most %d)", t, MAX_ADDRS);
+            snprintf(g.addrs[g.n_addrs++], INET_ADDRSTRLEN, "%s", t);
+        }
+    }
+
+    struct plan pl = {0};
+    plan_load(&pl, plan_arg);
+
+    /* RDMA phases need a device on the address: said now, not mid-run */
+    int soft_roce = 0;
+    for (int i = 0; i < pl.n_ph; i++)
+        if (strcmp(pl.ph[i].transport, "rdma") == 0) {
+            bex_ctx_config cc = {.transport = BEX_TRANSPORT_RDMA, .log_level = BEX_LOG_ERROR};
+            inet_pton(AF_INET, g.addrs[0], &cc.local_addr);
+            bex_ctx *ctx;
+            int rc = bex_ctx_create(&cc, &ctx);
+            if (rc)
+                die("phase %s runs over RDMA, but no RDMA device carries %s (%s); `make demo` "
+                    "runs the plan inside the Soft-RoCE VM on a host without one",
+                    pl.ph[i].name, g.addrs[0], bex_strerror(rc));
+            bex_ctx_destroy(ctx);
+            break;
+        }
+    if (access("/sys/class/infiniband/rxe0", F_OK) == 0 || getenv("BEX_IN_VM"))
+        soft_roce = 1;
+
+    if (mkdir(g.out, 0755) && errno != EEXIST)
+        die("%s: %s", g.out, strerror(errno));
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g.snap_root, sizeof g.snap_root, "%s/bex-cluster-snap.XXXXXX",
+             tmp && tmp[0] ? tmp : "/tmp");
+    if (!mkdtemp(g.snap_root)) {
+        g.snap_root[0] = 0;
+        die("a directory for the snapshots in %s: %s", tmp && tmp[0] ? tmp : "/tmp",
+            strerror(errno));
+    }
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/pids", g.out);
+    if (!(g.pids = fopen(path, "w")))
+        die("%s: %s", path, strerror(errno));
+    snprintf(path, sizeof path, "%s/series.dat", g.out);
+    FILE *sf = fopen(path, "w");
+    if (sf) {
+        fprintf(sf, "# phase name t_s  then mean_ms p99_ms of: ranker Fetch, ranker user "
+                    "request, trainer Fetch, trainer Push; then failed user requests\n");
+        fclose(sf);
+    }
+
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigset_t block;
+    sigemptyset(&block);
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+    for (size_t k = 0; k < sizeof sigs / sizeof sigs[0]; k++) {
+        sigaction(sigs[k], &sa, NULL);
+        sigaddset(&block, sigs[k]);
+    }
+    /* delivered only inside ppoll (pump), so none is missed between checks */
+    sigprocmask(SIG_BLOCK, &block, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    start_keeper();
+
+    double t_start = now_s();
+    json_t *phases = json_array();
+    for (int i = 0; i < pl.n_ph; i++) {
+        json_t *r = run_phase(&pl, i);
+        if (!r)
+            break;
+        json_array_append_new(phases, r);
+    }
+    int sig = g.stop_sig;
+    if (sig && !g.quiet)
+        fprintf(stderr, "\nbex-cluster: %s: stopping everything\n", strsignal(sig));
+    cleanup_all();
+    if (sig) {
+        json_decref(phases);
+        json_decref(pl.root);
+        fclose(g.pids);
+        return 128 + sig;
+    }
+
+    json_t *res = json_object();
+    json_object_set(res, "plan", pl.root);
+    json_object_set_new(res, "soft_roce", json_boolean(soft_roce));
+    json_object_set_new(res, "elapsed_s", json_real(now_s() - t_start));
+    json_object_set_new(res, "phases", phases);
+    snprintf(path, sizeof path, "%s/results.json", g.out);
+    if (json_dump_file(res, path, JSON_INDENT(2)))
+        die("%s: cannot write", path);
+    print_tables(phases, soft_roce);
+    printf("\nraw results: %s/results.json; latency over time: %s/series.dat\n", g.out, g.out);
+    int failed = 0;
+    size_t i;
+    json_t *p;
+    json_array_foreach(phases, i, p) failed += (int)jpath(p, "client_errors", NULL, NULL);
+    json_decref(res);
+    json_decref(pl.root);
+    fclose(g.pids);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,476 @@
+/* bex-ps: serve shards of a parameter server (include/bex/ps.h) at the
+ * addresses a cluster file gives them (docs/configuration.md, "bex-ps").
+ *
+ * Every shard listed by --shard is served at its replica --replica's
+ * address, each by its own RPC server on one context (the replicas served
+ * must share an IP address: the context's). Or, with --etcd instead of
+ * --cluster, at --listen's address, and registered in etcd under a lease
+ * (revoked at shutdown; it expires when the process dies). SIGUSR1 writes a snapshot of
+ * every shard; SIGTERM and SIGINT stop the servers, write the snapshots and
+ * leave with status 0. The snapshots (--snapshot-dir) are loaded at start;
+ * --snapshot-every writes them periodically too.
+ * With --metrics-port, GET /metrics over HTTP (libmicrohttpd, on the
+ * replica's address) answers the shards' and their RPC servers' counters
+ * in Prometheus text format. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <getopt.h>
+#include <microhttpd.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bex/dir.h"
+#include "bex/ps.h"
+#include "bex/rpc.h"
+#include "bex/sock.h"
+
+#define MAX_SERVED 64
+
+static void usage(void)
+{
+    fprintf(
+        stderr,
+        "usage: bex-ps --cluster FILE --shard N[,N...]|all [--service NAME] [--replica I]\n"
+        "       bex-ps --etcd URL --listen IP[:PORT] --n-shards N --shard N[,N...]|all\n"
+        "              [--etcd-prefix P] [--locality L] [--ttl S] [--service NAME] [--replica I]\n"
+        "  both:\n"
+        "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
+        "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
+        "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n");
+    exit(2);
+}
+
+static int parse_table(const char *s, bex_ps_table_config *t)
+{
+    char opt[16];
+    float lr = 0;
+    unsigned id, dim;
+    int n = sscanf(s, "%u:%u:%15[a-z]:%f", &id, &dim, opt, &lr);
+    if (n < 3)
+        return -1;
+    *t = (bex_ps_table_config){.id = id, .dim = dim, .lr = lr};
+    if (strcmp(opt, "sgd") == 0)
+        t->optimizer = BEX_PS_SGD;
+    else if (strcmp(opt, "adagrad") == 0)
+        t->optimizer = BEX_PS_ADAGRAD;
+    else
+        return -1;
+    return 0;
+}
+
+struct served {
+    uint32_t shard;
+    bex_ps_shard *ps;
+    bex_rpc_server *srv;
+    char snap[4096];
+};
+
+/* ---- /metrics ---- */
+
+struct metrics {
+    bex_ps_shard *ps[MAX_SERVED];
+    bex_rpc_server *srv[MAX_SERVED];
+    const char *names[MAX_SERVED];
+    char name_buf[MAX_SERVED][16];
+    size_t n;
+};
+
+/* The shards' text, then their servers': malloc'd, NUL-terminated. */
+static char *metrics_text(const struct metrics *m)
+{
+    size_t cap = 16384;
+    for (int tries = 0; tries < 8; tries++) {
+        char *buf = malloc(cap);
+        if (!buf)
+            return NULL;
+        int a = bex_ps_shard_prometheus(m->ps, m->n, buf, cap);
+        int b = a < 0 || (size_t)a >= cap
+                    ? 0
+                    : bex_rpc_server_prometheus(m->srv, m->names, m->n, buf + a, cap - (size_t)a);
+        if (a < 0 || b < 0) {
+            free(buf);
+            return NULL;
+        }
+        if ((size_t)a + (size_t)b < cap)
+            return buf;
+        free(buf); /* grew meanwhile, or the first guess was short */
+        cap = 2 * ((size_t)a + (size_t)b + 1);
+    }
+    return NULL;
+}
+
+static enum MHD_Result http_answer(struct MHD_Connection *c, unsigned code, char *text)
+{
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(text);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE,
+                            code == MHD_HTTP_OK ? "text/plain; version=0.0.4; charset=utf-8"
+                                                : "text/plain; charset=utf-8");
+    enum MHD_Result ret = MHD_queue_response(c, code, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result on_http(void *cls, struct MHD_Connection *c, const char *url,
+                               const char *method, const char *version, const char *upload,
+                               size_t *upload_size, void **req_cls)
+{
+    (void)version;
+    (void)upload;
+    (void)req_cls;
+    if (*upload_size) /* no body is read: refuse one */
+        return MHD_NO;
+    if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
+        return http_answer(c, MHD_HTTP_METHOD_NOT_ALLOWED, strdup("only GET\n"));
+    if (strcmp(url, "/metrics") != 0)
+        return http_answer(c, MHD_HTTP_NOT_FOUND, strdup("only /metrics\n"));
+    char *text = metrics_text(cls);
+    if (!text)
+        return http_answer(c, MHD_HTTP_INTERNAL_SERVER_ERROR, strdup("out of memory\n"));
+    return http_answer(c, MHD_HTTP_OK, text);
+}
+
+static void snapshot_all(struct served *sv, size_t n, const char *dir)
+{
+    if (!dir)
+        return;
+    for (size_t i = 0; i < n; i++) {
+        int rc = bex_ps_shard_snapshot(sv[i].ps, sv[i].snap);
+        if (rc)
+            fprintf(stderr, "bex-ps: shard %u: snapshot %s: %s\n", sv[i].shard, sv[i].snap,
+                    bex_strerror(rc));
+    }
+}
+
+int main(int argc, char **argv)
+{
+    const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
+    uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO;
+    long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0;
+    const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
+    unsigned long n_shards_opt = 0, ttl_s = 10;
+    bex_ps_table_config tables[BEX_PS_TABLES_MAX];
+    size_t n_tables = 0;
+    int verbose = 0;
+    static const struct option lo[] = {{"cluster", required_argument, 0, 'c'},
+                                       {"service", required_argument, 0, 's'},
+                                       {"shard", required_argument, 0, 'n'},
+                                       {"replica", required_argument, 0, 'r'},
+                                       {"table", required_argument, 0, 't'},
+                                       {"snapshot-dir", required_argument, 0, 'd'},
+                                       {"transport", required_argument, 0, 'x'},
+                                       {"metrics-port", required_argument, 0, 'm'},
+                                       {"snapshot-every", required_argument, 0, 'e'},
+                                       {"etcd", required_argument, 0, 'E'},
+                                       {"etcd-prefix", required_argument, 0, 'P'},
+                                       {"listen", required_argument, 0, 'l'},
+                                       {"n-shards", required_argument, 0, 'N'},
+                                       {"locality", required_argument, 0, 'L'},
+                                       {"ttl", required_argument, 0, 'T'},
+                                       {"keepalive-timeout-ms", required_argument, 0, 'k'},
+                                       {"verbose", no_argument, 0, 'v'},
+                                       {0, 0, 0, 0}};
+    for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
+        switch (o) {
+        case 'c':
+            cluster = optarg;
+            break;
+        case 's':
+            service = optarg;
+            break;
+        case 'n':
+            shards = optarg;
+            break;
+        case 'r':
+            replica = (uint32_t)strtoul(optarg, NULL, 10);
+            break;
+        case 'd':
+            snap_dir = optarg;
+            break;
+        case 'v':
+            verbose = 1;
+            break;
+        case 'E':
+            etcd = optarg;
+            break;
+        case 'P':
+            etcd_prefix = optarg;
+            break;
+        case 'l':
+            listen_s = optarg;
+            break;
+        case 'L':
+            locality = optarg;
+            if (strlen(locality) > BEX_DIR_LOCALITY_MAX)
+                usage();
+            break;
+        case 'N':
+        case 'T': {
+            char *end;
+            unsigned long v = strtoul(optarg, &end, 10);
+            if (*optarg == 0 || *end || v == 0 || v > 4096)
+                usage();
+            *(o == 'N' ? &n_shards_opt : &ttl_s) = v;
+            break;
+        }
+        case 'e': {
+            char *end;
+            snap_every_ms = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || snap_every_ms <= 0 || snap_every_ms > 86400000)
+                usage();
+            break;
+        }
+        case 'k': {
+            char *end;
+            keepalive_timeout_ms = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || keepalive_timeout_ms <= 0 || keepalive_timeout_ms > 3600000)
+                usage();
+            break;
+        }
+        case 'm': {
+            char *end;
+            metrics_port = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || metrics_port < 0 || metrics_port > 65535)
+                usage();
+            break;
+        }
+        case 't':
+            if (n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &tables[n_tables++]))
+                usage();
+            break;
+        case 'x':
+            if (strcmp(optarg, "tcp") == 0)
+                transport = BEX_TRANSPORT_TCP;
+            else if (strcmp(optarg, "rdma") == 0)
+                transport = BEX_TRANSPORT_RDMA;
+            else if (strcmp(optarg, "auto") != 0)
+                usage();
+            break;
+        default:
+            usage();
+        }
+    }
+    if (!shards || optind != argc || (snap_every_ms && !snap_dir) || !cluster == !etcd ||
+        (etcd && (!listen_s || !n_shards_opt)))
+        usage();
+    if (n_tables == 0)
+        tables[n_tables++] = (bex_ps_table_config){.id = 1, .dim = 16, .optimizer = BEX_PS_SGD};
+
+    /* the signals are taken by sigwait below: blocked before any thread */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    bex_dir *dir = NULL;
+    char err[256] = "";
+    int rc = 0;
+    uint32_t n_shards = (uint32_t)n_shards_opt;
+    if (cluster) {
+        rc = bex_dir_create(NULL, &dir);
+        if (!rc)
+            rc = bex_dir_load_file(dir, cluster, err, sizeof err);
+        if (rc) {
+            if (err[0])
+                fprintf(stderr, "bex-ps: %s\n", err);
+            else
+                fprintf(stderr, "bex-ps: %s: %s\n", cluster, bex_strerror(rc));
+            return 1;
+        }
+        while (n_shards < 4096 && bex_dir_replicas(dir, service, n_shards, NULL, 0) > 0)
+            n_shards++;
+        if (n_shards == 0) {
+            fprintf(stderr, "bex-ps: %s: no service \"%s\"\n", cluster, service);
+            return 1;
+        }
+    }
+    static struct served sv[MAX_SERVED];
+    size_t n_sv = 0;
+    for (const char *p = shards; *p;) {
+        if (strncmp(p, "all", 3) == 0) {
+            for (uint32_t i = 0; i < n_shards && n_sv < MAX_SERVED; i++)
+                sv[n_sv++].shard = i;
+            break;
+        }
+        char *end;
+        unsigned long v = strtoul(p, &end, 10);
+        if (end == p || v >= n_shards || n_sv == MAX_SERVED) {
+            fprintf(stderr, "bex-ps: --shard %s: the cluster has shards 0..%u\n", shards,
+                    n_shards - 1);
+            return 1;
+        }
+        sv[n_sv++].shard = (uint32_t)v;
+        p = *end == ',' ? end + 1 : end;
+    }
+    bex_dir_replica self[MAX_SERVED];
+    if (etcd) {
+        /* --listen IP[:PORT]: shard i of the list at PORT + i (0: any) */
+        char ip[INET_ADDRSTRLEN + 1];
+        unsigned port = 0;
+        int used = 0;
+        struct in_addr ia;
+        int k = sscanf(listen_s, "%16[0-9.]:%u%n", ip, &port, &used);
+        if (k < 1 || port + n_sv > 65536 || inet_pton(AF_INET, ip, &ia) != 1 ||
+            (k == 1 && strcmp(ip, listen_s) != 0) || (k == 2 && listen_s[used])) {
+            fprintf(stderr, "bex-ps: --listen %s: not IP[:PORT]\n", listen_s);
+            return 1;
+        }
+        for (size_t i = 0; i < n_sv; i++) {
+            self[i] =
+                (bex_dir_replica){.addr = {.sin_family = AF_INET,
+                                           .sin_addr = ia,
+                                           .sin_port = htons((uint16_t)(port ? port + i : 0))},
+                                  .transport = transport == BEX_TRANSPORT_AUTO ? 0 : transport};
+            snprintf(self[i].locality, sizeof self[i].locality, "%s", locality);
+        }
+    }
+    for (size_t i = 0; dir && i < n_sv; i++) {
+        bex_dir_replica reps[64];
+        size_t nr = bex_dir_replicas(dir, service, sv[i].shard, reps, 64);
+        if (replica >= nr || replica >= 64) {
+            fprintf(stderr, "bex-ps: shard %u has no replica %u\n", sv[i].shard, replica);
+            return 1;
+        }
+        self[i] = reps[replica];
+        if (self[i].addr.sin_addr.s_addr != self[0].addr.sin_addr.s_addr) {
+            fprintf(stderr, "bex-ps: the shards served must share an IP address\n");
+            return 1;
+        }
+    }
+    bex_dir_destroy(dir);
+
+    bex_ctx_config cc = {.local_addr = self[0].addr.sin_addr,
+                         .transport = self[0].transport ? self[0].transport : transport,
+                         .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
+                         .log_level = verbose ? BEX_LOG_INFO : 0};
+    bex_ctx *ctx;
+    if ((rc = bex_ctx_create(&cc, &ctx))) {
+        fprintf(stderr, "bex-ps: context: %s\n", bex_strerror(rc));
+        return 1;
+    }
+    int status = 0;
+    size_t up = 0;
+    for (; up < n_sv; up++) {
+        struct served *s = &sv[up];
+        if (snap_dir)
+            snprintf(s->snap, sizeof s->snap, "%s/%s-shard%u-replica%u.snap", snap_dir, service,
+                     s->shard, replica);
+        bex_ps_shard_config pc = {.shard = s->shard,
+                                  .n_shards = n_shards,
+                                  .tables = tables,
+                                  .n_tables = n_tables,
+                                  .snapshot_path = snap_dir ? s->snap : NULL};
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &self[up].addr.sin_addr, a, sizeof a);
+        if ((rc = bex_ps_shard_create(&pc, &s->ps)) == 0) {
+            if ((rc = bex_rpc_server_create(ctx, NULL, &s->srv)) == 0 &&
+                ((rc = bex_ps_shard_register(s->ps, s->srv, ctx)) ||
+                 (rc = bex_rpc_server_listen(s->srv, &self[up].addr)))) {
+                bex_rpc_server_destroy(s->srv);
+                s->srv = NULL;
+            }
+            if (rc)
+                bex_ps_shard_destroy(s->ps);
+        }
+        if (rc) {
+            fprintf(stderr, "bex-ps: shard %u at %s:%u: %s\n", s->shard, a,
+                    ntohs(self[up].addr.sin_port), bex_strerror(rc));
+            status = 1;
+            break;
+        }
+        bex_rpc_server_addr(s->srv, &self[up].addr); /* the port, when it was 0 */
+        printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, n_shards, a,
+               ntohs(self[up].addr.sin_port));
+    }
+    /* in etcd once every shard serves: clients find them from here on */
+    static bex_dir_registration *regs[MAX_SERVED];
+    for (size_t i = 0; etcd && status == 0 && i < n_sv; i++) {
+        if ((rc = bex_dir_register_etcd(etcd, etcd_prefix, service, sv[i].shard, &self[i],
+                                        (uint32_t)ttl_s, err, sizeof err, &regs[i]))) {
+            fprintf(stderr, "bex-ps: shard %u: etcd registration: %s\n", sv[i].shard,
+                    err[0] ? err : bex_strerror(rc));
+            status = 1;
+            break;
+        }
+        printf("bex-ps: shard %u registered in etcd\n", sv[i].shard);
+    }
+    static struct metrics mt;
+    struct MHD_Daemon *httpd = NULL;
+    if (status == 0 && metrics_port >= 0) {
+        for (size_t i = 0; i < n_sv; i++) {
+            mt.ps[i] = sv[i].ps;
+            mt.srv[i] = sv[i].srv;
+            snprintf(mt.name_buf[i], sizeof mt.name_buf[i], "shard%u", sv[i].shard);
+            mt.names[i] = mt.name_buf[i];
+        }
+        mt.n = n_sv;
+        struct sockaddr_in ma = {.sin_family = AF_INET,
+                                 .sin_addr = self[0].addr.sin_addr,
+                                 .sin_port = htons((uint16_t)metrics_port)};
+        /* its thread starts with the signals blocked, as every thread here */
+        httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
+                                 (uint16_t)metrics_port, NULL, NULL, on_http, &mt,
+                                 MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ma,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+        const union MHD_DaemonInfo *di =
+            httpd ? MHD_get_daemon_info(httpd, MHD_DAEMON_INFO_BIND_PORT) : NULL;
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &ma.sin_addr, a, sizeof a);
+        if (!di) {
+            fprintf(stderr, "bex-ps: metrics on %s:%ld: cannot listen\n", a, metrics_port);
+            status = 1;
+        } else {
+            printf("bex-ps: metrics at http://%s:%u/metrics\n", a, (unsigned)di->port);
+        }
+    }
+    if (status == 0) {
+        printf("bex-ps: ready\n");
+        fflush(stdout);
+        /* --snapshot-every: a snapshot each period too, so that a replica
+         * killed without SIGTERM comes back with its rows of that moment */
+        struct timespec period = {snap_every_ms / 1000, (snap_every_ms % 1000) * 1000000};
+        for (;;) {
+            int sig = snap_every_ms ? sigtimedwait(&sigs, NULL, &period) : 0;
+            if (!snap_every_ms)
+                sigwait(&sigs, &sig);
+            if (sig < 0 && errno == EAGAIN)
+                sig = SIGUSR1; /* the period passed */
+            else if (sig < 0)
+                continue; /* EINTR */
+            if (sig != SIGUSR1)
+                break;
+            snapshot_all(sv, n_sv, snap_dir);
+        }
+    }
+    /* out of etcd first: clients stop picking us before we stop answering */
+    for (size_t i = 0; i < n_sv; i++)
+        if (regs[i] && (rc = bex_dir_deregister(regs[i])))
+            fprintf(stderr, "bex-ps: shard %u: etcd deregistration: %s (the lease expires)\n",
+                    sv[i].shard, bex_strerror(rc));
+    if (httpd)
+        MHD_stop_daemon(httpd); /* it reads the shards and servers */
+    /* servers first: no Push is applied after the snapshot */
+    for (size_t i = 0; i < up; i++)
+        bex_rpc_server_destroy(sv[i].srv);
+    if (status == 0)
+        snapshot_all(sv, n_sv, snap_dir);
+    for (size_t i = 0; i < up; i++)
+        bex_ps_shard_destroy(sv[i].ps);
+    if ((rc = bex_ctx_destroy(ctx))) {
+        fprintf(stderr, "bex-ps: context teardown: %s\n", bex_strerror(rc));
+        status = 1;
+    }
+    if (status == 0)
+        printf("bex-ps: stopped\n");
+    return status;
+}
