@@ -1,0 +1,548 @@
+/* The RPC client's recovery ladder (issue 9 item 5; docs/architecture.md,
+ * "Recovery ladder"): reconnect, then other replicas, then TCP, RDMA tried
+ * again later; every step logged once and counted.
+ *
+ * steps, two_replicas (tcp): endpoints listed as RDMA on a context without
+ * a device: every RDMA connection is refused at once (-ENODEV), so the
+ * ladder's state machine runs natively; the step order (from the log),
+ * the counters and the Prometheus dump are checked exactly.
+ * kill (tcp and rxe): two replicas under steady load (64 calls
+ * outstanding), one killed with -9: no call lost (each succeeds within its
+ * deadline), with the default retry budget.
+ * rdma_unusable (rxe): RoCE packets dropped on the VM's wire (a tc filter:
+ * the QPs fail, TCP still passes): calls move to TCP within 1 s and go on
+ * succeeding; once RoCE passes again the endpoints go back to RDMA. */
+#include <sys/wait.h>
+
+#include "rpc/rpc_test.h"
+
+/* ---- the client's log, kept for the step order ---- */
+
+static struct {
+    pthread_mutex_t mu;
+    char *lines[512];
+    int n;
+} lg = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void log_keep(int level, const char *msg, void *arg)
+{
+    (void)arg;
+    fprintf(stderr, "bex (client, level %d): %s\n", level, msg);
+    pthread_mutex_lock(&lg.mu);
+    if (lg.n < 512)
+        lg.lines[lg.n++] = strdup(msg);
+    pthread_mutex_unlock(&lg.mu);
+}
+
+/* Index of the first kept line from `from` on holding all of a and b
+ * (b may be NULL), or -1. */
+static int log_find(int from, const char *a, const char *b)
+{
+    pthread_mutex_lock(&lg.mu);
+    int r = -1;
+    for (int i = from; i < lg.n && r < 0; i++)
+        if (lg.lines[i] && strstr(lg.lines[i], a) && (!b || strstr(lg.lines[i], b)))
+            r = i;
+    pthread_mutex_unlock(&lg.mu);
+    return r;
+}
+
+/* How many kept lines hold both a and b. */
+static int log_count(const char *a, const char *b)
+{
+    int n = 0;
+    for (int i = log_find(0, a, b); i >= 0; i = log_find(i + 1, a, b))
+        n++;
+    return n;
+}
+
+static void ep_name(const struct sockaddr_in *a, char *out, size_t cap)
+{
+    char ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
+    snprintf(out, cap, "endpoint %s:%u:", ip, ntohs(a->sin_port));
+}
+
+/* The ladder of endpoint a went through steps 1, 2 and (tcp) 3 in that
+ * order, each logged once. */
+static void check_order(const struct sockaddr_in *a, bool tcp)
+{
+    char name[64];
+    ep_name(a, name, sizeof name);
+    int s1 = log_find(0, name, "step 1, reconnecting");
+    int s2 = log_find(0, name, "step 2, ");
+    int s3 = log_find(0, name, "step 3, over TCP");
+    fprintf(stderr, "%s steps logged at lines %d, %d, %d\n", name, s1, s2, s3);
+    CHECK(s1 >= 0 && s2 > s1);
+    CHECK_EQ(log_count(name, "step 1, reconnecting"), 1);
+    CHECK_EQ(log_count(name, "step 2, "), 1);
+    if (tcp) {
+        CHECK(s3 > s2);
+        CHECK_EQ(log_count(name, "step 3, over TCP"), 1);
+    }
+}
+
+/* The client's context on ADDR1, its log kept (rpc_test.h's client_ctx
+ * keeps none). */
+static bex_ctx *ladder_ctx(uint8_t qp_timeout, uint8_t qp_retry_cnt)
+{
+    (void)client_ctx;
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS,
+                           .connect_timeout_ms = RPC_SETUP_MS};
+    bex_ctx_config c = scaled(&base, a1);
+    c.log_fn = log_keep;
+    c.qp_timeout = qp_timeout;
+    c.qp_retry_cnt = qp_retry_cnt;
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    return ctx;
+}
+
+static void *pattern_body(bex_ctx *ctx, size_t len, uint32_t seed)
+{
+    void *b = bex_rpc_alloc(ctx, len);
+    CHECK(b);
+    fill_pattern(b, len, seed);
+    return b;
+}
+
+static char *prom(bex_rpc_channel *ch)
+{
+    int need = bex_rpc_channel_prometheus(ch, NULL, 0);
+    char *buf = malloc((size_t)need + 1);
+    CHECK(buf);
+    CHECK_EQ(bex_rpc_channel_prometheus(ch, buf, (size_t)need + 1), need);
+    return buf;
+}
+
+/* ---- cases without RDMA: the state machine ---- */
+
+/* One endpoint listed as RDMA, on a context that has no device (natively
+ * over TCP): step 1 (reconnect: refused again), step 2 (no other replica),
+ * step 3 (TCP: works); the call succeeds although max_attempts is 2 and
+ * the budget holds one retry: the ladder's moves spend neither. Then RDMA
+ * is probed every rdma_retry_ms, fails, and calls stay on TCP. */
+static int t_steps(void)
+{
+    RPC_NEED_ADDRS();
+    if (!pair_tcp())
+        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
+                             "without a device)");
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = ladder_ctx(0, 0);
+    CHECK(bex_ctx_pd(ctx) == NULL);
+    bex_rpc_endpoint ep[1];
+    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
+    ep[0].transport = BEX_TRANSPORT_RDMA;
+    cc.max_attempts = 2;
+    cc.retry_budget_burst = 1;
+    cc.retry_budget_permille = 1;
+    const unsigned retry_ms = 300 * time_scale();
+    cc.rdma_retry_ms = retry_ms;
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    void *resp = NULL;
+    size_t len = 0;
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, pattern_body(ctx, 64, 5), 64, NULL, &resp, &len));
+    CHECK(len == 64 && check_pattern(resp, len, 5) == 0);
+    bex_rpc_free(resp);
+    uint64_t t_tcp = pair_now_ms();
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.ladder_reconnects, 1);
+    CHECK_EQ(st.ladder_replicas, 1);
+    CHECK_EQ(st.ladder_tcp, 1);
+    CHECK_EQ(st.ladder_recovered, 0);
+    CHECK_EQ(st.ladder_moves, 2);
+    CHECK_EQ(st.retries, 2);
+    CHECK_EQ(st.retry_throttled, 0);
+    CHECK_EQ(st.attempts, 1); /* the RDMA ones never left */
+    CHECK_EQ(st.ok, 1);
+    bex_rpc_endpoint_stats es[1];
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);
+    CHECK_EQ(es[0].ladder, BEX_RPC_LADDER_TCP);
+    CHECK_EQ(es[0].tcp_answers, 1);
+    check_order(&sp.addr, true);
+    CHECK(log_find(0, "step 2, no other replica, then TCP", NULL) >= 0);
+    /* RDMA is tried again after retry_ms, and again after that: refused,
+     * calls go on over TCP */
+    for (int i = 0; i < 20; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    for (int i = 0; i < 500; i++) {
+        bex_rpc_channel_stats_get(ch, &st);
+        if (st.rdma_retries >= 2)
+            break;
+        pair_sleep_ms(10);
+    }
+    uint64_t took = pair_now_ms() - t_tcp;
+    fprintf(stderr, "steps: 2 RDMA retries after %llu ms (period %u ms)\n",
+            (unsigned long long)took, retry_ms);
+    CHECK(st.rdma_retries >= 2);
+    CHECK(took >= 2 * retry_ms);
+    CHECK_EQ(st.rdma_restored, 0);
+    for (int i = 0; i < 5; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.ok, 26);
+    CHECK_EQ(st.failed, 0);
+    CHECK_EQ(st.ladder_tcp, 1); /* logged and counted once */
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);
+    CHECK_EQ(es[0].ladder, BEX_RPC_LADDER_TCP);
+    CHECK_EQ(es[0].tcp_answers, 26);
+    check_order(&sp.addr, true);
+    /* the dump says the same */
+    char *buf = prom(ch);
+    CHECK(strstr(buf, "bex_rpc_ladder_reconnects_total{channel=\"test\"} 1\n"));
+    CHECK(strstr(buf, "bex_rpc_ladder_replicas_total{channel=\"test\"} 1\n"));
+    CHECK(strstr(buf, "bex_rpc_ladder_tcp_total{channel=\"test\"} 1\n"));
+    CHECK(strstr(buf, "bex_rpc_ladder_moves_total{channel=\"test\"} 2\n"));
+    CHECK(strstr(buf, "bex_rpc_rdma_restored_total{channel=\"test\"} 0\n"));
+    char want[256], ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &sp.addr.sin_addr, ip, sizeof ip);
+    snprintf(want, sizeof want,
+             "bex_rpc_endpoint_ladder_step{channel=\"test\",endpoint=\"%s:%u\","
+             "locality=\"dc1/pod1\"} 3\n",
+             ip, ntohs(sp.addr.sin_port));
+    CHECK(strstr(buf, want));
+    free(buf);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
+/* Two endpoints, both listed as RDMA on a context without a device: each
+ * goes step 1, step 2 (calls to the other replica), step 3 (TCP) in that
+ * order; no call fails, and both end up serving over TCP. */
+static int t_two_replicas(void)
+{
+    RPC_NEED_ADDRS();
+    if (!pair_tcp())
+        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
+                             "without a device)");
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = ladder_ctx(0, 0);
+    bex_rpc_endpoint ep[2];
+    bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
+    ep[0].transport = ep[1].transport = BEX_TRANSPORT_RDMA;
+    cc.holddown_ms = 50 * time_scale();
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_endpoint_stats es[2];
+    for (int i = 0; i < 200; i++) {
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+        CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+        if (es[0].tcp_answers && es[1].tcp_answers)
+            break;
+        pair_sleep_ms(5);
+    }
+    CHECK(es[0].tcp_answers > 0 && es[1].tcp_answers > 0);
+    CHECK_EQ(es[0].ladder, BEX_RPC_LADDER_TCP);
+    CHECK_EQ(es[1].ladder, BEX_RPC_LADDER_TCP);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.ladder_reconnects, 2);
+    CHECK_EQ(st.ladder_replicas, 2);
+    CHECK_EQ(st.ladder_tcp, 2);
+    CHECK_EQ(st.ladder_moves, 4); /* the first call: A, B, A, B refused, then TCP */
+    CHECK_EQ(st.failed, 0);
+    CHECK_EQ(st.retry_throttled, 0);
+    CHECK(log_find(0, "step 2, calls go to other replicas, then TCP", NULL) >= 0);
+    check_order(&sp[0].addr, true);
+    check_order(&sp[1].addr, true);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = stop_server(&sp[0], false);
+    rc |= stop_server(&sp[1], false);
+    return rc ? 1 : 0;
+}
+
+/* ---- steady load ---- */
+
+struct ld {
+    _Atomic long calls, ok, bad, late;
+    struct waiter w;
+};
+struct ld_one {
+    struct ld *r;
+    uint32_t seed;
+    uint64_t t0_ms, limit_ms;
+    int status;
+};
+
+static void ld_done(int status, void *body, size_t len, void *user)
+{
+    struct ld_one *o = user;
+    o->status = status;
+    if (pair_now_ms() > o->t0_ms + o->limit_ms)
+        atomic_fetch_add(&o->r->late, 1);
+    if (status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0)
+        atomic_fetch_add(&o->r->ok, 1);
+    else
+        atomic_fetch_add(&o->r->bad, 1);
+    bex_rpc_free(body);
+    waiter_add(&o->r->w, &o->r->calls, 1);
+}
+
+static void show_failed(const struct ld_one *o, long n)
+{
+    for (long i = 0, shown = 0; i < n && shown < 5; i++)
+        if (o[i].status) {
+            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
+            shown++;
+        }
+}
+
+/* Two replicas under steady load, 64 calls outstanding, one killed with -9
+ * mid-run: every call succeeds within its deadline, with the channel's
+ * default retry budget and attempts (the calls out on the dead replica are
+ * moved by the ladder; before it, all but the budget's burst of them
+ * failed). */
+static int t_kill(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = ladder_ctx(0, 0);
+    bex_rpc_endpoint ep[2];
+    bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
+    const unsigned deadline = 2000 * time_scale();
+    cc.request_timeout_ms = deadline;
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_call_opts warm = {.timeout_ms = 20000 * time_scale()};
+    for (int i = 0; i < 2; i++) /* both connections up first (round robin) */
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, &warm, NULL, NULL));
+    enum { OUT = 64, MAXN = 200000 };
+    static struct ld r = {.w = WAITER_INIT};
+    static struct ld_one o[MAXN];
+    const unsigned slack = 20 * time_scale();
+    long n = 0, before_kill = 0;
+    uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
+             end = start + 2500 * time_scale();
+    bool killed = false;
+    while (pair_now_ms() < end && n < MAXN) {
+        CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
+        if (!killed && pair_now_ms() >= kill_at) {
+            CHECK(kill(sp[0].pid, SIGKILL) == 0);
+            killed = true;
+            before_kill = n;
+        }
+        o[n] = (struct ld_one){
+            .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
+        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, 64, (uint32_t)n), 64, NULL,
+                              ld_done, &o[n], NULL));
+        n++;
+    }
+    CHECK(killed);
+    CHECK(wait_count(&r.w, &r.calls, n, 20000) == 0);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    fprintf(stderr,
+            "kill: %ld calls (%ld before the kill), ok %ld, failed %ld, late %ld, retries %llu, "
+            "ladder moves %llu, throttled %llu, steps %llu/%llu/%llu\n",
+            n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
+            (unsigned long long)st.retries, (unsigned long long)st.ladder_moves,
+            (unsigned long long)st.retry_throttled, (unsigned long long)st.ladder_reconnects,
+            (unsigned long long)st.ladder_replicas, (unsigned long long)st.ladder_tcp);
+    show_failed(o, n);
+    CHECK(before_kill > OUT && n > before_kill + OUT);
+    CHECK_EQ(atomic_load(&r.ok), n);
+    CHECK_EQ(atomic_load(&r.late), 0);
+    CHECK(st.ladder_reconnects >= 1);
+    CHECK(st.ladder_moves >= 1);
+    bex_rpc_endpoint_stats es[2];
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+    CHECK(es[0].ladder != BEX_RPC_LADDER_OK);
+    CHECK_EQ(es[1].ladder, BEX_RPC_LADDER_OK);
+    char name[64];
+    ep_name(&sp[0].addr, name, sizeof name);
+    CHECK_EQ(log_count(name, "step 1, reconnecting"), 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = stop_server(&sp[0], true);
+    rc |= stop_server(&sp[1], false);
+    return rc ? 1 : 0;
+}
+
+/* ---- RDMA made unusable on the VM's wire ---- */
+
+static pid_t drop_owner;
+
+/* Drop (on) or pass again (off) RoCE v2 (UDP 4791) on both ends of the
+ * veth wire, at ingress: the QPs' packets are lost, TCP passes. */
+static int roce_drop(bool on)
+{
+    if (on && system("modprobe -a sch_ingress cls_u32 act_gact >/dev/null 2>&1") != 0)
+        fprintf(stderr, "modprobe sch_ingress cls_u32 act_gact failed (built in?)\n");
+    int rc = 0;
+    for (int i = 0; i < 2; i++) {
+        char cmd[320];
+        if (on)
+            snprintf(cmd, sizeof cmd,
+                     "tc qdisc add dev veth%d ingress && tc filter add dev veth%d parent ffff: "
+                     "protocol ip prio 1 u32 match ip protocol 17 0xff match ip dport 4791 0xffff "
+                     "action drop",
+                     i, i);
+        else
+            snprintf(cmd, sizeof cmd, "tc qdisc del dev veth%d ingress 2>/dev/null", i);
+        if (system(cmd) != 0)
+            rc = -1;
+    }
+    return rc;
+}
+
+static void roce_drop_atexit(void)
+{
+    if (getpid() == drop_owner)
+        roce_drop(false);
+}
+
+/* Two replicas (both behind rxe0) under steady load; RoCE is dropped on the
+ * wire: the QPs fail (ACK timeout 2^13 x 4.096 us, 3 retries: about 140 ms),
+ * each endpoint reconnects (step 1, fails too), tries the other replica
+ * (step 2, as broken) and falls back to TCP (step 3). Every call succeeds
+ * within its deadline, and the first answer over TCP comes within 1 s of
+ * the drop. With RoCE passing again, RDMA is probed (every 500 ms) and the
+ * endpoints go back to it; the TCP connections are closed once idle. */
+static int t_rdma_unusable(void)
+{
+    RPC_NEED_ADDRS();
+    if (pair_tcp())
+        return bex_test_skip("an RDMA case (the VM's wire)");
+    srv_qp_timeout = 13;
+    srv_qp_retry_cnt = 3;
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = ladder_ctx(13, 3);
+    CHECK(bex_ctx_pd(ctx) != NULL);
+    bex_rpc_endpoint ep[2];
+    bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
+    const unsigned deadline = 3000 * time_scale();
+    cc.request_timeout_ms = deadline;
+    cc.connect_timeout_ms = 1000 * time_scale();
+    const unsigned retry_ms = 500 * time_scale();
+    cc.rdma_retry_ms = retry_ms;
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_call_opts warm = {.timeout_ms = 20000 * time_scale()};
+    for (int i = 0; i < 2; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, &warm, NULL, NULL));
+    bex_sock_stats ss;
+    bex_ctx_stats(ctx, &ss);
+    CHECK_EQ(ss.tcp_conns, 0); /* both over RDMA */
+    enum { OUT = 16, MAXN = 100000 };
+    static struct ld r = {.w = WAITER_INIT};
+    static struct ld_one o[MAXN];
+    const unsigned slack = 50 * time_scale();
+    long n = 0;
+    uint64_t start = pair_now_ms(), t_drop = 0, t_tcp = 0, t_pass = 0, t_back = 0;
+    drop_owner = getpid();
+    atexit(roce_drop_atexit);
+    bex_rpc_endpoint_stats es[2];
+    bex_rpc_channel_stats st;
+    for (;;) {
+        uint64_t now = pair_now_ms();
+        if (!t_drop && now >= start + 300 * time_scale()) {
+            CHECK(roce_drop(true) == 0);
+            t_drop = pair_now_ms();
+            fprintf(stderr, "rdma_unusable: RoCE dropped after %ld calls\n", n);
+        }
+        if (t_drop && !t_tcp) {
+            CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+            if (es[0].tcp_answers + es[1].tcp_answers > 0) {
+                t_tcp = now;
+                fprintf(stderr, "rdma_unusable: first answer over TCP %llu ms after the drop\n",
+                        (unsigned long long)(t_tcp - t_drop));
+            } else if (now > t_drop + 10000 * time_scale()) {
+                break; /* fails below */
+            }
+        }
+        if (t_tcp && !t_pass && now >= t_tcp + 1000 * time_scale()) {
+            CHECK(roce_drop(false) == 0);
+            t_pass = pair_now_ms();
+        }
+        if (t_pass && !t_back) {
+            bex_rpc_channel_stats_get(ch, &st);
+            CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+            if (st.rdma_restored >= 2 && es[0].ladder == BEX_RPC_LADDER_OK &&
+                es[1].ladder == BEX_RPC_LADDER_OK) {
+                t_back = now;
+                fprintf(stderr, "rdma_unusable: both back on RDMA %llu ms after RoCE passed\n",
+                        (unsigned long long)(t_back - t_pass));
+            } else if (now > t_pass + 20000 * time_scale()) {
+                break;
+            }
+        }
+        if (t_back && now >= t_back + 300 * time_scale())
+            break;
+        if (n >= MAXN)
+            break;
+        CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
+        o[n] = (struct ld_one){
+            .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
+        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, 64, (uint32_t)n), 64, NULL,
+                              ld_done, &o[n], NULL));
+        n++;
+    }
+    CHECK(wait_count(&r.w, &r.calls, n, 30000) == 0);
+    roce_drop(false);
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+    fprintf(stderr,
+            "rdma_unusable: %ld calls, ok %ld, failed %ld, late %ld; steps %llu/%llu/%llu, "
+            "recovered %llu, moves %llu, retries %llu (throttled %llu), RDMA retries %llu, "
+            "restored %llu; TCP answers %llu + %llu\n",
+            n, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
+            (unsigned long long)st.ladder_reconnects, (unsigned long long)st.ladder_replicas,
+            (unsigned long long)st.ladder_tcp, (unsigned long long)st.ladder_recovered,
+            (unsigned long long)st.ladder_moves, (unsigned long long)st.retries,
+            (unsigned long long)st.retry_throttled, (unsigned long long)st.rdma_retries,
+            (unsigned long long)st.rdma_restored, (unsigned long long)es[0].tcp_answers,
+            (unsigned long long)es[1].tcp_answers);
+    show_failed(o, n);
+    CHECK(t_drop && t_tcp);
+    CHECK(t_tcp - t_drop <= 1000 * time_scale()); /* calls on TCP within 1 s */
+    CHECK(t_pass && t_back);                      /* and back on RDMA later */
+    CHECK_EQ(atomic_load(&r.ok), n);              /* no call lost */
+    CHECK_EQ(atomic_load(&r.late), 0);
+    CHECK(st.ladder_tcp >= 1);
+    CHECK(st.rdma_restored >= 2);
+    /* at least one endpoint went the whole way, in order, each step once */
+    bool whole = false;
+    for (int i = 0; i < 2; i++) {
+        char name[64];
+        ep_name(&sp[i].addr, name, sizeof name);
+        if (log_find(0, name, "step 3, over TCP") >= 0) {
+            check_order(&sp[i].addr, true);
+            whole = true;
+        }
+    }
+    CHECK(whole);
+    /* the TCP connections go once their calls are done: RDMA only again */
+    for (int i = 0; i < 300; i++) {
+        bex_ctx_stats(ctx, &ss);
+        if (ss.tcp_conns == 0)
+            break;
+        pair_sleep_ms(10 * time_scale());
+    }
+    CHECK_EQ(ss.tcp_conns, 0);
+    for (int i = 0; i < 10; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    /* the probes' pings were answered by the servers themselves */
+    CHECK(server_stats(ch).st.pings + server_stats(ch).st.pings >= 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = stop_server(&sp[0], false);
+    rc |= stop_server(&sp[1], false);
+    return rc ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"steps", t_steps}, {"two_replicas", t_two_replicas}, {"kill", t_kill},
+              {"rdma_unusable", t_rdma_unusable})
