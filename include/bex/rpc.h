@@ -187,6 +187,10 @@ typedef struct bex_rpc_channel_config {
      * RDMA is tried again every rdma_retry_ms (30000) by a probe that
      * carries no call. */
     uint32_t rdma_retry_ms;
+    /* A connection the ladder makes (step 1's reconnection, an RDMA retry)
+     * must answer a ping this soon after it is up, or it failed (0:
+     * connect_timeout_ms). */
+    uint32_t probe_timeout_ms;
 } bex_rpc_channel_config;
 
 /* Create a channel on ctx. Connections are made on first use. Returns 0,

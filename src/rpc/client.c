@@ -32,7 +32,9 @@ struct link {
     int rung;      /* the endpoint's step when this link was made */
     bool tcp;      /* made over TCP by the ladder (step 3) */
     bool proven;   /* an answer came over it */
-    bool probe;    /* step 3's RDMA retry: carries a ping, no call, until proven */
+    bool ping;     /* made by the ladder: a ping went first, to be answered within
+                      probe_ns of the connection coming up (t_start then) */
+    bool probe;    /* step 3's RDMA retry: carries the ping, no call, until proven */
     bool retiring; /* replaced by a restored RDMA link: closed once no call is on it */
     struct link *next;
 };
@@ -94,7 +96,7 @@ struct bex_rpc_channel {
     bex_ctx *ctx;
     struct bex__log *log;
     char *name;
-    uint64_t tr_ns, tc_ns, attempt_ns, holddown_ns, rdma_retry_ns;
+    uint64_t tr_ns, tc_ns, attempt_ns, holddown_ns, rdma_retry_ns, probe_ns;
     uint32_t max_attempts, retry_permille, budget_permille, budget_burst;
     struct endpoint **eps;
     size_t n_eps, rr;
@@ -367,6 +369,20 @@ ladder_log(struct bex_rpc_channel *ch, const struct endpoint *ep, int level, con
              ntohs(ep->addr.sin_port), msg);
 }
 
+/* Whether a replica other than ep is at step OK, and not failed since its
+ * last connection came up: where step 2 sends calls. One that is on the
+ * ladder itself (RDMA failing for the whole service) does not count. */
+static bool ladder_others(struct bex_rpc_channel *ch, const struct endpoint *ep)
+{
+    for (size_t i = 0; i < ch->n_eps; i++)
+        if (ch->eps[i] != ep && ch->eps[i]->rung == BEX_RPC_LADDER_OK && !ch->eps[i]->suspect)
+            return true;
+    for (const struct endpoint *e = ch->deps; e; e = e->dnext)
+        if (e != ep && e->rung == BEX_RPC_LADDER_OK && !e->suspect)
+            return true;
+    return false;
+}
+
 /* A connection of ep made at step rung failed (err). Returns whether this
  * took a step, so that the calls out on it move without the budget. (A
  * connection that was answered over is at step OK by then.) */
@@ -385,14 +401,29 @@ static bool ladder_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int r
     if (ep->rung == BEX_RPC_LADDER_RECONNECT) {
         ep->rung = BEX_RPC_LADDER_REPLICA;
         ch->st.ladder_replicas++;
-        bool others = ch->dir || ch->n_eps > 1;
+        bool others = ladder_others(ch, ep);
         ladder_log(ch, ep, BEX_LOG_WARN, "reconnection failed (%s): step 2, %s%s",
-                   bex_strerror(err), others ? "calls go to other replicas" : "no other replica",
-                   rdma ? ", then TCP" : "");
+                   bex_strerror(err),
+                   others ? "calls go to other replicas"
+                   : rdma ? "no other replica on RDMA"
+                          : "no other replica",
+                   rdma ? (others ? ", then TCP" : ", TCP now") : "");
         return true;
     }
     return false;
 }
+
+/* How long ep is avoided after a failure of its connection: the hold-down,
+ * except at step 2 with no other replica to go to, when its TCP connection
+ * (step 3) is what calls need next. */
+static uint64_t ladder_down_until(struct bex_rpc_channel *ch, const struct endpoint *ep)
+{
+    if (ep->rung == BEX_RPC_LADDER_REPLICA && ep_may_rdma(ch, ep) && !ladder_others(ch, ep))
+        return 0;
+    return bex__rpc_now_ns() + ch->holddown_ns;
+}
+
+static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep);
 
 /* An answer came over l: the step it was made at worked. */
 static void link_proven(struct bex_rpc_channel *ch, struct link *l)
@@ -415,6 +446,8 @@ static void link_proven(struct bex_rpc_channel *ch, struct link *l)
         ladder_log(ch, ep, BEX_LOG_WARN, "RDMA works again: calls leave TCP");
         return;
     }
+    if (l->ping && l->state == L_UP)
+        ep_reachable(ch, ep); /* held back until now: see on_connect */
     if (l->rung != ep->rung ||
         (ep->rung != BEX_RPC_LADDER_RECONNECT && ep->rung != BEX_RPC_LADDER_REPLICA))
         return;
@@ -484,7 +517,7 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
     }
     if (l->ep->cur == l)
         l->ep->cur = NULL;
-    l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
+    l->ep->down_until = ladder_down_until(ch, l->ep);
     bool was_suspect = l->ep->suspect;
     l->ep->suspect = true;
     if (err != -ECANCELED && err != -EPROTO && err != -ECONNABORTED)
@@ -524,6 +557,27 @@ static const bex_sock_ops link_ops = {
     .on_close = on_close,
 };
 
+/* Send a ping (docs/protocol.md, "Ping") first on l: its answer proves
+ * the connection. */
+static int send_ping(struct bex_rpc_channel *ch, struct link *l)
+{
+    uint8_t *m = bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN);
+    if (!m)
+        return -ENOMEM;
+    struct bex__rpc_hdr h = {.kind = BEX__RPC_REQUEST,
+                             .service = BEX_RPC_SERVICE_PING,
+                             .call_id = (1ull << 63) | ++ch->next_ping,
+                             .client_id = ch->client_id,
+                             .timeout_ms = (uint32_t)(ch->probe_ns / 1000000ull)};
+    bex__rpc_hdr_encode(&h, m);
+    int err = bex_sock_send(l->s, m, BEX_RPC_HDR_LEN, l); /* msg_user l: a ping */
+    if (err)
+        bex_mem_free(m);
+    else
+        l->ping = true;
+    return err;
+}
+
 static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out)
 {
     struct link *l = calloc(1, sizeof(*l));
@@ -552,6 +606,10 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     l->next = ch->links;
     ch->links = l;
     ep->cur = l;
+    /* step 1's reconnection proves itself by a ping, not by the calls it
+     * carries (a handler may take its time) */
+    if (l->rung == BEX_RPC_LADDER_RECONNECT)
+        send_ping(ch, l);
     /* the timer watches Tc */
     if (l->t_start + ch->tc_ns < ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
@@ -586,6 +644,13 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
         if (!soonest || ep->down_until < soonest->down_until)
             soonest = ep;
     }
+    /* every other one is held down or being reconnected: the failed one,
+     * if it may take calls now (step 2 with no other replica on RDMA:
+     * its TCP connection) */
+    for (size_t i = 0; i < ch->n_eps; i++)
+        if (ch->eps[i] == exclude && exclude->down_until <= now &&
+            !(exclude->suspect && exclude->cur))
+            return ch->eps[i];
     return soonest ? soonest : ch->eps[0];
 }
 
@@ -670,7 +735,7 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
         err = bex_sock_send(l->s, c->msg, c->len, c);
     if (err) {
         if (err != -EINVAL && err != -EMSGSIZE && err != -ENOMEM)
-            ep->down_until = bex__rpc_now_ns() + ch->holddown_ns; /* the connection's fault */
+            ep->down_until = ladder_down_until(ch, ep); /* the connection's fault */
         return err;
     }
     ch->st.attempts++;
@@ -757,6 +822,19 @@ static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, 
 
 /* ---- socket callbacks (I/O thread) ---- */
 
+/* A connection to ep is up (or, when the ladder made it, answered): the
+ * endpoint is no longer suspect. */
+static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep)
+{
+    if (ep->suspect) {
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again", ch->name,
+                 a, ntohs(ep->addr.sin_port));
+    }
+    ep->suspect = false;
+}
+
 static void on_connect(bex_sock *s, int status, void *user)
 {
     (void)s;
@@ -764,22 +842,16 @@ static void on_connect(bex_sock *s, int status, void *user)
     struct bex_rpc_channel *ch = l->ch;
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
-    if (status)
+    if (status) {
         link_fail(ch, l, status, &done);
-    else if (l->state == L_CONNECTING && l->probe) {
-        l->state = L_UP; /* its ping must be answered within Tc from now */
+    } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
+        l->state = L_UP; /* its ping must be answered within probe_ns from now */
         l->t_start = bex__rpc_now_ns();
-        if (l->t_start + ch->tc_ns < ch->timer_next)
+        if (l->t_start + ch->probe_ns < ch->timer_next)
             pthread_cond_broadcast(&ch->cv);
     } else if (l->state == L_CONNECTING) {
         l->state = L_UP;
-        if (l->ep->suspect) {
-            char a[INET_ADDRSTRLEN];
-            inet_ntop(AF_INET, &l->ep->addr.sin_addr, a, sizeof a);
-            bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again",
-                     ch->name, a, ntohs(l->ep->addr.sin_port));
-        }
-        l->ep->suspect = false;
+        ep_reachable(ch, l->ep);
     }
     pthread_mutex_unlock(&ch->mu);
     run_done(ch, done);
@@ -827,15 +899,21 @@ static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int
     struct call *c = msg_user;
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
-    if (msg_user == (void *)l) { /* a probe's ping */
+    if (msg_user == (void *)l) { /* a ping */
         bex_mem_free(buf);
-        if (status)
+        /* refused by the peer: the link failed its proof; not delivered
+         * or in doubt: the connection failed, and on_connect or on_error
+         * says how */
+        if (status == -ENOMEM || status == -EMSGSIZE)
             link_fail(ch, l, status, &done);
         pthread_mutex_unlock(&ch->mu);
         run_done(ch, done);
         return;
     }
-    if (status && status != -ENOMEM && status != -EMSGSIZE && l->state != L_FAILED) {
+    if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_CONNECTING) {
+        /* the connection failed before it was up: on_connect follows and
+         * says why (the calls on it move then) */
+    } else if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_UP) {
         /* not delivered, or in doubt: the connection failed (its on_error
          * follows the sends it hands back), and with it every call on it */
         link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
@@ -951,9 +1029,8 @@ static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct c
     ch->st.rdma_retries++;
     ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns; /* unless it works */
     struct link *l = calloc(1, sizeof(*l));
-    uint8_t *m = bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN);
     int err = -ENOMEM;
-    if (!l || !m)
+    if (!l)
         goto fail;
     *l = (struct link){.ch = ch,
                        .ep = ep,
@@ -969,22 +1046,13 @@ static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct c
     l->next = ch->links;
     ch->links = l;
     ep->probe = l;
-    struct bex__rpc_hdr h = {.kind = BEX__RPC_REQUEST,
-                             .service = BEX_RPC_SERVICE_PING,
-                             .call_id = (1ull << 63) | ++ch->next_ping,
-                             .client_id = ch->client_id,
-                             .timeout_ms = (uint32_t)(ch->tc_ns / 1000000ull)};
-    bex__rpc_hdr_encode(&h, m);
-    err = bex_sock_send(l->s, m, BEX_RPC_HDR_LEN, l); /* msg_user l: a ping */
-    if (err) {
-        bex_mem_free(m);
+    err = send_ping(ch, l);
+    if (err)
         link_fail(ch, l, err, done);
-    }
     return;
 
 fail:
     free(l);
-    bex_mem_free(m);
     ladder_log(ch, ep, BEX_LOG_INFO,
                "RDMA still unusable (%s): staying on TCP, next try in %llu ms", bex_strerror(err),
                (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
@@ -1029,13 +1097,19 @@ static void *timer_main(void *arg)
                 bex_sock_close(l->s);
                 continue;
             }
-            /* a probe: up within Tc, then its ping answered within Tc */
-            if (l->state != L_CONNECTING && !(l->probe && l->state == L_UP))
+            /* up within Tc; the ladder's, then its ping answered within
+             * probe_ns */
+            uint64_t due;
+            if (l->state == L_CONNECTING)
+                due = l->t_start + ch->tc_ns;
+            else if (l->ping && !l->proven && l->state == L_UP)
+                due = l->t_start + ch->probe_ns;
+            else
                 continue;
-            if (now >= l->t_start + ch->tc_ns)
+            if (now >= due)
                 link_fail(ch, l, -ETIMEDOUT, &done);
-            else if (l->t_start + ch->tc_ns < next)
-                next = l->t_start + ch->tc_ns;
+            else if (due < next)
+                next = due;
         }
         for (size_t i = 0; i < ch->n_eps; i++) {
             uint64_t due = ladder_tick(ch, ch->eps[i], now, &done);
@@ -1124,6 +1198,7 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     ch->attempt_ns = cfg->attempt_timeout_ms * 1000000ull;
     ch->holddown_ns = (cfg->holddown_ms ? cfg->holddown_ms : 100) * 1000000ull;
     ch->rdma_retry_ns = (cfg->rdma_retry_ms ? cfg->rdma_retry_ms : 30000) * 1000000ull;
+    ch->probe_ns = cfg->probe_timeout_ms ? cfg->probe_timeout_ms * 1000000ull : ch->tc_ns;
     ch->max_attempts = cfg->max_attempts ? cfg->max_attempts : 3;
     ch->retry_permille = cfg->retry_permille ? cfg->retry_permille : 1000;
     ch->budget_permille = cfg->retry_budget_permille ? cfg->retry_budget_permille : 100;

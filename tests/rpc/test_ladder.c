@@ -27,7 +27,8 @@ static struct {
 static void log_keep(int level, const char *msg, void *arg)
 {
     (void)arg;
-    fprintf(stderr, "bex (client, level %d): %s\n", level, msg);
+    fprintf(stderr, "bex (client, level %d, %llu ms): %s\n", level,
+            (unsigned long long)(pair_now_ms() % 100000), msg);
     pthread_mutex_lock(&lg.mu);
     if (lg.n < 512)
         lg.lines[lg.n++] = strdup(msg);
@@ -166,7 +167,7 @@ static int t_steps(void)
     CHECK_EQ(es[0].ladder, BEX_RPC_LADDER_TCP);
     CHECK_EQ(es[0].tcp_answers, 1);
     check_order(&sp.addr, true);
-    CHECK(log_find(0, "step 2, no other replica, then TCP", NULL) >= 0);
+    CHECK(log_find(0, "step 2, no other replica on RDMA, TCP now", NULL) >= 0);
     /* RDMA is tried again after retry_ms, and again after that: refused,
      * calls go on over TCP */
     for (int i = 0; i < 20; i++)
@@ -251,7 +252,7 @@ static int t_two_replicas(void)
     CHECK_EQ(st.ladder_moves, 4); /* the first call: A, B, A, B refused, then TCP */
     CHECK_EQ(st.failed, 0);
     CHECK_EQ(st.retry_throttled, 0);
-    CHECK(log_find(0, "step 2, calls go to other replicas, then TCP", NULL) >= 0);
+    CHECK(log_find(0, "step 2, no other replica on RDMA, TCP now", NULL) >= 0);
     check_order(&sp[0].addr, true);
     check_order(&sp[1].addr, true);
     CHECK_OK(bex_rpc_channel_destroy(ch));
@@ -266,7 +267,18 @@ static int t_two_replicas(void)
 struct ld {
     _Atomic long calls, ok, bad, late;
     struct waiter w;
+    uint32_t delay_ms; /* M_LATE's: how long each call is held by the server */
 };
+
+/* A M_LATE body: the delay, then a pattern. */
+static void *late_body(bex_ctx *ctx, const struct ld *r, uint32_t seed)
+{
+    uint8_t *b = bex_rpc_alloc(ctx, 64);
+    CHECK(b);
+    memcpy(b, &r->delay_ms, 4);
+    fill_pattern(b + 4, 60, seed);
+    return b;
+}
 struct ld_one {
     struct ld *r;
     uint32_t seed;
@@ -280,7 +292,8 @@ static void ld_done(int status, void *body, size_t len, void *user)
     o->status = status;
     if (pair_now_ms() > o->t0_ms + o->limit_ms)
         atomic_fetch_add(&o->r->late, 1);
-    if (status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0)
+    if (status == 0 && len == 64 && memcmp(body, &o->r->delay_ms, 4) == 0 &&
+        check_pattern((uint8_t *)body + 4, len - 4, o->seed) == 0)
         atomic_fetch_add(&o->r->ok, 1);
     else
         atomic_fetch_add(&o->r->bad, 1);
@@ -297,11 +310,12 @@ static void show_failed(const struct ld_one *o, long n)
         }
 }
 
-/* Two replicas under steady load, 64 calls outstanding, one killed with -9
- * mid-run: every call succeeds within its deadline, with the channel's
- * default retry budget and attempts (the calls out on the dead replica are
- * moved by the ladder; before it, all but the budget's burst of them
- * failed). */
+/* Two replicas under steady load, 64 calls outstanding (each held 20 ms,
+ * scaled, by the server, so that about 32 are out on each replica at any
+ * time), one killed with -9 mid-run: every call succeeds within its
+ * deadline, with the channel's default retry budget and attempts (the
+ * calls out on the dead replica are moved by the ladder; before it, all
+ * but the budget's burst of them failed). */
 static int t_kill(void)
 {
     RPC_NEED_ADDRS();
@@ -321,6 +335,7 @@ static int t_kill(void)
     enum { OUT = 64, MAXN = 200000 };
     static struct ld r = {.w = WAITER_INIT};
     static struct ld_one o[MAXN];
+    r.delay_ms = 20 * time_scale();
     const unsigned slack = 20 * time_scale();
     long n = 0, before_kill = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
@@ -335,8 +350,8 @@ static int t_kill(void)
         }
         o[n] = (struct ld_one){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
-        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, 64, (uint32_t)n), 64, NULL,
-                              ld_done, &o[n], NULL));
+        CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, late_body(ctx, &r, (uint32_t)n), 64, NULL, ld_done,
+                              &o[n], NULL));
         n++;
     }
     CHECK(killed);
@@ -363,6 +378,8 @@ static int t_kill(void)
     char name[64];
     ep_name(&sp[0].addr, name, sizeof name);
     CHECK_EQ(log_count(name, "step 1, reconnecting"), 1);
+    /* the other replica was at OK: step 2 sent the calls there */
+    CHECK(log_find(0, name, "step 2, calls go to other replicas") >= 0);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     CHECK_OK(bex_ctx_destroy(ctx));
     int rc = stop_server(&sp[0], true);
@@ -373,34 +390,52 @@ static int t_kill(void)
 /* ---- RDMA made unusable on the VM's wire ---- */
 
 static pid_t drop_owner;
+static FILE *tc_batch;
 
-/* Drop (on) or pass again (off) RoCE v2 (UDP 4791) on both ends of the
- * veth wire, at ingress: the QPs' packets are lost, TCP passes. */
-static int roce_drop(bool on)
+/* Ingress qdiscs on both ends of the veth wire, and a `tc -batch` reading
+ * commands from us: started before the client's context exists (a fork
+ * then copies no registered memory), and already running when the case
+ * drops RoCE, so that the drop takes effect when asked, not after a tc
+ * binary was loaded over the VM's 9p share (2 s under TCG). */
+static void roce_prepare(void)
 {
-    if (on && system("modprobe -a sch_ingress cls_u32 act_gact >/dev/null 2>&1") != 0)
+    if (system("modprobe -a sch_ingress cls_u32 act_gact >/dev/null 2>&1") != 0)
         fprintf(stderr, "modprobe sch_ingress cls_u32 act_gact failed (built in?)\n");
-    int rc = 0;
-    for (int i = 0; i < 2; i++) {
-        char cmd[320];
+    CHECK(system("tc qdisc add dev veth0 ingress && tc qdisc add dev veth1 ingress") == 0);
+    fflush(NULL);
+    tc_batch = popen("exec tc -force -batch -", "w");
+    CHECK(tc_batch);
+}
+
+/* Drop (on) or pass again (off) RoCE v2 (UDP 4791) at both veth ends'
+ * ingress: the QPs' packets are lost, TCP passes. */
+static void roce_drop(bool on)
+{
+    for (int i = 0; i < 2; i++)
         if (on)
-            snprintf(cmd, sizeof cmd,
-                     "tc qdisc add dev veth%d ingress && tc filter add dev veth%d parent ffff: "
-                     "protocol ip prio 1 u32 match ip protocol 17 0xff match ip dport 4791 0xffff "
-                     "action drop",
-                     i, i);
+            fprintf(tc_batch,
+                    "filter add dev veth%d parent ffff: protocol ip prio 1 u32 match ip protocol "
+                    "17 0xff match ip dport 4791 0xffff action drop\n",
+                    i);
         else
-            snprintf(cmd, sizeof cmd, "tc qdisc del dev veth%d ingress 2>/dev/null", i);
-        if (system(cmd) != 0)
-            rc = -1;
+            fprintf(tc_batch, "filter del dev veth%d parent ffff: prio 1\n", i);
+    CHECK(fflush(tc_batch) == 0);
+}
+
+static void roce_cleanup(void)
+{
+    if (tc_batch) {
+        pclose(tc_batch);
+        tc_batch = NULL;
     }
-    return rc;
+    if (system("tc qdisc del dev veth0 ingress; tc qdisc del dev veth1 ingress") != 0)
+        fprintf(stderr, "tc qdisc del failed\n");
 }
 
 static void roce_drop_atexit(void)
 {
     if (getpid() == drop_owner)
-        roce_drop(false);
+        roce_cleanup();
 }
 
 /* Two replicas (both behind rxe0) under steady load; RoCE is dropped on the
@@ -409,7 +444,7 @@ static void roce_drop_atexit(void)
  * (step 2, as broken) and falls back to TCP (step 3). Every call succeeds
  * within its deadline, and the first answer over TCP comes within 1 s of
  * the drop. With RoCE passing again, RDMA is probed (every 500 ms) and the
- * endpoints go back to it; the TCP connections are closed once idle. */
+ * endpoints go back to it: calls are answered over RDMA again. */
 static int t_rdma_unusable(void)
 {
     RPC_NEED_ADDRS();
@@ -420,6 +455,9 @@ static int t_rdma_unusable(void)
     struct srv_proc sp[2];
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
+    drop_owner = getpid();
+    atexit(roce_drop_atexit);
+    roce_prepare();
     bex_ctx *ctx = ladder_ctx(13, 3);
     CHECK(bex_ctx_pd(ctx) != NULL);
     bex_rpc_endpoint ep[2];
@@ -443,16 +481,15 @@ static int t_rdma_unusable(void)
     const unsigned slack = 50 * time_scale();
     long n = 0;
     uint64_t start = pair_now_ms(), t_drop = 0, t_tcp = 0, t_pass = 0, t_back = 0;
-    drop_owner = getpid();
-    atexit(roce_drop_atexit);
     bex_rpc_endpoint_stats es[2];
     bex_rpc_channel_stats st;
     for (;;) {
         uint64_t now = pair_now_ms();
         if (!t_drop && now >= start + 300 * time_scale()) {
-            CHECK(roce_drop(true) == 0);
-            t_drop = pair_now_ms();
-            fprintf(stderr, "rdma_unusable: RoCE dropped after %ld calls\n", n);
+            t_drop = pair_now_ms(); /* from the moment it is asked */
+            roce_drop(true);
+            fprintf(stderr, "rdma_unusable: RoCE dropped after %ld calls at %llu ms\n", n,
+                    (unsigned long long)(t_drop % 100000));
         }
         if (t_drop && !t_tcp) {
             CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
@@ -465,7 +502,7 @@ static int t_rdma_unusable(void)
             }
         }
         if (t_tcp && !t_pass && now >= t_tcp + 1000 * time_scale()) {
-            CHECK(roce_drop(false) == 0);
+            roce_drop(false);
             t_pass = pair_now_ms();
         }
         if (t_pass && !t_back) {
@@ -487,12 +524,12 @@ static int t_rdma_unusable(void)
         CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
         o[n] = (struct ld_one){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
-        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, 64, (uint32_t)n), 64, NULL,
-                              ld_done, &o[n], NULL));
+        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, late_body(ctx, &r, (uint32_t)n), 64, NULL, ld_done,
+                              &o[n], NULL));
         n++;
     }
     CHECK(wait_count(&r.w, &r.calls, n, 30000) == 0);
-    roce_drop(false);
+    roce_cleanup();
     bex_rpc_channel_stats_get(ch, &st);
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
     fprintf(stderr,
@@ -525,16 +562,13 @@ static int t_rdma_unusable(void)
         }
     }
     CHECK(whole);
-    /* the TCP connections go once their calls are done: RDMA only again */
-    for (int i = 0; i < 300; i++) {
-        bex_ctx_stats(ctx, &ss);
-        if (ss.tcp_conns == 0)
-            break;
-        pair_sleep_ms(10 * time_scale());
-    }
-    CHECK_EQ(ss.tcp_conns, 0);
+    /* calls have left TCP: answers come, none over TCP */
+    uint64_t tcp0 = es[0].tcp_answers + es[1].tcp_answers, ans0 = es[0].answers + es[1].answers;
     for (int i = 0; i < 10; i++)
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+    CHECK_EQ(es[0].tcp_answers + es[1].tcp_answers, tcp0);
+    CHECK_EQ(es[0].answers + es[1].answers, ans0 + 10);
     /* the probes' pings were answered by the servers themselves */
     CHECK(server_stats(ch).st.pings + server_stats(ch).st.pings >= 1);
     CHECK_OK(bex_rpc_channel_destroy(ch));
