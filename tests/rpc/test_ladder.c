@@ -464,7 +464,9 @@ static int t_rdma_unusable(void)
     bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
     const unsigned deadline = 3000 * time_scale();
     cc.request_timeout_ms = deadline;
-    cc.connect_timeout_ms = 1000 * time_scale();
+    cc.connect_timeout_ms = 3000 * time_scale();
+    /* a ping over rxe in the VM: about a millisecond, tens under load */
+    cc.probe_timeout_ms = 150 * time_scale();
     const unsigned retry_ms = 500 * time_scale();
     cc.rdma_retry_ms = retry_ms;
     bex_rpc_channel *ch;
