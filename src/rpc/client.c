@@ -964,7 +964,7 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         run_done(ch, done);
         return;
     }
-    if (!l->proven)
+    if (!l->proven && l->state != L_FAILED) /* a failed one proves nothing any more */
         link_proven(ch, l);
     if (ping) {
         pthread_mutex_unlock(&ch->mu);
