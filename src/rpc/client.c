@@ -346,8 +346,8 @@ err_free:
  * An answer over the reconnection brings the endpoint back to OK as well.
  * Calls out on a connection whose failure took a step (OK -> RECONNECT,
  * RECONNECT -> REPLICA) are moved without spending the retry budget or an
- * attempt: those steps come at most twice per answer the endpoint gave,
- * so they cannot storm a service, and a replica dying under load (every
+ * attempt: those steps come twice at most at the start and after each
+ * answer the endpoint gave, so they cannot storm a service, and a replica dying under load (every
  * call out on it failing at once) loses none of them to the budget. */
 
 static bool ep_may_rdma(struct bex_rpc_channel *ch, const struct endpoint *ep)
