@@ -2,10 +2,11 @@
  * "Recovery ladder"): reconnect, then other replicas, then TCP, RDMA tried
  * again later; every step logged once and counted.
  *
- * steps, two_replicas (tcp): endpoints listed as RDMA on a context without
- * a device: every RDMA connection is refused at once (-ENODEV), so the
- * ladder's state machine runs natively; the step order (from the log),
- * the counters and the Prometheus dump are checked exactly.
+ * steps, two_replicas, directory (tcp): endpoints listed as RDMA on a
+ * context without a device: every RDMA connection is refused at once
+ * (-ENODEV), so the ladder's state machine runs natively; the step order
+ * (from the log), the counters and the Prometheus dump are checked
+ * exactly.
  * kill (tcp and rxe): two replicas under steady load (64 calls
  * outstanding), one killed with -9: no call lost (each succeeds within its
  * deadline), with the default retry budget.
@@ -14,6 +15,7 @@
  * succeeding; once RoCE passes again the endpoints go back to RDMA. */
 #include <sys/wait.h>
 
+#include "bex/dir.h"
 #include "rpc/rpc_test.h"
 
 /* ---- the client's log, kept for the step order ---- */
@@ -260,6 +262,71 @@ static int t_two_replicas(void)
     int rc = stop_server(&sp[0], false);
     rc |= stop_server(&sp[1], false);
     return rc ? 1 : 0;
+}
+
+/* A channel over a directory (include/bex/dir.h) whose one replica of
+ * ps/0 is listed "rdma", on a context without a device: the ladder runs
+ * on the directory's endpoint as on a listed one (steps 1, 2, 3 in order,
+ * calls succeed over TCP, RDMA probed again every rdma_retry_ms). */
+static int t_directory(void)
+{
+    RPC_NEED_ADDRS();
+    if (!pair_tcp())
+        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
+                             "without a device)");
+    struct srv_proc sp;
+    spawn_server(&sp, false);
+    bex_ctx *ctx = ladder_ctx(0, 0);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    char j[256], ip[INET_ADDRSTRLEN], err[256] = "";
+    inet_ntop(AF_INET, &sp.addr.sin_addr, ip, sizeof ip);
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
+             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\",\"transport\":\"rdma\"}]}]}}}",
+             ip, ntohs(sp.addr.sin_port));
+    int rc = bex_dir_load_json(d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    const unsigned retry_ms = 200 * time_scale();
+    bex_rpc_channel_config cc = {.dir = d,
+                                 .service = "ps",
+                                 .locality = "dc1/pod1",
+                                 .name = "test",
+                                 .request_timeout_ms = 2000 * time_scale(),
+                                 .connect_timeout_ms = 15000 * time_scale(),
+                                 .rdma_retry_ms = retry_ms};
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    uint64_t t_call = pair_now_ms();
+    for (int i = 0; i < 10; i++)
+        CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.ladder_reconnects, 1);
+    CHECK_EQ(st.ladder_replicas, 1);
+    CHECK_EQ(st.ladder_tcp, 1);
+    CHECK_EQ(st.ladder_moves, 2);
+    CHECK_EQ(st.ok, 10);
+    bex_rpc_endpoint_stats es[1];
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);
+    CHECK_EQ(es[0].ladder, BEX_RPC_LADDER_TCP);
+    CHECK_EQ(es[0].tcp_answers, 10);
+    check_order(&sp.addr, true);
+    while (pair_now_ms() < t_call + 4 * retry_ms) {
+        bex_rpc_channel_stats_get(ch, &st);
+        if (st.rdma_retries >= 1)
+            break;
+        pair_sleep_ms(5);
+    }
+    CHECK(st.rdma_retries >= 1);
+    CHECK_EQ(st.rdma_restored, 0);
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
 }
 
 /* ---- steady load ---- */
@@ -582,5 +649,5 @@ static int t_rdma_unusable(void)
     return rc ? 1 : 0;
 }
 
-BEX_TEST_MAIN({"steps", t_steps}, {"two_replicas", t_two_replicas}, {"kill", t_kill},
-              {"rdma_unusable", t_rdma_unusable})
+BEX_TEST_MAIN({"steps", t_steps}, {"two_replicas", t_two_replicas}, {"directory", t_directory},
+              {"kill", t_kill}, {"rdma_unusable", t_rdma_unusable})
