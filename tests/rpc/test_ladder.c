@@ -552,7 +552,7 @@ static int t_rdma_unusable(void)
     /* a ping over rxe in the VM: about a millisecond, tens under load;
      * not scaled: the round trip is the kernel's (rxe), and a probe that
      * misses it only delays the return to RDMA by a period */
-    cc.probe_timeout_ms = 150;
+    cc.probe_timeout_ms = 100;
     const unsigned retry_ms = 500 * time_scale();
     cc.rdma_retry_ms = retry_ms;
     bex_rpc_channel *ch;
