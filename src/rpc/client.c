@@ -477,6 +477,7 @@ static uint32_t ladder_transport(struct bex_rpc_channel *ch, struct endpoint *ep
 
 static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
                               bool moved, struct call **done);
+static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out);
 
 static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
 {
@@ -540,6 +541,14 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
         if (c->link == l)
             attempt_failed_ex(ch, c, err, false, step, done);
     }
+    /* step 2 with no other replica on RDMA: TCP (step 3) is what the
+     * next calls need; its connection is started now, not by the first
+     * of them (no call may have been on the failed reconnection) */
+    struct endpoint *ep = l->ep;
+    struct link *nl;
+    if (step && !ep->cur && ep->rung == BEX_RPC_LADDER_REPLICA && !ep->down_until &&
+        ep_may_rdma(ch, ep) && !ch->destroying)
+        link_open(ch, ep, &nl);
 }
 
 static void on_connect(bex_sock *s, int status, void *user);

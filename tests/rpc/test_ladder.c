@@ -26,14 +26,35 @@ static struct {
     int n;
 } lg = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
+/* Kept, and printed when the case ends (log_dump, also at exit after a
+ * failed CHECK): not at once, as the hook runs under the channel's lock
+ * and a write to the VM's console could block for 200 ms under load,
+ * holding the ladder up (seen). */
 static void log_keep(int level, const char *msg, void *arg)
 {
     (void)arg;
-    fprintf(stderr, "bex (client, level %d, %llu ms): %s\n", level,
-            (unsigned long long)(pair_now_ms() % 100000), msg);
+    char *line = NULL;
+    if (asprintf(&line, "bex (client, level %d, %llu ms): %s", level,
+                 (unsigned long long)(pair_now_ms() % 100000), msg) < 0)
+        line = NULL;
     pthread_mutex_lock(&lg.mu);
     if (lg.n < 512)
-        lg.lines[lg.n++] = strdup(msg);
+        lg.lines[lg.n++] = line;
+    else
+        free(line);
+    pthread_mutex_unlock(&lg.mu);
+}
+
+static pid_t log_owner;
+
+static void log_dump(void)
+{
+    if (getpid() != log_owner)
+        return;
+    pthread_mutex_lock(&lg.mu);
+    for (int i = 0; i < lg.n; i++)
+        fprintf(stderr, "%s\n", lg.lines[i] ? lg.lines[i] : "(line lost)");
+    lg.n = 0;
     pthread_mutex_unlock(&lg.mu);
 }
 
@@ -114,6 +135,10 @@ static bex_ctx *ladder_ctx(uint8_t qp_timeout, uint8_t qp_retry_cnt)
                            .connect_timeout_ms = RPC_SETUP_MS};
     bex_ctx_config c = scaled(&base, a1);
     c.log_fn = log_keep;
+    if (!log_owner) {
+        log_owner = getpid();
+        atexit(log_dump);
+    }
     c.qp_timeout = qp_timeout;
     c.qp_retry_cnt = qp_retry_cnt;
     bex_ctx *ctx;
