@@ -90,9 +90,14 @@ typedef struct bex_rpc_server_config {
 /* Create a server on ctx (cfg may be NULL). Returns 0, -EINVAL, -ENOMEM. */
 int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rpc_server **out);
 
+/* The RPC layer's own service id: a request for (BEX_RPC_SERVICE_PING, 0)
+ * is answered by the server itself, status 0 and no body (the recovery
+ * ladder's probe of a connection). Not for applications. */
+#define BEX_RPC_SERVICE_PING 0xFFFFFFFFu
+
 /* Register fn for (service, method) with BEX_RPC_METHOD_* flags. Only
- * before bex_rpc_server_listen. Returns 0, -EEXIST, -EINVAL (flags, or
- * after listen), -ENOMEM. */
+ * before bex_rpc_server_listen. Returns 0, -EEXIST, -EINVAL (flags,
+ * BEX_RPC_SERVICE_PING, or after listen), -ENOMEM. */
 int bex_rpc_server_register(bex_rpc_server *srv, uint32_t service, uint32_t method, uint32_t flags,
                             bex_rpc_handler fn, void *user);
 
@@ -123,6 +128,7 @@ typedef struct bex_rpc_server_stats {
                               applied; the first answer goes to the latest of them too */
     uint64_t stale;        /* WRITE retries past the window (-ESTALE) */
     uint64_t conns;        /* connections accepted */
+    uint64_t pings;        /* probes (BEX_RPC_SERVICE_PING) answered */
 } bex_rpc_server_stats;
 void bex_rpc_server_stats_get(bex_rpc_server *srv, bex_rpc_server_stats *out);
 
@@ -188,6 +194,16 @@ typedef struct bex_rpc_channel_config {
     uint32_t shard;
     const char *locality; /* this client's, e.g. "dc1/pod2" (copied; NULL:
                              none, every replica equally near) */
+    /* Recovery ladder (docs/architecture.md, "Recovery ladder"): an
+     * endpoint whose RDMA connection fails is reconnected (a new QP), then
+     * avoided for the other replicas, then reached over TCP; from TCP,
+     * RDMA is tried again every rdma_retry_ms (30000) by a probe that
+     * carries no call. */
+    uint32_t rdma_retry_ms;
+    /* A connection the ladder makes (step 1's reconnection, an RDMA retry)
+     * must answer a ping this soon after it is up, or it failed (0:
+     * connect_timeout_ms). */
+    uint32_t probe_timeout_ms;
 } bex_rpc_channel_config;
 
 /* Create a channel on ctx. Connections are made on first use. Returns 0,
@@ -274,6 +290,18 @@ typedef struct bex_rpc_channel_stats {
                                  reachable again) */
     /* latency of completed calls, microseconds, from the histogram */
     double lat_mean_us, lat_p50_us, lat_p99_us, lat_p999_us;
+    /* The recovery ladder (each step logged once when an endpoint takes it) */
+    uint64_t ladder_reconnects; /* step 1: a connection failed, reconnect */
+    uint64_t ladder_replicas;   /* step 2: the reconnection failed too, calls
+                                   go to other replicas */
+    uint64_t ladder_tcp;        /* step 3: an RDMA endpoint reached over TCP */
+    uint64_t ladder_recovered;  /* reconnections (step 1) that worked */
+    uint64_t ladder_moves;      /* calls a step moved off a failed connection
+                                   (counted in retries too, but not against the
+                                   retry budget nor max_attempts) */
+    uint64_t rdma_retries;      /* probes of RDMA from TCP (rdma_retry_ms) */
+    uint64_t rdma_restored;     /* of them, the ones that worked: the endpoint
+                                   is back on RDMA */
 } bex_rpc_channel_stats;
 void bex_rpc_channel_stats_get(bex_rpc_channel *ch, bex_rpc_channel_stats *out);
 
@@ -287,7 +315,16 @@ typedef struct bex_rpc_endpoint_stats {
     uint64_t answers;       /* answers from it (late ones included) */
     uint64_t failures;      /* attempts to it that failed or passed attempt_timeout_ms */
     uint64_t conn_failures; /* its connections that failed or timed out (Tc) */
+    uint32_t ladder;        /* BEX_RPC_LADDER_*: its step on the recovery ladder */
+    uint64_t tcp_answers;   /* answers over the ladder's TCP fallback */
 } bex_rpc_endpoint_stats;
+/* Steps of the recovery ladder, as bex_rpc_endpoint_stats.ladder. */
+enum {
+    BEX_RPC_LADDER_OK = 0,        /* as configured (RDMA when it can) */
+    BEX_RPC_LADDER_RECONNECT = 1, /* its connection failed: reconnecting */
+    BEX_RPC_LADDER_REPLICA = 2,   /* the reconnection failed: other replicas first */
+    BEX_RPC_LADDER_TCP = 3,       /* reached over TCP; RDMA probed every rdma_retry_ms */
+};
 /* Fill out[0..cap) with the endpoints' counters in list order (directory
  * mode: the replicas chosen so far, newest first); returns the number of
  * endpoints (which may exceed cap). */

@@ -27,6 +27,14 @@ struct link {
     int state;
     uint64_t t_start; /* connect started (ns) */
     bool bad;         /* refused for a malformed answer (logged once) */
+    /* recovery ladder */
+    int rung;      /* the endpoint's step when this link was made */
+    bool tcp;      /* made over TCP by the ladder (step 3) */
+    bool proven;   /* an answer came over it */
+    bool ping;     /* made by the ladder: a ping went first, to be answered within
+                      probe_ns of the connection coming up (t_start then) */
+    bool probe;    /* step 3's RDMA retry: carries the ping, no call, until proven */
+    bool retiring; /* replaced by a restored RDMA link: closed once no call is on it */
     struct link *next;
 };
 
@@ -46,6 +54,12 @@ struct endpoint {
     bool suspect;               /* failed, and no connection came up since */
     struct bex__dir_node *node; /* directory mode: its node (outcomes go there) */
     struct endpoint *dnext;     /* directory mode: the channel's endpoints so far */
+    /* recovery ladder: its step (BEX_RPC_LADDER_*), when step 3 tries
+     * RDMA again, the probe doing it */
+    int rung;
+    uint64_t rdma_retry_at;
+    struct link *probe;
+    uint64_t tcp_answers;
 };
 
 /* completion kinds, for the counters */
@@ -60,6 +74,8 @@ struct call {
     void *user;
     uint64_t t_start, deadline, attempt_deadline; /* ns; attempt_deadline 0: none */
     uint32_t attempts;
+    uint32_t moves;           /* attempts the recovery ladder made (not counted
+                                 against max_attempts nor the budget) */
     struct link *link;        /* the current attempt's */
     struct endpoint *ep;      /* the current attempt's */
     struct endpoint *counted; /* directory mode: outstanding on this one's node */
@@ -79,7 +95,7 @@ struct bex_rpc_channel {
     bex_ctx *ctx;
     struct bex__log *log;
     char *name;
-    uint64_t tr_ns, tc_ns, attempt_ns, holddown_ns;
+    uint64_t tr_ns, tc_ns, attempt_ns, holddown_ns, rdma_retry_ns, probe_ns;
     uint32_t max_attempts, retry_permille, budget_permille, budget_burst;
     struct endpoint **eps;
     size_t n_eps, rr;
@@ -95,7 +111,7 @@ struct bex_rpc_channel {
     pthread_cond_t cv; /* timer wake-ups and destroy's waits */
     struct call *htab[CALL_BUCKETS];
     struct call *live;
-    uint64_t next_id, next_seq, client_id;
+    uint64_t next_id, next_seq, client_id, next_ping;
     int64_t tokens; /* retry budget, thousandths of a retry */
     struct link *links;
     size_t n_calls; /* not yet freed */
@@ -317,18 +333,191 @@ err_free:
     return -ENOMEM;
 }
 
+/* ---- recovery ladder (under ch->mu) ----
+ *
+ * Each endpoint climbs it on its own: OK -> (a connection to it fails)
+ * RECONNECT: the next connection is a new one as configured (over RDMA, a
+ * new QP) -> (that one fails too before anything was answered over it)
+ * REPLICA: its calls go to other replicas while the hold-down lasts ->
+ * (it is used again) TCP, when it may use RDMA at all; from there RDMA is
+ * probed every rdma_retry_ns by a connection of its own that carries a
+ * ping and no call, and replaces the TCP one once the ping is answered.
+ * An answer over the reconnection brings the endpoint back to OK as well.
+ * Calls out on a connection whose failure took a step (OK -> RECONNECT,
+ * RECONNECT -> REPLICA) are moved without spending the retry budget or an
+ * attempt: those steps come twice at most at the start and after each
+ * answer the endpoint gave, so they cannot storm a service, and a replica dying under load (every
+ * call out on it failing at once) loses none of them to the budget. */
+
+static bool ep_may_rdma(struct bex_rpc_channel *ch, const struct endpoint *ep)
+{
+    return ep->transport == BEX_TRANSPORT_RDMA ||
+           (ep->transport == BEX_TRANSPORT_AUTO && bex_ctx_pd(ch->ctx));
+}
+
+__attribute__((format(printf, 4, 5))) static void
+ladder_log(struct bex_rpc_channel *ch, const struct endpoint *ep, int level, const char *fmt, ...)
+{
+    char a[INET_ADDRSTRLEN], msg[192];
+    inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    bex__log(ch->log, level, "rpc channel %s: endpoint %s:%u: %s", ch->name, a,
+             ntohs(ep->addr.sin_port), msg);
+}
+
+/* Whether a replica other than ep is at step OK, and not failed since its
+ * last connection came up: where step 2 sends calls. One that is on the
+ * ladder itself (RDMA failing for the whole service) does not count. */
+static bool ladder_others(struct bex_rpc_channel *ch, const struct endpoint *ep)
+{
+    for (size_t i = 0; i < ch->n_eps; i++)
+        if (ch->eps[i] != ep && ch->eps[i]->rung == BEX_RPC_LADDER_OK && !ch->eps[i]->suspect)
+            return true;
+    for (const struct endpoint *e = ch->deps; e; e = e->dnext)
+        if (e != ep && e->rung == BEX_RPC_LADDER_OK && !e->suspect)
+            return true;
+    return false;
+}
+
+/* A connection of ep made at step rung failed (err). Returns whether this
+ * took a step, so that the calls out on it move without the budget. (A
+ * connection that was answered over is at step OK by then.) */
+static bool ladder_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung, int err)
+{
+    if (rung != ep->rung)
+        return false; /* a connection from before the endpoint's last step */
+    bool rdma = ep_may_rdma(ch, ep);
+    if (ep->rung == BEX_RPC_LADDER_OK) {
+        ep->rung = BEX_RPC_LADDER_RECONNECT;
+        ch->st.ladder_reconnects++;
+        ladder_log(ch, ep, BEX_LOG_WARN, "%s connection failed (%s): step 1, reconnecting",
+                   rdma ? "RDMA" : "its", bex_strerror(err));
+        return true;
+    }
+    if (ep->rung == BEX_RPC_LADDER_RECONNECT) {
+        ep->rung = BEX_RPC_LADDER_REPLICA;
+        ch->st.ladder_replicas++;
+        bool others = ladder_others(ch, ep);
+        ladder_log(ch, ep, BEX_LOG_WARN, "reconnection failed (%s): step 2, %s%s",
+                   bex_strerror(err),
+                   others ? "calls go to other replicas"
+                   : rdma ? "no other replica on RDMA"
+                          : "no other replica",
+                   rdma ? (others ? ", then TCP" : ", TCP now") : "");
+        return true;
+    }
+    return false;
+}
+
+/* How long ep is avoided after a failure of its connection: the hold-down,
+ * except at step 2 with no other replica to go to, when its TCP connection
+ * (step 3) is what calls need next. */
+static uint64_t ladder_down_until(struct bex_rpc_channel *ch, const struct endpoint *ep)
+{
+    if (ep->rung == BEX_RPC_LADDER_REPLICA && ep_may_rdma(ch, ep) && !ladder_others(ch, ep))
+        return 0;
+    return bex__rpc_now_ns() + ch->holddown_ns;
+}
+
+static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep);
+
+/* An answer came over l: the step it was made at worked. */
+static void link_proven(struct bex_rpc_channel *ch, struct link *l)
+{
+    struct endpoint *ep = l->ep;
+    l->proven = true;
+    if (l->probe) {
+        /* RDMA answered again: it carries the endpoint's calls from now on;
+         * the TCP connection takes no more and goes once its calls are
+         * done (the timer thread closes it) */
+        l->probe = false;
+        if (ep->probe == l)
+            ep->probe = NULL;
+        if (ep->cur && ep->cur != l)
+            ep->cur->retiring = true;
+        ep->cur = l;
+        ep->rung = BEX_RPC_LADDER_OK;
+        l->rung = BEX_RPC_LADDER_OK;
+        ch->st.rdma_restored++;
+        ladder_log(ch, ep, BEX_LOG_WARN, "RDMA works again: calls leave TCP");
+        return;
+    }
+    if (l->ping && l->state == L_UP)
+        ep_reachable(ch, ep); /* held back until now: see on_connect */
+    if (l->rung != ep->rung ||
+        (ep->rung != BEX_RPC_LADDER_RECONNECT && ep->rung != BEX_RPC_LADDER_REPLICA))
+        return;
+    if (ep->rung == BEX_RPC_LADDER_RECONNECT)
+        ch->st.ladder_recovered++;
+    ladder_log(ch, ep, BEX_LOG_WARN, "answered again: recovered at step %d", ep->rung);
+    ep->rung = BEX_RPC_LADDER_OK;
+    l->rung = BEX_RPC_LADDER_OK;
+}
+
+/* The transport of ep's next connection, taking step 3 when it is due. */
+static uint32_t ladder_transport(struct bex_rpc_channel *ch, struct endpoint *ep)
+{
+    if (!ep_may_rdma(ch, ep))
+        return ep->transport;
+    if (ep->rung == BEX_RPC_LADDER_REPLICA) {
+        ep->rung = BEX_RPC_LADDER_TCP;
+        ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns;
+        ch->st.ladder_tcp++;
+        ladder_log(ch, ep, BEX_LOG_WARN, "step 3, over TCP (RDMA tried again in %llu ms)",
+                   (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
+        if (ch->timer_next > ep->rdma_retry_at || !ch->timer_next)
+            pthread_cond_broadcast(&ch->cv);
+    }
+    return ep->rung == BEX_RPC_LADDER_TCP ? BEX_TRANSPORT_TCP : ep->transport;
+}
+
+static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                              bool moved, struct call **done);
+static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out);
+
 static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
 {
     if (l->state == L_FAILED)
         return;
     l->state = L_FAILED;
+    if (l->probe) {
+        /* step 3's RDMA retry failed: the endpoint stays on TCP (no call
+         * was on this connection, its health is not in question) */
+        struct endpoint *ep = l->ep;
+        if (ep->probe == l)
+            ep->probe = NULL;
+        ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns;
+        if (err != -ECONNABORTED && err != -ECANCELED)
+            ladder_log(ch, ep, BEX_LOG_INFO,
+                       "RDMA still unusable (%s): staying on TCP, next try in %llu ms",
+                       bex_strerror(err), (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
+        bex_sock_close(l->s);
+        return;
+    }
+    if (l->retiring) {
+        /* the endpoint is on RDMA again: only this old TCP connection's
+         * calls are concerned, not the endpoint's health */
+        bex_sock_close(l->s);
+        for (struct call *c = ch->live, *n; c; c = n) {
+            n = c->next;
+            if (c->link == l)
+                attempt_failed(ch, c, err, false, done);
+        }
+        return;
+    }
+    bool step = false;
+    if (err != -ECONNABORTED && err != -ECANCELED && err != -EPROTO)
+        step = ladder_failed(ch, l->ep, l->rung, err);
     if (err != -ECONNABORTED && err != -ECANCELED) { /* not removal, not destroy */
         ch->st.conn_failures++;
         l->ep->conn_failures++;
     }
     if (l->ep->cur == l)
         l->ep->cur = NULL;
-    l->ep->down_until = bex__rpc_now_ns() + ch->holddown_ns;
+    l->ep->down_until = ladder_down_until(ch, l->ep);
     bool was_suspect = l->ep->suspect;
     l->ep->suspect = true;
     if (err != -ECANCELED && err != -EPROTO && err != -ECONNABORTED)
@@ -349,8 +538,16 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
     for (struct call *c = ch->live, *n; c; c = n) {
         n = c->next;
         if (c->link == l)
-            attempt_failed(ch, c, err, false, done);
+            attempt_failed_ex(ch, c, err, false, step, done);
     }
+    /* step 2 with no other replica on RDMA: TCP (step 3) is what the
+     * next calls need; its connection is started now, not by the first
+     * of them (no call may have been on the failed reconnection) */
+    struct endpoint *ep = l->ep;
+    struct link *nl;
+    if (step && !ep->cur && ep->rung == BEX_RPC_LADDER_REPLICA && !ep->down_until &&
+        ep_may_rdma(ch, ep) && !ch->destroying)
+        link_open(ch, ep, &nl);
 }
 
 static void on_connect(bex_sock *s, int status, void *user);
@@ -368,6 +565,27 @@ static const bex_sock_ops link_ops = {
     .on_close = on_close,
 };
 
+/* Send a ping (docs/protocol.md, "Ping") first on l: its answer proves
+ * the connection. */
+static int send_ping(struct bex_rpc_channel *ch, struct link *l)
+{
+    uint8_t *m = bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN);
+    if (!m)
+        return -ENOMEM;
+    struct bex__rpc_hdr h = {.kind = BEX__RPC_REQUEST,
+                             .service = BEX_RPC_SERVICE_PING,
+                             .call_id = (1ull << 63) | ++ch->next_ping,
+                             .client_id = ch->client_id,
+                             .timeout_ms = (uint32_t)(ch->probe_ns / 1000000ull)};
+    bex__rpc_hdr_encode(&h, m);
+    int err = bex_sock_send(l->s, m, BEX_RPC_HDR_LEN, l); /* msg_user l: a ping */
+    if (err)
+        bex_mem_free(m);
+    else
+        l->ping = true;
+    return err;
+}
+
 static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out)
 {
     struct link *l = calloc(1, sizeof(*l));
@@ -379,9 +597,12 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     l->state = L_CONNECTING;
     l->t_start = bex__rpc_now_ns();
     bex_connect_opts o = {0};
-    if (ep->transport) {
+    uint32_t t = ladder_transport(ch, ep);
+    l->rung = ep->rung;
+    l->tcp = t == BEX_TRANSPORT_TCP && ep_may_rdma(ch, ep);
+    if (t) {
         o.flags = BEX_CONNECT_TRANSPORT;
-        o.transport = ep->transport;
+        o.transport = t;
     }
     /* callbacks wait for ch->mu, which we hold: l->s is set before any */
     int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
@@ -393,6 +614,10 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     l->next = ch->links;
     ch->links = l;
     ep->cur = l;
+    /* step 1's reconnection proves itself by a ping, not by the calls it
+     * carries (a handler may take its time) */
+    if (l->rung == BEX_RPC_LADDER_RECONNECT)
+        send_ping(ch, l);
     /* the timer watches Tc */
     if (l->t_start + ch->tc_ns < ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
@@ -427,6 +652,13 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
         if (!soonest || ep->down_until < soonest->down_until)
             soonest = ep;
     }
+    /* every other one is held down or being reconnected: the failed one,
+     * if it may take calls now (step 2 with no other replica on RDMA:
+     * its TCP connection) */
+    for (size_t i = 0; i < ch->n_eps; i++)
+        if (ch->eps[i] == exclude && exclude->down_until <= now &&
+            !(exclude->suspect && exclude->cur))
+            return ch->eps[i];
     return soonest ? soonest : ch->eps[0];
 }
 
@@ -481,9 +713,12 @@ static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct e
 }
 
 /* Send c on an endpoint (not exclude when there is another). Returns 0 or
- * the error that kept the attempt from starting. */
-static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude)
+ * the error that kept the attempt from starting; *step: that error was a
+ * connection failure that took a step of the recovery ladder. */
+static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude,
+                         bool *step)
 {
+    *step = false;
     struct endpoint *ep = choose_ep(ch, exclude);
     c->attempts++;
     c->link = NULL;
@@ -497,13 +732,18 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
     c->ep = ep;
     struct link *l = ep->cur;
     int err = 0;
-    if (!l)
+    if (!l) {
         err = link_open(ch, ep, &l);
+        /* refused at once (e.g. -ENODEV: RDMA asked of a context without
+         * a device): a failed connection as far as the ladder goes */
+        if (err && err != -ENOMEM && err != -EINVAL)
+            *step = ladder_failed(ch, ep, ep->rung, err);
+    }
     if (!err)
         err = bex_sock_send(l->s, c->msg, c->len, c);
     if (err) {
         if (err != -EINVAL && err != -EMSGSIZE && err != -ENOMEM)
-            ep->down_until = bex__rpc_now_ns() + ch->holddown_ns; /* the connection's fault */
+            ep->down_until = ladder_down_until(ch, ep); /* the connection's fault */
         return err;
     }
     ch->st.attempts++;
@@ -529,7 +769,7 @@ static bool retryable(int err, bool remote)
  * coin, then the budget (only a retry that happens spends a token). */
 static bool may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote)
 {
-    if ((c->flags & BEX_RPC_CALL_NO_RETRY) || c->attempts >= ch->max_attempts ||
+    if ((c->flags & BEX_RPC_CALL_NO_RETRY) || c->attempts - c->moves >= ch->max_attempts ||
         !retryable(err, remote) || bex__rpc_now_ns() >= c->deadline || ch->destroying)
         return false;
     if (ch->retry_permille < 1000 && rnd(ch) % 1000 >= ch->retry_permille)
@@ -542,9 +782,21 @@ static bool may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool 
     return true;
 }
 
-/* The current attempt of c failed with err: retry, or complete with err. */
-static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                           struct call **done)
+/* Whether the recovery ladder may move c after its connection failed:
+ * as a retry, less the coin and the budget, and not counted against
+ * max_attempts (bounded by the ladder's steps, and per call). */
+#define LADDER_MOVES_MAX 8
+static bool may_move(struct bex_rpc_channel *ch, struct call *c, int err)
+{
+    return !(c->flags & BEX_RPC_CALL_NO_RETRY) && ch->max_attempts > 1 &&
+           c->moves < LADDER_MOVES_MAX && retryable(err, false) &&
+           bex__rpc_now_ns() < c->deadline && !ch->destroying;
+}
+
+/* The current attempt of c failed with err: retry, or complete with err.
+ * moved: its connection's failure took a step of the recovery ladder. */
+static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                              bool moved, struct call **done)
 {
     if (!c->live)
         return;
@@ -552,9 +804,16 @@ static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, 
         c->ep->failures++;
     c->link = NULL;
     c->attempt_deadline = 0;
-    while (may_retry(ch, c, err, remote)) {
+    for (;;) {
+        bool mv = moved && may_move(ch, c, err);
+        if (!mv && !may_retry(ch, c, err, remote))
+            break;
         ch->st.retries++;
-        int e = start_attempt(ch, c, c->ep);
+        if (mv) {
+            c->moves++;
+            ch->st.ladder_moves++;
+        }
+        int e = start_attempt(ch, c, c->ep, &moved);
         if (!e)
             return;
         err = e;
@@ -563,7 +822,26 @@ static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, 
     complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
 }
 
+static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                           struct call **done)
+{
+    attempt_failed_ex(ch, c, err, remote, false, done);
+}
+
 /* ---- socket callbacks (I/O thread) ---- */
+
+/* A connection to ep is up (or, when the ladder made it, answered): the
+ * endpoint is no longer suspect. */
+static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep)
+{
+    if (ep->suspect) {
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again", ch->name,
+                 a, ntohs(ep->addr.sin_port));
+    }
+    ep->suspect = false;
+}
 
 static void on_connect(bex_sock *s, int status, void *user)
 {
@@ -572,17 +850,16 @@ static void on_connect(bex_sock *s, int status, void *user)
     struct bex_rpc_channel *ch = l->ch;
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
-    if (status)
+    if (status) {
         link_fail(ch, l, status, &done);
-    else if (l->state == L_CONNECTING) {
+    } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
+        l->state = L_UP; /* its ping must be answered within probe_ns from now */
+        l->t_start = bex__rpc_now_ns();
+        if (l->t_start + ch->probe_ns < ch->timer_next)
+            pthread_cond_broadcast(&ch->cv);
+    } else if (l->state == L_CONNECTING) {
         l->state = L_UP;
-        if (l->ep->suspect) {
-            char a[INET_ADDRSTRLEN];
-            inet_ntop(AF_INET, &l->ep->addr.sin_addr, a, sizeof a);
-            bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again",
-                     ch->name, a, ntohs(l->ep->addr.sin_port));
-        }
-        l->ep->suspect = false;
+        ep_reachable(ch, l->ep);
     }
     pthread_mutex_unlock(&ch->mu);
     run_done(ch, done);
@@ -630,8 +907,27 @@ static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int
     struct call *c = msg_user;
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
-    if (status && c->live && c->link == l)
+    if (msg_user == (void *)l) { /* a ping */
+        bex_mem_free(buf);
+        /* refused by the peer: the link failed its proof; not delivered
+         * or in doubt: the connection failed, and on_connect or on_error
+         * says how */
+        if (status == -ENOMEM || status == -EMSGSIZE)
+            link_fail(ch, l, status, &done);
+        pthread_mutex_unlock(&ch->mu);
+        run_done(ch, done);
+        return;
+    }
+    if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_CONNECTING) {
+        /* the connection failed before it was up: on_connect follows and
+         * says why (the calls on it move then) */
+    } else if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_UP) {
+        /* not delivered, or in doubt: the connection failed (its on_error
+         * follows the sends it hands back), and with it every call on it */
+        link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
+    } else if (status && c->live && c->link == l) {
         attempt_failed(ch, c, status, false, &done);
+    }
     call_put(ch, c);
     pthread_mutex_unlock(&ch->mu);
     run_done(ch, done);
@@ -653,11 +949,14 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     }
     int err = bex__rpc_hdr_decode(buf, len, &h, &why);
     struct call *c = NULL;
+    bool ping = !err && (h.call_id >> 63); /* our probes' ids; calls count from 1 */
     if (!err && h.kind == BEX__RPC_REQUEST)
         why = "a request on a client connection";
     else if (!err && h.client_id != ch->client_id)
         why = "another client's id";
-    if (!why) {
+    else if (ping && (h.service != BEX_RPC_SERVICE_PING || h.method != 0))
+        why = "an answer naming another method";
+    if (!why && !ping) {
         c = call_find(ch, h.call_id);
         if (c && (c->service != h.service || c->method != h.method))
             why = "an answer naming another method";
@@ -673,7 +972,16 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         run_done(ch, done);
         return;
     }
+    if (!l->proven && l->state != L_FAILED) /* a failed one proves nothing any more */
+        link_proven(ch, l);
+    if (ping) {
+        pthread_mutex_unlock(&ch->mu);
+        bex_mem_free(buf);
+        return;
+    }
     l->ep->answers++;
+    if (l->tcp)
+        l->ep->tcp_answers++;
     if (!c) {
         ch->st.late_responses++; /* completed already: timed out, cancelled */
         pthread_mutex_unlock(&ch->mu);
@@ -710,12 +1018,76 @@ static void dir_prune(struct bex_rpc_channel *ch, struct call **done)
         return;
     ch->dir_gen = g;
     /* a retry may prepend an endpoint to deps: the walk goes on safely */
-    for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext)
-        if (ep->cur && !bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node))
-            link_fail(ch, ep->cur, -ECONNABORTED, done);
+    for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext) {
+        if ((ep->cur || ep->probe) &&
+            !bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node)) {
+            if (ep->cur)
+                link_fail(ch, ep->cur, -ECONNABORTED, done);
+            if (ep->probe)
+                link_fail(ch, ep->probe, -ECONNABORTED, done);
+        }
+    }
 }
 
-/* ---- timer thread: deadlines, attempt timeouts, Tc ---- */
+/* Step 3: try RDMA to ep again, on a connection of its own carrying a
+ * ping (BEX_RPC_SERVICE_PING) and no call; explicitly RDMA, so that the
+ * socket layer's own fallback cannot pass TCP off as RDMA. */
+static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct call **done)
+{
+    ch->st.rdma_retries++;
+    ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns; /* unless it works */
+    struct link *l = calloc(1, sizeof(*l));
+    int err = -ENOMEM;
+    if (!l)
+        goto fail;
+    *l = (struct link){.ch = ch,
+                       .ep = ep,
+                       .state = L_CONNECTING,
+                       .t_start = bex__rpc_now_ns(),
+                       .rung = ep->rung,
+                       .probe = true};
+    bex_connect_opts o = {.flags = BEX_CONNECT_TRANSPORT, .transport = BEX_TRANSPORT_RDMA};
+    err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
+    if (err)
+        goto fail;
+    ep->refs++;
+    l->next = ch->links;
+    ch->links = l;
+    ep->probe = l;
+    err = send_ping(ch, l);
+    if (err)
+        link_fail(ch, l, err, done);
+    return;
+
+fail:
+    free(l);
+    ladder_log(ch, ep, BEX_LOG_INFO,
+               "RDMA still unusable (%s): staying on TCP, next try in %llu ms", bex_strerror(err),
+               (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
+}
+
+static bool link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
+{
+    for (const struct call *c = ch->live; c; c = c->next)
+        if (c->link == l)
+            return true;
+    return false;
+}
+
+/* The ladder's timed work for ep: step 3's RDMA retries. Returns when it
+ * is next due (0: nothing). */
+static uint64_t ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uint64_t now,
+                            struct call **done)
+{
+    if (ep->rung != BEX_RPC_LADDER_TCP || ep->probe)
+        return 0;
+    if (now < ep->rdma_retry_at)
+        return ep->rdma_retry_at;
+    probe_open(ch, ep, done);
+    return ep->probe ? 0 : ep->rdma_retry_at;
+}
+
+/* ---- timer thread: deadlines, attempt timeouts, Tc, the ladder ---- */
 
 static void *timer_main(void *arg)
 {
@@ -728,12 +1100,34 @@ static void *timer_main(void *arg)
         if (ch->dir)
             dir_prune(ch, &done);
         for (struct link *l = ch->links; l; l = l->next) {
-            if (l->state != L_CONNECTING)
+            if (l->retiring && l->state != L_FAILED && !link_has_calls(ch, l)) {
+                l->state = L_FAILED; /* not a failure: nothing to count */
+                bex_sock_close(l->s);
                 continue;
-            if (now >= l->t_start + ch->tc_ns)
+            }
+            /* up within Tc; the ladder's, then its ping answered within
+             * probe_ns */
+            uint64_t due;
+            if (l->state == L_CONNECTING)
+                due = l->t_start + ch->tc_ns;
+            else if (l->ping && !l->proven && l->state == L_UP)
+                due = l->t_start + ch->probe_ns;
+            else
+                continue;
+            if (now >= due)
                 link_fail(ch, l, -ETIMEDOUT, &done);
-            else if (l->t_start + ch->tc_ns < next)
-                next = l->t_start + ch->tc_ns;
+            else if (due < next)
+                next = due;
+        }
+        for (size_t i = 0; i < ch->n_eps; i++) {
+            uint64_t due = ladder_tick(ch, ch->eps[i], now, &done);
+            if (due && due < next)
+                next = due;
+        }
+        for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext) {
+            uint64_t due = ladder_tick(ch, ep, now, &done);
+            if (due && due < next)
+                next = due;
         }
         for (struct call *c = ch->live, *n; c; c = n) {
             n = c->next;
@@ -752,7 +1146,8 @@ static void *timer_main(void *arg)
                 dir_report(ch, pe, BEX_DIR_REQ_FAIL);
                 if (may_retry(ch, c, -ETIMEDOUT, false)) {
                     ch->st.retries++;
-                    if (start_attempt(ch, c, pe)) {
+                    bool step;
+                    if (start_attempt(ch, c, pe, &step)) {
                         /* no second attempt now: the first may still answer */
                         c->link = pl;
                         c->ep = pe;
@@ -810,6 +1205,8 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     ch->tc_ns = (cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 10) * 1000000ull;
     ch->attempt_ns = cfg->attempt_timeout_ms * 1000000ull;
     ch->holddown_ns = (cfg->holddown_ms ? cfg->holddown_ms : 100) * 1000000ull;
+    ch->rdma_retry_ns = (cfg->rdma_retry_ms ? cfg->rdma_retry_ms : 30000) * 1000000ull;
+    ch->probe_ns = cfg->probe_timeout_ms ? cfg->probe_timeout_ms * 1000000ull : ch->tc_ns;
     ch->max_attempts = cfg->max_attempts ? cfg->max_attempts : 3;
     ch->retry_permille = cfg->retry_permille ? cfg->retry_permille : 1000;
     ch->budget_permille = cfg->retry_budget_permille ? cfg->retry_budget_permille : 100;
@@ -923,9 +1320,10 @@ int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *b
         *call_id = c->id;
     if (c->deadline < ch->timer_next || !ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
-    int err = start_attempt(ch, c, NULL);
+    bool step;
+    int err = start_attempt(ch, c, NULL, &step);
     if (err)
-        attempt_failed(ch, c, err, false, &dl);
+        attempt_failed_ex(ch, c, err, false, step, &dl);
     pthread_mutex_unlock(&ch->mu);
     run_done(ch, dl);
     return 0;
@@ -975,6 +1373,8 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
                 c->ep = NULL;
         if (old[k]->cur)
             link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
+        if (old[k]->probe)
+            link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
         ep_put(old[k]);
     }
     free(old);
@@ -1090,7 +1490,9 @@ size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stat
                                           .attempts = ep->attempts,
                                           .answers = ep->answers,
                                           .failures = ep->failures,
-                                          .conn_failures = ep->conn_failures};
+                                          .conn_failures = ep->conn_failures,
+                                          .ladder = (uint32_t)ep->rung,
+                                          .tcp_answers = ep->tcp_answers};
         snprintf(out[i].locality, sizeof out[i].locality, "%s", ep->locality ? ep->locality : "");
     }
     /* directory mode: the endpoints made for the nodes chosen so far */
@@ -1103,7 +1505,9 @@ size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stat
                                           .attempts = ep->attempts,
                                           .answers = ep->answers,
                                           .failures = ep->failures,
-                                          .conn_failures = ep->conn_failures};
+                                          .conn_failures = ep->conn_failures,
+                                          .ladder = (uint32_t)ep->rung,
+                                          .tcp_answers = ep->tcp_answers};
         snprintf(out[n].locality, sizeof out[n].locality, "%s", r.locality);
     }
     pthread_mutex_unlock(&ch->mu);
@@ -1143,6 +1547,21 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
          offsetof(bex_rpc_channel_stats, failovers)},
         {"bex_rpc_endpoints_down_total", "Endpoints that went from reachable to failed",
          offsetof(bex_rpc_channel_stats, endpoints_down)},
+        {"bex_rpc_ladder_reconnects_total", "Recovery ladder step 1: reconnections",
+         offsetof(bex_rpc_channel_stats, ladder_reconnects)},
+        {"bex_rpc_ladder_replicas_total",
+         "Recovery ladder step 2: reconnections failed, other replicas first",
+         offsetof(bex_rpc_channel_stats, ladder_replicas)},
+        {"bex_rpc_ladder_tcp_total", "Recovery ladder step 3: RDMA endpoints reached over TCP",
+         offsetof(bex_rpc_channel_stats, ladder_tcp)},
+        {"bex_rpc_ladder_recovered_total", "Reconnections (step 1) that worked",
+         offsetof(bex_rpc_channel_stats, ladder_recovered)},
+        {"bex_rpc_ladder_moves_total", "Calls moved off a failed connection by a ladder step",
+         offsetof(bex_rpc_channel_stats, ladder_moves)},
+        {"bex_rpc_rdma_retries_total", "RDMA probes from the TCP fallback",
+         offsetof(bex_rpc_channel_stats, rdma_retries)},
+        {"bex_rpc_rdma_restored_total", "RDMA probes that worked: endpoints back on RDMA",
+         offsetof(bex_rpc_channel_stats, rdma_restored)},
     };
     for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
         uint64_t v;
@@ -1190,6 +1609,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
          offsetof(bex_rpc_endpoint_stats, failures)},
         {"bex_rpc_endpoint_conn_failures_total", "Connections to the endpoint that failed",
          offsetof(bex_rpc_endpoint_stats, conn_failures)},
+        {"bex_rpc_endpoint_tcp_answers_total", "Answers over the recovery ladder's TCP fallback",
+         offsetof(bex_rpc_endpoint_stats, tcp_answers)},
     };
     for (size_t k = 0; k < sizeof ectrs / sizeof ectrs[0]; k++) {
         OUT("# HELP %s %s.\n# TYPE %s counter\n", ectrs[k].metric, ectrs[k].help, ectrs[k].metric);
@@ -1202,6 +1623,17 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
             OUT("%s{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} %llu\n", ectrs[k].metric,
                 name, ip, ntohs(es[i].addr.sin_port), loc, (unsigned long long)v);
         }
+    }
+    OUT("# HELP bex_rpc_endpoint_ladder_step Recovery ladder step of the endpoint (0 ok, "
+        "1 reconnecting, 2 other replicas first, 3 over TCP).\n"
+        "# TYPE bex_rpc_endpoint_ladder_step gauge\n");
+    for (size_t i = 0; i < ne; i++) {
+        char ip[INET_ADDRSTRLEN], loc[160];
+        inet_ntop(AF_INET, &es[i].addr.sin_addr, ip, sizeof ip);
+        escape_label(es[i].locality, loc, sizeof loc);
+        OUT("bex_rpc_endpoint_ladder_step{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} "
+            "%u\n",
+            name, ip, ntohs(es[i].addr.sin_port), loc, es[i].ladder);
     }
 #undef OUT
     return o.n > INT32_MAX ? INT32_MAX : (int)o.n;

@@ -121,7 +121,8 @@ int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rp
 int bex_rpc_server_register(bex_rpc_server *srv, uint32_t service, uint32_t method, uint32_t flags,
                             bex_rpc_handler fn, void *user)
 {
-    if (!srv || !fn || (flags & ~(uint32_t)BEX_RPC_METHOD_WRITE) || srv->listening)
+    if (!srv || !fn || (flags & ~(uint32_t)BEX_RPC_METHOD_WRITE) || srv->listening ||
+        service == BEX_RPC_SERVICE_PING)
         return -EINVAL;
     for (size_t i = 0; i < srv->n_methods; i++)
         if (srv->methods[i].service == service && srv->methods[i].method == method)
@@ -449,6 +450,13 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         return;
     }
     void *body = (uint8_t *)buf + BEX_RPC_HDR_LEN;
+    if (h.service == BEX_RPC_SERVICE_PING && h.method == 0) {
+        /* the recovery ladder's probe: the answer is the proof */
+        srv->st.pings++;
+        send_answer(srv, c, &h, BEX__RPC_RESPONSE, 0, body, 0);
+        pthread_mutex_unlock(&srv->mu);
+        return;
+    }
     const struct method *m = find_method(srv, h.service, h.method);
     if (!m) {
         srv->st.no_method++;

@@ -42,6 +42,9 @@ enum {
 
 /* The dedup window of the next spawn_server (0: the default). */
 static uint32_t srv_window;
+/* The QP's ACK timeout exponent and retry count of the next spawn_server's
+ * context (0: the defaults), for cases that time RDMA failure detection. */
+static uint8_t srv_qp_timeout, srv_qp_retry_cnt;
 
 /* A case returns at once with the skip (or failure) pair_addrs decides. */
 #define RPC_NEED_ADDRS()                                                                           \
@@ -237,6 +240,8 @@ static void srv_child(int wfd, int rfd, bool drop_first_write)
                            .connect_timeout_ms = RPC_SETUP_MS};
     bex_ctx_config c = scaled(&base, a0);
     c.log_fn = ts_log;
+    c.qp_timeout = srv_qp_timeout;
+    c.qp_retry_cnt = srv_qp_retry_cnt;
     CHECK_OK(bex_ctx_create(&c, &ts.ctx));
     bex_rpc_server_config scfg = {.dedup_window = srv_window};
     CHECK_OK(bex_rpc_server_create(ts.ctx, &scfg, &ts.srv));
