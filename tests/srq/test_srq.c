@@ -376,8 +376,8 @@ static int shares(void)
 
 /* ---- starvation: peer A's messages held, peer B goes on ---- */
 
-#define A_MSGS   64
-#define B_MSGS   12
+#define A_MSGS     64
+#define B_MSGS     12
 #define STARVE_LEN 512
 
 /* Returns how many of B's messages arrived while A's were held. */

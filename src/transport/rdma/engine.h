@@ -22,7 +22,9 @@
  * bex/mem.h); the keepalive word is a registered region of its own. A SEND's payload buffer goes to
  * the application as it is and a fresh one takes its place; receives are reposted k = rq_depth/2 at
  * a time with one ibv_post_recv, and the credits go back to the peer with the next SEND (the
- * immediate or the header), or in an explicit CREDIT message. */
+ * immediate or the header), or in an explicit CREDIT message. In SRQ mode
+ * (sh->srq) the receives are the I/O thread's shared queue's, and the
+ * engine's peer holds a share of them as its credits (srq.h). */
 #ifndef BEX_TRANSPORT_RDMA_ENGINE_H
 #define BEX_TRANSPORT_RDMA_ENGINE_H
 

@@ -35,7 +35,7 @@ struct bex__rslot {
 /* wr_id of an SRQ receive: engine id 0 (no engine has it: the receive is
  * nobody's until a QP consumes it; wc->qp_num says whose), receive bit,
  * slot index. */
-#define BEX__SRQ_WR_RECV (1u << 31)
+#define BEX__SRQ_WR_RECV  (1u << 31)
 #define BEX__SRQ_WR_ID(i) ((uint64_t)(BEX__SRQ_WR_RECV | (i)))
 
 /* Posted receives beyond the credits granted, where the queue has room:
