@@ -11,9 +11,10 @@
  * them echoed. The counts are checked on both sides, and with the kernel's
  * resource tracking (`rdma resource show`, per device: the server is on
  * rxe0, the clients on rxe1): every QP is there while the connections are
- * up, and none is left after the teardown. RSS and QP/CQ counts are printed (docs/testing.md has the
- * figures). The clients are forked before the server makes anything of
- * RDMA (no verbs resources cross a fork). */
+ * up, and none is left after the teardown. RSS and QP/CQ counts are
+ * printed (docs/testing.md has the figures). The clients are forked
+ * before the server makes anything of RDMA (no verbs resources cross a
+ * fork). */
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
@@ -32,9 +33,9 @@
 static int PORTS = PORTS_MAX;
 #define CONNS    (PORTS * PROCS * CTXS)
 #define PER_PROC (PORTS * CTXS)
-#define MSGS    4
-#define MSG_LEN 256
-#define SHARE   8
+#define MSGS     4
+#define MSG_LEN  256
+#define SHARE    8
 /* connections a client context has in setup at once */
 #define WINDOW 16
 

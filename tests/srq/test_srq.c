@@ -235,7 +235,8 @@ static int mode(void)
         granted += q->granted;
         peers += q->peers;
         CHECK_EQ(q->granted, q->peers * 16);
-        CHECK(q->posted + q->held >= q->granted);
+        /* (posted and held change with every receive: not read from here,
+         * the thread writes them without a lock) */
         uint32_t engines = 0;
         for (struct conn *cn = io->conns; cn; cn = cn->next) {
             if (!cn->eng)
