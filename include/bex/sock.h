@@ -168,6 +168,10 @@ typedef struct bex_ctx_config {
     uint32_t io_threads;        /* I/O threads of the context (1, at most 64); each
                                    connection belongs to one, assigned round-robin */
     uint32_t poll_mode;         /* BEX_POLL_* (SPIN_SLEEP): how I/O threads wait */
+    uint32_t srq_depth;         /* SRQ mode: receives of each I/O thread's shared receive
+                                   queue, the pool from which every RDMA peer of the
+                                   thread is granted rq_depth credits (0 = off: a receive
+                                   queue per connection; else rq_depth..32768) */
 } bex_ctx_config;
 
 /* Bounds of a shared secret, in bytes. */
@@ -375,6 +379,10 @@ typedef struct bex_sock_stats {
                                     the counters above count frames: a DIRECT frame as a
                                     WRITE, any other as a SEND, a sendmsg call as a
                                     doorbell */
+    uint64_t srq_credits;        /* SRQ mode: credits the shared receive queues have
+                                    granted to the peers now (their shares) */
+    uint64_t srq_posted;         /* SRQ mode: receives posted on them now */
+    uint64_t srq_refused;        /* SRQ mode: peers refused a share (queue full) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

@@ -270,8 +270,9 @@ int bex__conn_engine_make(struct conn *c)
 {
     bex_ctx *ctx = c->ctx;
     struct bex__io *io = c->io;
-    /* every completion the engine can have outstanding must fit its CQ */
-    uint32_t need = ctx->ecfg.sq_depth + ctx->ecfg.rq_depth + 2, idx;
+    /* every completion the engine can have outstanding must fit its CQ
+     * (in SRQ mode its receives complete on the shared queue's CQ) */
+    uint32_t need = ctx->ecfg.sq_depth + (io->sh.srq ? 0 : ctx->ecfg.rq_depth) + 2, idx;
     int err = cq_room(io, need, &idx);
     if (err)
         return err;

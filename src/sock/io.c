@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "sock/internal.h"
+#include "transport/rdma/srq.h"
 
 #define TICK_MS 10
 /* A thread with no connection (and no listener backing off) has no timer
@@ -224,6 +225,13 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n)
 static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
 {
     for (int i = 0; i < n; i++) {
+        if (bex__wr_engine(wc[i].wr_id) == 0 && io->sh.srq) {
+            /* a receive of the shared queue: its QP says whose */
+            struct conn *c = bex__engine_srq_complete(io->sh.srq, &wc[i]);
+            if (c)
+                bex__conn_ready(c);
+            continue;
+        }
         struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc[i].wr_id));
         if (c && c->eng) { /* else a stale completion of a destroyed engine */
             bex__engine_complete(c->eng, &wc[i]);
@@ -233,12 +241,14 @@ static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
 }
 
 /* ibv_poll_cq failed: completions may be lost, and with them the hand-back
- * of messages; no engine of this CQ can be trusted to finish. */
+ * of messages; no engine of this CQ (q: its index; UINT32_MAX: the shared
+ * receive queue's, which every engine of the thread uses) can be trusted
+ * to finish. */
 static void cq_failed(struct bex__io *io, uint32_t q, int n)
 {
     bool any = false;
     for (struct conn *c = io->conns; c; c = c->next) {
-        if (c->eng && !c->dead && c->cq_idx == q) {
+        if (c->eng && !c->dead && (c->cq_idx == q || q == UINT32_MAX)) {
             any = true;
             bex__conn_fail(c, -EIO);
         }
@@ -281,6 +291,13 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
         int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
         if (n < 0)
             cq_failed(io, q, n);
+        dispatch(io, wc, n);
+        any |= n > 0;
+    }
+    if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
+        int n = bex__rdma_poll_cq(io->sh.srq->cq, WC_BATCH, wc);
+        if (n < 0)
+            cq_failed(io, UINT32_MAX, n);
         dispatch(io, wc, n);
         any |= n > 0;
     }
@@ -363,6 +380,8 @@ void *bex__io_main(void *arg)
         /* Sleep: arm the CQs, then look once more so nothing slips between. */
         for (uint32_t q = 0; q < io->n_cq; q++)
             ibv_req_notify_cq(io->cqs[q].cq, 0);
+        if (io->sh.srq)
+            ibv_req_notify_cq(io->sh.srq->cq, 0);
         bex__loop_sleep_begin(&io->loop);
         bool found = poll_cqs(io, wc);
         if (found || bex__loop_has_cmds(&io->loop) || io->ready) {

@@ -11,6 +11,7 @@
 #include "sock/ctx_access.h"
 #include "sock/internal.h"
 #include "sock/secret.h"
+#include "transport/rdma/srq.h"
 
 #define DEF(field, v)                                                                              \
     do {                                                                                           \
@@ -51,7 +52,8 @@ static int config_check(bex_ctx_config *c)
         c->keepalive_timeout_ms < 2 * c->keepalive_ms || c->log_level < 0 ||
         c->log_level > BEX_LOG_DEBUG || c->max_msg > INT32_MAX || c->rndv_max > 32767 ||
         c->remote_access > BEX_REMOTE_ACCESS_WINDOW || c->transport > BEX_TRANSPORT_TCP ||
-        c->io_threads > BEX__IO_THREADS_MAX || c->poll_mode > BEX_POLL_EVENT)
+        c->io_threads > BEX__IO_THREADS_MAX || c->poll_mode > BEX_POLL_EVENT ||
+        (c->srq_depth && (c->srq_depth < c->rq_depth || c->srq_depth > BEX__SRQ_DEPTH_MAX)))
         return -EINVAL;
     /* peer-writable memory only in a landing pool, nothing else there */
     if ((c->pool && bex_mem_pool_kind(c->pool) != BEX_MEM_POOL_GENERAL) ||
@@ -93,8 +95,45 @@ int bex_ctx_remote_access(const bex_ctx *ctx)
     return ctx->sh.windows ? BEX_REMOTE_ACCESS_WINDOW : BEX_REMOTE_ACCESS_LANDING;
 }
 
+/* SRQ mode: the thread's shared receive queue on its PD (the parent domain
+ * where there is one), with a CQ of its own for every receive completion
+ * of the thread (srq_depth at most are posted). */
+static int io_srq_init(bex_ctx *ctx, struct bex__io *io)
+{
+    const struct ibv_device_attr *a = &ctx->dev->attr;
+    uint32_t depth = ctx->cfg.srq_depth;
+    if (depth > (uint32_t)a->max_srq_wr || depth > (uint32_t)a->max_cqe) {
+        bex__log(&ctx->log, BEX_LOG_ERROR,
+                 "srq_depth %u: %s takes at most %d receives in a shared queue and %d in a CQ",
+                 depth, ctx->dev->name, a->max_srq_wr, a->max_cqe);
+        return -EINVAL;
+    }
+    struct ibv_cq *cq;
+    int err = bex__rdma_cq_create(ctx->dev, (int)depth, io->ch, &cq);
+    if (err)
+        return err;
+    uint32_t rbuf = ctx->ecfg.eager_max > BEX__HDR_LEN ? ctx->ecfg.eager_max : BEX__HDR_LEN;
+    if ((err = bex__srq_create(&io->sh, depth, rbuf, cq, &io->sh.srq))) {
+        bex__log(&ctx->log, BEX_LOG_ERROR, "%s: ibv_create_srq (%u receives): %s", ctx->dev->name,
+                 depth, bex_strerror(err));
+        bex__rdma_cq_destroy(cq);
+    }
+    return err;
+}
+
+static void io_srq_fini(struct bex__io *io)
+{
+    if (!io->sh.srq)
+        return;
+    struct ibv_cq *cq = io->sh.srq->cq;
+    bex__srq_destroy(io->sh.srq);
+    bex__rdma_cq_destroy(cq);
+    io->sh.srq = NULL;
+}
+
 /* One I/O thread's resources: its loop, and with a device its completion
- * channel and CQ (BEX__CQ_INITIAL entries, grown as engines come). */
+ * channel and CQ (BEX__CQ_INITIAL entries, grown as engines come), and in
+ * SRQ mode its shared receive queue. */
 static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
 {
     int err;
@@ -139,8 +178,14 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
                      ctx->dev->name, bex_strerror(err));
         }
         err = 0;
+        if (ctx->cfg.srq_depth && (err = io_srq_init(ctx, io)))
+            goto err_td;
     }
     return 0;
+err_td:
+    bex__rdma_td_free(io->td);
+    io->td = NULL;
+    bex__loop_unwatch(&io->loop, io->ch->fd);
 err_cq:
     bex__rdma_cq_destroy(io->sh.cq);
     io->sh.cq = NULL;
@@ -166,6 +211,7 @@ static void io_fini(struct bex__io *io)
     if (!io->engines)
         return;
     bex__loop_fini(&io->loop);
+    io_srq_fini(io); /* every QP on it is gone (the connections were freed) */
     bex__rdma_td_free(io->td);
     for (uint32_t i = 0; i < io->n_cq; i++)
         bex__rdma_cq_destroy(io->cqs[i].cq);
@@ -501,6 +547,9 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(engines);
         LD(recv_paused);
         LD(tcp_conns);
+        LD(srq_credits);
+        LD(srq_posted);
+        LD(srq_refused);
 #undef LD
     }
 }

@@ -424,6 +424,13 @@ static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
     const char *io = getenv("BEX_TEST_IO_THREADS");
     if (io && !c.io_threads)
         c.io_threads = (uint32_t)atoi(io);
+    /* BEX_TEST_SRQ=1: SRQ mode, a shared queue of 1024 receives per I/O
+     * thread (16 peers' shares at the default rq_depth) */
+    const char *srq = getenv("BEX_TEST_SRQ");
+    if (srq && atoi(srq) && !c.srq_depth) {
+        uint32_t rq = c.rq_depth ? c.rq_depth : 64;
+        c.srq_depth = rq * 4 > 1024 ? rq * 4 : 1024;
+    }
     if (!c.keepalive_timeout_ms)
         c.keepalive_timeout_ms = 2000;
     c.keepalive_timeout_ms *= time_scale();

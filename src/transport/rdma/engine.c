@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "transport/rdma/engine.h"
+#include "transport/rdma/srq.h"
 
 #define CTLQ_EXTRA 8
 #define KA_PAGE    4096
@@ -46,13 +47,11 @@ struct sslot {
     struct ibv_mw *free_mw;     /* window to deallocate once this LOCAL_INV is done */
 };
 
-/* One buffer per receive: a DATA's payload lands at its start (the header
- * is in the immediate), a control message's header fills its first bytes. */
-struct rslot {
-    struct ibv_recv_wr wr;
-    struct ibv_sge sge;
-    void *buf; /* rbuf_len bytes */
-};
+/* One buffer per receive (struct bex__rslot, srq.h): a DATA's payload lands
+ * at its start (the header is in the immediate), a control message's header
+ * fills its first bytes. In SRQ mode the slots are the shared queue's. */
+_Static_assert(BEX__SRQ_WR_RECV == WR_RECV, "SRQ receives are receives");
+#define NO_SLOT UINT32_MAX
 
 struct rndv_in {
     void *buf; /* NULL while the request waits for room (deferred) */
@@ -120,7 +119,7 @@ struct bex__engine {
     uint64_t credit_wait;  /* since when sends wait for a credit (0: none wait) */
 
     /* receive side */
-    struct rslot *rs;
+    struct bex__rslot *rs;
     uint32_t rq, k;
     uint32_t rbuf_len;  /* receive buffer bytes: eager_max, at least a header */
     uint32_t *unposted; /* consumed receive slots awaiting repost */
@@ -128,6 +127,13 @@ struct bex__engine {
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
     uint32_t n_starved;
+    /* SRQ mode (sh->srq): rs is NULL, unposted and starved name slots of
+     * the shared queue that the peer consumed (charged to it until
+     * reposted), rq is its share of the queue */
+    bool srq_in;       /* holds a share (granted, not yet released) */
+    uint32_t qpn;      /* its QP's number, the key of the queue's map */
+    uint32_t srq_cur;  /* the slot whose completion is being handled, until
+                          it is held (NO_SLOT otherwise) */
     uint8_t *hdr_area; /* sq headers, general pool (no remote access) */
     uint32_t hdr_lkey;
     uint32_t max_inline; /* the QP's inline bytes: smaller DATA payloads go inline */
@@ -298,7 +304,7 @@ static void recv_free(struct bex__engine *e, void *b)
     bex_mem_free(b);
 }
 
-static void slot_set_buf(struct bex__engine *e, struct rslot *r, void *buf)
+static void slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf)
 {
     r->buf = buf;
     r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
@@ -306,13 +312,47 @@ static void slot_set_buf(struct bex__engine *e, struct rslot *r, void *buf)
 }
 
 /* The slot's buffer goes up to the application (or back to the pool). */
-static void *slot_take_buf(struct bex__engine *e, struct rslot *r)
+static void *slot_take_buf(struct bex__engine *e, struct bex__rslot *r)
 {
     void *buf = r->buf;
     r->buf = NULL;
     if (buf)
         bex__recv_posted(e->sh, -(int64_t)bex_mem_usable_size(buf));
     return buf;
+}
+
+/* Receive slot idx: the engine's own, or in SRQ mode the shared queue's. */
+static struct bex__rslot *rslot_at(struct bex__engine *e, uint32_t idx)
+{
+    return e->sh->srq ? &e->sh->srq->slots[idx] : &e->rs[idx];
+}
+
+/* A consumed receive is kept for reposting (with its buffer) or starved
+ * (without): in SRQ mode the slot is the engine's charge from now on. */
+static void hold_unposted(struct bex__engine *e, uint32_t idx)
+{
+    e->unposted[e->n_unposted++] = idx;
+    if (idx == e->srq_cur)
+        e->srq_cur = NO_SLOT;
+}
+
+static void hold_starved(struct bex__engine *e, uint32_t idx)
+{
+    e->starved[e->n_starved++] = idx;
+    if (idx == e->srq_cur)
+        e->srq_cur = NO_SLOT;
+}
+
+/* SRQ mode: the engine's QP is gone; its share and the receives its peer
+ * consumed go back to the thread's pool. */
+static void srq_leave(struct bex__engine *e)
+{
+    if (!e->srq_in)
+        return;
+    e->srq_in = false;
+    struct bex__srq *q = e->sh->srq;
+    bex__srq_release(q, e->qpn, e->rq, e->unposted, e->n_unposted, e->starved, e->n_starved);
+    e->n_unposted = e->n_starved = 0;
 }
 
 /* The peer broke the protocol: say how, once (the engine fails after). */
@@ -368,9 +408,20 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         e->frag = cfg->send_window;
     e->state = E_INIT;
     e->head = e->post = e->tail = SEND_CNT_START;
+    e->srq_cur = NO_SLOT;
+    /* SRQ mode: the receives are the shared queue's, of the same size */
+    bool srq = sh->srq != NULL;
+    if (srq && sh->srq->rbuf_len != e->rbuf_len) {
+        free(e);
+        return -EINVAL;
+    }
+    if (srq && bex__srq_unshared_test) { /* tests: no per-peer accounting */
+        e->rq = sh->srq->cap;
+        e->k = e->rq / 2;
+    }
 
     e->ss = calloc(e->sq, sizeof(*e->ss));
-    e->rs = calloc(e->rq, sizeof(*e->rs));
+    e->rs = srq ? NULL : calloc(e->rq, sizeof(*e->rs));
     e->unposted = calloc(e->rq, sizeof(*e->unposted));
     e->starved = calloc(e->rq, sizeof(*e->starved));
     /* one answer per rendezvous slot, one refusal per receive (see
@@ -381,8 +432,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->rout = calloc(e->max_rndv, sizeof(*e->rout));
     e->relq = calloc(e->max_rndv, sizeof(*e->relq));
     e->rin_wait = calloc(e->max_rndv, sizeof(*e->rin_wait));
-    if (!e->ss || !e->rs || !e->unposted || !e->starved || !e->ctlq || !e->rin || !e->rout ||
-        !e->relq || !e->rin_wait)
+    if (!e->ss || (!e->rs && !srq) || !e->unposted || !e->starved || !e->ctlq || !e->rin ||
+        !e->rout || !e->relq || !e->rin_wait)
         goto err_destroy;
 
     /* One registered area for the headers of control messages (and the
@@ -417,8 +468,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
 
     for (uint32_t i = 0; i < e->sq; i++)
         e->ss[i].hdr = e->hdr_area + (size_t)i * BEX__HDR_LEN;
-    for (uint32_t i = 0; i < e->rq; i++) {
-        struct rslot *r = &e->rs[i];
+    for (uint32_t i = 0; !srq && i < e->rq; i++) {
+        struct bex__rslot *r = &e->rs[i];
         void *buf = recv_alloc(e, sh->recv_pool, e->rbuf_len);
         if (!buf) {
             err = errno ? -errno : -ENOMEM;
@@ -432,8 +483,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
 
     struct bex__rdma_qp_config qc = {
         .send_cq = sh->cq,
-        .recv_cq = sh->cq,
-        .srq = sh->srq,
+        .recv_cq = srq ? sh->srq->cq : sh->cq,
+        .srq = srq ? sh->srq->srq : NULL,
         .pd = sh->pd,
         .sq_depth = e->sq,
         .rq_depth = e->rq,
@@ -461,6 +512,17 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     err = e->nodev ? nodev_to(e, IBV_QPS_INIT) : bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
     if (err)
         goto err_destroy;
+    if (srq) {
+        /* our share of the thread's queue, posted there before the peer
+         * can learn our QPN, as below */
+        e->qpn = e->qp->qp_num;
+        if ((err = bex__srq_grant(sh->srq, e, e->qpn, e->rq)))
+            goto err_destroy;
+        e->srq_in = true;
+        e->psn = bex__rdma_random_psn();
+        *out = e;
+        return 0;
+    }
     /* Every receive is posted before the peer can learn our QPN: no SEND
      * can ever find an empty receive queue. */
     for (uint32_t i = 0; i < e->rq; i++)
@@ -542,6 +604,7 @@ void bex__engine_destroy(struct bex__engine *e)
         nodev_to(e, IBV_QPS_RESET);
     else if (e->qp)
         bex__rdma_qp_destroy(e->qp);
+    srq_leave(e);
     for (uint32_t i = 0; e->rs && i < e->rq; i++)
         recv_free(e, slot_take_buf(e, &e->rs[i]));
     for (uint32_t i = 0; e->rin && i < e->max_rndv; i++)
@@ -1157,13 +1220,19 @@ static void repost_recvs(struct bex__engine *e)
 {
     if (e->n_unposted == 0)
         return;
-    for (uint32_t i = 0; i < e->n_unposted; i++) {
-        struct rslot *r = &e->rs[e->unposted[i]];
-        r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
+    int rc;
+    if (e->sh->srq) {
+        /* onto the shared queue; the credits come back to this peer */
+        rc = bex__srq_post(e->sh->srq, e->unposted, e->n_unposted);
+    } else {
+        for (uint32_t i = 0; i < e->n_unposted; i++) {
+            struct bex__rslot *r = &e->rs[e->unposted[i]];
+            r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
+        }
+        struct ibv_recv_wr *bad;
+        rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
+        BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
     }
-    struct ibv_recv_wr *bad;
-    int rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
-    BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
     if (rc) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name,
                  bex_strerror(bex__rdma_err(rc)));
@@ -1651,12 +1720,12 @@ static void slot_refill(struct bex__engine *e, uint32_t idx)
     if (e->n_starved == 0 && recv_room(e, e->rbuf_len))
         fresh = recv_alloc(e, e->sh->recv_pool, e->rbuf_len);
     if (!fresh) {
-        e->starved[e->n_starved++] = idx;
+        hold_starved(e, idx);
         BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
         return;
     }
-    slot_set_buf(e, &e->rs[idx], fresh);
-    e->unposted[e->n_unposted++] = idx;
+    slot_set_buf(e, rslot_at(e, idx), fresh);
+    hold_unposted(e, idx);
 }
 
 static void refill_starved(struct bex__engine *e)
@@ -1667,7 +1736,7 @@ static void refill_starved(struct bex__engine *e)
         if (!fresh)
             break;
         uint32_t idx = e->starved[done++];
-        slot_set_buf(e, &e->rs[idx], fresh);
+        slot_set_buf(e, rslot_at(e, idx), fresh);
         e->unposted[e->n_unposted++] = idx;
     }
     e->n_starved -= done;
@@ -1676,11 +1745,13 @@ static void refill_starved(struct bex__engine *e)
 
 static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
 {
-    if (idx >= e->rq || !e->rs[idx].buf)
-        return -EPROTO; /* not a receive of ours, or one not posted */
-    struct rslot *r = &e->rs[idx];
+    /* not a receive of ours, or one not posted (in SRQ mode the queue
+     * checked it: a slot of its own, posted) */
+    if (e->sh->srq ? idx != e->srq_cur : (idx >= e->rq || !e->rs[idx].buf))
+        return -EPROTO;
+    struct bex__rslot *r = rslot_at(e, idx);
     if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-        e->unposted[e->n_unposted++] = idx; /* its buffer was not used */
+        hold_unposted(e, idx); /* its buffer was not used */
         uint32_t imm = ntohl(wc->imm_data);
         uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
         if (imm & BEX__IMM_DIRECT) {
@@ -1726,7 +1797,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     if (h.credits)
         e->credit_wait = 0;
     if (h.type != BEX__MSG_DATA) {
-        e->unposted[e->n_unposted++] = idx; /* its buffer was not used */
+        hold_unposted(e, idx); /* its buffer was not used */
         return handle_ctl(e, &h);
     }
     if (h.len > e->cfg.eager_max || h.len > e->cfg.max_msg)
@@ -1802,6 +1873,29 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         e->violation_logged = true;
         bex__engine_fail(e, rc);
     }
+}
+
+void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
+{
+    uint32_t idx = (uint32_t)wc->wr_id & WR_CNT_MASK;
+    struct bex__engine *e = bex__srq_arrived(q, idx, wc->qp_num);
+    if (!e)
+        return NULL; /* a QP destroyed since: the slot went back to the pool */
+    e->srq_cur = idx;
+    if (wc->status == IBV_WC_SUCCESS && e->n_unposted + e->n_starved >= e->rq) {
+        /* a SEND with no credit of ours: it took a receive that backs
+         * another peer's credit */
+        int rc = violation(e, "a SEND beyond its %u credits (shared receive queue)", e->rq);
+        bex__engine_fail(e, rc);
+    } else {
+        bex__engine_complete(e, wc);
+    }
+    /* taken by neither the engine's lists nor its release (it failed on
+     * this receive): back to the pool */
+    if (e->srq_cur == idx)
+        bex__srq_return(q, idx);
+    e->srq_cur = NO_SLOT;
+    return e->user;
 }
 
 /* ---------------- keepalive and failure ---------------- */
@@ -1906,6 +2000,7 @@ static void fail_now(struct bex__engine *e, int err)
         }
         e->qp = NULL;
     }
+    srq_leave(e); /* no receive is consumed for it any more */
     /* posted messages first, in order; then queued ones */
     for (uint32_t c = e->head; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);

@@ -22,7 +22,9 @@
  * bex/mem.h); the keepalive word is a registered region of its own. A SEND's payload buffer goes to
  * the application as it is and a fresh one takes its place; receives are reposted k = rq_depth/2 at
  * a time with one ibv_post_recv, and the credits go back to the peer with the next SEND (the
- * immediate or the header), or in an explicit CREDIT message. */
+ * immediate or the header), or in an explicit CREDIT message. In SRQ mode
+ * (sh->srq) the receives are the I/O thread's shared queue's, and the
+ * engine's peer holds a share of them as its credits (srq.h). */
 #ifndef BEX_TRANSPORT_RDMA_ENGINE_H
 #define BEX_TRANSPORT_RDMA_ENGINE_H
 
@@ -80,6 +82,8 @@ struct bex__recv_acct {
     _Atomic int64_t allocated, posted;
 };
 
+struct bex__srq;
+
 /* Per-I/O-thread resources every engine of the thread shares. */
 struct bex__engine_shared {
     struct bex__rdma_dev *dev;
@@ -87,7 +91,8 @@ struct bex__engine_shared {
     struct bex__rdma_conn_config conn;
     struct ibv_pd *pd;     /* dev->pd, or a thread domain's parent domain */
     struct ibv_cq *cq;     /* the I/O thread's CQ, for every queue */
-    struct ibv_srq *srq;   /* NULL: dedicated receive queues */
+    struct bex__srq *srq;  /* SRQ mode: the thread's shared receive queue (srq.h);
+                              NULL: a receive queue per QP */
     bex_mem_pool *pool;    /* general pool: headers, SEND buffers (local access only) */
     bex_mem_pool *landing; /* peer-writable payloads: rendezvous destinations
                               (a BEX_MEM_POOL_LANDING pool the context owns) */
@@ -175,6 +180,10 @@ void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_
 
 /* Completion of one of this engine's work requests. */
 void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);
+/* SRQ mode: a receive completion of the thread's shared queue (engine id 0
+ * in its wr_id), handed to the engine of its QP. Returns that engine's
+ * user (its connection), or NULL when the QP is gone. */
+void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc);
 /* Schedule and post what can go. Returns true if anything was posted. */
 bool bex__engine_progress(struct bex__engine *e);
 /* Timer tick: keepalive. now in ms (CLOCK_MONOTONIC). */

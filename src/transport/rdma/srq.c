@@ -1,0 +1,269 @@
+/* SRQ mode: an I/O thread's shared receive queue and its per-peer
+ * accounting. See srq.h. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "transport/rdma/engine.h"
+#include "transport/rdma/srq.h"
+
+int bex__srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
+                    struct ibv_cq *cq, struct bex__srq **out)
+{
+    struct bex__srq *q = calloc(1, sizeof(*q));
+    if (!q)
+        return -ENOMEM;
+    q->sh = sh;
+    q->cq = cq;
+    q->cap = depth;
+    q->rbuf_len = rbuf_len;
+    q->slots = calloc(depth, sizeof(*q->slots));
+    q->pool = calloc(depth, sizeof(*q->pool));
+    q->map_cap = 64;
+    q->map = calloc(q->map_cap, sizeof(*q->map));
+    int err = -ENOMEM;
+    if (!q->slots || !q->pool || !q->map)
+        goto err_free;
+    struct ibv_srq_init_attr a = {.attr = {.max_wr = depth, .max_sge = 1}};
+    errno = 0;
+    q->srq = ibv_create_srq(sh->pd, &a);
+    if (!q->srq) {
+        err = errno ? -errno : -ENOMEM;
+        goto err_free;
+    }
+    *out = q;
+    return 0;
+err_free:
+    free(q->slots);
+    free(q->pool);
+    free(q->map);
+    free(q);
+    return err;
+}
+
+void bex__srq_destroy(struct bex__srq *q)
+{
+    if (!q)
+        return;
+    if (q->srq)
+        ibv_destroy_srq(q->srq);
+    BEX__STAT_ADD(q->sh->stats, srq_posted, -(uint64_t)q->posted);
+    for (uint32_t i = 0; i < q->made; i++) {
+        void *b = q->slots[i].buf;
+        if (b) {
+            bex__recv_posted(q->sh, -(int64_t)bex_mem_usable_size(b));
+            bex_mem_free(b);
+        }
+    }
+    free(q->slots);
+    free(q->pool);
+    free(q->map);
+    free(q);
+}
+
+/* ---- QP number -> engine: linear probing, deletion by backward shift ---- */
+
+static uint32_t map_home(const struct bex__srq *q, uint32_t qpn)
+{
+    return (qpn * 0x9e3779b1u) & (q->map_cap - 1);
+}
+
+static struct bex__srq_ent *map_find(struct bex__srq *q, uint32_t qpn)
+{
+    for (uint32_t i = map_home(q, qpn);; i = (i + 1) & (q->map_cap - 1)) {
+        if (q->map[i].qpn == qpn)
+            return &q->map[i];
+        if (!q->map[i].qpn)
+            return NULL;
+    }
+}
+
+static void map_insert(struct bex__srq_ent *map, uint32_t cap, uint32_t qpn, struct bex__engine *e)
+{
+    uint32_t i = (qpn * 0x9e3779b1u) & (cap - 1);
+    while (map[i].qpn)
+        i = (i + 1) & (cap - 1);
+    map[i] = (struct bex__srq_ent){qpn, e};
+}
+
+static int map_put(struct bex__srq *q, uint32_t qpn, struct bex__engine *e)
+{
+    if ((q->peers + 1) * 2 > q->map_cap) { /* at most half full: short probes */
+        uint32_t cap = q->map_cap * 2;
+        struct bex__srq_ent *m = calloc(cap, sizeof(*m));
+        if (!m)
+            return -ENOMEM;
+        for (uint32_t i = 0; i < q->map_cap; i++)
+            if (q->map[i].qpn)
+                map_insert(m, cap, q->map[i].qpn, q->map[i].e);
+        free(q->map);
+        q->map = m;
+        q->map_cap = cap;
+    }
+    map_insert(q->map, q->map_cap, qpn, e);
+    return 0;
+}
+
+static void map_del(struct bex__srq *q, uint32_t qpn)
+{
+    struct bex__srq_ent *hit = map_find(q, qpn);
+    if (!hit)
+        return;
+    uint32_t mask = q->map_cap - 1, i = (uint32_t)(hit - q->map);
+    q->map[i].qpn = 0;
+    /* move later entries of the run back into the hole they may probe past */
+    for (uint32_t j = (i + 1) & mask; q->map[j].qpn; j = (j + 1) & mask) {
+        uint32_t h = map_home(q, q->map[j].qpn);
+        if (((j - h) & mask) >= ((j - i) & mask)) {
+            q->map[i] = q->map[j];
+            q->map[j].qpn = 0;
+            i = j;
+        }
+    }
+}
+
+/* ---- slots ---- */
+
+static int slot_fill(struct bex__srq *q, struct bex__rslot *s)
+{
+    void *b = bex_mem_alloc(q->sh->recv_pool, q->rbuf_len);
+    if (!b)
+        return -ENOMEM;
+    int64_t size = (int64_t)bex_mem_usable_size(b);
+    bex__recv_allocated(q->sh, size);
+    bex__recv_posted(q->sh, size);
+    s->buf = b;
+    s->sge = (struct ibv_sge){(uintptr_t)b, q->rbuf_len, bex_mem_mr(b)->lkey};
+    return 0;
+}
+
+static int post_chain(struct bex__srq *q, const uint32_t *idx, uint32_t n)
+{
+    if (!n)
+        return 0;
+    for (uint32_t i = 0; i < n; i++)
+        q->slots[idx[i]].wr.next = i + 1 < n ? &q->slots[idx[i + 1]].wr : NULL;
+    struct ibv_recv_wr *bad;
+    int rc = ibv_post_srq_recv(q->srq, &q->slots[idx[0]].wr, &bad);
+    BEX__STAT_ADD(q->sh->stats, post_recv_calls, 1);
+    if (rc)
+        return bex__rdma_err(rc);
+    q->posted += n;
+    BEX__STAT_ADD(q->sh->stats, srq_posted, n);
+    return 0;
+}
+
+/* Post receives until posted + held reaches want (at most: as far as the
+ * pool and memory go). Slots come from the pool, those with a buffer
+ * first, then new ones. */
+static int top_up(struct bex__srq *q, uint32_t want)
+{
+    uint32_t chain[64], n = 0;
+    int err = 0;
+    while (q->posted + q->held + n < want) {
+        uint32_t i;
+        if (q->n_pool) {
+            i = q->pool[--q->n_pool];
+        } else if (q->made < q->cap) {
+            i = q->made++;
+            struct bex__rslot *s = &q->slots[i];
+            s->wr.wr_id = BEX__SRQ_WR_ID(i);
+            s->wr.sg_list = &s->sge;
+            s->wr.num_sge = 1;
+        } else {
+            break;
+        }
+        if (!q->slots[i].buf && (err = slot_fill(q, &q->slots[i]))) {
+            q->pool[q->n_pool++] = i;
+            break;
+        }
+        chain[n++] = i;
+        if (n == sizeof chain / sizeof chain[0]) {
+            if ((err = post_chain(q, chain, n)))
+                break;
+            n = 0;
+        }
+    }
+    if (n && !err)
+        err = post_chain(q, chain, n);
+    if (err)
+        for (uint32_t k = 0; k < n; k++)
+            q->pool[q->n_pool++] = chain[k];
+    return err;
+}
+
+uint32_t bex__srq_unshared_test;
+
+int bex__srq_grant(struct bex__srq *q, struct bex__engine *e, uint32_t qpn, uint32_t share)
+{
+    if (share > q->cap - q->granted && !bex__srq_unshared_test) {
+        if (!q->full_told)
+            bex__log(q->sh->log, BEX_LOG_WARN,
+                     "shared receive queue full: %u of %u receives granted to %u peers, no share "
+                     "of %u for another (srq_depth)",
+                     q->granted, q->cap, q->peers, share);
+        q->full_told = true;
+        BEX__STAT_ADD(q->sh->stats, srq_refused, 1);
+        return -ENOSPC;
+    }
+    int err = map_put(q, qpn, e);
+    if (err)
+        return err;
+    uint32_t need = q->granted + share;
+    if (bex__srq_unshared_test && need > q->cap)
+        need = q->cap; /* oversubscribed: what the test shows goes wrong */
+    uint32_t want = need + BEX__SRQ_SPARE > q->cap ? q->cap : need + BEX__SRQ_SPARE;
+    err = top_up(q, want);
+    if (!err && q->posted + q->held < need)
+        err = -ENOMEM;
+    if (err) {
+        map_del(q, qpn);
+        return err;
+    }
+    q->granted += share;
+    q->peers++;
+    BEX__STAT_ADD(q->sh->stats, srq_credits, share);
+    return 0;
+}
+
+void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const uint32_t *a,
+                      uint32_t na, const uint32_t *b, uint32_t nb)
+{
+    map_del(q, qpn);
+    q->granted -= share;
+    q->peers--;
+    BEX__STAT_ADD(q->sh->stats, srq_credits, -(uint64_t)share);
+    q->held -= na + nb;
+    for (uint32_t i = 0; i < na; i++)
+        q->pool[q->n_pool++] = a[i];
+    for (uint32_t i = 0; i < nb; i++)
+        q->pool[q->n_pool++] = b[i];
+    q->full_told = false;
+}
+
+struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t qpn)
+{
+    q->posted--;
+    BEX__STAT_ADD(q->sh->stats, srq_posted, (uint64_t)-1);
+    struct bex__srq_ent *hit = map_find(q, qpn);
+    if (!hit) { /* its QP is gone: the receive is the pool's again */
+        q->pool[q->n_pool++] = idx;
+        return NULL;
+    }
+    q->held++;
+    return hit->e;
+}
+
+int bex__srq_post(struct bex__srq *q, const uint32_t *idx, uint32_t n)
+{
+    int err = post_chain(q, idx, n);
+    if (!err)
+        q->held -= n;
+    return err;
+}
+
+void bex__srq_return(struct bex__srq *q, uint32_t idx)
+{
+    q->held--;
+    q->pool[q->n_pool++] = idx;
+}

@@ -1,0 +1,107 @@
+/* SRQ mode (bex_ctx_config.srq_depth): one shared receive queue per I/O
+ * thread, which every QP of the thread draws on.
+ *
+ * Credits stay per peer, so that one peer cannot take the receives another
+ * peer was promised: an engine arriving on the thread is granted its share
+ * (rq_depth credits, its hello's recv_depth) from the thread's pool of
+ * srq_depth receives, and gives it back when it goes. The queue always holds
+ * at least as many posted receives as the credits its peers hold: the
+ * thread posts receives (buffers of the received pool, local access only)
+ * as shares are granted, and a receive a peer consumed is charged to that
+ * peer (held by its engine) until its engine reposts it and returns the
+ * credit, exactly as with a receive queue of its own. A peer whose held
+ * receives reach its share has no credit left; a SEND beyond it is a
+ * protocol violation and fails its engine. docs/architecture.md has the
+ * accounting.
+ *
+ * Every function is called on the owning I/O thread only. */
+#ifndef BEX_TRANSPORT_RDMA_SRQ_H
+#define BEX_TRANSPORT_RDMA_SRQ_H
+
+#include <infiniband/verbs.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+struct bex__engine;
+struct bex__engine_shared;
+
+/* One receive: a buffer of rbuf_len bytes, one SGE. */
+struct bex__rslot {
+    struct ibv_recv_wr wr;
+    struct ibv_sge sge;
+    void *buf;
+};
+
+/* wr_id of an SRQ receive: engine id 0 (no engine has it: the receive is
+ * nobody's until a QP consumes it; wc->qp_num says whose), receive bit,
+ * slot index. */
+#define BEX__SRQ_WR_RECV  (1u << 31)
+#define BEX__SRQ_WR_ID(i) ((uint64_t)(BEX__SRQ_WR_RECV | (i)))
+
+/* Posted receives beyond the credits granted, where the queue has room:
+ * a receive consumed by a QP that is destroyed in the middle of a
+ * multi-packet SEND never completes (the verbs rule is to wait for
+ * IBV_EVENT_QP_LAST_WQE_REACHED; bex destroys failed QPs at once), so
+ * the count of posted receives can be a few too high. */
+#define BEX__SRQ_SPARE 32
+
+/* bex_ctx_config.srq_depth at most (rxe: 32767 CQ entries). */
+#define BEX__SRQ_DEPTH_MAX 32768
+
+struct bex__srq_ent {
+    uint32_t qpn; /* 0: empty */
+    struct bex__engine *e;
+};
+
+struct bex__srq {
+    struct ibv_srq *srq;
+    struct ibv_cq *cq; /* receive CQ of every QP on the queue (the thread's) */
+    struct bex__engine_shared *sh;
+    uint32_t cap;      /* srq_depth: slots, and the most credits granted at once */
+    uint32_t rbuf_len; /* receive buffer bytes, the engines' */
+    uint32_t made;     /* slots [0, made) exist */
+    struct bex__rslot *slots;
+    uint32_t *pool; /* slots neither posted nor held by an engine */
+    uint32_t n_pool;
+    uint32_t posted;  /* receives posted whose completion was not polled */
+    uint32_t held;    /* consumed receives engines hold (credits not returned) */
+    uint32_t granted; /* credits granted to the engines on the queue */
+    uint32_t peers;   /* engines on the queue */
+    bool full_told;   /* a refused share was logged (again after a release) */
+    /* QP number -> engine, open addressing: a receive completion names
+     * the QP, not the engine */
+    struct bex__srq_ent *map;
+    uint32_t map_cap;
+};
+
+/* Tests only: when non-zero, SRQ mode without per-peer accounting, the
+ * design the shares exist to avoid: every peer is granted the whole queue
+ * (its hello's recv_depth is srq_depth) and no share is refused
+ * (tests/srq/test_srq.c, starve_unshared). */
+extern uint32_t bex__srq_unshared_test;
+
+/* The queue of an I/O thread (sh its shared resources: PD, pools, log),
+ * depth receives at most, completions on cq. Nothing is posted until a
+ * share is granted. */
+int bex__srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
+                    struct ibv_cq *cq, struct bex__srq **out);
+/* After every QP on it is gone. */
+void bex__srq_destroy(struct bex__srq *q);
+/* Grant engine e (QP qpn) a share of credits: enough receives are posted
+ * first. -ENOSPC when the pool has fewer than share left, -ENOMEM. */
+int bex__srq_grant(struct bex__srq *q, struct bex__engine *e, uint32_t qpn, uint32_t share);
+/* The engine of QP qpn left (its QP is destroyed): its share goes back to
+ * the pool, and with it the receives it held (slots a[0..na) and b[0..nb):
+ * the unposted with their buffers, the starved without). */
+void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const uint32_t *a,
+                      uint32_t na, const uint32_t *b, uint32_t nb);
+/* A receive of slot idx completed on QP qpn: its engine, which now holds
+ * it (NULL: the QP is gone, and the slot went back to the pool). */
+struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t qpn);
+/* Post receives an engine held (its credits go back to its peer): 0 or a
+ * negative errno (nothing posted). */
+int bex__srq_post(struct bex__srq *q, const uint32_t *idx, uint32_t n);
+/* A held receive goes back to the pool unposted (its engine failed on it). */
+void bex__srq_return(struct bex__srq *q, uint32_t idx);
+
+#endif
