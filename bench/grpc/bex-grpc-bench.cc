@@ -4,10 +4,14 @@
  *   server: bex-grpc-bench -s --local ADDR [-p PORT]
  *   client: bex-grpc-bench -c SERVER --local ADDR [-p PORT]
  *                          [--size B] [--outstanding K] [--iters N] [--warmup W] [--json]
+ *                          [--stdin]
  *   matrix: bex-grpc-bench --matrix [--iters N] [--warmup W] [--json]
  *           forks a server on BEX_TEST_ADDR0 (default 127.0.0.1) and runs
  *           the client on BEX_TEST_ADDR1 (127.0.0.2) for 64 B, 4 KiB and
  *           64 KiB bodies with 1 and 64 calls outstanding.
+ *   --stdin: one cell per line of standard input, "SIZE OUTSTANDING ITERS
+ *           WARMUP", each with a connection of its own, until end of file
+ *           (as bex-rpc-bench's --stdin, for bench/rpc/compare).
  *   (--transport tcp is accepted, so that a runner can pass both benches
  *   the same options; gRPC has no other transport here.)
  *
@@ -70,7 +74,7 @@ constexpr auto call_deadline = std::chrono::seconds(10);
 constexpr int server_posted = 128;
 
 struct Opts {
-    bool server = false, matrix = false, json = false;
+    bool server = false, matrix = false, json = false, from_stdin = false;
     const char *client = nullptr;
     struct in_addr local = {};
     bool have_local = false;
@@ -388,7 +392,8 @@ int run_matrix(Opts &o)
 {
     fprintf(stderr, "usage: bex-grpc-bench -s --local ADDR [-p PORT]\n"
                     "       bex-grpc-bench -c SERVER --local ADDR [-p PORT] [--size B]\n"
-                    "                      [--outstanding K] [--iters N] [--warmup W] [--json]\n"
+                    "                      [--outstanding K] [--iters N] [--warmup W] [--json]"
+                    " [--stdin]\n"
                     "       bex-grpc-bench --matrix [--iters N] [--warmup W] [--json]\n");
     exit(2);
 }
@@ -409,6 +414,7 @@ int main(int argc, char **argv)
                                        {"warmup", required_argument, nullptr, 'w'},
                                        {"json", no_argument, nullptr, 'j'},
                                        {"matrix", no_argument, nullptr, 'm'},
+                                       {"stdin", no_argument, nullptr, 'I'},
                                        {nullptr, 0, nullptr, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "sc:l:p:", lo, nullptr)) != -1) {
@@ -449,6 +455,9 @@ int main(int argc, char **argv)
         case 'm':
             o.matrix = true;
             break;
+        case 'I':
+            o.from_stdin = true;
+            break;
         default:
             usage();
         }
@@ -466,5 +475,23 @@ int main(int argc, char **argv)
     srv.sin_port = htons(o.port);
     if (inet_pton(AF_INET, o.client, &srv.sin_addr) != 1)
         usage();
-    return run_client(o, srv);
+    if (!o.from_stdin)
+        return run_client(o, srv);
+    /* one cell per line; a malformed line ends the run with status 2 */
+    int rc = 0;
+    char line[256];
+    while (fgets(line, sizeof line, stdin)) {
+        unsigned long long sz, k, n, w;
+        if (sscanf(line, "%llu %llu %llu %llu", &sz, &k, &n, &w) != 4 || k < 1 || n < 1 ||
+            k > UINT32_MAX) {
+            fprintf(stderr, "bex-grpc-bench: --stdin: bad line: %s", line);
+            return 2;
+        }
+        o.size = (size_t)sz;
+        o.outstanding = (uint32_t)k;
+        o.iters = n;
+        o.warmup = w;
+        rc |= run_client(o, srv);
+    }
+    return rc;
 }
