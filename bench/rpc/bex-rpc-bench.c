@@ -1,14 +1,24 @@
-/* bex-rpc-bench: echo RPC latency and rate over bex RPC (issue 9 item 10,
- * the bex side; the gRPC comparison is to come).
+/* bex-rpc-bench: echo RPC latency and rate over bex RPC (issue 9 item 10;
+ * bench/rpc/compare runs it against gRPC C++, bench/grpc).
  *
  *   server: bex-rpc-bench -s --local ADDR [-p PORT] [--transport auto|rdma|tcp]
  *   client: bex-rpc-bench -c SERVER --local ADDR [-p PORT] [--transport ...]
  *                         [--size B] [--outstanding K] [--iters N] [--warmup W] [--json]
+ *                         [--stdin]
  *   matrix: bex-rpc-bench --matrix [--transport ...] [--iters N] [--json]
- *   (all: [--keepalive-timeout MS], the contexts' keepalive timeout)
  *           forks a server on BEX_TEST_ADDR0 (default 127.0.0.1) and runs
  *           the client on BEX_TEST_ADDR1 (127.0.0.2) for 64 B, 4 KiB and
  *           64 KiB bodies with 1 and 64 calls outstanding.
+ *   (all: [--keepalive-timeout MS], the contexts' keepalive timeout;
+ *   [--eager B], their eager_max: over RDMA, bodies up to B bytes (plus
+ *   the RPC header) go by SEND, larger ones by rendezvous; [--poll
+ *   spin-sleep|busy|event], their I/O threads' poll_mode.)
+ *
+ * --stdin: the client runs one cell per line of its standard input, "SIZE
+ * OUTSTANDING ITERS WARMUP", each as a run of its own (a new channel, so a
+ * new connection) in the same context, until end of file: a runner can
+ * alternate stacks cell by cell without starting a process per cell (in
+ * the emulated VM a start costs seconds).
  *
  * The client keeps K calls outstanding: each completion sends the next call
  * from the completion itself, with the response body as the next request
@@ -39,7 +49,7 @@
 #define DEFAULT_PORT 18520
 
 struct opts {
-    bool server, matrix, json;
+    bool server, matrix, json, from_stdin;
     const char *client;
     struct in_addr local;
     bool have_local;
@@ -49,6 +59,8 @@ struct opts {
     uint32_t outstanding;
     uint64_t iters, warmup;
     uint32_t ka_timeout_ms; /* 0: the library's */
+    uint32_t eager_max;     /* 0: the library's */
+    uint32_t poll_mode;     /* BEX_POLL_* (0: spin-sleep, the library's) */
 };
 
 static uint64_t now_ns(void)
@@ -89,7 +101,9 @@ static int run_server(const struct opts *o, int ready_fd, int quit_fd)
 {
     bex_ctx_config c = {.local_addr = o->local,
                         .transport = o->transport,
-                        .keepalive_timeout_ms = o->ka_timeout_ms};
+                        .keepalive_timeout_ms = o->ka_timeout_ms,
+                        .eager_max = o->eager_max,
+                        .poll_mode = o->poll_mode};
     bex_ctx *ctx;
     int err = bex_ctx_create(&c, &ctx);
     if (err)
@@ -298,8 +312,11 @@ static int run_matrix(struct opts *o)
     if (read(up[0], &port, sizeof port) != sizeof port)
         die("server did not start", -EIO);
     struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
-    bex_ctx_config c = {
-        .local_addr = a1, .transport = o->transport, .keepalive_timeout_ms = o->ka_timeout_ms};
+    bex_ctx_config c = {.local_addr = a1,
+                        .transport = o->transport,
+                        .keepalive_timeout_ms = o->ka_timeout_ms,
+                        .eager_max = o->eager_max,
+                        .poll_mode = o->poll_mode};
     bex_ctx *ctx;
     int err = bex_ctx_create(&c, &ctx);
     if (err)
@@ -327,7 +344,7 @@ static void usage(void)
     fprintf(stderr, "usage: bex-rpc-bench -s --local ADDR [-p PORT] [--transport auto|rdma|tcp]\n"
                     "       bex-rpc-bench -c SERVER --local ADDR [-p PORT] [--transport T]\n"
                     "                     [--size B] [--outstanding K] [--iters N] [--warmup W]"
-                    " [--json]\n"
+                    " [--json] [--stdin]\n"
                     "       bex-rpc-bench --matrix [--transport T] [--iters N] [--json]\n");
     exit(2);
 }
@@ -348,6 +365,9 @@ int main(int argc, char **argv)
                                        {"json", no_argument, NULL, 'j'},
                                        {"matrix", no_argument, NULL, 'm'},
                                        {"keepalive-timeout", required_argument, NULL, 'k'},
+                                       {"eager", required_argument, NULL, 'e'},
+                                       {"poll", required_argument, NULL, 'P'},
+                                       {"stdin", no_argument, NULL, 'I'},
                                        {NULL, 0, NULL, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "sc:l:p:", lo, NULL)) != -1) {
@@ -397,6 +417,22 @@ int main(int argc, char **argv)
         case 'k':
             o.ka_timeout_ms = (uint32_t)atoi(optarg);
             break;
+        case 'e':
+            o.eager_max = (uint32_t)strtoul(optarg, NULL, 0);
+            break;
+        case 'I':
+            o.from_stdin = true;
+            break;
+        case 'P':
+            if (!strcmp(optarg, "spin-sleep"))
+                o.poll_mode = BEX_POLL_SPIN_SLEEP;
+            else if (!strcmp(optarg, "busy"))
+                o.poll_mode = BEX_POLL_BUSY;
+            else if (!strcmp(optarg, "event"))
+                o.poll_mode = BEX_POLL_EVENT;
+            else
+                usage();
+            break;
         default:
             usage();
         }
@@ -412,13 +448,36 @@ int main(int argc, char **argv)
     struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = htons(o.port)};
     if (inet_pton(AF_INET, o.client, &srv.sin_addr) != 1)
         usage();
-    bex_ctx_config c = {
-        .local_addr = o.local, .transport = o.transport, .keepalive_timeout_ms = o.ka_timeout_ms};
+    bex_ctx_config c = {.local_addr = o.local,
+                        .transport = o.transport,
+                        .keepalive_timeout_ms = o.ka_timeout_ms,
+                        .eager_max = o.eager_max,
+                        .poll_mode = o.poll_mode};
     bex_ctx *ctx;
     int err = bex_ctx_create(&c, &ctx);
     if (err)
         die("bex_ctx_create", err);
-    int rc = run_client(&o, srv, ctx);
+    int rc = 0;
+    if (!o.from_stdin) {
+        rc = run_client(&o, srv, ctx);
+    } else {
+        /* one cell per line; a malformed line ends the run with status 2 */
+        char line[256];
+        while (fgets(line, sizeof line, stdin)) {
+            unsigned long long sz, k, n, w;
+            if (sscanf(line, "%llu %llu %llu %llu", &sz, &k, &n, &w) != 4 || k < 1 || n < 1 ||
+                k > UINT32_MAX) {
+                fprintf(stderr, "bex-rpc-bench: --stdin: bad line: %s", line);
+                rc = 2;
+                break;
+            }
+            o.size = (size_t)sz;
+            o.outstanding = (uint32_t)k;
+            o.iters = n;
+            o.warmup = w;
+            rc |= run_client(&o, srv, ctx);
+        }
+    }
     bex_ctx_destroy(ctx);
     return rc;
 }
