@@ -7,6 +7,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1630,7 +1631,7 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     for (size_t i = 0; i < ne; i++) {
         char ip[INET_ADDRSTRLEN], loc[160];
         inet_ntop(AF_INET, &es[i].addr.sin_addr, ip, sizeof ip);
-        escape_label(es[i].locality, loc, sizeof loc);
+        bex__prom_escape(es[i].locality, loc, sizeof loc);
         OUT("bex_rpc_endpoint_ladder_step{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} "
             "%u\n",
             name, ip, ntohs(es[i].addr.sin_port), loc, es[i].ladder);
