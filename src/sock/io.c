@@ -196,8 +196,21 @@ static bool drain_cmds(struct bex__io *io)
     return true;
 }
 
-static void handle_events(struct bex__io *io, struct epoll_event *ev, int n)
+static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc);
+
+static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, struct ibv_wc *wc)
 {
+    /* A connection's TCP event (its peer closed it) may come with the
+     * completions that explain it still in a CQ (the peer's NIC refused our
+     * write, then the peer closed): take those first, so that the
+     * connection fails for that cause and not for the reset. */
+    for (int i = 0; i < n; i++) {
+        if (((struct ep_tag *)ev[i].data.ptr)->kind == EV_CONN) {
+            for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
+                ;
+            break;
+        }
+    }
     for (int i = 0; i < n; i++) {
         struct ep_tag *t = ev[i].data.ptr;
         switch (t->kind) {
@@ -355,7 +368,7 @@ void *bex__io_main(void *arg)
             spun_out = false;
             if (++spins % 64 == 0) {
                 int m = bex__loop_wait(&io->loop, ev, 16, 0);
-                handle_events(io, ev, m);
+                handle_events(io, ev, m, wc);
             }
             continue;
         }
@@ -373,7 +386,7 @@ void *bex__io_main(void *arg)
         if (!spun_out) {
             if (++spins % 64 == 0) {
                 int m = bex__loop_wait(&io->loop, ev, 16, 0);
-                handle_events(io, ev, m);
+                handle_events(io, ev, m, wc);
             }
             continue;
         }
@@ -398,7 +411,7 @@ void *bex__io_main(void *arg)
         int m = bex__loop_wait(&io->loop, ev, 16, timeout);
         bex__loop_sleep_end(&io->loop);
         if (m > 0)
-            handle_events(io, ev, m);
+            handle_events(io, ev, m, wc);
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;
