@@ -29,6 +29,7 @@ enum {
     O_ATTEMPT_TIMEOUT,
     O_CONNECT_TIMEOUT,
     O_KEEPALIVE_TIMEOUT,
+    O_SEND_WINDOW,
     O_SEED,
     O_PROGRESS,
     O_VERBOSE,
@@ -53,6 +54,7 @@ static const struct option common_opts[] = {
     {"attempt-timeout-ms", required_argument, 0, O_ATTEMPT_TIMEOUT},
     {"connect-timeout-ms", required_argument, 0, O_CONNECT_TIMEOUT},
     {"keepalive-timeout-ms", required_argument, 0, O_KEEPALIVE_TIMEOUT},
+    {"send-window", required_argument, 0, O_SEND_WINDOW},
     {"seed", required_argument, 0, O_SEED},
     {"progress", no_argument, 0, O_PROGRESS},
     {"verbose", no_argument, 0, O_VERBOSE},
@@ -66,6 +68,7 @@ static uint32_t attempt_timeout_ms;
  * emulated VM) can take more than a second to come up. */
 static uint32_t connect_timeout_ms = 3000;
 static uint32_t keepalive_timeout_ms; /* the context's (0: its default) */
+static uint32_t send_window;          /* the context's (0: none) */
 
 static void usage(const char *prog, const char *extra)
 {
@@ -74,8 +77,8 @@ static void usage(const char *prog, const char *extra)
         "usage: %s --cluster FILE [--service NAME] [--addr A.B.C.D] [--transport auto|rdma|tcp]\n"
         "       [--locality L] [--duration S] [--outstanding N] [--zipf S] [--keys N]\n"
         "       [--table ID] [--dim D] [--timeout-ms MS] [--attempt-timeout-ms MS]\n"
-        "       [--connect-timeout-ms MS] [--keepalive-timeout-ms MS] [--seed N] [--json FILE] "
-        "[--samples FILE]\n"
+        "       [--connect-timeout-ms MS] [--keepalive-timeout-ms MS] [--send-window B]\n"
+        "       [--seed N] [--json FILE] [--samples FILE]\n"
         "       [--progress] [--verbose]\n%s",
         prog, extra ? extra : "");
     exit(2);
@@ -175,6 +178,9 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
             break;
         case O_KEEPALIVE_TIMEOUT:
             keepalive_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
+            break;
+        case O_SEND_WINDOW:
+            send_window = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
             break;
         case O_SEED:
             o->seed = (uint64_t)num(prog, usage_extra, optarg, 0, 1e15);
@@ -324,6 +330,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
         goto err_msg;
     bex_ctx_config cc = {.transport = o->transport,
                          .keepalive_timeout_ms = keepalive_timeout_ms,
+                         .send_window = send_window,
                          .log_level = o->verbose ? BEX_LOG_INFO : BEX_LOG_WARN};
     if (inet_pton(AF_INET, o->addr, &cc.local_addr) != 1) {
         fprintf(stderr, "%s: --addr %s: not an IPv4 address\n", prog, o->addr);
