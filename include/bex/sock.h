@@ -383,6 +383,8 @@ typedef struct bex_sock_stats {
                                     granted to the peers now (their shares) */
     uint64_t srq_posted;         /* SRQ mode: receives posted on them now */
     uint64_t srq_refused;        /* SRQ mode: peers refused a share (queue full) */
+    uint64_t rndv_prebound;      /* window mode: rendezvous answered with a destination
+                                    whose window was bound ahead (no bind to wait for) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

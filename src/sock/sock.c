@@ -550,6 +550,7 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(srq_credits);
         LD(srq_posted);
         LD(srq_refused);
+        LD(rndv_prebound);
 #undef LD
     }
 }

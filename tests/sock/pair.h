@@ -431,6 +431,10 @@ static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
         uint32_t rq = c.rq_depth ? c.rq_depth : 64;
         c.srq_depth = rq * 4 > 1024 ? rq * 4 : 1024;
     }
+    /* BEX_TEST_WINDOWS=1: window mode (a memory window per destination) */
+    const char *win = getenv("BEX_TEST_WINDOWS");
+    if (win && atoi(win) && !c.remote_access && !pair_tcp())
+        c.remote_access = BEX_REMOTE_ACCESS_WINDOW;
     if (!c.keepalive_timeout_ms)
         c.keepalive_timeout_ms = 2000;
     c.keepalive_timeout_ms *= time_scale();

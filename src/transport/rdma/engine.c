@@ -15,6 +15,7 @@
 
 #define CTLQ_EXTRA 8
 #define KA_PAGE    4096
+#define SPARE_MAX  4 /* window mode: destinations bound ahead, per engine */
 
 /* wr_id low 32 bits: bit 31 receive, the rest a counter/index */
 #define WR_RECV     (1u << 31)
@@ -152,6 +153,16 @@ struct bex__engine {
      * it fails, before its QP goes (see release_windows) */
     struct ibv_mw **xw;
     uint32_t xw_n, xw_cap;
+    /* destinations bound ahead, while the send queue was idle, for the
+     * next rendezvous requests of spare_want bytes (see spare_fill) */
+    struct spare {
+        void *buf;
+        struct ibv_mw *mw;
+        uint32_t key, len;
+    } spare[SPARE_MAX];
+    uint32_t spare_n;
+    uint32_t spare_want;   /* the last rendezvous length asked of us */
+    uint64_t spare_bytes;  /* their buffers' lengths, summed */
 
     /* rendezvous */
     uint32_t max_rndv;       /* our table sizes */
@@ -541,6 +552,8 @@ err_destroy:
     return err;
 }
 
+static void spare_drop(struct bex__engine *e);
+
 /* Forget queued window operations, deallocating the windows handed over
  * for retirement. */
 static void drop_wops(struct bex__engine *e)
@@ -572,6 +585,7 @@ static void release_windows(struct bex__engine *e)
     }
     if (e->wq)
         drop_wops(e);
+    spare_drop(e);
     for (uint32_t i = 0; i < e->xw_n; i++)
         ibv_dealloc_mw(e->xw[i]);
     e->xw_n = 0;
@@ -1373,6 +1387,105 @@ static void rin_unbind(struct bex__engine *e, struct rndv_in *in)
     in->bound = false;
 }
 
+/* Window mode binds a destination's window before the answer naming it
+ * may go, and binds go out alone (wops_hold): on a busy queue the answer
+ * waits for the peer's ACK of everything posted before, then for the
+ * bind's completion, per rendezvous. So, while the send queue is idle
+ * anyway, the engine binds up to SPARE_MAX destinations ahead, of the
+ * length the peer last asked for, and a request of that length takes one
+ * and is answered at once.
+ *
+ * What a spare exposes: its window is bound on this QP only (type 2), to
+ * its buffer only, with a key the peer has not been told; the peer it
+ * would go to is the only one that could write it, and a guessed key that
+ * is wrong kills the connection (remote access error). Its memory counts
+ * against the context's receive budget (recv_room) and, with the
+ * destinations granted, against rndv_bytes_max; spares of another length
+ * are dropped once no window operation is pending, and all of them when a
+ * request must wait for room. */
+static void spare_free(struct bex__engine *e, struct spare *sp)
+{
+    ibv_dealloc_mw(sp->mw); /* no invalidation: safe whatever its state */
+    recv_free(e, sp->buf);
+    e->spare_bytes -= sp->len;
+    *sp = (struct spare){0};
+}
+
+/* All of them; with window operations queued or in flight only at
+ * teardown (a queued bind names its window). */
+static void spare_drop(struct bex__engine *e)
+{
+    while (e->spare_n)
+        spare_free(e, &e->spare[--e->spare_n]);
+}
+
+static bool spare_has(struct bex__engine *e, uint32_t len)
+{
+    for (uint32_t i = 0; i < e->spare_n; i++)
+        if (e->spare[i].len == len)
+            return true;
+    return false;
+}
+
+/* A spare of len bytes, or false. */
+static bool spare_take(struct bex__engine *e, uint32_t len, struct spare *out)
+{
+    for (uint32_t i = 0; i < e->spare_n; i++) {
+        if (e->spare[i].len == len) {
+            *out = e->spare[i];
+            e->spare[i] = e->spare[--e->spare_n];
+            e->spare[e->spare_n] = (struct spare){0};
+            e->spare_bytes -= len;
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Bind spares when nothing else is queued, prepared or in flight: the
+ * binds then run at once, alone, and hold nothing up. True if any was
+ * queued. */
+static bool spare_fill(struct bex__engine *e)
+{
+    uint32_t len = e->spare_want;
+    if (!e->sh->windows || !len || e->head != e->tail || e->wq_n || e->wop_busy || e->ctl_n ||
+        e->rel_n || e->wait_n)
+        return false;
+    for (uint32_t i = 0; i < e->spare_n;) {
+        if (e->spare[i].len != len) {
+            struct spare sp = e->spare[i];
+            e->spare[i] = e->spare[--e->spare_n];
+            e->spare[e->spare_n] = sp;
+            spare_free(e, &e->spare[e->spare_n]);
+        } else {
+            i++;
+        }
+    }
+    bool any = false;
+    uint32_t max = e->max_rndv < SPARE_MAX ? e->max_rndv : SPARE_MAX;
+    while (e->spare_n < max && e->rin_bytes + e->spare_bytes + len <= e->cfg.rndv_bytes_max &&
+           recv_room(e, len)) {
+        void *buf = recv_alloc(e, rndv_pool(e->sh), len);
+        if (!buf)
+            break;
+        struct ibv_mw *mw = ibv_alloc_mw(e->sh->pd, IBV_MW_TYPE_2);
+        if (!mw) {
+            recv_free(e, buf);
+            break;
+        }
+        struct wop w = {.mw = mw, .addr = buf, .rkey = ibv_inc_rkey(mw->rkey), .len = len};
+        if (wop_push(e, &w)) {
+            ibv_dealloc_mw(mw);
+            recv_free(e, buf);
+            break;
+        }
+        e->spare[e->spare_n++] = (struct spare){.buf = buf, .mw = mw, .key = w.rkey, .len = len};
+        e->spare_bytes += len;
+        any = true;
+    }
+    return any;
+}
+
 /* Window operations go out alone, on an idle send queue, and nothing
  * follows them until they complete: true while that holds the queue.
  *
@@ -1477,6 +1590,8 @@ bool bex__engine_progress(struct bex__engine *e)
         BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
     }
     post_pending(e);
+    if (spare_fill(e))
+        wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
 }
 
@@ -1518,7 +1633,7 @@ static bool rndv_fits(struct bex__engine *e, uint32_t len)
 {
     if (e->rin_bytes && e->rin_bytes + len > e->cfg.rndv_bytes_max)
         return false;
-    return recv_room(e, len);
+    return spare_has(e, len) || recv_room(e, len); /* a spare is allocated already */
 }
 
 /* Allocate the destination of request slot i and queue the answer. */
@@ -1528,6 +1643,21 @@ static int rndv_answer(struct bex__engine *e, uint32_t i)
 {
     struct rndv_in *in = &e->rin[i];
     struct bex__hdr r = {.type = BEX__MSG_RNDV_RESP, .id = in->req_id};
+    struct spare sp;
+    if (e->sh->windows && spare_take(e, in->len, &sp)) {
+        /* bound ahead: the answer need not wait for a bind */
+        rin_unbind(e, in); /* none left from its last transfer, normally */
+        in->buf = sp.buf;
+        in->mw = sp.mw; /* the slot's own window was deallocated on delivery */
+        in->key = sp.key;
+        in->bound = true;
+        e->rin_bytes += in->len;
+        r.addr = (uintptr_t)sp.buf;
+        r.rkey = sp.key;
+        r.stream = ((uint32_t)in->gen << 16) | i;
+        BEX__STAT_ADD(e->sh->stats, rndv_prebound, 1);
+        return queue_ctl(e, &r);
+    }
     void *buf = recv_alloc(e, rndv_pool(e->sh), in->len);
     if (!buf) {
         r.status = -ENOMEM; /* the sender hands this message back, and goes on */
@@ -1593,6 +1723,12 @@ static int rndv_request(struct bex__engine *e, const struct bex__hdr *h)
     in->stream = h->stream;
     in->req_id = h->id;
     e->rin_used++;
+    e->spare_want = h->len;
+    /* spares of another length, or all when this must wait for room, give
+     * their memory back (not while a bind that names one is pending) */
+    if (e->spare_n && !e->wq_n && !e->wop_busy &&
+        (e->wait_n || !rndv_fits(e, h->len) || !spare_has(e, h->len)))
+        spare_drop(e);
     /* in order: a request never overtakes one deferred before it */
     if (e->wait_n || !rndv_fits(e, h->len)) {
         e->rin_wait[(e->wait_head + e->wait_n) % e->max_rndv] = i;
