@@ -1448,9 +1448,9 @@ static bool spare_take(struct bex__engine *e, uint32_t len, struct spare *out)
 static bool spare_fill(struct bex__engine *e)
 {
     uint32_t len = e->spare_want;
-    if (!e->sh->windows || !len || e->head != e->tail || e->wq_n || e->wop_busy || e->ctl_n ||
-        e->rel_n || e->wait_n)
-        return false;
+    if (e->state != E_UP || !e->sh->windows || !len || e->head != e->tail || e->wq_n ||
+        e->wop_busy || e->ctl_n || e->rel_n || e->wait_n)
+        return false; /* (a failed post in progress() leaves no QP) */
     for (uint32_t i = 0; i < e->spare_n;) {
         if (e->spare[i].len != len) {
             struct spare sp = e->spare[i];
