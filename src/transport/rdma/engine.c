@@ -13,9 +13,10 @@
 #include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
 
-#define CTLQ_EXTRA 8
-#define KA_PAGE    4096
-#define SPARE_MAX  4 /* window mode: destinations bound ahead, per engine */
+#define CTLQ_EXTRA  8
+#define KA_PAGE     4096
+#define SPARE_MAX   4          /* window mode: destinations bound ahead, per engine */
+#define SPARE_BYTES (8u << 20) /* ... and their bytes at most */
 
 /* wr_id low 32 bits: bit 31 receive, the rest a counter/index */
 #define WR_RECV     (1u << 31)
@@ -161,8 +162,8 @@ struct bex__engine {
         uint32_t key, len;
     } spare[SPARE_MAX];
     uint32_t spare_n;
-    uint32_t spare_want;   /* the last rendezvous length asked of us */
-    uint64_t spare_bytes;  /* their buffers' lengths, summed */
+    uint32_t spare_want;  /* the last rendezvous length asked of us */
+    uint64_t spare_bytes; /* their buffers' lengths, summed */
 
     /* rendezvous */
     uint32_t max_rndv;       /* our table sizes */
@@ -1393,7 +1394,8 @@ static void rin_unbind(struct bex__engine *e, struct rndv_in *in)
  * bind's completion, per rendezvous. So, while the send queue is idle
  * anyway, the engine binds up to SPARE_MAX destinations ahead, of the
  * length the peer last asked for, and a request of that length takes one
- * and is answered at once.
+ * and is answered at once (up to SPARE_BYTES in all: larger messages
+ * take long enough to write that one bind more is little).
  *
  * What a spare exposes: its window is bound on this QP only (type 2), to
  * its buffer only, with a key the peer has not been told; the peer it
@@ -1463,8 +1465,8 @@ static bool spare_fill(struct bex__engine *e)
     }
     bool any = false;
     uint32_t max = e->max_rndv < SPARE_MAX ? e->max_rndv : SPARE_MAX;
-    while (e->spare_n < max && e->rin_bytes + e->spare_bytes + len <= e->cfg.rndv_bytes_max &&
-           recv_room(e, len)) {
+    while (e->spare_n < max && e->spare_bytes + len <= SPARE_BYTES &&
+           e->rin_bytes + e->spare_bytes + len <= e->cfg.rndv_bytes_max && recv_room(e, len)) {
         void *buf = recv_alloc(e, rndv_pool(e->sh), len);
         if (!buf)
             break;
