@@ -50,10 +50,10 @@
 /* The server's answers and the client's commands: one tag byte, then a
  * struct reply. */
 struct reply {
-    uint8_t tag;          /* 'T' ticket, 'A' delivered, 'C' handed back */
-    uint8_t never_bound;  /* 'C': the window was never bound (see above) */
-    uint16_t xb;          /* the exposure */
-    bex_remote_buf rb;    /* 'T' */
+    uint8_t tag;         /* 'T' ticket, 'A' delivered, 'C' handed back */
+    uint8_t never_bound; /* 'C': the window was never bound (see above) */
+    uint16_t xb;         /* the exposure */
+    bex_remote_buf rb;   /* 'T' */
 };
 
 struct xb {
@@ -198,10 +198,8 @@ static void srv_close(bex_sock *s, void *user)
         g_srv.notify = NULL;
 }
 
-static const bex_sock_ops srv_ops = {.on_recv = srv_recv,
-                                     .on_send_done = srv_done,
-                                     .on_error = srv_error,
-                                     .on_close = srv_close};
+static const bex_sock_ops srv_ops = {
+    .on_recv = srv_recv, .on_send_done = srv_done, .on_error = srv_error, .on_close = srv_close};
 
 static void srv_accept(bex_listener *l, bex_sock *s, void *user)
 {
@@ -538,16 +536,15 @@ static int released(void)
 static int dead_engine(void)
 {
     /* the dying engine's socket, then m when the client closes it */
-    return run(dead_engine_client,
-               &(struct expect){.delivered = 1, .handed_back = 1, .errors = 2});
+    return run(dead_engine_client, &(struct expect){.delivered = 1, .handed_back = 1, .errors = 2});
 }
 
 static int never_bound(void)
 {
     /* each try's socket ends by the peer's close (on_error) */
-    return run(never_bound_client,
-               &(struct expect){.delivered = 1, .handed_back = -1, .errors = -1, .never_bound = true});
+    return run(
+        never_bound_client,
+        &(struct expect){.delivered = 1, .handed_back = -1, .errors = -1, .never_bound = true});
 }
 
-BEX_TEST_MAIN(BEX_CASE(delivered), BEX_CASE(released), BEX_CASE(dead_engine),
-              BEX_CASE(never_bound))
+BEX_TEST_MAIN(BEX_CASE(delivered), BEX_CASE(released), BEX_CASE(dead_engine), BEX_CASE(never_bound))
