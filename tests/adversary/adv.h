@@ -128,6 +128,7 @@ char adv_get_cmd(int rd, int timeout_ms);
 struct adv_server_opts {
     const char *secret;     /* cluster secret, or NULL */
     uint32_t remote_access; /* BEX_REMOTE_ACCESS_* (0: the device's default) */
+    uint32_t srq_depth;     /* SRQ mode with this shared queue depth (0: off) */
 };
 int adv_server_main(int rd, int wr, void *arg);
 
@@ -166,6 +167,7 @@ int adv_attack_rndv_huge(struct adv_attack_ctx *a);
 int adv_attack_rndv_endless(struct adv_attack_ctx *a);
 int adv_attack_streams(struct adv_attack_ctx *a);
 int adv_attack_no_credits(struct adv_attack_ctx *a);
+int adv_attack_srq_overcredit(struct adv_attack_ctx *a);
 int adv_attack_recv_depth_1(struct adv_attack_ctx *a);
 int adv_attack_rkey_forged(struct adv_attack_ctx *a);
 int adv_attack_rkey_stale(struct adv_attack_ctx *a);

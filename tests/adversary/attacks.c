@@ -661,6 +661,46 @@ int adv_attack_no_credits(struct adv_attack_ctx *a)
     return 0;
 }
 
+/* SRQ mode (the srq group): SENDs far past the credits the server granted,
+ * while holding our receives so that the server can return only a few
+ * credits (in at most recv_depth messages). On a shared receive queue each
+ * of them takes a receive that may back another peer's credit: the server
+ * must refuse the connection, and the good clients on the same queue go
+ * on. The SENDs are CREDIT headers: they take a receive and ask for
+ * nothing. */
+int adv_attack_srq_overcredit(struct adv_attack_ctx *a)
+{
+    struct adv_peer p;
+    struct adv_peer_opts o = {.recv_depth = 8, .hold_credits = true};
+    if (peer_up(a, &p, &o)) {
+        adv_peer_destroy(&p);
+        adv_say(a->wr, "done");
+        return 0;
+    }
+    uint32_t granted = p.credits; /* the server's share for us */
+    adv_say(a->wr, "underway");
+    uint64_t t0 = adv_now_ms(), end = t0 + 20000 * adv_scale();
+    /* past the granted credits and every credit the server can return in
+     * recv_depth messages (each returns at most what it consumed by then,
+     * and it consumes at most 64 per poll before it can send one) */
+    uint32_t want = granted + (o.recv_depth + 2) * 64 + 512, n = 0;
+    while (n < want && !p.closed && !p.qp_err && adv_now_ms() < end) {
+        if (p.sq_out >= PEER_SEND_MAX - 2) {
+            adv_peer_poll(&p, 0);
+            continue;
+        }
+        struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+        if (adv_peer_send_nocredit(&p, &h, 0) == 0)
+            n++;
+    }
+    adv_say(a->wr, "note %u SENDs posted against %u credits granted, %u credit updates taken", n,
+            granted, p.credit_recv);
+    peer_wait(a, &p, t0, 15000 * adv_scale());
+    adv_peer_destroy(&p);
+    adv_say(a->wr, "done");
+    return 0;
+}
+
 /* A hello that grants one receive: with one credit nothing can ever be
  * answered (one credit is kept back for credit updates). */
 int adv_attack_recv_depth_1(struct adv_attack_ctx *a)

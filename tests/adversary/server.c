@@ -288,6 +288,7 @@ static void report(void)
     adv_say(S.wr, "backlog %d", adv_listen_backlog());
     adv_say(S.wr, "engines %llu", (unsigned long long)ss.engines);
     adv_say(S.wr, "mode %d", bex_ctx_remote_access(S.ctx));
+    adv_say(S.wr, "srq_credits %llu", (unsigned long long)ss.srq_credits);
     adv_say(S.wr, "canaries %d", ncan);
     adv_say(S.wr, "canary_bad %d", can_bad);
     adv_say(S.wr, "held %d", nheld);
@@ -365,6 +366,7 @@ int adv_server_main(int rd, int wr, void *arg)
         .secret = o->secret,
         .secret_len = o->secret ? strlen(o->secret) : 0,
         .remote_access = o->remote_access,
+        .srq_depth = o->srq_depth,
         /* limits small enough that the stated bounds hold (test_adversary.c) */
         .rndv_bytes_max = 32u << 20,
         .recv_bytes_max = 48u << 20,

@@ -138,7 +138,7 @@ static int per[65536];
 struct report {
     bool ok;
     long rss_base_kb, rss_peak_kb, fds_base, fds_now, backlog, engines, canaries, canary_bad, held,
-        held_bad, held_large_bad, good_msgs, good_bad, echo_bad, log_lost, mode;
+        held_bad, held_large_bad, good_msgs, good_bad, echo_bad, log_lost, mode, srq_credits;
     size_t pool_base, pool_peak, pool_now;
     char *log[MAX_LOG];
     int level[MAX_LOG];
@@ -198,6 +198,7 @@ static int get_report(struct adv_proc *srv, struct report *r, unsigned scale, bo
         K(good_msgs);
         K(good_bad);
         K(echo_bad);
+        K(srq_credits);
         K(log_lost);
         K(mode);
         K(pool_base);
@@ -520,6 +521,9 @@ struct group_def {
     const struct adv_case *cases[16];
 };
 
+/* The next group's server in SRQ mode with this queue depth (0: off). */
+static uint32_t group_srq_depth;
+
 static int run_group(const struct group_def *gd)
 {
     static struct group g;
@@ -537,7 +541,8 @@ static int run_group(const struct group_def *gd)
     nfail = 0;
     char line[1200];
     g.secret = gd->secret ? ADV_SECRET : NULL;
-    struct adv_server_opts so = {.secret = g.secret, .remote_access = gd->remote_access};
+    struct adv_server_opts so = {
+        .secret = g.secret, .remote_access = gd->remote_access, .srq_depth = group_srq_depth};
     CHECK(adv_spawn(&g.srv, "server", adv_server_main, &so) == 0);
     if (adv_expect(&g.srv, "port ", line, sizeof line, 30000 * g.sc)) {
         fprintf(stderr, "the server did not start\n");
@@ -567,6 +572,9 @@ static int run_group(const struct group_def *gd)
         failf("the early good client did not connect before the attack");
         goto stop;
     }
+    /* in SRQ mode the early client's engine holds a share of the queue */
+    if (group_srq_depth && (get_report(&g.srv, &r, g.sc, true) || r.srq_credits == 0))
+        failf("the server is not in SRQ mode (no share granted)");
     adv_cmd(&g.good, 'g');
     adv_sleep_ms(300);
     for (int i = 0; i < 16 && gd->cases[i]; i++) {
@@ -654,6 +662,10 @@ CASE(streams, .fn = adv_attack_streams, .secret = true, .log = LOG_EACH, .close_
      .keys = "stream|limit|too many")
 CASE(no_credits, .fn = adv_attack_no_credits, .secret = true, .log = LOG_EACH, .close_each = true,
      .keys = "credit|timed out|timeout")
+/* SRQ mode only (the srq group): without a queue of its own the flood only
+ * takes the attacker's own receives (RNR) */
+CASE(srq_overcredit, .fn = adv_attack_srq_overcredit, .secret = true, .log = LOG_EACH,
+     .close_each = true, .keys = "beyond|shared receive queue")
 CASE(recv_depth_1, .fn = adv_attack_recv_depth_1, .secret = true, .log = LOG_EACH,
      .close_each = true, .keys = "depth|credit|hello")
 CASE(rkey_forged, .fn = adv_attack_rkey_forged, .secret = true, .log = LOG_EACH, .close_each = true)
@@ -688,6 +700,9 @@ static const struct group_def g_protocol = {
      &rkey_forged, &rkey_stale, &rkey_range, &kill9_rndv, &fallback_after_frames}};
 static const struct group_def g_window = {
     "window", true, BEX_REMOTE_ACCESS_WINDOW, {&rkey_stale, &rkey_range, &kill9_rndv}};
+/* SRQ mode: one shared receive queue (one I/O thread) for the good clients
+ * and the attacker, 16 shares of the default rq_depth (64) */
+static const struct group_def g_srq = {"srq", true, 0, {&srq_overcredit}};
 
 static int setup(void)
 {
@@ -700,6 +715,11 @@ static int protocol(void)
 static int window(void)
 {
     return run_group(&g_window);
+}
+static int srq(void)
+{
+    group_srq_depth = 1024;
+    return run_group(&g_srq);
 }
 
 /* Each case alone (not registered; to reproduce one): a group of one, with
@@ -745,11 +765,11 @@ static int rkey_stale_window(void)
     {                                                                                              \
 #id, id##_alone                                                                            \
     }
-BEX_TEST_MAIN(BEX_CASE(setup), BEX_CASE(protocol), BEX_CASE(window), ALONE_CASE(baseline),
-              ALONE_CASE(random_bytes), ALONE_CASE(truncated_hello), ALONE_CASE(absurd_hello),
-              ALONE_CASE(idle_conns), ALONE_CASE(connect_close), ALONE_CASE(rndv_huge),
-              ALONE_CASE(rndv_endless), ALONE_CASE(streams), ALONE_CASE(no_credits),
-              ALONE_CASE(recv_depth_1), ALONE_CASE(rkey_forged), ALONE_CASE(rkey_stale),
-              ALONE_CASE(rkey_range), ALONE_CASE(kill9_rndv), ALONE_CASE(unauthenticated),
-              ALONE_CASE(fallback_after_frames), BEX_CASE(rkey_stale_window),
-              BEX_CASE(window_baseline))
+BEX_TEST_MAIN(BEX_CASE(setup), BEX_CASE(protocol), BEX_CASE(window), BEX_CASE(srq),
+              ALONE_CASE(baseline), ALONE_CASE(random_bytes), ALONE_CASE(truncated_hello),
+              ALONE_CASE(absurd_hello), ALONE_CASE(idle_conns), ALONE_CASE(connect_close),
+              ALONE_CASE(rndv_huge), ALONE_CASE(rndv_endless), ALONE_CASE(streams),
+              ALONE_CASE(no_credits), ALONE_CASE(recv_depth_1), ALONE_CASE(rkey_forged),
+              ALONE_CASE(rkey_stale), ALONE_CASE(rkey_range), ALONE_CASE(kill9_rndv),
+              ALONE_CASE(unauthenticated), ALONE_CASE(fallback_after_frames),
+              BEX_CASE(rkey_stale_window), BEX_CASE(window_baseline))

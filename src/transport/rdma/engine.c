@@ -2020,7 +2020,13 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
     if (!e)
         return NULL; /* a QP destroyed since: the slot went back to the pool */
     e->srq_cur = idx;
-    if (wc->status == IBV_WC_SUCCESS && e->n_unposted + e->n_starved >= e->rq) {
+    /* The peer's credits: its share less what it consumed and we have not
+     * returned, held (unposted, starved) or reposted but not yet told
+     * (to_return). Without to_return, the reposts every k receives would
+     * let a peer that never takes our credit updates (it holds its
+     * receives) go on sending forever, each SEND on a receive that backs
+     * another peer's credit (test_adversary.srq). */
+    if (wc->status == IBV_WC_SUCCESS && e->n_unposted + e->n_starved + e->to_return >= e->rq) {
         /* a SEND with no credit of ours: it took a receive that backs
          * another peer's credit */
         int rc = violation(e, "a SEND beyond its %u credits (shared receive queue)", e->rq);

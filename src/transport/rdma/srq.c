@@ -192,6 +192,21 @@ static int top_up(struct bex__srq *q, uint32_t want)
     return err;
 }
 
+/* Post receives again up to the credits granted (and the spare), after
+ * receives went back to the pool: those a peer consumed beyond its share
+ * before its engine failed on it (the NIC hands out shared receives at
+ * line rate, the violation is seen only when the completions are polled)
+ * may back the other peers' credits. Without this the queue stays short
+ * and the other peers' SENDs meet receiver-not-ready until their
+ * keepalive ends them (test_adversary.srq). Best effort: an allocation
+ * that fails now is tried again at the next grant or release. */
+static void refill(struct bex__srq *q)
+{
+    uint32_t want = q->granted + BEX__SRQ_SPARE > q->cap ? q->cap : q->granted + BEX__SRQ_SPARE;
+    if (q->granted && q->posted + q->held < want)
+        (void)top_up(q, want);
+}
+
 uint32_t bex__srq_unshared_test;
 
 int bex__srq_grant(struct bex__srq *q, struct bex__engine *e, uint32_t qpn, uint32_t share)
@@ -239,6 +254,7 @@ void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const ui
     for (uint32_t i = 0; i < nb; i++)
         q->pool[q->n_pool++] = b[i];
     q->full_told = false;
+    refill(q);
 }
 
 struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t qpn)
@@ -248,6 +264,7 @@ struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t 
     struct bex__srq_ent *hit = map_find(q, qpn);
     if (!hit) { /* its QP is gone: the receive is the pool's again */
         q->pool[q->n_pool++] = idx;
+        refill(q);
         return NULL;
     }
     q->held++;
@@ -266,4 +283,5 @@ void bex__srq_return(struct bex__srq *q, uint32_t idx)
 {
     q->held--;
     q->pool[q->n_pool++] = idx;
+    refill(q);
 }

@@ -92,7 +92,10 @@ void bex__srq_destroy(struct bex__srq *q);
 int bex__srq_grant(struct bex__srq *q, struct bex__engine *e, uint32_t qpn, uint32_t share);
 /* The engine of QP qpn left (its QP is destroyed): its share goes back to
  * the pool, and with it the receives it held (slots a[0..na) and b[0..nb):
- * the unposted with their buffers, the starved without). */
+ * the unposted with their buffers, the starved without). Here and below,
+ * a receive back in the pool is posted again while fewer are posted than
+ * the other peers' credits (and the spare): a peer that sent past its
+ * credits took receives that back theirs. */
 void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const uint32_t *a,
                       uint32_t na, const uint32_t *b, uint32_t nb);
 /* A receive of slot idx completed on QP qpn: its engine, which now holds
