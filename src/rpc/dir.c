@@ -518,26 +518,28 @@ int bex_dir_load_file(bex_dir *d, const char *path, char *err, size_t errlen)
 /* ---- quarantine (under d->mu) ---- */
 
 /* Lines to log once d->mu is released: the log hook may call back into
- * the directory. A report logs two at most (a refused quarantine and the
- * early probe it releases). */
+ * the directory. A report logs a few at most (a refused quarantine and the
+ * early probes it releases); defer says whether the line was kept, so that
+ * a "logged once" flag is set only for a line that was. */
 struct pending {
     int n;
     struct {
         int level;
         char text[256];
-    } l[2];
+    } l[4];
 };
 
-__attribute__((format(printf, 3, 4))) static void defer(struct pending *p, int level,
+__attribute__((format(printf, 3, 4))) static bool defer(struct pending *p, int level,
                                                         const char *fmt, ...)
 {
-    if (p->n == 2)
-        return;
+    if (p->n == (int)(sizeof p->l / sizeof p->l[0]))
+        return false;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(p->l[p->n].text, sizeof p->l[p->n].text, fmt, ap);
     va_end(ap);
     p->l[p->n++].level = level;
+    return true;
 }
 
 static void flush(bex_dir *d, const struct pending *p)
@@ -607,11 +609,11 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
                 q->early = true;
                 q->st.early_probes++;
                 if (!q->early_logged)
-                    defer(pl, BEX_LOG_WARN,
-                          "dir: node %s probed before its quarantine ends: %s, the last "
-                          "replica of %s shard %u outside quarantine, failed (%s)",
-                          q->name, n->name, s->name, k, kind_name(outcome));
-                q->early_logged = true;
+                    q->early_logged =
+                        defer(pl, BEX_LOG_WARN,
+                              "dir: node %s probed before its quarantine ends: %s, the last "
+                              "replica of %s shard %u outside quarantine, failed (%s)",
+                              q->name, n->name, s->name, k, kind_name(outcome));
             }
         }
 }
