@@ -32,14 +32,14 @@ static void count_log(int level, const char *msg, void *arg)
     fprintf(stderr, "log: %s\n", msg);
 }
 
-static struct sockaddr_in A(const char *s)
-{
+static struct sockaddr_in A(const char *s) {
     struct sockaddr_in a;
     CHECK(bex__dir_parse_addr(s, &a) == 0);
     return a;
 }
 
-static struct bex__dir_node *node(bex_dir *d, const char *addr)
+static struct bex__dir_node *
+node(bex_dir *d, const char *addr)
 {
     struct sockaddr_in a = A(addr);
     struct bex__dir_node *n = bex__dir_node_find(d, &a);
