@@ -19,7 +19,10 @@
  * fail_window_ms is excluded for quarantine_ms; then one call probes it
  * (the next pick of a shard it is in takes it), and its answer lifts the
  * quarantine or starts another period. A node is never quarantined when
- * that would leave a shard it serves with no replica outside quarantine.
+ * that would leave a shard it serves with no replica outside quarantine;
+ * and when that last replica fails (a connection failure, or failures
+ * past a threshold), the shard's quarantined replicas are probed at once
+ * rather than after their period.
  * Each transition is logged once and counted (bex_dir_node_stats_get).
  *
  * A directory is shared: channels over it (bex_rpc_channel_config.dir) and
@@ -141,6 +144,8 @@ typedef struct bex_dir_node_stats {
     uint64_t probes;             /* probe calls given out */
     uint64_t probe_failures;     /* probes that failed (quarantined again) */
     uint64_t lifts;              /* quarantines lifted by a good probe */
+    uint64_t early_probes;       /* quarantines cut short for a probe: the last
+                                    replica of a shard outside quarantine failed */
 } bex_dir_node_stats;
 
 /* The counters of the node at addr. Returns 0, or -ENOENT (never seen). */

@@ -34,9 +34,12 @@ struct bex__dir_node {
     bex_dir_replica r;
     char name[32]; /* "a.b.c.d:port", for the log */
     int state;
-    uint64_t until;      /* QUARANTINED: till then; PROBING: the probe's expiry */
-    bool probe_out;      /* PROBING: a probe call is out */
-    bool refused_logged; /* a refused quarantine was logged (reset by a lift) */
+    uint64_t until;         /* QUARANTINED: till then; PROBING: the probe's expiry */
+    bool probe_out;         /* PROBING: a probe call is out */
+    bool refused_logged;    /* a refused quarantine was logged (reset by a lift) */
+    bool early;             /* PROBING before its period ended (see release_early) */
+    bool early_logged;      /* an early probe was logged (reset by a lift) */
+    bool early_fail_logged; /* an early probe's failure was logged (reset by a lift) */
     struct fail_ring conn, req;
     bex_dir_node_stats st;
     struct bex__dir_node *next;
@@ -514,27 +517,35 @@ int bex_dir_load_file(bex_dir *d, const char *path, char *err, size_t errlen)
 
 /* ---- quarantine (under d->mu) ---- */
 
-/* A line to log once d->mu is released: the log hook may call back into
- * the directory. */
+/* Lines to log once d->mu is released: the log hook may call back into
+ * the directory. A report logs a few at most (a refused quarantine and the
+ * early probes it releases); defer says whether the line was kept, so that
+ * a "logged once" flag is set only for a line that was. */
 struct pending {
-    int level;
-    char text[256];
+    int n;
+    struct {
+        int level;
+        char text[256];
+    } l[4];
 };
 
-__attribute__((format(printf, 3, 4))) static void defer(struct pending *p, int level,
+__attribute__((format(printf, 3, 4))) static bool defer(struct pending *p, int level,
                                                         const char *fmt, ...)
 {
+    if (p->n == (int)(sizeof p->l / sizeof p->l[0]))
+        return false;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(p->text, sizeof p->text, fmt, ap);
+    vsnprintf(p->l[p->n].text, sizeof p->l[p->n].text, fmt, ap);
     va_end(ap);
-    p->level = level;
+    p->l[p->n++].level = level;
+    return true;
 }
 
 static void flush(bex_dir *d, const struct pending *p)
 {
-    if (p->level)
-        bex__log(&d->log, p->level, "%s", p->text);
+    for (int i = 0; i < p->n; i++)
+        bex__log(&d->log, p->l[i].level, "%s", p->l[i].text);
 }
 
 static bool in_shard(const struct shard *sh, const struct bex__dir_node *n)
@@ -567,12 +578,54 @@ static const char *kind_name(int outcome)
     return outcome == BEX_DIR_CONN_FAIL ? "connection" : "request";
 }
 
+/* n, a healthy node, failed (outcome) and is the last replica outside
+ * quarantine of some shard it serves: the quarantined replicas of those
+ * shards are probed now rather than after their period, so that "never all
+ * replicas of a shard at once" holds when that last one fails too, not
+ * only when a quarantine starts (else every call of the shard would go to
+ * the failing node until a period ended). A probe answered lifts the
+ * quarantine as usual; a failed one starts another period, and the next
+ * failure of n releases another probe: one call at a time per node, only
+ * while n keeps failing. Counted each time, logged once until a lift. */
+static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome, uint64_t now,
+                          struct pending *pl)
+{
+    for (struct service *s = d->services; s; s = s->next)
+        for (uint32_t k = 0; k < s->n_shards; k++) {
+            const struct shard *sh = &s->shards[k];
+            if (!in_shard(sh, n))
+                continue;
+            bool other = false;
+            for (size_t i = 0; i < sh->n && !other; i++)
+                other = sh->reps[i] != n && sh->reps[i]->state == BEX_DIR_HEALTHY;
+            if (other)
+                continue;
+            for (size_t i = 0; i < sh->n; i++) {
+                struct bex__dir_node *q = sh->reps[i];
+                if (q == n || q->state != BEX_DIR_QUARANTINED || now >= q->until)
+                    continue;
+                q->state = BEX_DIR_PROBING;
+                q->probe_out = false;
+                q->early = true;
+                q->st.early_probes++;
+                if (!q->early_logged)
+                    q->early_logged =
+                        defer(pl, BEX_LOG_WARN,
+                              "dir: node %s probed before its quarantine ends: %s, the last "
+                              "replica of %s shard %u outside quarantine, failed (%s)",
+                              q->name, n->name, s->name, k, kind_name(outcome));
+            }
+        }
+}
+
 /* n passed a threshold (or failed its probe): quarantine it unless it is
  * the last healthy replica of a shard. */
 static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_t now,
                        struct pending *pl)
 {
     bool probe = n->state == BEX_DIR_PROBING;
+    bool early = n->early;
+    n->early = false;
     if (!may_quarantine(d, n)) {
         n->st.quarantine_refused++;
         n->state = BEX_DIR_HEALTHY;
@@ -583,6 +636,10 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
                   "of a shard outside quarantine",
                   n->name, kind_name(outcome));
         n->refused_logged = true;
+        /* it cannot go, and the other replicas of its shard are
+         * quarantined: they are probed now (a node failing this much is
+         * what release_early is for) */
+        release_early(d, n, outcome, now, pl);
         return;
     }
     n->state = BEX_DIR_QUARANTINED;
@@ -593,10 +650,17 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
     n->conn.n = n->req.n = 0;
     if (probe) {
         n->st.probe_failures++;
-        defer(pl, BEX_LOG_WARN,
-              "dir: node %s failed its probe (%s): quarantined again "
-              "for %llu ms",
-              n->name, kind_name(outcome), (unsigned long long)(d->quarantine_ns / 1000000));
+        /* early probes come as often as the last healthy replica fails:
+         * their failures are logged once (counted each time) */
+        if (!early || !n->early_fail_logged)
+            defer(pl, BEX_LOG_WARN,
+                  "dir: node %s failed its %sprobe (%s): quarantined again "
+                  "for %llu ms%s",
+                  n->name, early ? "early " : "", kind_name(outcome),
+                  (unsigned long long)(d->quarantine_ns / 1000000),
+                  early ? " (later early probes' failures are not logged)" : "");
+        if (early)
+            n->early_fail_logged = true;
     } else {
         defer(pl, BEX_LOG_WARN,
               "dir: node %s quarantined for %llu ms: more than %u %s failures within %llu ms",
@@ -613,6 +677,7 @@ static void node_tick(struct bex__dir_node *n, uint64_t now)
     if (n->state == BEX_DIR_QUARANTINED && now >= n->until) {
         n->state = BEX_DIR_PROBING;
         n->probe_out = false;
+        n->early = false;
     } else if (n->state == BEX_DIR_PROBING && n->probe_out && now >= n->until) {
         n->probe_out = false;
     }
@@ -632,6 +697,7 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
             n->state = BEX_DIR_HEALTHY;
             n->probe_out = false;
             n->refused_logged = false;
+            n->early = n->early_logged = n->early_fail_logged = false;
             n->st.lifts++;
             defer(&pl, BEX_LOG_WARN, "dir: node %s answered its probe: quarantine lifted", n->name);
         }
@@ -648,6 +714,12 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
             quarantine(d, n, outcome, now, &pl);
         else if (n->state == BEX_DIR_HEALTHY && over)
             quarantine(d, n, outcome, now, &pl);
+        else if (n->state == BEX_DIR_HEALTHY && conn)
+            /* one connection failure is enough: the node is unreachable
+             * now, and a shard whose other replicas are quarantined has
+             * nowhere else to go (a request failure may be the call's
+             * own: that waits for the threshold, in quarantine()) */
+            release_early(d, n, outcome, now, &pl);
         break;
     }
     default:
@@ -724,7 +796,8 @@ int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const ch
         best->probe_out = true;
         best->until = now + d->probe_ns;
         best->st.probes++;
-        defer(&pl, BEX_LOG_INFO, "dir: probing quarantined node %s", best->name);
+        if (!best->early) /* an early one was logged when released */
+            defer(&pl, BEX_LOG_INFO, "dir: probing quarantined node %s", best->name);
     }
     best->st.picks++;
     best->st.outstanding++;
@@ -922,6 +995,9 @@ int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
          offsetof(bex_dir_node_stats, probe_failures)},
         {"bex_dir_node_lifts_total", "Quarantines lifted by a good probe",
          offsetof(bex_dir_node_stats, lifts)},
+        {"bex_dir_node_early_probes_total",
+         "Quarantines cut short for a probe: a shard's last healthy replica failed",
+         offsetof(bex_dir_node_stats, early_probes)},
     };
     pthread_mutex_lock(&d->mu);
     for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {

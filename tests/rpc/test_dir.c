@@ -487,6 +487,15 @@ static int t_quarantine_never_all(void)
     CHECK_EQ(s.state, BEX_DIR_HEALTHY);
     CHECK(s.quarantine_refused >= 1 && s.quarantines == 0);
     CHECK_EQ(atomic_load(&n_refused), 1);
+    /* p2 failing, p1 quarantined: p1 is probed at once, not after its
+     * period (once: the probe is out, never reported here) */
+    CHECK_EQ(stats(d, "10.0.0.1:1").state, BEX_DIR_PROBING);
+    CHECK(stats(d, "10.0.0.1:1").early_probes >= 1);
+    struct bex__dir_node *probe;
+    CHECK_OK(bex__dir_pick_node(d, "ps", 0, NULL, NULL, NULL, t + 100 * MS, &probe));
+    CHECK(probe == p1);
+    CHECK_EQ(stats(d, "10.0.0.1:1").probes, 1);
+    bex__dir_report_node(d, probe, BEX_DIR_DONE, true, t + 100 * MS);
     for (int i = 0; i < 10; i++) {
         struct bex__dir_node *n;
         CHECK_OK(bex__dir_pick_node(d, "ps", 0, NULL, NULL, NULL, t + 100 * MS, &n));
