@@ -61,13 +61,13 @@ enum {
 enum { FN_PING = 100 };
 
 struct fn_rule {
-    int side;          /* FN_CLIENT or FN_SERVER */
-    uint16_t port;     /* host order */
-    const void *sh;    /* only connections of this I/O thread (fn_sh); NULL: any */
-    int dir;           /* FN_RX, FN_TX */
-    int kind;          /* BEX__RPC_REQUEST, _RESPONSE, FN_PING; 0: any RPC message */
-    int action;        /* FN_* above */
-    int count;         /* times it applies (then it is spent); -1: always */
+    int side;       /* FN_CLIENT or FN_SERVER */
+    uint16_t port;  /* host order */
+    const void *sh; /* only connections of this I/O thread (fn_sh); NULL: any */
+    int dir;        /* FN_RX, FN_TX */
+    int kind;       /* BEX__RPC_REQUEST, _RESPONSE, FN_PING; 0: any RPC message */
+    int action;     /* FN_* above */
+    int count;      /* times it applies (then it is spent); -1: always */
 };
 
 /* Install the hook (before the contexts are made); uninstall once every

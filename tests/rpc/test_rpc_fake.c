@@ -44,9 +44,8 @@ static void sleep_ms(unsigned ms)
 
 static bex_ctx *ctx_new(void)
 {
-    bex_ctx_config c = {.transport = BEX_TRANSPORT_TCP,
-                        .keepalive_timeout_ms = 60000,
-                        .connect_timeout_ms = 10000};
+    bex_ctx_config c = {
+        .transport = BEX_TRANSPORT_TCP, .keepalive_timeout_ms = 60000, .connect_timeout_ms = 10000};
     inet_pton(AF_INET, "127.0.0.1", &c.local_addr);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&c, &ctx));
@@ -58,12 +57,12 @@ static bex_ctx *ctx_new(void)
 struct server {
     bex_ctx *ctx;
     bex_rpc_server *srv;
-    char tag;               /* echoed in front of every answer */
-    _Atomic int echoes;     /* M_ECHO handled */
-    _Atomic int applied;    /* M_WRITE applied */
-    _Atomic int big;        /* requests of 1 MiB or more handled */
+    char tag;            /* echoed in front of every answer */
+    _Atomic int echoes;  /* M_ECHO handled */
+    _Atomic int applied; /* M_WRITE applied */
+    _Atomic int big;     /* requests of 1 MiB or more handled */
     pthread_mutex_t mu;
-    bex_rpc_req *held[64];  /* M_NEVER */
+    bex_rpc_req *held[64]; /* M_NEVER */
     int n_held;
     struct sockaddr_in addr;
 };
@@ -282,11 +281,11 @@ static int deadline(void)
     /* the request is lost on its way: the handler never sees it */
     fn_clear();
     int drop = fn_add(&(struct fn_rule){.side = FN_SERVER,
-                                         .port = port(&s),
-                                         .dir = FN_RX,
-                                         .kind = BEX__RPC_REQUEST,
-                                         .action = FN_DROP,
-                                         .count = -1});
+                                        .port = port(&s),
+                                        .dir = FN_RX,
+                                        .kind = BEX__RPC_REQUEST,
+                                        .action = FN_DROP,
+                                        .count = -1});
     int echoes = atomic_load(&s.echoes);
     for (int i = 0; i < 3; i++) {
         uint64_t t0 = now_ms();
@@ -319,11 +318,11 @@ static int failover(void)
     server_start(&a, 'A');
     server_start(&b, 'B');
     int rule = fn_add(&(struct fn_rule){.side = FN_SERVER,
-                                         .port = port(&a),
-                                         .dir = FN_RX,
-                                         .kind = BEX__RPC_REQUEST,
-                                         .action = FN_FAIL_AFTER,
-                                         .count = 1});
+                                        .port = port(&a),
+                                        .dir = FN_RX,
+                                        .kind = BEX__RPC_REQUEST,
+                                        .action = FN_FAIL_AFTER,
+                                        .count = 1});
     bex_ctx *cx = ctx_new();
     struct server *sv[] = {&a, &b};
     bex_rpc_channel *ch = chan(cx, sv, 2, (bex_rpc_channel_config){.request_timeout_ms = 2000});
@@ -386,17 +385,17 @@ static int quarantine(void)
              port(&a), port(&b));
     CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
     int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
+                                        .port = port(&a),
+                                        .dir = FN_TX,
+                                        .kind = BEX__RPC_REQUEST,
+                                        .action = FN_FAIL_BEFORE,
+                                        .count = -1});
+    int pings = fn_add(&(struct fn_rule){.side = FN_CLIENT,
                                          .port = port(&a),
                                          .dir = FN_TX,
-                                         .kind = BEX__RPC_REQUEST,
+                                         .kind = FN_PING,
                                          .action = FN_FAIL_BEFORE,
                                          .count = -1});
-    int pings = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                          .port = port(&a),
-                                          .dir = FN_TX,
-                                          .kind = FN_PING,
-                                          .action = FN_FAIL_BEFORE,
-                                          .count = -1});
     (void)pings;
     bex_ctx *cx = ctx_new();
     bex_rpc_channel_config cc = {.dir = d,
@@ -489,17 +488,17 @@ static int budget(void)
     struct server s;
     server_start(&s, 'A');
     int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
+                                        .port = port(&s),
+                                        .dir = FN_TX,
+                                        .kind = BEX__RPC_REQUEST,
+                                        .action = FN_FAIL_BEFORE,
+                                        .count = -1});
+    int pings = fn_add(&(struct fn_rule){.side = FN_CLIENT,
                                          .port = port(&s),
                                          .dir = FN_TX,
-                                         .kind = BEX__RPC_REQUEST,
+                                         .kind = FN_PING,
                                          .action = FN_FAIL_BEFORE,
                                          .count = -1});
-    int pings = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                          .port = port(&s),
-                                          .dir = FN_TX,
-                                          .kind = FN_PING,
-                                          .action = FN_FAIL_BEFORE,
-                                          .count = -1});
     bex_ctx *cx = ctx_new();
     struct server *sv[] = {&s};
     const unsigned burst = 10, permille = 100, calls = 100;
@@ -550,17 +549,17 @@ static int write_once_with(int action)
     struct server s;
     server_start(&s, 'A');
     int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                         .port = port(&s),
-                                         .dir = FN_RX,
-                                         .kind = BEX__RPC_RESPONSE,
-                                         .action = action,
-                                         .count = 1});
+                                        .port = port(&s),
+                                        .dir = FN_RX,
+                                        .kind = BEX__RPC_RESPONSE,
+                                        .action = action,
+                                        .count = 1});
     bex_ctx *cx = ctx_new();
     struct server *sv[] = {&s};
-    bex_rpc_channel *ch = chan(cx, sv, 1,
-                               (bex_rpc_channel_config){.request_timeout_ms = 3000,
-                                                        .attempt_timeout_ms = 100,
-                                                        .holddown_ms = 1});
+    bex_rpc_channel *ch =
+        chan(cx, sv, 1,
+             (bex_rpc_channel_config){
+                 .request_timeout_ms = 3000, .attempt_timeout_ms = 100, .holddown_ms = 1});
     struct result r;
     call(ch, cx, M_WRITE, 8, 0, &r);
     result_wait(&r, 4000);
@@ -629,19 +628,18 @@ static int garbage(void)
     server_start(&s, 'A');
     bex_ctx *bad = ctx_new(), *good = ctx_new();
     int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                         .port = port(&s),
-                                         .sh = fn_sh(bad),
-                                         .dir = FN_TX,
-                                         .kind = BEX__RPC_REQUEST,
-                                         .action = FN_GARBLE,
-                                         .count = -1});
+                                        .port = port(&s),
+                                        .sh = fn_sh(bad),
+                                        .dir = FN_TX,
+                                        .kind = BEX__RPC_REQUEST,
+                                        .action = FN_GARBLE,
+                                        .count = -1});
     struct server *sv[] = {&s};
     struct good_run g = {.ctx = good};
     g.ch = chan(good, sv, 1, (bex_rpc_channel_config){.request_timeout_ms = 2000});
-    bex_rpc_channel *bch = chan(bad, sv, 1,
-                                (bex_rpc_channel_config){.request_timeout_ms = 2000,
-                                                         .max_attempts = 1,
-                                                         .holddown_ms = 1});
+    bex_rpc_channel *bch = chan(
+        bad, sv, 1,
+        (bex_rpc_channel_config){.request_timeout_ms = 2000, .max_attempts = 1, .holddown_ms = 1});
     pthread_t th;
     CHECK_OK(pthread_create(&th, NULL, good_main, &g));
     const int rounds = 5;
@@ -697,13 +695,12 @@ static int big_fail(void)
     fn_install();
     struct server s;
     server_start(&s, 'A');
-    int noread = fn_add(&(struct fn_rule){.side = FN_SERVER, .port = port(&s),
-                                           .action = FN_NO_READ, .count = -1});
+    int noread = fn_add(
+        &(struct fn_rule){.side = FN_SERVER, .port = port(&s), .action = FN_NO_READ, .count = -1});
     bex_ctx *cx = ctx_new();
     struct server *sv[] = {&s};
-    bex_rpc_channel *ch = chan(cx, sv, 1,
-                               (bex_rpc_channel_config){.request_timeout_ms = 20000,
-                                                        .max_attempts = 1});
+    bex_rpc_channel *ch =
+        chan(cx, sv, 1, (bex_rpc_channel_config){.request_timeout_ms = 20000, .max_attempts = 1});
     bex_mem_pool *cpool = bex_ctx_pool(cx), *spool = bex_ctx_recv_pool(s.ctx);
     size_t c0 = in_use(cpool);
     const size_t len = 48u << 20;
@@ -750,6 +747,6 @@ static int big_fail(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(deadline), BEX_CASE(failover), BEX_CASE(quarantine),
-              BEX_CASE(budget), BEX_CASE(write_once), BEX_CASE(write_once_reset),
-              BEX_CASE(garbage), BEX_CASE(big_fail))
+BEX_TEST_MAIN(BEX_CASE(deadline), BEX_CASE(failover), BEX_CASE(quarantine), BEX_CASE(budget),
+              BEX_CASE(write_once), BEX_CASE(write_once_reset), BEX_CASE(garbage),
+              BEX_CASE(big_fail))
