@@ -45,7 +45,7 @@ static int n_rules;
 static struct fn_x *all;
 static _Atomic uint64_t violations, sent, returned;
 static _Atomic int live;
-static _Atomic bool partial;
+static _Atomic bool partial, framed;
 
 static void violation(const char *what, const struct fn_x *w)
 {
@@ -104,7 +104,7 @@ static int match(struct fn_x *w, int dir, int kind)
     pthread_mutex_lock(&lock);
     for (int i = 0; i < n_rules && !action; i++) {
         struct fn_rule *r = &rules[i];
-        if (r->count == 0 || r->action == FN_NO_READ || r->dir != dir || !conn_matches(r, w) ||
+        if (r->count == 0 || r->action >= FN_NO_READ || r->dir != dir || !conn_matches(r, w) ||
             (r->kind && r->kind != kind) || !kind)
             continue;
         if (r->count > 0)
@@ -167,6 +167,8 @@ static void watch_partial(struct fn_x *w)
         struct bex__msg *m = w->out[i];
         if (m->len >= BIG_MSG && m->off > 0 && m->off < m->len)
             atomic_store(&partial, true);
+        if (m->len >= BIG_MSG && m->off == m->len)
+            atomic_store(&framed, true);
     }
 }
 
@@ -452,6 +454,14 @@ static void made(struct bex__xport *outer, struct bex__xport *inner)
     }
     w->in = inner;
     pthread_mutex_lock(&lock);
+    for (int i = 0; i < n_rules; i++) {
+        if (rules[i].action == FN_SMALL_BUF && conn_matches(&rules[i], w)) {
+            int sz = 32 << 10;
+            setsockopt(w->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+            setsockopt(w->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+            rule_hits[i]++;
+        }
+    }
     w->next = all;
     all = w;
     pthread_mutex_unlock(&lock);
@@ -545,4 +555,9 @@ int fn_live(void)
 bool fn_partial_seen(void)
 {
     return atomic_load(&partial);
+}
+
+bool fn_framed_seen(void)
+{
+    return atomic_load(&framed);
 }

@@ -54,6 +54,8 @@ enum {
     FN_NO_READ = 5,     /* the connection is never read (dir, kind ignored);
                            the peer's writes stall once the socket buffers are
                            full; its close is still seen */
+    FN_SMALL_BUF = 6,   /* connections made after it get 32 KiB socket send
+                           and receive buffers (dir, kind, count ignored) */
 };
 
 /* fn_rule.kind of the recovery ladder's probe (a request for
@@ -95,5 +97,8 @@ int fn_live(void);            /* wrapped transports not destroyed yet */
  * transfer (some of it framed and written, not all) on a client side
  * connection. */
 bool fn_partial_seen(void);
+/* Whether such a message was seen framed whole (every byte handed to the
+ * socket or queued for it in frames) and not yet handed back. */
+bool fn_framed_seen(void);
 
 #endif

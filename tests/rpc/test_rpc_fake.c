@@ -677,8 +677,10 @@ static int garbage(void)
 }
 
 /* A transport failure in the middle of a large request body: the server
- * never reads, so the 48 MiB body stalls part-way (what the socket buffers
- * took); the client's connection then fails. The body comes back once (the
+ * never reads, so the body stalls part-way (what the socket buffers took);
+ * the client's connection then fails. big_fail: 48 MiB, part of it still
+ * queued (not framed) in the TCP transport; big_fail_framed: 3 MiB with
+ * small socket buffers, framed whole and written in part. The body comes back once (the
  * transport contract, fakenet), the call completes once with the
  * connection's error, the client's pool has every byte back, and so has
  * the server's receive pool (the part it had read is freed). */
@@ -690,28 +692,43 @@ static size_t in_use(bex_mem_pool *p)
     return st.in_use_bytes;
 }
 
-static int big_fail(void)
+static int big_fail_with(bool framed)
 {
     fn_install();
     struct server s;
     server_start(&s, 'A');
     int noread = fn_add(
         &(struct fn_rule){.side = FN_SERVER, .port = port(&s), .action = FN_NO_READ, .count = -1});
+    int small[2] = {-1, -1};
+    if (framed) {
+        /* small socket buffers on both ends: a 3 MiB body (48 frames, one
+         * batch of the TCP transport) is framed whole at once, and most of
+         * it cannot be written */
+        small[0] = fn_add(&(struct fn_rule){
+            .side = FN_SERVER, .port = port(&s), .action = FN_SMALL_BUF, .count = -1});
+        small[1] = fn_add(&(struct fn_rule){
+            .side = FN_CLIENT, .port = port(&s), .action = FN_SMALL_BUF, .count = -1});
+    }
     bex_ctx *cx = ctx_new();
     struct server *sv[] = {&s};
     bex_rpc_channel *ch =
         chan(cx, sv, 1, (bex_rpc_channel_config){.request_timeout_ms = 20000, .max_attempts = 1});
     bex_mem_pool *cpool = bex_ctx_pool(cx), *spool = bex_ctx_recv_pool(s.ctx);
     size_t c0 = in_use(cpool);
-    const size_t len = 48u << 20;
+    const size_t len = framed ? 3u << 20 : 48u << 20;
     struct result r;
     call(ch, cx, M_ECHO, len, 0, &r);
     CHECK(in_use(cpool) >= c0 + len);
     uint64_t end = now_ms() + 5000 * scale();
-    while (!fn_partial_seen() && now_ms() < end)
+    bool (*seen)(void) = framed ? fn_framed_seen : fn_partial_seen;
+    while (!seen() && now_ms() < end)
         sleep_ms(5);
-    CHECK(fn_partial_seen()); /* part of it written, not all */
-    sleep_ms(100);            /* the writes stall on the full socket */
+    CHECK(seen()); /* framed in part (written in part), or framed whole */
+    sleep_ms(100); /* the writes stall on the full socket */
+    if (framed) {
+        CHECK_EQ(fn_hits(small[0]), 1);
+        CHECK_EQ(fn_hits(small[1]), 1);
+    }
     pthread_mutex_lock(&r.mu);
     CHECK_EQ(r.done, 0);
     pthread_mutex_unlock(&r.mu);
@@ -747,6 +764,16 @@ static int big_fail(void)
     return 0;
 }
 
+static int big_fail(void)
+{
+    return big_fail_with(false);
+}
+
+static int big_fail_framed(void)
+{
+    return big_fail_with(true);
+}
+
 BEX_TEST_MAIN(BEX_CASE(deadline), BEX_CASE(failover), BEX_CASE(quarantine), BEX_CASE(budget),
               BEX_CASE(write_once), BEX_CASE(write_once_reset), BEX_CASE(garbage),
-              BEX_CASE(big_fail))
+              BEX_CASE(big_fail), BEX_CASE(big_fail_framed))
