@@ -145,6 +145,9 @@ struct bex__transport_ops {
     void (*bind_window)(struct bex__xport *x, struct ibv_mw *mw, uint32_t rkey, void *addr,
                         uint32_t len);
     void (*retire_window)(struct bex__xport *x, struct ibv_mw *mw, uint32_t rkey, bool bound);
+    /* Tests only: a transport a test put in front of another (tcp.h,
+     * bex__tcp_wrap_test) returns the one it wraps; NULL for the real ones. */
+    struct bex__xport *(*inner)(struct bex__xport *x);
 };
 
 /* A connection's transport instance: the first member of the transport's

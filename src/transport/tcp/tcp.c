@@ -87,14 +87,25 @@ static struct bex__tcp *tcp_of(struct bex__xport *x)
     return bex__container_of(x, struct bex__tcp, x);
 }
 
+_Atomic(const struct bex__tcp_wrap *) bex__tcp_wrap_test;
+
+/* The TCP transport itself, when a test wrapped it (bex__tcp_wrap_test). */
+static struct bex__xport *unwrap(struct bex__xport *x)
+{
+    while (x && x->ops->inner)
+        x = x->ops->inner(x);
+    return x;
+}
+
 bool bex__xport_is_tcp(const struct bex__xport *x)
 {
+    x = unwrap((struct bex__xport *)x);
     return x && x->ops == &bex__tcp_transport;
 }
 
 bool bex__tcp_link_lost(const struct bex__xport *x)
 {
-    return bex__xport_is_tcp(x) && ((const struct bex__tcp *)x)->link_lost;
+    return bex__xport_is_tcp(x) && tcp_of(unwrap((struct bex__xport *)x))->link_lost;
 }
 
 static void want(struct bex__tcp *t)
@@ -796,6 +807,7 @@ static void rx(struct bex__tcp *t)
 
 void bex__tcp_events(struct bex__xport *x, uint32_t events)
 {
+    x = unwrap(x);
     struct bex__tcp *t = tcp_of(x);
     if (t->dead)
         return;
@@ -847,7 +859,12 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
                     const struct bex__transport_upcalls *up, void *user, int fd,
                     struct bex__loop *loop, struct ep_tag *tag, struct bex__xport **out)
 {
+    const struct bex__tcp_wrap *w = atomic_load(&bex__tcp_wrap_test);
+    struct bex__xport *outer =
+        w ? w->wrap(w->arg, sh, cfg, fd, loop, tag, up, user, &up, &user) : NULL;
     struct bex__tcp *t = calloc(1, sizeof(*t));
+    if (outer)
+        w->made(outer, t ? &t->x : NULL);
     if (!t)
         return -ENOMEM;
     t->x.ops = &bex__tcp_transport;
@@ -860,13 +877,13 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
     t->tag = tag;
     t->events = EPOLLIN | EPOLLRDHUP;
     t->last_rx = t->last_tx = bex__now_ms();
-    *out = &t->x;
+    *out = outer ? outer : &t->x;
     return 0;
 }
 
 int bex__tcp_prefix(struct bex__xport *x, const void *p, size_t n)
 {
-    struct bex__tcp *t = tcp_of(x);
+    struct bex__tcp *t = tcp_of(unwrap(x));
     if (t->out_n || t->prefix || !(t->prefix = malloc(n)))
         return -ENOMEM;
     memcpy(t->prefix, p, n);
@@ -880,7 +897,7 @@ int bex__tcp_prefix(struct bex__xport *x, const void *p, size_t n)
 
 void bex__tcp_start(struct bex__xport *x)
 {
-    struct bex__tcp *t = tcp_of(x);
+    struct bex__tcp *t = tcp_of(unwrap(x));
     t->is_up = true;
     t->last_rx = t->last_tx = bex__now_ms();
     t->up->on_up(&t->x);

@@ -18,6 +18,7 @@
 #ifndef BEX_TRANSPORT_TCP_H
 #define BEX_TRANSPORT_TCP_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include "loop/loop.h"
@@ -53,5 +54,26 @@ bool bex__xport_is_tcp(const struct bex__xport *x);
 bool bex__tcp_link_lost(const struct bex__xport *x);
 
 extern const struct bex__transport_ops bex__tcp_transport;
+
+/* Tests only (tests/rpc/fakenet.h): while set, every TCP transport
+ * bex__tcp_create makes may be wrapped by a transport of the test's, which
+ * forwards the ops to it and stands between it and the upcalls, so that a
+ * test can fail a connection, drop, hold or garble messages at exact points
+ * of the transport contract. The wrapper's ops table has `inner`; the
+ * functions above take the wrapper as well. Never set by the library. */
+struct bex__tcp_wrap {
+    /* For a TCP transport about to be made with (up, user): the wrapper's
+     * transport (its ops, user = user), with *iup and *iuser set to what
+     * the TCP transport reports to instead; NULL: this one is not wrapped. */
+    struct bex__xport *(*wrap)(void *arg, struct bex__engine_shared *sh,
+                               const struct bex__tcp_config *cfg, int fd, struct bex__loop *loop,
+                               struct ep_tag *tag, const struct bex__transport_upcalls *up,
+                               void *user, const struct bex__transport_upcalls **iup, void **iuser);
+    /* The TCP transport inside outer was made (inner), or not (NULL: the
+     * wrapper frees itself). */
+    void (*made)(struct bex__xport *outer, struct bex__xport *inner);
+    void *arg;
+};
+extern _Atomic(const struct bex__tcp_wrap *) bex__tcp_wrap_test;
 
 #endif
