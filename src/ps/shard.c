@@ -406,10 +406,13 @@ static int push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, const
 /* ---- snapshots ---- */
 
 /* "BEXPSNAP", u32 version, shard, n_shards, n_tables; per table u32 id,
- * dim, optimizer, n_rows, then n_rows x (u64 key, width floats); then the
- * BLAKE2b-256 (crypto_generichash) of everything before it. */
+ * dim, optimizer, n_rows, then n_rows x (u64 key, width floats); version
+ * 2: then the ids of the Pushes applied (as in a copy); then the
+ * BLAKE2b-256 (crypto_generichash) of everything before it. Version 1
+ * (no ids) is still loaded. */
 static const char snap_magic[8] = {'B', 'E', 'X', 'P', 'S', 'N', 'A', 'P'};
-#define SNAP_VERSION 1
+#define SNAP_VERSION 2
+#define COPY_VERSION 1
 #define SNAP_HASH    crypto_generichash_BYTES
 
 struct wr {
@@ -464,6 +467,20 @@ static void wr_tables(struct wr *w, bex_ps_shard *s)
     }
 }
 
+/* The ids of the Pushes applied: u32 clients; per client u64 id, u64
+ * highest sequence, IDS_WINDOW / 64 u64 bitmap words (under s->mu). */
+static void wr_ids(struct wr *w, bex_ps_shard *s)
+{
+    wr32(w, s->ids.n);
+    for (uint32_t i = 0; i < s->ids.n; i++) {
+        const struct idc *c = &s->ids.c[i];
+        wr64(w, c->client);
+        wr64(w, c->max);
+        for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
+            wr64(w, c->bits[k]);
+    }
+}
+
 int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
 {
     if (!s || !path)
@@ -485,6 +502,7 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
     wr_bytes(&w, snap_magic, sizeof snap_magic);
     wr32(&w, SNAP_VERSION);
     wr_tables(&w, s);
+    wr_ids(&w, s);
     pthread_mutex_unlock(&s->mu);
     uint8_t sum[SNAP_HASH];
     crypto_generichash_final(&w.h, sum, sizeof sum);
@@ -520,16 +538,9 @@ static int copy_make(bex_ps_shard *s, char **buf, size_t *len)
         return -ENOMEM;
     crypto_generichash_init(&w.h, NULL, 0, SNAP_HASH);
     wr_bytes(&w, copy_magic, sizeof copy_magic);
-    wr32(&w, SNAP_VERSION);
+    wr32(&w, COPY_VERSION);
     wr_tables(&w, s);
-    wr32(&w, s->ids.n);
-    for (uint32_t i = 0; i < s->ids.n; i++) {
-        const struct idc *c = &s->ids.c[i];
-        wr64(&w, c->client);
-        wr64(&w, c->max);
-        for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
-            wr64(&w, c->bits[k]);
-    }
+    wr_ids(&w, s);
     uint8_t sum[SNAP_HASH];
     crypto_generichash_final(&w.h, sum, sizeof sum);
     if (!w.err && fwrite(sum, 1, sizeof sum, w.f) != sizeof sum)
@@ -570,9 +581,10 @@ static int rd64(struct rd *r, uint64_t *v)
 }
 
 /* buf (size bytes) ends with the BLAKE2b-256 of the rest and starts with
- * magic and SNAP_VERSION: 0 and *r after them, or -EINVAL. */
+ * magic and a version from lo to hi: 0, *version and *r after them, or
+ * -EINVAL. */
 static int check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const char *magic,
-                     const char *what, struct rd *r)
+                     uint32_t lo, uint32_t hi, const char *what, uint32_t *version, struct rd *r)
 {
     if (size < 8 + 4 + 12 + SNAP_HASH)
         return -EINVAL;
@@ -583,11 +595,33 @@ static int check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const cha
         return -EINVAL;
     }
     *r = (struct rd){.p = buf + 8, .left = size - SNAP_HASH - 8};
-    uint32_t version;
-    if (memcmp(buf, magic, 8) || rd32(r, &version) || version != SNAP_VERSION) {
-        bex__log(&s->log, BEX_LOG_ERROR, "ps %s: not a version %u file of its kind", what,
-                 SNAP_VERSION);
+    if (memcmp(buf, magic, 8) || rd32(r, version) || *version < lo || *version > hi) {
+        bex__log(&s->log, BEX_LOG_ERROR, "ps %s: not a file of its kind, version %u to %u", what,
+                 lo, hi);
         return -EINVAL;
+    }
+    return 0;
+}
+
+/* The ids section at r into ids (empty). */
+static int load_ids(struct rd *r, struct idset *ids)
+{
+    uint32_t n;
+    if (rd32(r, &n) || n > IDS_CLIENTS || r->left / (16 + IDS_WINDOW / 8) < n)
+        return -EINVAL;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t client = 0, max = 0;
+        rd64(r, &client);
+        rd64(r, &max);
+        if (ids_find(ids, client))
+            return -EINVAL; /* a client twice */
+        struct idc *c = ids_get(ids, client);
+        if (!c)
+            return -ENOMEM;
+        c->max = max;
+        c->touch = ++ids->clock;
+        for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
+            rd64(r, &c->bits[k]);
     }
     return 0;
 }
@@ -671,8 +705,10 @@ static int snapshot_load(bex_ps_shard *s, const char *path)
     char what[256];
     snprintf(what, sizeof what, "snapshot %s", path);
     struct rd r;
-    if ((rc = check_sum(s, buf, size, snap_magic, what, &r)) ||
-        (rc = load_tables(s, s->tables, &r, what)))
+    uint32_t version;
+    if ((rc = check_sum(s, buf, size, snap_magic, 1, SNAP_VERSION, what, &version, &r)) ||
+        (rc = load_tables(s, s->tables, &r, what)) ||
+        (version >= 2 && (rc = load_ids(&r, &s->ids))))
         goto out;
     if (r.left)
         rc = -EINVAL;
@@ -702,27 +738,26 @@ static int copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct ta
                      struct idset *ids)
 {
     struct rd r;
-    int rc = check_sum(s, buf, size, copy_magic, "catch-up copy", &r);
-    if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")))
+    uint32_t version;
+    int rc = check_sum(s, buf, size, copy_magic, COPY_VERSION, COPY_VERSION, "catch-up copy",
+                       &version, &r);
+    if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")) || (rc = load_ids(&r, ids)))
         return rc;
-    uint32_t n;
-    if (rd32(&r, &n) || n > IDS_CLIENTS || r.left / (16 + IDS_WINDOW / 8) < n)
-        return -EINVAL;
-    for (uint32_t i = 0; i < n; i++) {
-        uint64_t client = 0, max = 0;
-        rd64(&r, &client);
-        rd64(&r, &max);
-        if (ids_find(ids, client))
-            return -EINVAL; /* a client twice */
-        struct idc *c = ids_get(ids, client);
-        if (!c)
-            return -ENOMEM;
-        c->max = max;
-        c->touch = ++ids->clock;
-        for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
-            rd64(&r, &c->bits[k]);
-    }
     return r.left ? -EINVAL : 0;
+}
+
+/* The peer's cut lacks Pushes this replica applied (its snapshot's ids):
+ * a client the cut does not know, or whose highest sequence is lower. The
+ * peer is behind (itself restarted from an older snapshot): its copy
+ * would lose them. */
+static bool ids_behind(const struct idset *mine, const struct idset *cut)
+{
+    for (uint32_t i = 0; i < mine->n; i++) {
+        const struct idc *p = ids_find(cut, mine->c[i].client);
+        if (!p || p->max < mine->c[i].max)
+            return true;
+    }
+    return false;
 }
 
 /* ---- shard ---- */
@@ -1397,6 +1432,12 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
             else if ((rc = copy_load(s, buf, len, cut, &cut_ids)) == -EINVAL)
                 rc = -EBADMSG; /* the peer's copy, not our call */
             free(buf);
+            if (rc == 0) {
+                pthread_mutex_lock(&s->mu);
+                if (ids_behind(&s->ids, &cut_ids))
+                    rc = -ESTALE;
+                pthread_mutex_unlock(&s->mu);
+            }
         }
         if (rc == 0) {
             bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u", s->shard,

@@ -7,6 +7,8 @@
  *   server, a catching-up shard fed Pushes directly; Pushes both have, some
  *   only the catching one has, one held twice: after catch-up both tables
  *   equal the reference, held Pushes counted as applied or left out.
+ * behind: a snapshot keeps the ids of the Pushes applied; a peer whose copy
+ *   lacks some of them (restarted from an older state) is refused.
  * restart: bex-ps processes, 2 shards x 2 replicas; a thread Pushes all the
  *   time; replica 1 snapshots, is killed -9, Pushes go on, it restarts (its
  *   "ready" comes after catch-up); the two replicas' rows are equal bit for
@@ -146,10 +148,9 @@ static void fetch_replica(bex_ctx *ctx, uint16_t ports[NSH][2], int r, const uin
 static pid_t start_replica(const char *cluster, const char *dir, int r, const char *const *extra,
                            char *url, size_t url_cap)
 {
-    const char *args[24] = {"--cluster",   cluster, "--shard",        "all",
-                            "--replica",   r ? "1" : "0",
-                            "--table",     "1:8:sgd:0.1",
-                            "--transport", "tcp",   "--snapshot-dir", dir};
+    const char *args[24] = {"--cluster",   cluster,       "--shard",        "all",
+                            "--replica",   r ? "1" : "0", "--table",        "1:8:sgd:0.1",
+                            "--transport", "tcp",         "--snapshot-dir", dir};
     size_t n = 12;
     if (url_cap) {
         args[n++] = "--metrics-port";
@@ -310,10 +311,8 @@ static int t_replay(void)
     CHECK_EQ(st.held, 6);
     CHECK_EQ(st.pushes, 0);
     /* the dead peer first, then the live one; small chunks: many of them */
-    bex_ps_catchup_config cu = {.peers = eps,
-                                .n_peers = 2,
-                                .timeout_ms = 20000 * time_scale(),
-                                .chunk_bytes = 100};
+    bex_ps_catchup_config cu = {
+        .peers = eps, .n_peers = 2, .timeout_ms = 20000 * time_scale(), .chunk_bytes = 100};
     CHECK_OK(bex_ps_shard_catchup(rs, rctx, &cu));
     CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), -EINVAL); /* once */
     bex_ps_shard_stats_get(rs, &st);
@@ -345,6 +344,104 @@ static int t_replay(void)
     bex_ps_shard_destroy(rs);
     CHECK_OK(bex_ctx_destroy(pctx));
     CHECK_OK(bex_ctx_destroy(rctx));
+    return 0;
+}
+
+/* ---- behind: the peer lacks what this replica's snapshot has ---- */
+
+/* Snapshots keep the ids of the Pushes applied: a shard loaded from one
+ * does not apply such a Push again; and its catch-up refuses a peer whose
+ * copy lacks them (a peer restarted from an older snapshot: copying it
+ * would lose Pushes), falling back to the snapshot plus the held Pushes. */
+static int t_behind(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    if (!pair_tcp())
+        return bex_test_skip("natively over TCP only");
+    char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char snap[128];
+    snprintf(snap, sizeof snap, "%s/s.snap", tmpl);
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
+    bex_ctx *pctx, *rctx;
+    CHECK_OK(bex_ctx_create(&c0, &pctx));
+    CHECK_OK(bex_ctx_create(&c1, &rctx));
+    uint64_t keys[NK];
+    int idx[NK], n = 0;
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
+            idx[n] = i;
+            keys[n++] = key_of(i);
+        }
+    uint64_t all_keys[NK];
+    int all[NK];
+    keys_init(all_keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, all_keys);
+    static float g[4][NK * DMAX];
+    static void *body[4];
+    size_t blen[4];
+    for (int q = 1; q <= 3; q++) {
+        grads_of(g[q], n, TC.dim, 20 * q);
+        body[q] = push_body(keys, n, g[q], 0xc2, (uint64_t)q, &blen[q]);
+        ref_push(&ref, idx, n, g[q]);
+    }
+    /* this replica's first life: Pushes 1 and 2, snapshot */
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
+    bex_ps_shard *rs, *peer;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    for (int q = 1; q <= 2; q++)
+        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[q], blen[q]));
+    CHECK_OK(bex_ps_shard_snapshot(rs, snap));
+    bex_ps_shard_destroy(rs);
+    /* loaded: Push 2 again is not applied */
+    pc.snapshot_path = snap;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[2], blen[2]));
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.pushes, 0);
+    CHECK_EQ(st.dup_ids, 1);
+    bex_ps_shard_destroy(rs);
+    /* the peer restarted empty (it had only Push 1 ... and lost it) */
+    pc.snapshot_path = NULL;
+    CHECK_OK(bex_ps_shard_create(&pc, &peer));
+    CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[1], blen[1]));
+    bex_rpc_server *srv;
+    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
+    CHECK_OK(bex_ps_shard_register(peer, srv, pctx));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_endpoint ep = {.locality = NULL};
+    bex_rpc_server_addr(srv, &ep.addr);
+    /* this replica restarts from its snapshot, catching up; Push 3 held */
+    pc.snapshot_path = snap;
+    pc.flags = BEX_PS_SHARD_CATCHUP;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[3], blen[3]));
+    bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
+    CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), -ESTALE);
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.catchup_failed, 1);
+    CHECK_EQ(st.catchup_rows, 0);
+    CHECK_EQ(st.catchup_replayed, 1);
+    /* its own rows: Pushes 1-3, not the peer's (1 only) */
+    static float rows[NK * DMAX];
+    fetch_shard(rs, rctx, keys, n, rows);
+    ref_check(&ref, idx, n, rows);
+    for (int q = 1; q <= 3; q++)
+        free(body[q]);
+    CHECK_OK(bex_rpc_server_destroy(srv));
+    bex_ps_shard_destroy(peer);
+    bex_ps_shard_destroy(rs);
+    CHECK_OK(bex_ctx_destroy(pctx));
+    CHECK_OK(bex_ctx_destroy(rctx));
+    CHECK(unlink(snap) == 0);
+    CHECK(rmdir(tmpl) == 0);
     return 0;
 }
 
@@ -503,8 +600,8 @@ static void fake_copy(bex_rpc_req *req, void *body, size_t len, void *user)
         atomic_fetch_add(&fk.opens, 1);
         uint8_t *out = bex_rpc_alloc(fk.ctx, BEX__PS_COPY_HDR_LEN);
         CHECK(out);
-        bex__ps_copy_put(out, &(struct bex__ps_copy_hdr){
-                                  .op = h.op, .session = 42, .offset = 4u << 20});
+        bex__ps_copy_put(out,
+                         &(struct bex__ps_copy_hdr){.op = h.op, .session = 42, .offset = 4u << 20});
         bex_rpc_reply(req, 0, out, BEX__PS_COPY_HDR_LEN);
         return;
     }
@@ -629,5 +726,5 @@ static int t_peer_hangs(void)
     return peer_fails(1);
 }
 
-BEX_TEST_MAIN({"replay", t_replay}, {"restart", t_restart}, {"peer_dies", t_peer_dies},
-              {"peer_hangs", t_peer_hangs})
+BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"restart", t_restart},
+              {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs})
