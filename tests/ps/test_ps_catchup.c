@@ -15,6 +15,7 @@
  *   bit and equal to the reference of every Push made (none missed, none
  *   twice). Without catch-up replica 1 misses the Pushes made between its
  *   snapshot and its restart.
+ * etcd: the same with bex-ps --etcd: the peers are found in etcd.
  * peer_dies / peer_hangs: the peer (a fake in the test) dies in the middle
  *   of the copy, or never answers a chunk: the restarted bex-ps still comes
  *   up in time, serving its snapshot, with the failure counted. */
@@ -579,6 +580,214 @@ static int t_restart(void)
     return 0;
 }
 
+/* ---- etcd ---- */
+
+static char etcd_dir[64];
+static pid_t etcd_pid;
+
+static void etcd_rm(void)
+{
+    if (!etcd_dir[0])
+        return;
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", etcd_dir);
+    int rc = system(cmd);
+    (void)rc;
+    etcd_dir[0] = 0;
+}
+
+/* atexit, in the test's process: etcd stopped and its files gone, also
+ * after a failed check (bex-ps children go by PR_SET_PDEATHSIG) */
+static pid_t main_pid;
+static void etcd_cleanup(void)
+{
+    if (getpid() != main_pid)
+        return;
+    if (etcd_pid > 0) {
+        kill(etcd_pid, SIGTERM);
+        waitpid(etcd_pid, NULL, 0);
+        etcd_pid = 0;
+    }
+    etcd_rm();
+}
+
+/* A local etcd (BEX_ETCD or etcd in PATH; scripts/deps has etcd-server) on
+ * free loopback ports, data in a temporary directory, answering /health
+ * before this returns; its client URL into url. */
+static void etcd_start(char *url, size_t cap)
+{
+    main_pid = getpid();
+    atexit(etcd_cleanup);
+    snprintf(etcd_dir, sizeof etcd_dir, "/tmp/bex-ps-etcd-XXXXXX");
+    CHECK(mkdtemp(etcd_dir));
+    uint16_t cp = free_port(), pp = free_port();
+    while (pp == cp)
+        pp = free_port();
+    char cu[64], peer_url[64], cl[96], dd[96], lg[96];
+    snprintf(cu, sizeof cu, "http://127.0.0.1:%u", cp);
+    snprintf(peer_url, sizeof peer_url, "http://127.0.0.1:%u", pp);
+    snprintf(cl, sizeof cl, "t=%s", peer_url);
+    snprintf(dd, sizeof dd, "%s/data", etcd_dir);
+    snprintf(lg, sizeof lg, "%s/log", etcd_dir);
+    const char *bin = getenv("BEX_ETCD") ? getenv("BEX_ETCD") : "etcd";
+    fflush(NULL);
+    etcd_pid = fork();
+    CHECK(etcd_pid >= 0);
+    if (etcd_pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (!freopen(lg, "a", stdout))
+            _exit(126);
+        dup2(STDOUT_FILENO, STDERR_FILENO);
+        execlp(bin, bin, "--name", "t", "--data-dir", dd, "--listen-client-urls", cu,
+               "--advertise-client-urls", cu, "--listen-peer-urls", peer_url,
+               "--initial-advertise-peer-urls", peer_url, "--initial-cluster", cl, "--log-level",
+               "warn", (char *)NULL);
+        _exit(127);
+    }
+    snprintf(url, cap, "%s", cu);
+    char health[96];
+    snprintf(health, sizeof health, "%s/health", cu);
+    uint64_t end = pair_now_ms() + 30000ull * time_scale();
+    for (;;) {
+        int st;
+        if (waitpid(etcd_pid, &st, WNOHANG) == etcd_pid) {
+            etcd_pid = 0;
+            fprintf(stderr, "FAIL: %s did not start (install etcd-server: scripts/deps)\n", bin);
+            CHECK(0);
+        }
+        CURL *c = curl_easy_init();
+        CHECK(c);
+        curl_easy_setopt(c, CURLOPT_URL, health);
+        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 1000L);
+        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+        struct body b = {NULL, 0};
+        curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+        long code = 0;
+        if (curl_easy_perform(c) == CURLE_OK)
+            curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+        curl_easy_cleanup(c);
+        free(b.p);
+        if (code == 200)
+            break;
+        CHECK(pair_now_ms() < end);
+        pair_sleep_ms(50);
+    }
+}
+
+/* Wait until d lists want replicas of shard (10 s, scaled). */
+static void wait_replicas(bex_dir *d, uint32_t shard, size_t want)
+{
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while (bex_dir_replicas(d, "ps", shard, NULL, 0) != want && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    CHECK_EQ(bex_dir_replicas(d, "ps", shard, NULL, 0), want);
+}
+
+/* With --etcd the peers come from etcd: two bex-ps (every shard each,
+ * fixed ports, replica 0 and 1) registered; Pushes; replica 1 snapshots,
+ * more Pushes, kill -9 (its registration stays until its lease ends: the
+ * Pushes fail there), more Pushes; restarted at the same ports it leaves
+ * its own stale registration out and catches up with replica 0: both
+ * replicas' rows are equal and the reference. */
+static int t_etcd(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char url[96];
+    etcd_start(url, sizeof url);
+    char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    static uint16_t ports[NSH][2];
+    for (int r = 0; r < 2; r++) {
+        uint16_t p = free_port();
+        while (p >= 65535 || (r && (p == ports[0][0] || p + 1 == ports[0][0] || p == ports[1][0])))
+            p = free_port();
+        ports[0][r] = p;
+        ports[1][r] = (uint16_t)(p + 1); /* shard i at PORT + i */
+    }
+    char listen[2][32];
+    pid_t pid[2];
+    for (int r = 0; r < 2; r++)
+        snprintf(listen[r], sizeof listen[r], "127.0.0.1:%u", ports[0][r]);
+    for (int r = 0; r < 2; r++) {
+        const char *args[] = {"--etcd",         url,           "--listen",
+                              listen[r],        "--n-shards",  "2",
+                              "--shard",        "all",         "--replica",
+                              r ? "1" : "0",    "--locality",  r ? "dc1/pod2" : "dc1/pod1",
+                              "--ttl",          "30",          "--table",
+                              "1:8:sgd:0.1",    "--transport", "tcp",
+                              "--snapshot-dir", tmpl,          NULL};
+        pid[r] = bex_ps_start(args, NULL, 0);
+    }
+    bex_dir *d;
+    char err[256] = "";
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_watch_etcd(d, url, NULL, err, sizeof err));
+    for (uint32_t s = 0; s < NSH; s++)
+        wait_replicas(d, s, 2);
+    bex_ctx *ctx = client_ctx();
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .n_shards = NSH,
+                               .locality = "dc1/pod1",
+                               .timeout_ms = 5000 * time_scale(),
+                               .connect_timeout_ms = 2000 * time_scale()};
+    CHECK_OK(bex_ps_client_create(ctx, &cc, &pu.pc));
+    static uint64_t keys[NK];
+    static int all[NK];
+    keys_init(keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, keys);
+    pu.ports = ports;
+    pu.keys = keys;
+    pu.all = all;
+    pu.ref = &ref;
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, pusher, NULL) == 0);
+    wait_pushes(10);
+    CHECK(kill(pid[1], SIGUSR1) == 0);
+    for (int s = 0; s < NSH; s++) {
+        char p[192];
+        snap_path(p, sizeof p, tmpl, s, 1);
+        uint64_t end = pair_now_ms() + 10000ull * time_scale();
+        while (access(p, R_OK) != 0 && pair_now_ms() < end)
+            pair_sleep_ms(5);
+        CHECK(access(p, R_OK) == 0);
+    }
+    int at = atomic_load(&pu.done);
+    wait_pushes(at + 10);
+    kill9(pid[1]);
+    at = atomic_load(&pu.done);
+    wait_pushes(at + 10);
+    CHECK(atomic_load(&pu.r1_failed) > 0);
+    const char *args[] = {
+        "--etcd",  url,           "--listen",    listen[1],    "--n-shards",     "2",     "--shard",
+        "all",     "--replica",   "1",           "--locality", "dc1/pod2",       "--ttl", "30",
+        "--table", "1:8:sgd:0.1", "--transport", "tcp",        "--snapshot-dir", tmpl,    NULL};
+    pid[1] = bex_ps_start(args, NULL, 0);
+    at = atomic_load(&pu.done);
+    wait_pushes(at + 10);
+    atomic_store(&pu.stop, 1);
+    CHECK(pthread_join(th, NULL) == 0);
+    static float rows[2][NK * DMAX];
+    for (int r = 0; r < 2; r++) {
+        fetch_replica(ctx, ports, r, keys, rows[r]);
+        ref_check(&ref, all, NK, rows[r]);
+    }
+    CHECK(memcmp(rows[0], rows[1], sizeof rows[0]) == 0);
+    bex_ps_client_destroy(pu.pc);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    bex_dir_destroy(d);
+    for (int r = 0; r < 2; r++)
+        term_bex_ps(pid[r]);
+    etcd_cleanup();
+    char cluster[128];
+    snprintf(cluster, sizeof cluster, "%s/none", tmpl);
+    cleanup(tmpl, cluster);
+    return 0;
+}
+
 /* ---- peer_dies / peer_hangs: a fake peer in the test ---- */
 
 static struct {
@@ -726,5 +935,5 @@ static int t_peer_hangs(void)
     return peer_fails(1);
 }
 
-BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"restart", t_restart},
+BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"restart", t_restart}, {"etcd", t_etcd},
               {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs})

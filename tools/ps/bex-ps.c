@@ -12,7 +12,7 @@
  * With --metrics-port, GET /metrics over HTTP (libmicrohttpd, on the
  * replica's address) answers the shards' and their RPC servers' counters
  * in Prometheus text format.
- * When the cluster file lists other replicas of a shard, the shard starts
+ * When the cluster file (or etcd) lists other replicas of a shard, the shard starts
  * by catching up with one of them (bex_ps_shard_catchup: their rows and
  * the Pushes they applied, while the Pushes arriving here are held), and
  * only then says "ready"; --no-catchup serves the snapshot alone. */
@@ -143,6 +143,25 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *c, const char *
     if (!text)
         return http_answer(c, MHD_HTTP_INTERNAL_SERVER_ERROR, strdup("out of memory\n"));
     return http_answer(c, MHD_HTTP_OK, text);
+}
+
+/* The replicas of reps[0..nr) other than self (by address) as the
+ * shard's catch-up peers, nearest (same locality) first. */
+static void add_peers(struct served *sv, const bex_dir_replica *reps, size_t nr,
+                      const bex_dir_replica *self)
+{
+    for (int near = 1; near >= 0; near--)
+        for (size_t j = 0; j < nr; j++) {
+            bool same = strcmp(reps[j].locality, self->locality) == 0;
+            if ((reps[j].addr.sin_addr.s_addr == self->addr.sin_addr.s_addr &&
+                 reps[j].addr.sin_port == self->addr.sin_port) ||
+                same != (bool)near || sv->n_peers == sizeof sv->peers / sizeof sv->peers[0])
+                continue;
+            bex_rpc_endpoint *e = &sv->peers[sv->n_peers++];
+            e->addr = reps[j].addr;
+            e->transport = reps[j].transport;
+            e->locality = NULL; /* not needed to connect */
+        }
 }
 
 static void snapshot_all(struct served *sv, size_t n, const char *dir)
@@ -367,18 +386,22 @@ int main(int argc, char **argv)
             fprintf(stderr, "bex-ps: the shards served must share an IP address\n");
             return 1;
         }
-        /* its peers, nearest (same locality) first */
-        for (int near = 1; catchup && near >= 0; near--)
-            for (size_t j = 0; j < nr && j < 64; j++) {
-                bool same = strcmp(reps[j].locality, reps[replica].locality) == 0;
-                if (j == replica || same != (bool)near ||
-                    sv[i].n_peers == sizeof sv[i].peers / sizeof sv[i].peers[0])
-                    continue;
-                bex_rpc_endpoint *e = &sv[i].peers[sv[i].n_peers++];
-                e->addr = reps[j].addr;
-                e->transport = reps[j].transport;
-                e->locality = NULL; /* reps goes out of scope: not needed */
-            }
+        if (catchup)
+            add_peers(&sv[i], reps, nr < 64 ? nr : 64, &self[i]);
+    }
+    /* with etcd: the peers are the replicas registered there now (a stale
+     * registration of this process's previous life, at its address, left
+     * out; one at another port fails and the next is tried) */
+    if (etcd && catchup) {
+        rc = bex_dir_create(NULL, &dir);
+        if (!rc && (rc = bex_dir_watch_etcd(dir, etcd, etcd_prefix, err, sizeof err)))
+            fprintf(stderr, "bex-ps: etcd: %s: no catch-up\n", err[0] ? err : bex_strerror(rc));
+        for (size_t i = 0; !rc && i < n_sv; i++) {
+            bex_dir_replica reps[64];
+            size_t nr = bex_dir_replicas(dir, service, sv[i].shard, reps, 64);
+            add_peers(&sv[i], reps, nr < 64 ? nr : 64, &self[i]);
+        }
+        rc = 0;
     }
     bex_dir_destroy(dir);
 
@@ -426,21 +449,6 @@ int main(int argc, char **argv)
         printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, n_shards, a,
                ntohs(self[up].addr.sin_port));
     }
-    /* catch up with a peer replica, each shard in turn (they hold Pushes
-     * and refuse Fetches until then): a failure is logged, and the shard
-     * serves its snapshot and the Pushes it held */
-    for (size_t i = 0; status == 0 && i < n_sv; i++) {
-        if (!sv[i].n_peers)
-            continue;
-        bex_ps_catchup_config cu = {
-            .peers = sv[i].peers, .n_peers = sv[i].n_peers, .timeout_ms = (uint32_t)catchup_ms};
-        rc = bex_ps_shard_catchup(sv[i].ps, ctx, &cu);
-        if (rc)
-            fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
-                    sv[i].shard, bex_strerror(rc));
-        else
-            printf("bex-ps: shard %u caught up\n", sv[i].shard);
-    }
     /* in etcd once every shard serves: clients find them from here on */
     static bex_dir_registration *regs[MAX_SERVED];
     for (size_t i = 0; etcd && status == 0 && i < n_sv; i++) {
@@ -452,6 +460,23 @@ int main(int argc, char **argv)
             break;
         }
         printf("bex-ps: shard %u registered in etcd\n", sv[i].shard);
+    }
+    /* catch up with a peer replica, each shard in turn (they hold Pushes
+     * and refuse Fetches until then; after the etcd registration, so that
+     * clients send them the Pushes the peer applies after its copy): a
+     * failure is logged, and the shard serves its snapshot and the Pushes
+     * it held */
+    for (size_t i = 0; status == 0 && i < n_sv; i++) {
+        if (!sv[i].n_peers)
+            continue;
+        bex_ps_catchup_config cu = {
+            .peers = sv[i].peers, .n_peers = sv[i].n_peers, .timeout_ms = (uint32_t)catchup_ms};
+        rc = bex_ps_shard_catchup(sv[i].ps, ctx, &cu);
+        if (rc)
+            fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
+                    sv[i].shard, bex_strerror(rc));
+        else
+            printf("bex-ps: shard %u caught up\n", sv[i].shard);
     }
     static struct metrics mt;
     struct MHD_Daemon *httpd = NULL;
