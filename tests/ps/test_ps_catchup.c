@@ -7,6 +7,8 @@
  *   server, a catching-up shard fed Pushes directly; Pushes both have, some
  *   only the catching one has, one held twice: after catch-up both tables
  *   equal the reference, held Pushes counted as applied or left out.
+ * hostile: a peer's copy that is garbage, too long, or answered at the
+ *   wrong offset fails the catch-up at once; the shard serves its own.
  * behind: a snapshot keeps the ids of the Pushes applied; a peer whose copy
  *   lacks some of them (restarted from an older state) is refused.
  * restart: bex-ps processes, 2 shards x 2 replicas; a thread Pushes all the
@@ -343,6 +345,108 @@ static int t_replay(void)
     CHECK_OK(bex_rpc_server_destroy(srv));
     bex_ps_shard_destroy(peer);
     bex_ps_shard_destroy(rs);
+    CHECK_OK(bex_ctx_destroy(pctx));
+    CHECK_OK(bex_ctx_destroy(rctx));
+    return 0;
+}
+
+/* ---- hostile: a peer whose copy is wrong ---- */
+
+static _Atomic int hostile_mode;
+enum { H_GARBAGE, H_HUGE, H_OFFSET, H_EMPTY_CHUNK, H_N };
+
+static void hostile_copy(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    bex_ctx *ctx = user;
+    struct bex__ps_copy_hdr h;
+    CHECK_OK(bex__ps_copy_get(body, len, &h));
+    bex_rpc_free(body);
+    int mode = atomic_load(&hostile_mode);
+    struct bex__ps_copy_hdr a = h;
+    size_t n = 0;
+    if (h.op == BEX__PS_COPY_OPEN) {
+        a.session = 7;
+        a.offset = mode == H_HUGE ? (2ull << 30) : 100; /* its length */
+    } else if (h.op == BEX__PS_COPY_CHUNK) {
+        n = mode == H_EMPTY_CHUNK ? 0 : 100 - (size_t)h.offset;
+        if (mode == H_OFFSET)
+            a.offset = h.offset + 1;
+    }
+    uint8_t *out = bex_rpc_alloc(ctx, BEX__PS_COPY_HDR_LEN + n);
+    CHECK(out);
+    memset(out, 0x5a, BEX__PS_COPY_HDR_LEN + n);
+    bex__ps_copy_put(out, &a);
+    bex_rpc_reply(req, 0, out, BEX__PS_COPY_HDR_LEN + n);
+}
+
+/* A peer that sends 100 bytes of garbage (-EBADMSG: its checksum), claims
+ * 2 GiB (-E2BIG, past max_bytes 1 GiB: nothing allocated for it), echoes
+ * another offset or sends an empty chunk (-EBADMSG): each catch-up fails
+ * at once, counted, and the shard serves its own rows and the Push it
+ * held. */
+static int t_hostile(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    if (!pair_tcp())
+        return bex_test_skip("natively over TCP only");
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
+    bex_ctx *pctx, *rctx;
+    CHECK_OK(bex_ctx_create(&c0, &pctx));
+    CHECK_OK(bex_ctx_create(&c1, &rctx));
+    bex_rpc_server *srv;
+    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
+    CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, hostile_copy, pctx));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_endpoint ep = {.locality = NULL};
+    bex_rpc_server_addr(srv, &ep.addr);
+    uint64_t keys[NK];
+    int idx[NK], n = 0;
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
+            idx[n] = i;
+            keys[n++] = key_of(i);
+        }
+    uint64_t all_keys[NK];
+    int all[NK];
+    keys_init(all_keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, all_keys);
+    static float g[NK * DMAX], rows[NK * DMAX];
+    grads_of(g, n, TC.dim, 5);
+    size_t blen;
+    void *body = push_body(keys, n, g, 0xc3, 1, &blen);
+    ref_push(&ref, idx, n, g);
+    const int want[H_N] = {-EBADMSG, -E2BIG, -EBADMSG, -EBADMSG};
+    for (int m = 0; m < H_N; m++) {
+        atomic_store(&hostile_mode, m);
+        bex_ps_shard_config pc = {.shard = 0,
+                                  .n_shards = NSH,
+                                  .tables = &TC,
+                                  .n_tables = 1,
+                                  .flags = BEX_PS_SHARD_CATCHUP};
+        bex_ps_shard *rs;
+        CHECK_OK(bex_ps_shard_create(&pc, &rs));
+        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body, blen));
+        bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
+        uint64_t t0 = pair_now_ms();
+        CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), want[m]);
+        CHECK(pair_now_ms() - t0 < 5000ull * time_scale()); /* at once, not by the deadline */
+        bex_ps_shard_stats st;
+        bex_ps_shard_stats_get(rs, &st);
+        CHECK_EQ(st.catchup_failed, 1);
+        CHECK_EQ(st.catchup_rows, 0);
+        CHECK_EQ(st.catchup_replayed, 1);
+        fetch_shard(rs, rctx, keys, n, rows);
+        ref_check(&ref, idx, n, rows);
+        bex_ps_shard_destroy(rs);
+    }
+    free(body);
+    CHECK_OK(bex_rpc_server_destroy(srv));
     CHECK_OK(bex_ctx_destroy(pctx));
     CHECK_OK(bex_ctx_destroy(rctx));
     return 0;
@@ -935,5 +1039,6 @@ static int t_peer_hangs(void)
     return peer_fails(1);
 }
 
-BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"restart", t_restart}, {"etcd", t_etcd},
-              {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs})
+BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"hostile", t_hostile},
+              {"restart", t_restart}, {"etcd", t_etcd}, {"peer_dies", t_peer_dies},
+              {"peer_hangs", t_peer_hangs})
