@@ -92,7 +92,8 @@ struct bex_ps_shard {
     struct bex__log log;
     bex_ps_shard_stats st;
     struct idset ids;
-    bool catching; /* BEX_PS_SHARD_CATCHUP until bex_ps_shard_catchup ends */
+    bool catching;     /* BEX_PS_SHARD_CATCHUP until bex_ps_shard_catchup ends */
+    bool catchup_busy; /* bex_ps_shard_catchup called (once) */
     struct held *held, **held_tail;
     uint64_t held_bytes, held_max;
     struct copy cp;
@@ -1411,9 +1412,12 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
         return -EINVAL;
     pthread_mutex_lock(&s->mu);
-    bool catching = s->catching;
+    /* once: a second caller meanwhile would install a copy over Pushes
+     * applied after the first */
+    bool mine = s->catching && !s->catchup_busy;
+    s->catchup_busy = true;
     pthread_mutex_unlock(&s->mu);
-    if (!catching)
+    if (!mine)
         return -EINVAL;
     uint64_t deadline =
         bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
