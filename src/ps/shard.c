@@ -1342,7 +1342,11 @@ static int copy_pull(bex_ctx *ctx, const bex_rpc_endpoint *ep, const bex_ps_catc
                                  .name = "ps-catchup",
                                  .request_timeout_ms = left,
                                  .connect_timeout_ms = left,
-                                 .max_attempts = 1};
+                                 /* a connection lost mid-copy (seen in the
+                                  * emulated VM) is retried, within the
+                                  * deadline: CHUNK only reads, and a second
+                                  * OPEN replaces the first copy */
+                                 .max_attempts = 3};
     bex_rpc_channel *ch;
     int rc = bex_rpc_channel_create(ctx, &cc, &ch);
     if (rc)
