@@ -46,9 +46,11 @@ extern "C" {
 
 #pragma GCC visibility push(default)
 
-/* RPC service and methods of a PS server. */
+/* RPC service and methods of a PS server. BEX_PS_M_COPY is reserved: a
+ * restarted replica's catch-up copy of its peer (docs/protocol.md,
+ * "Catch-up"), not for applications. */
 #define BEX_PS_SERVICE 0x5053u /* "PS" */
-enum { BEX_PS_M_FETCH = 1, BEX_PS_M_PUSH = 2 };
+enum { BEX_PS_M_FETCH = 1, BEX_PS_M_PUSH = 2, BEX_PS_M_COPY = 3 };
 
 /* Bounds of the wire format (a body past them is refused, -E2BIG). */
 #define BEX_PS_DIM_MAX    4096u       /* floats in a row */
@@ -93,7 +95,17 @@ typedef struct bex_ps_shard_config {
     const char *snapshot_path;
     bex_log_fn log_fn; /* NULL: stderr */
     void *log_arg;
+    uint32_t flags; /* BEX_PS_SHARD_* */
+    /* BEX_PS_SHARD_CATCHUP: bytes of Pushes held until the catch-up ends
+     * (256 MiB); a Push past it is answered -EAGAIN */
+    uint64_t catchup_log_max;
 } bex_ps_shard_config;
+
+/* The shard starts catching up: Pushes are checked, answered and held in
+ * a log (not applied), Fetches are answered -EAGAIN (retryable: the
+ * client fails over to another replica), and COPY is refused, until
+ * bex_ps_shard_catchup returns. */
+#define BEX_PS_SHARD_CATCHUP (1u << 0)
 
 /* Returns 0, -EINVAL (config; a snapshot not matching it or corrupt),
  * -ENOMEM, or the snapshot's read error (-EACCES, -EIO, ...). */
@@ -119,10 +131,38 @@ int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
  * the old file). Returns 0 or a negative errno. */
 int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path);
 
+/* ---- catch-up of a restarted replica (docs/architecture.md) ---- */
+
+typedef struct bex_ps_catchup_config {
+    const bex_rpc_endpoint *peers; /* replicas of this shard, tried in order */
+    size_t n_peers;
+    uint32_t timeout_ms;  /* the whole catch-up's deadline, every peer (10000) */
+    uint32_t chunk_bytes; /* bytes asked per COPY chunk (1 MiB, at most 16 MiB) */
+    uint64_t max_bytes;   /* a copy longer than this is refused (1 GiB) */
+} bex_ps_catchup_config;
+
+/* Catch a shard created with BEX_PS_SHARD_CATCHUP (and serving: its RPC
+ * server listens) up with a live peer replica, then let it serve. Pulls
+ * the peer's rows and the ids of the Pushes it applied, as one consistent
+ * cut, in chunks; takes them instead of its own rows; applies the held
+ * Pushes the cut does not contain, each once; serves from then on. When no
+ * peer gives a copy by the deadline (dead, itself catching up, hostile),
+ * it logs why and falls back to its own rows (its snapshot) plus every
+ * held Push, and returns the error (-ETIMEDOUT, -ECONNREFUSED, -EAGAIN,
+ * -EBADMSG, -E2BIG, ...); the shard serves either way. Blocks: never from
+ * a callback of ctx. -EINVAL when the shard is not catching up. */
+int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg);
+
 typedef struct bex_ps_shard_stats {
     uint64_t fetches, pushes, rows_fetched, rows_pushed;
     uint64_t malformed; /* bodies refused */
     uint64_t rows;      /* rows held, every table */
+    /* catch-up: rows copied from the peer, held Pushes applied (replayed)
+     * and left out (the peer's cut had them), catch-ups that fell back to
+     * the snapshot; Pushes held; copies served to a restarted peer; Pushes
+     * whose id was applied already (answered, not applied again) */
+    uint64_t catchup_rows, catchup_replayed, catchup_skipped, catchup_failed;
+    uint64_t held, copies_served, dup_ids;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 

@@ -18,6 +18,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #include "bex/ps.h"
 #include "ps/ps_internal.h"
@@ -50,6 +52,11 @@ struct bex_ps_client {
     uint64_t gen;            /* the directory generation push follows */
     struct shard_reps *push; /* per shard (NULL until the first Push) */
     struct pch *all;
+    /* A Push's id, the same at every replica (a restarted replica's
+     * catch-up tells by it which Pushes its peer applied): this client's
+     * random id and a sequence per Push. */
+    uint64_t push_client;
+    _Atomic uint64_t push_seq;
 };
 
 struct op;
@@ -103,6 +110,9 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
         snprintf(c->loc, sizeof c->loc, "%s", cfg->locality);
         c->has_loc = true;
     }
+    while (!c->push_client)
+        if (getrandom(&c->push_client, sizeof c->push_client, 0) != sizeof c->push_client)
+            c->push_client = bex__ps_mix((uint64_t)(uintptr_t)c ^ (uint64_t)time(NULL));
     c->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : 1000;
     c->attempt_timeout_ms = cfg->attempt_timeout_ms;
     c->connect_timeout_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 1000;
@@ -317,7 +327,8 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     for (size_t i = 0; i < n; i++)
         cnt[bex_ps_key_shard(keys[i], c->n_shards)]++;
     for (size_t s = 0; s < ns; s++)
-        if (bex__ps_req_len(method, cnt[s], dim) > BEX_PS_BODY_MAX ||
+        if (bex__ps_req_len(method, cnt[s], dim) + (method == BEX_PS_M_PUSH ? BEX__PS_ID_LEN : 0) >
+                BEX_PS_BODY_MAX ||
             (size_t)BEX__PS_HDR_LEN + 4 * (size_t)cnt[s] * dim > BEX_PS_BODY_MAX) {
             free(cnt);
             return -E2BIG;
@@ -390,6 +401,7 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     if (n_res)
         *n_res = push ? n_subs : 0;
     atomic_store(&op->left, (uint32_t)n_subs + 1);
+    uint64_t id_seq = push ? atomic_fetch_add(&c->push_seq, 1) + 1 : 0;
     bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
     for (size_t i = 0; i < n_subs; i++) {
         struct sub *sb = &op->subs[i];
@@ -397,14 +409,22 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
             sub_end(sb, -EHOSTUNREACH);
             continue;
         }
-        size_t len = bex__ps_req_len(method, sb->n, dim);
+        struct bex__ps_hdr h = {.table = table, .n = sb->n, .dim = dim};
+        if (push)
+            h = (struct bex__ps_hdr){.table = table,
+                                     .n = sb->n,
+                                     .dim = dim,
+                                     .flags = BEX__PS_F_ID,
+                                     .id_client = c->push_client,
+                                     .id_seq = id_seq};
+        size_t len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0);
         uint8_t *b = bex_rpc_alloc(c->ctx, len);
         if (!b) {
             sub_end(sb, -ENOMEM);
             continue;
         }
-        bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = table, .n = sb->n, .dim = dim});
-        uint8_t *p = b + BEX__PS_HDR_LEN;
+        bex__ps_hdr_put(b, &h);
+        uint8_t *p = b + bex__ps_keys_off(&h);
         for (uint32_t j = 0; j < sb->n; j++, p += 8)
             bex__ps_put64(p, keys[sb->pos[j]]);
         if (push)

@@ -4,6 +4,7 @@
 #ifndef BEX_PS_INTERNAL_H
 #define BEX_PS_INTERNAL_H
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,10 +14,23 @@
 #define BEX__PS_VERSION 1
 #define BEX__PS_HDR_LEN 16
 
-/* u16 version, u16 flags (0), u32 table, u32 n (keys or rows), u32 dim */
+/* u16 version, u16 flags, u32 table, u32 n (keys or rows), u32 dim; with
+ * BEX__PS_F_ID (Push only) the Push's id follows: u64 client, u64 seq
+ * (the same at every replica of every shard the Push goes to, so that a
+ * restarted replica can tell which Pushes its peer applied: catch-up). */
+#define BEX__PS_F_ID   1u
+#define BEX__PS_ID_LEN 16
 struct bex__ps_hdr {
     uint32_t table, n, dim;
+    uint32_t flags;
+    uint64_t id_client, id_seq; /* BEX__PS_F_ID */
 };
+
+/* Bytes from a request body's start to its keys. */
+static inline size_t bex__ps_keys_off(const struct bex__ps_hdr *h)
+{
+    return BEX__PS_HDR_LEN + ((h->flags & BEX__PS_F_ID) ? BEX__PS_ID_LEN : 0);
+}
 
 static inline void bex__ps_put32(uint8_t *p, uint32_t v)
 {
@@ -60,13 +74,19 @@ static inline void bex__ps_hdr_put(uint8_t *p, const struct bex__ps_hdr *h)
 {
     p[0] = BEX__PS_VERSION;
     p[1] = 0;
-    p[2] = p[3] = 0;
+    p[2] = (uint8_t)(h->flags & BEX__PS_F_ID);
+    p[3] = 0;
     bex__ps_put32(p + 4, h->table);
     bex__ps_put32(p + 8, h->n);
     bex__ps_put32(p + 12, h->dim);
+    if (h->flags & BEX__PS_F_ID) {
+        bex__ps_put64(p + BEX__PS_HDR_LEN, h->id_client);
+        bex__ps_put64(p + BEX__PS_HDR_LEN + 8, h->id_seq);
+    }
 }
 
-/* Bytes of a request body of method for n keys of dim floats. */
+/* Bytes of a request body of method for n keys of dim floats (a Push's
+ * id not counted: + BEX__PS_ID_LEN with BEX__PS_F_ID). */
 size_t bex__ps_req_len(uint32_t method, uint32_t n, uint32_t dim);
 
 /* Check a request body of method strictly: header, bounds, exact length.
@@ -79,6 +99,41 @@ int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t t
                        uint32_t dim);
 
 uint64_t bex__ps_mix(uint64_t x);
+
+/* ---- catch-up (BEX_PS_M_COPY; docs/protocol.md, "Catch-up") ---- */
+
+/* u8 version, u8 op, u16 0, u32 max_len, u64 session, u64 offset: a
+ * request; an answer has the same 24 bytes (max_len 0; OPEN: offset is
+ * the copy's total length), CHUNK's followed by the bytes at offset. */
+#define BEX__PS_COPY_HDR_LEN 24
+enum { BEX__PS_COPY_OPEN = 1, BEX__PS_COPY_CHUNK = 2, BEX__PS_COPY_CLOSE = 3 };
+struct bex__ps_copy_hdr {
+    uint8_t op;
+    uint32_t max_len;
+    uint64_t session, offset;
+};
+static inline void bex__ps_copy_put(uint8_t *p, const struct bex__ps_copy_hdr *h)
+{
+    p[0] = BEX__PS_VERSION;
+    p[1] = h->op;
+    p[2] = p[3] = 0;
+    bex__ps_put32(p + 4, h->max_len);
+    bex__ps_put64(p + 8, h->session);
+    bex__ps_put64(p + 16, h->offset);
+}
+/* 0, or -EINVAL when p (len bytes) is not a copy header. */
+static inline int bex__ps_copy_get(const void *body, size_t len, struct bex__ps_copy_hdr *h)
+{
+    const uint8_t *p = body;
+    if (!p || len < BEX__PS_COPY_HDR_LEN || p[0] != BEX__PS_VERSION || p[2] || p[3] ||
+        p[1] < BEX__PS_COPY_OPEN || p[1] > BEX__PS_COPY_CLOSE)
+        return -EINVAL;
+    h->op = p[1];
+    h->max_len = bex__ps_get32(p + 4);
+    h->session = bex__ps_get64(p + 8);
+    h->offset = bex__ps_get64(p + 16);
+    return 0;
+}
 
 /* The RPC registration flags of a method: Push changes state, so a retried
  * Push is answered from the dedup window, not applied again. (Tests that

@@ -17,6 +17,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <arpa/inet.h>
 
 #include "bex/ps.h"
 #include "common/log.h"
@@ -46,14 +47,56 @@ struct reg {
     uint32_t method;
 };
 
+/* The ids of the Pushes applied (BEX__PS_F_ID): per client, the highest
+ * sequence and a bitmap of the IDS_WINDOW sequences up to it; at most
+ * IDS_CLIENTS clients (the least recently seen one is forgotten). */
+#define IDS_WINDOW  1024u
+#define IDS_CLIENTS 4096u
+struct idc {
+    uint64_t client, max, touch;
+    uint64_t bits[IDS_WINDOW / 64];
+};
+struct idset {
+    struct idc *c;
+    uint32_t n, cap;
+    uint32_t *slots; /* hash slot -> index + 1 */
+    uint32_t n_slots;
+    uint64_t clock;
+};
+enum { ID_NEW, ID_SEEN, ID_OLD };
+
+/* A Push held while catching up, checked and decoded. */
+struct held {
+    struct held *next;
+    struct table *t;
+    uint32_t n, flags;
+    uint64_t id_client, id_seq;
+    uint64_t *keys;
+    float *g;
+    size_t bytes;
+};
+
+/* The copy a restarted peer pulls (BEX_PS_M_COPY): one at a time. */
+struct copy {
+    uint64_t session, used_ns;
+    char *buf;
+    size_t len;
+};
+
 struct bex_ps_shard {
     uint32_t shard, n_shards;
-    struct reg regs[2]; /* the handlers' user pointers */
+    struct reg regs[3]; /* the handlers' user pointers */
     struct table *tables;
     size_t n_tables;
     pthread_mutex_t mu;
     struct bex__log log;
     bex_ps_shard_stats st;
+    struct idset ids;
+    bool catching;     /* BEX_PS_SHARD_CATCHUP until bex_ps_shard_catchup ends */
+    bool catchup_busy; /* bex_ps_shard_catchup called (once) */
+    struct held *held, **held_tail;
+    uint64_t held_bytes, held_max;
+    struct copy cp;
 };
 
 /* ---- hashing ---- */
@@ -220,13 +263,157 @@ static void apply(const struct table *t, float *v, const float *g)
     }
 }
 
+/* ---- the ids of applied Pushes ---- */
+
+static uint32_t ids_slot(uint64_t client, uint32_t mask)
+{
+    return (uint32_t)bex__ps_mix(client ^ 0x2545f4914f6cdd1dull) & mask;
+}
+
+static void ids_rehash(struct idset *d)
+{
+    memset(d->slots, 0, d->n_slots * sizeof *d->slots);
+    uint32_t mask = d->n_slots - 1;
+    for (uint32_t i = 0; i < d->n; i++) {
+        uint32_t k = ids_slot(d->c[i].client, mask);
+        while (d->slots[k])
+            k = (k + 1) & mask;
+        d->slots[k] = i + 1;
+    }
+}
+
+static struct idc *ids_find(const struct idset *d, uint64_t client)
+{
+    if (!d->n_slots)
+        return NULL;
+    uint32_t mask = d->n_slots - 1;
+    for (uint32_t k = ids_slot(client, mask);; k = (k + 1) & mask) {
+        uint32_t i = d->slots[k];
+        if (!i)
+            return NULL;
+        if (d->c[i - 1].client == client)
+            return &d->c[i - 1];
+    }
+}
+
+static int ids_has(const struct idset *d, uint64_t client, uint64_t seq)
+{
+    const struct idc *c = ids_find(d, client);
+    if (!c || seq > c->max)
+        return ID_NEW;
+    if (c->max - seq >= IDS_WINDOW)
+        return ID_OLD;
+    return (c->bits[(seq % IDS_WINDOW) / 64] >> (seq % 64)) & 1 ? ID_SEEN : ID_NEW;
+}
+
+/* The client's record, made (the least recently seen one forgotten when
+ * full); NULL: -ENOMEM. */
+static struct idc *ids_get(struct idset *d, uint64_t client)
+{
+    struct idc *c = ids_find(d, client);
+    if (c)
+        return c;
+    if (d->n == IDS_CLIENTS) {
+        uint32_t old = 0;
+        for (uint32_t i = 1; i < d->n; i++)
+            if (d->c[i].touch < d->c[old].touch)
+                old = i;
+        d->c[old] = d->c[--d->n];
+        ids_rehash(d);
+    }
+    if (d->n == d->cap) {
+        uint32_t cap = d->cap ? 2 * d->cap : 16;
+        struct idc *nc = realloc(d->c, cap * sizeof *nc);
+        if (!nc)
+            return NULL;
+        d->c = nc;
+        d->cap = cap;
+    }
+    if (2 * (d->n + 1) > d->n_slots) {
+        uint32_t ns = d->n_slots ? 2 * d->n_slots : 32;
+        uint32_t *sl = calloc(ns, sizeof *sl);
+        if (!sl)
+            return NULL;
+        free(d->slots);
+        d->slots = sl;
+        d->n_slots = ns;
+        ids_rehash(d);
+    }
+    c = &d->c[d->n++];
+    *c = (struct idc){.client = client};
+    uint32_t mask = d->n_slots - 1, k = ids_slot(client, mask);
+    while (d->slots[k])
+        k = (k + 1) & mask;
+    d->slots[k] = d->n;
+    return c;
+}
+
+static int ids_add(struct idset *d, uint64_t client, uint64_t seq)
+{
+    struct idc *c = ids_get(d, client);
+    if (!c)
+        return -ENOMEM;
+    c->touch = ++d->clock;
+    if (seq > c->max) {
+        if (seq - c->max >= IDS_WINDOW)
+            memset(c->bits, 0, sizeof c->bits);
+        else
+            for (uint64_t q = c->max + 1; q <= seq; q++)
+                c->bits[(q % IDS_WINDOW) / 64] &= ~(1ull << (q % 64));
+        c->max = seq;
+    } else if (c->max - seq >= IDS_WINDOW) {
+        return 0; /* older than the window: not recorded */
+    }
+    c->bits[(seq % IDS_WINDOW) / 64] |= 1ull << (seq % 64);
+    return 0;
+}
+
+static void ids_free(struct idset *d)
+{
+    free(d->c);
+    free(d->slots);
+    *d = (struct idset){0};
+}
+
+/* Apply a decoded Push (under s->mu): once per id. Returns 0 (applied, or
+ * its id was applied already: not again), or -ENOSPC, -ENOMEM (nothing
+ * changed). *applied (may be NULL) tells which. */
+static int push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, const uint64_t *keys,
+                             const float *g, uint32_t flags, uint64_t idc, uint64_t ids,
+                             bool *applied)
+{
+    if (applied)
+        *applied = false;
+    if ((flags & BEX__PS_F_ID) && ids_has(&s->ids, idc, ids) == ID_SEEN) {
+        s->st.dup_ids++;
+        return 0;
+    }
+    int rc = table_reserve(t, missing_rows(t, keys, n));
+    if (rc == 0 && (flags & BEX__PS_F_ID))
+        rc = ids_add(&s->ids, idc, ids);
+    if (rc)
+        return rc;
+    for (uint32_t i = 0; i < n; i++)
+        apply(t, row_get(t, keys[i]), g + (size_t)i * t->cfg.dim);
+    s->st.pushes++;
+    s->st.rows_pushed += n;
+    t->pushes++;
+    t->rows_pushed += n;
+    if (applied)
+        *applied = true;
+    return 0;
+}
+
 /* ---- snapshots ---- */
 
 /* "BEXPSNAP", u32 version, shard, n_shards, n_tables; per table u32 id,
- * dim, optimizer, n_rows, then n_rows x (u64 key, width floats); then the
- * BLAKE2b-256 (crypto_generichash) of everything before it. */
+ * dim, optimizer, n_rows, then n_rows x (u64 key, width floats); version
+ * 2: then the ids of the Pushes applied (as in a copy); then the
+ * BLAKE2b-256 (crypto_generichash) of everything before it. Version 1
+ * (no ids) is still loaded. */
 static const char snap_magic[8] = {'B', 'E', 'X', 'P', 'S', 'N', 'A', 'P'};
-#define SNAP_VERSION 1
+#define SNAP_VERSION 2
+#define COPY_VERSION 1
 #define SNAP_HASH    crypto_generichash_BYTES
 
 struct wr {
@@ -251,6 +438,50 @@ static void wr32(struct wr *w, uint32_t v)
     wr_bytes(w, b, 4);
 }
 
+static void wr64(struct wr *w, uint64_t v)
+{
+    uint8_t b[8];
+    bex__ps_put64(b, v);
+    wr_bytes(w, b, 8);
+}
+
+/* shard, n_shards, n_tables, then every table's rows (under s->mu). */
+static void wr_tables(struct wr *w, bex_ps_shard *s)
+{
+    wr32(w, s->shard);
+    wr32(w, s->n_shards);
+    wr32(w, (uint32_t)s->n_tables);
+    uint8_t row[8 + 8 * BEX_PS_DIM_MAX];
+    for (size_t i = 0; i < s->n_tables; i++) {
+        const struct table *t = &s->tables[i];
+        wr32(w, t->cfg.id);
+        wr32(w, t->cfg.dim);
+        wr32(w, t->cfg.optimizer);
+        wr32(w, t->n_rows);
+        for (uint32_t r = 0; r < t->n_rows; r++) {
+            bex__ps_put64(row, t->keys[r]);
+            const float *v = t->vals + (size_t)r * t->width;
+            for (uint32_t c = 0; c < t->width; c++)
+                bex__ps_putf(row + 8 + 4 * (size_t)c, v[c]);
+            wr_bytes(w, row, 8 + 4 * (size_t)t->width);
+        }
+    }
+}
+
+/* The ids of the Pushes applied: u32 clients; per client u64 id, u64
+ * highest sequence, IDS_WINDOW / 64 u64 bitmap words (under s->mu). */
+static void wr_ids(struct wr *w, bex_ps_shard *s)
+{
+    wr32(w, s->ids.n);
+    for (uint32_t i = 0; i < s->ids.n; i++) {
+        const struct idc *c = &s->ids.c[i];
+        wr64(w, c->client);
+        wr64(w, c->max);
+        for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
+            wr64(w, c->bits[k]);
+    }
+}
+
 int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
 {
     if (!s || !path)
@@ -271,24 +502,8 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
     pthread_mutex_lock(&s->mu);
     wr_bytes(&w, snap_magic, sizeof snap_magic);
     wr32(&w, SNAP_VERSION);
-    wr32(&w, s->shard);
-    wr32(&w, s->n_shards);
-    wr32(&w, (uint32_t)s->n_tables);
-    uint8_t row[8 + 8 * BEX_PS_DIM_MAX];
-    for (size_t i = 0; i < s->n_tables; i++) {
-        const struct table *t = &s->tables[i];
-        wr32(&w, t->cfg.id);
-        wr32(&w, t->cfg.dim);
-        wr32(&w, t->cfg.optimizer);
-        wr32(&w, t->n_rows);
-        for (uint32_t r = 0; r < t->n_rows; r++) {
-            bex__ps_put64(row, t->keys[r]);
-            const float *v = t->vals + (size_t)r * t->width;
-            for (uint32_t c = 0; c < t->width; c++)
-                bex__ps_putf(row + 8 + 4 * (size_t)c, v[c]);
-            wr_bytes(&w, row, 8 + 4 * (size_t)t->width);
-        }
-    }
+    wr_tables(&w, s);
+    wr_ids(&w, s);
     pthread_mutex_unlock(&s->mu);
     uint8_t sum[SNAP_HASH];
     crypto_generichash_final(&w.h, sum, sizeof sum);
@@ -308,6 +523,39 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
     return w.err;
 }
 
+/* The copy a restarted peer pulls: "BEXPSCPY", u32 version, the tables as
+ * in a snapshot, then the ids of the Pushes applied (u32 clients; per
+ * client u64 id, u64 highest sequence, IDS_WINDOW / 64 u64 bitmap words),
+ * then the BLAKE2b-256 of everything before it. Made under s->mu: the
+ * rows and the ids are one cut. */
+static const char copy_magic[8] = {'B', 'E', 'X', 'P', 'S', 'C', 'P', 'Y'};
+
+static int copy_make(bex_ps_shard *s, char **buf, size_t *len)
+{
+    *buf = NULL;
+    *len = 0;
+    struct wr w = {.f = open_memstream(buf, len)};
+    if (!w.f)
+        return -ENOMEM;
+    crypto_generichash_init(&w.h, NULL, 0, SNAP_HASH);
+    wr_bytes(&w, copy_magic, sizeof copy_magic);
+    wr32(&w, COPY_VERSION);
+    wr_tables(&w, s);
+    wr_ids(&w, s);
+    uint8_t sum[SNAP_HASH];
+    crypto_generichash_final(&w.h, sum, sizeof sum);
+    if (!w.err && fwrite(sum, 1, sizeof sum, w.f) != sizeof sum)
+        w.err = -ENOMEM;
+    if (fclose(w.f) && !w.err)
+        w.err = -ENOMEM;
+    if (w.err) {
+        free(*buf);
+        *buf = NULL;
+        *len = 0;
+    }
+    return w.err ? -ENOMEM : 0;
+}
+
 struct rd {
     const uint8_t *p;
     size_t left;
@@ -320,6 +568,103 @@ static int rd32(struct rd *r, uint32_t *v)
     *v = bex__ps_get32(r->p);
     r->p += 4;
     r->left -= 4;
+    return 0;
+}
+
+static int rd64(struct rd *r, uint64_t *v)
+{
+    if (r->left < 8)
+        return -EINVAL;
+    *v = bex__ps_get64(r->p);
+    r->p += 8;
+    r->left -= 8;
+    return 0;
+}
+
+/* buf (size bytes) ends with the BLAKE2b-256 of the rest and starts with
+ * magic and a version from lo to hi: 0, *version and *r after them, or
+ * -EINVAL. */
+static int check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const char *magic,
+                     uint32_t lo, uint32_t hi, const char *what, uint32_t *version, struct rd *r)
+{
+    if (size < 8 + 4 + 12 + SNAP_HASH)
+        return -EINVAL;
+    uint8_t sum[SNAP_HASH];
+    crypto_generichash(sum, sizeof sum, buf, size - SNAP_HASH, NULL, 0);
+    if (sodium_memcmp(sum, buf + size - SNAP_HASH, SNAP_HASH) != 0) {
+        bex__log(&s->log, BEX_LOG_ERROR, "ps %s: checksum mismatch", what);
+        return -EINVAL;
+    }
+    *r = (struct rd){.p = buf + 8, .left = size - SNAP_HASH - 8};
+    if (memcmp(buf, magic, 8) || rd32(r, version) || *version < lo || *version > hi) {
+        bex__log(&s->log, BEX_LOG_ERROR, "ps %s: not a file of its kind, version %u to %u", what,
+                 lo, hi);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* The ids section at r into ids (empty). */
+static int load_ids(struct rd *r, struct idset *ids)
+{
+    uint32_t n;
+    if (rd32(r, &n) || n > IDS_CLIENTS || r->left / (16 + IDS_WINDOW / 8) < n)
+        return -EINVAL;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t client = 0, max = 0;
+        rd64(r, &client);
+        rd64(r, &max);
+        if (ids_find(ids, client))
+            return -EINVAL; /* a client twice */
+        struct idc *c = ids_get(ids, client);
+        if (!c)
+            return -ENOMEM;
+        c->max = max;
+        c->touch = ++ids->clock;
+        for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
+            rd64(r, &c->bits[k]);
+    }
+    return 0;
+}
+
+/* The tables at r (shard, shard count, tables, rows) into dst[] (s's
+ * tables' configs, empty), every count checked against what is left. */
+static int load_tables(bex_ps_shard *s, struct table *dst, struct rd *r, const char *what)
+{
+    uint32_t shard, n_shards, n_tables;
+    if (rd32(r, &shard) || rd32(r, &n_shards) || rd32(r, &n_tables) || shard != s->shard ||
+        n_shards != s->n_shards || n_tables != s->n_tables) {
+        bex__log(&s->log, BEX_LOG_ERROR, "ps %s: not of this shard (shard, shard count or tables)",
+                 what);
+        return -EINVAL;
+    }
+    bool seen[BEX_PS_TABLES_MAX] = {false};
+    for (uint32_t i = 0; i < n_tables; i++) {
+        uint32_t id, dim, opt, n_rows;
+        if (rd32(r, &id) || rd32(r, &dim) || rd32(r, &opt) || rd32(r, &n_rows))
+            return -EINVAL;
+        struct table *c = find_table(s, id);
+        if (!c || seen[c - s->tables] || c->cfg.dim != dim || c->cfg.optimizer != opt) {
+            bex__log(&s->log, BEX_LOG_ERROR, "ps %s: table %u does not match the config", what, id);
+            return -EINVAL;
+        }
+        seen[c - s->tables] = true;
+        struct table *t = &dst[c - s->tables];
+        size_t row_len = 8 + 4 * (size_t)t->width;
+        if (n_rows > t->cfg.max_rows || r->left / row_len < n_rows)
+            return -EINVAL;
+        int rc = table_reserve(t, n_rows);
+        if (rc)
+            return rc;
+        for (uint32_t k = 0; k < n_rows; k++, r->p += row_len, r->left -= row_len) {
+            uint64_t key = bex__ps_get64(r->p);
+            if (row_find(t, key) != UINT32_MAX)
+                return -EINVAL; /* a key twice */
+            float *v = row_get(t, key);
+            for (uint32_t c2 = 0; c2 < t->width; c2++)
+                v[c2] = bex__ps_getf(r->p + 8 + 4 * (size_t)c2);
+        }
+    }
     return 0;
 }
 
@@ -358,56 +703,14 @@ static int snapshot_load(bex_ps_shard *s, const char *path)
         }
         got += (size_t)n;
     }
-    uint8_t sum[SNAP_HASH];
-    crypto_generichash(sum, sizeof sum, buf, size - SNAP_HASH, NULL, 0);
-    if (sodium_memcmp(sum, buf + size - SNAP_HASH, SNAP_HASH) != 0) {
-        bex__log(&s->log, BEX_LOG_ERROR, "ps snapshot %s: checksum mismatch", path);
-        rc = -EINVAL;
+    char what[256];
+    snprintf(what, sizeof what, "snapshot %s", path);
+    struct rd r;
+    uint32_t version;
+    if ((rc = check_sum(s, buf, size, snap_magic, 1, SNAP_VERSION, what, &version, &r)) ||
+        (rc = load_tables(s, s->tables, &r, what)) ||
+        (version >= 2 && (rc = load_ids(&r, &s->ids))))
         goto out;
-    }
-    struct rd r = {.p = buf + sizeof snap_magic, .left = size - SNAP_HASH - sizeof snap_magic};
-    uint32_t version, shard, n_shards, n_tables;
-    if (memcmp(buf, snap_magic, sizeof snap_magic) || rd32(&r, &version) ||
-        version != SNAP_VERSION || rd32(&r, &shard) || rd32(&r, &n_shards) || rd32(&r, &n_tables) ||
-        shard != s->shard || n_shards != s->n_shards || n_tables != s->n_tables) {
-        bex__log(&s->log, BEX_LOG_ERROR,
-                 "ps snapshot %s: not of this shard (version, shard, shard count or tables)", path);
-        rc = -EINVAL;
-        goto out;
-    }
-    bool seen[BEX_PS_TABLES_MAX] = {false};
-    for (uint32_t i = 0; i < n_tables; i++) {
-        uint32_t id, dim, opt, n_rows;
-        if (rd32(&r, &id) || rd32(&r, &dim) || rd32(&r, &opt) || rd32(&r, &n_rows)) {
-            rc = -EINVAL;
-            goto out;
-        }
-        struct table *t = find_table(s, id);
-        if (!t || seen[t - s->tables] || t->cfg.dim != dim || t->cfg.optimizer != opt) {
-            bex__log(&s->log, BEX_LOG_ERROR, "ps snapshot %s: table %u does not match the config",
-                     path, id);
-            rc = -EINVAL;
-            goto out;
-        }
-        seen[t - s->tables] = true;
-        size_t row_len = 8 + 4 * (size_t)t->width;
-        if (n_rows > t->cfg.max_rows || r.left / row_len < n_rows) {
-            rc = -EINVAL;
-            goto out;
-        }
-        if ((rc = table_reserve(t, n_rows)))
-            goto out;
-        for (uint32_t k = 0; k < n_rows; k++, r.p += row_len, r.left -= row_len) {
-            uint64_t key = bex__ps_get64(r.p);
-            if (row_find(t, key) != UINT32_MAX) {
-                rc = -EINVAL; /* a key twice */
-                goto out;
-            }
-            float *v = row_get(t, key);
-            for (uint32_t c = 0; c < t->width; c++)
-                v[c] = bex__ps_getf(r.p + 8 + 4 * (size_t)c);
-        }
-    }
     if (r.left)
         rc = -EINVAL;
     else
@@ -418,7 +721,58 @@ out:
     return rc;
 }
 
+/* Empty tables with s's configs (for a copy to be loaded into). */
+static struct table *tables_like(const bex_ps_shard *s)
+{
+    struct table *ts = calloc(s->n_tables, sizeof *ts);
+    if (!ts)
+        return NULL;
+    for (size_t i = 0; i < s->n_tables; i++) {
+        ts[i].cfg = s->tables[i].cfg;
+        ts[i].width = s->tables[i].width;
+    }
+    return ts;
+}
+
+/* A peer's copy (buf, size bytes) into dst (from tables_like) and ids. */
+static int copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct table *dst,
+                     struct idset *ids)
+{
+    struct rd r;
+    uint32_t version;
+    int rc = check_sum(s, buf, size, copy_magic, COPY_VERSION, COPY_VERSION, "catch-up copy",
+                       &version, &r);
+    if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")) || (rc = load_ids(&r, ids)))
+        return rc;
+    return r.left ? -EINVAL : 0;
+}
+
+/* The peer's cut lacks Pushes this replica applied (its snapshot's ids):
+ * a client the cut does not know, or whose highest sequence is lower. The
+ * peer is behind (itself restarted from an older snapshot): its copy
+ * would lose them. */
+static bool ids_behind(const struct idset *mine, const struct idset *cut)
+{
+    for (uint32_t i = 0; i < mine->n; i++) {
+        const struct idc *p = ids_find(cut, mine->c[i].client);
+        if (!p || p->max < mine->c[i].max)
+            return true;
+    }
+    return false;
+}
+
 /* ---- shard ---- */
+
+static void held_free(struct held *h)
+{
+    while (h) {
+        struct held *n = h->next;
+        free(h->keys);
+        free(h->g);
+        free(h);
+        h = n;
+    }
+}
 
 static void tables_free(struct table *ts, size_t n)
 {
@@ -433,7 +787,8 @@ static void tables_free(struct table *ts, size_t n)
 int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
 {
     if (!cfg || !out || cfg->n_shards == 0 || cfg->shard >= cfg->n_shards || !cfg->tables ||
-        cfg->n_tables == 0 || cfg->n_tables > BEX_PS_TABLES_MAX)
+        (cfg->flags & ~(uint32_t)BEX_PS_SHARD_CATCHUP) || cfg->n_tables == 0 ||
+        cfg->n_tables > BEX_PS_TABLES_MAX)
         return -EINVAL;
     for (size_t i = 0; i < cfg->n_tables; i++) {
         const bex_ps_table_config *t = &cfg->tables[i];
@@ -468,6 +823,9 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
     }
     pthread_mutex_init(&s->mu, NULL);
     bex__log_init(&s->log, cfg->log_fn, cfg->log_arg, BEX_LOG_INFO);
+    s->catching = cfg->flags & BEX_PS_SHARD_CATCHUP;
+    s->held_tail = &s->held;
+    s->held_max = cfg->catchup_log_max ? cfg->catchup_log_max : 256ull << 20;
     if (cfg->snapshot_path) {
         int rc = snapshot_load(s, cfg->snapshot_path);
         if (rc == -ENOENT) {
@@ -488,6 +846,9 @@ void bex_ps_shard_destroy(bex_ps_shard *s)
 {
     if (!s)
         return;
+    held_free(s->held);
+    ids_free(&s->ids);
+    free(s->cp.buf);
     tables_free(s->tables, s->n_tables);
     pthread_mutex_destroy(&s->mu);
     bex__log_fini(&s->log);
@@ -517,7 +878,8 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
      * printed outside them */
     struct table **ts = calloc(n ? n : 1, sizeof *ts);
     uint64_t *malformed = calloc(n ? n : 1, sizeof *malformed);
-    int rc = ts && malformed ? 0 : -ENOMEM;
+    bex_ps_shard_stats *sst = calloc(n ? n : 1, sizeof *sst);
+    int rc = ts && malformed && sst ? 0 : -ENOMEM;
     for (size_t k = 0; k < n && !rc; k++) {
         bex_ps_shard *s = shards[k];
         if (!(ts[k] = malloc(s->n_tables * sizeof *ts[k]))) {
@@ -527,6 +889,7 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         pthread_mutex_lock(&s->mu);
         memcpy(ts[k], s->tables, s->n_tables * sizeof *ts[k]);
         malformed[k] = s->st.malformed;
+        sst[k] = s->st;
         pthread_mutex_unlock(&s->mu);
     }
     struct bex__prom o = {buf, cap, 0};
@@ -563,6 +926,36 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         for (size_t k = 0; k < n; k++)
             bex__prom_printf(&o, "bex_ps_malformed_total{shard=\"%u\"} %llu\n", shards[k]->shard,
                              (unsigned long long)malformed[k]);
+        static const struct {
+            const char *metric, *help;
+            size_t off;
+        } cu[] = {
+            {"bex_ps_catchup_rows_copied_total", "Rows copied from a peer replica by catch-up",
+             offsetof(bex_ps_shard_stats, catchup_rows)},
+            {"bex_ps_catchup_pushes_replayed_total",
+             "Pushes held during catch-up and applied after it",
+             offsetof(bex_ps_shard_stats, catchup_replayed)},
+            {"bex_ps_catchup_pushes_skipped_total",
+             "Pushes held during catch-up that the peer's copy had",
+             offsetof(bex_ps_shard_stats, catchup_skipped)},
+            {"bex_ps_catchup_failures_total",
+             "Catch-ups that fell back to the snapshot (no peer gave a copy)",
+             offsetof(bex_ps_shard_stats, catchup_failed)},
+            {"bex_ps_catchup_copies_served_total", "Copies served to a restarted peer replica",
+             offsetof(bex_ps_shard_stats, copies_served)},
+            {"bex_ps_dup_pushes_total", "Pushes whose id was applied already (not applied again)",
+             offsetof(bex_ps_shard_stats, dup_ids)},
+        };
+        for (size_t i = 0; i < sizeof cu / sizeof cu[0]; i++) {
+            bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", cu[i].metric, cu[i].help,
+                             cu[i].metric);
+            for (size_t k = 0; k < n; k++) {
+                uint64_t v;
+                memcpy(&v, (const char *)&sst[k] + cu[i].off, sizeof v);
+                bex__prom_printf(&o, "%s{shard=\"%u\"} %llu\n", cu[i].metric, shards[k]->shard,
+                                 (unsigned long long)v);
+            }
+        }
         bex__prom_printf(&o, "# HELP bex_ps_serve_seconds Time a request took in the shard, "
                              "decoding to answer.\n# TYPE bex_ps_serve_seconds histogram\n");
         for (size_t k = 0; k < n; k++)
@@ -578,6 +971,7 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         free(ts[k]);
     free(ts);
     free(malformed);
+    free(sst);
     if (rc) {
         if (cap)
             buf[0] = 0;
@@ -622,7 +1016,9 @@ static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *
         return rc;
     }
     pthread_mutex_lock(&s->mu);
-    rc = table_reserve(t, missing_rows(t, keys, h->n));
+    /* catching up: its rows are not the shard's yet (retryable: the client
+     * fails over to another replica) */
+    rc = s->catching ? -EAGAIN : table_reserve(t, missing_rows(t, keys, h->n));
     if (rc == 0) {
         uint8_t *q = out + BEX__PS_HDR_LEN;
         for (uint32_t i = 0; i < h->n; i++) {
@@ -673,14 +1069,33 @@ static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h
         }
     }
     pthread_mutex_lock(&s->mu);
-    rc = table_reserve(t, missing_rows(t, keys, h->n));
-    if (rc == 0) {
-        for (uint32_t i = 0; i < h->n; i++)
-            apply(t, row_get(t, keys[i]), g + (size_t)i * h->dim);
-        s->st.pushes++;
-        s->st.rows_pushed += h->n;
-        t->pushes++;
-        t->rows_pushed += h->n;
+    if (s->catching) {
+        /* held, checked whole: applied (or found in the peer's copy) when
+         * the catch-up ends */
+        size_t bytes = sizeof(struct held) + (size_t)h->n * 8 + nf * 4;
+        struct held *hd = NULL;
+        if (s->held_bytes + bytes > s->held_max)
+            rc = -EAGAIN; /* not applied: the client retries */
+        else if (!(hd = malloc(sizeof *hd)))
+            rc = -ENOMEM;
+        if (hd) {
+            *hd = (struct held){.t = t,
+                                .n = h->n,
+                                .flags = h->flags,
+                                .id_client = h->id_client,
+                                .id_seq = h->id_seq,
+                                .keys = keys,
+                                .g = g,
+                                .bytes = bytes};
+            keys = NULL;
+            g = NULL;
+            *s->held_tail = hd;
+            s->held_tail = &hd->next;
+            s->held_bytes += bytes;
+            s->st.held++;
+        }
+    } else {
+        rc = push_apply_locked(s, t, h->n, keys, g, h->flags, h->id_client, h->id_seq, NULL);
     }
     pthread_mutex_unlock(&s->mu);
     if (rc)
@@ -696,16 +1111,103 @@ done:
     return rc;
 }
 
+/* ---- catch-up: the peer's side ---- */
+
+/* A copy no CHUNK asked for this long is dropped (its puller is gone). */
+#define COPY_IDLE_NS   (30ull * 1000000000ull)
+#define COPY_CHUNK_MAX (16u << 20)
+
+static void copy_drop(struct copy *cp)
+{
+    free(cp->buf);
+    *cp = (struct copy){0};
+}
+
+/* BEX_PS_M_COPY: OPEN makes the copy (one cut, under s->mu) and names it
+ * by a session; CHUNK answers bytes of it; CLOSE drops it. One copy at a
+ * time: an OPEN replaces the one before (its puller gets -ESTALE). */
+static int serve_copy(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t len, void **resp,
+                      size_t *resp_len)
+{
+    struct bex__ps_copy_hdr h;
+    if (bex__ps_copy_get(body, len, &h) || len != BEX__PS_COPY_HDR_LEN)
+        return -EINVAL;
+    uint64_t now = bex__rpc_now_ns();
+    struct bex__ps_copy_hdr a = {.op = h.op, .session = h.session, .offset = h.offset};
+    size_t n = 0;
+    int rc = 0;
+    uint8_t *out = NULL;
+    pthread_mutex_lock(&s->mu);
+    if (s->catching) {
+        rc = -EAGAIN; /* not caught up itself: no copy to give */
+        goto out;
+    }
+    if (s->cp.buf && now - s->cp.used_ns > COPY_IDLE_NS)
+        copy_drop(&s->cp);
+    switch (h.op) {
+    case BEX__PS_COPY_OPEN: {
+        copy_drop(&s->cp);
+        uint64_t sid = 0;
+        randombytes_buf(&sid, sizeof sid);
+        if ((rc = copy_make(s, &s->cp.buf, &s->cp.len)))
+            break;
+        s->cp.session = a.session = sid | 1;
+        s->cp.used_ns = now;
+        a.offset = s->cp.len;
+        s->st.copies_served++;
+        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: a copy of %zu bytes for a restarted replica",
+                 s->shard, s->cp.len);
+        break;
+    }
+    case BEX__PS_COPY_CHUNK:
+        if (!s->cp.buf || h.session != s->cp.session) {
+            rc = -ESTALE;
+            break;
+        }
+        if (h.offset > s->cp.len || h.max_len == 0) {
+            rc = -EINVAL;
+            break;
+        }
+        n = s->cp.len - (size_t)h.offset;
+        if (n > h.max_len)
+            n = h.max_len;
+        if (n > COPY_CHUNK_MAX)
+            n = COPY_CHUNK_MAX;
+        s->cp.used_ns = now;
+        break;
+    default: /* CLOSE */
+        if (s->cp.buf && h.session == s->cp.session)
+            copy_drop(&s->cp);
+        break;
+    }
+    if (rc == 0) {
+        if (!(out = bex_rpc_alloc(ctx, BEX__PS_COPY_HDR_LEN + n)))
+            rc = -ENOMEM;
+        else if (n)
+            memcpy(out + BEX__PS_COPY_HDR_LEN, s->cp.buf + h.offset, n);
+    }
+out:
+    pthread_mutex_unlock(&s->mu);
+    if (rc)
+        return rc;
+    bex__ps_copy_put(out, &a);
+    *resp = out;
+    *resp_len = BEX__PS_COPY_HDR_LEN + n;
+    return 0;
+}
+
 int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
                        void **resp, size_t *resp_len)
 {
+    if (method == BEX_PS_M_COPY)
+        return serve_copy(s, ctx, body, len, resp, resp_len);
     if (method != BEX_PS_M_FETCH && method != BEX_PS_M_PUSH)
         return -ENOSYS;
     struct bex__ps_hdr h;
     uint64_t t0 = bex__rpc_now_ns();
     int rc = bex__ps_decode(method, body, len, &h);
     if (rc == 0) {
-        const uint8_t *p = (const uint8_t *)body + BEX__PS_HDR_LEN;
+        const uint8_t *p = (const uint8_t *)body + bex__ps_keys_off(&h);
         rc = method == BEX_PS_M_FETCH ? serve_fetch(s, ctx, &h, p, resp, resp_len)
                                       : serve_push(s, ctx, &h, p, resp, resp_len);
     }
@@ -744,11 +1246,289 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
     struct reg *regs = s->regs;
     regs[0] = (struct reg){s, ctx, BEX_PS_M_FETCH};
     regs[1] = (struct reg){s, ctx, BEX_PS_M_PUSH};
-    for (int i = 0; i < 2; i++) {
+    regs[2] = (struct reg){s, ctx, BEX_PS_M_COPY};
+    for (int i = 0; i < 3; i++) {
         int rc = bex_rpc_server_register(srv, BEX_PS_SERVICE, regs[i].method,
                                          bex__ps_method_flags(regs[i].method), handler, &regs[i]);
         if (rc)
             return rc;
     }
     return 0;
+}
+
+/* ---- catch-up: the restarted replica's side ---- */
+
+static uint32_t ms_left(uint64_t deadline_ns)
+{
+    uint64_t now = bex__rpc_now_ns();
+    if (now >= deadline_ns)
+        return 0;
+    uint64_t ms = (deadline_ns - now + 999999) / 1000000;
+    return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
+}
+
+struct cwait {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+    int status;
+    void *body;
+    size_t len;
+};
+
+static void copy_done(int status, void *body, size_t len, void *user)
+{
+    struct cwait *w = user;
+    pthread_mutex_lock(&w->mu);
+    w->status = status;
+    w->body = body;
+    w->len = len;
+    w->done = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* One COPY call; its answer's header checked against (op, session,
+ * offset). On 0, *body / *len: the answer (free with bex_rpc_free). */
+static int copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_copy_hdr *q,
+                     uint64_t deadline, struct bex__ps_copy_hdr *a, void **body, size_t *len)
+{
+    uint32_t left = ms_left(deadline);
+    if (!left)
+        return -ETIMEDOUT;
+    uint8_t *b = bex_rpc_alloc(ctx, BEX__PS_COPY_HDR_LEN);
+    if (!b)
+        return -ENOMEM;
+    bex__ps_copy_put(b, q);
+    bex_rpc_call_opts o = {.timeout_ms = left};
+    struct cwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    int rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o, copy_done,
+                          &w, NULL);
+    if (rc) {
+        bex_rpc_free(b); /* not sent: still ours */
+        return rc;
+    }
+    pthread_mutex_lock(&w.mu);
+    while (!w.done)
+        pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+    rc = w.status;
+    *body = w.body;
+    *len = w.len;
+    if (rc == 0 && (bex__ps_copy_get(*body, *len, a) || a->op != q->op ||
+                    (q->op != BEX__PS_COPY_OPEN && a->session != q->session) ||
+                    (q->op == BEX__PS_COPY_CHUNK && a->offset != q->offset)))
+        rc = -EBADMSG;
+    if (rc) {
+        bex_rpc_free(*body);
+        *body = NULL;
+    }
+    return rc;
+}
+
+/* Pull a peer's copy into *buf / *len (malloc'd), by the deadline. */
+static int copy_pull(bex_ctx *ctx, const bex_rpc_endpoint *ep, const bex_ps_catchup_config *cfg,
+                     uint64_t deadline, uint8_t **buf, size_t *len)
+{
+    *buf = NULL;
+    *len = 0;
+    uint32_t left = ms_left(deadline);
+    if (!left)
+        return -ETIMEDOUT;
+    bex_rpc_channel_config cc = {.endpoints = ep,
+                                 .n_endpoints = 1,
+                                 .name = "ps-catchup",
+                                 .request_timeout_ms = left,
+                                 .connect_timeout_ms = left,
+                                 /* a connection lost mid-copy (seen in the
+                                  * emulated VM) is retried, within the
+                                  * deadline: CHUNK only reads, and a second
+                                  * OPEN replaces the first copy */
+                                 .max_attempts = 3};
+    bex_rpc_channel *ch;
+    int rc = bex_rpc_channel_create(ctx, &cc, &ch);
+    if (rc)
+        return rc;
+    uint32_t chunk = cfg->chunk_bytes ? cfg->chunk_bytes : 1u << 20;
+    if (chunk > COPY_CHUNK_MAX)
+        chunk = COPY_CHUNK_MAX;
+    uint64_t max = cfg->max_bytes ? cfg->max_bytes : 1ull << 30;
+    struct bex__ps_copy_hdr q = {.op = BEX__PS_COPY_OPEN}, a;
+    void *body;
+    size_t blen;
+    uint8_t *out = NULL;
+    uint64_t total = 0, got = 0;
+    if ((rc = copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
+        goto done;
+    bex_rpc_free(body);
+    total = a.offset;
+    if (total > max || total > SIZE_MAX / 2) {
+        rc = -E2BIG;
+        goto done;
+    }
+    q = (struct bex__ps_copy_hdr){.op = BEX__PS_COPY_CHUNK, .session = a.session, .max_len = chunk};
+    while (got < total) {
+        q.offset = got;
+        if ((rc = copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
+            break;
+        size_t n = blen - BEX__PS_COPY_HDR_LEN;
+        if (n == 0 || n > chunk || n > total - got) {
+            bex_rpc_free(body);
+            rc = -EBADMSG;
+            break;
+        }
+        /* grown as bytes come: a peer claiming much and sending little
+         * costs only what it sent */
+        uint8_t *nb = realloc(out, (size_t)got + n);
+        if (!nb) {
+            bex_rpc_free(body);
+            rc = -ENOMEM;
+            break;
+        }
+        out = nb;
+        memcpy(out + got, (uint8_t *)body + BEX__PS_COPY_HDR_LEN, n);
+        got += n;
+        bex_rpc_free(body);
+    }
+    if (rc == 0) {
+        /* the peer may drop its copy now (best effort, briefly) */
+        uint64_t d2 = bex__rpc_now_ns() + 500000000ull;
+        q.op = BEX__PS_COPY_CLOSE;
+        q.offset = 0;
+        if (copy_call(ch, ctx, &q, d2 < deadline ? d2 : deadline, &a, &body, &blen) == 0)
+            bex_rpc_free(body);
+    }
+done:
+    bex_rpc_channel_destroy(ch);
+    if (rc) {
+        free(out);
+        return rc;
+    }
+    *buf = out;
+    *len = (size_t)total;
+    return 0;
+}
+
+int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg)
+{
+    if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
+        return -EINVAL;
+    pthread_mutex_lock(&s->mu);
+    /* once: a second caller meanwhile would install a copy over Pushes
+     * applied after the first */
+    bool mine = s->catching && !s->catchup_busy;
+    s->catchup_busy = true;
+    pthread_mutex_unlock(&s->mu);
+    if (!mine)
+        return -EINVAL;
+    uint64_t deadline =
+        bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
+    int rc = -EHOSTUNREACH; /* no peer */
+    struct table *cut = NULL;
+    struct idset cut_ids = {0};
+    for (size_t i = 0; i < cfg->n_peers; i++) {
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &cfg->peers[i].addr.sin_addr, a, sizeof a);
+        uint8_t *buf;
+        size_t len;
+        rc = copy_pull(ctx, &cfg->peers[i], cfg, deadline, &buf, &len);
+        if (rc == 0) {
+            if (!(cut = tables_like(s)))
+                rc = -ENOMEM;
+            else if ((rc = copy_load(s, buf, len, cut, &cut_ids)) == -EINVAL)
+                rc = -EBADMSG; /* the peer's copy, not our call */
+            free(buf);
+            if (rc == 0) {
+                pthread_mutex_lock(&s->mu);
+                if (ids_behind(&s->ids, &cut_ids))
+                    rc = -ESTALE;
+                pthread_mutex_unlock(&s->mu);
+            }
+        }
+        if (rc == 0) {
+            bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u", s->shard,
+                     len, a, ntohs(cfg->peers[i].addr.sin_port));
+            break;
+        }
+        bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: catch-up from %s:%u failed: %s", s->shard, a,
+                 ntohs(cfg->peers[i].addr.sin_port), bex_strerror(rc));
+        if (cut)
+            tables_free(cut, s->n_tables);
+        cut = NULL;
+        ids_free(&cut_ids);
+    }
+    pthread_mutex_lock(&s->mu);
+    uint64_t rows = 0, replayed = 0, skipped = 0, failed = 0;
+    if (cut) {
+        /* the peer's rows and ids instead of ours (the counters stay) */
+        for (size_t i = 0; i < s->n_tables; i++) {
+            struct table *t = &s->tables[i], *c = &cut[i];
+            free(t->keys);
+            free(t->vals);
+            free(t->slots);
+            t->keys = c->keys;
+            t->vals = c->vals;
+            t->slots = c->slots;
+            t->n_rows = c->n_rows;
+            t->cap_rows = c->cap_rows;
+            t->n_slots = c->n_slots;
+            c->keys = NULL;
+            c->vals = NULL;
+            c->slots = NULL;
+            rows += t->n_rows;
+        }
+        ids_free(&s->ids);
+        s->ids = cut_ids;
+    }
+    /* the held Pushes, in the order they came: those the cut has are left
+     * out (an id older than the peer's window too: the peer had it long
+     * before), every other one applied once */
+    for (struct held *h = s->held; h; h = h->next) {
+        int has = h->flags & BEX__PS_F_ID ? ids_has(&s->ids, h->id_client, h->id_seq) : ID_NEW;
+        if (cut && has != ID_NEW) {
+            skipped++;
+            continue;
+        }
+        bool applied;
+        int e = push_apply_locked(s, h->t, h->n, h->keys, h->g, h->flags, h->id_client, h->id_seq,
+                                  &applied);
+        if (e)
+            failed++;
+        else if (applied)
+            replayed++;
+        else
+            skipped++;
+    }
+    held_free(s->held);
+    s->held = NULL;
+    s->held_tail = &s->held;
+    s->held_bytes = 0;
+    s->catching = false;
+    s->st.catchup_rows += rows;
+    s->st.catchup_replayed += replayed;
+    s->st.catchup_skipped += skipped;
+    if (!cut)
+        s->st.catchup_failed++;
+    pthread_mutex_unlock(&s->mu);
+    if (cut)
+        tables_free(cut, s->n_tables);
+    if (failed)
+        bex__log(&s->log, BEX_LOG_ERROR,
+                 "ps shard %u: %llu held Pushes not applied after catch-up (table full or no "
+                 "memory): this replica misses them",
+                 s->shard, (unsigned long long)failed);
+    if (rc)
+        bex__log(&s->log, BEX_LOG_ERROR,
+                 "ps shard %u: catch-up failed (%s): serving its snapshot and the %llu Pushes "
+                 "held, without those the peer applied meanwhile",
+                 s->shard, bex_strerror(rc), (unsigned long long)(replayed + skipped));
+    else
+        bex__log(&s->log, BEX_LOG_INFO,
+                 "ps shard %u: caught up: %llu rows copied, %llu held Pushes applied, %llu the "
+                 "peer had",
+                 s->shard, (unsigned long long)rows, (unsigned long long)replayed,
+                 (unsigned long long)skipped);
+    return rc;
 }

@@ -17,8 +17,10 @@ static int hdr_get(const void *body, size_t len, struct bex__ps_hdr *h)
     const uint8_t *p = body;
     if (!body || len < BEX__PS_HDR_LEN)
         return -EINVAL;
-    if (p[0] != BEX__PS_VERSION || p[1] || p[2] || p[3])
+    if (p[0] != BEX__PS_VERSION || p[1] || (p[2] & ~BEX__PS_F_ID) || p[3])
         return -EINVAL;
+    h->flags = p[2];
+    h->id_client = h->id_seq = 0;
     h->table = bex__ps_get32(p + 4);
     h->n = bex__ps_get32(p + 8);
     h->dim = bex__ps_get32(p + 12);
@@ -36,6 +38,15 @@ int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps
         return rc;
     /* n and dim are bounded above: the products fit in size_t */
     size_t want = bex__ps_req_len(method, h->n, h->dim);
+    if (h->flags & BEX__PS_F_ID) {
+        /* only a Push carries an id */
+        if (method != BEX_PS_M_PUSH || len < BEX__PS_HDR_LEN + BEX__PS_ID_LEN)
+            return -EINVAL;
+        const uint8_t *p = (const uint8_t *)body + BEX__PS_HDR_LEN;
+        h->id_client = bex__ps_get64(p);
+        h->id_seq = bex__ps_get64(p + 8);
+        want += BEX__PS_ID_LEN;
+    }
     size_t answer = BEX__PS_HDR_LEN + 4 * (size_t)h->n * h->dim; /* a Fetch's rows */
     if (want > BEX_PS_BODY_MAX || (method == BEX_PS_M_FETCH && answer > BEX_PS_BODY_MAX))
         return -E2BIG;
@@ -46,7 +57,7 @@ int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t t
                        uint32_t dim)
 {
     struct bex__ps_hdr h;
-    if (hdr_get(body, len, &h) || h.table != table || h.n != n || h.dim != dim)
+    if (hdr_get(body, len, &h) || h.flags || h.table != table || h.n != n || h.dim != dim)
         return -EBADMSG;
     size_t want = BEX__PS_HDR_LEN;
     if (method == BEX_PS_M_FETCH)

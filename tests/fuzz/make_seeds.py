@@ -250,8 +250,10 @@ write("rpc", "bad-length", rpc(1, body=b"abc", timeout_ms=40)[:-1])
 
 # ---------------- PS request bodies (little-endian; fuzz_ps.c) ----------------
 # The first byte picks the method (even: Fetch, odd: Push); then the body.
-def ps(method, table, dim, keys, grads=None, version=1):
-    b = struct.pack("<B3xIII", version, table, len(keys), dim)
+def ps(method, table, dim, keys, grads=None, version=1, push_id=None):
+    b = struct.pack("<BxBxIII", version, 1 if push_id else 0, table, len(keys), dim)
+    if push_id:
+        b += struct.pack("<QQ", *push_id)  # flag ID: client, sequence
     b += b"".join(struct.pack("<Q", k) for k in keys)
     if grads is not None:
         b += b"".join(struct.pack("<f", g) for g in grads)
@@ -262,5 +264,6 @@ write("ps", "fetch", ps(0, 1, 4, [1, 2, 3]))
 write("ps", "fetch-adagrad", ps(0, 2, 3, [7, 7]))
 write("ps", "push-sgd", ps(1, 1, 4, [1, 5], [0.5] * 8))
 write("ps", "push-adagrad", ps(1, 2, 3, [9, 9, 4], [1.0, -2.0, 0.25] * 3))
+write("ps", "push-id", ps(1, 1, 4, [1, 5], [0.25] * 8, push_id=(0xC1, 7)))
 write("ps", "push-nan", ps(1, 1, 4, [1], [float("nan")] * 4))
 write("ps", "fetch-bad-length", ps(0, 1, 4, [1, 2])[:-3])

@@ -533,6 +533,7 @@ struct verify {
     long keys, acked, unsure; /* over every replica */
     struct vrep {             /* per shard and replica */
         long checked, exact, twice, twice_rows, missing, missing_rows, unexplained, fetch_failed;
+        long same; /* rows equal, bit for bit, to its peer's (replica 1 for 0, else 0) */
     } rep[16][4];
 };
 
@@ -609,7 +610,8 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
     json_t *cl = json_loads(cluster_json, 0, &jerr);
     uint64_t *keys = malloc(n * sizeof *keys);
     float *rows = malloc(n * pl->dim * sizeof *rows);
-    if (!cl || !keys || !rows)
+    float *all = malloc((size_t)R * n * pl->dim * sizeof *all); /* every replica's */
+    if (!cl || !keys || !rows || !all)
         die("out of memory");
     for (size_t i = 0; i < n; i++)
         keys[i] = kc[i].key;
@@ -655,6 +657,8 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
             for (int s = 0; s < pl->shards; s++)
                 v->rep[s][r].fetch_failed = 1;
         }
+        if (rc == 0)
+            memcpy(all + (size_t)r * n * pl->dim, rows, n * pl->dim * sizeof *rows);
         for (size_t i = 0; rc == 0 && i < n; i++) {
             struct vrep *vr = &v->rep[bex_ps_key_shard(keys[i], (uint32_t)pl->shards)][r];
             float init = bex_ps_init_value(pl->table, keys[i], 0, 0.01f);
@@ -684,6 +688,17 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
         bex_ps_client_destroy(ps);
         bex_dir_destroy(d);
     }
+    /* a restarted replica caught up with its peer holds the peer's rows */
+    for (int r = 0; R > 1 && r < R; r++) {
+        int p = r ? 0 : 1;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t s = bex_ps_key_shard(keys[i], (uint32_t)pl->shards);
+            if (!v->rep[s][r].fetch_failed && !v->rep[s][p].fetch_failed &&
+                memcmp(all + ((size_t)r * n + i) * pl->dim, all + ((size_t)p * n + i) * pl->dim,
+                       pl->dim * sizeof *all) == 0)
+                v->rep[s][r].same++;
+        }
+    }
     v->done = 1;
     rc = bex_ctx_destroy(ctx);
     if (rc)
@@ -692,6 +707,7 @@ out:
     json_decref(cl);
     free(keys);
     free(rows);
+    free(all);
     free(kc);
 }
 
@@ -1153,6 +1169,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
                 json_object_set_new(o, "pushes_missing", json_integer(q->missing));
                 json_object_set_new(o, "rows_missing", json_integer(q->missing_rows));
                 json_object_set_new(o, "rows_unexplained", json_integer(q->unexplained));
+                json_object_set_new(o, "rows_equal_to_peer", json_integer(q->same));
                 json_object_set_new(o, "fetch_failed", json_boolean(q->fetch_failed));
                 json_array_append_new(reps, o);
                 twice += q->twice;
@@ -1323,14 +1340,17 @@ static void print_tables(json_t *phases, int soft_roce)
         json_array_foreach(json_object_get(pc, "replicas"), j, r)
         {
             printf("    shard %.0f replica %.0f: rows exact %.0f of %.0f, applied twice %.0f, "
-                   "acknowledged but missing %.0f (rows %.0f), unexplained %.0f%s%s\n",
+                   "acknowledged but missing %.0f (rows %.0f), unexplained %.0f, equal to "
+                   "its peer's %.0f%s%s\n",
                    jpath(r, "shard", NULL, NULL), jpath(r, "replica", NULL, NULL),
                    jpath(r, "rows_exact", NULL, NULL), jpath(r, "rows_checked", NULL, NULL),
                    jpath(r, "pushes_applied_twice", NULL, NULL),
                    jpath(r, "pushes_missing", NULL, NULL), jpath(r, "rows_missing", NULL, NULL),
                    jpath(r, "rows_unexplained", NULL, NULL),
+                   jpath(r, "rows_equal_to_peer", NULL, NULL),
                    json_is_true(json_object_get(r, "killed"))
-                       ? " (the killed one: it lost what it applied after its last snapshot)"
+                       ? " (the killed one: restarted from its snapshot, then caught up with its "
+                         "peer)"
                        : "",
                    json_is_true(json_object_get(r, "fetch_failed")) ? " (its Fetch failed)" : "");
         }

@@ -11,12 +11,17 @@
  * --snapshot-every writes them periodically too.
  * With --metrics-port, GET /metrics over HTTP (libmicrohttpd, on the
  * replica's address) answers the shards' and their RPC servers' counters
- * in Prometheus text format. */
+ * in Prometheus text format.
+ * When the cluster file (or etcd) lists other replicas of a shard, the shard starts
+ * by catching up with one of them (bex_ps_shard_catchup: their rows and
+ * the Pushes they applied, while the Pushes arriving here are held), and
+ * only then says "ready"; --no-catchup serves the snapshot alone. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
 #include <microhttpd.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +44,8 @@ static void usage(void)
         "  both:\n"
         "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
-        "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n");
+        "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
+        "              [--no-catchup] [--catchup-timeout-ms MS]\n");
     exit(2);
 }
 
@@ -66,6 +72,8 @@ struct served {
     bex_ps_shard *ps;
     bex_rpc_server *srv;
     char snap[4096];
+    bex_rpc_endpoint peers[16]; /* the shard's other replicas: catch-up */
+    size_t n_peers;
 };
 
 /* ---- /metrics ---- */
@@ -137,6 +145,25 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *c, const char *
     return http_answer(c, MHD_HTTP_OK, text);
 }
 
+/* The replicas of reps[0..nr) other than self (by address) as the
+ * shard's catch-up peers, nearest (same locality) first. */
+static void add_peers(struct served *sv, const bex_dir_replica *reps, size_t nr,
+                      const bex_dir_replica *self)
+{
+    for (int near = 1; near >= 0; near--)
+        for (size_t j = 0; j < nr; j++) {
+            bool same = strcmp(reps[j].locality, self->locality) == 0;
+            if ((reps[j].addr.sin_addr.s_addr == self->addr.sin_addr.s_addr &&
+                 reps[j].addr.sin_port == self->addr.sin_port) ||
+                same != (bool)near || sv->n_peers == sizeof sv->peers / sizeof sv->peers[0])
+                continue;
+            bex_rpc_endpoint *e = &sv->peers[sv->n_peers++];
+            e->addr = reps[j].addr;
+            e->transport = reps[j].transport;
+            e->locality = NULL; /* not needed to connect */
+        }
+}
+
 static void snapshot_all(struct served *sv, size_t n, const char *dir)
 {
     if (!dir)
@@ -153,7 +180,8 @@ int main(int argc, char **argv)
 {
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
     uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO;
-    long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0;
+    long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0, catchup_ms = 10000;
+    int catchup = 1;
     const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
     unsigned long n_shards_opt = 0, ttl_s = 10;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
@@ -176,6 +204,8 @@ int main(int argc, char **argv)
                                        {"ttl", required_argument, 0, 'T'},
                                        {"keepalive-timeout-ms", required_argument, 0, 'k'},
                                        {"verbose", no_argument, 0, 'v'},
+                                       {"no-catchup", no_argument, 0, 'C'},
+                                       {"catchup-timeout-ms", required_argument, 0, 'U'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
@@ -197,6 +227,16 @@ int main(int argc, char **argv)
         case 'v':
             verbose = 1;
             break;
+        case 'C':
+            catchup = 0;
+            break;
+        case 'U': {
+            char *end;
+            catchup_ms = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || catchup_ms <= 0 || catchup_ms > 3600000)
+                usage();
+            break;
+        }
         case 'E':
             etcd = optarg;
             break;
@@ -346,6 +386,22 @@ int main(int argc, char **argv)
             fprintf(stderr, "bex-ps: the shards served must share an IP address\n");
             return 1;
         }
+        if (catchup)
+            add_peers(&sv[i], reps, nr < 64 ? nr : 64, &self[i]);
+    }
+    /* with etcd: the peers are the replicas registered there now (a stale
+     * registration of this process's previous life, at its address, left
+     * out; one at another port fails and the next is tried) */
+    if (etcd && catchup) {
+        rc = bex_dir_create(NULL, &dir);
+        if (!rc && (rc = bex_dir_watch_etcd(dir, etcd, etcd_prefix, err, sizeof err)))
+            fprintf(stderr, "bex-ps: etcd: %s: no catch-up\n", err[0] ? err : bex_strerror(rc));
+        for (size_t i = 0; !rc && i < n_sv; i++) {
+            bex_dir_replica reps[64];
+            size_t nr = bex_dir_replicas(dir, service, sv[i].shard, reps, 64);
+            add_peers(&sv[i], reps, nr < 64 ? nr : 64, &self[i]);
+        }
+        rc = 0;
     }
     bex_dir_destroy(dir);
 
@@ -369,7 +425,8 @@ int main(int argc, char **argv)
                                   .n_shards = n_shards,
                                   .tables = tables,
                                   .n_tables = n_tables,
-                                  .snapshot_path = snap_dir ? s->snap : NULL};
+                                  .snapshot_path = snap_dir ? s->snap : NULL,
+                                  .flags = s->n_peers ? BEX_PS_SHARD_CATCHUP : 0};
         char a[INET_ADDRSTRLEN];
         inet_ntop(AF_INET, &self[up].addr.sin_addr, a, sizeof a);
         if ((rc = bex_ps_shard_create(&pc, &s->ps)) == 0) {
@@ -403,6 +460,23 @@ int main(int argc, char **argv)
             break;
         }
         printf("bex-ps: shard %u registered in etcd\n", sv[i].shard);
+    }
+    /* catch up with a peer replica, each shard in turn (they hold Pushes
+     * and refuse Fetches until then; after the etcd registration, so that
+     * clients send them the Pushes the peer applies after its copy): a
+     * failure is logged, and the shard serves its snapshot and the Pushes
+     * it held */
+    for (size_t i = 0; status == 0 && i < n_sv; i++) {
+        if (!sv[i].n_peers)
+            continue;
+        bex_ps_catchup_config cu = {
+            .peers = sv[i].peers, .n_peers = sv[i].n_peers, .timeout_ms = (uint32_t)catchup_ms};
+        rc = bex_ps_shard_catchup(sv[i].ps, ctx, &cu);
+        if (rc)
+            fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
+                    sv[i].shard, bex_strerror(rc));
+        else
+            printf("bex-ps: shard %u caught up\n", sv[i].shard);
     }
     static struct metrics mt;
     struct MHD_Daemon *httpd = NULL;

@@ -1,0 +1,1044 @@
+/* Catch-up of a restarted replica from its peer (issue 10): a replica
+ * killed with -9 comes back from its snapshot, pulls its peer's rows and
+ * the ids of the Pushes the peer applied (BEX_PS_M_COPY), and applies the
+ * Pushes it held meanwhile that the peer's copy lacks, each once.
+ *
+ * replay: the library alone, in one process: a peer shard behind an RPC
+ *   server, a catching-up shard fed Pushes directly; Pushes both have, some
+ *   only the catching one has, one held twice: after catch-up both tables
+ *   equal the reference, held Pushes counted as applied or left out.
+ * hostile: a peer's copy that is garbage, too long, or answered at the
+ *   wrong offset fails the catch-up at once; the shard serves its own.
+ * behind: a snapshot keeps the ids of the Pushes applied; a peer whose copy
+ *   lacks some of them (restarted from an older state) is refused.
+ * restart: bex-ps processes, 2 shards x 2 replicas; a thread Pushes all the
+ *   time; replica 1 snapshots, is killed -9, Pushes go on, it restarts (its
+ *   "ready" comes after catch-up); the two replicas' rows are equal bit for
+ *   bit and equal to the reference of every Push made (none missed, none
+ *   twice). Without catch-up replica 1 misses the Pushes made between its
+ *   snapshot and its restart.
+ * etcd: the same with bex-ps --etcd: the peers are found in etcd.
+ * peer_dies / peer_hangs: the peer (a fake in the test) dies in the middle
+ *   of the copy, or never answers a chunk: the restarted bex-ps still comes
+ *   up in time, serving its snapshot, with the failure counted. */
+#include <curl/curl.h>
+#include <pthread.h>
+
+#include "ps_test.h"
+
+/* ---- HTTP ---- */
+
+struct body {
+    char *p;
+    size_t n;
+};
+
+static size_t on_data(char *p, size_t sz, size_t nm, void *user)
+{
+    struct body *b = user;
+    size_t n = sz * nm;
+    char *q = realloc(b->p, b->n + n + 1);
+    CHECK(q);
+    memcpy(q + b->n, p, n);
+    b->p = q;
+    b->n += n;
+    b->p[b->n] = 0;
+    return n;
+}
+
+/* GET url's body (malloc'd); the status must be 200. */
+static char *http_get(const char *url)
+{
+    CURL *c = curl_easy_init();
+    CHECK(c);
+    struct body b = {calloc(1, 1), 0};
+    CHECK(b.p);
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)(10000 * time_scale()));
+    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+    CHECK(curl_easy_perform(c) == CURLE_OK);
+    long code = 0;
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    curl_easy_cleanup(c);
+    CHECK_EQ(code, 200);
+    return b.p;
+}
+
+/* The value of the sample `series` (exactly as printed); once. */
+static double sample(const char *text, const char *series)
+{
+    size_t l = strlen(series);
+    double v = 0;
+    int found = 0;
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, series, l) == 0 && p[l] == ' ') {
+            v = strtod(p + l + 1, NULL);
+            found++;
+        }
+    if (found != 1)
+        fprintf(stderr, "%s: %d samples\n", series, found);
+    CHECK_EQ(found, 1);
+    return v;
+}
+
+static double metric(const char *url, const char *name, int shard)
+{
+    char *text = http_get(url);
+    char series[128];
+    snprintf(series, sizeof series, "%s{shard=\"%d\"}", name, shard);
+    double v = sample(text, series);
+    free(text);
+    return v;
+}
+
+/* ---- the cluster ---- */
+
+static const bex_ps_table_config TC = {.id = 1,
+                                       .dim = 8,
+                                       .optimizer = BEX_PS_SGD,
+                                       .lr = 0.1f,
+                                       .init_scale = 0.01f}; /* bex-ps's default scale */
+
+/* NSH shards x 2 replicas on loopback ports; ports[s][r]. */
+static void cluster_file(const char *path, uint16_t ports[NSH][2])
+{
+    char j[1024];
+    size_t o = (size_t)snprintf(j, sizeof j, "{\"version\":1,\"services\":{\"ps\":{\"shards\":[");
+    for (int s = 0; s < NSH; s++) {
+        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"replicas\":[", s ? "," : "");
+        for (int r = 0; r < 2; r++) {
+            ports[s][r] = free_port();
+            o += (size_t)snprintf(
+                j + o, sizeof j - o,
+                "%s{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\",\"locality\":\"dc1/pod%d\"}",
+                r ? "," : "", ports[s][r], r + 1);
+        }
+        o += (size_t)snprintf(j + o, sizeof j - o, "]}");
+    }
+    o += (size_t)snprintf(j + o, sizeof j - o, "]}}}\n");
+    CHECK(o < sizeof j);
+    write_file(path, j, o);
+}
+
+/* A directory of replica r alone. */
+static bex_dir *dir_of_replica(uint16_t ports[NSH][2], int r)
+{
+    char j[512], err[256];
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":["
+             "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]},"
+             "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]}]}}}",
+             ports[0][r], ports[1][r]);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    return d;
+}
+
+/* Every key's row as replica r serves it. */
+static void fetch_replica(bex_ctx *ctx, uint16_t ports[NSH][2], int r, const uint64_t *keys,
+                          float *rows)
+{
+    bex_dir *d = dir_of_replica(ports, r);
+    bex_ps_client *pc = client_of(ctx, d);
+    CHECK_OK(bex_ps_fetch_sync(pc, TC.id, TC.dim, keys, NK, rows));
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+}
+
+static pid_t start_replica(const char *cluster, const char *dir, int r, const char *const *extra,
+                           char *url, size_t url_cap)
+{
+    const char *args[24] = {"--cluster",   cluster,       "--shard",        "all",
+                            "--replica",   r ? "1" : "0", "--table",        "1:8:sgd:0.1",
+                            "--transport", "tcp",         "--snapshot-dir", dir};
+    size_t n = 12;
+    if (url_cap) {
+        args[n++] = "--metrics-port";
+        args[n++] = "0";
+    }
+    for (size_t i = 0; extra && extra[i]; i++)
+        args[n++] = extra[i];
+    args[n] = NULL;
+    return bex_ps_start(args, url, url_cap);
+}
+
+static void kill9(pid_t pid)
+{
+    CHECK(kill(pid, SIGKILL) == 0);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+}
+
+static void snap_path(char *p, size_t cap, const char *dir, int shard, int r)
+{
+    snprintf(p, cap, "%s/ps-shard%d-replica%d.snap", dir, shard, r);
+}
+
+static void cleanup(const char *dir, const char *cluster)
+{
+    for (int r = 0; r < 2; r++)
+        for (int s = 0; s < NSH; s++) {
+            char p[192];
+            snap_path(p, sizeof p, dir, s, r);
+            unlink(p);
+        }
+    unlink(cluster);
+    CHECK(rmdir(dir) == 0); /* nothing else left behind */
+}
+
+/* ---- replay: the library in one process ---- */
+
+/* A Push body with id (client, seq) for keys[0..n) of table TC. */
+static void *push_body(const uint64_t *keys, int n, const float *g, uint64_t client, uint64_t seq,
+                       size_t *len)
+{
+    struct bex__ps_hdr h = {.table = TC.id,
+                            .n = (uint32_t)n,
+                            .dim = TC.dim,
+                            .flags = BEX__PS_F_ID,
+                            .id_client = client,
+                            .id_seq = seq};
+    *len = bex__ps_req_len(BEX_PS_M_PUSH, (uint32_t)n, TC.dim) + BEX__PS_ID_LEN;
+    uint8_t *b = malloc(*len);
+    CHECK(b);
+    bex__ps_hdr_put(b, &h);
+    uint8_t *p = b + bex__ps_keys_off(&h);
+    for (int i = 0; i < n; i++, p += 8)
+        bex__ps_put64(p, keys[i]);
+    for (int i = 0; i < n * (int)TC.dim; i++, p += 4)
+        bex__ps_putf(p, g[i]);
+    return b;
+}
+
+static int serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t m, const void *b, size_t len)
+{
+    void *resp = NULL;
+    size_t rlen = 0;
+    int rc = bex_ps_shard_serve(s, ctx, m, b, len, &resp, &rlen);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+static void fetch_shard(bex_ps_shard *s, bex_ctx *ctx, const uint64_t *keys, int n, float *rows)
+{
+    size_t len = bex__ps_req_len(BEX_PS_M_FETCH, (uint32_t)n, TC.dim);
+    uint8_t *b = malloc(len);
+    CHECK(b);
+    bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = TC.id, .n = (uint32_t)n, .dim = TC.dim});
+    for (int i = 0; i < n; i++)
+        bex__ps_put64(b + BEX__PS_HDR_LEN + 8 * i, keys[i]);
+    void *resp = NULL;
+    size_t rlen = 0;
+    CHECK_OK(bex_ps_shard_serve(s, ctx, BEX_PS_M_FETCH, b, len, &resp, &rlen));
+    CHECK_EQ(rlen, BEX__PS_HDR_LEN + (size_t)n * TC.dim * 4);
+    for (int i = 0; i < n * (int)TC.dim; i++)
+        rows[i] = bex__ps_getf((uint8_t *)resp + BEX__PS_HDR_LEN + 4 * i);
+    bex_rpc_free(resp);
+    free(b);
+}
+
+static int t_replay(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    if (!pair_tcp())
+        return bex_test_skip("natively over TCP only");
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
+    bex_ctx *pctx, *rctx;
+    CHECK_OK(bex_ctx_create(&c0, &pctx));
+    CHECK_OK(bex_ctx_create(&c1, &rctx));
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
+    bex_ps_shard *peer, *rs;
+    CHECK_OK(bex_ps_shard_create(&pc, &peer));
+    pc.flags = BEX_PS_SHARD_CATCHUP;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    bex_rpc_server *srv;
+    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
+    CHECK_OK(bex_ps_shard_register(peer, srv, pctx));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_endpoint eps[2] = {{.addr = {.sin_family = AF_INET,
+                                         .sin_addr = a0,
+                                         .sin_port = htons(free_port())}}, /* nobody */
+                               {.addr = {0}}};
+    bex_rpc_server_addr(srv, &eps[1].addr);
+
+    /* shard 0's keys */
+    uint64_t keys[NK];
+    int idx[NK], n = 0;
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
+            idx[n] = i;
+            keys[n++] = key_of(i);
+        }
+    CHECK(n >= 8);
+    uint64_t all_keys[NK];
+    int all[NK];
+    keys_init(all_keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, all_keys);
+    /* Push q (1..7) of client 0xc1: its rows move by its grads */
+    static float g[8][NK * DMAX];
+    static void *body[8];
+    size_t blen[8];
+    for (int q = 1; q <= 7; q++) {
+        grads_of(g[q], n, TC.dim, 10 * q);
+        body[q] = push_body(keys, n, g[q], 0xc1, (uint64_t)q, &blen[q]);
+        ref_push(&ref, idx, n, g[q]);
+    }
+    /* the peer applied 1..5 before the cut */
+    for (int q = 1; q <= 5; q++)
+        CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[q], blen[q]));
+    /* the restarted one got 3..7 (7 twice: a retry after its restart)
+     * while catching up: held, answered; no Fetch, no copy from it */
+    for (int q = 3; q <= 7; q++)
+        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[q], blen[q]));
+    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[7], blen[7]));
+    {
+        size_t len = bex__ps_req_len(BEX_PS_M_FETCH, 1, TC.dim);
+        uint8_t b[64];
+        bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = TC.id, .n = 1, .dim = TC.dim});
+        bex__ps_put64(b + BEX__PS_HDR_LEN, keys[0]);
+        CHECK_EQ(serve(rs, rctx, BEX_PS_M_FETCH, b, len), -EAGAIN);
+        bex__ps_copy_put(b, &(struct bex__ps_copy_hdr){.op = BEX__PS_COPY_OPEN});
+        CHECK_EQ(serve(rs, rctx, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN), -EAGAIN);
+    }
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.held, 6);
+    CHECK_EQ(st.pushes, 0);
+    /* the dead peer first, then the live one; small chunks: many of them */
+    bex_ps_catchup_config cu = {
+        .peers = eps, .n_peers = 2, .timeout_ms = 20000 * time_scale(), .chunk_bytes = 100};
+    CHECK_OK(bex_ps_shard_catchup(rs, rctx, &cu));
+    CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), -EINVAL); /* once */
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.catchup_rows, n);
+    CHECK_EQ(st.catchup_replayed, 2); /* 6 and 7 */
+    CHECK_EQ(st.catchup_skipped, 4);  /* 3, 4, 5 (the peer's) and 7's retry */
+    CHECK_EQ(st.catchup_failed, 0);
+    CHECK_EQ(st.pushes, 2);
+    bex_ps_shard_stats ps;
+    bex_ps_shard_stats_get(peer, &ps);
+    CHECK_EQ(ps.copies_served, 1);
+    /* the peer gets 6 and 7 now; 7 again at the restarted one: an id it
+     * applied, not applied twice */
+    for (int q = 6; q <= 7; q++)
+        CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[q], blen[q]));
+    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[7], blen[7]));
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.pushes, 2);
+    CHECK_EQ(st.dup_ids, 1);
+    static float r0[NK * DMAX], r1[NK * DMAX];
+    fetch_shard(peer, pctx, keys, n, r0);
+    fetch_shard(rs, rctx, keys, n, r1);
+    CHECK(memcmp(r0, r1, (size_t)n * TC.dim * 4) == 0);
+    ref_check(&ref, idx, n, r1);
+    for (int q = 1; q <= 7; q++)
+        free(body[q]);
+    CHECK_OK(bex_rpc_server_destroy(srv));
+    bex_ps_shard_destroy(peer);
+    bex_ps_shard_destroy(rs);
+    CHECK_OK(bex_ctx_destroy(pctx));
+    CHECK_OK(bex_ctx_destroy(rctx));
+    return 0;
+}
+
+/* ---- hostile: a peer whose copy is wrong ---- */
+
+static _Atomic int hostile_mode;
+enum { H_GARBAGE, H_HUGE, H_OFFSET, H_EMPTY_CHUNK, H_N };
+
+static void hostile_copy(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    bex_ctx *ctx = user;
+    struct bex__ps_copy_hdr h;
+    CHECK_OK(bex__ps_copy_get(body, len, &h));
+    bex_rpc_free(body);
+    int mode = atomic_load(&hostile_mode);
+    struct bex__ps_copy_hdr a = h;
+    size_t n = 0;
+    if (h.op == BEX__PS_COPY_OPEN) {
+        a.session = 7;
+        a.offset = mode == H_HUGE ? (2ull << 30) : 100; /* its length */
+    } else if (h.op == BEX__PS_COPY_CHUNK) {
+        n = mode == H_EMPTY_CHUNK ? 0 : 100 - (size_t)h.offset;
+        if (mode == H_OFFSET)
+            a.offset = h.offset + 1;
+    }
+    uint8_t *out = bex_rpc_alloc(ctx, BEX__PS_COPY_HDR_LEN + n);
+    CHECK(out);
+    memset(out, 0x5a, BEX__PS_COPY_HDR_LEN + n);
+    bex__ps_copy_put(out, &a);
+    bex_rpc_reply(req, 0, out, BEX__PS_COPY_HDR_LEN + n);
+}
+
+/* A peer that sends 100 bytes of garbage (-EBADMSG: its checksum), claims
+ * 2 GiB (-E2BIG, past max_bytes 1 GiB: nothing allocated for it), echoes
+ * another offset or sends an empty chunk (-EBADMSG): each catch-up fails
+ * at once, counted, and the shard serves its own rows and the Push it
+ * held. */
+static int t_hostile(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    if (!pair_tcp())
+        return bex_test_skip("natively over TCP only");
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
+    bex_ctx *pctx, *rctx;
+    CHECK_OK(bex_ctx_create(&c0, &pctx));
+    CHECK_OK(bex_ctx_create(&c1, &rctx));
+    bex_rpc_server *srv;
+    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
+    CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, hostile_copy, pctx));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_endpoint ep = {.locality = NULL};
+    bex_rpc_server_addr(srv, &ep.addr);
+    uint64_t keys[NK];
+    int idx[NK], n = 0;
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
+            idx[n] = i;
+            keys[n++] = key_of(i);
+        }
+    uint64_t all_keys[NK];
+    int all[NK];
+    keys_init(all_keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, all_keys);
+    static float g[NK * DMAX], rows[NK * DMAX];
+    grads_of(g, n, TC.dim, 5);
+    size_t blen;
+    void *body = push_body(keys, n, g, 0xc3, 1, &blen);
+    ref_push(&ref, idx, n, g);
+    const int want[H_N] = {-EBADMSG, -E2BIG, -EBADMSG, -EBADMSG};
+    for (int m = 0; m < H_N; m++) {
+        atomic_store(&hostile_mode, m);
+        bex_ps_shard_config pc = {.shard = 0,
+                                  .n_shards = NSH,
+                                  .tables = &TC,
+                                  .n_tables = 1,
+                                  .flags = BEX_PS_SHARD_CATCHUP};
+        bex_ps_shard *rs;
+        CHECK_OK(bex_ps_shard_create(&pc, &rs));
+        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body, blen));
+        bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
+        uint64_t t0 = pair_now_ms();
+        CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), want[m]);
+        CHECK(pair_now_ms() - t0 < 5000ull * time_scale()); /* at once, not by the deadline */
+        bex_ps_shard_stats st;
+        bex_ps_shard_stats_get(rs, &st);
+        CHECK_EQ(st.catchup_failed, 1);
+        CHECK_EQ(st.catchup_rows, 0);
+        CHECK_EQ(st.catchup_replayed, 1);
+        fetch_shard(rs, rctx, keys, n, rows);
+        ref_check(&ref, idx, n, rows);
+        bex_ps_shard_destroy(rs);
+    }
+    free(body);
+    CHECK_OK(bex_rpc_server_destroy(srv));
+    CHECK_OK(bex_ctx_destroy(pctx));
+    CHECK_OK(bex_ctx_destroy(rctx));
+    return 0;
+}
+
+/* ---- behind: the peer lacks what this replica's snapshot has ---- */
+
+/* Snapshots keep the ids of the Pushes applied: a shard loaded from one
+ * does not apply such a Push again; and its catch-up refuses a peer whose
+ * copy lacks them (a peer restarted from an older snapshot: copying it
+ * would lose Pushes), falling back to the snapshot plus the held Pushes. */
+static int t_behind(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    if (!pair_tcp())
+        return bex_test_skip("natively over TCP only");
+    char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char snap[128];
+    snprintf(snap, sizeof snap, "%s/s.snap", tmpl);
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
+    bex_ctx *pctx, *rctx;
+    CHECK_OK(bex_ctx_create(&c0, &pctx));
+    CHECK_OK(bex_ctx_create(&c1, &rctx));
+    uint64_t keys[NK];
+    int idx[NK], n = 0;
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
+            idx[n] = i;
+            keys[n++] = key_of(i);
+        }
+    uint64_t all_keys[NK];
+    int all[NK];
+    keys_init(all_keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, all_keys);
+    static float g[4][NK * DMAX];
+    static void *body[4];
+    size_t blen[4];
+    for (int q = 1; q <= 3; q++) {
+        grads_of(g[q], n, TC.dim, 20 * q);
+        body[q] = push_body(keys, n, g[q], 0xc2, (uint64_t)q, &blen[q]);
+        ref_push(&ref, idx, n, g[q]);
+    }
+    /* this replica's first life: Pushes 1 and 2, snapshot */
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
+    bex_ps_shard *rs, *peer;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    for (int q = 1; q <= 2; q++)
+        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[q], blen[q]));
+    CHECK_OK(bex_ps_shard_snapshot(rs, snap));
+    bex_ps_shard_destroy(rs);
+    /* loaded: Push 2 again is not applied */
+    pc.snapshot_path = snap;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[2], blen[2]));
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.pushes, 0);
+    CHECK_EQ(st.dup_ids, 1);
+    bex_ps_shard_destroy(rs);
+    /* the peer restarted empty (it had only Push 1 ... and lost it) */
+    pc.snapshot_path = NULL;
+    CHECK_OK(bex_ps_shard_create(&pc, &peer));
+    CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[1], blen[1]));
+    bex_rpc_server *srv;
+    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
+    CHECK_OK(bex_ps_shard_register(peer, srv, pctx));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_endpoint ep = {.locality = NULL};
+    bex_rpc_server_addr(srv, &ep.addr);
+    /* this replica restarts from its snapshot, catching up; Push 3 held */
+    pc.snapshot_path = snap;
+    pc.flags = BEX_PS_SHARD_CATCHUP;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[3], blen[3]));
+    bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
+    CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), -ESTALE);
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.catchup_failed, 1);
+    CHECK_EQ(st.catchup_rows, 0);
+    CHECK_EQ(st.catchup_replayed, 1);
+    /* its own rows: Pushes 1-3, not the peer's (1 only) */
+    static float rows[NK * DMAX];
+    fetch_shard(rs, rctx, keys, n, rows);
+    ref_check(&ref, idx, n, rows);
+    for (int q = 1; q <= 3; q++)
+        free(body[q]);
+    CHECK_OK(bex_rpc_server_destroy(srv));
+    bex_ps_shard_destroy(peer);
+    bex_ps_shard_destroy(rs);
+    CHECK_OK(bex_ctx_destroy(pctx));
+    CHECK_OK(bex_ctx_destroy(rctx));
+    CHECK(unlink(snap) == 0);
+    CHECK(rmdir(tmpl) == 0);
+    return 0;
+}
+
+/* ---- restart: bex-ps processes, kill -9 while Pushes go on ---- */
+
+static struct {
+    bex_ps_client *pc;
+    uint16_t (*ports)[2];
+    const uint64_t *keys;
+    const int *all;
+    struct ref *ref;
+    _Atomic int done, stop;
+    _Atomic int r1_failed; /* Pushes replica 1 did not take (it was down) */
+} pu;
+
+static void *pusher(void *arg)
+{
+    (void)arg;
+    static float g[NK * DMAX];
+    for (int i = 0; !atomic_load(&pu.stop); i++) {
+        grads_of(g, NK, TC.dim, 100 + i);
+        bex_ps_replica_result res[2 * NSH];
+        size_t nres = 0;
+        int rc = bex_ps_push_report_sync(pu.pc, TC.id, TC.dim, pu.keys, NK, g, res, 2 * NSH, &nres);
+        CHECK_EQ(nres, 2 * NSH);
+        /* replica 0 (never down) applied every Push: it is in the
+         * reference; replica 1 must end up with it too */
+        bool r1_failed = false;
+        for (size_t k = 0; k < nres; k++) {
+            bool is_r1 = ntohs(res[k].addr.sin_port) == pu.ports[res[k].shard][1];
+            if (!is_r1)
+                CHECK_OK(res[k].status);
+            else if (res[k].status)
+                r1_failed = true;
+        }
+        (void)rc;
+        ref_push(pu.ref, pu.all, NK, g);
+        atomic_fetch_add(&pu.r1_failed, r1_failed);
+        atomic_fetch_add(&pu.done, 1);
+    }
+    return NULL;
+}
+
+static void wait_pushes(int n)
+{
+    uint64_t end = pair_now_ms() + 60000ull * time_scale();
+    while (atomic_load(&pu.done) < n && pair_now_ms() < end)
+        pair_sleep_ms(2);
+    CHECK(atomic_load(&pu.done) >= n);
+}
+
+static int t_restart(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char cluster[128];
+    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
+    static uint16_t ports[NSH][2];
+    cluster_file(cluster, ports);
+    pid_t pid[2];
+    for (int r = 0; r < 2; r++)
+        pid[r] = start_replica(cluster, tmpl, r, NULL, NULL, 0);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d;
+    char err[256];
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_file(d, cluster, err, sizeof err));
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .locality = "dc1/pod1",
+                               .timeout_ms = 5000 * time_scale(),
+                               .connect_timeout_ms = 2000 * time_scale()};
+    CHECK_OK(bex_ps_client_create(ctx, &cc, &pu.pc));
+    static uint64_t keys[NK];
+    static int all[NK];
+    keys_init(keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, keys);
+    pu.ports = ports;
+    pu.keys = keys;
+    pu.all = all;
+    pu.ref = &ref;
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, pusher, NULL) == 0);
+    wait_pushes(20);
+    /* replica 1's snapshot, then Pushes it will lose with its memory */
+    CHECK(kill(pid[1], SIGUSR1) == 0);
+    for (int s = 0; s < NSH; s++) {
+        char p[192];
+        snap_path(p, sizeof p, tmpl, s, 1);
+        uint64_t end = pair_now_ms() + 10000ull * time_scale();
+        while (access(p, R_OK) != 0 && pair_now_ms() < end)
+            pair_sleep_ms(5);
+        CHECK(access(p, R_OK) == 0);
+    }
+    int at = atomic_load(&pu.done);
+    wait_pushes(at + 20);
+    kill9(pid[1]);
+    /* down: the Pushes go to replica 0 alone */
+    at = atomic_load(&pu.done);
+    wait_pushes(at + 20);
+    CHECK(atomic_load(&pu.r1_failed) > 0);
+    char url[128];
+    pid[1] = start_replica(cluster, tmpl, 1, NULL, url, sizeof url);
+    CHECK(url[0]);
+    at = atomic_load(&pu.done);
+    wait_pushes(at + 20);
+    atomic_store(&pu.stop, 1);
+    CHECK(pthread_join(th, NULL) == 0);
+    fprintf(stderr, "%d Pushes, %d not taken by replica 1\n", atomic_load(&pu.done),
+            atomic_load(&pu.r1_failed));
+    /* both replicas: the same rows, bit for bit, and the reference's */
+    static float rows[2][NK * DMAX];
+    for (int r = 0; r < 2; r++) {
+        fetch_replica(ctx, ports, r, keys, rows[r]);
+        ref_check(&ref, all, NK, rows[r]);
+    }
+    CHECK(memcmp(rows[0], rows[1], sizeof rows[0]) == 0);
+    /* the copy brought every row of each shard */
+    int per[NSH] = {0};
+    for (int i = 0; i < NK; i++)
+        per[bex_ps_key_shard(keys[i], NSH)]++;
+    for (int s = 0; s < NSH; s++) {
+        CHECK_EQ(metric(url, "bex_ps_catchup_rows_copied_total", s), per[s]);
+        CHECK_EQ(metric(url, "bex_ps_catchup_failures_total", s), 0);
+    }
+    bex_ps_client_destroy(pu.pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    for (int r = 0; r < 2; r++)
+        term_bex_ps(pid[r]);
+    cleanup(tmpl, cluster);
+    return 0;
+}
+
+/* ---- etcd ---- */
+
+static char etcd_dir[64];
+static pid_t etcd_pid;
+
+static void etcd_rm(void)
+{
+    if (!etcd_dir[0])
+        return;
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", etcd_dir);
+    int rc = system(cmd);
+    (void)rc;
+    etcd_dir[0] = 0;
+}
+
+/* atexit, in the test's process: etcd stopped and its files gone, also
+ * after a failed check (bex-ps children go by PR_SET_PDEATHSIG) */
+static pid_t main_pid;
+static void etcd_cleanup(void)
+{
+    if (getpid() != main_pid)
+        return;
+    if (etcd_pid > 0) {
+        kill(etcd_pid, SIGTERM);
+        waitpid(etcd_pid, NULL, 0);
+        etcd_pid = 0;
+    }
+    etcd_rm();
+}
+
+/* A local etcd (BEX_ETCD or etcd in PATH; scripts/deps has etcd-server) on
+ * free loopback ports, data in a temporary directory, answering /health
+ * before this returns; its client URL into url. */
+static void etcd_start(char *url, size_t cap)
+{
+    main_pid = getpid();
+    atexit(etcd_cleanup);
+    snprintf(etcd_dir, sizeof etcd_dir, "/tmp/bex-ps-etcd-XXXXXX");
+    CHECK(mkdtemp(etcd_dir));
+    uint16_t cp = free_port(), pp = free_port();
+    while (pp == cp)
+        pp = free_port();
+    char cu[64], peer_url[64], cl[96], dd[96], lg[96];
+    snprintf(cu, sizeof cu, "http://127.0.0.1:%u", cp);
+    snprintf(peer_url, sizeof peer_url, "http://127.0.0.1:%u", pp);
+    snprintf(cl, sizeof cl, "t=%s", peer_url);
+    snprintf(dd, sizeof dd, "%s/data", etcd_dir);
+    snprintf(lg, sizeof lg, "%s/log", etcd_dir);
+    const char *bin = getenv("BEX_ETCD") ? getenv("BEX_ETCD") : "etcd";
+    fflush(NULL);
+    etcd_pid = fork();
+    CHECK(etcd_pid >= 0);
+    if (etcd_pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (!freopen(lg, "a", stdout))
+            _exit(126);
+        dup2(STDOUT_FILENO, STDERR_FILENO);
+        execlp(bin, bin, "--name", "t", "--data-dir", dd, "--listen-client-urls", cu,
+               "--advertise-client-urls", cu, "--listen-peer-urls", peer_url,
+               "--initial-advertise-peer-urls", peer_url, "--initial-cluster", cl, "--log-level",
+               "warn", (char *)NULL);
+        _exit(127);
+    }
+    snprintf(url, cap, "%s", cu);
+    char health[96];
+    snprintf(health, sizeof health, "%s/health", cu);
+    uint64_t end = pair_now_ms() + 30000ull * time_scale();
+    for (;;) {
+        int st;
+        if (waitpid(etcd_pid, &st, WNOHANG) == etcd_pid) {
+            etcd_pid = 0;
+            fprintf(stderr, "FAIL: %s did not start (install etcd-server: scripts/deps)\n", bin);
+            CHECK(0);
+        }
+        CURL *c = curl_easy_init();
+        CHECK(c);
+        curl_easy_setopt(c, CURLOPT_URL, health);
+        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 1000L);
+        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+        struct body b = {NULL, 0};
+        curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+        long code = 0;
+        if (curl_easy_perform(c) == CURLE_OK)
+            curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+        curl_easy_cleanup(c);
+        free(b.p);
+        if (code == 200)
+            break;
+        CHECK(pair_now_ms() < end);
+        pair_sleep_ms(50);
+    }
+}
+
+/* Wait until d lists want replicas of shard (10 s, scaled). */
+static void wait_replicas(bex_dir *d, uint32_t shard, size_t want)
+{
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while (bex_dir_replicas(d, "ps", shard, NULL, 0) != want && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    CHECK_EQ(bex_dir_replicas(d, "ps", shard, NULL, 0), want);
+}
+
+/* With --etcd the peers come from etcd: two bex-ps (every shard each,
+ * fixed ports, replica 0 and 1) registered; Pushes; replica 1 snapshots,
+ * more Pushes, kill -9 (its registration stays until its lease ends: the
+ * Pushes fail there), more Pushes; restarted at the same ports it leaves
+ * its own stale registration out and catches up with replica 0: both
+ * replicas' rows are equal and the reference. */
+static int t_etcd(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char url[96];
+    etcd_start(url, sizeof url);
+    char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    static uint16_t ports[NSH][2];
+    for (int r = 0; r < 2; r++) {
+        uint16_t p = free_port();
+        while (p >= 65535 || (r && (p == ports[0][0] || p + 1 == ports[0][0] || p == ports[1][0])))
+            p = free_port();
+        ports[0][r] = p;
+        ports[1][r] = (uint16_t)(p + 1); /* shard i at PORT + i */
+    }
+    char listen[2][32];
+    pid_t pid[2];
+    for (int r = 0; r < 2; r++)
+        snprintf(listen[r], sizeof listen[r], "127.0.0.1:%u", ports[0][r]);
+    for (int r = 0; r < 2; r++) {
+        const char *args[] = {"--etcd",         url,           "--listen",
+                              listen[r],        "--n-shards",  "2",
+                              "--shard",        "all",         "--replica",
+                              r ? "1" : "0",    "--locality",  r ? "dc1/pod2" : "dc1/pod1",
+                              "--ttl",          "30",          "--table",
+                              "1:8:sgd:0.1",    "--transport", "tcp",
+                              "--snapshot-dir", tmpl,          NULL};
+        pid[r] = bex_ps_start(args, NULL, 0);
+    }
+    bex_dir *d;
+    char err[256] = "";
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_watch_etcd(d, url, NULL, err, sizeof err));
+    for (uint32_t s = 0; s < NSH; s++)
+        wait_replicas(d, s, 2);
+    bex_ctx *ctx = client_ctx();
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .n_shards = NSH,
+                               .locality = "dc1/pod1",
+                               .timeout_ms = 5000 * time_scale(),
+                               .connect_timeout_ms = 2000 * time_scale()};
+    CHECK_OK(bex_ps_client_create(ctx, &cc, &pu.pc));
+    static uint64_t keys[NK];
+    static int all[NK];
+    keys_init(keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, keys);
+    pu.ports = ports;
+    pu.keys = keys;
+    pu.all = all;
+    pu.ref = &ref;
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, pusher, NULL) == 0);
+    wait_pushes(10);
+    CHECK(kill(pid[1], SIGUSR1) == 0);
+    for (int s = 0; s < NSH; s++) {
+        char p[192];
+        snap_path(p, sizeof p, tmpl, s, 1);
+        uint64_t end = pair_now_ms() + 10000ull * time_scale();
+        while (access(p, R_OK) != 0 && pair_now_ms() < end)
+            pair_sleep_ms(5);
+        CHECK(access(p, R_OK) == 0);
+    }
+    int at = atomic_load(&pu.done);
+    wait_pushes(at + 10);
+    kill9(pid[1]);
+    at = atomic_load(&pu.done);
+    wait_pushes(at + 10);
+    CHECK(atomic_load(&pu.r1_failed) > 0);
+    const char *args[] = {
+        "--etcd",  url,           "--listen",    listen[1],    "--n-shards",     "2",     "--shard",
+        "all",     "--replica",   "1",           "--locality", "dc1/pod2",       "--ttl", "30",
+        "--table", "1:8:sgd:0.1", "--transport", "tcp",        "--snapshot-dir", tmpl,    NULL};
+    pid[1] = bex_ps_start(args, NULL, 0);
+    at = atomic_load(&pu.done);
+    wait_pushes(at + 10);
+    atomic_store(&pu.stop, 1);
+    CHECK(pthread_join(th, NULL) == 0);
+    static float rows[2][NK * DMAX];
+    for (int r = 0; r < 2; r++) {
+        fetch_replica(ctx, ports, r, keys, rows[r]);
+        ref_check(&ref, all, NK, rows[r]);
+    }
+    CHECK(memcmp(rows[0], rows[1], sizeof rows[0]) == 0);
+    bex_ps_client_destroy(pu.pc);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    bex_dir_destroy(d);
+    for (int r = 0; r < 2; r++)
+        term_bex_ps(pid[r]);
+    etcd_cleanup();
+    char cluster[128];
+    snprintf(cluster, sizeof cluster, "%s/none", tmpl);
+    cleanup(tmpl, cluster);
+    return 0;
+}
+
+/* ---- peer_dies / peer_hangs: a fake peer in the test ---- */
+
+static struct {
+    bex_ctx *ctx;
+    bex_rpc_server *srv;
+    int hang; /* 1: never answer a chunk; 0: die at the second one */
+    _Atomic int opens, chunks, die;
+    bex_rpc_req *held[64];
+    _Atomic int n_held;
+} fk;
+
+static void fake_copy(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    struct bex__ps_copy_hdr h;
+    CHECK_OK(bex__ps_copy_get(body, len, &h));
+    bex_rpc_free(body);
+    if (h.op == BEX__PS_COPY_OPEN) {
+        atomic_fetch_add(&fk.opens, 1);
+        uint8_t *out = bex_rpc_alloc(fk.ctx, BEX__PS_COPY_HDR_LEN);
+        CHECK(out);
+        bex__ps_copy_put(out,
+                         &(struct bex__ps_copy_hdr){.op = h.op, .session = 42, .offset = 4u << 20});
+        bex_rpc_reply(req, 0, out, BEX__PS_COPY_HDR_LEN);
+        return;
+    }
+    int c = atomic_fetch_add(&fk.chunks, 1);
+    if (h.op == BEX__PS_COPY_CHUNK && (fk.hang || c >= 1)) {
+        /* held: hanging, or dying with it (the test destroys the server) */
+        int i = atomic_fetch_add(&fk.n_held, 1);
+        CHECK(i < 64);
+        fk.held[i] = req;
+        if (!fk.hang)
+            atomic_store(&fk.die, 1);
+        return;
+    }
+    size_t n = h.max_len < 65536 ? h.max_len : 65536;
+    uint8_t *out = bex_rpc_alloc(fk.ctx, BEX__PS_COPY_HDR_LEN + n);
+    CHECK(out);
+    memset(out, 0, BEX__PS_COPY_HDR_LEN + n);
+    bex__ps_copy_put(out, &h);
+    bex_rpc_reply(req, 0, out, BEX__PS_COPY_HDR_LEN + n);
+}
+
+static void fake_start(uint16_t port)
+{
+    struct in_addr a = {htonl(INADDR_LOOPBACK)};
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c = scaled(&base, a);
+    CHECK_OK(bex_ctx_create(&c, &fk.ctx));
+    CHECK_OK(bex_rpc_server_create(fk.ctx, NULL, &fk.srv));
+    CHECK_OK(bex_rpc_server_register(fk.srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, fake_copy, NULL));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a, .sin_port = htons(port)};
+    CHECK_OK(bex_rpc_server_listen(fk.srv, &la));
+}
+
+/* The fake dies when told to (a thread: bex_ps_start blocks meanwhile). */
+static void *fake_killer(void *arg)
+{
+    (void)arg;
+    uint64_t end = pair_now_ms() + 60000ull * time_scale();
+    while (!atomic_load(&fk.die) && pair_now_ms() < end)
+        pair_sleep_ms(2);
+    CHECK(atomic_load(&fk.die));
+    CHECK_OK(bex_rpc_server_destroy(fk.srv));
+    fk.srv = NULL;
+    return NULL;
+}
+
+static int peer_fails(int hang)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
+    CHECK(mkdtemp(tmpl));
+    char cluster[128];
+    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
+    static uint16_t ports[NSH][2];
+    cluster_file(cluster, ports);
+    /* replica 1 alone (no catch-up: nobody to catch up with), some Pushes,
+     * its snapshot at SIGTERM */
+    const char *no[] = {"--no-catchup", NULL};
+    pid_t pid = start_replica(cluster, tmpl, 1, no, NULL, 0);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of_replica(ports, 1);
+    bex_ps_client *pc = client_of(ctx, d);
+    static uint64_t keys[NK];
+    static int all[NK];
+    keys_init(keys, all);
+    static struct ref ref;
+    ref_init(&ref, &TC, keys);
+    for (int i = 0; i < 3; i++)
+        push_ref(pc, &ref, keys, all, NK, 30 + i);
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    term_bex_ps(pid);
+    /* shard 0's peer: the fake; shard 1's: nobody */
+    fk.hang = hang;
+    fake_start(ports[0][0]);
+    pthread_t th;
+    if (!hang)
+        CHECK(pthread_create(&th, NULL, fake_killer, NULL) == 0);
+    char url[128];
+    char ms[16];
+    snprintf(ms, sizeof ms, "%u", 1500 * time_scale());
+    const char *extra[] = {"--catchup-timeout-ms", ms, NULL};
+    uint64_t t0 = pair_now_ms();
+    pid = start_replica(cluster, tmpl, 1, extra, url, sizeof url);
+    uint64_t took = pair_now_ms() - t0;
+    fprintf(stderr, "restarted replica ready after %llu ms\n", (unsigned long long)took);
+    if (!hang)
+        CHECK(pthread_join(th, NULL) == 0);
+    /* in the middle of the copy: opened, a chunk asked for and not had */
+    CHECK_EQ(atomic_load(&fk.opens), 1);
+    CHECK(atomic_load(&fk.chunks) >= (hang ? 1 : 2));
+    if (hang)
+        CHECK(took >= 1500ull * time_scale()); /* the deadline, not sooner */
+    CHECK(took < 15000ull * time_scale());
+    /* it serves its snapshot: the reference */
+    static float rows[NK * DMAX];
+    fetch_replica(ctx, ports, 1, keys, rows);
+    ref_check(&ref, all, NK, rows);
+    for (int s = 0; s < NSH; s++) {
+        CHECK_EQ(metric(url, "bex_ps_catchup_failures_total", s), 1);
+        CHECK_EQ(metric(url, "bex_ps_catchup_rows_copied_total", s), 0);
+    }
+    CHECK_OK(bex_ctx_destroy(ctx));
+    term_bex_ps(pid);
+    for (int i = 0; i < atomic_load(&fk.n_held); i++)
+        bex_rpc_reply(fk.held[i], -ECANCELED, NULL, 0);
+    if (fk.srv)
+        CHECK_OK(bex_rpc_server_destroy(fk.srv));
+    CHECK_OK(bex_ctx_destroy(fk.ctx));
+    cleanup(tmpl, cluster);
+    return 0;
+}
+
+static int t_peer_dies(void)
+{
+    return peer_fails(0);
+}
+
+static int t_peer_hangs(void)
+{
+    return peer_fails(1);
+}
+
+BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"hostile", t_hostile},
+              {"restart", t_restart}, {"etcd", t_etcd}, {"peer_dies", t_peer_dies},
+              {"peer_hangs", t_peer_hangs})
