@@ -247,8 +247,8 @@ static int echo_run(bool from_recv)
     pair_sleep_ms(50); /* the last acknowledgements go */
     uint64_t cf = frames(r.cctx, NULL) - c0, sf = frames(r.sctx, NULL) - s0;
     fprintf(stderr, "%d echoes (%s) in %llu ms: %llu frames client->server, %llu server->client\n",
-            ECHO_N, from_recv ? "answered from on_recv" : "from a thread",
-            (unsigned long long)ms, (unsigned long long)cf, (unsigned long long)sf);
+            ECHO_N, from_recv ? "answered from on_recv" : "from a thread", (unsigned long long)ms,
+            (unsigned long long)cf, (unsigned long long)sf);
     CHECK(sf >= ECHO_N); /* the counter counts */
     CHECK(sf <= ECHO_N + ECHO_SLACK);
     if (from_recv) {
@@ -290,8 +290,9 @@ static uint64_t one_way_run(uint32_t poll_mode, long m, long window, uint64_t *c
     CHECK_EQ(atomic_load(&r.v.recvd), m);
     frames(r.sctx, credits);
     *credits -= cr0;
-    fprintf(stderr, "%ld messages one way, %ld outstanding, poll mode %u: %llu ms, %llu CREDIT frames\n",
-            m, window, poll_mode, (unsigned long long)ms, (unsigned long long)*credits);
+    fprintf(stderr,
+            "%ld messages one way, %ld outstanding, poll mode %u: %llu ms, %llu CREDIT frames\n", m,
+            window, poll_mode, (unsigned long long)ms, (unsigned long long)*credits);
     rig_down(&r);
     return ms;
 }
