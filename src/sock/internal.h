@@ -161,6 +161,7 @@ struct bex__io {
     bool started;
     struct conn *conns;
     struct conn *ready;      /* connections with work (bex__conn_ready) */
+    uint64_t due_us;         /* the earliest due_us of its transports seen (0: none) */
     _Atomic uint64_t visits; /* transport progress calls (single writer; tests read) */
     _Atomic uint64_t turns;  /* loop turns (the same) */
     struct bex_listener *listeners;

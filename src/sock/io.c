@@ -291,8 +291,28 @@ static bool run_ready(struct bex__io *io)
             bex__conn_ready(c);
         }
         /* a callback in progress may have marked it again: it stays */
+        uint64_t due = c->x ? c->x->due_us : 0;
+        if (due && (!io->due_us || due < io->due_us))
+            io->due_us = due;
     }
     return did;
+}
+
+/* The earliest deadline a transport set has passed: the connections whose
+ * deadline passed get their progress call (a transport sets one only in
+ * progress, so every deadline set is seen by run_ready). */
+static void wake_due(struct bex__io *io, uint64_t now_us)
+{
+    uint64_t next = 0;
+    for (struct conn *c = io->conns; c; c = c->next) {
+        if (!c->x || c->dead || !c->x->due_us)
+            continue;
+        if (c->x->due_us <= now_us)
+            bex__conn_ready(c);
+        else if (!next || c->x->due_us < next)
+            next = c->x->due_us;
+    }
+    io->due_us = next;
 }
 
 /* Poll every CQ of the thread once (a batch each): whether any had
@@ -348,6 +368,11 @@ void *bex__io_main(void *arg)
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
         did |= drain_cmds(io);
+        if (io->due_us) {
+            uint64_t t = bex__now_us();
+            if (t >= io->due_us)
+                wake_due(io, t);
+        }
         did |= run_ready(io);
         bex__conn_reap(io);
         uint64_t now = bex__now_ms();
@@ -381,7 +406,9 @@ void *bex__io_main(void *arg)
             uint64_t t = bex__now_us();
             if (!idle_since)
                 idle_since = t;
-            spun_out = t - idle_since >= ctx->cfg.poll_spin_us;
+            /* a transport's deadline is near (some hundred us at most): spin
+             * on to it rather than sleep for epoll's whole millisecond */
+            spun_out = t - idle_since >= ctx->cfg.poll_spin_us && !io->due_us;
         }
         if (!spun_out) {
             if (++spins % 64 == 0) {
@@ -408,6 +435,12 @@ void *bex__io_main(void *arg)
         int timeout = next_tick > now ? (int)(next_tick - now) : 0;
         if (!has_timers(io))
             timeout = IDLE_WAKE_MS;
+        if (io->due_us) { /* event mode: sleep to a transport's deadline, rounded up */
+            uint64_t t = bex__now_us();
+            uint64_t due_ms = io->due_us > t ? (io->due_us - t + 999) / 1000 : 0;
+            if (due_ms < (uint64_t)timeout)
+                timeout = (int)due_ms;
+        }
         int m = bex__loop_wait(&io->loop, ev, 16, timeout);
         bex__loop_sleep_end(&io->loop);
         if (m > 0)

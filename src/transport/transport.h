@@ -155,6 +155,11 @@ struct bex__transport_ops {
 struct bex__xport {
     const struct bex__transport_ops *ops;
     void *user; /* the connection */
+    /* When progress must run again though no event, command or completion
+     * may come (TCP: acknowledgements held back for a frame to carry them),
+     * in bex__now_us() time; 0: never. Set by the transport in progress;
+     * the I/O thread marks the connection ready once it has passed. */
+    uint64_t due_us;
 };
 
 /* Counters written by the I/O thread only, read by anyone: relaxed atomics,

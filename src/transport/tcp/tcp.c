@@ -11,6 +11,10 @@
 #define OUT_MAX   64  /* frames in the write batch */
 #define PART_HASH 64  /* buckets of partly received messages */
 #define IOV_BATCH 128 /* sendmsg gathers at most this many pieces */
+/* Acknowledgements owed for this many of the peer's messages go at once,
+ * in a CREDIT frame if nothing else carries them: a full read batch
+ * (RX_MSGS), so a one-way stream gets them no later than before. */
+#define ACK_MAX 16
 
 /* One frame of the write batch: its header, and the payload slice it sends
  * straight from the message's buffer. */
@@ -66,6 +70,13 @@ struct bex__tcp {
     struct bex__msg *ack_head, *ack_tail; /* written whole, not yet acknowledged */
     uint32_t ack_n;
     uint32_t acks_owed; /* the peer's messages received whole, not yet acknowledged */
+    uint64_t ack_held;  /* bex__now_us() when they were first held back for a
+                           frame to carry them (0: not held); x.due_us is
+                           ack_held + ack_delay_us */
+    bool ack_now;       /* held acknowledgements found no frame in time: the
+                           peer's messages get no answer now, acknowledge at
+                           once until one does (see ack_due) */
+    uint64_t msg_in_us; /* ack_now: when the peer's last message arrived */
     /* read side */
     uint8_t rhdr[BEX__HDR_LEN];
     uint32_t rhdr_len;
@@ -151,6 +162,7 @@ static void tcp_fail(struct bex__xport *x, int err)
     if (t->dead)
         return;
     t->dead = true;
+    t->x.due_us = 0;
     /* the fd is the connection's: it closes it on on_fail; from here on
      * nothing is written or read, so every buffer is ours to hand back */
     for (uint32_t i = 0; i < t->out_n; i++) {
@@ -376,6 +388,10 @@ static struct out_frame *frame_new(struct bex__tcp *t, struct bex__hdr *h)
     uint32_t a = t->acks_owed > 0xffff ? 0xffff : t->acks_owed;
     h->credits = (uint16_t)a;
     t->acks_owed -= a;
+    if (!t->acks_owed && t->ack_held) {
+        t->ack_held = 0;
+        t->x.due_us = 0;
+    }
     bex__hdr_encode(h, f->hdr);
     return f;
 }
@@ -407,6 +423,8 @@ static bool stream_turn(struct bex__tcp *t, struct bex__stream *st)
                              .len = n,
                              .id = m->direct ? m->imm : (uint32_t)m->len,
                              .addr = m->off};
+        if (t->ack_now && m->off == 0 && bex__now_us() - t->msg_in_us <= t->cfg.ack_delay_us)
+            t->ack_now = false; /* answers follow the peer's messages again */
         struct out_frame *f = frame_new(t, &h);
         f->m = m;
         f->p = (const uint8_t *)m->buf + m->off;
@@ -430,6 +448,35 @@ static bool stream_turn(struct bex__tcp *t, struct bex__stream *st)
         st->close_sent = true;
     }
     return false;
+}
+
+/* Whether owed acknowledgements must go now, alone. An echo's answer is
+ * queued by on_recv and goes on the next loop turn; a thread's next message
+ * comes some microseconds later: either carries them, so they are held for
+ * a frame, up to ack_delay_us (the I/O thread calls progress again then:
+ * x.due_us), or until ACK_MAX are owed. The bound keeps a peer that only
+ * receives acknowledging in time: its sender's messages are reported done
+ * (and their buffers handed back) by these acknowledgements alone. A hold
+ * that ends without a frame says the traffic is one-way for now: from then
+ * on acknowledgements go at once (a sender waiting for each would wait
+ * ack_delay_us a message otherwise), until a message of ours follows one
+ * of the peer's within ack_delay_us again (stream_turn), as TCP leaves its
+ * delayed acknowledgements for quick ones. */
+static bool ack_due(struct bex__tcp *t)
+{
+    if (t->acks_owed >= ACK_MAX || t->ack_now)
+        return true;
+    uint64_t now = bex__now_us();
+    if (!t->ack_held) {
+        t->ack_held = now ? now : 1;
+        t->x.due_us = t->ack_held + t->cfg.ack_delay_us;
+        return false;
+    }
+    if (now < t->x.due_us)
+        return false;
+    t->ack_now = true;
+    t->msg_in_us = 0; /* nothing of the peer's answered since */
+    return true;
 }
 
 /* Fill the batch: control frames first, then one unit per stream per turn. */
@@ -457,7 +504,7 @@ static bool schedule(struct bex__tcp *t)
         any = true;
     }
     /* acknowledgements with nothing else to carry them */
-    if (t->acks_owed && t->out_n < OUT_MAX) {
+    if (t->acks_owed && t->out_n < OUT_MAX && ack_due(t)) {
         frame_ctl(t, BEX__MSG_CREDIT, 0);
         BEX__STAT_ADD(t->sh->stats, credit_msgs, 1);
         any = true;
@@ -565,7 +612,8 @@ static bool tcp_progress(struct bex__xport *x)
             return true;
         }
         did |= s || t->out_n != before;
-        if (t->out_n == OUT_MAX || (!t->ring && !t->ctl_n && !t->acks_owed))
+        /* (acknowledgements held back wait for their deadline) */
+        if (t->out_n == OUT_MAX || (!t->ring && !t->ctl_n && (!t->acks_owed || t->ack_held)))
             break;
     }
     if (!t->dead)
@@ -606,6 +654,8 @@ static void part_complete(struct bex__tcp *t, struct part *p)
 {
     *part_slot(t, p->stream) = p->next;
     t->acks_owed++;
+    if (t->ack_now)
+        t->msg_in_us = bex__now_us();
     t->msgs_in++;
     BEX__STAT_ADD(t->sh->stats, msgs_recv, 1);
     if (p->direct) {
@@ -872,6 +922,8 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
     t->up = up;
     t->sh = sh;
     t->cfg = *cfg;
+    if (!t->cfg.ack_delay_us)
+        t->cfg.ack_delay_us = BEX__TCP_ACK_DELAY_US;
     t->fd = fd;
     t->loop = loop;
     t->tag = tag;

@@ -9,7 +9,9 @@
  * the application's bemalloc buffers (no staging copy); receives are read
  * straight into recv_pool buffers, which go to the application as they are.
  * Every header carries in its credits field the number of the peer's
- * messages received whole since the last header: a message is reported
+ * messages received whole since the last header (with nothing else to
+ * send, a CREDIT frame carries them, held back briefly for a frame that
+ * may follow: ack_due in tcp.c): a message is reported
  * sent (0) when the peer acknowledged it, in doubt (-EIO) when the
  * connection failed after its last byte was written, and -ECANCELED when
  * it was never written whole.
@@ -25,12 +27,20 @@
 #include "transport/rdma/engine.h"
 #include "transport/transport.h"
 
+/* How long acknowledgements may wait for a frame to carry them: an answer
+ * or a next message from another thread comes within tens of microseconds;
+ * the sender of a one-way stream sees its messages reported this much
+ * later at most (ACK_MAX in tcp.c bounds the count held). */
+#define BEX__TCP_ACK_DELAY_US 200
+
 struct bex__tcp_config {
     uint32_t max_msg;      /* the largest message we accept */
     uint32_t peer_max_msg; /* the largest the peer accepts (its hello) */
     uint32_t frag_size;    /* payload bytes per frame at most */
     uint32_t keepalive_ms, keepalive_timeout_ms;
-    char name[48]; /* how log lines name the connection: "peer a.b.c.d:port (engine N)" */
+    uint32_t ack_delay_us; /* acknowledgements wait this long at most for a
+                              frame to carry them (0: BEX__TCP_ACK_DELAY_US) */
+    char name[48];         /* how log lines name the connection: "peer a.b.c.d:port (engine N)" */
 };
 
 /* A TCP transport on fd (non-blocking, connected, setup done), which the

@@ -1,0 +1,342 @@
+/* Acknowledgements over the TCP transport (src/transport/tcp/tcp.c):
+ * every frame header carries the number of the peer's messages received
+ * whole since the last header; with nothing else to carry them they go in
+ * a CREDIT frame. They used to go as such a frame right away, one loop turn
+ * before the answer that follows (the answer of an on_recv is queued for
+ * the next turn), so an echo cost two frames each way per message. One
+ * process, two TCP-only contexts on loopback: a server on 127.0.0.1 and a
+ * client on 127.0.0.2 (BEX_TEST_ADDR0/1 when set).
+ *
+ * - echo: N echoes, each side answering from its on_recv (as bex RPC's
+ *   server and bex-rpc-bench's client do): at most N + ECHO_SLACK frames
+ *   each way (it was 2N: an acknowledgement, then the answer).
+ * - echo_thread: the client's next message comes from an application
+ *   thread the echo wakes: the server's answers still carry its
+ *   acknowledgements (at most N + ECHO_SLACK frames server -> client).
+ * - one_way, one_way_event: a peer that only receives, a sender with one
+ *   message outstanding (it sends the next from on_send_done, which waits
+ *   for the acknowledgement): every message is acknowledged in time, well
+ *   before the timer tick or the keepalive would carry it, also when the
+ *   receiver's I/O thread sleeps between events (poll_mode EVENT).
+ * - one_way_window: the same with 64 outstanding: the stream moves and
+ *   acknowledgements are coalesced (fewer CREDIT frames than messages / 4). */
+#include <arpa/inet.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sock/pair.h"
+
+#define MSG_LEN    64
+#define ECHO_N     2000
+#define ECHO_SLACK 8 /* OPEN, CLOSE, the last acknowledgements, a keepalive */
+
+static struct in_addr addr0, addr1;
+
+static int setup_addrs(void)
+{
+    setenv("BEX_TEST_TRANSPORT", "tcp", 1); /* this file is about TCP only */
+    return pair_addrs(&addr0, &addr1);
+}
+
+/* keepalive_ms: 0 for the default; the echo cases raise it so that no
+ * keepalive frame counts among theirs */
+static bex_ctx *ctx_new(struct in_addr a, uint32_t poll_mode, uint32_t keepalive_ms)
+{
+    bex_ctx_config c = {.poll_mode = poll_mode, .keepalive_ms = keepalive_ms};
+    if (keepalive_ms)
+        c.keepalive_timeout_ms = keepalive_ms * 4;
+    bex_ctx_config s = scaled(&c, a);
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&s, &ctx));
+    return ctx;
+}
+
+/* frames sent: every one but DIRECT counts as a SEND over TCP */
+static uint64_t frames(bex_ctx *ctx, uint64_t *credits)
+{
+    bex_sock_stats st;
+    bex_ctx_stats(ctx, &st);
+    if (credits)
+        *credits = st.credit_msgs;
+    return st.sends_posted + st.writes_posted;
+}
+
+/* ---- server: echoes every message from its on_recv, or only counts ---- */
+
+struct srv {
+    struct waiter w;
+    bool echo;
+    _Atomic long accepted, recvd, closed;
+};
+
+static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct srv *v = user;
+    if (!v->echo || bex_sock_send(s, buf, len, NULL))
+        bex_mem_free(buf);
+    waiter_add(&v->w, &v->recvd, 1);
+}
+
+static void srv_error(bex_sock *s, int err, void *user)
+{
+    (void)err;
+    (void)user;
+    bex_sock_close(s);
+}
+
+static void srv_close(bex_sock *s, void *user)
+{
+    (void)s;
+    struct srv *v = user;
+    waiter_add(&v->w, &v->closed, 1);
+}
+
+static void srv_accept(bex_listener *l, bex_sock *s, void *user)
+{
+    (void)l;
+    struct srv *v = user;
+    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = srv_error, .on_close = srv_close};
+    bex_sock_set_user(s, &ops, v);
+    waiter_add(&v->w, &v->accepted, 1);
+}
+
+/* ---- client ---- */
+
+struct cli {
+    struct waiter *w;
+    bex_ctx *ctx;
+    long limit;     /* echo: answer echoes until this many arrived */
+    bool from_recv; /* echo: the next message goes from on_recv */
+    _Atomic long connected, recvd, done, closed, failed;
+    long to_send; /* one_way: messages still to send (I/O thread only) */
+};
+
+static void cli_connect(bex_sock *s, int err, void *user)
+{
+    (void)s;
+    struct cli *c = user;
+    CHECK_EQ(err, 0);
+    waiter_add(c->w, &c->connected, 1);
+}
+
+static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct cli *c = user;
+    CHECK_EQ(len, MSG_LEN);
+    long n = atomic_load(&c->recvd) + 1;
+    if (!c->from_recv || n >= c->limit || bex_sock_send(s, buf, len, NULL))
+        bex_mem_free(buf);
+    waiter_add(c->w, &c->recvd, 1);
+}
+
+/* one_way: a message is acknowledged: the next one goes, in the same buffer */
+static void cli_sent(bex_sock *s, void *buf, size_t len, void *msg_user, int status, void *user)
+{
+    (void)msg_user;
+    struct cli *c = user;
+    if (status) {
+        atomic_fetch_add(&c->failed, 1);
+        bex_mem_free(buf);
+    } else if (c->to_send > 0) {
+        c->to_send--;
+        if (bex_sock_send(s, buf, len, NULL)) {
+            atomic_fetch_add(&c->failed, 1);
+            bex_mem_free(buf);
+        }
+    } else {
+        bex_mem_free(buf);
+    }
+    waiter_add(c->w, &c->done, 1);
+}
+
+static void cli_closed(bex_sock *s, void *user)
+{
+    (void)s;
+    struct cli *c = user;
+    waiter_add(c->w, &c->closed, 1);
+}
+
+static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c, bool sent_cb)
+{
+    bex_sock_ops ops = {.on_connect = cli_connect,
+                        .on_recv = cli_recv,
+                        .on_send_done = sent_cb ? cli_sent : NULL,
+                        .on_close = cli_closed};
+    bex_sock *s;
+    CHECK_OK(bex_sock_connect(ctx, to, &ops, c, &s));
+    return s;
+}
+
+static void send_one(bex_ctx *ctx, bex_sock *s)
+{
+    void *b = bex_sock_alloc(ctx, MSG_LEN);
+    CHECK(b);
+    memset(b, 7, MSG_LEN);
+    CHECK_OK(bex_sock_send(s, b, MSG_LEN, NULL));
+}
+
+/* A server and a connected client; *sock the client's socket. */
+struct rig {
+    struct srv v;
+    struct cli c;
+    bex_ctx *sctx, *cctx;
+    bex_listener *l;
+    bex_sock *s;
+};
+
+static void rig_up(struct rig *r, uint32_t poll_mode, uint32_t keepalive_ms, bool echo,
+                   bool sent_cb)
+{
+    r->v = (struct srv){.w = WAITER_INIT, .echo = echo};
+    r->sctx = ctx_new(addr0, poll_mode, keepalive_ms);
+    r->cctx = ctx_new(addr1, poll_mode, keepalive_ms);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = addr0}, at;
+    bex_listener_ops lops = {.on_accept = srv_accept};
+    CHECK_OK(bex_listen(r->sctx, &a, &lops, &r->v, &r->l));
+    bex_listener_addr(r->l, &at);
+    r->c = (struct cli){.w = &r->v.w, .ctx = r->cctx};
+    r->s = cli_open(r->cctx, &at, &r->c, sent_cb);
+    CHECK_OK(wait_count(&r->v.w, &r->c.connected, 1, 5000));
+    CHECK_OK(wait_count(&r->v.w, &r->v.accepted, 1, 5000));
+}
+
+static void rig_down(struct rig *r)
+{
+    bex_sock_close(r->s);
+    CHECK_OK(wait_count(&r->v.w, &r->c.closed, 1, 5000));
+    CHECK_OK(wait_count(&r->v.w, &r->v.closed, 1, 5000));
+    CHECK_OK(bex_listener_close(r->l));
+    CHECK_OK(bex_ctx_destroy(r->cctx));
+    CHECK_OK(bex_ctx_destroy(r->sctx));
+}
+
+/* ---- cases ---- */
+
+/* N echoes; from_recv: the client answers from on_recv, else this thread
+ * sends each next one when woken by the echo. Checks the frames each way. */
+static int echo_run(bool from_recv)
+{
+    int rc = setup_addrs();
+    if (rc)
+        return rc;
+    struct rig r;
+    /* no keepalive frame during the run: 10 s */
+    rig_up(&r, BEX_POLL_SPIN_SLEEP, 10000, true, false);
+    r.c.limit = ECHO_N;
+    /* one echo first: the OPEN and the setup are out of the count */
+    send_one(r.cctx, r.s);
+    CHECK_OK(wait_count(&r.v.w, &r.c.recvd, 1, 5000));
+    pair_sleep_ms(20);
+    atomic_store(&r.c.recvd, 0);
+    /* read by on_recv on the I/O thread after the hand-off of the next send */
+    r.c.from_recv = from_recv;
+    uint64_t c0 = frames(r.cctx, NULL), s0 = frames(r.sctx, NULL);
+    uint64_t t0 = pair_now_ms();
+    if (from_recv) {
+        send_one(r.cctx, r.s);
+        CHECK_OK(wait_count(&r.v.w, &r.c.recvd, ECHO_N, 20000));
+    } else {
+        for (long i = 0; i < ECHO_N; i++) {
+            send_one(r.cctx, r.s);
+            CHECK_OK(wait_count(&r.v.w, &r.c.recvd, i + 1, 5000));
+        }
+    }
+    uint64_t ms = pair_now_ms() - t0;
+    pair_sleep_ms(50); /* the last acknowledgements go */
+    uint64_t cf = frames(r.cctx, NULL) - c0, sf = frames(r.sctx, NULL) - s0;
+    fprintf(stderr, "%d echoes (%s) in %llu ms: %llu frames client->server, %llu server->client\n",
+            ECHO_N, from_recv ? "answered from on_recv" : "from a thread", (unsigned long long)ms,
+            (unsigned long long)cf, (unsigned long long)sf);
+    CHECK(sf >= ECHO_N); /* the counter counts */
+    CHECK(sf <= ECHO_N + ECHO_SLACK);
+    if (from_recv) {
+        CHECK(cf >= ECHO_N);
+        CHECK(cf <= ECHO_N + ECHO_SLACK);
+    }
+    rig_down(&r);
+    return 0;
+}
+
+static int echo(void)
+{
+    return echo_run(true);
+}
+
+static int echo_thread(void)
+{
+    return echo_run(false);
+}
+
+/* M messages one way, window of them outstanding, each next one sent when
+ * one is acknowledged; the receiver never sends anything of its own.
+ * Returns the ms it took; *credits the CREDIT frames the receiver sent. */
+static uint64_t one_way_run(uint32_t poll_mode, long m, long window, uint64_t *credits)
+{
+    struct rig r;
+    rig_up(&r, poll_mode, 0, false, true);
+    uint64_t cr0;
+    frames(r.sctx, &cr0);
+    /* the callbacks read to_send on the I/O thread; it is set before the
+     * first send, whose hand-off orders it */
+    r.c.to_send = m - window;
+    uint64_t t0 = pair_now_ms();
+    for (long i = 0; i < window; i++)
+        send_one(r.cctx, r.s);
+    CHECK_OK(wait_count(&r.v.w, &r.c.done, m, 30000));
+    uint64_t ms = pair_now_ms() - t0;
+    CHECK_EQ(atomic_load(&r.c.failed), 0);
+    CHECK_EQ(atomic_load(&r.v.recvd), m);
+    frames(r.sctx, credits);
+    *credits -= cr0;
+    fprintf(stderr,
+            "%ld messages one way, %ld outstanding, poll mode %u: %llu ms, %llu CREDIT frames\n", m,
+            window, poll_mode, (unsigned long long)ms, (unsigned long long)*credits);
+    rig_down(&r);
+    return ms;
+}
+
+/* One outstanding: each message waits for its acknowledgement. Acks are
+ * due within a fraction of a millisecond; the 10 ms timer tick and the
+ * 100 ms keepalive would each show far above 2 ms a message. */
+static int one_way(void)
+{
+    int rc = setup_addrs();
+    if (rc)
+        return rc;
+    uint64_t cr;
+    uint64_t ms = one_way_run(BEX_POLL_SPIN_SLEEP, 500, 1, &cr);
+    CHECK(ms < 500 * 2 * time_scale());
+    return 0;
+}
+
+/* The same with the receiver's thread asleep between events: its tick
+ * comes every keepalive_ms / 2 (50 ms) there; the acknowledgements must not
+ * wait for it. */
+static int one_way_event(void)
+{
+    int rc = setup_addrs();
+    if (rc)
+        return rc;
+    uint64_t cr;
+    uint64_t ms = one_way_run(BEX_POLL_EVENT, 200, 1, &cr);
+    CHECK(ms < 200 * 5 * time_scale());
+    return 0;
+}
+
+static int one_way_window(void)
+{
+    int rc = setup_addrs();
+    if (rc)
+        return rc;
+    uint64_t cr;
+    long m = 20000;
+    one_way_run(BEX_POLL_SPIN_SLEEP, m, 64, &cr);
+    CHECK(cr > 0);
+    CHECK(cr < (uint64_t)m / 4);
+    return 0;
+}
+
+BEX_TEST_MAIN({"echo", echo}, {"echo_thread", echo_thread}, {"one_way", one_way},
+              {"one_way_event", one_way_event}, {"one_way_window", one_way_window})
