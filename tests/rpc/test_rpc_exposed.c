@@ -96,8 +96,9 @@ static int t_into(void)
         struct dres d;
         dres_init(&d, ctx, dst);
         size_t n = sizes[i];
-        CHECK_OK(bex_rpc_call_into(ch, SVC, M_ECHO, n ? pattern_body(ctx, n, (uint32_t)i + 7) : NULL,
-                                   n, dst, CAP, NULL, d_done, &d, NULL));
+        CHECK_OK(bex_rpc_call_into(ch, SVC, M_ECHO,
+                                   n ? pattern_body(ctx, n, (uint32_t)i + 7) : NULL, n, dst, CAP,
+                                   NULL, d_done, &d, NULL));
         CHECK(wait_count(&d.w, &d.calls, 1, 20000) == 0);
         CHECK_OK(d.status);
         CHECK(d.body == dst);
@@ -278,8 +279,7 @@ static int t_retry(void)
     CHECK_EQ(st.failovers, 1);
     bex_rpc_endpoint_stats es[2];
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
-    CHECK(es[0].attempts == 1 && es[0].failures == 1 && es[1].attempts == 1 &&
-          es[1].answers == 1);
+    CHECK(es[0].attempts == 1 && es[0].failures == 1 && es[1].attempts == 1 && es[1].answers == 1);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     bex_rpc_free(dst);
     CHECK_OK(bex_ctx_destroy(ctx));
@@ -288,5 +288,180 @@ static int t_retry(void)
     return rc ? 1 : 0;
 }
 
+/* ---- a hostile server: raw sockets, answers one of two calls by writing
+ * with the other call's token (both on one connection) ---- */
+
+struct hsock {
+    bex_sock *s;
+    bool has_dest, has_req;
+    struct bex__rpc_dest d;
+    struct bex__rpc_hdr h;
+};
+
+static struct {
+    bex_ctx *ctx;
+    struct hsock socks[16];
+    int n;
+    bool sent;
+} hs; /* the server's I/O thread only (one connection) */
+
+static void hs_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    (void)s;
+    struct hsock *k = user;
+    struct bex__rpc_hdr h;
+    const char *why;
+    if (!bex__rpc_hdr_decode(buf, len, &h, &why)) {
+        if (h.kind == BEX__RPC_DEST &&
+            !bex__rpc_dest_decode((uint8_t *)buf + BEX_RPC_HDR_LEN, &k->d))
+            k->has_dest = k->d.token != 0;
+        else if (h.kind == BEX__RPC_REQUEST) {
+            k->h = h;
+            k->has_req = true;
+        }
+    }
+    bex_mem_free(buf);
+    struct hsock *a = NULL, *b = NULL;
+    for (int i = 0; i < hs.n; i++) {
+        struct hsock *x = &hs.socks[i];
+        if (x->has_dest && x->has_req) {
+            if (!a)
+                a = x;
+            else if (!b)
+                b = x;
+        }
+    }
+    if (!a || !b || hs.sent)
+        return;
+    hs.sent = true;
+    /* a's answer (its header, its call id) into b's destination */
+    enum { BL = 16 };
+    uint8_t *body = bex_rpc_alloc(hs.ctx, BL);
+    CHECK(body);
+    memset(body, 0x66, BL);
+    struct bex__rpc_hdr r = a->h;
+    r.kind = BEX__RPC_RESPONSE;
+    r.flags = 0;
+    r.status = 0;
+    r.body_len = BL;
+    r.timeout_ms = 0;
+    bex__rpc_hdr_encode(&r, bex__rpc_hdr_of(body));
+    bex_remote_buf rb = {
+        .addr = b->d.addr, .rkey = b->d.rkey, .len = BEX_RPC_HDR_LEN + BL, .token = b->d.token};
+    CHECK_OK(bex_sock_send_direct(a->s, bex__rpc_hdr_of(body), BEX_RPC_HDR_LEN + BL, &rb, NULL));
+}
+
+static void hs_error(bex_sock *s, int err, void *user)
+{
+    (void)err;
+    (void)user;
+    bex_sock_close(s);
+}
+
+static const bex_sock_ops hs_ops = {.on_recv = hs_recv, .on_error = hs_error};
+
+static void hs_accept(bex_listener *l, bex_sock *s, void *user)
+{
+    (void)l;
+    (void)user;
+    if (hs.n == (int)(sizeof hs.socks / sizeof hs.socks[0])) {
+        bex_sock_close(s);
+        return;
+    }
+    struct hsock *k = &hs.socks[hs.n++];
+    k->s = s;
+    CHECK_OK(bex_sock_set_user(s, &hs_ops, k));
+}
+
+static void hostile_child(int wfd, int rfd)
+{
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS,
+                           .connect_timeout_ms = RPC_SETUP_MS};
+    bex_ctx_config c = scaled(&base, a0);
+    CHECK_OK(bex_ctx_create(&c, &hs.ctx));
+    static const bex_listener_ops lops = {.on_accept = hs_accept};
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_listener *l;
+    CHECK_OK(bex_listen(hs.ctx, &la, &lops, NULL, &l));
+    struct sockaddr_in got;
+    bex_listener_addr(l, &got);
+    CHECK(write(wfd, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    char q;
+    ssize_t r = read(rfd, &q, 1);
+    (void)r;
+    CHECK_OK(bex_listener_close(l));
+    exit(0); /* its sockets go with the process */
+}
+
+/* Two calls with destinations on one connection to a hostile server that
+ * answers the first of them by writing with the other's token: the call
+ * whose destination was written refuses it (-EPROTO, bad_header), the
+ * other is not answered (-ETIMEDOUT) and its destination is untouched;
+ * neither completes with the hostile answer. RDMA only: over TCP no
+ * token goes out. */
+static int t_hostile(void)
+{
+    RPC_NEED_ADDRS();
+    int up[2], down[2];
+    signal(SIGPIPE, SIG_IGN);
+    CHECK(pipe(up) == 0 && pipe(down) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(up[0]);
+        close(down[1]);
+        hostile_child(up[1], down[0]);
+    }
+    close(up[1]);
+    close(down[0]);
+    struct srv_proc sp = {.pid = pid, .to_child = down[1]};
+    uint16_t port = 0;
+    struct pollfd pf = {.fd = up[0], .events = POLLIN};
+    CHECK(poll(&pf, 1, (int)(30000 * time_scale())) == 1);
+    CHECK(read(up[0], &port, sizeof port) == sizeof port);
+    close(up[0]);
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    sp.addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint eps[1];
+    bex_rpc_channel_config cc = chan_cfg(eps, &sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    enum { CAP = 8 << 10 };
+    uint8_t *dst[2];
+    struct dres d[2];
+    bex_rpc_call_opts o = {.timeout_ms = 1500 * time_scale(), .flags = BEX_RPC_CALL_NO_RETRY};
+    for (int i = 0; i < 2; i++) {
+        dst[i] = bex_rpc_alloc_dest(ctx, CAP);
+        CHECK(dst[i]);
+        memset(dst[i], 0x11, CAP);
+        dres_init(&d[i], ctx, dst[i]);
+        CHECK_OK(bex_rpc_call_into(ch, SVC, M_ECHO, pattern_body(ctx, 32, (uint32_t)i), 32, dst[i],
+                                   CAP, &o, d_done, &d[i], NULL));
+    }
+    for (int i = 0; i < 2; i++) {
+        CHECK(wait_count(&d[i].w, &d[i].calls, 1, 20000) == 0);
+        CHECK_EQ(d[i].armed_at_done, 0);
+        CHECK(d[i].body == dst[i]);
+    }
+    int refused = d[0].status == -EPROTO ? 0 : 1;
+    CHECK_EQ(d[refused].status, -EPROTO);
+    CHECK_EQ(d[!refused].status, -ETIMEDOUT);
+    CHECK(all_bytes(dst[!refused], CAP, 0x11));
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.ok, 0);
+    CHECK_EQ(st.bad_header, 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_rpc_free(dst[0]);
+    bex_rpc_free(dst[1]);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop_server(&sp, false) ? 1 : 0;
+}
+
 BEX_TEST_MAIN({"into", t_into}, {"too_large", t_too_large}, {"cancel", t_cancel},
-              {"deadline", t_deadline}, {"retry", t_retry})
+              {"deadline", t_deadline}, {"retry", t_retry}, {"hostile", t_hostile})
