@@ -1152,6 +1152,19 @@ static void x_on_close(bex_sock *s, void *user)
     free(xa);
 }
 
+/* The attempts with a destination out on ep end as if their connection
+ * failed with err (ep removed from the list or the directory). */
+static void xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
+                         struct call **done)
+{
+    /* completing a call unlinks it alone: the saved next stays valid */
+    for (struct call *c = ch->live, *n; c; c = n) {
+        n = c->next;
+        if (c->xa && c->xa->ep == ep && !c->xa->closing)
+            xatt_failed(ch, c->xa, err, false, done);
+    }
+}
+
 /* ---- socket callbacks (I/O thread) ---- */
 
 /* A connection to ep is up (or, when the ladder made it, answered): the
@@ -1350,6 +1363,8 @@ static void dir_prune(struct bex_rpc_channel *ch, struct call **done)
             if (ep->probe)
                 link_fail(ch, ep->probe, -ECONNABORTED, done);
         }
+        if (!bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node))
+            xatt_fail_ep(ch, ep, -ECONNABORTED, done);
     }
 }
 
@@ -1734,6 +1749,7 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
             link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
         if (old[k]->probe)
             link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
+        xatt_fail_ep(ch, old[k], -ECONNABORTED, &dl);
         ep_put(old[k]);
     }
     free(old);

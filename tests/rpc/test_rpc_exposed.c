@@ -288,11 +288,65 @@ static int t_retry(void)
     return rc ? 1 : 0;
 }
 
+/* An endpoint removed (bex_rpc_channel_set_endpoints) while a call with a
+ * destination is out on it: its attempt ends and the call is tried on the
+ * new list, whose answer lands in the destination. */
+static int t_endpoints(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    bex_rpc_endpoint eps[2];
+    bex_rpc_channel_config cc = chan_cfg(eps, sp, 1);
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    enum { CAP = 64 << 10, LEN = 20000 };
+    uint8_t *dst = bex_rpc_alloc_dest(ctx, CAP);
+    CHECK(dst);
+    uint32_t delay = 500 * time_scale();
+    uint8_t *b = pattern_body(ctx, LEN, 21);
+    memcpy(b, &delay, 4); /* M_LATE: answered after this many ms */
+    struct dres d;
+    dres_init(&d, ctx, dst);
+    bex_rpc_call_opts o = {.timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_rpc_call_into(ch, SVC, M_LATE, b, LEN, dst, CAP, &o, d_done, &d, NULL));
+    pair_sleep_ms(100 * time_scale());
+    bex_rpc_endpoint second[1];
+    (void)chan_cfg(second, &sp[1], 1);
+    CHECK_OK(bex_rpc_channel_set_endpoints(ch, second, 1));
+    CHECK(wait_count(&d.w, &d.calls, 1, 30000) == 0);
+    CHECK_OK(d.status);
+    CHECK_EQ(d.len, LEN);
+    uint8_t *want = malloc(LEN);
+    CHECK(want);
+    fill_pattern(want, LEN, 21);
+    memcpy(want, &delay, 4);
+    CHECK(memcmp(dst, want, LEN) == 0);
+    free(want);
+    CHECK_EQ(d.armed_at_done, 0);
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.attempts, 2);
+    CHECK_EQ(st.retries, 1);
+    bex_rpc_endpoint_stats es[1];
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);
+    CHECK(es[0].addr.sin_port == sp[1].addr.sin_port && es[0].attempts == 1 && es[0].answers == 1);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_rpc_free(dst);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = stop_server(&sp[0], false);
+    rc |= stop_server(&sp[1], false);
+    return rc ? 1 : 0;
+}
+
 /* ---- a hostile server: raw sockets, answers one of two calls by writing
  * with the other call's token (both on one connection) ---- */
 
 struct hsock {
     bex_sock *s;
+    bool gone; /* on_close ran (under hs.mu) */
     bool has_dest, has_req;
     struct bex__rpc_dest d;
     struct bex__rpc_hdr h;
@@ -300,10 +354,11 @@ struct hsock {
 
 static struct {
     bex_ctx *ctx;
+    pthread_mutex_t mu; /* n and gone, for the teardown */
     struct hsock socks[16];
     int n;
     bool sent;
-} hs; /* the server's I/O thread only (one connection) */
+} hs = {.mu = PTHREAD_MUTEX_INITIALIZER}; /* else the I/O thread's (one connection) */
 
 static void hs_recv(bex_sock *s, void *buf, size_t len, void *user)
 {
@@ -358,18 +413,26 @@ static void hs_error(bex_sock *s, int err, void *user)
     bex_sock_close(s);
 }
 
-static const bex_sock_ops hs_ops = {.on_recv = hs_recv, .on_error = hs_error};
+static void hs_close(bex_sock *s, void *user)
+{
+    (void)s;
+    struct hsock *k = user;
+    pthread_mutex_lock(&hs.mu);
+    k->gone = true;
+    pthread_mutex_unlock(&hs.mu);
+}
+
+static const bex_sock_ops hs_ops = {.on_recv = hs_recv, .on_error = hs_error, .on_close = hs_close};
 
 static void hs_accept(bex_listener *l, bex_sock *s, void *user)
 {
     (void)l;
     (void)user;
-    if (hs.n == (int)(sizeof hs.socks / sizeof hs.socks[0])) {
-        bex_sock_close(s);
-        return;
-    }
+    pthread_mutex_lock(&hs.mu);
+    CHECK(hs.n < (int)(sizeof hs.socks / sizeof hs.socks[0]));
     struct hsock *k = &hs.socks[hs.n++];
     k->s = s;
+    pthread_mutex_unlock(&hs.mu);
     CHECK_OK(bex_sock_set_user(s, &hs_ops, k));
 }
 
@@ -392,7 +455,24 @@ static void hostile_child(int wfd, int rfd)
     ssize_t r = read(rfd, &q, 1);
     (void)r;
     CHECK_OK(bex_listener_close(l));
-    exit(0); /* its sockets go with the process */
+    /* close what is left and wait for every on_close (a socket is freed
+     * after its on_close, which waits for hs.mu) */
+    for (int tries = 0;; tries++) {
+        bool all = true;
+        pthread_mutex_lock(&hs.mu);
+        for (int i = 0; i < hs.n; i++)
+            if (!hs.socks[i].gone) {
+                all = false;
+                bex_sock_close(hs.socks[i].s);
+            }
+        pthread_mutex_unlock(&hs.mu);
+        if (all)
+            break;
+        CHECK(tries < 3000 * (int)time_scale());
+        pair_sleep_ms(10);
+    }
+    CHECK_OK(bex_ctx_destroy(hs.ctx));
+    exit(0);
 }
 
 /* Two calls with destinations on one connection to a hostile server that
@@ -464,4 +544,5 @@ static int t_hostile(void)
 }
 
 BEX_TEST_MAIN({"into", t_into}, {"too_large", t_too_large}, {"cancel", t_cancel},
-              {"deadline", t_deadline}, {"retry", t_retry}, {"hostile", t_hostile})
+              {"deadline", t_deadline}, {"retry", t_retry}, {"endpoints", t_endpoints},
+              {"hostile", t_hostile})
