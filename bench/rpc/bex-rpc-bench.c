@@ -26,7 +26,13 @@
  * call from bex_rpc_call to its completion; the report gives P50, P99,
  * mean and calls/s over --iters calls after --warmup. Retries are off and
  * the deadline is 10 s, so a lost call shows up as an error, not as a
- * retry. With --json each result is one JSON object on one line. */
+ * retry. With --json each result is one JSON object on one line.
+ *
+ * --into: each call is bex_rpc_call_into, the answer's body going into a
+ * destination of the slot's own (bex_rpc_alloc_dest, exposed per call over
+ * RDMA and written by the server's WRITE; copied over TCP); the next
+ * request is a fresh bex_rpc_alloc body (not initialised), since the
+ * answer stays in the destination. The JSON gets "into":true. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
@@ -49,7 +55,7 @@
 #define DEFAULT_PORT 18520
 
 struct opts {
-    bool server, matrix, json, from_stdin;
+    bool server, matrix, json, from_stdin, into;
     const char *client;
     struct in_addr local;
     bool have_local;
@@ -152,11 +158,13 @@ struct run {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool done;
+    bool into;
 };
 
 struct slot {
     struct run *r;
     uint64_t t0;
+    void *dst; /* --into: this slot's destination */
 };
 
 static void call_done(int status, void *body, size_t len, void *user);
@@ -169,7 +177,9 @@ static void issue(struct slot *s, void *body, size_t len)
         return;
     }
     s->t0 = now_ns();
-    int err = bex_rpc_call(r->ch, SVC, M_ECHO, body, len, NULL, call_done, s, NULL);
+    int err = r->into ? bex_rpc_call_into(r->ch, SVC, M_ECHO, body, len, s->dst, r->size, NULL,
+                                          call_done, s, NULL)
+                      : bex_rpc_call(r->ch, SVC, M_ECHO, body, len, NULL, call_done, s, NULL);
     if (err)
         die("bex_rpc_call", err);
 }
@@ -180,6 +190,13 @@ static void call_done(int status, void *body, size_t len, void *user)
     struct run *r = s->r;
     uint64_t t = now_ns();
     uint64_t n = atomic_fetch_add(&r->completed, 1);
+    if (r->into) {
+        /* body is the slot's destination: the caller's, never freed */
+        if (!status && len != r->size)
+            status = -EBADMSG;
+        body = NULL;
+        len = 0;
+    }
     if (status) {
         atomic_fetch_add(&r->errors, 1);
         fprintf(stderr, "bex-rpc-bench: call failed: %s\n", bex_strerror(status));
@@ -227,7 +244,8 @@ static int run_client(const struct opts *o, struct sockaddr_in srv, bex_ctx *ctx
                     .total = o->warmup + o->iters,
                     .warmup = o->warmup,
                     .mu = PTHREAD_MUTEX_INITIALIZER,
-                    .cv = PTHREAD_COND_INITIALIZER};
+                    .cv = PTHREAD_COND_INITIALIZER,
+                    .into = o->into};
     int err = bex_rpc_channel_create(ctx, &cc, &r.ch);
     if (err)
         die("bex_rpc_channel_create", err);
@@ -241,6 +259,8 @@ static int run_client(const struct opts *o, struct sockaddr_in srv, bex_ctx *ctx
     uint64_t t_start = now_ns();
     for (uint32_t i = 0; i < o->outstanding; i++) {
         slots[i].r = &r;
+        if (o->into && !(slots[i].dst = bex_rpc_alloc_dest(ctx, o->size)))
+            die("bex_rpc_alloc_dest", -ENOMEM);
         void *b = bex_rpc_alloc(ctx, o->size);
         if (!b)
             die("bex_rpc_alloc", -ENOMEM);
@@ -270,15 +290,17 @@ static int run_client(const struct opts *o, struct sockaddr_in srv, bex_ctx *ctx
     if (o->json)
         printf("{\"bench\":\"bex-rpc\",\"transport\":\"%s\",\"size\":%zu,\"outstanding\":%u,"
                "\"iters\":%llu,\"p50_us\":%.2f,\"p99_us\":%.2f,\"mean_us\":%.2f,"
-               "\"calls_per_s\":%.0f,\"errors\":%llu}\n",
+               "\"calls_per_s\":%.0f,\"errors\":%llu%s}\n",
                transport_name(o->transport), o->size, o->outstanding, (unsigned long long)o->iters,
-               p50, p99, mean, rate, (unsigned long long)errors);
+               p50, p99, mean, rate, (unsigned long long)errors, o->into ? ",\"into\":true" : "");
     else
         printf("%-5s %8zu B %3u out: P50 %9.2f us  P99 %9.2f us  mean %9.2f us  %10.0f calls/s"
                "  errors %llu\n",
                transport_name(o->transport), o->size, o->outstanding, p50, p99, mean, rate,
                (unsigned long long)errors);
     fflush(stdout);
+    for (uint32_t i = 0; i < o->outstanding; i++)
+        bex_rpc_free(slots[i].dst);
     free(slots);
     free(r.lat_ns);
     return errors ? 1 : 0;
@@ -344,7 +366,7 @@ static void usage(void)
     fprintf(stderr, "usage: bex-rpc-bench -s --local ADDR [-p PORT] [--transport auto|rdma|tcp]\n"
                     "       bex-rpc-bench -c SERVER --local ADDR [-p PORT] [--transport T]\n"
                     "                     [--size B] [--outstanding K] [--iters N] [--warmup W]"
-                    " [--json] [--stdin]\n"
+                    " [--json] [--stdin] [--into]\n"
                     "       bex-rpc-bench --matrix [--transport T] [--iters N] [--json]\n");
     exit(2);
 }
@@ -368,6 +390,7 @@ int main(int argc, char **argv)
                                        {"eager", required_argument, NULL, 'e'},
                                        {"poll", required_argument, NULL, 'P'},
                                        {"stdin", no_argument, NULL, 'I'},
+                                       {"into", no_argument, NULL, 'D'},
                                        {NULL, 0, NULL, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "sc:l:p:", lo, NULL)) != -1) {
@@ -410,6 +433,9 @@ int main(int argc, char **argv)
             break;
         case 'j':
             o.json = true;
+            break;
+        case 'D':
+            o.into = true;
             break;
         case 'm':
             o.matrix = true;

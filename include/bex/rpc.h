@@ -256,6 +256,48 @@ int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *b
                  const bex_rpc_call_opts *opts, bex_rpc_done_fn done, void *user,
                  uint64_t *call_id);
 
+/* ---- answers into the caller's buffer ---- */
+
+/* A destination for bex_rpc_call_into: cap bytes of the context's landing
+ * memory (the only memory a peer may write, see bex_sock_alloc_exposable)
+ * with header room in front. NULL on failure. Free with bex_rpc_free(). */
+void *bex_rpc_alloc_dest(bex_ctx *ctx, size_t cap);
+
+/* bex_rpc_call whose answer's body goes straight into dst (cap bytes, from
+ * bex_rpc_alloc_dest of the channel's context), which stays the caller's
+ * (bex never frees it). Each attempt opens a socket of its own on the
+ * endpoint's connection and, over RDMA, exposes dst (with its header room)
+ * on it for that attempt alone: the token goes to the server in the
+ * request, and the server's RDMA WRITE puts the answer, header first, into
+ * it (no rendezvous, no copy). Over TCP, where an exposed buffer must be
+ * written whole, the answer comes as a message and is copied into dst,
+ * with the same semantics.
+ *
+ * done gets body == dst (always, whatever the status) and len the answer's
+ * body length (0 for a local error). It runs only once dst is retired: no
+ * transport writes it any more, also after a deadline, bex_rpc_cancel or a
+ * failure while the server was writing (the attempt's socket is closed and
+ * done waits for the exposure to come back, so done may come after the
+ * deadline by the time the peer takes to answer the close, or until the
+ * connection fails). Until then dst must not be freed nor reused.
+ * An answer longer than cap is refused by the server, nothing written:
+ * status -EMSGSIZE (a server that writes one anyway is refused like a
+ * malformed answer, never copied). A retry (to another replica or not)
+ * exposes dst afresh with a new token, after the previous attempt's
+ * exposure was retired; a write with another call's token (a hostile
+ * server: tokens are per connection) is refused like a malformed answer
+ * (counted in bad_header; the attempt fails with -EPROTO). Calls with a
+ * destination have no attempt_timeout_ms (a second attempt would need dst
+ * while the first may still write it). Needs a server of this version
+ * (docs/protocol.md, "Caller's destination"). Returns as bex_rpc_call,
+ * and -EINVAL for a dst not from bex_rpc_alloc_dest of this context. In
+ * landing mode (BEX_REMOTE_ACCESS_LANDING) a hostile server can write any
+ * landing memory anyway (docs/security.md); window mode bounds it to the
+ * exposed dst. */
+int bex_rpc_call_into(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
+                      bex_rpc_done_fn done, void *user, uint64_t *call_id);
+
 /* Complete call_id now with -ECANCELED (its buffers are released once the
  * transport is done with them; a late answer is dropped and counted).
  * Returns 0, or -ENOENT (already completed). */

@@ -327,6 +327,13 @@ int bex_sock_send_direct(bex_sock *s, void *buf, size_t len, const bex_remote_bu
  * after this return -EPIPE. Idempotent; any thread, callbacks included. */
 void bex_sock_close(bex_sock *s);
 
+/* The transport carrying s: BEX_TRANSPORT_RDMA or BEX_TRANSPORT_TCP once
+ * its connection chose one (from on_connect on), 0 before or after it
+ * failed. Only from a callback of s (its I/O thread). E.g. an exposed
+ * buffer over TCP must be written whole (bex_sock_send_direct), over RDMA
+ * a writer may fill less of it. */
+int bex_sock_transport(const bex_sock *s);
+
 /* The user pointer last set (any thread). */
 void *bex_sock_user(const bex_sock *s);
 /* Replace the socket's callbacks (ops NULL: keep them) and user pointer.

@@ -85,9 +85,33 @@ struct call {
     int status;
     void *resp;
     size_t resp_len;
+    /* bex_rpc_call_into: the caller's destination (a body pointer, header
+     * room in front, landing memory), its attempt's socket, and what waits
+     * for the destination's retirement (the transport no longer writing
+     * it): the completion (parked) or the next attempt (want_attempt) */
+    uint8_t *dst;
+    size_t cap;
+    struct xatt *xa;
+    bool parked, want_attempt;
     struct call *hnext;       /* id hash */
     struct call *prev, *next; /* live list */
     struct call *dnext;       /* completions to run */
+};
+
+/* An attempt of a call with a destination (bex_rpc_call_into): a socket
+ * of its own on the endpoint's connection, so that ending the attempt
+ * (closing it) retires the destination's exposure without touching the
+ * channel's other calls: the socket layer hands an exposed buffer back
+ * only once the peer can write it no more. Holds a reference to its call
+ * until its on_close. */
+struct xatt {
+    struct bex_rpc_channel *ch;
+    struct call *c;
+    struct endpoint *ep;
+    bex_sock *s;
+    bool closing;
+    bool armed;    /* the destination is exposed on s: not retired */
+    char dest_tag; /* msg_user of the DEST message */
 };
 
 #define CALL_BUCKETS 4096
@@ -176,13 +200,22 @@ static void dir_release(struct bex_rpc_channel *ch, struct call *c)
     c->counted = NULL;
 }
 
+static void xatt_end(struct xatt *xa)
+{
+    if (!xa->closing) {
+        xa->closing = true;
+        bex_sock_close(xa->s);
+    }
+}
+
 /* Take c off the books with status; its completion runs once the lock is
  * released (run_done). */
 static void complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
                      size_t resp_len, int kind, struct call **done)
 {
     if (!c->live) {
-        bex_rpc_free(resp);
+        if (!c->dst || resp != c->dst)
+            bex_rpc_free(resp);
         return;
     }
     c->live = false;
@@ -222,6 +255,19 @@ static void complete(struct bex_rpc_channel *ch, struct call *c, int status, voi
     if (kind != K_OK)
         ch->st.failed++;
     bex__rpc_hist_add(&ch->hist, bex__rpc_now_ns() - c->t_start);
+    if (c->dst) {
+        /* the destination is the caller's again only once retired: the
+         * attempt's socket closes, and done runs when its exposure comes
+         * back (xatt_retired) */
+        c->resp = c->dst;
+        c->want_attempt = false;
+        if (c->xa)
+            xatt_end(c->xa);
+        if (c->xa && c->xa->armed) {
+            c->parked = true;
+            return;
+        }
+    }
     c->dnext = *done;
     *done = c;
 }
@@ -713,6 +759,8 @@ static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct e
     return ep;
 }
 
+static int xatt_open(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude);
+
 /* Send c on an endpoint (not exclude when there is another). Returns 0 or
  * the error that kept the attempt from starting; *step: that error was a
  * connection failure that took a step of the recovery ladder. */
@@ -720,6 +768,20 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
                          bool *step)
 {
     *step = false;
+    if (c->dst) {
+        /* a fresh exposure per attempt, and never two at once: the last
+         * one is retired first (its socket closed, the attempt goes on
+         * when the exposure comes back) */
+        c->link = NULL;
+        c->attempt_deadline = 0;
+        if (c->xa)
+            xatt_end(c->xa);
+        if (c->xa && c->xa->armed) {
+            c->want_attempt = true;
+            return 0;
+        }
+        return xatt_open(ch, c, exclude);
+    }
     struct endpoint *ep = choose_ep(ch, exclude);
     c->attempts++;
     c->link = NULL;
@@ -827,6 +889,280 @@ static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, 
                            struct call **done)
 {
     attempt_failed_ex(ch, c, err, remote, false, done);
+}
+
+/* ---- attempts with a destination (bex_rpc_call_into) ---- */
+
+static void x_on_connect(bex_sock *s, int status, void *user);
+static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user);
+static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
+                           void *user);
+static void x_on_error(bex_sock *s, int err, void *user);
+static void x_on_close(bex_sock *s, void *user);
+
+static const bex_sock_ops xatt_ops = {
+    .on_connect = x_on_connect,
+    .on_recv = x_on_recv,
+    .on_send_done = x_on_send_done,
+    .on_error = x_on_error,
+    .on_close = x_on_close,
+};
+
+static int xatt_open(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude)
+{
+    struct endpoint *ep = choose_ep(ch, exclude);
+    c->attempts++;
+    if (ch->dir) {
+        dir_release(ch, c);
+        if (!ep)
+            return -EHOSTUNREACH;
+        c->counted = ep;
+    }
+    c->ep = ep;
+    struct xatt *xa = calloc(1, sizeof(*xa));
+    if (!xa)
+        return -ENOMEM;
+    *xa = (struct xatt){.ch = ch, .c = c, .ep = ep};
+    /* the endpoint's connection as the channel's link to it has it (the
+     * socket joins it), or as the ladder would make it, without taking a
+     * step: the link's own failures take those */
+    bex_connect_opts o = {0};
+    uint32_t t = ep->rung == BEX_RPC_LADDER_TCP ? BEX_TRANSPORT_TCP : ep->transport;
+    if (t) {
+        o.flags = BEX_CONNECT_TRANSPORT;
+        o.transport = t;
+    }
+    int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &xatt_ops, xa, &o, &xa->s);
+    if (err) {
+        free(xa);
+        return err;
+    }
+    ep->refs++;
+    c->refs++;
+    c->xa = xa;
+    ch->st.attempts++;
+    ep->attempts++;
+    if (exclude && ep != exclude)
+        ch->st.failovers++;
+    return 0;
+}
+
+/* xa's exposure came back or was delivered: what waited for it goes on. */
+static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct call **done)
+{
+    struct call *c = xa->c;
+    if (xa->armed || c->xa != xa)
+        return;
+    if (c->parked) {
+        c->parked = false;
+        c->dnext = *done;
+        *done = c;
+    } else if (c->want_attempt && c->live) {
+        c->want_attempt = false;
+        int err = xatt_open(ch, c, c->ep);
+        if (err)
+            attempt_failed(ch, c, err, false, done);
+    }
+}
+
+/* xa's attempt failed with err (still the call's current one): retry or
+ * complete. */
+static void xatt_failed(struct bex_rpc_channel *ch, struct xatt *xa, int err, bool remote,
+                        struct call **done)
+{
+    struct call *c = xa->c;
+    xatt_end(xa);
+    if (c->xa != xa || !c->live || c->want_attempt)
+        return;
+    xa->ep->failures++;
+    attempt_failed(ch, c, err, remote, done);
+}
+
+static void x_on_connect(bex_sock *s, int status, void *user)
+{
+    struct xatt *xa = user;
+    struct bex_rpc_channel *ch = xa->ch;
+    struct call *c = xa->c, *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    if (status) {
+        xatt_failed(ch, xa, status, false, &done);
+    } else if (!xa->closing && c->xa == xa && c->live) {
+        /* over RDMA the answer is written into the destination (header
+         * in its room, then the body); over TCP, where an exposed buffer
+         * must be written whole, it comes as a message and is copied */
+        struct bex__rpc_dest d = {.cap = (uint32_t)c->cap};
+        int err = 0;
+        if (bex_sock_transport(s) == BEX_TRANSPORT_RDMA) {
+            bex_remote_buf rb;
+            err = bex_sock_expose(s, bex__rpc_hdr_of(c->dst), (uint32_t)(c->cap + BEX_RPC_HDR_LEN),
+                                  &xa->armed, &rb);
+            if (!err) {
+                xa->armed = true;
+                d = (struct bex__rpc_dest){rb.addr, rb.rkey, rb.token, (uint32_t)c->cap};
+            }
+        }
+        uint8_t *m = err ? NULL : bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN + BEX__RPC_DEST_LEN);
+        if (!err && !m)
+            err = -ENOMEM;
+        if (!err) {
+            struct bex__rpc_hdr h;
+            const char *why;
+            bex__rpc_hdr_decode(c->msg, c->len, &h, &why); /* ours: well-formed */
+            h.kind = BEX__RPC_DEST;
+            h.flags = 0;
+            h.body_len = BEX__RPC_DEST_LEN;
+            h.timeout_ms = 0;
+            bex__rpc_hdr_encode(&h, m);
+            bex__rpc_dest_encode(&d, m + BEX_RPC_HDR_LEN);
+            err = bex_sock_send(s, m, BEX_RPC_HDR_LEN + BEX__RPC_DEST_LEN, &xa->dest_tag);
+            if (err)
+                bex_mem_free(m);
+        }
+        if (!err) {
+            err = bex_sock_send(s, c->msg, c->len, c);
+            if (!err)
+                c->refs++;
+        }
+        if (err)
+            xatt_failed(ch, xa, err, false, &done);
+    }
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+}
+
+static void x_on_error(bex_sock *s, int err, void *user)
+{
+    (void)s;
+    struct xatt *xa = user;
+    struct bex_rpc_channel *ch = xa->ch;
+    struct call *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    /* the socket layer handed the exposure back before this */
+    xatt_failed(ch, xa, err ? err : -ECONNRESET, false, &done);
+    xatt_retired(ch, xa, &done);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+}
+
+static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
+                           void *user)
+{
+    (void)s;
+    (void)len;
+    struct xatt *xa = user;
+    struct bex_rpc_channel *ch = xa->ch;
+    struct call *c = xa->c, *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    if (msg_user == &xa->armed) {
+        /* the exposure came back undelivered: retired */
+        xa->armed = false;
+        xatt_retired(ch, xa, &done);
+    } else {
+        if (msg_user == &xa->dest_tag)
+            bex_mem_free(buf);
+        else
+            call_put(ch, c); /* the request: c->msg stays the call's */
+        if (status)
+            xatt_failed(ch, xa, status == -ECANCELED ? -ECONNRESET : status, false, &done);
+    }
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+}
+
+/* An answer on an attempt's socket: written into the destination (buf is
+ * its header room; len the exposed length) or a message (copied into the
+ * destination). A write into a destination that names another call, or
+ * a body longer than the destination, is a hostile or broken server:
+ * refused like a malformed answer. */
+static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    (void)s;
+    struct xatt *xa = user;
+    struct bex_rpc_channel *ch = xa->ch;
+    struct call *c = xa->c, *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    bool into = (uint8_t *)buf == bex__rpc_hdr_of(c->dst);
+    if (into) {
+        xa->armed = false; /* delivered: the socket layer revoked its key */
+        size_t blen = bex__rpc_hdr_body_len(buf);
+        len = blen <= c->cap ? blen + BEX_RPC_HDR_LEN : 0;
+    }
+    struct bex__rpc_hdr h;
+    const char *why = NULL;
+    int err = len ? bex__rpc_hdr_decode(buf, len, &h, &why) : -EBADMSG;
+    if (!len)
+        why = "an answer longer than the destination";
+    else if (!err && (h.kind == BEX__RPC_REQUEST || h.kind == BEX__RPC_DEST))
+        why = "a request on a client connection";
+    else if (!err && h.client_id != ch->client_id)
+        why = "another client's id";
+    else if (!err && (h.call_id != c->id || h.service != c->service || h.method != c->method))
+        why = into ? "a write into another call's destination" : "an answer naming another call";
+    bool current = c->xa == xa && c->live && !c->want_attempt;
+    if (why) {
+        ch->st.bad_header++;
+        if (!xa->closing)
+            bex__log(ch->log, BEX_LOG_WARN,
+                     "rpc channel %s: malformed answer (%s): attempt's socket closed", ch->name,
+                     why);
+        xatt_failed(ch, xa, -EPROTO, false, &done);
+    } else if (!current) {
+        ch->st.late_responses++;
+    } else {
+        xa->ep->answers++;
+        xatt_end(xa); /* one answer per attempt */
+        size_t blen = h.body_len;
+        if (h.status && retryable(h.status, true)) {
+            attempt_failed(ch, c, h.status, true, &done);
+        } else if (!into && blen > c->cap) {
+            /* a server that did not check: nothing is copied */
+            complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
+        } else {
+            if (!into && blen)
+                memcpy(c->dst, (uint8_t *)buf + BEX_RPC_HDR_LEN, blen);
+            complete(ch, c, h.status, c->dst, blen, h.status ? K_REMOTE : K_OK, &done);
+        }
+    }
+    if (into)
+        xatt_retired(ch, xa, &done);
+    pthread_mutex_unlock(&ch->mu);
+    if (!into)
+        bex_mem_free(buf);
+    run_done(ch, done);
+}
+
+static void x_on_close(bex_sock *s, void *user)
+{
+    (void)s;
+    struct xatt *xa = user;
+    struct bex_rpc_channel *ch = xa->ch;
+    struct call *c = xa->c, *done = NULL;
+    pthread_mutex_lock(&ch->mu);
+    xa->armed = false; /* exposures come back before on_close */
+    xatt_retired(ch, xa, &done);
+    if (c->xa == xa)
+        c->xa = NULL;
+    ep_put(xa->ep);
+    pthread_mutex_unlock(&ch->mu);
+    run_done(ch, done);
+    pthread_mutex_lock(&ch->mu);
+    call_put(ch, c);
+    pthread_cond_broadcast(&ch->cv);
+    pthread_mutex_unlock(&ch->mu);
+    free(xa);
+}
+
+/* The attempts with a destination out on ep end as if their connection
+ * failed with err (ep removed from the list or the directory). */
+static void xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
+                         struct call **done)
+{
+    /* completing a call unlinks it alone: the saved next stays valid */
+    for (struct call *c = ch->live, *n; c; c = n) {
+        n = c->next;
+        if (c->xa && c->xa->ep == ep && !c->xa->closing)
+            xatt_failed(ch, c->xa, err, false, done);
+    }
 }
 
 /* ---- socket callbacks (I/O thread) ---- */
@@ -1027,6 +1363,8 @@ static void dir_prune(struct bex_rpc_channel *ch, struct call **done)
             if (ep->probe)
                 link_fail(ch, ep->probe, -ECONNABORTED, done);
         }
+        if (!bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node))
+            xatt_fail_ep(ch, ep, -ECONNABORTED, done);
     }
 }
 
@@ -1245,8 +1583,40 @@ err_free:
     return err;
 }
 
+void *bex_rpc_alloc_dest(bex_ctx *ctx, size_t cap)
+{
+    if (!ctx || cap > (size_t)INT32_MAX - BEX_RPC_HDR_LEN)
+        return NULL;
+    uint8_t *p = bex_sock_alloc_exposable(ctx, cap + BEX_RPC_HDR_LEN);
+    return p ? p + BEX_RPC_HDR_LEN : NULL;
+}
+
+static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
+                      bex_rpc_done_fn done, void *user, uint64_t *call_id);
+
 int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body, size_t len,
                  const bex_rpc_call_opts *opts, bex_rpc_done_fn done, void *user, uint64_t *call_id)
+{
+    return call_start(ch, service, method, body, len, NULL, 0, opts, done, user, call_id);
+}
+
+int bex_rpc_call_into(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
+                      bex_rpc_done_fn done, void *user, uint64_t *call_id)
+{
+    /* dst as bex_rpc_alloc_dest gave it: landing memory of the channel's
+     * context, cap bytes and the header room in front */
+    if (!ch || !dst || cap > (size_t)INT32_MAX - BEX_RPC_HDR_LEN ||
+        bex_mem_pool_of(bex__rpc_hdr_of(dst)) != bex_ctx_landing_pool(ch->ctx) ||
+        bex_mem_usable_size(bex__rpc_hdr_of(dst)) < cap + BEX_RPC_HDR_LEN)
+        return -EINVAL;
+    return call_start(ch, service, method, body, len, dst, cap, opts, done, user, call_id);
+}
+
+static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
+                      bex_rpc_done_fn done, void *user, uint64_t *call_id)
 {
     if (!ch || !done || (!body && len) || len > (size_t)INT32_MAX - BEX_RPC_HDR_LEN ||
         (opts && (opts->flags & ~(uint32_t)BEX_RPC_CALL_NO_RETRY)))
@@ -1282,6 +1652,8 @@ int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *b
         .deadline = now + tmo_ns,
         .refs = 1,
         .live = true,
+        .dst = dst,
+        .cap = cap,
     };
     struct call *dl = NULL;
     pthread_mutex_lock(&ch->mu);
@@ -1295,6 +1667,7 @@ int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *b
     c->id = ++ch->next_id;
     struct bex__rpc_hdr h = {
         .kind = BEX__RPC_REQUEST,
+        .flags = dst ? BEX__RPC_F_DEST : 0,
         .service = service,
         .method = method,
         .call_id = c->id,
@@ -1376,6 +1749,7 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
             link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
         if (old[k]->probe)
             link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
+        xatt_fail_ep(ch, old[k], -ECONNABORTED, &dl);
         ep_put(old[k]);
     }
     free(old);

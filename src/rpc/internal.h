@@ -13,11 +13,35 @@
 
 #define BEX__RPC_MAGIC   0xB5C1u
 #define BEX__RPC_VERSION 1u
+/* Version 2 adds the destination of bex_rpc_call_into (docs/protocol.md,
+ * "Caller's destination"): kind DEST and the request flag DEST. Only the
+ * messages using them say version 2, so that a version-1 peer still
+ * understands everything else (and refuses those, by its strict rules). */
+#define BEX__RPC_VERSION_DEST 2u
 
-enum { BEX__RPC_REQUEST = 1, BEX__RPC_RESPONSE = 2, BEX__RPC_ERROR = 3 };
+enum { BEX__RPC_REQUEST = 1, BEX__RPC_RESPONSE = 2, BEX__RPC_ERROR = 3, BEX__RPC_DEST = 4 };
 
-/* flags: none defined yet in version 1 (a peer setting any is refused) */
-#define BEX__RPC_FLAGS_KNOWN 0u
+/* flags. DEST (version 2, requests): the answer's body goes to the
+ * destination the DEST message before it on the same socket named. */
+#define BEX__RPC_F_DEST      0x1u
+#define BEX__RPC_FLAGS_KNOWN BEX__RPC_F_DEST
+
+/* The body of a DEST message: where the answer to its call goes. token 0:
+ * no exposed buffer (TCP): the answer comes as a message, its body at
+ * most cap bytes; else the exposed buffer (addr, rkey, token) of
+ * BEX_RPC_HDR_LEN + cap bytes takes the whole answer, header first. */
+#define BEX__RPC_DEST_LEN 24
+struct bex__rpc_dest {
+    uint64_t addr;
+    uint32_t rkey, token, cap;
+};
+void bex__rpc_dest_encode(const struct bex__rpc_dest *d, uint8_t *out);
+/* Returns 0 or -EBADMSG (reserved bytes set, a token without the
+ * address or key, a cap above INT32_MAX - BEX_RPC_HDR_LEN). */
+int bex__rpc_dest_decode(const uint8_t *in, struct bex__rpc_dest *d);
+/* The body length an answer's header at msg says (unchecked), to decode
+ * an answer written into a destination longer than it. */
+uint32_t bex__rpc_hdr_body_len(const uint8_t *msg);
 
 struct bex__rpc_hdr {
     uint8_t kind;

@@ -30,6 +30,11 @@ struct conn {
     bool closing; /* bex_sock_close called: nothing more is sent */
     bool closed;  /* on_close ran: s is gone */
     bool bad;     /* refused for a malformed header (logged once) */
+    /* the destination a DEST message gave for call dest_call's answer
+     * (bex_rpc_call_into: one call per socket) */
+    bool has_dest;
+    uint64_t dest_call;
+    struct bex__rpc_dest dest;
     struct conn *prev, *next;
 };
 
@@ -357,6 +362,20 @@ static int send_answer(struct bex_rpc_server *srv, struct conn *c, const struct 
         bex_rpc_free(body);
         return -EPIPE;
     }
+    /* bex_rpc_call_into: the answer goes to the caller's destination, an
+     * exposed buffer (RDMA) written whole, header first; one that does
+     * not fit is refused with nothing written (the client checks too) */
+    const struct bex__rpc_dest *d = NULL;
+    if ((rq->flags & BEX__RPC_F_DEST) && c->has_dest && c->dest_call == rq->call_id)
+        d = &c->dest;
+    if (d && len > d->cap) {
+        bex_rpc_free(body);
+        if (!(body = bex_rpc_alloc(srv->ctx, 0)))
+            return -ENOMEM;
+        len = 0;
+        kind = BEX__RPC_ERROR;
+        status = -EMSGSIZE;
+    }
     struct bex__rpc_hdr h = *rq;
     h.kind = kind;
     h.flags = 0;
@@ -365,7 +384,17 @@ static int send_answer(struct bex_rpc_server *srv, struct conn *c, const struct 
     h.timeout_ms = 0;
     uint8_t *hdr = bex__rpc_hdr_of(body);
     bex__rpc_hdr_encode(&h, hdr);
-    int err = bex_sock_send(c->s, hdr, len + BEX_RPC_HDR_LEN, NULL);
+    int err;
+    if (d && d->token && status != -EMSGSIZE) {
+        bex_remote_buf rb = {.addr = d->addr,
+                             .rkey = d->rkey,
+                             .len = (uint32_t)(len + BEX_RPC_HDR_LEN),
+                             .token = d->token};
+        c->has_dest = false; /* the exposure takes one write */
+        err = bex_sock_send_direct(c->s, hdr, len + BEX_RPC_HDR_LEN, &rb, NULL);
+    } else {
+        err = bex_sock_send(c->s, hdr, len + BEX_RPC_HDR_LEN, NULL);
+    }
     if (err) {
         bex_rpc_free(body);
         return err;
@@ -443,8 +472,27 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         bex_mem_free(buf);
         return;
     }
-    if (bex__rpc_hdr_decode(buf, len, &h, &why) || h.kind != BEX__RPC_REQUEST) {
+    if (bex__rpc_hdr_decode(buf, len, &h, &why) ||
+        (h.kind != BEX__RPC_REQUEST && h.kind != BEX__RPC_DEST)) {
         conn_refuse(srv, c, why ? why : "not a request");
+        pthread_mutex_unlock(&srv->mu);
+        bex_mem_free(buf);
+        return;
+    }
+    if (h.kind == BEX__RPC_DEST) {
+        /* where the answer to the request that follows goes */
+        if (bex__rpc_dest_decode((uint8_t *)buf + BEX_RPC_HDR_LEN, &c->dest)) {
+            conn_refuse(srv, c, "malformed destination");
+        } else {
+            c->has_dest = true;
+            c->dest_call = h.call_id;
+        }
+        pthread_mutex_unlock(&srv->mu);
+        bex_mem_free(buf);
+        return;
+    }
+    if ((h.flags & BEX__RPC_F_DEST) && (!c->has_dest || c->dest_call != h.call_id)) {
+        conn_refuse(srv, c, "a request for a destination not given");
         pthread_mutex_unlock(&srv->mu);
         bex_mem_free(buf);
         return;

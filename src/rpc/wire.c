@@ -45,7 +45,8 @@ void bex__rpc_hdr_encode(const struct bex__rpc_hdr *h, uint8_t *out)
 {
     memset(out, 0, BEX_RPC_HDR_LEN);
     put16(out + 0, BEX__RPC_MAGIC);
-    out[2] = BEX__RPC_VERSION;
+    out[2] = h->kind == BEX__RPC_DEST || (h->flags & BEX__RPC_F_DEST) ? BEX__RPC_VERSION_DEST
+                                                                      : BEX__RPC_VERSION;
     out[3] = h->kind;
     put32(out + 4, h->flags);
     put32(out + 8, h->service);
@@ -66,7 +67,7 @@ int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, 
         *why = "shorter than the header";
     else if (get16(msg) != BEX__RPC_MAGIC)
         *why = "bad magic";
-    else if (msg[2] != BEX__RPC_VERSION)
+    else if (msg[2] != BEX__RPC_VERSION && msg[2] != BEX__RPC_VERSION_DEST)
         *why = "unknown version";
     if (*why)
         return -EBADMSG;
@@ -83,23 +84,54 @@ int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, 
         .timeout_ms = get32(msg + 48),
     };
     static const uint8_t zero[12];
-    if (h->kind < BEX__RPC_REQUEST || h->kind > BEX__RPC_ERROR)
+    bool v2 = h->kind == BEX__RPC_DEST || (h->flags & BEX__RPC_F_DEST);
+    if (h->kind < BEX__RPC_REQUEST || h->kind > BEX__RPC_DEST)
         *why = "unknown kind";
     else if (h->flags & ~BEX__RPC_FLAGS_KNOWN)
         *why = "unknown flags";
+    else if (msg[2] != (v2 ? BEX__RPC_VERSION_DEST : BEX__RPC_VERSION))
+        *why = "version does not fit the kind and flags";
+    else if ((h->flags & BEX__RPC_F_DEST) && h->kind != BEX__RPC_REQUEST)
+        *why = "destination flag on an answer";
+    else if (h->kind == BEX__RPC_DEST &&
+             (h->body_len != BEX__RPC_DEST_LEN || h->call_id == 0 || h->status != 0))
+        *why = "malformed destination";
     else if (memcmp(msg + 52, zero, sizeof zero) != 0)
         *why = "reserved bytes set";
     else if ((uint64_t)h->body_len != len - BEX_RPC_HDR_LEN)
         *why = "body length disagrees with the message";
     else if (h->kind == BEX__RPC_REQUEST && (h->status != 0 || h->call_id == 0))
         *why = "request with a status or without a call id";
-    else if (h->kind != BEX__RPC_REQUEST && h->timeout_ms != 0)
+    else if (h->kind != BEX__RPC_REQUEST && h->kind != BEX__RPC_DEST && h->timeout_ms != 0)
         *why = "answer with a timeout";
     else if (h->status > 0 || h->status < -4095)
         *why = "status is not 0 or a negative errno";
     else if (h->kind == BEX__RPC_ERROR && h->status == 0)
         *why = "error without a status";
     return *why ? -EBADMSG : 0;
+}
+
+void bex__rpc_dest_encode(const struct bex__rpc_dest *d, uint8_t *out)
+{
+    put64(out, d->addr);
+    put32(out + 8, d->rkey);
+    put32(out + 12, d->token);
+    put32(out + 16, d->cap);
+    put32(out + 20, 0);
+}
+
+int bex__rpc_dest_decode(const uint8_t *in, struct bex__rpc_dest *d)
+{
+    *d = (struct bex__rpc_dest){get64(in), get32(in + 8), get32(in + 12), get32(in + 16)};
+    if (get32(in + 20) != 0 || (d->token && !d->addr) ||
+        d->cap > (uint32_t)INT32_MAX - BEX_RPC_HDR_LEN || (!d->token && (d->addr || d->rkey)))
+        return -EBADMSG;
+    return 0;
+}
+
+uint32_t bex__rpc_hdr_body_len(const uint8_t *msg)
+{
+    return get32(msg + 44);
 }
 
 static unsigned bucket_of(uint64_t v)

@@ -673,6 +673,15 @@ void bex_sock_close(bex_sock *s)
     bex__io_push(s->io, &s->close_cmd, CMD_CLOSE);
 }
 
+int bex_sock_transport(const bex_sock *s)
+{
+    const struct conn *c = s ? s->conn : NULL;
+    if (!c || !c->x || c->dead)
+        return 0;
+    /* not c->eng: after a fallback to TCP the engine may linger */
+    return strcmp(c->x->ops->name, "tcp") ? BEX_TRANSPORT_RDMA : BEX_TRANSPORT_TCP;
+}
+
 void *bex_sock_user(const bex_sock *s)
 {
     return atomic_load_explicit(&((bex_sock *)s)->user_pub, memory_order_acquire);
