@@ -912,8 +912,8 @@ static void report_bw(struct client *cl, uint32_t frag, enum test shown)
         if (cl->o->conns)
             printf(" %u connections (engines %" PRIu64 ") from %u contexts, %u I/O threads, "
                    "srq_depth %u\n",
-                   cl->o->conns, cl->st1.engines, cl->nctx, cl->o->io_threads ? cl->o->io_threads : 1,
-                   cl->o->srq_depth);
+                   cl->o->conns, cl->st1.engines, cl->nctx,
+                   cl->o->io_threads ? cl->o->io_threads : 1, cl->o->srq_depth);
         print_stats_text(cl, msgs);
     }
     fflush(stdout);
