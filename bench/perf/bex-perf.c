@@ -18,6 +18,22 @@
  *       fragment size is the sender's configuration, so the client builds a
  *       fresh context for each.
  *
+ * Many connections (bw --conns N, paper Figure 11): N connections, each its
+ * own engine (RC QP): socket i goes to port -p + i % --ports (the server
+ * listens on --ports consecutive ports; a context has one connection per
+ * server address), from ceil(N / --ports) client contexts. Each connection
+ * runs its own closed loop of --outstanding / N messages in flight (at
+ * least one; the first --outstanding % N connections one more), on its I/O
+ * thread, so nothing is shared between I/O threads but two atomic counters.
+ * At most 16 connections are in setup at once (a server closes the oldest
+ * of more than setup_max setups).
+ *
+ * Competing streams (lat --streams K, paper Figure 13): K more sockets on
+ * the latency socket's engine each stream --stream-size messages (1 MiB),
+ * --outstanding of them in flight per stream, for as long as the latency
+ * test runs; the stream bytes answered during the measured round trips are
+ * reported as stream_mib_s.
+ *
  * Session protocol: the first message on each socket is a 32-byte setup
  * (magic, version, response size; 0 = echo); the server sends it back when
  * it is ready. Every later message is answered per the setup.
@@ -69,6 +85,12 @@ struct opts {
     uint32_t frag, eager, spin_us, sq_depth, rq_depth;
     uint32_t remote_access; /* BEX_REMOTE_ACCESS_* */
     uint32_t ka_timeout_ms; /* 0: the library's */
+    uint32_t ka_ms;         /* keepalive_ms; 0: the library's */
+    uint32_t io_threads, srq_depth, poll_mode, transport, setup_max;
+    uint8_t qp_timeout;
+    uint32_t conns, ports; /* conns 0: not the many-connection mode */
+    uint32_t streams, stream_size;
+    bool outstanding_set;
     uint32_t frag_list[32];
     int n_frag_list;
     long runs;
@@ -146,6 +168,13 @@ static void fill_cfg(const struct opts *o, bex_ctx_config *c, uint32_t frag)
     c->rq_depth = o->rq_depth;
     c->remote_access = o->remote_access;
     c->keepalive_timeout_ms = o->ka_timeout_ms;
+    c->keepalive_ms = o->ka_ms;
+    c->io_threads = o->io_threads;
+    c->srq_depth = o->srq_depth;
+    c->poll_mode = o->poll_mode;
+    c->transport = o->transport;
+    c->qp_timeout = o->qp_timeout;
+    c->setup_max = o->setup_max;
 }
 
 static const char *mode_name(bex_ctx *ctx)
@@ -336,19 +365,36 @@ static int run_server(const struct opts *o)
         fprintf(stderr, "bex-perf server: bex_ctx_create: %s\n", bex_strerror(err));
         return 1;
     }
-    struct sockaddr_in a = {
-        .sin_family = AF_INET, .sin_port = htons(o->port), .sin_addr = o->local};
-    bex_listener *l;
-    bex_listener_ops lops = {.on_accept = srv_accept};
-    err = bex_listen(srv.ctx, &a, &lops, &srv, &l);
-    if (err) {
-        fprintf(stderr, "bex-perf server: bex_listen: %s\n", bex_strerror(err));
+    uint32_t nl = o->ports ? o->ports : 1;
+    bex_listener **ls = calloc(nl, sizeof(*ls));
+    if (!ls || (uint32_t)o->port + nl - 1 > 65535) {
+        fprintf(stderr, "bex-perf server: %s\n", ls ? "ports beyond 65535" : "out of memory");
+        free(ls);
         bex_ctx_destroy(srv.ctx);
         return 1;
     }
+    bex_listener_ops lops = {.on_accept = srv_accept};
+    for (uint32_t i = 0; i < nl; i++) {
+        struct sockaddr_in a = {.sin_family = AF_INET,
+                                .sin_port = htons((uint16_t)(o->port + i)),
+                                .sin_addr = o->local};
+        err = bex_listen(srv.ctx, &a, &lops, &srv, &ls[i]);
+        if (err) {
+            fprintf(stderr, "bex-perf server: bex_listen on port %u: %s\n", o->port + i,
+                    bex_strerror(err));
+            for (uint32_t j = 0; j < i; j++)
+                bex_listener_close(ls[j]);
+            free(ls);
+            bex_ctx_destroy(srv.ctx);
+            return 1;
+        }
+    }
     char ip[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &o->local, ip, sizeof(ip));
-    printf("bex-perf server: listening on %s:%u\n", ip, o->port);
+    if (nl > 1)
+        printf("bex-perf server: listening on %s:%u..%u\n", ip, o->port, o->port + nl - 1);
+    else
+        printf("bex-perf server: listening on %s:%u\n", ip, o->port);
     fflush(stdout);
 
     struct timespec tick = {0, 200 * 1000000L};
@@ -359,12 +405,14 @@ static int run_server(const struct opts *o)
         if (o->runs > 0 && atomic_load(&srv.sessions) >= o->runs)
             break;
     }
-    bex_listener_close(l);
+    for (uint32_t i = 0; i < nl; i++)
+        bex_listener_close(ls[i]);
+    free(ls);
     pthread_mutex_lock(&srv.mu);
     for (struct srv_sock *ss = srv.live; ss; ss = ss->next)
         bex_sock_close(ss->s);
     pthread_mutex_unlock(&srv.mu);
-    uint64_t end = mono_ns() + 5000000000ull;
+    uint64_t end = mono_ns() + 30000000000ull;
     while (atomic_load(&srv.n_live) > 0 && mono_ns() < end)
         usleep(10000);
     int rc = atomic_load(&srv.n_live) == 0 ? 0 : 1;
@@ -379,15 +427,27 @@ static int run_server(const struct opts *o)
 
 struct client;
 
+/* A socket of the client. A flow (a --conns connection, a --streams
+ * stream) runs its own closed loop of up to w messages in flight; its
+ * fields are touched only by its socket's I/O thread once it runs. */
 struct csock {
     struct client *cl;
     bex_sock *s;
+    bex_ctx *ctx;
     bool ready;
+    uint32_t resp_len; /* asked of the server in the setup (0: echo) */
+    bool flow;
+    size_t size;
+    uint32_t w, nbufs, nfree, *freeb;
+    void **bufs;
+    uint64_t sent, resp;
 };
 
 struct client {
     const struct opts *o;
-    bex_ctx *ctx;
+    bex_ctx *ctx;   /* ctxs[0] */
+    bex_ctx **ctxs; /* --conns: one per --ports connections */
+    uint32_t nctx;
     enum test test;
     size_t size;
     struct gate g;
@@ -411,6 +471,11 @@ struct client {
     uint32_t nbufs, *freeb, nfree, rr;
     uint64_t sent, resp;
 
+    /* flows: messages claimed and answered over all of them (--conns), and
+     * stream messages answered (--streams) */
+    _Atomic uint64_t asent, aresp, stream_resp;
+    uint64_t stream0, stream1;
+
     bex_sock_stats st0, st1;
     double cpu0, cpu1;
 };
@@ -422,22 +487,92 @@ static void cl_fail(struct client *cl, int err)
     gate_signal(&cl->g);
 }
 
+/* The counters of every client context, summed. */
+static void stats_all(struct client *cl, bex_sock_stats *out)
+{
+    memset(out, 0, sizeof(*out));
+    for (uint32_t i = 0; i < cl->nctx; i++) {
+        bex_sock_stats one;
+        bex_ctx_stats(cl->ctxs[i], &one);
+        uint64_t *d = (uint64_t *)out, *v = (uint64_t *)&one;
+        for (size_t k = 0; k < sizeof(one) / sizeof(uint64_t); k++)
+            d[k] += v[k];
+        if (one.max_inflight_bytes > out->max_inflight_bytes)
+            out->max_inflight_bytes = one.max_inflight_bytes;
+    }
+}
+
+/* With --conns, phase_start and phase_end may run on different I/O
+ * threads: the mutex orders their writes before the report reads them. */
 static void phase_start(struct client *cl)
 {
-    bex_ctx_stats(cl->ctx, &cl->st0);
+    pthread_mutex_lock(&cl->g.mu);
+    stats_all(cl, &cl->st0);
+    cl->stream0 = atomic_load(&cl->stream_resp);
     cl->cpu0 = cpu_seconds();
     cl->t0_ns = mono_ns();
     cl->t0_tick = ticks();
+    pthread_mutex_unlock(&cl->g.mu);
 }
 
 static void phase_end(struct client *cl)
 {
+    pthread_mutex_lock(&cl->g.mu);
     cl->t1_tick = ticks();
     cl->t1_ns = mono_ns();
+    cl->stream1 = atomic_load(&cl->stream_resp);
     cl->cpu1 = cpu_seconds();
-    bex_ctx_stats(cl->ctx, &cl->st1);
+    stats_all(cl, &cl->st1);
     atomic_store(&cl->finished, 1);
-    gate_signal(&cl->g);
+    pthread_cond_broadcast(&cl->g.cv);
+    pthread_mutex_unlock(&cl->g.mu);
+}
+
+/* Send on flow c while its window and buffers allow, at most max messages.
+ * A --conns flow claims each message from the run's total first. After a
+ * successful send c is not read again before the loop test does (max 1:
+ * not at all), so another thread may start a flow that its own I/O thread
+ * then runs. */
+static void flow_issue(struct client *cl, struct csock *c, uint32_t max)
+{
+    uint32_t n = 0;
+    while (n < max && c->sent - c->resp < c->w && c->nfree && !atomic_load(&cl->finished) &&
+           !atomic_load_explicit(&cl->fail, memory_order_relaxed)) {
+        if (cl->test == T_BW && atomic_fetch_add(&cl->asent, 1) >= cl->total)
+            return;
+        uint32_t b = c->freeb[--c->nfree];
+        c->sent++;
+        n++;
+        int err = bex_sock_send(c->s, c->bufs[b], c->size, (void *)(uintptr_t)b);
+        if (err) {
+            c->freeb[c->nfree++] = b;
+            c->sent--;
+            cl_fail(cl, err);
+            return;
+        }
+    }
+}
+
+static void flow_recv(struct client *cl, struct csock *c, size_t len)
+{
+    if (len != RESP_LEN) {
+        fprintf(stderr, "bex-perf: response of %zu bytes, expected %d\n", len, RESP_LEN);
+        cl_fail(cl, -EPROTO);
+        return;
+    }
+    c->resp++;
+    if (cl->test != T_BW) {
+        atomic_fetch_add_explicit(&cl->stream_resp, 1, memory_order_relaxed);
+    } else {
+        uint64_t r = atomic_fetch_add(&cl->aresp, 1) + 1;
+        if (r == cl->warm)
+            phase_start(cl);
+        if (r == cl->total) {
+            phase_end(cl);
+            return;
+        }
+    }
+    flow_issue(cl, c, UINT32_MAX);
 }
 
 static void lat_send(struct client *cl)
@@ -512,6 +647,15 @@ static void bw_recv(struct client *cl, size_t len)
 
 static void start_test(struct client *cl)
 {
+    /* flows first: one message each (their own threads do the rest) */
+    for (uint32_t i = 0; i < cl->ncs; i++)
+        if (cl->cs[i].flow)
+            flow_issue(cl, &cl->cs[i], 1);
+    if (cl->o->conns) {
+        if (cl->warm == 0)
+            phase_start(cl);
+        return;
+    }
     if (cl->test == T_LAT) {
         cl->last_tick = ticks();
         if (cl->warm == 0)
@@ -545,7 +689,9 @@ static void cl_recv(bex_sock *s, void *buf, size_t len, void *user)
     bex_mem_free(buf);
     if (atomic_load_explicit(&cl->fail, memory_order_relaxed) || atomic_load(&cl->finished))
         return;
-    if (cl->test == T_LAT)
+    if (c->flow)
+        flow_recv(cl, c, len);
+    else if (cl->test == T_LAT)
         lat_recv(cl, len);
     else
         bw_recv(cl, len);
@@ -567,7 +713,10 @@ static void cl_send_done(bex_sock *s, void *buf, size_t len, void *mu, int statu
         return;
     }
     uint32_t b = (uint32_t)(uintptr_t)mu;
-    if (cl->test == T_LAT) {
+    if (c->flow) {
+        c->freeb[c->nfree++] = b;
+        flow_issue(cl, c, UINT32_MAX);
+    } else if (cl->test == T_LAT) {
         cl->lbusy[b] = false;
         if (cl->lwaiting && (int)b == cl->lcur && !atomic_load(&cl->finished))
             lat_send(cl);
@@ -586,12 +735,12 @@ static void cl_connect(bex_sock *s, int status, void *user)
         cl_fail(cl, status);
         return;
     }
-    uint8_t *b = bex_sock_alloc(cl->ctx, SETUP_LEN);
+    uint8_t *b = bex_sock_alloc(c->ctx, SETUP_LEN);
     if (!b) {
         cl_fail(cl, -ENOMEM);
         return;
     }
-    setup_encode(b, cl->test == T_LAT ? 0 : RESP_LEN);
+    setup_encode(b, c->resp_len);
     int err = bex_sock_send(s, b, SETUP_LEN, SETUP_TAG);
     if (err) {
         bex_mem_free(b);
@@ -645,6 +794,32 @@ static void print_stats_json(const struct client *cl)
            b->credit_msgs - a->credit_msgs, b->max_inflight_bytes);
 }
 
+static const char *poll_name(uint32_t m)
+{
+    return m == BEX_POLL_BUSY ? "busy" : m == BEX_POLL_EVENT ? "event" : "spin";
+}
+
+static const char *transport_name(uint32_t t)
+{
+    return t == BEX_TRANSPORT_TCP ? "tcp" : t == BEX_TRANSPORT_RDMA ? "rdma" : "auto";
+}
+
+/* The run's setting of the options that shape it, and (--conns) the
+ * connections it had. */
+static void print_cfg_json(const struct client *cl)
+{
+    const struct opts *o = cl->o;
+    printf(",\"io_threads\":%u,\"srq_depth\":%u,\"poll_mode\":\"%s\",\"transport\":\"%s\","
+           "\"tcp_conns\":%" PRIu64,
+           o->io_threads ? o->io_threads : 1, o->srq_depth, poll_name(o->poll_mode),
+           transport_name(o->transport), cl->st1.tcp_conns);
+    if (o->conns)
+        printf(",\"conns\":%u,\"ports\":%u,\"contexts\":%u,\"engines\":%" PRIu64
+               ",\"srq_credits\":%" PRIu64 ",\"srq_refused\":%" PRIu64,
+               o->conns, o->ports ? o->ports : 1, cl->nctx, cl->st1.engines, cl->st1.srq_credits,
+               cl->st1.srq_refused);
+}
+
 static void print_stats_text(const struct client *cl, uint64_t msgs)
 {
     const bex_sock_stats *a = &cl->st0, *b = &cl->st1;
@@ -677,12 +852,22 @@ static void report_lat(struct client *cl)
     uint64_t i99 = (uint64_t)((double)n * 0.99);
     double p99 = (double)cl->samples[i99 < n ? i99 : n - 1] * f;
     double mean = sum / (double)n * f;
+    double secs = (double)(cl->t1_ns - cl->t0_ns) / 1e9;
+    double stream_mib_s = secs > 0 ? (double)(cl->stream1 - cl->stream0) *
+                                         (double)cl->o->stream_size / secs / 1048576.0
+                                   : 0;
     if (cl->o->json) {
         printf("{\"test\":\"lat\",\"size\":%zu,\"iters\":%" PRIu64 ",\"warmup\":%" PRIu64
                ",\"median_us\":%.2f,\"p99_us\":%.2f,\"min_us\":%.2f,\"mean_us\":%.2f,"
                "\"max_us\":%.2f,\"eager\":%u,\"spin_us\":%u,\"remote_access\":\"%s\"",
                cl->size, n, cl->warm, med, p99, min, mean, max, cl->o->eager, cl->o->spin_us,
                mode_name(cl->ctx));
+        if (cl->o->streams)
+            printf(",\"streams\":%u,\"stream_size\":%u,\"stream_outstanding\":%u,\"frag\":%u,"
+                   "\"stream_mib_s\":%.2f",
+                   cl->o->streams, cl->o->stream_size, cl->o->outstanding, cl->o->frag,
+                   stream_mib_s);
+        print_cfg_json(cl);
         print_stats_json(cl);
         printf("}\n");
     } else {
@@ -690,6 +875,9 @@ static void report_lat(struct client *cl)
                "t_max[us]", "t_typical[us]", "t_avg[us]", "99%[us]");
         printf(" %-8zu %-11" PRIu64 " %-10.2f %-10.2f %-12.2f %-10.2f %-10.2f\n", cl->size, n, min,
                max, med, mean, p99);
+        if (cl->o->streams)
+            printf(" with %u streams of %u-byte messages on the engine (frag %u): %.2f MiB/s\n",
+                   cl->o->streams, cl->o->stream_size, cl->o->frag, stream_mib_s);
         print_stats_text(cl, n * 2);
     }
     fflush(stdout);
@@ -709,6 +897,7 @@ static void report_bw(struct client *cl, uint32_t frag, enum test shown)
                "\"remote_access\":\"%s\"",
                name, cl->size, frag, msgs, cl->warm, cl->o->outstanding, cl->ncs, secs, mib_s,
                msg_s, cl->o->spin_us, mode_name(cl->ctx));
+        print_cfg_json(cl);
         print_stats_json(cl);
         printf("}\n");
     } else {
@@ -720,31 +909,74 @@ static void report_bw(struct client *cl, uint32_t frag, enum test shown)
             snprintf(fs, sizeof(fs), "%u", frag);
         printf(" %-10zu %-10s %-11" PRIu64 " %-8u %-14.2f %-12.1f\n", cl->size, fs, msgs, cl->ncs,
                mib_s, msg_s);
+        if (cl->o->conns)
+            printf(" %u connections (engines %" PRIu64 ") from %u contexts, %u I/O threads, "
+                   "srq_depth %u\n",
+                   cl->o->conns, cl->st1.engines, cl->nctx,
+                   cl->o->io_threads ? cl->o->io_threads : 1, cl->o->srq_depth);
         print_stats_text(cl, msgs);
     }
     fflush(stdout);
 }
 
-/* One client run: a context, its sockets, one test, teardown. */
+/* Give flow c its window and buffers (from its context). */
+static int flow_init(struct client *cl, struct csock *c, uint32_t idx)
+{
+    const struct opts *o = cl->o;
+    c->flow = true;
+    if (o->conns) {
+        c->size = o->size;
+        c->w = o->outstanding / o->conns + (idx < o->outstanding % o->conns);
+        if (c->w == 0)
+            c->w = 1;
+    } else {
+        c->size = o->stream_size;
+        c->w = o->outstanding;
+    }
+    c->nbufs = c->w + 2;
+    c->bufs = calloc(c->nbufs, sizeof(void *));
+    c->freeb = calloc(c->nbufs, sizeof(uint32_t));
+    if (!c->bufs || !c->freeb)
+        return -ENOMEM;
+    for (uint32_t i = 0; i < c->nbufs; i++) {
+        c->bufs[i] = bex_sock_alloc(c->ctx, c->size);
+        if (!c->bufs[i])
+            return -ENOMEM;
+        memset(c->bufs[i], (int)i, c->size);
+        c->freeb[c->nfree++] = i;
+    }
+    return 0;
+}
+
+/* One client run: its contexts, its sockets, one test, teardown. */
 static int client_run(const struct opts *o, enum test test, uint32_t frag, enum test shown)
 {
     struct client cl = {.o = o, .test = test, .size = o->size};
     gate_init(&cl.g);
     int rc = 1;
-    cl.ncs = test == T_LAT ? 1 : o->sockets;
+    uint32_t ports = o->ports ? o->ports : 1;
+    if (o->conns)
+        cl.ncs = o->conns;
+    else
+        cl.ncs = test == T_LAT ? 1 + o->streams : o->sockets;
+    cl.nctx = o->conns ? (o->conns + ports - 1) / ports : 1;
     cl.iters = o->iters;
     cl.warm = o->warmup;
     cl.total = cl.warm + cl.iters;
     cl.cs = calloc(cl.ncs, sizeof(*cl.cs));
-    if (!cl.cs)
+    cl.ctxs = calloc(cl.nctx, sizeof(*cl.ctxs));
+    if (!cl.cs || !cl.ctxs)
         goto out;
     bex_ctx_config cfg;
     fill_cfg(o, &cfg, frag);
-    int err = bex_ctx_create(&cfg, &cl.ctx);
-    if (err) {
-        fprintf(stderr, "bex-perf: bex_ctx_create: %s\n", bex_strerror(err));
-        goto out;
+    for (uint32_t i = 0; i < cl.nctx; i++) {
+        int err = bex_ctx_create(&cfg, &cl.ctxs[i]);
+        if (err) {
+            fprintf(stderr, "bex-perf: bex_ctx_create: %s\n", bex_strerror(err));
+            goto out_free;
+        }
     }
+    cl.ctx = cl.ctxs[0];
     if (test == T_LAT) {
         cl.samples = calloc(cl.iters, sizeof(uint64_t));
         for (int i = 0; i < 2; i++)
@@ -755,7 +987,7 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
         }
         memset(cl.lbuf[0], 0xa5, cl.size);
         memset(cl.lbuf[1], 0x5a, cl.size);
-    } else {
+    } else if (!o->conns) {
         cl.nbufs = o->outstanding + 2;
         cl.bufs = calloc(cl.nbufs, sizeof(void *));
         cl.freeb = calloc(cl.nbufs, sizeof(uint32_t));
@@ -771,15 +1003,34 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
             cl.freeb[cl.nfree++] = i;
         }
     }
-    struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = htons(o->port)};
+    for (uint32_t i = 0; i < cl.ncs; i++) {
+        struct csock *c = &cl.cs[i];
+        c->cl = &cl;
+        c->ctx = cl.ctxs[o->conns ? i / ports : 0];
+        c->resp_len = test == T_LAT && i == 0 ? 0 : RESP_LEN;
+        if ((o->conns || (test == T_LAT && i > 0)) && flow_init(&cl, c, i)) {
+            fprintf(stderr, "bex-perf: out of registered memory\n");
+            goto out_free;
+        }
+    }
+    struct sockaddr_in srv = {.sin_family = AF_INET};
     if (inet_pton(AF_INET, o->client, &srv.sin_addr) != 1) {
         fprintf(stderr, "bex-perf: bad server address '%s'\n", o->client);
         goto out_free;
     }
     uint32_t opened = 0;
     for (; opened < cl.ncs; opened++) {
-        cl.cs[opened].cl = &cl;
-        err = bex_sock_connect(cl.ctx, &srv, &cl_ops, &cl.cs[opened], &cl.cs[opened].s);
+        struct csock *c = &cl.cs[opened];
+        srv.sin_port = htons((uint16_t)(o->port + (o->conns ? opened % ports : 0)));
+        /* --conns: at most 16 connections in setup at once */
+        if (o->conns && opened >= 16 &&
+            gate_wait(&cl.g, &cl.connected, (long)opened - 15, &cl.fail, o->timeout_s)) {
+            fprintf(stderr, "bex-perf: %ld of %u connections made\n", atomic_load(&cl.connected),
+                    cl.ncs);
+            cl_fail(&cl, -ETIMEDOUT);
+            break;
+        }
+        int err = bex_sock_connect(c->ctx, &srv, &cl_ops, c, &c->s);
         if (err) {
             fprintf(stderr, "bex-perf: bex_sock_connect: %s\n", bex_strerror(err));
             cl_fail(&cl, err);
@@ -787,12 +1038,14 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
         }
     }
     if (!atomic_load(&cl.fail)) {
-        err = gate_wait(&cl.g, &cl.finished, 1, &cl.fail, o->timeout_s);
+        int err = gate_wait(&cl.g, &cl.finished, 1, &cl.fail, o->timeout_s);
         if (err == -ETIMEDOUT)
             fprintf(stderr,
-                    "bex-perf: no result within %u s (sent %" PRIu64 ", answered %" PRIu64
-                    ", round trips %" PRIu64 ")\n",
-                    o->timeout_s, cl.sent, cl.resp, cl.lcount);
+                    "bex-perf: no result within %u s (connected %ld, ready %ld, sent %" PRIu64
+                    ", answered %" PRIu64 ", round trips %" PRIu64 ")\n",
+                    o->timeout_s, atomic_load(&cl.connected), atomic_load(&cl.ready),
+                    o->conns ? atomic_load(&cl.aresp) : cl.sent,
+                    o->conns ? atomic_load(&cl.aresp) : cl.resp, cl.lcount);
         else if (err)
             fprintf(stderr, "bex-perf: test failed: %s\n", bex_strerror(err));
         else
@@ -800,7 +1053,7 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
     }
     for (uint32_t i = 0; i < opened; i++)
         bex_sock_close(cl.cs[i].s);
-    if (gate_wait(&cl.g, &cl.closed, (long)opened, &(_Atomic int){0}, 20)) {
+    if (gate_wait(&cl.g, &cl.closed, (long)opened, &(_Atomic int){0}, 60)) {
         fprintf(stderr, "bex-perf: sockets did not close\n");
         rc = 1;
     }
@@ -816,12 +1069,22 @@ out_free:
         bex_mem_free(cl.lbuf[i]);
     for (uint32_t i = 0; cl.bufs && i < cl.nbufs; i++)
         bex_mem_free(cl.bufs[i]);
-    bex_ctx_destroy(cl.ctx);
+    for (uint32_t i = 0; cl.cs && i < cl.ncs; i++) {
+        struct csock *c = &cl.cs[i];
+        for (uint32_t j = 0; c->bufs && j < c->nbufs; j++)
+            bex_mem_free(c->bufs[j]);
+        free(c->bufs);
+        free(c->freeb);
+    }
+    for (uint32_t i = 0; cl.ctxs && i < cl.nctx; i++)
+        if (cl.ctxs[i])
+            bex_ctx_destroy(cl.ctxs[i]);
 out:
     free(cl.samples);
     free(cl.bufs);
     free(cl.freeb);
     free(cl.cs);
+    free(cl.ctxs);
     gate_destroy(&cl.g);
     return rc;
 }
@@ -854,7 +1117,21 @@ static void usage(FILE *f)
             "      --remote-access M auto | landing | window: ctx remote_access (auto);\n"
             "                        the receiver's decides how its destinations are reached\n"
             "      --keepalive-timeout MS  ctx keepalive_timeout_ms (library default), e.g.\n"
-            "                        longer on a loaded host where the VM stalls\n",
+            "                        longer on a loaded host where the VM stalls\n"
+            "      --keepalive-ms MS ctx keepalive_ms (library default)\n"
+            "      --conns N         bw: N connections (engines), each its own closed loop of\n"
+            "                        --outstanding / N messages in flight (at least 1)\n"
+            "      --ports P         server: listen on P consecutive ports from -p; client\n"
+            "                        (--conns): spread connections over them (1)\n"
+            "      --streams K       lat: K sockets on the same engine stream --stream-size\n"
+            "                        messages, --outstanding each, during the test (0)\n"
+            "      --stream-size B   lat --streams: their message size (1048576)\n"
+            "      --io-threads N    ctx io_threads (1)\n"
+            "      --srq-depth N     ctx srq_depth: SRQ mode (0: off)\n"
+            "      --poll-mode M     spin | busy | event: ctx poll_mode (spin: spin-then-sleep)\n"
+            "      --transport T     auto | rdma | tcp: ctx transport (auto)\n"
+            "      --qp-timeout N    ctx qp_timeout (verbs ACK timeout exponent; 14)\n"
+            "      --setup-max N     ctx setup_max (64)\n",
             DEFAULT_PORT);
 }
 
@@ -905,7 +1182,18 @@ static int parse_args(int argc, char **argv, struct opts *o)
         O_TIMEOUT,
         O_JSON,
         O_REMOTE,
-        O_KA
+        O_KA,
+        O_KAMS,
+        O_CONNS,
+        O_PORTS,
+        O_STREAMS,
+        O_SSIZE,
+        O_IOT,
+        O_SRQ,
+        O_POLL,
+        O_TRANSPORT,
+        O_QPTO,
+        O_SETUPMAX
     };
     static const struct option lo[] = {{"server", no_argument, NULL, 's'},
                                        {"client", required_argument, NULL, 'c'},
@@ -928,6 +1216,17 @@ static int parse_args(int argc, char **argv, struct opts *o)
                                        {"json", no_argument, NULL, O_JSON},
                                        {"remote-access", required_argument, NULL, O_REMOTE},
                                        {"keepalive-timeout", required_argument, NULL, O_KA},
+                                       {"keepalive-ms", required_argument, NULL, O_KAMS},
+                                       {"conns", required_argument, NULL, O_CONNS},
+                                       {"ports", required_argument, NULL, O_PORTS},
+                                       {"streams", required_argument, NULL, O_STREAMS},
+                                       {"stream-size", required_argument, NULL, O_SSIZE},
+                                       {"io-threads", required_argument, NULL, O_IOT},
+                                       {"srq-depth", required_argument, NULL, O_SRQ},
+                                       {"poll-mode", required_argument, NULL, O_POLL},
+                                       {"transport", required_argument, NULL, O_TRANSPORT},
+                                       {"qp-timeout", required_argument, NULL, O_QPTO},
+                                       {"setup-max", required_argument, NULL, O_SETUPMAX},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
     static const uint32_t def_frags[] = {1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
@@ -989,6 +1288,73 @@ static int parse_args(int argc, char **argv, struct opts *o)
             break;
         case O_OUT:
             if (parse_u32("outstanding", optarg, &o->outstanding, false))
+                return -1;
+            o->outstanding_set = true;
+            break;
+        case O_KAMS:
+            if (parse_u32("keepalive-ms", optarg, &o->ka_ms, false))
+                return -1;
+            break;
+        case O_CONNS:
+            if (parse_u32("conns", optarg, &o->conns, false) || o->conns > 65536)
+                return -1;
+            break;
+        case O_PORTS:
+            if (parse_u32("ports", optarg, &o->ports, false) || o->ports > 65535)
+                return -1;
+            break;
+        case O_STREAMS:
+            /* 0 is allowed: the baseline of the same test */
+            if (strcmp(optarg, "0") &&
+                (parse_u32("streams", optarg, &o->streams, false) || o->streams > 64))
+                return -1;
+            if (!strcmp(optarg, "0"))
+                o->streams = 0;
+            break;
+        case O_SSIZE:
+            if (parse_u32("stream-size", optarg, &o->stream_size, true) ||
+                o->stream_size > (1u << 30))
+                return -1;
+            break;
+        case O_IOT:
+            if (parse_u32("io-threads", optarg, &o->io_threads, false))
+                return -1;
+            break;
+        case O_SRQ:
+            if (parse_u32("srq-depth", optarg, &o->srq_depth, false))
+                return -1;
+            break;
+        case O_POLL:
+            if (!strcmp(optarg, "spin"))
+                o->poll_mode = BEX_POLL_SPIN_SLEEP;
+            else if (!strcmp(optarg, "busy"))
+                o->poll_mode = BEX_POLL_BUSY;
+            else if (!strcmp(optarg, "event"))
+                o->poll_mode = BEX_POLL_EVENT;
+            else {
+                fprintf(stderr, "bex-perf: --poll-mode is spin, busy or event\n");
+                return -1;
+            }
+            break;
+        case O_TRANSPORT:
+            if (!strcmp(optarg, "auto"))
+                o->transport = BEX_TRANSPORT_AUTO;
+            else if (!strcmp(optarg, "rdma"))
+                o->transport = BEX_TRANSPORT_RDMA;
+            else if (!strcmp(optarg, "tcp"))
+                o->transport = BEX_TRANSPORT_TCP;
+            else {
+                fprintf(stderr, "bex-perf: --transport is auto, rdma or tcp\n");
+                return -1;
+            }
+            break;
+        case O_QPTO:
+            if (parse_u32("qp-timeout", optarg, &v, false) || v > 31)
+                return -1;
+            o->qp_timeout = (uint8_t)v;
+            break;
+        case O_SETUPMAX:
+            if (parse_u32("setup-max", optarg, &o->setup_max, false))
                 return -1;
             break;
         case O_SOCKS:
@@ -1077,6 +1443,16 @@ static int parse_args(int argc, char **argv, struct opts *o)
         o->iters = o->test == T_LAT ? 1000 : o->test == T_BW ? 200 : 64;
     if (!warm_set)
         o->warmup = o->test == T_LAT ? 100 : o->outstanding;
+    if (o->conns && o->test != T_BW) {
+        fprintf(stderr, "bex-perf: --conns is for --test bw\n");
+        return -1;
+    }
+    if (o->streams && o->test != T_LAT) {
+        fprintf(stderr, "bex-perf: --streams is for --test lat\n");
+        return -1;
+    }
+    if (!o->stream_size)
+        o->stream_size = 1048576;
     if (o->test == T_LAT && o->size > (1u << 30)) {
         fprintf(stderr, "bex-perf: lat size too large\n");
         return -1;

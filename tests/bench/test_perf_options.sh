@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# bex-perf's options for the issue 8 benchmarks, natively over the TCP
+# transport on loopback (no timing is asserted, only that each mode runs and
+# counts what it says):
+#   conns    --conns 6 over --ports 3 (two client contexts), 2 I/O threads:
+#            6 engines, all TCP, every measured message answered, a rate > 0;
+#            the server saw 6 sessions
+#   streams  --test lat --streams 2 --frag 4096: the round trips measured,
+#            a median > 0, the streams moved data (stream_mib_s > 0)
+#   bad      --conns with --test lat and --streams with --test bw are refused
+#
+# Usage: test_perf_options.sh path/to/bex-perf [case]
+set -uo pipefail
+perf=$1
+want=${2:-all}
+work=$(mktemp -d "${TMPDIR:-/tmp}/perf-options.XXXXXX")
+spid=
+trap '[ -z "$spid" ] || kill $spid 2>/dev/null; rm -rf "$work"' EXIT
+failed=0
+fail() { echo "FAIL: $*" >&2; failed=1; }
+# a port range of our own: several ctest runs may share the machine
+port=$((30000 + ($$ % 1000) * 16))
+
+# jget LINE KEY: a number or string field of a flat JSON line
+jget() { sed -n "s/.*\"$2\":\"\{0,1\}\([-0-9.a-z]*\)\"\{0,1\}[,}].*/\1/p" <<<"$1"; }
+
+server() { # RUNS OPTS...
+    local runs=$1
+    shift
+    "$perf" -s --local 127.0.0.1 -p $port --transport tcp --runs "$runs" "$@" \
+        >"$work/srv.out" 2>&1 &
+    spid=$!
+    for _ in $(seq 100); do
+        grep -q listening "$work/srv.out" && return 0
+        sleep 0.1
+    done
+    fail "server did not listen: $(cat "$work/srv.out")"
+    return 1
+}
+server_end() { # SESSIONS: the server exits 0 once that many sockets closed
+    local rc=0
+    for _ in $(seq 100); do kill -0 $spid 2>/dev/null || break; sleep 0.1; done
+    kill $spid 2>/dev/null && fail "server still running after its --runs"
+    wait $spid || rc=$?
+    spid=
+    [ $rc = 0 ] || fail "server exited with $rc: $(cat "$work/srv.out")"
+    local n
+    n=$(grep -c "session done" "$work/srv.out")
+    [ "$n" = "$1" ] || fail "server reported $n sessions, expected $1"
+}
+
+case_conns() {
+    server 6 --ports 3 --io-threads 2 || return
+    local out rc=0
+    out=$(timeout 60 "$perf" -c 127.0.0.1 --local 127.0.0.1 -p $port --transport tcp --test bw \
+        --size 512 --conns 6 --ports 3 --io-threads 2 --outstanding 20 --iters 3000 --json) ||
+        rc=$?
+    [ $rc = 0 ] || fail "conns: client exited with $rc"
+    echo "$out"
+    [ "$(jget "$out" conns)" = 6 ] || fail "conns: conns $(jget "$out" conns)"
+    [ "$(jget "$out" contexts)" = 2 ] || fail "conns: contexts $(jget "$out" contexts)"
+    [ "$(jget "$out" engines)" = 6 ] || fail "conns: engines $(jget "$out" engines), expected 6"
+    [ "$(jget "$out" tcp_conns)" = 6 ] || fail "conns: tcp_conns $(jget "$out" tcp_conns)"
+    [ "$(jget "$out" io_threads)" = 2 ] || fail "conns: io_threads $(jget "$out" io_threads)"
+    [ "$(jget "$out" iters)" = 3000 ] || fail "conns: iters $(jget "$out" iters)"
+    awk -v v="$(jget "$out" msg_s)" 'BEGIN{exit !(v > 0)}' || fail "conns: msg_s not > 0"
+    server_end 6
+    # every message was answered: the server counted 3000 + warmup (20)
+    # 512-byte messages in all, at least; none of another size
+    local total
+    total=$(sed -n 's/.*session done: \([0-9]*\) messages, \([0-9]*\) bytes/\1 \2/p' \
+        "$work/srv.out" | awk '{m += $1; b += $2} END {print m, b}')
+    set -- $total
+    [ "${1:-0}" -ge 3020 ] || fail "conns: the server saw ${1:-0} messages, expected >= 3020"
+    [ "${2:-0}" = $((${1:-0} * 512)) ] || fail "conns: ${2:-0} bytes for ${1:-0} messages"
+}
+
+case_streams() {
+    server 3 || return
+    local out rc=0
+    out=$(timeout 60 "$perf" -c 127.0.0.1 --local 127.0.0.1 -p $port --transport tcp --test lat \
+        --streams 2 --stream-size 256K --outstanding 2 --frag 4096 --iters 300 --json) || rc=$?
+    [ $rc = 0 ] || fail "streams: client exited with $rc"
+    echo "$out"
+    [ "$(jget "$out" streams)" = 2 ] || fail "streams: streams $(jget "$out" streams)"
+    [ "$(jget "$out" iters)" = 300 ] || fail "streams: iters $(jget "$out" iters)"
+    [ "$(jget "$out" frag)" = 4096 ] || fail "streams: frag $(jget "$out" frag)"
+    [ "$(jget "$out" tcp_conns)" = 1 ] || fail "streams: tcp_conns $(jget "$out" tcp_conns) (one engine)"
+    awk -v v="$(jget "$out" median_us)" 'BEGIN{exit !(v > 0)}' || fail "streams: median not > 0"
+    awk -v v="$(jget "$out" stream_mib_s)" 'BEGIN{exit !(v > 0)}' ||
+        fail "streams: stream_mib_s $(jget "$out" stream_mib_s) not > 0"
+    server_end 3
+}
+
+case_bad() {
+    "$perf" -c 127.0.0.1 --local 127.0.0.1 --test lat --conns 2 >/dev/null 2>&1
+    [ $? = 2 ] || fail "bad: --conns with --test lat accepted"
+    "$perf" -c 127.0.0.1 --local 127.0.0.1 --test bw --streams 2 >/dev/null 2>&1
+    [ $? = 2 ] || fail "bad: --streams with --test bw accepted"
+}
+
+for c in conns streams bad; do
+    [ "$want" = all ] || [ "$want" = $c ] || continue
+    case_$c
+done
+exit $failed
