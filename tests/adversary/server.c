@@ -56,6 +56,7 @@ struct srv {
     struct held can[MAX_CANARY];
     int ncan_main, ncan;
     _Atomic int io_can;
+    _Atomic int ncan_io; /* ncan once the I/O thread's are in: what report() reads */
     struct held hold[HOLD_EAGER + HOLD_LARGE];
     int nhold_eager, nhold_large, nhold_large_good, nhold_large_other;
     /* sockets, for the final close */
@@ -238,6 +239,7 @@ static void srv_accept(bex_listener *l, bex_sock *s, void *user)
         static const size_t sz[] = {64, 3136, 3136, 8192, 8192, 65536, 1u << 20};
         for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++)
             canary_add(sz[i], 1000 + (uint32_t)i);
+        atomic_store_explicit(&S.ncan_io, S.ncan, memory_order_relaxed);
         atomic_store_explicit(&S.io_can, 1, memory_order_release);
     }
 }
@@ -246,7 +248,12 @@ static void srv_accept(bex_listener *l, bex_sock *s, void *user)
 
 static void report(void)
 {
-    int ncan = atomic_load_explicit(&S.io_can, memory_order_acquire) ? S.ncan : S.ncan_main;
+    /* never S.ncan here: the I/O thread writes it, and a conditional read
+     * of it may be done unconditionally by the compiler (TSan saw that
+     * race when a report came before the first accept) */
+    int ncan = S.ncan_main;
+    if (atomic_load_explicit(&S.io_can, memory_order_acquire))
+        ncan = atomic_load_explicit(&S.ncan_io, memory_order_relaxed);
     int can_bad = 0;
     for (int i = 0; i < ncan; i++) {
         long at = adv_pattern_diff(S.can[i].p, S.can[i].n, 1000 + (uint32_t)(i - S.ncan_main));
