@@ -3,7 +3,9 @@
  * message, header and body.
  *
  * Checks: the result is 0 or -EBADMSG (with a reason exactly when
- * refused); an accepted header has a known kind, no flags, a body length
+ * refused); an accepted header has a known kind, only known flags (the
+ * destination flag on requests alone; a DEST message of its fixed size),
+ * a body length
  * that is what arrived after it, a status 0 or a negative errno (0 in a
  * request, non-zero in an ERROR), a call id in a request, no timeout in an
  * answer, and encodes back to exactly its 64 bytes. */
@@ -23,12 +25,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (rc)
         return 0;
     FZ_CHECK(size >= BEX_RPC_HDR_LEN);
-    FZ_CHECK(h.kind >= BEX__RPC_REQUEST && h.kind <= BEX__RPC_ERROR && h.flags == 0);
+    FZ_CHECK(h.kind >= BEX__RPC_REQUEST && h.kind <= BEX__RPC_DEST);
+    FZ_CHECK((h.flags & ~BEX__RPC_FLAGS_KNOWN) == 0);
+    FZ_CHECK(!(h.flags & BEX__RPC_F_DEST) || h.kind == BEX__RPC_REQUEST);
+    if (h.kind == BEX__RPC_DEST) /* version 2: where a call's answer goes */
+        FZ_CHECK(h.body_len == BEX__RPC_DEST_LEN && h.call_id != 0 && h.status == 0);
     FZ_CHECK(h.body_len == size - BEX_RPC_HDR_LEN);
     FZ_CHECK(h.status <= 0 && h.status >= -4095);
     if (h.kind == BEX__RPC_REQUEST)
         FZ_CHECK(h.status == 0 && h.call_id != 0);
-    else
+    else if (h.kind != BEX__RPC_DEST)
         FZ_CHECK(h.timeout_ms == 0);
     if (h.kind == BEX__RPC_ERROR)
         FZ_CHECK(h.status != 0);
