@@ -1267,27 +1267,6 @@ static uint32_t ms_left(uint64_t deadline_ns)
     return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
 }
 
-struct cwait {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool done;
-    int status;
-    void *body;
-    size_t len;
-};
-
-static void copy_done(int status, void *body, size_t len, void *user)
-{
-    struct cwait *w = user;
-    pthread_mutex_lock(&w->mu);
-    w->status = status;
-    w->body = body;
-    w->len = len;
-    w->done = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-}
-
 /* One COPY call; its answer's header checked against (op, session,
  * offset). On 0, *body / *len: the answer (free with bex_rpc_free). */
 static int copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_copy_hdr *q,
@@ -1301,22 +1280,16 @@ static int copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_cop
         return -ENOMEM;
     bex__ps_copy_put(b, q);
     bex_rpc_call_opts o = {.timeout_ms = left};
-    struct cwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-    int rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o, copy_done,
-                          &w, NULL);
+    /* not bex_rpc_call_sync: its caller cannot tell a refused call (b still
+     * ours) from one that failed */
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    int rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o,
+                          bex__rpc_wait_done, &w, NULL);
     if (rc) {
         bex_rpc_free(b); /* not sent: still ours */
         return rc;
     }
-    pthread_mutex_lock(&w.mu);
-    while (!w.done)
-        pthread_cond_wait(&w.cv, &w.mu);
-    pthread_mutex_unlock(&w.mu);
-    pthread_mutex_destroy(&w.mu);
-    pthread_cond_destroy(&w.cv);
-    rc = w.status;
-    *body = w.body;
-    *len = w.len;
+    rc = bex__rpc_wait(&w, body, len);
     if (rc == 0 && (bex__ps_copy_get(*body, *len, a) || a->op != q->op ||
                     (q->op != BEX__PS_COPY_OPEN && a->session != q->session) ||
                     (q->op == BEX__PS_COPY_CHUNK && a->offset != q->offset)))

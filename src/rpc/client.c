@@ -1758,18 +1758,9 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
     return 0;
 }
 
-struct sync_wait {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool done;
-    int status;
-    void *body;
-    size_t len;
-};
-
-static void sync_done(int status, void *body, size_t len, void *user)
+void bex__rpc_wait_done(int status, void *body, size_t len, void *user)
 {
-    struct sync_wait *w = user;
+    struct bex__rpc_wait *w = user;
     pthread_mutex_lock(&w->mu);
     w->status = status;
     w->body = body;
@@ -1779,6 +1770,19 @@ static void sync_done(int status, void *body, size_t len, void *user)
     pthread_mutex_unlock(&w->mu);
 }
 
+int bex__rpc_wait(struct bex__rpc_wait *w, void **body, size_t *len)
+{
+    pthread_mutex_lock(&w->mu);
+    while (!w->done)
+        pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    *body = w->body;
+    *len = w->len;
+    return w->status;
+}
+
 int bex_rpc_call_sync(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
                       size_t len, const bex_rpc_call_opts *opts, void **resp, size_t *resp_len)
 {
@@ -1786,21 +1790,20 @@ int bex_rpc_call_sync(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         return -EINVAL;
     if (bex__ctx_on_io_thread(ch->ctx) || pthread_equal(pthread_self(), ch->timer))
         return -EDEADLK;
-    struct sync_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-    int err = bex_rpc_call(ch, service, method, body, len, opts, sync_done, &w, NULL);
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    int err = bex_rpc_call(ch, service, method, body, len, opts, bex__rpc_wait_done, &w, NULL);
     if (err)
         return err;
-    pthread_mutex_lock(&w.mu);
-    while (!w.done)
-        pthread_cond_wait(&w.cv, &w.mu);
-    pthread_mutex_unlock(&w.mu);
+    void *b;
+    size_t n;
+    int status = bex__rpc_wait(&w, &b, &n);
     if (resp)
-        *resp = w.body;
+        *resp = b;
     else
-        bex_rpc_free(w.body);
+        bex_rpc_free(b);
     if (resp_len)
-        *resp_len = w.len;
-    return w.status;
+        *resp_len = n;
+    return status;
 }
 
 int bex_rpc_channel_destroy(bex_rpc_channel *ch)

@@ -4,7 +4,9 @@
 #ifndef BEX_RPC_INTERNAL_H
 #define BEX_RPC_INTERNAL_H
 
+#include <pthread.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "bex/rpc.h"
@@ -77,6 +79,24 @@ void bex__rpc_hist_add(struct bex__rpc_hist *h, uint64_t ns);
 double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q);
 
 uint64_t bex__rpc_now_ns(void);
+
+/* ---- one call waited for (bex_rpc_call_sync, the ps catch-up's copy) ---- */
+
+/* Set up as {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER}. */
+struct bex__rpc_wait {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+    int status;
+    void *body;
+    size_t len;
+};
+/* The bex_rpc_done_fn to pass with user = a struct bex__rpc_wait. */
+void bex__rpc_wait_done(int status, void *body, size_t len, void *user);
+/* Block until bex__rpc_wait_done ran on w; returns the call's status, its
+ * body (the caller's to free, may be NULL) in *body and *len. Never on a
+ * thread the completion needs (the channel's I/O or timer thread). */
+int bex__rpc_wait(struct bex__rpc_wait *w, void **body, size_t *len);
 
 /* ---- Prometheus text exposition, shared by the dumps (channel,
  * directory, server) and the parameter server's ---- */
