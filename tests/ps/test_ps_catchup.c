@@ -21,71 +21,15 @@
  * peer_dies / peer_hangs: the peer (a fake in the test) dies in the middle
  *   of the copy, or never answers a chunk: the restarted bex-ps still comes
  *   up in time, serving its snapshot, with the failure counted. */
-#include <curl/curl.h>
 #include <pthread.h>
 
-#include "ps_test.h"
+#include "ps_prog.h"
 
-/* ---- HTTP ---- */
-
-struct body {
-    char *p;
-    size_t n;
-};
-
-static size_t on_data(char *p, size_t sz, size_t nm, void *user)
-{
-    struct body *b = user;
-    size_t n = sz * nm;
-    char *q = realloc(b->p, b->n + n + 1);
-    CHECK(q);
-    memcpy(q + b->n, p, n);
-    b->p = q;
-    b->n += n;
-    b->p[b->n] = 0;
-    return n;
-}
-
-/* GET url's body (malloc'd); the status must be 200. */
-static char *http_get(const char *url)
-{
-    CURL *c = curl_easy_init();
-    CHECK(c);
-    struct body b = {calloc(1, 1), 0};
-    CHECK(b.p);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)(10000 * time_scale()));
-    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-    CHECK(curl_easy_perform(c) == CURLE_OK);
-    long code = 0;
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-    curl_easy_cleanup(c);
-    CHECK_EQ(code, 200);
-    return b.p;
-}
-
-/* The value of the sample `series` (exactly as printed); once. */
-static double sample(const char *text, const char *series)
-{
-    size_t l = strlen(series);
-    double v = 0;
-    int found = 0;
-    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
-        if (strncmp(p, series, l) == 0 && p[l] == ' ') {
-            v = strtod(p + l + 1, NULL);
-            found++;
-        }
-    if (found != 1)
-        fprintf(stderr, "%s: %d samples\n", series, found);
-    CHECK_EQ(found, 1);
-    return v;
-}
-
+/* The sample name{shard="shard"} of the /metrics at url (status 200). */
 static double metric(const char *url, const char *name, int shard)
 {
-    char *text = http_get(url);
+    char *text;
+    CHECK_EQ(http_get(url, &text), 200);
     char series[128];
     snprintf(series, sizeof series, "%s{shard=\"%d\"}", name, shard);
     double v = sample(text, series);
@@ -95,46 +39,10 @@ static double metric(const char *url, const char *name, int shard)
 
 /* ---- the cluster ---- */
 
-static const bex_ps_table_config TC = {.id = 1,
-                                       .dim = 8,
-                                       .optimizer = BEX_PS_SGD,
-                                       .lr = 0.1f,
-                                       .init_scale = 0.01f}; /* bex-ps's default scale */
-
-/* NSH shards x 2 replicas on loopback ports; ports[s][r]. */
-static void cluster_file(const char *path, uint16_t ports[NSH][2])
-{
-    char j[1024];
-    size_t o = (size_t)snprintf(j, sizeof j, "{\"version\":1,\"services\":{\"ps\":{\"shards\":[");
-    for (int s = 0; s < NSH; s++) {
-        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"replicas\":[", s ? "," : "");
-        for (int r = 0; r < 2; r++) {
-            ports[s][r] = free_port();
-            o += (size_t)snprintf(
-                j + o, sizeof j - o,
-                "%s{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\",\"locality\":\"dc1/pod%d\"}",
-                r ? "," : "", ports[s][r], r + 1);
-        }
-        o += (size_t)snprintf(j + o, sizeof j - o, "]}");
-    }
-    o += (size_t)snprintf(j + o, sizeof j - o, "]}}}\n");
-    CHECK(o < sizeof j);
-    write_file(path, j, o);
-}
-
 /* A directory of replica r alone. */
 static bex_dir *dir_of_replica(uint16_t ports[NSH][2], int r)
 {
-    char j[512], err[256];
-    snprintf(j, sizeof j,
-             "{\"services\":{\"ps\":{\"shards\":["
-             "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]},"
-             "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]}]}}}",
-             ports[0][r], ports[1][r]);
-    bex_dir *d;
-    CHECK_OK(bex_dir_create(NULL, &d));
-    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
-    return d;
+    return dir_of_ports(ports[0][r], ports[1][r]);
 }
 
 /* Every key's row as replica r serves it. */
@@ -165,18 +73,6 @@ static pid_t start_replica(const char *cluster, const char *dir, int r, const ch
     return bex_ps_start(args, url, url_cap);
 }
 
-static void kill9(pid_t pid)
-{
-    CHECK(kill(pid, SIGKILL) == 0);
-    int st;
-    CHECK(waitpid(pid, &st, 0) == pid);
-}
-
-static void snap_path(char *p, size_t cap, const char *dir, int shard, int r)
-{
-    snprintf(p, cap, "%s/ps-shard%d-replica%d.snap", dir, shard, r);
-}
-
 static void cleanup(const char *dir, const char *cluster)
 {
     for (int r = 0; r < 2; r++)
@@ -189,7 +85,61 @@ static void cleanup(const char *dir, const char *cluster)
     CHECK(rmdir(dir) == 0); /* nothing else left behind */
 }
 
-/* ---- replay: the library in one process ---- */
+/* ---- the library in one process (replay, hostile, behind) ---- */
+
+/* The peer's context on ADDR0 (*a0) and the catching-up replica's on
+ * ADDR1: 0, or what the case returns (no addresses; natively over TCP
+ * only). */
+static int lib_ctxs(struct in_addr *a0, bex_ctx **pctx, bex_ctx **rctx)
+{
+    struct in_addr a1;
+    int rc = pair_addrs(a0, &a1);
+    if (rc)
+        return rc;
+    if (!pair_tcp())
+        return bex_test_skip("natively over TCP only");
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c0 = scaled(&base, *a0), c1 = scaled(&base, a1);
+    CHECK_OK(bex_ctx_create(&c0, pctx));
+    CHECK_OK(bex_ctx_create(&c1, rctx));
+    return 0;
+}
+
+/* Shard 0's keys (their indexes among all NK keys into idx), and ref the
+ * reference of all NK keys; returns how many keys. */
+static int shard0_keys(uint64_t *keys, int *idx, struct ref *ref)
+{
+    int n = 0;
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
+            idx[n] = i;
+            keys[n++] = key_of(i);
+        }
+    uint64_t all_keys[NK];
+    int all[NK];
+    keys_init(all_keys, all);
+    ref_init(ref, &TC, all_keys);
+    return n;
+}
+
+/* The peer's RPC server on a0: h answers COPY (user: the peer's context),
+ * or with h NULL the shard's own methods; its address into *addr. */
+static bex_rpc_server *peer_server(bex_ctx *pctx, struct in_addr a0, bex_ps_shard *shard,
+                                   bex_rpc_handler h, struct sockaddr_in *addr)
+{
+    bex_rpc_server *srv;
+    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
+    if (h)
+        CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, h, pctx));
+    else
+        CHECK_OK(bex_ps_shard_register(shard, srv, pctx));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_server_addr(srv, addr);
+    return srv;
+}
+
+/* ---- replay ---- */
 
 /* A Push body with id (client, seq) for keys[0..n) of table TC. */
 static void *push_body(const uint64_t *keys, int n, const float *g, uint64_t client, uint64_t seq,
@@ -242,47 +192,27 @@ static void fetch_shard(bex_ps_shard *s, bex_ctx *ctx, const uint64_t *keys, int
 
 static int t_replay(void)
 {
-    struct in_addr a0, a1;
-    int rc = pair_addrs(&a0, &a1);
+    struct in_addr a0;
+    bex_ctx *pctx, *rctx;
+    int rc = lib_ctxs(&a0, &pctx, &rctx);
     if (rc)
         return rc;
-    if (!pair_tcp())
-        return bex_test_skip("natively over TCP only");
-    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
-    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
-    bex_ctx *pctx, *rctx;
-    CHECK_OK(bex_ctx_create(&c0, &pctx));
-    CHECK_OK(bex_ctx_create(&c1, &rctx));
     bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
     bex_ps_shard *peer, *rs;
     CHECK_OK(bex_ps_shard_create(&pc, &peer));
     pc.flags = BEX_PS_SHARD_CATCHUP;
     CHECK_OK(bex_ps_shard_create(&pc, &rs));
-    bex_rpc_server *srv;
-    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
-    CHECK_OK(bex_ps_shard_register(peer, srv, pctx));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
-    CHECK_OK(bex_rpc_server_listen(srv, &la));
     bex_rpc_endpoint eps[2] = {{.addr = {.sin_family = AF_INET,
                                          .sin_addr = a0,
                                          .sin_port = htons(free_port())}}, /* nobody */
                                {.addr = {0}}};
-    bex_rpc_server_addr(srv, &eps[1].addr);
+    bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &eps[1].addr);
 
-    /* shard 0's keys */
     uint64_t keys[NK];
-    int idx[NK], n = 0;
-    for (int i = 0; i < NK; i++)
-        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
-            idx[n] = i;
-            keys[n++] = key_of(i);
-        }
-    CHECK(n >= 8);
-    uint64_t all_keys[NK];
-    int all[NK];
-    keys_init(all_keys, all);
+    int idx[NK];
     static struct ref ref;
-    ref_init(&ref, &TC, all_keys);
+    int n = shard0_keys(keys, idx, &ref);
+    CHECK(n >= 8);
     /* Push q (1..7) of client 0xc1: its rows move by its grads */
     static float g[8][NK * DMAX];
     static void *body[8];
@@ -386,36 +316,17 @@ static void hostile_copy(bex_rpc_req *req, void *body, size_t len, void *user)
  * held. */
 static int t_hostile(void)
 {
-    struct in_addr a0, a1;
-    int rc = pair_addrs(&a0, &a1);
+    struct in_addr a0;
+    bex_ctx *pctx, *rctx;
+    int rc = lib_ctxs(&a0, &pctx, &rctx);
     if (rc)
         return rc;
-    if (!pair_tcp())
-        return bex_test_skip("natively over TCP only");
-    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
-    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
-    bex_ctx *pctx, *rctx;
-    CHECK_OK(bex_ctx_create(&c0, &pctx));
-    CHECK_OK(bex_ctx_create(&c1, &rctx));
-    bex_rpc_server *srv;
-    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
-    CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, hostile_copy, pctx));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
-    CHECK_OK(bex_rpc_server_listen(srv, &la));
     bex_rpc_endpoint ep = {.locality = NULL};
-    bex_rpc_server_addr(srv, &ep.addr);
+    bex_rpc_server *srv = peer_server(pctx, a0, NULL, hostile_copy, &ep.addr);
     uint64_t keys[NK];
-    int idx[NK], n = 0;
-    for (int i = 0; i < NK; i++)
-        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
-            idx[n] = i;
-            keys[n++] = key_of(i);
-        }
-    uint64_t all_keys[NK];
-    int all[NK];
-    keys_init(all_keys, all);
+    int idx[NK];
     static struct ref ref;
-    ref_init(&ref, &TC, all_keys);
+    int n = shard0_keys(keys, idx, &ref);
     static float g[NK * DMAX], rows[NK * DMAX];
     grads_of(g, n, TC.dim, 5);
     size_t blen;
@@ -460,33 +371,19 @@ static int t_hostile(void)
  * would lose Pushes), falling back to the snapshot plus the held Pushes. */
 static int t_behind(void)
 {
-    struct in_addr a0, a1;
-    int rc = pair_addrs(&a0, &a1);
+    struct in_addr a0;
+    bex_ctx *pctx, *rctx;
+    int rc = lib_ctxs(&a0, &pctx, &rctx);
     if (rc)
         return rc;
-    if (!pair_tcp())
-        return bex_test_skip("natively over TCP only");
     char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
     CHECK(mkdtemp(tmpl));
     char snap[128];
     snprintf(snap, sizeof snap, "%s/s.snap", tmpl);
-    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
-    bex_ctx_config c0 = scaled(&base, a0), c1 = scaled(&base, a1);
-    bex_ctx *pctx, *rctx;
-    CHECK_OK(bex_ctx_create(&c0, &pctx));
-    CHECK_OK(bex_ctx_create(&c1, &rctx));
     uint64_t keys[NK];
-    int idx[NK], n = 0;
-    for (int i = 0; i < NK; i++)
-        if (bex_ps_key_shard(key_of(i), NSH) == 0) {
-            idx[n] = i;
-            keys[n++] = key_of(i);
-        }
-    uint64_t all_keys[NK];
-    int all[NK];
-    keys_init(all_keys, all);
+    int idx[NK];
     static struct ref ref;
-    ref_init(&ref, &TC, all_keys);
+    int n = shard0_keys(keys, idx, &ref);
     static float g[4][NK * DMAX];
     static void *body[4];
     size_t blen[4];
@@ -516,13 +413,8 @@ static int t_behind(void)
     pc.snapshot_path = NULL;
     CHECK_OK(bex_ps_shard_create(&pc, &peer));
     CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[1], blen[1]));
-    bex_rpc_server *srv;
-    CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
-    CHECK_OK(bex_ps_shard_register(peer, srv, pctx));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
-    CHECK_OK(bex_rpc_server_listen(srv, &la));
     bex_rpc_endpoint ep = {.locality = NULL};
-    bex_rpc_server_addr(srv, &ep.addr);
+    bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &ep.addr);
     /* this replica restarts from its snapshot, catching up; Push 3 held */
     pc.snapshot_path = snap;
     pc.flags = BEX_PS_SHARD_CATCHUP;
@@ -555,9 +447,10 @@ static int t_behind(void)
 static struct {
     bex_ps_client *pc;
     uint16_t (*ports)[2];
-    const uint64_t *keys;
-    const int *all;
-    struct ref *ref;
+    uint64_t keys[NK];
+    int all[NK];
+    struct ref ref; /* every Push made */
+    pthread_t th;
     _Atomic int done, stop;
     _Atomic int r1_failed; /* Pushes replica 1 did not take (it was down) */
 } pu;
@@ -583,7 +476,7 @@ static void *pusher(void *arg)
                 r1_failed = true;
         }
         (void)rc;
-        ref_push(pu.ref, pu.all, NK, g);
+        ref_push(&pu.ref, pu.all, NK, g);
         atomic_fetch_add(&pu.r1_failed, r1_failed);
         atomic_fetch_add(&pu.done, 1);
     }
@@ -598,6 +491,56 @@ static void wait_pushes(int n)
     CHECK(atomic_load(&pu.done) >= n);
 }
 
+/* The pusher thread started with client pc (replicas at ports); n Pushes
+ * made. */
+static void pusher_start(bex_ps_client *pc, uint16_t ports[NSH][2], int n)
+{
+    pu.pc = pc;
+    pu.ports = ports;
+    keys_init(pu.keys, pu.all);
+    ref_init(&pu.ref, &TC, pu.keys);
+    CHECK(pthread_create(&pu.th, NULL, pusher, NULL) == 0);
+    wait_pushes(n);
+}
+
+/* n Pushes more, then the pusher stopped. */
+static void pusher_stop(int n)
+{
+    int at = atomic_load(&pu.done);
+    wait_pushes(at + n);
+    atomic_store(&pu.stop, 1);
+    CHECK(pthread_join(pu.th, NULL) == 0);
+}
+
+/* Replica 1 (pid) snapshots (SIGUSR1, its files in dir), n Pushes it will
+ * lose with its memory, kill -9; down, n Pushes go to replica 0 alone. */
+static void snapshot_kill_r1(pid_t pid, const char *dir, int n)
+{
+    CHECK(kill(pid, SIGUSR1) == 0);
+    for (int s = 0; s < NSH; s++) {
+        char p[192];
+        snap_path(p, sizeof p, dir, s, 1);
+        wait_file(p);
+    }
+    int at = atomic_load(&pu.done);
+    wait_pushes(at + n);
+    kill9(pid);
+    at = atomic_load(&pu.done);
+    wait_pushes(at + n);
+    CHECK(atomic_load(&pu.r1_failed) > 0);
+}
+
+/* Both replicas: the same rows, bit for bit, and the reference's. */
+static void replicas_match(bex_ctx *ctx, uint16_t ports[NSH][2])
+{
+    static float rows[2][NK * DMAX];
+    for (int r = 0; r < 2; r++) {
+        fetch_replica(ctx, ports, r, pu.keys, rows[r]);
+        ref_check(&pu.ref, pu.all, NK, rows[r]);
+    }
+    CHECK(memcmp(rows[0], rows[1], sizeof rows[0]) == 0);
+}
+
 static int t_restart(void)
 {
     if (!pair_tcp())
@@ -607,70 +550,25 @@ static int t_restart(void)
     char cluster[128];
     snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
     static uint16_t ports[NSH][2];
-    cluster_file(cluster, ports);
+    cluster_file(cluster, 2, ports);
     pid_t pid[2];
     for (int r = 0; r < 2; r++)
         pid[r] = start_replica(cluster, tmpl, r, NULL, NULL, 0);
     bex_ctx *ctx = client_ctx();
-    bex_dir *d;
-    char err[256];
-    CHECK_OK(bex_dir_create(NULL, &d));
-    CHECK_OK(bex_dir_load_file(d, cluster, err, sizeof err));
-    bex_ps_client_config cc = {.dir = d,
-                               .service = "ps",
-                               .locality = "dc1/pod1",
-                               .timeout_ms = 5000 * time_scale(),
-                               .connect_timeout_ms = 2000 * time_scale()};
-    CHECK_OK(bex_ps_client_create(ctx, &cc, &pu.pc));
-    static uint64_t keys[NK];
-    static int all[NK];
-    keys_init(keys, all);
-    static struct ref ref;
-    ref_init(&ref, &TC, keys);
-    pu.ports = ports;
-    pu.keys = keys;
-    pu.all = all;
-    pu.ref = &ref;
-    pthread_t th;
-    CHECK(pthread_create(&th, NULL, pusher, NULL) == 0);
-    wait_pushes(20);
-    /* replica 1's snapshot, then Pushes it will lose with its memory */
-    CHECK(kill(pid[1], SIGUSR1) == 0);
-    for (int s = 0; s < NSH; s++) {
-        char p[192];
-        snap_path(p, sizeof p, tmpl, s, 1);
-        uint64_t end = pair_now_ms() + 10000ull * time_scale();
-        while (access(p, R_OK) != 0 && pair_now_ms() < end)
-            pair_sleep_ms(5);
-        CHECK(access(p, R_OK) == 0);
-    }
-    int at = atomic_load(&pu.done);
-    wait_pushes(at + 20);
-    kill9(pid[1]);
-    /* down: the Pushes go to replica 0 alone */
-    at = atomic_load(&pu.done);
-    wait_pushes(at + 20);
-    CHECK(atomic_load(&pu.r1_failed) > 0);
+    bex_dir *d = dir_of_file(cluster);
+    pusher_start(client_short(ctx, d, 0), ports, 20);
+    snapshot_kill_r1(pid[1], tmpl, 20);
     char url[128];
     pid[1] = start_replica(cluster, tmpl, 1, NULL, url, sizeof url);
     CHECK(url[0]);
-    at = atomic_load(&pu.done);
-    wait_pushes(at + 20);
-    atomic_store(&pu.stop, 1);
-    CHECK(pthread_join(th, NULL) == 0);
+    pusher_stop(20);
     fprintf(stderr, "%d Pushes, %d not taken by replica 1\n", atomic_load(&pu.done),
             atomic_load(&pu.r1_failed));
-    /* both replicas: the same rows, bit for bit, and the reference's */
-    static float rows[2][NK * DMAX];
-    for (int r = 0; r < 2; r++) {
-        fetch_replica(ctx, ports, r, keys, rows[r]);
-        ref_check(&ref, all, NK, rows[r]);
-    }
-    CHECK(memcmp(rows[0], rows[1], sizeof rows[0]) == 0);
+    replicas_match(ctx, ports);
     /* the copy brought every row of each shard */
     int per[NSH] = {0};
     for (int i = 0; i < NK; i++)
-        per[bex_ps_key_shard(keys[i], NSH)]++;
+        per[bex_ps_key_shard(pu.keys[i], NSH)]++;
     for (int s = 0; s < NSH; s++) {
         CHECK_EQ(metric(url, "bex_ps_catchup_rows_copied_total", s), per[s]);
         CHECK_EQ(metric(url, "bex_ps_catchup_failures_total", s), 0);
@@ -685,108 +583,6 @@ static int t_restart(void)
 }
 
 /* ---- etcd ---- */
-
-static char etcd_dir[64];
-static pid_t etcd_pid;
-
-static void etcd_rm(void)
-{
-    if (!etcd_dir[0])
-        return;
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", etcd_dir);
-    int rc = system(cmd);
-    (void)rc;
-    etcd_dir[0] = 0;
-}
-
-/* atexit, in the test's process: etcd stopped and its files gone, also
- * after a failed check (bex-ps children go by PR_SET_PDEATHSIG) */
-static pid_t main_pid;
-static void etcd_cleanup(void)
-{
-    if (getpid() != main_pid)
-        return;
-    if (etcd_pid > 0) {
-        kill(etcd_pid, SIGTERM);
-        waitpid(etcd_pid, NULL, 0);
-        etcd_pid = 0;
-    }
-    etcd_rm();
-}
-
-/* A local etcd (BEX_ETCD or etcd in PATH; scripts/deps has etcd-server) on
- * free loopback ports, data in a temporary directory, answering /health
- * before this returns; its client URL into url. */
-static void etcd_start(char *url, size_t cap)
-{
-    main_pid = getpid();
-    atexit(etcd_cleanup);
-    snprintf(etcd_dir, sizeof etcd_dir, "/tmp/bex-ps-etcd-XXXXXX");
-    CHECK(mkdtemp(etcd_dir));
-    uint16_t cp = free_port(), pp = free_port();
-    while (pp == cp)
-        pp = free_port();
-    char cu[64], peer_url[64], cl[96], dd[96], lg[96];
-    snprintf(cu, sizeof cu, "http://127.0.0.1:%u", cp);
-    snprintf(peer_url, sizeof peer_url, "http://127.0.0.1:%u", pp);
-    snprintf(cl, sizeof cl, "t=%s", peer_url);
-    snprintf(dd, sizeof dd, "%s/data", etcd_dir);
-    snprintf(lg, sizeof lg, "%s/log", etcd_dir);
-    const char *bin = getenv("BEX_ETCD") ? getenv("BEX_ETCD") : "etcd";
-    fflush(NULL);
-    etcd_pid = fork();
-    CHECK(etcd_pid >= 0);
-    if (etcd_pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        if (!freopen(lg, "a", stdout))
-            _exit(126);
-        dup2(STDOUT_FILENO, STDERR_FILENO);
-        execlp(bin, bin, "--name", "t", "--data-dir", dd, "--listen-client-urls", cu,
-               "--advertise-client-urls", cu, "--listen-peer-urls", peer_url,
-               "--initial-advertise-peer-urls", peer_url, "--initial-cluster", cl, "--log-level",
-               "warn", (char *)NULL);
-        _exit(127);
-    }
-    snprintf(url, cap, "%s", cu);
-    char health[96];
-    snprintf(health, sizeof health, "%s/health", cu);
-    uint64_t end = pair_now_ms() + 30000ull * time_scale();
-    for (;;) {
-        int st;
-        if (waitpid(etcd_pid, &st, WNOHANG) == etcd_pid) {
-            etcd_pid = 0;
-            fprintf(stderr, "FAIL: %s did not start (install etcd-server: scripts/deps)\n", bin);
-            CHECK(0);
-        }
-        CURL *c = curl_easy_init();
-        CHECK(c);
-        curl_easy_setopt(c, CURLOPT_URL, health);
-        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 1000L);
-        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
-        struct body b = {NULL, 0};
-        curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
-        long code = 0;
-        if (curl_easy_perform(c) == CURLE_OK)
-            curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-        curl_easy_cleanup(c);
-        free(b.p);
-        if (code == 200)
-            break;
-        CHECK(pair_now_ms() < end);
-        pair_sleep_ms(50);
-    }
-}
-
-/* Wait until d lists want replicas of shard (10 s, scaled). */
-static void wait_replicas(bex_dir *d, uint32_t shard, size_t want)
-{
-    uint64_t end = pair_now_ms() + 10000ull * time_scale();
-    while (bex_dir_replicas(d, "ps", shard, NULL, 0) != want && pair_now_ms() < end)
-        pair_sleep_ms(10);
-    CHECK_EQ(bex_dir_replicas(d, "ps", shard, NULL, 0), want);
-}
 
 /* With --etcd the peers come from etcd: two bex-ps (every shard each,
  * fixed ports, replica 0 and 1) registered; Pushes; replica 1 snapshots,
@@ -831,55 +627,15 @@ static int t_etcd(void)
     for (uint32_t s = 0; s < NSH; s++)
         wait_replicas(d, s, 2);
     bex_ctx *ctx = client_ctx();
-    bex_ps_client_config cc = {.dir = d,
-                               .service = "ps",
-                               .n_shards = NSH,
-                               .locality = "dc1/pod1",
-                               .timeout_ms = 5000 * time_scale(),
-                               .connect_timeout_ms = 2000 * time_scale()};
-    CHECK_OK(bex_ps_client_create(ctx, &cc, &pu.pc));
-    static uint64_t keys[NK];
-    static int all[NK];
-    keys_init(keys, all);
-    static struct ref ref;
-    ref_init(&ref, &TC, keys);
-    pu.ports = ports;
-    pu.keys = keys;
-    pu.all = all;
-    pu.ref = &ref;
-    pthread_t th;
-    CHECK(pthread_create(&th, NULL, pusher, NULL) == 0);
-    wait_pushes(10);
-    CHECK(kill(pid[1], SIGUSR1) == 0);
-    for (int s = 0; s < NSH; s++) {
-        char p[192];
-        snap_path(p, sizeof p, tmpl, s, 1);
-        uint64_t end = pair_now_ms() + 10000ull * time_scale();
-        while (access(p, R_OK) != 0 && pair_now_ms() < end)
-            pair_sleep_ms(5);
-        CHECK(access(p, R_OK) == 0);
-    }
-    int at = atomic_load(&pu.done);
-    wait_pushes(at + 10);
-    kill9(pid[1]);
-    at = atomic_load(&pu.done);
-    wait_pushes(at + 10);
-    CHECK(atomic_load(&pu.r1_failed) > 0);
+    pusher_start(client_short(ctx, d, NSH), ports, 10);
+    snapshot_kill_r1(pid[1], tmpl, 10);
     const char *args[] = {
         "--etcd",  url,           "--listen",    listen[1],    "--n-shards",     "2",     "--shard",
         "all",     "--replica",   "1",           "--locality", "dc1/pod2",       "--ttl", "30",
         "--table", "1:8:sgd:0.1", "--transport", "tcp",        "--snapshot-dir", tmpl,    NULL};
     pid[1] = bex_ps_start(args, NULL, 0);
-    at = atomic_load(&pu.done);
-    wait_pushes(at + 10);
-    atomic_store(&pu.stop, 1);
-    CHECK(pthread_join(th, NULL) == 0);
-    static float rows[2][NK * DMAX];
-    for (int r = 0; r < 2; r++) {
-        fetch_replica(ctx, ports, r, keys, rows[r]);
-        ref_check(&ref, all, NK, rows[r]);
-    }
-    CHECK(memcmp(rows[0], rows[1], sizeof rows[0]) == 0);
+    pusher_stop(10);
+    replicas_match(ctx, ports);
     bex_ps_client_destroy(pu.pc);
     CHECK_OK(bex_ctx_destroy(ctx));
     bex_dir_destroy(d);
@@ -970,7 +726,7 @@ static int peer_fails(int hang)
     char cluster[128];
     snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
     static uint16_t ports[NSH][2];
-    cluster_file(cluster, ports);
+    cluster_file(cluster, 2, ports);
     /* replica 1 alone (no catch-up: nobody to catch up with), some Pushes,
      * its snapshot at SIGTERM */
     const char *no[] = {"--no-catchup", NULL};

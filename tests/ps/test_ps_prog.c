@@ -3,72 +3,7 @@
  * libcurl) counts what was served; a replica stopped with SIGTERM and
  * started again serves the rows it had (its snapshot), while the other
  * replica went on. */
-#include <curl/curl.h>
-
-#include "ps_test.h"
-
-/* ---- HTTP ---- */
-
-struct body {
-    char *p;
-    size_t n;
-};
-
-static size_t on_data(char *p, size_t sz, size_t nm, void *user)
-{
-    struct body *b = user;
-    size_t n = sz * nm;
-    char *q = realloc(b->p, b->n + n + 1);
-    CHECK(q);
-    memcpy(q + b->n, p, n);
-    b->p = q;
-    b->n += n;
-    b->p[b->n] = 0;
-    return n;
-}
-
-/* GET url: the HTTP status, the body into *out (malloc'd, NUL-terminated). */
-static long http_get(const char *url, char **out)
-{
-    CURL *c = curl_easy_init();
-    CHECK(c);
-    struct body b = {calloc(1, 1), 0};
-    CHECK(b.p);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)(10000 * time_scale()));
-    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-    CURLcode rc = curl_easy_perform(c);
-    if (rc != CURLE_OK)
-        fprintf(stderr, "GET %s: %s\n", url, curl_easy_strerror(rc));
-    CHECK(rc == CURLE_OK);
-    long code = 0;
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-    curl_easy_cleanup(c);
-    *out = b.p;
-    return code;
-}
-
-/* The value of the sample `series` (name and labels exactly as printed)
- * in a Prometheus text; fails the case when it is not there once. */
-static double sample(const char *text, const char *series)
-{
-    size_t l = strlen(series);
-    double v = 0;
-    int found = 0;
-    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
-        if (strncmp(p, series, l) == 0 && p[l] == ' ') {
-            char *end;
-            v = strtod(p + l + 1, &end);
-            CHECK(end != p + l + 1 && (*end == '\n' || *end == 0));
-            found++;
-        }
-    if (found != 1)
-        fprintf(stderr, "%s: %d samples\n", series, found);
-    CHECK_EQ(found, 1);
-    return v;
-}
+#include "ps_prog.h"
 
 /* Each metric family's HELP and TYPE once, its samples right after them
  * (not spread: a scraper refuses a family seen twice). */
@@ -97,30 +32,6 @@ static void families_once(const char *text)
     CHECK(n >= 10);
 }
 
-static void cluster_file(const char *path, int replicas)
-{
-    char j[1024];
-    size_t o = (size_t)snprintf(j, sizeof j, "{\"version\":1,\"services\":{\"ps\":{\"shards\":[");
-    for (int s = 0; s < NSH; s++) {
-        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"replicas\":[", s ? "," : "");
-        for (int r = 0; r < replicas; r++)
-            o += (size_t)snprintf(
-                j + o, sizeof j - o,
-                "%s{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\",\"locality\":\"dc1/pod%d\"}",
-                r ? "," : "", free_port(), r + 1);
-        o += (size_t)snprintf(j + o, sizeof j - o, "]}");
-    }
-    o += (size_t)snprintf(j + o, sizeof j - o, "]}}}\n");
-    CHECK(o < sizeof j);
-    write_file(path, j, o);
-}
-
-static const bex_ps_table_config TC = {.id = 1,
-                                       .dim = 8,
-                                       .optimizer = BEX_PS_SGD,
-                                       .lr = 0.1f,
-                                       .init_scale = 0.01f}; /* bex-ps's default scale */
-
 /* bex-ps --metrics-port 0: /metrics answers 200 with each family once;
  * after 3 Pushes and 2 Fetches through the client the per-table counters,
  * rows, the shard's and the RPC server's latency histograms moved by what
@@ -133,7 +44,7 @@ static int t_metrics(void)
     CHECK(mkdtemp(tmpl));
     char cluster[128], url[128];
     snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
-    cluster_file(cluster, 1);
+    cluster_file(cluster, 1, NULL);
     const char *args[] = {"--cluster",   cluster, "--shard",        "all", "--table", "1:8:sgd:0.1",
                           "--transport", "tcp",   "--metrics-port", "0",   NULL};
     pid_t pid = bex_ps_start(args, url, sizeof url);
@@ -151,10 +62,7 @@ static int t_metrics(void)
     free(text);
 
     bex_ctx *ctx = client_ctx();
-    bex_dir *d;
-    char err[256];
-    CHECK_OK(bex_dir_create(NULL, &d));
-    CHECK_OK(bex_dir_load_file(d, cluster, err, sizeof err));
+    bex_dir *d = dir_of_file(cluster);
     bex_ps_client *pc = client_of(ctx, d);
     uint64_t keys[NK];
     int all[NK];
@@ -249,7 +157,7 @@ static int t_replica_restart(void)
     CHECK(mkdtemp(tmpl));
     char cluster[128];
     snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
-    cluster_file(cluster, 2);
+    cluster_file(cluster, 2, NULL);
     pid_t pid[2];
     for (int rp = 0; rp < 2; rp++) {
         const char *args[] = {"--cluster",   cluster,        "--shard",        "all",
@@ -259,17 +167,8 @@ static int t_replica_restart(void)
         pid[rp] = bex_ps_start(args, NULL, 0);
     }
     bex_ctx *ctx = client_ctx();
-    bex_dir *d;
-    char err[256];
-    CHECK_OK(bex_dir_create(NULL, &d));
-    CHECK_OK(bex_dir_load_file(d, cluster, err, sizeof err));
-    bex_ps_client_config cc = {.dir = d,
-                               .service = "ps",
-                               .locality = "dc1/pod1",
-                               .timeout_ms = 5000 * time_scale(),
-                               .connect_timeout_ms = 2000 * time_scale()};
-    bex_ps_client *pc;
-    CHECK_OK(bex_ps_client_create(ctx, &cc, &pc));
+    bex_dir *d = dir_of_file(cluster);
+    bex_ps_client *pc = client_short(ctx, d, 0);
     uint64_t keys[NK];
     int all[NK];
     keys_init(keys, all);
@@ -284,7 +183,7 @@ static int t_replica_restart(void)
     term_bex_ps(pid[1]);
     for (int s = 0; s < NSH; s++) {
         char p[192];
-        snprintf(p, sizeof p, "%s/ps-shard%d-replica1.snap", tmpl, s);
+        snap_path(p, sizeof p, tmpl, s, 1);
         CHECK(access(p, R_OK) == 0);
     }
     /* replica 0 alone: Fetches served, a Push's report names replica 1 */
@@ -313,18 +212,10 @@ static int t_replica_restart(void)
                           "--no-catchup", NULL};
     pid[1] = bex_ps_start(args, NULL, 0);
     {
-        bex_dir *d1;
-        CHECK_OK(bex_dir_create(NULL, &d1));
-        char j[1024];
         bex_dir_replica r0[2], r1[2];
         CHECK_EQ(bex_dir_replicas(d, "ps", 0, r0, 2), 2);
         CHECK_EQ(bex_dir_replicas(d, "ps", 1, r1, 2), 2);
-        snprintf(j, sizeof j,
-                 "{\"services\":{\"ps\":{\"shards\":["
-                 "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]},"
-                 "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]}]}}}",
-                 ntohs(r0[1].addr.sin_port), ntohs(r1[1].addr.sin_port));
-        CHECK_OK(bex_dir_load_json(d1, j, err, sizeof err));
+        bex_dir *d1 = dir_of_ports(ntohs(r0[1].addr.sin_port), ntohs(r1[1].addr.sin_port));
         bex_ps_client *p1 = client_of(ctx, d1);
         CHECK_OK(bex_ps_fetch_sync(p1, 1, 8, keys, NK, now));
         CHECK(memcmp(had, now, sizeof had) == 0);
@@ -339,21 +230,12 @@ static int t_replica_restart(void)
     for (int rp = 0; rp < 2; rp++)
         for (int s = 0; s < NSH; s++) {
             char p[192];
-            snprintf(p, sizeof p, "%s/ps-shard%d-replica%d.snap", tmpl, s, rp);
+            snap_path(p, sizeof p, tmpl, s, rp);
             CHECK(unlink(p) == 0);
         }
     unlink(cluster);
     CHECK(rmdir(tmpl) == 0); /* nothing else left behind (no .tmp) */
     return 0;
-}
-
-/* Wait until path exists (10 s, scaled). */
-static void wait_file(const char *path)
-{
-    uint64_t end = pair_now_ms() + 10000ull * time_scale();
-    while (access(path, R_OK) != 0 && pair_now_ms() < end)
-        pair_sleep_ms(5);
-    CHECK(access(path, R_OK) == 0);
 }
 
 /* bex-ps --snapshot-every 100: after Pushes, the snapshots are written
@@ -368,17 +250,14 @@ static int t_snapshot_every(void)
     CHECK(mkdtemp(tmpl));
     char cluster[128];
     snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
-    cluster_file(cluster, 1);
+    cluster_file(cluster, 1, NULL);
     const char *args[] = {
         "--cluster",   cluster, "--shard",        "all", "--table",          "1:8:sgd:0.1",
         "--transport", "tcp",   "--snapshot-dir", tmpl,  "--snapshot-every", "100",
         NULL};
     pid_t pid = bex_ps_start(args, NULL, 0);
     bex_ctx *ctx = client_ctx();
-    bex_dir *d;
-    char err[256];
-    CHECK_OK(bex_dir_create(NULL, &d));
-    CHECK_OK(bex_dir_load_file(d, cluster, err, sizeof err));
+    bex_dir *d = dir_of_file(cluster);
     bex_ps_client *pc = client_of(ctx, d);
     uint64_t keys[NK];
     int all[NK];
@@ -393,15 +272,13 @@ static int t_snapshot_every(void)
     char snap[NSH][192];
     for (int round = 0; round < 2; round++)
         for (int s = 0; s < NSH; s++) {
-            snprintf(snap[s], sizeof snap[s], "%s/ps-shard%d-replica0.snap", tmpl, s);
+            snap_path(snap[s], sizeof snap[s], tmpl, s, 0);
             wait_file(snap[s]);
             CHECK(unlink(snap[s]) == 0);
             wait_file(snap[s]);
         }
     bex_ps_client_destroy(pc);
-    CHECK(kill(pid, SIGKILL) == 0);
-    int st;
-    CHECK(waitpid(pid, &st, 0) == pid);
+    kill9(pid);
     const char *args2[] = {"--cluster",      cluster,       "--shard",     "all",
                            "--table",        "1:8:sgd:0.1", "--transport", "tcp",
                            "--snapshot-dir", tmpl,          NULL};
@@ -418,110 +295,6 @@ static int t_snapshot_every(void)
     unlink(cluster);
     CHECK(rmdir(tmpl) == 0); /* nothing else left behind (no .tmp) */
     return 0;
-}
-
-/* ---- etcd ---- */
-
-static char etcd_dir[64];
-static pid_t etcd_pid;
-
-static void etcd_rm(void)
-{
-    if (!etcd_dir[0])
-        return;
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", etcd_dir);
-    int rc = system(cmd);
-    (void)rc;
-    etcd_dir[0] = 0;
-}
-
-/* atexit, in the test's process: etcd stopped and its files gone, also
- * after a failed check (bex-ps children go by PR_SET_PDEATHSIG) */
-static pid_t main_pid;
-static void etcd_cleanup(void)
-{
-    if (getpid() != main_pid)
-        return;
-    if (etcd_pid > 0) {
-        kill(etcd_pid, SIGTERM);
-        waitpid(etcd_pid, NULL, 0);
-        etcd_pid = 0;
-    }
-    etcd_rm();
-}
-
-/* A local etcd (BEX_ETCD or etcd in PATH; scripts/deps has etcd-server) on
- * free loopback ports, data in a temporary directory, answering /health
- * before this returns; its client URL into url. */
-static void etcd_start(char *url, size_t cap)
-{
-    main_pid = getpid();
-    atexit(etcd_cleanup);
-    snprintf(etcd_dir, sizeof etcd_dir, "/tmp/bex-ps-etcd-XXXXXX");
-    CHECK(mkdtemp(etcd_dir));
-    uint16_t cp = free_port(), pp = free_port();
-    while (pp == cp)
-        pp = free_port();
-    char cu[64], pu[64], cl[96], dd[96], lg[96];
-    snprintf(cu, sizeof cu, "http://127.0.0.1:%u", cp);
-    snprintf(pu, sizeof pu, "http://127.0.0.1:%u", pp);
-    snprintf(cl, sizeof cl, "t=%s", pu);
-    snprintf(dd, sizeof dd, "%s/data", etcd_dir);
-    snprintf(lg, sizeof lg, "%s/log", etcd_dir);
-    const char *bin = getenv("BEX_ETCD") ? getenv("BEX_ETCD") : "etcd";
-    fflush(NULL);
-    etcd_pid = fork();
-    CHECK(etcd_pid >= 0);
-    if (etcd_pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        if (!freopen(lg, "a", stdout))
-            _exit(126);
-        dup2(STDOUT_FILENO, STDERR_FILENO);
-        execlp(bin, bin, "--name", "t", "--data-dir", dd, "--listen-client-urls", cu,
-               "--advertise-client-urls", cu, "--listen-peer-urls", pu,
-               "--initial-advertise-peer-urls", pu, "--initial-cluster", cl, "--log-level", "warn",
-               (char *)NULL);
-        _exit(127);
-    }
-    snprintf(url, cap, "%s", cu);
-    char health[96];
-    snprintf(health, sizeof health, "%s/health", cu);
-    uint64_t end = pair_now_ms() + 30000ull * time_scale();
-    for (;;) {
-        int st;
-        if (waitpid(etcd_pid, &st, WNOHANG) == etcd_pid) {
-            etcd_pid = 0;
-            fprintf(stderr, "FAIL: %s did not start (install etcd-server: scripts/deps)\n", bin);
-            CHECK(0);
-        }
-        CURL *c = curl_easy_init();
-        CHECK(c);
-        curl_easy_setopt(c, CURLOPT_URL, health);
-        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 1000L);
-        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
-        struct body b = {NULL, 0};
-        curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
-        long code = 0;
-        if (curl_easy_perform(c) == CURLE_OK)
-            curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-        curl_easy_cleanup(c);
-        free(b.p);
-        if (code == 200)
-            break;
-        CHECK(pair_now_ms() < end);
-        pair_sleep_ms(50);
-    }
-}
-
-/* Wait until d lists want replicas of shard (10 s, scaled). */
-static void wait_replicas(bex_dir *d, uint32_t shard, size_t want)
-{
-    uint64_t end = pair_now_ms() + 10000ull * time_scale();
-    while (bex_dir_replicas(d, "ps", shard, NULL, 0) != want && pair_now_ms() < end)
-        pair_sleep_ms(10);
-    CHECK_EQ(bex_dir_replicas(d, "ps", shard, NULL, 0), want);
 }
 
 /* Two bex-ps started with --etcd (shard 0 and shard 1, ports picked,
