@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # bex-cluster end to end, natively over TCP (tests/demo/CMakeLists.txt).
 #
-#   cluster_test.sh run BEX_CLUSTER PLAN        the plan runs to its end: every
+#   cluster_test.sh run BEX_CLUSTER PLAN [vm]   the plan runs to its end: every
 #       phase has user requests and training iterations, none failed, no
 #       client error, no Push applied twice (checked from results.json);
-#       bex-cluster exits 0 and leaves no process behind
+#       bex-cluster exits 0 and leaves no process behind; with "vm", on the
+#       Soft-RoCE VM's addresses (BEX_TEST_ADDR0,BEX_TEST_ADDR1), else 127.0.0.1
 #   cluster_test.sh interrupt BEX_CLUSTER PLAN  SIGINT mid-phase: bex-cluster
 #       exits 130 within 15 s and every process it started is gone
 #   cluster_test.sh killed BEX_CLUSTER PLAN     SIGKILL to bex-cluster mid-phase
@@ -12,7 +13,16 @@
 #
 # "Gone": no pid of OUT/pids alive and no process left in the group OUT/pgid.
 set -u
-mode=$1 cluster=$2 plan=$3
+mode=$1 cluster=$2 plan=$3 where=${4:-}
+addrs=127.0.0.1
+if [ "$where" = vm ]; then
+    if [ -z "${BEX_TEST_ADDR0:-}" ] || [ -z "${BEX_TEST_ADDR1:-}" ]; then
+        echo "SKIP: BEX_TEST_ADDR0/1 not set (run under scripts/rxe-vm)" >&2
+        [ -n "${BEX_REQUIRE_RDMA:-}" ] && [ "$BEX_REQUIRE_RDMA" != 0 ] && exit 1
+        exit 77
+    fi
+    addrs=$BEX_TEST_ADDR0,$BEX_TEST_ADDR1
+fi
 scale=${BEX_TEST_TIME_SCALE:-1}
 out=$(mktemp -d "${TMPDIR:-/tmp}/bex-cluster-test.XXXXXX")
 trap 'rm -rf "$out"' EXIT
@@ -20,7 +30,15 @@ trap 'rm -rf "$out"' EXIT
 mkdir "$out/tmp"
 export TMPDIR=$out/tmp
 tmp_left() { [ -z "$(ls -A "$out/tmp")" ] || { ls "$out/tmp" >&2; return 1; }; }
-fail() { echo "FAIL: $*" >&2; [ -f "$out/log" ] && tail -20 "$out/log" >&2; exit 1; }
+fail() {
+    echo "FAIL: $*" >&2
+    [ -f "$out/log" ] && tail -20 "$out/log" >&2
+    # the processes' refusals and ladder steps, counted (a replica that
+    # refused its clients, a client stuck on a step)
+    cat "$out"/run/phase*/*.log 2>/dev/null | grep -E "refused|step [0-9]" |
+        sed 's/:[0-9]*\b//g' | sort | uniq -c | sort -rn | head -20 >&2
+    exit 1
+}
 
 # Processes started by the run (OUT/pids) still alive, or still in its group.
 left_behind() {
@@ -59,7 +77,7 @@ case "$mode" in
 run)
     # the plan's times stretched with the sanitizers' (the fault must find
     # the clients under load)
-    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.1 --time-scale "$scale" \
+    "$cluster" --plan "$plan" --out "$out/run" --addrs "$addrs" --time-scale "$scale" \
         >"$out/log" 2>&1
     rc=$?
     cp "$out/run/pgid" "$out/run/pids" "$out/" 2>/dev/null

@@ -405,13 +405,29 @@ int main(int argc, char **argv)
     }
     bex_dir_destroy(dir);
 
+    /* A replica listed (or run) RDMA needs a device and prefers RDMA, but
+     * its context is AUTO: it takes TCP connections too, those of clients
+     * whose recovery ladder fell back to TCP (docs/architecture.md,
+     * "Recovery ladder", step 3: while it was dead, say). RDMA only, it
+     * refused them until their next RDMA retry (rdma_retry_ms, 30 s by
+     * default) and missed their Pushes meanwhile. A client that asks RDMA
+     * still gets RDMA. */
+    uint32_t want = self[0].transport ? self[0].transport : transport;
     bex_ctx_config cc = {.local_addr = self[0].addr.sin_addr,
-                         .transport = self[0].transport ? self[0].transport : transport,
+                         .transport =
+                             want == BEX_TRANSPORT_TCP ? BEX_TRANSPORT_TCP : BEX_TRANSPORT_AUTO,
                          .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
                          .log_level = verbose ? BEX_LOG_INFO : 0};
     bex_ctx *ctx;
     if ((rc = bex_ctx_create(&cc, &ctx))) {
         fprintf(stderr, "bex-ps: context: %s\n", bex_strerror(rc));
+        return 1;
+    }
+    if (want == BEX_TRANSPORT_RDMA && !bex_ctx_pd(ctx)) {
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &self[0].addr.sin_addr, a, sizeof a);
+        fprintf(stderr, "bex-ps: RDMA wanted, but no RDMA device carries %s\n", a);
+        bex_ctx_destroy(ctx);
         return 1;
     }
     int status = 0;
