@@ -569,9 +569,13 @@ static int write_once_with(int action)
     CHECK_EQ(atomic_load(&s.applied), 1);
     bex_rpc_server_stats ss = server_stats(&s);
     CHECK_EQ(ss.requests, 1);
-    CHECK_EQ(ss.dup_replayed + ss.dup_pending, 1);
     bex_rpc_channel_stats st = chan_stats(ch);
     CHECK(st.retries >= 1);
+    /* every retry that reached the server was answered from the dedup
+     * window; usually one, more when a loaded host lets a retry outlive
+     * its 100 ms attempt too (seen once at load 19) */
+    CHECK(ss.dup_replayed + ss.dup_pending >= 1);
+    CHECK(ss.dup_replayed + ss.dup_pending <= st.retries);
     /* a new write is a new sequence: applied */
     call(ch, cx, M_WRITE, 8, 0, &r);
     result_wait(&r, 4000);
