@@ -87,6 +87,7 @@ struct opts {
     uint32_t ka_timeout_ms; /* 0: the library's */
     uint32_t ka_ms;         /* keepalive_ms; 0: the library's */
     uint32_t io_threads, srq_depth, poll_mode, transport, setup_max;
+    uint32_t connect_timeout_ms; /* 0: the library's (3000) */
     uint8_t qp_timeout;
     uint32_t conns, ports; /* conns 0: not the many-connection mode */
     uint32_t streams, stream_size;
@@ -175,6 +176,7 @@ static void fill_cfg(const struct opts *o, bex_ctx_config *c, uint32_t frag)
     c->transport = o->transport;
     c->qp_timeout = o->qp_timeout;
     c->setup_max = o->setup_max;
+    c->connect_timeout_ms = o->connect_timeout_ms;
 }
 
 static const char *mode_name(bex_ctx *ctx)
@@ -811,9 +813,9 @@ static void print_cfg_json(const struct client *cl)
 {
     const struct opts *o = cl->o;
     printf(",\"io_threads\":%u,\"srq_depth\":%u,\"poll_mode\":\"%s\",\"transport\":\"%s\","
-           "\"tcp_conns\":%" PRIu64,
+           "\"tcp_conns\":%" PRIu64 ",\"connect_timeout_ms\":%u", /* 0: the library's */
            o->io_threads ? o->io_threads : 1, o->srq_depth, poll_name(o->poll_mode),
-           transport_name(o->transport), cl->st1.tcp_conns);
+           transport_name(o->transport), cl->st1.tcp_conns, o->connect_timeout_ms);
     if (o->conns)
         printf(",\"conns\":%u,\"ports\":%u,\"contexts\":%u,\"engines\":%" PRIu64
                ",\"srq_credits\":%" PRIu64 ",\"srq_refused\":%" PRIu64,
@@ -1132,7 +1134,9 @@ static void usage(FILE *f)
             "      --poll-mode M     spin | busy | event: ctx poll_mode (spin: spin-then-sleep)\n"
             "      --transport T     auto | rdma | tcp: ctx transport (auto)\n"
             "      --qp-timeout N    ctx qp_timeout (verbs ACK timeout exponent; 14)\n"
-            "      --setup-max N     ctx setup_max (64)\n",
+            "      --setup-max N     ctx setup_max (64)\n"
+            "      --connect-timeout MS  ctx connect_timeout_ms (3000); many connections\n"
+            "                        set up at once on a slow host need more\n",
             DEFAULT_PORT);
 }
 
@@ -1194,7 +1198,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         O_POLL,
         O_TRANSPORT,
         O_QPTO,
-        O_SETUPMAX
+        O_SETUPMAX,
+        O_CONNTO
     };
     static const struct option lo[] = {{"server", no_argument, NULL, 's'},
                                        {"client", required_argument, NULL, 'c'},
@@ -1228,6 +1233,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
                                        {"transport", required_argument, NULL, O_TRANSPORT},
                                        {"qp-timeout", required_argument, NULL, O_QPTO},
                                        {"setup-max", required_argument, NULL, O_SETUPMAX},
+                                       {"connect-timeout", required_argument, NULL, O_CONNTO},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
     static const uint32_t def_frags[] = {1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
@@ -1356,6 +1362,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
             break;
         case O_SETUPMAX:
             if (parse_u32("setup-max", optarg, &o->setup_max, false))
+                return -1;
+            break;
+        case O_CONNTO:
+            if (parse_u32("connect-timeout", optarg, &o->connect_timeout_ms, false))
                 return -1;
             break;
         case O_SOCKS:

@@ -7,7 +7,9 @@
 #            the server saw 6 sessions
 #   streams  --test lat --streams 2 --frag 4096: the round trips measured,
 #            a median > 0, the streams moved data (stream_mib_s > 0)
-#   bad      --conns with --test lat and --streams with --test bw are refused
+#            (--connect-timeout 60000, which the JSON reports)
+#   bad      --conns with --test lat, --streams with --test bw and
+#            --connect-timeout 0 are refused
 #
 # Usage: test_perf_options.sh path/to/bex-perf [case]
 set -uo pipefail
@@ -53,7 +55,8 @@ case_conns() {
     server 6 --ports 3 --io-threads 2 || return
     local out rc=0
     out=$(timeout 60 "$perf" -c 127.0.0.1 --local 127.0.0.1 -p $port --transport tcp --test bw \
-        --size 512 --conns 6 --ports 3 --io-threads 2 --outstanding 20 --iters 3000 --json) ||
+        --size 512 --conns 6 --ports 3 --io-threads 2 --outstanding 20 --iters 3000 \
+        --connect-timeout 60000 --json) ||
         rc=$?
     [ $rc = 0 ] || fail "conns: client exited with $rc"
     echo "$out"
@@ -63,6 +66,8 @@ case_conns() {
     [ "$(jget "$out" tcp_conns)" = 6 ] || fail "conns: tcp_conns $(jget "$out" tcp_conns)"
     [ "$(jget "$out" io_threads)" = 2 ] || fail "conns: io_threads $(jget "$out" io_threads)"
     [ "$(jget "$out" iters)" = 3000 ] || fail "conns: iters $(jget "$out" iters)"
+    [ "$(jget "$out" connect_timeout_ms)" = 60000 ] ||
+        fail "conns: connect_timeout_ms $(jget "$out" connect_timeout_ms)"
     awk -v v="$(jget "$out" msg_s)" 'BEGIN{exit !(v > 0)}' || fail "conns: msg_s not > 0"
     server_end 6
     # every message was answered: the server counted 3000 + warmup (20)
@@ -97,6 +102,8 @@ case_bad() {
     [ $? = 2 ] || fail "bad: --conns with --test lat accepted"
     "$perf" -c 127.0.0.1 --local 127.0.0.1 --test bw --streams 2 >/dev/null 2>&1
     [ $? = 2 ] || fail "bad: --streams with --test bw accepted"
+    "$perf" -c 127.0.0.1 --local 127.0.0.1 --connect-timeout 0 >/dev/null 2>&1
+    [ $? = 2 ] || fail "bad: --connect-timeout 0 accepted"
 }
 
 for c in conns streams bad; do

@@ -327,6 +327,8 @@ static void note_post(struct fk_side *s, struct fk_wr *w)
         w->payload = h.len;
     else if (is_write(&w->wr) && w->wr.num_sge == 1 && w->wr.wr.rdma.remote_addr != peer->ka_addr)
         w->payload = w->sge[0].length;
+    if (is_write(&w->wr) && w->wr.wr.rdma.remote_addr == peer->ka_addr)
+        s->ka_writes++;
     /* the message this request is the last of */
     w->fin = NULL;
     /* the payload's entry: after the header, or alone when header-free */

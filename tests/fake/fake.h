@@ -145,6 +145,7 @@ struct fk_side {
     uint64_t max_inflight;
     uint64_t payload_posted;   /* every payload byte posted (fairness) */
     uint32_t min_credits_left; /* lowest granted - posted seen after a post */
+    uint32_t ka_writes;        /* keepalive WRITEs posted (to the peer's word) */
 
     /* the sock layer's side */
     struct fk_stream streams[FK_MAX_STREAMS];

@@ -191,6 +191,9 @@ struct bex__engine {
     uint64_t ka_seen, ka_seq, ka_last_ms, ka_next_ms;
     bool ka_due;     /* a keepalive write waits for a slot */
     bool peer_heard; /* a receive completed since the last tick */
+    bool peer_hears; /* we posted a SEND or WRITE_WITH_IMM since the last tick: the
+                        peer hears from us (a receive of its completes), so no
+                        keepalive write is due for keepalive_ms */
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
     bool violation_logged; /* the peer's fault is logged: no second line */
@@ -1210,8 +1213,14 @@ static void post_pending(struct bex__engine *e)
     /* counted from the flags of what was posted (up to bad on failure), so
      * that the counter shows the signaling policy, whatever it is */
     uint64_t signaled = 0;
-    for (struct ibv_send_wr *w = &first->wr; w && !(rc && w == bad); w = w->next)
+    bool consumes = false;
+    for (struct ibv_send_wr *w = &first->wr; w && !(rc && w == bad); w = w->next) {
         signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
+        consumes |= w->opcode == IBV_WR_SEND || w->opcode == IBV_WR_SEND_WITH_IMM ||
+                    w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
+    }
+    if (consumes)
+        e->peer_hears = true;
     BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
     BEX__STAT_ADD(e->sh->stats, signaled, signaled);
     if (rc) {
@@ -2107,6 +2116,15 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
     if (rc) {
         bex__engine_fail(e, rc);
         return;
+    }
+    /* A peer that hears from us counts it as our keepalive (peer_heard),
+     * so while we post messages the write is put off: at 1024 connections
+     * with one message each in flight the writes were 0.4 extra doorbells
+     * and signaled completions per message (docs/benchmarks.md). Quiet for
+     * keepalive_ms (to within a tick), we write again. */
+    if (e->peer_hears) {
+        e->peer_hears = false;
+        e->ka_next_ms = now + e->cfg.keepalive_ms;
     }
     if (now >= e->ka_next_ms) {
         e->ka_next_ms = now + e->cfg.keepalive_ms;
