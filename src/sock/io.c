@@ -328,7 +328,9 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
         any |= n > 0;
     }
     if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
-        /* polled a batch at a time, handed out one at a time */
+        /* one at a time: an engine that fails on one takes its QP's
+         * others out of what was polled (bex__srq_release), and a
+         * completion handed out is never one of a QP destroyed since */
         int n = 0, rc = 0;
         while (n < WC_BATCH && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
             dispatch(io, wc, 1);

@@ -105,6 +105,11 @@ static int ring_poll(struct bex__srq *q, int max)
 
 int bex__srq_next(struct bex__srq *q, struct ibv_wc *wc)
 {
+    if (!q->wc_n && q->cq_err) { /* a poll of forget_qp failed */
+        int err = q->cq_err;
+        q->cq_err = 0;
+        return err;
+    }
     if (!q->wc_n) {
         int n = ring_poll(q, 64);
         if (n <= 0)
@@ -114,6 +119,39 @@ int bex__srq_next(struct bex__srq *q, struct ibv_wc *wc)
     q->wc_head = (q->wc_head + 1) % q->cap;
     q->wc_n--;
     return 1;
+}
+
+/* QP qpn is destroyed: no completion of it may be handed out any more,
+ * since a new QP may be given its number and would be charged with the
+ * old peer's messages (tests/srq/test_srq_reuse.c). Once ibv_destroy_qp
+ * has returned the QP completes nothing more, but what it completed may
+ * still be in the CQ (rxe leaves it there; mlx5's provider cleans it
+ * out): poll the CQ empty into the ring (it holds every posted receive's
+ * completion), then take the QP's completions out of the ring, their
+ * receives back to the pool; the other QPs' stay, in order. */
+static void forget_qp(struct bex__srq *q, uint32_t qpn)
+{
+    while (!q->cq_err) {
+        int n = ring_poll(q, 64);
+        if (n < 0)
+            q->cq_err = n; /* for the I/O thread: bex__srq_next */
+        if (n <= 0)
+            break;
+    }
+    uint32_t keep = 0;
+    for (uint32_t i = 0; i < q->wc_n; i++) {
+        const struct ibv_wc *w = &q->wcs[(q->wc_head + i) % q->cap];
+        if (w->qp_num == qpn) {
+            q->posted--;
+            BEX__STAT_ADD(q->sh->stats, srq_posted, (uint64_t)-1);
+            q->pool[q->n_pool++] = (uint32_t)w->wr_id & ~BEX__SRQ_WR_RECV;
+            continue;
+        }
+        if (keep != i)
+            q->wcs[(q->wc_head + keep) % q->cap] = *w;
+        keep++;
+    }
+    q->wc_n = keep;
 }
 
 /* ---- QP number -> engine: linear probing, deletion by backward shift ---- */
@@ -300,6 +338,7 @@ void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const ui
                       uint32_t na, const uint32_t *b, uint32_t nb)
 {
     map_del(q, qpn);
+    forget_qp(q, qpn);
     q->granted -= share;
     q->peers--;
     BEX__STAT_ADD(q->sh->stats, srq_credits, -(uint64_t)share);
@@ -317,7 +356,10 @@ struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t 
     q->posted--;
     BEX__STAT_ADD(q->sh->stats, srq_posted, (uint64_t)-1);
     struct bex__srq_ent *hit = map_find(q, qpn);
-    if (!hit) { /* its QP is gone: the receive is the pool's again */
+    if (!hit) {
+        /* its QP is gone, and forget_qp missed it (ibv_destroy_qp failed,
+         * and the QP only went to the error state, keeping its number):
+         * the receive is the pool's again */
         q->pool[q->n_pool++] = idx;
         refill(q);
         return NULL;
