@@ -328,10 +328,16 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
         any |= n > 0;
     }
     if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
-        int n = bex__rdma_poll_cq(io->sh.srq->cq, WC_BATCH, wc);
-        if (n < 0)
-            cq_failed(io, UINT32_MAX, n);
-        dispatch(io, wc, n);
+        /* one at a time: an engine that fails on one takes its QP's
+         * others out of what was polled (bex__srq_release), and a
+         * completion handed out is never one of a QP destroyed since */
+        int n = 0, rc = 0;
+        while (n < WC_BATCH && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
+            dispatch(io, wc, 1);
+            n++;
+        }
+        if (rc < 0)
+            cq_failed(io, UINT32_MAX, rc);
         any |= n > 0;
     }
     return any;

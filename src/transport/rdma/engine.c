@@ -1990,16 +1990,43 @@ void bex__engine_set_name(struct bex__engine *e, const char *name)
     snprintf(e->name, sizeof e->name, "%s (engine %u)", name, e->id);
 }
 
+/* The send request a failed completion names (counter cnt), for the log:
+ * which operation the peer's NIC refused tells a bad request of ours from
+ * the link's trouble. */
+static void describe_send(struct bex__engine *e, uint32_t cnt, char *out, size_t n)
+{
+    uint32_t c = e->head;
+    while (c != e->post && (c & WR_CNT_MASK) != cnt)
+        c++;
+    if (c == e->post) {
+        snprintf(out, n, "send");
+        return;
+    }
+    const struct ibv_send_wr *wr = &sslot_at(e, c)->wr;
+    uint32_t len = 0;
+    for (int i = 0; i < wr->num_sge; i++)
+        len += wr->sg_list[i].length;
+    const char *op = wr->opcode == IBV_WR_SEND                  ? "SEND"
+                     : wr->opcode == IBV_WR_SEND_WITH_IMM       ? "SEND_WITH_IMM"
+                     : wr->opcode == IBV_WR_RDMA_WRITE          ? "WRITE"
+                     : wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM ? "WRITE_WITH_IMM"
+                                                                : "local operation";
+    snprintf(out, n, "send (%s of %u bytes, %u of %u in flight before it)", op, len, c - e->head,
+             e->post - e->head);
+}
+
 void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
     if (e->state == E_DEAD)
         return; /* queued before the QP went: everything was handed back */
     if (wc->status != IBV_WC_SUCCESS) {
+        char what[96] = "receive";
+        if (!(low & WR_RECV))
+            describe_send(e, low & WR_CNT_MASK, what, sizeof what);
         bex__log(e->sh->log, BEX_LOG_ERROR,
-                 "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name,
-                 low & WR_RECV ? "receive" : "send", ibv_wc_status_str(wc->status), wc->vendor_err,
-                 wc_why(wc->status));
+                 "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name, what,
+                 ibv_wc_status_str(wc->status), wc->vendor_err, wc_why(wc->status));
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return;
     }

@@ -7,8 +7,8 @@
 #include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
 
-int bex__srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
-                    struct ibv_cq *cq, struct bex__srq **out)
+static int srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
+                      struct ibv_cq *cq, struct ibv_srq *stand_in, struct bex__srq **out)
 {
     struct bex__srq *q = calloc(1, sizeof(*q));
     if (!q)
@@ -21,15 +21,21 @@ int bex__srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf
     q->pool = calloc(depth, sizeof(*q->pool));
     q->map_cap = 64;
     q->map = calloc(q->map_cap, sizeof(*q->map));
+    q->wcs = calloc(depth, sizeof(*q->wcs));
     int err = -ENOMEM;
-    if (!q->slots || !q->pool || !q->map)
+    if (!q->slots || !q->pool || !q->map || !q->wcs)
         goto err_free;
-    struct ibv_srq_init_attr a = {.attr = {.max_wr = depth, .max_sge = 1}};
-    errno = 0;
-    q->srq = ibv_create_srq(sh->pd, &a);
-    if (!q->srq) {
-        err = errno ? -errno : -ENOMEM;
-        goto err_free;
+    q->stand_in = stand_in != NULL;
+    if (stand_in) {
+        q->srq = stand_in;
+    } else {
+        struct ibv_srq_init_attr a = {.attr = {.max_wr = depth, .max_sge = 1}};
+        errno = 0;
+        q->srq = ibv_create_srq(sh->pd, &a);
+        if (!q->srq) {
+            err = errno ? -errno : -ENOMEM;
+            goto err_free;
+        }
     }
     *out = q;
     return 0;
@@ -37,15 +43,30 @@ err_free:
     free(q->slots);
     free(q->pool);
     free(q->map);
+    free(q->wcs);
     free(q);
     return err;
+}
+
+int bex__srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
+                    struct ibv_cq *cq, struct bex__srq **out)
+{
+    return srq_create(sh, depth, rbuf_len, cq, NULL, out);
+}
+
+int bex__srq_create_nodev(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
+                          struct ibv_cq *cq, struct ibv_srq *stand_in, struct bex__srq **out)
+{
+    if (!stand_in)
+        return -EINVAL;
+    return srq_create(sh, depth, rbuf_len, cq, stand_in, out);
 }
 
 void bex__srq_destroy(struct bex__srq *q)
 {
     if (!q)
         return;
-    if (q->srq)
+    if (q->srq && !q->stand_in)
         ibv_destroy_srq(q->srq);
     BEX__STAT_ADD(q->sh->stats, srq_posted, -(uint64_t)q->posted);
     for (uint32_t i = 0; i < q->made; i++) {
@@ -58,7 +79,79 @@ void bex__srq_destroy(struct bex__srq *q)
     free(q->slots);
     free(q->pool);
     free(q->map);
+    free(q->wcs);
     free(q);
+}
+
+/* ---- completions: a ring in front of the CQ ---- */
+
+/* Poll once into the ring's free space after its tail (at most max
+ * completions): how many came, or the poll's negative count. */
+static int ring_poll(struct bex__srq *q, int max)
+{
+    uint32_t tail = (q->wc_head + q->wc_n) % q->cap;
+    uint32_t room = q->cap - q->wc_n;
+    if (room > q->cap - tail)
+        room = q->cap - tail; /* contiguous: up to the array's end */
+    if ((uint32_t)max > room)
+        max = (int)room;
+    if (max <= 0)
+        return 0;
+    int n = bex__rdma_poll_cq(q->cq, max, &q->wcs[tail]);
+    if (n > 0)
+        q->wc_n += (uint32_t)n;
+    return n;
+}
+
+int bex__srq_next(struct bex__srq *q, struct ibv_wc *wc)
+{
+    if (!q->wc_n && q->cq_err) { /* a poll of forget_qp failed */
+        int err = q->cq_err;
+        q->cq_err = 0;
+        return err;
+    }
+    if (!q->wc_n) {
+        int n = ring_poll(q, 64);
+        if (n <= 0)
+            return n;
+    }
+    *wc = q->wcs[q->wc_head];
+    q->wc_head = (q->wc_head + 1) % q->cap;
+    q->wc_n--;
+    return 1;
+}
+
+/* QP qpn is destroyed: no completion of it may be handed out any more,
+ * since a new QP may be given its number and would be charged with the
+ * old peer's messages (tests/srq/test_srq_reuse.c). Once ibv_destroy_qp
+ * has returned the QP completes nothing more, but what it completed may
+ * still be in the CQ (rxe leaves it there; mlx5's provider cleans it
+ * out): poll the CQ empty into the ring (it holds every posted receive's
+ * completion), then take the QP's completions out of the ring, their
+ * receives back to the pool; the other QPs' stay, in order. */
+static void forget_qp(struct bex__srq *q, uint32_t qpn)
+{
+    while (!q->cq_err) {
+        int n = ring_poll(q, 64);
+        if (n < 0)
+            q->cq_err = n; /* for the I/O thread: bex__srq_next */
+        if (n <= 0)
+            break;
+    }
+    uint32_t keep = 0;
+    for (uint32_t i = 0; i < q->wc_n; i++) {
+        const struct ibv_wc *w = &q->wcs[(q->wc_head + i) % q->cap];
+        if (w->qp_num == qpn) {
+            q->posted--;
+            BEX__STAT_ADD(q->sh->stats, srq_posted, (uint64_t)-1);
+            q->pool[q->n_pool++] = (uint32_t)w->wr_id & ~BEX__SRQ_WR_RECV;
+            continue;
+        }
+        if (keep != i)
+            q->wcs[(q->wc_head + keep) % q->cap] = *w;
+        keep++;
+    }
+    q->wc_n = keep;
 }
 
 /* ---- QP number -> engine: linear probing, deletion by backward shift ---- */
@@ -245,6 +338,7 @@ void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const ui
                       uint32_t na, const uint32_t *b, uint32_t nb)
 {
     map_del(q, qpn);
+    forget_qp(q, qpn);
     q->granted -= share;
     q->peers--;
     BEX__STAT_ADD(q->sh->stats, srq_credits, -(uint64_t)share);
@@ -262,7 +356,10 @@ struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t 
     q->posted--;
     BEX__STAT_ADD(q->sh->stats, srq_posted, (uint64_t)-1);
     struct bex__srq_ent *hit = map_find(q, qpn);
-    if (!hit) { /* its QP is gone: the receive is the pool's again */
+    if (!hit) {
+        /* its QP is gone, and forget_qp missed it (ibv_destroy_qp failed,
+         * and the QP only went to the error state, keeping its number):
+         * the receive is the pool's again */
         q->pool[q->n_pool++] = idx;
         refill(q);
         return NULL;

@@ -72,6 +72,12 @@ struct bex__srq {
      * the QP, not the engine */
     struct bex__srq_ent *map;
     uint32_t map_cap;
+    /* receive completions polled from cq, not yet handed out
+     * (bex__srq_next): a ring of cap entries, as many as can be posted */
+    struct ibv_wc *wcs;
+    uint32_t wc_head, wc_n;
+    int cq_err;    /* a poll made by bex__srq_release failed (negative) */
+    bool stand_in; /* srq is a stand-in (tests): nothing to destroy */
 };
 
 /* Tests only: when non-zero, SRQ mode without per-peer accounting, the
@@ -85,14 +91,28 @@ extern uint32_t bex__srq_unshared_test;
  * share is granted. */
 int bex__srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
                     struct ibv_cq *cq, struct bex__srq **out);
+/* Tests: the same over a stand-in SRQ (its context's post_srq_recv is
+ * called) and a stand-in CQ (poll_cq), as bex__engine_create_nodev. */
+int bex__srq_create_nodev(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
+                          struct ibv_cq *cq, struct ibv_srq *stand_in, struct bex__srq **out);
 /* After every QP on it is gone. */
 void bex__srq_destroy(struct bex__srq *q);
+/* The next receive completion of the queue, into *wc: 1, 0 when there is
+ * none, or ibv_poll_cq's negative count (the CQ failed, here or in
+ * bex__srq_release). Completions are polled a batch at a time and handed
+ * out one at a time: one handed out belongs to a QP on the queue, or to
+ * none where ibv_destroy_qp failed (bex__srq_arrived), never to a QP
+ * destroyed since it was polled. */
+int bex__srq_next(struct bex__srq *q, struct ibv_wc *wc);
 /* Grant engine e (QP qpn) a share of credits: enough receives are posted
  * first. -ENOSPC when the pool has fewer than share left, -ENOMEM. */
 int bex__srq_grant(struct bex__srq *q, struct bex__engine *e, uint32_t qpn, uint32_t share);
 /* The engine of QP qpn left (its QP is destroyed): its share goes back to
  * the pool, and with it the receives it held (slots a[0..na) and b[0..nb):
- * the unposted with their buffers, the starved without). Here and below,
+ * the unposted with their buffers, the starved without) and those whose
+ * completions are still to be handed out: the CQ is polled empty first,
+ * so that none of them can be taken for a new QP given its number (the
+ * others' completions wait for bex__srq_next, in order). Here and below,
  * a receive back in the pool is posted again while fewer are posted than
  * the other peers' credits (and the spare): a peer that sent past its
  * credits took receives that back theirs. */
