@@ -7,9 +7,11 @@
 #ifndef BEX_TEST_HARNESS_H
 #define BEX_TEST_HARNESS_H
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define BEX_TEST_SKIP 77
 
@@ -52,6 +54,20 @@ static inline unsigned bex_test_time_scale(void)
     const char *s = getenv("BEX_TEST_TIME_SCALE");
     int v = s ? atoi(s) : 1;
     return v >= 1 ? (unsigned)v : 1;
+}
+
+/* Milliseconds of the monotonic clock. */
+static inline uint64_t bex_test_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static inline void bex_test_sleep_ms(unsigned ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
 }
 
 struct bex_test_case {

@@ -22,7 +22,7 @@
 #include <string.h>
 
 #include "common/fault.h"
-#include "sock/pair.h"
+#include "sock/echo.h"
 
 /* ---------------- the server: echoes every message ---------------- */
 
@@ -39,20 +39,8 @@ static void echo_recv(bex_sock *s, void *buf, size_t len, void *user)
         bex_mem_free(b); /* the socket is failing: the client's test decides */
 }
 
-static void echo_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
-{
-    (void)s, (void)len, (void)mu, (void)status, (void)user;
-    bex_mem_free(buf);
-}
-
-static void echo_error(bex_sock *s, int err, void *user)
-{
-    (void)err, (void)user;
-    bex_sock_close(s);
-}
-
 static const bex_sock_ops echo_ops = {
-    .on_recv = echo_recv, .on_send_done = echo_done, .on_error = echo_error};
+    .on_recv = echo_recv, .on_send_done = echo_srv_done, .on_error = echo_srv_error};
 
 static void echo_accept(bex_listener *l, bex_sock *s, void *user)
 {

@@ -12,7 +12,7 @@
 #include "bex/ps.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
-#include "sock/pair.h"
+#include "sock/child.h"
 
 enum { SVC_T = 0x7e57, M_STATS = 1 };
 #define NSH 2
@@ -83,8 +83,18 @@ static inline void h_stats(bex_rpc_req *req, void *body, size_t len, void *user)
     bex_rpc_reply(req, 0, t, sizeof *t);
 }
 
-static inline void srv_child(int wfd, int rfd, uint32_t shard, const char *snap, int mode)
+struct srv_args {
+    uint32_t shard;
+    const char *snap;
+    int mode;
+};
+
+static inline void srv_child(int wfd, int rfd, void *arg)
 {
+    const struct srv_args *sa = arg;
+    uint32_t shard = sa->shard;
+    const char *snap = sa->snap;
+    int mode = sa->mode;
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
     sv.mode = mode;
@@ -124,62 +134,16 @@ static inline void srv_child(int wfd, int rfd, uint32_t shard, const char *snap,
     exit(0);
 }
 
-struct srv_proc {
-    pid_t pid;
-    struct sockaddr_in addr;
-    int to_child;
-};
-
 static inline void spawn(struct srv_proc *sp, uint32_t shard, const char *snap, int mode)
 {
-    struct in_addr a0, a1;
-    CHECK(pair_addrs(&a0, &a1) == 0);
-    int up[2], down[2];
-    signal(SIGPIPE, SIG_IGN);
-    CHECK(pipe(up) == 0 && pipe(down) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        close(up[0]);
-        close(down[1]);
-        srv_child(up[1], down[0], shard, snap, mode);
-    }
-    close(up[1]);
-    close(down[0]);
-    uint16_t port = 0;
-    struct pollfd pf = {.fd = up[0], .events = POLLIN};
-    CHECK(poll(&pf, 1, (int)(30000 * time_scale())) == 1);
-    CHECK(read(up[0], &port, sizeof port) == sizeof port);
-    close(up[0]);
-    *sp = (struct srv_proc){.pid = pid, .to_child = down[1]};
-    sp->addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+    struct srv_args sa = {.shard = shard, .snap = snap, .mode = mode};
+    srv_spawn(sp, srv_child, &sa);
 }
 
 /* Tell a server to go; 0 when it left cleanly. */
 static inline int stop(struct srv_proc *sp)
 {
-    char q = 'q';
-    if (write(sp->to_child, &q, 1) < 0) {
-        /* gone already: its status says how */
-    }
-    close(sp->to_child);
-    int status = 0;
-    uint64_t end = pair_now_ms() + 30000ull * time_scale();
-    pid_t w;
-    while ((w = waitpid(sp->pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
-        pair_sleep_ms(10);
-    if (w == 0) {
-        pair_dump_stacks(sp->pid);
-        kill(sp->pid, SIGKILL);
-        waitpid(sp->pid, &status, 0);
-        return -1;
-    }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        fprintf(stderr, "server %d failed (status 0x%x)\n", (int)sp->pid, status);
-        return -1;
-    }
-    return 0;
+    return srv_stop(sp, false);
 }
 
 /* ---- the client side ---- */

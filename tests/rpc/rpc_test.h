@@ -12,7 +12,7 @@
 
 #include "bex/rpc.h"
 #include "rpc/internal.h"
-#include "sock/pair.h"
+#include "sock/child.h"
 
 enum {
     SVC = 7,
@@ -225,17 +225,12 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-struct srv_proc {
-    pid_t pid;
-    struct sockaddr_in addr;
-    int to_child;
-};
-
-static void srv_child(int wfd, int rfd, bool drop_first_write)
+/* arg: non-NULL to lose the first WRITE's answer */
+static void srv_child(int wfd, int rfd, void *arg)
 {
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
-    ts.drop_first_write = drop_first_write;
+    ts.drop_first_write = arg != NULL;
     bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS,
                            .connect_timeout_ms = RPC_SETUP_MS};
     bex_ctx_config c = scaled(&base, a0);
@@ -293,58 +288,14 @@ static void srv_child(int wfd, int rfd, bool drop_first_write)
 /* Fork a server; call before the client's context exists. */
 static void spawn_server(struct srv_proc *sp, bool drop_first_write)
 {
-    struct in_addr a0, a1;
-    CHECK(pair_addrs(&a0, &a1) == 0);
-    int up[2], down[2];
-    signal(SIGPIPE, SIG_IGN);
-    CHECK(pipe(up) == 0 && pipe(down) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        close(up[0]);
-        close(down[1]);
-        srv_child(up[1], down[0], drop_first_write);
-    }
-    close(up[1]);
-    close(down[0]);
-    uint16_t port = 0;
-    struct pollfd pf = {.fd = up[0], .events = POLLIN};
-    CHECK(poll(&pf, 1, (int)(30000 * time_scale())) == 1);
-    CHECK(read(up[0], &port, sizeof port) == sizeof port);
-    close(up[0]);
-    *sp = (struct srv_proc){.pid = pid, .to_child = down[1]};
-    sp->addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+    srv_spawn(sp, srv_child, drop_first_write ? &ts : NULL);
 }
 
 /* Tell a server to go and check it left cleanly (or reap a killed one:
  * expect_kill). Returns 0 or -1. */
 static int stop_server(struct srv_proc *sp, bool expect_kill)
 {
-    char q = 'q';
-    if (write(sp->to_child, &q, 1) < 0) {
-        /* killed on purpose */
-    }
-    close(sp->to_child);
-    int status = 0;
-    uint64_t end = pair_now_ms() + 30000ull * time_scale();
-    pid_t w;
-    while ((w = waitpid(sp->pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
-        pair_sleep_ms(10);
-    if (w == 0) {
-        fprintf(stderr, "server %d did not finish\n", (int)sp->pid);
-        pair_dump_stacks(sp->pid);
-        kill(sp->pid, SIGKILL);
-        waitpid(sp->pid, &status, 0);
-        return -1;
-    }
-    if (expect_kill)
-        return WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL ? 0 : -1;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        fprintf(stderr, "server %d failed (status 0x%x)\n", (int)sp->pid, status);
-        return -1;
-    }
-    return 0;
+    return srv_stop(sp, expect_kill);
 }
 
 /* The client's context, on ADDR1. */
@@ -375,6 +326,30 @@ static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *s
         .request_timeout_ms = 2000 * time_scale(),
         .connect_timeout_ms = 15000 * time_scale(), /* above the contexts' setup deadline */
     };
+}
+
+/* A body of len bytes (fill_pattern's, seed) to send. */
+static inline void *pattern_body(bex_ctx *ctx, size_t len, uint32_t seed)
+{
+    void *b = bex_rpc_alloc(ctx, len);
+    CHECK(b);
+    fill_pattern(b, len, seed);
+    return b;
+}
+
+/* A channel over sp[0..n) with chan_cfg's settings; request_ms (unscaled;
+ * 0: chan_cfg's) the calls' deadline. */
+static inline bex_rpc_channel *chan_open(bex_ctx *ctx, struct srv_proc *sp, size_t n,
+                                         unsigned request_ms)
+{
+    bex_rpc_endpoint eps[4];
+    CHECK(n <= 4);
+    bex_rpc_channel_config cc = chan_cfg(eps, sp, n);
+    if (request_ms)
+        cc.request_timeout_ms = request_ms * time_scale();
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    return ch;
 }
 
 static struct tstats server_stats(bex_rpc_channel *ch)

@@ -5,26 +5,16 @@
  * not before, lifts after the period through one probe, a failed probe
  * quarantines again, never all replicas of a shard, each transition logged
  * once). Time is driven by the test through the internal calls' clock. */
-#include <arpa/inet.h>
 #include <stdatomic.h>
 #include <unistd.h>
 
-#include "bex/dir.h"
 #include "bex/sock.h"
-#include "harness.h"
-#include "rpc/dir_internal.h"
+#include "rpc/dir_test.h"
 
 #define MS 1000000ull
 
-static struct sockaddr_in A(const char *s) {
-    struct sockaddr_in a;
-    CHECK(bex__dir_parse_addr(s, &a) == 0);
-    return a;
-}
-
 /* log lines, by what they say */
-static _Atomic int n_quarantined,
-    n_lifted, n_probe_failed, n_refused, n_lines;
+static _Atomic int n_quarantined, n_lifted, n_probe_failed, n_refused, n_lines;
 
 static bex_dir *cur_dir; /* the directory port_of and the log hook ask */
 
@@ -208,22 +198,6 @@ static int pick1(bex_dir *d, const char *loc, uint64_t now)
     CHECK_OK(bex__dir_pick_node(d, "ps", 0, loc, NULL, NULL, now, &n));
     bex__dir_report_node(d, n, BEX_DIR_OK, true, now);
     return port_of(n);
-}
-
-static struct bex__dir_node *node(bex_dir *d, const char *addr)
-{
-    struct sockaddr_in a = A(addr);
-    struct bex__dir_node *n = bex__dir_node_find(d, &a);
-    CHECK(n);
-    return n;
-}
-
-static bex_dir_node_stats stats(bex_dir *d, const char *addr)
-{
-    struct sockaddr_in a = A(addr);
-    bex_dir_node_stats s;
-    CHECK_OK(bex_dir_node_stats_get(d, &a, &s));
-    return s;
 }
 
 static bool avoid_one(void *arg, const struct bex__dir_node *n)

@@ -4,13 +4,10 @@
  * ("never all replicas of a shard at once" kept as that last one fails,
  * not only when a quarantine starts). Time is driven by the test through
  * the internal calls' clock. */
-#include <arpa/inet.h>
 #include <stdatomic.h>
 
-#include "bex/dir.h"
 #include "bex/sock.h"
-#include "harness.h"
-#include "rpc/dir_internal.h"
+#include "rpc/dir_test.h"
 
 #define MS 1000000ull
 
@@ -30,29 +27,6 @@ static void count_log(int level, const char *msg, void *arg)
     if (strstr(msg, "quarantine lifted"))
         atomic_fetch_add(&n_lifted, 1);
     fprintf(stderr, "log: %s\n", msg);
-}
-
-static struct sockaddr_in A(const char *s) {
-    struct sockaddr_in a;
-    CHECK(bex__dir_parse_addr(s, &a) == 0);
-    return a;
-}
-
-static struct bex__dir_node *
-node(bex_dir *d, const char *addr)
-{
-    struct sockaddr_in a = A(addr);
-    struct bex__dir_node *n = bex__dir_node_find(d, &a);
-    CHECK(n);
-    return n;
-}
-
-static bex_dir_node_stats stats(bex_dir *d, const char *addr)
-{
-    struct sockaddr_in a = A(addr);
-    bex_dir_node_stats s;
-    CHECK_OK(bex_dir_node_stats_get(d, &a, &s));
-    return s;
 }
 
 /* More than 2 failures of a kind within 10 s quarantine a node for 60 s. */

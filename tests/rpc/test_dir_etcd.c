@@ -26,33 +26,20 @@
 static pid_t etcd_pid, child_pid[2];
 static char datadir[64];
 
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(unsigned ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-    nanosleep(&ts, NULL);
-}
-
 static void reap(pid_t *pid, int sig)
 {
     if (*pid <= 0)
         return;
     kill(*pid, sig);
-    uint64_t end = now_ms() + 10000;
+    uint64_t end = bex_test_now_ms() + 10000;
     int st;
     while (waitpid(*pid, &st, WNOHANG) == 0) {
-        if (now_ms() > end) {
+        if (bex_test_now_ms() > end) {
             kill(*pid, SIGKILL);
             waitpid(*pid, &st, 0);
             break;
         }
-        sleep_ms(20);
+        bex_test_sleep_ms(20);
     }
     *pid = 0;
 }
@@ -194,12 +181,12 @@ static pid_t fork_registrant(const char *url, uint16_t port, const char *loc, in
         snprintf(self.locality, sizeof self.locality, "%s", loc);
         bex_dir_registration *reg = NULL;
         char err[256] = "";
-        uint64_t end = now_ms() + 30000ull * bex_test_time_scale();
+        uint64_t end = bex_test_now_ms() + 30000ull * bex_test_time_scale();
         int rc;
         while (
             (rc = bex_dir_register_etcd(url, NULL, "ps", 0, &self, TTL_S, err, sizeof err, &reg)) &&
-            now_ms() < end)
-            sleep_ms(50);
+            bex_test_now_ms() < end)
+            bex_test_sleep_ms(50);
         if (rc) {
             fprintf(stderr, "registrant: %s\n", err);
             _exit(1);
@@ -243,13 +230,13 @@ static pid_t spawn_registrant(const char *url, uint16_t port, const char *loc)
 /* Wait until (ps, 0) has n replicas; the time it took, or -1. */
 static long wait_n(bex_dir *d, size_t n, unsigned ms)
 {
-    uint64_t t0 = now_ms(), end = t0 + ms;
+    uint64_t t0 = bex_test_now_ms(), end = t0 + ms;
     while (bex_dir_replicas(d, "ps", 0, NULL, 0) != n) {
-        if (now_ms() > end)
+        if (bex_test_now_ms() > end)
             return -1;
-        sleep_ms(10);
+        bex_test_sleep_ms(10);
     }
-    return (long)(now_ms() - t0);
+    return (long)(bex_test_now_ms() - t0);
 }
 
 static bool has_port(bex_dir *d, uint16_t port, const char *loc)
@@ -316,8 +303,9 @@ static int t_watch(void)
     raw_put(url, "L2JleC9zZXJ2aWNlcy9wcy8wL2JhZA==", "ew==");
     raw_put(url, "L2JleC9zZXJ2aWNlcy9wcy8wLzEyNy4wLjAuMTo3MDA5", "ew==");
     /* (etcd may deliver both events in one message: one new generation) */
-    for (uint64_t end = now_ms() + 3000 * scale; atomic_load(&bad_key_logs) < 2 && now_ms() < end;)
-        sleep_ms(10);
+    for (uint64_t end = bex_test_now_ms() + 3000 * scale;
+         atomic_load(&bad_key_logs) < 2 && bex_test_now_ms() < end;)
+        bex_test_sleep_ms(10);
     CHECK(atomic_load(&bad_key_logs) >= 2);
     CHECK(bex_dir_generation(d) >= g + 1);
     CHECK_EQ(bex_dir_replicas(d, "ps", 0, NULL, 0), 2);
@@ -341,16 +329,16 @@ static int t_watch(void)
     CHECK(!has_port(d, 7003, NULL));
     /* kill one server: its key goes within the TTL (+ etcd's lease check,
      * every 500 ms); the other stays */
-    uint64_t t_kill = now_ms();
+    uint64_t t_kill = bex_test_now_ms();
     reap(&child_pid[0], SIGKILL);
     long vanished = wait_n(d, 1, (TTL_S * 1000 + 3000) * scale);
     fprintf(stderr, "killed server gone after %ld ms (TTL %d s)\n",
-            vanished >= 0 ? (long)(now_ms() - t_kill) : -1L, TTL_S);
+            vanished >= 0 ? (long)(bex_test_now_ms() - t_kill) : -1L, TTL_S);
     CHECK(vanished >= 0);
-    CHECK(now_ms() - t_kill <= (TTL_S * 1000 + 1500) * scale);
+    CHECK(bex_test_now_ms() - t_kill <= (TTL_S * 1000 + 1500) * scale);
     CHECK(!has_port(d, 7001, NULL) && has_port(d, 7002, "dc1/pod2"));
     /* the survivor's keepalive holds it past several TTLs */
-    sleep_ms(2 * TTL_S * 1000 + 500);
+    bex_test_sleep_ms(2 * TTL_S * 1000 + 500);
     CHECK(has_port(d, 7002, "dc1/pod2"));
     /* the directory's choice follows etcd: only the survivor is picked */
     for (int i = 0; i < 10; i++) {
@@ -394,7 +382,7 @@ static int t_restart(void)
     CHECK_OK(bex_dir_watch_etcd(d, url, NULL, err, sizeof err));
     CHECK(wait_n(d, 1, 5000 * scale) >= 0);
     reap(&etcd_pid, SIGKILL);
-    sleep_ms(1500);                       /* the watch sees the stream end and retries meanwhile */
+    bex_test_sleep_ms(1500);              /* the watch sees the stream end and retries meanwhile */
     CHECK(has_port(d, 7001, "dc1/pod1")); /* the last view is kept while etcd is away */
     exec_etcd();
     registered(go, done);

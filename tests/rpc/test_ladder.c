@@ -146,14 +146,6 @@ static bex_ctx *ladder_ctx(uint8_t qp_timeout, uint8_t qp_retry_cnt)
     return ctx;
 }
 
-static void *pattern_body(bex_ctx *ctx, size_t len, uint32_t seed)
-{
-    void *b = bex_rpc_alloc(ctx, len);
-    CHECK(b);
-    fill_pattern(b, len, seed);
-    return b;
-}
-
 static char *prom(bex_rpc_channel *ch)
 {
     int need = bex_rpc_channel_prometheus(ch, NULL, 0);

@@ -52,14 +52,6 @@ static void show_failures(const struct one *o, long n, const char *what)
         }
 }
 
-static void *pattern_body(bex_ctx *ctx, size_t len, uint32_t seed)
-{
-    void *b = bex_rpc_alloc(ctx, len);
-    CHECK(b);
-    fill_pattern(b, len, seed);
-    return b;
-}
-
 /* ---- cases ---- */
 
 /* Echo at 64 B, 4 KiB and 1 MiB (rendezvous), synchronously and with 64
@@ -70,13 +62,9 @@ static int t_echo(void)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
     /* about bodies, not deadlines: 64 calls of up to 64 KiB out at once took
      * over a second each in a loaded VM (docs/benchmarks.md) */
-    cc.request_timeout_ms = 20000 * time_scale();
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 20000);
     static const size_t sizes[] = {64, 4096, 1u << 20, 0};
     for (size_t i = 0; i < 4; i++) {
         void *resp = NULL;
@@ -129,10 +117,7 @@ static int t_deadline(void)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 0);
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL)); /* connected */
     static struct rec r = {.w = WAITER_INIT};
     const unsigned tmo = 100 * time_scale(), slack = 30 * time_scale();
@@ -188,10 +173,7 @@ static int t_destroy(void)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 0);
     /* the connection first: over RDMA its engine keeps a header area of
      * the pool as long as it lives */
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
@@ -503,10 +485,7 @@ static int t_write_once(void)
     struct srv_proc sp;
     spawn_server(&sp, true);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 0);
     void *resp;
     size_t len;
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_WRITE, NULL, 0, NULL, &resp, &len));
@@ -615,10 +594,7 @@ static int t_window(void)
     bex_sock_close(s);
     CHECK(wait_count(&rw.w, &rw.closed, 1, 5000) == 0);
     /* -EAGAIN from a WRITE leaves no trace: the retry is applied */
-    bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 0);
     void *resp;
     size_t len;
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_FLAKY, NULL, 0, NULL, &resp, &len));
@@ -662,10 +638,7 @@ static int t_garbage(void)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 0);
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, pattern_body(ctx, 64, 1), 64, NULL, NULL, NULL));
     bex_sock_ops ops = {.on_error = g_on_error, .on_close = g_on_close};
     bex_sock *raw;
@@ -744,11 +717,8 @@ static int t_threads(void)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    cc.request_timeout_ms = 20000 * time_scale(); /* about threads, not deadlines */
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    /* about threads, not deadlines */
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 20000);
     pthread_t t[3];
     struct thr_arg a[3];
     for (int i = 0; i < 3; i++) {

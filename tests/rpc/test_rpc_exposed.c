@@ -55,12 +55,27 @@ static void dres_init(struct dres *d, bex_ctx *ctx, void *dst)
     pthread_cond_init(&d->w.cv, NULL);
 }
 
-static void *pattern_body(bex_ctx *ctx, size_t len, uint32_t seed)
+/* Call method with body (len bytes) into dst (cap bytes), d's bookkeeping
+ * reset, and wait for its completion (20 s, scaled). */
+static void into_wait(bex_rpc_channel *ch, bex_ctx *ctx, uint32_t method, void *body, size_t len,
+                      uint8_t *dst, size_t cap, struct dres *d)
 {
-    void *b = bex_rpc_alloc(ctx, len);
-    CHECK(b);
-    fill_pattern(b, len, seed);
-    return b;
+    dres_init(d, ctx, dst);
+    CHECK_OK(bex_rpc_call_into(ch, SVC, method, body, len, dst, cap, NULL, d_done, d, NULL));
+    CHECK(wait_count(&d->w, &d->calls, 1, 20000) == 0);
+}
+
+/* The end of a case: the channel, dst, the context and the servers sp[0..n)
+ * (each must leave cleanly) gone; what the case returns. */
+static int finish(bex_rpc_channel *ch, bex_ctx *ctx, uint8_t *dst, struct srv_proc *sp, size_t n)
+{
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_rpc_free(dst);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = 0;
+    for (size_t i = 0; i < n; i++)
+        rc |= stop_server(&sp[i], false);
+    return rc ? 1 : 0;
 }
 
 static bool all_bytes(const void *p, size_t n, uint8_t v)
@@ -83,11 +98,7 @@ static int t_into(void)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[1];
-    bex_rpc_channel_config cc = chan_cfg(eps, &sp, 1);
-    cc.request_timeout_ms = LONG_MS * time_scale();
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, LONG_MS);
     enum { CAP = 2 << 20 };
     uint8_t *dst = bex_rpc_alloc_dest(ctx, CAP);
     CHECK(dst);
@@ -129,10 +140,7 @@ static int t_into(void)
     struct tstats t = server_stats(ch);
     CHECK_EQ(t.st.bad_header, 0);
     CHECK(t.st.conns >= 4);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_rpc_free(dst);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return finish(ch, ctx, dst, &sp, 1);
 }
 
 /* A 64 KiB answer for a 16 KiB destination: -EMSGSIZE, nothing written
@@ -143,11 +151,7 @@ static int t_too_large(void)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[1];
-    bex_rpc_channel_config cc = chan_cfg(eps, &sp, 1);
-    cc.request_timeout_ms = LONG_MS * time_scale();
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, LONG_MS);
     enum { CAP = 16 << 10, BIG = 64 << 10 };
     uint8_t *dst = bex_rpc_alloc_dest(ctx, CAP);
     CHECK(dst);
@@ -155,10 +159,7 @@ static int t_too_large(void)
     CHECK(usable >= CAP);
     memset(bex__rpc_hdr_of(dst), 0xA5, usable + BEX_RPC_HDR_LEN);
     struct dres d;
-    dres_init(&d, ctx, dst);
-    CHECK_OK(bex_rpc_call_into(ch, SVC, M_ECHO, pattern_body(ctx, BIG, 3), BIG, dst, CAP, NULL,
-                               d_done, &d, NULL));
-    CHECK(wait_count(&d.w, &d.calls, 1, 20000) == 0);
+    into_wait(ch, ctx, M_ECHO, pattern_body(ctx, BIG, 3), BIG, dst, CAP, &d);
     CHECK_EQ(d.status, -EMSGSIZE);
     CHECK(d.body == dst);
     CHECK_EQ(d.len, 0);
@@ -167,18 +168,12 @@ static int t_too_large(void)
      * body and everything past it stay as they were */
     CHECK(all_bytes(dst, usable, 0xA5));
     /* exactly the capacity fits */
-    dres_init(&d, ctx, dst);
-    CHECK_OK(bex_rpc_call_into(ch, SVC, M_ECHO, pattern_body(ctx, CAP, 4), CAP, dst, CAP, NULL,
-                               d_done, &d, NULL));
-    CHECK(wait_count(&d.w, &d.calls, 1, 20000) == 0);
+    into_wait(ch, ctx, M_ECHO, pattern_body(ctx, CAP, 4), CAP, dst, CAP, &d);
     CHECK_OK(d.status);
     CHECK_EQ(d.len, CAP);
     CHECK(check_pattern(dst, CAP, 4) == 0);
     CHECK(all_bytes(dst + CAP, usable - CAP, 0xA5));
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_rpc_free(dst);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return finish(ch, ctx, dst, &sp, 1);
 }
 
 /* A call cancelled (cancel) or past its deadline (deadline) while the
@@ -190,19 +185,13 @@ static int cancel_case(bool by_deadline)
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[1];
-    bex_rpc_channel_config cc = chan_cfg(eps, &sp, 1);
-    cc.request_timeout_ms = LONG_MS * time_scale();
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, LONG_MS);
     enum { CAP = 1 << 20, LEN = 256 << 10 };
     uint8_t *dst = bex_rpc_alloc_dest(ctx, CAP);
     CHECK(dst);
     /* warm the connection so the deadline below is about the answer */
     struct dres d;
-    dres_init(&d, ctx, dst);
-    CHECK_OK(bex_rpc_call_into(ch, SVC, M_ECHO, NULL, 0, dst, CAP, NULL, d_done, &d, NULL));
-    CHECK(wait_count(&d.w, &d.calls, 1, 20000) == 0);
+    into_wait(ch, ctx, M_ECHO, NULL, 0, dst, CAP, &d);
     CHECK_OK(d.status);
     uint32_t delay = 1500 * time_scale();
     uint8_t *b = pattern_body(ctx, LEN, 9);
@@ -228,16 +217,10 @@ static int cancel_case(bool by_deadline)
     CHECK(all_bytes(bex__rpc_hdr_of(dst), CAP + BEX_RPC_HDR_LEN, 0x3C));
     CHECK_EQ(armed_of(ctx, dst), 0);
     /* and the channel goes on */
-    dres_init(&d, ctx, dst);
-    CHECK_OK(bex_rpc_call_into(ch, SVC, M_ECHO, pattern_body(ctx, 5000, 11), 5000, dst, CAP, NULL,
-                               d_done, &d, NULL));
-    CHECK(wait_count(&d.w, &d.calls, 1, 20000) == 0);
+    into_wait(ch, ctx, M_ECHO, pattern_body(ctx, 5000, 11), 5000, dst, CAP, &d);
     CHECK_OK(d.status);
     CHECK(check_pattern(dst, 5000, 11) == 0);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_rpc_free(dst);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return finish(ch, ctx, dst, &sp, 1);
 }
 
 static int t_cancel(void)
@@ -260,19 +243,13 @@ static int t_retry(void)
     spawn_server(&sp[0], true);
     spawn_server(&sp[1], false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[2];
-    bex_rpc_channel_config cc = chan_cfg(eps, sp, 2);
-    cc.request_timeout_ms = LONG_MS * time_scale();
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, sp, 2, LONG_MS);
     enum { CAP = 64 << 10 };
     uint8_t *dst = bex_rpc_alloc_dest(ctx, CAP);
     CHECK(dst);
     memset(dst, 0x77, CAP);
     struct dres d;
-    dres_init(&d, ctx, dst);
-    CHECK_OK(bex_rpc_call_into(ch, SVC, M_WRITE, NULL, 0, dst, CAP, NULL, d_done, &d, NULL));
-    CHECK(wait_count(&d.w, &d.calls, 1, 20000) == 0);
+    into_wait(ch, ctx, M_WRITE, NULL, 0, dst, CAP, &d);
     CHECK_OK(d.status);
     CHECK_EQ(d.len, sizeof(int64_t));
     int64_t n;
@@ -288,12 +265,7 @@ static int t_retry(void)
     bex_rpc_endpoint_stats es[2];
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
     CHECK(es[0].attempts == 1 && es[0].failures == 1 && es[1].attempts == 1 && es[1].answers == 1);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_rpc_free(dst);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    int rc = stop_server(&sp[0], false);
-    rc |= stop_server(&sp[1], false);
-    return rc ? 1 : 0;
+    return finish(ch, ctx, dst, sp, 2);
 }
 
 /* An endpoint removed (bex_rpc_channel_set_endpoints) while a call with a
@@ -306,11 +278,7 @@ static int t_endpoints(void)
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[2];
-    bex_rpc_channel_config cc = chan_cfg(eps, sp, 1);
-    cc.request_timeout_ms = LONG_MS * time_scale();
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, sp, 1, LONG_MS);
     enum { CAP = 64 << 10, LEN = 20000 };
     uint8_t *dst = bex_rpc_alloc_dest(ctx, CAP);
     CHECK(dst);
@@ -342,12 +310,7 @@ static int t_endpoints(void)
     bex_rpc_endpoint_stats es[1];
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);
     CHECK(es[0].addr.sin_port == sp[1].addr.sin_port && es[0].attempts == 1 && es[0].answers == 1);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_rpc_free(dst);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    int rc = stop_server(&sp[0], false);
-    rc |= stop_server(&sp[1], false);
-    return rc ? 1 : 0;
+    return finish(ch, ctx, dst, sp, 2);
 }
 
 /* ---- a hostile server: raw sockets, answers one of two calls by writing
@@ -445,8 +408,9 @@ static void hs_accept(bex_listener *l, bex_sock *s, void *user)
     CHECK_OK(bex_sock_set_user(s, &hs_ops, k));
 }
 
-static void hostile_child(int wfd, int rfd)
+static void hostile_child(int wfd, int rfd, void *arg)
 {
+    (void)arg;
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
     bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS,
@@ -493,34 +457,10 @@ static void hostile_child(int wfd, int rfd)
 static int t_hostile(void)
 {
     RPC_NEED_ADDRS();
-    int up[2], down[2];
-    signal(SIGPIPE, SIG_IGN);
-    CHECK(pipe(up) == 0 && pipe(down) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        close(up[0]);
-        close(down[1]);
-        hostile_child(up[1], down[0]);
-    }
-    close(up[1]);
-    close(down[0]);
-    struct srv_proc sp = {.pid = pid, .to_child = down[1]};
-    uint16_t port = 0;
-    struct pollfd pf = {.fd = up[0], .events = POLLIN};
-    CHECK(poll(&pf, 1, (int)(30000 * time_scale())) == 1);
-    CHECK(read(up[0], &port, sizeof port) == sizeof port);
-    close(up[0]);
-    struct in_addr a0, a1;
-    CHECK(pair_addrs(&a0, &a1) == 0);
-    sp.addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+    struct srv_proc sp;
+    srv_spawn(&sp, hostile_child, NULL);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[1];
-    bex_rpc_channel_config cc = chan_cfg(eps, &sp, 1);
-    cc.request_timeout_ms = LONG_MS * time_scale();
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, &sp, 1, LONG_MS);
     enum { CAP = 8 << 10 };
     uint8_t *dst[2];
     struct dres d[2];

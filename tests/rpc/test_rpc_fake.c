@@ -29,19 +29,6 @@ static unsigned scale(void)
     return bex_test_time_scale();
 }
 
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(unsigned ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-    nanosleep(&ts, NULL);
-}
-
 static bex_ctx *ctx_new(void)
 {
     bex_ctx_config c = {
@@ -162,7 +149,7 @@ static void on_done(int status, void *body, size_t len, void *user)
     pthread_mutex_lock(&r->mu);
     r->done++;
     r->status = status;
-    r->t_done = now_ms();
+    r->t_done = bex_test_now_ms();
     if (body && len >= 1)
         r->tag = ((char *)body)[0];
     if (body && len >= 4)
@@ -182,11 +169,11 @@ static void result_init(struct result *r)
 /* Wait (at most ms, scaled) for the completion; fails the case on a hang. */
 static void result_wait(struct result *r, unsigned ms)
 {
-    uint64_t end = now_ms() + (uint64_t)ms * scale();
+    uint64_t end = bex_test_now_ms() + (uint64_t)ms * scale();
     pthread_mutex_lock(&r->mu);
-    while (!r->done && now_ms() < end) {
+    while (!r->done && bex_test_now_ms() < end) {
         pthread_mutex_unlock(&r->mu);
-        sleep_ms(1);
+        bex_test_sleep_ms(1);
         pthread_mutex_lock(&r->mu);
     }
     int done = r->done;
@@ -241,6 +228,53 @@ static void check_contract(void)
     CHECK(fn_sent() > 0);
 }
 
+/* The end of a case: the channel, the client's context, d (may be NULL)
+ * and the servers (b may be NULL) gone; fakenet removed and its contract
+ * checked. What the case returns. */
+static int finish(bex_rpc_channel *ch, bex_ctx *cx, bex_dir *d, struct server *a, struct server *b)
+{
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(cx));
+    if (d)
+        bex_dir_destroy(d);
+    server_stop(a);
+    if (b)
+        server_stop(b);
+    fn_uninstall();
+    check_contract();
+    return 0;
+}
+
+/* Every request and every ping the client sends to s fails its connection
+ * before it leaves (a dead replica); the requests' rule, the pings' in
+ * *pings. */
+static int fail_to(struct server *s, int *pings)
+{
+    int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
+                                        .port = port(s),
+                                        .dir = FN_TX,
+                                        .kind = BEX__RPC_REQUEST,
+                                        .action = FN_FAIL_BEFORE,
+                                        .count = -1});
+    *pings = fn_add(&(struct fn_rule){.side = FN_CLIENT,
+                                      .port = port(s),
+                                      .dir = FN_TX,
+                                      .kind = FN_PING,
+                                      .action = FN_FAIL_BEFORE,
+                                      .count = -1});
+    return rule;
+}
+
+/* An echo of 8 bytes, answered (within 3 s) by the server tagged tag. */
+static void echo_from(bex_rpc_channel *ch, bex_ctx *cx, char tag)
+{
+    struct result r;
+    call(ch, cx, M_ECHO, 8, 0, &r);
+    result_wait(&r, 3000);
+    CHECK_EQ(r.status, 0);
+    CHECK_EQ(r.tag, tag);
+}
+
 /* ---- cases ---- */
 
 /* A handler that never answers, and a request the network loses: the call
@@ -265,7 +299,7 @@ static int deadline(void)
     static const unsigned tmo[] = {40, 120, 300};
     for (int i = 0; i < 3; i++) {
         /* the handler holds it */
-        uint64_t t0 = now_ms();
+        uint64_t t0 = bex_test_now_ms();
         call(ch, cx, M_NEVER, 8, tmo[i], &r);
         result_wait(&r, 2000);
         CHECK_EQ(r.status, -ETIMEDOUT);
@@ -288,7 +322,7 @@ static int deadline(void)
                                         .count = -1});
     int echoes = atomic_load(&s.echoes);
     for (int i = 0; i < 3; i++) {
-        uint64_t t0 = now_ms();
+        uint64_t t0 = bex_test_now_ms();
         call(ch, cx, M_ECHO, 8, tmo[i], &r);
         result_wait(&r, 2000);
         CHECK_EQ(r.status, -ETIMEDOUT);
@@ -300,12 +334,7 @@ static int deadline(void)
     CHECK_EQ(st.fail_timeout, 6);
     CHECK_EQ(st.ok, 1);
     CHECK_EQ(st.retries, 0); /* attempt_timeout_ms 0: a timeout is not retried */
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(cx));
-    server_stop(&s);
-    fn_uninstall();
-    check_contract();
-    return 0;
+    return finish(ch, cx, NULL, &s, NULL);
 }
 
 /* The primary fails mid-call: the request reached its handler, which
@@ -327,7 +356,7 @@ static int failover(void)
     struct server *sv[] = {&a, &b};
     bex_rpc_channel *ch = chan(cx, sv, 2, (bex_rpc_channel_config){.request_timeout_ms = 2000});
     struct result r;
-    uint64_t t0 = now_ms();
+    uint64_t t0 = bex_test_now_ms();
     call(ch, cx, M_ECHO, 64, 0, &r); /* round robin starts at the first endpoint: a */
     result_wait(&r, 3000);
     CHECK_EQ(r.status, 0);
@@ -349,13 +378,7 @@ static int failover(void)
         CHECK_EQ(r.status, 0);
         CHECK(r.tag == 'A' || r.tag == 'B');
     }
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(cx));
-    server_stop(&a);
-    server_stop(&b);
-    fn_uninstall();
-    check_contract();
-    return 0;
+    return finish(ch, cx, NULL, &a, &b);
 }
 
 /* Quarantine through a directory: replica a (the client's pod, so picked
@@ -384,19 +407,8 @@ static int quarantine(void)
              "{\"addr\":\"127.0.0.1:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
              port(&a), port(&b));
     CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
-    int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                        .port = port(&a),
-                                        .dir = FN_TX,
-                                        .kind = BEX__RPC_REQUEST,
-                                        .action = FN_FAIL_BEFORE,
-                                        .count = -1});
-    int pings = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                         .port = port(&a),
-                                         .dir = FN_TX,
-                                         .kind = FN_PING,
-                                         .action = FN_FAIL_BEFORE,
-                                         .count = -1});
-    (void)pings;
+    int pings;
+    int rule = fail_to(&a, &pings);
     bex_ctx *cx = ctx_new();
     bex_rpc_channel_config cc = {.dir = d,
                                  .service = "svc",
@@ -411,11 +423,8 @@ static int quarantine(void)
     struct result r;
     int calls = 0;
     for (;;) {
-        call(ch, cx, M_ECHO, 8, 0, &r);
-        result_wait(&r, 3000);
+        echo_from(ch, cx, 'B'); /* the retry on b answers */
         calls++;
-        CHECK_EQ(r.status, 0); /* the retry on b answers */
-        CHECK_EQ(r.tag, 'B');
         CHECK_OK(bex_dir_node_stats_get(d, &a.addr, &ns));
         if (ns.state == BEX_DIR_QUARANTINED)
             break;
@@ -428,19 +437,15 @@ static int quarantine(void)
     int hits = fn_hits(rule);
     uint64_t picks = ns.picks;
     int b_before = atomic_load(&b.echoes);
-    for (int i = 0; i < 10; i++) {
-        call(ch, cx, M_ECHO, 8, 0, &r);
-        result_wait(&r, 3000);
-        CHECK_EQ(r.status, 0);
-        CHECK_EQ(r.tag, 'B');
-    }
+    for (int i = 0; i < 10; i++)
+        echo_from(ch, cx, 'B');
     CHECK_OK(bex_dir_node_stats_get(d, &a.addr, &ns));
     CHECK_EQ(ns.state, BEX_DIR_QUARANTINED);
     CHECK_EQ(ns.picks, picks);
     CHECK_EQ(fn_hits(rule), hits);
     CHECK_EQ(atomic_load(&b.echoes), b_before + 10);
     /* the period passes; a still fails: its probe fails, quarantined again */
-    sleep_ms(Q + 50);
+    bex_test_sleep_ms(Q + 50);
     call(ch, cx, M_ECHO, 8, 0, &r);
     result_wait(&r, 3000);
     CHECK_EQ(r.status, 0);
@@ -452,31 +457,17 @@ static int quarantine(void)
     /* a recovers; after the next period the probe lifts the quarantine */
     fn_clear();
     int a_before = atomic_load(&a.echoes);
-    sleep_ms(Q + 50);
-    call(ch, cx, M_ECHO, 8, 0, &r);
-    result_wait(&r, 3000);
-    CHECK_EQ(r.status, 0);
-    CHECK_EQ(r.tag, 'A'); /* the probe went to a */
+    bex_test_sleep_ms(Q + 50);
+    echo_from(ch, cx, 'A'); /* the probe went to a */
     CHECK_OK(bex_dir_node_stats_get(d, &a.addr, &ns));
     CHECK_EQ(ns.probes, 2);
     CHECK_EQ(ns.lifts, 1);
     CHECK_EQ(ns.state, BEX_DIR_HEALTHY);
     CHECK_EQ(atomic_load(&a.echoes), a_before + 1);
     /* and a, nearest, takes the calls again */
-    for (int i = 0; i < 5; i++) {
-        call(ch, cx, M_ECHO, 8, 0, &r);
-        result_wait(&r, 3000);
-        CHECK_EQ(r.status, 0);
-        CHECK_EQ(r.tag, 'A');
-    }
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(cx));
-    bex_dir_destroy(d);
-    server_stop(&a);
-    server_stop(&b);
-    fn_uninstall();
-    check_contract();
-    return 0;
+    for (int i = 0; i < 5; i++)
+        echo_from(ch, cx, 'A');
+    return finish(ch, cx, d, &a, &b);
 }
 
 /* A dead service: every request's connection fails before it leaves.
@@ -487,18 +478,8 @@ static int budget(void)
     fn_install();
     struct server s;
     server_start(&s, 'A');
-    int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                        .port = port(&s),
-                                        .dir = FN_TX,
-                                        .kind = BEX__RPC_REQUEST,
-                                        .action = FN_FAIL_BEFORE,
-                                        .count = -1});
-    int pings = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                         .port = port(&s),
-                                         .dir = FN_TX,
-                                         .kind = FN_PING,
-                                         .action = FN_FAIL_BEFORE,
-                                         .count = -1});
+    int pings;
+    int rule = fail_to(&s, &pings);
     bex_ctx *cx = ctx_new();
     struct server *sv[] = {&s};
     const unsigned burst = 10, permille = 100, calls = 100;
@@ -532,12 +513,7 @@ static int budget(void)
     fprintf(stderr, "ladder moves %llu, pings %d\n", (unsigned long long)st.ladder_moves,
             fn_hits(pings));
     CHECK_EQ(atomic_load(&s.echoes), 0);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(cx));
-    server_stop(&s);
-    fn_uninstall();
-    check_contract();
-    return 0;
+    return finish(ch, cx, NULL, &s, NULL);
 }
 
 /* A retried write is applied once: its first answer is lost (dropped, or
@@ -582,12 +558,7 @@ static int write_once_with(int action)
     CHECK_EQ(r.status, 0);
     CHECK_EQ(r.word, 2);
     CHECK_EQ(atomic_load(&s.applied), 2);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(cx));
-    server_stop(&s);
-    fn_uninstall();
-    check_contract();
-    return 0;
+    return finish(ch, cx, NULL, &s, NULL);
 }
 
 static int write_once(void)
@@ -649,7 +620,7 @@ static int garbage(void)
     const int rounds = 5;
     for (int i = 0; i < rounds; i++) {
         struct result r;
-        uint64_t t0 = now_ms();
+        uint64_t t0 = bex_test_now_ms();
         call(bch, bad, M_ECHO, 64, 0, &r);
         result_wait(&r, 3000);
         /* disconnected: a connection error, not an answer nor the deadline */
@@ -671,13 +642,8 @@ static int garbage(void)
     CHECK_EQ(st.conn_failures, 0);
     CHECK_EQ(st.retries, 0);
     CHECK_OK(bex_rpc_channel_destroy(g.ch));
-    CHECK_OK(bex_rpc_channel_destroy(bch));
     CHECK_OK(bex_ctx_destroy(good));
-    CHECK_OK(bex_ctx_destroy(bad));
-    server_stop(&s);
-    fn_uninstall();
-    check_contract();
-    return 0;
+    return finish(bch, bad, NULL, &s, NULL);
 }
 
 /* A transport failure in the middle of a large request body: the server
@@ -723,12 +689,12 @@ static int big_fail_with(bool framed)
     struct result r;
     call(ch, cx, M_ECHO, len, 0, &r);
     CHECK(in_use(cpool) >= c0 + len);
-    uint64_t end = now_ms() + 5000 * scale();
+    uint64_t end = bex_test_now_ms() + 5000 * scale();
     bool (*seen)(void) = framed ? fn_framed_seen : fn_partial_seen;
-    while (!seen() && now_ms() < end)
-        sleep_ms(5);
-    CHECK(seen()); /* framed in part (written in part), or framed whole */
-    sleep_ms(100); /* the writes stall on the full socket */
+    while (!seen() && bex_test_now_ms() < end)
+        bex_test_sleep_ms(5);
+    CHECK(seen());          /* framed in part (written in part), or framed whole */
+    bex_test_sleep_ms(100); /* the writes stall on the full socket */
     if (framed) {
         CHECK_EQ(fn_hits(small[0]), 1);
         CHECK_EQ(fn_hits(small[1]), 1);
@@ -739,33 +705,28 @@ static int big_fail_with(bool framed)
     CHECK_EQ(fn_hits(noread), 1);
     uint64_t sent0 = fn_sent(), ret0 = fn_returned();
     CHECK(sent0 > ret0); /* the body is out with the transport */
-    uint64_t t0 = now_ms();
+    uint64_t t0 = bex_test_now_ms();
     CHECK_EQ(fn_fail_conns(FN_CLIENT, port(&s)), 1);
     result_wait(&r, 2000);
     CHECK(r.status < 0 && r.status != -ETIMEDOUT);
     CHECK(r.t_done - t0 < 1000 * scale());
     CHECK_EQ(fn_violations(), 0);
     /* the client's buffers: all back */
-    end = now_ms() + 2000 * scale();
-    while (in_use(cpool) > c0 && now_ms() < end)
-        sleep_ms(5);
+    end = bex_test_now_ms() + 2000 * scale();
+    while (in_use(cpool) > c0 && bex_test_now_ms() < end)
+        bex_test_sleep_ms(5);
     CHECK(in_use(cpool) <= c0);
     /* the server saw the close, read what was buffered into a partial body,
      * and freed it: nothing reached the handler */
-    end = now_ms() + 2000 * scale();
-    while (in_use(spool) > 0 && now_ms() < end)
-        sleep_ms(5);
+    end = bex_test_now_ms() + 2000 * scale();
+    while (in_use(spool) > 0 && bex_test_now_ms() < end)
+        bex_test_sleep_ms(5);
     CHECK_EQ(in_use(spool), 0);
     CHECK_EQ(atomic_load(&s.big), 0);
     CHECK_EQ(server_stats(&s).requests, 0);
     bex_rpc_channel_stats st = chan_stats(ch);
     CHECK_EQ(st.fail_conn, 1);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(cx));
-    server_stop(&s);
-    fn_uninstall();
-    check_contract();
-    return 0;
+    return finish(ch, cx, NULL, &s, NULL);
 }
 
 static int big_fail(void)

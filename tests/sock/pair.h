@@ -75,15 +75,12 @@ static inline int pair_addrs(struct in_addr *a0, struct in_addr *a1)
 
 static inline uint64_t pair_now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+    return bex_test_now_ms();
 }
 
 static inline void pair_sleep_ms(unsigned ms)
 {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-    nanosleep(&ts, NULL);
+    bex_test_sleep_ms(ms);
 }
 
 /* Deterministic content: byte i of message (seed) */

@@ -70,9 +70,7 @@ static inline uint64_t *rp_ka_word(struct rawpeer *rp)
 
 static inline uint64_t rp_now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+    return bex_test_now_ms();
 }
 
 static inline void rp_init(struct rawpeer *rp, struct in_addr a, const struct rp_opts *o)

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "pair.h"
+#include "echo.h"
 #include "conn/hello_io.h"
 #include "wire/hello.h"
 
@@ -61,27 +61,8 @@ static void srv_log(int level, const char *msg, void *arg)
         atomic_fetch_add(&refusals, 1);
 }
 
-static void echo_recv(bex_sock *s, void *buf, size_t len, void *user)
-{
-    (void)user;
-    if (bex_sock_send(s, buf, len, NULL) != 0)
-        bex_mem_free(buf);
-}
-
-static void echo_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
-{
-    (void)s, (void)len, (void)mu, (void)status, (void)user;
-    bex_mem_free(buf);
-}
-
-static void echo_error(bex_sock *s, int err, void *user)
-{
-    (void)err, (void)user;
-    bex_sock_close(s);
-}
-
 static const bex_sock_ops echo_ops = {
-    .on_recv = echo_recv, .on_send_done = echo_done, .on_error = echo_error};
+    .on_recv = echo_srv_recv, .on_send_done = echo_srv_done, .on_error = echo_srv_error};
 
 static void echo_accept(bex_listener *l, bex_sock *s, void *user)
 {

@@ -16,50 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pair.h"
+#include "echo.h"
 
 #define ROUNDS        24
 #define BUSY_LEN      (64 * 1024)
 #define BUSY_INFLIGHT 8
-
-/* ---------------- an echo server ---------------- */
-
-static void esrv_recv(bex_sock *s, void *buf, size_t len, void *user)
-{
-    (void)user;
-    if (bex_sock_send(s, buf, len, NULL) != 0)
-        bex_mem_free(buf);
-}
-
-static void esrv_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
-{
-    (void)s, (void)len, (void)mu, (void)status, (void)user;
-    bex_mem_free(buf);
-}
-
-static void esrv_error(bex_sock *s, int err, void *user)
-{
-    (void)err, (void)user;
-    bex_sock_close(s);
-}
-
-static const bex_sock_ops esrv_ops = {
-    .on_recv = esrv_recv, .on_send_done = esrv_done, .on_error = esrv_error};
-
-static void esrv_accept(bex_listener *l, bex_sock *s, void *user)
-{
-    (void)l;
-    bex_sock_set_user(s, &esrv_ops, user);
-}
-
-static int echo_server(struct pair *p, void *arg)
-{
-    (void)arg;
-    bex_listener_ops lops = {.on_accept = esrv_accept};
-    pair_listen(p, &lops, NULL);
-    pair_wait_parent(p);
-    return 0;
-}
 
 /* ---------------- clients ---------------- */
 
@@ -160,7 +121,7 @@ static int early_client(struct pair *p, void *arg)
 
 static int first_message(void)
 {
-    return pair_run(NULL, echo_server, NULL, NULL, early_client, NULL, 120);
+    return pair_run(NULL, echo_srv_main, NULL, NULL, early_client, NULL, 120);
 }
 
 BEX_TEST_MAIN(BEX_CASE(first_message))

@@ -10,7 +10,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 
-#include "pair.h"
+#include "echo.h"
 #include "rawpeer.h"
 
 /* Log lines say which process wrote them. */
@@ -47,20 +47,8 @@ static void esrv_recv(bex_sock *s, void *buf, size_t len, void *user)
         bex_mem_free(buf);
 }
 
-static void esrv_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
-{
-    (void)s, (void)len, (void)mu, (void)status, (void)user;
-    bex_mem_free(buf);
-}
-
-static void esrv_error(bex_sock *s, int err, void *user)
-{
-    (void)err, (void)user;
-    bex_sock_close(s);
-}
-
 static const bex_sock_ops esrv_ops = {
-    .on_recv = esrv_recv, .on_send_done = esrv_done, .on_error = esrv_error};
+    .on_recv = esrv_recv, .on_send_done = echo_srv_done, .on_error = echo_srv_error};
 
 static void esrv_accept(bex_listener *l, bex_sock *s, void *user)
 {
@@ -660,7 +648,7 @@ static void rl_recv(bex_sock *s, void *buf, size_t len, void *user)
 }
 
 static const bex_sock_ops rl_ops = {
-    .on_recv = rl_recv, .on_send_done = esrv_done, .on_error = esrv_error};
+    .on_recv = rl_recv, .on_send_done = echo_srv_done, .on_error = echo_srv_error};
 
 static void rl_accept(bex_listener *l, bex_sock *s, void *user)
 {

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pair.h"
+#include "echo.h"
 
 /* ---------------- the client's log ---------------- */
 
@@ -71,45 +71,6 @@ static int log_check(const struct sockaddr_in *srv, const char *what, unsigned m
     pthread_mutex_unlock(&lg.mu);
     CHECK_EQ(bad, 0);
     return found;
-}
-
-/* ---------------- an echo server ---------------- */
-
-static void esrv_recv(bex_sock *s, void *buf, size_t len, void *user)
-{
-    (void)user;
-    if (bex_sock_send(s, buf, len, NULL) != 0)
-        bex_mem_free(buf);
-}
-
-static void esrv_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
-{
-    (void)s, (void)len, (void)mu, (void)status, (void)user;
-    bex_mem_free(buf);
-}
-
-static void esrv_error(bex_sock *s, int err, void *user)
-{
-    (void)err, (void)user;
-    bex_sock_close(s);
-}
-
-static const bex_sock_ops esrv_ops = {
-    .on_recv = esrv_recv, .on_send_done = esrv_done, .on_error = esrv_error};
-
-static void esrv_accept(bex_listener *l, bex_sock *s, void *user)
-{
-    (void)l;
-    bex_sock_set_user(s, &esrv_ops, user);
-}
-
-static int echo_server(struct pair *p, void *arg)
-{
-    (void)arg;
-    bex_listener_ops lops = {.on_accept = esrv_accept};
-    pair_listen(p, &lops, NULL);
-    pair_wait_parent(p);
-    return 0;
 }
 
 /* ---------------- the client ---------------- */
@@ -211,7 +172,7 @@ static int lost(void)
     bex_ctx_config ccfg = scfg;
     ccfg.log_fn = log_keep;
     ccfg.log_arg = (void *)"client";
-    return pair_run(&scfg, echo_server, NULL, &ccfg, lost_client, NULL, 60);
+    return pair_run(&scfg, echo_srv_main, NULL, &ccfg, lost_client, NULL, 60);
 }
 
 static int frozen(void)
@@ -220,7 +181,7 @@ static int frozen(void)
     bex_ctx_config ccfg = scfg;
     ccfg.log_fn = log_keep;
     ccfg.log_arg = (void *)"client";
-    return pair_run(&scfg, echo_server, NULL, &ccfg, frozen_client, NULL, 60);
+    return pair_run(&scfg, echo_srv_main, NULL, &ccfg, frozen_client, NULL, 60);
 }
 
 BEX_TEST_MAIN(BEX_CASE(lost), BEX_CASE(frozen))
