@@ -132,6 +132,27 @@ for p in ph:
         f = p["fault"]
         assert 0 < f["killed_at_s"] < f["restarted_at_s"] <= f["ready_again_at_s"], f
         assert p["retries"] > 0, f"{n}: a replica was killed under load but nothing was retried"
+# MB-sized Fetches (the ranker's large_every): every phase's rankers issued
+# them, every one answered, and the sizes reported add up
+rk = r["plan"].get("ranker", {})
+if rk.get("large_every"):
+    every, lk, dim = rk["large_every"], rk.get("large_keys", 16384), r["plan"]["table"]["dim"]
+    for p in ph:
+        n = p["name"]
+        b = p["ranker_fetch_bytes"]
+        fetches = p["latency"]["ranker_fetch"]["count"]
+        assert b["count"] == fetches, f"{n}: {b['count']} sizes for {fetches} Fetches"
+        assert sum(c for _, c in b["hist"]) == fetches, f"{n}: histogram {b['hist']}"
+        # every large_every-th Fetch of each ranker
+        assert fetches // every - p["rankers"] <= b["large"] <= fetches // every, \
+            f"{n}: {b['large']} large Fetches of {fetches}"
+        assert b["large"] >= 3 and b["large_failed"] == 0, f"{n}: {b}"
+        assert b["max"] == lk * dim * 4, f"{n}: largest answer {b['max']} bytes"
+        if lk * dim * 4 >= 1 << 20:
+            assert b["mib_or_more"] >= b["large"], f"{n}: {b}"
+        big = sum(c for le, c in b["hist"] if le == 0 or le >= lk * dim * 4)
+        assert big >= b["large"], f"{n}: histogram {b['hist']}"
+        assert b["large_mean_us"] > 0, n
 print("results.json: ok:", ", ".join(
     f"{p['name']}: {p['latency']['ranker_request']['count']} user requests, "
     f"{p['latency']['trainer_push']['count']} Pushes, {p['retries']} retries" for p in ph))

@@ -51,7 +51,9 @@
  * user requests a second. Its deadlines (10 s) and keepalive timeouts
  * (10 s) are the VM's: on a loaded host the emulated processes stall for
  * seconds (P99s of 1.5-3 s at a load of 10 on 2 cores), and a tighter
- * deadline failed user requests in phases without a fault. */
+ * deadline failed user requests in phases without a fault. A ranker's
+ * Fetch answers are 1-64 KB, and every 32nd is 1 MiB (16384 keys): all of
+ * them that large at once made rxe fail QPs under this load. */
 static const char DEFAULT_PLAN[] =
     "{\n"
     "  \"shards\": 2, \"replicas\": 2,\n"
@@ -59,6 +61,7 @@ static const char DEFAULT_PLAN[] =
     "  \"keys\": 50000, \"zipf\": 0.99,\n"
     "  \"ps\": {\"snapshot_every_ms\": 2000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
+    "             \"large_every\": 32, \"large_keys\": 16384,\n"
     "             \"timeout_ms\": 10000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
     "              \"p99_bytes\": 51200, \"timeout_ms\": 10000,\n"
@@ -851,6 +854,46 @@ static void progress(int pi, int n_ph, const struct phase *ph, double t, const c
             ps_up, ps_n, rq, rf, it, itf, state[0] ? " | " : "", state, g.tty ? "" : "\n");
 }
 
+/* Merge one ranker's fetch_bytes into acc (NULL: a copy of it): counts
+ * and the histogram added, min and max kept, means weighted. */
+static json_t *fetch_bytes_merge(json_t *acc, json_t *b)
+{
+    if (!acc) {
+        acc = json_deep_copy(b);
+        json_object_del(acc, "large_mean_us");
+        json_object_set_new(acc, "large_lat_sum_us",
+                            json_real(jnum(b, "large_mean_us", 0) *
+                                      (jnum(b, "large", 0) - jnum(b, "large_failed", 0))));
+        return acc;
+    }
+    double n0 = jnum(acc, "count", 0), n1 = jnum(b, "count", 0);
+    if (n1 > 0 && (n0 == 0 || jnum(b, "min", 0) < jnum(acc, "min", 0)))
+        json_object_set_new(acc, "min", json_integer((json_int_t)jnum(b, "min", 0)));
+    if (jnum(b, "max", 0) > jnum(acc, "max", 0))
+        json_object_set_new(acc, "max", json_integer((json_int_t)jnum(b, "max", 0)));
+    if (n0 + n1 > 0)
+        json_object_set_new(
+            acc, "mean",
+            json_real((jnum(acc, "mean", 0) * n0 + jnum(b, "mean", 0) * n1) / (n0 + n1)));
+    json_object_set_new(acc, "count", json_integer((json_int_t)(n0 + n1)));
+    json_object_set_new(acc, "large_lat_sum_us",
+                        json_real(jnum(acc, "large_lat_sum_us", 0) +
+                                  jnum(b, "large_mean_us", 0) *
+                                      (jnum(b, "large", 0) - jnum(b, "large_failed", 0))));
+    static const char *const sums[] = {"mib_or_more", "large", "large_failed"};
+    for (size_t k = 0; k < 3; k++)
+        json_object_set_new(
+            acc, sums[k], json_integer((json_int_t)(jnum(acc, sums[k], 0) + jnum(b, sums[k], 0))));
+    json_t *ha = json_object_get(acc, "hist"), *hb = json_object_get(b, "hist");
+    for (size_t i = 0; i < json_array_size(ha) && i < json_array_size(hb); i++) {
+        json_t *x = json_array_get(ha, i), *y = json_array_get(hb, i);
+        json_array_set_new(x, 1,
+                           json_integer(json_integer_value(json_array_get(x, 1)) +
+                                        json_integer_value(json_array_get(y, 1))));
+    }
+    return acc;
+}
+
 static json_t *run_phase(const struct plan *pl, int pi)
 {
     const struct phase *ph = &pl->ph[pi];
@@ -965,6 +1008,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
             argv_num(p, "--models", o, "models");
             argv_num(p, "--keys-min", o, "keys_min");
             argv_num(p, "--keys-max", o, "keys_max");
+            argv_num(p, "--large-every", o, "large_every");
+            argv_num(p, "--large-keys", o, "large_keys");
         } else {
             argv_num(p, "--compute-us", o, "compute_us");
             argv_num(p, "--mean-bytes", o, "mean_bytes");
@@ -1086,6 +1131,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
     if (!bn)
         die("out of memory");
     int bad_clients = 0;
+    /* the rankers' Fetch answer sizes, merged (bex-ranker's fetch_bytes) */
+    json_t *fb = NULL;
     for (int i = 0; i < n_cl; i++) {
         struct proc *p = cl_p[i];
         char st[64];
@@ -1106,6 +1153,9 @@ static json_t *run_phase(const struct plan *pl, int pi)
             failovers += (long long)jnum(cj, "failovers", 0);
             throttled += (long long)jnum(cj, "retry_throttled", 0);
             partial += (long long)jnum(cj, "push_partial", 0);
+            json_t *b = json_object_get(cj, "fetch_bytes");
+            if (b)
+                fb = fetch_bytes_merge(fb, b);
             json_object_set_new(cj, "name", json_string(p->name));
             json_array_append_new(clients, cj);
         } else if (WIFEXITED(p->status) && WEXITSTATUS(p->status) == 0) {
@@ -1132,6 +1182,13 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(res, "failovers", json_integer(failovers));
     json_object_set_new(res, "retry_throttled", json_integer(throttled));
     json_object_set_new(res, "push_partial", json_integer(partial));
+    if (fb) {
+        double ok = jnum(fb, "large", 0) - jnum(fb, "large_failed", 0);
+        json_object_set_new(fb, "large_mean_us",
+                            json_real(ok > 0 ? jnum(fb, "large_lat_sum_us", 0) / ok : 0));
+        json_object_del(fb, "large_lat_sum_us");
+        json_object_set_new(res, "ranker_fetch_bytes", fb);
+    }
     json_t *cpu = json_object();
     json_object_set_new(cpu, "ops", json_real(ops));
     json_object_set_new(cpu, "client_user_us_per_op", json_real(ops ? cu * 1e6 / ops : 0));
@@ -1276,6 +1333,16 @@ static void print_tables(json_t *phases, int soft_roce)
             jpath(tc, "latency", "ranker_fetch", "per_s"), "/s", 0);
         row("user requests failed", jpath(rd, "failed_user_requests", NULL, NULL),
             jpath(tc, "failed_user_requests", NULL, NULL), "", 0);
+        row("Fetch answer mean size", jpath(rd, "ranker_fetch_bytes", "mean", NULL) / 1024,
+            jpath(tc, "ranker_fetch_bytes", "mean", NULL) / 1024, "KiB", 0);
+        row("Fetch answer largest", jpath(rd, "ranker_fetch_bytes", "max", NULL) / 1024,
+            jpath(tc, "ranker_fetch_bytes", "max", NULL) / 1024, "KiB", 0);
+        row("Fetches of 1 MiB or more", jpath(rd, "ranker_fetch_bytes", "mib_or_more", NULL),
+            jpath(tc, "ranker_fetch_bytes", "mib_or_more", NULL), "", 0);
+        if (jpath(rd, "ranker_fetch_bytes", "large", NULL) > 0)
+            row("large Fetch mean (large_every)",
+                jpath(rd, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000,
+                jpath(tc, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000, "ms", 1);
         printf("\nTable 7 (shape): training (trainers)\n");
         printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
         row("Fetch mean", jpath(rd, "latency", "trainer_fetch", "mean_us") / 1000,
@@ -1312,6 +1379,13 @@ static void print_tables(json_t *phases, int soft_roce)
         printf("  %-34s mean %.3f ms, P99 %.3f ms\n", "ranker Fetch",
                jpath(p, "latency", "ranker_fetch", "mean_us") / 1000,
                jpath(p, "latency", "ranker_fetch", "p99_us") / 1000);
+        if (json_object_get(p, "ranker_fetch_bytes"))
+            printf("  %-34s %.1f to %.1f KiB, mean %.1f KiB; %.0f of %.0f of 1 MiB or more\n",
+                   "ranker Fetch answer sizes", jpath(p, "ranker_fetch_bytes", "min", NULL) / 1024,
+                   jpath(p, "ranker_fetch_bytes", "max", NULL) / 1024,
+                   jpath(p, "ranker_fetch_bytes", "mean", NULL) / 1024,
+                   jpath(p, "ranker_fetch_bytes", "mib_or_more", NULL),
+                   jpath(p, "ranker_fetch_bytes", "count", NULL));
         printf("  %-34s mean %.3f ms, P99 %.3f ms; %.0f of %.0f not acknowledged by every\n"
                "  %-34s replica (%.0f of them by some)\n",
                "trainer Push", jpath(p, "latency", "trainer_push", "mean_us") / 1000,
