@@ -46,11 +46,14 @@ fail() {
 
 # Processes started by the run (OUT/pids) still alive, or still in its group.
 left_behind() {
-    local pgid pid rest n=0 stat
+    local pgid pid rest n=0 stat line
     pgid=$(cat "$out/pgid" 2>/dev/null) || return 0
     for stat in /proc/[0-9]*/stat; do
-        # field 5 is the process group; comm (field 2) may hold spaces
-        rest=$(sed 's/^.*) //' "$stat" 2>/dev/null) || continue
+        # field 5 is the process group; comm (field 2) may hold spaces and
+        # ") ": cut after the last ") " (builtins only: a fork per process
+        # took tens of seconds in the emulated VM)
+        read -r line 2>/dev/null <"$stat" || continue
+        rest=${line##*) }
         set -- $rest
         if [ "${3:-}" = "$pgid" ]; then
             pid=${stat#/proc/}; pid=${pid%/stat}
