@@ -6,6 +6,10 @@
 #       client error, no Push applied twice (checked from results.json);
 #       bex-cluster exits 0 and leaves no process behind; with "vm", on the
 #       Soft-RoCE VM's addresses (BEX_TEST_ADDR0,BEX_TEST_ADDR1), else 127.0.0.1
+#   cluster_test.sh etcd BEX_CLUSTER PLAN       two instances on one local etcd:
+#       --only servers (127.0.0.1) and --only clients (127.0.0.2, the servers
+#       found through etcd); both exit 0, each started its half only, none
+#       left a process, the clients' results pass the run checks
 #   cluster_test.sh interrupt BEX_CLUSTER PLAN  SIGINT mid-phase: bex-cluster
 #       exits 130 within 15 s and every process it started is gone
 #   cluster_test.sh killed BEX_CLUSTER PLAN     SIGKILL to bex-cluster mid-phase
@@ -42,11 +46,14 @@ fail() {
 
 # Processes started by the run (OUT/pids) still alive, or still in its group.
 left_behind() {
-    local pgid pid rest n=0 stat
+    local pgid pid rest n=0 stat line
     pgid=$(cat "$out/pgid" 2>/dev/null) || return 0
     for stat in /proc/[0-9]*/stat; do
-        # field 5 is the process group; comm (field 2) may hold spaces
-        rest=$(sed 's/^.*) //' "$stat" 2>/dev/null) || continue
+        # field 5 is the process group; comm (field 2) may hold spaces and
+        # ") ": cut after the last ") " (builtins only: a fork per process
+        # took tens of seconds in the emulated VM)
+        read -r line 2>/dev/null <"$stat" || continue
+        rest=${line##*) }
         set -- $rest
         if [ "${3:-}" = "$pgid" ]; then
             pid=${stat#/proc/}; pid=${pid%/stat}
@@ -73,18 +80,9 @@ wait_gone() { # up to $1 seconds
     left_behind
 }
 
-case "$mode" in
-run)
-    # the plan's times stretched with the sanitizers' (the fault must find
-    # the clients under load)
-    "$cluster" --plan "$plan" --out "$out/run" --addrs "$addrs" --time-scale "$scale" \
-        >"$out/log" 2>&1
-    rc=$?
-    cp "$out/run/pgid" "$out/run/pids" "$out/" 2>/dev/null
-    [ $rc = 0 ] || fail "bex-cluster exited $rc"
-    left_behind || fail "processes left behind"
-    tmp_left || fail "snapshot directory left in TMPDIR"
-    python3 - "$out/run/results.json" <<'PY' || fail "results.json"
+# The results of a run that went to its end (results.json), checked.
+check_results() {
+    python3 - "$1" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 ph = r["phases"]
@@ -130,11 +128,116 @@ for p in ph:
         assert c["cpu"]["ops"] > 0, f"{n}: {c['name']} reported no op"
     if "fault" in p:
         f = p["fault"]
-        assert 0 < f["killed_at_s"] < f["restarted_at_s"] <= f["ready_again_at_s"], f
+        if not f.get("by_servers_instance"):  # --only clients: the other one's
+            assert 0 < f["killed_at_s"] < f["restarted_at_s"] <= f["ready_again_at_s"], f
         assert p["retries"] > 0, f"{n}: a replica was killed under load but nothing was retried"
+# MB-sized Fetches (the ranker's large_every): every phase's rankers issued
+# them, every one answered, and the sizes reported add up
+rk = r["plan"].get("ranker", {})
+if rk.get("large_every"):
+    every, lk, dim = rk["large_every"], rk.get("large_keys", 16384), r["plan"]["table"]["dim"]
+    for p in ph:
+        n = p["name"]
+        b = p["ranker_fetch_bytes"]
+        fetches = p["latency"]["ranker_fetch"]["count"]
+        assert b["count"] == fetches, f"{n}: {b['count']} sizes for {fetches} Fetches"
+        assert sum(c for _, c in b["hist"]) == fetches, f"{n}: histogram {b['hist']}"
+        # every large_every-th Fetch of each ranker
+        assert fetches // every - p["rankers"] <= b["large"] <= fetches // every, \
+            f"{n}: {b['large']} large Fetches of {fetches}"
+        assert b["large"] >= 3 and b["large_failed"] == 0, f"{n}: {b}"
+        assert b["max"] == lk * dim * 4, f"{n}: largest answer {b['max']} bytes"
+        if lk * dim * 4 >= 1 << 20:
+            assert b["mib_or_more"] >= b["large"], f"{n}: {b}"
+        big = sum(c for le, c in b["hist"] if le == 0 or le >= lk * dim * 4)
+        assert big >= b["large"], f"{n}: histogram {b['hist']}"
+        assert b["large_mean_us"] > 0, n
 print("results.json: ok:", ", ".join(
     f"{p['name']}: {p['latency']['ranker_request']['count']} user requests, "
     f"{p['latency']['trainer_push']['count']} Pushes, {p['retries']} retries" for p in ph))
+PY
+}
+
+case "$mode" in
+run)
+    # the plan's times stretched with the sanitizers' (the fault must find
+    # the clients under load)
+    "$cluster" --plan "$plan" --out "$out/run" --addrs "$addrs" --time-scale "$scale" \
+        >"$out/log" 2>&1
+    rc=$?
+    cp "$out/run/pgid" "$out/run/pids" "$out/" 2>/dev/null
+    [ $rc = 0 ] || fail "bex-cluster exited $rc"
+    left_behind || fail "processes left behind"
+    tmp_left || fail "snapshot directory left in TMPDIR"
+    check_results "$out/run/results.json" || fail "results.json"
+    ;;
+etcd)
+    # two bex-cluster instances sharing one local etcd: one starts the
+    # servers (--only servers, on 127.0.0.1), the other the clients (--only
+    # clients, on 127.0.0.2), which find the servers through etcd
+    etcd_bin=${BEX_ETCD:-etcd}
+    command -v "$etcd_bin" >/dev/null || fail "no $etcd_bin (install etcd-server: scripts/deps)"
+    read -r cport pport < <(python3 -c '
+import socket
+s = [socket.socket() for _ in range(2)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s])')
+    url=http://127.0.0.1:$cport
+    "$etcd_bin" --name t --data-dir "$out/etcd" --listen-client-urls "$url" \
+        --advertise-client-urls "$url" --listen-peer-urls "http://127.0.0.1:$pport" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$pport" \
+        --initial-cluster "t=http://127.0.0.1:$pport" --log-level warn >"$out/etcd.log" 2>&1 &
+    etcd_pid=$!
+    trap 'kill $etcd_pid 2>/dev/null; wait $etcd_pid 2>/dev/null; rm -rf "$out"' EXIT
+    python3 - "$url" <<'PY' || fail "etcd did not come up: $(tail -3 "$out/etcd.log")"
+import sys, time, urllib.request
+for _ in range(300):
+    try:
+        if urllib.request.urlopen(sys.argv[1] + "/health", timeout=1).status == 200:
+            sys.exit(0)
+    except Exception:
+        time.sleep(0.1)
+sys.exit(1)
+PY
+    "$cluster" --plan "$plan" --out "$out/srv" --addrs 127.0.0.1 --time-scale "$scale" \
+        --etcd "$url" --only servers >"$out/srv.log" 2>&1 &
+    spid=$!
+    "$cluster" --plan "$plan" --out "$out/run" --addrs 127.0.0.2 --time-scale "$scale" \
+        --etcd "$url" --only clients >"$out/log" 2>&1
+    crc=$?
+    wait $spid
+    src=$?
+    [ $crc = 0 ] || fail "the clients' bex-cluster exited $crc"
+    [ $src = 0 ] || { tail -20 "$out/srv.log" >&2; fail "the servers' bex-cluster exited $src"; }
+    for half in srv run; do
+        cp "$out/$half/pgid" "$out/$half/pids" "$out/" 2>/dev/null
+        left_behind || fail "$half: processes left behind"
+    done
+    tmp_left || fail "snapshot directory left in TMPDIR"
+    # each started its half; the clients' results pass the run checks
+    grep -q ' ps-shard' "$out/srv/pids" || fail "the servers' instance started no bex-ps"
+    grep -q ' ranker-\| trainer-' "$out/srv/pids" && fail "the servers' instance started clients"
+    grep -q ' ps-shard' "$out/run/pids" && fail "the clients' instance started bex-ps"
+    grep -q ' ranker-0$' "$out/run/pids" || fail "the clients' instance started no ranker"
+    check_results "$out/run/results.json" || fail "results.json"
+    python3 - "$out/srv/results.json" "$out"/run/phase*/cluster.json <<'PY' || fail "etcd halves"
+import json, sys
+srv = json.load(open(sys.argv[1]))
+# the clients' cluster files, made from etcd, name the servers' address
+for path in sys.argv[2:]:
+    c = json.load(open(path))
+    for sh in c["services"]["ps"]["shards"]:
+        assert [x["locality"] for x in sh["replicas"]] == ["dc1/pod0", "dc1/pod1"], path
+        for x in sh["replicas"]:
+            assert x["addr"].startswith("127.0.0.1:"), (path, x)
+# the servers' half ran every phase and did the fault
+assert len(srv["phases"]) == len(srv["plan"]["phases"])
+for p in srv["phases"]:
+    assert p["clients"] == [], p["name"]
+    if "fault" in srv["plan"]["phases"][srv["phases"].index(p)]:
+        f = p["fault"]
+        assert 0 < f["killed_at_s"] < f["restarted_at_s"] <= f["ready_again_at_s"], f
+print("etcd: the clients found the servers there; both halves ran every phase")
 PY
     ;;
 interrupt | killed)
@@ -170,7 +273,7 @@ interrupt | killed)
     echo "$mode: $n processes started, none left"
     ;;
 *)
-    echo "usage: $0 run|interrupt|killed BEX_CLUSTER PLAN" >&2
+    echo "usage: $0 run|etcd|interrupt|killed BEX_CLUSTER PLAN" >&2
     exit 2
     ;;
 esac

@@ -18,6 +18,10 @@
  * (SIGTERM, then SIGKILL after 5 s) before bex-cluster exits. The pids it
  * started are listed in OUT/pids and the group in OUT/pgid.
  *
+ * With --etcd the servers register in etcd and the clients' cluster file
+ * is read from there; --only servers|clients splits a run between two
+ * instances (two machines) that meet through etcd.
+ *
  * Usage and plan format: docs/configuration.md ("bex-cluster"). */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -51,7 +55,9 @@
  * user requests a second. Its deadlines (10 s) and keepalive timeouts
  * (10 s) are the VM's: on a loaded host the emulated processes stall for
  * seconds (P99s of 1.5-3 s at a load of 10 on 2 cores), and a tighter
- * deadline failed user requests in phases without a fault. */
+ * deadline failed user requests in phases without a fault. A ranker's
+ * Fetch answers are 1-64 KB, and every 32nd is 1 MiB (16384 keys): all of
+ * them that large at once made rxe fail QPs under this load. */
 static const char DEFAULT_PLAN[] =
     "{\n"
     "  \"shards\": 2, \"replicas\": 2,\n"
@@ -59,6 +65,7 @@ static const char DEFAULT_PLAN[] =
     "  \"keys\": 50000, \"zipf\": 0.99,\n"
     "  \"ps\": {\"snapshot_every_ms\": 2000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
+    "             \"large_every\": 32, \"large_keys\": 16384,\n"
     "             \"timeout_ms\": 10000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
     "              \"p99_bytes\": 51200, \"timeout_ms\": 10000,\n"
@@ -109,6 +116,10 @@ static struct {
     volatile sig_atomic_t stop_sig, got_chld;
     int tty, quiet;
     double scale; /* durations multiplied by this */
+    /* --etcd: the servers register there (bex-ps --etcd), the clients'
+     * cluster file is read from there; --only: this instance's half */
+    const char *etcd, *etcd_prefix;
+    int servers, clients; /* which processes this instance starts */
 } g;
 
 static void on_signal(int sig)
@@ -851,6 +862,129 @@ static void progress(int pi, int n_ph, const struct phase *ph, double t, const c
             ps_up, ps_n, rq, rf, it, itf, state[0] ? " | " : "", state, g.tty ? "" : "\n");
 }
 
+/* ---- etcd (--etcd) ---- */
+
+/* The key prefix of phase pi's servers, and of the instances' signals. */
+static void etcd_prefix(char *buf, size_t cap, int pi)
+{
+    if (pi >= 0)
+        snprintf(buf, cap, "%sphase%d/", g.etcd_prefix, pi + 1);
+    else
+        snprintf(buf, cap, "%sctl/", g.etcd_prefix);
+}
+
+/* A directory following prefix in etcd (dies when etcd does not answer). */
+static bex_dir *etcd_dir(const char *prefix)
+{
+    bex_dir *d;
+    char err[256] = "";
+    int rc = bex_dir_create(NULL, &d);
+    if (rc == 0 && (rc = bex_dir_watch_etcd(d, g.etcd, prefix, err, sizeof err)))
+        bex_dir_destroy(d);
+    if (rc)
+        die("etcd %s: %s", g.etcd, err[0] ? err : bex_strerror(rc));
+    return d;
+}
+
+/* The cluster file's text from what phase pi's servers registered in etcd
+ * (the other instance's, or ours): waits until every shard has R replicas,
+ * each named by its locality dc1/podR, for at most wait_s. NULL when a
+ * stop signal came. */
+static char *etcd_cluster(int pi, int S, int R, double wait_s)
+{
+    char prefix[512];
+    etcd_prefix(prefix, sizeof prefix, pi);
+    bex_dir *d = etcd_dir(prefix);
+    double end = now_s() + wait_s;
+    json_t *shards = NULL;
+    while (!shards) {
+        shards = json_array();
+        for (int s = 0; shards && s < S; s++) {
+            bex_dir_replica reps[16];
+            size_t n = bex_dir_replicas(d, "ps", (uint32_t)s, reps, 16);
+            json_t *by_r[4] = {0};
+            for (size_t i = 0; i < n && i < 16; i++) {
+                int r;
+                char a[INET_ADDRSTRLEN], ap[64];
+                if (sscanf(reps[i].locality, "dc1/pod%d", &r) != 1 || r < 0 || r >= R || by_r[r])
+                    continue;
+                inet_ntop(AF_INET, &reps[i].addr.sin_addr, a, sizeof a);
+                snprintf(ap, sizeof ap, "%s:%u", a, ntohs(reps[i].addr.sin_port));
+                by_r[r] = json_pack("{s:s,s:s,s:s}", "addr", ap, "locality", reps[i].locality,
+                                    "transport",
+                                    reps[i].transport == BEX_TRANSPORT_RDMA  ? "rdma"
+                                    : reps[i].transport == BEX_TRANSPORT_TCP ? "tcp"
+                                                                             : "auto");
+            }
+            json_t *rl = json_array();
+            for (int r = 0; r < R; r++)
+                if (by_r[r])
+                    json_array_append_new(rl, by_r[r]);
+            if ((int)json_array_size(rl) < R) {
+                json_decref(rl);
+                json_decref(shards);
+                shards = NULL;
+                break;
+            }
+            json_array_append_new(shards, json_pack("{s:o}", "replicas", rl));
+        }
+        if (shards)
+            break;
+        if (now_s() > end)
+            die("phase %d: not every replica registered in etcd (%s, under %s) after %.0f s",
+                pi + 1, g.etcd, prefix, wait_s);
+        if (pump(200)) {
+            bex_dir_destroy(d);
+            return NULL;
+        }
+    }
+    bex_dir_destroy(d);
+    json_t *cl = json_pack("{s:i,s:{s:{s:o}}}", "version", 1, "services", "ps", "shards", shards);
+    char *txt = json_dumps(cl, JSON_INDENT(2));
+    json_decref(cl);
+    return txt;
+}
+
+/* Merge one ranker's fetch_bytes into acc (NULL: a copy of it): counts
+ * and the histogram added, min and max kept, means weighted. */
+static json_t *fetch_bytes_merge(json_t *acc, json_t *b)
+{
+    if (!acc) {
+        acc = json_deep_copy(b);
+        json_object_del(acc, "large_mean_us");
+        json_object_set_new(acc, "large_lat_sum_us",
+                            json_real(jnum(b, "large_mean_us", 0) *
+                                      (jnum(b, "large", 0) - jnum(b, "large_failed", 0))));
+        return acc;
+    }
+    double n0 = jnum(acc, "count", 0), n1 = jnum(b, "count", 0);
+    if (n1 > 0 && (n0 == 0 || jnum(b, "min", 0) < jnum(acc, "min", 0)))
+        json_object_set_new(acc, "min", json_integer((json_int_t)jnum(b, "min", 0)));
+    if (jnum(b, "max", 0) > jnum(acc, "max", 0))
+        json_object_set_new(acc, "max", json_integer((json_int_t)jnum(b, "max", 0)));
+    if (n0 + n1 > 0)
+        json_object_set_new(
+            acc, "mean",
+            json_real((jnum(acc, "mean", 0) * n0 + jnum(b, "mean", 0) * n1) / (n0 + n1)));
+    json_object_set_new(acc, "count", json_integer((json_int_t)(n0 + n1)));
+    json_object_set_new(acc, "large_lat_sum_us",
+                        json_real(jnum(acc, "large_lat_sum_us", 0) +
+                                  jnum(b, "large_mean_us", 0) *
+                                      (jnum(b, "large", 0) - jnum(b, "large_failed", 0))));
+    static const char *const sums[] = {"mib_or_more", "large", "large_failed"};
+    for (size_t k = 0; k < 3; k++)
+        json_object_set_new(
+            acc, sums[k], json_integer((json_int_t)(jnum(acc, sums[k], 0) + jnum(b, sums[k], 0))));
+    json_t *ha = json_object_get(acc, "hist"), *hb = json_object_get(b, "hist");
+    for (size_t i = 0; i < json_array_size(ha) && i < json_array_size(hb); i++) {
+        json_t *x = json_array_get(ha, i), *y = json_array_get(hb, i);
+        json_array_set_new(x, 1,
+                           json_integer(json_integer_value(json_array_get(x, 1)) +
+                                        json_integer_value(json_array_get(y, 1))));
+    }
+    return acc;
+}
+
 static json_t *run_phase(const struct plan *pl, int pi)
 {
     const struct phase *ph = &pl->ph[pi];
@@ -869,6 +1003,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     /* the cluster file: replica r of every shard on address r */
     int S = pl->shards, R = pl->replicas;
     json_t *shards = json_array();
+    char ps_addr[16][4][64]; /* "a.b.c.d:port" of each server */
     for (int r = 0; r < R; r++) {
         const char *a = g.addrs[r % g.n_addrs];
         int ports[64];
@@ -876,8 +1011,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
         for (int s = 0; s < S; s++) {
             if (r == 0)
                 json_array_append_new(shards, json_pack("{s:[]}", "replicas"));
-            char ap[64], loc[32];
-            snprintf(ap, sizeof ap, "%s:%d", a, ports[s]);
+            char *ap = ps_addr[s][r], loc[32];
+            snprintf(ap, sizeof ps_addr[s][r], "%s:%d", a, ports[s]);
             snprintf(loc, sizeof loc, "dc1/pod%d", r);
             json_array_append_new(json_object_get(json_array_get(shards, (size_t)s), "replicas"),
                                   json_pack("{s:s,s:s,s:s}", "addr", ap, "locality", loc,
@@ -889,30 +1024,41 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_decref(cl);
     char cluster[PATH_MAX + 32];
     snprintf(cluster, sizeof cluster, "%s/cluster.json", dir);
-    FILE *cf = fopen(cluster, "w");
-    if (!cf || fputs(cl_txt, cf) < 0 || fclose(cf))
+    FILE *cf = g.servers ? fopen(cluster, "w") : NULL;
+    if (g.servers && (!cf || fputs(cl_txt, cf) < 0 || fclose(cf)))
         die("%s: %s", cluster, strerror(errno));
 
-    /* the servers */
-    struct proc *ps[16][4];
-    char tab[64], b1[32], b2[32];
+    /* the servers (this instance's half, unless --only clients); with
+     * --etcd, registered there under the phase's prefix */
+    struct proc *ps[16][4] = {{0}};
+    char tab[64], b1[32], b2[32], prefix[512], nsh[16];
     snprintf(tab, sizeof tab, "%u:%u:sgd:%.9g", pl->table, pl->dim, pl->lr);
-    for (int s = 0; s < S; s++)
+    etcd_prefix(prefix, sizeof prefix, pi);
+    snprintf(nsh, sizeof nsh, "%d", S);
+    for (int s = 0; g.servers && s < S; s++)
         for (int r = 0; r < R; r++) {
-            char name[64];
+            char name[64], loc[32];
             snprintf(name, sizeof name, "ps-shard%d-replica%d", s, r);
             struct proc *p = ps[s][r] = proc_new(R_PS, s * R + r, name);
             snprintf(b1, sizeof b1, "%d", s);
             snprintf(b2, sizeof b2, "%d", r);
-            argv_set(p, g.ps_bin, "--cluster", cluster, "--shard", b1, "--replica", b2, "--table",
-                     tab, "--snapshot-dir", snapdir, "--transport", ph->transport, NULL);
+            snprintf(loc, sizeof loc, "dc1/pod%d", r);
+            if (g.etcd) /* at the same port when restarted: the clients' file stays true */
+                argv_set(p, g.ps_bin, "--etcd", g.etcd, "--etcd-prefix", prefix, "--listen",
+                         ps_addr[s][r], "--n-shards", nsh, "--locality", loc, "--shard", b1,
+                         "--replica", b2, "--table", tab, "--snapshot-dir", snapdir, "--transport",
+                         ph->transport, NULL);
+            else
+                argv_set(p, g.ps_bin, "--cluster", cluster, "--shard", b1, "--replica", b2,
+                         "--table", tab, "--snapshot-dir", snapdir, "--transport", ph->transport,
+                         NULL);
             argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
             argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
             snprintf(path, sizeof path, "%s/%s.log", dir, name);
             proc_spawn(p, path);
         }
     double t0 = now_s();
-    for (;;) {
+    for (; g.servers;) {
         int ready = 0;
         for (int s = 0; s < S; s++)
             for (int r = 0; r < R; r++) {
@@ -924,9 +1070,21 @@ static json_t *run_phase(const struct plan *pl, int pi)
             break;
         if (now_s() - t0 > READY_WAIT * g.scale)
             die("bex-ps not ready after %d s (see %s)", READY_WAIT, dir);
-        if (pump(100))
+        if (pump(100)) {
+            free(cl_txt);
             return NULL;
+        }
         progress(pi, pl->n_ph, ph, 0, "starting bex-ps");
+    }
+    /* with --etcd the clients find the servers there: the cluster file
+     * they read is made from the registrations (the other instance's
+     * servers may still be starting, or finishing the previous phase) */
+    if (g.clients && g.etcd) {
+        free(cl_txt);
+        if (!(cl_txt = etcd_cluster(pi, S, R, (g.servers ? 1 : 4) * READY_WAIT * g.scale)))
+            return NULL;
+        if (!(cf = fopen(cluster, "w")) || fputs(cl_txt, cf) < 0 || fclose(cf))
+            die("%s: %s", cluster, strerror(errno));
     }
 
     /* the clients */
@@ -938,7 +1096,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     snprintf(zipf, sizeof zipf, "%g", pl->zipf);
     snprintf(dim, sizeof dim, "%u", pl->dim);
     snprintf(table, sizeof table, "%u", pl->table);
-    int n_cl = ph->rankers + ph->trainers;
+    int n_cl = g.clients ? ph->rankers + ph->trainers : 0;
     struct proc *cl_p[64];
     for (int i = 0; i < n_cl; i++) {
         int rk = i < ph->rankers, k = rk ? i : i - ph->rankers;
@@ -965,6 +1123,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
             argv_num(p, "--models", o, "models");
             argv_num(p, "--keys-min", o, "keys_min");
             argv_num(p, "--keys-max", o, "keys_max");
+            argv_num(p, "--large-every", o, "large_every");
+            argv_num(p, "--large-keys", o, "large_keys");
         } else {
             argv_num(p, "--compute-us", o, "compute_us");
             argv_num(p, "--mean-bytes", o, "mean_bytes");
@@ -979,6 +1139,41 @@ static json_t *run_phase(const struct plan *pl, int pi)
         proc_spawn(p, path);
     }
 
+    /* --only clients: the other instance learns that they run (and when
+     * they are done: the registration goes) from a registration in etcd,
+     * service "clients", shard = the phase's index; --only servers: it
+     * waits for that */
+    char ctl_prefix[512];
+    etcd_prefix(ctl_prefix, sizeof ctl_prefix, -1);
+    bex_dir_registration *ctl_reg = NULL;
+    bex_dir *ctl = NULL;
+    if (g.etcd && !g.servers) {
+        bex_dir_replica me = {
+            .addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(pi + 1))}};
+        inet_pton(AF_INET, g.addrs[0], &me.addr.sin_addr);
+        char err[256] = "";
+        int rc = bex_dir_register_etcd(g.etcd, ctl_prefix, "clients", (uint32_t)pi, &me, 10, err,
+                                       sizeof err, &ctl_reg);
+        if (rc)
+            die("etcd %s: %s", g.etcd, err[0] ? err : bex_strerror(rc));
+    }
+    if (g.etcd && !g.clients) {
+        ctl = etcd_dir(ctl_prefix);
+        double end = now_s() + 4 * READY_WAIT * g.scale;
+        while (bex_dir_replicas(ctl, "clients", (uint32_t)pi, NULL, 0) == 0) {
+            if (now_s() > end)
+                die("phase %d: the clients' bex-cluster did not start its clients within %.0f s "
+                    "(etcd %s, %s)",
+                    pi + 1, 4 * READY_WAIT * g.scale, g.etcd, ctl_prefix);
+            if (pump(100)) {
+                bex_dir_destroy(ctl);
+                free(cl_txt);
+                return NULL;
+            }
+            progress(pi, pl->n_ph, ph, 0, "waiting for the clients' bex-cluster");
+        }
+    }
+
     /* run: the fault's events, the progress line, until the clients end */
     double start = now_s();
     int snapped = 0, killed = 0, restarted = 0, restart_ready = 0;
@@ -987,7 +1182,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_t *events = json_array();
     for (;;) {
         double t = now_s() - start;
-        if (ph->fault) {
+        if (ph->fault && g.servers) {
             struct proc *v = ps[ph->f_shard][ph->f_replica];
             if (!snapped && ph->f_snap >= 0 && t >= ph->f_snap) {
                 snapped = 1;
@@ -1029,8 +1224,10 @@ static json_t *run_phase(const struct plan *pl, int pi)
         int clients = 0;
         for (int i = 0; i < n_cl; i++)
             clients += cl_p[i]->running;
-        if (clients == 0)
+        if (ctl ? bex_dir_replicas(ctl, "clients", (uint32_t)pi, NULL, 0) == 0 : clients == 0)
             break;
+        if (ctl && t > ph->duration_s + 4 * (EXTRA_WAIT + READY_WAIT) * g.scale)
+            die("phase %d: the clients' bex-cluster did not finish", pi + 1);
         if (t > ph->duration_s + EXTRA_WAIT * g.scale) {
             fprintf(stderr, "\nbex-cluster: clients still running %d s past the phase: stopped\n",
                     EXTRA_WAIT);
@@ -1038,7 +1235,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
                 if (cl_p[i]->running)
                     kill(cl_p[i]->pid, SIGKILL);
         }
-        for (int s = 0; s < S; s++)
+        for (int s = 0; g.servers && s < S; s++)
             for (int r = 0; r < R; r++)
                 if (!ps[s][r]->running && !ps[s][r]->killed) {
                     char st[64];
@@ -1048,6 +1245,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
         if (pump(200)) {
             json_decref(events);
             free(cl_txt);
+            bex_dir_destroy(ctl);
+            bex_dir_deregister(ctl_reg);
             return NULL;
         }
         progress(pi, pl->n_ph, ph, t < ph->duration_s ? t : ph->duration_s, state);
@@ -1058,13 +1257,19 @@ static json_t *run_phase(const struct plan *pl, int pi)
 
     /* the check of applied Pushes, while the servers still run */
     struct verify vf = {0};
-    if (ph->trainers > 0) {
+    if (ph->trainers > 0 && g.clients) {
         if (!g.quiet)
             fprintf(stderr, "bex-cluster: phase %s: checking the trained rows on every replica\n",
                     ph->name);
         verify_phase(pl, ph, dir, cl_txt, &vf, grad);
     }
     free(cl_txt);
+    /* the other instance's servers may stop now */
+    int rc = bex_dir_deregister(ctl_reg);
+    if (rc)
+        fprintf(stderr, "bex-cluster: etcd: deregistration: %s (the lease expires)\n",
+                bex_strerror(rc));
+    bex_dir_destroy(ctl);
     stop_role(R_PS);
 
     /* results */
@@ -1086,6 +1291,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
     if (!bn)
         die("out of memory");
     int bad_clients = 0;
+    /* the rankers' Fetch answer sizes, merged (bex-ranker's fetch_bytes) */
+    json_t *fb = NULL;
     for (int i = 0; i < n_cl; i++) {
         struct proc *p = cl_p[i];
         char st[64];
@@ -1106,6 +1313,9 @@ static json_t *run_phase(const struct plan *pl, int pi)
             failovers += (long long)jnum(cj, "failovers", 0);
             throttled += (long long)jnum(cj, "retry_throttled", 0);
             partial += (long long)jnum(cj, "push_partial", 0);
+            json_t *b = json_object_get(cj, "fetch_bytes");
+            if (b)
+                fb = fetch_bytes_merge(fb, b);
             json_object_set_new(cj, "name", json_string(p->name));
             json_array_append_new(clients, cj);
         } else if (WIFEXITED(p->status) && WEXITSTATUS(p->status) == 0) {
@@ -1115,7 +1325,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
         snprintf(path, sizeof path, "%s/%s.samples.csv", dir, p->name);
         load_samples(path, p->role, ph->warmup_s, all, bn);
     }
-    for (int s = 0; s < S; s++)
+    for (int s = 0; g.servers && s < S; s++)
         for (int r = 0; r < R; r++) {
             /* a killed replica's first life is not in its rusage: only the
              * restarted one's */
@@ -1132,6 +1342,13 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(res, "failovers", json_integer(failovers));
     json_object_set_new(res, "retry_throttled", json_integer(throttled));
     json_object_set_new(res, "push_partial", json_integer(partial));
+    if (fb) {
+        double ok = jnum(fb, "large", 0) - jnum(fb, "large_failed", 0);
+        json_object_set_new(fb, "large_mean_us",
+                            json_real(ok > 0 ? jnum(fb, "large_lat_sum_us", 0) / ok : 0));
+        json_object_del(fb, "large_lat_sum_us");
+        json_object_set_new(res, "ranker_fetch_bytes", fb);
+    }
     json_t *cpu = json_object();
     json_object_set_new(cpu, "ops", json_real(ops));
     json_object_set_new(cpu, "client_user_us_per_op", json_real(ops ? cu * 1e6 / ops : 0));
@@ -1139,11 +1356,17 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(cpu, "server_user_us_per_op", json_real(ops ? su * 1e6 / ops : 0));
     json_object_set_new(cpu, "server_sys_us_per_op", json_real(ops ? ss * 1e6 / ops : 0));
     json_object_set_new(res, "cpu", cpu);
-    if (ph->fault) {
+    if (ph->fault && g.servers) {
         json_t *f = json_pack("{s:i,s:i,s:f,s:f,s:f,s:o}", "shard", ph->f_shard, "replica",
                               ph->f_replica, "killed_at_s", kill_t, "restarted_at_s", restart_t,
                               "ready_again_at_s", ready_t, "events", events);
         json_object_set_new(res, "fault", f);
+    } else if (ph->fault) { /* the servers' instance did it: the plan's times */
+        json_t *f = json_pack("{s:i,s:i,s:f,s:f,s:b}", "shard", ph->f_shard, "replica",
+                              ph->f_replica, "kill_at_s", ph->f_kill, "restart_at_s", ph->f_restart,
+                              "by_servers_instance", 1);
+        json_object_set_new(res, "fault", f);
+        json_decref(events);
     } else {
         json_decref(events);
     }
@@ -1276,6 +1499,16 @@ static void print_tables(json_t *phases, int soft_roce)
             jpath(tc, "latency", "ranker_fetch", "per_s"), "/s", 0);
         row("user requests failed", jpath(rd, "failed_user_requests", NULL, NULL),
             jpath(tc, "failed_user_requests", NULL, NULL), "", 0);
+        row("Fetch answer mean size", jpath(rd, "ranker_fetch_bytes", "mean", NULL) / 1024,
+            jpath(tc, "ranker_fetch_bytes", "mean", NULL) / 1024, "KiB", 0);
+        row("Fetch answer largest", jpath(rd, "ranker_fetch_bytes", "max", NULL) / 1024,
+            jpath(tc, "ranker_fetch_bytes", "max", NULL) / 1024, "KiB", 0);
+        row("Fetches of 1 MiB or more", jpath(rd, "ranker_fetch_bytes", "mib_or_more", NULL),
+            jpath(tc, "ranker_fetch_bytes", "mib_or_more", NULL), "", 0);
+        if (jpath(rd, "ranker_fetch_bytes", "large", NULL) > 0)
+            row("large Fetch mean (large_every)",
+                jpath(rd, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000,
+                jpath(tc, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000, "ms", 1);
         printf("\nTable 7 (shape): training (trainers)\n");
         printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
         row("Fetch mean", jpath(rd, "latency", "trainer_fetch", "mean_us") / 1000,
@@ -1299,7 +1532,13 @@ static void print_tables(json_t *phases, int soft_roce)
         printf("\nPhase \"%s\" (%s)%s\n", json_string_value(json_object_get(p, "name")),
                json_string_value(json_object_get(p, "transport")),
                f ? ": one replica killed with kill -9 mid-run, then restarted" : "");
-        if (f)
+        if (f && json_object_get(f, "by_servers_instance"))
+            printf(
+                "  %-34s shard %d replica %d: killed at %.1f s and restarted at %.1f s (planned) "
+                "by the servers' bex-cluster\n",
+                "fault", (int)jpath(f, "shard", NULL, NULL), (int)jpath(f, "replica", NULL, NULL),
+                jpath(f, "kill_at_s", NULL, NULL), jpath(f, "restart_at_s", NULL, NULL));
+        else if (f)
             printf("  %-34s shard %d replica %d: killed at %.1f s, restarted at %.1f s, "
                    "serving again at %.1f s\n",
                    "fault", (int)jpath(f, "shard", NULL, NULL),
@@ -1312,6 +1551,13 @@ static void print_tables(json_t *phases, int soft_roce)
         printf("  %-34s mean %.3f ms, P99 %.3f ms\n", "ranker Fetch",
                jpath(p, "latency", "ranker_fetch", "mean_us") / 1000,
                jpath(p, "latency", "ranker_fetch", "p99_us") / 1000);
+        if (json_object_get(p, "ranker_fetch_bytes"))
+            printf("  %-34s %.1f to %.1f KiB, mean %.1f KiB; %.0f of %.0f of 1 MiB or more\n",
+                   "ranker Fetch answer sizes", jpath(p, "ranker_fetch_bytes", "min", NULL) / 1024,
+                   jpath(p, "ranker_fetch_bytes", "max", NULL) / 1024,
+                   jpath(p, "ranker_fetch_bytes", "mean", NULL) / 1024,
+                   jpath(p, "ranker_fetch_bytes", "mib_or_more", NULL),
+                   jpath(p, "ranker_fetch_bytes", "count", NULL));
         printf("  %-34s mean %.3f ms, P99 %.3f ms; %.0f of %.0f not acknowledged by every\n"
                "  %-34s replica (%.0f of them by some)\n",
                "trainer Push", jpath(p, "latency", "trainer_push", "mean_us") / 1000,
@@ -1363,9 +1609,9 @@ static void print_tables(json_t *phases, int soft_roce)
 
 static void usage(void)
 {
-    fprintf(stderr,
-            "usage: bex-cluster [--plan FILE|default] [--out DIR] [--addrs A[,B...]]\n"
-            "                   [--bin-dir DIR] [--time-scale X] [--quiet] [--print-plan]\n");
+    fprintf(stderr, "usage: bex-cluster [--plan FILE|default] [--out DIR] [--addrs A[,B...]]\n"
+                    "                   [--bin-dir DIR] [--time-scale X] [--quiet] [--print-plan]\n"
+                    "                   [--etcd URL [--etcd-prefix P] [--only servers|clients]]\n");
     exit(2);
 }
 
@@ -1374,12 +1620,21 @@ int main(int argc, char **argv)
     const char *plan_arg = "default", *addrs = NULL;
     g.scale = 1;
     g.self = getpid();
+    g.servers = g.clients = 1;
+    g.etcd_prefix = "/bex-cluster/";
+    const char *only = NULL;
     snprintf(g.out, sizeof g.out, "bex-cluster-out");
-    static const struct option lo[] = {
-        {"plan", required_argument, 0, 'p'},       {"out", required_argument, 0, 'o'},
-        {"addrs", required_argument, 0, 'a'},      {"bin-dir", required_argument, 0, 'b'},
-        {"time-scale", required_argument, 0, 's'}, {"quiet", no_argument, 0, 'q'},
-        {"print-plan", no_argument, 0, 'P'},       {0, 0, 0, 0}};
+    static const struct option lo[] = {{"plan", required_argument, 0, 'p'},
+                                       {"out", required_argument, 0, 'o'},
+                                       {"addrs", required_argument, 0, 'a'},
+                                       {"bin-dir", required_argument, 0, 'b'},
+                                       {"time-scale", required_argument, 0, 's'},
+                                       {"quiet", no_argument, 0, 'q'},
+                                       {"print-plan", no_argument, 0, 'P'},
+                                       {"etcd", required_argument, 0, 'E'},
+                                       {"etcd-prefix", required_argument, 0, 'X'},
+                                       {"only", required_argument, 0, 'O'},
+                                       {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
         case 'p':
@@ -1405,11 +1660,29 @@ int main(int argc, char **argv)
         case 'P':
             fputs(DEFAULT_PLAN, stdout);
             return 0;
+        case 'E':
+            g.etcd = optarg;
+            break;
+        case 'X':
+            g.etcd_prefix = optarg;
+            break;
+        case 'O':
+            only = optarg;
+            if (strcmp(only, "servers") == 0)
+                g.clients = 0;
+            else if (strcmp(only, "clients") == 0)
+                g.servers = 0;
+            else
+                usage();
+            break;
         default:
             usage();
         }
     }
-    if (optind != argc)
+    /* the halves meet through etcd; a prefix ends with '/' (bex-ps adds
+     * "services/...") */
+    if (optind != argc || (only && !g.etcd) || !g.etcd_prefix[0] ||
+        g.etcd_prefix[strlen(g.etcd_prefix) - 1] != '/' || strlen(g.etcd_prefix) > 256)
         usage();
     g.tty = isatty(2);
 
@@ -1533,7 +1806,12 @@ int main(int argc, char **argv)
     snprintf(path, sizeof path, "%s/results.json", g.out);
     if (json_dump_file(res, path, JSON_INDENT(2)))
         die("%s: cannot write", path);
-    print_tables(phases, soft_roce);
+    if (g.clients)
+        print_tables(phases, soft_roce);
+    else
+        printf("\nbex-cluster --only servers: %d phase%s served; the clients' bex-cluster has the "
+               "tables\n",
+               (int)json_array_size(phases), json_array_size(phases) == 1 ? "" : "s");
     printf("\nraw results: %s/results.json; latency over time: %s/series.dat\n", g.out, g.out);
     int failed = 0;
     size_t i;

@@ -3,7 +3,9 @@
  * A user request evaluates --models k models; each model Fetches its keys
  * (a count log-uniform in [--keys-min, --keys-max], each key Zipf-popular),
  * which the PS client splits into concurrent sub-requests, one per shard
- * (fan-out). --outstanding user requests are kept in flight for --duration
+ * (fan-out); with --large-every N, every Nth model's Fetch has
+ * --large-keys keys instead (MB-sized answers among the KB-sized ones).
+ * --outstanding user requests are kept in flight for --duration
  * seconds. A user request fails when one of its Fetches failed, i.e. when a
  * shard had no replica that answered within the deadline (the client's
  * channels retry on another replica before that). Prints the JSON report
@@ -11,6 +13,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
+#include <pthread.h>
 #include <semaphore.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -19,10 +22,11 @@
 
 #include "load.h"
 
-enum { O_MODELS = 256, O_KEYS_MIN, O_KEYS_MAX };
+enum { O_MODELS = 256, O_KEYS_MIN, O_KEYS_MAX, O_LARGE_EVERY, O_LARGE_KEYS };
 
 struct ropts {
     uint32_t models, keys_min, keys_max;
+    uint32_t large_every, large_keys; /* every Nth model Fetch this many keys (0: none) */
 };
 
 static int extra(int opt, const char *arg, void *user)
@@ -30,9 +34,17 @@ static int extra(int opt, const char *arg, void *user)
     struct ropts *ro = user;
     char *end;
     unsigned long v = strtoul(arg, &end, 10);
+    if (opt == O_LARGE_EVERY) { /* 0: off */
+        if (end == arg || *end || v > 1000000)
+            return -1;
+        ro->large_every = (uint32_t)v;
+        return 0;
+    }
     if (end == arg || *end || v == 0 || v > BEX_PS_KEYS_MAX)
         return -1;
-    if (opt == O_MODELS)
+    if (opt == O_LARGE_KEYS)
+        ro->large_keys = (uint32_t)v;
+    else if (opt == O_MODELS)
         ro->models = (uint32_t)v;
     else if (opt == O_KEYS_MIN)
         ro->keys_min = (uint32_t)v;
@@ -45,12 +57,31 @@ static struct ld_run run;
 static struct ld_zipf zipf;
 static sem_t slots;
 
+/* The Fetch answers' sizes (rows x dim x 4 bytes, all shards'): a
+ * histogram in powers of 4 from 4 KiB (bucket i: up to 4 KiB x 4^i, the
+ * last one unbounded), of every Fetch issued, failed ones too. */
+#define SZ_BUCKETS 9
+static struct {
+    pthread_mutex_t mu;
+    uint64_t hist[SZ_BUCKETS], min, max, sum, n;
+    uint64_t mib;                 /* answers of 1 MiB or more */
+    uint64_t large, large_failed; /* the --large-every ones */
+    double large_lat_sum;         /* of the ok ones, microseconds */
+} sz = {.mu = PTHREAD_MUTEX_INITIALIZER, .min = UINT64_MAX};
+
+static uint64_t sz_bound(int i)
+{
+    return 4096ull << (2 * i);
+}
+
 struct ureq;
 struct model {
     struct ureq *u;
     uint64_t start_us;
     uint64_t *keys;
     float *rows;
+    size_t bytes;
+    int large;
 };
 
 struct ureq {
@@ -78,6 +109,24 @@ static void model_done(int status, void *user)
 {
     struct model *m = user;
     ld_record(&run, LD_FETCH, m->start_us, status == 0);
+    int b = 0;
+    while (b < SZ_BUCKETS - 1 && m->bytes > sz_bound(b))
+        b++;
+    pthread_mutex_lock(&sz.mu);
+    sz.hist[b]++;
+    sz.n++;
+    sz.sum += m->bytes;
+    sz.min = m->bytes < sz.min ? m->bytes : sz.min;
+    sz.max = m->bytes > sz.max ? m->bytes : sz.max;
+    sz.mib += m->bytes >= (1u << 20);
+    if (m->large) {
+        sz.large++;
+        if (status)
+            sz.large_failed++;
+        else
+            sz.large_lat_sum += (double)(ld_now_us() - m->start_us);
+    }
+    pthread_mutex_unlock(&sz.mu);
     if (status)
         atomic_store(&m->u->failed, 1);
     ureq_put(m->u);
@@ -86,6 +135,7 @@ static void model_done(int status, void *user)
 /* Issue one user request: its models' Fetches all at once. */
 static void issue(const struct ropts *ro, uint64_t *rng)
 {
+    static uint64_t fetches; /* model Fetches issued: every large_every-th is large */
     const struct ld_opts *o = run.o;
     struct ureq *u = calloc(1, sizeof *u + ro->models * sizeof(struct model));
     if (!u) {
@@ -105,6 +155,10 @@ static void issue(const struct ropts *ro, uint64_t *rng)
             n = ro->keys_min;
         if (n > ro->keys_max)
             n = ro->keys_max;
+        m->large = ro->large_every && ++fetches % ro->large_every == 0;
+        if (m->large)
+            n = ro->large_keys;
+        m->bytes = n * o->dim * sizeof(float);
         m->keys = malloc(n * sizeof *m->keys);
         m->rows = malloc(n * o->dim * sizeof *m->rows);
         int rc = -ENOMEM;
@@ -123,12 +177,16 @@ static void issue(const struct ropts *ro, uint64_t *rng)
 int main(int argc, char **argv)
 {
     struct ld_opts o;
-    struct ropts ro = {.models = 4, .keys_min = 16, .keys_max = 2048};
+    struct ropts ro = {.models = 4, .keys_min = 16, .keys_max = 2048, .large_keys = 16384};
     static const struct option lo[] = {{"models", required_argument, 0, O_MODELS},
                                        {"keys-min", required_argument, 0, O_KEYS_MIN},
                                        {"keys-max", required_argument, 0, O_KEYS_MAX},
+                                       {"large-every", required_argument, 0, O_LARGE_EVERY},
+                                       {"large-keys", required_argument, 0, O_LARGE_KEYS},
                                        {0, 0, 0, 0}};
-    ld_parse(argc, argv, &o, lo, extra, &ro, "       [--models K] [--keys-min N] [--keys-max N]\n");
+    ld_parse(argc, argv, &o, lo, extra, &ro,
+             "       [--models K] [--keys-min N] [--keys-max N] [--large-every N]\n"
+             "       [--large-keys N]\n");
     if (ro.keys_min > ro.keys_max) {
         fprintf(stderr, "bex-ranker: --keys-min is above --keys-max\n");
         return 2;
@@ -159,9 +217,25 @@ int main(int argc, char **argv)
     for (uint32_t i = 0; i < o.outstanding; i++)
         while (sem_wait(&slots) != 0)
             ;
-    char extra_json[128];
-    snprintf(extra_json, sizeof extra_json, ",\"models\":%u,\"keys_min\":%u,\"keys_max\":%u",
-             ro.models, ro.keys_min, ro.keys_max);
+    char extra_json[1024];
+    int k = snprintf(
+        extra_json, sizeof extra_json,
+        ",\"models\":%u,\"keys_min\":%u,\"keys_max\":%u,\"large_every\":%u,"
+        "\"large_keys\":%u,\"fetch_bytes\":{\"count\":%llu,\"min\":%llu,"
+        "\"max\":%llu,\"mean\":%.1f,\"mib_or_more\":%llu,\"large\":%llu,\"large_failed\":%llu,"
+        "\"large_mean_us\":%.1f,\"hist\":[",
+        ro.models, ro.keys_min, ro.keys_max, ro.large_every, ro.large_keys,
+        (unsigned long long)sz.n, (unsigned long long)(sz.n ? sz.min : 0),
+        (unsigned long long)sz.max, sz.n ? (double)sz.sum / (double)sz.n : 0.0,
+        (unsigned long long)sz.mib, (unsigned long long)sz.large,
+        (unsigned long long)sz.large_failed,
+        sz.large > sz.large_failed ? sz.large_lat_sum / (double)(sz.large - sz.large_failed) : 0.0);
+    /* [le, count]: le the bucket's bound in bytes (0: unbounded, the last) */
+    for (int b = 0; b < SZ_BUCKETS; b++)
+        k += snprintf(extra_json + k, sizeof extra_json - (size_t)k, "%s[%llu,%llu]", b ? "," : "",
+                      (unsigned long long)(b < SZ_BUCKETS - 1 ? sz_bound(b) : 0),
+                      (unsigned long long)sz.hist[b]);
+    snprintf(extra_json + k, sizeof extra_json - (size_t)k, "]}");
     int rc = ld_run_finish(&run, "ranker", extra_json);
     ld_zipf_free(&zipf);
     return rc ? 1 : 0;
