@@ -1,6 +1,5 @@
 /* Test scaffolding of the calls with a destination (bex_rpc_call_into),
- * for tests/rpc/test_rpc_into_recovery.c (test_rpc_exposed.c keeps its
- * own copy until it includes this):
+ * shared by tests/rpc/test_rpc_exposed.c and test_rpc_into_recovery.c:
  * a completion record that notes how many exposures of its destination
  * were still armed when done ran (none may be: done comes only once the
  * destination is retired), and pattern bodies. */
