@@ -1626,7 +1626,8 @@ static void *timer_main(void *arg)
             continue;
         }
         ch->timer_next = next;
-        struct timespec ts = {(time_t)(next / 1000000000ull), (long)(next % 1000000000ull)};
+        uint64_t until = bex__rpc_clock_sleep_until(next);
+        struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
         pthread_cond_timedwait(&ch->cv, &ch->mu, &ts);
         ch->timer_next = 0;
     }
