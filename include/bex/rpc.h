@@ -286,9 +286,15 @@ void *bex_rpc_alloc_dest(bex_ctx *ctx, size_t cap);
  * exposes dst afresh with a new token, after the previous attempt's
  * exposure was retired; a write with another call's token (a hostile
  * server: tokens are per connection) is refused like a malformed answer
- * (counted in bad_header; the attempt fails with -EPROTO). Calls with a
- * destination have no attempt_timeout_ms (a second attempt would need dst
- * while the first may still write it). Needs a server of this version
+ * (counted in bad_header; the attempt fails with -EPROTO). An attempt
+ * unanswered for attempt_timeout_ms is abandoned rather than left out
+ * beside the next one (both would write dst): its socket is closed, and
+ * the retry (within max_attempts, the budget and the deadline, as for
+ * bex_rpc_call) exposes dst afresh once that exposure is retired; its
+ * answer, should it still come, is dropped. With no retry left the
+ * attempt stays out until the deadline. Attempts take the recovery
+ * ladder's steps, count per endpoint and report to the directory as
+ * bex_rpc_call's do. Needs a server of this version
  * (docs/protocol.md, "Caller's destination"). Returns as bex_rpc_call,
  * and -EINVAL for a dst not from bex_rpc_alloc_dest of this context. In
  * landing mode (BEX_REMOTE_ACCESS_LANDING) a hostile server can write any

@@ -36,6 +36,7 @@ struct link {
                       probe_ns of the connection coming up (t_start then) */
     bool probe;    /* step 3's RDMA retry: carries the ping, no call, until proven */
     bool retiring; /* replaced by a restored RDMA link: closed once no call is on it */
+    uint64_t gen;  /* the endpoint's fail_gen when this link was made */
     struct link *next;
 };
 
@@ -61,6 +62,13 @@ struct endpoint {
     uint64_t rdma_retry_at;
     struct link *probe;
     uint64_t tcp_answers;
+    /* connection failures counted so far, and whether the last one took a
+     * ladder step: a socket made before it (fail_gen then lower) was on
+     * that connection, so its own report of the failure is not counted
+     * again (ep_conn_failed) */
+    uint64_t fail_gen;
+    bool fail_stepped;
+    uint32_t xprobing; /* attempts with a destination probing it (xatt.probing) */
 };
 
 /* completion kinds, for the counters */
@@ -111,7 +119,14 @@ struct xatt {
     bex_sock *s;
     bool closing;
     bool armed;    /* the destination is exposed on s: not retired */
+    bool probing;  /* the socket is connecting, or up at step 1 or 2 of the ladder
+                      and not answered over yet (counted in ep->xprobing) */
     char dest_tag; /* msg_user of the DEST message */
+    /* as a link's: the endpoint's step when made, over the ladder's TCP
+     * fallback or not, the endpoint's fail_gen then */
+    int rung;
+    bool tcp;
+    uint64_t gen;
 };
 
 #define CALL_BUCKETS 4096
@@ -200,8 +215,20 @@ static void dir_release(struct bex_rpc_channel *ch, struct call *c)
     c->counted = NULL;
 }
 
+/* xa's socket no longer probes its endpoint: it failed, closed, was
+ * answered over, or came up at step OK. */
+static void xatt_probed(struct xatt *xa)
+{
+    if (xa->probing) {
+        xa->probing = false;
+        xa->ep->xprobing--;
+    }
+}
+
+/* End xa's attempt: its socket closes (and probes no more). */
 static void xatt_end(struct xatt *xa)
 {
+    xatt_probed(xa);
     if (!xa->closing) {
         xa->closing = true;
         bex_sock_close(xa->s);
@@ -232,7 +259,9 @@ static void complete(struct bex_rpc_channel *ch, struct call *c, int status, voi
     c->status = status;
     c->resp = resp;
     c->resp_len = resp_len;
-    if (kind == K_TIMEOUT && c->link)
+    /* an attempt out (a link's, or a destination's own socket not being
+     * ended for a next one) timed out with the call */
+    if (kind == K_TIMEOUT && (c->link || (c->xa && !c->xa->closing)))
         dir_report(ch, c->ep, BEX_DIR_REQ_FAIL);
     dir_release(ch, c);
     switch (kind) {
@@ -295,6 +324,7 @@ static void run_done(struct bex_rpc_channel *ch, struct call *done)
 
 static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
                            struct call **done);
+static bool retryable(int err, bool remote);
 
 static void ep_put(struct endpoint *ep)
 {
@@ -471,6 +501,77 @@ static uint64_t ladder_down_until(struct bex_rpc_channel *ch, const struct endpo
 
 static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep);
 
+/* A connection of ep, made at step rung when its fail_gen was gen, failed
+ * with err, as a socket on it (the channel's link, or an attempt with a
+ * destination, which has a socket of its own on the same connection) saw
+ * it: the ladder's step, the counters, the hold-down, the directory's
+ * report and the log, once per failure however many sockets of the
+ * connection report it. Returns whether the calls out on it move without
+ * the budget (the failure took a step of the ladder). */
+static bool ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung, uint64_t gen,
+                           int err)
+{
+    /* not removal, not destroy, not a malformed answer (the socket's own) */
+    bool conn = err != -ECONNABORTED && err != -ECANCELED && err != -EPROTO;
+    if (conn && gen != ep->fail_gen)
+        return ep->fail_stepped && gen + 1 == ep->fail_gen; /* counted already */
+    bool step = false;
+    if (conn) {
+        step = ladder_failed(ch, ep, rung, err);
+        ep->fail_gen++;
+        ep->fail_stepped = step;
+    }
+    if (err != -ECONNABORTED && err != -ECANCELED) {
+        ch->st.conn_failures++;
+        ep->conn_failures++;
+    }
+    ep->down_until = ladder_down_until(ch, ep);
+    bool was_suspect = ep->suspect;
+    ep->suspect = true;
+    if (conn)
+        dir_report(ch, ep, BEX_DIR_CONN_FAIL);
+    if (!was_suspect && err != -ECANCELED && err != -ECONNABORTED) {
+        /* once per transition: the endpoint stays suspect until a
+         * connection to it is up again */
+        ch->st.endpoints_down++;
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+        bex__log(ch->log, BEX_LOG_WARN,
+                 "rpc channel %s: endpoint %s:%u failed (%s): calls go to other replicas", ch->name,
+                 a, ntohs(ep->addr.sin_port), bex_strerror(err));
+    }
+    return step;
+}
+
+/* An answer came over a connection of ep made at step rung: when that was
+ * step 1 or 2 and still is the endpoint's, it worked: back to OK.
+ * Returns whether it did. */
+static bool ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int rung)
+{
+    if (rung != ep->rung ||
+        (ep->rung != BEX_RPC_LADDER_RECONNECT && ep->rung != BEX_RPC_LADDER_REPLICA))
+        return false;
+    if (ep->rung == BEX_RPC_LADDER_RECONNECT)
+        ch->st.ladder_recovered++;
+    ladder_log(ch, ep, BEX_LOG_WARN, "answered again: recovered at step %d", ep->rung);
+    ep->rung = BEX_RPC_LADDER_OK;
+    return true;
+}
+
+/* An answer (status: its header's) from ep, over the ladder's TCP
+ * fallback or not, to a call still out (live) or not (late, or a ping's:
+ * counted all the same): the counters and, for a live call, the
+ * directory's report. */
+static void ep_answered(struct bex_rpc_channel *ch, struct endpoint *ep, bool tcp, int status,
+                        bool live)
+{
+    ep->answers++;
+    if (tcp)
+        ep->tcp_answers++;
+    if (live)
+        dir_report(ch, ep, status && retryable(status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
+}
+
 /* An answer came over l: the step it was made at worked. */
 static void link_proven(struct bex_rpc_channel *ch, struct link *l)
 {
@@ -494,14 +595,8 @@ static void link_proven(struct bex_rpc_channel *ch, struct link *l)
     }
     if (l->ping && l->state == L_UP)
         ep_reachable(ch, ep); /* held back until now: see on_connect */
-    if (l->rung != ep->rung ||
-        (ep->rung != BEX_RPC_LADDER_RECONNECT && ep->rung != BEX_RPC_LADDER_REPLICA))
-        return;
-    if (ep->rung == BEX_RPC_LADDER_RECONNECT)
-        ch->st.ladder_recovered++;
-    ladder_log(ch, ep, BEX_LOG_WARN, "answered again: recovered at step %d", ep->rung);
-    ep->rung = BEX_RPC_LADDER_OK;
-    l->rung = BEX_RPC_LADDER_OK;
+    if (ladder_proven(ch, ep, l->rung))
+        l->rung = BEX_RPC_LADDER_OK;
 }
 
 /* The transport of ep's next connection, taking step 3 when it is due. */
@@ -519,6 +614,33 @@ static uint32_t ladder_transport(struct bex_rpc_channel *ch, struct endpoint *ep
             pthread_cond_broadcast(&ch->cv);
     }
     return ep->rung == BEX_RPC_LADDER_TCP ? BEX_TRANSPORT_TCP : ep->transport;
+}
+
+/* The options of ep's next connection, as its step on the ladder has it
+ * (taking step 3 when due), for a link or an attempt with a destination
+ * alike, and what that socket records: the step, whether it is the
+ * ladder's TCP fallback, the endpoint's fail_gen. */
+static bex_connect_opts ladder_connect(struct bex_rpc_channel *ch, struct endpoint *ep, int *rung,
+                                       bool *tcp, uint64_t *gen)
+{
+    bex_connect_opts o = {0};
+    uint32_t t = ladder_transport(ch, ep);
+    *rung = ep->rung;
+    *tcp = t == BEX_TRANSPORT_TCP && ep_may_rdma(ch, ep);
+    *gen = ep->fail_gen;
+    if (t) {
+        o.flags = BEX_CONNECT_TRANSPORT;
+        o.transport = t;
+    }
+    return o;
+}
+
+/* A connection to ep could not even be started (err, e.g. -ENODEV: RDMA
+ * asked of a context without a device): a failed connection as far as
+ * the ladder goes. Returns whether that took a step. */
+static bool connect_refused(struct bex_rpc_channel *ch, struct endpoint *ep, int err)
+{
+    return err != -ENOMEM && err != -EINVAL && ladder_failed(ch, ep, ep->rung, err);
 }
 
 static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
@@ -555,30 +677,9 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
         }
         return;
     }
-    bool step = false;
-    if (err != -ECONNABORTED && err != -ECANCELED && err != -EPROTO)
-        step = ladder_failed(ch, l->ep, l->rung, err);
-    if (err != -ECONNABORTED && err != -ECANCELED) { /* not removal, not destroy */
-        ch->st.conn_failures++;
-        l->ep->conn_failures++;
-    }
     if (l->ep->cur == l)
         l->ep->cur = NULL;
-    l->ep->down_until = ladder_down_until(ch, l->ep);
-    bool was_suspect = l->ep->suspect;
-    l->ep->suspect = true;
-    if (err != -ECANCELED && err != -EPROTO && err != -ECONNABORTED)
-        dir_report(ch, l->ep, BEX_DIR_CONN_FAIL);
-    if (!was_suspect && err != -ECANCELED && err != -ECONNABORTED) {
-        /* once per transition: the endpoint stays suspect until a
-         * connection to it is up again */
-        ch->st.endpoints_down++;
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &l->ep->addr.sin_addr, a, sizeof a);
-        bex__log(ch->log, BEX_LOG_WARN,
-                 "rpc channel %s: endpoint %s:%u failed (%s): calls go to other replicas", ch->name,
-                 a, ntohs(l->ep->addr.sin_port), bex_strerror(err));
-    }
+    bool step = ep_conn_failed(ch, l->ep, l->rung, l->gen, err);
     bex_sock_close(l->s);
     /* a retry never lands on l (it failed), and completing a call unlinks
      * that call alone: the saved next stays valid */
@@ -643,14 +744,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     ep->refs++;
     l->state = L_CONNECTING;
     l->t_start = bex__rpc_now_ns();
-    bex_connect_opts o = {0};
-    uint32_t t = ladder_transport(ch, ep);
-    l->rung = ep->rung;
-    l->tcp = t == BEX_TRANSPORT_TCP && ep_may_rdma(ch, ep);
-    if (t) {
-        o.flags = BEX_CONNECT_TRANSPORT;
-        o.transport = t;
-    }
+    bex_connect_opts o = ladder_connect(ch, ep, &l->rung, &l->tcp, &l->gen);
     /* callbacks wait for ch->mu, which we hold: l->s is set before any */
     int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
     if (err) {
@@ -681,6 +775,13 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
  * needing a retry. */
 static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude);
 
+/* ep failed and a connection to it is being made again (its link, or an
+ * attempt with a destination's socket): that one probes it. */
+static bool ep_probed(const struct endpoint *ep)
+{
+    return ep->suspect && (ep->cur || ep->xprobing);
+}
+
 static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
 {
     if (ch->dir)
@@ -692,7 +793,7 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
         struct endpoint *ep = ch->eps[k];
         if (ep == exclude && ch->n_eps > 1)
             continue;
-        if (ep->down_until <= now && !(ep->suspect && ep->cur && ch->n_eps > 1)) {
+        if (ep->down_until <= now && !(ep_probed(ep) && ch->n_eps > 1)) {
             ch->rr = (k + 1) % ch->n_eps;
             return ep;
         }
@@ -703,8 +804,7 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
      * if it may take calls now (step 2 with no other replica on RDMA:
      * its TCP connection) */
     for (size_t i = 0; i < ch->n_eps; i++)
-        if (ch->eps[i] == exclude && exclude->down_until <= now &&
-            !(exclude->suspect && exclude->cur))
+        if (ch->eps[i] == exclude && exclude->down_until <= now && !ep_probed(exclude))
             return ch->eps[i];
     return soonest ? soonest : ch->eps[0];
 }
@@ -729,7 +829,7 @@ static bool dir_avoid_fn(void *arg, const struct bex__dir_node *n)
 {
     const struct dir_avoid *a = arg;
     const struct endpoint *ep = dir_ep_of(a->ch, n);
-    return ep && (ep == a->exclude || ep->down_until > a->now || (ep->suspect && ep->cur));
+    return ep && (ep == a->exclude || ep->down_until > a->now || ep_probed(ep));
 }
 
 /* Directory mode: the directory picks the node (locality, load,
@@ -759,32 +859,32 @@ static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct e
     return ep;
 }
 
-static int xatt_open(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude);
+static int xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep);
 
-/* Send c on an endpoint (not exclude when there is another). Returns 0 or
- * the error that kept the attempt from starting; *step: that error was a
- * connection failure that took a step of the recovery ladder. */
+/* Send c on an endpoint (not exclude when there is another): on the
+ * endpoint's link, or (a call with a destination) on a socket of its own
+ * (xatt_open). Returns 0 or the error that kept the attempt from
+ * starting; *step: that error was a connection failure that took a step
+ * of the recovery ladder. */
 static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude,
                          bool *step)
 {
     *step = false;
+    c->link = NULL;
+    c->attempt_deadline = 0;
     if (c->dst) {
         /* a fresh exposure per attempt, and never two at once: the last
          * one is retired first (its socket closed, the attempt goes on
-         * when the exposure comes back) */
-        c->link = NULL;
-        c->attempt_deadline = 0;
+         * when the exposure comes back: xatt_retired) */
         if (c->xa)
             xatt_end(c->xa);
         if (c->xa && c->xa->armed) {
             c->want_attempt = true;
             return 0;
         }
-        return xatt_open(ch, c, exclude);
     }
     struct endpoint *ep = choose_ep(ch, exclude);
     c->attempts++;
-    c->link = NULL;
     if (ch->dir) {
         /* the new pick counts as outstanding; the old attempt's no more */
         dir_release(ch, c);
@@ -793,16 +893,18 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
         c->counted = ep;
     }
     c->ep = ep;
-    struct link *l = ep->cur;
+    struct link *l = c->dst ? NULL : ep->cur;
     int err = 0;
-    if (!l) {
+    if (c->dst) {
+        err = xatt_open(ch, c, ep);
+        if (err)
+            *step = connect_refused(ch, ep, err);
+    } else if (!l) {
         err = link_open(ch, ep, &l);
-        /* refused at once (e.g. -ENODEV: RDMA asked of a context without
-         * a device): a failed connection as far as the ladder goes */
-        if (err && err != -ENOMEM && err != -EINVAL)
-            *step = ladder_failed(ch, ep, ep->rung, err);
+        if (err)
+            *step = connect_refused(ch, ep, err);
     }
-    if (!err)
+    if (!err && !c->dst)
         err = bex_sock_send(l->s, c->msg, c->len, c);
     if (err) {
         if (err != -EINVAL && err != -EMSGSIZE && err != -ENOMEM)
@@ -813,8 +915,10 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
     ep->attempts++;
     if (exclude && ep != exclude)
         ch->st.failovers++;
-    c->refs++;
-    c->link = l;
+    if (!c->dst) {
+        c->refs++;
+        c->link = l;
+    }
     c->attempt_deadline = ch->attempt_ns ? bex__rpc_now_ns() + ch->attempt_ns : 0;
     if (c->attempt_deadline && c->attempt_deadline < ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
@@ -908,30 +1012,17 @@ static const bex_sock_ops xatt_ops = {
     .on_close = x_on_close,
 };
 
-static int xatt_open(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude)
+/* c's attempt on ep (start_attempt picked it): a socket of its own on
+ * the endpoint's connection as the ladder has it (joining the channel's
+ * link's when there is one, the same options), which takes ladder steps,
+ * counts and reports as a link does. */
+static int xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep)
 {
-    struct endpoint *ep = choose_ep(ch, exclude);
-    c->attempts++;
-    if (ch->dir) {
-        dir_release(ch, c);
-        if (!ep)
-            return -EHOSTUNREACH;
-        c->counted = ep;
-    }
-    c->ep = ep;
     struct xatt *xa = calloc(1, sizeof(*xa));
     if (!xa)
         return -ENOMEM;
     *xa = (struct xatt){.ch = ch, .c = c, .ep = ep};
-    /* the endpoint's connection as the channel's link to it has it (the
-     * socket joins it), or as the ladder would make it, without taking a
-     * step: the link's own failures take those */
-    bex_connect_opts o = {0};
-    uint32_t t = ep->rung == BEX_RPC_LADDER_TCP ? BEX_TRANSPORT_TCP : ep->transport;
-    if (t) {
-        o.flags = BEX_CONNECT_TRANSPORT;
-        o.transport = t;
-    }
+    bex_connect_opts o = ladder_connect(ch, ep, &xa->rung, &xa->tcp, &xa->gen);
     int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &xatt_ops, xa, &o, &xa->s);
     if (err) {
         free(xa);
@@ -940,10 +1031,8 @@ static int xatt_open(struct bex_rpc_channel *ch, struct call *c, const struct en
     ep->refs++;
     c->refs++;
     c->xa = xa;
-    ch->st.attempts++;
-    ep->attempts++;
-    if (exclude && ep != exclude)
-        ch->st.failovers++;
+    xa->probing = true;
+    ep->xprobing++;
     return 0;
 }
 
@@ -959,23 +1048,27 @@ static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct cal
         *done = c;
     } else if (c->want_attempt && c->live) {
         c->want_attempt = false;
-        int err = xatt_open(ch, c, c->ep);
+        bool step;
+        int err = start_attempt(ch, c, c->ep, &step);
         if (err)
-            attempt_failed(ch, c, err, false, done);
+            attempt_failed_ex(ch, c, err, false, step, done);
     }
 }
 
-/* xa's attempt failed with err (still the call's current one): retry or
- * complete. */
-static void xatt_failed(struct bex_rpc_channel *ch, struct xatt *xa, int err, bool remote,
+/* xa's attempt failed with err: retry or complete, if it is still the
+ * call's current one. conn: its connection failed (as a link's failure:
+ * the ladder, the counters, the directory; the calls it moves spend no
+ * budget), not only this socket (a malformed answer, a refused message). */
+static void xatt_failed(struct bex_rpc_channel *ch, struct xatt *xa, int err, bool conn,
                         struct call **done)
 {
     struct call *c = xa->c;
     xatt_end(xa);
     if (c->xa != xa || !c->live || c->want_attempt)
         return;
+    bool moved = conn && ep_conn_failed(ch, xa->ep, xa->rung, xa->gen, err);
     xa->ep->failures++;
-    attempt_failed(ch, c, err, remote, done);
+    attempt_failed_ex(ch, c, err, false, moved, done);
 }
 
 static void x_on_connect(bex_sock *s, int status, void *user)
@@ -984,8 +1077,13 @@ static void x_on_connect(bex_sock *s, int status, void *user)
     struct bex_rpc_channel *ch = xa->ch;
     struct call *c = xa->c, *done = NULL;
     pthread_mutex_lock(&ch->mu);
+    /* a connection the ladder made proves itself by an answer */
+    if (status || xa->rung == BEX_RPC_LADDER_OK)
+        xatt_probed(xa);
+    if (!status && xa->rung == BEX_RPC_LADDER_OK)
+        ep_reachable(ch, xa->ep);
     if (status) {
-        xatt_failed(ch, xa, status, false, &done);
+        xatt_failed(ch, xa, status, true, &done);
     } else if (!xa->closing && c->xa == xa && c->live) {
         /* over RDMA the answer is written into the destination (header
          * in its room, then the body); over TCP, where an exposed buffer
@@ -1038,7 +1136,7 @@ static void x_on_error(bex_sock *s, int err, void *user)
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
     /* the socket layer handed the exposure back before this */
-    xatt_failed(ch, xa, err ? err : -ECONNRESET, false, &done);
+    xatt_failed(ch, xa, err ? err : -ECONNRESET, true, &done);
     xatt_retired(ch, xa, &done);
     pthread_mutex_unlock(&ch->mu);
     run_done(ch, done);
@@ -1062,8 +1160,11 @@ static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, i
             bex_mem_free(buf);
         else
             call_put(ch, c); /* the request: c->msg stays the call's */
+        /* refused by the peer: this attempt's; not delivered or in
+         * doubt: the connection failed */
         if (status)
-            xatt_failed(ch, xa, status == -ECANCELED ? -ECONNRESET : status, false, &done);
+            xatt_failed(ch, xa, status == -ECANCELED ? -ECONNRESET : status,
+                        status != -ENOMEM && status != -EMSGSIZE, &done);
     }
     pthread_mutex_unlock(&ch->mu);
     run_done(ch, done);
@@ -1106,21 +1207,27 @@ static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
                      "rpc channel %s: malformed answer (%s): attempt's socket closed", ch->name,
                      why);
         xatt_failed(ch, xa, -EPROTO, false, &done);
-    } else if (!current) {
-        ch->st.late_responses++;
     } else {
-        xa->ep->answers++;
-        xatt_end(xa); /* one answer per attempt */
-        size_t blen = h.body_len;
-        if (h.status && retryable(h.status, true)) {
-            attempt_failed(ch, c, h.status, true, &done);
-        } else if (!into && blen > c->cap) {
-            /* a server that did not check: nothing is copied */
-            complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
+        /* the connection works, at the step it was made at */
+        ep_answered(ch, xa->ep, xa->tcp, h.status, current);
+        xatt_probed(xa);
+        ep_reachable(ch, xa->ep);
+        ladder_proven(ch, xa->ep, xa->rung);
+        if (!current) {
+            ch->st.late_responses++;
         } else {
-            if (!into && blen)
-                memcpy(c->dst, (uint8_t *)buf + BEX_RPC_HDR_LEN, blen);
-            complete(ch, c, h.status, c->dst, blen, h.status ? K_REMOTE : K_OK, &done);
+            xatt_end(xa); /* one answer per attempt */
+            size_t blen = h.body_len;
+            if (h.status && retryable(h.status, true)) {
+                attempt_failed(ch, c, h.status, true, &done);
+            } else if (!into && blen > c->cap) {
+                /* a server that did not check: nothing is copied */
+                complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
+            } else {
+                if (!into && blen)
+                    memcpy(c->dst, (uint8_t *)buf + BEX_RPC_HDR_LEN, blen);
+                complete(ch, c, h.status, c->dst, blen, h.status ? K_REMOTE : K_OK, &done);
+            }
         }
     }
     if (into)
@@ -1139,6 +1246,7 @@ static void x_on_close(bex_sock *s, void *user)
     struct call *c = xa->c, *done = NULL;
     pthread_mutex_lock(&ch->mu);
     xa->armed = false; /* exposures come back before on_close */
+    xatt_probed(xa);
     xatt_retired(ch, xa, &done);
     if (c->xa == xa)
         c->xa = NULL;
@@ -1316,9 +1424,7 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         bex_mem_free(buf);
         return;
     }
-    l->ep->answers++;
-    if (l->tcp)
-        l->ep->tcp_answers++;
+    ep_answered(ch, l->ep, l->tcp, h.status, c != NULL);
     if (!c) {
         ch->st.late_responses++; /* completed already: timed out, cancelled */
         pthread_mutex_unlock(&ch->mu);
@@ -1329,7 +1435,6 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     void *body = blen ? (uint8_t *)buf + BEX_RPC_HDR_LEN : NULL;
     if (!blen)
         bex_mem_free(buf);
-    dir_report(ch, l->ep, h.status && retryable(h.status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
     if (h.status && retryable(h.status, true) && c->link == l) {
         bex_rpc_free(body);
         attempt_failed(ch, c, h.status, true, &done);
@@ -1384,6 +1489,7 @@ static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct c
                        .state = L_CONNECTING,
                        .t_start = bex__rpc_now_ns(),
                        .rung = ep->rung,
+                       .gen = ep->fail_gen,
                        .probe = true};
     bex_connect_opts o = {.flags = BEX_CONNECT_TRANSPORT, .transport = BEX_TRANSPORT_RDMA};
     err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
@@ -1427,6 +1533,38 @@ static uint64_t ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uin
 }
 
 /* ---- timer thread: deadlines, attempt timeouts, Tc, the ladder ---- */
+
+/* c's attempt passed attempt_timeout_ms: a failure of it for the
+ * endpoint's counters and the directory, and a retry when the call may
+ * have one (attempts, deadline, coin, budget), on another endpoint when
+ * there is one. A link's attempt stays out (its answer is still taken);
+ * an attempt with a destination is abandoned (start_attempt ends it), as
+ * two would share the destination, and the retry exposes it afresh once
+ * the transport no longer writes it. With no retry the attempt stays out
+ * until the call's deadline. */
+static void attempt_timed_out(struct bex_rpc_channel *ch, struct call *c, struct call **done)
+{
+    c->attempt_deadline = 0;
+    struct link *pl = c->link;
+    struct endpoint *pe = c->ep;
+    if (pe)
+        pe->failures++;
+    dir_report(ch, pe, BEX_DIR_REQ_FAIL);
+    if (!may_retry(ch, c, -ETIMEDOUT, false))
+        return;
+    ch->st.retries++;
+    bool step;
+    int err = start_attempt(ch, c, pe, &step);
+    if (!err)
+        return;
+    if (c->dst) {
+        attempt_failed_ex(ch, c, err, false, step, done); /* the first one was ended */
+    } else {
+        /* no second attempt now: the first may still answer */
+        c->link = pl;
+        c->ep = pe;
+    }
+}
 
 static void *timer_main(void *arg)
 {
@@ -1474,25 +1612,8 @@ static void *timer_main(void *arg)
                 complete(ch, c, -ETIMEDOUT, NULL, 0, K_TIMEOUT, &done);
                 continue;
             }
-            if (c->attempt_deadline && now >= c->attempt_deadline) {
-                /* the attempt stays out (its answer is still taken); a
-                 * second one goes elsewhere */
-                c->attempt_deadline = 0;
-                struct link *pl = c->link;
-                struct endpoint *pe = c->ep;
-                if (pe)
-                    pe->failures++;
-                dir_report(ch, pe, BEX_DIR_REQ_FAIL);
-                if (may_retry(ch, c, -ETIMEDOUT, false)) {
-                    ch->st.retries++;
-                    bool step;
-                    if (start_attempt(ch, c, pe, &step)) {
-                        /* no second attempt now: the first may still answer */
-                        c->link = pl;
-                        c->ep = pe;
-                    }
-                }
-            }
+            if (c->attempt_deadline && now >= c->attempt_deadline)
+                attempt_timed_out(ch, c, &done);
             if (c->live && c->deadline < next)
                 next = c->deadline;
             if (c->live && c->attempt_deadline && c->attempt_deadline < next)
@@ -1505,7 +1626,8 @@ static void *timer_main(void *arg)
             continue;
         }
         ch->timer_next = next;
-        struct timespec ts = {(time_t)(next / 1000000000ull), (long)(next % 1000000000ull)};
+        uint64_t until = bex__rpc_clock_sleep_until(next);
+        struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
         pthread_cond_timedwait(&ch->cv, &ch->mu, &ts);
         ch->timer_next = 0;
     }

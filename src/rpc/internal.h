@@ -78,7 +78,18 @@ void bex__rpc_hist_add(struct bex__rpc_hist *h, uint64_t ns);
  * midpoint of the bucket holding that rank; 0 with no samples. */
 double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q);
 
+/* The RPC layer's clock, ns: CLOCK_MONOTONIC, or the test hook's. */
 uint64_t bex__rpc_now_ns(void);
+/* Tests: the RPC layer (channels, servers, directories) reads its time
+ * from fn from now on (NULL: CLOCK_MONOTONIC again), so that a case steps
+ * deadlines, attempt timeouts and quarantine periods instead of sleeping
+ * through them. fn must be monotonic. Set it before the objects it is to
+ * drive exist, clear it after they are gone. */
+void bex__rpc_clock_hook(uint64_t (*fn)(void));
+/* The CLOCK_MONOTONIC time (ns) until which a timer due at next (the RPC
+ * clock's time) may sleep: next itself, or with the test hook 1 ms from
+ * now (the hook's time moves when the test moves it, not by sleeping). */
+uint64_t bex__rpc_clock_sleep_until(uint64_t next);
 
 /* ---- one call waited for (bex_rpc_call_sync, the ps catch-up's copy) ---- */
 

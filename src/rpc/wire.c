@@ -1,6 +1,7 @@
 /* The RPC wire header, its histogram and small shared helpers. */
 #include <errno.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -186,11 +187,31 @@ double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q)
     return 0;
 }
 
-uint64_t bex__rpc_now_ns(void)
+static uint64_t mono_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static _Atomic(uint64_t (*)(void)) clock_fn;
+
+void bex__rpc_clock_hook(uint64_t (*fn)(void))
+{
+    atomic_store_explicit(&clock_fn, fn, memory_order_release);
+}
+
+uint64_t bex__rpc_now_ns(void)
+{
+    uint64_t (*fn)(void) = atomic_load_explicit(&clock_fn, memory_order_acquire);
+    return fn ? fn() : mono_ns();
+}
+
+uint64_t bex__rpc_clock_sleep_until(uint64_t next)
+{
+    if (!atomic_load_explicit(&clock_fn, memory_order_acquire))
+        return next;
+    return mono_ns() + 1000000ull;
 }
 
 void bex__prom_printf(struct bex__prom *o, const char *fmt, ...)

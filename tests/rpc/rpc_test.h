@@ -28,6 +28,8 @@ enum {
     M_SLOWW = 9,  /* WRITE: applied at once (counted with M_WRITE), its
                      connection closed, answered 300 ms (scaled) later from
                      the worker */
+    M_HOLD1 = 10, /* the first request of it held (answered -ECANCELED at
+                     teardown), later ones echoed */
 };
 
 /* Keepalive timeout of both sides' contexts (scaled): the RPC cases are not
@@ -153,6 +155,15 @@ static void h_flaky(bex_rpc_req *req, void *body, size_t len, void *user)
     h_write(req, body, len, user);
 }
 
+static void h_hold1(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    static _Atomic int seen;
+    if (atomic_fetch_add(&seen, 1) == 0)
+        queue_work(req, body, len, 0, true);
+    else
+        h_echo(req, body, len, user);
+}
+
 static void h_slow_write(bex_rpc_req *req, void *body, size_t len, void *user)
 {
     (void)user;
@@ -250,6 +261,7 @@ static void srv_child(int wfd, int rfd, void *arg)
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_THREAD, 0, h_thread, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_STATS, 0, h_stats, NULL));
     CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_LATE, 0, h_late, NULL));
+    CHECK_OK(bex_rpc_server_register(ts.srv, SVC, M_HOLD1, 0, h_hold1, NULL));
     CHECK(bex_rpc_server_register(ts.srv, SVC, M_ECHO, 0, h_echo, NULL) == -EEXIST);
     pthread_t worker;
     CHECK(pthread_create(&worker, NULL, worker_main, NULL) == 0);
