@@ -19,7 +19,7 @@
 #include <string.h>
 #include <sys/resource.h>
 
-#include "sock/pair.h"
+#include "sock/echo.h"
 
 #define MSG_LEN 256
 
@@ -65,19 +65,11 @@ static void srv_close(bex_sock *s, void *user)
     waiter_add(&v->w, &v->closed, 1);
 }
 
-/* the peer closed (or the connection failed): close ours */
-static void srv_error(bex_sock *s, int err, void *user)
-{
-    (void)err;
-    (void)user;
-    bex_sock_close(s);
-}
-
 static void srv_accept(bex_listener *l, bex_sock *s, void *user)
 {
     (void)l;
     struct srv *v = user;
-    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = srv_error, .on_close = srv_close};
+    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = echo_srv_error, .on_close = srv_close};
     bex_sock_set_user(s, &ops, v);
     /* on_accept runs on several server threads at once: the slot is taken
      * under the waiter's lock */

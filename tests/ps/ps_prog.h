@@ -105,6 +105,16 @@ static inline void cluster_file(const char *path, int replicas, uint16_t (*ports
     write_file(path, j, o);
 }
 
+/* mkdtemp(tmpl), and in it cluster.json (its path into cluster, cap bytes)
+ * as cluster_file writes it. */
+static inline void tmp_cluster(char *tmpl, char *cluster, size_t cap, int replicas,
+                               uint16_t (*ports)[2])
+{
+    CHECK(mkdtemp(tmpl));
+    snprintf(cluster, cap, "%s/cluster.json", tmpl);
+    cluster_file(cluster, replicas, ports);
+}
+
 /* A directory loaded from the cluster file at path. */
 static inline bex_dir *dir_of_file(const char *path)
 {

@@ -28,6 +28,18 @@ static bex_dir *dir_of(const struct srv_proc *sps)
     return d;
 }
 
+/* The client, its directory and context gone, then both servers told to
+ * go; rc with a server that did not leave cleanly added. */
+static int client_down(bex_ps_client *pc, bex_dir *d, bex_ctx *ctx, struct srv_proc *sp, int rc)
+{
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    for (int s = 0; s < NSH; s++)
+        rc |= stop(&sp[s]);
+    return rc;
+}
+
 /* ---- cases ---- */
 
 static struct {
@@ -102,12 +114,7 @@ static int t_train(void)
         CHECK_OK(bex_rpc_channel_destroy(ch));
     }
     transport_check(ctx);
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    for (int s = 0; s < NSH; s++)
-        rc |= stop(&sp[s]);
-    return rc ? 1 : 0;
+    return client_down(pc, d, ctx, sp, rc) ? 1 : 0;
 }
 
 /* shard 0 loses the answer to the first Push it applies (its connection
@@ -139,12 +146,7 @@ static int t_write_once(void)
     CHECK_EQ(st.ps.pushes, 2);                            /* applied once each */
     CHECK(st.rpc.dup_replayed + st.rpc.dup_pending >= 1); /* and the retry came */
     CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    for (int s = 0; s < NSH; s++)
-        rc |= stop(&sp[s]);
-    return rc ? 1 : 0;
+    return client_down(pc, d, ctx, sp, rc) ? 1 : 0;
 }
 
 struct timed {
@@ -365,12 +367,7 @@ static int t_malformed(void)
     struct ref r;
     ref_init(&r, &TABLES[0], keys);
     fetch_check(pc, &r, keys, all, NK);
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    for (int s = 0; s < NSH; s++)
-        rc |= stop(&sp[s]);
-    return rc ? 1 : 0;
+    return client_down(pc, d, ctx, sp, rc) ? 1 : 0;
 }
 
 /* Both shards stopped with a snapshot and restarted (new processes, new
@@ -414,11 +411,7 @@ static int t_snapshot(void)
                 fetch_check(pc, &r[t], keys, all, NK);
             }
         }
-        bex_ps_client_destroy(pc);
-        bex_dir_destroy(d);
-        CHECK_OK(bex_ctx_destroy(ctx));
-        for (int s = 0; s < NSH; s++)
-            rc |= stop(&sp[s]);
+        rc = client_down(pc, d, ctx, sp, rc);
         for (int s = 0; s < NSH; s++)
             CHECK(access(snap[s], R_OK) == 0);
     }

@@ -546,11 +546,9 @@ static int t_restart(void)
     if (!pair_tcp())
         return bex_test_skip("the program cases run over TCP only");
     char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
-    CHECK(mkdtemp(tmpl));
     char cluster[128];
-    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
     static uint16_t ports[NSH][2];
-    cluster_file(cluster, 2, ports);
+    tmp_cluster(tmpl, cluster, sizeof cluster, 2, ports);
     pid_t pid[2];
     for (int r = 0; r < 2; r++)
         pid[r] = start_replica(cluster, tmpl, r, NULL, NULL, 0);
@@ -722,11 +720,9 @@ static int peer_fails(int hang)
     if (!pair_tcp())
         return bex_test_skip("the program cases run over TCP only");
     char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
-    CHECK(mkdtemp(tmpl));
     char cluster[128];
-    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
     static uint16_t ports[NSH][2];
-    cluster_file(cluster, 2, ports);
+    tmp_cluster(tmpl, cluster, sizeof cluster, 2, ports);
     /* replica 1 alone (no catch-up: nobody to catch up with), some Pushes,
      * its snapshot at SIGTERM */
     const char *no[] = {"--no-catchup", NULL};

@@ -41,10 +41,8 @@ static int t_metrics(void)
     if (!pair_tcp())
         return bex_test_skip("the program cases run over TCP only");
     char tmpl[] = "/tmp/bex-ps-test-XXXXXX";
-    CHECK(mkdtemp(tmpl));
     char cluster[128], url[128];
-    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
-    cluster_file(cluster, 1, NULL);
+    tmp_cluster(tmpl, cluster, sizeof cluster, 1, NULL);
     const char *args[] = {"--cluster",   cluster, "--shard",        "all", "--table", "1:8:sgd:0.1",
                           "--transport", "tcp",   "--metrics-port", "0",   NULL};
     pid_t pid = bex_ps_start(args, url, sizeof url);
@@ -154,10 +152,8 @@ static int t_replica_restart(void)
     if (!pair_tcp())
         return bex_test_skip("the program cases run over TCP only");
     char tmpl[] = "/tmp/bex-ps-test-XXXXXX";
-    CHECK(mkdtemp(tmpl));
     char cluster[128];
-    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
-    cluster_file(cluster, 2, NULL);
+    tmp_cluster(tmpl, cluster, sizeof cluster, 2, NULL);
     pid_t pid[2];
     for (int rp = 0; rp < 2; rp++) {
         const char *args[] = {"--cluster",   cluster,        "--shard",        "all",
@@ -247,10 +243,8 @@ static int t_snapshot_every(void)
     if (!pair_tcp())
         return bex_test_skip("the program cases run over TCP only");
     char tmpl[] = "/tmp/bex-ps-test-XXXXXX";
-    CHECK(mkdtemp(tmpl));
     char cluster[128];
-    snprintf(cluster, sizeof cluster, "%s/cluster.json", tmpl);
-    cluster_file(cluster, 1, NULL);
+    tmp_cluster(tmpl, cluster, sizeof cluster, 1, NULL);
     const char *args[] = {
         "--cluster",   cluster, "--shard",        "all", "--table",          "1:8:sgd:0.1",
         "--transport", "tcp",   "--snapshot-dir", tmpl,  "--snapshot-every", "100",

@@ -364,6 +364,19 @@ static inline bex_rpc_channel *chan_open(bex_ctx *ctx, struct srv_proc *sp, size
     return ch;
 }
 
+/* The end of a case: the channel and the client's context gone, then the
+ * servers sp[0..n) told to go (each must leave cleanly); what the case
+ * returns. */
+static inline int rpc_finish(bex_rpc_channel *ch, bex_ctx *ctx, struct srv_proc *sp, size_t n)
+{
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    int rc = 0;
+    for (size_t i = 0; i < n; i++)
+        rc |= stop_server(&sp[i], false);
+    return rc ? 1 : 0;
+}
+
 static struct tstats server_stats(bex_rpc_channel *ch)
 {
     void *resp = NULL;

@@ -246,9 +246,7 @@ static int t_steps(void)
              ip, ntohs(sp.addr.sin_port));
     CHECK(strstr(buf, want));
     free(buf);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 /* Two endpoints, both listed as RDMA on a context without a device: each

@@ -102,9 +102,7 @@ static int t_echo(void)
     CHECK(st.lat_p50_us > 0 && st.lat_p50_us <= st.lat_p99_us && st.lat_p99_us <= st.lat_p999_us);
     /* an unregistered method: -ENOSYS from the server, not retried */
     CHECK_EQ(bex_rpc_call_sync(ch, SVC, 99, NULL, 0, NULL, NULL, NULL), -ENOSYS);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 /* A handler that never answers: the call completes with -ETIMEDOUT at its
@@ -160,9 +158,7 @@ static int t_deadline(void)
     CHECK_EQ(st.fail_timeout, 2);
     CHECK_EQ(st.fail_cancel, 1);
     CHECK_EQ(st.retries, 0); /* timeouts of the whole call are not retried */
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 /* Calls outstanding when the channel is destroyed complete once with
@@ -511,9 +507,7 @@ static int t_write_once(void)
     CHECK_EQ(t.applied, 3);
     CHECK_EQ(t.st.dup_pending, 1);
     CHECK_EQ(t.st.dup_replayed, 2);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 /* The dedup window's rules, with requests made by hand on a raw socket
@@ -608,9 +602,7 @@ static int t_window(void)
     CHECK_EQ(t.applied, 4);
     CHECK_EQ(t.st.dup_replayed, 2);
     CHECK_EQ(t.st.stale, 2);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 /* A raw socket sends the server messages that are not RPC requests: the
@@ -672,9 +664,7 @@ static int t_garbage(void)
     struct tstats t = server_stats(ch);
     CHECK_EQ(t.st.bad_header, 1);
     CHECK_EQ(t.malformed_logs, 1);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 /* Handlers answering from another thread, many calls outstanding from
@@ -730,9 +720,7 @@ static int t_threads(void)
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
     CHECK_EQ(st.ok, 900);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 /* The Prometheus dump says what the counters say. */
@@ -776,9 +764,7 @@ static int t_prometheus(void)
              ip, ntohs(sp.addr.sin_port));
     CHECK(strstr(buf, want));
     free(buf);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop_server(&sp, false) ? 1 : 0;
+    return rpc_finish(ch, ctx, &sp, 1);
 }
 
 BEX_TEST_MAIN({"echo", t_echo}, {"deadline", t_deadline}, {"destroy", t_destroy},

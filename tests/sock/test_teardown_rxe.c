@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "nomem.h"
-#include "pair.h"
+#include "echo.h"
 #include "rdma/rdma.h"
 
 /* ---------------- a server that counts, and closes when told ---------------- */
@@ -46,18 +46,6 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
         bex_sock_close(s);
 }
 
-static void srv_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
-{
-    (void)s, (void)len, (void)mu, (void)status, (void)user;
-    bex_mem_free(buf);
-}
-
-static void srv_error(bex_sock *s, int err, void *user)
-{
-    (void)err, (void)user;
-    bex_sock_close(s);
-}
-
 static void srv_close(bex_sock *s, void *user)
 {
     struct srv_sock *ss = user;
@@ -66,8 +54,10 @@ static void srv_close(bex_sock *s, void *user)
     free(ss);
 }
 
-static const bex_sock_ops srv_ops = {
-    .on_recv = srv_recv, .on_send_done = srv_done, .on_error = srv_error, .on_close = srv_close};
+static const bex_sock_ops srv_ops = {.on_recv = srv_recv,
+                                     .on_send_done = echo_srv_done,
+                                     .on_error = echo_srv_error,
+                                     .on_close = srv_close};
 
 static void srv_accept(bex_listener *l, bex_sock *s, void *user)
 {
@@ -910,7 +900,7 @@ static void echo_recv(bex_sock *s, void *buf, size_t len, void *user)
 }
 
 static const bex_sock_ops echo_ops = {
-    .on_recv = echo_recv, .on_send_done = srv_done, .on_error = srv_error};
+    .on_recv = echo_recv, .on_send_done = echo_srv_done, .on_error = echo_srv_error};
 
 static void echo_accept(bex_listener *l, bex_sock *s, void *user)
 {

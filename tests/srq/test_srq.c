@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "sock/pair.h"
+#include "sock/echo.h"
 #include "transport/rdma/srq.h"
 
 static struct in_addr addr0, addr1;
@@ -81,18 +81,11 @@ static void srv_close(bex_sock *s, void *user)
     waiter_add(&v->w, &v->closed, 1);
 }
 
-static void srv_error(bex_sock *s, int err, void *user)
-{
-    (void)err;
-    (void)user;
-    bex_sock_close(s);
-}
-
 static void srv_accept(bex_listener *l, bex_sock *s, void *user)
 {
     (void)l;
     struct srv *v = user;
-    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = srv_error, .on_close = srv_close};
+    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = echo_srv_error, .on_close = srv_close};
     bex_sock_set_user(s, &ops, v);
     waiter_add(&v->w, &v->accepted, 1);
 }
