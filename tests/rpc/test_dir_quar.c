@@ -9,11 +9,19 @@
  *   period) and whose quarantine is lifted by the probe's answer;
  * - both_die: A was killed before B; A's early probe fails and A is
  *   quarantined again, B stays outside quarantine, and every call fails
- *   with a connection error within its deadline, none hangs. */
+ *   with a connection error within its deadline, none hangs;
+ * - send_fails (tcp only: fakenet, tests/rpc/fakenet.h): B's connection
+ *   fails under a call's send, the socket already failed and its failure
+ *   callbacks waiting for the channel's lock (the race test_dir_quar's
+ *   other_dies met about once in 5 runs under ASan, made certain by the
+ *   RPC layer's send hook): the call succeeds through A, released early
+ *   by B's failure, and B's failure is counted once. */
 #include <sys/wait.h>
 
 #include "bex/dir.h"
+#include "rpc/fakenet.h"
 #include "rpc/rpc_test.h"
+#include "sock/internal.h"
 
 static _Atomic int n_early, n_early_failed, n_lifted;
 
@@ -316,4 +324,160 @@ static int t_both_die(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"other_dies", t_other_dies}, {"both_die", t_both_die})
+/* The port (host order) of the server whose connection the next send of
+ * a call's request fails under (0: none), and whether it did. */
+static _Atomic uint16_t fail_port;
+static _Atomic bool failed_under;
+
+/* The RPC layer's send hook (bex__rpc_send_hook), under the channel's
+ * lock: armed, it fails the connection of s (fakenet, on its I/O thread)
+ * and lets the send go on once the socket layer has marked s failed. The
+ * socket's failure callback (the channel's on_error) then waits for the
+ * lock this thread holds: the send finds a failed socket the channel does
+ * not know of yet, as when a replica dies while a call starts. */
+static void fail_under_send(bex_sock *s)
+{
+    uint16_t port = atomic_exchange(&fail_port, 0);
+    if (!port)
+        return;
+    CHECK_EQ(atomic_load(&s->state), S_OPEN);
+    CHECK_EQ(fn_fail_conns(FN_CLIENT, port), 1);
+    uint64_t end = pair_now_ms() + 5000 * time_scale();
+    while (atomic_load(&s->state) != S_FAILED && pair_now_ms() < end)
+        pair_sleep_ms(1);
+    CHECK_EQ(atomic_load(&s->state), S_FAILED);
+    atomic_store(&failed_under, true);
+}
+
+/* The client's context with one I/O thread (whatever BEX_TEST_IO_THREADS
+ * says): io_settle needs every connection on the same thread. */
+static bex_ctx *one_io_ctx(void)
+{
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ctx_config base = {.keepalive_timeout_ms = RPC_KEEPALIVE_MS,
+                           .connect_timeout_ms = RPC_SETUP_MS,
+                           .io_threads = 1};
+    bex_ctx_config c = scaled(&base, a1);
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    return ctx;
+}
+
+/* A call on another channel of the context, answered: the I/O thread is
+ * done with what it was doing before it handled the answer, such as the
+ * end of a completion of ch's (run_done takes ch's lock after the
+ * completion ran, so a synchronous call returns before it). */
+static void io_settle(bex_rpc_channel *other)
+{
+    CHECK_OK(bex_rpc_call_sync(other, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+}
+
+/* The channel's endpoint for server sp (directory mode: made when first
+ * chosen). */
+static bex_rpc_endpoint_stats ep_stats(bex_rpc_channel *ch, const struct srv_proc *sp)
+{
+    bex_rpc_endpoint_stats es[4];
+    size_t n = bex_rpc_channel_endpoint_stats(ch, es, 4);
+    CHECK(n <= 4);
+    for (size_t i = 0; i < n; i++)
+        if (es[i].addr.sin_addr.s_addr == sp->addr.sin_addr.s_addr &&
+            es[i].addr.sin_port == sp->addr.sin_port)
+            return es[i];
+    CHECK(!"no endpoint for the server");
+    return es[0];
+}
+
+/* B's connection fails under a call's send, before the channel heard of
+ * it (A quarantined): the call succeeds through A within its deadline;
+ * B's failure is counted once (by the channel, its endpoint and the
+ * directory) although both the send and the socket's failure callback saw
+ * it; A's quarantine is lifted by the early probe. Before the send failed
+ * the link at once, the retries found B's dead link again (A quarantined,
+ * released only by B's failure reported from the callback, which waited
+ * for the lock the retries held) and the call failed with -EPIPE after 3
+ * attempts. */
+static int t_send_fails(void)
+{
+    RPC_NEED_ADDRS();
+    if (!pair_tcp()) {
+        fprintf(stderr, "send_fails: fakenet wraps TCP only: run with BEX_TEST_TRANSPORT=tcp\n");
+        return 1;
+    }
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    fn_install(); /* the client's connections only: the servers are forked */
+    bex_ctx *ctx = one_io_ctx();
+    bex_dir *d = mkdir2(sp);
+    bex_rpc_channel *ch = setup(ctx, d, sp);
+    CHECK_EQ(fn_live(), 2); /* A's connection and B's */
+    /* nothing of ch's may be left for the I/O thread, or it would wait for
+     * the lock the hook holds instead of failing B's connection: A's late
+     * answers to setup's calls arrived, then a call of another channel
+     * was answered (see io_settle) */
+    uint64_t end = pair_now_ms() + 10000 * time_scale();
+    bex_rpc_channel_stats st0;
+    bex_rpc_channel_stats_get(ch, &st0);
+    while (st0.late_responses < 3 && pair_now_ms() < end) {
+        pair_sleep_ms(5);
+        bex_rpc_channel_stats_get(ch, &st0);
+    }
+    CHECK_EQ(st0.late_responses, 3);
+    bex_rpc_channel *other = chan_open(ctx, &sp[0], 1, 0);
+    io_settle(other);
+    bex_dir_node_stats b0 = nstats(d, &sp[1]);
+    CHECK_EQ(b0.conn_failures, 0);
+    bex__rpc_send_hook(fail_under_send);
+    atomic_store(&fail_port, ntohs(sp[1].addr.sin_port));
+    uint64_t took;
+    int rc = echo(ctx, ch, 1, &took);
+    fprintf(stderr, "send_fails: %s after %llu ms\n", bex_strerror(rc), (unsigned long long)took);
+    print_stats("send_fails", d, sp, ch);
+    CHECK(atomic_load(&failed_under));
+    CHECK_OK(rc);
+    CHECK(took <= deadline_ms());
+    /* the socket's own failure callback ran too, once the lock was free:
+     * B's connection is gone (A's stays) */
+    end = pair_now_ms() + 5000 * time_scale();
+    while (fn_live() > 1 && pair_now_ms() < end)
+        pair_sleep_ms(5);
+    CHECK_EQ(fn_live(), 1);
+    bex__rpc_send_hook(NULL);
+    /* counted once */
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    CHECK_EQ(st.conn_failures - st0.conn_failures, 1);
+    CHECK_EQ(st.endpoints_down - st0.endpoints_down, 1);
+    CHECK_EQ(st.failed, st0.failed);
+    CHECK_EQ(ep_stats(ch, &sp[1]).conn_failures, 1);
+    bex_dir_node_stats a = nstats(d, &sp[0]), b = nstats(d, &sp[1]);
+    CHECK_EQ(b.conn_failures, 1);
+    CHECK_EQ(b.state, BEX_DIR_HEALTHY); /* 1 failure: below the threshold */
+    /* A released by B's failure, probed by the call, lifted */
+    CHECK_EQ(a.state, BEX_DIR_HEALTHY);
+    CHECK_EQ(a.early_probes, 1);
+    CHECK_EQ(a.probes, 1);
+    CHECK_EQ(a.probe_failures, 0);
+    CHECK_EQ(a.lifts, 1);
+    CHECK_EQ(atomic_load(&n_lifted), 1);
+    /* and calls go on, through A (nearest) */
+    for (uint32_t i = 2; i < 12; i++) {
+        CHECK_OK(echo(ctx, ch, i, &took));
+        CHECK(took <= deadline_ms());
+    }
+    CHECK_EQ(nstats(d, &sp[0]).ok, a.ok + 10);
+    CHECK_OK(bex_rpc_channel_destroy(other));
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
+    CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    fn_uninstall();
+    CHECK_EQ(fn_violations(), 0);
+    CHECK_EQ(fn_live(), 0);
+    int rc0 = stop_server(&sp[0], false), rc1 = stop_server(&sp[1], false);
+    return rc0 || rc1 ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"other_dies", t_other_dies}, {"both_die", t_both_die}, {"send_fails", t_send_fails})
