@@ -260,9 +260,14 @@ static int other_dies(bool into)
     CHECK_EQ(a.lifts, 1);
     CHECK(a.ok >= 20);
     /* the calls were A's server's: its own count (20 echoes, this call and
-     * the 3 slow ones at least) */
+     * the 3 slow ones at least; with destinations the slow ones may not
+     * have reached it: each attempt has a socket of its own, closed at the
+     * 100 ms deadline, and over RDMA in the VM the first one's connection
+     * took longer than that to come up) */
     struct tstats t = server_stats(ch);
-    CHECK(t.st.requests >= 24);
+    fprintf(stderr, "other_dies: A's server had %llu requests\n",
+            (unsigned long long)t.st.requests);
+    CHECK(t.st.requests >= (into ? 21u : 24u));
     CHECK_EQ(atomic_load(&n_early), 1);
     CHECK_EQ(atomic_load(&n_lifted), 1);
     CHECK_OK(bex_rpc_channel_destroy(ch));
