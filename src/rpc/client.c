@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -647,10 +648,14 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
                               bool moved, struct call **done);
 static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out);
 
-static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
+/* l failed with err: its endpoint's failure counted and reported (once,
+ * ep_conn_failed), its socket closed, the calls out on it retried or
+ * completed. Returns whether the failure took a step of the recovery
+ * ladder (the calls it moves spend no budget). */
+static bool link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
 {
     if (l->state == L_FAILED)
-        return;
+        return false;
     l->state = L_FAILED;
     if (l->probe) {
         /* step 3's RDMA retry failed: the endpoint stays on TCP (no call
@@ -664,7 +669,7 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
                        "RDMA still unusable (%s): staying on TCP, next try in %llu ms",
                        bex_strerror(err), (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
         bex_sock_close(l->s);
-        return;
+        return false;
     }
     if (l->retiring) {
         /* the endpoint is on RDMA again: only this old TCP connection's
@@ -675,7 +680,7 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
             if (c->link == l)
                 attempt_failed(ch, c, err, false, done);
         }
-        return;
+        return false;
     }
     if (l->ep->cur == l)
         l->ep->cur = NULL;
@@ -696,6 +701,7 @@ static void link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
     if (step && !ep->cur && ep->rung == BEX_RPC_LADDER_REPLICA && !ep->down_until &&
         ep_may_rdma(ch, ep) && !ch->destroying)
         link_open(ch, ep, &nl);
+    return step;
 }
 
 static void on_connect(bex_sock *s, int status, void *user);
@@ -861,13 +867,21 @@ static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct e
 
 static int xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep);
 
+static _Atomic(void (*)(bex_sock *)) send_hook;
+
+void bex__rpc_send_hook(void (*fn)(bex_sock *s))
+{
+    atomic_store_explicit(&send_hook, fn, memory_order_release);
+}
+
 /* Send c on an endpoint (not exclude when there is another): on the
  * endpoint's link, or (a call with a destination) on a socket of its own
  * (xatt_open). Returns 0 or the error that kept the attempt from
  * starting; *step: that error was a connection failure that took a step
- * of the recovery ladder. */
+ * of the recovery ladder. A link found failed here fails now (link_fail:
+ * its other calls go to done or elsewhere). */
 static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude,
-                         bool *step)
+                         bool *step, struct call **done)
 {
     *step = false;
     c->link = NULL;
@@ -904,8 +918,23 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
         if (err)
             *step = connect_refused(ch, ep, err);
     }
-    if (!err && !c->dst)
+    if (!err && !c->dst) {
+        void (*hook)(bex_sock *) = atomic_load_explicit(&send_hook, memory_order_acquire);
+        if (hook)
+            hook(l->s);
         err = bex_sock_send(l->s, c->msg, c->len, c);
+        if (err == -EPIPE) {
+            /* the connection failed and its failure callback is waiting
+             * for ch->mu: it fails now, as that callback would have it
+             * (the endpoint counted once, its node's connection failure
+             * reported, its link dropped), so that the retry sees the
+             * endpoint failed rather than finding this link again, and a
+             * quarantined replica is released for it when this was the
+             * shard's last one (src/rpc/dir.c, release_early) */
+            *step = link_fail(ch, l, err, done);
+            return err;
+        }
+    }
     if (err) {
         if (err != -EINVAL && err != -EMSGSIZE && err != -ENOMEM)
             ep->down_until = ladder_down_until(ch, ep); /* the connection's fault */
@@ -980,7 +1009,7 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
             c->moves++;
             ch->st.ladder_moves++;
         }
-        int e = start_attempt(ch, c, c->ep, &moved);
+        int e = start_attempt(ch, c, c->ep, &moved, done);
         if (!e)
             return;
         err = e;
@@ -1049,7 +1078,7 @@ static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct cal
     } else if (c->want_attempt && c->live) {
         c->want_attempt = false;
         bool step;
-        int err = start_attempt(ch, c, c->ep, &step);
+        int err = start_attempt(ch, c, c->ep, &step, done);
         if (err)
             attempt_failed_ex(ch, c, err, false, step, done);
     }
@@ -1554,11 +1583,16 @@ static void attempt_timed_out(struct bex_rpc_channel *ch, struct call *c, struct
         return;
     ch->st.retries++;
     bool step;
-    int err = start_attempt(ch, c, pe, &step);
+    int err = start_attempt(ch, c, pe, &step, done);
     if (!err)
         return;
     if (c->dst) {
         attempt_failed_ex(ch, c, err, false, step, done); /* the first one was ended */
+    } else if (!pl || pl->state == L_FAILED) {
+        /* its link was found failed by the retry (start_attempt failed it
+         * while the call was on none): nothing answers the first any more */
+        c->ep = pe;
+        attempt_failed_ex(ch, c, err, false, step, done);
     } else {
         /* no second attempt now: the first may still answer */
         c->link = pl;
@@ -1817,7 +1851,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     if (c->deadline < ch->timer_next || !ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
     bool step;
-    int err = start_attempt(ch, c, NULL, &step);
+    int err = start_attempt(ch, c, NULL, &step, &dl);
     if (err)
         attempt_failed_ex(ch, c, err, false, step, &dl);
     pthread_mutex_unlock(&ch->mu);

@@ -90,6 +90,13 @@ void bex__rpc_clock_hook(uint64_t (*fn)(void));
  * clock's time) may sleep: next itself, or with the test hook 1 ms from
  * now (the hook's time moves when the test moves it, not by sleeping). */
 uint64_t bex__rpc_clock_sleep_until(uint64_t next);
+/* Tests: fn runs on the caller's thread, under the channel's lock, just
+ * before a call's request is handed to its connection's socket s (the
+ * channel's link; not an attempt with a destination), so that a case can
+ * have that connection fail there: its failure callbacks then wait for the
+ * lock, and the send finds the socket failed (tests/rpc/test_dir_quar.c,
+ * send_fails). NULL: nothing (the default). */
+void bex__rpc_send_hook(void (*fn)(bex_sock *s));
 
 /* ---- one call waited for (bex_rpc_call_sync, the ps catch-up's copy) ---- */
 
