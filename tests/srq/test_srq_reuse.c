@@ -37,6 +37,7 @@
 #include "harness.h"
 #include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
+#include "upcalls.h"
 #include "wire/hdr.h"
 
 enum { DEPTH = 64, RQ = 16, MAXQ = 256, MAXEV = 64 };
@@ -219,16 +220,7 @@ static void up_on_fail(struct bex__xport *x, int err)
     c->fail_err = err;
 }
 
-static const struct bex__transport_upcalls ops = {
-    .on_up = up_on_up,
-    .on_msg = up_on_msg,
-    .on_open = up_on_open,
-    .on_peer_close = up_on_peer_close,
-    .on_send_done = up_on_send_done,
-    .on_stream_closed = up_on_stream_closed,
-    .on_direct = up_on_direct,
-    .on_fail = up_on_fail,
-};
+static const struct bex__transport_upcalls ops = {BEX_TEST_UP_ON};
 
 /* ---------------- the I/O thread ---------------- */
 
