@@ -10,6 +10,7 @@
 #ifndef BEX_TEST_RPC_H
 #define BEX_TEST_RPC_H
 
+#include "bex/dir.h"
 #include "bex/rpc.h"
 #include "rpc/internal.h"
 #include "sock/child.h"
@@ -338,6 +339,63 @@ static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *s
         .request_timeout_ms = 2000 * time_scale(),
         .connect_timeout_ms = 15000 * time_scale(), /* above the contexts' setup deadline */
     };
+}
+
+/* The recovery ladder's cases on the native TCP tier: a context without a
+ * device refuses every RDMA connection at once. */
+#define RPC_NEED_NO_DEVICE()                                                                       \
+    do {                                                                                           \
+        if (!pair_tcp())                                                                           \
+            return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "      \
+                                 "without a device)");                                             \
+    } while (0)
+
+/* chan_cfg over sp alone, listed RDMA, with max_attempts 2 and a budget of
+ * one retry: the ladder's moves (steps 1, 2, 3) must spend neither. */
+static inline bex_rpc_channel_config ladder_cfg(bex_rpc_endpoint *ep, struct srv_proc *sp)
+{
+    bex_rpc_channel_config cc = chan_cfg(ep, sp, 1);
+    ep[0].transport = BEX_TRANSPORT_RDMA;
+    cc.max_attempts = 2;
+    cc.retry_budget_burst = 1;
+    cc.retry_budget_permille = 1;
+    return cc;
+}
+
+/* A lone endpoint's ladder went up once: step 1 (a reconnect), step 2 (no
+ * other replica), step 3 (TCP), two moves. */
+static inline void check_ladder_climbed(const bex_rpc_channel_stats *st)
+{
+    CHECK_EQ(st->ladder_reconnects, 1);
+    CHECK_EQ(st->ladder_replicas, 1);
+    CHECK_EQ(st->ladder_tcp, 1);
+    CHECK_EQ(st->ladder_moves, 2);
+}
+
+/* Load service "ps" into d: one shard, its replicas sps[0..n), sps[i] in
+ * locality dc1/pod<pod + i> (a client's is dc1/pod1), each listed with
+ * transport unless that is NULL. */
+static inline void dir_load_ps(bex_dir *d, const struct srv_proc *sps, size_t n, int pod,
+                               const char *transport)
+{
+    char j[1024], err[256] = "";
+    int o = snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
+    for (size_t i = 0; i < n; i++) {
+        char ip[INET_ADDRSTRLEN], tr[64] = "";
+        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip, sizeof ip);
+        if (transport)
+            snprintf(tr, sizeof tr, ",\"transport\":\"%s\"", transport);
+        o += snprintf(j + o, sizeof j - (size_t)o,
+                      "%s{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod%d\"%s}", i ? "," : "", ip,
+                      ntohs(sps[i].addr.sin_port), pod + (int)i, tr);
+        CHECK(o > 0 && (size_t)o < sizeof j);
+    }
+    o += snprintf(j + o, sizeof j - (size_t)o, "]}]}}}");
+    CHECK((size_t)o < sizeof j);
+    int rc = bex_dir_load_json(d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
 }
 
 /* A body of len bytes (fill_pattern's, seed) to send. */

@@ -22,24 +22,10 @@ static void dir_log(int level, const char *msg, void *arg)
 /* ps/0 on sps[first..1]: sps[0] in the client's pod, sps[1] in another. */
 static void load2(bex_dir *d, struct srv_proc *sps, int n)
 {
-    char j[512], ip[2][INET_ADDRSTRLEN], err[256];
-    for (int i = 0; i < 2; i++)
-        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip[i], sizeof ip[i]);
     if (n == 2)
-        snprintf(j, sizeof j,
-                 "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-                 "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"},"
-                 "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-                 ip[0], ntohs(sps[0].addr.sin_port), ip[1], ntohs(sps[1].addr.sin_port));
+        dir_load_ps(d, sps, 2, 1, NULL);
     else
-        snprintf(j, sizeof j,
-                 "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-                 "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-                 ip[1], ntohs(sps[1].addr.sin_port));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+        dir_load_ps(d, &sps[1], 1, 2, NULL);
 }
 
 /* ps/0 on two servers: sps[0] in the client's pod, sps[1] in another. */

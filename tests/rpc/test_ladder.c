@@ -165,19 +165,13 @@ static char *prom(bex_rpc_channel *ch)
 static int t_steps(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = ladder_ctx(0, 0);
     CHECK(bex_ctx_pd(ctx) == NULL);
     bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    ep[0].transport = BEX_TRANSPORT_RDMA;
-    cc.max_attempts = 2;
-    cc.retry_budget_burst = 1;
-    cc.retry_budget_permille = 1;
+    bex_rpc_channel_config cc = ladder_cfg(ep, &sp);
     const unsigned retry_ms = 300 * time_scale();
     cc.rdma_retry_ms = retry_ms;
     bex_rpc_channel *ch;
@@ -190,11 +184,8 @@ static int t_steps(void)
     bex_rpc_free(resp);
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
-    CHECK_EQ(st.ladder_reconnects, 1);
-    CHECK_EQ(st.ladder_replicas, 1);
-    CHECK_EQ(st.ladder_tcp, 1);
+    check_ladder_climbed(&st);
     CHECK_EQ(st.ladder_recovered, 0);
-    CHECK_EQ(st.ladder_moves, 2);
     CHECK_EQ(st.retries, 2);
     CHECK_EQ(st.retry_throttled, 0);
     CHECK_EQ(st.attempts, 1); /* the RDMA ones never left */
@@ -255,9 +246,7 @@ static int t_steps(void)
 static int t_two_replicas(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp[2];
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
@@ -304,24 +293,13 @@ static int t_two_replicas(void)
 static int t_directory(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = ladder_ctx(0, 0);
     bex_dir *d;
     CHECK_OK(bex_dir_create(NULL, &d));
-    char j[256], ip[INET_ADDRSTRLEN], err[256] = "";
-    inet_ntop(AF_INET, &sp.addr.sin_addr, ip, sizeof ip);
-    snprintf(j, sizeof j,
-             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\",\"transport\":\"rdma\"}]}]}}}",
-             ip, ntohs(sp.addr.sin_port));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    dir_load_ps(d, &sp, 1, 1, "rdma");
     const unsigned retry_ms = 200 * time_scale();
     bex_rpc_channel_config cc = {.dir = d,
                                  .service = "ps",
@@ -337,10 +315,7 @@ static int t_directory(void)
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
-    CHECK_EQ(st.ladder_reconnects, 1);
-    CHECK_EQ(st.ladder_replicas, 1);
-    CHECK_EQ(st.ladder_tcp, 1);
-    CHECK_EQ(st.ladder_moves, 2);
+    check_ladder_climbed(&st);
     CHECK_EQ(st.ok, 10);
     bex_rpc_endpoint_stats es[1];
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);

@@ -201,19 +201,13 @@ static int t_attempt_limits(void)
 static int t_ladder_steps(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
     CHECK(bex_ctx_pd(ctx) == NULL);
     bex_rpc_endpoint eps[1];
-    bex_rpc_channel_config cc = chan_cfg(eps, &sp, 1);
-    eps[0].transport = BEX_TRANSPORT_RDMA;
-    cc.max_attempts = 2;
-    cc.retry_budget_burst = 1;
-    cc.retry_budget_permille = 1;
+    bex_rpc_channel_config cc = ladder_cfg(eps, &sp);
     bex_rpc_channel *ch;
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     enum { CAP = 4096 };
@@ -235,10 +229,7 @@ static int t_ladder_steps(void)
     }
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
-    CHECK_EQ(st.ladder_reconnects, 1);
-    CHECK_EQ(st.ladder_replicas, 1);
-    CHECK_EQ(st.ladder_tcp, 1);
-    CHECK_EQ(st.ladder_moves, 2);
+    check_ladder_climbed(&st);
     CHECK_EQ(st.retries, 2);
     CHECK_EQ(st.retry_throttled, 0);
     CHECK_EQ(st.attempts, 5); /* the RDMA ones never left */
@@ -432,18 +423,7 @@ static int t_directory(void)
         .conn_fail_max = M, .req_fail_max = 1000, .fail_window_ms = 60000, .quarantine_ms = 60000};
     bex_dir *d;
     CHECK_OK(bex_dir_create(&dc, &d));
-    char j[512], ip[2][INET_ADDRSTRLEN], err[256] = "";
-    for (int i = 0; i < 2; i++)
-        inet_ntop(AF_INET, &sp[i].addr.sin_addr, ip[i], sizeof ip[i]);
-    snprintf(j, sizeof j,
-             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"},"
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-             ip[0], ntohs(sp[0].addr.sin_port), ip[1], ntohs(sp[1].addr.sin_port));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    dir_load_ps(d, sp, 2, 1, NULL);
     bex_rpc_channel_config cc = {.dir = d,
                                  .service = "ps",
                                  .locality = "dc1/pod1",
@@ -497,7 +477,7 @@ static int t_directory(void)
     bex_dir_destroy(d);
     bex_rpc_free(dst);
     CHECK_OK(bex_ctx_destroy(ctx));
-    rc = stop_server(&sp[0], true);
+    int rc = stop_server(&sp[0], true);
     rc |= stop_server(&sp[1], false);
     return rc ? 1 : 0;
 }
