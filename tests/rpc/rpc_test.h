@@ -341,6 +341,28 @@ static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *s
     };
 }
 
+/* The completions of a case's calls, each call with a record of its own. */
+struct tally {
+    _Atomic long calls;   /* completions */
+    _Atomic long twice;   /* a call completed a second time */
+    _Atomic long ok, bad; /* status 0 with the right body / anything else */
+    _Atomic long late;    /* completed after its deadline + slack */
+    struct waiter w;
+};
+
+/* One completion on t of the call whose record holds *done: twice when it
+ * is not the call's first, late and ok (else bad) as the case judged it;
+ * counted last, when the case may go on. */
+static inline void tally_done(struct tally *t, _Atomic int *done, bool late, bool ok)
+{
+    if (atomic_fetch_add(done, 1))
+        atomic_fetch_add(&t->twice, 1);
+    if (late)
+        atomic_fetch_add(&t->late, 1);
+    atomic_fetch_add(ok ? &t->ok : &t->bad, 1);
+    waiter_add(&t->w, &t->calls, 1);
+}
+
 /* The recovery ladder's cases on the native TCP tier: a context without a
  * device refuses every RDMA connection at once. */
 #define RPC_NEED_NO_DEVICE()                                                                       \

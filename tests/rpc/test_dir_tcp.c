@@ -58,13 +58,8 @@ static bex_rpc_channel_config dir_chan(bex_dir *d, unsigned deadline)
     };
 }
 
-struct rec {
-    _Atomic long calls, ok, bad, late, twice;
-    struct waiter w;
-};
-
 struct one {
-    struct rec *r;
+    struct tally *r;
     uint32_t seed;
     uint64_t t0_ms, limit_ms;
     int status;
@@ -74,18 +69,11 @@ struct one {
 static void one_done(int status, void *body, size_t len, void *user)
 {
     struct one *o = user;
-    struct rec *r = o->r;
-    if (atomic_fetch_add(&o->done, 1))
-        atomic_fetch_add(&r->twice, 1);
     o->status = status;
-    if (pair_now_ms() > o->t0_ms + o->limit_ms)
-        atomic_fetch_add(&r->late, 1);
-    if (status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0)
-        atomic_fetch_add(&r->ok, 1);
-    else
-        atomic_fetch_add(&r->bad, 1);
+    bool late = pair_now_ms() > o->t0_ms + o->limit_ms;
+    bool ok = status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0;
     bex_rpc_free(body);
-    waiter_add(&r->w, &r->calls, 1);
+    tally_done(o->r, &o->done, late, ok);
 }
 
 static bex_dir_node_stats nstats(bex_dir *d, const struct srv_proc *sp)
@@ -126,7 +114,7 @@ static int t_kill(void)
     CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
     CHECK_EQ(nstats(d, &sp[1]).picks, 1);
     enum { OUT = 8, MAX = 200000 };
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     static struct one o[MAX];
     const unsigned slack = 20 * time_scale();
     long n = 0;
@@ -291,7 +279,7 @@ static void late_done(int status, void *body, size_t len, void *user)
 {
     (void)len;
     bex_rpc_free(body);
-    struct rec *r = user;
+    struct tally *r = user;
     if (status == 0)
         atomic_fetch_add(&r->ok, 1);
     else
@@ -317,7 +305,7 @@ static int t_prune(void)
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL)); /* to sp[0] */
     /* a call sp[0] answers only after 5 s */
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     uint32_t *b = bex_rpc_alloc(ctx, sizeof *b);
     CHECK(b);
     *b = 5000;

@@ -8,16 +8,8 @@
 
 /* ---- completion bookkeeping shared by the cases ---- */
 
-struct rec {
-    _Atomic long calls;   /* completions */
-    _Atomic long twice;   /* a call completed a second time */
-    _Atomic long ok, bad; /* status 0 with the right body / anything else */
-    _Atomic long late;    /* completed after its deadline + slack */
-    struct waiter w;
-};
-
 struct one {
-    struct rec *r;
+    struct tally *r;
     uint32_t seed;
     size_t len;
     uint64_t t0_ms, limit_ms; /* must complete by t0 + limit */
@@ -28,18 +20,11 @@ struct one {
 static void one_done(int status, void *body, size_t len, void *user)
 {
     struct one *o = user;
-    struct rec *r = o->r;
-    if (atomic_fetch_add(&o->done, 1))
-        atomic_fetch_add(&r->twice, 1);
     o->status = status;
-    if (o->limit_ms && pair_now_ms() > o->t0_ms + o->limit_ms)
-        atomic_fetch_add(&r->late, 1);
-    if (status == 0 && len == o->len && (len == 0 || check_pattern(body, len, o->seed) == 0))
-        atomic_fetch_add(&r->ok, 1);
-    else
-        atomic_fetch_add(&r->bad, 1);
+    bool late = o->limit_ms && pair_now_ms() > o->t0_ms + o->limit_ms;
+    bool ok = status == 0 && len == o->len && (len == 0 || check_pattern(body, len, o->seed) == 0);
     bex_rpc_free(body);
-    waiter_add(&r->w, &r->calls, 1);
+    tally_done(o->r, &o->done, late, ok);
 }
 
 /* Say how the first few failed calls of o[0..n) failed. */
@@ -80,7 +65,7 @@ static int t_echo(void)
     }
     /* many outstanding, mixed sizes */
     enum { N = 512, OUT = 64 };
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     static struct one o[N];
     for (int i = 0; i < N; i++) {
         CHECK(wait_count(&r.w, &r.calls, i - OUT + 1, 20000) == 0);
@@ -117,7 +102,7 @@ static int t_deadline(void)
     bex_ctx *ctx = client_ctx();
     bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 0);
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL)); /* connected */
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     const unsigned tmo = 100 * time_scale(), slack = 30 * time_scale();
     static struct one o[3];
     uint64_t t0 = pair_now_ms();
@@ -177,7 +162,7 @@ static int t_destroy(void)
     bex_mem_pool_collect(bex_ctx_pool(ctx));
     bex_mem_pool_stats(bex_ctx_pool(ctx), &ms);
     size_t base = ms.in_use_bytes;
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     static struct one o[16];
     for (int i = 0; i < 16; i++) {
         o[i] = (struct one){.r = &r};
@@ -230,7 +215,7 @@ static int t_failover(void)
     for (int i = 0; i < 2; i++)
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, &warm, NULL, NULL));
     enum { OUT = 8 };
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     static struct one o[100000];
     const unsigned slack = 20 * time_scale();
     long n = 0;
@@ -395,7 +380,7 @@ static int t_endpoints(void)
     CHECK_EQ(requests_of(st1), 1);
     /* a call out on the first server (answered after 1 s) when the list
      * becomes the second server alone */
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     static struct one o = {.r = &r}; /* (its body is no pattern: status only) */
     uint32_t *b = bex_rpc_alloc(ctx, 4);
     *b = 1000 * time_scale(); /* the server's delay */
@@ -679,7 +664,7 @@ static void *thr_main(void *arg)
 {
     struct thr_arg *a = arg;
     enum { N = 300, OUT = 16 };
-    struct rec *r = calloc(1, sizeof(*r));
+    struct tally *r = calloc(1, sizeof(*r));
     struct one *o = calloc(N, sizeof(*o));
     CHECK(r && o);
     pthread_mutex_init(&r->w.mu, NULL);

@@ -247,14 +247,10 @@ static int t_ladder_steps(void)
 
 /* ---- two replicas under load, one killed ---- */
 
-struct kload {
-    _Atomic long calls, ok, bad, late, twice;
-    struct waiter w;
-    uint32_t delay_ms;
-};
+static uint32_t k_delay_ms; /* M_LATE's hold of each call (the body's first word) */
 
 struct kone {
-    struct kload *r;
+    struct tally *r;
     uint8_t *dst;
     uint32_t seed;
     uint64_t t0_ms, limit_ms;
@@ -265,18 +261,11 @@ struct kone {
 static void k_done(int status, void *body, size_t len, void *user)
 {
     struct kone *o = user;
-    struct kload *r = o->r;
-    if (atomic_fetch_add(&o->done, 1))
-        atomic_fetch_add(&r->twice, 1);
     o->status = status;
-    if (pair_now_ms() > o->t0_ms + o->limit_ms)
-        atomic_fetch_add(&r->late, 1);
-    if (status == 0 && body == o->dst && len == 64 && memcmp(body, &r->delay_ms, 4) == 0 &&
-        check_pattern((uint8_t *)body + 4, 60, o->seed) == 0)
-        atomic_fetch_add(&r->ok, 1);
-    else
-        atomic_fetch_add(&r->bad, 1);
-    waiter_add(&r->w, &r->calls, 1);
+    bool late = pair_now_ms() > o->t0_ms + o->limit_ms;
+    bool ok = status == 0 && body == o->dst && len == 64 && memcmp(body, &k_delay_ms, 4) == 0 &&
+              check_pattern((uint8_t *)body + 4, 60, o->seed) == 0;
+    tally_done(o->r, &o->done, late, ok);
 }
 
 /* Two replicas, 32 calls with destinations outstanding (each held 20 ms,
@@ -311,9 +300,9 @@ static int t_kill(void)
         CHECK(wait_count(&d.w, &d.calls, 1, 30000) == 0);
         CHECK_OK(d.status);
     }
-    static struct kload r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     static struct kone o[MAXN];
-    r.delay_ms = 20 * time_scale();
+    k_delay_ms = 20 * time_scale();
     const unsigned slack = 200 * time_scale(); /* the retirement of an exposure */
     long n = 0, before_kill = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
@@ -339,7 +328,7 @@ static int t_kill(void)
                              .limit_ms = deadline + slack};
         uint8_t *b = bex_rpc_alloc(ctx, 64);
         CHECK(b);
-        memcpy(b, &r.delay_ms, 4);
+        memcpy(b, &k_delay_ms, 4);
         fill_pattern(b + 4, 60, (uint32_t)n);
         CHECK_OK(bex_rpc_call_into(ch, SVC, M_LATE, b, 64, dst, CAP, NULL, k_done, &o[n], NULL));
         n++;
