@@ -363,6 +363,34 @@ static inline void tally_done(struct tally *t, _Atomic int *done, bool late, boo
     waiter_add(&t->w, &t->calls, 1);
 }
 
+/* The end of a kill case: two replicas, the first killed with -9 after
+ * before_kill of the n calls on ch (at most out at once) went, their
+ * completions on t. Its line, then: calls before and after the kill,
+ * every one answered well and in time, the ladder moved, the killed
+ * replica's endpoint (es[0]) off step OK and the other's (es[1]) at OK. */
+static inline void kill_check(bex_rpc_channel *ch, const struct tally *t, long n, long before_kill,
+                              long out, bex_rpc_endpoint_stats es[2])
+{
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    fprintf(stderr,
+            "kill: %ld calls (%ld before the kill), ok %ld, failed %ld, late %ld, twice %ld, "
+            "retries %llu, ladder moves %llu, throttled %llu, steps %llu/%llu/%llu\n",
+            n, before_kill, atomic_load(&t->ok), atomic_load(&t->bad), atomic_load(&t->late),
+            atomic_load(&t->twice), (unsigned long long)st.retries,
+            (unsigned long long)st.ladder_moves, (unsigned long long)st.retry_throttled,
+            (unsigned long long)st.ladder_reconnects, (unsigned long long)st.ladder_replicas,
+            (unsigned long long)st.ladder_tcp);
+    CHECK(before_kill > out && n > before_kill + out);
+    CHECK_EQ(atomic_load(&t->ok), n);
+    CHECK_EQ(atomic_load(&t->late), 0);
+    CHECK(st.ladder_reconnects >= 1);
+    CHECK(st.ladder_moves >= 1);
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+    CHECK(es[0].ladder != BEX_RPC_LADDER_OK);
+    CHECK_EQ(es[1].ladder, BEX_RPC_LADDER_OK);
+}
+
 /* The recovery ladder's cases on the native TCP tier: a context without a
  * device refuses every RDMA connection at once. */
 #define RPC_NEED_NO_DEVICE()                                                                       \
