@@ -14,7 +14,7 @@
 
 #include "transport/rdma/engine.h"
 #include "harness.h"
-#include "upcalls.h"
+#include "engine_test.h"
 
 enum { SQ_REC = 256, RQ_REC = 8192 };
 

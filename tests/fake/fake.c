@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "upcalls.h"
+#include "engine_test.h"
 
 #define MSG_MAGIC 0x4d534b46u /* "FKSM": the first word of every payload */
 
@@ -690,21 +690,7 @@ void fk_inject_hdr(struct fk_pair *p, int side, const struct bex__hdr *h)
 
 void fk_default_config(struct bex__engine_config *c)
 {
-    *c = (struct bex__engine_config){
-        .sq_depth = 32,
-        .rq_depth = 16,
-        .eager_max = 1024,
-        .frag_size = 4096,
-        .send_window = 0,
-        .rndv_ahead = 2,
-        .keepalive_ms = 1000,
-        .keepalive_timeout_ms = 3600000,
-        .max_msg = 1u << 20,
-        .rndv_max = 16,
-        .rndv_bytes_max = 16u << 20,
-        .rndv_timeout_ms = 0,
-        .credit_timeout_ms = 0,
-    };
+    *c = bex_test_engine_config();
 }
 
 static void log_sink(int level, const char *msg, void *arg)

@@ -52,7 +52,7 @@
 
 #include "transport/rdma/engine.h"
 #include "fuzz.h"
-#include "upcalls.h"
+#include "engine_test.h"
 #include "wire/hello.h"
 
 enum {

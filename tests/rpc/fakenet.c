@@ -14,7 +14,7 @@
 #include "rpc/internal.h"
 #include "sock/internal.h"
 #include "transport/tcp/tcp.h"
-#include "upcalls.h"
+#include "engine_test.h"
 
 #define MAX_RULES 16
 #define BIG_MSG   (1u << 20)
