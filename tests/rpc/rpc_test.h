@@ -363,6 +363,34 @@ static inline void tally_done(struct tally *t, _Atomic int *done, bool late, boo
     waiter_add(&t->w, &t->calls, 1);
 }
 
+/* A call of such a case: what its completion is judged by. */
+struct tcall {
+    struct tally *r;
+    uint8_t *dst;             /* its destination (bex_rpc_call_into), or NULL */
+    uint32_t seed;            /* of its body's pattern */
+    size_t len;               /* of the answer expected */
+    uint64_t t0_ms, limit_ms; /* must complete by t0 + limit (limit 0: no bound) */
+    int status;
+    _Atomic int done;
+};
+
+/* Call o completed with status, its answer ok as the case judged it. */
+static inline void tcall_done(struct tcall *o, int status, bool ok)
+{
+    o->status = status;
+    tally_done(o->r, &o->done, o->limit_ms && pair_now_ms() > o->t0_ms + o->limit_ms, ok);
+}
+
+/* Say how the first few failed calls of o[0..n) failed. */
+static inline void tcall_show_failed(const struct tcall *o, long n, const char *what)
+{
+    for (long i = 0, shown = 0; i < n && shown < 5; i++)
+        if (o[i].status) {
+            fprintf(stderr, "%s: call %ld: %s\n", what, i, bex_strerror(o[i].status));
+            shown++;
+        }
+}
+
 /* The end of a kill case: two replicas, the first killed with -9 after
  * before_kill of the n calls on ch (at most out at once) went, their
  * completions on t. Its line, then: calls before and after the kill,

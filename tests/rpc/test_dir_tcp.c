@@ -58,22 +58,12 @@ static bex_rpc_channel_config dir_chan(bex_dir *d, unsigned deadline)
     };
 }
 
-struct one {
-    struct tally *r;
-    uint32_t seed;
-    uint64_t t0_ms, limit_ms;
-    int status;
-    _Atomic int done;
-};
-
 static void one_done(int status, void *body, size_t len, void *user)
 {
-    struct one *o = user;
-    o->status = status;
-    bool late = pair_now_ms() > o->t0_ms + o->limit_ms;
+    struct tcall *o = user;
     bool ok = status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0;
     bex_rpc_free(body);
-    tally_done(o->r, &o->done, late, ok);
+    tcall_done(o, status, ok);
 }
 
 static bex_dir_node_stats nstats(bex_dir *d, const struct srv_proc *sp)
@@ -115,7 +105,7 @@ static int t_kill(void)
     CHECK_EQ(nstats(d, &sp[1]).picks, 1);
     enum { OUT = 8, MAX = 200000 };
     static struct tally r = {.w = WAITER_INIT};
-    static struct one o[MAX];
+    static struct tcall o[MAX];
     const unsigned slack = 20 * time_scale();
     long n = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 200 * time_scale();
@@ -138,7 +128,7 @@ static int t_kill(void)
         }
         if (quarantined_at && !probe_failed_at && nstats(d, &sp[0]).probe_failures >= 1)
             probe_failed_at = pair_now_ms();
-        o[n] = (struct one){
+        o[n] = (struct tcall){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
         void *b = bex_rpc_alloc(ctx, 64);
         CHECK(b);
@@ -169,11 +159,7 @@ static int t_kill(void)
             (unsigned long long)s0.probe_failures, (unsigned long long)s1.picks,
             quarantined_at ? (long long)(quarantined_at - kill_at) : -1LL,
             probe_failed_at ? (long long)(probe_failed_at - quarantined_at) : -1LL);
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
-            shown++;
-        }
+    tcall_show_failed(o, n, "kill");
     CHECK(killed && before_kill > OUT);
     /* every call completed once, in time, with its own body */
     CHECK_EQ(atomic_load(&r.twice), 0);

@@ -350,32 +350,13 @@ static void *late_body(bex_ctx *ctx, uint32_t seed)
     fill_pattern(b + 4, 60, seed);
     return b;
 }
-struct ld_one {
-    struct tally *r;
-    uint32_t seed;
-    uint64_t t0_ms, limit_ms;
-    int status;
-    _Atomic int done;
-};
-
 static void ld_done(int status, void *body, size_t len, void *user)
 {
-    struct ld_one *o = user;
-    o->status = status;
-    bool late = pair_now_ms() > o->t0_ms + o->limit_ms;
+    struct tcall *o = user;
     bool ok = status == 0 && len == 64 && memcmp(body, &ld_delay_ms, 4) == 0 &&
               check_pattern((uint8_t *)body + 4, len - 4, o->seed) == 0;
     bex_rpc_free(body);
-    tally_done(o->r, &o->done, late, ok);
-}
-
-static void show_failed(const struct ld_one *o, long n)
-{
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
-            shown++;
-        }
+    tcall_done(o, status, ok);
 }
 
 /* Two replicas under steady load, 64 calls outstanding (each held 20 ms,
@@ -402,7 +383,7 @@ static int t_kill(void)
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, &warm, NULL, NULL));
     enum { OUT = 64, MAXN = 200000 };
     static struct tally r = {.w = WAITER_INIT};
-    static struct ld_one o[MAXN];
+    static struct tcall o[MAXN];
     ld_delay_ms = 20 * time_scale();
     const unsigned slack = 20 * time_scale();
     long n = 0, before_kill = 0;
@@ -416,7 +397,7 @@ static int t_kill(void)
             killed = true;
             before_kill = n;
         }
-        o[n] = (struct ld_one){
+        o[n] = (struct tcall){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
         CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, late_body(ctx, (uint32_t)n), 64, NULL, ld_done,
                               &o[n], NULL));
@@ -424,7 +405,7 @@ static int t_kill(void)
     }
     CHECK(killed);
     CHECK(wait_count(&r.w, &r.calls, n, 20000) == 0);
-    show_failed(o, n);
+    tcall_show_failed(o, n, "kill");
     bex_rpc_endpoint_stats es[2];
     kill_check(ch, &r, n, before_kill, OUT, es);
     char name[64];
@@ -532,7 +513,7 @@ static int t_rdma_unusable(void)
     CHECK_EQ(ss.tcp_conns, 0); /* both over RDMA */
     enum { OUT = 16, MAXN = 100000 };
     static struct tally r = {.w = WAITER_INIT};
-    static struct ld_one o[MAXN];
+    static struct tcall o[MAXN];
     const unsigned slack = 50 * time_scale();
     long n = 0;
     uint64_t start = pair_now_ms(), t_drop = 0, t_tcp = 0, t_pass = 0, t_back = 0;
@@ -584,7 +565,7 @@ static int t_rdma_unusable(void)
         if (n >= MAXN)
             break;
         CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
-        o[n] = (struct ld_one){
+        o[n] = (struct tcall){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
         CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, late_body(ctx, (uint32_t)n), 64, NULL, ld_done,
                               &o[n], NULL));
@@ -605,7 +586,7 @@ static int t_rdma_unusable(void)
             (unsigned long long)st.retry_throttled, (unsigned long long)st.rdma_retries,
             (unsigned long long)st.rdma_restored, (unsigned long long)es[0].tcp_answers,
             (unsigned long long)es[1].tcp_answers);
-    show_failed(o, n);
+    tcall_show_failed(o, n, "rdma_unusable");
     CHECK(t_drop && t_tcp);
     CHECK(t_tcp - t_drop <= 1000 * time_scale()); /* calls on TCP within 1 s */
     CHECK(t_pass && t_back);                      /* and back on RDMA later */

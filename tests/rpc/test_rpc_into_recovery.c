@@ -249,23 +249,12 @@ static int t_ladder_steps(void)
 
 static uint32_t k_delay_ms; /* M_LATE's hold of each call (the body's first word) */
 
-struct kone {
-    struct tally *r;
-    uint8_t *dst;
-    uint32_t seed;
-    uint64_t t0_ms, limit_ms;
-    int status;
-    _Atomic int done;
-};
-
 static void k_done(int status, void *body, size_t len, void *user)
 {
-    struct kone *o = user;
-    o->status = status;
-    bool late = pair_now_ms() > o->t0_ms + o->limit_ms;
+    struct tcall *o = user;
     bool ok = status == 0 && body == o->dst && len == 64 && memcmp(body, &k_delay_ms, 4) == 0 &&
               check_pattern((uint8_t *)body + 4, 60, o->seed) == 0;
-    tally_done(o->r, &o->done, late, ok);
+    tcall_done(o, status, ok);
 }
 
 /* Two replicas, 32 calls with destinations outstanding (each held 20 ms,
@@ -301,7 +290,7 @@ static int t_kill(void)
         CHECK_OK(d.status);
     }
     static struct tally r = {.w = WAITER_INIT};
-    static struct kone o[MAXN];
+    static struct tcall o[MAXN];
     k_delay_ms = 20 * time_scale();
     const unsigned slack = 200 * time_scale(); /* the retirement of an exposure */
     long n = 0, before_kill = 0;
@@ -321,11 +310,11 @@ static int t_kill(void)
             before_kill = n;
         }
         uint8_t *dst = dsts[n % OUT];
-        o[n] = (struct kone){.r = &r,
-                             .dst = dst,
-                             .seed = (uint32_t)n,
-                             .t0_ms = pair_now_ms(),
-                             .limit_ms = deadline + slack};
+        o[n] = (struct tcall){.r = &r,
+                              .dst = dst,
+                              .seed = (uint32_t)n,
+                              .t0_ms = pair_now_ms(),
+                              .limit_ms = deadline + slack};
         uint8_t *b = bex_rpc_alloc(ctx, 64);
         CHECK(b);
         memcpy(b, &k_delay_ms, 4);
@@ -335,11 +324,7 @@ static int t_kill(void)
     }
     CHECK(killed);
     CHECK(wait_count(&r.w, &r.calls, n, 30000) == 0);
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
-            shown++;
-        }
+    tcall_show_failed(o, n, "kill");
     bex_rpc_endpoint_stats es[2];
     kill_check(ch, &r, n, before_kill, OUT, es);
     CHECK_EQ(atomic_load(&r.twice), 0);
