@@ -372,12 +372,8 @@ static int t_kill(void)
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
     bex_ctx *ctx = ladder_ctx(0, 0);
-    bex_rpc_endpoint ep[2];
-    bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
     const unsigned deadline = 2000 * time_scale();
-    cc.request_timeout_ms = deadline;
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, sp, 2, 2000);
     bex_rpc_call_opts warm = {.timeout_ms = 20000 * time_scale()};
     for (int i = 0; i < 2; i++) /* both connections up first (round robin) */
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, &warm, NULL, NULL));

@@ -270,12 +270,8 @@ static int t_kill(void)
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[2];
-    bex_rpc_channel_config cc = chan_cfg(eps, sp, 2);
     const unsigned deadline = 2000 * time_scale();
-    cc.request_timeout_ms = deadline;
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, sp, 2, 2000);
     enum { OUT = 32, CAP = 256, MAXN = 100000 };
     static uint8_t *dsts[OUT];
     for (int i = 0; i < OUT; i++)
