@@ -517,6 +517,21 @@ static void peer_wait(struct adv_attack_ctx *a, struct adv_peer *p, uint64_t t0,
                 p->qp_err);
 }
 
+/* The end of an attack on one peer: the peer let go, the parent told. */
+static int peer_done(struct adv_attack_ctx *a, struct adv_peer *p)
+{
+    adv_peer_destroy(p);
+    adv_say(a->wr, "done");
+    return 0;
+}
+
+/* peer_wait, then peer_done. */
+static int peer_end(struct adv_attack_ctx *a, struct adv_peer *p, uint64_t t0, unsigned wait_ms)
+{
+    peer_wait(a, p, t0, wait_ms);
+    return peer_done(a, p);
+}
+
 static int open_stream(struct adv_peer *p, uint32_t id)
 {
     struct bex__hdr h = {.type = BEX__MSG_OPEN, .stream = id};
@@ -528,11 +543,8 @@ static int open_stream(struct adv_peer *p, uint32_t id)
 int adv_attack_rndv_huge(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
-    if (peer_up(a, &p, NULL)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, NULL))
+        return peer_done(a, &p);
     open_stream(&p, 1);
     uint64_t t0 = adv_now_ms();
     uint32_t max = p.theirs.max_msg;
@@ -559,10 +571,7 @@ int adv_attack_rndv_huge(struct adv_attack_ctx *a)
         granted += p.resp[i].status == 0;
     adv_say(a->wr, "note %d requests of %u bytes sent; %u answers, %u granted", n, huge, p.nresp,
             granted);
-    peer_wait(a, &p, t0, 10000 * adv_scale());
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_end(a, &p, t0, 10000 * adv_scale());
 }
 
 /* 1 MiB rendezvous requests as fast as credits allow, never followed by
@@ -570,11 +579,8 @@ int adv_attack_rndv_huge(struct adv_attack_ctx *a)
 int adv_attack_rndv_endless(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
-    if (peer_up(a, &p, NULL)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, NULL))
+        return peer_done(a, &p);
     open_stream(&p, 1);
     adv_say(a->wr, "underway");
     uint64_t t0 = adv_now_ms(), end = t0 + 15000;
@@ -590,10 +596,7 @@ int adv_attack_rndv_endless(struct adv_attack_ctx *a)
         granted += p.resp[i].status == 0;
     adv_say(a->wr, "note %u requests sent (server announced max_rndv %u); %u answers, %u granted",
             n, p.theirs.max_rndv, p.nresp, granted);
-    peer_wait(a, &p, t0, 10000 * adv_scale());
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_end(a, &p, t0, 10000 * adv_scale());
 }
 
 /* OPEN after OPEN, without end, and no receive ever given back: the
@@ -607,11 +610,8 @@ int adv_attack_streams(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
     struct adv_peer_opts o = {.recv_depth = 16, .hold_credits = true};
-    if (peer_up(a, &p, &o)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, &o))
+        return peer_done(a, &p);
     adv_say(a->wr, "underway");
     uint64_t t0 = adv_now_ms(), end = t0 + 10000;
     uint32_t n = 0;
@@ -621,10 +621,7 @@ int adv_attack_streams(struct adv_attack_ctx *a)
             n++;
     }
     adv_say(a->wr, "note %u streams opened", n);
-    peer_wait(a, &p, t0, 10000 * adv_scale());
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_end(a, &p, t0, 10000 * adv_scale());
 }
 
 /* Ask for echoes and never give a receive back: the server's replies can
@@ -633,11 +630,8 @@ int adv_attack_no_credits(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
     struct adv_peer_opts o = {.recv_depth = 16, .hold_credits = true};
-    if (peer_up(a, &p, &o)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, &o))
+        return peer_done(a, &p);
     open_stream(&p, 1);
     adv_say(a->wr, "underway");
     uint64_t t0 = adv_now_ms();
@@ -655,10 +649,7 @@ int adv_attack_no_credits(struct adv_attack_ctx *a)
     }
     adv_say(a->wr, "note %u messages sent, %u echoes taken, %u receives held", n, p.data_recv,
             p.held);
-    peer_wait(a, &p, t0, 15000 * adv_scale());
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_end(a, &p, t0, 15000 * adv_scale());
 }
 
 /* SRQ mode (the srq group): SENDs far past the credits the server granted,
@@ -672,11 +663,8 @@ int adv_attack_srq_overcredit(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
     struct adv_peer_opts o = {.recv_depth = 8, .hold_credits = true};
-    if (peer_up(a, &p, &o)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, &o))
+        return peer_done(a, &p);
     uint32_t granted = p.credits; /* the server's share for us */
     adv_say(a->wr, "underway");
     uint64_t t0 = adv_now_ms(), end = t0 + 20000 * adv_scale();
@@ -695,10 +683,7 @@ int adv_attack_srq_overcredit(struct adv_attack_ctx *a)
     }
     adv_say(a->wr, "note %u SENDs posted against %u credits granted, %u credit updates taken", n,
             granted, p.credit_recv);
-    peer_wait(a, &p, t0, 15000 * adv_scale());
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_end(a, &p, t0, 15000 * adv_scale());
 }
 
 /* A hello that grants one receive: with one credit nothing can ever be
@@ -708,11 +693,8 @@ int adv_attack_recv_depth_1(struct adv_attack_ctx *a)
     struct adv_peer p;
     struct adv_peer_opts o = {.recv_depth = 1, .posted = 16};
     uint64_t t0 = adv_now_ms();
-    if (peer_up(a, &p, &o)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, &o))
+        return peer_done(a, &p);
     adv_say(a->wr, "note the server accepted recv_depth 1");
     open_stream(&p, 1);
     for (uint32_t i = 0; i < 16; i++) {
@@ -723,9 +705,7 @@ int adv_attack_recv_depth_1(struct adv_attack_ctx *a)
     adv_say(a->wr, "underway");
     peer_wait(a, &p, t0, 15000 * adv_scale());
     adv_say(a->wr, "note %u echoes arrived", p.data_recv);
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_done(a, &p);
 }
 
 static const char *wc_str(int st)
@@ -773,11 +753,8 @@ int adv_attack_rkey_forged(struct adv_attack_ctx *a)
 int adv_attack_rkey_stale(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
-    if (peer_up(a, &p, NULL)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, NULL))
+        return peer_done(a, &p);
     open_stream(&p, 1);
     struct bex__hdr h = {.type = BEX__MSG_RNDV_REQ, .stream = 1, .len = 65536, .id = 1};
     const struct adv_resp *r = NULL;
@@ -813,9 +790,7 @@ int adv_attack_rkey_stale(struct adv_attack_ctx *a)
     } else {
         peer_wait(a, &p, t0, 10000 * adv_scale());
     }
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_done(a, &p);
 }
 
 /* WRITEs outside the range a key was given for, each on a fresh
@@ -936,11 +911,8 @@ int adv_attack_rkey_range(struct adv_attack_ctx *a)
 int adv_attack_kill9_rndv(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
-    if (peer_up(a, &p, NULL)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, NULL))
+        return peer_done(a, &p);
     open_stream(&p, 1);
     struct bex__hdr h = {.type = BEX__MSG_RNDV_REQ, .stream = 1, .len = 1u << 20, .id = 1};
     const struct adv_resp *r = NULL;
@@ -1077,11 +1049,8 @@ int adv_attack_fallback_after_frames(struct adv_attack_ctx *a)
 {
     struct adv_peer p;
     struct adv_peer_opts o = {.no_ready = true};
-    if (peer_up(a, &p, &o)) {
-        adv_peer_destroy(&p);
-        adv_say(a->wr, "done");
-        return 0;
-    }
+    if (peer_up(a, &p, &o))
+        return peer_done(a, &p);
     uint64_t t0 = adv_now_ms();
     if (open_stream(&p, 1))
         adv_say(a->wr, "fail the OPEN over RDMA did not go");
@@ -1090,8 +1059,5 @@ int adv_attack_fallback_after_frames(struct adv_attack_ctx *a)
     int64_t dl = bex__hello_now_ms() + 5000 * (int64_t)adv_scale();
     int rc = bex__hello_ready_send(p.fd, BEX__READY_FALLBACK, dl);
     adv_say(a->wr, "note FALLBACK notice after an OPEN over RDMA: %s", rc ? strerror(-rc) : "sent");
-    peer_wait(a, &p, t0, 10000 * adv_scale());
-    adv_peer_destroy(&p);
-    adv_say(a->wr, "done");
-    return 0;
+    return peer_end(a, &p, t0, 10000 * adv_scale());
 }

@@ -14,6 +14,7 @@
 
 #include "transport/rdma/engine.h"
 #include "harness.h"
+#include "engine_test.h"
 
 enum { SQ_REC = 256, RQ_REC = 8192 };
 
@@ -120,16 +121,7 @@ static void up_on_fail(struct bex__xport *e, int err)
     T.fails++;
     T.fail_err = err;
 }
-static const struct bex__transport_upcalls ops = {
-    .on_up = up_on_up,
-    .on_msg = up_on_msg,
-    .on_open = up_on_open,
-    .on_peer_close = up_on_peer_close,
-    .on_send_done = up_on_send_done,
-    .on_stream_closed = up_on_stream_closed,
-    .on_direct = up_on_direct,
-    .on_fail = up_on_fail,
-};
+static const struct bex__transport_upcalls ops = {BEX_TEST_UP_ON};
 
 static void log_sink(int level, const char *msg, void *arg)
 {

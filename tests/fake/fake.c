@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine_test.h"
+
 #define MSG_MAGIC 0x4d534b46u /* "FKSM": the first word of every payload */
 
 void fk_fatal(const char *file, int line, const char *what)
@@ -277,16 +279,7 @@ static void up_on_fail(struct bex__xport *x, int err)
         FK_CHECK(!s->streams[i].used || s->streams[i].st.eng == NULL);
 }
 
-static const struct bex__transport_upcalls fk_ops = {
-    .on_up = up_on_up,
-    .on_msg = up_on_msg,
-    .on_open = up_on_open,
-    .on_peer_close = up_on_peer_close,
-    .on_send_done = up_on_send_done,
-    .on_stream_closed = up_on_stream_closed,
-    .on_direct = up_on_direct,
-    .on_fail = up_on_fail,
-};
+static const struct bex__transport_upcalls fk_ops = {BEX_TEST_UP_ON};
 
 /* ---------------- the stand-in QP: posting ---------------- */
 
@@ -697,21 +690,7 @@ void fk_inject_hdr(struct fk_pair *p, int side, const struct bex__hdr *h)
 
 void fk_default_config(struct bex__engine_config *c)
 {
-    *c = (struct bex__engine_config){
-        .sq_depth = 32,
-        .rq_depth = 16,
-        .eager_max = 1024,
-        .frag_size = 4096,
-        .send_window = 0,
-        .rndv_ahead = 2,
-        .keepalive_ms = 1000,
-        .keepalive_timeout_ms = 3600000,
-        .max_msg = 1u << 20,
-        .rndv_max = 16,
-        .rndv_bytes_max = 16u << 20,
-        .rndv_timeout_ms = 0,
-        .credit_timeout_ms = 0,
-    };
+    *c = bex_test_engine_config();
 }
 
 static void log_sink(int level, const char *msg, void *arg)

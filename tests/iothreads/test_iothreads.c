@@ -163,9 +163,7 @@ static int setup_addrs(void)
 
 static int spread(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     struct srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 2), *cctx = ctx_new(addr1, 2);
     struct sockaddr_in a0, a1;
@@ -262,18 +260,14 @@ static long stall_run(uint32_t threads)
 
 static int stall(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     CHECK_EQ(stall_run(2), ECHOES);
     return 0;
 }
 
 static int stall_one_thread(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     CHECK_EQ(stall_run(1), 0);
     return 0;
 }
@@ -283,9 +277,7 @@ static int stall_one_thread(void)
  * larger than cq_max (0: the device's max_cqe). */
 static int many_run(uint32_t cq_max)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     if (pair_tcp())
         return bex_test_skip("the CQ is RDMA's");
     bex__cq_max_test = cq_max;
@@ -396,9 +388,7 @@ static void *stream_busy(void *arg)
 
 static int early_open(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     if (pair_tcp())
         return bex_test_skip("about RDMA traffic ahead of the TCP readiness notice");
     struct srv v = {.w = WAITER_INIT};
@@ -457,9 +447,7 @@ static int early_open(void)
 #define READY_ECHOES 200
 static int ready_list(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     struct srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
     bex_listener *l[IDLE_CONNS + 1];
@@ -573,9 +561,7 @@ static long event_allowance_ms(void)
  * every deadline under the sanitizers. */
 static int idle_event(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     uint64_t n;
     long cpu = idle_run(2, BEX_POLL_EVENT, BEX_POLL_EVENT, 1000, &n);
     CHECK(cpu < event_allowance_ms() * (long)time_scale());
@@ -593,9 +579,7 @@ static int idle_event(void)
  * is asked is only idle_event's allowance (unstretched). */
 static int idle_busy(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     uint64_t n;
     CHECK(idle_run(1, BEX_POLL_SPIN_SLEEP, BEX_POLL_BUSY, 5000, &n) > event_allowance_ms());
     /* millions natively; 17,495 under TSan in the VM, where every turn is
@@ -628,9 +612,7 @@ static int pd_count(void)
 
 static int one_pd(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     if (pair_tcp())
         return bex_test_skip("PDs are RDMA's");
     CHECK_EQ(pd_count(), 0);
@@ -666,9 +648,7 @@ static void td_log(int level, const char *line, void *arg)
 
 static int td_fallback(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     if (pair_tcp())
         return bex_test_skip("thread domains are RDMA's");
     bex_ctx *ctx[2];

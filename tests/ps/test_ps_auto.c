@@ -119,14 +119,23 @@ static bex_rpc_channel *chan(bex_ctx *ctx, const struct setup *s, uint32_t trans
 
 static const uint64_t KEY = 424242;
 
-/* Fetch KEY's row: 0 and row[], or the call's error. */
-static int fetch(bex_ctx *ctx, bex_rpc_channel *ch, float *row, unsigned timeout_ms)
+/* A request of method for KEY's row alone (*len bytes): its header and
+ * key written. */
+static uint8_t *req_new(bex_ctx *ctx, uint32_t method, size_t *len)
 {
-    size_t len = bex__ps_req_len(BEX_PS_M_FETCH, 1, DIM);
-    uint8_t *b = bex_rpc_alloc(ctx, len);
+    *len = bex__ps_req_len(method, 1, DIM);
+    uint8_t *b = bex_rpc_alloc(ctx, *len);
     CHECK(b);
     bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = 1, .n = 1, .dim = DIM});
     bex__ps_put64(b + BEX__PS_HDR_LEN, KEY);
+    return b;
+}
+
+/* Fetch KEY's row: 0 and row[], or the call's error. */
+static int fetch(bex_ctx *ctx, bex_rpc_channel *ch, float *row, unsigned timeout_ms)
+{
+    size_t len;
+    uint8_t *b = req_new(ctx, BEX_PS_M_FETCH, &len);
     bex_rpc_call_opts o = {.timeout_ms = timeout_ms};
     void *resp = NULL;
     size_t rl = 0;
@@ -143,11 +152,8 @@ static int fetch(bex_ctx *ctx, bex_rpc_channel *ch, float *row, unsigned timeout
 /* Push GRAD to every column of KEY's row. */
 static int push(bex_ctx *ctx, bex_rpc_channel *ch, unsigned timeout_ms)
 {
-    size_t len = bex__ps_req_len(BEX_PS_M_PUSH, 1, DIM);
-    uint8_t *b = bex_rpc_alloc(ctx, len);
-    CHECK(b);
-    bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = 1, .n = 1, .dim = DIM});
-    bex__ps_put64(b + BEX__PS_HDR_LEN, KEY);
+    size_t len;
+    uint8_t *b = req_new(ctx, BEX_PS_M_PUSH, &len);
     for (int c = 0; c < DIM; c++)
         bex__ps_putf(b + BEX__PS_HDR_LEN + 8 + 4 * c, GRAD);
     bex_rpc_call_opts o = {.timeout_ms = timeout_ms};
@@ -179,6 +185,22 @@ static bex_rpc_endpoint_stats ep_stats(bex_rpc_channel *ch)
     return es;
 }
 
+/* A case's replica, started as bex-cluster starts it, and its clients'
+ * context; replica_end undoes both. */
+static bex_ctx *replica_start(struct setup *s, pid_t *pid)
+{
+    setup_make(s);
+    *pid = bex_ps_start(s->args, NULL, 0);
+    return rdma_ctx();
+}
+
+static void replica_end(struct setup *s, bex_ctx *ctx, pid_t pid)
+{
+    CHECK_OK(bex_ctx_destroy(ctx));
+    term_bex_ps(pid);
+    setup_end(s);
+}
+
 static void kill9(pid_t pid)
 {
     CHECK(kill(pid, SIGKILL) == 0);
@@ -194,9 +216,8 @@ static int t_tcp_client(void)
     if (pair_tcp())
         return bex_test_skip("a replica listed rdma needs an RDMA device: rxe only");
     struct setup s;
-    setup_make(&s);
-    pid_t pid = bex_ps_start(s.args, NULL, 0);
-    bex_ctx *ctx = rdma_ctx();
+    pid_t pid;
+    bex_ctx *ctx = replica_start(&s, &pid);
     float row[DIM];
 
     /* over TCP, as the ladder's step 3 connects */
@@ -223,9 +244,7 @@ static int t_tcp_client(void)
 
     CHECK_OK(bex_rpc_channel_destroy(tcp));
     CHECK_OK(bex_rpc_channel_destroy(rd));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    term_bex_ps(pid);
-    setup_end(&s);
+    replica_end(&s, ctx, pid);
     return 0;
 }
 
@@ -241,9 +260,8 @@ static int t_restart(void)
     if (pair_tcp())
         return bex_test_skip("a replica listed rdma needs an RDMA device: rxe only");
     struct setup s;
-    setup_make(&s);
-    pid_t pid = bex_ps_start(s.args, NULL, 0);
-    bex_ctx *ctx = rdma_ctx();
+    pid_t pid;
+    bex_ctx *ctx = replica_start(&s, &pid);
     const unsigned back_retry_ms = 2000;
     bex_rpc_channel *tcp = chan(ctx, &s, 0, 3600000), *back = chan(ctx, &s, 0, back_retry_ms);
     bex_rpc_channel *chs[2] = {tcp, back};
@@ -313,9 +331,7 @@ static int t_restart(void)
 
     CHECK_OK(bex_rpc_channel_destroy(tcp));
     CHECK_OK(bex_rpc_channel_destroy(back));
-    CHECK_OK(bex_ctx_destroy(ctx));
-    term_bex_ps(pid);
-    setup_end(&s);
+    replica_end(&s, ctx, pid);
     return 0;
 }
 

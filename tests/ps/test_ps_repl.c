@@ -137,20 +137,41 @@ static int cluster_stop(struct cluster *cl)
     return rc;
 }
 
+/* A case's cluster (drop_s, drop_r: as cluster_start's), the client's
+ * context and a directory of every replica; or pair_addrs' skip. */
+static int case_start(struct cluster *cl, int drop_s, int drop_r, bex_ctx **ctx, bex_dir **d)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    cluster_start(cl, drop_s, drop_r);
+    *ctx = client_ctx();
+    *d = dir_all(cl);
+    return 0;
+}
+
+/* A case's end: 1 if a replica did not stop cleanly. */
+static int case_end(struct cluster *cl, bex_ctx *ctx, bex_dir *d, bex_ps_client *pc)
+{
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return cluster_stop(cl) ? 1 : 0;
+}
+
 /* Pushes (one on shard 0's keys only) reach both replicas of their shards,
  * each acknowledged; Fetches go to the nearest replicas (pod1) only; each
  * replica alone then serves the reference's rows, the two bit for bit the
  * same. */
 static int t_replicas(void)
 {
-    int rc = 0;
-    struct in_addr a0, a1;
-    if ((rc = pair_addrs(&a0, &a1)))
-        return rc;
     struct cluster cl;
-    cluster_start(&cl, -1, -1);
-    bex_ctx *ctx = client_ctx();
-    bex_dir *d = dir_all(&cl);
+    bex_ctx *ctx;
+    bex_dir *d;
+    int rc = case_start(&cl, -1, -1, &ctx, &d);
+    if (rc)
+        return rc;
     bex_ps_client *pc = client_of(ctx, d);
     uint64_t keys[NK];
     int all[NK], on0[NK], n0 = 0;
@@ -186,10 +207,7 @@ static int t_replicas(void)
         fetch_pick(ctx, &cl, pick, refs, keys, all, rows[r]);
     }
     CHECK(memcmp(rows[0], rows[1], sizeof rows[0]) == 0);
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return cluster_stop(&cl) ? 1 : 0;
+    return case_end(&cl, ctx, d, pc);
 }
 
 /* Replica 1 of shard 0 loses the answer to the first Push it applies (its
@@ -197,14 +215,12 @@ static int t_replicas(void)
  * whose dedup window answers it; every replica applied each Push once. */
 static int t_write_once(void)
 {
-    int rc = 0;
-    struct in_addr a0, a1;
-    if ((rc = pair_addrs(&a0, &a1)))
-        return rc;
     struct cluster cl;
-    cluster_start(&cl, 0, 1);
-    bex_ctx *ctx = client_ctx();
-    bex_dir *d = dir_all(&cl);
+    bex_ctx *ctx;
+    bex_dir *d;
+    int rc = case_start(&cl, 0, 1, &ctx, &d);
+    if (rc)
+        return rc;
     bex_ps_client *pc = client_of(ctx, d);
     uint64_t keys[NK];
     int all[NK];
@@ -227,10 +243,7 @@ static int t_write_once(void)
         const int pick[NSH] = {r, r};
         fetch_pick(ctx, &cl, pick, refs, keys, all, rows);
     }
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return cluster_stop(&cl) ? 1 : 0;
+    return case_end(&cl, ctx, d, pc);
 }
 
 /* The nearest replica of shard 0 killed (-9): Fetches fail over to the
@@ -239,14 +252,12 @@ static int t_write_once(void)
  * applied it. */
 static int t_failover(void)
 {
-    int rc = 0;
-    struct in_addr a0, a1;
-    if ((rc = pair_addrs(&a0, &a1)))
-        return rc;
     struct cluster cl;
-    cluster_start(&cl, -1, -1);
-    bex_ctx *ctx = client_ctx();
-    bex_dir *d = dir_all(&cl);
+    bex_ctx *ctx;
+    bex_dir *d;
+    int rc = case_start(&cl, -1, -1, &ctx, &d);
+    if (rc)
+        return rc;
     /* a slow attempt (a dead peer not noticed yet) is retried elsewhere */
     bex_ps_client_config cc = {.dir = d,
                                .service = "ps",
@@ -328,10 +339,7 @@ static int t_failover(void)
         const int pick[NSH] = {1, r};
         fetch_pick(ctx, &cl, pick, refs, keys, all, rows);
     }
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return cluster_stop(&cl) ? 1 : 0;
+    return case_end(&cl, ctx, d, pc);
 }
 
 BEX_TEST_MAIN({"replicas", t_replicas}, {"write_once", t_write_once}, {"failover", t_failover})

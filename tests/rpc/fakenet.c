@@ -14,6 +14,7 @@
 #include "rpc/internal.h"
 #include "sock/internal.h"
 #include "transport/tcp/tcp.h"
+#include "engine_test.h"
 
 #define MAX_RULES 16
 #define BIG_MSG   (1u << 20)
@@ -253,17 +254,7 @@ static void up_on_fail(struct bex__xport *in, int err)
     w->up->on_fail(&w->x, err);
 }
 
-static const struct bex__transport_upcalls fn_up = {
-    .on_up = up_on_up,
-    .on_msg = up_on_msg,
-    .on_open = up_on_open,
-    .on_peer_close = up_on_peer_close,
-    .on_send_done = up_on_send_done,
-    .on_stream_closed = up_on_stream_closed,
-    .on_direct = up_on_direct,
-    .direct_buf = up_direct_buf,
-    .on_fail = up_on_fail,
-};
+static const struct bex__transport_upcalls fn_up = {BEX_TEST_UP_ON, .direct_buf = up_direct_buf};
 
 /* ---------------- ops, forwarded ---------------- */
 

@@ -10,6 +10,7 @@
 #ifndef BEX_TEST_RPC_H
 #define BEX_TEST_RPC_H
 
+#include "bex/dir.h"
 #include "bex/rpc.h"
 #include "rpc/internal.h"
 #include "sock/child.h"
@@ -338,6 +339,141 @@ static bex_rpc_channel_config chan_cfg(bex_rpc_endpoint *eps, struct srv_proc *s
         .request_timeout_ms = 2000 * time_scale(),
         .connect_timeout_ms = 15000 * time_scale(), /* above the contexts' setup deadline */
     };
+}
+
+/* The completions of a case's calls, each call with a record of its own. */
+struct tally {
+    _Atomic long calls;   /* completions */
+    _Atomic long twice;   /* a call completed a second time */
+    _Atomic long ok, bad; /* status 0 with the right body / anything else */
+    _Atomic long late;    /* completed after its deadline + slack */
+    struct waiter w;
+};
+
+/* One completion on t of the call whose record holds *done: twice when it
+ * is not the call's first, late and ok (else bad) as the case judged it;
+ * counted last, when the case may go on. */
+static inline void tally_done(struct tally *t, _Atomic int *done, bool late, bool ok)
+{
+    if (atomic_fetch_add(done, 1))
+        atomic_fetch_add(&t->twice, 1);
+    if (late)
+        atomic_fetch_add(&t->late, 1);
+    atomic_fetch_add(ok ? &t->ok : &t->bad, 1);
+    waiter_add(&t->w, &t->calls, 1);
+}
+
+/* A call of such a case: what its completion is judged by. */
+struct tcall {
+    struct tally *r;
+    uint8_t *dst;             /* its destination (bex_rpc_call_into), or NULL */
+    uint32_t seed;            /* of its body's pattern */
+    size_t len;               /* of the answer expected */
+    uint64_t t0_ms, limit_ms; /* must complete by t0 + limit (limit 0: no bound) */
+    int status;
+    _Atomic int done;
+};
+
+/* Call o completed with status, its answer ok as the case judged it. */
+static inline void tcall_done(struct tcall *o, int status, bool ok)
+{
+    o->status = status;
+    tally_done(o->r, &o->done, o->limit_ms && pair_now_ms() > o->t0_ms + o->limit_ms, ok);
+}
+
+/* Say how the first few failed calls of o[0..n) failed. */
+static inline void tcall_show_failed(const struct tcall *o, long n, const char *what)
+{
+    for (long i = 0, shown = 0; i < n && shown < 5; i++)
+        if (o[i].status) {
+            fprintf(stderr, "%s: call %ld: %s\n", what, i, bex_strerror(o[i].status));
+            shown++;
+        }
+}
+
+/* The end of a kill case: two replicas, the first killed with -9 after
+ * before_kill of the n calls on ch (at most out at once) went, their
+ * completions on t. Its line, then: calls before and after the kill,
+ * every one answered well and in time, the ladder moved, the killed
+ * replica's endpoint (es[0]) off step OK and the other's (es[1]) at OK. */
+static inline void kill_check(bex_rpc_channel *ch, const struct tally *t, long n, long before_kill,
+                              long out, bex_rpc_endpoint_stats es[2])
+{
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    fprintf(stderr,
+            "kill: %ld calls (%ld before the kill), ok %ld, failed %ld, late %ld, twice %ld, "
+            "retries %llu, ladder moves %llu, throttled %llu, steps %llu/%llu/%llu\n",
+            n, before_kill, atomic_load(&t->ok), atomic_load(&t->bad), atomic_load(&t->late),
+            atomic_load(&t->twice), (unsigned long long)st.retries,
+            (unsigned long long)st.ladder_moves, (unsigned long long)st.retry_throttled,
+            (unsigned long long)st.ladder_reconnects, (unsigned long long)st.ladder_replicas,
+            (unsigned long long)st.ladder_tcp);
+    CHECK(before_kill > out && n > before_kill + out);
+    CHECK_EQ(atomic_load(&t->ok), n);
+    CHECK_EQ(atomic_load(&t->late), 0);
+    CHECK(st.ladder_reconnects >= 1);
+    CHECK(st.ladder_moves >= 1);
+    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
+    CHECK(es[0].ladder != BEX_RPC_LADDER_OK);
+    CHECK_EQ(es[1].ladder, BEX_RPC_LADDER_OK);
+}
+
+/* The recovery ladder's cases on the native TCP tier: a context without a
+ * device refuses every RDMA connection at once. */
+#define RPC_NEED_NO_DEVICE()                                                                       \
+    do {                                                                                           \
+        if (!pair_tcp())                                                                           \
+            return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "      \
+                                 "without a device)");                                             \
+    } while (0)
+
+/* chan_cfg over sp alone, listed RDMA, with max_attempts 2 and a budget of
+ * one retry: the ladder's moves (steps 1, 2, 3) must spend neither. */
+static inline bex_rpc_channel_config ladder_cfg(bex_rpc_endpoint *ep, struct srv_proc *sp)
+{
+    bex_rpc_channel_config cc = chan_cfg(ep, sp, 1);
+    ep[0].transport = BEX_TRANSPORT_RDMA;
+    cc.max_attempts = 2;
+    cc.retry_budget_burst = 1;
+    cc.retry_budget_permille = 1;
+    return cc;
+}
+
+/* A lone endpoint's ladder went up once: step 1 (a reconnect), step 2 (no
+ * other replica), step 3 (TCP), two moves. */
+static inline void check_ladder_climbed(const bex_rpc_channel_stats *st)
+{
+    CHECK_EQ(st->ladder_reconnects, 1);
+    CHECK_EQ(st->ladder_replicas, 1);
+    CHECK_EQ(st->ladder_tcp, 1);
+    CHECK_EQ(st->ladder_moves, 2);
+}
+
+/* Load service "ps" into d: one shard, its replicas sps[0..n), sps[i] in
+ * locality dc1/pod<pod + i> (a client's is dc1/pod1), each listed with
+ * transport unless that is NULL. */
+static inline void dir_load_ps(bex_dir *d, const struct srv_proc *sps, size_t n, int pod,
+                               const char *transport)
+{
+    char j[1024], err[256] = "";
+    int o = snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
+    for (size_t i = 0; i < n; i++) {
+        char ip[INET_ADDRSTRLEN], tr[64] = "";
+        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip, sizeof ip);
+        if (transport)
+            snprintf(tr, sizeof tr, ",\"transport\":\"%s\"", transport);
+        o += snprintf(j + o, sizeof j - (size_t)o,
+                      "%s{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod%d\"%s}", i ? "," : "", ip,
+                      ntohs(sps[i].addr.sin_port), pod + (int)i, tr);
+        CHECK(o > 0 && (size_t)o < sizeof j);
+    }
+    o += snprintf(j + o, sizeof j - (size_t)o, "]}]}}}");
+    CHECK((size_t)o < sizeof j);
+    int rc = bex_dir_load_json(d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
 }
 
 /* A body of len bytes (fill_pattern's, seed) to send. */

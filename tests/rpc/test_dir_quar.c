@@ -66,18 +66,7 @@ static bex_dir *mkdir2(const struct srv_proc *sp)
                         .log_level = BEX_LOG_INFO};
     bex_dir *d;
     CHECK_OK(bex_dir_create(&c, &d));
-    char j[512], ip[2][INET_ADDRSTRLEN], err[256];
-    for (int i = 0; i < 2; i++)
-        inet_ntop(AF_INET, &sp[i].addr.sin_addr, ip[i], sizeof ip[i]);
-    snprintf(j, sizeof j,
-             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"},"
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-             ip[0], ntohs(sp[0].addr.sin_port), ip[1], ntohs(sp[1].addr.sin_port));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    dir_load_ps(d, sp, 2, 1, NULL);
     return d;
 }
 

@@ -22,24 +22,10 @@ static void dir_log(int level, const char *msg, void *arg)
 /* ps/0 on sps[first..1]: sps[0] in the client's pod, sps[1] in another. */
 static void load2(bex_dir *d, struct srv_proc *sps, int n)
 {
-    char j[512], ip[2][INET_ADDRSTRLEN], err[256];
-    for (int i = 0; i < 2; i++)
-        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip[i], sizeof ip[i]);
     if (n == 2)
-        snprintf(j, sizeof j,
-                 "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-                 "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"},"
-                 "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-                 ip[0], ntohs(sps[0].addr.sin_port), ip[1], ntohs(sps[1].addr.sin_port));
+        dir_load_ps(d, sps, 2, 1, NULL);
     else
-        snprintf(j, sizeof j,
-                 "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-                 "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-                 ip[1], ntohs(sps[1].addr.sin_port));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+        dir_load_ps(d, &sps[1], 1, 2, NULL);
 }
 
 /* ps/0 on two servers: sps[0] in the client's pod, sps[1] in another. */
@@ -72,34 +58,12 @@ static bex_rpc_channel_config dir_chan(bex_dir *d, unsigned deadline)
     };
 }
 
-struct rec {
-    _Atomic long calls, ok, bad, late, twice;
-    struct waiter w;
-};
-
-struct one {
-    struct rec *r;
-    uint32_t seed;
-    uint64_t t0_ms, limit_ms;
-    int status;
-    _Atomic int done;
-};
-
 static void one_done(int status, void *body, size_t len, void *user)
 {
-    struct one *o = user;
-    struct rec *r = o->r;
-    if (atomic_fetch_add(&o->done, 1))
-        atomic_fetch_add(&r->twice, 1);
-    o->status = status;
-    if (pair_now_ms() > o->t0_ms + o->limit_ms)
-        atomic_fetch_add(&r->late, 1);
-    if (status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0)
-        atomic_fetch_add(&r->ok, 1);
-    else
-        atomic_fetch_add(&r->bad, 1);
+    struct tcall *o = user;
+    bool ok = status == 0 && len == 64 && check_pattern(body, len, o->seed) == 0;
     bex_rpc_free(body);
-    waiter_add(&r->w, &r->calls, 1);
+    tcall_done(o, status, ok);
 }
 
 static bex_dir_node_stats nstats(bex_dir *d, const struct srv_proc *sp)
@@ -140,8 +104,8 @@ static int t_kill(void)
     CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
     CHECK_EQ(nstats(d, &sp[1]).picks, 1);
     enum { OUT = 8, MAX = 200000 };
-    static struct rec r = {.w = WAITER_INIT};
-    static struct one o[MAX];
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o[MAX];
     const unsigned slack = 20 * time_scale();
     long n = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 200 * time_scale();
@@ -164,7 +128,7 @@ static int t_kill(void)
         }
         if (quarantined_at && !probe_failed_at && nstats(d, &sp[0]).probe_failures >= 1)
             probe_failed_at = pair_now_ms();
-        o[n] = (struct one){
+        o[n] = (struct tcall){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
         void *b = bex_rpc_alloc(ctx, 64);
         CHECK(b);
@@ -195,11 +159,7 @@ static int t_kill(void)
             (unsigned long long)s0.probe_failures, (unsigned long long)s1.picks,
             quarantined_at ? (long long)(quarantined_at - kill_at) : -1LL,
             probe_failed_at ? (long long)(probe_failed_at - quarantined_at) : -1LL);
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
-            shown++;
-        }
+    tcall_show_failed(o, n, "kill");
     CHECK(killed && before_kill > OUT);
     /* every call completed once, in time, with its own body */
     CHECK_EQ(atomic_load(&r.twice), 0);
@@ -305,7 +265,7 @@ static void late_done(int status, void *body, size_t len, void *user)
 {
     (void)len;
     bex_rpc_free(body);
-    struct rec *r = user;
+    struct tally *r = user;
     if (status == 0)
         atomic_fetch_add(&r->ok, 1);
     else
@@ -331,7 +291,7 @@ static int t_prune(void)
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL)); /* to sp[0] */
     /* a call sp[0] answers only after 5 s */
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     uint32_t *b = bex_rpc_alloc(ctx, sizeof *b);
     CHECK(b);
     *b = 5000;

@@ -165,19 +165,13 @@ static char *prom(bex_rpc_channel *ch)
 static int t_steps(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = ladder_ctx(0, 0);
     CHECK(bex_ctx_pd(ctx) == NULL);
     bex_rpc_endpoint ep[1];
-    bex_rpc_channel_config cc = chan_cfg(ep, &sp, 1);
-    ep[0].transport = BEX_TRANSPORT_RDMA;
-    cc.max_attempts = 2;
-    cc.retry_budget_burst = 1;
-    cc.retry_budget_permille = 1;
+    bex_rpc_channel_config cc = ladder_cfg(ep, &sp);
     const unsigned retry_ms = 300 * time_scale();
     cc.rdma_retry_ms = retry_ms;
     bex_rpc_channel *ch;
@@ -190,11 +184,8 @@ static int t_steps(void)
     bex_rpc_free(resp);
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
-    CHECK_EQ(st.ladder_reconnects, 1);
-    CHECK_EQ(st.ladder_replicas, 1);
-    CHECK_EQ(st.ladder_tcp, 1);
+    check_ladder_climbed(&st);
     CHECK_EQ(st.ladder_recovered, 0);
-    CHECK_EQ(st.ladder_moves, 2);
     CHECK_EQ(st.retries, 2);
     CHECK_EQ(st.retry_throttled, 0);
     CHECK_EQ(st.attempts, 1); /* the RDMA ones never left */
@@ -255,9 +246,7 @@ static int t_steps(void)
 static int t_two_replicas(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp[2];
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
@@ -304,24 +293,13 @@ static int t_two_replicas(void)
 static int t_directory(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = ladder_ctx(0, 0);
     bex_dir *d;
     CHECK_OK(bex_dir_create(NULL, &d));
-    char j[256], ip[INET_ADDRSTRLEN], err[256] = "";
-    inet_ntop(AF_INET, &sp.addr.sin_addr, ip, sizeof ip);
-    snprintf(j, sizeof j,
-             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\",\"transport\":\"rdma\"}]}]}}}",
-             ip, ntohs(sp.addr.sin_port));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    dir_load_ps(d, &sp, 1, 1, "rdma");
     const unsigned retry_ms = 200 * time_scale();
     bex_rpc_channel_config cc = {.dir = d,
                                  .service = "ps",
@@ -337,10 +315,7 @@ static int t_directory(void)
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
-    CHECK_EQ(st.ladder_reconnects, 1);
-    CHECK_EQ(st.ladder_replicas, 1);
-    CHECK_EQ(st.ladder_tcp, 1);
-    CHECK_EQ(st.ladder_moves, 2);
+    check_ladder_climbed(&st);
     CHECK_EQ(st.ok, 10);
     bex_rpc_endpoint_stats es[1];
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);
@@ -364,50 +339,24 @@ static int t_directory(void)
 
 /* ---- steady load ---- */
 
-struct ld {
-    _Atomic long calls, ok, bad, late;
-    struct waiter w;
-    uint32_t delay_ms; /* M_LATE's: how long each call is held by the server */
-};
+static uint32_t ld_delay_ms; /* M_LATE's: how long each call is held by the server */
 
 /* A M_LATE body: the delay, then a pattern. */
-static void *late_body(bex_ctx *ctx, const struct ld *r, uint32_t seed)
+static void *late_body(bex_ctx *ctx, uint32_t seed)
 {
     uint8_t *b = bex_rpc_alloc(ctx, 64);
     CHECK(b);
-    memcpy(b, &r->delay_ms, 4);
+    memcpy(b, &ld_delay_ms, 4);
     fill_pattern(b + 4, 60, seed);
     return b;
 }
-struct ld_one {
-    struct ld *r;
-    uint32_t seed;
-    uint64_t t0_ms, limit_ms;
-    int status;
-};
-
 static void ld_done(int status, void *body, size_t len, void *user)
 {
-    struct ld_one *o = user;
-    o->status = status;
-    if (pair_now_ms() > o->t0_ms + o->limit_ms)
-        atomic_fetch_add(&o->r->late, 1);
-    if (status == 0 && len == 64 && memcmp(body, &o->r->delay_ms, 4) == 0 &&
-        check_pattern((uint8_t *)body + 4, len - 4, o->seed) == 0)
-        atomic_fetch_add(&o->r->ok, 1);
-    else
-        atomic_fetch_add(&o->r->bad, 1);
+    struct tcall *o = user;
+    bool ok = status == 0 && len == 64 && memcmp(body, &ld_delay_ms, 4) == 0 &&
+              check_pattern((uint8_t *)body + 4, len - 4, o->seed) == 0;
     bex_rpc_free(body);
-    waiter_add(&o->r->w, &o->r->calls, 1);
-}
-
-static void show_failed(const struct ld_one *o, long n)
-{
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
-            shown++;
-        }
+    tcall_done(o, status, ok);
 }
 
 /* Two replicas under steady load, 64 calls outstanding (each held 20 ms,
@@ -423,19 +372,15 @@ static int t_kill(void)
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
     bex_ctx *ctx = ladder_ctx(0, 0);
-    bex_rpc_endpoint ep[2];
-    bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
     const unsigned deadline = 2000 * time_scale();
-    cc.request_timeout_ms = deadline;
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, sp, 2, 2000);
     bex_rpc_call_opts warm = {.timeout_ms = 20000 * time_scale()};
     for (int i = 0; i < 2; i++) /* both connections up first (round robin) */
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, &warm, NULL, NULL));
     enum { OUT = 64, MAXN = 200000 };
-    static struct ld r = {.w = WAITER_INIT};
-    static struct ld_one o[MAXN];
-    r.delay_ms = 20 * time_scale();
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o[MAXN];
+    ld_delay_ms = 20 * time_scale();
     const unsigned slack = 20 * time_scale();
     long n = 0, before_kill = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
@@ -448,33 +393,17 @@ static int t_kill(void)
             killed = true;
             before_kill = n;
         }
-        o[n] = (struct ld_one){
+        o[n] = (struct tcall){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
-        CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, late_body(ctx, &r, (uint32_t)n), 64, NULL, ld_done,
+        CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, late_body(ctx, (uint32_t)n), 64, NULL, ld_done,
                               &o[n], NULL));
         n++;
     }
     CHECK(killed);
     CHECK(wait_count(&r.w, &r.calls, n, 20000) == 0);
-    bex_rpc_channel_stats st;
-    bex_rpc_channel_stats_get(ch, &st);
-    fprintf(stderr,
-            "kill: %ld calls (%ld before the kill), ok %ld, failed %ld, late %ld, retries %llu, "
-            "ladder moves %llu, throttled %llu, steps %llu/%llu/%llu\n",
-            n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
-            (unsigned long long)st.retries, (unsigned long long)st.ladder_moves,
-            (unsigned long long)st.retry_throttled, (unsigned long long)st.ladder_reconnects,
-            (unsigned long long)st.ladder_replicas, (unsigned long long)st.ladder_tcp);
-    show_failed(o, n);
-    CHECK(before_kill > OUT && n > before_kill + OUT);
-    CHECK_EQ(atomic_load(&r.ok), n);
-    CHECK_EQ(atomic_load(&r.late), 0);
-    CHECK(st.ladder_reconnects >= 1);
-    CHECK(st.ladder_moves >= 1);
+    tcall_show_failed(o, n, "kill");
     bex_rpc_endpoint_stats es[2];
-    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
-    CHECK(es[0].ladder != BEX_RPC_LADDER_OK);
-    CHECK_EQ(es[1].ladder, BEX_RPC_LADDER_OK);
+    kill_check(ch, &r, n, before_kill, OUT, es);
     char name[64];
     ep_name(&sp[0].addr, name, sizeof name);
     CHECK_EQ(log_count(name, "step 1, reconnecting"), 1);
@@ -579,8 +508,8 @@ static int t_rdma_unusable(void)
     bex_ctx_stats(ctx, &ss);
     CHECK_EQ(ss.tcp_conns, 0); /* both over RDMA */
     enum { OUT = 16, MAXN = 100000 };
-    static struct ld r = {.w = WAITER_INIT};
-    static struct ld_one o[MAXN];
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o[MAXN];
     const unsigned slack = 50 * time_scale();
     long n = 0;
     uint64_t start = pair_now_ms(), t_drop = 0, t_tcp = 0, t_pass = 0, t_back = 0;
@@ -632,9 +561,9 @@ static int t_rdma_unusable(void)
         if (n >= MAXN)
             break;
         CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
-        o[n] = (struct ld_one){
+        o[n] = (struct tcall){
             .r = &r, .seed = (uint32_t)n, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
-        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, late_body(ctx, &r, (uint32_t)n), 64, NULL, ld_done,
+        CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, late_body(ctx, (uint32_t)n), 64, NULL, ld_done,
                               &o[n], NULL));
         n++;
     }
@@ -653,7 +582,7 @@ static int t_rdma_unusable(void)
             (unsigned long long)st.retry_throttled, (unsigned long long)st.rdma_retries,
             (unsigned long long)st.rdma_restored, (unsigned long long)es[0].tcp_answers,
             (unsigned long long)es[1].tcp_answers);
-    show_failed(o, n);
+    tcall_show_failed(o, n, "rdma_unusable");
     CHECK(t_drop && t_tcp);
     CHECK(t_tcp - t_drop <= 1000 * time_scale()); /* calls on TCP within 1 s */
     CHECK(t_pass && t_back);                      /* and back on RDMA later */

@@ -8,48 +8,12 @@
 
 /* ---- completion bookkeeping shared by the cases ---- */
 
-struct rec {
-    _Atomic long calls;   /* completions */
-    _Atomic long twice;   /* a call completed a second time */
-    _Atomic long ok, bad; /* status 0 with the right body / anything else */
-    _Atomic long late;    /* completed after its deadline + slack */
-    struct waiter w;
-};
-
-struct one {
-    struct rec *r;
-    uint32_t seed;
-    size_t len;
-    uint64_t t0_ms, limit_ms; /* must complete by t0 + limit */
-    int status;
-    _Atomic int done;
-};
-
 static void one_done(int status, void *body, size_t len, void *user)
 {
-    struct one *o = user;
-    struct rec *r = o->r;
-    if (atomic_fetch_add(&o->done, 1))
-        atomic_fetch_add(&r->twice, 1);
-    o->status = status;
-    if (o->limit_ms && pair_now_ms() > o->t0_ms + o->limit_ms)
-        atomic_fetch_add(&r->late, 1);
-    if (status == 0 && len == o->len && (len == 0 || check_pattern(body, len, o->seed) == 0))
-        atomic_fetch_add(&r->ok, 1);
-    else
-        atomic_fetch_add(&r->bad, 1);
+    struct tcall *o = user;
+    bool ok = status == 0 && len == o->len && (len == 0 || check_pattern(body, len, o->seed) == 0);
     bex_rpc_free(body);
-    waiter_add(&r->w, &r->calls, 1);
-}
-
-/* Say how the first few failed calls of o[0..n) failed. */
-static void show_failures(const struct one *o, long n, const char *what)
-{
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "%s: call %ld: %s\n", what, i, bex_strerror(o[i].status));
-            shown++;
-        }
+    tcall_done(o, status, ok);
 }
 
 /* ---- cases ---- */
@@ -80,17 +44,17 @@ static int t_echo(void)
     }
     /* many outstanding, mixed sizes */
     enum { N = 512, OUT = 64 };
-    static struct rec r = {.w = WAITER_INIT};
-    static struct one o[N];
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o[N];
     for (int i = 0; i < N; i++) {
         CHECK(wait_count(&r.w, &r.calls, i - OUT + 1, 20000) == 0);
         size_t len = sizes[i % 3] == (1u << 20) ? 65536 : sizes[i % 3];
-        o[i] = (struct one){.r = &r, .seed = 100 + (uint32_t)i, .len = len};
+        o[i] = (struct tcall){.r = &r, .seed = 100 + (uint32_t)i, .len = len};
         CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, len, o[i].seed), len, NULL,
                               one_done, &o[i], NULL));
     }
     CHECK(wait_count(&r.w, &r.calls, N, 20000) == 0);
-    show_failures(o, N, "echo");
+    tcall_show_failed(o, N, "echo");
     CHECK_EQ(atomic_load(&r.ok), N);
     CHECK_EQ(atomic_load(&r.twice), 0);
     bex_rpc_channel_stats st;
@@ -117,11 +81,11 @@ static int t_deadline(void)
     bex_ctx *ctx = client_ctx();
     bex_rpc_channel *ch = chan_open(ctx, &sp, 1, 0);
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL)); /* connected */
-    static struct rec r = {.w = WAITER_INIT};
+    static struct tally r = {.w = WAITER_INIT};
     const unsigned tmo = 100 * time_scale(), slack = 30 * time_scale();
-    static struct one o[3];
+    static struct tcall o[3];
     uint64_t t0 = pair_now_ms();
-    o[0] = (struct one){.r = &r, .t0_ms = t0, .limit_ms = tmo + slack};
+    o[0] = (struct tcall){.r = &r, .t0_ms = t0, .limit_ms = tmo + slack};
     bex_rpc_call_opts opts = {.timeout_ms = tmo};
     CHECK_OK(bex_rpc_call(ch, SVC, M_NEVER, NULL, 0, &opts, one_done, &o[0], NULL));
     CHECK(wait_count(&r.w, &r.calls, 1, 5000) == 0);
@@ -131,14 +95,14 @@ static int t_deadline(void)
     CHECK_EQ(atomic_load(&r.late), 0);
     /* explicit cancel */
     uint64_t id;
-    o[1] = (struct one){.r = &r};
+    o[1] = (struct tcall){.r = &r};
     CHECK_OK(bex_rpc_call(ch, SVC, M_NEVER, NULL, 0, NULL, one_done, &o[1], &id));
     CHECK_OK(bex_rpc_cancel(ch, id));
     CHECK(wait_count(&r.w, &r.calls, 2, 5000) == 0);
     CHECK_EQ(o[1].status, -ECANCELED);
     CHECK_EQ(bex_rpc_cancel(ch, id), -ENOENT);
     /* a late answer: the server echoes after 3 x the deadline */
-    o[2] = (struct one){.r = &r};
+    o[2] = (struct tcall){.r = &r};
     uint32_t *b = bex_rpc_alloc(ctx, 4);
     *b = 3 * tmo;
     CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, b, 4, &opts, one_done, &o[2], NULL));
@@ -177,10 +141,10 @@ static int t_destroy(void)
     bex_mem_pool_collect(bex_ctx_pool(ctx));
     bex_mem_pool_stats(bex_ctx_pool(ctx), &ms);
     size_t base = ms.in_use_bytes;
-    static struct rec r = {.w = WAITER_INIT};
-    static struct one o[16];
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o[16];
     for (int i = 0; i < 16; i++) {
-        o[i] = (struct one){.r = &r};
+        o[i] = (struct tcall){.r = &r};
         size_t len = i % 2 ? 100000 : 64; /* some by rendezvous */
         CHECK_OK(bex_rpc_call(ch, SVC, M_NEVER, pattern_body(ctx, len, 1), len, NULL, one_done,
                               &o[i], NULL));
@@ -230,8 +194,8 @@ static int t_failover(void)
     for (int i = 0; i < 2; i++)
         CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, &warm, NULL, NULL));
     enum { OUT = 8 };
-    static struct rec r = {.w = WAITER_INIT};
-    static struct one o[100000];
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o[100000];
     const unsigned slack = 20 * time_scale();
     long n = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 300 * time_scale(),
@@ -245,11 +209,11 @@ static int t_failover(void)
             killed = true;
             before_kill = n;
         }
-        o[n] = (struct one){.r = &r,
-                            .seed = (uint32_t)n,
-                            .len = 64,
-                            .t0_ms = pair_now_ms(),
-                            .limit_ms = deadline + slack};
+        o[n] = (struct tcall){.r = &r,
+                              .seed = (uint32_t)n,
+                              .len = 64,
+                              .t0_ms = pair_now_ms(),
+                              .limit_ms = deadline + slack};
         CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, pattern_body(ctx, 64, (uint32_t)n), 64, NULL,
                               one_done, &o[n], NULL));
         n++;
@@ -264,7 +228,7 @@ static int t_failover(void)
             n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
             (unsigned long long)st.retries, (unsigned long long)st.retry_throttled,
             (unsigned long long)st.conn_failures);
-    show_failures(o, n, "failover");
+    tcall_show_failed(o, n, "failover");
     CHECK(before_kill > OUT && n > before_kill + OUT);
     CHECK_EQ(atomic_load(&r.twice), 0);
     CHECK_EQ(atomic_load(&r.late), 0);
@@ -395,8 +359,8 @@ static int t_endpoints(void)
     CHECK_EQ(requests_of(st1), 1);
     /* a call out on the first server (answered after 1 s) when the list
      * becomes the second server alone */
-    static struct rec r = {.w = WAITER_INIT};
-    static struct one o = {.r = &r}; /* (its body is no pattern: status only) */
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o = {.r = &r}; /* (its body is no pattern: status only) */
     uint32_t *b = bex_rpc_alloc(ctx, 4);
     *b = 1000 * time_scale(); /* the server's delay */
     CHECK_OK(bex_rpc_call(ch, SVC, M_LATE, b, 4, NULL, one_done, &o, NULL));
@@ -679,8 +643,8 @@ static void *thr_main(void *arg)
 {
     struct thr_arg *a = arg;
     enum { N = 300, OUT = 16 };
-    struct rec *r = calloc(1, sizeof(*r));
-    struct one *o = calloc(N, sizeof(*o));
+    struct tally *r = calloc(1, sizeof(*r));
+    struct tcall *o = calloc(N, sizeof(*o));
     CHECK(r && o);
     pthread_mutex_init(&r->w.mu, NULL);
     pthread_cond_init(&r->w.cv, NULL);
@@ -688,12 +652,12 @@ static void *thr_main(void *arg)
         CHECK(wait_count(&r->w, &r->calls, i - OUT + 1, 20000) == 0);
         uint32_t seed = (uint32_t)(a->idx * 10000 + i);
         size_t len = i % 7 == 0 ? 20000 : 256;
-        o[i] = (struct one){.r = r, .seed = seed, .len = len};
+        o[i] = (struct tcall){.r = r, .seed = seed, .len = len};
         CHECK_OK(bex_rpc_call(a->ch, SVC, M_THREAD, pattern_body(a->ctx, len, seed), len, NULL,
                               one_done, &o[i], NULL));
     }
     CHECK(wait_count(&r->w, &r->calls, N, 30000) == 0);
-    show_failures(o, N, a->idx == 0 ? "thread 0" : a->idx == 1 ? "thread 1" : "thread 2");
+    tcall_show_failed(o, N, a->idx == 0 ? "thread 0" : a->idx == 1 ? "thread 1" : "thread 2");
     CHECK_EQ(atomic_load(&r->ok), N);
     CHECK_EQ(atomic_load(&r->twice), 0);
     free(o);

@@ -201,19 +201,13 @@ static int t_attempt_limits(void)
 static int t_ladder_steps(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp())
-        return bex_test_skip("a case for the native TCP tier (RDMA refused by a context "
-                             "without a device)");
+    RPC_NEED_NO_DEVICE();
     struct srv_proc sp;
     spawn_server(&sp, false);
     bex_ctx *ctx = client_ctx();
     CHECK(bex_ctx_pd(ctx) == NULL);
     bex_rpc_endpoint eps[1];
-    bex_rpc_channel_config cc = chan_cfg(eps, &sp, 1);
-    eps[0].transport = BEX_TRANSPORT_RDMA;
-    cc.max_attempts = 2;
-    cc.retry_budget_burst = 1;
-    cc.retry_budget_permille = 1;
+    bex_rpc_channel_config cc = ladder_cfg(eps, &sp);
     bex_rpc_channel *ch;
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     enum { CAP = 4096 };
@@ -235,10 +229,7 @@ static int t_ladder_steps(void)
     }
     bex_rpc_channel_stats st;
     bex_rpc_channel_stats_get(ch, &st);
-    CHECK_EQ(st.ladder_reconnects, 1);
-    CHECK_EQ(st.ladder_replicas, 1);
-    CHECK_EQ(st.ladder_tcp, 1);
-    CHECK_EQ(st.ladder_moves, 2);
+    check_ladder_climbed(&st);
     CHECK_EQ(st.retries, 2);
     CHECK_EQ(st.retry_throttled, 0);
     CHECK_EQ(st.attempts, 5); /* the RDMA ones never left */
@@ -256,36 +247,14 @@ static int t_ladder_steps(void)
 
 /* ---- two replicas under load, one killed ---- */
 
-struct kload {
-    _Atomic long calls, ok, bad, late, twice;
-    struct waiter w;
-    uint32_t delay_ms;
-};
-
-struct kone {
-    struct kload *r;
-    uint8_t *dst;
-    uint32_t seed;
-    uint64_t t0_ms, limit_ms;
-    int status;
-    _Atomic int done;
-};
+static uint32_t k_delay_ms; /* M_LATE's hold of each call (the body's first word) */
 
 static void k_done(int status, void *body, size_t len, void *user)
 {
-    struct kone *o = user;
-    struct kload *r = o->r;
-    if (atomic_fetch_add(&o->done, 1))
-        atomic_fetch_add(&r->twice, 1);
-    o->status = status;
-    if (pair_now_ms() > o->t0_ms + o->limit_ms)
-        atomic_fetch_add(&r->late, 1);
-    if (status == 0 && body == o->dst && len == 64 && memcmp(body, &r->delay_ms, 4) == 0 &&
-        check_pattern((uint8_t *)body + 4, 60, o->seed) == 0)
-        atomic_fetch_add(&r->ok, 1);
-    else
-        atomic_fetch_add(&r->bad, 1);
-    waiter_add(&r->w, &r->calls, 1);
+    struct tcall *o = user;
+    bool ok = status == 0 && body == o->dst && len == 64 && memcmp(body, &k_delay_ms, 4) == 0 &&
+              check_pattern((uint8_t *)body + 4, 60, o->seed) == 0;
+    tcall_done(o, status, ok);
 }
 
 /* Two replicas, 32 calls with destinations outstanding (each held 20 ms,
@@ -301,12 +270,8 @@ static int t_kill(void)
     spawn_server(&sp[0], false);
     spawn_server(&sp[1], false);
     bex_ctx *ctx = client_ctx();
-    bex_rpc_endpoint eps[2];
-    bex_rpc_channel_config cc = chan_cfg(eps, sp, 2);
     const unsigned deadline = 2000 * time_scale();
-    cc.request_timeout_ms = deadline;
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    bex_rpc_channel *ch = chan_open(ctx, sp, 2, 2000);
     enum { OUT = 32, CAP = 256, MAXN = 100000 };
     static uint8_t *dsts[OUT];
     for (int i = 0; i < OUT; i++)
@@ -320,9 +285,9 @@ static int t_kill(void)
         CHECK(wait_count(&d.w, &d.calls, 1, 30000) == 0);
         CHECK_OK(d.status);
     }
-    static struct kload r = {.w = WAITER_INIT};
-    static struct kone o[MAXN];
-    r.delay_ms = 20 * time_scale();
+    static struct tally r = {.w = WAITER_INIT};
+    static struct tcall o[MAXN];
+    k_delay_ms = 20 * time_scale();
     const unsigned slack = 200 * time_scale(); /* the retirement of an exposure */
     long n = 0, before_kill = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
@@ -341,45 +306,24 @@ static int t_kill(void)
             before_kill = n;
         }
         uint8_t *dst = dsts[n % OUT];
-        o[n] = (struct kone){.r = &r,
-                             .dst = dst,
-                             .seed = (uint32_t)n,
-                             .t0_ms = pair_now_ms(),
-                             .limit_ms = deadline + slack};
+        o[n] = (struct tcall){.r = &r,
+                              .dst = dst,
+                              .seed = (uint32_t)n,
+                              .t0_ms = pair_now_ms(),
+                              .limit_ms = deadline + slack};
         uint8_t *b = bex_rpc_alloc(ctx, 64);
         CHECK(b);
-        memcpy(b, &r.delay_ms, 4);
+        memcpy(b, &k_delay_ms, 4);
         fill_pattern(b + 4, 60, (uint32_t)n);
         CHECK_OK(bex_rpc_call_into(ch, SVC, M_LATE, b, 64, dst, CAP, NULL, k_done, &o[n], NULL));
         n++;
     }
     CHECK(killed);
     CHECK(wait_count(&r.w, &r.calls, n, 30000) == 0);
-    bex_rpc_channel_stats st;
-    bex_rpc_channel_stats_get(ch, &st);
-    fprintf(stderr,
-            "kill: %ld calls (%ld before the kill), ok %ld, failed %ld, late %ld, twice %ld, "
-            "retries %llu, ladder moves %llu, throttled %llu, steps %llu/%llu/%llu\n",
-            n, before_kill, atomic_load(&r.ok), atomic_load(&r.bad), atomic_load(&r.late),
-            atomic_load(&r.twice), (unsigned long long)st.retries,
-            (unsigned long long)st.ladder_moves, (unsigned long long)st.retry_throttled,
-            (unsigned long long)st.ladder_reconnects, (unsigned long long)st.ladder_replicas,
-            (unsigned long long)st.ladder_tcp);
-    for (long i = 0, shown = 0; i < n && shown < 5; i++)
-        if (o[i].status) {
-            fprintf(stderr, "call %ld: %s\n", i, bex_strerror(o[i].status));
-            shown++;
-        }
-    CHECK(before_kill > OUT && n > before_kill + OUT);
-    CHECK_EQ(atomic_load(&r.ok), n);
-    CHECK_EQ(atomic_load(&r.late), 0);
-    CHECK_EQ(atomic_load(&r.twice), 0);
-    CHECK(st.ladder_reconnects >= 1);
-    CHECK(st.ladder_moves >= 1);
+    tcall_show_failed(o, n, "kill");
     bex_rpc_endpoint_stats es[2];
-    CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 2), 2);
-    CHECK(es[0].ladder != BEX_RPC_LADDER_OK);
-    CHECK_EQ(es[1].ladder, BEX_RPC_LADDER_OK);
+    kill_check(ch, &r, n, before_kill, OUT, es);
+    CHECK_EQ(atomic_load(&r.twice), 0);
     CHECK(es[0].conn_failures >= 1);
     for (int i = 0; i < OUT; i++)
         CHECK_EQ(armed_of(ctx, dsts[i]), 0);
@@ -432,18 +376,7 @@ static int t_directory(void)
         .conn_fail_max = M, .req_fail_max = 1000, .fail_window_ms = 60000, .quarantine_ms = 60000};
     bex_dir *d;
     CHECK_OK(bex_dir_create(&dc, &d));
-    char j[512], ip[2][INET_ADDRSTRLEN], err[256] = "";
-    for (int i = 0; i < 2; i++)
-        inet_ntop(AF_INET, &sp[i].addr.sin_addr, ip[i], sizeof ip[i]);
-    snprintf(j, sizeof j,
-             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"},"
-             "{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-             ip[0], ntohs(sp[0].addr.sin_port), ip[1], ntohs(sp[1].addr.sin_port));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    dir_load_ps(d, sp, 2, 1, NULL);
     bex_rpc_channel_config cc = {.dir = d,
                                  .service = "ps",
                                  .locality = "dc1/pod1",
@@ -497,7 +430,7 @@ static int t_directory(void)
     bex_dir_destroy(d);
     bex_rpc_free(dst);
     CHECK_OK(bex_ctx_destroy(ctx));
-    rc = stop_server(&sp[0], true);
+    int rc = stop_server(&sp[0], true);
     rc |= stop_server(&sp[1], false);
     return rc ? 1 : 0;
 }

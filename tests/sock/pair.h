@@ -73,6 +73,15 @@ static inline int pair_addrs(struct in_addr *a0, struct in_addr *a1)
     return 0;
 }
 
+/* A case returns at once with the skip (or failure) its set-up decides,
+ * as in PAIR_NEED(pair_addrs(&a0, &a1)). */
+#define PAIR_NEED(setup)                                                                           \
+    do {                                                                                           \
+        int rc_ = (setup);                                                                         \
+        if (rc_)                                                                                   \
+            return rc_;                                                                            \
+    } while (0)
+
 static inline uint64_t pair_now_ms(void)
 {
     return bex_test_now_ms();

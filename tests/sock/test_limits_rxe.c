@@ -197,6 +197,35 @@ static void cli_close_all(struct cli *c, int n)
     CLI_WAIT(c, closed, before + n, 20000);
 }
 
+/* A client with one socket, connected to the server. */
+static struct cli *cli_connected(struct pair *p)
+{
+    struct cli *c = cli_new();
+    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[0]));
+    CLI_WAIT(c, connected, 1, 10000);
+    CHECK_EQ(c->conn_status[0], 0);
+    return c;
+}
+
+/* After an attack: a real client still gets its n echoes of len bytes. */
+static void cli_still_served(struct pair *p, int n, size_t len)
+{
+    struct cli *c = cli_connected(p);
+    cli_echo(p, c, 0, n, len);
+    cli_close_all(c, 1);
+    free(c);
+}
+
+/* A raw peer on ADDR1 connecting to the server with a hello of o:
+ * rp_connect's result. */
+static int rp_to_server(struct rawpeer *rp, struct pair *p, const struct rp_opts *o)
+{
+    struct in_addr a0, a1;
+    CHECK_OK(pair_addrs(&a0, &a1));
+    rp_init(rp, a1, o);
+    return rp_connect(rp, &p->srv, o);
+}
+
 /* ---------------- connections in setup ---------------- */
 
 /* 300 TCP connections that never say hello do not lock a client out: they
@@ -215,10 +244,7 @@ static int idle_client(struct pair *p, void *arg)
         CHECK(connect(fds[i], (const struct sockaddr *)&p->srv, sizeof(p->srv)) == 0);
     }
     pair_sleep_ms(500); /* the server has accepted them all */
-    struct cli *c = cli_new();
-    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[0]));
-    CLI_WAIT(c, connected, 1, 10000);
-    CHECK_EQ(c->conn_status[0], 0);
+    struct cli *c = cli_connected(p);
     cli_echo(p, c, 0, 20, 3000);
     cli_echo(p, c, 0, 4, 300000);
     /* the server evicted the oldest idle connections: they were closed */
@@ -348,28 +374,18 @@ static int emfile_backoff(void)
 static int depth_client(struct pair *p, void *arg)
 {
     (void)arg;
-    struct in_addr a0, a1;
-    CHECK_OK(pair_addrs(&a0, &a1));
     struct rawpeer rp;
     struct rp_opts o = {.recv_depth = 1, .max_rndv = 16, .max_msg = 1u << 20, .eager_max = 1024};
-    rp_init(&rp, a1, &o);
-    int rc = rp_connect(&rp, &p->srv, &o);
+    int rc = rp_to_server(&rp, p, &o);
     fprintf(stderr, "hello with recv_depth 1: %s\n", bex_strerror(rc));
     CHECK(rc != 0); /* no answer: the connection is closed */
     rp_fini(&rp);
     /* recv_depth 4 works */
     o.recv_depth = 4;
-    rp_init(&rp, a1, &o);
-    CHECK_OK(rp_connect(&rp, &p->srv, &o));
+    CHECK_OK(rp_to_server(&rp, p, &o));
     rp_fini(&rp);
     /* and a real client still gets its echoes */
-    struct cli *c = cli_new();
-    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[0]));
-    CLI_WAIT(c, connected, 1, 10000);
-    CHECK_EQ(c->conn_status[0], 0);
-    cli_echo(p, c, 0, 10, 1000);
-    cli_close_all(c, 1);
-    free(c);
+    cli_still_served(p, 10, 1000);
     return 0;
 }
 
@@ -425,12 +441,9 @@ static int max_msg(void)
 static int oversize_client(struct pair *p, void *arg)
 {
     (void)arg;
-    struct in_addr a0, a1;
-    CHECK_OK(pair_addrs(&a0, &a1));
     struct rawpeer rp;
     struct rp_opts o = {.recv_depth = 64, .max_rndv = 16, .max_msg = 1u << 20, .eager_max = 1024};
-    rp_init(&rp, a1, &o);
-    CHECK_OK(rp_connect(&rp, &p->srv, &o));
+    CHECK_OK(rp_to_server(&rp, p, &o));
     CHECK(rp.credits >= 300);
     /* the server fails the engine at the first; the rest may not get through */
     uint32_t sent = 0;
@@ -445,13 +458,7 @@ static int oversize_client(struct pair *p, void *arg)
     CHECK(rp_wait_closed(&rp, 5000 * time_scale()));
     CHECK_EQ(rp.peer.max_msg, 64u << 20); /* the default, told in the hello */
     rp_fini(&rp);
-    struct cli *c = cli_new();
-    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[0]));
-    CLI_WAIT(c, connected, 1, 10000);
-    CHECK_EQ(c->conn_status[0], 0);
-    cli_echo(p, c, 0, 4, 100000);
-    cli_close_all(c, 1);
-    free(c);
+    cli_still_served(p, 4, 100000);
     return 0;
 }
 
@@ -466,12 +473,9 @@ static int rndv_oversize(void)
 static int flood_client(struct pair *p, void *arg)
 {
     (void)arg;
-    struct in_addr a0, a1;
-    CHECK_OK(pair_addrs(&a0, &a1));
     struct rawpeer rp;
     struct rp_opts o = {.recv_depth = 64, .max_rndv = 16, .max_msg = 1u << 20, .eager_max = 1024};
-    rp_init(&rp, a1, &o);
-    CHECK_OK(rp_connect(&rp, &p->srv, &o));
+    CHECK_OK(rp_to_server(&rp, p, &o));
     CHECK_EQ(rp.peer.max_rndv, 8);
     for (uint32_t i = 0; i < 8; i++) {
         struct bex__hdr h = {.type = BEX__MSG_RNDV_REQ, .stream = 1, .len = 100000, .id = i};
@@ -560,12 +564,9 @@ static int openflood_server(struct pair *p, void *arg)
 static int openflood_client(struct pair *p, void *arg)
 {
     (void)arg;
-    struct in_addr a0, a1;
-    CHECK_OK(pair_addrs(&a0, &a1));
     struct rawpeer rp;
     struct rp_opts o = {.recv_depth = 512, .max_rndv = 16, .max_msg = 1u << 20, .eager_max = 1024};
-    rp_init(&rp, a1, &o);
-    CHECK_OK(rp_connect(&rp, &p->srv, &o));
+    CHECK_OK(rp_to_server(&rp, p, &o));
     for (uint32_t i = 1; i <= 400; i++) {
         struct bex__hdr h = {.type = BEX__MSG_OPEN, .stream = i};
         CHECK_OK(rp_send(&rp, &h));
@@ -698,10 +699,7 @@ static int rl_server(struct pair *p, void *arg)
 static int rl_client(struct pair *p, void *arg)
 {
     (void)arg;
-    struct cli *c = cli_new();
-    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[0]));
-    CLI_WAIT(c, connected, 1, 10000);
-    CHECK_EQ(c->conn_status[0], 0);
+    struct cli *c = cli_connected(p);
     for (uint32_t i = 0; i < RL_N; i++) {
         size_t len = i < RL_SMALL ? 4000 : 256 * 1024;
         CHECK_OK(bex_sock_send(c->socks[0], make_msg(p->ctx, i, len), len, NULL));
@@ -761,10 +759,7 @@ static int stall_server(struct pair *p, void *arg)
 static int stall_client(struct pair *p, void *arg)
 {
     struct stall *st = arg;
-    struct cli *c = cli_new();
-    CHECK_OK(bex_sock_connect(p->ctx, &p->srv, &cli_ops, c, &c->socks[0]));
-    CLI_WAIT(c, connected, 1, 10000);
-    CHECK_EQ(c->conn_status[0], 0);
+    struct cli *c = cli_connected(p);
     int n = st->mode ? 20 : 4;
     uint64_t t0 = pair_now_ms();
     for (int i = 0; i < n; i++) {

@@ -193,9 +193,7 @@ static int setup_addrs(void)
 
 static int mode(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     struct srv v = {.w = WAITER_INIT, .echo = true};
     bex_ctx_config sc = {.srq_depth = 256, .rq_depth = 16, .io_threads = 2};
     bex_ctx *sctx = ctx_new(&sc, addr0);
@@ -299,9 +297,7 @@ static int mode(void)
 /* A queue of 64 receives, shares of 16: four peers, a fifth refused. */
 static int shares(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     struct srv v = {.w = WAITER_INIT, .echo = true};
     bex_ctx_config sc = {.srq_depth = 64, .rq_depth = 16, .transport = BEX_TRANSPORT_RDMA};
     bex_ctx *sctx = ctx_new(&sc, addr0);
@@ -447,18 +443,14 @@ static long starve_run(bool unshared)
 
 static int starve(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     CHECK_EQ(starve_run(false), B_MSGS);
     return 0;
 }
 
 static int starve_unshared(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     /* without shares A took the receives B's messages needed */
     CHECK(starve_run(true) < B_MSGS);
     return 0;

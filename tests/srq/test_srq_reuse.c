@@ -37,6 +37,7 @@
 #include "harness.h"
 #include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
+#include "engine_test.h"
 #include "wire/hdr.h"
 
 enum { DEPTH = 64, RQ = 16, MAXQ = 256, MAXEV = 64 };
@@ -219,16 +220,7 @@ static void up_on_fail(struct bex__xport *x, int err)
     c->fail_err = err;
 }
 
-static const struct bex__transport_upcalls ops = {
-    .on_up = up_on_up,
-    .on_msg = up_on_msg,
-    .on_open = up_on_open,
-    .on_peer_close = up_on_peer_close,
-    .on_send_done = up_on_send_done,
-    .on_stream_closed = up_on_stream_closed,
-    .on_direct = up_on_direct,
-    .on_fail = up_on_fail,
-};
+static const struct bex__transport_upcalls ops = {BEX_TEST_UP_ON};
 
 /* ---------------- the I/O thread ---------------- */
 
@@ -266,18 +258,8 @@ static void thread_init(void)
     memset(&stats, 0, sizeof stats);
     sh = (struct bex__engine_shared){
         .pool = pool, .landing = landing, .recv_pool = recv_pool, .stats = &stats, .log = &lg};
-    cfg = (struct bex__engine_config){
-        .sq_depth = 32,
-        .rq_depth = RQ,
-        .eager_max = 1024,
-        .frag_size = 4096,
-        .rndv_ahead = 2,
-        .keepalive_ms = 1000,
-        .keepalive_timeout_ms = 3600000,
-        .max_msg = 1u << 20,
-        .rndv_max = 16,
-        .rndv_bytes_max = 16u << 20,
-    };
+    cfg = bex_test_engine_config();
+    cfg.rq_depth = RQ;
     CHECK_OK(bex__srq_create_nodev(&sh, DEPTH, cfg.eager_max, &cq_standin, &srq_standin, &sh.srq));
 }
 

@@ -211,9 +211,7 @@ static void rig_down(struct rig *r)
  * sends each next one when woken by the echo. Checks the frames each way. */
 static int echo_run(bool from_recv)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     struct rig r;
     /* no keepalive frame during the run: 10 s */
     rig_up(&r, BEX_POLL_SPIN_SLEEP, 10000, true, false);
@@ -295,9 +293,7 @@ static uint64_t one_way_run(uint32_t poll_mode, long m, long window, uint64_t *c
  * 100 ms keepalive would each show far above 2 ms a message. */
 static int one_way(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     uint64_t cr;
     uint64_t ms = one_way_run(BEX_POLL_SPIN_SLEEP, 500, 1, &cr);
     CHECK(ms < 500 * 2 * time_scale());
@@ -309,9 +305,7 @@ static int one_way(void)
  * wait for it. */
 static int one_way_event(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     uint64_t cr;
     uint64_t ms = one_way_run(BEX_POLL_EVENT, 200, 1, &cr);
     CHECK(ms < 200 * 5 * time_scale());
@@ -320,9 +314,7 @@ static int one_way_event(void)
 
 static int one_way_window(void)
 {
-    int rc = setup_addrs();
-    if (rc)
-        return rc;
+    PAIR_NEED(setup_addrs());
     uint64_t cr;
     long m = 20000;
     one_way_run(BEX_POLL_SPIN_SLEEP, m, 64, &cr);
