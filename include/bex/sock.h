@@ -21,9 +21,10 @@
  * A received buffer (on_recv) belongs to the application, which frees it
  * with bex_mem_free() from any thread, whenever it likes.
  *
- * Every message handed to bex_sock_send() or bex_sock_send_direct() that
- * returned 0 is reported exactly once through on_send_done, and only once
- * the NIC no longer reads its buffer. Its status says what became of it:
+ * Every message handed to bex_sock_send(), bex_sock_send_req() or
+ * bex_sock_send_direct() that returned 0 is reported exactly once through
+ * on_send_done, and only once the NIC no longer reads its buffer. Its
+ * status says what became of it:
  *   0            delivered: the peer's engine holds it and hands it to
  *                its socket (unless that socket is closed by then).
  *   -ECANCELED   not delivered, and never will be: it never left this host,
