@@ -21,9 +21,10 @@
  * A received buffer (on_recv) belongs to the application, which frees it
  * with bex_mem_free() from any thread, whenever it likes.
  *
- * Every message handed to bex_sock_send() or bex_sock_send_direct() that
- * returned 0 is reported exactly once through on_send_done, and only once
- * the NIC no longer reads its buffer. Its status says what became of it:
+ * Every message handed to bex_sock_send(), bex_sock_send_req() or
+ * bex_sock_send_direct() that returned 0 is reported exactly once through
+ * on_send_done, and only once the NIC no longer reads its buffer. Its
+ * status says what became of it:
  *   0            delivered: the peer's engine holds it and hands it to
  *                its socket (unless that socket is closed by then).
  *   -ECANCELED   not delivered, and never will be: it never left this host,
@@ -293,6 +294,22 @@ int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const be
  * found too large is handed back through on_send_done with -EMSGSIZE).
  * msg_user is handed back in on_send_done. */
 int bex_sock_send(bex_sock *s, void *buf, size_t len, void *msg_user);
+
+/* Storage for one send, provided by the caller (bex_sock_send_req): the
+ * descriptor bex would otherwise allocate. Opaque; its size is fixed. */
+typedef struct bex_send_req {
+    void *priv[24];
+} bex_send_req;
+
+/* bex_sock_send with the caller's storage for the message's descriptor, so
+ * that bex allocates nothing for it (libuv's uv_write_t habit). Same
+ * arguments, returns and completion as bex_sock_send; req must not be NULL
+ * (-EINVAL). On 0, req belongs to bex until on_send_done reports the
+ * message (msg_user as given: it may point at the struct embedding req);
+ * from the moment on_send_done is called, req is the caller's again, and
+ * the callback may reuse it for the next send. On an error return bex never
+ * took it. Each request carries one message at a time. */
+int bex_sock_send_req(bex_sock *s, bex_send_req *req, void *buf, size_t len, void *msg_user);
 
 /* A peer-writable buffer, for sends that skip the rendezvous. */
 typedef struct bex_remote_buf {

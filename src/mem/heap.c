@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "mem/internal.h"
+#include "mem/lookup.h"
 
 /* Slow paths stay out of line, so the fast paths need no stack frame. */
 #define BEX__MEM_SLOW __attribute__((noinline, cold))
@@ -817,6 +818,13 @@ bex_mem_pool *bex_mem_pool_of(const void *ptr)
     if (!ptr)
         return NULL;
     return header_of(ptr)->pool;
+}
+
+const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool)
+{
+    struct bex__mem_chunk *c = header_of(ptr);
+    *pool = c->pool;
+    return &c->mr;
 }
 
 /* The calling thread's heap of pool, or NULL: never creates one. */

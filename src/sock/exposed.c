@@ -132,7 +132,7 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
     uint32_t eng = atomic_load(&s->eng_id);
     if (!eng)
         return -ENOTCONN;
-    int err = bex__sock_check_buf(s, buf, len);
+    int err = bex__sock_check_buf(s, buf, len, NULL);
     if (err)
         return err;
     bex_ctx *ctx = s->ctx;

@@ -34,12 +34,19 @@ enum {
 /* What an epoll event of the I/O thread belongs to (struct ep_tag). */
 enum { EV_CHANNEL = 1, EV_LISTENER, EV_CONN };
 
-/* A message on its way: the command, the engine's descriptor, its socket. */
+/* A message on its way: the command, the engine's descriptor, its socket.
+ * It lives in a caller's bex_send_req (caller_owned), or comes from malloc
+ * or its I/O thread's cache (struct bex__io's msg_free) and goes back there
+ * when done (bex__sock_msg_put). */
 struct sock_msg {
     struct bex__cmd cmd;
     struct bex__msg m;
     struct bex_sock *s;
+    struct sock_msg *free_next; /* in the cache */
+    bool caller_owned;
 };
+/* Descriptors an I/O thread keeps for reuse, at most. */
+#define BEX__MSG_CACHE_MAX 256
 
 /* bex_sock_set_user from a thread other than the I/O thread: applied there,
  * in order with that thread's other commands. */
@@ -174,6 +181,8 @@ struct bex__io {
     uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
     bool stopping;
     struct bex__cmd stop_cmd;
+    struct sock_msg *msg_free; /* descriptors for reuse (bex__sock_msg_put) */
+    uint32_t n_msg_free;
 };
 
 /* Which I/O thread a client connection to a peer belongs to: sockets to
@@ -219,8 +228,12 @@ static inline void bex__io_push(struct bex__io *io, struct bex__cmd *c, int type
 struct bex__io *bex__io_next(bex_ctx *ctx);
 
 /* sock.c: 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of
- * this context's registered memory. */
-int bex__sock_check_buf(bex_sock *s, void *buf, size_t len);
+ * this context's registered memory; its region's lkey in *lkey (if lkey). */
+int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey);
+/* A send is done with its descriptor: back to its socket's I/O thread's
+ * cache (or free; a caller's is left alone). On that thread, or once it
+ * has stopped. Read what the report needs first. */
+void bex__sock_msg_put(struct sock_msg *w);
 
 /* io.c: the I/O thread */
 void *bex__io_main(void *arg);

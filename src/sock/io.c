@@ -67,8 +67,10 @@ static void do_send(struct sock_msg *w)
     }
     if (!s->attached || s->dead) {
         /* accepted by bex_sock_send, but the socket died meanwhile */
-        bex__sock_report_done(s, w->m.buf, w->m.len, w->m.user, -ECANCELED);
-        free(w);
+        void *buf = w->m.buf, *user = w->m.user;
+        size_t len = w->m.len;
+        bex__sock_msg_put(w);
+        bex__sock_report_done(s, buf, len, user, -ECANCELED);
         bex__sock_maybe_finish(s);
         return;
     }

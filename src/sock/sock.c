@@ -13,6 +13,7 @@
 #include "sock/secret.h"
 #include "transport/rdma/srq.h"
 #include "transport/tcp/tcp.h"
+#include "mem/lookup.h"
 
 #define DEF(field, v)                                                                              \
     do {                                                                                           \
@@ -209,6 +210,12 @@ err_engines:
  * io_init never reached or undid itself has no engine table. */
 static void io_fini(struct bex__io *io)
 {
+    while (io->msg_free) {
+        struct sock_msg *w = io->msg_free;
+        io->msg_free = w->free_next;
+        free(w);
+    }
+    io->n_msg_free = 0;
     if (!io->engines)
         return;
     bex__loop_fini(&io->loop);
@@ -601,27 +608,63 @@ int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const be
     return 0;
 }
 
-int bex__sock_check_buf(bex_sock *s, void *buf, size_t len)
+int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
 {
     if (len > INT32_MAX)
         return -EMSGSIZE;
     if (!buf)
         return -EINVAL;
-    const bex_mem_region *r = bex_mem_mr(buf);
-    bex_mem_pool *pool = bex_mem_pool_of(buf);
-    if (!r ||
-        (pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool && pool != s->ctx->sh.landing) ||
+    bex_mem_pool *pool;
+    const bex_mem_region *r = bex__mem_lookup(buf, &pool);
+    if ((pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool && pool != s->ctx->sh.landing) ||
         (uintptr_t)buf < (uintptr_t)r->addr ||
         (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
         return -EINVAL;
+    if (lkey)
+        *lkey = r->lkey;
     return 0;
 }
 
-static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_remote_buf *rb)
+/* A send descriptor. On the socket's own I/O thread (a callback sending)
+ * from that thread's cache, which only it touches: descriptors come back
+ * there (bex__sock_msg_put) on the same thread. Other threads malloc. */
+static struct sock_msg *msg_get(bex_sock *s)
+{
+    struct bex__io *io = s->io;
+    if (bex__io_self == io && io->msg_free) {
+        struct sock_msg *w = io->msg_free;
+        io->msg_free = w->free_next;
+        io->n_msg_free--;
+        return w;
+    }
+    /* malloc, not calloc (nor malloc + memset, which compilers turn into
+     * calloc): glibc's calloc skips the per-thread cache and takes the
+     * arena lock, some 300 instructions more per message */
+    return malloc(sizeof(struct sock_msg));
+}
+
+void bex__sock_msg_put(struct sock_msg *w)
+{
+    if (w->caller_owned)
+        return;
+    struct bex__io *io = w->s->io;
+    if (io->n_msg_free >= BEX__MSG_CACHE_MAX) {
+        free(w);
+        return;
+    }
+    w->free_next = io->msg_free;
+    io->msg_free = w;
+    io->n_msg_free++;
+}
+
+static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_remote_buf *rb,
+                  bex_send_req *req)
 {
     if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED)
         return -EPIPE;
-    int err = bex__sock_check_buf(s, buf, len);
+    /* the one MR lookup of the send: its lkey goes with the message */
+    uint32_t lkey;
+    int err = bex__sock_check_buf(s, buf, len, &lkey);
     if (err)
         return err;
     if (rb && (rb->len != len || !(rb->token & BEX__IMM_DIRECT) || len == 0))
@@ -631,13 +674,12 @@ static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_
     uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
     if (!rb && peer_max && len > peer_max)
         return -EMSGSIZE;
-    /* malloc, not calloc (nor malloc + memset, which compilers turn into
-     * calloc): glibc's calloc skips the per-thread cache and takes the
-     * arena lock, some 300 instructions more per message */
-    struct sock_msg *w = malloc(sizeof(*w));
+    struct sock_msg *w = req ? (struct sock_msg *)(void *)req : msg_get(s);
     if (!w)
         return -ENOMEM;
-    *w = (struct sock_msg){.s = s, .m = {.buf = buf, .len = len, .user = msg_user}};
+    *w = (struct sock_msg){.s = s,
+                           .m = {.buf = buf, .len = len, .user = msg_user, .lkey = len ? lkey : 0},
+                           .caller_owned = req != NULL};
     if (rb) {
         w->m.direct = true;
         w->m.raddr = rb->addr;
@@ -652,7 +694,18 @@ int bex_sock_send(bex_sock *s, void *buf, size_t len, void *msg_user)
 {
     if (!s)
         return -EINVAL;
-    return submit(s, buf, len, msg_user, NULL);
+    return submit(s, buf, len, msg_user, NULL, NULL);
+}
+
+_Static_assert(sizeof(struct sock_msg) <= sizeof(bex_send_req) &&
+                   _Alignof(struct sock_msg) <= _Alignof(bex_send_req),
+               "bex_send_req holds a send descriptor");
+
+int bex_sock_send_req(bex_sock *s, bex_send_req *req, void *buf, size_t len, void *msg_user)
+{
+    if (!s || !req)
+        return -EINVAL;
+    return submit(s, buf, len, msg_user, NULL, req);
 }
 
 int bex_sock_send_direct(bex_sock *s, void *buf, size_t len, const bex_remote_buf *rb,
@@ -660,7 +713,7 @@ int bex_sock_send_direct(bex_sock *s, void *buf, size_t len, const bex_remote_bu
 {
     if (!s || !rb)
         return -EINVAL;
-    return submit(s, buf, len, msg_user, rb);
+    return submit(s, buf, len, msg_user, rb, NULL);
 }
 
 void bex_sock_close(bex_sock *s)

@@ -159,8 +159,12 @@ static void on_send_done(struct bex__xport *x, struct bex__msg *m, int status)
     struct sock_msg *w = bex__container_of(m, struct sock_msg, m);
     struct bex_sock *s = w->s;
     s->pending--;
-    bex__sock_report_done(s, m->buf, m->len, m->user, status);
-    free(w);
+    /* the descriptor goes back first: a caller's bex_send_req is the
+     * caller's again in on_send_done, and a send from the callback reuses it */
+    void *buf = m->buf, *user = m->user;
+    size_t len = m->len;
+    bex__sock_msg_put(w);
+    bex__sock_report_done(s, buf, len, user, status);
     bex__sock_maybe_finish(s);
 }
 
@@ -212,8 +216,10 @@ void bex__sock_drop_waiting(struct bex_sock *s)
         struct sock_msg *w = s->wq_head;
         s->wq_head = w->m.next ? bex__container_of(w->m.next, struct sock_msg, m) : NULL;
         s->pending--;
-        bex__sock_report_done(s, w->m.buf, w->m.len, w->m.user, -ECANCELED);
-        free(w);
+        void *buf = w->m.buf, *user = w->m.user;
+        size_t len = w->m.len;
+        bex__sock_msg_put(w);
+        bex__sock_report_done(s, buf, len, user, -ECANCELED);
     }
     s->wq_tail = NULL;
     s->pending--;

@@ -44,7 +44,7 @@ struct bex__msg {
     uint64_t raddr; /* destination (large messages) */
     uint32_t rkey;
     uint32_t imm;
-    uint32_t lkey;
+    uint32_t lkey;    /* buf's, set by whoever queues m (RDMA): resolved once at submit */
     uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
     uint32_t last_wr; /* send counter of its last posted fragment (off > 0) */
     uint8_t state;

@@ -207,6 +207,7 @@ static int send_msg(struct bex__stream *st, size_t len, uint8_t seed)
     m->len = len;
     m->buf = bex_mem_alloc(T.pool, len ? len : 1);
     CHECK(m->buf != NULL);
+    m->lkey = bex_mem_mr(m->buf)->lkey;
     fill(m->buf, len, seed);
     bex__engine_send(st, m);
     return 0;

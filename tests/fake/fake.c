@@ -811,6 +811,7 @@ struct fk_msg *fk_send(struct fk_pair *p, struct fk_stream *st, uint32_t len, bo
         m->m.rkey = 0;
         m->m.imm = x->imm;
     }
+    m->m.lkey = m->m.len ? bex_mem_mr(m->m.buf)->lkey : 0;
     bex__engine_send(&st->st, &m->m);
     return m;
 }

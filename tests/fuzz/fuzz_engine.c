@@ -931,6 +931,7 @@ static void app_send(struct rd *r)
         m->m.rkey = dst;
         m->m.imm = BEX__IMM_DIRECT | (uint32_t)dst << 8 | flags;
     }
+    m->m.lkey = m->m.len ? bex_mem_mr(m->m.buf)->lkey : 0;
     m->state = M_ENGINE;
     bex__engine_send(&s->st, &m->m);
 }

@@ -901,7 +901,6 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
         return;
     }
     m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
-    m->lkey = m->len ? bex_mem_mr(m->buf)->lkey : 0;
     if (st->q_tail)
         st->q_tail->next = m;
     else

@@ -154,7 +154,9 @@ uint32_t bex__engine_peer_max_msg(struct bex__engine *e);
 int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id);
 
 void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id, bool client);
-/* Queue a message (ownership passes to the engine until on_send_done). */
+/* Queue a message (ownership passes to the engine until on_send_done).
+ * m->lkey is the caller's: buf's region's lkey (bex_mem_mr), looked up once
+ * when the message was accepted, not again here. */
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m);
 /* Close a stream: its queue is sent, then CLOSE; on_stream_closed once the
  * peer's CLOSE has arrived too. Works before the engine is up. */
