@@ -11,8 +11,8 @@
 #include "sock/ctx_access.h"
 #include "sock/internal.h"
 #include "sock/secret.h"
-#include "transport/rdma/srq.h"
 #include "transport/tcp/tcp.h"
+#include "transport/rdma/srq.h"
 
 #define DEF(field, v)                                                                              \
     do {                                                                                           \
