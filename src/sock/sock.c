@@ -11,9 +11,9 @@
 #include "sock/ctx_access.h"
 #include "sock/internal.h"
 #include "sock/secret.h"
-#include "transport/rdma/srq.h"
 #include "transport/tcp/tcp.h"
 #include "mem/lookup.h"
+#include "transport/rdma/srq.h"
 
 #define DEF(field, v)                                                                              \
     do {                                                                                           \

@@ -337,6 +337,18 @@ static int deadline(void)
          * give it turns to misfire), then reaches it */
         uint64_t t0 = bex__rpc_now_ns();
         call(ch, cx, M_NEVER, 8, tmo[i], &r);
+        /* held first: the clock does not wait for the request to arrive,
+         * and on a loaded host (-j2 under TSan) it had not within the
+         * 20 ms below, so the count after the loop was 2 */
+        uint64_t end = bex_test_now_ms() + 2000ull * scale();
+        pthread_mutex_lock(&s.mu);
+        while (s.n_held < i + 1 && bex_test_now_ms() < end) {
+            pthread_mutex_unlock(&s.mu);
+            bex_test_sleep_ms(1);
+            pthread_mutex_lock(&s.mu);
+        }
+        CHECK_EQ(s.n_held, i + 1);
+        pthread_mutex_unlock(&s.mu);
         fake_advance(tmo[i] - 1);
         bex_test_sleep_ms(20);
         CHECK(!result_done(&r));
