@@ -62,7 +62,7 @@ static const char DEFAULT_PLAN[] =
     "{\n"
     "  \"shards\": 2, \"replicas\": 2,\n"
     "  \"table\": {\"id\": 1, \"dim\": 16, \"lr\": 0.01},\n"
-    "  \"keys\": 50000, \"zipf\": 0.99, \"poll\": \"event\",\n"
+    "  \"keys\": 50000, \"zipf\": 0.99,\n"
     "  \"ps\": {\"snapshot_every_ms\": 2000, \"keepalive_timeout_ms\": 10000},\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
     "             \"large_every\": 32, \"large_keys\": 16384,\n"
