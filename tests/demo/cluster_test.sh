@@ -152,6 +152,31 @@ if rk.get("large_every"):
         big = sum(c for le, c in b["hist"] if le == 0 or le >= lk * dim * 4)
         assert big >= b["large"], f"{n}: histogram {b['hist']}"
         assert b["large_mean_us"] > 0, n
+# Paced rankers (the plan's ranker.rate: Poisson arrivals, open loop) and
+# the I/O threads' poll mode (the plan's "poll", a phase's own): what every
+# client ran with, from its own report
+rate = rk.get("rate", 0)
+for p in ph:
+    n = p["name"]
+    want = next(q for q in plan if q["name"] == n).get("poll", r["plan"].get("poll", "spin-sleep"))
+    assert p["poll"] == want, f"{n}: poll {p['poll']}, the plan says {want}"
+    for c in p["clients"]:
+        assert c["poll"] == want, f"{n}: {c['name']} polled {c['poll']}, the plan says {want}"
+        if c["role"] != "ranker":
+            continue
+        assert c["rate"] == rate, f"{n}: {c['name']} ran at rate {c['rate']}, the plan says {rate}"
+        reqs = c["ops"]["request"]["count"]
+        if not rate:
+            assert c["arrivals"] == 0, f"{n}: {c['name']}: arrivals in a closed loop"
+            continue
+        # each arrival is one user request; a Poisson count of mean
+        # rate x duration (well within half to 1.5 times that, unless
+        # arrivals had to wait for a slot: then fewer came in time)
+        expect = rate * p["duration_s"]
+        assert c["arrivals"] == reqs, f"{n}: {c['name']}: {c['arrivals']} arrivals, {reqs} requests"
+        assert reqs <= 1.5 * expect + 10, f"{n}: {c['name']}: {reqs} requests at rate {rate}"
+        assert reqs >= 0.5 * expect or c["arrivals_waited"] > 0, \
+            f"{n}: {c['name']}: {reqs} requests at rate {rate} in {p['duration_s']} s, none waited"
 print("results.json: ok:", ", ".join(
     f"{p['name']}: {p['latency']['ranker_request']['count']} user requests, "
     f"{p['latency']['trainer_push']['count']} Pushes, {p['retries']} retries" for p in ph))

@@ -393,6 +393,7 @@ static void start_keeper(void)
 
 struct phase {
     const char *name, *transport;
+    const char *poll; /* the plan's "poll", or the phase's own */
     double duration_s;
     int rankers, trainers;
     double warmup_s; /* samples that start earlier are left out of the stats */
@@ -405,6 +406,7 @@ struct plan {
     int shards, replicas;
     unsigned table, dim, keys;
     double lr, zipf;
+    const char *poll; /* every process's I/O threads' poll mode (NULL: the library's) */
     json_t *ranker, *trainer, *ps;
     struct phase ph[MAX_PHASES];
     int n_ph;
@@ -414,6 +416,17 @@ static double jnum(json_t *o, const char *k, double def)
 {
     json_t *v = o ? json_object_get(o, k) : NULL;
     return v && json_is_number(v) ? json_number_value(v) : def;
+}
+
+/* A "poll" setting: spin-sleep, busy or event (def when absent) */
+static const char *poll_mode(const char *arg, json_t *v, const char *def)
+{
+    if (!v)
+        return def;
+    const char *m = json_string_value(v);
+    if (!m || (strcmp(m, "spin-sleep") && strcmp(m, "busy") && strcmp(m, "event")))
+        die("plan %s: \"poll\": spin-sleep, busy or event", arg);
+    return m;
 }
 
 static void plan_load(struct plan *pl, const char *arg)
@@ -437,9 +450,7 @@ static void plan_load(struct plan *pl, const char *arg)
     pl->ranker = json_object_get(r, "ranker");
     pl->trainer = json_object_get(r, "trainer");
     pl->ps = json_object_get(r, "ps");
-    if (pl->shards < 1 || pl->shards > 16 || pl->replicas < 1 || pl->replicas > 4 || pl->dim < 1 ||
-        pl->dim > BEX_PS_DIM_MAX || pl->keys < 1)
-        die("plan %s: shards 1-16, replicas 1-4, table.dim 1-%u, keys >= 1", arg, BEX_PS_DIM_MAX);
+    pl->poll = poll_mode(arg, json_object_get(r, "poll"), NULL);
     json_t *phs = json_object_get(r, "phases");
     if (!json_is_array(phs) || json_array_size(phs) == 0 || json_array_size(phs) > MAX_PHASES)
         die("plan %s: \"phases\": an array of 1-%d phases", arg, MAX_PHASES);
@@ -452,6 +463,7 @@ static void plan_load(struct plan *pl, const char *arg)
         if (strcmp(ph->transport, "rdma") && strcmp(ph->transport, "tcp") &&
             strcmp(ph->transport, "auto"))
             die("plan %s: phases[%zu].transport: rdma, tcp or auto", arg, i);
+        ph->poll = poll_mode(arg, json_object_get(p, "poll"), pl->poll);
         ph->duration_s = jnum(p, "duration_s", 10) * g.scale;
         ph->warmup_s = jnum(p, "warmup_s", jnum(r, "warmup_s", 2)) * g.scale;
         if (ph->warmup_s >= ph->duration_s)
@@ -1054,6 +1066,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
                          NULL);
             argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
             argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
+            if (ph->poll)
+                argv_add(p, "--poll", ph->poll);
             snprintf(path, sizeof path, "%s/%s.log", dir, name);
             proc_spawn(p, path);
         }
@@ -1119,12 +1133,15 @@ static json_t *run_phase(const struct plan *pl, int pi)
         argv_num(p, "--attempt-timeout-ms", o, "attempt_timeout_ms");
         argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
         argv_num(p, "--keepalive-timeout-ms", o, "keepalive_timeout_ms");
+        if (ph->poll)
+            argv_add(p, "--poll", ph->poll);
         if (rk) {
             argv_num(p, "--models", o, "models");
             argv_num(p, "--keys-min", o, "keys_min");
             argv_num(p, "--keys-max", o, "keys_max");
             argv_num(p, "--large-every", o, "large_every");
             argv_num(p, "--large-keys", o, "large_keys");
+            argv_num(p, "--rate", o, "rate");
         } else {
             argv_num(p, "--compute-us", o, "compute_us");
             argv_num(p, "--mean-bytes", o, "mean_bytes");
@@ -1276,6 +1293,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_t *res = json_object();
     json_object_set_new(res, "name", json_string(ph->name));
     json_object_set_new(res, "transport", json_string(ph->transport));
+    json_object_set_new(res, "poll", json_string(ph->poll ? ph->poll : "spin-sleep"));
     json_object_set_new(res, "duration_s", json_real(ph->duration_s));
     json_object_set_new(res, "elapsed_s", json_real(elapsed));
     json_object_set_new(res, "warmup_s", json_real(ph->warmup_s));
@@ -1458,7 +1476,7 @@ static void row(const char *what, double rdma, double tcp, const char *unit, int
     printf("\n");
 }
 
-static void print_tables(json_t *phases, int soft_roce)
+static void print_tables(json_t *phases, json_t *plan, int soft_roce)
 {
     json_t *rd = NULL, *tc = NULL, *p;
     size_t i;
@@ -1473,6 +1491,23 @@ static void print_tables(json_t *phases, int soft_roce)
             tc = p;
     }
     printf("\n");
+    /* what the figures depend on, stated with them */
+    json_t *rk = json_object_get(plan, "ranker");
+    double rate = jpath(rk, "rate", NULL, NULL), outst = jpath(rk, "outstanding", NULL, NULL);
+    if (isnan(outst))
+        outst = 8; /* bex-ranker's */
+    if (rate > 0)
+        printf("Load: each ranker's user requests arrive at %g a second (Poisson, open loop; at "
+               "most %.0f in\nflight); a user request's latency counts from its arrival.\n",
+               rate, outst);
+    else
+        printf("Load: each ranker keeps %.0f user requests in flight (closed loop: latency is "
+               "that work\nover the throughput the machine sustains).\n",
+               outst);
+    if (rd && tc)
+        printf("I/O threads of every process: poll mode %s over RDMA, %s over TCP.\n",
+               json_string_value(json_object_get(rd, "poll")),
+               json_string_value(json_object_get(tc, "poll")));
     if (rd && tc) {
         printf("Table 5 (shape): CPU time per PS operation (Fetch or Push), microseconds\n");
         printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
@@ -1807,7 +1842,7 @@ int main(int argc, char **argv)
     if (json_dump_file(res, path, JSON_INDENT(2)))
         die("%s: cannot write", path);
     if (g.clients)
-        print_tables(phases, soft_roce);
+        print_tables(phases, pl.root, soft_roce);
     else
         printf("\nbex-cluster --only servers: %d phase%s served; the clients' bex-cluster has the "
                "tables\n",

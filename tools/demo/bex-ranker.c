@@ -22,17 +22,26 @@
 
 #include "load.h"
 
-enum { O_MODELS = 256, O_KEYS_MIN, O_KEYS_MAX, O_LARGE_EVERY, O_LARGE_KEYS };
+enum { O_MODELS = 256, O_KEYS_MIN, O_KEYS_MAX, O_LARGE_EVERY, O_LARGE_KEYS, O_RATE };
 
 struct ropts {
     uint32_t models, keys_min, keys_max;
     uint32_t large_every, large_keys; /* every Nth model Fetch this many keys (0: none) */
+    double rate;                      /* user requests arriving per second (0: closed loop) */
 };
 
 static int extra(int opt, const char *arg, void *user)
 {
     struct ropts *ro = user;
     char *end;
+    if (opt == O_RATE) {
+        errno = 0;
+        double r = strtod(arg, &end);
+        if (errno || end == arg || *end || !(r >= 0 && r <= 1e6))
+            return -1;
+        ro->rate = r;
+        return 0;
+    }
     unsigned long v = strtoul(arg, &end, 10);
     if (opt == O_LARGE_EVERY) { /* 0: off */
         if (end == arg || *end || v > 1000000)
@@ -132,19 +141,21 @@ static void model_done(int status, void *user)
     ureq_put(m->u);
 }
 
-/* Issue one user request: its models' Fetches all at once. */
-static void issue(const struct ropts *ro, uint64_t *rng)
+/* Issue one user request that arrived at arrival_us: its models' Fetches
+ * all at once (each Fetch's latency counts from now, the request's from
+ * its arrival). */
+static void issue(const struct ropts *ro, uint64_t *rng, uint64_t arrival_us)
 {
     static uint64_t fetches; /* model Fetches issued: every large_every-th is large */
     const struct ld_opts *o = run.o;
     struct ureq *u = calloc(1, sizeof *u + ro->models * sizeof(struct model));
     if (!u) {
-        ld_record(&run, LD_REQUEST, ld_now_us(), 0);
+        ld_record(&run, LD_REQUEST, arrival_us, 0);
         sem_post(&slots);
         return;
     }
     u->n = ro->models;
-    u->start_us = ld_now_us();
+    u->start_us = arrival_us;
     atomic_store(&u->left, u->n + 1);
     double lmin = log((double)ro->keys_min), lmax = log((double)ro->keys_max + 1);
     for (uint32_t i = 0; i < u->n; i++) {
@@ -183,10 +194,11 @@ int main(int argc, char **argv)
                                        {"keys-max", required_argument, 0, O_KEYS_MAX},
                                        {"large-every", required_argument, 0, O_LARGE_EVERY},
                                        {"large-keys", required_argument, 0, O_LARGE_KEYS},
+                                       {"rate", required_argument, 0, O_RATE},
                                        {0, 0, 0, 0}};
     ld_parse(argc, argv, &o, lo, extra, &ro,
              "       [--models K] [--keys-min N] [--keys-max N] [--large-every N]\n"
-             "       [--large-keys N]\n");
+             "       [--large-keys N] [--rate R]\n");
     if (ro.keys_min > ro.keys_max) {
         fprintf(stderr, "bex-ranker: --keys-min is above --keys-max\n");
         return 2;
@@ -199,19 +211,50 @@ int main(int argc, char **argv)
         return 1;
     uint64_t rng = o.seed * 0x2545f4914f6cdd1dull + 1, last = run.t0_us;
     uint64_t end = run.t0_us + (uint64_t)(o.duration_s * 1e6);
+    /* Open loop (--rate): user requests arrive as a Poisson process, as
+     * they do at a ranker serving users, whatever the PS's speed; at most
+     * --outstanding are in flight, and one arriving when all are taken
+     * waits for a slot, its wait counted in its latency (from its
+     * arrival). Closed loop (no --rate): the next request starts when one
+     * completes, so the load is whatever the machine sustains. */
+    uint64_t arrival = run.t0_us, arrivals = 0, waited = 0;
+    int counted = 0; /* the next arrival's wait for a slot is counted */
     while (ld_now_us() < end) {
-        /* wait for a free slot, but not past the end (progress meanwhile) */
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
         ld_progress(&run, LD_REQUEST, &last);
-        if (sem_timedwait(&slots, &ts) != 0)
-            continue;
-        issue(&ro, &rng);
+        if (ro.rate > 0) {
+            if (arrival >= end)
+                break;
+            uint64_t now = ld_now_us();
+            if (now < arrival) {
+                uint64_t d = arrival - now < 100000 ? arrival - now : 100000;
+                struct timespec ts = {.tv_nsec = (long)d * 1000};
+                nanosleep(&ts, NULL);
+                continue;
+            }
+        }
+        if (sem_trywait(&slots) != 0) {
+            waited += ro.rate > 0 && !counted;
+            counted = 1;
+            /* wait for a free slot, but not past the end (progress meanwhile) */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 100 * 1000000;
+            if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000;
+            }
+            if (sem_timedwait(&slots, &ts) != 0)
+                continue;
+        }
+        counted = 0;
+        if (ro.rate > 0) {
+            issue(&ro, &rng, arrival);
+            arrivals++;
+            /* exponential gaps, -ln(1 - U) / rate seconds: Poisson arrivals */
+            arrival += (uint64_t)(-log(1 - ld_uniform(&rng)) / ro.rate * 1e6);
+        } else {
+            issue(&ro, &rng, ld_now_us());
+        }
     }
     /* every request completes by its deadline */
     for (uint32_t i = 0; i < o.outstanding; i++)
@@ -221,14 +264,15 @@ int main(int argc, char **argv)
     int k = snprintf(
         extra_json, sizeof extra_json,
         ",\"models\":%u,\"keys_min\":%u,\"keys_max\":%u,\"large_every\":%u,"
-        "\"large_keys\":%u,\"fetch_bytes\":{\"count\":%llu,\"min\":%llu,"
+        "\"large_keys\":%u,\"rate\":%g,\"arrivals\":%llu,\"arrivals_waited\":%llu,"
+        "\"fetch_bytes\":{\"count\":%llu,\"min\":%llu,"
         "\"max\":%llu,\"mean\":%.1f,\"mib_or_more\":%llu,\"large\":%llu,\"large_failed\":%llu,"
         "\"large_mean_us\":%.1f,\"hist\":[",
-        ro.models, ro.keys_min, ro.keys_max, ro.large_every, ro.large_keys,
-        (unsigned long long)sz.n, (unsigned long long)(sz.n ? sz.min : 0),
-        (unsigned long long)sz.max, sz.n ? (double)sz.sum / (double)sz.n : 0.0,
-        (unsigned long long)sz.mib, (unsigned long long)sz.large,
-        (unsigned long long)sz.large_failed,
+        ro.models, ro.keys_min, ro.keys_max, ro.large_every, ro.large_keys, ro.rate,
+        (unsigned long long)arrivals, (unsigned long long)waited, (unsigned long long)sz.n,
+        (unsigned long long)(sz.n ? sz.min : 0), (unsigned long long)sz.max,
+        sz.n ? (double)sz.sum / (double)sz.n : 0.0, (unsigned long long)sz.mib,
+        (unsigned long long)sz.large, (unsigned long long)sz.large_failed,
         sz.large > sz.large_failed ? sz.large_lat_sum / (double)(sz.large - sz.large_failed) : 0.0);
     /* [le, count]: le the bucket's bound in bytes (0: unbounded, the last) */
     for (int b = 0; b < SZ_BUCKETS; b++)

@@ -30,6 +30,7 @@ enum {
     O_CONNECT_TIMEOUT,
     O_KEEPALIVE_TIMEOUT,
     O_SEND_WINDOW,
+    O_POLL,
     O_SEED,
     O_PROGRESS,
     O_VERBOSE,
@@ -55,6 +56,7 @@ static const struct option common_opts[] = {
     {"connect-timeout-ms", required_argument, 0, O_CONNECT_TIMEOUT},
     {"keepalive-timeout-ms", required_argument, 0, O_KEEPALIVE_TIMEOUT},
     {"send-window", required_argument, 0, O_SEND_WINDOW},
+    {"poll", required_argument, 0, O_POLL},
     {"seed", required_argument, 0, O_SEED},
     {"progress", no_argument, 0, O_PROGRESS},
     {"verbose", no_argument, 0, O_VERBOSE},
@@ -69,6 +71,7 @@ static uint32_t attempt_timeout_ms;
 static uint32_t connect_timeout_ms = 3000;
 static uint32_t keepalive_timeout_ms; /* the context's (0: its default) */
 static uint32_t send_window;          /* the context's (0: none) */
+static uint32_t poll_mode;            /* the context's BEX_POLL_* (0: spin-sleep) */
 
 static void usage(const char *prog, const char *extra)
 {
@@ -78,6 +81,7 @@ static void usage(const char *prog, const char *extra)
         "       [--locality L] [--duration S] [--outstanding N] [--zipf S] [--keys N]\n"
         "       [--table ID] [--dim D] [--timeout-ms MS] [--attempt-timeout-ms MS]\n"
         "       [--connect-timeout-ms MS] [--keepalive-timeout-ms MS] [--send-window B]\n"
+        "       [--poll spin-sleep|busy|event]\n"
         "       [--seed N] [--json FILE] [--samples FILE]\n"
         "       [--progress] [--verbose]\n%s",
         prog, extra ? extra : "");
@@ -181,6 +185,16 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
             break;
         case O_SEND_WINDOW:
             send_window = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
+            break;
+        case O_POLL:
+            if (strcmp(optarg, "spin-sleep") == 0)
+                poll_mode = BEX_POLL_SPIN_SLEEP;
+            else if (strcmp(optarg, "busy") == 0)
+                poll_mode = BEX_POLL_BUSY;
+            else if (strcmp(optarg, "event") == 0)
+                poll_mode = BEX_POLL_EVENT;
+            else
+                usage(prog, usage_extra);
             break;
         case O_SEED:
             o->seed = (uint64_t)num(prog, usage_extra, optarg, 0, 1e15);
@@ -331,6 +345,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
     bex_ctx_config cc = {.transport = o->transport,
                          .keepalive_timeout_ms = keepalive_timeout_ms,
                          .send_window = send_window,
+                         .poll_mode = poll_mode,
                          .log_level = o->verbose ? BEX_LOG_INFO : BEX_LOG_WARN};
     if (inet_pton(AF_INET, o->addr, &cc.local_addr) != 1) {
         fprintf(stderr, "%s: --addr %s: not an IPv4 address\n", prog, o->addr);
@@ -470,11 +485,12 @@ int ld_run_finish(struct ld_run *r, const char *role, const char *extra_json)
         goto out;
     }
     static const char *const tnames[] = {"auto", "rdma", "tcp"};
+    static const char *const pnames[] = {"spin-sleep", "busy", "event"};
     fprintf(f,
-            "{\"role\":\"%s\",\"transport\":\"%s\",\"outstanding\":%u,\"zipf\":%g,\"keys\":%u,"
-            "\"dim\":%u,\"duration_s\":%.3f,\"elapsed_s\":%.3f,\"ops\":{",
-            role, tnames[r->o->transport % 3], r->o->outstanding, r->o->zipf, r->o->keys, r->o->dim,
-            r->o->duration_s, elapsed);
+            "{\"role\":\"%s\",\"transport\":\"%s\",\"poll\":\"%s\",\"outstanding\":%u,"
+            "\"zipf\":%g,\"keys\":%u,\"dim\":%u,\"duration_s\":%.3f,\"elapsed_s\":%.3f,\"ops\":{",
+            role, tnames[r->o->transport % 3], pnames[poll_mode % 3], r->o->outstanding, r->o->zipf,
+            r->o->keys, r->o->dim, r->o->duration_s, elapsed);
     uint32_t *lat = malloc((r->n ? r->n : 1) * sizeof *lat);
     uint64_t net_ops = 0;
     int first = 1;

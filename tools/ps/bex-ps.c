@@ -45,7 +45,7 @@ static void usage(void)
         "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
-        "              [--no-catchup] [--catchup-timeout-ms MS]\n");
+        "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n");
     exit(2);
 }
 
@@ -179,7 +179,7 @@ static void snapshot_all(struct served *sv, size_t n, const char *dir)
 int main(int argc, char **argv)
 {
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
-    uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO;
+    uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO, poll_mode = BEX_POLL_SPIN_SLEEP;
     long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0, catchup_ms = 10000;
     int catchup = 1;
     const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
@@ -206,6 +206,7 @@ int main(int argc, char **argv)
                                        {"verbose", no_argument, 0, 'v'},
                                        {"no-catchup", no_argument, 0, 'C'},
                                        {"catchup-timeout-ms", required_argument, 0, 'U'},
+                                       {"poll", required_argument, 0, 'p'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
@@ -283,6 +284,16 @@ int main(int argc, char **argv)
         }
         case 't':
             if (n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &tables[n_tables++]))
+                usage();
+            break;
+        case 'p':
+            if (strcmp(optarg, "spin-sleep") == 0)
+                poll_mode = BEX_POLL_SPIN_SLEEP;
+            else if (strcmp(optarg, "busy") == 0)
+                poll_mode = BEX_POLL_BUSY;
+            else if (strcmp(optarg, "event") == 0)
+                poll_mode = BEX_POLL_EVENT;
+            else
                 usage();
             break;
         case 'x':
@@ -417,6 +428,7 @@ int main(int argc, char **argv)
                          .transport =
                              want == BEX_TRANSPORT_TCP ? BEX_TRANSPORT_TCP : BEX_TRANSPORT_AUTO,
                          .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
+                         .poll_mode = poll_mode,
                          .log_level = verbose ? BEX_LOG_INFO : 0};
     bex_ctx *ctx;
     if ((rc = bex_ctx_create(&cc, &ctx))) {
