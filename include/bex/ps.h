@@ -134,7 +134,7 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path);
 /* ---- catch-up of a restarted replica (docs/architecture.md) ---- */
 
 typedef struct bex_ps_catchup_config {
-    const bex_rpc_endpoint *peers; /* replicas of this shard, tried in order */
+    const bex_rpc_endpoint *peers; /* replicas of this shard, tried in order, in rounds */
     size_t n_peers;
     uint32_t timeout_ms;  /* the whole catch-up's deadline, every peer (10000) */
     uint32_t chunk_bytes; /* bytes asked per COPY chunk (1 MiB, at most 16 MiB) */
@@ -145,7 +145,10 @@ typedef struct bex_ps_catchup_config {
  * server listens) up with a live peer replica, then let it serve. Pulls
  * the peer's rows and the ids of the Pushes it applied, as one consistent
  * cut, in chunks; takes them instead of its own rows; applies the held
- * Pushes the cut does not contain, each once; serves from then on. When no
+ * Pushes the cut does not contain, each once; serves from then on. The
+ * peers are tried in rounds until the deadline: one not reachable yet is
+ * asked again, one whose copy is bad or behind, or that catches up itself,
+ * is not. When no
  * peer gives a copy by the deadline (dead, itself catching up, hostile),
  * it logs why and falls back to its own rows (its snapshot) plus every
  * held Push, and returns the error (-ETIMEDOUT, -ECONNREFUSED, -EAGAIN,

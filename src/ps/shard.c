@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <arpa/inet.h>
 
@@ -1384,6 +1385,20 @@ done:
     return 0;
 }
 
+/* Pause between two catch-up rounds (ms). */
+#define CATCHUP_PAUSE_MS 150
+
+/* Whether a peer's failure is its answer rather than a passing state, so
+ * that asking it again before the deadline would not help: a copy that is
+ * bad, too long or behind us, a call it refuses, our own memory; and a
+ * peer catching up itself (-EAGAIN): two replicas started together would
+ * otherwise wait for each other until the deadline. */
+static bool copy_final(int rc)
+{
+    return rc == -EBADMSG || rc == -E2BIG || rc == -ESTALE || rc == -EAGAIN || rc == -ENOMEM ||
+           rc == -EINVAL || rc == -ENOSYS || rc == -EPERM || rc == -EACCES;
+}
+
 int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg)
 {
     if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
@@ -1401,37 +1416,72 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     int rc = -EHOSTUNREACH; /* no peer */
     struct table *cut = NULL;
     struct idset cut_ids = {0};
-    for (size_t i = 0; i < cfg->n_peers; i++) {
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &cfg->peers[i].addr.sin_addr, a, sizeof a);
-        uint8_t *buf;
-        size_t len;
-        rc = copy_pull(ctx, &cfg->peers[i], cfg, deadline, &buf, &len);
-        if (rc == 0) {
-            if (!(cut = tables_like(s)))
-                rc = -ENOMEM;
-            else if ((rc = copy_load(s, buf, len, cut, &cut_ids)) == -EINVAL)
-                rc = -EBADMSG; /* the peer's copy, not our call */
-            free(buf);
+    /* rounds over the peers until one gives a copy or the deadline passes:
+     * a peer that cannot be reached now (not listening yet, a connection
+     * not made in time on a loaded host) may be reachable in a moment, and
+     * giving up at once would serve the snapshot without every Push the
+     * peer applied meanwhile */
+    bool *out = cfg->n_peers ? calloc(cfg->n_peers, sizeof *out) : NULL;
+    if (cfg->n_peers && !out)
+        rc = -ENOMEM;
+    for (unsigned round = 1; out; round++) {
+        size_t again = 0, last = 0; /* peers worth another round; the last */
+        int last_rc = 0;
+        for (size_t i = 0; i < cfg->n_peers && !cut; i++) {
+            if (out[i])
+                continue;
+            char a[INET_ADDRSTRLEN];
+            inet_ntop(AF_INET, &cfg->peers[i].addr.sin_addr, a, sizeof a);
+            uint8_t *buf;
+            size_t len;
+            rc = copy_pull(ctx, &cfg->peers[i], cfg, deadline, &buf, &len);
             if (rc == 0) {
-                pthread_mutex_lock(&s->mu);
-                if (ids_behind(&s->ids, &cut_ids))
-                    rc = -ESTALE;
-                pthread_mutex_unlock(&s->mu);
+                if (!(cut = tables_like(s)))
+                    rc = -ENOMEM;
+                else if ((rc = copy_load(s, buf, len, cut, &cut_ids)) == -EINVAL)
+                    rc = -EBADMSG; /* the peer's copy, not our call */
+                free(buf);
+                if (rc == 0) {
+                    pthread_mutex_lock(&s->mu);
+                    if (ids_behind(&s->ids, &cut_ids))
+                        rc = -ESTALE;
+                    pthread_mutex_unlock(&s->mu);
+                }
+            }
+            if (rc == 0) {
+                bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u",
+                         s->shard, len, a, ntohs(cfg->peers[i].addr.sin_port));
+                break;
+            }
+            if (cut)
+                tables_free(cut, s->n_tables);
+            cut = NULL;
+            ids_free(&cut_ids);
+            if (copy_final(rc)) {
+                out[i] = true; /* its answer: logged once, not asked again */
+                bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: catch-up from %s:%u failed: %s",
+                         s->shard, a, ntohs(cfg->peers[i].addr.sin_port), bex_strerror(rc));
+            } else {
+                again++;
+                last = i;
+                last_rc = rc;
             }
         }
-        if (rc == 0) {
-            bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u", s->shard,
-                     len, a, ntohs(cfg->peers[i].addr.sin_port));
+        uint32_t left = ms_left(deadline);
+        if (cut || !again || left <= CATCHUP_PAUSE_MS)
             break;
-        }
-        bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: catch-up from %s:%u failed: %s", s->shard, a,
-                 ntohs(cfg->peers[i].addr.sin_port), bex_strerror(rc));
-        if (cut)
-            tables_free(cut, s->n_tables);
-        cut = NULL;
-        ids_free(&cut_ids);
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &cfg->peers[last].addr.sin_addr, a, sizeof a);
+        bex__log(&s->log, BEX_LOG_WARN,
+                 "ps shard %u: catch-up round %u failed (%zu peers unreachable, %s:%u: %s): "
+                 "trying again, %u ms left",
+                 s->shard, round, again, a, ntohs(cfg->peers[last].addr.sin_port),
+                 bex_strerror(last_rc), left);
+        struct timespec ts = {0, CATCHUP_PAUSE_MS * 1000000l};
+        while (nanosleep(&ts, &ts) && errno == EINTR)
+            ;
     }
+    free(out);
     pthread_mutex_lock(&s->mu);
     uint64_t rows = 0, replayed = 0, skipped = 0, failed = 0;
     if (cut) {

@@ -11,6 +11,8 @@
  *   wrong offset fails the catch-up at once; the shard serves its own.
  * behind: a snapshot keeps the ids of the Pushes applied; a peer whose copy
  *   lacks some of them (restarted from an older state) is refused.
+ * peer_late: the only peer is unreachable when catch-up starts and listens
+ *   500 ms later: it is tried again until the deadline and copied.
  * restart: bex-ps processes, 2 shards x 2 replicas; a thread Pushes all the
  *   time; replica 1 snapshots, is killed -9, Pushes go on, it restarts (its
  *   "ready" comes after catch-up); the two replicas' rows are equal bit for
@@ -442,6 +444,100 @@ static int t_behind(void)
     return 0;
 }
 
+/* ---- peer_late: the only peer unreachable when catch-up starts ---- */
+
+static struct {
+    bex_ctx *ctx;
+    bex_ps_shard *shard;
+    struct sockaddr_in addr;
+    bex_rpc_server *srv;
+} late;
+
+/* The peer's server, listening only after 500 ms (the catch-up meanwhile
+ * finds nobody at its address). */
+static void *late_listen(void *arg)
+{
+    (void)arg;
+    pair_sleep_ms(500);
+    CHECK_OK(bex_rpc_server_create(late.ctx, NULL, &late.srv));
+    CHECK_OK(bex_ps_shard_register(late.shard, late.srv, late.ctx));
+    CHECK_OK(bex_rpc_server_listen(late.srv, &late.addr));
+    return NULL;
+}
+
+/* A peer that refuses at first (its server not up yet, as a peer whose
+ * connection cannot be made at once on a loaded host) is tried again until
+ * the deadline: the catch-up copies it, not its snapshot alone. On the
+ * one-pass catch-up it failed at once (the first refusal) and the shard
+ * lacked Pushes 1 and 2. */
+static int t_peer_late(void)
+{
+    struct in_addr a0;
+    bex_ctx *rctx;
+    int rc = lib_ctxs(&a0, &late.ctx, &rctx);
+    if (rc)
+        return rc;
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
+    bex_ps_shard *rs;
+    CHECK_OK(bex_ps_shard_create(&pc, &late.shard));
+    pc.flags = BEX_PS_SHARD_CATCHUP;
+    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    uint64_t keys[NK];
+    int idx[NK];
+    static struct ref ref;
+    int n = shard0_keys(keys, idx, &ref);
+    static float g[4][NK * DMAX];
+    static void *body[4];
+    size_t blen[4];
+    for (int q = 1; q <= 3; q++) {
+        grads_of(g[q], n, TC.dim, 40 * q);
+        body[q] = push_body(keys, n, g[q], 0xc4, (uint64_t)q, &blen[q]);
+        ref_push(&ref, idx, n, g[q]);
+    }
+    /* the peer applied 1 and 2; the restarted one holds 2 and 3 */
+    for (int q = 1; q <= 2; q++)
+        CHECK_OK(serve(late.shard, late.ctx, BEX_PS_M_PUSH, body[q], blen[q]));
+    for (int q = 2; q <= 3; q++)
+        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[q], blen[q]));
+    late.addr =
+        (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0, .sin_port = htons(free_port())};
+    bex_rpc_endpoint ep = {.addr = late.addr};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, late_listen, NULL) == 0);
+    bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 5000 * time_scale()};
+    uint64_t t0 = pair_now_ms();
+    rc = bex_ps_shard_catchup(rs, rctx, &cu);
+    uint64_t took = pair_now_ms() - t0;
+    CHECK(pthread_join(th, NULL) == 0);
+    fprintf(stderr, "catch-up: %s after %llu ms\n", bex_strerror(rc), (unsigned long long)took);
+    CHECK_OK(rc);
+    CHECK(took >= 400); /* it waited for the peer */
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.catchup_failed, 0);
+    CHECK_EQ(st.catchup_rows, n);
+    CHECK_EQ(st.catchup_replayed, 1); /* 3 */
+    CHECK_EQ(st.catchup_skipped, 1);  /* 2: the peer's */
+    bex_ps_shard_stats ps;
+    bex_ps_shard_stats_get(late.shard, &ps);
+    CHECK_EQ(ps.copies_served, 1);
+    /* the peer gets 3 too: both equal each other and the reference */
+    CHECK_OK(serve(late.shard, late.ctx, BEX_PS_M_PUSH, body[3], blen[3]));
+    static float r0[NK * DMAX], r1[NK * DMAX];
+    fetch_shard(late.shard, late.ctx, keys, n, r0);
+    fetch_shard(rs, rctx, keys, n, r1);
+    CHECK(memcmp(r0, r1, (size_t)n * TC.dim * 4) == 0);
+    ref_check(&ref, idx, n, r1);
+    for (int q = 1; q <= 3; q++)
+        free(body[q]);
+    CHECK_OK(bex_rpc_server_destroy(late.srv));
+    bex_ps_shard_destroy(late.shard);
+    bex_ps_shard_destroy(rs);
+    CHECK_OK(bex_ctx_destroy(late.ctx));
+    CHECK_OK(bex_ctx_destroy(rctx));
+    return 0;
+}
+
 /* ---- restart: bex-ps processes, kill -9 while Pushes go on ---- */
 
 static struct {
@@ -550,8 +646,11 @@ static int t_restart(void)
     static uint16_t ports[NSH][2];
     tmp_cluster(tmpl, cluster, sizeof cluster, 2, ports);
     pid_t pid[2];
+    /* replica 0 first, alone: no peer to catch up with (it would wait its
+     * whole deadline for replica 1, each shard) */
+    const char *no[] = {"--no-catchup", NULL};
     for (int r = 0; r < 2; r++)
-        pid[r] = start_replica(cluster, tmpl, r, NULL, NULL, 0);
+        pid[r] = start_replica(cluster, tmpl, r, r ? NULL : no, NULL, 0);
     bex_ctx *ctx = client_ctx();
     bex_dir *d = dir_of_file(cluster);
     pusher_start(client_short(ctx, d, 0), ports, 20);
@@ -792,5 +891,5 @@ static int t_peer_hangs(void)
 }
 
 BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"hostile", t_hostile},
-              {"restart", t_restart}, {"etcd", t_etcd}, {"peer_dies", t_peer_dies},
-              {"peer_hangs", t_peer_hangs})
+              {"peer_late", t_peer_late}, {"restart", t_restart}, {"etcd", t_etcd},
+              {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs})
