@@ -96,6 +96,17 @@ typedef struct bex_mem_pool bex_mem_pool;
 int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg,
                         bex_mem_pool **out);
 
+/* Register ahead: make sure the pool holds, empty and registered, enough
+ * chunks for count more allocations of size bytes (small or medium: at most
+ * 2 MiB), so that they do not stop for a registration (a few ms on a real
+ * NIC for 4 MiB, tens of ms on Soft-RoCE). Counts only fully empty chunks
+ * (free space in chunks already in use comes on top), and at most
+ * retain_bytes of them (more would be released again). For a caller that
+ * knows a burst of allocations is coming, such as an engine that will
+ * refill its receive buffers while the application holds the ones it got.
+ * 0, -EINVAL (NULL, a landing pool, a huge size) or the registrar's error. */
+int bex_mem_pool_reserve(bex_mem_pool *pool, size_t count, size_t size);
+
 /* The pool's BEX_MEM_POOL_* kind, or -EINVAL for NULL. */
 int bex_mem_pool_kind(const bex_mem_pool *pool);
 

@@ -270,7 +270,7 @@ static inline unsigned bex__mem_class_of(size_t size)
 struct bex__mem_chunk *bex__mem_region_create(bex_mem_pool *pool, size_t len, size_t reg_off);
 void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c);
 struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool);
-void bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c);
+bool bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c);
 void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size);
 void bex__mem_huge_free(struct bex__mem_chunk *c);
 void bex__mem_pool_note_in_use(bex_mem_pool *pool, int64_t delta);

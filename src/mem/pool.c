@@ -198,27 +198,9 @@ void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
  * without locks (see heap.c). The pool only hands out empty chunks and
  * takes them back: it keeps up to retain_bytes of them registered. */
 
-/* An empty chunk for a heap: a retained one, else a new registration.
- * NULL + errno. */
-struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool)
+/* A new registered chunk, empty, on the pool's list. NULL + errno. */
+static struct bex__mem_chunk *chunk_new(bex_mem_pool *pool)
 {
-    for (int round = 0;; round++) {
-        pthread_mutex_lock(&pool->lock);
-        struct bex__mem_chunk *c = pool->empty;
-        if (c) {
-            pool->empty = c->bnext;
-            pool->retained_bytes -= BEX__MEM_CHUNK_SIZE;
-        }
-        pthread_mutex_unlock(&pool->lock);
-        if (c)
-            return c;
-        /* Dead threads' heaps may hold chunks that remote frees emptied
-         * after they died: look there before growing. */
-        if (round > 0 || !atomic_load_explicit(&pool->norphans, memory_order_relaxed) ||
-            !bex__mem_pool_reclaim(pool))
-            break;
-    }
-
     struct bex__mem_chunk *c = bex__mem_region_create(pool, BEX__MEM_CHUNK_SIZE, 0);
     if (!c)
         return NULL;
@@ -240,9 +222,72 @@ struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool)
     return c;
 }
 
+/* An empty chunk for a heap: a retained one, else a new registration.
+ * NULL + errno. */
+struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool)
+{
+    for (int round = 0;; round++) {
+        pthread_mutex_lock(&pool->lock);
+        struct bex__mem_chunk *c = pool->empty;
+        if (c) {
+            pool->empty = c->bnext;
+            pool->retained_bytes -= BEX__MEM_CHUNK_SIZE;
+        }
+        pthread_mutex_unlock(&pool->lock);
+        if (c)
+            return c;
+        /* Dead threads' heaps may hold chunks that remote frees emptied
+         * after they died: look there before growing. */
+        if (round > 0 || !atomic_load_explicit(&pool->norphans, memory_order_relaxed) ||
+            !bex__mem_pool_reclaim(pool))
+            break;
+    }
+    return chunk_new(pool);
+}
+
+/* Blocks of size bytes (small or medium) that one chunk's usable spans hold. */
+static size_t blocks_per_chunk(size_t size)
+{
+    size_t usable = (size_t)(BEX__MEM_SPANS - 1) << BEX__MEM_SPAN_SHIFT;
+    if (size <= BEX__MEM_SMALL_MAX) {
+        unsigned c = bex__mem_class_of(size);
+        size_t run = (size_t)bex__mem_class_spans[c] << BEX__MEM_SPAN_SHIFT;
+        return (usable / run) * (run / bex__mem_class_size[c]);
+    }
+    return (BEX__MEM_SPANS - 1) / ((size + BEX__MEM_SPAN_SIZE - 1) >> BEX__MEM_SPAN_SHIFT);
+}
+
+int bex_mem_pool_reserve(bex_mem_pool *pool, size_t count, size_t size)
+{
+    if (!pool || pool->kind != BEX_MEM_POOL_GENERAL || size > BEX__MEM_MEDIUM_MAX)
+        return -EINVAL;
+    if (!count || !size)
+        return 0;
+    size_t per = blocks_per_chunk(size);
+    size_t want = count / per + (count % per != 0);
+    if (want > pool->retain / BEX__MEM_CHUNK_SIZE)
+        want = pool->retain / BEX__MEM_CHUNK_SIZE; /* more would be released again */
+    pthread_mutex_lock(&pool->lock);
+    size_t have = 0;
+    for (struct bex__mem_chunk *c = pool->empty; c && have < want; c = c->bnext)
+        have++;
+    pthread_mutex_unlock(&pool->lock);
+    for (; have < want; have++) {
+        struct bex__mem_chunk *c = chunk_new(pool);
+        if (!c)
+            return errno ? -errno : -ENOMEM;
+        /* retained (kept empty for the next heap that needs one) unless the
+         * retention is full of huge mappings: then it is released at once,
+         * and so would any more */
+        if (!bex__mem_pool_chunk_put(pool, c))
+            break;
+    }
+    return 0;
+}
+
 /* A heap gives back an empty chunk: retained up to retain_bytes, else
- * deregistered and unmapped. */
-void bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c)
+ * deregistered and unmapped. Whether it was retained. */
+bool bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c)
 {
     bool release = false;
     pthread_mutex_lock(&pool->lock);
@@ -262,6 +307,7 @@ void bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c)
     pthread_mutex_unlock(&pool->lock);
     if (release)
         bex__mem_region_destroy(pool, c);
+    return !release;
 }
 
 /* ---- huge allocations ---------------------------------------------------- */

@@ -495,6 +495,11 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         r->wr.sg_list = &r->sge;
         r->wr.num_sge = 1;
     }
+    /* As many again registered ahead: the refills of the receives the
+     * application holds would otherwise stop this thread for a registration
+     * at each new chunk (tens of ms on Soft-RoCE). Best effort: a failure
+     * shows at the refill, which copes with it. */
+    (void)bex_mem_pool_reserve(sh->recv_pool, e->rq, e->rbuf_len);
 
     struct bex__rdma_qp_config qc = {
         .send_cq = sh->cq,
