@@ -57,19 +57,24 @@
  * seconds (P99s of 1.5-3 s at a load of 10 on 2 cores), and a tighter
  * deadline failed user requests in phases without a fault. A ranker's
  * Fetch answers are 1-64 KB, and every 32nd is 1 MiB (16384 keys): all of
- * them that large at once made rxe fail QPs under this load. */
+ * them that large at once made rxe fail QPs under this load. Answers and
+ * Pushes up to 64 KB go by one SEND (eager_max 65600 in every process, as
+ * bench/rpc/compare does), not by rendezvous: 8 MiB of receive buffers
+ * per connection, a few hundred MiB for the whole demo. */
 static const char DEFAULT_PLAN[] =
     "{\n"
     "  \"shards\": 2, \"replicas\": 2,\n"
     "  \"table\": {\"id\": 1, \"dim\": 16, \"lr\": 0.01},\n"
     "  \"keys\": 50000, \"zipf\": 0.99,\n"
-    "  \"ps\": {\"snapshot_every_ms\": 2000, \"keepalive_timeout_ms\": 10000},\n"
+    "  \"ps\": {\"snapshot_every_ms\": 2000, \"keepalive_timeout_ms\": 10000,\n"
+    "         \"eager_max\": 65600},\n"
     "  \"ranker\": {\"outstanding\": 4, \"models\": 4, \"keys_min\": 16, \"keys_max\": 1024,\n"
     "             \"large_every\": 32, \"large_keys\": 16384,\n"
-    "             \"timeout_ms\": 10000, \"keepalive_timeout_ms\": 10000},\n"
+    "             \"timeout_ms\": 10000, \"keepalive_timeout_ms\": 10000,\n"
+    "             \"eager_max\": 65600},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
     "              \"p99_bytes\": 51200, \"timeout_ms\": 10000,\n"
-    "              \"keepalive_timeout_ms\": 10000},\n"
+    "              \"keepalive_timeout_ms\": 10000, \"eager_max\": 65600},\n"
     "  \"phases\": [\n"
     "    {\"name\": \"rdma\", \"transport\": \"rdma\", \"duration_s\": 20, \"rankers\": 2,\n"
     "     \"trainers\": 2},\n"
@@ -1066,6 +1071,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
                          NULL);
             argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
             argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
+            argv_num(p, "--eager-max", pl->ps, "eager_max");
             if (ph->poll)
                 argv_add(p, "--poll", ph->poll);
             snprintf(path, sizeof path, "%s/%s.log", dir, name);
@@ -1133,6 +1139,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
         argv_num(p, "--attempt-timeout-ms", o, "attempt_timeout_ms");
         argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
         argv_num(p, "--keepalive-timeout-ms", o, "keepalive_timeout_ms");
+        argv_num(p, "--eager-max", o, "eager_max");
         if (ph->poll)
             argv_add(p, "--poll", ph->poll);
         if (rk) {

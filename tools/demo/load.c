@@ -30,6 +30,7 @@ enum {
     O_CONNECT_TIMEOUT,
     O_KEEPALIVE_TIMEOUT,
     O_SEND_WINDOW,
+    O_EAGER_MAX,
     O_POLL,
     O_SEED,
     O_PROGRESS,
@@ -56,6 +57,7 @@ static const struct option common_opts[] = {
     {"connect-timeout-ms", required_argument, 0, O_CONNECT_TIMEOUT},
     {"keepalive-timeout-ms", required_argument, 0, O_KEEPALIVE_TIMEOUT},
     {"send-window", required_argument, 0, O_SEND_WINDOW},
+    {"eager-max", required_argument, 0, O_EAGER_MAX},
     {"poll", required_argument, 0, O_POLL},
     {"seed", required_argument, 0, O_SEED},
     {"progress", no_argument, 0, O_PROGRESS},
@@ -71,6 +73,7 @@ static uint32_t attempt_timeout_ms;
 static uint32_t connect_timeout_ms = 3000;
 static uint32_t keepalive_timeout_ms; /* the context's (0: its default) */
 static uint32_t send_window;          /* the context's (0: none) */
+static uint32_t eager_max;            /* the context's (0: its default) */
 static uint32_t poll_mode;            /* the context's BEX_POLL_* (0: spin-sleep) */
 
 static void usage(const char *prog, const char *extra)
@@ -81,7 +84,7 @@ static void usage(const char *prog, const char *extra)
         "       [--locality L] [--duration S] [--outstanding N] [--zipf S] [--keys N]\n"
         "       [--table ID] [--dim D] [--timeout-ms MS] [--attempt-timeout-ms MS]\n"
         "       [--connect-timeout-ms MS] [--keepalive-timeout-ms MS] [--send-window B]\n"
-        "       [--poll spin-sleep|busy|event]\n"
+        "       [--eager-max B] [--poll spin-sleep|busy|event]\n"
         "       [--seed N] [--json FILE] [--samples FILE]\n"
         "       [--progress] [--verbose]\n%s",
         prog, extra ? extra : "");
@@ -185,6 +188,9 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
             break;
         case O_SEND_WINDOW:
             send_window = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
+            break;
+        case O_EAGER_MAX:
+            eager_max = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
             break;
         case O_POLL:
             if (strcmp(optarg, "spin-sleep") == 0)
@@ -345,6 +351,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
     bex_ctx_config cc = {.transport = o->transport,
                          .keepalive_timeout_ms = keepalive_timeout_ms,
                          .send_window = send_window,
+                         .eager_max = eager_max,
                          .poll_mode = poll_mode,
                          .log_level = o->verbose ? BEX_LOG_INFO : BEX_LOG_WARN};
     if (inet_pton(AF_INET, o->addr, &cc.local_addr) != 1) {

@@ -45,7 +45,8 @@ static void usage(void)
         "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
-        "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n");
+        "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
+        "              [--eager-max B]\n");
     exit(2);
 }
 
@@ -181,6 +182,7 @@ int main(int argc, char **argv)
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
     uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO, poll_mode = BEX_POLL_SPIN_SLEEP;
     long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0, catchup_ms = 10000;
+    long eager_max = 0; /* the context's (0: its default) */
     int catchup = 1;
     const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
     unsigned long n_shards_opt = 0, ttl_s = 10;
@@ -207,6 +209,7 @@ int main(int argc, char **argv)
                                        {"no-catchup", no_argument, 0, 'C'},
                                        {"catchup-timeout-ms", required_argument, 0, 'U'},
                                        {"poll", required_argument, 0, 'p'},
+                                       {"eager-max", required_argument, 0, 'G'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
@@ -272,6 +275,13 @@ int main(int argc, char **argv)
             char *end;
             keepalive_timeout_ms = strtol(optarg, &end, 10);
             if (*optarg == 0 || *end || keepalive_timeout_ms <= 0 || keepalive_timeout_ms > 3600000)
+                usage();
+            break;
+        }
+        case 'G': {
+            char *end;
+            eager_max = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || eager_max < 0 || eager_max > UINT32_MAX)
                 usage();
             break;
         }
@@ -428,6 +438,7 @@ int main(int argc, char **argv)
                          .transport =
                              want == BEX_TRANSPORT_TCP ? BEX_TRANSPORT_TCP : BEX_TRANSPORT_AUTO,
                          .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
+                         .eager_max = (uint32_t)eager_max,
                          .poll_mode = poll_mode,
                          .log_level = verbose ? BEX_LOG_INFO : 0};
     bex_ctx *ctx;
