@@ -450,13 +450,7 @@ int main(int argc, char **argv)
             o.from_stdin = true;
             break;
         case 'P':
-            if (!strcmp(optarg, "spin-sleep"))
-                o.poll_mode = BEX_POLL_SPIN_SLEEP;
-            else if (!strcmp(optarg, "busy"))
-                o.poll_mode = BEX_POLL_BUSY;
-            else if (!strcmp(optarg, "event"))
-                o.poll_mode = BEX_POLL_EVENT;
-            else
+            if (bex_poll_mode_parse(optarg, &o.poll_mode))
                 usage();
             break;
         default:

@@ -94,6 +94,11 @@ enum {
     BEX_POLL_EVENT = 2,
 };
 
+/* A poll mode by name, as programs take it on their command line
+ * ("spin-sleep", "busy" or "event"). Returns 0 and sets *mode to its
+ * BEX_POLL_*, or -EINVAL (name NULL or none of these; *mode unchanged). */
+int bex_poll_mode_parse(const char *name, uint32_t *mode);
+
 /* Context configuration; zero in any field means its default. */
 typedef struct bex_ctx_config {
     /* The local IPv4 address to use; it chooses the RDMA device and GID

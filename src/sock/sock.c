@@ -64,6 +64,19 @@ static int config_check(bex_ctx_config *c)
     return 0;
 }
 
+int bex_poll_mode_parse(const char *name, uint32_t *mode)
+{
+    static const char *const names[] = {
+        [BEX_POLL_SPIN_SLEEP] = "spin-sleep", [BEX_POLL_BUSY] = "busy", [BEX_POLL_EVENT] = "event"};
+    for (uint32_t m = 0; name && m < sizeof names / sizeof names[0]; m++) {
+        if (strcmp(name, names[m]) == 0) {
+            *mode = m;
+            return 0;
+        }
+    }
+    return -EINVAL;
+}
+
 /* Landing or window mode (docs/security.md). Automatic: windows where they
  * are trustworthy. Not on rxe: it checks a write against the MR's range,
  * not the window's, so a window there scopes nothing the landing layout

@@ -157,18 +157,19 @@ static int up(uint32_t rq, uint32_t eager, uint32_t peer_rq, uint32_t peer_eager
                                        .pd = &T.pd,
                                        .stats = &T.stats,
                                        .log = &T.log};
-    struct bex__engine_config cfg = {.sq_depth = 64,
-                                     .rq_depth = rq,
-                                     .eager_max = eager,
-                                     .frag_size = 65536,
-                                     .rndv_ahead = 4,
-                                     .keepalive_ms = 100,
-                                     .keepalive_timeout_ms = 2000,
-                                     .max_msg = 1u << 20,
-                                     .rndv_max = 16,
-                                     .rndv_bytes_max = 1u << 24,
-                                     .rndv_timeout_ms = 30000,
-                                     .credit_timeout_ms = 30000};
+    /* the tests' engine settings, but for what these cases were written
+     * against: a deeper send queue, rq and eager as asked, 64 KiB
+     * fragments and the library's default timers */
+    struct bex__engine_config cfg = bex_test_engine_config();
+    cfg.sq_depth = 64;
+    cfg.rq_depth = rq;
+    cfg.eager_max = eager;
+    cfg.frag_size = 65536;
+    cfg.rndv_ahead = 4;
+    cfg.keepalive_ms = 100;
+    cfg.keepalive_timeout_ms = 2000;
+    cfg.rndv_timeout_ms = 30000;
+    cfg.credit_timeout_ms = 30000;
     CHECK_OK(bex__engine_create_nodev(&T.sh, &cfg, &ops, 1, NULL, &T.qp, &T.e));
     struct bex__engine_peer peer = {.rdma = {.qpn = 2, .psn = 1, .active_mtu = IBV_MTU_1024},
                                     .rq_depth = peer_rq,

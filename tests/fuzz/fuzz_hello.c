@@ -9,17 +9,7 @@
 #include <string.h>
 
 #include "fuzz.h"
-#include "wire/hello.h"
-
-static int same(const struct bex__hello *a, const struct bex__hello *b)
-{
-    return a->flags == b->flags && a->qpn == b->qpn && a->psn == b->psn &&
-           memcmp(a->gid, b->gid, 16) == 0 && a->mtu == b->mtu && a->rd_atomic == b->rd_atomic &&
-           a->recv_depth == b->recv_depth && a->sq_depth == b->sq_depth &&
-           a->max_msg == b->max_msg && a->frag_size == b->frag_size && a->conn_id == b->conn_id &&
-           a->eager_max == b->eager_max && a->ka_addr == b->ka_addr && a->ka_rkey == b->ka_rkey &&
-           a->max_rndv == b->max_rndv;
-}
+#include "hello_test.h"
 
 static int gid_zero(const uint8_t *g)
 {
@@ -37,7 +27,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int rc = bex__hello_decode(data, size, &h);
     FZ_CHECK(rc == 0 || rc == -EPROTO || rc == -EBADMSG);
     if (rc) {
-        FZ_CHECK(same(&h, &sentinel));
+        FZ_CHECK(bex_test_hello_same(&h, &sentinel));
         return 0;
     }
     FZ_CHECK(size == BEX__HELLO_LEN);
@@ -60,6 +50,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     bex__hello_encode(&h, again);
     FZ_CHECK(memcmp(again, data, BEX__HELLO_LEN) == 0);
     struct bex__hello h2;
-    FZ_CHECK(bex__hello_decode(again, sizeof again, &h2) == 0 && same(&h, &h2));
+    FZ_CHECK(bex__hello_decode(again, sizeof again, &h2) == 0 && bex_test_hello_same(&h, &h2));
     return 0;
 }

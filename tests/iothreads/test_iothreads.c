@@ -27,88 +27,30 @@ static struct in_addr addr0, addr1;
 
 static bex_ctx *ctx_new_mode(struct in_addr a, uint32_t threads, uint32_t poll_mode)
 {
-    bex_ctx_config c = {.io_threads = threads, .poll_mode = poll_mode};
-    bex_ctx_config s = scaled(&c, a);
-    bex_ctx *ctx;
-    CHECK_OK(bex_ctx_create(&s, &ctx));
-    return ctx;
+    return local_ctx(&(bex_ctx_config){.io_threads = threads, .poll_mode = poll_mode}, a);
 }
 
 static bex_ctx *ctx_new(struct in_addr a, uint32_t threads)
 {
-    bex_ctx_config c = {.io_threads = threads};
-    bex_ctx_config s = scaled(&c, a);
-    bex_ctx *ctx;
-    CHECK_OK(bex_ctx_create(&s, &ctx));
-    return ctx;
+    return ctx_new_mode(a, threads, BEX_POLL_SPIN_SLEEP);
 }
 
 /* ---- server: echo every message back on its socket ---- */
 
-struct srv {
-    struct waiter w;
-    _Atomic long accepted, closed;
-    bex_sock *socks[64];
-};
-
-static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
+static bex_listener *srv_listen(bex_ctx *ctx, struct local_srv *v, struct sockaddr_in *out)
 {
-    (void)user;
-    if (bex_sock_send(s, buf, len, NULL))
-        bex_mem_free(buf);
-}
-
-static void srv_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct srv *v = user;
-    waiter_add(&v->w, &v->closed, 1);
-}
-
-static void srv_accept(bex_listener *l, bex_sock *s, void *user)
-{
-    (void)l;
-    struct srv *v = user;
-    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = echo_srv_error, .on_close = srv_close};
-    bex_sock_set_user(s, &ops, v);
-    /* on_accept runs on several server threads at once: the slot is taken
-     * under the waiter's lock */
-    pthread_mutex_lock(&v->w.mu);
-    long i = atomic_load(&v->accepted);
-    if (i < 64)
-        v->socks[i] = s;
-    atomic_fetch_add(&v->accepted, 1);
-    pthread_cond_broadcast(&v->w.cv);
-    pthread_mutex_unlock(&v->w.mu);
-}
-
-static bex_listener *srv_listen(bex_ctx *ctx, struct srv *v, struct sockaddr_in *out)
-{
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = addr0};
-    bex_listener_ops lops = {.on_accept = srv_accept};
-    bex_listener *l;
-    CHECK_OK(bex_listen(ctx, &a, &lops, v, &l));
-    bex_listener_addr(l, out);
-    return l;
+    return local_listen(ctx, addr0, v, echo_srv_recv, out);
 }
 
 /* ---- client sockets ---- */
 
 struct cli {
-    struct waiter *w;
-    _Atomic long connected, recvd, closed;
+    struct local_cli base; /* first: what the shared callbacks take */
+    _Atomic long recvd;
     /* block: the first on_recv waits (on the I/O thread) until released */
     bool block;
     _Atomic bool blocking, release;
 };
-
-static void cli_connect(bex_sock *s, int err, void *user)
-{
-    (void)s;
-    struct cli *c = user;
-    CHECK_EQ(err, 0);
-    waiter_add(c->w, &c->connected, 1);
-}
 
 static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
 {
@@ -118,24 +60,18 @@ static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
     bex_mem_free(buf);
     if (c->block && !atomic_load(&c->blocking)) {
         atomic_store(&c->blocking, true);
-        waiter_signal(c->w);
+        waiter_signal(c->base.w);
         unsigned limit = 20000 * time_scale();
         for (unsigned t = 0; !atomic_load(&c->release) && t < limit; t++)
             pair_sleep_ms(1);
     }
-    waiter_add(c->w, &c->recvd, 1);
-}
-
-static void cli_closed(bex_sock *s, void *user)
-{
-    (void)s;
-    struct cli *c = user;
-    waiter_add(c->w, &c->closed, 1);
+    waiter_add(c->base.w, &c->recvd, 1);
 }
 
 static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c)
 {
-    bex_sock_ops ops = {.on_connect = cli_connect, .on_recv = cli_recv, .on_close = cli_closed};
+    bex_sock_ops ops = {
+        .on_connect = local_cli_connect, .on_recv = cli_recv, .on_close = local_cli_closed};
     bex_sock *s;
     CHECK_OK(bex_sock_connect(ctx, to, &ops, c, &s));
     return s;
@@ -143,10 +79,7 @@ static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli
 
 static void send_one(bex_ctx *ctx, bex_sock *s)
 {
-    void *b = bex_sock_alloc(ctx, MSG_LEN);
-    CHECK(b);
-    memset(b, 7, MSG_LEN);
-    CHECK_OK(bex_sock_send(s, b, MSG_LEN, NULL));
+    local_send(ctx, s, MSG_LEN);
 }
 
 static uint32_t sock_thread(bex_sock *s)
@@ -164,24 +97,24 @@ static int setup_addrs(void)
 static int spread(void)
 {
     PAIR_NEED(setup_addrs());
-    struct srv v = {.w = WAITER_INIT};
+    struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 2), *cctx = ctx_new(addr1, 2);
     struct sockaddr_in a0, a1;
     bex_listener *l0 = srv_listen(sctx, &v, &a0), *l1 = srv_listen(sctx, &v, &a1);
-    struct cli c0 = {.w = &v.w}, c1 = {.w = &v.w};
+    struct cli c0 = {.base.w = &v.w}, c1 = {.base.w = &v.w};
     bex_sock *s0 = cli_open(cctx, &a0, &c0);
-    CHECK_OK(wait_count(&v.w, &c0.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c0.base.connected, 1, 5000));
     bex_sock *s1 = cli_open(cctx, &a1, &c1);
-    CHECK_OK(wait_count(&v.w, &c1.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c1.base.connected, 1, 5000));
     CHECK_OK(wait_count(&v.w, &v.accepted, 2, 5000));
     /* two connections (different listeners), one per thread, both sides */
     CHECK(sock_thread(s0) != sock_thread(s1));
     CHECK(sock_thread(v.socks[0]) != sock_thread(v.socks[1]));
     /* a second socket to the first listener joins its connection, and so
      * its thread */
-    struct cli c2 = {.w = &v.w};
+    struct cli c2 = {.base.w = &v.w};
     bex_sock *s2 = cli_open(cctx, &a0, &c2);
-    CHECK_OK(wait_count(&v.w, &c2.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c2.base.connected, 1, 5000));
     CHECK_EQ(sock_thread(s2), sock_thread(s0));
     bex_sock_stats st;
     bex_ctx_stats(cctx, &st);
@@ -201,9 +134,9 @@ static int spread(void)
     bex_sock_close(s0);
     bex_sock_close(s1);
     bex_sock_close(s2);
-    CHECK_OK(wait_count(&v.w, &c0.closed, 1, 5000));
-    CHECK_OK(wait_count(&v.w, &c1.closed, 1, 5000));
-    CHECK_OK(wait_count(&v.w, &c2.closed, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c0.base.closed, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c1.base.closed, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c2.base.closed, 1, 5000));
     CHECK_OK(wait_count(&v.w, &v.closed, 3, 5000));
     CHECK_OK(bex_listener_close(l0));
     CHECK_OK(bex_listener_close(l1));
@@ -219,15 +152,15 @@ static int spread(void)
 #define ECHOES 20
 static long stall_run(uint32_t threads)
 {
-    struct srv v = {.w = WAITER_INIT};
+    struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 2), *cctx = ctx_new(addr1, threads);
     struct sockaddr_in a0, a1;
     bex_listener *l0 = srv_listen(sctx, &v, &a0), *l1 = srv_listen(sctx, &v, &a1);
-    struct cli ca = {.w = &v.w, .block = true}, cb = {.w = &v.w};
+    struct cli ca = {.base.w = &v.w, .block = true}, cb = {.base.w = &v.w};
     bex_sock *sa = cli_open(cctx, &a0, &ca);
     bex_sock *sb = cli_open(cctx, &a1, &cb);
-    CHECK_OK(wait_count(&v.w, &ca.connected, 1, 5000));
-    CHECK_OK(wait_count(&v.w, &cb.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &ca.base.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &cb.base.connected, 1, 5000));
     CHECK(threads == 1 || sock_thread(sa) != sock_thread(sb));
     send_one(cctx, sa);
     unsigned limit = 5000 * time_scale();
@@ -248,8 +181,8 @@ static long stall_run(uint32_t threads)
     CHECK_OK(wait_count(&v.w, &cb.recvd, ECHOES < got + 1 ? ECHOES : got + 1, 5000));
     bex_sock_close(sa);
     bex_sock_close(sb);
-    CHECK_OK(wait_count(&v.w, &ca.closed, 1, 5000));
-    CHECK_OK(wait_count(&v.w, &cb.closed, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &ca.base.closed, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &cb.base.closed, 1, 5000));
     CHECK_OK(wait_count(&v.w, &v.closed, 2, 5000));
     CHECK_OK(bex_listener_close(l0));
     CHECK_OK(bex_listener_close(l1));
@@ -281,7 +214,7 @@ static int many_run(uint32_t cq_max)
     if (pair_tcp())
         return bex_test_skip("the CQ is RDMA's");
     bex__cq_max_test = cq_max;
-    struct srv v = {.w = WAITER_INIT};
+    struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
     /* more engines than the first CQ size holds */
     uint32_t need = 32 + 64 + 2; /* default sq_depth + rq_depth + 2 */
@@ -297,9 +230,9 @@ static int many_run(uint32_t cq_max)
      * the emulated VM under load outlasted connect_timeout_ms */
     for (int i = 0; i < MANY; i++) {
         l[i] = srv_listen(sctx, &v, &a[i]);
-        c[i] = (struct cli){.w = &v.w};
+        c[i] = (struct cli){.base.w = &v.w};
         s[i] = cli_open(cctx, &a[i], &c[i]);
-        CHECK_OK(wait_count(&v.w, &c[i].connected, 1, 10000));
+        CHECK_OK(wait_count(&v.w, &c[i].base.connected, 1, 10000));
     }
     for (int i = 0; i < MANY; i++)
         for (int k = 0; k < 4; k++)
@@ -337,7 +270,7 @@ static int many_run(uint32_t cq_max)
     for (int i = 0; i < MANY; i++)
         bex_sock_close(s[i]);
     for (int i = 0; i < MANY; i++)
-        CHECK_OK(wait_count(&v.w, &c[i].closed, 1, 10000));
+        CHECK_OK(wait_count(&v.w, &c[i].base.closed, 1, 10000));
     CHECK_OK(wait_count(&v.w, &v.closed, MANY, 10000));
     for (int i = 0; i < MANY; i++)
         CHECK_OK(bex_listener_close(l[i]));
@@ -391,13 +324,13 @@ static int early_open(void)
     PAIR_NEED(setup_addrs());
     if (pair_tcp())
         return bex_test_skip("about RDMA traffic ahead of the TCP readiness notice");
-    struct srv v = {.w = WAITER_INIT};
+    struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
     struct sockaddr_in a0;
     bex_listener *l0 = srv_listen(sctx, &v, &a0);
-    struct cli busy = {.w = &v.w};
+    struct cli busy = {.base.w = &v.w};
     bex_sock *bs = cli_open(cctx, &a0, &busy);
-    CHECK_OK(wait_count(&v.w, &busy.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &busy.base.connected, 1, 5000));
     _Atomic bool stop = false;
     void *args[4] = {cctx, bs, &stop, &busy};
     pthread_t th;
@@ -412,7 +345,7 @@ static int early_open(void)
     bex_sock *s[EARLY_CONNS];
     for (int i = 0; i < EARLY_CONNS; i++) {
         l[i] = srv_listen(sctx, &v, &a[i]);
-        c[i] = (struct cli){.w = &v.w};
+        c[i] = (struct cli){.base.w = &v.w};
         s[i] = cli_open(cctx, &a[i], &c[i]);
         send_one(cctx, s[i]);
         CHECK_OK(wait_count(&v.w, &c[i].recvd, 1, 10000));
@@ -425,9 +358,9 @@ static int early_open(void)
     bex_sock_close(bs);
     for (int i = 0; i < EARLY_CONNS; i++)
         bex_sock_close(s[i]);
-    CHECK_OK(wait_count(&v.w, &busy.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.w, &busy.base.closed, 1, 10000));
     for (int i = 0; i < EARLY_CONNS; i++)
-        CHECK_OK(wait_count(&v.w, &c[i].closed, 1, 10000));
+        CHECK_OK(wait_count(&v.w, &c[i].base.closed, 1, 10000));
     CHECK_OK(wait_count(&v.w, &v.closed, EARLY_CONNS + 1, 10000));
     CHECK_OK(bex_listener_close(l0));
     for (int i = 0; i < EARLY_CONNS; i++)
@@ -448,7 +381,7 @@ static int early_open(void)
 static int ready_list(void)
 {
     PAIR_NEED(setup_addrs());
-    struct srv v = {.w = WAITER_INIT};
+    struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
     bex_listener *l[IDLE_CONNS + 1];
     struct sockaddr_in a[IDLE_CONNS + 1];
@@ -456,9 +389,9 @@ static int ready_list(void)
     bex_sock *s[IDLE_CONNS + 1];
     for (int i = 0; i <= IDLE_CONNS; i++) { /* one after the other, as in many */
         l[i] = srv_listen(sctx, &v, &a[i]);
-        c[i] = (struct cli){.w = &v.w};
+        c[i] = (struct cli){.base.w = &v.w};
         s[i] = cli_open(cctx, &a[i], &c[i]);
-        CHECK_OK(wait_count(&v.w, &c[i].connected, 1, 10000));
+        CHECK_OK(wait_count(&v.w, &c[i].base.connected, 1, 10000));
     }
     pair_sleep_ms(100);
     struct bex__io *io = &cctx->io[0];
@@ -477,7 +410,7 @@ static int ready_list(void)
     for (int i = 0; i <= IDLE_CONNS; i++)
         bex_sock_close(s[i]);
     for (int i = 0; i <= IDLE_CONNS; i++)
-        CHECK_OK(wait_count(&v.w, &c[i].closed, 1, 10000));
+        CHECK_OK(wait_count(&v.w, &c[i].base.closed, 1, 10000));
     CHECK_OK(wait_count(&v.w, &v.closed, IDLE_CONNS + 1, 10000));
     for (int i = 0; i <= IDLE_CONNS; i++)
         CHECK_OK(bex_listener_close(l[i]));
@@ -510,14 +443,14 @@ static uint64_t turns(bex_ctx *ctx)
 static long idle_run(uint32_t threads, uint32_t smode, uint32_t cmode, unsigned echo_ms,
                      uint64_t *nturns)
 {
-    struct srv v = {.w = WAITER_INIT};
+    struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new_mode(addr0, threads, smode);
     bex_ctx *cctx = ctx_new_mode(addr1, threads, cmode);
     struct sockaddr_in a0;
     bex_listener *l0 = srv_listen(sctx, &v, &a0);
-    struct cli c = {.w = &v.w};
+    struct cli c = {.base.w = &v.w};
     bex_sock *s = cli_open(cctx, &a0, &c);
-    CHECK_OK(wait_count(&v.w, &c.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 5000));
     for (int i = 0; i < 10; i++) {
         send_one(cctx, s);
         CHECK_OK(wait_count(&v.w, &c.recvd, i + 1, echo_ms));
@@ -534,7 +467,7 @@ static long idle_run(uint32_t threads, uint32_t smode, uint32_t cmode, unsigned 
         CHECK_OK(wait_count(&v.w, &c.recvd, i + 1, echo_ms));
     }
     bex_sock_close(s);
-    CHECK_OK(wait_count(&v.w, &c.closed, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c.base.closed, 1, 5000));
     CHECK_OK(wait_count(&v.w, &v.closed, 1, 5000));
     CHECK_OK(bex_listener_close(l0));
     CHECK_OK(bex_ctx_destroy(cctx));
@@ -654,8 +587,7 @@ static int td_fallback(void)
     bex_ctx *ctx[2];
     for (int k = 0; k < 2; k++) {
         bex_ctx_config c = {.io_threads = 2, .log_fn = td_log, .log_level = BEX_LOG_INFO};
-        bex_ctx_config s = scaled(&c, addr0);
-        CHECK_OK(bex_ctx_create(&s, &ctx[k]));
+        ctx[k] = local_ctx(&c, addr0);
     }
     bool have_td = ctx[0]->io[0].td != NULL;
     for (int k = 0; k < 2; k++) {

@@ -192,51 +192,133 @@ static void fetch_shard(bex_ps_shard *s, bex_ctx *ctx, const uint64_t *keys, int
     free(b);
 }
 
+/* A shard 0 of table TC (flags: BEX_PS_SHARD_*; snapshot: NULL for none). */
+static bex_ps_shard *shard0(uint32_t flags, const char *snapshot)
+{
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = NSH,
+                              .tables = &TC,
+                              .n_tables = 1,
+                              .flags = flags,
+                              .snapshot_path = snapshot};
+    bex_ps_shard *s;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    return s;
+}
+
+/* A case's Pushes 1..q_max (client's ids, gradients of seed step * q) to
+ * shard 0's n keys (their indexes among all NK into idx), and ref the
+ * reference of all NK keys with every one of them applied. Static storage:
+ * too large for a stack. */
+#define PUSHES_MAX 8
+struct pushes {
+    uint64_t keys[NK];
+    int idx[NK];
+    int n, q_max;
+    struct ref ref;
+    float g[PUSHES_MAX][NK * DMAX];
+    void *body[PUSHES_MAX];
+    size_t blen[PUSHES_MAX];
+};
+
+static void pushes_make(struct pushes *p, int q_max, uint64_t client, int step)
+{
+    CHECK(q_max < PUSHES_MAX);
+    p->q_max = q_max;
+    p->n = shard0_keys(p->keys, p->idx, &p->ref);
+    for (int q = 1; q <= q_max; q++) {
+        grads_of(p->g[q], p->n, TC.dim, step * q);
+        p->body[q] = push_body(p->keys, p->n, p->g[q], client, (uint64_t)q, &p->blen[q]);
+        ref_push(&p->ref, p->idx, p->n, p->g[q]);
+    }
+}
+
+static void pushes_free(struct pushes *p)
+{
+    for (int q = 1; q <= p->q_max; q++)
+        free(p->body[q]);
+}
+
+/* Push q to shard s (the one of ctx): taken. */
+static void push_to(bex_ps_shard *s, bex_ctx *ctx, const struct pushes *p, int q)
+{
+    CHECK_OK(serve(s, ctx, BEX_PS_M_PUSH, p->body[q], p->blen[q]));
+}
+
+/* Shard s's rows (the one of ctx) are the reference's. */
+static void shard_check(const struct pushes *p, bex_ps_shard *s, bex_ctx *ctx)
+{
+    static float rows[NK * DMAX];
+    fetch_shard(s, ctx, p->keys, p->n, rows);
+    ref_check(&p->ref, p->idx, p->n, rows);
+}
+
+/* The peer's rows and the restarted replica's: equal, bit for bit, and the
+ * reference's. */
+static void shards_match(const struct pushes *p, bex_ps_shard *peer, bex_ctx *pctx,
+                         bex_ps_shard *rs, bex_ctx *rctx)
+{
+    static float r0[NK * DMAX], r1[NK * DMAX];
+    fetch_shard(peer, pctx, p->keys, p->n, r0);
+    fetch_shard(rs, rctx, p->keys, p->n, r1);
+    CHECK(memcmp(r0, r1, (size_t)p->n * TC.dim * 4) == 0);
+    ref_check(&p->ref, p->idx, p->n, r1);
+}
+
+/* The catch-up counts of shard rs. */
+static void catchup_counts(bex_ps_shard *rs, uint64_t rows, uint64_t replayed, uint64_t skipped,
+                           uint64_t failed)
+{
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(rs, &st);
+    CHECK_EQ(st.catchup_rows, rows);
+    CHECK_EQ(st.catchup_replayed, replayed);
+    CHECK_EQ(st.catchup_skipped, skipped);
+    CHECK_EQ(st.catchup_failed, failed);
+}
+
+/* The end of a library case: the peer's server and shard (either may be
+ * NULL), the restarted replica's shard (may be NULL), both contexts. */
+static void lib_down(bex_rpc_server *srv, bex_ps_shard *peer, bex_ps_shard *rs, bex_ctx *pctx,
+                     bex_ctx *rctx)
+{
+    if (srv)
+        CHECK_OK(bex_rpc_server_destroy(srv));
+    bex_ps_shard_destroy(peer);
+    bex_ps_shard_destroy(rs);
+    CHECK_OK(bex_ctx_destroy(pctx));
+    CHECK_OK(bex_ctx_destroy(rctx));
+}
+
 static int t_replay(void)
 {
     struct in_addr a0;
     bex_ctx *pctx, *rctx;
-    int rc = lib_ctxs(&a0, &pctx, &rctx);
-    if (rc)
-        return rc;
-    bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
-    bex_ps_shard *peer, *rs;
-    CHECK_OK(bex_ps_shard_create(&pc, &peer));
-    pc.flags = BEX_PS_SHARD_CATCHUP;
-    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    PAIR_NEED(lib_ctxs(&a0, &pctx, &rctx));
+    bex_ps_shard *peer = shard0(0, NULL), *rs = shard0(BEX_PS_SHARD_CATCHUP, NULL);
     bex_rpc_endpoint eps[2] = {{.addr = {.sin_family = AF_INET,
                                          .sin_addr = a0,
                                          .sin_port = htons(free_port())}}, /* nobody */
                                {.addr = {0}}};
     bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &eps[1].addr);
 
-    uint64_t keys[NK];
-    int idx[NK];
-    static struct ref ref;
-    int n = shard0_keys(keys, idx, &ref);
-    CHECK(n >= 8);
     /* Push q (1..7) of client 0xc1: its rows move by its grads */
-    static float g[8][NK * DMAX];
-    static void *body[8];
-    size_t blen[8];
-    for (int q = 1; q <= 7; q++) {
-        grads_of(g[q], n, TC.dim, 10 * q);
-        body[q] = push_body(keys, n, g[q], 0xc1, (uint64_t)q, &blen[q]);
-        ref_push(&ref, idx, n, g[q]);
-    }
+    static struct pushes P;
+    pushes_make(&P, 7, 0xc1, 10);
+    CHECK(P.n >= 8);
     /* the peer applied 1..5 before the cut */
     for (int q = 1; q <= 5; q++)
-        CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[q], blen[q]));
+        push_to(peer, pctx, &P, q);
     /* the restarted one got 3..7 (7 twice: a retry after its restart)
      * while catching up: held, answered; no Fetch, no copy from it */
     for (int q = 3; q <= 7; q++)
-        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[q], blen[q]));
-    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[7], blen[7]));
+        push_to(rs, rctx, &P, q);
+    push_to(rs, rctx, &P, 7);
     {
         size_t len = bex__ps_req_len(BEX_PS_M_FETCH, 1, TC.dim);
         uint8_t b[64];
         bex__ps_hdr_put(b, &(struct bex__ps_hdr){.table = TC.id, .n = 1, .dim = TC.dim});
-        bex__ps_put64(b + BEX__PS_HDR_LEN, keys[0]);
+        bex__ps_put64(b + BEX__PS_HDR_LEN, P.keys[0]);
         CHECK_EQ(serve(rs, rctx, BEX_PS_M_FETCH, b, len), -EAGAIN);
         bex__ps_copy_put(b, &(struct bex__ps_copy_hdr){.op = BEX__PS_COPY_OPEN});
         CHECK_EQ(serve(rs, rctx, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN), -EAGAIN);
@@ -250,11 +332,9 @@ static int t_replay(void)
         .peers = eps, .n_peers = 2, .timeout_ms = 20000 * time_scale(), .chunk_bytes = 100};
     CHECK_OK(bex_ps_shard_catchup(rs, rctx, &cu));
     CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), -EINVAL); /* once */
+    /* replayed: 6 and 7; skipped: 3, 4, 5 (the peer's) and 7's retry */
+    catchup_counts(rs, (uint64_t)P.n, 2, 4, 0);
     bex_ps_shard_stats_get(rs, &st);
-    CHECK_EQ(st.catchup_rows, n);
-    CHECK_EQ(st.catchup_replayed, 2); /* 6 and 7 */
-    CHECK_EQ(st.catchup_skipped, 4);  /* 3, 4, 5 (the peer's) and 7's retry */
-    CHECK_EQ(st.catchup_failed, 0);
     CHECK_EQ(st.pushes, 2);
     bex_ps_shard_stats ps;
     bex_ps_shard_stats_get(peer, &ps);
@@ -262,23 +342,14 @@ static int t_replay(void)
     /* the peer gets 6 and 7 now; 7 again at the restarted one: an id it
      * applied, not applied twice */
     for (int q = 6; q <= 7; q++)
-        CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[q], blen[q]));
-    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[7], blen[7]));
+        push_to(peer, pctx, &P, q);
+    push_to(rs, rctx, &P, 7);
     bex_ps_shard_stats_get(rs, &st);
     CHECK_EQ(st.pushes, 2);
     CHECK_EQ(st.dup_ids, 1);
-    static float r0[NK * DMAX], r1[NK * DMAX];
-    fetch_shard(peer, pctx, keys, n, r0);
-    fetch_shard(rs, rctx, keys, n, r1);
-    CHECK(memcmp(r0, r1, (size_t)n * TC.dim * 4) == 0);
-    ref_check(&ref, idx, n, r1);
-    for (int q = 1; q <= 7; q++)
-        free(body[q]);
-    CHECK_OK(bex_rpc_server_destroy(srv));
-    bex_ps_shard_destroy(peer);
-    bex_ps_shard_destroy(rs);
-    CHECK_OK(bex_ctx_destroy(pctx));
-    CHECK_OK(bex_ctx_destroy(rctx));
+    shards_match(&P, peer, pctx, rs, rctx);
+    pushes_free(&P);
+    lib_down(srv, peer, rs, pctx, rctx);
     return 0;
 }
 
@@ -320,48 +391,26 @@ static int t_hostile(void)
 {
     struct in_addr a0;
     bex_ctx *pctx, *rctx;
-    int rc = lib_ctxs(&a0, &pctx, &rctx);
-    if (rc)
-        return rc;
+    PAIR_NEED(lib_ctxs(&a0, &pctx, &rctx));
     bex_rpc_endpoint ep = {.locality = NULL};
     bex_rpc_server *srv = peer_server(pctx, a0, NULL, hostile_copy, &ep.addr);
-    uint64_t keys[NK];
-    int idx[NK];
-    static struct ref ref;
-    int n = shard0_keys(keys, idx, &ref);
-    static float g[NK * DMAX], rows[NK * DMAX];
-    grads_of(g, n, TC.dim, 5);
-    size_t blen;
-    void *body = push_body(keys, n, g, 0xc3, 1, &blen);
-    ref_push(&ref, idx, n, g);
+    static struct pushes P;
+    pushes_make(&P, 1, 0xc3, 5);
     const int want[H_N] = {-EBADMSG, -E2BIG, -EBADMSG, -EBADMSG};
     for (int m = 0; m < H_N; m++) {
         atomic_store(&hostile_mode, m);
-        bex_ps_shard_config pc = {.shard = 0,
-                                  .n_shards = NSH,
-                                  .tables = &TC,
-                                  .n_tables = 1,
-                                  .flags = BEX_PS_SHARD_CATCHUP};
-        bex_ps_shard *rs;
-        CHECK_OK(bex_ps_shard_create(&pc, &rs));
-        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body, blen));
+        bex_ps_shard *rs = shard0(BEX_PS_SHARD_CATCHUP, NULL);
+        push_to(rs, rctx, &P, 1);
         bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
         uint64_t t0 = pair_now_ms();
         CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), want[m]);
         CHECK(pair_now_ms() - t0 < 5000ull * time_scale()); /* at once, not by the deadline */
-        bex_ps_shard_stats st;
-        bex_ps_shard_stats_get(rs, &st);
-        CHECK_EQ(st.catchup_failed, 1);
-        CHECK_EQ(st.catchup_rows, 0);
-        CHECK_EQ(st.catchup_replayed, 1);
-        fetch_shard(rs, rctx, keys, n, rows);
-        ref_check(&ref, idx, n, rows);
+        catchup_counts(rs, 0, 1, 0, 1);
+        shard_check(&P, rs, rctx);
         bex_ps_shard_destroy(rs);
     }
-    free(body);
-    CHECK_OK(bex_rpc_server_destroy(srv));
-    CHECK_OK(bex_ctx_destroy(pctx));
-    CHECK_OK(bex_ctx_destroy(rctx));
+    pushes_free(&P);
+    lib_down(srv, NULL, NULL, pctx, rctx);
     return 0;
 }
 
@@ -375,70 +424,42 @@ static int t_behind(void)
 {
     struct in_addr a0;
     bex_ctx *pctx, *rctx;
-    int rc = lib_ctxs(&a0, &pctx, &rctx);
-    if (rc)
-        return rc;
+    PAIR_NEED(lib_ctxs(&a0, &pctx, &rctx));
     char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
     CHECK(mkdtemp(tmpl));
     char snap[128];
     snprintf(snap, sizeof snap, "%s/s.snap", tmpl);
-    uint64_t keys[NK];
-    int idx[NK];
-    static struct ref ref;
-    int n = shard0_keys(keys, idx, &ref);
-    static float g[4][NK * DMAX];
-    static void *body[4];
-    size_t blen[4];
-    for (int q = 1; q <= 3; q++) {
-        grads_of(g[q], n, TC.dim, 20 * q);
-        body[q] = push_body(keys, n, g[q], 0xc2, (uint64_t)q, &blen[q]);
-        ref_push(&ref, idx, n, g[q]);
-    }
+    static struct pushes P;
+    pushes_make(&P, 3, 0xc2, 20);
     /* this replica's first life: Pushes 1 and 2, snapshot */
-    bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
-    bex_ps_shard *rs, *peer;
-    CHECK_OK(bex_ps_shard_create(&pc, &rs));
+    bex_ps_shard *rs = shard0(0, NULL);
     for (int q = 1; q <= 2; q++)
-        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[q], blen[q]));
+        push_to(rs, rctx, &P, q);
     CHECK_OK(bex_ps_shard_snapshot(rs, snap));
     bex_ps_shard_destroy(rs);
     /* loaded: Push 2 again is not applied */
-    pc.snapshot_path = snap;
-    CHECK_OK(bex_ps_shard_create(&pc, &rs));
-    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[2], blen[2]));
+    rs = shard0(0, snap);
+    push_to(rs, rctx, &P, 2);
     bex_ps_shard_stats st;
     bex_ps_shard_stats_get(rs, &st);
     CHECK_EQ(st.pushes, 0);
     CHECK_EQ(st.dup_ids, 1);
     bex_ps_shard_destroy(rs);
     /* the peer restarted empty (it had only Push 1 ... and lost it) */
-    pc.snapshot_path = NULL;
-    CHECK_OK(bex_ps_shard_create(&pc, &peer));
-    CHECK_OK(serve(peer, pctx, BEX_PS_M_PUSH, body[1], blen[1]));
+    bex_ps_shard *peer = shard0(0, NULL);
+    push_to(peer, pctx, &P, 1);
     bex_rpc_endpoint ep = {.locality = NULL};
     bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &ep.addr);
     /* this replica restarts from its snapshot, catching up; Push 3 held */
-    pc.snapshot_path = snap;
-    pc.flags = BEX_PS_SHARD_CATCHUP;
-    CHECK_OK(bex_ps_shard_create(&pc, &rs));
-    CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[3], blen[3]));
+    rs = shard0(BEX_PS_SHARD_CATCHUP, snap);
+    push_to(rs, rctx, &P, 3);
     bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
     CHECK_EQ(bex_ps_shard_catchup(rs, rctx, &cu), -ESTALE);
-    bex_ps_shard_stats_get(rs, &st);
-    CHECK_EQ(st.catchup_failed, 1);
-    CHECK_EQ(st.catchup_rows, 0);
-    CHECK_EQ(st.catchup_replayed, 1);
+    catchup_counts(rs, 0, 1, 0, 1);
     /* its own rows: Pushes 1-3, not the peer's (1 only) */
-    static float rows[NK * DMAX];
-    fetch_shard(rs, rctx, keys, n, rows);
-    ref_check(&ref, idx, n, rows);
-    for (int q = 1; q <= 3; q++)
-        free(body[q]);
-    CHECK_OK(bex_rpc_server_destroy(srv));
-    bex_ps_shard_destroy(peer);
-    bex_ps_shard_destroy(rs);
-    CHECK_OK(bex_ctx_destroy(pctx));
-    CHECK_OK(bex_ctx_destroy(rctx));
+    shard_check(&P, rs, rctx);
+    pushes_free(&P);
+    lib_down(srv, peer, rs, pctx, rctx);
     CHECK(unlink(snap) == 0);
     CHECK(rmdir(tmpl) == 0);
     return 0;
@@ -474,31 +495,16 @@ static int t_peer_late(void)
 {
     struct in_addr a0;
     bex_ctx *rctx;
-    int rc = lib_ctxs(&a0, &late.ctx, &rctx);
-    if (rc)
-        return rc;
-    bex_ps_shard_config pc = {.shard = 0, .n_shards = NSH, .tables = &TC, .n_tables = 1};
-    bex_ps_shard *rs;
-    CHECK_OK(bex_ps_shard_create(&pc, &late.shard));
-    pc.flags = BEX_PS_SHARD_CATCHUP;
-    CHECK_OK(bex_ps_shard_create(&pc, &rs));
-    uint64_t keys[NK];
-    int idx[NK];
-    static struct ref ref;
-    int n = shard0_keys(keys, idx, &ref);
-    static float g[4][NK * DMAX];
-    static void *body[4];
-    size_t blen[4];
-    for (int q = 1; q <= 3; q++) {
-        grads_of(g[q], n, TC.dim, 40 * q);
-        body[q] = push_body(keys, n, g[q], 0xc4, (uint64_t)q, &blen[q]);
-        ref_push(&ref, idx, n, g[q]);
-    }
+    PAIR_NEED(lib_ctxs(&a0, &late.ctx, &rctx));
+    late.shard = shard0(0, NULL);
+    bex_ps_shard *rs = shard0(BEX_PS_SHARD_CATCHUP, NULL);
+    static struct pushes P;
+    pushes_make(&P, 3, 0xc4, 40);
     /* the peer applied 1 and 2; the restarted one holds 2 and 3 */
     for (int q = 1; q <= 2; q++)
-        CHECK_OK(serve(late.shard, late.ctx, BEX_PS_M_PUSH, body[q], blen[q]));
+        push_to(late.shard, late.ctx, &P, q);
     for (int q = 2; q <= 3; q++)
-        CHECK_OK(serve(rs, rctx, BEX_PS_M_PUSH, body[q], blen[q]));
+        push_to(rs, rctx, &P, q);
     late.addr =
         (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0, .sin_port = htons(free_port())};
     bex_rpc_endpoint ep = {.addr = late.addr};
@@ -506,35 +512,22 @@ static int t_peer_late(void)
     CHECK(pthread_create(&th, NULL, late_listen, NULL) == 0);
     bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 5000 * time_scale()};
     uint64_t t0 = pair_now_ms();
-    rc = bex_ps_shard_catchup(rs, rctx, &cu);
+    int rc = bex_ps_shard_catchup(rs, rctx, &cu);
     uint64_t took = pair_now_ms() - t0;
     CHECK(pthread_join(th, NULL) == 0);
     fprintf(stderr, "catch-up: %s after %llu ms\n", bex_strerror(rc), (unsigned long long)took);
     CHECK_OK(rc);
     CHECK(took >= 400); /* it waited for the peer */
-    bex_ps_shard_stats st;
-    bex_ps_shard_stats_get(rs, &st);
-    CHECK_EQ(st.catchup_failed, 0);
-    CHECK_EQ(st.catchup_rows, n);
-    CHECK_EQ(st.catchup_replayed, 1); /* 3 */
-    CHECK_EQ(st.catchup_skipped, 1);  /* 2: the peer's */
+    /* replayed: 3; skipped: 2 (the peer's) */
+    catchup_counts(rs, (uint64_t)P.n, 1, 1, 0);
     bex_ps_shard_stats ps;
     bex_ps_shard_stats_get(late.shard, &ps);
     CHECK_EQ(ps.copies_served, 1);
     /* the peer gets 3 too: both equal each other and the reference */
-    CHECK_OK(serve(late.shard, late.ctx, BEX_PS_M_PUSH, body[3], blen[3]));
-    static float r0[NK * DMAX], r1[NK * DMAX];
-    fetch_shard(late.shard, late.ctx, keys, n, r0);
-    fetch_shard(rs, rctx, keys, n, r1);
-    CHECK(memcmp(r0, r1, (size_t)n * TC.dim * 4) == 0);
-    ref_check(&ref, idx, n, r1);
-    for (int q = 1; q <= 3; q++)
-        free(body[q]);
-    CHECK_OK(bex_rpc_server_destroy(late.srv));
-    bex_ps_shard_destroy(late.shard);
-    bex_ps_shard_destroy(rs);
-    CHECK_OK(bex_ctx_destroy(late.ctx));
-    CHECK_OK(bex_ctx_destroy(rctx));
+    push_to(late.shard, late.ctx, &P, 3);
+    shards_match(&P, late.shard, late.ctx, rs, rctx);
+    pushes_free(&P);
+    lib_down(late.srv, late.shard, rs, late.ctx, rctx);
     return 0;
 }
 

@@ -13,32 +13,11 @@
 
 #include "bex/sock.h"
 #include "harness.h"
-#include "wire/hello.h"
+#include "hello_test.h"
 #include "sock/secret.h"
 
 static const char SECRET[] = "correct horse battery staple";
 static const char OTHER[] = "correct horse battery stapler";
-
-static struct bex__hello sample(void)
-{
-    struct bex__hello h = {
-        .qpn = 0x123456,
-        .psn = 0xabcdef,
-        .gid = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 99, 0, 1},
-        .mtu = 3,
-        .rd_atomic = 16,
-        .recv_depth = 64,
-        .sq_depth = 32,
-        .max_msg = 8u << 20,
-        .frag_size = 4096,
-        .conn_id = 0x0123456789abcdefull,
-        .eager_max = 8192,
-        .ka_addr = 0x00007f0011223344ull,
-        .ka_rkey = 0xdeadbeef,
-        .max_rndv = 256,
-    };
-    return h;
-}
 
 static void key_of(const char *secret, uint8_t key[BEX__AUTH_KEY_LEN])
 {
@@ -66,7 +45,7 @@ static int peek(void)
     CHECK_EQ(bex__setup_peek(m, &len), BEX__SETUP_AUTH);
     CHECK_EQ(len, BEX__AUTH_SHORT_LEN);
 
-    struct bex__hello h = sample();
+    struct bex__hello h = bex_test_hello_sample();
     uint8_t raw[BEX__HELLO_LEN], mac[32] = {0};
     bex__hello_encode(&h, raw);
     CHECK_EQ(bex__setup_peek(raw, &len), BEX__SETUP_HELLO);
@@ -110,7 +89,7 @@ static int wire_layout(void)
     CHECK(memcmp(m, head, 12) == 0);
     CHECK(memcmp(m + 12, body, 32) == 0);
 
-    struct bex__hello h = sample();
+    struct bex__hello h = bex_test_hello_sample();
     uint8_t raw[BEX__HELLO_LEN], mac[32], hm[BEX__AUTH_HELLO_LEN];
     bex__hello_encode(&h, raw);
     memset(mac, 0xc3, sizeof mac);
@@ -136,7 +115,7 @@ static int codec_roundtrip(void)
             if (j != i)
                 CHECK_EQ(bex__auth_decode(m, sizeof m, types[j], out), -EPROTO);
     }
-    struct bex__hello h = sample(), got;
+    struct bex__hello h = bex_test_hello_sample(), got;
     uint8_t raw[BEX__HELLO_LEN], mac[32], mac2[32], m[BEX__AUTH_HELLO_LEN];
     bex__hello_encode(&h, raw);
     CHECK_OK(bex__auth_nonce(mac));
@@ -189,14 +168,14 @@ static int codec_errors(void)
 
     /* a HELLO whose embedded hello is malformed, or a short message that
      * claims to be a HELLO */
-    struct bex__hello h = sample(), got;
+    struct bex__hello h = bex_test_hello_sample(), got;
     uint8_t raw[BEX__HELLO_LEN], mac[32] = {0}, hm[BEX__AUTH_HELLO_LEN];
     h.qpn = 1; /* a special QP: never valid */
     bex__hello_encode(&h, raw);
     bex__auth_encode_hello(raw, mac, hm);
     CHECK_EQ(bex__auth_decode_hello(hm, sizeof hm, &got, mac), -EBADMSG);
     CHECK_EQ(bex__auth_decode_hello(m, BEX__AUTH_SHORT_LEN, &got, mac), -EBADMSG);
-    h = sample();
+    h = bex_test_hello_sample();
     bex__hello_encode(&h, raw);
     bex__auth_encode_hello(raw, mac, hm);
     hm[8] = BEX__AUTH_PROOF;
@@ -210,7 +189,7 @@ static int codec_fuzz(void)
 {
     uint32_t x = 12345;
     uint8_t m[BEX__AUTH_HELLO_LEN], again[BEX__AUTH_HELLO_LEN], body[32], mac[32];
-    struct bex__hello h = sample(), got;
+    struct bex__hello h = bex_test_hello_sample(), got;
     uint8_t raw[BEX__HELLO_LEN];
     bex__hello_encode(&h, raw);
     for (int it = 0; it < 200000; it++) {
@@ -288,7 +267,7 @@ static int exchange(void)
     bex__auth_mac(kc, BEX__AUTH_MAC_PROOF_C, &tc, NULL, NULL, proof);
     CHECK_OK(bex__auth_verify(kl, BEX__AUTH_MAC_PROOF_C, &t, NULL, NULL, proof));
 
-    struct bex__hello hl = sample(), hc = sample();
+    struct bex__hello hl = bex_test_hello_sample(), hc = bex_test_hello_sample();
     hc.qpn = 0x777;
     uint8_t rl[BEX__HELLO_LEN], rc[BEX__HELLO_LEN];
     bex__hello_encode(&hl, rl);
@@ -342,7 +321,7 @@ static int wrong_secret(void)
     CHECK_EQ(bex__auth_verify(kl, BEX__AUTH_MAC_PROOF_C, &t, NULL, NULL, proof), -EACCES);
     /* and the other way round: a listener with another secret cannot make
      * a hello MAC the client accepts */
-    struct bex__hello h = sample();
+    struct bex__hello h = bex_test_hello_sample();
     uint8_t raw[BEX__HELLO_LEN];
     bex__hello_encode(&h, raw);
     bex__auth_mac(kl, BEX__AUTH_MAC_HELLO_L, &t, raw, NULL, mac_l);
@@ -359,7 +338,7 @@ static int replay(void)
     key_of(SECRET, k);
     struct bex__auth_transcript first;
     transcript(&first);
-    struct bex__hello hl = sample(), hc = sample();
+    struct bex__hello hl = bex_test_hello_sample(), hc = bex_test_hello_sample();
     uint8_t rl[BEX__HELLO_LEN], rc[BEX__HELLO_LEN];
     bex__hello_encode(&hl, rl);
     bex__hello_encode(&hc, rc);

@@ -9,44 +9,12 @@
 
 #include "harness.h"
 #include "conn/hello_io.h"
-#include "wire/hello.h"
-
-static struct bex__hello sample(void)
-{
-    struct bex__hello h = {
-        .flags = 0,
-        .qpn = 0x123456,
-        .psn = 0xabcdef,
-        .gid = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 99, 0, 1},
-        .mtu = 3,
-        .rd_atomic = 16,
-        .recv_depth = 64,
-        .sq_depth = 32,
-        .max_msg = 8u << 20,
-        .frag_size = 4096,
-        .conn_id = 0x0123456789abcdefull,
-        .eager_max = 8192,
-        .ka_addr = 0x00007f0011223344ull,
-        .ka_rkey = 0xdeadbeef,
-        .max_rndv = 256,
-    };
-    return h;
-}
+#include "hello_test.h"
 
 static struct bex__hello no_rdma(void)
 {
     struct bex__hello h = {.flags = BEX__HELLO_F_NO_RDMA, .max_msg = 1u << 20, .conn_id = 42};
     return h;
-}
-
-static int same(const struct bex__hello *a, const struct bex__hello *b)
-{
-    return a->flags == b->flags && a->qpn == b->qpn && a->psn == b->psn &&
-           memcmp(a->gid, b->gid, 16) == 0 && a->mtu == b->mtu && a->rd_atomic == b->rd_atomic &&
-           a->recv_depth == b->recv_depth && a->sq_depth == b->sq_depth &&
-           a->max_msg == b->max_msg && a->frag_size == b->frag_size && a->conn_id == b->conn_id &&
-           a->eager_max == b->eager_max && a->ka_addr == b->ka_addr && a->ka_rkey == b->ka_rkey &&
-           a->max_rndv == b->max_rndv;
 }
 
 /* Decode h after encoding it; the decoder's verdict. */
@@ -60,11 +28,11 @@ static int verdict(const struct bex__hello *h)
 
 static int roundtrip(void)
 {
-    struct bex__hello h = sample(), out;
+    struct bex__hello h = bex_test_hello_sample(), out;
     uint8_t buf[BEX__HELLO_LEN];
     bex__hello_encode(&h, buf);
     CHECK_OK(bex__hello_decode(buf, sizeof buf, &out));
-    CHECK(same(&h, &out));
+    CHECK(bex_test_hello_same(&h, &out));
 
     h.flags = BEX__HELLO_F_SRQ;
     h.qpn = 0xffffff;
@@ -78,12 +46,12 @@ static int roundtrip(void)
     h.conn_id = UINT64_MAX;
     bex__hello_encode(&h, buf);
     CHECK_OK(bex__hello_decode(buf, sizeof buf, &out));
-    CHECK(same(&h, &out));
+    CHECK(bex_test_hello_same(&h, &out));
 
     h = no_rdma();
     bex__hello_encode(&h, buf);
     CHECK_OK(bex__hello_decode(buf, sizeof buf, &out));
-    CHECK(same(&h, &out));
+    CHECK(bex_test_hello_same(&h, &out));
     return 0;
 }
 
@@ -107,7 +75,7 @@ static int wire_layout(void)
         1,    0,                                        /* max_rndv 256 */
         0,    0,                                        /* reserved */
     };
-    struct bex__hello h = sample();
+    struct bex__hello h = bex_test_hello_sample();
     uint8_t buf[BEX__HELLO_LEN];
     memset(buf, 0xa5, sizeof buf);
     bex__hello_encode(&h, buf);
@@ -117,7 +85,7 @@ static int wire_layout(void)
 
 static int bad_magic_version(void)
 {
-    struct bex__hello h = sample(), out;
+    struct bex__hello h = bex_test_hello_sample(), out;
     uint8_t buf[BEX__HELLO_LEN], bad[BEX__HELLO_LEN];
     bex__hello_encode(&h, buf);
 
@@ -143,7 +111,7 @@ static int bad_magic_version(void)
 
 static int bad_length(void)
 {
-    struct bex__hello h = sample(), out;
+    struct bex__hello h = bex_test_hello_sample(), out;
     uint8_t buf[BEX__HELLO_LEN + 8] = {0};
     bex__hello_encode(&h, buf);
 
@@ -163,7 +131,7 @@ static int bad_length(void)
 
 static int truncated(void)
 {
-    struct bex__hello h = sample(), out;
+    struct bex__hello h = bex_test_hello_sample(), out;
     uint8_t buf[BEX__HELLO_LEN];
     bex__hello_encode(&h, buf);
     for (size_t len = 0; len < BEX__HELLO_LEN; len++) {
@@ -180,7 +148,7 @@ static int truncated(void)
 
 static int reserved_bytes(void)
 {
-    struct bex__hello h = sample(), out;
+    struct bex__hello h = bex_test_hello_sample(), out;
     uint8_t buf[BEX__HELLO_LEN], bad[BEX__HELLO_LEN];
     bex__hello_encode(&h, buf);
     const int offs[] = {42, 43, 78, 79};
@@ -200,7 +168,7 @@ static int bad_fields(void)
 
 #define EXPECT_BAD(field, value)                                                                   \
     do {                                                                                           \
-        h = sample();                                                                              \
+        h = bex_test_hello_sample();                                                               \
         h.field = (value);                                                                         \
         if (verdict(&h) != -EBADMSG) {                                                             \
             fprintf(stderr, "accepted %s = %lld\n", #field, (long long)(value));                   \
@@ -209,7 +177,7 @@ static int bad_fields(void)
     } while (0)
 #define EXPECT_GOOD(field, value)                                                                  \
     do {                                                                                           \
-        h = sample();                                                                              \
+        h = bex_test_hello_sample();                                                               \
         h.field = (value);                                                                         \
         if (verdict(&h) != 0) {                                                                    \
             fprintf(stderr, "rejected %s = %lld\n", #field, (long long)(value));                   \
@@ -255,7 +223,7 @@ static int bad_fields(void)
     EXPECT_BAD(max_rndv, 0);
     EXPECT_GOOD(max_rndv, 65535);
 
-    h = sample();
+    h = bex_test_hello_sample();
     memset(h.gid, 0, sizeof h.gid);
     CHECK_EQ(verdict(&h), -EBADMSG);
 
@@ -292,7 +260,7 @@ static int bad_fields(void)
 
 static int out_untouched_on_error(void)
 {
-    struct bex__hello h = sample(), out;
+    struct bex__hello h = bex_test_hello_sample(), out;
     uint8_t buf[BEX__HELLO_LEN];
     h.qpn = 0;
     bex__hello_encode(&h, buf);
@@ -324,7 +292,7 @@ static int fuzz(void)
     rng_state = seed ? seed : 1;
     fprintf(stderr, "seed 0x%llx\n", (unsigned long long)seed);
 
-    struct bex__hello base = sample();
+    struct bex__hello base = bex_test_hello_sample();
     uint8_t valid[BEX__HELLO_LEN];
     bex__hello_encode(&base, valid);
     long ok = 0, proto = 0, badmsg = 0;
@@ -390,10 +358,10 @@ static int fd_roundtrip(void)
     int sv[2];
     pair(sv);
     int64_t dl = bex__hello_now_ms() + 2000;
-    struct bex__hello h = sample(), got;
+    struct bex__hello h = bex_test_hello_sample(), got;
     CHECK_OK(bex__hello_send(sv[0], &h, dl));
     CHECK_OK(bex__hello_recv(sv[1], &got, dl));
-    CHECK(same(&h, &got));
+    CHECK(bex_test_hello_same(&h, &got));
 
     uint32_t st = 7;
     CHECK_OK(bex__hello_ready_send(sv[1], 0, dl));

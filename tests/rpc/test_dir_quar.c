@@ -205,6 +205,71 @@ static void print_stats(const char *what, bex_dir *d, const struct srv_proc *sp,
             (unsigned long long)st.failovers, (unsigned long long)st.ladder_moves);
 }
 
+/* A's quarantine was lifted once, by one probe (early or not) it answered;
+ * logged once. */
+static void lifted_once(const bex_dir_node_stats *a, uint64_t early_probes)
+{
+    CHECK_EQ(a->state, BEX_DIR_HEALTHY);
+    CHECK_EQ(a->probes, 1);
+    CHECK_EQ(a->early_probes, early_probes);
+    CHECK_EQ(a->probe_failures, 0);
+    CHECK_EQ(a->lifts, 1);
+    CHECK_EQ(atomic_load(&n_lifted), 1);
+}
+
+/* The end of a case: the channel, no call outstanding at either replica,
+ * the directory, into_dst (when set: no destination left armed) and the
+ * context; with fakenet installed, fakenet saw no violation and no
+ * connection is left. */
+static void quar_down(bex_ctx *ctx, bex_dir *d, bex_rpc_channel *ch, const struct srv_proc *sp,
+                      bool fakenet)
+{
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
+    CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
+    bex_dir_destroy(d);
+    if (into_dst) {
+        CHECK_EQ(armed_of(ctx, into_dst), 0);
+        bex_rpc_free(into_dst);
+        into_dst = NULL;
+    }
+    CHECK_OK(bex_ctx_destroy(ctx));
+    if (fakenet) {
+        fn_uninstall();
+        CHECK_EQ(fn_violations(), 0);
+        CHECK_EQ(fn_live(), 0);
+    }
+}
+
+/* A (sp[0]) and B (sp[1]) started. */
+static void spawn_both(struct srv_proc *sp)
+{
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+}
+
+/* Both servers stopped: 0, or 1 if either failed. */
+static int stop_both(struct srv_proc *sp)
+{
+    int rc0 = stop_server(&sp[0], false), rc1 = stop_server(&sp[1], false);
+    return rc0 || rc1 ? 1 : 0;
+}
+
+/* A fakenet case's start: both servers, then fakenet installed (the
+ * client's connections only: the servers are forked). 0, or 1 when not
+ * over TCP (a failure: fakenet wraps TCP only, the case must not be run
+ * otherwise). */
+static int fakenet_servers(const char *name, struct srv_proc *sp)
+{
+    if (!pair_tcp()) {
+        fprintf(stderr, "%s: fakenet wraps TCP only: run with BEX_TEST_TRANSPORT=tcp\n", name);
+        return 1;
+    }
+    spawn_both(sp);
+    fn_install();
+    return 0;
+}
+
 /* B dies while A is quarantined and well: calls go on through A at once
  * (into: calls with destinations, A's quarantine started and lifted by
  * them). */
@@ -212,8 +277,7 @@ static int other_dies(bool into)
 {
     RPC_NEED_ADDRS();
     struct srv_proc sp[2];
-    spawn_server(&sp[0], false);
-    spawn_server(&sp[1], false);
+    spawn_both(sp);
     bex_ctx *ctx = client_ctx();
     if (into)
         CHECK(into_dst = bex_rpc_alloc_dest(ctx, INTO_CAP));
@@ -241,12 +305,8 @@ static int other_dies(bool into)
     /* A was probed at once, answered, and is out of quarantine: lifted
      * once, by the early probe (logged once) */
     bex_dir_node_stats a = nstats(d, &sp[0]);
-    CHECK_EQ(a.state, BEX_DIR_HEALTHY);
+    lifted_once(&a, 1);
     CHECK_EQ(a.quarantines, 1);
-    CHECK_EQ(a.probes, 1);
-    CHECK_EQ(a.early_probes, 1);
-    CHECK_EQ(a.probe_failures, 0);
-    CHECK_EQ(a.lifts, 1);
     CHECK(a.ok >= 20);
     /* the calls were A's server's: its own count (20 echoes, this call and
      * the 3 slow ones at least; with destinations the slow ones may not
@@ -258,15 +318,7 @@ static int other_dies(bool into)
             (unsigned long long)t.st.requests);
     CHECK(t.st.requests >= (into ? 21u : 24u));
     CHECK_EQ(atomic_load(&n_early), 1);
-    CHECK_EQ(atomic_load(&n_lifted), 1);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
-    bex_dir_destroy(d);
-    if (into) {
-        CHECK_EQ(armed_of(ctx, into_dst), 0);
-        bex_rpc_free(into_dst);
-    }
-    CHECK_OK(bex_ctx_destroy(ctx));
+    quar_down(ctx, d, ch, sp, false);
     return stop_server(&sp[0], false) ? 1 : 0;
 }
 
@@ -290,8 +342,7 @@ static int t_into_lift(void)
 {
     RPC_NEED_ADDRS();
     struct srv_proc sp[2];
-    spawn_server(&sp[0], false);
-    spawn_server(&sp[1], false);
+    spawn_both(sp);
     bex_ctx *ctx = client_ctx();
     CHECK(into_dst = bex_rpc_alloc_dest(ctx, INTO_CAP));
     quar_ms = 1500 * time_scale();
@@ -313,30 +364,18 @@ static int t_into_lift(void)
     CHECK_OK(rc);
     CHECK(all_bytes(into_dst + 64, INTO_CAP - 64, 0x5C));
     bex_dir_node_stats a = nstats(d, &sp[0]), b = nstats(d, &sp[1]);
-    CHECK_EQ(a.probes, 1);
-    CHECK_EQ(a.early_probes, 0);
-    CHECK_EQ(a.probe_failures, 0);
+    lifted_once(&a, 0);
     CHECK_EQ(a.ok, a0.ok + 1); /* the probe's answer */
     CHECK_EQ(b.ok, b0.ok);
-    CHECK_EQ(a.state, BEX_DIR_HEALTHY);
-    CHECK_EQ(a.lifts, 1);
     CHECK_EQ(a.quarantines, 1);
-    CHECK_EQ(atomic_load(&n_lifted), 1);
     CHECK_EQ(atomic_load(&n_early), 0);
     /* A takes the calls again */
     for (uint32_t i = 0; i < 10; i++)
         CHECK_OK(echo(ctx, ch, 200 + i, &took));
     CHECK_EQ(nstats(d, &sp[0]).ok, a.ok + 10);
     CHECK_EQ(nstats(d, &sp[1]).ok, b0.ok);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
-    CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
-    bex_dir_destroy(d);
-    CHECK_EQ(armed_of(ctx, into_dst), 0);
-    bex_rpc_free(into_dst);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    int rc0 = stop_server(&sp[0], false), rc1 = stop_server(&sp[1], false);
-    return rc0 || rc1 ? 1 : 0;
+    quar_down(ctx, d, ch, sp, false);
+    return stop_both(sp);
 }
 
 struct rec {
@@ -380,8 +419,7 @@ static int t_both_die(void)
 {
     RPC_NEED_ADDRS();
     struct srv_proc sp[2];
-    spawn_server(&sp[0], false);
-    spawn_server(&sp[1], false);
+    spawn_both(sp);
     bex_ctx *ctx = client_ctx();
     bex_dir *d = mkdir2(sp);
     bex_rpc_channel *ch = setup(ctx, d, sp);
@@ -435,11 +473,7 @@ static int t_both_die(void)
     CHECK_EQ(atomic_load(&n_early), 1);
     CHECK_EQ(atomic_load(&n_early_failed), 1);
     CHECK_EQ(atomic_load(&n_lifted), 0);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
-    CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
+    quar_down(ctx, d, ch, sp, false);
     return 0;
 }
 
@@ -519,14 +553,8 @@ static bex_rpc_endpoint_stats ep_stats(bex_rpc_channel *ch, const struct srv_pro
 static int t_send_fails(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp()) {
-        fprintf(stderr, "send_fails: fakenet wraps TCP only: run with BEX_TEST_TRANSPORT=tcp\n");
-        return 1;
-    }
     struct srv_proc sp[2];
-    spawn_server(&sp[0], false);
-    spawn_server(&sp[1], false);
-    fn_install(); /* the client's connections only: the servers are forked */
+    PAIR_NEED(fakenet_servers("send_fails", sp));
     bex_ctx *ctx = one_io_ctx();
     bex_dir *d = mkdir2(sp);
     bex_rpc_channel *ch = setup(ctx, d, sp);
@@ -574,12 +602,7 @@ static int t_send_fails(void)
     CHECK_EQ(b.conn_failures, 1);
     CHECK_EQ(b.state, BEX_DIR_HEALTHY); /* 1 failure: below the threshold */
     /* A released by B's failure, probed by the call, lifted */
-    CHECK_EQ(a.state, BEX_DIR_HEALTHY);
-    CHECK_EQ(a.early_probes, 1);
-    CHECK_EQ(a.probes, 1);
-    CHECK_EQ(a.probe_failures, 0);
-    CHECK_EQ(a.lifts, 1);
-    CHECK_EQ(atomic_load(&n_lifted), 1);
+    lifted_once(&a, 1);
     /* and calls go on, through A (nearest) */
     for (uint32_t i = 2; i < 12; i++) {
         CHECK_OK(echo(ctx, ch, i, &took));
@@ -587,16 +610,8 @@ static int t_send_fails(void)
     }
     CHECK_EQ(nstats(d, &sp[0]).ok, a.ok + 10);
     CHECK_OK(bex_rpc_channel_destroy(other));
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
-    CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    fn_uninstall();
-    CHECK_EQ(fn_violations(), 0);
-    CHECK_EQ(fn_live(), 0);
-    int rc0 = stop_server(&sp[0], false), rc1 = stop_server(&sp[1], false);
-    return rc0 || rc1 ? 1 : 0;
+    quar_down(ctx, d, ch, sp, true);
+    return stop_both(sp);
 }
 
 /* The same as into_lift with A quarantined for connection failures
@@ -608,15 +623,8 @@ static int t_send_fails(void)
 static int t_into_conn_lift(void)
 {
     RPC_NEED_ADDRS();
-    if (!pair_tcp()) {
-        fprintf(stderr,
-                "into_conn_lift: fakenet wraps TCP only: run with BEX_TEST_TRANSPORT=tcp\n");
-        return 1;
-    }
     struct srv_proc sp[2];
-    spawn_server(&sp[0], false);
-    spawn_server(&sp[1], false);
-    fn_install(); /* the client's connections only: the servers are forked */
+    PAIR_NEED(fakenet_servers("into_conn_lift", sp));
     bex_ctx *ctx = client_ctx();
     CHECK(into_dst = bex_rpc_alloc_dest(ctx, INTO_CAP));
     quar_ms = 1500 * time_scale();
@@ -658,32 +666,17 @@ static int t_into_conn_lift(void)
     print_stats("into_conn_lift", d, sp, ch);
     CHECK_OK(rc);
     bex_dir_node_stats a = nstats(d, &sp[0]);
-    CHECK_EQ(a.probes, 1);
-    CHECK_EQ(a.early_probes, 0);
-    CHECK_EQ(a.probe_failures, 0);
+    lifted_once(&a, 0);
     CHECK_EQ(a.ok, 1);
-    CHECK_EQ(a.state, BEX_DIR_HEALTHY);
-    CHECK_EQ(a.lifts, 1);
     CHECK_EQ(nstats(d, &sp[1]).ok, b0.ok + 3);
-    CHECK_EQ(atomic_load(&n_lifted), 1);
     /* the endpoint is back on the ladder's first step, A nearest again */
     CHECK_EQ(ep_stats(ch, &sp[0]).ladder, BEX_RPC_LADDER_OK);
     for (uint32_t i = 0; i < 10; i++)
         CHECK_OK(echo(ctx, ch, 300 + i, &took));
     CHECK_EQ(nstats(d, &sp[0]).ok, 11);
     CHECK_EQ(nstats(d, &sp[1]).ok, b0.ok + 3);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    CHECK_EQ(nstats(d, &sp[0]).outstanding, 0);
-    CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
-    bex_dir_destroy(d);
-    CHECK_EQ(armed_of(ctx, into_dst), 0);
-    bex_rpc_free(into_dst);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    fn_uninstall();
-    CHECK_EQ(fn_violations(), 0);
-    CHECK_EQ(fn_live(), 0);
-    int rc0 = stop_server(&sp[0], false), rc1 = stop_server(&sp[1], false);
-    return rc0 || rc1 ? 1 : 0;
+    quar_down(ctx, d, ch, sp, true);
+    return stop_both(sp);
 }
 
 BEX_TEST_MAIN({"other_dies", t_other_dies}, {"both_die", t_both_die}, {"send_fails", t_send_fails},

@@ -38,22 +38,17 @@ static struct in_addr addr0, addr1;
 
 static bex_ctx *ctx_new(struct in_addr a, uint32_t io_threads)
 {
-    bex_ctx_config c = {.io_threads = io_threads};
-    bex_ctx_config s = scaled(&c, a);
-    bex_ctx *ctx;
-    CHECK_OK(bex_ctx_create(&s, &ctx));
-    return ctx;
+    return local_ctx(&(bex_ctx_config){.io_threads = io_threads}, a);
 }
 
 /* ---- server: echoes from on_recv (cache: and watches its thread's cache) ---- */
 
 struct srv {
-    struct waiter w;
+    struct local_srv base; /* first: what the shared callbacks take */
     /* atomics: written and read on different threads that meet only over
      * the network, which TSan does not see */
     _Atomic bool relay; /* forward to the other accepted socket instead of echoing */
-    _Atomic(bex_sock *) socks[2];
-    _Atomic long accepted, recvd, closed, send_failed;
+    _Atomic long recvd, send_failed;
     /* cache case, I/O thread only until the end */
     long cache_hits, cache_seen_max;
     bool cache_bad;
@@ -65,7 +60,8 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
     bex_sock *to = s;
     bool relay = atomic_load(&v->relay);
     if (relay)
-        to = atomic_load(&v->socks[0]) == s ? atomic_load(&v->socks[1]) : atomic_load(&v->socks[0]);
+        to = atomic_load(&v->base.socks[0]) == s ? atomic_load(&v->base.socks[1])
+                                                 : atomic_load(&v->base.socks[0]);
     struct bex__io *io = s->io;
     bool own = bex__io_self == io;
     uint32_t before = own ? io->n_msg_free : 0;
@@ -81,26 +77,7 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
         if ((long)before > v->cache_seen_max)
             v->cache_seen_max = before;
     }
-    waiter_add(&v->w, &v->recvd, 1);
-}
-
-static void srv_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct srv *v = user;
-    waiter_add(&v->w, &v->closed, 1);
-}
-
-static void srv_accept(bex_listener *l, bex_sock *s, void *user)
-{
-    (void)l;
-    struct srv *v = user;
-    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = echo_srv_error, .on_close = srv_close};
-    long n = atomic_load(&v->accepted);
-    if (n < 2)
-        atomic_store(&v->socks[n], s);
-    bex_sock_set_user(s, &ops, v);
-    waiter_add(&v->w, &v->accepted, 1);
+    waiter_add(&v->base.w, &v->recvd, 1);
 }
 
 /* ---- client ---- */
@@ -112,22 +89,14 @@ struct creq {
 };
 
 struct cli {
-    struct waiter *w;
+    struct local_cli base; /* first: what the shared callbacks take */
     bex_ctx *ctx;
     struct creq *reqs;
-    _Atomic long connected, recvd, done, closed, failed;
+    _Atomic long recvd, done, failed;
     uint32_t next_seq[REQS]; /* I/O thread only */
     uint32_t rx_seq[REQS];   /* I/O thread only */
     bool bad;                /* I/O thread only until the end */
 };
-
-static void cli_connect(bex_sock *s, int err, void *user)
-{
-    (void)s;
-    struct cli *c = user;
-    CHECK_EQ(err, 0);
-    waiter_add(c->w, &c->connected, 1);
-}
 
 /* message content: slot, sequence, then a pattern of both */
 static void fill_msg(uint8_t *p, int slot, uint32_t seq)
@@ -151,7 +120,7 @@ static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
     else
         c->rx_seq[slot]++;
     bex_mem_free(buf);
-    waiter_add(c->w, &c->recvd, 1);
+    waiter_add(c->base.w, &c->recvd, 1);
 }
 
 static int send_slot(bex_sock *s, struct cli *c, struct creq *r, void *buf)
@@ -169,13 +138,13 @@ static void cli_sent(bex_sock *s, void *buf, size_t len, void *msg_user, int sta
         if (status)
             atomic_fetch_add(&c->failed, 1);
         bex_mem_free(buf);
-        waiter_add(c->w, &c->done, 1);
+        waiter_add(c->base.w, &c->done, 1);
         return;
     }
     if (status || len != MSG_LEN || r < c->reqs || r >= c->reqs + REQS) {
         atomic_fetch_add(&c->failed, 1);
         bex_mem_free(buf);
-        waiter_add(c->w, &c->done, 1);
+        waiter_add(c->base.w, &c->done, 1);
         return;
     }
     /* the request is ours again: poison it; bex reads none of it now */
@@ -189,14 +158,7 @@ static void cli_sent(bex_sock *s, void *buf, size_t len, void *msg_user, int sta
     } else {
         bex_mem_free(buf);
     }
-    waiter_add(c->w, &c->done, 1);
-}
-
-static void cli_closed(bex_sock *s, void *user)
-{
-    (void)s;
-    struct cli *c = user;
-    waiter_add(c->w, &c->closed, 1);
+    waiter_add(c->base.w, &c->done, 1);
 }
 
 struct rig {
@@ -210,14 +172,14 @@ struct rig {
 
 static bex_sock *cli_open(struct rig *r, bex_ctx *ctx, struct cli *c)
 {
-    *c = (struct cli){.w = &r->v.w, .ctx = ctx};
-    bex_sock_ops ops = {.on_connect = cli_connect,
+    *c = (struct cli){.base.w = &r->v.base.w, .ctx = ctx};
+    bex_sock_ops ops = {.on_connect = local_cli_connect,
                         .on_recv = cli_recv,
                         .on_send_done = cli_sent,
-                        .on_close = cli_closed};
+                        .on_close = local_cli_closed};
     bex_sock *s;
     CHECK_OK(bex_sock_connect(ctx, &r->at, &ops, c, &s));
-    CHECK_OK(wait_count(&r->v.w, &c->connected, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &c->base.connected, 1, 5000));
     return s;
 }
 
@@ -226,23 +188,20 @@ static int rig_up(struct rig *r, uint32_t srv_threads)
     int rc = pair_addrs(&addr0, &addr1);
     if (rc)
         return rc;
-    r->v = (struct srv){.w = WAITER_INIT};
+    r->v = (struct srv){.base.w = WAITER_INIT};
     r->sctx = ctx_new(addr0, srv_threads);
     r->cctx = ctx_new(addr1, 1);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = addr0};
-    bex_listener_ops lops = {.on_accept = srv_accept};
-    CHECK_OK(bex_listen(r->sctx, &a, &lops, &r->v, &r->l));
-    bex_listener_addr(r->l, &r->at);
+    r->l = local_listen(r->sctx, addr0, &r->v.base, srv_recv, &r->at);
     r->s = cli_open(r, r->cctx, &r->c);
-    CHECK_OK(wait_count(&r->v.w, &r->v.accepted, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->v.base.accepted, 1, 5000));
     return 0;
 }
 
 static void rig_down(struct rig *r)
 {
     bex_sock_close(r->s);
-    CHECK_OK(wait_count(&r->v.w, &r->c.closed, 1, 5000));
-    CHECK_OK(wait_count(&r->v.w, &r->v.closed, atomic_load(&r->v.accepted), 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->c.base.closed, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->v.base.closed, atomic_load(&r->v.base.accepted), 5000));
     CHECK_OK(bex_listener_close(r->l));
     CHECK_OK(bex_ctx_destroy(r->cctx));
     CHECK_OK(bex_ctx_destroy(r->sctx));
@@ -267,8 +226,8 @@ static int req_echo(void)
          * of the slot follow only after its completion */
         CHECK_OK(send_slot(r.s, &r.c, &reqs[i], b));
     }
-    CHECK_OK(wait_count(&r.v.w, &r.c.recvd, REQS * PER_REQ, 30000));
-    CHECK_OK(wait_count(&r.v.w, &r.c.done, REQS * PER_REQ, 10000));
+    CHECK_OK(wait_count(&r.v.base.w, &r.c.recvd, REQS * PER_REQ, 30000));
+    CHECK_OK(wait_count(&r.v.base.w, &r.c.done, REQS * PER_REQ, 10000));
     CHECK_EQ(atomic_load(&r.c.failed), 0);
     CHECK_EQ(atomic_load(&r.v.send_failed), 0);
     rig_down(&r); /* the I/O threads are gone: their fields may be read */
@@ -321,7 +280,7 @@ static int cache(void)
     r.c.reqs = NULL;
     for (uint32_t i = 0; i < CACHE_N; i++) {
         send_plain(r.cctx, r.s, 0, i);
-        CHECK_OK(wait_count(&r.v.w, &r.c.recvd, i + 1, 5000));
+        CHECK_OK(wait_count(&r.v.base.w, &r.c.recvd, i + 1, 5000));
     }
     rig_down(&r);
     fprintf(stderr, "%d answers from on_recv: %ld took a cached descriptor, at most %ld cached\n",
@@ -346,9 +305,9 @@ static int relay(void)
     struct cli c2;
     bex_ctx *cctx2 = ctx_new(addr1, 1);
     bex_sock *s2 = cli_open(&r, cctx2, &c2);
-    CHECK_OK(wait_count(&r.v.w, &r.v.accepted, 2, 5000));
+    CHECK_OK(wait_count(&r.v.base.w, &r.v.base.accepted, 2, 5000));
     /* round-robin: two threads */
-    CHECK(atomic_load(&r.v.socks[0])->io != atomic_load(&r.v.socks[1])->io);
+    CHECK(atomic_load(&r.v.base.socks[0])->io != atomic_load(&r.v.base.socks[1])->io);
     r.c.reqs = NULL;
     c2.reqs = NULL;
     /* client 1 -> server -> client 2 on slot 0; the other way on slot 1 */
@@ -356,11 +315,11 @@ static int relay(void)
         send_plain(r.cctx, r.s, 0, i);
         send_plain(cctx2, s2, 1, i);
     }
-    CHECK_OK(wait_count(&r.v.w, &c2.recvd, RELAY_N, 20000));
-    CHECK_OK(wait_count(&r.v.w, &r.c.recvd, RELAY_N, 20000));
+    CHECK_OK(wait_count(&r.v.base.w, &c2.recvd, RELAY_N, 20000));
+    CHECK_OK(wait_count(&r.v.base.w, &r.c.recvd, RELAY_N, 20000));
     CHECK_EQ(atomic_load(&r.v.send_failed), 0);
     bex_sock_close(s2);
-    CHECK_OK(wait_count(&r.v.w, &c2.closed, 1, 5000));
+    CHECK_OK(wait_count(&r.v.base.w, &c2.base.closed, 1, 5000));
     rig_down(&r);
     CHECK_OK(bex_ctx_destroy(cctx2));
     CHECK(!r.c.bad && !c2.bad);

@@ -32,4 +32,24 @@ static int sq_depth_pow2(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(sq_depth_pow2))
+/* The names programs take for --poll map to their modes; anything else is
+ * refused and leaves the mode as it was. */
+static int poll_mode_parse(void)
+{
+    uint32_t m = 99;
+    CHECK_EQ(bex_poll_mode_parse("spin-sleep", &m), 0);
+    CHECK_EQ(m, BEX_POLL_SPIN_SLEEP);
+    CHECK_EQ(bex_poll_mode_parse("busy", &m), 0);
+    CHECK_EQ(m, BEX_POLL_BUSY);
+    CHECK_EQ(bex_poll_mode_parse("event", &m), 0);
+    CHECK_EQ(m, BEX_POLL_EVENT);
+    const char *bad[] = {NULL, "", "Busy", "spin", "events", "busy "};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        m = 99;
+        CHECK_EQ(bex_poll_mode_parse(bad[i], &m), -EINVAL);
+        CHECK_EQ(m, 99);
+    }
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(sq_depth_pow2), BEX_CASE(poll_mode_parse))

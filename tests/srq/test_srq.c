@@ -29,21 +29,13 @@
 
 static struct in_addr addr0, addr1;
 
-static bex_ctx *ctx_new(const bex_ctx_config *in, struct in_addr a)
-{
-    bex_ctx_config s = scaled(in, a);
-    bex_ctx *ctx;
-    CHECK_OK(bex_ctx_create(&s, &ctx));
-    return ctx;
-}
-
 /* ---- server: keeps or frees what arrives, echoes when asked ---- */
 
 #define HOLD_MAX 4096
 
 struct srv {
-    struct waiter w;
-    _Atomic long accepted, closed, recvd_a, recvd_b, bad;
+    struct local_srv base; /* first: what the shared callbacks take */
+    _Atomic long recvd_a, recvd_b, bad;
     bool echo;           /* send every message back */
     _Atomic bool hold_a; /* keep messages of peer 'A' (do not free them) */
     void *held[HOLD_MAX];
@@ -58,7 +50,7 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
     if (len < 5)
         atomic_fetch_add(&v->bad, 1);
     if (v->echo && len >= 5) {
-        waiter_add(&v->w, &v->recvd_b, 1);
+        waiter_add(&v->base.w, &v->recvd_b, 1);
         if (bex_sock_send(s, buf, len, NULL))
             bex_mem_free(buf);
         return;
@@ -67,44 +59,23 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
         long i = atomic_fetch_add(&v->n_held, 1);
         CHECK(i < HOLD_MAX);
         v->held[i] = buf;
-        waiter_add(&v->w, &v->recvd_a, 1);
+        waiter_add(&v->base.w, &v->recvd_a, 1);
         return;
     }
-    waiter_add(&v->w, len >= 5 && p[0] == 'A' ? &v->recvd_a : &v->recvd_b, 1);
+    waiter_add(&v->base.w, len >= 5 && p[0] == 'A' ? &v->recvd_a : &v->recvd_b, 1);
     bex_mem_free(buf);
-}
-
-static void srv_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct srv *v = user;
-    waiter_add(&v->w, &v->closed, 1);
-}
-
-static void srv_accept(bex_listener *l, bex_sock *s, void *user)
-{
-    (void)l;
-    struct srv *v = user;
-    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = echo_srv_error, .on_close = srv_close};
-    bex_sock_set_user(s, &ops, v);
-    waiter_add(&v->w, &v->accepted, 1);
 }
 
 static bex_listener *srv_listen(bex_ctx *ctx, struct srv *v, struct sockaddr_in *out)
 {
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = addr0};
-    bex_listener_ops lops = {.on_accept = srv_accept};
-    bex_listener *l;
-    CHECK_OK(bex_listen(ctx, &a, &lops, v, &l));
-    bex_listener_addr(l, out);
-    return l;
+    return local_listen(ctx, addr0, &v->base, srv_recv, out);
 }
 
 /* ---- clients ---- */
 
 struct cli {
-    struct waiter *w;
-    _Atomic long connected, failed, recvd, sent_done, closed;
+    struct local_cli base; /* first: what the shared callbacks take */
+    _Atomic long failed, recvd, sent_done;
     _Atomic int err;
 };
 
@@ -114,9 +85,9 @@ static void cli_connect(bex_sock *s, int err, void *user)
     struct cli *c = user;
     if (err) {
         atomic_store(&c->err, err);
-        waiter_add(c->w, &c->failed, 1);
+        waiter_add(c->base.w, &c->failed, 1);
     } else {
-        waiter_add(c->w, &c->connected, 1);
+        waiter_add(c->base.w, &c->base.connected, 1);
     }
 }
 
@@ -126,7 +97,7 @@ static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
     struct cli *c = user;
     CHECK(len >= 5);
     bex_mem_free(buf);
-    waiter_add(c->w, &c->recvd, 1);
+    waiter_add(c->base.w, &c->recvd, 1);
 }
 
 static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
@@ -137,7 +108,7 @@ static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, v
     (void)status;
     struct cli *c = user;
     bex_mem_free(buf);
-    waiter_add(c->w, &c->sent_done, 1);
+    waiter_add(c->base.w, &c->sent_done, 1);
 }
 
 static void cli_error(bex_sock *s, int err, void *user)
@@ -145,14 +116,7 @@ static void cli_error(bex_sock *s, int err, void *user)
     (void)s;
     struct cli *c = user;
     atomic_store(&c->err, err);
-    waiter_add(c->w, &c->failed, 1);
-}
-
-static void cli_closed(bex_sock *s, void *user)
-{
-    (void)s;
-    struct cli *c = user;
-    waiter_add(c->w, &c->closed, 1);
+    waiter_add(c->base.w, &c->failed, 1);
 }
 
 static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c)
@@ -161,7 +125,7 @@ static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli
                         .on_recv = cli_recv,
                         .on_send_done = cli_done,
                         .on_error = cli_error,
-                        .on_close = cli_closed};
+                        .on_close = local_cli_closed};
     bex_sock *s;
     CHECK_OK(bex_sock_connect(ctx, to, &ops, c, &s));
     return s;
@@ -194,13 +158,13 @@ static int setup_addrs(void)
 static int mode(void)
 {
     PAIR_NEED(setup_addrs());
-    struct srv v = {.w = WAITER_INIT, .echo = true};
+    struct srv v = {.base.w = WAITER_INIT, .echo = true};
     bex_ctx_config sc = {.srq_depth = 256, .rq_depth = 16, .io_threads = 2};
-    bex_ctx *sctx = ctx_new(&sc, addr0);
+    bex_ctx *sctx = local_ctx(&sc, addr0);
     bex_ctx_config cc = {.srq_depth = 256, .rq_depth = 16};
     bex_ctx *cctx[MODE_PEERS];
     for (int i = 0; i < MODE_PEERS; i++)
-        cctx[i] = ctx_new(&cc, addr1);
+        cctx[i] = local_ctx(&cc, addr1);
     for (uint32_t t = 0; t < 2; t++) {
         struct bex__srq *q = sctx->io[t].sh.srq;
         CHECK(q && q->srq && q->cq);
@@ -213,11 +177,11 @@ static int mode(void)
     struct cli c[MODE_PEERS];
     bex_sock *s[MODE_PEERS];
     for (int i = 0; i < MODE_PEERS; i++) {
-        c[i] = (struct cli){.w = &v.w};
+        c[i] = (struct cli){.base.w = &v.base.w};
         s[i] = cli_open(cctx[i], &a, &c[i]);
-        CHECK_OK(wait_count(&v.w, &c[i].connected, 1, 10000));
+        CHECK_OK(wait_count(&v.base.w, &c[i].base.connected, 1, 10000));
     }
-    CHECK_OK(wait_count(&v.w, &v.accepted, MODE_PEERS, 10000));
+    CHECK_OK(wait_count(&v.base.w, &v.base.accepted, MODE_PEERS, 10000));
     /* 3 peers over the server's 2 threads; each holds a share of 16 */
     uint32_t granted = 0, peers = 0;
     for (uint32_t t = 0; t < 2; t++) {
@@ -264,8 +228,8 @@ static int mode(void)
             for (uint32_t k = 0; k < 40; k++)
                 send_tagged(cctx[i], s[i], 'B', k, 100 + 97 * k);
     for (int i = 0; i < MODE_PEERS; i++) {
-        CHECK_OK(wait_count(&v.w, &c[i].recvd, 160, 20000));
-        CHECK_OK(wait_count(&v.w, &c[i].sent_done, 160, 20000));
+        CHECK_OK(wait_count(&v.base.w, &c[i].recvd, 160, 20000));
+        CHECK_OK(wait_count(&v.base.w, &c[i].sent_done, 160, 20000));
     }
     CHECK_EQ(atomic_load(&v.bad), 0);
     bex_ctx_stats(sctx, &st);
@@ -274,8 +238,8 @@ static int mode(void)
     for (int i = 0; i < MODE_PEERS; i++)
         bex_sock_close(s[i]);
     for (int i = 0; i < MODE_PEERS; i++)
-        CHECK_OK(wait_count(&v.w, &c[i].closed, 1, 10000));
-    CHECK_OK(wait_count(&v.w, &v.closed, MODE_PEERS, 10000));
+        CHECK_OK(wait_count(&v.base.w, &c[i].base.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &v.base.closed, MODE_PEERS, 10000));
     for (int i = 0; i < MODE_PEERS; i++)
         CHECK_OK(bex_ctx_destroy(cctx[i]));
     /* the connections went with the peers' contexts: the shares are back */
@@ -298,9 +262,9 @@ static int mode(void)
 static int shares(void)
 {
     PAIR_NEED(setup_addrs());
-    struct srv v = {.w = WAITER_INIT, .echo = true};
+    struct srv v = {.base.w = WAITER_INIT, .echo = true};
     bex_ctx_config sc = {.srq_depth = 64, .rq_depth = 16, .transport = BEX_TRANSPORT_RDMA};
-    bex_ctx *sctx = ctx_new(&sc, addr0);
+    bex_ctx *sctx = local_ctx(&sc, addr0);
     struct sockaddr_in a;
     bex_listener *l = srv_listen(sctx, &v, &a);
     bex_ctx_config cc = {.rq_depth = 16, .transport = BEX_TRANSPORT_RDMA};
@@ -309,18 +273,18 @@ static int shares(void)
     struct cli c[N];
     bex_sock *s[N];
     for (int i = 0; i < 5; i++) {
-        cctx[i] = ctx_new(&cc, addr1);
-        c[i] = (struct cli){.w = &v.w};
+        cctx[i] = local_ctx(&cc, addr1);
+        c[i] = (struct cli){.base.w = &v.base.w};
         s[i] = cli_open(cctx[i], &a, &c[i]);
         if (i < 4) {
-            CHECK_OK(wait_count(&v.w, &c[i].connected, 1, 10000));
+            CHECK_OK(wait_count(&v.base.w, &c[i].base.connected, 1, 10000));
             send_tagged(cctx[i], s[i], 'B', (uint32_t)i, 64);
-            CHECK_OK(wait_count(&v.w, &c[i].recvd, 1, 10000));
+            CHECK_OK(wait_count(&v.base.w, &c[i].recvd, 1, 10000));
         }
     }
     /* the fifth: no share left, refused by name */
-    CHECK_OK(wait_count(&v.w, &c[4].failed, 1, 10000));
-    CHECK_EQ(atomic_load(&c[4].connected), 0);
+    CHECK_OK(wait_count(&v.base.w, &c[4].failed, 1, 10000));
+    CHECK_EQ(atomic_load(&c[4].base.connected), 0);
     CHECK_EQ(atomic_load(&c[4].err), -ENOSPC);
     bex_sock_stats st;
     bex_ctx_stats(sctx, &st);
@@ -328,11 +292,11 @@ static int shares(void)
     CHECK_EQ(st.srq_refused, 1);
     CHECK_EQ(st.engines, 4);
     bex_sock_close(s[4]);
-    CHECK_OK(wait_count(&v.w, &c[4].closed, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &c[4].base.closed, 1, 10000));
     CHECK_OK(bex_ctx_destroy(cctx[4]));
     /* one leaves: its share goes back, and a newcomer gets it */
     bex_sock_close(s[0]);
-    CHECK_OK(wait_count(&v.w, &c[0].closed, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &c[0].base.closed, 1, 10000));
     CHECK_OK(bex_ctx_destroy(cctx[0]));
     bool back = false;
     for (int tries = 0; tries < 500 && !back; tries++) {
@@ -342,13 +306,13 @@ static int shares(void)
             pair_sleep_ms(10 * time_scale());
     }
     CHECK(back);
-    cctx[5] = ctx_new(&cc, addr1);
-    c[5] = (struct cli){.w = &v.w};
+    cctx[5] = local_ctx(&cc, addr1);
+    c[5] = (struct cli){.base.w = &v.base.w};
     s[5] = cli_open(cctx[5], &a, &c[5]);
-    CHECK_OK(wait_count(&v.w, &c[5].connected, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &c[5].base.connected, 1, 10000));
     for (uint32_t k = 0; k < 64; k++)
         send_tagged(cctx[5], s[5], 'B', k, 200);
-    CHECK_OK(wait_count(&v.w, &c[5].recvd, 64, 10000));
+    CHECK_OK(wait_count(&v.base.w, &c[5].recvd, 64, 10000));
     bex_ctx_stats(sctx, &st);
     CHECK_EQ(st.srq_credits, 64);
     CHECK_EQ(st.srq_refused, 1);
@@ -356,7 +320,7 @@ static int shares(void)
         if (i == 4)
             continue;
         bex_sock_close(s[i]);
-        CHECK_OK(wait_count(&v.w, &c[i].closed, 1, 10000));
+        CHECK_OK(wait_count(&v.base.w, &c[i].base.closed, 1, 10000));
         CHECK_OK(bex_ctx_destroy(cctx[i]));
     }
     CHECK_OK(bex_listener_close(l));
@@ -373,7 +337,7 @@ static int shares(void)
 /* Returns how many of B's messages arrived while A's were held. */
 static long starve_run(bool unshared)
 {
-    struct srv v = {.w = WAITER_INIT};
+    struct srv v = {.base.w = WAITER_INIT};
     atomic_store(&v.hold_a, true);
     bex__srq_unshared_test = unshared;
     /* the server: a queue of 32 receives, shares of 16 (two peers); the
@@ -384,16 +348,16 @@ static long starve_run(bool unshared)
                          .eager_max = 1024,
                          .recv_bytes_max = 8 * 1024,
                          .transport = BEX_TRANSPORT_RDMA};
-    bex_ctx *sctx = ctx_new(&sc, addr0);
+    bex_ctx *sctx = local_ctx(&sc, addr0);
     struct sockaddr_in a;
     bex_listener *l = srv_listen(sctx, &v, &a);
     /* A's sends wait for credit for as long as the case runs */
     bex_ctx_config cc = {.credit_timeout_ms = 600000, .transport = BEX_TRANSPORT_RDMA};
-    bex_ctx *actx = ctx_new(&cc, addr1), *bctx = ctx_new(&cc, addr1);
-    struct cli ca = {.w = &v.w}, cb = {.w = &v.w};
+    bex_ctx *actx = local_ctx(&cc, addr1), *bctx = local_ctx(&cc, addr1);
+    struct cli ca = {.base.w = &v.base.w}, cb = {.base.w = &v.base.w};
     bex_sock *sa = cli_open(actx, &a, &ca), *sb = cli_open(bctx, &a, &cb);
-    CHECK_OK(wait_count(&v.w, &ca.connected, 1, 10000));
-    CHECK_OK(wait_count(&v.w, &cb.connected, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &ca.base.connected, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &cb.base.connected, 1, 10000));
     /* A floods; the application keeps all of it */
     for (uint32_t k = 0; k < A_MSGS; k++)
         send_tagged(actx, sa, 'A', k, STARVE_LEN);
@@ -412,7 +376,7 @@ static long starve_run(bool unshared)
     /* B sends fewer than its share */
     for (uint32_t k = 0; k < B_MSGS; k++)
         send_tagged(bctx, sb, 'B', k, STARVE_LEN);
-    (void)wait_count(&v.w, &v.recvd_b, B_MSGS, unshared ? 3000 : 10000);
+    (void)wait_count(&v.base.w, &v.recvd_b, B_MSGS, unshared ? 3000 : 10000);
     long got_b = atomic_load(&v.recvd_b);
     fprintf(stderr, "%s: %ld of B's %d messages arrived while A's were held\n",
             unshared ? "unshared" : "shared", got_b, B_MSGS);
@@ -422,17 +386,17 @@ static long starve_run(bool unshared)
     long n = atomic_load(&v.n_held);
     for (long i = 0; i < n; i++)
         bex_mem_free(v.held[i]);
-    CHECK_OK(wait_count(&v.w, &v.recvd_a, A_MSGS, 20000));
-    CHECK_OK(wait_count(ca.w, &ca.sent_done, A_MSGS, 20000));
+    CHECK_OK(wait_count(&v.base.w, &v.recvd_a, A_MSGS, 20000));
+    CHECK_OK(wait_count(ca.base.w, &ca.sent_done, A_MSGS, 20000));
     if (!unshared) {
-        CHECK_OK(wait_count(&v.w, &v.recvd_b, B_MSGS, 20000));
-        CHECK_OK(wait_count(&v.w, &cb.sent_done, B_MSGS, 20000));
+        CHECK_OK(wait_count(&v.base.w, &v.recvd_b, B_MSGS, 20000));
+        CHECK_OK(wait_count(&v.base.w, &cb.sent_done, B_MSGS, 20000));
     }
     CHECK_EQ(atomic_load(&v.bad), 0);
     bex_sock_close(sa);
     bex_sock_close(sb);
-    CHECK_OK(wait_count(&v.w, &ca.closed, 1, 10000));
-    CHECK_OK(wait_count(&v.w, &cb.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &ca.base.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.base.w, &cb.base.closed, 1, 10000));
     CHECK_OK(bex_ctx_destroy(actx));
     CHECK_OK(bex_ctx_destroy(bctx));
     CHECK_OK(bex_listener_close(l));

@@ -47,10 +47,7 @@ static bex_ctx *ctx_new(struct in_addr a, uint32_t poll_mode, uint32_t keepalive
     bex_ctx_config c = {.poll_mode = poll_mode, .keepalive_ms = keepalive_ms};
     if (keepalive_ms)
         c.keepalive_timeout_ms = keepalive_ms * 4;
-    bex_ctx_config s = scaled(&c, a);
-    bex_ctx *ctx;
-    CHECK_OK(bex_ctx_create(&s, &ctx));
-    return ctx;
+    return local_ctx(&c, a);
 }
 
 /* frames sent: every one but DIRECT counts as a SEND over TCP */
@@ -66,9 +63,9 @@ static uint64_t frames(bex_ctx *ctx, uint64_t *credits)
 /* ---- server: echoes every message from its on_recv, or only counts ---- */
 
 struct srv {
-    struct waiter w;
+    struct local_srv base; /* first: what the shared callbacks take */
     bool echo;
-    _Atomic long accepted, recvd, closed;
+    _Atomic long recvd;
 };
 
 static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
@@ -76,43 +73,19 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
     struct srv *v = user;
     if (!v->echo || bex_sock_send(s, buf, len, NULL))
         bex_mem_free(buf);
-    waiter_add(&v->w, &v->recvd, 1);
-}
-
-static void srv_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct srv *v = user;
-    waiter_add(&v->w, &v->closed, 1);
-}
-
-static void srv_accept(bex_listener *l, bex_sock *s, void *user)
-{
-    (void)l;
-    struct srv *v = user;
-    bex_sock_ops ops = {.on_recv = srv_recv, .on_error = echo_srv_error, .on_close = srv_close};
-    bex_sock_set_user(s, &ops, v);
-    waiter_add(&v->w, &v->accepted, 1);
+    waiter_add(&v->base.w, &v->recvd, 1);
 }
 
 /* ---- client ---- */
 
 struct cli {
-    struct waiter *w;
+    struct local_cli base; /* first: what the shared callbacks take */
     bex_ctx *ctx;
     long limit;     /* echo: answer echoes until this many arrived */
     bool from_recv; /* echo: the next message goes from on_recv */
-    _Atomic long connected, recvd, done, closed, failed;
+    _Atomic long recvd, done, failed;
     long to_send; /* one_way: messages still to send (I/O thread only) */
 };
-
-static void cli_connect(bex_sock *s, int err, void *user)
-{
-    (void)s;
-    struct cli *c = user;
-    CHECK_EQ(err, 0);
-    waiter_add(c->w, &c->connected, 1);
-}
 
 static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
 {
@@ -121,7 +94,7 @@ static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
     long n = atomic_load(&c->recvd) + 1;
     if (!c->from_recv || n >= c->limit || bex_sock_send(s, buf, len, NULL))
         bex_mem_free(buf);
-    waiter_add(c->w, &c->recvd, 1);
+    waiter_add(c->base.w, &c->recvd, 1);
 }
 
 /* one_way: a message is acknowledged: the next one goes, in the same buffer */
@@ -141,22 +114,15 @@ static void cli_sent(bex_sock *s, void *buf, size_t len, void *msg_user, int sta
     } else {
         bex_mem_free(buf);
     }
-    waiter_add(c->w, &c->done, 1);
-}
-
-static void cli_closed(bex_sock *s, void *user)
-{
-    (void)s;
-    struct cli *c = user;
-    waiter_add(c->w, &c->closed, 1);
+    waiter_add(c->base.w, &c->done, 1);
 }
 
 static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c, bool sent_cb)
 {
-    bex_sock_ops ops = {.on_connect = cli_connect,
+    bex_sock_ops ops = {.on_connect = local_cli_connect,
                         .on_recv = cli_recv,
                         .on_send_done = sent_cb ? cli_sent : NULL,
-                        .on_close = cli_closed};
+                        .on_close = local_cli_closed};
     bex_sock *s;
     CHECK_OK(bex_sock_connect(ctx, to, &ops, c, &s));
     return s;
@@ -164,10 +130,7 @@ static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli
 
 static void send_one(bex_ctx *ctx, bex_sock *s)
 {
-    void *b = bex_sock_alloc(ctx, MSG_LEN);
-    CHECK(b);
-    memset(b, 7, MSG_LEN);
-    CHECK_OK(bex_sock_send(s, b, MSG_LEN, NULL));
+    local_send(ctx, s, MSG_LEN);
 }
 
 /* A server and a connected client; *sock the client's socket. */
@@ -182,24 +145,22 @@ struct rig {
 static void rig_up(struct rig *r, uint32_t poll_mode, uint32_t keepalive_ms, bool echo,
                    bool sent_cb)
 {
-    r->v = (struct srv){.w = WAITER_INIT, .echo = echo};
+    r->v = (struct srv){.base.w = WAITER_INIT, .echo = echo};
     r->sctx = ctx_new(addr0, poll_mode, keepalive_ms);
     r->cctx = ctx_new(addr1, poll_mode, keepalive_ms);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = addr0}, at;
-    bex_listener_ops lops = {.on_accept = srv_accept};
-    CHECK_OK(bex_listen(r->sctx, &a, &lops, &r->v, &r->l));
-    bex_listener_addr(r->l, &at);
-    r->c = (struct cli){.w = &r->v.w, .ctx = r->cctx};
+    struct sockaddr_in at;
+    r->l = local_listen(r->sctx, addr0, &r->v.base, srv_recv, &at);
+    r->c = (struct cli){.base.w = &r->v.base.w, .ctx = r->cctx};
     r->s = cli_open(r->cctx, &at, &r->c, sent_cb);
-    CHECK_OK(wait_count(&r->v.w, &r->c.connected, 1, 5000));
-    CHECK_OK(wait_count(&r->v.w, &r->v.accepted, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->c.base.connected, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->v.base.accepted, 1, 5000));
 }
 
 static void rig_down(struct rig *r)
 {
     bex_sock_close(r->s);
-    CHECK_OK(wait_count(&r->v.w, &r->c.closed, 1, 5000));
-    CHECK_OK(wait_count(&r->v.w, &r->v.closed, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->c.base.closed, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->v.base.closed, 1, 5000));
     CHECK_OK(bex_listener_close(r->l));
     CHECK_OK(bex_ctx_destroy(r->cctx));
     CHECK_OK(bex_ctx_destroy(r->sctx));
@@ -218,7 +179,7 @@ static int echo_run(bool from_recv)
     r.c.limit = ECHO_N;
     /* one echo first: the OPEN and the setup are out of the count */
     send_one(r.cctx, r.s);
-    CHECK_OK(wait_count(&r.v.w, &r.c.recvd, 1, 5000));
+    CHECK_OK(wait_count(&r.v.base.w, &r.c.recvd, 1, 5000));
     pair_sleep_ms(20);
     atomic_store(&r.c.recvd, 0);
     /* read by on_recv on the I/O thread after the hand-off of the next send */
@@ -227,11 +188,11 @@ static int echo_run(bool from_recv)
     uint64_t t0 = pair_now_ms();
     if (from_recv) {
         send_one(r.cctx, r.s);
-        CHECK_OK(wait_count(&r.v.w, &r.c.recvd, ECHO_N, 20000));
+        CHECK_OK(wait_count(&r.v.base.w, &r.c.recvd, ECHO_N, 20000));
     } else {
         for (long i = 0; i < ECHO_N; i++) {
             send_one(r.cctx, r.s);
-            CHECK_OK(wait_count(&r.v.w, &r.c.recvd, i + 1, 5000));
+            CHECK_OK(wait_count(&r.v.base.w, &r.c.recvd, i + 1, 5000));
         }
     }
     uint64_t ms = pair_now_ms() - t0;
@@ -275,7 +236,7 @@ static uint64_t one_way_run(uint32_t poll_mode, long m, long window, uint64_t *c
     uint64_t t0 = pair_now_ms();
     for (long i = 0; i < window; i++)
         send_one(r.cctx, r.s);
-    CHECK_OK(wait_count(&r.v.w, &r.c.done, m, 30000));
+    CHECK_OK(wait_count(&r.v.base.w, &r.c.done, m, 30000));
     uint64_t ms = pair_now_ms() - t0;
     CHECK_EQ(atomic_load(&r.c.failed), 0);
     CHECK_EQ(atomic_load(&r.v.recvd), m);

@@ -193,13 +193,7 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
             eager_max = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
             break;
         case O_POLL:
-            if (strcmp(optarg, "spin-sleep") == 0)
-                poll_mode = BEX_POLL_SPIN_SLEEP;
-            else if (strcmp(optarg, "busy") == 0)
-                poll_mode = BEX_POLL_BUSY;
-            else if (strcmp(optarg, "event") == 0)
-                poll_mode = BEX_POLL_EVENT;
-            else
+            if (bex_poll_mode_parse(optarg, &poll_mode))
                 usage(prog, usage_extra);
             break;
         case O_SEED:

@@ -297,13 +297,7 @@ int main(int argc, char **argv)
                 usage();
             break;
         case 'p':
-            if (strcmp(optarg, "spin-sleep") == 0)
-                poll_mode = BEX_POLL_SPIN_SLEEP;
-            else if (strcmp(optarg, "busy") == 0)
-                poll_mode = BEX_POLL_BUSY;
-            else if (strcmp(optarg, "event") == 0)
-                poll_mode = BEX_POLL_EVENT;
-            else
+            if (bex_poll_mode_parse(optarg, &poll_mode))
                 usage();
             break;
         case 'x':
