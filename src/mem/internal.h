@@ -271,6 +271,7 @@ struct bex__mem_chunk *bex__mem_region_create(bex_mem_pool *pool, size_t len, si
 void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c);
 struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool);
 bool bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c);
+void bex__mem_pool_chunk_link(bex_mem_pool *pool, struct bex__mem_chunk *c);
 void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size);
 void bex__mem_huge_free(struct bex__mem_chunk *c);
 void bex__mem_pool_note_in_use(bex_mem_pool *pool, int64_t delta);

@@ -129,11 +129,7 @@ void *bex__mem_land_alloc(bex_mem_pool *pool, size_t size)
         if (!c)
             return NULL;
         pthread_mutex_lock(&pool->lock);
-        c->prev = NULL;
-        c->next = pool->chunks;
-        if (c->next)
-            c->next->prev = c;
-        pool->chunks = c;
+        bex__mem_pool_chunk_link(pool, c);
         out = take(c, find_run(c->land->free, n), n);
         pthread_mutex_unlock(&pool->lock);
     }

@@ -198,6 +198,16 @@ void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
  * without locks (see heap.c). The pool only hands out empty chunks and
  * takes them back: it keeps up to retain_bytes of them registered. */
 
+/* Put a new chunk at the head of the pool's list (pool lock held). */
+void bex__mem_pool_chunk_link(bex_mem_pool *pool, struct bex__mem_chunk *c)
+{
+    c->prev = NULL;
+    c->next = pool->chunks;
+    if (c->next)
+        c->next->prev = c;
+    pool->chunks = c;
+}
+
 /* A new registered chunk, empty, on the pool's list. NULL + errno. */
 static struct bex__mem_chunk *chunk_new(bex_mem_pool *pool)
 {
@@ -213,11 +223,7 @@ static struct bex__mem_chunk *chunk_new(bex_mem_pool *pool)
     c->spans[0].heap = &bex__mem_ownerless_heap;
     c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
     pthread_mutex_lock(&pool->lock);
-    c->prev = NULL;
-    c->next = pool->chunks;
-    if (c->next)
-        c->next->prev = c;
-    pool->chunks = c;
+    bex__mem_pool_chunk_link(pool, c);
     pthread_mutex_unlock(&pool->lock);
     return c;
 }

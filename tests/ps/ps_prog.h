@@ -86,11 +86,14 @@ static inline double sample(const char *text, const char *series)
 static inline void cluster_file(const char *path, int replicas, uint16_t (*ports)[2])
 {
     char j[1024];
+    uint16_t all[NSH * 2];
+    CHECK(replicas >= 1 && replicas <= 2);
+    free_ports(NSH * replicas, all);
     size_t o = (size_t)snprintf(j, sizeof j, "{\"version\":1,\"services\":{\"ps\":{\"shards\":[");
     for (int s = 0; s < NSH; s++) {
         o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"replicas\":[", s ? "," : "");
         for (int r = 0; r < replicas; r++) {
-            uint16_t port = free_port();
+            uint16_t port = all[s * replicas + r];
             if (ports)
                 ports[s][r] = port;
             o += (size_t)snprintf(

@@ -324,6 +324,26 @@ static inline void write_file(const char *path, const void *p, size_t n)
     CHECK(fclose(f) == 0);
 }
 
+/* n loopback TCP ports free now, all different: every socket stays bound
+ * until all are chosen (ports freed one at a time can come back, and a
+ * cluster file naming one port twice is refused). */
+static inline void free_ports(int n, uint16_t *out)
+{
+    int fds[16];
+    CHECK(n > 0 && n <= 16);
+    for (int i = 0; i < n; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        CHECK(fds[i] >= 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        socklen_t l = sizeof a;
+        CHECK(bind(fds[i], (struct sockaddr *)&a, sizeof a) == 0);
+        CHECK(getsockname(fds[i], (struct sockaddr *)&a, &l) == 0);
+        out[i] = ntohs(a.sin_port);
+    }
+    for (int i = 0; i < n; i++)
+        close(fds[i]);
+}
+
 /* A loopback TCP port free now. */
 static inline uint16_t free_port(void)
 {
