@@ -78,14 +78,17 @@ static bex_dir_node_stats nstats(bex_dir *d, const struct srv_proc *sp)
 }
 
 /* Kill a server with -9 and reap it, so that it is gone before the next
- * call. */
-static void kill9(struct srv_proc *sp)
+ * call; its port held (srv_kill_hold) until the caller closes the
+ * descriptor returned. */
+static int kill9(struct srv_proc *sp)
 {
-    CHECK(kill(sp->pid, SIGKILL) == 0);
+    int hold = srv_kill_hold(sp);
+    CHECK(hold >= 0);
     int status = 0;
     CHECK(waitpid(sp->pid, &status, 0) == sp->pid);
     CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
     close(sp->to_child);
+    return hold;
 }
 
 /* The call deadline of the cases after the kill (scaled). */
@@ -283,7 +286,7 @@ static int other_dies(bool into)
         CHECK(into_dst = bex_rpc_alloc_dest(ctx, INTO_CAP));
     bex_dir *d = mkdir2(sp);
     bex_rpc_channel *ch = setup(ctx, d, sp);
-    kill9(&sp[1]);
+    int hold = kill9(&sp[1]);
     const unsigned slack = 50 * time_scale();
     int failed = 0;
     uint64_t worst = 0;
@@ -319,6 +322,7 @@ static int other_dies(bool into)
     CHECK(t.st.requests >= (into ? 21u : 24u));
     CHECK_EQ(atomic_load(&n_early), 1);
     quar_down(ctx, d, ch, sp, false);
+    close(hold);
     return stop_server(&sp[0], false) ? 1 : 0;
 }
 
@@ -423,11 +427,11 @@ static int t_both_die(void)
     bex_ctx *ctx = client_ctx();
     bex_dir *d = mkdir2(sp);
     bex_rpc_channel *ch = setup(ctx, d, sp);
-    kill9(&sp[0]);
+    int hold0 = kill9(&sp[0]);
     /* A died a while ago: past the channel's hold-down of it (100 ms), so
      * that nothing but quarantine keeps calls off it */
     pair_sleep_ms(300 * time_scale());
-    kill9(&sp[1]);
+    int hold1 = kill9(&sp[1]);
     const unsigned slack = 50 * time_scale();
     int bad = 0;
     for (uint32_t i = 0; i < 10; i++) {
@@ -474,6 +478,8 @@ static int t_both_die(void)
     CHECK_EQ(atomic_load(&n_early_failed), 1);
     CHECK_EQ(atomic_load(&n_lifted), 0);
     quar_down(ctx, d, ch, sp, false);
+    close(hold0);
+    close(hold1);
     return 0;
 }
 

@@ -110,6 +110,7 @@ static int t_kill(void)
     long n = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 200 * time_scale();
     bool killed = false;
+    int hold = -1; /* the killed server's port, held (srv_kill_hold) */
     long before_kill = 0;
     uint64_t quarantined_at = 0, probe_failed_at = 0;
     bex_dir_node_stats at_q = {0};
@@ -118,7 +119,7 @@ static int t_kill(void)
     while (pair_now_ms() < cap && n < MAX && !probe_failed_at) {
         CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
         if (!killed && pair_now_ms() >= kill_at) {
-            CHECK(kill(sp[0].pid, SIGKILL) == 0);
+            CHECK((hold = srv_kill_hold(&sp[0])) >= 0);
             killed = true;
             before_kill = n;
         }
@@ -198,6 +199,7 @@ static int t_kill(void)
     CHECK_EQ(nstats(d, &sp[1]).outstanding, 0);
     bex_dir_destroy(d);
     CHECK_OK(bex_ctx_destroy(ctx));
+    close(hold);
     CHECK(stop_server(&sp[0], true) == 0);
     return stop_server(&sp[1], false) ? 1 : 0;
 }

@@ -386,10 +386,11 @@ static int t_kill(void)
     uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
              end = start + 2500 * time_scale();
     bool killed = false;
+    int hold = -1; /* the killed server's port, held (srv_kill_hold) */
     while (pair_now_ms() < end && n < MAXN) {
         CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
         if (!killed && pair_now_ms() >= kill_at) {
-            CHECK(kill(sp[0].pid, SIGKILL) == 0);
+            CHECK((hold = srv_kill_hold(&sp[0])) >= 0);
             killed = true;
             before_kill = n;
         }
@@ -411,6 +412,7 @@ static int t_kill(void)
     CHECK(log_find(0, name, "step 2, calls go to other replicas") >= 0);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     CHECK_OK(bex_ctx_destroy(ctx));
+    close(hold);
     int rc = stop_server(&sp[0], true);
     rc |= stop_server(&sp[1], false);
     return rc ? 1 : 0;

@@ -294,11 +294,12 @@ static int t_failover(void)
     uint64_t start = pair_now_ms(), kill_at = start + 300 * time_scale(),
              end = start + 2000 * time_scale();
     bool killed = false;
+    int hold = -1; /* the killed server's port, held (srv_kill_hold) */
     long before_kill = 0;
     while (pair_now_ms() < end && n < 100000) {
         CHECK(wait_count(&r.w, &r.calls, n - OUT + 1, 20000) == 0);
         if (!killed && pair_now_ms() >= kill_at) {
-            CHECK(kill(sp[0].pid, SIGKILL) == 0);
+            CHECK((hold = srv_kill_hold(&sp[0])) >= 0);
             killed = true;
             before_kill = n;
         }
@@ -338,6 +339,7 @@ static int t_failover(void)
     CHECK_EQ(es[0].attempts + es[1].attempts, st.attempts);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     CHECK_OK(bex_ctx_destroy(ctx));
+    close(hold);
     int rc = stop_server(&sp[0], true);
     rc |= stop_server(&sp[1], false);
     return rc ? 1 : 0;

@@ -293,6 +293,7 @@ static int t_kill(void)
     uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
              end = start + 2500 * time_scale();
     bool killed = false;
+    int hold = -1; /* the killed server's port, held (srv_kill_hold) */
     while (pair_now_ms() < end && n < MAXN) {
         /* call n reuses the destination of call n - OUT: wait for it */
         uint64_t until = pair_now_ms() + 30000ull * time_scale();
@@ -301,7 +302,7 @@ static int t_kill(void)
             (void)wait_count(&r.w, &r.calls, atomic_load(&r.calls) + 1, 5);
         }
         if (!killed && pair_now_ms() >= kill_at) {
-            CHECK(kill(sp[0].pid, SIGKILL) == 0);
+            CHECK((hold = srv_kill_hold(&sp[0])) >= 0);
             killed = true;
             before_kill = n;
         }
@@ -331,6 +332,7 @@ static int t_kill(void)
     for (int i = 0; i < OUT; i++)
         bex_rpc_free(dsts[i]);
     CHECK_OK(bex_ctx_destroy(ctx));
+    close(hold);
     int rc = stop_server(&sp[0], true);
     rc |= stop_server(&sp[1], false);
     return rc ? 1 : 0;

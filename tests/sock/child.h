@@ -6,6 +6,9 @@
 #ifndef BEX_TEST_CHILD_H
 #define BEX_TEST_CHILD_H
 
+#include <errno.h>
+#include <sys/socket.h>
+
 #include "sock/pair.h"
 
 struct srv_proc {
@@ -45,6 +48,33 @@ static inline void srv_spawn(struct srv_proc *sp, srv_child_fn child, void *arg)
     close(up[0]);
     *sp = (struct srv_proc){.pid = pid, .to_child = down[1]};
     sp->addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+}
+
+/* Kill a server with -9 and hold its port: bound (not listening) by the
+ * caller, so that connections to it are refused until the caller closes
+ * the descriptor returned. Without it another test running beside this
+ * one may be given the port and answer in the dead server's place (seen
+ * in CI: a killed replica "answered again"). -1 when the port could not
+ * be had within 10 s (scaled). Reap the server with srv_stop(sp, true). */
+static inline int srv_kill_hold(struct srv_proc *sp)
+{
+    if (kill(sp->pid, SIGKILL) != 0)
+        return -1;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    int one = 1;
+    (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    /* bound as soon as the dead server's listener is closed */
+    while (bind(fd, (const struct sockaddr *)&sp->addr, sizeof sp->addr) != 0) {
+        if (errno != EADDRINUSE || pair_now_ms() >= end) {
+            close(fd);
+            return -1;
+        }
+        pair_sleep_ms(1);
+    }
+    return fd;
 }
 
 /* Tell a server to go and check it left cleanly (or reap a killed one:
