@@ -100,12 +100,18 @@ static inline void local_srv_accept(bex_listener *l, bex_sock *s, void *user)
 }
 
 /* Listen on a (an ephemeral port) for v, whose accepted sockets get
- * on_recv; *out: the address to connect to. */
+ * on_recv; *out: the address to connect to. A local_srv may serve several
+ * listeners, all with the same on_recv: it is set by the first only, since
+ * the server's threads read it (local_srv_accept) while the case opens
+ * its next listener (TSan saw the rewrite of the same value race). */
 static inline bex_listener *local_listen(bex_ctx *ctx, struct in_addr a, struct local_srv *v,
                                          void (*on_recv)(bex_sock *, void *, size_t, void *),
                                          struct sockaddr_in *out)
 {
-    v->on_recv = on_recv;
+    if (v->on_recv != on_recv) {
+        CHECK(!v->on_recv); /* one on_recv per local_srv */
+        v->on_recv = on_recv;
+    }
     struct sockaddr_in at = {.sin_family = AF_INET, .sin_addr = a};
     bex_listener_ops lops = {.on_accept = local_srv_accept};
     bex_listener *l;
