@@ -30,12 +30,20 @@ struct bex_sock *bex__conn_map_find(struct conn *c, uint32_t id)
     return NULL;
 }
 
+/* c is dead: the reaper frees it once it has no socket left. */
+static void conn_dead(struct conn *c)
+{
+    c->dead = true;
+    c->io->reap = true;
+}
+
 void bex__conn_map_del(struct conn *c, struct bex_sock *s)
 {
     for (struct bex_sock **p = &c->map[s->id % CONN_MAP]; *p; p = &(*p)->map_next) {
         if (*p == s) {
             *p = s->map_next;
             c->nsocks--;
+            c->io->reap = true; /* a dead connection may have lost its last */
             return;
         }
     }
@@ -158,7 +166,7 @@ void bex__conn_finish(struct conn *c, int err)
     if (c->dead)
         return;
     bex__conn_setup_end(c); /* its place in the setup table is free at once */
-    c->dead = true;
+    conn_dead(c);
     if (c->fd >= 0) {
         /* the TCP side has nothing more to say; level-triggered events of a
          * failed socket would otherwise come back every loop */
@@ -334,18 +342,18 @@ int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uin
      * connections that have said nothing (setup_max) */
     if (c->rdma_ok && (err = bex__conn_engine_make(c))) {
         if (mode == BEX_TRANSPORT_RDMA) {
-            c->dead = true;
+            conn_dead(c);
             return err;
         }
         c->rdma_ok = false; /* no QP for it: a NO_RDMA hello, TCP */
     }
     if (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS) {
         err = -errno;
-        c->dead = true;
+        conn_dead(c);
         return err;
     }
     if ((err = bex__loop_watch(&io->loop, fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &c->tag))) {
-        c->dead = true;
+        conn_dead(c);
         return err;
     }
     *out = c;
@@ -481,14 +489,21 @@ void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
         c->key = *peer;
     bex__conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
     if (bex__loop_watch(&io->loop, fd, EPOLLIN | EPOLLRDHUP, &c->tag))
-        c->dead = true;
+        conn_dead(c);
 }
 
+/* Free the dead connections without sockets. Only when one may have
+ * become so (io->reap): a walk over every connection on every loop turn
+ * cost a busy thread with many idle connections more than its work. */
 void bex__conn_reap(struct bex__io *io)
 {
+    if (!io->reap)
+        return;
+    io->reap = false;
     struct conn *c = io->conns;
     while (c) {
         struct conn *next = c->next;
+        BEX__STAT_ADD(io, reap_visits, 1);
         if (c->dead && c->nsocks == 0)
             bex__conn_free(c);
         c = next;

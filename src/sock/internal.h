@@ -167,10 +167,12 @@ struct bex__io {
     pthread_t thread;
     bool started;
     struct conn *conns;
-    struct conn *ready;      /* connections with work (bex__conn_ready) */
-    uint64_t due_us;         /* the earliest due_us of its transports seen (0: none) */
-    _Atomic uint64_t visits; /* transport progress calls (single writer; tests read) */
-    _Atomic uint64_t turns;  /* loop turns (the same) */
+    struct conn *ready;           /* connections with work (bex__conn_ready) */
+    bool reap;                    /* a connection died or lost a socket: bex__conn_reap looks */
+    uint64_t due_us;              /* the earliest due_us of its transports seen (0: none) */
+    _Atomic uint64_t visits;      /* transport progress calls (single writer; tests read) */
+    _Atomic uint64_t turns;       /* loop turns (the same) */
+    _Atomic uint64_t reap_visits; /* connections the reaper looked at (the same) */
     struct bex_listener *listeners;
     struct conn **engines; /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;
