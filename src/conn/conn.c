@@ -510,8 +510,15 @@ void bex__conn_reap(struct bex__io *io)
     }
 }
 
+/* Every TICK_SWEEP-th tick every connection gets a progress call,
+ * whatever its transport's tick said (at 10 ms ticks: every 100 ms). */
+#ifndef TICK_SWEEP /* -DTICK_SWEEP=1: the old way, for a test of this one */
+#define TICK_SWEEP 10
+#endif
+
 void bex__conn_tick(struct bex__io *io, uint64_t now)
 {
+    bool sweep = io->ticks++ % TICK_SWEEP == 0;
     for (struct bex_listener *l = io->listeners; l; l = l->next) {
         if (l->paused && now >= l->paused_until) {
             l->paused = false;
@@ -533,12 +540,11 @@ void bex__conn_tick(struct bex__io *io, uint64_t now)
             }
             continue;
         }
-        if (c->x) {
-            c->x->ops->tick(c->x, now);
-            /* timers may have queued work (keepalive), and a connection
-             * held back by something no event announces (received memory
-             * freed by the application) is looked at again */
+        /* timers may have queued work (keepalive), and a connection held
+         * back by something no event announces (received memory freed by
+         * the application) is looked at again: the transport says which
+         * want it; every one is, every TICK_SWEEP-th tick, in case */
+        if (c->x && (c->x->ops->tick(c->x, now) || sweep))
             bex__conn_ready(c);
-        }
     }
 }

@@ -169,6 +169,7 @@ struct bex__io {
     struct conn *conns;
     struct conn *ready;           /* connections with work (bex__conn_ready) */
     bool reap;                    /* a connection died or lost a socket: bex__conn_reap looks */
+    uint64_t ticks;               /* bex__conn_tick calls */
     uint64_t due_us;              /* the earliest due_us of its transports seen (0: none) */
     _Atomic uint64_t visits;      /* transport progress calls (single writer; tests read) */
     _Atomic uint64_t turns;       /* loop turns (the same) */

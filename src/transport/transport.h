@@ -136,8 +136,12 @@ struct bex__transport_ops {
     void (*peer_closed)(struct bex__xport *x, struct bex__stream *st);
     /* Move what can move; true if anything did. */
     bool (*progress)(struct bex__xport *x);
-    /* Timers (keepalive, ...); now in ms (bex__now_ms). */
-    void (*tick)(struct bex__xport *x, uint64_t now_ms);
+    /* Timers (keepalive, ...); now in ms (bex__now_ms). True when the
+     * connection wants a progress call: work queued, or held back by
+     * something no event announces (received memory freed by the
+     * application). An idle one is left alone (the loop still looks at
+     * every connection now and then). */
+    bool (*tick)(struct bex__xport *x, uint64_t now_ms);
     /* Fail synchronously: every message handed back, streams unlinked,
      * on_fail reported, before it returns. No-op when dead. */
     void (*fail)(struct bex__xport *x, int err);

@@ -428,6 +428,54 @@ static int ready_list(void)
     return 0;
 }
 
+/* Idle RDMA connections are left alone between their keepalives: the
+ * 10 ms timer tick used to give every connection a progress call (about
+ * 100 a second each, whatever it had to do: 102,400 a second at 1024
+ * connections); now only those whose engine has work, and every one on
+ * each 10th tick. What remains per idle connection and second: 10 sweeps
+ * and the completion of its keepalive write (every keepalive_ms, 100). */
+static int idle_visits(void)
+{
+    PAIR_NEED(setup_addrs());
+    if (pair_tcp())
+        return bex_test_skip("an RDMA engine's tick (TCP's asks for progress every tick)");
+    struct local_srv v = {.w = WAITER_INIT};
+    bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
+    bex_listener *l[IDLE_CONNS];
+    struct sockaddr_in a[IDLE_CONNS];
+    struct cli c[IDLE_CONNS];
+    bex_sock *s[IDLE_CONNS];
+    for (int i = 0; i < IDLE_CONNS; i++) { /* one after the other, as in many */
+        l[i] = srv_listen(sctx, &v, &a[i]);
+        c[i] = (struct cli){.base.w = &v.w};
+        s[i] = cli_open(cctx, &a[i], &c[i]);
+        CHECK_OK(wait_count(&v.w, &c[i].base.connected, 1, 10000));
+        send_one(cctx, s[i]); /* an echo each: both sides' engines have worked */
+        CHECK_OK(wait_count(&v.w, &c[i].recvd, 1, 10000));
+    }
+    pair_sleep_ms(200);
+    struct bex__io *io = &cctx->io[0];
+    uint64_t v0 = atomic_load(&io->visits), t0 = pair_now_ms();
+    pair_sleep_ms(1000);
+    uint64_t visits = atomic_load(&io->visits) - v0, ms = pair_now_ms() - t0;
+    /* 20 a second each expected; at every tick it was 110 */
+    uint64_t bound = IDLE_CONNS * (40 * ms / 1000 + 4);
+    fprintf(stderr, "%d idle connections, %llu ms: %llu progress calls (bound %llu)\n", IDLE_CONNS,
+            (unsigned long long)ms, (unsigned long long)visits, (unsigned long long)bound);
+    CHECK(visits <= bound);
+    CHECK(visits >= IDLE_CONNS); /* the sweeps came */
+    for (int i = 0; i < IDLE_CONNS; i++)
+        bex_sock_close(s[i]);
+    for (int i = 0; i < IDLE_CONNS; i++)
+        CHECK_OK(wait_count(&v.w, &c[i].base.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.w, &v.closed, IDLE_CONNS, 10000));
+    for (int i = 0; i < IDLE_CONNS; i++)
+        CHECK_OK(bex_listener_close(l[i]));
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
 /* CPU time of the whole process (every thread), in ms. */
 static long cpu_ms(void)
 {
@@ -617,4 +665,5 @@ static int td_fallback(void)
 
 BEX_TEST_MAIN(BEX_CASE(spread), BEX_CASE(stall), BEX_CASE(stall_one_thread), BEX_CASE(many),
               BEX_CASE(idle_event), BEX_CASE(idle_busy), BEX_CASE(one_pd), BEX_CASE(ready_list),
-              BEX_CASE(many_cqs), BEX_CASE(td_fallback), BEX_CASE(early_open))
+              BEX_CASE(idle_visits), BEX_CASE(many_cqs), BEX_CASE(td_fallback),
+              BEX_CASE(early_open))

@@ -2116,10 +2116,22 @@ static bool stalled(struct bex__engine *e, uint64_t now)
     return false;
 }
 
-void bex__engine_tick(struct bex__engine *e, uint64_t now)
+/* Has the engine anything a progress call could move, or anything in
+ * flight? An engine with none of it is idle: its tick leaves it alone.
+ * (Receives consumed and not yet reposted are not such work: they go back
+ * in batches of k from the completion path, and a few may wait there on
+ * an idle engine for good.) */
+static bool engine_busy(const struct bex__engine *e)
+{
+    return e->ring || e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due ||
+           e->head != e->tail || e->post != e->tail || e->n_starved || e->to_return >= e->k ||
+           e->rout_used || e->rin_used || e->wait_n;
+}
+
+bool bex__engine_tick(struct bex__engine *e, uint64_t now)
 {
     if (e->state != E_UP)
-        return;
+        return false;
     uint64_t seen = __atomic_load_n(e->ka_local, __ATOMIC_ACQUIRE);
     if (seen != e->ka_seen || e->peer_heard) {
         /* the sequence advanced, or the peer's messages arrived: alive */
@@ -2130,10 +2142,10 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
         bex__log(e->sh->log, BEX_LOG_ERROR, "%s: keepalive timeout (%u ms)", e->name,
                  e->cfg.keepalive_timeout_ms);
         bex__engine_fail(e, -ETIMEDOUT);
-        return;
+        return true;
     }
     if (stalled(e, now))
-        return;
+        return true;
     /* received memory the application freed lets starved receives and
      * deferred rendezvous answers go on */
     if (e->n_starved) {
@@ -2141,12 +2153,12 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
         if (e->n_unposted >= e->k || (e->n_starved == 0 && e->n_unposted))
             repost_recvs(e);
         if (e->state != E_UP)
-            return;
+            return true;
     }
     int rc = rndv_resume(e);
     if (rc) {
         bex__engine_fail(e, rc);
-        return;
+        return true;
     }
     /* A peer that hears from us counts it as our keepalive (peer_heard),
      * so while we post messages the write is put off: at 1024 connections
@@ -2165,6 +2177,7 @@ void bex__engine_tick(struct bex__engine *e, uint64_t now)
             post_pending(e);
         }
     }
+    return e->state != E_UP || engine_busy(e);
 }
 
 /* Failure is synchronous. The QP goes first: once ibv_destroy_qp returns

@@ -189,7 +189,7 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc);
 /* Schedule and post what can go. Returns true if anything was posted. */
 bool bex__engine_progress(struct bex__engine *e);
 /* Timer tick: keepalive. now in ms (CLOCK_MONOTONIC). */
-void bex__engine_tick(struct bex__engine *e, uint64_t now_ms);
+bool bex__engine_tick(struct bex__engine *e, uint64_t now_ms);
 /* Fail the engine, synchronously: destroy the QP, hand every message back,
  * unlink every stream, report on_fail. No-op on a dead engine. */
 void bex__engine_fail(struct bex__engine *e, int err);

@@ -54,9 +54,9 @@ static bool rdma_progress(struct bex__xport *x)
     return bex__engine_progress(bex__engine_of(x));
 }
 
-static void rdma_tick(struct bex__xport *x, uint64_t now_ms)
+static bool rdma_tick(struct bex__xport *x, uint64_t now_ms)
 {
-    bex__engine_tick(bex__engine_of(x), now_ms);
+    return bex__engine_tick(bex__engine_of(x), now_ms);
 }
 
 static void rdma_fail(struct bex__xport *x, int err)

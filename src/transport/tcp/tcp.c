@@ -876,15 +876,18 @@ void bex__tcp_events(struct bex__xport *x, uint32_t events)
 
 /* ---------------- timers ---------------- */
 
-static void tcp_tick(struct bex__xport *x, uint64_t now)
+/* Always wants a progress call after (as every connection had on every
+ * tick before ticks could say): the TCP transport is not tuned for
+ * thousands of idle connections yet. */
+static bool tcp_tick(struct bex__xport *x, uint64_t now)
 {
     struct bex__tcp *t = tcp_of(x);
     if (t->dead || !t->is_up)
-        return;
+        return true;
     if (t->need_buf) { /* room again? */
         rx(t);
         if (t->dead)
-            return;
+            return true;
     }
     /* the reads above stamp last_rx with a later now than ours */
     if (t->rx_paused) {
@@ -893,7 +896,7 @@ static void tcp_tick(struct bex__xport *x, uint64_t now)
         bex__log(t->sh->log, BEX_LOG_WARN, "%s: over TCP: keepalive timeout (%u ms)", t->cfg.name,
                  t->cfg.keepalive_timeout_ms);
         tcp_fail(x, -ETIMEDOUT);
-        return;
+        return true;
     }
     if (now > t->last_tx && now - t->last_tx >= t->cfg.keepalive_ms && !t->out_n && !t->ctl_n) {
         /* a header says we are alive */
@@ -901,6 +904,7 @@ static void tcp_tick(struct bex__xport *x, uint64_t now)
         t->last_tx = now;
         tcp_progress(x);
     }
+    return true;
 }
 
 /* ---------------- the rest of the ops ---------------- */
