@@ -248,10 +248,9 @@ static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
             continue;
         }
         struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc[i].wr_id));
-        if (c && c->eng) { /* else a stale completion of a destroyed engine */
-            bex__engine_complete(c->eng, &wc[i]);
+        /* else a stale completion of a destroyed engine */
+        if (c && c->eng && bex__engine_complete(c->eng, &wc[i]))
             bex__conn_ready(c);
-        }
     }
 }
 
@@ -272,10 +271,10 @@ static void cq_failed(struct bex__io *io, uint32_t q, int n)
         bex__log(&io->ctx->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
 }
 
-/* Progress for the connections that have work, and only those: one that
- * moved something stays on the list for the next turn (it may have more),
- * one that did not leaves it until a command, completion, event or timer
- * brings it back (bex__conn_ready). */
+/* Progress for the connections that have work, and only those: one whose
+ * transport says it may have more at once stays on the list for the next
+ * turn, the others leave it until a command, completion, event or timer
+ * brings them back (bex__conn_ready). */
 static bool run_ready(struct bex__io *io)
 {
     struct conn *list = io->ready;

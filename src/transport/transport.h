@@ -134,7 +134,10 @@ struct bex__transport_ops {
     void (*close_stream)(struct bex__xport *x, struct bex__stream *st);
     /* The peer's CLOSE arrived: hand the queue back (-ECANCELED), answer. */
     void (*peer_closed)(struct bex__xport *x, struct bex__stream *st);
-    /* Move what can move; true if anything did. */
+    /* Move what can move; true when it may have more to move at once (the
+     * I/O loop calls it again on its next turn: TCP writes a few rounds a
+     * call); false when what is left waits for an event, a completion, a
+     * command or a tick, which make the connection ready again. */
     bool (*progress)(struct bex__xport *x);
     /* Timers (keepalive, ...); now in ms (bex__now_ms). True when the
      * connection wants a progress call: work queued, or held back by

@@ -123,8 +123,10 @@ struct bex__engine {
     /* receive side */
     struct bex__rslot *rs;
     uint32_t rq, k;
-    uint32_t rbuf_len;  /* receive buffer bytes: eager_max, at least a header */
-    uint32_t *unposted; /* consumed receive slots awaiting repost */
+    uint32_t rbuf_len;    /* receive buffer bytes: eager_max, at least a header */
+    uint32_t rbuf_usable; /* their usable size (one size class: the same for
+                             all), known after the first (0: not yet) */
+    uint32_t *unposted;   /* consumed receive slots awaiting repost */
     uint32_t n_unposted;
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
@@ -208,6 +210,7 @@ static uint64_t wrid(const struct bex__engine *e, uint32_t low)
 }
 
 static void fail_now(struct bex__engine *e, int err);
+static bool engine_busy(const struct bex__engine *e);
 
 static struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
 {
@@ -319,11 +322,26 @@ static void recv_free(struct bex__engine *e, void *b)
     bex_mem_free(b);
 }
 
-static void slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf)
+/* The usable bytes of buf, a receive buffer (rbuf_len bytes from the
+ * receive pool): looked up once, the same for every one. */
+static int64_t rbuf_usable(struct bex__engine *e, const void *buf)
+{
+    if (!e->rbuf_usable)
+        e->rbuf_usable = (uint32_t)bex_mem_usable_size(buf);
+    assert(bex_mem_usable_size(buf) == e->rbuf_usable);
+    return e->rbuf_usable;
+}
+
+static void slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf)
 {
     r->buf = buf;
     r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
-    bex__recv_posted(e->sh, (int64_t)bex_mem_usable_size(buf));
+}
+
+static void slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf)
+{
+    slot_put(e, r, buf);
+    bex__recv_posted(e->sh, rbuf_usable(e, buf));
 }
 
 /* The slot's buffer goes up to the application (or back to the pool). */
@@ -332,7 +350,7 @@ static void *slot_take_buf(struct bex__engine *e, struct bex__rslot *r)
     void *buf = r->buf;
     r->buf = NULL;
     if (buf)
-        bex__recv_posted(e->sh, -(int64_t)bex_mem_usable_size(buf));
+        bex__recv_posted(e->sh, -rbuf_usable(e, buf));
     return buf;
 }
 
@@ -961,17 +979,34 @@ static bool window_allows(struct bex__engine *e, uint32_t bytes)
     return e->inflight + bytes <= e->cfg.send_window;
 }
 
-static struct sslot *slot_take(struct bex__engine *e)
+/* The next send slot, its work request cleared but for the unions of
+ * remote addresses and window binds, which a SEND does not read (see
+ * slot_take). */
+static struct sslot *slot_take_send(struct bex__engine *e)
 {
     struct sslot *s = sslot_at(e, e->tail);
-    memset(&s->wr, 0, sizeof(s->wr));
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
+    s->wr.next = NULL;
     s->wr.sg_list = s->sge;
+    s->wr.num_sge = 0;
+    s->wr.opcode = IBV_WR_SEND;
+    s->wr.send_flags = 0;
+    s->wr.imm_data = 0;
     s->done = NULL;
     s->closed = NULL;
     s->free_mw = NULL;
     s->bytes = 0;
     e->tail++;
+    return s;
+}
+
+/* The next send slot, its work request all cleared. */
+static struct sslot *slot_take(struct bex__engine *e)
+{
+    struct sslot *s = slot_take_send(e);
+    memset(&s->wr.wr, 0, sizeof(s->wr.wr));
+    memset(&s->wr.qp_type, 0, sizeof(s->wr.qp_type));
+    memset(&s->wr.bind_mw, 0, sizeof(s->wr.bind_mw));
     return s;
 }
 
@@ -987,7 +1022,7 @@ static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes
 static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *payload,
                                uint32_t len, uint32_t lkey)
 {
-    struct sslot *s = slot_take(e);
+    struct sslot *s = slot_take_send(e);
     h->credits = (uint16_t)(e->to_return > 0xffff ? 0xffff : e->to_return);
     e->to_return -= h->credits;
     bex__hdr_encode(h, s->hdr);
@@ -1008,7 +1043,7 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
  * stream and credits). Caller checked slot + credit. */
 static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
-    struct sslot *s = slot_take(e);
+    struct sslot *s = slot_take_send(e);
     uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
     e->to_return -= credits;
     uint32_t len = (uint32_t)m->len;
@@ -1864,18 +1899,25 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
 
 /* Give consumed slot idx a fresh buffer and queue it for reposting, or,
  * when the context may not receive more (or memory is short), leave it
- * starved: its credit stays with us until refill_starved() succeeds. */
-static void slot_refill(struct bex__engine *e, uint32_t idx)
+ * starved: its credit stays with us until refill_starved() succeeds.
+ * gone, the buffer that went up to the application, is still counted as
+ * posted: a fresh one takes its place in that count (one buffer of the
+ * size out, one in), or, starved, the count drops by it. */
+static void slot_refill(struct bex__engine *e, uint32_t idx, const void *gone)
 {
+    int64_t u = rbuf_usable(e, gone);
     void *fresh = NULL;
-    if (e->n_starved == 0 && recv_room(e, e->rbuf_len))
-        fresh = recv_alloc(e, e->sh->recv_pool, e->rbuf_len);
+    /* room for rbuf_len more with gone already out of the count */
+    if (e->n_starved == 0 && recv_room(e, e->rbuf_len + (uint64_t)u))
+        fresh = bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
     if (!fresh) {
+        bex__recv_posted(e->sh, -u);
         hold_starved(e, idx);
         BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
         return;
     }
-    slot_set_buf(e, rslot_at(e, idx), fresh);
+    bex__recv_allocated(e->sh, rbuf_usable(e, fresh));
+    slot_put(e, rslot_at(e, idx), fresh);
     hold_unposted(e, idx);
 }
 
@@ -1954,10 +1996,11 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     if (h.len > e->cfg.eager_max || h.len > e->cfg.max_msg)
         return -EPROTO;
     /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
-    void *buf = slot_take_buf(e, r);
+    void *buf = r->buf;
+    r->buf = NULL;
     if (off) /* a stream beyond the immediate's: the payload goes to the start */
         memmove(buf, (uint8_t *)buf + off, h.len);
-    slot_refill(e, idx);
+    slot_refill(e, idx, buf);
     BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
     BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
     e->ops->on_msg(&e->x, h.stream, buf, h.len);
@@ -2019,11 +2062,11 @@ static void describe_send(struct bex__engine *e, uint32_t cnt, char *out, size_t
              e->post - e->head);
 }
 
-void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
+bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
     if (e->state == E_DEAD)
-        return; /* queued before the QP went: everything was handed back */
+        return true; /* queued before the QP went: everything was handed back */
     if (wc->status != IBV_WC_SUCCESS) {
         char what[96] = "receive";
         if (!(low & WR_RECV))
@@ -2032,7 +2075,7 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
                  "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name, what,
                  ibv_wc_status_str(wc->status), wc->vendor_err, wc_why(wc->status));
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
-        return;
+        return true;
     }
     int rc = 0;
     if (low & WR_RECV) {
@@ -2043,6 +2086,9 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
             repost_recvs(e);
     } else {
         send_completed(e, low & WR_CNT_MASK);
+        /* the window mode's spares are bound once the queue is idle */
+        if (e->state == E_UP && !engine_busy(e) && !(e->sh->windows && e->spare_want))
+            return false;
     }
     if (rc) {
         if (!e->violation_logged)
@@ -2051,6 +2097,7 @@ void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         e->violation_logged = true;
         bex__engine_fail(e, rc);
     }
+    return true;
 }
 
 void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)

@@ -180,8 +180,12 @@ void bex__engine_bind_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t 
  * engine (then deallocated at once: its QP is gone). */
 void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t rkey, bool bound);
 
-/* Completion of one of this engine's work requests. */
-void bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);
+/* Completion of one of this engine's work requests. Returns whether the
+ * engine wants a progress call now: always after a receive or a failure,
+ * after a send completion only if it has work (a send completion of an
+ * idle engine, the answer of a ping-pong say, frees nothing anyone waits
+ * for). */
+bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);
 /* SRQ mode: a receive completion of the thread's shared queue (engine id 0
  * in its wr_id), handed to the engine of its QP. Returns that engine's
  * user (its connection), or NULL when the QP is gone. */
