@@ -1072,6 +1072,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
             argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
             argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
             argv_num(p, "--eager-max", pl->ps, "eager_max");
+            argv_num(p, "--send-window", pl->ps, "send_window");
             if (ph->poll)
                 argv_add(p, "--poll", ph->poll);
             snprintf(path, sizeof path, "%s/%s.log", dir, name);

@@ -46,7 +46,7 @@ static void usage(void)
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
         "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
-        "              [--eager-max B]\n");
+        "              [--eager-max B] [--send-window B]\n");
     exit(2);
 }
 
@@ -182,7 +182,8 @@ int main(int argc, char **argv)
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
     uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO, poll_mode = BEX_POLL_SPIN_SLEEP;
     long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0, catchup_ms = 10000;
-    long eager_max = 0; /* the context's (0: its default) */
+    long eager_max = 0;   /* the context's (0: its default) */
+    long send_window = 0; /* the context's (0: none) */
     int catchup = 1;
     const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
     unsigned long n_shards_opt = 0, ttl_s = 10;
@@ -210,6 +211,7 @@ int main(int argc, char **argv)
                                        {"catchup-timeout-ms", required_argument, 0, 'U'},
                                        {"poll", required_argument, 0, 'p'},
                                        {"eager-max", required_argument, 0, 'G'},
+                                       {"send-window", required_argument, 0, 'W'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
@@ -282,6 +284,13 @@ int main(int argc, char **argv)
             char *end;
             eager_max = strtol(optarg, &end, 10);
             if (*optarg == 0 || *end || eager_max < 0 || eager_max > UINT32_MAX)
+                usage();
+            break;
+        }
+        case 'W': {
+            char *end;
+            send_window = strtol(optarg, &end, 10);
+            if (*optarg == 0 || *end || send_window < 0 || send_window > UINT32_MAX)
                 usage();
             break;
         }
@@ -433,6 +442,7 @@ int main(int argc, char **argv)
                              want == BEX_TRANSPORT_TCP ? BEX_TRANSPORT_TCP : BEX_TRANSPORT_AUTO,
                          .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
                          .eager_max = (uint32_t)eager_max,
+                         .send_window = (uint32_t)send_window,
                          .poll_mode = poll_mode,
                          .log_level = verbose ? BEX_LOG_INFO : 0};
     bex_ctx *ctx;
