@@ -3,6 +3,9 @@
  * libcurl) counts what was served; a replica stopped with SIGTERM and
  * started again serves the rows it had (its snapshot), while the other
  * replica went on. */
+#include <fcntl.h>
+#include <sys/wait.h>
+
 #include "ps_prog.h"
 
 /* Each metric family's HELP and TYPE once, its samples right after them
@@ -396,5 +399,64 @@ static int t_hist(void)
     return 0;
 }
 
+/* bex-ps's numeric options: out of range or not a whole number is refused
+ * with the usage text (exit 2) before anything starts; in range passes the
+ * parse (the missing cluster file fails later, exit 1). */
+static int run_ps(const char *opt, const char *val)
+{
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0)
+            dup2(fd, 2);
+        execl(BEX_PS_BIN, BEX_PS_BIN, "--cluster", "/nonexistent/bex-ps-cluster", "--shard", "0",
+              opt, val, (char *)NULL);
+        _exit(127);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK(WIFEXITED(st));
+    return WEXITSTATUS(st);
+}
+
+static int t_options(void)
+{
+    static const struct {
+        const char *opt, *val;
+        int rc;
+    } c[] = {
+        {"--replica", "x", 2},
+        {"--replica", "1x", 2},
+        {"--replica", "-1", 2},
+        {"--replica", "99999999999", 2},
+        {"--eager-max", "-1", 2},
+        {"--eager-max", "4294967296", 2},
+        {"--send-window", "", 2},
+        {"--send-window", "65536k", 2},
+        {"--metrics-port", "65536", 2},
+        {"--catchup-timeout-ms", "0", 2},
+        {"--snapshot-every", "0", 2},
+        {"--keepalive-timeout-ms", "3600001", 2},
+        {"--ttl", "0", 2},
+        {"--ttl", "4097", 2},
+        {"--replica", "1", 1},
+        {"--eager-max", "65600", 1},
+        {"--send-window", "0", 1},
+        {"--metrics-port", "0", 1},
+        {"--catchup-timeout-ms", "1", 1},
+        {"--keepalive-timeout-ms", "3600000", 1},
+        {"--ttl", "4096", 1},
+    };
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        int rc = run_ps(c[i].opt, c[i].val);
+        if (rc != c[i].rc)
+            fprintf(stderr, "bex-ps %s '%s': exit %d, want %d\n", c[i].opt, c[i].val, rc, c[i].rc);
+        CHECK_EQ(rc, c[i].rc);
+    }
+    return 0;
+}
+
 BEX_TEST_MAIN({"metrics", t_metrics}, {"replica_restart", t_replica_restart},
-              {"snapshot_every", t_snapshot_every}, {"etcd", t_etcd}, {"hist", t_hist})
+              {"snapshot_every", t_snapshot_every}, {"etcd", t_etcd}, {"hist", t_hist},
+              {"options", t_options})

@@ -177,6 +177,17 @@ static void snapshot_all(struct served *sv, size_t n, const char *dir)
     }
 }
 
+/* A whole decimal number in [lo, hi], or usage(). */
+static long opt_num(const char *s, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (*s == 0 || *end || errno || v < lo || v > hi)
+        usage();
+    return v;
+}
+
 int main(int argc, char **argv)
 {
     const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
@@ -225,7 +236,7 @@ int main(int argc, char **argv)
             shards = optarg;
             break;
         case 'r':
-            replica = (uint32_t)strtoul(optarg, NULL, 10);
+            replica = (uint32_t)opt_num(optarg, 0, UINT32_MAX);
             break;
         case 'd':
             snap_dir = optarg;
@@ -236,13 +247,9 @@ int main(int argc, char **argv)
         case 'C':
             catchup = 0;
             break;
-        case 'U': {
-            char *end;
-            catchup_ms = strtol(optarg, &end, 10);
-            if (*optarg == 0 || *end || catchup_ms <= 0 || catchup_ms > 3600000)
-                usage();
+        case 'U':
+            catchup_ms = opt_num(optarg, 1, 3600000);
             break;
-        }
         case 'E':
             etcd = optarg;
             break;
@@ -258,49 +265,24 @@ int main(int argc, char **argv)
                 usage();
             break;
         case 'N':
-        case 'T': {
-            char *end;
-            unsigned long v = strtoul(optarg, &end, 10);
-            if (*optarg == 0 || *end || v == 0 || v > 4096)
-                usage();
-            *(o == 'N' ? &n_shards_opt : &ttl_s) = v;
+        case 'T':
+            *(o == 'N' ? &n_shards_opt : &ttl_s) = (unsigned long)opt_num(optarg, 1, 4096);
             break;
-        }
-        case 'e': {
-            char *end;
-            snap_every_ms = strtol(optarg, &end, 10);
-            if (*optarg == 0 || *end || snap_every_ms <= 0 || snap_every_ms > 86400000)
-                usage();
+        case 'e':
+            snap_every_ms = opt_num(optarg, 1, 86400000);
             break;
-        }
-        case 'k': {
-            char *end;
-            keepalive_timeout_ms = strtol(optarg, &end, 10);
-            if (*optarg == 0 || *end || keepalive_timeout_ms <= 0 || keepalive_timeout_ms > 3600000)
-                usage();
+        case 'k':
+            keepalive_timeout_ms = opt_num(optarg, 1, 3600000);
             break;
-        }
-        case 'G': {
-            char *end;
-            eager_max = strtol(optarg, &end, 10);
-            if (*optarg == 0 || *end || eager_max < 0 || eager_max > UINT32_MAX)
-                usage();
+        case 'G':
+            eager_max = opt_num(optarg, 0, UINT32_MAX);
             break;
-        }
-        case 'W': {
-            char *end;
-            send_window = strtol(optarg, &end, 10);
-            if (*optarg == 0 || *end || send_window < 0 || send_window > UINT32_MAX)
-                usage();
+        case 'W':
+            send_window = opt_num(optarg, 0, UINT32_MAX);
             break;
-        }
-        case 'm': {
-            char *end;
-            metrics_port = strtol(optarg, &end, 10);
-            if (*optarg == 0 || *end || metrics_port < 0 || metrics_port > 65535)
-                usage();
+        case 'm':
+            metrics_port = opt_num(optarg, 0, 65535);
             break;
-        }
         case 't':
             if (n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &tables[n_tables++]))
                 usage();
