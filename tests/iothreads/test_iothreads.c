@@ -428,6 +428,51 @@ static int ready_list(void)
     return 0;
 }
 
+/* Progress calls per echo over RDMA, on one connection: an engine's
+ * progress moves all it can in one call and is not called again for
+ * nothing (a send completion asks for a call only when work is left). The
+ * client: one call for its request's post, one after the answer's receive
+ * (the freed receive); the server, echoing from its on_recv: one, for the
+ * answer's post. Before 10e87a7 each side had about twice as many (an
+ * empty call after every posting one, another after each send
+ * completion). Allowed besides: a call on each 10 ms tick while an engine
+ * has work, and the idle sweeps (every 10th tick) and keepalive writes. */
+#define VISIT_ECHOES 400
+static int echo_visits(void)
+{
+    PAIR_NEED(setup_addrs());
+    struct local_srv v = {.w = WAITER_INIT};
+    bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
+    struct sockaddr_in a;
+    bex_listener *l = srv_listen(sctx, &v, &a);
+    struct cli c = {.base.w = &v.w};
+    bex_sock *s = cli_open(cctx, &a, &c);
+    CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 10000));
+    send_one(cctx, s);
+    CHECK_OK(wait_count(&v.w, &c.recvd, 1, 10000));
+    pair_sleep_ms(100);
+    struct bex__io *cio = &cctx->io[0], *sio = &sctx->io[0];
+    uint64_t c0 = atomic_load(&cio->visits), s0 = atomic_load(&sio->visits), t0 = pair_now_ms();
+    for (int i = 0; i < VISIT_ECHOES; i++) {
+        send_one(cctx, s);
+        CHECK_OK(wait_count(&v.w, &c.recvd, i + 2, 1000));
+    }
+    uint64_t cv = atomic_load(&cio->visits) - c0, sv = atomic_load(&sio->visits) - s0;
+    uint64_t ms = pair_now_ms() - t0, ticks = ms / 10 + 2 + 2 * (ms / 100 + 2);
+    fprintf(stderr, "%d echoes in %llu ms: %llu progress calls at the client, %llu at the server\n",
+            VISIT_ECHOES, (unsigned long long)ms, (unsigned long long)cv, (unsigned long long)sv);
+    CHECK(cv <= 5 * VISIT_ECHOES / 2 + ticks);
+    CHECK(sv <= 3 * VISIT_ECHOES / 2 + ticks);
+    CHECK(cv >= VISIT_ECHOES && sv >= VISIT_ECHOES); /* the counters count */
+    bex_sock_close(s);
+    CHECK_OK(wait_count(&v.w, &c.base.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.w, &v.closed, 1, 10000));
+    CHECK_OK(bex_listener_close(l));
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
 /* Idle RDMA connections are left alone between their keepalives: the
  * 10 ms timer tick used to give every connection a progress call (about
  * 100 a second each, whatever it had to do: 102,400 a second at 1024
@@ -665,5 +710,5 @@ static int td_fallback(void)
 
 BEX_TEST_MAIN(BEX_CASE(spread), BEX_CASE(stall), BEX_CASE(stall_one_thread), BEX_CASE(many),
               BEX_CASE(idle_event), BEX_CASE(idle_busy), BEX_CASE(one_pd), BEX_CASE(ready_list),
-              BEX_CASE(idle_visits), BEX_CASE(many_cqs), BEX_CASE(td_fallback),
-              BEX_CASE(early_open))
+              BEX_CASE(idle_visits), BEX_CASE(echo_visits), BEX_CASE(many_cqs),
+              BEX_CASE(td_fallback), BEX_CASE(early_open))
