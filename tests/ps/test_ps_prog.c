@@ -447,6 +447,9 @@ static int t_options(void)
         {"--catchup-timeout-ms", "1", 1},
         {"--keepalive-timeout-ms", "3600000", 1},
         {"--ttl", "4096", 1},
+        {"--io-threads", "0", 2},
+        {"--io-threads", "65", 2},
+        {"--io-threads", "2", 1},
     };
     for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
         int rc = run_ps(c[i].opt, c[i].val);

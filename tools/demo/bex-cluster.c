@@ -1073,6 +1073,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
             argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
             argv_num(p, "--eager-max", pl->ps, "eager_max");
             argv_num(p, "--send-window", pl->ps, "send_window");
+            argv_num(p, "--io-threads", pl->ps, "io_threads");
             if (ph->poll)
                 argv_add(p, "--poll", ph->poll);
             snprintf(path, sizeof path, "%s/%s.log", dir, name);

@@ -46,7 +46,7 @@ static void usage(void)
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
         "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
-        "              [--eager-max B] [--send-window B]\n");
+        "              [--eager-max B] [--send-window B] [--io-threads N]\n");
     exit(2);
 }
 
@@ -195,6 +195,7 @@ int main(int argc, char **argv)
     long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0, catchup_ms = 10000;
     long eager_max = 0;   /* the context's (0: its default) */
     long send_window = 0; /* the context's (0: none) */
+    long io_threads = 1;
     int catchup = 1;
     const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
     unsigned long n_shards_opt = 0, ttl_s = 10;
@@ -223,6 +224,7 @@ int main(int argc, char **argv)
                                        {"poll", required_argument, 0, 'p'},
                                        {"eager-max", required_argument, 0, 'G'},
                                        {"send-window", required_argument, 0, 'W'},
+                                       {"io-threads", required_argument, 0, 'I'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
@@ -279,6 +281,9 @@ int main(int argc, char **argv)
             break;
         case 'W':
             send_window = opt_num(optarg, 0, UINT32_MAX);
+            break;
+        case 'I':
+            io_threads = opt_num(optarg, 1, 64);
             break;
         case 'm':
             metrics_port = opt_num(optarg, 0, 65535);
@@ -425,6 +430,7 @@ int main(int argc, char **argv)
                          .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
                          .eager_max = (uint32_t)eager_max,
                          .send_window = (uint32_t)send_window,
+                         .io_threads = (uint32_t)io_threads,
                          .poll_mode = poll_mode,
                          .log_level = verbose ? BEX_LOG_INFO : 0};
     bex_ctx *ctx;
