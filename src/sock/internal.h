@@ -167,13 +167,15 @@ struct bex__io {
     pthread_t thread;
     bool started;
     struct conn *conns;
-    struct conn *ready;           /* connections with work (bex__conn_ready) */
-    bool reap;                    /* a connection died or lost a socket: bex__conn_reap looks */
-    uint64_t ticks;               /* bex__conn_tick calls */
-    uint64_t due_us;              /* the earliest due_us of its transports seen (0: none) */
-    _Atomic uint64_t visits;      /* transport progress calls (single writer; tests read) */
-    _Atomic uint64_t turns;       /* loop turns (the same) */
-    _Atomic uint64_t reap_visits; /* connections the reaper looked at (the same) */
+    struct conn *ready;            /* connections with work (bex__conn_ready) */
+    bool reap;                     /* a connection died or lost a socket: bex__conn_reap looks */
+    uint64_t ticks;                /* bex__conn_tick calls */
+    uint64_t due_us;               /* the earliest due_us of its transports seen (0: none) */
+    _Atomic uint64_t visits;       /* transport progress calls (single writer; tests read) */
+    _Atomic uint64_t turns;        /* loop turns (the same) */
+    _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
+    _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
+    bool draining;                 /* drain_cmds is running commands it took */
     struct bex_listener *listeners;
     struct conn **engines; /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;
@@ -226,6 +228,10 @@ static inline void bex__io_push(struct bex__io *io, struct bex__cmd *c, int type
 {
     bex__loop_push(&io->loop, c, type);
 }
+
+/* io.c: a send issued on its socket's own I/O thread, handed straight to
+ * the transport when nothing can be ahead of it; false: queue it. */
+bool bex__io_send_now(struct sock_msg *w);
 
 /* The next I/O thread in round-robin order. */
 struct bex__io *bex__io_next(bex_ctx *ctx);

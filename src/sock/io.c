@@ -79,6 +79,30 @@ static void do_send(struct sock_msg *w)
     bex__conn_ready(s->conn);
 }
 
+/* A send on the socket's own I/O thread (from a callback) goes straight
+ * to its transport instead of through the command queue, when nothing can
+ * be ahead of it: no command waits in the queue or is being run (an
+ * earlier send, close or bind of this thread, or one another thread issued
+ * before it), the socket's stream is attached, and the transport takes the
+ * message without handing it back at once (so that no on_send_done runs
+ * inside bex_sock_send). False: queue it as any other thread would. */
+bool bex__io_send_now(struct sock_msg *w)
+{
+    struct bex_sock *s = w->s;
+    struct bex__io *io = s->io;
+    if (io->draining || atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) || s->waiting ||
+        !s->attached || s->dead)
+        return false;
+    struct bex__xport *x = s->conn->x;
+    if (!x->ops->takes || !x->ops->takes(x, &s->st, &w->m))
+        return false;
+    s->pending++;
+    x->ops->send(x, &s->st, &w->m);
+    bex__conn_ready(s->conn);
+    BEX__STAT_ADD(io, direct_sends, 1);
+    return true;
+}
+
 static void do_close(struct bex_sock *s)
 {
     if (s->app_closed)
@@ -144,6 +168,7 @@ static bool drain_cmds(struct bex__io *io)
     struct bex__cmd *fifo = bex__loop_take(&io->loop);
     if (!fifo)
         return false;
+    io->draining = true; /* sends from callbacks meanwhile queue behind these */
     while (fifo) {
         struct bex__cmd *c = fifo;
         fifo = c->next;
@@ -195,6 +220,7 @@ static bool drain_cmds(struct bex__io *io)
             break;
         }
     }
+    io->draining = false;
     return true;
 }
 

@@ -699,7 +699,8 @@ static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_
         w->m.rkey = rb->rkey;
         w->m.imm = rb->token;
     }
-    bex__io_push(s->io, &w->cmd, CMD_SEND);
+    if (bex__io_self != s->io || !bex__io_send_now(w))
+        bex__io_push(s->io, &w->cmd, CMD_SEND);
     return 0;
 }
 

@@ -453,6 +453,7 @@ static int echo_visits(void)
     pair_sleep_ms(100);
     struct bex__io *cio = &cctx->io[0], *sio = &sctx->io[0];
     uint64_t c0 = atomic_load(&cio->visits), s0 = atomic_load(&sio->visits), t0 = pair_now_ms();
+    uint64_t cd0 = atomic_load(&cio->direct_sends), sd0 = atomic_load(&sio->direct_sends);
     for (int i = 0; i < VISIT_ECHOES; i++) {
         send_one(cctx, s);
         CHECK_OK(wait_count(&v.w, &c.recvd, i + 2, 1000));
@@ -464,6 +465,14 @@ static int echo_visits(void)
     CHECK(cv <= 5 * VISIT_ECHOES / 2 + ticks);
     CHECK(sv <= 3 * VISIT_ECHOES / 2 + ticks);
     CHECK(cv >= VISIT_ECHOES && sv >= VISIT_ECHOES); /* the counters count */
+    /* the server answers from its on_recv: straight to the engine, no
+     * command queue (bex__io_send_now); the client sends from this thread,
+     * through the queue */
+    uint64_t cd = atomic_load(&cio->direct_sends) - cd0, sd = atomic_load(&sio->direct_sends) - sd0;
+    fprintf(stderr, "sends straight to the transport: %llu at the client, %llu at the server\n",
+            (unsigned long long)cd, (unsigned long long)sd);
+    CHECK_EQ(cd, 0);
+    CHECK_EQ(sd, VISIT_ECHOES);
     bex_sock_close(s);
     CHECK_OK(wait_count(&v.w, &c.base.closed, 1, 10000));
     CHECK_OK(wait_count(&v.w, &v.closed, 1, 10000));

@@ -334,6 +334,12 @@ static void x_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
     w->in->ops->send(w->in, st, m);
 }
 
+static bool x_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
+{
+    struct fn_x *w = of(x);
+    return w->in->ops->takes(w->in, st, m);
+}
+
 static void x_close_stream(struct bex__xport *x, struct bex__stream *st)
 {
     of(x)->in->ops->close_stream(of(x)->in, st);
@@ -394,6 +400,7 @@ static const struct bex__transport_ops fn_ops = {
     .refuse_stream = x_refuse_stream,
     .attach = x_attach,
     .send = x_send,
+    .takes = x_takes,
     .close_stream = x_close_stream,
     .peer_closed = x_peer_closed,
     .progress = x_progress,

@@ -907,6 +907,12 @@ static void finish_stream(struct bex__engine *e, struct bex__stream *st)
     e->ops->on_stream_closed(&e->x, st);
 }
 
+bool bex__engine_takes(const struct bex__stream *st)
+{
+    const struct bex__engine *e = st->eng;
+    return e && !st->failed && !st->close_req && !st->peer_closed && e->state != E_DEAD;
+}
+
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
@@ -917,7 +923,7 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
     m->rndv_asked = false;
     m->peer_slot = false;
     m->status = 0;
-    if (!e || st->failed || st->close_req || st->peer_closed || e->state == E_DEAD) {
+    if (!bex__engine_takes(st)) {
         m->state = BEX__M_QUEUED;
         if (e)
             msg_done(e, m, ST_UNSENT);
@@ -1235,28 +1241,40 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
     return false;
 }
 
+/* Does w take one of the peer's receives? */
+static bool wr_consumes(const struct ibv_send_wr *w)
+{
+    return w->opcode == IBV_WR_SEND || w->opcode == IBV_WR_SEND_WITH_IMM ||
+           w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
+}
+
 static void post_pending(struct bex__engine *e)
 {
     if (e->post == e->tail)
         return;
     struct sslot *first = sslot_at(e, e->post);
+    /* counted from the flags of what is posted, so that the counter shows
+     * the signaling policy, whatever it is (recounted up to bad on failure) */
+    uint64_t signaled = 0;
+    bool consumes = false;
     for (uint32_t c = e->post; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);
         bool last = c + 1 == e->tail;
         s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
         if (last) /* slot_take cleared the flags; prep_data may have set INLINE */
             s->wr.send_flags |= IBV_SEND_SIGNALED;
+        signaled += (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
+        consumes |= wr_consumes(&s->wr);
     }
     struct ibv_send_wr *bad = NULL;
     int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
-    /* counted from the flags of what was posted (up to bad on failure), so
-     * that the counter shows the signaling policy, whatever it is */
-    uint64_t signaled = 0;
-    bool consumes = false;
-    for (struct ibv_send_wr *w = &first->wr; w && !(rc && w == bad); w = w->next) {
-        signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
-        consumes |= w->opcode == IBV_WR_SEND || w->opcode == IBV_WR_SEND_WITH_IMM ||
-                    w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
+    if (rc) {
+        signaled = 0;
+        consumes = false;
+        for (struct ibv_send_wr *w = &first->wr; w && w != bad; w = w->next) {
+            signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
+            consumes |= wr_consumes(w);
+        }
     }
     if (consumes)
         e->peer_hears = true;
@@ -1625,10 +1643,16 @@ bool bex__engine_progress(struct bex__engine *e)
             struct bex__stream *st = e->ring;
             e->ring = st->rr_next;
             bool blocked;
-            if (stream_turn(e, st, &blocked))
+            if (stream_turn(e, st, &blocked)) {
                 any = true;
-            else if (!blocked)
+                /* its last unit went: out now rather than after one more
+                 * (empty) turn next round */
+                if (!st->q_head && !(st->need_open && !st->open_sent) &&
+                    !(st->close_req && !st->close_sent))
+                    ring_remove(e, st);
+            } else if (!blocked) {
                 ring_remove(e, st);
+            }
         }
         if (!any || !free_slots(e) || e->state != E_UP)
             break;

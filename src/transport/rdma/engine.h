@@ -158,6 +158,8 @@ void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t 
  * m->lkey is the caller's: buf's region's lkey (bex_mem_mr), looked up once
  * when the message was accepted, not again here. */
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m);
+/* Whether bex__engine_send(st, m) would queue m (not hand it back at once). */
+bool bex__engine_takes(const struct bex__stream *st);
 /* Close a stream: its queue is sent, then CLOSE; on_stream_closed once the
  * peer's CLOSE has arrived too. Works before the engine is up. */
 void bex__engine_close_stream(struct bex__stream *st);

@@ -284,6 +284,13 @@ static void tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id
         ring_add(t, st);
 }
 
+static bool tcp_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
+{
+    const struct bex__tcp *t = tcp_of(x);
+    return !t->dead && !st->failed && !st->close_req &&
+           (m->direct || m->len <= t->cfg.peer_max_msg);
+}
+
 static void tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__tcp *t = tcp_of(x);
@@ -1000,6 +1007,7 @@ const struct bex__transport_ops bex__tcp_transport = {
     .refuse_stream = tcp_refuse_stream,
     .attach = tcp_attach,
     .send = tcp_send,
+    .takes = tcp_takes,
     .close_stream = tcp_close_stream,
     .peer_closed = tcp_peer_closed,
     .progress = tcp_progress,
