@@ -52,6 +52,14 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
     }
 }
 
+/* Hand w to its attached socket's transport; the connection has work. */
+static void to_transport(struct bex_sock *s, struct sock_msg *w)
+{
+    s->pending++;
+    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
+    bex__conn_ready(s->conn);
+}
+
 static void do_send(struct sock_msg *w)
 {
     struct bex_sock *s = w->s;
@@ -74,9 +82,7 @@ static void do_send(struct sock_msg *w)
         bex__sock_maybe_finish(s);
         return;
     }
-    s->pending++;
-    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
-    bex__conn_ready(s->conn);
+    to_transport(s, w);
 }
 
 /* A send on the socket's own I/O thread (from a callback) goes straight
@@ -96,9 +102,7 @@ bool bex__io_send_now(struct sock_msg *w)
     struct bex__xport *x = s->conn->x;
     if (!x->ops->takes || !x->ops->takes(x, &s->st, &w->m))
         return false;
-    s->pending++;
-    x->ops->send(x, &s->st, &w->m);
-    bex__conn_ready(s->conn);
+    to_transport(s, w);
     BEX__STAT_ADD(io, direct_sends, 1);
     return true;
 }
