@@ -59,7 +59,14 @@ static uint32_t engine_slot(struct bex__io *io, uint32_t id)
 
 struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
 {
-    if (id % io->ctx->n_io != io->idx)
+    /* twice per message: with one thread no division (a helper call under
+     * an emulating VM) */
+    uint32_t n = io->ctx->n_io;
+    if (n == 1) {
+        struct conn *c = io->engines[id % ENGINE_TABLE];
+        return c && c->eng_id == id ? c : NULL;
+    }
+    if (id % n != io->idx)
         return NULL;
     struct conn *c = io->engines[engine_slot(io, id)];
     return c && c->eng_id == id ? c : NULL;
