@@ -131,10 +131,6 @@ struct bex__engine {
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
     uint32_t n_starved;
-    uint32_t *to_refill; /* own receive queue: consumed slots whose buffer went
-                           up, refilled once the turn's answers are posted
-                           (refill_late); still counted as posted */
-    uint32_t n_to_refill;
     /* SRQ mode (sh->srq): rs is NULL, unposted and starved name slots of
      * the shared queue that the peer consumed (charged to it until
      * reposted), rq is its share of the queue */
@@ -461,7 +457,6 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->rs = srq ? NULL : calloc(e->rq, sizeof(*e->rs));
     e->unposted = calloc(e->rq, sizeof(*e->unposted));
     e->starved = calloc(e->rq, sizeof(*e->starved));
-    e->to_refill = calloc(e->rq, sizeof(*e->to_refill));
     /* one answer per rendezvous slot, one refusal per receive (see
      * bex__engine_refuse_stream) */
     e->ctl_cap = e->max_rndv + e->rq + CTLQ_EXTRA;
@@ -470,8 +465,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->rout = calloc(e->max_rndv, sizeof(*e->rout));
     e->relq = calloc(e->max_rndv, sizeof(*e->relq));
     e->rin_wait = calloc(e->max_rndv, sizeof(*e->rin_wait));
-    if (!e->ss || (!e->rs && !srq) || !e->unposted || !e->starved || !e->to_refill || !e->ctlq ||
-        !e->rin || !e->rout || !e->relq || !e->rin_wait)
+    if (!e->ss || (!e->rs && !srq) || !e->unposted || !e->starved || !e->ctlq || !e->rin ||
+        !e->rout || !e->relq || !e->rin_wait)
         goto err_destroy;
 
     /* One registered area for the headers of control messages (and the
@@ -653,9 +648,6 @@ void bex__engine_destroy(struct bex__engine *e)
     srq_leave(e);
     for (uint32_t i = 0; e->rs && i < e->rq; i++)
         recv_free(e, slot_take_buf(e, &e->rs[i]));
-    /* their buffers went up still counted as posted */
-    bex__recv_posted(e->sh, -(int64_t)e->n_to_refill * e->rbuf_usable);
-    e->n_to_refill = 0;
     for (uint32_t i = 0; e->rin && i < e->max_rndv; i++)
         if (e->rin[i].used)
             recv_free(e, e->rin[i].buf);
@@ -670,7 +662,6 @@ void bex__engine_destroy(struct bex__engine *e)
     free(e->rs);
     free(e->unposted);
     free(e->starved);
-    free(e->to_refill);
     free(e->rin_wait);
     free(e->ctlq);
     free(e->rin);
@@ -1597,18 +1588,6 @@ static bool wops_hold(struct bex__engine *e)
     return true;
 }
 
-/* Credits nobody carried: an explicit update once half the queue waits. */
-static void credit_update(struct bex__engine *e)
-{
-    if (e->to_return >= e->k && free_slots(e) && have_credit(e, true)) {
-        struct bex__hdr h = {.type = BEX__MSG_CREDIT};
-        prep_send(e, &h, NULL, 0, 0);
-        BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
-    }
-}
-
-static bool refill_late(struct bex__engine *e);
-
 bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
@@ -1616,11 +1595,8 @@ bool bex__engine_progress(struct bex__engine *e)
     uint32_t before = e->tail;
     /* window binds and revocations: ahead of the answers that name them,
      * and alone (see wops_hold) */
-    if (wops_hold(e)) {
-        if (e->n_to_refill)
-            refill_late(e); /* a credit update it asks for waits for the binds */
+    if (wops_hold(e))
         return e->tail != before;
-    }
     prep_keepalive(e);
     /* control messages first: they unblock the peer */
     while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
@@ -1681,13 +1657,13 @@ bool bex__engine_progress(struct bex__engine *e)
         if (!any || !free_slots(e) || e->state != E_UP)
             break;
     }
-    credit_update(e);
-    post_pending(e);
-    /* the buffers of this turn's receives, now that its answers are out */
-    if (e->n_to_refill && refill_late(e)) {
-        credit_update(e);
-        post_pending(e);
+    /* credits nobody carried: an explicit update once half the queue waits */
+    if (e->to_return >= e->k && free_slots(e) && have_credit(e, true)) {
+        struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+        prep_send(e, &h, NULL, 0, 0);
+        BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
     }
+    post_pending(e);
     if (spare_fill(e))
         wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
@@ -1953,9 +1929,7 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
  * size out, one in), or, starved, the count drops by it. */
 static void slot_refill(struct bex__engine *e, uint32_t idx, const void *gone)
 {
-    /* gone may be freed already (refill_late): then the size known since
-     * the engine's first buffer */
-    int64_t u = gone ? rbuf_usable(e, gone) : e->rbuf_usable;
+    int64_t u = rbuf_usable(e, gone);
     void *fresh = NULL;
     /* room for rbuf_len more with gone already out of the count */
     if (e->n_starved == 0 && recv_room(e, e->rbuf_len + (uint64_t)u))
@@ -1984,24 +1958,6 @@ static void refill_starved(struct bex__engine *e)
     }
     e->n_starved -= done;
     memmove(e->starved, e->starved + done, e->n_starved * sizeof(*e->starved));
-}
-
-/* Own receive queue: the slots whose buffers went up in this turn get
- * fresh ones, after the turn's answers were posted. Their repost waits for
- * the next receive's completion, whose answer then carries the credits
- * (bex__engine_complete), unless the peer may have no credit left for data
- * (every receive it was told of consumed, but the one kept for a credit
- * update): then no completion would come, so they go now, and true asks
- * the caller for the credit update. */
-static bool refill_late(struct bex__engine *e)
-{
-    for (uint32_t i = 0; i < e->n_to_refill; i++)
-        slot_refill(e, e->to_refill[i], NULL);
-    e->n_to_refill = 0;
-    if (e->n_unposted < e->k || e->rq - e->n_unposted - e->n_starved - e->to_return > 1)
-        return false;
-    repost_recvs(e);
-    return e->state == E_UP;
 }
 
 static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
@@ -2068,14 +2024,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     r->buf = NULL;
     if (off) /* a stream beyond the immediate's: the payload goes to the start */
         memmove(buf, (uint8_t *)buf + off, h.len);
-    /* With a receive queue of its own the fresh buffer waits until the
-     * answers this message may cause are posted (refill_late): the
-     * allocation is off the path from a receive to its answer. A shared
-     * queue's slot is refilled now: srq_leave hands back only held slots. */
-    if (!e->sh->srq && e->state == E_UP)
-        e->to_refill[e->n_to_refill++] = idx;
-    else
-        slot_refill(e, idx, buf);
+    slot_refill(e, idx, buf);
     BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
     BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
     e->ops->on_msg(&e->x, h.stream, buf, h.len);
@@ -2246,8 +2195,8 @@ static bool stalled(struct bex__engine *e, uint64_t now)
 static bool engine_busy(const struct bex__engine *e)
 {
     return e->ring || e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due ||
-           e->head != e->tail || e->post != e->tail || e->n_starved || e->n_to_refill ||
-           e->to_return >= e->k || e->rout_used || e->rin_used || e->wait_n;
+           e->head != e->tail || e->post != e->tail || e->n_starved || e->to_return >= e->k ||
+           e->rout_used || e->rin_used || e->wait_n;
 }
 
 bool bex__engine_tick(struct bex__engine *e, uint64_t now)
