@@ -51,22 +51,19 @@ void bex__conn_map_del(struct conn *c, struct bex_sock *s)
 
 /* Engine ids are unique in the context (an exposed buffer names its
  * engine by id, whichever thread looks): thread i of n hands out
- * seq * n + i, and keeps them in its table by seq. */
+ * seq * n + i, and keeps them in its table by seq. Looked up twice per
+ * message: with one thread, no division (a helper call under an emulating
+ * VM). */
 static uint32_t engine_slot(struct bex__io *io, uint32_t id)
 {
-    return (id / io->ctx->n_io) % ENGINE_TABLE;
+    uint32_t n = io->ctx->n_io;
+    return (n == 1 ? id : id / n) % ENGINE_TABLE;
 }
 
 struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
 {
-    /* twice per message: with one thread no division (a helper call under
-     * an emulating VM) */
     uint32_t n = io->ctx->n_io;
-    if (n == 1) {
-        struct conn *c = io->engines[id % ENGINE_TABLE];
-        return c && c->eng_id == id ? c : NULL;
-    }
-    if (id % n != io->idx)
+    if (n > 1 && id % n != io->idx)
         return NULL;
     struct conn *c = io->engines[engine_slot(io, id)];
     return c && c->eng_id == id ? c : NULL;
