@@ -214,6 +214,9 @@ static int go_tcp(struct conn *c)
         .frag_size = ctx->cfg.frag_size,
         .keepalive_ms = ctx->cfg.keepalive_ms,
         .keepalive_timeout_ms = ctx->cfg.keepalive_timeout_ms,
+        .stall_ms = ctx->cfg.credit_timeout_ms,
+        /* one per stream: the peer's (streams_max) and ours */
+        .parts_max = 2 * ctx->cfg.streams_max + 64,
     };
     char name[32];
     snprintf(tc.name, sizeof tc.name, "%s (engine %u)", bex__conn_name(c, name), c->eng_id);

@@ -56,7 +56,8 @@ struct bex__tcp {
     struct ep_tag *tag;
     uint32_t events; /* what we watch now */
     bool is_up, dead;
-    bool rx_paused; /* recv_bytes_max: not reading until there is room */
+    bool rx_paused;     /* recv_bytes_max: not reading until there is room */
+    uint64_t paused_ms; /* bex__now_ms() when reading paused */
     /* streams: every one, and those with something to send (a ring) */
     struct bex__stream *all;
     struct bex__stream *ring; /* the ring's head; rr_next links it */
@@ -69,14 +70,16 @@ struct bex__tcp {
     uint32_t ctl_head, ctl_n, ctl_cap;
     struct bex__msg *ack_head, *ack_tail; /* written whole, not yet acknowledged */
     uint32_t ack_n;
-    uint32_t acks_owed; /* the peer's messages received whole, not yet acknowledged */
-    uint64_t ack_held;  /* bex__now_us() when they were first held back for a
-                           frame to carry them (0: not held); x.due_us is
-                           ack_held + ack_delay_us */
-    bool ack_now;       /* held acknowledgements found no frame in time: the
-                           peer's messages get no answer now, acknowledge at
-                           once until one does (see ack_due) */
-    uint64_t msg_in_us; /* ack_now: when the peer's last message arrived */
+    uint64_t ack_wait_ms; /* since when the head of that queue waits (the queue
+                             filled, or the peer's last acknowledgement) */
+    uint32_t acks_owed;   /* the peer's messages received whole, not yet acknowledged */
+    uint64_t ack_held;    /* bex__now_us() when they were first held back for a
+                             frame to carry them (0: not held); x.due_us is
+                             ack_held + ack_delay_us */
+    bool ack_now;         /* held acknowledgements found no frame in time: the
+                             peer's messages get no answer now, acknowledge at
+                             once until one does (see ack_due) */
+    uint64_t msg_in_us;   /* ack_now: when the peer's last message arrived */
     /* read side */
     uint8_t rhdr[BEX__HDR_LEN];
     uint32_t rhdr_len;
@@ -86,6 +89,7 @@ struct bex__tcp {
     struct part *cur;  /* where the payload goes (NULL: discarded) */
     uint32_t cur_left; /* payload bytes of the frame still to read */
     struct part *parts[PART_HASH];
+    uint32_t parts_n;
     uint64_t last_rx, last_tx;
     uint64_t msgs_in; /* the peer's messages received whole */
     bool violation_logged;
@@ -121,9 +125,11 @@ bool bex__tcp_link_lost(const struct bex__xport *x)
 
 static void want(struct bex__tcp *t)
 {
-    uint32_t ev = EPOLLRDHUP;
+    /* Paused, neither: the peer's EOF waits behind the bytes not read, and
+     * EPOLLRDHUP, level-triggered, would wake the loop on every turn. */
+    uint32_t ev = 0;
     if (!t->rx_paused)
-        ev |= EPOLLIN;
+        ev |= EPOLLIN | EPOLLRDHUP;
     if (t->out_n || t->ctl_n)
         ev |= EPOLLOUT;
     if (ev != t->events && !t->dead) {
@@ -198,6 +204,7 @@ static void tcp_fail(struct bex__xport *x, int err)
             part_free(t, p);
         }
     }
+    t->parts_n = 0;
     t->cur = NULL;
     t->up->on_fail(&t->x, err);
 }
@@ -536,6 +543,8 @@ static void frame_written(struct bex__tcp *t, struct out_frame *f)
         } else {
             struct bex__msg *m = f->m;
             m->next = NULL;
+            if (!t->ack_head)
+                t->ack_wait_ms = bex__now_ms();
             if (t->ack_tail)
                 t->ack_tail->next = m;
             else
@@ -643,6 +652,8 @@ static int acked(struct bex__tcp *t, uint32_t n)
 {
     if (n > t->ack_n)
         return -EPROTO;
+    if (n)
+        t->ack_wait_ms = bex__now_ms();
     while (n--) {
         struct bex__msg *m = t->ack_head;
         t->ack_head = m->next;
@@ -656,10 +667,30 @@ static int acked(struct bex__tcp *t, uint32_t n)
     return 0;
 }
 
+/* Is a DIRECT message into the exposed buffer of token being received? */
+static bool direct_held(struct bex__tcp *t, uint32_t token)
+{
+    for (int i = 0; i < PART_HASH; i++)
+        for (struct part *p = t->parts[i]; p; p = p->next)
+            if (p->direct && p->token == token)
+                return true;
+    return false;
+}
+
+/* Is p's exposed buffer still exposed (armed, same arming)? Between two
+ * reads of its payload the application may have taken it back (closed its
+ * socket, say): not one more byte goes into it then. */
+static bool direct_live(struct bex__tcp *t, const struct part *p)
+{
+    uint32_t len;
+    return t->up->direct_buf(&t->x, p->token, &len) == p->buf && len == p->len;
+}
+
 /* A message of the peer's arrived whole. */
 static void part_complete(struct bex__tcp *t, struct part *p)
 {
     *part_slot(t, p->stream) = p->next;
+    t->parts_n--;
     t->acks_owed++;
     if (t->ack_now)
         t->msg_in_us = bex__now_us();
@@ -708,6 +739,7 @@ static bool on_header(struct bex__tcp *t)
         if (*pp) { /* a message the peer cut off */
             struct part *p = *pp;
             *pp = p->next;
+            t->parts_n--;
             part_free(t, p);
         }
         struct bex__stream *st = stream_find(t, h->stream);
@@ -728,6 +760,16 @@ static bool on_header(struct bex__tcp *t)
     if (!p) {
         if (h->addr != 0) {
             violation(t, "a fragment of a message that never started");
+            return false;
+        }
+        /* one at most per stream, so a peer within its streams stays within
+         * this; more is a peer naming streams it never opened */
+        if (t->cfg.parts_max && t->parts_n >= t->cfg.parts_max) {
+            violation(t, "more messages partly sent at once than it has streams");
+            return false;
+        }
+        if (direct && direct_held(t, h->id)) {
+            violation(t, "a second DIRECT message into an exposed buffer still being written");
             return false;
         }
         p = calloc(1, sizeof(*p));
@@ -756,8 +798,10 @@ static bool on_header(struct bex__tcp *t)
                  * received buffers (the tick looks again) */
                 free(p);
                 t->need_buf = true;
-                if (!t->rx_paused)
+                if (!t->rx_paused) {
                     BEX__STAT_ADD(t->sh->stats, recv_paused, 1);
+                    t->paused_ms = bex__now_ms();
+                }
                 t->rx_paused = true;
                 want(t);
                 return false;
@@ -773,6 +817,7 @@ static bool on_header(struct bex__tcp *t)
         }
         p->next = *pp;
         *pp = p;
+        t->parts_n++;
     } else if (p->direct != direct || (direct && p->token != h->id) ||
                (!direct && p->len != h->id) || p->off != h->addr) {
         violation(t, "a fragment that does not continue its message");
@@ -824,6 +869,11 @@ static void rx(struct bex__tcp *t)
         int n = 0;
         if (t->in_payload) {
             struct part *p = t->cur;
+            if (p->direct && !direct_live(t, p)) {
+                /* as over RDMA, where its completion names no armed buffer */
+                violation(t, "a DIRECT message into a buffer no longer exposed");
+                return;
+            }
             iov[n++] = (struct iovec){p->buf + p->off, t->cur_left};
         }
         iov[n++] = (struct iovec){t->rhdr + t->rhdr_len, BEX__HDR_LEN - t->rhdr_len};
@@ -896,6 +946,31 @@ static bool tcp_tick(struct bex__xport *x, uint64_t now)
         if (t->dead)
             return true;
     }
+    /* Paused while holding partly received messages: only reading on can
+     * finish them, and only other connections' frees can let us read on.
+     * A peer that started messages to take the room and stopped (or two
+     * streams whose messages together exceed it) would hold the context's
+     * received memory for good: the connection goes after stall_ms. */
+    if (t->rx_paused && t->parts_n && t->cfg.stall_ms && now > t->paused_ms &&
+        now - t->paused_ms > t->cfg.stall_ms) {
+        bex__log(t->sh->log, BEX_LOG_ERROR,
+                 "%s: over TCP: no room to receive (recv_bytes_max) for %u ms with %u messages "
+                 "partly received",
+                 t->cfg.name, t->cfg.stall_ms, t->parts_n);
+        tcp_fail(x, -ETIMEDOUT);
+        return true;
+    }
+    /* As over RDMA for credits: messages written whole that the peer does
+     * not acknowledge in stall_ms (it reads them, it answers keepalives)
+     * would wait for good. */
+    if (t->ack_head && t->cfg.stall_ms && now > t->ack_wait_ms &&
+        now - t->ack_wait_ms > t->cfg.stall_ms) {
+        bex__log(t->sh->log, BEX_LOG_ERROR,
+                 "%s: over TCP: sent messages waited %u ms for an acknowledgement", t->cfg.name,
+                 t->cfg.stall_ms);
+        tcp_fail(x, -ETIMEDOUT);
+        return true;
+    }
     /* the reads above stamp last_rx with a later now than ours */
     if (t->rx_paused) {
         t->last_rx = now; /* we are the one not reading */
@@ -939,7 +1014,7 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
     t->loop = loop;
     t->tag = tag;
     t->events = EPOLLIN | EPOLLRDHUP;
-    t->last_rx = t->last_tx = bex__now_ms();
+    t->ack_wait_ms = t->last_rx = t->last_tx = bex__now_ms();
     *out = outer ? outer : &t->x;
     return 0;
 }

@@ -40,6 +40,12 @@ struct bex__tcp_config {
     uint32_t keepalive_ms, keepalive_timeout_ms;
     uint32_t ack_delay_us; /* acknowledgements wait this long at most for a
                               frame to carry them (0: BEX__TCP_ACK_DELAY_US) */
+    uint32_t stall_ms;     /* our messages written whole that wait this long for
+                              the peer's acknowledgement, or reading paused this
+                              long for room while partly received messages are
+                              held (only reading on finishes them), fail the
+                              connection (0: never) */
+    uint32_t parts_max;    /* the peer's messages partly received at once at most */
     char name[48];         /* how log lines name the connection: "peer a.b.c.d:port (engine N)" */
 };
 
