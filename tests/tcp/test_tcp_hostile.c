@@ -231,6 +231,11 @@ static int x_peer(const struct sockaddr_in *a, bex_remote_buf *rb)
             CHECK_EQ(h.len, sizeof *rb);
             CHECK_OK(bex__hello_read_all(fd, rb, h.len, dl));
             CHECK(wait_for(&xs.exposed_ok, 1, scaled(3000))); /* xs.exposed is set */
+            /* acknowledged: no credit_timeout_ms of the server's ends it */
+            struct bex__hdr a = {.type = BEX__MSG_CREDIT, .credits = 1};
+            uint8_t ab[BEX__HDR_LEN];
+            bex__hdr_encode(&a, ab);
+            CHECK_OK(bex__hello_write_all(fd, ab, sizeof ab, dl));
             return fd;
         }
     }
