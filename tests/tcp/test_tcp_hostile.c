@@ -89,7 +89,8 @@ static int raw_connect(const struct sockaddr_in *to)
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     CHECK(connect(fd, (const struct sockaddr *)to, sizeof *to) == 0);
-    struct bex__hello h = {.flags = BEX__HELLO_F_NO_RDMA, .max_msg = 1u << 26, .conn_id = 0x1234567};
+    struct bex__hello h = {
+        .flags = BEX__HELLO_F_NO_RDMA, .max_msg = 1u << 26, .conn_id = 0x1234567};
     int64_t dl = bex__hello_now_ms() + (int64_t)scaled(3000);
     CHECK_OK(bex__hello_send(fd, &h, dl));
     struct bex__hello p;
@@ -232,9 +233,9 @@ static int x_peer(const struct sockaddr_in *a, bex_remote_buf *rb)
             CHECK_OK(bex__hello_read_all(fd, rb, h.len, dl));
             CHECK(wait_for(&xs.exposed_ok, 1, scaled(3000))); /* xs.exposed is set */
             /* acknowledged: no credit_timeout_ms of the server's ends it */
-            struct bex__hdr a = {.type = BEX__MSG_CREDIT, .credits = 1};
+            struct bex__hdr ack = {.type = BEX__MSG_CREDIT, .credits = 1};
             uint8_t ab[BEX__HDR_LEN];
-            bex__hdr_encode(&a, ab);
+            bex__hdr_encode(&ack, ab);
             CHECK_OK(bex__hello_write_all(fd, ab, sizeof ab, dl));
             return fd;
         }
@@ -452,7 +453,8 @@ static int no_ack(void)
     struct bex__hello p, h;
     int64_t dl = bex__hello_now_ms() + (int64_t)scaled(3000);
     CHECK_OK(bex__hello_recv(fd, &p, dl));
-    h = (struct bex__hello){.flags = BEX__HELLO_F_NO_RDMA, .max_msg = 1u << 26, .conn_id = p.conn_id};
+    h = (struct bex__hello){
+        .flags = BEX__HELLO_F_NO_RDMA, .max_msg = 1u << 26, .conn_id = p.conn_id};
     CHECK_OK(bex__hello_send(fd, &h, dl));
     /* read everything, keep alive, acknowledge nothing */
     uint64_t end = bex_test_now_ms() + scaled(6000);
