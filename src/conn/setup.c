@@ -216,7 +216,8 @@ static int go_tcp(struct conn *c)
         .keepalive_timeout_ms = ctx->cfg.keepalive_timeout_ms,
         .stall_ms = ctx->cfg.credit_timeout_ms,
         /* one per stream: the peer's (streams_max) and ours */
-        .parts_max = 2 * ctx->cfg.streams_max + 64,
+        .parts_max = ctx->cfg.streams_max < (UINT32_MAX - 64) / 2 ? 2 * ctx->cfg.streams_max + 64
+                                                                  : UINT32_MAX,
     };
     char name[32];
     snprintf(tc.name, sizeof tc.name, "%s (engine %u)", bex__conn_name(c, name), c->eng_id);
