@@ -162,13 +162,22 @@ static bool wait_for(atomic_int *v, int want, uint64_t ms)
     return atomic_load(v) >= want;
 }
 
+/* on_error of the server's sockets (a case runs alone in its process) */
+static atomic_int sock_errors;
+
+static void count_err(bex_sock *s, int e, void *u)
+{
+    (void)s, (void)e, (void)u;
+    atomic_fetch_add(&sock_errors, 1);
+}
+
 /* ---- exposed buffers (direct_*) ---- */
 
 #define XLEN 64
 static struct {
     bex_ctx *ctx;
     void *exposed;
-    atomic_int exposed_ok, delivered, handed_back, errors;
+    atomic_int exposed_ok, delivered, handed_back;
 } xs;
 
 static void x_recv(bex_sock *s, void *buf, size_t len, void *u)
@@ -194,13 +203,8 @@ static void x_done(bex_sock *s, void *buf, size_t len, void *mu, int st, void *u
     }
 }
 
-static void x_err(bex_sock *s, int e, void *u)
-{
-    (void)s, (void)e, (void)u;
-    atomic_fetch_add(&xs.errors, 1);
-}
-
-static const bex_sock_ops x_ops = {.on_recv = x_recv, .on_send_done = x_done, .on_error = x_err};
+static const bex_sock_ops x_ops = {
+    .on_recv = x_recv, .on_send_done = x_done, .on_error = count_err};
 
 /* Expose XLEN bytes to the peer and send it the descriptor. */
 static void x_accept(bex_listener *l, bex_sock *s, void *u)
@@ -217,10 +221,15 @@ static void x_accept(bex_listener *l, bex_sock *s, void *u)
     atomic_store(&xs.exposed_ok, 1);
 }
 
-/* The peer opens stream 1 and reads frames until the descriptor. */
-static int x_peer(const struct sockaddr_in *a, bex_remote_buf *rb)
+/* A server (xs.ctx) that exposes a buffer to each socket it accepts, and
+ * the peer: it opens stream 1 and reads frames until the descriptor. */
+static int x_peer(bex_listener **l, bex_remote_buf *rb)
 {
-    int fd = raw_connect(a);
+    xs.ctx = mkctx(0, 0, 0);
+    struct sockaddr_in a;
+    static const bex_listener_ops lops = {.on_accept = x_accept};
+    *l = listen_on(xs.ctx, &lops, NULL, &a);
+    int fd = raw_connect(&a);
     CHECK(frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL));
     for (;;) {
         uint8_t hb[BEX__HDR_LEN];
@@ -252,12 +261,9 @@ static bool all_z(const void *p)
 
 static int direct_two_streams(void)
 {
-    xs.ctx = mkctx(0, 0, 0);
-    struct sockaddr_in a;
-    bex_listener_ops lops = {.on_accept = x_accept};
-    bex_listener *l = listen_on(xs.ctx, &lops, NULL, &a);
+    bex_listener *l;
     bex_remote_buf rb;
-    int fd = x_peer(&a, &rb);
+    int fd = x_peer(&l, &rb);
     uint8_t A[XLEN], B[XLEN], C[XLEN];
     memset(A, 'A', XLEN), memset(B, 'B', XLEN), memset(C, 'C', XLEN);
     /* stream 7 (never opened) starts a message into the buffer; stream 1
@@ -267,7 +273,7 @@ static int direct_two_streams(void)
     bex_test_sleep_ms(200);
     frame(fd, BEX__MSG_DIRECT, 7, XLEN - 1, rb.token, 1, C);
     CHECK(closed_within(fd, scaled(3000))); /* a protocol violation */
-    CHECK(wait_for(&xs.errors, 1, scaled(3000)));
+    CHECK(wait_for(&sock_errors, 1, scaled(3000)));
     /* the buffer came back once, delivered or handed back, and is the
      * application's as it left it */
     CHECK(wait_for(&xs.handed_back, 1, scaled(1000)) || atomic_load(&xs.delivered) == 1);
@@ -281,12 +287,9 @@ static int direct_two_streams(void)
 
 static int direct_after_cancel(void)
 {
-    xs.ctx = mkctx(0, 0, 0);
-    struct sockaddr_in a;
-    bex_listener_ops lops = {.on_accept = x_accept};
-    bex_listener *l = listen_on(xs.ctx, &lops, NULL, &a);
+    bex_listener *l;
     bex_remote_buf rb;
-    int fd = x_peer(&a, &rb);
+    int fd = x_peer(&l, &rb);
     uint8_t A[XLEN], C[XLEN];
     memset(A, 'A', XLEN), memset(C, 'C', XLEN);
     /* a message into the buffer under way on stream 7 ... */
@@ -310,7 +313,7 @@ static int direct_after_cancel(void)
 /* ---- received memory, partly received messages ---- */
 
 static struct {
-    atomic_int recvd, done, errors;
+    atomic_int recvd, done;
     atomic_int done_status;
 } rs;
 
@@ -329,18 +332,26 @@ static void r_done(bex_sock *s, void *buf, size_t len, void *mu, int st, void *u
     atomic_fetch_add(&rs.done, 1);
 }
 
-static void r_err(bex_sock *s, int e, void *u)
-{
-    (void)s, (void)e, (void)u;
-    atomic_fetch_add(&rs.errors, 1);
-}
-
-static const bex_sock_ops r_ops = {.on_recv = r_recv, .on_send_done = r_done, .on_error = r_err};
+static const bex_sock_ops r_ops = {
+    .on_recv = r_recv, .on_send_done = r_done, .on_error = count_err};
 
 static void r_accept(bex_listener *l, bex_sock *s, void *u)
 {
     (void)l, (void)u;
     bex_sock_set_user(s, &r_ops, NULL);
+}
+
+/* A client context (*cli) connects to a and sends 100 bytes: its socket. */
+static bex_sock *client_sends(bex_ctx **cli, const struct sockaddr_in *a)
+{
+    *cli = mkctx(0, 0, 0);
+    bex_sock *cs;
+    CHECK_OK(bex_sock_connect(*cli, a, &r_ops, NULL, &cs));
+    void *b = bex_sock_alloc(*cli, 100);
+    CHECK(b);
+    memset(b, 1, 100);
+    CHECK_OK(bex_sock_send(cs, b, 100, NULL));
+    return cs;
 }
 
 static int parts_bounded(void)
@@ -366,30 +377,37 @@ static int parts_bounded(void)
     return 0;
 }
 
-static int pause_with_parts(void)
+/* A server with recv_bytes_max 4 MiB listening at *a, and a peer that
+ * starts two 4 MiB messages (1 byte each): the first takes the room, the
+ * second finds none, so the server stops reading. The peer's descriptor. */
+static int paused_peer(bex_ctx **srv, bex_listener **l, struct sockaddr_in *a)
 {
-    bex_ctx *srv = mkctx(4 * MIB, 4 * MIB, 0);
-    struct sockaddr_in a;
-    bex_listener_ops lops = {.on_accept = r_accept};
-    bex_listener *l = listen_on(srv, &lops, NULL, &a);
-    int fd = raw_connect(&a);
+    *srv = mkctx(4 * MIB, 4 * MIB, 0);
+    static const bex_listener_ops lops = {.on_accept = r_accept};
+    *l = listen_on(*srv, &lops, NULL, a);
+    int fd = raw_connect(a);
     uint8_t x = 'x';
     frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL);
     frame(fd, BEX__MSG_OPEN, 3, 0, 0, 0, NULL);
     frame(fd, BEX__MSG_DATA, 1, 1, 4 * MIB, 0, &x); /* 4 MiB held, 1 byte sent */
     frame(fd, BEX__MSG_DATA, 3, 1, 4 * MIB, 0, &x); /* no room: reading stops */
+    return fd;
+}
+
+static int pause_with_parts(void)
+{
+    bex_ctx *srv;
+    bex_listener *l;
+    struct sockaddr_in a;
+    int fd = paused_peer(&srv, &l, &a);
     /* silence from here on (reading what comes, so keepalives flow) */
     CHECK(closed_within(fd, scaled(4000)));
     bex_sock_stats st;
     bex_ctx_stats(srv, &st);
     CHECK(st.recv_paused >= 1);
     /* the room is back: a good client gets through */
-    bex_ctx *cli = mkctx(0, 0, 0);
-    bex_sock *cs;
-    CHECK_OK(bex_sock_connect(cli, &a, &r_ops, NULL, &cs));
-    void *b = bex_sock_alloc(cli, 100);
-    memset(b, 1, 100);
-    CHECK_OK(bex_sock_send(cs, b, 100, NULL));
+    bex_ctx *cli;
+    bex_sock *cs = client_sends(&cli, &a);
     CHECK(wait_for(&rs.recvd, 1, scaled(5000)));
     CHECK(wait_for(&rs.done, 1, scaled(5000)));
     CHECK_EQ(atomic_load(&rs.done_status), 0);
@@ -442,12 +460,8 @@ static int no_ack(void)
     CHECK(listen(lfd, 4) == 0);
     socklen_t sl = sizeof a;
     CHECK(getsockname(lfd, (struct sockaddr *)&a, &sl) == 0);
-    bex_ctx *cli = mkctx(0, 0, 0);
-    bex_sock *cs;
-    CHECK_OK(bex_sock_connect(cli, &a, &r_ops, NULL, &cs));
-    void *b = bex_sock_alloc(cli, 100);
-    memset(b, 1, 100);
-    CHECK_OK(bex_sock_send(cs, b, 100, NULL));
+    bex_ctx *cli;
+    bex_sock *cs = client_sends(&cli, &a);
     int fd = accept(lfd, NULL, NULL);
     CHECK(fd >= 0);
     struct bex__hello p, h;
@@ -474,16 +488,10 @@ static int no_ack(void)
 
 static int rdhup_paused(void)
 {
-    bex_ctx *srv = mkctx(4 * MIB, 4 * MIB, 0);
+    bex_ctx *srv;
+    bex_listener *l;
     struct sockaddr_in a;
-    bex_listener_ops lops = {.on_accept = r_accept};
-    bex_listener *l = listen_on(srv, &lops, NULL, &a);
-    int fd = raw_connect(&a);
-    uint8_t x = 'x';
-    frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL);
-    frame(fd, BEX__MSG_OPEN, 3, 0, 0, 0, NULL);
-    frame(fd, BEX__MSG_DATA, 1, 1, 4 * MIB, 0, &x);
-    frame(fd, BEX__MSG_DATA, 3, 1, 4 * MIB, 0, &x); /* paused */
+    int fd = paused_peer(&srv, &l, &a);
     bex_test_sleep_ms(200);
     shutdown(fd, SHUT_WR);
     /* idle for a while (less than credit_timeout_ms, which ends it): the
