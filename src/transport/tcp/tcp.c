@@ -933,6 +933,12 @@ void bex__tcp_events(struct bex__xport *x, uint32_t events)
 
 /* ---------------- timers ---------------- */
 
+/* Has a wait that began at since (ms) lasted beyond stall_ms? */
+static bool waited_out(const struct bex__tcp *t, uint64_t since, uint64_t now)
+{
+    return t->cfg.stall_ms && now > since && now - since > t->cfg.stall_ms;
+}
+
 /* Always wants a progress call after (as every connection had on every
  * tick before ticks could say): the TCP transport is not tuned for
  * thousands of idle connections yet. */
@@ -951,8 +957,7 @@ static bool tcp_tick(struct bex__xport *x, uint64_t now)
      * A peer that started messages to take the room and stopped (or two
      * streams whose messages together exceed it) would hold the context's
      * received memory for good: the connection goes after stall_ms. */
-    if (t->rx_paused && t->parts_n && t->cfg.stall_ms && now > t->paused_ms &&
-        now - t->paused_ms > t->cfg.stall_ms) {
+    if (t->rx_paused && t->parts_n && waited_out(t, t->paused_ms, now)) {
         bex__log(t->sh->log, BEX_LOG_ERROR,
                  "%s: over TCP: no room to receive (recv_bytes_max) for %u ms with %u messages "
                  "partly received",
@@ -963,8 +968,7 @@ static bool tcp_tick(struct bex__xport *x, uint64_t now)
     /* As over RDMA for credits: messages written whole that the peer does
      * not acknowledge in stall_ms (it reads them, it answers keepalives)
      * would wait for good. */
-    if (t->ack_head && t->cfg.stall_ms && now > t->ack_wait_ms &&
-        now - t->ack_wait_ms > t->cfg.stall_ms) {
+    if (t->ack_head && waited_out(t, t->ack_wait_ms, now)) {
         bex__log(t->sh->log, BEX_LOG_ERROR,
                  "%s: over TCP: sent messages waited %u ms for an acknowledgement", t->cfg.name,
                  t->cfg.stall_ms);
@@ -1014,7 +1018,7 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
     t->loop = loop;
     t->tag = tag;
     t->events = EPOLLIN | EPOLLRDHUP;
-    t->ack_wait_ms = t->last_rx = t->last_tx = bex__now_ms();
+    t->last_rx = t->last_tx = bex__now_ms();
     *out = outer ? outer : &t->x;
     return 0;
 }
