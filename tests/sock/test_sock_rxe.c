@@ -3,6 +3,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "nomem.h"
 #include "echo.h"
@@ -74,6 +75,9 @@ struct cli {
     bex_sock *socks[MAXS];
     /* per socket and sequence number: the length sent (NO_LEN: none) */
     uint32_t sent_len[MAXS][MAXSEQ];
+    /* socket 0's sequence numbers reported delivered (status 0) */
+    _Atomic bool ok0[MAXSEQ];
+    _Atomic long send_err_other; /* failed sends neither -EIO nor -ECANCELED */
 };
 
 /* message layout: [0..3] socket index, [4..7] seq, rest pattern(seed) */
@@ -147,7 +151,13 @@ static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
 static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
 {
     struct cli *c = user;
-    (void)s, (void)mu;
+    (void)mu;
+    if (!status && len >= 8 && sock_index(c, s) == 0) {
+        uint32_t seq;
+        memcpy(&seq, (uint8_t *)buf + 4, 4);
+        if (seq < MAXSEQ)
+            atomic_store(&c->ok0[seq], true);
+    }
     if (status) {
         int none = 0;
         if (atomic_compare_exchange_strong(&c->first_send_err, &none, status) && len >= 8) {
@@ -156,6 +166,8 @@ static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, v
             atomic_store(&c->first_err_seq, (long)seq);
         }
         atomic_fetch_add(&c->send_err, 1);
+        if (status != -EIO && status != -ECANCELED)
+            atomic_fetch_add(&c->send_err_other, 1);
     }
     bex_mem_free(buf);
     atomic_fetch_add(&c->done, 1);
@@ -408,11 +420,43 @@ static int send_window(void)
     return 0;
 }
 
-/* kill -9 of the peer: the error event comes within the keepalive timeout
- * and every message given to bex is handed back. */
+/* An echo server whose count of received messages the client reads after
+ * killing it: shared memory, mapped before the fork. */
+static struct echo_srv *shared_srv(void)
+{
+    void *m = mmap(NULL, sizeof(struct echo_srv), PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    CHECK(m != MAP_FAILED);
+    return m;
+}
+
+/* Socket 0's sends reported delivered (0) that the peer's application never
+ * received. One socket's messages arrive in order, so the peer received
+ * exactly sequences 0 .. recvd-1. */
+static long reported_not_received(struct cli *c, const struct echo_srv *srv, long sent)
+{
+    long lost = 0, recvd = atomic_load(&srv->recvd);
+    for (long i = recvd; i < sent && i < MAXSEQ; i++)
+        if (atomic_load(&c->ok0[i])) {
+            if (!lost)
+                fprintf(stderr, "seq %ld reported delivered, the peer received %ld\n", i, recvd);
+            lost++;
+        }
+    return lost;
+}
+
+struct kill_arg {
+    int sig;
+    struct echo_srv *srv; /* the server's, shared */
+};
+
+/* kill -9 of the peer: the error event comes within the keepalive timeout,
+ * every message given to bex is handed back, and none that the peer's
+ * application did not receive is reported delivered. */
 static int kill_client(struct pair *p, void *arg)
 {
-    int sig = *(int *)arg;
+    struct kill_arg *ka = arg;
+    int sig = ka->sig;
     struct cli *c = cli_new();
     cli_connect_n(p, c, 1);
     long sent = 0;
@@ -472,22 +516,94 @@ static int kill_client(struct pair *p, void *arg)
     kill(p->child, SIGKILL);
     waitpid(p->child, NULL, 0);
     p->child = 0;
+    fprintf(stderr, "the peer's application received %ld of %ld\n", atomic_load(&ka->srv->recvd),
+            sent);
+    CHECK_EQ(reported_not_received(c, ka->srv, sent), 0);
     free(c);
     return 0;
 }
 
 static int peer_killed(void)
 {
-    int sig = SIGKILL;
+    struct kill_arg ka = {.sig = SIGKILL, .srv = shared_srv()};
     bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1500};
-    return pair_run(&cfg, echo_server, NULL, &cfg, kill_client, &sig, 60);
+    return pair_run(&cfg, echo_server, ka.srv, &cfg, kill_client, &ka, 60);
 }
 
 static int peer_frozen(void)
 {
-    int sig = SIGSTOP;
+    struct kill_arg ka = {.sig = SIGSTOP, .srv = shared_srv()};
     bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1500};
-    return pair_run(&cfg, echo_server, NULL, &cfg, kill_client, &sig, 60);
+    return pair_run(&cfg, echo_server, ka.srv, &cfg, kill_client, &ka, 60);
+}
+
+/* The receiving process stops (SIGSTOP) with receives posted: what its
+ * NIC or kernel takes meanwhile is not delivered, so no send is reported 0
+ * before it resumes; killed instead, every send comes back in doubt (-EIO)
+ * or unsent (-ECANCELED). 64 x 1 KiB (SEND) and 4 x 128 KiB (rendezvous). */
+static pid_t paused_pid;
+
+/* A CHECK that fails exits: the stopped peer must not outlive us. */
+static void kill_paused(void)
+{
+    if (paused_pid > 0)
+        kill(paused_pid, SIGKILL);
+}
+
+static int paused_client(struct pair *p, void *arg)
+{
+    struct echo_srv *srv = arg;
+    struct cli *c = cli_new();
+    cli_connect_n(p, c, 1);
+    /* one round trip first: the connection is up and the peer idle */
+    CHECK_OK(bex_sock_send(c->socks[0], cli_msg(p, c, 0, 0, 1024), 1024, NULL));
+    CLI_WAIT(c, done, 1, 10000);
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while (atomic_load(&srv->recvd) < 1 && pair_now_ms() < end)
+        pair_sleep_ms(5);
+    CHECK_EQ(atomic_load(&srv->recvd), 1);
+    CHECK(atomic_load(&c->ok0[0]));
+    /* stopped for sure before the first send: a signal lands when the
+     * process next enters the kernel */
+    paused_pid = p->child;
+    atexit(kill_paused);
+    CHECK_OK(kill(p->child, SIGSTOP));
+    int wst = 0;
+    CHECK_EQ(waitpid(p->child, &wst, WUNTRACED), p->child);
+    CHECK(WIFSTOPPED(wst));
+    long sent = 1;
+    for (; sent <= 64; sent++)
+        CHECK_OK(bex_sock_send(c->socks[0], cli_msg(p, c, 0, (uint32_t)sent, 1024), 1024, NULL));
+    for (; sent <= 68; sent++)
+        CHECK_OK(
+            bex_sock_send(c->socks[0], cli_msg(p, c, 0, (uint32_t)sent, 131072), 131072, NULL));
+    pair_sleep_ms(1500 * time_scale()); /* far longer than a delivery takes */
+    long early = 0;
+    for (long i = 1; i < sent; i++)
+        early += atomic_load(&c->ok0[i]);
+    fprintf(stderr, "paused peer: %ld of %ld reported delivered, %ld handed back\n", early,
+            sent - 1, atomic_load(&c->done) - 1);
+    CHECK_EQ(early, 0);
+    CHECK_EQ(atomic_load(&srv->recvd), 1);
+    CHECK_OK(kill(p->child, SIGKILL));
+    waitpid(p->child, NULL, 0);
+    p->child = paused_pid = 0;
+    CLI_WAIT(c, done, sent, 20000);
+    CHECK_EQ(atomic_load(&c->send_err), sent - 1);
+    CHECK_EQ(atomic_load(&c->send_err_other), 0);
+    CHECK_EQ(reported_not_received(c, srv, sent), 0);
+    cli_close_all(c, 1);
+    free(c);
+    return 0;
+}
+
+static int peer_paused(void)
+{
+    struct echo_srv *srv = shared_srv();
+    srv->no_echo = true;
+    /* keepalive far beyond the pause: only the kill ends the connection */
+    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 3000};
+    return pair_run(&cfg, echo_server, srv, &cfg, paused_client, srv, 60);
 }
 
 /* 1 % packet loss on the wire: every message still arrives intact. */
@@ -787,6 +903,6 @@ static int window_prebound(void)
 }
 
 BEX_TEST_MAIN(BEX_CASE(sizes), BEX_CASE(multiplex), BEX_CASE(slow_receiver), BEX_CASE(send_window),
-              BEX_CASE(peer_killed), BEX_CASE(peer_frozen), BEX_CASE(packet_loss),
-              BEX_CASE(direct_write), BEX_CASE(rndv_nomem), BEX_CASE(connect_refused),
-              BEX_CASE(window_prebound))
+              BEX_CASE(peer_killed), BEX_CASE(peer_frozen), BEX_CASE(peer_paused),
+              BEX_CASE(packet_loss), BEX_CASE(direct_write), BEX_CASE(rndv_nomem),
+              BEX_CASE(connect_refused), BEX_CASE(window_prebound))
