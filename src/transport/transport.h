@@ -47,6 +47,8 @@ struct bex__msg {
     uint32_t lkey;    /* buf's, set by whoever queues m (RDMA): resolved once at submit */
     uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
     uint32_t last_wr; /* send counter of its last posted fragment (off > 0) */
+    uint32_t ack_seq; /* RDMA: the peer receive its last work request takes
+                         (engine's cons_sent): reported 0 once acknowledged */
     uint8_t state;
     bool direct;     /* destination given by the caller */
     bool rndv_asked; /* request already prepared */

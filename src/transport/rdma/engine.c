@@ -119,6 +119,21 @@ struct bex__engine {
     uint32_t peer_max_msg; /* largest message the peer accepts at all */
     uint32_t frag;         /* effective fragment size */
     uint64_t credit_wait;  /* since when sends wait for a credit (0: none wait) */
+    /* Delivery reports (include/bex/sock.h: 0 means the peer's engine holds
+     * the message). Every SEND and WRITE_WITH_IMM takes one of the peer's
+     * receives, in order, and the peer returns a credit only for a receive
+     * its engine has handled and posted again: so once the credits returned
+     * reach a message's last work request, the peer's engine has it. */
+    uint32_t cons_sent;                   /* work requests posted that take a peer receive */
+    uint32_t cons_acked;                  /* credits the peer returned, summed */
+    struct bex__msg *ack_head, *ack_tail; /* completed by the NIC, not yet
+                                             acknowledged, in order */
+    uint64_t ack_wait_ms;                 /* since when the head of that queue waits (or
+                                             the peer's last acknowledgement) */
+    bool acks_owed;                       /* we handled a peer's message whose credit it does
+                                             not have yet: it waits for it to report it */
+    uint64_t ack_held;                    /* bex__now_us() when owed credits were first held
+                                             back for a message to carry them (0: not held) */
 
     /* receive side */
     struct bex__rslot *rs;
@@ -424,6 +439,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         return -ENOMEM;
     e->sh = sh;
     e->cfg = *cfg;
+    if (!e->cfg.ack_delay_us)
+        e->cfg.ack_delay_us = BEX__ENGINE_ACK_DELAY_US;
     e->ops = ops;
     e->x.ops = &bex__rdma_transport;
     e->x.user = user;
@@ -888,6 +905,9 @@ void bex__engine_detach(struct bex__stream *st)
         return;
     flush_queue(e, st);
     /* posted messages keep a pointer to their stream for accounting */
+    for (struct bex__msg *m = e->ack_head; m; m = m->next)
+        if (m->st == st)
+            m->st = NULL;
     for (uint32_t c = e->head; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);
         if (s->done && s->done->st == st)
@@ -1024,6 +1044,13 @@ static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes
         atomic_store_explicit(&e->sh->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
 }
 
+/* A work request that takes one of the peer's receives. */
+static void spend_credit(struct bex__engine *e)
+{
+    e->peer_credits--;
+    e->cons_sent++;
+}
+
 /* Prepare a SEND of header h (and payload). Caller checked slot + credit. */
 static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *payload,
                                uint32_t len, uint32_t lkey)
@@ -1039,7 +1066,7 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
         s->wr.num_sge = 2;
     }
     s->wr.opcode = IBV_WR_SEND;
-    e->peer_credits--;
+    spend_credit(e);
     account_bytes(e, s, len);
     BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
     return s;
@@ -1062,7 +1089,7 @@ static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, st
         if (len <= e->max_inline)
             s->wr.send_flags = IBV_SEND_INLINE;
     }
-    e->peer_credits--;
+    spend_credit(e);
     account_bytes(e, s, len);
     BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
     return s;
@@ -1181,6 +1208,7 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         }
         pop_head(st);
         m->state = BEX__M_POSTED;
+        m->ack_seq = e->cons_sent;
         s->done = m;
         return true;
     }
@@ -1212,13 +1240,14 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         }
         s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
         s->wr.imm_data = htonl(m->imm);
-        e->peer_credits--;
+        spend_credit(e);
         if (m->peer_slot) {
             m->peer_slot = false;
             e->peer_rndv_used--;
         }
         pop_head(st);
         m->state = BEX__M_POSTED;
+        m->ack_seq = e->cons_sent;
         s->done = m;
         return true;
     }
@@ -1573,6 +1602,33 @@ static bool spare_fill(struct bex__engine *e)
  * kernel. With nothing unacknowledged before or after a window operation,
  * no retransmission can cover it, and it runs exactly once. The cost is a
  * drain of the send queue per batch of window operations. */
+/* Whether owed credits must go alone now: an answer usually follows the
+ * peer's message within microseconds and carries them, so they wait for
+ * one up to ack_delay_us (the I/O thread calls progress again then:
+ * x.due_us). */
+static bool ack_due(struct bex__engine *e)
+{
+    if (!e->acks_owed || !e->to_return)
+        return false;
+    uint64_t now = bex__now_us();
+    if (!e->ack_held) {
+        e->ack_held = now ? now : 1;
+        e->x.due_us = e->ack_held + e->cfg.ack_delay_us;
+        return false;
+    }
+    return now >= e->x.due_us;
+}
+
+/* Every owed credit went (or waits for a buffer: starved): nothing held. */
+static void acks_settle(struct bex__engine *e)
+{
+    if (e->to_return || e->n_unposted || !e->acks_owed)
+        return;
+    e->acks_owed = e->n_starved != 0;
+    e->ack_held = 0;
+    e->x.due_us = 0;
+}
+
 static bool wops_hold(struct bex__engine *e)
 {
     if (!e->wq_n && !e->wop_busy)
@@ -1598,6 +1654,10 @@ bool bex__engine_progress(struct bex__engine *e)
     if (wops_hold(e))
         return e->tail != before;
     prep_keepalive(e);
+    /* the peer waits for these receives' credits to report its messages:
+     * posted now, whatever we send next carries them */
+    if (e->acks_owed && e->n_unposted)
+        repost_recvs(e);
     /* control messages first: they unblock the peer */
     while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -1622,7 +1682,7 @@ bool bex__engine_progress(struct bex__engine *e)
         s->wr.imm_data = htonl(r.imm);
         s->wr.wr.rdma.remote_addr = r.addr;
         s->wr.wr.rdma.rkey = r.rkey;
-        e->peer_credits--;
+        spend_credit(e);
         e->peer_rndv_used--;
         BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
     }
@@ -1657,12 +1717,16 @@ bool bex__engine_progress(struct bex__engine *e)
         if (!any || !free_slots(e) || e->state != E_UP)
             break;
     }
-    /* credits nobody carried: an explicit update once half the queue waits */
-    if (e->to_return >= e->k && free_slots(e) && have_credit(e, true)) {
+    /* credits nobody carried: an explicit update once half the queue waits,
+     * or once the peer has waited ack_delay for the ones it reports by */
+    if ((e->to_return >= e->k || ack_due(e)) && free_slots(e) && have_credit(e, true)) {
         struct bex__hdr h = {.type = BEX__MSG_CREDIT};
         prep_send(e, &h, NULL, 0, 0);
         BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
     }
+    acks_settle(e);
+    if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
+        e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
     post_pending(e);
     if (spare_fill(e))
         wops_hold(e); /* the queue is idle: the binds go out now */
@@ -1813,6 +1877,52 @@ static int rndv_request(struct bex__engine *e, const struct bex__hdr *h)
     return rndv_answer(e, i);
 }
 
+static void delivered(struct bex__engine *e, struct bex__msg *m)
+{
+    BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
+    BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
+    msg_done(e, m, 0);
+}
+
+/* Has the peer returned the credit of consuming work request seq? */
+static bool acked(const struct bex__engine *e, uint32_t seq)
+{
+    return (int32_t)(e->cons_acked - seq) >= 0;
+}
+
+/* The NIC is done with m: reported once the peer's engine has it too. */
+static void ack_wait(struct bex__engine *e, struct bex__msg *m)
+{
+    if (!e->ack_head && acked(e, m->ack_seq)) {
+        delivered(e, m);
+        return;
+    }
+    m->next = NULL;
+    if (e->ack_tail) {
+        e->ack_tail->next = m;
+    } else {
+        e->ack_head = m;
+        e->ack_wait_ms = bex__now_ms();
+    }
+    e->ack_tail = m;
+}
+
+/* The peer returned n credits: report what they acknowledge. */
+static void acks_in(struct bex__engine *e, uint32_t n)
+{
+    e->cons_acked += n;
+    if (n && e->ack_head)
+        e->ack_wait_ms = bex__now_ms();
+    while (e->ack_head && acked(e, e->ack_head->ack_seq) && e->state == E_UP) {
+        struct bex__msg *m = e->ack_head;
+        e->ack_head = m->next;
+        if (!e->ack_head)
+            e->ack_tail = NULL;
+        m->next = NULL;
+        delivered(e, m);
+    }
+}
+
 static void send_completed(struct bex__engine *e, uint32_t cnt)
 {
     /* Completions come in posting order: everything up to cnt is done. */
@@ -1828,12 +1938,11 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         if (s->done) {
             struct bex__msg *m = s->done;
             s->done = NULL;
-            if (!m->status) {
-                BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
-                BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
-            }
             /* status set: abandoned with fragments in flight, now done */
-            msg_done(e, m, m->status);
+            if (m->status)
+                msg_done(e, m, m->status);
+            else
+                ack_wait(e, m);
         }
         if (s->closed) {
             struct bex__stream *st = s->closed;
@@ -1969,6 +2078,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     struct bex__rslot *r = rslot_at(e, idx);
     if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
         hold_unposted(e, idx); /* its buffer was not used */
+        e->acks_owed = true;
         uint32_t imm = ntohl(wc->imm_data);
         uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
         if (imm & BEX__IMM_DIRECT) {
@@ -2011,8 +2121,12 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     e->peer_credits += h.credits;
     if (e->peer_credits > e->peer_rq)
         return -EPROTO; /* more credits back than the peer ever granted */
-    if (h.credits)
+    if (h.credits) {
         e->credit_wait = 0;
+        acks_in(e, h.credits);
+        if (e->state != E_UP)
+            return 0;
+    }
     if (h.type != BEX__MSG_DATA) {
         hold_unposted(e, idx); /* its buffer was not used */
         return handle_ctl(e, &h);
@@ -2025,6 +2139,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     if (off) /* a stream beyond the immediate's: the payload goes to the start */
         memmove(buf, (uint8_t *)buf + off, h.len);
     slot_refill(e, idx, buf);
+    e->acks_owed = true;
     BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
     BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
     e->ops->on_msg(&e->x, h.stream, buf, h.len);
@@ -2184,6 +2299,15 @@ static bool stalled(struct bex__engine *e, uint64_t now)
     } else {
         e->credit_wait = 0;
     }
+    /* the peer takes our messages but never returns their credits */
+    if (e->ack_head && e->cfg.credit_timeout_ms &&
+        now - e->ack_wait_ms > e->cfg.credit_timeout_ms) {
+        bex__log(e->sh->log, BEX_LOG_ERROR,
+                 "%s: sent messages waited %u ms for the peer's acknowledgement", e->name,
+                 e->cfg.credit_timeout_ms);
+        bex__engine_fail(e, -ETIMEDOUT);
+        return true;
+    }
     return false;
 }
 
@@ -2194,9 +2318,9 @@ static bool stalled(struct bex__engine *e, uint64_t now)
  * an idle engine for good.) */
 static bool engine_busy(const struct bex__engine *e)
 {
-    return e->ring || e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due ||
-           e->head != e->tail || e->post != e->tail || e->n_starved || e->to_return >= e->k ||
-           e->rout_used || e->rin_used || e->wait_n;
+    return e->ring || e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due || e->ack_head ||
+           (e->acks_owed && e->to_return) || e->head != e->tail || e->post != e->tail ||
+           e->n_starved || e->to_return >= e->k || e->rout_used || e->rin_used || e->wait_n;
 }
 
 bool bex__engine_tick(struct bex__engine *e, uint64_t now)
@@ -2278,7 +2402,17 @@ static void fail_now(struct bex__engine *e, int err)
         e->qp = NULL;
     }
     srq_leave(e); /* no receive is consumed for it any more */
-    /* posted messages first, in order; then queued ones */
+    e->x.due_us = 0;
+    /* sent, not acknowledged: the peer's NIC took them, its engine may or
+     * may not have them */
+    while (e->ack_head) {
+        struct bex__msg *m = e->ack_head;
+        e->ack_head = m->next;
+        m->next = NULL;
+        msg_done(e, m, ST_INDOUBT);
+    }
+    e->ack_tail = NULL;
+    /* posted messages next, in order; then queued ones */
     for (uint32_t c = e->head; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);
         s->closed = NULL;

@@ -50,12 +50,19 @@ struct bex__engine_config {
     uint64_t rndv_bytes_max;    /* destination bytes allocated for one peer at once */
     uint32_t rndv_timeout_ms;   /* a rendezvous request of ours unanswered this long */
     uint32_t credit_timeout_ms; /* sends waiting for credit this long, none coming */
+    uint32_t ack_delay_us;      /* owed credits wait this long for a message to
+                                   carry them (0: BEX__ENGINE_ACK_DELAY_US) */
 };
 
 /* The smallest recv_depth a peer may grant: ordinary SENDs keep the last
  * credit for a CREDIT message, and credit messages cannot answer each other
  * forever only when k = depth / 2 >= 2 (docs/protocol.md). */
 #define BEX__ENGINE_MIN_DEPTH 4
+
+/* Credits the peer waits for to report its messages delivered go back
+ * with our next message; with none to carry them, alone after this long
+ * (as the TCP transport's acknowledgements: BEX__TCP_ACK_DELAY_US). */
+#define BEX__ENGINE_ACK_DELAY_US 200
 
 /* Inline bytes asked of the QP: a DATA payload up to what the device
  * grants goes inside its work request (none where the device has none). */
