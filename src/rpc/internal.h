@@ -79,6 +79,12 @@ void bex__rpc_hist_add(struct bex__rpc_hist *h, uint64_t ns);
 double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q);
 
 /* The RPC layer's clock, ns: CLOCK_MONOTONIC, or the test hook's. */
+/* Count one new client id (of a handler's own dedup table, e.g. the PS's
+ * Push ids) against req's connection: true when the connection brought
+ * fewer than max so far (then counted), false when it has max already.
+ * Any thread, while req is not answered. */
+bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max);
+
 uint64_t bex__rpc_now_ns(void);
 /* Tests: the RPC layer (channels, servers, directories) reads its time
  * from fn from now on (NULL: CLOCK_MONOTONIC again), so that a case steps

@@ -2,6 +2,7 @@
  * dedup window of state-changing methods. */
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +31,9 @@ struct conn {
     bool closing; /* bex_sock_close called: nothing more is sent */
     bool closed;  /* on_close ran: s is gone */
     bool bad;     /* refused for a malformed header (logged once) */
+    /* new client ids of a handler's dedup table it brought
+     * (bex__rpc_req_conn_admit) */
+    _Atomic uint32_t new_clients;
     /* the destination a DEST message gave for call dest_call's answer
      * (bex_rpc_call_into: one call per socket) */
     bool has_dest;
@@ -440,6 +444,18 @@ void bex_rpc_req_ids(const bex_rpc_req *req, uint64_t *client_id, uint64_t *seq)
         *client_id = req->h.client_id;
     if (seq)
         *seq = req->h.seq;
+}
+
+bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max)
+{
+    /* req holds a reference on its connection */
+    uint32_t n = atomic_load_explicit(&req->c->new_clients, memory_order_relaxed);
+    do {
+        if (n >= max)
+            return false;
+    } while (!atomic_compare_exchange_weak_explicit(&req->c->new_clients, &n, n + 1,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    return true;
 }
 
 /* ---- socket callbacks (I/O thread) ---- */
