@@ -45,11 +45,15 @@ int bex__rpc_dest_decode(const uint8_t *in, struct bex__rpc_dest *d);
  * an answer written into a destination longer than it. */
 uint32_t bex__rpc_hdr_body_len(const uint8_t *msg);
 
+#define BEX__RPC_TOK_LEN 12
 struct bex__rpc_hdr {
     uint8_t kind;
     uint32_t flags;
     uint32_t service, method;
     uint64_t call_id, client_id, seq;
+    /* the client's random token (bytes 52..63): with client_id the key of
+     * its dedup record (docs/security.md, "Dedup keys") */
+    uint8_t tok[BEX__RPC_TOK_LEN];
     int32_t status;
     uint32_t body_len;
     uint32_t timeout_ms; /* requests: what was left of the call's deadline */
