@@ -243,8 +243,12 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch);
  * status (a negative errno from the handler or the server: -ENOSYS no such
  * method, -ESTALE a retry past the dedup window, ...) with its body if it
  * sent one, or a local error with body NULL: -ETIMEDOUT (deadline),
- * -ECANCELED (bex_rpc_cancel, channel destroyed), -ECONNRESET,
- * -ECONNREFUSED, ... (the last attempt's connection failure). body
+ * -ECANCELED (bex_rpc_cancel, channel destroyed), -EIO (in doubt: an
+ * attempt's request may have reached the server, its send came back in
+ * doubt, and no attempt got an answer: it may or may not have been
+ * applied; every attempt carried the same sequence, so a WRITE was applied
+ * at most once), -ECONNRESET, -ECONNREFUSED, ... (the last attempt's
+ * connection failure, no attempt in doubt). body
  * belongs to the callee: free it with bex_rpc_free(). Runs once per call,
  * on the I/O thread, the channel's timer thread, or the thread calling
  * bex_rpc_cancel, bex_rpc_channel_set_endpoints or bex_rpc_channel_destroy

@@ -91,6 +91,7 @@ struct call {
     struct endpoint *counted; /* directory mode: outstanding on this one's node */
     int refs;                 /* 1 while live or its completion runs, + 1 per send out */
     bool live;
+    bool in_doubt; /* an attempt's send came back -EIO: it may have been handled */
     int status;
     void *resp;
     size_t resp_len;
@@ -1003,6 +1004,8 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
         c->ep->failures++;
     c->link = NULL;
     c->attempt_deadline = 0;
+    if (err == -EIO)
+        c->in_doubt = true;
     for (;;) {
         bool mv = moved && may_move(ch, c, err);
         if (!mv && !may_retry(ch, c, err, remote))
@@ -1018,6 +1021,10 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
         err = e;
         remote = false;
     }
+    /* a later attempt's failure to get there does not undo an earlier one
+     * that may have: the call stays in doubt */
+    if (!remote && c->in_doubt)
+        err = -EIO;
     complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
 }
 
