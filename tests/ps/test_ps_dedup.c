@@ -228,5 +228,77 @@ static int t_flood(void)
     return 0;
 }
 
+/* A Push body (from bex_rpc_alloc of ctx) with id (w, 1) and no key. */
+static void *push_rpc_body(bex_ctx *ctx, const struct who *w, size_t *len)
+{
+    struct bex__ps_hdr h = {.table = TD.id,
+                            .dim = TD.dim,
+                            .flags = BEX__PS_F_ID,
+                            .id_client = w->client,
+                            .id_seq = 1,
+                            .id_tok = {w->tok[0], w->tok[1]}};
+    *len = bex__ps_req_len(BEX_PS_M_PUSH, 0, TD.dim) + BEX__PS_ID_LEN;
+    uint8_t *b = bex_rpc_alloc(ctx, *len);
+    CHECK(b);
+    bex__ps_hdr_put(b, &h);
+    return b;
+}
+
+/* Pushes of 10 new clients on one channel (one RPC connection) of ctx to
+ * addr, 100 a client id from base: how many were refused -EAGAIN (the
+ * others: 0). */
+static int new_clients_on(bex_ctx *ctx, const struct sockaddr_in *addr, uint64_t base)
+{
+    bex_rpc_endpoint ep = {.addr = *addr};
+    bex_rpc_channel_config cc = {.endpoints = &ep,
+                                 .n_endpoints = 1,
+                                 .request_timeout_ms = 5000 * time_scale(),
+                                 .connect_timeout_ms = 5000 * time_scale(),
+                                 .max_attempts = 1};
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    int refused = 0;
+    for (uint64_t i = 0; i < 10; i++) {
+        size_t len;
+        void *b = push_rpc_body(ctx, &(struct who){base + i, {i, 9}}, &len);
+        int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, len, NULL, NULL, NULL);
+        CHECK(rc == 0 || rc == -EAGAIN);
+        refused += rc == -EAGAIN;
+    }
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    return refused;
+}
+
+/* new_clients_per_conn 8: a connection bringing 10 new client ids gets the
+ * last 2 refused -EAGAIN (counted); another connection brings its own 8. */
+static int t_per_conn(void)
+{
+    struct in_addr a0, a1;
+    PAIR_NEED(pair_addrs(&a0, &a1));
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config sc = scaled(&base, a0);
+    bex_ctx *sctx, *cctx = client_ctx();
+    CHECK_OK(bex_ctx_create(&sc, &sctx));
+    bex_ps_shard_config pc = {
+        .shard = 0, .n_shards = 1, .tables = &TD, .n_tables = 1, .new_clients_per_conn = 8};
+    bex_ps_shard *s;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    bex_rpc_server *srv;
+    CHECK_OK(bex_rpc_server_create(sctx, NULL, &srv));
+    CHECK_OK(bex_ps_shard_register(s, srv, sctx));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_server_addr(srv, &la);
+    CHECK_EQ(new_clients_on(cctx, &la, 0x70000), 2);
+    CHECK_EQ(stats(s).clients_refused, 2);
+    CHECK_EQ(new_clients_on(cctx, &la, 0x80000), 2);
+    CHECK_EQ(stats(s).pushes, 16);
+    CHECK_OK(bex_rpc_server_destroy(srv));
+    bex_ps_shard_destroy(s);
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
 BEX_TEST_MAIN({"stale", t_stale}, {"stale_snapshot", t_stale_snapshot}, {"spoof", t_spoof},
-              {"flood", t_flood})
+              {"flood", t_flood}, {"per_conn", t_per_conn})

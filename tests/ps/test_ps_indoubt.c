@@ -189,7 +189,7 @@ static int t_retried(void)
     CHECK_EQ(stats(sd.cur).pushes, 1);
     bex_rpc_server_stats rs;
     bex_rpc_server_stats_get(sd.srv, &rs);
-    CHECK_EQ(rs.requests, 1);                       /* the retry never reached the shard */
+    CHECK_EQ(rs.requests, 1);                      /* the retry never reached the shard */
     CHECK_EQ(rs.dup_replayed + rs.dup_pending, 1); /* it was answered from the window */
     return finish(&sd, cx);
 }
