@@ -31,7 +31,7 @@
  * and a sequence) that every replica records, in its snapshot too: a
  * replica applies an id once, refuses one more than 1024 behind the
  * client's highest (-ESTALE), and a peer that does not hold the token
- * cannot touch the client's record (docs/security.md, "Push ids").
+ * cannot touch the client's record (docs/security.md, "Dedup keys and Push ids").
  *
  * Threads: every function may be called from any thread. */
 #ifndef BEX_PS_H
@@ -104,7 +104,7 @@ typedef struct bex_ps_shard_config {
     /* BEX_PS_SHARD_CATCHUP: bytes of Pushes held until the catch-up ends
      * (256 MiB); a Push past it is answered -EAGAIN */
     uint64_t catchup_log_max;
-    /* The ids of the Pushes applied (docs/security.md, "Push ids"): clients
+    /* The ids of the Pushes applied (docs/security.md, "Dedup keys and Push ids"): clients
      * held (4096, at most 1 << 20); a client is forgotten only when the
      * table is full and it was last seen longer than retry_horizon_ms ago
      * (300000: longer than any client's retries); a new client past the

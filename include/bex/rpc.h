@@ -70,7 +70,7 @@ void bex_rpc_free(void *body);
  * applied at most once per (client id, token, sequence) and a retry gets
  * the first answer (docs/protocol.md, "Dedup window"; the token is the
  * channel's random one, so a peer that knows a client id alone cannot
- * touch that client's record: docs/security.md, "Dedup keys"). */
+ * touch that client's record: docs/security.md, "Dedup keys and Push ids"). */
 enum { BEX_RPC_METHOD_WRITE = 1u << 0 };
 
 /* A handler: a request for (service, method) arrived. body (len bytes,

@@ -56,7 +56,7 @@ struct bex_ps_client {
      * catch-up tells by it which Pushes its peer applied): this client's
      * random id and a sequence per Push, and its random token: the
      * replicas key their dedup record by (id, token), so a peer that
-     * learns the id alone cannot touch it (docs/security.md, "Push ids"). */
+     * learns the id alone cannot touch it (docs/security.md, "Dedup keys and Push ids"). */
     uint64_t push_client, push_tok[2];
     _Atomic uint64_t push_seq;
 };

@@ -19,7 +19,7 @@
  * then the client's 128-bit token as 2 x u64 (the same at every replica of
  * every shard the Push goes to, so that a restarted replica can tell which
  * Pushes its peer applied: catch-up). A client's dedup record is keyed by
- * (client, token): docs/security.md, "Push ids". */
+ * (client, token): docs/security.md, "Dedup keys and Push ids". */
 #define BEX__PS_F_ID   1u
 #define BEX__PS_ID_LEN 32
 struct bex__ps_hdr {

@@ -49,7 +49,7 @@ struct reg {
 };
 
 /* The ids of the Pushes applied (BEX__PS_F_ID): per client (its id and
- * its token: docs/security.md, "Push ids"), the highest sequence and a
+ * its token: docs/security.md, "Dedup keys and Push ids"), the highest sequence and a
  * bitmap of the IDS_WINDOW sequences up to it. At most lim clients; a new
  * one takes the place of the least recently seen only when that one was
  * last seen longer than the retry horizon ago, else it is refused. */

@@ -155,7 +155,7 @@ struct bex_rpc_channel {
     struct call *live;
     uint64_t next_id, next_seq, client_id, next_ping;
     /* random: with client_id, the key of this channel's dedup records at
-     * servers (docs/security.md, "Dedup keys") */
+     * servers (docs/security.md, "Dedup keys and Push ids") */
     uint8_t tok[BEX__RPC_TOK_LEN];
     int64_t tokens; /* retry budget, thousandths of a retry */
     struct link *links;

@@ -52,7 +52,7 @@ struct bex__rpc_hdr {
     uint32_t service, method;
     uint64_t call_id, client_id, seq;
     /* the client's random token (bytes 52..63): with client_id the key of
-     * its dedup record (docs/security.md, "Dedup keys") */
+     * its dedup record (docs/security.md, "Dedup keys and Push ids") */
     uint8_t tok[BEX__RPC_TOK_LEN];
     int32_t status;
     uint32_t body_len;

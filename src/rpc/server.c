@@ -624,6 +624,10 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
             /* a new client id, refused rather than forgetting one whose
              * retries may still come: retriable */
             srv->st.clients_refused++;
+            bex__log(srv->log, BEX_LOG_WARN,
+                     "rpc server: a WRITE of a new client refused -EAGAIN (%u clients held, "
+                     "%u new a second, %u a connection at most)",
+                     srv->n_clients, srv->new_rate, srv->new_per_conn);
             send_answer(srv, c, &h, BEX__RPC_ERROR, -EAGAIN, body, 0);
             pthread_mutex_unlock(&srv->mu);
             return;
