@@ -26,7 +26,12 @@
  * each of its shards, each on a channel of that replica alone: a retry
  * after a lost answer goes to the same server with the same sequence, and
  * its dedup window applies the Push once. A Push succeeds when every
- * replica acknowledged; bex_ps_push_report says which did not.
+ * replica acknowledged; bex_ps_push_report says which did not. Each Push
+ * also carries an id (the client's random id and 128-bit random token,
+ * and a sequence) that every replica records, in its snapshot too: a
+ * replica applies an id once, refuses one more than 1024 behind the
+ * client's highest (-ESTALE), and a peer that does not hold the token
+ * cannot touch the client's record (docs/security.md, "Dedup keys and Push ids").
  *
  * Threads: every function may be called from any thread. */
 #ifndef BEX_PS_H
@@ -99,6 +104,16 @@ typedef struct bex_ps_shard_config {
     /* BEX_PS_SHARD_CATCHUP: bytes of Pushes held until the catch-up ends
      * (256 MiB); a Push past it is answered -EAGAIN */
     uint64_t catchup_log_max;
+    /* The ids of the Pushes applied (docs/security.md, "Dedup keys and Push ids"): clients
+     * held (4096, at most 1 << 20); a client is forgotten only when the
+     * table is full and it was last seen longer than retry_horizon_ms ago
+     * (300000: longer than any client's retries); a new client past the
+     * bounds below, or when the table is full of younger ones, is refused
+     * -EAGAIN (retriable), never by evicting another. */
+    uint32_t dedup_clients;
+    uint32_t retry_horizon_ms;
+    uint32_t new_clients_per_sec;  /* new client ids a second, this shard (1000) */
+    uint32_t new_clients_per_conn; /* new client ids one RPC connection may bring (64) */
 } bex_ps_shard_config;
 
 /* The shard starts catching up: Pushes are checked, answered and held in
@@ -122,8 +137,13 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx);
  * get the answer (from bex_rpc_alloc(ctx)). Errors: -EINVAL (malformed
  * body, unknown table, wrong dim, a key of another shard, a gradient not
  * finite), -E2BIG (past a
- * bound), -ENOSPC (table full), -ENOMEM, -ENOSYS (method). A failed Push
- * changes nothing. */
+ * bound), -ENOSPC (table full), -ENOMEM, -ENOSYS (method); a Push with an
+ * id: -ESTALE (more than 1024 ids behind its client's highest: applied or
+ * not, the shard cannot tell; counted stale_ids), -EAGAIN (a new client
+ * refused: the dedup table is full of live clients or new ones come too
+ * fast; retriable, counted clients_refused). A failed Push changes
+ * nothing. Through this function no connection is known: only the
+ * per-second bound on new clients applies, not the per-connection one. */
 int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
                        void **resp, size_t *resp_len);
 
@@ -166,6 +186,9 @@ typedef struct bex_ps_shard_stats {
      * whose id was applied already (answered, not applied again) */
     uint64_t catchup_rows, catchup_replayed, catchup_skipped, catchup_failed;
     uint64_t held, copies_served, dup_ids;
+    /* Pushes refused -ESTALE (an id more than 1024 behind its client's
+     * highest); new clients refused -EAGAIN (dedup_clients, rates) */
+    uint64_t stale_ids, clients_refused;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 
@@ -202,7 +225,8 @@ typedef struct bex_ps_client_config {
     uint32_t retry_budget_permille;
 } bex_ps_client_config;
 
-/* Returns 0, -EINVAL (no shard), -ENOMEM. */
+/* Returns 0, -EINVAL (no shard), -ENOMEM, -EIO (no randomness for the
+ * client's Push token: getrandom failed). */
 int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_client **out);
 /* Outstanding requests complete with -ECANCELED first. Never from a
  * completion. */

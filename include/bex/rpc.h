@@ -67,8 +67,10 @@ void bex_rpc_free(void *body);
 /* ---- server ---- */
 
 /* Registration flags. WRITE: the method changes state; a request of it is
- * applied at most once per (client id, sequence) and a retry gets the
- * first answer (docs/protocol.md, "Dedup window"). */
+ * applied at most once per (client id, token, sequence) and a retry gets
+ * the first answer (docs/protocol.md, "Dedup window"; the token is the
+ * channel's random one, so a peer that knows a client id alone cannot
+ * touch that client's record: docs/security.md, "Dedup keys and Push ids"). */
 enum { BEX_RPC_METHOD_WRITE = 1u << 0 };
 
 /* A handler: a request for (service, method) arrived. body (len bytes,
@@ -79,12 +81,19 @@ enum { BEX_RPC_METHOD_WRITE = 1u << 0 };
 typedef void (*bex_rpc_handler)(bex_rpc_req *req, void *body, size_t len, void *user);
 
 typedef struct bex_rpc_server_config {
-    uint32_t dedup_window;   /* sequences remembered per client (256) */
-    uint32_t dedup_clients;  /* clients remembered (1024); the least recently
-                                seen one is forgotten beyond it */
-    uint32_t dedup_resp_max; /* largest response kept for a retry, bytes
-                                (65536); a retry of a call whose answer was
-                                larger gets -ESTALE */
+    uint32_t dedup_window;       /* sequences remembered per client (256) */
+    uint32_t dedup_clients;      /* clients remembered (1024); the least recently
+                                    seen one is forgotten beyond it only when
+                                    nothing of it is pending and it was unseen
+                                    for dedup_horizon_ms; else a new client is
+                                    refused -EAGAIN (retriable) */
+    uint32_t dedup_resp_max;     /* largest response kept for a retry, bytes
+                                    (65536); a retry of a call whose answer was
+                                    larger gets -ESTALE */
+    uint32_t dedup_horizon_ms;   /* the retry horizon (300000): longer than
+                                    any client's call deadline */
+    uint32_t dedup_new_per_sec;  /* new client ids a second (1000) */
+    uint32_t dedup_new_per_conn; /* new client ids one connection may bring (64) */
 } bex_rpc_server_config;
 
 /* Create a server on ctx (cfg may be NULL). Returns 0, -EINVAL, -ENOMEM. */
@@ -119,16 +128,18 @@ int bex_rpc_reply(bex_rpc_req *req, int status, void *body, size_t len);
 void bex_rpc_req_ids(const bex_rpc_req *req, uint64_t *client_id, uint64_t *seq);
 
 typedef struct bex_rpc_server_stats {
-    uint64_t requests;     /* requests dispatched to handlers */
-    uint64_t replies;      /* answers sent */
-    uint64_t no_method;    /* requests for an unregistered method (-ENOSYS) */
-    uint64_t bad_header;   /* connections closed for a malformed header */
-    uint64_t dup_replayed; /* WRITE retries answered with the first answer */
-    uint64_t dup_pending;  /* WRITE retries while the first was not answered yet: not
-                              applied; the first answer goes to the latest of them too */
-    uint64_t stale;        /* WRITE retries past the window (-ESTALE) */
-    uint64_t conns;        /* connections accepted */
-    uint64_t pings;        /* probes (BEX_RPC_SERVICE_PING) answered */
+    uint64_t requests;        /* requests dispatched to handlers */
+    uint64_t replies;         /* answers sent */
+    uint64_t no_method;       /* requests for an unregistered method (-ENOSYS) */
+    uint64_t bad_header;      /* connections closed for a malformed header */
+    uint64_t dup_replayed;    /* WRITE retries answered with the first answer */
+    uint64_t dup_pending;     /* WRITE retries while the first was not answered yet: not
+                                 applied; the first answer goes to the latest of them too */
+    uint64_t stale;           /* WRITE retries past the window (-ESTALE) */
+    uint64_t clients_refused; /* WRITEs of a new client refused (-EAGAIN): table full
+                                 of live clients, or past dedup_new_per_sec / _per_conn */
+    uint64_t conns;           /* connections accepted */
+    uint64_t pings;           /* probes (BEX_RPC_SERVICE_PING) answered */
 } bex_rpc_server_stats;
 void bex_rpc_server_stats_get(bex_rpc_server *srv, bex_rpc_server_stats *out);
 
@@ -207,7 +218,8 @@ typedef struct bex_rpc_channel_config {
 } bex_rpc_channel_config;
 
 /* Create a channel on ctx. Connections are made on first use. Returns 0,
- * -EINVAL, -ENOMEM. In directory mode, a call made while its shard has no
+ * -EINVAL, -ENOMEM, -EIO (no randomness for its dedup token: getrandom
+ * failed). In directory mode, a call made while its shard has no
  * replica fails with -EHOSTUNREACH. */
 int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out);
 
@@ -231,8 +243,12 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch);
  * status (a negative errno from the handler or the server: -ENOSYS no such
  * method, -ESTALE a retry past the dedup window, ...) with its body if it
  * sent one, or a local error with body NULL: -ETIMEDOUT (deadline),
- * -ECANCELED (bex_rpc_cancel, channel destroyed), -ECONNRESET,
- * -ECONNREFUSED, ... (the last attempt's connection failure). body
+ * -ECANCELED (bex_rpc_cancel, channel destroyed), -EIO (in doubt: an
+ * attempt's request may have reached the server, its send came back in
+ * doubt, and no attempt got an answer: it may or may not have been
+ * applied; every attempt carried the same sequence, so a WRITE was applied
+ * at most once), -ECONNRESET, -ECONNREFUSED, ... (the last attempt's
+ * connection failure, no attempt in doubt). body
  * belongs to the callee: free it with bex_rpc_free(). Runs once per call,
  * on the I/O thread, the channel's timer thread, or the thread calling
  * bex_rpc_cancel, bex_rpc_channel_set_endpoints or bex_rpc_channel_destroy

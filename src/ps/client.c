@@ -54,8 +54,10 @@ struct bex_ps_client {
     struct pch *all;
     /* A Push's id, the same at every replica (a restarted replica's
      * catch-up tells by it which Pushes its peer applied): this client's
-     * random id and a sequence per Push. */
-    uint64_t push_client;
+     * random id and a sequence per Push, and its random token: the
+     * replicas key their dedup record by (id, token), so a peer that
+     * learns the id alone cannot touch it (docs/security.md, "Dedup keys and Push ids"). */
+    uint64_t push_client, push_tok[2];
     _Atomic uint64_t push_seq;
 };
 
@@ -94,6 +96,10 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
             n++;
     if (n == 0 || n > MAX_SHARDS)
         return -EINVAL;
+    /* the Push token must be unguessable: no weaker fallback */
+    uint64_t tok[2];
+    if (getrandom(tok, sizeof tok, 0) != sizeof tok)
+        return -EIO;
     bex_ps_client *c = calloc(1, sizeof *c);
     if (!c)
         return -ENOMEM;
@@ -113,6 +119,7 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
     while (!c->push_client)
         if (getrandom(&c->push_client, sizeof c->push_client, 0) != sizeof c->push_client)
             c->push_client = bex__ps_mix((uint64_t)(uintptr_t)c ^ (uint64_t)time(NULL));
+    memcpy(c->push_tok, tok, sizeof tok);
     c->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : 1000;
     c->attempt_timeout_ms = cfg->attempt_timeout_ms;
     c->connect_timeout_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : 1000;
@@ -416,7 +423,8 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
                                      .dim = dim,
                                      .flags = BEX__PS_F_ID,
                                      .id_client = c->push_client,
-                                     .id_seq = id_seq};
+                                     .id_seq = id_seq,
+                                     .id_tok = {c->push_tok[0], c->push_tok[1]}};
         size_t len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0);
         uint8_t *b = bex_rpc_alloc(c->ctx, len);
         if (!b) {

@@ -15,15 +15,18 @@
 #define BEX__PS_HDR_LEN 16
 
 /* u16 version, u16 flags, u32 table, u32 n (keys or rows), u32 dim; with
- * BEX__PS_F_ID (Push only) the Push's id follows: u64 client, u64 seq
- * (the same at every replica of every shard the Push goes to, so that a
- * restarted replica can tell which Pushes its peer applied: catch-up). */
+ * BEX__PS_F_ID (Push only) the Push's id follows: u64 client, u64 seq,
+ * then the client's 128-bit token as 2 x u64 (the same at every replica of
+ * every shard the Push goes to, so that a restarted replica can tell which
+ * Pushes its peer applied: catch-up). A client's dedup record is keyed by
+ * (client, token): docs/security.md, "Dedup keys and Push ids". */
 #define BEX__PS_F_ID   1u
-#define BEX__PS_ID_LEN 16
+#define BEX__PS_ID_LEN 32
 struct bex__ps_hdr {
     uint32_t table, n, dim;
     uint32_t flags;
     uint64_t id_client, id_seq; /* BEX__PS_F_ID */
+    uint64_t id_tok[2];         /* BEX__PS_F_ID */
 };
 
 /* Bytes from a request body's start to its keys. */
@@ -82,6 +85,8 @@ static inline void bex__ps_hdr_put(uint8_t *p, const struct bex__ps_hdr *h)
     if (h->flags & BEX__PS_F_ID) {
         bex__ps_put64(p + BEX__PS_HDR_LEN, h->id_client);
         bex__ps_put64(p + BEX__PS_HDR_LEN + 8, h->id_seq);
+        bex__ps_put64(p + BEX__PS_HDR_LEN + 16, h->id_tok[0]);
+        bex__ps_put64(p + BEX__PS_HDR_LEN + 24, h->id_tok[1]);
     }
 }
 

@@ -48,13 +48,22 @@ struct reg {
     uint32_t method;
 };
 
-/* The ids of the Pushes applied (BEX__PS_F_ID): per client, the highest
- * sequence and a bitmap of the IDS_WINDOW sequences up to it; at most
- * IDS_CLIENTS clients (the least recently seen one is forgotten). */
-#define IDS_WINDOW  1024u
-#define IDS_CLIENTS 4096u
+/* The ids of the Pushes applied (BEX__PS_F_ID): per client (its id and
+ * its token: docs/security.md, "Dedup keys and Push ids"), the highest sequence and a
+ * bitmap of the IDS_WINDOW sequences up to it. At most lim clients; a new
+ * one takes the place of the least recently seen only when that one was
+ * last seen longer than the retry horizon ago, else it is refused. */
+#define IDS_WINDOW   1024u
+#define IDS_CLIENTS  4096u
+#define IDS_LOAD_MAX (1u << 20) /* clients a snapshot or copy may hold */
+#define IDS_NIL      UINT32_MAX
+struct idkey {
+    uint64_t client, tok[2];
+};
 struct idc {
-    uint64_t client, max, touch;
+    struct idkey k;
+    uint64_t max, touch_ns;
+    uint32_t prev, next; /* least recently seen order (IDS_NIL ends) */
     uint64_t bits[IDS_WINDOW / 64];
 };
 struct idset {
@@ -62,16 +71,27 @@ struct idset {
     uint32_t n, cap;
     uint32_t *slots; /* hash slot -> index + 1 */
     uint32_t n_slots;
-    uint64_t clock;
+    uint32_t head, tail; /* most and least recently seen */
 };
 enum { ID_NEW, ID_SEEN, ID_OLD };
+
+/* A Push's id (BEX__PS_F_ID) and where the Push comes from: served (a
+ * request now: new clients rate-limited; req its RPC request, NULL when
+ * called through bex_ps_shard_serve) or a held Push replayed. */
+struct pushid {
+    struct idkey k;
+    uint64_t seq;
+    bool served;
+    const bex_rpc_req *req;
+};
 
 /* A Push held while catching up, checked and decoded. */
 struct held {
     struct held *next;
     struct table *t;
-    uint32_t n, flags;
-    uint64_t id_client, id_seq;
+    uint32_t n;
+    bool has_id;
+    struct pushid id; /* has_id */
     uint64_t *keys;
     float *g;
     size_t bytes;
@@ -93,6 +113,11 @@ struct bex_ps_shard {
     struct bex__log log;
     bex_ps_shard_stats st;
     struct idset ids;
+    /* new clients: at most ids_max held, one forgotten only after
+     * horizon_ns unseen; new_rate a second per shard (new_tat: the token
+     * bucket's theoretical arrival time), new_per_conn per connection */
+    uint32_t ids_max, new_rate, new_per_conn;
+    uint64_t horizon_ns, new_tat;
     bool catching;     /* BEX_PS_SHARD_CATCHUP until bex_ps_shard_catchup ends */
     bool catchup_busy; /* bex_ps_shard_catchup called (once) */
     struct held *held, **held_tail;
@@ -266,9 +291,15 @@ static void apply(const struct table *t, float *v, const float *g)
 
 /* ---- the ids of applied Pushes ---- */
 
-static uint32_t ids_slot(uint64_t client, uint32_t mask)
+static uint32_t ids_slot(const struct idkey *k, uint32_t mask)
 {
-    return (uint32_t)bex__ps_mix(client ^ 0x2545f4914f6cdd1dull) & mask;
+    uint64_t h = bex__ps_mix(k->client ^ 0x2545f4914f6cdd1dull);
+    return (uint32_t)bex__ps_mix(h ^ bex__ps_mix(k->tok[0] ^ h) ^ k->tok[1]) & mask;
+}
+
+static bool idkey_eq(const struct idkey *a, const struct idkey *b)
+{
+    return a->client == b->client && a->tok[0] == b->tok[0] && a->tok[1] == b->tok[1];
 }
 
 static void ids_rehash(struct idset *d)
@@ -276,30 +307,33 @@ static void ids_rehash(struct idset *d)
     memset(d->slots, 0, d->n_slots * sizeof *d->slots);
     uint32_t mask = d->n_slots - 1;
     for (uint32_t i = 0; i < d->n; i++) {
-        uint32_t k = ids_slot(d->c[i].client, mask);
+        uint32_t k = ids_slot(&d->c[i].k, mask);
         while (d->slots[k])
             k = (k + 1) & mask;
         d->slots[k] = i + 1;
     }
 }
 
-static struct idc *ids_find(const struct idset *d, uint64_t client)
+/* The hash slot of key; its content is 0 when key is not there. */
+static uint32_t ids_slot_of(const struct idset *d, const struct idkey *key)
+{
+    uint32_t mask = d->n_slots - 1, k = ids_slot(key, mask);
+    while (d->slots[k] && !idkey_eq(&d->c[d->slots[k] - 1].k, key))
+        k = (k + 1) & mask;
+    return k;
+}
+
+static struct idc *ids_find(const struct idset *d, const struct idkey *key)
 {
     if (!d->n_slots)
         return NULL;
-    uint32_t mask = d->n_slots - 1;
-    for (uint32_t k = ids_slot(client, mask);; k = (k + 1) & mask) {
-        uint32_t i = d->slots[k];
-        if (!i)
-            return NULL;
-        if (d->c[i - 1].client == client)
-            return &d->c[i - 1];
-    }
+    uint32_t i = d->slots[ids_slot_of(d, key)];
+    return i ? &d->c[i - 1] : NULL;
 }
 
-static int ids_has(const struct idset *d, uint64_t client, uint64_t seq)
+static int ids_has(const struct idset *d, const struct idkey *key, uint64_t seq)
 {
-    const struct idc *c = ids_find(d, client);
+    const struct idc *c = ids_find(d, key);
     if (!c || seq > c->max)
         return ID_NEW;
     if (c->max - seq >= IDS_WINDOW)
@@ -307,26 +341,62 @@ static int ids_has(const struct idset *d, uint64_t client, uint64_t seq)
     return (c->bits[(seq % IDS_WINDOW) / 64] >> (seq % 64)) & 1 ? ID_SEEN : ID_NEW;
 }
 
-/* The client's record, made (the least recently seen one forgotten when
- * full); NULL: -ENOMEM. */
-static struct idc *ids_get(struct idset *d, uint64_t client)
+static void lru_unlink(struct idset *d, uint32_t i)
 {
-    struct idc *c = ids_find(d, client);
-    if (c)
-        return c;
-    if (d->n == IDS_CLIENTS) {
-        uint32_t old = 0;
-        for (uint32_t i = 1; i < d->n; i++)
-            if (d->c[i].touch < d->c[old].touch)
-                old = i;
-        d->c[old] = d->c[--d->n];
-        ids_rehash(d);
+    struct idc *c = &d->c[i];
+    if (c->prev != IDS_NIL)
+        d->c[c->prev].next = c->next;
+    else
+        d->head = c->next;
+    if (c->next != IDS_NIL)
+        d->c[c->next].prev = c->prev;
+    else
+        d->tail = c->prev;
+}
+
+/* Seen now: first in the order. */
+static void ids_touch(struct idset *d, struct idc *c, uint64_t now)
+{
+    uint32_t i = (uint32_t)(c - d->c);
+    c->touch_ns = now;
+    if (d->head == i)
+        return;
+    lru_unlink(d, i);
+    c->prev = IDS_NIL;
+    c->next = d->head;
+    if (d->head != IDS_NIL)
+        d->c[d->head].prev = i;
+    d->head = i;
+    if (d->tail == IDS_NIL)
+        d->tail = i;
+}
+
+/* Take index i's record out of the hash (linear probing: the records
+ * after it in its run move back), not out of the array. */
+static void ids_unhash(struct idset *d, uint32_t i)
+{
+    uint32_t mask = d->n_slots - 1, k = ids_slot_of(d, &d->c[i].k);
+    d->slots[k] = 0;
+    for (uint32_t j = (k + 1) & mask; d->slots[j]; j = (j + 1) & mask) {
+        uint32_t home = ids_slot(&d->c[d->slots[j] - 1].k, mask);
+        /* the record at j stays unless the hole at k is between its home
+         * and j (cyclically) */
+        if (((j - home) & mask) >= ((j - k) & mask)) {
+            d->slots[k] = d->slots[j];
+            d->slots[j] = 0;
+            k = j;
+        }
     }
+}
+
+/* Room for one more record: the array and the hash grown. -ENOMEM. */
+static int ids_grow(struct idset *d)
+{
     if (d->n == d->cap) {
         uint32_t cap = d->cap ? 2 * d->cap : 16;
         struct idc *nc = realloc(d->c, cap * sizeof *nc);
         if (!nc)
-            return NULL;
+            return -ENOMEM;
         d->c = nc;
         d->cap = cap;
     }
@@ -334,27 +404,54 @@ static struct idc *ids_get(struct idset *d, uint64_t client)
         uint32_t ns = d->n_slots ? 2 * d->n_slots : 32;
         uint32_t *sl = calloc(ns, sizeof *sl);
         if (!sl)
-            return NULL;
+            return -ENOMEM;
         free(d->slots);
         d->slots = sl;
         d->n_slots = ns;
         ids_rehash(d);
     }
-    c = &d->c[d->n++];
-    *c = (struct idc){.client = client};
-    uint32_t mask = d->n_slots - 1, k = ids_slot(client, mask);
-    while (d->slots[k])
-        k = (k + 1) & mask;
-    d->slots[k] = d->n;
-    return c;
+    return 0;
 }
 
-static int ids_add(struct idset *d, uint64_t client, uint64_t seq)
+/* A new record for key (not there), seen at now. With lim clients held, the
+ * least recently seen is forgotten when it was seen before now - horizon
+ * (its retries are over); else -EAGAIN: a retriable refusal, nothing
+ * evicted. O(1) (amortized). -ENOMEM. */
+static int ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint32_t lim,
+                   uint64_t horizon, struct idc **out)
 {
-    struct idc *c = ids_get(d, client);
-    if (!c)
-        return -ENOMEM;
-    c->touch = ++d->clock;
+    uint32_t i;
+    if (d->n >= lim && d->tail != IDS_NIL) {
+        i = d->tail;
+        if (now - d->c[i].touch_ns < horizon)
+            return -EAGAIN;
+        lru_unlink(d, i);
+        ids_unhash(d, i);
+    } else {
+        int rc = ids_grow(d);
+        if (rc)
+            return rc;
+        i = d->n++;
+    }
+    struct idc *c = &d->c[i];
+    *c = (struct idc){.k = *key, .prev = IDS_NIL, .next = IDS_NIL, .touch_ns = now};
+    if (d->n == 1)
+        d->head = d->tail = IDS_NIL; /* the first: the order was empty */
+    d->slots[ids_slot_of(d, key)] = i + 1;
+    c->next = d->head;
+    if (d->head != IDS_NIL)
+        d->c[d->head].prev = i;
+    d->head = i;
+    if (d->tail == IDS_NIL)
+        d->tail = i;
+    *out = c;
+    return 0;
+}
+
+/* seq applied by c (seen now). */
+static void ids_mark(struct idset *d, struct idc *c, uint64_t seq, uint64_t now)
+{
+    ids_touch(d, c, now);
     if (seq > c->max) {
         if (seq - c->max >= IDS_WINDOW)
             memset(c->bits, 0, sizeof c->bits);
@@ -363,37 +460,87 @@ static int ids_add(struct idset *d, uint64_t client, uint64_t seq)
                 c->bits[(q % IDS_WINDOW) / 64] &= ~(1ull << (q % 64));
         c->max = seq;
     } else if (c->max - seq >= IDS_WINDOW) {
-        return 0; /* older than the window: not recorded */
+        return; /* older than the window: not recorded */
     }
     c->bits[(seq % IDS_WINDOW) / 64] |= 1ull << (seq % 64);
-    return 0;
 }
 
 static void ids_free(struct idset *d)
 {
     free(d->c);
     free(d->slots);
-    *d = (struct idset){0};
+    *d = (struct idset){.head = IDS_NIL, .tail = IDS_NIL};
+}
+
+/* A client id new to the shard may come from this request (under s->mu):
+ * the shard's rate of new clients (a token bucket of one second's worth)
+ * and the connection's count (req NULL: bex_ps_shard_serve, no
+ * connection) allow it. */
+static bool new_client_allowed(bex_ps_shard *s, const bex_rpc_req *req, uint64_t now)
+{
+    uint64_t iv = 1000000000ull / s->new_rate;
+    if (s->new_tat < now)
+        s->new_tat = now;
+    if (s->new_tat - now > (uint64_t)(s->new_rate - 1) * iv)
+        return false;
+    if (req && !bex__rpc_req_conn_admit(req, s->new_per_conn))
+        return false;
+    s->new_tat += iv;
+    return true;
+}
+
+/* The client record of a Push with an id (under s->mu): found, or made
+ * when the shard admits a new client (new_client_allowed, the table's
+ * room). 0, -EAGAIN (refused, retriable), -ENOMEM. */
+static int push_client(bex_ps_shard *s, const struct pushid *id, uint64_t now, struct idc **out)
+{
+    if ((*out = ids_find(&s->ids, &id->k)))
+        return 0;
+    int rc = -EAGAIN;
+    if (s->ids.n < s->ids_max ||
+        (s->ids.tail != IDS_NIL && now - s->ids.c[s->ids.tail].touch_ns >= s->horizon_ns))
+        if (!id->served || new_client_allowed(s, id->req, now))
+            rc = ids_new(&s->ids, &id->k, now, s->ids_max, s->horizon_ns, out);
+    if (rc == -EAGAIN) {
+        s->st.clients_refused++;
+        bex__log(&s->log, BEX_LOG_WARN,
+                 "ps shard %u: a new client refused (%u held, rate %u/s): retriable", s->shard,
+                 s->ids.n, s->new_rate);
+    }
+    return rc;
 }
 
 /* Apply a decoded Push (under s->mu): once per id. Returns 0 (applied, or
- * its id was applied already: not again), or -ENOSPC, -ENOMEM (nothing
- * changed). *applied (may be NULL) tells which. */
+ * its id was applied already: not again), -ESTALE (its id is more than
+ * IDS_WINDOW behind its client's highest: applied or not, the shard cannot
+ * tell), -EAGAIN (a new client refused: push_client), -ENOSPC, -ENOMEM
+ * (nothing changed). *applied (may be NULL) tells which. id: NULL for a
+ * Push without an id. */
 static int push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, const uint64_t *keys,
-                             const float *g, uint32_t flags, uint64_t idc, uint64_t ids,
-                             bool *applied)
+                             const float *g, const struct pushid *id, bool *applied)
 {
     if (applied)
         *applied = false;
-    if ((flags & BEX__PS_F_ID) && ids_has(&s->ids, idc, ids) == ID_SEEN) {
+    int has = id ? ids_has(&s->ids, &id->k, id->seq) : ID_NEW;
+    uint64_t now = bex__rpc_now_ns();
+    if (has == ID_SEEN) {
+        /* a retry: its client is alive (the horizon counts from here) */
+        ids_touch(&s->ids, ids_find(&s->ids, &id->k), now);
         s->st.dup_ids++;
         return 0;
     }
-    int rc = table_reserve(t, missing_rows(t, keys, n));
-    if (rc == 0 && (flags & BEX__PS_F_ID))
-        rc = ids_add(&s->ids, idc, ids);
+    if (has == ID_OLD) {
+        s->st.stale_ids++;
+        return -ESTALE;
+    }
+    struct idc *c = NULL;
+    int rc = id ? push_client(s, id, now, &c) : 0;
+    if (rc == 0)
+        rc = table_reserve(t, missing_rows(t, keys, n));
     if (rc)
         return rc;
+    if (c)
+        ids_mark(&s->ids, c, id->seq, now);
     for (uint32_t i = 0; i < n; i++)
         apply(t, row_get(t, keys[i]), g + (size_t)i * t->cfg.dim);
     s->st.pushes++;
@@ -409,12 +556,13 @@ static int push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, const
 
 /* "BEXPSNAP", u32 version, shard, n_shards, n_tables; per table u32 id,
  * dim, optimizer, n_rows, then n_rows x (u64 key, width floats); version
- * 2: then the ids of the Pushes applied (as in a copy); then the
+ * 3: then the ids of the Pushes applied (as in a copy); then the
  * BLAKE2b-256 (crypto_generichash) of everything before it. Version 1
- * (no ids) is still loaded. */
+ * (no ids) is still loaded, and 2 (ids without tokens: taken as the zero
+ * token, which no bex_ps_client sends). */
 static const char snap_magic[8] = {'B', 'E', 'X', 'P', 'S', 'N', 'A', 'P'};
-#define SNAP_VERSION 2
-#define COPY_VERSION 1
+#define SNAP_VERSION 3
+#define COPY_VERSION 2
 #define SNAP_HASH    crypto_generichash_BYTES
 
 struct wr {
@@ -469,14 +617,17 @@ static void wr_tables(struct wr *w, bex_ps_shard *s)
     }
 }
 
-/* The ids of the Pushes applied: u32 clients; per client u64 id, u64
- * highest sequence, IDS_WINDOW / 64 u64 bitmap words (under s->mu). */
+/* The ids of the Pushes applied: u32 clients; per client u64 id, 2 x u64
+ * token, u64 highest sequence, IDS_WINDOW / 64 u64 bitmap words (under
+ * s->mu). */
 static void wr_ids(struct wr *w, bex_ps_shard *s)
 {
     wr32(w, s->ids.n);
     for (uint32_t i = 0; i < s->ids.n; i++) {
         const struct idc *c = &s->ids.c[i];
-        wr64(w, c->client);
+        wr64(w, c->k.client);
+        wr64(w, c->k.tok[0]);
+        wr64(w, c->k.tok[1]);
         wr64(w, c->max);
         for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
             wr64(w, c->bits[k]);
@@ -525,8 +676,7 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
 }
 
 /* The copy a restarted peer pulls: "BEXPSCPY", u32 version, the tables as
- * in a snapshot, then the ids of the Pushes applied (u32 clients; per
- * client u64 id, u64 highest sequence, IDS_WINDOW / 64 u64 bitmap words),
+ * in a snapshot, then the ids of the Pushes applied (wr_ids),
  * then the BLAKE2b-256 of everything before it. Made under s->mu: the
  * rows and the ids are one cut. */
 static const char copy_magic[8] = {'B', 'E', 'X', 'P', 'S', 'C', 'P', 'Y'};
@@ -605,25 +755,34 @@ static int check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const cha
     return 0;
 }
 
-/* The ids section at r into ids (empty). */
-static int load_ids(struct rd *r, struct idset *ids)
+/* The ids section at r into ids (empty); tok: with tokens (else the
+ * zero token). Every client is taken as seen now: its retries may still
+ * come. */
+static int load_ids(struct rd *r, struct idset *ids, bool tok)
 {
     uint32_t n;
-    if (rd32(r, &n) || n > IDS_CLIENTS || r->left / (16 + IDS_WINDOW / 8) < n)
+    size_t each = (tok ? 32 : 16) + IDS_WINDOW / 8;
+    if (rd32(r, &n) || n > IDS_LOAD_MAX || r->left / each < n)
         return -EINVAL;
+    uint64_t now = bex__rpc_now_ns();
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t client = 0, max = 0;
-        rd64(r, &client);
+        struct idkey k = {0};
+        uint64_t max = 0;
+        rd64(r, &k.client);
+        if (tok) {
+            rd64(r, &k.tok[0]);
+            rd64(r, &k.tok[1]);
+        }
         rd64(r, &max);
-        if (ids_find(ids, client))
+        if (ids_find(ids, &k))
             return -EINVAL; /* a client twice */
-        struct idc *c = ids_get(ids, client);
-        if (!c)
-            return -ENOMEM;
+        struct idc *c;
+        int rc = ids_new(ids, &k, now, UINT32_MAX, 0, &c);
+        if (rc)
+            return rc;
         c->max = max;
-        c->touch = ++ids->clock;
-        for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
-            rd64(r, &c->bits[k]);
+        for (uint32_t w = 0; w < IDS_WINDOW / 64; w++)
+            rd64(r, &c->bits[w]);
     }
     return 0;
 }
@@ -710,7 +869,7 @@ static int snapshot_load(bex_ps_shard *s, const char *path)
     uint32_t version;
     if ((rc = check_sum(s, buf, size, snap_magic, 1, SNAP_VERSION, what, &version, &r)) ||
         (rc = load_tables(s, s->tables, &r, what)) ||
-        (version >= 2 && (rc = load_ids(&r, &s->ids))))
+        (version >= 2 && (rc = load_ids(&r, &s->ids, version >= 3))))
         goto out;
     if (r.left)
         rc = -EINVAL;
@@ -743,7 +902,7 @@ static int copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct ta
     uint32_t version;
     int rc = check_sum(s, buf, size, copy_magic, COPY_VERSION, COPY_VERSION, "catch-up copy",
                        &version, &r);
-    if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")) || (rc = load_ids(&r, ids)))
+    if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")) || (rc = load_ids(&r, ids, true)))
         return rc;
     return r.left ? -EINVAL : 0;
 }
@@ -755,7 +914,7 @@ static int copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct ta
 static bool ids_behind(const struct idset *mine, const struct idset *cut)
 {
     for (uint32_t i = 0; i < mine->n; i++) {
-        const struct idc *p = ids_find(cut, mine->c[i].client);
+        const struct idc *p = ids_find(cut, &mine->c[i].k);
         if (!p || p->max < mine->c[i].max)
             return true;
     }
@@ -789,7 +948,8 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
 {
     if (!cfg || !out || cfg->n_shards == 0 || cfg->shard >= cfg->n_shards || !cfg->tables ||
         (cfg->flags & ~(uint32_t)BEX_PS_SHARD_CATCHUP) || cfg->n_tables == 0 ||
-        cfg->n_tables > BEX_PS_TABLES_MAX)
+        cfg->n_tables > BEX_PS_TABLES_MAX || cfg->dedup_clients > IDS_LOAD_MAX ||
+        cfg->new_clients_per_sec > 1000000000u)
         return -EINVAL;
     for (size_t i = 0; i < cfg->n_tables; i++) {
         const bex_ps_table_config *t = &cfg->tables[i];
@@ -827,6 +987,11 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
     s->catching = cfg->flags & BEX_PS_SHARD_CATCHUP;
     s->held_tail = &s->held;
     s->held_max = cfg->catchup_log_max ? cfg->catchup_log_max : 256ull << 20;
+    s->ids = (struct idset){.head = IDS_NIL, .tail = IDS_NIL};
+    s->ids_max = cfg->dedup_clients ? cfg->dedup_clients : IDS_CLIENTS;
+    s->horizon_ns = (cfg->retry_horizon_ms ? cfg->retry_horizon_ms : 300000) * 1000000ull;
+    s->new_rate = cfg->new_clients_per_sec ? cfg->new_clients_per_sec : 1000;
+    s->new_per_conn = cfg->new_clients_per_conn ? cfg->new_clients_per_conn : 64;
     if (cfg->snapshot_path) {
         int rc = snapshot_load(s, cfg->snapshot_path);
         if (rc == -ENOENT) {
@@ -946,6 +1111,12 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
              offsetof(bex_ps_shard_stats, copies_served)},
             {"bex_ps_dup_pushes_total", "Pushes whose id was applied already (not applied again)",
              offsetof(bex_ps_shard_stats, dup_ids)},
+            {"bex_ps_stale_pushes_total",
+             "Pushes refused for an id more than the window behind its client's highest",
+             offsetof(bex_ps_shard_stats, stale_ids)},
+            {"bex_ps_clients_refused_total",
+             "New client ids refused (dedup table full of live clients, or past a rate)",
+             offsetof(bex_ps_shard_stats, clients_refused)},
         };
         for (size_t i = 0; i < sizeof cu / sizeof cu[0]; i++) {
             bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", cu[i].metric, cu[i].help,
@@ -1045,8 +1216,13 @@ static int serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *
 }
 
 static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
-                      void **resp, size_t *resp_len)
+                      const bex_rpc_req *req, void **resp, size_t *resp_len)
 {
+    bool has_id = h->flags & BEX__PS_F_ID;
+    struct pushid id = {.k = {h->id_client, {h->id_tok[0], h->id_tok[1]}},
+                        .seq = h->id_seq,
+                        .served = true,
+                        .req = req};
     struct table *t = find_table(s, h->table);
     if (!t || t->cfg.dim != h->dim)
         return -EINVAL;
@@ -1082,9 +1258,8 @@ static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h
         if (hd) {
             *hd = (struct held){.t = t,
                                 .n = h->n,
-                                .flags = h->flags,
-                                .id_client = h->id_client,
-                                .id_seq = h->id_seq,
+                                .has_id = has_id,
+                                .id = id,
                                 .keys = keys,
                                 .g = g,
                                 .bytes = bytes};
@@ -1096,7 +1271,7 @@ static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h
             s->st.held++;
         }
     } else {
-        rc = push_apply_locked(s, t, h->n, keys, g, h->flags, h->id_client, h->id_seq, NULL);
+        rc = push_apply_locked(s, t, h->n, keys, g, has_id ? &id : NULL, NULL);
     }
     pthread_mutex_unlock(&s->mu);
     if (rc)
@@ -1197,8 +1372,9 @@ out:
     return 0;
 }
 
-int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
-                       void **resp, size_t *resp_len)
+/* bex_ps_shard_serve for the RPC request req (NULL: none). */
+static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
+                       const bex_rpc_req *req, void **resp, size_t *resp_len)
 {
     if (method == BEX_PS_M_COPY)
         return serve_copy(s, ctx, body, len, resp, resp_len);
@@ -1210,7 +1386,7 @@ int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
     if (rc == 0) {
         const uint8_t *p = (const uint8_t *)body + bex__ps_keys_off(&h);
         rc = method == BEX_PS_M_FETCH ? serve_fetch(s, ctx, &h, p, resp, resp_len)
-                                      : serve_push(s, ctx, &h, p, resp, resp_len);
+                                      : serve_push(s, ctx, &h, p, req, resp, resp_len);
     }
     if (rc == 0) {
         /* the table exists: the request was served */
@@ -1230,12 +1406,18 @@ int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
     return rc;
 }
 
+int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
+                       void **resp, size_t *resp_len)
+{
+    return shard_serve(s, ctx, method, body, len, NULL, resp, resp_len);
+}
+
 static void handler(bex_rpc_req *req, void *body, size_t len, void *user)
 {
     struct reg *r = user;
     void *resp = NULL;
     size_t rlen = 0;
-    int rc = bex_ps_shard_serve(r->s, r->ctx, r->method, body, len, &resp, &rlen);
+    int rc = shard_serve(r->s, r->ctx, r->method, body, len, req, &resp, &rlen);
     bex_rpc_free(body);
     bex_rpc_reply(req, rc, resp, rlen);
 }
@@ -1415,7 +1597,7 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
         bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
     int rc = -EHOSTUNREACH; /* no peer */
     struct table *cut = NULL;
-    struct idset cut_ids = {0};
+    struct idset cut_ids = {.head = IDS_NIL, .tail = IDS_NIL};
     /* rounds over the peers until one gives a copy or the deadline passes:
      * a peer that cannot be reached now (not listening yet, a connection
      * not made in time on a loaded host) may be reachable in a moment, and
@@ -1509,14 +1691,14 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
      * out (an id older than the peer's window too: the peer had it long
      * before), every other one applied once */
     for (struct held *h = s->held; h; h = h->next) {
-        int has = h->flags & BEX__PS_F_ID ? ids_has(&s->ids, h->id_client, h->id_seq) : ID_NEW;
+        int has = h->has_id ? ids_has(&s->ids, &h->id.k, h->id.seq) : ID_NEW;
         if (cut && has != ID_NEW) {
             skipped++;
             continue;
         }
         bool applied;
-        int e = push_apply_locked(s, h->t, h->n, h->keys, h->g, h->flags, h->id_client, h->id_seq,
-                                  &applied);
+        int e =
+            push_apply_locked(s, h->t, h->n, h->keys, h->g, h->has_id ? &h->id : NULL, &applied);
         if (e)
             failed++;
         else if (applied)

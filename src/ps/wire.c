@@ -20,7 +20,7 @@ static int hdr_get(const void *body, size_t len, struct bex__ps_hdr *h)
     if (p[0] != BEX__PS_VERSION || p[1] || (p[2] & ~BEX__PS_F_ID) || p[3])
         return -EINVAL;
     h->flags = p[2];
-    h->id_client = h->id_seq = 0;
+    h->id_client = h->id_seq = h->id_tok[0] = h->id_tok[1] = 0;
     h->table = bex__ps_get32(p + 4);
     h->n = bex__ps_get32(p + 8);
     h->dim = bex__ps_get32(p + 12);
@@ -45,6 +45,8 @@ int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps
         const uint8_t *p = (const uint8_t *)body + BEX__PS_HDR_LEN;
         h->id_client = bex__ps_get64(p);
         h->id_seq = bex__ps_get64(p + 8);
+        h->id_tok[0] = bex__ps_get64(p + 16);
+        h->id_tok[1] = bex__ps_get64(p + 24);
         want += BEX__PS_ID_LEN;
     }
     size_t answer = BEX__PS_HDR_LEN + 4 * (size_t)h->n * h->dim; /* a Fetch's rows */

@@ -91,6 +91,7 @@ struct call {
     struct endpoint *counted; /* directory mode: outstanding on this one's node */
     int refs;                 /* 1 while live or its completion runs, + 1 per send out */
     bool live;
+    bool in_doubt; /* an attempt's send came back -EIO: it may have been handled */
     int status;
     void *resp;
     size_t resp_len;
@@ -153,6 +154,9 @@ struct bex_rpc_channel {
     struct call *htab[CALL_BUCKETS];
     struct call *live;
     uint64_t next_id, next_seq, client_id, next_ping;
+    /* random: with client_id, the key of this channel's dedup records at
+     * servers (docs/security.md, "Dedup keys and Push ids") */
+    uint8_t tok[BEX__RPC_TOK_LEN];
     int64_t tokens; /* retry budget, thousandths of a retry */
     struct link *links;
     size_t n_calls; /* not yet freed */
@@ -1000,6 +1004,8 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
         c->ep->failures++;
     c->link = NULL;
     c->attempt_deadline = 0;
+    if (err == -EIO)
+        c->in_doubt = true;
     for (;;) {
         bool mv = moved && may_move(ch, c, err);
         if (!mv && !may_retry(ch, c, err, remote))
@@ -1015,6 +1021,10 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
         err = e;
         remote = false;
     }
+    /* a later attempt's failure to get there does not undo an earlier one
+     * that may have: the call stays in doubt */
+    if (!remote && c->in_doubt)
+        err = -EIO;
     complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
 }
 
@@ -1678,9 +1688,14 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
         (dir ? cfg->endpoints || cfg->n_endpoints || !cfg->service
              : check_endpoints(cfg->endpoints, cfg->n_endpoints)))
         return -EINVAL;
+    /* the dedup token must be unguessable: no weaker fallback */
+    uint8_t tok[BEX__RPC_TOK_LEN];
+    if (getrandom(tok, sizeof tok, 0) != sizeof tok)
+        return -EIO;
     struct bex_rpc_channel *ch = calloc(1, sizeof(*ch));
     if (!ch)
         return -ENOMEM;
+    memcpy(ch->tok, tok, sizeof tok);
     int err = -ENOMEM;
     ch->ctx = ctx;
     ch->log = bex__ctx_log(ctx);
@@ -1832,8 +1847,10 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         .body_len = (uint32_t)len,
         .timeout_ms = (uint32_t)(tmo_ns / 1000000ull),
     };
-    /* written once: every attempt sends these same bytes, and attempts
-     * may be out at once */
+    memcpy(h.tok, ch->tok, sizeof h.tok);
+    /* written once: every attempt sends these same bytes (the same
+     * client id, token and sequence, whatever the connection), and
+     * attempts may be out at once */
     bex__rpc_hdr_encode(&h, c->msg);
     ch->tokens += ch->budget_permille;
     if (ch->tokens > (int64_t)ch->budget_burst * 1000)

@@ -45,11 +45,15 @@ int bex__rpc_dest_decode(const uint8_t *in, struct bex__rpc_dest *d);
  * an answer written into a destination longer than it. */
 uint32_t bex__rpc_hdr_body_len(const uint8_t *msg);
 
+#define BEX__RPC_TOK_LEN 12
 struct bex__rpc_hdr {
     uint8_t kind;
     uint32_t flags;
     uint32_t service, method;
     uint64_t call_id, client_id, seq;
+    /* the client's random token (bytes 52..63): with client_id the key of
+     * its dedup record (docs/security.md, "Dedup keys and Push ids") */
+    uint8_t tok[BEX__RPC_TOK_LEN];
     int32_t status;
     uint32_t body_len;
     uint32_t timeout_ms; /* requests: what was left of the call's deadline */
@@ -79,6 +83,12 @@ void bex__rpc_hist_add(struct bex__rpc_hist *h, uint64_t ns);
 double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q);
 
 /* The RPC layer's clock, ns: CLOCK_MONOTONIC, or the test hook's. */
+/* Count one new client id (of a handler's own dedup table, e.g. the PS's
+ * Push ids) against req's connection: true when the connection brought
+ * fewer than max so far (then counted), false when it has max already.
+ * Any thread, while req is not answered. */
+bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max);
+
 uint64_t bex__rpc_now_ns(void);
 /* Tests: the RPC layer (channels, servers, directories) reads its time
  * from fn from now on (NULL: CLOCK_MONOTONIC again), so that a case steps

@@ -2,6 +2,7 @@
  * dedup window of state-changing methods. */
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +31,10 @@ struct conn {
     bool closing; /* bex_sock_close called: nothing more is sent */
     bool closed;  /* on_close ran: s is gone */
     bool bad;     /* refused for a malformed header (logged once) */
+    /* new client ids of a handler's dedup table it brought
+     * (bex__rpc_req_conn_admit) */
+    _Atomic uint32_t new_clients;
+    uint32_t dc_new; /* new clients of the dedup window it brought (srv->mu) */
     /* the destination a DEST message gave for call dest_call's answer
      * (bex_rpc_call_into: one call per socket) */
     bool has_dest;
@@ -55,7 +60,10 @@ struct dslot {
 
 struct dclient {
     uint64_t id;
-    uint64_t max_seq; /* highest sequence seen of a WRITE */
+    uint8_t tok[BEX__RPC_TOK_LEN]; /* with id, the key */
+    uint64_t max_seq;              /* highest sequence seen of a WRITE */
+    uint64_t touch_ns;             /* last seen */
+    uint32_t pending;              /* SLOT_PENDING slots */
     struct dslot *slots;
     struct dclient *hnext;               /* hash chain */
     struct dclient *lru_prev, *lru_next; /* most recent first */
@@ -76,6 +84,11 @@ struct bex_rpc_server {
     bex_ctx *ctx;
     struct bex__log *log;
     uint32_t window, max_clients, resp_max;
+    /* a client is forgotten only after horizon_ns unseen with nothing
+     * pending; new ones: new_rate a second (new_tat: the token bucket's
+     * theoretical arrival time), new_per_conn per connection */
+    uint64_t horizon_ns, new_tat;
+    uint32_t new_rate, new_per_conn;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct method *methods;
@@ -106,7 +119,7 @@ void bex_rpc_free(void *body)
 
 int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rpc_server **out)
 {
-    if (!ctx || !out)
+    if (!ctx || !out || (cfg && cfg->dedup_new_per_sec > 1000000000u))
         return -EINVAL;
     struct bex_rpc_server *srv = calloc(1, sizeof(*srv));
     if (!srv)
@@ -116,6 +129,9 @@ int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rp
     srv->window = cfg && cfg->dedup_window ? cfg->dedup_window : 256;
     srv->max_clients = cfg && cfg->dedup_clients ? cfg->dedup_clients : 1024;
     srv->resp_max = cfg && cfg->dedup_resp_max ? cfg->dedup_resp_max : 65536;
+    srv->horizon_ns = (cfg && cfg->dedup_horizon_ms ? cfg->dedup_horizon_ms : 300000) * 1000000ull;
+    srv->new_rate = cfg && cfg->dedup_new_per_sec ? cfg->dedup_new_per_sec : 1000;
+    srv->new_per_conn = cfg && cfg->dedup_new_per_conn ? cfg->dedup_new_per_conn : 64;
     srv->refs = 1;
     pthread_mutex_init(&srv->mu, NULL);
     pthread_cond_init(&srv->cv, NULL);
@@ -224,35 +240,69 @@ static void lru_push_front(struct bex_rpc_server *srv, struct dclient *d)
         srv->lru_tail = d;
 }
 
-static size_t dc_bucket(uint64_t id)
+static size_t dc_bucket(uint64_t id, const uint8_t *tok)
 {
-    return (size_t)((id * 0x9E3779B97F4A7C15ull) >> 54) % DC_BUCKETS;
+    uint64_t t0, t1 = 0;
+    memcpy(&t0, tok, 8);
+    memcpy(&t1, tok + 8, 4);
+    uint64_t h = (id ^ (t0 * 0xBF58476D1CE4E5B9ull) ^ (t1 << 17)) * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h >> 54) % DC_BUCKETS;
 }
 
-static struct dclient *dc_find(struct bex_rpc_server *srv, uint64_t id, bool create)
+static void dc_evict(struct bex_rpc_server *srv, struct dclient *old)
 {
-    size_t b = dc_bucket(id);
+    lru_unlink(srv, old);
+    struct dclient **pp = &srv->dc_hash[dc_bucket(old->id, old->tok)];
+    while (*pp != old)
+        pp = &(*pp)->hnext;
+    *pp = old->hnext;
+    dc_free_slots(old, srv->window);
+    free(old);
+    srv->n_clients--;
+}
+
+/* Whether a new client may come from c now (the per-second token bucket,
+ * the connection's count); counted when it may. */
+static bool dc_admit(struct bex_rpc_server *srv, struct conn *c, uint64_t now)
+{
+    uint64_t iv = 1000000000ull / srv->new_rate;
+    if (srv->new_tat < now)
+        srv->new_tat = now;
+    if (srv->new_tat - now > (uint64_t)(srv->new_rate - 1) * iv || c->dc_new >= srv->new_per_conn)
+        return false;
+    srv->new_tat += iv;
+    c->dc_new++;
+    return true;
+}
+
+/* The record of the client (h's id and token), seen now. create (a
+ * request on c): made when missing, if dc_admit allows and there is room
+ * (the least recently seen client forgotten only when nothing of it is
+ * pending and it was unseen for the horizon: its retries are over); else
+ * NULL with *full set (-EAGAIN to the peer), or NULL (no memory). */
+static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h,
+                               struct conn *c, bool *full)
+{
+    uint64_t now = bex__rpc_now_ns();
+    size_t b = dc_bucket(h->client_id, h->tok);
     for (struct dclient *d = srv->dc_hash[b]; d; d = d->hnext)
-        if (d->id == id) {
+        if (d->id == h->client_id && !memcmp(d->tok, h->tok, BEX__RPC_TOK_LEN)) {
             lru_unlink(srv, d);
             lru_push_front(srv, d);
+            d->touch_ns = now;
             return d;
         }
-    if (!create)
+    if (!c)
         return NULL;
-    if (srv->n_clients >= srv->max_clients && srv->lru_tail) {
-        /* forget the client seen least recently (docs/protocol.md says
-         * what that costs it) */
-        struct dclient *old = srv->lru_tail;
-        lru_unlink(srv, old);
-        struct dclient **pp = &srv->dc_hash[dc_bucket(old->id)];
-        while (*pp != old)
-            pp = &(*pp)->hnext;
-        *pp = old->hnext;
-        dc_free_slots(old, srv->window);
-        free(old);
-        srv->n_clients--;
+    struct dclient *old = srv->lru_tail;
+    bool room = srv->n_clients < srv->max_clients ||
+                (old && !old->pending && now - old->touch_ns >= srv->horizon_ns);
+    if (!room || !dc_admit(srv, c, now)) {
+        *full = true;
+        return NULL;
     }
+    if (srv->n_clients >= srv->max_clients)
+        dc_evict(srv, old);
     struct dclient *d = calloc(1, sizeof(*d));
     if (!d)
         return NULL;
@@ -261,7 +311,9 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, uint64_t id, bool cre
         free(d);
         return NULL;
     }
-    d->id = id;
+    d->id = h->client_id;
+    memcpy(d->tok, h->tok, BEX__RPC_TOK_LEN);
+    d->touch_ns = now;
     d->hnext = srv->dc_hash[b];
     srv->dc_hash[b] = d;
     lru_push_front(srv, d);
@@ -270,14 +322,15 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, uint64_t id, bool cre
 }
 
 /* What to do with a WRITE request. */
-enum { DD_APPLY, DD_PENDING, DD_REPLAY, DD_STALE, DD_NOMEM };
+enum { DD_APPLY, DD_PENDING, DD_REPLAY, DD_STALE, DD_FULL, DD_NOMEM };
 
-static int dedup_check(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h,
+static int dedup_check(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h, struct conn *c,
                        struct dslot *replay, struct dslot **pending)
 {
-    struct dclient *d = dc_find(srv, h->client_id, true);
+    bool full = false;
+    struct dclient *d = dc_find(srv, h, c, &full);
     if (!d)
-        return DD_NOMEM;
+        return full ? DD_FULL : DD_NOMEM;
     uint64_t w = srv->window;
     if (d->max_seq >= w && h->seq <= d->max_seq - w)
         return DD_STALE; /* older than the window: applied or not, we cannot tell */
@@ -294,8 +347,11 @@ static int dedup_check(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h,
     }
     /* a sequence the window does not hold: the slot's old occupant (if
      * any) is out of the window by now */
+    if (sl->state == SLOT_PENDING)
+        d->pending--;
     slot_clear(sl);
     *sl = (struct dslot){.seq = h->seq, .state = SLOT_PENDING};
+    d->pending++;
     if (h->seq > d->max_seq)
         d->max_seq = h->seq;
     return DD_APPLY;
@@ -307,12 +363,13 @@ static int send_answer(struct bex_rpc_server *srv, struct conn *c, const struct 
 static void dedup_record(struct bex_rpc_server *srv, const struct bex__rpc_hdr *h, int status,
                          const void *body, size_t len)
 {
-    struct dclient *d = dc_find(srv, h->client_id, false);
+    struct dclient *d = dc_find(srv, h, NULL, NULL);
     if (!d)
         return; /* forgotten meanwhile */
     struct dslot *sl = &d->slots[h->seq % srv->window];
     if (sl->seq != h->seq || sl->state != SLOT_PENDING)
         return;
+    d->pending--;
     if (sl->wc) {
         /* a retry waits for this answer: a copy goes to it */
         void *copy = bex_rpc_alloc(srv->ctx, len);
@@ -442,6 +499,18 @@ void bex_rpc_req_ids(const bex_rpc_req *req, uint64_t *client_id, uint64_t *seq)
         *seq = req->h.seq;
 }
 
+bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max)
+{
+    /* req holds a reference on its connection */
+    uint32_t n = atomic_load_explicit(&req->c->new_clients, memory_order_relaxed);
+    do {
+        if (n >= max)
+            return false;
+    } while (!atomic_compare_exchange_weak_explicit(&req->c->new_clients, &n, n + 1,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    return true;
+}
+
 /* ---- socket callbacks (I/O thread) ---- */
 
 static void conn_refuse(struct bex_rpc_server *srv, struct conn *c, const char *why)
@@ -515,7 +584,7 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     bool write = m->flags & BEX_RPC_METHOD_WRITE;
     if (write) {
         struct dslot sl, *pend = NULL;
-        switch (dedup_check(srv, &h, &sl, &pend)) {
+        switch (dedup_check(srv, &h, c, &sl, &pend)) {
         case DD_APPLY:
             break;
         case DD_PENDING:
@@ -549,6 +618,17 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         case DD_STALE:
             srv->st.stale++;
             send_answer(srv, c, &h, BEX__RPC_ERROR, -ESTALE, body, 0);
+            pthread_mutex_unlock(&srv->mu);
+            return;
+        case DD_FULL:
+            /* a new client id, refused rather than forgetting one whose
+             * retries may still come: retriable */
+            srv->st.clients_refused++;
+            bex__log(srv->log, BEX_LOG_WARN,
+                     "rpc server: a WRITE of a new client refused -EAGAIN (%u clients held, "
+                     "%u new a second, %u a connection at most)",
+                     srv->n_clients, srv->new_rate, srv->new_per_conn);
+            send_answer(srv, c, &h, BEX__RPC_ERROR, -EAGAIN, body, 0);
             pthread_mutex_unlock(&srv->mu);
             return;
         default:
@@ -737,6 +817,9 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
          offsetof(bex_rpc_server_stats, dup_pending)},
         {"bex_rpc_server_stale_total", "WRITE retries past the dedup window",
          offsetof(bex_rpc_server_stats, stale)},
+        {"bex_rpc_server_clients_refused_total",
+         "WRITE requests of a new client id refused (-EAGAIN): dedup table full or past a rate",
+         offsetof(bex_rpc_server_stats, clients_refused)},
         {"bex_rpc_server_conns_total", "Connections accepted",
          offsetof(bex_rpc_server_stats, conns)},
     };

@@ -58,7 +58,7 @@ void bex__rpc_hdr_encode(const struct bex__rpc_hdr *h, uint8_t *out)
     put32(out + 40, (uint32_t)h->status);
     put32(out + 44, h->body_len);
     put32(out + 48, h->timeout_ms);
-    /* 52..63 reserved, zero */
+    memcpy(out + 52, h->tok, BEX__RPC_TOK_LEN);
 }
 
 int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, const char **why)
@@ -84,7 +84,7 @@ int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, 
         .body_len = get32(msg + 44),
         .timeout_ms = get32(msg + 48),
     };
-    static const uint8_t zero[12];
+    memcpy(h->tok, msg + 52, BEX__RPC_TOK_LEN);
     bool v2 = h->kind == BEX__RPC_DEST || (h->flags & BEX__RPC_F_DEST);
     if (h->kind < BEX__RPC_REQUEST || h->kind > BEX__RPC_DEST)
         *why = "unknown kind";
@@ -97,8 +97,6 @@ int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, 
     else if (h->kind == BEX__RPC_DEST &&
              (h->body_len != BEX__RPC_DEST_LEN || h->call_id == 0 || h->status != 0))
         *why = "malformed destination";
-    else if (memcmp(msg + 52, zero, sizeof zero) != 0)
-        *why = "reserved bytes set";
     else if ((uint64_t)h->body_len != len - BEX_RPC_HDR_LEN)
         *why = "body length disagrees with the message";
     else if (h->kind == BEX__RPC_REQUEST && (h->status != 0 || h->call_id == 0))

@@ -36,6 +36,10 @@ struct fn_x {
     /* TX FN_FAIL_BEFORE: held here until the connection fails */
     struct bex__msg **held;
     uint32_t n_held, cap_held;
+    /* TX FN_IN_DOUBT: the message, whether the transport handed it back
+     * (held here) and whether its answer came (dropped) */
+    struct bex__msg *doubt;
+    bool doubt_back, doubt_answered;
     struct fn_x *next; /* every live wrapper (lock) */
 };
 
@@ -105,8 +109,8 @@ static int match(struct fn_x *w, int dir, int kind)
     pthread_mutex_lock(&lock);
     for (int i = 0; i < n_rules && !action; i++) {
         struct fn_rule *r = &rules[i];
-        if (r->count == 0 || r->action >= FN_NO_READ || r->dir != dir || !conn_matches(r, w) ||
-            (r->kind && r->kind != kind) || !kind)
+        if (r->count == 0 || r->action == FN_NO_READ || r->action == FN_SMALL_BUF ||
+            r->dir != dir || !conn_matches(r, w) || (r->kind && r->kind != kind) || !kind)
             continue;
         if (r->count > 0)
             r->count--;
@@ -149,9 +153,21 @@ static void stop_reading(struct fn_x *w)
 
 /* Fail the connection now (its thread): held messages come back first, as
  * never sent, then the TCP transport hands back its own and reports. */
+static void doubt_hand_back(struct fn_x *w)
+{
+    struct bex__msg *m = w->doubt;
+    w->doubt = NULL;
+    if (!take(w->out, &w->n_out, m))
+        violation("in-doubt message not outstanding", w);
+    atomic_fetch_add(&returned, 1);
+    w->up->on_send_done(&w->x, m, -EIO);
+}
+
 static void fail_now(struct fn_x *w, int err)
 {
     atomic_store(&w->fail_pending, false);
+    if (w->doubt && w->doubt_back)
+        doubt_hand_back(w);
     while (w->n_held) {
         struct bex__msg *m = w->held[--w->n_held];
         if (!take(w->out, &w->n_out, m))
@@ -186,6 +202,14 @@ static void up_on_up(struct bex__xport *in)
 static void up_on_msg(struct bex__xport *in, uint32_t stream, void *buf, size_t len)
 {
     struct fn_x *w = in->user;
+    if (w->doubt && !w->doubt_answered) {
+        /* the answer to the in-doubt message: lost with the connection */
+        bex_mem_free(buf);
+        w->doubt_answered = true;
+        if (w->doubt_back)
+            fail_now(w, -ECONNRESET);
+        return;
+    }
     switch (match(w, FN_RX, rpc_kind(buf, len))) {
     case FN_DROP:
         bex_mem_free(buf);
@@ -219,6 +243,15 @@ static void up_on_peer_close(struct bex__xport *in, uint32_t stream)
 static void up_on_send_done(struct bex__xport *in, struct bex__msg *m, int status)
 {
     struct fn_x *w = in->user;
+    if (m == w->doubt && status == 0) {
+        /* held until its answer comes (then -EIO) */
+        w->doubt_back = true;
+        if (w->doubt_answered)
+            atomic_store(&w->fail_pending, true);
+        return;
+    }
+    if (m == w->doubt)
+        w->doubt = NULL; /* not sent after all: as it is */
     if (!take(w->out, &w->n_out, m))
         violation("message handed back twice, or never handed to send", w);
     atomic_fetch_add(&returned, 1);
@@ -247,6 +280,8 @@ static void up_on_fail(struct bex__xport *in, int err)
 {
     struct fn_x *w = in->user;
     w->dead = true;
+    if (w->doubt && w->doubt_back)
+        doubt_hand_back(w); /* failed before its answer came: in doubt all the same */
     if (w->n_held)
         violation("held messages at on_fail", w);
     if (w->n_out)
@@ -323,6 +358,12 @@ static void x_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
             return;
         }
         violation("out of memory", w);
+        break;
+    case FN_IN_DOUBT:
+        if (!w->doubt) {
+            w->doubt = m;
+            w->doubt_back = w->doubt_answered = false;
+        }
         break;
     case FN_GARBLE:
         if (m->len >= 2)

@@ -56,6 +56,11 @@ enum {
                            full; its close is still seen */
     FN_SMALL_BUF = 6,   /* connections made after it get 32 KiB socket send
                            and receive buffers (dir, kind, count ignored) */
+    FN_IN_DOUBT = 7,    /* TX: sent as usual, but its hand-back is held until
+                           the connection receives its next RPC message (the
+                           answer: the peer surely handled it), which is
+                           dropped; then it comes back -EIO (in doubt) and the
+                           connection fails (one such message per connection) */
 };
 
 /* fn_rule.kind of the recovery ladder's probe (a request for

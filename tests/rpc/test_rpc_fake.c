@@ -22,7 +22,7 @@
 #include "rpc/fakenet.h"
 #include "rpc/internal.h"
 
-enum { SVC = 7, M_ECHO = 1, M_NEVER = 2, M_WRITE = 3 };
+enum { SVC = 7, M_ECHO = 1, M_NEVER = 2, M_WRITE = 3, M_WRITE_HOLD = 4 };
 
 static unsigned scale(void)
 {
@@ -113,13 +113,15 @@ static void h_write(bex_rpc_req *req, void *body, size_t len, void *user)
     bex_rpc_reply(req, 0, r, sizeof n);
 }
 
-static void server_start(struct server *s, char tag)
+static void server_start_cfg(struct server *s, char tag, const bex_rpc_server_config *cfg)
 {
     memset(s, 0, sizeof(*s));
     s->tag = tag;
     pthread_mutex_init(&s->mu, NULL);
     s->ctx = ctx_new();
-    CHECK_OK(bex_rpc_server_create(s->ctx, NULL, &s->srv));
+    CHECK_OK(bex_rpc_server_create(s->ctx, cfg, &s->srv));
+    /* a WRITE whose handler holds the request (answered at server_stop) */
+    CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_WRITE_HOLD, BEX_RPC_METHOD_WRITE, h_never, s));
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_ECHO, 0, h_echo, s));
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_NEVER, 0, h_never, s));
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_WRITE, BEX_RPC_METHOD_WRITE, h_write, s));
@@ -128,6 +130,11 @@ static void server_start(struct server *s, char tag)
     CHECK_OK(bex_rpc_server_listen(s->srv, &a));
     bex_rpc_server_addr(s->srv, &s->addr);
     CHECK(s->addr.sin_port != 0);
+}
+
+static void server_start(struct server *s, char tag)
+{
+    server_start_cfg(s, tag, NULL);
 }
 
 static uint16_t port(const struct server *s)
@@ -801,6 +808,100 @@ static int big_fail_framed(void)
     return big_fail_with(true);
 }
 
+/* A write on ch, waited for: its status; *word its answer. */
+static int write_wait(bex_rpc_channel *ch, bex_ctx *cx, uint32_t *word)
+{
+    struct result r;
+    call(ch, cx, M_WRITE, 8, 0, &r);
+    result_wait(&r, 5000);
+    if (word)
+        *word = r.word;
+    return r.status;
+}
+
+/* Issue 23 item 4, RPC: a peer that knows a client's id (not its token)
+ * neither pre-empts its next write nor locks it out with a sequence far
+ * ahead: its records are its own. */
+static int dedup_spoof(void)
+{
+    fn_install();
+    struct server s;
+    server_start(&s, 'A');
+    bex_ctx *cx = ctx_new();
+    struct server *sv[] = {&s};
+    bex_rpc_channel_config cc = {.request_timeout_ms = 3000, .client_id = 0x5eed};
+    bex_rpc_channel *victim = chan(cx, sv, 1, cc), *thief = chan(cx, sv, 1, cc);
+    uint32_t w;
+    CHECK_OK(write_wait(victim, cx, &w));
+    CHECK_EQ(w, 1);
+    /* the thief's sequence 1 is its own: applied, not the victim's answer */
+    CHECK_OK(write_wait(thief, cx, &w));
+    CHECK_EQ(w, 2);
+    /* the thief runs 300 sequences ahead (past the window of 256) */
+    for (int i = 0; i < 300; i++)
+        CHECK_OK(write_wait(thief, cx, NULL));
+    CHECK_OK(write_wait(victim, cx, &w)); /* sequence 2: applied, not -ESTALE */
+    CHECK_EQ(w, 303);
+    CHECK_EQ(server_stats(&s).stale, 0);
+    CHECK_OK(bex_rpc_channel_destroy(thief));
+    return finish(victim, cx, NULL, &s, NULL);
+}
+
+/* Issue 23 item 4, RPC: a table of 4 clients; a client whose write is
+ * pending (its handler holds it) is not forgotten when fresh client ids
+ * come: they are refused -EAGAIN (retriable) once the table is full of
+ * clients within the retry horizon, and the pending client's retry after
+ * a reconnection is not applied again. */
+static int dedup_pending(void)
+{
+    fn_install();
+    struct server s;
+    server_start_cfg(&s, 'A', &(bex_rpc_server_config){.dedup_clients = 4});
+    bex_ctx *cx = ctx_new();
+    struct server *sv[] = {&s};
+    bex_rpc_channel *held = chan(cx, sv, 1, (bex_rpc_channel_config){.request_timeout_ms = 20000});
+    struct result r;
+    call(held, cx, M_WRITE_HOLD, 8, 0, &r);
+    for (uint64_t end = bex_test_now_ms() + 5000ull * scale(); bex_test_now_ms() < end;) {
+        pthread_mutex_lock(&s.mu);
+        int n = s.n_held;
+        pthread_mutex_unlock(&s.mu);
+        if (n)
+            break;
+        bex_test_sleep_ms(1);
+    }
+    int refused = 0;
+    for (int i = 0; i < 8; i++) {
+        bex_rpc_channel *f = chan(
+            cx, sv, 1, (bex_rpc_channel_config){.request_timeout_ms = 3000, .max_attempts = 1});
+        int rc = write_wait(f, cx, NULL);
+        CHECK(rc == 0 || rc == -EAGAIN);
+        refused += rc == -EAGAIN;
+        CHECK_OK(bex_rpc_channel_destroy(f));
+    }
+    CHECK_EQ(refused, 5); /* 3 took the free places */
+    CHECK_EQ(server_stats(&s).clients_refused, 5);
+    /* the held write's connection fails: its retry comes on a new one */
+    CHECK(fn_fail_conns(FN_CLIENT, port(&s)) >= 1);
+    for (uint64_t end = bex_test_now_ms() + 5000ull * scale();
+         bex_test_now_ms() < end && !server_stats(&s).dup_pending;)
+        bex_test_sleep_ms(1);
+    CHECK_EQ(server_stats(&s).dup_pending, 1);
+    pthread_mutex_lock(&s.mu);
+    CHECK_EQ(s.n_held, 1); /* not applied again */
+    pthread_mutex_unlock(&s.mu);
+    CHECK(!result_done(&r));
+    server_stop(&s); /* answers it -ECANCELED */
+    result_wait(&r, 5000);
+    CHECK_EQ(r.status, -ECANCELED);
+    CHECK_OK(bex_rpc_channel_destroy(held));
+    CHECK_OK(bex_ctx_destroy(cx));
+    fn_uninstall();
+    check_contract();
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(deadline), BEX_CASE(failover), BEX_CASE(quarantine), BEX_CASE(budget),
               BEX_CASE(write_once), BEX_CASE(write_once_reset), BEX_CASE(garbage),
-              BEX_CASE(big_fail), BEX_CASE(big_fail_framed))
+              BEX_CASE(big_fail), BEX_CASE(big_fail_framed), BEX_CASE(dedup_spoof),
+              BEX_CASE(dedup_pending))

@@ -1,0 +1,228 @@
+/* A Push whose send comes back in doubt (-EIO: the request reached the
+ * shard, its answer is lost with the connection), at bex_ps_push (issue
+ * 23, item 1's layer above): over fakenet (tests/rpc/fakenet.h), natively
+ * on loopback TCP, one process.
+ *
+ * retried: the channel retries with the same ids; the Push is applied
+ *   once (the RPC dedup window answers the retry) and succeeds.
+ * restored: the shard is restored from its snapshot between the first
+ *   attempt and the retry, behind a server with no RPC dedup window (as a
+ *   restarted one has none): the Push id in the snapshot answers the
+ *   retry; applied once.
+ * in_doubt: the retry cannot reach the shard (its connection fails before
+ *   sending, every time): the Push completes -EIO (in doubt), not a
+ *   connection error that reads as "not applied"; it was applied once. */
+#include <arpa/inet.h>
+#include <stdatomic.h>
+#include <unistd.h>
+
+#include "bex/dir.h"
+#include "bex/ps.h"
+#include "harness.h"
+#include "ps/ps_internal.h"
+#include "rpc/fakenet.h"
+#include "rpc/internal.h"
+
+static const bex_ps_table_config TI = {.id = 1, .dim = 2, .optimizer = BEX_PS_SGD, .lr = 1.0f};
+
+static bex_ctx *ctx_new(void)
+{
+    bex_ctx_config c = {
+        .transport = BEX_TRANSPORT_TCP, .keepalive_timeout_ms = 60000, .connect_timeout_ms = 10000};
+    inet_pton(AF_INET, "127.0.0.1", &c.local_addr);
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    return ctx;
+}
+
+/* The shard's side: the shard the handler serves now (restored: swapped
+ * for its snapshot's after the first Push). */
+struct side {
+    bex_ctx *ctx;
+    bex_rpc_server *srv;
+    bex_ps_shard *cur, *old;
+    char path[64];
+    uint16_t port;
+};
+
+static bex_ps_shard *shard_new(const char *snap)
+{
+    bex_ps_shard_config pc = {
+        .shard = 0, .n_shards = 1, .tables = &TI, .n_tables = 1, .snapshot_path = snap};
+    bex_ps_shard *s;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    return s;
+}
+
+/* Push registered without the RPC dedup window (a restarted server has
+ * none): after the first, the shard is snapshotted and restored from the
+ * file, and the restored one serves from then on. */
+static void h_push(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    struct side *sd = user;
+    void *resp = NULL;
+    size_t rlen = 0;
+    int rc = bex_ps_shard_serve(sd->cur, sd->ctx, BEX_PS_M_PUSH, body, len, &resp, &rlen);
+    bex_rpc_free(body);
+    if (!sd->old) {
+        CHECK_OK(bex_ps_shard_snapshot(sd->cur, sd->path));
+        sd->old = sd->cur;
+        sd->cur = shard_new(sd->path);
+    }
+    bex_rpc_reply(req, rc, resp, rlen);
+}
+
+static void side_start(struct side *sd, bool restore)
+{
+    memset(sd, 0, sizeof *sd);
+    sd->ctx = ctx_new();
+    snprintf(sd->path, sizeof sd->path, "/tmp/bex-ps-indoubt-%d", (int)getpid());
+    unlink(sd->path);
+    sd->cur = shard_new(NULL);
+    CHECK_OK(bex_rpc_server_create(sd->ctx, NULL, &sd->srv));
+    if (restore)
+        CHECK_OK(bex_rpc_server_register(sd->srv, BEX_PS_SERVICE, BEX_PS_M_PUSH, 0, h_push, sd));
+    else
+        CHECK_OK(bex_ps_shard_register(sd->cur, sd->srv, sd->ctx));
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    CHECK_OK(bex_rpc_server_listen(sd->srv, &a));
+    bex_rpc_server_addr(sd->srv, &a);
+    sd->port = ntohs(a.sin_port);
+}
+
+static void side_stop(struct side *sd)
+{
+    CHECK_OK(bex_rpc_server_destroy(sd->srv));
+    bex_ps_shard_destroy(sd->cur);
+    bex_ps_shard_destroy(sd->old);
+    CHECK_OK(bex_ctx_destroy(sd->ctx));
+    unlink(sd->path);
+}
+
+static bex_ps_shard_stats stats(bex_ps_shard *s)
+{
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(s, &st);
+    return st;
+}
+
+/* One Push of key 7 (gradient 1) by a client of max_attempts; its status,
+ * its report's in *rep. */
+static int push_once(bex_ctx *cx, uint16_t port, uint32_t max_attempts, int *rep)
+{
+    char j[256], err[256];
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":["
+             "{\"replicas\":[{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\"}]}]}}}",
+             port);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .timeout_ms = 5000 * bex_test_time_scale(),
+                               .connect_timeout_ms = 2000 * bex_test_time_scale(),
+                               .max_attempts = max_attempts};
+    bex_ps_client *pc;
+    CHECK_OK(bex_ps_client_create(cx, &cc, &pc));
+    uint64_t key = 7;
+    float g[2] = {1.0f, 1.0f};
+    bex_ps_replica_result res[1];
+    size_t n_res = 0;
+    int rc = bex_ps_push_report_sync(pc, TI.id, TI.dim, &key, 1, g, res, 1, &n_res);
+    CHECK_EQ(n_res, 1);
+    *rep = res[0].status;
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    return rc;
+}
+
+/* The first Push request to port comes back in doubt; more: every later
+ * one fails its connection before it leaves. */
+static int doubt_rule(uint16_t port, bool more)
+{
+    int r = fn_add(&(struct fn_rule){.side = FN_CLIENT,
+                                     .port = port,
+                                     .dir = FN_TX,
+                                     .kind = BEX__RPC_REQUEST,
+                                     .action = FN_IN_DOUBT,
+                                     .count = 1});
+    if (more) {
+        fn_add(&(struct fn_rule){.side = FN_CLIENT,
+                                 .port = port,
+                                 .dir = FN_TX,
+                                 .kind = BEX__RPC_REQUEST,
+                                 .action = FN_FAIL_BEFORE,
+                                 .count = -1});
+        fn_add(&(struct fn_rule){.side = FN_CLIENT,
+                                 .port = port,
+                                 .dir = FN_TX,
+                                 .kind = FN_PING,
+                                 .action = FN_FAIL_BEFORE,
+                                 .count = -1});
+    }
+    return r;
+}
+
+static int finish(struct side *sd, bex_ctx *cx)
+{
+    CHECK_OK(bex_ctx_destroy(cx));
+    side_stop(sd);
+    fn_uninstall();
+    CHECK_EQ(fn_violations(), 0);
+    CHECK_EQ(fn_live(), 0);
+    CHECK_EQ(fn_sent(), fn_returned());
+    return 0;
+}
+
+static int t_retried(void)
+{
+    fn_install();
+    struct side sd;
+    side_start(&sd, false);
+    bex_ctx *cx = ctx_new();
+    int rule = doubt_rule(sd.port, false), rep;
+    CHECK_OK(push_once(cx, sd.port, 3, &rep));
+    CHECK_EQ(rep, 0);
+    CHECK_EQ(fn_hits(rule), 1);
+    CHECK_EQ(stats(sd.cur).pushes, 1);
+    bex_rpc_server_stats rs;
+    bex_rpc_server_stats_get(sd.srv, &rs);
+    CHECK_EQ(rs.requests, 1);                      /* the retry never reached the shard */
+    CHECK_EQ(rs.dup_replayed + rs.dup_pending, 1); /* it was answered from the window */
+    return finish(&sd, cx);
+}
+
+static int t_restored(void)
+{
+    fn_install();
+    struct side sd;
+    side_start(&sd, true);
+    bex_ctx *cx = ctx_new();
+    int rule = doubt_rule(sd.port, false), rep;
+    CHECK_OK(push_once(cx, sd.port, 3, &rep));
+    CHECK_EQ(rep, 0);
+    CHECK_EQ(fn_hits(rule), 1);
+    CHECK(sd.old != NULL);
+    CHECK_EQ(stats(sd.old).pushes, 1);
+    bex_ps_shard_stats st = stats(sd.cur);
+    CHECK(st.pushes == 0 && st.dup_ids == 1); /* the retry: its id was in the snapshot */
+    return finish(&sd, cx);
+}
+
+static int t_in_doubt(void)
+{
+    fn_install();
+    struct side sd;
+    side_start(&sd, false);
+    bex_ctx *cx = ctx_new();
+    int rule = doubt_rule(sd.port, true), rep;
+    CHECK_EQ(push_once(cx, sd.port, 2, &rep), -EIO);
+    CHECK_EQ(rep, -EIO);
+    CHECK_EQ(fn_hits(rule), 1);
+    CHECK_EQ(stats(sd.cur).pushes, 1); /* it was applied: in doubt, not lost */
+    return finish(&sd, cx);
+}
+
+BEX_TEST_MAIN({"retried", t_retried}, {"restored", t_restored}, {"in_doubt", t_in_doubt})
