@@ -26,7 +26,12 @@
  * on_send_done, and only once the NIC no longer reads its buffer. Its
  * status says what became of it:
  *   0            delivered: the peer's engine holds it and hands it to
- *                its socket (unless that socket is closed by then).
+ *                its socket (unless that socket is closed by then). The
+ *                peer says so (over RDMA the credit of its receive comes
+ *                back, over TCP an acknowledgement), within about 200 us
+ *                of its arrival when the peer has nothing to send;
+ *                a peer that never says so fails the connection after
+ *                credit_timeout_ms, and the message comes back -EIO.
  *   -ECANCELED   not delivered, and never will be: it never left this host,
  *                or only fragments did that the peer drops (its last work
  *                request was never posted). Safe to send again.
