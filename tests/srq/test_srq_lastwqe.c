@@ -192,6 +192,12 @@ static int probe(void)
     ibv_dereg_mr(rmr);
     ibv_dereg_mr(smr);
     CHECK_EQ(ibv_destroy_srq(s.srq), 0);
+    CHECK_OK(bex__rdma_cq_destroy(s.cq));
+    CHECK_OK(bex__rdma_cq_destroy(c.cq));
+    CHECK_OK(bex__rdma_cq_destroy(c2.cq));
+    CHECK_OK(bex__rdma_dev_close(c2.dev));
+    CHECK_OK(bex__rdma_dev_close(c.dev));
+    CHECK_OK(bex__rdma_dev_close(s.dev));
     free(rb);
     free(sb);
     return 0;
