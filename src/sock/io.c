@@ -385,7 +385,7 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
 /* Whether the timer tick has anything to do on this thread. */
 static bool has_timers(struct bex__io *io)
 {
-    if (io->conns)
+    if (io->conns || (io->sh.srq && io->sh.srq->n_dying)) /* (QPs draining: bex__srq_reap) */
         return true;
     for (struct bex_listener *l = io->listeners; l; l = l->next)
         if (l->paused)

@@ -115,7 +115,7 @@ static int last_wqe_event(void)
     CHECK_EQ(stats_of(sctx).srq_draining, 1); /* no event from rxe: it waits */
     /* the event, from another thread than the queue's */
     struct bex__srq *q = sctx->io[0].sh.srq;
-    struct ibv_async_event ev = {.element.qp = q->dying[0].qp,
+    struct ibv_async_event ev = {.element.qp = __atomic_load_n(&q->dying[0].qp, __ATOMIC_ACQUIRE),
                                  .event_type = IBV_EVENT_QP_LAST_WQE_REACHED};
     bex__srq_async(&ev);
     CHECK(draining_is(sctx, &h, 0, 5000));

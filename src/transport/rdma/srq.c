@@ -408,14 +408,18 @@ static void qp_destroy_now(struct bex__srq *q, struct ibv_qp *qp)
 void bex__srq_retire(struct bex__srq *q, struct ibv_qp *qp)
 {
     if (q->n_dying < q->cap && !q->stand_in) {
-        qp->qp_context = q; /* for bex__srq_async, on whatever thread */
+        /* for bex__srq_async, on whatever thread (release: it reads the
+         * QP's fields, tests/srq/test_srq_dying.c reads dying[].qp) */
+        __atomic_store_n(&qp->qp_context, q, __ATOMIC_RELEASE);
         if (bex__rdma_qp_to_err(qp) == 0) {
-            q->dying[q->n_dying++] =
-                (struct bex__srq_dying){qp, qp->qp_num, bex__now_ms() + q->drain_ms};
+            struct bex__srq_dying *d = &q->dying[q->n_dying++];
+            d->qpn = qp->qp_num;
+            d->until_ms = bex__now_ms() + q->drain_ms;
+            __atomic_store_n(&d->qp, qp, __ATOMIC_RELEASE);
             BEX__STAT_ADD(q->sh->stats, srq_draining, 1);
             return;
         }
-        qp->qp_context = NULL;
+        __atomic_store_n(&qp->qp_context, NULL, __ATOMIC_RELAXED);
     }
     qp_destroy_now(q, qp);
 }
@@ -462,9 +466,11 @@ bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit)
 
 void bex__srq_async(const struct ibv_async_event *ev)
 {
-    if (ev->event_type != IBV_EVENT_QP_LAST_WQE_REACHED || !ev->element.qp->qp_context)
+    if (ev->event_type != IBV_EVENT_QP_LAST_WQE_REACHED)
         return;
-    struct bex__srq *q = ev->element.qp->qp_context;
+    struct bex__srq *q = __atomic_load_n(&ev->element.qp->qp_context, __ATOMIC_ACQUIRE);
+    if (!q)
+        return;
     pthread_mutex_lock(&q->last_mu);
     if (q->n_last < q->cap) /* else drain_ms ends its wait */
         q->last_wqe[q->n_last++] = ev->element.qp->qp_num;
