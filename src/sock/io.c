@@ -382,6 +382,13 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
     return any;
 }
 
+/* A QP that drained gives back the CQ room its engine held (srq.h). */
+static void cq_room_back(void *arg, uint32_t cq_idx, uint32_t cqe)
+{
+    struct bex__io *io = arg;
+    io->cqs[cq_idx].used -= cqe;
+}
+
 /* Whether the timer tick has anything to do on this thread. */
 static bool has_timers(struct bex__io *io)
 {
@@ -424,7 +431,7 @@ void *bex__io_main(void *arg)
         if (now >= next_tick) {
             bex__conn_tick(io, now);
             if (io->sh.srq && io->sh.srq->n_dying)
-                bex__srq_reap(io->sh.srq, now, false);
+                bex__srq_reap(io->sh.srq, now, false, cq_room_back, io);
             if (ctx->n_io > 1) {
                 /* frees of buffers this thread allocated wait in its heaps
                  * until it collects them: another thread's exact count of

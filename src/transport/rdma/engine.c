@@ -688,6 +688,11 @@ uint32_t bex__engine_id(struct bex__engine *e)
 {
     return e->id;
 }
+
+uint32_t bex__engine_qpn(struct bex__engine *e)
+{
+    return e->qpn;
+}
 bool bex__engine_is_up(struct bex__engine *e)
 {
     return e->state == E_UP;

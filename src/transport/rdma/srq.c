@@ -74,7 +74,7 @@ void bex__srq_destroy(struct bex__srq *q)
 {
     if (!q)
         return;
-    bex__srq_reap(q, 0, true); /* the draining QPs: none may outlive the queue */
+    bex__srq_reap(q, 0, true, NULL, NULL); /* the draining QPs: none may outlive the queue */
     if (q->srq && !q->stand_in)
         ibv_destroy_srq(q->srq);
     BEX__STAT_ADD(q->sh->stats, srq_posted, -(uint64_t)q->posted);
@@ -415,6 +415,7 @@ void bex__srq_retire(struct bex__srq *q, struct ibv_qp *qp)
             struct bex__srq_dying *d = &q->dying[q->n_dying++];
             d->qpn = qp->qp_num;
             d->until_ms = bex__now_ms() + q->drain_ms;
+            d->cq_idx = d->cqe = 0;
             __atomic_store_n(&d->qp, qp, __ATOMIC_RELEASE);
             BEX__STAT_ADD(q->sh->stats, srq_draining, 1);
             return;
@@ -441,7 +442,20 @@ static bool last_seen(struct bex__srq *q, uint32_t qpn)
     return hit;
 }
 
-bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit)
+bool bex__srq_hold_cq(struct bex__srq *q, uint32_t qpn, uint32_t cq_idx, uint32_t cqe)
+{
+    for (uint32_t i = 0; i < q->n_dying; i++) {
+        if (q->dying[i].qpn == qpn) {
+            q->dying[i].cq_idx = cq_idx;
+            q->dying[i].cqe = cqe;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit,
+                   void (*cq_back)(void *arg, uint32_t cq_idx, uint32_t cqe), void *arg)
 {
     bool gone = false;
     for (uint32_t i = 0; i < q->n_dying;) {
@@ -457,6 +471,8 @@ bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit)
         qp_destroy_now(q, d.qp);
         (void)last_seen(q, d.qpn);
         forget_qp(q, d.qpn);
+        if (cq_back && d.cqe)
+            cq_back(arg, d.cq_idx, d.cqe);
         gone = true;
     }
     if (gone)

@@ -62,7 +62,8 @@ struct bex__srq_ent {
 struct bex__srq_dying {
     struct ibv_qp *qp;
     uint32_t qpn;
-    uint64_t until_ms; /* destroyed then at the latest */
+    uint64_t until_ms;    /* destroyed then at the latest */
+    uint32_t cq_idx, cqe; /* CQ room its engine held (bex__srq_hold_cq) */
 };
 
 struct bex__srq {
@@ -160,9 +161,16 @@ void bex__srq_return(struct bex__srq *q, uint32_t idx);
  * the CQ as in bex__srq_release. At most cap QPs drain at once; beyond
  * that, and where the error state cannot be set, it is destroyed at once. */
 void bex__srq_retire(struct bex__srq *q, struct ibv_qp *qp);
-/* Destroy the draining QPs whose time has come (all: at_exit); whether
- * any still drains. */
-bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit);
+/* The connection of draining QP qpn is freed: the room its engine held in
+ * the I/O thread's CQ cq_idx (cqe entries) stays held until the QP is
+ * destroyed, for the sends the error state flushes there. false: qpn is
+ * not draining (the caller gives the room back). */
+bool bex__srq_hold_cq(struct bex__srq *q, uint32_t qpn, uint32_t cq_idx, uint32_t cqe);
+/* Destroy the draining QPs whose time has come (all: at_exit), handing
+ * the CQ room they held to cq_back (may be NULL); whether any still
+ * drains. */
+bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit,
+                   void (*cq_back)(void *arg, uint32_t cq_idx, uint32_t cqe), void *arg);
 /* An async event of the device, read by any thread: a LAST_WQE_REACHED of
  * a draining QP is handed to the queue that owns it (qp_context). The
  * event is not acknowledged here. */
