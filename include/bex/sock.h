@@ -183,6 +183,10 @@ typedef struct bex_ctx_config {
                                    queue, the pool from which every RDMA peer of the
                                    thread is granted rq_depth credits (0 = off: a receive
                                    queue per connection; else rq_depth..32768) */
+    uint32_t srq_drain_ms;      /* SRQ mode: a failed connection's QP waits in the error
+                                   state up to this long for the shared receive it may
+                                   have taken to be flushed back before it is destroyed
+                                   (500; docs/configuration.md) */
 } bex_ctx_config;
 
 /* Bounds of a shared secret, in bytes. */
@@ -419,6 +423,8 @@ typedef struct bex_sock_stats {
     uint64_t srq_refused;        /* SRQ mode: peers refused a share (queue full) */
     uint64_t rndv_prebound;      /* window mode: rendezvous answered with a destination
                                     whose window was bound ahead (no bind to wait for) */
+    uint64_t srq_draining;       /* SRQ mode: QPs of gone connections waiting in the error
+                                    state for their last receive (srq_drain_ms) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "sock/internal.h"
+#include "transport/rdma/srq.h"
 #include "transport/tcp/tcp.h"
 
 #define ACCEPT_BATCH 16 /* connections accepted per listener event */
@@ -150,10 +151,14 @@ void bex__conn_free(struct conn *c)
         close(c->fd);
     }
     if (c->x) {
+        uint32_t qpn = c->eng ? bex__engine_qpn(c->eng) : 0;
         c->x->ops->destroy(c->x);
         if (c->eng) { /* the engine was the transport */
             c->eng = NULL;
-            io->cqs[c->cq_idx].used -= c->cqe_reserved;
+            /* a QP draining on the shared receive queue may still flush
+             * sends into the CQ: its room goes back when the QP goes */
+            if (!io->sh.srq || !bex__srq_hold_cq(io->sh.srq, qpn, c->cq_idx, c->cqe_reserved))
+                io->cqs[c->cq_idx].used -= c->cqe_reserved;
         } else {
             BEX__STAT_ADD(&io->stats, tcp_conns, (uint64_t)-1);
         }

@@ -329,3 +329,18 @@ int bex__rdma_port_query(struct bex__rdma_dev *dev, uint8_t port, struct bex__rd
     /* dev->ports stays as first queried: other threads read it unlocked. */
     return query_port(dev, port, out);
 }
+
+int bex__rdma_async_nonblock(struct bex__rdma_dev *dev)
+{
+    int fd = dev->ctx->async_fd, fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || (!(fl & O_NONBLOCK) && fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0))
+        return -errno;
+    return 0;
+}
+
+int bex__rdma_async_next(struct bex__rdma_dev *dev, struct ibv_async_event *ev)
+{
+    if (ibv_get_async_event(dev->ctx, ev) == 0)
+        return 1;
+    return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -errno;
+}

@@ -183,6 +183,16 @@ int bex__rdma_dev_close(struct bex__rdma_dev *dev);
  * Returns 0, -EINVAL for a bad port, or the verbs error. */
 int bex__rdma_port_query(struct bex__rdma_dev *dev, uint8_t port, struct bex__rdma_port *out);
 
+/* ---- async events ---------------------------------------------------- */
+
+/* Make the device's async event fd (dev->ctx->async_fd) non-blocking, for
+ * epoll. Any thread; more calls change nothing. 0 or a negative errno. */
+int bex__rdma_async_nonblock(struct bex__rdma_dev *dev);
+/* The next async event into *ev: 1 (acknowledge it with
+ * ibv_ack_async_event), 0 when none is pending (after
+ * bex__rdma_async_nonblock), or a negative errno. */
+int bex__rdma_async_next(struct bex__rdma_dev *dev, struct ibv_async_event *ev);
+
 /* ---- completion queues ----------------------------------------------- */
 
 /* A completion channel whose fd is non-blocking, for poll()/epoll of an idle

@@ -32,7 +32,7 @@ enum {
 };
 
 /* What an epoll event of the I/O thread belongs to (struct ep_tag). */
-enum { EV_CHANNEL = 1, EV_LISTENER, EV_CONN };
+enum { EV_CHANNEL = 1, EV_LISTENER, EV_CONN, EV_ASYNC };
 
 /* A message on its way: the command, the engine's descriptor, its socket.
  * It lives in a caller's bex_send_req (caller_owned), or comes from malloc
@@ -164,6 +164,7 @@ struct bex__io {
     struct ibv_comp_channel *ch;
     struct bex__rdma_td *td; /* thread + parent domain, where the device has them */
     struct ep_tag ch_tag;
+    struct ep_tag async_tag; /* SRQ mode: the device's async event fd */
     pthread_t thread;
     bool started;
     struct conn *conns;

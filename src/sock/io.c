@@ -253,6 +253,14 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, str
                 ibv_ack_cq_events(cq, 1);
             break;
         }
+        case EV_ASYNC: {
+            struct ibv_async_event ae;
+            while (bex__rdma_async_next(io->ctx->dev, &ae) > 0) {
+                bex__srq_async(&ae);
+                ibv_ack_async_event(&ae);
+            }
+            break;
+        }
         case EV_LISTENER:
             bex__listener_accept(io, bex__container_of(t, struct bex_listener, tag));
             break;
@@ -374,10 +382,17 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
     return any;
 }
 
+/* A QP that drained gives back the CQ room its engine held (srq.h). */
+static void cq_room_back(void *arg, uint32_t cq_idx, uint32_t cqe)
+{
+    struct bex__io *io = arg;
+    io->cqs[cq_idx].used -= cqe;
+}
+
 /* Whether the timer tick has anything to do on this thread. */
 static bool has_timers(struct bex__io *io)
 {
-    if (io->conns)
+    if (io->conns || (io->sh.srq && io->sh.srq->n_dying)) /* (QPs draining: bex__srq_reap) */
         return true;
     for (struct bex_listener *l = io->listeners; l; l = l->next)
         if (l->paused)
@@ -415,6 +430,8 @@ void *bex__io_main(void *arg)
         uint64_t now = bex__now_ms();
         if (now >= next_tick) {
             bex__conn_tick(io, now);
+            if (io->sh.srq && io->sh.srq->n_dying)
+                bex__srq_reap(io->sh.srq, now, false, cq_room_back, io);
             if (ctx->n_io > 1) {
                 /* frees of buffers this thread allocated wait in its heaps
                  * until it collects them: another thread's exact count of

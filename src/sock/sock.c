@@ -46,6 +46,7 @@ static int config_check(bex_ctx_config *c)
     DEF(rndv_timeout_ms, 30000);
     DEF(credit_timeout_ms, 30000);
     DEF(io_threads, 1);
+    DEF(srq_drain_ms, BEX__SRQ_DRAIN_MS);
     /* sq_depth: a power of two, so that send slots map continuously when
      * the engine's 32-bit counters wrap */
     if (c->sq_depth < 2 || c->sq_depth > 4096 || (c->sq_depth & (c->sq_depth - 1)) ||
@@ -110,6 +111,8 @@ int bex_ctx_remote_access(const bex_ctx *ctx)
     return ctx->sh.windows ? BEX_REMOTE_ACCESS_WINDOW : BEX_REMOTE_ACCESS_LANDING;
 }
 
+static void io_srq_fini(struct bex__io *io);
+
 /* SRQ mode: the thread's shared receive queue on its PD (the parent domain
  * where there is one), with a CQ of its own for every receive completion
  * of the thread (srq_depth at most are posted). */
@@ -132,8 +135,18 @@ static int io_srq_init(bex_ctx *ctx, struct bex__io *io)
         bex__log(&ctx->log, BEX_LOG_ERROR, "%s: ibv_create_srq (%u receives): %s", ctx->dev->name,
                  depth, bex_strerror(err));
         bex__rdma_cq_destroy(cq);
+        return err;
     }
-    return err;
+    io->sh.srq->drain_ms = ctx->cfg.srq_drain_ms;
+    /* the device's async events (IBV_EVENT_QP_LAST_WQE_REACHED of a QP
+     * draining, bex__srq_retire): every SRQ thread of the process watches
+     * the one fd, whoever reads an event hands it to its QP's queue */
+    if ((err = bex__rdma_async_nonblock(ctx->dev)) ||
+        (err = bex__loop_watch(&io->loop, ctx->dev->ctx->async_fd, EPOLLIN, &io->async_tag))) {
+        io_srq_fini(io);
+        return err;
+    }
+    return 0;
 }
 
 static void io_srq_fini(struct bex__io *io)
@@ -572,6 +585,7 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(srq_posted);
         LD(srq_refused);
         LD(rndv_prebound);
+        LD(srq_draining);
 #undef LD
     }
 }

@@ -183,6 +183,7 @@ struct bex__stats {
         post_send_calls, post_recv_calls, signaled, credit_stalls, window_stalls,
         max_inflight_bytes, credit_msgs, engines, rnr_naks, recv_paused, tcp_conns, srq_credits,
         srq_posted, srq_refused, rndv_prebound;
+    _Atomic uint64_t srq_draining;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \

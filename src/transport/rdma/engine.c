@@ -660,6 +660,8 @@ void bex__engine_destroy(struct bex__engine *e)
     release_windows(e);
     if (e->qp && e->nodev)
         nodev_to(e, IBV_QPS_RESET);
+    else if (e->qp && e->srq_in)
+        bex__srq_retire(e->sh->srq, e->qp); /* drains the receive it may hold */
     else if (e->qp)
         bex__rdma_qp_destroy(e->qp);
     srq_leave(e);
@@ -702,6 +704,11 @@ struct bex__engine *bex__engine_of(struct bex__xport *x)
 uint32_t bex__engine_id(struct bex__engine *e)
 {
     return e->id;
+}
+
+uint32_t bex__engine_qpn(struct bex__engine *e)
+{
+    return e->qpn;
 }
 bool bex__engine_is_up(struct bex__engine *e)
 {
@@ -2379,7 +2386,10 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
  * the NIC touches none of our buffers, so everything can be handed back at
  * once. (Moving the QP to error and waiting for flushed markers instead
  * costs a timeout on rxe, where a receive posted to a QP in error never
- * completes.) Completions of the QP still in the CQ are dropped. */
+ * completes.) Completions of the QP still in the CQ are dropped. In SRQ
+ * mode the shared queue takes the QP over instead (bex__srq_retire): in
+ * the error state at once, destroyed once the shared receive it may have
+ * taken for a half-received SEND is flushed back. */
 static void fail_now(struct bex__engine *e, int err)
 {
     if (e->state == E_DEAD)
@@ -2389,6 +2399,8 @@ static void fail_now(struct bex__engine *e, int err)
     if (e->qp) {
         if (e->nodev) {
             nodev_to(e, IBV_QPS_RESET);
+        } else if (e->srq_in) {
+            bex__srq_retire(e->sh->srq, e->qp);
         } else {
             int rc = bex__rdma_qp_destroy(e->qp);
             if (rc) {

@@ -139,6 +139,9 @@ extern const struct bex__transport_ops bex__rdma_transport;
 struct bex__xport *bex__engine_xport(struct bex__engine *e);
 struct bex__engine *bex__engine_of(struct bex__xport *x);
 uint32_t bex__engine_id(struct bex__engine *e);
+/* The number its QP had (also once the QP is gone, or draining in SRQ
+ * mode: bex__srq_hold_cq). */
+uint32_t bex__engine_qpn(struct bex__engine *e);
 /* Name the connection in the engine's log lines ("<name> (engine <id>):"),
  * e.g. the peer's "a.b.c.d:port": an operator must see who failed. */
 void bex__engine_set_name(struct bex__engine *e, const char *name);

@@ -6,6 +6,8 @@
 
 #include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
+#include "loop/loop.h"
+#include "bex/common.h"
 
 static int srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
                       struct ibv_cq *cq, struct ibv_srq *stand_in, struct bex__srq **out)
@@ -22,8 +24,11 @@ static int srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rb
     q->map_cap = 64;
     q->map = calloc(q->map_cap, sizeof(*q->map));
     q->wcs = calloc(depth, sizeof(*q->wcs));
+    q->dying = calloc(depth, sizeof(*q->dying));
+    q->last_wqe = calloc(depth, sizeof(*q->last_wqe));
+    q->drain_ms = BEX__SRQ_DRAIN_MS;
     int err = -ENOMEM;
-    if (!q->slots || !q->pool || !q->map || !q->wcs)
+    if (!q->slots || !q->pool || !q->map || !q->wcs || !q->dying || !q->last_wqe)
         goto err_free;
     q->stand_in = stand_in != NULL;
     if (stand_in) {
@@ -37,6 +42,7 @@ static int srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rb
             goto err_free;
         }
     }
+    pthread_mutex_init(&q->last_mu, NULL);
     *out = q;
     return 0;
 err_free:
@@ -44,6 +50,8 @@ err_free:
     free(q->pool);
     free(q->map);
     free(q->wcs);
+    free(q->dying);
+    free(q->last_wqe);
     free(q);
     return err;
 }
@@ -66,6 +74,7 @@ void bex__srq_destroy(struct bex__srq *q)
 {
     if (!q)
         return;
+    bex__srq_reap(q, 0, true, NULL, NULL); /* the draining QPs: none may outlive the queue */
     if (q->srq && !q->stand_in)
         ibv_destroy_srq(q->srq);
     BEX__STAT_ADD(q->sh->stats, srq_posted, -(uint64_t)q->posted);
@@ -80,6 +89,9 @@ void bex__srq_destroy(struct bex__srq *q)
     free(q->pool);
     free(q->map);
     free(q->wcs);
+    free(q->dying);
+    free(q->last_wqe);
+    pthread_mutex_destroy(&q->last_mu);
     free(q);
 }
 
@@ -381,4 +393,102 @@ void bex__srq_return(struct bex__srq *q, uint32_t idx)
     q->held--;
     q->pool[q->n_pool++] = idx;
     refill(q);
+}
+
+/* ---- QPs draining ---- */
+
+static void qp_destroy_now(struct bex__srq *q, struct ibv_qp *qp)
+{
+    uint32_t qpn = qp->qp_num;
+    int rc = bex__rdma_qp_destroy(qp);
+    if (rc) /* it keeps its number: bex__srq_arrived takes what it completes */
+        bex__log(q->sh->log, BEX_LOG_ERROR, "QP %u: ibv_destroy_qp: %s", qpn, bex_strerror(rc));
+}
+
+void bex__srq_retire(struct bex__srq *q, struct ibv_qp *qp)
+{
+    if (q->n_dying < q->cap && !q->stand_in) {
+        /* for bex__srq_async, on whatever thread (release: it reads the
+         * QP's fields, tests/srq/test_srq_dying.c reads dying[].qp) */
+        __atomic_store_n(&qp->qp_context, q, __ATOMIC_RELEASE);
+        if (bex__rdma_qp_to_err(qp) == 0) {
+            struct bex__srq_dying *d = &q->dying[q->n_dying++];
+            d->qpn = qp->qp_num;
+            d->until_ms = bex__now_ms() + q->drain_ms;
+            d->cq_idx = d->cqe = 0;
+            __atomic_store_n(&d->qp, qp, __ATOMIC_RELEASE);
+            BEX__STAT_ADD(q->sh->stats, srq_draining, 1);
+            return;
+        }
+        __atomic_store_n(&qp->qp_context, NULL, __ATOMIC_RELAXED);
+    }
+    qp_destroy_now(q, qp);
+}
+
+/* Whether a LAST_WQE_REACHED of QP qpn came (taken out of the list). */
+static bool last_seen(struct bex__srq *q, uint32_t qpn)
+{
+    bool hit = false;
+    pthread_mutex_lock(&q->last_mu);
+    for (uint32_t i = 0; i < q->n_last;) {
+        if (q->last_wqe[i] == qpn) {
+            q->last_wqe[i] = q->last_wqe[--q->n_last];
+            hit = true;
+        } else {
+            i++;
+        }
+    }
+    pthread_mutex_unlock(&q->last_mu);
+    return hit;
+}
+
+bool bex__srq_hold_cq(struct bex__srq *q, uint32_t qpn, uint32_t cq_idx, uint32_t cqe)
+{
+    for (uint32_t i = 0; i < q->n_dying; i++) {
+        if (q->dying[i].qpn == qpn) {
+            q->dying[i].cq_idx = cq_idx;
+            q->dying[i].cqe = cqe;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit,
+                   void (*cq_back)(void *arg, uint32_t cq_idx, uint32_t cqe), void *arg)
+{
+    bool gone = false;
+    for (uint32_t i = 0; i < q->n_dying;) {
+        struct bex__srq_dying d = q->dying[i];
+        if (!at_exit && now_ms < d.until_ms && !last_seen(q, d.qpn)) {
+            i++;
+            continue;
+        }
+        q->dying[i] = q->dying[--q->n_dying];
+        BEX__STAT_ADD(q->sh->stats, srq_draining, (uint64_t)-1);
+        /* ibv_destroy_qp waits for every async event of the QP to be
+         * acknowledged: none is handed to us after it */
+        qp_destroy_now(q, d.qp);
+        (void)last_seen(q, d.qpn);
+        forget_qp(q, d.qpn);
+        if (cq_back && d.cqe)
+            cq_back(arg, d.cq_idx, d.cqe);
+        gone = true;
+    }
+    if (gone)
+        refill(q);
+    return q->n_dying > 0;
+}
+
+void bex__srq_async(const struct ibv_async_event *ev)
+{
+    if (ev->event_type != IBV_EVENT_QP_LAST_WQE_REACHED)
+        return;
+    struct bex__srq *q = __atomic_load_n(&ev->element.qp->qp_context, __ATOMIC_ACQUIRE);
+    if (!q)
+        return;
+    pthread_mutex_lock(&q->last_mu);
+    if (q->n_last < q->cap) /* else drain_ms ends its wait */
+        q->last_wqe[q->n_last++] = ev->element.qp->qp_num;
+    pthread_mutex_unlock(&q->last_mu);
 }

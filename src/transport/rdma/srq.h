@@ -14,11 +14,13 @@
  * protocol violation and fails its engine. docs/architecture.md has the
  * accounting.
  *
- * Every function is called on the owning I/O thread only. */
+ * Every function is called on the owning I/O thread only, but
+ * bex__srq_async (any thread). */
 #ifndef BEX_TRANSPORT_RDMA_SRQ_H
 #define BEX_TRANSPORT_RDMA_SRQ_H
 
 #include <infiniband/verbs.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -38,12 +40,15 @@ struct bex__rslot {
 #define BEX__SRQ_WR_RECV  (1u << 31)
 #define BEX__SRQ_WR_ID(i) ((uint64_t)(BEX__SRQ_WR_RECV | (i)))
 
-/* Posted receives beyond the credits granted, where the queue has room:
- * a receive consumed by a QP that is destroyed in the middle of a
- * multi-packet SEND never completes (the verbs rule is to wait for
- * IBV_EVENT_QP_LAST_WQE_REACHED; bex destroys failed QPs at once), so
- * the count of posted receives can be a few too high. */
+/* Posted receives beyond the credits granted, where the queue has room.
+ * A receive a QP took for a multi-packet SEND it never finished is no
+ * longer lost (bex__srq_retire); the spare covers a device that neither
+ * flushes it nor raises IBV_EVENT_QP_LAST_WQE_REACHED, and QPs destroyed
+ * at once when more than srq_depth are draining. */
 #define BEX__SRQ_SPARE 32
+
+/* bex_ctx_config.srq_drain_ms's default. */
+#define BEX__SRQ_DRAIN_MS 500
 
 /* bex_ctx_config.srq_depth at most (rxe: 32767 CQ entries). */
 #define BEX__SRQ_DEPTH_MAX 32768
@@ -51,6 +56,14 @@ struct bex__rslot {
 struct bex__srq_ent {
     uint32_t qpn; /* 0: empty */
     struct bex__engine *e;
+};
+
+/* A QP in the error state, waiting for its last receive (bex__srq_retire). */
+struct bex__srq_dying {
+    struct ibv_qp *qp;
+    uint32_t qpn;
+    uint64_t until_ms;    /* destroyed then at the latest */
+    uint32_t cq_idx, cqe; /* CQ room its engine held (bex__srq_hold_cq) */
 };
 
 struct bex__srq {
@@ -78,6 +91,15 @@ struct bex__srq {
     uint32_t wc_head, wc_n;
     int cq_err;    /* a poll made by bex__srq_release failed (negative) */
     bool stand_in; /* srq is a stand-in (tests): nothing to destroy */
+    /* QPs draining (bex__srq_retire), at most cap */
+    struct bex__srq_dying *dying;
+    uint32_t n_dying;
+    uint32_t drain_ms; /* bex_ctx_config.srq_drain_ms */
+    /* QP numbers whose IBV_EVENT_QP_LAST_WQE_REACHED any thread read
+     * (bex__srq_async): the one field other threads touch, under last_mu */
+    pthread_mutex_t last_mu;
+    uint32_t *last_wqe;
+    uint32_t n_last;
 };
 
 /* Tests only: when non-zero, SRQ mode without per-peer accounting, the
@@ -126,5 +148,32 @@ struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t 
 int bex__srq_post(struct bex__srq *q, const uint32_t *idx, uint32_t n);
 /* A held receive goes back to the pool unposted (its engine failed on it). */
 void bex__srq_return(struct bex__srq *q, uint32_t idx);
+
+/* The QP of an engine that fails or goes (before bex__srq_release): the
+ * queue takes it over. A QP destroyed at once loses the receive it took
+ * for a SEND half received: it never completes, and the queue stays one
+ * short for good (tests/srq/test_srq_dying.c). So the QP goes to the error
+ * state, which flushes that receive (its completion finds no engine and
+ * the receive goes back to the pool, posted again), and is destroyed once
+ * the device says its last receive is done (IBV_EVENT_QP_LAST_WQE_REACHED,
+ * bex__srq_async) or drain_ms later (rxe on Linux 6.1 flushes, but raises
+ * no event: docs/architecture.md); its completions are then taken out of
+ * the CQ as in bex__srq_release. At most cap QPs drain at once; beyond
+ * that, and where the error state cannot be set, it is destroyed at once. */
+void bex__srq_retire(struct bex__srq *q, struct ibv_qp *qp);
+/* The connection of draining QP qpn is freed: the room its engine held in
+ * the I/O thread's CQ cq_idx (cqe entries) stays held until the QP is
+ * destroyed, for the sends the error state flushes there. false: qpn is
+ * not draining (the caller gives the room back). */
+bool bex__srq_hold_cq(struct bex__srq *q, uint32_t qpn, uint32_t cq_idx, uint32_t cqe);
+/* Destroy the draining QPs whose time has come (all: at_exit), handing
+ * the CQ room they held to cq_back (may be NULL); whether any still
+ * drains. */
+bool bex__srq_reap(struct bex__srq *q, uint64_t now_ms, bool at_exit,
+                   void (*cq_back)(void *arg, uint32_t cq_idx, uint32_t cqe), void *arg);
+/* An async event of the device, read by any thread: a LAST_WQE_REACHED of
+ * a draining QP is handed to the queue that owns it (qp_context). The
+ * event is not acknowledged here. */
+void bex__srq_async(const struct ibv_async_event *ev);
 
 #endif
