@@ -28,8 +28,9 @@
  *   0            delivered: the peer's engine holds it and hands it to
  *                its socket (unless that socket is closed by then). The
  *                peer says so (over RDMA the credit of its receive comes
- *                back, over TCP an acknowledgement), within about 200 us
- *                of its arrival when the peer has nothing to send;
+ *                back, over TCP an acknowledgement), at the latest 1 ms
+ *                (RDMA) or 200 us (TCP) after its arrival when the peer
+ *                has nothing to send;
  *                a peer that never says so fails the connection after
  *                credit_timeout_ms, and the message comes back -EIO.
  *   -ECANCELED   not delivered, and never will be: it never left this host,

@@ -323,9 +323,12 @@ static int multiplex_client(struct pair *p, void *arg)
     CHECK_EQ(atomic_load(&c->send_err), 0);
     quiet_stats(p->ctx, &st);
     CHECK_EQ(st.engines, 1);
-    fprintf(stderr, "%llu SENDs + %llu WRITEs in %llu ibv_post_send calls, %llu signaled\n",
+    fprintf(stderr,
+            "%llu SENDs + %llu WRITEs in %llu ibv_post_send calls, %llu signaled; "
+            "credit stalls %llu, credit messages %llu\n",
             (unsigned long long)st.sends_posted, (unsigned long long)st.writes_posted,
-            (unsigned long long)st.post_send_calls, (unsigned long long)st.signaled);
+            (unsigned long long)st.post_send_calls, (unsigned long long)st.signaled,
+            (unsigned long long)st.credit_stalls, (unsigned long long)st.credit_msgs);
     /* doorbell batching: fewer ibv_post_send calls than work requests;
      * selective signaling: exactly one signaled request per call (its last,
      * which retires the whole chain), so fewer signaled than posted */
@@ -622,6 +625,13 @@ static int loss_client(struct pair *p, void *arg)
     CLI_WAIT(c, recvd, NS * PER, 120000);
     CHECK_EQ(c->bad, 0);
     CHECK_EQ(atomic_load(&c->errors), 0);
+    /* every send reported delivered: the acknowledgements survive the loss */
+    CLI_WAIT(c, done, NS * PER, 20000);
+    CHECK_EQ(atomic_load(&c->send_err), 0);
+    bex_sock_stats st;
+    bex_ctx_stats(p->ctx, &st);
+    fprintf(stderr, "credit stalls %llu, credit messages %llu\n",
+            (unsigned long long)st.credit_stalls, (unsigned long long)st.credit_msgs);
     cli_close_all(c, NS);
     free(c);
     return 0;

@@ -1663,8 +1663,11 @@ bool bex__engine_progress(struct bex__engine *e)
     prep_keepalive(e);
     /* the peer waits for these receives' credits to report its messages:
      * posted now, whatever we send next carries them */
-    if (e->acks_owed && e->n_unposted)
+    if (e->acks_owed && e->n_unposted) {
         repost_recvs(e);
+        if (e->state != E_UP)
+            return e->tail != before;
+    }
     /* control messages first: they unblock the peer */
     while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -2310,7 +2313,7 @@ static bool stalled(struct bex__engine *e, uint64_t now)
     if (e->ack_head && e->cfg.credit_timeout_ms &&
         now - e->ack_wait_ms > e->cfg.credit_timeout_ms) {
         bex__log(e->sh->log, BEX_LOG_ERROR,
-                 "%s: sent messages waited %u ms for the peer's acknowledgement", e->name,
+                 "%s: sent messages waited %u ms for the credits that acknowledge them", e->name,
                  e->cfg.credit_timeout_ms);
         bex__engine_fail(e, -ETIMEDOUT);
         return true;

@@ -60,9 +60,12 @@ struct bex__engine_config {
 #define BEX__ENGINE_MIN_DEPTH 4
 
 /* Credits the peer waits for to report its messages delivered go back
- * with our next message; with none to carry them, alone after this long
- * (as the TCP transport's acknowledgements: BEX__TCP_ACK_DELAY_US). */
-#define BEX__ENGINE_ACK_DELAY_US 200
+ * with our next message; with none to carry them, alone after this long.
+ * Longer than the TCP transport's 200 us: a request's next one or an
+ * answer (from another thread, through the command queue) takes a few
+ * hundred us in the emulated VM, and each CREDIT alone costs both sides a
+ * work request and a progress call (test_iothreads.echo_visits). */
+#define BEX__ENGINE_ACK_DELAY_US 1000
 
 /* Inline bytes asked of the QP: a DATA payload up to what the device
  * grants goes inside its work request (none where the device has none). */
