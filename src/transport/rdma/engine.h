@@ -77,9 +77,11 @@ struct bex__engine_peer {
 
 /* Received memory, counted per context (engine.c): bytes allocated by the
  * I/O threads (only grows; frees are learnt from exact counts) and bytes
- * in posted receive buffers. */
+ * in posted receive buffers; and the connections holding partly received
+ * messages, among which the TCP transport shares the budget (tcp.c). */
 struct bex__recv_acct {
     _Atomic int64_t allocated, posted;
+    _Atomic int32_t holders; /* TCP connections holding partly received messages */
 };
 
 struct bex__srq;
