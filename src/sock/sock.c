@@ -348,6 +348,9 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         .rndv_bytes_max = c->rndv_bytes_max,
         .rndv_timeout_ms = c->rndv_timeout_ms,
         .credit_timeout_ms = c->credit_timeout_ms,
+        .share_min = c->recv_share_min,
+        .min_rate = c->recv_min_rate,
+        .rate_window_ms = c->recv_rate_ms,
     };
     if (c->transport != BEX_TRANSPORT_TCP) {
         err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);

@@ -50,6 +50,15 @@ struct bex__engine_config {
     uint64_t rndv_bytes_max;    /* destination bytes allocated for one peer at once */
     uint32_t rndv_timeout_ms;   /* a rendezvous request of ours unanswered this long */
     uint32_t credit_timeout_ms; /* sends waiting for credit this long, none coming */
+    /* The receive budget against rendezvous grants (recv_share_min,
+     * recv_min_rate, recv_rate_ms; 0: no share floor, no deadline): a
+     * request is answered only while the engine's destinations stay within
+     * max(recv_max / (other holders + 2), share_min), or no other engine or
+     * connection of the context holds any; a granted destination not
+     * written rate_window_ms + len / min_rate after its grant or the last
+     * delivery, whichever is later, fails the engine. */
+    uint64_t share_min;
+    uint32_t min_rate, rate_window_ms;
 };
 
 /* The smallest recv_depth a peer may grant: ordinary SENDs keep the last
