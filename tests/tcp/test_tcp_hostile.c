@@ -32,7 +32,9 @@
  *   waited for good and none of those connections failed. Now a connection
  *   starts messages only within its share of the budget, and one holding
  *   partly received messages that stop progressing (recv_min_rate over
- *   recv_rate_ms) fails; the honest client gets through all along. */
+ *   recv_rate_ms) fails; the honest client gets through all along.
+ * - slow_sender: the guard of the rule above: a sender paced at 2 MiB/s
+ *   (above recv_min_rate) over more than one window is not failed. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -582,10 +584,11 @@ static int hold_budget(void)
     uint64_t end = bex_test_now_ms() + scaled(30000);
     int calls = 0, ok = 0;
     while (open_count(fds, HOSTILE) && bex_test_now_ms() < end) {
-        void *b = bex_sock_alloc(cli, 100);
+        size_t n = calls % 2 ? 4 * MIB : 100; /* large messages get through too */
+        void *b = bex_sock_alloc(cli, n);
         CHECK(b);
-        memset(b, 1, 100);
-        CHECK_OK(bex_sock_send(cs, b, 100, NULL));
+        memset(b, 1, n);
+        CHECK_OK(bex_sock_send(cs, b, n, NULL));
         calls++;
         uint64_t by = bex_test_now_ms() + scaled(3000);
         while (atomic_load(&rs.done) < calls && bex_test_now_ms() < by)
@@ -610,6 +613,39 @@ static int hold_budget(void)
     return 0;
 }
 
+/* An honest sender paced well below the link, but above recv_min_rate (2
+ * MiB/s against 1 MiB/s, over more than one recv_rate_ms window): its
+ * 16 MiB message must arrive and the connection live. */
+static int slow_sender(void)
+{
+    bex_ctx *srv = mkctx(64 * MIB, 16 * MIB, 0);
+    struct sockaddr_in a;
+    static const bex_listener_ops lops = {.on_accept = r_accept};
+    bex_listener *l = listen_on(srv, &lops, NULL, &a);
+    int fd = raw_connect(&a);
+    frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL);
+    static uint8_t chunk[32 * 1024];
+    memset(chunk, 7, sizeof chunk);
+    uint64_t t0 = bex_test_now_ms(), off = 0, len = 16 * MIB;
+    while (off < len) {
+        /* catch up to 2 MiB/s of elapsed time, whatever the sleeps took */
+        uint64_t due = (bex_test_now_ms() - t0 + 1) * 2 * MIB / 1000;
+        while (off < len && off < due) {
+            CHECK(frame(fd, BEX__MSG_DATA, 1, sizeof chunk, (uint32_t)len, off, chunk));
+            off += sizeof chunk;
+        }
+        CHECK(drain(fd, 10) >= 0); /* also: still open */
+    }
+    uint64_t dt = bex_test_now_ms() - t0;
+    CHECK(wait_for(&rs.recvd, 1, scaled(3000)));
+    fprintf(stderr, "slow_sender: 16 MiB in %llu ms\n", (unsigned long long)dt);
+    CHECK(!closed_within(fd, 300));
+    close(fd);
+    bex_listener_close(l);
+    bex_ctx_destroy(srv);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(direct_two_streams), BEX_CASE(direct_after_cancel), BEX_CASE(parts_bounded),
               BEX_CASE(pause_with_parts), BEX_CASE(interleave_over_limit), BEX_CASE(no_ack),
-              BEX_CASE(rdhup_paused), BEX_CASE(hold_budget))
+              BEX_CASE(rdhup_paused), BEX_CASE(hold_budget), BEX_CASE(slow_sender))
