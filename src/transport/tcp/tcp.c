@@ -162,7 +162,7 @@ static _Atomic int32_t *holders(struct bex__tcp *t)
  * connection of the context holding any, the whole budget; else its share,
  * which leaves room for one more holder, so that a few peers that start
  * large messages and stall cannot take the budget from every other (they
- * fail by the rate check, hold_check). */
+ * fail by the rate check, too_slow). */
 static uint64_t recv_share(struct bex__tcp *t)
 {
     uint64_t max = t->sh->recv_max;
