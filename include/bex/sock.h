@@ -167,6 +167,16 @@ typedef struct bex_ctx_config {
     uint64_t recv_bytes_max;    /* received bytes the application holds (not yet
                                    freed) over the whole context (1 GiB); above it
                                    the engines stop returning credits; ~0 = no limit */
+    uint64_t recv_share_min;    /* what a connection may always hold of memory its peer
+                                   has yet to write, partly received messages (TCP) or
+                                   granted destinations (RDMA) (4 MiB): more waits while
+                                   it exceeds its share, recv_bytes_max / (other
+                                   holders + 2), never below this; no other holder: any */
+    uint32_t recv_min_rate;     /* bytes a second (1 MiB) a peer must deliver of that
+                                   memory: over TCP measured over each recv_rate_ms
+                                   while we read, over RDMA each grant written within
+                                   recv_rate_ms + len / rate; else -ETIMEDOUT */
+    uint32_t recv_rate_ms;      /* the window recv_min_rate is measured over (5000) */
     uint32_t streams_max;       /* sockets a peer may open on one connection (1024);
                                    further OPENs are refused (the peer's socket fails) */
     uint32_t setup_max;         /* accepted connections still in setup (64); a new one

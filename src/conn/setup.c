@@ -215,6 +215,9 @@ static int go_tcp(struct conn *c)
         .keepalive_ms = ctx->cfg.keepalive_ms,
         .keepalive_timeout_ms = ctx->cfg.keepalive_timeout_ms,
         .stall_ms = ctx->cfg.credit_timeout_ms,
+        .share_min = ctx->cfg.recv_share_min,
+        .min_rate = ctx->cfg.recv_min_rate,
+        .rate_window_ms = ctx->cfg.recv_rate_ms,
         /* one per stream: the peer's (streams_max) and ours */
         .parts_max = ctx->cfg.streams_max < (UINT32_MAX - 64) / 2 ? 2 * ctx->cfg.streams_max + 64
                                                                   : UINT32_MAX,

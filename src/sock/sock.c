@@ -41,6 +41,9 @@ static int config_check(bex_ctx_config *c)
     DEF(rndv_max, 256);
     DEF(rndv_bytes_max, (uint64_t)256 << 20);
     DEF(recv_bytes_max, (uint64_t)1 << 30);
+    DEF(recv_share_min, (uint64_t)4 << 20);
+    DEF(recv_min_rate, 1u << 20);
+    DEF(recv_rate_ms, 5000);
     DEF(streams_max, 1024);
     DEF(setup_max, 64);
     DEF(rndv_timeout_ms, 30000);
@@ -358,6 +361,9 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         .rndv_bytes_max = c->rndv_bytes_max,
         .rndv_timeout_ms = c->rndv_timeout_ms,
         .credit_timeout_ms = c->credit_timeout_ms,
+        .share_min = c->recv_share_min,
+        .min_rate = c->recv_min_rate,
+        .rate_window_ms = c->recv_rate_ms,
     };
     if (c->transport != BEX_TRANSPORT_TCP) {
         err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);

@@ -805,7 +805,50 @@ static int credit_timeout(void)
     return timeouts(1);
 }
 
+/* ---------------- a granted destination never written ---------------- */
+
+/* Issue 23 item 5: a peer that asks for rendezvous destinations, is
+ * granted them and never writes them, keeping alive, held them (and the
+ * context's receive budget) for good. Now each must be written within
+ * recv_rate_ms + len / recv_min_rate (defaults: 5 s + 1 s a MiB) of its
+ * grant: the engine fails then, not before, and a real client is served. */
+static int grant_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    struct rawpeer rp;
+    struct rp_opts o = {.recv_depth = 64, .max_rndv = 16, .max_msg = 1u << 20, .eager_max = 1024};
+    CHECK_OK(rp_to_server(&rp, p, &o));
+    for (uint32_t i = 0; i < 2; i++) {
+        struct bex__hdr h = {.type = BEX__MSG_RNDV_REQ, .stream = 1, .len = 1u << 20, .id = i};
+        CHECK_OK(rp_send(&rp, &h));
+    }
+    uint64_t t0 = pair_now_ms();
+    int granted = 0;
+    while (granted < 2 && pair_now_ms() - t0 < 5000 * time_scale()) {
+        rp_pump(&rp);
+        granted = 0;
+        for (uint32_t i = 0; i < rp.ngot; i++)
+            granted += rp.got[i].type == BEX__MSG_RNDV_RESP && rp.got[i].status == 0;
+    }
+    CHECK_EQ(granted, 2);
+    bool closed = rp_wait_closed(&rp, 20000 * time_scale());
+    uint64_t dt = pair_now_ms() - t0;
+    fprintf(stderr, "client: 2 grants of 1 MiB never written: %s after %llu ms\n",
+            closed ? "closed" : "still open", (unsigned long long)dt);
+    CHECK(closed);
+    CHECK(dt >= 5000); /* not before its deadline (6 s from the grant) */
+    rp_fini(&rp);
+    cli_still_served(p, 4, 100000);
+    return 0;
+}
+
+static int grant_stall(void)
+{
+    return run(NULL, echo_server, NULL, NULL, grant_client, NULL, 60);
+}
+
 BEX_TEST_MAIN(BEX_CASE(idle_setup), BEX_CASE(setup_deadline), BEX_CASE(emfile_backoff),
               BEX_CASE(hello_depth), BEX_CASE(max_msg), BEX_CASE(rndv_oversize),
               BEX_CASE(rndv_flood), BEX_CASE(streams_max), BEX_CASE(open_flood),
-              BEX_CASE(recv_limit), BEX_CASE(rndv_timeout), BEX_CASE(credit_timeout))
+              BEX_CASE(recv_limit), BEX_CASE(rndv_timeout), BEX_CASE(credit_timeout),
+              BEX_CASE(grant_stall))

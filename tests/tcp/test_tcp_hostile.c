@@ -25,7 +25,16 @@
  * - no_ack: a peer that reads and keeps alive but never acknowledges held
  *   our sends for good; now they fail after credit_timeout_ms, as over RDMA.
  * - rdhup_paused: the peer's half-close while we are paused spun the I/O
- *   thread on EPOLLRDHUP. */
+ *   thread on EPOLLRDHUP.
+ * - hold_budget (issue 23 item 5): connections that each announce a large
+ *   message, send one byte of it and then only keepalives held the whole of
+ *   recv_bytes_max for as long as they stayed: an honest client's messages
+ *   waited for good and none of those connections failed. Now a connection
+ *   starts messages only within its share of the budget, and one holding
+ *   partly received messages that stop progressing (recv_min_rate over
+ *   recv_rate_ms) fails; the honest client gets through all along.
+ * - slow_sender: the guard of the rule above: a sender paced at 2 MiB/s
+ *   (above recv_min_rate) over more than one window is not failed. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -508,6 +517,135 @@ static int rdhup_paused(void)
     return 0;
 }
 
+/* ---- the budget held by stalled messages (hold_budget) ---- */
+
+#define HOSTILE 6
+
+static atomic_int cli_errors;
+
+static void cli_err(bex_sock *s, int e, void *u)
+{
+    (void)s, (void)e, (void)u;
+    atomic_fetch_add(&cli_errors, 1);
+}
+
+static const bex_sock_ops c_ops = {.on_recv = r_recv, .on_send_done = r_done, .on_error = cli_err};
+
+/* For ms, keep every hostile connection still open alive (a CREDIT frame
+ * every 100 ms, whatever comes is read); fds[i] becomes -1 once closed. */
+static void hostile_idle(int *fds, int n, uint64_t ms)
+{
+    uint64_t end = bex_test_now_ms() + ms;
+    do {
+        for (int i = 0; i < n; i++) {
+            if (fds[i] < 0)
+                continue;
+            struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+            uint8_t b[BEX__HDR_LEN];
+            bex__hdr_encode(&h, b);
+            if (drain(fds[i], 5) < 0 ||
+                send(fds[i], b, sizeof b, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+                close(fds[i]);
+                fds[i] = -1;
+            }
+        }
+        bex_test_sleep_ms(50);
+    } while (bex_test_now_ms() < end);
+}
+
+static int open_count(const int *fds, int n)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        k += fds[i] >= 0;
+    return k;
+}
+
+static int hold_budget(void)
+{
+    /* recv_bytes_max 64 MiB: four 16 MiB messages would fill it */
+    bex_ctx *srv = mkctx(64 * MIB, 16 * MIB, 0);
+    struct sockaddr_in a;
+    static const bex_listener_ops lops = {.on_accept = r_accept};
+    bex_listener *l = listen_on(srv, &lops, NULL, &a);
+    int fds[HOSTILE];
+    uint8_t x = 'x';
+    for (int i = 0; i < HOSTILE; i++) {
+        fds[i] = raw_connect(&a);
+        frame(fds[i], BEX__MSG_OPEN, 1, 0, 0, 0, NULL);
+        frame(fds[i], BEX__MSG_DATA, 1, 1, 16 * MIB, 0, &x); /* 16 MiB announced, 1 byte sent */
+    }
+    hostile_idle(fds, HOSTILE, 300);
+    /* an honest client: one message at a time, each acknowledged in time,
+     * for as long as any hostile connection is open (30 s at most) */
+    bex_ctx *cli = mkctx(0, 0, 0);
+    bex_sock *cs;
+    CHECK_OK(bex_sock_connect(cli, &a, &c_ops, NULL, &cs));
+    uint64_t end = bex_test_now_ms() + scaled(30000);
+    int calls = 0, ok = 0;
+    while (open_count(fds, HOSTILE) && bex_test_now_ms() < end) {
+        size_t n = calls % 2 ? 4 * MIB : 100; /* large messages get through too */
+        void *b = bex_sock_alloc(cli, n);
+        CHECK(b);
+        memset(b, 1, n);
+        CHECK_OK(bex_sock_send(cs, b, n, NULL));
+        calls++;
+        uint64_t by = bex_test_now_ms() + scaled(3000);
+        while (atomic_load(&rs.done) < calls && bex_test_now_ms() < by)
+            hostile_idle(fds, HOSTILE, 0);
+        if (atomic_load(&rs.done) < calls || atomic_load(&rs.done_status) != 0)
+            break;
+        ok++;
+        hostile_idle(fds, HOSTILE, 100);
+    }
+    fprintf(stderr, "hold_budget: %d of %d calls acknowledged in time, %d hostile still open\n", ok,
+            calls, open_count(fds, HOSTILE));
+    CHECK(calls > 0 && ok == calls);
+    CHECK_EQ(open_count(fds, HOSTILE), 0); /* every hostile connection failed */
+    CHECK_EQ(atomic_load(&cli_errors), 0); /* the honest one did not */
+    for (int i = 0; i < HOSTILE; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    bex_sock_close(cs);
+    bex_ctx_destroy(cli);
+    bex_listener_close(l);
+    bex_ctx_destroy(srv);
+    return 0;
+}
+
+/* An honest sender paced well below the link, but above recv_min_rate (2
+ * MiB/s against 1 MiB/s, over more than one recv_rate_ms window): its
+ * 16 MiB message must arrive and the connection live. */
+static int slow_sender(void)
+{
+    bex_ctx *srv = mkctx(64 * MIB, 16 * MIB, 0);
+    struct sockaddr_in a;
+    static const bex_listener_ops lops = {.on_accept = r_accept};
+    bex_listener *l = listen_on(srv, &lops, NULL, &a);
+    int fd = raw_connect(&a);
+    frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL);
+    static uint8_t chunk[32 * 1024];
+    memset(chunk, 7, sizeof chunk);
+    uint64_t t0 = bex_test_now_ms(), off = 0, len = 16 * MIB;
+    while (off < len) {
+        /* catch up to 2 MiB/s of elapsed time, whatever the sleeps took */
+        uint64_t due = (bex_test_now_ms() - t0 + 1) * 2 * MIB / 1000;
+        while (off < len && off < due) {
+            CHECK(frame(fd, BEX__MSG_DATA, 1, sizeof chunk, (uint32_t)len, off, chunk));
+            off += sizeof chunk;
+        }
+        CHECK(drain(fd, 10) >= 0); /* also: still open */
+    }
+    uint64_t dt = bex_test_now_ms() - t0;
+    CHECK(wait_for(&rs.recvd, 1, scaled(3000)));
+    fprintf(stderr, "slow_sender: 16 MiB in %llu ms\n", (unsigned long long)dt);
+    CHECK(!closed_within(fd, 300));
+    close(fd);
+    bex_listener_close(l);
+    bex_ctx_destroy(srv);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(direct_two_streams), BEX_CASE(direct_after_cancel), BEX_CASE(parts_bounded),
               BEX_CASE(pause_with_parts), BEX_CASE(interleave_over_limit), BEX_CASE(no_ack),
-              BEX_CASE(rdhup_paused))
+              BEX_CASE(rdhup_paused), BEX_CASE(hold_budget), BEX_CASE(slow_sender))

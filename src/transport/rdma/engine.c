@@ -62,6 +62,10 @@ struct rndv_in {
     uint16_t gen;
     bool used;
     bool granted; /* its RNDV_RESP was posted: the peer may complete it */
+    /* when the tick first saw it granted, and for which use (gen | 0x8000;
+     * any other value: not seen yet): grants_stalled */
+    uint64_t granted_ms;
+    uint16_t granted_gen;
     /* window mode: the window of this slot's current transfer (a fresh
      * one per transfer, deallocated on delivery) */
     struct ibv_mw *mw;
@@ -196,6 +200,10 @@ struct bex__engine {
     uint64_t rin_bytes; /* destination bytes allocated, not yet delivered */
     uint32_t *rin_wait; /* deferred requests' slots, oldest first (a ring) */
     uint32_t wait_head, wait_n;
+    uint32_t rin_done; /* destinations written (delivered) */
+    uint32_t rin_done_seen;
+    uint64_t rin_done_ms; /* the tick that first saw rin_done at its value */
+    bool holding;         /* counted in the context's holders (rin_bytes > 0) */
 
     /* streams */
     struct bex__stream *all;
@@ -258,6 +266,13 @@ static struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
 static struct bex__recv_acct *recv_acct(struct bex__engine_shared *sh)
 {
     return sh->recv_acct ? sh->recv_acct : &sh->recv_own;
+}
+
+/* Engines and TCP connections holding received memory their peer has yet
+ * to write (rndv_share, and tcp.c) */
+static _Atomic int32_t *holders(struct bex__engine *e)
+{
+    return &recv_acct(e->sh)->holders;
 }
 
 /* Where rendezvous destinations come from: the landing pool (counted as
@@ -657,6 +672,8 @@ void bex__engine_destroy(struct bex__engine *e)
 {
     if (!e)
         return;
+    if (e->holding)
+        atomic_fetch_sub_explicit(holders(e), 1, memory_order_relaxed);
     release_windows(e);
     if (e->qp && e->nodev)
         nodev_to(e, IBV_QPS_RESET);
@@ -1774,12 +1791,38 @@ int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
 
 /* ---------------- rendezvous, receiver side ---------------- */
 
+/* Keep the context's count of holders (TCP connections count there too:
+ * tcp.c); called from the tick, so a share may lag by one tick. */
+static void hold_sync(struct bex__engine *e)
+{
+    bool h = e->state == E_UP && e->rin_bytes > 0;
+    if (h != e->holding)
+        atomic_fetch_add_explicit(holders(e), h ? 1 : -1, memory_order_relaxed);
+    e->holding = h;
+}
+
+/* What the engine's destinations may come to: with no other holder in the
+ * context, anything; else a share that leaves room for one more, so that a
+ * few peers cannot take the context's whole budget (as over TCP). */
+static uint64_t rndv_share(struct bex__engine *e)
+{
+    uint64_t max = e->sh->recv_max;
+    int32_t n = atomic_load_explicit(holders(e), memory_order_relaxed) - (e->holding ? 1 : 0);
+    if (!max || n <= 0)
+        return UINT64_MAX;
+    uint64_t s = max / ((uint64_t)n + 2);
+    return s > e->cfg.share_min ? s : e->cfg.share_min;
+}
+
 /* A request fits when the peer's destinations stay within rndv_bytes_max
- * and the context may receive that much more (one fits whatever its size
- * when none is allocated: a limit below max_msg slows, never stops). */
+ * and its share of the context's budget, and the context may receive that
+ * much more (one fits whatever its size when none is allocated and no
+ * other peer holds any: a limit below max_msg slows, never stops). */
 static bool rndv_fits(struct bex__engine *e, uint32_t len)
 {
     if (e->rin_bytes && e->rin_bytes + len > e->cfg.rndv_bytes_max)
+        return false;
+    if (e->rin_bytes + len > rndv_share(e))
         return false;
     return spare_has(e, len) || recv_room(e, len); /* a spare is allocated already */
 }
@@ -2104,6 +2147,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
             in->used = false;
             e->rin_used--;
             e->rin_bytes -= in->len;
+            e->rin_done++;
             rin_unbind(e, in); /* the key is dead before the buffer goes up */
             BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
             BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
@@ -2321,6 +2365,46 @@ static bool stalled(struct bex__engine *e, uint64_t now)
     return false;
 }
 
+/* A granted destination must be written within rate_window_ms +
+ * len / min_rate of its grant, or of the last destination written if that
+ * is later: a peer granted destinations that it never writes holds the
+ * context's receive budget (the keepalive goes on). Counting from the last
+ * delivery lets an honest sender that writes its grants one after another,
+ * paced by its send window, through. Grants and deliveries are stamped
+ * here, on the tick after they happen (one clock: the tick's). Whether
+ * one is late. */
+static bool grants_stalled(struct bex__engine *e, uint64_t now)
+{
+    /* receives not reposted for want of room: the peer may lack the credit
+     * its WRITE_WITH_IMM takes, and that time is ours, not its */
+    if (e->rin_done != e->rin_done_seen || e->n_starved) {
+        e->rin_done_seen = e->rin_done;
+        e->rin_done_ms = now;
+    }
+    if (!e->cfg.min_rate || !e->rin_bytes)
+        return false;
+    for (uint32_t i = 0; i < e->max_rndv; i++) {
+        struct rndv_in *in = &e->rin[i];
+        if (!in->used || !in->granted)
+            continue;
+        if (in->granted_gen != (in->gen | 0x8000)) {
+            in->granted_gen = in->gen | 0x8000;
+            in->granted_ms = now;
+        }
+        uint64_t from = in->granted_ms > e->rin_done_ms ? in->granted_ms : e->rin_done_ms;
+        uint64_t allow = e->cfg.rate_window_ms + (uint64_t)in->len * 1000 / e->cfg.min_rate;
+        if (now > from && now - from > allow) {
+            bex__log(e->sh->log, BEX_LOG_ERROR,
+                     "%s: a granted rendezvous destination of %u bytes not written in %llu ms "
+                     "(recv_min_rate %u bytes/s, recv_rate_ms %u)",
+                     e->name, in->len, (unsigned long long)(now - from), e->cfg.min_rate,
+                     e->cfg.rate_window_ms);
+            return true;
+        }
+    }
+    return false;
+}
+
 /* Has the engine anything a progress call could move, or anything in
  * flight? An engine with none of it is idle: its tick leaves it alone.
  * (Receives consumed and not yet reposted are not such work: they go back
@@ -2335,6 +2419,7 @@ static bool engine_busy(const struct bex__engine *e)
 
 bool bex__engine_tick(struct bex__engine *e, uint64_t now)
 {
+    hold_sync(e);
     if (e->state != E_UP)
         return false;
     uint64_t seen = __atomic_load_n(e->ka_local, __ATOMIC_ACQUIRE);
@@ -2351,6 +2436,10 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
     }
     if (stalled(e, now))
         return true;
+    if (grants_stalled(e, now)) {
+        bex__engine_fail(e, -ETIMEDOUT);
+        return true;
+    }
     /* received memory the application freed lets starved receives and
      * deferred rendezvous answers go on */
     if (e->n_starved) {

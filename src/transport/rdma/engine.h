@@ -52,6 +52,15 @@ struct bex__engine_config {
     uint32_t credit_timeout_ms; /* sends waiting for credit this long, none coming */
     uint32_t ack_delay_us;      /* owed credits wait this long for a message to
                                    carry them (0: BEX__ENGINE_ACK_DELAY_US) */
+    /* The receive budget against rendezvous grants (recv_share_min,
+     * recv_min_rate, recv_rate_ms; 0: no share floor, no deadline): a
+     * request is answered only while the engine's destinations stay within
+     * max(recv_max / (other holders + 2), share_min), or no other engine or
+     * connection of the context holds any; a granted destination not
+     * written rate_window_ms + len / min_rate after its grant or the last
+     * delivery, whichever is later, fails the engine. */
+    uint64_t share_min;
+    uint32_t min_rate, rate_window_ms;
 };
 
 /* The smallest recv_depth a peer may grant: ordinary SENDs keep the last
@@ -87,9 +96,11 @@ struct bex__engine_peer {
 
 /* Received memory, counted per context (engine.c): bytes allocated by the
  * I/O threads (only grows; frees are learnt from exact counts) and bytes
- * in posted receive buffers. */
+ * in posted receive buffers; and the connections holding partly received
+ * messages, among which the TCP transport shares the budget (tcp.c). */
 struct bex__recv_acct {
     _Atomic int64_t allocated, posted;
+    _Atomic int32_t holders; /* TCP connections holding partly received messages */
 };
 
 struct bex__srq;

@@ -57,6 +57,7 @@ struct bex__tcp {
     uint32_t events; /* what we watch now */
     bool is_up, dead;
     bool rx_paused;     /* recv_bytes_max: not reading until there is room */
+    bool pause_own;     /* paused by the connection's own share (recv_share) */
     uint64_t paused_ms; /* bex__now_ms() when reading paused */
     /* streams: every one, and those with something to send (a ring) */
     struct bex__stream *all;
@@ -90,6 +91,11 @@ struct bex__tcp {
     uint32_t cur_left; /* payload bytes of the frame still to read */
     struct part *parts[PART_HASH];
     uint32_t parts_n;
+    uint64_t part_bytes; /* DATA messages partly received: their lengths */
+    bool holding;        /* counted in the context's holders (part_bytes > 0) */
+    uint64_t part_rx;    /* payload bytes read into partly received messages */
+    uint64_t rate_ms;    /* holding: start of the rate window (bex__now_ms) */
+    uint64_t rate_rx;    /* part_rx then */
     uint64_t last_rx, last_tx;
     uint64_t msgs_in; /* the peer's messages received whole */
     bool violation_logged;
@@ -147,6 +153,49 @@ static bool recv_room(struct bex__tcp *t, uint64_t want_bytes)
     return bex__recv_room(t->sh, want_bytes);
 }
 
+static _Atomic int32_t *holders(struct bex__tcp *t)
+{
+    return &(t->sh->recv_acct ? t->sh->recv_acct : &t->sh->recv_own)->holders;
+}
+
+/* What this connection may hold of partly received messages: with no other
+ * connection of the context holding any, the whole budget; else its share,
+ * which leaves room for one more holder, so that a few peers that start
+ * large messages and stall cannot take the budget from every other (they
+ * fail by the rate check, too_slow). */
+static uint64_t recv_share(struct bex__tcp *t)
+{
+    uint64_t max = t->sh->recv_max;
+    int32_t n = atomic_load_explicit(holders(t), memory_order_relaxed) - (t->holding ? 1 : 0);
+    if (!max || n <= 0)
+        return UINT64_MAX;
+    uint64_t s = max / ((uint64_t)n + 2);
+    return s > t->cfg.share_min ? s : t->cfg.share_min;
+}
+
+/* part_bytes changed: keep the context's count of holders, and start the
+ * rate window when the connection begins to hold. */
+static void hold_note(struct bex__tcp *t)
+{
+    bool h = !t->dead && t->part_bytes > 0;
+    if (h == t->holding)
+        return;
+    t->holding = h;
+    atomic_fetch_add_explicit(holders(t), h ? 1 : -1, memory_order_relaxed);
+    if (h) {
+        t->rate_ms = bex__now_ms();
+        t->rate_rx = t->part_rx;
+    }
+}
+
+static void part_unhold(struct bex__tcp *t, const struct part *p)
+{
+    if (!p->direct) {
+        t->part_bytes -= p->len;
+        hold_note(t);
+    }
+}
+
 /* ---------------- failure ---------------- */
 
 static void done(struct bex__tcp *t, struct bex__msg *m, int status)
@@ -156,7 +205,7 @@ static void done(struct bex__tcp *t, struct bex__msg *m, int status)
 
 static void part_free(struct bex__tcp *t, struct part *p)
 {
-    (void)t;
+    part_unhold(t, p);
     if (!p->direct && p->buf)
         bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
     free(p);
@@ -691,6 +740,7 @@ static void part_complete(struct bex__tcp *t, struct part *p)
 {
     *part_slot(t, p->stream) = p->next;
     t->parts_n--;
+    part_unhold(t, p);
     t->acks_owed++;
     if (t->ack_now)
         t->msg_in_us = bex__now_us();
@@ -708,6 +758,22 @@ static void part_complete(struct bex__tcp *t, struct part *p)
     free(p);
     BEX__STAT_ADD(t->sh->stats, bytes_recv, len);
     t->up->on_msg(&t->x, stream, buf, len);
+}
+
+/* Backpressure: stop reading until there is room for the message whose
+ * header was read (the tick looks again). own: the connection's share
+ * stops it, not the context's budget. */
+static bool pause_for_room(struct bex__tcp *t, bool own)
+{
+    t->need_buf = true;
+    t->pause_own = own;
+    if (!t->rx_paused) {
+        BEX__STAT_ADD(t->sh->stats, recv_paused, 1);
+        t->paused_ms = bex__now_ms();
+    }
+    t->rx_paused = true;
+    want(t);
+    return false;
 }
 
 /* A header is read: act on it, or set up where its payload goes. Returns
@@ -793,18 +859,13 @@ static bool on_header(struct bex__tcp *t)
                 violation(t, "a message above max_msg");
                 return false;
             }
-            if (!recv_room(t, h->id)) {
-                /* backpressure: stop reading until the application frees
-                 * received buffers (the tick looks again) */
+            if (t->part_bytes + h->id > recv_share(t)) {
                 free(p);
-                t->need_buf = true;
-                if (!t->rx_paused) {
-                    BEX__STAT_ADD(t->sh->stats, recv_paused, 1);
-                    t->paused_ms = bex__now_ms();
-                }
-                t->rx_paused = true;
-                want(t);
-                return false;
+                return pause_for_room(t, true);
+            }
+            if (!recv_room(t, h->id)) { /* until the application frees some */
+                free(p);
+                return pause_for_room(t, false);
             }
             p->len = h->id;
             p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
@@ -818,6 +879,10 @@ static bool on_header(struct bex__tcp *t)
         p->next = *pp;
         *pp = p;
         t->parts_n++;
+        if (!direct) {
+            t->part_bytes += p->len;
+            hold_note(t);
+        }
     } else if (p->direct != direct || (direct && p->token != h->id) ||
                (!direct && p->len != h->id) || p->off != h->addr) {
         violation(t, "a fragment that does not continue its message");
@@ -825,7 +890,7 @@ static bool on_header(struct bex__tcp *t)
     }
     t->need_buf = false;
     if (t->rx_paused) {
-        t->rx_paused = false;
+        t->rx_paused = t->pause_own = false;
         want(t);
     }
     if (h->len > p->len - p->off || (h->len == 0 && p->len != 0)) {
@@ -894,6 +959,7 @@ static void rx(struct bex__tcp *t)
             struct part *p = t->cur;
             size_t k = got < t->cur_left ? got : t->cur_left;
             p->off += (uint32_t)k;
+            t->part_rx += k;
             t->cur_left -= (uint32_t)k;
             got -= k;
             if (t->cur_left == 0) {
@@ -939,6 +1005,33 @@ static bool waited_out(const struct bex__tcp *t, uint64_t since, uint64_t now)
     return t->cfg.stall_ms && now > since && now - since > t->cfg.stall_ms;
 }
 
+/* Holding partly received messages, the connection must deliver min_rate
+ * bytes a second of them over each rate_window_ms: a peer that announced
+ * large messages and stopped holds the budget others wait for. The window
+ * lets an honest sender paced by TCP's send window through; time we do
+ * not read for want of room in the context's budget is not the peer's and
+ * restarts the window (a pause by the connection's own share is: the
+ * peer started more than its share). Whether it fell below. */
+static bool too_slow(struct bex__tcp *t, uint64_t now)
+{
+    if (!t->holding || !t->cfg.min_rate || !t->cfg.rate_window_ms)
+        return false;
+    if (now < t->rate_ms || (t->rx_paused && !t->pause_own)) {
+        t->rate_ms = now;
+        t->rate_rx = t->part_rx;
+        return false;
+    }
+    uint64_t span = now - t->rate_ms;
+    if (span < t->cfg.rate_window_ms)
+        return false;
+    uint64_t got = t->part_rx - t->rate_rx;
+    if (got * 1000 < (uint64_t)t->cfg.min_rate * span)
+        return true;
+    t->rate_ms = now;
+    t->rate_rx = t->part_rx;
+    return false;
+}
+
 /* Always wants a progress call after (as every connection had on every
  * tick before ticks could say): the TCP transport is not tuned for
  * thousands of idle connections yet. */
@@ -962,6 +1055,15 @@ static bool tcp_tick(struct bex__xport *x, uint64_t now)
                  "%s: over TCP: no room to receive (recv_bytes_max) for %u ms with %u messages "
                  "partly received",
                  t->cfg.name, t->cfg.stall_ms, t->parts_n);
+        tcp_fail(x, -ETIMEDOUT);
+        return true;
+    }
+    if (too_slow(t, now)) {
+        bex__log(t->sh->log, BEX_LOG_ERROR,
+                 "%s: over TCP: %u messages partly received (%llu bytes held) progress below "
+                 "recv_min_rate (%u bytes/s over %u ms)",
+                 t->cfg.name, t->parts_n, (unsigned long long)t->part_bytes, t->cfg.min_rate,
+                 t->cfg.rate_window_ms);
         tcp_fail(x, -ETIMEDOUT);
         return true;
     }

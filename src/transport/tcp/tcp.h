@@ -46,7 +46,15 @@ struct bex__tcp_config {
                               held (only reading on finishes them), fail the
                               connection (0: never) */
     uint32_t parts_max;    /* the peer's messages partly received at once at most */
-    char name[48];         /* how log lines name the connection: "peer a.b.c.d:port (engine N)" */
+    /* The receive budget's fair share (recv_bytes_max): a DATA message
+     * starts only while the connection's partly received messages stay
+     * within max(recv_max / (other connections holding some + 2),
+     * share_min), or with no other connection holding any; and a connection
+     * holding some must receive min_rate bytes a second of them over each
+     * rate_window_ms while we read (0: no check), else it fails. */
+    uint64_t share_min;
+    uint32_t min_rate, rate_window_ms;
+    char name[48]; /* how log lines name the connection: "peer a.b.c.d:port (engine N)" */
 };
 
 /* A TCP transport on fd (non-blocking, connected, setup done), which the
