@@ -468,7 +468,9 @@ static int c2000(void)
     bool gone = false;
     for (int tries = 0; tries < 3000 && !gone; tries++) {
         bex_ctx_stats(sctx, &st);
-        gone = st.engines == 0 && st.srq_credits == 0;
+        /* a gone connection's QP drains in the error state (up to
+         * srq_drain_ms) before it is destroyed */
+        gone = st.engines == 0 && st.srq_credits == 0 && st.srq_draining == 0;
         if (!gone)
             pair_sleep_ms(10);
     }
