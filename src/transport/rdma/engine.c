@@ -132,12 +132,13 @@ struct bex__engine {
     uint32_t cons_acked;                  /* credits the peer returned, summed */
     struct bex__msg *ack_head, *ack_tail; /* completed by the NIC, not yet
                                              acknowledged, in order */
-    uint64_t ack_wait_ms;                 /* since when the head of that queue waits (or
-                                             the peer's last acknowledgement) */
-    bool acks_owed;                       /* we handled a peer's message whose credit it does
-                                             not have yet: it waits for it to report it */
-    uint64_t ack_held;                    /* bex__now_us() when owed credits were first held
-                                             back for a message to carry them (0: not held) */
+    uint64_t ack_wait_ms;                 /* the tick that first saw that queue wait with
+                                             cons_acked at ack_mark (0: none seen) */
+    uint32_t ack_mark;
+    bool acks_owed;    /* we handled a peer's message whose credit it does
+                          not have yet: it waits for it to report it */
+    uint64_t ack_held; /* bex__now_us() when owed credits were first held
+                          back for a message to carry them (0: not held) */
 
     /* receive side */
     struct bex__rslot *rs;
@@ -1952,12 +1953,10 @@ static void ack_wait(struct bex__engine *e, struct bex__msg *m)
         return;
     }
     m->next = NULL;
-    if (e->ack_tail) {
+    if (e->ack_tail)
         e->ack_tail->next = m;
-    } else {
+    else
         e->ack_head = m;
-        e->ack_wait_ms = bex__now_ms();
-    }
     e->ack_tail = m;
 }
 
@@ -1965,8 +1964,6 @@ static void ack_wait(struct bex__engine *e, struct bex__msg *m)
 static void acks_in(struct bex__engine *e, uint32_t n)
 {
     e->cons_acked += n;
-    if (n && e->ack_head)
-        e->ack_wait_ms = bex__now_ms();
     while (e->ack_head && acked(e, e->ack_head->ack_seq) && e->state == E_UP) {
         struct bex__msg *m = e->ack_head;
         e->ack_head = m->next;
@@ -2354,9 +2351,12 @@ static bool stalled(struct bex__engine *e, uint64_t now)
     } else {
         e->credit_wait = 0;
     }
-    /* the peer takes our messages but never returns their credits */
-    if (e->ack_head && e->cfg.credit_timeout_ms &&
-        now - e->ack_wait_ms > e->cfg.credit_timeout_ms) {
+    /* the peer takes our messages but never returns their credits (timed
+     * by the tick, not stamped per message: no clock read on the data path) */
+    if (!e->ack_head || !e->ack_wait_ms || e->ack_mark != e->cons_acked) {
+        e->ack_wait_ms = e->ack_head ? now : 0;
+        e->ack_mark = e->cons_acked;
+    } else if (e->cfg.credit_timeout_ms && now - e->ack_wait_ms > e->cfg.credit_timeout_ms) {
         bex__log(e->sh->log, BEX_LOG_ERROR,
                  "%s: sent messages waited %u ms for the credits that acknowledge them", e->name,
                  e->cfg.credit_timeout_ms);
