@@ -354,6 +354,19 @@ static void lru_unlink(struct idset *d, uint32_t i)
         d->tail = c->prev;
 }
 
+/* Record i (unlinked) first in the order. */
+static void lru_push_front(struct idset *d, uint32_t i)
+{
+    struct idc *c = &d->c[i];
+    c->prev = IDS_NIL;
+    c->next = d->head;
+    if (d->head != IDS_NIL)
+        d->c[d->head].prev = i;
+    d->head = i;
+    if (d->tail == IDS_NIL)
+        d->tail = i;
+}
+
 /* Seen now: first in the order. */
 static void ids_touch(struct idset *d, struct idc *c, uint64_t now)
 {
@@ -362,13 +375,7 @@ static void ids_touch(struct idset *d, struct idc *c, uint64_t now)
     if (d->head == i)
         return;
     lru_unlink(d, i);
-    c->prev = IDS_NIL;
-    c->next = d->head;
-    if (d->head != IDS_NIL)
-        d->c[d->head].prev = i;
-    d->head = i;
-    if (d->tail == IDS_NIL)
-        d->tail = i;
+    lru_push_front(d, i);
 }
 
 /* Take index i's record out of the hash (linear probing: the records
@@ -438,12 +445,7 @@ static int ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint3
     if (d->n == 1)
         d->head = d->tail = IDS_NIL; /* the first: the order was empty */
     d->slots[ids_slot_of(d, key)] = i + 1;
-    c->next = d->head;
-    if (d->head != IDS_NIL)
-        d->c[d->head].prev = i;
-    d->head = i;
-    if (d->tail == IDS_NIL)
-        d->tail = i;
+    lru_push_front(d, i);
     *out = c;
     return 0;
 }

@@ -79,6 +79,18 @@ struct bex__stream {
     bool failed;
 };
 
+/* The receive budget's fair share (docs/protocol.md): what one peer may
+ * hold of the context's max bytes while `others` other peers hold some:
+ * with none, anything; else a share that leaves room for one more holder,
+ * never below floor. Both transports size their peers' holdings by it. */
+static inline uint64_t bex__recv_share(uint64_t max, int32_t others, uint64_t floor)
+{
+    if (!max || others <= 0)
+        return UINT64_MAX;
+    uint64_t s = max / ((uint64_t)others + 2);
+    return s > floor ? s : floor;
+}
+
 /* Upcalls from a transport to the sock layer, on the I/O thread. */
 struct bex__transport_upcalls {
     /* the transport is up (RDMA: QP at RTS, peer ready) */

@@ -1808,12 +1808,8 @@ static void hold_sync(struct bex__engine *e)
  * few peers cannot take the context's whole budget (as over TCP). */
 static uint64_t rndv_share(struct bex__engine *e)
 {
-    uint64_t max = e->sh->recv_max;
     int32_t n = atomic_load_explicit(holders(e), memory_order_relaxed) - (e->holding ? 1 : 0);
-    if (!max || n <= 0)
-        return UINT64_MAX;
-    uint64_t s = max / ((uint64_t)n + 2);
-    return s > e->cfg.share_min ? s : e->cfg.share_min;
+    return bex__recv_share(e->sh->recv_max, n, e->cfg.share_min);
 }
 
 /* A request fits when the peer's destinations stay within rndv_bytes_max

@@ -165,12 +165,8 @@ static _Atomic int32_t *holders(struct bex__tcp *t)
  * fail by the rate check, too_slow). */
 static uint64_t recv_share(struct bex__tcp *t)
 {
-    uint64_t max = t->sh->recv_max;
     int32_t n = atomic_load_explicit(holders(t), memory_order_relaxed) - (t->holding ? 1 : 0);
-    if (!max || n <= 0)
-        return UINT64_MAX;
-    uint64_t s = max / ((uint64_t)n + 2);
-    return s > t->cfg.share_min ? s : t->cfg.share_min;
+    return bex__recv_share(t->sh->recv_max, n, t->cfg.share_min);
 }
 
 /* part_bytes changed: keep the context's count of holders, and start the
