@@ -7,4 +7,7 @@
 /* The struct of type type whose member member is at ptr. */
 #define bex__container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
+/* Elements of an array (not of a pointer). */
+#define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+
 #endif
