@@ -23,9 +23,9 @@ struct bex__hmap_slot {
 
 struct bex__hmap {
     struct bex__hmap_slot *slots;
-    uint32_t cap;   /* slots, a power of two (0 before the first insertion) */
-    uint32_t len;   /* entries */
-    uint8_t shift;  /* 64 - log2(cap) */
+    uint32_t cap;  /* slots, a power of two (0 before the first insertion) */
+    uint32_t len;  /* entries */
+    uint8_t shift; /* 64 - log2(cap) */
 };
 
 /* Where an iteration stands: start with BEX__HMAP_ITER_INIT. */
@@ -33,7 +33,10 @@ struct bex__hmap_iter {
     uint32_t pos, left;
     int started;
 };
-#define BEX__HMAP_ITER_INIT {0, 0, 0}
+#define BEX__HMAP_ITER_INIT                                                                        \
+    {                                                                                              \
+        0, 0, 0                                                                                    \
+    }
 
 /* An empty map with room for about n entries before it grows (0: grow on
  * the first insertion). Returns 0 or -ENOMEM. A zeroed struct is a valid

@@ -81,11 +81,12 @@ static inline void bex__list_rotate(struct bex__list *head)
 #define bex__list_entry(ptr, type, member) bex__container_of(ptr, type, member)
 
 /* Walk a list; the body must not remove pos (use the _safe form). */
-#define bex__list_foreach(pos, head) for ((pos) = (head)->next; (pos) != (head); (pos) = (pos)->next)
+#define bex__list_foreach(pos, head)                                                               \
+    for ((pos) = (head)->next; (pos) != (head); (pos) = (pos)->next)
 
 /* Walk a list whose body may remove pos (and only pos). */
 #define bex__list_foreach_safe(pos, tmp, head)                                                     \
-    for ((pos) = (head)->next, (tmp) = (pos)->next; (pos) != (head);                              \
+    for ((pos) = (head)->next, (tmp) = (pos)->next; (pos) != (head);                               \
          (pos) = (tmp), (tmp) = (pos)->next)
 
 #endif

@@ -116,7 +116,7 @@ static int list_ops(void)
     bex__list_rotate(&head); /* 1 2 3 4 0 */
     CHECK_EQ(bex__list_entry(bex__list_first(&head), struct item, link)->v, 1);
     bex__list_foreach_safe(pos, tmp, &head) if (bex__list_entry(pos, struct item, link)->v % 2)
-        bex__list_remove(pos); /* 2 4 0 */
+        bex__list_remove(pos);     /* 2 4 0 */
     bex__list_remove(&it[1].link); /* a second removal changes nothing */
     int order[3] = {2, 4, 0}, k = 0;
     bex__list_foreach(pos, &head) CHECK_EQ(bex__list_entry(pos, struct item, link)->v, order[k++]);

@@ -1,0 +1,63 @@
+/* Timers on the intrusive heap (common/timer.h). */
+#include "common/timer.h"
+
+#include "common/util.h"
+
+static bool timer_less(const struct bex__heap_node *a, const struct bex__heap_node *b)
+{
+    const struct bex__timer *x = bex__container_of(a, struct bex__timer, node);
+    const struct bex__timer *y = bex__container_of(b, struct bex__timer, node);
+    return x->due < y->due || (x->due == y->due && x->seq < y->seq);
+}
+
+void bex__timers_init(struct bex__timers *ts)
+{
+    bex__heap_init(&ts->heap, timer_less);
+    ts->seq = 0;
+}
+
+void bex__timer_init(struct bex__timer *t, bex__timer_cb cb)
+{
+    *t = (struct bex__timer){.cb = cb};
+}
+
+void bex__timer_start(struct bex__timers *ts, struct bex__timer *t, uint64_t due)
+{
+    if (t->active)
+        bex__heap_remove(&ts->heap, &t->node);
+    t->due = due;
+    t->seq = ts->seq++;
+    t->active = true;
+    bex__heap_insert(&ts->heap, &t->node);
+}
+
+void bex__timer_stop(struct bex__timers *ts, struct bex__timer *t)
+{
+    if (!t->active)
+        return;
+    bex__heap_remove(&ts->heap, &t->node);
+    t->active = false;
+}
+
+uint64_t bex__timers_next(const struct bex__timers *ts)
+{
+    const struct bex__heap_node *n = bex__heap_min(&ts->heap);
+    return n ? bex__container_of(n, struct bex__timer, node)->due : UINT64_MAX;
+}
+
+unsigned bex__timers_run(struct bex__timers *ts, uint64_t now)
+{
+    unsigned fired = 0, budget = ts->heap.n;
+    while (fired < budget) {
+        struct bex__heap_node *n = bex__heap_min(&ts->heap);
+        if (!n)
+            break;
+        struct bex__timer *t = bex__container_of(n, struct bex__timer, node);
+        if (t->due > now)
+            break;
+        bex__timer_stop(ts, t);
+        fired++;
+        t->cb(t);
+    }
+    return fired;
+}
