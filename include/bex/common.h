@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bex/version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -17,6 +19,13 @@ extern "C" {
 /* The library is built with -fvisibility=hidden: what is declared here is
  * its interface, everything else stays inside. */
 #pragma GCC visibility push(default)
+
+/* The version of the library that runs (BEX_VERSION_HEX of the headers it
+ * was built with: 0x00MMmmpp), so a program can check it against the
+ * headers it was compiled with (BEX_VERSION_HEX). Any thread. */
+unsigned bex_version(void);
+/* The same as text, "MAJOR.MINOR.PATCH" (static). Any thread. */
+const char *bex_version_string(void);
 
 /* Text for a bex return code (a negative errno, or 0). Never NULL; the string
  * is static and may be used from any thread. */
