@@ -36,9 +36,10 @@ enum { BEX_LOG_ERROR = 1, BEX_LOG_WARN = 2, BEX_LOG_INFO = 3, BEX_LOG_DEBUG = 4 
 
 /* A log hook: one line (no newline) at a level. Called from bex's threads
  * (any of them), never with a bex lock held that the hook could need; it must
- * not block for long. Lines beyond a rate limit (20 a second per context)
- * are dropped and counted; the next line that passes is preceded by one that
- * says how many were dropped. */
+ * not block for long. Each place in the library that logs passes at most
+ * 20 lines a second (shared by the process's contexts); the rest are
+ * dropped and counted, and the next line that passes there is preceded by
+ * one that says how many. */
 typedef void (*bex_log_fn)(int level, const char *msg, void *arg);
 
 #pragma GCC visibility pop

@@ -1,11 +1,16 @@
-/* The library's log: a hook per context, rate-limited.
+/* The library's log: a hook per context, rate-limited per call site.
  *
  * Nothing in the library writes to stderr itself; it calls bex__log() with
  * the context's logger, which hands a formatted line to the application's
- * hook (bex_ctx_config.log_fn) or, without one, writes "bex: <line>" to
- * stderr. A peer can make us log (every refusal of bad input does), so the
- * logger lets through at most BEX__LOG_BURST lines per second and counts the
- * rest; the next line that passes says how many were dropped.
+ * hook (bex_ctx_config.log_fn) or, without one, writes it to stderr as
+ * "<UTC time> bex <LEVEL> [<context>] <line>" (bex__log_format).
+ *
+ * A peer can make us log (every refusal of bad input does), so each call
+ * site of bex__log lets through at most BEX__LOG_BURST lines per second
+ * and counts the rest; the next line that passes there says how many were
+ * dropped. The limit is per call site, not per logger, so a flood of one
+ * kind of line (a peer's WARN) never drops another (an ERROR of ours); a
+ * site's budget is the process's, shared by its contexts.
  *
  * Threads: bex__log() may be called from any thread; the rate limit is kept
  * under a mutex (logging is rare by construction, never on a hot path). */
@@ -22,8 +27,12 @@
 struct bex__log {
     bex_log_fn fn; /* NULL: stderr */
     void *arg;
-    int level; /* highest level passed on (BEX_LOG_*) */
-    pthread_mutex_t lock;
+    int level;     /* highest level passed on (BEX_LOG_*) */
+    char name[48]; /* the context, in stderr lines ("" until named) */
+};
+
+/* The rate limit of one call site (a static in the bex__log macro). */
+struct bex__log_site {
     uint64_t window_ms; /* start of the current one-second window */
     uint32_t in_window; /* lines passed in it */
     uint32_t dropped;   /* lines suppressed since the last one passed */
@@ -32,9 +41,23 @@ struct bex__log {
 /* Set up a logger; fn NULL means stderr, level 0 means BEX_LOG_WARN. */
 void bex__log_init(struct bex__log *lg, bex_log_fn fn, void *arg, int level);
 void bex__log_fini(struct bex__log *lg);
+/* Name the context in stderr lines (copied, truncated to fit). */
+void bex__log_set_name(struct bex__log *lg, const char *name);
 
-/* Log one line (no trailing newline needed). lg NULL: stderr, no limit. */
-void bex__log(struct bex__log *lg, int level, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+/* Log one line (no trailing newline needed), limited by its call site.
+ * lg NULL: stderr, no context name. */
+#define bex__log(lg, level, ...)                                                                   \
+    do {                                                                                           \
+        static struct bex__log_site bex__log_site_;                                                \
+        bex__log_at(&bex__log_site_, (lg), (level), __VA_ARGS__);                                  \
+    } while (0)
+
+/* bex__log with the call site's limit given (tests; the macro's body). */
+void bex__log_at(struct bex__log_site *site, struct bex__log *lg, int level, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* The stderr form of a line into buf: "2026-12-05T00:12:03.123Z bex WARN
+ * [name] msg" (no brackets without a name). Returns buf. */
+char *bex__log_format(char *buf, size_t cap, const struct bex__log *lg, int level, const char *msg);
 
 #endif
