@@ -1,0 +1,73 @@
+/* Environment overrides of a context's configuration (src/sock/env.c). */
+#include <stdlib.h>
+
+#include "harness.h"
+#include "sock/env.h"
+
+static void clear(void)
+{
+    static const char *const names[] = {"BEX_LOG_LEVEL",    "BEX_TRANSPORT",
+                                        "BEX_IO_THREADS",   "BEX_POLL_MODE",
+                                        "BEX_KEEPALIVE_MS", "BEX_KEEPALIVE_TIMEOUT_MS",
+                                        "BEX_CONNECT_TIMEOUT_MS", "BEX_SRQ_DEPTH"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        unsetenv(names[i]);
+}
+
+/* Each variable lands in its field, and wins over what the program set. */
+static int applies(void)
+{
+    clear();
+    bex_ctx_config cfg = {.io_threads = 2, .transport = BEX_TRANSPORT_RDMA};
+    char why[256] = "";
+    unsigned n = 99;
+    CHECK_OK(bex__ctx_env(&cfg, why, sizeof why, &n));
+    CHECK_EQ(n, 0);
+    CHECK_EQ(cfg.io_threads, 2);
+    setenv("BEX_LOG_LEVEL", "debug", 1);
+    setenv("BEX_TRANSPORT", "tcp", 1);
+    setenv("BEX_IO_THREADS", "4", 1);
+    setenv("BEX_POLL_MODE", "event", 1);
+    setenv("BEX_KEEPALIVE_MS", "250", 1);
+    CHECK_OK(bex__ctx_env(&cfg, why, sizeof why, &n));
+    CHECK_EQ(n, 5);
+    CHECK_EQ(cfg.log_level, BEX_LOG_DEBUG);
+    CHECK_EQ(cfg.transport, BEX_TRANSPORT_TCP);
+    CHECK_EQ(cfg.io_threads, 4);
+    CHECK_EQ(cfg.poll_mode, BEX_POLL_EVENT);
+    CHECK_EQ(cfg.keepalive_ms, 250);
+    setenv("BEX_LOG_LEVEL", "2", 1);
+    CHECK_OK(bex__ctx_env(&cfg, why, sizeof why, NULL));
+    CHECK_EQ(cfg.log_level, BEX_LOG_WARN);
+    clear();
+    return 0;
+}
+
+/* A bad value is an error that names the variable, and changes nothing,
+ * not even the good variables read beside it. */
+static int bad_values(void)
+{
+    static const struct {
+        const char *name, *value;
+    } bad[] = {{"BEX_IO_THREADS", "0"},      {"BEX_IO_THREADS", "65"},  {"BEX_IO_THREADS", "two"},
+               {"BEX_IO_THREADS", "-1"},     {"BEX_IO_THREADS", "4x"},  {"BEX_TRANSPORT", "ib"},
+               {"BEX_POLL_MODE", "sleepy"},  {"BEX_LOG_LEVEL", "9"},    {"BEX_LOG_LEVEL", ""},
+               {"BEX_KEEPALIVE_MS", "1e3"},  {"BEX_SRQ_DEPTH", "99999"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        clear();
+        setenv("BEX_TRANSPORT", "tcp", 1); /* a good one beside */
+        setenv(bad[i].name, bad[i].value, 1);
+        if (strcmp(bad[i].name, "BEX_TRANSPORT") == 0)
+            setenv("BEX_IO_THREADS", "3", 1);
+        bex_ctx_config cfg = {.io_threads = 2}, before = cfg;
+        char why[256] = "";
+        CHECK_EQ(bex__ctx_env(&cfg, why, sizeof why, NULL), -EINVAL);
+        CHECK(memcmp(&cfg, &before, sizeof cfg) == 0);
+        CHECK(strstr(why, bad[i].name) != NULL);
+        CHECK(strstr(why, bad[i].value) != NULL);
+    }
+    clear();
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(applies), BEX_CASE(bad_values))
