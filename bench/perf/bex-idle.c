@@ -3,7 +3,11 @@
  * idle, in each poll mode.
  *
  *   bex-idle --conns N --poll-mode event|spin|busy [--transport tcp|rdma]
- *            [--addr A] [--seconds S] [--keepalive-ms K]
+ *            [--addr A] [--client-addr B] [--seconds S] [--keepalive-ms K]
+ *
+ * --addr is the server's address (127.0.0.1), --client-addr the client
+ * context's (the same by default; over RDMA in the Soft-RoCE VM the other
+ * device's: --addr 10.99.0.1 --client-addr 10.99.0.2).
  *
  * The server (this process) has one I/O thread and listens on N ports
  * (port 0 each); a child process with one context of its own opens one
@@ -20,6 +24,7 @@
 #include <inttypes.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +41,8 @@
 struct opts {
     uint32_t conns, poll_mode, transport, keepalive_ms;
     double seconds;
-    struct in_addr addr;
+    struct in_addr addr, client_addr;
+    bool client_addr_set;
     const char *poll_name;
 };
 
@@ -60,23 +66,27 @@ static void on_connect(bex_sock *s, int status, void *user)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: bex-idle --conns N --poll-mode event|spin|busy [--transport tcp|rdma]\n"
-               "                [--addr A] [--seconds S] [--keepalive-ms K]\n");
+               "                [--addr A] [--client-addr B] [--seconds S] [--keepalive-ms K]\n");
 }
 
 static int parse(int argc, char **argv, struct opts *o)
 {
-    static const struct option lo[] = {
-        {"conns", 1, 0, 'n'},     {"poll-mode", 1, 0, 'm'},    {"transport", 1, 0, 't'},
-        {"addr", 1, 0, 'a'},      {"seconds", 1, 0, 's'},      {"keepalive-ms", 1, 0, 'k'},
-        {"help", 0, 0, 'h'},      {0, 0, 0, 0}};
-    *o = (struct opts){.conns = 1024, .transport = BEX_TRANSPORT_TCP, .seconds = 10,
-                       .poll_name = "spin"};
+    static const struct option lo[] = {{"conns", 1, 0, 'n'},     {"poll-mode", 1, 0, 'm'},
+                                       {"transport", 1, 0, 't'}, {"addr", 1, 0, 'a'},
+                                       {"seconds", 1, 0, 's'},   {"keepalive-ms", 1, 0, 'k'},
+                                       {"client-addr", 1, 0, 'c'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+    *o = (struct opts){
+        .conns = 1024, .transport = BEX_TRANSPORT_TCP, .seconds = 10, .poll_name = "spin"};
     inet_pton(AF_INET, "127.0.0.1", &o->addr);
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         switch (c) {
-        case 'n': o->conns = (uint32_t)strtoul(optarg, NULL, 10); break;
-        case 'm': o->poll_name = optarg; break;
+        case 'n':
+            o->conns = (uint32_t)strtoul(optarg, NULL, 10);
+            break;
+        case 'm':
+            o->poll_name = optarg;
+            break;
         case 't':
             if (strcmp(optarg, "tcp") && strcmp(optarg, "rdma")) {
                 fprintf(stderr, "bex-idle: --transport: '%s' is neither tcp nor rdma\n", optarg);
@@ -90,10 +100,18 @@ static int parse(int argc, char **argv, struct opts *o)
                 return 2;
             }
             break;
-        case 's': o->seconds = atof(optarg); break;
-        case 'k': o->keepalive_ms = (uint32_t)strtoul(optarg, NULL, 10); break;
-        case 'h': usage(stdout); exit(0);
-        default: usage(stderr); return 2;
+        case 's':
+            o->seconds = atof(optarg);
+            break;
+        case 'k':
+            o->keepalive_ms = (uint32_t)strtoul(optarg, NULL, 10);
+            break;
+        case 'h':
+            usage(stdout);
+            exit(0);
+        default:
+            usage(stderr);
+            return 2;
         }
     }
     const char *pm = strcmp(o->poll_name, "spin") == 0 ? "spin-sleep" : o->poll_name;
@@ -101,6 +119,8 @@ static int parse(int argc, char **argv, struct opts *o)
         fprintf(stderr, "bex-idle: --poll-mode: '%s' is not event, spin or busy\n", o->poll_name);
         return 2;
     }
+    if (!o->client_addr_set)
+        o->client_addr = o->addr;
     if (o->conns == 0 || o->conns > 4096 || o->seconds <= 0) {
         fprintf(stderr, "bex-idle: --conns must be 1..4096 and --seconds above 0\n");
         return 2;
@@ -108,9 +128,9 @@ static int parse(int argc, char **argv, struct opts *o)
     return 0;
 }
 
-static int make_ctx(const struct opts *o, bex_ctx **ctx)
+static int make_ctx(const struct opts *o, struct in_addr local, bex_ctx **ctx)
 {
-    bex_ctx_config cfg = {.local_addr = o->addr,
+    bex_ctx_config cfg = {.local_addr = local,
                           .io_threads = 1,
                           .poll_mode = o->poll_mode,
                           .transport = o->transport,
@@ -130,12 +150,12 @@ static int make_ctx(const struct opts *o, bex_ctx **ctx)
 static void client(const struct opts *o, const uint16_t *ports, int ready_fd)
 {
     bex_ctx *ctx;
-    if (make_ctx(o, &ctx))
+    if (make_ctx(o, o->client_addr, &ctx))
         _exit(1);
     static const bex_sock_ops ops = {.on_connect = on_connect};
     for (uint32_t i = 0; i < o->conns; i++) {
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = o->addr,
-                                .sin_port = htons(ports[i])};
+        struct sockaddr_in a = {
+            .sin_family = AF_INET, .sin_addr = o->addr, .sin_port = htons(ports[i])};
         bex_sock *s;
         int rc = bex_sock_connect(ctx, &a, &ops, NULL, &s);
         if (rc) {
@@ -192,8 +212,8 @@ static int sample_threads(struct sample *out)
         buf[n] = 0;
         char *p = strrchr(buf, ')'); /* the name may hold spaces */
         unsigned long long ut = 0, st = 0;
-        if (p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut,
-                        &st) == 2)
+        if (p &&
+            sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) == 2)
             out->ticks += ut + st;
     }
     closedir(d);
@@ -234,7 +254,7 @@ int main(int argc, char **argv)
     setrlimit(RLIMIT_NOFILE, &rl);
     bex_ctx *ctx;
     uint16_t *ports = calloc(o.conns, sizeof *ports);
-    if (!ports || make_ctx(&o, &ctx) || listen_all(&o, ctx, ports))
+    if (!ports || make_ctx(&o, o.addr, &ctx) || listen_all(&o, ctx, ports))
         return 1;
     int pfd[2];
     if (pipe(pfd))
@@ -265,8 +285,8 @@ int main(int argc, char **argv)
     long hz = sysconf(_SC_CLK_TCK);
     printf("{\"conns\":%u,\"poll_mode\":\"%s\",\"transport\":\"%s\",\"keepalive_ms\":%u,"
            "\"seconds\":%.2f,\"wakeups_per_s\":%.1f,\"preempted_per_s\":%.1f,\"cpu_pct\":%.1f}\n",
-           o.conns, o.poll_name, o.transport == BEX_TRANSPORT_TCP ? "tcp" : "rdma",
-           o.keepalive_ms, dt, (double)(b.vol - a.vol) / dt, (double)(b.invol - a.invol) / dt,
+           o.conns, o.poll_name, o.transport == BEX_TRANSPORT_TCP ? "tcp" : "rdma", o.keepalive_ms,
+           dt, (double)(b.vol - a.vol) / dt, (double)(b.invol - a.invol) / dt,
            100.0 * (double)(b.ticks - a.ticks) / (double)hz / dt);
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
