@@ -71,10 +71,10 @@ static void usage(FILE *f)
 
 static int parse(int argc, char **argv, struct opts *o)
 {
-    static const struct option lo[] = {{"conns", 1, 0, 'n'},     {"poll-mode", 1, 0, 'm'},
-                                       {"transport", 1, 0, 't'}, {"addr", 1, 0, 'a'},
-                                       {"seconds", 1, 0, 's'},   {"keepalive-ms", 1, 0, 'k'},
-                                       {"client-addr", 1, 0, 'c'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+    static const struct option lo[] = {
+        {"conns", 1, 0, 'n'},       {"poll-mode", 1, 0, 'm'}, {"transport", 1, 0, 't'},
+        {"addr", 1, 0, 'a'},        {"seconds", 1, 0, 's'},   {"keepalive-ms", 1, 0, 'k'},
+        {"client-addr", 1, 0, 'c'}, {"help", 0, 0, 'h'},      {0, 0, 0, 0}};
     *o = (struct opts){
         .conns = 1024, .transport = BEX_TRANSPORT_TCP, .seconds = 10, .poll_name = "spin"};
     inet_pton(AF_INET, "127.0.0.1", &o->addr);
@@ -99,6 +99,13 @@ static int parse(int argc, char **argv, struct opts *o)
                 fprintf(stderr, "bex-idle: --addr: '%s' is not an IPv4 address\n", optarg);
                 return 2;
             }
+            break;
+        case 'c':
+            if (inet_pton(AF_INET, optarg, &o->client_addr) != 1) {
+                fprintf(stderr, "bex-idle: --client-addr: '%s' is not an IPv4 address\n", optarg);
+                return 2;
+            }
+            o->client_addr_set = true;
             break;
         case 's':
             o->seconds = atof(optarg);
