@@ -20,21 +20,36 @@ spid=
 trap '[ -z "$spid" ] || kill $spid 2>/dev/null; rm -rf "$work"' EXIT
 failed=0
 fail() { echo "FAIL: $*" >&2; failed=1; }
-# a port range of our own: several ctest runs may share the machine
-port=$((30000 + ($$ % 1000) * 16))
+# a port range of our own (16 from $port; several ctest runs and parallel
+# tests share the machine): below the kernel's ephemeral range, so the
+# kernel gives none of them to another socket; another run of this script
+# that drew the same range makes our server fail to bind, and server()
+# then draws again
+lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+[ "$lo" -gt 12000 ] 2>/dev/null || lo=32768
+pick_port() { port=$((10000 + (RANDOM % ((lo - 10016) / 16)) * 16)); }
+pick_port
 
 # jget LINE KEY: a number or string field of a flat JSON line
 jget() { sed -n "s/.*\"$2\":\"\{0,1\}\([-0-9.a-z]*\)\"\{0,1\}[,}].*/\1/p" <<<"$1"; }
 
 server() { # RUNS OPTS...
-    local runs=$1
+    local runs=$1 attempt
     shift
-    "$perf" -s --local 127.0.0.1 -p $port --transport tcp --runs "$runs" "$@" \
-        >"$work/srv.out" 2>&1 &
-    spid=$!
-    for _ in $(seq 100); do
-        grep -q listening "$work/srv.out" && return 0
-        sleep 0.1
+    for attempt in 1 2 3 4 5; do
+        "$perf" -s --local 127.0.0.1 -p $port --transport tcp --runs "$runs" "$@" \
+            >"$work/srv.out" 2>&1 &
+        spid=$!
+        for _ in $(seq 100); do
+            grep -q listening "$work/srv.out" && return 0
+            kill -0 $spid 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -0 $spid 2>/dev/null && break # alive, not listening: a real failure
+        wait $spid
+        spid=
+        grep -qi "in use" "$work/srv.out" || break
+        pick_port # the range was taken: draw another
     done
     fail "server did not listen: $(cat "$work/srv.out")"
     return 1

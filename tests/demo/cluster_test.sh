@@ -202,18 +202,26 @@ etcd)
     # clients, on 127.0.0.2), which find the servers through etcd
     etcd_bin=${BEX_ETCD:-etcd}
     command -v "$etcd_bin" >/dev/null || fail "no $etcd_bin (install etcd-server: scripts/deps)"
-    read -r cport pport < <(python3 -c '
-import socket
+    # etcd's two ports stay bound (SO_REUSEADDR, not listening) by a holder
+    # until etcd listens on them: a port chosen and let go can be taken by
+    # a parallel test meanwhile (tests/port.h)
+    coproc HOLD { python3 -c '
+import socket, sys
 s = [socket.socket() for _ in range(2)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')
+for x in s:
+    x.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s], flush=True)
+sys.stdin.read()'; }
+    hold_pid=$HOLD_PID
+    read -r cport pport <&"${HOLD[0]}"
     url=http://127.0.0.1:$cport
     "$etcd_bin" --name t --data-dir "$out/etcd" --listen-client-urls "$url" \
         --advertise-client-urls "$url" --listen-peer-urls "http://127.0.0.1:$pport" \
         --initial-advertise-peer-urls "http://127.0.0.1:$pport" \
         --initial-cluster "t=http://127.0.0.1:$pport" --log-level warn >"$out/etcd.log" 2>&1 &
     etcd_pid=$!
-    trap 'kill $etcd_pid 2>/dev/null; wait $etcd_pid 2>/dev/null; rm -rf "$out"' EXIT
+    trap 'kill $etcd_pid $hold_pid 2>/dev/null; wait $etcd_pid 2>/dev/null; rm -rf "$out"' EXIT
     python3 - "$url" <<'PY' || fail "etcd did not come up: $(tail -3 "$out/etcd.log")"
 import sys, time, urllib.request
 for _ in range(300):
@@ -224,6 +232,7 @@ for _ in range(300):
         time.sleep(0.1)
 sys.exit(1)
 PY
+    kill $hold_pid 2>/dev/null # etcd listens: the ports are its own now
     "$cluster" --plan "$plan" --out "$out/srv" --addrs 127.0.0.1 --time-scale "$scale" \
         --etcd "$url" --only servers >"$out/srv.log" 2>&1 &
     spid=$!

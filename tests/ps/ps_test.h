@@ -12,6 +12,7 @@
 #include "bex/ps.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
+#include "port.h"
 #include "sock/child.h"
 
 enum { SVC_T = 0x7e57, M_STATS = 1 };
@@ -324,37 +325,19 @@ static inline void write_file(const char *path, const void *p, size_t n)
     CHECK(fclose(f) == 0);
 }
 
-/* n loopback TCP ports free now, all different: every socket stays bound
- * until all are chosen (ports freed one at a time can come back, and a
- * cluster file naming one port twice is refused). */
+/* n loopback TCP ports, all different, reserved for the process's life
+ * (tests/port.h: a port chosen and let go can be taken before its
+ * listener binds it). */
 static inline void free_ports(int n, uint16_t *out)
 {
-    int fds[16];
-    CHECK(n > 0 && n <= 16);
-    for (int i = 0; i < n; i++) {
-        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
-        CHECK(fds[i] >= 0);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-        socklen_t l = sizeof a;
-        CHECK(bind(fds[i], (struct sockaddr *)&a, sizeof a) == 0);
-        CHECK(getsockname(fds[i], (struct sockaddr *)&a, &l) == 0);
-        out[i] = ntohs(a.sin_port);
-    }
     for (int i = 0; i < n; i++)
-        close(fds[i]);
+        out[i] = bex_test_port();
 }
 
-/* A loopback TCP port free now. */
+/* A loopback TCP port, reserved (tests/port.h). */
 static inline uint16_t free_port(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(fd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t l = sizeof a;
-    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
-    CHECK(getsockname(fd, (struct sockaddr *)&a, &l) == 0);
-    close(fd);
-    return ntohs(a.sin_port);
+    return bex_test_port();
 }
 
 #ifdef BEX_PS_BIN

@@ -25,19 +25,6 @@
 
 static const float LR = 0.1f, GRAD = 0.5f;
 
-/* A TCP port free now on a. */
-static uint16_t free_port_at(struct in_addr a)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(fd >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr = a};
-    socklen_t l = sizeof sa;
-    CHECK(bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
-    CHECK(getsockname(fd, (struct sockaddr *)&sa, &l) == 0);
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
 struct setup {
     char dir[64], cluster[128];
     struct sockaddr_in addr; /* the replica's */
@@ -53,7 +40,7 @@ static void setup_make(struct setup *s)
     snprintf(s->dir, sizeof s->dir, "/tmp/bex-ps-auto-XXXXXX");
     CHECK(mkdtemp(s->dir));
     snprintf(s->cluster, sizeof s->cluster, "%s/cluster.json", s->dir);
-    uint16_t port = free_port_at(a0);
+    uint16_t port = bex_test_port_at(a0);
     char ip[INET_ADDRSTRLEN], j[512];
     inet_ntop(AF_INET, &a0, ip, sizeof ip);
     int n = snprintf(j, sizeof j,

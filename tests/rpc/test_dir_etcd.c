@@ -20,6 +20,7 @@
 
 #include "bex/dir.h"
 #include "harness.h"
+#include "port.h"
 
 #define TTL_S 2
 
@@ -85,18 +86,6 @@ static void cleanup_main(void)
         cleanup();
 }
 
-static uint16_t free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(fd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
-    CHECK(getsockname(fd, (struct sockaddr *)&a, &len) == 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 /* etcd in PATH (or BEX_ETCD), on free ports, data in a temporary
  * directory; its client URL into url. */
 static uint16_t cport, pport;
@@ -146,10 +135,10 @@ static void exec_etcd(void)
 
 static void start_etcd(char *url, size_t cap)
 {
-    cport = free_port();
-    pport = free_port();
+    cport = bex_test_port();
+    pport = bex_test_port();
     while (pport == cport)
-        pport = free_port();
+        pport = bex_test_port();
     snprintf(datadir, sizeof datadir, "/tmp/bex-etcd-XXXXXX");
     CHECK(mkdtemp(datadir));
     snprintf(url, cap, "http://127.0.0.1:%u", cport);

@@ -538,22 +538,24 @@ static void argv_num(struct proc *p, const char *k, json_t *o, const char *jk)
     argv_add(p, k, b);
 }
 
-/* Free TCP ports on addr: bound to port 0 all at once, so they differ. */
+/* Free TCP ports on addr: bound to port 0 all at once, so they differ, and
+ * left bound (SO_REUSEADDR, not listening; close-on-exec) for the run's
+ * life: a port let go could be taken by another program's socket before
+ * its server listens on it (EADDRINUSE), while bex's listener, which sets
+ * SO_REUSEADDR too, may bind a port held this way. */
 static void free_ports(const char *addr, int n, int *ports)
 {
-    int fds[64];
     for (int i = 0; i < n; i++) {
         struct sockaddr_in a = {.sin_family = AF_INET};
         inet_pton(AF_INET, addr, &a.sin_addr);
         socklen_t len = sizeof a;
-        if ((fds[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
-            bind(fds[i], (struct sockaddr *)&a, sizeof a) ||
-            getsockname(fds[i], (struct sockaddr *)&a, &len))
+        int one = 1, fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
+            bind(fd, (struct sockaddr *)&a, sizeof a) ||
+            getsockname(fd, (struct sockaddr *)&a, &len))
             die("a free port on %s: %s", addr, strerror(errno));
-        ports[i] = ntohs(a.sin_port);
+        ports[i] = ntohs(a.sin_port); /* fd stays open: the reservation */
     }
-    for (int i = 0; i < n; i++)
-        close(fds[i]);
 }
 
 struct verify {
