@@ -58,7 +58,7 @@ static void call_put(struct bex_rpc_channel *ch, struct call *c)
 
 /* ---- directory mode: outcomes for quarantine (under ch->mu) ---- */
 
-static void dir_report(struct bex_rpc_channel *ch, struct endpoint *ep, int outcome)
+void bex__rpc_dir_report(struct bex_rpc_channel *ch, struct endpoint *ep, int outcome)
 {
     if (ch->dir && ep && ep->node)
         bex__dir_report_node(ch->dir, ep->node, outcome, false, bex__rpc_now_ns());
@@ -93,9 +93,9 @@ static void xatt_end(struct xatt *xa)
 }
 
 /* Take c off the books with status; its completion runs once the lock is
- * released (run_done). */
-static void complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
-                     size_t resp_len, int kind, struct call **done)
+ * released (bex__rpc_run_done). */
+void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
+                       size_t resp_len, int kind, struct call **done)
 {
     if (!c->live) {
         if (!c->dst || resp != c->dst)
@@ -119,7 +119,7 @@ static void complete(struct bex_rpc_channel *ch, struct call *c, int status, voi
     /* an attempt out (a link's, or a destination's own socket not being
      * ended for a next one) timed out with the call */
     if (kind == K_TIMEOUT && (c->link || (c->xa && !c->xa->closing)))
-        dir_report(ch, c->ep, BEX_DIR_REQ_FAIL);
+        bex__rpc_dir_report(ch, c->ep, BEX_DIR_REQ_FAIL);
     dir_release(ch, c);
     switch (kind) {
     case K_OK:
@@ -158,7 +158,7 @@ static void complete(struct bex_rpc_channel *ch, struct call *c, int status, voi
     *done = c;
 }
 
-static void run_done(struct bex_rpc_channel *ch, struct call *done)
+void bex__rpc_run_done(struct bex_rpc_channel *ch, struct call *done)
 {
     /* oldest first: reverse the stack */
     struct call *r = NULL;
@@ -386,7 +386,7 @@ static bool ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int 
     bool was_suspect = ep->suspect;
     ep->suspect = true;
     if (conn)
-        dir_report(ch, ep, BEX_DIR_CONN_FAIL);
+        bex__rpc_dir_report(ch, ep, BEX_DIR_CONN_FAIL);
     if (!was_suspect && err != -ECANCELED && err != -ECONNABORTED) {
         /* once per transition: the endpoint stays suspect until a
          * connection to it is up again */
@@ -426,7 +426,8 @@ static void ep_answered(struct bex_rpc_channel *ch, struct endpoint *ep, bool tc
     if (tcp)
         ep->tcp_answers++;
     if (live)
-        dir_report(ch, ep, status && retryable(status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
+        bex__rpc_dir_report(ch, ep,
+                            status && retryable(status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
 }
 
 /* An answer came over l: the step it was made at worked. */
@@ -500,15 +501,13 @@ static bool connect_refused(struct bex_rpc_channel *ch, struct endpoint *ep, int
     return err != -ENOMEM && err != -EINVAL && ladder_failed(ch, ep, ep->rung, err);
 }
 
-static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                              bool moved, struct call **done);
 static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out);
 
 /* l failed with err: its endpoint's failure counted and reported (once,
  * ep_conn_failed), its socket closed, the calls out on it retried or
  * completed. Returns whether the failure took a step of the recovery
  * ladder (the calls it moves spend no budget). */
-static bool link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
+bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
 {
     if (l->state == L_FAILED)
         return false;
@@ -547,7 +546,7 @@ static bool link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struc
     for (struct call *c = ch->live, *n; c; c = n) {
         n = c->next;
         if (c->link == l)
-            attempt_failed_ex(ch, c, err, false, step, done);
+            bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
     }
     /* step 2 with no other replica on RDMA: TCP (step 3) is what the
      * next calls need; its connection is started now, not by the first
@@ -734,10 +733,10 @@ void bex__rpc_send_hook(void (*fn)(bex_sock *s))
  * endpoint's link, or (a call with a destination) on a socket of its own
  * (xatt_open). Returns 0 or the error that kept the attempt from
  * starting; *step: that error was a connection failure that took a step
- * of the recovery ladder. A link found failed here fails now (link_fail:
+ * of the recovery ladder. A link found failed here fails now (bex__rpc_link_fail:
  * its other calls go to done or elsewhere). */
-static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude,
-                         bool *step, struct call **done)
+int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
+                           const struct endpoint *exclude, bool *step, struct call **done)
 {
     *step = false;
     c->link = NULL;
@@ -787,7 +786,7 @@ static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struc
              * endpoint failed rather than finding this link again, and a
              * quarantined replica is released for it when this was the
              * shard's last one (src/rpc/dir.c, release_early) */
-            *step = link_fail(ch, l, err, done);
+            *step = bex__rpc_link_fail(ch, l, err, done);
             return err;
         }
     }
@@ -819,7 +818,7 @@ static bool retryable(int err, bool remote)
 
 /* Whether c may be tried again after err: attempts left, time left, the
  * coin, then the budget (only a retry that happens spends a token). */
-static bool may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote)
+bool bex__rpc_may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote)
 {
     if ((c->flags & BEX_RPC_CALL_NO_RETRY) || c->attempts - c->moves >= ch->max_attempts ||
         !retryable(err, remote) || bex__rpc_now_ns() >= c->deadline || ch->destroying)
@@ -847,8 +846,8 @@ static bool may_move(struct bex_rpc_channel *ch, struct call *c, int err)
 
 /* The current attempt of c failed with err: retry, or complete with err.
  * moved: its connection's failure took a step of the recovery ladder. */
-static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                              bool moved, struct call **done)
+void bex__rpc_attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                                bool moved, struct call **done)
 {
     if (!c->live)
         return;
@@ -860,14 +859,14 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
         c->in_doubt = true;
     for (;;) {
         bool mv = moved && may_move(ch, c, err);
-        if (!mv && !may_retry(ch, c, err, remote))
+        if (!mv && !bex__rpc_may_retry(ch, c, err, remote))
             break;
         ch->st.retries++;
         if (mv) {
             c->moves++;
             ch->st.ladder_moves++;
         }
-        int e = start_attempt(ch, c, c->ep, &moved, done);
+        int e = bex__rpc_start_attempt(ch, c, c->ep, &moved, done);
         if (!e)
             return;
         err = e;
@@ -877,13 +876,13 @@ static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int er
      * that may have: the call stays in doubt */
     if (!remote && c->in_doubt)
         err = -EIO;
-    complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
+    bex__rpc_complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
 }
 
 static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
                            struct call **done)
 {
-    attempt_failed_ex(ch, c, err, remote, false, done);
+    bex__rpc_attempt_failed_ex(ch, c, err, remote, false, done);
 }
 
 /* ---- attempts with a destination (bex_rpc_call_into) ---- */
@@ -903,7 +902,7 @@ static const bex_sock_ops xatt_ops = {
     .on_close = x_on_close,
 };
 
-/* c's attempt on ep (start_attempt picked it): a socket of its own on
+/* c's attempt on ep (bex__rpc_start_attempt picked it): a socket of its own on
  * the endpoint's connection as the ladder has it (joining the channel's
  * link's when there is one, the same options), which takes ladder steps,
  * counts and reports as a link does. */
@@ -940,9 +939,9 @@ static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct cal
     } else if (c->want_attempt && c->live) {
         c->want_attempt = false;
         bool step;
-        int err = start_attempt(ch, c, c->ep, &step, done);
+        int err = bex__rpc_start_attempt(ch, c, c->ep, &step, done);
         if (err)
-            attempt_failed_ex(ch, c, err, false, step, done);
+            bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
     }
 }
 
@@ -959,7 +958,7 @@ static void xatt_failed(struct bex_rpc_channel *ch, struct xatt *xa, int err, bo
         return;
     bool moved = conn && ep_conn_failed(ch, xa->ep, xa->rung, xa->gen, err);
     xa->ep->failures++;
-    attempt_failed_ex(ch, c, err, false, moved, done);
+    bex__rpc_attempt_failed_ex(ch, c, err, false, moved, done);
 }
 
 static void x_on_connect(bex_sock *s, int status, void *user)
@@ -1016,7 +1015,7 @@ static void x_on_connect(bex_sock *s, int status, void *user)
             xatt_failed(ch, xa, err, false, &done);
     }
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 static void x_on_error(bex_sock *s, int err, void *user)
@@ -1030,7 +1029,7 @@ static void x_on_error(bex_sock *s, int err, void *user)
     xatt_failed(ch, xa, err ? err : -ECONNRESET, true, &done);
     xatt_retired(ch, xa, &done);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
@@ -1058,7 +1057,7 @@ static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, i
                         status != -ENOMEM && status != -EMSGSIZE, &done);
     }
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 /* An answer on an attempt's socket: written into the destination (buf is
@@ -1113,11 +1112,11 @@ static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
                 attempt_failed(ch, c, h.status, true, &done);
             } else if (!into && blen > c->cap) {
                 /* a server that did not check: nothing is copied */
-                complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
+                bex__rpc_complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
             } else {
                 if (!into && blen)
                     memcpy(c->dst, (uint8_t *)buf + BEX_RPC_HDR_LEN, blen);
-                complete(ch, c, h.status, c->dst, blen, h.status ? K_REMOTE : K_OK, &done);
+                bex__rpc_complete(ch, c, h.status, c->dst, blen, h.status ? K_REMOTE : K_OK, &done);
             }
         }
     }
@@ -1126,7 +1125,7 @@ static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     pthread_mutex_unlock(&ch->mu);
     if (!into)
         bex_mem_free(buf);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 static void x_on_close(bex_sock *s, void *user)
@@ -1143,7 +1142,7 @@ static void x_on_close(bex_sock *s, void *user)
         c->xa = NULL;
     ep_put(xa->ep);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
     pthread_mutex_lock(&ch->mu);
     call_put(ch, c);
     pthread_cond_broadcast(&ch->cv);
@@ -1187,7 +1186,7 @@ static void on_connect(bex_sock *s, int status, void *user)
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
     if (status) {
-        link_fail(ch, l, status, &done);
+        bex__rpc_link_fail(ch, l, status, &done);
     } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
         l->state = L_UP; /* its ping must be answered within probe_ns from now */
         l->t_start = bex__rpc_now_ns();
@@ -1198,7 +1197,7 @@ static void on_connect(bex_sock *s, int status, void *user)
         ep_reachable(ch, l->ep);
     }
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 static void on_error(bex_sock *s, int err, void *user)
@@ -1208,9 +1207,9 @@ static void on_error(bex_sock *s, int err, void *user)
     struct bex_rpc_channel *ch = l->ch;
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
-    link_fail(ch, l, err ? err : -ECONNRESET, &done);
+    bex__rpc_link_fail(ch, l, err ? err : -ECONNRESET, &done);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 static void on_close(bex_sock *s, void *user)
@@ -1227,7 +1226,7 @@ static void on_close(bex_sock *s, void *user)
         l->ep->cur = NULL;
     ep_put(l->ep);
     /* calls still naming l as their attempt's link are failed by now
-     * (link_fail ran before the close), so nothing points to l */
+     * (bex__rpc_link_fail ran before the close), so nothing points to l */
     pthread_cond_broadcast(&ch->cv);
     pthread_mutex_unlock(&ch->mu);
     free(l);
@@ -1249,9 +1248,9 @@ static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int
          * or in doubt: the connection failed, and on_connect or on_error
          * says how */
         if (status == -ENOMEM || status == -EMSGSIZE)
-            link_fail(ch, l, status, &done);
+            bex__rpc_link_fail(ch, l, status, &done);
         pthread_mutex_unlock(&ch->mu);
-        run_done(ch, done);
+        bex__rpc_run_done(ch, done);
         return;
     }
     if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_CONNECTING) {
@@ -1260,13 +1259,13 @@ static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int
     } else if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_UP) {
         /* not delivered, or in doubt: the connection failed (its on_error
          * follows the sends it hands back), and with it every call on it */
-        link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
+        bex__rpc_link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
     } else if (status && c->live && c->link == l) {
         attempt_failed(ch, c, status, false, &done);
     }
     call_put(ch, c);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
@@ -1302,10 +1301,10 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         l->bad = true;
         bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: malformed answer (%s): connection closed",
                  ch->name, why);
-        link_fail(ch, l, -EPROTO, &done);
+        bex__rpc_link_fail(ch, l, -EPROTO, &done);
         pthread_mutex_unlock(&ch->mu);
         bex_mem_free(buf);
-        run_done(ch, done);
+        bex__rpc_run_done(ch, done);
         return;
     }
     if (!l->proven && l->state != L_FAILED) /* a failed one proves nothing any more */
@@ -1333,10 +1332,10 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
         /* an earlier attempt's refusal: the current attempt may still do */
         bex_rpc_free(body);
     } else {
-        complete(ch, c, h.status, body, blen, h.status ? K_REMOTE : K_OK, &done);
+        bex__rpc_complete(ch, c, h.status, body, blen, h.status ? K_REMOTE : K_OK, &done);
     }
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
+    bex__rpc_run_done(ch, done);
 }
 
 /* Directory mode: after the directory changed, close the connections to
@@ -1344,7 +1343,7 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
  * reloaded); the calls out on them are retried on the others, as after
  * bex_rpc_channel_set_endpoints. Runs on the timer thread, so within about
  * a second of the change. */
-static void dir_prune(struct bex_rpc_channel *ch, struct call **done)
+void bex__rpc_dir_prune(struct bex_rpc_channel *ch, struct call **done)
 {
     uint64_t g = bex_dir_generation(ch->dir);
     if (g == ch->dir_gen)
@@ -1355,9 +1354,9 @@ static void dir_prune(struct bex_rpc_channel *ch, struct call **done)
         if ((ep->cur || ep->probe) &&
             !bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node)) {
             if (ep->cur)
-                link_fail(ch, ep->cur, -ECONNABORTED, done);
+                bex__rpc_link_fail(ch, ep->cur, -ECONNABORTED, done);
             if (ep->probe)
-                link_fail(ch, ep->probe, -ECONNABORTED, done);
+                bex__rpc_link_fail(ch, ep->probe, -ECONNABORTED, done);
         }
         if (!bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node))
             xatt_fail_ep(ch, ep, -ECONNABORTED, done);
@@ -1392,7 +1391,7 @@ static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct c
     ep->probe = l;
     err = send_ping(ch, l);
     if (err)
-        link_fail(ch, l, err, done);
+        bex__rpc_link_fail(ch, l, err, done);
     return;
 
 fail:
@@ -1402,7 +1401,7 @@ fail:
                (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
 }
 
-static bool link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
+bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
 {
     for (const struct call *c = ch->live; c; c = c->next)
         if (c->link == l)
@@ -1412,8 +1411,8 @@ static bool link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
 
 /* The ladder's timed work for ep: step 3's RDMA retries. Returns when it
  * is next due (0: nothing). */
-static uint64_t ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uint64_t now,
-                            struct call **done)
+uint64_t bex__rpc_ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uint64_t now,
+                              struct call **done)
 {
     if (ep->rung != BEX_RPC_LADDER_TCP || ep->probe)
         return 0;
@@ -1421,114 +1420,6 @@ static uint64_t ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uin
         return ep->rdma_retry_at;
     probe_open(ch, ep, done);
     return ep->probe ? 0 : ep->rdma_retry_at;
-}
-
-/* ---- timer thread: deadlines, attempt timeouts, Tc, the ladder ---- */
-
-/* c's attempt passed attempt_timeout_ms: a failure of it for the
- * endpoint's counters and the directory, and a retry when the call may
- * have one (attempts, deadline, coin, budget), on another endpoint when
- * there is one. A link's attempt stays out (its answer is still taken);
- * an attempt with a destination is abandoned (start_attempt ends it), as
- * two would share the destination, and the retry exposes it afresh once
- * the transport no longer writes it. With no retry the attempt stays out
- * until the call's deadline. */
-static void attempt_timed_out(struct bex_rpc_channel *ch, struct call *c, struct call **done)
-{
-    c->attempt_deadline = 0;
-    struct link *pl = c->link;
-    struct endpoint *pe = c->ep;
-    if (pe)
-        pe->failures++;
-    dir_report(ch, pe, BEX_DIR_REQ_FAIL);
-    if (!may_retry(ch, c, -ETIMEDOUT, false))
-        return;
-    ch->st.retries++;
-    bool step;
-    int err = start_attempt(ch, c, pe, &step, done);
-    if (!err)
-        return;
-    if (c->dst) {
-        attempt_failed_ex(ch, c, err, false, step, done); /* the first one was ended */
-    } else if (!pl || pl->state == L_FAILED) {
-        /* its link was found failed by the retry (start_attempt failed it
-         * while the call was on none): nothing answers the first any more */
-        c->ep = pe;
-        attempt_failed_ex(ch, c, err, false, step, done);
-    } else {
-        /* no second attempt now: the first may still answer */
-        c->link = pl;
-        c->ep = pe;
-    }
-}
-
-static void *timer_main(void *arg)
-{
-    struct bex_rpc_channel *ch = arg;
-    pthread_mutex_lock(&ch->mu);
-    while (!ch->stop) {
-        uint64_t now = bex__rpc_now_ns();
-        uint64_t next = now + 1000000000ull;
-        struct call *done = NULL;
-        if (ch->dir)
-            dir_prune(ch, &done);
-        for (struct link *l = ch->links; l; l = l->next) {
-            if (l->retiring && l->state != L_FAILED && !link_has_calls(ch, l)) {
-                l->state = L_FAILED; /* not a failure: nothing to count */
-                bex_sock_close(l->s);
-                continue;
-            }
-            /* up within Tc; the ladder's, then its ping answered within
-             * probe_ns */
-            uint64_t due;
-            if (l->state == L_CONNECTING)
-                due = l->t_start + ch->tc_ns;
-            else if (l->ping && !l->proven && l->state == L_UP)
-                due = l->t_start + ch->probe_ns;
-            else
-                continue;
-            if (now >= due)
-                link_fail(ch, l, -ETIMEDOUT, &done);
-            else if (due < next)
-                next = due;
-        }
-        for (size_t i = 0; i < ch->n_eps; i++) {
-            uint64_t due = ladder_tick(ch, ch->eps[i], now, &done);
-            if (due && due < next)
-                next = due;
-        }
-        for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext) {
-            uint64_t due = ladder_tick(ch, ep, now, &done);
-            if (due && due < next)
-                next = due;
-        }
-        for (struct call *c = ch->live, *n; c; c = n) {
-            n = c->next;
-            if (now >= c->deadline) {
-                complete(ch, c, -ETIMEDOUT, NULL, 0, K_TIMEOUT, &done);
-                continue;
-            }
-            if (c->attempt_deadline && now >= c->attempt_deadline)
-                attempt_timed_out(ch, c, &done);
-            if (c->live && c->deadline < next)
-                next = c->deadline;
-            if (c->live && c->attempt_deadline && c->attempt_deadline < next)
-                next = c->attempt_deadline;
-        }
-        if (done) {
-            pthread_mutex_unlock(&ch->mu);
-            run_done(ch, done);
-            pthread_mutex_lock(&ch->mu);
-            continue;
-        }
-        ch->timer_next = next;
-        uint64_t until = bex__rpc_clock_sleep_until(next);
-        struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
-        pthread_cond_timedwait(&ch->cv, &ch->mu, &ts);
-        ch->timer_next = 0;
-    }
-    pthread_mutex_unlock(&ch->mu);
-    return NULL;
 }
 
 /* ---- API ---- */
@@ -1585,7 +1476,7 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&ch->cv, &ca);
     pthread_condattr_destroy(&ca);
-    err = -pthread_create(&ch->timer, NULL, timer_main, ch);
+    err = -pthread_create(&ch->timer, NULL, bex__rpc_timer_main, ch);
     if (err)
         goto err_sync;
     *out = ch;
@@ -1720,11 +1611,11 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     if (c->deadline < ch->timer_next || !ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
     bool step;
-    int err = start_attempt(ch, c, NULL, &step, &dl);
+    int err = bex__rpc_start_attempt(ch, c, NULL, &step, &dl);
     if (err)
-        attempt_failed_ex(ch, c, err, false, step, &dl);
+        bex__rpc_attempt_failed_ex(ch, c, err, false, step, &dl);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     return 0;
 }
 
@@ -1736,9 +1627,9 @@ int bex_rpc_cancel(bex_rpc_channel *ch, uint64_t call_id)
     pthread_mutex_lock(&ch->mu);
     struct call *c = call_find(ch, call_id);
     if (c)
-        complete(ch, c, -ECANCELED, NULL, 0, K_CANCEL, &dl);
+        bex__rpc_complete(ch, c, -ECANCELED, NULL, 0, K_CANCEL, &dl);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     return c ? 0 : -ENOENT;
 }
 
@@ -1771,15 +1662,15 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
             if (c->ep == old[k])
                 c->ep = NULL;
         if (old[k]->cur)
-            link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
+            bex__rpc_link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
         if (old[k]->probe)
-            link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
+            bex__rpc_link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
         xatt_fail_ep(ch, old[k], -ECONNABORTED, &dl);
         ep_put(old[k]);
     }
     free(old);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     return 0;
 }
 
@@ -1841,13 +1732,13 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     pthread_mutex_lock(&ch->mu);
     ch->destroying = true;
     while (ch->live)
-        complete(ch, ch->live, -ECANCELED, NULL, 0, K_CANCEL, &dl);
+        bex__rpc_complete(ch, ch->live, -ECANCELED, NULL, 0, K_CANCEL, &dl);
     for (struct link *l = ch->links; l; l = l->next)
-        link_fail(ch, l, -ECANCELED, &dl);
+        bex__rpc_link_fail(ch, l, -ECANCELED, &dl);
     ch->stop = true;
     pthread_cond_broadcast(&ch->cv);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     pthread_join(ch->timer, NULL);
     pthread_mutex_lock(&ch->mu);
     /* every socket's on_close, and with it every send's on_send_done */

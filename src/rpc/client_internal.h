@@ -142,7 +142,7 @@ struct bex_rpc_channel {
     char *service, *locality;
     uint32_t shard;
     struct endpoint *deps;
-    uint64_t dir_gen; /* the directory's generation dir_prune last saw */
+    uint64_t dir_gen; /* the directory's generation bex__rpc_dir_prune last saw */
     pthread_mutex_t mu;
     pthread_cond_t cv; /* timer wake-ups and destroy's waits */
     struct call *htab[CALL_BUCKETS];
@@ -161,5 +161,21 @@ struct bex_rpc_channel {
     bex_rpc_channel_stats st;
     struct bex__rpc_hist hist;
 };
+
+void *bex__rpc_timer_main(void *arg);
+void bex__rpc_dir_report(struct bex_rpc_channel *ch, struct endpoint *ep, int outcome);
+void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
+                       size_t resp_len, int kind, struct call **done);
+void bex__rpc_run_done(struct bex_rpc_channel *ch, struct call *done);
+void bex__rpc_attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                                bool moved, struct call **done);
+bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done);
+int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
+                           const struct endpoint *exclude, bool *step, struct call **done);
+bool bex__rpc_may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote);
+void bex__rpc_dir_prune(struct bex_rpc_channel *ch, struct call **done);
+bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l);
+uint64_t bex__rpc_ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uint64_t now,
+                              struct call **done);
 
 #endif
