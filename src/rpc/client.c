@@ -38,7 +38,7 @@ static size_t bucket(uint64_t id)
     return (size_t)(id % CALL_BUCKETS);
 }
 
-static struct call *call_find(struct bex_rpc_channel *ch, uint64_t id)
+struct call *bex__rpc_call_find(struct bex_rpc_channel *ch, uint64_t id)
 {
     for (struct call *c = ch->htab[bucket(id)]; c; c = c->hnext)
         if (c->id == id)
@@ -46,7 +46,7 @@ static struct call *call_find(struct bex_rpc_channel *ch, uint64_t id)
     return NULL;
 }
 
-static void call_put(struct bex_rpc_channel *ch, struct call *c)
+void bex__rpc_call_put(struct bex_rpc_channel *ch, struct call *c)
 {
     if (--c->refs)
         return;
@@ -172,18 +172,14 @@ void bex__rpc_run_done(struct bex_rpc_channel *ch, struct call *done)
         n = c->dnext;
         c->done(c->status, c->resp, c->resp_len, c->user);
         pthread_mutex_lock(&ch->mu);
-        call_put(ch, c);
+        bex__rpc_call_put(ch, c);
         pthread_mutex_unlock(&ch->mu);
     }
 }
 
 /* ---- links and endpoints (under ch->mu) ---- */
 
-static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                           struct call **done);
-static bool retryable(int err, bool remote);
-
-static void ep_put(struct endpoint *ep)
+void bex__rpc_ep_put(struct endpoint *ep)
 {
     if (--ep->refs)
         return;
@@ -289,8 +285,9 @@ static bool ep_may_rdma(struct bex_rpc_channel *ch, const struct endpoint *ep)
            (ep->transport == BEX_TRANSPORT_AUTO && bex_ctx_pd(ch->ctx));
 }
 
-__attribute__((format(printf, 4, 5))) static void
-ladder_log(struct bex_rpc_channel *ch, const struct endpoint *ep, int level, const char *fmt, ...)
+__attribute__((format(printf, 4, 5))) void bex__rpc_ladder_log(struct bex_rpc_channel *ch,
+                                                               const struct endpoint *ep, int level,
+                                                               const char *fmt, ...)
 {
     char a[INET_ADDRSTRLEN], msg[192];
     inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
@@ -327,20 +324,20 @@ static bool ladder_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int r
     if (ep->rung == BEX_RPC_LADDER_OK) {
         ep->rung = BEX_RPC_LADDER_RECONNECT;
         ch->st.ladder_reconnects++;
-        ladder_log(ch, ep, BEX_LOG_WARN, "%s connection failed (%s): step 1, reconnecting",
-                   rdma ? "RDMA" : "its", bex_strerror(err));
+        bex__rpc_ladder_log(ch, ep, BEX_LOG_WARN, "%s connection failed (%s): step 1, reconnecting",
+                            rdma ? "RDMA" : "its", bex_strerror(err));
         return true;
     }
     if (ep->rung == BEX_RPC_LADDER_RECONNECT) {
         ep->rung = BEX_RPC_LADDER_REPLICA;
         ch->st.ladder_replicas++;
         bool others = ladder_others(ch, ep);
-        ladder_log(ch, ep, BEX_LOG_WARN, "reconnection failed (%s): step 2, %s%s",
-                   bex_strerror(err),
-                   others ? "calls go to other replicas"
-                   : rdma ? "no other replica on RDMA"
-                          : "no other replica",
-                   rdma ? (others ? ", then TCP" : ", TCP now") : "");
+        bex__rpc_ladder_log(ch, ep, BEX_LOG_WARN, "reconnection failed (%s): step 2, %s%s",
+                            bex_strerror(err),
+                            others ? "calls go to other replicas"
+                            : rdma ? "no other replica on RDMA"
+                                   : "no other replica",
+                            rdma ? (others ? ", then TCP" : ", TCP now") : "");
         return true;
     }
     return false;
@@ -355,8 +352,6 @@ static uint64_t ladder_down_until(struct bex_rpc_channel *ch, const struct endpo
         return 0;
     return bex__rpc_now_ns() + ch->holddown_ns;
 }
-
-static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep);
 
 /* A connection of ep, made at step rung when its fail_gen was gen, failed
  * with err, as a socket on it (the channel's link, or an attempt with a
@@ -410,7 +405,7 @@ static bool ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int r
         return false;
     if (ep->rung == BEX_RPC_LADDER_RECONNECT)
         ch->st.ladder_recovered++;
-    ladder_log(ch, ep, BEX_LOG_WARN, "answered again: recovered at step %d", ep->rung);
+    bex__rpc_ladder_log(ch, ep, BEX_LOG_WARN, "answered again: recovered at step %d", ep->rung);
     ep->rung = BEX_RPC_LADDER_OK;
     return true;
 }
@@ -419,19 +414,19 @@ static bool ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int r
  * fallback or not, to a call still out (live) or not (late, or a ping's:
  * counted all the same): the counters and, for a live call, the
  * directory's report. */
-static void ep_answered(struct bex_rpc_channel *ch, struct endpoint *ep, bool tcp, int status,
-                        bool live)
+void bex__rpc_ep_answered(struct bex_rpc_channel *ch, struct endpoint *ep, bool tcp, int status,
+                          bool live)
 {
     ep->answers++;
     if (tcp)
         ep->tcp_answers++;
     if (live)
-        bex__rpc_dir_report(ch, ep,
-                            status && retryable(status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
+        bex__rpc_dir_report(
+            ch, ep, status && bex__rpc_retryable(status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
 }
 
 /* An answer came over l: the step it was made at worked. */
-static void link_proven(struct bex_rpc_channel *ch, struct link *l)
+void bex__rpc_link_proven(struct bex_rpc_channel *ch, struct link *l)
 {
     struct endpoint *ep = l->ep;
     l->proven = true;
@@ -448,11 +443,11 @@ static void link_proven(struct bex_rpc_channel *ch, struct link *l)
         ep->rung = BEX_RPC_LADDER_OK;
         l->rung = BEX_RPC_LADDER_OK;
         ch->st.rdma_restored++;
-        ladder_log(ch, ep, BEX_LOG_WARN, "RDMA works again: calls leave TCP");
+        bex__rpc_ladder_log(ch, ep, BEX_LOG_WARN, "RDMA works again: calls leave TCP");
         return;
     }
     if (l->ping && l->state == L_UP)
-        ep_reachable(ch, ep); /* held back until now: see on_connect */
+        bex__rpc_ep_reachable(ch, ep); /* held back until now: see bex__rpc_on_connect */
     if (ladder_proven(ch, ep, l->rung))
         l->rung = BEX_RPC_LADDER_OK;
 }
@@ -466,8 +461,8 @@ static uint32_t ladder_transport(struct bex_rpc_channel *ch, struct endpoint *ep
         ep->rung = BEX_RPC_LADDER_TCP;
         ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns;
         ch->st.ladder_tcp++;
-        ladder_log(ch, ep, BEX_LOG_WARN, "step 3, over TCP (RDMA tried again in %llu ms)",
-                   (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
+        bex__rpc_ladder_log(ch, ep, BEX_LOG_WARN, "step 3, over TCP (RDMA tried again in %llu ms)",
+                            (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
         if (ch->timer_next > ep->rdma_retry_at || !ch->timer_next)
             pthread_cond_broadcast(&ch->cv);
     }
@@ -520,9 +515,10 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
             ep->probe = NULL;
         ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns;
         if (err != -ECONNABORTED && err != -ECANCELED)
-            ladder_log(ch, ep, BEX_LOG_INFO,
-                       "RDMA still unusable (%s): staying on TCP, next try in %llu ms",
-                       bex_strerror(err), (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
+            bex__rpc_ladder_log(ch, ep, BEX_LOG_INFO,
+                                "RDMA still unusable (%s): staying on TCP, next try in %llu ms",
+                                bex_strerror(err),
+                                (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
         bex_sock_close(l->s);
         return false;
     }
@@ -533,7 +529,7 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
         for (struct call *c = ch->live, *n; c; c = n) {
             n = c->next;
             if (c->link == l)
-                attempt_failed(ch, c, err, false, done);
+                bex__rpc_attempt_failed(ch, c, err, false, done);
         }
         return false;
     }
@@ -559,24 +555,17 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
     return step;
 }
 
-static void on_connect(bex_sock *s, int status, void *user);
-static void on_recv(bex_sock *s, void *buf, size_t len, void *user);
-static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
-                         void *user);
-static void on_error(bex_sock *s, int err, void *user);
-static void on_close(bex_sock *s, void *user);
-
-static const bex_sock_ops link_ops = {
-    .on_connect = on_connect,
-    .on_recv = on_recv,
-    .on_send_done = on_send_done,
-    .on_error = on_error,
-    .on_close = on_close,
+const bex_sock_ops bex__rpc_link_ops = {
+    .on_connect = bex__rpc_on_connect,
+    .on_recv = bex__rpc_on_recv,
+    .on_send_done = bex__rpc_on_send_done,
+    .on_error = bex__rpc_on_error,
+    .on_close = bex__rpc_on_close,
 };
 
 /* Send a ping (docs/protocol.md, "Ping") first on l: its answer proves
  * the connection. */
-static int send_ping(struct bex_rpc_channel *ch, struct link *l)
+int bex__rpc_send_ping(struct bex_rpc_channel *ch, struct link *l)
 {
     uint8_t *m = bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN);
     if (!m)
@@ -607,7 +596,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     l->t_start = bex__rpc_now_ns();
     bex_connect_opts o = ladder_connect(ch, ep, &l->rung, &l->tcp, &l->gen);
     /* callbacks wait for ch->mu, which we hold: l->s is set before any */
-    int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
+    int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &bex__rpc_link_ops, l, &o, &l->s);
     if (err) {
         ep->refs--;
         free(l);
@@ -619,7 +608,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     /* step 1's reconnection proves itself by a ping, not by the calls it
      * carries (a handler may take its time) */
     if (l->rung == BEX_RPC_LADDER_RECONNECT)
-        send_ping(ch, l);
+        bex__rpc_send_ping(ch, l);
     /* the timer watches Tc */
     if (l->t_start + ch->tc_ns < ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
@@ -809,7 +798,7 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
     return 0;
 }
 
-static bool retryable(int err, bool remote)
+bool bex__rpc_retryable(int err, bool remote)
 {
     if (remote)
         return err == -EAGAIN || err == -EBUSY;
@@ -821,7 +810,7 @@ static bool retryable(int err, bool remote)
 bool bex__rpc_may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote)
 {
     if ((c->flags & BEX_RPC_CALL_NO_RETRY) || c->attempts - c->moves >= ch->max_attempts ||
-        !retryable(err, remote) || bex__rpc_now_ns() >= c->deadline || ch->destroying)
+        !bex__rpc_retryable(err, remote) || bex__rpc_now_ns() >= c->deadline || ch->destroying)
         return false;
     if (ch->retry_permille < 1000 && rnd(ch) % 1000 >= ch->retry_permille)
         return false;
@@ -840,7 +829,7 @@ bool bex__rpc_may_retry(struct bex_rpc_channel *ch, struct call *c, int err, boo
 static bool may_move(struct bex_rpc_channel *ch, struct call *c, int err)
 {
     return !(c->flags & BEX_RPC_CALL_NO_RETRY) && ch->max_attempts > 1 &&
-           c->moves < LADDER_MOVES_MAX && retryable(err, false) &&
+           c->moves < LADDER_MOVES_MAX && bex__rpc_retryable(err, false) &&
            bex__rpc_now_ns() < c->deadline && !ch->destroying;
 }
 
@@ -879,8 +868,8 @@ void bex__rpc_attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int 
     bex__rpc_complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
 }
 
-static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                           struct call **done)
+void bex__rpc_attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                             struct call **done)
 {
     bex__rpc_attempt_failed_ex(ch, c, err, remote, false, done);
 }
@@ -971,7 +960,7 @@ static void x_on_connect(bex_sock *s, int status, void *user)
     if (status || xa->rung == BEX_RPC_LADDER_OK)
         xatt_probed(xa);
     if (!status && xa->rung == BEX_RPC_LADDER_OK)
-        ep_reachable(ch, xa->ep);
+        bex__rpc_ep_reachable(ch, xa->ep);
     if (status) {
         xatt_failed(ch, xa, status, true, &done);
     } else if (!xa->closing && c->xa == xa && c->live) {
@@ -1049,7 +1038,7 @@ static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, i
         if (msg_user == &xa->dest_tag)
             bex_mem_free(buf);
         else
-            call_put(ch, c); /* the request: c->msg stays the call's */
+            bex__rpc_call_put(ch, c); /* the request: c->msg stays the call's */
         /* refused by the peer: this attempt's; not delivered or in
          * doubt: the connection failed */
         if (status)
@@ -1099,17 +1088,17 @@ static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
         xatt_failed(ch, xa, -EPROTO, false, &done);
     } else {
         /* the connection works, at the step it was made at */
-        ep_answered(ch, xa->ep, xa->tcp, h.status, current);
+        bex__rpc_ep_answered(ch, xa->ep, xa->tcp, h.status, current);
         xatt_probed(xa);
-        ep_reachable(ch, xa->ep);
+        bex__rpc_ep_reachable(ch, xa->ep);
         ladder_proven(ch, xa->ep, xa->rung);
         if (!current) {
             ch->st.late_responses++;
         } else {
             xatt_end(xa); /* one answer per attempt */
             size_t blen = h.body_len;
-            if (h.status && retryable(h.status, true)) {
-                attempt_failed(ch, c, h.status, true, &done);
+            if (h.status && bex__rpc_retryable(h.status, true)) {
+                bex__rpc_attempt_failed(ch, c, h.status, true, &done);
             } else if (!into && blen > c->cap) {
                 /* a server that did not check: nothing is copied */
                 bex__rpc_complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
@@ -1135,16 +1124,16 @@ static void x_on_close(bex_sock *s, void *user)
     struct bex_rpc_channel *ch = xa->ch;
     struct call *c = xa->c, *done = NULL;
     pthread_mutex_lock(&ch->mu);
-    xa->armed = false; /* exposures come back before on_close */
+    xa->armed = false; /* exposures come back before bex__rpc_on_close */
     xatt_probed(xa);
     xatt_retired(ch, xa, &done);
     if (c->xa == xa)
         c->xa = NULL;
-    ep_put(xa->ep);
+    bex__rpc_ep_put(xa->ep);
     pthread_mutex_unlock(&ch->mu);
     bex__rpc_run_done(ch, done);
     pthread_mutex_lock(&ch->mu);
-    call_put(ch, c);
+    bex__rpc_call_put(ch, c);
     pthread_cond_broadcast(&ch->cv);
     pthread_mutex_unlock(&ch->mu);
     free(xa);
@@ -1152,8 +1141,8 @@ static void x_on_close(bex_sock *s, void *user)
 
 /* The attempts with a destination out on ep end as if their connection
  * failed with err (ep removed from the list or the directory). */
-static void xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
-                         struct call **done)
+void bex__rpc_xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
+                           struct call **done)
 {
     /* completing a call unlinks it alone: the saved next stays valid */
     for (struct call *c = ch->live, *n; c; c = n) {
@@ -1161,265 +1150,6 @@ static void xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, 
         if (c->xa && c->xa->ep == ep && !c->xa->closing)
             xatt_failed(ch, c->xa, err, false, done);
     }
-}
-
-/* ---- socket callbacks (I/O thread) ---- */
-
-/* A connection to ep is up (or, when the ladder made it, answered): the
- * endpoint is no longer suspect. */
-static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep)
-{
-    if (ep->suspect) {
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
-        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again", ch->name,
-                 a, ntohs(ep->addr.sin_port));
-    }
-    ep->suspect = false;
-}
-
-static void on_connect(bex_sock *s, int status, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (status) {
-        bex__rpc_link_fail(ch, l, status, &done);
-    } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
-        l->state = L_UP; /* its ping must be answered within probe_ns from now */
-        l->t_start = bex__rpc_now_ns();
-        if (l->t_start + ch->probe_ns < ch->timer_next)
-            pthread_cond_broadcast(&ch->cv);
-    } else if (l->state == L_CONNECTING) {
-        l->state = L_UP;
-        ep_reachable(ch, l->ep);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-}
-
-static void on_error(bex_sock *s, int err, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    bex__rpc_link_fail(ch, l, err ? err : -ECONNRESET, &done);
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-}
-
-static void on_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    pthread_mutex_lock(&ch->mu);
-    struct link **pp = &ch->links;
-    while (*pp != l)
-        pp = &(*pp)->next;
-    *pp = l->next;
-    if (l->ep->cur == l)
-        l->ep->cur = NULL;
-    ep_put(l->ep);
-    /* calls still naming l as their attempt's link are failed by now
-     * (bex__rpc_link_fail ran before the close), so nothing points to l */
-    pthread_cond_broadcast(&ch->cv);
-    pthread_mutex_unlock(&ch->mu);
-    free(l);
-}
-
-static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status, void *user)
-{
-    (void)s;
-    (void)buf;
-    (void)len;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *c = msg_user;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (msg_user == (void *)l) { /* a ping */
-        bex_mem_free(buf);
-        /* refused by the peer: the link failed its proof; not delivered
-         * or in doubt: the connection failed, and on_connect or on_error
-         * says how */
-        if (status == -ENOMEM || status == -EMSGSIZE)
-            bex__rpc_link_fail(ch, l, status, &done);
-        pthread_mutex_unlock(&ch->mu);
-        bex__rpc_run_done(ch, done);
-        return;
-    }
-    if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_CONNECTING) {
-        /* the connection failed before it was up: on_connect follows and
-         * says why (the calls on it move then) */
-    } else if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_UP) {
-        /* not delivered, or in doubt: the connection failed (its on_error
-         * follows the sends it hands back), and with it every call on it */
-        bex__rpc_link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
-    } else if (status && c->live && c->link == l) {
-        attempt_failed(ch, c, status, false, &done);
-    }
-    call_put(ch, c);
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-}
-
-static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *done = NULL;
-    struct bex__rpc_hdr h;
-    const char *why = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (l->bad) {
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        return;
-    }
-    int err = bex__rpc_hdr_decode(buf, len, &h, &why);
-    struct call *c = NULL;
-    bool ping = !err && (h.call_id >> 63); /* our probes' ids; calls count from 1 */
-    if (!err && h.kind == BEX__RPC_REQUEST)
-        why = "a request on a client connection";
-    else if (!err && h.client_id != ch->client_id)
-        why = "another client's id";
-    else if (ping && (h.service != BEX_RPC_SERVICE_PING || h.method != 0))
-        why = "an answer naming another method";
-    if (!why && !ping) {
-        c = call_find(ch, h.call_id);
-        if (c && (c->service != h.service || c->method != h.method))
-            why = "an answer naming another method";
-    }
-    if (why) {
-        ch->st.bad_header++;
-        l->bad = true;
-        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: malformed answer (%s): connection closed",
-                 ch->name, why);
-        bex__rpc_link_fail(ch, l, -EPROTO, &done);
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        bex__rpc_run_done(ch, done);
-        return;
-    }
-    if (!l->proven && l->state != L_FAILED) /* a failed one proves nothing any more */
-        link_proven(ch, l);
-    if (ping) {
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        return;
-    }
-    ep_answered(ch, l->ep, l->tcp, h.status, c != NULL);
-    if (!c) {
-        ch->st.late_responses++; /* completed already: timed out, cancelled */
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        return;
-    }
-    size_t blen = len - BEX_RPC_HDR_LEN;
-    void *body = blen ? (uint8_t *)buf + BEX_RPC_HDR_LEN : NULL;
-    if (!blen)
-        bex_mem_free(buf);
-    if (h.status && retryable(h.status, true) && c->link == l) {
-        bex_rpc_free(body);
-        attempt_failed(ch, c, h.status, true, &done);
-    } else if (h.status && retryable(h.status, true)) {
-        /* an earlier attempt's refusal: the current attempt may still do */
-        bex_rpc_free(body);
-    } else {
-        bex__rpc_complete(ch, c, h.status, body, blen, h.status ? K_REMOTE : K_OK, &done);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-}
-
-/* Directory mode: after the directory changed, close the connections to
- * nodes the shard no longer lists (a server deregistered, a file
- * reloaded); the calls out on them are retried on the others, as after
- * bex_rpc_channel_set_endpoints. Runs on the timer thread, so within about
- * a second of the change. */
-void bex__rpc_dir_prune(struct bex_rpc_channel *ch, struct call **done)
-{
-    uint64_t g = bex_dir_generation(ch->dir);
-    if (g == ch->dir_gen)
-        return;
-    ch->dir_gen = g;
-    /* a retry may prepend an endpoint to deps: the walk goes on safely */
-    for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext) {
-        if ((ep->cur || ep->probe) &&
-            !bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node)) {
-            if (ep->cur)
-                bex__rpc_link_fail(ch, ep->cur, -ECONNABORTED, done);
-            if (ep->probe)
-                bex__rpc_link_fail(ch, ep->probe, -ECONNABORTED, done);
-        }
-        if (!bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node))
-            xatt_fail_ep(ch, ep, -ECONNABORTED, done);
-    }
-}
-
-/* Step 3: try RDMA to ep again, on a connection of its own carrying a
- * ping (BEX_RPC_SERVICE_PING) and no call; explicitly RDMA, so that the
- * socket layer's own fallback cannot pass TCP off as RDMA. */
-static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct call **done)
-{
-    ch->st.rdma_retries++;
-    ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns; /* unless it works */
-    struct link *l = calloc(1, sizeof(*l));
-    int err = -ENOMEM;
-    if (!l)
-        goto fail;
-    *l = (struct link){.ch = ch,
-                       .ep = ep,
-                       .state = L_CONNECTING,
-                       .t_start = bex__rpc_now_ns(),
-                       .rung = ep->rung,
-                       .gen = ep->fail_gen,
-                       .probe = true};
-    bex_connect_opts o = {.flags = BEX_CONNECT_TRANSPORT, .transport = BEX_TRANSPORT_RDMA};
-    err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
-    if (err)
-        goto fail;
-    ep->refs++;
-    l->next = ch->links;
-    ch->links = l;
-    ep->probe = l;
-    err = send_ping(ch, l);
-    if (err)
-        bex__rpc_link_fail(ch, l, err, done);
-    return;
-
-fail:
-    free(l);
-    ladder_log(ch, ep, BEX_LOG_INFO,
-               "RDMA still unusable (%s): staying on TCP, next try in %llu ms", bex_strerror(err),
-               (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
-}
-
-bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
-{
-    for (const struct call *c = ch->live; c; c = c->next)
-        if (c->link == l)
-            return true;
-    return false;
-}
-
-/* The ladder's timed work for ep: step 3's RDMA retries. Returns when it
- * is next due (0: nothing). */
-uint64_t bex__rpc_ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uint64_t now,
-                              struct call **done)
-{
-    if (ep->rung != BEX_RPC_LADDER_TCP || ep->probe)
-        return 0;
-    if (now < ep->rdma_retry_at)
-        return ep->rdma_retry_at;
-    probe_open(ch, ep, done);
-    return ep->probe ? 0 : ep->rdma_retry_at;
 }
 
 /* ---- API ---- */
@@ -1488,7 +1218,7 @@ err_sync:
 err_free:
     if (ch->eps)
         for (size_t i = 0; i < ch->n_eps; i++)
-            ep_put(ch->eps[i]);
+            bex__rpc_ep_put(ch->eps[i]);
     free(ch->eps);
     free(ch->service);
     free(ch->locality);
@@ -1625,7 +1355,7 @@ int bex_rpc_cancel(bex_rpc_channel *ch, uint64_t call_id)
         return -EINVAL;
     struct call *dl = NULL;
     pthread_mutex_lock(&ch->mu);
-    struct call *c = call_find(ch, call_id);
+    struct call *c = bex__rpc_call_find(ch, call_id);
     if (c)
         bex__rpc_complete(ch, c, -ECANCELED, NULL, 0, K_CANCEL, &dl);
     pthread_mutex_unlock(&ch->mu);
@@ -1665,8 +1395,8 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
             bex__rpc_link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
         if (old[k]->probe)
             bex__rpc_link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
-        xatt_fail_ep(ch, old[k], -ECONNABORTED, &dl);
-        ep_put(old[k]);
+        bex__rpc_xatt_fail_ep(ch, old[k], -ECONNABORTED, &dl);
+        bex__rpc_ep_put(old[k]);
     }
     free(old);
     pthread_mutex_unlock(&ch->mu);
@@ -1741,16 +1471,16 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     bex__rpc_run_done(ch, dl);
     pthread_join(ch->timer, NULL);
     pthread_mutex_lock(&ch->mu);
-    /* every socket's on_close, and with it every send's on_send_done */
+    /* every socket's bex__rpc_on_close, and with it every send's bex__rpc_on_send_done */
     while (ch->links || ch->n_calls)
         pthread_cond_wait(&ch->cv, &ch->mu);
     pthread_mutex_unlock(&ch->mu);
     for (size_t i = 0; i < ch->n_eps; i++)
-        ep_put(ch->eps[i]);
+        bex__rpc_ep_put(ch->eps[i]);
     free(ch->eps);
     while (ch->deps) {
         struct endpoint *n = ch->deps->dnext;
-        ep_put(ch->deps);
+        bex__rpc_ep_put(ch->deps);
         ch->deps = n;
     }
     free(ch->service);

@@ -15,7 +15,7 @@
 
 enum { L_CONNECTING, L_UP, L_FAILED };
 
-/* One socket to an endpoint; lives until its on_close. */
+/* One socket to an endpoint; lives until its bex__rpc_on_close. */
 struct link {
     struct bex_rpc_channel *ch;
     struct endpoint *ep;
@@ -39,7 +39,7 @@ struct link {
  * that a directory (issue 9 item 2) and quarantine (item 6) can replace
  * (bex_rpc_channel_set_endpoints) or filter it. Referenced by the list and
  * by each of its links, so that one removed from the list lives until its
- * last link's on_close. */
+ * last link's bex__rpc_on_close. */
 struct endpoint {
     struct sockaddr_in addr;
     char *locality;
@@ -107,7 +107,7 @@ struct call {
  * (closing it) retires the destination's exposure without touching the
  * channel's other calls: the socket layer hands an exposed buffer back
  * only once the peer can write it no more. Holds a reference to its call
- * until its on_close. */
+ * until its bex__rpc_on_close. */
 struct xatt {
     struct bex_rpc_channel *ch;
     struct call *c;
@@ -177,5 +177,29 @@ void bex__rpc_dir_prune(struct bex_rpc_channel *ch, struct call **done);
 bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l);
 uint64_t bex__rpc_ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uint64_t now,
                               struct call **done);
+
+void bex__rpc_ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep);
+void bex__rpc_on_connect(bex_sock *s, int status, void *user);
+void bex__rpc_on_error(bex_sock *s, int err, void *user);
+void bex__rpc_on_close(bex_sock *s, void *user);
+void bex__rpc_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
+                           void *user);
+void bex__rpc_on_recv(bex_sock *s, void *buf, size_t len, void *user);
+struct call *bex__rpc_call_find(struct bex_rpc_channel *ch, uint64_t id);
+void bex__rpc_call_put(struct bex_rpc_channel *ch, struct call *c);
+void bex__rpc_ep_put(struct endpoint *ep);
+__attribute__((format(printf, 4, 5))) void bex__rpc_ladder_log(struct bex_rpc_channel *ch,
+                                                               const struct endpoint *ep, int level,
+                                                               const char *fmt, ...);
+void bex__rpc_ep_answered(struct bex_rpc_channel *ch, struct endpoint *ep, bool tcp, int status,
+                          bool live);
+void bex__rpc_link_proven(struct bex_rpc_channel *ch, struct link *l);
+int bex__rpc_send_ping(struct bex_rpc_channel *ch, struct link *l);
+bool bex__rpc_retryable(int err, bool remote);
+void bex__rpc_attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
+                             struct call **done);
+void bex__rpc_xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
+                           struct call **done);
+extern const bex_sock_ops bex__rpc_link_ops;
 
 #endif
