@@ -74,7 +74,7 @@ static void dir_release(struct bex_rpc_channel *ch, struct call *c)
 
 /* xa's socket no longer probes its endpoint: it failed, closed, was
  * answered over, or came up at step OK. */
-static void xatt_probed(struct xatt *xa)
+void bex__rpc_xatt_probed(struct xatt *xa)
 {
     if (xa->probing) {
         xa->probing = false;
@@ -83,9 +83,9 @@ static void xatt_probed(struct xatt *xa)
 }
 
 /* End xa's attempt: its socket closes (and probes no more). */
-static void xatt_end(struct xatt *xa)
+void bex__rpc_xatt_end(struct xatt *xa)
 {
-    xatt_probed(xa);
+    bex__rpc_xatt_probed(xa);
     if (!xa->closing) {
         xa->closing = true;
         bex_sock_close(xa->s);
@@ -148,7 +148,7 @@ void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, v
         c->resp = c->dst;
         c->want_attempt = false;
         if (c->xa)
-            xatt_end(c->xa);
+            bex__rpc_xatt_end(c->xa);
         if (c->xa && c->xa->armed) {
             c->parked = true;
             return;
@@ -360,8 +360,8 @@ static uint64_t ladder_down_until(struct bex_rpc_channel *ch, const struct endpo
  * report and the log, once per failure however many sockets of the
  * connection report it. Returns whether the calls out on it move without
  * the budget (the failure took a step of the ladder). */
-static bool ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung, uint64_t gen,
-                           int err)
+bool bex__rpc_ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung,
+                             uint64_t gen, int err)
 {
     /* not removal, not destroy, not a malformed answer (the socket's own) */
     bool conn = err != -ECONNABORTED && err != -ECANCELED && err != -EPROTO;
@@ -398,7 +398,7 @@ static bool ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int 
 /* An answer came over a connection of ep made at step rung: when that was
  * step 1 or 2 and still is the endpoint's, it worked: back to OK.
  * Returns whether it did. */
-static bool ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int rung)
+bool bex__rpc_ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int rung)
 {
     if (rung != ep->rung ||
         (ep->rung != BEX_RPC_LADDER_RECONNECT && ep->rung != BEX_RPC_LADDER_REPLICA))
@@ -448,7 +448,7 @@ void bex__rpc_link_proven(struct bex_rpc_channel *ch, struct link *l)
     }
     if (l->ping && l->state == L_UP)
         bex__rpc_ep_reachable(ch, ep); /* held back until now: see bex__rpc_on_connect */
-    if (ladder_proven(ch, ep, l->rung))
+    if (bex__rpc_ladder_proven(ch, ep, l->rung))
         l->rung = BEX_RPC_LADDER_OK;
 }
 
@@ -473,8 +473,8 @@ static uint32_t ladder_transport(struct bex_rpc_channel *ch, struct endpoint *ep
  * (taking step 3 when due), for a link or an attempt with a destination
  * alike, and what that socket records: the step, whether it is the
  * ladder's TCP fallback, the endpoint's fail_gen. */
-static bex_connect_opts ladder_connect(struct bex_rpc_channel *ch, struct endpoint *ep, int *rung,
-                                       bool *tcp, uint64_t *gen)
+bex_connect_opts bex__rpc_ladder_connect(struct bex_rpc_channel *ch, struct endpoint *ep, int *rung,
+                                         bool *tcp, uint64_t *gen)
 {
     bex_connect_opts o = {0};
     uint32_t t = ladder_transport(ch, ep);
@@ -499,7 +499,7 @@ static bool connect_refused(struct bex_rpc_channel *ch, struct endpoint *ep, int
 static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out);
 
 /* l failed with err: its endpoint's failure counted and reported (once,
- * ep_conn_failed), its socket closed, the calls out on it retried or
+ * bex__rpc_ep_conn_failed), its socket closed, the calls out on it retried or
  * completed. Returns whether the failure took a step of the recovery
  * ladder (the calls it moves spend no budget). */
 bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
@@ -535,7 +535,7 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
     }
     if (l->ep->cur == l)
         l->ep->cur = NULL;
-    bool step = ep_conn_failed(ch, l->ep, l->rung, l->gen, err);
+    bool step = bex__rpc_ep_conn_failed(ch, l->ep, l->rung, l->gen, err);
     bex_sock_close(l->s);
     /* a retry never lands on l (it failed), and completing a call unlinks
      * that call alone: the saved next stays valid */
@@ -594,7 +594,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     ep->refs++;
     l->state = L_CONNECTING;
     l->t_start = bex__rpc_now_ns();
-    bex_connect_opts o = ladder_connect(ch, ep, &l->rung, &l->tcp, &l->gen);
+    bex_connect_opts o = bex__rpc_ladder_connect(ch, ep, &l->rung, &l->tcp, &l->gen);
     /* callbacks wait for ch->mu, which we hold: l->s is set before any */
     int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &bex__rpc_link_ops, l, &o, &l->s);
     if (err) {
@@ -709,8 +709,6 @@ static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct e
     return ep;
 }
 
-static int xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep);
-
 static _Atomic(void (*)(bex_sock *)) send_hook;
 
 void bex__rpc_send_hook(void (*fn)(bex_sock *s))
@@ -720,7 +718,7 @@ void bex__rpc_send_hook(void (*fn)(bex_sock *s))
 
 /* Send c on an endpoint (not exclude when there is another): on the
  * endpoint's link, or (a call with a destination) on a socket of its own
- * (xatt_open). Returns 0 or the error that kept the attempt from
+ * (bex__rpc_xatt_open). Returns 0 or the error that kept the attempt from
  * starting; *step: that error was a connection failure that took a step
  * of the recovery ladder. A link found failed here fails now (bex__rpc_link_fail:
  * its other calls go to done or elsewhere). */
@@ -735,7 +733,7 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
          * one is retired first (its socket closed, the attempt goes on
          * when the exposure comes back: xatt_retired) */
         if (c->xa)
-            xatt_end(c->xa);
+            bex__rpc_xatt_end(c->xa);
         if (c->xa && c->xa->armed) {
             c->want_attempt = true;
             return 0;
@@ -754,7 +752,7 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
     struct link *l = c->dst ? NULL : ep->cur;
     int err = 0;
     if (c->dst) {
-        err = xatt_open(ch, c, ep);
+        err = bex__rpc_xatt_open(ch, c, ep);
         if (err)
             *step = connect_refused(ch, ep, err);
     } else if (!l) {
@@ -872,284 +870,6 @@ void bex__rpc_attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err
                              struct call **done)
 {
     bex__rpc_attempt_failed_ex(ch, c, err, remote, false, done);
-}
-
-/* ---- attempts with a destination (bex_rpc_call_into) ---- */
-
-static void x_on_connect(bex_sock *s, int status, void *user);
-static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user);
-static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
-                           void *user);
-static void x_on_error(bex_sock *s, int err, void *user);
-static void x_on_close(bex_sock *s, void *user);
-
-static const bex_sock_ops xatt_ops = {
-    .on_connect = x_on_connect,
-    .on_recv = x_on_recv,
-    .on_send_done = x_on_send_done,
-    .on_error = x_on_error,
-    .on_close = x_on_close,
-};
-
-/* c's attempt on ep (bex__rpc_start_attempt picked it): a socket of its own on
- * the endpoint's connection as the ladder has it (joining the channel's
- * link's when there is one, the same options), which takes ladder steps,
- * counts and reports as a link does. */
-static int xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep)
-{
-    struct xatt *xa = calloc(1, sizeof(*xa));
-    if (!xa)
-        return -ENOMEM;
-    *xa = (struct xatt){.ch = ch, .c = c, .ep = ep};
-    bex_connect_opts o = ladder_connect(ch, ep, &xa->rung, &xa->tcp, &xa->gen);
-    int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &xatt_ops, xa, &o, &xa->s);
-    if (err) {
-        free(xa);
-        return err;
-    }
-    ep->refs++;
-    c->refs++;
-    c->xa = xa;
-    xa->probing = true;
-    ep->xprobing++;
-    return 0;
-}
-
-/* xa's exposure came back or was delivered: what waited for it goes on. */
-static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct call **done)
-{
-    struct call *c = xa->c;
-    if (xa->armed || c->xa != xa)
-        return;
-    if (c->parked) {
-        c->parked = false;
-        c->dnext = *done;
-        *done = c;
-    } else if (c->want_attempt && c->live) {
-        c->want_attempt = false;
-        bool step;
-        int err = bex__rpc_start_attempt(ch, c, c->ep, &step, done);
-        if (err)
-            bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
-    }
-}
-
-/* xa's attempt failed with err: retry or complete, if it is still the
- * call's current one. conn: its connection failed (as a link's failure:
- * the ladder, the counters, the directory; the calls it moves spend no
- * budget), not only this socket (a malformed answer, a refused message). */
-static void xatt_failed(struct bex_rpc_channel *ch, struct xatt *xa, int err, bool conn,
-                        struct call **done)
-{
-    struct call *c = xa->c;
-    xatt_end(xa);
-    if (c->xa != xa || !c->live || c->want_attempt)
-        return;
-    bool moved = conn && ep_conn_failed(ch, xa->ep, xa->rung, xa->gen, err);
-    xa->ep->failures++;
-    bex__rpc_attempt_failed_ex(ch, c, err, false, moved, done);
-}
-
-static void x_on_connect(bex_sock *s, int status, void *user)
-{
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    /* a connection the ladder made proves itself by an answer */
-    if (status || xa->rung == BEX_RPC_LADDER_OK)
-        xatt_probed(xa);
-    if (!status && xa->rung == BEX_RPC_LADDER_OK)
-        bex__rpc_ep_reachable(ch, xa->ep);
-    if (status) {
-        xatt_failed(ch, xa, status, true, &done);
-    } else if (!xa->closing && c->xa == xa && c->live) {
-        /* over RDMA the answer is written into the destination (header
-         * in its room, then the body); over TCP, where an exposed buffer
-         * must be written whole, it comes as a message and is copied */
-        struct bex__rpc_dest d = {.cap = (uint32_t)c->cap};
-        int err = 0;
-        if (bex_sock_transport(s) == BEX_TRANSPORT_RDMA) {
-            bex_remote_buf rb;
-            err = bex_sock_expose(s, bex__rpc_hdr_of(c->dst), (uint32_t)(c->cap + BEX_RPC_HDR_LEN),
-                                  &xa->armed, &rb);
-            if (!err) {
-                xa->armed = true;
-                d = (struct bex__rpc_dest){rb.addr, rb.rkey, rb.token, (uint32_t)c->cap};
-            }
-        }
-        uint8_t *m = err ? NULL : bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN + BEX__RPC_DEST_LEN);
-        if (!err && !m)
-            err = -ENOMEM;
-        if (!err) {
-            struct bex__rpc_hdr h;
-            const char *why;
-            bex__rpc_hdr_decode(c->msg, c->len, &h, &why); /* ours: well-formed */
-            h.kind = BEX__RPC_DEST;
-            h.flags = 0;
-            h.body_len = BEX__RPC_DEST_LEN;
-            h.timeout_ms = 0;
-            bex__rpc_hdr_encode(&h, m);
-            bex__rpc_dest_encode(&d, m + BEX_RPC_HDR_LEN);
-            err = bex_sock_send(s, m, BEX_RPC_HDR_LEN + BEX__RPC_DEST_LEN, &xa->dest_tag);
-            if (err)
-                bex_mem_free(m);
-        }
-        if (!err) {
-            err = bex_sock_send(s, c->msg, c->len, c);
-            if (!err)
-                c->refs++;
-        }
-        if (err)
-            xatt_failed(ch, xa, err, false, &done);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-}
-
-static void x_on_error(bex_sock *s, int err, void *user)
-{
-    (void)s;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    /* the socket layer handed the exposure back before this */
-    xatt_failed(ch, xa, err ? err : -ECONNRESET, true, &done);
-    xatt_retired(ch, xa, &done);
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-}
-
-static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
-                           void *user)
-{
-    (void)s;
-    (void)len;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (msg_user == &xa->armed) {
-        /* the exposure came back undelivered: retired */
-        xa->armed = false;
-        xatt_retired(ch, xa, &done);
-    } else {
-        if (msg_user == &xa->dest_tag)
-            bex_mem_free(buf);
-        else
-            bex__rpc_call_put(ch, c); /* the request: c->msg stays the call's */
-        /* refused by the peer: this attempt's; not delivered or in
-         * doubt: the connection failed */
-        if (status)
-            xatt_failed(ch, xa, status == -ECANCELED ? -ECONNRESET : status,
-                        status != -ENOMEM && status != -EMSGSIZE, &done);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-}
-
-/* An answer on an attempt's socket: written into the destination (buf is
- * its header room; len the exposed length) or a message (copied into the
- * destination). A write into a destination that names another call, or
- * a body longer than the destination, is a hostile or broken server:
- * refused like a malformed answer. */
-static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
-{
-    (void)s;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    bool into = (uint8_t *)buf == bex__rpc_hdr_of(c->dst);
-    if (into) {
-        xa->armed = false; /* delivered: the socket layer revoked its key */
-        size_t blen = bex__rpc_hdr_body_len(buf);
-        len = blen <= c->cap ? blen + BEX_RPC_HDR_LEN : 0;
-    }
-    struct bex__rpc_hdr h;
-    const char *why = NULL;
-    int err = len ? bex__rpc_hdr_decode(buf, len, &h, &why) : -EBADMSG;
-    if (!len)
-        why = "an answer longer than the destination";
-    else if (!err && (h.kind == BEX__RPC_REQUEST || h.kind == BEX__RPC_DEST))
-        why = "a request on a client connection";
-    else if (!err && h.client_id != ch->client_id)
-        why = "another client's id";
-    else if (!err && (h.call_id != c->id || h.service != c->service || h.method != c->method))
-        why = into ? "a write into another call's destination" : "an answer naming another call";
-    bool current = c->xa == xa && c->live && !c->want_attempt;
-    if (why) {
-        ch->st.bad_header++;
-        if (!xa->closing)
-            bex__log(ch->log, BEX_LOG_WARN,
-                     "rpc channel %s: malformed answer (%s): attempt's socket closed", ch->name,
-                     why);
-        xatt_failed(ch, xa, -EPROTO, false, &done);
-    } else {
-        /* the connection works, at the step it was made at */
-        bex__rpc_ep_answered(ch, xa->ep, xa->tcp, h.status, current);
-        xatt_probed(xa);
-        bex__rpc_ep_reachable(ch, xa->ep);
-        ladder_proven(ch, xa->ep, xa->rung);
-        if (!current) {
-            ch->st.late_responses++;
-        } else {
-            xatt_end(xa); /* one answer per attempt */
-            size_t blen = h.body_len;
-            if (h.status && bex__rpc_retryable(h.status, true)) {
-                bex__rpc_attempt_failed(ch, c, h.status, true, &done);
-            } else if (!into && blen > c->cap) {
-                /* a server that did not check: nothing is copied */
-                bex__rpc_complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
-            } else {
-                if (!into && blen)
-                    memcpy(c->dst, (uint8_t *)buf + BEX_RPC_HDR_LEN, blen);
-                bex__rpc_complete(ch, c, h.status, c->dst, blen, h.status ? K_REMOTE : K_OK, &done);
-            }
-        }
-    }
-    if (into)
-        xatt_retired(ch, xa, &done);
-    pthread_mutex_unlock(&ch->mu);
-    if (!into)
-        bex_mem_free(buf);
-    bex__rpc_run_done(ch, done);
-}
-
-static void x_on_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    xa->armed = false; /* exposures come back before bex__rpc_on_close */
-    xatt_probed(xa);
-    xatt_retired(ch, xa, &done);
-    if (c->xa == xa)
-        c->xa = NULL;
-    bex__rpc_ep_put(xa->ep);
-    pthread_mutex_unlock(&ch->mu);
-    bex__rpc_run_done(ch, done);
-    pthread_mutex_lock(&ch->mu);
-    bex__rpc_call_put(ch, c);
-    pthread_cond_broadcast(&ch->cv);
-    pthread_mutex_unlock(&ch->mu);
-    free(xa);
-}
-
-/* The attempts with a destination out on ep end as if their connection
- * failed with err (ep removed from the list or the directory). */
-void bex__rpc_xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
-                           struct call **done)
-{
-    /* completing a call unlinks it alone: the saved next stays valid */
-    for (struct call *c = ch->live, *n; c; c = n) {
-        n = c->next;
-        if (c->xa && c->xa->ep == ep && !c->xa->closing)
-            xatt_failed(ch, c->xa, err, false, done);
-    }
 }
 
 /* ---- API ---- */

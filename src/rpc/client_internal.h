@@ -60,7 +60,7 @@ struct endpoint {
     /* connection failures counted so far, and whether the last one took a
      * ladder step: a socket made before it (fail_gen then lower) was on
      * that connection, so its own report of the failure is not counted
-     * again (ep_conn_failed) */
+     * again (bex__rpc_ep_conn_failed) */
     uint64_t fail_gen;
     bool fail_stepped;
     uint32_t xprobing; /* attempts with a destination probing it (xatt.probing) */
@@ -201,5 +201,14 @@ void bex__rpc_attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err
 void bex__rpc_xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
                            struct call **done);
 extern const bex_sock_ops bex__rpc_link_ops;
+
+int bex__rpc_xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep);
+void bex__rpc_xatt_probed(struct xatt *xa);
+void bex__rpc_xatt_end(struct xatt *xa);
+bool bex__rpc_ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung,
+                             uint64_t gen, int err);
+bool bex__rpc_ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int rung);
+bex_connect_opts bex__rpc_ladder_connect(struct bex_rpc_channel *ch, struct endpoint *ep, int *rung,
+                                         bool *tcp, uint64_t *gen);
 
 #endif
