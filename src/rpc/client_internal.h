@@ -211,4 +211,7 @@ bool bex__rpc_ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int
 bex_connect_opts bex__rpc_ladder_connect(struct bex_rpc_channel *ch, struct endpoint *ep, int *rung,
                                          bool *tcp, uint64_t *gen);
 
+uint64_t bex__rpc_rnd(struct bex_rpc_channel *ch);
+void bex__rpc_dir_release(struct bex_rpc_channel *ch, struct call *c);
+
 #endif
