@@ -214,4 +214,6 @@ bex_connect_opts bex__rpc_ladder_connect(struct bex_rpc_channel *ch, struct endp
 uint64_t bex__rpc_rnd(struct bex_rpc_channel *ch);
 void bex__rpc_dir_release(struct bex_rpc_channel *ch, struct call *c);
 
+size_t bex__rpc_bucket(uint64_t id);
+
 #endif
