@@ -105,7 +105,7 @@ static bool same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
 
 /* ---- nodes (under d->mu) ---- */
 
-static struct bex__dir_node *node_find(bex_dir *d, const struct sockaddr_in *addr)
+struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const struct sockaddr_in *addr)
 {
     for (struct bex__dir_node *n = d->nodes; n; n = n->next)
         if (same_addr(&n->r.addr, addr))
@@ -141,7 +141,7 @@ static void node_free(struct bex__dir_node *n)
 /* The node at r's address, made if new; its replica data updated. */
 static int node_get(bex_dir *d, const bex_dir_replica *r, struct bex__dir_node **out)
 {
-    struct bex__dir_node *n = node_find(d, &r->addr);
+    struct bex__dir_node *n = bex__dir_node_lookup(d, &r->addr);
     if (!n) {
         if (d->n_nodes >= d->max_nodes)
             return -ENOSPC;
@@ -186,7 +186,7 @@ static struct service *service_find(struct service *list, const char *name)
     return NULL;
 }
 
-static struct shard *shard_find(bex_dir *d, const char *service, uint32_t shard)
+struct shard *bex__dir_shard_find(bex_dir *d, const char *service, uint32_t shard)
 {
     struct service *s = service_find(d->services, service);
     return s && shard < s->n_shards ? &s->shards[shard] : NULL;
@@ -470,20 +470,8 @@ int bex_dir_load_file(bex_dir *d, const char *path, char *err, size_t errlen)
 
 /* ---- quarantine (under d->mu) ---- */
 
-/* Lines to log once d->mu is released: the log hook may call back into
- * the directory. A report logs a few at most (a refused quarantine and the
- * early probes it releases); defer says whether the line was kept, so that
- * a "logged once" flag is set only for a line that was. */
-struct pending {
-    int n;
-    struct {
-        int level;
-        char text[256];
-    } l[4];
-};
-
-__attribute__((format(printf, 3, 4))) static bool defer(struct pending *p, int level,
-                                                        const char *fmt, ...)
+__attribute__((format(printf, 3, 4))) bool bex__dir_defer(struct pending *p, int level,
+                                                          const char *fmt, ...)
 {
     if (p->n == (int)(sizeof p->l / sizeof p->l[0]))
         return false;
@@ -495,13 +483,13 @@ __attribute__((format(printf, 3, 4))) static bool defer(struct pending *p, int l
     return true;
 }
 
-static void flush(bex_dir *d, const struct pending *p)
+void bex__dir_flush(bex_dir *d, const struct pending *p)
 {
     for (int i = 0; i < p->n; i++)
         bex__log(&d->log, p->l[i].level, "%s", p->l[i].text);
 }
 
-static bool in_shard(const struct shard *sh, const struct bex__dir_node *n)
+bool bex__dir_shard_has(const struct shard *sh, const struct bex__dir_node *n)
 {
     for (size_t i = 0; i < sh->n; i++)
         if (sh->reps[i] == n)
@@ -515,7 +503,7 @@ static bool may_quarantine(bex_dir *d, const struct bex__dir_node *n)
     for (struct service *s = d->services; s; s = s->next)
         for (uint32_t k = 0; k < s->n_shards; k++) {
             const struct shard *sh = &s->shards[k];
-            if (!in_shard(sh, n))
+            if (!bex__dir_shard_has(sh, n))
                 continue;
             bool other = false;
             for (size_t i = 0; i < sh->n && !other; i++)
@@ -546,7 +534,7 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
     for (struct service *s = d->services; s; s = s->next)
         for (uint32_t k = 0; k < s->n_shards; k++) {
             const struct shard *sh = &s->shards[k];
-            if (!in_shard(sh, n))
+            if (!bex__dir_shard_has(sh, n))
                 continue;
             bool other = false;
             for (size_t i = 0; i < sh->n && !other; i++)
@@ -562,11 +550,11 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
                 q->early = true;
                 q->st.early_probes++;
                 if (!q->early_logged)
-                    q->early_logged =
-                        defer(pl, BEX_LOG_WARN,
-                              "dir: node %s probed before its quarantine ends: %s, the last "
-                              "replica of %s shard %u outside quarantine, failed (%s)",
-                              q->name, n->name, s->name, k, kind_name(outcome));
+                    q->early_logged = bex__dir_defer(
+                        pl, BEX_LOG_WARN,
+                        "dir: node %s probed before its quarantine ends: %s, the last "
+                        "replica of %s shard %u outside quarantine, failed (%s)",
+                        q->name, n->name, s->name, k, kind_name(outcome));
             }
         }
 }
@@ -584,10 +572,11 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
         n->state = BEX_DIR_HEALTHY;
         n->probe_out = false;
         if (!n->refused_logged)
-            defer(pl, BEX_LOG_WARN,
-                  "dir: node %s not quarantined despite %s failures: it is the last replica "
-                  "of a shard outside quarantine",
-                  n->name, kind_name(outcome));
+            bex__dir_defer(
+                pl, BEX_LOG_WARN,
+                "dir: node %s not quarantined despite %s failures: it is the last replica "
+                "of a shard outside quarantine",
+                n->name, kind_name(outcome));
         n->refused_logged = true;
         /* it cannot go, and the other replicas of its shard are
          * quarantined: they are probed now (a node failing this much is
@@ -606,26 +595,27 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
         /* early probes come as often as the last healthy replica fails:
          * their failures are logged once (counted each time) */
         if (!early || !n->early_fail_logged)
-            defer(pl, BEX_LOG_WARN,
-                  "dir: node %s failed its %sprobe (%s): quarantined again "
-                  "for %llu ms%s",
-                  n->name, early ? "early " : "", kind_name(outcome),
-                  (unsigned long long)(d->quarantine_ns / 1000000),
-                  early ? " (later early probes' failures are not logged)" : "");
+            bex__dir_defer(pl, BEX_LOG_WARN,
+                           "dir: node %s failed its %sprobe (%s): quarantined again "
+                           "for %llu ms%s",
+                           n->name, early ? "early " : "", kind_name(outcome),
+                           (unsigned long long)(d->quarantine_ns / 1000000),
+                           early ? " (later early probes' failures are not logged)" : "");
         if (early)
             n->early_fail_logged = true;
     } else {
-        defer(pl, BEX_LOG_WARN,
-              "dir: node %s quarantined for %llu ms: more than %u %s failures within %llu ms",
-              n->name, (unsigned long long)(d->quarantine_ns / 1000000),
-              outcome == BEX_DIR_CONN_FAIL ? d->conn_max : d->req_max, kind_name(outcome),
-              (unsigned long long)(d->window_ns / 1000000));
+        bex__dir_defer(
+            pl, BEX_LOG_WARN,
+            "dir: node %s quarantined for %llu ms: more than %u %s failures within %llu ms",
+            n->name, (unsigned long long)(d->quarantine_ns / 1000000),
+            outcome == BEX_DIR_CONN_FAIL ? d->conn_max : d->req_max, kind_name(outcome),
+            (unsigned long long)(d->window_ns / 1000000));
     }
 }
 
 /* A quarantine whose period is over becomes ready for a probe; a probe
  * never reported expires. */
-static void node_tick(struct bex__dir_node *n, uint64_t now)
+void bex__dir_node_tick(struct bex__dir_node *n, uint64_t now)
 {
     if (n->state == BEX_DIR_QUARANTINED && now >= n->until) {
         n->state = BEX_DIR_PROBING;
@@ -642,7 +632,7 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
     pthread_mutex_lock(&d->mu);
     if (done && n->st.outstanding)
         n->st.outstanding--;
-    node_tick(n, now);
+    bex__dir_node_tick(n, now);
     switch (outcome) {
     case BEX_DIR_OK:
         n->st.ok++;
@@ -652,7 +642,8 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
             n->refused_logged = false;
             n->early = n->early_logged = n->early_fail_logged = false;
             n->st.lifts++;
-            defer(&pl, BEX_LOG_WARN, "dir: node %s answered its probe: quarantine lifted", n->name);
+            bex__dir_defer(&pl, BEX_LOG_WARN, "dir: node %s answered its probe: quarantine lifted",
+                           n->name);
         }
         break;
     case BEX_DIR_CONN_FAIL:
@@ -679,115 +670,7 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
         break;
     }
     pthread_mutex_unlock(&d->mu);
-    flush(d, &pl);
-}
-
-/* ---- choice ---- */
-
-static uint64_t rnd(bex_dir *d)
-{
-    /* xorshift64* */
-    uint64_t x = d->rng;
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    d->rng = x;
-    return x * 0x2545F4914F6CDD1Dull;
-}
-
-enum { TIER_PROBE, TIER_HEALTHY, TIER_AVOIDED, TIER_LAST, TIER_NONE };
-
-int bex__dir_pick_node(bex_dir *d, const char *service, uint32_t shard, const char *locality,
-                       bex__dir_avoid_fn avoid, void *arg, uint64_t now, struct bex__dir_node **out)
-{
-    struct pending pl = {0};
-    pthread_mutex_lock(&d->mu);
-    struct shard *sh = service ? shard_find(d, service, shard) : NULL;
-    if (!sh || sh->n == 0) {
-        pthread_mutex_unlock(&d->mu);
-        return -ENOENT;
-    }
-    /* best: lowest tier, then nearest, then least outstanding, then one
-     * of the equals at random (reservoir sampling: each with 1/k) */
-    struct bex__dir_node *best = NULL;
-    int best_tier = TIER_NONE;
-    unsigned best_close = 0;
-    uint64_t ties = 0;
-    for (size_t i = 0; i < sh->n; i++) {
-        struct bex__dir_node *n = sh->reps[i];
-        node_tick(n, now);
-        bool av = avoid && avoid(arg, n);
-        int tier;
-        if (n->state == BEX_DIR_PROBING && !n->probe_out)
-            tier = av ? TIER_LAST : TIER_PROBE; /* the probe goes first */
-        else if (n->state == BEX_DIR_HEALTHY)
-            tier = av ? TIER_AVOIDED : TIER_HEALTHY;
-        else
-            tier = TIER_LAST; /* quarantined, or its probe out: only when nothing else */
-        unsigned close = bex__dir_closeness(locality, n->r.locality);
-        bool better = !best || tier < best_tier;
-        if (!better && tier == best_tier) {
-            if (tier == TIER_LAST)
-                better = n->until < best->until;
-            else if (close != best_close)
-                better = close > best_close;
-            else if (n->st.outstanding != best->st.outstanding)
-                better = n->st.outstanding < best->st.outstanding;
-            else
-                better = rnd(d) % ++ties == 0;
-        }
-        if (better && (!best || tier != best_tier || close != best_close ||
-                       n->st.outstanding != best->st.outstanding))
-            ties = 1; /* a new best: the equals count restarts */
-        if (better) {
-            best = n;
-            best_tier = tier;
-            best_close = close;
-        }
-    }
-    if (best->state == BEX_DIR_PROBING && !best->probe_out) {
-        best->probe_out = true;
-        best->until = now + d->probe_ns;
-        best->st.probes++;
-        if (!best->early) /* an early one was logged when released */
-            defer(&pl, BEX_LOG_INFO, "dir: probing quarantined node %s", best->name);
-    }
-    best->st.picks++;
-    best->st.outstanding++;
-    *out = best;
-    pthread_mutex_unlock(&d->mu);
-    flush(d, &pl);
-    return 0;
-}
-
-void bex__dir_node_info(bex_dir *d, const struct bex__dir_node *n, bex_dir_replica *out)
-{
-    pthread_mutex_lock(&d->mu); /* a load may update the replica's data */
-    *out = n->r;
-    pthread_mutex_unlock(&d->mu);
-}
-
-bool bex__dir_in_shard(bex_dir *d, const char *service, uint32_t shard,
-                       const struct bex__dir_node *n)
-{
-    pthread_mutex_lock(&d->mu);
-    struct shard *sh = shard_find(d, service, shard);
-    bool in = sh && in_shard(sh, n);
-    pthread_mutex_unlock(&d->mu);
-    return in;
-}
-
-struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr)
-{
-    pthread_mutex_lock(&d->mu);
-    struct bex__dir_node *n = node_find(d, addr);
-    pthread_mutex_unlock(&d->mu);
-    return n;
-}
-
-struct bex__log *bex__dir_log(bex_dir *d)
-{
-    return &d->log;
+    bex__dir_flush(d, &pl);
 }
 
 /* ---- API ---- */
@@ -873,7 +756,7 @@ size_t bex_dir_replicas(bex_dir *d, const char *service, uint32_t shard, bex_dir
     if (!d || !service)
         return 0;
     pthread_mutex_lock(&d->mu);
-    struct shard *sh = shard_find(d, service, shard);
+    struct shard *sh = bex__dir_shard_find(d, service, shard);
     size_t n = sh ? sh->n : 0;
     for (size_t i = 0; i < n && i < cap; i++)
         out[i] = sh->reps[i]->r;
@@ -913,7 +796,7 @@ void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int
     if (!d || !addr)
         return;
     pthread_mutex_lock(&d->mu);
-    struct bex__dir_node *n = node_find(d, addr);
+    struct bex__dir_node *n = bex__dir_node_lookup(d, addr);
     pthread_mutex_unlock(&d->mu);
     if (n) /* nodes are never freed before d */
         bex__dir_report_node(d, n, outcome, done != 0, bex__rpc_now_ns());
@@ -981,7 +864,7 @@ int bex_dir_node_stats_get(bex_dir *d, const struct sockaddr_in *addr, bex_dir_n
     if (!d || !addr || !out)
         return -EINVAL;
     pthread_mutex_lock(&d->mu);
-    struct bex__dir_node *n = node_find(d, addr);
+    struct bex__dir_node *n = bex__dir_node_lookup(d, addr);
     if (n) {
         /* no tick here: a state changes when a pick or report sees time pass */
         *out = n->st;

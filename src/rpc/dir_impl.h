@@ -60,4 +60,24 @@ struct bex_dir {
     bool etcd;
 };
 
+/* Lines to log once d->mu is released: the log hook may call back into
+ * the directory. A report logs a few at most (a refused quarantine and the
+ * early probes it releases); defer says whether the line was kept, so that
+ * a "logged once" flag is set only for a line that was. */
+struct pending {
+    int n;
+    struct {
+        int level;
+        char text[256];
+    } l[4];
+};
+
+struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const struct sockaddr_in *addr);
+struct shard *bex__dir_shard_find(bex_dir *d, const char *service, uint32_t shard);
+__attribute__((format(printf, 3, 4))) bool bex__dir_defer(struct pending *p, int level,
+                                                          const char *fmt, ...);
+void bex__dir_flush(bex_dir *d, const struct pending *p);
+bool bex__dir_shard_has(const struct shard *sh, const struct bex__dir_node *n);
+void bex__dir_node_tick(struct bex__dir_node *n, uint64_t now);
+
 #endif
