@@ -80,4 +80,6 @@ void bex__dir_flush(bex_dir *d, const struct pending *p);
 bool bex__dir_shard_has(const struct shard *sh, const struct bex__dir_node *n);
 void bex__dir_node_tick(struct bex__dir_node *n, uint64_t now);
 
+bool bex__dir_ring_add(struct fail_ring *r, uint64_t now, uint64_t window);
+
 #endif
