@@ -24,8 +24,8 @@
 #include "rpc/internal.h"
 #include "rpc/dir_impl.h"
 
-__attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errlen, const char *fmt,
-                                                          ...)
+__attribute__((format(printf, 3, 4))) void bex__dir_set_err(char *err, size_t errlen,
+                                                            const char *fmt, ...)
 {
     if (!err || !errlen)
         return;
@@ -98,7 +98,7 @@ unsigned bex__dir_closeness(const char *a, const char *b)
     }
 }
 
-static bool same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
+bool bex__dir_same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
 {
     return a->sin_addr.s_addr == b->sin_addr.s_addr && a->sin_port == b->sin_port;
 }
@@ -108,7 +108,7 @@ static bool same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
 struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const struct sockaddr_in *addr)
 {
     for (struct bex__dir_node *n = d->nodes; n; n = n->next)
-        if (same_addr(&n->r.addr, addr))
+        if (bex__dir_same_addr(&n->r.addr, addr))
             return n;
     return NULL;
 }
@@ -248,226 +248,6 @@ err_free:
     return err;
 }
 
-/* ---- the cluster file ---- */
-
-static int parse_transport(const char *s, uint32_t *out)
-{
-    if (!strcmp(s, "auto"))
-        *out = BEX_TRANSPORT_AUTO;
-    else if (!strcmp(s, "rdma"))
-        *out = BEX_TRANSPORT_RDMA;
-    else if (!strcmp(s, "tcp"))
-        *out = BEX_TRANSPORT_TCP;
-    else
-        return -EINVAL;
-    return 0;
-}
-
-/* One replica object; where names it for errors. */
-static int parse_replica(json_t *o, bex_dir_replica *r, const char *where, char *err, size_t errlen)
-{
-    if (!json_is_object(o)) {
-        set_err(err, errlen, "%s: not an object", where);
-        return -EINVAL;
-    }
-    *r = (bex_dir_replica){0};
-    const char *key;
-    json_t *v;
-    bool have_addr = false;
-    json_object_foreach(o, key, v)
-    {
-        if (!strcmp(key, "addr")) {
-            if (!json_is_string(v) || bex__dir_parse_addr(json_string_value(v), &r->addr)) {
-                set_err(err, errlen, "%s.addr: not \"a.b.c.d:port\" (port 1-65535)", where);
-                return -EINVAL;
-            }
-            have_addr = true;
-        } else if (!strcmp(key, "locality")) {
-            if (!json_is_string(v) || !bex__dir_locality_ok(json_string_value(v))) {
-                set_err(err, errlen,
-                        "%s.locality: not a label like \"dc1/pod2\" (printable, no empty "
-                        "component, at most %d bytes)",
-                        where, BEX_DIR_LOCALITY_MAX);
-                return -EINVAL;
-            }
-            strcpy(r->locality, json_string_value(v));
-        } else if (!strcmp(key, "transport")) {
-            if (!json_is_string(v) || parse_transport(json_string_value(v), &r->transport)) {
-                set_err(err, errlen, "%s.transport: not \"auto\", \"rdma\" or \"tcp\"", where);
-                return -EINVAL;
-            }
-        } else {
-            set_err(err, errlen, "%s: unknown key \"%s\"", where, key);
-            return -EINVAL;
-        }
-    }
-    if (!have_addr) {
-        set_err(err, errlen, "%s: no \"addr\"", where);
-        return -EINVAL;
-    }
-    return 0;
-}
-
-int bex__dir_parse_replica_json(const char *text, size_t len, bex_dir_replica *r, char *err,
-                                size_t errlen)
-{
-    json_error_t je;
-    json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je);
-    if (!root) {
-        set_err(err, errlen, "line %d column %d: %s", je.line, je.column, je.text);
-        return -EINVAL;
-    }
-    int rc = parse_replica(root, r, "replica", err, errlen);
-    json_decref(root);
-    return rc;
-}
-
-static int load_root(bex_dir *d, json_t *root, char *err, size_t errlen)
-{
-    json_t *svcs = json_object_get(root, "services");
-    if (!json_is_object(root) || !json_is_object(svcs)) {
-        set_err(err, errlen, "top level: an object with a \"services\" object expected");
-        return -EINVAL;
-    }
-    const char *key;
-    json_t *v;
-    json_object_foreach(root, key, v)
-    {
-        if (strcmp(key, "services") && strcmp(key, "version")) {
-            set_err(err, errlen, "top level: unknown key \"%s\"", key);
-            return -EINVAL;
-        }
-        if (!strcmp(key, "version") && (!json_is_integer(v) || json_integer_value(v) != 1)) {
-            set_err(err, errlen, "version: only 1 is known");
-            return -EINVAL;
-        }
-    }
-    size_t cap = 16, n = 0;
-    struct bex__dir_member *m = malloc(cap * sizeof(*m));
-    if (!m)
-        return -ENOMEM;
-    int rc = 0;
-    json_t *svc;
-    json_object_foreach(svcs, key, svc)
-    {
-        if (!*key || strlen(key) > BEX_DIR_NAME_MAX || strchr(key, '/')) {
-            set_err(err, errlen, "services.\"%s\": a name of 1-%d bytes without '/' expected", key,
-                    BEX_DIR_NAME_MAX);
-            rc = -EINVAL;
-            goto out;
-        }
-        json_t *shards = json_object_get(svc, "shards");
-        if (!json_is_object(svc) || !json_is_array(shards) || json_array_size(shards) == 0 ||
-            json_object_size(svc) != 1) {
-            set_err(err, errlen,
-                    "services.%s: an object with only a non-empty \"shards\" array expected", key);
-            rc = -EINVAL;
-            goto out;
-        }
-        size_t si;
-        json_t *sh;
-        json_array_foreach(shards, si, sh)
-        {
-            json_t *reps = json_object_get(sh, "replicas");
-            if (!json_is_object(sh) || !json_is_array(reps) || json_array_size(reps) == 0 ||
-                json_object_size(sh) != 1) {
-                set_err(err, errlen,
-                        "services.%s.shards[%zu]: an object with only a non-empty \"replicas\" "
-                        "array expected",
-                        key, si);
-                rc = -EINVAL;
-                goto out;
-            }
-            size_t ri;
-            json_t *rep;
-            json_array_foreach(reps, ri, rep)
-            {
-                if (n == cap) {
-                    struct bex__dir_member *nm = realloc(m, 2 * cap * sizeof(*m));
-                    if (!nm) {
-                        rc = -ENOMEM;
-                        goto out;
-                    }
-                    m = nm;
-                    cap *= 2;
-                }
-                char where[160];
-                snprintf(where, sizeof where, "services.%s.shards[%zu].replicas[%zu]", key, si, ri);
-                m[n] = (struct bex__dir_member){.shard = (uint32_t)si};
-                strcpy(m[n].service, key);
-                if ((rc = parse_replica(rep, &m[n].r, where, err, errlen)))
-                    goto out;
-                for (size_t k = 0; k < n; k++)
-                    if (!strcmp(m[k].service, key) && m[k].shard == si &&
-                        same_addr(&m[k].r.addr, &m[n].r.addr)) {
-                        set_err(err, errlen, "%s.addr: listed twice in the shard", where);
-                        rc = -EINVAL;
-                        goto out;
-                    }
-                n++;
-            }
-        }
-    }
-    rc = bex__dir_set_members(d, m, n);
-    if (rc == -ENOSPC)
-        set_err(err, errlen, "more addresses than max_nodes");
-out:
-    free(m);
-    return rc;
-}
-
-int bex_dir_load_json(bex_dir *d, const char *json, char *err, size_t errlen)
-{
-    if (!d || !json)
-        return -EINVAL;
-    pthread_mutex_lock(&d->mu);
-    bool etcd = d->etcd;
-    pthread_mutex_unlock(&d->mu);
-    if (etcd) {
-        set_err(err, errlen, "the directory follows etcd");
-        return -EBUSY;
-    }
-    json_error_t je;
-    json_t *root = json_loads(json, JSON_REJECT_DUPLICATES, &je);
-    if (!root) {
-        set_err(err, errlen, "line %d column %d: %s", je.line, je.column, je.text);
-        return -EINVAL;
-    }
-    int rc = load_root(d, root, err, errlen);
-    json_decref(root);
-    return rc;
-}
-
-int bex_dir_load_file(bex_dir *d, const char *path, char *err, size_t errlen)
-{
-    if (!d || !path)
-        return -EINVAL;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        int e = -errno;
-        set_err(err, errlen, "%s: %s", path, strerror(-e));
-        return e;
-    }
-    json_error_t je;
-    json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &je);
-    fclose(f);
-    if (!root) {
-        set_err(err, errlen, "%s: line %d column %d: %s", path, je.line, je.column, je.text);
-        return -EINVAL;
-    }
-    char inner[256] = "";
-    pthread_mutex_lock(&d->mu);
-    bool etcd = d->etcd;
-    pthread_mutex_unlock(&d->mu);
-    int rc = etcd ? -EBUSY : load_root(d, root, inner, sizeof inner);
-    if (etcd)
-        snprintf(inner, sizeof inner, "the directory follows etcd");
-    if (rc)
-        set_err(err, errlen, "%s: %s", path, inner);
-    json_decref(root);
-    return rc;
-}
-
 /* ---- API ---- */
 
 int bex_dir_create(const bex_dir_config *cfg, bex_dir **out)
@@ -523,7 +303,7 @@ int bex_dir_watch_etcd(bex_dir *d, const char *url, const char *prefix, char *er
     d->etcd = true;
     pthread_mutex_unlock(&d->mu);
     if (busy) {
-        set_err(err, errlen, "the directory follows etcd already");
+        bex__dir_set_err(err, errlen, "the directory follows etcd already");
         return -EBUSY;
     }
     struct bex__etcd_watch *w;
@@ -566,7 +346,7 @@ struct avoid_addr {
 static bool avoid_by_addr(void *arg, const struct bex__dir_node *n)
 {
     const struct avoid_addr *aa = arg;
-    return aa->a && same_addr(aa->a, &n->r.addr);
+    return aa->a && bex__dir_same_addr(aa->a, &n->r.addr);
 }
 
 int bex_dir_pick(bex_dir *d, const char *service, uint32_t shard, const char *locality,

@@ -82,4 +82,8 @@ void bex__dir_node_tick(struct bex__dir_node *n, uint64_t now);
 
 bool bex__dir_ring_add(struct fail_ring *r, uint64_t now, uint64_t window);
 
+__attribute__((format(printf, 3, 4))) void bex__dir_set_err(char *err, size_t errlen,
+                                                            const char *fmt, ...);
+bool bex__dir_same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b);
+
 #endif
