@@ -86,4 +86,7 @@ __attribute__((format(printf, 3, 4))) void bex__dir_set_err(char *err, size_t er
                                                             const char *fmt, ...);
 bool bex__dir_same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b);
 
+void bex__dir_services_free(struct service *s);
+int bex__dir_node_get(bex_dir *d, const bex_dir_replica *r, struct bex__dir_node **out);
+
 #endif
