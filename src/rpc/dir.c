@@ -103,66 +103,6 @@ bool bex__dir_same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b
     return a->sin_addr.s_addr == b->sin_addr.s_addr && a->sin_port == b->sin_port;
 }
 
-/* ---- nodes (under d->mu) ---- */
-
-struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const struct sockaddr_in *addr)
-{
-    for (struct bex__dir_node *n = d->nodes; n; n = n->next)
-        if (bex__dir_same_addr(&n->r.addr, addr))
-            return n;
-    return NULL;
-}
-
-static int ring_init(struct fail_ring *r, uint32_t max)
-{
-    r->cap = max + 1;
-    r->t = calloc(r->cap, sizeof(*r->t));
-    return r->t ? 0 : -ENOMEM;
-}
-
-/* Record a failure at now; true when more than cap - 1 fell in the window. */
-bool bex__dir_ring_add(struct fail_ring *r, uint64_t now, uint64_t window)
-{
-    r->t[r->head] = now;
-    r->head = (r->head + 1) % r->cap;
-    if (r->n < r->cap)
-        r->n++;
-    /* full: head is the oldest of the last cap failures */
-    return r->n == r->cap && now - r->t[r->head] <= window;
-}
-
-static void node_free(struct bex__dir_node *n)
-{
-    free(n->conn.t);
-    free(n->req.t);
-    free(n);
-}
-
-/* The node at r's address, made if new; its replica data updated. */
-int bex__dir_node_get(bex_dir *d, const bex_dir_replica *r, struct bex__dir_node **out)
-{
-    struct bex__dir_node *n = bex__dir_node_lookup(d, &r->addr);
-    if (!n) {
-        if (d->n_nodes >= d->max_nodes)
-            return -ENOSPC;
-        n = calloc(1, sizeof(*n));
-        if (!n || ring_init(&n->conn, d->conn_max) || ring_init(&n->req, d->req_max)) {
-            if (n)
-                node_free(n);
-            return -ENOMEM;
-        }
-        char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &r->addr.sin_addr, ip, sizeof ip);
-        snprintf(n->name, sizeof n->name, "%s:%u", ip, ntohs(r->addr.sin_port));
-        n->next = d->nodes;
-        d->nodes = n;
-        d->n_nodes++;
-    }
-    n->r = *r;
-    *out = n;
-    return 0;
-}
-
 /* ---- API ---- */
 
 int bex_dir_create(const bex_dir_config *cfg, bex_dir **out)
@@ -201,7 +141,7 @@ void bex_dir_destroy(bex_dir *d)
     bex__dir_services_free(d->services);
     while (d->nodes) {
         struct bex__dir_node *n = d->nodes->next;
-        node_free(d->nodes);
+        bex__dir_node_free(d->nodes);
         d->nodes = n;
     }
     bex__log_fini(&d->log);

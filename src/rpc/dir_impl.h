@@ -89,4 +89,6 @@ bool bex__dir_same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b
 void bex__dir_services_free(struct service *s);
 int bex__dir_node_get(bex_dir *d, const bex_dir_replica *r, struct bex__dir_node **out);
 
+void bex__dir_node_free(struct bex__dir_node *n);
+
 #endif
