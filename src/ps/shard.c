@@ -232,7 +232,7 @@ static struct idc *ids_find(const struct idset *d, const struct idkey *key)
     return i ? &d->c[i - 1] : NULL;
 }
 
-static int ids_has(const struct idset *d, const struct idkey *key, uint64_t seq)
+int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq)
 {
     const struct idc *c = ids_find(d, key);
     if (!c || seq > c->max)
@@ -368,7 +368,7 @@ static void ids_mark(struct idset *d, struct idc *c, uint64_t seq, uint64_t now)
     c->bits[(seq % IDS_WINDOW) / 64] |= 1ull << (seq % 64);
 }
 
-static void ids_free(struct idset *d)
+void bex__ps_ids_free(struct idset *d)
 {
     free(d->c);
     free(d->slots);
@@ -419,12 +419,12 @@ static int push_client(bex_ps_shard *s, const struct pushid *id, uint64_t now, s
  * tell), -EAGAIN (a new client refused: push_client), -ENOSPC, -ENOMEM
  * (nothing changed). *applied (may be NULL) tells which. id: NULL for a
  * Push without an id. */
-static int push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, const uint64_t *keys,
-                             const float *g, const struct pushid *id, bool *applied)
+int bex__ps_push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, const uint64_t *keys,
+                              const float *g, const struct pushid *id, bool *applied)
 {
     if (applied)
         *applied = false;
-    int has = id ? ids_has(&s->ids, &id->k, id->seq) : ID_NEW;
+    int has = id ? bex__ps_ids_has(&s->ids, &id->k, id->seq) : ID_NEW;
     uint64_t now = bex__rpc_now_ns();
     if (has == ID_SEEN) {
         /* a retry: its client is alive (the horizon counts from here) */
@@ -785,7 +785,7 @@ out:
 }
 
 /* Empty tables with s's configs (for a copy to be loaded into). */
-static struct table *tables_like(const bex_ps_shard *s)
+struct table *bex__ps_tables_like(const bex_ps_shard *s)
 {
     struct table *ts = calloc(s->n_tables, sizeof *ts);
     if (!ts)
@@ -797,9 +797,9 @@ static struct table *tables_like(const bex_ps_shard *s)
     return ts;
 }
 
-/* A peer's copy (buf, size bytes) into dst (from tables_like) and ids. */
-static int copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct table *dst,
-                     struct idset *ids)
+/* A peer's copy (buf, size bytes) into dst (from bex__ps_tables_like) and ids. */
+int bex__ps_copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct table *dst,
+                      struct idset *ids)
 {
     struct rd r;
     uint32_t version;
@@ -814,7 +814,7 @@ static int copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct ta
  * a client the cut does not know, or whose highest sequence is lower. The
  * peer is behind (itself restarted from an older snapshot): its copy
  * would lose them. */
-static bool ids_behind(const struct idset *mine, const struct idset *cut)
+bool bex__ps_ids_behind(const struct idset *mine, const struct idset *cut)
 {
     for (uint32_t i = 0; i < mine->n; i++) {
         const struct idc *p = ids_find(cut, &mine->c[i].k);
@@ -826,7 +826,7 @@ static bool ids_behind(const struct idset *mine, const struct idset *cut)
 
 /* ---- shard ---- */
 
-static void held_free(struct held *h)
+void bex__ps_held_free(struct held *h)
 {
     while (h) {
         struct held *n = h->next;
@@ -837,7 +837,7 @@ static void held_free(struct held *h)
     }
 }
 
-static void tables_free(struct table *ts, size_t n)
+void bex__ps_tables_free(struct table *ts, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         free(ts[i].keys);
@@ -915,10 +915,10 @@ void bex_ps_shard_destroy(bex_ps_shard *s)
 {
     if (!s)
         return;
-    held_free(s->held);
-    ids_free(&s->ids);
+    bex__ps_held_free(s->held);
+    bex__ps_ids_free(&s->ids);
     free(s->cp.buf);
-    tables_free(s->tables, s->n_tables);
+    bex__ps_tables_free(s->tables, s->n_tables);
     pthread_mutex_destroy(&s->mu);
     bex__log_fini(&s->log);
     free(s);
@@ -1174,7 +1174,7 @@ static int serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h
             s->st.held++;
         }
     } else {
-        rc = push_apply_locked(s, t, h->n, keys, g, has_id ? &id : NULL, NULL);
+        rc = bex__ps_push_apply_locked(s, t, h->n, keys, g, has_id ? &id : NULL, NULL);
     }
     pthread_mutex_unlock(&s->mu);
     if (rc)
@@ -1191,10 +1191,6 @@ done:
 }
 
 /* ---- catch-up: the peer's side ---- */
-
-/* A copy no CHUNK asked for this long is dropped (its puller is gone). */
-#define COPY_IDLE_NS   (30ull * 1000000000ull)
-#define COPY_CHUNK_MAX (16u << 20)
 
 static void copy_drop(struct copy *cp)
 {
@@ -1340,303 +1336,4 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
             return rc;
     }
     return 0;
-}
-
-/* ---- catch-up: the restarted replica's side ---- */
-
-static uint32_t ms_left(uint64_t deadline_ns)
-{
-    uint64_t now = bex__rpc_now_ns();
-    if (now >= deadline_ns)
-        return 0;
-    uint64_t ms = (deadline_ns - now + 999999) / 1000000;
-    return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
-}
-
-/* One COPY call; its answer's header checked against (op, session,
- * offset). On 0, *body / *len: the answer (free with bex_rpc_free). */
-static int copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_copy_hdr *q,
-                     uint64_t deadline, struct bex__ps_copy_hdr *a, void **body, size_t *len)
-{
-    uint32_t left = ms_left(deadline);
-    if (!left)
-        return -ETIMEDOUT;
-    uint8_t *b = bex_rpc_alloc(ctx, BEX__PS_COPY_HDR_LEN);
-    if (!b)
-        return -ENOMEM;
-    bex__ps_copy_put(b, q);
-    bex_rpc_call_opts o = {.timeout_ms = left};
-    /* not bex_rpc_call_sync: its caller cannot tell a refused call (b still
-     * ours) from one that failed */
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-    int rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o,
-                          bex__rpc_wait_done, &w, NULL);
-    if (rc) {
-        bex_rpc_free(b); /* not sent: still ours */
-        return rc;
-    }
-    rc = bex__rpc_wait(&w, body, len);
-    if (rc == 0 && (bex__ps_copy_get(*body, *len, a) || a->op != q->op ||
-                    (q->op != BEX__PS_COPY_OPEN && a->session != q->session) ||
-                    (q->op == BEX__PS_COPY_CHUNK && a->offset != q->offset)))
-        rc = -EBADMSG;
-    if (rc) {
-        bex_rpc_free(*body);
-        *body = NULL;
-    }
-    return rc;
-}
-
-/* Pull a peer's copy into *buf / *len (malloc'd), by the deadline. */
-static int copy_pull(bex_ctx *ctx, const bex_rpc_endpoint *ep, const bex_ps_catchup_config *cfg,
-                     uint64_t deadline, uint8_t **buf, size_t *len)
-{
-    *buf = NULL;
-    *len = 0;
-    uint32_t left = ms_left(deadline);
-    if (!left)
-        return -ETIMEDOUT;
-    bex_rpc_channel_config cc = {.endpoints = ep,
-                                 .n_endpoints = 1,
-                                 .name = "ps-catchup",
-                                 .request_timeout_ms = left,
-                                 .connect_timeout_ms = left,
-                                 /* a connection lost mid-copy (seen in the
-                                  * emulated VM) is retried, within the
-                                  * deadline: CHUNK only reads, and a second
-                                  * OPEN replaces the first copy */
-                                 .max_attempts = 3};
-    bex_rpc_channel *ch;
-    int rc = bex_rpc_channel_create(ctx, &cc, &ch);
-    if (rc)
-        return rc;
-    uint32_t chunk = cfg->chunk_bytes ? cfg->chunk_bytes : 1u << 20;
-    if (chunk > COPY_CHUNK_MAX)
-        chunk = COPY_CHUNK_MAX;
-    uint64_t max = cfg->max_bytes ? cfg->max_bytes : 1ull << 30;
-    struct bex__ps_copy_hdr q = {.op = BEX__PS_COPY_OPEN}, a;
-    void *body;
-    size_t blen;
-    uint8_t *out = NULL;
-    uint64_t total = 0, got = 0;
-    if ((rc = copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
-        goto done;
-    bex_rpc_free(body);
-    total = a.offset;
-    if (total > max || total > SIZE_MAX / 2) {
-        rc = -E2BIG;
-        goto done;
-    }
-    q = (struct bex__ps_copy_hdr){.op = BEX__PS_COPY_CHUNK, .session = a.session, .max_len = chunk};
-    while (got < total) {
-        q.offset = got;
-        if ((rc = copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
-            break;
-        size_t n = blen - BEX__PS_COPY_HDR_LEN;
-        if (n == 0 || n > chunk || n > total - got) {
-            bex_rpc_free(body);
-            rc = -EBADMSG;
-            break;
-        }
-        /* grown as bytes come: a peer claiming much and sending little
-         * costs only what it sent */
-        uint8_t *nb = realloc(out, (size_t)got + n);
-        if (!nb) {
-            bex_rpc_free(body);
-            rc = -ENOMEM;
-            break;
-        }
-        out = nb;
-        memcpy(out + got, (uint8_t *)body + BEX__PS_COPY_HDR_LEN, n);
-        got += n;
-        bex_rpc_free(body);
-    }
-    if (rc == 0) {
-        /* the peer may drop its copy now (best effort, briefly) */
-        uint64_t d2 = bex__rpc_now_ns() + 500000000ull;
-        q.op = BEX__PS_COPY_CLOSE;
-        q.offset = 0;
-        if (copy_call(ch, ctx, &q, d2 < deadline ? d2 : deadline, &a, &body, &blen) == 0)
-            bex_rpc_free(body);
-    }
-done:
-    bex_rpc_channel_destroy(ch);
-    if (rc) {
-        free(out);
-        return rc;
-    }
-    *buf = out;
-    *len = (size_t)total;
-    return 0;
-}
-
-/* Pause between two catch-up rounds (ms). */
-#define CATCHUP_PAUSE_MS 150
-
-/* Whether a peer's failure is its answer rather than a passing state, so
- * that asking it again before the deadline would not help: a copy that is
- * bad, too long or behind us, a call it refuses, our own memory; and a
- * peer catching up itself (-EAGAIN): two replicas started together would
- * otherwise wait for each other until the deadline. */
-static bool copy_final(int rc)
-{
-    return rc == -EBADMSG || rc == -E2BIG || rc == -ESTALE || rc == -EAGAIN || rc == -ENOMEM ||
-           rc == -EINVAL || rc == -ENOSYS || rc == -EPERM || rc == -EACCES;
-}
-
-int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg)
-{
-    if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
-        return -EINVAL;
-    pthread_mutex_lock(&s->mu);
-    /* once: a second caller meanwhile would install a copy over Pushes
-     * applied after the first */
-    bool mine = s->catching && !s->catchup_busy;
-    s->catchup_busy = true;
-    pthread_mutex_unlock(&s->mu);
-    if (!mine)
-        return -EINVAL;
-    uint64_t deadline =
-        bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
-    int rc = -EHOSTUNREACH; /* no peer */
-    struct table *cut = NULL;
-    struct idset cut_ids = {.head = IDS_NIL, .tail = IDS_NIL};
-    /* rounds over the peers until one gives a copy or the deadline passes:
-     * a peer that cannot be reached now (not listening yet, a connection
-     * not made in time on a loaded host) may be reachable in a moment, and
-     * giving up at once would serve the snapshot without every Push the
-     * peer applied meanwhile */
-    bool *out = cfg->n_peers ? calloc(cfg->n_peers, sizeof *out) : NULL;
-    if (cfg->n_peers && !out)
-        rc = -ENOMEM;
-    for (unsigned round = 1; out; round++) {
-        size_t again = 0, last = 0; /* peers worth another round; the last */
-        int last_rc = 0;
-        for (size_t i = 0; i < cfg->n_peers && !cut; i++) {
-            if (out[i])
-                continue;
-            char a[INET_ADDRSTRLEN];
-            inet_ntop(AF_INET, &cfg->peers[i].addr.sin_addr, a, sizeof a);
-            uint8_t *buf;
-            size_t len;
-            rc = copy_pull(ctx, &cfg->peers[i], cfg, deadline, &buf, &len);
-            if (rc == 0) {
-                if (!(cut = tables_like(s)))
-                    rc = -ENOMEM;
-                else if ((rc = copy_load(s, buf, len, cut, &cut_ids)) == -EINVAL)
-                    rc = -EBADMSG; /* the peer's copy, not our call */
-                free(buf);
-                if (rc == 0) {
-                    pthread_mutex_lock(&s->mu);
-                    if (ids_behind(&s->ids, &cut_ids))
-                        rc = -ESTALE;
-                    pthread_mutex_unlock(&s->mu);
-                }
-            }
-            if (rc == 0) {
-                bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u",
-                         s->shard, len, a, ntohs(cfg->peers[i].addr.sin_port));
-                break;
-            }
-            if (cut)
-                tables_free(cut, s->n_tables);
-            cut = NULL;
-            ids_free(&cut_ids);
-            if (copy_final(rc)) {
-                out[i] = true; /* its answer: logged once, not asked again */
-                bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: catch-up from %s:%u failed: %s",
-                         s->shard, a, ntohs(cfg->peers[i].addr.sin_port), bex_strerror(rc));
-            } else {
-                again++;
-                last = i;
-                last_rc = rc;
-            }
-        }
-        uint32_t left = ms_left(deadline);
-        if (cut || !again || left <= CATCHUP_PAUSE_MS)
-            break;
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &cfg->peers[last].addr.sin_addr, a, sizeof a);
-        bex__log(&s->log, BEX_LOG_WARN,
-                 "ps shard %u: catch-up round %u failed (%zu peers unreachable, %s:%u: %s): "
-                 "trying again, %u ms left",
-                 s->shard, round, again, a, ntohs(cfg->peers[last].addr.sin_port),
-                 bex_strerror(last_rc), left);
-        struct timespec ts = {0, CATCHUP_PAUSE_MS * 1000000l};
-        while (nanosleep(&ts, &ts) && errno == EINTR)
-            ;
-    }
-    free(out);
-    pthread_mutex_lock(&s->mu);
-    uint64_t rows = 0, replayed = 0, skipped = 0, failed = 0;
-    if (cut) {
-        /* the peer's rows and ids instead of ours (the counters stay) */
-        for (size_t i = 0; i < s->n_tables; i++) {
-            struct table *t = &s->tables[i], *c = &cut[i];
-            free(t->keys);
-            free(t->vals);
-            free(t->slots);
-            t->keys = c->keys;
-            t->vals = c->vals;
-            t->slots = c->slots;
-            t->n_rows = c->n_rows;
-            t->cap_rows = c->cap_rows;
-            t->n_slots = c->n_slots;
-            c->keys = NULL;
-            c->vals = NULL;
-            c->slots = NULL;
-            rows += t->n_rows;
-        }
-        ids_free(&s->ids);
-        s->ids = cut_ids;
-    }
-    /* the held Pushes, in the order they came: those the cut has are left
-     * out (an id older than the peer's window too: the peer had it long
-     * before), every other one applied once */
-    for (struct held *h = s->held; h; h = h->next) {
-        int has = h->has_id ? ids_has(&s->ids, &h->id.k, h->id.seq) : ID_NEW;
-        if (cut && has != ID_NEW) {
-            skipped++;
-            continue;
-        }
-        bool applied;
-        int e =
-            push_apply_locked(s, h->t, h->n, h->keys, h->g, h->has_id ? &h->id : NULL, &applied);
-        if (e)
-            failed++;
-        else if (applied)
-            replayed++;
-        else
-            skipped++;
-    }
-    held_free(s->held);
-    s->held = NULL;
-    s->held_tail = &s->held;
-    s->held_bytes = 0;
-    s->catching = false;
-    s->st.catchup_rows += rows;
-    s->st.catchup_replayed += replayed;
-    s->st.catchup_skipped += skipped;
-    if (!cut)
-        s->st.catchup_failed++;
-    pthread_mutex_unlock(&s->mu);
-    if (cut)
-        tables_free(cut, s->n_tables);
-    if (failed)
-        bex__log(&s->log, BEX_LOG_ERROR,
-                 "ps shard %u: %llu held Pushes not applied after catch-up (table full or no "
-                 "memory): this replica misses them",
-                 s->shard, (unsigned long long)failed);
-    if (rc)
-        bex__log(&s->log, BEX_LOG_ERROR,
-                 "ps shard %u: catch-up failed (%s): serving its snapshot and the %llu Pushes "
-                 "held, without those the peer applied meanwhile",
-                 s->shard, bex_strerror(rc), (unsigned long long)(replayed + skipped));
-    else
-        bex__log(&s->log, BEX_LOG_INFO,
-                 "ps shard %u: caught up: %llu rows copied, %llu held Pushes applied, %llu the "
-                 "peer had",
-                 s->shard, (unsigned long long)rows, (unsigned long long)replayed,
-                 (unsigned long long)skipped);
-    return rc;
 }

@@ -18,6 +18,10 @@
 /* rows of a table at most: its hash's slot count (2 x rows) fits in a u32 */
 #define BEX__PS_ROWS_MAX (1u << 30)
 
+/* A copy no CHUNK asked for this long is dropped (its puller is gone). */
+#define COPY_IDLE_NS   (30ull * 1000000000ull)
+#define COPY_CHUNK_MAX (16u << 20)
+
 struct table {
     bex_ps_table_config cfg;
     uint32_t width; /* floats per row: dim, or 2 x dim with Adagrad */
@@ -114,5 +118,16 @@ struct bex_ps_shard {
     uint64_t held_bytes, held_max;
     struct copy cp;
 };
+
+int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq);
+void bex__ps_ids_free(struct idset *d);
+int bex__ps_push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, const uint64_t *keys,
+                              const float *g, const struct pushid *id, bool *applied);
+struct table *bex__ps_tables_like(const bex_ps_shard *s);
+int bex__ps_copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct table *dst,
+                      struct idset *ids);
+bool bex__ps_ids_behind(const struct idset *mine, const struct idset *cut);
+void bex__ps_held_free(struct held *h);
+void bex__ps_tables_free(struct table *ts, size_t n);
 
 #endif
