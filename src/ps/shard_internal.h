@@ -130,4 +130,11 @@ bool bex__ps_ids_behind(const struct idset *mine, const struct idset *cut);
 void bex__ps_held_free(struct held *h);
 void bex__ps_tables_free(struct table *ts, size_t n);
 
+struct table *bex__ps_find_table(bex_ps_shard *s, uint32_t id);
+int bex__ps_copy_make(bex_ps_shard *s, char **buf, size_t *len);
+int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
+                        const uint8_t *p, void **resp, size_t *resp_len);
+int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
+                       const bex_rpc_req *req, void **resp, size_t *resp_len);
+
 #endif
