@@ -108,7 +108,7 @@ static void slot_put(uint32_t *slots, uint32_t n_slots, uint64_t key, uint32_t r
 }
 
 /* Room for extra more rows (the load factor stays <= 1/2). */
-static int table_reserve(struct table *t, uint32_t extra)
+int bex__ps_table_reserve(struct table *t, uint32_t extra)
 {
     uint64_t want = (uint64_t)t->n_rows + extra;
     if (want > t->cfg.max_rows)
@@ -147,7 +147,7 @@ static int table_reserve(struct table *t, uint32_t extra)
 
 /* The row of key, created with its initial values when new; room must
  * have been reserved. */
-static float *row_get(struct table *t, uint64_t key)
+float *bex__ps_row_get(struct table *t, uint64_t key)
 {
     uint32_t r = row_find(t, key);
     if (r == UINT32_MAX) {
@@ -166,7 +166,7 @@ static float *row_get(struct table *t, uint64_t key)
 
 /* Keys among keys[0..n) without a row yet (duplicates counted: an upper
  * bound, enough to reserve). */
-static uint32_t missing_rows(const struct table *t, const uint64_t *keys, uint32_t n)
+uint32_t bex__ps_missing_rows(const struct table *t, const uint64_t *keys, uint32_t n)
 {
     uint32_t m = 0;
     for (uint32_t i = 0; i < n; i++)
@@ -439,13 +439,13 @@ int bex__ps_push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, cons
     struct idc *c = NULL;
     int rc = id ? push_client(s, id, now, &c) : 0;
     if (rc == 0)
-        rc = table_reserve(t, missing_rows(t, keys, n));
+        rc = bex__ps_table_reserve(t, bex__ps_missing_rows(t, keys, n));
     if (rc)
         return rc;
     if (c)
         ids_mark(&s->ids, c, id->seq, now);
     for (uint32_t i = 0; i < n; i++)
-        apply(t, row_get(t, keys[i]), g + (size_t)i * t->cfg.dim);
+        apply(t, bex__ps_row_get(t, keys[i]), g + (size_t)i * t->cfg.dim);
     s->st.pushes++;
     s->st.rows_pushed += n;
     t->pushes++;
@@ -716,14 +716,14 @@ static int load_tables(bex_ps_shard *s, struct table *dst, struct rd *r, const c
         size_t row_len = 8 + 4 * (size_t)t->width;
         if (n_rows > t->cfg.max_rows || r->left / row_len < n_rows)
             return -EINVAL;
-        int rc = table_reserve(t, n_rows);
+        int rc = bex__ps_table_reserve(t, n_rows);
         if (rc)
             return rc;
         for (uint32_t k = 0; k < n_rows; k++, r->p += row_len, r->left -= row_len) {
             uint64_t key = bex__ps_get64(r->p);
             if (row_find(t, key) != UINT32_MAX)
                 return -EINVAL; /* a key twice */
-            float *v = row_get(t, key);
+            float *v = bex__ps_row_get(t, key);
             for (uint32_t c2 = 0; c2 < t->width; c2++)
                 v[c2] = bex__ps_getf(r->p + 8 + 4 * (size_t)c2);
         }
@@ -1053,139 +1053,4 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         return rc;
     }
     return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
-}
-
-/* ---- requests ---- */
-
-/* The n keys at p into keys; each must be this shard's (a client with
- * another shard count would otherwise create rows no one fetches). */
-static int read_keys(const bex_ps_shard *s, const uint8_t *p, uint32_t n, uint64_t *keys)
-{
-    for (uint32_t i = 0; i < n; i++) {
-        keys[i] = bex__ps_get64(p + 8 * (size_t)i);
-        if (bex_ps_key_shard(keys[i], s->n_shards) != s->shard)
-            return -EINVAL;
-    }
-    return 0;
-}
-
-int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
-                        const uint8_t *p, void **resp, size_t *resp_len)
-{
-    struct table *t = bex__ps_find_table(s, h->table);
-    if (!t || t->cfg.dim != h->dim)
-        return -EINVAL;
-    size_t out_len = BEX__PS_HDR_LEN + (size_t)h->n * h->dim * 4;
-    uint8_t *out = bex_rpc_alloc(ctx, out_len);
-    if (!out)
-        return -ENOMEM;
-    uint64_t *keys = malloc((h->n ? h->n : 1) * sizeof *keys);
-    if (!keys) {
-        bex_rpc_free(out);
-        return -ENOMEM;
-    }
-    int rc = read_keys(s, p, h->n, keys);
-    if (rc) {
-        free(keys);
-        bex_rpc_free(out);
-        return rc;
-    }
-    pthread_mutex_lock(&s->mu);
-    /* catching up: its rows are not the shard's yet (retryable: the client
-     * fails over to another replica) */
-    rc = s->catching ? -EAGAIN : table_reserve(t, missing_rows(t, keys, h->n));
-    if (rc == 0) {
-        uint8_t *q = out + BEX__PS_HDR_LEN;
-        for (uint32_t i = 0; i < h->n; i++) {
-            const float *v = row_get(t, keys[i]);
-            for (uint32_t c = 0; c < h->dim; c++, q += 4)
-                bex__ps_putf(q, v[c]);
-        }
-        s->st.fetches++;
-        s->st.rows_fetched += h->n;
-        t->fetches++;
-        t->rows_fetched += h->n;
-    }
-    pthread_mutex_unlock(&s->mu);
-    free(keys);
-    if (rc) {
-        bex_rpc_free(out);
-        return rc;
-    }
-    bex__ps_hdr_put(out, &(struct bex__ps_hdr){.table = h->table, .n = h->n, .dim = h->dim});
-    *resp = out;
-    *resp_len = out_len;
-    return 0;
-}
-
-int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
-                       const bex_rpc_req *req, void **resp, size_t *resp_len)
-{
-    bool has_id = h->flags & BEX__PS_F_ID;
-    struct pushid id = {.k = {h->id_client, {h->id_tok[0], h->id_tok[1]}},
-                        .seq = h->id_seq,
-                        .served = true,
-                        .req = req};
-    struct table *t = bex__ps_find_table(s, h->table);
-    if (!t || t->cfg.dim != h->dim)
-        return -EINVAL;
-    size_t nf = (size_t)h->n * h->dim;
-    uint64_t *keys = malloc((h->n ? h->n : 1) * sizeof *keys);
-    float *g = malloc((nf ? nf : 1) * sizeof *g);
-    uint8_t *out = bex_rpc_alloc(ctx, BEX__PS_HDR_LEN);
-    int rc = 0;
-    if (!keys || !g || !out) {
-        rc = -ENOMEM;
-        goto done;
-    }
-    if ((rc = read_keys(s, p, h->n, keys)))
-        goto done;
-    const uint8_t *gp = p + 8 * (size_t)h->n;
-    for (size_t i = 0; i < nf; i++) {
-        g[i] = bex__ps_getf(gp + 4 * i);
-        if (!isfinite(g[i])) {
-            rc = -EINVAL; /* one bad value refuses the whole Push */
-            goto done;
-        }
-    }
-    pthread_mutex_lock(&s->mu);
-    if (s->catching) {
-        /* held, checked whole: applied (or found in the peer's copy) when
-         * the catch-up ends */
-        size_t bytes = sizeof(struct held) + (size_t)h->n * 8 + nf * 4;
-        struct held *hd = NULL;
-        if (s->held_bytes + bytes > s->held_max)
-            rc = -EAGAIN; /* not applied: the client retries */
-        else if (!(hd = malloc(sizeof *hd)))
-            rc = -ENOMEM;
-        if (hd) {
-            *hd = (struct held){.t = t,
-                                .n = h->n,
-                                .has_id = has_id,
-                                .id = id,
-                                .keys = keys,
-                                .g = g,
-                                .bytes = bytes};
-            keys = NULL;
-            g = NULL;
-            *s->held_tail = hd;
-            s->held_tail = &hd->next;
-            s->held_bytes += bytes;
-            s->st.held++;
-        }
-    } else {
-        rc = bex__ps_push_apply_locked(s, t, h->n, keys, g, has_id ? &id : NULL, NULL);
-    }
-    pthread_mutex_unlock(&s->mu);
-    if (rc)
-        goto done;
-    bex__ps_hdr_put(out, &(struct bex__ps_hdr){.table = h->table, .n = h->n, .dim = h->dim});
-    *resp = out;
-    *resp_len = BEX__PS_HDR_LEN;
-    out = NULL;
-done:
-    free(keys);
-    free(g);
-    bex_rpc_free(out);
-    return rc;
 }

@@ -137,4 +137,8 @@ int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr 
 int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
                        const bex_rpc_req *req, void **resp, size_t *resp_len);
 
+int bex__ps_table_reserve(struct table *t, uint32_t extra);
+float *bex__ps_row_get(struct table *t, uint64_t key);
+uint32_t bex__ps_missing_rows(const struct table *t, const uint64_t *keys, uint32_t n);
+
 #endif
