@@ -141,4 +141,10 @@ int bex__ps_table_reserve(struct table *t, uint32_t extra);
 float *bex__ps_row_get(struct table *t, uint64_t key);
 uint32_t bex__ps_missing_rows(const struct table *t, const uint64_t *keys, uint32_t n);
 
+int bex__ps_snapshot_load(bex_ps_shard *s, const char *path);
+uint32_t bex__ps_row_find(const struct table *t, uint64_t key);
+struct idc *bex__ps_ids_find(const struct idset *d, const struct idkey *key);
+int bex__ps_ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint32_t lim,
+                    uint64_t horizon, struct idc **out);
+
 #endif
