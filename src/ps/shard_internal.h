@@ -147,4 +147,6 @@ struct idc *bex__ps_ids_find(const struct idset *d, const struct idkey *key);
 int bex__ps_ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint32_t lim,
                     uint64_t horizon, struct idc **out);
 
+void bex__ps_apply(const struct table *t, float *v, const float *g);
+
 #endif
