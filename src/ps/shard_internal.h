@@ -149,4 +149,6 @@ int bex__ps_ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint
 
 void bex__ps_apply(const struct table *t, float *v, const float *g);
 
+void bex__ps_table_defaults(bex_ps_table_config *c);
+
 #endif
