@@ -18,17 +18,9 @@
 
 /* ---- calls (under ch->mu) ---- */
 
-size_t bex__rpc_bucket(uint64_t id)
-{
-    return (size_t)(id % CALL_BUCKETS);
-}
-
 struct call *bex__rpc_call_find(struct bex_rpc_channel *ch, uint64_t id)
 {
-    for (struct call *c = ch->htab[bex__rpc_bucket(id)]; c; c = c->hnext)
-        if (c->id == id)
-            return c;
-    return NULL;
+    return bex__hmap_get(&ch->calls, id);
 }
 
 void bex__rpc_call_put(struct bex_rpc_channel *ch, struct call *c)
@@ -88,16 +80,8 @@ void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, v
         return;
     }
     c->live = false;
-    struct call **pp = &ch->htab[bex__rpc_bucket(c->id)];
-    while (*pp != c)
-        pp = &(*pp)->hnext;
-    *pp = c->hnext;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        ch->live = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    bex__hmap_del(&ch->calls, c->id);
+    bex__list_remove(&c->lnode);
     c->status = status;
     c->resp = resp;
     c->resp_len = resp_len;

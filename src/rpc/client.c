@@ -131,6 +131,8 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     struct bex_rpc_channel *ch = calloc(1, sizeof(*ch));
     if (!ch)
         return -ENOMEM;
+    bex__list_init(&ch->live);
+    bex__list_init(&ch->links);
     memcpy(ch->tok, tok, sizeof tok);
     int err = -ENOMEM;
     ch->ctx = ctx;
@@ -177,6 +179,7 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
 
 err_sync:
     pthread_cond_destroy(&ch->cv);
+    bex__hmap_free(&ch->calls);
     pthread_mutex_destroy(&ch->mu);
 err_free:
     if (ch->eps)
@@ -272,6 +275,13 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         return -EPIPE;
     }
     c->id = ++ch->next_id;
+    if (bex__hmap_put(&ch->calls, c->id, c) != 0) {
+        pthread_mutex_unlock(&ch->mu);
+        free(c);
+        if (own_body)
+            bex_rpc_free(body);
+        return -ENOMEM;
+    }
     struct bex__rpc_hdr h = {
         .kind = BEX__RPC_REQUEST,
         .flags = dst ? BEX__RPC_F_DEST : 0,
@@ -291,12 +301,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     ch->tokens += ch->budget_permille;
     if (ch->tokens > (int64_t)ch->budget_burst * 1000)
         ch->tokens = (int64_t)ch->budget_burst * 1000;
-    c->hnext = ch->htab[bex__rpc_bucket(c->id)];
-    ch->htab[bex__rpc_bucket(c->id)] = c;
-    c->next = ch->live;
-    if (c->next)
-        c->next->prev = c;
-    ch->live = c;
+    bex__list_push_head(&ch->live, &c->lnode);
     ch->n_calls++;
     ch->st.calls++;
     if (call_id)
@@ -351,9 +356,13 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
             continue;
         /* removed: no call may name it as the one to avoid, its connection
          * goes and the calls on it are tried on the new list */
-        for (struct call *c = ch->live; c; c = c->next)
+        struct bex__list *pos;
+        bex__list_foreach(pos, &ch->live)
+        {
+            struct call *c = bex__list_entry(pos, struct call, lnode);
             if (c->ep == old[k])
                 c->ep = NULL;
+        }
         if (old[k]->cur)
             bex__rpc_link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
         if (old[k]->probe)
@@ -424,10 +433,12 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     struct call *dl = NULL;
     pthread_mutex_lock(&ch->mu);
     ch->destroying = true;
-    while (ch->live)
-        bex__rpc_complete(ch, ch->live, -ECANCELED, NULL, 0, K_CANCEL, &dl);
-    for (struct link *l = ch->links; l; l = l->next)
-        bex__rpc_link_fail(ch, l, -ECANCELED, &dl);
+    while (!bex__list_empty(&ch->live))
+        bex__rpc_complete(ch, bex__list_entry(ch->live.next, struct call, lnode), -ECANCELED, NULL,
+                          0, K_CANCEL, &dl);
+    struct bex__list *pos;
+    bex__list_foreach(pos, &ch->links)
+        bex__rpc_link_fail(ch, bex__list_entry(pos, struct link, lnode), -ECANCELED, &dl);
     ch->stop = true;
     pthread_cond_broadcast(&ch->cv);
     pthread_mutex_unlock(&ch->mu);
@@ -435,7 +446,7 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     pthread_join(ch->timer, NULL);
     pthread_mutex_lock(&ch->mu);
     /* every socket's bex__rpc_on_close, and with it every send's bex__rpc_on_send_done */
-    while (ch->links || ch->n_calls)
+    while (!bex__list_empty(&ch->links) || ch->n_calls)
         pthread_cond_wait(&ch->cv, &ch->mu);
     pthread_mutex_unlock(&ch->mu);
     for (size_t i = 0; i < ch->n_eps; i++)
@@ -450,6 +461,7 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     free(ch->locality);
     free(ch->name);
     pthread_cond_destroy(&ch->cv);
+    bex__hmap_free(&ch->calls);
     pthread_mutex_destroy(&ch->mu);
     free(ch);
     return 0;

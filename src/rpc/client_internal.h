@@ -10,6 +10,8 @@
 #include <stdint.h>
 
 #include "bex/rpc.h"
+#include "common/hash.h"
+#include "common/list.h"
 #include "rpc/dir_internal.h"
 #include "rpc/internal.h"
 
@@ -24,15 +26,15 @@ struct link {
     uint64_t t_start; /* connect started (ns) */
     bool bad;         /* refused for a malformed answer (logged once) */
     /* recovery ladder */
-    int rung;      /* the endpoint's step when this link was made */
-    bool tcp;      /* made over TCP by the ladder (step 3) */
-    bool proven;   /* an answer came over it */
-    bool ping;     /* made by the ladder: a ping went first, to be answered within
-                      probe_ns of the connection coming up (t_start then) */
-    bool probe;    /* step 3's RDMA retry: carries the ping, no call, until proven */
-    bool retiring; /* replaced by a restored RDMA link: closed once no call is on it */
-    uint64_t gen;  /* the endpoint's fail_gen when this link was made */
-    struct link *next;
+    int rung;               /* the endpoint's step when this link was made */
+    bool tcp;               /* made over TCP by the ladder (step 3) */
+    bool proven;            /* an answer came over it */
+    bool ping;              /* made by the ladder: a ping went first, to be answered within
+                               probe_ns of the connection coming up (t_start then) */
+    bool probe;             /* step 3's RDMA retry: carries the ping, no call, until proven */
+    bool retiring;          /* replaced by a restored RDMA link: closed once no call is on it */
+    uint64_t gen;           /* the endpoint's fail_gen when this link was made */
+    struct bex__list lnode; /* the channel's links */
 };
 
 /* An endpoint of the channel's list. The list is its own abstraction so
@@ -97,9 +99,8 @@ struct call {
     size_t cap;
     struct xatt *xa;
     bool parked, want_attempt;
-    struct call *hnext;       /* id hash */
-    struct call *prev, *next; /* live list */
-    struct call *dnext;       /* completions to run */
+    struct bex__list lnode; /* the channel's live calls */
+    struct call *dnext;     /* completions to run */
 };
 
 /* An attempt of a call with a destination (bex_rpc_call_into): a socket
@@ -125,8 +126,6 @@ struct xatt {
     uint64_t gen;
 };
 
-#define CALL_BUCKETS 4096
-
 struct bex_rpc_channel {
     bex_ctx *ctx;
     struct bex__log *log;
@@ -144,15 +143,15 @@ struct bex_rpc_channel {
     struct endpoint *deps;
     uint64_t dir_gen; /* the directory's generation bex__rpc_dir_prune last saw */
     pthread_mutex_t mu;
-    pthread_cond_t cv; /* timer wake-ups and destroy's waits */
-    struct call *htab[CALL_BUCKETS];
-    struct call *live;
+    pthread_cond_t cv;      /* timer wake-ups and destroy's waits */
+    struct bex__hmap calls; /* live calls by id */
+    struct bex__list live;  /* live calls, newest first */
     uint64_t next_id, next_seq, client_id, next_ping;
     /* random: with client_id, the key of this channel's dedup records at
      * servers (docs/security.md, "Dedup keys and Push ids") */
     uint8_t tok[BEX__RPC_TOK_LEN];
     int64_t tokens; /* retry budget, thousandths of a retry */
-    struct link *links;
+    struct bex__list links;
     size_t n_calls; /* not yet freed */
     pthread_t timer;
     bool stop, destroying;
@@ -213,7 +212,5 @@ bex_connect_opts bex__rpc_ladder_connect(struct bex_rpc_channel *ch, struct endp
 
 uint64_t bex__rpc_rnd(struct bex_rpc_channel *ch);
 void bex__rpc_dir_release(struct bex_rpc_channel *ch, struct call *c);
-
-size_t bex__rpc_bucket(uint64_t id);
 
 #endif

@@ -71,10 +71,7 @@ void bex__rpc_on_close(bex_sock *s, void *user)
     struct link *l = user;
     struct bex_rpc_channel *ch = l->ch;
     pthread_mutex_lock(&ch->mu);
-    struct link **pp = &ch->links;
-    while (*pp != l)
-        pp = &(*pp)->next;
-    *pp = l->next;
+    bex__list_remove(&l->lnode);
     if (l->ep->cur == l)
         l->ep->cur = NULL;
     bex__rpc_ep_put(l->ep);
@@ -240,8 +237,7 @@ static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct c
     if (err)
         goto fail;
     ep->refs++;
-    l->next = ch->links;
-    ch->links = l;
+    bex__list_push_head(&ch->links, &l->lnode);
     ep->probe = l;
     err = bex__rpc_send_ping(ch, l);
     if (err)
@@ -257,9 +253,12 @@ fail:
 
 bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
 {
-    for (const struct call *c = ch->live; c; c = c->next)
-        if (c->link == l)
+    const struct bex__list *pos;
+    bex__list_foreach(pos, &ch->live)
+    {
+        if (bex__list_entry(pos, const struct call, lnode)->link == l)
             return true;
+    }
     return false;
 }
 

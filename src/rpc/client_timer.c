@@ -65,7 +65,10 @@ void *bex__rpc_timer_main(void *arg)
         struct call *done = NULL;
         if (ch->dir)
             bex__rpc_dir_prune(ch, &done);
-        for (struct link *l = ch->links; l; l = l->next) {
+        struct bex__list *lp;
+        bex__list_foreach(lp, &ch->links)
+        {
+            struct link *l = bex__list_entry(lp, struct link, lnode);
             if (l->retiring && l->state != L_FAILED && !bex__rpc_link_has_calls(ch, l)) {
                 l->state = L_FAILED; /* not a failure: nothing to count */
                 bex_sock_close(l->s);
@@ -95,8 +98,10 @@ void *bex__rpc_timer_main(void *arg)
             if (due && due < next)
                 next = due;
         }
-        for (struct call *c = ch->live, *n; c; c = n) {
-            n = c->next;
+        struct bex__list *pos, *tmp;
+        bex__list_foreach_safe(pos, tmp, &ch->live)
+        {
+            struct call *c = bex__list_entry(pos, struct call, lnode);
             if (now >= c->deadline) {
                 bex__rpc_complete(ch, c, -ETIMEDOUT, NULL, 0, K_TIMEOUT, &done);
                 continue;

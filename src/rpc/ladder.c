@@ -280,8 +280,10 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
         /* the endpoint is on RDMA again: only this old TCP connection's
          * calls are concerned, not the endpoint's health */
         bex_sock_close(l->s);
-        for (struct call *c = ch->live, *n; c; c = n) {
-            n = c->next;
+        struct bex__list *pos, *tmp;
+        bex__list_foreach_safe(pos, tmp, &ch->live)
+        {
+            struct call *c = bex__list_entry(pos, struct call, lnode);
             if (c->link == l)
                 bex__rpc_attempt_failed(ch, c, err, false, done);
         }
@@ -293,8 +295,10 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
     bex_sock_close(l->s);
     /* a retry never lands on l (it failed), and completing a call unlinks
      * that call alone: the saved next stays valid */
-    for (struct call *c = ch->live, *n; c; c = n) {
-        n = c->next;
+    struct bex__list *pos, *tmp;
+    bex__list_foreach_safe(pos, tmp, &ch->live)
+    {
+        struct call *c = bex__list_entry(pos, struct call, lnode);
         if (c->link == l)
             bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
     }
@@ -343,6 +347,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
     struct link *l = calloc(1, sizeof(*l));
     if (!l)
         return -ENOMEM;
+    bex__list_init(&l->lnode);
     l->ch = ch;
     l->ep = ep;
     ep->refs++;
@@ -356,8 +361,7 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
         free(l);
         return err;
     }
-    l->next = ch->links;
-    ch->links = l;
+    bex__list_push_head(&ch->links, &l->lnode);
     ep->cur = l;
     /* step 1's reconnection proves itself by a ping, not by the calls it
      * carries (a handler may take its time) */

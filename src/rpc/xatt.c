@@ -287,8 +287,10 @@ void bex__rpc_xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep
                            struct call **done)
 {
     /* completing a call unlinks it alone: the saved next stays valid */
-    for (struct call *c = ch->live, *n; c; c = n) {
-        n = c->next;
+    struct bex__list *pos, *tmp;
+    bex__list_foreach_safe(pos, tmp, &ch->live)
+    {
+        struct call *c = bex__list_entry(pos, struct call, lnode);
         if (c->xa && c->xa->ep == ep && !c->xa->closing)
             xatt_failed(ch, c->xa, err, false, done);
     }
