@@ -1,5 +1,6 @@
 /* RPC server: dispatch by (service, method), answers from any thread, the
  * dedup window of state-changing methods. */
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -8,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/hash.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "rpc/internal.h"
 #include "sock/ctx_access.h"
@@ -40,7 +43,7 @@ struct conn {
     bool has_dest;
     uint64_t dest_call;
     struct bex__rpc_dest dest;
-    struct conn *prev, *next;
+    struct bex__list lnode; /* the server's connections */
 };
 
 /* Dedup window slot of one sequence. */
@@ -65,11 +68,9 @@ struct dclient {
     uint64_t touch_ns;             /* last seen */
     uint32_t pending;              /* SLOT_PENDING slots */
     struct dslot *slots;
-    struct dclient *hnext;               /* hash chain */
-    struct dclient *lru_prev, *lru_next; /* most recent first */
+    struct dclient *hnext; /* another client whose key hashes the same */
+    struct bex__list lru;  /* the server's clients, most recent first */
 };
-
-#define DC_BUCKETS 1024
 
 struct bex_rpc_req {
     struct bex_rpc_server *srv;
@@ -95,10 +96,10 @@ struct bex_rpc_server {
     size_t n_methods;
     bex_listener *l;
     bool listening, destroyed;
-    struct conn *conns;
-    int refs; /* 1 until destroy + one per request not answered */
-    struct dclient *dc_hash[DC_BUCKETS];
-    struct dclient *lru_head, *lru_tail;
+    struct bex__list conns;
+    int refs;             /* 1 until destroy + one per request not answered */
+    struct bex__hmap dcs; /* dc_key -> the clients with that key */
+    struct bex__list lru; /* dclient.lru */
     uint32_t n_clients;
     bex_rpc_server_stats st;
 };
@@ -126,6 +127,8 @@ int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rp
         return -ENOMEM;
     srv->ctx = ctx;
     srv->log = bex__ctx_log(ctx);
+    bex__list_init(&srv->conns);
+    bex__list_init(&srv->lru);
     srv->window = cfg && cfg->dedup_window ? cfg->dedup_window : 256;
     srv->max_clients = cfg && cfg->dedup_clients ? cfg->dedup_clients : 1024;
     srv->resp_max = cfg && cfg->dedup_resp_max ? cfg->dedup_resp_max : 65536;
@@ -190,15 +193,15 @@ static void dc_free_slots(struct dclient *d, uint32_t window)
 
 static void srv_free(struct bex_rpc_server *srv)
 {
-    for (size_t i = 0; i < DC_BUCKETS; i++) {
-        struct dclient *d = srv->dc_hash[i];
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct dclient *d; (d = bex__hmap_next(&srv->dcs, &it, NULL));)
         while (d) {
             struct dclient *n = d->hnext;
             dc_free_slots(d, srv->window);
             free(d);
             d = n;
         }
-    }
+    bex__hmap_free(&srv->dcs);
     for (size_t i = 0; i < srv->n_methods; i++)
         free(srv->methods[i].hist);
     free(srv->methods);
@@ -216,46 +219,35 @@ static void conn_put_locked(struct conn *c)
 
 /* ---- dedup window (under srv->mu) ---- */
 
-static void lru_unlink(struct bex_rpc_server *srv, struct dclient *d)
-{
-    if (d->lru_prev)
-        d->lru_prev->lru_next = d->lru_next;
-    else
-        srv->lru_head = d->lru_next;
-    if (d->lru_next)
-        d->lru_next->lru_prev = d->lru_prev;
-    else
-        srv->lru_tail = d->lru_prev;
-    d->lru_prev = d->lru_next = NULL;
-}
-
-static void lru_push_front(struct bex_rpc_server *srv, struct dclient *d)
-{
-    d->lru_next = srv->lru_head;
-    d->lru_prev = NULL;
-    if (srv->lru_head)
-        srv->lru_head->lru_prev = d;
-    srv->lru_head = d;
-    if (!srv->lru_tail)
-        srv->lru_tail = d;
-}
-
-static size_t dc_bucket(uint64_t id, const uint8_t *tok)
+/* The map's key of a client (its id and token, 20 bytes, folded): two
+ * clients may share one, so the map's value is a chain. */
+static uint64_t dc_key(uint64_t id, const uint8_t *tok)
 {
     uint64_t t0, t1 = 0;
     memcpy(&t0, tok, 8);
     memcpy(&t1, tok + 8, 4);
-    uint64_t h = (id ^ (t0 * 0xBF58476D1CE4E5B9ull) ^ (t1 << 17)) * 0x9E3779B97F4A7C15ull;
-    return (size_t)(h >> 54) % DC_BUCKETS;
+    return (id ^ (t0 * 0xBF58476D1CE4E5B9ull) ^ (t1 << 17)) * 0x9E3779B97F4A7C15ull;
 }
 
 static void dc_evict(struct bex_rpc_server *srv, struct dclient *old)
 {
-    lru_unlink(srv, old);
-    struct dclient **pp = &srv->dc_hash[dc_bucket(old->id, old->tok)];
-    while (*pp != old)
-        pp = &(*pp)->hnext;
-    *pp = old->hnext;
+    bex__list_remove(&old->lru);
+    uint64_t key = dc_key(old->id, old->tok);
+    struct dclient *head = bex__hmap_get(&srv->dcs, key);
+    if (head == old) {
+        bex__hmap_del(&srv->dcs, key);
+        /* into the slot just freed: cannot fail */
+        if (old->hnext) {
+            int rc = bex__hmap_put(&srv->dcs, key, old->hnext);
+            assert(rc == 0);
+            (void)rc;
+        }
+    } else {
+        struct dclient **pp = &head->hnext;
+        while (*pp != old)
+            pp = &(*pp)->hnext;
+        *pp = old->hnext;
+    }
     dc_free_slots(old, srv->window);
     free(old);
     srv->n_clients--;
@@ -284,25 +276,30 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc
                                struct conn *c, bool *full)
 {
     uint64_t now = bex__rpc_now_ns();
-    size_t b = dc_bucket(h->client_id, h->tok);
-    for (struct dclient *d = srv->dc_hash[b]; d; d = d->hnext)
+    uint64_t key = dc_key(h->client_id, h->tok);
+    struct dclient *head = bex__hmap_get(&srv->dcs, key);
+    for (struct dclient *d = head; d; d = d->hnext)
         if (d->id == h->client_id && !memcmp(d->tok, h->tok, BEX__RPC_TOK_LEN)) {
-            lru_unlink(srv, d);
-            lru_push_front(srv, d);
+            bex__list_remove(&d->lru);
+            bex__list_push_head(&srv->lru, &d->lru);
             d->touch_ns = now;
             return d;
         }
     if (!c)
         return NULL;
-    struct dclient *old = srv->lru_tail;
+    struct dclient *old =
+        bex__list_empty(&srv->lru) ? NULL : bex__list_entry(srv->lru.prev, struct dclient, lru);
     bool room = srv->n_clients < srv->max_clients ||
                 (old && !old->pending && now - old->touch_ns >= srv->horizon_ns);
     if (!room || !dc_admit(srv, c, now)) {
         *full = true;
         return NULL;
     }
-    if (srv->n_clients >= srv->max_clients)
+    if (srv->n_clients >= srv->max_clients) {
+        if (old == head)
+            head = old->hnext;
         dc_evict(srv, old);
+    }
     struct dclient *d = calloc(1, sizeof(*d));
     if (!d)
         return NULL;
@@ -314,9 +311,15 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc
     d->id = h->client_id;
     memcpy(d->tok, h->tok, BEX__RPC_TOK_LEN);
     d->touch_ns = now;
-    d->hnext = srv->dc_hash[b];
-    srv->dc_hash[b] = d;
-    lru_push_front(srv, d);
+    if (head) {
+        d->hnext = head->hnext;
+        head->hnext = d;
+    } else if (bex__hmap_put(&srv->dcs, key, d) != 0) {
+        free(d->slots);
+        free(d);
+        return NULL;
+    }
+    bex__list_push_head(&srv->lru, &d->lru);
     srv->n_clients++;
     return d;
 }
@@ -680,12 +683,7 @@ static void on_close(bex_sock *s, void *user)
     struct bex_rpc_server *srv = c->srv;
     pthread_mutex_lock(&srv->mu);
     c->closed = c->closing = true;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        srv->conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    bex__list_remove(&c->lnode);
     pthread_cond_broadcast(&srv->cv);
     conn_put_locked(c);
     pthread_mutex_unlock(&srv->mu);
@@ -709,6 +707,7 @@ static void on_accept(bex_listener *l, bex_sock *s, void *user)
     c->srv = srv;
     c->s = s;
     c->refs = 1;
+    bex__list_init(&c->lnode);
     pthread_mutex_lock(&srv->mu);
     if (srv->destroyed) {
         pthread_mutex_unlock(&srv->mu);
@@ -716,10 +715,7 @@ static void on_accept(bex_listener *l, bex_sock *s, void *user)
         bex_sock_close(s);
         return;
     }
-    c->next = srv->conns;
-    if (c->next)
-        c->next->prev = c;
-    srv->conns = c;
+    bex__list_push_head(&srv->conns, &c->lnode);
     srv->st.conns++;
     pthread_mutex_unlock(&srv->mu);
     /* on the I/O thread: takes effect at once */
@@ -891,12 +887,16 @@ int bex_rpc_server_destroy(bex_rpc_server *srv)
     }
     pthread_mutex_lock(&srv->mu);
     srv->destroyed = true;
-    for (struct conn *c = srv->conns; c; c = c->next)
+    struct bex__list *pos;
+    bex__list_foreach(pos, &srv->conns)
+    {
+        struct conn *c = bex__list_entry(pos, struct conn, lnode);
         if (!c->closing) {
             c->closing = true;
             bex_sock_close(c->s);
         }
-    while (srv->conns)
+    }
+    while (!bex__list_empty(&srv->conns))
         pthread_cond_wait(&srv->cv, &srv->mu);
     bool last = --srv->refs == 0;
     pthread_mutex_unlock(&srv->mu);
