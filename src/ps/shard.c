@@ -22,6 +22,7 @@
 
 #include "bex/ps.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
 #include "ps/shard_internal.h"
@@ -136,6 +137,42 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
     pthread_mutex_unlock(&s->mu);
 }
 
+/* Every shard's tables (copies), in order, for bex__prom_counters. */
+struct table_iter {
+    bex_ps_shard *const *shards;
+    struct table **ts;
+    size_t n, k, t;
+};
+
+static const void *table_next(void *arg, const void **cur, char *labels, size_t cap)
+{
+    struct table_iter *it = arg;
+    if (!*cur)
+        it->k = it->t = 0;
+    while (it->k < it->n && it->t >= it->shards[it->k]->n_tables) {
+        it->k++;
+        it->t = 0;
+    }
+    if (it->k >= it->n)
+        return NULL;
+    const struct table *tb = &it->ts[it->k][it->t++];
+    snprintf(labels, cap, "shard=\"%u\",table=\"%u\"", it->shards[it->k]->shard, tb->cfg.id);
+    *cur = tb;
+    return tb;
+}
+
+struct shard_labels {
+    bex_ps_shard *const *shards;
+    const bex_ps_shard_stats *sst;
+};
+
+static void shard_label(const void *obj, const void *arg, char *labels, size_t cap)
+{
+    const struct shard_labels *sl = arg;
+    size_t k = (size_t)((const bex_ps_shard_stats *)obj - sl->sst);
+    snprintf(labels, cap, "shard=\"%u\"", sl->shards[k]->shard);
+}
+
 int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, size_t cap)
 {
     if ((n && !shards) || (!buf && cap))
@@ -164,10 +201,7 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         pthread_mutex_unlock(&s->mu);
     }
     struct bex__prom o = {buf, cap, 0};
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ctrs[] = {
+    static const struct bex__prom_ctr ctrs[] = {
         {"bex_ps_fetches_total", "Fetches served", offsetof(struct table, fetches)},
         {"bex_ps_pushes_total", "Pushes applied", offsetof(struct table, pushes)},
         {"bex_ps_rows_fetched_total", "Rows returned by Fetches",
@@ -175,17 +209,9 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         {"bex_ps_rows_pushed_total", "Rows updated by Pushes", offsetof(struct table, rows_pushed)},
     };
     /* a metric family's samples together, every shard's */
-    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0] && !rc; i++) {
-        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
-                         ctrs[i].metric);
-        for (size_t k = 0; k < n; k++)
-            for (size_t t = 0; t < shards[k]->n_tables; t++) {
-                uint64_t v;
-                memcpy(&v, (const char *)&ts[k][t] + ctrs[i].off, sizeof v);
-                bex__prom_printf(&o, "%s{shard=\"%u\",table=\"%u\"} %llu\n", ctrs[i].metric,
-                                 shards[k]->shard, ts[k][t].cfg.id, (unsigned long long)v);
-            }
-    }
+    struct table_iter ti = {shards, ts, n, 0, 0};
+    if (!rc)
+        bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), table_next, &ti);
     if (!rc) {
         bex__prom_printf(&o, "# HELP bex_ps_rows Rows held.\n# TYPE bex_ps_rows gauge\n");
         for (size_t k = 0; k < n; k++)
@@ -197,10 +223,7 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         for (size_t k = 0; k < n; k++)
             bex__prom_printf(&o, "bex_ps_malformed_total{shard=\"%u\"} %llu\n", shards[k]->shard,
                              (unsigned long long)malformed[k]);
-        static const struct {
-            const char *metric, *help;
-            size_t off;
-        } cu[] = {
+        static const struct bex__prom_ctr cu[] = {
             {"bex_ps_catchup_rows_copied_total", "Rows copied from a peer replica by catch-up",
              offsetof(bex_ps_shard_stats, catchup_rows)},
             {"bex_ps_catchup_pushes_replayed_total",
@@ -223,16 +246,9 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
              "New client ids refused (dedup table full of live clients, or past a rate)",
              offsetof(bex_ps_shard_stats, clients_refused)},
         };
-        for (size_t i = 0; i < sizeof cu / sizeof cu[0]; i++) {
-            bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", cu[i].metric, cu[i].help,
-                             cu[i].metric);
-            for (size_t k = 0; k < n; k++) {
-                uint64_t v;
-                memcpy(&v, (const char *)&sst[k] + cu[i].off, sizeof v);
-                bex__prom_printf(&o, "%s{shard=\"%u\"} %llu\n", cu[i].metric, shards[k]->shard,
-                                 (unsigned long long)v);
-            }
-        }
+        struct shard_labels sl = {shards, sst};
+        struct bex__prom_array sa = {sst, n, sizeof *sst, shard_label, &sl};
+        bex__prom_counters(&o, cu, ARRAY_SIZE(cu), bex__prom_array_next, &sa);
         bex__prom_printf(&o, "# HELP bex_ps_serve_seconds Time a request took in the shard, "
                              "decoding to answer.\n# TYPE bex_ps_serve_seconds histogram\n");
         for (size_t k = 0; k < n; k++)

@@ -15,6 +15,7 @@
 #include <sys/random.h>
 
 #include "common/log.h"
+#include "common/util.h"
 #include "rpc/dir_internal.h"
 #include "rpc/internal.h"
 #include "sock/ctx_access.h"
@@ -513,6 +514,22 @@ size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stat
     return n;
 }
 
+static void chan_label(const void *obj, const void *name, char *labels, size_t cap)
+{
+    (void)obj;
+    snprintf(labels, cap, "channel=\"%s\"", (const char *)name);
+}
+
+static void ep_label(const void *obj, const void *name, char *labels, size_t cap)
+{
+    const bex_rpc_endpoint_stats *e = obj;
+    char ip[INET_ADDRSTRLEN], loc[160];
+    inet_ntop(AF_INET, &e->addr.sin_addr, ip, sizeof ip);
+    bex__prom_escape(e->locality, loc, sizeof loc);
+    snprintf(labels, cap, "channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"", (const char *)name,
+             ip, ntohs(e->addr.sin_port), loc);
+}
+
 int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
 {
     bex_rpc_channel_stats s;
@@ -524,10 +541,7 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     bex__prom_escape(ch->name, name, sizeof name);
     struct bex__prom o = {buf, cap, 0};
 #define OUT(...) bex__prom_printf(&o, __VA_ARGS__)
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ctrs[] = {
+    static const struct bex__prom_ctr ctrs[] = {
         {"bex_rpc_calls_total", "Calls accepted", offsetof(bex_rpc_channel_stats, calls)},
         {"bex_rpc_ok_total", "Calls completed with status 0", offsetof(bex_rpc_channel_stats, ok)},
         {"bex_rpc_attempts_total", "Requests sent, retries included",
@@ -562,12 +576,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
         {"bex_rpc_rdma_restored_total", "RDMA probes that worked: endpoints back on RDMA",
          offsetof(bex_rpc_channel_stats, rdma_restored)},
     };
-    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
-        uint64_t v;
-        memcpy(&v, (const char *)&s + ctrs[i].off, sizeof v);
-        OUT("# HELP %s %s.\n# TYPE %s counter\n%s{channel=\"%s\"} %llu\n", ctrs[i].metric,
-            ctrs[i].help, ctrs[i].metric, ctrs[i].metric, name, (unsigned long long)v);
-    }
+    struct bex__prom_array one = {&s, 1, sizeof s, chan_label, name};
+    bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), bex__prom_array_next, &one);
     OUT("# HELP bex_rpc_failures_total Calls completed with an error, by kind.\n"
         "# TYPE bex_rpc_failures_total counter\n");
     const struct {
@@ -596,10 +606,7 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     size_t ne = bex_rpc_channel_endpoint_stats(ch, es, 64);
     if (ne > 64)
         ne = 64; /* a longer list is cut: bex_rpc_channel_endpoint_stats has it all */
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ectrs[] = {
+    static const struct bex__prom_ctr ectrs[] = {
         {"bex_rpc_endpoint_attempts_total", "Attempts sent to the endpoint",
          offsetof(bex_rpc_endpoint_stats, attempts)},
         {"bex_rpc_endpoint_answers_total", "Answers received from the endpoint",
@@ -611,18 +618,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
         {"bex_rpc_endpoint_tcp_answers_total", "Answers over the recovery ladder's TCP fallback",
          offsetof(bex_rpc_endpoint_stats, tcp_answers)},
     };
-    for (size_t k = 0; k < sizeof ectrs / sizeof ectrs[0]; k++) {
-        OUT("# HELP %s %s.\n# TYPE %s counter\n", ectrs[k].metric, ectrs[k].help, ectrs[k].metric);
-        for (size_t i = 0; i < ne; i++) {
-            char ip[INET_ADDRSTRLEN], loc[160];
-            inet_ntop(AF_INET, &es[i].addr.sin_addr, ip, sizeof ip);
-            bex__prom_escape(es[i].locality, loc, sizeof loc);
-            uint64_t v;
-            memcpy(&v, (const char *)&es[i] + ectrs[k].off, sizeof v);
-            OUT("%s{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} %llu\n", ectrs[k].metric,
-                name, ip, ntohs(es[i].addr.sin_port), loc, (unsigned long long)v);
-        }
-    }
+    struct bex__prom_array eps = {es, ne, sizeof es[0], ep_label, name};
+    bex__prom_counters(&o, ectrs, ARRAY_SIZE(ectrs), bex__prom_array_next, &eps);
     OUT("# HELP bex_rpc_endpoint_ladder_step Recovery ladder step of the endpoint (0 ok, "
         "1 reconnecting, 2 other replicas first, 3 over TCP).\n"
         "# TYPE bex_rpc_endpoint_ladder_step gauge\n");

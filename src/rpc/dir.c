@@ -20,6 +20,7 @@
 
 #include "bex/sock.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "rpc/dir_internal.h"
 #include "rpc/internal.h"
 #include "rpc/dir_impl.h"
@@ -164,6 +165,19 @@ void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int
         bex__dir_report_node(d, n, outcome, done != 0, bex__rpc_now_ns());
 }
 
+/* The directory's nodes' stats, for bex__prom_counters (the cursor is the
+ * node). */
+static const void *node_next(void *arg, const void **cur, char *labels, size_t cap)
+{
+    const bex_dir *d = arg;
+    const struct bex__dir_node *n = *cur ? ((const struct bex__dir_node *)*cur)->next : d->nodes;
+    if (!n)
+        return NULL;
+    *cur = n;
+    snprintf(labels, cap, "node=\"%s\"", n->name);
+    return &n->st;
+}
+
 int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
 {
     if (!d || (!buf && cap))
@@ -171,10 +185,7 @@ int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
     if (cap)
         buf[0] = 0;
     struct bex__prom o = {buf, cap, 0};
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ctrs[] = {
+    static const struct bex__prom_ctr ctrs[] = {
         {"bex_dir_node_picks_total", "Times the node was chosen",
          offsetof(bex_dir_node_stats, picks)},
         {"bex_dir_node_ok_total", "Answers from the node", offsetof(bex_dir_node_stats, ok)},
@@ -198,16 +209,7 @@ int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
          offsetof(bex_dir_node_stats, early_probes)},
     };
     pthread_mutex_lock(&d->mu);
-    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
-        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
-                         ctrs[i].metric);
-        for (const struct bex__dir_node *n = d->nodes; n; n = n->next) {
-            uint64_t v;
-            memcpy(&v, (const char *)&n->st + ctrs[i].off, sizeof v);
-            bex__prom_printf(&o, "%s{node=\"%s\"} %llu\n", ctrs[i].metric, n->name,
-                             (unsigned long long)v);
-        }
-    }
+    bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), node_next, d);
     bex__prom_printf(&o, "# HELP bex_dir_node_state 0 healthy, 1 quarantined, 2 probing.\n"
                          "# TYPE bex_dir_node_state gauge\n");
     for (const struct bex__dir_node *n = d->nodes; n; n = n->next)

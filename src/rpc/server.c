@@ -12,6 +12,7 @@
 #include "common/hash.h"
 #include "common/list.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "rpc/internal.h"
 #include "sock/ctx_access.h"
 
@@ -764,6 +765,39 @@ struct prom_snap {
     struct bex__rpc_hist *hs;
 };
 
+static void snap_label(const void *st, const void *arg, char *labels, size_t cap)
+{
+    (void)arg;
+    const struct prom_snap *s =
+        (const struct prom_snap *)((const char *)st - offsetof(struct prom_snap, st));
+    snprintf(labels, cap, "server=\"%s\"", s->name);
+}
+
+/* Every server's methods, in order. */
+struct method_iter {
+    const struct prom_snap *sn;
+    size_t n, k, j;
+};
+
+static const void *method_next(void *arg, const void **cur, char *labels, size_t cap)
+{
+    struct method_iter *it = arg;
+    if (!*cur)
+        it->k = it->j = 0;
+    while (it->k < it->n && it->j >= it->sn[it->k].nm) {
+        it->k++;
+        it->j = 0;
+    }
+    if (it->k >= it->n)
+        return NULL;
+    const struct prom_snap *s = &it->sn[it->k];
+    const struct method *m = &s->ms[it->j++];
+    snprintf(labels, cap, "server=\"%s\",service=\"%u\",method=\"%u\"", s->name, m->service,
+             m->method);
+    *cur = m;
+    return m;
+}
+
 int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *names, size_t n,
                               char *buf, size_t cap)
 {
@@ -796,10 +830,7 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
         pthread_mutex_unlock(&srv->mu);
     }
     struct bex__prom o = {buf, cap, 0};
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ctrs[] = {
+    static const struct bex__prom_ctr ctrs[] = {
         {"bex_rpc_server_requests_total", "Requests dispatched to handlers",
          offsetof(bex_rpc_server_stats, requests)},
         {"bex_rpc_server_replies_total", "Answers sent", offsetof(bex_rpc_server_stats, replies)},
@@ -820,37 +851,18 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
          offsetof(bex_rpc_server_stats, conns)},
     };
     /* a metric family's samples together, every server's */
-    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0] && !rc; i++) {
-        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
-                         ctrs[i].metric);
-        for (size_t k = 0; k < n; k++) {
-            uint64_t v;
-            memcpy(&v, (const char *)&sn[k].st + ctrs[i].off, sizeof v);
-            bex__prom_printf(&o, "%s{server=\"%s\"} %llu\n", ctrs[i].metric, sn[k].name,
-                             (unsigned long long)v);
-        }
-    }
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } mctrs[] = {
+    struct bex__prom_array sa = {sn ? &sn[0].st : NULL, n, sizeof *sn, snap_label, NULL};
+    if (!rc)
+        bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), bex__prom_array_next, &sa);
+    static const struct bex__prom_ctr mctrs[] = {
         {"bex_rpc_server_method_answered_total", "Requests of the method its handler answered",
          offsetof(struct method, answered)},
         {"bex_rpc_server_method_errors_total",
          "Requests of the method answered with an error status", offsetof(struct method, errors)},
     };
-    for (size_t i = 0; i < sizeof mctrs / sizeof mctrs[0] && !rc; i++) {
-        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", mctrs[i].metric, mctrs[i].help,
-                         mctrs[i].metric);
-        for (size_t k = 0; k < n; k++)
-            for (size_t j = 0; j < sn[k].nm; j++) {
-                uint64_t v;
-                memcpy(&v, (const char *)&sn[k].ms[j] + mctrs[i].off, sizeof v);
-                bex__prom_printf(&o, "%s{server=\"%s\",service=\"%u\",method=\"%u\"} %llu\n",
-                                 mctrs[i].metric, sn[k].name, sn[k].ms[j].service,
-                                 sn[k].ms[j].method, (unsigned long long)v);
-            }
-    }
+    struct method_iter mi = {sn, n, 0, 0};
+    if (!rc)
+        bex__prom_counters(&o, mctrs, ARRAY_SIZE(mctrs), method_next, &mi);
     if (!rc)
         bex__prom_printf(&o, "# HELP bex_rpc_server_latency_seconds Time from a request's "
                              "dispatch to its handler's answer.\n"
