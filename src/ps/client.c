@@ -23,6 +23,7 @@
 
 #include "bex/ps.h"
 #include "ps/ps_internal.h"
+#include "rpc/internal.h"
 
 #define MAX_SHARDS 4096u
 
@@ -470,45 +471,32 @@ int bex_ps_push_report(bex_ps_client *c, uint32_t table, uint32_t dim, const uin
     return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, res, cap, n_res, done, user);
 }
 
-struct waitr {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool done;
-    int status;
-};
-
+/* The blocking forms wait with the RPC layer's waiter (one call waited for). */
 static void sync_done(int status, void *user)
 {
-    struct waitr *w = user;
-    pthread_mutex_lock(&w->mu);
-    w->status = status;
-    w->done = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
+    bex__rpc_wait_done(status, NULL, 0, user);
 }
 
-static int wait_for(struct waitr *w, int rc)
+static int wait_for(struct bex__rpc_wait *w, int rc)
 {
-    pthread_mutex_lock(&w->mu);
-    while (rc == 0 && !w->done)
-        pthread_cond_wait(&w->cv, &w->mu);
-    pthread_mutex_unlock(&w->mu);
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
-    return rc ? rc : w->status;
+    if (rc)
+        return rc; /* not started: nothing to wait for */
+    void *body;
+    size_t len;
+    return bex__rpc_wait(w, &body, &len);
 }
 
 int bex_ps_fetch_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows)
 {
-    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(&w, bex_ps_fetch(c, table, dim, keys, n, rows, sync_done, &w));
 }
 
 int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      const float *grads)
 {
-    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(&w, bex_ps_push(c, table, dim, keys, n, grads, sync_done, &w));
 }
 
@@ -516,7 +504,7 @@ int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, cons
                             size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
                             size_t *n_res)
 {
-    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(
         &w, bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
 }
