@@ -14,6 +14,7 @@
 
 #include "bex/sock.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "rpc/dir_internal.h"
 #include "rpc/internal.h"
 #include "rpc/dir_impl.h"
@@ -23,7 +24,7 @@
 __attribute__((format(printf, 3, 4))) bool bex__dir_defer(struct pending *p, int level,
                                                           const char *fmt, ...)
 {
-    if (p->n == (int)(sizeof p->l / sizeof p->l[0]))
+    if (p->n == (int)ARRAY_SIZE(p->l))
         return false;
     va_list ap;
     va_start(ap, fmt);
