@@ -13,6 +13,7 @@
 #define BEX_COMMON_LOG_H
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "bex/common.h"
@@ -36,5 +37,16 @@ void bex__log_fini(struct bex__log *lg);
 /* Log one line (no trailing newline needed). lg NULL: stderr, no limit. */
 void bex__log(struct bex__log *lg, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* Lines logged once until reset: a bit per line in a word the caller keeps
+ * (clearing a bit lets its line come again). Whether line may be logged
+ * now; it counts as logged from here on. */
+static inline bool bex__log_once(uint32_t *logged, uint32_t line)
+{
+    if (*logged & line)
+        return false;
+    *logged |= line;
+    return true;
+}
 
 #endif

@@ -23,16 +23,18 @@ struct bex__dir_node {
     bex_dir_replica r;
     char name[32]; /* "a.b.c.d:port", for the log */
     int state;
-    uint64_t until;         /* QUARANTINED: till then; PROBING: the probe's expiry */
-    bool probe_out;         /* PROBING: a probe call is out */
-    bool refused_logged;    /* a refused quarantine was logged (reset by a lift) */
-    bool early;             /* PROBING before its period ended (see release_early) */
-    bool early_logged;      /* an early probe was logged (reset by a lift) */
-    bool early_fail_logged; /* an early probe's failure was logged (reset by a lift) */
+    uint64_t until;  /* QUARANTINED: till then; PROBING: the probe's expiry */
+    bool probe_out;  /* PROBING: a probe call is out */
+    bool early;      /* PROBING before its period ended (see release_early) */
+    uint32_t logged; /* DIR_LOGGED_* lines logged once (reset by a lift) */
     struct fail_ring conn, req;
     bex_dir_node_stats st;
     struct bex__dir_node *next;
 };
+
+/* Lines logged once per node until a lift (bex__log_once): a refused
+ * quarantine, an early probe, an early probe's failure. */
+enum { DIR_LOGGED_REFUSED = 1, DIR_LOGGED_EARLY = 2, DIR_LOGGED_EARLY_FAIL = 4 };
 
 struct shard {
     struct bex__dir_node **reps;

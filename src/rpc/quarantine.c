@@ -100,12 +100,13 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
                 q->probe_out = false;
                 q->early = true;
                 q->st.early_probes++;
-                if (!q->early_logged)
-                    q->early_logged = bex__dir_defer(
-                        pl, BEX_LOG_WARN,
-                        "dir: node %s probed before its quarantine ends: %s, the last "
-                        "replica of %s shard %u outside quarantine, failed (%s)",
-                        q->name, n->name, s->name, k, kind_name(outcome));
+                /* logged once, when the line was kept */
+                if (bex__log_once(&q->logged, DIR_LOGGED_EARLY) &&
+                    !bex__dir_defer(pl, BEX_LOG_WARN,
+                                    "dir: node %s probed before its quarantine ends: %s, the last "
+                                    "replica of %s shard %u outside quarantine, failed (%s)",
+                                    q->name, n->name, s->name, k, kind_name(outcome)))
+                    q->logged &= ~(uint32_t)DIR_LOGGED_EARLY;
             }
         }
 }
@@ -122,13 +123,12 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
         n->st.quarantine_refused++;
         n->state = BEX_DIR_HEALTHY;
         n->probe_out = false;
-        if (!n->refused_logged)
+        if (bex__log_once(&n->logged, DIR_LOGGED_REFUSED))
             bex__dir_defer(
                 pl, BEX_LOG_WARN,
                 "dir: node %s not quarantined despite %s failures: it is the last replica "
                 "of a shard outside quarantine",
                 n->name, kind_name(outcome));
-        n->refused_logged = true;
         /* it cannot go, and the other replicas of its shard are
          * quarantined: they are probed now (a node failing this much is
          * what release_early is for) */
@@ -145,15 +145,13 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
         n->st.probe_failures++;
         /* early probes come as often as the last healthy replica fails:
          * their failures are logged once (counted each time) */
-        if (!early || !n->early_fail_logged)
+        if (!early || bex__log_once(&n->logged, DIR_LOGGED_EARLY_FAIL))
             bex__dir_defer(pl, BEX_LOG_WARN,
                            "dir: node %s failed its %sprobe (%s): quarantined again "
                            "for %llu ms%s",
                            n->name, early ? "early " : "", kind_name(outcome),
                            (unsigned long long)(d->quarantine_ns / 1000000),
                            early ? " (later early probes' failures are not logged)" : "");
-        if (early)
-            n->early_fail_logged = true;
     } else {
         bex__dir_defer(
             pl, BEX_LOG_WARN,
@@ -190,8 +188,8 @@ void bex__dir_report_node(bex_dir *d, struct bex__dir_node *n, int outcome, bool
         if (n->state == BEX_DIR_PROBING) {
             n->state = BEX_DIR_HEALTHY;
             n->probe_out = false;
-            n->refused_logged = false;
-            n->early = n->early_logged = n->early_fail_logged = false;
+            n->early = false;
+            n->logged = 0;
             n->st.lifts++;
             bex__dir_defer(&pl, BEX_LOG_WARN, "dir: node %s answered its probe: quarantine lifted",
                            n->name);
