@@ -1,6 +1,7 @@
 /* RPC client: the call table, a call's completion and the directory's
  * outcome reports. */
 #include <arpa/inet.h>
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -74,12 +75,11 @@ void bex__rpc_xatt_end(struct xatt *xa)
 void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
                        size_t resp_len, int kind, struct call **done)
 {
-    if (!c->live) {
+    if (!bex__rpc_call_live(c)) {
         if (!c->dst || resp != c->dst)
             bex_rpc_free(resp);
         return;
     }
-    c->live = false;
     bex__hmap_del(&ch->calls, c->id);
     bex__list_remove(&c->lnode);
     c->status = status;
@@ -115,14 +115,14 @@ void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, v
          * attempt's socket closes, and done runs when its exposure comes
          * back (xatt_retired) */
         c->resp = c->dst;
-        c->want_attempt = false;
         if (c->xa)
             bex__rpc_xatt_end(c->xa);
         if (c->xa && c->xa->armed) {
-            c->parked = true;
+            bex__rpc_call_move(ch, c, CALL_PARKED);
             return;
         }
     }
+    bex__rpc_call_move(ch, c, CALL_DONE);
     c->dnext = *done;
     *done = c;
 }
@@ -144,4 +144,32 @@ void bex__rpc_run_done(struct bex_rpc_channel *ch, struct call *done)
         bex__rpc_call_put(ch, c);
         pthread_mutex_unlock(&ch->mu);
     }
+}
+
+/* ---- states of links and calls (under ch->mu) ---- */
+
+static const char *const link_names[] = {"CONNECTING", "UP", "FAILED"};
+static const char *const call_names[] = {"LIVE", "WAITING", "PARKED", "DONE"};
+
+void bex__rpc_link_move(struct bex_rpc_channel *ch, struct link *l, enum link_state to)
+{
+    enum link_state from = l->state;
+    assert((from == L_CONNECTING && (to == L_UP || to == L_FAILED)) ||
+           (from == L_UP && to == L_FAILED));
+    l->state = to;
+    if (ch->log && ch->log->level >= BEX_LOG_DEBUG)
+        bex__log(ch->log, BEX_LOG_DEBUG, "rpc channel %s: link %p %s -> %s", ch->name, (void *)l,
+                 link_names[from], link_names[to]);
+}
+
+void bex__rpc_call_move(struct bex_rpc_channel *ch, struct call *c, enum call_state to)
+{
+    enum call_state from = c->state;
+    assert((from == CALL_LIVE && to != CALL_LIVE) || (from == CALL_WAITING && to != CALL_WAITING) ||
+           (from == CALL_PARKED && to == CALL_DONE));
+    c->state = to;
+    /* every call completes: its moves are logged only when asked for */
+    if (ch->log && ch->log->level >= BEX_LOG_DEBUG)
+        bex__log(ch->log, BEX_LOG_DEBUG, "rpc channel %s: call %llu %s -> %s", ch->name,
+                 (unsigned long long)c->id, call_names[from], call_names[to]);
 }

@@ -262,7 +262,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         .t_start = now,
         .deadline = now + tmo_ns,
         .refs = 1,
-        .live = true,
+        .state = CALL_LIVE,
         .dst = dst,
         .cap = cap,
     };

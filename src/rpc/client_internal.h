@@ -15,14 +15,24 @@
 #include "rpc/dir_internal.h"
 #include "rpc/internal.h"
 
-enum { L_CONNECTING, L_UP, L_FAILED };
+/* A link's life: CONNECTING -> UP -> FAILED or CONNECTING -> FAILED;
+ * FAILED is final (its socket is closing, the link goes at its on_close).
+ * Changed only by bex__rpc_link_move. */
+enum link_state { L_CONNECTING, L_UP, L_FAILED };
+
+/* A call's life: LIVE (an attempt out, or being chosen) <-> WAITING (the
+ * next attempt waits for the last one's destination to be retired), then
+ * PARKED (completed; the completion waits for that retirement) or DONE
+ * (completed; the completion queued or run), PARKED -> DONE. Changed only
+ * by bex__rpc_call_move. */
+enum call_state { CALL_LIVE, CALL_WAITING, CALL_PARKED, CALL_DONE };
 
 /* One socket to an endpoint; lives until its bex__rpc_on_close. */
 struct link {
     struct bex_rpc_channel *ch;
     struct endpoint *ep;
     bex_sock *s;
-    int state;
+    enum link_state state;
     uint64_t t_start; /* connect started (ns) */
     bool bad;         /* refused for a malformed answer (logged once) */
     /* recovery ladder */
@@ -86,7 +96,7 @@ struct call {
     struct endpoint *ep;      /* the current attempt's */
     struct endpoint *counted; /* directory mode: outstanding on this one's node */
     int refs;                 /* 1 while live or its completion runs, + 1 per send out */
-    bool live;
+    enum call_state state;
     bool in_doubt; /* an attempt's send came back -EIO: it may have been handled */
     int status;
     void *resp;
@@ -94,11 +104,10 @@ struct call {
     /* bex_rpc_call_into: the caller's destination (a body pointer, header
      * room in front, landing memory), its attempt's socket, and what waits
      * for the destination's retirement (the transport no longer writing
-     * it): the completion (parked) or the next attempt (want_attempt) */
+     * it): the completion (PARKED) or the next attempt (WAITING) */
     uint8_t *dst;
     size_t cap;
     struct xatt *xa;
-    bool parked, want_attempt;
     struct bex__list lnode; /* the channel's live calls */
     struct call *dnext;     /* completions to run */
 };
@@ -212,5 +221,15 @@ bex_connect_opts bex__rpc_ladder_connect(struct bex_rpc_channel *ch, struct endp
 
 uint64_t bex__rpc_rnd(struct bex_rpc_channel *ch);
 void bex__rpc_dir_release(struct bex_rpc_channel *ch, struct call *c);
+
+/* The one place a link's or a call's state changes: the move is named in
+ * the debug log, and one that our own code must never make asserts. */
+void bex__rpc_link_move(struct bex_rpc_channel *ch, struct link *l, enum link_state to);
+void bex__rpc_call_move(struct bex_rpc_channel *ch, struct call *c, enum call_state to);
+/* Not completed yet (LIVE or WAITING). */
+static inline bool bex__rpc_call_live(const struct call *c)
+{
+    return c->state == CALL_LIVE || c->state == CALL_WAITING;
+}
 
 #endif

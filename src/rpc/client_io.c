@@ -41,12 +41,12 @@ void bex__rpc_on_connect(bex_sock *s, int status, void *user)
     if (status) {
         bex__rpc_link_fail(ch, l, status, &done);
     } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
-        l->state = L_UP; /* its ping must be answered within probe_ns from now */
+        bex__rpc_link_move(ch, l, L_UP); /* its ping must be answered within probe_ns from now */
         l->t_start = bex__rpc_now_ns();
         if (l->t_start + ch->probe_ns < ch->timer_next)
             pthread_cond_broadcast(&ch->cv);
     } else if (l->state == L_CONNECTING) {
-        l->state = L_UP;
+        bex__rpc_link_move(ch, l, L_UP);
         bex__rpc_ep_reachable(ch, l->ep);
     }
     pthread_mutex_unlock(&ch->mu);
@@ -111,7 +111,7 @@ void bex__rpc_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, i
         /* not delivered, or in doubt: the connection failed (its bex__rpc_on_error
          * follows the sends it hands back), and with it every call on it */
         bex__rpc_link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
-    } else if (status && c->live && c->link == l) {
+    } else if (status && bex__rpc_call_live(c) && c->link == l) {
         bex__rpc_attempt_failed(ch, c, status, false, &done);
     }
     bex__rpc_call_put(ch, c);

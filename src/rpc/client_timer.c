@@ -70,7 +70,7 @@ void *bex__rpc_timer_main(void *arg)
         {
             struct link *l = bex__list_entry(lp, struct link, lnode);
             if (l->retiring && l->state != L_FAILED && !bex__rpc_link_has_calls(ch, l)) {
-                l->state = L_FAILED; /* not a failure: nothing to count */
+                bex__rpc_link_move(ch, l, L_FAILED); /* not a failure: nothing to count */
                 bex_sock_close(l->s);
                 continue;
             }
@@ -108,9 +108,9 @@ void *bex__rpc_timer_main(void *arg)
             }
             if (c->attempt_deadline && now >= c->attempt_deadline)
                 attempt_timed_out(ch, c, &done);
-            if (c->live && c->deadline < next)
+            if (bex__rpc_call_live(c) && c->deadline < next)
                 next = c->deadline;
-            if (c->live && c->attempt_deadline && c->attempt_deadline < next)
+            if (bex__rpc_call_live(c) && c->attempt_deadline && c->attempt_deadline < next)
                 next = c->attempt_deadline;
         }
         if (done) {

@@ -260,7 +260,7 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
 {
     if (l->state == L_FAILED)
         return false;
-    l->state = L_FAILED;
+    bex__rpc_link_move(ch, l, L_FAILED);
     if (l->probe) {
         /* step 3's RDMA retry failed: the endpoint stays on TCP (no call
          * was on this connection, its health is not in question) */
@@ -493,7 +493,7 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
         if (c->xa)
             bex__rpc_xatt_end(c->xa);
         if (c->xa && c->xa->armed) {
-            c->want_attempt = true;
+            bex__rpc_call_move(ch, c, CALL_WAITING);
             return 0;
         }
     }
@@ -594,7 +594,7 @@ static bool may_move(struct bex_rpc_channel *ch, struct call *c, int err)
 void bex__rpc_attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
                                 bool moved, struct call **done)
 {
-    if (!c->live)
+    if (!bex__rpc_call_live(c))
         return;
     if (c->ep && c->link)
         c->ep->failures++;

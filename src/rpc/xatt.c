@@ -63,12 +63,12 @@ static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct cal
     struct call *c = xa->c;
     if (xa->armed || c->xa != xa)
         return;
-    if (c->parked) {
-        c->parked = false;
+    if (c->state == CALL_PARKED) {
+        bex__rpc_call_move(ch, c, CALL_DONE);
         c->dnext = *done;
         *done = c;
-    } else if (c->want_attempt && c->live) {
-        c->want_attempt = false;
+    } else if (c->state == CALL_WAITING) {
+        bex__rpc_call_move(ch, c, CALL_LIVE);
         bool step;
         int err = bex__rpc_start_attempt(ch, c, c->ep, &step, done);
         if (err)
@@ -85,7 +85,7 @@ static void xatt_failed(struct bex_rpc_channel *ch, struct xatt *xa, int err, bo
 {
     struct call *c = xa->c;
     bex__rpc_xatt_end(xa);
-    if (c->xa != xa || !c->live || c->want_attempt)
+    if (c->xa != xa || c->state != CALL_LIVE)
         return;
     bool moved = conn && bex__rpc_ep_conn_failed(ch, xa->ep, xa->rung, xa->gen, err);
     xa->ep->failures++;
@@ -105,7 +105,7 @@ static void x_on_connect(bex_sock *s, int status, void *user)
         bex__rpc_ep_reachable(ch, xa->ep);
     if (status) {
         xatt_failed(ch, xa, status, true, &done);
-    } else if (!xa->closing && c->xa == xa && c->live) {
+    } else if (!xa->closing && c->xa == xa && bex__rpc_call_live(c)) {
         /* over RDMA the answer is written into the destination (header
          * in its room, then the body); over TCP, where an exposed buffer
          * must be written whole, it comes as a message and is copied */
@@ -220,7 +220,7 @@ static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
         why = "another client's id";
     else if (!err && (h.call_id != c->id || h.service != c->service || h.method != c->method))
         why = into ? "a write into another call's destination" : "an answer naming another call";
-    bool current = c->xa == xa && c->live && !c->want_attempt;
+    bool current = c->xa == xa && c->state == CALL_LIVE;
     if (why) {
         ch->st.bad_header++;
         if (!xa->closing)
