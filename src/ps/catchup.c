@@ -163,68 +163,68 @@ static bool copy_final(int rc)
            rc == -EINVAL || rc == -ENOSYS || rc == -EPERM || rc == -EACCES;
 }
 
-int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg)
+/* Peer i's copy into *cut and cut_ids, checked against what we applied
+ * already; 0, or its failure (nothing kept), logged when final. */
+static int try_peer(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg, size_t i,
+                    uint64_t deadline, struct table **cutp, struct idset *cut_ids)
 {
-    if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
-        return -EINVAL;
-    pthread_mutex_lock(&s->mu);
-    /* once: a second caller meanwhile would install a copy over Pushes
-     * applied after the first */
-    bool mine = s->catching && !s->catchup_busy;
-    s->catchup_busy = true;
-    pthread_mutex_unlock(&s->mu);
-    if (!mine)
-        return -EINVAL;
-    uint64_t deadline =
-        bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
-    int rc = -EHOSTUNREACH; /* no peer */
+    char a[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &cfg->peers[i].addr.sin_addr, a, sizeof a);
     struct table *cut = NULL;
-    struct idset cut_ids = {.head = IDS_NIL, .tail = IDS_NIL};
-    /* rounds over the peers until one gives a copy or the deadline passes:
-     * a peer that cannot be reached now (not listening yet, a connection
-     * not made in time on a loaded host) may be reachable in a moment, and
-     * giving up at once would serve the snapshot without every Push the
-     * peer applied meanwhile */
+    uint8_t *buf;
+    size_t len;
+    int rc = copy_pull(ctx, &cfg->peers[i], cfg, deadline, &buf, &len);
+    if (rc == 0) {
+        if (!(cut = bex__ps_tables_like(s)))
+            rc = -ENOMEM;
+        else if ((rc = bex__ps_copy_load(s, buf, len, cut, cut_ids)) == -EINVAL)
+            rc = -EBADMSG; /* the peer's copy, not our call */
+        free(buf);
+        if (rc == 0) {
+            pthread_mutex_lock(&s->mu);
+            if (bex__ps_ids_behind(&s->ids, cut_ids))
+                rc = -ESTALE;
+            pthread_mutex_unlock(&s->mu);
+        }
+    }
+    if (rc == 0) {
+        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u", s->shard, len,
+                 a, ntohs(cfg->peers[i].addr.sin_port));
+        *cutp = cut;
+        return 0;
+    }
+    if (cut)
+        bex__ps_tables_free(cut, s->n_tables);
+    bex__ps_ids_free(cut_ids);
+    if (copy_final(rc)) /* its answer: logged once, not asked again */
+        bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: catch-up from %s:%u failed: %s", s->shard, a,
+                 ntohs(cfg->peers[i].addr.sin_port), bex_strerror(rc));
+    return rc;
+}
+
+/* Rounds over the peers until one gives a copy (into *cut and cut_ids) or
+ * the deadline passes: a peer that cannot be reached now (not listening
+ * yet, a connection not made in time on a loaded host) may be reachable in
+ * a moment, and giving up at once would serve the snapshot without every
+ * Push the peer applied meanwhile. Returns 0 or the last failure. */
+static int pull_rounds(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg,
+                       uint64_t deadline, struct table **cut, struct idset *cut_ids)
+{
+    int rc = -EHOSTUNREACH; /* no peer */
     bool *out = cfg->n_peers ? calloc(cfg->n_peers, sizeof *out) : NULL;
     if (cfg->n_peers && !out)
         rc = -ENOMEM;
     for (unsigned round = 1; out; round++) {
         size_t again = 0, last = 0; /* peers worth another round; the last */
         int last_rc = 0;
-        for (size_t i = 0; i < cfg->n_peers && !cut; i++) {
+        for (size_t i = 0; i < cfg->n_peers && !*cut; i++) {
             if (out[i])
                 continue;
-            char a[INET_ADDRSTRLEN];
-            inet_ntop(AF_INET, &cfg->peers[i].addr.sin_addr, a, sizeof a);
-            uint8_t *buf;
-            size_t len;
-            rc = copy_pull(ctx, &cfg->peers[i], cfg, deadline, &buf, &len);
-            if (rc == 0) {
-                if (!(cut = bex__ps_tables_like(s)))
-                    rc = -ENOMEM;
-                else if ((rc = bex__ps_copy_load(s, buf, len, cut, &cut_ids)) == -EINVAL)
-                    rc = -EBADMSG; /* the peer's copy, not our call */
-                free(buf);
-                if (rc == 0) {
-                    pthread_mutex_lock(&s->mu);
-                    if (bex__ps_ids_behind(&s->ids, &cut_ids))
-                        rc = -ESTALE;
-                    pthread_mutex_unlock(&s->mu);
-                }
-            }
-            if (rc == 0) {
-                bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u",
-                         s->shard, len, a, ntohs(cfg->peers[i].addr.sin_port));
+            rc = try_peer(s, ctx, cfg, i, deadline, cut, cut_ids);
+            if (rc == 0)
                 break;
-            }
-            if (cut)
-                bex__ps_tables_free(cut, s->n_tables);
-            cut = NULL;
-            bex__ps_ids_free(&cut_ids);
             if (copy_final(rc)) {
-                out[i] = true; /* its answer: logged once, not asked again */
-                bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: catch-up from %s:%u failed: %s",
-                         s->shard, a, ntohs(cfg->peers[i].addr.sin_port), bex_strerror(rc));
+                out[i] = true;
             } else {
                 again++;
                 last = i;
@@ -232,7 +232,7 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
             }
         }
         uint32_t left = ms_left(deadline);
-        if (cut || !again || left <= CATCHUP_PAUSE_MS)
+        if (*cut || !again || left <= CATCHUP_PAUSE_MS)
             break;
         char a[INET_ADDRSTRLEN];
         inet_ntop(AF_INET, &cfg->peers[last].addr.sin_addr, a, sizeof a);
@@ -246,61 +246,66 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
             ;
     }
     free(out);
-    pthread_mutex_lock(&s->mu);
-    uint64_t rows = 0, replayed = 0, skipped = 0, failed = 0;
-    if (cut) {
-        /* the peer's rows and ids instead of ours (the counters stay) */
-        for (size_t i = 0; i < s->n_tables; i++) {
-            struct table *t = &s->tables[i], *c = &cut[i];
-            free(t->keys);
-            free(t->vals);
-            free(t->slots);
-            t->keys = c->keys;
-            t->vals = c->vals;
-            t->slots = c->slots;
-            t->n_rows = c->n_rows;
-            t->cap_rows = c->cap_rows;
-            t->n_slots = c->n_slots;
-            c->keys = NULL;
-            c->vals = NULL;
-            c->slots = NULL;
-            rows += t->n_rows;
-        }
-        bex__ps_ids_free(&s->ids);
-        s->ids = cut_ids;
+    return rc;
+}
+
+/* The peer's rows and ids instead of ours (the counters stay); returns the
+ * rows. Under s->mu. */
+static uint64_t install_cut(bex_ps_shard *s, struct table *cut, struct idset *cut_ids)
+{
+    uint64_t rows = 0;
+    for (size_t i = 0; i < s->n_tables; i++) {
+        struct table *t = &s->tables[i], *c = &cut[i];
+        free(t->keys);
+        free(t->vals);
+        free(t->slots);
+        t->keys = c->keys;
+        t->vals = c->vals;
+        t->slots = c->slots;
+        t->n_rows = c->n_rows;
+        t->cap_rows = c->cap_rows;
+        t->n_slots = c->n_slots;
+        c->keys = NULL;
+        c->vals = NULL;
+        c->slots = NULL;
+        rows += t->n_rows;
     }
-    /* the held Pushes, in the order they came: those the cut has are left
-     * out (an id older than the peer's window too: the peer had it long
-     * before), every other one applied once */
+    bex__ps_ids_free(&s->ids);
+    s->ids = *cut_ids;
+    return rows;
+}
+
+/* The held Pushes, in the order they came: those the cut has are left out
+ * (an id older than the peer's window too: the peer had it long before),
+ * every other one applied once; then none is held. Under s->mu. */
+static void replay_held(bex_ps_shard *s, bool cut, uint64_t *replayed, uint64_t *skipped,
+                        uint64_t *failed)
+{
     for (struct held *h = s->held; h; h = h->next) {
         int has = h->has_id ? bex__ps_ids_has(&s->ids, &h->id.k, h->id.seq) : ID_NEW;
         if (cut && has != ID_NEW) {
-            skipped++;
+            (*skipped)++;
             continue;
         }
         bool applied;
         int e = bex__ps_push_apply_locked(s, h->t, h->n, h->keys, h->g, h->has_id ? &h->id : NULL,
                                           &applied);
         if (e)
-            failed++;
+            (*failed)++;
         else if (applied)
-            replayed++;
+            (*replayed)++;
         else
-            skipped++;
+            (*skipped)++;
     }
     bex__ps_held_free(s->held);
     s->held = NULL;
     s->held_tail = &s->held;
     s->held_bytes = 0;
-    s->catching = false;
-    s->st.catchup_rows += rows;
-    s->st.catchup_replayed += replayed;
-    s->st.catchup_skipped += skipped;
-    if (!cut)
-        s->st.catchup_failed++;
-    pthread_mutex_unlock(&s->mu);
-    if (cut)
-        bex__ps_tables_free(cut, s->n_tables);
+}
+
+static void log_outcome(bex_ps_shard *s, int rc, uint64_t rows, uint64_t replayed, uint64_t skipped,
+                        uint64_t failed)
+{
     if (failed)
         bex__log(&s->log, BEX_LOG_ERROR,
                  "ps shard %u: %llu held Pushes not applied after catch-up (table full or no "
@@ -317,5 +322,38 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
                  "peer had",
                  s->shard, (unsigned long long)rows, (unsigned long long)replayed,
                  (unsigned long long)skipped);
+}
+
+int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg)
+{
+    if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
+        return -EINVAL;
+    pthread_mutex_lock(&s->mu);
+    /* once: a second caller meanwhile would install a copy over Pushes
+     * applied after the first */
+    bool mine = s->catching && !s->catchup_busy;
+    s->catchup_busy = true;
+    pthread_mutex_unlock(&s->mu);
+    if (!mine)
+        return -EINVAL;
+    uint64_t deadline =
+        bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
+    struct table *cut = NULL;
+    struct idset cut_ids = {.head = IDS_NIL, .tail = IDS_NIL};
+    int rc = pull_rounds(s, ctx, cfg, deadline, &cut, &cut_ids);
+    pthread_mutex_lock(&s->mu);
+    uint64_t rows = cut ? install_cut(s, cut, &cut_ids) : 0;
+    uint64_t replayed = 0, skipped = 0, failed = 0;
+    replay_held(s, cut != NULL, &replayed, &skipped, &failed);
+    s->catching = false;
+    s->st.catchup_rows += rows;
+    s->st.catchup_replayed += replayed;
+    s->st.catchup_skipped += skipped;
+    if (!cut)
+        s->st.catchup_failed++;
+    pthread_mutex_unlock(&s->mu);
+    if (cut)
+        bex__ps_tables_free(cut, s->n_tables);
+    log_outcome(s, rc, rows, replayed, skipped, failed);
     return rc;
 }
