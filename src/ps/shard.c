@@ -173,6 +173,35 @@ static void shard_label(const void *obj, const void *arg, char *labels, size_t c
     snprintf(labels, cap, "shard=\"%u\"", sl->shards[k]->shard);
 }
 
+static const struct bex__prom_ctr table_ctrs[] = {
+    {"bex_ps_fetches_total", "Fetches served", offsetof(struct table, fetches)},
+    {"bex_ps_pushes_total", "Pushes applied", offsetof(struct table, pushes)},
+    {"bex_ps_rows_fetched_total", "Rows returned by Fetches", offsetof(struct table, rows_fetched)},
+    {"bex_ps_rows_pushed_total", "Rows updated by Pushes", offsetof(struct table, rows_pushed)},
+};
+
+static const struct bex__prom_ctr shard_ctrs[] = {
+    {"bex_ps_catchup_rows_copied_total", "Rows copied from a peer replica by catch-up",
+     offsetof(bex_ps_shard_stats, catchup_rows)},
+    {"bex_ps_catchup_pushes_replayed_total", "Pushes held during catch-up and applied after it",
+     offsetof(bex_ps_shard_stats, catchup_replayed)},
+    {"bex_ps_catchup_pushes_skipped_total", "Pushes held during catch-up that the peer's copy had",
+     offsetof(bex_ps_shard_stats, catchup_skipped)},
+    {"bex_ps_catchup_failures_total",
+     "Catch-ups that fell back to the snapshot (no peer gave a copy)",
+     offsetof(bex_ps_shard_stats, catchup_failed)},
+    {"bex_ps_catchup_copies_served_total", "Copies served to a restarted peer replica",
+     offsetof(bex_ps_shard_stats, copies_served)},
+    {"bex_ps_dup_pushes_total", "Pushes whose id was applied already (not applied again)",
+     offsetof(bex_ps_shard_stats, dup_ids)},
+    {"bex_ps_stale_pushes_total",
+     "Pushes refused for an id more than the window behind its client's highest",
+     offsetof(bex_ps_shard_stats, stale_ids)},
+    {"bex_ps_clients_refused_total",
+     "New client ids refused (dedup table full of live clients, or past a rate)",
+     offsetof(bex_ps_shard_stats, clients_refused)},
+};
+
 int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, size_t cap)
 {
     if ((n && !shards) || (!buf && cap))
@@ -201,17 +230,10 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         pthread_mutex_unlock(&s->mu);
     }
     struct bex__prom o = {buf, cap, 0};
-    static const struct bex__prom_ctr ctrs[] = {
-        {"bex_ps_fetches_total", "Fetches served", offsetof(struct table, fetches)},
-        {"bex_ps_pushes_total", "Pushes applied", offsetof(struct table, pushes)},
-        {"bex_ps_rows_fetched_total", "Rows returned by Fetches",
-         offsetof(struct table, rows_fetched)},
-        {"bex_ps_rows_pushed_total", "Rows updated by Pushes", offsetof(struct table, rows_pushed)},
-    };
     /* a metric family's samples together, every shard's */
     struct table_iter ti = {shards, ts, n, 0, 0};
     if (!rc)
-        bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), table_next, &ti);
+        bex__prom_counters(&o, table_ctrs, ARRAY_SIZE(table_ctrs), table_next, &ti);
     if (!rc) {
         bex__prom_printf(&o, "# HELP bex_ps_rows Rows held.\n# TYPE bex_ps_rows gauge\n");
         for (size_t k = 0; k < n; k++)
@@ -223,32 +245,9 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         for (size_t k = 0; k < n; k++)
             bex__prom_printf(&o, "bex_ps_malformed_total{shard=\"%u\"} %llu\n", shards[k]->shard,
                              (unsigned long long)malformed[k]);
-        static const struct bex__prom_ctr cu[] = {
-            {"bex_ps_catchup_rows_copied_total", "Rows copied from a peer replica by catch-up",
-             offsetof(bex_ps_shard_stats, catchup_rows)},
-            {"bex_ps_catchup_pushes_replayed_total",
-             "Pushes held during catch-up and applied after it",
-             offsetof(bex_ps_shard_stats, catchup_replayed)},
-            {"bex_ps_catchup_pushes_skipped_total",
-             "Pushes held during catch-up that the peer's copy had",
-             offsetof(bex_ps_shard_stats, catchup_skipped)},
-            {"bex_ps_catchup_failures_total",
-             "Catch-ups that fell back to the snapshot (no peer gave a copy)",
-             offsetof(bex_ps_shard_stats, catchup_failed)},
-            {"bex_ps_catchup_copies_served_total", "Copies served to a restarted peer replica",
-             offsetof(bex_ps_shard_stats, copies_served)},
-            {"bex_ps_dup_pushes_total", "Pushes whose id was applied already (not applied again)",
-             offsetof(bex_ps_shard_stats, dup_ids)},
-            {"bex_ps_stale_pushes_total",
-             "Pushes refused for an id more than the window behind its client's highest",
-             offsetof(bex_ps_shard_stats, stale_ids)},
-            {"bex_ps_clients_refused_total",
-             "New client ids refused (dedup table full of live clients, or past a rate)",
-             offsetof(bex_ps_shard_stats, clients_refused)},
-        };
         struct shard_labels sl = {shards, sst};
         struct bex__prom_array sa = {sst, n, sizeof *sst, shard_label, &sl};
-        bex__prom_counters(&o, cu, ARRAY_SIZE(cu), bex__prom_array_next, &sa);
+        bex__prom_counters(&o, shard_ctrs, ARRAY_SIZE(shard_ctrs), bex__prom_array_next, &sa);
         bex__prom_printf(&o, "# HELP bex_ps_serve_seconds Time a request took in the shard, "
                              "decoding to answer.\n# TYPE bex_ps_serve_seconds histogram\n");
         for (size_t k = 0; k < n; k++)

@@ -530,6 +530,54 @@ static void ep_label(const void *obj, const void *name, char *labels, size_t cap
              ip, ntohs(e->addr.sin_port), loc);
 }
 
+static const struct bex__prom_ctr chan_ctrs[] = {
+    {"bex_rpc_calls_total", "Calls accepted", offsetof(bex_rpc_channel_stats, calls)},
+    {"bex_rpc_ok_total", "Calls completed with status 0", offsetof(bex_rpc_channel_stats, ok)},
+    {"bex_rpc_attempts_total", "Requests sent, retries included",
+     offsetof(bex_rpc_channel_stats, attempts)},
+    {"bex_rpc_retries_total", "Attempts after the first", offsetof(bex_rpc_channel_stats, retries)},
+    {"bex_rpc_retry_throttled_total", "Retries refused by the retry budget",
+     offsetof(bex_rpc_channel_stats, retry_throttled)},
+    {"bex_rpc_late_responses_total", "Answers to completed calls, dropped",
+     offsetof(bex_rpc_channel_stats, late_responses)},
+    {"bex_rpc_bad_header_total", "Connections closed for a malformed answer",
+     offsetof(bex_rpc_channel_stats, bad_header)},
+    {"bex_rpc_conn_failures_total", "Connections failed or timed out",
+     offsetof(bex_rpc_channel_stats, conn_failures)},
+    {"bex_rpc_failovers_total", "Retries sent to another endpoint",
+     offsetof(bex_rpc_channel_stats, failovers)},
+    {"bex_rpc_endpoints_down_total", "Endpoints that went from reachable to failed",
+     offsetof(bex_rpc_channel_stats, endpoints_down)},
+    {"bex_rpc_ladder_reconnects_total", "Recovery ladder step 1: reconnections",
+     offsetof(bex_rpc_channel_stats, ladder_reconnects)},
+    {"bex_rpc_ladder_replicas_total",
+     "Recovery ladder step 2: reconnections failed, other replicas first",
+     offsetof(bex_rpc_channel_stats, ladder_replicas)},
+    {"bex_rpc_ladder_tcp_total", "Recovery ladder step 3: RDMA endpoints reached over TCP",
+     offsetof(bex_rpc_channel_stats, ladder_tcp)},
+    {"bex_rpc_ladder_recovered_total", "Reconnections (step 1) that worked",
+     offsetof(bex_rpc_channel_stats, ladder_recovered)},
+    {"bex_rpc_ladder_moves_total", "Calls moved off a failed connection by a ladder step",
+     offsetof(bex_rpc_channel_stats, ladder_moves)},
+    {"bex_rpc_rdma_retries_total", "RDMA probes from the TCP fallback",
+     offsetof(bex_rpc_channel_stats, rdma_retries)},
+    {"bex_rpc_rdma_restored_total", "RDMA probes that worked: endpoints back on RDMA",
+     offsetof(bex_rpc_channel_stats, rdma_restored)},
+};
+
+static const struct bex__prom_ctr ep_ctrs[] = {
+    {"bex_rpc_endpoint_attempts_total", "Attempts sent to the endpoint",
+     offsetof(bex_rpc_endpoint_stats, attempts)},
+    {"bex_rpc_endpoint_answers_total", "Answers received from the endpoint",
+     offsetof(bex_rpc_endpoint_stats, answers)},
+    {"bex_rpc_endpoint_failures_total", "Attempts to the endpoint that failed or timed out",
+     offsetof(bex_rpc_endpoint_stats, failures)},
+    {"bex_rpc_endpoint_conn_failures_total", "Connections to the endpoint that failed",
+     offsetof(bex_rpc_endpoint_stats, conn_failures)},
+    {"bex_rpc_endpoint_tcp_answers_total", "Answers over the recovery ladder's TCP fallback",
+     offsetof(bex_rpc_endpoint_stats, tcp_answers)},
+};
+
 int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
 {
     bex_rpc_channel_stats s;
@@ -541,43 +589,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     bex__prom_escape(ch->name, name, sizeof name);
     struct bex__prom o = {buf, cap, 0};
 #define OUT(...) bex__prom_printf(&o, __VA_ARGS__)
-    static const struct bex__prom_ctr ctrs[] = {
-        {"bex_rpc_calls_total", "Calls accepted", offsetof(bex_rpc_channel_stats, calls)},
-        {"bex_rpc_ok_total", "Calls completed with status 0", offsetof(bex_rpc_channel_stats, ok)},
-        {"bex_rpc_attempts_total", "Requests sent, retries included",
-         offsetof(bex_rpc_channel_stats, attempts)},
-        {"bex_rpc_retries_total", "Attempts after the first",
-         offsetof(bex_rpc_channel_stats, retries)},
-        {"bex_rpc_retry_throttled_total", "Retries refused by the retry budget",
-         offsetof(bex_rpc_channel_stats, retry_throttled)},
-        {"bex_rpc_late_responses_total", "Answers to completed calls, dropped",
-         offsetof(bex_rpc_channel_stats, late_responses)},
-        {"bex_rpc_bad_header_total", "Connections closed for a malformed answer",
-         offsetof(bex_rpc_channel_stats, bad_header)},
-        {"bex_rpc_conn_failures_total", "Connections failed or timed out",
-         offsetof(bex_rpc_channel_stats, conn_failures)},
-        {"bex_rpc_failovers_total", "Retries sent to another endpoint",
-         offsetof(bex_rpc_channel_stats, failovers)},
-        {"bex_rpc_endpoints_down_total", "Endpoints that went from reachable to failed",
-         offsetof(bex_rpc_channel_stats, endpoints_down)},
-        {"bex_rpc_ladder_reconnects_total", "Recovery ladder step 1: reconnections",
-         offsetof(bex_rpc_channel_stats, ladder_reconnects)},
-        {"bex_rpc_ladder_replicas_total",
-         "Recovery ladder step 2: reconnections failed, other replicas first",
-         offsetof(bex_rpc_channel_stats, ladder_replicas)},
-        {"bex_rpc_ladder_tcp_total", "Recovery ladder step 3: RDMA endpoints reached over TCP",
-         offsetof(bex_rpc_channel_stats, ladder_tcp)},
-        {"bex_rpc_ladder_recovered_total", "Reconnections (step 1) that worked",
-         offsetof(bex_rpc_channel_stats, ladder_recovered)},
-        {"bex_rpc_ladder_moves_total", "Calls moved off a failed connection by a ladder step",
-         offsetof(bex_rpc_channel_stats, ladder_moves)},
-        {"bex_rpc_rdma_retries_total", "RDMA probes from the TCP fallback",
-         offsetof(bex_rpc_channel_stats, rdma_retries)},
-        {"bex_rpc_rdma_restored_total", "RDMA probes that worked: endpoints back on RDMA",
-         offsetof(bex_rpc_channel_stats, rdma_restored)},
-    };
     struct bex__prom_array one = {&s, 1, sizeof s, chan_label, name};
-    bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), bex__prom_array_next, &one);
+    bex__prom_counters(&o, chan_ctrs, ARRAY_SIZE(chan_ctrs), bex__prom_array_next, &one);
     OUT("# HELP bex_rpc_failures_total Calls completed with an error, by kind.\n"
         "# TYPE bex_rpc_failures_total counter\n");
     const struct {
@@ -606,20 +619,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     size_t ne = bex_rpc_channel_endpoint_stats(ch, es, 64);
     if (ne > 64)
         ne = 64; /* a longer list is cut: bex_rpc_channel_endpoint_stats has it all */
-    static const struct bex__prom_ctr ectrs[] = {
-        {"bex_rpc_endpoint_attempts_total", "Attempts sent to the endpoint",
-         offsetof(bex_rpc_endpoint_stats, attempts)},
-        {"bex_rpc_endpoint_answers_total", "Answers received from the endpoint",
-         offsetof(bex_rpc_endpoint_stats, answers)},
-        {"bex_rpc_endpoint_failures_total", "Attempts to the endpoint that failed or timed out",
-         offsetof(bex_rpc_endpoint_stats, failures)},
-        {"bex_rpc_endpoint_conn_failures_total", "Connections to the endpoint that failed",
-         offsetof(bex_rpc_endpoint_stats, conn_failures)},
-        {"bex_rpc_endpoint_tcp_answers_total", "Answers over the recovery ladder's TCP fallback",
-         offsetof(bex_rpc_endpoint_stats, tcp_answers)},
-    };
     struct bex__prom_array eps = {es, ne, sizeof es[0], ep_label, name};
-    bex__prom_counters(&o, ectrs, ARRAY_SIZE(ectrs), bex__prom_array_next, &eps);
+    bex__prom_counters(&o, ep_ctrs, ARRAY_SIZE(ep_ctrs), bex__prom_array_next, &eps);
     OUT("# HELP bex_rpc_endpoint_ladder_step Recovery ladder step of the endpoint (0 ok, "
         "1 reconnecting, 2 other replicas first, 3 over TCP).\n"
         "# TYPE bex_rpc_endpoint_ladder_step gauge\n");

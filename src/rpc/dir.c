@@ -178,6 +178,29 @@ static const void *node_next(void *arg, const void **cur, char *labels, size_t c
     return &n->st;
 }
 
+static const struct bex__prom_ctr node_ctrs[] = {
+    {"bex_dir_node_picks_total", "Times the node was chosen", offsetof(bex_dir_node_stats, picks)},
+    {"bex_dir_node_ok_total", "Answers from the node", offsetof(bex_dir_node_stats, ok)},
+    {"bex_dir_node_conn_failures_total", "Connection failures to the node",
+     offsetof(bex_dir_node_stats, conn_failures)},
+    {"bex_dir_node_req_failures_total", "Request failures to the node",
+     offsetof(bex_dir_node_stats, req_failures)},
+    {"bex_dir_node_quarantines_total", "Times the node was quarantined",
+     offsetof(bex_dir_node_stats, quarantines)},
+    {"bex_dir_node_quarantine_refused_total",
+     "Quarantines refused: the node was a shard's last healthy replica",
+     offsetof(bex_dir_node_stats, quarantine_refused)},
+    {"bex_dir_node_probes_total", "Probe calls given to the node",
+     offsetof(bex_dir_node_stats, probes)},
+    {"bex_dir_node_probe_failures_total", "Probes that failed",
+     offsetof(bex_dir_node_stats, probe_failures)},
+    {"bex_dir_node_lifts_total", "Quarantines lifted by a good probe",
+     offsetof(bex_dir_node_stats, lifts)},
+    {"bex_dir_node_early_probes_total",
+     "Quarantines cut short for a probe: a shard's last healthy replica failed",
+     offsetof(bex_dir_node_stats, early_probes)},
+};
+
 int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
 {
     if (!d || (!buf && cap))
@@ -185,31 +208,8 @@ int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
     if (cap)
         buf[0] = 0;
     struct bex__prom o = {buf, cap, 0};
-    static const struct bex__prom_ctr ctrs[] = {
-        {"bex_dir_node_picks_total", "Times the node was chosen",
-         offsetof(bex_dir_node_stats, picks)},
-        {"bex_dir_node_ok_total", "Answers from the node", offsetof(bex_dir_node_stats, ok)},
-        {"bex_dir_node_conn_failures_total", "Connection failures to the node",
-         offsetof(bex_dir_node_stats, conn_failures)},
-        {"bex_dir_node_req_failures_total", "Request failures to the node",
-         offsetof(bex_dir_node_stats, req_failures)},
-        {"bex_dir_node_quarantines_total", "Times the node was quarantined",
-         offsetof(bex_dir_node_stats, quarantines)},
-        {"bex_dir_node_quarantine_refused_total",
-         "Quarantines refused: the node was a shard's last healthy replica",
-         offsetof(bex_dir_node_stats, quarantine_refused)},
-        {"bex_dir_node_probes_total", "Probe calls given to the node",
-         offsetof(bex_dir_node_stats, probes)},
-        {"bex_dir_node_probe_failures_total", "Probes that failed",
-         offsetof(bex_dir_node_stats, probe_failures)},
-        {"bex_dir_node_lifts_total", "Quarantines lifted by a good probe",
-         offsetof(bex_dir_node_stats, lifts)},
-        {"bex_dir_node_early_probes_total",
-         "Quarantines cut short for a probe: a shard's last healthy replica failed",
-         offsetof(bex_dir_node_stats, early_probes)},
-    };
     pthread_mutex_lock(&d->mu);
-    bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), node_next, d);
+    bex__prom_counters(&o, node_ctrs, ARRAY_SIZE(node_ctrs), node_next, d);
     bex__prom_printf(&o, "# HELP bex_dir_node_state 0 healthy, 1 quarantined, 2 probing.\n"
                          "# TYPE bex_dir_node_state gauge\n");
     for (const struct bex__dir_node *n = d->nodes; n; n = n->next)

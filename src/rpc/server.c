@@ -798,6 +798,33 @@ static const void *method_next(void *arg, const void **cur, char *labels, size_t
     return m;
 }
 
+static const struct bex__prom_ctr server_ctrs[] = {
+    {"bex_rpc_server_requests_total", "Requests dispatched to handlers",
+     offsetof(bex_rpc_server_stats, requests)},
+    {"bex_rpc_server_replies_total", "Answers sent", offsetof(bex_rpc_server_stats, replies)},
+    {"bex_rpc_server_no_method_total", "Requests for an unregistered method",
+     offsetof(bex_rpc_server_stats, no_method)},
+    {"bex_rpc_server_bad_header_total", "Connections closed for a malformed header",
+     offsetof(bex_rpc_server_stats, bad_header)},
+    {"bex_rpc_server_dup_replayed_total", "WRITE retries answered with the first answer",
+     offsetof(bex_rpc_server_stats, dup_replayed)},
+    {"bex_rpc_server_dup_pending_total", "WRITE retries while the first was not answered",
+     offsetof(bex_rpc_server_stats, dup_pending)},
+    {"bex_rpc_server_stale_total", "WRITE retries past the dedup window",
+     offsetof(bex_rpc_server_stats, stale)},
+    {"bex_rpc_server_clients_refused_total",
+     "WRITE requests of a new client id refused (-EAGAIN): dedup table full or past a rate",
+     offsetof(bex_rpc_server_stats, clients_refused)},
+    {"bex_rpc_server_conns_total", "Connections accepted", offsetof(bex_rpc_server_stats, conns)},
+};
+
+static const struct bex__prom_ctr method_ctrs[] = {
+    {"bex_rpc_server_method_answered_total", "Requests of the method its handler answered",
+     offsetof(struct method, answered)},
+    {"bex_rpc_server_method_errors_total", "Requests of the method answered with an error status",
+     offsetof(struct method, errors)},
+};
+
 int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *names, size_t n,
                               char *buf, size_t cap)
 {
@@ -830,39 +857,13 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
         pthread_mutex_unlock(&srv->mu);
     }
     struct bex__prom o = {buf, cap, 0};
-    static const struct bex__prom_ctr ctrs[] = {
-        {"bex_rpc_server_requests_total", "Requests dispatched to handlers",
-         offsetof(bex_rpc_server_stats, requests)},
-        {"bex_rpc_server_replies_total", "Answers sent", offsetof(bex_rpc_server_stats, replies)},
-        {"bex_rpc_server_no_method_total", "Requests for an unregistered method",
-         offsetof(bex_rpc_server_stats, no_method)},
-        {"bex_rpc_server_bad_header_total", "Connections closed for a malformed header",
-         offsetof(bex_rpc_server_stats, bad_header)},
-        {"bex_rpc_server_dup_replayed_total", "WRITE retries answered with the first answer",
-         offsetof(bex_rpc_server_stats, dup_replayed)},
-        {"bex_rpc_server_dup_pending_total", "WRITE retries while the first was not answered",
-         offsetof(bex_rpc_server_stats, dup_pending)},
-        {"bex_rpc_server_stale_total", "WRITE retries past the dedup window",
-         offsetof(bex_rpc_server_stats, stale)},
-        {"bex_rpc_server_clients_refused_total",
-         "WRITE requests of a new client id refused (-EAGAIN): dedup table full or past a rate",
-         offsetof(bex_rpc_server_stats, clients_refused)},
-        {"bex_rpc_server_conns_total", "Connections accepted",
-         offsetof(bex_rpc_server_stats, conns)},
-    };
     /* a metric family's samples together, every server's */
     struct bex__prom_array sa = {sn ? &sn[0].st : NULL, n, sizeof *sn, snap_label, NULL};
     if (!rc)
-        bex__prom_counters(&o, ctrs, ARRAY_SIZE(ctrs), bex__prom_array_next, &sa);
-    static const struct bex__prom_ctr mctrs[] = {
-        {"bex_rpc_server_method_answered_total", "Requests of the method its handler answered",
-         offsetof(struct method, answered)},
-        {"bex_rpc_server_method_errors_total",
-         "Requests of the method answered with an error status", offsetof(struct method, errors)},
-    };
+        bex__prom_counters(&o, server_ctrs, ARRAY_SIZE(server_ctrs), bex__prom_array_next, &sa);
     struct method_iter mi = {sn, n, 0, 0};
     if (!rc)
-        bex__prom_counters(&o, mctrs, ARRAY_SIZE(mctrs), method_next, &mi);
+        bex__prom_counters(&o, method_ctrs, ARRAY_SIZE(method_ctrs), method_next, &mi);
     if (!rc)
         bex__prom_printf(&o, "# HELP bex_rpc_server_latency_seconds Time from a request's "
                              "dispatch to its handler's answer.\n"
