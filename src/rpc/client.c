@@ -225,6 +225,26 @@ int bex_rpc_call_into(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     return call_start(ch, service, method, body, len, dst, cap, opts, done, user, call_id);
 }
 
+/* c's request header, in front of its body: written once, so every
+ * attempt sends these same bytes (the same client id, token and sequence,
+ * whatever the connection), and attempts may be out at once. */
+static void call_encode(bex_rpc_channel *ch, struct call *c, size_t len, uint64_t tmo_ns)
+{
+    struct bex__rpc_hdr h = {
+        .kind = BEX__RPC_REQUEST,
+        .flags = c->dst ? BEX__RPC_F_DEST : 0,
+        .service = c->service,
+        .method = c->method,
+        .call_id = c->id,
+        .client_id = ch->client_id,
+        .seq = ++ch->next_seq,
+        .body_len = (uint32_t)len,
+        .timeout_ms = (uint32_t)(tmo_ns / 1000000ull),
+    };
+    memcpy(h.tok, ch->tok, sizeof h.tok);
+    bex__rpc_hdr_encode(&h, c->msg);
+}
+
 static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
                       size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
                       bex_rpc_done_fn done, void *user, uint64_t *call_id)
@@ -283,22 +303,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
             bex_rpc_free(body);
         return -ENOMEM;
     }
-    struct bex__rpc_hdr h = {
-        .kind = BEX__RPC_REQUEST,
-        .flags = dst ? BEX__RPC_F_DEST : 0,
-        .service = service,
-        .method = method,
-        .call_id = c->id,
-        .client_id = ch->client_id,
-        .seq = ++ch->next_seq,
-        .body_len = (uint32_t)len,
-        .timeout_ms = (uint32_t)(tmo_ns / 1000000ull),
-    };
-    memcpy(h.tok, ch->tok, sizeof h.tok);
-    /* written once: every attempt sends these same bytes (the same
-     * client id, token and sequence, whatever the connection), and
-     * attempts may be out at once */
-    bex__rpc_hdr_encode(&h, c->msg);
+    call_encode(ch, c, len, tmo_ns);
     ch->tokens += ch->budget_permille;
     if (ch->tokens > (int64_t)ch->budget_burst * 1000)
         ch->tokens = (int64_t)ch->budget_burst * 1000;

@@ -532,6 +532,88 @@ static void conn_refuse(struct bex_rpc_server *srv, struct conn *c, const char *
     }
 }
 
+/* A WRITE request's dedup outcome, under srv->mu: -1 to apply it, else it
+ * was answered or parked here: 1 when buf is still the caller's to free,
+ * 0 when the answer took it. */
+static int write_dedup(struct bex_rpc_server *srv, struct conn *c, const struct bex__rpc_hdr *h,
+                       void *body)
+{
+    struct dslot sl, *pend = NULL;
+    switch (dedup_check(srv, h, c, &sl, &pend)) {
+    case DD_APPLY:
+        return -1;
+    case DD_PENDING:
+        /* the first one is being applied: not again; its answer goes
+         * where it came from and to this retry (the latest one) */
+        srv->st.dup_pending++;
+        if (pend->wc)
+            conn_put_locked(pend->wc);
+        pend->wc = c;
+        pend->wh = *h;
+        c->refs++;
+        return 1;
+    case DD_REPLAY: {
+        srv->st.dup_replayed++;
+        void *copy = bex_rpc_alloc(srv->ctx, sl.len);
+        if (!copy) {
+            send_answer(srv, c, h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+            return 0;
+        }
+        if (sl.len)
+            memcpy(copy, sl.resp, sl.len);
+        send_answer(srv, c, h, BEX__RPC_RESPONSE, sl.status, copy, sl.len);
+        return 1;
+    }
+    case DD_STALE:
+        srv->st.stale++;
+        send_answer(srv, c, h, BEX__RPC_ERROR, -ESTALE, body, 0);
+        return 0;
+    case DD_FULL:
+        /* a new client id, refused rather than forgetting one whose
+         * retries may still come: retriable */
+        srv->st.clients_refused++;
+        bex__log(srv->log, BEX_LOG_WARN,
+                 "rpc server: a WRITE of a new client refused -EAGAIN (%u clients held, "
+                 "%u new a second, %u a connection at most)",
+                 srv->n_clients, srv->new_rate, srv->new_per_conn);
+        send_answer(srv, c, h, BEX__RPC_ERROR, -EAGAIN, body, 0);
+        return 0;
+    default:
+        send_answer(srv, c, h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+        return 0;
+    }
+}
+
+/* The request in buf to m's handler; called under srv->mu, which it
+ * releases. */
+static void dispatch(struct bex_rpc_server *srv, struct conn *c, const struct bex__rpc_hdr *h,
+                     const struct method *m, bool write, void *buf, size_t len)
+{
+    void *body = (uint8_t *)buf + BEX_RPC_HDR_LEN;
+    struct bex_rpc_req *req = malloc(sizeof(*req));
+    if (!req) {
+        send_answer(srv, c, h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+        pthread_mutex_unlock(&srv->mu);
+        return;
+    }
+    *req = (struct bex_rpc_req){.srv = srv,
+                                .c = c,
+                                .h = *h,
+                                .write = write,
+                                .mi = (size_t)(m - srv->methods),
+                                .start_ns = bex__rpc_now_ns()};
+    c->refs++;
+    srv->refs++;
+    srv->st.requests++;
+    pthread_mutex_unlock(&srv->mu);
+    size_t blen = len - BEX_RPC_HDR_LEN;
+    if (!blen) {
+        bex_mem_free(buf);
+        body = NULL;
+    }
+    m->fn(req, body, blen, m->user);
+}
+
 static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
 {
     (void)s;
@@ -587,82 +669,15 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     }
     bool write = m->flags & BEX_RPC_METHOD_WRITE;
     if (write) {
-        struct dslot sl, *pend = NULL;
-        switch (dedup_check(srv, &h, c, &sl, &pend)) {
-        case DD_APPLY:
-            break;
-        case DD_PENDING:
-            /* the first one is being applied: not again; its answer goes
-             * where it came from and to this retry (the latest one) */
-            srv->st.dup_pending++;
-            if (pend->wc)
-                conn_put_locked(pend->wc);
-            pend->wc = c;
-            pend->wh = h;
-            c->refs++;
+        int r = write_dedup(srv, c, &h, body);
+        if (r >= 0) {
             pthread_mutex_unlock(&srv->mu);
-            bex_mem_free(buf);
-            return;
-        case DD_REPLAY: {
-            srv->st.dup_replayed++;
-            void *copy = bex_rpc_alloc(srv->ctx, sl.len);
-            if (copy) {
-                if (sl.len)
-                    memcpy(copy, sl.resp, sl.len);
-                send_answer(srv, c, &h, BEX__RPC_RESPONSE, sl.status, copy, sl.len);
-            } else {
-                send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
-                body = NULL;
-            }
-            pthread_mutex_unlock(&srv->mu);
-            if (body)
+            if (r)
                 bex_mem_free(buf);
             return;
         }
-        case DD_STALE:
-            srv->st.stale++;
-            send_answer(srv, c, &h, BEX__RPC_ERROR, -ESTALE, body, 0);
-            pthread_mutex_unlock(&srv->mu);
-            return;
-        case DD_FULL:
-            /* a new client id, refused rather than forgetting one whose
-             * retries may still come: retriable */
-            srv->st.clients_refused++;
-            bex__log(srv->log, BEX_LOG_WARN,
-                     "rpc server: a WRITE of a new client refused -EAGAIN (%u clients held, "
-                     "%u new a second, %u a connection at most)",
-                     srv->n_clients, srv->new_rate, srv->new_per_conn);
-            send_answer(srv, c, &h, BEX__RPC_ERROR, -EAGAIN, body, 0);
-            pthread_mutex_unlock(&srv->mu);
-            return;
-        default:
-            send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
-            pthread_mutex_unlock(&srv->mu);
-            return;
-        }
     }
-    struct bex_rpc_req *req = malloc(sizeof(*req));
-    if (!req) {
-        send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
-        pthread_mutex_unlock(&srv->mu);
-        return;
-    }
-    *req = (struct bex_rpc_req){.srv = srv,
-                                .c = c,
-                                .h = h,
-                                .write = write,
-                                .mi = (size_t)(m - srv->methods),
-                                .start_ns = bex__rpc_now_ns()};
-    c->refs++;
-    srv->refs++;
-    srv->st.requests++;
-    pthread_mutex_unlock(&srv->mu);
-    size_t blen = len - BEX_RPC_HDR_LEN;
-    if (!blen) {
-        bex_mem_free(buf);
-        body = NULL;
-    }
-    m->fn(req, body, blen, m->user);
+    dispatch(srv, c, &h, m, write, buf, len);
 }
 
 static void on_error(bex_sock *s, int err, void *user)
