@@ -67,6 +67,20 @@ static int copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_cop
 }
 
 /* Pull a peer's copy into *buf / *len (malloc'd), by the deadline. */
+/* The peer may drop its copy now (best effort, briefly). */
+static void copy_close(bex_rpc_channel *ch, bex_ctx *ctx, struct bex__ps_copy_hdr *q,
+                       uint64_t deadline)
+{
+    struct bex__ps_copy_hdr a;
+    void *body;
+    size_t blen;
+    uint64_t d2 = bex__rpc_now_ns() + 500000000ull;
+    q->op = BEX__PS_COPY_CLOSE;
+    q->offset = 0;
+    if (copy_call(ch, ctx, q, d2 < deadline ? d2 : deadline, &a, &body, &blen) == 0)
+        bex_rpc_free(body);
+}
+
 static int copy_pull(bex_ctx *ctx, const bex_rpc_endpoint *ep, const bex_ps_catchup_config *cfg,
                      uint64_t deadline, uint8_t **buf, size_t *len)
 {
@@ -130,14 +144,8 @@ static int copy_pull(bex_ctx *ctx, const bex_rpc_endpoint *ep, const bex_ps_catc
         got += n;
         bex_rpc_free(body);
     }
-    if (rc == 0) {
-        /* the peer may drop its copy now (best effort, briefly) */
-        uint64_t d2 = bex__rpc_now_ns() + 500000000ull;
-        q.op = BEX__PS_COPY_CLOSE;
-        q.offset = 0;
-        if (copy_call(ch, ctx, &q, d2 < deadline ? d2 : deadline, &a, &body, &blen) == 0)
-            bex_rpc_free(body);
-    }
+    if (rc == 0)
+        copy_close(ch, ctx, &q, deadline);
 done:
     bex_rpc_channel_destroy(ch);
     if (rc) {

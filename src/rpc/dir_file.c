@@ -93,7 +93,8 @@ int bex__dir_parse_replica_json(const char *text, size_t len, bex_dir_replica *r
     return rc;
 }
 
-static int load_root(bex_dir *d, json_t *root, char *err, size_t errlen)
+/* The top level: {"services": {...}, "version": 1}, version optional. */
+static int check_top(json_t *root, char *err, size_t errlen)
 {
     json_t *svcs = json_object_get(root, "services");
     if (!json_is_object(root) || !json_is_object(svcs)) {
@@ -113,11 +114,69 @@ static int load_root(bex_dir *d, json_t *root, char *err, size_t errlen)
             return -EINVAL;
         }
     }
-    size_t cap = 16, n = 0;
-    struct bex__dir_member *m = malloc(cap * sizeof(*m));
-    if (!m)
+    return 0;
+}
+
+/* The members read so far (m grows by doubling). */
+struct members {
+    struct bex__dir_member *m;
+    size_t cap, n;
+};
+
+/* The replicas of shard si of service key (sh) appended to ms. */
+static int load_replicas(const char *key, size_t si, json_t *sh, struct members *ms, char *err,
+                         size_t errlen)
+{
+    json_t *reps = json_object_get(sh, "replicas");
+    if (!json_is_object(sh) || !json_is_array(reps) || json_array_size(reps) == 0 ||
+        json_object_size(sh) != 1) {
+        bex__dir_set_err(err, errlen,
+                         "services.%s.shards[%zu]: an object with only a non-empty \"replicas\" "
+                         "array expected",
+                         key, si);
+        return -EINVAL;
+    }
+    size_t ri;
+    json_t *rep;
+    json_array_foreach(reps, ri, rep)
+    {
+        if (ms->n == ms->cap) {
+            struct bex__dir_member *nm = realloc(ms->m, 2 * ms->cap * sizeof(*nm));
+            if (!nm)
+                return -ENOMEM;
+            ms->m = nm;
+            ms->cap *= 2;
+        }
+        struct bex__dir_member *m = ms->m;
+        size_t n = ms->n;
+        char where[160];
+        snprintf(where, sizeof where, "services.%s.shards[%zu].replicas[%zu]", key, si, ri);
+        m[n] = (struct bex__dir_member){.shard = (uint32_t)si};
+        strcpy(m[n].service, key);
+        int rc = parse_replica(rep, &m[n].r, where, err, errlen);
+        if (rc)
+            return rc;
+        for (size_t k = 0; k < n; k++)
+            if (!strcmp(m[k].service, key) && m[k].shard == si &&
+                bex__dir_same_addr(&m[k].r.addr, &m[n].r.addr)) {
+                bex__dir_set_err(err, errlen, "%s.addr: listed twice in the shard", where);
+                return -EINVAL;
+            }
+        ms->n++;
+    }
+    return 0;
+}
+
+static int load_root(bex_dir *d, json_t *root, char *err, size_t errlen)
+{
+    int rc = check_top(root, err, errlen);
+    if (rc)
+        return rc;
+    json_t *svcs = json_object_get(root, "services");
+    struct members ms = {malloc(16 * sizeof(*ms.m)), 16, 0};
+    if (!ms.m)
         return -ENOMEM;
-    int rc = 0;
+    const char *key;
     json_t *svc;
     json_object_foreach(svcs, key, svc)
     {
@@ -141,52 +200,15 @@ static int load_root(bex_dir *d, json_t *root, char *err, size_t errlen)
         json_t *sh;
         json_array_foreach(shards, si, sh)
         {
-            json_t *reps = json_object_get(sh, "replicas");
-            if (!json_is_object(sh) || !json_is_array(reps) || json_array_size(reps) == 0 ||
-                json_object_size(sh) != 1) {
-                bex__dir_set_err(
-                    err, errlen,
-                    "services.%s.shards[%zu]: an object with only a non-empty \"replicas\" "
-                    "array expected",
-                    key, si);
-                rc = -EINVAL;
+            if ((rc = load_replicas(key, si, sh, &ms, err, errlen)))
                 goto out;
-            }
-            size_t ri;
-            json_t *rep;
-            json_array_foreach(reps, ri, rep)
-            {
-                if (n == cap) {
-                    struct bex__dir_member *nm = realloc(m, 2 * cap * sizeof(*m));
-                    if (!nm) {
-                        rc = -ENOMEM;
-                        goto out;
-                    }
-                    m = nm;
-                    cap *= 2;
-                }
-                char where[160];
-                snprintf(where, sizeof where, "services.%s.shards[%zu].replicas[%zu]", key, si, ri);
-                m[n] = (struct bex__dir_member){.shard = (uint32_t)si};
-                strcpy(m[n].service, key);
-                if ((rc = parse_replica(rep, &m[n].r, where, err, errlen)))
-                    goto out;
-                for (size_t k = 0; k < n; k++)
-                    if (!strcmp(m[k].service, key) && m[k].shard == si &&
-                        bex__dir_same_addr(&m[k].r.addr, &m[n].r.addr)) {
-                        bex__dir_set_err(err, errlen, "%s.addr: listed twice in the shard", where);
-                        rc = -EINVAL;
-                        goto out;
-                    }
-                n++;
-            }
         }
     }
-    rc = bex__dir_set_members(d, m, n);
+    rc = bex__dir_set_members(d, ms.m, ms.n);
     if (rc == -ENOSPC)
         bex__dir_set_err(err, errlen, "more addresses than max_nodes");
 out:
-    free(m);
+    free(ms.m);
     return rc;
 }
 
