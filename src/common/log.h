@@ -18,6 +18,7 @@
 #define BEX_COMMON_LOG_H
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "bex/common.h"
@@ -59,5 +60,16 @@ void bex__log_at(struct bex__log_site *site, struct bex__log *lg, int level, con
 /* The stderr form of a line into buf: "2026-12-05T00:12:03.123Z bex WARN
  * [name] msg" (no brackets without a name). Returns buf. */
 char *bex__log_format(char *buf, size_t cap, const struct bex__log *lg, int level, const char *msg);
+
+/* Lines logged once until reset: a bit per line in a word the caller keeps
+ * (clearing a bit lets its line come again). Whether line may be logged
+ * now; it counts as logged from here on. */
+static inline bool bex__log_once(uint32_t *logged, uint32_t line)
+{
+    if (*logged & line)
+        return false;
+    *logged |= line;
+    return true;
+}
 
 #endif

@@ -23,6 +23,7 @@
 
 #include "bex/ps.h"
 #include "ps/ps_internal.h"
+#include "rpc/internal.h"
 
 #define MAX_SHARDS 4096u
 
@@ -318,15 +319,11 @@ static void sub_done(int status, void *body, size_t len, void *user)
     sub_end(sb, status);
 }
 
-static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t dim,
-                   const uint64_t *keys, size_t n, float *rows, const float *grads,
-                   bex_ps_replica_result *res, size_t res_cap, size_t *n_res, bex_ps_done_fn done,
-                   void *user)
+/* The count of keys per shard in *cnt (calloc'd), or -E2BIG when a
+ * shard's sub-request or its answer would not fit a body. */
+static int shard_counts(bex_ps_client *c, uint32_t method, uint32_t dim, const uint64_t *keys,
+                        size_t n, uint32_t **out)
 {
-    if (!c || !done || dim == 0 || dim > BEX_PS_DIM_MAX || (n && !keys) || n > BEX_PS_KEYS_MAX ||
-        (n && method == BEX_PS_M_FETCH && !rows) || (n && method == BEX_PS_M_PUSH && !grads) ||
-        (res_cap && !res))
-        return -EINVAL;
     size_t ns = c->n_shards;
     uint32_t *cnt = calloc(ns, sizeof *cnt);
     if (!cnt)
@@ -340,6 +337,88 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
             free(cnt);
             return -E2BIG;
         }
+    *out = cnt;
+    return 0;
+}
+
+/* Shard s's subs from op->subs[k] on (a Fetch's one, a Push's one per
+ * replica, or one without a channel when it has none), with their
+ * results' first state; returns the next k. Push: under c->mu. */
+static size_t shard_subs(bex_ps_client *c, struct op *op, size_t s, uint32_t cnt, uint32_t *pos,
+                         size_t k, bool push, bex_ps_replica_result *res, size_t res_cap)
+{
+    size_t nr = push ? c->push[s].n : 1;
+    for (size_t r = 0; r < (nr ? nr : 1); r++, k++) {
+        struct sub *sb = &op->subs[k];
+        *sb =
+            (struct sub){.op = op, .shard = (uint32_t)s, .n = cnt, .pos = pos, .idx = (uint32_t)k};
+        sb->ch = push ? (nr ? c->push[s].r[r]->ch : NULL) : c->ch[s];
+        if (res && k < res_cap) {
+            res[k] = (bex_ps_replica_result){.shard = (uint32_t)s, .status = -EINPROGRESS};
+            if (push && nr)
+                res[k].addr = c->push[s].r[r]->r.addr;
+        }
+    }
+    return k;
+}
+
+/* sb's request encoded and called; a failure ends sb at once. */
+static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const uint64_t *keys,
+                     const float *grads, uint64_t id_seq, const bex_rpc_call_opts *opts)
+{
+    struct op *op = sb->op;
+    bool push = method == BEX_PS_M_PUSH;
+    uint32_t table = op->table, dim = op->dim;
+    if (!sb->ch) {
+        sub_end(sb, -EHOSTUNREACH);
+        return;
+    }
+    struct bex__ps_hdr h = {.table = table, .n = sb->n, .dim = dim};
+    if (push)
+        h = (struct bex__ps_hdr){.table = table,
+                                 .n = sb->n,
+                                 .dim = dim,
+                                 .flags = BEX__PS_F_ID,
+                                 .id_client = c->push_client,
+                                 .id_seq = id_seq,
+                                 .id_tok = {c->push_tok[0], c->push_tok[1]}};
+    size_t len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0);
+    uint8_t *b = bex_rpc_alloc(c->ctx, len);
+    if (!b) {
+        sub_end(sb, -ENOMEM);
+        return;
+    }
+    bex__ps_hdr_put(b, &h);
+    uint8_t *p = b + bex__ps_keys_off(&h);
+    for (uint32_t j = 0; j < sb->n; j++, p += 8)
+        bex__ps_put64(p, keys[sb->pos[j]]);
+    if (push)
+        for (uint32_t j = 0; j < sb->n; j++) {
+            const float *g = grads + (size_t)sb->pos[j] * dim;
+            for (uint32_t d = 0; d < dim; d++, p += 4)
+                bex__ps_putf(p, g[d]);
+        }
+    int rc = bex_rpc_call(sb->ch, BEX_PS_SERVICE, method, b, len, opts, sub_done, sb, NULL);
+    if (rc) {
+        bex_rpc_free(b);
+        sub_end(sb, rc);
+    }
+}
+
+static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t dim,
+                   const uint64_t *keys, size_t n, float *rows, const float *grads,
+                   bex_ps_replica_result *res, size_t res_cap, size_t *n_res, bex_ps_done_fn done,
+                   void *user)
+{
+    if (!c || !done || dim == 0 || dim > BEX_PS_DIM_MAX || (n && !keys) || n > BEX_PS_KEYS_MAX ||
+        (n && method == BEX_PS_M_FETCH && !rows) || (n && method == BEX_PS_M_PUSH && !grads) ||
+        (res_cap && !res))
+        return -EINVAL;
+    size_t ns = c->n_shards;
+    uint32_t *cnt;
+    int err = shard_counts(c, method, dim, keys, n, &cnt);
+    if (err)
+        return err;
     bool push = method == BEX_PS_M_PUSH;
     if (push)
         pthread_mutex_lock(&c->mu);
@@ -371,7 +450,8 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     uint32_t *pos = (uint32_t *)(op->subs + n_subs);
     /* each shard's key places, then its subs (sharing them) */
     uint32_t *at = calloc(ns, sizeof *at);
-    uint32_t k = 0, off = 0;
+    size_t k = 0;
+    uint32_t off = 0;
     if (!at) {
         if (push)
             pthread_mutex_unlock(&c->mu);
@@ -382,20 +462,8 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     for (size_t s = 0; s < ns; s++) {
         at[s] = off;
         off += cnt[s];
-        if (!cnt[s])
-            continue;
-        size_t nr = push ? c->push[s].n : 1;
-        for (size_t r = 0; r < (nr ? nr : 1); r++, k++) {
-            struct sub *sb = &op->subs[k];
-            *sb = (struct sub){
-                .op = op, .shard = (uint32_t)s, .n = cnt[s], .pos = pos + at[s], .idx = k};
-            sb->ch = push ? (nr ? c->push[s].r[r]->ch : NULL) : c->ch[s];
-            if (res && k < res_cap) {
-                res[k] = (bex_ps_replica_result){.shard = (uint32_t)s, .status = -EINPROGRESS};
-                if (push && nr)
-                    res[k].addr = c->push[s].r[r]->r.addr;
-            }
-        }
+        if (cnt[s])
+            k = shard_subs(c, op, s, cnt[s], pos + at[s], k, push, res, res_cap);
     }
     if (push)
         pthread_mutex_unlock(&c->mu);
@@ -410,43 +478,8 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     atomic_store(&op->left, (uint32_t)n_subs + 1);
     uint64_t id_seq = push ? atomic_fetch_add(&c->push_seq, 1) + 1 : 0;
     bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
-    for (size_t i = 0; i < n_subs; i++) {
-        struct sub *sb = &op->subs[i];
-        if (!sb->ch) {
-            sub_end(sb, -EHOSTUNREACH);
-            continue;
-        }
-        struct bex__ps_hdr h = {.table = table, .n = sb->n, .dim = dim};
-        if (push)
-            h = (struct bex__ps_hdr){.table = table,
-                                     .n = sb->n,
-                                     .dim = dim,
-                                     .flags = BEX__PS_F_ID,
-                                     .id_client = c->push_client,
-                                     .id_seq = id_seq,
-                                     .id_tok = {c->push_tok[0], c->push_tok[1]}};
-        size_t len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0);
-        uint8_t *b = bex_rpc_alloc(c->ctx, len);
-        if (!b) {
-            sub_end(sb, -ENOMEM);
-            continue;
-        }
-        bex__ps_hdr_put(b, &h);
-        uint8_t *p = b + bex__ps_keys_off(&h);
-        for (uint32_t j = 0; j < sb->n; j++, p += 8)
-            bex__ps_put64(p, keys[sb->pos[j]]);
-        if (push)
-            for (uint32_t j = 0; j < sb->n; j++) {
-                const float *g = grads + (size_t)sb->pos[j] * dim;
-                for (uint32_t d = 0; d < dim; d++, p += 4)
-                    bex__ps_putf(p, g[d]);
-            }
-        rc = bex_rpc_call(sb->ch, BEX_PS_SERVICE, method, b, len, &opts, sub_done, sb, NULL);
-        if (rc) {
-            bex_rpc_free(b);
-            sub_end(sb, rc);
-        }
-    }
+    for (size_t i = 0; i < n_subs; i++)
+        send_sub(c, &op->subs[i], method, keys, grads, id_seq, &opts);
     op_put(op); /* the issuing guard: done may run here */
     return 0;
 }
@@ -470,45 +503,32 @@ int bex_ps_push_report(bex_ps_client *c, uint32_t table, uint32_t dim, const uin
     return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, res, cap, n_res, done, user);
 }
 
-struct waitr {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool done;
-    int status;
-};
-
+/* The blocking forms wait with the RPC layer's waiter (one call waited for). */
 static void sync_done(int status, void *user)
 {
-    struct waitr *w = user;
-    pthread_mutex_lock(&w->mu);
-    w->status = status;
-    w->done = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
+    bex__rpc_wait_done(status, NULL, 0, user);
 }
 
-static int wait_for(struct waitr *w, int rc)
+static int wait_for(struct bex__rpc_wait *w, int rc)
 {
-    pthread_mutex_lock(&w->mu);
-    while (rc == 0 && !w->done)
-        pthread_cond_wait(&w->cv, &w->mu);
-    pthread_mutex_unlock(&w->mu);
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
-    return rc ? rc : w->status;
+    if (rc)
+        return rc; /* not started: nothing to wait for */
+    void *body;
+    size_t len;
+    return bex__rpc_wait(w, &body, &len);
 }
 
 int bex_ps_fetch_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows)
 {
-    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(&w, bex_ps_fetch(c, table, dim, keys, n, rows, sync_done, &w));
 }
 
 int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      const float *grads)
 {
-    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(&w, bex_ps_push(c, table, dim, keys, n, grads, sync_done, &w));
 }
 
@@ -516,7 +536,7 @@ int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, cons
                             size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
                             size_t *n_res)
 {
-    struct waitr w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(
         &w, bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
 }

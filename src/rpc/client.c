@@ -15,160 +15,13 @@
 #include <sys/random.h>
 
 #include "common/log.h"
+#include "common/util.h"
 #include "rpc/dir_internal.h"
 #include "rpc/internal.h"
 #include "sock/ctx_access.h"
+#include "rpc/client_internal.h"
 
-enum { L_CONNECTING, L_UP, L_FAILED };
-
-/* One socket to an endpoint; lives until its on_close. */
-struct link {
-    struct bex_rpc_channel *ch;
-    struct endpoint *ep;
-    bex_sock *s;
-    int state;
-    uint64_t t_start; /* connect started (ns) */
-    bool bad;         /* refused for a malformed answer (logged once) */
-    /* recovery ladder */
-    int rung;      /* the endpoint's step when this link was made */
-    bool tcp;      /* made over TCP by the ladder (step 3) */
-    bool proven;   /* an answer came over it */
-    bool ping;     /* made by the ladder: a ping went first, to be answered within
-                      probe_ns of the connection coming up (t_start then) */
-    bool probe;    /* step 3's RDMA retry: carries the ping, no call, until proven */
-    bool retiring; /* replaced by a restored RDMA link: closed once no call is on it */
-    uint64_t gen;  /* the endpoint's fail_gen when this link was made */
-    struct link *next;
-};
-
-/* An endpoint of the channel's list. The list is its own abstraction so
- * that a directory (issue 9 item 2) and quarantine (item 6) can replace
- * (bex_rpc_channel_set_endpoints) or filter it. Referenced by the list and
- * by each of its links, so that one removed from the list lives until its
- * last link's on_close. */
-struct endpoint {
-    struct sockaddr_in addr;
-    char *locality;
-    uint32_t transport;
-    int refs;
-    uint64_t attempts, answers, failures, conn_failures; /* bex_rpc_endpoint_stats */
-    struct link *cur;           /* the live link, or NULL: made on first use */
-    uint64_t down_until;        /* ns: avoided until then after a failure */
-    bool suspect;               /* failed, and no connection came up since */
-    struct bex__dir_node *node; /* directory mode: its node (outcomes go there) */
-    struct endpoint *dnext;     /* directory mode: the channel's endpoints so far */
-    /* recovery ladder: its step (BEX_RPC_LADDER_*), when step 3 tries
-     * RDMA again, the probe doing it */
-    int rung;
-    uint64_t rdma_retry_at;
-    struct link *probe;
-    uint64_t tcp_answers;
-    /* connection failures counted so far, and whether the last one took a
-     * ladder step: a socket made before it (fail_gen then lower) was on
-     * that connection, so its own report of the failure is not counted
-     * again (ep_conn_failed) */
-    uint64_t fail_gen;
-    bool fail_stepped;
-    uint32_t xprobing; /* attempts with a destination probing it (xatt.probing) */
-};
-
-/* completion kinds, for the counters */
-enum { K_OK, K_TIMEOUT, K_CONN, K_REMOTE, K_CANCEL };
-
-struct call {
-    uint64_t id;
-    uint32_t service, method, flags;
-    uint8_t *msg; /* header + body, one bemalloc buffer */
-    size_t len;
-    bex_rpc_done_fn done;
-    void *user;
-    uint64_t t_start, deadline, attempt_deadline; /* ns; attempt_deadline 0: none */
-    uint32_t attempts;
-    uint32_t moves;           /* attempts the recovery ladder made (not counted
-                                 against max_attempts nor the budget) */
-    struct link *link;        /* the current attempt's */
-    struct endpoint *ep;      /* the current attempt's */
-    struct endpoint *counted; /* directory mode: outstanding on this one's node */
-    int refs;                 /* 1 while live or its completion runs, + 1 per send out */
-    bool live;
-    bool in_doubt; /* an attempt's send came back -EIO: it may have been handled */
-    int status;
-    void *resp;
-    size_t resp_len;
-    /* bex_rpc_call_into: the caller's destination (a body pointer, header
-     * room in front, landing memory), its attempt's socket, and what waits
-     * for the destination's retirement (the transport no longer writing
-     * it): the completion (parked) or the next attempt (want_attempt) */
-    uint8_t *dst;
-    size_t cap;
-    struct xatt *xa;
-    bool parked, want_attempt;
-    struct call *hnext;       /* id hash */
-    struct call *prev, *next; /* live list */
-    struct call *dnext;       /* completions to run */
-};
-
-/* An attempt of a call with a destination (bex_rpc_call_into): a socket
- * of its own on the endpoint's connection, so that ending the attempt
- * (closing it) retires the destination's exposure without touching the
- * channel's other calls: the socket layer hands an exposed buffer back
- * only once the peer can write it no more. Holds a reference to its call
- * until its on_close. */
-struct xatt {
-    struct bex_rpc_channel *ch;
-    struct call *c;
-    struct endpoint *ep;
-    bex_sock *s;
-    bool closing;
-    bool armed;    /* the destination is exposed on s: not retired */
-    bool probing;  /* the socket is connecting, or up at step 1 or 2 of the ladder
-                      and not answered over yet (counted in ep->xprobing) */
-    char dest_tag; /* msg_user of the DEST message */
-    /* as a link's: the endpoint's step when made, over the ladder's TCP
-     * fallback or not, the endpoint's fail_gen then */
-    int rung;
-    bool tcp;
-    uint64_t gen;
-};
-
-#define CALL_BUCKETS 4096
-
-struct bex_rpc_channel {
-    bex_ctx *ctx;
-    struct bex__log *log;
-    char *name;
-    uint64_t tr_ns, tc_ns, attempt_ns, holddown_ns, rdma_retry_ns, probe_ns;
-    uint32_t max_attempts, retry_permille, budget_permille, budget_burst;
-    struct endpoint **eps;
-    size_t n_eps, rr;
-    /* directory mode (eps NULL): replicas of (service, shard) in dir,
-     * chosen per attempt (src/rpc/dir.c); an endpoint is made for each
-     * node the first time it is chosen */
-    bex_dir *dir;
-    char *service, *locality;
-    uint32_t shard;
-    struct endpoint *deps;
-    uint64_t dir_gen; /* the directory's generation dir_prune last saw */
-    pthread_mutex_t mu;
-    pthread_cond_t cv; /* timer wake-ups and destroy's waits */
-    struct call *htab[CALL_BUCKETS];
-    struct call *live;
-    uint64_t next_id, next_seq, client_id, next_ping;
-    /* random: with client_id, the key of this channel's dedup records at
-     * servers (docs/security.md, "Dedup keys and Push ids") */
-    uint8_t tok[BEX__RPC_TOK_LEN];
-    int64_t tokens; /* retry budget, thousandths of a retry */
-    struct link *links;
-    size_t n_calls; /* not yet freed */
-    pthread_t timer;
-    bool stop, destroying;
-    uint64_t timer_next;
-    uint64_t rng;
-    bex_rpc_channel_stats st;
-    struct bex__rpc_hist hist;
-};
-
-static uint64_t rnd(struct bex_rpc_channel *ch)
+uint64_t bex__rpc_rnd(struct bex_rpc_channel *ch)
 {
     /* xorshift64*: retry coin flips, not security */
     uint64_t x = ch->rng;
@@ -179,159 +32,9 @@ static uint64_t rnd(struct bex_rpc_channel *ch)
     return x * 0x2545F4914F6CDD1Dull;
 }
 
-/* ---- calls (under ch->mu) ---- */
-
-static size_t bucket(uint64_t id)
-{
-    return (size_t)(id % CALL_BUCKETS);
-}
-
-static struct call *call_find(struct bex_rpc_channel *ch, uint64_t id)
-{
-    for (struct call *c = ch->htab[bucket(id)]; c; c = c->hnext)
-        if (c->id == id)
-            return c;
-    return NULL;
-}
-
-static void call_put(struct bex_rpc_channel *ch, struct call *c)
-{
-    if (--c->refs)
-        return;
-    bex_mem_free(c->msg);
-    free(c);
-    if (--ch->n_calls == 0)
-        pthread_cond_broadcast(&ch->cv);
-}
-
-/* ---- directory mode: outcomes for quarantine (under ch->mu) ---- */
-
-static void dir_report(struct bex_rpc_channel *ch, struct endpoint *ep, int outcome)
-{
-    if (ch->dir && ep && ep->node)
-        bex__dir_report_node(ch->dir, ep->node, outcome, false, bex__rpc_now_ns());
-}
-
-/* c's attempt no longer counts as outstanding on its node */
-static void dir_release(struct bex_rpc_channel *ch, struct call *c)
-{
-    if (c->counted)
-        bex__dir_report_node(ch->dir, c->counted->node, BEX_DIR_DONE, true, bex__rpc_now_ns());
-    c->counted = NULL;
-}
-
-/* xa's socket no longer probes its endpoint: it failed, closed, was
- * answered over, or came up at step OK. */
-static void xatt_probed(struct xatt *xa)
-{
-    if (xa->probing) {
-        xa->probing = false;
-        xa->ep->xprobing--;
-    }
-}
-
-/* End xa's attempt: its socket closes (and probes no more). */
-static void xatt_end(struct xatt *xa)
-{
-    xatt_probed(xa);
-    if (!xa->closing) {
-        xa->closing = true;
-        bex_sock_close(xa->s);
-    }
-}
-
-/* Take c off the books with status; its completion runs once the lock is
- * released (run_done). */
-static void complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
-                     size_t resp_len, int kind, struct call **done)
-{
-    if (!c->live) {
-        if (!c->dst || resp != c->dst)
-            bex_rpc_free(resp);
-        return;
-    }
-    c->live = false;
-    struct call **pp = &ch->htab[bucket(c->id)];
-    while (*pp != c)
-        pp = &(*pp)->hnext;
-    *pp = c->hnext;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        ch->live = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
-    c->status = status;
-    c->resp = resp;
-    c->resp_len = resp_len;
-    /* an attempt out (a link's, or a destination's own socket not being
-     * ended for a next one) timed out with the call */
-    if (kind == K_TIMEOUT && (c->link || (c->xa && !c->xa->closing)))
-        dir_report(ch, c->ep, BEX_DIR_REQ_FAIL);
-    dir_release(ch, c);
-    switch (kind) {
-    case K_OK:
-        ch->st.ok++;
-        break;
-    case K_TIMEOUT:
-        ch->st.fail_timeout++;
-        break;
-    case K_CONN:
-        ch->st.fail_conn++;
-        break;
-    case K_REMOTE:
-        ch->st.fail_remote++;
-        break;
-    default:
-        ch->st.fail_cancel++;
-        break;
-    }
-    if (kind != K_OK)
-        ch->st.failed++;
-    bex__rpc_hist_add(&ch->hist, bex__rpc_now_ns() - c->t_start);
-    if (c->dst) {
-        /* the destination is the caller's again only once retired: the
-         * attempt's socket closes, and done runs when its exposure comes
-         * back (xatt_retired) */
-        c->resp = c->dst;
-        c->want_attempt = false;
-        if (c->xa)
-            xatt_end(c->xa);
-        if (c->xa && c->xa->armed) {
-            c->parked = true;
-            return;
-        }
-    }
-    c->dnext = *done;
-    *done = c;
-}
-
-static void run_done(struct bex_rpc_channel *ch, struct call *done)
-{
-    /* oldest first: reverse the stack */
-    struct call *r = NULL;
-    while (done) {
-        struct call *n = done->dnext;
-        done->dnext = r;
-        r = done;
-        done = n;
-    }
-    for (struct call *c = r, *n; c; c = n) {
-        n = c->dnext;
-        c->done(c->status, c->resp, c->resp_len, c->user);
-        pthread_mutex_lock(&ch->mu);
-        call_put(ch, c);
-        pthread_mutex_unlock(&ch->mu);
-    }
-}
-
 /* ---- links and endpoints (under ch->mu) ---- */
 
-static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                           struct call **done);
-static bool retryable(int err, bool remote);
-
-static void ep_put(struct endpoint *ep)
+void bex__rpc_ep_put(struct endpoint *ep)
 {
     if (--ep->refs)
         return;
@@ -415,1272 +118,6 @@ err_free:
     return -ENOMEM;
 }
 
-/* ---- recovery ladder (under ch->mu) ----
- *
- * Each endpoint climbs it on its own: OK -> (a connection to it fails)
- * RECONNECT: the next connection is a new one as configured (over RDMA, a
- * new QP) -> (that one fails too before anything was answered over it)
- * REPLICA: its calls go to other replicas while the hold-down lasts ->
- * (it is used again) TCP, when it may use RDMA at all; from there RDMA is
- * probed every rdma_retry_ns by a connection of its own that carries a
- * ping and no call, and replaces the TCP one once the ping is answered.
- * An answer over the reconnection brings the endpoint back to OK as well.
- * Calls out on a connection whose failure took a step (OK -> RECONNECT,
- * RECONNECT -> REPLICA) are moved without spending the retry budget or an
- * attempt: those steps come twice at most at the start and after each
- * answer the endpoint gave, so they cannot storm a service, and a replica dying under load (every
- * call out on it failing at once) loses none of them to the budget. */
-
-static bool ep_may_rdma(struct bex_rpc_channel *ch, const struct endpoint *ep)
-{
-    return ep->transport == BEX_TRANSPORT_RDMA ||
-           (ep->transport == BEX_TRANSPORT_AUTO && bex_ctx_pd(ch->ctx));
-}
-
-__attribute__((format(printf, 4, 5))) static void
-ladder_log(struct bex_rpc_channel *ch, const struct endpoint *ep, int level, const char *fmt, ...)
-{
-    char a[INET_ADDRSTRLEN], msg[192];
-    inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    bex__log(ch->log, level, "rpc channel %s: endpoint %s:%u: %s", ch->name, a,
-             ntohs(ep->addr.sin_port), msg);
-}
-
-/* Whether a replica other than ep is at step OK, and not failed since its
- * last connection came up: where step 2 sends calls. One that is on the
- * ladder itself (RDMA failing for the whole service) does not count. */
-static bool ladder_others(struct bex_rpc_channel *ch, const struct endpoint *ep)
-{
-    for (size_t i = 0; i < ch->n_eps; i++)
-        if (ch->eps[i] != ep && ch->eps[i]->rung == BEX_RPC_LADDER_OK && !ch->eps[i]->suspect)
-            return true;
-    for (const struct endpoint *e = ch->deps; e; e = e->dnext)
-        if (e != ep && e->rung == BEX_RPC_LADDER_OK && !e->suspect)
-            return true;
-    return false;
-}
-
-/* A connection of ep made at step rung failed (err). Returns whether this
- * took a step, so that the calls out on it move without the budget. (A
- * connection that was answered over is at step OK by then.) */
-static bool ladder_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung, int err)
-{
-    if (rung != ep->rung)
-        return false; /* a connection from before the endpoint's last step */
-    bool rdma = ep_may_rdma(ch, ep);
-    if (ep->rung == BEX_RPC_LADDER_OK) {
-        ep->rung = BEX_RPC_LADDER_RECONNECT;
-        ch->st.ladder_reconnects++;
-        ladder_log(ch, ep, BEX_LOG_WARN, "%s connection failed (%s): step 1, reconnecting",
-                   rdma ? "RDMA" : "its", bex_strerror(err));
-        return true;
-    }
-    if (ep->rung == BEX_RPC_LADDER_RECONNECT) {
-        ep->rung = BEX_RPC_LADDER_REPLICA;
-        ch->st.ladder_replicas++;
-        bool others = ladder_others(ch, ep);
-        ladder_log(ch, ep, BEX_LOG_WARN, "reconnection failed (%s): step 2, %s%s",
-                   bex_strerror(err),
-                   others ? "calls go to other replicas"
-                   : rdma ? "no other replica on RDMA"
-                          : "no other replica",
-                   rdma ? (others ? ", then TCP" : ", TCP now") : "");
-        return true;
-    }
-    return false;
-}
-
-/* How long ep is avoided after a failure of its connection: the hold-down,
- * except at step 2 with no other replica to go to, when its TCP connection
- * (step 3) is what calls need next. */
-static uint64_t ladder_down_until(struct bex_rpc_channel *ch, const struct endpoint *ep)
-{
-    if (ep->rung == BEX_RPC_LADDER_REPLICA && ep_may_rdma(ch, ep) && !ladder_others(ch, ep))
-        return 0;
-    return bex__rpc_now_ns() + ch->holddown_ns;
-}
-
-static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep);
-
-/* A connection of ep, made at step rung when its fail_gen was gen, failed
- * with err, as a socket on it (the channel's link, or an attempt with a
- * destination, which has a socket of its own on the same connection) saw
- * it: the ladder's step, the counters, the hold-down, the directory's
- * report and the log, once per failure however many sockets of the
- * connection report it. Returns whether the calls out on it move without
- * the budget (the failure took a step of the ladder). */
-static bool ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung, uint64_t gen,
-                           int err)
-{
-    /* not removal, not destroy, not a malformed answer (the socket's own) */
-    bool conn = err != -ECONNABORTED && err != -ECANCELED && err != -EPROTO;
-    if (conn && gen != ep->fail_gen)
-        return ep->fail_stepped && gen + 1 == ep->fail_gen; /* counted already */
-    bool step = false;
-    if (conn) {
-        step = ladder_failed(ch, ep, rung, err);
-        ep->fail_gen++;
-        ep->fail_stepped = step;
-    }
-    if (err != -ECONNABORTED && err != -ECANCELED) {
-        ch->st.conn_failures++;
-        ep->conn_failures++;
-    }
-    ep->down_until = ladder_down_until(ch, ep);
-    bool was_suspect = ep->suspect;
-    ep->suspect = true;
-    if (conn)
-        dir_report(ch, ep, BEX_DIR_CONN_FAIL);
-    if (!was_suspect && err != -ECANCELED && err != -ECONNABORTED) {
-        /* once per transition: the endpoint stays suspect until a
-         * connection to it is up again */
-        ch->st.endpoints_down++;
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
-        bex__log(ch->log, BEX_LOG_WARN,
-                 "rpc channel %s: endpoint %s:%u failed (%s): calls go to other replicas", ch->name,
-                 a, ntohs(ep->addr.sin_port), bex_strerror(err));
-    }
-    return step;
-}
-
-/* An answer came over a connection of ep made at step rung: when that was
- * step 1 or 2 and still is the endpoint's, it worked: back to OK.
- * Returns whether it did. */
-static bool ladder_proven(struct bex_rpc_channel *ch, struct endpoint *ep, int rung)
-{
-    if (rung != ep->rung ||
-        (ep->rung != BEX_RPC_LADDER_RECONNECT && ep->rung != BEX_RPC_LADDER_REPLICA))
-        return false;
-    if (ep->rung == BEX_RPC_LADDER_RECONNECT)
-        ch->st.ladder_recovered++;
-    ladder_log(ch, ep, BEX_LOG_WARN, "answered again: recovered at step %d", ep->rung);
-    ep->rung = BEX_RPC_LADDER_OK;
-    return true;
-}
-
-/* An answer (status: its header's) from ep, over the ladder's TCP
- * fallback or not, to a call still out (live) or not (late, or a ping's:
- * counted all the same): the counters and, for a live call, the
- * directory's report. */
-static void ep_answered(struct bex_rpc_channel *ch, struct endpoint *ep, bool tcp, int status,
-                        bool live)
-{
-    ep->answers++;
-    if (tcp)
-        ep->tcp_answers++;
-    if (live)
-        dir_report(ch, ep, status && retryable(status, true) ? BEX_DIR_REQ_FAIL : BEX_DIR_OK);
-}
-
-/* An answer came over l: the step it was made at worked. */
-static void link_proven(struct bex_rpc_channel *ch, struct link *l)
-{
-    struct endpoint *ep = l->ep;
-    l->proven = true;
-    if (l->probe) {
-        /* RDMA answered again: it carries the endpoint's calls from now on;
-         * the TCP connection takes no more and goes once its calls are
-         * done (the timer thread closes it) */
-        l->probe = false;
-        if (ep->probe == l)
-            ep->probe = NULL;
-        if (ep->cur && ep->cur != l)
-            ep->cur->retiring = true;
-        ep->cur = l;
-        ep->rung = BEX_RPC_LADDER_OK;
-        l->rung = BEX_RPC_LADDER_OK;
-        ch->st.rdma_restored++;
-        ladder_log(ch, ep, BEX_LOG_WARN, "RDMA works again: calls leave TCP");
-        return;
-    }
-    if (l->ping && l->state == L_UP)
-        ep_reachable(ch, ep); /* held back until now: see on_connect */
-    if (ladder_proven(ch, ep, l->rung))
-        l->rung = BEX_RPC_LADDER_OK;
-}
-
-/* The transport of ep's next connection, taking step 3 when it is due. */
-static uint32_t ladder_transport(struct bex_rpc_channel *ch, struct endpoint *ep)
-{
-    if (!ep_may_rdma(ch, ep))
-        return ep->transport;
-    if (ep->rung == BEX_RPC_LADDER_REPLICA) {
-        ep->rung = BEX_RPC_LADDER_TCP;
-        ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns;
-        ch->st.ladder_tcp++;
-        ladder_log(ch, ep, BEX_LOG_WARN, "step 3, over TCP (RDMA tried again in %llu ms)",
-                   (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
-        if (ch->timer_next > ep->rdma_retry_at || !ch->timer_next)
-            pthread_cond_broadcast(&ch->cv);
-    }
-    return ep->rung == BEX_RPC_LADDER_TCP ? BEX_TRANSPORT_TCP : ep->transport;
-}
-
-/* The options of ep's next connection, as its step on the ladder has it
- * (taking step 3 when due), for a link or an attempt with a destination
- * alike, and what that socket records: the step, whether it is the
- * ladder's TCP fallback, the endpoint's fail_gen. */
-static bex_connect_opts ladder_connect(struct bex_rpc_channel *ch, struct endpoint *ep, int *rung,
-                                       bool *tcp, uint64_t *gen)
-{
-    bex_connect_opts o = {0};
-    uint32_t t = ladder_transport(ch, ep);
-    *rung = ep->rung;
-    *tcp = t == BEX_TRANSPORT_TCP && ep_may_rdma(ch, ep);
-    *gen = ep->fail_gen;
-    if (t) {
-        o.flags = BEX_CONNECT_TRANSPORT;
-        o.transport = t;
-    }
-    return o;
-}
-
-/* A connection to ep could not even be started (err, e.g. -ENODEV: RDMA
- * asked of a context without a device): a failed connection as far as
- * the ladder goes. Returns whether that took a step. */
-static bool connect_refused(struct bex_rpc_channel *ch, struct endpoint *ep, int err)
-{
-    return err != -ENOMEM && err != -EINVAL && ladder_failed(ch, ep, ep->rung, err);
-}
-
-static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                              bool moved, struct call **done);
-static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out);
-
-/* l failed with err: its endpoint's failure counted and reported (once,
- * ep_conn_failed), its socket closed, the calls out on it retried or
- * completed. Returns whether the failure took a step of the recovery
- * ladder (the calls it moves spend no budget). */
-static bool link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
-{
-    if (l->state == L_FAILED)
-        return false;
-    l->state = L_FAILED;
-    if (l->probe) {
-        /* step 3's RDMA retry failed: the endpoint stays on TCP (no call
-         * was on this connection, its health is not in question) */
-        struct endpoint *ep = l->ep;
-        if (ep->probe == l)
-            ep->probe = NULL;
-        ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns;
-        if (err != -ECONNABORTED && err != -ECANCELED)
-            ladder_log(ch, ep, BEX_LOG_INFO,
-                       "RDMA still unusable (%s): staying on TCP, next try in %llu ms",
-                       bex_strerror(err), (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
-        bex_sock_close(l->s);
-        return false;
-    }
-    if (l->retiring) {
-        /* the endpoint is on RDMA again: only this old TCP connection's
-         * calls are concerned, not the endpoint's health */
-        bex_sock_close(l->s);
-        for (struct call *c = ch->live, *n; c; c = n) {
-            n = c->next;
-            if (c->link == l)
-                attempt_failed(ch, c, err, false, done);
-        }
-        return false;
-    }
-    if (l->ep->cur == l)
-        l->ep->cur = NULL;
-    bool step = ep_conn_failed(ch, l->ep, l->rung, l->gen, err);
-    bex_sock_close(l->s);
-    /* a retry never lands on l (it failed), and completing a call unlinks
-     * that call alone: the saved next stays valid */
-    for (struct call *c = ch->live, *n; c; c = n) {
-        n = c->next;
-        if (c->link == l)
-            attempt_failed_ex(ch, c, err, false, step, done);
-    }
-    /* step 2 with no other replica on RDMA: TCP (step 3) is what the
-     * next calls need; its connection is started now, not by the first
-     * of them (no call may have been on the failed reconnection) */
-    struct endpoint *ep = l->ep;
-    struct link *nl;
-    if (step && !ep->cur && ep->rung == BEX_RPC_LADDER_REPLICA && !ep->down_until &&
-        ep_may_rdma(ch, ep) && !ch->destroying)
-        link_open(ch, ep, &nl);
-    return step;
-}
-
-static void on_connect(bex_sock *s, int status, void *user);
-static void on_recv(bex_sock *s, void *buf, size_t len, void *user);
-static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
-                         void *user);
-static void on_error(bex_sock *s, int err, void *user);
-static void on_close(bex_sock *s, void *user);
-
-static const bex_sock_ops link_ops = {
-    .on_connect = on_connect,
-    .on_recv = on_recv,
-    .on_send_done = on_send_done,
-    .on_error = on_error,
-    .on_close = on_close,
-};
-
-/* Send a ping (docs/protocol.md, "Ping") first on l: its answer proves
- * the connection. */
-static int send_ping(struct bex_rpc_channel *ch, struct link *l)
-{
-    uint8_t *m = bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN);
-    if (!m)
-        return -ENOMEM;
-    struct bex__rpc_hdr h = {.kind = BEX__RPC_REQUEST,
-                             .service = BEX_RPC_SERVICE_PING,
-                             .call_id = (1ull << 63) | ++ch->next_ping,
-                             .client_id = ch->client_id,
-                             .timeout_ms = (uint32_t)(ch->probe_ns / 1000000ull)};
-    bex__rpc_hdr_encode(&h, m);
-    int err = bex_sock_send(l->s, m, BEX_RPC_HDR_LEN, l); /* msg_user l: a ping */
-    if (err)
-        bex_mem_free(m);
-    else
-        l->ping = true;
-    return err;
-}
-
-static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out)
-{
-    struct link *l = calloc(1, sizeof(*l));
-    if (!l)
-        return -ENOMEM;
-    l->ch = ch;
-    l->ep = ep;
-    ep->refs++;
-    l->state = L_CONNECTING;
-    l->t_start = bex__rpc_now_ns();
-    bex_connect_opts o = ladder_connect(ch, ep, &l->rung, &l->tcp, &l->gen);
-    /* callbacks wait for ch->mu, which we hold: l->s is set before any */
-    int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
-    if (err) {
-        ep->refs--;
-        free(l);
-        return err;
-    }
-    l->next = ch->links;
-    ch->links = l;
-    ep->cur = l;
-    /* step 1's reconnection proves itself by a ping, not by the calls it
-     * carries (a handler may take its time) */
-    if (l->rung == BEX_RPC_LADDER_RECONNECT)
-        send_ping(ch, l);
-    /* the timer watches Tc */
-    if (l->t_start + ch->tc_ns < ch->timer_next)
-        pthread_cond_broadcast(&ch->cv);
-    *out = l;
-    return 0;
-}
-
-/* The next endpoint for an attempt: round robin over those not held down,
- * other than exclude when there is another; else the one back soonest. An
- * endpoint that failed and is being connected again (the first call after
- * its hold-down probes it) takes no further calls until that connection is
- * up, when another endpoint is there: otherwise every call of the moment
- * would queue on a connection that may well be refused again, each then
- * needing a retry. */
-static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude);
-
-/* ep failed and a connection to it is being made again (its link, or an
- * attempt with a destination's socket): that one probes it. */
-static bool ep_probed(const struct endpoint *ep)
-{
-    return ep->suspect && (ep->cur || ep->xprobing);
-}
-
-static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
-{
-    if (ch->dir)
-        return dir_choose_ep(ch, exclude);
-    uint64_t now = bex__rpc_now_ns();
-    struct endpoint *soonest = NULL;
-    for (size_t i = 0; i < ch->n_eps; i++) {
-        size_t k = (ch->rr + i) % ch->n_eps;
-        struct endpoint *ep = ch->eps[k];
-        if (ep == exclude && ch->n_eps > 1)
-            continue;
-        if (ep->down_until <= now && !(ep_probed(ep) && ch->n_eps > 1)) {
-            ch->rr = (k + 1) % ch->n_eps;
-            return ep;
-        }
-        if (!soonest || ep->down_until < soonest->down_until)
-            soonest = ep;
-    }
-    /* every other one is held down or being reconnected: the failed one,
-     * if it may take calls now (step 2 with no other replica on RDMA:
-     * its TCP connection) */
-    for (size_t i = 0; i < ch->n_eps; i++)
-        if (ch->eps[i] == exclude && exclude->down_until <= now && !ep_probed(exclude))
-            return ch->eps[i];
-    return soonest ? soonest : ch->eps[0];
-}
-
-struct dir_avoid {
-    struct bex_rpc_channel *ch;
-    const struct endpoint *exclude;
-    uint64_t now;
-};
-
-static struct endpoint *dir_ep_of(struct bex_rpc_channel *ch, const struct bex__dir_node *n)
-{
-    for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext)
-        if (ep->node == n)
-            return ep;
-    return NULL;
-}
-
-/* The channel's own exclusions, as in choose_ep: the failed attempt's
- * endpoint, one held down, one being probed by its reconnection. */
-static bool dir_avoid_fn(void *arg, const struct bex__dir_node *n)
-{
-    const struct dir_avoid *a = arg;
-    const struct endpoint *ep = dir_ep_of(a->ch, n);
-    return ep && (ep == a->exclude || ep->down_until > a->now || ep_probed(ep));
-}
-
-/* Directory mode: the directory picks the node (locality, load,
- * quarantine); NULL when the shard has no replica. */
-static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
-{
-    struct dir_avoid a = {ch, exclude, bex__rpc_now_ns()};
-    struct bex__dir_node *n;
-    if (bex__dir_pick_node(ch->dir, ch->service, ch->shard, ch->locality, dir_avoid_fn, &a, a.now,
-                           &n))
-        return NULL;
-    struct endpoint *ep = dir_ep_of(ch, n);
-    if (!ep && (ep = calloc(1, sizeof(*ep)))) {
-        bex_dir_replica r;
-        bex__dir_node_info(ch->dir, n, &r);
-        ep->addr = r.addr;
-        ep->transport = r.transport;
-        ep->node = n;
-        ep->refs = 1; /* the deps list's */
-        ep->dnext = ch->deps;
-        ch->deps = ep;
-    }
-    if (!ep) {
-        bex__dir_report_node(ch->dir, n, BEX_DIR_DONE, true, a.now);
-        return NULL;
-    }
-    return ep;
-}
-
-static int xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep);
-
-static _Atomic(void (*)(bex_sock *)) send_hook;
-
-void bex__rpc_send_hook(void (*fn)(bex_sock *s))
-{
-    atomic_store_explicit(&send_hook, fn, memory_order_release);
-}
-
-/* Send c on an endpoint (not exclude when there is another): on the
- * endpoint's link, or (a call with a destination) on a socket of its own
- * (xatt_open). Returns 0 or the error that kept the attempt from
- * starting; *step: that error was a connection failure that took a step
- * of the recovery ladder. A link found failed here fails now (link_fail:
- * its other calls go to done or elsewhere). */
-static int start_attempt(struct bex_rpc_channel *ch, struct call *c, const struct endpoint *exclude,
-                         bool *step, struct call **done)
-{
-    *step = false;
-    c->link = NULL;
-    c->attempt_deadline = 0;
-    if (c->dst) {
-        /* a fresh exposure per attempt, and never two at once: the last
-         * one is retired first (its socket closed, the attempt goes on
-         * when the exposure comes back: xatt_retired) */
-        if (c->xa)
-            xatt_end(c->xa);
-        if (c->xa && c->xa->armed) {
-            c->want_attempt = true;
-            return 0;
-        }
-    }
-    struct endpoint *ep = choose_ep(ch, exclude);
-    c->attempts++;
-    if (ch->dir) {
-        /* the new pick counts as outstanding; the old attempt's no more */
-        dir_release(ch, c);
-        if (!ep)
-            return -EHOSTUNREACH; /* c->ep stays: the last endpoint tried */
-        c->counted = ep;
-    }
-    c->ep = ep;
-    struct link *l = c->dst ? NULL : ep->cur;
-    int err = 0;
-    if (c->dst) {
-        err = xatt_open(ch, c, ep);
-        if (err)
-            *step = connect_refused(ch, ep, err);
-    } else if (!l) {
-        err = link_open(ch, ep, &l);
-        if (err)
-            *step = connect_refused(ch, ep, err);
-    }
-    if (!err && !c->dst) {
-        void (*hook)(bex_sock *) = atomic_load_explicit(&send_hook, memory_order_acquire);
-        if (hook)
-            hook(l->s);
-        err = bex_sock_send(l->s, c->msg, c->len, c);
-        if (err == -EPIPE) {
-            /* the connection failed and its failure callback is waiting
-             * for ch->mu: it fails now, as that callback would have it
-             * (the endpoint counted once, its node's connection failure
-             * reported, its link dropped), so that the retry sees the
-             * endpoint failed rather than finding this link again, and a
-             * quarantined replica is released for it when this was the
-             * shard's last one (src/rpc/dir.c, release_early) */
-            *step = link_fail(ch, l, err, done);
-            return err;
-        }
-    }
-    if (err) {
-        if (err != -EINVAL && err != -EMSGSIZE && err != -ENOMEM)
-            ep->down_until = ladder_down_until(ch, ep); /* the connection's fault */
-        return err;
-    }
-    ch->st.attempts++;
-    ep->attempts++;
-    if (exclude && ep != exclude)
-        ch->st.failovers++;
-    if (!c->dst) {
-        c->refs++;
-        c->link = l;
-    }
-    c->attempt_deadline = ch->attempt_ns ? bex__rpc_now_ns() + ch->attempt_ns : 0;
-    if (c->attempt_deadline && c->attempt_deadline < ch->timer_next)
-        pthread_cond_broadcast(&ch->cv);
-    return 0;
-}
-
-static bool retryable(int err, bool remote)
-{
-    if (remote)
-        return err == -EAGAIN || err == -EBUSY;
-    return err != -ENOMEM && err != -EINVAL && err != -EMSGSIZE;
-}
-
-/* Whether c may be tried again after err: attempts left, time left, the
- * coin, then the budget (only a retry that happens spends a token). */
-static bool may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote)
-{
-    if ((c->flags & BEX_RPC_CALL_NO_RETRY) || c->attempts - c->moves >= ch->max_attempts ||
-        !retryable(err, remote) || bex__rpc_now_ns() >= c->deadline || ch->destroying)
-        return false;
-    if (ch->retry_permille < 1000 && rnd(ch) % 1000 >= ch->retry_permille)
-        return false;
-    if (ch->tokens < 1000) {
-        ch->st.retry_throttled++;
-        return false;
-    }
-    ch->tokens -= 1000;
-    return true;
-}
-
-/* Whether the recovery ladder may move c after its connection failed:
- * as a retry, less the coin and the budget, and not counted against
- * max_attempts (bounded by the ladder's steps, and per call). */
-#define LADDER_MOVES_MAX 8
-static bool may_move(struct bex_rpc_channel *ch, struct call *c, int err)
-{
-    return !(c->flags & BEX_RPC_CALL_NO_RETRY) && ch->max_attempts > 1 &&
-           c->moves < LADDER_MOVES_MAX && retryable(err, false) &&
-           bex__rpc_now_ns() < c->deadline && !ch->destroying;
-}
-
-/* The current attempt of c failed with err: retry, or complete with err.
- * moved: its connection's failure took a step of the recovery ladder. */
-static void attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                              bool moved, struct call **done)
-{
-    if (!c->live)
-        return;
-    if (c->ep && c->link)
-        c->ep->failures++;
-    c->link = NULL;
-    c->attempt_deadline = 0;
-    if (err == -EIO)
-        c->in_doubt = true;
-    for (;;) {
-        bool mv = moved && may_move(ch, c, err);
-        if (!mv && !may_retry(ch, c, err, remote))
-            break;
-        ch->st.retries++;
-        if (mv) {
-            c->moves++;
-            ch->st.ladder_moves++;
-        }
-        int e = start_attempt(ch, c, c->ep, &moved, done);
-        if (!e)
-            return;
-        err = e;
-        remote = false;
-    }
-    /* a later attempt's failure to get there does not undo an earlier one
-     * that may have: the call stays in doubt */
-    if (!remote && c->in_doubt)
-        err = -EIO;
-    complete(ch, c, err, NULL, 0, remote ? K_REMOTE : K_CONN, done);
-}
-
-static void attempt_failed(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
-                           struct call **done)
-{
-    attempt_failed_ex(ch, c, err, remote, false, done);
-}
-
-/* ---- attempts with a destination (bex_rpc_call_into) ---- */
-
-static void x_on_connect(bex_sock *s, int status, void *user);
-static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user);
-static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
-                           void *user);
-static void x_on_error(bex_sock *s, int err, void *user);
-static void x_on_close(bex_sock *s, void *user);
-
-static const bex_sock_ops xatt_ops = {
-    .on_connect = x_on_connect,
-    .on_recv = x_on_recv,
-    .on_send_done = x_on_send_done,
-    .on_error = x_on_error,
-    .on_close = x_on_close,
-};
-
-/* c's attempt on ep (start_attempt picked it): a socket of its own on
- * the endpoint's connection as the ladder has it (joining the channel's
- * link's when there is one, the same options), which takes ladder steps,
- * counts and reports as a link does. */
-static int xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep)
-{
-    struct xatt *xa = calloc(1, sizeof(*xa));
-    if (!xa)
-        return -ENOMEM;
-    *xa = (struct xatt){.ch = ch, .c = c, .ep = ep};
-    bex_connect_opts o = ladder_connect(ch, ep, &xa->rung, &xa->tcp, &xa->gen);
-    int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &xatt_ops, xa, &o, &xa->s);
-    if (err) {
-        free(xa);
-        return err;
-    }
-    ep->refs++;
-    c->refs++;
-    c->xa = xa;
-    xa->probing = true;
-    ep->xprobing++;
-    return 0;
-}
-
-/* xa's exposure came back or was delivered: what waited for it goes on. */
-static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct call **done)
-{
-    struct call *c = xa->c;
-    if (xa->armed || c->xa != xa)
-        return;
-    if (c->parked) {
-        c->parked = false;
-        c->dnext = *done;
-        *done = c;
-    } else if (c->want_attempt && c->live) {
-        c->want_attempt = false;
-        bool step;
-        int err = start_attempt(ch, c, c->ep, &step, done);
-        if (err)
-            attempt_failed_ex(ch, c, err, false, step, done);
-    }
-}
-
-/* xa's attempt failed with err: retry or complete, if it is still the
- * call's current one. conn: its connection failed (as a link's failure:
- * the ladder, the counters, the directory; the calls it moves spend no
- * budget), not only this socket (a malformed answer, a refused message). */
-static void xatt_failed(struct bex_rpc_channel *ch, struct xatt *xa, int err, bool conn,
-                        struct call **done)
-{
-    struct call *c = xa->c;
-    xatt_end(xa);
-    if (c->xa != xa || !c->live || c->want_attempt)
-        return;
-    bool moved = conn && ep_conn_failed(ch, xa->ep, xa->rung, xa->gen, err);
-    xa->ep->failures++;
-    attempt_failed_ex(ch, c, err, false, moved, done);
-}
-
-static void x_on_connect(bex_sock *s, int status, void *user)
-{
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    /* a connection the ladder made proves itself by an answer */
-    if (status || xa->rung == BEX_RPC_LADDER_OK)
-        xatt_probed(xa);
-    if (!status && xa->rung == BEX_RPC_LADDER_OK)
-        ep_reachable(ch, xa->ep);
-    if (status) {
-        xatt_failed(ch, xa, status, true, &done);
-    } else if (!xa->closing && c->xa == xa && c->live) {
-        /* over RDMA the answer is written into the destination (header
-         * in its room, then the body); over TCP, where an exposed buffer
-         * must be written whole, it comes as a message and is copied */
-        struct bex__rpc_dest d = {.cap = (uint32_t)c->cap};
-        int err = 0;
-        if (bex_sock_transport(s) == BEX_TRANSPORT_RDMA) {
-            bex_remote_buf rb;
-            err = bex_sock_expose(s, bex__rpc_hdr_of(c->dst), (uint32_t)(c->cap + BEX_RPC_HDR_LEN),
-                                  &xa->armed, &rb);
-            if (!err) {
-                xa->armed = true;
-                d = (struct bex__rpc_dest){rb.addr, rb.rkey, rb.token, (uint32_t)c->cap};
-            }
-        }
-        uint8_t *m = err ? NULL : bex_sock_alloc(ch->ctx, BEX_RPC_HDR_LEN + BEX__RPC_DEST_LEN);
-        if (!err && !m)
-            err = -ENOMEM;
-        if (!err) {
-            struct bex__rpc_hdr h;
-            const char *why;
-            bex__rpc_hdr_decode(c->msg, c->len, &h, &why); /* ours: well-formed */
-            h.kind = BEX__RPC_DEST;
-            h.flags = 0;
-            h.body_len = BEX__RPC_DEST_LEN;
-            h.timeout_ms = 0;
-            bex__rpc_hdr_encode(&h, m);
-            bex__rpc_dest_encode(&d, m + BEX_RPC_HDR_LEN);
-            err = bex_sock_send(s, m, BEX_RPC_HDR_LEN + BEX__RPC_DEST_LEN, &xa->dest_tag);
-            if (err)
-                bex_mem_free(m);
-        }
-        if (!err) {
-            err = bex_sock_send(s, c->msg, c->len, c);
-            if (!err)
-                c->refs++;
-        }
-        if (err)
-            xatt_failed(ch, xa, err, false, &done);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-}
-
-static void x_on_error(bex_sock *s, int err, void *user)
-{
-    (void)s;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    /* the socket layer handed the exposure back before this */
-    xatt_failed(ch, xa, err ? err : -ECONNRESET, true, &done);
-    xatt_retired(ch, xa, &done);
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-}
-
-static void x_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status,
-                           void *user)
-{
-    (void)s;
-    (void)len;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (msg_user == &xa->armed) {
-        /* the exposure came back undelivered: retired */
-        xa->armed = false;
-        xatt_retired(ch, xa, &done);
-    } else {
-        if (msg_user == &xa->dest_tag)
-            bex_mem_free(buf);
-        else
-            call_put(ch, c); /* the request: c->msg stays the call's */
-        /* refused by the peer: this attempt's; not delivered or in
-         * doubt: the connection failed */
-        if (status)
-            xatt_failed(ch, xa, status == -ECANCELED ? -ECONNRESET : status,
-                        status != -ENOMEM && status != -EMSGSIZE, &done);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-}
-
-/* An answer on an attempt's socket: written into the destination (buf is
- * its header room; len the exposed length) or a message (copied into the
- * destination). A write into a destination that names another call, or
- * a body longer than the destination, is a hostile or broken server:
- * refused like a malformed answer. */
-static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
-{
-    (void)s;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    bool into = (uint8_t *)buf == bex__rpc_hdr_of(c->dst);
-    if (into) {
-        xa->armed = false; /* delivered: the socket layer revoked its key */
-        size_t blen = bex__rpc_hdr_body_len(buf);
-        len = blen <= c->cap ? blen + BEX_RPC_HDR_LEN : 0;
-    }
-    struct bex__rpc_hdr h;
-    const char *why = NULL;
-    int err = len ? bex__rpc_hdr_decode(buf, len, &h, &why) : -EBADMSG;
-    if (!len)
-        why = "an answer longer than the destination";
-    else if (!err && (h.kind == BEX__RPC_REQUEST || h.kind == BEX__RPC_DEST))
-        why = "a request on a client connection";
-    else if (!err && h.client_id != ch->client_id)
-        why = "another client's id";
-    else if (!err && (h.call_id != c->id || h.service != c->service || h.method != c->method))
-        why = into ? "a write into another call's destination" : "an answer naming another call";
-    bool current = c->xa == xa && c->live && !c->want_attempt;
-    if (why) {
-        ch->st.bad_header++;
-        if (!xa->closing)
-            bex__log(ch->log, BEX_LOG_WARN,
-                     "rpc channel %s: malformed answer (%s): attempt's socket closed", ch->name,
-                     why);
-        xatt_failed(ch, xa, -EPROTO, false, &done);
-    } else {
-        /* the connection works, at the step it was made at */
-        ep_answered(ch, xa->ep, xa->tcp, h.status, current);
-        xatt_probed(xa);
-        ep_reachable(ch, xa->ep);
-        ladder_proven(ch, xa->ep, xa->rung);
-        if (!current) {
-            ch->st.late_responses++;
-        } else {
-            xatt_end(xa); /* one answer per attempt */
-            size_t blen = h.body_len;
-            if (h.status && retryable(h.status, true)) {
-                attempt_failed(ch, c, h.status, true, &done);
-            } else if (!into && blen > c->cap) {
-                /* a server that did not check: nothing is copied */
-                complete(ch, c, -EMSGSIZE, c->dst, 0, K_REMOTE, &done);
-            } else {
-                if (!into && blen)
-                    memcpy(c->dst, (uint8_t *)buf + BEX_RPC_HDR_LEN, blen);
-                complete(ch, c, h.status, c->dst, blen, h.status ? K_REMOTE : K_OK, &done);
-            }
-        }
-    }
-    if (into)
-        xatt_retired(ch, xa, &done);
-    pthread_mutex_unlock(&ch->mu);
-    if (!into)
-        bex_mem_free(buf);
-    run_done(ch, done);
-}
-
-static void x_on_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct xatt *xa = user;
-    struct bex_rpc_channel *ch = xa->ch;
-    struct call *c = xa->c, *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    xa->armed = false; /* exposures come back before on_close */
-    xatt_probed(xa);
-    xatt_retired(ch, xa, &done);
-    if (c->xa == xa)
-        c->xa = NULL;
-    ep_put(xa->ep);
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-    pthread_mutex_lock(&ch->mu);
-    call_put(ch, c);
-    pthread_cond_broadcast(&ch->cv);
-    pthread_mutex_unlock(&ch->mu);
-    free(xa);
-}
-
-/* The attempts with a destination out on ep end as if their connection
- * failed with err (ep removed from the list or the directory). */
-static void xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep, int err,
-                         struct call **done)
-{
-    /* completing a call unlinks it alone: the saved next stays valid */
-    for (struct call *c = ch->live, *n; c; c = n) {
-        n = c->next;
-        if (c->xa && c->xa->ep == ep && !c->xa->closing)
-            xatt_failed(ch, c->xa, err, false, done);
-    }
-}
-
-/* ---- socket callbacks (I/O thread) ---- */
-
-/* A connection to ep is up (or, when the ladder made it, answered): the
- * endpoint is no longer suspect. */
-static void ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep)
-{
-    if (ep->suspect) {
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
-        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again", ch->name,
-                 a, ntohs(ep->addr.sin_port));
-    }
-    ep->suspect = false;
-}
-
-static void on_connect(bex_sock *s, int status, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (status) {
-        link_fail(ch, l, status, &done);
-    } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
-        l->state = L_UP; /* its ping must be answered within probe_ns from now */
-        l->t_start = bex__rpc_now_ns();
-        if (l->t_start + ch->probe_ns < ch->timer_next)
-            pthread_cond_broadcast(&ch->cv);
-    } else if (l->state == L_CONNECTING) {
-        l->state = L_UP;
-        ep_reachable(ch, l->ep);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-}
-
-static void on_error(bex_sock *s, int err, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    link_fail(ch, l, err ? err : -ECONNRESET, &done);
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-}
-
-static void on_close(bex_sock *s, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    pthread_mutex_lock(&ch->mu);
-    struct link **pp = &ch->links;
-    while (*pp != l)
-        pp = &(*pp)->next;
-    *pp = l->next;
-    if (l->ep->cur == l)
-        l->ep->cur = NULL;
-    ep_put(l->ep);
-    /* calls still naming l as their attempt's link are failed by now
-     * (link_fail ran before the close), so nothing points to l */
-    pthread_cond_broadcast(&ch->cv);
-    pthread_mutex_unlock(&ch->mu);
-    free(l);
-}
-
-static void on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, int status, void *user)
-{
-    (void)s;
-    (void)buf;
-    (void)len;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *c = msg_user;
-    struct call *done = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (msg_user == (void *)l) { /* a ping */
-        bex_mem_free(buf);
-        /* refused by the peer: the link failed its proof; not delivered
-         * or in doubt: the connection failed, and on_connect or on_error
-         * says how */
-        if (status == -ENOMEM || status == -EMSGSIZE)
-            link_fail(ch, l, status, &done);
-        pthread_mutex_unlock(&ch->mu);
-        run_done(ch, done);
-        return;
-    }
-    if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_CONNECTING) {
-        /* the connection failed before it was up: on_connect follows and
-         * says why (the calls on it move then) */
-    } else if (status && status != -ENOMEM && status != -EMSGSIZE && l->state == L_UP) {
-        /* not delivered, or in doubt: the connection failed (its on_error
-         * follows the sends it hands back), and with it every call on it */
-        link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
-    } else if (status && c->live && c->link == l) {
-        attempt_failed(ch, c, status, false, &done);
-    }
-    call_put(ch, c);
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-}
-
-static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
-{
-    (void)s;
-    struct link *l = user;
-    struct bex_rpc_channel *ch = l->ch;
-    struct call *done = NULL;
-    struct bex__rpc_hdr h;
-    const char *why = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (l->bad) {
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        return;
-    }
-    int err = bex__rpc_hdr_decode(buf, len, &h, &why);
-    struct call *c = NULL;
-    bool ping = !err && (h.call_id >> 63); /* our probes' ids; calls count from 1 */
-    if (!err && h.kind == BEX__RPC_REQUEST)
-        why = "a request on a client connection";
-    else if (!err && h.client_id != ch->client_id)
-        why = "another client's id";
-    else if (ping && (h.service != BEX_RPC_SERVICE_PING || h.method != 0))
-        why = "an answer naming another method";
-    if (!why && !ping) {
-        c = call_find(ch, h.call_id);
-        if (c && (c->service != h.service || c->method != h.method))
-            why = "an answer naming another method";
-    }
-    if (why) {
-        ch->st.bad_header++;
-        l->bad = true;
-        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: malformed answer (%s): connection closed",
-                 ch->name, why);
-        link_fail(ch, l, -EPROTO, &done);
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        run_done(ch, done);
-        return;
-    }
-    if (!l->proven && l->state != L_FAILED) /* a failed one proves nothing any more */
-        link_proven(ch, l);
-    if (ping) {
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        return;
-    }
-    ep_answered(ch, l->ep, l->tcp, h.status, c != NULL);
-    if (!c) {
-        ch->st.late_responses++; /* completed already: timed out, cancelled */
-        pthread_mutex_unlock(&ch->mu);
-        bex_mem_free(buf);
-        return;
-    }
-    size_t blen = len - BEX_RPC_HDR_LEN;
-    void *body = blen ? (uint8_t *)buf + BEX_RPC_HDR_LEN : NULL;
-    if (!blen)
-        bex_mem_free(buf);
-    if (h.status && retryable(h.status, true) && c->link == l) {
-        bex_rpc_free(body);
-        attempt_failed(ch, c, h.status, true, &done);
-    } else if (h.status && retryable(h.status, true)) {
-        /* an earlier attempt's refusal: the current attempt may still do */
-        bex_rpc_free(body);
-    } else {
-        complete(ch, c, h.status, body, blen, h.status ? K_REMOTE : K_OK, &done);
-    }
-    pthread_mutex_unlock(&ch->mu);
-    run_done(ch, done);
-}
-
-/* Directory mode: after the directory changed, close the connections to
- * nodes the shard no longer lists (a server deregistered, a file
- * reloaded); the calls out on them are retried on the others, as after
- * bex_rpc_channel_set_endpoints. Runs on the timer thread, so within about
- * a second of the change. */
-static void dir_prune(struct bex_rpc_channel *ch, struct call **done)
-{
-    uint64_t g = bex_dir_generation(ch->dir);
-    if (g == ch->dir_gen)
-        return;
-    ch->dir_gen = g;
-    /* a retry may prepend an endpoint to deps: the walk goes on safely */
-    for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext) {
-        if ((ep->cur || ep->probe) &&
-            !bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node)) {
-            if (ep->cur)
-                link_fail(ch, ep->cur, -ECONNABORTED, done);
-            if (ep->probe)
-                link_fail(ch, ep->probe, -ECONNABORTED, done);
-        }
-        if (!bex__dir_in_shard(ch->dir, ch->service, ch->shard, ep->node))
-            xatt_fail_ep(ch, ep, -ECONNABORTED, done);
-    }
-}
-
-/* Step 3: try RDMA to ep again, on a connection of its own carrying a
- * ping (BEX_RPC_SERVICE_PING) and no call; explicitly RDMA, so that the
- * socket layer's own fallback cannot pass TCP off as RDMA. */
-static void probe_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct call **done)
-{
-    ch->st.rdma_retries++;
-    ep->rdma_retry_at = bex__rpc_now_ns() + ch->rdma_retry_ns; /* unless it works */
-    struct link *l = calloc(1, sizeof(*l));
-    int err = -ENOMEM;
-    if (!l)
-        goto fail;
-    *l = (struct link){.ch = ch,
-                       .ep = ep,
-                       .state = L_CONNECTING,
-                       .t_start = bex__rpc_now_ns(),
-                       .rung = ep->rung,
-                       .gen = ep->fail_gen,
-                       .probe = true};
-    bex_connect_opts o = {.flags = BEX_CONNECT_TRANSPORT, .transport = BEX_TRANSPORT_RDMA};
-    err = bex_sock_connect_opts(ch->ctx, &ep->addr, &link_ops, l, &o, &l->s);
-    if (err)
-        goto fail;
-    ep->refs++;
-    l->next = ch->links;
-    ch->links = l;
-    ep->probe = l;
-    err = send_ping(ch, l);
-    if (err)
-        link_fail(ch, l, err, done);
-    return;
-
-fail:
-    free(l);
-    ladder_log(ch, ep, BEX_LOG_INFO,
-               "RDMA still unusable (%s): staying on TCP, next try in %llu ms", bex_strerror(err),
-               (unsigned long long)(ch->rdma_retry_ns / 1000000ull));
-}
-
-static bool link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
-{
-    for (const struct call *c = ch->live; c; c = c->next)
-        if (c->link == l)
-            return true;
-    return false;
-}
-
-/* The ladder's timed work for ep: step 3's RDMA retries. Returns when it
- * is next due (0: nothing). */
-static uint64_t ladder_tick(struct bex_rpc_channel *ch, struct endpoint *ep, uint64_t now,
-                            struct call **done)
-{
-    if (ep->rung != BEX_RPC_LADDER_TCP || ep->probe)
-        return 0;
-    if (now < ep->rdma_retry_at)
-        return ep->rdma_retry_at;
-    probe_open(ch, ep, done);
-    return ep->probe ? 0 : ep->rdma_retry_at;
-}
-
-/* ---- timer thread: deadlines, attempt timeouts, Tc, the ladder ---- */
-
-/* c's attempt passed attempt_timeout_ms: a failure of it for the
- * endpoint's counters and the directory, and a retry when the call may
- * have one (attempts, deadline, coin, budget), on another endpoint when
- * there is one. A link's attempt stays out (its answer is still taken);
- * an attempt with a destination is abandoned (start_attempt ends it), as
- * two would share the destination, and the retry exposes it afresh once
- * the transport no longer writes it. With no retry the attempt stays out
- * until the call's deadline. */
-static void attempt_timed_out(struct bex_rpc_channel *ch, struct call *c, struct call **done)
-{
-    c->attempt_deadline = 0;
-    struct link *pl = c->link;
-    struct endpoint *pe = c->ep;
-    if (pe)
-        pe->failures++;
-    dir_report(ch, pe, BEX_DIR_REQ_FAIL);
-    if (!may_retry(ch, c, -ETIMEDOUT, false))
-        return;
-    ch->st.retries++;
-    bool step;
-    int err = start_attempt(ch, c, pe, &step, done);
-    if (!err)
-        return;
-    if (c->dst) {
-        attempt_failed_ex(ch, c, err, false, step, done); /* the first one was ended */
-    } else if (!pl || pl->state == L_FAILED) {
-        /* its link was found failed by the retry (start_attempt failed it
-         * while the call was on none): nothing answers the first any more */
-        c->ep = pe;
-        attempt_failed_ex(ch, c, err, false, step, done);
-    } else {
-        /* no second attempt now: the first may still answer */
-        c->link = pl;
-        c->ep = pe;
-    }
-}
-
-static void *timer_main(void *arg)
-{
-    struct bex_rpc_channel *ch = arg;
-    pthread_mutex_lock(&ch->mu);
-    while (!ch->stop) {
-        uint64_t now = bex__rpc_now_ns();
-        uint64_t next = now + 1000000000ull;
-        struct call *done = NULL;
-        if (ch->dir)
-            dir_prune(ch, &done);
-        for (struct link *l = ch->links; l; l = l->next) {
-            if (l->retiring && l->state != L_FAILED && !link_has_calls(ch, l)) {
-                l->state = L_FAILED; /* not a failure: nothing to count */
-                bex_sock_close(l->s);
-                continue;
-            }
-            /* up within Tc; the ladder's, then its ping answered within
-             * probe_ns */
-            uint64_t due;
-            if (l->state == L_CONNECTING)
-                due = l->t_start + ch->tc_ns;
-            else if (l->ping && !l->proven && l->state == L_UP)
-                due = l->t_start + ch->probe_ns;
-            else
-                continue;
-            if (now >= due)
-                link_fail(ch, l, -ETIMEDOUT, &done);
-            else if (due < next)
-                next = due;
-        }
-        for (size_t i = 0; i < ch->n_eps; i++) {
-            uint64_t due = ladder_tick(ch, ch->eps[i], now, &done);
-            if (due && due < next)
-                next = due;
-        }
-        for (struct endpoint *ep = ch->deps; ep; ep = ep->dnext) {
-            uint64_t due = ladder_tick(ch, ep, now, &done);
-            if (due && due < next)
-                next = due;
-        }
-        for (struct call *c = ch->live, *n; c; c = n) {
-            n = c->next;
-            if (now >= c->deadline) {
-                complete(ch, c, -ETIMEDOUT, NULL, 0, K_TIMEOUT, &done);
-                continue;
-            }
-            if (c->attempt_deadline && now >= c->attempt_deadline)
-                attempt_timed_out(ch, c, &done);
-            if (c->live && c->deadline < next)
-                next = c->deadline;
-            if (c->live && c->attempt_deadline && c->attempt_deadline < next)
-                next = c->attempt_deadline;
-        }
-        if (done) {
-            pthread_mutex_unlock(&ch->mu);
-            run_done(ch, done);
-            pthread_mutex_lock(&ch->mu);
-            continue;
-        }
-        ch->timer_next = next;
-        uint64_t until = bex__rpc_clock_sleep_until(next);
-        struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
-        pthread_cond_timedwait(&ch->cv, &ch->mu, &ts);
-        ch->timer_next = 0;
-    }
-    pthread_mutex_unlock(&ch->mu);
-    return NULL;
-}
-
-/* ---- API ---- */
-
 int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out)
 {
     bool dir = cfg && cfg->dir;
@@ -1695,6 +132,8 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     struct bex_rpc_channel *ch = calloc(1, sizeof(*ch));
     if (!ch)
         return -ENOMEM;
+    bex__list_init(&ch->live);
+    bex__list_init(&ch->links);
     memcpy(ch->tok, tok, sizeof tok);
     int err = -ENOMEM;
     ch->ctx = ctx;
@@ -1733,7 +172,7 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&ch->cv, &ca);
     pthread_condattr_destroy(&ca);
-    err = -pthread_create(&ch->timer, NULL, timer_main, ch);
+    err = -pthread_create(&ch->timer, NULL, bex__rpc_timer_main, ch);
     if (err)
         goto err_sync;
     *out = ch;
@@ -1741,11 +180,12 @@ int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_
 
 err_sync:
     pthread_cond_destroy(&ch->cv);
+    bex__hmap_free(&ch->calls);
     pthread_mutex_destroy(&ch->mu);
 err_free:
     if (ch->eps)
         for (size_t i = 0; i < ch->n_eps; i++)
-            ep_put(ch->eps[i]);
+            bex__rpc_ep_put(ch->eps[i]);
     free(ch->eps);
     free(ch->service);
     free(ch->locality);
@@ -1785,6 +225,26 @@ int bex_rpc_call_into(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     return call_start(ch, service, method, body, len, dst, cap, opts, done, user, call_id);
 }
 
+/* c's request header, in front of its body: written once, so every
+ * attempt sends these same bytes (the same client id, token and sequence,
+ * whatever the connection), and attempts may be out at once. */
+static void call_encode(bex_rpc_channel *ch, struct call *c, size_t len, uint64_t tmo_ns)
+{
+    struct bex__rpc_hdr h = {
+        .kind = BEX__RPC_REQUEST,
+        .flags = c->dst ? BEX__RPC_F_DEST : 0,
+        .service = c->service,
+        .method = c->method,
+        .call_id = c->id,
+        .client_id = ch->client_id,
+        .seq = ++ch->next_seq,
+        .body_len = (uint32_t)len,
+        .timeout_ms = (uint32_t)(tmo_ns / 1000000ull),
+    };
+    memcpy(h.tok, ch->tok, sizeof h.tok);
+    bex__rpc_hdr_encode(&h, c->msg);
+}
+
 static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
                       size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
                       bex_rpc_done_fn done, void *user, uint64_t *call_id)
@@ -1822,7 +282,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         .t_start = now,
         .deadline = now + tmo_ns,
         .refs = 1,
-        .live = true,
+        .state = CALL_LIVE,
         .dst = dst,
         .cap = cap,
     };
@@ -1836,31 +296,18 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         return -EPIPE;
     }
     c->id = ++ch->next_id;
-    struct bex__rpc_hdr h = {
-        .kind = BEX__RPC_REQUEST,
-        .flags = dst ? BEX__RPC_F_DEST : 0,
-        .service = service,
-        .method = method,
-        .call_id = c->id,
-        .client_id = ch->client_id,
-        .seq = ++ch->next_seq,
-        .body_len = (uint32_t)len,
-        .timeout_ms = (uint32_t)(tmo_ns / 1000000ull),
-    };
-    memcpy(h.tok, ch->tok, sizeof h.tok);
-    /* written once: every attempt sends these same bytes (the same
-     * client id, token and sequence, whatever the connection), and
-     * attempts may be out at once */
-    bex__rpc_hdr_encode(&h, c->msg);
+    if (bex__hmap_put(&ch->calls, c->id, c) != 0) {
+        pthread_mutex_unlock(&ch->mu);
+        free(c);
+        if (own_body)
+            bex_rpc_free(body);
+        return -ENOMEM;
+    }
+    call_encode(ch, c, len, tmo_ns);
     ch->tokens += ch->budget_permille;
     if (ch->tokens > (int64_t)ch->budget_burst * 1000)
         ch->tokens = (int64_t)ch->budget_burst * 1000;
-    c->hnext = ch->htab[bucket(c->id)];
-    ch->htab[bucket(c->id)] = c;
-    c->next = ch->live;
-    if (c->next)
-        c->next->prev = c;
-    ch->live = c;
+    bex__list_push_head(&ch->live, &c->lnode);
     ch->n_calls++;
     ch->st.calls++;
     if (call_id)
@@ -1868,11 +315,11 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     if (c->deadline < ch->timer_next || !ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
     bool step;
-    int err = start_attempt(ch, c, NULL, &step, &dl);
+    int err = bex__rpc_start_attempt(ch, c, NULL, &step, &dl);
     if (err)
-        attempt_failed_ex(ch, c, err, false, step, &dl);
+        bex__rpc_attempt_failed_ex(ch, c, err, false, step, &dl);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     return 0;
 }
 
@@ -1882,11 +329,11 @@ int bex_rpc_cancel(bex_rpc_channel *ch, uint64_t call_id)
         return -EINVAL;
     struct call *dl = NULL;
     pthread_mutex_lock(&ch->mu);
-    struct call *c = call_find(ch, call_id);
+    struct call *c = bex__rpc_call_find(ch, call_id);
     if (c)
-        complete(ch, c, -ECANCELED, NULL, 0, K_CANCEL, &dl);
+        bex__rpc_complete(ch, c, -ECANCELED, NULL, 0, K_CANCEL, &dl);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     return c ? 0 : -ENOENT;
 }
 
@@ -1915,19 +362,23 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
             continue;
         /* removed: no call may name it as the one to avoid, its connection
          * goes and the calls on it are tried on the new list */
-        for (struct call *c = ch->live; c; c = c->next)
+        struct bex__list *pos;
+        bex__list_foreach(pos, &ch->live)
+        {
+            struct call *c = bex__list_entry(pos, struct call, lnode);
             if (c->ep == old[k])
                 c->ep = NULL;
+        }
         if (old[k]->cur)
-            link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
+            bex__rpc_link_fail(ch, old[k]->cur, -ECONNABORTED, &dl);
         if (old[k]->probe)
-            link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
-        xatt_fail_ep(ch, old[k], -ECONNABORTED, &dl);
-        ep_put(old[k]);
+            bex__rpc_link_fail(ch, old[k]->probe, -ECONNABORTED, &dl);
+        bex__rpc_xatt_fail_ep(ch, old[k], -ECONNABORTED, &dl);
+        bex__rpc_ep_put(old[k]);
     }
     free(old);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     return 0;
 }
 
@@ -1988,32 +439,35 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     struct call *dl = NULL;
     pthread_mutex_lock(&ch->mu);
     ch->destroying = true;
-    while (ch->live)
-        complete(ch, ch->live, -ECANCELED, NULL, 0, K_CANCEL, &dl);
-    for (struct link *l = ch->links; l; l = l->next)
-        link_fail(ch, l, -ECANCELED, &dl);
+    while (!bex__list_empty(&ch->live))
+        bex__rpc_complete(ch, bex__list_entry(ch->live.next, struct call, lnode), -ECANCELED, NULL,
+                          0, K_CANCEL, &dl);
+    struct bex__list *pos;
+    bex__list_foreach(pos, &ch->links)
+        bex__rpc_link_fail(ch, bex__list_entry(pos, struct link, lnode), -ECANCELED, &dl);
     ch->stop = true;
     pthread_cond_broadcast(&ch->cv);
     pthread_mutex_unlock(&ch->mu);
-    run_done(ch, dl);
+    bex__rpc_run_done(ch, dl);
     pthread_join(ch->timer, NULL);
     pthread_mutex_lock(&ch->mu);
-    /* every socket's on_close, and with it every send's on_send_done */
-    while (ch->links || ch->n_calls)
+    /* every socket's bex__rpc_on_close, and with it every send's bex__rpc_on_send_done */
+    while (!bex__list_empty(&ch->links) || ch->n_calls)
         pthread_cond_wait(&ch->cv, &ch->mu);
     pthread_mutex_unlock(&ch->mu);
     for (size_t i = 0; i < ch->n_eps; i++)
-        ep_put(ch->eps[i]);
+        bex__rpc_ep_put(ch->eps[i]);
     free(ch->eps);
     while (ch->deps) {
         struct endpoint *n = ch->deps->dnext;
-        ep_put(ch->deps);
+        bex__rpc_ep_put(ch->deps);
         ch->deps = n;
     }
     free(ch->service);
     free(ch->locality);
     free(ch->name);
     pthread_cond_destroy(&ch->cv);
+    bex__hmap_free(&ch->calls);
     pthread_mutex_destroy(&ch->mu);
     free(ch);
     return 0;
@@ -2065,6 +519,70 @@ size_t bex_rpc_channel_endpoint_stats(bex_rpc_channel *ch, bex_rpc_endpoint_stat
     return n;
 }
 
+static void chan_label(const void *obj, const void *name, char *labels, size_t cap)
+{
+    (void)obj;
+    snprintf(labels, cap, "channel=\"%s\"", (const char *)name);
+}
+
+static void ep_label(const void *obj, const void *name, char *labels, size_t cap)
+{
+    const bex_rpc_endpoint_stats *e = obj;
+    char ip[INET_ADDRSTRLEN], loc[160];
+    inet_ntop(AF_INET, &e->addr.sin_addr, ip, sizeof ip);
+    bex__prom_escape(e->locality, loc, sizeof loc);
+    snprintf(labels, cap, "channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"", (const char *)name,
+             ip, ntohs(e->addr.sin_port), loc);
+}
+
+static const struct bex__prom_ctr chan_ctrs[] = {
+    {"bex_rpc_calls_total", "Calls accepted", offsetof(bex_rpc_channel_stats, calls)},
+    {"bex_rpc_ok_total", "Calls completed with status 0", offsetof(bex_rpc_channel_stats, ok)},
+    {"bex_rpc_attempts_total", "Requests sent, retries included",
+     offsetof(bex_rpc_channel_stats, attempts)},
+    {"bex_rpc_retries_total", "Attempts after the first", offsetof(bex_rpc_channel_stats, retries)},
+    {"bex_rpc_retry_throttled_total", "Retries refused by the retry budget",
+     offsetof(bex_rpc_channel_stats, retry_throttled)},
+    {"bex_rpc_late_responses_total", "Answers to completed calls, dropped",
+     offsetof(bex_rpc_channel_stats, late_responses)},
+    {"bex_rpc_bad_header_total", "Connections closed for a malformed answer",
+     offsetof(bex_rpc_channel_stats, bad_header)},
+    {"bex_rpc_conn_failures_total", "Connections failed or timed out",
+     offsetof(bex_rpc_channel_stats, conn_failures)},
+    {"bex_rpc_failovers_total", "Retries sent to another endpoint",
+     offsetof(bex_rpc_channel_stats, failovers)},
+    {"bex_rpc_endpoints_down_total", "Endpoints that went from reachable to failed",
+     offsetof(bex_rpc_channel_stats, endpoints_down)},
+    {"bex_rpc_ladder_reconnects_total", "Recovery ladder step 1: reconnections",
+     offsetof(bex_rpc_channel_stats, ladder_reconnects)},
+    {"bex_rpc_ladder_replicas_total",
+     "Recovery ladder step 2: reconnections failed, other replicas first",
+     offsetof(bex_rpc_channel_stats, ladder_replicas)},
+    {"bex_rpc_ladder_tcp_total", "Recovery ladder step 3: RDMA endpoints reached over TCP",
+     offsetof(bex_rpc_channel_stats, ladder_tcp)},
+    {"bex_rpc_ladder_recovered_total", "Reconnections (step 1) that worked",
+     offsetof(bex_rpc_channel_stats, ladder_recovered)},
+    {"bex_rpc_ladder_moves_total", "Calls moved off a failed connection by a ladder step",
+     offsetof(bex_rpc_channel_stats, ladder_moves)},
+    {"bex_rpc_rdma_retries_total", "RDMA probes from the TCP fallback",
+     offsetof(bex_rpc_channel_stats, rdma_retries)},
+    {"bex_rpc_rdma_restored_total", "RDMA probes that worked: endpoints back on RDMA",
+     offsetof(bex_rpc_channel_stats, rdma_restored)},
+};
+
+static const struct bex__prom_ctr ep_ctrs[] = {
+    {"bex_rpc_endpoint_attempts_total", "Attempts sent to the endpoint",
+     offsetof(bex_rpc_endpoint_stats, attempts)},
+    {"bex_rpc_endpoint_answers_total", "Answers received from the endpoint",
+     offsetof(bex_rpc_endpoint_stats, answers)},
+    {"bex_rpc_endpoint_failures_total", "Attempts to the endpoint that failed or timed out",
+     offsetof(bex_rpc_endpoint_stats, failures)},
+    {"bex_rpc_endpoint_conn_failures_total", "Connections to the endpoint that failed",
+     offsetof(bex_rpc_endpoint_stats, conn_failures)},
+    {"bex_rpc_endpoint_tcp_answers_total", "Answers over the recovery ladder's TCP fallback",
+     offsetof(bex_rpc_endpoint_stats, tcp_answers)},
+};
+
 int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
 {
     bex_rpc_channel_stats s;
@@ -2076,50 +594,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     bex__prom_escape(ch->name, name, sizeof name);
     struct bex__prom o = {buf, cap, 0};
 #define OUT(...) bex__prom_printf(&o, __VA_ARGS__)
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ctrs[] = {
-        {"bex_rpc_calls_total", "Calls accepted", offsetof(bex_rpc_channel_stats, calls)},
-        {"bex_rpc_ok_total", "Calls completed with status 0", offsetof(bex_rpc_channel_stats, ok)},
-        {"bex_rpc_attempts_total", "Requests sent, retries included",
-         offsetof(bex_rpc_channel_stats, attempts)},
-        {"bex_rpc_retries_total", "Attempts after the first",
-         offsetof(bex_rpc_channel_stats, retries)},
-        {"bex_rpc_retry_throttled_total", "Retries refused by the retry budget",
-         offsetof(bex_rpc_channel_stats, retry_throttled)},
-        {"bex_rpc_late_responses_total", "Answers to completed calls, dropped",
-         offsetof(bex_rpc_channel_stats, late_responses)},
-        {"bex_rpc_bad_header_total", "Connections closed for a malformed answer",
-         offsetof(bex_rpc_channel_stats, bad_header)},
-        {"bex_rpc_conn_failures_total", "Connections failed or timed out",
-         offsetof(bex_rpc_channel_stats, conn_failures)},
-        {"bex_rpc_failovers_total", "Retries sent to another endpoint",
-         offsetof(bex_rpc_channel_stats, failovers)},
-        {"bex_rpc_endpoints_down_total", "Endpoints that went from reachable to failed",
-         offsetof(bex_rpc_channel_stats, endpoints_down)},
-        {"bex_rpc_ladder_reconnects_total", "Recovery ladder step 1: reconnections",
-         offsetof(bex_rpc_channel_stats, ladder_reconnects)},
-        {"bex_rpc_ladder_replicas_total",
-         "Recovery ladder step 2: reconnections failed, other replicas first",
-         offsetof(bex_rpc_channel_stats, ladder_replicas)},
-        {"bex_rpc_ladder_tcp_total", "Recovery ladder step 3: RDMA endpoints reached over TCP",
-         offsetof(bex_rpc_channel_stats, ladder_tcp)},
-        {"bex_rpc_ladder_recovered_total", "Reconnections (step 1) that worked",
-         offsetof(bex_rpc_channel_stats, ladder_recovered)},
-        {"bex_rpc_ladder_moves_total", "Calls moved off a failed connection by a ladder step",
-         offsetof(bex_rpc_channel_stats, ladder_moves)},
-        {"bex_rpc_rdma_retries_total", "RDMA probes from the TCP fallback",
-         offsetof(bex_rpc_channel_stats, rdma_retries)},
-        {"bex_rpc_rdma_restored_total", "RDMA probes that worked: endpoints back on RDMA",
-         offsetof(bex_rpc_channel_stats, rdma_restored)},
-    };
-    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
-        uint64_t v;
-        memcpy(&v, (const char *)&s + ctrs[i].off, sizeof v);
-        OUT("# HELP %s %s.\n# TYPE %s counter\n%s{channel=\"%s\"} %llu\n", ctrs[i].metric,
-            ctrs[i].help, ctrs[i].metric, ctrs[i].metric, name, (unsigned long long)v);
-    }
+    struct bex__prom_array one = {&s, 1, sizeof s, chan_label, name};
+    bex__prom_counters(&o, chan_ctrs, ARRAY_SIZE(chan_ctrs), bex__prom_array_next, &one);
     OUT("# HELP bex_rpc_failures_total Calls completed with an error, by kind.\n"
         "# TYPE bex_rpc_failures_total counter\n");
     const struct {
@@ -2148,33 +624,8 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
     size_t ne = bex_rpc_channel_endpoint_stats(ch, es, 64);
     if (ne > 64)
         ne = 64; /* a longer list is cut: bex_rpc_channel_endpoint_stats has it all */
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ectrs[] = {
-        {"bex_rpc_endpoint_attempts_total", "Attempts sent to the endpoint",
-         offsetof(bex_rpc_endpoint_stats, attempts)},
-        {"bex_rpc_endpoint_answers_total", "Answers received from the endpoint",
-         offsetof(bex_rpc_endpoint_stats, answers)},
-        {"bex_rpc_endpoint_failures_total", "Attempts to the endpoint that failed or timed out",
-         offsetof(bex_rpc_endpoint_stats, failures)},
-        {"bex_rpc_endpoint_conn_failures_total", "Connections to the endpoint that failed",
-         offsetof(bex_rpc_endpoint_stats, conn_failures)},
-        {"bex_rpc_endpoint_tcp_answers_total", "Answers over the recovery ladder's TCP fallback",
-         offsetof(bex_rpc_endpoint_stats, tcp_answers)},
-    };
-    for (size_t k = 0; k < sizeof ectrs / sizeof ectrs[0]; k++) {
-        OUT("# HELP %s %s.\n# TYPE %s counter\n", ectrs[k].metric, ectrs[k].help, ectrs[k].metric);
-        for (size_t i = 0; i < ne; i++) {
-            char ip[INET_ADDRSTRLEN], loc[160];
-            inet_ntop(AF_INET, &es[i].addr.sin_addr, ip, sizeof ip);
-            bex__prom_escape(es[i].locality, loc, sizeof loc);
-            uint64_t v;
-            memcpy(&v, (const char *)&es[i] + ectrs[k].off, sizeof v);
-            OUT("%s{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} %llu\n", ectrs[k].metric,
-                name, ip, ntohs(es[i].addr.sin_port), loc, (unsigned long long)v);
-        }
-    }
+    struct bex__prom_array eps = {es, ne, sizeof es[0], ep_label, name};
+    bex__prom_counters(&o, ep_ctrs, ARRAY_SIZE(ep_ctrs), bex__prom_array_next, &eps);
     OUT("# HELP bex_rpc_endpoint_ladder_step Recovery ladder step of the endpoint (0 ok, "
         "1 reconnecting, 2 other replicas first, 3 over TCP).\n"
         "# TYPE bex_rpc_endpoint_ladder_step gauge\n");

@@ -1,5 +1,6 @@
 /* RPC server: dispatch by (service, method), answers from any thread, the
  * dedup window of state-changing methods. */
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -8,7 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/hash.h"
+#include "common/list.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "rpc/internal.h"
 #include "sock/ctx_access.h"
 
@@ -40,7 +44,7 @@ struct conn {
     bool has_dest;
     uint64_t dest_call;
     struct bex__rpc_dest dest;
-    struct conn *prev, *next;
+    struct bex__list lnode; /* the server's connections */
 };
 
 /* Dedup window slot of one sequence. */
@@ -65,11 +69,9 @@ struct dclient {
     uint64_t touch_ns;             /* last seen */
     uint32_t pending;              /* SLOT_PENDING slots */
     struct dslot *slots;
-    struct dclient *hnext;               /* hash chain */
-    struct dclient *lru_prev, *lru_next; /* most recent first */
+    struct dclient *hnext; /* another client whose key hashes the same */
+    struct bex__list lru;  /* the server's clients, most recent first */
 };
-
-#define DC_BUCKETS 1024
 
 struct bex_rpc_req {
     struct bex_rpc_server *srv;
@@ -95,10 +97,10 @@ struct bex_rpc_server {
     size_t n_methods;
     bex_listener *l;
     bool listening, destroyed;
-    struct conn *conns;
-    int refs; /* 1 until destroy + one per request not answered */
-    struct dclient *dc_hash[DC_BUCKETS];
-    struct dclient *lru_head, *lru_tail;
+    struct bex__list conns;
+    int refs;             /* 1 until destroy + one per request not answered */
+    struct bex__hmap dcs; /* dc_key -> the clients with that key */
+    struct bex__list lru; /* dclient.lru */
     uint32_t n_clients;
     bex_rpc_server_stats st;
 };
@@ -126,6 +128,8 @@ int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rp
         return -ENOMEM;
     srv->ctx = ctx;
     srv->log = bex__ctx_log(ctx);
+    bex__list_init(&srv->conns);
+    bex__list_init(&srv->lru);
     srv->window = cfg && cfg->dedup_window ? cfg->dedup_window : 256;
     srv->max_clients = cfg && cfg->dedup_clients ? cfg->dedup_clients : 1024;
     srv->resp_max = cfg && cfg->dedup_resp_max ? cfg->dedup_resp_max : 65536;
@@ -190,15 +194,15 @@ static void dc_free_slots(struct dclient *d, uint32_t window)
 
 static void srv_free(struct bex_rpc_server *srv)
 {
-    for (size_t i = 0; i < DC_BUCKETS; i++) {
-        struct dclient *d = srv->dc_hash[i];
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct dclient *d; (d = bex__hmap_next(&srv->dcs, &it, NULL));)
         while (d) {
             struct dclient *n = d->hnext;
             dc_free_slots(d, srv->window);
             free(d);
             d = n;
         }
-    }
+    bex__hmap_free(&srv->dcs);
     for (size_t i = 0; i < srv->n_methods; i++)
         free(srv->methods[i].hist);
     free(srv->methods);
@@ -216,46 +220,35 @@ static void conn_put_locked(struct conn *c)
 
 /* ---- dedup window (under srv->mu) ---- */
 
-static void lru_unlink(struct bex_rpc_server *srv, struct dclient *d)
-{
-    if (d->lru_prev)
-        d->lru_prev->lru_next = d->lru_next;
-    else
-        srv->lru_head = d->lru_next;
-    if (d->lru_next)
-        d->lru_next->lru_prev = d->lru_prev;
-    else
-        srv->lru_tail = d->lru_prev;
-    d->lru_prev = d->lru_next = NULL;
-}
-
-static void lru_push_front(struct bex_rpc_server *srv, struct dclient *d)
-{
-    d->lru_next = srv->lru_head;
-    d->lru_prev = NULL;
-    if (srv->lru_head)
-        srv->lru_head->lru_prev = d;
-    srv->lru_head = d;
-    if (!srv->lru_tail)
-        srv->lru_tail = d;
-}
-
-static size_t dc_bucket(uint64_t id, const uint8_t *tok)
+/* The map's key of a client (its id and token, 20 bytes, folded): two
+ * clients may share one, so the map's value is a chain. */
+static uint64_t dc_key(uint64_t id, const uint8_t *tok)
 {
     uint64_t t0, t1 = 0;
     memcpy(&t0, tok, 8);
     memcpy(&t1, tok + 8, 4);
-    uint64_t h = (id ^ (t0 * 0xBF58476D1CE4E5B9ull) ^ (t1 << 17)) * 0x9E3779B97F4A7C15ull;
-    return (size_t)(h >> 54) % DC_BUCKETS;
+    return (id ^ (t0 * 0xBF58476D1CE4E5B9ull) ^ (t1 << 17)) * 0x9E3779B97F4A7C15ull;
 }
 
 static void dc_evict(struct bex_rpc_server *srv, struct dclient *old)
 {
-    lru_unlink(srv, old);
-    struct dclient **pp = &srv->dc_hash[dc_bucket(old->id, old->tok)];
-    while (*pp != old)
-        pp = &(*pp)->hnext;
-    *pp = old->hnext;
+    bex__list_remove(&old->lru);
+    uint64_t key = dc_key(old->id, old->tok);
+    struct dclient *head = bex__hmap_get(&srv->dcs, key);
+    if (head == old) {
+        bex__hmap_del(&srv->dcs, key);
+        /* into the slot just freed: cannot fail */
+        if (old->hnext) {
+            int rc = bex__hmap_put(&srv->dcs, key, old->hnext);
+            assert(rc == 0);
+            (void)rc;
+        }
+    } else {
+        struct dclient **pp = &head->hnext;
+        while (*pp != old)
+            pp = &(*pp)->hnext;
+        *pp = old->hnext;
+    }
     dc_free_slots(old, srv->window);
     free(old);
     srv->n_clients--;
@@ -284,25 +277,30 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc
                                struct conn *c, bool *full)
 {
     uint64_t now = bex__rpc_now_ns();
-    size_t b = dc_bucket(h->client_id, h->tok);
-    for (struct dclient *d = srv->dc_hash[b]; d; d = d->hnext)
+    uint64_t key = dc_key(h->client_id, h->tok);
+    struct dclient *head = bex__hmap_get(&srv->dcs, key);
+    for (struct dclient *d = head; d; d = d->hnext)
         if (d->id == h->client_id && !memcmp(d->tok, h->tok, BEX__RPC_TOK_LEN)) {
-            lru_unlink(srv, d);
-            lru_push_front(srv, d);
+            bex__list_remove(&d->lru);
+            bex__list_push_head(&srv->lru, &d->lru);
             d->touch_ns = now;
             return d;
         }
     if (!c)
         return NULL;
-    struct dclient *old = srv->lru_tail;
+    struct dclient *old =
+        bex__list_empty(&srv->lru) ? NULL : bex__list_entry(srv->lru.prev, struct dclient, lru);
     bool room = srv->n_clients < srv->max_clients ||
                 (old && !old->pending && now - old->touch_ns >= srv->horizon_ns);
     if (!room || !dc_admit(srv, c, now)) {
         *full = true;
         return NULL;
     }
-    if (srv->n_clients >= srv->max_clients)
+    if (srv->n_clients >= srv->max_clients) {
+        if (old == head)
+            head = old->hnext;
         dc_evict(srv, old);
+    }
     struct dclient *d = calloc(1, sizeof(*d));
     if (!d)
         return NULL;
@@ -314,9 +312,15 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc
     d->id = h->client_id;
     memcpy(d->tok, h->tok, BEX__RPC_TOK_LEN);
     d->touch_ns = now;
-    d->hnext = srv->dc_hash[b];
-    srv->dc_hash[b] = d;
-    lru_push_front(srv, d);
+    if (head) {
+        d->hnext = head->hnext;
+        head->hnext = d;
+    } else if (bex__hmap_put(&srv->dcs, key, d) != 0) {
+        free(d->slots);
+        free(d);
+        return NULL;
+    }
+    bex__list_push_head(&srv->lru, &d->lru);
     srv->n_clients++;
     return d;
 }
@@ -528,6 +532,88 @@ static void conn_refuse(struct bex_rpc_server *srv, struct conn *c, const char *
     }
 }
 
+/* A WRITE request's dedup outcome, under srv->mu: -1 to apply it, else it
+ * was answered or parked here: 1 when buf is still the caller's to free,
+ * 0 when the answer took it. */
+static int write_dedup(struct bex_rpc_server *srv, struct conn *c, const struct bex__rpc_hdr *h,
+                       void *body)
+{
+    struct dslot sl, *pend = NULL;
+    switch (dedup_check(srv, h, c, &sl, &pend)) {
+    case DD_APPLY:
+        return -1;
+    case DD_PENDING:
+        /* the first one is being applied: not again; its answer goes
+         * where it came from and to this retry (the latest one) */
+        srv->st.dup_pending++;
+        if (pend->wc)
+            conn_put_locked(pend->wc);
+        pend->wc = c;
+        pend->wh = *h;
+        c->refs++;
+        return 1;
+    case DD_REPLAY: {
+        srv->st.dup_replayed++;
+        void *copy = bex_rpc_alloc(srv->ctx, sl.len);
+        if (!copy) {
+            send_answer(srv, c, h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+            return 0;
+        }
+        if (sl.len)
+            memcpy(copy, sl.resp, sl.len);
+        send_answer(srv, c, h, BEX__RPC_RESPONSE, sl.status, copy, sl.len);
+        return 1;
+    }
+    case DD_STALE:
+        srv->st.stale++;
+        send_answer(srv, c, h, BEX__RPC_ERROR, -ESTALE, body, 0);
+        return 0;
+    case DD_FULL:
+        /* a new client id, refused rather than forgetting one whose
+         * retries may still come: retriable */
+        srv->st.clients_refused++;
+        bex__log(srv->log, BEX_LOG_WARN,
+                 "rpc server: a WRITE of a new client refused -EAGAIN (%u clients held, "
+                 "%u new a second, %u a connection at most)",
+                 srv->n_clients, srv->new_rate, srv->new_per_conn);
+        send_answer(srv, c, h, BEX__RPC_ERROR, -EAGAIN, body, 0);
+        return 0;
+    default:
+        send_answer(srv, c, h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+        return 0;
+    }
+}
+
+/* The request in buf to m's handler; called under srv->mu, which it
+ * releases. */
+static void dispatch(struct bex_rpc_server *srv, struct conn *c, const struct bex__rpc_hdr *h,
+                     const struct method *m, bool write, void *buf, size_t len)
+{
+    void *body = (uint8_t *)buf + BEX_RPC_HDR_LEN;
+    struct bex_rpc_req *req = malloc(sizeof(*req));
+    if (!req) {
+        send_answer(srv, c, h, BEX__RPC_ERROR, -ENOMEM, body, 0);
+        pthread_mutex_unlock(&srv->mu);
+        return;
+    }
+    *req = (struct bex_rpc_req){.srv = srv,
+                                .c = c,
+                                .h = *h,
+                                .write = write,
+                                .mi = (size_t)(m - srv->methods),
+                                .start_ns = bex__rpc_now_ns()};
+    c->refs++;
+    srv->refs++;
+    srv->st.requests++;
+    pthread_mutex_unlock(&srv->mu);
+    size_t blen = len - BEX_RPC_HDR_LEN;
+    if (!blen) {
+        bex_mem_free(buf);
+        body = NULL;
+    }
+    m->fn(req, body, blen, m->user);
+}
+
 static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
 {
     (void)s;
@@ -583,82 +669,15 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     }
     bool write = m->flags & BEX_RPC_METHOD_WRITE;
     if (write) {
-        struct dslot sl, *pend = NULL;
-        switch (dedup_check(srv, &h, c, &sl, &pend)) {
-        case DD_APPLY:
-            break;
-        case DD_PENDING:
-            /* the first one is being applied: not again; its answer goes
-             * where it came from and to this retry (the latest one) */
-            srv->st.dup_pending++;
-            if (pend->wc)
-                conn_put_locked(pend->wc);
-            pend->wc = c;
-            pend->wh = h;
-            c->refs++;
+        int r = write_dedup(srv, c, &h, body);
+        if (r >= 0) {
             pthread_mutex_unlock(&srv->mu);
-            bex_mem_free(buf);
-            return;
-        case DD_REPLAY: {
-            srv->st.dup_replayed++;
-            void *copy = bex_rpc_alloc(srv->ctx, sl.len);
-            if (copy) {
-                if (sl.len)
-                    memcpy(copy, sl.resp, sl.len);
-                send_answer(srv, c, &h, BEX__RPC_RESPONSE, sl.status, copy, sl.len);
-            } else {
-                send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
-                body = NULL;
-            }
-            pthread_mutex_unlock(&srv->mu);
-            if (body)
+            if (r)
                 bex_mem_free(buf);
             return;
         }
-        case DD_STALE:
-            srv->st.stale++;
-            send_answer(srv, c, &h, BEX__RPC_ERROR, -ESTALE, body, 0);
-            pthread_mutex_unlock(&srv->mu);
-            return;
-        case DD_FULL:
-            /* a new client id, refused rather than forgetting one whose
-             * retries may still come: retriable */
-            srv->st.clients_refused++;
-            bex__log(srv->log, BEX_LOG_WARN,
-                     "rpc server: a WRITE of a new client refused -EAGAIN (%u clients held, "
-                     "%u new a second, %u a connection at most)",
-                     srv->n_clients, srv->new_rate, srv->new_per_conn);
-            send_answer(srv, c, &h, BEX__RPC_ERROR, -EAGAIN, body, 0);
-            pthread_mutex_unlock(&srv->mu);
-            return;
-        default:
-            send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
-            pthread_mutex_unlock(&srv->mu);
-            return;
-        }
     }
-    struct bex_rpc_req *req = malloc(sizeof(*req));
-    if (!req) {
-        send_answer(srv, c, &h, BEX__RPC_ERROR, -ENOMEM, body, 0);
-        pthread_mutex_unlock(&srv->mu);
-        return;
-    }
-    *req = (struct bex_rpc_req){.srv = srv,
-                                .c = c,
-                                .h = h,
-                                .write = write,
-                                .mi = (size_t)(m - srv->methods),
-                                .start_ns = bex__rpc_now_ns()};
-    c->refs++;
-    srv->refs++;
-    srv->st.requests++;
-    pthread_mutex_unlock(&srv->mu);
-    size_t blen = len - BEX_RPC_HDR_LEN;
-    if (!blen) {
-        bex_mem_free(buf);
-        body = NULL;
-    }
-    m->fn(req, body, blen, m->user);
+    dispatch(srv, c, &h, m, write, buf, len);
 }
 
 static void on_error(bex_sock *s, int err, void *user)
@@ -680,12 +699,7 @@ static void on_close(bex_sock *s, void *user)
     struct bex_rpc_server *srv = c->srv;
     pthread_mutex_lock(&srv->mu);
     c->closed = c->closing = true;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        srv->conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    bex__list_remove(&c->lnode);
     pthread_cond_broadcast(&srv->cv);
     conn_put_locked(c);
     pthread_mutex_unlock(&srv->mu);
@@ -709,6 +723,7 @@ static void on_accept(bex_listener *l, bex_sock *s, void *user)
     c->srv = srv;
     c->s = s;
     c->refs = 1;
+    bex__list_init(&c->lnode);
     pthread_mutex_lock(&srv->mu);
     if (srv->destroyed) {
         pthread_mutex_unlock(&srv->mu);
@@ -716,10 +731,7 @@ static void on_accept(bex_listener *l, bex_sock *s, void *user)
         bex_sock_close(s);
         return;
     }
-    c->next = srv->conns;
-    if (c->next)
-        c->next->prev = c;
-    srv->conns = c;
+    bex__list_push_head(&srv->conns, &c->lnode);
     srv->st.conns++;
     pthread_mutex_unlock(&srv->mu);
     /* on the I/O thread: takes effect at once */
@@ -768,6 +780,66 @@ struct prom_snap {
     struct bex__rpc_hist *hs;
 };
 
+static void snap_label(const void *st, const void *arg, char *labels, size_t cap)
+{
+    (void)arg;
+    const struct prom_snap *s =
+        (const struct prom_snap *)((const char *)st - offsetof(struct prom_snap, st));
+    snprintf(labels, cap, "server=\"%s\"", s->name);
+}
+
+/* Every server's methods, in order. */
+struct method_iter {
+    const struct prom_snap *sn;
+    size_t n, k, j;
+};
+
+static const void *method_next(void *arg, const void **cur, char *labels, size_t cap)
+{
+    struct method_iter *it = arg;
+    if (!*cur)
+        it->k = it->j = 0;
+    while (it->k < it->n && it->j >= it->sn[it->k].nm) {
+        it->k++;
+        it->j = 0;
+    }
+    if (it->k >= it->n)
+        return NULL;
+    const struct prom_snap *s = &it->sn[it->k];
+    const struct method *m = &s->ms[it->j++];
+    snprintf(labels, cap, "server=\"%s\",service=\"%u\",method=\"%u\"", s->name, m->service,
+             m->method);
+    *cur = m;
+    return m;
+}
+
+static const struct bex__prom_ctr server_ctrs[] = {
+    {"bex_rpc_server_requests_total", "Requests dispatched to handlers",
+     offsetof(bex_rpc_server_stats, requests)},
+    {"bex_rpc_server_replies_total", "Answers sent", offsetof(bex_rpc_server_stats, replies)},
+    {"bex_rpc_server_no_method_total", "Requests for an unregistered method",
+     offsetof(bex_rpc_server_stats, no_method)},
+    {"bex_rpc_server_bad_header_total", "Connections closed for a malformed header",
+     offsetof(bex_rpc_server_stats, bad_header)},
+    {"bex_rpc_server_dup_replayed_total", "WRITE retries answered with the first answer",
+     offsetof(bex_rpc_server_stats, dup_replayed)},
+    {"bex_rpc_server_dup_pending_total", "WRITE retries while the first was not answered",
+     offsetof(bex_rpc_server_stats, dup_pending)},
+    {"bex_rpc_server_stale_total", "WRITE retries past the dedup window",
+     offsetof(bex_rpc_server_stats, stale)},
+    {"bex_rpc_server_clients_refused_total",
+     "WRITE requests of a new client id refused (-EAGAIN): dedup table full or past a rate",
+     offsetof(bex_rpc_server_stats, clients_refused)},
+    {"bex_rpc_server_conns_total", "Connections accepted", offsetof(bex_rpc_server_stats, conns)},
+};
+
+static const struct bex__prom_ctr method_ctrs[] = {
+    {"bex_rpc_server_method_answered_total", "Requests of the method its handler answered",
+     offsetof(struct method, answered)},
+    {"bex_rpc_server_method_errors_total", "Requests of the method answered with an error status",
+     offsetof(struct method, errors)},
+};
+
 int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *names, size_t n,
                               char *buf, size_t cap)
 {
@@ -800,61 +872,13 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
         pthread_mutex_unlock(&srv->mu);
     }
     struct bex__prom o = {buf, cap, 0};
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } ctrs[] = {
-        {"bex_rpc_server_requests_total", "Requests dispatched to handlers",
-         offsetof(bex_rpc_server_stats, requests)},
-        {"bex_rpc_server_replies_total", "Answers sent", offsetof(bex_rpc_server_stats, replies)},
-        {"bex_rpc_server_no_method_total", "Requests for an unregistered method",
-         offsetof(bex_rpc_server_stats, no_method)},
-        {"bex_rpc_server_bad_header_total", "Connections closed for a malformed header",
-         offsetof(bex_rpc_server_stats, bad_header)},
-        {"bex_rpc_server_dup_replayed_total", "WRITE retries answered with the first answer",
-         offsetof(bex_rpc_server_stats, dup_replayed)},
-        {"bex_rpc_server_dup_pending_total", "WRITE retries while the first was not answered",
-         offsetof(bex_rpc_server_stats, dup_pending)},
-        {"bex_rpc_server_stale_total", "WRITE retries past the dedup window",
-         offsetof(bex_rpc_server_stats, stale)},
-        {"bex_rpc_server_clients_refused_total",
-         "WRITE requests of a new client id refused (-EAGAIN): dedup table full or past a rate",
-         offsetof(bex_rpc_server_stats, clients_refused)},
-        {"bex_rpc_server_conns_total", "Connections accepted",
-         offsetof(bex_rpc_server_stats, conns)},
-    };
     /* a metric family's samples together, every server's */
-    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0] && !rc; i++) {
-        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
-                         ctrs[i].metric);
-        for (size_t k = 0; k < n; k++) {
-            uint64_t v;
-            memcpy(&v, (const char *)&sn[k].st + ctrs[i].off, sizeof v);
-            bex__prom_printf(&o, "%s{server=\"%s\"} %llu\n", ctrs[i].metric, sn[k].name,
-                             (unsigned long long)v);
-        }
-    }
-    static const struct {
-        const char *metric, *help;
-        size_t off;
-    } mctrs[] = {
-        {"bex_rpc_server_method_answered_total", "Requests of the method its handler answered",
-         offsetof(struct method, answered)},
-        {"bex_rpc_server_method_errors_total",
-         "Requests of the method answered with an error status", offsetof(struct method, errors)},
-    };
-    for (size_t i = 0; i < sizeof mctrs / sizeof mctrs[0] && !rc; i++) {
-        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s counter\n", mctrs[i].metric, mctrs[i].help,
-                         mctrs[i].metric);
-        for (size_t k = 0; k < n; k++)
-            for (size_t j = 0; j < sn[k].nm; j++) {
-                uint64_t v;
-                memcpy(&v, (const char *)&sn[k].ms[j] + mctrs[i].off, sizeof v);
-                bex__prom_printf(&o, "%s{server=\"%s\",service=\"%u\",method=\"%u\"} %llu\n",
-                                 mctrs[i].metric, sn[k].name, sn[k].ms[j].service,
-                                 sn[k].ms[j].method, (unsigned long long)v);
-            }
-    }
+    struct bex__prom_array sa = {sn ? &sn[0].st : NULL, n, sizeof *sn, snap_label, NULL};
+    if (!rc)
+        bex__prom_counters(&o, server_ctrs, ARRAY_SIZE(server_ctrs), bex__prom_array_next, &sa);
+    struct method_iter mi = {sn, n, 0, 0};
+    if (!rc)
+        bex__prom_counters(&o, method_ctrs, ARRAY_SIZE(method_ctrs), method_next, &mi);
     if (!rc)
         bex__prom_printf(&o, "# HELP bex_rpc_server_latency_seconds Time from a request's "
                              "dispatch to its handler's answer.\n"
@@ -891,12 +915,16 @@ int bex_rpc_server_destroy(bex_rpc_server *srv)
     }
     pthread_mutex_lock(&srv->mu);
     srv->destroyed = true;
-    for (struct conn *c = srv->conns; c; c = c->next)
+    struct bex__list *pos;
+    bex__list_foreach(pos, &srv->conns)
+    {
+        struct conn *c = bex__list_entry(pos, struct conn, lnode);
         if (!c->closing) {
             c->closing = true;
             bex_sock_close(c->s);
         }
-    while (srv->conns)
+    }
+    while (!bex__list_empty(&srv->conns))
         pthread_cond_wait(&srv->cv, &srv->mu);
     bool last = --srv->refs == 0;
     pthread_mutex_unlock(&srv->mu);

@@ -240,6 +240,33 @@ void bex__prom_escape(const char *in, char *out, size_t cap)
     out[o] = 0;
 }
 
+void bex__prom_counters(struct bex__prom *o, const struct bex__prom_ctr *ctrs, size_t n,
+                        bex__prom_next_fn next, void *arg)
+{
+    char labels[512];
+    for (size_t i = 0; i < n; i++) {
+        bex__prom_printf(o, "# HELP %s %s.\n# TYPE %s counter\n", ctrs[i].metric, ctrs[i].help,
+                         ctrs[i].metric);
+        const void *cur = NULL;
+        for (const void *p; (p = next(arg, &cur, labels, sizeof labels));) {
+            uint64_t v;
+            memcpy(&v, (const char *)p + ctrs[i].off, sizeof v);
+            bex__prom_printf(o, "%s{%s} %llu\n", ctrs[i].metric, labels, (unsigned long long)v);
+        }
+    }
+}
+
+const void *bex__prom_array_next(void *arg, const void **cur, char *labels, size_t cap)
+{
+    const struct bex__prom_array *a = arg;
+    const char *p = *cur ? (const char *)*cur + a->stride : a->base;
+    if (!a->n || p >= (const char *)a->base + a->n * a->stride)
+        return NULL;
+    *cur = p;
+    a->label(p, a->arg, labels, cap);
+    return p;
+}
+
 void bex__prom_hist(struct bex__prom *o, const char *metric, const char *labels,
                     const struct bex__rpc_hist *h)
 {

@@ -1004,303 +1004,471 @@ static json_t *fetch_bytes_merge(json_t *acc, json_t *b)
     return acc;
 }
 
-static json_t *run_phase(const struct plan *pl, int pi)
+/* One phase's run: what its steps share. */
+struct prun {
+    const struct plan *pl;
+    const struct phase *ph;
+    int pi, S, R;
+    char dir[3072], snapdir[PATH_MAX + 16], cluster[PATH_MAX + 32];
+    char ps_addr[16][4][64]; /* "a.b.c.d:port" of each server */
+    char *cl_txt;            /* the cluster file */
+    struct proc *ps[16][4];
+    struct proc *cl_p[64];
+    int n_cl;
+    double grad;
+    bex_dir *ctl; /* --etcd: the clients' registrations */
+    bex_dir_registration *ctl_reg;
+};
+
+/* The fault's course. */
+struct frun {
+    int snapped, killed, restarted, restart_ready;
+    double kill_t, restart_t, ready_t;
+    char state[128];
+    json_t *events;
+};
+
+static void phase_dirs(struct prun *r)
 {
-    const struct phase *ph = &pl->ph[pi];
-    char dir[3072], path[PATH_MAX + 64];
-    snprintf(dir, sizeof dir, "%s/phase%d-%s", g.out, pi + 1, ph->name);
-    if (mkdir(dir, 0755) && errno != EEXIST)
-        die("%s: %s", dir, strerror(errno));
+    snprintf(r->dir, sizeof r->dir, "%s/phase%d-%s", g.out, r->pi + 1, r->ph->name);
+    if (mkdir(r->dir, 0755) && errno != EEXIST)
+        die("%s: %s", r->dir, strerror(errno));
     /* snapshots in TMPDIR, not beside the results: written every second
      * and fsynced, they cost little on a local disk or tmpfs, and a lot on
      * the VM's 9p share where the results go */
-    char snapdir[PATH_MAX + 16];
-    snprintf(snapdir, sizeof snapdir, "%s/phase%d", g.snap_root, pi + 1);
-    if (mkdir(snapdir, 0755) && errno != EEXIST)
-        die("%s: %s", snapdir, strerror(errno));
+    snprintf(r->snapdir, sizeof r->snapdir, "%s/phase%d", g.snap_root, r->pi + 1);
+    if (mkdir(r->snapdir, 0755) && errno != EEXIST)
+        die("%s: %s", r->snapdir, strerror(errno));
+}
 
-    /* the cluster file: replica r of every shard on address r */
-    int S = pl->shards, R = pl->replicas;
+/* The cluster file: replica r of every shard on address r. */
+static void write_cluster(struct prun *r)
+{
     json_t *shards = json_array();
-    char ps_addr[16][4][64]; /* "a.b.c.d:port" of each server */
-    for (int r = 0; r < R; r++) {
-        const char *a = g.addrs[r % g.n_addrs];
+    for (int k = 0; k < r->R; k++) {
+        const char *a = g.addrs[k % g.n_addrs];
         int ports[64];
-        free_ports(a, S, ports);
-        for (int s = 0; s < S; s++) {
-            if (r == 0)
+        free_ports(a, r->S, ports);
+        for (int s = 0; s < r->S; s++) {
+            if (k == 0)
                 json_array_append_new(shards, json_pack("{s:[]}", "replicas"));
-            char *ap = ps_addr[s][r], loc[32];
-            snprintf(ap, sizeof ps_addr[s][r], "%s:%d", a, ports[s]);
-            snprintf(loc, sizeof loc, "dc1/pod%d", r);
+            char *ap = r->ps_addr[s][k], loc[32];
+            snprintf(ap, sizeof r->ps_addr[s][k], "%s:%d", a, ports[s]);
+            snprintf(loc, sizeof loc, "dc1/pod%d", k);
             json_array_append_new(json_object_get(json_array_get(shards, (size_t)s), "replicas"),
                                   json_pack("{s:s,s:s,s:s}", "addr", ap, "locality", loc,
-                                            "transport", ph->transport));
+                                            "transport", r->ph->transport));
         }
     }
     json_t *cl = json_pack("{s:i,s:{s:{s:o}}}", "version", 1, "services", "ps", "shards", shards);
-    char *cl_txt = json_dumps(cl, JSON_INDENT(2));
+    r->cl_txt = json_dumps(cl, JSON_INDENT(2));
     json_decref(cl);
-    char cluster[PATH_MAX + 32];
-    snprintf(cluster, sizeof cluster, "%s/cluster.json", dir);
-    FILE *cf = g.servers ? fopen(cluster, "w") : NULL;
-    if (g.servers && (!cf || fputs(cl_txt, cf) < 0 || fclose(cf)))
-        die("%s: %s", cluster, strerror(errno));
+    snprintf(r->cluster, sizeof r->cluster, "%s/cluster.json", r->dir);
+    FILE *cf = g.servers ? fopen(r->cluster, "w") : NULL;
+    if (g.servers && (!cf || fputs(r->cl_txt, cf) < 0 || fclose(cf)))
+        die("%s: %s", r->cluster, strerror(errno));
+}
 
-    /* the servers (this instance's half, unless --only clients); with
-     * --etcd, registered there under the phase's prefix */
-    struct proc *ps[16][4] = {{0}};
-    char tab[64], b1[32], b2[32], prefix[512], nsh[16];
+/* bex-ps for shard s, replica k: with --etcd, registered there under the
+ * phase's prefix. */
+static void spawn_server(struct prun *r, int s, int k)
+{
+    const struct plan *pl = r->pl;
+    const struct phase *ph = r->ph;
+    char name[64], loc[32], tab[64], b1[32], b2[32], prefix[512], nsh[16], path[PATH_MAX + 64];
     snprintf(tab, sizeof tab, "%u:%u:sgd:%.9g", pl->table, pl->dim, pl->lr);
-    etcd_prefix(prefix, sizeof prefix, pi);
-    snprintf(nsh, sizeof nsh, "%d", S);
-    for (int s = 0; g.servers && s < S; s++)
-        for (int r = 0; r < R; r++) {
-            char name[64], loc[32];
-            snprintf(name, sizeof name, "ps-shard%d-replica%d", s, r);
-            struct proc *p = ps[s][r] = proc_new(R_PS, s * R + r, name);
-            snprintf(b1, sizeof b1, "%d", s);
-            snprintf(b2, sizeof b2, "%d", r);
-            snprintf(loc, sizeof loc, "dc1/pod%d", r);
-            if (g.etcd) /* at the same port when restarted: the clients' file stays true */
-                argv_set(p, g.ps_bin, "--etcd", g.etcd, "--etcd-prefix", prefix, "--listen",
-                         ps_addr[s][r], "--n-shards", nsh, "--locality", loc, "--shard", b1,
-                         "--replica", b2, "--table", tab, "--snapshot-dir", snapdir, "--transport",
-                         ph->transport, NULL);
-            else
-                argv_set(p, g.ps_bin, "--cluster", cluster, "--shard", b1, "--replica", b2,
-                         "--table", tab, "--snapshot-dir", snapdir, "--transport", ph->transport,
-                         NULL);
-            argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
-            argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
-            argv_num(p, "--eager-max", pl->ps, "eager_max");
-            argv_num(p, "--send-window", pl->ps, "send_window");
-            argv_num(p, "--io-threads", pl->ps, "io_threads");
-            if (ph->poll)
-                argv_add(p, "--poll", ph->poll);
-            snprintf(path, sizeof path, "%s/%s.log", dir, name);
-            proc_spawn(p, path);
-        }
+    etcd_prefix(prefix, sizeof prefix, r->pi);
+    snprintf(nsh, sizeof nsh, "%d", r->S);
+    snprintf(name, sizeof name, "ps-shard%d-replica%d", s, k);
+    struct proc *p = r->ps[s][k] = proc_new(R_PS, s * r->R + k, name);
+    snprintf(b1, sizeof b1, "%d", s);
+    snprintf(b2, sizeof b2, "%d", k);
+    snprintf(loc, sizeof loc, "dc1/pod%d", k);
+    if (g.etcd) /* at the same port when restarted: the clients' file stays true */
+        argv_set(p, g.ps_bin, "--etcd", g.etcd, "--etcd-prefix", prefix, "--listen",
+                 r->ps_addr[s][k], "--n-shards", nsh, "--locality", loc, "--shard", b1, "--replica",
+                 b2, "--table", tab, "--snapshot-dir", r->snapdir, "--transport", ph->transport,
+                 NULL);
+    else
+        argv_set(p, g.ps_bin, "--cluster", r->cluster, "--shard", b1, "--replica", b2, "--table",
+                 tab, "--snapshot-dir", r->snapdir, "--transport", ph->transport, NULL);
+    argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
+    argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
+    argv_num(p, "--eager-max", pl->ps, "eager_max");
+    argv_num(p, "--send-window", pl->ps, "send_window");
+    argv_num(p, "--io-threads", pl->ps, "io_threads");
+    if (ph->poll)
+        argv_add(p, "--poll", ph->poll);
+    snprintf(path, sizeof path, "%s/%s.log", r->dir, name);
+    proc_spawn(p, path);
+}
+
+/* The servers (this instance's half, unless --only clients), ready; then,
+ * with --etcd, the clients' cluster file from the registrations (the
+ * other instance's servers may still be starting, or finishing the
+ * previous phase). -1: interrupted. */
+static int start_servers(struct prun *r)
+{
+    for (int s = 0; g.servers && s < r->S; s++)
+        for (int k = 0; k < r->R; k++)
+            spawn_server(r, s, k);
     double t0 = now_s();
     for (; g.servers;) {
         int ready = 0;
-        for (int s = 0; s < S; s++)
-            for (int r = 0; r < R; r++) {
-                if (!ps[s][r]->running)
-                    die("%s did not start (see %s/%s.log)", ps[s][r]->name, dir, ps[s][r]->name);
-                ready += ps[s][r]->ready;
+        for (int s = 0; s < r->S; s++)
+            for (int k = 0; k < r->R; k++) {
+                struct proc *p = r->ps[s][k];
+                if (!p->running)
+                    die("%s did not start (see %s/%s.log)", p->name, r->dir, p->name);
+                ready += p->ready;
             }
-        if (ready == S * R)
+        if (ready == r->S * r->R)
             break;
         if (now_s() - t0 > READY_WAIT * g.scale)
-            die("bex-ps not ready after %d s (see %s)", READY_WAIT, dir);
-        if (pump(100)) {
-            free(cl_txt);
-            return NULL;
-        }
-        progress(pi, pl->n_ph, ph, 0, "starting bex-ps");
+            die("bex-ps not ready after %d s (see %s)", READY_WAIT, r->dir);
+        if (pump(100))
+            return -1;
+        progress(r->pi, r->pl->n_ph, r->ph, 0, "starting bex-ps");
     }
-    /* with --etcd the clients find the servers there: the cluster file
-     * they read is made from the registrations (the other instance's
-     * servers may still be starting, or finishing the previous phase) */
     if (g.clients && g.etcd) {
-        free(cl_txt);
-        if (!(cl_txt = etcd_cluster(pi, S, R, (g.servers ? 1 : 4) * READY_WAIT * g.scale)))
-            return NULL;
-        if (!(cf = fopen(cluster, "w")) || fputs(cl_txt, cf) < 0 || fclose(cf))
-            die("%s: %s", cluster, strerror(errno));
+        free(r->cl_txt);
+        r->cl_txt = etcd_cluster(r->pi, r->S, r->R, (g.servers ? 1 : 4) * READY_WAIT * g.scale);
+        if (!r->cl_txt)
+            return -1;
+        FILE *cf = fopen(r->cluster, "w");
+        if (!cf || fputs(r->cl_txt, cf) < 0 || fclose(cf))
+            die("%s: %s", r->cluster, strerror(errno));
     }
+    return 0;
+}
 
-    /* the clients */
-    json_t *tr = pl->trainer;
-    double grad = jnum(tr, "grad", 0x1p-10);
-    char dur[32], keys[32], zipf[32], dim[32], table[32], seed[32];
+/* Client i of the phase: ranker i, or trainer i - rankers. */
+static void spawn_client(struct prun *r, int i)
+{
+    const struct plan *pl = r->pl;
+    const struct phase *ph = r->ph;
+    int rk = i < ph->rankers, k = rk ? i : i - ph->rankers;
+    char name[64], loc[32], json[PATH_MAX + 64], smp[PATH_MAX + 64], path[PATH_MAX + 64];
+    char dur[32], keys[32], zipf[32], dim[32], table[32], seed[32], bin[PATH_MAX + 16];
     snprintf(dur, sizeof dur, "%.3f", ph->duration_s);
     snprintf(keys, sizeof keys, "%u", pl->keys);
     snprintf(zipf, sizeof zipf, "%g", pl->zipf);
     snprintf(dim, sizeof dim, "%u", pl->dim);
     snprintf(table, sizeof table, "%u", pl->table);
-    int n_cl = g.clients ? ph->rankers + ph->trainers : 0;
-    struct proc *cl_p[64];
-    for (int i = 0; i < n_cl; i++) {
-        int rk = i < ph->rankers, k = rk ? i : i - ph->rankers;
-        char name[64], loc[32], json[PATH_MAX + 64], smp[PATH_MAX + 64];
-        snprintf(name, sizeof name, "%s-%d", rk ? "ranker" : "trainer", k);
-        snprintf(loc, sizeof loc, "dc1/pod%d", k % R);
-        snprintf(json, sizeof json, "%s/%s.json", dir, name);
-        snprintf(smp, sizeof smp, "%s/%s.samples.csv", dir, name);
-        snprintf(seed, sizeof seed, "%d", 1000 * (pi + 1) + i);
-        struct proc *p = cl_p[i] = proc_new(rk ? R_RANKER : R_TRAINER, k, name);
-        char bin[PATH_MAX + 16];
-        snprintf(bin, sizeof bin, "%s/bex-%s", g.bin, rk ? "ranker" : "trainer");
-        argv_set(p, bin, "--cluster", cluster, "--transport", ph->transport, "--addr",
-                 g.addrs[k % g.n_addrs], "--locality", loc, "--duration", dur, "--keys", keys,
-                 "--zipf", zipf, "--dim", dim, "--table", table, "--seed", seed, "--json", json,
-                 "--samples", smp, "--progress", NULL);
-        json_t *o = rk ? pl->ranker : pl->trainer;
-        argv_num(p, "--outstanding", o, "outstanding");
-        argv_num(p, "--timeout-ms", o, "timeout_ms");
-        argv_num(p, "--attempt-timeout-ms", o, "attempt_timeout_ms");
-        argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
-        argv_num(p, "--keepalive-timeout-ms", o, "keepalive_timeout_ms");
-        argv_num(p, "--eager-max", o, "eager_max");
-        if (ph->poll)
-            argv_add(p, "--poll", ph->poll);
-        if (rk) {
-            argv_num(p, "--models", o, "models");
-            argv_num(p, "--keys-min", o, "keys_min");
-            argv_num(p, "--keys-max", o, "keys_max");
-            argv_num(p, "--large-every", o, "large_every");
-            argv_num(p, "--large-keys", o, "large_keys");
-            argv_num(p, "--rate", o, "rate");
-        } else {
-            argv_num(p, "--compute-us", o, "compute_us");
-            argv_num(p, "--mean-bytes", o, "mean_bytes");
-            argv_num(p, "--p99-bytes", o, "p99_bytes");
-            char gs[32], cnt[PATH_MAX + 64];
-            snprintf(gs, sizeof gs, "%.17g", grad);
-            argv_add(p, "--grad", gs);
-            snprintf(cnt, sizeof cnt, "%s/%s.counts", dir, name);
-            argv_add(p, "--counts", cnt);
-        }
-        snprintf(path, sizeof path, "%s/%s.log", dir, name);
-        proc_spawn(p, path);
+    snprintf(name, sizeof name, "%s-%d", rk ? "ranker" : "trainer", k);
+    snprintf(loc, sizeof loc, "dc1/pod%d", k % r->R);
+    snprintf(json, sizeof json, "%s/%s.json", r->dir, name);
+    snprintf(smp, sizeof smp, "%s/%s.samples.csv", r->dir, name);
+    snprintf(seed, sizeof seed, "%d", 1000 * (r->pi + 1) + i);
+    struct proc *p = r->cl_p[i] = proc_new(rk ? R_RANKER : R_TRAINER, k, name);
+    snprintf(bin, sizeof bin, "%s/bex-%s", g.bin, rk ? "ranker" : "trainer");
+    argv_set(p, bin, "--cluster", r->cluster, "--transport", ph->transport, "--addr",
+             g.addrs[k % g.n_addrs], "--locality", loc, "--duration", dur, "--keys", keys, "--zipf",
+             zipf, "--dim", dim, "--table", table, "--seed", seed, "--json", json, "--samples", smp,
+             "--progress", NULL);
+    json_t *o = rk ? pl->ranker : pl->trainer;
+    argv_num(p, "--outstanding", o, "outstanding");
+    argv_num(p, "--timeout-ms", o, "timeout_ms");
+    argv_num(p, "--attempt-timeout-ms", o, "attempt_timeout_ms");
+    argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
+    argv_num(p, "--keepalive-timeout-ms", o, "keepalive_timeout_ms");
+    argv_num(p, "--eager-max", o, "eager_max");
+    if (ph->poll)
+        argv_add(p, "--poll", ph->poll);
+    if (rk) {
+        argv_num(p, "--models", o, "models");
+        argv_num(p, "--keys-min", o, "keys_min");
+        argv_num(p, "--keys-max", o, "keys_max");
+        argv_num(p, "--large-every", o, "large_every");
+        argv_num(p, "--large-keys", o, "large_keys");
+        argv_num(p, "--rate", o, "rate");
+    } else {
+        argv_num(p, "--compute-us", o, "compute_us");
+        argv_num(p, "--mean-bytes", o, "mean_bytes");
+        argv_num(p, "--p99-bytes", o, "p99_bytes");
+        char gs[32], cnt[PATH_MAX + 64];
+        snprintf(gs, sizeof gs, "%.17g", r->grad);
+        argv_add(p, "--grad", gs);
+        snprintf(cnt, sizeof cnt, "%s/%s.counts", r->dir, name);
+        argv_add(p, "--counts", cnt);
     }
+    snprintf(path, sizeof path, "%s/%s.log", r->dir, name);
+    proc_spawn(p, path);
+}
 
-    /* --only clients: the other instance learns that they run (and when
-     * they are done: the registration goes) from a registration in etcd,
-     * service "clients", shard = the phase's index; --only servers: it
-     * waits for that */
+/* --only clients: the other instance learns that they run (and when they
+ * are done: the registration goes) from a registration in etcd, service
+ * "clients", shard = the phase's index; --only servers: it waits for
+ * that. -1: interrupted. */
+static int sync_instances(struct prun *r)
+{
     char ctl_prefix[512];
     etcd_prefix(ctl_prefix, sizeof ctl_prefix, -1);
-    bex_dir_registration *ctl_reg = NULL;
-    bex_dir *ctl = NULL;
     if (g.etcd && !g.servers) {
         bex_dir_replica me = {
-            .addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(pi + 1))}};
+            .addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(r->pi + 1))}};
         inet_pton(AF_INET, g.addrs[0], &me.addr.sin_addr);
         char err[256] = "";
-        int rc = bex_dir_register_etcd(g.etcd, ctl_prefix, "clients", (uint32_t)pi, &me, 10, err,
-                                       sizeof err, &ctl_reg);
+        int rc = bex_dir_register_etcd(g.etcd, ctl_prefix, "clients", (uint32_t)r->pi, &me, 10, err,
+                                       sizeof err, &r->ctl_reg);
         if (rc)
             die("etcd %s: %s", g.etcd, err[0] ? err : bex_strerror(rc));
     }
     if (g.etcd && !g.clients) {
-        ctl = etcd_dir(ctl_prefix);
+        r->ctl = etcd_dir(ctl_prefix);
         double end = now_s() + 4 * READY_WAIT * g.scale;
-        while (bex_dir_replicas(ctl, "clients", (uint32_t)pi, NULL, 0) == 0) {
+        while (bex_dir_replicas(r->ctl, "clients", (uint32_t)r->pi, NULL, 0) == 0) {
             if (now_s() > end)
                 die("phase %d: the clients' bex-cluster did not start its clients within %.0f s "
                     "(etcd %s, %s)",
-                    pi + 1, 4 * READY_WAIT * g.scale, g.etcd, ctl_prefix);
-            if (pump(100)) {
-                bex_dir_destroy(ctl);
-                free(cl_txt);
-                return NULL;
-            }
-            progress(pi, pl->n_ph, ph, 0, "waiting for the clients' bex-cluster");
+                    r->pi + 1, 4 * READY_WAIT * g.scale, g.etcd, ctl_prefix);
+            if (pump(100))
+                return -1;
+            progress(r->pi, r->pl->n_ph, r->ph, 0, "waiting for the clients' bex-cluster");
         }
     }
+    return 0;
+}
 
-    /* run: the fault's events, the progress line, until the clients end */
+static void fault_event(struct frun *f, double t, const char *event, const struct proc *v)
+{
+    json_array_append_new(f->events,
+                          json_pack("{s:f,s:s,s:s}", "t_s", t, "event", event, "process", v->name));
+}
+
+/* The fault's events due at t: snapshot, kill -9, restart, ready again. */
+static void fault_step(struct prun *r, struct frun *f, double t)
+{
+    const struct phase *ph = r->ph;
+    struct proc *v = r->ps[ph->f_shard][ph->f_replica];
+    if (!f->snapped && ph->f_snap >= 0 && t >= ph->f_snap) {
+        f->snapped = 1;
+        kill(v->pid, SIGUSR1);
+        fault_event(f, t, "snapshot (SIGUSR1)", v);
+    }
+    if (!f->killed && t >= ph->f_kill) {
+        f->killed = 1;
+        f->kill_t = t;
+        v->killed = 1;
+        kill(v->pid, SIGKILL);
+        snprintf(f->state, sizeof f->state, "%s killed (kill -9) at %.1f s", v->name, t);
+        fault_event(f, t, "kill -9", v);
+    }
+    if (f->killed && !f->restarted && t >= ph->f_restart && !v->running) {
+        f->restarted = 1;
+        f->restart_t = t;
+        if (v->out_fd >= 0) {
+            close(v->out_fd);
+            v->out_fd = -1;
+        }
+        char path[PATH_MAX + 64];
+        snprintf(path, sizeof path, "%s/%s.log", r->dir, v->name);
+        proc_spawn(v, path);
+        snprintf(f->state, sizeof f->state, "%s restarted at %.1f s", v->name, t);
+        fault_event(f, t, "restart", v);
+    }
+    if (f->restarted && !f->restart_ready && v->ready) {
+        f->restart_ready = 1;
+        f->ready_t = t;
+        snprintf(f->state, sizeof f->state, "%s back (restarted at %.1f s, ready at %.1f s)",
+                 v->name, f->restart_t, t);
+        fault_event(f, t, "ready again", v);
+    }
+}
+
+/* The run: the fault's events, the progress line, until the clients end.
+ * Returns how long it took, or -1: interrupted. */
+static double watch_phase(struct prun *r, struct frun *f)
+{
+    const struct phase *ph = r->ph;
     double start = now_s();
-    int snapped = 0, killed = 0, restarted = 0, restart_ready = 0;
-    double kill_t = -1, restart_t = -1, ready_t = -1;
-    char state[128] = "";
-    json_t *events = json_array();
     for (;;) {
         double t = now_s() - start;
-        if (ph->fault && g.servers) {
-            struct proc *v = ps[ph->f_shard][ph->f_replica];
-            if (!snapped && ph->f_snap >= 0 && t >= ph->f_snap) {
-                snapped = 1;
-                kill(v->pid, SIGUSR1);
-                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
-                                                        "snapshot (SIGUSR1)", "process", v->name));
-            }
-            if (!killed && t >= ph->f_kill) {
-                killed = 1;
-                kill_t = t;
-                v->killed = 1;
-                kill(v->pid, SIGKILL);
-                snprintf(state, sizeof state, "%s killed (kill -9) at %.1f s", v->name, t);
-                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
-                                                        "kill -9", "process", v->name));
-            }
-            if (killed && !restarted && t >= ph->f_restart && !v->running) {
-                restarted = 1;
-                restart_t = t;
-                if (v->out_fd >= 0) {
-                    close(v->out_fd);
-                    v->out_fd = -1;
-                }
-                snprintf(path, sizeof path, "%s/%s.log", dir, v->name);
-                proc_spawn(v, path);
-                snprintf(state, sizeof state, "%s restarted at %.1f s", v->name, t);
-                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
-                                                        "restart", "process", v->name));
-            }
-            if (restarted && !restart_ready && v->ready) {
-                restart_ready = 1;
-                ready_t = t;
-                snprintf(state, sizeof state, "%s back (restarted at %.1f s, ready at %.1f s)",
-                         v->name, restart_t, t);
-                json_array_append_new(events, json_pack("{s:f,s:s,s:s}", "t_s", t, "event",
-                                                        "ready again", "process", v->name));
-            }
-        }
+        if (ph->fault && g.servers)
+            fault_step(r, f, t);
         int clients = 0;
-        for (int i = 0; i < n_cl; i++)
-            clients += cl_p[i]->running;
-        if (ctl ? bex_dir_replicas(ctl, "clients", (uint32_t)pi, NULL, 0) == 0 : clients == 0)
+        for (int i = 0; i < r->n_cl; i++)
+            clients += r->cl_p[i]->running;
+        if (r->ctl ? bex_dir_replicas(r->ctl, "clients", (uint32_t)r->pi, NULL, 0) == 0
+                   : clients == 0)
             break;
-        if (ctl && t > ph->duration_s + 4 * (EXTRA_WAIT + READY_WAIT) * g.scale)
-            die("phase %d: the clients' bex-cluster did not finish", pi + 1);
+        if (r->ctl && t > ph->duration_s + 4 * (EXTRA_WAIT + READY_WAIT) * g.scale)
+            die("phase %d: the clients' bex-cluster did not finish", r->pi + 1);
         if (t > ph->duration_s + EXTRA_WAIT * g.scale) {
             fprintf(stderr, "\nbex-cluster: clients still running %d s past the phase: stopped\n",
                     EXTRA_WAIT);
-            for (int i = 0; i < n_cl; i++)
-                if (cl_p[i]->running)
-                    kill(cl_p[i]->pid, SIGKILL);
+            for (int i = 0; i < r->n_cl; i++)
+                if (r->cl_p[i]->running)
+                    kill(r->cl_p[i]->pid, SIGKILL);
         }
-        for (int s = 0; g.servers && s < S; s++)
-            for (int r = 0; r < R; r++)
-                if (!ps[s][r]->running && !ps[s][r]->killed) {
+        for (int s = 0; g.servers && s < r->S; s++)
+            for (int k = 0; k < r->R; k++) {
+                struct proc *p = r->ps[s][k];
+                if (!p->running && !p->killed) {
                     char st[64];
-                    die("%s stopped during the phase (%s; see %s/%s.log)", ps[s][r]->name,
-                        status_text(ps[s][r]->status, st, sizeof st), dir, ps[s][r]->name);
+                    die("%s stopped during the phase (%s; see %s/%s.log)", p->name,
+                        status_text(p->status, st, sizeof st), r->dir, p->name);
                 }
-        if (pump(200)) {
-            json_decref(events);
-            free(cl_txt);
-            bex_dir_destroy(ctl);
-            bex_dir_deregister(ctl_reg);
-            return NULL;
+            }
+        if (pump(200))
+            return -1;
+        progress(r->pi, r->pl->n_ph, ph, t < ph->duration_s ? t : ph->duration_s, f->state);
+    }
+    return now_s() - start;
+}
+
+/* What the clients' reports add up to. */
+struct totals {
+    double cu, cs, ops, su, ss;
+    long long retries, failovers, throttled, partial;
+    int bad_clients;
+    json_t *fb; /* the rankers' Fetch answer sizes, merged (bex-ranker's fetch_bytes) */
+};
+
+/* The clients' reports (in the returned array), their samples into all
+ * and bn, their sums into tt. */
+static json_t *collect_clients(struct prun *r, struct totals *tt, struct lat *all, struct bins *bn)
+{
+    json_t *clients = json_array();
+    char path[PATH_MAX + 64];
+    for (int i = 0; i < r->n_cl; i++) {
+        struct proc *p = r->cl_p[i];
+        char st[64];
+        if (!WIFEXITED(p->status) || WEXITSTATUS(p->status) != 0) {
+            fprintf(stderr, "bex-cluster: %s: %s (see %s/%s.log)\n", p->name,
+                    status_text(p->status, st, sizeof st), r->dir, p->name);
+            tt->bad_clients++;
         }
-        progress(pi, pl->n_ph, ph, t < ph->duration_s ? t : ph->duration_s, state);
+        snprintf(path, sizeof path, "%s/%s.json", r->dir, p->name);
+        json_error_t je;
+        json_t *cj = json_load_file(path, 0, &je);
+        if (cj) {
+            json_t *cpu = json_object_get(cj, "cpu");
+            tt->cu += jnum(cpu, "user_s", 0);
+            tt->cs += jnum(cpu, "sys_s", 0);
+            tt->ops += jnum(cpu, "ops", 0);
+            tt->retries += (long long)jnum(cj, "retries", 0);
+            tt->failovers += (long long)jnum(cj, "failovers", 0);
+            tt->throttled += (long long)jnum(cj, "retry_throttled", 0);
+            tt->partial += (long long)jnum(cj, "push_partial", 0);
+            json_t *b = json_object_get(cj, "fetch_bytes");
+            if (b)
+                tt->fb = fetch_bytes_merge(tt->fb, b);
+            json_object_set_new(cj, "name", json_string(p->name));
+            json_array_append_new(clients, cj);
+        } else if (WIFEXITED(p->status) && WEXITSTATUS(p->status) == 0) {
+            fprintf(stderr, "bex-cluster: %s: %s\n", path, je.text);
+            tt->bad_clients++;
+        }
+        snprintf(path, sizeof path, "%s/%s.samples.csv", r->dir, p->name);
+        load_samples(path, p->role, r->ph->warmup_s, all, bn);
     }
-    double elapsed = now_s() - start;
-    if (!g.quiet)
-        fprintf(stderr, "%s", g.tty ? "\n" : "");
+    for (int s = 0; g.servers && s < r->S; s++)
+        for (int k = 0; k < r->R; k++) {
+            /* a killed replica's first life is not in its rusage: only the
+             * restarted one's */
+            tt->su += tv(r->ps[s][k]->ru.ru_utime);
+            tt->ss += tv(r->ps[s][k]->ru.ru_stime);
+        }
+    return clients;
+}
 
-    /* the check of applied Pushes, while the servers still run */
-    struct verify vf = {0};
-    if (ph->trainers > 0 && g.clients) {
-        if (!g.quiet)
-            fprintf(stderr, "bex-cluster: phase %s: checking the trained rows on every replica\n",
-                    ph->name);
-        verify_phase(pl, ph, dir, cl_txt, &vf, grad);
+static json_t *cpu_json(const struct totals *tt)
+{
+    double ops = tt->ops;
+    json_t *cpu = json_object();
+    json_object_set_new(cpu, "ops", json_real(ops));
+    json_object_set_new(cpu, "client_user_us_per_op", json_real(ops ? tt->cu * 1e6 / ops : 0));
+    json_object_set_new(cpu, "client_sys_us_per_op", json_real(ops ? tt->cs * 1e6 / ops : 0));
+    json_object_set_new(cpu, "server_user_us_per_op", json_real(ops ? tt->su * 1e6 / ops : 0));
+    json_object_set_new(cpu, "server_sys_us_per_op", json_real(ops ? tt->ss * 1e6 / ops : 0));
+    return cpu;
+}
+
+/* The fault's record (events taken), or NULL for a phase without one. */
+static json_t *fault_json(const struct phase *ph, struct frun *f)
+{
+    if (ph->fault && g.servers)
+        return json_pack("{s:i,s:i,s:f,s:f,s:f,s:o}", "shard", ph->f_shard, "replica",
+                         ph->f_replica, "killed_at_s", f->kill_t, "restarted_at_s", f->restart_t,
+                         "ready_again_at_s", f->ready_t, "events", f->events);
+    json_decref(f->events);
+    if (ph->fault) /* the servers' instance did it: the plan's times */
+        return json_pack("{s:i,s:i,s:f,s:f,s:b}", "shard", ph->f_shard, "replica", ph->f_replica,
+                         "kill_at_s", ph->f_kill, "restart_at_s", ph->f_restart,
+                         "by_servers_instance", 1);
+    return NULL;
+}
+
+/* The check of applied Pushes, into res. */
+static void push_check_json(json_t *res, const struct verify *vf, const struct phase *ph, int S,
+                            int R)
+{
+    json_t *v = json_object();
+    json_object_set_new(v, "keys", json_integer(vf->keys));
+    json_object_set_new(v, "acknowledged", json_integer(vf->acked));
+    json_object_set_new(v, "failed_at_replica", json_integer(vf->unsure));
+    json_t *reps = json_array();
+    long twice = 0, missing = 0;
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++) {
+            const struct vrep *q = &vf->rep[s][r];
+            json_t *o = json_object();
+            json_object_set_new(o, "shard", json_integer(s));
+            json_object_set_new(o, "replica", json_integer(r));
+            json_object_set_new(o, "killed",
+                                json_boolean(ph->fault && s == ph->f_shard && r == ph->f_replica));
+            json_object_set_new(o, "rows_checked", json_integer(q->checked));
+            json_object_set_new(o, "rows_exact", json_integer(q->exact));
+            json_object_set_new(o, "pushes_applied_twice", json_integer(q->twice));
+            json_object_set_new(o, "rows_applied_twice", json_integer(q->twice_rows));
+            json_object_set_new(o, "pushes_missing", json_integer(q->missing));
+            json_object_set_new(o, "rows_missing", json_integer(q->missing_rows));
+            json_object_set_new(o, "rows_unexplained", json_integer(q->unexplained));
+            json_object_set_new(o, "rows_equal_to_peer", json_integer(q->same));
+            json_object_set_new(o, "fetch_failed", json_boolean(q->fetch_failed));
+            json_array_append_new(reps, o);
+            twice += q->twice;
+            missing += q->missing;
+        }
+    json_object_set_new(v, "replicas", reps);
+    json_object_set_new(res, "push_check", v);
+    json_object_set_new(res, "pushes_applied_twice", json_integer(twice));
+    json_object_set_new(res, "pushes_missing", json_integer(missing));
+}
+
+/* series.dat: phase t_s mean/p99 (ms) per op, failed user requests. */
+static void write_series(int pi, const struct phase *ph, struct bins *bn)
+{
+    char path[PATH_MAX + 64];
+    snprintf(path, sizeof path, "%s/series.dat", g.out);
+    FILE *sf = fopen(path, "a");
+    if (!sf)
+        return;
+    for (int b = 0; b < bn->n; b++) {
+        fprintf(sf, "%d %s %.1f", pi + 1, ph->name, (b + 0.5) * SERIES_BIN);
+        for (int s = 0; s < S_N; s++) {
+            struct lat *l = &bn->b[s][b];
+            if (l->n)
+                qsort(l->v, l->n, sizeof *l->v, cmp_u32);
+            if (l->n)
+                fprintf(sf, " %.3f %.3f", l->sum / (double)l->n / 1000,
+                        l->v[(size_t)((double)(l->n - 1) * 0.99)] / 1000.0);
+            else
+                fprintf(sf, " NaN NaN");
+        }
+        fprintf(sf, " %llu\n", bn->b[S_REQ][b].failed);
     }
-    free(cl_txt);
-    /* the other instance's servers may stop now */
-    int rc = bex_dir_deregister(ctl_reg);
-    if (rc)
-        fprintf(stderr, "bex-cluster: etcd: deregistration: %s (the lease expires)\n",
-                bex_strerror(rc));
-    bex_dir_destroy(ctl);
-    stop_role(R_PS);
+    fprintf(sf, "\n\n");
+    fclose(sf);
+}
 
-    /* results */
+/* The phase's results: the clients' reports, the latencies, the fault
+ * and the check of applied Pushes. */
+static json_t *phase_results(struct prun *r, struct frun *f, const struct verify *vf,
+                             double elapsed)
+{
+    const struct phase *ph = r->ph;
     json_t *res = json_object();
     json_object_set_new(res, "name", json_string(ph->name));
     json_object_set_new(res, "transport", json_string(ph->transport));
@@ -1310,157 +1478,94 @@ static json_t *run_phase(const struct plan *pl, int pi)
     json_object_set_new(res, "warmup_s", json_real(ph->warmup_s));
     json_object_set_new(res, "rankers", json_integer(ph->rankers));
     json_object_set_new(res, "trainers", json_integer(ph->trainers));
-    json_object_set_new(res, "shards", json_integer(S));
-    json_object_set_new(res, "replicas", json_integer(R));
-    json_t *clients = json_array();
-    double cu = 0, cs = 0, ops = 0, su = 0, ss = 0;
-    long long retries = 0, failovers = 0, throttled = 0, partial = 0;
+    json_object_set_new(res, "shards", json_integer(r->S));
+    json_object_set_new(res, "replicas", json_integer(r->R));
+    struct totals tt = {0};
     struct lat all[S_N] = {0};
     struct bins *bn = calloc(1, sizeof *bn);
     if (!bn)
         die("out of memory");
-    int bad_clients = 0;
-    /* the rankers' Fetch answer sizes, merged (bex-ranker's fetch_bytes) */
-    json_t *fb = NULL;
-    for (int i = 0; i < n_cl; i++) {
-        struct proc *p = cl_p[i];
-        char st[64];
-        if (!WIFEXITED(p->status) || WEXITSTATUS(p->status) != 0) {
-            fprintf(stderr, "bex-cluster: %s: %s (see %s/%s.log)\n", p->name,
-                    status_text(p->status, st, sizeof st), dir, p->name);
-            bad_clients++;
-        }
-        snprintf(path, sizeof path, "%s/%s.json", dir, p->name);
-        json_error_t je;
-        json_t *cj = json_load_file(path, 0, &je);
-        if (cj) {
-            json_t *cpu = json_object_get(cj, "cpu");
-            cu += jnum(cpu, "user_s", 0);
-            cs += jnum(cpu, "sys_s", 0);
-            ops += jnum(cpu, "ops", 0);
-            retries += (long long)jnum(cj, "retries", 0);
-            failovers += (long long)jnum(cj, "failovers", 0);
-            throttled += (long long)jnum(cj, "retry_throttled", 0);
-            partial += (long long)jnum(cj, "push_partial", 0);
-            json_t *b = json_object_get(cj, "fetch_bytes");
-            if (b)
-                fb = fetch_bytes_merge(fb, b);
-            json_object_set_new(cj, "name", json_string(p->name));
-            json_array_append_new(clients, cj);
-        } else if (WIFEXITED(p->status) && WEXITSTATUS(p->status) == 0) {
-            fprintf(stderr, "bex-cluster: %s: %s\n", path, je.text);
-            bad_clients++;
-        }
-        snprintf(path, sizeof path, "%s/%s.samples.csv", dir, p->name);
-        load_samples(path, p->role, ph->warmup_s, all, bn);
-    }
-    for (int s = 0; g.servers && s < S; s++)
-        for (int r = 0; r < R; r++) {
-            /* a killed replica's first life is not in its rusage: only the
-             * restarted one's */
-            su += tv(ps[s][r]->ru.ru_utime);
-            ss += tv(ps[s][r]->ru.ru_stime);
-        }
-    json_object_set_new(res, "client_errors", json_integer(bad_clients));
+    json_t *clients = collect_clients(r, &tt, all, bn);
+    json_object_set_new(res, "client_errors", json_integer(tt.bad_clients));
     json_t *lat = json_object();
     for (int s = 0; s < S_N; s++)
         json_object_set_new(lat, s_names[s], lat_json(&all[s], ph->duration_s - ph->warmup_s));
     json_object_set_new(res, "latency", lat);
     json_object_set_new(res, "failed_user_requests", json_integer((json_int_t)all[S_REQ].failed));
-    json_object_set_new(res, "retries", json_integer(retries));
-    json_object_set_new(res, "failovers", json_integer(failovers));
-    json_object_set_new(res, "retry_throttled", json_integer(throttled));
-    json_object_set_new(res, "push_partial", json_integer(partial));
-    if (fb) {
-        double ok = jnum(fb, "large", 0) - jnum(fb, "large_failed", 0);
-        json_object_set_new(fb, "large_mean_us",
-                            json_real(ok > 0 ? jnum(fb, "large_lat_sum_us", 0) / ok : 0));
-        json_object_del(fb, "large_lat_sum_us");
-        json_object_set_new(res, "ranker_fetch_bytes", fb);
+    json_object_set_new(res, "retries", json_integer(tt.retries));
+    json_object_set_new(res, "failovers", json_integer(tt.failovers));
+    json_object_set_new(res, "retry_throttled", json_integer(tt.throttled));
+    json_object_set_new(res, "push_partial", json_integer(tt.partial));
+    if (tt.fb) {
+        double ok = jnum(tt.fb, "large", 0) - jnum(tt.fb, "large_failed", 0);
+        json_object_set_new(tt.fb, "large_mean_us",
+                            json_real(ok > 0 ? jnum(tt.fb, "large_lat_sum_us", 0) / ok : 0));
+        json_object_del(tt.fb, "large_lat_sum_us");
+        json_object_set_new(res, "ranker_fetch_bytes", tt.fb);
     }
-    json_t *cpu = json_object();
-    json_object_set_new(cpu, "ops", json_real(ops));
-    json_object_set_new(cpu, "client_user_us_per_op", json_real(ops ? cu * 1e6 / ops : 0));
-    json_object_set_new(cpu, "client_sys_us_per_op", json_real(ops ? cs * 1e6 / ops : 0));
-    json_object_set_new(cpu, "server_user_us_per_op", json_real(ops ? su * 1e6 / ops : 0));
-    json_object_set_new(cpu, "server_sys_us_per_op", json_real(ops ? ss * 1e6 / ops : 0));
-    json_object_set_new(res, "cpu", cpu);
-    if (ph->fault && g.servers) {
-        json_t *f = json_pack("{s:i,s:i,s:f,s:f,s:f,s:o}", "shard", ph->f_shard, "replica",
-                              ph->f_replica, "killed_at_s", kill_t, "restarted_at_s", restart_t,
-                              "ready_again_at_s", ready_t, "events", events);
-        json_object_set_new(res, "fault", f);
-    } else if (ph->fault) { /* the servers' instance did it: the plan's times */
-        json_t *f = json_pack("{s:i,s:i,s:f,s:f,s:b}", "shard", ph->f_shard, "replica",
-                              ph->f_replica, "kill_at_s", ph->f_kill, "restart_at_s", ph->f_restart,
-                              "by_servers_instance", 1);
-        json_object_set_new(res, "fault", f);
-        json_decref(events);
-    } else {
-        json_decref(events);
-    }
-    if (vf.done) {
-        json_t *v = json_object();
-        json_object_set_new(v, "keys", json_integer(vf.keys));
-        json_object_set_new(v, "acknowledged", json_integer(vf.acked));
-        json_object_set_new(v, "failed_at_replica", json_integer(vf.unsure));
-        json_t *reps = json_array();
-        long twice = 0, missing = 0;
-        for (int s = 0; s < S; s++)
-            for (int r = 0; r < R; r++) {
-                struct vrep *q = &vf.rep[s][r];
-                json_t *o = json_object();
-                json_object_set_new(o, "shard", json_integer(s));
-                json_object_set_new(o, "replica", json_integer(r));
-                json_object_set_new(
-                    o, "killed", json_boolean(ph->fault && s == ph->f_shard && r == ph->f_replica));
-                json_object_set_new(o, "rows_checked", json_integer(q->checked));
-                json_object_set_new(o, "rows_exact", json_integer(q->exact));
-                json_object_set_new(o, "pushes_applied_twice", json_integer(q->twice));
-                json_object_set_new(o, "rows_applied_twice", json_integer(q->twice_rows));
-                json_object_set_new(o, "pushes_missing", json_integer(q->missing));
-                json_object_set_new(o, "rows_missing", json_integer(q->missing_rows));
-                json_object_set_new(o, "rows_unexplained", json_integer(q->unexplained));
-                json_object_set_new(o, "rows_equal_to_peer", json_integer(q->same));
-                json_object_set_new(o, "fetch_failed", json_boolean(q->fetch_failed));
-                json_array_append_new(reps, o);
-                twice += q->twice;
-                missing += q->missing;
-            }
-        json_object_set_new(v, "replicas", reps);
-        json_object_set_new(res, "push_check", v);
-        json_object_set_new(res, "pushes_applied_twice", json_integer(twice));
-        json_object_set_new(res, "pushes_missing", json_integer(missing));
-    }
+    json_object_set_new(res, "cpu", cpu_json(&tt));
+    json_t *fj = fault_json(ph, f);
+    if (fj)
+        json_object_set_new(res, "fault", fj);
+    if (vf->done)
+        push_check_json(res, vf, ph, r->S, r->R);
     json_object_set_new(res, "clients", clients);
-
-    /* series.dat: phase t_s mean/p99 (ms) per op, failed user requests */
-    snprintf(path, sizeof path, "%s/series.dat", g.out);
-    FILE *sf = fopen(path, "a");
-    if (sf) {
-        for (int b = 0; b < bn->n; b++) {
-            fprintf(sf, "%d %s %.1f", pi + 1, ph->name, (b + 0.5) * SERIES_BIN);
-            for (int s = 0; s < S_N; s++) {
-                struct lat *l = &bn->b[s][b];
-                if (l->n)
-                    qsort(l->v, l->n, sizeof *l->v, cmp_u32);
-                if (l->n)
-                    fprintf(sf, " %.3f %.3f", l->sum / (double)l->n / 1000,
-                            l->v[(size_t)((double)(l->n - 1) * 0.99)] / 1000.0);
-                else
-                    fprintf(sf, " NaN NaN");
-            }
-            fprintf(sf, " %llu\n", bn->b[S_REQ][b].failed);
-        }
-        fprintf(sf, "\n\n");
-        fclose(sf);
-    }
+    write_series(r->pi, ph, bn);
     for (int s = 0; s < S_N; s++) {
         free(all[s].v);
         for (int b = 0; b < bn->n; b++)
             free(bn->b[s][b].v);
     }
     free(bn);
+    return res;
+}
+
+static json_t *run_phase(const struct plan *pl, int pi)
+{
+    static struct prun r;
+    r = (struct prun){.pl = pl, .ph = &pl->ph[pi], .pi = pi, .S = pl->shards, .R = pl->replicas};
+    const struct phase *ph = r.ph;
+    struct frun f = {.kill_t = -1, .restart_t = -1, .ready_t = -1, .events = json_array()};
+    phase_dirs(&r);
+    write_cluster(&r);
+    if (start_servers(&r)) {
+        json_decref(f.events);
+        free(r.cl_txt);
+        return NULL;
+    }
+    r.grad = jnum(pl->trainer, "grad", 0x1p-10);
+    r.n_cl = g.clients ? ph->rankers + ph->trainers : 0;
+    for (int i = 0; i < r.n_cl; i++)
+        spawn_client(&r, i);
+    double elapsed = -1;
+    if (sync_instances(&r) == 0)
+        elapsed = watch_phase(&r, &f);
+    if (elapsed < 0) {
+        json_decref(f.events);
+        free(r.cl_txt);
+        bex_dir_destroy(r.ctl);
+        bex_dir_deregister(r.ctl_reg);
+        return NULL;
+    }
+    if (!g.quiet)
+        fprintf(stderr, "%s", g.tty ? "\n" : "");
+    /* the check of applied Pushes, while the servers still run */
+    struct verify vf = {0};
+    if (ph->trainers > 0 && g.clients) {
+        if (!g.quiet)
+            fprintf(stderr, "bex-cluster: phase %s: checking the trained rows on every replica\n",
+                    ph->name);
+        verify_phase(pl, ph, r.dir, r.cl_txt, &vf, r.grad);
+    }
+    free(r.cl_txt);
+    /* the other instance's servers may stop now */
+    int rc = bex_dir_deregister(r.ctl_reg);
+    if (rc)
+        fprintf(stderr, "bex-cluster: etcd: deregistration: %s (the lease expires)\n",
+                bex_strerror(rc));
+    bex_dir_destroy(r.ctl);
+    stop_role(R_PS);
+    json_t *res = phase_results(&r, &f, &vf, elapsed);
     for (int i = 0; i < MAX_PROCS; i++)
         if (g.procs[i].used && g.procs[i].role != R_KEEPER && !g.procs[i].running)
             proc_release(&g.procs[i]);

@@ -188,20 +188,137 @@ static long opt_num(const char *s, long lo, long hi)
     return v;
 }
 
-int main(int argc, char **argv)
-{
-    const char *cluster = NULL, *service = "ps", *shards = NULL, *snap_dir = NULL;
-    uint32_t replica = 0, transport = BEX_TRANSPORT_AUTO, poll_mode = BEX_POLL_SPIN_SLEEP;
-    long metrics_port = -1, snap_every_ms = 0, keepalive_timeout_ms = 0, catchup_ms = 10000;
-    long eager_max = 0;   /* the context's (0: its default) */
-    long send_window = 0; /* the context's (0: none) */
-    long io_threads = 1;
-    int catchup = 1;
-    const char *etcd = NULL, *etcd_prefix = NULL, *listen_s = NULL, *locality = "";
-    unsigned long n_shards_opt = 0, ttl_s = 10;
+/* The command line. */
+struct opts {
+    const char *cluster, *service, *shards, *snap_dir, *etcd, *etcd_prefix, *listen_s, *locality;
+    uint32_t replica, transport, poll_mode;
+    long metrics_port, snap_every_ms, keepalive_timeout_ms, catchup_ms;
+    long eager_max;   /* the context's (0: its default) */
+    long send_window; /* the context's (0: none) */
+    long io_threads;
+    int catchup, verbose;
+    unsigned long n_shards_opt, ttl_s;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
-    size_t n_tables = 0;
-    int verbose = 0;
+    size_t n_tables;
+};
+
+/* This process: the shards it serves, their addresses, its context. */
+struct node {
+    struct served sv[MAX_SERVED];
+    size_t n_sv, up; /* up: shards made, in order */
+    bex_dir_replica self[MAX_SERVED];
+    uint32_t n_shards;
+    bex_ctx *ctx;
+    bex_dir_registration *regs[MAX_SERVED];
+    struct metrics mt;
+    struct MHD_Daemon *httpd;
+};
+
+/* A numeric option: whether c is one. */
+static bool num_opt(int c, struct opts *o)
+{
+    switch (c) {
+    case 'r':
+        o->replica = (uint32_t)opt_num(optarg, 0, UINT32_MAX);
+        return true;
+    case 'U':
+        o->catchup_ms = opt_num(optarg, 1, 3600000);
+        return true;
+    case 'N':
+    case 'T':
+        *(c == 'N' ? &o->n_shards_opt : &o->ttl_s) = (unsigned long)opt_num(optarg, 1, 4096);
+        return true;
+    case 'e':
+        o->snap_every_ms = opt_num(optarg, 1, 86400000);
+        return true;
+    case 'k':
+        o->keepalive_timeout_ms = opt_num(optarg, 1, 3600000);
+        return true;
+    case 'G':
+        o->eager_max = opt_num(optarg, 0, UINT32_MAX);
+        return true;
+    case 'W':
+        o->send_window = opt_num(optarg, 0, UINT32_MAX);
+        return true;
+    case 'I':
+        o->io_threads = opt_num(optarg, 1, 64);
+        return true;
+    case 'm':
+        o->metrics_port = opt_num(optarg, 0, 65535);
+        return true;
+    default:
+        return false;
+    }
+}
+
+static void one_opt(int c, struct opts *o)
+{
+    switch (c) {
+    case 'c':
+        o->cluster = optarg;
+        break;
+    case 's':
+        o->service = optarg;
+        break;
+    case 'n':
+        o->shards = optarg;
+        break;
+    case 'd':
+        o->snap_dir = optarg;
+        break;
+    case 'v':
+        o->verbose = 1;
+        break;
+    case 'C':
+        o->catchup = 0;
+        break;
+    case 'E':
+        o->etcd = optarg;
+        break;
+    case 'P':
+        o->etcd_prefix = optarg;
+        break;
+    case 'l':
+        o->listen_s = optarg;
+        break;
+    case 'L':
+        o->locality = optarg;
+        if (strlen(o->locality) > BEX_DIR_LOCALITY_MAX)
+            usage();
+        break;
+    case 't':
+        if (o->n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &o->tables[o->n_tables++]))
+            usage();
+        break;
+    case 'p':
+        if (bex_poll_mode_parse(optarg, &o->poll_mode))
+            usage();
+        break;
+    case 'x':
+        if (strcmp(optarg, "tcp") == 0)
+            o->transport = BEX_TRANSPORT_TCP;
+        else if (strcmp(optarg, "rdma") == 0)
+            o->transport = BEX_TRANSPORT_RDMA;
+        else if (strcmp(optarg, "auto") != 0)
+            usage();
+        break;
+    default:
+        if (!num_opt(c, o))
+            usage();
+    }
+}
+
+static void parse_opts(int argc, char **argv, struct opts *o)
+{
+    *o = (struct opts){.service = "ps",
+                       .transport = BEX_TRANSPORT_AUTO,
+                       .poll_mode = BEX_POLL_SPIN_SLEEP,
+                       .metrics_port = -1,
+                       .catchup_ms = 10000,
+                       .io_threads = 1,
+                       .catchup = 1,
+                       .locality = "",
+                       .ttl_s = 10};
     static const struct option lo[] = {{"cluster", required_argument, 0, 'c'},
                                        {"service", required_argument, 0, 's'},
                                        {"shard", required_argument, 0, 'n'},
@@ -226,94 +343,335 @@ int main(int argc, char **argv)
                                        {"send-window", required_argument, 0, 'W'},
                                        {"io-threads", required_argument, 0, 'I'},
                                        {0, 0, 0, 0}};
-    for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
-        switch (o) {
-        case 'c':
-            cluster = optarg;
-            break;
-        case 's':
-            service = optarg;
-            break;
-        case 'n':
-            shards = optarg;
-            break;
-        case 'r':
-            replica = (uint32_t)opt_num(optarg, 0, UINT32_MAX);
-            break;
-        case 'd':
-            snap_dir = optarg;
-            break;
-        case 'v':
-            verbose = 1;
-            break;
-        case 'C':
-            catchup = 0;
-            break;
-        case 'U':
-            catchup_ms = opt_num(optarg, 1, 3600000);
-            break;
-        case 'E':
-            etcd = optarg;
-            break;
-        case 'P':
-            etcd_prefix = optarg;
-            break;
-        case 'l':
-            listen_s = optarg;
-            break;
-        case 'L':
-            locality = optarg;
-            if (strlen(locality) > BEX_DIR_LOCALITY_MAX)
-                usage();
-            break;
-        case 'N':
-        case 'T':
-            *(o == 'N' ? &n_shards_opt : &ttl_s) = (unsigned long)opt_num(optarg, 1, 4096);
-            break;
-        case 'e':
-            snap_every_ms = opt_num(optarg, 1, 86400000);
-            break;
-        case 'k':
-            keepalive_timeout_ms = opt_num(optarg, 1, 3600000);
-            break;
-        case 'G':
-            eager_max = opt_num(optarg, 0, UINT32_MAX);
-            break;
-        case 'W':
-            send_window = opt_num(optarg, 0, UINT32_MAX);
-            break;
-        case 'I':
-            io_threads = opt_num(optarg, 1, 64);
-            break;
-        case 'm':
-            metrics_port = opt_num(optarg, 0, 65535);
-            break;
-        case 't':
-            if (n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &tables[n_tables++]))
-                usage();
-            break;
-        case 'p':
-            if (bex_poll_mode_parse(optarg, &poll_mode))
-                usage();
-            break;
-        case 'x':
-            if (strcmp(optarg, "tcp") == 0)
-                transport = BEX_TRANSPORT_TCP;
-            else if (strcmp(optarg, "rdma") == 0)
-                transport = BEX_TRANSPORT_RDMA;
-            else if (strcmp(optarg, "auto") != 0)
-                usage();
-            break;
-        default:
-            usage();
-        }
-    }
-    if (!shards || optind != argc || (snap_every_ms && !snap_dir) || !cluster == !etcd ||
-        (etcd && (!listen_s || !n_shards_opt)))
+    for (int c; (c = getopt_long(argc, argv, "", lo, NULL)) != -1;)
+        one_opt(c, o);
+    if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
+        !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)))
         usage();
-    if (n_tables == 0)
-        tables[n_tables++] = (bex_ps_table_config){.id = 1, .dim = 16, .optimizer = BEX_PS_SGD};
+    if (o->n_tables == 0)
+        o->tables[o->n_tables++] =
+            (bex_ps_table_config){.id = 1, .dim = 16, .optimizer = BEX_PS_SGD};
+}
 
+/* --cluster: the file's directory in *dir, and the service's shard count. */
+static int load_cluster(const struct opts *o, bex_dir **dir, uint32_t *n_shards)
+{
+    char err[256] = "";
+    int rc = bex_dir_create(NULL, dir);
+    if (!rc)
+        rc = bex_dir_load_file(*dir, o->cluster, err, sizeof err);
+    if (rc) {
+        if (err[0])
+            fprintf(stderr, "bex-ps: %s\n", err);
+        else
+            fprintf(stderr, "bex-ps: %s: %s\n", o->cluster, bex_strerror(rc));
+        return 1;
+    }
+    while (*n_shards < 4096 && bex_dir_replicas(*dir, o->service, *n_shards, NULL, 0) > 0)
+        (*n_shards)++;
+    if (*n_shards == 0) {
+        fprintf(stderr, "bex-ps: %s: no service \"%s\"\n", o->cluster, o->service);
+        return 1;
+    }
+    return 0;
+}
+
+/* --shard all or a list of shards. */
+static int shard_list(const struct opts *o, struct node *nd)
+{
+    for (const char *p = o->shards; *p;) {
+        if (strncmp(p, "all", 3) == 0) {
+            for (uint32_t i = 0; i < nd->n_shards && nd->n_sv < MAX_SERVED; i++)
+                nd->sv[nd->n_sv++].shard = i;
+            break;
+        }
+        char *end;
+        unsigned long v = strtoul(p, &end, 10);
+        if (end == p || v >= nd->n_shards || nd->n_sv == MAX_SERVED) {
+            fprintf(stderr, "bex-ps: --shard %s: the cluster has shards 0..%u\n", o->shards,
+                    nd->n_shards - 1);
+            return 1;
+        }
+        nd->sv[nd->n_sv++].shard = (uint32_t)v;
+        p = *end == ',' ? end + 1 : end;
+    }
+    return 0;
+}
+
+/* --listen IP[:PORT] (etcd): shard i of the list at PORT + i (0: any). */
+static int listen_addrs(const struct opts *o, struct node *nd)
+{
+    char ip[INET_ADDRSTRLEN + 1];
+    unsigned port = 0;
+    int used = 0;
+    struct in_addr ia;
+    const char *ls = o->listen_s;
+    int k = sscanf(ls, "%16[0-9.]:%u%n", ip, &port, &used);
+    if (k < 1 || port + nd->n_sv > 65536 || inet_pton(AF_INET, ip, &ia) != 1 ||
+        (k == 1 && strcmp(ip, ls) != 0) || (k == 2 && ls[used])) {
+        fprintf(stderr, "bex-ps: --listen %s: not IP[:PORT]\n", ls);
+        return 1;
+    }
+    for (size_t i = 0; i < nd->n_sv; i++) {
+        nd->self[i] =
+            (bex_dir_replica){.addr = {.sin_family = AF_INET,
+                                       .sin_addr = ia,
+                                       .sin_port = htons((uint16_t)(port ? port + i : 0))},
+                              .transport = o->transport == BEX_TRANSPORT_AUTO ? 0 : o->transport};
+        snprintf(nd->self[i].locality, sizeof nd->self[i].locality, "%s", o->locality);
+    }
+    return 0;
+}
+
+/* --cluster: each shard's address (our replica's) and its peers. */
+static int cluster_addrs(const struct opts *o, bex_dir *dir, struct node *nd)
+{
+    for (size_t i = 0; i < nd->n_sv; i++) {
+        bex_dir_replica reps[64];
+        size_t nr = bex_dir_replicas(dir, o->service, nd->sv[i].shard, reps, 64);
+        if (o->replica >= nr || o->replica >= 64) {
+            fprintf(stderr, "bex-ps: shard %u has no replica %u\n", nd->sv[i].shard, o->replica);
+            return 1;
+        }
+        nd->self[i] = reps[o->replica];
+        if (nd->self[i].addr.sin_addr.s_addr != nd->self[0].addr.sin_addr.s_addr) {
+            fprintf(stderr, "bex-ps: the shards served must share an IP address\n");
+            return 1;
+        }
+        if (o->catchup)
+            add_peers(&nd->sv[i], reps, nr < 64 ? nr : 64, &nd->self[i]);
+    }
+    return 0;
+}
+
+/* With etcd: the peers are the replicas registered there now (a stale
+ * registration of this process's previous life, at its address, left
+ * out; one at another port fails and the next is tried). */
+static void etcd_peers(const struct opts *o, struct node *nd)
+{
+    char err[256] = "";
+    bex_dir *dir = NULL;
+    int rc = bex_dir_create(NULL, &dir);
+    if (!rc && (rc = bex_dir_watch_etcd(dir, o->etcd, o->etcd_prefix, err, sizeof err)))
+        fprintf(stderr, "bex-ps: etcd: %s: no catch-up\n", err[0] ? err : bex_strerror(rc));
+    for (size_t i = 0; !rc && i < nd->n_sv; i++) {
+        bex_dir_replica reps[64];
+        size_t nr = bex_dir_replicas(dir, o->service, nd->sv[i].shard, reps, 64);
+        add_peers(&nd->sv[i], reps, nr < 64 ? nr : 64, &nd->self[i]);
+    }
+    bex_dir_destroy(dir);
+}
+
+/* The shards served, their addresses and peers, from --cluster or etcd. */
+static int plan(const struct opts *o, struct node *nd)
+{
+    bex_dir *dir = NULL;
+    nd->n_shards = (uint32_t)o->n_shards_opt;
+    if (o->cluster && load_cluster(o, &dir, &nd->n_shards))
+        return 1;
+    int bad =
+        shard_list(o, nd) || (o->etcd && listen_addrs(o, nd)) || (dir && cluster_addrs(o, dir, nd));
+    bex_dir_destroy(dir);
+    if (bad)
+        return 1;
+    if (o->etcd && o->catchup)
+        etcd_peers(o, nd);
+    return 0;
+}
+
+/* A replica listed (or run) RDMA needs a device and prefers RDMA, but its
+ * context is AUTO: it takes TCP connections too, those of clients whose
+ * recovery ladder fell back to TCP (docs/architecture.md, "Recovery
+ * ladder", step 3: while it was dead, say). RDMA only, it refused them
+ * until their next RDMA retry (rdma_retry_ms, 30 s by default) and missed
+ * their Pushes meanwhile. A client that asks RDMA still gets RDMA. */
+static int make_ctx(const struct opts *o, struct node *nd)
+{
+    uint32_t want = nd->self[0].transport ? nd->self[0].transport : o->transport;
+    bex_ctx_config cc = {.local_addr = nd->self[0].addr.sin_addr,
+                         .transport =
+                             want == BEX_TRANSPORT_TCP ? BEX_TRANSPORT_TCP : BEX_TRANSPORT_AUTO,
+                         .keepalive_timeout_ms = (uint32_t)o->keepalive_timeout_ms,
+                         .eager_max = (uint32_t)o->eager_max,
+                         .send_window = (uint32_t)o->send_window,
+                         .io_threads = (uint32_t)o->io_threads,
+                         .poll_mode = o->poll_mode,
+                         .log_level = o->verbose ? BEX_LOG_INFO : 0};
+    int rc = bex_ctx_create(&cc, &nd->ctx);
+    if (rc) {
+        fprintf(stderr, "bex-ps: context: %s\n", bex_strerror(rc));
+        return 1;
+    }
+    if (want == BEX_TRANSPORT_RDMA && !bex_ctx_pd(nd->ctx)) {
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &nd->self[0].addr.sin_addr, a, sizeof a);
+        fprintf(stderr, "bex-ps: RDMA wanted, but no RDMA device carries %s\n", a);
+        bex_ctx_destroy(nd->ctx);
+        return 1;
+    }
+    return 0;
+}
+
+/* Shard up's PS shard and RPC server, listening. */
+static int start_shard(const struct opts *o, struct node *nd)
+{
+    struct served *s = &nd->sv[nd->up];
+    bex_dir_replica *self = &nd->self[nd->up];
+    if (o->snap_dir)
+        snprintf(s->snap, sizeof s->snap, "%s/%s-shard%u-replica%u.snap", o->snap_dir, o->service,
+                 s->shard, o->replica);
+    bex_ps_shard_config pc = {.shard = s->shard,
+                              .n_shards = nd->n_shards,
+                              .tables = o->tables,
+                              .n_tables = o->n_tables,
+                              .snapshot_path = o->snap_dir ? s->snap : NULL,
+                              .flags = s->n_peers ? BEX_PS_SHARD_CATCHUP : 0};
+    char a[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &self->addr.sin_addr, a, sizeof a);
+    int rc;
+    if ((rc = bex_ps_shard_create(&pc, &s->ps)) == 0) {
+        if ((rc = bex_rpc_server_create(nd->ctx, NULL, &s->srv)) == 0 &&
+            ((rc = bex_ps_shard_register(s->ps, s->srv, nd->ctx)) ||
+             (rc = bex_rpc_server_listen(s->srv, &self->addr)))) {
+            bex_rpc_server_destroy(s->srv);
+            s->srv = NULL;
+        }
+        if (rc)
+            bex_ps_shard_destroy(s->ps);
+    }
+    if (rc) {
+        fprintf(stderr, "bex-ps: shard %u at %s:%u: %s\n", s->shard, a, ntohs(self->addr.sin_port),
+                bex_strerror(rc));
+        return 1;
+    }
+    bex_rpc_server_addr(s->srv, &self->addr); /* the port, when it was 0 */
+    printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, nd->n_shards, a,
+           ntohs(self->addr.sin_port));
+    return 0;
+}
+
+/* In etcd once every shard serves: clients find them from here on. */
+static int register_all(const struct opts *o, struct node *nd)
+{
+    char err[256] = "";
+    for (size_t i = 0; i < nd->n_sv; i++) {
+        int rc =
+            bex_dir_register_etcd(o->etcd, o->etcd_prefix, o->service, nd->sv[i].shard,
+                                  &nd->self[i], (uint32_t)o->ttl_s, err, sizeof err, &nd->regs[i]);
+        if (rc) {
+            fprintf(stderr, "bex-ps: shard %u: etcd registration: %s\n", nd->sv[i].shard,
+                    err[0] ? err : bex_strerror(rc));
+            return 1;
+        }
+        printf("bex-ps: shard %u registered in etcd\n", nd->sv[i].shard);
+    }
+    return 0;
+}
+
+/* Catch up with a peer replica, each shard in turn (they hold Pushes and
+ * refuse Fetches until then; after the etcd registration, so that clients
+ * send them the Pushes the peer applies after its copy): a failure is
+ * logged, and the shard serves its snapshot and the Pushes it held. */
+static void catchup_all(const struct opts *o, struct node *nd)
+{
+    for (size_t i = 0; i < nd->n_sv; i++) {
+        if (!nd->sv[i].n_peers)
+            continue;
+        bex_ps_catchup_config cu = {.peers = nd->sv[i].peers,
+                                    .n_peers = nd->sv[i].n_peers,
+                                    .timeout_ms = (uint32_t)o->catchup_ms};
+        int rc = bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
+        if (rc)
+            fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
+                    nd->sv[i].shard, bex_strerror(rc));
+        else
+            printf("bex-ps: shard %u caught up\n", nd->sv[i].shard);
+    }
+}
+
+static int start_metrics(const struct opts *o, struct node *nd)
+{
+    struct metrics *mt = &nd->mt;
+    for (size_t i = 0; i < nd->n_sv; i++) {
+        mt->ps[i] = nd->sv[i].ps;
+        mt->srv[i] = nd->sv[i].srv;
+        snprintf(mt->name_buf[i], sizeof mt->name_buf[i], "shard%u", nd->sv[i].shard);
+        mt->names[i] = mt->name_buf[i];
+    }
+    mt->n = nd->n_sv;
+    struct sockaddr_in ma = {.sin_family = AF_INET,
+                             .sin_addr = nd->self[0].addr.sin_addr,
+                             .sin_port = htons((uint16_t)o->metrics_port)};
+    /* its thread starts with the signals blocked, as every thread here */
+    nd->httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
+                                 (uint16_t)o->metrics_port, NULL, NULL, on_http, mt,
+                                 MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ma,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+    const union MHD_DaemonInfo *di =
+        nd->httpd ? MHD_get_daemon_info(nd->httpd, MHD_DAEMON_INFO_BIND_PORT) : NULL;
+    char a[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &ma.sin_addr, a, sizeof a);
+    if (!di) {
+        fprintf(stderr, "bex-ps: metrics on %s:%ld: cannot listen\n", a, o->metrics_port);
+        return 1;
+    }
+    printf("bex-ps: metrics at http://%s:%u/metrics\n", a, (unsigned)di->port);
+    return 0;
+}
+
+/* Until SIGTERM or SIGINT; SIGUSR1 (and with --snapshot-every each
+ * period, so that a replica killed without SIGTERM comes back with its
+ * rows of that moment) takes a snapshot. */
+static void serve(const struct opts *o, struct node *nd, const sigset_t *sigs)
+{
+    printf("bex-ps: ready\n");
+    fflush(stdout);
+    long every = o->snap_every_ms;
+    struct timespec period = {every / 1000, (every % 1000) * 1000000};
+    for (;;) {
+        int sig = every ? sigtimedwait(sigs, NULL, &period) : 0;
+        if (!every)
+            sigwait(sigs, &sig);
+        if (sig < 0 && errno == EAGAIN)
+            sig = SIGUSR1; /* the period passed */
+        else if (sig < 0)
+            continue; /* EINTR */
+        if (sig != SIGUSR1)
+            break;
+        snapshot_all(nd->sv, nd->n_sv, o->snap_dir);
+    }
+}
+
+static int stop_all(const struct opts *o, struct node *nd, int status)
+{
+    int rc;
+    /* out of etcd first: clients stop picking us before we stop answering */
+    for (size_t i = 0; i < nd->n_sv; i++)
+        if (nd->regs[i] && (rc = bex_dir_deregister(nd->regs[i])))
+            fprintf(stderr, "bex-ps: shard %u: etcd deregistration: %s (the lease expires)\n",
+                    nd->sv[i].shard, bex_strerror(rc));
+    if (nd->httpd)
+        MHD_stop_daemon(nd->httpd); /* it reads the shards and servers */
+    /* servers first: no Push is applied after the snapshot */
+    for (size_t i = 0; i < nd->up; i++)
+        bex_rpc_server_destroy(nd->sv[i].srv);
+    if (status == 0)
+        snapshot_all(nd->sv, nd->n_sv, o->snap_dir);
+    for (size_t i = 0; i < nd->up; i++)
+        bex_ps_shard_destroy(nd->sv[i].ps);
+    if ((rc = bex_ctx_destroy(nd->ctx))) {
+        fprintf(stderr, "bex-ps: context teardown: %s\n", bex_strerror(rc));
+        status = 1;
+    }
+    if (status == 0)
+        printf("bex-ps: stopped\n");
+    return status;
+}
+
+int main(int argc, char **argv)
+{
+    static struct opts o;
+    parse_opts(argc, argv, &o);
     /* the signals are taken by sigwait below: blocked before any thread */
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -323,259 +681,22 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
-    bex_dir *dir = NULL;
-    char err[256] = "";
-    int rc = 0;
-    uint32_t n_shards = (uint32_t)n_shards_opt;
-    if (cluster) {
-        rc = bex_dir_create(NULL, &dir);
-        if (!rc)
-            rc = bex_dir_load_file(dir, cluster, err, sizeof err);
-        if (rc) {
-            if (err[0])
-                fprintf(stderr, "bex-ps: %s\n", err);
-            else
-                fprintf(stderr, "bex-ps: %s: %s\n", cluster, bex_strerror(rc));
-            return 1;
-        }
-        while (n_shards < 4096 && bex_dir_replicas(dir, service, n_shards, NULL, 0) > 0)
-            n_shards++;
-        if (n_shards == 0) {
-            fprintf(stderr, "bex-ps: %s: no service \"%s\"\n", cluster, service);
-            return 1;
-        }
-    }
-    static struct served sv[MAX_SERVED];
-    size_t n_sv = 0;
-    for (const char *p = shards; *p;) {
-        if (strncmp(p, "all", 3) == 0) {
-            for (uint32_t i = 0; i < n_shards && n_sv < MAX_SERVED; i++)
-                sv[n_sv++].shard = i;
-            break;
-        }
-        char *end;
-        unsigned long v = strtoul(p, &end, 10);
-        if (end == p || v >= n_shards || n_sv == MAX_SERVED) {
-            fprintf(stderr, "bex-ps: --shard %s: the cluster has shards 0..%u\n", shards,
-                    n_shards - 1);
-            return 1;
-        }
-        sv[n_sv++].shard = (uint32_t)v;
-        p = *end == ',' ? end + 1 : end;
-    }
-    bex_dir_replica self[MAX_SERVED];
-    if (etcd) {
-        /* --listen IP[:PORT]: shard i of the list at PORT + i (0: any) */
-        char ip[INET_ADDRSTRLEN + 1];
-        unsigned port = 0;
-        int used = 0;
-        struct in_addr ia;
-        int k = sscanf(listen_s, "%16[0-9.]:%u%n", ip, &port, &used);
-        if (k < 1 || port + n_sv > 65536 || inet_pton(AF_INET, ip, &ia) != 1 ||
-            (k == 1 && strcmp(ip, listen_s) != 0) || (k == 2 && listen_s[used])) {
-            fprintf(stderr, "bex-ps: --listen %s: not IP[:PORT]\n", listen_s);
-            return 1;
-        }
-        for (size_t i = 0; i < n_sv; i++) {
-            self[i] =
-                (bex_dir_replica){.addr = {.sin_family = AF_INET,
-                                           .sin_addr = ia,
-                                           .sin_port = htons((uint16_t)(port ? port + i : 0))},
-                                  .transport = transport == BEX_TRANSPORT_AUTO ? 0 : transport};
-            snprintf(self[i].locality, sizeof self[i].locality, "%s", locality);
-        }
-    }
-    for (size_t i = 0; dir && i < n_sv; i++) {
-        bex_dir_replica reps[64];
-        size_t nr = bex_dir_replicas(dir, service, sv[i].shard, reps, 64);
-        if (replica >= nr || replica >= 64) {
-            fprintf(stderr, "bex-ps: shard %u has no replica %u\n", sv[i].shard, replica);
-            return 1;
-        }
-        self[i] = reps[replica];
-        if (self[i].addr.sin_addr.s_addr != self[0].addr.sin_addr.s_addr) {
-            fprintf(stderr, "bex-ps: the shards served must share an IP address\n");
-            return 1;
-        }
-        if (catchup)
-            add_peers(&sv[i], reps, nr < 64 ? nr : 64, &self[i]);
-    }
-    /* with etcd: the peers are the replicas registered there now (a stale
-     * registration of this process's previous life, at its address, left
-     * out; one at another port fails and the next is tried) */
-    if (etcd && catchup) {
-        rc = bex_dir_create(NULL, &dir);
-        if (!rc && (rc = bex_dir_watch_etcd(dir, etcd, etcd_prefix, err, sizeof err)))
-            fprintf(stderr, "bex-ps: etcd: %s: no catch-up\n", err[0] ? err : bex_strerror(rc));
-        for (size_t i = 0; !rc && i < n_sv; i++) {
-            bex_dir_replica reps[64];
-            size_t nr = bex_dir_replicas(dir, service, sv[i].shard, reps, 64);
-            add_peers(&sv[i], reps, nr < 64 ? nr : 64, &self[i]);
-        }
-        rc = 0;
-    }
-    bex_dir_destroy(dir);
-
-    /* A replica listed (or run) RDMA needs a device and prefers RDMA, but
-     * its context is AUTO: it takes TCP connections too, those of clients
-     * whose recovery ladder fell back to TCP (docs/architecture.md,
-     * "Recovery ladder", step 3: while it was dead, say). RDMA only, it
-     * refused them until their next RDMA retry (rdma_retry_ms, 30 s by
-     * default) and missed their Pushes meanwhile. A client that asks RDMA
-     * still gets RDMA. */
-    uint32_t want = self[0].transport ? self[0].transport : transport;
-    bex_ctx_config cc = {.local_addr = self[0].addr.sin_addr,
-                         .transport =
-                             want == BEX_TRANSPORT_TCP ? BEX_TRANSPORT_TCP : BEX_TRANSPORT_AUTO,
-                         .keepalive_timeout_ms = (uint32_t)keepalive_timeout_ms,
-                         .eager_max = (uint32_t)eager_max,
-                         .send_window = (uint32_t)send_window,
-                         .io_threads = (uint32_t)io_threads,
-                         .poll_mode = poll_mode,
-                         .log_level = verbose ? BEX_LOG_INFO : 0};
-    bex_ctx *ctx;
-    if ((rc = bex_ctx_create(&cc, &ctx))) {
-        fprintf(stderr, "bex-ps: context: %s\n", bex_strerror(rc));
+    static struct node nd;
+    if (plan(&o, &nd) || make_ctx(&o, &nd))
         return 1;
-    }
-    if (want == BEX_TRANSPORT_RDMA && !bex_ctx_pd(ctx)) {
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &self[0].addr.sin_addr, a, sizeof a);
-        fprintf(stderr, "bex-ps: RDMA wanted, but no RDMA device carries %s\n", a);
-        bex_ctx_destroy(ctx);
-        return 1;
-    }
     int status = 0;
-    size_t up = 0;
-    for (; up < n_sv; up++) {
-        struct served *s = &sv[up];
-        if (snap_dir)
-            snprintf(s->snap, sizeof s->snap, "%s/%s-shard%u-replica%u.snap", snap_dir, service,
-                     s->shard, replica);
-        bex_ps_shard_config pc = {.shard = s->shard,
-                                  .n_shards = n_shards,
-                                  .tables = tables,
-                                  .n_tables = n_tables,
-                                  .snapshot_path = snap_dir ? s->snap : NULL,
-                                  .flags = s->n_peers ? BEX_PS_SHARD_CATCHUP : 0};
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &self[up].addr.sin_addr, a, sizeof a);
-        if ((rc = bex_ps_shard_create(&pc, &s->ps)) == 0) {
-            if ((rc = bex_rpc_server_create(ctx, NULL, &s->srv)) == 0 &&
-                ((rc = bex_ps_shard_register(s->ps, s->srv, ctx)) ||
-                 (rc = bex_rpc_server_listen(s->srv, &self[up].addr)))) {
-                bex_rpc_server_destroy(s->srv);
-                s->srv = NULL;
-            }
-            if (rc)
-                bex_ps_shard_destroy(s->ps);
-        }
-        if (rc) {
-            fprintf(stderr, "bex-ps: shard %u at %s:%u: %s\n", s->shard, a,
-                    ntohs(self[up].addr.sin_port), bex_strerror(rc));
+    for (; nd.up < nd.n_sv; nd.up++)
+        if (start_shard(&o, &nd)) {
             status = 1;
             break;
         }
-        bex_rpc_server_addr(s->srv, &self[up].addr); /* the port, when it was 0 */
-        printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, n_shards, a,
-               ntohs(self[up].addr.sin_port));
-    }
-    /* in etcd once every shard serves: clients find them from here on */
-    static bex_dir_registration *regs[MAX_SERVED];
-    for (size_t i = 0; etcd && status == 0 && i < n_sv; i++) {
-        if ((rc = bex_dir_register_etcd(etcd, etcd_prefix, service, sv[i].shard, &self[i],
-                                        (uint32_t)ttl_s, err, sizeof err, &regs[i]))) {
-            fprintf(stderr, "bex-ps: shard %u: etcd registration: %s\n", sv[i].shard,
-                    err[0] ? err : bex_strerror(rc));
-            status = 1;
-            break;
-        }
-        printf("bex-ps: shard %u registered in etcd\n", sv[i].shard);
-    }
-    /* catch up with a peer replica, each shard in turn (they hold Pushes
-     * and refuse Fetches until then; after the etcd registration, so that
-     * clients send them the Pushes the peer applies after its copy): a
-     * failure is logged, and the shard serves its snapshot and the Pushes
-     * it held */
-    for (size_t i = 0; status == 0 && i < n_sv; i++) {
-        if (!sv[i].n_peers)
-            continue;
-        bex_ps_catchup_config cu = {
-            .peers = sv[i].peers, .n_peers = sv[i].n_peers, .timeout_ms = (uint32_t)catchup_ms};
-        rc = bex_ps_shard_catchup(sv[i].ps, ctx, &cu);
-        if (rc)
-            fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
-                    sv[i].shard, bex_strerror(rc));
-        else
-            printf("bex-ps: shard %u caught up\n", sv[i].shard);
-    }
-    static struct metrics mt;
-    struct MHD_Daemon *httpd = NULL;
-    if (status == 0 && metrics_port >= 0) {
-        for (size_t i = 0; i < n_sv; i++) {
-            mt.ps[i] = sv[i].ps;
-            mt.srv[i] = sv[i].srv;
-            snprintf(mt.name_buf[i], sizeof mt.name_buf[i], "shard%u", sv[i].shard);
-            mt.names[i] = mt.name_buf[i];
-        }
-        mt.n = n_sv;
-        struct sockaddr_in ma = {.sin_family = AF_INET,
-                                 .sin_addr = self[0].addr.sin_addr,
-                                 .sin_port = htons((uint16_t)metrics_port)};
-        /* its thread starts with the signals blocked, as every thread here */
-        httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
-                                 (uint16_t)metrics_port, NULL, NULL, on_http, &mt,
-                                 MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ma,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
-        const union MHD_DaemonInfo *di =
-            httpd ? MHD_get_daemon_info(httpd, MHD_DAEMON_INFO_BIND_PORT) : NULL;
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &ma.sin_addr, a, sizeof a);
-        if (!di) {
-            fprintf(stderr, "bex-ps: metrics on %s:%ld: cannot listen\n", a, metrics_port);
-            status = 1;
-        } else {
-            printf("bex-ps: metrics at http://%s:%u/metrics\n", a, (unsigned)di->port);
-        }
-    }
-    if (status == 0) {
-        printf("bex-ps: ready\n");
-        fflush(stdout);
-        /* --snapshot-every: a snapshot each period too, so that a replica
-         * killed without SIGTERM comes back with its rows of that moment */
-        struct timespec period = {snap_every_ms / 1000, (snap_every_ms % 1000) * 1000000};
-        for (;;) {
-            int sig = snap_every_ms ? sigtimedwait(&sigs, NULL, &period) : 0;
-            if (!snap_every_ms)
-                sigwait(&sigs, &sig);
-            if (sig < 0 && errno == EAGAIN)
-                sig = SIGUSR1; /* the period passed */
-            else if (sig < 0)
-                continue; /* EINTR */
-            if (sig != SIGUSR1)
-                break;
-            snapshot_all(sv, n_sv, snap_dir);
-        }
-    }
-    /* out of etcd first: clients stop picking us before we stop answering */
-    for (size_t i = 0; i < n_sv; i++)
-        if (regs[i] && (rc = bex_dir_deregister(regs[i])))
-            fprintf(stderr, "bex-ps: shard %u: etcd deregistration: %s (the lease expires)\n",
-                    sv[i].shard, bex_strerror(rc));
-    if (httpd)
-        MHD_stop_daemon(httpd); /* it reads the shards and servers */
-    /* servers first: no Push is applied after the snapshot */
-    for (size_t i = 0; i < up; i++)
-        bex_rpc_server_destroy(sv[i].srv);
+    if (status == 0 && o.etcd)
+        status = register_all(&o, &nd);
     if (status == 0)
-        snapshot_all(sv, n_sv, snap_dir);
-    for (size_t i = 0; i < up; i++)
-        bex_ps_shard_destroy(sv[i].ps);
-    if ((rc = bex_ctx_destroy(ctx))) {
-        fprintf(stderr, "bex-ps: context teardown: %s\n", bex_strerror(rc));
-        status = 1;
-    }
+        catchup_all(&o, &nd);
+    if (status == 0 && o.metrics_port >= 0)
+        status = start_metrics(&o, &nd);
     if (status == 0)
-        printf("bex-ps: stopped\n");
-    return status;
+        serve(&o, &nd, &sigs);
+    return stop_all(&o, &nd, status);
 }

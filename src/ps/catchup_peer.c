@@ -1,0 +1,170 @@
+/* The PS shard: the peer's side of catch-up (serving a restarted
+ * replica's copy). */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include "bex/ps.h"
+#include "common/log.h"
+#include "ps/ps_internal.h"
+#include "rpc/internal.h"
+#include "ps/shard_internal.h"
+
+/* ---- catch-up: the peer's side ---- */
+
+static void copy_drop(struct copy *cp)
+{
+    free(cp->buf);
+    *cp = (struct copy){0};
+}
+
+/* BEX_PS_M_COPY: OPEN makes the copy (one cut, under s->mu) and names it
+ * by a session; CHUNK answers bytes of it; CLOSE drops it. One copy at a
+ * time: an OPEN replaces the one before (its puller gets -ESTALE). */
+static int serve_copy(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t len, void **resp,
+                      size_t *resp_len)
+{
+    struct bex__ps_copy_hdr h;
+    if (bex__ps_copy_get(body, len, &h) || len != BEX__PS_COPY_HDR_LEN)
+        return -EINVAL;
+    uint64_t now = bex__rpc_now_ns();
+    struct bex__ps_copy_hdr a = {.op = h.op, .session = h.session, .offset = h.offset};
+    size_t n = 0;
+    int rc = 0;
+    uint8_t *out = NULL;
+    pthread_mutex_lock(&s->mu);
+    if (s->catching) {
+        rc = -EAGAIN; /* not caught up itself: no copy to give */
+        goto out;
+    }
+    if (s->cp.buf && now - s->cp.used_ns > COPY_IDLE_NS)
+        copy_drop(&s->cp);
+    switch (h.op) {
+    case BEX__PS_COPY_OPEN: {
+        copy_drop(&s->cp);
+        uint64_t sid = 0;
+        randombytes_buf(&sid, sizeof sid);
+        if ((rc = bex__ps_copy_make(s, &s->cp.buf, &s->cp.len)))
+            break;
+        s->cp.session = a.session = sid | 1;
+        s->cp.used_ns = now;
+        a.offset = s->cp.len;
+        s->st.copies_served++;
+        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: a copy of %zu bytes for a restarted replica",
+                 s->shard, s->cp.len);
+        break;
+    }
+    case BEX__PS_COPY_CHUNK:
+        if (!s->cp.buf || h.session != s->cp.session) {
+            rc = -ESTALE;
+            break;
+        }
+        if (h.offset > s->cp.len || h.max_len == 0) {
+            rc = -EINVAL;
+            break;
+        }
+        n = s->cp.len - (size_t)h.offset;
+        if (n > h.max_len)
+            n = h.max_len;
+        if (n > COPY_CHUNK_MAX)
+            n = COPY_CHUNK_MAX;
+        s->cp.used_ns = now;
+        break;
+    default: /* CLOSE */
+        if (s->cp.buf && h.session == s->cp.session)
+            copy_drop(&s->cp);
+        break;
+    }
+    if (rc == 0) {
+        if (!(out = bex_rpc_alloc(ctx, BEX__PS_COPY_HDR_LEN + n)))
+            rc = -ENOMEM;
+        else if (n)
+            memcpy(out + BEX__PS_COPY_HDR_LEN, s->cp.buf + h.offset, n);
+    }
+out:
+    pthread_mutex_unlock(&s->mu);
+    if (rc)
+        return rc;
+    bex__ps_copy_put(out, &a);
+    *resp = out;
+    *resp_len = BEX__PS_COPY_HDR_LEN + n;
+    return 0;
+}
+
+/* bex_ps_shard_serve for the RPC request req (NULL: none). */
+static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
+                       const bex_rpc_req *req, void **resp, size_t *resp_len)
+{
+    if (method == BEX_PS_M_COPY)
+        return serve_copy(s, ctx, body, len, resp, resp_len);
+    if (method != BEX_PS_M_FETCH && method != BEX_PS_M_PUSH)
+        return -ENOSYS;
+    struct bex__ps_hdr h;
+    uint64_t t0 = bex__rpc_now_ns();
+    int rc = bex__ps_decode(method, body, len, &h);
+    if (rc == 0) {
+        const uint8_t *p = (const uint8_t *)body + bex__ps_keys_off(&h);
+        rc = method == BEX_PS_M_FETCH ? bex__ps_serve_fetch(s, ctx, &h, p, resp, resp_len)
+                                      : bex__ps_serve_push(s, ctx, &h, p, req, resp, resp_len);
+    }
+    if (rc == 0) {
+        /* the table exists: the request was served */
+        uint64_t ns = bex__rpc_now_ns() - t0;
+        pthread_mutex_lock(&s->mu);
+        bex__rpc_hist_add(&bex__ps_find_table(s, h.table)->lat[method == BEX_PS_M_PUSH], ns);
+        pthread_mutex_unlock(&s->mu);
+    }
+    if (rc == -EINVAL || rc == -E2BIG) {
+        pthread_mutex_lock(&s->mu);
+        s->st.malformed++;
+        pthread_mutex_unlock(&s->mu);
+        /* rate-limited by the logger: a peer can send many */
+        bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: %s body of %zu bytes refused: %s", s->shard,
+                 method == BEX_PS_M_FETCH ? "Fetch" : "Push", len, bex_strerror(rc));
+    }
+    return rc;
+}
+
+int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
+                       void **resp, size_t *resp_len)
+{
+    return shard_serve(s, ctx, method, body, len, NULL, resp, resp_len);
+}
+
+static void handler(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    struct reg *r = user;
+    void *resp = NULL;
+    size_t rlen = 0;
+    int rc = shard_serve(r->s, r->ctx, r->method, body, len, req, &resp, &rlen);
+    bex_rpc_free(body);
+    bex_rpc_reply(req, rc, resp, rlen);
+}
+
+int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
+{
+    if (!s || !srv || !ctx)
+        return -EINVAL;
+    struct reg *regs = s->regs;
+    regs[0] = (struct reg){s, ctx, BEX_PS_M_FETCH};
+    regs[1] = (struct reg){s, ctx, BEX_PS_M_PUSH};
+    regs[2] = (struct reg){s, ctx, BEX_PS_M_COPY};
+    for (int i = 0; i < 3; i++) {
+        int rc = bex_rpc_server_register(srv, BEX_PS_SERVICE, regs[i].method,
+                                         bex__ps_method_flags(regs[i].method), handler, &regs[i]);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}

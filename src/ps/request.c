@@ -1,0 +1,156 @@
+/* The PS shard: requests (Fetch and Push handlers on the I/O threads). */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include "bex/ps.h"
+#include "common/log.h"
+#include "ps/ps_internal.h"
+#include "rpc/internal.h"
+#include "ps/shard_internal.h"
+
+/* ---- requests ---- */
+
+/* The n keys at p into keys; each must be this shard's (a client with
+ * another shard count would otherwise create rows no one fetches). */
+static int read_keys(const bex_ps_shard *s, const uint8_t *p, uint32_t n, uint64_t *keys)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        keys[i] = bex__ps_get64(p + 8 * (size_t)i);
+        if (bex_ps_key_shard(keys[i], s->n_shards) != s->shard)
+            return -EINVAL;
+    }
+    return 0;
+}
+
+int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
+                        const uint8_t *p, void **resp, size_t *resp_len)
+{
+    struct table *t = bex__ps_find_table(s, h->table);
+    if (!t || t->cfg.dim != h->dim)
+        return -EINVAL;
+    size_t out_len = BEX__PS_HDR_LEN + (size_t)h->n * h->dim * 4;
+    uint8_t *out = bex_rpc_alloc(ctx, out_len);
+    if (!out)
+        return -ENOMEM;
+    uint64_t *keys = malloc((h->n ? h->n : 1) * sizeof *keys);
+    if (!keys) {
+        bex_rpc_free(out);
+        return -ENOMEM;
+    }
+    int rc = read_keys(s, p, h->n, keys);
+    if (rc) {
+        free(keys);
+        bex_rpc_free(out);
+        return rc;
+    }
+    pthread_mutex_lock(&s->mu);
+    /* catching up: its rows are not the shard's yet (retryable: the client
+     * fails over to another replica) */
+    rc = s->catching ? -EAGAIN : bex__ps_table_reserve(t, bex__ps_missing_rows(t, keys, h->n));
+    if (rc == 0) {
+        uint8_t *q = out + BEX__PS_HDR_LEN;
+        for (uint32_t i = 0; i < h->n; i++) {
+            const float *v = bex__ps_row_get(t, keys[i]);
+            for (uint32_t c = 0; c < h->dim; c++, q += 4)
+                bex__ps_putf(q, v[c]);
+        }
+        s->st.fetches++;
+        s->st.rows_fetched += h->n;
+        t->fetches++;
+        t->rows_fetched += h->n;
+    }
+    pthread_mutex_unlock(&s->mu);
+    free(keys);
+    if (rc) {
+        bex_rpc_free(out);
+        return rc;
+    }
+    bex__ps_hdr_put(out, &(struct bex__ps_hdr){.table = h->table, .n = h->n, .dim = h->dim});
+    *resp = out;
+    *resp_len = out_len;
+    return 0;
+}
+
+int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
+                       const bex_rpc_req *req, void **resp, size_t *resp_len)
+{
+    bool has_id = h->flags & BEX__PS_F_ID;
+    struct pushid id = {.k = {h->id_client, {h->id_tok[0], h->id_tok[1]}},
+                        .seq = h->id_seq,
+                        .served = true,
+                        .req = req};
+    struct table *t = bex__ps_find_table(s, h->table);
+    if (!t || t->cfg.dim != h->dim)
+        return -EINVAL;
+    size_t nf = (size_t)h->n * h->dim;
+    uint64_t *keys = malloc((h->n ? h->n : 1) * sizeof *keys);
+    float *g = malloc((nf ? nf : 1) * sizeof *g);
+    uint8_t *out = bex_rpc_alloc(ctx, BEX__PS_HDR_LEN);
+    int rc = 0;
+    if (!keys || !g || !out) {
+        rc = -ENOMEM;
+        goto done;
+    }
+    if ((rc = read_keys(s, p, h->n, keys)))
+        goto done;
+    const uint8_t *gp = p + 8 * (size_t)h->n;
+    for (size_t i = 0; i < nf; i++) {
+        g[i] = bex__ps_getf(gp + 4 * i);
+        if (!isfinite(g[i])) {
+            rc = -EINVAL; /* one bad value refuses the whole Push */
+            goto done;
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    if (s->catching) {
+        /* held, checked whole: applied (or found in the peer's copy) when
+         * the catch-up ends */
+        size_t bytes = sizeof(struct held) + (size_t)h->n * 8 + nf * 4;
+        struct held *hd = NULL;
+        if (s->held_bytes + bytes > s->held_max)
+            rc = -EAGAIN; /* not applied: the client retries */
+        else if (!(hd = malloc(sizeof *hd)))
+            rc = -ENOMEM;
+        if (hd) {
+            *hd = (struct held){.t = t,
+                                .n = h->n,
+                                .has_id = has_id,
+                                .id = id,
+                                .keys = keys,
+                                .g = g,
+                                .bytes = bytes};
+            keys = NULL;
+            g = NULL;
+            *s->held_tail = hd;
+            s->held_tail = &hd->next;
+            s->held_bytes += bytes;
+            s->st.held++;
+        }
+    } else {
+        rc = bex__ps_push_apply_locked(s, t, h->n, keys, g, has_id ? &id : NULL, NULL);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (rc)
+        goto done;
+    bex__ps_hdr_put(out, &(struct bex__ps_hdr){.table = h->table, .n = h->n, .dim = h->dim});
+    *resp = out;
+    *resp_len = BEX__PS_HDR_LEN;
+    out = NULL;
+done:
+    free(keys);
+    free(g);
+    bex_rpc_free(out);
+    return rc;
+}

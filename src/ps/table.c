@@ -1,0 +1,160 @@
+/* The PS shard: tables of rows (the key -> row hash, rows, optimizers). */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include "bex/ps.h"
+#include "common/log.h"
+#include "ps/ps_internal.h"
+#include "rpc/internal.h"
+#include "ps/shard_internal.h"
+
+/* ---- tables ---- */
+
+void bex__ps_table_defaults(bex_ps_table_config *c)
+{
+    if (c->lr == 0)
+        c->lr = 0.01f;
+    if (c->init_scale == 0)
+        c->init_scale = 0.01f;
+    if (c->adagrad_init == 0)
+        c->adagrad_init = 0.1f;
+    if (c->adagrad_eps == 0)
+        c->adagrad_eps = 1e-8f;
+    if (c->max_rows == 0)
+        c->max_rows = 1u << 20;
+}
+
+struct table *bex__ps_find_table(bex_ps_shard *s, uint32_t id)
+{
+    for (size_t i = 0; i < s->n_tables; i++)
+        if (s->tables[i].cfg.id == id)
+            return &s->tables[i];
+    return NULL;
+}
+
+/* A key's first hash slot: another hash than the shard's (bex_ps_key_shard
+ * uses bex__ps_mix(key) mod n_shards, so its low bits are the same for
+ * every key of a shard with a power-of-two count). */
+static uint32_t slot_of(uint64_t key, uint32_t mask)
+{
+    return (uint32_t)bex__ps_mix(key ^ 0xd6e8feb86659fd93ull) & mask;
+}
+
+/* The row of key, or UINT32_MAX. */
+uint32_t bex__ps_row_find(const struct table *t, uint64_t key)
+{
+    if (!t->n_slots)
+        return UINT32_MAX;
+    uint32_t mask = t->n_slots - 1;
+    for (uint32_t i = slot_of(key, mask);; i = (i + 1) & mask) {
+        uint32_t r = t->slots[i];
+        if (!r)
+            return UINT32_MAX;
+        if (t->keys[r - 1] == key)
+            return r - 1;
+    }
+}
+
+static void slot_put(uint32_t *slots, uint32_t n_slots, uint64_t key, uint32_t row)
+{
+    uint32_t mask = n_slots - 1;
+    uint32_t i = slot_of(key, mask);
+    while (slots[i])
+        i = (i + 1) & mask;
+    slots[i] = row + 1;
+}
+
+/* Room for extra more rows (the load factor stays <= 1/2). */
+int bex__ps_table_reserve(struct table *t, uint32_t extra)
+{
+    uint64_t want = (uint64_t)t->n_rows + extra;
+    if (want > t->cfg.max_rows)
+        return -ENOSPC;
+    if (want > t->cap_rows) {
+        uint64_t cap = t->cap_rows ? t->cap_rows : 64;
+        while (cap < want)
+            cap *= 2;
+        if (cap > t->cfg.max_rows)
+            cap = t->cfg.max_rows;
+        uint64_t *k = realloc(t->keys, cap * sizeof *k);
+        if (!k)
+            return -ENOMEM;
+        t->keys = k;
+        float *v = realloc(t->vals, cap * t->width * sizeof *v);
+        if (!v)
+            return -ENOMEM;
+        t->vals = v;
+        t->cap_rows = (uint32_t)cap;
+    }
+    if (want * 2 > t->n_slots) {
+        uint64_t n = t->n_slots ? t->n_slots : 128;
+        while (n < want * 2)
+            n *= 2;
+        uint32_t *sl = calloc(n, sizeof *sl);
+        if (!sl)
+            return -ENOMEM;
+        for (uint32_t r = 0; r < t->n_rows; r++)
+            slot_put(sl, (uint32_t)n, t->keys[r], r);
+        free(t->slots);
+        t->slots = sl;
+        t->n_slots = (uint32_t)n;
+    }
+    return 0;
+}
+
+/* The row of key, created with its initial values when new; room must
+ * have been reserved. */
+float *bex__ps_row_get(struct table *t, uint64_t key)
+{
+    uint32_t r = bex__ps_row_find(t, key);
+    if (r == UINT32_MAX) {
+        r = t->n_rows++;
+        t->keys[r] = key;
+        float *v = t->vals + (size_t)r * t->width;
+        for (uint32_t c = 0; c < t->cfg.dim; c++)
+            v[c] = bex_ps_init_value(t->cfg.id, key, c, t->cfg.init_scale);
+        if (t->cfg.optimizer == BEX_PS_ADAGRAD)
+            for (uint32_t c = 0; c < t->cfg.dim; c++)
+                v[t->cfg.dim + c] = t->cfg.adagrad_init;
+        slot_put(t->slots, t->n_slots, key, r);
+    }
+    return t->vals + (size_t)r * t->width;
+}
+
+/* Keys among keys[0..n) without a row yet (duplicates counted: an upper
+ * bound, enough to reserve). */
+uint32_t bex__ps_missing_rows(const struct table *t, const uint64_t *keys, uint32_t n)
+{
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (bex__ps_row_find(t, keys[i]) == UINT32_MAX)
+            m++;
+    return m;
+}
+
+void bex__ps_apply(const struct table *t, float *v, const float *g)
+{
+    uint32_t d = t->cfg.dim;
+    if (t->cfg.optimizer == BEX_PS_SGD) {
+        for (uint32_t c = 0; c < d; c++)
+            v[c] -= t->cfg.lr * g[c];
+    } else {
+        float *acc = v + d;
+        for (uint32_t c = 0; c < d; c++) {
+            acc[c] += g[c] * g[c];
+            v[c] -= t->cfg.lr * g[c] / (sqrtf(acc[c]) + t->cfg.adagrad_eps);
+        }
+    }
+}
