@@ -14,10 +14,6 @@
 
 /* ---------------- creation ---------------- */
 
-static void fail_now(struct bex__engine *e, int err);
-static bool engine_busy(const struct bex__engine *e);
-static bool engine_work(const struct bex__engine *e);
-
 /* ---------------- received memory ----------------
  *
  * Received buffers (eager receives and rendezvous destinations) come from
@@ -122,7 +118,7 @@ static void *recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len)
 
 /* A received buffer that never reached the application goes back (the
  * estimate learns of it at its next exact count). */
-static void recv_free(struct bex__engine *e, void *b)
+void bex__engine_recv_free(struct bex__engine *e, void *b)
 {
     (void)e;
     if (!b)
@@ -186,7 +182,7 @@ static void hold_starved(struct bex__engine *e, uint32_t idx)
 
 /* SRQ mode: the engine's QP is gone; its share and the receives its peer
  * consumed go back to the thread's pool. */
-static void srq_leave(struct bex__engine *e)
+void bex__engine_srq_leave(struct bex__engine *e)
 {
     if (!e->srq_in)
         return;
@@ -196,25 +192,10 @@ static void srq_leave(struct bex__engine *e)
     e->n_unposted = e->n_starved = 0;
 }
 
-/* The peer broke the protocol: say how, once (the engine fails after). */
-__attribute__((format(printf, 2, 3))) static int violation(struct bex__engine *e, const char *fmt,
-                                                           ...)
-{
-    char msg[160];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (!e->violation_logged)
-        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: protocol violation by the peer: %s", e->name, msg);
-    e->violation_logged = true;
-    return -EPROTO;
-}
-
 /* A stand-in QP (bex__engine_create_nodev) goes through the states that
  * ibv_modify_qp would take a real one to, and nothing else happens; RESET
  * stands for destroyed. */
-static int nodev_to(struct bex__engine *e, enum ibv_qp_state s)
+int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s)
 {
     e->qp->state = s;
     return 0;
@@ -357,7 +338,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     }
     if (err)
         goto err_destroy;
-    err = e->nodev ? nodev_to(e, IBV_QPS_INIT) : bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
+    err = e->nodev ? bex__engine_nodev_to(e, IBV_QPS_INIT)
+                   : bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
     if (err)
         goto err_destroy;
     if (srq) {
@@ -405,7 +387,7 @@ static void drop_wops(struct bex__engine *e)
  * waits for it (the I/O thread stalls, its other engines miss their
  * keepalives); its MR cannot be deregistered either. Deallocating is no
  * invalidation, so it is safe whatever the window's state. */
-static void release_windows(struct bex__engine *e)
+void bex__engine_release_windows(struct bex__engine *e)
 {
     for (uint32_t i = 0; e->rin && i < e->max_rndv; i++) {
         if (e->rin[i].mw) {
@@ -452,19 +434,19 @@ void bex__engine_destroy(struct bex__engine *e)
         return;
     if (e->holding)
         atomic_fetch_sub_explicit(holders(e), 1, memory_order_relaxed);
-    release_windows(e);
+    bex__engine_release_windows(e);
     if (e->qp && e->nodev)
-        nodev_to(e, IBV_QPS_RESET);
+        bex__engine_nodev_to(e, IBV_QPS_RESET);
     else if (e->qp && e->srq_in)
         bex__srq_retire(e->sh->srq, e->qp); /* drains the receive it may hold */
     else if (e->qp)
         bex__rdma_qp_destroy(e->qp);
-    srq_leave(e);
+    bex__engine_srq_leave(e);
     for (uint32_t i = 0; e->rs && i < e->rq; i++)
-        recv_free(e, slot_take_buf(e, &e->rs[i]));
+        bex__engine_recv_free(e, slot_take_buf(e, &e->rs[i]));
     for (uint32_t i = 0; e->rin && i < e->max_rndv; i++)
         if (e->rin[i].used)
-            recv_free(e, e->rin[i].buf);
+            bex__engine_recv_free(e, e->rin[i].buf);
     free(e->wq);
     free(e->xw);
     bex_mem_free(e->hdr_area);
@@ -543,10 +525,10 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
     int err = bex__engine_check_peer(p);
     if (err)
         return err;
-    err = e->nodev ? nodev_to(e, IBV_QPS_RTR)
+    err = e->nodev ? bex__engine_nodev_to(e, IBV_QPS_RTR)
                    : bex__rdma_qp_to_rtr(e->qp, e->sh->dev, &e->sh->path, &p->rdma, &e->sh->conn);
     if (!err && e->nodev)
-        err = nodev_to(e, IBV_QPS_RTS);
+        err = bex__engine_nodev_to(e, IBV_QPS_RTS);
     else if (!err)
         err = bex__rdma_qp_to_rts(e->qp, e->sh->dev, e->psn, &p->rdma, &e->sh->conn);
     if (err)
@@ -625,7 +607,7 @@ void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t 
         ring_add(e, st);
 }
 
-static void unlink_stream(struct bex__engine *e, struct bex__stream *st)
+void bex__engine_unlink_stream(struct bex__engine *e, struct bex__stream *st)
 {
     ring_remove(e, st);
     if (st->all_prev)
@@ -637,7 +619,7 @@ static void unlink_stream(struct bex__engine *e, struct bex__stream *st)
     st->all_prev = st->all_next = NULL;
 }
 
-static void msg_done(struct bex__engine *e, struct bex__msg *m, int status)
+void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status)
 {
     e->ops->on_send_done(&e->x, m, status);
 }
@@ -683,7 +665,7 @@ static void abandon(struct bex__engine *e, struct bex__msg *m)
         s->done = m;
         return;
     }
-    msg_done(e, m, status);
+    bex__engine_msg_done(e, m, status);
 }
 
 /* Hand back every message still queued on a stream. */
@@ -717,14 +699,14 @@ void bex__engine_detach(struct bex__stream *st)
         if (s->closed == st)
             s->closed = NULL;
     }
-    unlink_stream(e, st);
+    bex__engine_unlink_stream(e, st);
     st->eng = NULL;
 }
 
 /* Both CLOSEs are through: nothing of the stream is in flight either way. */
 static void finish_stream(struct bex__engine *e, struct bex__stream *st)
 {
-    unlink_stream(e, st);
+    bex__engine_unlink_stream(e, st);
     st->eng = NULL;
     e->ops->on_stream_closed(&e->x, st);
 }
@@ -748,7 +730,7 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
     if (!bex__engine_takes(st)) {
         m->state = BEX__M_QUEUED;
         if (e)
-            msg_done(e, m, ST_UNSENT);
+            bex__engine_msg_done(e, m, ST_UNSENT);
         return;
     }
     m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
@@ -795,7 +777,7 @@ static uint32_t free_slots(const struct bex__engine *e)
 /* Credits: ordinary SENDs leave one credit for a CREDIT message, so that two
  * peers that have used up each other's receives can always tell each other
  * about reposted ones. */
-static bool have_credit(struct bex__engine *e, bool credit_msg)
+bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg)
 {
     return e->peer_credits > (credit_msg ? 0u : 1u);
 }
@@ -934,7 +916,7 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
             *blocked = true;
             return false;
         }
-        if (!have_credit(e, false)) {
+        if (!bex__engine_have_credit(e, false)) {
             BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
             *blocked = true;
             return false;
@@ -972,7 +954,7 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         return false;
     }
     if (st->need_open && !st->open_sent) {
-        if (!have_credit(e, false)) {
+        if (!bex__engine_have_credit(e, false)) {
             *blocked = true;
             return false;
         }
@@ -987,11 +969,11 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
     if (m && m->status) {
         /* failed before posting (rendezvous refused): hand back in order */
         pop_head(st);
-        msg_done(e, m, m->status);
+        bex__engine_msg_done(e, m, m->status);
         return true;
     }
     if (m && goes_eager(e, st, m)) {
-        if (!have_credit(e, false)) {
+        if (!bex__engine_have_credit(e, false)) {
             BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
             *blocked = true;
             return false;
@@ -1017,7 +999,7 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
     if (m && m->state == BEX__M_READY) {
         uint32_t frag = (uint32_t)(m->len - m->off < e->frag ? m->len - m->off : e->frag);
         bool last = m->off + frag == m->len;
-        if (last && !have_credit(e, false)) {
+        if (last && !bex__engine_have_credit(e, false)) {
             BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
             *blocked = true;
             return false;
@@ -1059,7 +1041,7 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
     if (*blocked)
         return false;
     if (!m && st->close_req && !st->close_sent) {
-        if (!have_credit(e, false)) {
+        if (!bex__engine_have_credit(e, false)) {
             *blocked = true;
             return false;
         }
@@ -1079,7 +1061,7 @@ static bool wr_consumes(const struct ibv_send_wr *w)
            w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
 }
 
-static void post_pending(struct bex__engine *e)
+void bex__engine_post_pending(struct bex__engine *e)
 {
     if (e->post == e->tail)
         return;
@@ -1116,7 +1098,7 @@ static void post_pending(struct bex__engine *e)
                  bex_strerror(bex__rdma_err(rc)));
         /* nothing was posted from bad on: treat the chain as lost */
         e->post = e->tail;
-        fail_now(e, bex__rdma_err(rc));
+        bex__engine_fail_now(e, bex__rdma_err(rc));
         return;
     }
     /* rxe takes a window's current key from mw->rkey when the next bind is
@@ -1128,7 +1110,7 @@ static void post_pending(struct bex__engine *e)
     e->post = e->tail;
 }
 
-static void repost_recvs(struct bex__engine *e)
+void bex__engine_repost_recvs(struct bex__engine *e)
 {
     if (e->n_unposted == 0)
         return;
@@ -1148,7 +1130,7 @@ static void repost_recvs(struct bex__engine *e)
     if (rc) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name,
                  bex_strerror(bex__rdma_err(rc)));
-        fail_now(e, bex__rdma_err(rc));
+        bex__engine_fail_now(e, bex__rdma_err(rc));
         return;
     }
     e->to_return += e->n_unposted;
@@ -1158,7 +1140,7 @@ static void repost_recvs(struct bex__engine *e)
 /* The keepalive sequence goes by RDMA WRITE: no receive, no credit, no
  * peer CPU. It takes the first free slot, ahead of any data, so a busy
  * engine cannot starve it. */
-static void prep_keepalive(struct bex__engine *e)
+void bex__engine_prep_keepalive(struct bex__engine *e)
 {
     if (!e->ka_due || !free_slots(e))
         return;
@@ -1228,7 +1210,7 @@ void bex__engine_bind_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t 
         struct ibv_mw **n = realloc(e->xw, cap * sizeof(*n));
         if (!n) {
             ibv_dealloc_mw(mw);
-            fail_now(e, -ENOMEM);
+            bex__engine_fail_now(e, -ENOMEM);
             return;
         }
         e->xw = n;
@@ -1239,7 +1221,7 @@ void bex__engine_bind_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t 
         return; /* no QP: bex__engine_destroy deallocates it */
     struct wop w = {.mw = mw, .addr = addr, .rkey = rkey, .len = len};
     if (wop_push(e, &w))
-        fail_now(e, -ENOMEM);
+        bex__engine_fail_now(e, -ENOMEM);
 }
 
 void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t rkey, bool bound)
@@ -1259,7 +1241,7 @@ void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_
         if (wop_push(e, &w) == 0)
             return;
         ibv_dealloc_mw(mw); /* before fail_now destroys the QP it is bound on */
-        fail_now(e, -ENOMEM);
+        bex__engine_fail_now(e, -ENOMEM);
         return;
     }
     /* not bound, or its QP is gone */
@@ -1305,7 +1287,7 @@ static void rin_unbind(struct bex__engine *e, struct rndv_in *in)
 static void spare_free(struct bex__engine *e, struct spare *sp)
 {
     ibv_dealloc_mw(sp->mw); /* no invalidation: safe whatever its state */
-    recv_free(e, sp->buf);
+    bex__engine_recv_free(e, sp->buf);
     e->spare_bytes -= sp->len;
     *sp = (struct spare){0};
 }
@@ -1369,13 +1351,13 @@ static bool spare_fill(struct bex__engine *e)
             break;
         struct ibv_mw *mw = ibv_alloc_mw(e->sh->pd, IBV_MW_TYPE_2);
         if (!mw) {
-            recv_free(e, buf);
+            bex__engine_recv_free(e, buf);
             break;
         }
         struct wop w = {.mw = mw, .addr = buf, .rkey = ibv_inc_rkey(mw->rkey), .len = len};
         if (wop_push(e, &w)) {
             ibv_dealloc_mw(mw);
-            recv_free(e, buf);
+            bex__engine_recv_free(e, buf);
             break;
         }
         e->spare[e->spare_n++] = (struct spare){.buf = buf, .mw = mw, .key = w.rkey, .len = len};
@@ -1431,7 +1413,7 @@ static void acks_settle(struct bex__engine *e)
     e->x.due_us = 0;
 }
 
-static bool wops_hold(struct bex__engine *e)
+bool bex__engine_wops_hold(struct bex__engine *e)
 {
     if (!e->wq_n && !e->wop_busy)
         return false;
@@ -1442,7 +1424,7 @@ static bool wops_hold(struct bex__engine *e)
         return false;
     prep_wops(e);
     e->wop_busy = true;
-    post_pending(e);
+    bex__engine_post_pending(e);
     return true;
 }
 
@@ -1453,18 +1435,18 @@ bool bex__engine_progress(struct bex__engine *e)
     uint32_t before = e->tail;
     /* window binds and revocations: ahead of the answers that name them,
      * and alone (see wops_hold) */
-    if (wops_hold(e))
+    if (bex__engine_wops_hold(e))
         return e->tail != before;
-    prep_keepalive(e);
+    bex__engine_prep_keepalive(e);
     /* the peer waits for these receives' credits to report its messages:
      * posted now, whatever we send next carries them */
     if (e->acks_owed && e->n_unposted) {
-        repost_recvs(e);
+        bex__engine_repost_recvs(e);
         if (e->state != E_UP)
             return e->tail != before;
     }
     /* control messages first: they unblock the peer */
-    while (e->ctl_n && free_slots(e) && have_credit(e, false)) {
+    while (e->ctl_n && free_slots(e) && bex__engine_have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
         e->ctl_head = (e->ctl_head + 1) % e->ctl_cap;
         e->ctl_n--;
@@ -1477,7 +1459,7 @@ bool bex__engine_progress(struct bex__engine *e)
             e->rin[h.stream & 0xffff].granted = true;
     }
     /* destinations given back unwritten: each frees a peer slot */
-    while (e->rel_n && free_slots(e) && have_credit(e, false)) {
+    while (e->rel_n && free_slots(e) && bex__engine_have_credit(e, false)) {
         struct rndv_rel r = e->relq[e->rel_head];
         e->rel_head = (e->rel_head + 1) % e->max_rndv;
         e->rel_n--;
@@ -1524,7 +1506,7 @@ bool bex__engine_progress(struct bex__engine *e)
     }
     /* credits nobody carried: an explicit update once half the queue waits,
      * or once the peer has waited ack_delay for the ones it reports by */
-    if ((e->to_return >= e->k || ack_due(e)) && free_slots(e) && have_credit(e, true)) {
+    if ((e->to_return >= e->k || ack_due(e)) && free_slots(e) && bex__engine_have_credit(e, true)) {
         struct bex__hdr h = {.type = BEX__MSG_CREDIT};
         prep_send(e, &h, NULL, 0, 0);
         BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
@@ -1532,9 +1514,9 @@ bool bex__engine_progress(struct bex__engine *e)
     acks_settle(e);
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
-    post_pending(e);
+    bex__engine_post_pending(e);
     if (spare_fill(e))
-        wops_hold(e); /* the queue is idle: the binds go out now */
+        bex__engine_wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
 }
 
@@ -1546,7 +1528,8 @@ static int queue_ctl(struct bex__engine *e, const struct bex__hdr *h)
      * rendezvous slot, one refusal per receive); past that the peer sends
      * requests without letting us answer them. */
     if (e->ctl_n >= e->ctl_cap)
-        return violation(e, "%u control messages wait for credits it does not return", e->ctl_n);
+        return bex__engine_violation(e, "%u control messages wait for credits it does not return",
+                                     e->ctl_n);
     e->ctlq[(e->ctl_head + e->ctl_n) % e->ctl_cap] = *h;
     e->ctl_n++;
     if (h->type == BEX__MSG_RNDV_RESP && h->status)
@@ -1562,7 +1545,8 @@ int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
      * answers go out as our credits allow: more waiting refusals than that
      * means it keeps opening without returning credits. */
     if (e->ctl_refusals >= e->rq)
-        return violation(e, "it opens streams past the limit faster than it lets us refuse them");
+        return bex__engine_violation(
+            e, "it opens streams past the limit faster than it lets us refuse them");
     struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = id};
     return queue_ctl(e, &h);
 }
@@ -1571,7 +1555,7 @@ int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
 
 /* Keep the context's count of holders (TCP connections count there too:
  * tcp.c); called from the tick, so a share may lag by one tick. */
-static void hold_sync(struct bex__engine *e)
+void bex__engine_hold_sync(struct bex__engine *e)
 {
     bool h = e->state == E_UP && e->rin_bytes > 0;
     if (h != e->holding)
@@ -1637,7 +1621,7 @@ static int rndv_answer(struct bex__engine *e, uint32_t i)
         if (e->sh->windows) {
             int err = rin_bind(e, in);
             if (err) {
-                recv_free(e, buf);
+                bex__engine_recv_free(e, buf);
                 in->buf = NULL;
                 e->rin_bytes -= in->len;
                 in->used = false;
@@ -1652,7 +1636,7 @@ static int rndv_answer(struct bex__engine *e, uint32_t i)
 }
 
 /* Answer deferred requests, oldest first, while they fit. */
-static int rndv_resume(struct bex__engine *e)
+int bex__engine_rndv_resume(struct bex__engine *e)
 {
     while (e->wait_n) {
         uint32_t i = e->rin_wait[e->wait_head];
@@ -1670,12 +1654,12 @@ static int rndv_resume(struct bex__engine *e)
 static int rndv_request(struct bex__engine *e, const struct bex__hdr *h)
 {
     if (h->len == 0 || h->len > e->cfg.max_msg)
-        return violation(e, "a rendezvous request of %u bytes (max_msg %u)", h->len,
-                         e->cfg.max_msg);
+        return bex__engine_violation(e, "a rendezvous request of %u bytes (max_msg %u)", h->len,
+                                     e->cfg.max_msg);
     /* An error answer holds no slot, but the sender counts the request until
      * it reads the answer: count it until it is posted. */
     if (e->rin_used + e->ctl_errs >= e->max_rndv)
-        return violation(e, "more than %u rendezvous requests in flight", e->max_rndv);
+        return bex__engine_violation(e, "more than %u rendezvous requests in flight", e->max_rndv);
     uint32_t i = 0;
     while (e->rin[i].used) /* rin_used < max_rndv: a free slot exists */
         i++;
@@ -1708,7 +1692,7 @@ static void delivered(struct bex__engine *e, struct bex__msg *m)
 {
     BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
     BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
-    msg_done(e, m, 0);
+    bex__engine_msg_done(e, m, 0);
 }
 
 /* Has the peer returned the credit of consuming work request seq? */
@@ -1763,7 +1747,7 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
             s->done = NULL;
             /* status set: abandoned with fragments in flight, now done */
             if (m->status)
-                msg_done(e, m, m->status);
+                bex__engine_msg_done(e, m, m->status);
             else
                 ack_wait(e, m);
         }
@@ -1855,7 +1839,7 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
 
 /* Give consumed slot idx a fresh buffer and queue it for reposting, or,
  * when the context may not receive more (or memory is short), leave it
- * starved: its credit stays with us until refill_starved() succeeds.
+ * starved: its credit stays with us until bex__engine_refill_starved() succeeds.
  * gone, the buffer that went up to the application, is still counted as
  * posted: a fresh one takes its place in that count (one buffer of the
  * size out, one in), or, starved, the count drops by it. */
@@ -1877,7 +1861,7 @@ static void slot_refill(struct bex__engine *e, uint32_t idx, const void *gone)
     hold_unposted(e, idx);
 }
 
-static void refill_starved(struct bex__engine *e)
+void bex__engine_refill_starved(struct bex__engine *e)
 {
     uint32_t done = 0;
     while (done < e->n_starved && recv_room(e, e->rbuf_len)) {
@@ -1923,7 +1907,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
             BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
             e->ops->on_msg(&e->x, in->stream, in->buf, in->len);
             if (e->state == E_UP)
-                return rndv_resume(e); /* the peer's budget has room again */
+                return bex__engine_rndv_resume(e); /* the peer's budget has room again */
         }
         return 0;
     }
@@ -2046,11 +2030,11 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         rc = recv_completed(e, wc, low & WR_CNT_MASK);
         /* the upcalls may have failed the engine (a bad OPEN, say) */
         if (!rc && e->state != E_DEAD && e->n_unposted >= e->k)
-            repost_recvs(e);
+            bex__engine_repost_recvs(e);
     } else {
         send_completed(e, low & WR_CNT_MASK);
         /* the window mode's spares are bound once the queue is idle */
-        if (e->state == E_UP && !engine_work(e) && !(e->sh->windows && e->spare_want))
+        if (e->state == E_UP && !bex__engine_work(e) && !(e->sh->windows && e->spare_want))
             return false;
     }
     if (rc) {
@@ -2079,7 +2063,8 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
     if (wc->status == IBV_WC_SUCCESS && e->n_unposted + e->n_starved + e->to_return >= e->rq) {
         /* a SEND with no credit of ours: it took a receive that backs
          * another peer's credit */
-        int rc = violation(e, "a SEND beyond its %u credits (shared receive queue)", e->rq);
+        int rc =
+            bex__engine_violation(e, "a SEND beyond its %u credits (shared receive queue)", e->rq);
         bex__engine_fail(e, rc);
     } else {
         bex__engine_complete(e, wc);
@@ -2090,266 +2075,4 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
         bex__srq_return(q, idx);
     e->srq_cur = NO_SLOT;
     return e->user;
-}
-
-/* ---------------- keepalive and failure ---------------- */
-
-/* A live peer that stops answering: keepalive goes on, but our rendezvous
- * requests or the credits our sends wait for never come. Fail the engine
- * with -ETIMEDOUT rather than hold those sends forever. */
-static bool stalled(struct bex__engine *e, uint64_t now)
-{
-    if (e->cfg.rndv_timeout_ms && e->rout_used) {
-        for (uint32_t i = 0; i < e->max_rndv; i++) {
-            if (e->rout[i].used && now - e->rout[i].sent_ms > e->cfg.rndv_timeout_ms) {
-                bex__log(e->sh->log, BEX_LOG_ERROR,
-                         "%s: a rendezvous request got no answer in %u ms", e->name,
-                         e->cfg.rndv_timeout_ms);
-                bex__engine_fail(e, -ETIMEDOUT);
-                return true;
-            }
-        }
-    }
-    if (!have_credit(e, false) && (e->ring || e->ctl_n)) {
-        if (!e->credit_wait) {
-            e->credit_wait = now;
-        } else if (e->cfg.credit_timeout_ms && now - e->credit_wait > e->cfg.credit_timeout_ms) {
-            bex__log(e->sh->log, BEX_LOG_ERROR,
-                     "%s: sends waited %u ms for credits the peer never returned", e->name,
-                     e->cfg.credit_timeout_ms);
-            bex__engine_fail(e, -ETIMEDOUT);
-            return true;
-        }
-    } else {
-        e->credit_wait = 0;
-    }
-    /* the peer takes our messages but never returns their credits (timed
-     * by the tick, not stamped per message: no clock read on the data path) */
-    if (!e->ack_head || !e->ack_wait_ms || e->ack_mark != e->cons_acked) {
-        e->ack_wait_ms = e->ack_head ? now : 0;
-        e->ack_mark = e->cons_acked;
-    } else if (e->cfg.credit_timeout_ms && now - e->ack_wait_ms > e->cfg.credit_timeout_ms) {
-        bex__log(e->sh->log, BEX_LOG_ERROR,
-                 "%s: sent messages waited %u ms for the credits that acknowledge them", e->name,
-                 e->cfg.credit_timeout_ms);
-        bex__engine_fail(e, -ETIMEDOUT);
-        return true;
-    }
-    return false;
-}
-
-/* A granted destination must be written within rate_window_ms +
- * len / min_rate of its grant, or of the last destination written if that
- * is later: a peer granted destinations that it never writes holds the
- * context's receive budget (the keepalive goes on). Counting from the last
- * delivery lets an honest sender that writes its grants one after another,
- * paced by its send window, through. Grants and deliveries are stamped
- * here, on the tick after they happen (one clock: the tick's). Whether
- * one is late. */
-static bool grants_stalled(struct bex__engine *e, uint64_t now)
-{
-    /* receives not reposted for want of room: the peer may lack the credit
-     * its WRITE_WITH_IMM takes, and that time is ours, not its */
-    if (e->rin_done != e->rin_done_seen || e->n_starved) {
-        e->rin_done_seen = e->rin_done;
-        e->rin_done_ms = now;
-    }
-    if (!e->cfg.min_rate || !e->rin_bytes)
-        return false;
-    for (uint32_t i = 0; i < e->max_rndv; i++) {
-        struct rndv_in *in = &e->rin[i];
-        if (!in->used || !in->granted)
-            continue;
-        if (in->granted_gen != (in->gen | 0x8000)) {
-            in->granted_gen = in->gen | 0x8000;
-            in->granted_ms = now;
-        }
-        uint64_t from = in->granted_ms > e->rin_done_ms ? in->granted_ms : e->rin_done_ms;
-        uint64_t allow = e->cfg.rate_window_ms + (uint64_t)in->len * 1000 / e->cfg.min_rate;
-        if (now > from && now - from > allow) {
-            bex__log(e->sh->log, BEX_LOG_ERROR,
-                     "%s: a granted rendezvous destination of %u bytes not written in %llu ms "
-                     "(recv_min_rate %u bytes/s, recv_rate_ms %u)",
-                     e->name, in->len, (unsigned long long)(now - from), e->cfg.min_rate,
-                     e->cfg.rate_window_ms);
-            return true;
-        }
-    }
-    return false;
-}
-
-/* Has the engine anything a progress call could move, anything in flight,
- * or messages waiting for the peer's acknowledgement (their wait is timed
- * by the tick)? An engine with none of it is idle: its tick leaves it
- * alone. (Receives consumed and not yet reposted are not such work: they
- * go back in batches of k from the completion path, and a few may wait
- * there on an idle engine for good.) */
-static bool engine_busy(const struct bex__engine *e)
-{
-    return engine_work(e) || e->ack_head;
-}
-
-/* The same less the acknowledgement queue: what a send completion asks a
- * progress call for (the acknowledgement comes with a receive, which asks
- * for its own; test_iothreads.echo_visits counts the calls). */
-static bool engine_work(const struct bex__engine *e)
-{
-    return e->ring || e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due ||
-           (e->acks_owed && e->to_return) || e->head != e->tail || e->post != e->tail ||
-           e->n_starved || e->to_return >= e->k || e->rout_used || e->rin_used || e->wait_n;
-}
-
-bool bex__engine_tick(struct bex__engine *e, uint64_t now)
-{
-    hold_sync(e);
-    if (e->state != E_UP)
-        return false;
-    uint64_t seen = __atomic_load_n(e->ka_local, __ATOMIC_ACQUIRE);
-    if (seen != e->ka_seen || e->peer_heard) {
-        /* the sequence advanced, or the peer's messages arrived: alive */
-        e->ka_seen = seen;
-        e->ka_last_ms = now;
-        e->peer_heard = false;
-    } else if (now - e->ka_last_ms > e->cfg.keepalive_timeout_ms) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: keepalive timeout (%u ms)", e->name,
-                 e->cfg.keepalive_timeout_ms);
-        bex__engine_fail(e, -ETIMEDOUT);
-        return true;
-    }
-    if (stalled(e, now))
-        return true;
-    if (grants_stalled(e, now)) {
-        bex__engine_fail(e, -ETIMEDOUT);
-        return true;
-    }
-    /* received memory the application freed lets starved receives and
-     * deferred rendezvous answers go on */
-    if (e->n_starved) {
-        refill_starved(e);
-        if (e->n_unposted >= e->k || (e->n_starved == 0 && e->n_unposted))
-            repost_recvs(e);
-        if (e->state != E_UP)
-            return true;
-    }
-    int rc = rndv_resume(e);
-    if (rc) {
-        bex__engine_fail(e, rc);
-        return true;
-    }
-    /* A peer that hears from us counts it as our keepalive (peer_heard),
-     * so while we post messages the write is put off: at 1024 connections
-     * with one message each in flight the writes were 0.4 extra doorbells
-     * and signaled completions per message (docs/benchmarks.md). Quiet for
-     * keepalive_ms (to within a tick), we write again. */
-    if (e->peer_hears) {
-        e->peer_hears = false;
-        e->ka_next_ms = now + e->cfg.keepalive_ms;
-    }
-    if (now >= e->ka_next_ms) {
-        e->ka_next_ms = now + e->cfg.keepalive_ms;
-        e->ka_due = true;
-        if (!wops_hold(e)) {
-            prep_keepalive(e);
-            post_pending(e);
-        }
-    }
-    return e->state != E_UP || engine_busy(e);
-}
-
-/* Failure is synchronous. The QP goes first: once ibv_destroy_qp returns
- * the NIC touches none of our buffers, so everything can be handed back at
- * once. (Moving the QP to error and waiting for flushed markers instead
- * costs a timeout on rxe, where a receive posted to a QP in error never
- * completes.) Completions of the QP still in the CQ are dropped. In SRQ
- * mode the shared queue takes the QP over instead (bex__srq_retire): in
- * the error state at once, destroyed once the shared receive it may have
- * taken for a half-received SEND is flushed back. */
-static void fail_now(struct bex__engine *e, int err)
-{
-    if (e->state == E_DEAD)
-        return;
-    e->state = E_DEAD;
-    release_windows(e); /* before the QP: see release_windows */
-    if (e->qp) {
-        if (e->nodev) {
-            nodev_to(e, IBV_QPS_RESET);
-        } else if (e->srq_in) {
-            bex__srq_retire(e->sh->srq, e->qp);
-        } else {
-            int rc = bex__rdma_qp_destroy(e->qp);
-            if (rc) {
-                /* cannot happen for a QP of ours (no multicast, and every
-                 * window bound on it went just above); stop it at least */
-                bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_destroy_qp: %s", e->name,
-                         bex_strerror(rc));
-                bex__rdma_qp_to_err(e->qp);
-            }
-        }
-        e->qp = NULL;
-    }
-    srq_leave(e); /* no receive is consumed for it any more */
-    e->x.due_us = 0;
-    /* sent, not acknowledged: the peer's NIC took them, its engine may or
-     * may not have them */
-    while (e->ack_head) {
-        struct bex__msg *m = e->ack_head;
-        e->ack_head = m->next;
-        m->next = NULL;
-        msg_done(e, m, ST_INDOUBT);
-    }
-    e->ack_tail = NULL;
-    /* posted messages next, in order; then queued ones */
-    for (uint32_t c = e->head; c != e->tail; c++) {
-        struct sslot *s = sslot_at(e, c);
-        s->closed = NULL;
-        if (s->done) {
-            struct bex__msg *m = s->done;
-            s->done = NULL;
-            msg_done(e, m, m->status ? m->status : ST_INDOUBT);
-        }
-    }
-    e->head = e->post = e->tail;
-    e->inflight = 0;
-    for (uint32_t i = 0; i < e->max_rndv; i++) {
-        e->rout[i].m = NULL;
-        e->rout[i].used = false;
-    }
-    e->rout_used = 0;
-    e->rel_n = 0;
-    e->ctl_n = e->ctl_errs = e->ctl_refusals = 0;
-    for (struct bex__stream *st = e->all; st; st = st->all_next) {
-        st->failed = true;
-        struct bex__msg *m = st->q_head;
-        st->q_head = st->q_tail = NULL;
-        st->q_len = 0;
-        while (m) {
-            struct bex__msg *next = m->next;
-            m->next = NULL;
-            m->rndv_id = 0;
-            m->state = BEX__M_QUEUED;
-            msg_done(e, m, m->status ? m->status : ST_UNSENT);
-            m = next;
-        }
-    }
-    for (uint32_t i = 0; i < e->max_rndv; i++) {
-        if (e->rin[i].used) {
-            e->rin[i].used = false;
-            recv_free(e, e->rin[i].buf);
-            e->rin[i].buf = NULL;
-        }
-    }
-    e->rin_used = 0;
-    e->rin_bytes = 0;
-    e->wait_n = 0;
-    while (e->all) {
-        struct bex__stream *st = e->all;
-        unlink_stream(e, st);
-        st->eng = NULL;
-    }
-    e->ops->on_fail(&e->x, err);
-}
-
-void bex__engine_fail(struct bex__engine *e, int err)
-{
-    fail_now(e, err);
 }

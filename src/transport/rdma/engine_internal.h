@@ -233,4 +233,25 @@ static inline struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
     return &e->ss[c & (e->sq - 1)];
 }
 
+/* ---- functions shared by the module's files ---- */
+void bex__engine_recv_free(struct bex__engine *e, void *b);
+void bex__engine_srq_leave(struct bex__engine *e);
+int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s);
+void bex__engine_release_windows(struct bex__engine *e);
+void bex__engine_unlink_stream(struct bex__engine *e, struct bex__stream *st);
+void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status);
+bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg);
+void bex__engine_post_pending(struct bex__engine *e);
+void bex__engine_repost_recvs(struct bex__engine *e);
+void bex__engine_prep_keepalive(struct bex__engine *e);
+bool bex__engine_wops_hold(struct bex__engine *e);
+void bex__engine_hold_sync(struct bex__engine *e);
+int bex__engine_rndv_resume(struct bex__engine *e);
+void bex__engine_refill_starved(struct bex__engine *e);
+__attribute__((format(printf, 2, 3))) int bex__engine_violation(struct bex__engine *e,
+                                                                const char *fmt, ...);
+bool bex__engine_busy(const struct bex__engine *e);
+bool bex__engine_work(const struct bex__engine *e);
+void bex__engine_fail_now(struct bex__engine *e, int err);
+
 #endif
