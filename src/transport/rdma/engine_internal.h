@@ -253,5 +253,19 @@ __attribute__((format(printf, 2, 3))) int bex__engine_violation(struct bex__engi
 bool bex__engine_busy(const struct bex__engine *e);
 bool bex__engine_work(const struct bex__engine *e);
 void bex__engine_fail_now(struct bex__engine *e, int err);
+bool bex__engine_recv_room(struct bex__engine *e, uint64_t want);
+void *bex__engine_recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len);
+int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void *buf);
+void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf);
+void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf);
+struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uint32_t idx);
+void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx);
+void bex__engine_hold_starved(struct bex__engine *e, uint32_t idx);
+void bex__engine_ring_add(struct bex__engine *e, struct bex__stream *st);
+void bex__engine_queue_release(struct bex__engine *e, uint64_t addr, uint32_t rkey, uint32_t imm);
+void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st);
+void bex__engine_rin_unbind(struct bex__engine *e, struct rndv_in *in);
+int bex__engine_rndv_request(struct bex__engine *e, const struct bex__hdr *h);
+int bex__engine_queue_ctl(struct bex__engine *e, const struct bex__hdr *h);
 
 #endif
