@@ -44,14 +44,14 @@ static struct bex__recv_acct *recv_acct(struct bex__engine_shared *sh)
 
 /* Engines and TCP connections holding received memory their peer has yet
  * to write (rndv_share, and tcp.c) */
-static _Atomic int32_t *holders(struct bex__engine *e)
+_Atomic int32_t *bex__engine_holders(struct bex__engine *e)
 {
     return &recv_acct(e->sh)->holders;
 }
 
 /* Where rendezvous destinations come from: the landing pool (counted as
  * received memory too). */
-static bex_mem_pool *rndv_pool(struct bex__engine_shared *sh)
+bex_mem_pool *bex__engine_rndv_pool(struct bex__engine_shared *sh)
 {
     return sh->landing; /* the only memory a peer may write */
 }
@@ -67,9 +67,9 @@ static void recv_refresh(struct bex__engine_shared *sh)
     bex_mem_pool_collect(sh->recv_pool);
     bex_mem_pool_stats(sh->recv_pool, &st);
     int64_t exact = (int64_t)st.in_use_bytes;
-    if (rndv_pool(sh) && rndv_pool(sh) != sh->recv_pool) {
-        bex_mem_pool_collect(rndv_pool(sh));
-        bex_mem_pool_stats(rndv_pool(sh), &st);
+    if (bex__engine_rndv_pool(sh) && bex__engine_rndv_pool(sh) != sh->recv_pool) {
+        bex_mem_pool_collect(bex__engine_rndv_pool(sh));
+        bex_mem_pool_stats(bex__engine_rndv_pool(sh), &st);
         exact += (int64_t)st.in_use_bytes;
     }
     sh->recv_base = exact - before;
@@ -371,8 +371,6 @@ err_destroy:
     return err;
 }
 
-static void spare_drop(struct bex__engine *e);
-
 /* Forget queued window operations, deallocating the windows handed over
  * for retirement. */
 static void drop_wops(struct bex__engine *e)
@@ -404,7 +402,7 @@ void bex__engine_release_windows(struct bex__engine *e)
     }
     if (e->wq)
         drop_wops(e);
-    spare_drop(e);
+    bex__engine_spare_drop(e);
     for (uint32_t i = 0; i < e->xw_n; i++)
         ibv_dealloc_mw(e->xw[i]);
     e->xw_n = 0;
@@ -433,7 +431,7 @@ void bex__engine_destroy(struct bex__engine *e)
     if (!e)
         return;
     if (e->holding)
-        atomic_fetch_sub_explicit(holders(e), 1, memory_order_relaxed);
+        atomic_fetch_sub_explicit(bex__engine_holders(e), 1, memory_order_relaxed);
     bex__engine_release_windows(e);
     if (e->qp && e->nodev)
         bex__engine_nodev_to(e, IBV_QPS_RESET);
@@ -1157,7 +1155,7 @@ void bex__engine_prep_keepalive(struct bex__engine *e)
 
 /* ---------------- memory windows (window mode) ---------------- */
 
-static int wop_push(struct bex__engine *e, const struct wop *w)
+int bex__engine_wop_push(struct bex__engine *e, const struct wop *w)
 {
     if (e->wq_n == e->wq_cap) {
         uint32_t cap = e->wq_cap ? e->wq_cap * 2 : 64;
@@ -1220,7 +1218,7 @@ void bex__engine_bind_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t 
     if (e->state == E_DEAD)
         return; /* no QP: bex__engine_destroy deallocates it */
     struct wop w = {.mw = mw, .addr = addr, .rkey = rkey, .len = len};
-    if (wop_push(e, &w))
+    if (bex__engine_wop_push(e, &w))
         bex__engine_fail_now(e, -ENOMEM);
 }
 
@@ -1238,7 +1236,7 @@ void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_
         return; /* bound here once, and released with the QP already */
     struct wop w = {.mw = mw, .rkey = rkey, .inv = true, .dealloc = true};
     if (bound && e->state != E_DEAD) {
-        if (wop_push(e, &w) == 0)
+        if (bex__engine_wop_push(e, &w) == 0)
             return;
         ibv_dealloc_mw(mw); /* before fail_now destroys the QP it is bound on */
         bex__engine_fail_now(e, -ENOMEM);
@@ -1294,13 +1292,13 @@ static void spare_free(struct bex__engine *e, struct spare *sp)
 
 /* All of them; with window operations queued or in flight only at
  * teardown (a queued bind names its window). */
-static void spare_drop(struct bex__engine *e)
+void bex__engine_spare_drop(struct bex__engine *e)
 {
     while (e->spare_n)
         spare_free(e, &e->spare[--e->spare_n]);
 }
 
-static bool spare_has(struct bex__engine *e, uint32_t len)
+bool bex__engine_spare_has(struct bex__engine *e, uint32_t len)
 {
     for (uint32_t i = 0; i < e->spare_n; i++)
         if (e->spare[i].len == len)
@@ -1309,7 +1307,7 @@ static bool spare_has(struct bex__engine *e, uint32_t len)
 }
 
 /* A spare of len bytes, or false. */
-static bool spare_take(struct bex__engine *e, uint32_t len, struct spare *out)
+bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *out)
 {
     for (uint32_t i = 0; i < e->spare_n; i++) {
         if (e->spare[i].len == len) {
@@ -1347,7 +1345,7 @@ static bool spare_fill(struct bex__engine *e)
     while (e->spare_n < max && e->spare_bytes + len <= SPARE_BYTES &&
            e->rin_bytes + e->spare_bytes + len <= e->cfg.rndv_bytes_max &&
            bex__engine_recv_room(e, len)) {
-        void *buf = bex__engine_recv_alloc(e, rndv_pool(e->sh), len);
+        void *buf = bex__engine_recv_alloc(e, bex__engine_rndv_pool(e->sh), len);
         if (!buf)
             break;
         struct ibv_mw *mw = ibv_alloc_mw(e->sh->pd, IBV_MW_TYPE_2);
@@ -1356,7 +1354,7 @@ static bool spare_fill(struct bex__engine *e)
             break;
         }
         struct wop w = {.mw = mw, .addr = buf, .rkey = ibv_inc_rkey(mw->rkey), .len = len};
-        if (wop_push(e, &w)) {
+        if (bex__engine_wop_push(e, &w)) {
             ibv_dealloc_mw(mw);
             bex__engine_recv_free(e, buf);
             break;
@@ -1519,162 +1517,4 @@ bool bex__engine_progress(struct bex__engine *e)
     if (spare_fill(e))
         bex__engine_wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
-}
-
-/* ---------------- rendezvous, receiver side ---------------- */
-
-/* Keep the context's count of holders (TCP connections count there too:
- * tcp.c); called from the tick, so a share may lag by one tick. */
-void bex__engine_hold_sync(struct bex__engine *e)
-{
-    bool h = e->state == E_UP && e->rin_bytes > 0;
-    if (h != e->holding)
-        atomic_fetch_add_explicit(holders(e), h ? 1 : -1, memory_order_relaxed);
-    e->holding = h;
-}
-
-/* What the engine's destinations may come to: with no other holder in the
- * context, anything; else a share that leaves room for one more, so that a
- * few peers cannot take the context's whole budget (as over TCP). */
-static uint64_t rndv_share(struct bex__engine *e)
-{
-    int32_t n = atomic_load_explicit(holders(e), memory_order_relaxed) - (e->holding ? 1 : 0);
-    return bex__recv_share(e->sh->recv_max, n, e->cfg.share_min);
-}
-
-/* A request fits when the peer's destinations stay within rndv_bytes_max
- * and its share of the context's budget, and the context may receive that
- * much more (one fits whatever its size when none is allocated and no
- * other peer holds any: a limit below max_msg slows, never stops). */
-static bool rndv_fits(struct bex__engine *e, uint32_t len)
-{
-    if (e->rin_bytes && e->rin_bytes + len > e->cfg.rndv_bytes_max)
-        return false;
-    if (e->rin_bytes + len > rndv_share(e))
-        return false;
-    return spare_has(e, len) || bex__engine_recv_room(e, len); /* a spare is allocated already */
-}
-
-/* Allocate the destination of request slot i and queue the answer. */
-static int rin_bind(struct bex__engine *e, struct rndv_in *in);
-
-static int rndv_answer(struct bex__engine *e, uint32_t i)
-{
-    struct rndv_in *in = &e->rin[i];
-    struct bex__hdr r = {.type = BEX__MSG_RNDV_RESP, .id = in->req_id};
-    struct spare sp;
-    if (e->sh->windows && spare_take(e, in->len, &sp)) {
-        /* bound ahead: the answer need not wait for a bind */
-        bex__engine_rin_unbind(e, in); /* none left from its last transfer, normally */
-        in->buf = sp.buf;
-        in->mw = sp.mw; /* the slot's own window was deallocated on delivery */
-        in->key = sp.key;
-        in->bound = true;
-        e->rin_bytes += in->len;
-        r.addr = (uintptr_t)sp.buf;
-        r.rkey = sp.key;
-        r.stream = ((uint32_t)in->gen << 16) | i;
-        BEX__STAT_ADD(e->sh->stats, rndv_prebound, 1);
-        return bex__engine_queue_ctl(e, &r);
-    }
-    void *buf = bex__engine_recv_alloc(e, rndv_pool(e->sh), in->len);
-    if (!buf) {
-        r.status = -ENOMEM; /* the sender hands this message back, and goes on */
-        in->used = false;
-        e->rin_used--;
-    } else {
-        in->buf = buf;
-        e->rin_bytes += in->len;
-        r.addr = (uintptr_t)buf;
-        r.rkey = bex_mem_mr(buf)->rkey;
-        r.stream = ((uint32_t)in->gen << 16) | i;
-        if (e->sh->windows) {
-            int err = rin_bind(e, in);
-            if (err) {
-                bex__engine_recv_free(e, buf);
-                in->buf = NULL;
-                e->rin_bytes -= in->len;
-                in->used = false;
-                e->rin_used--;
-                r = (struct bex__hdr){.type = BEX__MSG_RNDV_RESP, .id = in->req_id, .status = err};
-            } else {
-                r.rkey = in->key; /* the window's, not the chunk's */
-            }
-        }
-    }
-    return bex__engine_queue_ctl(e, &r);
-}
-
-/* Answer deferred requests, oldest first, while they fit. */
-int bex__engine_rndv_resume(struct bex__engine *e)
-{
-    while (e->wait_n) {
-        uint32_t i = e->rin_wait[e->wait_head];
-        if (!rndv_fits(e, e->rin[i].len))
-            return 0;
-        e->wait_head = (e->wait_head + 1) % e->max_rndv;
-        e->wait_n--;
-        int rc = rndv_answer(e, i);
-        if (rc)
-            return rc;
-    }
-    return 0;
-}
-
-int bex__engine_rndv_request(struct bex__engine *e, const struct bex__hdr *h)
-{
-    if (h->len == 0 || h->len > e->cfg.max_msg)
-        return bex__engine_violation(e, "a rendezvous request of %u bytes (max_msg %u)", h->len,
-                                     e->cfg.max_msg);
-    /* An error answer holds no slot, but the sender counts the request until
-     * it reads the answer: count it until it is posted. */
-    if (e->rin_used + e->ctl_errs >= e->max_rndv)
-        return bex__engine_violation(e, "more than %u rendezvous requests in flight", e->max_rndv);
-    uint32_t i = 0;
-    while (e->rin[i].used) /* rin_used < max_rndv: a free slot exists */
-        i++;
-    struct rndv_in *in = &e->rin[i];
-    in->used = true;
-    in->granted = false;
-    in->buf = NULL;
-    in->gen = (uint16_t)((in->gen + 1) & 0x7fff);
-    in->len = h->len;
-    in->stream = h->stream;
-    in->req_id = h->id;
-    e->rin_used++;
-    e->spare_want = h->len;
-    /* spares of another length, or all when this must wait for room, give
-     * their memory back (not while a bind that names one is pending) */
-    if (e->spare_n && !e->wq_n && !e->wop_busy &&
-        (e->wait_n || !rndv_fits(e, h->len) || !spare_has(e, h->len)))
-        spare_drop(e);
-    /* in order: a request never overtakes one deferred before it */
-    if (e->wait_n || !rndv_fits(e, h->len)) {
-        e->rin_wait[(e->wait_head + e->wait_n) % e->max_rndv] = i;
-        e->wait_n++;
-        BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
-        return 0;
-    }
-    return rndv_answer(e, i);
-}
-
-/* Window mode: bind the slot's window (allocated on first use) to its
- * new buffer with a fresh key; the key is what the answer carries. */
-static int rin_bind(struct bex__engine *e, struct rndv_in *in)
-{
-    if (!in->mw) {
-        errno = 0;
-        in->mw = ibv_alloc_mw(e->sh->pd, IBV_MW_TYPE_2);
-        if (!in->mw)
-            return errno ? -errno : -ENOMEM;
-    }
-    /* mw->rkey is the key of the last posted bind (post_pending) */
-    struct wop w = {
-        .mw = in->mw, .addr = in->buf, .rkey = ibv_inc_rkey(in->mw->rkey), .len = in->len};
-    int err = wop_push(e, &w);
-    if (err)
-        return err;
-    in->key = w.rkey;
-    in->bound = true;
-    return 0;
 }

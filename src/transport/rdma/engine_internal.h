@@ -267,5 +267,11 @@ void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st);
 void bex__engine_rin_unbind(struct bex__engine *e, struct rndv_in *in);
 int bex__engine_rndv_request(struct bex__engine *e, const struct bex__hdr *h);
 int bex__engine_queue_ctl(struct bex__engine *e, const struct bex__hdr *h);
+_Atomic int32_t *bex__engine_holders(struct bex__engine *e);
+bex_mem_pool *bex__engine_rndv_pool(struct bex__engine_shared *sh);
+int bex__engine_wop_push(struct bex__engine *e, const struct wop *w);
+void bex__engine_spare_drop(struct bex__engine *e);
+bool bex__engine_spare_has(struct bex__engine *e, uint32_t len);
+bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *out);
 
 #endif
