@@ -273,5 +273,10 @@ int bex__engine_wop_push(struct bex__engine *e, const struct wop *w);
 void bex__engine_spare_drop(struct bex__engine *e);
 bool bex__engine_spare_has(struct bex__engine *e, uint32_t len);
 bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *out);
+void bex__engine_ring_remove(struct bex__engine *e, struct bex__stream *st);
+void bex__engine_prep_wops(struct bex__engine *e);
+bool bex__engine_spare_fill(struct bex__engine *e);
+uint32_t bex__engine_free_slots(const struct bex__engine *e);
+struct sslot *bex__engine_slot_take(struct bex__engine *e);
 
 #endif
