@@ -278,5 +278,6 @@ void bex__engine_prep_wops(struct bex__engine *e);
 bool bex__engine_spare_fill(struct bex__engine *e);
 uint32_t bex__engine_free_slots(const struct bex__engine *e);
 struct sslot *bex__engine_slot_take(struct bex__engine *e);
+void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r);
 
 #endif
