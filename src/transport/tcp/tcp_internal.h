@@ -1,0 +1,110 @@
+/* The TCP transport's private header: its structures and the functions
+ * its files share (tcp.c, and the files split from it along its banners).
+ * Nothing outside src/transport/tcp/ includes it; the contract is tcp.h. */
+#ifndef BEX_TRANSPORT_TCP_INTERNAL_H
+#define BEX_TRANSPORT_TCP_INTERNAL_H
+
+#include "common/util.h"
+#include "transport/tcp/tcp.h"
+
+#define OUT_MAX   64  /* frames in the write batch */
+#define PART_HASH 64  /* buckets of partly received messages */
+#define IOV_BATCH 128 /* sendmsg gathers at most this many pieces */
+/* Acknowledgements owed for this many of the peer's messages go at once,
+ * in a CREDIT frame if nothing else carries them: a full read batch
+ * (RX_MSGS), so a one-way stream gets them no later than before. */
+#define ACK_MAX 16
+
+/* One frame of the write batch: its header, and the payload slice it sends
+ * straight from the message's buffer. */
+struct out_frame {
+    uint8_t hdr[BEX__HDR_LEN];
+    struct bex__msg *m;     /* DATA/DIRECT: its message, else NULL */
+    const uint8_t *p;       /* payload */
+    uint32_t plen;          /* payload bytes */
+    bool last;              /* m's last frame: m is reported from here */
+    bool cut;               /* m was cut off (the peer closed its stream) */
+    bool raw;               /* no header: the setup's last bytes (bex__tcp_prefix) */
+    struct bex__stream *st; /* CLOSE of one of ours: close_done when written */
+};
+
+/* A control frame waiting for room in the batch. */
+struct ctl {
+    uint8_t type;
+    uint32_t stream;
+    struct bex__stream *st; /* our CLOSE: the stream */
+};
+
+/* A message of the peer's arriving in fragments. */
+struct part {
+    struct part *next;
+    uint32_t stream;
+    bool direct;
+    uint32_t token; /* direct */
+    uint8_t *buf;
+    uint32_t len, off;
+};
+
+struct bex__tcp {
+    struct bex__xport x; /* first */
+    const struct bex__transport_upcalls *up;
+    struct bex__engine_shared *sh;
+    struct bex__tcp_config cfg;
+    int fd;
+    struct bex__loop *loop;
+    struct ep_tag *tag;
+    uint32_t events; /* what we watch now */
+    bool is_up, dead;
+    bool rx_paused;     /* recv_bytes_max: not reading until there is room */
+    bool pause_own;     /* paused by the connection's own share (recv_share) */
+    uint64_t paused_ms; /* bex__now_ms() when reading paused */
+    /* streams: every one, and those with something to send (a ring) */
+    struct bex__stream *all;
+    struct bex__stream *ring; /* the ring's head; rr_next links it */
+    struct bex__stream *ring_tail;
+    /* write side */
+    struct out_frame out[OUT_MAX];
+    uint32_t out_head, out_n;
+    size_t out_off; /* bytes of out[out_head] already written */
+    struct ctl *ctlq;
+    uint32_t ctl_head, ctl_n, ctl_cap;
+    struct bex__msg *ack_head, *ack_tail; /* written whole, not yet acknowledged */
+    uint32_t ack_n;
+    uint64_t ack_wait_ms; /* since when the head of that queue waits (the queue
+                             filled, or the peer's last acknowledgement) */
+    uint32_t acks_owed;   /* the peer's messages received whole, not yet acknowledged */
+    uint64_t ack_held;    /* bex__now_us() when they were first held back for a
+                             frame to carry them (0: not held); x.due_us is
+                             ack_held + ack_delay_us */
+    bool ack_now;         /* held acknowledgements found no frame in time: the
+                             peer's messages get no answer now, acknowledge at
+                             once until one does (see ack_due) */
+    uint64_t msg_in_us;   /* ack_now: when the peer's last message arrived */
+    /* read side */
+    uint8_t rhdr[BEX__HDR_LEN];
+    uint32_t rhdr_len;
+    bool in_payload; /* reading the payload of hdr */
+    bool need_buf;   /* hdr read; its message waits for room to be received */
+    struct bex__hdr hdr;
+    struct part *cur;  /* where the payload goes (NULL: discarded) */
+    uint32_t cur_left; /* payload bytes of the frame still to read */
+    struct part *parts[PART_HASH];
+    uint32_t parts_n;
+    uint64_t part_bytes; /* DATA messages partly received: their lengths */
+    bool holding;        /* counted in the context's holders (part_bytes > 0) */
+    uint64_t part_rx;    /* payload bytes read into partly received messages */
+    uint64_t rate_ms;    /* holding: start of the rate window (bex__now_ms) */
+    uint64_t rate_rx;    /* part_rx then */
+    uint64_t last_rx, last_tx;
+    uint64_t msgs_in; /* the peer's messages received whole */
+    bool violation_logged;
+    bool link_lost; /* failed because the TCP connection did (EOF, reset, write error) */
+    uint8_t *prefix;
+};
+
+static inline struct bex__tcp *tcp_of(struct bex__xport *x)
+{
+    return bex__container_of(x, struct bex__tcp, x);
+}
+
+#endif
