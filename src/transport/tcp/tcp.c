@@ -106,7 +106,7 @@ static void part_free(struct bex__tcp *t, struct part *p)
     free(p);
 }
 
-static void tcp_fail(struct bex__xport *x, int err)
+void bex__tcp_fail(struct bex__xport *x, int err)
 {
     struct bex__tcp *t = tcp_of(x);
     if (t->dead)
@@ -160,7 +160,7 @@ static void violation(struct bex__tcp *t, const char *what)
         bex__log(t->sh->log, BEX_LOG_WARN, "%s: over TCP: protocol violation by the peer: %s",
                  t->cfg.name, what);
     t->violation_logged = true;
-    tcp_fail(&t->x, -EPROTO);
+    bex__tcp_fail(&t->x, -EPROTO);
 }
 
 /* ---------------- streams ---------------- */
@@ -275,7 +275,7 @@ static void tcp_close_stream(struct bex__xport *x, struct bex__stream *st)
     ring_add(t, st);
 }
 
-static bool ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct bex__stream *st)
+bool bex__tcp_ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct bex__stream *st)
 {
     if (t->ctl_n == t->ctl_cap) {
         uint32_t cap = t->ctl_cap ? t->ctl_cap * 2 : 16;
@@ -333,7 +333,7 @@ static int tcp_refuse_stream(struct bex__xport *x, uint32_t id)
     /* bounded by what the peer sends: each refusal answers an OPEN frame */
     if (t->ctl_n >= 4096)
         return -EPROTO;
-    return ctl_push(t, BEX__MSG_CLOSE, id, NULL) ? 0 : -EPROTO;
+    return bex__tcp_ctl_push(t, BEX__MSG_CLOSE, id, NULL) ? 0 : -EPROTO;
 }
 
 /* ---------------- write side ---------------- */
@@ -556,7 +556,7 @@ static int flush(struct bex__tcp *t)
     return 0;
 }
 
-static bool tcp_progress(struct bex__xport *x)
+bool bex__tcp_progress(struct bex__xport *x)
 {
     struct bex__tcp *t = tcp_of(x);
     if (t->dead || !t->is_up)
@@ -568,7 +568,7 @@ static bool tcp_progress(struct bex__xport *x)
         int err = flush(t);
         if (err) {
             t->link_lost = true;
-            tcp_fail(x, err);
+            bex__tcp_fail(x, err);
             return true;
         }
         did |= s || t->out_n != before;
@@ -735,7 +735,7 @@ static bool on_header(struct bex__tcp *t)
         }
         p = calloc(1, sizeof(*p));
         if (!p) {
-            tcp_fail(&t->x, -ENOMEM);
+            bex__tcp_fail(&t->x, -ENOMEM);
             return false;
         }
         p->stream = h->stream;
@@ -766,7 +766,7 @@ static bool on_header(struct bex__tcp *t)
             p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
             if (!p->buf) {
                 free(p);
-                tcp_fail(&t->x, -ENOMEM);
+                bex__tcp_fail(&t->x, -ENOMEM);
                 return false;
             }
             bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
@@ -811,7 +811,7 @@ static bool on_header(struct bex__tcp *t)
  * CQ polls over RDMA; the descriptor stays readable for the next call. */
 #define RX_BUDGET (1u << 20)
 #define RX_MSGS   16
-static void rx(struct bex__tcp *t)
+void bex__tcp_rx(struct bex__tcp *t)
 {
     size_t budget = RX_BUDGET;
     uint64_t msgs0 = t->msgs_in;
@@ -844,7 +844,7 @@ static void rx(struct bex__tcp *t)
             continue;
         if (r <= 0) {
             t->link_lost = true;
-            tcp_fail(&t->x, r < 0 ? -errno : -ECONNRESET);
+            bex__tcp_fail(&t->x, r < 0 ? -errno : -ECONNRESET);
             return;
         }
         t->last_rx = bex__now_ms();
@@ -880,114 +880,16 @@ void bex__tcp_events(struct bex__xport *x, uint32_t events)
     if (t->dead)
         return;
     if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
-        rx(t);
+        bex__tcp_rx(t);
     if (!t->dead && events & EPOLLOUT) {
         int err = flush(t);
         if (err) {
             t->link_lost = true;
-            tcp_fail(x, err);
+            bex__tcp_fail(x, err);
         }
     }
     if (!t->dead)
-        tcp_progress(x);
-}
-
-/* ---------------- timers ---------------- */
-
-/* Has a wait that began at since (ms) lasted beyond stall_ms? */
-static bool waited_out(const struct bex__tcp *t, uint64_t since, uint64_t now)
-{
-    return t->cfg.stall_ms && now > since && now - since > t->cfg.stall_ms;
-}
-
-/* Holding partly received messages, the connection must deliver min_rate
- * bytes a second of them over each rate_window_ms: a peer that announced
- * large messages and stopped holds the budget others wait for. The window
- * lets an honest sender paced by TCP's send window through; time we do
- * not read for want of room in the context's budget is not the peer's and
- * restarts the window (a pause by the connection's own share is: the
- * peer started more than its share). Whether it fell below. */
-static bool too_slow(struct bex__tcp *t, uint64_t now)
-{
-    if (!t->holding || !t->cfg.min_rate || !t->cfg.rate_window_ms)
-        return false;
-    if (now < t->rate_ms || (t->rx_paused && !t->pause_own)) {
-        t->rate_ms = now;
-        t->rate_rx = t->part_rx;
-        return false;
-    }
-    uint64_t span = now - t->rate_ms;
-    if (span < t->cfg.rate_window_ms)
-        return false;
-    uint64_t got = t->part_rx - t->rate_rx;
-    if (got * 1000 < (uint64_t)t->cfg.min_rate * span)
-        return true;
-    t->rate_ms = now;
-    t->rate_rx = t->part_rx;
-    return false;
-}
-
-/* Always wants a progress call after (as every connection had on every
- * tick before ticks could say): the TCP transport is not tuned for
- * thousands of idle connections yet. */
-static bool tcp_tick(struct bex__xport *x, uint64_t now)
-{
-    struct bex__tcp *t = tcp_of(x);
-    if (t->dead || !t->is_up)
-        return true;
-    if (t->need_buf) { /* room again? */
-        rx(t);
-        if (t->dead)
-            return true;
-    }
-    /* Paused while holding partly received messages: only reading on can
-     * finish them, and only other connections' frees can let us read on.
-     * A peer that started messages to take the room and stopped (or two
-     * streams whose messages together exceed it) would hold the context's
-     * received memory for good: the connection goes after stall_ms. */
-    if (t->rx_paused && t->parts_n && waited_out(t, t->paused_ms, now)) {
-        bex__log(t->sh->log, BEX_LOG_ERROR,
-                 "%s: over TCP: no room to receive (recv_bytes_max) for %u ms with %u messages "
-                 "partly received",
-                 t->cfg.name, t->cfg.stall_ms, t->parts_n);
-        tcp_fail(x, -ETIMEDOUT);
-        return true;
-    }
-    if (too_slow(t, now)) {
-        bex__log(t->sh->log, BEX_LOG_ERROR,
-                 "%s: over TCP: %u messages partly received (%llu bytes held) progress below "
-                 "recv_min_rate (%u bytes/s over %u ms)",
-                 t->cfg.name, t->parts_n, (unsigned long long)t->part_bytes, t->cfg.min_rate,
-                 t->cfg.rate_window_ms);
-        tcp_fail(x, -ETIMEDOUT);
-        return true;
-    }
-    /* As over RDMA for credits: messages written whole that the peer does
-     * not acknowledge in stall_ms (it reads them, it answers keepalives)
-     * would wait for good. */
-    if (t->ack_head && waited_out(t, t->ack_wait_ms, now)) {
-        bex__log(t->sh->log, BEX_LOG_ERROR,
-                 "%s: over TCP: sent messages waited %u ms for an acknowledgement", t->cfg.name,
-                 t->cfg.stall_ms);
-        tcp_fail(x, -ETIMEDOUT);
-        return true;
-    }
-    /* the reads above stamp last_rx with a later now than ours */
-    if (t->rx_paused) {
-        t->last_rx = now; /* we are the one not reading */
-    } else if (now > t->last_rx && now - t->last_rx > t->cfg.keepalive_timeout_ms) {
-        bex__log(t->sh->log, BEX_LOG_WARN, "%s: over TCP: keepalive timeout (%u ms)", t->cfg.name,
-                 t->cfg.keepalive_timeout_ms);
-        tcp_fail(x, -ETIMEDOUT);
-        return true;
-    }
-    if (now > t->last_tx && now - t->last_tx >= t->cfg.keepalive_ms && !t->out_n && !t->ctl_n) {
-        /* a header says we are alive */
-        ctl_push(t, BEX__MSG_CREDIT, 0, NULL);
-        t->last_tx = now;
-        tcp_progress(x);
-    }
-    return true;
+        bex__tcp_progress(x);
 }
 
 /* ---------------- the rest of the ops ---------------- */
@@ -1086,7 +988,7 @@ const struct bex__transport_ops bex__tcp_transport = {
     .takes = tcp_takes,
     .close_stream = tcp_close_stream,
     .peer_closed = tcp_peer_closed,
-    .progress = tcp_progress,
-    .tick = tcp_tick,
-    .fail = tcp_fail,
+    .progress = bex__tcp_progress,
+    .tick = bex__tcp_tick,
+    .fail = bex__tcp_fail,
 };

@@ -107,4 +107,11 @@ static inline struct bex__tcp *tcp_of(struct bex__xport *x)
     return bex__container_of(x, struct bex__tcp, x);
 }
 
+/* ---- functions shared by the module's files ---- */
+void bex__tcp_fail(struct bex__xport *x, int err);
+bool bex__tcp_ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct bex__stream *st);
+bool bex__tcp_progress(struct bex__xport *x);
+void bex__tcp_rx(struct bex__tcp *t);
+bool bex__tcp_tick(struct bex__xport *x, uint64_t now);
+
 #endif
