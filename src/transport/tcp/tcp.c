@@ -10,7 +10,7 @@
 _Atomic(const struct bex__tcp_wrap *) bex__tcp_wrap_test;
 
 /* The TCP transport itself, when a test wrapped it (bex__tcp_wrap_test). */
-static struct bex__xport *unwrap(struct bex__xport *x)
+struct bex__xport *bex__tcp_unwrap(struct bex__xport *x)
 {
     while (x && x->ops->inner)
         x = x->ops->inner(x);
@@ -19,16 +19,16 @@ static struct bex__xport *unwrap(struct bex__xport *x)
 
 bool bex__xport_is_tcp(const struct bex__xport *x)
 {
-    x = unwrap((struct bex__xport *)x);
+    x = bex__tcp_unwrap((struct bex__xport *)x);
     return x && x->ops == &bex__tcp_transport;
 }
 
 bool bex__tcp_link_lost(const struct bex__xport *x)
 {
-    return bex__xport_is_tcp(x) && tcp_of(unwrap((struct bex__xport *)x))->link_lost;
+    return bex__xport_is_tcp(x) && tcp_of(bex__tcp_unwrap((struct bex__xport *)x))->link_lost;
 }
 
-static void want(struct bex__tcp *t)
+void bex__tcp_want(struct bex__tcp *t)
 {
     /* Paused, neither: the peer's EOF waits behind the bytes not read, and
      * EPOLLRDHUP, level-triggered, would wake the loop on every turn. */
@@ -47,7 +47,7 @@ static void want(struct bex__tcp *t)
 
 /* As over RDMA (bex__recv_room): with nothing held, one message of any
  * size may come. */
-static bool recv_room(struct bex__tcp *t, uint64_t want_bytes)
+bool bex__tcp_recv_room(struct bex__tcp *t, uint64_t want_bytes)
 {
     return bex__recv_room(t->sh, want_bytes);
 }
@@ -62,7 +62,7 @@ static _Atomic int32_t *holders(struct bex__tcp *t)
  * which leaves room for one more holder, so that a few peers that start
  * large messages and stall cannot take the budget from every other (they
  * fail by the rate check, too_slow). */
-static uint64_t recv_share(struct bex__tcp *t)
+uint64_t bex__tcp_recv_share(struct bex__tcp *t)
 {
     int32_t n = atomic_load_explicit(holders(t), memory_order_relaxed) - (t->holding ? 1 : 0);
     return bex__recv_share(t->sh->recv_max, n, t->cfg.share_min);
@@ -70,7 +70,7 @@ static uint64_t recv_share(struct bex__tcp *t)
 
 /* part_bytes changed: keep the context's count of holders, and start the
  * rate window when the connection begins to hold. */
-static void hold_note(struct bex__tcp *t)
+void bex__tcp_hold_note(struct bex__tcp *t)
 {
     bool h = !t->dead && t->part_bytes > 0;
     if (h == t->holding)
@@ -83,24 +83,24 @@ static void hold_note(struct bex__tcp *t)
     }
 }
 
-static void part_unhold(struct bex__tcp *t, const struct part *p)
+void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p)
 {
     if (!p->direct) {
         t->part_bytes -= p->len;
-        hold_note(t);
+        bex__tcp_hold_note(t);
     }
 }
 
 /* ---------------- failure ---------------- */
 
-static void done(struct bex__tcp *t, struct bex__msg *m, int status)
+void bex__tcp_done(struct bex__tcp *t, struct bex__msg *m, int status)
 {
     t->up->on_send_done(&t->x, m, status);
 }
 
-static void part_free(struct bex__tcp *t, struct part *p)
+void bex__tcp_part_free(struct bex__tcp *t, struct part *p)
 {
-    part_unhold(t, p);
+    bex__tcp_part_unhold(t, p);
     if (!p->direct && p->buf)
         bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
     free(p);
@@ -118,13 +118,13 @@ void bex__tcp_fail(struct bex__xport *x, int err)
     for (uint32_t i = 0; i < t->out_n; i++) {
         struct out_frame *f = &t->out[(t->out_head + i) % OUT_MAX];
         if (f->m && f->last)
-            done(t, f->m, -ECANCELED); /* never written whole */
+            bex__tcp_done(t, f->m, -ECANCELED); /* never written whole */
     }
     t->out_n = 0;
     while (t->ack_head) { /* written whole, the peer may or may not hold it */
         struct bex__msg *m = t->ack_head;
         t->ack_head = m->next;
-        done(t, m, -EIO);
+        bex__tcp_done(t, m, -EIO);
     }
     t->ack_tail = NULL;
     t->ack_n = 0;
@@ -132,7 +132,7 @@ void bex__tcp_fail(struct bex__xport *x, int err)
         while (st->q_head) {
             struct bex__msg *m = st->q_head;
             st->q_head = m->next;
-            done(t, m, -ECANCELED);
+            bex__tcp_done(t, m, -ECANCELED);
         }
         st->q_tail = NULL;
         st->q_len = 0;
@@ -145,7 +145,7 @@ void bex__tcp_fail(struct bex__xport *x, int err)
         while (t->parts[i]) {
             struct part *p = t->parts[i];
             t->parts[i] = p->next;
-            part_free(t, p);
+            bex__tcp_part_free(t, p);
         }
     }
     t->parts_n = 0;
@@ -154,7 +154,7 @@ void bex__tcp_fail(struct bex__xport *x, int err)
 }
 
 /* The peer broke the protocol: one log line, then the connection goes. */
-static void violation(struct bex__tcp *t, const char *what)
+void bex__tcp_violation(struct bex__tcp *t, const char *what)
 {
     if (!t->violation_logged)
         bex__log(t->sh->log, BEX_LOG_WARN, "%s: over TCP: protocol violation by the peer: %s",
@@ -178,7 +178,7 @@ static void ring_add(struct bex__tcp *t, struct bex__stream *st)
     t->ring_tail = st;
 }
 
-static struct bex__stream *stream_find(struct bex__tcp *t, uint32_t id)
+struct bex__stream *bex__tcp_stream_find(struct bex__tcp *t, uint32_t id)
 {
     for (struct bex__stream *st = t->all; st; st = st->all_next)
         if (st->id == id)
@@ -199,7 +199,7 @@ static void stream_unlink(struct bex__tcp *t, struct bex__stream *st)
 
 /* Both CLOSEs are through: the stream ends (it is not in the ring: nothing
  * is left to send). */
-static void stream_maybe_end(struct bex__tcp *t, struct bex__stream *st)
+void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st)
 {
     if (!st->close_done || !st->peer_closed || st->failed)
         return;
@@ -250,11 +250,11 @@ static void tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__m
     m->off = 0;
     m->state = BEX__M_QUEUED;
     if (t->dead || st->failed || st->close_req) {
-        done(t, m, -ECANCELED);
+        bex__tcp_done(t, m, -ECANCELED);
         return;
     }
     if (!m->direct && m->len > t->cfg.peer_max_msg) { /* queued before the peer was known */
-        done(t, m, -EMSGSIZE);
+        bex__tcp_done(t, m, -EMSGSIZE);
         return;
     }
     if (st->q_tail)
@@ -314,12 +314,12 @@ static void tcp_peer_closed(struct bex__xport *x, struct bex__stream *st)
             }
         }
         if (!in_batch)
-            done(t, m, -ECANCELED);
+            bex__tcp_done(t, m, -ECANCELED);
     }
     while (st->q_head) {
         m = st->q_head;
         st->q_head = m->next;
-        done(t, m, -ECANCELED);
+        bex__tcp_done(t, m, -ECANCELED);
     }
     st->q_tail = NULL;
     st->q_len = 0;
@@ -483,7 +483,7 @@ static void frame_written(struct bex__tcp *t, struct out_frame *f)
     }
     if (f->m && f->last) {
         if (f->cut) {
-            done(t, f->m, -ECANCELED);
+            bex__tcp_done(t, f->m, -ECANCELED);
         } else {
             struct bex__msg *m = f->m;
             m->next = NULL;
@@ -499,13 +499,13 @@ static void frame_written(struct bex__tcp *t, struct out_frame *f)
     }
     if (f->st) { /* our CLOSE went */
         f->st->close_done = true;
-        stream_maybe_end(t, f->st);
+        bex__tcp_stream_maybe_end(t, f->st);
     }
 }
 
 /* Write what the batch holds; 0, or a negative errno (the connection is
  * gone). */
-static int flush(struct bex__tcp *t)
+int bex__tcp_flush(struct bex__tcp *t)
 {
     while (t->out_n && !t->dead) {
         struct iovec iov[IOV_BATCH];
@@ -565,7 +565,7 @@ bool bex__tcp_progress(struct bex__xport *x)
     for (int round = 0; round < 4 && !t->dead; round++) {
         bool s = schedule(t);
         uint32_t before = t->out_n;
-        int err = flush(t);
+        int err = bex__tcp_flush(t);
         if (err) {
             t->link_lost = true;
             bex__tcp_fail(x, err);
@@ -577,319 +577,8 @@ bool bex__tcp_progress(struct bex__xport *x)
             break;
     }
     if (!t->dead)
-        want(t);
+        bex__tcp_want(t);
     return did;
-}
-
-/* ---------------- read side ---------------- */
-
-static struct part **part_slot(struct bex__tcp *t, uint32_t stream)
-{
-    struct part **p = &t->parts[stream % PART_HASH];
-    while (*p && (*p)->stream != stream)
-        p = &(*p)->next;
-    return p;
-}
-
-/* The peer acknowledged n of our messages. */
-static int acked(struct bex__tcp *t, uint32_t n)
-{
-    if (n > t->ack_n)
-        return -EPROTO;
-    if (n)
-        t->ack_wait_ms = bex__now_ms();
-    while (n--) {
-        struct bex__msg *m = t->ack_head;
-        t->ack_head = m->next;
-        if (!t->ack_head)
-            t->ack_tail = NULL;
-        t->ack_n--;
-        done(t, m, 0);
-        if (t->dead)
-            return 0;
-    }
-    return 0;
-}
-
-/* Is a DIRECT message into the exposed buffer of token being received? */
-static bool direct_held(struct bex__tcp *t, uint32_t token)
-{
-    for (int i = 0; i < PART_HASH; i++)
-        for (struct part *p = t->parts[i]; p; p = p->next)
-            if (p->direct && p->token == token)
-                return true;
-    return false;
-}
-
-/* Is p's exposed buffer still exposed (armed, same arming)? Between two
- * reads of its payload the application may have taken it back (closed its
- * socket, say): not one more byte goes into it then. */
-static bool direct_live(struct bex__tcp *t, const struct part *p)
-{
-    uint32_t len;
-    return t->up->direct_buf(&t->x, p->token, &len) == p->buf && len == p->len;
-}
-
-/* A message of the peer's arrived whole. */
-static void part_complete(struct bex__tcp *t, struct part *p)
-{
-    *part_slot(t, p->stream) = p->next;
-    t->parts_n--;
-    part_unhold(t, p);
-    t->acks_owed++;
-    if (t->ack_now)
-        t->msg_in_us = bex__now_us();
-    t->msgs_in++;
-    BEX__STAT_ADD(t->sh->stats, msgs_recv, 1);
-    if (p->direct) {
-        uint32_t token = p->token;
-        free(p);
-        if (t->up->on_direct(&t->x, token))
-            violation(t, "a DIRECT message names no exposed buffer");
-        return;
-    }
-    uint32_t stream = p->stream, len = p->len;
-    void *buf = p->buf;
-    free(p);
-    BEX__STAT_ADD(t->sh->stats, bytes_recv, len);
-    t->up->on_msg(&t->x, stream, buf, len);
-}
-
-/* Backpressure: stop reading until there is room for the message whose
- * header was read (the tick looks again). own: the connection's share
- * stops it, not the context's budget. */
-static bool pause_for_room(struct bex__tcp *t, bool own)
-{
-    t->need_buf = true;
-    t->pause_own = own;
-    if (!t->rx_paused) {
-        BEX__STAT_ADD(t->sh->stats, recv_paused, 1);
-        t->paused_ms = bex__now_ms();
-    }
-    t->rx_paused = true;
-    want(t);
-    return false;
-}
-
-/* A header is read: act on it, or set up where its payload goes. Returns
- * false when the read must stop (failed, or waiting for room). */
-static bool on_header(struct bex__tcp *t)
-{
-    struct bex__hdr *h = &t->hdr;
-    if (!t->need_buf) {
-        if (bex__hdr_decode_frame(t->rhdr, h)) {
-            violation(t, "malformed frame header");
-            return false;
-        }
-        if (acked(t, h->credits)) {
-            violation(t, "acknowledges messages never sent");
-            return false;
-        }
-        if (t->dead)
-            return false;
-    }
-    t->rhdr_len = 0;
-    switch (h->type) {
-    case BEX__MSG_CREDIT:
-        return true;
-    case BEX__MSG_OPEN:
-        t->up->on_open(&t->x, h->stream);
-        return !t->dead;
-    case BEX__MSG_CLOSE: {
-        struct part **pp = part_slot(t, h->stream);
-        if (*pp) { /* a message the peer cut off */
-            struct part *p = *pp;
-            *pp = p->next;
-            t->parts_n--;
-            part_free(t, p);
-        }
-        struct bex__stream *st = stream_find(t, h->stream);
-        if (st)
-            st->peer_closed = true;
-        t->up->on_peer_close(&t->x, h->stream);
-        if (!t->dead && st && stream_find(t, h->stream) == st)
-            stream_maybe_end(t, st);
-        return !t->dead;
-    }
-    default:
-        break;
-    }
-    /* DATA or DIRECT: the payload follows */
-    struct part **pp = part_slot(t, h->stream);
-    struct part *p = *pp;
-    bool direct = h->type == BEX__MSG_DIRECT;
-    if (!p) {
-        if (h->addr != 0) {
-            violation(t, "a fragment of a message that never started");
-            return false;
-        }
-        /* one at most per stream, so a peer within its streams stays within
-         * this; more is a peer naming streams it never opened */
-        if (t->cfg.parts_max && t->parts_n >= t->cfg.parts_max) {
-            violation(t, "more messages partly sent at once than it has streams");
-            return false;
-        }
-        if (direct && direct_held(t, h->id)) {
-            violation(t, "a second DIRECT message into an exposed buffer still being written");
-            return false;
-        }
-        p = calloc(1, sizeof(*p));
-        if (!p) {
-            bex__tcp_fail(&t->x, -ENOMEM);
-            return false;
-        }
-        p->stream = h->stream;
-        p->direct = direct;
-        if (direct) {
-            p->token = h->id;
-            p->buf = t->up->direct_buf(&t->x, h->id, &p->len);
-            if (!p->buf) {
-                free(p);
-                violation(t, "a DIRECT message names no exposed buffer");
-                return false;
-            }
-        } else {
-            if (h->id > t->cfg.max_msg) {
-                free(p);
-                violation(t, "a message above max_msg");
-                return false;
-            }
-            if (t->part_bytes + h->id > recv_share(t)) {
-                free(p);
-                return pause_for_room(t, true);
-            }
-            if (!recv_room(t, h->id)) { /* until the application frees some */
-                free(p);
-                return pause_for_room(t, false);
-            }
-            p->len = h->id;
-            p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
-            if (!p->buf) {
-                free(p);
-                bex__tcp_fail(&t->x, -ENOMEM);
-                return false;
-            }
-            bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
-        }
-        p->next = *pp;
-        *pp = p;
-        t->parts_n++;
-        if (!direct) {
-            t->part_bytes += p->len;
-            hold_note(t);
-        }
-    } else if (p->direct != direct || (direct && p->token != h->id) ||
-               (!direct && p->len != h->id) || p->off != h->addr) {
-        violation(t, "a fragment that does not continue its message");
-        return false;
-    }
-    t->need_buf = false;
-    if (t->rx_paused) {
-        t->rx_paused = t->pause_own = false;
-        want(t);
-    }
-    if (h->len > p->len - p->off || (h->len == 0 && p->len != 0)) {
-        violation(t, "a fragment beyond its message");
-        return false;
-    }
-    t->cur = p;
-    t->cur_left = h->len;
-    t->in_payload = true;
-    if (h->len == 0) {
-        t->in_payload = false;
-        part_complete(t, p);
-        t->cur = NULL;
-        return !t->dead;
-    }
-    return true;
-}
-
-/* Read what the socket has: payloads straight into their buffers, the next
- * header in the same call. At most RX_BUDGET bytes or RX_MSGS messages a
- * call: the application's callbacks run in here, and the loop must get to
- * write (acknowledgements, keepalive) between batches, as it does between
- * CQ polls over RDMA; the descriptor stays readable for the next call. */
-#define RX_BUDGET (1u << 20)
-#define RX_MSGS   16
-void bex__tcp_rx(struct bex__tcp *t)
-{
-    size_t budget = RX_BUDGET;
-    uint64_t msgs0 = t->msgs_in;
-    while (!t->dead) {
-        if (!budget || t->msgs_in - msgs0 >= RX_MSGS)
-            return;
-        if (t->need_buf) {
-            if (!on_header(t))
-                return;
-            continue;
-        }
-        if (t->rx_paused)
-            return;
-        struct iovec iov[2];
-        int n = 0;
-        if (t->in_payload) {
-            struct part *p = t->cur;
-            if (p->direct && !direct_live(t, p)) {
-                /* as over RDMA, where its completion names no armed buffer */
-                violation(t, "a DIRECT message into a buffer no longer exposed");
-                return;
-            }
-            iov[n++] = (struct iovec){p->buf + p->off, t->cur_left};
-        }
-        iov[n++] = (struct iovec){t->rhdr + t->rhdr_len, BEX__HDR_LEN - t->rhdr_len};
-        ssize_t r = readv(t->fd, iov, n);
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-            return;
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0) {
-            t->link_lost = true;
-            bex__tcp_fail(&t->x, r < 0 ? -errno : -ECONNRESET);
-            return;
-        }
-        t->last_rx = bex__now_ms();
-        size_t got = (size_t)r;
-        budget = got < budget ? budget - got : 0;
-        if (t->in_payload) {
-            struct part *p = t->cur;
-            size_t k = got < t->cur_left ? got : t->cur_left;
-            p->off += (uint32_t)k;
-            t->part_rx += k;
-            t->cur_left -= (uint32_t)k;
-            got -= k;
-            if (t->cur_left == 0) {
-                t->in_payload = false;
-                t->cur = NULL;
-                if (p->off == p->len) {
-                    part_complete(t, p);
-                    if (t->dead)
-                        return;
-                }
-            }
-        }
-        t->rhdr_len += (uint32_t)got;
-        if (t->rhdr_len == BEX__HDR_LEN && !on_header(t))
-            return;
-    }
-}
-
-void bex__tcp_events(struct bex__xport *x, uint32_t events)
-{
-    x = unwrap(x);
-    struct bex__tcp *t = tcp_of(x);
-    if (t->dead)
-        return;
-    if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
-        bex__tcp_rx(t);
-    if (!t->dead && events & EPOLLOUT) {
-        int err = flush(t);
-        if (err) {
-            t->link_lost = true;
-            bex__tcp_fail(x, err);
-        }
-    }
-    if (!t->dead)
-        bex__tcp_progress(x);
 }
 
 /* ---------------- the rest of the ops ---------------- */
@@ -924,7 +613,7 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
 
 int bex__tcp_prefix(struct bex__xport *x, const void *p, size_t n)
 {
-    struct bex__tcp *t = tcp_of(unwrap(x));
+    struct bex__tcp *t = tcp_of(bex__tcp_unwrap(x));
     if (t->out_n || t->prefix || !(t->prefix = malloc(n)))
         return -ENOMEM;
     memcpy(t->prefix, p, n);
@@ -938,12 +627,12 @@ int bex__tcp_prefix(struct bex__xport *x, const void *p, size_t n)
 
 void bex__tcp_start(struct bex__xport *x)
 {
-    struct bex__tcp *t = tcp_of(unwrap(x));
+    struct bex__tcp *t = tcp_of(bex__tcp_unwrap(x));
     t->is_up = true;
     t->last_rx = t->last_tx = bex__now_ms();
     t->up->on_up(&t->x);
     if (!t->dead)
-        want(t);
+        bex__tcp_want(t);
 }
 
 static void tcp_destroy(struct bex__xport *x)
@@ -953,7 +642,7 @@ static void tcp_destroy(struct bex__xport *x)
         while (t->parts[i]) {
             struct part *p = t->parts[i];
             t->parts[i] = p->next;
-            part_free(t, p);
+            bex__tcp_part_free(t, p);
         }
     }
     free(t->ctlq);

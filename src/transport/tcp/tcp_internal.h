@@ -113,5 +113,17 @@ bool bex__tcp_ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct
 bool bex__tcp_progress(struct bex__xport *x);
 void bex__tcp_rx(struct bex__tcp *t);
 bool bex__tcp_tick(struct bex__xport *x, uint64_t now);
+struct bex__xport *bex__tcp_unwrap(struct bex__xport *x);
+void bex__tcp_want(struct bex__tcp *t);
+bool bex__tcp_recv_room(struct bex__tcp *t, uint64_t want_bytes);
+uint64_t bex__tcp_recv_share(struct bex__tcp *t);
+void bex__tcp_hold_note(struct bex__tcp *t);
+void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p);
+void bex__tcp_done(struct bex__tcp *t, struct bex__msg *m, int status);
+void bex__tcp_part_free(struct bex__tcp *t, struct part *p);
+void bex__tcp_violation(struct bex__tcp *t, const char *what);
+struct bex__stream *bex__tcp_stream_find(struct bex__tcp *t, uint32_t id);
+void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st);
+int bex__tcp_flush(struct bex__tcp *t);
 
 #endif
