@@ -125,5 +125,6 @@ void bex__tcp_violation(struct bex__tcp *t, const char *what);
 struct bex__stream *bex__tcp_stream_find(struct bex__tcp *t, uint32_t id);
 void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st);
 int bex__tcp_flush(struct bex__tcp *t);
+void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st);
 
 #endif
