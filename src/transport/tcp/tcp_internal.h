@@ -4,8 +4,10 @@
 #ifndef BEX_TRANSPORT_TCP_INTERNAL_H
 #define BEX_TRANSPORT_TCP_INTERNAL_H
 
+#include "common/log.h"
 #include "common/util.h"
 #include "transport/tcp/tcp.h"
+#include "wire/hdr.h"
 
 #define OUT_MAX   64  /* frames in the write batch */
 #define PART_HASH 64  /* buckets of partly received messages */
