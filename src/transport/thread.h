@@ -13,7 +13,7 @@
 #include "bex/mem.h"
 #include "rdma/rdma.h"
 
-/* Received memory, counted per context (rdma/recv.c): bytes allocated by the
+/* Received memory, counted per context (thread.c): bytes allocated by the
  * I/O threads (only grows; frees are learnt from exact counts) and bytes
  * in posted receive buffers; and the connections holding partly received
  * messages, among which the TCP transport shares the budget (tcp.c). */
@@ -43,7 +43,7 @@ struct bex__engine_shared {
     struct bex__log *log; /* the context's logger */
     /* Received buffers (eager receives and rendezvous destinations) come from
      * recv_pool, which only the I/O threads allocate from, and are bounded
-     * per context: see bex__recv_room() in engine.c. */
+     * per context: see bex__recv_room() in thread.c. */
     bex_mem_pool *recv_pool;
     uint64_t recv_max; /* received-but-not-freed bytes allowed; 0 = no limit */
     /* the context's counters, shared by its I/O threads (NULL: recv_own) */
@@ -54,6 +54,8 @@ struct bex__engine_shared {
     uint64_t recv_refreshed; /* bex__now_ms() of this thread's last exact count */
 };
 
+/* The context's counters (sh->recv_acct, or the thread's own). */
+struct bex__recv_acct *bex__recv_acct_of(struct bex__engine_shared *sh);
 /* May want more bytes be received (recv_max)? */
 bool bex__recv_room(struct bex__engine_shared *sh, uint64_t want);
 /* A received buffer of size bytes was allocated / posted (+) or taken
