@@ -152,7 +152,7 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
         }
         m->state = BEX__M_READY;
         if (m->st)
-            bex__engine_ring_add(e, m->st);
+            bex__stream_ring_add(&e->streams, m->st);
         return 0;
     }
     case BEX__MSG_OPEN:
@@ -368,9 +368,11 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
             return false;
     }
     if (rc) {
-        if (!e->violation_logged)
-            bex__log(e->sh->log, BEX_LOG_ERROR, "%s: %s from peer", e->name,
-                     rc == -EPROTO ? "protocol violation" : strerror(-rc));
+        if (rc == -EPROTO) /* the peer's fault: a WARN (bex__stream_violation) */
+            bex__stream_violation(e->sh->log, e->name, "RDMA", &e->violation_logged,
+                                  "a message it sent");
+        else if (!e->violation_logged)
+            bex__log(e->sh->log, BEX_LOG_ERROR, "%s: %s from peer", e->name, strerror(-rc));
         e->violation_logged = true;
         bex__engine_fail(e, rc);
     }

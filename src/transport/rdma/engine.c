@@ -53,6 +53,7 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     if (cfg->send_window && cfg->send_window < e->frag)
         e->frag = cfg->send_window;
     e->state = E_INIT;
+    bex__stream_set_init(&e->streams);
     e->head = e->post = e->tail = SEND_CNT_START;
     e->srq_cur = NO_SLOT;
     /* SRQ mode: the receives are the shared queue's, of the same size */

@@ -9,6 +9,7 @@
 
 #include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
+#include "transport/stream.h"
 
 #define CTLQ_EXTRA  8
 #define KA_PAGE     4096
@@ -204,8 +205,7 @@ struct bex__engine {
     bool holding;         /* counted in the context's holders (rin_bytes > 0) */
 
     /* streams */
-    struct bex__stream *all;
-    struct bex__stream *ring; /* scheduler cursor; ring is circular */
+    struct bex__stream_set streams; /* every stream, and the scheduler ring */
 
     /* keepalive */
     volatile uint64_t *ka_local; /* the peer writes its sequence here: a page of
@@ -238,7 +238,6 @@ void bex__engine_recv_free(struct bex__engine *e, void *b);
 void bex__engine_srq_leave(struct bex__engine *e);
 int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s);
 void bex__engine_release_windows(struct bex__engine *e);
-void bex__engine_unlink_stream(struct bex__engine *e, struct bex__stream *st);
 void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status);
 bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg);
 void bex__engine_post_pending(struct bex__engine *e);
@@ -261,7 +260,6 @@ void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void 
 struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uint32_t idx);
 void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx);
 void bex__engine_hold_starved(struct bex__engine *e, uint32_t idx);
-void bex__engine_ring_add(struct bex__engine *e, struct bex__stream *st);
 void bex__engine_queue_release(struct bex__engine *e, uint64_t addr, uint32_t rkey, uint32_t imm);
 void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st);
 void bex__engine_rin_unbind(struct bex__engine *e, struct rndv_in *in);
@@ -273,7 +271,6 @@ int bex__engine_wop_push(struct bex__engine *e, const struct wop *w);
 void bex__engine_spare_drop(struct bex__engine *e);
 bool bex__engine_spare_has(struct bex__engine *e, uint32_t len);
 bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *out);
-void bex__engine_ring_remove(struct bex__engine *e, struct bex__stream *st);
 void bex__engine_prep_wops(struct bex__engine *e);
 bool bex__engine_spare_fill(struct bex__engine *e);
 uint32_t bex__engine_free_slots(const struct bex__engine *e);

@@ -17,10 +17,7 @@ __attribute__((format(printf, 2, 3))) int bex__engine_violation(struct bex__engi
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (!e->violation_logged)
-        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: protocol violation by the peer: %s", e->name, msg);
-    e->violation_logged = true;
-    return -EPROTO;
+    return bex__stream_violation(e->sh->log, e->name, "RDMA", &e->violation_logged, msg);
 }
 
 /* ---------------- keepalive and failure ---------------- */
@@ -41,7 +38,7 @@ static bool stalled(struct bex__engine *e, uint64_t now)
             }
         }
     }
-    if (!bex__engine_have_credit(e, false) && (e->ring || e->ctl_n)) {
+    if (!bex__engine_have_credit(e, false) && (e->streams.ring_n || e->ctl_n)) {
         if (!e->credit_wait) {
             e->credit_wait = now;
         } else if (e->cfg.credit_timeout_ms && now - e->credit_wait > e->cfg.credit_timeout_ms) {
@@ -125,7 +122,7 @@ bool bex__engine_busy(const struct bex__engine *e)
  * for its own; test_iothreads.echo_visits counts the calls). */
 bool bex__engine_work(const struct bex__engine *e)
 {
-    return e->ring || e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due ||
+    return e->streams.ring_n || e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due ||
            (e->acks_owed && e->to_return) || e->head != e->tail || e->post != e->tail ||
            e->n_starved || e->to_return >= e->k || e->rout_used || e->rin_used || e->wait_n;
 }
@@ -248,11 +245,11 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
     e->rout_used = 0;
     e->rel_n = 0;
     e->ctl_n = e->ctl_errs = e->ctl_refusals = 0;
-    for (struct bex__stream *st = e->all; st; st = st->all_next) {
+    struct bex__stream *st;
+    bex__stream_foreach(st, &e->streams, it)
+    {
         st->failed = true;
-        struct bex__msg *m = st->q_head;
-        st->q_head = st->q_tail = NULL;
-        st->q_len = 0;
+        struct bex__msg *m = bex__stream_take_queue(st);
         while (m) {
             struct bex__msg *next = m->next;
             m->next = NULL;
@@ -272,9 +269,8 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
     e->rin_used = 0;
     e->rin_bytes = 0;
     e->wait_n = 0;
-    while (e->all) {
-        struct bex__stream *st = e->all;
-        bex__engine_unlink_stream(e, st);
+    while ((st = bex__stream_first(&e->streams))) {
+        bex__stream_unlink(&e->streams, st);
         st->eng = NULL;
     }
     e->ops->on_fail(&e->x, err);

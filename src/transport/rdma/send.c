@@ -422,13 +422,7 @@ static bool ack_due(struct bex__engine *e)
 {
     if (!e->acks_owed || !e->to_return)
         return false;
-    uint64_t now = bex__now_us();
-    if (!e->ack_held) {
-        e->ack_held = now ? now : 1;
-        e->x.due_us = e->ack_held + e->cfg.ack_delay_us;
-        return false;
-    }
-    return now >= e->x.due_us;
+    return bex__ack_hold_due(&e->x, &e->ack_held, e->cfg.ack_delay_us);
 }
 
 /* Every owed credit went (or waits for a buffer: starved): nothing held. */
@@ -505,18 +499,10 @@ bool bex__engine_progress(struct bex__engine *e)
      * that can do nothing until an answer or a new message leaves the ring;
      * one held back by a shared budget (slots, credits, window) stays. */
     for (;;) {
-        uint32_t n = 0;
-        if (e->ring) {
-            struct bex__stream *p = e->ring;
-            do {
-                n++;
-                p = p->rr_next;
-            } while (p != e->ring);
-        }
+        uint32_t n = e->streams.ring_n;
         bool any = false;
-        for (uint32_t i = 0; i < n && e->ring && bex__engine_free_slots(e); i++) {
-            struct bex__stream *st = e->ring;
-            e->ring = st->rr_next;
+        for (uint32_t i = 0; i < n && e->streams.ring_n && bex__engine_free_slots(e); i++) {
+            struct bex__stream *st = bex__stream_ring_turn(&e->streams);
             bool blocked;
             if (stream_turn(e, st, &blocked)) {
                 any = true;
@@ -524,9 +510,9 @@ bool bex__engine_progress(struct bex__engine *e)
                  * (empty) turn next round */
                 if (!st->q_head && !(st->need_open && !st->open_sent) &&
                     !(st->close_req && !st->close_sent))
-                    bex__engine_ring_remove(e, st);
+                    bex__stream_ring_remove(&e->streams, st);
             } else if (!blocked) {
-                bex__engine_ring_remove(e, st);
+                bex__stream_ring_remove(&e->streams, st);
             }
         }
         if (!any || !bex__engine_free_slots(e) || e->state != E_UP)

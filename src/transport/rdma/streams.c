@@ -8,66 +8,10 @@
 
 /* ---------------- streams ---------------- */
 
-void bex__engine_ring_add(struct bex__engine *e, struct bex__stream *st)
-{
-    if (st->in_ring)
-        return;
-    st->in_ring = true;
-    if (!e->ring) {
-        st->rr_next = st;
-        e->ring = st;
-    } else {
-        /* insert just before the cursor: served last in this round */
-        struct bex__stream *p = e->ring;
-        while (p->rr_next != e->ring)
-            p = p->rr_next;
-        p->rr_next = st;
-        st->rr_next = e->ring;
-    }
-}
-
-void bex__engine_ring_remove(struct bex__engine *e, struct bex__stream *st)
-{
-    if (!st->in_ring)
-        return;
-    st->in_ring = false;
-    if (st->rr_next == st) {
-        e->ring = NULL;
-    } else {
-        struct bex__stream *p = st;
-        while (p->rr_next != st)
-            p = p->rr_next;
-        p->rr_next = st->rr_next;
-        if (e->ring == st)
-            e->ring = st->rr_next;
-    }
-    st->rr_next = NULL;
-}
-
 void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t id, bool client)
 {
-    memset(st, 0, sizeof(*st));
+    bex__stream_attach(&e->streams, st, id, client);
     st->eng = e;
-    st->id = id;
-    st->need_open = client;
-    st->all_next = e->all;
-    if (e->all)
-        e->all->all_prev = st;
-    e->all = st;
-    if (client)
-        bex__engine_ring_add(e, st);
-}
-
-void bex__engine_unlink_stream(struct bex__engine *e, struct bex__stream *st)
-{
-    bex__engine_ring_remove(e, st);
-    if (st->all_prev)
-        st->all_prev->all_next = st->all_next;
-    else if (e->all == st)
-        e->all = st->all_next;
-    if (st->all_next)
-        st->all_next->all_prev = st->all_prev;
-    st->all_prev = st->all_next = NULL;
 }
 
 void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status)
@@ -122,9 +66,7 @@ static void abandon(struct bex__engine *e, struct bex__msg *m)
 /* Hand back every message still queued on a stream. */
 static void flush_queue(struct bex__engine *e, struct bex__stream *st)
 {
-    struct bex__msg *m = st->q_head;
-    st->q_head = st->q_tail = NULL;
-    st->q_len = 0;
+    struct bex__msg *m = bex__stream_take_queue(st);
     while (m) {
         struct bex__msg *next = m->next;
         m->next = NULL;
@@ -150,14 +92,14 @@ void bex__engine_detach(struct bex__stream *st)
         if (s->closed == st)
             s->closed = NULL;
     }
-    bex__engine_unlink_stream(e, st);
+    bex__stream_unlink(&e->streams, st);
     st->eng = NULL;
 }
 
 /* Both CLOSEs are through: nothing of the stream is in flight either way. */
 void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st)
 {
-    bex__engine_unlink_stream(e, st);
+    bex__stream_unlink(&e->streams, st);
     st->eng = NULL;
     e->ops->on_stream_closed(&e->x, st);
 }
@@ -185,13 +127,8 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
         return;
     }
     m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
-    if (st->q_tail)
-        st->q_tail->next = m;
-    else
-        st->q_head = m;
-    st->q_tail = m;
-    st->q_len++;
-    bex__engine_ring_add(e, st);
+    bex__stream_enqueue(st, m);
+    bex__stream_ring_add(&e->streams, st);
 }
 
 void bex__engine_close_stream(struct bex__stream *st)
@@ -199,7 +136,7 @@ void bex__engine_close_stream(struct bex__stream *st)
     if (!st->eng || st->close_req)
         return;
     st->close_req = true;
-    bex__engine_ring_add(st->eng, st);
+    bex__stream_ring_add(&st->eng->streams, st);
 }
 
 void bex__engine_peer_closed(struct bex__stream *st)
@@ -215,5 +152,5 @@ void bex__engine_peer_closed(struct bex__stream *st)
     if (st->close_done)
         bex__engine_finish_stream(e, st);
     else
-        bex__engine_ring_add(e, st);
+        bex__stream_ring_add(&e->streams, st);
 }

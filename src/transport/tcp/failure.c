@@ -43,19 +43,19 @@ void bex__tcp_fail(struct bex__xport *x, int err)
     }
     t->ack_tail = NULL;
     t->ack_n = 0;
-    for (struct bex__stream *st = t->all; st; st = st->all_next) {
-        while (st->q_head) {
-            struct bex__msg *m = st->q_head;
-            st->q_head = m->next;
+    struct bex__stream *st;
+    bex__stream_foreach(st, &t->streams, it)
+    {
+        struct bex__msg *m = bex__stream_take_queue(st);
+        while (m) {
+            struct bex__msg *next = m->next;
             bex__tcp_done(t, m, -ECANCELED);
+            m = next;
         }
-        st->q_tail = NULL;
-        st->q_len = 0;
         st->failed = true;
-        st->in_ring = false;
+        /* unlinked: the sock layer lets go of them in on_fail */
+        bex__stream_unlink(&t->streams, st);
     }
-    t->all = NULL; /* unlinked: the sock layer lets go of them in on_fail */
-    t->ring = t->ring_tail = NULL;
     for (int i = 0; i < PART_HASH; i++) {
         while (t->parts[i]) {
             struct part *p = t->parts[i];
@@ -71,9 +71,6 @@ void bex__tcp_fail(struct bex__xport *x, int err)
 /* The peer broke the protocol: one log line, then the connection goes. */
 void bex__tcp_violation(struct bex__tcp *t, const char *what)
 {
-    if (!t->violation_logged)
-        bex__log(t->sh->log, BEX_LOG_WARN, "%s: over TCP: protocol violation by the peer: %s",
-                 t->cfg.name, what);
-    t->violation_logged = true;
-    bex__tcp_fail(&t->x, -EPROTO);
+    bex__tcp_fail(
+        &t->x, bex__stream_violation(t->sh->log, t->cfg.name, "TCP", &t->violation_logged, what));
 }

@@ -131,11 +131,11 @@ static bool on_header(struct bex__tcp *t)
             t->parts_n--;
             bex__tcp_part_free(t, p);
         }
-        struct bex__stream *st = bex__tcp_stream_find(t, h->stream);
+        struct bex__stream *st = bex__stream_find(&t->streams, h->stream);
         if (st)
             st->peer_closed = true;
         t->up->on_peer_close(&t->x, h->stream);
-        if (!t->dead && st && bex__tcp_stream_find(t, h->stream) == st)
+        if (!t->dead && st && bex__stream_find(&t->streams, h->stream) == st)
             bex__tcp_stream_maybe_end(t, st);
         return !t->dead;
     }

@@ -10,34 +10,8 @@
 
 void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st)
 {
-    if (st->in_ring || st->failed)
-        return;
-    st->in_ring = true;
-    st->rr_next = NULL;
-    if (t->ring_tail)
-        t->ring_tail->rr_next = st;
-    else
-        t->ring = st;
-    t->ring_tail = st;
-}
-
-struct bex__stream *bex__tcp_stream_find(struct bex__tcp *t, uint32_t id)
-{
-    for (struct bex__stream *st = t->all; st; st = st->all_next)
-        if (st->id == id)
-            return st;
-    return NULL;
-}
-
-static void stream_unlink(struct bex__tcp *t, struct bex__stream *st)
-{
-    if (st->all_prev)
-        st->all_prev->all_next = st->all_next;
-    else
-        t->all = st->all_next;
-    if (st->all_next)
-        st->all_next->all_prev = st->all_prev;
-    st->all_prev = st->all_next = NULL;
+    if (!st->failed)
+        bex__stream_ring_add(&t->streams, st);
 }
 
 /* Both CLOSEs are through: the stream ends (it is not in the ring: nothing
@@ -47,35 +21,13 @@ void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st)
     if (!st->close_done || !st->peer_closed || st->failed)
         return;
     st->failed = true; /* ended: never scheduled again */
-    if (st->in_ring) {
-        struct bex__stream **p = &t->ring, *prev = NULL;
-        while (*p && *p != st) {
-            prev = *p;
-            p = &(*p)->rr_next;
-        }
-        if (*p) {
-            *p = st->rr_next;
-            if (t->ring_tail == st)
-                t->ring_tail = prev;
-        }
-        st->in_ring = false;
-    }
-    stream_unlink(t, st);
+    bex__stream_unlink(&t->streams, st);
     t->up->on_stream_closed(&t->x, st);
 }
 
 void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, bool client)
 {
-    struct bex__tcp *t = tcp_of(x);
-    memset(st, 0, sizeof(*st));
-    st->id = id;
-    st->need_open = client;
-    st->all_next = t->all;
-    if (t->all)
-        t->all->all_prev = st;
-    t->all = st;
-    if (client)
-        bex__tcp_ring_add(t, st);
+    bex__stream_attach(&tcp_of(x)->streams, st, id, client);
 }
 
 bool bex__tcp_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
@@ -100,12 +52,7 @@ void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
         bex__tcp_done(t, m, -EMSGSIZE);
         return;
     }
-    if (st->q_tail)
-        st->q_tail->next = m;
-    else
-        st->q_head = m;
-    st->q_tail = m;
-    st->q_len++;
+    bex__stream_enqueue(st, m);
     bex__tcp_ring_add(t, st);
 }
 

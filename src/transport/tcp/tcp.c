@@ -62,6 +62,7 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
     t->up = up;
     t->sh = sh;
     t->cfg = *cfg;
+    bex__stream_set_init(&t->streams);
     if (!t->cfg.ack_delay_us)
         t->cfg.ack_delay_us = BEX__TCP_ACK_DELAY_US;
     t->fd = fd;

@@ -6,6 +6,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "transport/stream.h"
 #include "transport/tcp/tcp.h"
 #include "wire/hdr.h"
 
@@ -61,9 +62,7 @@ struct bex__tcp {
     bool pause_own;     /* paused by the connection's own share (recv_share) */
     uint64_t paused_ms; /* bex__now_ms() when reading paused */
     /* streams: every one, and those with something to send (a ring) */
-    struct bex__stream *all;
-    struct bex__stream *ring; /* the ring's head; rr_next links it */
-    struct bex__stream *ring_tail;
+    struct bex__stream_set streams;
     /* write side */
     struct out_frame out[OUT_MAX];
     uint32_t out_head, out_n;
@@ -124,7 +123,6 @@ void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p);
 void bex__tcp_done(struct bex__tcp *t, struct bex__msg *m, int status);
 void bex__tcp_part_free(struct bex__tcp *t, struct part *p);
 void bex__tcp_violation(struct bex__tcp *t, const char *what);
-struct bex__stream *bex__tcp_stream_find(struct bex__tcp *t, uint32_t id);
 void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st);
 int bex__tcp_flush(struct bex__tcp *t);
 void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st);

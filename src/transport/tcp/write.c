@@ -96,13 +96,7 @@ static bool ack_due(struct bex__tcp *t)
 {
     if (t->acks_owed >= ACK_MAX || t->ack_now)
         return true;
-    uint64_t now = bex__now_us();
-    if (!t->ack_held) {
-        t->ack_held = now ? now : 1;
-        t->x.due_us = t->ack_held + t->cfg.ack_delay_us;
-        return false;
-    }
-    if (now < t->x.due_us)
+    if (!bex__ack_hold_due(&t->x, &t->ack_held, t->cfg.ack_delay_us))
         return false;
     t->ack_now = true;
     t->msg_in_us = 0; /* nothing of the peer's answered since */
@@ -121,12 +115,9 @@ static bool schedule(struct bex__tcp *t)
         f->st = c.st;
         any = true;
     }
-    while (t->ring && t->out_n < OUT_MAX) {
-        struct bex__stream *st = t->ring;
-        t->ring = st->rr_next;
-        if (!t->ring)
-            t->ring_tail = NULL;
-        st->in_ring = false;
+    struct bex__stream *st;
+    while (t->out_n < OUT_MAX && (st = bex__stream_ring_first(&t->streams))) {
+        bex__stream_ring_remove(&t->streams, st);
         if (st->failed)
             continue;
         if (stream_turn(t, st))
@@ -245,7 +236,8 @@ bool bex__tcp_progress(struct bex__xport *x)
         }
         did |= s || t->out_n != before;
         /* (acknowledgements held back wait for their deadline) */
-        if (t->out_n == OUT_MAX || (!t->ring && !t->ctl_n && (!t->acks_owed || t->ack_held)))
+        if (t->out_n == OUT_MAX ||
+            (!t->streams.ring_n && !t->ctl_n && (!t->acks_owed || t->ack_held)))
             break;
     }
     if (!t->dead)
