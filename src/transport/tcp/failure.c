@@ -56,12 +56,11 @@ void bex__tcp_fail(struct bex__xport *x, int err)
         /* unlinked: the sock layer lets go of them in on_fail */
         bex__stream_unlink(&t->streams, st);
     }
-    for (int i = 0; i < PART_HASH; i++) {
-        while (t->parts[i]) {
-            struct part *p = t->parts[i];
-            t->parts[i] = p->next;
-            bex__tcp_part_free(t, p);
-        }
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    struct part *p;
+    while ((p = bex__hmap_next(&t->parts, &it, NULL))) {
+        bex__hmap_del(&t->parts, p->stream);
+        bex__tcp_part_free(t, p);
     }
     t->parts_n = 0;
     t->cur = NULL;

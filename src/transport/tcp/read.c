@@ -11,12 +11,9 @@
 
 /* ---------------- read side ---------------- */
 
-static struct part **part_slot(struct bex__tcp *t, uint32_t stream)
+static struct part *part_of(struct bex__tcp *t, uint32_t stream)
 {
-    struct part **p = &t->parts[stream % PART_HASH];
-    while (*p && (*p)->stream != stream)
-        p = &(*p)->next;
-    return p;
+    return bex__hmap_get(&t->parts, stream);
 }
 
 /* The peer acknowledged n of our messages. */
@@ -42,10 +39,11 @@ static int acked(struct bex__tcp *t, uint32_t n)
 /* Is a DIRECT message into the exposed buffer of token being received? */
 static bool direct_held(struct bex__tcp *t, uint32_t token)
 {
-    for (int i = 0; i < PART_HASH; i++)
-        for (struct part *p = t->parts[i]; p; p = p->next)
-            if (p->direct && p->token == token)
-                return true;
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    struct part *p;
+    while ((p = bex__hmap_next(&t->parts, &it, NULL)))
+        if (p->direct && p->token == token)
+            return true;
     return false;
 }
 
@@ -61,7 +59,7 @@ static bool direct_live(struct bex__tcp *t, const struct part *p)
 /* A message of the peer's arrived whole. */
 static void part_complete(struct bex__tcp *t, struct part *p)
 {
-    *part_slot(t, p->stream) = p->next;
+    bex__hmap_del(&t->parts, p->stream);
     t->parts_n--;
     bex__tcp_part_unhold(t, p);
     t->acks_owed++;
@@ -124,10 +122,9 @@ static bool on_header(struct bex__tcp *t)
         t->up->on_open(&t->x, h->stream);
         return !t->dead;
     case BEX__MSG_CLOSE: {
-        struct part **pp = part_slot(t, h->stream);
-        if (*pp) { /* a message the peer cut off */
-            struct part *p = *pp;
-            *pp = p->next;
+        struct part *p = part_of(t, h->stream);
+        if (p) { /* a message the peer cut off */
+            bex__hmap_del(&t->parts, h->stream);
             t->parts_n--;
             bex__tcp_part_free(t, p);
         }
@@ -143,8 +140,7 @@ static bool on_header(struct bex__tcp *t)
         break;
     }
     /* DATA or DIRECT: the payload follows */
-    struct part **pp = part_slot(t, h->stream);
-    struct part *p = *pp;
+    struct part *p = part_of(t, h->stream);
     bool direct = h->type == BEX__MSG_DIRECT;
     if (!p) {
         if (h->addr != 0) {
@@ -200,8 +196,13 @@ static bool on_header(struct bex__tcp *t)
             }
             bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
         }
-        p->next = *pp;
-        *pp = p;
+        if (bex__hmap_put(&t->parts, p->stream, p)) {
+            if (!direct)
+                bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
+            free(p);
+            bex__tcp_fail(&t->x, -ENOMEM);
+            return false;
+        }
         t->parts_n++;
         if (!direct) {
             t->part_bytes += p->len;

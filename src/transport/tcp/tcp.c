@@ -101,13 +101,13 @@ void bex__tcp_start(struct bex__xport *x)
 static void tcp_destroy(struct bex__xport *x)
 {
     struct bex__tcp *t = tcp_of(x);
-    for (int i = 0; i < PART_HASH; i++) {
-        while (t->parts[i]) {
-            struct part *p = t->parts[i];
-            t->parts[i] = p->next;
-            bex__tcp_part_free(t, p);
-        }
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    struct part *p;
+    while ((p = bex__hmap_next(&t->parts, &it, NULL))) {
+        bex__hmap_del(&t->parts, p->stream);
+        bex__tcp_part_free(t, p);
     }
+    bex__hmap_free(&t->parts);
     free(t->ctlq);
     free(t->prefix);
     free(t);

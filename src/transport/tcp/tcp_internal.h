@@ -4,6 +4,7 @@
 #ifndef BEX_TRANSPORT_TCP_INTERNAL_H
 #define BEX_TRANSPORT_TCP_INTERNAL_H
 
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "transport/stream.h"
@@ -11,7 +12,6 @@
 #include "wire/hdr.h"
 
 #define OUT_MAX   64  /* frames in the write batch */
-#define PART_HASH 64  /* buckets of partly received messages */
 #define IOV_BATCH 128 /* sendmsg gathers at most this many pieces */
 /* Acknowledgements owed for this many of the peer's messages go at once,
  * in a CREDIT frame if nothing else carries them: a full read batch
@@ -40,7 +40,6 @@ struct ctl {
 
 /* A message of the peer's arriving in fragments. */
 struct part {
-    struct part *next;
     uint32_t stream;
     bool direct;
     uint32_t token; /* direct */
@@ -87,9 +86,9 @@ struct bex__tcp {
     bool in_payload; /* reading the payload of hdr */
     bool need_buf;   /* hdr read; its message waits for room to be received */
     struct bex__hdr hdr;
-    struct part *cur;  /* where the payload goes (NULL: discarded) */
-    uint32_t cur_left; /* payload bytes of the frame still to read */
-    struct part *parts[PART_HASH];
+    struct part *cur;       /* where the payload goes (NULL: discarded) */
+    uint32_t cur_left;      /* payload bytes of the frame still to read */
+    struct bex__hmap parts; /* stream id -> its partly received message */
     uint32_t parts_n;
     uint64_t part_bytes; /* DATA messages partly received: their lengths */
     bool holding;        /* counted in the context's holders (part_bytes > 0) */
