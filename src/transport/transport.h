@@ -20,6 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/list.h"
+
 struct ibv_mw;
 struct bex__engine;
 struct bex__xport;
@@ -67,15 +69,14 @@ struct bex__stream {
     uint32_t id;
     struct bex__msg *q_head, *q_tail; /* not fully posted, in order */
     uint32_t q_len;
-    struct bex__stream *rr_next;             /* scheduler ring */
-    struct bex__stream *all_prev, *all_next; /* every stream of the engine */
-    bool in_ring;
-    bool open_sent;   /* OPEN prepared (client side) */
-    bool need_open;   /* client stream: send OPEN first */
-    bool close_req;   /* send CLOSE after the queue (we or the peer closed) */
-    bool close_sent;  /* our CLOSE is posted ... */
-    bool close_done;  /* ... and completed */
-    bool peer_closed; /* the peer's CLOSE arrived */
+    struct bex__list ring_node; /* scheduler ring (stream.h) */
+    struct bex__list all_node;  /* every stream of the transport */
+    bool open_sent;             /* OPEN prepared (client side) */
+    bool need_open;             /* client stream: send OPEN first */
+    bool close_req;             /* send CLOSE after the queue (we or the peer closed) */
+    bool close_sent;            /* our CLOSE is posted ... */
+    bool close_done;            /* ... and completed */
+    bool peer_closed;           /* the peer's CLOSE arrived */
     bool failed;
 };
 

@@ -4,8 +4,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
+#include "transport/thread.h"
+#include "transport/transport.h"
+#include "common/log.h"
 #include "loop/loop.h"
 #include "bex/common.h"
 

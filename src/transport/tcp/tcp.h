@@ -24,7 +24,7 @@
 #include <stdint.h>
 
 #include "loop/loop.h"
-#include "transport/rdma/engine.h"
+#include "transport/thread.h"
 #include "transport/transport.h"
 
 /* How long acknowledgements may wait for a frame to carry them: an answer

@@ -1,0 +1,410 @@
+/* The RDMA engine: completions, of sends (delivery reports and the
+ * acknowledgement queue) and of receives (control messages, data), split
+ * from engine.c along its banner. See engine.h. */
+#include <assert.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "transport/rdma/engine_internal.h"
+
+/* ---------------- completions ---------------- */
+
+int bex__engine_queue_ctl(struct bex__engine *e, const struct bex__hdr *h)
+{
+    /* Bounded by what a peer that keeps the limits can cause (one answer per
+     * rendezvous slot, one refusal per receive); past that the peer sends
+     * requests without letting us answer them. */
+    if (e->ctl_n >= e->ctl_cap)
+        return bex__engine_violation(e, "%u control messages wait for credits it does not return",
+                                     e->ctl_n);
+    e->ctlq[(e->ctl_head + e->ctl_n) % e->ctl_cap] = *h;
+    e->ctl_n++;
+    if (h->type == BEX__MSG_RNDV_RESP && h->status)
+        e->ctl_errs++;
+    else if (h->type == BEX__MSG_CLOSE)
+        e->ctl_refusals++;
+    return 0;
+}
+
+int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
+{
+    /* A peer sends at most rq OPENs before it needs our credits back, and
+     * answers go out as our credits allow: more waiting refusals than that
+     * means it keeps opening without returning credits. */
+    if (e->ctl_refusals >= e->rq)
+        return bex__engine_violation(
+            e, "it opens streams past the limit faster than it lets us refuse them");
+    struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = id};
+    return bex__engine_queue_ctl(e, &h);
+}
+
+static void delivered(struct bex__engine *e, struct bex__msg *m)
+{
+    BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
+    BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
+    bex__engine_msg_done(e, m, 0);
+}
+
+/* Has the peer returned the credit of consuming work request seq? */
+static bool acked(const struct bex__engine *e, uint32_t seq)
+{
+    return (int32_t)(e->cons_acked - seq) >= 0;
+}
+
+/* The NIC is done with m: reported once the peer's engine has it too. */
+static void ack_wait(struct bex__engine *e, struct bex__msg *m)
+{
+    if (!e->ack_head && acked(e, m->ack_seq)) {
+        delivered(e, m);
+        return;
+    }
+    m->next = NULL;
+    if (e->ack_tail)
+        e->ack_tail->next = m;
+    else
+        e->ack_head = m;
+    e->ack_tail = m;
+}
+
+/* The peer returned n credits: report what they acknowledge. */
+static void acks_in(struct bex__engine *e, uint32_t n)
+{
+    e->cons_acked += n;
+    while (e->ack_head && acked(e, e->ack_head->ack_seq) && e->state == E_UP) {
+        struct bex__msg *m = e->ack_head;
+        e->ack_head = m->next;
+        if (!e->ack_head)
+            e->ack_tail = NULL;
+        m->next = NULL;
+        delivered(e, m);
+    }
+}
+
+static void send_completed(struct bex__engine *e, uint32_t cnt)
+{
+    /* Completions come in posting order: everything up to cnt is done. */
+    while (e->head != e->post) {
+        uint32_t c = e->head;
+        struct sslot *s = sslot_at(e, c);
+        e->head++;
+        e->inflight -= s->bytes;
+        if (s->free_mw) {
+            ibv_dealloc_mw(s->free_mw); /* its invalidation is done */
+            s->free_mw = NULL;
+        }
+        if (s->done) {
+            struct bex__msg *m = s->done;
+            s->done = NULL;
+            /* status set: abandoned with fragments in flight, now done */
+            if (m->status)
+                bex__engine_msg_done(e, m, m->status);
+            else
+                ack_wait(e, m);
+        }
+        if (s->closed) {
+            struct bex__stream *st = s->closed;
+            s->closed = NULL;
+            st->close_done = true;
+            if (st->peer_closed)
+                bex__engine_finish_stream(e, st);
+        }
+        if ((c & WR_CNT_MASK) == cnt)
+            break;
+    }
+}
+
+static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
+{
+    switch (h->type) {
+    case BEX__MSG_RNDV_REQ:
+        return bex__engine_rndv_request(e, h);
+    case BEX__MSG_RNDV_RESP: {
+        uint32_t i = h->id & 0xffff;
+        if (i >= e->max_rndv || !e->rout[i].used || e->rout[i].gen != (h->id >> 16))
+            return -EPROTO;
+        struct bex__msg *m = e->rout[i].m;
+        e->rout[i].m = NULL;
+        e->rout[i].used = false;
+        e->rout_used--;
+        if (!m) {
+            /* its message was handed back meanwhile: a granted destination
+             * goes back unwritten, a refusal frees the slot at once */
+            if (h->status)
+                e->peer_rndv_used--;
+            else
+                bex__engine_queue_release(e, h->addr, h->rkey, h->stream);
+            return 0;
+        }
+        m->rndv_id = 0;
+        if (h->status) {
+            /* the peer refused it; never let a peer's number pass for one
+             * of the codes that say what happened here */
+            m->status = h->status >= -4095 && h->status != ST_UNSENT && h->status != ST_INDOUBT
+                            ? h->status
+                            : -EREMOTEIO;
+            m->peer_slot = false;
+            e->peer_rndv_used--;
+        } else {
+            m->raddr = h->addr;
+            m->rkey = h->rkey;
+            m->imm = h->stream;
+        }
+        m->state = BEX__M_READY;
+        if (m->st)
+            bex__stream_ring_add(&e->streams, m->st);
+        return 0;
+    }
+    case BEX__MSG_OPEN:
+        e->ops->on_open(&e->x, h->stream);
+        return 0;
+    case BEX__MSG_CLOSE:
+        e->ops->on_peer_close(&e->x, h->stream);
+        return 0;
+    case BEX__MSG_CREDIT:
+        return 0;
+    }
+    return -EPROTO;
+}
+
+/* Give consumed slot idx a fresh buffer and queue it for reposting, or,
+ * when the context may not receive more (or memory is short), leave it
+ * starved: its credit stays with us until bex__engine_refill_starved() succeeds.
+ * gone, the buffer that went up to the application, is still counted as
+ * posted: a fresh one takes its place in that count (one buffer of the
+ * size out, one in), or, starved, the count drops by it. */
+static void slot_refill(struct bex__engine *e, uint32_t idx, const void *gone)
+{
+    int64_t u = bex__engine_rbuf_usable(e, gone);
+    void *fresh = NULL;
+    /* room for rbuf_len more with gone already out of the count */
+    if (e->n_starved == 0 && bex__engine_recv_room(e, e->rbuf_len + (uint64_t)u))
+        fresh = bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
+    if (!fresh) {
+        bex__recv_posted(e->sh, -u);
+        bex__engine_hold_starved(e, idx);
+        BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
+        return;
+    }
+    bex__recv_allocated(e->sh, bex__engine_rbuf_usable(e, fresh));
+    bex__engine_slot_put(e, bex__engine_rslot_at(e, idx), fresh);
+    bex__engine_hold_unposted(e, idx);
+}
+
+void bex__engine_refill_starved(struct bex__engine *e)
+{
+    uint32_t done = 0;
+    while (done < e->n_starved && bex__engine_recv_room(e, e->rbuf_len)) {
+        void *fresh = bex__engine_recv_alloc(e, e->sh->recv_pool, e->rbuf_len);
+        if (!fresh)
+            break;
+        uint32_t idx = e->starved[done++];
+        bex__engine_slot_set_buf(e, bex__engine_rslot_at(e, idx), fresh);
+        e->unposted[e->n_unposted++] = idx;
+    }
+    e->n_starved -= done;
+    memmove(e->starved, e->starved + done, e->n_starved * sizeof(*e->starved));
+}
+
+static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
+{
+    /* not a receive of ours, or one not posted (in SRQ mode the queue
+     * checked it: a slot of its own, posted) */
+    if (e->sh->srq ? idx != e->srq_cur : (idx >= e->rq || !e->rs[idx].buf))
+        return -EPROTO;
+    struct bex__rslot *r = bex__engine_rslot_at(e, idx);
+    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        bex__engine_hold_unposted(e, idx); /* its buffer was not used */
+        e->acks_owed = true;
+        uint32_t imm = ntohl(wc->imm_data);
+        uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
+        if (imm & BEX__IMM_DIRECT) {
+            BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+            return e->ops->on_direct(&e->x, imm);
+        } else {
+            /* a deferred request (no buffer yet) was never answered, and a
+             * slot the peer has not been told about cannot be done */
+            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen || !e->rin[i].buf ||
+                !e->rin[i].granted)
+                return -EPROTO;
+            struct rndv_in *in = &e->rin[i];
+            in->used = false;
+            e->rin_used--;
+            e->rin_bytes -= in->len;
+            e->rin_done++;
+            bex__engine_rin_unbind(e, in); /* the key is dead before the buffer goes up */
+            BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+            BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
+            e->ops->on_msg(&e->x, in->stream, in->buf, in->len);
+            if (e->state == E_UP)
+                return bex__engine_rndv_resume(e); /* the peer's budget has room again */
+        }
+        return 0;
+    }
+    /* bex never sends SEND_WITH_INV: a peer that does is revoking our
+     * windows behind our back (rxe sets bit 0x4, the kernel's flag) */
+    if (wc->opcode != IBV_WC_RECV || (wc->wc_flags & (IBV_WC_WITH_INV | 0x4)))
+        return -EPROTO;
+    struct bex__hdr h;
+    uint32_t off = 0; /* where a DATA's payload starts in the buffer */
+    if (wc->wc_flags & IBV_WC_WITH_IMM) {
+        if (bex__imm_decode(ntohl(wc->imm_data), wc->byte_len, &h))
+            return -EPROTO;
+    } else {
+        /* rbuf_len >= BEX__HDR_LEN: a header-sized SEND always fits */
+        if (bex__hdr_decode(r->buf, wc->byte_len, &h))
+            return -EPROTO;
+        off = BEX__HDR_LEN;
+    }
+    e->peer_credits += h.credits;
+    if (e->peer_credits > e->peer_rq)
+        return -EPROTO; /* more credits back than the peer ever granted */
+    if (h.credits) {
+        e->credit_wait = 0;
+        acks_in(e, h.credits);
+        if (e->state != E_UP)
+            return 0;
+    }
+    if (h.type != BEX__MSG_DATA) {
+        bex__engine_hold_unposted(e, idx); /* its buffer was not used */
+        return handle_ctl(e, &h);
+    }
+    if (h.len > e->cfg.eager_max || h.len > e->cfg.max_msg)
+        return -EPROTO;
+    /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
+    void *buf = r->buf;
+    r->buf = NULL;
+    if (off) /* a stream beyond the immediate's: the payload goes to the start */
+        memmove(buf, (uint8_t *)buf + off, h.len);
+    slot_refill(e, idx, buf);
+    e->acks_owed = true;
+    BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+    BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
+    e->ops->on_msg(&e->x, h.stream, buf, h.len);
+    return 0;
+}
+
+/* What a failed completion says about the connection, for the log line: the
+ * operator must tell a peer's abuse from a broken link. On the responder
+ * side (a peer's WRITE with a key or range we never granted) the NIC only
+ * moves our QP to the error state: all we see is our work flushed. */
+static const char *wc_why(enum ibv_wc_status st)
+{
+    switch (st) {
+    case IBV_WC_WR_FLUSH_ERR:
+        return "our QP went to the error state; most likely the peer wrote with a key or to "
+               "a range we did not grant (the NIC refused it), else the link failed";
+    case IBV_WC_REM_ACCESS_ERR:
+        return "the peer's NIC refused our write (key or range)";
+    case IBV_WC_REM_INV_REQ_ERR:
+        return "the peer's NIC refused our request as invalid";
+    case IBV_WC_RETRY_EXC_ERR:
+        return "the peer stopped acknowledging (transport retries exhausted)";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+        return "the peer had no receive posted (RNR retries exhausted)";
+    case IBV_WC_REM_OP_ERR:
+        return "the peer's NIC could not complete our request";
+    default:
+        return "the connection's QP failed";
+    }
+}
+
+void bex__engine_set_name(struct bex__engine *e, const char *name)
+{
+    snprintf(e->name, sizeof e->name, "%s (engine %u)", name, e->id);
+}
+
+/* The send request a failed completion names (counter cnt), for the log:
+ * which operation the peer's NIC refused tells a bad request of ours from
+ * the link's trouble. */
+static void describe_send(struct bex__engine *e, uint32_t cnt, char *out, size_t n)
+{
+    uint32_t c = e->head;
+    while (c != e->post && (c & WR_CNT_MASK) != cnt)
+        c++;
+    if (c == e->post) {
+        snprintf(out, n, "send");
+        return;
+    }
+    const struct ibv_send_wr *wr = &sslot_at(e, c)->wr;
+    uint32_t len = 0;
+    for (int i = 0; i < wr->num_sge; i++)
+        len += wr->sg_list[i].length;
+    const char *op = wr->opcode == IBV_WR_SEND                  ? "SEND"
+                     : wr->opcode == IBV_WR_SEND_WITH_IMM       ? "SEND_WITH_IMM"
+                     : wr->opcode == IBV_WR_RDMA_WRITE          ? "WRITE"
+                     : wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM ? "WRITE_WITH_IMM"
+                                                                : "local operation";
+    snprintf(out, n, "send (%s of %u bytes, %u of %u in flight before it)", op, len, c - e->head,
+             e->post - e->head);
+}
+
+bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
+{
+    uint32_t low = (uint32_t)wc->wr_id;
+    if (e->state == E_DEAD)
+        return true; /* queued before the QP went: everything was handed back */
+    if (wc->status != IBV_WC_SUCCESS) {
+        char what[96] = "receive";
+        if (!(low & WR_RECV))
+            describe_send(e, low & WR_CNT_MASK, what, sizeof what);
+        bex__log(e->sh->log, BEX_LOG_ERROR,
+                 "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name, what,
+                 ibv_wc_status_str(wc->status), wc->vendor_err, wc_why(wc->status));
+        bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
+        return true;
+    }
+    int rc = 0;
+    if (low & WR_RECV) {
+        e->peer_heard = true;
+        rc = recv_completed(e, wc, low & WR_CNT_MASK);
+        /* the upcalls may have failed the engine (a bad OPEN, say) */
+        if (!rc && e->state != E_DEAD && e->n_unposted >= e->k)
+            bex__engine_repost_recvs(e);
+    } else {
+        send_completed(e, low & WR_CNT_MASK);
+        /* the window mode's spares are bound once the queue is idle */
+        if (e->state == E_UP && !bex__engine_work(e) && !(e->sh->windows && e->spare_want))
+            return false;
+    }
+    if (rc) {
+        if (rc == -EPROTO) /* the peer's fault: a WARN (bex__stream_violation) */
+            bex__stream_violation(e->sh->log, e->name, "RDMA", &e->violation_logged,
+                                  "a message it sent");
+        else if (!e->violation_logged)
+            bex__log(e->sh->log, BEX_LOG_ERROR, "%s: %s from peer", e->name, strerror(-rc));
+        e->violation_logged = true;
+        bex__engine_fail(e, rc);
+    }
+    return true;
+}
+
+void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
+{
+    uint32_t idx = (uint32_t)wc->wr_id & WR_CNT_MASK;
+    struct bex__engine *e = bex__srq_arrived(q, idx, wc->qp_num);
+    if (!e)
+        return NULL; /* a QP destroyed since: the slot went back to the pool */
+    e->srq_cur = idx;
+    /* The peer's credits: its share less what it consumed and we have not
+     * returned, held (unposted, starved) or reposted but not yet told
+     * (to_return). Without to_return, the reposts every k receives would
+     * let a peer that never takes our credit updates (it holds its
+     * receives) go on sending forever, each SEND on a receive that backs
+     * another peer's credit (test_adversary.srq). */
+    if (wc->status == IBV_WC_SUCCESS && e->n_unposted + e->n_starved + e->to_return >= e->rq) {
+        /* a SEND with no credit of ours: it took a receive that backs
+         * another peer's credit */
+        int rc =
+            bex__engine_violation(e, "a SEND beyond its %u credits (shared receive queue)", e->rq);
+        bex__engine_fail(e, rc);
+    } else {
+        bex__engine_complete(e, wc);
+    }
+    /* taken by neither the engine's lists nor its release (it failed on
+     * this receive): back to the pool */
+    if (e->srq_cur == idx)
+        bex__srq_return(q, idx);
+    e->srq_cur = NO_SLOT;
+    return e->user;
+}

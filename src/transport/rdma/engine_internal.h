@@ -1,0 +1,280 @@
+/* The RDMA engine's private header: its structures and the functions its
+ * files share (engine.c, and the files split from it along its banners).
+ * Nothing outside src/transport/rdma/ includes it; the contract is
+ * engine.h. */
+#ifndef BEX_TRANSPORT_RDMA_ENGINE_INTERNAL_H
+#define BEX_TRANSPORT_RDMA_ENGINE_INTERNAL_H
+
+#include <errno.h>
+
+#include "transport/rdma/engine.h"
+#include "transport/rdma/srq.h"
+#include "transport/stream.h"
+
+#define CTLQ_EXTRA  8
+#define KA_PAGE     4096
+#define SPARE_MAX   4          /* window mode: destinations bound ahead, per engine */
+#define SPARE_BYTES (8u << 20) /* ... and their bytes at most */
+
+/* wr_id low 32 bits: bit 31 receive, the rest a counter/index */
+#define WR_RECV     (1u << 31)
+#define WR_CNT_MASK ((1u << 30) - 1)
+
+/* Send counters start this far below their wrap, so that every engine
+ * crosses 2^32 within its first few hundred work requests and a slot
+ * mapping that breaks there is caught by any test (cf. Linux' jiffies). */
+#define SEND_CNT_START (0u - 256u)
+
+/* How a message handed back ended (the contract is in bex/sock.h):
+ * UNSENT: the peer never delivers it (no final work request was posted);
+ * INDOUBT: its final work request was posted but never completed. */
+#define ST_UNSENT  (-ECANCELED)
+#define ST_INDOUBT (-EIO)
+
+/* Engine states; only the engine changes them (docs/architecture.md):
+ * INIT -> CONNECTED (bex__engine_connect) -> UP (bex__engine_start) -> DEAD
+ * (bex__engine_fail, from any state; synchronous: the QP is destroyed and
+ * everything handed back before on_fail returns). */
+enum { E_INIT, E_CONNECTED, E_UP, E_DEAD };
+
+struct sslot {
+    struct ibv_send_wr wr;
+    struct ibv_sge sge[2];
+    struct bex__msg *done;      /* message finished by this request */
+    struct bex__stream *closed; /* stream whose CLOSE this is */
+    uint32_t bytes;             /* payload bytes (send window) */
+    uint8_t *hdr;               /* this slot's header buffer */
+    struct ibv_mw *free_mw;     /* window to deallocate once this LOCAL_INV is done */
+};
+
+/* One buffer per receive (struct bex__rslot, srq.h): a DATA's payload lands
+ * at its start (the header is in the immediate), a control message's header
+ * fills its first bytes. In SRQ mode the slots are the shared queue's. */
+_Static_assert(BEX__SRQ_WR_RECV == WR_RECV, "SRQ receives are receives");
+#define NO_SLOT UINT32_MAX
+
+struct rndv_in {
+    void *buf; /* NULL while the request waits for room (deferred) */
+    uint32_t len, stream;
+    uint32_t req_id; /* the sender's id, echoed in the answer */
+    uint16_t gen;
+    bool used;
+    bool granted; /* its RNDV_RESP was posted: the peer may complete it */
+    /* when the tick first saw it granted, and for which use (gen | 0x8000;
+     * any other value: not seen yet): grants_stalled */
+    uint64_t granted_ms;
+    uint16_t granted_gen;
+    /* window mode: the window of this slot's current transfer (a fresh
+     * one per transfer, deallocated on delivery) */
+    struct ibv_mw *mw;
+    uint32_t key; /* the key of its current binding */
+    bool bound;   /* bound (bind posted or queued) and not invalidated */
+};
+
+/* Window mode: a bind or an invalidation waiting for a send slot. They go
+ * out in order, ahead of control messages, so a window is bound before the
+ * answer naming it leaves, and invalidated before the slot is reused. */
+struct wop {
+    struct ibv_mw *mw;
+    void *addr;
+    uint32_t rkey, len;
+    bool inv;     /* LOCAL_INV of rkey; else BIND_MW to rkey */
+    bool dealloc; /* after the invalidation, deallocate the window */
+};
+
+/* A request of ours. used with m == NULL: its message was handed back
+ * (stream flushed) while the answer was on its way; the answer frees it. */
+struct rndv_out {
+    struct bex__msg *m;
+    uint64_t sent_ms; /* when the request went out: its answer is due */
+    uint16_t gen;
+    bool used;
+};
+
+/* A destination the peer granted that we give back unwritten: a
+ * zero-length WRITE_WITH_IMM naming it frees the peer's slot. */
+struct rndv_rel {
+    uint64_t addr;
+    uint32_t rkey, imm;
+};
+
+struct bex__engine {
+    struct bex__xport x; /* first: what the connection holds */
+    struct bex__engine_shared *sh;
+    struct bex__engine_config cfg;
+    const struct bex__transport_upcalls *ops;
+    uint32_t id;
+    void *user;
+    struct ibv_qp *qp;
+    bool nodev; /* qp is a stand-in: bex__engine_create_nodev */
+    uint32_t psn;
+    int state;
+
+    /* send chain: counters grow and wrap; slot = counter & (sq - 1), sq a
+     * power of two, so the mapping stays continuous across the wrap */
+    struct sslot *ss;
+    uint32_t sq, head, post, tail;
+    uint32_t peer_credits, to_return;
+    uint32_t peer_rq;      /* credits the peer granted in its hello */
+    uint32_t inflight;     /* payload bytes posted, not completed */
+    uint32_t peer_eager;   /* largest message the peer takes by SEND */
+    uint32_t peer_max_msg; /* largest message the peer accepts at all */
+    uint32_t frag;         /* effective fragment size */
+    uint64_t credit_wait;  /* since when sends wait for a credit (0: none wait) */
+    /* Delivery reports (include/bex/sock.h: 0 means the peer's engine holds
+     * the message). Every SEND and WRITE_WITH_IMM takes one of the peer's
+     * receives, in order, and the peer returns a credit only for a receive
+     * its engine has handled and posted again: so once the credits returned
+     * reach a message's last work request, the peer's engine has it. */
+    uint32_t cons_sent;                   /* work requests posted that take a peer receive */
+    uint32_t cons_acked;                  /* credits the peer returned, summed */
+    struct bex__msg *ack_head, *ack_tail; /* completed by the NIC, not yet
+                                             acknowledged, in order */
+    uint64_t ack_wait_ms;                 /* the tick that first saw that queue wait with
+                                             cons_acked at ack_mark (0: none seen) */
+    uint32_t ack_mark;
+    bool acks_owed;    /* we handled a peer's message whose credit it does
+                          not have yet: it waits for it to report it */
+    uint64_t ack_held; /* bex__now_us() when owed credits were first held
+                          back for a message to carry them (0: not held) */
+
+    /* receive side */
+    struct bex__rslot *rs;
+    uint32_t rq, k;
+    uint32_t rbuf_len;    /* receive buffer bytes: eager_max, at least a header */
+    uint32_t rbuf_usable; /* their usable size (one size class: the same for
+                             all), known after the first (0: not yet) */
+    uint32_t *unposted;   /* consumed receive slots awaiting repost */
+    uint32_t n_unposted;
+    uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
+                          (the context's received bytes are at their limit) */
+    uint32_t n_starved;
+    /* SRQ mode (sh->srq): rs is NULL, unposted and starved name slots of
+     * the shared queue that the peer consumed (charged to it until
+     * reposted), rq is its share of the queue */
+    bool srq_in;       /* holds a share (granted, not yet released) */
+    uint32_t qpn;      /* its QP's number, the key of the queue's map */
+    uint32_t srq_cur;  /* the slot whose completion is being handled, until
+                          it is held (NO_SLOT otherwise) */
+    uint8_t *hdr_area; /* sq headers, general pool (no remote access) */
+    uint32_t hdr_lkey;
+    uint32_t max_inline; /* the QP's inline bytes: smaller DATA payloads go inline */
+
+    /* control messages waiting for a slot (RNDV_RESP, refusing CLOSE) */
+    struct bex__hdr *ctlq;
+    uint32_t ctl_cap, ctl_head, ctl_n;
+    uint32_t ctl_errs;     /* of which: RNDV_RESP with an error (no slot held) */
+    uint32_t ctl_refusals; /* of which: CLOSE refusing an OPEN */
+
+    /* window operations waiting for a slot (window mode) */
+    struct wop *wq;
+    uint32_t wq_cap, wq_head, wq_n;
+    bool wop_busy; /* a chain of window operations is posted, not completed */
+    /* exposed buffers' windows bound here: the engine deallocates them if
+     * it fails, before its QP goes (see release_windows) */
+    struct ibv_mw **xw;
+    uint32_t xw_n, xw_cap;
+    /* destinations bound ahead, while the send queue was idle, for the
+     * next rendezvous requests of spare_want bytes (see spare_fill) */
+    struct spare {
+        void *buf;
+        struct ibv_mw *mw;
+        uint32_t key, len;
+    } spare[SPARE_MAX];
+    uint32_t spare_n;
+    uint32_t spare_want;  /* the last rendezvous length asked of us */
+    uint64_t spare_bytes; /* their buffers' lengths, summed */
+
+    /* rendezvous */
+    uint32_t max_rndv;       /* our table sizes */
+    uint32_t peer_max_rndv;  /* the peer's incoming table */
+    uint32_t peer_rndv_used; /* peer slots we hold: asked, granted, not yet
+                                written or released */
+    struct rndv_in *rin;
+    struct rndv_out *rout;
+    uint32_t rout_used;
+    struct rndv_rel *relq; /* releases waiting for a slot and a credit */
+    uint32_t rel_head, rel_n;
+    uint32_t rin_used;  /* slots held: answered or deferred */
+    uint64_t rin_bytes; /* destination bytes allocated, not yet delivered */
+    uint32_t *rin_wait; /* deferred requests' slots, oldest first (a ring) */
+    uint32_t wait_head, wait_n;
+    uint32_t rin_done; /* destinations written (delivered) */
+    uint32_t rin_done_seen;
+    uint64_t rin_done_ms; /* the tick that first saw rin_done at its value */
+    bool holding;         /* counted in the context's holders (rin_bytes > 0) */
+
+    /* streams */
+    struct bex__stream_set streams; /* every stream, and the scheduler ring */
+
+    /* keepalive */
+    volatile uint64_t *ka_local; /* the peer writes its sequence here: a page of
+                                    its own, the only bytes ka_mr covers */
+    struct ibv_mr *ka_mr;
+    uint64_t ka_seen, ka_seq, ka_last_ms, ka_next_ms;
+    bool ka_due;     /* a keepalive write waits for a slot */
+    bool peer_heard; /* a receive completed since the last tick */
+    bool peer_hears; /* we posted a SEND or WRITE_WITH_IMM since the last tick: the
+                        peer hears from us (a receive of its completes), so no
+                        keepalive write is due for keepalive_ms */
+    uint64_t peer_ka_addr;
+    uint32_t peer_ka_rkey;
+    bool violation_logged; /* the peer's fault is logged: no second line */
+    char name[48];         /* how log lines name the connection (bex__engine_set_name) */
+};
+
+static inline uint64_t wrid(const struct bex__engine *e, uint32_t low)
+{
+    return ((uint64_t)e->id << 32) | low;
+}
+
+static inline struct sslot *sslot_at(const struct bex__engine *e, uint32_t c)
+{
+    return &e->ss[c & (e->sq - 1)];
+}
+
+/* ---- functions shared by the module's files ---- */
+void bex__engine_recv_free(struct bex__engine *e, void *b);
+void bex__engine_srq_leave(struct bex__engine *e);
+int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s);
+void bex__engine_release_windows(struct bex__engine *e);
+void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status);
+bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg);
+void bex__engine_post_pending(struct bex__engine *e);
+void bex__engine_repost_recvs(struct bex__engine *e);
+void bex__engine_prep_keepalive(struct bex__engine *e);
+bool bex__engine_wops_hold(struct bex__engine *e);
+void bex__engine_hold_sync(struct bex__engine *e);
+int bex__engine_rndv_resume(struct bex__engine *e);
+void bex__engine_refill_starved(struct bex__engine *e);
+__attribute__((format(printf, 2, 3))) int bex__engine_violation(struct bex__engine *e,
+                                                                const char *fmt, ...);
+bool bex__engine_busy(const struct bex__engine *e);
+bool bex__engine_work(const struct bex__engine *e);
+void bex__engine_fail_now(struct bex__engine *e, int err);
+bool bex__engine_recv_room(struct bex__engine *e, uint64_t want);
+void *bex__engine_recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len);
+int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void *buf);
+void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf);
+void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf);
+struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uint32_t idx);
+void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx);
+void bex__engine_hold_starved(struct bex__engine *e, uint32_t idx);
+void bex__engine_queue_release(struct bex__engine *e, uint64_t addr, uint32_t rkey, uint32_t imm);
+void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st);
+void bex__engine_rin_unbind(struct bex__engine *e, struct rndv_in *in);
+int bex__engine_rndv_request(struct bex__engine *e, const struct bex__hdr *h);
+int bex__engine_queue_ctl(struct bex__engine *e, const struct bex__hdr *h);
+_Atomic int32_t *bex__engine_holders(struct bex__engine *e);
+bex_mem_pool *bex__engine_rndv_pool(struct bex__engine_shared *sh);
+int bex__engine_wop_push(struct bex__engine *e, const struct wop *w);
+void bex__engine_spare_drop(struct bex__engine *e);
+bool bex__engine_spare_has(struct bex__engine *e, uint32_t len);
+bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *out);
+void bex__engine_prep_wops(struct bex__engine *e);
+bool bex__engine_spare_fill(struct bex__engine *e);
+uint32_t bex__engine_free_slots(const struct bex__engine *e);
+struct sslot *bex__engine_slot_take(struct bex__engine *e);
+void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r);
+
+#endif

@@ -1,0 +1,113 @@
+/* The RDMA engine: received memory (the context's recv_bytes_max budget
+ * and the engine's receive slots), split from engine.c along its banner.
+ * See engine.h. */
+#include <assert.h>
+#include <stdlib.h>
+
+#include "transport/rdma/engine_internal.h"
+
+/* Received memory: the accounting is the I/O thread's (transport/thread.c);
+ * what follows is the engine's use of it. */
+
+/* Engines and TCP connections holding received memory their peer has yet
+ * to write (rndv_share, and tcp.c) */
+_Atomic int32_t *bex__engine_holders(struct bex__engine *e)
+{
+    return &bex__recv_acct_of(e->sh)->holders;
+}
+
+/* Where rendezvous destinations come from: the landing pool (counted as
+ * received memory too). */
+bex_mem_pool *bex__engine_rndv_pool(struct bex__engine_shared *sh)
+{
+    return sh->landing; /* the only memory a peer may write */
+}
+
+bool bex__engine_recv_room(struct bex__engine *e, uint64_t want)
+{
+    return bex__recv_room(e->sh, want);
+}
+
+void *bex__engine_recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len)
+{
+    void *b = bex_mem_alloc(pool, len);
+    if (b)
+        bex__recv_allocated(e->sh, (int64_t)bex_mem_usable_size(b));
+    return b;
+}
+
+/* A received buffer that never reached the application goes back (the
+ * estimate learns of it at its next exact count). */
+void bex__engine_recv_free(struct bex__engine *e, void *b)
+{
+    (void)e;
+    if (!b)
+        return;
+    bex_mem_free(b);
+}
+
+/* The usable bytes of buf, a receive buffer (rbuf_len bytes from the
+ * receive pool): looked up once, the same for every one. */
+int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void *buf)
+{
+    if (!e->rbuf_usable)
+        e->rbuf_usable = (uint32_t)bex_mem_usable_size(buf);
+    assert(bex_mem_usable_size(buf) == e->rbuf_usable);
+    return e->rbuf_usable;
+}
+
+void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf)
+{
+    r->buf = buf;
+    r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
+}
+
+void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf)
+{
+    bex__engine_slot_put(e, r, buf);
+    bex__recv_posted(e->sh, bex__engine_rbuf_usable(e, buf));
+}
+
+/* The slot's buffer goes up to the application (or back to the pool). */
+void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r)
+{
+    void *buf = r->buf;
+    r->buf = NULL;
+    if (buf)
+        bex__recv_posted(e->sh, -bex__engine_rbuf_usable(e, buf));
+    return buf;
+}
+
+/* Receive slot idx: the engine's own, or in SRQ mode the shared queue's. */
+struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uint32_t idx)
+{
+    return e->sh->srq ? &e->sh->srq->slots[idx] : &e->rs[idx];
+}
+
+/* A consumed receive is kept for reposting (with its buffer) or starved
+ * (without): in SRQ mode the slot is the engine's charge from now on. */
+void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx)
+{
+    e->unposted[e->n_unposted++] = idx;
+    if (idx == e->srq_cur)
+        e->srq_cur = NO_SLOT;
+}
+
+void bex__engine_hold_starved(struct bex__engine *e, uint32_t idx)
+{
+    e->starved[e->n_starved++] = idx;
+    if (idx == e->srq_cur)
+        e->srq_cur = NO_SLOT;
+}
+
+/* SRQ mode: the engine's QP is gone; its share and the receives its peer
+ * consumed go back to the thread's pool. */
+void bex__engine_srq_leave(struct bex__engine *e)
+{
+    if (!e->srq_in)
+        return;
+    e->srq_in = false;
+    struct bex__srq *q = e->sh->srq;
+    bex__srq_release(q, e->qpn, e->rq, e->unposted, e->n_unposted, e->starved, e->n_starved);
+    e->n_unposted = e->n_starved = 0;
+}

@@ -1,0 +1,536 @@
+/* The RDMA engine: the send side (the scheduler, work requests and their
+ * posting, credits and the send window) and bex__engine_progress, split
+ * from engine.c along its banner. See engine.h. */
+#include <assert.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "transport/rdma/engine_internal.h"
+
+/* ---------------- send side ---------------- */
+
+uint32_t bex__engine_free_slots(const struct bex__engine *e)
+{
+    return e->sq - (e->tail - e->head);
+}
+
+/* Credits: ordinary SENDs leave one credit for a CREDIT message, so that two
+ * peers that have used up each other's receives can always tell each other
+ * about reposted ones. */
+bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg)
+{
+    return e->peer_credits > (credit_msg ? 0u : 1u);
+}
+
+static bool window_allows(struct bex__engine *e, uint32_t bytes)
+{
+    if (!e->cfg.send_window || e->inflight == 0 || bytes == 0)
+        return true;
+    return e->inflight + bytes <= e->cfg.send_window;
+}
+
+/* The next send slot, its work request cleared but for the unions of
+ * remote addresses and window binds, which a SEND does not read (see
+ * slot_take). */
+static struct sslot *slot_take_send(struct bex__engine *e)
+{
+    struct sslot *s = sslot_at(e, e->tail);
+    s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
+    s->wr.next = NULL;
+    s->wr.sg_list = s->sge;
+    s->wr.num_sge = 0;
+    s->wr.opcode = IBV_WR_SEND;
+    s->wr.send_flags = 0;
+    s->wr.imm_data = 0;
+    s->done = NULL;
+    s->closed = NULL;
+    s->free_mw = NULL;
+    s->bytes = 0;
+    e->tail++;
+    return s;
+}
+
+/* The next send slot, its work request all cleared. */
+struct sslot *bex__engine_slot_take(struct bex__engine *e)
+{
+    struct sslot *s = slot_take_send(e);
+    memset(&s->wr.wr, 0, sizeof(s->wr.wr));
+    memset(&s->wr.qp_type, 0, sizeof(s->wr.qp_type));
+    memset(&s->wr.bind_mw, 0, sizeof(s->wr.bind_mw));
+    return s;
+}
+
+static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes)
+{
+    s->bytes = bytes;
+    e->inflight += bytes;
+    if (e->inflight > atomic_load_explicit(&e->sh->stats->max_inflight_bytes, memory_order_relaxed))
+        atomic_store_explicit(&e->sh->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
+}
+
+/* A work request that takes one of the peer's receives. */
+static void spend_credit(struct bex__engine *e)
+{
+    e->peer_credits--;
+    e->cons_sent++;
+}
+
+/* Prepare a SEND of header h (and payload). Caller checked slot + credit. */
+static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *payload,
+                               uint32_t len, uint32_t lkey)
+{
+    struct sslot *s = slot_take_send(e);
+    h->credits = (uint16_t)(e->to_return > 0xffff ? 0xffff : e->to_return);
+    e->to_return -= h->credits;
+    bex__hdr_encode(h, s->hdr);
+    s->sge[0] = (struct ibv_sge){(uintptr_t)s->hdr, BEX__HDR_LEN, e->hdr_lkey};
+    s->wr.num_sge = 1;
+    if (len) {
+        s->sge[1] = (struct ibv_sge){(uintptr_t)payload, len, lkey};
+        s->wr.num_sge = 2;
+    }
+    s->wr.opcode = IBV_WR_SEND;
+    spend_credit(e);
+    account_bytes(e, s, len);
+    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    return s;
+}
+
+/* Prepare the header-free SEND_WITH_IMM of DATA m (the immediate carries
+ * stream and credits). Caller checked slot + credit. */
+static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+{
+    struct sslot *s = slot_take_send(e);
+    uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
+    e->to_return -= credits;
+    uint32_t len = (uint32_t)m->len;
+    s->wr.imm_data = htonl(bex__imm_encode(st->id, credits));
+    s->wr.opcode = IBV_WR_SEND_WITH_IMM;
+    if (len) {
+        s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf, len, m->lkey};
+        s->wr.num_sge = 1;
+        /* copied into the work request at posting: the NIC reads no memory */
+        if (len <= e->max_inline)
+            s->wr.send_flags = IBV_SEND_INLINE;
+    }
+    spend_credit(e);
+    account_bytes(e, s, len);
+    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    return s;
+}
+
+/* Does m go by SEND? Up to the peer's eager_max header-free; on a stream
+ * the immediate cannot name, with the header in front, so it must fit the
+ * peer's receive buffer with it (zero bytes always do). */
+static bool goes_eager(const struct bex__engine *e, const struct bex__stream *st,
+                       const struct bex__msg *m)
+{
+    if (m->direct || m->len > e->peer_eager)
+        return false;
+    return st->id <= BEX__IMM_STREAM_MAX || m->len + BEX__HDR_LEN <= e->peer_eager || m->len == 0;
+}
+
+static void pop_head(struct bex__stream *st)
+{
+    struct bex__msg *m = st->q_head;
+    st->q_head = m->next;
+    if (!st->q_head)
+        st->q_tail = NULL;
+    st->q_len--;
+    m->next = NULL;
+}
+
+/* Ask for destinations of large messages ahead of the head. */
+static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *blocked)
+{
+    uint32_t ahead = 0;
+    for (struct bex__msg *m = st->q_head; m && ahead < e->cfg.rndv_ahead; m = m->next, ahead++) {
+        if (m->direct || goes_eager(e, st, m) || m->rndv_asked || m->status)
+            continue;
+        if (m->len > e->peer_max_msg) {
+            m->status = -EMSGSIZE; /* the peer said it takes none so large */
+            continue;
+        }
+        if (e->peer_rndv_used >= e->peer_max_rndv || e->rout_used >= e->max_rndv ||
+            !bex__engine_free_slots(e)) {
+            *blocked = true;
+            return false;
+        }
+        if (!bex__engine_have_credit(e, false)) {
+            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        uint32_t i = 0;
+        while (e->rout[i].used)
+            i++;
+        e->rout[i].m = m;
+        e->rout[i].used = true;
+        e->rout[i].sent_ms = bex__now_ms();
+        e->rout[i].gen = (uint16_t)((e->rout[i].gen + 1) & 0x7fff);
+        e->rout_used++;
+        e->peer_rndv_used++;
+        m->peer_slot = true;
+        m->rndv_id = i + 1;
+        m->rndv_asked = true;
+        m->state = BEX__M_RNDV_SENT;
+        struct bex__hdr h = {.type = BEX__MSG_RNDV_REQ,
+                             .stream = st->id,
+                             .len = (uint32_t)m->len,
+                             .id = ((uint32_t)e->rout[i].gen << 16) | i};
+        prep_send(e, &h, NULL, 0, 0);
+        return true;
+    }
+    return false;
+}
+
+/* One turn of a stream: at most one fragment or one small message (or one
+ * control message of its own). Returns true if it prepared a request. */
+static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blocked)
+{
+    *blocked = false;
+    if (!bex__engine_free_slots(e)) {
+        *blocked = true;
+        return false;
+    }
+    if (st->need_open && !st->open_sent) {
+        if (!bex__engine_have_credit(e, false)) {
+            *blocked = true;
+            return false;
+        }
+        struct bex__hdr h = {.type = BEX__MSG_OPEN, .stream = st->id};
+        prep_send(e, &h, NULL, 0, 0);
+        st->open_sent = true;
+        return true;
+    }
+    struct bex__msg *m = st->q_head;
+    if (m && !m->direct && !m->status && m->len > e->peer_max_msg)
+        m->status = -EMSGSIZE; /* the peer said it takes none so large */
+    if (m && m->status) {
+        /* failed before posting (rendezvous refused): hand back in order */
+        pop_head(st);
+        bex__engine_msg_done(e, m, m->status);
+        return true;
+    }
+    if (m && goes_eager(e, st, m)) {
+        if (!bex__engine_have_credit(e, false)) {
+            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        if (!window_allows(e, (uint32_t)m->len)) {
+            BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        struct sslot *s;
+        if (st->id <= BEX__IMM_STREAM_MAX) {
+            s = prep_data(e, st, m);
+        } else {
+            struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
+            s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
+        }
+        pop_head(st);
+        m->state = BEX__M_POSTED;
+        m->ack_seq = e->cons_sent;
+        s->done = m;
+        return true;
+    }
+    if (m && m->state == BEX__M_READY) {
+        uint32_t frag = (uint32_t)(m->len - m->off < e->frag ? m->len - m->off : e->frag);
+        bool last = m->off + frag == m->len;
+        if (last && !bex__engine_have_credit(e, false)) {
+            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        if (!window_allows(e, frag)) {
+            BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+            *blocked = true;
+            return false;
+        }
+        struct sslot *s = bex__engine_slot_take(e);
+        s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf + m->off, frag, m->lkey};
+        s->wr.num_sge = 1;
+        s->wr.wr.rdma.remote_addr = m->raddr + m->off;
+        s->wr.wr.rdma.rkey = m->rkey;
+        account_bytes(e, s, frag);
+        BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+        m->off += frag;
+        m->last_wr = e->tail - 1;
+        if (!last) {
+            s->wr.opcode = IBV_WR_RDMA_WRITE;
+            return true;
+        }
+        s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        s->wr.imm_data = htonl(m->imm);
+        spend_credit(e);
+        if (m->peer_slot) {
+            m->peer_slot = false;
+            e->peer_rndv_used--;
+        }
+        pop_head(st);
+        m->state = BEX__M_POSTED;
+        m->ack_seq = e->cons_sent;
+        s->done = m;
+        return true;
+    }
+    /* head waits for its destination: meanwhile ask for later ones */
+    if (try_rndv_req(e, st, blocked))
+        return true;
+    if (*blocked)
+        return false;
+    if (!m && st->close_req && !st->close_sent) {
+        if (!bex__engine_have_credit(e, false)) {
+            *blocked = true;
+            return false;
+        }
+        struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = st->id};
+        struct sslot *s = prep_send(e, &h, NULL, 0, 0);
+        s->closed = st;
+        st->close_sent = true;
+        return true;
+    }
+    return false;
+}
+
+/* Does w take one of the peer's receives? */
+static bool wr_consumes(const struct ibv_send_wr *w)
+{
+    return w->opcode == IBV_WR_SEND || w->opcode == IBV_WR_SEND_WITH_IMM ||
+           w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
+}
+
+void bex__engine_post_pending(struct bex__engine *e)
+{
+    if (e->post == e->tail)
+        return;
+    struct sslot *first = sslot_at(e, e->post);
+    /* counted from the flags of what is posted, so that the counter shows
+     * the signaling policy, whatever it is (recounted up to bad on failure) */
+    uint64_t signaled = 0;
+    bool consumes = false;
+    for (uint32_t c = e->post; c != e->tail; c++) {
+        struct sslot *s = sslot_at(e, c);
+        bool last = c + 1 == e->tail;
+        s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
+        if (last) /* slot_take cleared the flags; prep_data may have set INLINE */
+            s->wr.send_flags |= IBV_SEND_SIGNALED;
+        signaled += (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
+        consumes |= wr_consumes(&s->wr);
+    }
+    struct ibv_send_wr *bad = NULL;
+    int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
+    if (rc) {
+        signaled = 0;
+        consumes = false;
+        for (struct ibv_send_wr *w = &first->wr; w && w != bad; w = w->next) {
+            signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
+            consumes |= wr_consumes(w);
+        }
+    }
+    if (consumes)
+        e->peer_hears = true;
+    BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
+    BEX__STAT_ADD(e->sh->stats, signaled, signaled);
+    if (rc) {
+        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_send: %s", e->name,
+                 bex_strerror(bex__rdma_err(rc)));
+        /* nothing was posted from bad on: treat the chain as lost */
+        e->post = e->tail;
+        bex__engine_fail_now(e, bex__rdma_err(rc));
+        return;
+    }
+    /* rxe takes a window's current key from mw->rkey when the next bind is
+     * posted: it is the new key from now on */
+    if (e->sh->windows)
+        for (uint32_t c = e->post; c != e->tail; c++)
+            if (e->ss[c % e->sq].wr.opcode == IBV_WR_BIND_MW)
+                e->ss[c % e->sq].wr.bind_mw.mw->rkey = e->ss[c % e->sq].wr.bind_mw.rkey;
+    e->post = e->tail;
+}
+
+void bex__engine_repost_recvs(struct bex__engine *e)
+{
+    if (e->n_unposted == 0)
+        return;
+    int rc;
+    if (e->sh->srq) {
+        /* onto the shared queue; the credits come back to this peer */
+        rc = bex__srq_post(e->sh->srq, e->unposted, e->n_unposted);
+    } else {
+        for (uint32_t i = 0; i < e->n_unposted; i++) {
+            struct bex__rslot *r = &e->rs[e->unposted[i]];
+            r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
+        }
+        struct ibv_recv_wr *bad;
+        rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
+        BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
+    }
+    if (rc) {
+        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name,
+                 bex_strerror(bex__rdma_err(rc)));
+        bex__engine_fail_now(e, bex__rdma_err(rc));
+        return;
+    }
+    e->to_return += e->n_unposted;
+    e->n_unposted = 0;
+}
+
+/* The keepalive sequence goes by RDMA WRITE: no receive, no credit, no
+ * peer CPU. It takes the first free slot, ahead of any data, so a busy
+ * engine cannot starve it. */
+void bex__engine_prep_keepalive(struct bex__engine *e)
+{
+    if (!e->ka_due || !bex__engine_free_slots(e))
+        return;
+    e->ka_due = false;
+    struct sslot *s = bex__engine_slot_take(e);
+    uint64_t seq = ++e->ka_seq;
+    memcpy(s->hdr, &seq, sizeof(seq));
+    s->sge[0] = (struct ibv_sge){(uintptr_t)s->hdr, sizeof(seq), e->hdr_lkey};
+    s->wr.num_sge = 1;
+    s->wr.opcode = IBV_WR_RDMA_WRITE;
+    s->wr.wr.rdma.remote_addr = e->peer_ka_addr;
+    s->wr.wr.rdma.rkey = e->peer_ka_rkey;
+}
+
+/* Window operations go out alone, on an idle send queue, and nothing
+ * follows them until they complete: true while that holds the queue.
+ *
+ * rxe (kernel 6.1, and upstream as far as we read it) executes a local
+ * operation (BIND_MW, LOCAL_INV) when the requester reaches it, but retires
+ * it only once every work request before it is acknowledged. When a
+ * retransmission starts in between (req_retry: the retransmit timer, a
+ * NAK), the requester walks the queue again from the oldest unacknowledged
+ * request and executes the done-but-unretired operation a second time. A
+ * second bind of a type-2 window fails (the key it names is no longer the
+ * window's, or the window is gone), and the QP either reports
+ * IBV_WC_MW_BIND_ERR or, when the retransmit timer fires again first,
+ * hangs for good in the RTS state with no completion at all (the requester
+ * in error never runs the pending retry, and the completer waits for it):
+ * the silent stall window mode showed under load. A second LOCAL_INV of a
+ * window would be an invalidation of an unbound window, which panics the
+ * kernel. With nothing unacknowledged before or after a window operation,
+ * no retransmission can cover it, and it runs exactly once. The cost is a
+ * drain of the send queue per batch of window operations. */
+/* Whether owed credits must go alone now: an answer usually follows the
+ * peer's message within microseconds and carries them, so they wait for
+ * one up to ack_delay_us (the I/O thread calls progress again then:
+ * x.due_us). */
+static bool ack_due(struct bex__engine *e)
+{
+    if (!e->acks_owed || !e->to_return)
+        return false;
+    return bex__ack_hold_due(&e->x, &e->ack_held, e->cfg.ack_delay_us);
+}
+
+/* Every owed credit went (or waits for a buffer: starved): nothing held. */
+static void acks_settle(struct bex__engine *e)
+{
+    if (e->to_return || e->n_unposted || !e->acks_owed)
+        return;
+    e->acks_owed = e->n_starved != 0;
+    e->ack_held = 0;
+    e->x.due_us = 0;
+}
+
+bool bex__engine_wops_hold(struct bex__engine *e)
+{
+    if (!e->wq_n && !e->wop_busy)
+        return false;
+    if (e->head != e->post)
+        return true; /* draining for them, or they are still in flight */
+    e->wop_busy = false;
+    if (!e->wq_n)
+        return false;
+    bex__engine_prep_wops(e);
+    e->wop_busy = true;
+    bex__engine_post_pending(e);
+    return true;
+}
+
+bool bex__engine_progress(struct bex__engine *e)
+{
+    if (e->state != E_UP)
+        return false;
+    uint32_t before = e->tail;
+    /* window binds and revocations: ahead of the answers that name them,
+     * and alone (see wops_hold) */
+    if (bex__engine_wops_hold(e))
+        return e->tail != before;
+    bex__engine_prep_keepalive(e);
+    /* the peer waits for these receives' credits to report its messages:
+     * posted now, whatever we send next carries them */
+    if (e->acks_owed && e->n_unposted) {
+        bex__engine_repost_recvs(e);
+        if (e->state != E_UP)
+            return e->tail != before;
+    }
+    /* control messages first: they unblock the peer */
+    while (e->ctl_n && bex__engine_free_slots(e) && bex__engine_have_credit(e, false)) {
+        struct bex__hdr h = e->ctlq[e->ctl_head];
+        e->ctl_head = (e->ctl_head + 1) % e->ctl_cap;
+        e->ctl_n--;
+        if (h.type == BEX__MSG_RNDV_RESP && h.status)
+            e->ctl_errs--;
+        else if (h.type == BEX__MSG_CLOSE)
+            e->ctl_refusals--;
+        prep_send(e, &h, NULL, 0, 0);
+        if (h.type == BEX__MSG_RNDV_RESP && h.status == 0)
+            e->rin[h.stream & 0xffff].granted = true;
+    }
+    /* destinations given back unwritten: each frees a peer slot */
+    while (e->rel_n && bex__engine_free_slots(e) && bex__engine_have_credit(e, false)) {
+        struct rndv_rel r = e->relq[e->rel_head];
+        e->rel_head = (e->rel_head + 1) % e->max_rndv;
+        e->rel_n--;
+        struct sslot *s = bex__engine_slot_take(e);
+        s->wr.num_sge = 0;
+        s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        s->wr.imm_data = htonl(r.imm);
+        s->wr.wr.rdma.remote_addr = r.addr;
+        s->wr.wr.rdma.rkey = r.rkey;
+        spend_credit(e);
+        e->peer_rndv_used--;
+        BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+    }
+    /* Round-robin over streams with work, one unit each per turn. A stream
+     * that can do nothing until an answer or a new message leaves the ring;
+     * one held back by a shared budget (slots, credits, window) stays. */
+    for (;;) {
+        uint32_t n = e->streams.ring_n;
+        bool any = false;
+        for (uint32_t i = 0; i < n && e->streams.ring_n && bex__engine_free_slots(e); i++) {
+            struct bex__stream *st = bex__stream_ring_turn(&e->streams);
+            bool blocked;
+            if (stream_turn(e, st, &blocked)) {
+                any = true;
+                /* its last unit went: out now rather than after one more
+                 * (empty) turn next round */
+                if (!st->q_head && !(st->need_open && !st->open_sent) &&
+                    !(st->close_req && !st->close_sent))
+                    bex__stream_ring_remove(&e->streams, st);
+            } else if (!blocked) {
+                bex__stream_ring_remove(&e->streams, st);
+            }
+        }
+        if (!any || !bex__engine_free_slots(e) || e->state != E_UP)
+            break;
+    }
+    /* credits nobody carried: an explicit update once half the queue waits,
+     * or once the peer has waited ack_delay for the ones it reports by */
+    if ((e->to_return >= e->k || ack_due(e)) && bex__engine_free_slots(e) &&
+        bex__engine_have_credit(e, true)) {
+        struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+        prep_send(e, &h, NULL, 0, 0);
+        BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
+    }
+    acks_settle(e);
+    if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
+        e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
+    bex__engine_post_pending(e);
+    if (bex__engine_spare_fill(e))
+        bex__engine_wops_hold(e); /* the queue is idle: the binds go out now */
+    return e->tail != before;
+}

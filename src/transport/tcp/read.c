@@ -1,0 +1,323 @@
+/* The TCP transport: the read side (headers, payloads into received
+ * buffers, partly received messages, acknowledgements in), split from
+ * tcp.c along its banner. See tcp.h. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include "transport/tcp/tcp_internal.h"
+
+/* ---------------- read side ---------------- */
+
+static struct part *part_of(struct bex__tcp *t, uint32_t stream)
+{
+    return bex__hmap_get(&t->parts, stream);
+}
+
+/* The peer acknowledged n of our messages. */
+static int acked(struct bex__tcp *t, uint32_t n)
+{
+    if (n > t->ack_n)
+        return -EPROTO;
+    if (n)
+        t->ack_wait_ms = bex__now_ms();
+    while (n--) {
+        struct bex__msg *m = t->ack_head;
+        t->ack_head = m->next;
+        if (!t->ack_head)
+            t->ack_tail = NULL;
+        t->ack_n--;
+        bex__tcp_done(t, m, 0);
+        if (t->dead)
+            return 0;
+    }
+    return 0;
+}
+
+/* Is a DIRECT message into the exposed buffer of token being received? */
+static bool direct_held(struct bex__tcp *t, uint32_t token)
+{
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    struct part *p;
+    while ((p = bex__hmap_next(&t->parts, &it, NULL)))
+        if (p->direct && p->token == token)
+            return true;
+    return false;
+}
+
+/* Is p's exposed buffer still exposed (armed, same arming)? Between two
+ * reads of its payload the application may have taken it back (closed its
+ * socket, say): not one more byte goes into it then. */
+static bool direct_live(struct bex__tcp *t, const struct part *p)
+{
+    uint32_t len;
+    return t->up->direct_buf(&t->x, p->token, &len) == p->buf && len == p->len;
+}
+
+/* A message of the peer's arrived whole. */
+static void part_complete(struct bex__tcp *t, struct part *p)
+{
+    bex__hmap_del(&t->parts, p->stream);
+    t->parts_n--;
+    bex__tcp_part_unhold(t, p);
+    t->acks_owed++;
+    if (t->ack_now)
+        t->msg_in_us = bex__now_us();
+    t->msgs_in++;
+    BEX__STAT_ADD(t->sh->stats, msgs_recv, 1);
+    if (p->direct) {
+        uint32_t token = p->token;
+        free(p);
+        if (t->up->on_direct(&t->x, token))
+            bex__tcp_violation(t, "a DIRECT message names no exposed buffer");
+        return;
+    }
+    uint32_t stream = p->stream, len = p->len;
+    void *buf = p->buf;
+    free(p);
+    BEX__STAT_ADD(t->sh->stats, bytes_recv, len);
+    t->up->on_msg(&t->x, stream, buf, len);
+}
+
+/* Backpressure: stop reading until there is room for the message whose
+ * header was read (the tick looks again). own: the connection's share
+ * stops it, not the context's budget. */
+static bool pause_for_room(struct bex__tcp *t, bool own)
+{
+    t->need_buf = true;
+    t->pause_own = own;
+    if (!t->rx_paused) {
+        BEX__STAT_ADD(t->sh->stats, recv_paused, 1);
+        t->paused_ms = bex__now_ms();
+    }
+    t->rx_paused = true;
+    bex__tcp_want(t);
+    return false;
+}
+
+/* A header is read: act on it, or set up where its payload goes. Returns
+ * false when the read must stop (failed, or waiting for room). */
+static bool on_header(struct bex__tcp *t)
+{
+    struct bex__hdr *h = &t->hdr;
+    if (!t->need_buf) {
+        if (bex__hdr_decode_frame(t->rhdr, h)) {
+            bex__tcp_violation(t, "malformed frame header");
+            return false;
+        }
+        if (acked(t, h->credits)) {
+            bex__tcp_violation(t, "acknowledges messages never sent");
+            return false;
+        }
+        if (t->dead)
+            return false;
+    }
+    t->rhdr_len = 0;
+    switch (h->type) {
+    case BEX__MSG_CREDIT:
+        return true;
+    case BEX__MSG_OPEN:
+        t->up->on_open(&t->x, h->stream);
+        return !t->dead;
+    case BEX__MSG_CLOSE: {
+        struct part *p = part_of(t, h->stream);
+        if (p) { /* a message the peer cut off */
+            bex__hmap_del(&t->parts, h->stream);
+            t->parts_n--;
+            bex__tcp_part_free(t, p);
+        }
+        struct bex__stream *st = bex__stream_find(&t->streams, h->stream);
+        if (st)
+            st->peer_closed = true;
+        t->up->on_peer_close(&t->x, h->stream);
+        if (!t->dead && st && bex__stream_find(&t->streams, h->stream) == st)
+            bex__tcp_stream_maybe_end(t, st);
+        return !t->dead;
+    }
+    default:
+        break;
+    }
+    /* DATA or DIRECT: the payload follows */
+    struct part *p = part_of(t, h->stream);
+    bool direct = h->type == BEX__MSG_DIRECT;
+    if (!p) {
+        if (h->addr != 0) {
+            bex__tcp_violation(t, "a fragment of a message that never started");
+            return false;
+        }
+        /* one at most per stream, so a peer within its streams stays within
+         * this; more is a peer naming streams it never opened */
+        if (t->cfg.parts_max && t->parts_n >= t->cfg.parts_max) {
+            bex__tcp_violation(t, "more messages partly sent at once than it has streams");
+            return false;
+        }
+        if (direct && direct_held(t, h->id)) {
+            bex__tcp_violation(
+                t, "a second DIRECT message into an exposed buffer still being written");
+            return false;
+        }
+        p = calloc(1, sizeof(*p));
+        if (!p) {
+            bex__tcp_fail(&t->x, -ENOMEM);
+            return false;
+        }
+        p->stream = h->stream;
+        p->direct = direct;
+        if (direct) {
+            p->token = h->id;
+            p->buf = t->up->direct_buf(&t->x, h->id, &p->len);
+            if (!p->buf) {
+                free(p);
+                bex__tcp_violation(t, "a DIRECT message names no exposed buffer");
+                return false;
+            }
+        } else {
+            if (h->id > t->cfg.max_msg) {
+                free(p);
+                bex__tcp_violation(t, "a message above max_msg");
+                return false;
+            }
+            if (t->part_bytes + h->id > bex__tcp_recv_share(t)) {
+                free(p);
+                return pause_for_room(t, true);
+            }
+            if (!bex__tcp_recv_room(t, h->id)) { /* until the application frees some */
+                free(p);
+                return pause_for_room(t, false);
+            }
+            p->len = h->id;
+            p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
+            if (!p->buf) {
+                free(p);
+                bex__tcp_fail(&t->x, -ENOMEM);
+                return false;
+            }
+            bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
+        }
+        if (bex__hmap_put(&t->parts, p->stream, p)) {
+            if (!direct)
+                bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
+            free(p);
+            bex__tcp_fail(&t->x, -ENOMEM);
+            return false;
+        }
+        t->parts_n++;
+        if (!direct) {
+            t->part_bytes += p->len;
+            bex__tcp_hold_note(t);
+        }
+    } else if (p->direct != direct || (direct && p->token != h->id) ||
+               (!direct && p->len != h->id) || p->off != h->addr) {
+        bex__tcp_violation(t, "a fragment that does not continue its message");
+        return false;
+    }
+    t->need_buf = false;
+    if (t->rx_paused) {
+        t->rx_paused = t->pause_own = false;
+        bex__tcp_want(t);
+    }
+    if (h->len > p->len - p->off || (h->len == 0 && p->len != 0)) {
+        bex__tcp_violation(t, "a fragment beyond its message");
+        return false;
+    }
+    t->cur = p;
+    t->cur_left = h->len;
+    t->in_payload = true;
+    if (h->len == 0) {
+        t->in_payload = false;
+        part_complete(t, p);
+        t->cur = NULL;
+        return !t->dead;
+    }
+    return true;
+}
+
+/* Read what the socket has: payloads straight into their buffers, the next
+ * header in the same call. At most RX_BUDGET bytes or RX_MSGS messages a
+ * call: the application's callbacks run in here, and the loop must get to
+ * write (acknowledgements, keepalive) between batches, as it does between
+ * CQ polls over RDMA; the descriptor stays readable for the next call. */
+#define RX_BUDGET (1u << 20)
+#define RX_MSGS   16
+void bex__tcp_rx(struct bex__tcp *t)
+{
+    size_t budget = RX_BUDGET;
+    uint64_t msgs0 = t->msgs_in;
+    while (!t->dead) {
+        if (!budget || t->msgs_in - msgs0 >= RX_MSGS)
+            return;
+        if (t->need_buf) {
+            if (!on_header(t))
+                return;
+            continue;
+        }
+        if (t->rx_paused)
+            return;
+        struct iovec iov[2];
+        int n = 0;
+        if (t->in_payload) {
+            struct part *p = t->cur;
+            if (p->direct && !direct_live(t, p)) {
+                /* as over RDMA, where its completion names no armed buffer */
+                bex__tcp_violation(t, "a DIRECT message into a buffer no longer exposed");
+                return;
+            }
+            iov[n++] = (struct iovec){p->buf + p->off, t->cur_left};
+        }
+        iov[n++] = (struct iovec){t->rhdr + t->rhdr_len, BEX__HDR_LEN - t->rhdr_len};
+        ssize_t r = readv(t->fd, iov, n);
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            t->link_lost = true;
+            bex__tcp_fail(&t->x, r < 0 ? -errno : -ECONNRESET);
+            return;
+        }
+        t->last_rx = bex__now_ms();
+        size_t got = (size_t)r;
+        budget = got < budget ? budget - got : 0;
+        if (t->in_payload) {
+            struct part *p = t->cur;
+            size_t k = got < t->cur_left ? got : t->cur_left;
+            p->off += (uint32_t)k;
+            t->part_rx += k;
+            t->cur_left -= (uint32_t)k;
+            got -= k;
+            if (t->cur_left == 0) {
+                t->in_payload = false;
+                t->cur = NULL;
+                if (p->off == p->len) {
+                    part_complete(t, p);
+                    if (t->dead)
+                        return;
+                }
+            }
+        }
+        t->rhdr_len += (uint32_t)got;
+        if (t->rhdr_len == BEX__HDR_LEN && !on_header(t))
+            return;
+    }
+}
+
+void bex__tcp_events(struct bex__xport *x, uint32_t events)
+{
+    x = bex__tcp_unwrap(x);
+    struct bex__tcp *t = tcp_of(x);
+    if (t->dead)
+        return;
+    if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
+        bex__tcp_rx(t);
+    if (!t->dead && events & EPOLLOUT) {
+        int err = bex__tcp_flush(t);
+        if (err) {
+            t->link_lost = true;
+            bex__tcp_fail(x, err);
+        }
+    }
+    if (!t->dead)
+        bex__tcp_progress(x);
+}

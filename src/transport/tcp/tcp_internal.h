@@ -1,0 +1,135 @@
+/* The TCP transport's private header: its structures and the functions
+ * its files share (tcp.c, and the files split from it along its banners).
+ * Nothing outside src/transport/tcp/ includes it; the contract is tcp.h. */
+#ifndef BEX_TRANSPORT_TCP_INTERNAL_H
+#define BEX_TRANSPORT_TCP_INTERNAL_H
+
+#include "common/hash.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "transport/stream.h"
+#include "transport/tcp/tcp.h"
+#include "wire/hdr.h"
+
+#define OUT_MAX   64  /* frames in the write batch */
+#define IOV_BATCH 128 /* sendmsg gathers at most this many pieces */
+/* Acknowledgements owed for this many of the peer's messages go at once,
+ * in a CREDIT frame if nothing else carries them: a full read batch
+ * (RX_MSGS), so a one-way stream gets them no later than before. */
+#define ACK_MAX 16
+
+/* One frame of the write batch: its header, and the payload slice it sends
+ * straight from the message's buffer. */
+struct out_frame {
+    uint8_t hdr[BEX__HDR_LEN];
+    struct bex__msg *m;     /* DATA/DIRECT: its message, else NULL */
+    const uint8_t *p;       /* payload */
+    uint32_t plen;          /* payload bytes */
+    bool last;              /* m's last frame: m is reported from here */
+    bool cut;               /* m was cut off (the peer closed its stream) */
+    bool raw;               /* no header: the setup's last bytes (bex__tcp_prefix) */
+    struct bex__stream *st; /* CLOSE of one of ours: close_done when written */
+};
+
+/* A control frame waiting for room in the batch. */
+struct ctl {
+    uint8_t type;
+    uint32_t stream;
+    struct bex__stream *st; /* our CLOSE: the stream */
+};
+
+/* A message of the peer's arriving in fragments. */
+struct part {
+    uint32_t stream;
+    bool direct;
+    uint32_t token; /* direct */
+    uint8_t *buf;
+    uint32_t len, off;
+};
+
+struct bex__tcp {
+    struct bex__xport x; /* first */
+    const struct bex__transport_upcalls *up;
+    struct bex__engine_shared *sh;
+    struct bex__tcp_config cfg;
+    int fd;
+    struct bex__loop *loop;
+    struct ep_tag *tag;
+    uint32_t events; /* what we watch now */
+    bool is_up, dead;
+    bool rx_paused;     /* recv_bytes_max: not reading until there is room */
+    bool pause_own;     /* paused by the connection's own share (recv_share) */
+    uint64_t paused_ms; /* bex__now_ms() when reading paused */
+    /* streams: every one, and those with something to send (a ring) */
+    struct bex__stream_set streams;
+    /* write side */
+    struct out_frame out[OUT_MAX];
+    uint32_t out_head, out_n;
+    size_t out_off; /* bytes of out[out_head] already written */
+    struct ctl *ctlq;
+    uint32_t ctl_head, ctl_n, ctl_cap;
+    struct bex__msg *ack_head, *ack_tail; /* written whole, not yet acknowledged */
+    uint32_t ack_n;
+    uint64_t ack_wait_ms; /* since when the head of that queue waits (the queue
+                             filled, or the peer's last acknowledgement) */
+    uint32_t acks_owed;   /* the peer's messages received whole, not yet acknowledged */
+    uint64_t ack_held;    /* bex__now_us() when they were first held back for a
+                             frame to carry them (0: not held); x.due_us is
+                             ack_held + ack_delay_us */
+    bool ack_now;         /* held acknowledgements found no frame in time: the
+                             peer's messages get no answer now, acknowledge at
+                             once until one does (see ack_due) */
+    uint64_t msg_in_us;   /* ack_now: when the peer's last message arrived */
+    /* read side */
+    uint8_t rhdr[BEX__HDR_LEN];
+    uint32_t rhdr_len;
+    bool in_payload; /* reading the payload of hdr */
+    bool need_buf;   /* hdr read; its message waits for room to be received */
+    struct bex__hdr hdr;
+    struct part *cur;       /* where the payload goes (NULL: discarded) */
+    uint32_t cur_left;      /* payload bytes of the frame still to read */
+    struct bex__hmap parts; /* stream id -> its partly received message */
+    uint32_t parts_n;
+    uint64_t part_bytes; /* DATA messages partly received: their lengths */
+    bool holding;        /* counted in the context's holders (part_bytes > 0) */
+    uint64_t part_rx;    /* payload bytes read into partly received messages */
+    uint64_t rate_ms;    /* holding: start of the rate window (bex__now_ms) */
+    uint64_t rate_rx;    /* part_rx then */
+    uint64_t last_rx, last_tx;
+    uint64_t msgs_in; /* the peer's messages received whole */
+    bool violation_logged;
+    bool link_lost; /* failed because the TCP connection did (EOF, reset, write error) */
+    uint8_t *prefix;
+};
+
+static inline struct bex__tcp *tcp_of(struct bex__xport *x)
+{
+    return bex__container_of(x, struct bex__tcp, x);
+}
+
+/* ---- functions shared by the module's files ---- */
+void bex__tcp_fail(struct bex__xport *x, int err);
+bool bex__tcp_ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct bex__stream *st);
+bool bex__tcp_progress(struct bex__xport *x);
+void bex__tcp_rx(struct bex__tcp *t);
+bool bex__tcp_tick(struct bex__xport *x, uint64_t now);
+struct bex__xport *bex__tcp_unwrap(struct bex__xport *x);
+void bex__tcp_want(struct bex__tcp *t);
+bool bex__tcp_recv_room(struct bex__tcp *t, uint64_t want_bytes);
+uint64_t bex__tcp_recv_share(struct bex__tcp *t);
+void bex__tcp_hold_note(struct bex__tcp *t);
+void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p);
+void bex__tcp_done(struct bex__tcp *t, struct bex__msg *m, int status);
+void bex__tcp_part_free(struct bex__tcp *t, struct part *p);
+void bex__tcp_violation(struct bex__tcp *t, const char *what);
+void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st);
+int bex__tcp_flush(struct bex__tcp *t);
+void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st);
+void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, bool client);
+bool bex__tcp_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m);
+void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
+void bex__tcp_close_stream(struct bex__xport *x, struct bex__stream *st);
+void bex__tcp_peer_closed(struct bex__xport *x, struct bex__stream *st);
+int bex__tcp_refuse_stream(struct bex__xport *x, uint32_t id);
+
+#endif
