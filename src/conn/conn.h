@@ -8,8 +8,10 @@
  *   (setup_max), deadlines, and tearing a connection down;
  * - hello_io.c: blocking setup I/O for tests and tools.
  *
- * Everything here runs on the connection's I/O thread (struct bex__io):
- * a connection belongs to one for its life. */
+ * Everything here runs on the connection's I/O thread (struct bex__io,
+ * conn/io.h): a connection belongs to one for its life. conn knows nothing
+ * of sockets: its owner (sock) fills struct bex__conn_owner_ops and keeps
+ * its streams in the connection's stream table. */
 #ifndef BEX_CONN_H
 #define BEX_CONN_H
 
@@ -19,11 +21,13 @@
 #include <stdint.h>
 
 #include "bex/sock.h"
+#include "common/hash.h"
+#include "conn/io.h"
 #include "loop/loop.h"
 #include "wire/hello.h"
 
 struct bex__engine;
-struct bex__io;
+struct bex__stream;
 
 /* Setup phases; with a shared secret the client goes CONNECTING ->
  * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
@@ -68,11 +72,9 @@ struct bex_listener {
     uint32_t backoff_ms;
 };
 
-#define CONN_MAP 64
-
 struct conn {
     struct ep_tag tag;
-    bex_ctx *ctx;
+    bex_ctx *ctx;            /* its owner's handle (opaque here) */
     struct bex__io *io;      /* the I/O thread it belongs to */
     struct conn *ready_next; /* on io->ready while ready */
     bool ready;
@@ -109,8 +111,8 @@ struct conn {
     uint32_t cqe_reserved; /* CQ entries held for the engine ... */
     uint32_t cq_idx;       /* ... in this CQ of its thread (io->cqs) */
     struct bex_listener *l;
-    struct bex_sock *map[CONN_MAP];
-    uint32_t nsocks;
+    struct bex__hmap streams; /* its owner's streams by stream id: what the
+                                 transport's upcalls name (bex__conn_stream_*) */
     uint32_t next_stream;
     struct conn *next;
 };
@@ -139,13 +141,23 @@ void bex__conn_fail(struct conn *c, int err);
 /* The engine is dead or never was: fail every socket on the connection. */
 void bex__conn_finish(struct conn *c, int err);
 void bex__conn_free(struct conn *c);
-/* The connection's socket table (by stream id). */
-void bex__conn_map_add(struct conn *c, struct bex_sock *s);
-struct bex_sock *bex__conn_map_find(struct conn *c, uint32_t id);
-void bex__conn_map_del(struct conn *c, struct bex_sock *s);
+/* The connection's stream table (by stream id): 0 or -ENOMEM (-EEXIST:
+ * the id is taken). A connection is freed only once its table is empty. */
+int bex__conn_stream_add(struct conn *c, uint32_t id, struct bex__stream *st);
+static inline struct bex__stream *bex__conn_stream_find(struct conn *c, uint32_t id)
+{
+    return bex__hmap_get(&c->streams, id);
+}
+void bex__conn_stream_del(struct conn *c, uint32_t id);
+static inline uint32_t bex__conn_nstreams(const struct conn *c)
+{
+    return bex__hmap_len(&c->streams);
+}
 /* The listener is readable: accept what is there, handing each new
  * connection to its I/O thread. */
 void bex__listener_accept(struct bex__io *io, struct bex_listener *l);
+/* A listener's epoll watcher (tag.cb): bex__listener_accept. */
+void bex__listener_on_event(struct ep_tag *t, uint32_t events);
 /* On the connection's thread: take an accepted descriptor into the setup. */
 void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
                      const struct sockaddr_in *peer);
@@ -165,5 +177,8 @@ void bex__conn_log_refusal(struct conn *c, int err, const char *why);
 void bex__conn_lost(struct conn *c, int err);
 /* Advance the setup state machine on events; any error fails c. */
 void bex__conn_step(struct conn *c, uint32_t events);
+/* A connection's epoll watcher (tag.cb): bex__conn_step, then its
+ * transport has work. */
+void bex__conn_on_event(struct ep_tag *t, uint32_t events);
 
 #endif

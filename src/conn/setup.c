@@ -6,18 +6,18 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "sock/internal.h"
+#include "conn/conn.h"
 #include "transport/tcp/tcp.h"
 
 /* Our hello: with an engine, what its QP needs; without, a NO_RDMA hello
  * (the connection stays on TCP). */
 static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     if (!c->eng) {
         memset(h, 0, sizeof(*h));
         h->flags = BEX__HELLO_F_NO_RDMA;
-        h->max_msg = ctx->cfg.max_msg;
+        h->max_msg = ctx->cfg->max_msg;
         h->conn_id = conn_id;
         return;
     }
@@ -26,13 +26,13 @@ static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
     memset(h, 0, sizeof(*h));
     h->qpn = l.qpn;
     h->psn = l.psn;
-    memcpy(h->gid, ctx->sh.path.gid.raw, 16);
-    h->mtu = (uint8_t)ctx->sh.path.active_mtu;
-    h->rd_atomic = bex__rdma_dest_rd_atomic(ctx->dev, &ctx->sh.conn);
+    memcpy(h->gid, ctx->sh->path.gid.raw, 16);
+    h->mtu = (uint8_t)ctx->sh->path.active_mtu;
+    h->rd_atomic = bex__rdma_dest_rd_atomic(ctx->dev, &ctx->sh->conn);
     h->recv_depth = (uint16_t)l.rq_depth;
-    h->sq_depth = (uint16_t)ctx->ecfg.sq_depth;
+    h->sq_depth = (uint16_t)ctx->ecfg->sq_depth;
     h->max_msg = l.max_msg;
-    h->frag_size = ctx->ecfg.frag_size;
+    h->frag_size = ctx->ecfg->frag_size;
     h->conn_id = conn_id;
     h->eager_max = l.eager_max;
     h->max_rndv = (uint16_t)l.max_rndv;
@@ -124,11 +124,11 @@ void bex__conn_log_refusal(struct conn *c, int err, const char *why)
     char ip[INET_ADDRSTRLEN] = "?";
     inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
     if (c->client)
-        bex__log(&c->ctx->log, BEX_LOG_WARN, "connection to %s:%u refused: %s (%s)", ip,
+        bex__log(c->io->env->log, BEX_LOG_WARN, "connection to %s:%u refused: %s (%s)", ip,
                  ntohs(a.sin_port), why, bex_strerror(err));
     else
-        bex__log(&c->ctx->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip, ntohs(a.sin_port),
-                 why, bex_strerror(err));
+        bex__log(c->io->env->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip,
+                 ntohs(a.sin_port), why, bex_strerror(err));
 }
 
 /* Refuse the peer: log once, tell it why when nothing else is on its way
@@ -182,7 +182,7 @@ static bool gid_is_peer(struct conn *c, const uint8_t gid[16])
  * carries nothing but a nonce. */
 static int setup_client_start(struct conn *c)
 {
-    if (c->ctx->has_secret) {
+    if (c->io->env->has_secret) {
         uint8_t m[BEX__AUTH_SHORT_LEN];
         int err = bex__auth_nonce(c->auth.nonce_c);
         if (err)
@@ -206,26 +206,26 @@ static int setup_client_start(struct conn *c)
  * attach to it, and it is up. */
 static int go_tcp(struct conn *c)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     bex__conn_engine_drop(c);
     struct bex__tcp_config tc = {
-        .max_msg = ctx->cfg.max_msg,
+        .max_msg = ctx->cfg->max_msg,
         .peer_max_msg = c->peer_max_msg,
-        .frag_size = ctx->cfg.frag_size,
-        .keepalive_ms = ctx->cfg.keepalive_ms,
-        .keepalive_timeout_ms = ctx->cfg.keepalive_timeout_ms,
-        .stall_ms = ctx->cfg.credit_timeout_ms,
-        .share_min = ctx->cfg.recv_share_min,
-        .min_rate = ctx->cfg.recv_min_rate,
-        .rate_window_ms = ctx->cfg.recv_rate_ms,
+        .frag_size = ctx->cfg->frag_size,
+        .keepalive_ms = ctx->cfg->keepalive_ms,
+        .keepalive_timeout_ms = ctx->cfg->keepalive_timeout_ms,
+        .stall_ms = ctx->cfg->credit_timeout_ms,
+        .share_min = ctx->cfg->recv_share_min,
+        .min_rate = ctx->cfg->recv_min_rate,
+        .rate_window_ms = ctx->cfg->recv_rate_ms,
         /* one per stream: the peer's (streams_max) and ours */
-        .parts_max = ctx->cfg.streams_max < (UINT32_MAX - 64) / 2 ? 2 * ctx->cfg.streams_max + 64
-                                                                  : UINT32_MAX,
+        .parts_max = ctx->cfg->streams_max < (UINT32_MAX - 64) / 2 ? 2 * ctx->cfg->streams_max + 64
+                                                                   : UINT32_MAX,
     };
     char name[32];
     snprintf(tc.name, sizeof tc.name, "%s (engine %u)", bex__conn_name(c, name), c->eng_id);
-    int err = bex__tcp_create(&c->io->sh, &tc, &bex__sock_upcalls, c, c->fd, &c->io->loop, &c->tag,
-                              &c->x);
+    int err = bex__tcp_create(&c->io->sh, &tc, &c->io->env->upcalls, c, c->fd, &c->io->loop,
+                              &c->tag, &c->x);
     if (err)
         return err;
     BEX__STAT_ADD(&c->io->stats, engines, 1); /* counts transports of either kind */
@@ -240,7 +240,7 @@ static int go_tcp(struct conn *c)
     }
     if ((err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
         return err;
-    bex__sock_attach_waiting(c);
+    c->io->env->ops->chosen(c);
     bex__tcp_start(c->x);
     return 0;
 }
@@ -248,7 +248,7 @@ static int go_tcp(struct conn *c)
 /* Our hello answering the peer's (echoing its conn_id), into out. */
 static size_t answer_hello(struct conn *c, uint64_t conn_id, uint8_t *out)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     struct bex__hello mine;
     uint8_t raw[BEX__HELLO_LEN];
     hello_fill(c, &mine, conn_id);
@@ -269,7 +269,7 @@ static size_t answer_hello(struct conn *c, uint64_t conn_id, uint8_t *out)
  * both sides can, else TCP unless this side wants RDMA only), answer. */
 static int setup_hello(struct conn *c, const char **why)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     struct bex__hello h;
     int err;
     if (ctx->has_secret) {
@@ -348,7 +348,7 @@ static int setup_hello(struct conn *c, const char **why)
          * hello says so; having sent an RDMA hello, a FALLBACK notice does,
          * and the peer's notice comes before the first frame. */
         char name[32];
-        bex__log(&ctx->log, BEX_LOG_INFO, "%s (engine %u): the QP did not come up (%s): over TCP",
+        bex__log(ctx->log, BEX_LOG_INFO, "%s (engine %u): the QP did not come up (%s): over TCP",
                  bex__conn_name(c, name), c->eng_id, bex_strerror(err));
         bex__conn_engine_drop(c);
         c->rdma_ok = false;
@@ -376,7 +376,7 @@ static int setup_hello(struct conn *c, const char **why)
  * *why is set when the error refuses the peer (logged, peer told). */
 static int setup_msg(struct conn *c, const char **why)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     int err;
     if (c->rkind == BEX__SETUP_NOTICE) {
         uint32_t st;
@@ -402,7 +402,7 @@ static int setup_msg(struct conn *c, const char **why)
             c->rwant = 1; /* from now on the TCP connection only tells EOF */
             c->rlen = 0;
             c->x = bex__engine_xport(c->eng);
-            bex__sock_attach_waiting(c);
+            c->io->env->ops->chosen(c);
             bex__engine_start(c->eng);
             return 0;
         }
@@ -417,7 +417,7 @@ static int setup_msg(struct conn *c, const char **why)
         conn_peer_addr(c, &a);
         char ip[INET_ADDRSTRLEN] = "?";
         inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
-        bex__log(&ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
+        bex__log(ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
                  bex_strerror(err));
         return err;
     }
@@ -494,14 +494,11 @@ static int setup_msg(struct conn *c, const char **why)
  * once, by name, before its sockets learn it. */
 void bex__conn_lost(struct conn *c, int err)
 {
-    uint32_t open = 0;
-    for (int i = 0; i < CONN_MAP; i++)
-        for (struct bex_sock *s = c->map[i]; s; s = s->map_next)
-            open += !s->dead;
+    uint32_t open = c->io->env->ops->open_streams(c);
     if (!open)
         return;
     char name[32];
-    bex__log(&c->ctx->log, BEX_LOG_WARN,
+    bex__log(c->io->env->log, BEX_LOG_WARN,
              "%s (engine %u): connection lost with %u socket%s open (%s)", bex__conn_name(c, name),
              c->eng_id, open, open == 1 ? "" : "s", bex_strerror(err));
 }

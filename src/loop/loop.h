@@ -18,9 +18,15 @@
 #include <stdint.h>
 #include <sys/epoll.h>
 
-/* What an epoll event belongs to: the first member of its owner. */
+/* A watcher: what an epoll event belongs to, embedded in its owner, and
+ * the owner's handler, which finds the owner from t (container_of). The
+ * thread calls cb and knows nothing of what is behind it. */
 struct ep_tag {
-    int kind;
+    void (*cb)(struct ep_tag *t, uint32_t events);
+    /* an event here may be explained by completions still in a CQ (a
+     * connection whose peer's NIC refused our write, then closed): the
+     * thread takes those before it runs cb */
+    bool cq_first;
 };
 
 /* A command handed from any thread to the loop's thread; embedded in the

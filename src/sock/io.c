@@ -33,9 +33,14 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
             return;
         }
     }
+    uint32_t id = c->next_stream++;
+    int err = bex__conn_stream_add(c, id, &s->st);
+    if (err) {
+        bex__sock_fail(s, err, true);
+        return;
+    }
     s->conn = c;
-    s->id = c->next_stream++;
-    bex__conn_map_add(c, s);
+    s->id = id;
     if (!c->x) { /* the setup has not chosen the transport yet */
         s->waiting = true;
         return;
@@ -237,7 +242,7 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, str
      * write, then the peer closed): take those first, so that the
      * connection fails for that cause and not for the reset. */
     for (int i = 0; i < n; i++) {
-        if (((struct ep_tag *)ev[i].data.ptr)->kind == EV_CONN) {
+        if (((struct ep_tag *)ev[i].data.ptr)->cq_first) {
             for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
                 ;
             break;
@@ -245,33 +250,38 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, str
     }
     for (int i = 0; i < n; i++) {
         struct ep_tag *t = ev[i].data.ptr;
-        switch (t->kind) {
-        case EV_CHANNEL: {
-            struct ibv_cq *cq;
-            void *cq_ctx;
-            while (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0)
-                ibv_ack_cq_events(cq, 1);
-            break;
-        }
-        case EV_ASYNC: {
-            struct ibv_async_event ae;
-            while (bex__rdma_async_next(io->ctx->dev, &ae) > 0) {
-                bex__srq_async(&ae);
-                ibv_ack_async_event(&ae);
-            }
-            break;
-        }
-        case EV_LISTENER:
-            bex__listener_accept(io, bex__container_of(t, struct bex_listener, tag));
-            break;
-        case EV_CONN: {
-            struct conn *c = bex__container_of(t, struct conn, tag);
-            bex__conn_step(c, ev[i].events);
-            bex__conn_ready(c);
-            break;
-        }
-        }
+        t->cb(t, ev[i].events);
     }
+}
+
+/* The completion channel's watcher: the CQs are polled on every turn
+ * anyway; the events only need acknowledging. */
+static void on_channel(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    struct bex__io *io = bex__container_of(t, struct bex__io, ch_tag);
+    struct ibv_cq *cq;
+    void *cq_ctx;
+    while (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0)
+        ibv_ack_cq_events(cq, 1);
+}
+
+/* SRQ mode: the device's async events, each to its QP's queue. */
+static void on_async(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    struct bex__io *io = bex__container_of(t, struct bex__io, async_tag);
+    struct ibv_async_event ae;
+    while (bex__rdma_async_next(io->env->dev, &ae) > 0) {
+        bex__srq_async(&ae);
+        ibv_ack_async_event(&ae);
+    }
+}
+
+void bex__io_tags_init(struct bex__io *io)
+{
+    io->ch_tag.cb = on_channel;
+    io->async_tag.cb = on_async;
 }
 
 /* Hand each completion to its engine, found by the id in its wr_id. */

@@ -169,7 +169,9 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
 {
     int err;
     io->ctx = ctx;
+    io->env = &ctx->env;
     io->idx = idx;
+    bex__io_tags_init(io);
     io->sh = ctx->sh;
     io->sh.stats = &io->stats;
     io->sh.recv_acct = &ctx->recv_acct;
@@ -192,7 +194,6 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
             goto err_cqs;
         io->cqs[0] = (struct io_cq){.cq = io->sh.cq, .cap = (uint32_t)cqe};
         io->n_cq = 1;
-        io->ch_tag.kind = EV_CHANNEL;
         if ((err = bex__loop_watch(&io->loop, io->ch->fd, EPOLLIN, &io->ch_tag)))
             goto err_cq;
         /* A thread domain tells the provider that one thread drives these
@@ -285,10 +286,12 @@ static void io_stop(bex_ctx *ctx)
     }
 }
 
-struct bex__io *bex__io_next(bex_ctx *ctx)
+/* A peer's key in the homes table: address, port and transport choice
+ * fit in 64 bits, so the key is the whole identity. */
+static uint64_t home_key(const struct sockaddr_in *addr, uint32_t mode)
 {
-    uint32_t i = atomic_fetch_add_explicit(&ctx->next_io, 1, memory_order_relaxed);
-    return &ctx->io[i % ctx->n_io];
+    return (uint64_t)ntohl(addr->sin_addr.s_addr) << 32 | (uint64_t)ntohs(addr->sin_port) << 16 |
+           (mode & 0xffffu);
 }
 
 /* The thread of the connection to addr with this transport choice: the one
@@ -300,19 +303,19 @@ static int peer_home(bex_ctx *ctx, const struct sockaddr_in *addr, uint32_t mode
         *out = &ctx->io[0];
         return 0;
     }
-    uint32_t b = (ntohl(addr->sin_addr.s_addr) * 31u + ntohs(addr->sin_port)) % PEER_HOME_BUCKETS;
+    uint64_t key = home_key(addr, mode);
     int err = 0;
     pthread_mutex_lock(&ctx->homes_lock);
-    struct peer_home *h = ctx->homes[b];
-    while (h && !(h->mode == mode && h->addr.sin_addr.s_addr == addr->sin_addr.s_addr &&
-                  h->addr.sin_port == addr->sin_port))
-        h = h->next;
+    struct peer_home *h = bex__hmap_get(&ctx->homes, key);
     if (!h) {
         h = malloc(sizeof(*h));
         if (h) {
-            *h = (struct peer_home){
-                .next = ctx->homes[b], .addr = *addr, .mode = mode, .io = bex__io_next(ctx)->idx};
-            ctx->homes[b] = h;
+            *h =
+                (struct peer_home){.addr = *addr, .mode = mode, .io = bex__io_next(&ctx->env)->idx};
+            if ((err = bex__hmap_put(&ctx->homes, key, h))) {
+                free(h);
+                h = NULL;
+            }
         } else {
             err = -ENOMEM;
         }
@@ -426,13 +429,25 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     }
     pthread_mutex_init(&ctx->homes_lock, NULL);
     ctx->n_io = c->io_threads;
-    /* round-robin from the second thread: the first runs the listeners */
-    atomic_init(&ctx->next_io, ctx->n_io > 1 ? 1 : 0);
     ctx->io = calloc(ctx->n_io, sizeof(*ctx->io));
     if (!ctx->io) {
         err = -ENOMEM;
         goto err_landing;
     }
+    ctx->env = (struct bex__conn_env){
+        .cfg = &ctx->cfg,
+        .dev = ctx->dev,
+        .sh = &ctx->sh,
+        .ecfg = &ctx->ecfg,
+        .log = &ctx->log,
+        .has_secret = ctx->has_secret,
+        .auth_key = ctx->auth_key,
+        .io = ctx->io,
+        .n_io = ctx->n_io,
+    };
+    /* round-robin from the second thread: the first runs the listeners */
+    atomic_init(&ctx->env.next_io, ctx->n_io > 1 ? 1 : 0);
+    bex__conn_env_init(&ctx->env, &bex__sock_conn_ops);
     for (uint32_t i = 0; i < ctx->n_io; i++) {
         if ((err = io_init(ctx, &ctx->io[i], i)))
             goto err_io;
@@ -479,14 +494,12 @@ int bex_ctx_destroy(bex_ctx *ctx)
         struct bex__io *io = &ctx->io[k];
         while (io->conns) {
             struct conn *cn = io->conns;
-            for (int i = 0; i < CONN_MAP; i++) {
-                while (cn->map[i]) {
-                    struct bex_sock *s = cn->map[i];
-                    cn->map[i] = s->map_next;
-                    free(s); /* the application did not close it: reclaim anyway */
-                }
+            struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+            uint64_t id;
+            for (struct bex__stream *st; (st = bex__hmap_next(&cn->streams, &it, &id));) {
+                bex__hmap_del(&cn->streams, id);
+                free(bex__sock_of(st)); /* the application did not close it: reclaim anyway */
             }
-            cn->nsocks = 0;
             bex__conn_free(cn);
         }
     }
@@ -499,13 +512,10 @@ int bex_ctx_destroy(bex_ctx *ctx)
     for (uint32_t k = 0; k < ctx->n_io; k++)
         io_fini(&ctx->io[k]);
     free(ctx->io);
-    for (int b = 0; b < PEER_HOME_BUCKETS; b++) {
-        while (ctx->homes[b]) {
-            struct peer_home *h = ctx->homes[b];
-            ctx->homes[b] = h->next;
-            free(h);
-        }
-    }
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct peer_home *h; (h = bex__hmap_next(&ctx->homes, &it, NULL));)
+        free(h);
+    bex__hmap_free(&ctx->homes);
     pthread_mutex_destroy(&ctx->homes_lock);
     if (ctx->own_pool && bex_mem_pool_destroy(ctx->sh.pool))
         bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while buffers of its pool are live");
@@ -822,7 +832,7 @@ int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_
         err = -errno;
         goto err_close;
     }
-    l->tag.kind = EV_LISTENER;
+    l->tag.cb = bex__listener_on_event;
     l->ctx = ctx;
     if (ops)
         l->ops = *ops;
