@@ -13,6 +13,8 @@
 #define BEX_COMMON_LOG_H
 
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "bex/common.h"
@@ -36,5 +38,35 @@ void bex__log_fini(struct bex__log *lg);
 /* Log one line (no trailing newline needed). lg NULL: stderr, no limit. */
 void bex__log(struct bex__log *lg, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* Lines said once per object (a connection's flood of refusals, ...):
+ * each object keeps a word of "said" bits, one per kind of line, and
+ * bex__log_once logs only the first time a bit is set. The word belongs
+ * to the object's thread (no atomics); bex__log_once_atomic is for a word
+ * any thread may reach (process-wide notes). */
+static inline bool bex__log_first(uint32_t *said, uint32_t bit)
+{
+    if (*said & bit)
+        return false;
+    *said |= bit;
+    return true;
+}
+
+static inline bool bex__log_first_atomic(_Atomic uint32_t *said, uint32_t bit)
+{
+    return !(atomic_fetch_or_explicit(said, bit, memory_order_relaxed) & bit);
+}
+
+#define bex__log_once(lg, said, bit, level, ...)                                                   \
+    do {                                                                                           \
+        if (bex__log_first(said, bit))                                                             \
+            bex__log(lg, level, __VA_ARGS__);                                                      \
+    } while (0)
+
+#define bex__log_once_atomic(lg, said, bit, level, ...)                                            \
+    do {                                                                                           \
+        if (bex__log_first_atomic(said, bit))                                                      \
+            bex__log(lg, level, __VA_ARGS__);                                                      \
+    } while (0)
 
 #endif

@@ -314,8 +314,7 @@ int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uin
         close(fd);
         return err;
     }
-    c->key = *to;
-    c->phase = P_CONNECTING;
+    c->key = *to; /* phase: P_CONNECTING, as made */
     c->mode = mode;
     c->rdma_ok = mode != BEX_TRANSPORT_TCP && ctx->dev;
     /* the engine exists before the hello, which names its QP; sockets
@@ -354,7 +353,7 @@ int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uin
  * it is marked). Returns whether there was one. */
 static bool setup_evict_oldest(struct bex__io *io)
 {
-    int first = io->env->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
+    enum bex__conn_phase first = io->env->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
     for (;;) {
         struct conn *old = NULL;
         bool old_quiet = false;

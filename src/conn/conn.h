@@ -29,10 +29,16 @@
 struct bex__engine;
 struct bex__stream;
 
-/* Setup phases; with a shared secret the client goes CONNECTING ->
- * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
- * WAIT_OPEN -> WAIT_PROOF -> WAIT_HELLO -> WAIT_READY -> UP. */
-enum {
+/* A connection's state: its setup phase, then UP. Without a secret the
+ * client goes CONNECTING -> WAIT_HELLO -> (WAIT_READY ->) UP and the
+ * listener's side CONNECTING -> WAIT_HELLO -> ...; with a shared secret
+ * the client goes CONNECTING -> WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY
+ * -> UP and the listener CONNECTING -> WAIT_OPEN -> WAIT_PROOF ->
+ * WAIT_HELLO -> WAIT_READY -> UP. WAIT_READY is skipped when the hellos
+ * chose TCP. Only bex__conn_set_phase (setup.c) changes it. Whether the
+ * connection is finished is c->dead, orthogonal: a connection dies in
+ * any phase, and the phase then says whether it ever came up. */
+enum bex__conn_phase {
     P_CONNECTING,
     P_WAIT_HELLO,
     P_WAIT_READY,
@@ -41,6 +47,9 @@ enum {
     P_WAIT_PROOF,
     P_WAIT_CHALLENGE
 };
+
+/* c->said: what a connection logs once (bex__log_once). */
+#define CONN_SAID_REFUSAL 1u /* the peer's OPENs beyond streams_max */
 
 #define ENGINE_TABLE 4096
 
@@ -79,7 +88,7 @@ struct conn {
     struct conn *ready_next; /* on io->ready while ready */
     bool ready;
     int fd;
-    int phase;
+    enum bex__conn_phase phase;
     bool client;
     struct sockaddr_in key;  /* the peer: the listener we connected to, or the
                                 address accept4 gave (kept: a peer that reset
@@ -107,7 +116,7 @@ struct conn {
     uint32_t peer_max_msg; /* from the peer's hello */
     bool dead;             /* failed: destroy at the next safe point */
     bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
-    bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
+    uint32_t said;         /* lines logged once per connection (CONN_SAID_*) */
     uint32_t cqe_reserved; /* CQ entries held for the engine ... */
     uint32_t cq_idx;       /* ... in this CQ of its thread (io->cqs) */
     struct bex_listener *l;
@@ -167,8 +176,13 @@ void bex__conn_reap(struct bex__io *io);
 void bex__conn_tick(struct bex__io *io, uint64_t now);
 
 /* ---- setup.c ---- */
+/* The one place c's phase changes: logs the move by name (DEBUG) and
+ * asserts it is a legal one (our code chooses every move after checking
+ * the peer's message, so an illegal one is our bug). */
+void bex__conn_set_phase(struct conn *c, enum bex__conn_phase to);
+const char *bex__conn_phase_name(enum bex__conn_phase p);
 /* Read the next setup message in the given phase. */
-void bex__conn_expect(struct conn *c, int phase);
+void bex__conn_expect(struct conn *c, enum bex__conn_phase phase);
 /* A refusal's one log line, naming the peer (setup.c). */
 void bex__conn_log_refusal(struct conn *c, int err, const char *why);
 /* Its TCP connection ended while up: logged by name when sockets the peer

@@ -1,6 +1,7 @@
 /* Connection setup: a non-blocking state machine per TCP connection on the
  * I/O thread (docs/protocol.md, "Connection setup"). */
 #include <arpa/inet.h>
+#include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -96,11 +97,56 @@ static int conn_send(struct conn *c, const uint8_t *p, size_t n)
     return err < 0 ? err : 0;
 }
 
+const char *bex__conn_phase_name(enum bex__conn_phase p)
+{
+    static const char *const names[] = {
+        [P_CONNECTING] = "CONNECTING",         [P_WAIT_HELLO] = "WAIT_HELLO",
+        [P_WAIT_READY] = "WAIT_READY",         [P_UP] = "UP",
+        [P_WAIT_OPEN] = "WAIT_OPEN",           [P_WAIT_PROOF] = "WAIT_PROOF",
+        [P_WAIT_CHALLENGE] = "WAIT_CHALLENGE",
+    };
+    return (unsigned)p < ARRAY_SIZE(names) && names[p] ? names[p] : "?";
+}
+
+/* Whether from -> to is a move of the setup (the comment at the enum). */
+static inline bool phase_move_ok(enum bex__conn_phase from, enum bex__conn_phase to)
+{
+    switch (from) {
+    case P_CONNECTING:
+        return to == P_WAIT_HELLO || to == P_WAIT_CHALLENGE || to == P_WAIT_OPEN;
+    case P_WAIT_OPEN:
+        return to == P_WAIT_PROOF;
+    case P_WAIT_PROOF:
+    case P_WAIT_CHALLENGE:
+        return to == P_WAIT_HELLO;
+    case P_WAIT_HELLO:
+        return to == P_WAIT_READY || to == P_UP;
+    case P_WAIT_READY:
+        return to == P_UP;
+    case P_UP:
+        return false;
+    }
+    return false;
+}
+
+void bex__conn_set_phase(struct conn *c, enum bex__conn_phase to)
+{
+    if (c->phase == to)
+        return;
+    assert(phase_move_ok(c->phase, to));
+    char name[32];
+    if (c->io->env->log->level >= BEX_LOG_DEBUG) /* (the name costs a format) */
+        bex__log(c->io->env->log, BEX_LOG_DEBUG, "%s (engine %u): %s -> %s",
+                 bex__conn_name(c, name), c->eng_id, bex__conn_phase_name(c->phase),
+                 bex__conn_phase_name(to));
+    c->phase = to;
+}
+
 /* Read the next setup message: its preamble first, which tells its kind and
  * length, so a peer of the other kind is recognised from 8 bytes. */
-void bex__conn_expect(struct conn *c, int phase)
+void bex__conn_expect(struct conn *c, enum bex__conn_phase phase)
 {
-    c->phase = phase;
+    bex__conn_set_phase(c, phase);
     c->rlen = 0;
     c->rwant = BEX__SETUP_PRE_LEN;
     c->framed = false;
@@ -230,7 +276,7 @@ static int go_tcp(struct conn *c)
         return err;
     BEX__STAT_ADD(&c->io->stats, engines, 1); /* counts transports of either kind */
     BEX__STAT_ADD(&c->io->stats, tcp_conns, 1);
-    c->phase = P_UP;
+    bex__conn_set_phase(c, P_UP);
     bex__conn_setup_end(c);
     c->rwant = c->rlen = 0;  /* the setup reads nothing more: frames are the transport's */
     if (c->woff < c->wlen) { /* setup bytes not yet out go ahead of any frame */
@@ -397,7 +443,7 @@ static int setup_msg(struct conn *c, const char **why)
             return go_tcp(c);
         }
         if (st == 0 && c->phase == P_WAIT_READY) {
-            c->phase = P_UP;
+            bex__conn_set_phase(c, P_UP);
             bex__conn_setup_end(c);
             c->rwant = 1; /* from now on the TCP connection only tells EOF */
             c->rlen = 0;

@@ -82,10 +82,12 @@ struct bind_cmd {
     uint16_t gen;
 };
 
-/* Socket states (docs/architecture.md); the I/O thread alone writes them.
+/* Socket states (docs/architecture.md): CONNECTING -> OPEN -> FAILED, or
+ * CONNECTING -> FAILED (an accepted socket starts OPEN). The I/O thread
+ * alone writes them, through bex__sock_set_state; other threads read them.
  * Whether the application closed the socket is a separate flag, written
  * once by bex_sock_close, so that neither can overwrite the other. */
-enum { S_CONNECTING, S_OPEN, S_FAILED };
+enum bex__sock_state { S_CONNECTING, S_OPEN, S_FAILED };
 
 struct bex_sock {
     struct bex__cmd connect_cmd, close_cmd;
@@ -177,6 +179,10 @@ static inline struct bex_sock *bex__sock_of(struct bex__stream *st)
  * on_send_done). */
 void bex__sock_report_done(struct bex_sock *s, void *buf, size_t len, void *msg_user, int status);
 void bex__sock_maybe_finish(struct bex_sock *s);
+/* The one place a socket's state changes: logs the move by name (DEBUG)
+ * and asserts it is one of the moves above (each is our code's choice). */
+void bex__sock_set_state(struct bex_sock *s, enum bex__sock_state to);
+const char *bex__sock_state_name(int st);
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting);
 /* c failed before its transport was chosen: s's queued sends come back. */
 void bex__sock_drop_waiting(struct bex_sock *s);

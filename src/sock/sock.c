@@ -200,15 +200,14 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
          * QPs (no locks, a doorbell of its own); QPs go on its parent
          * domain over the device's one PD. Without them (rxe: EOPNOTSUPP)
          * the QPs go on the PD itself; said once per process. */
-        static atomic_bool td_told;
+        static _Atomic uint32_t td_said;
         err = bex__rdma_td_alloc(ctx->dev, &io->td);
-        if (!err) {
+        if (!err)
             io->sh.pd = io->td->pd;
-        } else if (!atomic_exchange(&td_told, true)) {
-            bex__log(&ctx->log, BEX_LOG_INFO,
-                     "%s: no thread domains (%s): QPs on the protection domain itself",
-                     ctx->dev->name, bex_strerror(err));
-        }
+        else
+            bex__log_once_atomic(&ctx->log, &td_said, 1, BEX_LOG_INFO,
+                                 "%s: no thread domains (%s): QPs on the protection domain itself",
+                                 ctx->dev->name, bex_strerror(err));
         err = 0;
         if (ctx->cfg.srq_depth && (err = io_srq_init(ctx, io)))
             goto err_td;

@@ -1,8 +1,27 @@
 /* Socket lifecycle on the I/O thread, and the transports' upcalls. */
+#include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
 
 #include "sock/internal.h"
+
+const char *bex__sock_state_name(int st)
+{
+    static const char *const names[] = {
+        [S_CONNECTING] = "CONNECTING", [S_OPEN] = "OPEN", [S_FAILED] = "FAILED"};
+    return (unsigned)st < ARRAY_SIZE(names) ? names[st] : "?";
+}
+
+void bex__sock_set_state(struct bex_sock *s, enum bex__sock_state to)
+{
+    int from = atomic_load_explicit(&s->state, memory_order_relaxed);
+    assert((from == S_CONNECTING && (to == S_OPEN || to == S_FAILED)) ||
+           (from == S_OPEN && to == S_FAILED));
+    if (s->ctx->log.level >= BEX_LOG_DEBUG)
+        bex__log(&s->ctx->log, BEX_LOG_DEBUG, "socket %u (engine %u): %s -> %s", s->id,
+                 atomic_load(&s->eng_id), bex__sock_state_name(from), bex__sock_state_name(to));
+    atomic_store(&s->state, (int)to);
+}
 
 /* Hand a buffer back to the application; without an on_send_done nobody
  * would ever free it, so bex does. */
@@ -40,7 +59,7 @@ void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
 {
     if (!s->dead) {
         s->dead = true;
-        atomic_store(&s->state, S_FAILED);
+        bex__sock_set_state(s, S_FAILED);
         bex__exposed_cancel(s);
     }
     if (!s->error_told && !s->app_closed) {
@@ -68,9 +87,10 @@ static void conn_up(struct conn *c)
     struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
     for (struct bex_sock *s; (s = next_sock(c, &it));) {
         atomic_store(&s->max_msg, x->ops->peer_max_msg(x));
-        int st = S_CONNECTING;
-        if (atomic_compare_exchange_strong(&s->state, &st, S_OPEN) && !s->app_closed &&
-            s->ops.on_connect)
+        if (atomic_load(&s->state) != S_CONNECTING)
+            continue; /* open already, or failed */
+        bex__sock_set_state(s, S_OPEN);
+        if (!s->app_closed && s->ops.on_connect)
             s->ops.on_connect(s, 0, s->user);
     }
 }
@@ -131,12 +151,10 @@ static void on_open(struct bex__xport *x, uint32_t stream)
          * regardless, the engine fails with the one WARN/ERROR line that
          * names it */
         char name[32];
-        if (!c->refusal_logged)
-            bex__log(&c->ctx->log, BEX_LOG_INFO,
-                     "%s (engine %u): opens more than %u streams on one connection; "
-                     "refusing them (logged once per connection)",
-                     bex__conn_name(c, name), c->eng_id, c->ctx->cfg.streams_max);
-        c->refusal_logged = true;
+        bex__log_once(&c->ctx->log, &c->said, CONN_SAID_REFUSAL, BEX_LOG_INFO,
+                      "%s (engine %u): opens more than %u streams on one connection; "
+                      "refusing them (logged once per connection)",
+                      bex__conn_name(c, name), c->eng_id, c->ctx->cfg.streams_max);
         if (x->ops->refuse_stream(x, stream))
             bex__conn_fail(c, -EPROTO);
         return;
