@@ -325,29 +325,11 @@ static int peer_home(bex_ctx *ctx, const struct sockaddr_in *addr, uint32_t mode
     return err;
 }
 
-int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
+/* ---- bex_ctx_create's steps, each undone by its own ---- */
+
+/* The engines' configuration, from the context's. */
+static void ctx_ecfg_fill(bex_ctx *ctx)
 {
-    if (!cfg || !out)
-        return -EINVAL;
-    bex_ctx *ctx = calloc(1, sizeof(*ctx));
-    if (!ctx)
-        return -ENOMEM;
-    ctx->cfg = *cfg;
-    int err = config_check(&ctx->cfg);
-    if (err) {
-        free(ctx);
-        return err;
-    }
-    /* keep the derived key only: the caller's buffer may go away */
-    int have = bex__secret_resolve(cfg->secret, cfg->secret_len, ctx->auth_key);
-    ctx->cfg.secret = NULL;
-    ctx->cfg.secret_len = 0;
-    if (have < 0) {
-        free(ctx);
-        return have;
-    }
-    ctx->has_secret = have > 0;
-    bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
     const bex_ctx_config *c = &ctx->cfg;
     ctx->ecfg = (struct bex__engine_config){
         .sq_depth = c->sq_depth,
@@ -367,15 +349,22 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         .min_rate = c->recv_min_rate,
         .rate_window_ms = c->recv_rate_ms,
     };
+}
+
+/* The device local_addr names (none with BEX_TRANSPORT_TCP; AUTO goes on
+ * without one), and what every engine shares of it. */
+static int ctx_dev_open(bex_ctx *ctx)
+{
+    const bex_ctx_config *c = &ctx->cfg;
     if (c->transport != BEX_TRANSPORT_TCP) {
-        err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
+        int err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
         if (!err && ctx->sh.path.active_mtu == 0) {
             bex__rdma_dev_close(ctx->dev);
             ctx->dev = NULL;
             err = -ENETDOWN;
         }
         if (err && c->transport == BEX_TRANSPORT_RDMA)
-            goto err_free;
+            return err;
         if (err) /* AUTO: a context without a device works over TCP */
             bex__log(&ctx->log, BEX_LOG_INFO, "no usable RDMA device for %s (%s): TCP only",
                      inet_ntoa(c->local_addr), bex_strerror(err));
@@ -385,6 +374,15 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     ctx->sh.log = &ctx->log;
     ctx->sh.conn = (struct bex__rdma_conn_config){
         .timeout = c->qp_timeout, .retry_cnt = c->qp_retry_cnt, .rnr_retry = c->qp_rnr_retry};
+    return 0;
+}
+
+/* The pools: the general one (the caller's or our own), the received
+ * buffers' and the landing pool (the caller's or our own). */
+static int ctx_pools_create(bex_ctx *ctx)
+{
+    const bex_ctx_config *c = &ctx->cfg;
+    int err;
     if (c->pool) {
         ctx->sh.pool = c->pool;
     } else {
@@ -394,7 +392,7 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         else
             bex_mem_registrar_noop(&reg); /* TCP only: nothing to register */
         if ((err = bex_mem_pool_create(&reg, NULL, &ctx->sh.pool)))
-            goto err_close_dev;
+            return err;
         ctx->own_pool = true;
     }
     /* Received buffers have a pool of their own, registered like the main
@@ -426,13 +424,34 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
             goto err_recv_pool;
         ctx->own_landing = true;
     }
-    pthread_mutex_init(&ctx->homes_lock, NULL);
-    ctx->n_io = c->io_threads;
+    return 0;
+err_recv_pool:
+    bex_mem_pool_destroy(ctx->sh.recv_pool);
+err_pool:
+    if (ctx->own_pool)
+        bex_mem_pool_destroy(ctx->sh.pool);
+    return err;
+}
+
+/* Undo ctx_pools_create (the context failed to come up). */
+static void ctx_pools_destroy(bex_ctx *ctx)
+{
+    if (ctx->own_landing)
+        bex_mem_pool_destroy(ctx->sh.landing);
+    bex_mem_pool_destroy(ctx->sh.recv_pool);
+    if (ctx->own_pool)
+        bex_mem_pool_destroy(ctx->sh.pool);
+}
+
+/* The I/O threads: their resources, what their connections read
+ * (ctx->env), then the threads themselves. */
+static int ctx_io_start(bex_ctx *ctx)
+{
+    int err;
+    ctx->n_io = ctx->cfg.io_threads;
     ctx->io = calloc(ctx->n_io, sizeof(*ctx->io));
-    if (!ctx->io) {
-        err = -ENOMEM;
-        goto err_landing;
-    }
+    if (!ctx->io)
+        return -ENOMEM;
     ctx->env = (struct bex__conn_env){
         .cfg = &ctx->cfg,
         .dev = ctx->dev,
@@ -456,23 +475,52 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
             goto err_io;
         ctx->io[i].started = true;
     }
-    *out = ctx;
     return 0;
-
 err_io:
     io_stop(ctx);
     for (uint32_t i = 0; i < ctx->n_io; i++)
         io_fini(&ctx->io[i]);
     free(ctx->io);
-err_landing:
+    return err;
+}
+
+int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
+{
+    if (!cfg || !out)
+        return -EINVAL;
+    bex_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (!ctx)
+        return -ENOMEM;
+    ctx->cfg = *cfg;
+    int err = config_check(&ctx->cfg);
+    if (err) {
+        free(ctx);
+        return err;
+    }
+    /* keep the derived key only: the caller's buffer may go away */
+    int have = bex__secret_resolve(cfg->secret, cfg->secret_len, ctx->auth_key);
+    ctx->cfg.secret = NULL;
+    ctx->cfg.secret_len = 0;
+    if (have < 0) {
+        free(ctx);
+        return have;
+    }
+    ctx->has_secret = have > 0;
+    bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
+    ctx_ecfg_fill(ctx);
+    if ((err = ctx_dev_open(ctx)))
+        goto err_free;
+    if ((err = ctx_pools_create(ctx)))
+        goto err_close_dev;
+    pthread_mutex_init(&ctx->homes_lock, NULL);
+    if ((err = ctx_io_start(ctx)))
+        goto err_pools;
+    *out = ctx;
+    return 0;
+
+err_pools:
     pthread_mutex_destroy(&ctx->homes_lock);
-    if (ctx->own_landing)
-        bex_mem_pool_destroy(ctx->sh.landing);
-err_recv_pool:
-    bex_mem_pool_destroy(ctx->sh.recv_pool);
-err_pool:
-    if (ctx->own_pool)
-        bex_mem_pool_destroy(ctx->sh.pool);
+    ctx_pools_destroy(ctx);
 err_close_dev:
     bex__rdma_dev_close(ctx->dev);
 err_free:
