@@ -553,7 +553,7 @@ struct bex__io *bex__io_next(struct bex__conn_env *env)
 static void conn_on_up(struct bex__xport *x)
 {
     struct conn *c = x->user;
-    c->io->env->ops->up(c);
+    c->io->env->ops->up(c, x);
 }
 
 static void conn_on_fail(struct bex__xport *x, int err)

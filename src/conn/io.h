@@ -72,8 +72,10 @@ struct bex__conn_owner_ops {
      * struct conn); on_up and on_fail are conn's, which pass them on as up
      * and down below. */
     const struct bex__transport_upcalls *stream_upcalls;
-    /* c's transport is up (RDMA: the QP at RTS, the peer ready). */
-    void (*up)(struct conn *c);
+    /* x, c's transport, is up (RDMA: the QP at RTS, the peer ready). c->x
+     * may not be set yet: the peer's first frames can come over RDMA before
+     * its readiness notice over TCP. */
+    void (*up)(struct conn *c, struct bex__xport *x);
     /* c's transport is chosen (c->x is set): the streams waiting for it
      * attach. */
     void (*chosen)(struct conn *c);

@@ -81,9 +81,8 @@ static struct bex_sock *next_sock(struct conn *c, struct bex__hmap_iter *it)
     return bex__sock_of(bex__hmap_next(&c->streams, it, NULL));
 }
 
-static void conn_up(struct conn *c)
+static void conn_up(struct conn *c, struct bex__xport *x)
 {
-    struct bex__xport *x = c->x;
     struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
     for (struct bex_sock *s; (s = next_sock(c, &it));) {
         atomic_store(&s->max_msg, x->ops->peer_max_msg(x));
