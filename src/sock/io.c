@@ -410,6 +410,55 @@ static bool has_timers(struct bex__io *io)
     return false;
 }
 
+/* The timer tick: connections' deadlines and keepalives, QPs draining,
+ * and (with several threads) the frees other threads made of this one's
+ * buffers. */
+static void io_tick(struct bex__io *io, uint64_t now)
+{
+    bex__conn_tick(io, now);
+    if (io->sh.srq && io->sh.srq->n_dying)
+        bex__srq_reap(io->sh.srq, now, false, cq_room_back, io);
+    if (io->env->n_io > 1) {
+        /* frees of buffers this thread allocated wait in its heaps
+         * until it collects them: another thread's exact count of
+         * received memory (recv_bytes_max) sees them then */
+        bex_mem_pool_collect(io->sh.recv_pool);
+        bex_mem_pool_collect(io->sh.landing);
+    }
+}
+
+/* Sleep until an event, a command, a completion or the next timer (the
+ * tick at next_tick, a transport's deadline): arm the CQs, then look once
+ * more so nothing slips between. */
+static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
+                     uint64_t next_tick)
+{
+    for (uint32_t q = 0; q < io->n_cq; q++)
+        ibv_req_notify_cq(io->cqs[q].cq, 0);
+    if (io->sh.srq)
+        ibv_req_notify_cq(io->sh.srq->cq, 0);
+    bex__loop_sleep_begin(&io->loop);
+    bool found = poll_cqs(io, wc);
+    if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
+        bex__loop_sleep_end(&io->loop);
+        return;
+    }
+    uint64_t now = bex__now_ms();
+    int timeout = next_tick > now ? (int)(next_tick - now) : 0;
+    if (!has_timers(io))
+        timeout = IDLE_WAKE_MS;
+    if (io->due_us) { /* event mode: sleep to a transport's deadline, rounded up */
+        uint64_t t = bex__now_us();
+        uint64_t due_ms = io->due_us > t ? (io->due_us - t + 999) / 1000 : 0;
+        if (due_ms < (uint64_t)timeout)
+            timeout = (int)due_ms;
+    }
+    int m = bex__loop_wait(&io->loop, ev, 16, timeout);
+    bex__loop_sleep_end(&io->loop);
+    if (m > 0)
+        handle_events(io, ev, m, wc);
+}
+
 void *bex__io_main(void *arg)
 {
     struct bex__io *io = arg;
@@ -439,16 +488,7 @@ void *bex__io_main(void *arg)
         bex__conn_reap(io);
         uint64_t now = bex__now_ms();
         if (now >= next_tick) {
-            bex__conn_tick(io, now);
-            if (io->sh.srq && io->sh.srq->n_dying)
-                bex__srq_reap(io->sh.srq, now, false, cq_room_back, io);
-            if (ctx->n_io > 1) {
-                /* frees of buffers this thread allocated wait in its heaps
-                 * until it collects them: another thread's exact count of
-                 * received memory (recv_bytes_max) sees them then */
-                bex_mem_pool_collect(io->sh.recv_pool);
-                bex_mem_pool_collect(io->sh.landing);
-            }
+            io_tick(io, now);
             next_tick = now + tick_ms;
         }
         if (did) {
@@ -481,34 +521,7 @@ void *bex__io_main(void *arg)
             }
             continue;
         }
-        /* Sleep: arm the CQs, then look once more so nothing slips between. */
-        for (uint32_t q = 0; q < io->n_cq; q++)
-            ibv_req_notify_cq(io->cqs[q].cq, 0);
-        if (io->sh.srq)
-            ibv_req_notify_cq(io->sh.srq->cq, 0);
-        bex__loop_sleep_begin(&io->loop);
-        bool found = poll_cqs(io, wc);
-        if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
-            bex__loop_sleep_end(&io->loop);
-            idle_since = 0;
-            idle_polls = 0;
-            spun_out = false;
-            continue;
-        }
-        now = bex__now_ms();
-        int timeout = next_tick > now ? (int)(next_tick - now) : 0;
-        if (!has_timers(io))
-            timeout = IDLE_WAKE_MS;
-        if (io->due_us) { /* event mode: sleep to a transport's deadline, rounded up */
-            uint64_t t = bex__now_us();
-            uint64_t due_ms = io->due_us > t ? (io->due_us - t + 999) / 1000 : 0;
-            if (due_ms < (uint64_t)timeout)
-                timeout = (int)due_ms;
-        }
-        int m = bex__loop_wait(&io->loop, ev, 16, timeout);
-        bex__loop_sleep_end(&io->loop);
-        if (m > 0)
-            handle_events(io, ev, m, wc);
+        io_sleep(io, ev, wc, next_tick);
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;
