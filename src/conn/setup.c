@@ -310,17 +310,15 @@ static size_t answer_hello(struct conn *c, uint64_t conn_id, uint8_t *out)
     return BEX__HELLO_LEN;
 }
 
-/* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
- * checks): check it fits this connection, choose the transport (RDMA when
- * both sides can, else TCP unless this side wants RDMA only), answer. */
-static int setup_hello(struct conn *c, const char **why)
+/* The peer's hello out of rbuf into h: plain, or inside an authenticated
+ * HELLO whose MAC this checks. */
+static int hello_read(struct conn *c, struct bex__hello *h, const char **why)
 {
     struct bex__conn_env *ctx = c->io->env;
-    struct bex__hello h;
     int err;
     if (ctx->has_secret) {
         uint8_t mac[BEX__AUTH_MAC_LEN];
-        if ((err = bex__auth_decode_hello(c->rbuf, c->rlen, &h, mac))) {
+        if ((err = bex__auth_decode_hello(c->rbuf, c->rlen, h, mac))) {
             *why = "malformed authenticated hello";
             return err;
         }
@@ -340,11 +338,24 @@ static int setup_hello(struct conn *c, const char **why)
             *why = "the peer uses a shared secret; this side has none";
             return -EACCES;
         }
-        if ((err = bex__hello_decode(c->rbuf, c->rlen, &h))) {
+        if ((err = bex__hello_decode(c->rbuf, c->rlen, h))) {
             *why = "malformed hello";
             return err;
         }
     }
+    return 0;
+}
+
+/* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
+ * checks): check it fits this connection, choose the transport (RDMA when
+ * both sides can, else TCP unless this side wants RDMA only), answer. */
+static int setup_hello(struct conn *c, const char **why)
+{
+    struct bex__conn_env *ctx = c->io->env;
+    struct bex__hello h;
+    int err;
+    if ((err = hello_read(c, &h, why)))
+        return err;
     if (c->hello_first && h.conn_id != c->conn_id) {
         *why = "the hello does not answer ours (conn_id)";
         return -EPROTO;
@@ -418,55 +429,62 @@ static int setup_hello(struct conn *c, const char **why)
     return conn_send(c, out, n + BEX__READY_LEN);
 }
 
+/* A notice (readiness, fallback, or the peer's refusal) is in rbuf. */
+static int setup_notice(struct conn *c, const char **why)
+{
+    struct bex__conn_env *ctx = c->io->env;
+    int err;
+    uint32_t st;
+    memcpy(&st, c->rbuf + 4, 4);
+    st = ntohl(st);
+    if (c->phase == P_WAIT_READY && (c->fallback || st == BEX__READY_FALLBACK)) {
+        if (c->x) { /* its frames came over RDMA already (on_peer_open) */
+            *why = "a fallback notice after frames over RDMA";
+            return -EPROTO;
+        }
+        /* either QP could not come up: both sides go on over TCP */
+        if (c->mode == BEX_TRANSPORT_RDMA) {
+            *why = "the peer's QP did not come up";
+            return -EPROTONOSUPPORT;
+        }
+        if (st != 0 && st != BEX__READY_FALLBACK)
+            goto refused;
+        return go_tcp(c);
+    }
+    if (st == 0 && c->phase == P_WAIT_READY) {
+        bex__conn_set_phase(c, P_UP);
+        bex__conn_setup_end(c);
+        c->rwant = 1; /* from now on the TCP connection only tells EOF */
+        c->rlen = 0;
+        c->x = bex__engine_xport(c->eng);
+        c->io->env->ops->chosen(c);
+        bex__engine_start(c->eng);
+        return 0;
+    }
+    if (st == 0) {
+        *why = "a readiness notice before the hellos";
+        return -EPROTO;
+    }
+refused:
+    /* the peer refused us or failed: say so once, it is closing anyway */
+    err = st < 4096 ? -(int)st : -EPROTO;
+    struct sockaddr_in a;
+    conn_peer_addr(c, &a);
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
+    bex__log(ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
+             bex_strerror(err));
+    return err;
+}
+
 /* One whole setup message is in rbuf: act on it. Returns 0 or an error;
  * *why is set when the error refuses the peer (logged, peer told). */
 static int setup_msg(struct conn *c, const char **why)
 {
     struct bex__conn_env *ctx = c->io->env;
     int err;
-    if (c->rkind == BEX__SETUP_NOTICE) {
-        uint32_t st;
-        memcpy(&st, c->rbuf + 4, 4);
-        st = ntohl(st);
-        if (c->phase == P_WAIT_READY && (c->fallback || st == BEX__READY_FALLBACK)) {
-            if (c->x) { /* its frames came over RDMA already (on_peer_open) */
-                *why = "a fallback notice after frames over RDMA";
-                return -EPROTO;
-            }
-            /* either QP could not come up: both sides go on over TCP */
-            if (c->mode == BEX_TRANSPORT_RDMA) {
-                *why = "the peer's QP did not come up";
-                return -EPROTONOSUPPORT;
-            }
-            if (st != 0 && st != BEX__READY_FALLBACK)
-                goto refused;
-            return go_tcp(c);
-        }
-        if (st == 0 && c->phase == P_WAIT_READY) {
-            bex__conn_set_phase(c, P_UP);
-            bex__conn_setup_end(c);
-            c->rwant = 1; /* from now on the TCP connection only tells EOF */
-            c->rlen = 0;
-            c->x = bex__engine_xport(c->eng);
-            c->io->env->ops->chosen(c);
-            bex__engine_start(c->eng);
-            return 0;
-        }
-        if (st == 0) {
-            *why = "a readiness notice before the hellos";
-            return -EPROTO;
-        }
-    refused:
-        /* the peer refused us or failed: say so once, it is closing anyway */
-        err = st < 4096 ? -(int)st : -EPROTO;
-        struct sockaddr_in a;
-        conn_peer_addr(c, &a);
-        char ip[INET_ADDRSTRLEN] = "?";
-        inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
-        bex__log(ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
-                 bex_strerror(err));
-        return err;
-    }
+    if (c->rkind == BEX__SETUP_NOTICE)
+        return setup_notice(c, why);
     switch (c->phase) {
     case P_WAIT_OPEN: { /* listener with a secret: the client's nonce */
         if (c->rkind == BEX__SETUP_HELLO) {
