@@ -1,11 +1,15 @@
 /* bex sockets: logical connections over RDMA engines.
  *
- * A context (bex_ctx) owns one RDMA device, its protection domain, a
- * bemalloc pool registered with it, and an I/O thread. A socket (bex_sock)
- * is a logical connection, such as an RPC channel. Sockets to the same remote
- * address share one engine: one RC queue pair with its work-request chain,
- * receive buffers and credits. A round-robin scheduler interleaves the
- * sockets of an engine fragment by fragment.
+ * A context (bex_ctx) owns the RDMA device that carries its local address
+ * (none over TCP only), its protection domain, bemalloc pools registered
+ * with it (general, received buffers, landing), and io_threads I/O threads
+ * (bex_ctx_config.io_threads, default 1), each with the connections it
+ * owns. A socket (bex_sock) is a logical connection, such as an RPC
+ * channel. Sockets to the same listener (with the same transport choice)
+ * share one connection and its transport: over RDMA one engine, an RC queue
+ * pair with its work-request chain, receive buffers and credits; over TCP
+ * one TCP connection. A round-robin scheduler interleaves the sockets of a
+ * connection fragment by fragment.
  *
  * Delivery model: callbacks, run on the I/O thread of the socket's
  * connection (a context has io_threads of them; a socket's callbacks all run
@@ -213,11 +217,17 @@ typedef struct bex_ctx_config {
  * -EFBIG (more than cap or BEX_SECRET_MAX bytes). Any thread. */
 int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
 
-/* Create a context: open the device that carries cfg->local_addr, allocate a
- * PD and a bemalloc pool registered with it, start the I/O thread.
- * Returns 0, -ENODEV (no RDMA device has that address), -EINVAL (also: a
- * secret, or BEX_SECRET, of the wrong size), bex_secret_load's errors for
- * BEX_SECRET_FILE, or another negative errno. */
+/* Create a context: open the device that carries cfg->local_addr (with
+ * BEX_TRANSPORT_TCP none; with AUTO, when none is usable, the context works
+ * over TCP only and says so at INFO), take its PD, make the pools (cfg->pool
+ * and cfg->landing_pool if given, else bemalloc pools of its own,
+ * registered with the PD), and start cfg->io_threads I/O threads.
+ * Returns 0, -EINVAL (a field out of range, local_addr INADDR_ANY, a
+ * secret, or BEX_SECRET, of the wrong size), -ENODEV or -ENETDOWN (with
+ * BEX_TRANSPORT_RDMA: no usable RDMA device has that address),
+ * bex_secret_load's errors for BEX_SECRET_FILE, or another negative errno;
+ * on an error nothing is left behind. Any thread but a context's own I/O
+ * thread. */
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out);
 
 /* Stop the I/O thread and free everything. Every socket and listener of the

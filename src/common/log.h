@@ -18,6 +18,7 @@
 #define BEX_COMMON_LOG_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -61,15 +62,34 @@ void bex__log_at(struct bex__log_site *site, struct bex__log *lg, int level, con
  * [name] msg" (no brackets without a name). Returns buf. */
 char *bex__log_format(char *buf, size_t cap, const struct bex__log *lg, int level, const char *msg);
 
-/* Lines logged once until reset: a bit per line in a word the caller keeps
- * (clearing a bit lets its line come again). Whether line may be logged
- * now; it counts as logged from here on. */
-static inline bool bex__log_once(uint32_t *logged, uint32_t line)
+/* Lines said once per object (a connection's flood of refusals, ...):
+ * each object keeps a word of "said" bits, one per kind of line, and
+ * bex__log_once logs only the first time a bit is set. The word belongs
+ * to the object's thread (no atomics); bex__log_once_atomic is for a word
+ * any thread may reach (process-wide notes). */
+static inline bool bex__log_first(uint32_t *said, uint32_t bit)
 {
-    if (*logged & line)
+    if (*said & bit)
         return false;
-    *logged |= line;
+    *said |= bit;
     return true;
 }
+
+static inline bool bex__log_first_atomic(_Atomic uint32_t *said, uint32_t bit)
+{
+    return !(atomic_fetch_or_explicit(said, bit, memory_order_relaxed) & bit);
+}
+
+#define bex__log_once(lg, said, bit, level, ...)                                                   \
+    do {                                                                                           \
+        if (bex__log_first(said, bit))                                                             \
+            bex__log(lg, level, __VA_ARGS__);                                                      \
+    } while (0)
+
+#define bex__log_once_atomic(lg, said, bit, level, ...)                                            \
+    do {                                                                                           \
+        if (bex__log_first_atomic(said, bit))                                                      \
+            bex__log(lg, level, __VA_ARGS__);                                                      \
+    } while (0)
 
 #endif

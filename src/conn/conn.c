@@ -9,26 +9,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "sock/internal.h"
+#include "conn/conn.h"
 #include "transport/rdma/srq.h"
 #include "transport/tcp/tcp.h"
 
 #define ACCEPT_BATCH 16 /* connections accepted per listener event */
 
-void bex__conn_map_add(struct conn *c, struct bex_sock *s)
+int bex__conn_stream_add(struct conn *c, uint32_t id, struct bex__stream *st)
 {
-    struct bex_sock **b = &c->map[s->id % CONN_MAP];
-    s->map_next = *b;
-    *b = s;
-    c->nsocks++;
-}
-
-struct bex_sock *bex__conn_map_find(struct conn *c, uint32_t id)
-{
-    for (struct bex_sock *s = c->map[id % CONN_MAP]; s; s = s->map_next)
-        if (s->id == id)
-            return s;
-    return NULL;
+    return bex__hmap_put(&c->streams, id, st);
 }
 
 /* c is dead: the reaper frees it once it has no socket left. */
@@ -38,16 +27,10 @@ static void conn_dead(struct conn *c)
     c->io->reap = true;
 }
 
-void bex__conn_map_del(struct conn *c, struct bex_sock *s)
+void bex__conn_stream_del(struct conn *c, uint32_t id)
 {
-    for (struct bex_sock **p = &c->map[s->id % CONN_MAP]; *p; p = &(*p)->map_next) {
-        if (*p == s) {
-            *p = s->map_next;
-            c->nsocks--;
-            c->io->reap = true; /* a dead connection may have lost its last */
-            return;
-        }
-    }
+    if (bex__hmap_del(&c->streams, id))
+        c->io->reap = true; /* a dead connection may have lost its last */
 }
 
 /* Engine ids are unique in the context (an exposed buffer names its
@@ -57,13 +40,13 @@ void bex__conn_map_del(struct conn *c, struct bex_sock *s)
  * VM). */
 static uint32_t engine_slot(struct bex__io *io, uint32_t id)
 {
-    uint32_t n = io->ctx->n_io;
+    uint32_t n = io->env->n_io;
     return (n == 1 ? id : id / n) % ENGINE_TABLE;
 }
 
 struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
 {
-    uint32_t n = io->ctx->n_io;
+    uint32_t n = io->env->n_io;
     if (n > 1 && id % n != io->idx)
         return NULL;
     struct conn *c = io->engines[engine_slot(io, id)];
@@ -93,7 +76,7 @@ void bex__conn_setup_end(struct conn *c)
  * engine is made (bex__conn_engine_make): CQ entries are reserved then. */
 static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
 {
-    bex_ctx *ctx = io->ctx;
+    struct bex__conn_env *ctx = io->env;
     uint32_t id = 0;
     for (uint32_t tries = 0;; tries++) {
         if (tries == ENGINE_TABLE)
@@ -110,16 +93,17 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
     struct conn *c = calloc(1, sizeof(*c));
     if (!c)
         return -ENOMEM;
-    c->tag.kind = EV_CONN;
-    c->ctx = ctx;
+    c->tag.cb = bex__conn_on_event;
+    c->tag.cq_first = true;
+    c->ctx = io->ctx;
     c->io = io;
     c->fd = fd;
     c->client = client;
     c->eng_id = id;
-    c->mode = ctx->cfg.transport;
+    c->mode = ctx->cfg->transport;
     c->rdma_ok = c->mode != BEX_TRANSPORT_TCP && ctx->dev;
     c->next_stream = 1;
-    c->deadline = bex__now_ms() + ctx->cfg.connect_timeout_ms;
+    c->deadline = bex__now_ms() + ctx->cfg->connect_timeout_ms;
     io->engines[engine_slot(io, id)] = c;
     c->next = io->conns;
     io->conns = c;
@@ -165,6 +149,7 @@ void bex__conn_free(struct conn *c)
         BEX__STAT_ADD(&io->stats, engines, (uint64_t)-1);
     }
     bex__conn_engine_drop(c); /* made for a setup that never chose */
+    bex__hmap_free(&c->streams);
     free(c);
 }
 
@@ -183,18 +168,7 @@ void bex__conn_finish(struct conn *c, int err)
         close(c->fd);
         c->fd = -1;
     }
-    bool connecting = c->phase != P_UP;
-    for (int i = 0; i < CONN_MAP; i++) {
-        struct bex_sock *s = c->map[i];
-        while (s) {
-            struct bex_sock *next = s->map_next;
-            if (s->waiting)
-                bex__sock_drop_waiting(s);
-            s->attached = false; /* the engine let go */
-            bex__sock_fail(s, err, connecting && atomic_load(&s->state) == S_CONNECTING);
-            s = next;
-        }
-    }
+    c->io->env->ops->down(c, err, c->phase != P_UP);
 }
 
 /* Fail a connection. Engine failure is synchronous: its on_fail finishes
@@ -227,7 +201,7 @@ uint32_t bex__cq_max_test;
  * largest CQ the device makes. */
 static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
 {
-    bex_ctx *ctx = io->ctx;
+    struct bex__conn_env *ctx = io->env;
     uint32_t max = (uint32_t)ctx->dev->attr.max_cqe;
     if (bex__cq_max_test && bex__cq_max_test < max)
         max = bex__cq_max_test;
@@ -247,12 +221,12 @@ static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
             want = want > max / 2 ? max : want * 2;
         int err = bex__rdma_cq_resize(q->cq, (int)want);
         if (err) {
-            bex__log(&ctx->log, BEX_LOG_WARN,
+            bex__log(ctx->log, BEX_LOG_WARN,
                      "I/O thread %u: ibv_resize_cq from %u to %u entries: %s; adding a CQ", io->idx,
                      q->cap, want, bex_strerror(err));
             break;
         }
-        bex__log(&ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u grown from %u to %u entries",
+        bex__log(ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u grown from %u to %u entries",
                  io->idx, i, q->cap, want);
         q->cap = want;
         *idx = i;
@@ -271,12 +245,12 @@ static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
     struct ibv_cq *cq;
     int err = bex__rdma_cq_create(ctx->dev, (int)cqe, io->ch, &cq);
     if (err) {
-        bex__log(&ctx->log, BEX_LOG_WARN,
+        bex__log(ctx->log, BEX_LOG_WARN,
                  "no room for another engine: I/O thread %u has %u full CQs, another: %s", io->idx,
                  io->n_cq, bex_strerror(err));
         return err;
     }
-    bex__log(&ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u added (%u entries)", io->idx, io->n_cq,
+    bex__log(ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u added (%u entries)", io->idx, io->n_cq,
              cqe);
     io->cqs[io->n_cq] = (struct io_cq){.cq = cq, .cap = cqe};
     *idx = io->n_cq++;
@@ -285,19 +259,19 @@ static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
 
 int bex__conn_engine_make(struct conn *c)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     struct bex__io *io = c->io;
     /* every completion the engine can have outstanding must fit its CQ
      * (in SRQ mode its receives complete on the shared queue's CQ) */
-    uint32_t need = ctx->ecfg.sq_depth + (io->sh.srq ? 0 : ctx->ecfg.rq_depth) + 2, idx;
+    uint32_t need = ctx->ecfg->sq_depth + (io->sh.srq ? 0 : ctx->ecfg->rq_depth) + 2, idx;
     int err = cq_room(io, need, &idx);
     if (err)
         return err;
     /* the engine takes its CQ from sh when it creates its QP, and only then */
     io->sh.cq = io->cqs[idx].cq;
-    err = bex__engine_create(&io->sh, &ctx->ecfg, &bex__sock_upcalls, c->eng_id, c, &c->eng);
+    err = bex__engine_create(&io->sh, ctx->ecfg, &io->env->upcalls, c->eng_id, c, &c->eng);
     io->sh.cq = io->cqs[0].cq;
-    if (!err) { /* c->x once the setup chose RDMA (bex__sock_attach_waiting) */
+    if (!err) { /* c->x once the setup chose RDMA (the owner's chosen) */
         char name[32];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
         io->cqs[idx].used += need;
@@ -322,13 +296,13 @@ void bex__conn_engine_drop(struct conn *c)
 int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uint32_t mode,
                            struct conn **out)
 {
-    bex_ctx *ctx = io->ctx;
+    struct bex__conn_env *ctx = io->env;
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -errno;
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = ctx->cfg.local_addr};
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = ctx->cfg->local_addr};
     int err = 0;
     if (bind(fd, (struct sockaddr *)&me, sizeof(me))) {
         err = -errno;
@@ -340,12 +314,11 @@ int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uin
         close(fd);
         return err;
     }
-    c->key = *to;
-    c->phase = P_CONNECTING;
+    c->key = *to; /* phase: P_CONNECTING, as made */
     c->mode = mode;
     c->rdma_ok = mode != BEX_TRANSPORT_TCP && ctx->dev;
     /* the engine exists before the hello, which names its QP; sockets
-     * wait for the transport's choice (bex__sock_attach_waiting); and it is
+     * wait for the transport's choice (the owner's chosen); and it is
      * made before connect, so that our first setup message follows the
      * handshake at once: a listener under a flood closes first the
      * connections that have said nothing (setup_max) */
@@ -380,7 +353,7 @@ int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uin
  * it is marked). Returns whether there was one. */
 static bool setup_evict_oldest(struct bex__io *io)
 {
-    int first = io->ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
+    enum bex__conn_phase first = io->env->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO;
     for (;;) {
         struct conn *old = NULL;
         bool old_quiet = false;
@@ -413,7 +386,7 @@ static bool setup_evict_oldest(struct bex__io *io)
 static void listener_pause(struct bex__io *io, struct bex_listener *l, int err)
 {
     if (!l->backoff_ms)
-        bex__log(&io->ctx->log, BEX_LOG_WARN,
+        bex__log(io->env->log, BEX_LOG_WARN,
                  "listener on port %u: accept: %s; retrying with backoff", ntohs(l->addr.sin_port),
                  strerror(err));
     l->backoff_ms = l->backoff_ms ? (l->backoff_ms * 2 > 500 ? 500 : l->backoff_ms * 2) : 20;
@@ -424,7 +397,6 @@ static void listener_pause(struct bex__io *io, struct bex_listener *l, int err)
 
 void bex__listener_accept(struct bex__io *io, struct bex_listener *l)
 {
-    bex_ctx *ctx = io->ctx;
     bool evicted = false;
     /* a bounded batch: a flood that refills the backlog as fast as we
      * accept must not keep the I/O thread from its engines (keepalive,
@@ -450,7 +422,7 @@ void bex__listener_accept(struct bex__io *io, struct bex_listener *l)
         l->backoff_ms = 0;
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        struct bex__io *to = bex__io_next(ctx);
+        struct bex__io *to = bex__io_next(io->env);
         if (to == io) {
             bex__conn_adopt(io, l, fd, &peer);
             continue;
@@ -470,16 +442,16 @@ void bex__listener_accept(struct bex__io *io, struct bex_listener *l)
 void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
                      const struct sockaddr_in *peer)
 {
-    bex_ctx *ctx = io->ctx;
+    struct bex__conn_env *ctx = io->env;
     /* Setup costs no CQ entries or QP, but it is bounded: an idle or
      * slow connection gives its place to the newcomer, so connections
      * held open without a hello cannot lock out the ones that talk. */
-    uint32_t max = (ctx->cfg.setup_max + ctx->n_io - 1) / ctx->n_io;
+    uint32_t max = (ctx->cfg->setup_max + ctx->n_io - 1) / ctx->n_io;
     if (io->n_setup >= max) {
         /* once per flood: the first eviction after 10 s without one */
         uint64_t now = bex__now_ms();
         if (io->n_setup_evictions++ == 0 || now - io->setup_evicted_ms > 10000)
-            bex__log(&ctx->log, BEX_LOG_WARN,
+            bex__log(ctx->log, BEX_LOG_WARN,
                      "%u connections in setup (setup_max): closing the oldest silent one "
                      "for each new one (logged once per flood)",
                      io->n_setup * ctx->n_io);
@@ -513,7 +485,7 @@ void bex__conn_reap(struct bex__io *io)
     while (c) {
         struct conn *next = c->next;
         BEX__STAT_ADD(io, reap_visits, 1);
-        if (c->dead && c->nsocks == 0)
+        if (c->dead && bex__conn_nstreams(c) == 0)
             bex__conn_free(c);
         c = next;
     }
@@ -556,4 +528,46 @@ void bex__conn_tick(struct bex__io *io, uint64_t now)
         if (c->x && (c->x->ops->tick(c->x, now) || sweep))
             bex__conn_ready(c);
     }
+}
+
+void bex__listener_on_event(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    struct bex_listener *l = bex__container_of(t, struct bex_listener, tag);
+    bex__listener_accept(l->io, l);
+}
+
+void bex__conn_on_event(struct ep_tag *t, uint32_t events)
+{
+    struct conn *c = bex__container_of(t, struct conn, tag);
+    bex__conn_step(c, events);
+    bex__conn_ready(c);
+}
+
+struct bex__io *bex__io_next(struct bex__conn_env *env)
+{
+    uint32_t i = atomic_fetch_add_explicit(&env->next_io, 1, memory_order_relaxed);
+    return &env->io[i % env->n_io];
+}
+
+static void conn_on_up(struct bex__xport *x)
+{
+    struct conn *c = x->user;
+    c->io->env->ops->up(c, x);
+}
+
+static void conn_on_fail(struct bex__xport *x, int err)
+{
+    struct conn *c = x->user;
+    if (bex__tcp_link_lost(x)) /* over RDMA the setup's descriptor tells (bex__conn_step) */
+        bex__conn_lost(c, err);
+    bex__conn_finish(c, err);
+}
+
+void bex__conn_env_init(struct bex__conn_env *env, const struct bex__conn_owner_ops *ops)
+{
+    env->ops = ops;
+    env->upcalls = *ops->stream_upcalls;
+    env->upcalls.on_up = conn_on_up;
+    env->upcalls.on_fail = conn_on_fail;
 }

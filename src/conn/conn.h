@@ -8,8 +8,10 @@
  *   (setup_max), deadlines, and tearing a connection down;
  * - hello_io.c: blocking setup I/O for tests and tools.
  *
- * Everything here runs on the connection's I/O thread (struct bex__io):
- * a connection belongs to one for its life. */
+ * Everything here runs on the connection's I/O thread (struct bex__io,
+ * conn/io.h): a connection belongs to one for its life. conn knows nothing
+ * of sockets: its owner (sock) fills struct bex__conn_owner_ops and keeps
+ * its streams in the connection's stream table. */
 #ifndef BEX_CONN_H
 #define BEX_CONN_H
 
@@ -19,16 +21,24 @@
 #include <stdint.h>
 
 #include "bex/sock.h"
+#include "common/hash.h"
+#include "conn/io.h"
 #include "loop/loop.h"
 #include "wire/hello.h"
 
 struct bex__engine;
-struct bex__io;
+struct bex__stream;
 
-/* Setup phases; with a shared secret the client goes CONNECTING ->
- * WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY -> UP and the listener
- * WAIT_OPEN -> WAIT_PROOF -> WAIT_HELLO -> WAIT_READY -> UP. */
-enum {
+/* A connection's state: its setup phase, then UP. Without a secret the
+ * client goes CONNECTING -> WAIT_HELLO -> (WAIT_READY ->) UP and the
+ * listener's side CONNECTING -> WAIT_HELLO -> ...; with a shared secret
+ * the client goes CONNECTING -> WAIT_CHALLENGE -> WAIT_HELLO -> WAIT_READY
+ * -> UP and the listener CONNECTING -> WAIT_OPEN -> WAIT_PROOF ->
+ * WAIT_HELLO -> WAIT_READY -> UP. WAIT_READY is skipped when the hellos
+ * chose TCP. Only bex__conn_set_phase (setup.c) changes it. Whether the
+ * connection is finished is c->dead, orthogonal: a connection dies in
+ * any phase, and the phase then says whether it ever came up. */
+enum bex__conn_phase {
     P_CONNECTING,
     P_WAIT_HELLO,
     P_WAIT_READY,
@@ -37,6 +47,9 @@ enum {
     P_WAIT_PROOF,
     P_WAIT_CHALLENGE
 };
+
+/* c->said: what a connection logs once (bex__log_once). */
+#define CONN_SAID_REFUSAL 1u /* the peer's OPENs beyond streams_max */
 
 #define ENGINE_TABLE 4096
 
@@ -68,16 +81,14 @@ struct bex_listener {
     uint32_t backoff_ms;
 };
 
-#define CONN_MAP 64
-
 struct conn {
     struct ep_tag tag;
-    bex_ctx *ctx;
+    bex_ctx *ctx;            /* its owner's handle (opaque here) */
     struct bex__io *io;      /* the I/O thread it belongs to */
     struct conn *ready_next; /* on io->ready while ready */
     bool ready;
     int fd;
-    int phase;
+    enum bex__conn_phase phase;
     bool client;
     struct sockaddr_in key;  /* the peer: the listener we connected to, or the
                                 address accept4 gave (kept: a peer that reset
@@ -105,12 +116,12 @@ struct conn {
     uint32_t peer_max_msg; /* from the peer's hello */
     bool dead;             /* failed: destroy at the next safe point */
     bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
-    bool refusal_logged;   /* the peer's OPENs beyond streams_max were logged */
+    uint32_t said;         /* lines logged once per connection (CONN_SAID_*) */
     uint32_t cqe_reserved; /* CQ entries held for the engine ... */
     uint32_t cq_idx;       /* ... in this CQ of its thread (io->cqs) */
     struct bex_listener *l;
-    struct bex_sock *map[CONN_MAP];
-    uint32_t nsocks;
+    struct bex__hmap streams; /* its owner's streams by stream id: what the
+                                 transport's upcalls name (bex__conn_stream_*) */
     uint32_t next_stream;
     struct conn *next;
 };
@@ -139,13 +150,23 @@ void bex__conn_fail(struct conn *c, int err);
 /* The engine is dead or never was: fail every socket on the connection. */
 void bex__conn_finish(struct conn *c, int err);
 void bex__conn_free(struct conn *c);
-/* The connection's socket table (by stream id). */
-void bex__conn_map_add(struct conn *c, struct bex_sock *s);
-struct bex_sock *bex__conn_map_find(struct conn *c, uint32_t id);
-void bex__conn_map_del(struct conn *c, struct bex_sock *s);
+/* The connection's stream table (by stream id): 0 or -ENOMEM (-EEXIST:
+ * the id is taken). A connection is freed only once its table is empty. */
+int bex__conn_stream_add(struct conn *c, uint32_t id, struct bex__stream *st);
+static inline struct bex__stream *bex__conn_stream_find(struct conn *c, uint32_t id)
+{
+    return bex__hmap_get(&c->streams, id);
+}
+void bex__conn_stream_del(struct conn *c, uint32_t id);
+static inline uint32_t bex__conn_nstreams(const struct conn *c)
+{
+    return bex__hmap_len(&c->streams);
+}
 /* The listener is readable: accept what is there, handing each new
  * connection to its I/O thread. */
 void bex__listener_accept(struct bex__io *io, struct bex_listener *l);
+/* A listener's epoll watcher (tag.cb): bex__listener_accept. */
+void bex__listener_on_event(struct ep_tag *t, uint32_t events);
 /* On the connection's thread: take an accepted descriptor into the setup. */
 void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
                      const struct sockaddr_in *peer);
@@ -155,8 +176,13 @@ void bex__conn_reap(struct bex__io *io);
 void bex__conn_tick(struct bex__io *io, uint64_t now);
 
 /* ---- setup.c ---- */
+/* The one place c's phase changes: logs the move by name (DEBUG) and
+ * asserts it is a legal one (our code chooses every move after checking
+ * the peer's message, so an illegal one is our bug). */
+void bex__conn_set_phase(struct conn *c, enum bex__conn_phase to);
+const char *bex__conn_phase_name(enum bex__conn_phase p);
 /* Read the next setup message in the given phase. */
-void bex__conn_expect(struct conn *c, int phase);
+void bex__conn_expect(struct conn *c, enum bex__conn_phase phase);
 /* A refusal's one log line, naming the peer (setup.c). */
 void bex__conn_log_refusal(struct conn *c, int err, const char *why);
 /* Its TCP connection ended while up: logged by name when sockets the peer
@@ -165,5 +191,8 @@ void bex__conn_log_refusal(struct conn *c, int err, const char *why);
 void bex__conn_lost(struct conn *c, int err);
 /* Advance the setup state machine on events; any error fails c. */
 void bex__conn_step(struct conn *c, uint32_t events);
+/* A connection's epoll watcher (tag.cb): bex__conn_step, then its
+ * transport has work. */
+void bex__conn_on_event(struct ep_tag *t, uint32_t events);
 
 #endif

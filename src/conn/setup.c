@@ -1,23 +1,24 @@
 /* Connection setup: a non-blocking state machine per TCP connection on the
  * I/O thread (docs/protocol.md, "Connection setup"). */
 #include <arpa/inet.h>
+#include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
 
-#include "sock/internal.h"
+#include "conn/conn.h"
 #include "transport/tcp/tcp.h"
 
 /* Our hello: with an engine, what its QP needs; without, a NO_RDMA hello
  * (the connection stays on TCP). */
 static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     if (!c->eng) {
         memset(h, 0, sizeof(*h));
         h->flags = BEX__HELLO_F_NO_RDMA;
-        h->max_msg = ctx->cfg.max_msg;
+        h->max_msg = ctx->cfg->max_msg;
         h->conn_id = conn_id;
         return;
     }
@@ -26,13 +27,13 @@ static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
     memset(h, 0, sizeof(*h));
     h->qpn = l.qpn;
     h->psn = l.psn;
-    memcpy(h->gid, ctx->sh.path.gid.raw, 16);
-    h->mtu = (uint8_t)ctx->sh.path.active_mtu;
-    h->rd_atomic = bex__rdma_dest_rd_atomic(ctx->dev, &ctx->sh.conn);
+    memcpy(h->gid, ctx->sh->path.gid.raw, 16);
+    h->mtu = (uint8_t)ctx->sh->path.active_mtu;
+    h->rd_atomic = bex__rdma_dest_rd_atomic(ctx->dev, &ctx->sh->conn);
     h->recv_depth = (uint16_t)l.rq_depth;
-    h->sq_depth = (uint16_t)ctx->ecfg.sq_depth;
+    h->sq_depth = (uint16_t)ctx->ecfg->sq_depth;
     h->max_msg = l.max_msg;
-    h->frag_size = ctx->ecfg.frag_size;
+    h->frag_size = ctx->ecfg->frag_size;
     h->conn_id = conn_id;
     h->eager_max = l.eager_max;
     h->max_rndv = (uint16_t)l.max_rndv;
@@ -96,11 +97,56 @@ static int conn_send(struct conn *c, const uint8_t *p, size_t n)
     return err < 0 ? err : 0;
 }
 
+const char *bex__conn_phase_name(enum bex__conn_phase p)
+{
+    static const char *const names[] = {
+        [P_CONNECTING] = "CONNECTING",         [P_WAIT_HELLO] = "WAIT_HELLO",
+        [P_WAIT_READY] = "WAIT_READY",         [P_UP] = "UP",
+        [P_WAIT_OPEN] = "WAIT_OPEN",           [P_WAIT_PROOF] = "WAIT_PROOF",
+        [P_WAIT_CHALLENGE] = "WAIT_CHALLENGE",
+    };
+    return (unsigned)p < ARRAY_SIZE(names) && names[p] ? names[p] : "?";
+}
+
+/* Whether from -> to is a move of the setup (the comment at the enum). */
+static inline bool phase_move_ok(enum bex__conn_phase from, enum bex__conn_phase to)
+{
+    switch (from) {
+    case P_CONNECTING:
+        return to == P_WAIT_HELLO || to == P_WAIT_CHALLENGE || to == P_WAIT_OPEN;
+    case P_WAIT_OPEN:
+        return to == P_WAIT_PROOF;
+    case P_WAIT_PROOF:
+    case P_WAIT_CHALLENGE:
+        return to == P_WAIT_HELLO;
+    case P_WAIT_HELLO:
+        return to == P_WAIT_READY || to == P_UP;
+    case P_WAIT_READY:
+        return to == P_UP;
+    case P_UP:
+        return false;
+    }
+    return false;
+}
+
+void bex__conn_set_phase(struct conn *c, enum bex__conn_phase to)
+{
+    if (c->phase == to)
+        return;
+    assert(phase_move_ok(c->phase, to));
+    char name[32];
+    if (c->io->env->log->level >= BEX_LOG_DEBUG) /* (the name costs a format) */
+        bex__log(c->io->env->log, BEX_LOG_DEBUG, "%s (engine %u): %s -> %s",
+                 bex__conn_name(c, name), c->eng_id, bex__conn_phase_name(c->phase),
+                 bex__conn_phase_name(to));
+    c->phase = to;
+}
+
 /* Read the next setup message: its preamble first, which tells its kind and
  * length, so a peer of the other kind is recognised from 8 bytes. */
-void bex__conn_expect(struct conn *c, int phase)
+void bex__conn_expect(struct conn *c, enum bex__conn_phase phase)
 {
-    c->phase = phase;
+    bex__conn_set_phase(c, phase);
     c->rlen = 0;
     c->rwant = BEX__SETUP_PRE_LEN;
     c->framed = false;
@@ -124,11 +170,11 @@ void bex__conn_log_refusal(struct conn *c, int err, const char *why)
     char ip[INET_ADDRSTRLEN] = "?";
     inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
     if (c->client)
-        bex__log(&c->ctx->log, BEX_LOG_WARN, "connection to %s:%u refused: %s (%s)", ip,
+        bex__log(c->io->env->log, BEX_LOG_WARN, "connection to %s:%u refused: %s (%s)", ip,
                  ntohs(a.sin_port), why, bex_strerror(err));
     else
-        bex__log(&c->ctx->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip, ntohs(a.sin_port),
-                 why, bex_strerror(err));
+        bex__log(c->io->env->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip,
+                 ntohs(a.sin_port), why, bex_strerror(err));
 }
 
 /* Refuse the peer: log once, tell it why when nothing else is on its way
@@ -182,7 +228,7 @@ static bool gid_is_peer(struct conn *c, const uint8_t gid[16])
  * carries nothing but a nonce. */
 static int setup_client_start(struct conn *c)
 {
-    if (c->ctx->has_secret) {
+    if (c->io->env->has_secret) {
         uint8_t m[BEX__AUTH_SHORT_LEN];
         int err = bex__auth_nonce(c->auth.nonce_c);
         if (err)
@@ -206,31 +252,31 @@ static int setup_client_start(struct conn *c)
  * attach to it, and it is up. */
 static int go_tcp(struct conn *c)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     bex__conn_engine_drop(c);
     struct bex__tcp_config tc = {
-        .max_msg = ctx->cfg.max_msg,
+        .max_msg = ctx->cfg->max_msg,
         .peer_max_msg = c->peer_max_msg,
-        .frag_size = ctx->cfg.frag_size,
-        .keepalive_ms = ctx->cfg.keepalive_ms,
-        .keepalive_timeout_ms = ctx->cfg.keepalive_timeout_ms,
-        .stall_ms = ctx->cfg.credit_timeout_ms,
-        .share_min = ctx->cfg.recv_share_min,
-        .min_rate = ctx->cfg.recv_min_rate,
-        .rate_window_ms = ctx->cfg.recv_rate_ms,
+        .frag_size = ctx->cfg->frag_size,
+        .keepalive_ms = ctx->cfg->keepalive_ms,
+        .keepalive_timeout_ms = ctx->cfg->keepalive_timeout_ms,
+        .stall_ms = ctx->cfg->credit_timeout_ms,
+        .share_min = ctx->cfg->recv_share_min,
+        .min_rate = ctx->cfg->recv_min_rate,
+        .rate_window_ms = ctx->cfg->recv_rate_ms,
         /* one per stream: the peer's (streams_max) and ours */
-        .parts_max = ctx->cfg.streams_max < (UINT32_MAX - 64) / 2 ? 2 * ctx->cfg.streams_max + 64
-                                                                  : UINT32_MAX,
+        .parts_max = ctx->cfg->streams_max < (UINT32_MAX - 64) / 2 ? 2 * ctx->cfg->streams_max + 64
+                                                                   : UINT32_MAX,
     };
     char name[32];
     snprintf(tc.name, sizeof tc.name, "%s (engine %u)", bex__conn_name(c, name), c->eng_id);
-    int err = bex__tcp_create(&c->io->sh, &tc, &bex__sock_upcalls, c, c->fd, &c->io->loop, &c->tag,
-                              &c->x);
+    int err = bex__tcp_create(&c->io->sh, &tc, &c->io->env->upcalls, c, c->fd, &c->io->loop,
+                              &c->tag, &c->x);
     if (err)
         return err;
     BEX__STAT_ADD(&c->io->stats, engines, 1); /* counts transports of either kind */
     BEX__STAT_ADD(&c->io->stats, tcp_conns, 1);
-    c->phase = P_UP;
+    bex__conn_set_phase(c, P_UP);
     bex__conn_setup_end(c);
     c->rwant = c->rlen = 0;  /* the setup reads nothing more: frames are the transport's */
     if (c->woff < c->wlen) { /* setup bytes not yet out go ahead of any frame */
@@ -240,7 +286,7 @@ static int go_tcp(struct conn *c)
     }
     if ((err = conn_want(c, EPOLLIN | EPOLLRDHUP)))
         return err;
-    bex__sock_attach_waiting(c);
+    c->io->env->ops->chosen(c);
     bex__tcp_start(c->x);
     return 0;
 }
@@ -248,7 +294,7 @@ static int go_tcp(struct conn *c)
 /* Our hello answering the peer's (echoing its conn_id), into out. */
 static size_t answer_hello(struct conn *c, uint64_t conn_id, uint8_t *out)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     struct bex__hello mine;
     uint8_t raw[BEX__HELLO_LEN];
     hello_fill(c, &mine, conn_id);
@@ -264,17 +310,15 @@ static size_t answer_hello(struct conn *c, uint64_t conn_id, uint8_t *out)
     return BEX__HELLO_LEN;
 }
 
-/* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
- * checks): check it fits this connection, choose the transport (RDMA when
- * both sides can, else TCP unless this side wants RDMA only), answer. */
-static int setup_hello(struct conn *c, const char **why)
+/* The peer's hello out of rbuf into h: plain, or inside an authenticated
+ * HELLO whose MAC this checks. */
+static int hello_read(struct conn *c, struct bex__hello *h, const char **why)
 {
-    bex_ctx *ctx = c->ctx;
-    struct bex__hello h;
+    struct bex__conn_env *ctx = c->io->env;
     int err;
     if (ctx->has_secret) {
         uint8_t mac[BEX__AUTH_MAC_LEN];
-        if ((err = bex__auth_decode_hello(c->rbuf, c->rlen, &h, mac))) {
+        if ((err = bex__auth_decode_hello(c->rbuf, c->rlen, h, mac))) {
             *why = "malformed authenticated hello";
             return err;
         }
@@ -294,11 +338,24 @@ static int setup_hello(struct conn *c, const char **why)
             *why = "the peer uses a shared secret; this side has none";
             return -EACCES;
         }
-        if ((err = bex__hello_decode(c->rbuf, c->rlen, &h))) {
+        if ((err = bex__hello_decode(c->rbuf, c->rlen, h))) {
             *why = "malformed hello";
             return err;
         }
     }
+    return 0;
+}
+
+/* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
+ * checks): check it fits this connection, choose the transport (RDMA when
+ * both sides can, else TCP unless this side wants RDMA only), answer. */
+static int setup_hello(struct conn *c, const char **why)
+{
+    struct bex__conn_env *ctx = c->io->env;
+    struct bex__hello h;
+    int err;
+    if ((err = hello_read(c, &h, why)))
+        return err;
     if (c->hello_first && h.conn_id != c->conn_id) {
         *why = "the hello does not answer ours (conn_id)";
         return -EPROTO;
@@ -348,7 +405,7 @@ static int setup_hello(struct conn *c, const char **why)
          * hello says so; having sent an RDMA hello, a FALLBACK notice does,
          * and the peer's notice comes before the first frame. */
         char name[32];
-        bex__log(&ctx->log, BEX_LOG_INFO, "%s (engine %u): the QP did not come up (%s): over TCP",
+        bex__log(ctx->log, BEX_LOG_INFO, "%s (engine %u): the QP did not come up (%s): over TCP",
                  bex__conn_name(c, name), c->eng_id, bex_strerror(err));
         bex__conn_engine_drop(c);
         c->rdma_ok = false;
@@ -372,55 +429,62 @@ static int setup_hello(struct conn *c, const char **why)
     return conn_send(c, out, n + BEX__READY_LEN);
 }
 
+/* A notice (readiness, fallback, or the peer's refusal) is in rbuf. */
+static int setup_notice(struct conn *c, const char **why)
+{
+    struct bex__conn_env *ctx = c->io->env;
+    int err;
+    uint32_t st;
+    memcpy(&st, c->rbuf + 4, 4);
+    st = ntohl(st);
+    if (c->phase == P_WAIT_READY && (c->fallback || st == BEX__READY_FALLBACK)) {
+        if (c->x) { /* its frames came over RDMA already (on_peer_open) */
+            *why = "a fallback notice after frames over RDMA";
+            return -EPROTO;
+        }
+        /* either QP could not come up: both sides go on over TCP */
+        if (c->mode == BEX_TRANSPORT_RDMA) {
+            *why = "the peer's QP did not come up";
+            return -EPROTONOSUPPORT;
+        }
+        if (st != 0 && st != BEX__READY_FALLBACK)
+            goto refused;
+        return go_tcp(c);
+    }
+    if (st == 0 && c->phase == P_WAIT_READY) {
+        bex__conn_set_phase(c, P_UP);
+        bex__conn_setup_end(c);
+        c->rwant = 1; /* from now on the TCP connection only tells EOF */
+        c->rlen = 0;
+        c->x = bex__engine_xport(c->eng);
+        c->io->env->ops->chosen(c);
+        bex__engine_start(c->eng);
+        return 0;
+    }
+    if (st == 0) {
+        *why = "a readiness notice before the hellos";
+        return -EPROTO;
+    }
+refused:
+    /* the peer refused us or failed: say so once, it is closing anyway */
+    err = st < 4096 ? -(int)st : -EPROTO;
+    struct sockaddr_in a;
+    conn_peer_addr(c, &a);
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
+    bex__log(ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
+             bex_strerror(err));
+    return err;
+}
+
 /* One whole setup message is in rbuf: act on it. Returns 0 or an error;
  * *why is set when the error refuses the peer (logged, peer told). */
 static int setup_msg(struct conn *c, const char **why)
 {
-    bex_ctx *ctx = c->ctx;
+    struct bex__conn_env *ctx = c->io->env;
     int err;
-    if (c->rkind == BEX__SETUP_NOTICE) {
-        uint32_t st;
-        memcpy(&st, c->rbuf + 4, 4);
-        st = ntohl(st);
-        if (c->phase == P_WAIT_READY && (c->fallback || st == BEX__READY_FALLBACK)) {
-            if (c->x) { /* its frames came over RDMA already (on_peer_open) */
-                *why = "a fallback notice after frames over RDMA";
-                return -EPROTO;
-            }
-            /* either QP could not come up: both sides go on over TCP */
-            if (c->mode == BEX_TRANSPORT_RDMA) {
-                *why = "the peer's QP did not come up";
-                return -EPROTONOSUPPORT;
-            }
-            if (st != 0 && st != BEX__READY_FALLBACK)
-                goto refused;
-            return go_tcp(c);
-        }
-        if (st == 0 && c->phase == P_WAIT_READY) {
-            c->phase = P_UP;
-            bex__conn_setup_end(c);
-            c->rwant = 1; /* from now on the TCP connection only tells EOF */
-            c->rlen = 0;
-            c->x = bex__engine_xport(c->eng);
-            bex__sock_attach_waiting(c);
-            bex__engine_start(c->eng);
-            return 0;
-        }
-        if (st == 0) {
-            *why = "a readiness notice before the hellos";
-            return -EPROTO;
-        }
-    refused:
-        /* the peer refused us or failed: say so once, it is closing anyway */
-        err = st < 4096 ? -(int)st : -EPROTO;
-        struct sockaddr_in a;
-        conn_peer_addr(c, &a);
-        char ip[INET_ADDRSTRLEN] = "?";
-        inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
-        bex__log(&ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
-                 bex_strerror(err));
-        return err;
-    }
+    if (c->rkind == BEX__SETUP_NOTICE)
+        return setup_notice(c, why);
     switch (c->phase) {
     case P_WAIT_OPEN: { /* listener with a secret: the client's nonce */
         if (c->rkind == BEX__SETUP_HELLO) {
@@ -494,14 +558,11 @@ static int setup_msg(struct conn *c, const char **why)
  * once, by name, before its sockets learn it. */
 void bex__conn_lost(struct conn *c, int err)
 {
-    uint32_t open = 0;
-    for (int i = 0; i < CONN_MAP; i++)
-        for (struct bex_sock *s = c->map[i]; s; s = s->map_next)
-            open += !s->dead;
+    uint32_t open = c->io->env->ops->open_streams(c);
     if (!open)
         return;
     char name[32];
-    bex__log(&c->ctx->log, BEX_LOG_WARN,
+    bex__log(c->io->env->log, BEX_LOG_WARN,
              "%s (engine %u): connection lost with %u socket%s open (%s)", bex__conn_name(c, name),
              c->eng_id, open, open == 1 ? "" : "s", bex_strerror(err));
 }

@@ -1,10 +1,11 @@
 /* loop: what an I/O thread waits on and how other threads reach it.
  *
- * One loop per I/O thread: an epoll set whose entries point at a tag (the
- * first member of whatever the descriptor belongs to), an eventfd that wakes
- * a sleeping loop, and a multi-producer command queue: any thread pushes,
- * only the loop's thread takes. The loop knows nothing of sockets, engines
- * or transports; what a tag or a command means is its owner's business.
+ * One loop per I/O thread: an epoll set whose entries point at a watcher
+ * (struct ep_tag, embedded in whatever the descriptor belongs to, with its
+ * owner's callback), an eventfd that wakes a sleeping loop, and a
+ * multi-producer command queue: any thread pushes, only the loop's thread
+ * takes. The loop knows nothing of sockets, engines or transports; what a
+ * watcher or a command means is its owner's business.
  *
  * Sleep protocol: the loop's thread calls bex__loop_sleep_begin, looks for
  * work once more (commands: bex__loop_has_cmds; completions), and only then
@@ -18,9 +19,15 @@
 #include <stdint.h>
 #include <sys/epoll.h>
 
-/* What an epoll event belongs to: the first member of its owner. */
+/* A watcher: what an epoll event belongs to, embedded in its owner, and
+ * the owner's handler, which finds the owner from t (container_of). The
+ * thread calls cb and knows nothing of what is behind it. */
 struct ep_tag {
-    int kind;
+    void (*cb)(struct ep_tag *t, uint32_t events);
+    /* an event here may be explained by completions still in a CQ (a
+     * connection whose peer's NIC refused our write, then closed): the
+     * thread takes those before it runs cb */
+    bool cq_first;
 };
 
 /* A command handed from any thread to the loop's thread; embedded in the

@@ -671,6 +671,52 @@ BEX__MEM_SLOW static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
     return h;
 }
 
+/* ---- the general kind's pool ops ------------------------------------------ */
+
+/* Blocks still out in the run headed by s, without changing anything:
+ * those handed out minus those freed remotely and not yet collected. */
+static uint32_t run_live(struct bex__mem_span *s)
+{
+    if (s->kind != BEX__MEM_SMALL && s->kind != BEX__MEM_MEDIUM)
+        return 0;
+    uintptr_t x = atomic_load_explicit(&s->xfree, memory_order_acquire);
+    return s->used - (uint32_t)(x >> BEX__MEM_XCNT_SHIFT);
+}
+
+static bool general_busy(bex_mem_pool *pool)
+{
+    for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next) {
+        for (unsigned i = 1; i < BEX__MEM_SPANS;) {
+            if (c->free_mask & ((uint64_t)1 << i)) {
+                i++;
+                continue;
+            }
+            struct bex__mem_span *s = &c->spans[i];
+            if (run_live(s))
+                return true;
+            i += s->span_count ? s->span_count : 1;
+        }
+    }
+    return false;
+}
+
+static const struct bex__mem_kind_ops general_ops = {
+    .busy = general_busy,
+    .heap_flush = bex__mem_heap_flush_bins,
+    .heap_tidy = bex__mem_heap_tidy,
+};
+
+/* Landing pools never have heaps: their ops need no heap work. */
+int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg, bex_mem_pool **out)
+{
+    if (!reg || !reg->reg || !reg->dereg || !out)
+        return -EINVAL;
+    if (cfg && cfg->kind != BEX_MEM_POOL_GENERAL && cfg->kind != BEX_MEM_POOL_LANDING)
+        return -EINVAL;
+    bool landing = cfg && cfg->kind == BEX_MEM_POOL_LANDING;
+    return bex__mem_pool_new(reg, cfg, landing ? &bex__mem_landing_ops : &general_ops, out);
+}
+
 /* ---- public entry points --------------------------------------------------- */
 
 /* First allocation of this thread from this pool (or a switch of pools):

@@ -186,10 +186,25 @@ struct bex__mem_heap {
 
 #define BEX__MEM_NO_OWNER UINT64_MAX
 
+/* What differs between pool kinds, behind the pool: pool.c reaches a kind
+ * only through these, so the layering is pool.c (chunks, mappings, heaps
+ * lists, registry) < landing.c (landing pools: page maps) < heap.c
+ * (general pools: per-thread heaps; the public entry points, which pick a
+ * kind's ops at creation). */
+struct bex__mem_kind_ops {
+    /* Whether blocks of the pool are still out (pool lock held). */
+    bool (*busy)(bex_mem_pool *pool);
+    /* General pools: a heap's cached blocks back to their runs, and a
+     * heap's runs tidied (orphans); NULL for kinds without heaps. */
+    void (*heap_flush)(struct bex__mem_heap *h);
+    void (*heap_tidy)(struct bex__mem_heap *h);
+};
+
 struct bex_mem_pool {
     /* read-mostly: every allocation reads id */
     uint64_t id; /* unique for the process lifetime; thread caches key on it */
     int kind;    /* BEX_MEM_POOL_*, fixed at creation */
+    const struct bex__mem_kind_ops *ops; /* the kind's */
     bex_mem_registrar reg;
     size_t retain;
     /* written on slow paths: kept off id's cache line */
@@ -278,11 +293,15 @@ void bex__mem_pool_note_in_use(bex_mem_pool *pool, int64_t delta);
 struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool);
 void bex__mem_pool_heap_orphan(bex_mem_pool *pool, struct bex__mem_heap *h);
 bool bex__mem_pool_reclaim(bex_mem_pool *pool);
+/* A pool of cfg's kind, whose kind-specific work ops does
+ * (bex_mem_pool_create's checks already made). */
+int bex__mem_pool_new(const bex_mem_registrar *reg, const bex_mem_config *cfg,
+                      const struct bex__mem_kind_ops *ops, bex_mem_pool **out);
 /* landing.c: landing pools (pool lock taken inside). */
 void *bex__mem_land_alloc(bex_mem_pool *pool, size_t size);
 void bex__mem_land_free(void *p);
 size_t bex__mem_land_usable(const void *p);
-bool bex__mem_land_busy(bex_mem_pool *pool); /* pool lock held */
+extern const struct bex__mem_kind_ops bex__mem_landing_ops;
 /* heap.c */
 void bex__mem_heap_tidy(struct bex__mem_heap *h);
 void bex__mem_heap_flush_bins(struct bex__mem_heap *h);

@@ -180,10 +180,12 @@ size_t bex__mem_land_usable(const void *ptr)
     return (size_t)bex__mem_chunk_of(ptr)->land->len[page_of(ptr)] * BEX__MEM_PAGE;
 }
 
-bool bex__mem_land_busy(bex_mem_pool *pool)
+static bool land_busy(bex_mem_pool *pool)
 {
     for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next)
         if (c->land->nfree != BEX__MEM_LAND_USABLE)
             return true;
     return false;
 }
+
+const struct bex__mem_kind_ops bex__mem_landing_ops = {.busy = land_busy};

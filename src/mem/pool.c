@@ -464,7 +464,7 @@ bool bex__mem_pool_reclaim(bex_mem_pool *pool)
         return false;
     struct bex__mem_heap *last = NULL;
     for (struct bex__mem_heap *h = list; h; h = h->orphan_next) {
-        bex__mem_heap_tidy(h);
+        pool->ops->heap_tidy(h);
         last = h;
     }
     pthread_mutex_lock(&pool->lock);
@@ -538,18 +538,16 @@ void bex_mem_pool_registrar(const bex_mem_pool *pool, bex_mem_registrar *out)
 
 /* ---- create / destroy ---------------------------------------------------- */
 
-int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg, bex_mem_pool **out)
+int bex__mem_pool_new(const bex_mem_registrar *reg, const bex_mem_config *cfg,
+                      const struct bex__mem_kind_ops *ops, bex_mem_pool **out)
 {
-    if (!reg || !reg->reg || !reg->dereg || !out)
-        return -EINVAL;
-    if (cfg && cfg->kind != BEX_MEM_POOL_GENERAL && cfg->kind != BEX_MEM_POOL_LANDING)
-        return -EINVAL;
     bex_mem_pool *pool = aligned_alloc(64, (sizeof(*pool) + 63) & ~(size_t)63);
     if (!pool)
         return -ENOMEM;
     memset(pool, 0, sizeof(*pool));
     pool->reg = *reg;
     pool->kind = cfg ? cfg->kind : BEX_MEM_POOL_GENERAL;
+    pool->ops = ops;
     pool->retain = cfg && cfg->retain_bytes ? cfg->retain_bytes : DEFAULT_RETAIN;
     int rc = pthread_mutex_init(&pool->lock, NULL);
     if (rc != 0) {
@@ -578,35 +576,9 @@ int bex_mem_pool_kind(const bex_mem_pool *pool)
     return pool ? pool->kind : -EINVAL;
 }
 
-/* Blocks still out in the run headed by s, without changing anything:
- * those handed out minus those freed remotely and not yet collected. */
-static uint32_t run_live(struct bex__mem_span *s)
-{
-    if (s->kind != BEX__MEM_SMALL && s->kind != BEX__MEM_MEDIUM)
-        return 0;
-    uintptr_t x = atomic_load_explicit(&s->xfree, memory_order_acquire);
-    return s->used - (uint32_t)(x >> BEX__MEM_XCNT_SHIFT);
-}
-
 static bool pool_busy(bex_mem_pool *pool)
 {
-    if (pool->huge_live)
-        return true;
-    if (pool->kind == BEX_MEM_POOL_LANDING)
-        return bex__mem_land_busy(pool);
-    for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next) {
-        for (unsigned i = 1; i < BEX__MEM_SPANS;) {
-            if (c->free_mask & ((uint64_t)1 << i)) {
-                i++;
-                continue;
-            }
-            struct bex__mem_span *s = &c->spans[i];
-            if (run_live(s))
-                return true;
-            i += s->span_count ? s->span_count : 1;
-        }
-    }
-    return false;
+    return pool->huge_live || pool->ops->busy(pool);
 }
 
 int bex_mem_pool_destroy(bex_mem_pool *pool)
@@ -620,7 +592,7 @@ int bex_mem_pool_destroy(bex_mem_pool *pool)
     struct bex__mem_heap *heaps = pool->heaps;
     pthread_mutex_unlock(&pool->lock);
     for (struct bex__mem_heap *h = heaps; h; h = h->all_next)
-        bex__mem_heap_flush_bins(h);
+        pool->ops->heap_flush(h);
     pthread_mutex_lock(&pool->lock);
     bool busy = pool_busy(pool);
     pthread_mutex_unlock(&pool->lock);

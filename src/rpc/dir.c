@@ -70,7 +70,7 @@ void bex_dir_destroy(bex_dir *d)
     if (!d)
         return;
     if (d->watch)
-        bex__etcd_watch_stop(d->watch);
+        d->watch_stop(d->watch);
     bex__dir_services_free(d->services);
     while (d->nodes) {
         struct bex__dir_node *n = d->nodes->next;
@@ -82,27 +82,23 @@ void bex_dir_destroy(bex_dir *d)
     free(d);
 }
 
-int bex_dir_watch_etcd(bex_dir *d, const char *url, const char *prefix, char *err, size_t errlen)
+int bex__dir_source_claim(bex_dir *d)
 {
-    if (!d || !url)
-        return -EINVAL;
     pthread_mutex_lock(&d->mu);
     bool busy = d->etcd;
     d->etcd = true;
     pthread_mutex_unlock(&d->mu);
-    if (busy) {
-        bex__dir_set_err(err, errlen, "the directory follows etcd already");
-        return -EBUSY;
-    }
-    struct bex__etcd_watch *w;
-    int rc = bex__etcd_watch_start(d, url, prefix ? prefix : "/bex/", err, errlen, &w);
+    return busy ? -EBUSY : 0;
+}
+
+void bex__dir_source_set(bex_dir *d, void *src, void (*stop)(void *src))
+{
     pthread_mutex_lock(&d->mu);
-    if (rc)
+    if (!src)
         d->etcd = false;
-    else
-        d->watch = w;
+    d->watch = src;
+    d->watch_stop = stop;
     pthread_mutex_unlock(&d->mu);
-    return rc;
 }
 
 uint64_t bex_dir_generation(bex_dir *d)

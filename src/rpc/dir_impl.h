@@ -32,7 +32,7 @@ struct bex__dir_node {
     struct bex__dir_node *next;
 };
 
-/* Lines logged once per node until a lift (bex__log_once): a refused
+/* Lines logged once per node until a lift (bex__log_first): a refused
  * quarantine, an early probe, an early probe's failure. */
 enum { DIR_LOGGED_REFUSED = 1, DIR_LOGGED_EARLY = 2, DIR_LOGGED_EARLY_FAIL = 4 };
 
@@ -58,7 +58,8 @@ struct bex_dir {
     struct service *services;
     uint64_t generation;
     uint64_t rng; /* ties among equal replicas: not security */
-    struct bex__etcd_watch *watch;
+    void *watch; /* the source (etcd's watch), stopped by watch_stop */
+    void (*watch_stop)(void *watch);
     bool etcd;
 };
 

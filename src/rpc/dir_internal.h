@@ -52,11 +52,13 @@ bool bex__dir_locality_ok(const char *s);
 /* Same-prefix components of two labels: 0 (none) .. all of them. */
 unsigned bex__dir_closeness(const char *a, const char *b);
 
-/* The etcd watch (src/rpc/etcd.c), owned by the directory. */
-struct bex__etcd_watch;
-int bex__etcd_watch_start(bex_dir *d, const char *url, const char *prefix, char *err, size_t errlen,
-                          struct bex__etcd_watch **out);
-void bex__etcd_watch_stop(struct bex__etcd_watch *w);
+/* A source that feeds the directory (etcd.c's watch): the directory knows
+ * it only through these, so etcd.c sits above dir.c. Claim: 0, or -EBUSY
+ * when a source has the directory already. Set: the claim is through (src
+ * not NULL: the directory stops it with stop(src) when destroyed) or
+ * failed (src NULL: the claim is released). */
+int bex__dir_source_claim(bex_dir *d);
+void bex__dir_source_set(bex_dir *d, void *src, void (*stop)(void *src));
 /* Parse one registration's value (JSON) into m's replica. Returns 0 or
  * -EINVAL with err set. */
 int bex__dir_parse_replica_json(const char *text, size_t len, bex_dir_replica *r, char *err,

@@ -507,8 +507,8 @@ static void watch_free(struct bex__etcd_watch *w)
     free(w);
 }
 
-int bex__etcd_watch_start(bex_dir *d, const char *url, const char *prefix, char *err, size_t errlen,
-                          struct bex__etcd_watch **out)
+static int watch_start(bex_dir *d, const char *url, const char *prefix, char *err, size_t errlen,
+                       struct bex__etcd_watch **out)
 {
     if (!*prefix) {
         set_err(err, errlen, "empty etcd prefix");
@@ -547,8 +547,9 @@ err_free:
     return rc;
 }
 
-void bex__etcd_watch_stop(struct bex__etcd_watch *w)
+static void watch_stop(void *arg)
 {
+    struct bex__etcd_watch *w = arg;
     pthread_mutex_lock(&w->mu);
     w->stop = true;
     curl_multi_wakeup(w->multi);
@@ -556,6 +557,20 @@ void bex__etcd_watch_stop(struct bex__etcd_watch *w)
     pthread_mutex_unlock(&w->mu);
     pthread_join(w->thr, NULL);
     watch_free(w);
+}
+
+int bex_dir_watch_etcd(bex_dir *d, const char *url, const char *prefix, char *err, size_t errlen)
+{
+    if (!d || !url)
+        return -EINVAL;
+    if (bex__dir_source_claim(d)) {
+        set_err(err, errlen, "the directory follows etcd already");
+        return -EBUSY;
+    }
+    struct bex__etcd_watch *w;
+    int rc = watch_start(d, url, prefix ? prefix : "/bex/", err, errlen, &w);
+    bex__dir_source_set(d, rc ? NULL : w, watch_stop);
+    return rc;
 }
 
 /* ---- registration ---- */

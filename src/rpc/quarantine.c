@@ -101,7 +101,7 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
                 q->early = true;
                 q->st.early_probes++;
                 /* logged once, when the line was kept */
-                if (bex__log_once(&q->logged, DIR_LOGGED_EARLY) &&
+                if (bex__log_first(&q->logged, DIR_LOGGED_EARLY) &&
                     !bex__dir_defer(pl, BEX_LOG_WARN,
                                     "dir: node %s probed before its quarantine ends: %s, the last "
                                     "replica of %s shard %u outside quarantine, failed (%s)",
@@ -123,7 +123,7 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
         n->st.quarantine_refused++;
         n->state = BEX_DIR_HEALTHY;
         n->probe_out = false;
-        if (bex__log_once(&n->logged, DIR_LOGGED_REFUSED))
+        if (bex__log_first(&n->logged, DIR_LOGGED_REFUSED))
             bex__dir_defer(
                 pl, BEX_LOG_WARN,
                 "dir: node %s not quarantined despite %s failures: it is the last replica "
@@ -145,7 +145,7 @@ static void quarantine(bex_dir *d, struct bex__dir_node *n, int outcome, uint64_
         n->st.probe_failures++;
         /* early probes come as often as the last healthy replica fails:
          * their failures are logged once (counted each time) */
-        if (!early || bex__log_once(&n->logged, DIR_LOGGED_EARLY_FAIL))
+        if (!early || bex__log_first(&n->logged, DIR_LOGGED_EARLY_FAIL))
             bex__dir_defer(pl, BEX_LOG_WARN,
                            "dir: node %s failed its %sprobe (%s): quarantined again "
                            "for %llu ms%s",

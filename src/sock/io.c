@@ -33,9 +33,14 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
             return;
         }
     }
+    uint32_t id = c->next_stream++;
+    int err = bex__conn_stream_add(c, id, &s->st);
+    if (err) {
+        bex__sock_fail(s, err, true);
+        return;
+    }
     s->conn = c;
-    s->id = c->next_stream++;
-    bex__conn_map_add(c, s);
+    s->id = id;
     if (!c->x) { /* the setup has not chosen the transport yet */
         s->waiting = true;
         return;
@@ -46,7 +51,7 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
     atomic_store(&s->eng_id, c->eng_id);
     if (c->x->ops->is_up(c->x)) {
         atomic_store(&s->max_msg, c->x->ops->peer_max_msg(c->x));
-        atomic_store(&s->state, S_OPEN);
+        bex__sock_set_state(s, S_OPEN);
         if (s->ops.on_connect && !s->app_closed)
             s->ops.on_connect(s, 0, s->user);
     }
@@ -237,7 +242,7 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, str
      * write, then the peer closed): take those first, so that the
      * connection fails for that cause and not for the reset. */
     for (int i = 0; i < n; i++) {
-        if (((struct ep_tag *)ev[i].data.ptr)->kind == EV_CONN) {
+        if (((struct ep_tag *)ev[i].data.ptr)->cq_first) {
             for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
                 ;
             break;
@@ -245,33 +250,38 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, str
     }
     for (int i = 0; i < n; i++) {
         struct ep_tag *t = ev[i].data.ptr;
-        switch (t->kind) {
-        case EV_CHANNEL: {
-            struct ibv_cq *cq;
-            void *cq_ctx;
-            while (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0)
-                ibv_ack_cq_events(cq, 1);
-            break;
-        }
-        case EV_ASYNC: {
-            struct ibv_async_event ae;
-            while (bex__rdma_async_next(io->ctx->dev, &ae) > 0) {
-                bex__srq_async(&ae);
-                ibv_ack_async_event(&ae);
-            }
-            break;
-        }
-        case EV_LISTENER:
-            bex__listener_accept(io, bex__container_of(t, struct bex_listener, tag));
-            break;
-        case EV_CONN: {
-            struct conn *c = bex__container_of(t, struct conn, tag);
-            bex__conn_step(c, ev[i].events);
-            bex__conn_ready(c);
-            break;
-        }
-        }
+        t->cb(t, ev[i].events);
     }
+}
+
+/* The completion channel's watcher: the CQs are polled on every turn
+ * anyway; the events only need acknowledging. */
+static void on_channel(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    struct bex__io *io = bex__container_of(t, struct bex__io, ch_tag);
+    struct ibv_cq *cq;
+    void *cq_ctx;
+    while (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0)
+        ibv_ack_cq_events(cq, 1);
+}
+
+/* SRQ mode: the device's async events, each to its QP's queue. */
+static void on_async(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    struct bex__io *io = bex__container_of(t, struct bex__io, async_tag);
+    struct ibv_async_event ae;
+    while (bex__rdma_async_next(io->env->dev, &ae) > 0) {
+        bex__srq_async(&ae);
+        ibv_ack_async_event(&ae);
+    }
+}
+
+void bex__io_tags_init(struct bex__io *io)
+{
+    io->ch_tag.cb = on_channel;
+    io->async_tag.cb = on_async;
 }
 
 /* Hand each completion to its engine, found by the id in its wr_id. */
@@ -400,6 +410,55 @@ static bool has_timers(struct bex__io *io)
     return false;
 }
 
+/* The timer tick: connections' deadlines and keepalives, QPs draining,
+ * and (with several threads) the frees other threads made of this one's
+ * buffers. */
+static void io_tick(struct bex__io *io, uint64_t now)
+{
+    bex__conn_tick(io, now);
+    if (io->sh.srq && io->sh.srq->n_dying)
+        bex__srq_reap(io->sh.srq, now, false, cq_room_back, io);
+    if (io->env->n_io > 1) {
+        /* frees of buffers this thread allocated wait in its heaps
+         * until it collects them: another thread's exact count of
+         * received memory (recv_bytes_max) sees them then */
+        bex_mem_pool_collect(io->sh.recv_pool);
+        bex_mem_pool_collect(io->sh.landing);
+    }
+}
+
+/* Sleep until an event, a command, a completion or the next timer (the
+ * tick at next_tick, a transport's deadline): arm the CQs, then look once
+ * more so nothing slips between. */
+static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
+                     uint64_t next_tick)
+{
+    for (uint32_t q = 0; q < io->n_cq; q++)
+        ibv_req_notify_cq(io->cqs[q].cq, 0);
+    if (io->sh.srq)
+        ibv_req_notify_cq(io->sh.srq->cq, 0);
+    bex__loop_sleep_begin(&io->loop);
+    bool found = poll_cqs(io, wc);
+    if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
+        bex__loop_sleep_end(&io->loop);
+        return;
+    }
+    uint64_t now = bex__now_ms();
+    int timeout = next_tick > now ? (int)(next_tick - now) : 0;
+    if (!has_timers(io))
+        timeout = IDLE_WAKE_MS;
+    if (io->due_us) { /* event mode: sleep to a transport's deadline, rounded up */
+        uint64_t t = bex__now_us();
+        uint64_t due_ms = io->due_us > t ? (io->due_us - t + 999) / 1000 : 0;
+        if (due_ms < (uint64_t)timeout)
+            timeout = (int)due_ms;
+    }
+    int m = bex__loop_wait(&io->loop, ev, 16, timeout);
+    bex__loop_sleep_end(&io->loop);
+    if (m > 0)
+        handle_events(io, ev, m, wc);
+}
+
 void *bex__io_main(void *arg)
 {
     struct bex__io *io = arg;
@@ -429,16 +488,7 @@ void *bex__io_main(void *arg)
         bex__conn_reap(io);
         uint64_t now = bex__now_ms();
         if (now >= next_tick) {
-            bex__conn_tick(io, now);
-            if (io->sh.srq && io->sh.srq->n_dying)
-                bex__srq_reap(io->sh.srq, now, false, cq_room_back, io);
-            if (ctx->n_io > 1) {
-                /* frees of buffers this thread allocated wait in its heaps
-                 * until it collects them: another thread's exact count of
-                 * received memory (recv_bytes_max) sees them then */
-                bex_mem_pool_collect(io->sh.recv_pool);
-                bex_mem_pool_collect(io->sh.landing);
-            }
+            io_tick(io, now);
             next_tick = now + tick_ms;
         }
         if (did) {
@@ -471,34 +521,7 @@ void *bex__io_main(void *arg)
             }
             continue;
         }
-        /* Sleep: arm the CQs, then look once more so nothing slips between. */
-        for (uint32_t q = 0; q < io->n_cq; q++)
-            ibv_req_notify_cq(io->cqs[q].cq, 0);
-        if (io->sh.srq)
-            ibv_req_notify_cq(io->sh.srq->cq, 0);
-        bex__loop_sleep_begin(&io->loop);
-        bool found = poll_cqs(io, wc);
-        if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
-            bex__loop_sleep_end(&io->loop);
-            idle_since = 0;
-            idle_polls = 0;
-            spun_out = false;
-            continue;
-        }
-        now = bex__now_ms();
-        int timeout = next_tick > now ? (int)(next_tick - now) : 0;
-        if (!has_timers(io))
-            timeout = IDLE_WAKE_MS;
-        if (io->due_us) { /* event mode: sleep to a transport's deadline, rounded up */
-            uint64_t t = bex__now_us();
-            uint64_t due_ms = io->due_us > t ? (io->due_us - t + 999) / 1000 : 0;
-            if (due_ms < (uint64_t)timeout)
-                timeout = (int)due_ms;
-        }
-        int m = bex__loop_wait(&io->loop, ev, 16, timeout);
-        bex__loop_sleep_end(&io->loop);
-        if (m > 0)
-            handle_events(io, ev, m, wc);
+        io_sleep(io, ev, wc, next_tick);
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;

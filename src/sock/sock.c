@@ -169,7 +169,9 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
 {
     int err;
     io->ctx = ctx;
+    io->env = &ctx->env;
     io->idx = idx;
+    bex__io_tags_init(io);
     io->sh = ctx->sh;
     io->sh.stats = &io->stats;
     io->sh.recv_acct = &ctx->recv_acct;
@@ -192,22 +194,20 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
             goto err_cqs;
         io->cqs[0] = (struct io_cq){.cq = io->sh.cq, .cap = (uint32_t)cqe};
         io->n_cq = 1;
-        io->ch_tag.kind = EV_CHANNEL;
         if ((err = bex__loop_watch(&io->loop, io->ch->fd, EPOLLIN, &io->ch_tag)))
             goto err_cq;
         /* A thread domain tells the provider that one thread drives these
          * QPs (no locks, a doorbell of its own); QPs go on its parent
          * domain over the device's one PD. Without them (rxe: EOPNOTSUPP)
          * the QPs go on the PD itself; said once per process. */
-        static atomic_bool td_told;
+        static _Atomic uint32_t td_said;
         err = bex__rdma_td_alloc(ctx->dev, &io->td);
-        if (!err) {
+        if (!err)
             io->sh.pd = io->td->pd;
-        } else if (!atomic_exchange(&td_told, true)) {
-            bex__log(&ctx->log, BEX_LOG_INFO,
-                     "%s: no thread domains (%s): QPs on the protection domain itself",
-                     ctx->dev->name, bex_strerror(err));
-        }
+        else
+            bex__log_once_atomic(&ctx->log, &td_said, 1, BEX_LOG_INFO,
+                                 "%s: no thread domains (%s): QPs on the protection domain itself",
+                                 ctx->dev->name, bex_strerror(err));
         err = 0;
         if (ctx->cfg.srq_depth && (err = io_srq_init(ctx, io)))
             goto err_td;
@@ -285,10 +285,12 @@ static void io_stop(bex_ctx *ctx)
     }
 }
 
-struct bex__io *bex__io_next(bex_ctx *ctx)
+/* A peer's key in the homes table: address, port and transport choice
+ * fit in 64 bits, so the key is the whole identity. */
+static uint64_t home_key(const struct sockaddr_in *addr, uint32_t mode)
 {
-    uint32_t i = atomic_fetch_add_explicit(&ctx->next_io, 1, memory_order_relaxed);
-    return &ctx->io[i % ctx->n_io];
+    return (uint64_t)ntohl(addr->sin_addr.s_addr) << 32 | (uint64_t)ntohs(addr->sin_port) << 16 |
+           (mode & 0xffffu);
 }
 
 /* The thread of the connection to addr with this transport choice: the one
@@ -300,19 +302,19 @@ static int peer_home(bex_ctx *ctx, const struct sockaddr_in *addr, uint32_t mode
         *out = &ctx->io[0];
         return 0;
     }
-    uint32_t b = (ntohl(addr->sin_addr.s_addr) * 31u + ntohs(addr->sin_port)) % PEER_HOME_BUCKETS;
+    uint64_t key = home_key(addr, mode);
     int err = 0;
     pthread_mutex_lock(&ctx->homes_lock);
-    struct peer_home *h = ctx->homes[b];
-    while (h && !(h->mode == mode && h->addr.sin_addr.s_addr == addr->sin_addr.s_addr &&
-                  h->addr.sin_port == addr->sin_port))
-        h = h->next;
+    struct peer_home *h = bex__hmap_get(&ctx->homes, key);
     if (!h) {
         h = malloc(sizeof(*h));
         if (h) {
-            *h = (struct peer_home){
-                .next = ctx->homes[b], .addr = *addr, .mode = mode, .io = bex__io_next(ctx)->idx};
-            ctx->homes[b] = h;
+            *h =
+                (struct peer_home){.addr = *addr, .mode = mode, .io = bex__io_next(&ctx->env)->idx};
+            if ((err = bex__hmap_put(&ctx->homes, key, h))) {
+                free(h);
+                h = NULL;
+            }
         } else {
             err = -ENOMEM;
         }
@@ -323,29 +325,11 @@ static int peer_home(bex_ctx *ctx, const struct sockaddr_in *addr, uint32_t mode
     return err;
 }
 
-int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
+/* ---- bex_ctx_create's steps, each undone by its own ---- */
+
+/* The engines' configuration, from the context's. */
+static void ctx_ecfg_fill(bex_ctx *ctx)
 {
-    if (!cfg || !out)
-        return -EINVAL;
-    bex_ctx *ctx = calloc(1, sizeof(*ctx));
-    if (!ctx)
-        return -ENOMEM;
-    ctx->cfg = *cfg;
-    int err = config_check(&ctx->cfg);
-    if (err) {
-        free(ctx);
-        return err;
-    }
-    /* keep the derived key only: the caller's buffer may go away */
-    int have = bex__secret_resolve(cfg->secret, cfg->secret_len, ctx->auth_key);
-    ctx->cfg.secret = NULL;
-    ctx->cfg.secret_len = 0;
-    if (have < 0) {
-        free(ctx);
-        return have;
-    }
-    ctx->has_secret = have > 0;
-    bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
     const bex_ctx_config *c = &ctx->cfg;
     ctx->ecfg = (struct bex__engine_config){
         .sq_depth = c->sq_depth,
@@ -365,15 +349,22 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         .min_rate = c->recv_min_rate,
         .rate_window_ms = c->recv_rate_ms,
     };
+}
+
+/* The device local_addr names (none with BEX_TRANSPORT_TCP; AUTO goes on
+ * without one), and what every engine shares of it. */
+static int ctx_dev_open(bex_ctx *ctx)
+{
+    const bex_ctx_config *c = &ctx->cfg;
     if (c->transport != BEX_TRANSPORT_TCP) {
-        err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
+        int err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
         if (!err && ctx->sh.path.active_mtu == 0) {
             bex__rdma_dev_close(ctx->dev);
             ctx->dev = NULL;
             err = -ENETDOWN;
         }
         if (err && c->transport == BEX_TRANSPORT_RDMA)
-            goto err_free;
+            return err;
         if (err) /* AUTO: a context without a device works over TCP */
             bex__log(&ctx->log, BEX_LOG_INFO, "no usable RDMA device for %s (%s): TCP only",
                      inet_ntoa(c->local_addr), bex_strerror(err));
@@ -383,6 +374,15 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     ctx->sh.log = &ctx->log;
     ctx->sh.conn = (struct bex__rdma_conn_config){
         .timeout = c->qp_timeout, .retry_cnt = c->qp_retry_cnt, .rnr_retry = c->qp_rnr_retry};
+    return 0;
+}
+
+/* The pools: the general one (the caller's or our own), the received
+ * buffers' and the landing pool (the caller's or our own). */
+static int ctx_pools_create(bex_ctx *ctx)
+{
+    const bex_ctx_config *c = &ctx->cfg;
+    int err;
     if (c->pool) {
         ctx->sh.pool = c->pool;
     } else {
@@ -392,7 +392,7 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         else
             bex_mem_registrar_noop(&reg); /* TCP only: nothing to register */
         if ((err = bex_mem_pool_create(&reg, NULL, &ctx->sh.pool)))
-            goto err_close_dev;
+            return err;
         ctx->own_pool = true;
     }
     /* Received buffers have a pool of their own, registered like the main
@@ -424,15 +424,48 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
             goto err_recv_pool;
         ctx->own_landing = true;
     }
-    pthread_mutex_init(&ctx->homes_lock, NULL);
-    ctx->n_io = c->io_threads;
-    /* round-robin from the second thread: the first runs the listeners */
-    atomic_init(&ctx->next_io, ctx->n_io > 1 ? 1 : 0);
+    return 0;
+err_recv_pool:
+    bex_mem_pool_destroy(ctx->sh.recv_pool);
+err_pool:
+    if (ctx->own_pool)
+        bex_mem_pool_destroy(ctx->sh.pool);
+    return err;
+}
+
+/* Undo ctx_pools_create (the context failed to come up). */
+static void ctx_pools_destroy(bex_ctx *ctx)
+{
+    if (ctx->own_landing)
+        bex_mem_pool_destroy(ctx->sh.landing);
+    bex_mem_pool_destroy(ctx->sh.recv_pool);
+    if (ctx->own_pool)
+        bex_mem_pool_destroy(ctx->sh.pool);
+}
+
+/* The I/O threads: their resources, what their connections read
+ * (ctx->env), then the threads themselves. */
+static int ctx_io_start(bex_ctx *ctx)
+{
+    int err;
+    ctx->n_io = ctx->cfg.io_threads;
     ctx->io = calloc(ctx->n_io, sizeof(*ctx->io));
-    if (!ctx->io) {
-        err = -ENOMEM;
-        goto err_landing;
-    }
+    if (!ctx->io)
+        return -ENOMEM;
+    ctx->env = (struct bex__conn_env){
+        .cfg = &ctx->cfg,
+        .dev = ctx->dev,
+        .sh = &ctx->sh,
+        .ecfg = &ctx->ecfg,
+        .log = &ctx->log,
+        .has_secret = ctx->has_secret,
+        .auth_key = ctx->auth_key,
+        .io = ctx->io,
+        .n_io = ctx->n_io,
+    };
+    /* round-robin from the second thread: the first runs the listeners */
+    atomic_init(&ctx->env.next_io, ctx->n_io > 1 ? 1 : 0);
+    bex__conn_env_init(&ctx->env, &bex__sock_conn_ops);
     for (uint32_t i = 0; i < ctx->n_io; i++) {
         if ((err = io_init(ctx, &ctx->io[i], i)))
             goto err_io;
@@ -442,23 +475,52 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
             goto err_io;
         ctx->io[i].started = true;
     }
-    *out = ctx;
     return 0;
-
 err_io:
     io_stop(ctx);
     for (uint32_t i = 0; i < ctx->n_io; i++)
         io_fini(&ctx->io[i]);
     free(ctx->io);
-err_landing:
+    return err;
+}
+
+int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
+{
+    if (!cfg || !out)
+        return -EINVAL;
+    bex_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (!ctx)
+        return -ENOMEM;
+    ctx->cfg = *cfg;
+    int err = config_check(&ctx->cfg);
+    if (err) {
+        free(ctx);
+        return err;
+    }
+    /* keep the derived key only: the caller's buffer may go away */
+    int have = bex__secret_resolve(cfg->secret, cfg->secret_len, ctx->auth_key);
+    ctx->cfg.secret = NULL;
+    ctx->cfg.secret_len = 0;
+    if (have < 0) {
+        free(ctx);
+        return have;
+    }
+    ctx->has_secret = have > 0;
+    bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
+    ctx_ecfg_fill(ctx);
+    if ((err = ctx_dev_open(ctx)))
+        goto err_free;
+    if ((err = ctx_pools_create(ctx)))
+        goto err_close_dev;
+    pthread_mutex_init(&ctx->homes_lock, NULL);
+    if ((err = ctx_io_start(ctx)))
+        goto err_pools;
+    *out = ctx;
+    return 0;
+
+err_pools:
     pthread_mutex_destroy(&ctx->homes_lock);
-    if (ctx->own_landing)
-        bex_mem_pool_destroy(ctx->sh.landing);
-err_recv_pool:
-    bex_mem_pool_destroy(ctx->sh.recv_pool);
-err_pool:
-    if (ctx->own_pool)
-        bex_mem_pool_destroy(ctx->sh.pool);
+    ctx_pools_destroy(ctx);
 err_close_dev:
     bex__rdma_dev_close(ctx->dev);
 err_free:
@@ -479,14 +541,12 @@ int bex_ctx_destroy(bex_ctx *ctx)
         struct bex__io *io = &ctx->io[k];
         while (io->conns) {
             struct conn *cn = io->conns;
-            for (int i = 0; i < CONN_MAP; i++) {
-                while (cn->map[i]) {
-                    struct bex_sock *s = cn->map[i];
-                    cn->map[i] = s->map_next;
-                    free(s); /* the application did not close it: reclaim anyway */
-                }
+            struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+            uint64_t id;
+            for (struct bex__stream *st; (st = bex__hmap_next(&cn->streams, &it, &id));) {
+                bex__hmap_del(&cn->streams, id);
+                free(bex__sock_of(st)); /* the application did not close it: reclaim anyway */
             }
-            cn->nsocks = 0;
             bex__conn_free(cn);
         }
     }
@@ -499,13 +559,10 @@ int bex_ctx_destroy(bex_ctx *ctx)
     for (uint32_t k = 0; k < ctx->n_io; k++)
         io_fini(&ctx->io[k]);
     free(ctx->io);
-    for (int b = 0; b < PEER_HOME_BUCKETS; b++) {
-        while (ctx->homes[b]) {
-            struct peer_home *h = ctx->homes[b];
-            ctx->homes[b] = h->next;
-            free(h);
-        }
-    }
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct peer_home *h; (h = bex__hmap_next(&ctx->homes, &it, NULL));)
+        free(h);
+    bex__hmap_free(&ctx->homes);
     pthread_mutex_destroy(&ctx->homes_lock);
     if (ctx->own_pool && bex_mem_pool_destroy(ctx->sh.pool))
         bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while buffers of its pool are live");
@@ -822,7 +879,7 @@ int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_
         err = -errno;
         goto err_close;
     }
-    l->tag.kind = EV_LISTENER;
+    l->tag.cb = bex__listener_on_event;
     l->ctx = ctx;
     if (ops)
         l->ops = *ops;

@@ -1,9 +1,27 @@
 /* Socket lifecycle on the I/O thread, and the transports' upcalls. */
+#include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
 
 #include "sock/internal.h"
-#include "transport/tcp/tcp.h"
+
+const char *bex__sock_state_name(int st)
+{
+    static const char *const names[] = {
+        [S_CONNECTING] = "CONNECTING", [S_OPEN] = "OPEN", [S_FAILED] = "FAILED"};
+    return (unsigned)st < ARRAY_SIZE(names) ? names[st] : "?";
+}
+
+void bex__sock_set_state(struct bex_sock *s, enum bex__sock_state to)
+{
+    int from = atomic_load_explicit(&s->state, memory_order_relaxed);
+    assert((from == S_CONNECTING && (to == S_OPEN || to == S_FAILED)) ||
+           (from == S_OPEN && to == S_FAILED));
+    if (s->ctx->log.level >= BEX_LOG_DEBUG)
+        bex__log(&s->ctx->log, BEX_LOG_DEBUG, "socket %u (engine %u): %s -> %s", s->id,
+                 atomic_load(&s->eng_id), bex__sock_state_name(from), bex__sock_state_name(to));
+    atomic_store(&s->state, (int)to);
+}
 
 /* Hand a buffer back to the application; without an on_send_done nobody
  * would ever free it, so bex does. */
@@ -26,7 +44,7 @@ void bex__sock_maybe_finish(struct bex_sock *s)
     s->dead = true;
     bex__exposed_cancel(s);
     if (s->conn)
-        bex__conn_map_del(s->conn, s);
+        bex__conn_stream_del(s->conn, s->id);
     s->conn = NULL;
     if (s->ops.on_close)
         s->ops.on_close(s, s->user);
@@ -41,7 +59,7 @@ void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
 {
     if (!s->dead) {
         s->dead = true;
-        atomic_store(&s->state, S_FAILED);
+        bex__sock_set_state(s, S_FAILED);
         bex__exposed_cancel(s);
     }
     if (!s->error_told && !s->app_closed) {
@@ -56,24 +74,52 @@ void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
     bex__sock_maybe_finish(s);
 }
 
-static void on_up(struct bex__xport *x)
+/* The next socket of c's stream table (it = BEX__HMAP_ITER_INIT first),
+ * or NULL. The body may remove the socket it was given, and nothing else. */
+static struct bex_sock *next_sock(struct conn *c, struct bex__hmap_iter *it)
 {
-    struct conn *c = x->user;
-    for (int i = 0; i < CONN_MAP; i++) {
-        for (struct bex_sock *s = c->map[i]; s; s = s->map_next) {
-            atomic_store(&s->max_msg, x->ops->peer_max_msg(x));
-            int st = S_CONNECTING;
-            if (atomic_compare_exchange_strong(&s->state, &st, S_OPEN) && !s->app_closed &&
-                s->ops.on_connect)
-                s->ops.on_connect(s, 0, s->user);
-        }
+    return bex__sock_of(bex__hmap_next(&c->streams, it, NULL));
+}
+
+static void conn_up(struct conn *c, struct bex__xport *x)
+{
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct bex_sock *s; (s = next_sock(c, &it));) {
+        atomic_store(&s->max_msg, x->ops->peer_max_msg(x));
+        if (atomic_load(&s->state) != S_CONNECTING)
+            continue; /* open already, or failed */
+        bex__sock_set_state(s, S_OPEN);
+        if (!s->app_closed && s->ops.on_connect)
+            s->ops.on_connect(s, 0, s->user);
     }
+}
+
+/* The connection is finished: every socket on it learns the error; the
+ * engine already handed their messages back. */
+static void conn_down(struct conn *c, int err, bool connecting)
+{
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct bex_sock *s; (s = next_sock(c, &it));) {
+        if (s->waiting)
+            bex__sock_drop_waiting(s);
+        s->attached = false; /* the engine let go */
+        bex__sock_fail(s, err, connecting && atomic_load(&s->state) == S_CONNECTING);
+    }
+}
+
+static uint32_t conn_open_streams(struct conn *c)
+{
+    uint32_t open = 0;
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct bex_sock *s; (s = next_sock(c, &it));)
+        open += !s->dead;
+    return open;
 }
 
 static void on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
 {
     struct conn *c = x->user;
-    struct bex_sock *s = bex__conn_map_find(c, stream);
+    struct bex_sock *s = bex__sock_of(bex__conn_stream_find(c, stream));
     if (!s || s->dead || s->app_closed || !s->ops.on_recv) {
         bex_mem_free(buf); /* the socket is gone: nobody to give it to */
         return;
@@ -84,7 +130,7 @@ static void on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
 static void on_open(struct bex__xport *x, uint32_t stream)
 {
     struct conn *c = x->user;
-    struct bex_sock *s = bex__conn_map_find(c, stream);
+    struct bex_sock *s = bex__sock_of(bex__conn_stream_find(c, stream));
     if (s || c->client) {
         char name[32];
         bex__log(&c->ctx->log, BEX_LOG_ERROR, "%s (engine %u): unexpected OPEN of stream %u",
@@ -98,18 +144,16 @@ static void on_open(struct bex__xport *x, uint32_t stream)
      * go out through it (the notice, when it comes, starts the engine). */
     if (!c->x)
         c->x = x;
-    if (c->nsocks >= c->ctx->cfg.streams_max) {
+    if (bex__conn_nstreams(c) >= c->ctx->cfg.streams_max) {
         /* the peer's socket fails; nothing is allocated for it here */
         /* INFO: refusing a stream is flow control; should the peer go on
          * regardless, the engine fails with the one WARN/ERROR line that
          * names it */
         char name[32];
-        if (!c->refusal_logged)
-            bex__log(&c->ctx->log, BEX_LOG_INFO,
-                     "%s (engine %u): opens more than %u streams on one connection; "
-                     "refusing them (logged once per connection)",
-                     bex__conn_name(c, name), c->eng_id, c->ctx->cfg.streams_max);
-        c->refusal_logged = true;
+        bex__log_once(&c->ctx->log, &c->said, CONN_SAID_REFUSAL, BEX_LOG_INFO,
+                      "%s (engine %u): opens more than %u streams on one connection; "
+                      "refusing them (logged once per connection)",
+                      bex__conn_name(c, name), c->eng_id, c->ctx->cfg.streams_max);
         if (x->ops->refuse_stream(x, stream))
             bex__conn_fail(c, -EPROTO);
         return;
@@ -127,10 +171,14 @@ static void on_open(struct bex__xport *x, uint32_t stream)
     atomic_init(&s->closing, false);
     atomic_init(&s->user_pub, NULL);
     atomic_init(&s->max_msg, x->ops->peer_max_msg(x));
+    if (bex__conn_stream_add(c, stream, &s->st)) {
+        free(s);
+        bex__conn_fail(c, -ENOMEM);
+        return;
+    }
     x->ops->attach(x, &s->st, stream, false);
     s->attached = true;
     atomic_init(&s->eng_id, c->eng_id);
-    bex__conn_map_add(c, s);
     struct bex_listener *l = c->l;
     if (l && l->ops.on_accept)
         l->ops.on_accept(l, s, l->user);
@@ -141,7 +189,7 @@ static void on_open(struct bex__xport *x, uint32_t stream)
 static void on_peer_close(struct bex__xport *x, uint32_t stream)
 {
     struct conn *c = x->user;
-    struct bex_sock *s = bex__conn_map_find(c, stream);
+    struct bex_sock *s = bex__sock_of(bex__conn_stream_find(c, stream));
     if (!s)
         return;
     /* the engine hands back what it held first (on_error says so); the
@@ -177,34 +225,27 @@ static void on_stream_closed(struct bex__xport *x, struct bex__stream *st)
     bex__sock_maybe_finish(s);
 }
 
-static void on_fail(struct bex__xport *x, int err)
-{
-    struct conn *c = x->user;
-    if (bex__tcp_link_lost(x)) /* over RDMA the setup's descriptor tells (bex__conn_step) */
-        bex__conn_lost(c, err);
-    bex__conn_finish(c, err);
-}
-
-void bex__sock_attach_waiting(struct conn *c)
+/* c's transport is chosen: the sockets that waited for it attach, their
+ * queued sends and closes go to it. */
+static void conn_chosen(struct conn *c)
 {
     struct bex__xport *x = c->x;
-    for (int i = 0; i < CONN_MAP; i++) {
-        for (struct bex_sock *s = c->map[i]; s; s = s->map_next) {
-            if (!s->waiting)
-                continue;
-            s->waiting = false;
-            x->ops->attach(x, &s->st, s->id, true);
-            s->attached = true;
-            atomic_store(&s->eng_id, c->eng_id);
-            while (s->wq_head) {
-                struct sock_msg *w = s->wq_head;
-                s->wq_head = w->m.next ? bex__container_of(w->m.next, struct sock_msg, m) : NULL;
-                x->ops->send(x, &s->st, &w->m); /* counted in pending already */
-            }
-            s->wq_tail = NULL;
-            if (s->app_closed)
-                x->ops->close_stream(x, &s->st);
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (struct bex_sock *s; (s = next_sock(c, &it));) {
+        if (!s->waiting)
+            continue;
+        s->waiting = false;
+        x->ops->attach(x, &s->st, s->id, true);
+        s->attached = true;
+        atomic_store(&s->eng_id, c->eng_id);
+        while (s->wq_head) {
+            struct sock_msg *w = s->wq_head;
+            s->wq_head = w->m.next ? bex__container_of(w->m.next, struct sock_msg, m) : NULL;
+            x->ops->send(x, &s->st, &w->m); /* counted in pending already */
         }
+        s->wq_tail = NULL;
+        if (s->app_closed)
+            x->ops->close_stream(x, &s->st);
     }
 }
 
@@ -225,8 +266,9 @@ void bex__sock_drop_waiting(struct bex_sock *s)
     s->pending--;
 }
 
-const struct bex__transport_upcalls bex__sock_upcalls = {
-    .on_up = on_up,
+/* on_up and on_fail are the connection's (conn_up and conn_down below,
+ * through conn). */
+static const struct bex__transport_upcalls sock_upcalls = {
     .on_msg = on_msg,
     .on_open = on_open,
     .on_peer_close = on_peer_close,
@@ -234,5 +276,12 @@ const struct bex__transport_upcalls bex__sock_upcalls = {
     .on_stream_closed = on_stream_closed,
     .on_direct = bex__exposed_deliver,
     .direct_buf = bex__exposed_buf,
-    .on_fail = on_fail,
+};
+
+const struct bex__conn_owner_ops bex__sock_conn_ops = {
+    .stream_upcalls = &sock_upcalls,
+    .up = conn_up,
+    .chosen = conn_chosen,
+    .down = conn_down,
+    .open_streams = conn_open_streams,
 };

@@ -1,0 +1,158 @@
+/* conn: the I/O thread object. An I/O thread is the set of connections it
+ * owns and what only they use: their loop (epoll, wake-up, command queue),
+ * their CQs and completion channel, the engine table, the listeners it
+ * accepts on, the setup table and the statistics. conn owns it because
+ * every one of those is a connection's resource; the sock layer above
+ * runs the thread's body (sock/io.c) and keeps its per-thread cache here.
+ *
+ * Nothing in it is shared with the context's other I/O threads: they meet
+ * only in the command queues (any thread pushes) and in context-wide state
+ * that is read-only once the context is up (struct bex__conn_env) or
+ * atomic. */
+#ifndef BEX_CONN_IO_H
+#define BEX_CONN_IO_H
+
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bex/sock.h"
+#include "common/util.h"
+#include "loop/loop.h"
+#include "rdma/rdma.h"
+#include "transport/rdma/engine.h"
+
+struct conn;
+struct bex_listener;
+struct sock_msg;
+
+/* Commands of the connection layer handed to an I/O thread
+ * (bex__io_push); the owner's own commands start at BEX__CMD_OWNER. */
+enum {
+    CMD_STOP,
+    CMD_LISTEN,
+    CMD_UNLISTEN,
+    CMD_UNLISTEN_FWD, /* a closing listener: forget it on this thread too */
+    CMD_ADOPT,        /* an accepted connection handed to its I/O thread */
+    BEX__CMD_OWNER
+};
+
+/* A connection accepted by a listener's thread for another (CMD_ADOPT). */
+struct adopt_cmd {
+    struct bex__cmd cmd;
+    struct bex_listener *l;
+    int fd;
+    struct sockaddr_in peer;
+};
+
+/* The first CQ entries of an I/O thread; the CQ grows (ibv_resize_cq,
+ * doubling up to the device's max_cqe) as engines are made, and once it
+ * is at max_cqe the thread adds another CQ. */
+#define BEX__CQ_INITIAL 1024
+/* Tests only: when non-zero, the largest CQ made or grown (instead of the
+ * device's max_cqe), so that a few connections need a second CQ. */
+extern uint32_t bex__cq_max_test;
+
+/* One of an I/O thread's CQs, and the entries its engines reserved. */
+struct io_cq {
+    struct ibv_cq *cq;
+    uint32_t used, cap;
+};
+
+/* bex_ctx_config.io_threads at most. */
+#define BEX__IO_THREADS_MAX 64
+
+/* What the layer that owns the connections' streams (sock) does for them.
+ * conn calls these and nothing of that layer's own: the owner keeps its
+ * streams in the connection's stream table (bex__conn_stream_*). */
+struct bex__conn_owner_ops {
+    /* The upcalls every transport of a connection gets (x->user is the
+     * struct conn); on_up and on_fail are conn's, which pass them on as up
+     * and down below. */
+    const struct bex__transport_upcalls *stream_upcalls;
+    /* x, c's transport, is up (RDMA: the QP at RTS, the peer ready). c->x
+     * may not be set yet: the peer's first frames can come over RDMA before
+     * its readiness notice over TCP. */
+    void (*up)(struct conn *c, struct bex__xport *x);
+    /* c's transport is chosen (c->x is set): the streams waiting for it
+     * attach. */
+    void (*chosen)(struct conn *c);
+    /* c is finished (its engine is dead or never was): every stream on it
+     * learns err; connecting: c never came up. */
+    void (*down)(struct conn *c, int err, bool connecting);
+    /* How many of c's streams are open (for the lost-connection line). */
+    uint32_t (*open_streams)(struct conn *c);
+};
+
+/* What every connection of a context reads and no connection writes:
+ * filled once when the context is made (bex__conn_env_init), read-only
+ * afterwards, so any I/O thread reads it without a lock. */
+struct bex__conn_env {
+    const bex_ctx_config *cfg;
+    struct bex__rdma_dev *dev; /* NULL: no device, TCP only */
+    const struct bex__engine_shared *sh;
+    const struct bex__engine_config *ecfg;
+    struct bex__log *log;
+    bool has_secret;         /* setups are authenticated with auth_key */
+    const uint8_t *auth_key; /* BEX__AUTH_KEY_LEN bytes */
+    struct bex__io *io;      /* n_io of them */
+    uint32_t n_io;
+    _Atomic uint32_t next_io; /* round-robin (bex__io_next) */
+    const struct bex__conn_owner_ops *ops;
+    struct bex__transport_upcalls upcalls; /* ops' with conn's on_up, on_fail */
+};
+
+/* Fill env's upcalls from ops (the rest of env is the caller's). */
+void bex__conn_env_init(struct bex__conn_env *env, const struct bex__conn_owner_ops *ops);
+
+/* One I/O thread of a context and everything only it touches. */
+struct bex__io {
+    bex_ctx *ctx; /* its owner's handle (opaque here) */
+    struct bex__conn_env *env;
+    uint32_t idx;
+    struct bex__loop loop;
+    struct bex__engine_shared sh; /* env->sh with this thread's CQ, stats and
+                                     received-memory estimate */
+    struct bex__stats stats;      /* this thread's; bex_ctx_stats sums them */
+    struct ibv_comp_channel *ch;
+    struct bex__rdma_td *td; /* thread + parent domain, where the device has them */
+    struct ep_tag ch_tag;
+    struct ep_tag async_tag; /* SRQ mode: the device's async event fd */
+    pthread_t thread;
+    bool started;
+    struct conn *conns;
+    struct conn *ready;            /* connections with work (bex__conn_ready) */
+    bool reap;                     /* a connection died or lost a socket: bex__conn_reap looks */
+    uint64_t ticks;                /* bex__conn_tick calls */
+    uint64_t due_us;               /* the earliest due_us of its transports seen (0: none) */
+    _Atomic uint64_t visits;       /* transport progress calls (single writer; tests read) */
+    _Atomic uint64_t turns;        /* loop turns (the same) */
+    _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
+    _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
+    bool draining;                 /* the owner is running commands it took */
+    struct bex_listener *listeners;
+    struct conn **engines; /* by engine id (bex__conn_by_engine) */
+    uint32_t next_engine_seq;
+    struct io_cq *cqs; /* with a device: at least one; sh.cq is cqs[0].cq */
+    uint32_t n_cq;
+    uint32_t n_setup; /* accepted connections in setup here (setup_max) */
+    uint64_t n_setup_evictions;
+    uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
+    bool stopping;
+    struct bex__cmd stop_cmd;
+    /* the owner's (sock's) cache of send descriptors; conn never looks */
+    struct sock_msg *msg_free;
+    uint32_t n_msg_free;
+};
+
+static inline void bex__io_push(struct bex__io *io, struct bex__cmd *c, int type)
+{
+    bex__loop_push(&io->loop, c, type);
+}
+
+/* The next I/O thread in round-robin order. */
+struct bex__io *bex__io_next(struct bex__conn_env *env);
+
+#endif
