@@ -9,6 +9,7 @@
  *       {"replicas": [{"addr": "127.0.0.1:7000", "transport": "tcp"}]}]}}}
  *   JSON
  *   bex-ps --cluster cluster.json --shard all --table 1:4:sgd:0.5 &
+ *   # ... until it prints "bex-ps: ready"
  *   ./ps_client cluster.json           # prints the rows, then "update ok"
  *
  * The table (id 1, 4 floats a row, SGD, learning rate 0.5) must be the
