@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* echo: the smallest bex program. A server sends every message back; a
  * client sends one message and prints the answer. It shows the socket
  * layer (include/bex/sock.h): a context, a listener, a connection, and

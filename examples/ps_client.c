@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* ps_client: train a few embedding rows on a running parameter server.
  * It shows include/bex/ps.h and include/bex/dir.h: a directory that says
  * where the shards are (a cluster file), a PS client over it, and one

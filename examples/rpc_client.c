@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* rpc_client: call rpc_server's "upper" method once and print the answer.
  * It shows the client half of include/bex/rpc.h: a channel to a server, a
  * request body in bex's memory, and a synchronous call with a deadline.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* rpc_server: an RPC service with one method, "upper", that answers its
  * request in capitals. It shows the server half of include/bex/rpc.h: a
  * handler registered by (service, method), answering with the request's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Shared by tests/examples/run_*.sh (sourced): a temporary directory, the
 # servers started killed on exit, and checks that say what they expected.
 set -u

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # examples/echo.c, natively over TCP on loopback: the server on a port it
 # picks (port 0, read from its output), a client's message comes back, a
 # client of a closed port and a bad argument fail with a message and

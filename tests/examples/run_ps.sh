@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # examples/ps_client.c against a running bex-ps, natively over TCP on
 # loopback: 2 shards in one bex-ps, the client's Push seen in its second
 # Fetch (checked here from the rows it prints, not only by the client),

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # examples/rpc_server.c and rpc_client.c, natively over TCP on loopback:
 # the server on a port it picks (port 0, read from its output), the
 # client's call answered in capitals, an unreachable server and a bad
