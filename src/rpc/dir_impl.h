@@ -58,7 +58,7 @@ struct bex_dir {
     struct service *services;
     uint64_t generation;
     uint64_t rng; /* ties among equal replicas: not security */
-    void *watch; /* the source (etcd's watch), stopped by watch_stop */
+    void *watch;  /* the source (etcd's watch), stopped by watch_stop */
     void (*watch_stop)(void *watch);
     bool etcd;
 };

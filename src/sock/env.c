@@ -47,7 +47,8 @@ static int parse_transport(const struct env_var *v, const char *s, uint32_t *out
     static const struct {
         const char *name;
         uint32_t t;
-    } names[] = {{"auto", BEX_TRANSPORT_AUTO}, {"rdma", BEX_TRANSPORT_RDMA}, {"tcp", BEX_TRANSPORT_TCP}};
+    } names[] = {
+        {"auto", BEX_TRANSPORT_AUTO}, {"rdma", BEX_TRANSPORT_RDMA}, {"tcp", BEX_TRANSPORT_TCP}};
     for (size_t i = 0; i < ARRAY_SIZE(names); i++)
         if (strcasecmp(s, names[i].name) == 0) {
             *out = names[i].t;
@@ -69,8 +70,7 @@ static const struct env_var vars[] = {
     {"BEX_IO_THREADS", FIELD(io_threads), parse_num, 1, 64, "1-64"},
     {"BEX_POLL_MODE", FIELD(poll_mode), parse_poll, 0, 0, "spin-sleep, busy or event"},
     {"BEX_KEEPALIVE_MS", FIELD(keepalive_ms), parse_num, 1, 3600000, "1-3600000"},
-    {"BEX_KEEPALIVE_TIMEOUT_MS", FIELD(keepalive_timeout_ms), parse_num, 1, 86400000,
-     "1-86400000"},
+    {"BEX_KEEPALIVE_TIMEOUT_MS", FIELD(keepalive_timeout_ms), parse_num, 1, 86400000, "1-86400000"},
     {"BEX_CONNECT_TIMEOUT_MS", FIELD(connect_timeout_ms), parse_num, 1, 86400000, "1-86400000"},
     {"BEX_SRQ_DEPTH", FIELD(srq_depth), parse_num, 0, 32768, "0 (off) or rq_depth-32768"},
 };

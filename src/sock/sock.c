@@ -9,6 +9,7 @@
 #include <sodium.h>
 
 #include "sock/ctx_access.h"
+#include "sock/env.h"
 #include "sock/internal.h"
 #include "sock/secret.h"
 #include "transport/tcp/tcp.h"
@@ -484,6 +485,29 @@ err_io:
     return err;
 }
 
+/* The environment's overrides (sock/env.c) on the context's copy of its
+ * configuration, then the logger's level and name: "ctxN a.b.c.d", N
+ * counting the process's contexts. A bad variable fails the context. */
+static int ctx_env_apply(bex_ctx *ctx)
+{
+    static _Atomic unsigned ctx_seq;
+    char why[256];
+    unsigned n = 0;
+    int err = bex__ctx_env(&ctx->cfg, why, sizeof why, &n);
+    if (err) {
+        bex__log(&ctx->log, BEX_LOG_ERROR, "bex_ctx_create: %s", why);
+        return err;
+    }
+    ctx->log.level = ctx->cfg.log_level ? ctx->cfg.log_level : BEX_LOG_WARN;
+    char addr[INET_ADDRSTRLEN], name[48];
+    inet_ntop(AF_INET, &ctx->cfg.local_addr, addr, sizeof addr);
+    snprintf(name, sizeof name, "ctx%u %s", atomic_fetch_add(&ctx_seq, 1) + 1, addr);
+    bex__log_set_name(&ctx->log, name);
+    if (n)
+        bex__log(&ctx->log, BEX_LOG_INFO, "%u settings from the environment (BEX_*)", n);
+    return 0;
+}
+
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
 {
     if (!cfg || !out)
@@ -492,7 +516,10 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     if (!ctx)
         return -ENOMEM;
     ctx->cfg = *cfg;
-    int err = config_check(&ctx->cfg);
+    bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
+    int err = ctx_env_apply(ctx);
+    if (!err)
+        err = config_check(&ctx->cfg);
     if (err) {
         free(ctx);
         return err;
@@ -506,7 +533,6 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
         return have;
     }
     ctx->has_secret = have > 0;
-    bex__log_init(&ctx->log, ctx->cfg.log_fn, ctx->cfg.log_arg, ctx->cfg.log_level);
     ctx_ecfg_fill(ctx);
     if ((err = ctx_dev_open(ctx)))
         goto err_free;

@@ -1,4 +1,5 @@
 /* Environment overrides of a context's configuration (src/sock/env.c). */
+#include <arpa/inet.h>
 #include <stdlib.h>
 
 #include "harness.h"
@@ -6,9 +7,9 @@
 
 static void clear(void)
 {
-    static const char *const names[] = {"BEX_LOG_LEVEL",    "BEX_TRANSPORT",
-                                        "BEX_IO_THREADS",   "BEX_POLL_MODE",
-                                        "BEX_KEEPALIVE_MS", "BEX_KEEPALIVE_TIMEOUT_MS",
+    static const char *const names[] = {"BEX_LOG_LEVEL",          "BEX_TRANSPORT",
+                                        "BEX_IO_THREADS",         "BEX_POLL_MODE",
+                                        "BEX_KEEPALIVE_MS",       "BEX_KEEPALIVE_TIMEOUT_MS",
                                         "BEX_CONNECT_TIMEOUT_MS", "BEX_SRQ_DEPTH"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         unsetenv(names[i]);
@@ -49,10 +50,10 @@ static int bad_values(void)
 {
     static const struct {
         const char *name, *value;
-    } bad[] = {{"BEX_IO_THREADS", "0"},      {"BEX_IO_THREADS", "65"},  {"BEX_IO_THREADS", "two"},
-               {"BEX_IO_THREADS", "-1"},     {"BEX_IO_THREADS", "4x"},  {"BEX_TRANSPORT", "ib"},
-               {"BEX_POLL_MODE", "sleepy"},  {"BEX_LOG_LEVEL", "9"},    {"BEX_LOG_LEVEL", ""},
-               {"BEX_KEEPALIVE_MS", "1e3"},  {"BEX_SRQ_DEPTH", "99999"}};
+    } bad[] = {{"BEX_IO_THREADS", "0"},     {"BEX_IO_THREADS", "65"},  {"BEX_IO_THREADS", "two"},
+               {"BEX_IO_THREADS", "-1"},    {"BEX_IO_THREADS", "4x"},  {"BEX_TRANSPORT", "ib"},
+               {"BEX_POLL_MODE", "sleepy"}, {"BEX_LOG_LEVEL", "9"},    {"BEX_LOG_LEVEL", ""},
+               {"BEX_KEEPALIVE_MS", "1e3"}, {"BEX_SRQ_DEPTH", "99999"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         clear();
         setenv("BEX_TRANSPORT", "tcp", 1); /* a good one beside */
@@ -70,4 +71,41 @@ static int bad_values(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(applies), BEX_CASE(bad_values))
+static char seen[4][256];
+static int n_seen;
+static void hook(int level, const char *msg, void *arg)
+{
+    (void)level;
+    (void)arg;
+    if (n_seen < 4)
+        snprintf(seen[n_seen++], sizeof seen[0], "%s", msg);
+}
+
+/* bex_ctx_create reads the environment: a bad value fails it with a line
+ * naming the variable; a good one is applied (BEX_LOG_LEVEL=info lets the
+ * line that counts the overrides through). */
+static int ctx_create(void)
+{
+    clear();
+    bex_ctx_config cfg = {.transport = BEX_TRANSPORT_TCP, .log_fn = hook};
+    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    setenv("BEX_IO_THREADS", "0", 1);
+    bex_ctx *ctx = NULL;
+    CHECK_EQ(bex_ctx_create(&cfg, &ctx), -EINVAL);
+    CHECK(ctx == NULL);
+    CHECK_EQ(n_seen, 1);
+    CHECK(strstr(seen[0], "BEX_IO_THREADS='0'") != NULL);
+    n_seen = 0;
+    setenv("BEX_IO_THREADS", "2", 1);
+    setenv("BEX_LOG_LEVEL", "info", 1);
+    CHECK_OK(bex_ctx_create(&cfg, &ctx));
+    int found = 0;
+    for (int i = 0; i < n_seen; i++)
+        found |= strstr(seen[i], "2 settings from the environment") != NULL;
+    CHECK(found);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    clear();
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(applies), BEX_CASE(bad_values), BEX_CASE(ctx_create))
