@@ -109,7 +109,11 @@ enum {
  * BEX_POLL_*, or -EINVAL (name NULL or none of these; *mode unchanged). */
 int bex_poll_mode_parse(const char *name, uint32_t *mode);
 
-/* Context configuration; zero in any field means its default. */
+/* Context configuration; zero in any field means its default. Some fields
+ * can be set from the environment too, which then wins (BEX_LOG_LEVEL,
+ * BEX_TRANSPORT, BEX_IO_THREADS, BEX_POLL_MODE, BEX_KEEPALIVE_MS,
+ * BEX_KEEPALIVE_TIMEOUT_MS, BEX_CONNECT_TIMEOUT_MS, BEX_SRQ_DEPTH: the
+ * table is in docs/configuration.md). */
 typedef struct bex_ctx_config {
     /* The local IPv4 address to use; it chooses the RDMA device and GID
      * (RoCEv2). Required (INADDR_ANY is refused with -EINVAL). */
@@ -145,7 +149,8 @@ typedef struct bex_ctx_config {
                                       window mode) for peer-writable memory instead
                                       of creating one */
     bex_log_fn log_fn;             /* where the library's log lines go (NULL: stderr,
-                                      "bex: " prefixed) */
+                                      with a UTC timestamp, the level and the
+                                      context's name) */
     void *log_arg;                 /* passed to log_fn */
     int log_level;                 /* highest BEX_LOG_* level passed on (BEX_LOG_WARN) */
     /* Shared cluster secret (BEX_SECRET_MIN..BEX_SECRET_MAX bytes, copied at
@@ -221,9 +226,11 @@ int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
  * BEX_TRANSPORT_TCP none; with AUTO, when none is usable, the context works
  * over TCP only and says so at INFO), take its PD, make the pools (cfg->pool
  * and cfg->landing_pool if given, else bemalloc pools of its own,
- * registered with the PD), and start cfg->io_threads I/O threads.
+ * registered with the PD), and start cfg->io_threads I/O threads. The
+ * environment's BEX_* settings (above) replace the fields they name first.
  * Returns 0, -EINVAL (a field out of range, local_addr INADDR_ANY, a
- * secret, or BEX_SECRET, of the wrong size), -ENODEV or -ENETDOWN (with
+ * secret, or BEX_SECRET, of the wrong size, a BEX_* variable with a bad
+ * value: an ERROR line names it), -ENODEV or -ENETDOWN (with
  * BEX_TRANSPORT_RDMA: no usable RDMA device has that address),
  * bex_secret_load's errors for BEX_SECRET_FILE, or another negative errno;
  * on an error nothing is left behind. Any thread but a context's own I/O
