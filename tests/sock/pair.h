@@ -447,6 +447,13 @@ static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
     if (!c.connect_timeout_ms)
         c.connect_timeout_ms = 3000; /* bex's default */
     c.connect_timeout_ms *= time_scale();
+    /* the progress rule's window (a granted rendezvous destination must be
+     * written within recv_rate_ms + len / recv_min_rate): a sanitizer's
+     * slowdown is no slow peer (under TSan in the VM the unscaled 5 s
+     * failed packet_loss and io2.rxe.multiplex) */
+    if (!c.recv_rate_ms)
+        c.recv_rate_ms = 5000; /* bex's default */
+    c.recv_rate_ms *= time_scale();
     return c;
 }
 
