@@ -199,6 +199,10 @@ static int64_t num(json_t *v)
 
 /* ---- the watch ---- */
 
+/* Lines logged once until things are well again (bex__log_once): the
+ * watch's loss, a registration's lease lost. */
+enum { LOGGED_DOWN = 1, LOGGED_LOST = 2 };
+
 struct entry {
     char *key;
     struct bex__dir_member m;
@@ -217,7 +221,7 @@ struct bex__etcd_watch {
     CURLM *multi;
     struct buf line; /* the stream's partial line */
     bool stream_bad;
-    bool down_logged;
+    uint32_t logged; /* LOGGED_DOWN: the watch's loss was logged (bex__log_once) */
 };
 
 /* A key of ours to (service, shard, address); false for any other key. */
@@ -438,10 +442,10 @@ static void watch_stream(struct bex__etcd_watch *w)
         pthread_mutex_unlock(&w->mu);
         if (stop)
             break;
-        if (w->down_logged && running) {
+        if ((w->logged & LOGGED_DOWN) && running) {
             bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: etcd watch on %s re-established",
                      w->url);
-            w->down_logged = false;
+            w->logged = 0;
         }
     }
     int q;
@@ -452,12 +456,10 @@ static void watch_stream(struct bex__etcd_watch *w)
     curl_multi_remove_handle(w->multi, e);
     curl_easy_cleanup(e);
     curl_slist_free_all(hdrs);
-    if (!stop && !w->down_logged) {
+    if (!stop && bex__log_once(&w->logged, LOGGED_DOWN))
         bex__log(bex__dir_log(w->d), BEX_LOG_WARN,
                  "dir: etcd watch on %s broke (%s): reading again every second", w->url,
                  res != CURLE_OK ? curl_easy_strerror(res) : "stream ended");
-        w->down_logged = true;
-    }
 }
 
 static void *watch_main(void *arg)
@@ -479,9 +481,8 @@ static void *watch_main(void *arg)
         char err[256];
         /* the first time, the start read just now; later, read again */
         if (!first && read_all(w, err, sizeof err)) {
-            if (!w->down_logged)
+            if (bex__log_once(&w->logged, LOGGED_DOWN))
                 bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: %s", err);
-            w->down_logged = true;
             continue;
         }
         first = false;
@@ -582,7 +583,8 @@ struct bex_dir_registration {
     pthread_t thr;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    bool stop, lost_logged;
+    bool stop;
+    uint32_t logged; /* LOGGED_LOST: the lease's loss was logged (bex__log_once) */
 };
 
 static int lease_grant_put(struct bex_dir_registration *r, char *err, size_t errlen)
@@ -646,10 +648,11 @@ static void *keepalive_main(void *arg)
         if (!rc && num(json_object_get(json_object_get(resp, "result"), "TTL")) <= 0)
             rc = lease_grant_put(r, err, sizeof err);
         json_decref(resp);
-        if (rc && !r->lost_logged)
+        if (!rc)
+            r->logged = 0; /* a later loss is logged again */
+        else if (bex__log_once(&r->logged, LOGGED_LOST))
             bex__log(NULL, BEX_LOG_WARN, "dir: registration keepalive: %s (%s)", bex_strerror(rc),
                      err);
-        r->lost_logged = rc != 0;
         pthread_mutex_lock(&r->mu);
     }
     pthread_mutex_unlock(&r->mu);
