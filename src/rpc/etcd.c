@@ -199,7 +199,7 @@ static int64_t num(json_t *v)
 
 /* ---- the watch ---- */
 
-/* Lines logged once until things are well again (bex__log_once): the
+/* Lines logged once until things are well again (bex__log_first): the
  * watch's loss, a registration's lease lost. */
 enum { LOGGED_DOWN = 1, LOGGED_LOST = 2 };
 
@@ -221,7 +221,7 @@ struct bex__etcd_watch {
     CURLM *multi;
     struct buf line; /* the stream's partial line */
     bool stream_bad;
-    uint32_t logged; /* LOGGED_DOWN: the watch's loss was logged (bex__log_once) */
+    uint32_t logged; /* LOGGED_DOWN: the watch's loss was logged (bex__log_first) */
 };
 
 /* A key of ours to (service, shard, address); false for any other key. */
@@ -456,7 +456,7 @@ static void watch_stream(struct bex__etcd_watch *w)
     curl_multi_remove_handle(w->multi, e);
     curl_easy_cleanup(e);
     curl_slist_free_all(hdrs);
-    if (!stop && bex__log_once(&w->logged, LOGGED_DOWN))
+    if (!stop && bex__log_first(&w->logged, LOGGED_DOWN))
         bex__log(bex__dir_log(w->d), BEX_LOG_WARN,
                  "dir: etcd watch on %s broke (%s): reading again every second", w->url,
                  res != CURLE_OK ? curl_easy_strerror(res) : "stream ended");
@@ -481,7 +481,7 @@ static void *watch_main(void *arg)
         char err[256];
         /* the first time, the start read just now; later, read again */
         if (!first && read_all(w, err, sizeof err)) {
-            if (bex__log_once(&w->logged, LOGGED_DOWN))
+            if (bex__log_first(&w->logged, LOGGED_DOWN))
                 bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: %s", err);
             continue;
         }
@@ -584,7 +584,7 @@ struct bex_dir_registration {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool stop;
-    uint32_t logged; /* LOGGED_LOST: the lease's loss was logged (bex__log_once) */
+    uint32_t logged; /* LOGGED_LOST: the lease's loss was logged (bex__log_first) */
 };
 
 static int lease_grant_put(struct bex_dir_registration *r, char *err, size_t errlen)
@@ -650,7 +650,7 @@ static void *keepalive_main(void *arg)
         json_decref(resp);
         if (!rc)
             r->logged = 0; /* a later loss is logged again */
-        else if (bex__log_once(&r->logged, LOGGED_LOST))
+        else if (bex__log_first(&r->logged, LOGGED_LOST))
             bex__log(NULL, BEX_LOG_WARN, "dir: registration keepalive: %s (%s)", bex_strerror(rc),
                      err);
         pthread_mutex_lock(&r->mu);
