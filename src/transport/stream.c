@@ -1,8 +1,10 @@
 /* The stream core both transports specialise. See stream.h. */
+#include <assert.h>
 #include <errno.h>
 #include <string.h>
 
 #include "common/log.h"
+#include "common/util.h"
 #include "loop/loop.h"
 #include "transport/stream.h"
 
@@ -19,7 +21,7 @@ void bex__stream_attach(struct bex__stream_set *s, struct bex__stream *st, uint3
     bex__list_init(&st->all_node);
     bex__list_init(&st->ring_node);
     st->id = id;
-    st->need_open = client;
+    st->state = client ? BEX__S_OPENING : BEX__S_OPEN;
     bex__list_push_head(&s->all, &st->all_node);
     if (client)
         bex__stream_ring_add(s, st);
@@ -106,4 +108,74 @@ int bex__stream_violation(struct bex__log *log, const char *name, const char *tr
                  transport, what);
     *logged = true;
     return -EPROTO;
+}
+
+/* The next state for ev: -1 illegal there, -2 nothing to do. */
+static int next_state(unsigned s, enum bex__stream_event ev)
+{
+    switch (ev) {
+    case BEX__SE_OPEN_SENT:
+        return s == BEX__S_OPENING ? BEX__S_OPEN : s == BEX__S_OPENING_CLOSE ? BEX__S_CLOSING : -1;
+    case BEX__SE_CLOSE:
+        return s == BEX__S_OPENING ? BEX__S_OPENING_CLOSE : s == BEX__S_OPEN ? BEX__S_CLOSING : -2;
+    case BEX__SE_CLOSE_SENT:
+        return s == BEX__S_CLOSING       ? BEX__S_CLOSE_SENT
+               : s == BEX__S_PEER_CLOSED ? BEX__S_CLOSE_SENT_PEER
+                                         : -1;
+    case BEX__SE_CLOSE_DONE:
+        return s == BEX__S_CLOSE_SENT        ? BEX__S_CLOSE_DONE
+               : s == BEX__S_CLOSE_SENT_PEER ? BEX__S_CLOSED_BOTH
+                                             : -1;
+    case BEX__SE_PEER_CLOSE:
+        switch (s) {
+        case BEX__S_OPEN:
+        case BEX__S_CLOSING:
+            return BEX__S_PEER_CLOSED;
+        case BEX__S_CLOSE_SENT:
+            return BEX__S_CLOSE_SENT_PEER;
+        case BEX__S_CLOSE_DONE:
+            return BEX__S_CLOSED_BOTH;
+        default:
+            return -1;
+        }
+    case BEX__SE_END:
+        return s == BEX__S_CLOSED_BOTH ? BEX__S_ENDED : -1;
+    case BEX__SE_FAIL:
+        return BEX__S_FAILED;
+    }
+    return -1;
+}
+
+int bex__stream_move(struct bex__stream *st, enum bex__stream_event ev)
+{
+    if (st->state == BEX__S_FAILED)
+        return 0; /* whatever was still under way when it failed */
+    int next = next_state(st->state, ev);
+    if (next == -2)
+        return 0;
+    if (next < 0) {
+        /* the peer's CLOSE is the one move a peer drives */
+        assert(ev == BEX__SE_PEER_CLOSE);
+        return -EPROTO;
+    }
+    st->state = (uint8_t)next;
+    return 1;
+}
+
+const char *bex__stream_state_name(unsigned state)
+{
+    static const char *const names[] = {
+        [BEX__S_OPENING] = "opening",
+        [BEX__S_OPENING_CLOSE] = "opening, closed",
+        [BEX__S_OPEN] = "open",
+        [BEX__S_CLOSING] = "closing",
+        [BEX__S_PEER_CLOSED] = "closed by the peer",
+        [BEX__S_CLOSE_SENT] = "close sent",
+        [BEX__S_CLOSE_SENT_PEER] = "close sent, closed by the peer",
+        [BEX__S_CLOSE_DONE] = "close done",
+        [BEX__S_CLOSED_BOTH] = "closed both ways",
+        [BEX__S_ENDED] = "ended",
+        [BEX__S_FAILED] = "failed",
+    };
+    return state < ARRAY_SIZE(names) ? names[state] : "?";
 }

@@ -71,6 +71,51 @@ struct bex__msg *bex__stream_take_queue(struct bex__stream *st);
          ((st) = bex__list_entry(tmp##_n, struct bex__stream, all_node), 1);                       \
          tmp##_n = tmp, tmp = tmp##_n->next)
 
+/* What moves a stream (bex__stream_move). */
+enum bex__stream_event {
+    BEX__SE_OPEN_SENT,  /* our OPEN went */
+    BEX__SE_CLOSE,      /* we close (a no-op once closing) */
+    BEX__SE_CLOSE_SENT, /* our CLOSE is posted */
+    BEX__SE_CLOSE_DONE, /* ... and completed */
+    BEX__SE_PEER_CLOSE, /* the peer's CLOSE arrived: the peer's move */
+    BEX__SE_END,        /* both CLOSEs through: the transport lets go */
+    BEX__SE_FAIL,       /* the transport failed */
+};
+/* The one transition function of a stream: 1 when ev moved it, 0 when ev
+ * changes nothing there (a second close, or anything on a failed stream),
+ * -EPROTO when the peer's CLOSE is illegal in its state (one for a stream
+ * whose OPEN it never got, or a second one): the caller fails the
+ * transport, nothing aborts. An illegal move of our own asserts. */
+int bex__stream_move(struct bex__stream *st, enum bex__stream_event ev);
+/* The state's name, for logs. */
+const char *bex__stream_state_name(unsigned state);
+/* Our OPEN is still to send. */
+static inline bool bex__stream_owes_open(const struct bex__stream *st)
+{
+    return st->state == BEX__S_OPENING || st->state == BEX__S_OPENING_CLOSE;
+}
+/* Our CLOSE is asked (by us, or answering the peer's) and still to send. */
+static inline bool bex__stream_owes_close(const struct bex__stream *st)
+{
+    return st->state == BEX__S_OPENING_CLOSE || st->state == BEX__S_CLOSING ||
+           st->state == BEX__S_PEER_CLOSED;
+}
+/* A close was asked, of either side (the stream takes no more messages). */
+static inline bool bex__stream_closing(const struct bex__stream *st)
+{
+    return st->state != BEX__S_OPENING && st->state != BEX__S_OPEN && st->state != BEX__S_FAILED;
+}
+/* It takes messages: open, or opening. */
+static inline bool bex__stream_open(const struct bex__stream *st)
+{
+    return st->state == BEX__S_OPENING || st->state == BEX__S_OPEN;
+}
+/* Failed or ended: never scheduled again. */
+static inline bool bex__stream_gone(const struct bex__stream *st)
+{
+    return st->state == BEX__S_FAILED || st->state == BEX__S_ENDED;
+}
+
 /* Owed acknowledgements wait up to delay_us for a message to carry them:
  * the first call holds them (*held: when, in bex__now_us() time; x->due_us
  * set so that the I/O thread calls progress then), later ones tell whether

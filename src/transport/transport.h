@@ -62,6 +62,24 @@ struct bex__msg {
 
 struct bex__engine;
 
+/* A stream's lifecycle (stream.c has the moves). A client stream starts
+ * OPENING, a stream the peer opened OPEN. Each side's CLOSE goes once: ours
+ * after the queue (we closed, or we answer the peer's), the peer's when it
+ * arrives; the stream ends once both are through. */
+enum bex__stream_state {
+    BEX__S_OPENING,         /* client: our OPEN still to send */
+    BEX__S_OPENING_CLOSE,   /* client: OPEN, then (closed before it went) CLOSE to send */
+    BEX__S_OPEN,            /* open both ways */
+    BEX__S_CLOSING,         /* we closed: the queue, then our CLOSE, to send */
+    BEX__S_PEER_CLOSED,     /* the peer's CLOSE arrived: ours, answering it, to send */
+    BEX__S_CLOSE_SENT,      /* our CLOSE posted; the peer's not arrived */
+    BEX__S_CLOSE_SENT_PEER, /* our CLOSE posted; the peer's arrived */
+    BEX__S_CLOSE_DONE,      /* our CLOSE completed; the peer's not arrived */
+    BEX__S_CLOSED_BOTH,     /* both CLOSEs through: the stream is to end */
+    BEX__S_ENDED,           /* ended: unlinked, on_stream_closed reported */
+    BEX__S_FAILED,          /* its transport failed */
+};
+
 /* The transport-side half of a socket. Embedded in the sock layer's
  * socket; the fields below eng are every transport's. */
 struct bex__stream {
@@ -71,13 +89,7 @@ struct bex__stream {
     uint32_t q_len;
     struct bex__list ring_node; /* scheduler ring (stream.h) */
     struct bex__list all_node;  /* every stream of the transport */
-    bool open_sent;             /* OPEN prepared (client side) */
-    bool need_open;             /* client stream: send OPEN first */
-    bool close_req;             /* send CLOSE after the queue (we or the peer closed) */
-    bool close_sent;            /* our CLOSE is posted ... */
-    bool close_done;            /* ... and completed */
-    bool peer_closed;           /* the peer's CLOSE arrived */
-    bool failed;
+    uint8_t state;              /* enum bex__stream_state: changed by bex__stream_move only */
 };
 
 /* The receive budget's fair share (docs/protocol.md): what one peer may

@@ -137,5 +137,28 @@ static int random_schedules(void)
     return 0;
 }
 
+/* The peer's CLOSE of a stream whose OPEN it never got (ours is still
+ * to send): an illegal move of the stream's state, and the peer's, so its
+ * engine fails with -EPROTO, the process goes on, and what the stream
+ * queued comes back never sent (issue 26 item 4). */
+static int peer_close_unopened(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 1);
+    struct fk_stream *st = fk_open(&p); /* no progress yet: OPEN not sent */
+    struct fk_msg *m = fk_send(&p, st, 64, false);
+    struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = st->id};
+    fk_inject_hdr(&p, 0, &h);
+    CHECK(fk_recv_cqe(&p, 0));
+    CHECK(fk_dead(&p, 0));
+    CHECK_EQ(p.s[0].fail_err, -EPROTO);
+    CHECK(!m->final_posted);
+    CHECK_EQ(m->status, -ECANCELED);
+    fk_pair_fini(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(local_fail), BEX_CASE(nic_error), BEX_CASE(peer_fail),
-              BEX_CASE(random_schedules))
+              BEX_CASE(random_schedules), BEX_CASE(peer_close_unopened))

@@ -105,8 +105,8 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         if (s->closed) {
             struct bex__stream *st = s->closed;
             s->closed = NULL;
-            st->close_done = true;
-            if (st->peer_closed)
+            bex__stream_move(st, BEX__SE_CLOSE_DONE);
+            if (st->state == BEX__S_CLOSED_BOTH)
                 bex__engine_finish_stream(e, st);
         }
         if ((c & WR_CNT_MASK) == cnt)
@@ -159,8 +159,10 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
         e->ops->on_open(&e->x, h->stream);
         return 0;
     case BEX__MSG_CLOSE:
+        /* a CLOSE its stream's state does not take sets stream_fault */
+        e->stream_fault = 0;
         e->ops->on_peer_close(&e->x, h->stream);
-        return 0;
+        return e->stream_fault;
     case BEX__MSG_CREDIT:
         return 0;
     }

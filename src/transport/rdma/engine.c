@@ -23,16 +23,12 @@ int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s)
     return 0;
 }
 
-static int engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
-                         const struct bex__transport_upcalls *ops, uint32_t id, void *user,
-                         struct ibv_qp *stand_in, struct bex__engine **out)
+/* The engine's fields from its configuration; nothing allocated yet. */
+static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
+                        const struct bex__engine_config *cfg,
+                        const struct bex__transport_upcalls *ops, uint32_t id, void *user,
+                        bool nodev)
 {
-    int err = -ENOMEM;
-    if (cfg->sq_depth == 0 || (cfg->sq_depth & (cfg->sq_depth - 1)))
-        return -EINVAL; /* the slot mapping needs a power of two */
-    struct bex__engine *e = calloc(1, sizeof(*e));
-    if (!e)
-        return -ENOMEM;
     e->sh = sh;
     e->cfg = *cfg;
     if (!e->cfg.ack_delay_us)
@@ -43,7 +39,7 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->id = id;
     snprintf(e->name, sizeof e->name, "engine %u", id);
     e->user = user;
-    e->nodev = stand_in != NULL;
+    e->nodev = nodev;
     e->sq = cfg->sq_depth;
     e->rq = cfg->rq_depth;
     e->k = e->rq / 2;
@@ -56,17 +52,12 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     bex__stream_set_init(&e->streams);
     e->head = e->post = e->tail = SEND_CNT_START;
     e->srq_cur = NO_SLOT;
-    /* SRQ mode: the receives are the shared queue's, of the same size */
-    bool srq = sh->srq != NULL;
-    if (srq && sh->srq->rbuf_len != e->rbuf_len) {
-        free(e);
-        return -EINVAL;
-    }
-    if (srq && bex__srq_unshared_test) { /* tests: no per-peer accounting */
-        e->rq = sh->srq->cap;
-        e->k = e->rq / 2;
-    }
+}
 
+/* The engine's tables: send slots, receive slots (not in SRQ mode), the
+ * control, rendezvous and release queues. */
+static int engine_tables(struct bex__engine *e, bool srq)
+{
     e->ss = calloc(e->sq, sizeof(*e->ss));
     e->rs = srq ? NULL : calloc(e->rq, sizeof(*e->rs));
     e->unposted = calloc(e->rq, sizeof(*e->unposted));
@@ -81,47 +72,49 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     e->rin_wait = calloc(e->max_rndv, sizeof(*e->rin_wait));
     if (!e->ss || (!e->rs && !srq) || !e->unposted || !e->starved || !e->ctlq || !e->rin ||
         !e->rout || !e->relq || !e->rin_wait)
-        goto err_destroy;
+        return -ENOMEM;
+    return 0;
+}
 
+/* The registered header area and the keepalive word. */
+static int engine_areas(struct bex__engine *e)
+{
     /* One registered area for the headers of control messages (and the
      * keepalive sequence): one per send slot. */
     size_t hdr_bytes = (size_t)e->sq * BEX__HDR_LEN;
-    e->hdr_area = bex_mem_alloc(sh->pool, hdr_bytes);
-    if (!e->hdr_area) {
-        err = errno ? -errno : -ENOMEM;
-        goto err_destroy;
-    }
+    e->hdr_area = bex_mem_alloc(e->sh->pool, hdr_bytes);
+    if (!e->hdr_area)
+        return errno ? -errno : -ENOMEM;
     memset(e->hdr_area, 0, hdr_bytes);
     e->hdr_lkey = bex_mem_mr(e->hdr_area)->lkey;
     /* The keepalive word is the one long-lived target any connected peer
      * holds a key to: it gets a page of its own and a region of exactly its
      * 8 bytes, so that key reaches nothing else. */
     void *ka = mmap(NULL, KA_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (ka == MAP_FAILED) {
-        err = -errno;
-        goto err_destroy;
-    }
+    if (ka == MAP_FAILED)
+        return -errno;
     e->ka_local = ka;
     errno = 0;
     /* without a device nothing is registered: the peer gets key 0 (see
      * bex__engine_local) and the stand-in NIC writes nothing there */
     if (!e->nodev)
-        e->ka_mr = ibv_reg_mr(sh->dev->pd, ka, sizeof(uint64_t),
+        e->ka_mr = ibv_reg_mr(e->sh->dev->pd, ka, sizeof(uint64_t),
                               IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-    if (!e->ka_mr && !e->nodev) {
-        err = errno ? -errno : -ENOMEM;
-        goto err_destroy;
-    }
-
+    if (!e->ka_mr && !e->nodev)
+        return errno ? -errno : -ENOMEM;
     for (uint32_t i = 0; i < e->sq; i++)
         e->ss[i].hdr = e->hdr_area + (size_t)i * BEX__HDR_LEN;
+    return 0;
+}
+
+/* The engine's own receive buffers (none in SRQ mode). */
+static int engine_recv_bufs(struct bex__engine *e, bool srq)
+{
     for (uint32_t i = 0; !srq && i < e->rq; i++) {
         struct bex__rslot *r = &e->rs[i];
-        void *buf = bex__engine_recv_alloc(e, sh->recv_pool, e->rbuf_len);
-        if (!buf) {
-            err = errno ? -errno : -ENOMEM;
-            goto err_destroy;
-        }
+        void *buf = bex__engine_recv_alloc(e, e->sh->recv_pool, e->rbuf_len);
+        if (!buf)
+            return errno ? -errno : -ENOMEM;
         bex__engine_slot_set_buf(e, r, buf);
         r->wr.wr_id = wrid(e, WR_RECV | i);
         r->wr.sg_list = &r->sge;
@@ -131,8 +124,14 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
      * application holds would otherwise stop this thread for a registration
      * at each new chunk (tens of ms on Soft-RoCE). Best effort: a failure
      * shows at the refill, which copes with it. */
-    (void)bex_mem_pool_reserve(sh->recv_pool, e->rq, e->rbuf_len);
+    (void)bex_mem_pool_reserve(e->sh->recv_pool, e->rq, e->rbuf_len);
+    return 0;
+}
 
+/* The QP (or the stand-in), in the INIT state. */
+static int engine_qp(struct bex__engine *e, bool srq, struct ibv_qp *stand_in)
+{
+    struct bex__engine_shared *sh = e->sh;
     struct bex__rdma_qp_config qc = {
         .send_cq = sh->cq,
         .recv_cq = srq ? sh->srq->cq : sh->cq,
@@ -144,6 +143,7 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         .max_recv_sge = 1,
         .max_inline = BEX__ENGINE_INLINE,
     };
+    int err;
     if (e->nodev) {
         e->qp = stand_in;
         e->max_inline = BEX__ENGINE_INLINE; /* the stand-in copies nothing: any value works */
@@ -160,31 +160,66 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
             e->max_inline = cap.max_inline_data;
     }
     if (err)
-        goto err_destroy;
-    err = e->nodev ? bex__engine_nodev_to(e, IBV_QPS_INIT)
-                   : bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
-    if (err)
-        goto err_destroy;
+        return err;
+    return e->nodev ? bex__engine_nodev_to(e, IBV_QPS_INIT)
+                    : bex__rdma_qp_to_init(e->qp, &sh->path, &sh->conn);
+}
+
+/* The receives the peer will be granted, ready before the peer can learn
+ * our QPN: in SRQ mode our share of the thread's queue, posted there;
+ * else every receive of our own, so that no SEND can ever find an empty
+ * receive queue. */
+static int engine_receives(struct bex__engine *e, bool srq)
+{
     if (srq) {
-        /* our share of the thread's queue, posted there before the peer
-         * can learn our QPN, as below */
         e->qpn = e->qp->qp_num;
-        if ((err = bex__srq_grant(sh->srq, e, e->qpn, e->rq)))
-            goto err_destroy;
+        int err = bex__srq_grant(e->sh->srq, e, e->qpn, e->rq);
+        if (err)
+            return err;
         e->srq_in = true;
-        e->psn = bex__rdma_random_psn();
-        *out = e;
         return 0;
     }
-    /* Every receive is posted before the peer can learn our QPN: no SEND
-     * can ever find an empty receive queue. */
     for (uint32_t i = 0; i < e->rq; i++)
         e->rs[i].wr.next = i + 1 < e->rq ? &e->rs[i + 1].wr : NULL;
     struct ibv_recv_wr *bad;
-    err = bex__rdma_err(bex__rdma_post_recv(e->qp, &e->rs[0].wr, &bad));
+    int err = bex__rdma_err(bex__rdma_post_recv(e->qp, &e->rs[0].wr, &bad));
+    if (err)
+        return err;
+    BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
+    return 0;
+}
+
+static int engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,
+                         const struct bex__transport_upcalls *ops, uint32_t id, void *user,
+                         struct ibv_qp *stand_in, struct bex__engine **out)
+{
+    if (cfg->sq_depth == 0 || (cfg->sq_depth & (cfg->sq_depth - 1)))
+        return -EINVAL; /* the slot mapping needs a power of two */
+    struct bex__engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return -ENOMEM;
+    engine_init(e, sh, cfg, ops, id, user, stand_in != NULL);
+    /* SRQ mode: the receives are the shared queue's, of the same size */
+    bool srq = sh->srq != NULL;
+    if (srq && sh->srq->rbuf_len != e->rbuf_len) {
+        free(e);
+        return -EINVAL;
+    }
+    if (srq && bex__srq_unshared_test) { /* tests: no per-peer accounting */
+        e->rq = sh->srq->cap;
+        e->k = e->rq / 2;
+    }
+    int err = engine_tables(e, srq);
+    if (!err)
+        err = engine_areas(e);
+    if (!err)
+        err = engine_recv_bufs(e, srq);
+    if (!err)
+        err = engine_qp(e, srq, stand_in);
+    if (!err)
+        err = engine_receives(e, srq);
     if (err)
         goto err_destroy;
-    BEX__STAT_ADD(sh->stats, post_recv_calls, 1);
     e->psn = bex__rdma_random_psn();
     *out = e;
     return 0;

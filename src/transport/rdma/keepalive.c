@@ -184,6 +184,26 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
     return e->state != E_UP || bex__engine_busy(e);
 }
 
+/* A failing engine's streams: failed, and what they queued handed back
+ * (never posted: -ECANCELED, or the error it had already). */
+static void fail_streams(struct bex__engine *e)
+{
+    struct bex__stream *st;
+    bex__stream_foreach(st, &e->streams, it)
+    {
+        bex__stream_move(st, BEX__SE_FAIL);
+        struct bex__msg *m = bex__stream_take_queue(st);
+        while (m) {
+            struct bex__msg *next = m->next;
+            m->next = NULL;
+            m->rndv_id = 0;
+            m->state = BEX__M_QUEUED;
+            bex__engine_msg_done(e, m, m->status ? m->status : ST_UNSENT);
+            m = next;
+        }
+    }
+}
+
 /* Failure is synchronous. The QP goes first: once ibv_destroy_qp returns
  * the NIC touches none of our buffers, so everything can be handed back at
  * once. (Moving the QP to error and waiting for flushed markers instead
@@ -245,20 +265,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
     e->rout_used = 0;
     e->rel_n = 0;
     e->ctl_n = e->ctl_errs = e->ctl_refusals = 0;
-    struct bex__stream *st;
-    bex__stream_foreach(st, &e->streams, it)
-    {
-        st->failed = true;
-        struct bex__msg *m = bex__stream_take_queue(st);
-        while (m) {
-            struct bex__msg *next = m->next;
-            m->next = NULL;
-            m->rndv_id = 0;
-            m->state = BEX__M_QUEUED;
-            bex__engine_msg_done(e, m, m->status ? m->status : ST_UNSENT);
-            m = next;
-        }
-    }
+    fail_streams(e);
     for (uint32_t i = 0; i < e->max_rndv; i++) {
         if (e->rin[i].used) {
             e->rin[i].used = false;
@@ -269,6 +276,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
     e->rin_used = 0;
     e->rin_bytes = 0;
     e->wait_n = 0;
+    struct bex__stream *st;
     while ((st = bex__stream_first(&e->streams))) {
         bex__stream_unlink(&e->streams, st);
         st->eng = NULL;

@@ -186,6 +186,77 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
 
 /* One turn of a stream: at most one fragment or one small message (or one
  * control message of its own). Returns true if it prepared a request. */
+/* A turn of st whose head m goes by SEND (eager). */
+static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m,
+                       bool *blocked)
+{
+    if (!bex__engine_have_credit(e, false)) {
+        BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+        *blocked = true;
+        return false;
+    }
+    if (!window_allows(e, (uint32_t)m->len)) {
+        BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+        *blocked = true;
+        return false;
+    }
+    struct sslot *s;
+    if (st->id <= BEX__IMM_STREAM_MAX) {
+        s = prep_data(e, st, m);
+    } else {
+        struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
+        s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
+    }
+    pop_head(st);
+    m->state = BEX__M_POSTED;
+    m->ack_seq = e->cons_sent;
+    s->done = m;
+    return true;
+}
+
+/* A turn of st whose head m has its destination: one fragment written. */
+static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m,
+                          bool *blocked)
+{
+    uint32_t frag = (uint32_t)(m->len - m->off < e->frag ? m->len - m->off : e->frag);
+    bool last = m->off + frag == m->len;
+    if (last && !bex__engine_have_credit(e, false)) {
+        BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+        *blocked = true;
+        return false;
+    }
+    if (!window_allows(e, frag)) {
+        BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+        *blocked = true;
+        return false;
+    }
+    struct sslot *s = bex__engine_slot_take(e);
+    s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf + m->off, frag, m->lkey};
+    s->wr.num_sge = 1;
+    s->wr.wr.rdma.remote_addr = m->raddr + m->off;
+    s->wr.wr.rdma.rkey = m->rkey;
+    account_bytes(e, s, frag);
+    BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+    m->off += frag;
+    m->last_wr = e->tail - 1;
+    if (!last) {
+        s->wr.opcode = IBV_WR_RDMA_WRITE;
+        return true;
+    }
+    s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    s->wr.imm_data = htonl(m->imm);
+    spend_credit(e);
+    if (m->peer_slot) {
+        m->peer_slot = false;
+        e->peer_rndv_used--;
+    }
+    pop_head(st);
+    m->state = BEX__M_POSTED;
+    m->ack_seq = e->cons_sent;
+    s->done = m;
+    return true;
+}
+
 static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blocked)
 {
     *blocked = false;
@@ -193,14 +264,14 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         *blocked = true;
         return false;
     }
-    if (st->need_open && !st->open_sent) {
+    if (bex__stream_owes_open(st)) {
         if (!bex__engine_have_credit(e, false)) {
             *blocked = true;
             return false;
         }
         struct bex__hdr h = {.type = BEX__MSG_OPEN, .stream = st->id};
         prep_send(e, &h, NULL, 0, 0);
-        st->open_sent = true;
+        bex__stream_move(st, BEX__SE_OPEN_SENT);
         return true;
     }
     struct bex__msg *m = st->q_head;
@@ -212,75 +283,16 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         bex__engine_msg_done(e, m, m->status);
         return true;
     }
-    if (m && goes_eager(e, st, m)) {
-        if (!bex__engine_have_credit(e, false)) {
-            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
-            *blocked = true;
-            return false;
-        }
-        if (!window_allows(e, (uint32_t)m->len)) {
-            BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
-            *blocked = true;
-            return false;
-        }
-        struct sslot *s;
-        if (st->id <= BEX__IMM_STREAM_MAX) {
-            s = prep_data(e, st, m);
-        } else {
-            struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
-            s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
-        }
-        pop_head(st);
-        m->state = BEX__M_POSTED;
-        m->ack_seq = e->cons_sent;
-        s->done = m;
-        return true;
-    }
-    if (m && m->state == BEX__M_READY) {
-        uint32_t frag = (uint32_t)(m->len - m->off < e->frag ? m->len - m->off : e->frag);
-        bool last = m->off + frag == m->len;
-        if (last && !bex__engine_have_credit(e, false)) {
-            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
-            *blocked = true;
-            return false;
-        }
-        if (!window_allows(e, frag)) {
-            BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
-            *blocked = true;
-            return false;
-        }
-        struct sslot *s = bex__engine_slot_take(e);
-        s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf + m->off, frag, m->lkey};
-        s->wr.num_sge = 1;
-        s->wr.wr.rdma.remote_addr = m->raddr + m->off;
-        s->wr.wr.rdma.rkey = m->rkey;
-        account_bytes(e, s, frag);
-        BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
-        m->off += frag;
-        m->last_wr = e->tail - 1;
-        if (!last) {
-            s->wr.opcode = IBV_WR_RDMA_WRITE;
-            return true;
-        }
-        s->wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-        s->wr.imm_data = htonl(m->imm);
-        spend_credit(e);
-        if (m->peer_slot) {
-            m->peer_slot = false;
-            e->peer_rndv_used--;
-        }
-        pop_head(st);
-        m->state = BEX__M_POSTED;
-        m->ack_seq = e->cons_sent;
-        s->done = m;
-        return true;
-    }
+    if (m && goes_eager(e, st, m))
+        return turn_eager(e, st, m, blocked);
+    if (m && m->state == BEX__M_READY)
+        return turn_fragment(e, st, m, blocked);
     /* head waits for its destination: meanwhile ask for later ones */
     if (try_rndv_req(e, st, blocked))
         return true;
     if (*blocked)
         return false;
-    if (!m && st->close_req && !st->close_sent) {
+    if (!m && bex__stream_owes_close(st)) {
         if (!bex__engine_have_credit(e, false)) {
             *blocked = true;
             return false;
@@ -288,7 +300,7 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = st->id};
         struct sslot *s = prep_send(e, &h, NULL, 0, 0);
         s->closed = st;
-        st->close_sent = true;
+        bex__stream_move(st, BEX__SE_CLOSE_SENT);
         return true;
     }
     return false;
@@ -450,6 +462,32 @@ bool bex__engine_wops_hold(struct bex__engine *e)
     return true;
 }
 
+/* Round-robin over streams with work, one unit each per turn. A stream
+ * that can do nothing until an answer or a new message leaves the ring;
+ * one held back by a shared budget (slots, credits, window) stays. */
+static void schedule_streams(struct bex__engine *e)
+{
+    for (;;) {
+        uint32_t n = e->streams.ring_n;
+        bool any = false;
+        for (uint32_t i = 0; i < n && e->streams.ring_n && bex__engine_free_slots(e); i++) {
+            struct bex__stream *st = bex__stream_ring_turn(&e->streams);
+            bool blocked;
+            if (stream_turn(e, st, &blocked)) {
+                any = true;
+                /* its last unit went: out now rather than after one more
+                 * (empty) turn next round */
+                if (!st->q_head && !bex__stream_owes_open(st) && !bex__stream_owes_close(st))
+                    bex__stream_ring_remove(&e->streams, st);
+            } else if (!blocked) {
+                bex__stream_ring_remove(&e->streams, st);
+            }
+        }
+        if (!any || !bex__engine_free_slots(e) || e->state != E_UP)
+            break;
+    }
+}
+
 bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
@@ -495,29 +533,7 @@ bool bex__engine_progress(struct bex__engine *e)
         e->peer_rndv_used--;
         BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
     }
-    /* Round-robin over streams with work, one unit each per turn. A stream
-     * that can do nothing until an answer or a new message leaves the ring;
-     * one held back by a shared budget (slots, credits, window) stays. */
-    for (;;) {
-        uint32_t n = e->streams.ring_n;
-        bool any = false;
-        for (uint32_t i = 0; i < n && e->streams.ring_n && bex__engine_free_slots(e); i++) {
-            struct bex__stream *st = bex__stream_ring_turn(&e->streams);
-            bool blocked;
-            if (stream_turn(e, st, &blocked)) {
-                any = true;
-                /* its last unit went: out now rather than after one more
-                 * (empty) turn next round */
-                if (!st->q_head && !(st->need_open && !st->open_sent) &&
-                    !(st->close_req && !st->close_sent))
-                    bex__stream_ring_remove(&e->streams, st);
-            } else if (!blocked) {
-                bex__stream_ring_remove(&e->streams, st);
-            }
-        }
-        if (!any || !bex__engine_free_slots(e) || e->state != E_UP)
-            break;
-    }
+    schedule_streams(e);
     /* credits nobody carried: an explicit update once half the queue waits,
      * or once the peer has waited ack_delay for the ones it reports by */
     if ((e->to_return >= e->k || ack_due(e)) && bex__engine_free_slots(e) &&

@@ -99,6 +99,7 @@ void bex__engine_detach(struct bex__stream *st)
 /* Both CLOSEs are through: nothing of the stream is in flight either way. */
 void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st)
 {
+    bex__stream_move(st, BEX__SE_END);
     bex__stream_unlink(&e->streams, st);
     st->eng = NULL;
     e->ops->on_stream_closed(&e->x, st);
@@ -107,7 +108,7 @@ void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st)
 bool bex__engine_takes(const struct bex__stream *st)
 {
     const struct bex__engine *e = st->eng;
-    return e && !st->failed && !st->close_req && !st->peer_closed && e->state != E_DEAD;
+    return e && bex__stream_open(st) && e->state != E_DEAD;
 }
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
@@ -133,23 +134,28 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
 
 void bex__engine_close_stream(struct bex__stream *st)
 {
-    if (!st->eng || st->close_req)
+    if (!st->eng || bex__stream_move(st, BEX__SE_CLOSE) <= 0)
         return;
-    st->close_req = true;
     bex__stream_ring_add(&st->eng->streams, st);
 }
 
 void bex__engine_peer_closed(struct bex__stream *st)
 {
     struct bex__engine *e = st->eng;
-    if (!e || st->peer_closed)
+    if (!e)
         return;
-    st->peer_closed = true;
+    int moved = bex__stream_move(st, BEX__SE_PEER_CLOSE);
+    if (moved < 0) { /* handle_ctl fails the engine with it */
+        e->stream_fault = bex__engine_violation(e, "a CLOSE of stream %u, which is %s", st->id,
+                                                bex__stream_state_name(st->state));
+        return;
+    }
+    if (!moved)
+        return;
     /* The peer takes nothing more on this stream; our CLOSE answers its
      * own and tells it we write nothing more into its buffers. */
     flush_queue(e, st);
-    st->close_req = true;
-    if (st->close_done)
+    if (st->state == BEX__S_CLOSED_BOTH)
         bex__engine_finish_stream(e, st);
     else
         bex__stream_ring_add(&e->streams, st);

@@ -52,7 +52,7 @@ void bex__tcp_fail(struct bex__xport *x, int err)
             bex__tcp_done(t, m, -ECANCELED);
             m = next;
         }
-        st->failed = true;
+        bex__stream_move(st, BEX__SE_FAIL);
         /* unlinked: the sock layer lets go of them in on_fail */
         bex__stream_unlink(&t->streams, st);
     }

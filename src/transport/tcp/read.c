@@ -2,6 +2,7 @@
  * buffers, partly received messages, acknowledgements in), split from
  * tcp.c along its banner. See tcp.h. */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -97,6 +98,111 @@ static bool pause_for_room(struct bex__tcp *t, bool own)
     return false;
 }
 
+/* The peer's CLOSE of a stream: a message of it the peer cut off goes. */
+static bool on_close_frame(struct bex__tcp *t, const struct bex__hdr *h)
+{
+    struct part *p = part_of(t, h->stream);
+    if (p) { /* a message the peer cut off */
+        bex__hmap_del(&t->parts, h->stream);
+        t->parts_n--;
+        bex__tcp_part_free(t, p);
+    }
+    struct bex__stream *st = bex__stream_find(&t->streams, h->stream);
+    if (st && bex__stream_move(st, BEX__SE_PEER_CLOSE) < 0) {
+        char what[96];
+        snprintf(what, sizeof what, "a CLOSE of stream %u, which is %s", st->id,
+                 bex__stream_state_name(st->state));
+        bex__tcp_violation(t, what);
+        return false;
+    }
+    t->up->on_peer_close(&t->x, h->stream);
+    if (!t->dead && st && bex__stream_find(&t->streams, h->stream) == st)
+        bex__tcp_stream_maybe_end(t, st);
+    return !t->dead;
+}
+
+/* Where a DATA message starting with h goes: a received buffer, when the
+ * budget has room. false: p is freed and on_header returns *ret. */
+static bool part_buf(struct bex__tcp *t, const struct bex__hdr *h, struct part *p, bool *ret)
+{
+    if (h->id > t->cfg.max_msg) {
+        free(p);
+        bex__tcp_violation(t, "a message above max_msg");
+        return false;
+    }
+    if (t->part_bytes + h->id > bex__tcp_recv_share(t)) {
+        free(p);
+        *ret = pause_for_room(t, true);
+        return false;
+    }
+    if (!bex__tcp_recv_room(t, h->id)) { /* until the application frees some */
+        free(p);
+        *ret = pause_for_room(t, false);
+        return false;
+    }
+    p->len = h->id;
+    p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
+    if (!p->buf) {
+        free(p);
+        bex__tcp_fail(&t->x, -ENOMEM);
+        return false;
+    }
+    bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
+    return true;
+}
+
+/* A DATA or DIRECT frame that starts a message: its entry, or NULL, and
+ * on_header returns *ret (false: the connection failed). */
+static struct part *part_start(struct bex__tcp *t, const struct bex__hdr *h, bool direct, bool *ret)
+{
+    *ret = false;
+    if (h->addr != 0) {
+        bex__tcp_violation(t, "a fragment of a message that never started");
+        return NULL;
+    }
+    /* one at most per stream, so a peer within its streams stays within
+     * this; more is a peer naming streams it never opened */
+    if (t->cfg.parts_max && t->parts_n >= t->cfg.parts_max) {
+        bex__tcp_violation(t, "more messages partly sent at once than it has streams");
+        return NULL;
+    }
+    if (direct && direct_held(t, h->id)) {
+        bex__tcp_violation(t, "a second DIRECT message into an exposed buffer still being written");
+        return NULL;
+    }
+    struct part *p = calloc(1, sizeof(*p));
+    if (!p) {
+        bex__tcp_fail(&t->x, -ENOMEM);
+        return NULL;
+    }
+    p->stream = h->stream;
+    p->direct = direct;
+    if (direct) {
+        p->token = h->id;
+        p->buf = t->up->direct_buf(&t->x, h->id, &p->len);
+        if (!p->buf) {
+            free(p);
+            bex__tcp_violation(t, "a DIRECT message names no exposed buffer");
+            return NULL;
+        }
+    } else if (!part_buf(t, h, p, ret)) {
+        return NULL;
+    }
+    if (bex__hmap_put(&t->parts, p->stream, p)) {
+        if (!direct)
+            bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
+        free(p);
+        bex__tcp_fail(&t->x, -ENOMEM);
+        return NULL;
+    }
+    t->parts_n++;
+    if (!direct) {
+        t->part_bytes += p->len;
+        bex__tcp_hold_note(t);
+    }
+    return p;
+}
+
 /* A header is read: act on it, or set up where its payload goes. Returns
  * false when the read must stop (failed, or waiting for room). */
 static bool on_header(struct bex__tcp *t)
@@ -121,21 +227,8 @@ static bool on_header(struct bex__tcp *t)
     case BEX__MSG_OPEN:
         t->up->on_open(&t->x, h->stream);
         return !t->dead;
-    case BEX__MSG_CLOSE: {
-        struct part *p = part_of(t, h->stream);
-        if (p) { /* a message the peer cut off */
-            bex__hmap_del(&t->parts, h->stream);
-            t->parts_n--;
-            bex__tcp_part_free(t, p);
-        }
-        struct bex__stream *st = bex__stream_find(&t->streams, h->stream);
-        if (st)
-            st->peer_closed = true;
-        t->up->on_peer_close(&t->x, h->stream);
-        if (!t->dead && st && bex__stream_find(&t->streams, h->stream) == st)
-            bex__tcp_stream_maybe_end(t, st);
-        return !t->dead;
-    }
+    case BEX__MSG_CLOSE:
+        return on_close_frame(t, h);
     default:
         break;
     }
@@ -143,71 +236,9 @@ static bool on_header(struct bex__tcp *t)
     struct part *p = part_of(t, h->stream);
     bool direct = h->type == BEX__MSG_DIRECT;
     if (!p) {
-        if (h->addr != 0) {
-            bex__tcp_violation(t, "a fragment of a message that never started");
-            return false;
-        }
-        /* one at most per stream, so a peer within its streams stays within
-         * this; more is a peer naming streams it never opened */
-        if (t->cfg.parts_max && t->parts_n >= t->cfg.parts_max) {
-            bex__tcp_violation(t, "more messages partly sent at once than it has streams");
-            return false;
-        }
-        if (direct && direct_held(t, h->id)) {
-            bex__tcp_violation(
-                t, "a second DIRECT message into an exposed buffer still being written");
-            return false;
-        }
-        p = calloc(1, sizeof(*p));
-        if (!p) {
-            bex__tcp_fail(&t->x, -ENOMEM);
-            return false;
-        }
-        p->stream = h->stream;
-        p->direct = direct;
-        if (direct) {
-            p->token = h->id;
-            p->buf = t->up->direct_buf(&t->x, h->id, &p->len);
-            if (!p->buf) {
-                free(p);
-                bex__tcp_violation(t, "a DIRECT message names no exposed buffer");
-                return false;
-            }
-        } else {
-            if (h->id > t->cfg.max_msg) {
-                free(p);
-                bex__tcp_violation(t, "a message above max_msg");
-                return false;
-            }
-            if (t->part_bytes + h->id > bex__tcp_recv_share(t)) {
-                free(p);
-                return pause_for_room(t, true);
-            }
-            if (!bex__tcp_recv_room(t, h->id)) { /* until the application frees some */
-                free(p);
-                return pause_for_room(t, false);
-            }
-            p->len = h->id;
-            p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
-            if (!p->buf) {
-                free(p);
-                bex__tcp_fail(&t->x, -ENOMEM);
-                return false;
-            }
-            bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
-        }
-        if (bex__hmap_put(&t->parts, p->stream, p)) {
-            if (!direct)
-                bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
-            free(p);
-            bex__tcp_fail(&t->x, -ENOMEM);
-            return false;
-        }
-        t->parts_n++;
-        if (!direct) {
-            t->part_bytes += p->len;
-            bex__tcp_hold_note(t);
-        }
+        bool ret;
+        if (!(p = part_start(t, h, direct, &ret)))
+            return ret;
     } else if (p->direct != direct || (direct && p->token != h->id) ||
                (!direct && p->len != h->id) || p->off != h->addr) {
         bex__tcp_violation(t, "a fragment that does not continue its message");

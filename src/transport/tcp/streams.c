@@ -10,7 +10,7 @@
 
 void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st)
 {
-    if (!st->failed)
+    if (!bex__stream_gone(st))
         bex__stream_ring_add(&t->streams, st);
 }
 
@@ -18,9 +18,9 @@ void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st)
  * is left to send). */
 void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st)
 {
-    if (!st->close_done || !st->peer_closed || st->failed)
+    if (st->state != BEX__S_CLOSED_BOTH)
         return;
-    st->failed = true; /* ended: never scheduled again */
+    bex__stream_move(st, BEX__SE_END); /* never scheduled again */
     bex__stream_unlink(&t->streams, st);
     t->up->on_stream_closed(&t->x, st);
 }
@@ -33,8 +33,7 @@ void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, 
 bool bex__tcp_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
 {
     const struct bex__tcp *t = tcp_of(x);
-    return !t->dead && !st->failed && !st->close_req &&
-           (m->direct || m->len <= t->cfg.peer_max_msg);
+    return !t->dead && bex__stream_open(st) && (m->direct || m->len <= t->cfg.peer_max_msg);
 }
 
 void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
@@ -44,7 +43,7 @@ void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
     m->st = st;
     m->off = 0;
     m->state = BEX__M_QUEUED;
-    if (t->dead || st->failed || st->close_req) {
+    if (t->dead || !bex__stream_open(st)) {
         bex__tcp_done(t, m, -ECANCELED);
         return;
     }
@@ -59,9 +58,8 @@ void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
 void bex__tcp_close_stream(struct bex__xport *x, struct bex__stream *st)
 {
     struct bex__tcp *t = tcp_of(x);
-    if (st->close_req || st->failed)
+    if (bex__stream_move(st, BEX__SE_CLOSE) <= 0)
         return;
-    st->close_req = true;
     bex__tcp_ring_add(t, st);
 }
 
@@ -113,7 +111,8 @@ void bex__tcp_peer_closed(struct bex__xport *x, struct bex__stream *st)
     }
     st->q_tail = NULL;
     st->q_len = 0;
-    st->close_req = true;
+    /* our CLOSE answers (the peer's is recorded as it arrived: on_header) */
+    bex__stream_move(st, BEX__SE_CLOSE);
     bex__tcp_ring_add(t, st);
 }
 

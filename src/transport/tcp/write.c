@@ -36,10 +36,10 @@ static struct out_frame *frame_ctl(struct bex__tcp *t, uint8_t type, uint32_t st
  * its head message, or its CLOSE. Returns whether the stream has more. */
 static bool stream_turn(struct bex__tcp *t, struct bex__stream *st)
 {
-    if (st->need_open && !st->open_sent) {
+    if (bex__stream_owes_open(st)) {
         frame_ctl(t, BEX__MSG_OPEN, st->id);
-        st->open_sent = true;
-        return st->q_head || st->close_req;
+        bex__stream_move(st, BEX__SE_OPEN_SENT);
+        return st->q_head || bex__stream_closing(st);
     }
     struct bex__msg *m = st->q_head;
     if (m) {
@@ -70,12 +70,12 @@ static bool stream_turn(struct bex__tcp *t, struct bex__stream *st)
             BEX__STAT_ADD(t->sh->stats, msgs_sent, 1);
             BEX__STAT_ADD(t->sh->stats, bytes_sent, m->len);
         }
-        return st->q_head || st->close_req;
+        return st->q_head || bex__stream_closing(st);
     }
-    if (st->close_req && !st->close_sent) {
+    if (bex__stream_owes_close(st)) {
         struct out_frame *f = frame_ctl(t, BEX__MSG_CLOSE, st->id);
         f->st = st;
-        st->close_sent = true;
+        bex__stream_move(st, BEX__SE_CLOSE_SENT);
     }
     return false;
 }
@@ -118,7 +118,7 @@ static bool schedule(struct bex__tcp *t)
     struct bex__stream *st;
     while (t->out_n < OUT_MAX && (st = bex__stream_ring_first(&t->streams))) {
         bex__stream_ring_remove(&t->streams, st);
-        if (st->failed)
+        if (bex__stream_gone(st))
             continue;
         if (stream_turn(t, st))
             bex__tcp_ring_add(t, st);
@@ -161,7 +161,7 @@ static void frame_written(struct bex__tcp *t, struct out_frame *f)
         }
     }
     if (f->st) { /* our CLOSE went */
-        f->st->close_done = true;
+        bex__stream_move(f->st, BEX__SE_CLOSE_DONE);
         bex__tcp_stream_maybe_end(t, f->st);
     }
 }
