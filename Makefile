@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Shortcuts; the build itself is CMake's (build/).
 .PHONY: demo build test
 # The parameter-server demo: builds what is missing, runs it (RDMA natively

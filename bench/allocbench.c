@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-allocbench: bemalloc against general-purpose allocators, the paper's
  * Figure 4 (operation rate and peak memory vs threads, large and small
  * allocations, ~10 % cross-thread frees).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-allocbench driver: runs one (allocator, workload, threads) cell of
  * the allocator benchmark in its own process and prints one result line.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Scaffolding of the tests that drive an engine directly, without the
  * sock layer (tests/fake, test_srq_reuse, test_hdrfree, fakenet,
  * fuzz_engine). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A minimal test harness. A test program lists its cases with BEX_TEST_MAIN;
  * CTest runs each case as its own test (argv[1] = case name).
  *

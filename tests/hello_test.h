@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The hello (src/wire/hello.h) of the tests that encode, decode or
  * authenticate one (tests/rdma/test_hello.c, test_auth.c,
  * tests/fuzz/fuzz_hello.c). */

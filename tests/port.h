@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Ports a test names before anything listens on them (a cluster file, a
  * process started later, an etcd URL), reserved race-free.
  *

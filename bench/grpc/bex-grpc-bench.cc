@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-grpc-bench: echo RPC latency and rate over gRPC C++ (issue 9 item 10,
  * the yardstick bex-rpc-bench is compared with; bench/rpc/compare runs both).
  *

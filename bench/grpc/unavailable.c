@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-grpc-bench's stand-in when CMake did not find gRPC C++ (see
  * bench/grpc/CMakeLists.txt): it says so and fails, so that whoever runs the
  * comparison learns why instead of getting a table without gRPC. */

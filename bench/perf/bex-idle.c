@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-idle: what an idle I/O thread costs (issue 26 item 7): wake-ups a
  * second and CPU of a server context's I/O thread while N connections sit
  * idle, in each poll mode.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-perf: bex's data path measured the way perftest measures verbs.
  *
  *   server: bex-perf -s --local ADDR [-p PORT] [--eager B] [--spin-us N] [--runs N]

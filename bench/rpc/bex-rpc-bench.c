@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-rpc-bench: echo RPC latency and rate over bex RPC (issue 9 item 10;
  * bench/rpc/compare runs it against gRPC C++, bench/grpc).
  *

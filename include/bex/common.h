@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex: shared definitions for every module.
  *
  * Errors are values: functions return 0 on success or a negative errno

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex service directory: where a service's replicas are, and which are
  * healthy (issue 9 items 2, 3 and 6; paper §7.2).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc: an allocator whose memory is already registered with the NIC.
  *
  * Memory comes from 4 MiB chunks, aligned to their size, each registered

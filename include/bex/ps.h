@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex parameter server (issue 10; paper §2.1, §8): sharded embedding tables
  * served over bex RPC.
  *

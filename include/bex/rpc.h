@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex RPC: request/response over bex sockets (paper §7: the RPC layer,
  * which knows the service, owns timeouts, retries and replica choice; the
  * transport only reports failures).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex sockets: logical connections over RDMA engines.
  *
  * A context (bex_ctx) owns the RDMA device that carries its local address

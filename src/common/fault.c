@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fault injection for tests: see fault.h. Empty unless BEX_FAULT_INJECT. */
 #include "common/fault.h"
 

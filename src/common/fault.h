@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fault injection, for tests only: a few points of the library where a test
  * can make a verbs call fail or stop a thread inside a race window, to
  * reach teardown paths that rxe never takes on its own (a failing

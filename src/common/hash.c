@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The open-addressing hash map of common/hash.h. */
 #include "common/hash.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* An open-addressing hash map from 64-bit keys to non-NULL pointers: the
  * one hash table of bex.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The pointer-linked binary heap of common/heap.h. The tree is complete:
  * node k (1-based, in level order) has children 2k and 2k+1, so the bits
  * of k below its leading one spell the path from the root to it (0 left,

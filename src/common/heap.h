@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* An intrusive binary min-heap: nodes are linked by pointers (no array, so
  * inserting never allocates and cannot fail), ordered by a comparison the
  * caller gives. The timers of common/timer.h are its user. O(log n) insert

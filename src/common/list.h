@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* An intrusive doubly linked list: the one list of bex.
  *
  * A list is a head node; elements embed a struct bex__list and are found

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The library's log hook, rate-limited per call site. See log.h. */
 #include "common/log.h"
 

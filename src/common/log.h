@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The library's log: a hook per context, rate-limited per call site.
  *
  * Nothing in the library writes to stderr itself; it calls bex__log() with

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Timers on the intrusive heap (common/timer.h). */
 #include "common/timer.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Timers of one thread: a min-heap by deadline (common/heap.h). The thread
  * asks for the nearest deadline to bound its poll (bex__timers_next) and
  * runs what is due after it wakes (bex__timers_run). A timer carries its

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Small helpers every module uses. */
 #ifndef BEX_COMMON_UTIL_H
 #define BEX_COMMON_UTIL_H

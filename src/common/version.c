@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex_version(): the library's own version, from the generated header. */
 #include "bex/common.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The connection table: connections by engine id, client connections by
  * the listener address, accepting, the setup table, deadlines, teardown. */
 #include <arpa/inet.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* conn: connections to peers. A connection is one TCP connection and, once
  * its setup is through, the engine that carries its sockets' traffic.
  *

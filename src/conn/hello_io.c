@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Blocking setup I/O with a deadline: the hello carried over a TCP socket
  * by tests and tools that set up a connection step by step (the I/O thread
  * uses its non-blocking state machine, src/conn/setup.c, instead). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Blocking I/O of setup messages with a deadline (tests, tools). */
 #ifndef BEX_CONN_HELLO_IO_H
 #define BEX_CONN_HELLO_IO_H

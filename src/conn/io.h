@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* conn: the I/O thread object. An I/O thread is the set of connections it
  * owns and what only they use: their loop (epoll, wake-up, command queue),
  * their CQs and completion channel, the engine table, the listeners it

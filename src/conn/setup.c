@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Connection setup: a non-blocking state machine per TCP connection on the
  * I/O thread (docs/protocol.md, "Connection setup"). */
 #include <arpa/inet.h>

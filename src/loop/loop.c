@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The per-thread loop: epoll, wake-up eventfd, command queue, clocks. */
 #include <errno.h>
 #include <sys/eventfd.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* loop: what an I/O thread waits on and how other threads reach it.
  *
  * One loop per I/O thread: an epoll set whose entries point at a watcher

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The process-wide default pool (the paper's RdmaMemoryPool). */
 #include <errno.h>
 #include <infiniband/verbs.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc per-thread heaps: the allocation and free paths.
  *
  * Fast paths (alloc and free of a small block by the thread that owns its

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc internals, shared by the files of src/mem/.
  *
  * Address layout. A chunk is 4 MiB, aligned to 4 MiB, registered once. It

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc landing pools: peer-writable memory that holds payloads only.
  *
  * A landing chunk registers spans 1..63 (the payload pages) and nothing

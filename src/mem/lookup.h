@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc's pointer-to-chunk lookup for the rest of the library: region
  * and pool of a buffer in one go (bex_mem_mr + bex_mem_pool_of each find
  * the chunk header again). */

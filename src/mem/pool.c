@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc pools: chunks and their registration, huge mappings,
  * statistics and teardown. Everything here runs on slow paths, under the
  * pool mutex; registration and mmap/munmap run outside it, so one thread

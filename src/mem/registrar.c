@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Registrars: how a pool turns a fresh chunk into a memory region. */
 #include <errno.h>
 #include <infiniband/verbs.h>

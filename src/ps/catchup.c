@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: the catch-up of a restarted replica (its side: copying
  * from a peer, then taking the held requests). */
 #include <errno.h>

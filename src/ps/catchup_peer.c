@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: the peer's side of catch-up (serving a restarted
  * replica's copy). */
 #include <errno.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS client: a request's keys split by shard, one sub-request per
  * shard, all out at once; the request completes when the last sub-request
  * does. Each sub-request carries the request's deadline, so the request

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS wire format's header and codecs (docs/protocol.md, "Parameter
  * server"), shared by the shard, the client and the tests. Every integer
  * and float on the wire and in snapshots is little-endian. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: the ids of applied Pushes (deduplication of retried
  * Pushes per client). */
 #include <errno.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: requests (Fetch and Push handlers on the I/O threads). */
 #include <errno.h>
 #include <fcntl.h>

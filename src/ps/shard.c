@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: tables of rows in memory, the Fetch/Push wire format's
  * strict decoder, the optimizers, and snapshots (docs/protocol.md,
  * "Parameter server").

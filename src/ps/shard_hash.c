@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: hashing (keys to slots and shards). */
 #include <errno.h>
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard's private header: its tables, the ids of applied Pushes,
  * held requests and catch-up copies, shared by the files of the shard
  * (shard.c, shard_hash.c, table.c, pushid.c, snapshot.c, request.c,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: snapshots (writing and loading a shard's state). */
 #include <errno.h>
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS shard: tables of rows (the key -> row hash, rows, optimizers). */
 #include <errno.h>
 #include <fcntl.h>

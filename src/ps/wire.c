@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The PS wire format's strict decoder (docs/protocol.md, "Parameter
  * server"): a peer's body is checked whole before anything is applied. */
 #include <errno.h>

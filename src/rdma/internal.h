@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* rdma module internals shared by its .c files and its tests. */
 #ifndef BEX_RDMA_INTERNAL_H
 #define BEX_RDMA_INTERNAL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* rdma: thin helpers over libibverbs for the modules above (engine, sock, io).
  *
  * What lives here: choosing the device, port and GID that match a local IPv4

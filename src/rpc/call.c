@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC client: the call table, a call's completion and the directory's
  * outcome reports. */
 #include <arpa/inet.h>

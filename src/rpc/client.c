@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC client: channels over an endpoint list, calls with deadlines,
  * retries within a budget, counters and a latency histogram.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RPC client's private header: a channel, its endpoints, links, calls
  * and attempts with a destination, shared by the files of the client
  * (client.c, call.c, ladder.c, xatt.c, client_io.c, client_timer.c). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC client: the socket callbacks of its links (I/O thread): connections
  * coming up or failing, sends done, answers taken. */
 #include <arpa/inet.h>

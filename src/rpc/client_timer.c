@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC client: the timer thread (deadlines, attempt timeouts, Tc, the
  * recovery ladder's ticks). */
 #include <arpa/inet.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory: services, shards and replicas from a cluster file
  * or etcd, replica choice by locality and load, and quarantine.
  *

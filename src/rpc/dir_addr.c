@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory: labels and addresses (parsing and checking). */
 #include <arpa/inet.h>
 #include <ctype.h>

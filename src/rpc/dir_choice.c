@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory: the choice of a replica by locality, load and
  * health (bex__dir_pick). */
 #include <arpa/inet.h>

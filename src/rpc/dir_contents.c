@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory: its contents (services, shards and replicas) and
  * their replacement. */
 #include <arpa/inet.h>

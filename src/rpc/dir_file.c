@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory: the cluster file (parsing and loading it). */
 #include <arpa/inet.h>
 #include <ctype.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory's private header: its nodes, shards and services,
  * shared by the files of the directory (dir.c, dir_addr.c, dir_node.c,
  * dir_contents.c, dir_file.c, quarantine.c, dir_choice.c). */

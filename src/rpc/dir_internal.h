@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the directory (src/rpc/dir.c) offers the RPC channel and its etcd
  * source (src/rpc/etcd.c): nodes by handle, picks with the channel's own
  * exclusions, outcomes with an explicit clock (unit tests drive time). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory: its nodes (addresses), kept for the directory's
  * life. */
 #include <arpa/inet.h>

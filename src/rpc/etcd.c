@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* etcd v3 as a directory source, through etcd's JSON gateway over HTTP
  * (libcurl, jansson; keys and values base64 in that API, by libsodium).
  *

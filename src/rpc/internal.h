@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC internals: the wire header codec, the latency histogram, and what
  * the client and server share. The RPC layer uses the public socket API
  * only (include/bex/sock.h), never an engine. */

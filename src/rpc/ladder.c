@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC client: the recovery ladder (each endpoint's steps after failed
  * connections), the choice of an endpoint and the start, retry and move
  * of an attempt. */

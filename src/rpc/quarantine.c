@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory: quarantine (a node's failures within a window,
  * its hold-down and probes). */
 #include <arpa/inet.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC server: dispatch by (service, method), answers from any thread, the
  * dedup window of state-changing methods. */
 #include <assert.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RPC wire header, its histogram and small shared helpers. */
 #include <errno.h>
 #include <stdarg.h>

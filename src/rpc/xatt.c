@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC client: attempts with a destination (bex_rpc_call_into): each on a
  * socket of its own, so that ending one retires the destination's exposure. */
 #include <arpa/inet.h>

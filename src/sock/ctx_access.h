@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What layers above the socket API (src/rpc) may ask of a context beyond
  * include/bex/sock.h: its logger, and whether the calling thread is one of
  * its I/O threads (a wait for a callback there would wait for itself). */

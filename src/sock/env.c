@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Environment overrides of a context's configuration (env.h). One table:
  * the variable, the field, how its value is read. */
 #include "sock/env.h"

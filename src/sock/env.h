@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Environment overrides of a context's configuration: the one function
  * that reads them (docs/configuration.md, "Environment"). */
 #ifndef BEX_SOCK_ENV_H

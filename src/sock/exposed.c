@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Exposed buffers: a context-wide table of slots claimed with a
  * compare-and-swap, so that any thread can expose a buffer and get its token
  * at once; delivery and cancel take a slot back exactly once. */

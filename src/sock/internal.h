@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* sock: contexts, the public socket API, the I/O thread's body, socket
  * lifecycle and exposed buffers. Connections (setup, table) are in conn/,
  * the loop's mechanics in loop/, the RDMA engine in transport/rdma/. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The I/O thread: commands, completions, events, timers, sleep. */
 #include <errno.h>
 #include <stdlib.h>

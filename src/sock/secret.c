@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared secret: key files, the environment, the derived key. */
 #include <errno.h>
 #include <fcntl.h>

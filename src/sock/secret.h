@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The context's shared secret: from the config, the environment or a key
  * file, turned into the key the setup MACs use (wire/hello.h). */
 #ifndef BEX_SOCK_SECRET_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Contexts and the public socket API (include/bex/sock.h). */
 #include <arpa/inet.h>
 #include <errno.h>

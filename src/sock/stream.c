@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Socket lifecycle on the I/O thread, and the transports' upcalls. */
 #include <assert.h>
 #include <errno.h>

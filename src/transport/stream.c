@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The stream core both transports specialise. See stream.h. */
 #include <assert.h>
 #include <errno.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The stream core both transports specialise (libuv's habit: one stream
  * base, src/unix/stream.c, that TCP, pipes and TTYs share).
  *

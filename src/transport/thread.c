@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Per-I/O-thread resources both transports share: the context's received
  * memory accounting (see thread.h). Moved from the RDMA engine, whose
  * rendezvous destinations (the landing pool) it counts with the receive

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Per-I/O-thread resources every transport instance of the thread shares
  * (RDMA engines and TCP connections alike): the device, CQ and SRQ of the
  * RDMA engines, the pools, statistics and log, and the context's received

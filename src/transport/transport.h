@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* transport: what moves a connection's messages, behind one ops table.
  *
  * A connection (src/conn) owns one transport instance, struct bex__xport,

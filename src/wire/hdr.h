@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The 32-byte header of every message a transport sends (RDMA: every SEND;
  * TCP: every frame). Layout and meaning: docs/protocol.md. Codec only. */
 #ifndef BEX_WIRE_HDR_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The connection-setup messages (hello, authenticated setup, readiness
  * notice): codecs and MACs, no I/O (src/conn/hello_io.h carries them).
  *

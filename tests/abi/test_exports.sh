@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # libbex.so exports exactly what include/bex/ declares, each symbol with the
 # version node of src/libbex.map, and its SONAME is libbex.so.MAJOR.
 #   test_exports.sh LIBBEX_SO INCLUDE_DIR MAJOR

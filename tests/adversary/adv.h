@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The adversarial suite: shared pieces of the orchestrator and its roles.
  *
  * One test program, one case per CTest test. The orchestrator (the parent

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The attacks. Each runs in its own process (the attacker role) against
  * the listener at a->srv_addr:a->port and reports on a->wr (see adv.h):
  * "conn <port>" for every abusive connection, "closed <port> <ms>" when the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The good client role: a well-behaved bex client on BEX_TEST_ADDR1 that
  * echoes messages of 16 B .. 1 MiB through the server on two sockets and
  * checks every echo: the length it sent, the header, the checksum and every

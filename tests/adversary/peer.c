@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The protocol-speaking attacker. See peer.h. */
 #include <errno.h>
 #include <fcntl.h>

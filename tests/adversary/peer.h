@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A protocol-speaking attacker: a raw peer of a bex engine, built from the
  * library's own codecs and verbs helpers (rdma/rdma.h, wire/hello.h,
  * bex__hdr_encode), with its own RC QP. It completes a valid hello and then

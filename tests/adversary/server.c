@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The server role: a bex listener on BEX_TEST_ADDR0 that echoes every
  * message, with the instrumentation the suite asserts on:
  *   - RSS and the pool's in-use bytes, sampled every 20 ms (peaks kept);

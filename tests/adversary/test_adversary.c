@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The adversarial suite (label `adversary`): a listener serving good
  * clients while an attacker abuses it. See adv.h for the processes and
  * docs/testing.md for every case and what it asserts.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Messages, patterns, clocks and the roles' pipes. See adv.h. */
 #include <dirent.h>
 #include <netinet/in.h>

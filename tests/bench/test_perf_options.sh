@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bex-perf's options for the issue 8 benchmarks, natively over the TCP
 # transport on loopback (no timing is asserted, only that each mode runs and
 # counts what it says):

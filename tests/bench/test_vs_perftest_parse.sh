@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bench/vs-perftest reads the right figure out of each other stack's output
 # (ucx_perftest's "Final:" line, rstream's result line) and rotates the
 # stacks from round to round. Runs the script's own functions on outputs in

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bench/vs-perftest retries a run only as docs/benchmarks.md says: a run
 # that succeeded but printed no figure, 0 or inf is tried once more; a run
 # that failed (crash, error exit) is never retried. Runs vs-perftest's own

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* common/hash.h and common/list.h against simple references. */
 #include <errno.h>
 

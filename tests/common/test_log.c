@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The log hook: level filter, rate limit, the "suppressed" note. */
 #include <unistd.h>
 

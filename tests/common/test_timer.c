@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* common/heap.h and common/timer.h against a sorted reference. */
 #include "common/timer.h"
 #include "common/util.h"

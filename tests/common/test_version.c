@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex_version() against the headers and the project's version. */
 #include <stdio.h>
 

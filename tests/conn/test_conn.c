@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* conn without sockets: a thread's connections driven by hand, their
  * owner a fake that records what conn tells it (up, chosen, down, open
  * streams) and plays one stream per connection. */

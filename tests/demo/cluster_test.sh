@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bex-cluster end to end, natively over TCP (tests/demo/CMakeLists.txt).
 #
 #   cluster_test.sh run BEX_CLUSTER PLAN [vm]   the plan runs to its end: every

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The 32-byte SEND header: round trips, the pinned layout, every rule the
  * decoder enforces, and random bytes (a peer may send anything). */
 #include <stdint.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Header-free DATA (docs/protocol.md, "Header-free DATA: the immediate"),
  * without a device: an engine over a stand-in QP (bex__engine_create_nodev)
  * whose post_send/post_recv record the work requests, and a test that plays

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The fake transport: see fake.h. */
 #include "fake/fake.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A fake transport for deterministic engine tests: two engines made by
  * bex__engine_create_nodev, joined back to back by a stand-in NIC that the
  * test drives one step at a time (issue 8 item 6).

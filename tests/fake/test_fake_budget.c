@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The receive budget against rendezvous grants over the fake transport
  * (issue 23 item 5, RDMA side): a granted destination holds
  * recv_bytes_max until its WRITE_WITH_IMM, so a peer that is granted and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Receive-credit flow control of the engine, over the fake transport: a
  * sender never has more receive-consuming requests posted than the peer
  * granted (the harness checks that at every post, fake.c note_post), keeps

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Failure mid-transfer over the fake transport: whatever the moment and the
  * cause, every message is handed back exactly once, before on_fail, with
  * the status bex/sock.h promises, and the status agrees with what the NIC

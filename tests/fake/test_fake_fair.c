@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The fragment scheduler's fairness bound (paper §6.1, docs/architecture.md
  * "Scheduler"): with n sockets that have work on one engine and fragment
  * size S, at most (n-1)S payload bytes of the other sockets are posted

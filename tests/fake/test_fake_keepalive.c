@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Keepalive writes of the engine, over the fake transport: an engine that
  * posts messages the peer receives (SEND, WRITE_WITH_IMM) writes no
  * keepalive word, because the peer counts every receive as a sign of life

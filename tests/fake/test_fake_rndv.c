@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Rendezvous generations over the fake transport: a rendezvous slot is
  * named by its index and a generation that changes each time the slot is
  * reused, so that a WRITE_WITH_IMM or an answer meant for an earlier use

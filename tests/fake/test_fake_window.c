@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The per-engine send window over the fake transport: payload bytes posted
  * and not completed never exceed send_window (the harness checks that at
  * every post, fake.c note_post), and the engine does fill it. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fault injection on real RDMA devices (rxe0 <-> rxe1, two processes;
  * tests/sock/pair.h), with the library built with its fault points
  * (src/common/fault.h; this program links bex_fault, not libbex). Each case

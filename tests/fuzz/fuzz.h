@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the libFuzzer targets (tests/fuzz/fuzz_*.c) and their replay
  * runner (replay.c): each target defines LLVMFuzzerTestOneInput; built with
  * clang -fsanitize=fuzzer it is a libFuzzer binary, built with replay.c

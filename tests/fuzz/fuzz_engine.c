@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fuzz target: the engine's real receive handling (bex__engine_complete ->
  * recv_completed -> handle_ctl), fed a sequence of events per input, so that
  * state builds up: a RNDV_REQ and then the WRITE_WITH_IMM naming its slot,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fuzz target: the decoder of the 32-byte header that starts every SEND a
  * peer's engine makes (bex__hdr_decode); the bytes are the received SEND,
  * header and payload.

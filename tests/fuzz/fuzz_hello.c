@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fuzz target: the hello decoder (bex__hello_decode), which reads the first
  * bytes any host that connects to a listener sends.
  *

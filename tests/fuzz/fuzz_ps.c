@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fuzz target: a parameter-server shard's request handling
  * (bex_ps_shard_serve: the strict decoder of Fetch/Push bodies, then the
  * tables and optimizers). The first byte picks the method (even: Fetch,

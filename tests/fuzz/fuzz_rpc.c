@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fuzz target: the decoder of the 64-byte RPC header (bex__rpc_hdr_decode)
  * that starts every RPC message a peer sends; the bytes are the received
  * message, header and body.

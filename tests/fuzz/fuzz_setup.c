@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fuzz target: the authenticated setup's decoders (src/rdma/hello.c), which
  * read what any host that connects sends before it has proved anything:
  * bex__setup_peek (the 8-byte preamble), bex__auth_decode (OPEN, CHALLENGE,

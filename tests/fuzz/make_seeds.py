@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Write the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/).
 
     tests/fuzz/make_seeds.py        # rewrites the seed-* files

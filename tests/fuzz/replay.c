@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Replay runner: feeds every file of the given corpus directories (or the
  * given files) through the target's LLVMFuzzerTestOneInput, in name order.
  * Built with the normal compiler in every build, so that CTest (label unit)

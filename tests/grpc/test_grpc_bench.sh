@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bex_grpc_bench.tcp_json: run bex-grpc-bench's matrix for a few calls on
 # loopback and check its --json output: one object per cell (64 B, 4 KiB,
 # 64 KiB x 1, 64 outstanding), each with exactly the keys bex-rpc-bench

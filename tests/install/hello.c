@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* An outside program built against an installed bex (tests/install). */
 #include <stdio.h>
 

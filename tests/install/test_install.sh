@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Install bex into a temporary prefix, then build an outside program
 # against it with pkg-config and with CMake's find_package(bex), run both;
 # then move the installed tree elsewhere and build with pkg-config again

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* I/O threads (issue 8 item 1) and the per-thread CQ (item 2), over either
  * transport (BEX_TEST_TRANSPORT=tcp: natively on loopback, label tcp; else
  * RDMA on rxe0/rxe1 in the VM, label rxe). One process, two contexts: a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex_mem_pool_collect: blocks another thread frees count as in use until
  * the allocating thread collects them. The receive limit of a context
  * (src/engine/engine.c, recv_room) relies on this to see the frees of the

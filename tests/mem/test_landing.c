@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Landing pools (bemalloc memory a peer may write), over a recording fake
  * registrar: the registered ranges hold payload pages only, every byte of
  * them may be scribbled on without harm to the allocator, buffers are

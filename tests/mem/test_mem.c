@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc unit tests, over a counting fake registrar (no device needed). */
 #include <errno.h>
 #include <pthread.h>

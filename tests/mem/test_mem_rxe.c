@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bemalloc on a real device: buffers allocated from a pool registered with
  * rxe0's PD are written by RDMA WRITEs from a QP on rxe1, addressed only
  * with what bex_mem_mr() returns; the source buffers come from a second pool

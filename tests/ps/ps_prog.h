@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the tests that run the bex-ps program (test_ps_prog.c,
  * test_ps_catchup.c): its /metrics over HTTP (libcurl), cluster files and
  * directories on loopback ports, a local etcd, and waiting for files and

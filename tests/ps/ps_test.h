@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the parameter server's tests (test_ps.c, test_ps_repl.c): a
  * shard server in a child process (its modes: normal, a Push's answer
  * lost, Fetches held), the client side, and the reference rows computed in

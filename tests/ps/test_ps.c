@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The parameter server end to end (include/bex/ps.h): two shard servers in
  * child processes, a client over a directory in the parent. After Pushes,
  * Fetch returns the rows a reference computed here gives (SGD and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A bex-ps replica listed "rdma" takes the clients whose recovery ladder
  * fell back to TCP (issue 10; docs/architecture.md, "Recovery ladder" step
  * 3), in the Soft-RoCE VM (rxe). bex-ps is started as bex-cluster starts it

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Catch-up of a restarted replica from its peer (issue 10): a replica
  * killed with -9 comes back from its snapshot, pulls its peer's rows and
  * the ids of the Pushes the peer applied (BEX_PS_M_COPY), and applies the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The ids of the Pushes a shard applied (issue 23, items 3 and 4), in one
  * process through bex_ps_shard_serve:
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A Push whose send comes back in doubt (-EIO: the request reached the
  * shard, its answer is lost with the connection), at bex_ps_push (issue
  * 23, item 1's layer above): over fakenet (tests/rpc/fakenet.h), natively

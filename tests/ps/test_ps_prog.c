@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The bex-ps program (tools/ps/bex-ps.c) as a process, over TCP on
  * loopback addresses: its Prometheus /metrics endpoint (fetched with
  * libcurl) counts what was served; a replica stopped with SIGTERM and

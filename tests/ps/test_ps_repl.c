@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Replicated shards (include/bex/ps.h, "Replicas"): 2 shards x 2 replicas,
  * each replica a shard server in its own child process; replica 0 of each
  * shard at locality dc1/pod1, replica 1 at dc1/pod2; the client at

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # Smoke test of the RDMA stack with perftest: ib_write_bw from rxe1 (client)
 # to rxe0 (server), as set up by scripts/rxe-vm. Checks that the client
 # reports a non-zero bandwidth.

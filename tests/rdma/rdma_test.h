@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the rxe tests of the rdma module: the "is there an RDMA device
  * and a test address pair" check, and small payload helpers. */
 #ifndef BEX_TESTS_RDMA_TEST_H

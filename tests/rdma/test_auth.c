@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The authenticated setup: its message codec, the MACs over the transcript
  * (a replay with another nonce, a wrong secret, another connection's
  * endpoints are refused), the derived key, key files and the environment. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The hello wire format and its decoder: round trips, a pinned byte layout,
  * every validation rule, truncation, fuzzing, and the deadline-bounded fd
  * helpers that carry it. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Two processes, one RC QP pair over two real devices.
  *
  * The parent is the server on BEX_TEST_ADDR0, the forked child the client on

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The rdma module on a real device: device choice by address, the shared
  * device handle, resource helpers and their error paths, QP transitions. */
 #include <arpa/inet.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The parts of the rdma module that need no device: PSNs, ids, MTU sizes,
  * completion-status translation, GID mapping, and device choice on an
  * address no device has. */

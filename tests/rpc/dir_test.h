@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the directory's unit tests without I/O (test_dir.c,
  * test_dir_early.c): nodes named by their "ip:port". */
 #ifndef BEX_TEST_DIR_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* fakenet: a fault-injecting transport for the RPC unit tests
  * (tests/rpc/test_rpc_fake.c).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Test scaffolding of the calls with a destination (bex_rpc_call_into),
  * shared by tests/rpc/test_rpc_exposed.c and test_rpc_into_recovery.c:
  * a completion record that notes how many exposures of its destination

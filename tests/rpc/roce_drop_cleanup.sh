@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # CTest fixture cleanup of test_ladder.rdma_unusable: remove the ingress
 # qdiscs (and with them the filters dropping RoCE v2) it puts on the veth
 # wire, even when the case was killed before it could, so that no later

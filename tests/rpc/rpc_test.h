@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC test scaffolding: RPC servers in child processes (forked before the
  * client's context exists), each on BEX_TEST_ADDR0 with its own port,
  * serving the test methods below; the client runs in the parent on

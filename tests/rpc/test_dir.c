@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The service directory without I/O (unit): the cluster file's parser
  * (good files, and bad ones refused with an error naming what and where),
  * replica choice (locality order, load spread, quarantined replicas

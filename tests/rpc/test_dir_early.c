@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Early probes of quarantined replicas (unit, no I/O; issue 9 item 6):
  * when the last replica of a shard outside quarantine fails, the shard's
  * quarantined replicas are probed at once rather than after their period

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The directory over etcd (tcp: natively, on loopback): a local etcd is
  * started (temporary data directory, free ports) and must answer; two
  * servers (child processes) register under leases and a watching

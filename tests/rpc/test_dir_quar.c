@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Quarantine starting and lifting (issue 9 item 6, "never all replicas of
  * a shard at once"), end to end over TCP natively (tcp) and over RDMA in
  * the VM (rxe). Replica A (in the client's pod) is quarantined for request

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Channels over a directory, end to end over TCP natively (tcp): calls go
  * to the nearest replica; when it is killed with -9 every call still
  * completes in time through the other replica, the dead one is

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RPC client's recovery ladder (issue 9 item 5; docs/architecture.md,
  * "Recovery ladder"): reconnect, then other replicas, then TCP, RDMA tried
  * again later; every step logged once and counted.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC over bex sockets, two or three processes: echo at several sizes,
  * many calls outstanding, deadlines and cancellation (exactly once, late
  * answers dropped), failover to a second server when the first is killed

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC answers into a buffer the caller exposed (bex_rpc_call_into): the
  * body lands in the caller's destination (over RDMA by the server's WRITE
  * into it, over TCP copied), a body larger than the destination is refused

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* RPC unit tests over fakenet (tests/rpc/fakenet.h): servers and clients
  * in one process, each on its own context over loopback TCP, every
  * connection wrapped by the fault-injecting transport, so that a failure

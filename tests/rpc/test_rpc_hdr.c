@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RPC wire header: a round trip through the codec, every malformed
  * header refused, and the latency histogram's quantiles. */
 #include <errno.h>

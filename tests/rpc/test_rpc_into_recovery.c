@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Calls with a destination (bex_rpc_call_into) under the channel's
  * recovery machinery, as ordinary calls have it (issue 9 items 4 to 6):
  *

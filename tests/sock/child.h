@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A server in a child process, for the tests whose client makes its own
  * context (tests/rpc/rpc_test.h, tests/ps/ps_test.h): the child listens on
  * ADDR0, reports its port, and serves until the parent tells it to go; the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The echo server of the pair_run cases (pair.h): every message goes back
  * on its socket and is freed once sent (at once when the send fails); an
  * error closes the socket. A case with an on_recv or on_accept of its own

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # CTest fixture cleanup of test_sock_rxe.packet_loss: remove the netem
 # qdiscs it puts on the veth wire, even when the case was killed (a timeout,
 # its watchdog) before it could remove them, so that no later test runs

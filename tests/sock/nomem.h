@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A server landing pool (rendezvous destinations, exposed buffers) whose
  * registrations beyond one 4 MiB chunk fail with -ENOMEM: the receiver
  * cannot take a large message. Set pair_server_landing = nomem_landing and

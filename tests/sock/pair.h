@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Two-process test scaffolding for socket tests on real RDMA devices.
  *
  * pair_run() forks: the child is the server, on BEX_TEST_ADDR0 (rxe0); the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A hand-made bex peer for tests: one RC queue pair that does the hello by
  * hand and then sends exactly the headers a test asks for. It plays a peer
  * that breaks the rules a bex engine relies on (never answers a rendezvous

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Who may connect (issue 7 part 2), on real RDMA devices: a shared secret
  * admits its holders and refuses everybody else with a clear error while
  * good clients go on; nothing about a QP (hello, QPN, GID, keepalive key) is

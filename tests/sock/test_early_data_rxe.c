@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A peer's first RDMA message may come before its readiness notice over TCP
  * (docs/protocol.md, "Connection setup"): the client sends its notice and,
  * once it has the listener's, its first frames at once; on the listener the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Environment overrides of a context's configuration (src/sock/env.c). */
 #include <arpa/inet.h>
 #include <stdlib.h>

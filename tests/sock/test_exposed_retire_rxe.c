@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The retire path of exposed buffers in window mode (issue 7 part 1), on
  * rxe, two processes (see pair.h).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The transport choice (issue 8): a peer without an RDMA device, or one
  * that wants TCP, reaches an RDMA listener on the same port and exchanges
  * messages over TCP; RDMA-only sides refuse such peers.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Bounded resources (issue 7, part 3) on real RDMA devices: what a peer,
  * well-behaved or not, may make a context hold, and the timeouts that end
  * in an error instead of a hang. Two processes (pair.h); the cases that need

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Log lines about a peer name it (docs/architecture.md, "Log lines about a
  * peer"), over either transport (BEX_TEST_TRANSPORT=tcp: label tcp; else
  * RDMA: label rxe). The client watches its own log while the server (a

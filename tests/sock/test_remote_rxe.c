@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What a peer can write with the keys it holds (issue 7 part 1), on rxe,
  * two processes (see pair.h).
  *

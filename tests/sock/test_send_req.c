@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The send fast path (issue 8 item 5): caller-owned send requests
  * (bex_sock_send_req) and the I/O thread's descriptor cache. One process,
  * two contexts: a server on BEX_TEST_ADDR0 and a client on BEX_TEST_ADDR1;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Socket and engine tests on real RDMA devices (rxe0 <-> rxe1, two
  * processes). See pair.h for the scaffolding. */
 #include <stdbool.h>

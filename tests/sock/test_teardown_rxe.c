@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Teardown on real RDMA devices (rxe0 <-> rxe1, two processes; pair.h):
  * every accepted send reported exactly once with the status sock.h gives
  * it, on_close for every closed socket, within a bound, whatever the peer

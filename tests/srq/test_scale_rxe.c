@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Scale (issue 8 item 6): 2000 connections to one listening context over
  * RDMA in SRQ mode, from several client processes in the VM; each
  * connection exchanges messages, then everything is torn down. Label rxe.

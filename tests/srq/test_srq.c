@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* SRQ mode (issue 8 item 2): one shared receive queue per I/O thread, with
  * per-peer credits (src/transport/rdma/srq.h). RDMA on rxe0/rxe1 in the VM
  * (label rxe). One process: a server context on ADDR0, clients on ADDR1.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex_ctx_config.srq_depth's checks, which run before any device is opened
  * (so no RDMA device is needed). */
 #include <arpa/inet.h>

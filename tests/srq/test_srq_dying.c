@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Receives a dying QP took (issue 23 item 6). SRQ mode, RDMA on rxe in the
  * VM (label rxe); one process: a server context on ADDR0 (one I/O thread,
  * a queue of 32 receives, shares of 16), raw peers (tests/adversary/peer.c)

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the device does with a shared receive a QP took for a multi-packet
  * SEND it never finished (issue 23 item 6), raw verbs on rxe, one process
  * driving both sides:

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* SRQ mode: a receive completion of a destroyed QP must never reach the
  * engine of a new QP that got the same QP number (issue 8 item 2).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Acknowledgements over the TCP transport (src/transport/tcp/tcp.c):
  * every frame header carries the number of the peer's messages received
  * whole since the last header; with nothing else to carry them they go in

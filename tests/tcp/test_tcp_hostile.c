@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A hostile or stuck peer against the TCP transport (src/transport/tcp/tcp.c):
  * a hand-made peer on loopback that does the plain hello (NO_RDMA) and then
  * writes raw frames, against a TCP-only context. Each case is a defect found

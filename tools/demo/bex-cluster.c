@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-cluster: run a parameter-server cluster on one machine through a
  * phase plan, and report (issue 10 item 3; paper §8, Tables 5-7).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-ranker: an inference load on a parameter server (paper §2.1).
  *
  * A user request evaluates --models k models; each model Fetches its keys

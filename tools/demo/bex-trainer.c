@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-trainer: a training load on a parameter server (paper §2.1, §6.3).
  *
  * --outstanding loops, each in its own thread: pick keys (Zipf-popular,

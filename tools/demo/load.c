@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What bex-ranker and bex-trainer share (load.h). */
 #include "load.h"
 

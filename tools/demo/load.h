@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What bex-ranker and bex-trainer share: options, the PS client over a
  * cluster file, Zipf key popularity, latency samples and the JSON report
  * (docs/configuration.md, "bex-ranker, bex-trainer"). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bex-ps: serve shards of a parameter server (include/bex/ps.h) at the
  * addresses a cluster file gives them (docs/configuration.md, "bex-ps").
  *

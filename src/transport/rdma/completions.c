@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: completions, of sends (delivery reports and the
  * acknowledgement queue) and of receives (control messages, data), split
  * from engine.c along its banner. See engine.h. */

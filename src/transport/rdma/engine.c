@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: one RC QP, its work-request chain, receive buffers,
  * credits, rendezvous, send window and keepalive. See engine.h. */
 #include <arpa/inet.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* engine: one RC queue pair and everything needed to move messages on it.
  *
  * An engine belongs to exactly one I/O thread; every function here is

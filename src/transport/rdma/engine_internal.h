@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine's private header: its structures and the functions its
  * files share (engine.c, and the files split from it along its banners).
  * Nothing outside src/transport/rdma/ includes it; the contract is

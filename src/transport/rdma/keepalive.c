@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: keepalive, stall detection and failure (split from
  * engine.c along its banner). See engine.h. */
 #include <assert.h>

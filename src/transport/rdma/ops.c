@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA transport's ops table: the engine behind struct bex__xport. */
 #include "transport/rdma/engine.h"
 

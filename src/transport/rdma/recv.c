@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: received memory (the context's recv_bytes_max budget
  * and the engine's receive slots), split from engine.c along its banner.
  * See engine.h. */

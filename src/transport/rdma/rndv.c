@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: rendezvous, receiver side (the answers to a peer's
  * requests, its destinations and their share of the received budget),
  * split from engine.c along its banner. See engine.h. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: the send side (the scheduler, work requests and their
  * posting, credits and the send window) and bex__engine_progress, split
  * from engine.c along its banner. See engine.h. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* SRQ mode: an I/O thread's shared receive queue and its per-peer
  * accounting. See srq.h. */
 #include <errno.h>

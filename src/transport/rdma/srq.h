@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* SRQ mode (bex_ctx_config.srq_depth): one shared receive queue per I/O
  * thread, which every QP of the thread draws on.
  *

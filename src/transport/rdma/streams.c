@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: streams (attach, the scheduler ring, queueing, close
  * and detach), split from engine.c along its banner. See engine.h. */
 #include <assert.h>

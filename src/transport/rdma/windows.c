@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA engine: memory windows (window mode): binds and invalidations,
  * exposed buffers' windows and destinations bound ahead, split from
  * engine.c along its banner. See engine.h. */

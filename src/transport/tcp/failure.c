@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport: failure (everything handed back, the protocol
  * violation handler), split from tcp.c along its banner. See tcp.h. */
 #include <errno.h>

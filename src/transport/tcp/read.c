@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport: the read side (headers, payloads into received
  * buffers, partly received messages, acknowledgements in), split from
  * tcp.c along its banner. See tcp.h. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport: received memory (recv_bytes_max: the connection's
  * share, holders), split from tcp.c along its banner. See tcp.h. */
 #include <errno.h>

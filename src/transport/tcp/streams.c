@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport: streams (attach, the scheduler ring, queueing, close,
  * refusals), split from tcp.c along its banner. See tcp.h. */
 #include <errno.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport (see tcp.h). */
 #include <errno.h>
 #include <stdlib.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport: a connection's messages over the TCP connection its
  * setup ran on (docs/protocol.md, "Data path over TCP").
  *

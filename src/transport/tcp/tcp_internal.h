@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport's private header: its structures and the functions
  * its files share (tcp.c, and the files split from it along its banners).
  * Nothing outside src/transport/tcp/ includes it; the contract is tcp.h. */

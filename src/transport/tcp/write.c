@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport: the write side (the scheduler, frames, the write
  * batch and progress), split from tcp.c along its banner. See tcp.h. */
 #include <errno.h>
