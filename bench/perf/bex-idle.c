@@ -72,10 +72,11 @@ static void usage(FILE *f)
 
 static int parse(int argc, char **argv, struct opts *o)
 {
-    static const struct option lo[] = {
-        {"conns", 1, 0, 'n'},       {"poll-mode", 1, 0, 'm'}, {"transport", 1, 0, 't'},
-        {"addr", 1, 0, 'a'},        {"seconds", 1, 0, 's'},   {"keepalive-ms", 1, 0, 'k'},
-        {"client-addr", 1, 0, 'c'}, {"help", 0, 0, 'h'},      {0, 0, 0, 0}};
+    static const struct option lo[] = {{"conns", 1, 0, 'n'},       {"poll-mode", 1, 0, 'm'},
+                                       {"transport", 1, 0, 't'},   {"addr", 1, 0, 'a'},
+                                       {"seconds", 1, 0, 's'},     {"keepalive-ms", 1, 0, 'k'},
+                                       {"client-addr", 1, 0, 'c'}, {"help", 0, 0, 'h'},
+                                       {"version", 0, 0, 'V'},     {0, 0, 0, 0}};
     *o = (struct opts){
         .conns = 1024, .transport = BEX_TRANSPORT_TCP, .seconds = 10, .poll_name = "spin"};
     inet_pton(AF_INET, "127.0.0.1", &o->addr);
@@ -116,6 +117,9 @@ static int parse(int argc, char **argv, struct opts *o)
             break;
         case 'h':
             usage(stdout);
+            exit(0);
+        case 'V':
+            printf("bex-idle %s\n", bex_version_string());
             exit(0);
         default:
             usage(stderr);

@@ -362,14 +362,15 @@ static int run_matrix(struct opts *o)
     return rc;
 }
 
-static void usage(void)
+__attribute__((noreturn)) static void usage(int status)
 {
-    fprintf(stderr, "usage: bex-rpc-bench -s --local ADDR [-p PORT] [--transport auto|rdma|tcp]\n"
-                    "       bex-rpc-bench -c SERVER --local ADDR [-p PORT] [--transport T]\n"
-                    "                     [--size B] [--outstanding K] [--iters N] [--warmup W]"
-                    " [--json] [--stdin] [--into]\n"
-                    "       bex-rpc-bench --matrix [--transport T] [--iters N] [--json]\n");
-    exit(2);
+    fprintf(status ? stderr : stdout,
+            "usage: bex-rpc-bench -s --local ADDR [-p PORT] [--transport auto|rdma|tcp]\n"
+            "       bex-rpc-bench -c SERVER --local ADDR [-p PORT] [--transport T]\n"
+            "                     [--size B] [--outstanding K] [--iters N] [--warmup W]"
+            " [--json] [--stdin] [--into]\n"
+            "       bex-rpc-bench --matrix [--transport T] [--iters N] [--json]\n");
+    exit(status);
 }
 
 int main(int argc, char **argv)
@@ -392,10 +393,17 @@ int main(int argc, char **argv)
                                        {"poll", required_argument, NULL, 'P'},
                                        {"stdin", no_argument, NULL, 'I'},
                                        {"into", no_argument, NULL, 'D'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {"version", no_argument, NULL, 'V'},
                                        {NULL, 0, NULL, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "sc:l:p:", lo, NULL)) != -1) {
         switch (ch) {
+        case 'V':
+            printf("%s %s\n", "bex-rpc-bench", bex_version_string());
+            exit(0);
+        case 'h':
+            usage(0);
         case 's':
             o.server = true;
             break;
@@ -404,7 +412,7 @@ int main(int argc, char **argv)
             break;
         case 'l':
             if (inet_pton(AF_INET, optarg, &o.local) != 1)
-                usage();
+                usage(2);
             o.have_local = true;
             break;
         case 'p':
@@ -418,7 +426,7 @@ int main(int argc, char **argv)
             else if (!strcmp(optarg, "auto"))
                 o.transport = BEX_TRANSPORT_AUTO;
             else
-                usage();
+                usage(2);
             break;
         case 'S':
             o.size = (size_t)strtoull(optarg, NULL, 0);
@@ -452,23 +460,23 @@ int main(int argc, char **argv)
             break;
         case 'P':
             if (bex_poll_mode_parse(optarg, &o.poll_mode))
-                usage();
+                usage(2);
             break;
         default:
-            usage();
+            usage(2);
         }
     }
     if (o.outstanding < 1 || o.iters < 1)
-        usage();
+        usage(2);
     if (o.matrix)
         return run_matrix(&o);
     if (!o.have_local || o.server == !!o.client)
-        usage();
+        usage(2);
     if (o.server)
         return run_server(&o, -1, -1);
     struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = htons(o.port)};
     if (inet_pton(AF_INET, o.client, &srv.sin_addr) != 1)
-        usage();
+        usage(2);
     bex_ctx_config c = {.local_addr = o.local,
                         .transport = o.transport,
                         .keepalive_timeout_ms = o.ka_timeout_ms,

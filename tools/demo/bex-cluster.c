@@ -1759,12 +1759,13 @@ static void print_tables(json_t *phases, json_t *plan, int soft_roce)
                "numbers, with the paper's.\n");
 }
 
-static void usage(void)
+__attribute__((noreturn)) static void usage(int status)
 {
-    fprintf(stderr, "usage: bex-cluster [--plan FILE|default] [--out DIR] [--addrs A[,B...]]\n"
-                    "                   [--bin-dir DIR] [--time-scale X] [--quiet] [--print-plan]\n"
-                    "                   [--etcd URL [--etcd-prefix P] [--only servers|clients]]\n");
-    exit(2);
+    fprintf(status ? stderr : stdout,
+            "usage: bex-cluster [--plan FILE|default] [--out DIR] [--addrs A[,B...]]\n"
+            "                   [--bin-dir DIR] [--time-scale X] [--quiet] [--print-plan]\n"
+            "                   [--etcd URL [--etcd-prefix P] [--only servers|clients]]\n");
+    exit(status);
 }
 
 int main(int argc, char **argv)
@@ -1786,9 +1787,16 @@ int main(int argc, char **argv)
                                        {"etcd", required_argument, 0, 'E'},
                                        {"etcd-prefix", required_argument, 0, 'X'},
                                        {"only", required_argument, 0, 'O'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
     for (int o; (o = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
         switch (o) {
+        case 'V':
+            printf("%s %s\n", "bex-cluster", bex_version_string());
+            exit(0);
+        case 'h':
+            usage(0);
         case 'p':
             plan_arg = optarg;
             break;
@@ -1804,7 +1812,7 @@ int main(int argc, char **argv)
         case 's':
             g.scale = atof(optarg);
             if (!(g.scale > 0 && g.scale <= 1000))
-                usage();
+                usage(2);
             break;
         case 'q':
             g.quiet = 1;
@@ -1825,17 +1833,17 @@ int main(int argc, char **argv)
             else if (strcmp(only, "clients") == 0)
                 g.servers = 0;
             else
-                usage();
+                usage(2);
             break;
         default:
-            usage();
+            usage(2);
         }
     }
     /* the halves meet through etcd; a prefix ends with '/' (bex-ps adds
      * "services/...") */
     if (optind != argc || (only && !g.etcd) || !g.etcd_prefix[0] ||
         g.etcd_prefix[strlen(g.etcd_prefix) - 1] != '/' || strlen(g.etcd_prefix) > 256)
-        usage();
+        usage(2);
     g.tty = isatty(2);
 
     /* where the programs are: beside us, bex-ps in ../ps of a build tree */

@@ -37,6 +37,7 @@ enum {
     O_PROGRESS,
     O_VERBOSE,
     O_HELP,
+    O_VERSION,
 };
 
 static const struct option common_opts[] = {
@@ -64,6 +65,7 @@ static const struct option common_opts[] = {
     {"progress", no_argument, 0, O_PROGRESS},
     {"verbose", no_argument, 0, O_VERBOSE},
     {"help", no_argument, 0, O_HELP},
+    {"version", no_argument, 0, O_VERSION},
 };
 #define N_COMMON (sizeof common_opts / sizeof common_opts[0])
 
@@ -77,10 +79,10 @@ static uint32_t send_window;          /* the context's (0: none) */
 static uint32_t eager_max;            /* the context's (0: its default) */
 static uint32_t poll_mode;            /* the context's BEX_POLL_* (0: spin-sleep) */
 
-static void usage(const char *prog, const char *extra)
+__attribute__((noreturn)) static void usage_status(const char *prog, const char *extra, int status)
 {
     fprintf(
-        stderr,
+        status ? stderr : stdout,
         "usage: %s --cluster FILE [--service NAME] [--addr A.B.C.D] [--transport auto|rdma|tcp]\n"
         "       [--locality L] [--duration S] [--outstanding N] [--zipf S] [--keys N]\n"
         "       [--table ID] [--dim D] [--timeout-ms MS] [--attempt-timeout-ms MS]\n"
@@ -89,7 +91,12 @@ static void usage(const char *prog, const char *extra)
         "       [--seed N] [--json FILE] [--samples FILE]\n"
         "       [--progress] [--verbose]\n%s",
         prog, extra ? extra : "");
-    exit(2);
+    exit(status);
+}
+
+__attribute__((noreturn)) static void usage(const char *prog, const char *extra)
+{
+    usage_status(prog, extra, 2);
 }
 
 static double num(const char *prog, const char *extra, const char *s, double lo, double hi)
@@ -206,6 +213,14 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
         case O_VERBOSE:
             o->verbose = 1;
             break;
+        case O_HELP:
+            usage_status(prog, usage_extra, 0);
+            break;
+        case O_VERSION: {
+            const char *slash = strrchr(prog, '/');
+            printf("%s %s\n", slash ? slash + 1 : prog, bex_version_string());
+            exit(0);
+        }
         default:
             if (c >= 256 && fn && fn(c, optarg, user) == 0)
                 break;

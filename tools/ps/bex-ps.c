@@ -35,10 +35,10 @@
 
 #define MAX_SERVED 64
 
-static void usage(void)
+__attribute__((noreturn)) static void usage(int status)
 {
     fprintf(
-        stderr,
+        status ? stderr : stdout,
         "usage: bex-ps --cluster FILE --shard N[,N...]|all [--service NAME] [--replica I]\n"
         "       bex-ps --etcd URL --listen IP[:PORT] --n-shards N --shard N[,N...]|all\n"
         "              [--etcd-prefix P] [--locality L] [--ttl S] [--service NAME] [--replica I]\n"
@@ -48,7 +48,7 @@ static void usage(void)
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
         "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
         "              [--eager-max B] [--send-window B] [--io-threads N]\n");
-    exit(2);
+    exit(status);
 }
 
 static int parse_table(const char *s, bex_ps_table_config *t)
@@ -185,7 +185,7 @@ static long opt_num(const char *s, long lo, long hi)
     errno = 0;
     long v = strtol(s, &end, 10);
     if (*s == 0 || *end || errno || v < lo || v > hi)
-        usage();
+        usage(2);
     return v;
 }
 
@@ -255,6 +255,11 @@ static bool num_opt(int c, struct opts *o)
 static void one_opt(int c, struct opts *o)
 {
     switch (c) {
+    case 'V':
+        printf("%s %s\n", "bex-ps", bex_version_string());
+        exit(0);
+    case 'h':
+        usage(0);
     case 'c':
         o->cluster = optarg;
         break;
@@ -285,15 +290,15 @@ static void one_opt(int c, struct opts *o)
     case 'L':
         o->locality = optarg;
         if (strlen(o->locality) > BEX_DIR_LOCALITY_MAX)
-            usage();
+            usage(2);
         break;
     case 't':
         if (o->n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &o->tables[o->n_tables++]))
-            usage();
+            usage(2);
         break;
     case 'p':
         if (bex_poll_mode_parse(optarg, &o->poll_mode))
-            usage();
+            usage(2);
         break;
     case 'x':
         if (strcmp(optarg, "tcp") == 0)
@@ -301,11 +306,11 @@ static void one_opt(int c, struct opts *o)
         else if (strcmp(optarg, "rdma") == 0)
             o->transport = BEX_TRANSPORT_RDMA;
         else if (strcmp(optarg, "auto") != 0)
-            usage();
+            usage(2);
         break;
     default:
         if (!num_opt(c, o))
-            usage();
+            usage(2);
     }
 }
 
@@ -343,12 +348,14 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"eager-max", required_argument, 0, 'G'},
                                        {"send-window", required_argument, 0, 'W'},
                                        {"io-threads", required_argument, 0, 'I'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
     for (int c; (c = getopt_long(argc, argv, "", lo, NULL)) != -1;)
         one_opt(c, o);
     if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
         !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)))
-        usage();
+        usage(2);
     if (o->n_tables == 0)
         o->tables[o->n_tables++] =
             (bex_ps_table_config){.id = 1, .dim = 16, .optimizer = BEX_PS_SGD};
