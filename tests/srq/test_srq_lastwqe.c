@@ -3,7 +3,7 @@
  * SEND it never finished (issue 23 item 6), raw verbs on rxe, one process
  * driving both sides:
  *
- * probe: a QP on an SRQ is half way through a SEND of 1 MiB (the sender's
+ * probe: a QP on an SRQ is half way through a SEND of 4 MiB (the sender's
  * QP is destroyed once the first packets are out) when it is moved to ERR: does
  * the receive it took complete (flushed), and does the device raise
  * IBV_EVENT_QP_LAST_WQE_REACHED for it? Prints what it sees; asserts only
@@ -18,9 +18,12 @@
 #include "rdma/rdma.h"
 #include "../rdma/rdma_test.h"
 
-#define BIG                                                                                        \
-    (256u << 10) /* 256 packets at rxe's 1024-byte MTU: more than                                  \
-                    the 128 the sender may have unacknowledged */
+/* 4096 packets at rxe's 1024-byte MTU, 32 times the 128 the sender may have
+ * unacknowledged: the sender's QP is destroyed long before the whole SEND
+ * can be out. (At 256 KiB, under TSan, the slow destroy let ACKs through and
+ * the whole SEND arrived in all 20 attempts: CI of 2026-12-04.) rxe takes
+ * messages up to 8 MiB. */
+#define BIG   (4u << 20)
 #define NRECV 4
 
 struct end {
