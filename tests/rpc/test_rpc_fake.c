@@ -9,6 +9,7 @@
  * transport comes back exactly once. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -23,7 +24,7 @@
 #include "rpc/fakenet.h"
 #include "rpc/internal.h"
 
-enum { SVC = 7, M_ECHO = 1, M_NEVER = 2, M_WRITE = 3, M_WRITE_HOLD = 4 };
+enum { SVC = 7, M_ECHO = 1, M_NEVER = 2, M_WRITE = 3, M_WRITE_HOLD = 4, M_BUSY = 5 };
 
 static unsigned scale(void)
 {
@@ -102,6 +103,15 @@ static void h_never(bex_rpc_req *req, void *body, size_t len, void *user)
     pthread_mutex_unlock(&s->mu);
 }
 
+/* Always busy: a remote, retryable failure (-EAGAIN). */
+static void h_busy(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)len;
+    (void)user;
+    bex_rpc_free(body);
+    bex_rpc_reply(req, -EAGAIN, NULL, 0);
+}
+
 static void h_write(bex_rpc_req *req, void *body, size_t len, void *user)
 {
     (void)len;
@@ -126,6 +136,7 @@ static void server_start_cfg(struct server *s, char tag, const bex_rpc_server_co
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_ECHO, 0, h_echo, s));
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_NEVER, 0, h_never, s));
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_WRITE, BEX_RPC_METHOD_WRITE, h_write, s));
+    CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_BUSY, 0, h_busy, s));
     struct sockaddr_in a = {.sin_family = AF_INET};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     CHECK_OK(bex_rpc_server_listen(s->srv, &a));
@@ -586,6 +597,48 @@ static int budget(void)
     return finish(ch, cx, NULL, &s, NULL);
 }
 
+/* Probabilistic retry (paper section 7.2): with retry_permille p below
+ * 1000 a retryable failure is retried with chance p/1000. Every call's
+ * first attempt is answered -EAGAIN; with two attempts and a budget that
+ * never throttles, the retries are a binomial count: n calls, chance p.
+ * The bound is 5 standard deviations either side (a false failure about
+ * once in 1.7 million runs); p = 0 or 1000 would land far outside it. */
+static int retry_coin(void)
+{
+    fn_install();
+    struct server s;
+    server_start(&s, 'A');
+    bex_ctx *cx = ctx_new();
+    struct server *sv[] = {&s};
+    const unsigned calls = 600, permille = 250;
+    bex_rpc_channel *ch = chan(cx, sv, 1,
+                               (bex_rpc_channel_config){.request_timeout_ms = 5000,
+                                                        .max_attempts = 2,
+                                                        .retry_permille = permille,
+                                                        .retry_budget_burst = 1000,
+                                                        .retry_budget_permille = 1000});
+    struct result r;
+    for (unsigned i = 0; i < calls; i++) {
+        call(ch, cx, M_BUSY, 8, 0, &r);
+        result_wait(&r, 3000);
+        CHECK_EQ(r.status, -EAGAIN); /* the server's answer, retried or not */
+    }
+    bex_rpc_channel_stats st = chan_stats(ch);
+    double mean = calls * permille / 1000.0;
+    double sd = sqrt(calls * (permille / 1000.0) * (1 - permille / 1000.0));
+    fprintf(stderr, "calls %llu retries %llu (expected %.0f +- %.0f), throttled %llu\n",
+            (unsigned long long)st.calls, (unsigned long long)st.retries, mean, 5 * sd,
+            (unsigned long long)st.retry_throttled);
+    CHECK_EQ(st.calls, calls);
+    CHECK_EQ(st.retry_throttled, 0);
+    CHECK_EQ(st.ladder_moves, 0);
+    CHECK((double)st.retries >= mean - 5 * sd);
+    CHECK((double)st.retries <= mean + 5 * sd);
+    CHECK_EQ(st.attempts, st.calls + st.retries);
+    CHECK_EQ(server_stats(&s).requests, st.attempts); /* each attempt reached the server */
+    return finish(ch, cx, NULL, &s, NULL);
+}
+
 /* A retried write is applied once: its first answer is lost (dropped, or
  * with the connection), the attempt times out and is retried; the server's
  * dedup window answers the retry with the first result. */
@@ -903,6 +956,6 @@ static int dedup_pending(void)
 }
 
 BEX_TEST_MAIN(BEX_CASE(deadline), BEX_CASE(failover), BEX_CASE(quarantine), BEX_CASE(budget),
-              BEX_CASE(write_once), BEX_CASE(write_once_reset), BEX_CASE(garbage),
-              BEX_CASE(big_fail), BEX_CASE(big_fail_framed), BEX_CASE(dedup_spoof),
-              BEX_CASE(dedup_pending))
+              BEX_CASE(retry_coin), BEX_CASE(write_once), BEX_CASE(write_once_reset),
+              BEX_CASE(garbage), BEX_CASE(big_fail), BEX_CASE(big_fail_framed),
+              BEX_CASE(dedup_spoof), BEX_CASE(dedup_pending))
