@@ -1,0 +1,41 @@
+#!/bin/bash
+# SPDX-License-Identifier: Apache-2.0
+# bench/cost/run's method against known answers, natively:
+#   copies   bex-copycount counts exactly what copycount-probe copies
+#            (1000 x 100 bytes, memcpy and memmove)
+#   syscalls the kernel TCP ping-pong costs exactly one write and one read
+#            per round trip and side (the difference of two run lengths:
+#            set-up and teardown cancel), and bex over TCP a stated number
+#            within a margin (the CI guard of issue 25: a change that adds
+#            a system call per message fails here)
+# usage: test_cost.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+src=$1 build=$2
+fail() { echo "FAIL: $*" >&2; exit 1; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+BEX_COPYCOUNT_OUT=$tmp/cc LD_PRELOAD=$build/bench/cost/bex-copycount.so \
+    "$build/bench/cost/bex-copycount-probe" 1000 100
+read -r _ calls bytes <"$tmp/cc"
+echo "copycount-probe: $calls calls, $bytes bytes"
+[ "$calls" = 1000 ] || fail "copycount saw $calls calls, not 1000"
+[ "$bytes" = 100000 ] || fail "copycount saw $bytes bytes, not 100000"
+
+# a port range of our own below the ephemeral ones (64 from $port; the run
+# takes one port per run)
+lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+port=$((10000 + (RANDOM % ((lo - 10064) / 64)) * 64))
+out=$(cd "$src" && BEX_BUILD_DIR=$build STACKS="kernel bex" TOOLS="syscalls copies" \
+    N1=300 N2=1300 PORT=$port bench/cost/run)
+echo "$out"
+val() { awk -v s="$1" -v t="$2" -v d="$3" '$1 == "cost" && $2 == s && $3 == t && $4 == d {print $5}' <<<"$out"; }
+for side in srv cli; do
+    [ "$(val kernel syscalls $side)" = 2.0 ] || fail "kernel TCP $side: $(val kernel syscalls $side) system calls per round trip, not 2.0"
+    [ "$(val kernel copies $side)" = 0.0 ] || fail "kernel TCP $side: copies $(val kernel copies $side), not 0"
+    # bex over TCP, event mode, 32 B: 5.0 per side at 2239d52 (3 readv,
+    # 1 sendmsg, 1 epoll_wait on the server); the guard allows +0.5
+    v=$(val bex syscalls $side)
+    awk -v v="$v" 'BEGIN {exit !(v >= 2 && v <= 5.5)}' || fail "bex TCP $side: $v system calls per round trip (guard: 2..5.5)"
+done
+echo "ok"
