@@ -267,7 +267,10 @@ int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
  * secret, or BEX_SECRET, of the wrong size, a BEX_* variable with a bad
  * value: an ERROR line names it), -ENODEV or -ENETDOWN (with
  * BEX_TRANSPORT_RDMA: no usable RDMA device has that address),
- * bex_secret_load's errors for BEX_SECRET_FILE, or another negative errno;
+ * -EOPNOTSUPP (thread_domains ON on a device without thread domains, an
+ * ERROR line says so; remote_access WINDOW on one without type-2 memory
+ * windows), bex_secret_load's errors for
+ * BEX_SECRET_FILE, or another negative errno;
  * on an error nothing is left behind. Any thread but a context's own I/O
  * thread. */
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out);
