@@ -62,7 +62,10 @@ typedef struct bex_mem_registrar {
  * access = 0 means IBV_ACCESS_LOCAL_WRITE alone: memory a peer must not
  * reach. Memory a peer may write belongs in a landing pool (below),
  * registered with IBV_ACCESS_REMOTE_WRITE (or IBV_ACCESS_MW_BIND, for
- * memory windows). The PD must outlive every pool using it. */
+ * memory windows). access may carry optional flags, which a provider
+ * without them ignores: a bex context adds IBV_ACCESS_RELAXED_ORDERING
+ * (bex_ctx_config.relaxed_ordering). The PD must outlive every pool using
+ * it. */
 void bex_mem_registrar_verbs(bex_mem_registrar *out, struct ibv_pd *pd, int access);
 
 /* A registrar that registers nothing (TCP-only use); keys are 0. */

@@ -105,6 +105,14 @@ enum {
     BEX_POLL_EVENT = 2,
 };
 
+/* A three-way setting of bex_ctx_config (relaxed_ordering, thread_domains):
+ * AUTO (0) is the field's default, which its comment names. */
+enum {
+    BEX_SWITCH_AUTO = 0,
+    BEX_SWITCH_ON = 1,
+    BEX_SWITCH_OFF = 2,
+};
+
 /* A poll mode by name, as programs take it on their command line
  * ("spin-sleep", "busy" or "event"). Returns 0 and sets *mode to its
  * BEX_POLL_*, or -EINVAL (name NULL or none of these; *mode unchanged). */
@@ -208,7 +216,33 @@ typedef struct bex_ctx_config {
                                    state up to this long for the shared receive it may
                                    have taken to be flushed back before it is destroyed
                                    (500; docs/configuration.md) */
+    /* RDMA provider options (docs/configuration.md, "RDMA options"). */
+    uint32_t relaxed_ordering; /* BEX_SWITCH_* (AUTO = ON): register the context's own
+                                  pools with IBV_ACCESS_RELAXED_ORDERING, an optional
+                                  flag providers without it ignore; OFF: strict PCIe
+                                  ordering. bex reads what a peer writes there only
+                                  after the write's completion, which orders it */
+    uint32_t traffic_class;    /* IP TOS byte (DSCP << 2 | ECN) of every RoCE v2 packet of
+                                  the context's QPs (104: DSCP 26, the lossless class
+                                  RoCE fabrics commonly reserve; ECN bits 0, the NIC's
+                                  congestion control sets them); BEX_TRAFFIC_CLASS(v)
+                                  for exactly v, 0 included */
+    uint32_t service_level;    /* SL of the QPs' address vector, 0..7: the 802.1p priority
+                                  on a VLAN (0); no effect on untagged RoCE v2 or rxe */
+    uint32_t flow_label;       /* IPv6 flow label of the QPs' GRH, 0..0xfffff (0: the
+                                  provider's own); some providers derive the RoCE v2 UDP
+                                  source port (ECMP entropy) from it; no effect on rxe
+                                  over IPv4 */
+    uint32_t thread_domains;   /* BEX_SWITCH_* (AUTO): a thread domain per I/O thread
+                                  for its QPs. AUTO: where the device has them; ON: a
+                                  device without them fails bex_ctx_create with
+                                  -EOPNOTSUPP; OFF: never. bex_sock_stats.thread_domains
+                                  says what was chosen */
 } bex_ctx_config;
+
+/* Exactly v as bex_ctx_config.traffic_class, 0 included (a plain 0 means
+ * the default). */
+#define BEX_TRAFFIC_CLASS(v) (0x100u | ((uint32_t)(v)&0xffu))
 
 /* Bounds of a shared secret, in bytes. */
 #define BEX_SECRET_MIN 16
@@ -233,7 +267,10 @@ int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
  * secret, or BEX_SECRET, of the wrong size, a BEX_* variable with a bad
  * value: an ERROR line names it), -ENODEV or -ENETDOWN (with
  * BEX_TRANSPORT_RDMA: no usable RDMA device has that address),
- * bex_secret_load's errors for BEX_SECRET_FILE, or another negative errno;
+ * -EOPNOTSUPP (thread_domains ON on a device without thread domains, an
+ * ERROR line says so; remote_access WINDOW on one without type-2 memory
+ * windows), bex_secret_load's errors for
+ * BEX_SECRET_FILE, or another negative errno;
  * on an error nothing is left behind. Any thread but a context's own I/O
  * thread. */
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out);
@@ -454,6 +491,9 @@ typedef struct bex_sock_stats {
                                     whose window was bound ahead (no bind to wait for) */
     uint64_t srq_draining;       /* SRQ mode: QPs of gone connections waiting in the error
                                     state for their last receive (srq_drain_ms) */
+    uint64_t thread_domains;     /* I/O threads whose QPs are on a thread domain of
+                                    their own (0: the device has none, or
+                                    bex_ctx_config.thread_domains is OFF) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

@@ -53,6 +53,23 @@ int bex__fault_fired(enum bex__fault_kind k)
 {
     return atomic_load(&points[k].fired);
 }
+
+static void (*_Atomic reg_fn)(void *arg, int access);
+static void *_Atomic reg_arg;
+
+void bex__fault_reg_hook(void (*fn)(void *arg, int access), void *arg)
+{
+    atomic_store(&reg_fn, NULL);
+    atomic_store(&reg_arg, arg);
+    atomic_store(&reg_fn, fn);
+}
+
+void bex__fault_reg_seen(int access)
+{
+    void (*fn)(void *, int) = atomic_load(&reg_fn);
+    if (fn)
+        fn(atomic_load(&reg_arg), access);
+}
 #else
 /* ISO C wants a declaration in every translation unit */
 typedef int bex__fault_none;

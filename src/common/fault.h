@@ -45,8 +45,16 @@ void bex__fault_arm(enum bex__fault_kind k, uint64_t nth, int ret, int err, void
 /* Tests: whether the armed call of kind k came (and its hook returned). */
 int bex__fault_fired(enum bex__fault_kind k);
 #define BEX__FAULT(k) bex__fault_hit(k)
+/* Tests: fn(arg, access) runs for every registration the verbs registrar
+ * (src/mem/registrar.c) makes, with the access flags it passes to
+ * ibv_reg_mr, on the registering thread, before the call; fn NULL stops
+ * it. The library calls bex__fault_reg_seen. */
+void bex__fault_reg_hook(void (*fn)(void *arg, int access), void *arg);
+void bex__fault_reg_seen(int access);
+#define BEX__FAULT_REG(access) bex__fault_reg_seen(access)
 #else
-#define BEX__FAULT(k) 0
+#define BEX__FAULT(k)          0
+#define BEX__FAULT_REG(access) ((void)0)
 #endif
 
 #endif

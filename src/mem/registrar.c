@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
+#include "common/fault.h"
 #include "mem/internal.h"
 
 /* Local only: a general pool keeps its allocator metadata inside its
@@ -13,7 +14,11 @@
 
 static int verbs_reg_access(struct ibv_pd *pd, int access, bex_mem_region *mr)
 {
+    BEX__FAULT_REG(access);
     errno = 0;
+    /* Optional flags (IBV_ACCESS_RELAXED_ORDERING) make libibverbs take
+     * ibv_reg_mr_iova2, which drops them where the kernel lacks them; the
+     * kernel drops them for a provider without them. */
     struct ibv_mr *m = ibv_reg_mr(pd, mr->addr, mr->length, access);
     if (!m)
         return errno ? -errno : -ENOMEM; /* verbs reports through errno */

@@ -260,7 +260,8 @@ int bex__rdma_qp_destroy(struct ibv_qp *qp);
 /* Timers and limits of the state transitions; zero in a field means its
  * default. In the fields whose default is not 0 (timeout .. hop_limit),
  * BEX__RDMA_ZERO asks for a real 0, e.g. rnr_retry = 0 to see RNR errors at
- * once in tests. traffic_class and sl are used as given. */
+ * once in tests. traffic_class, sl and flow_label are used as given (the
+ * context resolves its defaults: bex_ctx_config). */
 #define BEX__RDMA_ZERO 0xff
 struct bex__rdma_conn_config {
     uint8_t timeout;            /* local ACK timeout 4.096us * 2^t (default 14,
@@ -277,6 +278,8 @@ struct bex__rdma_conn_config {
     uint8_t sl;                 /* service level / priority (default 0) */
     uint32_t access;            /* remote access flags for INIT (default
                                    REMOTE_WRITE | LOCAL_WRITE; never READ) */
+    uint32_t flow_label;        /* GRH flow label, 20 bits (default 0: the
+                                   provider's choice) */
 };
 
 /* What the peer told us in its hello, as the RTR transition needs it. */
@@ -300,7 +303,8 @@ int bex__rdma_qp_to_init(struct ibv_qp *qp, const struct bex__rdma_path *path,
 
 /* INIT -> RTR: path MTU = min(path->active_mtu, peer->active_mtu), remote
  * QPN and PSN, RoCEv2 global route (dgid = peer->gid, sgid_index =
- * path->gid_index, hop_limit), max_dest_rd_atomic, min_rnr_timer. Receives
+ * path->gid_index, hop_limit, traffic_class, flow_label; sl),
+ * max_dest_rd_atomic, min_rnr_timer. Receives
  * may be posted from INIT on; after RTR the QP accepts the peer's packets.
  * Returns 0, -EINVAL for an invalid MTU, or the verbs error. */
 int bex__rdma_qp_to_rtr(struct ibv_qp *qp, struct bex__rdma_dev *dev,

@@ -194,4 +194,16 @@ void *bex__exposed_buf(struct bex__xport *x, uint32_t token, uint32_t *len);
 void bex__exposed_cancel(struct bex_sock *s);
 void bex__exposed_bind(struct bex__io *io, struct bind_cmd *bc);
 
+/* rdma_opts.c: the RDMA provider options of bex_ctx_config.
+ * 0 or -EINVAL for a value out of range. */
+int bex__ctx_rdma_opts_check(const bex_ctx_config *c);
+/* traffic_class (its default resolved), sl and flow_label of every QP. */
+void bex__ctx_qos(const bex_ctx_config *c, struct bex__rdma_conn_config *out);
+/* access as the context registers its pools: with relaxed ordering unless
+ * it is OFF. */
+int bex__ctx_reg_access(const bex_ctx_config *c, int access);
+/* io's thread domain as cfg.thread_domains asks (io->td, io->sh.pd): 0, or
+ * with ON the error of a device without them (logged). */
+int bex__io_td_pick(bex_ctx *ctx, struct bex__io *io);
+
 #endif

@@ -63,6 +63,8 @@ static int config_check(bex_ctx_config *c)
         c->io_threads > BEX__IO_THREADS_MAX || c->poll_mode > BEX_POLL_EVENT ||
         (c->srq_depth && (c->srq_depth < c->rq_depth || c->srq_depth > BEX__SRQ_DEPTH_MAX)))
         return -EINVAL;
+    if (bex__ctx_rdma_opts_check(c))
+        return -EINVAL;
     /* peer-writable memory only in a landing pool, nothing else there */
     if ((c->pool && bex_mem_pool_kind(c->pool) != BEX_MEM_POOL_GENERAL) ||
         (c->landing_pool && bex_mem_pool_kind(c->landing_pool) != BEX_MEM_POOL_LANDING))
@@ -198,19 +200,8 @@ static int io_init(bex_ctx *ctx, struct bex__io *io, uint32_t idx)
         io->n_cq = 1;
         if ((err = bex__loop_watch(&io->loop, io->ch->fd, EPOLLIN, &io->ch_tag)))
             goto err_cq;
-        /* A thread domain tells the provider that one thread drives these
-         * QPs (no locks, a doorbell of its own); QPs go on its parent
-         * domain over the device's one PD. Without them (rxe: EOPNOTSUPP)
-         * the QPs go on the PD itself; said once per process. */
-        static _Atomic uint32_t td_said;
-        err = bex__rdma_td_alloc(ctx->dev, &io->td);
-        if (!err)
-            io->sh.pd = io->td->pd;
-        else
-            bex__log_once_atomic(&ctx->log, &td_said, 1, BEX_LOG_INFO,
-                                 "%s: no thread domains (%s): QPs on the protection domain itself",
-                                 ctx->dev->name, bex_strerror(err));
-        err = 0;
+        if ((err = bex__io_td_pick(ctx, io)))
+            goto err_td;
         if (ctx->cfg.srq_depth && (err = io_srq_init(ctx, io)))
             goto err_td;
     }
@@ -376,6 +367,7 @@ static int ctx_dev_open(bex_ctx *ctx)
     ctx->sh.log = &ctx->log;
     ctx->sh.conn = (struct bex__rdma_conn_config){
         .timeout = c->qp_timeout, .retry_cnt = c->qp_retry_cnt, .rnr_retry = c->qp_rnr_retry};
+    bex__ctx_qos(c, &ctx->sh.conn);
     return 0;
 }
 
@@ -390,7 +382,8 @@ static int ctx_pools_create(bex_ctx *ctx)
     } else {
         bex_mem_registrar reg;
         if (ctx->dev)
-            bex_mem_registrar_verbs(&reg, ctx->dev->pd, 0);
+            bex_mem_registrar_verbs(&reg, ctx->dev->pd,
+                                    bex__ctx_reg_access(c, IBV_ACCESS_LOCAL_WRITE));
         else
             bex_mem_registrar_noop(&reg); /* TCP only: nothing to register */
         if ((err = bex_mem_pool_create(&reg, NULL, &ctx->sh.pool)))
@@ -417,8 +410,9 @@ static int ctx_pools_create(bex_ctx *ctx)
         if (ctx->dev)
             bex_mem_registrar_verbs(
                 &reg, ctx->dev->pd,
-                IBV_ACCESS_LOCAL_WRITE |
-                    (ctx->sh.windows ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE));
+                bex__ctx_reg_access(
+                    c, IBV_ACCESS_LOCAL_WRITE |
+                           (ctx->sh.windows ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE)));
         else
             bex_mem_registrar_noop(&reg);
         bex_mem_config mc = {.kind = BEX_MEM_POOL_LANDING};
@@ -677,6 +671,7 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(rndv_prebound);
         LD(srq_draining);
 #undef LD
+        o->thread_domains += ctx->io[i].td != NULL;
     }
 }
 

@@ -5,6 +5,7 @@
 
 #include "bex/sock.h"
 #include "harness.h"
+#include "sock/internal.h" /* bex__ctx_qos, bex__ctx_reg_access */
 
 static int create(uint32_t sq_depth)
 {
@@ -53,4 +54,58 @@ static int poll_mode_parse(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(sq_depth_pow2), BEX_CASE(poll_mode_parse))
+static int create_cfg(bex_ctx_config cfg)
+{
+    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    cfg.transport = BEX_TRANSPORT_TCP; /* past the checks, no device needed */
+    bex_ctx *ctx = NULL;
+    int rc = bex_ctx_create(&cfg, &ctx);
+    if (rc == 0)
+        bex_ctx_destroy(ctx);
+    return rc;
+}
+
+/* The RDMA provider options (issue 24 item 1) refuse what no device takes. */
+static int rdma_opts_range(void)
+{
+    CHECK_EQ(create_cfg((bex_ctx_config){.relaxed_ordering = 3}), -EINVAL);
+    CHECK_EQ(create_cfg((bex_ctx_config){.thread_domains = 3}), -EINVAL);
+    CHECK_EQ(create_cfg((bex_ctx_config){.traffic_class = 0x200}), -EINVAL);
+    CHECK_EQ(create_cfg((bex_ctx_config){.service_level = 8}), -EINVAL);
+    CHECK_EQ(create_cfg((bex_ctx_config){.flow_label = 0x100000}), -EINVAL);
+    CHECK_OK(create_cfg((bex_ctx_config){.relaxed_ordering = BEX_SWITCH_OFF,
+                                         .thread_domains = BEX_SWITCH_ON,
+                                         .traffic_class = BEX_TRAFFIC_CLASS(0),
+                                         .service_level = 7,
+                                         .flow_label = 0xfffff}));
+    CHECK_OK(create_cfg((bex_ctx_config){.traffic_class = 255}));
+    return 0;
+}
+
+/* What the QPs and registrations get from the options: the default traffic
+ * class 104 (DSCP 26), an explicit 0 through BEX_TRAFFIC_CLASS, relaxed
+ * ordering unless OFF. */
+static int rdma_opts_defaults(void)
+{
+    struct bex__rdma_conn_config q = {0};
+    bex__ctx_qos(&(bex_ctx_config){0}, &q);
+    CHECK_EQ(q.traffic_class, 104);
+    CHECK_EQ(q.sl, 0);
+    CHECK_EQ(q.flow_label, 0);
+    bex__ctx_qos(&(bex_ctx_config){.traffic_class = BEX_TRAFFIC_CLASS(0)}, &q);
+    CHECK_EQ(q.traffic_class, 0);
+    bex__ctx_qos(
+        &(bex_ctx_config){.traffic_class = 46 << 2, .service_level = 3, .flow_label = 0xabcde}, &q);
+    CHECK_EQ(q.traffic_class, 184);
+    CHECK_EQ(q.sl, 3);
+    CHECK_EQ(q.flow_label, 0xabcde);
+    const int lw = IBV_ACCESS_LOCAL_WRITE;
+    CHECK_EQ(bex__ctx_reg_access(&(bex_ctx_config){0}, lw), lw | IBV_ACCESS_RELAXED_ORDERING);
+    CHECK_EQ(bex__ctx_reg_access(&(bex_ctx_config){.relaxed_ordering = BEX_SWITCH_ON}, lw),
+             lw | IBV_ACCESS_RELAXED_ORDERING);
+    CHECK_EQ(bex__ctx_reg_access(&(bex_ctx_config){.relaxed_ordering = BEX_SWITCH_OFF}, lw), lw);
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(sq_depth_pow2), BEX_CASE(poll_mode_parse), BEX_CASE(rdma_opts_range),
+              BEX_CASE(rdma_opts_defaults))
