@@ -99,6 +99,11 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
     s->horizon_ns = (cfg->retry_horizon_ms ? cfg->retry_horizon_ms : 300000) * 1000000ull;
     s->new_rate = cfg->new_clients_per_sec ? cfg->new_clients_per_sec : 1000;
     s->new_per_conn = cfg->new_clients_per_conn ? cfg->new_clients_per_conn : 64;
+    int rrc = bex__ps_repl_init(s, cfg);
+    if (rrc) {
+        bex_ps_shard_destroy(s);
+        return rrc;
+    }
     if (cfg->snapshot_path) {
         int rc = bex__ps_snapshot_load(s, cfg->snapshot_path);
         if (rc == -ENOENT) {
@@ -119,6 +124,7 @@ void bex_ps_shard_destroy(bex_ps_shard *s)
 {
     if (!s)
         return;
+    bex__ps_repl_fini(s);
     bex__ps_held_free(s->held);
     bex__ps_ids_free(&s->ids);
     free(s->cp.buf);
@@ -135,6 +141,9 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
     out->rows = 0;
     for (size_t i = 0; i < s->n_tables; i++)
         out->rows += s->tables[i].n_rows;
+    out->role = s->rp.role;
+    out->backups_down = s->rp.n_down;
+    out->lsn = s->rp.role == BEX_PS_ROLE_PRIMARY ? s->rp.lsn : s->rp.next ? s->rp.next - 1 : 0;
     pthread_mutex_unlock(&s->mu);
 }
 
