@@ -134,7 +134,7 @@ struct fcall {
 struct fop {
     bex_ps_shard *s;
     bex_rpc_req *req;
-    struct bex__ps_hdr h; /* the answer's */
+    struct bex__ps_hdr h;  /* the answer's */
     _Atomic uint32_t left; /* forwards out, + 1 while sending */
     _Atomic int status;
     struct fcall calls[];
@@ -149,9 +149,8 @@ static void fop_put(struct fop *op)
     if (!st && !out)
         st = -ENOMEM;
     if (out)
-        bex__ps_hdr_put(out, &(struct bex__ps_hdr){.table = op->h.table,
-                                                   .n = op->h.n,
-                                                   .dim = op->h.dim});
+        bex__ps_hdr_put(
+            out, &(struct bex__ps_hdr){.table = op->h.table, .n = op->h.n, .dim = op->h.dim});
     bex_rpc_reply(op->req, st, out, out ? BEX__PS_HDR_LEN : 0);
     free(op);
 }
@@ -205,8 +204,8 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
         /* a retry of a Push applied here already is forwarded again: the
          * backups' id records apply it once, and it is acknowledged only
          * when every backup has it */
-        rc = bex__ps_push_apply_locked(s, t, h->n, keys, g,
-                                       (h->flags & BEX__PS_F_ID) ? &id : NULL, NULL);
+        rc = bex__ps_push_apply_locked(s, t, h->n, keys, g, (h->flags & BEX__PS_F_ID) ? &id : NULL,
+                                       NULL);
         if (rc == 0) {
             *lsn = ++s->rp.lsn;
             s->st.fwd_sent += s->rp.n_bk;
@@ -265,8 +264,8 @@ int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const voi
 /* Apply a forward in its turn (under the lock): its status. */
 static int fwd_apply_locked(bex_ps_shard *s, struct fwdh *f)
 {
-    int rc = bex__ps_push_apply_locked(s, f->t, f->n, f->keys, f->g, f->has_id ? &f->id : NULL,
-                                       NULL);
+    int rc =
+        bex__ps_push_apply_locked(s, f->t, f->n, f->keys, f->g, f->has_id ? &f->id : NULL, NULL);
     s->rp.next++;
     s->st.fwd_applied++;
     if (rc)

@@ -21,10 +21,10 @@
 
 #include "ps_test.h"
 
-#define NREP 3
-#define NKEY 12
+#define NREP    3
+#define NKEY    12
 #define NPUSHER 4
-#define NPUSH 150
+#define NPUSH   150
 
 static const bex_ps_table_config *const TA = &TABLES[1]; /* Adagrad */
 static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
