@@ -14,6 +14,13 @@
  *   it again with its id and each backup's id record leaves it out. A
  *   client's Push to a backup is refused -EPERM, a forward of a session the
  *   backup did not follow from its start -ESTALE.
+ * order: a backup alone, fed forwards by the test: one ahead of its turn
+ *   is held and applied after the one before it (Adagrad rows equal bit
+ *   for bit to a reference shard fed in lsn order, which differs from the
+ *   arrival order's); a resend of a held one replaces it (the older
+ *   answered -EAGAIN); one a window or more ahead is refused -EAGAIN; lsn 1
+ *   of a new session answers the held ones -ESTALE; malformed forwards are
+ *   refused -EINVAL and change nothing.
  * backup_down: a backup's server gone, the Push waiting for it fails
  *   -EHOSTDOWN within the forward deadline and so does every later one:
  *   none is acknowledged without every backup. */
@@ -312,6 +319,139 @@ static int t_retry(void)
     return 0;
 }
 
+/* ---- order ---- */
+
+/* A forward of session, lsn: one Push of key 7 of TA, grads from salt. */
+static size_t fwd_body(uint8_t *b, uint64_t session, uint64_t lsn, int salt)
+{
+    bex__ps_fwd_put(b, &(struct bex__ps_fwd_hdr){.session = session, .lsn = lsn});
+    uint8_t *p = b + BEX__PS_FWD_HDR_LEN;
+    bex__ps_hdr_put(p, &(struct bex__ps_hdr){.table = TA->id, .n = 1, .dim = TA->dim});
+    bex__ps_put64(p + BEX__PS_HDR_LEN, 7);
+    for (uint32_t d = 0; d < TA->dim; d++)
+        bex__ps_putf(p + BEX__PS_HDR_LEN + 8 + 4 * d, 0.3f * (float)(salt * 3 + (int)d) - 1.1f);
+    return BEX__PS_FWD_HDR_LEN + BEX__PS_HDR_LEN + 8 + 4 * TA->dim;
+}
+
+static void async_done(int status, void *body, size_t len, void *user)
+{
+    (void)len;
+    bex_rpc_free(body);
+    atomic_store((_Atomic int *)user, status);
+}
+
+static void call_async(bex_rpc_channel *ch, const uint8_t *body, size_t len, _Atomic int *st)
+{
+    atomic_store(st, 1);
+    void *b = bex_rpc_alloc(raw_ctx, len);
+    CHECK(b);
+    memcpy(b, body, len);
+    CHECK_OK(
+        bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, b, len, NULL, async_done, st, NULL));
+}
+
+static int wait_status(_Atomic int *st)
+{
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (atomic_load(st) == 1 && pair_now_ms() < end)
+        pair_sleep_ms(2);
+    return atomic_load(st);
+}
+
+static void wait_held(bex_ps_shard *s, uint64_t n)
+{
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (stats(s).fwd_held < n && pair_now_ms() < end)
+        pair_sleep_ms(2);
+    CHECK_EQ(stats(s).fwd_held, n);
+}
+
+/* Key 7's row of a fresh shard fed the Pushes of forwards salts[0..3)
+ * in that order. */
+static void reference(bex_ctx *ctx, const int *salts, float *row)
+{
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = TABLES, .n_tables = 2};
+    struct pb p = {.sctx = ctx};
+    CHECK_OK(bex_ps_shard_create(&pc, &p.s[0]));
+    for (int i = 0; i < 3; i++) {
+        uint8_t b[256];
+        size_t len = fwd_body(b, 1, 1, salts[i]);
+        void *resp = NULL;
+        size_t rlen = 0;
+        CHECK_OK(bex_ps_shard_serve(p.s[0], ctx, BEX_PS_M_PUSH, b + BEX__PS_FWD_HDR_LEN,
+                                    len - BEX__PS_FWD_HDR_LEN, &resp, &rlen));
+        bex_rpc_free(resp);
+    }
+    uint64_t key = 7;
+    rows_of(&p, 0, TA, &key, 1, row);
+    bex_ps_shard_destroy(p.s[0]);
+}
+
+static void order_malformed(bex_rpc_channel *ch, bex_ps_shard *s)
+{
+    uint8_t b[256];
+    size_t len = fwd_body(b, 0xabc, 4, 9);
+    b[0] = 9; /* version */
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len), -EINVAL);
+    len = fwd_body(b, 0, 4, 9); /* session 0 */
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len), -EINVAL);
+    len = fwd_body(b, 0xabc, 4, 9);
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len - 1), -EINVAL); /* the Push cut */
+    bex__ps_putf(b + len - 4, NAN);
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len), -EINVAL);
+    CHECK_EQ(stats(s).pushes, 4);
+}
+
+static int t_order(void)
+{
+    struct pb p;
+    int rc = pb_start(&p, false, 0);
+    if (rc)
+        return rc;
+    raw_ctx = p.cctx;
+    bex_rpc_channel *ch = chan_to(&p, 2); /* a backup no primary feeds */
+    uint8_t b[3][256];
+    size_t len[3];
+    for (int i = 0; i < 3; i++)
+        len[i] = fwd_body(b[i], 0xabc, (uint64_t)i + 1, i);
+    _Atomic int st3a, st3b;
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[0], len[0]));
+    call_async(ch, b[2], len[2], &st3a);
+    wait_held(p.s[2], 1);
+    call_async(ch, b[2], len[2], &st3b); /* a resend of the held one */
+    CHECK_EQ(wait_status(&st3a), -EAGAIN);
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[1], len[1]));
+    CHECK_EQ(wait_status(&st3b), 0);
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[1], len[1])); /* applied already */
+    bex_ps_shard_stats bs = stats(p.s[2]);
+    CHECK(bs.pushes == 3 && bs.fwd_applied == 3 && bs.lsn == 3);
+    float row[5], want[5], wrong[5];
+    uint64_t key = 7;
+    rows_of(&p, 2, TA, &key, 1, row);
+    reference(p.sctx, (const int[]){0, 1, 2}, want);
+    reference(p.sctx, (const int[]){0, 2, 1}, wrong);
+    CHECK(memcmp(row, want, sizeof row) == 0);
+    CHECK(memcmp(want, wrong, sizeof want) != 0); /* the order shows */
+    /* too far ahead; then a new session while one is held */
+    uint8_t f[256];
+    size_t fl = fwd_body(f, 0xabc, 4 + 1024, 5);
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, f, fl), -EAGAIN);
+    fl = fwd_body(f, 0xabc, 6, 5);
+    _Atomic int st6;
+    call_async(ch, f, fl, &st6);
+    wait_held(p.s[2], 3);
+    fl = fwd_body(f, 0xdef, 1, 6);
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, f, fl));
+    CHECK_EQ(wait_status(&st6), -ESTALE);
+    CHECK_EQ(stats(p.s[2]).pushes, 4);
+    fl = fwd_body(f, 0xabc, 7, 5); /* the old session: gone */
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, f, fl), -ESTALE);
+    order_malformed(ch, p.s[2]);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    pb_stop(&p);
+    return 0;
+}
+
 /* ---- backup_down ---- */
 
 static int t_backup_down(void)
@@ -339,4 +479,4 @@ static int t_backup_down(void)
 }
 
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
-              {"backup_down", t_backup_down})
+              {"order", t_order}, {"backup_down", t_backup_down})

@@ -78,10 +78,21 @@ static int t_adagrad(void)
     tmp_cluster(tmpl, cluster, sizeof cluster, 2, ports);
     pid_t pid[2];
     for (int r = 1; r >= 0; r--) {
-        const char *args[] = {"--cluster",   cluster,        "--shard",        "all",
-                              "--replica",   r ? "1" : "0",  "--table",        "2:5:adagrad:0.2",
-                              "--transport", "tcp",          "--metrics-port", "0",
-                              "--no-catchup", "--primary-backup", NULL};
+        const char *args[] = {"--cluster",
+                              cluster,
+                              "--shard",
+                              "all",
+                              "--replica",
+                              r ? "1" : "0",
+                              "--table",
+                              "2:5:adagrad:0.2",
+                              "--transport",
+                              "tcp",
+                              "--metrics-port",
+                              "0",
+                              "--no-catchup",
+                              "--primary-backup",
+                              NULL};
         pid[r] = bex_ps_start(args, url[r], sizeof url[r]);
     }
     bex_ctx *ctx = client_ctx();
