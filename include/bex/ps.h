@@ -33,9 +33,10 @@
  *   every backup applied it; backups apply the forwards in the primary's
  *   order and refuse client Pushes (-EPERM). Replicas are equal bit for bit
  *   whatever the optimizer. A backup that fails a forward is marked down
- *   and the primary refuses Pushes (-EHOSTDOWN) from then on: with a
- *   static cluster file there is no failover and no acknowledgement
- *   without every backup (docs/architecture.md, "Replication").
+ *   and the primary refuses Pushes (-EHOSTDOWN) until it rejoins (it holds
+ *   every Push again: probed): with a static cluster file there is no
+ *   failover and no acknowledgement without every backup
+ *   (docs/architecture.md, "Replication").
  * With client fan-out: A Fetch goes to one of them, the nearest
  * healthy one the directory picks, and fails over to another when it fails
  * or does not answer. A Push goes to every replica the directory lists for
@@ -139,13 +140,17 @@ typedef struct bex_ps_shard_config {
      * down. A backup holds forwards that arrive ahead of their turn, at
      * most forward_window of them (1024, at most 65536) and
      * forward_hold_max bytes (64 MiB); past either one is refused -EAGAIN
-     * (the primary's channel retries it). */
+     * (the primary's channel retries it). A backup marked down is probed
+     * at most every backup_retry_ms (1000) while Pushes come: it rejoins
+     * when it holds every Push the primary applied (it never missed one,
+     * or it caught up from a replica that has them). */
     uint32_t role;
     const bex_rpc_endpoint *backups;
     size_t n_backups;
     uint32_t forward_timeout_ms;
     uint32_t forward_window;
     uint64_t forward_hold_max;
+    uint32_t backup_retry_ms;
 } bex_ps_shard_config;
 
 enum {
@@ -159,6 +164,8 @@ enum {
  * client fails over to another replica), and COPY is refused, until
  * bex_ps_shard_catchup returns. */
 #define BEX_PS_SHARD_CATCHUP (1u << 0)
+/* (A backup that catches up takes its copy's replication position, and its
+ * primary lets it rejoin: docs/architecture.md, "Replication".) */
 
 /* Returns 0, -EINVAL (config; a snapshot not matching it or corrupt),
  * -ENOMEM, or the snapshot's read error (-EACCES, -EIO, ...). */
@@ -239,6 +246,7 @@ typedef struct bex_ps_shard_stats {
      * applied (backup) */
     uint64_t fwd_sent, fwd_failed, backup_down_refused;
     uint64_t fwd_applied, fwd_held, fwd_refused, not_primary;
+    uint64_t rejoins; /* a primary's backups back after being marked down */
     uint64_t lsn;
     uint32_t role, backups_down;
 } bex_ps_shard_stats;

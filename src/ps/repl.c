@@ -44,6 +44,7 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     rp->fwd_timeout_ms = cfg->forward_timeout_ms ? cfg->forward_timeout_ms : FWD_TIMEOUT_MS;
     rp->win_n = cfg->forward_window ? cfg->forward_window : FWD_WINDOW;
     rp->hold_max = cfg->forward_hold_max ? cfg->forward_hold_max : FWD_HOLD_MAX;
+    rp->retry_ns = (uint64_t)(cfg->backup_retry_ms ? cfg->backup_retry_ms : 1000) * 1000000ull;
     if (cfg->n_backups && !(rp->bk = calloc(cfg->n_backups, sizeof *rp->bk)))
         return -ENOMEM;
     rp->n_bk = cfg->n_backups;
@@ -123,6 +124,33 @@ void bex__ps_repl_fini(bex_ps_shard *s)
     free(rp->win);
 }
 
+/* The position a copy of s carries (under s->mu): a primary's session and
+ * last lsn, a backup's session and last lsn applied, else zeros. */
+void bex__ps_repl_position(const bex_ps_shard *s, uint64_t *session, uint64_t *lsn)
+{
+    const struct repl *rp = &s->rp;
+    *session = *lsn = 0;
+    if (rp->role == BEX_PS_ROLE_PRIMARY) {
+        *session = rp->session;
+        *lsn = rp->lsn;
+    } else if (rp->role == BEX_PS_ROLE_BACKUP && rp->in_session) {
+        *session = rp->in_session;
+        *lsn = rp->next - 1;
+    }
+}
+
+/* A backup that caught up takes its copy's position (under s->mu): it
+ * holds every forward of that session up to its lsn, so its primary's
+ * probe finds it in step. */
+void bex__ps_repl_take_cut(bex_ps_shard *s)
+{
+    struct repl *rp = &s->rp;
+    if (rp->role != BEX_PS_ROLE_BACKUP || !rp->cut_session)
+        return;
+    rp->in_session = rp->cut_session;
+    rp->next = rp->cut_lsn + 1;
+}
+
 /* ---- primary ---- */
 
 /* A client's Push out to the backups: answered when the last is back. */
@@ -168,6 +196,7 @@ static void fwd_done(int status, void *body, size_t len, void *user)
         bool was = b->down;
         if (!was) {
             b->down = true;
+            b->probe_ns = bex__rpc_now_ns() + s->rp.retry_ns;
             s->rp.n_down++;
         }
         s->st.fwd_failed++;
@@ -183,6 +212,84 @@ static void fwd_done(int status, void *body, size_t len, void *user)
     fop_put(op);
 }
 
+/* A probe of a down backup answered (status 0: it holds every Push the
+ * primary applied; it rejoins). */
+struct probe {
+    bex_ps_shard *s;
+    uint32_t b;
+};
+
+static void probe_done(int status, void *body, size_t len, void *user)
+{
+    (void)len;
+    struct probe *pr = user;
+    bex_ps_shard *s = pr->s;
+    struct backup *b = &s->rp.bk[pr->b];
+    bex_rpc_free(body);
+    pthread_mutex_lock(&s->mu);
+    b->probing = false;
+    bool back = status == 0 && b->down;
+    if (back) {
+        b->down = false;
+        s->rp.n_down--;
+        s->st.rejoins++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (back)
+        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: backup %u holds every Push: it rejoins",
+                 s->shard, pr->b);
+    free(pr);
+}
+
+/* Probe backup b (down) at the primary's lsn: an empty Push of the first
+ * table, flagged not to be applied. */
+static void probe_send(bex_ps_shard *s, uint32_t b, uint64_t lsn)
+{
+    struct repl *rp = &s->rp;
+    struct probe *pr = malloc(sizeof *pr);
+    size_t len = BEX__PS_FWD_HDR_LEN + BEX__PS_HDR_LEN;
+    uint8_t *body = pr ? bex_rpc_alloc(rp->ctx, len) : NULL;
+    int rc = body ? 0 : -ENOMEM;
+    if (body) {
+        *pr = (struct probe){s, b};
+        bex__ps_fwd_put(body, &(struct bex__ps_fwd_hdr){
+                                  .session = rp->session, .lsn = lsn, .flags = BEX__PS_FWD_PROBE});
+        const bex_ps_table_config *t = &s->tables[0].cfg;
+        bex__ps_hdr_put(body + BEX__PS_FWD_HDR_LEN,
+                        &(struct bex__ps_hdr){.table = t->id, .n = 0, .dim = t->dim});
+        bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
+        rc = bex_rpc_call(rp->bk[b].ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, body, len, &o, probe_done,
+                          pr, NULL);
+        if (rc) {
+            bex_rpc_free(body);
+            probe_done(rc, NULL, 0, pr);
+        }
+        return;
+    }
+    free(pr);
+    pthread_mutex_lock(&s->mu);
+    rp->bk[b].probing = false;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* The down backups due a probe (under s->mu): marked probing, their
+ * indexes into due (returns how many). */
+static uint32_t probes_due_locked(bex_ps_shard *s, uint32_t *due)
+{
+    struct repl *rp = &s->rp;
+    uint64_t now = bex__rpc_now_ns();
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < rp->n_bk; i++) {
+        struct backup *b = &rp->bk[i];
+        if (b->down && !b->probing && now >= b->probe_ns && rp->lsn) {
+            b->probing = true;
+            b->probe_ns = now + rp->retry_ns;
+            due[n++] = i;
+        }
+    }
+    return n;
+}
+
 /* Apply a client's Push (decoded: h) and number it, under the lock. 0 and
  * *lsn, or the error that refuses it. */
 static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct table *t,
@@ -194,12 +301,17 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
                         .served = true,
                         .req = req};
     int rc;
+    uint32_t due[BEX_PS_REPLICAS_MAX], n_due = 0;
+    uint64_t at = 0;
     pthread_mutex_lock(&s->mu);
     if (s->catching) {
         rc = -EAGAIN; /* its rows are not the shard's yet: the client retries */
     } else if (s->rp.n_down) {
+        /* nothing is applied while a backup is down: the lsn stays */
         s->st.backup_down_refused++;
         rc = -EHOSTDOWN;
+        n_due = probes_due_locked(s, due);
+        at = s->rp.lsn;
     } else {
         /* a retry of a Push applied here already is forwarded again: the
          * backups' id records apply it once, and it is acknowledged only
@@ -212,6 +324,8 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
         }
     }
     pthread_mutex_unlock(&s->mu);
+    for (uint32_t i = 0; i < n_due; i++)
+        probe_send(s, due[i], at);
     return rc;
 }
 
@@ -376,7 +490,11 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
     f->req = req;
     struct fwdh *done = NULL;
     pthread_mutex_lock(&s->mu);
-    rc = fwd_take_locked(s, fh.session, f, &done);
+    if (fh.flags & BEX__PS_FWD_PROBE)
+        /* in step: it follows that session and applied that lsn */
+        rc = !s->catching && fh.session == s->rp.in_session && fh.lsn < s->rp.next ? 0 : -ESTALE;
+    else
+        rc = fwd_take_locked(s, fh.session, f, &done);
     if (rc && rc != BEX__PS_LATER)
         s->st.fwd_refused++;
     pthread_mutex_unlock(&s->mu);

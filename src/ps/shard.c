@@ -228,6 +228,8 @@ static const struct bex__prom_ctr shard_ctrs[] = {
      offsetof(bex_ps_shard_stats, fwd_held)},
     {"bex_ps_forwards_refused_total", "Forwards a backup refused or failed to apply",
      offsetof(bex_ps_shard_stats, fwd_refused)},
+    {"bex_ps_backup_rejoins_total", "Backups back in the replica set after being marked down",
+     offsetof(bex_ps_shard_stats, rejoins)},
     {"bex_ps_not_primary_total", "Client Pushes refused by a backup (or a Forward by a non-backup)",
      offsetof(bex_ps_shard_stats, not_primary)},
 };

@@ -114,6 +114,8 @@ struct backup {
     uint32_t transport;
     bex_rpc_channel *ch; /* made at register */
     bool down;           /* a forward failed: no Push acknowledged from then on */
+    bool probing;        /* down: a probe is out */
+    uint64_t probe_ns;   /* down: no probe before then */
 };
 
 /* Primary-backup replication (repl.c), under the shard's lock. */
@@ -124,6 +126,7 @@ struct repl {
     struct backup *bk;
     size_t n_bk;
     uint32_t n_down, fwd_timeout_ms;
+    uint64_t retry_ns; /* a down backup probed at most this often */
     uint64_t session, lsn;
     /* backup: the primary's session it follows, the next lsn to apply,
      * forwards held ahead of their turn (win[lsn % win_n]) */
@@ -131,6 +134,9 @@ struct repl {
     struct fwdh **win;
     uint32_t win_n;
     uint64_t hold_bytes, hold_max;
+    /* catch-up: the position of the last copy loaded (its maker's
+     * session and lsn; 0: none), taken by a backup with the copy */
+    uint64_t cut_session, cut_lsn;
 };
 
 /* A handler's answer will be sent later (bex_rpc_reply), not now. */
@@ -188,6 +194,8 @@ int bex__ps_push_read(bex_ps_shard *s, const struct bex__ps_hdr *h, const uint8_
 int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg);
 int bex__ps_repl_register(bex_ps_shard *s, bex_ctx *ctx);
 void bex__ps_repl_fini(bex_ps_shard *s);
+void bex__ps_repl_position(const bex_ps_shard *s, uint64_t *session, uint64_t *lsn);
+void bex__ps_repl_take_cut(bex_ps_shard *s);
 int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const void *body, size_t len,
                          bex_rpc_req *req);
 int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rpc_req *req);

@@ -38,18 +38,29 @@ static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
 
 struct pb {
     bex_ctx *sctx, *cctx;
+    bex_ctx *bctx[NREP]; /* the backups' (as processes of their own); [0] unused */
     bex_ps_shard *s[NREP];
     bex_rpc_server *srv[NREP];
     struct sockaddr_in addr[NREP];
     bex_dir *dir;
 };
 
+/* Replica r on its context (the primary's sctx, a backup's its own), at
+ * a0 (port 0: any) or p->addr[r]. */
 static void replica_start(struct pb *p, int r, struct in_addr a0, const bex_ps_shard_config *pc)
 {
+    bex_ctx *ctx = p->sctx;
+    if (r) {
+        bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+        bex_ctx_config sc = scaled(&base, a0);
+        CHECK_OK(bex_ctx_create(&sc, &p->bctx[r]));
+        ctx = p->bctx[r];
+    }
     CHECK_OK(bex_ps_shard_create(pc, &p->s[r]));
-    CHECK_OK(bex_rpc_server_create(p->sctx, NULL, &p->srv[r]));
-    CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], p->sctx));
-    p->addr[r] = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_create(ctx, NULL, &p->srv[r]));
+    CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], ctx));
+    if (!p->addr[r].sin_port)
+        p->addr[r] = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0};
     CHECK_OK(bex_rpc_server_listen(p->srv[r], &p->addr[r]));
     bex_rpc_server_addr(p->srv[r], &p->addr[r]);
 }
@@ -77,8 +88,9 @@ static bex_dir *dir_of(const struct pb *p)
 }
 
 /* Three replicas: with roles (replica 0 the primary of the other two, a
- * forward deadline of fwd_ms) or, fanout, all BEX_PS_ROLE_ANY. */
-static int pb_start(struct pb *p, bool fanout, uint32_t fwd_ms)
+ * forward deadline of fwd_ms, down backups probed every retry_ms) or,
+ * fanout, all BEX_PS_ROLE_ANY. */
+static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retry_ms)
 {
     struct in_addr a0, a1;
     PAIR_NEED(pair_addrs(&a0, &a1));
@@ -102,10 +114,16 @@ static int pb_start(struct pb *p, bool fanout, uint32_t fwd_ms)
         pc.backups = bk;
         pc.n_backups = NREP - 1;
         pc.forward_timeout_ms = fwd_ms;
+        pc.backup_retry_ms = retry_ms;
     }
     replica_start(p, 0, a0, &pc);
     p->dir = dir_of(p);
     return 0;
+}
+
+static int pb_start(struct pb *p, bool fanout, uint32_t fwd_ms)
+{
+    return pb_start_ex(p, fanout, fwd_ms, 0);
 }
 
 static void pb_stop(struct pb *p)
@@ -116,6 +134,9 @@ static void pb_stop(struct pb *p)
     for (int r = 0; r < NREP; r++)
         bex_ps_shard_destroy(p->s[r]);
     bex_dir_destroy(p->dir);
+    for (int r = 1; r < NREP; r++)
+        if (p->bctx[r])
+            CHECK_OK(bex_ctx_destroy(p->bctx[r]));
     CHECK_OK(bex_ctx_destroy(p->cctx));
     CHECK_OK(bex_ctx_destroy(p->sctx));
 }
@@ -478,5 +499,65 @@ static int t_backup_down(void)
     return 0;
 }
 
+/* ---- backup_restart ---- */
+
+/* Backup 2 comes back with none of its state, catching up from the
+ * primary, at its address, on a new context (a new process). */
+static void backup2_restart(struct pb *p)
+{
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_BACKUP,
+                              .flags = BEX_PS_SHARD_CATCHUP};
+    replica_start(p, 2, p->addr[2].sin_addr, &pc);
+    bex_rpc_endpoint peer = {.addr = p->addr[0]};
+    bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_catchup(p->s[2], p->bctx[2], &cc));
+}
+
+static int t_backup_restart(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 50);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 31;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    /* killed: its server, its state and its context gone */
+    CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
+    bex_ps_shard_destroy(p.s[2]);
+    CHECK_OK(bex_ctx_destroy(p.bctx[2]));
+    p.srv[2] = NULL;
+    p.s[2] = NULL;
+    p.bctx[2] = NULL;
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN); /* applied, not acked */
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+    backup2_restart(&p);
+    /* Pushes refused until a probe finds it in step, then acknowledged */
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    CHECK_OK(rc);
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    float row[NREP][8];
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK_EQ(stats(p.s[r]).lsn, 4);
+    }
+    CHECK(memcmp(row[0], row[1], sizeof row[0]) == 0);
+    CHECK(memcmp(row[0], row[2], sizeof row[0]) == 0);
+    bex_ps_shard_stats st = stats(p.s[0]);
+    CHECK(st.rejoins == 1 && st.backups_down == 0 && st.pushes == 4);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
-              {"order", t_order}, {"backup_down", t_backup_down})
+              {"order", t_order}, {"backup_down", t_backup_down},
+              {"backup_restart", t_backup_restart})
