@@ -21,6 +21,8 @@
  *   answered -EAGAIN); one a window or more ahead is refused -EAGAIN; lsn 1
  *   of a new session answers the held ones -ESTALE; malformed forwards are
  *   refused -EINVAL and change nothing.
+ * bench (not run by CTest): Push latency and throughput, client fan-out
+ *   against primary-backup, the same load (docs/benchmarks.md).
  * backup_down: a backup's server gone, the Push waiting for it fails
  *   -EHOSTDOWN within the forward deadline and so does every later one:
  *   none is acknowledged without every backup. */
@@ -499,6 +501,86 @@ static int t_backup_down(void)
     return 0;
 }
 
+/* ---- bench ---- */
+
+#define BN_PUSHERS 4
+#define BN_PUSHES  2000
+#define BN_KEYS    16
+
+struct bpusher {
+    bex_ps_client *c;
+    int id;
+    uint64_t ns[BN_PUSHES];
+};
+
+static void *bench_main(void *arg)
+{
+    struct bpusher *u = arg;
+    uint64_t keys[BN_KEYS];
+    static const float g[BN_KEYS * 8] = {0.5f};
+    for (int i = 0; i < BN_PUSHES; i++) {
+        for (int k = 0; k < BN_KEYS; k++)
+            keys[k] = (uint64_t)(u->id * 1000 + (i * 7 + k) % 200);
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        CHECK_OK(bex_ps_push_sync(u->c, TS->id, TS->dim, keys, BN_KEYS, g));
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        u->ns[i] = (uint64_t)(b.tv_sec - a.tv_sec) * 1000000000ull + (uint64_t)b.tv_nsec -
+                   (uint64_t)a.tv_nsec;
+    }
+    return NULL;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* One mode's run: P50, P99 (us) and Pushes a second, printed. */
+static int bench_mode(bool fanout)
+{
+    struct pb p;
+    int rc = pb_start(&p, fanout, 0);
+    if (rc)
+        return rc;
+    static struct bpusher u[BN_PUSHERS];
+    pthread_t th[BN_PUSHERS];
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (int i = 0; i < BN_PUSHERS; i++) {
+        u[i].c = pb_client(&p, fanout ? BEX_PS_PUSH_ALL : BEX_PS_PUSH_PRIMARY);
+        u[i].id = i;
+        CHECK(pthread_create(&th[i], NULL, bench_main, &u[i]) == 0);
+    }
+    for (int i = 0; i < BN_PUSHERS; i++) {
+        CHECK(pthread_join(th[i], NULL) == 0);
+        bex_ps_client_destroy(u[i].c);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    static uint64_t all[BN_PUSHERS * BN_PUSHES];
+    for (int i = 0; i < BN_PUSHERS; i++)
+        memcpy(all + i * BN_PUSHES, u[i].ns, sizeof u[i].ns);
+    size_t n = BN_PUSHERS * BN_PUSHES;
+    qsort(all, n, sizeof all[0], cmp_u64);
+    double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
+    printf("%-15s P50 %7.1f us  P99 %7.1f us  %8.0f Pushes/s\n",
+           fanout ? "client fan-out" : "primary-backup", (double)all[n / 2] / 1e3,
+           (double)all[n * 99 / 100] / 1e3, (double)n / secs);
+    pb_stop(&p);
+    return 0;
+}
+
+static int t_bench(void)
+{
+    for (int round = 0; round < 2; round++) {
+        int rc = bench_mode(true);
+        if (rc || (rc = bench_mode(false)))
+            return rc;
+    }
+    return 0;
+}
+
 /* ---- backup_restart ---- */
 
 /* Backup 2 comes back with none of its state, catching up from the
@@ -560,4 +642,4 @@ static int t_backup_restart(void)
 
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
-              {"backup_restart", t_backup_restart})
+              {"backup_restart", t_backup_restart}, {"bench", t_bench})
