@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Primary-backup replication (issue 29, item 1; include/bex/ps.h,
  * "Replicas"): one shard, three replicas in this process, each behind its
- * own RPC server; replica 0 the primary, listed first.
+ * own RPC server and context; replica 0 the primary, listed first.
+ * Over TCP natively and RDMA in the VM.
  *
  * adagrad: four Pushers at once on the same Adagrad rows through clients
  *   with BEX_PS_PUSH_PRIMARY; afterwards every replica's rows are equal bit
@@ -96,8 +97,6 @@ static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retr
 {
     struct in_addr a0, a1;
     PAIR_NEED(pair_addrs(&a0, &a1));
-    if (!pair_tcp())
-        return bex_test_skip("natively over TCP only");
     *p = (struct pb){0};
     bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
     bex_ctx_config sc = scaled(&base, a0);
@@ -234,6 +233,10 @@ static int adagrad_run(bool fanout)
         CHECK_EQ(stats(p.s[1]).lsn, NPUSHER * NPUSH);
         CHECK_EQ(stats(p.s[0]).backups_down, 0);
     }
+    /* the clients' and the forwards' connections over the transport
+     * under test */
+    transport_check(p.cctx);
+    transport_check(p.sctx);
     pb_stop(&p);
     return 0;
 }
