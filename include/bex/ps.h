@@ -21,7 +21,23 @@
  * sub-request has answered or failed (each within the request's deadline).
  *
  * Replicas: the directory may list several replicas of a shard (at
- * different locality labels). A Fetch goes to one of them, the nearest
+ * different locality labels). Two ways to keep them equal:
+ * - client fan-out (BEX_PS_PUSH_ALL, the default, shards with
+ *   BEX_PS_ROLE_ANY): described below. Concurrent Pushers reach the
+ *   replicas in different orders, so Adagrad replicas diverge.
+ * - primary-backup (BEX_PS_PUSH_PRIMARY, shards with BEX_PS_ROLE_PRIMARY
+ *   and BEX_PS_ROLE_BACKUP): a Push goes to the shard's primary alone (the
+ *   first replica the directory lists); the primary orders the Pushes
+ *   (under its lock), applies each, forwards it with its id to every
+ *   backup (BEX_PS_M_FORWARD, numbered), and answers the client only once
+ *   every backup applied it; backups apply the forwards in the primary's
+ *   order and refuse client Pushes (-EPERM). Replicas are equal bit for bit
+ *   whatever the optimizer. A backup that fails a forward is marked down
+ *   and the primary refuses Pushes (-EHOSTDOWN) until it rejoins (it holds
+ *   every Push again: probed): with a static cluster file there is no
+ *   failover and no acknowledgement without every backup
+ *   (docs/architecture.md, "Replication").
+ * With client fan-out: A Fetch goes to one of them, the nearest
  * healthy one the directory picks, and fails over to another when it fails
  * or does not answer. A Push goes to every replica the directory lists for
  * each of its shards, each on a channel of that replica alone: a retry
@@ -52,11 +68,12 @@ extern "C" {
 
 #pragma GCC visibility push(default)
 
-/* RPC service and methods of a PS server. BEX_PS_M_COPY is reserved: a
- * restarted replica's catch-up copy of its peer (docs/protocol.md,
- * "Catch-up"), not for applications. */
+/* RPC service and methods of a PS server. BEX_PS_M_COPY and
+ * BEX_PS_M_FORWARD are reserved: a restarted replica's catch-up copy of its
+ * peer (docs/protocol.md, "Catch-up") and a primary's forward of a Push to
+ * its backups ("Forward"), not for applications. */
 #define BEX_PS_SERVICE 0x5053u /* "PS" */
-enum { BEX_PS_M_FETCH = 1, BEX_PS_M_PUSH = 2, BEX_PS_M_COPY = 3 };
+enum { BEX_PS_M_FETCH = 1, BEX_PS_M_PUSH = 2, BEX_PS_M_COPY = 3, BEX_PS_M_FORWARD = 4 };
 
 /* Bounds of the wire format (a body past them is refused, -E2BIG). */
 #define BEX_PS_DIM_MAX    4096u       /* floats in a row */
@@ -115,13 +132,40 @@ typedef struct bex_ps_shard_config {
     uint32_t retry_horizon_ms;
     uint32_t new_clients_per_sec;  /* new client ids a second, this shard (1000) */
     uint32_t new_clients_per_conn; /* new client ids one RPC connection may bring (64) */
+    /* Primary-backup replication (docs/architecture.md, "Replication"):
+     * role BEX_PS_ROLE_* (0: ANY, client fan-out). A primary forwards each
+     * Push to backups[0..n_backups) (at most BEX_PS_REPLICAS_MAX - 1;
+     * copied) and answers once each applied it; a forward not applied
+     * within forward_timeout_ms (5000, retries included) marks its backup
+     * down. A backup holds forwards that arrive ahead of their turn, at
+     * most forward_window of them (1024, at most 65536) and
+     * forward_hold_max bytes (64 MiB); past either one is refused -EAGAIN
+     * (the primary's channel retries it). A backup marked down is probed
+     * at most every backup_retry_ms (1000) while Pushes come: it rejoins
+     * when it holds every Push the primary applied (it never missed one,
+     * or it caught up from a replica that has them). */
+    uint32_t role;
+    const bex_rpc_endpoint *backups;
+    size_t n_backups;
+    uint32_t forward_timeout_ms;
+    uint32_t forward_window;
+    uint64_t forward_hold_max;
+    uint32_t backup_retry_ms;
 } bex_ps_shard_config;
+
+enum {
+    BEX_PS_ROLE_ANY = 0,     /* takes client Pushes, forwards nothing (client fan-out) */
+    BEX_PS_ROLE_PRIMARY = 1, /* takes client Pushes, forwards them to its backups */
+    BEX_PS_ROLE_BACKUP = 2,  /* refuses client Pushes (-EPERM), applies forwards in order */
+};
 
 /* The shard starts catching up: Pushes are checked, answered and held in
  * a log (not applied), Fetches are answered -EAGAIN (retryable: the
  * client fails over to another replica), and COPY is refused, until
  * bex_ps_shard_catchup returns. */
 #define BEX_PS_SHARD_CATCHUP (1u << 0)
+/* (A backup that catches up takes its copy's replication position, and its
+ * primary lets it rejoin: docs/architecture.md, "Replication".) */
 
 /* Returns 0, -EINVAL (config; a snapshot not matching it or corrupt),
  * -ENOMEM, or the snapshot's read error (-EACCES, -EIO, ...). */
@@ -129,8 +173,10 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out);
 /* Free it; its server must be destroyed first. */
 void bex_ps_shard_destroy(bex_ps_shard *s);
 
-/* Register Fetch and Push (WRITE) for BEX_PS_SERVICE on srv, whose context
- * is ctx (answers are allocated from it). Before bex_rpc_server_listen. */
+/* Register Fetch, Push (WRITE), Copy and Forward for BEX_PS_SERVICE on
+ * srv, whose context is ctx (answers are allocated from it; a primary's
+ * channels to its backups are made on it here). Before
+ * bex_rpc_server_listen. */
 int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx);
 
 /* Serve one request body of method BEX_PS_M_*: what the registered
@@ -144,7 +190,10 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx);
  * refused: the dedup table is full of live clients or new ones come too
  * fast; retriable, counted clients_refused). A failed Push changes
  * nothing. Through this function no connection is known: only the
- * per-second bound on new clients applies, not the per-connection one. */
+ * per-second bound on new clients applies, not the per-connection one.
+ * A backup refuses Push (-EPERM); a primary's Push and a Forward need the
+ * registered handlers (answered once the backups applied it, or in turn):
+ * through this function they are refused -EOPNOTSUPP. */
 int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
                        void **resp, size_t *resp_len);
 
@@ -190,6 +239,16 @@ typedef struct bex_ps_shard_stats {
     /* Pushes refused -ESTALE (an id more than 1024 behind its client's
      * highest); new clients refused -EAGAIN (dedup_clients, rates) */
     uint64_t stale_ids, clients_refused;
+    /* primary-backup: forwards sent (one per Push and backup) and failed
+     * (their backup marked down), Pushes refused because a backup is down;
+     * at a backup: forwards applied, held out of turn, refused, and client
+     * Pushes refused (-EPERM); lsn: the last forward numbered (primary) or
+     * applied (backup) */
+    uint64_t fwd_sent, fwd_failed, backup_down_refused;
+    uint64_t fwd_applied, fwd_held, fwd_refused, not_primary;
+    uint64_t rejoins; /* a primary's backups back after being marked down */
+    uint64_t lsn;
+    uint32_t role, backups_down;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 
@@ -224,7 +283,13 @@ typedef struct bex_ps_client_config {
     uint32_t max_attempts;
     uint32_t retry_budget_burst;
     uint32_t retry_budget_permille;
+    /* BEX_PS_PUSH_ALL (0): a Push goes to every replica of its shards
+     * (client fan-out); BEX_PS_PUSH_PRIMARY: to the primary alone, the
+     * first replica the directory lists (primary-backup shards) */
+    uint32_t push_mode;
 } bex_ps_client_config;
+
+enum { BEX_PS_PUSH_ALL = 0, BEX_PS_PUSH_PRIMARY = 1 };
 
 /* Returns 0, -EINVAL (no shard), -ENOMEM, -EIO (no randomness for the
  * client's Push token: getrandom failed). */
@@ -269,8 +334,10 @@ typedef struct bex_ps_replica_result {
 /* Replicas of one shard a Push goes to, at most (more are left out). */
 #define BEX_PS_REPLICAS_MAX 16u
 
-/* bex_ps_push, reporting every replica's outcome: on 0, *n_res (may be
- * NULL) gets the number of (shard, replica) parts the Push went out as,
+/* bex_ps_push, reporting every replica's outcome (BEX_PS_PUSH_PRIMARY:
+ * each shard's primary's, whose 0 means every backup applied it too): on
+ * 0, *n_res (may be NULL) gets the number of (shard, replica) parts the
+ * Push went out as,
  * shards in order, a shard's replicas in the directory's order, and the
  * first cap of them are written to res[] (shard and addr at once, status
  * before done runs). done's status is 0 when every part succeeded, else

@@ -352,6 +352,8 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     int rc = pull_rounds(s, ctx, cfg, deadline, &cut, &cut_ids);
     pthread_mutex_lock(&s->mu);
     uint64_t rows = cut ? install_cut(s, cut, &cut_ids) : 0;
+    if (cut)
+        bex__ps_repl_take_cut(s);
     uint64_t replayed = 0, skipped = 0, failed = 0;
     replay_held(s, cut != NULL, &replayed, &skipped, &failed);
     s->catching = false;

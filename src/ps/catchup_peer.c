@@ -103,18 +103,54 @@ out:
     return 0;
 }
 
-/* bex_ps_shard_serve for the RPC request req (NULL: none). */
+/* Count and log a request refused for the shard's role (rate-limited:
+ * a client may send many). */
+static int role_refused(bex_ps_shard *s, int rc, const char *why)
+{
+    pthread_mutex_lock(&s->mu);
+    s->st.not_primary++;
+    pthread_mutex_unlock(&s->mu);
+    bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: %s refused: %s", s->shard, why,
+             rc == -EPERM ? "this replica is a backup (Pushes go to the primary)"
+                          : "needs the registered handler");
+    return rc;
+}
+
+/* A Push or Forward for the replication role (req NULL: no handler to
+ * answer later). BEX__PS_LATER, SERVE_HERE (a Push served as any
+ * replica's), 0 (a Forward applied) or an error. */
+#define SERVE_HERE 2
+static int repl_serve(bex_ps_shard *s, uint32_t method, const struct bex__ps_hdr *h,
+                      const void *body, size_t len, bex_rpc_req *req)
+{
+    if (method == BEX_PS_M_FORWARD)
+        return req ? bex__ps_backup_forward(s, body, len, req)
+                   : role_refused(s, -EOPNOTSUPP, "a Forward");
+    if (s->rp.role == BEX_PS_ROLE_BACKUP)
+        return role_refused(s, -EPERM, "a client's Push");
+    if (s->rp.role != BEX_PS_ROLE_PRIMARY)
+        return SERVE_HERE;
+    return req ? bex__ps_primary_push(s, h, body, len, req)
+               : role_refused(s, -EOPNOTSUPP, "a primary's Push");
+}
+
+/* bex_ps_shard_serve for the RPC request req (NULL: none); BEX__PS_LATER
+ * when req is answered later. */
 static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
-                       const bex_rpc_req *req, void **resp, size_t *resp_len)
+                       bex_rpc_req *req, void **resp, size_t *resp_len)
 {
     if (method == BEX_PS_M_COPY)
         return serve_copy(s, ctx, body, len, resp, resp_len);
+    if (method == BEX_PS_M_FORWARD)
+        return repl_serve(s, method, NULL, body, len, req);
     if (method != BEX_PS_M_FETCH && method != BEX_PS_M_PUSH)
         return -ENOSYS;
     struct bex__ps_hdr h;
     uint64_t t0 = bex__rpc_now_ns();
     int rc = bex__ps_decode(method, body, len, &h);
-    if (rc == 0) {
+    if (rc == 0 && method == BEX_PS_M_PUSH)
+        rc = repl_serve(s, method, &h, body, len, req);
+    if (rc == 0 || rc == SERVE_HERE) {
         const uint8_t *p = (const uint8_t *)body + bex__ps_keys_off(&h);
         rc = method == BEX_PS_M_FETCH ? bex__ps_serve_fetch(s, ctx, &h, p, resp, resp_len)
                                       : bex__ps_serve_push(s, ctx, &h, p, req, resp, resp_len);
@@ -150,7 +186,8 @@ static void handler(bex_rpc_req *req, void *body, size_t len, void *user)
     size_t rlen = 0;
     int rc = shard_serve(r->s, r->ctx, r->method, body, len, req, &resp, &rlen);
     bex_rpc_free(body);
-    bex_rpc_reply(req, rc, resp, rlen);
+    if (rc != BEX__PS_LATER)
+        bex_rpc_reply(req, rc, resp, rlen);
 }
 
 int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
@@ -161,9 +198,13 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
     regs[0] = (struct reg){s, ctx, BEX_PS_M_FETCH};
     regs[1] = (struct reg){s, ctx, BEX_PS_M_PUSH};
     regs[2] = (struct reg){s, ctx, BEX_PS_M_COPY};
-    for (int i = 0; i < 3; i++) {
-        int rc = bex_rpc_server_register(srv, BEX_PS_SERVICE, regs[i].method,
-                                         bex__ps_method_flags(regs[i].method), handler, &regs[i]);
+    regs[3] = (struct reg){s, ctx, BEX_PS_M_FORWARD};
+    int rc = bex__ps_repl_register(s, ctx);
+    if (rc)
+        return rc;
+    for (int i = 0; i < 4; i++) {
+        rc = bex_rpc_server_register(srv, BEX_PS_SERVICE, regs[i].method,
+                                     bex__ps_method_flags(regs[i].method), handler, &regs[i]);
         if (rc)
             return rc;
     }

@@ -6,7 +6,8 @@
  *
  * Fetch: one directory-mode channel per shard; the directory picks the
  * replica (nearest healthy) and the channel fails over to another.
- * Push: one sub-request per replica of each shard, each on a channel of
+ * Push: one sub-request per replica of each shard (BEX_PS_PUSH_PRIMARY:
+ * per shard, to its primary, the first replica listed), each on a channel of
  * that replica alone, so that a retry after a lost answer goes to the same
  * server with the same (client id, sequence) and its dedup window applies
  * it once. The Push channels follow the directory (its generation): a
@@ -49,6 +50,7 @@ struct bex_ps_client {
     uint32_t n_shards;
     uint32_t timeout_ms, attempt_timeout_ms, connect_timeout_ms;
     uint32_t max_attempts, budget_burst, budget_permille; /* the channels' (0: default) */
+    uint32_t push_mode;                                   /* BEX_PS_PUSH_* */
     bex_rpc_channel **ch;    /* Fetch: a directory-mode channel per shard */
     pthread_mutex_t mu;      /* the Push channels below */
     uint64_t gen;            /* the directory generation push follows */
@@ -96,7 +98,7 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
     if (n == 0)
         while (n < MAX_SHARDS && bex_dir_replicas(cfg->dir, svc, n, NULL, 0) > 0)
             n++;
-    if (n == 0 || n > MAX_SHARDS)
+    if (n == 0 || n > MAX_SHARDS || cfg->push_mode > BEX_PS_PUSH_PRIMARY)
         return -EINVAL;
     /* the Push token must be unguessable: no weaker fallback */
     uint64_t tok[2];
@@ -128,6 +130,7 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
     c->max_attempts = cfg->max_attempts;
     c->budget_burst = cfg->retry_budget_burst;
     c->budget_permille = cfg->retry_budget_permille;
+    c->push_mode = cfg->push_mode;
     for (uint32_t i = 0; i < n; i++) {
         bex_rpc_channel_config cc = {
             .dir = cfg->dir,
@@ -239,6 +242,8 @@ static int push_refresh(bex_ps_client *c)
         size_t nr = bex_dir_replicas(c->dir, c->svc, s, reps, BEX_PS_REPLICAS_MAX);
         if (nr > BEX_PS_REPLICAS_MAX)
             nr = BEX_PS_REPLICAS_MAX;
+        if (nr && c->push_mode == BEX_PS_PUSH_PRIMARY)
+            nr = 1; /* the primary: the first replica listed */
         if (!nr)
             continue;
         nw[s].r = calloc(nr, sizeof *nw[s].r);

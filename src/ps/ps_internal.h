@@ -141,6 +141,42 @@ static inline int bex__ps_copy_get(const void *body, size_t len, struct bex__ps_
     return 0;
 }
 
+/* ---- primary-backup (BEX_PS_M_FORWARD; docs/protocol.md, "Forward") ---- */
+
+/* u8 version, u8 flags, u16 0, u32 0, u64 session (the primary's, random
+ * at its start), u64 lsn (the forward's number in that session, from 1);
+ * then the client's Push body whole (its id included). The answer is
+ * empty. With BEX__PS_FWD_PROBE the Push is not applied: the backup
+ * answers 0 when it follows session and applied lsn, else -ESTALE. */
+#define BEX__PS_FWD_HDR_LEN 24
+#define BEX__PS_FWD_PROBE   1u
+struct bex__ps_fwd_hdr {
+    uint64_t session, lsn;
+    uint32_t flags;
+};
+static inline void bex__ps_fwd_put(uint8_t *p, const struct bex__ps_fwd_hdr *h)
+{
+    p[0] = BEX__PS_VERSION;
+    p[1] = (uint8_t)(h->flags & BEX__PS_FWD_PROBE);
+    p[2] = p[3] = 0;
+    bex__ps_put32(p + 4, 0);
+    bex__ps_put64(p + 8, h->session);
+    bex__ps_put64(p + 16, h->lsn);
+}
+/* 0, or -EINVAL when body (len bytes) does not start with a forward
+ * header (session and lsn not 0). */
+static inline int bex__ps_fwd_get(const void *body, size_t len, struct bex__ps_fwd_hdr *h)
+{
+    const uint8_t *p = body;
+    if (!p || len < BEX__PS_FWD_HDR_LEN || p[0] != BEX__PS_VERSION || (p[1] & ~BEX__PS_FWD_PROBE) ||
+        p[2] || p[3] || bex__ps_get32(p + 4))
+        return -EINVAL;
+    h->flags = p[1];
+    h->session = bex__ps_get64(p + 8);
+    h->lsn = bex__ps_get64(p + 16);
+    return h->session && h->lsn ? 0 : -EINVAL;
+}
+
 /* The RPC registration flags of a method: Push changes state, so a retried
  * Push is answered from the dedup window, not applied again. (Tests that
  * wrap the handlers register with these too.) */

@@ -84,6 +84,37 @@ int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr 
     return 0;
 }
 
+/* A Push's table (checked against h), keys (this shard's) and gradients
+ * (finite) read from p into *keys and *g (malloc'd; freed on error).
+ * 0, -EINVAL, -ENOMEM. */
+int bex__ps_push_read(bex_ps_shard *s, const struct bex__ps_hdr *h, const uint8_t *p,
+                      struct table **t, uint64_t **keys, float **g)
+{
+    *t = bex__ps_find_table(s, h->table);
+    *keys = NULL;
+    *g = NULL;
+    if (!*t || (*t)->cfg.dim != h->dim)
+        return -EINVAL;
+    size_t nf = (size_t)h->n * h->dim;
+    uint64_t *k = malloc((h->n ? h->n : 1) * sizeof *k);
+    float *v = malloc((nf ? nf : 1) * sizeof *v);
+    int rc = k && v ? read_keys(s, p, h->n, k) : -ENOMEM;
+    const uint8_t *gp = p + 8 * (size_t)h->n;
+    for (size_t i = 0; i < nf && !rc; i++) {
+        v[i] = bex__ps_getf(gp + 4 * i);
+        if (!isfinite(v[i]))
+            rc = -EINVAL; /* one bad value refuses the whole Push */
+    }
+    if (rc) {
+        free(k);
+        free(v);
+        return rc;
+    }
+    *keys = k;
+    *g = v;
+    return 0;
+}
+
 int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
                        const bex_rpc_req *req, void **resp, size_t *resp_len)
 {
@@ -92,27 +123,17 @@ int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *
                         .seq = h->id_seq,
                         .served = true,
                         .req = req};
-    struct table *t = bex__ps_find_table(s, h->table);
-    if (!t || t->cfg.dim != h->dim)
-        return -EINVAL;
+    struct table *t;
+    uint64_t *keys;
+    float *g;
+    int rc = bex__ps_push_read(s, h, p, &t, &keys, &g);
+    if (rc)
+        return rc;
     size_t nf = (size_t)h->n * h->dim;
-    uint64_t *keys = malloc((h->n ? h->n : 1) * sizeof *keys);
-    float *g = malloc((nf ? nf : 1) * sizeof *g);
     uint8_t *out = bex_rpc_alloc(ctx, BEX__PS_HDR_LEN);
-    int rc = 0;
-    if (!keys || !g || !out) {
+    if (!out) {
         rc = -ENOMEM;
         goto done;
-    }
-    if ((rc = read_keys(s, p, h->n, keys)))
-        goto done;
-    const uint8_t *gp = p + 8 * (size_t)h->n;
-    for (size_t i = 0; i < nf; i++) {
-        g[i] = bex__ps_getf(gp + 4 * i);
-        if (!isfinite(g[i])) {
-            rc = -EINVAL; /* one bad value refuses the whole Push */
-            goto done;
-        }
     }
     pthread_mutex_lock(&s->mu);
     if (s->catching) {

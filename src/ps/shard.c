@@ -99,6 +99,11 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
     s->horizon_ns = (cfg->retry_horizon_ms ? cfg->retry_horizon_ms : 300000) * 1000000ull;
     s->new_rate = cfg->new_clients_per_sec ? cfg->new_clients_per_sec : 1000;
     s->new_per_conn = cfg->new_clients_per_conn ? cfg->new_clients_per_conn : 64;
+    int rrc = bex__ps_repl_init(s, cfg);
+    if (rrc) {
+        bex_ps_shard_destroy(s);
+        return rrc;
+    }
     if (cfg->snapshot_path) {
         int rc = bex__ps_snapshot_load(s, cfg->snapshot_path);
         if (rc == -ENOENT) {
@@ -119,6 +124,7 @@ void bex_ps_shard_destroy(bex_ps_shard *s)
 {
     if (!s)
         return;
+    bex__ps_repl_fini(s);
     bex__ps_held_free(s->held);
     bex__ps_ids_free(&s->ids);
     free(s->cp.buf);
@@ -128,6 +134,14 @@ void bex_ps_shard_destroy(bex_ps_shard *s)
     free(s);
 }
 
+/* The replication gauges into out (under s->mu). */
+static void repl_stats_locked(const bex_ps_shard *s, bex_ps_shard_stats *out)
+{
+    out->role = s->rp.role;
+    out->backups_down = s->rp.n_down;
+    out->lsn = s->rp.role == BEX_PS_ROLE_PRIMARY ? s->rp.lsn : s->rp.next ? s->rp.next - 1 : 0;
+}
+
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
 {
     pthread_mutex_lock(&s->mu);
@@ -135,6 +149,7 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
     out->rows = 0;
     for (size_t i = 0; i < s->n_tables; i++)
         out->rows += s->tables[i].n_rows;
+    repl_stats_locked(s, out);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -201,7 +216,43 @@ static const struct bex__prom_ctr shard_ctrs[] = {
     {"bex_ps_clients_refused_total",
      "New client ids refused (dedup table full of live clients, or past a rate)",
      offsetof(bex_ps_shard_stats, clients_refused)},
+    {"bex_ps_forwards_sent_total", "Forwards a primary sent its backups (one per Push and backup)",
+     offsetof(bex_ps_shard_stats, fwd_sent)},
+    {"bex_ps_forwards_failed_total", "Forwards not applied by their backup (it was marked down)",
+     offsetof(bex_ps_shard_stats, fwd_failed)},
+    {"bex_ps_backup_down_refused_total", "Pushes a primary refused because a backup is down",
+     offsetof(bex_ps_shard_stats, backup_down_refused)},
+    {"bex_ps_forwards_applied_total", "Forwards a backup applied in their turn",
+     offsetof(bex_ps_shard_stats, fwd_applied)},
+    {"bex_ps_forwards_held_total", "Forwards a backup held until their turn",
+     offsetof(bex_ps_shard_stats, fwd_held)},
+    {"bex_ps_forwards_refused_total", "Forwards a backup refused or failed to apply",
+     offsetof(bex_ps_shard_stats, fwd_refused)},
+    {"bex_ps_backup_rejoins_total", "Backups back in the replica set after being marked down",
+     offsetof(bex_ps_shard_stats, rejoins)},
+    {"bex_ps_not_primary_total", "Client Pushes refused by a backup (or a Forward by a non-backup)",
+     offsetof(bex_ps_shard_stats, not_primary)},
 };
+
+/* The replication gauges: role, lsn, backups down. */
+static void repl_gauges(struct bex__prom *o, bex_ps_shard *const *shards,
+                        const bex_ps_shard_stats *sst, size_t n)
+{
+    bex__prom_printf(o, "# HELP bex_ps_role Replication role: 0 any (client fan-out), 1 primary, "
+                        "2 backup.\n# TYPE bex_ps_role gauge\n");
+    for (size_t k = 0; k < n; k++)
+        bex__prom_printf(o, "bex_ps_role{shard=\"%u\"} %u\n", shards[k]->shard, sst[k].role);
+    bex__prom_printf(o, "# HELP bex_ps_repl_lsn Last forward numbered (primary) or applied "
+                        "(backup).\n# TYPE bex_ps_repl_lsn gauge\n");
+    for (size_t k = 0; k < n; k++)
+        bex__prom_printf(o, "bex_ps_repl_lsn{shard=\"%u\"} %llu\n", shards[k]->shard,
+                         (unsigned long long)sst[k].lsn);
+    bex__prom_printf(o, "# HELP bex_ps_backups_down Backups a primary marked down.\n"
+                        "# TYPE bex_ps_backups_down gauge\n");
+    for (size_t k = 0; k < n; k++)
+        bex__prom_printf(o, "bex_ps_backups_down{shard=\"%u\"} %u\n", shards[k]->shard,
+                         sst[k].backups_down);
+}
 
 int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, size_t cap)
 {
@@ -228,6 +279,7 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         memcpy(ts[k], s->tables, s->n_tables * sizeof *ts[k]);
         malformed[k] = s->st.malformed;
         sst[k] = s->st;
+        repl_stats_locked(s, &sst[k]);
         pthread_mutex_unlock(&s->mu);
     }
     struct bex__prom o = {buf, cap, 0};
@@ -249,6 +301,7 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         struct shard_labels sl = {shards, sst};
         struct bex__prom_array sa = {sst, n, sizeof *sst, shard_label, &sl};
         bex__prom_counters(&o, shard_ctrs, ARRAY_SIZE(shard_ctrs), bex__prom_array_next, &sa);
+        repl_gauges(&o, shards, sst, n);
         bex__prom_printf(&o, "# HELP bex_ps_serve_seconds Time a request took in the shard, "
                              "decoding to answer.\n# TYPE bex_ps_serve_seconds histogram\n");
         for (size_t k = 0; k < n; k++)

@@ -92,6 +92,56 @@ struct held {
     size_t bytes;
 };
 
+/* A forward at a backup (BEX_PS_M_FORWARD), checked and decoded: held
+ * until its turn (lsn), or applied at once. */
+struct fwdh {
+    struct fwdh *next; /* answers to send, after the lock */
+    uint64_t lsn;
+    struct table *t;
+    uint32_t n;
+    bool has_id;
+    struct pushid id; /* has_id */
+    uint64_t *keys;
+    float *g;
+    size_t bytes;
+    bex_rpc_req *req;
+    int status; /* its answer */
+};
+
+/* A primary's backup. */
+struct backup {
+    struct sockaddr_in addr;
+    uint32_t transport;
+    bex_rpc_channel *ch; /* made at register */
+    bool down;           /* a forward failed: no Push acknowledged from then on */
+    bool probing;        /* down: a probe is out */
+    uint64_t probe_ns;   /* down: no probe before then */
+};
+
+/* Primary-backup replication (repl.c), under the shard's lock. */
+struct repl {
+    uint32_t role;
+    bex_ctx *ctx; /* register's */
+    /* primary: its backups, its session and the last lsn numbered */
+    struct backup *bk;
+    size_t n_bk;
+    uint32_t n_down, fwd_timeout_ms;
+    uint64_t retry_ns; /* a down backup probed at most this often */
+    uint64_t session, lsn;
+    /* backup: the primary's session it follows, the next lsn to apply,
+     * forwards held ahead of their turn (win[lsn % win_n]) */
+    uint64_t in_session, next;
+    struct fwdh **win;
+    uint32_t win_n;
+    uint64_t hold_bytes, hold_max;
+    /* catch-up: the position of the last copy loaded (its maker's
+     * session and lsn; 0: none), taken by a backup with the copy */
+    uint64_t cut_session, cut_lsn;
+};
+
+/* A handler's answer will be sent later (bex_rpc_reply), not now. */
+#define BEX__PS_LATER 1
+
 /* The copy a restarted peer pulls (BEX_PS_M_COPY): one at a time. */
 struct copy {
     uint64_t session, used_ns;
@@ -101,7 +151,7 @@ struct copy {
 
 struct bex_ps_shard {
     uint32_t shard, n_shards;
-    struct reg regs[3]; /* the handlers' user pointers */
+    struct reg regs[4]; /* the handlers' user pointers */
     struct table *tables;
     size_t n_tables;
     pthread_mutex_t mu;
@@ -118,6 +168,7 @@ struct bex_ps_shard {
     struct held *held, **held_tail;
     uint64_t held_bytes, held_max;
     struct copy cp;
+    struct repl rp;
 };
 
 int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq);
@@ -137,6 +188,17 @@ int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr 
                         const uint8_t *p, void **resp, size_t *resp_len);
 int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
                        const bex_rpc_req *req, void **resp, size_t *resp_len);
+
+int bex__ps_push_read(bex_ps_shard *s, const struct bex__ps_hdr *h, const uint8_t *p,
+                      struct table **t, uint64_t **keys, float **g);
+int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg);
+int bex__ps_repl_register(bex_ps_shard *s, bex_ctx *ctx);
+void bex__ps_repl_fini(bex_ps_shard *s);
+void bex__ps_repl_position(const bex_ps_shard *s, uint64_t *session, uint64_t *lsn);
+void bex__ps_repl_take_cut(bex_ps_shard *s);
+int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const void *body, size_t len,
+                         bex_rpc_req *req);
+int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rpc_req *req);
 
 int bex__ps_table_reserve(struct table *t, uint32_t extra);
 float *bex__ps_row_get(struct table *t, uint64_t key);

@@ -31,7 +31,7 @@
  * token, which no bex_ps_client sends). */
 static const char snap_magic[8] = {'B', 'E', 'X', 'P', 'S', 'N', 'A', 'P'};
 #define SNAP_VERSION 3
-#define COPY_VERSION 2
+#define COPY_VERSION 3 /* 3: the replication position after the ids */
 #define SNAP_HASH    crypto_generichash_BYTES
 
 struct wr {
@@ -162,6 +162,10 @@ int bex__ps_copy_make(bex_ps_shard *s, char **buf, size_t *len)
     wr32(&w, COPY_VERSION);
     wr_tables(&w, s);
     wr_ids(&w, s);
+    uint64_t session, lsn;
+    bex__ps_repl_position(s, &session, &lsn);
+    wr64(&w, session);
+    wr64(&w, lsn);
     uint8_t sum[SNAP_HASH];
     crypto_generichash_final(&w.h, sum, sizeof sum);
     if (!w.err && fwrite(sum, 1, sizeof sum, w.f) != sizeof sum)
@@ -369,10 +373,13 @@ int bex__ps_copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct t
 {
     struct rd r;
     uint32_t version;
-    int rc = check_sum(s, buf, size, copy_magic, COPY_VERSION, COPY_VERSION, "catch-up copy",
-                       &version, &r);
+    int rc = check_sum(s, buf, size, copy_magic, 2, COPY_VERSION, "catch-up copy", &version, &r);
     if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")) || (rc = load_ids(&r, ids, true)))
         return rc;
+    /* the maker's replication position (version 3) */
+    s->rp.cut_session = s->rp.cut_lsn = 0;
+    if (version >= 3 && (rd64(&r, &s->rp.cut_session) || rd64(&r, &s->rp.cut_lsn)))
+        return -EINVAL;
     return r.left ? -EINVAL : 0;
 }
 

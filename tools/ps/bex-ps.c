@@ -42,6 +42,8 @@ __attribute__((noreturn)) static void usage(int status)
         "usage: bex-ps --cluster FILE --shard N[,N...]|all [--service NAME] [--replica I]\n"
         "       bex-ps --etcd URL --listen IP[:PORT] --n-shards N --shard N[,N...]|all\n"
         "              [--etcd-prefix P] [--locality L] [--ttl S] [--service NAME] [--replica I]\n"
+        "       bex-ps --cluster FILE --primary-backup ...: replica 0 of each shard its\n"
+        "              primary, the others its backups (no failover)\n"
         "  both:\n"
         "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
@@ -76,6 +78,9 @@ struct served {
     char snap[4096];
     bex_rpc_endpoint peers[16]; /* the shard's other replicas: catch-up */
     size_t n_peers;
+    uint32_t role;                /* --primary-backup: BEX_PS_ROLE_* */
+    bex_rpc_endpoint backups[15]; /* the primary's */
+    size_t n_backups;
 };
 
 /* ---- /metrics ---- */
@@ -197,7 +202,7 @@ struct opts {
     long eager_max;   /* the context's (0: its default) */
     long send_window; /* the context's (0: none) */
     long io_threads;
-    int catchup, verbose;
+    int catchup, verbose, primary_backup;
     unsigned long n_shards_opt, ttl_s;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables;
@@ -278,6 +283,9 @@ static void one_opt(int c, struct opts *o)
     case 'C':
         o->catchup = 0;
         break;
+    case 'B':
+        o->primary_backup = 1;
+        break;
     case 'E':
         o->etcd = optarg;
         break;
@@ -343,6 +351,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"keepalive-timeout-ms", required_argument, 0, 'k'},
                                        {"verbose", no_argument, 0, 'v'},
                                        {"no-catchup", no_argument, 0, 'C'},
+                                       {"primary-backup", no_argument, 0, 'B'},
                                        {"catchup-timeout-ms", required_argument, 0, 'U'},
                                        {"poll", required_argument, 0, 'p'},
                                        {"eager-max", required_argument, 0, 'G'},
@@ -354,7 +363,8 @@ static void parse_opts(int argc, char **argv, struct opts *o)
     for (int c; (c = getopt_long(argc, argv, "", lo, NULL)) != -1;)
         one_opt(c, o);
     if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
-        !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)))
+        !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)) ||
+        (o->etcd && o->primary_backup))
         usage(2);
     if (o->n_tables == 0)
         o->tables[o->n_tables++] =
@@ -431,6 +441,17 @@ static int listen_addrs(const struct opts *o, struct node *nd)
     return 0;
 }
 
+/* --primary-backup: replica 0 is the shard's primary (the first listed,
+ * where clients with BEX_PS_PUSH_PRIMARY send their Pushes), the others
+ * its backups. */
+static void pb_roles(struct served *sv, const bex_dir_replica *reps, size_t nr, uint32_t self)
+{
+    sv->role = self == 0 ? BEX_PS_ROLE_PRIMARY : BEX_PS_ROLE_BACKUP;
+    for (size_t j = 1; self == 0 && j < nr && sv->n_backups < 15; j++)
+        sv->backups[sv->n_backups++] =
+            (bex_rpc_endpoint){.addr = reps[j].addr, .transport = reps[j].transport};
+}
+
 /* --cluster: each shard's address (our replica's) and its peers. */
 static int cluster_addrs(const struct opts *o, bex_dir *dir, struct node *nd)
 {
@@ -448,6 +469,8 @@ static int cluster_addrs(const struct opts *o, bex_dir *dir, struct node *nd)
         }
         if (o->catchup)
             add_peers(&nd->sv[i], reps, nr < 64 ? nr : 64, &nd->self[i]);
+        if (o->primary_backup)
+            pb_roles(&nd->sv[i], reps, nr < 64 ? nr : 64, o->replica);
     }
     return 0;
 }
@@ -533,7 +556,10 @@ static int start_shard(const struct opts *o, struct node *nd)
                               .tables = o->tables,
                               .n_tables = o->n_tables,
                               .snapshot_path = o->snap_dir ? s->snap : NULL,
-                              .flags = s->n_peers ? BEX_PS_SHARD_CATCHUP : 0};
+                              .flags = s->n_peers ? BEX_PS_SHARD_CATCHUP : 0,
+                              .role = s->role,
+                              .backups = s->backups,
+                              .n_backups = s->n_backups};
     char a[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &self->addr.sin_addr, a, sizeof a);
     int rc;

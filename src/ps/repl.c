@@ -1,0 +1,505 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The PS shard: primary-backup replication (docs/architecture.md,
+ * "Replication"; wire: docs/protocol.md, "Forward").
+ *
+ * Primary: a client's Push is applied under the shard's lock, which gives
+ * it its place in the order (lsn), then forwarded whole (its id included)
+ * to every backup, each on a channel of that backup alone; the client's
+ * answer waits for every backup's. A forward that fails (its channel's
+ * retries and deadline spent) marks its backup down: from then on the
+ * primary refuses Pushes (-EHOSTDOWN) rather than acknowledge one a
+ * backup may lack (with a static cluster file nothing removes a backup).
+ *
+ * Backup: forwards are applied in lsn order; one ahead of its turn is held
+ * (bounded) and answered when applied; one already applied (a resend) is
+ * answered at once. A new primary session starts at lsn 1. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "bex/ps.h"
+#include "common/log.h"
+#include "ps/ps_internal.h"
+#include "ps/shard_internal.h"
+#include "rpc/internal.h"
+
+#define FWD_TIMEOUT_MS 5000u
+#define FWD_WINDOW     1024u
+#define FWD_WINDOW_MAX 65536u
+#define FWD_HOLD_MAX   (64ull << 20)
+#define FWD_ATTEMPTS   16u
+
+int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
+{
+    struct repl *rp = &s->rp;
+    if (cfg->role > BEX_PS_ROLE_BACKUP || (cfg->n_backups && cfg->role != BEX_PS_ROLE_PRIMARY) ||
+        cfg->n_backups >= BEX_PS_REPLICAS_MAX || (cfg->n_backups && !cfg->backups) ||
+        cfg->forward_window > FWD_WINDOW_MAX)
+        return -EINVAL;
+    rp->role = cfg->role;
+    rp->fwd_timeout_ms = cfg->forward_timeout_ms ? cfg->forward_timeout_ms : FWD_TIMEOUT_MS;
+    rp->win_n = cfg->forward_window ? cfg->forward_window : FWD_WINDOW;
+    rp->hold_max = cfg->forward_hold_max ? cfg->forward_hold_max : FWD_HOLD_MAX;
+    rp->retry_ns = (uint64_t)(cfg->backup_retry_ms ? cfg->backup_retry_ms : 1000) * 1000000ull;
+    if (cfg->n_backups && !(rp->bk = calloc(cfg->n_backups, sizeof *rp->bk)))
+        return -ENOMEM;
+    rp->n_bk = cfg->n_backups;
+    for (size_t i = 0; i < rp->n_bk; i++) {
+        rp->bk[i].addr = cfg->backups[i].addr;
+        rp->bk[i].transport = cfg->backups[i].transport;
+    }
+    /* a session no earlier life of this primary used */
+    while (!rp->session)
+        if (getrandom(&rp->session, sizeof rp->session, 0) != sizeof rp->session)
+            return -EIO;
+    return 0;
+}
+
+int bex__ps_repl_register(bex_ps_shard *s, bex_ctx *ctx)
+{
+    struct repl *rp = &s->rp;
+    rp->ctx = ctx;
+    if (rp->role == BEX_PS_ROLE_BACKUP && !rp->win &&
+        !(rp->win = calloc(rp->win_n, sizeof *rp->win)))
+        return -ENOMEM;
+    for (size_t i = 0; i < rp->n_bk; i++) {
+        if (rp->bk[i].ch)
+            continue;
+        bex_rpc_endpoint ep = {.addr = rp->bk[i].addr, .transport = rp->bk[i].transport};
+        /* retries within the forward's deadline, never throttled: a
+         * forward lost is a backup marked down */
+        bex_rpc_channel_config cc = {.endpoints = &ep,
+                                     .n_endpoints = 1,
+                                     .name = "ps-forward",
+                                     .request_timeout_ms = rp->fwd_timeout_ms,
+                                     .connect_timeout_ms = rp->fwd_timeout_ms,
+                                     .max_attempts = FWD_ATTEMPTS,
+                                     .retry_budget_burst = 1000000,
+                                     .retry_budget_permille = 1000};
+        int rc = bex_rpc_channel_create(ctx, &cc, &rp->bk[i].ch);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+static void fwdh_free(struct fwdh *f)
+{
+    free(f->keys);
+    free(f->g);
+    free(f);
+}
+
+/* Answer the forwards on list (each its status), after the lock. */
+static void answer_all(struct fwdh *list)
+{
+    while (list) {
+        struct fwdh *nx = list->next;
+        bex_rpc_reply(list->req, list->status, NULL, 0);
+        fwdh_free(list);
+        list = nx;
+    }
+}
+
+void bex__ps_repl_fini(bex_ps_shard *s)
+{
+    struct repl *rp = &s->rp;
+    /* outstanding forwards complete (-ECANCELED): their Pushes answered */
+    for (size_t i = 0; i < rp->n_bk; i++)
+        if (rp->bk[i].ch)
+            bex_rpc_channel_destroy(rp->bk[i].ch);
+    free(rp->bk);
+    struct fwdh *list = NULL;
+    for (uint32_t i = 0; rp->win && i < rp->win_n; i++)
+        if (rp->win[i]) {
+            rp->win[i]->status = -ECANCELED;
+            rp->win[i]->next = list;
+            list = rp->win[i];
+        }
+    answer_all(list);
+    free(rp->win);
+}
+
+/* The position a copy of s carries (under s->mu): a primary's session and
+ * last lsn, a backup's session and last lsn applied, else zeros. */
+void bex__ps_repl_position(const bex_ps_shard *s, uint64_t *session, uint64_t *lsn)
+{
+    const struct repl *rp = &s->rp;
+    *session = *lsn = 0;
+    if (rp->role == BEX_PS_ROLE_PRIMARY) {
+        *session = rp->session;
+        *lsn = rp->lsn;
+    } else if (rp->role == BEX_PS_ROLE_BACKUP && rp->in_session) {
+        *session = rp->in_session;
+        *lsn = rp->next - 1;
+    }
+}
+
+/* A backup that caught up takes its copy's position (under s->mu): it
+ * holds every forward of that session up to its lsn, so its primary's
+ * probe finds it in step. */
+void bex__ps_repl_take_cut(bex_ps_shard *s)
+{
+    struct repl *rp = &s->rp;
+    if (rp->role != BEX_PS_ROLE_BACKUP || !rp->cut_session)
+        return;
+    rp->in_session = rp->cut_session;
+    rp->next = rp->cut_lsn + 1;
+}
+
+/* ---- primary ---- */
+
+/* A client's Push out to the backups: answered when the last is back. */
+struct fop;
+struct fcall {
+    struct fop *op;
+    uint32_t b; /* the backup */
+};
+struct fop {
+    bex_ps_shard *s;
+    bex_rpc_req *req;
+    struct bex__ps_hdr h;  /* the answer's */
+    _Atomic uint32_t left; /* forwards out, + 1 while sending */
+    _Atomic int status;
+    struct fcall calls[];
+};
+
+static void fop_put(struct fop *op)
+{
+    if (atomic_fetch_sub(&op->left, 1) != 1)
+        return;
+    int st = atomic_load(&op->status);
+    uint8_t *out = st ? NULL : bex_rpc_alloc(op->s->rp.ctx, BEX__PS_HDR_LEN);
+    if (!st && !out)
+        st = -ENOMEM;
+    if (out)
+        bex__ps_hdr_put(
+            out, &(struct bex__ps_hdr){.table = op->h.table, .n = op->h.n, .dim = op->h.dim});
+    bex_rpc_reply(op->req, st, out, out ? BEX__PS_HDR_LEN : 0);
+    free(op);
+}
+
+static void fwd_done(int status, void *body, size_t len, void *user)
+{
+    (void)len;
+    struct fcall *fc = user;
+    struct fop *op = fc->op;
+    bex_ps_shard *s = op->s;
+    bex_rpc_free(body);
+    if (status) {
+        struct backup *b = &s->rp.bk[fc->b];
+        pthread_mutex_lock(&s->mu);
+        bool was = b->down;
+        if (!was) {
+            b->down = true;
+            b->probe_ns = bex__rpc_now_ns() + s->rp.retry_ns;
+            s->rp.n_down++;
+        }
+        s->st.fwd_failed++;
+        pthread_mutex_unlock(&s->mu);
+        if (!was)
+            bex__log(&s->log, BEX_LOG_ERROR,
+                     "ps shard %u: backup %u did not apply a forward (%s): marked down, Pushes "
+                     "refused from now on (no failover with a static cluster file)",
+                     s->shard, fc->b, bex_strerror(status));
+        int zero = 0;
+        atomic_compare_exchange_strong(&op->status, &zero, -EHOSTDOWN);
+    }
+    fop_put(op);
+}
+
+/* A probe of a down backup answered (status 0: it holds every Push the
+ * primary applied; it rejoins). */
+struct probe {
+    bex_ps_shard *s;
+    uint32_t b;
+};
+
+static void probe_done(int status, void *body, size_t len, void *user)
+{
+    (void)len;
+    struct probe *pr = user;
+    bex_ps_shard *s = pr->s;
+    struct backup *b = &s->rp.bk[pr->b];
+    bex_rpc_free(body);
+    pthread_mutex_lock(&s->mu);
+    b->probing = false;
+    bool back = status == 0 && b->down;
+    if (back) {
+        b->down = false;
+        s->rp.n_down--;
+        s->st.rejoins++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (back)
+        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: backup %u holds every Push: it rejoins",
+                 s->shard, pr->b);
+    free(pr);
+}
+
+/* Probe backup b (down) at the primary's lsn: an empty Push of the first
+ * table, flagged not to be applied. */
+static void probe_send(bex_ps_shard *s, uint32_t b, uint64_t lsn)
+{
+    struct repl *rp = &s->rp;
+    struct probe *pr = malloc(sizeof *pr);
+    size_t len = BEX__PS_FWD_HDR_LEN + BEX__PS_HDR_LEN;
+    uint8_t *body = pr ? bex_rpc_alloc(rp->ctx, len) : NULL;
+    int rc = body ? 0 : -ENOMEM;
+    if (body) {
+        *pr = (struct probe){s, b};
+        bex__ps_fwd_put(body, &(struct bex__ps_fwd_hdr){
+                                  .session = rp->session, .lsn = lsn, .flags = BEX__PS_FWD_PROBE});
+        const bex_ps_table_config *t = &s->tables[0].cfg;
+        bex__ps_hdr_put(body + BEX__PS_FWD_HDR_LEN,
+                        &(struct bex__ps_hdr){.table = t->id, .n = 0, .dim = t->dim});
+        bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
+        rc = bex_rpc_call(rp->bk[b].ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, body, len, &o, probe_done,
+                          pr, NULL);
+        if (rc) {
+            bex_rpc_free(body);
+            probe_done(rc, NULL, 0, pr);
+        }
+        return;
+    }
+    free(pr);
+    pthread_mutex_lock(&s->mu);
+    rp->bk[b].probing = false;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* The down backups due a probe (under s->mu): marked probing, their
+ * indexes into due (returns how many). */
+static uint32_t probes_due_locked(bex_ps_shard *s, uint32_t *due)
+{
+    struct repl *rp = &s->rp;
+    uint64_t now = bex__rpc_now_ns();
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < rp->n_bk; i++) {
+        struct backup *b = &rp->bk[i];
+        if (b->down && !b->probing && now >= b->probe_ns && rp->lsn) {
+            b->probing = true;
+            b->probe_ns = now + rp->retry_ns;
+            due[n++] = i;
+        }
+    }
+    return n;
+}
+
+/* Apply a client's Push (decoded: h) and number it, under the lock. 0 and
+ * *lsn, or the error that refuses it. */
+static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct table *t,
+                         const uint64_t *keys, const float *g, const bex_rpc_req *req,
+                         uint64_t *lsn)
+{
+    struct pushid id = {.k = {h->id_client, {h->id_tok[0], h->id_tok[1]}},
+                        .seq = h->id_seq,
+                        .served = true,
+                        .req = req};
+    int rc;
+    uint32_t due[BEX_PS_REPLICAS_MAX], n_due = 0;
+    uint64_t at = 0;
+    pthread_mutex_lock(&s->mu);
+    if (s->catching) {
+        rc = -EAGAIN; /* its rows are not the shard's yet: the client retries */
+    } else if (s->rp.n_down) {
+        /* nothing is applied while a backup is down: the lsn stays */
+        s->st.backup_down_refused++;
+        rc = -EHOSTDOWN;
+        n_due = probes_due_locked(s, due);
+        at = s->rp.lsn;
+    } else {
+        /* a retry of a Push applied here already is forwarded again: the
+         * backups' id records apply it once, and it is acknowledged only
+         * when every backup has it */
+        rc = bex__ps_push_apply_locked(s, t, h->n, keys, g, (h->flags & BEX__PS_F_ID) ? &id : NULL,
+                                       NULL);
+        if (rc == 0) {
+            *lsn = ++s->rp.lsn;
+            s->st.fwd_sent += s->rp.n_bk;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (uint32_t i = 0; i < n_due; i++)
+        probe_send(s, due[i], at);
+    return rc;
+}
+
+int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const void *body, size_t len,
+                         bex_rpc_req *req)
+{
+    struct repl *rp = &s->rp;
+    struct table *t;
+    uint64_t *keys, lsn = 0;
+    float *g;
+    int rc = bex__ps_push_read(s, h, (const uint8_t *)body + bex__ps_keys_off(h), &t, &keys, &g);
+    if (rc)
+        return rc;
+    size_t flen = BEX__PS_FWD_HDR_LEN + len;
+    struct fop *op = calloc(1, sizeof *op + rp->n_bk * sizeof(struct fcall));
+    if (!op)
+        rc = -ENOMEM;
+    if (!rc)
+        rc = primary_apply(s, h, t, keys, g, req, &lsn);
+    free(keys);
+    free(g);
+    if (rc) {
+        free(op);
+        return rc;
+    }
+    *op = (struct fop){.s = s, .req = req, .h = *h};
+    atomic_store(&op->left, (uint32_t)rp->n_bk + 1);
+    bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
+    for (uint32_t i = 0; i < rp->n_bk; i++) {
+        op->calls[i] = (struct fcall){op, i};
+        uint8_t *b = bex_rpc_alloc(rp->ctx, flen);
+        int crc = b ? 0 : -ENOMEM;
+        if (b) {
+            bex__ps_fwd_put(b, &(struct bex__ps_fwd_hdr){.session = rp->session, .lsn = lsn});
+            memcpy(b + BEX__PS_FWD_HDR_LEN, body, len);
+            crc = bex_rpc_call(rp->bk[i].ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, b, flen, &o,
+                               fwd_done, &op->calls[i], NULL);
+            if (crc)
+                bex_rpc_free(b);
+        }
+        if (crc)
+            fwd_done(crc, NULL, 0, &op->calls[i]);
+    }
+    fop_put(op); /* the sending guard: the answer may go here */
+    return BEX__PS_LATER;
+}
+
+/* ---- backup ---- */
+
+/* Apply a forward in its turn (under the lock): its status. */
+static int fwd_apply_locked(bex_ps_shard *s, struct fwdh *f)
+{
+    int rc =
+        bex__ps_push_apply_locked(s, f->t, f->n, f->keys, f->g, f->has_id ? &f->id : NULL, NULL);
+    s->rp.next++;
+    s->st.fwd_applied++;
+    if (rc)
+        bex__log(&s->log, BEX_LOG_ERROR,
+                 "ps shard %u: forward %llu not applied (%s): this backup now differs from its "
+                 "primary",
+                 s->shard, (unsigned long long)f->lsn, bex_strerror(rc));
+    return rc;
+}
+
+/* Apply the held forwards whose turn came, onto *done. */
+static void drain_locked(bex_ps_shard *s, struct fwdh **done)
+{
+    struct repl *rp = &s->rp;
+    struct fwdh *h;
+    while ((h = rp->win[rp->next % rp->win_n]) && h->lsn == rp->next) {
+        rp->win[rp->next % rp->win_n] = NULL;
+        rp->hold_bytes -= h->bytes;
+        h->status = fwd_apply_locked(s, h);
+        h->next = *done;
+        *done = h;
+    }
+}
+
+/* Every held forward onto *done with status (a new session, -ESTALE). */
+static void drop_held_locked(struct repl *rp, struct fwdh **done, int status)
+{
+    for (uint32_t i = 0; i < rp->win_n; i++)
+        if (rp->win[i]) {
+            rp->win[i]->status = status;
+            rp->win[i]->next = *done;
+            *done = rp->win[i];
+            rp->win[i] = NULL;
+        }
+    rp->hold_bytes = 0;
+}
+
+/* Take forward f of session (under the lock): applied now (its status),
+ * held (BEX__PS_LATER: f kept), or refused. Answers due onto *done. */
+static int fwd_take_locked(bex_ps_shard *s, uint64_t session, struct fwdh *f, struct fwdh **done)
+{
+    struct repl *rp = &s->rp;
+    if (s->catching)
+        return -EAGAIN;
+    if (session != rp->in_session) {
+        if (f->lsn != 1) {
+            /* not the start of that primary's stream: what came before it
+             * is not here */
+            bex__log(&s->log, BEX_LOG_ERROR,
+                     "ps shard %u: forward %llu of a primary session this backup did not follow "
+                     "from its start: refused",
+                     s->shard, (unsigned long long)f->lsn);
+            return -ESTALE;
+        }
+        drop_held_locked(rp, done, -ESTALE);
+        rp->in_session = session;
+        rp->next = 1;
+    }
+    if (f->lsn < rp->next)
+        return 0; /* applied already: a resend */
+    if (f->lsn == rp->next) {
+        int rc = fwd_apply_locked(s, f);
+        drain_locked(s, done);
+        return rc;
+    }
+    struct fwdh **slot = &rp->win[f->lsn % rp->win_n];
+    size_t old = *slot ? (*slot)->bytes : 0;
+    if (f->lsn - rp->next >= rp->win_n || rp->hold_bytes - old + f->bytes > rp->hold_max)
+        return -EAGAIN; /* too far ahead: the primary's channel retries */
+    if (*slot) {
+        /* a resend of the one held: the newer attempt is answered */
+        rp->hold_bytes -= old;
+        (*slot)->status = -EAGAIN;
+        (*slot)->next = *done;
+        *done = *slot;
+    }
+    *slot = f;
+    rp->hold_bytes += f->bytes;
+    s->st.fwd_held++;
+    return BEX__PS_LATER;
+}
+
+int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rpc_req *req)
+{
+    if (s->rp.role != BEX_PS_ROLE_BACKUP)
+        return -EPERM;
+    struct bex__ps_fwd_hdr fh;
+    struct bex__ps_hdr h;
+    int rc = bex__ps_fwd_get(body, len, &fh);
+    const uint8_t *push = (const uint8_t *)body + BEX__PS_FWD_HDR_LEN;
+    if (rc == 0)
+        rc = bex__ps_decode(BEX_PS_M_PUSH, push, len - BEX__PS_FWD_HDR_LEN, &h);
+    struct fwdh *f = rc ? NULL : calloc(1, sizeof *f);
+    if (!rc && !f)
+        rc = -ENOMEM;
+    if (!rc)
+        rc = bex__ps_push_read(s, &h, push + bex__ps_keys_off(&h), &f->t, &f->keys, &f->g);
+    if (rc) {
+        free(f);
+        return rc;
+    }
+    f->lsn = fh.lsn;
+    f->n = h.n;
+    f->has_id = h.flags & BEX__PS_F_ID;
+    /* the primary admitted the client: no new-client rate here */
+    f->id = (struct pushid){.k = {h.id_client, {h.id_tok[0], h.id_tok[1]}}, .seq = h.id_seq};
+    f->bytes = sizeof *f + (size_t)h.n * 8 + (size_t)h.n * h.dim * 4;
+    f->req = req;
+    struct fwdh *done = NULL;
+    pthread_mutex_lock(&s->mu);
+    if (fh.flags & BEX__PS_FWD_PROBE)
+        /* in step: it follows that session and applied that lsn */
+        rc = !s->catching && fh.session == s->rp.in_session && fh.lsn < s->rp.next ? 0 : -ESTALE;
+    else
+        rc = fwd_take_locked(s, fh.session, f, &done);
+    if (rc && rc != BEX__PS_LATER)
+        s->st.fwd_refused++;
+    pthread_mutex_unlock(&s->mu);
+    answer_all(done);
+    if (rc != BEX__PS_LATER)
+        fwdh_free(f);
+    return rc;
+}

@@ -1,0 +1,648 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Primary-backup replication (issue 29, item 1; include/bex/ps.h,
+ * "Replicas"): one shard, three replicas in this process, each behind its
+ * own RPC server and context; replica 0 the primary, listed first.
+ * Over TCP natively and RDMA in the VM.
+ *
+ * adagrad: four Pushers at once on the same Adagrad rows through clients
+ *   with BEX_PS_PUSH_PRIMARY; afterwards every replica's rows are equal bit
+ *   for bit, and each applied every Push once. (adagrad_fanout, not run by
+ *   CTest: the same with today's client fan-out, where the replicas apply
+ *   in different orders and the check fails.)
+ * retry: a Push sent to the primary twice (the second a new RPC call, so
+ *   the RPC layer's dedup cannot catch it: as a client's retry after its
+ *   answer was lost) is applied once on every replica: the primary forwards
+ *   it again with its id and each backup's id record leaves it out. A
+ *   client's Push to a backup is refused -EPERM, a forward of a session the
+ *   backup did not follow from its start -ESTALE.
+ * order: a backup alone, fed forwards by the test: one ahead of its turn
+ *   is held and applied after the one before it (Adagrad rows equal bit
+ *   for bit to a reference shard fed in lsn order, which differs from the
+ *   arrival order's); a resend of a held one replaces it (the older
+ *   answered -EAGAIN); one a window or more ahead is refused -EAGAIN; lsn 1
+ *   of a new session answers the held ones -ESTALE; malformed forwards are
+ *   refused -EINVAL and change nothing.
+ * bench (not run by CTest): Push latency and throughput, client fan-out
+ *   against primary-backup, the same load (docs/benchmarks.md).
+ * backup_down: a backup's server gone, the Push waiting for it fails
+ *   -EHOSTDOWN within the forward deadline and so does every later one:
+ *   none is acknowledged without every backup. */
+#include <pthread.h>
+
+#include "ps_test.h"
+
+#define NREP    3
+#define NKEY    12
+#define NPUSHER 4
+#define NPUSH   150
+
+static const bex_ps_table_config *const TA = &TABLES[1]; /* Adagrad */
+static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
+
+struct pb {
+    bex_ctx *sctx, *cctx;
+    bex_ctx *bctx[NREP]; /* the backups' (as processes of their own); [0] unused */
+    bex_ps_shard *s[NREP];
+    bex_rpc_server *srv[NREP];
+    struct sockaddr_in addr[NREP];
+    bex_dir *dir;
+};
+
+/* Replica r on its context (the primary's sctx, a backup's its own), at
+ * a0 (port 0: any) or p->addr[r]. */
+static void replica_start(struct pb *p, int r, struct in_addr a0, const bex_ps_shard_config *pc)
+{
+    bex_ctx *ctx = p->sctx;
+    if (r) {
+        bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+        bex_ctx_config sc = scaled(&base, a0);
+        CHECK_OK(bex_ctx_create(&sc, &p->bctx[r]));
+        ctx = p->bctx[r];
+    }
+    CHECK_OK(bex_ps_shard_create(pc, &p->s[r]));
+    CHECK_OK(bex_rpc_server_create(ctx, NULL, &p->srv[r]));
+    CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], ctx));
+    if (!p->addr[r].sin_port)
+        p->addr[r] = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0};
+    CHECK_OK(bex_rpc_server_listen(p->srv[r], &p->addr[r]));
+    bex_rpc_server_addr(p->srv[r], &p->addr[r]);
+}
+
+/* The directory: the shard's replicas, the primary first. */
+static bex_dir *dir_of(const struct pb *p)
+{
+    char j[1024], err[256];
+    size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
+    for (int r = 0; r < NREP; r++) {
+        char ip[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &p->addr[r].sin_addr, ip, sizeof ip);
+        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"%s:%u\"}", r ? "," : "", ip,
+                              ntohs(p->addr[r].sin_port));
+    }
+    o += (size_t)snprintf(j + o, sizeof j - o, "]}]}}}");
+    CHECK(o < sizeof j);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    int rc = bex_dir_load_json(d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    return d;
+}
+
+/* Three replicas: with roles (replica 0 the primary of the other two, a
+ * forward deadline of fwd_ms, down backups probed every retry_ms) or,
+ * fanout, all BEX_PS_ROLE_ANY. */
+static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retry_ms)
+{
+    struct in_addr a0, a1;
+    PAIR_NEED(pair_addrs(&a0, &a1));
+    *p = (struct pb){0};
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config sc = scaled(&base, a0);
+    CHECK_OK(bex_ctx_create(&sc, &p->sctx));
+    p->cctx = client_ctx();
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = TABLES, .n_tables = 2};
+    for (int r = 1; r < NREP; r++) {
+        pc.role = fanout ? BEX_PS_ROLE_ANY : BEX_PS_ROLE_BACKUP;
+        replica_start(p, r, a0, &pc);
+    }
+    bex_rpc_endpoint bk[NREP - 1];
+    for (int r = 1; r < NREP; r++)
+        bk[r - 1] = (bex_rpc_endpoint){.addr = p->addr[r]};
+    if (!fanout) {
+        pc.role = BEX_PS_ROLE_PRIMARY;
+        pc.backups = bk;
+        pc.n_backups = NREP - 1;
+        pc.forward_timeout_ms = fwd_ms;
+        pc.backup_retry_ms = retry_ms;
+    }
+    replica_start(p, 0, a0, &pc);
+    p->dir = dir_of(p);
+    return 0;
+}
+
+static int pb_start(struct pb *p, bool fanout, uint32_t fwd_ms)
+{
+    return pb_start_ex(p, fanout, fwd_ms, 0);
+}
+
+static void pb_stop(struct pb *p)
+{
+    for (int r = 0; r < NREP; r++)
+        if (p->srv[r])
+            CHECK_OK(bex_rpc_server_destroy(p->srv[r]));
+    for (int r = 0; r < NREP; r++)
+        bex_ps_shard_destroy(p->s[r]);
+    bex_dir_destroy(p->dir);
+    for (int r = 1; r < NREP; r++)
+        if (p->bctx[r])
+            CHECK_OK(bex_ctx_destroy(p->bctx[r]));
+    CHECK_OK(bex_ctx_destroy(p->cctx));
+    CHECK_OK(bex_ctx_destroy(p->sctx));
+}
+
+static bex_ps_client *pb_client(const struct pb *p, uint32_t mode)
+{
+    bex_ps_client_config cc = {.dir = p->dir,
+                               .service = "ps",
+                               .timeout_ms = 20000 * time_scale(),
+                               .connect_timeout_ms = 15000 * time_scale(),
+                               .push_mode = mode};
+    bex_ps_client *c;
+    CHECK_OK(bex_ps_client_create(p->cctx, &cc, &c));
+    return c;
+}
+
+/* Replica r's rows of keys[0..n) of table t, as it serves them. */
+static void rows_of(struct pb *p, int r, const bex_ps_table_config *t, const uint64_t *keys,
+                    uint32_t n, float *rows)
+{
+    uint8_t body[BEX__PS_HDR_LEN + 8 * NKEY];
+    CHECK(n <= NKEY);
+    bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = t->id, .n = n, .dim = t->dim});
+    for (uint32_t i = 0; i < n; i++)
+        bex__ps_put64(body + BEX__PS_HDR_LEN + 8 * i, keys[i]);
+    void *resp = NULL;
+    size_t len = 0;
+    CHECK_OK(bex_ps_shard_serve(p->s[r], p->sctx, BEX_PS_M_FETCH, body,
+                                BEX__PS_HDR_LEN + 8 * (size_t)n, &resp, &len));
+    CHECK_EQ(len, BEX__PS_HDR_LEN + 4 * (size_t)n * t->dim);
+    for (size_t i = 0; i < (size_t)n * t->dim; i++)
+        rows[i] = bex__ps_getf((const uint8_t *)resp + BEX__PS_HDR_LEN + 4 * i);
+    bex_rpc_free(resp);
+}
+
+static bex_ps_shard_stats stats(bex_ps_shard *s)
+{
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(s, &st);
+    return st;
+}
+
+/* ---- adagrad ---- */
+
+struct pusher {
+    bex_ps_client *c;
+    int id;
+};
+
+static void *pusher_main(void *arg)
+{
+    struct pusher *u = arg;
+    for (int i = 0; i < NPUSH; i++) {
+        uint64_t keys[4];
+        float g[4 * 5];
+        for (int k = 0; k < 4; k++)
+            keys[k] = 1000 + (uint64_t)((u->id * 7 + i * 3 + k * 5) % NKEY);
+        for (int j = 0; j < 4 * 5; j++)
+            g[j] = 0.37f * (float)((u->id + 1) * (j + 1)) / (float)(i + 3) - 0.21f;
+        CHECK_OK(bex_ps_push_sync(u->c, TA->id, TA->dim, keys, 4, g));
+    }
+    return NULL;
+}
+
+static int adagrad_run(bool fanout)
+{
+    struct pb p;
+    int rc = pb_start(&p, fanout, 0);
+    if (rc)
+        return rc;
+    struct pusher u[NPUSHER];
+    pthread_t th[NPUSHER];
+    for (int i = 0; i < NPUSHER; i++) {
+        u[i] = (struct pusher){pb_client(&p, fanout ? BEX_PS_PUSH_ALL : BEX_PS_PUSH_PRIMARY), i};
+        CHECK(pthread_create(&th[i], NULL, pusher_main, &u[i]) == 0);
+    }
+    for (int i = 0; i < NPUSHER; i++) {
+        CHECK(pthread_join(th[i], NULL) == 0);
+        bex_ps_client_destroy(u[i].c);
+    }
+    uint64_t keys[NKEY];
+    for (int i = 0; i < NKEY; i++)
+        keys[i] = 1000 + (uint64_t)i;
+    float rows[NREP][NKEY * 5];
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TA, keys, NKEY, rows[r]);
+        CHECK_EQ(stats(p.s[r]).pushes, NPUSHER * NPUSH); /* each once */
+    }
+    for (int r = 1; r < NREP; r++)
+        CHECK(memcmp(rows[0], rows[r], sizeof rows[0]) == 0);
+    if (!fanout) {
+        CHECK_EQ(stats(p.s[0]).lsn, NPUSHER * NPUSH);
+        CHECK_EQ(stats(p.s[1]).lsn, NPUSHER * NPUSH);
+        CHECK_EQ(stats(p.s[0]).backups_down, 0);
+    }
+    /* the clients' and the forwards' connections over the transport
+     * under test */
+    transport_check(p.cctx);
+    transport_check(p.sctx);
+    pb_stop(&p);
+    return 0;
+}
+
+static int t_adagrad(void)
+{
+    return adagrad_run(false);
+}
+
+static int t_adagrad_fanout(void)
+{
+    return adagrad_run(true);
+}
+
+/* ---- retry ---- */
+
+/* A Push body of one key of TS, grads all 1, with id (77, seq). */
+static size_t push_body(uint8_t *b, uint64_t key, uint64_t seq)
+{
+    struct bex__ps_hdr h = {.table = TS->id,
+                            .n = 1,
+                            .dim = TS->dim,
+                            .flags = BEX__PS_F_ID,
+                            .id_client = 77,
+                            .id_seq = seq,
+                            .id_tok = {0x1111, 0x2222}};
+    bex__ps_hdr_put(b, &h);
+    uint8_t *q = b + bex__ps_keys_off(&h);
+    bex__ps_put64(q, key);
+    for (uint32_t d = 0; d < TS->dim; d++)
+        bex__ps_putf(q + 8 + 4 * d, 1.0f);
+    return bex__ps_keys_off(&h) + 8 + 4 * TS->dim;
+}
+
+static bex_rpc_channel *chan_to(const struct pb *p, int r)
+{
+    bex_rpc_endpoint ep = {.addr = p->addr[r]};
+    bex_rpc_channel_config cc = {.endpoints = &ep,
+                                 .n_endpoints = 1,
+                                 .name = "raw",
+                                 .request_timeout_ms = 20000 * time_scale(),
+                                 .connect_timeout_ms = 15000 * time_scale(),
+                                 .max_attempts = 1};
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &ch));
+    return ch;
+}
+
+static bex_ctx *raw_ctx;
+
+static int call_raw(bex_rpc_channel *ch, uint32_t method, const void *body, size_t len)
+{
+    void *b = bex_rpc_alloc(raw_ctx, len);
+    CHECK(b);
+    memcpy(b, body, len);
+    void *resp = NULL;
+    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, method, b, len, NULL, &resp, NULL);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+static int t_retry(void)
+{
+    struct pb p;
+    int rc = pb_start(&p, false, 0);
+    if (rc)
+        return rc;
+    uint8_t b[256];
+    uint64_t key = 4242;
+    size_t len = push_body(b, key, 1);
+    bex_rpc_channel *ch0 = chan_to(&p, 0), *ch1 = chan_to(&p, 1);
+    raw_ctx = p.cctx;
+    CHECK_OK(call_raw(ch0, BEX_PS_M_PUSH, b, len));
+    CHECK_OK(call_raw(ch0, BEX_PS_M_PUSH, b, len)); /* the retry: acknowledged, not applied */
+    for (int r = 0; r < NREP; r++) {
+        float row[8];
+        rows_of(&p, r, TS, &key, 1, row);
+        for (uint32_t d = 0; d < TS->dim; d++) {
+            float want = bex_ps_init_value(TS->id, key, d, TS->init_scale);
+            want -= TS->lr * 1.0f;
+            CHECK(memcmp(&row[d], &want, 4) == 0);
+        }
+        bex_ps_shard_stats st = stats(p.s[r]);
+        CHECK_EQ(st.pushes, 1);
+        CHECK_EQ(st.dup_ids, 1);
+        if (r)
+            CHECK_EQ(st.fwd_applied, 2);
+    }
+    /* a client's Push to a backup; a forward out of nowhere */
+    CHECK_EQ(call_raw(ch1, BEX_PS_M_PUSH, b, len), -EPERM);
+    CHECK_EQ(stats(p.s[1]).not_primary, 1);
+    uint8_t f[BEX__PS_FWD_HDR_LEN + 256];
+    bex__ps_fwd_put(f, &(struct bex__ps_fwd_hdr){.session = 5, .lsn = 9});
+    memcpy(f + BEX__PS_FWD_HDR_LEN, b, len);
+    CHECK_EQ(call_raw(ch1, BEX_PS_M_FORWARD, f, BEX__PS_FWD_HDR_LEN + len), -ESTALE);
+    CHECK_EQ(call_raw(ch1, BEX_PS_M_FORWARD, f, 10), -EINVAL);
+    CHECK_EQ(call_raw(ch0, BEX_PS_M_FORWARD, f, BEX__PS_FWD_HDR_LEN + len), -EPERM);
+    CHECK_EQ(stats(p.s[1]).pushes, 1);
+    /* the primary's Push needs the handler */
+    void *resp = NULL;
+    size_t rlen = 0;
+    CHECK_EQ(bex_ps_shard_serve(p.s[0], p.sctx, BEX_PS_M_PUSH, b, len, &resp, &rlen), -EOPNOTSUPP);
+    CHECK_OK(bex_rpc_channel_destroy(ch0));
+    CHECK_OK(bex_rpc_channel_destroy(ch1));
+    pb_stop(&p);
+    return 0;
+}
+
+/* ---- order ---- */
+
+/* A forward of session, lsn: one Push of key 7 of TA, grads from salt. */
+static size_t fwd_body(uint8_t *b, uint64_t session, uint64_t lsn, int salt)
+{
+    bex__ps_fwd_put(b, &(struct bex__ps_fwd_hdr){.session = session, .lsn = lsn});
+    uint8_t *p = b + BEX__PS_FWD_HDR_LEN;
+    bex__ps_hdr_put(p, &(struct bex__ps_hdr){.table = TA->id, .n = 1, .dim = TA->dim});
+    bex__ps_put64(p + BEX__PS_HDR_LEN, 7);
+    for (uint32_t d = 0; d < TA->dim; d++)
+        bex__ps_putf(p + BEX__PS_HDR_LEN + 8 + 4 * d, 0.3f * (float)(salt * 3 + (int)d) - 1.1f);
+    return BEX__PS_FWD_HDR_LEN + BEX__PS_HDR_LEN + 8 + 4 * TA->dim;
+}
+
+static void async_done(int status, void *body, size_t len, void *user)
+{
+    (void)len;
+    bex_rpc_free(body);
+    atomic_store((_Atomic int *)user, status);
+}
+
+static void call_async(bex_rpc_channel *ch, const uint8_t *body, size_t len, _Atomic int *st)
+{
+    atomic_store(st, 1);
+    void *b = bex_rpc_alloc(raw_ctx, len);
+    CHECK(b);
+    memcpy(b, body, len);
+    CHECK_OK(
+        bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, b, len, NULL, async_done, st, NULL));
+}
+
+static int wait_status(_Atomic int *st)
+{
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (atomic_load(st) == 1 && pair_now_ms() < end)
+        pair_sleep_ms(2);
+    return atomic_load(st);
+}
+
+static void wait_held(bex_ps_shard *s, uint64_t n)
+{
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (stats(s).fwd_held < n && pair_now_ms() < end)
+        pair_sleep_ms(2);
+    CHECK_EQ(stats(s).fwd_held, n);
+}
+
+/* Key 7's row of a fresh shard fed the Pushes of forwards salts[0..3)
+ * in that order. */
+static void reference(bex_ctx *ctx, const int *salts, float *row)
+{
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = TABLES, .n_tables = 2};
+    struct pb p = {.sctx = ctx};
+    CHECK_OK(bex_ps_shard_create(&pc, &p.s[0]));
+    for (int i = 0; i < 3; i++) {
+        uint8_t b[256];
+        size_t len = fwd_body(b, 1, 1, salts[i]);
+        void *resp = NULL;
+        size_t rlen = 0;
+        CHECK_OK(bex_ps_shard_serve(p.s[0], ctx, BEX_PS_M_PUSH, b + BEX__PS_FWD_HDR_LEN,
+                                    len - BEX__PS_FWD_HDR_LEN, &resp, &rlen));
+        bex_rpc_free(resp);
+    }
+    uint64_t key = 7;
+    rows_of(&p, 0, TA, &key, 1, row);
+    bex_ps_shard_destroy(p.s[0]);
+}
+
+static void order_malformed(bex_rpc_channel *ch, bex_ps_shard *s)
+{
+    uint8_t b[256];
+    size_t len = fwd_body(b, 0xabc, 4, 9);
+    b[0] = 9; /* version */
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len), -EINVAL);
+    len = fwd_body(b, 0, 4, 9); /* session 0 */
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len), -EINVAL);
+    len = fwd_body(b, 0xabc, 4, 9);
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len - 1), -EINVAL); /* the Push cut */
+    bex__ps_putf(b + len - 4, NAN);
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len), -EINVAL);
+    CHECK_EQ(stats(s).pushes, 4);
+}
+
+static int t_order(void)
+{
+    struct pb p;
+    int rc = pb_start(&p, false, 0);
+    if (rc)
+        return rc;
+    raw_ctx = p.cctx;
+    bex_rpc_channel *ch = chan_to(&p, 2); /* a backup no primary feeds */
+    uint8_t b[3][256];
+    size_t len[3];
+    for (int i = 0; i < 3; i++)
+        len[i] = fwd_body(b[i], 0xabc, (uint64_t)i + 1, i);
+    _Atomic int st3a, st3b;
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[0], len[0]));
+    call_async(ch, b[2], len[2], &st3a);
+    wait_held(p.s[2], 1);
+    call_async(ch, b[2], len[2], &st3b); /* a resend of the held one */
+    CHECK_EQ(wait_status(&st3a), -EAGAIN);
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[1], len[1]));
+    CHECK_EQ(wait_status(&st3b), 0);
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[1], len[1])); /* applied already */
+    bex_ps_shard_stats bs = stats(p.s[2]);
+    CHECK(bs.pushes == 3 && bs.fwd_applied == 3 && bs.lsn == 3);
+    float row[5], want[5], wrong[5];
+    uint64_t key = 7;
+    rows_of(&p, 2, TA, &key, 1, row);
+    reference(p.sctx, (const int[]){0, 1, 2}, want);
+    reference(p.sctx, (const int[]){0, 2, 1}, wrong);
+    CHECK(memcmp(row, want, sizeof row) == 0);
+    CHECK(memcmp(want, wrong, sizeof want) != 0); /* the order shows */
+    /* too far ahead; then a new session while one is held */
+    uint8_t f[256];
+    size_t fl = fwd_body(f, 0xabc, 4 + 1024, 5);
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, f, fl), -EAGAIN);
+    fl = fwd_body(f, 0xabc, 6, 5);
+    _Atomic int st6;
+    call_async(ch, f, fl, &st6);
+    wait_held(p.s[2], 3);
+    fl = fwd_body(f, 0xdef, 1, 6);
+    CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, f, fl));
+    CHECK_EQ(wait_status(&st6), -ESTALE);
+    CHECK_EQ(stats(p.s[2]).pushes, 4);
+    fl = fwd_body(f, 0xabc, 7, 5); /* the old session: gone */
+    CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, f, fl), -ESTALE);
+    order_malformed(ch, p.s[2]);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    pb_stop(&p);
+    return 0;
+}
+
+/* ---- backup_down ---- */
+
+static int t_backup_down(void)
+{
+    struct pb p;
+    int rc = pb_start(&p, false, 1500 * time_scale());
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 99;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
+    p.srv[2] = NULL;
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+    bex_ps_shard_stats st = stats(p.s[0]);
+    CHECK_EQ(st.backups_down, 1);
+    CHECK_EQ(st.backup_down_refused, 1);
+    CHECK_EQ(st.role, BEX_PS_ROLE_PRIMARY);
+    CHECK_EQ(stats(p.s[1]).pushes, 2); /* the second Push reached backup 1 */
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
+/* ---- bench ---- */
+
+#define BN_PUSHERS 4
+#define BN_PUSHES  2000
+#define BN_KEYS    16
+
+struct bpusher {
+    bex_ps_client *c;
+    int id;
+    uint64_t ns[BN_PUSHES];
+};
+
+static void *bench_main(void *arg)
+{
+    struct bpusher *u = arg;
+    uint64_t keys[BN_KEYS];
+    static const float g[BN_KEYS * 8] = {0.5f};
+    for (int i = 0; i < BN_PUSHES; i++) {
+        for (int k = 0; k < BN_KEYS; k++)
+            keys[k] = (uint64_t)(u->id * 1000 + (i * 7 + k) % 200);
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        CHECK_OK(bex_ps_push_sync(u->c, TS->id, TS->dim, keys, BN_KEYS, g));
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        u->ns[i] = (uint64_t)(b.tv_sec - a.tv_sec) * 1000000000ull + (uint64_t)b.tv_nsec -
+                   (uint64_t)a.tv_nsec;
+    }
+    return NULL;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* One mode's run: P50, P99 (us) and Pushes a second, printed. */
+static int bench_mode(bool fanout)
+{
+    struct pb p;
+    int rc = pb_start(&p, fanout, 0);
+    if (rc)
+        return rc;
+    static struct bpusher u[BN_PUSHERS];
+    pthread_t th[BN_PUSHERS];
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (int i = 0; i < BN_PUSHERS; i++) {
+        u[i].c = pb_client(&p, fanout ? BEX_PS_PUSH_ALL : BEX_PS_PUSH_PRIMARY);
+        u[i].id = i;
+        CHECK(pthread_create(&th[i], NULL, bench_main, &u[i]) == 0);
+    }
+    for (int i = 0; i < BN_PUSHERS; i++) {
+        CHECK(pthread_join(th[i], NULL) == 0);
+        bex_ps_client_destroy(u[i].c);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    static uint64_t all[BN_PUSHERS * BN_PUSHES];
+    for (int i = 0; i < BN_PUSHERS; i++)
+        memcpy(all + i * BN_PUSHES, u[i].ns, sizeof u[i].ns);
+    size_t n = BN_PUSHERS * BN_PUSHES;
+    qsort(all, n, sizeof all[0], cmp_u64);
+    double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
+    printf("%-15s P50 %7.1f us  P99 %7.1f us  %8.0f Pushes/s\n",
+           fanout ? "client fan-out" : "primary-backup", (double)all[n / 2] / 1e3,
+           (double)all[n * 99 / 100] / 1e3, (double)n / secs);
+    pb_stop(&p);
+    return 0;
+}
+
+static int t_bench(void)
+{
+    for (int round = 0; round < 2; round++) {
+        int rc = bench_mode(true);
+        if (rc || (rc = bench_mode(false)))
+            return rc;
+    }
+    return 0;
+}
+
+/* ---- backup_restart ---- */
+
+/* Backup 2 comes back with none of its state, catching up from the
+ * primary, at its address, on a new context (a new process). */
+static void backup2_restart(struct pb *p)
+{
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_BACKUP,
+                              .flags = BEX_PS_SHARD_CATCHUP};
+    replica_start(p, 2, p->addr[2].sin_addr, &pc);
+    bex_rpc_endpoint peer = {.addr = p->addr[0]};
+    bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_catchup(p->s[2], p->bctx[2], &cc));
+}
+
+static int t_backup_restart(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 50);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 31;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    /* killed: its server, its state and its context gone */
+    CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
+    bex_ps_shard_destroy(p.s[2]);
+    CHECK_OK(bex_ctx_destroy(p.bctx[2]));
+    p.srv[2] = NULL;
+    p.s[2] = NULL;
+    p.bctx[2] = NULL;
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN); /* applied, not acked */
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+    backup2_restart(&p);
+    /* Pushes refused until a probe finds it in step, then acknowledged */
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    CHECK_OK(rc);
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    float row[NREP][8];
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK_EQ(stats(p.s[r]).lsn, 4);
+    }
+    CHECK(memcmp(row[0], row[1], sizeof row[0]) == 0);
+    CHECK(memcmp(row[0], row[2], sizeof row[0]) == 0);
+    bex_ps_shard_stats st = stats(p.s[0]);
+    CHECK(st.rejoins == 1 && st.backups_down == 0 && st.pushes == 4);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
+BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
+              {"order", t_order}, {"backup_down", t_backup_down},
+              {"backup_restart", t_backup_restart}, {"bench", t_bench})
