@@ -568,22 +568,21 @@ struct verify {
     } rep[16][4];
 };
 
-/* How many Pushes each replica applied to the trained keys: a row's value
- * after n Pushes of the constant gradient is init - lr*grad applied n times
- * (one float subtraction each, the same whatever the order). The trainers
- * say, per key and replica, how many Pushes it acknowledged and how many
- * failed there (maybe applied): a count above both is a Push applied
- * twice, one below the acknowledged a Push lost. */
-static void verify_phase(const struct plan *pl, const struct phase *ph, const char *dir,
-                         const char *cluster_json, struct verify *v, double grad)
+/* A trained key and, per replica, the Pushes of it the trainers had
+ * acknowledged and those that failed there (maybe applied). */
+struct kc {
+    uint64_t key;
+    long acked[4], unsure[4];
+};
+
+/* The trainers' counts of phase ph (dir/trainer-T.counts), one entry per
+ * trained key, summed over trainers; *n_out entries. */
+static struct kc *read_counts(const struct plan *pl, const struct phase *ph, const char *dir,
+                              size_t *n_out)
 {
-    *v = (struct verify){0};
     const int R = pl->replicas;
     size_t cap = 0, n = 0;
-    struct kc {
-        uint64_t key;
-        long acked[4], unsure[4];
-    } *kc = NULL;
+    struct kc *kc = NULL;
     uint32_t *rank_at = calloc(pl->keys, sizeof *rank_at); /* index + 1 */
     if (!rank_at)
         die("out of memory");
@@ -626,6 +625,115 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
         fclose(f);
     }
     free(rank_at);
+    *n_out = n;
+    return kc;
+}
+
+/* The cluster file cl with only replica r of each shard (json_dumps text). */
+static char *only_replica(json_t *cl, int r)
+{
+    json_t *c1 = json_deep_copy(cl);
+    json_t *shards =
+        json_object_get(json_object_get(json_object_get(c1, "services"), "ps"), "shards");
+    for (size_t s = 0; s < json_array_size(shards); s++) {
+        json_t *reps = json_object_get(json_array_get(shards, s), "replicas");
+        json_t *one = json_incref(json_array_get(reps, (size_t)r));
+        json_array_clear(reps);
+        json_array_append_new(reps, one);
+    }
+    char *txt = json_dumps(c1, 0);
+    json_decref(c1);
+    return txt;
+}
+
+/* Fetch the n keys' rows from replica r of each shard alone: 0 or an error. */
+static int fetch_replica(bex_ctx *ctx, json_t *cl, int r, const struct plan *pl,
+                         const uint64_t *keys, size_t n, float *rows)
+{
+    char *txt = only_replica(cl, r);
+    bex_dir *d = NULL;
+    bex_ps_client *ps = NULL;
+    char err[256];
+    int rc = bex_dir_create(NULL, &d);
+    if (!rc)
+        rc = bex_dir_load_json(d, txt, err, sizeof err);
+    free(txt);
+    bex_ps_client_config pc = {.dir = d, .service = "ps", .timeout_ms = 10000};
+    if (!rc)
+        rc = bex_ps_client_create(ctx, &pc, &ps);
+    for (size_t at = 0; rc == 0 && at < n; at += 4096) {
+        size_t k = n - at < 4096 ? n - at : 4096;
+        rc = bex_ps_fetch_sync(ps, pl->table, pl->dim, keys + at, k, rows + at * pl->dim);
+    }
+    bex_ps_client_destroy(ps);
+    bex_dir_destroy(d);
+    return rc;
+}
+
+/* Replica r's rows against the counts: a row's value after n Pushes of the
+ * constant gradient is init - lr*grad applied n times; a count above the
+ * acknowledged and maybe-applied is a Push applied twice, one below the
+ * acknowledged a Push lost. */
+static void count_pushes(const struct plan *pl, struct verify *v, int r, const struct kc *kc,
+                         const uint64_t *keys, const float *rows, size_t n, double grad)
+{
+    const float step = (float)pl->lr * (float)grad;
+    for (size_t i = 0; i < n; i++) {
+        struct vrep *vr = &v->rep[bex_ps_key_shard(keys[i], (uint32_t)pl->shards)][r];
+        float init = bex_ps_init_value(pl->table, keys[i], 0, 0.01f);
+        float want = rows[i * pl->dim];
+        long lo = kc[i].acked[r], hi = kc[i].acked[r] + kc[i].unsure[r];
+        long limit = 2 * hi + 64, cnt = -1;
+        volatile float x = init;
+        for (long j = 0; j <= limit; j++) {
+            if (x == want) {
+                cnt = j;
+                break;
+            }
+            x = x - step;
+        }
+        vr->checked++;
+        if (cnt < 0)
+            vr->unexplained++;
+        else if (cnt > hi) {
+            vr->twice += cnt - hi;
+            vr->twice_rows++;
+        } else if (cnt < lo) {
+            vr->missing += lo - cnt;
+            vr->missing_rows++;
+        } else
+            vr->exact++;
+    }
+}
+
+/* Rows equal, bit for bit, to the peer replica's (1 for 0, else 0): a
+ * restarted replica caught up with its peer holds the peer's rows. */
+static void compare_replicas(const struct plan *pl, struct verify *v, const uint64_t *keys,
+                             const float *all, size_t n)
+{
+    const int R = pl->replicas;
+    for (int r = 0; R > 1 && r < R; r++) {
+        int p = r ? 0 : 1;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t s = bex_ps_key_shard(keys[i], (uint32_t)pl->shards);
+            if (!v->rep[s][r].fetch_failed && !v->rep[s][p].fetch_failed &&
+                memcmp(all + ((size_t)r * n + i) * pl->dim, all + ((size_t)p * n + i) * pl->dim,
+                       pl->dim * sizeof *all) == 0)
+                v->rep[s][r].same++;
+        }
+    }
+}
+
+/* How many Pushes each replica applied to the trained keys, against what
+ * the trainers say they acknowledged per key and replica (read_counts,
+ * count_pushes), and whether the replicas agree (compare_replicas). */
+static void verify_phase(const struct plan *pl, const struct phase *ph, const char *dir,
+                         const char *cluster_json, struct verify *v, double grad)
+{
+    *v = (struct verify){0};
+    const int R = pl->replicas;
+    size_t n = 0;
+    struct kc *kc = read_counts(pl, ph, dir, &n);
     v->keys = (long)n;
     for (size_t i = 0; i < n; i++)
         for (int r = 0; r < R; r++) {
@@ -636,7 +744,6 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
         free(kc);
         return;
     }
-    const float step = (float)pl->lr * (float)grad;
     json_error_t jerr;
     json_t *cl = json_loads(cluster_json, 0, &jerr);
     uint64_t *keys = malloc(n * sizeof *keys);
@@ -657,79 +764,17 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
         goto out;
     }
     for (int r = 0; r < R; r++) {
-        /* a directory with only replica r of each shard */
-        json_t *c1 = json_deep_copy(cl);
-        json_t *shards =
-            json_object_get(json_object_get(json_object_get(c1, "services"), "ps"), "shards");
-        for (size_t s = 0; s < json_array_size(shards); s++) {
-            json_t *reps = json_object_get(json_array_get(shards, s), "replicas");
-            json_t *one = json_incref(json_array_get(reps, (size_t)r));
-            json_array_clear(reps);
-            json_array_append_new(reps, one);
-        }
-        char *txt = json_dumps(c1, 0);
-        json_decref(c1);
-        bex_dir *d = NULL;
-        bex_ps_client *ps = NULL;
-        char err[256];
-        rc = bex_dir_create(NULL, &d);
-        if (!rc)
-            rc = bex_dir_load_json(d, txt, err, sizeof err);
-        free(txt);
-        bex_ps_client_config pc = {.dir = d, .service = "ps", .timeout_ms = 10000};
-        if (!rc)
-            rc = bex_ps_client_create(ctx, &pc, &ps);
-        for (size_t at = 0; rc == 0 && at < n; at += 4096) {
-            size_t k = n - at < 4096 ? n - at : 4096;
-            rc = bex_ps_fetch_sync(ps, pl->table, pl->dim, keys + at, k, rows + at * pl->dim);
-        }
+        rc = fetch_replica(ctx, cl, r, pl, keys, n, rows);
         if (rc) {
             fprintf(stderr, "bex-cluster: check: replica %d: %s\n", r, bex_strerror(rc));
             for (int s = 0; s < pl->shards; s++)
                 v->rep[s][r].fetch_failed = 1;
+            continue;
         }
-        if (rc == 0)
-            memcpy(all + (size_t)r * n * pl->dim, rows, n * pl->dim * sizeof *rows);
-        for (size_t i = 0; rc == 0 && i < n; i++) {
-            struct vrep *vr = &v->rep[bex_ps_key_shard(keys[i], (uint32_t)pl->shards)][r];
-            float init = bex_ps_init_value(pl->table, keys[i], 0, 0.01f);
-            float want = rows[i * pl->dim];
-            long lo = kc[i].acked[r], hi = kc[i].acked[r] + kc[i].unsure[r];
-            long limit = 2 * hi + 64, cnt = -1;
-            volatile float x = init;
-            for (long j = 0; j <= limit; j++) {
-                if (x == want) {
-                    cnt = j;
-                    break;
-                }
-                x = x - step;
-            }
-            vr->checked++;
-            if (cnt < 0)
-                vr->unexplained++;
-            else if (cnt > hi) {
-                vr->twice += cnt - hi;
-                vr->twice_rows++;
-            } else if (cnt < lo) {
-                vr->missing += lo - cnt;
-                vr->missing_rows++;
-            } else
-                vr->exact++;
-        }
-        bex_ps_client_destroy(ps);
-        bex_dir_destroy(d);
+        memcpy(all + (size_t)r * n * pl->dim, rows, n * pl->dim * sizeof *rows);
+        count_pushes(pl, v, r, kc, keys, rows, n, grad);
     }
-    /* a restarted replica caught up with its peer holds the peer's rows */
-    for (int r = 0; R > 1 && r < R; r++) {
-        int p = r ? 0 : 1;
-        for (size_t i = 0; i < n; i++) {
-            uint32_t s = bex_ps_key_shard(keys[i], (uint32_t)pl->shards);
-            if (!v->rep[s][r].fetch_failed && !v->rep[s][p].fetch_failed &&
-                memcmp(all + ((size_t)r * n + i) * pl->dim, all + ((size_t)p * n + i) * pl->dim,
-                       pl->dim * sizeof *all) == 0)
-                v->rep[s][r].same++;
-        }
-    }
+    compare_replicas(pl, v, keys, all, n);
     v->done = 1;
     rc = bex_ctx_destroy(ctx);
     if (rc)
@@ -1593,22 +1638,10 @@ static void row(const char *what, double rdma, double tcp, const char *unit, int
     printf("\n");
 }
 
-static void print_tables(json_t *phases, json_t *plan, int soft_roce)
+/* What the figures depend on, stated with them: the rankers' load, the
+ * poll modes. */
+static void print_load(json_t *plan, json_t *rd, json_t *tc)
 {
-    json_t *rd = NULL, *tc = NULL, *p;
-    size_t i;
-    json_array_foreach(phases, i, p)
-    {
-        if (json_object_get(p, "fault"))
-            continue;
-        const char *t = json_string_value(json_object_get(p, "transport"));
-        if (!rd && t && strcmp(t, "rdma") == 0)
-            rd = p;
-        if (!tc && t && strcmp(t, "tcp") == 0)
-            tc = p;
-    }
-    printf("\n");
-    /* what the figures depend on, stated with them */
     json_t *rk = json_object_get(plan, "ranker");
     double rate = jpath(rk, "rate", NULL, NULL), outst = jpath(rk, "outstanding", NULL, NULL);
     if (isnan(outst))
@@ -1625,102 +1658,118 @@ static void print_tables(json_t *phases, json_t *plan, int soft_roce)
         printf("I/O threads of every process: poll mode %s over RDMA, %s over TCP.\n",
                json_string_value(json_object_get(rd, "poll")),
                json_string_value(json_object_get(tc, "poll")));
-    if (rd && tc) {
-        printf("Table 5 (shape): CPU time per PS operation (Fetch or Push), microseconds\n");
-        printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
-        row("rankers+trainers, user", jpath(rd, "cpu", "client_user_us_per_op", NULL),
-            jpath(tc, "cpu", "client_user_us_per_op", NULL), "us", 1);
-        row("rankers+trainers, system", jpath(rd, "cpu", "client_sys_us_per_op", NULL),
-            jpath(tc, "cpu", "client_sys_us_per_op", NULL), "us", 1);
-        row("bex-ps servers, user", jpath(rd, "cpu", "server_user_us_per_op", NULL),
-            jpath(tc, "cpu", "server_user_us_per_op", NULL), "us", 1);
-        row("bex-ps servers, system", jpath(rd, "cpu", "server_sys_us_per_op", NULL),
-            jpath(tc, "cpu", "server_sys_us_per_op", NULL), "us", 1);
-        printf("\nTable 6 (shape): PS Fetch latency, inference (rankers)\n");
-        printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
-        row("Fetch mean", jpath(rd, "latency", "ranker_fetch", "mean_us") / 1000,
-            jpath(tc, "latency", "ranker_fetch", "mean_us") / 1000, "ms", 1);
-        row("Fetch P99", jpath(rd, "latency", "ranker_fetch", "p99_us") / 1000,
-            jpath(tc, "latency", "ranker_fetch", "p99_us") / 1000, "ms", 1);
-        row("user request mean (k Fetches)",
-            jpath(rd, "latency", "ranker_request", "mean_us") / 1000,
-            jpath(tc, "latency", "ranker_request", "mean_us") / 1000, "ms", 1);
-        row("user request P99", jpath(rd, "latency", "ranker_request", "p99_us") / 1000,
-            jpath(tc, "latency", "ranker_request", "p99_us") / 1000, "ms", 1);
-        row("Fetch throughput", jpath(rd, "latency", "ranker_fetch", "per_s"),
-            jpath(tc, "latency", "ranker_fetch", "per_s"), "/s", 0);
-        row("user requests failed", jpath(rd, "failed_user_requests", NULL, NULL),
-            jpath(tc, "failed_user_requests", NULL, NULL), "", 0);
-        row("Fetch answer mean size", jpath(rd, "ranker_fetch_bytes", "mean", NULL) / 1024,
-            jpath(tc, "ranker_fetch_bytes", "mean", NULL) / 1024, "KiB", 0);
-        row("Fetch answer largest", jpath(rd, "ranker_fetch_bytes", "max", NULL) / 1024,
-            jpath(tc, "ranker_fetch_bytes", "max", NULL) / 1024, "KiB", 0);
-        row("Fetches of 1 MiB or more", jpath(rd, "ranker_fetch_bytes", "mib_or_more", NULL),
-            jpath(tc, "ranker_fetch_bytes", "mib_or_more", NULL), "", 0);
-        if (jpath(rd, "ranker_fetch_bytes", "large", NULL) > 0)
-            row("large Fetch mean (large_every)",
-                jpath(rd, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000,
-                jpath(tc, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000, "ms", 1);
-        printf("\nTable 7 (shape): training (trainers)\n");
-        printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
-        row("Fetch mean", jpath(rd, "latency", "trainer_fetch", "mean_us") / 1000,
-            jpath(tc, "latency", "trainer_fetch", "mean_us") / 1000, "ms", 1);
-        row("Fetch P99", jpath(rd, "latency", "trainer_fetch", "p99_us") / 1000,
-            jpath(tc, "latency", "trainer_fetch", "p99_us") / 1000, "ms", 1);
-        row("Push mean", jpath(rd, "latency", "trainer_push", "mean_us") / 1000,
-            jpath(tc, "latency", "trainer_push", "mean_us") / 1000, "ms", 1);
-        row("Push P99", jpath(rd, "latency", "trainer_push", "p99_us") / 1000,
-            jpath(tc, "latency", "trainer_push", "p99_us") / 1000, "ms", 1);
-        row("Push throughput", jpath(rd, "latency", "trainer_push", "per_s"),
-            jpath(tc, "latency", "trainer_push", "per_s"), "/s", 0);
-        row("retries (all clients)", jpath(rd, "retries", NULL, NULL),
-            jpath(tc, "retries", NULL, NULL), "", 0);
-    }
-    json_array_foreach(phases, i, p)
-    {
-        if (rd && tc && (p == rd || p == tc))
-            continue;
-        json_t *f = json_object_get(p, "fault");
-        printf("\nPhase \"%s\" (%s)%s\n", json_string_value(json_object_get(p, "name")),
-               json_string_value(json_object_get(p, "transport")),
-               f ? ": one replica killed with kill -9 mid-run, then restarted" : "");
-        if (f && json_object_get(f, "by_servers_instance"))
-            printf(
-                "  %-34s shard %d replica %d: killed at %.1f s and restarted at %.1f s (planned) "
-                "by the servers' bex-cluster\n",
-                "fault", (int)jpath(f, "shard", NULL, NULL), (int)jpath(f, "replica", NULL, NULL),
-                jpath(f, "kill_at_s", NULL, NULL), jpath(f, "restart_at_s", NULL, NULL));
-        else if (f)
-            printf("  %-34s shard %d replica %d: killed at %.1f s, restarted at %.1f s, "
-                   "serving again at %.1f s\n",
-                   "fault", (int)jpath(f, "shard", NULL, NULL),
-                   (int)jpath(f, "replica", NULL, NULL), jpath(f, "killed_at_s", NULL, NULL),
-                   jpath(f, "restarted_at_s", NULL, NULL),
-                   jpath(f, "ready_again_at_s", NULL, NULL));
-        printf("  %-34s %.0f of %.0f\n", "user requests failed",
-               jpath(p, "latency", "ranker_request", "failed"),
-               jpath(p, "latency", "ranker_request", "count"));
-        printf("  %-34s mean %.3f ms, P99 %.3f ms\n", "ranker Fetch",
-               jpath(p, "latency", "ranker_fetch", "mean_us") / 1000,
-               jpath(p, "latency", "ranker_fetch", "p99_us") / 1000);
-        if (json_object_get(p, "ranker_fetch_bytes"))
-            printf("  %-34s %.1f to %.1f KiB, mean %.1f KiB; %.0f of %.0f of 1 MiB or more\n",
-                   "ranker Fetch answer sizes", jpath(p, "ranker_fetch_bytes", "min", NULL) / 1024,
-                   jpath(p, "ranker_fetch_bytes", "max", NULL) / 1024,
-                   jpath(p, "ranker_fetch_bytes", "mean", NULL) / 1024,
-                   jpath(p, "ranker_fetch_bytes", "mib_or_more", NULL),
-                   jpath(p, "ranker_fetch_bytes", "count", NULL));
-        printf("  %-34s mean %.3f ms, P99 %.3f ms; %.0f of %.0f not acknowledged by every\n"
-               "  %-34s replica (%.0f of them by some)\n",
-               "trainer Push", jpath(p, "latency", "trainer_push", "mean_us") / 1000,
-               jpath(p, "latency", "trainer_push", "p99_us") / 1000,
-               jpath(p, "latency", "trainer_push", "failed"),
-               jpath(p, "latency", "trainer_push", "count"), "",
-               jpath(p, "push_partial", NULL, NULL));
-        printf("  %-34s %.0f (failovers %.0f, refused by the budget %.0f)\n", "retries",
-               jpath(p, "retries", NULL, NULL), jpath(p, "failovers", NULL, NULL),
-               jpath(p, "retry_throttled", NULL, NULL));
-    }
+}
+
+/* Table 5 (CPU per PS operation), RDMA against TCP. */
+static void print_table5(json_t *rd, json_t *tc)
+{
+    printf("Table 5 (shape): CPU time per PS operation (Fetch or Push), microseconds\n");
+    printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
+    row("rankers+trainers, user", jpath(rd, "cpu", "client_user_us_per_op", NULL),
+        jpath(tc, "cpu", "client_user_us_per_op", NULL), "us", 1);
+    row("rankers+trainers, system", jpath(rd, "cpu", "client_sys_us_per_op", NULL),
+        jpath(tc, "cpu", "client_sys_us_per_op", NULL), "us", 1);
+    row("bex-ps servers, user", jpath(rd, "cpu", "server_user_us_per_op", NULL),
+        jpath(tc, "cpu", "server_user_us_per_op", NULL), "us", 1);
+    row("bex-ps servers, system", jpath(rd, "cpu", "server_sys_us_per_op", NULL),
+        jpath(tc, "cpu", "server_sys_us_per_op", NULL), "us", 1);
+}
+
+/* Table 6 (Fetch latency of the rankers), RDMA against TCP. */
+static void print_table6(json_t *rd, json_t *tc)
+{
+    printf("\nTable 6 (shape): PS Fetch latency, inference (rankers)\n");
+    printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
+    row("Fetch mean", jpath(rd, "latency", "ranker_fetch", "mean_us") / 1000,
+        jpath(tc, "latency", "ranker_fetch", "mean_us") / 1000, "ms", 1);
+    row("Fetch P99", jpath(rd, "latency", "ranker_fetch", "p99_us") / 1000,
+        jpath(tc, "latency", "ranker_fetch", "p99_us") / 1000, "ms", 1);
+    row("user request mean (k Fetches)", jpath(rd, "latency", "ranker_request", "mean_us") / 1000,
+        jpath(tc, "latency", "ranker_request", "mean_us") / 1000, "ms", 1);
+    row("user request P99", jpath(rd, "latency", "ranker_request", "p99_us") / 1000,
+        jpath(tc, "latency", "ranker_request", "p99_us") / 1000, "ms", 1);
+    row("Fetch throughput", jpath(rd, "latency", "ranker_fetch", "per_s"),
+        jpath(tc, "latency", "ranker_fetch", "per_s"), "/s", 0);
+    row("user requests failed", jpath(rd, "failed_user_requests", NULL, NULL),
+        jpath(tc, "failed_user_requests", NULL, NULL), "", 0);
+    row("Fetch answer mean size", jpath(rd, "ranker_fetch_bytes", "mean", NULL) / 1024,
+        jpath(tc, "ranker_fetch_bytes", "mean", NULL) / 1024, "KiB", 0);
+    row("Fetch answer largest", jpath(rd, "ranker_fetch_bytes", "max", NULL) / 1024,
+        jpath(tc, "ranker_fetch_bytes", "max", NULL) / 1024, "KiB", 0);
+    row("Fetches of 1 MiB or more", jpath(rd, "ranker_fetch_bytes", "mib_or_more", NULL),
+        jpath(tc, "ranker_fetch_bytes", "mib_or_more", NULL), "", 0);
+    if (jpath(rd, "ranker_fetch_bytes", "large", NULL) > 0)
+        row("large Fetch mean (large_every)",
+            jpath(rd, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000,
+            jpath(tc, "ranker_fetch_bytes", "large_mean_us", NULL) / 1000, "ms", 1);
+}
+
+/* Table 7 (training), RDMA against TCP. */
+static void print_table7(json_t *rd, json_t *tc)
+{
+    printf("\nTable 7 (shape): training (trainers)\n");
+    printf("  %-34s %12s %12s        %s\n", "", "RDMA", "TCP", "reduction");
+    row("Fetch mean", jpath(rd, "latency", "trainer_fetch", "mean_us") / 1000,
+        jpath(tc, "latency", "trainer_fetch", "mean_us") / 1000, "ms", 1);
+    row("Fetch P99", jpath(rd, "latency", "trainer_fetch", "p99_us") / 1000,
+        jpath(tc, "latency", "trainer_fetch", "p99_us") / 1000, "ms", 1);
+    row("Push mean", jpath(rd, "latency", "trainer_push", "mean_us") / 1000,
+        jpath(tc, "latency", "trainer_push", "mean_us") / 1000, "ms", 1);
+    row("Push P99", jpath(rd, "latency", "trainer_push", "p99_us") / 1000,
+        jpath(tc, "latency", "trainer_push", "p99_us") / 1000, "ms", 1);
+    row("Push throughput", jpath(rd, "latency", "trainer_push", "per_s"),
+        jpath(tc, "latency", "trainer_push", "per_s"), "/s", 0);
+    row("retries (all clients)", jpath(rd, "retries", NULL, NULL), jpath(tc, "retries", NULL, NULL),
+        "", 0);
+}
+
+/* A phase outside the tables (a fault phase, say), on its own. */
+static void print_phase(json_t *p)
+{
+    json_t *f = json_object_get(p, "fault");
+    printf("\nPhase \"%s\" (%s)%s\n", json_string_value(json_object_get(p, "name")),
+           json_string_value(json_object_get(p, "transport")),
+           f ? ": one replica killed with kill -9 mid-run, then restarted" : "");
+    if (f && json_object_get(f, "by_servers_instance"))
+        printf("  %-34s shard %d replica %d: killed at %.1f s and restarted at %.1f s (planned) "
+               "by the servers' bex-cluster\n",
+               "fault", (int)jpath(f, "shard", NULL, NULL), (int)jpath(f, "replica", NULL, NULL),
+               jpath(f, "kill_at_s", NULL, NULL), jpath(f, "restart_at_s", NULL, NULL));
+    else if (f)
+        printf("  %-34s shard %d replica %d: killed at %.1f s, restarted at %.1f s, "
+               "serving again at %.1f s\n",
+               "fault", (int)jpath(f, "shard", NULL, NULL), (int)jpath(f, "replica", NULL, NULL),
+               jpath(f, "killed_at_s", NULL, NULL), jpath(f, "restarted_at_s", NULL, NULL),
+               jpath(f, "ready_again_at_s", NULL, NULL));
+    printf("  %-34s %.0f of %.0f\n", "user requests failed",
+           jpath(p, "latency", "ranker_request", "failed"),
+           jpath(p, "latency", "ranker_request", "count"));
+    printf("  %-34s mean %.3f ms, P99 %.3f ms\n", "ranker Fetch",
+           jpath(p, "latency", "ranker_fetch", "mean_us") / 1000,
+           jpath(p, "latency", "ranker_fetch", "p99_us") / 1000);
+    if (json_object_get(p, "ranker_fetch_bytes"))
+        printf("  %-34s %.1f to %.1f KiB, mean %.1f KiB; %.0f of %.0f of 1 MiB or more\n",
+               "ranker Fetch answer sizes", jpath(p, "ranker_fetch_bytes", "min", NULL) / 1024,
+               jpath(p, "ranker_fetch_bytes", "max", NULL) / 1024,
+               jpath(p, "ranker_fetch_bytes", "mean", NULL) / 1024,
+               jpath(p, "ranker_fetch_bytes", "mib_or_more", NULL),
+               jpath(p, "ranker_fetch_bytes", "count", NULL));
+    printf("  %-34s mean %.3f ms, P99 %.3f ms; %.0f of %.0f not acknowledged by every\n"
+           "  %-34s replica (%.0f of them by some)\n",
+           "trainer Push", jpath(p, "latency", "trainer_push", "mean_us") / 1000,
+           jpath(p, "latency", "trainer_push", "p99_us") / 1000,
+           jpath(p, "latency", "trainer_push", "failed"),
+           jpath(p, "latency", "trainer_push", "count"), "", jpath(p, "push_partial", NULL, NULL));
+    printf("  %-34s %.0f (failovers %.0f, refused by the budget %.0f)\n", "retries",
+           jpath(p, "retries", NULL, NULL), jpath(p, "failovers", NULL, NULL),
+           jpath(p, "retry_throttled", NULL, NULL));
+}
+
+/* Pushes applied per shard and replica, every phase that checked them. */
+static void print_push_checks(json_t *phases)
+{
+    json_t *p;
+    size_t i;
     printf("\nPushes applied, per shard and replica (each trained row read from each replica and "
            "its value\nchecked against the Pushes the trainers saw that replica acknowledge)\n");
     json_array_foreach(phases, i, p)
@@ -1753,6 +1802,36 @@ static void print_tables(json_t *phases, json_t *plan, int soft_roce)
                    json_is_true(json_object_get(r, "fetch_failed")) ? " (its Fetch failed)" : "");
         }
     }
+}
+
+static void print_tables(json_t *phases, json_t *plan, int soft_roce)
+{
+    json_t *rd = NULL, *tc = NULL, *p;
+    size_t i;
+    json_array_foreach(phases, i, p)
+    {
+        if (json_object_get(p, "fault"))
+            continue;
+        const char *t = json_string_value(json_object_get(p, "transport"));
+        if (!rd && t && strcmp(t, "rdma") == 0)
+            rd = p;
+        if (!tc && t && strcmp(t, "tcp") == 0)
+            tc = p;
+    }
+    printf("\n");
+    print_load(plan, rd, tc);
+    if (rd && tc) {
+        print_table5(rd, tc);
+        print_table6(rd, tc);
+        print_table7(rd, tc);
+    }
+    json_array_foreach(phases, i, p)
+    {
+        if (rd && tc && (p == rd || p == tc))
+            continue;
+        print_phase(p);
+    }
+    print_push_checks(phases);
     if (soft_roce)
         printf("\nNOTE: RDMA here is Soft-RoCE (rdma_rxe) inside a qemu VM without KVM: the RDMA\n"
                "timings are software-emulated, not a hardware result; compare the shapes, not the\n"
@@ -1768,15 +1847,10 @@ __attribute__((noreturn)) static void usage(int status)
     exit(status);
 }
 
-int main(int argc, char **argv)
+/* The command line into g, *plan_arg and *addrs; usage() on a bad one. */
+static void parse_args(int argc, char **argv, const char **plan_arg, const char **addrs)
 {
-    const char *plan_arg = "default", *addrs = NULL;
-    g.scale = 1;
-    g.self = getpid();
-    g.servers = g.clients = 1;
-    g.etcd_prefix = "/bex-cluster/";
     const char *only = NULL;
-    snprintf(g.out, sizeof g.out, "bex-cluster-out");
     static const struct option lo[] = {{"plan", required_argument, 0, 'p'},
                                        {"out", required_argument, 0, 'o'},
                                        {"addrs", required_argument, 0, 'a'},
@@ -1798,13 +1872,13 @@ int main(int argc, char **argv)
         case 'h':
             usage(0);
         case 'p':
-            plan_arg = optarg;
+            *plan_arg = optarg;
             break;
         case 'o':
             snprintf(g.out, sizeof g.out, "%s", optarg);
             break;
         case 'a':
-            addrs = optarg;
+            *addrs = optarg;
             break;
         case 'b':
             snprintf(g.bin, sizeof g.bin, "%s", optarg);
@@ -1819,7 +1893,7 @@ int main(int argc, char **argv)
             break;
         case 'P':
             fputs(DEFAULT_PLAN, stdout);
-            return 0;
+            exit(0);
         case 'E':
             g.etcd = optarg;
             break;
@@ -1844,9 +1918,11 @@ int main(int argc, char **argv)
     if (optind != argc || (only && !g.etcd) || !g.etcd_prefix[0] ||
         g.etcd_prefix[strlen(g.etcd_prefix) - 1] != '/' || strlen(g.etcd_prefix) > 256)
         usage(2);
-    g.tty = isatty(2);
+}
 
-    /* where the programs are: beside us, bex-ps in ../ps of a build tree */
+/* Where the programs are: beside us, bex-ps in ../ps of a build tree. */
+static void find_programs(void)
+{
     if (!g.bin[0]) {
         char self[2048];
         ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -1861,8 +1937,12 @@ int main(int argc, char **argv)
         snprintf(g.ps_bin, sizeof g.ps_bin, "%s/../ps/bex-ps", g.bin);
     if (access(g.ps_bin, X_OK))
         die("no bex-ps beside %s or in %s/../ps", g.bin, g.bin);
+}
 
-    /* addresses: --addrs, else the VM's (BEX_TEST_ADDR0/1), else loopback */
+/* The hosts' addresses: --addrs, else the VM's (BEX_TEST_ADDR0/1), else
+ * loopback. */
+static void parse_addrs(const char *addrs)
+{
     char abuf[256];
     const char *e0 = getenv("BEX_TEST_ADDR0"), *e1 = getenv("BEX_TEST_ADDR1");
     if (!addrs && e0 && e1) {
@@ -1881,14 +1961,14 @@ int main(int argc, char **argv)
             snprintf(g.addrs[g.n_addrs++], INET_ADDRSTRLEN, "%s", t);
         }
     }
+}
 
-    struct plan pl = {0};
-    plan_load(&pl, plan_arg);
-
-    /* RDMA phases need a device on the address: said now, not mid-run */
-    int soft_roce = 0;
-    for (int i = 0; i < pl.n_ph; i++)
-        if (strcmp(pl.ph[i].transport, "rdma") == 0) {
+/* RDMA phases need a device on the address: said now, not mid-run. Returns
+ * whether the device is Soft-RoCE (the tables say so). */
+static int check_rdma(const struct plan *pl)
+{
+    for (int i = 0; i < pl->n_ph; i++)
+        if (strcmp(pl->ph[i].transport, "rdma") == 0) {
             bex_ctx_config cc = {.transport = BEX_TRANSPORT_RDMA, .log_level = BEX_LOG_ERROR};
             inet_pton(AF_INET, g.addrs[0], &cc.local_addr);
             bex_ctx *ctx;
@@ -1896,13 +1976,19 @@ int main(int argc, char **argv)
             if (rc)
                 die("phase %s runs over RDMA, but no RDMA device carries %s (%s); `make demo` "
                     "runs the plan inside the Soft-RoCE VM on a host without one",
-                    pl.ph[i].name, g.addrs[0], bex_strerror(rc));
+                    pl->ph[i].name, g.addrs[0], bex_strerror(rc));
             bex_ctx_destroy(ctx);
             break;
         }
     if (access("/sys/class/infiniband/rxe0", F_OK) == 0 || getenv("BEX_IN_VM"))
-        soft_roce = 1;
+        return 1;
 
+    return 0;
+}
+
+/* The output directory, the snapshots' directory, the pids and series files. */
+static void prepare_out(void)
+{
     if (mkdir(g.out, 0755) && errno != EEXIST)
         die("%s: %s", g.out, strerror(errno));
     const char *tmp = getenv("TMPDIR");
@@ -1924,7 +2010,11 @@ int main(int argc, char **argv)
                     "request, trainer Fetch, trainer Push; then failed user requests\n");
         fclose(sf);
     }
+}
 
+/* Signals that stop the run, delivered only inside ppoll (pump). */
+static void install_signals(void)
+{
     struct sigaction sa = {.sa_handler = on_signal};
     sigemptyset(&sa.sa_mask);
     sigset_t block;
@@ -1938,6 +2028,47 @@ int main(int argc, char **argv)
     sigprocmask(SIG_BLOCK, &block, NULL);
     signal(SIGPIPE, SIG_IGN);
     start_keeper();
+}
+
+/* results.json and the tables. */
+static void write_results(const struct plan *pl, json_t *phases, int soft_roce, double t_start)
+{
+    char path[PATH_MAX + 32];
+    json_t *res = json_object();
+    json_object_set(res, "plan", pl->root);
+    json_object_set_new(res, "soft_roce", json_boolean(soft_roce));
+    json_object_set_new(res, "elapsed_s", json_real(now_s() - t_start));
+    json_object_set(res, "phases", phases);
+    snprintf(path, sizeof path, "%s/results.json", g.out);
+    if (json_dump_file(res, path, JSON_INDENT(2)))
+        die("%s: cannot write", path);
+    if (g.clients)
+        print_tables(phases, pl->root, soft_roce);
+    else
+        printf("\nbex-cluster --only servers: %d phase%s served; the clients' bex-cluster has the "
+               "tables\n",
+               (int)json_array_size(phases), json_array_size(phases) == 1 ? "" : "s");
+    printf("\nraw results: %s/results.json; latency over time: %s/series.dat\n", g.out, g.out);
+    json_decref(res);
+}
+
+int main(int argc, char **argv)
+{
+    const char *plan_arg = "default", *addrs = NULL;
+    g.scale = 1;
+    g.self = getpid();
+    g.servers = g.clients = 1;
+    g.etcd_prefix = "/bex-cluster/";
+    snprintf(g.out, sizeof g.out, "bex-cluster-out");
+    parse_args(argc, argv, &plan_arg, &addrs);
+    g.tty = isatty(2);
+    find_programs();
+    parse_addrs(addrs);
+    struct plan pl = {0};
+    plan_load(&pl, plan_arg);
+    int soft_roce = check_rdma(&pl);
+    prepare_out();
+    install_signals();
 
     double t_start = now_s();
     json_t *phases = json_array();
@@ -1957,27 +2088,12 @@ int main(int argc, char **argv)
         fclose(g.pids);
         return 128 + sig;
     }
-
-    json_t *res = json_object();
-    json_object_set(res, "plan", pl.root);
-    json_object_set_new(res, "soft_roce", json_boolean(soft_roce));
-    json_object_set_new(res, "elapsed_s", json_real(now_s() - t_start));
-    json_object_set_new(res, "phases", phases);
-    snprintf(path, sizeof path, "%s/results.json", g.out);
-    if (json_dump_file(res, path, JSON_INDENT(2)))
-        die("%s: cannot write", path);
-    if (g.clients)
-        print_tables(phases, pl.root, soft_roce);
-    else
-        printf("\nbex-cluster --only servers: %d phase%s served; the clients' bex-cluster has the "
-               "tables\n",
-               (int)json_array_size(phases), json_array_size(phases) == 1 ? "" : "s");
-    printf("\nraw results: %s/results.json; latency over time: %s/series.dat\n", g.out, g.out);
+    write_results(&pl, phases, soft_roce, t_start);
     int failed = 0;
     size_t i;
     json_t *p;
     json_array_foreach(phases, i, p) failed += (int)jpath(p, "client_errors", NULL, NULL);
-    json_decref(res);
+    json_decref(phases);
     json_decref(pl.root);
     fclose(g.pids);
     return failed ? 1 : 0;
