@@ -161,24 +161,14 @@ static unsigned take_hole(uint64_t *m, unsigned n, unsigned *max_run)
 
 static void bucket_remove(struct bex__mem_heap *h, struct bex__mem_chunk *c)
 {
-    if (c->bprev) {
-        c->bprev->bnext = c->bnext;
-    } else {
-        h->by_run[c->max_run] = c->bnext;
-        if (!c->bnext)
-            h->run_mask &= ~((uint64_t)1 << c->max_run);
-    }
-    if (c->bnext)
-        c->bnext->bprev = c->bprev;
+    bex__list_remove(&c->blink);
+    if (bex__list_empty(&h->by_run[c->max_run]))
+        h->run_mask &= ~((uint64_t)1 << c->max_run);
 }
 
 static void bucket_insert(struct bex__mem_heap *h, struct bex__mem_chunk *c)
 {
-    c->bprev = NULL;
-    c->bnext = h->by_run[c->max_run];
-    if (c->bnext)
-        c->bnext->bprev = c;
-    h->by_run[c->max_run] = c;
+    bex__list_push_head(&h->by_run[c->max_run], &c->blink);
     h->run_mask |= (uint64_t)1 << c->max_run;
 }
 
@@ -188,7 +178,7 @@ static struct bex__mem_span *chunk_run_get(struct bex__mem_heap *h, unsigned n)
     uint64_t fit = h->run_mask & (~(uint64_t)0 << n);
     struct bex__mem_chunk *c;
     if (fit) {
-        c = h->by_run[__builtin_ctzll(fit)];
+        c = bex__list_entry(h->by_run[__builtin_ctzll(fit)].next, struct bex__mem_chunk, blink);
     } else {
         c = bex__mem_pool_chunk_get(h->pool);
         if (!c)
@@ -686,7 +676,10 @@ static uint32_t run_live(struct bex__mem_span *s)
 
 static bool general_busy(bex_mem_pool *pool)
 {
-    for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next) {
+    struct bex__list *pos;
+    bex__list_foreach(pos, &pool->chunks)
+    {
+        struct bex__mem_chunk *c = bex__list_entry(pos, struct bex__mem_chunk, link);
         for (unsigned i = 1; i < BEX__MEM_SPANS;) {
             if (c->free_mask & ((uint64_t)1 << i)) {
                 i++;

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "bex/mem.h"
+#include "common/list.h"
 
 #define BEX__MEM_LIKELY(x)   __builtin_expect(!!(x), 1)
 #define BEX__MEM_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -119,12 +120,12 @@ struct bex__mem_chunk {
     size_t map_size; /* bytes mapped */
     size_t usable;   /* huge: bytes usable at the user pointer */
     /* owning heap only (pool lock while the pool holds it empty): */
-    uint64_t free_mask;                   /* bit i = span i free */
-    unsigned max_run;                     /* longest run of free spans */
-    struct bex__mem_chunk *bnext, *bprev; /* heap bucket by max_run / pool empty list */
+    uint64_t free_mask;     /* bit i = span i free */
+    unsigned max_run;       /* longest run of free spans */
+    struct bex__list blink; /* heap bucket by max_run / pool empty list */
     /* pool lock: */
-    struct bex__mem_chunk *next, *prev; /* all regular chunks / huge lists */
-    struct bex__mem_land *land;         /* landing chunks: page map, in span 0 */
+    struct bex__list link;      /* all regular chunks / huge lists */
+    struct bex__mem_land *land; /* landing chunks: page map, in span 0 */
 };
 
 /* Cache colour of chunk headers. Chunks are 4 MiB aligned, so headers at
@@ -173,7 +174,7 @@ struct bex__mem_heap {
                                yet added to the pool counter; slow paths only */
     struct bex__mem_bin bins[BEX__MEM_NCLS];
     struct bex__mem_span *active[BEX__MEM_NCLS];        /* class lists, head = active */
-    struct bex__mem_chunk *by_run[BEX__MEM_SPANS];      /* owned chunks by longest free run */
+    struct bex__list by_run[BEX__MEM_SPANS];            /* owned chunks by longest free run */
     uint64_t run_mask;                                  /* bit k: by_run[k] not empty */
     unsigned colour;                                    /* next cache colour of a medium run */
     struct bex__mem_span *rcache[BEX__MEM_MAX_RUN + 1]; /* free runs by length */
@@ -210,15 +211,15 @@ struct bex_mem_pool {
     size_t retain;
     /* written on slow paths: kept off id's cache line */
     alignas(64) pthread_mutex_t lock;
-    struct bex__mem_chunk *chunks; /* all regular chunks */
-    struct bex__mem_chunk *empty;  /* retained empty chunks */
-    struct bex__mem_chunk *huge_live;
-    struct bex__mem_chunk *huge_cached;
+    struct bex__list chunks; /* all regular chunks (link) */
+    struct bex__list empty;  /* retained empty chunks (blink), LIFO */
+    struct bex__list huge_live;
+    struct bex__list huge_cached;
     size_t retained_bytes; /* empty chunks + cached huge mappings */
     struct bex__mem_heap *heaps;
     struct bex__mem_heap *orphans;
-    _Atomic size_t norphans;       /* hint, read without the lock */
-    struct bex_mem_pool *reg_next; /* registry of live pools */
+    _Atomic size_t norphans;   /* hint, read without the lock */
+    struct bex__list reg_link; /* registry of live pools */
 
     alignas(64) _Atomic size_t registered_bytes;
     _Atomic size_t peak_registered_bytes;
