@@ -85,11 +85,11 @@ struct bex__mem_span {
      * block_size of the run's head */
     void *free; /* local free list (blocks back in the run) */
     struct bex__mem_heap *heap;
-    struct bex__mem_span *next, *prev; /* class list, or heap cache list */
-    uint32_t used;                     /* blocks not in the run: held by the user, in the
-                                          heap's bin, or freed remotely and not collected */
-    uint32_t nfree;                    /* blocks on the local free list */
-    uint32_t capacity;                 /* blocks in the run */
+    struct bex__list link; /* class list, or heap cache list */
+    uint32_t used;         /* blocks not in the run: held by the user, in the
+                              heap's bin, or freed remotely and not collected */
+    uint32_t nfree;        /* blocks on the local free list */
+    uint32_t capacity;     /* blocks in the run */
     uint32_t block_size;
     uint32_t bump; /* small: bytes of the run carved so far;
                       medium: offset of the block in the run */
@@ -173,11 +173,12 @@ struct bex__mem_heap {
     _Atomic int64_t delta;  /* bytes moved out of runs (to users or bins) and not
                                yet added to the pool counter; slow paths only */
     struct bex__mem_bin bins[BEX__MEM_NCLS];
-    struct bex__mem_span *active[BEX__MEM_NCLS];        /* class lists, head = active */
-    struct bex__list by_run[BEX__MEM_SPANS];            /* owned chunks by longest free run */
-    uint64_t run_mask;                                  /* bit k: by_run[k] not empty */
-    unsigned colour;                                    /* next cache colour of a medium run */
-    struct bex__mem_span *rcache[BEX__MEM_MAX_RUN + 1]; /* free runs by length */
+    struct bex__mem_span *active[BEX__MEM_NCLS];   /* class lists' first, or the empty span */
+    struct bex__list cls[BEX__MEM_NCLS];           /* class lists (span link) */
+    struct bex__list by_run[BEX__MEM_SPANS];       /* owned chunks by longest free run */
+    uint64_t run_mask;                             /* bit k: by_run[k] not empty */
+    unsigned colour;                               /* next cache colour of a medium run */
+    struct bex__list rcache[BEX__MEM_MAX_RUN + 1]; /* free runs by length, LIFO */
     uint8_t rcache_len[BEX__MEM_MAX_RUN + 1];
     size_t rcache_bytes;
     struct bex_mem_pool *pool;

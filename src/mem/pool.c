@@ -429,6 +429,10 @@ struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool)
     }
     for (unsigned k = 0; k < BEX__MEM_SPANS; k++)
         bex__list_init(&h->by_run[k]);
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++)
+        bex__list_init(&h->cls[c]);
+    for (unsigned n = 0; n <= BEX__MEM_MAX_RUN; n++)
+        bex__list_init(&h->rcache[n]);
     h->pool = pool;
     pthread_mutex_lock(&pool->lock);
     h->all_next = pool->heaps;

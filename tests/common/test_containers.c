@@ -202,6 +202,11 @@ static int list_ops(void)
     CHECK_EQ(k, 3);
     bex__list_push_head(&head, &it[3].link);
     CHECK_EQ(bex__list_entry(bex__list_first(&head), struct item, link)->v, 3);
+    bex__list_insert_after(&it[4].link, &it[1].link); /* 3 2 4 1 0 */
+    int order2[5] = {3, 2, 4, 1, 0};
+    k = 0;
+    bex__list_foreach(pos, &head) CHECK_EQ(bex__list_entry(pos, struct item, link)->v, order2[k++]);
+    CHECK_EQ(k, 5);
     return 0;
 }
 
