@@ -55,6 +55,12 @@ static inline void bex__list_push_head(struct bex__list *head, struct bex__list 
     bex__list__between(n, head, head->next);
 }
 
+/* Insert n (on no list) right after pos, an element or the head. */
+static inline void bex__list_insert_after(struct bex__list *pos, struct bex__list *n)
+{
+    bex__list__between(n, pos, pos->next);
+}
+
 /* Take n off its list (nothing if it is on none); n is then on no list. */
 static inline void bex__list_remove(struct bex__list *n)
 {

@@ -83,27 +83,23 @@ static void list_insert(struct bex__mem_heap *h, struct bex__mem_span *s)
     struct bex__mem_span *head = h->active[s->cls];
     s->attached = 1;
     if (head == &bex__mem_empty_span) {
-        s->prev = s->next = NULL;
+        bex__list_push_head(&h->cls[s->cls], &s->link);
         h->active[s->cls] = s;
         return;
     }
     /* Behind the head: the head is being consumed, and a run that comes
      * back usually holds only a few free blocks. */
-    s->prev = head;
-    s->next = head->next;
-    if (head->next)
-        head->next->prev = s;
-    head->next = s;
+    bex__list_insert_after(&head->link, &s->link);
 }
 
 static void list_remove(struct bex__mem_heap *h, struct bex__mem_span *s)
 {
-    if (s->prev)
-        s->prev->next = s->next;
-    else
-        h->active[s->cls] = s->next ? s->next : &bex__mem_empty_span;
-    if (s->next)
-        s->next->prev = s->prev;
+    bex__list_remove(&s->link);
+    if (h->active[s->cls] == s) {
+        struct bex__list *f = bex__list_first(&h->cls[s->cls]);
+        h->active[s->cls] =
+            f ? bex__list_entry(f, struct bex__mem_span, link) : &bex__mem_empty_span;
+    }
     s->attached = 0;
 }
 
@@ -161,24 +157,14 @@ static unsigned take_hole(uint64_t *m, unsigned n, unsigned *max_run)
 
 static void bucket_remove(struct bex__mem_heap *h, struct bex__mem_chunk *c)
 {
-    if (c->bprev) {
-        c->bprev->bnext = c->bnext;
-    } else {
-        h->by_run[c->max_run] = c->bnext;
-        if (!c->bnext)
-            h->run_mask &= ~((uint64_t)1 << c->max_run);
-    }
-    if (c->bnext)
-        c->bnext->bprev = c->bprev;
+    bex__list_remove(&c->blink);
+    if (bex__list_empty(&h->by_run[c->max_run]))
+        h->run_mask &= ~((uint64_t)1 << c->max_run);
 }
 
 static void bucket_insert(struct bex__mem_heap *h, struct bex__mem_chunk *c)
 {
-    c->bprev = NULL;
-    c->bnext = h->by_run[c->max_run];
-    if (c->bnext)
-        c->bnext->bprev = c;
-    h->by_run[c->max_run] = c;
+    bex__list_push_head(&h->by_run[c->max_run], &c->blink);
     h->run_mask |= (uint64_t)1 << c->max_run;
 }
 
@@ -188,7 +174,7 @@ static struct bex__mem_span *chunk_run_get(struct bex__mem_heap *h, unsigned n)
     uint64_t fit = h->run_mask & (~(uint64_t)0 << n);
     struct bex__mem_chunk *c;
     if (fit) {
-        c = h->by_run[__builtin_ctzll(fit)];
+        c = bex__list_entry(h->by_run[__builtin_ctzll(fit)].next, struct bex__mem_chunk, blink);
     } else {
         c = bex__mem_pool_chunk_get(h->pool);
         if (!c)
@@ -233,9 +219,10 @@ static void chunk_run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
 
 static struct bex__mem_span *run_get(struct bex__mem_heap *h, unsigned n)
 {
-    struct bex__mem_span *s = h->rcache[n];
-    if (s) {
-        h->rcache[n] = s->next;
+    struct bex__list *f = bex__list_first(&h->rcache[n]);
+    if (f) {
+        struct bex__mem_span *s = bex__list_entry(f, struct bex__mem_span, link);
+        bex__list_remove(f);
         h->rcache_len[n]--;
         h->rcache_bytes -= (size_t)n << BEX__MEM_SPAN_SHIFT;
         return s;
@@ -251,8 +238,7 @@ static void run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
         h->rcache_bytes + bytes <= RCACHE_BYTES) {
         s->kind = BEX__MEM_CACHED;
         s->free = NULL;
-        s->next = h->rcache[n];
-        h->rcache[n] = s;
+        bex__list_push_head(&h->rcache[n], &s->link);
         h->rcache_len[n]++;
         h->rcache_bytes += bytes;
         return;
@@ -263,10 +249,10 @@ static void run_put(struct bex__mem_heap *h, struct bex__mem_span *s)
 static void rcache_flush(struct bex__mem_heap *h)
 {
     for (unsigned n = 1; n <= BEX__MEM_MAX_RUN; n++) {
-        while (h->rcache[n]) {
-            struct bex__mem_span *s = h->rcache[n];
-            h->rcache[n] = s->next;
-            chunk_run_put(h, s);
+        struct bex__list *f;
+        while ((f = bex__list_first(&h->rcache[n]))) {
+            bex__list_remove(f);
+            chunk_run_put(h, bex__list_entry(f, struct bex__mem_span, link));
         }
         h->rcache_len[n] = 0;
     }
@@ -561,16 +547,16 @@ void bex__mem_heap_tidy(struct bex__mem_heap *h)
     bex__mem_heap_flush_bins(h);
     drain(h);
     for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
-        struct bex__mem_span *s = h->active[c];
-        while (s && s != &bex__mem_empty_span) {
-            struct bex__mem_span *next = s->next;
+        struct bex__list *pos, *tmp;
+        bex__list_foreach_safe(pos, tmp, &h->cls[c])
+        {
+            struct bex__mem_span *s = bex__list_entry(pos, struct bex__mem_span, link);
             collect(h, s);
             if (s->used == 0 &&
                 !(atomic_load_explicit(&s->xfree, memory_order_relaxed) & BEX__MEM_XQUEUED)) {
                 list_remove(h, s);
                 run_put(h, s);
             }
-            s = next;
         }
     }
     rcache_flush(h); /* chunks that become empty go back to the pool */
@@ -686,7 +672,10 @@ static uint32_t run_live(struct bex__mem_span *s)
 
 static bool general_busy(bex_mem_pool *pool)
 {
-    for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next) {
+    struct bex__list *pos;
+    bex__list_foreach(pos, &pool->chunks)
+    {
+        struct bex__mem_chunk *c = bex__list_entry(pos, struct bex__mem_chunk, link);
         for (unsigned i = 1; i < BEX__MEM_SPANS;) {
             if (c->free_mask & ((uint64_t)1 << i)) {
                 i++;
@@ -893,8 +882,10 @@ void bex_mem_pool_collect(bex_mem_pool *pool)
     /* detached runs (full small ones, medium ones) that got a remote free */
     drain(h);
     /* and the attached runs of every class, whose remote frees wait in xfree */
-    for (unsigned c = 0; c < BEX__MEM_NCLS; c++)
-        for (struct bex__mem_span *s = h->active[c]; s && s != &bex__mem_empty_span; s = s->next)
-            collect(h, s);
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
+        struct bex__list *pos;
+        bex__list_foreach(pos, &h->cls[c])
+            collect(h, bex__list_entry(pos, struct bex__mem_span, link));
+    }
     maybe_flush(h, true);
 }

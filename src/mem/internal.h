@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "bex/mem.h"
+#include "common/list.h"
 
 #define BEX__MEM_LIKELY(x)   __builtin_expect(!!(x), 1)
 #define BEX__MEM_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -84,11 +85,11 @@ struct bex__mem_span {
      * block_size of the run's head */
     void *free; /* local free list (blocks back in the run) */
     struct bex__mem_heap *heap;
-    struct bex__mem_span *next, *prev; /* class list, or heap cache list */
-    uint32_t used;                     /* blocks not in the run: held by the user, in the
-                                          heap's bin, or freed remotely and not collected */
-    uint32_t nfree;                    /* blocks on the local free list */
-    uint32_t capacity;                 /* blocks in the run */
+    struct bex__list link; /* class list, or heap cache list */
+    uint32_t used;         /* blocks not in the run: held by the user, in the
+                              heap's bin, or freed remotely and not collected */
+    uint32_t nfree;        /* blocks on the local free list */
+    uint32_t capacity;     /* blocks in the run */
     uint32_t block_size;
     uint32_t bump; /* small: bytes of the run carved so far;
                       medium: offset of the block in the run */
@@ -119,12 +120,12 @@ struct bex__mem_chunk {
     size_t map_size; /* bytes mapped */
     size_t usable;   /* huge: bytes usable at the user pointer */
     /* owning heap only (pool lock while the pool holds it empty): */
-    uint64_t free_mask;                   /* bit i = span i free */
-    unsigned max_run;                     /* longest run of free spans */
-    struct bex__mem_chunk *bnext, *bprev; /* heap bucket by max_run / pool empty list */
+    uint64_t free_mask;     /* bit i = span i free */
+    unsigned max_run;       /* longest run of free spans */
+    struct bex__list blink; /* heap bucket by max_run / pool empty list */
     /* pool lock: */
-    struct bex__mem_chunk *next, *prev; /* all regular chunks / huge lists */
-    struct bex__mem_land *land;         /* landing chunks: page map, in span 0 */
+    struct bex__list link;      /* all regular chunks / huge lists */
+    struct bex__mem_land *land; /* landing chunks: page map, in span 0 */
 };
 
 /* Cache colour of chunk headers. Chunks are 4 MiB aligned, so headers at
@@ -172,11 +173,12 @@ struct bex__mem_heap {
     _Atomic int64_t delta;  /* bytes moved out of runs (to users or bins) and not
                                yet added to the pool counter; slow paths only */
     struct bex__mem_bin bins[BEX__MEM_NCLS];
-    struct bex__mem_span *active[BEX__MEM_NCLS];        /* class lists, head = active */
-    struct bex__mem_chunk *by_run[BEX__MEM_SPANS];      /* owned chunks by longest free run */
-    uint64_t run_mask;                                  /* bit k: by_run[k] not empty */
-    unsigned colour;                                    /* next cache colour of a medium run */
-    struct bex__mem_span *rcache[BEX__MEM_MAX_RUN + 1]; /* free runs by length */
+    struct bex__mem_span *active[BEX__MEM_NCLS];   /* class lists' first, or the empty span */
+    struct bex__list cls[BEX__MEM_NCLS];           /* class lists (span link) */
+    struct bex__list by_run[BEX__MEM_SPANS];       /* owned chunks by longest free run */
+    uint64_t run_mask;                             /* bit k: by_run[k] not empty */
+    unsigned colour;                               /* next cache colour of a medium run */
+    struct bex__list rcache[BEX__MEM_MAX_RUN + 1]; /* free runs by length, LIFO */
     uint8_t rcache_len[BEX__MEM_MAX_RUN + 1];
     size_t rcache_bytes;
     struct bex_mem_pool *pool;
@@ -210,15 +212,15 @@ struct bex_mem_pool {
     size_t retain;
     /* written on slow paths: kept off id's cache line */
     alignas(64) pthread_mutex_t lock;
-    struct bex__mem_chunk *chunks; /* all regular chunks */
-    struct bex__mem_chunk *empty;  /* retained empty chunks */
-    struct bex__mem_chunk *huge_live;
-    struct bex__mem_chunk *huge_cached;
+    struct bex__list chunks; /* all regular chunks (link) */
+    struct bex__list empty;  /* retained empty chunks (blink), LIFO */
+    struct bex__list huge_live;
+    struct bex__list huge_cached;
     size_t retained_bytes; /* empty chunks + cached huge mappings */
     struct bex__mem_heap *heaps;
     struct bex__mem_heap *orphans;
-    _Atomic size_t norphans;       /* hint, read without the lock */
-    struct bex_mem_pool *reg_next; /* registry of live pools */
+    _Atomic size_t norphans;   /* hint, read without the lock */
+    struct bex__list reg_link; /* registry of live pools */
 
     alignas(64) _Atomic size_t registered_bytes;
     _Atomic size_t peak_registered_bytes;

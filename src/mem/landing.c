@@ -113,7 +113,10 @@ void *bex__mem_land_alloc(bex_mem_pool *pool, size_t size)
     unsigned n = size ? (unsigned)((size + BEX__MEM_PAGE - 1) / BEX__MEM_PAGE) : 1;
     void *out = NULL;
     pthread_mutex_lock(&pool->lock);
-    for (struct bex__mem_chunk *c = pool->chunks; c && !out; c = c->next) {
+    struct bex__list *pos;
+    bex__list_foreach(pos, &pool->chunks)
+    {
+        struct bex__mem_chunk *c = bex__list_entry(pos, struct bex__mem_chunk, link);
         if (c->land->nfree < n)
             continue;
         int p = find_run(c->land->free, n);
@@ -122,6 +125,7 @@ void *bex__mem_land_alloc(bex_mem_pool *pool, size_t size)
         if (c->land->nfree == BEX__MEM_LAND_USABLE)
             pool->retained_bytes -= BEX__MEM_CHUNK_SIZE; /* a retained empty chunk */
         out = take(c, p, n);
+        break;
     }
     pthread_mutex_unlock(&pool->lock);
     if (!out) {
@@ -157,12 +161,7 @@ void bex__mem_land_free(void *ptr)
     l->nfree += n;
     if (l->nfree == BEX__MEM_LAND_USABLE) {
         if (pool->retained_bytes + BEX__MEM_CHUNK_SIZE > pool->retain) {
-            if (c->prev)
-                c->prev->next = c->next;
-            else
-                pool->chunks = c->next;
-            if (c->next)
-                c->next->prev = c->prev;
+            bex__list_remove(&c->link);
             release = true;
         } else {
             pool->retained_bytes += BEX__MEM_CHUNK_SIZE;
@@ -183,9 +182,12 @@ size_t bex__mem_land_usable(const void *ptr)
 
 static bool land_busy(bex_mem_pool *pool)
 {
-    for (struct bex__mem_chunk *c = pool->chunks; c; c = c->next)
-        if (c->land->nfree != BEX__MEM_LAND_USABLE)
+    struct bex__list *pos;
+    bex__list_foreach(pos, &pool->chunks)
+    {
+        if (bex__list_entry(pos, struct bex__mem_chunk, link)->land->nfree != BEX__MEM_LAND_USABLE)
             return true;
+    }
     return false;
 }
 

@@ -50,7 +50,7 @@ const uint8_t bex__mem_class_spans[BEX__MEM_NCLS] = {
  * still exist; pools are looked up by id under this mutex, which
  * bex_mem_pool_destroy() also takes, so the two never overlap. */
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static bex_mem_pool *registry;
+static struct bex__list registry = {&registry, &registry};
 static _Atomic uint64_t next_pool_id = 1;
 
 void bex__mem_registry_lock(void)
@@ -64,9 +64,13 @@ void bex__mem_registry_unlock(void)
 
 bex_mem_pool *bex__mem_registry_find(uint64_t id)
 {
-    for (bex_mem_pool *p = registry; p; p = p->reg_next)
+    struct bex__list *pos;
+    bex__list_foreach(pos, &registry)
+    {
+        bex_mem_pool *p = bex__list_entry(pos, bex_mem_pool, reg_link);
         if (p->id == id)
             return p;
+    }
     return NULL;
 }
 
@@ -202,11 +206,7 @@ void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
 /* Put a new chunk at the head of the pool's list (pool lock held). */
 void bex__mem_pool_chunk_link(bex_mem_pool *pool, struct bex__mem_chunk *c)
 {
-    c->prev = NULL;
-    c->next = pool->chunks;
-    if (c->next)
-        c->next->prev = c;
-    pool->chunks = c;
+    bex__list_push_head(&pool->chunks, &c->link);
 }
 
 /* A new registered chunk, empty, on the pool's list. NULL + errno. */
@@ -235,9 +235,10 @@ struct bex__mem_chunk *bex__mem_pool_chunk_get(bex_mem_pool *pool)
 {
     for (int round = 0;; round++) {
         pthread_mutex_lock(&pool->lock);
-        struct bex__mem_chunk *c = pool->empty;
+        struct bex__list *e = bex__list_first(&pool->empty);
+        struct bex__mem_chunk *c = e ? bex__list_entry(e, struct bex__mem_chunk, blink) : NULL;
         if (c) {
-            pool->empty = c->bnext;
+            bex__list_remove(e);
             pool->retained_bytes -= BEX__MEM_CHUNK_SIZE;
         }
         pthread_mutex_unlock(&pool->lock);
@@ -276,8 +277,13 @@ int bex_mem_pool_reserve(bex_mem_pool *pool, size_t count, size_t size)
         want = pool->retain / BEX__MEM_CHUNK_SIZE; /* more would be released again */
     pthread_mutex_lock(&pool->lock);
     size_t have = 0;
-    for (struct bex__mem_chunk *c = pool->empty; c && have < want; c = c->bnext)
+    struct bex__list *pos;
+    bex__list_foreach(pos, &pool->empty)
+    {
+        if (have == want)
+            break;
         have++;
+    }
     pthread_mutex_unlock(&pool->lock);
     for (; have < want; have++) {
         struct bex__mem_chunk *c = chunk_new(pool);
@@ -299,16 +305,10 @@ bool bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c)
     bool release = false;
     pthread_mutex_lock(&pool->lock);
     if (pool->retained_bytes + BEX__MEM_CHUNK_SIZE > pool->retain) {
-        if (c->prev)
-            c->prev->next = c->next;
-        else
-            pool->chunks = c->next;
-        if (c->next)
-            c->next->prev = c->prev;
+        bex__list_remove(&c->link);
         release = true;
     } else {
-        c->bnext = pool->empty;
-        pool->empty = c;
+        bex__list_push_head(&pool->empty, &c->blink);
         pool->retained_bytes += BEX__MEM_CHUNK_SIZE;
     }
     pthread_mutex_unlock(&pool->lock);
@@ -318,25 +318,6 @@ bool bex__mem_pool_chunk_put(bex_mem_pool *pool, struct bex__mem_chunk *c)
 }
 
 /* ---- huge allocations ---------------------------------------------------- */
-
-static void huge_list_remove(struct bex__mem_chunk **head, struct bex__mem_chunk *c)
-{
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        *head = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
-}
-
-static void huge_list_push(struct bex__mem_chunk **head, struct bex__mem_chunk *c)
-{
-    c->prev = NULL;
-    c->next = *head;
-    if (*head)
-        (*head)->prev = c;
-    *head = c;
-}
 
 void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
 {
@@ -350,14 +331,17 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
     /* A retained mapping no more than twice the need keeps steady-state
      * huge traffic off the registrar without wasting much. */
     pthread_mutex_lock(&pool->lock);
-    for (struct bex__mem_chunk *h = pool->huge_cached; h; h = h->next) {
+    struct bex__list *pos;
+    bex__list_foreach(pos, &pool->huge_cached)
+    {
+        struct bex__mem_chunk *h = bex__list_entry(pos, struct bex__mem_chunk, link);
         if (h->map_size >= len && h->map_size / 2 <= len && (!c || h->map_size < c->map_size))
             c = h;
     }
     if (c) {
-        huge_list_remove(&pool->huge_cached, c);
+        bex__list_remove(&c->link);
         pool->retained_bytes -= c->map_size;
-        huge_list_push(&pool->huge_live, c);
+        bex__list_push_head(&pool->huge_live, &c->link);
     }
     pthread_mutex_unlock(&pool->lock);
 
@@ -383,7 +367,7 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
         c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
         s->span_count = 1;
         pthread_mutex_lock(&pool->lock);
-        huge_list_push(&pool->huge_live, c);
+        bex__list_push_head(&pool->huge_live, &c->link);
         pthread_mutex_unlock(&pool->lock);
     }
     c->usable = c->map_size - BEX__MEM_HUGE_HDR;
@@ -397,12 +381,12 @@ void bex__mem_huge_free(struct bex__mem_chunk *c)
     bool release = false;
     bex__mem_pool_note_in_use(pool, -(int64_t)c->usable);
     pthread_mutex_lock(&pool->lock);
-    huge_list_remove(&pool->huge_live, c);
+    bex__list_remove(&c->link);
     if (pool->retained_bytes + c->map_size > pool->retain) {
         release = true;
     } else {
         pool->retained_bytes += c->map_size;
-        huge_list_push(&pool->huge_cached, c);
+        bex__list_push_head(&pool->huge_cached, &c->link);
     }
     pthread_mutex_unlock(&pool->lock);
     if (release) {
@@ -443,6 +427,12 @@ struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool)
         h->bins[c].limit = lim < 16 ? 16 : lim > 1024 ? 1024 : lim;
         h->active[c] = &bex__mem_empty_span;
     }
+    for (unsigned k = 0; k < BEX__MEM_SPANS; k++)
+        bex__list_init(&h->by_run[k]);
+    for (unsigned c = 0; c < BEX__MEM_NCLS; c++)
+        bex__list_init(&h->cls[c]);
+    for (unsigned n = 0; n <= BEX__MEM_MAX_RUN; n++)
+        bex__list_init(&h->rcache[n]);
     h->pool = pool;
     pthread_mutex_lock(&pool->lock);
     h->all_next = pool->heaps;
@@ -563,10 +553,13 @@ int bex__mem_pool_new(const bex_mem_registrar *reg, const bex_mem_config *cfg,
     atomic_init(&pool->in_use, 0);
     atomic_init(&pool->peak_in_use, 0);
     atomic_init(&pool->norphans, 0);
+    bex__list_init(&pool->chunks);
+    bex__list_init(&pool->empty);
+    bex__list_init(&pool->huge_live);
+    bex__list_init(&pool->huge_cached);
     pool->id = atomic_fetch_add_explicit(&next_pool_id, 1, memory_order_relaxed);
     bex__mem_registry_lock();
-    pool->reg_next = registry;
-    registry = pool;
+    bex__list_push_head(&registry, &pool->reg_link);
     bex__mem_registry_unlock();
     *out = pool;
     return 0;
@@ -579,7 +572,7 @@ int bex_mem_pool_kind(const bex_mem_pool *pool)
 
 static bool pool_busy(bex_mem_pool *pool)
 {
-    return pool->huge_live || pool->ops->busy(pool);
+    return !bex__list_empty(&pool->huge_live) || pool->ops->busy(pool);
 }
 
 int bex_mem_pool_destroy(bex_mem_pool *pool)
@@ -601,23 +594,18 @@ int bex_mem_pool_destroy(bex_mem_pool *pool)
         bex__mem_registry_unlock();
         return -EBUSY;
     }
-    for (bex_mem_pool **pp = &registry; *pp; pp = &(*pp)->reg_next) {
-        if (*pp == pool) {
-            *pp = pool->reg_next;
-            break;
-        }
-    }
+    bex__list_remove(&pool->reg_link);
     bex__mem_registry_unlock();
 
     /* No thread may use the pool now: heaps and caches die with it. */
-    while (pool->chunks) {
-        struct bex__mem_chunk *c = pool->chunks;
-        pool->chunks = c->next;
-        bex__mem_region_destroy(pool, c);
+    struct bex__list *pos, *tmp;
+    bex__list_foreach_safe(pos, tmp, &pool->chunks)
+    {
+        bex__mem_region_destroy(pool, bex__list_entry(pos, struct bex__mem_chunk, link));
     }
-    while (pool->huge_cached) {
-        struct bex__mem_chunk *c = pool->huge_cached;
-        pool->huge_cached = c->next;
+    bex__list_foreach_safe(pos, tmp, &pool->huge_cached)
+    {
+        struct bex__mem_chunk *c = bex__list_entry(pos, struct bex__mem_chunk, link);
         if (c->map_size > BEX__MEM_CHUNK_SIZE) {
             huge_table_set(c, NULL);
             atomic_fetch_sub_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);

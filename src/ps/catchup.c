@@ -267,16 +267,15 @@ static uint64_t install_cut(bex_ps_shard *s, struct table *cut, struct idset *cu
         struct table *t = &s->tables[i], *c = &cut[i];
         free(t->keys);
         free(t->vals);
-        free(t->slots);
+        bex__ihash_free(&t->idx);
         t->keys = c->keys;
         t->vals = c->vals;
-        t->slots = c->slots;
+        t->idx = c->idx;
         t->n_rows = c->n_rows;
         t->cap_rows = c->cap_rows;
-        t->n_slots = c->n_slots;
         c->keys = NULL;
         c->vals = NULL;
-        c->slots = NULL;
+        c->idx = (struct bex__ihash){0};
         rows += t->n_rows;
     }
     bex__ps_ids_free(&s->ids);

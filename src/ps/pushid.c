@@ -17,6 +17,7 @@
 #include <arpa/inet.h>
 
 #include "bex/ps.h"
+#include "common/ihash.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
@@ -24,44 +25,28 @@
 
 /* ---- the ids of applied Pushes ---- */
 
-static uint32_t ids_slot(const struct idkey *k, uint32_t mask)
+/* An id's hash in the index of clients. */
+static uint64_t idkey_hash(const struct idkey *k)
 {
     uint64_t h = bex__ps_mix(k->client ^ 0x2545f4914f6cdd1dull);
-    return (uint32_t)bex__ps_mix(h ^ bex__ps_mix(k->tok[0] ^ h) ^ k->tok[1]) & mask;
+    return bex__ps_mix(h ^ bex__ps_mix(k->tok[0] ^ h) ^ k->tok[1]);
 }
 
-static bool idkey_eq(const struct idkey *a, const struct idkey *b)
+static uint64_t idc_hash(const void *c, uint32_t i)
 {
+    return idkey_hash(&((const struct idc *)c)[i].k);
+}
+
+static bool idc_eq(const void *c, uint32_t i, const void *key)
+{
+    const struct idkey *a = &((const struct idc *)c)[i].k, *b = key;
     return a->client == b->client && a->tok[0] == b->tok[0] && a->tok[1] == b->tok[1];
-}
-
-static void ids_rehash(struct idset *d)
-{
-    memset(d->slots, 0, d->n_slots * sizeof *d->slots);
-    uint32_t mask = d->n_slots - 1;
-    for (uint32_t i = 0; i < d->n; i++) {
-        uint32_t k = ids_slot(&d->c[i].k, mask);
-        while (d->slots[k])
-            k = (k + 1) & mask;
-        d->slots[k] = i + 1;
-    }
-}
-
-/* The hash slot of key; its content is 0 when key is not there. */
-static uint32_t ids_slot_of(const struct idset *d, const struct idkey *key)
-{
-    uint32_t mask = d->n_slots - 1, k = ids_slot(key, mask);
-    while (d->slots[k] && !idkey_eq(&d->c[d->slots[k] - 1].k, key))
-        k = (k + 1) & mask;
-    return k;
 }
 
 struct idc *bex__ps_ids_find(const struct idset *d, const struct idkey *key)
 {
-    if (!d->n_slots)
-        return NULL;
-    uint32_t i = d->slots[ids_slot_of(d, key)];
-    return i ? &d->c[i - 1] : NULL;
+    uint32_t i = bex__ihash_find(&d->idx, idkey_hash(key), idc_eq, d->c, key);
+    return i != BEX__IHASH_NONE ? &d->c[i] : NULL;
 }
 
 int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq)
@@ -111,25 +96,7 @@ static void ids_touch(struct idset *d, struct idc *c, uint64_t now)
     lru_push_front(d, i);
 }
 
-/* Take index i's record out of the hash (linear probing: the records
- * after it in its run move back), not out of the array. */
-static void ids_unhash(struct idset *d, uint32_t i)
-{
-    uint32_t mask = d->n_slots - 1, k = ids_slot_of(d, &d->c[i].k);
-    d->slots[k] = 0;
-    for (uint32_t j = (k + 1) & mask; d->slots[j]; j = (j + 1) & mask) {
-        uint32_t home = ids_slot(&d->c[d->slots[j] - 1].k, mask);
-        /* the record at j stays unless the hole at k is between its home
-         * and j (cyclically) */
-        if (((j - home) & mask) >= ((j - k) & mask)) {
-            d->slots[k] = d->slots[j];
-            d->slots[j] = 0;
-            k = j;
-        }
-    }
-}
-
-/* Room for one more record: the array and the hash grown. -ENOMEM. */
+/* Room for one more record: the array and the index grown. -ENOMEM. */
 static int ids_grow(struct idset *d)
 {
     if (d->n == d->cap) {
@@ -140,17 +107,7 @@ static int ids_grow(struct idset *d)
         d->c = nc;
         d->cap = cap;
     }
-    if (2 * (d->n + 1) > d->n_slots) {
-        uint32_t ns = d->n_slots ? 2 * d->n_slots : 32;
-        uint32_t *sl = calloc(ns, sizeof *sl);
-        if (!sl)
-            return -ENOMEM;
-        free(d->slots);
-        d->slots = sl;
-        d->n_slots = ns;
-        ids_rehash(d);
-    }
-    return 0;
+    return bex__ihash_reserve(&d->idx, d->n + 1, idc_hash, d->c) ? -ENOMEM : 0;
 }
 
 /* A new record for key (not there), seen at now. With lim clients held, the
@@ -166,7 +123,7 @@ int bex__ps_ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint
         if (now - d->c[i].touch_ns < horizon)
             return -EAGAIN;
         lru_unlink(d, i);
-        ids_unhash(d, i);
+        bex__ihash_remove(&d->idx, idkey_hash(&d->c[i].k), i, idc_hash, d->c);
     } else {
         int rc = ids_grow(d);
         if (rc)
@@ -177,7 +134,7 @@ int bex__ps_ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint
     *c = (struct idc){.k = *key, .prev = IDS_NIL, .next = IDS_NIL, .touch_ns = now};
     if (d->n == 1)
         d->head = d->tail = IDS_NIL; /* the first: the order was empty */
-    d->slots[ids_slot_of(d, key)] = i + 1;
+    bex__ihash_insert(&d->idx, idkey_hash(key), i);
     lru_push_front(d, i);
     *out = c;
     return 0;
@@ -203,7 +160,7 @@ static void ids_mark(struct idset *d, struct idc *c, uint64_t seq, uint64_t now)
 void bex__ps_ids_free(struct idset *d)
 {
     free(d->c);
-    free(d->slots);
+    bex__ihash_free(&d->idx);
     *d = (struct idset){.head = IDS_NIL, .tail = IDS_NIL};
 }
 

@@ -46,7 +46,7 @@ void bex__ps_tables_free(struct table *ts, size_t n)
     for (size_t i = 0; i < n; i++) {
         free(ts[i].keys);
         free(ts[i].vals);
-        free(ts[i].slots);
+        bex__ihash_free(&ts[i].idx);
     }
     free(ts);
 }

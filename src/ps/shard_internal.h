@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "bex/ps.h"
+#include "common/ihash.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
@@ -29,8 +30,7 @@ struct table {
     uint64_t *keys; /* row -> key */
     float *vals;    /* row -> width floats */
     uint32_t n_rows, cap_rows;
-    uint32_t *slots; /* hash slot -> row + 1 (0: empty) */
-    uint32_t n_slots;
+    struct bex__ihash idx; /* key -> row (table.c) */
     /* served (under the shard's lock): requests, rows, and the time a
      * request took in the shard, from its decoding to its answer */
     uint64_t fetches, pushes, rows_fetched, rows_pushed;
@@ -64,9 +64,8 @@ struct idc {
 struct idset {
     struct idc *c;
     uint32_t n, cap;
-    uint32_t *slots; /* hash slot -> index + 1 */
-    uint32_t n_slots;
-    uint32_t head, tail; /* most and least recently seen */
+    struct bex__ihash idx; /* idkey -> index in c (pushid.c) */
+    uint32_t head, tail;   /* most and least recently seen */
 };
 enum { ID_NEW, ID_SEEN, ID_OLD };
 

@@ -16,6 +16,7 @@
 #include <arpa/inet.h>
 
 #include "bex/ps.h"
+#include "common/ihash.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
@@ -45,36 +46,28 @@ struct table *bex__ps_find_table(bex_ps_shard *s, uint32_t id)
     return NULL;
 }
 
-/* A key's first hash slot: another hash than the shard's (bex_ps_key_shard
- * uses bex__ps_mix(key) mod n_shards, so its low bits are the same for
- * every key of a shard with a power-of-two count). */
-static uint32_t slot_of(uint64_t key, uint32_t mask)
+/* A key's hash in the row index: another hash than the shard's
+ * (bex_ps_key_shard uses bex__ps_mix(key) mod n_shards, so its low bits are
+ * the same for every key of a shard with a power-of-two count). */
+static uint64_t key_hash(uint64_t key)
 {
-    return (uint32_t)bex__ps_mix(key ^ 0xd6e8feb86659fd93ull) & mask;
+    return bex__ps_mix(key ^ 0xd6e8feb86659fd93ull);
+}
+
+static uint64_t row_hash(const void *t, uint32_t row)
+{
+    return key_hash(((const struct table *)t)->keys[row]);
+}
+
+static bool row_eq(const void *t, uint32_t row, const void *key)
+{
+    return ((const struct table *)t)->keys[row] == *(const uint64_t *)key;
 }
 
 /* The row of key, or UINT32_MAX. */
 uint32_t bex__ps_row_find(const struct table *t, uint64_t key)
 {
-    if (!t->n_slots)
-        return UINT32_MAX;
-    uint32_t mask = t->n_slots - 1;
-    for (uint32_t i = slot_of(key, mask);; i = (i + 1) & mask) {
-        uint32_t r = t->slots[i];
-        if (!r)
-            return UINT32_MAX;
-        if (t->keys[r - 1] == key)
-            return r - 1;
-    }
-}
-
-static void slot_put(uint32_t *slots, uint32_t n_slots, uint64_t key, uint32_t row)
-{
-    uint32_t mask = n_slots - 1;
-    uint32_t i = slot_of(key, mask);
-    while (slots[i])
-        i = (i + 1) & mask;
-    slots[i] = row + 1;
+    return bex__ihash_find(&t->idx, key_hash(key), row_eq, t, &key);
 }
 
 /* Room for extra more rows (the load factor stays <= 1/2). */
@@ -99,20 +92,7 @@ int bex__ps_table_reserve(struct table *t, uint32_t extra)
         t->vals = v;
         t->cap_rows = (uint32_t)cap;
     }
-    if (want * 2 > t->n_slots) {
-        uint64_t n = t->n_slots ? t->n_slots : 128;
-        while (n < want * 2)
-            n *= 2;
-        uint32_t *sl = calloc(n, sizeof *sl);
-        if (!sl)
-            return -ENOMEM;
-        for (uint32_t r = 0; r < t->n_rows; r++)
-            slot_put(sl, (uint32_t)n, t->keys[r], r);
-        free(t->slots);
-        t->slots = sl;
-        t->n_slots = (uint32_t)n;
-    }
-    return 0;
+    return bex__ihash_reserve(&t->idx, (uint32_t)want, row_hash, t);
 }
 
 /* The row of key, created with its initial values when new; room must
@@ -129,7 +109,7 @@ float *bex__ps_row_get(struct table *t, uint64_t key)
         if (t->cfg.optimizer == BEX_PS_ADAGRAD)
             for (uint32_t c = 0; c < t->cfg.dim; c++)
                 v[t->cfg.dim + c] = t->cfg.adagrad_init;
-        slot_put(t->slots, t->n_slots, key, r);
+        bex__ihash_insert(&t->idx, key_hash(key), r);
     }
     return t->vals + (size_t)r * t->width;
 }

@@ -167,7 +167,7 @@ int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out)
 /* A short list: a host has a handful of devices and the table is touched at
  * connection setup only, so a mutex and a linear scan are plenty. */
 static pthread_mutex_t devs_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct bex__rdma_dev *devs;
+static struct bex__list devs = {&devs, &devs};
 
 static int query_port(struct bex__rdma_dev *dev, uint8_t port, struct bex__rdma_port *out)
 {
@@ -233,7 +233,10 @@ int bex__rdma_dev_open(const char *name, struct bex__rdma_dev **out)
 {
     int rc = -ENODEV;
     pthread_mutex_lock(&devs_lock);
-    for (struct bex__rdma_dev *d = devs; d; d = d->next) {
+    struct bex__list *pos;
+    bex__list_foreach(pos, &devs)
+    {
+        struct bex__rdma_dev *d = bex__list_entry(pos, struct bex__rdma_dev, link);
         if (strcmp(d->name, name) == 0) {
             d->refs++;
             *out = d;
@@ -254,8 +257,7 @@ int bex__rdma_dev_open(const char *name, struct bex__rdma_dev **out)
         struct bex__rdma_dev *dev;
         rc = dev_create(list[i], &dev);
         if (rc == 0) {
-            dev->next = devs;
-            devs = dev;
+            bex__list_push_head(&devs, &dev->link);
             *out = dev;
         }
         break;
@@ -309,12 +311,7 @@ int bex__rdma_dev_close(struct bex__rdma_dev *dev)
         pthread_mutex_unlock(&devs_lock);
         return rc;
     }
-    for (struct bex__rdma_dev **pp = &devs; *pp; pp = &(*pp)->next) {
-        if (*pp == dev) {
-            *pp = dev->next;
-            break;
-        }
-    }
+    bex__list_remove(&dev->link);
     pthread_mutex_unlock(&devs_lock);
 
     ibv_close_device(dev->ctx);

@@ -29,6 +29,7 @@
 
 #include "bex/common.h"
 #include "common/fault.h"
+#include "common/list.h"
 #include "wire/hello.h"
 
 /* ---- error translation ------------------------------------------------- */
@@ -156,7 +157,7 @@ struct bex__rdma_dev {
                                      as queried at first open, immutable */
     /* private */
     int refs;
-    struct bex__rdma_dev *next;
+    struct bex__list link; /* the open devices */
 };
 
 /* Open the device named name (e.g. "rxe0"): the first open in the process

@@ -49,18 +49,22 @@ bool bex__dir_shard_has(const struct shard *sh, const struct bex__dir_node *n)
     return false;
 }
 
+/* Whether shard sh keeps a healthy replica besides n. */
+static bool healthy_besides(const struct shard *sh, const struct bex__dir_node *n)
+{
+    for (size_t i = 0; i < sh->n; i++)
+        if (sh->reps[i] != n && sh->reps[i]->state == BEX_DIR_HEALTHY)
+            return true;
+    return false;
+}
+
 /* Whether every shard n serves keeps a replica outside quarantine without n. */
 static bool may_quarantine(bex_dir *d, const struct bex__dir_node *n)
 {
     for (struct service *s = d->services; s; s = s->next)
         for (uint32_t k = 0; k < s->n_shards; k++) {
             const struct shard *sh = &s->shards[k];
-            if (!bex__dir_shard_has(sh, n))
-                continue;
-            bool other = false;
-            for (size_t i = 0; i < sh->n && !other; i++)
-                other = sh->reps[i] != n && sh->reps[i]->state == BEX_DIR_HEALTHY;
-            if (!other)
+            if (bex__dir_shard_has(sh, n) && !healthy_besides(sh, n))
                 return false;
         }
     return true;
@@ -86,12 +90,7 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
     for (struct service *s = d->services; s; s = s->next)
         for (uint32_t k = 0; k < s->n_shards; k++) {
             const struct shard *sh = &s->shards[k];
-            if (!bex__dir_shard_has(sh, n))
-                continue;
-            bool other = false;
-            for (size_t i = 0; i < sh->n && !other; i++)
-                other = sh->reps[i] != n && sh->reps[i]->state == BEX_DIR_HEALTHY;
-            if (other)
+            if (!bex__dir_shard_has(sh, n) || healthy_besides(sh, n))
                 continue;
             for (size_t i = 0; i < sh->n; i++) {
                 struct bex__dir_node *q = sh->reps[i];

@@ -70,8 +70,8 @@ struct dclient {
     uint64_t touch_ns;             /* last seen */
     uint32_t pending;              /* SLOT_PENDING slots */
     struct dslot *slots;
-    struct dclient *hnext; /* another client whose key hashes the same */
-    struct bex__list lru;  /* the server's clients, most recent first */
+    struct bex__list chain; /* a ring of the clients whose key hashes the same */
+    struct bex__list lru;   /* the server's clients, most recent first */
 };
 
 struct bex_rpc_req {
@@ -195,14 +195,13 @@ static void dc_free_slots(struct dclient *d, uint32_t window)
 
 static void srv_free(struct bex_rpc_server *srv)
 {
-    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
-    for (struct dclient *d; (d = bex__hmap_next(&srv->dcs, &it, NULL));)
-        while (d) {
-            struct dclient *n = d->hnext;
-            dc_free_slots(d, srv->window);
-            free(d);
-            d = n;
-        }
+    struct bex__list *pos, *tmp;
+    bex__list_foreach_safe(pos, tmp, &srv->lru)
+    {
+        struct dclient *d = bex__list_entry(pos, struct dclient, lru);
+        dc_free_slots(d, srv->window);
+        free(d);
+    }
     bex__hmap_free(&srv->dcs);
     for (size_t i = 0; i < srv->n_methods; i++)
         free(srv->methods[i].hist);
@@ -235,24 +234,34 @@ static void dc_evict(struct bex_rpc_server *srv, struct dclient *old)
 {
     bex__list_remove(&old->lru);
     uint64_t key = dc_key(old->id, old->tok);
-    struct dclient *head = bex__hmap_get(&srv->dcs, key);
-    if (head == old) {
+    struct dclient *next = bex__list_entry(old->chain.next, struct dclient, chain);
+    bex__list_remove(&old->chain);
+    if (bex__hmap_get(&srv->dcs, key) == old) {
         bex__hmap_del(&srv->dcs, key);
         /* into the slot just freed: cannot fail */
-        if (old->hnext) {
-            int rc = bex__hmap_put(&srv->dcs, key, old->hnext);
+        if (next != old) {
+            int rc = bex__hmap_put(&srv->dcs, key, next);
             assert(rc == 0);
             (void)rc;
         }
-    } else {
-        struct dclient **pp = &head->hnext;
-        while (*pp != old)
-            pp = &(*pp)->hnext;
-        *pp = old->hnext;
     }
     dc_free_slots(old, srv->window);
     free(old);
     srv->n_clients--;
+}
+
+/* The client of h's id and token in the ring of those whose key hashes
+ * the same (head: the one the map holds, or NULL), or NULL. */
+static struct dclient *dc_match(struct dclient *head, const struct bex__rpc_hdr *h)
+{
+    struct dclient *d = head;
+    if (head)
+        do {
+            if (d->id == h->client_id && !memcmp(d->tok, h->tok, BEX__RPC_TOK_LEN))
+                return d;
+            d = bex__list_entry(d->chain.next, struct dclient, chain);
+        } while (d != head);
+    return NULL;
 }
 
 /* Whether a new client may come from c now (the per-second token bucket,
@@ -279,14 +288,13 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc
 {
     uint64_t now = bex__rpc_now_ns();
     uint64_t key = dc_key(h->client_id, h->tok);
-    struct dclient *head = bex__hmap_get(&srv->dcs, key);
-    for (struct dclient *d = head; d; d = d->hnext)
-        if (d->id == h->client_id && !memcmp(d->tok, h->tok, BEX__RPC_TOK_LEN)) {
-            bex__list_remove(&d->lru);
-            bex__list_push_head(&srv->lru, &d->lru);
-            d->touch_ns = now;
-            return d;
-        }
+    struct dclient *head = bex__hmap_get(&srv->dcs, key), *d = dc_match(head, h);
+    if (d) {
+        bex__list_remove(&d->lru);
+        bex__list_push_head(&srv->lru, &d->lru);
+        d->touch_ns = now;
+        return d;
+    }
     if (!c)
         return NULL;
     struct dclient *old =
@@ -298,11 +306,10 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc
         return NULL;
     }
     if (srv->n_clients >= srv->max_clients) {
-        if (old == head)
-            head = old->hnext;
         dc_evict(srv, old);
+        head = bex__hmap_get(&srv->dcs, key);
     }
-    struct dclient *d = calloc(1, sizeof(*d));
+    d = calloc(1, sizeof(*d));
     if (!d)
         return NULL;
     d->slots = calloc(srv->window, sizeof(*d->slots));
@@ -313,9 +320,9 @@ static struct dclient *dc_find(struct bex_rpc_server *srv, const struct bex__rpc
     d->id = h->client_id;
     memcpy(d->tok, h->tok, BEX__RPC_TOK_LEN);
     d->touch_ns = now;
+    bex__list_init(&d->chain);
     if (head) {
-        d->hnext = head->hnext;
-        head->hnext = d;
+        bex__list_push_tail(&head->chain, &d->chain);
     } else if (bex__hmap_put(&srv->dcs, key, d) != 0) {
         free(d->slots);
         free(d);

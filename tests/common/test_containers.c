@@ -3,6 +3,7 @@
 #include <errno.h>
 
 #include "common/hash.h"
+#include "common/ihash.h"
 #include "common/list.h"
 #include "harness.h"
 
@@ -92,6 +93,83 @@ static int hash_iterate(void)
     return 0;
 }
 
+/* common/ihash.h: the caller's array of keys, a free stack of its indexes,
+ * and a reference (where each key is, or BEX__IHASH_NONE). */
+#define IKEYS  3000
+#define ISLOTS 1200 /* indexes of the array: at most this many keys at once */
+static uint64_t ikeys[ISLOTS];
+static int ihash_weak; /* 1: a hash of 7 values (long runs that wrap) */
+
+static uint64_t ihash_of(uint64_t key)
+{
+    return ihash_weak ? key % 7 : (key * 0x9e3779b97f4a7c15ull) >> 17;
+}
+
+static uint64_t ihash_idx(const void *ctx, uint32_t idx)
+{
+    return ihash_of(((const uint64_t *)ctx)[idx]);
+}
+
+static bool ihash_eq(const void *ctx, uint32_t idx, const void *key)
+{
+    return ((const uint64_t *)ctx)[idx] == *(const uint64_t *)key;
+}
+
+/* Random inserts (reusing freed indexes) and removals checked against the
+ * reference after every step, and every key looked up now and then. */
+static int ihash_run(int steps)
+{
+    static uint32_t where[IKEYS], free_idx[ISLOTS];
+    uint32_t n_free = 0, next_idx = 0;
+    for (uint32_t k = 0; k < IKEYS; k++)
+        where[k] = BEX__IHASH_NONE;
+    struct bex__ihash h = {0};
+    CHECK(bex__ihash_find(&h, 0, ihash_eq, ikeys, &(uint64_t){0}) == BEX__IHASH_NONE);
+    for (int step = 0; step < steps; step++) {
+        uint64_t k = next_rand() % IKEYS, key = k * 1024;
+        uint32_t got = bex__ihash_find(&h, ihash_of(key), ihash_eq, ikeys, &key);
+        CHECK_EQ(got, where[k]);
+        if (where[k] == BEX__IHASH_NONE && (n_free || next_idx < ISLOTS) && next_rand() % 3) {
+            uint32_t idx = n_free ? free_idx[--n_free] : next_idx++;
+            CHECK_OK(bex__ihash_reserve(&h, bex__ihash_len(&h) + 1, ihash_idx, ikeys));
+            ikeys[idx] = key;
+            bex__ihash_insert(&h, ihash_of(key), idx);
+            where[k] = idx;
+        } else if (where[k] != BEX__IHASH_NONE) {
+            bex__ihash_remove(&h, ihash_of(key), where[k], ihash_idx, ikeys);
+            free_idx[n_free++] = where[k];
+            where[k] = BEX__IHASH_NONE;
+        }
+        CHECK_EQ(bex__ihash_len(&h), next_idx - n_free);
+        CHECK(2 * h.len <= h.cap);
+        if (step % 499 == 0)
+            for (uint64_t j = 0; j < IKEYS; j++) {
+                uint64_t kj = j * 1024;
+                CHECK_EQ(bex__ihash_find(&h, ihash_of(kj), ihash_eq, ikeys, &kj), where[j]);
+            }
+    }
+    /* removing what is not there changes nothing */
+    uint32_t len = bex__ihash_len(&h);
+    bex__ihash_remove(&h, 0, ISLOTS + 1, ihash_idx, ikeys);
+    CHECK_EQ(bex__ihash_len(&h), len);
+    CHECK_EQ(bex__ihash_reserve(&h, BEX__IHASH_MAX + 1, ihash_idx, ikeys), -ENOSPC);
+    bex__ihash_free(&h);
+    CHECK_EQ(bex__ihash_len(&h), 0);
+    return 0;
+}
+
+static int ihash_random(void)
+{
+    ihash_weak = 0;
+    return ihash_run(200000);
+}
+
+static int ihash_collide(void)
+{
+    ihash_weak = 1;
+    return ihash_run(40000);
+}
+
 struct item {
     int v;
     struct bex__list link;
@@ -124,7 +202,13 @@ static int list_ops(void)
     CHECK_EQ(k, 3);
     bex__list_push_head(&head, &it[3].link);
     CHECK_EQ(bex__list_entry(bex__list_first(&head), struct item, link)->v, 3);
+    bex__list_insert_after(&it[4].link, &it[1].link); /* 3 2 4 1 0 */
+    int order2[5] = {3, 2, 4, 1, 0};
+    k = 0;
+    bex__list_foreach(pos, &head) CHECK_EQ(bex__list_entry(pos, struct item, link)->v, order2[k++]);
+    CHECK_EQ(k, 5);
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(hash_random), BEX_CASE(hash_iterate), BEX_CASE(list_ops))
+BEX_TEST_MAIN(BEX_CASE(hash_random), BEX_CASE(hash_iterate), BEX_CASE(ihash_random),
+              BEX_CASE(ihash_collide), BEX_CASE(list_ops))
