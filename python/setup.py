@@ -96,8 +96,8 @@ setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension("bex._bex",
-                  sources=["src/bexmodule.c", "src/buffers.c", "src/ps.c"],
-                  depends=["src/bexmod.h"],
+                  sources=["src/bexmodule.c", "src/buffers.c", "src/ps.c", "src/ps_async.c"],
+                  depends=["src/bexmod.h", "src/psclient.h"],
                   extra_compile_args=["-std=gnu11", "-Wall", "-Wextra", "-Werror",
                                       "-Wno-missing-field-initializers",
                                       "-Wno-cast-function-type"],

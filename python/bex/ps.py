@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """bex.ps: the parameter-server client (include/bex/ps.h)."""
+import asyncio
+import concurrent.futures
+import threading
+
 import numpy
 
 from . import _bex
@@ -55,9 +59,16 @@ class Client(_bex.PsClient):
     memory, no copy). A wrong type is a TypeError, a wrong shape or layout a
     ValueError; bex's errors raise bex.Error.
 
+    fetch_async and push_async return a concurrent.futures.Future at once
+    (already running: bex cannot take a request back); afetch and apush are
+    their asyncio coroutines. Completions come from bex's I/O thread
+    through a queue and an eventfd to a dispatcher thread of the client's,
+    which sets the Futures (their callbacks run there: keep them short).
+
     Threads: a client may be shared by any number of Python threads; each
     call waits with the GIL released. close() (or leaving a with block)
-    waits for the calls in progress. Processes: a client belongs to the
+    waits for the waiting calls in progress; outstanding asynchronous ones
+    fail with ECANCELED. Processes: a client belongs to the
     process that made it; a forked child gets bex.ForkError from it and
     opens its own.
     """
@@ -65,6 +76,9 @@ class Client(_bex.PsClient):
     def __init__(self, cluster, dims=None, **kw):
         super().__init__(str(cluster), **kw)
         self.dims = dict(dims or {})
+        self._alock = threading.Lock()
+        self._pending = 0
+        self._dispatcher = None
 
     def _dim(self, table, dim, rows=None):
         if dim is None:
@@ -78,19 +92,69 @@ class Client(_bex.PsClient):
                              "to Client() or dim= to the call")
         return dim
 
-    def fetch(self, table, keys, out=None, *, dim=None):
-        """The rows of keys of table, as float32 (len(keys), dim): into out
-        when given (returned), else into a new numpy array."""
+    def _fetch_args(self, table, keys, out, dim):
         dim = self._dim(table, dim, out)
         keys = _as_buffer(keys)
         if out is None:
-            out = numpy.empty((len(memoryview(keys)) if not hasattr(keys, "shape")
-                               else keys.shape[0], dim), numpy.float32)
-            target = out
-        else:
-            target = _as_buffer(out, writable=True)
+            n = keys.shape[0] if hasattr(keys, "shape") else len(memoryview(keys))
+            out = numpy.empty((n, dim), numpy.float32)
+            return dim, keys, out, out
+        return dim, keys, out, _as_buffer(out, writable=True)
+
+    def fetch(self, table, keys, out=None, *, dim=None):
+        """The rows of keys of table, as float32 (len(keys), dim): into out
+        when given (returned), else into a new numpy array."""
+        dim, keys, out, target = self._fetch_args(table, keys, out, dim)
         self.fetch_into(table, dim, keys, target)
         return out
+
+    def fetch_async(self, table, keys, out=None, *, dim=None):
+        """fetch() started: a Future of the rows. keys and out must not
+        change until it is done."""
+        dim, keys, out, target = self._fetch_args(table, keys, out, dim)
+        return self._start(self.fetch_async_into, table, dim, keys, target, out)
+
+    def push_async(self, table, keys, grads, *, dim=None):
+        """push() started: a Future of None, or of bex.PushError."""
+        dim = self._dim(table, dim, grads)
+        return self._start(super().push_async, table, dim, _as_buffer(keys),
+                           _as_buffer(grads), None)
+
+    async def afetch(self, table, keys, out=None, *, dim=None):
+        """fetch() for asyncio: awaits without blocking the event loop."""
+        return await asyncio.wrap_future(self.fetch_async(table, keys, out, dim=dim))
+
+    async def apush(self, table, keys, grads, *, dim=None):
+        """push() for asyncio."""
+        return await asyncio.wrap_future(self.push_async(table, keys, grads, dim=dim))
+
+    def _start(self, start, table, dim, keys, rows, result):
+        fut = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        with self._alock:
+            start(table, dim, keys, rows, result, fut)
+            self._pending += 1
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(target=self._dispatch, daemon=True,
+                                                    name="bex-ps-dispatch")
+                self._dispatcher.start()
+        return fut
+
+    def _dispatch(self):
+        """Sets the Futures of completed calls; ends when none is pending
+        (a later call starts another)."""
+        while True:
+            done = self._drain()
+            for fut, result, exc in done:
+                if exc is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(exc)
+            with self._alock:
+                self._pending -= len(done)
+                if self._pending == 0:
+                    self._dispatcher = None
+                    return
 
     def push(self, table, keys, grads, *, dim=None):
         """Push grads (float32 (len(keys), dim)) for keys to every replica
@@ -98,6 +162,14 @@ class Client(_bex.PsClient):
         replicas that did not acknowledge."""
         dim = self._dim(table, dim, grads)
         super().push(table, dim, _as_buffer(keys), _as_buffer(grads))
+
+    def close(self):
+        """Wait for the waiting calls in progress, fail the asynchronous
+        ones (ECANCELED, their Futures set before this returns), free."""
+        super().close()
+        t = self._dispatcher
+        if t is not None and t is not threading.current_thread():
+            t.join()
 
     def __enter__(self):
         return self

@@ -21,22 +21,10 @@
 #include <bex/ps.h>
 #include <bex/sock.h>
 
-#include "bexmod.h"
-
-typedef struct {
-    PyObject_HEAD bex_dir *dir;
-    bex_ctx *ctx;
-    bex_ps_client *pc;
-    pid_t pid; /* the process that made it */
-    char service[BEX_DIR_NAME_MAX + 1];
-    uint32_t n_shards;
-    pthread_mutex_t mu;
-    pthread_cond_t idle;
-    int busy, closed;
-} PsClient;
+#include "psclient.h"
 
 /* The client for one call, or an exception (closed, forked). */
-static int enter(PsClient *self)
+int bexmod_ps_enter(PsClient *self)
 {
     if (self->pid != getpid()) {
         PyErr_Format(bexmod_fork_error,
@@ -57,7 +45,7 @@ static int enter(PsClient *self)
     return 0;
 }
 
-static void leave(PsClient *self)
+void bexmod_ps_leave(PsClient *self)
 {
     pthread_mutex_lock(&self->mu);
     if (--self->busy == 0)
@@ -74,6 +62,11 @@ static PyObject *ps_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->idle, NULL);
     self->pid = getpid();
+    self->efd = -1;
+    if (bexmod_async_init(self) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -84,9 +77,13 @@ static void ps_close_now(PsClient *self)
         self->closed = 1;
         return;
     }
-    Py_BEGIN_ALLOW_THREADS;
+    /* closed before the GIL goes: a completion drained meanwhile must not
+     * read the directory being destroyed (fetch_where) */
     pthread_mutex_lock(&self->mu);
     self->closed = 1;
+    pthread_mutex_unlock(&self->mu);
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&self->mu);
     while (self->busy)
         pthread_cond_wait(&self->idle, &self->mu);
     pthread_mutex_unlock(&self->mu);
@@ -105,6 +102,7 @@ static void ps_dealloc(PsClient *self)
     ps_close_now(self);
     pthread_mutex_destroy(&self->mu);
     pthread_cond_destroy(&self->idle);
+    bexmod_async_fini(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -200,7 +198,7 @@ static int ps_init(PsClient *self, PyObject *args, PyObject *kw)
     return ps_open(self, where, &cc, &pcc);
 }
 
-static int check_table(unsigned long long table, Py_ssize_t dim)
+int bexmod_check_table(unsigned long long table, Py_ssize_t dim)
 {
     if (table > UINT32_MAX) {
         PyErr_Format(PyExc_ValueError, "table must be a uint32, not %llu", table);
@@ -233,8 +231,11 @@ static void fetch_where(PsClient *self, const uint64_t *keys, size_t n, char *bu
     free(seen);
     if (count == 1) {
         bex_dir_replica r[4];
-        size_t nr = bex_dir_replicas(self->dir, self->service, first, r, 4);
-        snprintf(buf, cap, "shard %u (replica%s", first, nr == 1 ? "" : "s");
+        size_t nr = self->closed ? 0 : bex_dir_replicas(self->dir, self->service, first, r, 4);
+        snprintf(buf, cap, "shard %u%s", first,
+                 nr == 0   ? ""
+                 : nr == 1 ? " (replica"
+                           : " (replicas");
         for (size_t i = 0; i < nr && i < 4; i++) {
             len = strlen(buf);
             char ip[INET_ADDRSTRLEN] = "?";
@@ -242,7 +243,8 @@ static void fetch_where(PsClient *self, const uint64_t *keys, size_t n, char *bu
             snprintf(buf + len, cap - len, "%s%s:%u", i ? ", " : " ", ip,
                      ntohs(r[i].addr.sin_port));
         }
-        strncat(buf, ")", cap - strlen(buf) - 1);
+        if (nr)
+            strncat(buf, ")", cap - strlen(buf) - 1);
         *one = first;
     } else if (count > 1) {
         char tmp[512];
@@ -251,7 +253,7 @@ static void fetch_where(PsClient *self, const uint64_t *keys, size_t n, char *bu
     }
 }
 
-static PyObject *raise_fetch(PsClient *self, int rc, uint32_t table, const uint64_t *keys, size_t n)
+PyObject *bexmod_raise_fetch(PsClient *self, int rc, uint32_t table, const uint64_t *keys, size_t n)
 {
     char where[512];
     long one;
@@ -274,19 +276,19 @@ static PyObject *ps_fetch_into(PsClient *self, PyObject *args)
     PyObject *keys_o, *out_o, *ret = NULL;
     Py_buffer kv, ov;
     if (!PyArg_ParseTuple(args, "KnOO:fetch_into", &table, &dim, &keys_o, &out_o) ||
-        check_table(table, dim) < 0 || bexmod_get_keys(keys_o, &kv) < 0)
+        bexmod_check_table(table, dim) < 0 || bexmod_get_keys(keys_o, &kv) < 0)
         return NULL;
     size_t n = (size_t)kv.len / 8;
     if (bexmod_get_rows(out_o, &ov, "out", (Py_ssize_t)n, dim, 1) < 0)
         goto err_keys;
-    if (enter(self) < 0)
+    if (bexmod_ps_enter(self) < 0)
         goto err_out;
     int rc;
     Py_BEGIN_ALLOW_THREADS;
     rc = bex_ps_fetch_sync(self->pc, (uint32_t)table, (uint32_t)dim, kv.buf, n, ov.buf);
     Py_END_ALLOW_THREADS;
-    leave(self);
-    ret = rc ? raise_fetch(self, rc, (uint32_t)table, kv.buf, n) : Py_NewRef(Py_None);
+    bexmod_ps_leave(self);
+    ret = rc ? bexmod_raise_fetch(self, rc, (uint32_t)table, kv.buf, n) : Py_NewRef(Py_None);
 err_out:
     PyBuffer_Release(&ov);
 err_keys:
@@ -328,7 +330,7 @@ static void set_attr_steal(PyObject *o, const char *name, PyObject *v)
     Py_XDECREF(v);
 }
 
-static PyObject *raise_push(int rc, uint32_t table, const bex_ps_replica_result *res, size_t n_res)
+PyObject *bexmod_raise_push(int rc, uint32_t table, const bex_ps_replica_result *res, size_t n_res)
 {
     char desc[768];
     size_t n_failed, first = 0;
@@ -369,7 +371,7 @@ static PyObject *ps_push(PsClient *self, PyObject *args)
     PyObject *keys_o, *grads_o, *ret = NULL;
     Py_buffer kv, gv;
     if (!PyArg_ParseTuple(args, "KnOO:push", &table, &dim, &keys_o, &grads_o) ||
-        check_table(table, dim) < 0 || bexmod_get_keys(keys_o, &kv) < 0)
+        bexmod_check_table(table, dim) < 0 || bexmod_get_keys(keys_o, &kv) < 0)
         return NULL;
     size_t n = (size_t)kv.len / 8, n_res = 0;
     size_t cap = (size_t)(self->n_shards ? self->n_shards : 1) * BEX_PS_REPLICAS_MAX;
@@ -380,15 +382,16 @@ static PyObject *ps_push(PsClient *self, PyObject *args)
         PyErr_NoMemory();
         goto err_grads;
     }
-    if (enter(self) < 0)
+    if (bexmod_ps_enter(self) < 0)
         goto err_grads;
     int rc;
     Py_BEGIN_ALLOW_THREADS;
     rc = bex_ps_push_report_sync(self->pc, (uint32_t)table, (uint32_t)dim, kv.buf, n, gv.buf, res,
                                  cap, &n_res);
     Py_END_ALLOW_THREADS;
-    leave(self);
-    ret = rc ? raise_push(rc, (uint32_t)table, res, n_res < cap ? n_res : cap) : Py_NewRef(Py_None);
+    bexmod_ps_leave(self);
+    ret = rc ? bexmod_raise_push(rc, (uint32_t)table, res, n_res < cap ? n_res : cap)
+             : Py_NewRef(Py_None);
 err_grads:
     PyMem_Free(res);
     PyBuffer_Release(&gv);
@@ -407,11 +410,11 @@ static PyObject *ps_close(PsClient *self, PyObject *unused)
 static PyObject *ps_stats(PsClient *self, PyObject *unused)
 {
     (void)unused;
-    if (enter(self) < 0)
+    if (bexmod_ps_enter(self) < 0)
         return NULL;
     bex_ps_client_stats s;
     bex_ps_client_stats_get(self->pc, &s);
-    leave(self);
+    bexmod_ps_leave(self);
     return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "calls", s.calls, "ok", s.ok, "failed", s.failed,
                          "attempts", s.attempts, "retries", s.retries, "retry_throttled",
                          s.retry_throttled, "failovers", s.failovers, "conn_failures",
@@ -422,13 +425,13 @@ static PyObject *ps_stats(PsClient *self, PyObject *unused)
 static PyObject *ps_pool_in_use(PsClient *self, PyObject *unused)
 {
     (void)unused;
-    if (enter(self) < 0)
+    if (bexmod_ps_enter(self) < 0)
         return NULL;
     bex_mem_stats send, recv;
     bex_mem_pool_collect(bex_ctx_pool(self->ctx));
     bex_mem_pool_stats(bex_ctx_pool(self->ctx), &send);
     bex_mem_pool_stats(bex_ctx_recv_pool(self->ctx), &recv);
-    leave(self);
+    bexmod_ps_leave(self);
     return Py_BuildValue("{snsn}", "pool", (Py_ssize_t)send.in_use_bytes, "recv_pool",
                          (Py_ssize_t)recv.in_use_bytes);
 }
@@ -450,6 +453,13 @@ static PyMethodDef ps_methods[] = {
      "fetch_into(table, dim, keys, out): Fetch rows of keys into out, waiting."},
     {"push", (PyCFunction)ps_push, METH_VARARGS,
      "push(table, dim, keys, grads): Push grads for keys to every replica, waiting."},
+    {"fetch_async_into", (PyCFunction)bexmod_ps_fetch_async, METH_VARARGS,
+     "fetch_async_into(table, dim, keys, out, result, future): start a Fetch; the dispatcher "
+     "completes future."},
+    {"push_async", (PyCFunction)bexmod_ps_push_async, METH_VARARGS,
+     "push_async(table, dim, keys, grads, None, future): start a Push."},
+    {"_drain", (PyCFunction)bexmod_ps_drain, METH_NOARGS,
+     "Wait for completions; [(future, result, exception)]."},
     {"close", (PyCFunction)ps_close, METH_NOARGS, "Wait for calls in progress, then free."},
     {"stats", (PyCFunction)ps_stats, METH_NOARGS, "The client's channel counters."},
     {"pool_in_use", (PyCFunction)ps_pool_in_use, METH_NOARGS, "Bytes in use in bex's pools."},
