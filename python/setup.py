@@ -96,7 +96,8 @@ setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension("bex._bex",
-                  sources=["src/bexmodule.c", "src/buffers.c", "src/ps.c", "src/ps_async.c"],
+                  sources=["src/bexmodule.c", "src/buffers.c", "src/ps.c", "src/ps_async.c",
+                           "src/rpc.c", "src/guard.c"],
                   depends=["src/bexmod.h", "src/psclient.h"],
                   extra_compile_args=["-std=gnu11", "-Wall", "-Wextra", "-Werror",
                                       "-Wno-missing-field-initializers",

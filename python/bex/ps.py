@@ -1,12 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """bex.ps: the parameter-server client (include/bex/ps.h)."""
 import asyncio
-import concurrent.futures
-import threading
 
 import numpy
 
 from . import _bex
+from ._dispatch import Dispatch
 
 __all__ = ["Client", "KEYS_MAX", "DIM_MAX", "key_shard"]
 
@@ -39,7 +38,7 @@ def _as_buffer(x, writable=False):
     return x  # the extension names what is wrong
 
 
-class Client(_bex.PsClient):
+class Client(_bex.PsClient, Dispatch):
     """A client of bex-ps shards.
 
     Client(cluster, dims=None, *, local_addr="127.0.0.1", transport="tcp",
@@ -76,9 +75,7 @@ class Client(_bex.PsClient):
     def __init__(self, cluster, dims=None, **kw):
         super().__init__(str(cluster), **kw)
         self.dims = dict(dims or {})
-        self._alock = threading.Lock()
-        self._pending = 0
-        self._dispatcher = None
+        self._dispatch_init("bex-ps-dispatch")
 
     def _dim(self, table, dim, rows=None):
         if dim is None:
@@ -128,34 +125,6 @@ class Client(_bex.PsClient):
         """push() for asyncio."""
         return await asyncio.wrap_future(self.push_async(table, keys, grads, dim=dim))
 
-    def _start(self, start, table, dim, keys, rows, result):
-        fut = concurrent.futures.Future()
-        fut.set_running_or_notify_cancel()
-        with self._alock:
-            start(table, dim, keys, rows, result, fut)
-            self._pending += 1
-            if self._dispatcher is None:
-                self._dispatcher = threading.Thread(target=self._dispatch, daemon=True,
-                                                    name="bex-ps-dispatch")
-                self._dispatcher.start()
-        return fut
-
-    def _dispatch(self):
-        """Sets the Futures of completed calls; ends when none is pending
-        (a later call starts another)."""
-        while True:
-            done = self._drain()
-            for fut, result, exc in done:
-                if exc is None:
-                    fut.set_result(result)
-                else:
-                    fut.set_exception(exc)
-            with self._alock:
-                self._pending -= len(done)
-                if self._pending == 0:
-                    self._dispatcher = None
-                    return
-
     def push(self, table, keys, grads, *, dim=None):
         """Push grads (float32 (len(keys), dim)) for keys to every replica
         of their shards, once each. Raises bex.PushError naming the
@@ -163,13 +132,19 @@ class Client(_bex.PsClient):
         dim = self._dim(table, dim, grads)
         super().push(table, dim, _as_buffer(keys), _as_buffer(grads))
 
+    async def afetch(self, table, keys, out=None, *, dim=None):
+        """fetch() for asyncio: awaits without blocking the event loop."""
+        return await asyncio.wrap_future(self.fetch_async(table, keys, out, dim=dim))
+
+    async def apush(self, table, keys, grads, *, dim=None):
+        """push() for asyncio."""
+        return await asyncio.wrap_future(self.push_async(table, keys, grads, dim=dim))
+
     def close(self):
         """Wait for the waiting calls in progress, fail the asynchronous
         ones (ECANCELED, their Futures set before this returns), free."""
         super().close()
-        t = self._dispatcher
-        if t is not None and t is not threading.current_thread():
-            t.join()
+        self._dispatch_join()
 
     def __enter__(self):
         return self

@@ -8,7 +8,11 @@
 #include <Python.h>
 
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <sys/types.h>
+
+#include <bex/sock.h>
 
 extern PyObject *bexmod_error, *bexmod_push_error, *bexmod_fork_error;
 
@@ -30,5 +34,30 @@ int bexmod_get_rows(PyObject *o, Py_buffer *view, const char *what, Py_ssize_t n
                     int writable);
 
 int bexmod_ps_init(PyObject *m);
+int bexmod_rpc_init(PyObject *m);
+
+/* An object's calls in progress, its closed state and its process: a call
+ * enters (ValueError when closed, bex.ForkError in a fork's child: what
+ * names the object), close waits (GIL released) until none is in. */
+struct bexmod_guard {
+    pthread_mutex_t mu;
+    pthread_cond_t idle;
+    int busy, closed;
+    pid_t pid;
+};
+void bexmod_guard_init(struct bexmod_guard *g);
+void bexmod_guard_fini(struct bexmod_guard *g);
+int bexmod_guard_enter(struct bexmod_guard *g, const char *what);
+void bexmod_guard_leave(struct bexmod_guard *g);
+/* Mark closed; -1 in a fork's child (which must not free the parent's). */
+int bexmod_guard_close(struct bexmod_guard *g);
+void bexmod_guard_wait_idle(struct bexmod_guard *g);
+
+/* "a.b.c.d:port", or a ValueError. */
+int bexmod_parse_addr(const char *s, struct sockaddr_in *out);
+/* local_addr and transport ("tcp", "rdma", "auto") into cc, or a ValueError. */
+int bexmod_ctx_config(bex_ctx_config *cc, const char *local, const char *transport);
+/* setattr(o, name, v) and drop v (NULL: nothing). */
+void bexmod_set_attr_steal(PyObject *o, const char *name, PyObject *v);
 
 #endif

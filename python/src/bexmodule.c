@@ -121,7 +121,7 @@ PyMODINIT_FUNC PyInit__bex(void)
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
-    if (add_errors(m) < 0 || bexmod_ps_init(m) < 0 ||
+    if (add_errors(m) < 0 || bexmod_ps_init(m) < 0 || bexmod_rpc_init(m) < 0 ||
         PyModule_AddIntConstant(m, "PS_KEYS_MAX", BEX_PS_KEYS_MAX) < 0 ||
         PyModule_AddIntConstant(m, "PS_DIM_MAX", BEX_PS_DIM_MAX) < 0) {
         Py_DECREF(m);

@@ -98,8 +98,8 @@ static struct bexmod_op *op_new(PsClient *self, int kind, PyObject *args)
     if (bexmod_get_keys(keys_o, &op->keys) < 0)
         goto err_free;
     op->n = (size_t)op->keys.len / 8;
-    if (bexmod_get_rows(rows_o, &op->rows, kind == OP_FETCH ? "out" : "grads",
-                        (Py_ssize_t)op->n, dim, kind == OP_FETCH) < 0)
+    if (bexmod_get_rows(rows_o, &op->rows, kind == OP_FETCH ? "out" : "grads", (Py_ssize_t)op->n,
+                        dim, kind == OP_FETCH) < 0)
         goto err_free;
     if (kind == OP_PUSH) {
         op->cap = (size_t)(self->n_shards ? self->n_shards : 1) * BEX_PS_REPLICAS_MAX;
@@ -168,7 +168,8 @@ static PyObject *op_outcome(struct bexmod_op *op)
     if (op->kind == OP_FETCH)
         bexmod_raise_fetch(op->client, op->status, op->table, op->keys.buf, op->n);
     else
-        bexmod_raise_push(op->status, op->table, op->res, op->n_res < op->cap ? op->n_res : op->cap);
+        bexmod_raise_push(op->status, op->table, op->res,
+                          op->n_res < op->cap ? op->n_res : op->cap);
     PyObject *t, *v, *tb;
     PyErr_Fetch(&t, &v, &tb);
     PyErr_NormalizeException(&t, &v, &tb);

@@ -41,8 +41,7 @@ int bexmod_check_table(unsigned long long table, Py_ssize_t dim);
 /* Raise the bex.Error of a failed Fetch or Push (NULL). */
 PyObject *bexmod_raise_fetch(PsClient *self, int rc, uint32_t table, const uint64_t *keys,
                              size_t n);
-PyObject *bexmod_raise_push(int rc, uint32_t table, const bex_ps_replica_result *res,
-                            size_t n_res);
+PyObject *bexmod_raise_push(int rc, uint32_t table, const bex_ps_replica_result *res, size_t n_res);
 
 /* ps_async.c */
 int bexmod_async_init(PsClient *self);
