@@ -35,6 +35,7 @@ int bexmod_get_rows(PyObject *o, Py_buffer *view, const char *what, Py_ssize_t n
 
 int bexmod_ps_init(PyObject *m);
 int bexmod_rpc_init(PyObject *m);
+int bexmod_sock_init(PyObject *m);
 
 /* An object's calls in progress, its closed state and its process: a call
  * enters (ValueError when closed, bex.ForkError in a fork's child: what

@@ -121,9 +121,9 @@ static int parse_endpoints(PyObject *list, bex_rpc_endpoint **out, size_t *n)
 
 static int ch_init(Channel *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"endpoints",          "local_addr",   "transport",
-                             "timeout_ms",         "max_attempts", "connect_timeout_ms",
-                             "attempt_timeout_ms", NULL};
+    static char *kwlist[] = {
+        "endpoints",    "local_addr",         "transport",          "timeout_ms",
+        "max_attempts", "connect_timeout_ms", "attempt_timeout_ms", NULL};
     PyObject *eps_o;
     const char *local = "127.0.0.1", *transport = "tcp";
     bex_ctx_config cc = {0};
@@ -187,10 +187,10 @@ static void *body_from(Channel *self, Py_buffer *v)
 
 /* The outcome of a call: bytes, or a bex.Error with service, method and
  * the server's error body (bytes or None); frees body. */
-static PyObject *call_outcome(uint32_t service, uint32_t method, int status, void *body,
-                              size_t len, PyObject *copied)
+static PyObject *call_outcome(uint32_t service, uint32_t method, int status, void *body, size_t len,
+                              PyObject *copied)
 {
-    PyObject *data = copied                ? Py_NewRef(copied)
+    PyObject *data = copied            ? Py_NewRef(copied)
                      : body || !status ? PyBytes_FromStringAndSize(body, (Py_ssize_t)len)
                                        : NULL;
     bex_rpc_free(body);
@@ -322,8 +322,8 @@ static PyObject *ch_drain(Channel *self, PyObject *unused)
     PyObject *list = PyList_New(0);
     while (op) {
         struct rpc_op *next = op->next;
-        PyObject *res = call_outcome(op->service, op->method, op->status, op->body, op->len,
-                                     op->data),
+        PyObject *res =
+                     call_outcome(op->service, op->method, op->status, op->body, op->len, op->data),
                  *o;
         if (res) {
             o = Py_BuildValue("(OOO)", op->future, res, Py_None);
@@ -406,8 +406,8 @@ typedef struct Server {
     bex_ctx *ctx;
     bex_rpc_server *srv;
     struct bexmod_guard g;
-    pthread_cond_t more;              /* the queue got a request, or stopping */
-    struct item *head, *tail;         /* under g.mu */
+    pthread_cond_t more;                /* the queue got a request, or stopping */
+    struct item *head, *tail;           /* under g.mu */
     size_t queued, queue_max, inflight; /* inflight: taken, not answered */
     uint64_t refused;
     int stopping, listening;
@@ -416,7 +416,7 @@ typedef struct Server {
 
 typedef struct {
     PyObject ob_base;
-    Server *server; /* a reference */
+    Server *server;   /* a reference */
     bex_rpc_req *req; /* NULL once answered */
 } Request;
 
