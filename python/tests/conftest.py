@@ -16,6 +16,22 @@ import pytest
 
 SCALE = int(os.environ.get("BEX_TEST_TIME_SCALE", "1"))
 TABLE, DIM, LR = 1, 8, 0.5
+# BEX_PY_TRANSPORT=rdma (python/test.sh --rxe, in the Soft-RoCE VM): the
+# servers on rxe1's address, the clients on rxe0's, over RDMA
+TRANSPORT = os.environ.get("BEX_PY_TRANSPORT", "tcp")
+RDMA = TRANSPORT == "rdma"
+SERVER_IP = os.environ.get("BEX_TEST_ADDR1", "10.99.0.2") if RDMA else "127.0.0.1"
+CLIENT_IP = os.environ.get("BEX_TEST_ADDR0", "10.99.0.1") if RDMA else "127.0.0.1"
+# what every client, channel and context of the tests takes
+NET = {"local_addr": CLIENT_IP, "transport": TRANSPORT}
+SERVER_NET = {"local_addr": SERVER_IP, "transport": TRANSPORT}
+# an RPC channel's: bex's connect timeout (10 ms) is too short for the VM
+CHANNEL = dict(NET, connect_timeout_ms=5000 * SCALE)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch: imports torch (left out in the VM: slow there)")
+    config.addinivalue_line("markers", "tcp_only: runs the examples, which use TCP on loopback")
 
 
 def bex_ps_binary():
@@ -38,20 +54,20 @@ class Cluster:
     """shards x replicas bex-ps processes, one per replica index, each
     serving every shard (--shard all --replica I)."""
 
-    def __init__(self, tmp, shards, replicas):
-        self.tmp, self.shards, self.replicas = tmp, shards, replicas
+    def __init__(self, tmp, shards, replicas, extra=()):
+        self.tmp, self.shards, self.replicas, self.extra = tmp, shards, replicas, list(extra)
         held = []
         for _ in range(shards * replicas):
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", 0))
+            s.bind((SERVER_IP, 0))
             held.append(s)
         ports = [s.getsockname()[1] for s in held]
         # ports[shard * replicas + replica]
-        self.addrs = [[f"127.0.0.1:{ports[s * replicas + r]}" for r in range(replicas)]
+        self.addrs = [[f"{SERVER_IP}:{ports[s * replicas + r]}" for r in range(replicas)]
                       for s in range(shards)]
         doc = {"services": {"ps": {"shards": [
-            {"replicas": [{"addr": a, "transport": "tcp"} for a in reps]}
+            {"replicas": [{"addr": a, "transport": TRANSPORT} for a in reps]}
             for reps in self.addrs]}}}
         self.path = os.path.join(tmp, "cluster.json")
         with open(self.path, "w") as f:
@@ -64,7 +80,8 @@ class Cluster:
         log = open(os.path.join(self.tmp, f"ps{replica}.out"), "w+")
         p = subprocess.Popen(
             [bex_ps_binary(), "--cluster", self.path, "--shard", "all", "--replica",
-             str(replica), "--table", f"{TABLE}:{DIM}:sgd:{LR}", "--no-catchup"],
+             str(replica), "--table", f"{TABLE}:{DIM}:sgd:{LR}", "--no-catchup",
+             "--transport", TRANSPORT, *self.extra],
             stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20 * SCALE
         while time.monotonic() < deadline:

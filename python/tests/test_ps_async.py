@@ -13,7 +13,7 @@ import pytest
 import bex
 import bex.ps
 from conftest import DIM, LR, SCALE, TABLE
-from test_ps import client, grads_for
+from test_ps import client, grads_for, warm
 
 
 def test_futures_overlap_and_match_the_waiting_calls(cluster):
@@ -37,7 +37,7 @@ def test_futures_overlap_and_match_the_waiting_calls(cluster):
 def test_future_errors(cluster):
     key = np.array([11], np.uint64)
     with client(cluster, timeout_ms=300) as c:
-        c.fetch(TABLE, key)
+        warm(c, key)
         with pytest.raises(TypeError, match="float32"):  # bad arguments: at the call
             c.fetch_async(TABLE, key, np.zeros((1, DIM), np.float64))
         with pytest.raises(ValueError, match="shape"):

@@ -13,15 +13,21 @@ import pytest
 
 import bex
 import bex.rpc
-from conftest import SCALE
+from conftest import CHANNEL, SCALE, SERVER_IP, SERVER_NET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples")
 
 
+def channel(endpoints, **kw):
+    """A channel of the tests: deadlines long enough for the VM's first
+    connection (bex's default deadline is 40 ms)."""
+    return bex.rpc.Channel(endpoints, **{**CHANNEL, "timeout_ms": 5000 * SCALE, **kw})
+
+
 @pytest.fixture
 def server():
-    srv = bex.rpc.Server(workers=2)
+    srv = bex.rpc.Server(workers=2, **SERVER_NET)
     srv.register(7, 1, lambda body: body.upper())
     srv.register(7, 2, lambda body: None)
 
@@ -30,13 +36,13 @@ def server():
     srv.register(7, 3, refuse)
     srv.register(7, 4, lambda body: 1 / 0)
     srv.register(7, 5, lambda body: (time.sleep(float(body)), b"late")[1])
-    srv.start()
+    srv.start(f"{SERVER_IP}:0")
     yield srv
     srv.close()
 
 
 def test_call_sync_async_asyncio(server):
-    with bex.rpc.Channel([server.addr]) as ch:
+    with channel([server.addr]) as ch:
         assert ch.call(7, 1, b"hello bex") == b"HELLO BEX"
         assert ch.call(7, 1, bytearray(b"ba")) == b"BA"
         assert ch.call(7, 1, memoryview(b"mv")) == b"MV"
@@ -52,7 +58,7 @@ def test_call_sync_async_asyncio(server):
 
 
 def test_errors_are_clear(server):
-    with bex.rpc.Channel([server.addr], timeout_ms=300) as ch:
+    with channel([server.addr]) as ch:
         with pytest.raises(bex.Error) as e:
             ch.call(7, 9, b"x")
         assert e.value.errno == errno.ENOSYS and e.value.bex_error == "ENOSYS"
@@ -65,7 +71,7 @@ def test_errors_are_clear(server):
             ch.call(7, 4, b"x")
         assert e.value.errno == errno.EREMOTEIO
         with pytest.raises(bex.Error) as e:  # a deadline that passes
-            ch.call(7, 5, b"1")
+            ch.call(7, 5, b"1", timeout_ms=300)
         assert e.value.errno == errno.ETIMEDOUT
         assert isinstance(ch.call_async(7, 9, b"").exception(10 * SCALE), bex.Error)
         with pytest.raises(TypeError):
@@ -77,7 +83,7 @@ def test_errors_are_clear(server):
 
 
 def test_closed_channel_and_fork(server):
-    ch = bex.rpc.Channel([server.addr])
+    ch = channel([server.addr])
     assert ch.call(7, 1, b"a") == b"A"
     pid = os.fork()
     if pid == 0:
@@ -95,7 +101,7 @@ def test_closed_channel_and_fork(server):
 
 
 def test_close_fails_outstanding_calls(server):
-    ch = bex.rpc.Channel([server.addr], timeout_ms=30000 * SCALE)
+    ch = channel([server.addr], timeout_ms=30000 * SCALE)
     futs = [ch.call_async(7, 5, b"1") for _ in range(3)]
     time.sleep(0.1)
     ch.close()
@@ -108,11 +114,11 @@ def test_slow_handler_does_not_stall_bex():
     """One worker blocked, a queue of 2: the I/O thread keeps answering
     (EAGAIN at once for what does not fit), nothing is lost."""
     gate = threading.Event()
-    srv = bex.rpc.Server(queue_max=2, workers=1)
+    srv = bex.rpc.Server(queue_max=2, workers=1, **SERVER_NET)
     srv.register(1, 1, lambda body: (gate.wait(30), body)[1])
-    srv.start()
+    srv.start(f"{SERVER_IP}:0")
     try:
-        with bex.rpc.Channel([srv.addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
+        with channel([srv.addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
             first = ch.call_async(1, 1, b"first")
             time.sleep(0.3)  # the worker holds it
             queued = [ch.call_async(1, 1, b"q%d" % i) for i in range(2)]
@@ -133,10 +139,10 @@ def test_slow_handler_does_not_stall_bex():
 
 def test_server_close_answers_queued_requests():
     gate = threading.Event()
-    srv = bex.rpc.Server(workers=1)
+    srv = bex.rpc.Server(workers=1, **SERVER_NET)
     srv.register(1, 1, lambda body: (gate.wait(30), body)[1])
-    srv.start()
-    with bex.rpc.Channel([srv.addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
+    srv.start(f"{SERVER_IP}:0")
+    with channel([srv.addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
         futs = [ch.call_async(1, 1, b"%d" % i) for i in range(4)]
         time.sleep(0.3)
         closer = threading.Thread(target=srv.close)
@@ -155,6 +161,7 @@ def run_example(*args, **kw):
                           timeout=60 * SCALE, env=dict(os.environ), **kw)
 
 
+@pytest.mark.tcp_only
 def test_examples_rpc_pair_and_a_killed_server():
     srv = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "rpc_server.py")],
                            stdout=subprocess.PIPE, text=True)
@@ -165,7 +172,7 @@ def test_examples_rpc_pair_and_a_killed_server():
         r = run_example(os.path.join(EXAMPLES, "rpc_client.py"), addr, "hello bex")
         assert r.returncode == 0 and r.stdout == "HELLO BEX\n", r
         # a call in progress when the server dies fails, well before its deadline
-        with bex.rpc.Channel([addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
+        with channel([addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
             assert ch.call(7, 1, b"x") == b"X"
             srv.send_signal(signal.SIGSTOP)
             f = ch.call_async(7, 1, b"y")
@@ -182,6 +189,7 @@ def test_examples_rpc_pair_and_a_killed_server():
             srv.wait()
 
 
+@pytest.mark.tcp_only
 def test_example_ps_client(tmp_path):
     from conftest import Cluster
     import conftest

@@ -11,14 +11,20 @@ import pytest
 
 import bex
 import bex.sock
-from conftest import SCALE
+from conftest import NET, SCALE, SERVER_IP, SERVER_NET
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
 
 
+def contexts():
+    """A server context (on SERVER_IP) and a client one (on CLIENT_IP)."""
+    return bex.sock.Context(**SERVER_NET), bex.sock.Context(**NET)
+
+
 def test_messages_both_ways():
-    with bex.sock.Context() as ctx:
-        with ctx.listen() as lst:
+    sctx, ctx = contexts()
+    with sctx, ctx:
+        with sctx.listen(f"{SERVER_IP}:0") as lst:
             s = ctx.connect(lst.addr)
             peer = lst.accept(10 * SCALE)
             big = os.urandom(3 << 20)  # rendezvous-sized
@@ -43,7 +49,8 @@ def test_messages_both_ways():
 
 
 def test_recv_releases_the_gil_and_threads():
-    with bex.sock.Context() as ctx, ctx.listen() as lst:
+    sctx, ctx = contexts()
+    with sctx, ctx, sctx.listen(f"{SERVER_IP}:0") as lst:
         s = ctx.connect(lst.addr)
         peer = lst.accept(10 * SCALE)
         got = []
@@ -58,21 +65,25 @@ def test_recv_releases_the_gil_and_threads():
 
 
 def test_context_refuses_to_close_with_open_sockets_and_bad_input():
-    ctx = bex.sock.Context()
-    lst = ctx.listen()
+    sctx, ctx = contexts()
+    lst = sctx.listen(f"{SERVER_IP}:0")
     s = ctx.connect(lst.addr)
     with pytest.raises(ValueError, match="first"):
         ctx.close()
+    with pytest.raises(ValueError, match="first"):
+        sctx.close()
     s.close()
     lst.close()
     ctx.close()
+    sctx.close()
     with pytest.raises(ValueError, match="closed"):
         ctx.connect("127.0.0.1:1")
-    with bex.sock.Context() as ctx:
+    sctx, ctx = contexts()
+    with sctx, ctx:
         with pytest.raises(ValueError, match="ip:port"):
             ctx.connect("nowhere")
         # nobody listens: refused (port of a listener just closed)
-        lst = ctx.listen()
+        lst = sctx.listen(f"{SERVER_IP}:0")
         addr = lst.addr
         lst.close()
         with pytest.raises(bex.Error) as e:
@@ -80,6 +91,7 @@ def test_context_refuses_to_close_with_open_sockets_and_bad_input():
         assert e.value.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)
 
 
+@pytest.mark.tcp_only
 def test_example_echo():
     srv = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "echo.py"), "server",
                             "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
