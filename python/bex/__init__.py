@@ -14,11 +14,11 @@ raises bex.ForkError.
 """
 from ._bex import Error, ForkError, PushError, strerror, version
 
-__all__ = ["Error", "ForkError", "PushError", "strerror", "version", "ps", "rpc", "sock"]
+__all__ = ["Error", "ForkError", "PushError", "strerror", "version", "ps", "rpc", "sock", "snapshot"]
 
 
 def __getattr__(name):
-    if name in ("ps", "rpc", "sock"):  # bex.ps, bex.rpc, bex.sock without an import
+    if name in ("ps", "rpc", "sock", "snapshot"):  # the submodules without an import
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'bex' has no attribute {name!r}")
