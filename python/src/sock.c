@@ -106,10 +106,8 @@ static void on_close(bex_sock *s, void *user)
     st_signal(st);
 }
 
-static const bex_sock_ops sock_ops = {.on_connect = on_connect,
-                                      .on_recv = on_recv,
-                                      .on_error = on_error,
-                                      .on_close = on_close};
+static const bex_sock_ops sock_ops = {
+    .on_connect = on_connect, .on_recv = on_recv, .on_error = on_error, .on_close = on_close};
 
 static struct sstate *st_new(void)
 {
