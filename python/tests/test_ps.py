@@ -285,7 +285,9 @@ def test_threads_share_a_client(cluster):
 
 def test_close_waits_for_calls_in_progress(cluster):
     key = np.array([11], np.uint64)
-    c = client(cluster, timeout_ms=1500 * SCALE)
+    # below bex's keepalive timeout (2 s), so that the stopped server's call
+    # ends by its deadline (ETIMEDOUT), not by the connection's (EIO)
+    c = client(cluster, timeout_ms=1500)
     c.fetch(TABLE, key)
     cluster.kill(0, signal.SIGSTOP)
     result = {}
