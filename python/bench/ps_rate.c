@@ -1,0 +1,87 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* ps_rate: calls a second of one C client's waiting Fetch or Push
+ * (bex_ps_fetch_sync / bex_ps_push_sync) of ROWS rows of DIM floats, for
+ * python/bench/run, which runs bex.ps.Client's the same way
+ * (ps_rate.py) to compare.
+ *   ps_rate CLUSTER fetch|push ROWS DIM SECONDS
+ * prints "calls_per_sec N cpu_us_per_call U" (U: the process's CPU time,
+ * its bex I/O thread's included, per call). */
+#include <arpa/inet.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <bex/dir.h>
+#include <bex/ps.h>
+#include <bex/sock.h>
+
+static double clock_s(clockid_t id)
+{
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static double now(void)
+{
+    return clock_s(CLOCK_MONOTONIC);
+}
+
+static int run(bex_ps_client *pc, int push, size_t n, uint32_t dim, double secs)
+{
+    uint64_t *keys = malloc(n * sizeof *keys);
+    float *rows = calloc(n * dim, sizeof *rows);
+    int rc = keys && rows ? 0 : -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        keys[i] = i * 7919u;
+    for (size_t i = 0; rc == 0 && i < n * dim; i++)
+        rows[i] = 1e-6f;
+    long calls = 0;
+    double t0 = now(), t = t0, cpu0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
+    while (rc == 0 && t - t0 < secs) {
+        rc = push ? bex_ps_push_sync(pc, 1, dim, keys, n, rows)
+                  : bex_ps_fetch_sync(pc, 1, dim, keys, n, rows);
+        calls++;
+        if ((calls & 15) == 0)
+            t = now();
+    }
+    t = now();
+    if (rc == 0)
+        printf("calls_per_sec %.1f cpu_us_per_call %.2f\n", (double)calls / (t - t0),
+               (clock_s(CLOCK_PROCESS_CPUTIME_ID) - cpu0) * 1e6 / (double)calls);
+    free(keys);
+    free(rows);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 6) {
+        fprintf(stderr, "usage: ps_rate CLUSTER fetch|push ROWS DIM SECONDS\n");
+        return 2;
+    }
+    bex_ctx_config cfg = {.transport = BEX_TRANSPORT_TCP};
+    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    bex_dir *dir = NULL;
+    bex_ctx *ctx = NULL;
+    bex_ps_client *pc = NULL;
+    char err[256] = "";
+    bex_ps_client_config pcc = {.service = "ps", .timeout_ms = 10000};
+    int rc = bex_dir_create(NULL, &dir);
+    if (rc == 0 && (rc = bex_dir_load_file(dir, argv[1], err, sizeof err)) == 0 &&
+        (rc = bex_ctx_create(&cfg, &ctx)) == 0) {
+        pcc.dir = dir;
+        if ((rc = bex_ps_client_create(ctx, &pcc, &pc)) == 0)
+            rc = run(pc, !strcmp(argv[2], "push"), strtoul(argv[3], NULL, 10),
+                     (uint32_t)strtoul(argv[4], NULL, 10), atof(argv[5]));
+    }
+    if (rc)
+        fprintf(stderr, "ps_rate: %s %s\n", bex_strerror(rc), err);
+    if (pc)
+        bex_ps_client_destroy(pc);
+    if (ctx)
+        bex_ctx_destroy(ctx);
+    bex_dir_destroy(dir);
+    return rc ? 1 : 0;
+}

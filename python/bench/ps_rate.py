@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ps_rate.py: calls a second of bex.ps.Client's waiting fetch or push of
+ROWS rows of DIM floats, the same loop as ps_rate.c (python/bench/run).
+    ps_rate.py CLUSTER fetch|push ROWS DIM SECONDS"""
+import sys
+import time
+
+import numpy as np
+
+import bex.ps
+
+
+def main(cluster, op, rows, dim, secs):
+    n, dim, secs = int(rows), int(dim), float(secs)
+    keys = np.arange(n, dtype=np.uint64) * np.uint64(7919)
+    buf = np.full((n, dim), 1e-6, np.float32)
+    with bex.ps.Client(cluster, dims={1: dim}, timeout_ms=10000) as c:
+        call = (lambda: c.push(1, keys, buf)) if op == "push" else (lambda: c.fetch(1, keys, buf))
+        calls, t0, cpu0 = 0, time.monotonic(), time.process_time()
+        t = t0
+        while t - t0 < secs:
+            call()
+            calls += 1
+            if calls % 16 == 0:
+                t = time.monotonic()
+        cpu = (time.process_time() - cpu0) * 1e6 / calls
+        print(f"calls_per_sec {calls / (time.monotonic() - t0):.1f} cpu_us_per_call {cpu:.2f}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,120 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* What the RPC objects share: the guard (calls in progress, closed, the
+ * process that made it), addresses and the context's configuration. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <arpa/inet.h>
+
+#include <bex/sock.h>
+
+#include "bexmod.h"
+
+void bexmod_guard_init(struct bexmod_guard *g)
+{
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->idle, NULL);
+    g->pid = getpid();
+}
+
+void bexmod_guard_fini(struct bexmod_guard *g)
+{
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->idle);
+}
+
+int bexmod_guard_enter(struct bexmod_guard *g, const char *what)
+{
+    if (g->pid != getpid()) {
+        PyErr_Format(bexmod_fork_error,
+                     "this bex %s belongs to process %d, and this process (%d) is a fork of it: "
+                     "open a new one here",
+                     what, (int)g->pid, (int)getpid());
+        return -1;
+    }
+    pthread_mutex_lock(&g->mu);
+    int closed = g->closed;
+    if (!closed)
+        g->busy++;
+    pthread_mutex_unlock(&g->mu);
+    if (closed) {
+        PyErr_Format(PyExc_ValueError, "bex %s is closed", what);
+        return -1;
+    }
+    return 0;
+}
+
+void bexmod_guard_leave(struct bexmod_guard *g)
+{
+    pthread_mutex_lock(&g->mu);
+    if (--g->busy == 0)
+        pthread_cond_broadcast(&g->idle);
+    pthread_mutex_unlock(&g->mu);
+}
+
+int bexmod_guard_close(struct bexmod_guard *g)
+{
+    pthread_mutex_lock(&g->mu);
+    g->closed = 1;
+    pthread_mutex_unlock(&g->mu);
+    return g->pid == getpid() ? 0 : -1;
+}
+
+void bexmod_guard_wait_idle(struct bexmod_guard *g)
+{
+    pthread_mutex_lock(&g->mu);
+    while (g->busy)
+        pthread_cond_wait(&g->idle, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+}
+
+int bexmod_parse_addr(const char *s, struct sockaddr_in *out)
+{
+    char ip[INET_ADDRSTRLEN];
+    const char *colon = strrchr(s, ':');
+    char *end;
+    unsigned long port = colon ? strtoul(colon + 1, &end, 10) : 0;
+    size_t iplen = colon ? (size_t)(colon - s) : 0;
+    memset(out, 0, sizeof *out);
+    out->sin_family = AF_INET;
+    out->sin_port = htons((uint16_t)port);
+    if (!colon || !colon[1] || *end || port > 65535 || iplen >= sizeof ip) {
+        PyErr_Format(PyExc_ValueError, "address must be 'ip:port', not '%s'", s);
+        return -1;
+    }
+    memcpy(ip, s, iplen);
+    ip[iplen] = 0;
+    if (inet_pton(AF_INET, ip, &out->sin_addr) != 1) {
+        PyErr_Format(PyExc_ValueError, "address must be 'ip:port' (IPv4), not '%s'", s);
+        return -1;
+    }
+    return 0;
+}
+
+int bexmod_ctx_config(bex_ctx_config *cc, const char *local, const char *transport)
+{
+    if (inet_pton(AF_INET, local, &cc->local_addr) != 1) {
+        PyErr_Format(PyExc_ValueError, "local_addr must be an IPv4 address, not '%s'", local);
+        return -1;
+    }
+    if (!strcmp(transport, "tcp"))
+        cc->transport = BEX_TRANSPORT_TCP;
+    else if (!strcmp(transport, "rdma"))
+        cc->transport = BEX_TRANSPORT_RDMA;
+    else if (!strcmp(transport, "auto"))
+        cc->transport = BEX_TRANSPORT_AUTO;
+    else {
+        PyErr_Format(PyExc_ValueError, "transport must be 'tcp', 'rdma' or 'auto', not '%s'",
+                     transport);
+        return -1;
+    }
+    return 0;
+}
+
+void bexmod_set_attr_steal(PyObject *o, const char *name, PyObject *v)
+{
+    if (v)
+        PyObject_SetAttrString(o, name, v);
+    Py_XDECREF(v);
+}
