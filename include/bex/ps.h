@@ -288,6 +288,13 @@ int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, cons
                             size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
                             size_t *n_res);
 
+/* The client's counters (bex_ps_client_stats) in Prometheus text exposition
+ * format (metric names bex_ps_client_*_total, label client="name", NULL:
+ * "ps"), NUL-terminated, into buf (cap bytes). Returns the length it needed
+ * (without the NUL), like snprintf: output is cut when that is >= cap;
+ * -EINVAL. Any thread. */
+int bex_ps_client_prometheus(bex_ps_client *c, const char *name, char *buf, size_t cap);
+
 #pragma GCC visibility pop
 
 #ifdef __cplusplus

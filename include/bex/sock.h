@@ -454,9 +454,25 @@ typedef struct bex_sock_stats {
                                     whose window was bound ahead (no bind to wait for) */
     uint64_t srq_draining;       /* SRQ mode: QPs of gone connections waiting in the error
                                     state for their last receive (srq_drain_ms) */
+    uint64_t rnr_errors;         /* RDMA: connections failed with RNR retries exhausted */
+    uint64_t retry_errors;       /* RDMA: connections failed with transport retries exhausted */
+    uint64_t keepalive_fails;    /* connections failed for the peer's silence (keepalive) */
+    uint64_t tcp_fallbacks;      /* connections of transport AUTO that went over TCP (no device
+                                    here or at the peer, or the QP could not come up) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);
+
+/* The context's transport counters (bex_sock_stats: engines and TCP
+ * connections now, messages and bytes, credit and window stalls, receive
+ * pacing, RNR and retry errors, keepalive failures, fallbacks to TCP) and
+ * its pools' registered and in-use bytes (label pool: "main", "recv",
+ * "landing"), in Prometheus text exposition format (metric names
+ * bex_transport_* and bex_pool_*, docs/configuration.md lists them),
+ * NUL-terminated, into buf (cap bytes). Returns the length it needed
+ * (without the NUL), like snprintf: the output is cut when that is >= cap;
+ * -EINVAL. Any thread (approximate while the context runs). */
+int bex_ctx_prometheus(bex_ctx *ctx, char *buf, size_t cap);
 
 #pragma GCC visibility pop
 

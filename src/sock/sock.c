@@ -676,6 +676,10 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(srq_refused);
         LD(rndv_prebound);
         LD(srq_draining);
+        LD(rnr_errors);
+        LD(retry_errors);
+        LD(keepalive_fails);
+        LD(tcp_fallbacks);
 #undef LD
     }
 }
