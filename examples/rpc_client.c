@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "example_args.h"
 #include <bex/rpc.h>
 
 #define EXAMPLE_SERVICE 7 /* the ids rpc_server registered */
@@ -51,6 +52,7 @@ static int call_upper(bex_ctx *ctx, const struct sockaddr_in *server, const char
 
 int main(int argc, char **argv)
 {
+    example_args(argc, argv, "rpc_client", "IP:PORT TEXT [LOCAL_IP]");
     char ip[16];
     unsigned port;
     struct sockaddr_in server = {.sin_family = AF_INET};
@@ -59,7 +61,7 @@ int main(int argc, char **argv)
         port > 65535 || inet_pton(AF_INET, ip, &server.sin_addr) != 1 ||
         inet_pton(AF_INET, argc == 4 ? argv[3] : "127.0.0.1", &cfg.local_addr) != 1) {
         fprintf(stderr, "usage: rpc_client IP:PORT TEXT [LOCAL_IP]\n");
-        return 1;
+        return 2;
     }
     server.sin_port = htons((uint16_t)port);
     bex_ctx *ctx;

@@ -394,6 +394,15 @@ void bex_sock_close(bex_sock *s);
  * a writer may fill less of it. */
 int bex_sock_transport(const bex_sock *s);
 
+/* The error that ended the socket (as on_error or on_connect reported it,
+ * also when the application had closed it first) as one line of text into
+ * buf (cap bytes, NUL-terminated, cut to fit): the peer's address, whether
+ * it was still connecting, and bex_strerror's text, e.g. "peer
+ * 10.0.0.2:7000: connecting: Connection refused". Returns that error (a
+ * negative errno), or 0 and "no error" while the socket has not failed.
+ * Any thread, until on_close returns. */
+int bex_sock_last_error(const bex_sock *s, char *buf, size_t cap);
+
 /* The user pointer last set (any thread). */
 void *bex_sock_user(const bex_sock *s);
 /* Replace the socket's callbacks (ops NULL: keep them) and user pointer.

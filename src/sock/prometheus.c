@@ -19,8 +19,8 @@ __attribute__((format(printf, 2, 3))) static void put(struct out *o, const char 
 {
     va_list ap;
     va_start(ap, fmt);
-    int k = vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0,
-                      fmt, ap);
+    int k =
+        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
     va_end(ap);
     if (k > 0)
         o->n += (size_t)k;
@@ -33,8 +33,14 @@ static const struct {
     size_t off;
     int gauge;
 } ctrs[] = {
-#define C(m, h, f) {m, h, offsetof(bex_sock_stats, f), 0}
-#define G(m, h, f) {m, h, offsetof(bex_sock_stats, f), 1}
+#define C(m, h, f)                                                                                 \
+    {                                                                                              \
+        m, h, offsetof(bex_sock_stats, f), 0                                                       \
+    }
+#define G(m, h, f)                                                                                 \
+    {                                                                                              \
+        m, h, offsetof(bex_sock_stats, f), 1                                                       \
+    }
     G("bex_transport_engines", "Transports made now: RDMA engines and TCP connections", engines),
     G("bex_transport_tcp_connections", "Of the transports, those over TCP", tcp_conns),
     C("bex_transport_messages_sent_total", "Messages sent", msgs_sent),

@@ -99,9 +99,8 @@ static int mute_listener(uint16_t port)
     CHECK(fd >= 0);
     int one = 1;
     CHECK(setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) == 0);
-    struct sockaddr_in a = {.sin_family = AF_INET,
-                            .sin_port = htons(port),
-                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct sockaddr_in a = {
+        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
     CHECK(listen(fd, 16) == 0);
     return fd;
@@ -118,10 +117,14 @@ static int t_catching_up(void)
     int mute[NSH];
     for (int s = 0; s < NSH; s++)
         mute[s] = mute_listener(ports[s][0]);
-    const char *argv[] = {"bex-ps",  "--cluster", cluster,        "--shard",
-                          "all",     "--replica", "1",            "--table",
-                          "1:8:sgd", "--transport", "tcp",        "--metrics-port",
-                          "0",       "--catchup-timeout-ms", "3000", NULL};
+    const char *argv[] = {"bex-ps",  "--cluster",
+                          cluster,   "--shard",
+                          "all",     "--replica",
+                          "1",       "--table",
+                          "1:8:sgd", "--transport",
+                          "tcp",     "--metrics-port",
+                          "0",       "--catchup-timeout-ms",
+                          "3000",    NULL};
     int p[2];
     CHECK(pipe(p) == 0);
     fflush(NULL);
