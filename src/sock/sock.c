@@ -367,9 +367,11 @@ static int ctx_dev_open(bex_ctx *ctx)
         }
         if (err && c->transport == BEX_TRANSPORT_RDMA)
             return err;
-        if (err) /* AUTO: a context without a device works over TCP */
-            bex__log(&ctx->log, BEX_LOG_INFO, "no usable RDMA device for %s (%s): TCP only",
-                     inet_ntoa(c->local_addr), bex_strerror(err));
+        if (err) { /* AUTO: a context without a device works over TCP, and says why */
+            char why[512];
+            bex__rdma_why_none(c->local_addr, err, why, sizeof why);
+            bex__log(&ctx->log, BEX_LOG_WARN, "%s: TCP only", why);
+        }
     }
     ctx->sh.dev = ctx->dev;
     ctx->sh.pd = ctx->dev ? ctx->dev->pd : NULL;
