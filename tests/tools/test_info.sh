@@ -26,8 +26,10 @@ trap cleanup EXIT
 run() {
     local name=$1 want=$2 rc=0
     shift 2
+    local t0=$SECONDS
     "$bin" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" || rc=$?
     cat "$tmp/$name.out" "$tmp/$name.err" >&2
+    echo "test_info: $name: $((SECONDS - t0)) s" >&2
     [ "$rc" = "$want" ] || fail "$name: bex-info $* exited $rc, want $want"
 }
 

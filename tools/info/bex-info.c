@@ -76,11 +76,15 @@ static void parse_ip_port(const char *opt, const char *s, int port_needed, struc
 
 static void parse(int argc, char **argv, struct opts *o)
 {
-    static const struct option lo[] = {
-        {"local", required_argument, 0, 'l'}, {"peer", required_argument, 0, 'p'},
-        {"listen", required_argument, 0, 'L'}, {"transport", required_argument, 0, 't'},
-        {"burst-mib", required_argument, 0, 'b'}, {"json", no_argument, 0, 'j'},
-        {"help", no_argument, 0, 'h'}, {"version", no_argument, 0, 'V'}, {0, 0, 0, 0}};
+    static const struct option lo[] = {{"local", required_argument, 0, 'l'},
+                                       {"peer", required_argument, 0, 'p'},
+                                       {"listen", required_argument, 0, 'L'},
+                                       {"transport", required_argument, 0, 't'},
+                                       {"burst-mib", required_argument, 0, 'b'},
+                                       {"json", no_argument, 0, 'j'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {"version", no_argument, 0, 'V'},
+                                       {0, 0, 0, 0}};
     *o = (struct opts){.transport = BEX_TRANSPORT_AUTO, .burst_bytes = 64u << 20};
     char *end;
     for (int c; (c = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
@@ -133,6 +137,24 @@ static const char *link_layer_name(uint8_t ll)
                                              : "unspecified";
 }
 
+static const char *port_state_name(enum ibv_port_state st)
+{
+    switch (st) {
+    case IBV_PORT_DOWN:
+        return "DOWN";
+    case IBV_PORT_INIT:
+        return "INIT";
+    case IBV_PORT_ARMED:
+        return "ARMED";
+    case IBV_PORT_ACTIVE:
+        return "ACTIVE";
+    case IBV_PORT_ACTIVE_DEFER:
+        return "ACTIVE_DEFER";
+    default:
+        return "NOP";
+    }
+}
+
 static void fill_report(bex_ctx *ctx, const struct opts *o, struct report *r)
 {
     memset(r, 0, sizeof *r);
@@ -172,8 +194,10 @@ static void json_str(const char *s)
 }
 
 #define LIMITS(X)                                                                                  \
-    X(max_qp) X(max_qp_wr) X(max_sge) X(max_cq) X(max_cqe) X(max_mr) X(max_pd) X(max_srq)          \
-        X(max_srq_wr) X(max_mw) X(max_qp_rd_atom)
+    X(max_qp)                                                                                      \
+    X(max_qp_wr)                                                                                   \
+    X(max_sge)                                                                                     \
+    X(max_cq) X(max_cqe) X(max_mr) X(max_pd) X(max_srq) X(max_srq_wr) X(max_mw) X(max_qp_rd_atom)
 
 static void print_json(const struct report *r, const struct check_result *c)
 {
@@ -189,7 +213,7 @@ static void print_json(const struct report *r, const struct check_result *c)
                "\"max_mtu\":%d,\"remote_access\":\"%s\",\"srq\":%s,\"thread_domain\":%s,"
                "\"fw_ver\":",
                r->dev->name, r->path.port, link_layer_name(r->port.link_layer),
-               ibv_port_state_str(r->port.state), r->path.gid_index, r->gid,
+               port_state_name(r->port.state), r->path.gid_index, r->gid,
                bex__rdma_mtu_bytes(r->port.active_mtu), bex__rdma_mtu_bytes(r->port.max_mtu),
                r->remote_access, a->max_srq > 0 ? "true" : "false", r->td ? "true" : "false");
         json_str(a->fw_ver);
@@ -229,7 +253,7 @@ static void print_text(const struct report *r, const struct check_result *c)
         printf("transport:      rdma\ndevice:         %s (firmware %s)\n", r->dev->name,
                a->fw_ver[0] ? a->fw_ver : "-");
         printf("port:           %u (%s, %s)\n", r->path.port, link_layer_name(r->port.link_layer),
-               ibv_port_state_str(r->port.state));
+               port_state_name(r->port.state));
         printf("GID:            index %u, %s, RoCE v2\n", r->path.gid_index, r->gid);
         printf("MTU:            %d (port max %d)\n", bex__rdma_mtu_bytes(r->port.active_mtu),
                bex__rdma_mtu_bytes(r->port.max_mtu));
@@ -248,8 +272,8 @@ static void print_text(const struct report *r, const struct check_result *c)
     }
     printf("check:          ok over %s: round trip min %.1f us, median %.1f us (%u); "
            "burst %.1f MiB/s (%llu bytes)\n",
-           c->transport == BEX_TRANSPORT_RDMA ? "rdma" : "tcp", c->rtt_us[0], c->rtt_us[1],
-           c->rtts, c->burst_mib_s, (unsigned long long)c->burst_bytes);
+           c->transport == BEX_TRANSPORT_RDMA ? "rdma" : "tcp", c->rtt_us[0], c->rtt_us[1], c->rtts,
+           c->burst_mib_s, (unsigned long long)c->burst_bytes);
 }
 
 int main(int argc, char **argv)
