@@ -123,7 +123,9 @@ int main(int argc, char **argv)
     }
     /* A context: the local IP (it picks the RDMA NIC), memory, an I/O
      * thread. Zero in any other field means its default. */
-    bex_ctx_config cfg = {.local_addr = addr.sin_addr, .transport = BEX_TRANSPORT_TCP};
+    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
+                          .local_addr = addr.sin_addr,
+                          .transport = BEX_TRANSPORT_TCP};
     if (!server && inet_pton(AF_INET, argc == 5 ? argv[4] : "127.0.0.1", &cfg.local_addr) != 1) {
         fprintf(stderr, "echo: %s: not an IPv4 address\n", argv[4]);
         return 1;

@@ -77,7 +77,9 @@ int main(int argc, char **argv)
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL); /* before any thread: serve() takes them */
 
-    bex_ctx_config cfg = {.local_addr = addr.sin_addr, .transport = BEX_TRANSPORT_TCP};
+    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
+                          .local_addr = addr.sin_addr,
+                          .transport = BEX_TRANSPORT_TCP};
     bex_ctx *ctx;
     int rc = bex_ctx_create(&cfg, &ctx);
     if (rc) {

@@ -81,7 +81,11 @@ enum { BEX_RPC_METHOD_WRITE = 1u << 0 };
  * I/O thread. */
 typedef void (*bex_rpc_handler)(bex_rpc_req *req, void *body, size_t len, void *user);
 
+/* clang-format off */
+#define BEX_RPC_SERVER_CONFIG_INIT {.size = sizeof(bex_rpc_server_config)}
+/* clang-format on */
 typedef struct bex_rpc_server_config {
+    size_t size;                 /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     uint32_t dedup_window;       /* sequences remembered per client (256) */
     uint32_t dedup_clients;      /* clients remembered (1024); the least recently
                                     seen one is forgotten beyond it only when
@@ -174,7 +178,11 @@ typedef struct bex_rpc_endpoint {
 } bex_rpc_endpoint;
 
 /* Channel configuration; zero in any field means its default. */
+/* clang-format off */
+#define BEX_RPC_CHANNEL_CONFIG_INIT {.size = sizeof(bex_rpc_channel_config)}
+/* clang-format on */
 typedef struct bex_rpc_channel_config {
+    size_t size; /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     const bex_rpc_endpoint *endpoints; /* the endpoint list (copied) */
     size_t n_endpoints;                /* >= 1 */
     const char *name;                  /* label in the Prometheus dump ("default") */

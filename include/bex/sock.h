@@ -115,7 +115,11 @@ int bex_poll_mode_parse(const char *name, uint32_t *mode);
  * BEX_TRANSPORT, BEX_IO_THREADS, BEX_POLL_MODE, BEX_KEEPALIVE_MS,
  * BEX_KEEPALIVE_TIMEOUT_MS, BEX_CONNECT_TIMEOUT_MS, BEX_SRQ_DEPTH: the
  * table is in docs/configuration.md). */
+/* clang-format off */
+#define BEX_CTX_CONFIG_INIT {.size = sizeof(bex_ctx_config)}
+/* clang-format on */
 typedef struct bex_ctx_config {
+    size_t size; /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     /* The local IPv4 address to use; it chooses the RDMA device and GID
      * (RoCEv2). Required (INADDR_ANY is refused with -EINVAL). */
     struct in_addr local_addr;

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/cfg.h"
 #include "common/hash.h"
 #include "common/list.h"
 #include "common/log.h"
@@ -122,6 +123,8 @@ void bex_rpc_free(void *body)
 
 int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rpc_server **out)
 {
+    bex_rpc_server_config c;
+    BEX__CFG_TAKE(cfg, c);
     if (!ctx || !out || (cfg && cfg->dedup_new_per_sec > 1000000000u))
         return -EINVAL;
     struct bex_rpc_server *srv = calloc(1, sizeof(*srv));

@@ -9,6 +9,7 @@
 
 #include <sodium.h>
 
+#include "common/cfg.h"
 #include "sock/ctx_access.h"
 #include "sock/env.h"
 #include "sock/internal.h"
@@ -513,6 +514,8 @@ static int ctx_env_apply(bex_ctx *ctx)
 
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
 {
+    bex_ctx_config c;
+    BEX__CFG_TAKE(cfg, c);
     if (!cfg || !out)
         return -EINVAL;
     bex_ctx *ctx = calloc(1, sizeof(*ctx));
