@@ -168,6 +168,16 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
  * from a callback of the context. */
 int bex_rpc_server_destroy(bex_rpc_server *srv);
 
+/* Drain before bex_rpc_server_destroy (a graceful stop): stop listening (no
+ * new connection is accepted), then wait until every request received so
+ * far has been answered, or timeout_ms passed. Requests arriving meanwhile
+ * on connections already open are served as usual (and waited for): take
+ * the server out of the directory first, so that clients stop sending.
+ * Returns 0 when nothing is unanswered, -ETIMEDOUT when something still
+ * was at the deadline, -EINVAL, -EDEADLK (nothing done) from a callback of
+ * the context. Not concurrently with destroy. */
+int bex_rpc_server_drain(bex_rpc_server *srv, uint32_t timeout_ms);
+
 /* ---- client ---- */
 
 /* One endpoint of a channel: a server's address and where it is. */

@@ -11,7 +11,10 @@
  *  - catching_up: replica 1 of a cluster whose replica 0 accepts
  *    connections but never answers (a listener nobody serves): while
  *    bex-ps catches up with it, /healthz is 200 and /ready 503 "not ready:
- *    catching up"; once the catch-up gave up and bex-ps said "ready", 200. */
+ *    catching up"; once the catch-up gave up and bex-ps said "ready", 200.
+ *  - drain: SIGTERM with a client connected: bex-ps prints "draining",
+ *    "drained" (bex_rpc_server_drain: no new connection, what it received
+ *    answered), "stopped", and leaves with status 0. */
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -106,6 +109,41 @@ static int mute_listener(uint16_t port)
     return fd;
 }
 
+/* bex-ps with argv, its stdout into *out. */
+static pid_t ps_spawn(const char *const *argv, FILE **out)
+{
+    int p[2];
+    CHECK(pipe(p) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        dup2(p[1], 1);
+        close(p[0]);
+        close(p[1]);
+        execv(BEX_PS_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    close(p[1]);
+    *out = fdopen(p[0], "r");
+    CHECK(*out);
+    return pid;
+}
+
+/* The next line of f that is want (others echoed); 0 or -1 at EOF. */
+static int expect_line(FILE *f, const char *want)
+{
+    char line[256];
+    while (fgets(line, sizeof line, f)) {
+        fprintf(stderr, "%s", line);
+        if (strcmp(line, want) == 0)
+            return 0;
+    }
+    fprintf(stderr, "no line \"%s\"\n", want);
+    return -1;
+}
+
 static int t_catching_up(void)
 {
     if (!pair_tcp())
@@ -125,22 +163,8 @@ static int t_catching_up(void)
                           "tcp",     "--metrics-port",
                           "0",       "--catchup-timeout-ms",
                           "3000",    NULL};
-    int p[2];
-    CHECK(pipe(p) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        dup2(p[1], 1);
-        close(p[0]);
-        close(p[1]);
-        execv(BEX_PS_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    close(p[1]);
-    FILE *f = fdopen(p[0], "r");
-    CHECK(f);
+    FILE *f;
+    pid_t pid = ps_spawn(argv, &f);
     char line[256], base[128] = "", path[160], *text;
     static const char at[] = "bex-ps: metrics at ";
     while (!base[0] && fgets(line, sizeof line, f)) {
@@ -177,4 +201,44 @@ static int t_catching_up(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"serving", t_serving}, {"catching_up", t_catching_up})
+/* SIGTERM drains: "draining", "drained", "stopped" in that order, after a
+ * client's Pushes on an open connection, and status 0. */
+static int t_drain(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char tmpl[] = "/tmp/bex-ps-health-XXXXXX";
+    char cluster[128];
+    tmp_cluster(tmpl, cluster, sizeof cluster, 1, NULL);
+    const char *argv[] = {"bex-ps",  "--cluster",   cluster,       "--shard", "all",
+                          "--table", "1:8:sgd:0.1", "--transport", "tcp",     "--drain-timeout-ms",
+                          "5000",    NULL};
+    FILE *f;
+    pid_t pid = ps_spawn(argv, &f);
+    CHECK_OK(expect_line(f, "bex-ps: ready\n"));
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of_file(cluster);
+    bex_ps_client *pc = client_of(ctx, d);
+    uint64_t keys[NK];
+    int all[NK];
+    keys_init(keys, all);
+    static struct ref r;
+    ref_init(&r, &TC, keys);
+    push_ref(pc, &r, keys, all, NK, 60);
+    CHECK(kill(pid, SIGTERM) == 0);
+    CHECK_OK(expect_line(f, "bex-ps: draining\n"));
+    CHECK_OK(expect_line(f, "bex-ps: drained\n"));
+    CHECK_OK(expect_line(f, "bex-ps: stopped\n"));
+    fclose(f);
+    int status;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    unlink(cluster);
+    CHECK(rmdir(tmpl) == 0);
+    return 0;
+}
+
+BEX_TEST_MAIN({"serving", t_serving}, {"catching_up", t_catching_up}, {"drain", t_drain})

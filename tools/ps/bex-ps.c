@@ -7,8 +7,10 @@
  * must share an IP address: the context's). Or, with --etcd instead of
  * --cluster, at --listen's address, and registered in etcd under a lease
  * (revoked at shutdown; it expires when the process dies). SIGUSR1 writes a snapshot of
- * every shard; SIGTERM and SIGINT stop the servers, write the snapshots and
- * leave with status 0. The snapshots (--snapshot-dir) are loaded at start;
+ * every shard; SIGTERM and SIGINT drain: out of etcd, /ready 503, no new
+ * connection, the requests received answered (at most --drain-timeout-ms,
+ * 10000); then the servers stop, the snapshots are written and bex-ps
+ * leaves with status 0. The snapshots (--snapshot-dir) are loaded at start;
  * --snapshot-every writes them periodically too.
  * With --metrics-port, GET /metrics over HTTP (libmicrohttpd, on the
  * replica's address) answers the shards' and their RPC servers' counters
@@ -51,7 +53,8 @@ __attribute__((noreturn)) static void usage(int status)
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
         "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
-        "              [--eager-max B] [--send-window B] [--io-threads N]\n");
+        "              [--eager-max B] [--send-window B] [--io-threads N]\n"
+        "              [--drain-timeout-ms MS]\n");
     exit(status);
 }
 
@@ -214,6 +217,7 @@ struct opts {
     const char *cluster, *service, *shards, *snap_dir, *etcd, *etcd_prefix, *listen_s, *locality;
     uint32_t replica, transport, poll_mode;
     long metrics_port, snap_every_ms, keepalive_timeout_ms, catchup_ms;
+    long drain_ms;    /* SIGTERM: each server's drain at most (bex_rpc_server_drain) */
     long eager_max;   /* the context's (0: its default) */
     long send_window; /* the context's (0: none) */
     long io_threads;
@@ -266,6 +270,9 @@ static bool num_opt(int c, struct opts *o)
         return true;
     case 'm':
         o->metrics_port = opt_num(optarg, 0, 65535);
+        return true;
+    case 'D':
+        o->drain_ms = opt_num(optarg, 0, 3600000);
         return true;
     default:
         return false;
@@ -341,6 +348,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                        .poll_mode = BEX_POLL_SPIN_SLEEP,
                        .metrics_port = -1,
                        .catchup_ms = 10000,
+                       .drain_ms = 10000,
                        .io_threads = 1,
                        .catchup = 1,
                        .locality = "",
@@ -368,6 +376,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"eager-max", required_argument, 0, 'G'},
                                        {"send-window", required_argument, 0, 'W'},
                                        {"io-threads", required_argument, 0, 'I'},
+                                       {"drain-timeout-ms", required_argument, 0, 'D'},
                                        {"help", no_argument, 0, 'h'},
                                        {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
@@ -673,6 +682,21 @@ static void serve(const struct opts *o, struct node *nd, const sigset_t *sigs)
     }
 }
 
+/* SIGTERM's graceful part: no new connection, the requests received
+ * answered (bex_rpc_server_drain), each server within --drain-timeout-ms. */
+static void drain_all(const struct opts *o, struct node *nd)
+{
+    printf("bex-ps: draining\n");
+    fflush(stdout);
+    for (size_t i = 0; i < nd->up; i++) {
+        int rc = bex_rpc_server_drain(nd->sv[i].srv, (uint32_t)o->drain_ms);
+        if (rc)
+            fprintf(stderr, "bex-ps: shard %u: drain: %s (requests still unanswered are dropped)\n",
+                    nd->sv[i].shard, bex_strerror(rc));
+    }
+    printf("bex-ps: drained\n");
+}
+
 static int stop_all(const struct opts *o, struct node *nd, int status)
 {
     int rc;
@@ -682,6 +706,8 @@ static int stop_all(const struct opts *o, struct node *nd, int status)
         if (nd->regs[i] && (rc = bex_dir_deregister(nd->regs[i])))
             fprintf(stderr, "bex-ps: shard %u: etcd deregistration: %s (the lease expires)\n",
                     nd->sv[i].shard, bex_strerror(rc));
+    if (status == 0)
+        drain_all(o, nd);
     if (nd->httpd)
         MHD_stop_daemon(nd->httpd); /* it reads the shards and servers */
     /* servers first: no Push is applied after the snapshot */
