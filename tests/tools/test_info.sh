@@ -35,6 +35,7 @@ run() {
 
 # json NAME PYTHON-EXPRESSION: the expression over d (the parsed output) is true
 json() {
+    echo "test_info: $1: checking its JSON" >&2
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if ($2) else 1)" \
         "$tmp/$1.out" || fail "$1: --json does not satisfy: $2"
 }
