@@ -130,9 +130,9 @@ static int run_cell(struct result *r, double scale)
     return 0;
 }
 
-static void usage(const char *argv0)
+static void usage(FILE *f, const char *argv0)
 {
-    fprintf(stderr,
+    fprintf(f,
             "usage: %s [--json] [--allocators=LIST] [--workloads=LIST] [--threads=LIST]\n"
             "          [--scale=F] [--repeat=N]\n"
             "  allocators: bemalloc,bemalloc-mlock,glibc,jemalloc,tcmalloc,mimalloc\n"
@@ -170,13 +170,20 @@ int main(int argc, char **argv)
             scale = atof(a + 8);
         } else if (strncmp(a, "--repeat=", 9) == 0) {
             repeat = atoi(a + 9);
+        } else if (strcmp(a, "--version") == 0) {
+            printf("bex-allocbench %s\n", BEX_ALLOCBENCH_VERSION);
+            return 0;
+        } else if (strcmp(a, "--help") == 0) {
+            usage(stdout, argv[0]);
+            return 0;
         } else {
-            usage(argv[0]);
-            return strcmp(a, "--help") == 0 ? 0 : 2;
+            fprintf(stderr, "bex-allocbench: unknown option %s\n", a);
+            usage(stderr, argv[0]);
+            return 2;
         }
     }
     if (na == 0 || nw == 0 || nt == 0 || scale <= 0 || repeat < 1) {
-        usage(argv[0]);
+        usage(stderr, argv[0]);
         return 2;
     }
     char self[PATH_MAX];

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "example_args.h"
 #include <bex/sock.h>
 
 /* "a.b.c.d:port" into *a; 0 or -EINVAL. */
@@ -112,16 +113,19 @@ static int client(bex_ctx *ctx, const struct sockaddr_in *to, const char *msg)
 
 int main(int argc, char **argv)
 {
+    example_args(argc, argv, "echo", "server IP:PORT | echo client IP:PORT MESSAGE [LOCAL_IP]");
     struct sockaddr_in addr;
     int server = argc == 3 && strcmp(argv[1], "server") == 0;
     if ((!server && !((argc == 4 || argc == 5) && strcmp(argv[1], "client") == 0)) ||
         parse_addr(argv[2], &addr) != 0) {
         fprintf(stderr, "usage: echo server IP:PORT | echo client IP:PORT MESSAGE [LOCAL_IP]\n");
-        return 1;
+        return 2;
     }
     /* A context: the local IP (it picks the RDMA NIC), memory, an I/O
      * thread. Zero in any other field means its default. */
-    bex_ctx_config cfg = {.local_addr = addr.sin_addr, .transport = BEX_TRANSPORT_TCP};
+    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
+                          .local_addr = addr.sin_addr,
+                          .transport = BEX_TRANSPORT_TCP};
     if (!server && inet_pton(AF_INET, argc == 5 ? argv[4] : "127.0.0.1", &cfg.local_addr) != 1) {
         fprintf(stderr, "echo: %s: not an IPv4 address\n", argv[4]);
         return 1;

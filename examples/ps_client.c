@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "example_args.h"
 #include <bex/dir.h>
 #include <bex/ps.h>
 
@@ -73,11 +74,13 @@ static int train_step(bex_ps_client *pc)
 
 int main(int argc, char **argv)
 {
-    bex_ctx_config cfg = {.transport = BEX_TRANSPORT_TCP}; /* TCP: runs anywhere */
+    example_args(argc, argv, "ps_client", "CLUSTER_FILE [LOCAL_IP]");
+    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
+                          .transport = BEX_TRANSPORT_TCP}; /* TCP: runs anywhere */
     if ((argc != 2 && argc != 3) ||
         inet_pton(AF_INET, argc == 3 ? argv[2] : "127.0.0.1", &cfg.local_addr) != 1) {
         fprintf(stderr, "usage: ps_client CLUSTER_FILE [LOCAL_IP]\n");
-        return 1;
+        return 2;
     }
     /* The directory: which replicas serve which shard of service "ps". */
     bex_dir *dir = NULL;
@@ -93,7 +96,8 @@ int main(int argc, char **argv)
     }
     bex_ctx *ctx = NULL;
     bex_ps_client *pc = NULL;
-    bex_ps_client_config pcc = {.dir = dir, .service = "ps", .timeout_ms = 5000};
+    bex_ps_client_config pcc = {
+        .size = sizeof(bex_ps_client_config), .dir = dir, .service = "ps", .timeout_ms = 5000};
     if (rc == 0 && (rc = bex_ctx_create(&cfg, &ctx)) == 0 &&
         (rc = bex_ps_client_create(ctx, &pcc, &pc)) == 0)
         rc = train_step(pc);

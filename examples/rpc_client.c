@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "example_args.h"
 #include <bex/rpc.h>
 
 #define EXAMPLE_SERVICE 7 /* the ids rpc_server registered */
@@ -24,8 +25,11 @@ static int call_upper(bex_ctx *ctx, const struct sockaddr_in *server, const char
      * and retries. The defaults suit a data center (a 40 ms deadline, a
      * 10 ms connect); a first program on a busy laptop gets more room. */
     bex_rpc_endpoint ep = {.addr = *server};
-    bex_rpc_channel_config cc = {
-        .endpoints = &ep, .n_endpoints = 1, .request_timeout_ms = 5000, .connect_timeout_ms = 2000};
+    bex_rpc_channel_config cc = {.size = sizeof(bex_rpc_channel_config),
+                                 .endpoints = &ep,
+                                 .n_endpoints = 1,
+                                 .request_timeout_ms = 5000,
+                                 .connect_timeout_ms = 2000};
     bex_rpc_channel *ch;
     int rc = bex_rpc_channel_create(ctx, &cc, &ch);
     if (rc)
@@ -51,15 +55,17 @@ static int call_upper(bex_ctx *ctx, const struct sockaddr_in *server, const char
 
 int main(int argc, char **argv)
 {
+    example_args(argc, argv, "rpc_client", "IP:PORT TEXT [LOCAL_IP]");
     char ip[16];
     unsigned port;
     struct sockaddr_in server = {.sin_family = AF_INET};
-    bex_ctx_config cfg = {.transport = BEX_TRANSPORT_TCP}; /* TCP: runs anywhere */
+    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
+                          .transport = BEX_TRANSPORT_TCP}; /* TCP: runs anywhere */
     if ((argc != 3 && argc != 4) || sscanf(argv[1], "%15[0-9.]:%u", ip, &port) != 2 || port == 0 ||
         port > 65535 || inet_pton(AF_INET, ip, &server.sin_addr) != 1 ||
         inet_pton(AF_INET, argc == 4 ? argv[3] : "127.0.0.1", &cfg.local_addr) != 1) {
         fprintf(stderr, "usage: rpc_client IP:PORT TEXT [LOCAL_IP]\n");
-        return 1;
+        return 2;
     }
     server.sin_port = htons((uint16_t)port);
     bex_ctx *ctx;

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "example_args.h"
 #include <bex/rpc.h>
 
 /* The service and method ids the client calls (any numbers both agree on). */
@@ -60,13 +61,14 @@ static int serve(bex_ctx *ctx, struct sockaddr_in *addr)
 
 int main(int argc, char **argv)
 {
+    example_args(argc, argv, "rpc_server", "IP:PORT (port 0: any free one)");
     char ip[16];
     unsigned port;
     struct sockaddr_in addr = {.sin_family = AF_INET};
     if (argc != 2 || sscanf(argv[1], "%15[0-9.]:%u", ip, &port) != 2 || port > 65535 ||
         inet_pton(AF_INET, ip, &addr.sin_addr) != 1) {
         fprintf(stderr, "usage: rpc_server IP:PORT (port 0: any free one)\n");
-        return 1;
+        return 2;
     }
     addr.sin_port = htons((uint16_t)port);
     sigset_t sigs;
@@ -75,7 +77,9 @@ int main(int argc, char **argv)
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL); /* before any thread: serve() takes them */
 
-    bex_ctx_config cfg = {.local_addr = addr.sin_addr, .transport = BEX_TRANSPORT_TCP};
+    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
+                          .local_addr = addr.sin_addr,
+                          .transport = BEX_TRANSPORT_TCP};
     bex_ctx *ctx;
     int rc = bex_ctx_create(&cfg, &ctx);
     if (rc) {

@@ -389,14 +389,16 @@ int run_matrix(Opts &o)
     return rc;
 }
 
-[[noreturn]] void usage()
+[[noreturn]] void usage(int status = 2)
 {
-    fprintf(stderr, "usage: bex-grpc-bench -s --local ADDR [-p PORT]\n"
-                    "       bex-grpc-bench -c SERVER --local ADDR [-p PORT] [--size B]\n"
-                    "                      [--outstanding K] [--iters N] [--warmup W] [--json]"
-                    " [--stdin]\n"
-                    "       bex-grpc-bench --matrix [--iters N] [--warmup W] [--json]\n");
-    exit(2);
+    fprintf(status ? stderr : stdout,
+            "usage: bex-grpc-bench -s --local ADDR [-p PORT]\n"
+            "       bex-grpc-bench -c SERVER --local ADDR [-p PORT] [--size B]\n"
+            "                      [--outstanding K] [--iters N] [--warmup W] [--json]"
+            " [--stdin]\n"
+            "       bex-grpc-bench --matrix [--iters N] [--warmup W] [--json]\n"
+            "       bex-grpc-bench --help | --version\n");
+    exit(status);
 }
 
 } // namespace
@@ -416,6 +418,8 @@ int main(int argc, char **argv)
                                        {"json", no_argument, nullptr, 'j'},
                                        {"matrix", no_argument, nullptr, 'm'},
                                        {"stdin", no_argument, nullptr, 'I'},
+                                       {"help", no_argument, nullptr, 'h'},
+                                       {"version", no_argument, nullptr, 'V'},
                                        {nullptr, 0, nullptr, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "sc:l:p:", lo, nullptr)) != -1) {
@@ -459,6 +463,11 @@ int main(int argc, char **argv)
         case 'I':
             o.from_stdin = true;
             break;
+        case 'h':
+            usage(0);
+        case 'V':
+            printf("bex-grpc-bench %s\n", BEX_GRPC_BENCH_VERSION);
+            return 0;
         default:
             usage();
         }

@@ -1236,6 +1236,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
                                        {"setup-max", required_argument, NULL, O_SETUPMAX},
                                        {"connect-timeout", required_argument, NULL, O_CONNTO},
                                        {"help", no_argument, NULL, 'h'},
+                                       {"version", no_argument, NULL, 'V'},
                                        {NULL, 0, NULL, 0}};
     static const uint32_t def_frags[] = {1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144};
     *o = (struct opts){
@@ -1436,6 +1437,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
             break;
         case 'h':
             usage(stdout);
+            exit(0);
+        case 'V':
+            printf("bex-perf %s\n", bex_version_string());
             exit(0);
         default:
             return -1;

@@ -28,6 +28,21 @@ unsigned bex_version(void);
 /* The same as text, "MAJOR.MINOR.PATCH" (static). Any thread. */
 const char *bex_version_string(void);
 
+/* Config structs (bex_ctx_config, bex_mem_config, bex_dir_config,
+ * bex_rpc_server_config, bex_rpc_channel_config, bex_ps_table_config,
+ * bex_ps_shard_config, bex_ps_catchup_config, bex_ps_client_config) start
+ * with their size: start from their BEX_*_CONFIG_INIT ({.size =
+ * sizeof(T)}, the other fields zero: their defaults). A program built
+ * against older headers passes its smaller struct, and the library takes
+ * the fields it lacks as zero; a program built against newer headers is
+ * refused (-EINVAL) only when it sets a field this library does not know.
+ * Size 0 (a struct zero-initialised without the macro) claims this
+ * library's own layout: right for a program built against these headers,
+ * wrong once it runs on a library whose struct has grown, so use the
+ * macro. The option structs bex_connect_opts and bex_rpc_call_opts grow
+ * by their flags instead: a field is read only when its flag is set.
+ * docs/versions.md has the policy. */
+
 /* Text for a bex return code (a negative errno, or 0). Never NULL; the string
  * is static and may be used from any thread. */
 const char *bex_strerror(int err);

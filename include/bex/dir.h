@@ -53,7 +53,11 @@ typedef struct bex_dir bex_dir;
 #define BEX_DIR_NAME_MAX     63
 
 /* Directory configuration; zero in any field means its default. */
+/* clang-format off */
+#define BEX_DIR_CONFIG_INIT {.size = sizeof(bex_dir_config)}
+/* clang-format on */
 typedef struct bex_dir_config {
+    size_t size;               /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     uint32_t conn_fail_max;    /* M: more connection failures than this within
                                   the window quarantine a node (30) */
     uint32_t req_fail_max;     /* N: the same for request failures (50) */

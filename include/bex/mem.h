@@ -86,7 +86,11 @@ void bex_mem_registrar_noop(bex_mem_registrar *out);
 enum { BEX_MEM_POOL_GENERAL = 0, BEX_MEM_POOL_LANDING = 1 };
 
 /* Pool configuration; zero in any field means its default. */
+/* clang-format off */
+#define BEX_MEM_CONFIG_INIT {.size = sizeof(bex_mem_config)}
+/* clang-format on */
 typedef struct bex_mem_config {
+    size_t size;         /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     size_t retain_bytes; /* fully free chunk bytes kept registered
                             (default 64 MiB); beyond this, empty chunks
                             are deregistered and unmapped */

@@ -84,7 +84,11 @@ enum { BEX_PS_M_FETCH = 1, BEX_PS_M_PUSH = 2, BEX_PS_M_COPY = 3, BEX_PS_M_FORWAR
 enum { BEX_PS_SGD = 1, BEX_PS_ADAGRAD = 2 };
 
 /* One table; zero in a float field means its default. */
+/* clang-format off */
+#define BEX_PS_TABLE_CONFIG_INIT {.size = sizeof(bex_ps_table_config)}
+/* clang-format on */
 typedef struct bex_ps_table_config {
+    size_t size;        /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     uint32_t id;        /* any value, unique in the shard */
     uint32_t dim;       /* 1..BEX_PS_DIM_MAX */
     uint32_t optimizer; /* BEX_PS_SGD or BEX_PS_ADAGRAD */
@@ -108,7 +112,11 @@ uint32_t bex_ps_key_shard(uint64_t key, uint32_t n_shards);
 
 typedef struct bex_ps_shard bex_ps_shard;
 
+/* clang-format off */
+#define BEX_PS_SHARD_CONFIG_INIT {.size = sizeof(bex_ps_shard_config)}
+/* clang-format on */
 typedef struct bex_ps_shard_config {
+    size_t size;              /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     uint32_t shard, n_shards; /* which shard this is (shard < n_shards) */
     const bex_ps_table_config *tables;
     size_t n_tables; /* 1..BEX_PS_TABLES_MAX */
@@ -203,7 +211,11 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path);
 
 /* ---- catch-up of a restarted replica (docs/architecture.md) ---- */
 
+/* clang-format off */
+#define BEX_PS_CATCHUP_CONFIG_INIT {.size = sizeof(bex_ps_catchup_config)}
+/* clang-format on */
 typedef struct bex_ps_catchup_config {
+    size_t size; /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     const bex_rpc_endpoint *peers; /* replicas of this shard, tried in order, in rounds */
     size_t n_peers;
     uint32_t timeout_ms;  /* the whole catch-up's deadline, every peer (10000) */
@@ -267,7 +279,11 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
 
 typedef struct bex_ps_client bex_ps_client;
 
+/* clang-format off */
+#define BEX_PS_CLIENT_CONFIG_INIT {.size = sizeof(bex_ps_client_config)}
+/* clang-format on */
 typedef struct bex_ps_client_config {
+    size_t size;                 /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     bex_dir *dir;                /* where the shards are; outlives the client */
     const char *service;         /* the directory's service name ("ps") */
     uint32_t n_shards;           /* 0: as many as the directory lists now */
@@ -354,6 +370,13 @@ int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint6
 int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                             size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
                             size_t *n_res);
+
+/* The client's counters (bex_ps_client_stats) in Prometheus text exposition
+ * format (metric names bex_ps_client_*_total, label client="name", NULL:
+ * "ps"), NUL-terminated, into buf (cap bytes). Returns the length it needed
+ * (without the NUL), like snprintf: output is cut when that is >= cap;
+ * -EINVAL. Any thread. */
+int bex_ps_client_prometheus(bex_ps_client *c, const char *name, char *buf, size_t cap);
 
 #pragma GCC visibility pop
 

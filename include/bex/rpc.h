@@ -81,7 +81,11 @@ enum { BEX_RPC_METHOD_WRITE = 1u << 0 };
  * I/O thread. */
 typedef void (*bex_rpc_handler)(bex_rpc_req *req, void *body, size_t len, void *user);
 
+/* clang-format off */
+#define BEX_RPC_SERVER_CONFIG_INIT {.size = sizeof(bex_rpc_server_config)}
+/* clang-format on */
 typedef struct bex_rpc_server_config {
+    size_t size;                 /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     uint32_t dedup_window;       /* sequences remembered per client (256) */
     uint32_t dedup_clients;      /* clients remembered (1024); the least recently
                                     seen one is forgotten beyond it only when
@@ -164,6 +168,16 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
  * from a callback of the context. */
 int bex_rpc_server_destroy(bex_rpc_server *srv);
 
+/* Drain before bex_rpc_server_destroy (a graceful stop): stop listening (no
+ * new connection is accepted), then wait until every request received so
+ * far has been answered, or timeout_ms passed. Requests arriving meanwhile
+ * on connections already open are served as usual (and waited for): take
+ * the server out of the directory first, so that clients stop sending.
+ * Returns 0 when nothing is unanswered, -ETIMEDOUT when something still
+ * was at the deadline, -EINVAL, -EDEADLK (nothing done) from a callback of
+ * the context. Not concurrently with destroy. */
+int bex_rpc_server_drain(bex_rpc_server *srv, uint32_t timeout_ms);
+
 /* ---- client ---- */
 
 /* One endpoint of a channel: a server's address and where it is. */
@@ -174,7 +188,11 @@ typedef struct bex_rpc_endpoint {
 } bex_rpc_endpoint;
 
 /* Channel configuration; zero in any field means its default. */
+/* clang-format off */
+#define BEX_RPC_CHANNEL_CONFIG_INIT {.size = sizeof(bex_rpc_channel_config)}
+/* clang-format on */
 typedef struct bex_rpc_channel_config {
+    size_t size; /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     const bex_rpc_endpoint *endpoints; /* the endpoint list (copied) */
     size_t n_endpoints;                /* >= 1 */
     const char *name;                  /* label in the Prometheus dump ("default") */

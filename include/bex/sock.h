@@ -123,7 +123,11 @@ int bex_poll_mode_parse(const char *name, uint32_t *mode);
  * BEX_TRANSPORT, BEX_IO_THREADS, BEX_POLL_MODE, BEX_KEEPALIVE_MS,
  * BEX_KEEPALIVE_TIMEOUT_MS, BEX_CONNECT_TIMEOUT_MS, BEX_SRQ_DEPTH: the
  * table is in docs/configuration.md). */
+/* clang-format off */
+#define BEX_CTX_CONFIG_INIT {.size = sizeof(bex_ctx_config)}
+/* clang-format on */
 typedef struct bex_ctx_config {
+    size_t size; /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     /* The local IPv4 address to use; it chooses the RDMA device and GID
      * (RoCEv2). Required (INADDR_ANY is refused with -EINVAL). */
     struct in_addr local_addr;
@@ -431,6 +435,15 @@ void bex_sock_close(bex_sock *s);
  * a writer may fill less of it. */
 int bex_sock_transport(const bex_sock *s);
 
+/* The error that ended the socket (as on_error or on_connect reported it,
+ * also when the application had closed it first) as one line of text into
+ * buf (cap bytes, NUL-terminated, cut to fit): the peer's address, whether
+ * it was still connecting, and bex_strerror's text, e.g. "peer
+ * 10.0.0.2:7000: connecting: Connection refused". Returns that error (a
+ * negative errno), or 0 and "no error" while the socket has not failed.
+ * Any thread, until on_close returns. */
+int bex_sock_last_error(const bex_sock *s, char *buf, size_t cap);
+
 /* The user pointer last set (any thread). */
 void *bex_sock_user(const bex_sock *s);
 /* Replace the socket's callbacks (ops NULL: keep them) and user pointer.
@@ -494,9 +507,26 @@ typedef struct bex_sock_stats {
     uint64_t thread_domains;     /* I/O threads whose QPs are on a thread domain of
                                     their own (0: the device has none, or
                                     bex_ctx_config.thread_domains is OFF) */
+
+    uint64_t rnr_errors;         /* RDMA: connections failed with RNR retries exhausted */
+    uint64_t retry_errors;       /* RDMA: connections failed with transport retries exhausted */
+    uint64_t keepalive_fails;    /* connections failed for the peer's silence (keepalive) */
+    uint64_t tcp_fallbacks;      /* connections of transport AUTO that went over TCP (no device
+                                    here or at the peer, or the QP could not come up) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);
+
+/* The context's transport counters (bex_sock_stats: engines and TCP
+ * connections now, messages and bytes, credit and window stalls, receive
+ * pacing, RNR and retry errors, keepalive failures, fallbacks to TCP) and
+ * its pools' registered and in-use bytes (label pool: "main", "recv",
+ * "landing"), in Prometheus text exposition format (metric names
+ * bex_transport_* and bex_pool_*, docs/configuration.md lists them),
+ * NUL-terminated, into buf (cap bytes). Returns the length it needed
+ * (without the NUL), like snprintf: the output is cut when that is >= cap;
+ * -EINVAL. Any thread (approximate while the context runs). */
+int bex_ctx_prometheus(bex_ctx *ctx, char *buf, size_t cap);
 
 #pragma GCC visibility pop
 

@@ -277,6 +277,8 @@ static int go_tcp(struct conn *c)
         return err;
     BEX__STAT_ADD(&c->io->stats, engines, 1); /* counts transports of either kind */
     BEX__STAT_ADD(&c->io->stats, tcp_conns, 1);
+    if (c->mode == BEX_TRANSPORT_AUTO)
+        BEX__STAT_ADD(&c->io->stats, tcp_fallbacks, 1); /* RDMA would have done */
     bex__conn_set_phase(c, P_UP);
     bex__conn_setup_end(c);
     c->rwant = c->rlen = 0;  /* the setup reads nothing more: frames are the transport's */

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/cfg.h"
 #include "mem/internal.h"
 #include "mem/lookup.h"
 
@@ -699,6 +700,8 @@ static const struct bex__mem_kind_ops general_ops = {
 /* Landing pools never have heaps: their ops need no heap work. */
 int bex_mem_pool_create(const bex_mem_registrar *reg, const bex_mem_config *cfg, bex_mem_pool **out)
 {
+    bex_mem_config c;
+    BEX__CFG_TAKE(cfg, c);
     if (!reg || !reg->reg || !reg->dereg || !out)
         return -EINVAL;
     if (cfg && cfg->kind != BEX_MEM_POOL_GENERAL && cfg->kind != BEX_MEM_POOL_LANDING)

@@ -16,6 +16,7 @@
 #include <unistd.h>
 #include <arpa/inet.h>
 
+#include "common/cfg.h"
 #include "bex/ps.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
@@ -334,6 +335,8 @@ static void log_outcome(bex_ps_shard *s, int rc, uint64_t rows, uint64_t replaye
 
 int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg)
 {
+    bex_ps_catchup_config c;
+    BEX__CFG_TAKE(cfg, c);
     if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
         return -EINVAL;
     pthread_mutex_lock(&s->mu);

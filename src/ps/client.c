@@ -23,6 +23,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "common/cfg.h"
 #include "bex/ps.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
@@ -88,6 +89,8 @@ struct op {
 
 int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_client **out)
 {
+    bex_ps_client_config taken;
+    BEX__CFG_TAKE(cfg, taken);
     if (!ctx || !cfg || !cfg->dir || !out)
         return -EINVAL;
     const char *svc = cfg->service ? cfg->service : "ps";

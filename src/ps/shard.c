@@ -21,6 +21,8 @@
 #include <unistd.h>
 #include <arpa/inet.h>
 
+#include "common/cfg.h"
+#include "ps/cfg.h"
 #include "bex/ps.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -53,6 +55,11 @@ void bex__ps_tables_free(struct table *ts, size_t n)
 
 int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
 {
+    bex_ps_shard_config c;
+    bex_ps_table_config tabs[BEX_PS_TABLES_MAX];
+    BEX__CFG_TAKE(cfg, c);
+    if (cfg && bex__ps_tables_take(&c, tabs))
+        return -EINVAL;
     if (!cfg || !out || cfg->n_shards == 0 || cfg->shard >= cfg->n_shards || !cfg->tables ||
         (cfg->flags & ~(uint32_t)BEX_PS_SHARD_CATCHUP) || cfg->n_tables == 0 ||
         cfg->n_tables > BEX_PS_TABLES_MAX || cfg->dedup_clients > IDS_LOAD_MAX ||

@@ -128,6 +128,13 @@ struct bex__rdma_path {
  * device, meant for connection setup, not the data path. */
 int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out);
 
+/* Why no device serves ip, for a log line: "no usable RDMA device for
+ * IP (err's text)" and what each port of each device has instead (no GID
+ * for it, RoCE v1 only, InfiniBand, not ACTIVE), or that the host has no
+ * device; NUL-terminated, cut to cap. Opens every device: not for a hot
+ * path. */
+void bex__rdma_why_none(struct in_addr ip, int err, char *buf, size_t cap);
+
 /* The IPv4-mapped GID ::ffff:a.b.c.d of ip. */
 void bex__rdma_gid_from_ipv4(struct in_addr ip, union ibv_gid *out);
 

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include "common/cfg.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "rpc/dir_internal.h"
@@ -121,6 +122,8 @@ err_free:
 
 int bex_rpc_channel_create(bex_ctx *ctx, const bex_rpc_channel_config *cfg, bex_rpc_channel **out)
 {
+    bex_rpc_channel_config taken;
+    BEX__CFG_TAKE(cfg, taken);
     bool dir = cfg && cfg->dir;
     if (!ctx || !cfg || !out || cfg->retry_permille > 1000 ||
         (dir ? cfg->endpoints || cfg->n_endpoints || !cfg->service

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include "common/cfg.h"
 #include "bex/sock.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -42,6 +43,8 @@ __attribute__((format(printf, 3, 4))) void bex__dir_set_err(char *err, size_t er
 int bex_dir_create(const bex_dir_config *cfg, bex_dir **out)
 {
     static const bex_dir_config none;
+    bex_dir_config c;
+    BEX__CFG_TAKE(cfg, c);
     if (!out)
         return -EINVAL;
     if (!cfg)

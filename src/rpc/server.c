@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/cfg.h"
 #include "common/hash.h"
 #include "common/list.h"
 #include "common/log.h"
@@ -98,6 +99,7 @@ struct bex_rpc_server {
     size_t n_methods;
     bex_listener *l;
     bool listening, destroyed;
+    bool draining; /* bex_rpc_server_drain waits on cv for refs == 1 */
     struct bex__list conns;
     int refs;             /* 1 until destroy + one per request not answered */
     struct bex__hmap dcs; /* dc_key -> the clients with that key */
@@ -122,6 +124,8 @@ void bex_rpc_free(void *body)
 
 int bex_rpc_server_create(bex_ctx *ctx, const bex_rpc_server_config *cfg, bex_rpc_server **out)
 {
+    bex_rpc_server_config c;
+    BEX__CFG_TAKE(cfg, c);
     if (!ctx || !out || (cfg && cfg->dedup_new_per_sec > 1000000000u))
         return -EINVAL;
     struct bex_rpc_server *srv = calloc(1, sizeof(*srv));
@@ -496,6 +500,8 @@ int bex_rpc_reply(bex_rpc_req *req, int status, void *body, size_t len)
     int err = send_answer(srv, req->c, &req->h, BEX__RPC_RESPONSE, status, body, len);
     conn_put_locked(req->c);
     bool last = --srv->refs == 0;
+    if (srv->draining)
+        pthread_cond_broadcast(&srv->cv);
     pthread_mutex_unlock(&srv->mu);
     free(req);
     if (last)
@@ -909,6 +915,31 @@ int bex_rpc_server_prometheus(bex_rpc_server *const *srvs, const char *const *na
         return rc;
     }
     return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
+}
+
+int bex_rpc_server_drain(bex_rpc_server *srv, uint32_t timeout_ms)
+{
+    if (!srv)
+        return -EINVAL;
+    if (bex__ctx_on_io_thread(srv->ctx))
+        return -EDEADLK;
+    if (srv->l) {
+        bex_listener_close(srv->l);
+        srv->l = NULL;
+    }
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    uint64_t ns = (uint64_t)dl.tv_nsec + (uint64_t)timeout_ms * 1000000u;
+    dl.tv_sec += (time_t)(ns / 1000000000u);
+    dl.tv_nsec = (long)(ns % 1000000000u);
+    pthread_mutex_lock(&srv->mu);
+    srv->draining = true;
+    int rc = 0;
+    while (srv->refs > 1 && rc == 0)
+        rc = pthread_cond_timedwait(&srv->cv, &srv->mu, &dl);
+    rc = srv->refs > 1 ? -ETIMEDOUT : 0;
+    pthread_mutex_unlock(&srv->mu);
+    return rc;
 }
 
 int bex_rpc_server_destroy(bex_rpc_server *srv)

@@ -116,6 +116,8 @@ struct bex_sock {
     bool waiting; /* on a connection whose transport is not chosen yet:
                      sends wait in wq (linked by m.next) */
     struct sock_msg *wq_head, *wq_tail;
+    _Atomic int last_err;         /* what on_error / on_connect reported (bex_sock_last_error) */
+    _Atomic bool last_connecting; /* ... while it was connecting */
 };
 
 /* Which I/O thread a client connection to a peer belongs to: sockets to

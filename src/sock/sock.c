@@ -9,6 +9,7 @@
 
 #include <sodium.h>
 
+#include "common/cfg.h"
 #include "sock/ctx_access.h"
 #include "sock/env.h"
 #include "sock/internal.h"
@@ -358,9 +359,11 @@ static int ctx_dev_open(bex_ctx *ctx)
         }
         if (err && c->transport == BEX_TRANSPORT_RDMA)
             return err;
-        if (err) /* AUTO: a context without a device works over TCP */
-            bex__log(&ctx->log, BEX_LOG_INFO, "no usable RDMA device for %s (%s): TCP only",
-                     inet_ntoa(c->local_addr), bex_strerror(err));
+        if (err) { /* AUTO: a context without a device works over TCP, and says why */
+            char why[512];
+            bex__rdma_why_none(c->local_addr, err, why, sizeof why);
+            bex__log(&ctx->log, BEX_LOG_WARN, "%s: TCP only", why);
+        }
     }
     ctx->sh.dev = ctx->dev;
     ctx->sh.pd = ctx->dev ? ctx->dev->pd : NULL;
@@ -505,6 +508,8 @@ static int ctx_env_apply(bex_ctx *ctx)
 
 int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
 {
+    bex_ctx_config c;
+    BEX__CFG_TAKE(cfg, c);
     if (!cfg || !out)
         return -EINVAL;
     bex_ctx *ctx = calloc(1, sizeof(*ctx));
@@ -670,6 +675,10 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(srq_refused);
         LD(rndv_prebound);
         LD(srq_draining);
+        LD(rnr_errors);
+        LD(retry_errors);
+        LD(keepalive_fails);
+        LD(tcp_fallbacks);
 #undef LD
         o->thread_domains += ctx->io[i].td != NULL;
     }

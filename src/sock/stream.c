@@ -63,6 +63,10 @@ void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
         bex__sock_set_state(s, S_FAILED);
         bex__exposed_cancel(s);
     }
+    if (!atomic_load_explicit(&s->last_err, memory_order_relaxed)) {
+        atomic_store(&s->last_connecting, connecting);
+        atomic_store(&s->last_err, err);
+    }
     if (!s->error_told && !s->app_closed) {
         s->error_told = true;
         if (connecting) {
@@ -168,6 +172,7 @@ static void on_open(struct bex__xport *x, uint32_t stream)
     s->io = c->io;
     s->conn = c;
     s->id = stream;
+    s->peer = c->key; /* bex_sock_last_error names it */
     atomic_init(&s->state, S_OPEN);
     atomic_init(&s->closing, false);
     atomic_init(&s->user_pub, NULL);

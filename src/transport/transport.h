@@ -210,6 +210,8 @@ struct bex__stats {
         max_inflight_bytes, credit_msgs, engines, rnr_naks, recv_paused, tcp_conns, srq_credits,
         srq_posted, srq_refused, rndv_prebound;
     _Atomic uint64_t srq_draining;
+    /* failures, for bex_ctx_prometheus */
+    _Atomic uint64_t rnr_errors, retry_errors, keepalive_fails, tcp_fallbacks;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \

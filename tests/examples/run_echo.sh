@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # examples/echo.c, natively over TCP on loopback: the server on a port it
 # picks (port 0, read from its output), a client's message comes back, a
-# client of a closed port and a bad argument fail with a message and
-# status 1 (tests/examples/CMakeLists.txt).
+# client of a closed port fails with a message and status 1, a bad
+# argument with its usage and status 2 (tests/examples/CMakeLists.txt).
 #   run_echo.sh ECHO
 . "$(dirname "$0")/lib.sh"
 echo_bin=$1
@@ -25,6 +25,6 @@ run closed 1 "$echo_bin" client "127.0.0.1:$port" "anyone?"
 expect_err closed "echo: 127.0.0.1:$port: "
 [ ! -s "$out/closed.out" ] || fail "closed: printed an answer"
 
-run usage 1 "$echo_bin" client "127.0.0.1" "no port"
+run usage 2 "$echo_bin" client "127.0.0.1" "no port"
 expect_err usage "usage: echo"
 echo "ok: echo on port $port"

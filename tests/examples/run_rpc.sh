@@ -3,7 +3,7 @@
 # examples/rpc_server.c and rpc_client.c, natively over TCP on loopback:
 # the server on a port it picks (port 0, read from its output), the
 # client's call answered in capitals, an unreachable server and a bad
-# argument fail with a message and status 1, and the server stops on
+# argument fail with a message and status 1 (a bad argument: 2), and the server stops on
 # SIGTERM with status 0 (tests/examples/CMakeLists.txt).
 #   run_rpc.sh RPC_SERVER RPC_CLIENT
 . "$(dirname "$0")/lib.sh"
@@ -28,6 +28,6 @@ run closed 1 "$client_bin" "127.0.0.1:$port" "anyone?"
 expect_err closed "rpc_client: 127.0.0.1:$port: "
 [ ! -s "$out/closed.out" ] || fail "closed: printed an answer"
 
-run usage 1 "$client_bin" "127.0.0.1:0" "x"
+run usage 2 "$client_bin" "127.0.0.1:0" "x"
 expect_err usage "usage: rpc_client"
 echo "ok: rpc on port $port"

@@ -7,12 +7,17 @@
  * must share an IP address: the context's). Or, with --etcd instead of
  * --cluster, at --listen's address, and registered in etcd under a lease
  * (revoked at shutdown; it expires when the process dies). SIGUSR1 writes a snapshot of
- * every shard; SIGTERM and SIGINT stop the servers, write the snapshots and
- * leave with status 0. The snapshots (--snapshot-dir) are loaded at start;
+ * every shard; SIGTERM and SIGINT drain: out of etcd, /ready 503, no new
+ * connection, the requests received answered (at most --drain-timeout-ms,
+ * 10000); then the servers stop, the snapshots are written and bex-ps
+ * leaves with status 0. The snapshots (--snapshot-dir) are loaded at start;
  * --snapshot-every writes them periodically too.
  * With --metrics-port, GET /metrics over HTTP (libmicrohttpd, on the
  * replica's address) answers the shards' and their RPC servers' counters
- * in Prometheus text format.
+ * and the context's (transport, pools: bex_ctx_prometheus) in Prometheus
+ * text format; /healthz answers 200 while the process is up; /ready 200
+ * once every shard is loaded, caught up and registered (etcd), else 503
+ * with the reason (starting, registering, catching up, draining).
  * When the cluster file (or etcd) lists other replicas of a shard, the shard starts
  * by catching up with one of them (bex_ps_shard_catchup: their rows and
  * the Pushes they applied, while the Pushes arriving here are held), and
@@ -22,6 +27,7 @@
 #include <getopt.h>
 #include <microhttpd.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,7 +55,8 @@ __attribute__((noreturn)) static void usage(int status)
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
         "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
-        "              [--eager-max B] [--send-window B] [--io-threads N]\n");
+        "              [--eager-max B] [--send-window B] [--io-threads N]\n"
+        "              [--drain-timeout-ms MS]\n");
     exit(status);
 }
 
@@ -91,9 +98,12 @@ struct metrics {
     const char *names[MAX_SERVED];
     char name_buf[MAX_SERVED][16];
     size_t n;
+    bex_ctx *ctx;
+    _Atomic(const char *) not_ready; /* why /ready answers 503; NULL: ready */
 };
 
-/* The shards' text, then their servers': malloc'd, NUL-terminated. */
+/* The shards' text, then their servers', then the context's: malloc'd,
+ * NUL-terminated. */
 static char *metrics_text(const struct metrics *m)
 {
     size_t cap = 16384;
@@ -105,14 +115,16 @@ static char *metrics_text(const struct metrics *m)
         int b = a < 0 || (size_t)a >= cap
                     ? 0
                     : bex_rpc_server_prometheus(m->srv, m->names, m->n, buf + a, cap - (size_t)a);
-        if (a < 0 || b < 0) {
+        size_t ab = (size_t)a + (size_t)b;
+        int c = a < 0 || b < 0 || ab >= cap ? 0 : bex_ctx_prometheus(m->ctx, buf + ab, cap - ab);
+        if (a < 0 || b < 0 || c < 0) {
             free(buf);
             return NULL;
         }
-        if ((size_t)a + (size_t)b < cap)
+        if (ab + (size_t)c < cap)
             return buf;
         free(buf); /* grew meanwhile, or the first guess was short */
-        cap = 2 * ((size_t)a + (size_t)b + 1);
+        cap = 2 * (ab + (size_t)c + 1);
     }
     return NULL;
 }
@@ -144,8 +156,19 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *c, const char *
         return MHD_NO;
     if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
         return http_answer(c, MHD_HTTP_METHOD_NOT_ALLOWED, strdup("only GET\n"));
+    struct metrics *m = cls;
+    if (strcmp(url, "/healthz") == 0)
+        return http_answer(c, MHD_HTTP_OK, strdup("ok\n"));
+    if (strcmp(url, "/ready") == 0) {
+        const char *why = atomic_load(&m->not_ready);
+        if (!why)
+            return http_answer(c, MHD_HTTP_OK, strdup("ready\n"));
+        char text[64];
+        snprintf(text, sizeof text, "not ready: %s\n", why);
+        return http_answer(c, MHD_HTTP_SERVICE_UNAVAILABLE, strdup(text));
+    }
     if (strcmp(url, "/metrics") != 0)
-        return http_answer(c, MHD_HTTP_NOT_FOUND, strdup("only /metrics\n"));
+        return http_answer(c, MHD_HTTP_NOT_FOUND, strdup("only /metrics, /healthz, /ready\n"));
     char *text = metrics_text(cls);
     if (!text)
         return http_answer(c, MHD_HTTP_INTERNAL_SERVER_ERROR, strdup("out of memory\n"));
@@ -199,6 +222,7 @@ struct opts {
     const char *cluster, *service, *shards, *snap_dir, *etcd, *etcd_prefix, *listen_s, *locality;
     uint32_t replica, transport, poll_mode;
     long metrics_port, snap_every_ms, keepalive_timeout_ms, catchup_ms;
+    long drain_ms;    /* SIGTERM: each server's drain at most (bex_rpc_server_drain) */
     long eager_max;   /* the context's (0: its default) */
     long send_window; /* the context's (0: none) */
     long io_threads;
@@ -251,6 +275,9 @@ static bool num_opt(int c, struct opts *o)
         return true;
     case 'm':
         o->metrics_port = opt_num(optarg, 0, 65535);
+        return true;
+    case 'D':
+        o->drain_ms = opt_num(optarg, 0, 3600000);
         return true;
     default:
         return false;
@@ -329,6 +356,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                        .poll_mode = BEX_POLL_SPIN_SLEEP,
                        .metrics_port = -1,
                        .catchup_ms = 10000,
+                       .drain_ms = 10000,
                        .io_threads = 1,
                        .catchup = 1,
                        .locality = "",
@@ -357,6 +385,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"eager-max", required_argument, 0, 'G'},
                                        {"send-window", required_argument, 0, 'W'},
                                        {"io-threads", required_argument, 0, 'I'},
+                                       {"drain-timeout-ms", required_argument, 0, 'D'},
                                        {"help", no_argument, 0, 'h'},
                                        {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
@@ -633,6 +662,7 @@ static int start_metrics(const struct opts *o, struct node *nd)
         mt->names[i] = mt->name_buf[i];
     }
     mt->n = nd->n_sv;
+    mt->ctx = nd->ctx;
     struct sockaddr_in ma = {.sin_family = AF_INET,
                              .sin_addr = nd->self[0].addr.sin_addr,
                              .sin_port = htons((uint16_t)o->metrics_port)};
@@ -650,6 +680,7 @@ static int start_metrics(const struct opts *o, struct node *nd)
         return 1;
     }
     printf("bex-ps: metrics at http://%s:%u/metrics\n", a, (unsigned)di->port);
+    fflush(stdout); /* before the catch-up: /ready tells it */
     return 0;
 }
 
@@ -658,6 +689,7 @@ static int start_metrics(const struct opts *o, struct node *nd)
  * rows of that moment) takes a snapshot. */
 static void serve(const struct opts *o, struct node *nd, const sigset_t *sigs)
 {
+    atomic_store(&nd->mt.not_ready, NULL);
     printf("bex-ps: ready\n");
     fflush(stdout);
     long every = o->snap_every_ms;
@@ -676,14 +708,32 @@ static void serve(const struct opts *o, struct node *nd, const sigset_t *sigs)
     }
 }
 
+/* SIGTERM's graceful part: no new connection, the requests received
+ * answered (bex_rpc_server_drain), each server within --drain-timeout-ms. */
+static void drain_all(const struct opts *o, struct node *nd)
+{
+    printf("bex-ps: draining\n");
+    fflush(stdout);
+    for (size_t i = 0; i < nd->up; i++) {
+        int rc = bex_rpc_server_drain(nd->sv[i].srv, (uint32_t)o->drain_ms);
+        if (rc)
+            fprintf(stderr, "bex-ps: shard %u: drain: %s (requests still unanswered are dropped)\n",
+                    nd->sv[i].shard, bex_strerror(rc));
+    }
+    printf("bex-ps: drained\n");
+}
+
 static int stop_all(const struct opts *o, struct node *nd, int status)
 {
     int rc;
+    atomic_store(&nd->mt.not_ready, "draining");
     /* out of etcd first: clients stop picking us before we stop answering */
     for (size_t i = 0; i < nd->n_sv; i++)
         if (nd->regs[i] && (rc = bex_dir_deregister(nd->regs[i])))
             fprintf(stderr, "bex-ps: shard %u: etcd deregistration: %s (the lease expires)\n",
                     nd->sv[i].shard, bex_strerror(rc));
+    if (status == 0)
+        drain_all(o, nd);
     if (nd->httpd)
         MHD_stop_daemon(nd->httpd); /* it reads the shards and servers */
     /* servers first: no Push is applied after the snapshot */
@@ -724,12 +774,15 @@ int main(int argc, char **argv)
             status = 1;
             break;
         }
-    if (status == 0 && o.etcd)
-        status = register_all(&o, &nd);
-    if (status == 0)
-        catchup_all(&o, &nd);
+    /* /healthz and /ready answer from here on (/ready: 503 until serve) */
+    atomic_store(&nd.mt.not_ready, o.etcd ? "registering" : "catching up");
     if (status == 0 && o.metrics_port >= 0)
         status = start_metrics(&o, &nd);
+    if (status == 0 && o.etcd)
+        status = register_all(&o, &nd);
+    atomic_store(&nd.mt.not_ready, "catching up");
+    if (status == 0)
+        catchup_all(&o, &nd);
     if (status == 0)
         serve(&o, &nd, &sigs);
     return stop_all(&o, &nd, status);

@@ -354,6 +354,10 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         bex__log(e->sh->log, BEX_LOG_ERROR,
                  "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name, what,
                  ibv_wc_status_str(wc->status), wc->vendor_err, wc_why(wc->status));
+        if (wc->status == IBV_WC_RNR_RETRY_EXC_ERR)
+            BEX__STAT_ADD(e->sh->stats, rnr_errors, 1);
+        else if (wc->status == IBV_WC_RETRY_EXC_ERR)
+            BEX__STAT_ADD(e->sh->stats, retry_errors, 1);
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return true;
     }

@@ -95,6 +95,7 @@ bool bex__tcp_tick(struct bex__xport *x, uint64_t now)
     } else if (now > t->last_rx && now - t->last_rx > t->cfg.keepalive_timeout_ms) {
         bex__log(t->sh->log, BEX_LOG_WARN, "%s: over TCP: keepalive timeout (%u ms)", t->cfg.name,
                  t->cfg.keepalive_timeout_ms);
+        BEX__STAT_ADD(t->sh->stats, keepalive_fails, 1);
         bex__tcp_fail(x, -ETIMEDOUT);
         return true;
     }

@@ -1,0 +1,51 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* bex_ps_client_prometheus: the PS client's counters (bex_ps_client_stats)
+ * in Prometheus text exposition format. */
+#include <errno.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "bex/ps.h"
+#include "rpc/internal.h"
+
+static const struct bex__prom_ctr ctrs[] = {
+    {"bex_ps_client_calls_total", "Sub-requests (RPC calls) sent to the shards",
+     offsetof(bex_ps_client_stats, calls)},
+    {"bex_ps_client_ok_total", "Sub-requests completed with status 0",
+     offsetof(bex_ps_client_stats, ok)},
+    {"bex_ps_client_failed_total", "Sub-requests completed with an error",
+     offsetof(bex_ps_client_stats, failed)},
+    {"bex_ps_client_attempts_total", "Requests sent, retries included",
+     offsetof(bex_ps_client_stats, attempts)},
+    {"bex_ps_client_retries_total", "Attempts after the first",
+     offsetof(bex_ps_client_stats, retries)},
+    {"bex_ps_client_retry_throttled_total", "Retries refused by the retry budget",
+     offsetof(bex_ps_client_stats, retry_throttled)},
+    {"bex_ps_client_failovers_total", "Retries sent to another replica",
+     offsetof(bex_ps_client_stats, failovers)},
+    {"bex_ps_client_conn_failures_total", "Connections failed or timed out",
+     offsetof(bex_ps_client_stats, conn_failures)},
+};
+
+static void client_label(const void *obj, const void *arg, char *labels, size_t cap)
+{
+    (void)obj;
+    snprintf(labels, cap, "client=\"%s\"", (const char *)arg);
+}
+
+int bex_ps_client_prometheus(bex_ps_client *c, const char *name, char *buf, size_t cap)
+{
+    if (!c || (!buf && cap))
+        return -EINVAL;
+    bex_ps_client_stats s;
+    bex_ps_client_stats_get(c, &s);
+    char label[256];
+    bex__prom_escape(name ? name : "ps", label, sizeof label);
+    if (cap)
+        buf[0] = 0;
+    struct bex__prom o = {buf, cap, 0};
+    struct bex__prom_array one = {&s, 1, sizeof s, client_label, label};
+    bex__prom_counters(&o, ctrs, sizeof ctrs / sizeof ctrs[0], bex__prom_array_next, &one);
+    return o.n > (size_t)INT_MAX ? -ENOMEM : (int)o.n;
+}

@@ -1,0 +1,22 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* bex_sock_last_error: a socket's failure as text. */
+#include <arpa/inet.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+int bex_sock_last_error(const bex_sock *s, char *buf, size_t cap)
+{
+    int err = atomic_load(&s->last_err);
+    if (!buf || !cap)
+        return err;
+    if (!err) {
+        snprintf(buf, cap, "no error");
+        return 0;
+    }
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &s->peer.sin_addr, ip, sizeof ip);
+    snprintf(buf, cap, "peer %s:%u: %s%s", ip, ntohs(s->peer.sin_port),
+             atomic_load(&s->last_connecting) ? "connecting: " : "", bex_strerror(err));
+    return err;
+}

@@ -1,0 +1,100 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* bex_ctx_prometheus: the transport's counters and the context's pools in
+ * Prometheus text exposition format. */
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "bex/sock.h"
+#include "bex/mem.h"
+
+struct out {
+    char *buf;
+    size_t cap, n; /* n: what was needed so far (output cut past cap) */
+};
+
+__attribute__((format(printf, 2, 3))) static void put(struct out *o, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k =
+        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
+    va_end(ap);
+    if (k > 0)
+        o->n += (size_t)k;
+}
+
+/* One sample of bex_sock_stats per family. gauge: a level (engines now),
+ * else a counter since the context was made. */
+static const struct {
+    const char *metric, *help;
+    size_t off;
+    int gauge;
+} ctrs[] = {
+#define C(m, h, f)                                                                                 \
+    {                                                                                              \
+        m, h, offsetof(bex_sock_stats, f), 0                                                       \
+    }
+#define G(m, h, f)                                                                                 \
+    {                                                                                              \
+        m, h, offsetof(bex_sock_stats, f), 1                                                       \
+    }
+    G("bex_transport_engines", "Transports made now: RDMA engines and TCP connections", engines),
+    G("bex_transport_tcp_connections", "Of the transports, those over TCP", tcp_conns),
+    C("bex_transport_messages_sent_total", "Messages sent", msgs_sent),
+    C("bex_transport_messages_received_total", "Messages received", msgs_recv),
+    C("bex_transport_sent_bytes_total", "Payload bytes sent", bytes_sent),
+    C("bex_transport_received_bytes_total", "Payload bytes received", bytes_recv),
+    C("bex_transport_credit_stalls_total", "Times a send waited for the peer's credit",
+      credit_stalls),
+    C("bex_transport_window_stalls_total", "Times a send waited for the send window",
+      window_stalls),
+    C("bex_transport_recv_paused_total", "Times the receive limits paced the peers", recv_paused),
+    C("bex_transport_rnr_errors_total", "RDMA connections failed: RNR retries exhausted",
+      rnr_errors),
+    C("bex_transport_retry_errors_total", "RDMA connections failed: transport retries exhausted",
+      retry_errors),
+    C("bex_transport_keepalive_failures_total", "Connections failed for the peer's silence",
+      keepalive_fails),
+    C("bex_transport_tcp_fallbacks_total", "Connections of transport auto that went over TCP",
+      tcp_fallbacks),
+#undef C
+#undef G
+};
+
+static void pool(struct out *o, const char *metric, const char *help, bex_mem_pool *const *pools,
+                 const char *const *names, size_t n, size_t field)
+{
+    put(o, "# HELP %s %s.\n# TYPE %s gauge\n", metric, help, metric);
+    for (size_t i = 0; i < n; i++) {
+        bex_mem_stats ms;
+        bex_mem_pool_stats(pools[i], &ms);
+        put(o, "%s{pool=\"%s\"} %zu\n", metric, names[i], *(size_t *)((char *)&ms + field));
+    }
+}
+
+int bex_ctx_prometheus(bex_ctx *ctx, char *buf, size_t cap)
+{
+    if (!ctx || (!buf && cap))
+        return -EINVAL;
+    bex_sock_stats s;
+    bex_ctx_stats(ctx, &s);
+    struct out o = {buf, cap, 0};
+    if (cap)
+        buf[0] = 0;
+    for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
+        const char *type = ctrs[i].gauge ? "gauge" : "counter";
+        put(&o, "# HELP %s %s.\n# TYPE %s %s\n%s %llu\n", ctrs[i].metric, ctrs[i].help,
+            ctrs[i].metric, type, ctrs[i].metric,
+            (unsigned long long)*(const uint64_t *)((const char *)&s + ctrs[i].off));
+    }
+    bex_mem_pool *pools[] = {bex_ctx_pool(ctx), bex_ctx_recv_pool(ctx), bex_ctx_landing_pool(ctx)};
+    static const char *const names[] = {"main", "recv", "landing"};
+    pool(&o, "bex_pool_registered_bytes", "Bytes of the context's pools registered", pools, names,
+         3, offsetof(bex_mem_stats, registered_bytes));
+    pool(&o, "bex_pool_in_use_bytes", "Bytes of the context's pools handed out and not freed",
+         pools, names, 3, offsetof(bex_mem_stats, in_use_bytes));
+    return o.n > (size_t)INT_MAX ? -ENOMEM : (int)o.n;
+}
