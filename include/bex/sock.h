@@ -508,11 +508,11 @@ typedef struct bex_sock_stats {
                                     their own (0: the device has none, or
                                     bex_ctx_config.thread_domains is OFF) */
 
-    uint64_t rnr_errors;         /* RDMA: connections failed with RNR retries exhausted */
-    uint64_t retry_errors;       /* RDMA: connections failed with transport retries exhausted */
-    uint64_t keepalive_fails;    /* connections failed for the peer's silence (keepalive) */
-    uint64_t tcp_fallbacks;      /* connections of transport AUTO that went over TCP (no device
-                                    here or at the peer, or the QP could not come up) */
+    uint64_t rnr_errors;      /* RDMA: connections failed with RNR retries exhausted */
+    uint64_t retry_errors;    /* RDMA: connections failed with transport retries exhausted */
+    uint64_t keepalive_fails; /* connections failed for the peer's silence (keepalive) */
+    uint64_t tcp_fallbacks;   /* connections of transport AUTO that went over TCP (no device
+                                 here or at the peer, or the QP could not come up) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);
