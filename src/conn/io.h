@@ -21,6 +21,7 @@
 
 #include "bex/sock.h"
 #include "common/util.h"
+#include "common/timer.h"
 #include "loop/loop.h"
 #include "rdma/rdma.h"
 #include "transport/rdma/engine.h"
@@ -124,12 +125,20 @@ struct bex__io {
     pthread_t thread;
     bool started;
     struct conn *conns;
-    struct conn *ready;            /* connections with work (bex__conn_ready) */
-    bool reap;                     /* a connection died or lost a socket: bex__conn_reap looks */
-    uint64_t ticks;                /* bex__conn_tick calls */
-    uint64_t due_us;               /* the earliest due_us of its transports seen (0: none) */
+    struct conn *ready; /* connections with work (bex__conn_ready) */
+    bool reap;          /* a connection died or lost a socket: bex__conn_reap looks */
+    /* its timers (common/timer.h, in bex__now_us() time): connections'
+     * setup deadlines, ticks (keepalive, stalls) and transports' due_us,
+     * listeners' backoff, its own housekeeping; the loop sleeps until the
+     * nearest (conn/timers.c) */
+    struct bex__timers timers;
+    uint64_t now_us;               /* the clock of the timers running now */
+    uint32_t tick_ms;              /* a connection with work held back: its tick period */
+    struct bex__timer house;       /* collecting heaps (several threads), at least once a second */
+    struct bex__timer srq_tm;      /* SRQ mode: QPs draining (bex__srq_reap) */
     _Atomic uint64_t visits;       /* transport progress calls (single writer; tests read) */
     _Atomic uint64_t turns;        /* loop turns (the same) */
+    _Atomic uint64_t tick_calls;   /* transport ticks (conn/timers.c; the same) */
     _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
     _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
     bool draining;                 /* the owner is running commands it took */

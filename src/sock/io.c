@@ -7,11 +7,10 @@
 #include "sock/internal.h"
 #include "transport/rdma/srq.h"
 
-#define TICK_MS 10
-/* A thread with no connection (and no listener backing off) has no timer
- * to run; it still wakes now and then to collect its heaps. */
-#define IDLE_WAKE_MS 1000
-#define WC_BATCH     64
+#define WC_BATCH 64
+/* The coarse clock lags the precise one by a jiffy at most (HZ 100 at
+ * worst): a timer further than this ahead needs no precise look. */
+#define COARSE_LAG_US 10000
 
 _Thread_local bex_ctx *bex__io_ctx;
 _Thread_local struct bex__io *bex__io_self;
@@ -159,6 +158,7 @@ static void do_unlisten(struct bex__io *io, struct bex_listener *l)
             break;
         }
     bex__loop_unwatch(&io->loop, l->fd);
+    bex__listener_pause_stop(l);
     forget_listener(io, l);
     /* The other threads next: connections this one handed them are queued
      * there ahead of this word (a queue keeps one pusher's order), and no
@@ -341,28 +341,9 @@ static bool run_ready(struct bex__io *io)
             bex__conn_ready(c);
         }
         /* a callback in progress may have marked it again: it stays */
-        uint64_t due = c->x ? c->x->due_us : 0;
-        if (due && (!io->due_us || due < io->due_us))
-            io->due_us = due;
+        bex__conn_due_sync(c);
     }
     return did;
-}
-
-/* The earliest deadline a transport set has passed: the connections whose
- * deadline passed get their progress call (a transport sets one only in
- * progress, so every deadline set is seen by run_ready). */
-static void wake_due(struct bex__io *io, uint64_t now_us)
-{
-    uint64_t next = 0;
-    for (struct conn *c = io->conns; c; c = c->next) {
-        if (!c->x || c->dead || !c->x->due_us)
-            continue;
-        if (c->x->due_us <= now_us)
-            bex__conn_ready(c);
-        else if (!next || c->x->due_us < next)
-            next = c->x->due_us;
-    }
-    io->due_us = next;
 }
 
 /* Poll every CQ of the thread once (a batch each): whether any had
@@ -393,46 +374,22 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
     return any;
 }
 
-/* A QP that drained gives back the CQ room its engine held (srq.h). */
-static void cq_room_back(void *arg, uint32_t cq_idx, uint32_t cqe)
+/* The timers due (conn/timers.c): the coarse clock first, the precise
+ * one only when the nearest timer may be due. */
+static void run_timers(struct bex__io *io)
 {
-    struct bex__io *io = arg;
-    io->cqs[cq_idx].used -= cqe;
+    uint64_t next = bex__timers_next(&io->timers);
+    if (next == UINT64_MAX || bex__now_ms() * 1000 + COARSE_LAG_US < next)
+        return;
+    uint64_t now = bex__now_us();
+    if (now >= next)
+        bex__io_timers_run(io, now);
 }
 
-/* Whether the timer tick has anything to do on this thread. */
-static bool has_timers(struct bex__io *io)
-{
-    if (io->conns || (io->sh.srq && io->sh.srq->n_dying)) /* (QPs draining: bex__srq_reap) */
-        return true;
-    for (struct bex_listener *l = io->listeners; l; l = l->next)
-        if (l->paused)
-            return true;
-    return false;
-}
-
-/* The timer tick: connections' deadlines and keepalives, QPs draining,
- * and (with several threads) the frees other threads made of this one's
- * buffers. */
-static void io_tick(struct bex__io *io, uint64_t now)
-{
-    bex__conn_tick(io, now);
-    if (io->sh.srq && io->sh.srq->n_dying)
-        bex__srq_reap(io->sh.srq, now, false, cq_room_back, io);
-    if (io->env->n_io > 1) {
-        /* frees of buffers this thread allocated wait in its heaps
-         * until it collects them: another thread's exact count of
-         * received memory (recv_bytes_max) sees them then */
-        bex_mem_pool_collect(io->sh.recv_pool);
-        bex_mem_pool_collect(io->sh.landing);
-    }
-}
-
-/* Sleep until an event, a command, a completion or the next timer (the
- * tick at next_tick, a transport's deadline): arm the CQs, then look once
- * more so nothing slips between. */
-static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
-                     uint64_t next_tick)
+/* Sleep until an event, a command, a completion or the nearest timer
+ * (rounded up to epoll's milliseconds): arm the CQs, then look once more so
+ * nothing slips between. */
+static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
 {
     for (uint32_t q = 0; q < io->n_cq; q++)
         ibv_req_notify_cq(io->cqs[q].cq, 0);
@@ -444,15 +401,12 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
         bex__loop_sleep_end(&io->loop);
         return;
     }
-    uint64_t now = bex__now_ms();
-    int timeout = next_tick > now ? (int)(next_tick - now) : 0;
-    if (!has_timers(io))
-        timeout = IDLE_WAKE_MS;
-    if (io->due_us) { /* event mode: sleep to a transport's deadline, rounded up */
+    int timeout = -1; /* (the housekeeping timer always runs) */
+    uint64_t next = bex__timers_next(&io->timers);
+    if (next != UINT64_MAX) {
         uint64_t t = bex__now_us();
-        uint64_t due_ms = io->due_us > t ? (io->due_us - t + 999) / 1000 : 0;
-        if (due_ms < (uint64_t)timeout)
-            timeout = (int)due_ms;
+        uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
+        timeout = ms > INT32_MAX ? INT32_MAX : (int)ms;
     }
     int m = bex__loop_wait(&io->loop, ev, 16, timeout);
     bex__loop_sleep_end(&io->loop);
@@ -468,30 +422,18 @@ void *bex__io_main(void *arg)
     bex__io_self = io;
     struct ibv_wc wc[WC_BATCH];
     struct epoll_event ev[16];
-    uint64_t next_tick = 0, idle_since = 0;
-    /* Event mode wakes for timers only as often as keepalive needs:
-     * every keepalive_ms / 2 (at least TICK_MS) instead of every TICK_MS. */
-    uint32_t tick_ms = TICK_MS;
-    if (ctx->cfg.poll_mode == BEX_POLL_EVENT && ctx->cfg.keepalive_ms / 2 > TICK_MS)
-        tick_ms = ctx->cfg.keepalive_ms / 2;
+    uint64_t idle_since = 0;
+    bex__io_timers_init(io);
     uint32_t spins = 0, idle_polls = 0;
     bool spun_out = false;
     while (!io->stopping) {
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
         did |= drain_cmds(io);
-        if (io->due_us) {
-            uint64_t t = bex__now_us();
-            if (t >= io->due_us)
-                wake_due(io, t);
-        }
+        run_timers(io);
         did |= run_ready(io);
         bex__conn_reap(io);
-        uint64_t now = bex__now_ms();
-        if (now >= next_tick) {
-            io_tick(io, now);
-            next_tick = now + tick_ms;
-        }
+        bex__io_srq_timer(io);
         if (did) {
             idle_since = 0;
             idle_polls = 0;
@@ -513,7 +455,8 @@ void *bex__io_main(void *arg)
                 idle_since = t;
             /* a transport's deadline is near (some hundred us at most): spin
              * on to it rather than sleep for epoll's whole millisecond */
-            spun_out = t - idle_since >= ctx->cfg.poll_spin_us && !io->due_us;
+            spun_out =
+                t - idle_since >= ctx->cfg.poll_spin_us && bex__timers_next(&io->timers) > t + 1000;
         }
         if (!spun_out) {
             if (++spins % 64 == 0) {
@@ -522,7 +465,7 @@ void *bex__io_main(void *arg)
             }
             continue;
         }
-        io_sleep(io, ev, wc, next_tick);
+        io_sleep(io, ev, wc);
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;
