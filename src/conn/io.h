@@ -27,6 +27,7 @@
 #include "transport/rdma/engine.h"
 
 struct conn;
+struct bex__io;
 struct bex_listener;
 struct sock_msg;
 
@@ -86,6 +87,10 @@ struct bex__conn_owner_ops {
     void (*down)(struct conn *c, int err, bool connecting);
     /* How many of c's streams are open (for the lost-connection line). */
     uint32_t (*open_streams)(struct conn *c);
+    /* The I/O thread's loop, each turn: run the commands queued for the
+     * thread (io->loop's queue, whose commands are the owner's); whether
+     * there were any. */
+    bool (*drain_cmds)(struct bex__io *io);
 };
 
 /* What every connection of a context reads and no connection writes:
@@ -161,6 +166,18 @@ static inline void bex__io_push(struct bex__io *io, struct bex__cmd *c, int type
 {
     bex__loop_push(&io->loop, c, type);
 }
+
+/* The I/O thread running on this thread, and its owner's context (NULL on
+ * any other thread). */
+extern _Thread_local bex_ctx *bex__io_ctx;
+extern _Thread_local struct bex__io *bex__io_self;
+
+/* The I/O thread's body (pthread_create's start routine; arg is the struct
+ * bex__io): its loop until a command sets io->stopping. */
+void *bex__io_main(void *arg);
+/* Set the watchers of the thread's own descriptors (completion channel,
+ * async events). */
+void bex__io_tags_init(struct bex__io *io);
 
 /* The next I/O thread in round-robin order. */
 struct bex__io *bex__io_next(struct bex__conn_env *env);

@@ -173,7 +173,7 @@ static void do_unlisten(struct bex__io *io, struct bex_listener *l)
     sem_post(&l->done);
 }
 
-static bool drain_cmds(struct bex__io *io)
+bool bex__sock_drain_cmds(struct bex__io *io)
 {
     struct bex__cmd *fifo = bex__loop_take(&io->loop);
     if (!fifo)
@@ -317,7 +317,7 @@ static void cq_failed(struct bex__io *io, uint32_t q, int n)
         }
     }
     if (any) /* once per failure, not per poll */
-        bex__log(&io->ctx->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
+        bex__log(io->env->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
 }
 
 /* Progress for the connections that have work, and only those: one whose
@@ -417,8 +417,8 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
 void *bex__io_main(void *arg)
 {
     struct bex__io *io = arg;
-    bex_ctx *ctx = io->ctx;
-    bex__io_ctx = ctx;
+    const bex_ctx_config *cfg = io->env->cfg;
+    bex__io_ctx = io->ctx;
     bex__io_self = io;
     struct ibv_wc wc[WC_BATCH];
     struct epoll_event ev[16];
@@ -429,7 +429,7 @@ void *bex__io_main(void *arg)
     while (!io->stopping) {
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
-        did |= drain_cmds(io);
+        did |= io->env->ops->drain_cmds(io);
         run_timers(io);
         did |= run_ready(io);
         bex__conn_reap(io);
@@ -447,16 +447,16 @@ void *bex__io_main(void *arg)
         /* The precise clock may be a system call (see bex__now_ms): while
          * spinning, look at it on every 16th idle poll only. Busy polling
          * never sleeps; event mode sleeps at once. */
-        if (ctx->cfg.poll_mode == BEX_POLL_EVENT) {
+        if (cfg->poll_mode == BEX_POLL_EVENT) {
             spun_out = true;
-        } else if (ctx->cfg.poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0) {
+        } else if (cfg->poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0) {
             uint64_t t = bex__now_us();
             if (!idle_since)
                 idle_since = t;
             /* a transport's deadline is near (some hundred us at most): spin
              * on to it rather than sleep for epoll's whole millisecond */
             spun_out =
-                t - idle_since >= ctx->cfg.poll_spin_us && bex__timers_next(&io->timers) > t + 1000;
+                t - idle_since >= cfg->poll_spin_us && bex__timers_next(&io->timers) > t + 1000;
         }
         if (!spun_out) {
             if (++spins % 64 == 0) {
