@@ -5,9 +5,9 @@
  *
  * - A connection's tick (keepalive, stall and rate checks, work held back
  *   that no event announces) runs on one timer per connection. An idle
- *   connection's comes once per keepalive_ms, on a grid every connection
- *   of the process shares (multiples of keepalive_ms of the monotonic
- *   clock): a thread's idle connections all tick, and write their
+ *   connection's comes once per keepalive_ms (at most a second), on a
+ *   grid every connection of the process shares (multiples of that period
+ *   of the monotonic clock): a thread's idle connections all tick, and write their
  *   keepalives, in one wake-up per keepalive period, and their peers'
  *   keepalives arrive about then too. A connection whose transport holds
  *   something back (BEX__TICK_SOON) ticks every io->tick_ms, on that
@@ -37,9 +37,13 @@ static uint64_t next_round(uint64_t now_us, uint64_t period_us)
     return (now_us / period_us + 1) * period_us;
 }
 
+/* An idle connection's tick period: keepalive_ms, at most a second (the
+ * stall and rate checks of its tick keep that precision whatever
+ * keepalive_ms is). */
 static uint64_t keepalive_us(const struct bex__io *io)
 {
-    return (uint64_t)io->env->cfg->keepalive_ms * 1000;
+    uint32_t ms = io->env->cfg->keepalive_ms;
+    return (uint64_t)(ms < IDLE_WAKE_MS ? ms : IDLE_WAKE_MS) * 1000;
 }
 
 static void on_tick(struct bex__timer *t)
