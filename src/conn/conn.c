@@ -104,7 +104,7 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
     c->mode = ctx->cfg->transport;
     c->rdma_ok = c->mode != BEX_TRANSPORT_TCP && ctx->dev;
     c->next_stream = 1;
-    c->deadline = bex__now_ms() + ctx->cfg->connect_timeout_ms;
+    bex__conn_timers_start(c);
     io->engines[engine_slot(io, id)] = c;
     c->next = io->conns;
     io->conns = c;
@@ -130,6 +130,7 @@ void bex__conn_free(struct conn *c)
         }
     }
     io->engines[engine_slot(io, c->eng_id)] = NULL;
+    bex__conn_timers_stop(c);
     bex__conn_setup_end(c);
     if (c->fd >= 0) {
         bex__loop_unwatch(&io->loop, c->fd);
@@ -382,8 +383,8 @@ static bool setup_evict_oldest(struct bex__io *io)
 
 /* accept4 failed for want of descriptors or memory: the backlog stays
  * readable, and a level-triggered listener would wake the I/O thread at
- * once, forever. Leave epoll for a while (doubling up to 500 ms); bex__conn_tick()
- * brings the listener back. */
+ * once, forever. Leave epoll for a while (doubling up to 500 ms); a timer
+ * brings the listener back (bex__listener_pause_timer). */
 static void listener_pause(struct bex__io *io, struct bex_listener *l, int err)
 {
     if (!l->backoff_ms)
@@ -393,7 +394,16 @@ static void listener_pause(struct bex__io *io, struct bex_listener *l, int err)
     l->backoff_ms = l->backoff_ms ? (l->backoff_ms * 2 > 500 ? 500 : l->backoff_ms * 2) : 20;
     bex__loop_unwatch(&io->loop, l->fd);
     l->paused = true;
-    l->paused_until = bex__now_ms() + l->backoff_ms;
+    bex__listener_pause_timer(l, l->backoff_ms);
+}
+
+/* The backoff is over: the listener goes back into epoll. */
+void bex__listener_resume(struct bex_listener *l)
+{
+    l->paused = false;
+    int err = bex__loop_watch(&l->io->loop, l->fd, EPOLLIN, &l->tag);
+    if (err)
+        listener_pause(l->io, l, -err);
 }
 
 void bex__listener_accept(struct bex__io *io, struct bex_listener *l)
@@ -489,45 +499,6 @@ void bex__conn_reap(struct bex__io *io)
         if (c->dead && bex__conn_nstreams(c) == 0)
             bex__conn_free(c);
         c = next;
-    }
-}
-
-/* Every TICK_SWEEP-th tick every connection gets a progress call,
- * whatever its transport's tick said (at 10 ms ticks: every 100 ms). */
-#ifndef TICK_SWEEP /* -DTICK_SWEEP=1: the old way, for a test of this one */
-#define TICK_SWEEP 10
-#endif
-
-void bex__conn_tick(struct bex__io *io, uint64_t now)
-{
-    bool sweep = io->ticks++ % TICK_SWEEP == 0;
-    for (struct bex_listener *l = io->listeners; l; l = l->next) {
-        if (l->paused && now >= l->paused_until) {
-            l->paused = false;
-            int err = bex__loop_watch(&io->loop, l->fd, EPOLLIN, &l->tag);
-            if (err)
-                listener_pause(io, l, -err);
-        }
-    }
-    for (struct conn *c = io->conns; c; c = c->next) {
-        if (c->dead)
-            continue;
-        if (c->phase != P_UP && now > c->deadline) {
-            if (c->client)
-                bex__conn_fail(c, -ETIMEDOUT); /* on_connect says so */
-            else { /* a peer that never finishes its setup is refused, by
-                    * name; closed without a notice, as before */
-                bex__conn_log_refusal(c, -ETIMEDOUT, "setup not finished in time");
-                bex__conn_fail(c, -ETIMEDOUT);
-            }
-            continue;
-        }
-        /* timers may have queued work (keepalive), and a connection held
-         * back by something no event announces (received memory freed by
-         * the application) is looked at again: the transport says which
-         * want it; every one is, every TICK_SWEEP-th tick, in case */
-        if (c->x && (c->x->ops->tick(c->x, now) || sweep))
-            bex__conn_ready(c);
     }
 }
 

@@ -78,7 +78,7 @@ struct bex_listener {
      * out of epoll until paused_until, so its level-triggered readiness
      * does not spin the I/O thread */
     bool paused;
-    uint64_t paused_until;
+    struct bex__timer pause_tm; /* on io's timers while paused: back into epoll */
     uint32_t backoff_ms;
 };
 
@@ -106,10 +106,13 @@ struct conn {
     size_t wlen, woff;
     struct bex__auth_transcript auth; /* with a secret */
     uint8_t hello_l[BEX__HELLO_LEN];  /* listener with a secret: the hello it MACed */
-    uint64_t deadline;
-    uint64_t waiting_since; /* setup: since when the peer owes us its next
-                               message (setup_evict's order) */
-    bool heard;             /* setup: its first bytes wait to be read */
+    struct bex__timer setup_tm;       /* the setup's deadline (connect_timeout_ms) */
+    struct bex__timer tick_tm;        /* the transport's tick (conn/timers.c) */
+    struct bex__timer due_tm;         /* the transport's due_us */
+    uint32_t rounds;                  /* tick_tm's firings (the sweep: every TICK_SWEEP-th) */
+    uint64_t waiting_since;           /* setup: since when the peer owes us its next
+                                         message (setup_evict's order) */
+    bool heard;                       /* setup: its first bytes wait to be read */
     uint64_t conn_id;
     uint32_t mode;         /* BEX_TRANSPORT_* wanted for this connection */
     bool rdma_ok;          /* this side may use RDMA (mode, device) */
@@ -173,8 +176,24 @@ void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
                      const struct sockaddr_in *peer);
 /* Free dead connections no socket refers to. */
 void bex__conn_reap(struct bex__io *io);
-/* Timers: listener backoff, setup deadlines, engine keepalive. */
-void bex__conn_tick(struct bex__io *io, uint64_t now);
+
+/* Timers (conn/timers.c), all on the connection's I/O thread's heap. */
+/* The thread's timers and housekeeping, before its loop starts. */
+void bex__io_timers_init(struct bex__io *io);
+/* Fire what is due (now_us: bex__now_us()). */
+void bex__io_timers_run(struct bex__io *io, uint64_t now_us);
+/* SRQ mode: QPs draining want bex__srq_reap: its timer runs. */
+void bex__io_srq_timer(struct bex__io *io);
+/* A new connection's: its setup deadline and its tick. */
+void bex__conn_timers_start(struct conn *c);
+/* A freed connection's: every one stopped. */
+void bex__conn_timers_stop(struct conn *c);
+/* After a progress call: the transport's due_us on the heap. */
+void bex__conn_due_sync(struct conn *c);
+/* A listener out of epoll (accept's backoff) comes back in ms. */
+void bex__listener_pause_timer(struct bex_listener *l, uint32_t ms);
+void bex__listener_pause_stop(struct bex_listener *l);
+void bex__listener_resume(struct bex_listener *l);
 
 /* ---- setup.c ---- */
 /* The one place c's phase changes: logs the move by name (DEBUG) and

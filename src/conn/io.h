@@ -21,11 +21,13 @@
 
 #include "bex/sock.h"
 #include "common/util.h"
+#include "common/timer.h"
 #include "loop/loop.h"
 #include "rdma/rdma.h"
 #include "transport/rdma/engine.h"
 
 struct conn;
+struct bex__io;
 struct bex_listener;
 struct sock_msg;
 
@@ -85,6 +87,10 @@ struct bex__conn_owner_ops {
     void (*down)(struct conn *c, int err, bool connecting);
     /* How many of c's streams are open (for the lost-connection line). */
     uint32_t (*open_streams)(struct conn *c);
+    /* The I/O thread's loop, each turn: run the commands queued for the
+     * thread (io->loop's queue, whose commands are the owner's); whether
+     * there were any. */
+    bool (*drain_cmds)(struct bex__io *io);
 };
 
 /* What every connection of a context reads and no connection writes:
@@ -124,12 +130,20 @@ struct bex__io {
     pthread_t thread;
     bool started;
     struct conn *conns;
-    struct conn *ready;            /* connections with work (bex__conn_ready) */
-    bool reap;                     /* a connection died or lost a socket: bex__conn_reap looks */
-    uint64_t ticks;                /* bex__conn_tick calls */
-    uint64_t due_us;               /* the earliest due_us of its transports seen (0: none) */
+    struct conn *ready; /* connections with work (bex__conn_ready) */
+    bool reap;          /* a connection died or lost a socket: bex__conn_reap looks */
+    /* its timers (common/timer.h, in bex__now_us() time): connections'
+     * setup deadlines, ticks (keepalive, stalls) and transports' due_us,
+     * listeners' backoff, its own housekeeping; the loop sleeps until the
+     * nearest (conn/timers.c) */
+    struct bex__timers timers;
+    uint64_t now_us;               /* the clock of the timers running now */
+    uint32_t tick_ms;              /* a connection with work held back: its tick period */
+    struct bex__timer house;       /* collecting heaps (several threads), at least once a second */
+    struct bex__timer srq_tm;      /* SRQ mode: QPs draining (bex__srq_reap) */
     _Atomic uint64_t visits;       /* transport progress calls (single writer; tests read) */
     _Atomic uint64_t turns;        /* loop turns (the same) */
+    _Atomic uint64_t tick_calls;   /* transport ticks (conn/timers.c; the same) */
     _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
     _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
     bool draining;                 /* the owner is running commands it took */
@@ -152,6 +166,18 @@ static inline void bex__io_push(struct bex__io *io, struct bex__cmd *c, int type
 {
     bex__loop_push(&io->loop, c, type);
 }
+
+/* The I/O thread running on this thread, and its owner's context (NULL on
+ * any other thread). */
+extern _Thread_local bex_ctx *bex__io_ctx;
+extern _Thread_local struct bex__io *bex__io_self;
+
+/* The I/O thread's body (pthread_create's start routine; arg is the struct
+ * bex__io): its loop until a command sets io->stopping. */
+void *bex__io_main(void *arg);
+/* Set the watchers of the thread's own descriptors (completion channel,
+ * async events). */
+void bex__io_tags_init(struct bex__io *io);
 
 /* The next I/O thread in round-robin order. */
 struct bex__io *bex__io_next(struct bex__conn_env *env);

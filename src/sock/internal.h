@@ -149,8 +149,6 @@ struct bex_ctx {
 /* The context whose I/O thread this is (NULL on other threads), and which
  * of its threads: the calls that wait for an I/O thread must not wait for
  * themselves, and a callback may act at once on its own thread's sockets. */
-extern _Thread_local bex_ctx *bex__io_ctx;
-extern _Thread_local struct bex__io *bex__io_self;
 
 /* io.c: a send issued on its socket's own I/O thread, handed straight to
  * the transport when nothing can be ahead of it; false: queue it. */
@@ -164,11 +162,8 @@ int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey);
  * has stopped. Read what the report needs first. */
 void bex__sock_msg_put(struct sock_msg *w);
 
-/* io.c: the I/O thread */
-void *bex__io_main(void *arg);
-/* Set the watchers of the thread's own descriptors (completion channel,
- * async events). */
-void bex__io_tags_init(struct bex__io *io);
+/* io.c: the I/O thread's commands (bex__sock_conn_ops.drain_cmds) */
+bool bex__sock_drain_cmds(struct bex__io *io);
 void bex__io_listen(struct bex__io *io, struct bex_listener *l);
 
 /* stream.c: socket lifecycle and the transports' upcalls */

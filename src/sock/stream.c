@@ -290,4 +290,5 @@ const struct bex__conn_owner_ops bex__sock_conn_ops = {
     .chosen = conn_chosen,
     .down = conn_down,
     .open_streams = conn_open_streams,
+    .drain_cmds = bex__sock_drain_cmds,
 };

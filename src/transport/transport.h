@@ -141,6 +141,9 @@ struct bex__transport_upcalls {
 
 struct bex__stream;
 
+/* What a transport's tick asks of the I/O thread (bits). */
+enum { BEX__TICK_PROGRESS = 1u, BEX__TICK_SOON = 2u };
+
 /* The operations a connection's transport offers. Optional ones may be
  * NULL (bind_window, retire_window: RDMA window mode only). */
 struct bex__transport_ops {
@@ -172,12 +175,15 @@ struct bex__transport_ops {
      * call); false when what is left waits for an event, a completion, a
      * command or a tick, which make the connection ready again. */
     bool (*progress)(struct bex__xport *x);
-    /* Timers (keepalive, ...); now in ms (bex__now_ms). True when the
-     * connection wants a progress call: work queued, or held back by
-     * something no event announces (received memory freed by the
-     * application). An idle one is left alone (the loop still looks at
-     * every connection now and then). */
-    bool (*tick)(struct bex__xport *x, uint64_t now_ms);
+    /* Timers (keepalive, stalls, ...); now in ms (a clock at or ahead of
+     * bex__now_ms). BEX__TICK_* bits: PROGRESS when the connection wants a
+     * progress call (work queued); SOON when something is held back that
+     * no event announces (received memory freed by the application), so
+     * the next tick should come within the I/O thread's tick period
+     * rather than at the next keepalive round (conn/timers.c). An idle
+     * one asks for neither (the loop still gives every connection a
+     * progress call now and then). */
+    unsigned (*tick)(struct bex__xport *x, uint64_t now_ms);
     /* Fail synchronously: every message handed back, streams unlinked,
      * on_fail reported, before it returns. No-op when dead. */
     void (*fail)(struct bex__xport *x, int err);

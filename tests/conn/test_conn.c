@@ -197,6 +197,7 @@ static void world_init(struct world *w)
     w->io.engines = calloc(ENGINE_TABLE, sizeof(*w->io.engines));
     CHECK(w->io.engines);
     CHECK_OK(bex__loop_init(&w->io.loop));
+    bex__io_timers_init(&w->io);
     memset(&cli, 0, sizeof cli);
     memset(&srv, 0, sizeof srv);
     srv_stream = NULL;
@@ -237,8 +238,9 @@ static void world_turn(struct world *w)
         c->ready = false;
         if (c->x && !c->dead && c->x->ops->progress(c->x))
             bex__conn_ready(c);
+        bex__conn_due_sync(c);
     }
-    bex__conn_tick(&w->io, bex__now_ms());
+    bex__io_timers_run(&w->io, bex__now_us());
     bex__conn_reap(&w->io);
 }
 

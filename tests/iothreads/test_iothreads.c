@@ -531,6 +531,65 @@ static int idle_visits(void)
     return 0;
 }
 
+/* Issue 26 item 7: an idle connection's timers run once per keepalive
+ * period, not on a fixed tick of the thread. IDLE_CONNS idle connections
+ * (an echo each first) in spin-then-sleep mode: their transports' ticks
+ * (keepalive, stall checks) come on one timer per connection, once per
+ * keepalive_ms (100) on a grid they share, so about 10 a second each. Before
+ * the timer heap a 10 ms tick walked every connection and ticked each
+ * (100 a second each; in event mode keepalive_ms / 2, 20 a second). Counted
+ * by io->tick_calls; load cannot make timers fire more often than they
+ * are due, so the bound holds on a loaded host. */
+static int idle_ticks(void)
+{
+    PAIR_NEED(setup_addrs());
+    struct local_srv v = {.w = WAITER_INIT};
+    bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
+    bex_listener *l[IDLE_CONNS];
+    struct sockaddr_in a[IDLE_CONNS];
+    struct cli c[IDLE_CONNS];
+    bex_sock *s[IDLE_CONNS];
+    for (int i = 0; i < IDLE_CONNS; i++) { /* one after the other, as in many */
+        l[i] = srv_listen(sctx, &v, &a[i]);
+        c[i] = (struct cli){.base.w = &v.w};
+        s[i] = cli_open(cctx, &a[i], &c[i]);
+        CHECK_OK(wait_count(&v.w, &c[i].base.connected, 1, 10000));
+        send_one(cctx, s[i]);
+        CHECK_OK(wait_count(&v.w, &c[i].recvd, 1, 10000));
+    }
+    pair_sleep_ms(300);
+    struct bex__io *cio = &cctx->io[0], *sio = &sctx->io[0];
+    uint64_t c0 = atomic_load(&cio->tick_calls), s0 = atomic_load(&sio->tick_calls);
+    uint64_t t0 = pair_now_ms();
+    pair_sleep_ms(1000);
+    uint64_t ct = atomic_load(&cio->tick_calls) - c0, st = atomic_load(&sio->tick_calls) - s0;
+    uint64_t ms = pair_now_ms() - t0;
+    /* 10 a second each expected; twice that allowed (a tick soon after a
+     * connection had work); at the 10 ms tick it was 100 */
+    uint64_t bound = IDLE_CONNS * (20 * ms / 1000 + 2);
+    fprintf(stderr,
+            "%d idle connections, %llu ms: %llu transport ticks at the client, %llu at the "
+            "server (bound %llu each)\n",
+            IDLE_CONNS, (unsigned long long)ms, (unsigned long long)ct, (unsigned long long)st,
+            (unsigned long long)bound);
+    CHECK(ct <= bound && st <= bound);
+    CHECK(ct >= IDLE_CONNS && st >= IDLE_CONNS); /* the keepalive rounds came */
+    for (int i = 0; i < IDLE_CONNS; i++) {       /* every connection still carries an echo */
+        send_one(cctx, s[i]);
+        CHECK_OK(wait_count(&v.w, &c[i].recvd, 2, 10000));
+    }
+    for (int i = 0; i < IDLE_CONNS; i++)
+        bex_sock_close(s[i]);
+    for (int i = 0; i < IDLE_CONNS; i++)
+        CHECK_OK(wait_count(&v.w, &c[i].base.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.w, &v.closed, IDLE_CONNS, 10000));
+    for (int i = 0; i < IDLE_CONNS; i++)
+        CHECK_OK(bex_listener_close(l[i]));
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
 /* CPU time of the whole process (every thread), in ms. */
 static long cpu_ms(void)
 {
@@ -721,4 +780,4 @@ static int td_fallback(void)
 BEX_TEST_MAIN(BEX_CASE(spread), BEX_CASE(stall), BEX_CASE(stall_one_thread), BEX_CASE(many),
               BEX_CASE(idle_event), BEX_CASE(idle_busy), BEX_CASE(one_pd), BEX_CASE(ready_list),
               BEX_CASE(idle_visits), BEX_CASE(echo_visits), BEX_CASE(many_cqs),
-              BEX_CASE(td_fallback), BEX_CASE(early_open))
+              BEX_CASE(td_fallback), BEX_CASE(early_open), BEX_CASE(idle_ticks))

@@ -405,19 +405,20 @@ static bool x_progress(struct bex__xport *x)
     return did;
 }
 
-static bool x_tick(struct bex__xport *x, uint64_t now_ms)
+static unsigned x_tick(struct bex__xport *x, uint64_t now_ms)
 {
     struct fn_x *w = of(x);
     if (atomic_load(&w->fail_pending) && !w->in->ops->is_dead(w->in)) {
         fail_now(w, -ECONNRESET);
-        return true;
+        return BEX__TICK_PROGRESS | BEX__TICK_SOON;
     }
     if (w->no_read && !w->in->ops->is_dead(w->in))
         stop_reading(w);
     w->in->ops->tick(w->in, now_ms);
     if (w->pport && !w->in->ops->is_dead(w->in))
         watch_partial(w);
-    return true; /* the wrapper's own doings need a look every tick */
+    /* the wrapper's own doings need a look every tick period */
+    return BEX__TICK_PROGRESS | BEX__TICK_SOON;
 }
 
 static void x_fail(struct bex__xport *x, int err)

@@ -656,6 +656,62 @@ static int slow_sender(void)
     return 0;
 }
 
+/* ---- a peer's CLOSE out of turn (peer_close_twice) ---- */
+
+static atomic_int pc_recvd;
+
+static void pc_recv(bex_sock *s, void *buf, size_t len, void *u)
+{
+    (void)s, (void)len, (void)u;
+    bex_mem_free(buf);
+    atomic_fetch_add(&pc_recvd, 1);
+}
+
+static const bex_sock_ops pc_ops = {.on_recv = pc_recv, .on_error = count_err};
+
+static void pc_accept(bex_listener *l, bex_sock *s, void *u)
+{
+    (void)l, (void)u;
+    bex_sock_set_user(s, &pc_ops, NULL);
+}
+
+/* The peer's CLOSE of a stream it closed already, in the frame after its
+ * first (before our answer can have ended the stream): the stream's state
+ * does not allow it, the peer drove the move, so the connection fails as a
+ * protocol violation and the process goes on; the server still takes a
+ * new connection and its message. As test_fake_fail.peer_close_unopened
+ * over RDMA (issue 26 item 4), over real TCP. */
+static int peer_close_twice(void)
+{
+    bex_ctx *srv = mkctx(0, 0, 0);
+    struct sockaddr_in a;
+    static const bex_listener_ops lops = {.on_accept = pc_accept};
+    bex_listener *l = listen_on(srv, &lops, NULL, &a);
+    int fd = raw_connect(&a);
+    static const char msg[] = "hello";
+    CHECK(frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL));
+    CHECK(frame(fd, BEX__MSG_DATA, 1, sizeof msg, sizeof msg, 0, msg));
+    CHECK(wait_for(&pc_recvd, 1, scaled(3000)));
+    /* both CLOSEs in one write: the second is read before any answer */
+    struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = 1};
+    uint8_t b[2 * BEX__HDR_LEN];
+    bex__hdr_encode(&h, b);
+    bex__hdr_encode(&h, b + BEX__HDR_LEN);
+    CHECK(send(fd, b, sizeof b, MSG_NOSIGNAL) == (ssize_t)sizeof b);
+    CHECK(closed_within(fd, scaled(3000)));
+    close(fd);
+    /* the context goes on: a new peer's message arrives */
+    fd = raw_connect(&a);
+    CHECK(frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL));
+    CHECK(frame(fd, BEX__MSG_DATA, 1, sizeof msg, sizeof msg, 0, msg));
+    CHECK(wait_for(&pc_recvd, 2, scaled(3000)));
+    close(fd);
+    bex_listener_close(l);
+    bex_ctx_destroy(srv);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(direct_two_streams), BEX_CASE(direct_after_cancel), BEX_CASE(parts_bounded),
               BEX_CASE(pause_with_parts), BEX_CASE(interleave_over_limit), BEX_CASE(no_ack),
-              BEX_CASE(rdhup_paused), BEX_CASE(hold_budget), BEX_CASE(slow_sender))
+              BEX_CASE(rdhup_paused), BEX_CASE(hold_budget), BEX_CASE(slow_sender),
+              BEX_CASE(peer_close_twice))

@@ -174,6 +174,11 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc);
 bool bex__engine_progress(struct bex__engine *e);
 /* Timer tick: keepalive. now in ms (CLOCK_MONOTONIC). */
 bool bex__engine_tick(struct bex__engine *e, uint64_t now_ms);
+/* Whether its next tick should come soon (the I/O thread's tick period)
+ * rather than at the next keepalive round: work held back that no event
+ * announces (receives starved of memory, rendezvous answers waiting for
+ * room), or a transfer under way whose progress the tick times. */
+bool bex__engine_tick_soon(const struct bex__engine *e);
 /* Fail the engine, synchronously: destroy the QP, hand every message back,
  * unlink every stream, report on_fail. No-op on a dead engine. */
 void bex__engine_fail(struct bex__engine *e, int err);

@@ -67,9 +67,11 @@ static bool rdma_progress(struct bex__xport *x)
     return false;
 }
 
-static bool rdma_tick(struct bex__xport *x, uint64_t now_ms)
+static unsigned rdma_tick(struct bex__xport *x, uint64_t now_ms)
 {
-    return bex__engine_tick(bex__engine_of(x), now_ms);
+    struct bex__engine *e = bex__engine_of(x);
+    unsigned want = bex__engine_tick(e, now_ms) ? BEX__TICK_PROGRESS : 0;
+    return want | (bex__engine_tick_soon(e) ? BEX__TICK_SOON : 0);
 }
 
 static void rdma_fail(struct bex__xport *x, int err)

@@ -113,7 +113,7 @@ void bex__tcp_fail(struct bex__xport *x, int err);
 bool bex__tcp_ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct bex__stream *st);
 bool bex__tcp_progress(struct bex__xport *x);
 void bex__tcp_rx(struct bex__tcp *t);
-bool bex__tcp_tick(struct bex__xport *x, uint64_t now);
+unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now);
 struct bex__xport *bex__tcp_unwrap(struct bex__xport *x);
 void bex__tcp_want(struct bex__tcp *t);
 bool bex__tcp_recv_room(struct bex__tcp *t, uint64_t want_bytes);

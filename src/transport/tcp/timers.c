@@ -44,19 +44,10 @@ static bool too_slow(struct bex__tcp *t, uint64_t now)
     return false;
 }
 
-/* Always wants a progress call after (as every connection had on every
- * tick before ticks could say): the TCP transport is not tuned for
- * thousands of idle connections yet. */
-bool bex__tcp_tick(struct bex__xport *x, uint64_t now)
+/* Has a deadline of the connection passed (logged)? Stalls for room or
+ * for acknowledgements, the receive rate, the keepalive. */
+static bool timed_out(struct bex__tcp *t, uint64_t now)
 {
-    struct bex__tcp *t = tcp_of(x);
-    if (t->dead || !t->is_up)
-        return true;
-    if (t->need_buf) { /* room again? */
-        bex__tcp_rx(t);
-        if (t->dead)
-            return true;
-    }
     /* Paused while holding partly received messages: only reading on can
      * finish them, and only other connections' frees can let us read on.
      * A peer that started messages to take the room and stopped (or two
@@ -67,7 +58,6 @@ bool bex__tcp_tick(struct bex__xport *x, uint64_t now)
                  "%s: over TCP: no room to receive (recv_bytes_max) for %u ms with %u messages "
                  "partly received",
                  t->cfg.name, t->cfg.stall_ms, t->parts_n);
-        bex__tcp_fail(x, -ETIMEDOUT);
         return true;
     }
     if (too_slow(t, now)) {
@@ -76,7 +66,6 @@ bool bex__tcp_tick(struct bex__xport *x, uint64_t now)
                  "recv_min_rate (%u bytes/s over %u ms)",
                  t->cfg.name, t->parts_n, (unsigned long long)t->part_bytes, t->cfg.min_rate,
                  t->cfg.rate_window_ms);
-        bex__tcp_fail(x, -ETIMEDOUT);
         return true;
     }
     /* As over RDMA for credits: messages written whole that the peer does
@@ -86,7 +75,6 @@ bool bex__tcp_tick(struct bex__xport *x, uint64_t now)
         bex__log(t->sh->log, BEX_LOG_ERROR,
                  "%s: over TCP: sent messages waited %u ms for an acknowledgement", t->cfg.name,
                  t->cfg.stall_ms);
-        bex__tcp_fail(x, -ETIMEDOUT);
         return true;
     }
     /* the reads above stamp last_rx with a later now than ours */
@@ -96,14 +84,51 @@ bool bex__tcp_tick(struct bex__xport *x, uint64_t now)
         bex__log(t->sh->log, BEX_LOG_WARN, "%s: over TCP: keepalive timeout (%u ms)", t->cfg.name,
                  t->cfg.keepalive_timeout_ms);
         BEX__STAT_ADD(t->sh->stats, keepalive_fails, 1);
-        bex__tcp_fail(x, -ETIMEDOUT);
         return true;
     }
-    if (now > t->last_tx && now - t->last_tx >= t->cfg.keepalive_ms && !t->out_n && !t->ctl_n) {
+    return false;
+}
+
+/* What the I/O thread should do after a tick: a progress call when work
+ * is queued or the connection is held back or dead; a tick soon (not at
+ * the next keepalive round) while it is held back for room, which only
+ * other connections' frees give, or holds partly received messages, whose
+ * rate the tick measures. An idle connection asks for neither. */
+static unsigned tick_wants(const struct bex__tcp *t)
+{
+    if (t->dead || !t->is_up)
+        return BEX__TICK_PROGRESS;
+    unsigned want = 0;
+    if (t->need_buf || t->rx_paused || t->holding || t->out_n || t->ctl_n || t->streams.ring_n)
+        want |= BEX__TICK_PROGRESS | BEX__TICK_SOON;
+    if (t->ack_head)
+        want |= BEX__TICK_PROGRESS;
+    return want;
+}
+
+unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now)
+{
+    struct bex__tcp *t = tcp_of(x);
+    if (t->dead || !t->is_up)
+        return tick_wants(t);
+    if (t->need_buf) { /* room again? */
+        bex__tcp_rx(t);
+        if (t->dead)
+            return tick_wants(t);
+    }
+    if (timed_out(t, now)) {
+        bex__tcp_fail(x, -ETIMEDOUT);
+        return tick_wants(t);
+    }
+    /* An idle connection ticks once per keepalive_ms (conn/timers.c), each
+     * tick a little early or late: an eighth of the period early is on
+     * time. */
+    if (now > t->last_tx && now - t->last_tx + t->cfg.keepalive_ms / 8 >= t->cfg.keepalive_ms &&
+        !t->out_n && !t->ctl_n) {
         /* a header says we are alive */
         bex__tcp_ctl_push(t, BEX__MSG_CREDIT, 0, NULL);
         t->last_tx = now;
         bex__tcp_progress(x);
     }
-    return true;
+    return tick_wants(t);
 }

@@ -1,0 +1,252 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The I/O thread: completions, events, timers, sleep; the owner's
+ * commands through bex__conn_owner_ops.drain_cmds (moved from sock/io.c). */
+#include "conn/conn.h"
+#include "transport/rdma/srq.h"
+
+#define WC_BATCH 64
+/* The coarse clock lags the precise one by a jiffy at most (HZ 100 at
+ * worst): a timer further than this ahead needs no precise look. */
+#define COARSE_LAG_US 10000
+
+_Thread_local bex_ctx *bex__io_ctx;
+_Thread_local struct bex__io *bex__io_self;
+
+static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc);
+
+static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, struct ibv_wc *wc)
+{
+    /* A connection's TCP event (its peer closed it) may come with the
+     * completions that explain it still in a CQ (the peer's NIC refused our
+     * write, then the peer closed): take those first, so that the
+     * connection fails for that cause and not for the reset. */
+    for (int i = 0; i < n; i++) {
+        if (((struct ep_tag *)ev[i].data.ptr)->cq_first) {
+            for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
+                ;
+            break;
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        struct ep_tag *t = ev[i].data.ptr;
+        t->cb(t, ev[i].events);
+    }
+}
+
+/* The completion channel's watcher: the CQs are polled on every turn
+ * anyway; the events only need acknowledging. */
+static void on_channel(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    struct bex__io *io = bex__container_of(t, struct bex__io, ch_tag);
+    struct ibv_cq *cq;
+    void *cq_ctx;
+    while (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0)
+        ibv_ack_cq_events(cq, 1);
+}
+
+/* SRQ mode: the device's async events, each to its QP's queue. */
+static void on_async(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    struct bex__io *io = bex__container_of(t, struct bex__io, async_tag);
+    struct ibv_async_event ae;
+    while (bex__rdma_async_next(io->env->dev, &ae) > 0) {
+        bex__srq_async(&ae);
+        ibv_ack_async_event(&ae);
+    }
+}
+
+void bex__io_tags_init(struct bex__io *io)
+{
+    io->ch_tag.cb = on_channel;
+    io->async_tag.cb = on_async;
+}
+
+/* Hand each completion to its engine, found by the id in its wr_id. */
+static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (bex__wr_engine(wc[i].wr_id) == 0 && io->sh.srq) {
+            /* a receive of the shared queue: its QP says whose */
+            struct conn *c = bex__engine_srq_complete(io->sh.srq, &wc[i]);
+            if (c)
+                bex__conn_ready(c);
+            continue;
+        }
+        struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc[i].wr_id));
+        /* else a stale completion of a destroyed engine */
+        if (c && c->eng && bex__engine_complete(c->eng, &wc[i]))
+            bex__conn_ready(c);
+    }
+}
+
+/* ibv_poll_cq failed: completions may be lost, and with them the hand-back
+ * of messages; no engine of this CQ (q: its index; UINT32_MAX: the shared
+ * receive queue's, which every engine of the thread uses) can be trusted
+ * to finish. */
+static void cq_failed(struct bex__io *io, uint32_t q, int n)
+{
+    bool any = false;
+    for (struct conn *c = io->conns; c; c = c->next) {
+        if (c->eng && !c->dead && (c->cq_idx == q || q == UINT32_MAX)) {
+            any = true;
+            bex__conn_fail(c, -EIO);
+        }
+    }
+    if (any) /* once per failure, not per poll */
+        bex__log(io->env->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
+}
+
+/* Progress for the connections that have work, and only those: one whose
+ * transport says it may have more at once stays on the list for the next
+ * turn, the others leave it until a command, completion, event or timer
+ * brings them back (bex__conn_ready). */
+static bool run_ready(struct bex__io *io)
+{
+    struct conn *list = io->ready;
+    io->ready = NULL;
+    bool did = false;
+    while (list) {
+        struct conn *c = list;
+        list = c->ready_next;
+        c->ready = false;
+        if (!c->x || c->dead)
+            continue;
+        BEX__STAT_ADD(io, visits, 1);
+        if (c->x->ops->progress(c->x)) {
+            did = true;
+            bex__conn_ready(c);
+        }
+        /* a callback in progress may have marked it again: it stays */
+        bex__conn_due_sync(c);
+    }
+    return did;
+}
+
+/* Poll every CQ of the thread once (a batch each): whether any had
+ * completions. */
+static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
+{
+    bool any = false;
+    for (uint32_t q = 0; q < io->n_cq; q++) {
+        int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+        if (n < 0)
+            cq_failed(io, q, n);
+        dispatch(io, wc, n);
+        any |= n > 0;
+    }
+    if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
+        /* one at a time: an engine that fails on one takes its QP's
+         * others out of what was polled (bex__srq_release), and a
+         * completion handed out is never one of a QP destroyed since */
+        int n = 0, rc = 0;
+        while (n < WC_BATCH && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
+            dispatch(io, wc, 1);
+            n++;
+        }
+        if (rc < 0)
+            cq_failed(io, UINT32_MAX, rc);
+        any |= n > 0;
+    }
+    return any;
+}
+
+/* The timers due (conn/timers.c): the coarse clock first, the precise
+ * one only when the nearest timer may be due. */
+static void run_timers(struct bex__io *io)
+{
+    uint64_t next = bex__timers_next(&io->timers);
+    if (next == UINT64_MAX || bex__now_ms() * 1000 + COARSE_LAG_US < next)
+        return;
+    uint64_t now = bex__now_us();
+    if (now >= next)
+        bex__io_timers_run(io, now);
+}
+
+/* Sleep until an event, a command, a completion or the nearest timer
+ * (rounded up to epoll's milliseconds): arm the CQs, then look once more so
+ * nothing slips between. */
+static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
+{
+    for (uint32_t q = 0; q < io->n_cq; q++)
+        ibv_req_notify_cq(io->cqs[q].cq, 0);
+    if (io->sh.srq)
+        ibv_req_notify_cq(io->sh.srq->cq, 0);
+    bex__loop_sleep_begin(&io->loop);
+    bool found = poll_cqs(io, wc);
+    if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
+        bex__loop_sleep_end(&io->loop);
+        return;
+    }
+    int timeout = -1; /* (the housekeeping timer always runs) */
+    uint64_t next = bex__timers_next(&io->timers);
+    if (next != UINT64_MAX) {
+        uint64_t t = bex__now_us();
+        uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
+        timeout = ms > INT32_MAX ? INT32_MAX : (int)ms;
+    }
+    int m = bex__loop_wait(&io->loop, ev, 16, timeout);
+    bex__loop_sleep_end(&io->loop);
+    if (m > 0)
+        handle_events(io, ev, m, wc);
+}
+
+void *bex__io_main(void *arg)
+{
+    struct bex__io *io = arg;
+    const bex_ctx_config *cfg = io->env->cfg;
+    bex__io_ctx = io->ctx;
+    bex__io_self = io;
+    struct ibv_wc wc[WC_BATCH];
+    struct epoll_event ev[16];
+    uint64_t idle_since = 0;
+    bex__io_timers_init(io);
+    uint32_t spins = 0, idle_polls = 0;
+    bool spun_out = false;
+    while (!io->stopping) {
+        BEX__STAT_ADD(io, turns, 1);
+        bool did = poll_cqs(io, wc);
+        did |= io->env->ops->drain_cmds(io);
+        run_timers(io);
+        did |= run_ready(io);
+        bex__conn_reap(io);
+        bex__io_srq_timer(io);
+        if (did) {
+            idle_since = 0;
+            idle_polls = 0;
+            spun_out = false;
+            if (++spins % 64 == 0) {
+                int m = bex__loop_wait(&io->loop, ev, 16, 0);
+                handle_events(io, ev, m, wc);
+            }
+            continue;
+        }
+        /* The precise clock may be a system call (see bex__now_ms): while
+         * spinning, look at it on every 16th idle poll only. Busy polling
+         * never sleeps; event mode sleeps at once. */
+        if (cfg->poll_mode == BEX_POLL_EVENT) {
+            spun_out = true;
+        } else if (cfg->poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0) {
+            uint64_t t = bex__now_us();
+            if (!idle_since)
+                idle_since = t;
+            /* a transport's deadline is near (some hundred us at most): spin
+             * on to it rather than sleep for epoll's whole millisecond */
+            spun_out =
+                t - idle_since >= cfg->poll_spin_us && bex__timers_next(&io->timers) > t + 1000;
+        }
+        if (!spun_out) {
+            if (++spins % 64 == 0) {
+                int m = bex__loop_wait(&io->loop, ev, 16, 0);
+                handle_events(io, ev, m, wc);
+            }
+            continue;
+        }
+        io_sleep(io, ev, wc);
+        idle_since = 0;
+        idle_polls = 0;
+        spun_out = false;
+    }
+    return NULL;
+}
