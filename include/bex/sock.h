@@ -468,7 +468,9 @@ typedef struct bex_listener_ops {
 int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_ops *ops,
                void *user, bex_listener **out);
 void bex_listener_addr(const bex_listener *l, struct sockaddr_in *out);
-/* Stop listening (sockets already accepted are not affected). Synchronous:
+/* Stop listening (sockets already accepted are not affected; a connection
+ * it accepted closes once its last socket is, so that a peer's next socket
+ * to this address reaches whatever listens there next). Synchronous:
  * returns 0 once no on_accept runs or will run; -EDEADLK (nothing done) when
  * called from a callback of its context. */
 int bex_listener_close(bex_listener *l);

@@ -484,7 +484,9 @@ void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
         conn_dead(c);
 }
 
-/* Free the dead connections without sockets. Only when one may have
+/* Free the dead connections without sockets, and fail the accepted ones
+ * whose listener closed once they have none (a peer's next socket to that
+ * address then makes a new connection). Only when one may have
  * become so (io->reap): a walk over every connection on every loop turn
  * cost a busy thread with many idle connections more than its work. */
 void bex__conn_reap(struct bex__io *io)
@@ -498,6 +500,8 @@ void bex__conn_reap(struct bex__io *io)
         BEX__STAT_ADD(io, reap_visits, 1);
         if (c->dead && bex__conn_nstreams(c) == 0)
             bex__conn_free(c);
+        else if (!c->dead && !c->client && !c->l && bex__conn_nstreams(c) == 0)
+            bex__conn_fail(c, -ECONNABORTED); /* its listener closed, its last socket gone */
         c = next;
     }
 }

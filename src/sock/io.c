@@ -135,12 +135,15 @@ void bex__io_listen(struct bex__io *io, struct bex_listener *l)
 }
 
 /* Forget a closing listener on this thread: its connections here keep
- * going without it (an OPEN on them is refused from now on). */
+ * going without it while they have sockets (an OPEN on them is refused
+ * from now on), and close once they have none: a peer's new sockets then
+ * make a new connection, to whatever listens at that address next. */
 static void forget_listener(struct bex__io *io, struct bex_listener *l)
 {
     for (struct conn *cn = io->conns; cn; cn = cn->next)
         if (cn->l == l)
             cn->l = NULL;
+    io->reap = true; /* those without sockets close (bex__conn_reap) */
 }
 
 static void do_unlisten(struct bex__io *io, struct bex_listener *l)
