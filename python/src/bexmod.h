@@ -33,6 +33,13 @@ int bexmod_get_keys(PyObject *o, Py_buffer *view);
 int bexmod_get_rows(PyObject *o, Py_buffer *view, const char *what, Py_ssize_t n, Py_ssize_t dim,
                     int writable);
 
+/* Ready the n types and add each to module m under its name: 0, or -1
+ * with the exception set. */
+int bexmod_add_types(PyObject *m, PyTypeObject *const *types, const char *const *names, int n);
+/* Wait, the GIL released, until the eventfd efd counts something, and
+ * consume its count: 0, or -1 with an OSError set. */
+int bexmod_efd_wait(int efd);
+
 int bexmod_ps_init(PyObject *m);
 int bexmod_rpc_init(PyObject *m);
 int bexmod_sock_init(PyObject *m);

@@ -11,7 +11,9 @@
 #include <Python.h>
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <bex/common.h>
 #include <bex/ps.h>
@@ -54,6 +56,36 @@ PyObject *bexmod_addr_str(const struct sockaddr_in *a)
     char ip[INET_ADDRSTRLEN] = "?";
     inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
     return PyUnicode_FromFormat("%s:%u", ip, (unsigned)ntohs(a->sin_port));
+}
+
+int bexmod_add_types(PyObject *m, PyTypeObject *const *types, const char *const *names, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (PyType_Ready(types[i]) < 0)
+            return -1;
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int bexmod_efd_wait(int efd)
+{
+    uint64_t v;
+    ssize_t r;
+    Py_BEGIN_ALLOW_THREADS;
+    do
+        r = read(efd, &v, sizeof v);
+    while (r < 0 && errno == EINTR);
+    Py_END_ALLOW_THREADS;
+    if (r < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *version(PyObject *self, PyObject *unused)

@@ -185,15 +185,8 @@ static PyObject *op_outcome(struct bexmod_op *op)
 PyObject *bexmod_ps_drain(PsClient *self, PyObject *unused)
 {
     (void)unused;
-    uint64_t v;
-    ssize_t r;
-    Py_BEGIN_ALLOW_THREADS;
-    do
-        r = read(self->efd, &v, sizeof v);
-    while (r < 0 && errno == EINTR);
-    Py_END_ALLOW_THREADS;
-    if (r < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
+    if (bexmod_efd_wait(self->efd) < 0)
+        return NULL;
     pthread_mutex_lock(&self->qmu);
     struct bexmod_op *op = self->qhead;
     self->qhead = self->qtail = NULL;

@@ -306,15 +306,8 @@ err_release:
 static PyObject *ch_drain(Channel *self, PyObject *unused)
 {
     (void)unused;
-    uint64_t val;
-    ssize_t r;
-    Py_BEGIN_ALLOW_THREADS;
-    do
-        r = read(self->efd, &val, sizeof val);
-    while (r < 0 && errno == EINTR);
-    Py_END_ALLOW_THREADS;
-    if (r < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
+    if (bexmod_efd_wait(self->efd) < 0)
+        return NULL;
     pthread_mutex_lock(&self->qmu);
     struct rpc_op *op = self->qhead;
     self->qhead = self->qtail = NULL;
@@ -719,16 +712,7 @@ static PyTypeObject srv_type = {
 
 int bexmod_rpc_init(PyObject *m)
 {
-    PyTypeObject *types[] = {&ch_type, &srv_type, &req_type};
-    const char *names[] = {"RpcChannel", "RpcServer", "RpcRequest"};
-    for (int i = 0; i < 3; i++) {
-        if (PyType_Ready(types[i]) < 0)
-            return -1;
-        Py_INCREF(types[i]);
-        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
-            Py_DECREF(types[i]);
-            return -1;
-        }
-    }
-    return 0;
+    PyTypeObject *const types[] = {&ch_type, &srv_type, &req_type};
+    const char *const names[] = {"RpcChannel", "RpcServer", "RpcRequest"};
+    return bexmod_add_types(m, types, names, 3);
 }

@@ -656,16 +656,7 @@ static PyTypeObject ctx_type = {
 
 int bexmod_sock_init(PyObject *m)
 {
-    PyTypeObject *types[] = {&ctx_type, &sock_type, &listener_type};
-    const char *names[] = {"SockContext", "Socket", "Listener"};
-    for (int i = 0; i < 3; i++) {
-        if (PyType_Ready(types[i]) < 0)
-            return -1;
-        Py_INCREF(types[i]);
-        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
-            Py_DECREF(types[i]);
-            return -1;
-        }
-    }
-    return 0;
+    PyTypeObject *const types[] = {&ctx_type, &sock_type, &listener_type};
+    const char *const names[] = {"SockContext", "Socket", "Listener"};
+    return bexmod_add_types(m, types, names, 3);
 }

@@ -13,7 +13,7 @@ import pytest
 
 import bex
 import bex.rpc
-from conftest import CHANNEL, SCALE, SERVER_IP, SERVER_NET
+from conftest import CHANNEL, SCALE, SERVER_IP, SERVER_NET, stopped
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples")
@@ -175,6 +175,12 @@ def test_examples_rpc_pair_and_a_killed_server():
         with channel([addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
             assert ch.call(7, 1, b"x") == b"X"
             srv.send_signal(signal.SIGSTOP)
+            # stopped when every thread is (a loaded host may let the I/O
+            # thread answer one more call first: seen once in CI)
+            deadline = time.monotonic() + 10 * SCALE
+            while time.monotonic() < deadline and not stopped(srv.pid):
+                time.sleep(0.01)
+            assert stopped(srv.pid), f"rpc_server {srv.pid} did not stop"
             f = ch.call_async(7, 1, b"y")
             time.sleep(0.2)
             srv.kill()

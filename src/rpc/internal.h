@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "bex/rpc.h"
+#include "common/prom.h"
 
 /* ---- wire header (docs/protocol.md, "RPC"): 64 bytes, little-endian ---- */
 
@@ -127,41 +128,9 @@ void bex__rpc_wait_done(int status, void *body, size_t len, void *user);
  * thread the completion needs (the channel's I/O or timer thread). */
 int bex__rpc_wait(struct bex__rpc_wait *w, void **body, size_t *len);
 
-/* ---- Prometheus text exposition, shared by the dumps (channel,
- * directory, server) and the parameter server's ---- */
+/* ---- Prometheus text exposition (the writer and counter families are
+ * common/prom.h's): the latency histogram ---- */
 
-struct bex__prom {
-    char *buf;
-    size_t cap, n; /* n: what was needed so far (output cut past cap) */
-};
-__attribute__((format(printf, 2, 3))) void bex__prom_printf(struct bex__prom *o, const char *fmt,
-                                                            ...);
-/* A counter of a stats struct: its metric, help (without the final
- * period) and the offset of its uint64_t in the struct. */
-struct bex__prom_ctr {
-    const char *metric, *help;
-    size_t off;
-};
-/* The next object whose counters are written (*cur: NULL at the start of
- * each family, then what the previous call left), or NULL at the end; its
- * labels (`name="value",...`, escaped) into labels. */
-typedef const void *(*bex__prom_next_fn)(void *arg, const void **cur, char *labels, size_t cap);
-/* Each counter of ctrs as a family: its HELP and TYPE lines, then one
- * sample per object that next returns, in that order. */
-void bex__prom_counters(struct bex__prom *o, const struct bex__prom_ctr *ctrs, size_t n,
-                        bex__prom_next_fn next, void *arg);
-/* The objects of an array (bex__prom_next_fn's arg: base, count, stride),
- * labelled by label(). */
-struct bex__prom_array {
-    const void *base;
-    size_t n, stride;
-    void (*label)(const void *obj, const void *arg, char *labels, size_t cap);
-    const void *arg;
-};
-const void *bex__prom_array_next(void *arg, const void **cur, char *labels, size_t cap);
-
-/* A label value: backslash, quote and newline escaped, cut to fit cap. */
-void bex__prom_escape(const char *in, char *out, size_t cap);
 /* h (nanoseconds) as the samples of a Prometheus histogram in seconds:
  * metric_bucket{labels,le=...} at 2^10, 2^12, ... 2^34 ns (bucket edges of
  * h, so the counts are exact) and +Inf, metric_sum, metric_count. labels

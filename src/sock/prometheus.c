@@ -3,28 +3,12 @@
  * Prometheus text exposition format. */
 #include <errno.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 
 #include "bex/sock.h"
 #include "bex/mem.h"
-
-struct out {
-    char *buf;
-    size_t cap, n; /* n: what was needed so far (output cut past cap) */
-};
-
-__attribute__((format(printf, 2, 3))) static void put(struct out *o, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int k =
-        vsnprintf(o->n < o->cap ? o->buf + o->n : NULL, o->n < o->cap ? o->cap - o->n : 0, fmt, ap);
-    va_end(ap);
-    if (k > 0)
-        o->n += (size_t)k;
-}
+#include "common/prom.h"
 
 /* One sample of bex_sock_stats per family. gauge: a level (engines now),
  * else a counter since the context was made. */
@@ -64,14 +48,15 @@ static const struct {
 #undef G
 };
 
-static void pool(struct out *o, const char *metric, const char *help, bex_mem_pool *const *pools,
-                 const char *const *names, size_t n, size_t field)
+static void pool(struct bex__prom *o, const char *metric, const char *help,
+                 bex_mem_pool *const *pools, const char *const *names, size_t n, size_t field)
 {
-    put(o, "# HELP %s %s.\n# TYPE %s gauge\n", metric, help, metric);
+    bex__prom_printf(o, "# HELP %s %s.\n# TYPE %s gauge\n", metric, help, metric);
     for (size_t i = 0; i < n; i++) {
         bex_mem_stats ms;
         bex_mem_pool_stats(pools[i], &ms);
-        put(o, "%s{pool=\"%s\"} %zu\n", metric, names[i], *(size_t *)((char *)&ms + field));
+        bex__prom_printf(o, "%s{pool=\"%s\"} %zu\n", metric, names[i],
+                         *(size_t *)((char *)&ms + field));
     }
 }
 
@@ -81,14 +66,14 @@ int bex_ctx_prometheus(bex_ctx *ctx, char *buf, size_t cap)
         return -EINVAL;
     bex_sock_stats s;
     bex_ctx_stats(ctx, &s);
-    struct out o = {buf, cap, 0};
+    struct bex__prom o = {buf, cap, 0};
     if (cap)
         buf[0] = 0;
     for (size_t i = 0; i < sizeof ctrs / sizeof ctrs[0]; i++) {
         const char *type = ctrs[i].gauge ? "gauge" : "counter";
-        put(&o, "# HELP %s %s.\n# TYPE %s %s\n%s %llu\n", ctrs[i].metric, ctrs[i].help,
-            ctrs[i].metric, type, ctrs[i].metric,
-            (unsigned long long)*(const uint64_t *)((const char *)&s + ctrs[i].off));
+        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s %s\n%s %llu\n", ctrs[i].metric, ctrs[i].help,
+                         ctrs[i].metric, type, ctrs[i].metric,
+                         (unsigned long long)*(const uint64_t *)((const char *)&s + ctrs[i].off));
     }
     bex_mem_pool *pools[] = {bex_ctx_pool(ctx), bex_ctx_recv_pool(ctx), bex_ctx_landing_pool(ctx)};
     static const char *const names[] = {"main", "recv", "landing"};
