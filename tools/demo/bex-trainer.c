@@ -165,6 +165,56 @@ static void *loop(void *arg)
     return NULL;
 }
 
+/* The per-key counts file (--counts): rank key replicas, then per
+ * replica acknowledged and failed. 0, or 1 when it cannot be written. */
+static int write_counts(const struct ld_opts *o)
+{
+    int rc = 0;
+    if (to.counts) {
+        FILE *f = fopen(to.counts, "w");
+        if (!f) {
+            fprintf(stderr, "bex-trainer: %s: %s\n", to.counts, strerror(errno));
+            rc = 1;
+        } else {
+            /* rank key replicas, then per replica: acknowledged failed */
+            for (uint32_t i = 0; i < o->keys; i++) {
+                uint32_t any = 0;
+                for (uint32_t r = 0; r < n_reps; r++)
+                    any |= applied[r][i] | unsure[r][i];
+                if (!any)
+                    continue;
+                fprintf(f, "%u %llu %u", i, (unsigned long long)ld_rank_key(i), n_reps);
+                for (uint32_t r = 0; r < n_reps; r++)
+                    fprintf(f, " %u %u", applied[r][i], unsure[r][i]);
+                fputc('\n', f);
+            }
+            if (fclose(f))
+                rc = 1;
+        }
+    }
+    return rc;
+}
+
+/* The run's closing JSON line, with the sizes the Pushes had. 0 or 1. */
+static int finish_run(void)
+{
+    /* the sizes the Pushes had (keys, gradients; the header left out) */
+    size_t ns = atomic_load(&n_sizes) < SIZES_MAX ? atomic_load(&n_sizes) : SIZES_MAX;
+    double sum = 0;
+    for (size_t i = 0; i < ns; i++)
+        sum += sizes[i];
+    if (ns)
+        qsort(sizes, ns, sizeof *sizes, cmp_u32);
+    char extra_json[320];
+    snprintf(extra_json, sizeof extra_json,
+             ",\"compute_us\":%.0f,\"mean_bytes\":%.0f,\"p99_bytes\":%.0f,\"grad\":%.9g,"
+             "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u},\"push_partial\":%llu",
+             to.compute_us, to.mean_bytes, to.p99_bytes, to.grad, ns ? sum / (double)ns : 0.0,
+             ns ? sizes[(size_t)((double)(ns - 1) * 0.99)] : 0,
+             (unsigned long long)atomic_load(&push_partial));
+    return ld_run_finish(&run, "trainer", extra_json) ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     struct ld_opts o;
@@ -222,44 +272,8 @@ int main(int argc, char **argv)
     for (uint32_t i = 0; i < started; i++)
         pthread_join(th[i], NULL);
     free(th);
-    int rc = 0;
-    if (to.counts) {
-        FILE *f = fopen(to.counts, "w");
-        if (!f) {
-            fprintf(stderr, "bex-trainer: %s: %s\n", to.counts, strerror(errno));
-            rc = 1;
-        } else {
-            /* rank key replicas, then per replica: acknowledged failed */
-            for (uint32_t i = 0; i < o.keys; i++) {
-                uint32_t any = 0;
-                for (uint32_t r = 0; r < n_reps; r++)
-                    any |= applied[r][i] | unsure[r][i];
-                if (!any)
-                    continue;
-                fprintf(f, "%u %llu %u", i, (unsigned long long)ld_rank_key(i), n_reps);
-                for (uint32_t r = 0; r < n_reps; r++)
-                    fprintf(f, " %u %u", applied[r][i], unsure[r][i]);
-                fputc('\n', f);
-            }
-            if (fclose(f))
-                rc = 1;
-        }
-    }
-    /* the sizes the Pushes had (keys, gradients; the header left out) */
-    size_t ns = atomic_load(&n_sizes) < SIZES_MAX ? atomic_load(&n_sizes) : SIZES_MAX;
-    double sum = 0;
-    for (size_t i = 0; i < ns; i++)
-        sum += sizes[i];
-    if (ns)
-        qsort(sizes, ns, sizeof *sizes, cmp_u32);
-    char extra_json[320];
-    snprintf(extra_json, sizeof extra_json,
-             ",\"compute_us\":%.0f,\"mean_bytes\":%.0f,\"p99_bytes\":%.0f,\"grad\":%.9g,"
-             "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u},\"push_partial\":%llu",
-             to.compute_us, to.mean_bytes, to.p99_bytes, to.grad, ns ? sum / (double)ns : 0.0,
-             ns ? sizes[(size_t)((double)(ns - 1) * 0.99)] : 0,
-             (unsigned long long)atomic_load(&push_partial));
-    if (ld_run_finish(&run, "trainer", extra_json))
+    int rc = write_counts(&o);
+    if (finish_run())
         rc = 1;
     ld_zipf_free(&zipf);
     for (uint32_t r = 0; r < n_reps; r++) {

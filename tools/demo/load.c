@@ -111,6 +111,100 @@ static double num(const char *prog, const char *extra, const char *s, double lo,
     return v;
 }
 
+/* A common option that is a name or a choice: 1 if c is one, else 0. */
+static int opt_text(struct ld_opts *o, int c, const char *prog, const char *usage_extra)
+{
+    switch (c) {
+    case O_CLUSTER:
+        o->cluster = optarg;
+        return 1;
+    case O_SERVICE:
+        o->service = optarg;
+        return 1;
+    case O_LOCALITY:
+        o->locality = optarg;
+        return 1;
+    case O_JSON:
+        o->json = optarg;
+        return 1;
+    case O_SAMPLES:
+        o->samples = optarg;
+        return 1;
+    case O_ADDR:
+        o->addr = optarg;
+        return 1;
+    case O_TRANSPORT:
+        if (strcmp(optarg, "rdma") == 0)
+            o->transport = BEX_TRANSPORT_RDMA;
+        else if (strcmp(optarg, "tcp") == 0)
+            o->transport = BEX_TRANSPORT_TCP;
+        else if (strcmp(optarg, "auto") == 0)
+            o->transport = BEX_TRANSPORT_AUTO;
+        else
+            usage(prog, usage_extra);
+        return 1;
+    case O_POLL:
+        if (bex_poll_mode_parse(optarg, &poll_mode))
+            usage(prog, usage_extra);
+        return 1;
+    case O_PROGRESS:
+        o->progress = 1;
+        return 1;
+    case O_VERBOSE:
+        o->verbose = 1;
+        return 1;
+    }
+    return 0;
+}
+
+/* A common option that is a number within its bounds: 1 if c is one,
+ * else 0; usage() for a value out of bounds. */
+static int opt_number(struct ld_opts *o, int c, const char *prog, const char *usage_extra)
+{
+    switch (c) {
+    case O_DURATION:
+        o->duration_s = num(prog, usage_extra, optarg, 0.01, 86400);
+        return 1;
+    case O_OUTSTANDING:
+        o->outstanding = (uint32_t)num(prog, usage_extra, optarg, 1, 4096);
+        return 1;
+    case O_ZIPF:
+        o->zipf = num(prog, usage_extra, optarg, 0, 10);
+        return 1;
+    case O_KEYS:
+        o->keys = (uint32_t)num(prog, usage_extra, optarg, 1, 1 << 26);
+        return 1;
+    case O_TABLE:
+        o->table = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
+        return 1;
+    case O_DIM:
+        o->dim = (uint32_t)num(prog, usage_extra, optarg, 1, BEX_PS_DIM_MAX);
+        return 1;
+    case O_TIMEOUT:
+        o->timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
+        return 1;
+    case O_ATTEMPT_TIMEOUT:
+        attempt_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 0, 3600000);
+        return 1;
+    case O_CONNECT_TIMEOUT:
+        connect_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
+        return 1;
+    case O_KEEPALIVE_TIMEOUT:
+        keepalive_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
+        return 1;
+    case O_SEND_WINDOW:
+        send_window = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
+        return 1;
+    case O_EAGER_MAX:
+        eager_max = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
+        return 1;
+    case O_SEED:
+        o->seed = (uint64_t)num(prog, usage_extra, optarg, 0, 1e15);
+        return 1;
+    }
+    return 0;
+}
+
 void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *extra, ld_extra_fn fn,
               void *user, const char *usage_extra)
 {
@@ -135,84 +229,9 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
     if (n_extra)
         memcpy(lo + N_COMMON, extra, n_extra * sizeof *lo);
     for (int c; (c = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
+        if (opt_text(o, c, prog, usage_extra) || opt_number(o, c, prog, usage_extra))
+            continue;
         switch (c) {
-        case O_CLUSTER:
-            o->cluster = optarg;
-            break;
-        case O_SERVICE:
-            o->service = optarg;
-            break;
-        case O_LOCALITY:
-            o->locality = optarg;
-            break;
-        case O_JSON:
-            o->json = optarg;
-            break;
-        case O_SAMPLES:
-            o->samples = optarg;
-            break;
-        case O_ADDR:
-            o->addr = optarg;
-            break;
-        case O_TRANSPORT:
-            if (strcmp(optarg, "rdma") == 0)
-                o->transport = BEX_TRANSPORT_RDMA;
-            else if (strcmp(optarg, "tcp") == 0)
-                o->transport = BEX_TRANSPORT_TCP;
-            else if (strcmp(optarg, "auto") == 0)
-                o->transport = BEX_TRANSPORT_AUTO;
-            else
-                usage(prog, usage_extra);
-            break;
-        case O_DURATION:
-            o->duration_s = num(prog, usage_extra, optarg, 0.01, 86400);
-            break;
-        case O_OUTSTANDING:
-            o->outstanding = (uint32_t)num(prog, usage_extra, optarg, 1, 4096);
-            break;
-        case O_ZIPF:
-            o->zipf = num(prog, usage_extra, optarg, 0, 10);
-            break;
-        case O_KEYS:
-            o->keys = (uint32_t)num(prog, usage_extra, optarg, 1, 1 << 26);
-            break;
-        case O_TABLE:
-            o->table = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
-            break;
-        case O_DIM:
-            o->dim = (uint32_t)num(prog, usage_extra, optarg, 1, BEX_PS_DIM_MAX);
-            break;
-        case O_TIMEOUT:
-            o->timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
-            break;
-        case O_ATTEMPT_TIMEOUT:
-            attempt_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 0, 3600000);
-            break;
-        case O_CONNECT_TIMEOUT:
-            connect_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
-            break;
-        case O_KEEPALIVE_TIMEOUT:
-            keepalive_timeout_ms = (uint32_t)num(prog, usage_extra, optarg, 1, 3600000);
-            break;
-        case O_SEND_WINDOW:
-            send_window = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
-            break;
-        case O_EAGER_MAX:
-            eager_max = (uint32_t)num(prog, usage_extra, optarg, 0, UINT32_MAX);
-            break;
-        case O_POLL:
-            if (bex_poll_mode_parse(optarg, &poll_mode))
-                usage(prog, usage_extra);
-            break;
-        case O_SEED:
-            o->seed = (uint64_t)num(prog, usage_extra, optarg, 0, 1e15);
-            break;
-        case O_PROGRESS:
-            o->progress = 1;
-            break;
-        case O_VERBOSE:
-            o->verbose = 1;
-            break;
         case O_HELP:
             usage_status(prog, usage_extra, 0);
             break;
