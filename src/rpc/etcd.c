@@ -21,6 +21,7 @@
 
 #include "common/log.h"
 #include "rpc/dir_internal.h"
+#include "rpc/etcd_internal.h"
 #include "rpc/internal.h"
 
 #define OP_TIMEOUT_MS 3000 /* one unary call to etcd */
@@ -751,4 +752,27 @@ void bex_dir_registration_abandon(bex_dir_registration *r)
         return;
     reg_stop(r);
     reg_free(r);
+}
+
+/* ---- for the election (dir_elect.c) ---- */
+
+int bex__etcd_call(const char *url, const char *path, json_t *body, json_t **out, char *err,
+                   size_t errlen)
+{
+    return call(url, path, body, out, err, errlen);
+}
+
+char *bex__etcd_b64(const char *s)
+{
+    return b64_enc(s, strlen(s));
+}
+
+char *bex__etcd_unb64(const char *s, size_t *len)
+{
+    return b64_dec(s, len);
+}
+
+int64_t bex__etcd_num(json_t *v)
+{
+    return num(v);
 }
