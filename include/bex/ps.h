@@ -55,6 +55,7 @@
 #define BEX_PS_H
 
 #include <netinet/in.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -377,6 +378,49 @@ int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, cons
  * (without the NUL), like snprintf: output is cut when that is >= cap;
  * -EINVAL. Any thread. */
 int bex_ps_client_prometheus(bex_ps_client *c, const char *name, char *buf, size_t cap);
+
+/* ---- primary-backup with failover through etcd (docs/architecture.md,
+ * "Replication", etcd mode) ---- */
+
+/* A shard's replicas in etcd mode: every replica lists the same replicas
+ * (self included, at index self). Keys (no lease but the primary's):
+ * <prefix>ps/<service>/<shard>/primary ("a.b.c.d:port", under the
+ * primary's lease; its create_revision is the term, the epoch) and
+ * .../set (the replica set: addresses, comma separated, written by the
+ * primary only while its term runs). lease_ttl_ms (2000; etcd may grant
+ * more) and lease_margin_ms (500): a primary acknowledges a Push only
+ * before (time it sent its last keep-alive + TTL - margin).
+ * forward_timeout_ms of the shard bounds how long a Push waits for a
+ * backup that stopped answering before it leaves the set. */
+typedef struct bex_ps_failover_config {
+    const char *etcd_url; /* required */
+    const char *prefix;   /* NULL: "/bex/" */
+    const char *service;  /* NULL: "ps" */
+    uint32_t shard;
+    const bex_rpc_endpoint *replicas;
+    size_t n_replicas; /* 1 .. BEX_PS_REPLICAS_MAX */
+    uint32_t self;
+    uint32_t lease_ttl_ms, lease_margin_ms;
+    uint32_t resync_timeout_ms; /* a copy from a new primary (10000) */
+} bex_ps_failover_config;
+
+typedef struct bex_ps_failover bex_ps_failover;
+
+/* Run shard s (created BEX_PS_ROLE_BACKUP without backups, registered on
+ * ctx's server) in etcd mode: a thread waits for etcd (logging what it
+ * waits for), campaigns while no replica is primary (only a member of the
+ * set that holds every acknowledged Push: bootstrap, or synced from a
+ * primary once), leads (forwards, acknowledges only within its lease,
+ * removes from the set a backup that stops answering before it goes on
+ * without it) or follows (copies from each new primary before taking its
+ * forwards). 0 and *out, -EINVAL, -ENOMEM. */
+int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_config *cfg,
+                          bex_ps_failover **out);
+/* Stop: revoke (the term ends at once) or not (as if the process died:
+ * the lease expires). Call before destroying the shard. */
+void bex_ps_failover_stop(bex_ps_failover *f, bool revoke);
+/* Tests: hold the lease's keep-alives (a stopped process). */
+void bex_ps_failover_hold(bex_ps_failover *f, bool hold);
 
 #pragma GCC visibility pop
 

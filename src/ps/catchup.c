@@ -192,7 +192,8 @@ static int try_peer(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *
         free(buf);
         if (rc == 0) {
             pthread_mutex_lock(&s->mu);
-            if (bex__ps_ids_behind(&s->ids, cut_ids))
+            /* a new primary's copy is taken even behind ours (a re-sync) */
+            if (!s->resync && bex__ps_ids_behind(&s->ids, cut_ids))
                 rc = -ESTALE;
             pthread_mutex_unlock(&s->mu);
         }

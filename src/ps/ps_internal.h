@@ -23,17 +23,24 @@
  * (client, token): docs/security.md, "Dedup keys and Push ids". */
 #define BEX__PS_F_ID   1u
 #define BEX__PS_ID_LEN 32
+/* BEX__PS_F_EPOCH (a Push with an id, etcd mode): u64 epoch after the id,
+ * the term of the primary the client means; a primary of another term
+ * refuses it -ESTALE (docs/protocol.md, "Push"). */
+#define BEX__PS_F_EPOCH   2u
+#define BEX__PS_EPOCH_LEN 8
 struct bex__ps_hdr {
     uint32_t table, n, dim;
     uint32_t flags;
     uint64_t id_client, id_seq; /* BEX__PS_F_ID */
     uint64_t id_tok[2];         /* BEX__PS_F_ID */
+    uint64_t epoch;             /* BEX__PS_F_EPOCH */
 };
 
 /* Bytes from a request body's start to its keys. */
 static inline size_t bex__ps_keys_off(const struct bex__ps_hdr *h)
 {
-    return BEX__PS_HDR_LEN + ((h->flags & BEX__PS_F_ID) ? BEX__PS_ID_LEN : 0);
+    return BEX__PS_HDR_LEN + ((h->flags & BEX__PS_F_ID) ? BEX__PS_ID_LEN : 0) +
+           ((h->flags & BEX__PS_F_EPOCH) ? BEX__PS_EPOCH_LEN : 0);
 }
 
 static inline void bex__ps_put32(uint8_t *p, uint32_t v)
@@ -78,7 +85,7 @@ static inline void bex__ps_hdr_put(uint8_t *p, const struct bex__ps_hdr *h)
 {
     p[0] = BEX__PS_VERSION;
     p[1] = 0;
-    p[2] = (uint8_t)(h->flags & BEX__PS_F_ID);
+    p[2] = (uint8_t)(h->flags & (BEX__PS_F_ID | BEX__PS_F_EPOCH));
     p[3] = 0;
     bex__ps_put32(p + 4, h->table);
     bex__ps_put32(p + 8, h->n);
@@ -89,6 +96,8 @@ static inline void bex__ps_hdr_put(uint8_t *p, const struct bex__ps_hdr *h)
         bex__ps_put64(p + BEX__PS_HDR_LEN + 16, h->id_tok[0]);
         bex__ps_put64(p + BEX__PS_HDR_LEN + 24, h->id_tok[1]);
     }
+    if (h->flags & BEX__PS_F_EPOCH)
+        bex__ps_put64(p + BEX__PS_HDR_LEN + BEX__PS_ID_LEN, h->epoch);
 }
 
 /* Bytes of a request body of method for n keys of dim floats (a Push's
@@ -164,7 +173,8 @@ static inline void bex__ps_fwd_put(uint8_t *p, const struct bex__ps_fwd_hdr *h)
     bex__ps_put64(p + 16, h->lsn);
 }
 /* 0, or -EINVAL when body (len bytes) does not start with a forward
- * header (session and lsn not 0). */
+ * header (session not 0, lsn not 0 but in a probe: lsn 0 asks "do you
+ * follow session from its start"). */
 static inline int bex__ps_fwd_get(const void *body, size_t len, struct bex__ps_fwd_hdr *h)
 {
     const uint8_t *p = body;
@@ -174,7 +184,7 @@ static inline int bex__ps_fwd_get(const void *body, size_t len, struct bex__ps_f
     h->flags = p[1];
     h->session = bex__ps_get64(p + 8);
     h->lsn = bex__ps_get64(p + 16);
-    return h->session && h->lsn ? 0 : -EINVAL;
+    return h->session && (h->lsn || (h->flags & BEX__PS_FWD_PROBE)) ? 0 : -EINVAL;
 }
 
 /* The RPC registration flags of a method: Push changes state, so a retried

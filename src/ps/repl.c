@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 
 #include "bex/ps.h"
 #include "common/log.h"
@@ -59,28 +60,31 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     return 0;
 }
 
+/* The channel to backup b: retries within the forward's deadline, never
+ * throttled (a forward lost is a backup marked down or removed). */
+static int bk_channel(struct repl *rp, bex_ctx *ctx, struct backup *b)
+{
+    bex_rpc_endpoint ep = {.addr = b->addr, .transport = b->transport};
+    bex_rpc_channel_config cc = {.endpoints = &ep,
+                                 .n_endpoints = 1,
+                                 .name = "ps-forward",
+                                 .request_timeout_ms = rp->fwd_timeout_ms,
+                                 .connect_timeout_ms = rp->fwd_timeout_ms,
+                                 .max_attempts = FWD_ATTEMPTS,
+                                 .retry_budget_burst = 1000000,
+                                 .retry_budget_permille = 1000};
+    return bex_rpc_channel_create(ctx, &cc, &b->ch);
+}
+
 int bex__ps_repl_register(bex_ps_shard *s, bex_ctx *ctx)
 {
     struct repl *rp = &s->rp;
     rp->ctx = ctx;
-    if (rp->role == BEX_PS_ROLE_BACKUP && !rp->win &&
+    if ((rp->role == BEX_PS_ROLE_BACKUP || rp->fenced) && !rp->win &&
         !(rp->win = calloc(rp->win_n, sizeof *rp->win)))
         return -ENOMEM;
     for (size_t i = 0; i < rp->n_bk; i++) {
-        if (rp->bk[i].ch)
-            continue;
-        bex_rpc_endpoint ep = {.addr = rp->bk[i].addr, .transport = rp->bk[i].transport};
-        /* retries within the forward's deadline, never throttled: a
-         * forward lost is a backup marked down */
-        bex_rpc_channel_config cc = {.endpoints = &ep,
-                                     .n_endpoints = 1,
-                                     .name = "ps-forward",
-                                     .request_timeout_ms = rp->fwd_timeout_ms,
-                                     .connect_timeout_ms = rp->fwd_timeout_ms,
-                                     .max_attempts = FWD_ATTEMPTS,
-                                     .retry_budget_burst = 1000000,
-                                     .retry_budget_permille = 1000};
-        int rc = bex_rpc_channel_create(ctx, &cc, &rp->bk[i].ch);
+        int rc = rp->bk[i].ch ? 0 : bk_channel(rp, ctx, &rp->bk[i]);
         if (rc)
             return rc;
     }
@@ -157,7 +161,9 @@ void bex__ps_repl_take_cut(bex_ps_shard *s)
 struct fop;
 struct fcall {
     struct fop *op;
-    uint32_t b; /* the backup */
+    uint32_t b;          /* the backup */
+    uint64_t epoch;      /* etcd mode: the term it was sent in */
+    struct fcall *rm_nx; /* waiting for b's removal (repl.rm) */
 };
 struct fop {
     bex_ps_shard *s;
@@ -173,6 +179,13 @@ static void fop_put(struct fop *op)
     if (atomic_fetch_sub(&op->left, 1) != 1)
         return;
     int st = atomic_load(&op->status);
+    bex_ps_shard *s = op->s;
+    if (!st && s->rp.fenced) {
+        pthread_mutex_lock(&s->mu);
+        if (!bex__ps_lease_held(&s->rp))
+            st = -ESTALE; /* the lease may have expired: another may lead now */
+        pthread_mutex_unlock(&s->mu);
+    }
     uint8_t *out = st ? NULL : bex_rpc_alloc(op->s->rp.ctx, BEX__PS_HDR_LEN);
     if (!st && !out)
         st = -ENOMEM;
@@ -180,7 +193,42 @@ static void fop_put(struct fop *op)
         bex__ps_hdr_put(
             out, &(struct bex__ps_hdr){.table = op->h.table, .n = op->h.n, .dim = op->h.dim});
     bex_rpc_reply(op->req, st, out, out ? BEX__PS_HDR_LEN : 0);
+    pthread_mutex_lock(&s->mu);
+    s->rp.inflight--;
+    pthread_mutex_unlock(&s->mu);
     free(op);
+}
+
+/* etcd mode: a forward to backup fc->b failed. Not waited for when the
+ * backup is out of the set already (or the forward is of an earlier
+ * term: its Push is refused then); else it waits for the agent's removal
+ * of the backup (true: fc is answered by bex__ps_repl_removed). */
+static bool fenced_failed(bex_ps_shard *s, struct fcall *fc, int status)
+{
+    struct repl *rp = &s->rp;
+    bool wait = false, stale;
+    pthread_mutex_lock(&s->mu);
+    s->st.fwd_failed++;
+    stale = fc->epoch != rp->epoch || rp->role != BEX_PS_ROLE_PRIMARY;
+    if (!stale && !rp->bk[fc->b].out) {
+        fc->rm_nx = rp->rm;
+        rp->rm = fc;
+        wait = true;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (stale) {
+        int zero = 0;
+        atomic_compare_exchange_strong(&fc->op->status, &zero, -ESTALE);
+    }
+    if (wait) {
+        bex__log(&s->log, BEX_LOG_WARN,
+                 "ps shard %u: backup %u did not apply a forward (%s): removing it from the "
+                 "replica set",
+                 s->shard, fc->b, bex_strerror(status));
+        if (rp->kick)
+            rp->kick(rp->kick_arg);
+    }
+    return wait;
 }
 
 static void fwd_done(int status, void *body, size_t len, void *user)
@@ -190,7 +238,10 @@ static void fwd_done(int status, void *body, size_t len, void *user)
     struct fop *op = fc->op;
     bex_ps_shard *s = op->s;
     bex_rpc_free(body);
-    if (status) {
+    if (status && s->rp.fenced) {
+        if (fenced_failed(s, fc, status))
+            return; /* answered once the backup is out of the set */
+    } else if (status) {
         struct backup *b = &s->rp.bk[fc->b];
         pthread_mutex_lock(&s->mu);
         bool was = b->down;
@@ -210,6 +261,48 @@ static void fwd_done(int status, void *body, size_t len, void *user)
         atomic_compare_exchange_strong(&op->status, &zero, -EHOSTDOWN);
     }
     fop_put(op);
+}
+
+size_t bex__ps_repl_removals(bex_ps_shard *s, uint32_t *out, size_t cap)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&s->mu);
+    for (struct fcall *f = s->rp.rm; f && n < cap; f = f->rm_nx) {
+        bool seen = false;
+        for (size_t i = 0; i < n; i++)
+            seen |= out[i] == f->b;
+        if (!seen)
+            out[n++] = f->b;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+void bex__ps_repl_removed(bex_ps_shard *s, uint32_t b, int status)
+{
+    struct fcall *mine = NULL, **pp = &s->rp.rm;
+    pthread_mutex_lock(&s->mu);
+    if (status == 0 && b < s->rp.n_bk)
+        s->rp.bk[b].out = true;
+    while (*pp) {
+        struct fcall *f = *pp;
+        if (f->b == b) {
+            *pp = f->rm_nx;
+            f->rm_nx = mine;
+            mine = f;
+        } else {
+            pp = &f->rm_nx;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    while (mine) {
+        struct fcall *nx = mine->rm_nx;
+        int zero = 0;
+        if (status)
+            atomic_compare_exchange_strong(&mine->op->status, &zero, -EHOSTDOWN);
+        fop_put(mine->op);
+        mine = nx;
+    }
 }
 
 /* A probe of a down backup answered (status 0: it holds every Push the
@@ -300,12 +393,16 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
                         .seq = h->id_seq,
                         .served = true,
                         .req = req};
-    int rc;
+    int rc = 0;
     uint32_t due[BEX_PS_REPLICAS_MAX], n_due = 0;
     uint64_t at = 0;
     pthread_mutex_lock(&s->mu);
-    if (s->catching) {
+    if (s->catching)
         rc = -EAGAIN; /* its rows are not the shard's yet: the client retries */
+    else if (s->rp.fenced)
+        rc = s->rp.paused ? -EAGAIN : bex__ps_fenced_admit(s, h); /* backups leave the set */
+    if (rc) {
+        /* refused */
     } else if (s->rp.n_down) {
         /* nothing is applied while a backup is down: the lsn stays */
         s->st.backup_down_refused++;
@@ -320,6 +417,7 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
                                        NULL);
         if (rc == 0) {
             *lsn = ++s->rp.lsn;
+            s->rp.inflight++;
             s->st.fwd_sent += s->rp.n_bk;
         }
     }
@@ -355,7 +453,11 @@ int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const voi
     atomic_store(&op->left, (uint32_t)rp->n_bk + 1);
     bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
     for (uint32_t i = 0; i < rp->n_bk; i++) {
-        op->calls[i] = (struct fcall){op, i};
+        op->calls[i] = (struct fcall){op, i, rp->epoch, NULL};
+        if (rp->bk[i].out) {
+            fop_put(op); /* out of the set: not waited for */
+            continue;
+        }
         uint8_t *b = bex_rpc_alloc(rp->ctx, flen);
         int crc = b ? 0 : -ENOMEM;
         if (b) {
@@ -490,10 +592,18 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
     f->req = req;
     struct fwdh *done = NULL;
     pthread_mutex_lock(&s->mu);
-    if (fh.flags & BEX__PS_FWD_PROBE)
+    if (s->rp.fenced && (rc = bex__ps_fenced_forward(s, fh.session)))
+        ;
+    else if (fh.flags & BEX__PS_FWD_PROBE)
         /* in step: it follows that session and applied that lsn */
         rc = !s->catching && fh.session == s->rp.in_session && fh.lsn < s->rp.next ? 0 : -ESTALE;
-    else
+    if (rc == -ESTALE && s->rp.fenced && (fh.flags & BEX__PS_FWD_PROBE) && s->rp.synced &&
+        fh.session == s->rp.epoch) {
+        /* out of step with its primary (left out of the set): copy again */
+        s->rp.synced = false;
+        if (s->rp.kick)
+            s->rp.kick(s->rp.kick_arg);
+    } else
         rc = fwd_take_locked(s, fh.session, f, &done);
     if (rc && rc != BEX__PS_LATER)
         s->st.fwd_refused++;
@@ -501,5 +611,116 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
     answer_all(done);
     if (rc != BEX__PS_LATER)
         fwdh_free(f);
+    return rc;
+}
+
+/* ---- etcd mode: a change of term (failover.c) ---- */
+
+int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
+                      const bex_rpc_endpoint *backups, size_t n)
+{
+    struct repl *rp = &s->rp;
+    if (n >= BEX_PS_REPLICAS_MAX)
+        return -EINVAL;
+    struct backup *bk = n ? calloc(n, sizeof *bk) : NULL;
+    if (n && !bk)
+        return -ENOMEM;
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        bk[i].addr = backups[i].addr;
+        bk[i].transport = backups[i].transport;
+        rc = bk_channel(rp, rp->ctx, &bk[i]);
+    }
+    struct backup *old = bk;
+    size_t n_old = n;
+    if (!rc) {
+        pthread_mutex_lock(&s->mu);
+        old = rp->bk;
+        n_old = rp->n_bk;
+        rp->bk = bk;
+        rp->n_bk = n;
+        rp->n_down = 0;
+        rp->epoch = rp->session = epoch;
+        rp->lsn = 0;
+        rp->el = el;
+        rp->role = BEX_PS_ROLE_PRIMARY;
+        pthread_mutex_unlock(&s->mu);
+    }
+    /* an earlier term's forwards complete -ECANCELED: their Pushes are
+     * refused (fenced_failed: not of this term) */
+    for (size_t i = 0; i < n_old; i++)
+        if (old[i].ch)
+            bex_rpc_channel_destroy(old[i].ch);
+    free(old);
+    return rc;
+}
+
+void bex__ps_repl_follow(bex_ps_shard *s, uint64_t epoch)
+{
+    struct repl *rp = &s->rp;
+    struct fwdh *done = NULL;
+    uint32_t b[BEX_PS_REPLICAS_MAX];
+    pthread_mutex_lock(&s->mu);
+    bool led = rp->role == BEX_PS_ROLE_PRIMARY;
+    rp->role = BEX_PS_ROLE_BACKUP;
+    rp->el = NULL;
+    if (epoch > rp->epoch || led) {
+        if (epoch > rp->epoch)
+            rp->epoch = epoch;
+        rp->synced = false;
+        if (rp->win)
+            drop_held_locked(rp, &done, -ESTALE);
+    }
+    pthread_mutex_unlock(&s->mu);
+    answer_all(done);
+    /* Pushes waiting for a removal are refused: this replica leads no more */
+    size_t n = bex__ps_repl_removals(s, b, BEX_PS_REPLICAS_MAX);
+    for (size_t i = 0; i < n; i++)
+        bex__ps_repl_removed(s, b[i], -ESTALE);
+}
+
+int bex__ps_repl_pause(bex_ps_shard *s, uint32_t wait_ms)
+{
+    uint64_t end = bex__rpc_now_ns() + (uint64_t)wait_ms * 1000000ull;
+    pthread_mutex_lock(&s->mu);
+    s->rp.paused = true;
+    while (s->rp.inflight && bex__rpc_now_ns() < end) {
+        pthread_mutex_unlock(&s->mu);
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&s->mu);
+    }
+    int rc = s->rp.inflight ? -ETIMEDOUT : 0;
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+void bex__ps_repl_resume(bex_ps_shard *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->rp.paused = false;
+    pthread_mutex_unlock(&s->mu);
+}
+
+int bex__ps_repl_probe(bex_ps_shard *s, uint32_t b)
+{
+    struct repl *rp = &s->rp;
+    size_t len = BEX__PS_FWD_HDR_LEN + BEX__PS_HDR_LEN;
+    pthread_mutex_lock(&s->mu);
+    struct bex__ps_fwd_hdr fh = {
+        .session = rp->session, .lsn = rp->lsn, .flags = BEX__PS_FWD_PROBE};
+    bex_rpc_channel *ch = b < rp->n_bk ? rp->bk[b].ch : NULL;
+    pthread_mutex_unlock(&s->mu);
+    uint8_t *body = ch ? bex_rpc_alloc(rp->ctx, len) : NULL;
+    if (!body)
+        return ch ? -ENOMEM : -EINVAL;
+    bex__ps_fwd_put(body, &fh);
+    const bex_ps_table_config *t = &s->tables[0].cfg;
+    bex__ps_hdr_put(body + BEX__PS_FWD_HDR_LEN,
+                    &(struct bex__ps_hdr){.table = t->id, .n = 0, .dim = t->dim});
+    bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
+    void *resp = NULL;
+    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, body, len, &o, &resp, NULL);
+    bex_rpc_free(resp);
     return rc;
 }

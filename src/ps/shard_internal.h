@@ -115,7 +115,11 @@ struct backup {
     bool down;           /* a forward failed: no Push acknowledged from then on */
     bool probing;        /* down: a probe is out */
     uint64_t probe_ns;   /* down: no probe before then */
+    bool out;            /* etcd mode: removed from the replica set, not forwarded to */
 };
+
+struct fcall;
+struct bex__elect;
 
 /* Primary-backup replication (repl.c), under the shard's lock. */
 struct repl {
@@ -136,6 +140,21 @@ struct repl {
     /* catch-up: the position of the last copy loaded (its maker's
      * session and lsn; 0: none), taken by a backup with the copy */
     uint64_t cut_session, cut_lsn;
+    /* etcd mode (failover.c, docs/architecture.md "Replication"): the
+     * session is the epoch (term) from etcd. Primary: acknowledges only
+     * before el's deadline; a forward failed at a backup of the set waits
+     * on rm until the agent removed that backup from the set in etcd.
+     * Backup: refuses forwards of an epoch below epoch, and of epoch until
+     * it copied from its primary (synced). */
+    bool fenced, synced;
+    bool paused;       /* primary: a backup rejoining, client Pushes -EAGAIN */
+    uint32_t inflight; /* primary: Pushes numbered, not answered yet */
+    uint64_t epoch;
+    struct bex__elect *el;
+    struct fcall *rm;
+    struct backup *old_bk; /* an earlier term's backups (freed at fini) */
+    void (*kick)(void *arg);
+    void *kick_arg;
 };
 
 /* A handler's answer will be sent later (bex_rpc_reply), not now. */
@@ -164,6 +183,7 @@ struct bex_ps_shard {
     uint64_t horizon_ns, new_tat;
     bool catching;     /* BEX_PS_SHARD_CATCHUP until bex_ps_shard_catchup ends */
     bool catchup_busy; /* bex_ps_shard_catchup called (once) */
+    bool resync;       /* a copy from a new primary: taken even if behind ours */
     struct held *held, **held_tail;
     uint64_t held_bytes, held_max;
     struct copy cp;
@@ -198,6 +218,30 @@ void bex__ps_repl_take_cut(bex_ps_shard *s);
 int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const void *body, size_t len,
                          bex_rpc_req *req);
 int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rpc_req *req);
+/* etcd mode (failover.c): lead with epoch (lease el) and backups[0..n);
+ * follow (a backup of a primary of epoch, not synced yet); the backups
+ * the removals wait for (their indexes into out, at most cap), and the
+ * outcome of removing backup b (0: removed, the forwards waiting go on
+ * without it; else they fail). */
+int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
+                      const bex_rpc_endpoint *backups, size_t n);
+void bex__ps_repl_follow(bex_ps_shard *s, uint64_t epoch);
+size_t bex__ps_repl_removals(bex_ps_shard *s, uint32_t *out, size_t cap);
+void bex__ps_repl_removed(bex_ps_shard *s, uint32_t b, int status);
+/* Primary, etcd mode, not under the lock: pause client Pushes and wait
+ * (at most wait_ms) until none is in flight (0, else -ETIMEDOUT); probe
+ * backup b at the last lsn (its answer: 0 when in step); resume. */
+int bex__ps_repl_pause(bex_ps_shard *s, uint32_t wait_ms);
+int bex__ps_repl_probe(bex_ps_shard *s, uint32_t b);
+void bex__ps_repl_resume(bex_ps_shard *s);
+int bex__ps_resync(bex_ps_shard *s, bex_ctx *ctx, const bex_rpc_endpoint *primary,
+                   uint32_t timeout_ms);
+/* failover_repl.c (under s->mu): the primary's lease held now; a client's
+ * Push admitted (0, -EPERM, -ESTALE); a forward of epoch taken (0) or
+ * refused (-ESTALE: stale; -EAGAIN: not synced to it yet). */
+bool bex__ps_lease_held(const struct repl *rp);
+int bex__ps_fenced_admit(bex_ps_shard *s, const struct bex__ps_hdr *h);
+int bex__ps_fenced_forward(bex_ps_shard *s, uint64_t epoch);
 
 int bex__ps_table_reserve(struct table *t, uint32_t extra);
 float *bex__ps_row_get(struct table *t, uint64_t key);

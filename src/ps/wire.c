@@ -18,10 +18,10 @@ static int hdr_get(const void *body, size_t len, struct bex__ps_hdr *h)
     const uint8_t *p = body;
     if (!body || len < BEX__PS_HDR_LEN)
         return -EINVAL;
-    if (p[0] != BEX__PS_VERSION || p[1] || (p[2] & ~BEX__PS_F_ID) || p[3])
+    if (p[0] != BEX__PS_VERSION || p[1] || (p[2] & ~(BEX__PS_F_ID | BEX__PS_F_EPOCH)) || p[3])
         return -EINVAL;
     h->flags = p[2];
-    h->id_client = h->id_seq = h->id_tok[0] = h->id_tok[1] = 0;
+    h->id_client = h->id_seq = h->id_tok[0] = h->id_tok[1] = h->epoch = 0;
     h->table = bex__ps_get32(p + 4);
     h->n = bex__ps_get32(p + 8);
     h->dim = bex__ps_get32(p + 12);
@@ -49,6 +49,14 @@ int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps
         h->id_tok[0] = bex__ps_get64(p + 16);
         h->id_tok[1] = bex__ps_get64(p + 24);
         want += BEX__PS_ID_LEN;
+    }
+    if (h->flags & BEX__PS_F_EPOCH) {
+        /* only after an id */
+        if (!(h->flags & BEX__PS_F_ID) || len < want - bex__ps_req_len(method, h->n, h->dim) +
+                                                    BEX__PS_HDR_LEN + BEX__PS_EPOCH_LEN)
+            return -EINVAL;
+        h->epoch = bex__ps_get64((const uint8_t *)body + BEX__PS_HDR_LEN + BEX__PS_ID_LEN);
+        want += BEX__PS_EPOCH_LEN;
     }
     size_t answer = BEX__PS_HDR_LEN + 4 * (size_t)h->n * h->dim; /* a Fetch's rows */
     if (want > BEX_PS_BODY_MAX || (method == BEX_PS_M_FETCH && answer > BEX_PS_BODY_MAX))

@@ -1,0 +1,395 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* A shard's failover agent in etcd mode (include/bex/ps.h,
+ * bex_ps_failover_start; docs/architecture.md, "Replication"): one thread
+ * per shard that holds a lease, campaigns while no replica is primary,
+ * leads (removing from the replica set the backups the shard reports) or
+ * follows (re-syncing from each new primary). */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bex/ps.h"
+#include "common/log.h"
+#include "ps/shard_internal.h"
+#include "rpc/elect.h"
+
+#define SET_MAX 1024 /* the set key's text */
+
+enum { SAID_ETCD = 1, SAID_OUT = 2, SAID_FRESH = 4 };
+
+struct bex_ps_failover {
+    bex_ps_shard *s;
+    bex_ctx *ctx;
+    char *url, key[256], set_key[256];
+    bex_rpc_endpoint reps[BEX_PS_REPLICAS_MAX];
+    char names[BEX_PS_REPLICAS_MAX][32];
+    size_t n;
+    uint32_t self, ttl_ms, margin_ms, resync_ms;
+    bex__elect *el;
+    bool fit; /* holds every acknowledged Push: synced once, or led */
+    uint32_t said;
+    pthread_t thr;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stop, kicked, hold;
+};
+
+static void kick(void *arg)
+{
+    struct bex_ps_failover *f = arg;
+    pthread_mutex_lock(&f->mu);
+    f->kicked = true;
+    pthread_cond_signal(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Whether name is one of the comma-separated set. */
+static bool in_set(const char *set, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = set; p && *p;) {
+        const char *e = strchr(p, ',');
+        size_t l = e ? (size_t)(e - p) : strlen(p);
+        if (l == n && !memcmp(p, name, n))
+            return true;
+        p = e ? e + 1 : NULL;
+    }
+    return false;
+}
+
+/* The set text of the replicas in set (all when set is NULL) but skip. */
+static void set_text(const struct bex_ps_failover *f, const char *set, int skip, char *out,
+                     size_t cap)
+{
+    size_t o = 0;
+    out[0] = 0;
+    for (size_t i = 0; i < f->n; i++)
+        if ((int)i != skip && (!set || in_set(set, f->names[i])) && o < cap)
+            o += (size_t)snprintf(out + o, cap - o, "%s%s", o ? "," : "", f->names[i]);
+}
+
+static int index_of(const struct bex_ps_failover *f, const char *name)
+{
+    for (size_t i = 0; i < f->n; i++)
+        if (!strcmp(f->names[i], name))
+            return (int)i;
+    return -1;
+}
+
+/* Backup b's name ("a.b.c.d:port"). */
+static void bk_name(const bex_ps_shard *s, uint32_t b, char *name, size_t cap)
+{
+    char ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &s->rp.bk[b].addr.sin_addr, ip, sizeof ip);
+    snprintf(name, cap, "%s:%u", ip, ntohs(s->rp.bk[b].addr.sin_port));
+}
+
+/* Won epoch: the set (written at the first term), then lead its other
+ * members. */
+static void lead(struct bex_ps_failover *f, uint64_t epoch, const char *set, bool set_absent)
+{
+    char text[SET_MAX];
+    bex_rpc_endpoint bk[BEX_PS_REPLICAS_MAX];
+    size_t nb = 0;
+    set_text(f, set_absent ? NULL : set, -1, text, sizeof text);
+    if (set_absent && bex__elect_put_if(f->url, f->set_key, text, f->key, epoch))
+        return; /* the term ended already: the next round sees it */
+    for (size_t i = 0; i < f->n; i++)
+        if (i != f->self && in_set(text, f->names[i]))
+            bk[nb++] = f->reps[i];
+    int rc = bex__ps_repl_lead(f->s, epoch, f->el, bk, nb);
+    f->fit = rc == 0;
+    bex__log(&f->s->log, rc ? BEX_LOG_ERROR : BEX_LOG_INFO,
+             "ps shard %u: primary for epoch %llu with %zu backups (%s)%s%s", f->s->shard,
+             (unsigned long long)epoch, nb, text, rc ? ": " : "", rc ? bex_strerror(rc) : "");
+}
+
+/* As primary of epoch: remove the backups the shard waits for. */
+static void removals(struct bex_ps_failover *f, uint64_t epoch, const char *set)
+{
+    uint32_t b[BEX_PS_REPLICAS_MAX];
+    size_t n = bex__ps_repl_removals(f->s, b, BEX_PS_REPLICAS_MAX);
+    char cur[SET_MAX], text[SET_MAX];
+    snprintf(cur, sizeof cur, "%s", set);
+    for (size_t i = 0; i < n; i++) {
+        char name[32];
+        bk_name(f->s, b[i], name, sizeof name);
+        set_text(f, cur, index_of(f, name), text, sizeof text);
+        int rc = bex__elect_put_if(f->url, f->set_key, text, f->key, epoch);
+        if (rc == 0)
+            snprintf(cur, sizeof cur, "%s", text);
+        bex__log(&f->s->log, rc ? BEX_LOG_ERROR : BEX_LOG_WARN,
+                 "ps shard %u: backup %s %s the replica set (epoch %llu)%s%s", f->s->shard, name,
+                 rc ? "could not be removed from" : "removed from", (unsigned long long)epoch,
+                 rc ? ": " : "", rc ? bex_strerror(rc) : "");
+        bex__ps_repl_removed(f->s, b[i], rc);
+    }
+}
+
+/* Backup b (out of the set) back in: client Pushes paused (none in
+ * flight), b probed until it copied and is in step (resync_ms at most),
+ * then put back in the set (guarded by epoch). Returns 0 when back. */
+static int rejoin(struct bex_ps_failover *f, uint64_t epoch, const char *set, uint32_t b)
+{
+    bex_ps_shard *s = f->s;
+    char name[32], text[SET_MAX + 40];
+    bk_name(s, b, name, sizeof name);
+    int rc = bex__ps_repl_probe(s, b); /* a live one starts its copy on this */
+    if (rc && rc != -ESTALE && rc != -EAGAIN)
+        return rc; /* not there */
+    if (!(rc = bex__ps_repl_pause(s, f->resync_ms))) {
+        uint64_t end = bex__rpc_now_ns() + (uint64_t)f->resync_ms * 1000000ull;
+        while ((rc = bex__ps_repl_probe(s, b)) && (rc == -ESTALE || rc == -EAGAIN) &&
+               bex__rpc_now_ns() < end) {
+            struct timespec ts = {0, 10000000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    if (rc == 0) {
+        snprintf(text, sizeof text, "%s%s%s", set, *set ? "," : "", name);
+        rc = bex__elect_put_if(f->url, f->set_key, text, f->key, epoch);
+    }
+    if (rc == 0) {
+        pthread_mutex_lock(&s->mu);
+        s->rp.bk[b].out = false;
+        s->st.rejoins++;
+        pthread_mutex_unlock(&s->mu);
+    }
+    bex__ps_repl_resume(s);
+    bex__log(&s->log, rc ? BEX_LOG_WARN : BEX_LOG_INFO,
+             "ps shard %u: backup %s %s the replica set (epoch %llu)%s%s", s->shard, name,
+             rc ? "could not rejoin" : "caught up and rejoined", (unsigned long long)epoch,
+             rc ? ": " : "", rc ? bex_strerror(rc) : "");
+    return rc;
+}
+
+/* As primary: try the backups out of the set, one a step, each at most
+ * every second. */
+static void rejoins(struct bex_ps_failover *f, uint64_t epoch)
+{
+    bex_ps_shard *s = f->s;
+    uint64_t now = bex__rpc_now_ns();
+    char set[SET_MAX];
+    uint64_t cr, mr;
+    for (uint32_t b = 0; b < s->rp.n_bk; b++) {
+        pthread_mutex_lock(&s->mu);
+        bool due = s->rp.bk[b].out && now >= s->rp.bk[b].probe_ns;
+        if (due)
+            s->rp.bk[b].probe_ns = now + 1000000000ull;
+        pthread_mutex_unlock(&s->mu);
+        if (due && !bex__elect_get(f->url, f->set_key, &cr, &mr, set, sizeof set)) {
+            rejoin(f, epoch, set, b);
+            return;
+        }
+    }
+}
+
+/* etcd's keys now: 0, or the failure (logged once until etcd answers). */
+static int read_keys(struct bex_ps_failover *f, uint64_t *epoch, char *holder, size_t hcap,
+                     uint64_t *set_rev, char *set, size_t scap)
+{
+    uint64_t mr, scr;
+    int rc = bex__elect_get(f->url, f->key, epoch, &mr, holder, hcap);
+    if (!rc)
+        rc = bex__elect_get(f->url, f->set_key, &scr, set_rev, set, scap);
+    if (rc && bex__log_first(&f->said, SAID_ETCD))
+        bex__log(&f->s->log, BEX_LOG_WARN, "ps shard %u: waiting for etcd at %s (%s)",
+                 f->s->shard, f->url, bex_strerror(rc));
+    if (!rc)
+        f->said &= ~(uint32_t)SAID_ETCD;
+    return rc;
+}
+
+/* No primary: campaign if this replica may (in the set, holding every
+ * acknowledged Push). */
+static void campaign(struct bex_ps_failover *f, uint64_t set_rev, const char *set)
+{
+    const char *me = f->names[f->self];
+    if (set_rev && !in_set(set, me)) {
+        if (bex__log_first(&f->said, SAID_OUT))
+            bex__log(&f->s->log, BEX_LOG_INFO,
+                     "ps shard %u: waiting for a primary (%s is not in the replica set %s)",
+                     f->s->shard, me, set);
+        return;
+    }
+    if (set_rev && !f->fit) {
+        if (bex__log_first(&f->said, SAID_FRESH))
+            bex__log(&f->s->log, BEX_LOG_INFO,
+                     "ps shard %u: waiting for a primary (this replica has not copied from one "
+                     "yet: it may not campaign)",
+                     f->s->shard);
+        return;
+    }
+    uint64_t epoch = 0;
+    char holder[64];
+    if (bex__elect_campaign(f->el, f->key, me, f->set_key, set_rev, &epoch, holder,
+                            sizeof holder) == 1)
+        lead(f, epoch, set, set_rev == 0);
+}
+
+/* Another leads epoch from holder: follow it, copying from it first. */
+static void follow(struct bex_ps_failover *f, uint64_t epoch, const char *holder)
+{
+    bex_ps_shard *s = f->s;
+    int i = index_of(f, holder);
+    if (i < 0 || (uint32_t)i == f->self)
+        return; /* an earlier life's key: it expires */
+    bex__ps_repl_follow(s, epoch);
+    pthread_mutex_lock(&s->mu);
+    bool synced = s->rp.synced;
+    pthread_mutex_unlock(&s->mu);
+    if (synced)
+        return;
+    int rc = bex__ps_resync(s, f->ctx, &f->reps[i], f->resync_ms);
+    if (rc == 0)
+        f->fit = true;
+    bex__log(&s->log, rc ? BEX_LOG_WARN : BEX_LOG_INFO,
+             "ps shard %u: backup of %s (epoch %llu): %s%s", s->shard, holder,
+             (unsigned long long)epoch, rc ? "copy failed, trying again: " : "copied, in step",
+             rc ? bex_strerror(rc) : "");
+}
+
+static void step(struct bex_ps_failover *f)
+{
+    bex_ps_shard *s = f->s;
+    if (f->el && !bex__elect_until_ns(f->el)) {
+        bex__ps_repl_follow(s, 0); /* the shard lets go of the lease first */
+        bex__elect_destroy(f->el, false); /* expired: a new lease */
+        f->el = NULL;
+    }
+    char err[256] = "";
+    if (!f->el && bex__elect_create(f->url, f->ttl_ms, f->margin_ms, &f->el, err, sizeof err)) {
+        if (bex__log_first(&f->said, SAID_ETCD))
+            bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: waiting for etcd at %s (%s)", s->shard,
+                     f->url, err);
+        return;
+    }
+    uint64_t epoch, set_rev;
+    char holder[64], set[SET_MAX];
+    if (read_keys(f, &epoch, holder, sizeof holder, &set_rev, set, sizeof set))
+        return;
+    pthread_mutex_lock(&s->mu);
+    bool primary = s->rp.role == BEX_PS_ROLE_PRIMARY;
+    uint64_t mine = s->rp.epoch;
+    pthread_mutex_unlock(&s->mu);
+    if (primary && epoch == mine) {
+        removals(f, epoch, set);
+        rejoins(f, epoch);
+    } else if (primary) {
+        bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: epoch %llu ended: a backup now",
+                 s->shard, (unsigned long long)mine);
+        bex__ps_repl_follow(s, epoch);
+    } else if (!epoch) {
+        campaign(f, set_rev, set);
+    } else {
+        follow(f, epoch, holder);
+    }
+}
+
+static void *agent_main(void *arg)
+{
+    struct bex_ps_failover *f = arg;
+    pthread_mutex_lock(&f->mu);
+    while (!f->stop) {
+        if (!f->kicked) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)f->ttl_ms * 1000000ull / 4;
+            ts.tv_sec += (time_t)(ns / 1000000000ull);
+            ts.tv_nsec = (long)(ns % 1000000000ull);
+            pthread_cond_timedwait(&f->cv, &f->mu, &ts);
+        }
+        f->kicked = false;
+        if (f->stop)
+            break;
+        if (f->hold)
+            continue;
+        pthread_mutex_unlock(&f->mu);
+        step(f);
+        pthread_mutex_lock(&f->mu);
+    }
+    pthread_mutex_unlock(&f->mu);
+    return NULL;
+}
+
+int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_config *cfg,
+                          bex_ps_failover **out)
+{
+    if (!s || !ctx || !cfg || !out || !cfg->etcd_url || !cfg->replicas || !cfg->n_replicas ||
+        cfg->n_replicas > BEX_PS_REPLICAS_MAX || cfg->self >= cfg->n_replicas ||
+        s->rp.role != BEX_PS_ROLE_BACKUP || s->rp.n_bk || !s->rp.ctx)
+        return -EINVAL;
+    struct bex_ps_failover *f = calloc(1, sizeof *f);
+    if (!f || !(f->url = strdup(cfg->etcd_url))) {
+        free(f);
+        return -ENOMEM;
+    }
+    *f = (struct bex_ps_failover){.s = s, .ctx = ctx, .url = f->url, .n = cfg->n_replicas,
+                                  .self = cfg->self};
+    f->ttl_ms = cfg->lease_ttl_ms ? cfg->lease_ttl_ms : 2000;
+    f->margin_ms = cfg->lease_margin_ms ? cfg->lease_margin_ms : 500;
+    f->resync_ms = cfg->resync_timeout_ms ? cfg->resync_timeout_ms : 10000;
+    const char *pre = cfg->prefix ? cfg->prefix : "/bex/", *svc = cfg->service ? cfg->service : "ps";
+    snprintf(f->key, sizeof f->key, "%sps/%s/%u/primary", pre, svc, cfg->shard);
+    snprintf(f->set_key, sizeof f->set_key, "%sps/%s/%u/set", pre, svc, cfg->shard);
+    for (size_t i = 0; i < f->n; i++) {
+        char ip[INET_ADDRSTRLEN];
+        f->reps[i] = cfg->replicas[i];
+        inet_ntop(AF_INET, &f->reps[i].addr.sin_addr, ip, sizeof ip);
+        snprintf(f->names[i], sizeof f->names[i], "%s:%u", ip, ntohs(f->reps[i].addr.sin_port));
+    }
+    pthread_mutex_init(&f->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&f->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_lock(&s->mu);
+    s->rp.fenced = true;
+    s->rp.kick = kick;
+    s->rp.kick_arg = f;
+    pthread_mutex_unlock(&s->mu);
+    f->kicked = true; /* a first step at once */
+    int rc = -pthread_create(&f->thr, NULL, agent_main, f);
+    if (rc) {
+        bex_ps_failover_stop(f, false);
+        return rc;
+    }
+    *out = f;
+    return 0;
+}
+
+void bex_ps_failover_stop(bex_ps_failover *f, bool revoke)
+{
+    if (!f)
+        return;
+    pthread_mutex_lock(&f->mu);
+    bool started = !f->stop;
+    f->stop = true;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+    if (started && f->thr)
+        pthread_join(f->thr, NULL);
+    bex__ps_repl_follow(f->s, 0); /* no more acknowledgements */
+    pthread_mutex_lock(&f->s->mu);
+    f->s->rp.kick = NULL;
+    pthread_mutex_unlock(&f->s->mu);
+    bex__elect_destroy(f->el, revoke);
+    pthread_cond_destroy(&f->cv);
+    pthread_mutex_destroy(&f->mu);
+    free(f->url);
+    free(f);
+}
+
+void bex_ps_failover_hold(bex_ps_failover *f, bool hold)
+{
+    pthread_mutex_lock(&f->mu);
+    f->hold = hold;
+    pthread_mutex_unlock(&f->mu);
+    if (f->el)
+        bex__elect_hold(f->el, hold);
+}

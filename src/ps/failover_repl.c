@@ -1,0 +1,72 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Primary-backup replication in etcd mode: the shard's checks of epochs
+ * and of the primary's lease (docs/architecture.md, "Replication", etcd
+ * mode), and a backup's re-sync from a new primary. Under the shard's
+ * lock unless said. */
+#include <errno.h>
+
+#include "bex/ps.h"
+#include "common/log.h"
+#include "ps/shard_internal.h"
+#include "rpc/elect.h"
+
+bool bex__ps_lease_held(const struct repl *rp)
+{
+    return rp->el && bex__rpc_now_ns() < bex__elect_until_ns(rp->el);
+}
+
+int bex__ps_fenced_admit(bex_ps_shard *s, const struct bex__ps_hdr *h)
+{
+    struct repl *rp = &s->rp;
+    if (rp->role != BEX_PS_ROLE_PRIMARY)
+        return -EPERM;
+    if (!bex__ps_lease_held(rp) || ((h->flags & BEX__PS_F_EPOCH) && h->epoch != rp->epoch)) {
+        s->st.not_primary++;
+        return -ESTALE; /* not surely primary now, or the client saw another term */
+    }
+    return 0;
+}
+
+int bex__ps_fenced_forward(bex_ps_shard *s, uint64_t epoch)
+{
+    struct repl *rp = &s->rp;
+    if (epoch < rp->epoch)
+        return -ESTALE; /* a deposed primary's */
+    if (epoch > rp->epoch) {
+        /* a new term: copy from its primary first (the agent) */
+        rp->epoch = epoch;
+        rp->synced = false;
+        if (rp->kick)
+            rp->kick(rp->kick_arg);
+    }
+    return rp->synced ? 0 : -EAGAIN;
+}
+
+/* Not under the lock. */
+int bex__ps_resync(bex_ps_shard *s, bex_ctx *ctx, const bex_rpc_endpoint *primary,
+                   uint32_t timeout_ms)
+{
+    pthread_mutex_lock(&s->mu);
+    uint64_t epoch = s->rp.epoch;
+    bool go = !s->catching && s->rp.role == BEX_PS_ROLE_BACKUP;
+    if (go) {
+        s->catching = true;
+        s->catchup_busy = false;
+        s->resync = true;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!go)
+        return -EBUSY;
+    bex_ps_catchup_config cc = BEX_PS_CATCHUP_CONFIG_INIT;
+    cc.peers = primary;
+    cc.n_peers = 1;
+    cc.timeout_ms = timeout_ms;
+    int rc = bex_ps_shard_catchup(s, ctx, &cc);
+    pthread_mutex_lock(&s->mu);
+    s->resync = false;
+    bool ok = rc == 0 && s->rp.in_session == epoch && s->rp.epoch == epoch;
+    if (ok)
+        s->rp.synced = true;
+    pthread_mutex_unlock(&s->mu);
+    return rc ? rc : ok ? 0 : -ESTALE;
+}

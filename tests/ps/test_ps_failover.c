@@ -1,0 +1,377 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Primary-backup with failover through etcd (issue 29, items 2 and 4;
+ * include/bex/ps.h, bex_ps_failover_start): one shard, three replicas in
+ * this process, each on its own context, server and failover agent, and a
+ * local etcd (started by the case; without etcd the case fails). Lease
+ * TTL 2 s (etcd's least), margin 500 ms. Pushes are raw Push bodies of one
+ * SGD row, grads all 1, each with its id, sent to the replicas in turn
+ * until one acknowledges it (as a client that re-reads the primary and
+ * retries with the same id), so none stays in doubt.
+ *
+ * kill9: the primary "dies" (its agent stops without revoking: its lease
+ *   expires; its server goes): a backup is primary within TTL + margin +
+ *   slack, every Push acknowledged, each row exactly the initial value
+ *   less lr times its acknowledged Pushes (none lost, none twice), and
+ *   the two survivors equal bit for bit; the new epoch is above the old.
+ * sigstop: the primary's agent and keep-alives held (a stopped process)
+ *   past its lease: it acknowledges nothing from its lease's deadline on
+ *   (a Push sent to it is refused -ESTALE), a backup takes over, and when
+ *   the old primary resumes it follows the new one (copies from it): all
+ *   three equal, rows exact. */
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ps/shard_internal.h"
+#include "ps_test.h"
+#include "rpc/elect.h"
+
+#define NREP 3
+#define NKEY 8
+#define TTL  2000u
+
+static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
+static pid_t etcd_pid;
+static char datadir[64], url[64];
+
+static void rm_rf(const char *path)
+{
+    DIR *dir = opendir(path);
+    if (!dir) {
+        unlink(path);
+        return;
+    }
+    struct dirent *e;
+    while ((e = readdir(dir)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            char p[512];
+            snprintf(p, sizeof p, "%s/%s", path, e->d_name);
+            rm_rf(p);
+        }
+    closedir(dir);
+    rmdir(path);
+}
+
+static pid_t main_pid;
+static void cleanup(void)
+{
+    if (getpid() != main_pid)
+        return;
+    if (etcd_pid > 0) {
+        kill(etcd_pid, SIGKILL);
+        waitpid(etcd_pid, NULL, 0);
+    }
+    if (datadir[0])
+        rm_rf(datadir);
+}
+
+/* etcd (PATH or BEX_ETCD) on free ports, data in a temporary directory. */
+static void start_etcd(void)
+{
+    main_pid = getpid();
+    atexit(cleanup);
+    uint16_t cp = free_port(), pp = free_port();
+    snprintf(datadir, sizeof datadir, "/tmp/bex-etcd-XXXXXX");
+    CHECK(mkdtemp(datadir));
+    snprintf(url, sizeof url, "http://127.0.0.1:%u", cp);
+    const char *bin = getenv("BEX_ETCD") ? getenv("BEX_ETCD") : "etcd";
+    char purl[64], cluster[96], logp[128], dd[96];
+    snprintf(purl, sizeof purl, "http://127.0.0.1:%u", pp);
+    snprintf(cluster, sizeof cluster, "t=%s", purl);
+    snprintf(logp, sizeof logp, "%s/log", datadir);
+    snprintf(dd, sizeof dd, "%s/data", datadir);
+    fflush(NULL);
+    etcd_pid = fork();
+    CHECK(etcd_pid >= 0);
+    if (etcd_pid == 0) {
+        FILE *lf = freopen(logp, "a", stdout);
+        (void)lf;
+        dup2(STDOUT_FILENO, STDERR_FILENO);
+        execlp(bin, bin, "--name", "t", "--data-dir", dd, "--listen-client-urls", url,
+               "--advertise-client-urls", url, "--listen-peer-urls", purl,
+               "--initial-advertise-peer-urls", purl, "--initial-cluster", cluster, "--log-level",
+               "warn", (char *)NULL);
+        _exit(127);
+    }
+}
+
+struct fo {
+    bex_ctx *ctx[NREP], *cctx;
+    bex_ps_shard *s[NREP];
+    bex_rpc_server *srv[NREP];
+    bex_ps_failover *f[NREP];
+    bex_rpc_endpoint ep[NREP];
+    bex_rpc_channel *ch[NREP];
+    uint32_t acked[NKEY];
+    uint64_t seq;
+};
+
+static void fo_start(struct fo *p)
+{
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    *p = (struct fo){0};
+    p->cctx = client_ctx();
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_BACKUP,
+                              .forward_timeout_ms = 1000 * time_scale()};
+    for (int r = 0; r < NREP; r++) {
+        bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+        bex_ctx_config sc = scaled(&base, a0);
+        CHECK_OK(bex_ctx_create(&sc, &p->ctx[r]));
+        CHECK_OK(bex_ps_shard_create(&pc, &p->s[r]));
+        CHECK_OK(bex_rpc_server_create(p->ctx[r], NULL, &p->srv[r]));
+        CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], p->ctx[r]));
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = a0};
+        CHECK_OK(bex_rpc_server_listen(p->srv[r], &a));
+        bex_rpc_server_addr(p->srv[r], &p->ep[r].addr);
+        bex_rpc_channel_config cc = {.endpoints = &p->ep[r],
+                                     .n_endpoints = 1,
+                                     .name = "raw",
+                                     .request_timeout_ms = 1000 * time_scale(),
+                                     .connect_timeout_ms = 500 * time_scale(),
+                                     .max_attempts = 1};
+        CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &p->ch[r]));
+    }
+    for (int r = 0; r < NREP; r++) {
+        bex_ps_failover_config fc = {.etcd_url = url,
+                                     .replicas = p->ep,
+                                     .n_replicas = NREP,
+                                     .self = (uint32_t)r,
+                                     .lease_ttl_ms = TTL,
+                                     .lease_margin_ms = 500};
+        CHECK_OK(bex_ps_failover_start(p->s[r], p->ctx[r], &fc, &p->f[r]));
+    }
+}
+
+/* Replica r "dies": its agent stops (the lease is left to expire), its
+ * server goes. */
+static void fo_kill(struct fo *p, int r)
+{
+    bex_ps_failover_stop(p->f[r], false);
+    p->f[r] = NULL;
+    CHECK_OK(bex_rpc_server_destroy(p->srv[r]));
+    p->srv[r] = NULL;
+}
+
+static void fo_stop(struct fo *p)
+{
+    for (int r = 0; r < NREP; r++)
+        bex_ps_failover_stop(p->f[r], true);
+    for (int r = 0; r < NREP; r++)
+        if (p->srv[r])
+            CHECK_OK(bex_rpc_server_destroy(p->srv[r]));
+    for (int r = 0; r < NREP; r++) {
+        bex_rpc_channel_destroy(p->ch[r]);
+        bex_ps_shard_destroy(p->s[r]);
+        CHECK_OK(bex_ctx_destroy(p->ctx[r]));
+    }
+    CHECK_OK(bex_ctx_destroy(p->cctx));
+}
+
+static bex_ps_shard_stats stats(bex_ps_shard *s)
+{
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(s, &st);
+    return st;
+}
+
+/* The primary now (the replica whose role says so), or -1. */
+static int primary_of(struct fo *p, int not)
+{
+    for (int r = 0; r < NREP; r++)
+        if (r != not && p->srv[r] && stats(p->s[r]).role == BEX_PS_ROLE_PRIMARY)
+            return r;
+    return -1;
+}
+
+static int wait_primary(struct fo *p, int not, unsigned ms)
+{
+    for (uint64_t end = bex_test_now_ms() + ms * time_scale(); bex_test_now_ms() < end;
+         bex_test_sleep_ms(20)) {
+        int r = primary_of(p, not);
+        if (r >= 0)
+            return r;
+    }
+    return -1;
+}
+
+static int call_raw(bex_rpc_channel *ch, bex_ctx *ctx, const void *body, size_t len)
+{
+    void *b = bex_rpc_alloc(ctx, len);
+    CHECK(b);
+    memcpy(b, body, len);
+    void *resp = NULL;
+    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, len, NULL, &resp, NULL);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+static size_t push_body(uint8_t *b, uint64_t key, uint64_t seq)
+{
+    struct bex__ps_hdr h = {.table = TS->id,
+                            .n = 1,
+                            .dim = TS->dim,
+                            .flags = BEX__PS_F_ID,
+                            .id_client = 99,
+                            .id_seq = seq,
+                            .id_tok = {0x3333, 0x4444}};
+    bex__ps_hdr_put(b, &h);
+    uint8_t *q = b + bex__ps_keys_off(&h);
+    bex__ps_put64(q, key);
+    for (uint32_t d = 0; d < TS->dim; d++)
+        bex__ps_putf(q + 8 + 4 * d, 1.0f);
+    return bex__ps_keys_off(&h) + 8 + 4 * TS->dim;
+}
+
+/* One Push (a new id), retried with its id at each live replica in turn
+ * until acknowledged (20 s at most). */
+static void push_one(struct fo *p)
+{
+    uint64_t seq = ++p->seq, key = 1000 + seq % NKEY;
+    uint8_t b[256];
+    size_t len = push_body(b, key, seq);
+    int rc = -1;
+    static int at;
+    for (uint64_t end = bex_test_now_ms() + 20000 * time_scale(); rc && bex_test_now_ms() < end;) {
+        for (int k = 0; k < NREP && rc; k++, at = (at + 1) % NREP)
+            if (p->srv[at])
+                rc = call_raw(p->ch[at], p->cctx, b, len);
+        if (rc)
+            bex_test_sleep_ms(50);
+    }
+    CHECK_OK(rc);
+    p->acked[seq % NKEY]++;
+}
+
+/* Every live replica's rows: each exactly init - lr x acked, all equal. */
+static void rows_check(struct fo *p)
+{
+    for (int k = 0; k < NKEY; k++) {
+        uint64_t key = 1000 + (uint64_t)k;
+        uint8_t body[BEX__PS_HDR_LEN + 8];
+        bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = TS->id, .n = 1, .dim = TS->dim});
+        bex__ps_put64(body + BEX__PS_HDR_LEN, key);
+        for (int r = 0; r < NREP; r++) {
+            if (!p->srv[r])
+                continue;
+            void *resp = NULL;
+            size_t len = 0;
+            CHECK_OK(bex_ps_shard_serve(p->s[r], p->ctx[r], BEX_PS_M_FETCH, body, sizeof body,
+                                        &resp, &len));
+            for (uint32_t d = 0; d < TS->dim; d++) {
+                float w = bex_ps_init_value(TS->id, key, d, TS->init_scale);
+                for (uint32_t i = 0; i < p->acked[k]; i++)
+                    w -= TS->lr * 1.0f;
+                float got = bex__ps_getf((const uint8_t *)resp + BEX__PS_HDR_LEN + 4 * d);
+                if (memcmp(&got, &w, 4))
+                    fprintf(stderr, "replica %d key %d col %u: %.9g, want %.9g (%u acked)\n", r,
+                            k, d, (double)got, (double)w, p->acked[k]);
+                CHECK(!memcmp(&got, &w, 4));
+            }
+            bex_rpc_free(resp);
+        }
+    }
+}
+
+/* Every live backup in step (copied from the primary now) and in the
+ * primary's replica set. */
+static void wait_synced(struct fo *p, int prim)
+{
+    for (int r = 0; r < NREP; r++) {
+        if (r == prim || !p->srv[r])
+            continue;
+        uint64_t end = bex_test_now_ms() + 10000 * time_scale();
+        for (;;) {
+            pthread_mutex_lock(&p->s[r]->mu);
+            bool ok = p->s[r]->rp.synced && p->s[r]->rp.epoch == p->s[prim]->rp.epoch;
+            pthread_mutex_unlock(&p->s[r]->mu);
+            pthread_mutex_lock(&p->s[prim]->mu);
+            for (size_t b = 0; b < p->s[prim]->rp.n_bk; b++)
+                if (p->s[prim]->rp.bk[b].addr.sin_port == p->ep[r].addr.sin_port)
+                    ok &= !p->s[prim]->rp.bk[b].out; /* back in the set */
+            pthread_mutex_unlock(&p->s[prim]->mu);
+            if (ok)
+                break;
+            CHECK(bex_test_now_ms() < end);
+            bex_test_sleep_ms(20);
+        }
+    }
+}
+
+static int t_kill9(void)
+{
+    start_etcd();
+    struct fo p;
+    fo_start(&p);
+    int prim = wait_primary(&p, -1, 15000); /* etcd starting, then the first election */
+    CHECK(prim >= 0);
+    wait_synced(&p, prim);
+    uint64_t e1 = p.s[prim]->rp.epoch;
+    for (int i = 0; i < 40; i++)
+        push_one(&p);
+    uint64_t t0 = bex_test_now_ms();
+    fo_kill(&p, prim);
+    push_one(&p); /* acknowledged by the new primary only */
+    uint64_t took = bex_test_now_ms() - t0;
+    int np = wait_primary(&p, prim, 1);
+    CHECK(np >= 0 && np != prim);
+    fprintf(stderr, "failover: %llu ms to the first Push acknowledged; epoch %llu -> %llu\n",
+            (unsigned long long)took, (unsigned long long)e1,
+            (unsigned long long)p.s[np]->rp.epoch);
+    CHECK(p.s[np]->rp.epoch > e1);
+    CHECK(took < (TTL + 500 + 4000) * time_scale()); /* TTL + margin + etcd's expiry check, slack */
+    for (int i = 0; i < 40; i++)
+        push_one(&p);
+    wait_synced(&p, np);
+    rows_check(&p);
+    fo_stop(&p);
+    return 0;
+}
+
+static int t_sigstop(void)
+{
+    start_etcd();
+    struct fo p;
+    fo_start(&p);
+    int prim = wait_primary(&p, -1, 15000);
+    CHECK(prim >= 0);
+    wait_synced(&p, prim);
+    for (int i = 0; i < 30; i++)
+        push_one(&p);
+    /* stopped: no keep-alive, no agent step; its lease runs out */
+    bex_ps_failover_hold(p.f[prim], true);
+    uint64_t until = bex__elect_until_ns(p.s[prim]->rp.el);
+    int np = wait_primary(&p, prim, 15000);
+    CHECK(np >= 0);
+    CHECK(bex__rpc_now_ns() >= until); /* the new term began after the old lease's deadline */
+    /* the old primary, still thinking itself primary, acknowledges nothing */
+    CHECK_EQ(stats(p.s[prim]).role, BEX_PS_ROLE_PRIMARY);
+    uint8_t b[256];
+    size_t len = push_body(b, 1000, ++p.seq);
+    CHECK_EQ(call_raw(p.ch[prim], p.cctx, b, len), -ESTALE);
+    p.seq--; /* not acknowledged: its id is used again below */
+    for (int i = 0; i < 30; i++)
+        push_one(&p);
+    /* woken: it follows the new primary and copies from it */
+    bex_ps_failover_hold(p.f[prim], false);
+    for (uint64_t end = bex_test_now_ms() + 10000 * time_scale();
+         stats(p.s[prim]).role != BEX_PS_ROLE_BACKUP;) {
+        CHECK(bex_test_now_ms() < end);
+        bex_test_sleep_ms(20);
+    }
+    wait_synced(&p, np);
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    rows_check(&p);
+    fo_stop(&p);
+    return 0;
+}
+
+BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop})
