@@ -197,8 +197,8 @@ static int read_keys(struct bex_ps_failover *f, uint64_t *epoch, char *holder, s
     if (!rc)
         rc = bex__elect_get(f->url, f->set_key, &scr, set_rev, set, scap);
     if (rc && bex__log_first(&f->said, SAID_ETCD))
-        bex__log(&f->s->log, BEX_LOG_WARN, "ps shard %u: waiting for etcd at %s (%s)",
-                 f->s->shard, f->url, bex_strerror(rc));
+        bex__log(&f->s->log, BEX_LOG_WARN, "ps shard %u: waiting for etcd at %s (%s)", f->s->shard,
+                 f->url, bex_strerror(rc));
     if (!rc)
         f->said &= ~(uint32_t)SAID_ETCD;
     return rc;
@@ -257,7 +257,7 @@ static void step(struct bex_ps_failover *f)
 {
     bex_ps_shard *s = f->s;
     if (f->el && !bex__elect_until_ns(f->el)) {
-        bex__ps_repl_follow(s, 0); /* the shard lets go of the lease first */
+        bex__ps_repl_follow(s, 0);        /* the shard lets go of the lease first */
         bex__elect_destroy(f->el, false); /* expired: a new lease */
         f->el = NULL;
     }
@@ -280,8 +280,8 @@ static void step(struct bex_ps_failover *f)
         removals(f, epoch, set);
         rejoins(f, epoch);
     } else if (primary) {
-        bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: epoch %llu ended: a backup now",
-                 s->shard, (unsigned long long)mine);
+        bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: epoch %llu ended: a backup now", s->shard,
+                 (unsigned long long)mine);
         bex__ps_repl_follow(s, epoch);
     } else if (!epoch) {
         campaign(f, set_rev, set);
@@ -328,12 +328,13 @@ int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_c
         free(f);
         return -ENOMEM;
     }
-    *f = (struct bex_ps_failover){.s = s, .ctx = ctx, .url = f->url, .n = cfg->n_replicas,
-                                  .self = cfg->self};
+    *f = (struct bex_ps_failover){
+        .s = s, .ctx = ctx, .url = f->url, .n = cfg->n_replicas, .self = cfg->self};
     f->ttl_ms = cfg->lease_ttl_ms ? cfg->lease_ttl_ms : 2000;
     f->margin_ms = cfg->lease_margin_ms ? cfg->lease_margin_ms : 500;
     f->resync_ms = cfg->resync_timeout_ms ? cfg->resync_timeout_ms : 10000;
-    const char *pre = cfg->prefix ? cfg->prefix : "/bex/", *svc = cfg->service ? cfg->service : "ps";
+    const char *pre = cfg->prefix ? cfg->prefix : "/bex/",
+               *svc = cfg->service ? cfg->service : "ps";
     snprintf(f->key, sizeof f->key, "%sps/%s/%u/primary", pre, svc, cfg->shard);
     snprintf(f->set_key, sizeof f->set_key, "%sps/%s/%u/set", pre, svc, cfg->shard);
     for (size_t i = 0; i < f->n; i++) {

@@ -592,19 +592,20 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
     f->req = req;
     struct fwdh *done = NULL;
     pthread_mutex_lock(&s->mu);
+    bool probe = fh.flags & BEX__PS_FWD_PROBE;
     if (s->rp.fenced && (rc = bex__ps_fenced_forward(s, fh.session)))
-        ;
-    else if (fh.flags & BEX__PS_FWD_PROBE)
+        ; /* a stale epoch, or one this backup has not copied from yet */
+    else if (probe)
         /* in step: it follows that session and applied that lsn */
         rc = !s->catching && fh.session == s->rp.in_session && fh.lsn < s->rp.next ? 0 : -ESTALE;
-    if (rc == -ESTALE && s->rp.fenced && (fh.flags & BEX__PS_FWD_PROBE) && s->rp.synced &&
-        fh.session == s->rp.epoch) {
+    else
+        rc = fwd_take_locked(s, fh.session, f, &done);
+    if (rc == -ESTALE && probe && s->rp.fenced && s->rp.synced && fh.session == s->rp.epoch) {
         /* out of step with its primary (left out of the set): copy again */
         s->rp.synced = false;
         if (s->rp.kick)
             s->rp.kick(s->rp.kick_arg);
-    } else
-        rc = fwd_take_locked(s, fh.session, f, &done);
+    }
     if (rc && rc != BEX__PS_LATER)
         s->st.fwd_refused++;
     pthread_mutex_unlock(&s->mu);

@@ -60,8 +60,8 @@ static void keepalive_once(bex__elect *e)
     snprintf(ids, sizeof ids, "%lld", (long long)e->lease);
     json_t *req = json_pack("{s:s}", "ID", ids), *resp = NULL;
     uint64_t t0 = bex__rpc_now_ns();
-    int rc = req ? bex__etcd_call(e->url, "/v3/lease/keepalive", req, &resp, err, sizeof err)
-                 : -ENOMEM;
+    int rc =
+        req ? bex__etcd_call(e->url, "/v3/lease/keepalive", req, &resp, err, sizeof err) : -ENOMEM;
     json_decref(req);
     if (rc == 0) {
         int64_t ttl = bex__etcd_num(json_object_get(json_object_get(resp, "result"), "TTL"));
@@ -210,7 +210,8 @@ static int txn(const char *url, json_t *t, json_t **resp)
 int bex__elect_campaign(bex__elect *e, const char *key, const char *val, const char *guard,
                         uint64_t guard_rev, uint64_t *epoch, char *holder, size_t cap)
 {
-    char *k64 = bex__etcd_b64(key), *v64 = bex__etcd_b64(val), *g64 = guard ? bex__etcd_b64(guard) : NULL;
+    char *k64 = bex__etcd_b64(key), *v64 = bex__etcd_b64(val),
+         *g64 = guard ? bex__etcd_b64(guard) : NULL;
     char ids[32];
     snprintf(ids, sizeof ids, "%lld", (long long)e->lease);
     json_t *c = json_array(), *t = NULL, *resp = NULL;
@@ -225,7 +226,8 @@ int bex__elect_campaign(bex__elect *e, const char *key, const char *val, const c
         rc = txn(e->url, t, &resp);
     }
     if (rc == 1) {
-        *epoch = (uint64_t)bex__etcd_num(json_object_get(json_object_get(resp, "header"), "revision"));
+        *epoch =
+            (uint64_t)bex__etcd_num(json_object_get(json_object_get(resp, "header"), "revision"));
         if (holder && cap)
             snprintf(holder, cap, "%s", val);
     } else if (rc == 0) {

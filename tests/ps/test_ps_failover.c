@@ -17,7 +17,12 @@
  *   past its lease: it acknowledges nothing from its lease's deadline on
  *   (a Push sent to it is refused -ESTALE), a backup takes over, and when
  *   the old primary resumes it follows the new one (copies from it): all
- *   three equal, rows exact. */
+ *   three equal, rows exact; a forward of the old epoch is refused
+ *   -ESTALE by a backup of the new one.
+ * backup_down: a backup "dies": it is removed from the replica set in
+ *   etcd and Pushes keep being acknowledged; restarted empty on its
+ *   address, it copies from the primary and is back in the set; rows
+ *   exact, replicas equal. */
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -183,10 +188,10 @@ static bex_ps_shard_stats stats(bex_ps_shard *s)
 }
 
 /* The primary now (the replica whose role says so), or -1. */
-static int primary_of(struct fo *p, int not)
+static int primary_of(struct fo *p, int not )
 {
     for (int r = 0; r < NREP; r++)
-        if (r != not && p->srv[r] && stats(p->s[r]).role == BEX_PS_ROLE_PRIMARY)
+        if (r != not &&p->srv[r] && stats(p->s[r]).role == BEX_PS_ROLE_PRIMARY)
             return r;
     return -1;
 }
@@ -195,22 +200,28 @@ static int wait_primary(struct fo *p, int not, unsigned ms)
 {
     for (uint64_t end = bex_test_now_ms() + ms * time_scale(); bex_test_now_ms() < end;
          bex_test_sleep_ms(20)) {
-        int r = primary_of(p, not);
+        int r = primary_of(p, not );
         if (r >= 0)
             return r;
     }
     return -1;
 }
 
-static int call_raw(bex_rpc_channel *ch, bex_ctx *ctx, const void *body, size_t len)
+static int call_method(bex_rpc_channel *ch, bex_ctx *ctx, uint32_t method, const void *body,
+                       size_t len)
 {
     void *b = bex_rpc_alloc(ctx, len);
     CHECK(b);
     memcpy(b, body, len);
     void *resp = NULL;
-    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, len, NULL, &resp, NULL);
+    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, method, b, len, NULL, &resp, NULL);
     bex_rpc_free(resp);
     return rc;
+}
+
+static int call_raw(bex_rpc_channel *ch, bex_ctx *ctx, const void *body, size_t len)
+{
+    return call_method(ch, ctx, BEX_PS_M_PUSH, body, len);
 }
 
 static size_t push_body(uint8_t *b, uint64_t key, uint64_t seq)
@@ -271,8 +282,8 @@ static void rows_check(struct fo *p)
                     w -= TS->lr * 1.0f;
                 float got = bex__ps_getf((const uint8_t *)resp + BEX__PS_HDR_LEN + 4 * d);
                 if (memcmp(&got, &w, 4))
-                    fprintf(stderr, "replica %d key %d col %u: %.9g, want %.9g (%u acked)\n", r,
-                            k, d, (double)got, (double)w, p->acked[k]);
+                    fprintf(stderr, "replica %d key %d col %u: %.9g, want %.9g (%u acked)\n", r, k,
+                            d, (double)got, (double)w, p->acked[k]);
                 CHECK(!memcmp(&got, &w, 4));
             }
             bex_rpc_free(resp);
@@ -280,29 +291,32 @@ static void rows_check(struct fo *p)
     }
 }
 
-/* Every live backup in step (copied from the primary now) and in the
- * primary's replica set. */
+/* Replica r in step (copied from primary prim now) and in its set. */
+static void wait_one(struct fo *p, int prim, int r)
+{
+    uint64_t end = bex_test_now_ms() + 10000 * time_scale();
+    for (;;) {
+        pthread_mutex_lock(&p->s[r]->mu);
+        bool ok = p->s[r]->rp.synced && p->s[r]->rp.epoch == p->s[prim]->rp.epoch;
+        pthread_mutex_unlock(&p->s[r]->mu);
+        pthread_mutex_lock(&p->s[prim]->mu);
+        for (size_t b = 0; b < p->s[prim]->rp.n_bk; b++)
+            if (p->s[prim]->rp.bk[b].addr.sin_port == p->ep[r].addr.sin_port)
+                ok &= !p->s[prim]->rp.bk[b].out; /* back in the set */
+        pthread_mutex_unlock(&p->s[prim]->mu);
+        if (ok)
+            return;
+        CHECK(bex_test_now_ms() < end);
+        bex_test_sleep_ms(20);
+    }
+}
+
+/* Every live backup so. */
 static void wait_synced(struct fo *p, int prim)
 {
-    for (int r = 0; r < NREP; r++) {
-        if (r == prim || !p->srv[r])
-            continue;
-        uint64_t end = bex_test_now_ms() + 10000 * time_scale();
-        for (;;) {
-            pthread_mutex_lock(&p->s[r]->mu);
-            bool ok = p->s[r]->rp.synced && p->s[r]->rp.epoch == p->s[prim]->rp.epoch;
-            pthread_mutex_unlock(&p->s[r]->mu);
-            pthread_mutex_lock(&p->s[prim]->mu);
-            for (size_t b = 0; b < p->s[prim]->rp.n_bk; b++)
-                if (p->s[prim]->rp.bk[b].addr.sin_port == p->ep[r].addr.sin_port)
-                    ok &= !p->s[prim]->rp.bk[b].out; /* back in the set */
-            pthread_mutex_unlock(&p->s[prim]->mu);
-            if (ok)
-                break;
-            CHECK(bex_test_now_ms() < end);
-            bex_test_sleep_ms(20);
-        }
-    }
+    for (int r = 0; r < NREP; r++)
+        if (r != prim && p->srv[r])
+            wait_one(p, prim, r);
 }
 
 static int t_kill9(void)
@@ -357,6 +371,13 @@ static int t_sigstop(void)
     size_t len = push_body(b, 1000, ++p.seq);
     CHECK_EQ(call_raw(p.ch[prim], p.cctx, b, len), -ESTALE);
     p.seq--; /* not acknowledged: its id is used again below */
+    /* a forward of the old term is refused by a backup of the new one */
+    int bk = 3 - prim - np;
+    uint8_t f[256];
+    bex__ps_fwd_put(f, &(struct bex__ps_fwd_hdr){.session = p.s[prim]->rp.epoch, .lsn = 1});
+    size_t flen = BEX__PS_FWD_HDR_LEN + push_body(f + BEX__PS_FWD_HDR_LEN, 1000, 777);
+    wait_one(&p, np, bk);
+    CHECK_EQ(call_method(p.ch[bk], p.cctx, BEX_PS_M_FORWARD, f, flen), -ESTALE);
     for (int i = 0; i < 30; i++)
         push_one(&p);
     /* woken: it follows the new primary and copies from it */
@@ -374,4 +395,72 @@ static int t_sigstop(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop})
+/* Replica r back on its address: a new shard (empty), server and agent. */
+static void fo_restart(struct fo *p, int r)
+{
+    bex_ps_shard_destroy(p->s[r]);
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_BACKUP,
+                              .forward_timeout_ms = 1000 * time_scale()};
+    CHECK_OK(bex_ps_shard_create(&pc, &p->s[r]));
+    CHECK_OK(bex_rpc_server_create(p->ctx[r], NULL, &p->srv[r]));
+    CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], p->ctx[r]));
+    struct sockaddr_in a = p->ep[r].addr;
+    CHECK_OK(bex_rpc_server_listen(p->srv[r], &a));
+    bex_ps_failover_config fc = {.etcd_url = url,
+                                 .replicas = p->ep,
+                                 .n_replicas = NREP,
+                                 .self = (uint32_t)r,
+                                 .lease_ttl_ms = TTL,
+                                 .lease_margin_ms = 500};
+    CHECK_OK(bex_ps_failover_start(p->s[r], p->ctx[r], &fc, &p->f[r]));
+}
+
+/* The replica set in etcd now. */
+static void set_now(char *set, size_t cap)
+{
+    uint64_t cr, mr;
+    CHECK_OK(bex__elect_get(url, "/bex/ps/ps/0/set", &cr, &mr, set, cap));
+}
+
+static int t_backup_down(void)
+{
+    start_etcd();
+    struct fo p;
+    fo_start(&p);
+    int prim = wait_primary(&p, -1, 15000);
+    CHECK(prim >= 0);
+    wait_synced(&p, prim);
+    for (int i = 0; i < 20; i++)
+        push_one(&p);
+    int bk = (prim + 1) % NREP;
+    char name[32], set[256];
+    snprintf(name, sizeof name, "127.0.0.1:%u", ntohs(p.ep[bk].addr.sin_port));
+    set_now(set, sizeof set);
+    CHECK(strstr(set, name));
+    fo_kill(&p, bk);
+    /* Pushes go on without it, once it is out of the set in etcd */
+    for (int i = 0; i < 20; i++)
+        push_one(&p);
+    CHECK_EQ(primary_of(&p, -1), prim);
+    set_now(set, sizeof set);
+    CHECK(!strstr(set, name));
+    rows_check(&p);
+    /* back (empty): it copies from the primary and rejoins the set */
+    fo_restart(&p, bk);
+    for (int i = 0; i < 20; i++)
+        push_one(&p);
+    wait_synced(&p, prim);
+    set_now(set, sizeof set);
+    CHECK(strstr(set, name));
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    rows_check(&p);
+    fo_stop(&p);
+    return 0;
+}
+
+BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop}, {"backup_down", t_backup_down})
