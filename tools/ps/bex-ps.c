@@ -50,6 +50,11 @@ __attribute__((noreturn)) static void usage(int status)
         "              [--etcd-prefix P] [--locality L] [--ttl S] [--service NAME] [--replica I]\n"
         "       bex-ps --cluster FILE --primary-backup ...: replica 0 of each shard its\n"
         "              primary, the others its backups (no failover)\n"
+        "       bex-ps --etcd URL --primary-backup --replicas IP:PORT,IP:PORT... ...:\n"
+        "              failover through etcd (every replica lists the same --replicas,\n"
+        "              its --listen among them, and serves the same --shard list)\n"
+        "              [--lease-ttl-ms MS] [--lease-margin-ms MS] [--forward-timeout-ms MS]\n"
+        "              [--etcd-wait-ms MS]\n"
         "  both:\n"
         "              [--table ID:DIM:sgd|adagrad[:LR]]... [--snapshot-dir DIR]\n"
         "              [--snapshot-every MS] [--transport auto|rdma|tcp]\n"
@@ -88,6 +93,7 @@ struct served {
     uint32_t role;                /* --primary-backup: BEX_PS_ROLE_* */
     bex_rpc_endpoint backups[15]; /* the primary's */
     size_t n_backups;
+    bex_ps_failover *fo; /* --etcd --primary-backup */
 };
 
 /* ---- /metrics ---- */
@@ -227,6 +233,8 @@ struct opts {
     long send_window; /* the context's (0: none) */
     long io_threads;
     int catchup, verbose, primary_backup;
+    const char *replicas_s; /* --etcd --primary-backup: every replica's --listen */
+    long lease_ttl_ms, lease_margin_ms, fwd_timeout_ms, etcd_wait_ms;
     unsigned long n_shards_opt, ttl_s;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables;
@@ -240,6 +248,9 @@ struct node {
     uint32_t n_shards;
     bex_ctx *ctx;
     bex_dir_registration *regs[MAX_SERVED];
+    bex_rpc_endpoint reps[MAX_SERVED][BEX_PS_REPLICAS_MAX]; /* --replicas, per shard */
+    size_t n_reps;
+    uint32_t self_rep;
     struct metrics mt;
     struct MHD_Daemon *httpd;
 };
@@ -279,6 +290,18 @@ static bool num_opt(int c, struct opts *o)
     case 'D':
         o->drain_ms = opt_num(optarg, 0, 3600000);
         return true;
+    case 'a':
+        o->lease_ttl_ms = opt_num(optarg, 1000, 3600000);
+        return true;
+    case 'g':
+        o->lease_margin_ms = opt_num(optarg, 1, 3600000);
+        return true;
+    case 'f':
+        o->fwd_timeout_ms = opt_num(optarg, 1, 3600000);
+        return true;
+    case 'w':
+        o->etcd_wait_ms = opt_num(optarg, 0, 86400000);
+        return true;
     default:
         return false;
     }
@@ -312,6 +335,9 @@ static void one_opt(int c, struct opts *o)
         break;
     case 'B':
         o->primary_backup = 1;
+        break;
+    case 'R':
+        o->replicas_s = optarg;
         break;
     case 'E':
         o->etcd = optarg;
@@ -360,7 +386,8 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                        .io_threads = 1,
                        .catchup = 1,
                        .locality = "",
-                       .ttl_s = 10};
+                       .ttl_s = 10,
+                       .etcd_wait_ms = 60000};
     static const struct option lo[] = {{"cluster", required_argument, 0, 'c'},
                                        {"service", required_argument, 0, 's'},
                                        {"shard", required_argument, 0, 'n'},
@@ -386,6 +413,11 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"send-window", required_argument, 0, 'W'},
                                        {"io-threads", required_argument, 0, 'I'},
                                        {"drain-timeout-ms", required_argument, 0, 'D'},
+                                       {"replicas", required_argument, 0, 'R'},
+                                       {"lease-ttl-ms", required_argument, 0, 'a'},
+                                       {"lease-margin-ms", required_argument, 0, 'g'},
+                                       {"forward-timeout-ms", required_argument, 0, 'f'},
+                                       {"etcd-wait-ms", required_argument, 0, 'w'},
                                        {"help", no_argument, 0, 'h'},
                                        {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
@@ -393,8 +425,10 @@ static void parse_opts(int argc, char **argv, struct opts *o)
         one_opt(c, o);
     if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
         !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)) ||
-        (o->etcd && o->primary_backup))
+        (o->etcd && o->primary_backup && !o->replicas_s) || (o->replicas_s && !o->etcd))
         usage(2);
+    if (o->etcd && o->primary_backup)
+        o->catchup = 0; /* each backup copies from its primary (the failover agent) */
     if (o->n_tables == 0)
         o->tables[o->n_tables++] =
             (bex_ps_table_config){.id = 1, .dim = 16, .optimizer = BEX_PS_SGD};
@@ -522,6 +556,50 @@ static void etcd_peers(const struct opts *o, struct node *nd)
     bex_dir_destroy(dir);
 }
 
+/* --etcd --primary-backup: --replicas (each one's --listen) into each
+ * shard's replica list (shard i of the list at PORT + i), this one's
+ * index, and every shard a backup until the failover agent decides. */
+static int pb_etcd_plan(const struct opts *o, struct node *nd)
+{
+    bool self_seen = false;
+    for (const char *p = o->replicas_s; p && *p;) {
+        const char *e = strchr(p, ',');
+        char one[64];
+        snprintf(one, sizeof one, "%.*s", (int)(e ? e - p : (long)strlen(p)), p);
+        struct sockaddr_in a = {.sin_family = AF_INET};
+        char ip[INET_ADDRSTRLEN + 1];
+        unsigned port = 0;
+        int used = 0;
+        if (nd->n_reps == BEX_PS_REPLICAS_MAX ||
+            sscanf(one, "%16[0-9.]:%u%n", ip, &port, &used) != 2 || one[used] ||
+            inet_pton(AF_INET, ip, &a.sin_addr) != 1 || !port || port + nd->n_sv > 65536) {
+            fprintf(stderr, "bex-ps: --replicas %s: not IP:PORT,... (at most %u)\n", o->replicas_s,
+                    BEX_PS_REPLICAS_MAX);
+            return 1;
+        }
+        a.sin_port = htons((uint16_t)port);
+        if (a.sin_addr.s_addr == nd->self[0].addr.sin_addr.s_addr &&
+            a.sin_port == nd->self[0].addr.sin_port) {
+            nd->self_rep = (uint32_t)nd->n_reps;
+            self_seen = true;
+        }
+        for (size_t i = 0; i < nd->n_sv; i++) {
+            nd->reps[i][nd->n_reps] = (bex_rpc_endpoint){.addr = a, .transport = o->transport};
+            nd->reps[i][nd->n_reps].addr.sin_port = htons((uint16_t)(ntohs(a.sin_port) + i));
+        }
+        nd->n_reps++;
+        p = e ? e + 1 : NULL;
+    }
+    if (!self_seen) {
+        fprintf(stderr, "bex-ps: --replicas %s: --listen %s is not among them\n", o->replicas_s,
+                o->listen_s);
+        return 1;
+    }
+    for (size_t i = 0; i < nd->n_sv; i++)
+        nd->sv[i].role = BEX_PS_ROLE_BACKUP;
+    return 0;
+}
+
 /* The shards served, their addresses and peers, from --cluster or etcd. */
 static int plan(const struct opts *o, struct node *nd)
 {
@@ -529,8 +607,8 @@ static int plan(const struct opts *o, struct node *nd)
     nd->n_shards = (uint32_t)o->n_shards_opt;
     if (o->cluster && load_cluster(o, &dir, &nd->n_shards))
         return 1;
-    int bad =
-        shard_list(o, nd) || (o->etcd && listen_addrs(o, nd)) || (dir && cluster_addrs(o, dir, nd));
+    int bad = shard_list(o, nd) || (o->etcd && listen_addrs(o, nd)) ||
+              (dir && cluster_addrs(o, dir, nd)) || (o->replicas_s && pb_etcd_plan(o, nd));
     bex_dir_destroy(dir);
     if (bad)
         return 1;
@@ -588,7 +666,8 @@ static int start_shard(const struct opts *o, struct node *nd)
                               .flags = s->n_peers ? BEX_PS_SHARD_CATCHUP : 0,
                               .role = s->role,
                               .backups = s->backups,
-                              .n_backups = s->n_backups};
+                              .n_backups = s->n_backups,
+                              .forward_timeout_ms = (uint32_t)o->fwd_timeout_ms};
     char a[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &self->addr.sin_addr, a, sizeof a);
     int rc;
@@ -613,20 +692,63 @@ static int start_shard(const struct opts *o, struct node *nd)
     return 0;
 }
 
-/* In etcd once every shard serves: clients find them from here on. */
+/* In etcd once every shard serves: clients find them from here on. etcd
+ * may not be up yet (any start order): tried again for --etcd-wait-ms. */
 static int register_all(const struct opts *o, struct node *nd)
 {
     char err[256] = "";
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     for (size_t i = 0; i < nd->n_sv; i++) {
-        int rc =
-            bex_dir_register_etcd(o->etcd, o->etcd_prefix, o->service, nd->sv[i].shard,
-                                  &nd->self[i], (uint32_t)o->ttl_s, err, sizeof err, &nd->regs[i]);
+        int rc;
+        bool said = false;
+        while ((rc = bex_dir_register_etcd(o->etcd, o->etcd_prefix, o->service, nd->sv[i].shard,
+                                           &nd->self[i], (uint32_t)o->ttl_s, err, sizeof err,
+                                           &nd->regs[i]))) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            long ms = (now.tv_sec - t0.tv_sec) * 1000 + (now.tv_nsec - t0.tv_nsec) / 1000000;
+            if (rc == -EINVAL || ms >= o->etcd_wait_ms)
+                break;
+            if (!said)
+                printf("bex-ps: waiting for etcd at %s (%s), %ld ms at most\n", o->etcd,
+                       err[0] ? err : bex_strerror(rc), o->etcd_wait_ms);
+            said = true;
+            fflush(stdout);
+            struct timespec ts = {0, 200000000};
+            nanosleep(&ts, NULL);
+        }
         if (rc) {
             fprintf(stderr, "bex-ps: shard %u: etcd registration: %s\n", nd->sv[i].shard,
                     err[0] ? err : bex_strerror(rc));
             return 1;
         }
         printf("bex-ps: shard %u registered in etcd\n", nd->sv[i].shard);
+    }
+    return 0;
+}
+
+/* --etcd --primary-backup: each shard's failover agent (it elects, leads
+ * or follows from here on). */
+static int failover_all(const struct opts *o, struct node *nd)
+{
+    for (size_t i = 0; o->replicas_s && i < nd->n_sv; i++) {
+        bex_ps_failover_config fc = {.etcd_url = o->etcd,
+                                     .prefix = o->etcd_prefix,
+                                     .service = o->service,
+                                     .shard = nd->sv[i].shard,
+                                     .replicas = nd->reps[i],
+                                     .n_replicas = nd->n_reps,
+                                     .self = nd->self_rep,
+                                     .lease_ttl_ms = (uint32_t)o->lease_ttl_ms,
+                                     .lease_margin_ms = (uint32_t)o->lease_margin_ms,
+                                     .resync_timeout_ms = (uint32_t)o->catchup_ms};
+        int rc = bex_ps_failover_start(nd->sv[i].ps, nd->ctx, &fc, &nd->sv[i].fo);
+        if (rc) {
+            fprintf(stderr, "bex-ps: shard %u: failover: %s\n", nd->sv[i].shard, bex_strerror(rc));
+            return 1;
+        }
+        printf("bex-ps: shard %u: primary-backup through etcd, replica %u of %zu\n",
+               nd->sv[i].shard, nd->self_rep, nd->n_reps);
     }
     return 0;
 }
@@ -732,6 +854,8 @@ static int stop_all(const struct opts *o, struct node *nd, int status)
         if (nd->regs[i] && (rc = bex_dir_deregister(nd->regs[i])))
             fprintf(stderr, "bex-ps: shard %u: etcd deregistration: %s (the lease expires)\n",
                     nd->sv[i].shard, bex_strerror(rc));
+    for (size_t i = 0; i < nd->n_sv; i++)
+        bex_ps_failover_stop(nd->sv[i].fo, true); /* the term ends now: another takes over */
     if (status == 0)
         drain_all(o, nd);
     if (nd->httpd)
@@ -780,6 +904,8 @@ int main(int argc, char **argv)
         status = start_metrics(&o, &nd);
     if (status == 0 && o.etcd)
         status = register_all(&o, &nd);
+    if (status == 0)
+        status = failover_all(&o, &nd);
     atomic_store(&nd.mt.not_ready, "catching up");
     if (status == 0)
         catchup_all(&o, &nd);
