@@ -304,6 +304,13 @@ typedef struct bex_ps_client_config {
      * (client fan-out); BEX_PS_PUSH_PRIMARY: to the primary alone, the
      * first replica the directory lists (primary-backup shards) */
     uint32_t push_mode;
+    /* BEX_PS_PUSH_PRIMARY: a Push refused by a replica that is not the
+     * primary (-EPERM, -ESTALE: a failover), refused for now (-EAGAIN) or
+     * lost with its connection is sent again, with the same id (applied
+     * once), primary_retry_ms later (50) to the next replica the directory
+     * lists (re-read then; the same one after -EAGAIN), until the
+     * request's deadline (timeout_ms); its status is the last attempt's. */
+    uint32_t primary_retry_ms;
 } bex_ps_client_config;
 
 enum { BEX_PS_PUSH_ALL = 0, BEX_PS_PUSH_PRIMARY = 1 };

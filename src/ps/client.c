@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "common/cfg.h"
+#include "common/list.h"
 #include "bex/ps.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
@@ -64,6 +65,14 @@ struct bex_ps_client {
      * learns the id alone cannot touch it (docs/security.md, "Dedup keys and Push ids"). */
     uint64_t push_client, push_tok[2];
     _Atomic uint64_t push_seq;
+    /* BEX_PS_PUSH_PRIMARY: per shard, the replica (index into push[s])
+     * taken for primary; Pushes to send again (retry_main), under mu */
+    uint32_t *prim;
+    struct bex__list rq; /* struct sub.rl, oldest first (one pause for all: in time order) */
+    uint64_t retry_ns;
+    pthread_t rthr;
+    pthread_cond_t rcv;
+    bool rthr_on, rstop;
 };
 
 struct op;
@@ -73,9 +82,16 @@ struct sub {
     uint32_t shard, n;
     uint32_t *pos; /* the keys' places in the caller's arrays */
     uint32_t idx;  /* its place among the request's sub-requests */
+    /* BEX_PS_PUSH_PRIMARY: its body kept to send again, until end_ns */
+    uint8_t *copy;
+    size_t len;
+    uint64_t end_ns, at_ns;
+    uint32_t pi; /* the replica index it went to */
+    struct bex__list rl;
 };
 
 struct op {
+    bex_ps_client *c;
     _Atomic uint32_t left; /* sub-requests not complete, + 1 while issuing */
     _Atomic int status;
     uint32_t method, table, dim;
@@ -86,6 +102,35 @@ struct op {
     size_t res_cap;
     struct sub *subs; /* in the same block */
 };
+
+static void *retry_main(void *arg);
+
+/* BEX_PS_PUSH_PRIMARY: the primary per shard, the retry thread. */
+static int retry_start(bex_ps_client *c, uint32_t n)
+{
+    bex__list_init(&c->rq);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->rcv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (!(c->prim = calloc(n, sizeof *c->prim)) || pthread_create(&c->rthr, NULL, retry_main, c))
+        return -ENOMEM;
+    c->rthr_on = true;
+    return 0;
+}
+
+static void retry_stop(bex_ps_client *c)
+{
+    if (!c->prim)
+        return;
+    pthread_mutex_lock(&c->mu);
+    c->rstop = true;
+    pthread_cond_signal(&c->rcv);
+    pthread_mutex_unlock(&c->mu);
+    if (c->rthr_on)
+        pthread_join(c->rthr, NULL);
+}
 
 int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_client **out)
 {
@@ -134,6 +179,11 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
     c->budget_burst = cfg->retry_budget_burst;
     c->budget_permille = cfg->retry_budget_permille;
     c->push_mode = cfg->push_mode;
+    c->retry_ns = (uint64_t)(cfg->primary_retry_ms ? cfg->primary_retry_ms : 50) * 1000000ull;
+    if (c->push_mode == BEX_PS_PUSH_PRIMARY && retry_start(c, n)) {
+        bex_ps_client_destroy(c);
+        return -ENOMEM;
+    }
     for (uint32_t i = 0; i < n; i++) {
         bex_rpc_channel_config cc = {
             .dir = cfg->dir,
@@ -173,6 +223,7 @@ void bex_ps_client_destroy(bex_ps_client *c)
 {
     if (!c)
         return;
+    retry_stop(c); /* its queue answered -ECANCELED; calls out end so too */
     for (uint32_t i = 0; i < c->n_shards; i++)
         bex_rpc_channel_destroy(c->ch[i]);
     for (struct pch *p = c->all, *nx; p; p = nx) {
@@ -181,6 +232,9 @@ void bex_ps_client_destroy(bex_ps_client *c)
         free(p);
     }
     reps_free(c->push, c->n_shards);
+    if (c->prim)
+        pthread_cond_destroy(&c->rcv);
+    free(c->prim);
     pthread_mutex_destroy(&c->mu);
     free(c->ch);
     free(c);
@@ -245,8 +299,6 @@ static int push_refresh(bex_ps_client *c)
         size_t nr = bex_dir_replicas(c->dir, c->svc, s, reps, BEX_PS_REPLICAS_MAX);
         if (nr > BEX_PS_REPLICAS_MAX)
             nr = BEX_PS_REPLICAS_MAX;
-        if (nr && c->push_mode == BEX_PS_PUSH_PRIMARY)
-            nr = 1; /* the primary: the first replica listed */
         if (!nr)
             continue;
         nw[s].r = calloc(nr, sizeof *nw[s].r);
@@ -310,12 +362,123 @@ static void sub_end(struct sub *sb, int status)
     op_put(op);
 }
 
+/* ---- BEX_PS_PUSH_PRIMARY: a Push sent again after a failover ---- */
+
+static bool retryable(int st)
+{
+    return st == -EPERM || st == -ESTALE || st == -EAGAIN || st == -ECONNREFUSED ||
+           st == -ECONNRESET || st == -ECONNABORTED || st == -EHOSTUNREACH || st == -ENETUNREACH ||
+           st == -EPIPE || st == -ENOTCONN || st == -ETIMEDOUT || st == -ESHUTDOWN;
+}
+
+/* Queue sb to be sent again (true), the primary taken to be the next
+ * replica unless the answer was -EAGAIN; false when it may not be. */
+static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
+{
+    uint64_t now = bex__rpc_now_ns();
+    if (!retryable(status) || now + c->retry_ns >= sb->end_ns)
+        return false;
+    pthread_mutex_lock(&c->mu);
+    bool ok = !c->rstop;
+    if (ok) {
+        if (status != -EAGAIN && c->prim[sb->shard] == sb->pi)
+            c->prim[sb->shard]++;
+        sb->at_ns = now + c->retry_ns;
+        bex__list_push_tail(&c->rq, &sb->rl);
+        pthread_cond_signal(&c->rcv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return ok;
+}
+
+static void sub_done(int status, void *body, size_t len, void *user);
+
+/* sb to the replica taken for primary now (the directory re-read). */
+static void resend(bex_ps_client *c, struct sub *sb)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = push_refresh(c);
+    size_t n = rc ? 0 : c->push[sb->shard].n;
+    bex_rpc_channel *ch = NULL;
+    if (n) {
+        sb->pi = c->prim[sb->shard];
+        ch = c->push[sb->shard].r[sb->pi % n]->ch;
+    }
+    pthread_mutex_unlock(&c->mu);
+    uint64_t now = bex__rpc_now_ns();
+    uint8_t *b = ch ? bex_rpc_alloc(c->ctx, sb->len) : NULL;
+    rc = !ch ? (rc ? rc : -EHOSTUNREACH) : b ? 0 : -ENOMEM;
+    if (b) {
+        memcpy(b, sb->copy, sb->len);
+        bex_rpc_call_opts o = {
+            .timeout_ms = (uint32_t)((sb->end_ns > now ? sb->end_ns - now : 0) / 1000000 + 1)};
+        if ((rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, sb->len, &o, sub_done, sb,
+                               NULL)))
+            bex_rpc_free(b);
+    }
+    if (rc)
+        sub_done(rc, NULL, 0, sb);
+}
+
+/* The oldest queued (under c->mu), unlinked when due (else *at_ns its
+ * time, NULL). */
+static struct sub *retry_due(bex_ps_client *c, uint64_t *at_ns)
+{
+    struct bex__list *n = bex__list_first(&c->rq);
+    if (!n)
+        return NULL;
+    struct sub *sb = bex__list_entry(n, struct sub, rl);
+    *at_ns = sb->at_ns;
+    if (sb->at_ns > bex__rpc_now_ns())
+        return NULL;
+    bex__list_remove(n);
+    return sb;
+}
+
+static void *retry_main(void *arg)
+{
+    bex_ps_client *c = arg;
+    pthread_mutex_lock(&c->mu);
+    while (!c->rstop) {
+        uint64_t at = 0;
+        struct sub *sb = retry_due(c, &at);
+        if (sb) {
+            pthread_mutex_unlock(&c->mu);
+            resend(c, sb);
+            pthread_mutex_lock(&c->mu);
+        } else if (at) {
+            struct timespec ts = {(time_t)(at / 1000000000ull), (long)(at % 1000000000ull)};
+            pthread_cond_timedwait(&c->rcv, &c->mu, &ts);
+        } else {
+            pthread_cond_wait(&c->rcv, &c->mu);
+        }
+    }
+    struct bex__list *n;
+    while ((n = bex__list_first(&c->rq))) {
+        struct sub *sb = bex__list_entry(n, struct sub, rl);
+        bex__list_remove(n);
+        pthread_mutex_unlock(&c->mu);
+        free(sb->copy);
+        sb->copy = NULL;
+        sub_end(sb, -ECANCELED);
+        pthread_mutex_lock(&c->mu);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
 static void sub_done(int status, void *body, size_t len, void *user)
 {
     struct sub *sb = user;
     struct op *op = sb->op;
     if (status == 0)
         status = bex__ps_check_resp(op->method, body, len, op->table, sb->n, op->dim);
+    if (sb->copy && status && retry_later(op->c, sb, status)) {
+        bex_rpc_free(body);
+        return;
+    }
+    free(sb->copy);
+    sb->copy = NULL;
     if (status == 0 && op->method == BEX_PS_M_FETCH) {
         const uint8_t *p = (const uint8_t *)body + BEX__PS_HDR_LEN;
         for (uint32_t i = 0; i < sb->n; i++) {
@@ -357,10 +520,15 @@ static size_t shard_subs(bex_ps_client *c, struct op *op, size_t s, uint32_t cnt
                          size_t k, bool push, bex_ps_replica_result *res, size_t res_cap)
 {
     size_t nr = push ? c->push[s].n : 1;
-    for (size_t r = 0; r < (nr ? nr : 1); r++, k++) {
+    size_t first = push && c->prim && nr ? c->prim[s] % nr : 0; /* primary mode: one */
+    for (size_t r = first; r < (nr ? nr : 1) && (r == first || !c->prim); r++, k++) {
         struct sub *sb = &op->subs[k];
-        *sb =
-            (struct sub){.op = op, .shard = (uint32_t)s, .n = cnt, .pos = pos, .idx = (uint32_t)k};
+        *sb = (struct sub){.op = op,
+                           .shard = (uint32_t)s,
+                           .n = cnt,
+                           .pos = pos,
+                           .idx = (uint32_t)k,
+                           .pi = (uint32_t)r};
         sb->ch = push ? (nr ? c->push[s].r[r]->ch : NULL) : c->ch[s];
         if (res && k < res_cap) {
             res[k] = (bex_ps_replica_result){.shard = (uint32_t)s, .status = -EINPROGRESS};
@@ -407,10 +575,15 @@ static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const ui
             for (uint32_t d = 0; d < dim; d++, p += 4)
                 bex__ps_putf(p, g[d]);
         }
+    if (push && c->prim && (sb->copy = malloc(len))) {
+        memcpy(sb->copy, b, len); /* to send again after a failover */
+        sb->len = len;
+        sb->end_ns = bex__rpc_now_ns() + (uint64_t)opts->timeout_ms * 1000000ull;
+    }
     int rc = bex_rpc_call(sb->ch, BEX_PS_SERVICE, method, b, len, opts, sub_done, sb, NULL);
     if (rc) {
         bex_rpc_free(b);
-        sub_end(sb, rc);
+        sub_done(rc, NULL, 0, sb);
     }
 }
 
@@ -437,7 +610,7 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     size_t n_subs = 0;
     for (size_t s = 0; s < ns && !rc; s++)
         if (cnt[s])
-            n_subs += push && c->push[s].n ? c->push[s].n : 1;
+            n_subs += push && c->push[s].n && !c->prim ? c->push[s].n : 1;
     struct op *op = NULL;
     if (!rc && !(op = calloc(1, sizeof *op + n_subs * sizeof(struct sub) + (n ? n : 1) * 4)))
         rc = -ENOMEM;
@@ -447,7 +620,8 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
         free(cnt);
         return rc;
     }
-    *op = (struct op){.method = method,
+    *op = (struct op){.c = c,
+                      .method = method,
                       .table = table,
                       .dim = dim,
                       .rows = rows,

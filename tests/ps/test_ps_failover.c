@@ -22,7 +22,12 @@
  * backup_down: a backup "dies": it is removed from the replica set in
  *   etcd and Pushes keep being acknowledged; restarted empty on its
  *   address, it copies from the primary and is back in the set; rows
- *   exact, replicas equal. */
+ *   exact, replicas equal.
+ * any_order: a client (bex_ps_client, BEX_PS_PUSH_PRIMARY, a directory
+ *   of the three addresses) starts Pushing first, the replicas come
+ *   next (their agents wait for etcd), etcd last: every Push of the
+ *   client is acknowledged within its deadline (it retries with the same
+ *   id at the next replica), rows exact, replicas equal. */
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -78,7 +83,8 @@ static void start_etcd(void)
 {
     main_pid = getpid();
     atexit(cleanup);
-    uint16_t cp = free_port(), pp = free_port();
+    /* the client port: url's when set already (any_order) */
+    uint16_t cp = url[0] ? (uint16_t)atoi(strrchr(url, ':') + 1) : free_port(), pp = free_port();
     snprintf(datadir, sizeof datadir, "/tmp/bex-etcd-XXXXXX");
     CHECK(mkdtemp(datadir));
     snprintf(url, sizeof url, "http://127.0.0.1:%u", cp);
@@ -114,11 +120,11 @@ struct fo {
     uint64_t seq;
 };
 
+/* Three replicas with their agents (at p->ep's ports when set). */
 static void fo_start(struct fo *p)
 {
     struct in_addr a0, a1;
     CHECK(pair_addrs(&a0, &a1) == 0);
-    *p = (struct fo){0};
     p->cctx = client_ctx();
     bex_ps_shard_config pc = {.shard = 0,
                               .n_shards = 1,
@@ -133,7 +139,8 @@ static void fo_start(struct fo *p)
         CHECK_OK(bex_ps_shard_create(&pc, &p->s[r]));
         CHECK_OK(bex_rpc_server_create(p->ctx[r], NULL, &p->srv[r]));
         CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], p->ctx[r]));
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = a0};
+        struct sockaddr_in a = {
+            .sin_family = AF_INET, .sin_addr = a0, .sin_port = p->ep[r].addr.sin_port};
         CHECK_OK(bex_rpc_server_listen(p->srv[r], &a));
         bex_rpc_server_addr(p->srv[r], &p->ep[r].addr);
         bex_rpc_channel_config cc = {.endpoints = &p->ep[r],
@@ -322,7 +329,7 @@ static void wait_synced(struct fo *p, int prim)
 static int t_kill9(void)
 {
     start_etcd();
-    struct fo p;
+    struct fo p = {0};
     fo_start(&p);
     int prim = wait_primary(&p, -1, 15000); /* etcd starting, then the first election */
     CHECK(prim >= 0);
@@ -352,7 +359,7 @@ static int t_kill9(void)
 static int t_sigstop(void)
 {
     start_etcd();
-    struct fo p;
+    struct fo p = {0};
     fo_start(&p);
     int prim = wait_primary(&p, -1, 15000);
     CHECK(prim >= 0);
@@ -429,7 +436,7 @@ static void set_now(char *set, size_t cap)
 static int t_backup_down(void)
 {
     start_etcd();
-    struct fo p;
+    struct fo p = {0};
     fo_start(&p);
     int prim = wait_primary(&p, -1, 15000);
     CHECK(prim >= 0);
@@ -463,4 +470,84 @@ static int t_backup_down(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop}, {"backup_down", t_backup_down})
+/* ---- any_order: the client first, then the replicas, then etcd ---- */
+
+struct pusher {
+    bex_ps_client *c;
+    int n, failed;
+    uint32_t acked[NKEY];
+};
+
+static void *pusher_main(void *arg)
+{
+    struct pusher *u = arg;
+    float g[8];
+    for (int d = 0; d < 8; d++)
+        g[d] = 1.0f;
+    for (int i = 0; i < u->n; i++) {
+        uint64_t key = 1000 + (uint64_t)(i % NKEY);
+        int rc = bex_ps_push_sync(u->c, TS->id, TS->dim, &key, 1, g);
+        if (rc) {
+            fprintf(stderr, "Push %d: %s\n", i, bex_strerror(rc));
+            u->failed++;
+        } else {
+            u->acked[i % NKEY]++;
+        }
+    }
+    return NULL;
+}
+
+/* A directory of the three replicas' addresses (etcd is not up yet). */
+static bex_dir *dir_of(const struct fo *p)
+{
+    char j[512], err[256];
+    size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
+    for (int r = 0; r < NREP; r++)
+        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"127.0.0.1:%u\"}", r ? "," : "",
+                              ntohs(p->ep[r].addr.sin_port));
+    snprintf(j + o, sizeof j - o, "]}]}}}");
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    return d;
+}
+
+static int t_any_order(void)
+{
+    struct fo p = {0};
+    for (int r = 0; r < NREP; r++)
+        p.ep[r].addr = (struct sockaddr_in){.sin_family = AF_INET,
+                                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
+                                            .sin_port = htons(free_port())};
+    bex_ctx *cctx = client_ctx();
+    bex_dir *d = dir_of(&p);
+    bex_ps_client_config cc = {.dir = d,
+                               .timeout_ms = 30000 * time_scale(),
+                               .attempt_timeout_ms = 1000 * time_scale(),
+                               .connect_timeout_ms = 500 * time_scale(),
+                               .push_mode = BEX_PS_PUSH_PRIMARY};
+    struct pusher u = {.n = 40};
+    CHECK_OK(bex_ps_client_create(cctx, &cc, &u.c));
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, pusher_main, &u) == 0);
+    bex_test_sleep_ms(300); /* the client's first Push finds nobody */
+    snprintf(url, sizeof url, "http://127.0.0.1:%u", free_port()); /* etcd's, not up yet */
+    fo_start(&p);                                                  /* the agents wait for etcd */
+    bex_test_sleep_ms(500);
+    start_etcd();
+    pthread_join(th, NULL);
+    CHECK_EQ(u.failed, 0);
+    int prim = wait_primary(&p, -1, 1);
+    CHECK(prim >= 0);
+    memcpy(p.acked, u.acked, sizeof p.acked);
+    wait_synced(&p, prim);
+    rows_check(&p);
+    bex_ps_client_destroy(u.c);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(cctx));
+    fo_stop(&p);
+    return 0;
+}
+
+BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop}, {"backup_down", t_backup_down},
+              {"any_order", t_any_order})
