@@ -305,8 +305,8 @@ typedef struct bex_ps_client_config {
      * first replica the directory lists (primary-backup shards) */
     uint32_t push_mode;
     /* BEX_PS_PUSH_PRIMARY: a Push refused by a replica that is not the
-     * primary (-EPERM, -ESTALE: a failover), refused for now (-EAGAIN) or
-     * lost with its connection is sent again, with the same id (applied
+     * primary (-EPERM, -ESTALE: a failover), refused for now (-EAGAIN),
+     * in doubt (-EIO) or lost with its connection is sent again, with the same id (applied
      * once), primary_retry_ms later (50) to the next replica the directory
      * lists (re-read then; the same one after -EAGAIN), until the
      * request's deadline (timeout_ms); its status is the last attempt's. */

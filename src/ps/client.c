@@ -366,7 +366,8 @@ static void sub_end(struct sub *sb, int status)
 
 static bool retryable(int st)
 {
-    return st == -EPERM || st == -ESTALE || st == -EAGAIN || st == -ECONNREFUSED ||
+    /* -EIO (in doubt: sent, its answer lost) too: the id makes a resend safe */
+    return st == -EPERM || st == -ESTALE || st == -EAGAIN || st == -EIO || st == -ECONNREFUSED ||
            st == -ECONNRESET || st == -ECONNABORTED || st == -EHOSTUNREACH || st == -ENETUNREACH ||
            st == -EPIPE || st == -ENOTCONN || st == -ETIMEDOUT || st == -ESHUTDOWN;
 }

@@ -27,7 +27,13 @@
  *   of the three addresses) starts Pushing first, the replicas come
  *   next (their agents wait for etcd), etcd last: every Push of the
  *   client is acknowledged within its deadline (it retries with the same
- *   id at the next replica), rows exact, replicas equal. */
+ *   id at the next replica), rows exact, replicas equal.
+ * proc: three bex-ps processes (--etcd --primary-backup --replicas) and a
+ *   bex_ps_client: the primary killed with SIGKILL, then the next one
+ *   stopped with SIGSTOP past its lease (the last replica takes over),
+ *   continued, and the killed one restarted empty; every Push the client
+ *   made is acknowledged, and all three replicas end with exactly the
+ *   initial rows less lr x the acknowledged Pushes. */
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -549,5 +555,180 @@ static int t_any_order(void)
     return 0;
 }
 
+/* ---- proc: bex-ps processes, kill -9 and SIGSTOP for real ---- */
+
+#define PROC_TTL "2000"
+
+static pid_t ps_pid[NREP];
+static char ps_args[NREP][2][64]; /* [1]: its --listen */
+
+static void proc_start(int r, const char *reps)
+{
+    const char *const args[] = {"--etcd",
+                                url,
+                                "--primary-backup",
+                                "--replicas",
+                                reps,
+                                "--listen",
+                                ps_args[r][1],
+                                "--n-shards",
+                                "1",
+                                "--shard",
+                                "0",
+                                "--transport",
+                                "tcp",
+                                "--table",
+                                "1:8:sgd:0.1",
+                                "--lease-ttl-ms",
+                                PROC_TTL,
+                                "--lease-margin-ms",
+                                "500",
+                                "--forward-timeout-ms",
+                                "1000",
+                                NULL};
+    ps_pid[r] = bex_ps_start(args, NULL, 0);
+}
+
+/* The replica etcd names primary now (index), or -1. */
+static int proc_primary(const struct fo *p)
+{
+    char v[64] = "";
+    uint64_t cr, mr;
+    if (bex__elect_get(url, "/bex/ps/ps/0/primary", &cr, &mr, v, sizeof v) || !cr)
+        return -1;
+    for (int r = 0; r < NREP; r++)
+        if (!strcmp(v, ps_args[r][1]))
+            return r;
+    (void)p;
+    return -1;
+}
+
+static int proc_wait_primary(const struct fo *p, int not )
+{
+    for (uint64_t end = bex_test_now_ms() + 15000 * time_scale(); bex_test_now_ms() < end;
+         bex_test_sleep_ms(50)) {
+        int r = proc_primary(p);
+        if (r >= 0 && r != not )
+            return r;
+    }
+    return -1;
+}
+
+static void proc_pushes(bex_ps_client *c, int n, uint32_t *acked, uint64_t *seq)
+{
+    float g[8];
+    for (int d = 0; d < 8; d++)
+        g[d] = 1.0f;
+    for (int i = 0; i < n; i++, (*seq)++) {
+        uint64_t key = 1000 + *seq % NKEY;
+        CHECK_OK(bex_ps_push_sync(c, 1, 8, &key, 1, g));
+        acked[*seq % NKEY]++;
+    }
+}
+
+/* Replica r's rows match init - 0.1 x acked exactly (false: not yet). */
+static bool proc_rows_ok(bex_ctx *ctx, const struct fo *p, int r, const uint32_t *acked)
+{
+    char j[256], err[128];
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s\"}]}]}}}",
+             ps_args[r][1]);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    bex_ps_client_config cc = {.dir = d, .timeout_ms = 2000 * time_scale()};
+    bex_ps_client *c;
+    CHECK_OK(bex_ps_client_create(ctx, &cc, &c));
+    bool ok = true;
+    for (int k = 0; k < NKEY && ok; k++) {
+        uint64_t key = 1000 + (uint64_t)k;
+        float row[8];
+        ok = bex_ps_fetch_sync(c, 1, 8, &key, 1, row) == 0;
+        for (uint32_t col = 0; col < 8 && ok; col++) {
+            float w = bex_ps_init_value(1, key, col, 0.01f);
+            for (uint32_t i = 0; i < acked[k]; i++)
+                w -= 0.1f * 1.0f;
+            ok = !memcmp(&w, &row[col], 4);
+        }
+    }
+    bex_ps_client_destroy(c);
+    bex_dir_destroy(d);
+    (void)p;
+    return ok;
+}
+
+static void proc_wait_rows(bex_ctx *ctx, const struct fo *p, int r, const uint32_t *acked)
+{
+    uint64_t end = bex_test_now_ms() + 15000 * time_scale();
+    while (!proc_rows_ok(ctx, p, r, acked)) {
+        CHECK(bex_test_now_ms() < end);
+        bex_test_sleep_ms(100);
+    }
+}
+
+static int t_proc(void)
+{
+    start_etcd();
+    struct fo p = {0};
+    char reps[256] = "";
+    for (int r = 0; r < NREP; r++) {
+        snprintf(ps_args[r][1], 64, "127.0.0.1:%u", free_port());
+        snprintf(reps + strlen(reps), sizeof reps - strlen(reps), "%s%s", r ? "," : "",
+                 ps_args[r][1]);
+    }
+    for (int r = 0; r < NREP; r++)
+        proc_start(r, reps);
+    /* a stopped primary's connection is given up after 2 s (keepalive):
+     * the Push in doubt then goes to the next replica */
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ctx_config base = {.keepalive_timeout_ms = 2000, .connect_timeout_ms = 2000};
+    bex_ctx_config sc = scaled(&base, a1);
+    bex_ctx *cctx;
+    CHECK_OK(bex_ctx_create(&sc, &cctx));
+    char j[512], err[128];
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s\"},{\"addr\":"
+             "\"%s\"},{\"addr\":\"%s\"}]}]}}}",
+             ps_args[0][1], ps_args[1][1], ps_args[2][1]);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    bex_ps_client_config cc = {.dir = d,
+                               .timeout_ms = 30000 * time_scale(),
+                               .attempt_timeout_ms = 1000 * time_scale(),
+                               .connect_timeout_ms = 500 * time_scale(),
+                               .push_mode = BEX_PS_PUSH_PRIMARY};
+    bex_ps_client *c;
+    CHECK_OK(bex_ps_client_create(cctx, &cc, &c));
+    uint32_t acked[NKEY] = {0};
+    uint64_t seq = 0;
+    proc_pushes(c, 30, acked, &seq);
+    int p1 = proc_wait_primary(&p, -1);
+    CHECK(p1 >= 0);
+    /* kill -9 the primary: a backup takes over, every Push acknowledged */
+    CHECK(kill(ps_pid[p1], SIGKILL) == 0);
+    waitpid(ps_pid[p1], NULL, 0);
+    proc_pushes(c, 30, acked, &seq);
+    int p2 = proc_wait_primary(&p, p1);
+    CHECK(p2 >= 0);
+    /* SIGSTOP the new primary past its lease, then SIGCONT */
+    CHECK(kill(ps_pid[p2], SIGSTOP) == 0);
+    proc_pushes(c, 20, acked, &seq);
+    int p3 = proc_wait_primary(&p, p2);
+    CHECK(p3 >= 0 && p3 != p1);
+    CHECK(kill(ps_pid[p2], SIGCONT) == 0);
+    proc_start(p1, reps); /* the killed one back, empty: it copies */
+    proc_pushes(c, 20, acked, &seq);
+    for (int r = 0; r < NREP; r++)
+        proc_wait_rows(cctx, &p, r, acked);
+    bex_ps_client_destroy(c);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(cctx));
+    for (int r = 0; r < NREP; r++)
+        term_bex_ps(ps_pid[r]);
+    return 0;
+}
+
 BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop}, {"backup_down", t_backup_down},
-              {"any_order", t_any_order})
+              {"any_order", t_any_order}, {"proc", t_proc})
