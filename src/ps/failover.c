@@ -94,17 +94,20 @@ static void lead(struct bex_ps_failover *f, uint64_t epoch, const char *set, boo
 {
     char text[SET_MAX];
     bex_rpc_endpoint bk[BEX_PS_REPLICAS_MAX];
+    bool out[BEX_PS_REPLICAS_MAX];
     size_t nb = 0;
     set_text(f, set_absent ? NULL : set, -1, text, sizeof text);
     if (set_absent && bex__elect_put_if(f->url, f->set_key, text, f->key, epoch))
         return; /* the term ended already: the next round sees it */
     for (size_t i = 0; i < f->n; i++)
-        if (i != f->self && in_set(text, f->names[i]))
+        if (i != f->self) {
+            out[nb] = !in_set(text, f->names[i]); /* probed, rejoins when in step */
             bk[nb++] = f->reps[i];
-    int rc = bex__ps_repl_lead(f->s, epoch, f->el, bk, nb);
+        }
+    int rc = bex__ps_repl_lead(f->s, epoch, f->el, bk, out, nb);
     f->fit = rc == 0;
     bex__log(&f->s->log, rc ? BEX_LOG_ERROR : BEX_LOG_INFO,
-             "ps shard %u: primary for epoch %llu with %zu backups (%s)%s%s", f->s->shard,
+             "ps shard %u: primary for epoch %llu, %zu other replicas, set %s%s%s", f->s->shard,
              (unsigned long long)epoch, nb, text, rc ? ": " : "", rc ? bex_strerror(rc) : "");
 }
 
@@ -141,7 +144,7 @@ static int rejoin(struct bex_ps_failover *f, uint64_t epoch, const char *set, ui
     int rc = bex__ps_repl_probe(s, b); /* a live one starts its copy on this */
     if (rc && rc != -ESTALE && rc != -EAGAIN)
         return rc; /* not there */
-    if (!(rc = bex__ps_repl_pause(s, f->resync_ms))) {
+    if (!(rc = bex__ps_repl_pause(s, s->rp.fwd_timeout_ms))) {
         uint64_t end = bex__rpc_now_ns() + (uint64_t)f->resync_ms * 1000000ull;
         while ((rc = bex__ps_repl_probe(s, b)) && (rc == -ESTALE || rc == -EAGAIN) &&
                bex__rpc_now_ns() < end) {

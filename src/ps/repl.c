@@ -618,7 +618,7 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
 /* ---- etcd mode: a change of term (failover.c) ---- */
 
 int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
-                      const bex_rpc_endpoint *backups, size_t n)
+                      const bex_rpc_endpoint *backups, const bool *out, size_t n)
 {
     struct repl *rp = &s->rp;
     if (n >= BEX_PS_REPLICAS_MAX)
@@ -630,6 +630,7 @@ int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
     for (size_t i = 0; i < n && !rc; i++) {
         bk[i].addr = backups[i].addr;
         bk[i].transport = backups[i].transport;
+        bk[i].out = out[i]; /* not in the set: probed, and rejoins when in step */
         rc = bk_channel(rp, rp->ctx, &bk[i]);
     }
     struct backup *old = bk;
@@ -685,13 +686,14 @@ int bex__ps_repl_pause(bex_ps_shard *s, uint32_t wait_ms)
     uint64_t end = bex__rpc_now_ns() + (uint64_t)wait_ms * 1000000ull;
     pthread_mutex_lock(&s->mu);
     s->rp.paused = true;
-    while (s->rp.inflight && bex__rpc_now_ns() < end) {
+    /* a Push waiting for a removal (the agent's, who pauses) ends the wait */
+    while (s->rp.inflight && !s->rp.rm && bex__rpc_now_ns() < end) {
         pthread_mutex_unlock(&s->mu);
         struct timespec ts = {0, 2000000};
         nanosleep(&ts, NULL);
         pthread_mutex_lock(&s->mu);
     }
-    int rc = s->rp.inflight ? -ETIMEDOUT : 0;
+    int rc = !s->rp.inflight ? 0 : s->rp.rm ? -EBUSY : -ETIMEDOUT;
     pthread_mutex_unlock(&s->mu);
     return rc;
 }

@@ -218,13 +218,14 @@ void bex__ps_repl_take_cut(bex_ps_shard *s);
 int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const void *body, size_t len,
                          bex_rpc_req *req);
 int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rpc_req *req);
-/* etcd mode (failover.c): lead with epoch (lease el) and backups[0..n);
+/* etcd mode (failover.c): lead with epoch (lease el) and backups[0..n)
+ * (out[i]: not in the replica set);
  * follow (a backup of a primary of epoch, not synced yet); the backups
  * the removals wait for (their indexes into out, at most cap), and the
  * outcome of removing backup b (0: removed, the forwards waiting go on
  * without it; else they fail). */
 int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
-                      const bex_rpc_endpoint *backups, size_t n);
+                      const bex_rpc_endpoint *backups, const bool *out, size_t n);
 void bex__ps_repl_follow(bex_ps_shard *s, uint64_t epoch);
 size_t bex__ps_repl_removals(bex_ps_shard *s, uint32_t *out, size_t cap);
 void bex__ps_repl_removed(bex_ps_shard *s, uint32_t b, int status);

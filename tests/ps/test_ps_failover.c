@@ -23,6 +23,9 @@
  *   etcd and Pushes keep being acknowledged; restarted empty on its
  *   address, it copies from the primary and is back in the set; rows
  *   exact, replicas equal.
+ * out_at_election: a backup killed (out of the set), then the primary:
+ *   the third replica leads alone; the backup restarted copies from it
+ *   and is back in its set; rows exact.
  * any_order: a client (bex_ps_client, BEX_PS_PUSH_PRIMARY, a directory
  *   of the three addresses) starts Pushing first, the replicas come
  *   next (their agents wait for etcd), etcd last: every Push of the
@@ -312,11 +315,13 @@ static void wait_one(struct fo *p, int prim, int r)
         pthread_mutex_lock(&p->s[r]->mu);
         bool ok = p->s[r]->rp.synced && p->s[r]->rp.epoch == p->s[prim]->rp.epoch;
         pthread_mutex_unlock(&p->s[r]->mu);
+        bool listed = false;
         pthread_mutex_lock(&p->s[prim]->mu);
         for (size_t b = 0; b < p->s[prim]->rp.n_bk; b++)
             if (p->s[prim]->rp.bk[b].addr.sin_port == p->ep[r].addr.sin_port)
-                ok &= !p->s[prim]->rp.bk[b].out; /* back in the set */
+                listed = !p->s[prim]->rp.bk[b].out; /* in the set: forwarded to */
         pthread_mutex_unlock(&p->s[prim]->mu);
+        ok &= listed;
         if (ok)
             return;
         CHECK(bex_test_now_ms() < end);
@@ -470,6 +475,35 @@ static int t_backup_down(void)
     set_now(set, sizeof set);
     CHECK(strstr(set, name));
     for (int i = 0; i < 10; i++)
+        push_one(&p);
+    rows_check(&p);
+    fo_stop(&p);
+    return 0;
+}
+
+/* A backup out of the set when the primary dies is rejoined by the next
+ * primary (which lists it out of the set, probes it, and lets it back). */
+static int t_out_at_election(void)
+{
+    start_etcd();
+    struct fo p = {0};
+    fo_start(&p);
+    int prim = wait_primary(&p, -1, 15000);
+    CHECK(prim >= 0);
+    wait_synced(&p, prim);
+    int bk = (prim + 1) % NREP, other = (prim + 2) % NREP;
+    fo_kill(&p, bk);
+    for (int i = 0; i < 10; i++)
+        push_one(&p); /* bk leaves the set */
+    fo_kill(&p, prim);
+    for (int i = 0; i < 10; i++)
+        push_one(&p); /* other leads, alone in the set */
+    CHECK_EQ(wait_primary(&p, prim, 1), other);
+    fo_restart(&p, bk);
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    wait_one(&p, other, bk); /* copied and back in the set */
+    for (int i = 0; i < 5; i++)
         push_one(&p);
     rows_check(&p);
     fo_stop(&p);
@@ -731,4 +765,4 @@ static int t_proc(void)
 }
 
 BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop}, {"backup_down", t_backup_down},
-              {"any_order", t_any_order}, {"proc", t_proc})
+              {"any_order", t_any_order}, {"proc", t_proc}, {"out_at_election", t_out_at_election})
