@@ -68,7 +68,8 @@ struct bex_ps_client {
     /* BEX_PS_PUSH_PRIMARY: per shard, the replica (index into push[s])
      * taken for primary; Pushes to send again (retry_main), under mu */
     uint32_t *prim;
-    struct bex__list rq; /* struct sub.rl, oldest first (one pause for all: in time order) */
+    _Atomic uint64_t *epoch; /* per shard: the primary's term its last answer gave (0: none) */
+    struct bex__list rq;     /* struct sub.rl, oldest first (one pause for all: in time order) */
     uint64_t retry_ns;
     pthread_t rthr;
     pthread_cond_t rcv;
@@ -114,7 +115,8 @@ static int retry_start(bex_ps_client *c, uint32_t n)
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&c->rcv, &ca);
     pthread_condattr_destroy(&ca);
-    if (!(c->prim = calloc(n, sizeof *c->prim)) || pthread_create(&c->rthr, NULL, retry_main, c))
+    if (!(c->prim = calloc(n, sizeof *c->prim)) || !(c->epoch = calloc(n, sizeof *c->epoch)) ||
+        pthread_create(&c->rthr, NULL, retry_main, c))
         return -ENOMEM;
     c->rthr_on = true;
     return 0;
@@ -235,6 +237,7 @@ void bex_ps_client_destroy(bex_ps_client *c)
     if (c->prim)
         pthread_cond_destroy(&c->rcv);
     free(c->prim);
+    free((void *)c->epoch);
     pthread_mutex_destroy(&c->mu);
     free(c->ch);
     free(c);
@@ -382,8 +385,10 @@ static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
     pthread_mutex_lock(&c->mu);
     bool ok = !c->rstop;
     if (ok) {
-        if (status != -EAGAIN && c->prim[sb->shard] == sb->pi)
+        if (status != -EAGAIN && c->prim[sb->shard] == sb->pi) {
             c->prim[sb->shard]++;
+            atomic_store(&c->epoch[sb->shard], 0); /* the next primary's term is not known */
+        }
         sb->at_ns = now + c->retry_ns;
         bex__list_push_tail(&c->rq, &sb->rl);
         pthread_cond_signal(&c->rcv);
@@ -411,6 +416,7 @@ static void resend(bex_ps_client *c, struct sub *sb)
     rc = !ch ? (rc ? rc : -EHOSTUNREACH) : b ? 0 : -ENOMEM;
     if (b) {
         memcpy(b, sb->copy, sb->len);
+        bex__ps_put64(b + BEX__PS_HDR_LEN + BEX__PS_ID_LEN, atomic_load(&c->epoch[sb->shard]));
         bex_rpc_call_opts o = {
             .timeout_ms = (uint32_t)((sb->end_ns > now ? sb->end_ns - now : 0) / 1000000 + 1)};
         if ((rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, sb->len, &o, sub_done, sb,
@@ -474,6 +480,8 @@ static void sub_done(int status, void *body, size_t len, void *user)
     struct op *op = sb->op;
     if (status == 0)
         status = bex__ps_check_resp(op->method, body, len, op->table, sb->n, op->dim);
+    if (sb->copy && status == 0 && bex__ps_resp_epoch(body, len))
+        atomic_store(&op->c->epoch[sb->shard], bex__ps_resp_epoch(body, len));
     if (sb->copy && status && retry_later(op->c, sb, status)) {
         bex_rpc_free(body);
         return;
@@ -504,7 +512,8 @@ static int shard_counts(bex_ps_client *c, uint32_t method, uint32_t dim, const u
     for (size_t i = 0; i < n; i++)
         cnt[bex_ps_key_shard(keys[i], c->n_shards)]++;
     for (size_t s = 0; s < ns; s++)
-        if (bex__ps_req_len(method, cnt[s], dim) + (method == BEX_PS_M_PUSH ? BEX__PS_ID_LEN : 0) >
+        if (bex__ps_req_len(method, cnt[s], dim) +
+                    (method == BEX_PS_M_PUSH ? BEX__PS_ID_LEN + BEX__PS_EPOCH_LEN : 0) >
                 BEX_PS_BODY_MAX ||
             (size_t)BEX__PS_HDR_LEN + 4 * (size_t)cnt[s] * dim > BEX_PS_BODY_MAX) {
             free(cnt);
@@ -560,7 +569,13 @@ static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const ui
                                  .id_client = c->push_client,
                                  .id_seq = id_seq,
                                  .id_tok = {c->push_tok[0], c->push_tok[1]}};
-    size_t len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0);
+    if (push && c->prim) {
+        /* the term the client knows (0: none yet): another primary's refuses */
+        h.flags |= BEX__PS_F_EPOCH;
+        h.epoch = atomic_load(&c->epoch[sb->shard]);
+    }
+    size_t len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0) +
+                 ((h.flags & BEX__PS_F_EPOCH) ? BEX__PS_EPOCH_LEN : 0);
     uint8_t *b = bex_rpc_alloc(c->ctx, len);
     if (!b) {
         sub_end(sb, -ENOMEM);

@@ -20,7 +20,9 @@ int bex__ps_fenced_admit(bex_ps_shard *s, const struct bex__ps_hdr *h)
     struct repl *rp = &s->rp;
     if (rp->role != BEX_PS_ROLE_PRIMARY)
         return -EPERM;
-    if (!bex__ps_lease_held(rp) || ((h->flags & BEX__PS_F_EPOCH) && h->epoch != rp->epoch)) {
+    /* epoch 0: a client that does not know the term yet */
+    if (!bex__ps_lease_held(rp) ||
+        ((h->flags & BEX__PS_F_EPOCH) && h->epoch && h->epoch != rp->epoch)) {
         s->st.not_primary++;
         return -ESTALE; /* not surely primary now, or the client saw another term */
     }

@@ -96,8 +96,9 @@ static inline void bex__ps_hdr_put(uint8_t *p, const struct bex__ps_hdr *h)
         bex__ps_put64(p + BEX__PS_HDR_LEN + 16, h->id_tok[0]);
         bex__ps_put64(p + BEX__PS_HDR_LEN + 24, h->id_tok[1]);
     }
-    if (h->flags & BEX__PS_F_EPOCH)
-        bex__ps_put64(p + BEX__PS_HDR_LEN + BEX__PS_ID_LEN, h->epoch);
+    if (h->flags & BEX__PS_F_EPOCH) /* after the id; a Push answer's right after the header */
+        bex__ps_put64(p + BEX__PS_HDR_LEN + ((h->flags & BEX__PS_F_ID) ? BEX__PS_ID_LEN : 0),
+                      h->epoch);
 }
 
 /* Bytes of a request body of method for n keys of dim floats (a Push's
@@ -109,11 +110,21 @@ size_t bex__ps_req_len(uint32_t method, uint32_t n, uint32_t dim);
 int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps_hdr *h);
 
 /* Check an answer to a request of method for (table, n, dim). 0 or
- * -EBADMSG. */
+ * -EBADMSG. A Push answer may carry EPOCH (an etcd-mode primary's term,
+ * u64 after the header: bex__ps_resp_epoch). */
 int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t table, uint32_t n,
                        uint32_t dim);
 
 uint64_t bex__ps_mix(uint64_t x);
+
+/* The epoch a checked Push answer carries, 0 when none. */
+static inline uint64_t bex__ps_resp_epoch(const void *body, size_t len)
+{
+    const uint8_t *p = body;
+    return len == BEX__PS_HDR_LEN + BEX__PS_EPOCH_LEN && (p[2] & BEX__PS_F_EPOCH)
+               ? bex__ps_get64(p + BEX__PS_HDR_LEN)
+               : 0;
+}
 
 /* ---- catch-up (BEX_PS_M_COPY; docs/protocol.md, "Catch-up") ---- */
 

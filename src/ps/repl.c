@@ -180,19 +180,23 @@ static void fop_put(struct fop *op)
         return;
     int st = atomic_load(&op->status);
     bex_ps_shard *s = op->s;
+    struct bex__ps_hdr a = {.table = op->h.table, .n = op->h.n, .dim = op->h.dim};
     if (!st && s->rp.fenced) {
         pthread_mutex_lock(&s->mu);
         if (!bex__ps_lease_held(&s->rp))
             st = -ESTALE; /* the lease may have expired: another may lead now */
+        a.epoch = s->rp.epoch;
         pthread_mutex_unlock(&s->mu);
+        if (op->h.flags & BEX__PS_F_EPOCH)
+            a.flags = BEX__PS_F_EPOCH; /* the term, for the client's next Pushes */
     }
-    uint8_t *out = st ? NULL : bex_rpc_alloc(op->s->rp.ctx, BEX__PS_HDR_LEN);
+    size_t alen = BEX__PS_HDR_LEN + (a.flags ? BEX__PS_EPOCH_LEN : 0);
+    uint8_t *out = st ? NULL : bex_rpc_alloc(op->s->rp.ctx, alen);
     if (!st && !out)
         st = -ENOMEM;
     if (out)
-        bex__ps_hdr_put(
-            out, &(struct bex__ps_hdr){.table = op->h.table, .n = op->h.n, .dim = op->h.dim});
-    bex_rpc_reply(op->req, st, out, out ? BEX__PS_HDR_LEN : 0);
+        bex__ps_hdr_put(out, &a);
+    bex_rpc_reply(op->req, st, out, out ? alen : 0);
     pthread_mutex_lock(&s->mu);
     s->rp.inflight--;
     pthread_mutex_unlock(&s->mu);

@@ -52,8 +52,8 @@ int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps
     }
     if (h->flags & BEX__PS_F_EPOCH) {
         /* only after an id */
-        if (!(h->flags & BEX__PS_F_ID) || len < want - bex__ps_req_len(method, h->n, h->dim) +
-                                                    BEX__PS_HDR_LEN + BEX__PS_EPOCH_LEN)
+        if (!(h->flags & BEX__PS_F_ID) ||
+            len < BEX__PS_HDR_LEN + BEX__PS_ID_LEN + BEX__PS_EPOCH_LEN)
             return -EINVAL;
         h->epoch = bex__ps_get64((const uint8_t *)body + BEX__PS_HDR_LEN + BEX__PS_ID_LEN);
         want += BEX__PS_EPOCH_LEN;
@@ -68,9 +68,10 @@ int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t t
                        uint32_t dim)
 {
     struct bex__ps_hdr h;
-    if (hdr_get(body, len, &h) || h.flags || h.table != table || h.n != n || h.dim != dim)
+    if (hdr_get(body, len, &h) || (h.flags & ~BEX__PS_F_EPOCH) ||
+        (h.flags && method != BEX_PS_M_PUSH) || h.table != table || h.n != n || h.dim != dim)
         return -EBADMSG;
-    size_t want = BEX__PS_HDR_LEN;
+    size_t want = BEX__PS_HDR_LEN + (h.flags ? BEX__PS_EPOCH_LEN : 0);
     if (method == BEX_PS_M_FETCH)
         want += 4 * (size_t)n * dim;
     return len == want ? 0 : -EBADMSG;

@@ -13,6 +13,8 @@
  *   slack, every Push acknowledged, each row exactly the initial value
  *   less lr times its acknowledged Pushes (none lost, none twice), and
  *   the two survivors equal bit for bit; the new epoch is above the old.
+ *   A Push naming another epoch (EPOCH flag) is refused -ESTALE; one
+ *   naming 0 is applied and its answer carries the primary's epoch.
  * sigstop: the primary's agent and keep-alives held (a stopped process)
  *   past its lease: it acknowledges nothing from its lease's deadline on
  *   (a Push sent to it is refused -ESTALE), a backup takes over, and when
@@ -240,21 +242,43 @@ static int call_raw(bex_rpc_channel *ch, bex_ctx *ctx, const void *body, size_t 
     return call_method(ch, ctx, BEX_PS_M_PUSH, body, len);
 }
 
-static size_t push_body(uint8_t *b, uint64_t key, uint64_t seq)
+/* A Push of one row of key, grads 1, id seq, naming epoch when with. */
+static size_t push_body_ep(uint8_t *b, uint64_t key, uint64_t seq, bool with, uint64_t epoch)
 {
     struct bex__ps_hdr h = {.table = TS->id,
                             .n = 1,
                             .dim = TS->dim,
-                            .flags = BEX__PS_F_ID,
+                            .flags = BEX__PS_F_ID | (with ? BEX__PS_F_EPOCH : 0),
                             .id_client = 99,
                             .id_seq = seq,
-                            .id_tok = {0x3333, 0x4444}};
+                            .id_tok = {0x3333, 0x4444},
+                            .epoch = epoch};
     bex__ps_hdr_put(b, &h);
     uint8_t *q = b + bex__ps_keys_off(&h);
     bex__ps_put64(q, key);
     for (uint32_t d = 0; d < TS->dim; d++)
         bex__ps_putf(q + 8 + 4 * d, 1.0f);
     return bex__ps_keys_off(&h) + 8 + 4 * TS->dim;
+}
+
+static size_t push_body(uint8_t *b, uint64_t key, uint64_t seq)
+{
+    return push_body_ep(b, key, seq, false, 0);
+}
+
+/* A Push's answer's epoch (0: none), or the call's failure (< 0). */
+static int64_t call_epoch(bex_rpc_channel *ch, bex_ctx *ctx, const void *body, size_t len)
+{
+    void *b = bex_rpc_alloc(ctx, len), *resp = NULL;
+    CHECK(b);
+    memcpy(b, body, len);
+    size_t rl = 0;
+    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, len, NULL, &resp, &rl);
+    int64_t e = rc ? rc : (int64_t)bex__ps_resp_epoch(resp, rl);
+    if (!rc)
+        CHECK_OK(bex__ps_check_resp(BEX_PS_M_PUSH, resp, rl, TS->id, 1, TS->dim));
+    bex_rpc_free(resp);
+    return e;
 }
 
 /* One Push (a new id), retried with its id at each live replica in turn
@@ -348,6 +372,15 @@ static int t_kill9(void)
     uint64_t e1 = p.s[prim]->rp.epoch;
     for (int i = 0; i < 40; i++)
         push_one(&p);
+    /* a Push naming another term is refused; one naming none (0) is
+     * applied and its answer names the term */
+    uint8_t b[256];
+    size_t len = push_body_ep(b, 1000 + (p.seq + 1) % NKEY, p.seq + 1, true, e1 + 1);
+    CHECK_EQ(call_epoch(p.ch[prim], p.cctx, b, len), -ESTALE);
+    len = push_body_ep(b, 1000 + (p.seq + 1) % NKEY, p.seq + 1, true, 0);
+    CHECK_EQ(call_epoch(p.ch[prim], p.cctx, b, len), (int64_t)e1);
+    p.seq++;
+    p.acked[p.seq % NKEY]++;
     uint64_t t0 = bex_test_now_ms();
     fo_kill(&p, prim);
     push_one(&p); /* acknowledged by the new primary only */
