@@ -163,6 +163,7 @@ struct fop {
     bex_ps_shard *s;
     bex_rpc_req *req;
     struct bex__ps_hdr h;  /* the answer's */
+    uint64_t lsn;          /* its number (lag.c) */
     _Atomic uint32_t left; /* forwards out, + 1 while sending */
     _Atomic int status;
     struct fcall calls[];
@@ -208,6 +209,8 @@ static void fwd_done(int status, void *body, size_t len, void *user)
                      s->shard, fc->b, bex_strerror(status));
         int zero = 0;
         atomic_compare_exchange_strong(&op->status, &zero, -EHOSTDOWN);
+    } else {
+        bex__ps_lag_acked(s, fc->b, op->lsn);
     }
     fop_put(op);
 }
@@ -321,6 +324,7 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
         if (rc == 0) {
             *lsn = ++s->rp.lsn;
             s->st.fwd_sent += s->rp.n_bk;
+            bex__ps_lag_numbered_locked(s, *lsn);
         }
     }
     pthread_mutex_unlock(&s->mu);
@@ -351,7 +355,7 @@ int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const voi
         free(op);
         return rc;
     }
-    *op = (struct fop){.s = s, .req = req, .h = *h};
+    *op = (struct fop){.s = s, .req = req, .h = *h, .lsn = lsn};
     atomic_store(&op->left, (uint32_t)rp->n_bk + 1);
     bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
     for (uint32_t i = 0; i < rp->n_bk; i++) {
@@ -382,6 +386,7 @@ static int fwd_apply_locked(bex_ps_shard *s, struct fwdh *f)
         bex__ps_push_apply_locked(s, f->t, f->n, f->keys, f->g, f->has_id ? &f->id : NULL, NULL);
     s->rp.next++;
     s->st.fwd_applied++;
+    bex__ps_lag_applied_locked(s);
     if (rc)
         bex__log(&s->log, BEX_LOG_ERROR,
                  "ps shard %u: forward %llu not applied (%s): this backup now differs from its "
