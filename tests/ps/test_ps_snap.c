@@ -155,10 +155,8 @@ static bex_ps_client *client(const struct cluster *c)
 
 static int cut(struct cluster *c, uint32_t flags, bex_ps_snapshot_result *r)
 {
-    bex_ps_snapshot_config sc = {.dir = c->dir,
-                                 .service = "ps",
-                                 .flags = flags,
-                                 .timeout_ms = 20000 * time_scale()};
+    bex_ps_snapshot_config sc = {
+        .dir = c->dir, .service = "ps", .flags = flags, .timeout_ms = 20000 * time_scale()};
     return bex_ps_snapshot_all(c->cctx, &sc, r);
 }
 
@@ -247,9 +245,9 @@ static void check_prefix(struct cluster *c, uint64_t id, const uint64_t *lo, con
                "%llu)\n",
                (unsigned long long)id, t, (long long)per[0], (long long)per[1],
                (unsigned long long)lo[t], (unsigned long long)hi[t]);
-        CHECK(mx - mn <= 1);          /* a prefix: only the Push in flight straddles */
-        CHECK(mn >= (int64_t)lo[t]);  /* every Push acknowledged before the cut */
-        CHECK(mx <= (int64_t)hi[t]);  /* none sent after it */
+        CHECK(mx - mn <= 1);         /* a prefix: only the Push in flight straddles */
+        CHECK(mn >= (int64_t)lo[t]); /* every Push acknowledged before the cut */
+        CHECK(mx <= (int64_t)hi[t]); /* none sent after it */
     }
     for (uint32_t k = 0; k < c->ns; k++)
         bex_ps_shard_destroy(rs[k]);
@@ -550,5 +548,91 @@ static int t_bad_files(void)
     return 0;
 }
 
+/* ---- lag ---- */
+
+static _Atomic int async_rc = 1;
+
+static void push_done(int status, void *user)
+{
+    (void)user;
+    atomic_store(&async_rc, status);
+}
+
+static void prom_has(bex_ps_shard *s, const char *want)
+{
+    static char buf[1 << 16];
+    int n = bex_ps_shard_prometheus(&s, 1, buf, sizeof buf);
+    CHECK(n > 0 && (size_t)n < sizeof buf);
+    if (!strstr(buf, want)) {
+        fprintf(stderr, "/metrics lacks \"%s\"\n", want);
+        CHECK(0);
+    }
+}
+
+static int t_lag(void)
+{
+    struct cluster c;
+    struct in_addr a0, a1;
+    PAIR_NEED(pair_addrs(&a0, &a1));
+    c = (struct cluster){.ns = 1};
+    snprintf(c.tmp, sizeof c.tmp, "/tmp/bex-snap-XXXXXX");
+    CHECK(mkdtemp(c.tmp));
+    /* n[1]: the backup (not in the directory), n[0] its primary */
+    struct node bk = {0};
+    bex_ps_shard_config pc = shard_cfg(&c, 0);
+    pc.role = BEX_PS_ROLE_BACKUP;
+    node_start(&bk, &pc);
+    bex_rpc_endpoint ep = {.addr = bk.addr};
+    pc.role = BEX_PS_ROLE_PRIMARY;
+    pc.backups = &ep;
+    pc.n_backups = 1;
+    pc.forward_timeout_ms = 1500 * time_scale();
+    node_start(&c.n[0], &pc);
+    c.cctx = client_ctx();
+    c.dir = dir_of(&c);
+    bex_ps_client_config cc = {.dir = c.dir,
+                               .timeout_ms = 20000 * time_scale(),
+                               .connect_timeout_ms = 15000 * time_scale(),
+                               .push_mode = BEX_PS_PUSH_PRIMARY};
+    bex_ps_client *pcl;
+    CHECK_OK(bex_ps_client_create(c.cctx, &cc, &pcl));
+    uint64_t keys[2] = {5, 6};
+    for (int i = 0; i < 3; i++)
+        push_keys(pcl, keys, 2);
+    bex_ps_shard_stats st, sb;
+    bex_ps_shard_stats_get(c.n[0].s, &st);
+    bex_ps_shard_stats_get(bk.s, &sb);
+    CHECK(st.n_backups == 1 && st.lag_pushes[0] == 0 && st.lag_ns[0] == 0);
+    CHECK(sb.role == BEX_PS_ROLE_BACKUP && sb.fwd_age_ns > 0 && sb.lsn == 3);
+    prom_has(c.n[0].s, "bex_ps_replica_lag_pushes{shard=\"0\",backup=\"0\"} 0\n");
+    prom_has(c.n[0].s, "bex_ps_failovers_total{shard=\"0\"} 0\n");
+    prom_has(bk.s, "bex_ps_forward_age_seconds{shard=\"0\"} ");
+    /* the backup gone: a Push waits for it, the lag grows */
+    node_stop(&bk);
+    float g[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+    CHECK_OK(bex_ps_push(pcl, ST[0].id, ST[0].dim, keys, 2, g, push_done, NULL));
+    pair_sleep_ms(300);
+    bex_ps_shard_stats_get(c.n[0].s, &st);
+    printf("backup gone: lag %llu Pushes, %.3f s\n", (unsigned long long)st.lag_pushes[0],
+           (double)st.lag_ns[0] / 1e9);
+    CHECK(st.lag_pushes[0] == 1 && st.lag_ns[0] >= 250000000ull);
+    prom_has(c.n[0].s, "bex_ps_replica_lag_pushes{shard=\"0\",backup=\"0\"} 1\n");
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (atomic_load(&async_rc) == 1 && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    CHECK_EQ(atomic_load(&async_rc), -EHOSTDOWN);
+    /* a snapshot: its age and duration */
+    char path[128];
+    snprintf(path, sizeof path, "%s/plain.snap", c.tmp);
+    CHECK_OK(bex_ps_shard_snapshot(c.n[0].s, path));
+    bex_ps_shard_stats_get(c.n[0].s, &st);
+    CHECK(st.snaps == 1 && st.snap_unix_ns > 0 && st.snap_id == 0);
+    prom_has(c.n[0].s, "bex_ps_snapshot_age_seconds{shard=\"0\"} ");
+    prom_has(c.n[0].s, "bex_ps_snapshot_duration_seconds{shard=\"0\"} ");
+    bex_ps_client_destroy(pcl);
+    cluster_stop(&c);
+    return 0;
+}
+
 BEX_TEST_MAIN({"cut", t_cut}, {"incremental", t_incremental}, {"pause", t_pause},
-              {"bad_files", t_bad_files})
+              {"bad_files", t_bad_files}, {"lag", t_lag})
