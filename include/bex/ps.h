@@ -179,6 +179,10 @@ typedef struct bex_ps_shard_config {
     uint64_t restore_cut;
     uint32_t cut_pause_ms, cut_full_every, cut_min_interval_ms;
     uint64_t cut_hold_max;
+    /* A primary: the longest it holds Pushes while a new backup copies it
+     * and joins (bex_ps_shard_join; 10000, at most 600000); past it the
+     * join is refused and the Pushes go on. */
+    uint32_t join_pause_ms;
 } bex_ps_shard_config;
 
 enum {
@@ -314,6 +318,36 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
  * -EINVAL, -ENOMEM. The RPC servers' side (requests, dedup, latency from
  * dispatch to answer): bex_rpc_server_prometheus. */
 int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, size_t cap);
+
+/* ---- adding a backup to a running shard (docs/architecture.md,
+ * "Replication") ---- */
+
+/* clang-format off */
+#define BEX_PS_JOIN_CONFIG_INIT {.size = sizeof(bex_ps_join_config)}
+/* clang-format on */
+typedef struct bex_ps_join_config {
+    size_t size;              /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
+    bex_rpc_endpoint primary; /* the shard's primary */
+    bex_rpc_endpoint self;    /* where the primary forwards to this backup (it listens there) */
+    uint32_t timeout_ms;      /* the whole join's deadline (10000) */
+    uint32_t chunk_bytes;     /* the copy's (bex_ps_catchup_config) */
+    uint64_t max_bytes;
+} bex_ps_join_config;
+
+/* Add the shard s (created BEX_PS_ROLE_BACKUP with BEX_PS_SHARD_CATCHUP,
+ * its server listening at cfg->self) to the replica set of its running
+ * primary: the primary holds new Pushes (held, never failed; at most its
+ * join_pause_ms), s copies the primary (bex_ps_shard_catchup: its rows,
+ * the ids of the Pushes applied and its position), the primary adds s to
+ * its backups and releases the Pushes, each then forwarded to s too. From
+ * then on s is a backup like the others: a Push is acknowledged once it
+ * applied it. Returns 0, or the error that ended it (the primary's
+ * refusal: -EPERM not a primary, -EEXIST already a backup, -ENOSPC
+ * BEX_PS_BACKUPS_MAX backups, -EBUSY a cut or join under way; the copy's;
+ * -ETIMEDOUT the primary's pause ran out): s is then not in the set (it
+ * serves what it copied, no forward reaches it). Blocks: never from a
+ * callback of ctx. */
+int bex_ps_shard_join(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *cfg);
 
 /* ---- consistent cuts of the whole model (docs/architecture.md,
  * "Snapshots") ---- */

@@ -95,8 +95,8 @@ static double secs(uint64_t ns)
 }
 
 /* Per backup of each primary: its lag in Pushes and in seconds. */
-static void lag_prom(struct bex__prom *o, bex_ps_shard *const *shards, const bex_ps_shard_stats *sst,
-                     size_t n)
+static void lag_prom(struct bex__prom *o, bex_ps_shard *const *shards,
+                     const bex_ps_shard_stats *sst, size_t n)
 {
     bex__prom_printf(o, "# HELP bex_ps_replica_lag_pushes Pushes a primary numbered that the "
                         "backup has not acknowledged.\n# TYPE bex_ps_replica_lag_pushes gauge\n");
@@ -115,8 +115,8 @@ static void lag_prom(struct bex__prom *o, bex_ps_shard *const *shards, const bex
                         "last forward.\n# TYPE bex_ps_forward_age_seconds gauge\n");
     for (size_t k = 0; k < n; k++)
         if (sst[k].role == BEX_PS_ROLE_BACKUP)
-            bex__prom_printf(o, "bex_ps_forward_age_seconds{shard=\"%u\"} %.6f\n",
-                             shards[k]->shard, secs(sst[k].fwd_age_ns));
+            bex__prom_printf(o, "bex_ps_forward_age_seconds{shard=\"%u\"} %.6f\n", shards[k]->shard,
+                             secs(sst[k].fwd_age_ns));
 }
 
 /* One gauge or counter family over the shards: value(k) per shard. */
@@ -170,8 +170,8 @@ void bex__ps_ops_prom(struct bex__prom *o, bex_ps_shard *const *shards,
     lag_prom(o, shards, sst, n);
     family(o, shards, sst, n, "bex_ps_failovers_total", "counter",
            "Times this replica became primary by a failover", v_failovers, now);
-    family(o, shards, sst, n, "bex_ps_snapshots_total", "counter",
-           "Snapshots and cuts written", v_snaps, now);
+    family(o, shards, sst, n, "bex_ps_snapshots_total", "counter", "Snapshots and cuts written",
+           v_snaps, now);
     family(o, shards, sst, n, "bex_ps_snapshot_failures_total", "counter",
            "Cuts aborted and snapshots or cuts not written", v_fails, now);
     family(o, shards, sst, n, "bex_ps_snapshot_age_seconds", "gauge",

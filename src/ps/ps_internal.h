@@ -184,7 +184,17 @@ static inline int bex__ps_fwd_get(const void *body, size_t len, struct bex__ps_f
  * held, u64 rows written, u32 full (1) or incremental (0), u32 0. */
 #define BEX__PS_CUT_HDR_LEN 16
 #define BEX__PS_CUT_ANS_LEN (BEX__PS_CUT_HDR_LEN + 32)
-enum { BEX__PS_CUT_PREPARE = 1, BEX__PS_CUT_COMMIT = 2, BEX__PS_CUT_ABORT = 3 };
+enum {
+    BEX__PS_CUT_PREPARE = 1,
+    BEX__PS_CUT_COMMIT = 2,
+    BEX__PS_CUT_ABORT = 3,
+    /* a new backup's join: JOIN (the header, then u32 IPv4 address and
+     * u16 port in network order, u16 transport) holds the Pushes; JOINED
+     * adds it and releases them; ABORT lets them go */
+    BEX__PS_CUT_JOIN = 4,
+    BEX__PS_CUT_JOINED = 5,
+};
+#define BEX__PS_JOIN_LEN   (BEX__PS_CUT_HDR_LEN + 8)
 #define BEX__PS_CUT_F_FULL 1u
 struct bex__ps_cut_hdr {
     uint8_t op, flags;
@@ -204,7 +214,7 @@ static inline int bex__ps_cut_get(const void *body, size_t len, struct bex__ps_c
 {
     const uint8_t *p = body;
     if (!p || len < BEX__PS_CUT_HDR_LEN || p[0] != BEX__PS_VERSION || p[1] < BEX__PS_CUT_PREPARE ||
-        p[1] > BEX__PS_CUT_ABORT || (p[2] & ~BEX__PS_CUT_F_FULL) || p[3] || bex__ps_get32(p + 4))
+        p[1] > BEX__PS_CUT_JOINED || (p[2] & ~BEX__PS_CUT_F_FULL) || p[3] || bex__ps_get32(p + 4))
         return -EINVAL;
     h->op = p[1];
     h->flags = p[2];

@@ -45,7 +45,9 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     rp->win_n = cfg->forward_window ? cfg->forward_window : FWD_WINDOW;
     rp->hold_max = cfg->forward_hold_max ? cfg->forward_hold_max : FWD_HOLD_MAX;
     rp->retry_ns = (uint64_t)(cfg->backup_retry_ms ? cfg->backup_retry_ms : 1000) * 1000000ull;
-    if (cfg->n_backups && !(rp->bk = calloc(cfg->n_backups, sizeof *rp->bk)))
+    /* a primary's room for every backup: one may join later (join.c),
+     * while forwards to the others complete */
+    if (cfg->role == BEX_PS_ROLE_PRIMARY && !(rp->bk = calloc(BEX_PS_BACKUPS_MAX, sizeof *rp->bk)))
         return -ENOMEM;
     rp->n_bk = cfg->n_backups;
     for (size_t i = 0; i < rp->n_bk; i++) {

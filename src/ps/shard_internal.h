@@ -269,6 +269,12 @@ int bex__ps_cut_make(bex_ps_shard *s, uint64_t id, uint64_t prev, char **buf, si
 int bex__ps_cut_restore(bex_ps_shard *s, const char *dir, uint64_t id, uint32_t *chain);
 int bex__ps_cut_path(char *out, size_t cap, const char *dir, uint32_t shard, uint64_t id);
 
+/* join.c: a JOIN's backup checked (a primary, room, not there yet),
+ * added (its channel made; in step at the primary's lsn), decoded. */
+int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep);
+int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep);
+void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep);
+
 int bex__ps_lag_init(bex_ps_shard *s);
 void bex__ps_lag_fini(bex_ps_shard *s);
 void bex__ps_lag_numbered_locked(bex_ps_shard *s, uint64_t lsn);

@@ -29,14 +29,14 @@ static int run_phase(bex_ctx *ctx, bex_rpc_channel **ch, uint32_t n, uint8_t op,
 {
     bex_rpc_call_opts o = {.timeout_ms = timeout_ms};
     for (uint32_t i = 0; i < n; i++) {
-        ph[i] = (struct phase){.w = {.mu = PTHREAD_MUTEX_INITIALIZER,
-                                     .cv = PTHREAD_COND_INITIALIZER}};
+        ph[i] =
+            (struct phase){.w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER}};
         uint8_t *b = bex_rpc_alloc(ctx, BEX__PS_CUT_HDR_LEN);
         ph[i].rc = b ? 0 : -ENOMEM;
         if (b) {
             bex__ps_cut_put(b, &(struct bex__ps_cut_hdr){.op = op, .flags = flags, .id = id});
-            ph[i].rc = bex_rpc_call(ch[i], BEX_PS_SERVICE, BEX_PS_M_CUT, b, BEX__PS_CUT_HDR_LEN,
-                                    &o, bex__rpc_wait_done, &ph[i].w, NULL);
+            ph[i].rc = bex_rpc_call(ch[i], BEX_PS_SERVICE, BEX_PS_M_CUT, b, BEX__PS_CUT_HDR_LEN, &o,
+                                    bex__rpc_wait_done, &ph[i].w, NULL);
             if (ph[i].rc)
                 bex_rpc_free(b);
         }
@@ -81,8 +81,8 @@ static int sum_commits(const struct phase *ph, uint32_t n, uint64_t id, bex_ps_s
 }
 
 /* A channel to the first replica listed of each shard (its primary). */
-static int open_channels(bex_ctx *ctx, const bex_ps_snapshot_config *c, const char *svc,
-                         uint32_t n, uint32_t timeout_ms, bex_rpc_channel **ch)
+static int open_channels(bex_ctx *ctx, const bex_ps_snapshot_config *c, const char *svc, uint32_t n,
+                         uint32_t timeout_ms, bex_rpc_channel **ch)
 {
     for (uint32_t i = 0; i < n; i++) {
         bex_dir_replica rep;

@@ -36,6 +36,8 @@
 #define CUT_HOLD_MAX     (64ull << 20)
 #define CUT_FULL_EVERY   8u
 #define CUT_MIN_IV_MS    100u
+#define JOIN_PAUSE_MS    10000u
+#define JOIN_PAUSE_MAX   600000u
 
 enum { CUT_IDLE, CUT_PREPARING, CUT_HELD };
 
@@ -57,8 +59,10 @@ struct cut {
     _Atomic bool holding;
     /* under s->mu */
     int state;
-    uint64_t id, last_id, prep_ns, prep_unix, last_prep_ns;
-    uint32_t since_full; /* incremental cuts since the last full */
+    uint64_t id, last_id, prep_ns, prep_unix, last_prep_ns, deadline, join_ns;
+    bool join;            /* this hold is a backup's join, not a cut */
+    bex_rpc_endpoint jep; /* join: the new backup */
+    uint32_t since_full;  /* incremental cuts since the last full */
     bool need_full, full, committed, aborted;
     struct cutq *q, **qtail;
     uint64_t q_bytes, q_n, rows;
@@ -95,7 +99,8 @@ static void wait_until(bex_ps_shard *s, uint64_t at)
 
 int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
 {
-    if (cfg->cut_pause_ms > CUT_PAUSE_MS_MAX || (cfg->restore_cut && !cfg->cut_dir))
+    if (cfg->cut_pause_ms > CUT_PAUSE_MS_MAX || cfg->join_pause_ms > JOIN_PAUSE_MAX ||
+        (cfg->restore_cut && !cfg->cut_dir))
         return -EINVAL;
     struct cut *c = calloc(1, sizeof *c);
     if (!c || (cfg->cut_dir && !(c->dir = strdup(cfg->cut_dir)))) {
@@ -105,8 +110,9 @@ int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     c->pause_ns = (uint64_t)(cfg->cut_pause_ms ? cfg->cut_pause_ms : CUT_PAUSE_MS) * 1000000ull;
     c->hold_max = cfg->cut_hold_max ? cfg->cut_hold_max : CUT_HOLD_MAX;
     c->full_every = cfg->cut_full_every ? cfg->cut_full_every : CUT_FULL_EVERY;
-    c->min_iv_ns =
-        (uint64_t)(cfg->cut_min_interval_ms ? cfg->cut_min_interval_ms : CUT_MIN_IV_MS) * 1000000ull;
+    c->min_iv_ns = (uint64_t)(cfg->cut_min_interval_ms ? cfg->cut_min_interval_ms : CUT_MIN_IV_MS) *
+                   1000000ull;
+    c->join_ns = (uint64_t)(cfg->join_pause_ms ? cfg->join_pause_ms : JOIN_PAUSE_MS) * 1000000ull;
     c->qtail = &c->q;
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -257,6 +263,26 @@ static void answer_commit(bex_ps_shard *s, bex_rpc_req *req, int rc, const struc
     bex_rpc_reply(req, rc, out, out ? BEX__PS_CUT_ANS_LEN : 0);
 }
 
+/* A join's end (under s->mu; the cut's thread): the new backup added
+ * when it copied the shard and said JOINED, then the Pushes released,
+ * then JOINED answered. */
+static void *join_end(bex_ps_shard *s, bool ok)
+{
+    struct cut *c = s->cut;
+    int rc = ok ? bex__ps_join_add_locked(s, &c->jep) : -ETIMEDOUT;
+    if (rc)
+        bex__log(&s->log, BEX_LOG_WARN,
+                 "ps shard %u: a backup's join ended without it (%s): Pushes released", s->shard,
+                 bex_strerror(rc));
+    release_locked(s);
+    bex_rpc_req *req = c->commit_req;
+    c->state = CUT_IDLE;
+    pthread_mutex_unlock(&s->mu);
+    if (req)
+        bex_rpc_reply(req, rc, NULL, 0);
+    return NULL;
+}
+
 /* The cut's thread: waits for COMMIT (or the pause's end), releases the
  * Pushes, writes the file, answers COMMIT. */
 static void *cut_main(void *arg)
@@ -264,14 +290,16 @@ static void *cut_main(void *arg)
     bex_ps_shard *s = arg;
     struct cut *c = s->cut;
     pthread_mutex_lock(&s->mu);
-    uint64_t deadline = c->prep_ns + c->pause_ns;
-    while (!c->committed && !c->aborted && mono_ns() < deadline)
-        wait_until(s, deadline);
+    while (!c->committed && !c->aborted && mono_ns() < c->deadline)
+        wait_until(s, c->deadline);
     bool ok = c->committed && !c->aborted;
+    if (c->join)
+        return join_end(s, ok);
     if (!ok)
         bex__log(&s->log, BEX_LOG_WARN,
                  "ps shard %u: cut %" PRIu64 " aborted (%s): Pushes released, the next cut is full",
-                 s->shard, c->id, c->aborted ? "aborted or too many bytes held" : "no COMMIT in time");
+                 s->shard, c->id,
+                 c->aborted ? "aborted or too many bytes held" : "no COMMIT in time");
     release_locked(s);
     struct outcome oc = {c->id, mono_ns() - c->prep_ns, c->q_n, c->rows, c->full};
     bex_rpc_req *req = c->commit_req;
@@ -305,13 +333,15 @@ static void *cut_main(void *arg)
 static int take_locked(bex_ps_shard *s, uint32_t flags)
 {
     struct cut *c = s->cut;
-    uint64_t deadline = c->prep_ns + c->pause_ns;
+    uint64_t deadline = c->deadline;
     while (atomic_load(&c->inflight) && mono_ns() < deadline) {
         uint64_t at = mono_ns() + 1000000ull; /* a safety net: done() broadcasts */
         wait_until(s, at < deadline ? at : deadline);
     }
     if (atomic_load(&c->inflight) || c->aborted)
         return -ETIMEDOUT;
+    if (c->join)
+        return 0; /* the new backup copies the shard now (COPY) */
     c->full = c->need_full || !c->last_id || c->since_full + 1 >= c->full_every ||
               (flags & BEX__PS_CUT_F_FULL);
     int rc = bex__ps_cut_make(s, c->id, c->full ? 0 : c->last_id, &c->buf, &c->len, &c->rows);
@@ -320,20 +350,30 @@ static int take_locked(bex_ps_shard *s, uint32_t flags)
     return rc;
 }
 
-static int prepare(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *h)
+/* Whether a cut or join may start now (under s->mu): 0, 1 (this one is
+ * under way already: a resend) or the refusal. */
+static int may_start_locked(bex_ps_shard *s, const struct bex__ps_cut_hdr *h,
+                            const bex_rpc_endpoint *jep)
 {
     struct cut *c = s->cut;
-    if (!c->dir)
-        return -ENOTSUP;
-    uint64_t now = mono_ns();
-    pthread_mutex_lock(&s->mu);
-    int rc = 0;
     if (s->catching)
-        rc = -EAGAIN;
-    else if (c->state != CUT_IDLE)
-        rc = c->state == CUT_HELD && c->id == h->id && !c->aborted ? 1 : -EBUSY;
-    else if (c->last_prep_ns && now - c->last_prep_ns < c->min_iv_ns)
-        rc = -EBUSY;
+        return -EAGAIN;
+    if (c->state != CUT_IDLE)
+        return c->state == CUT_HELD && c->id == h->id && !c->aborted ? 1 : -EBUSY;
+    if (c->last_prep_ns && mono_ns() - c->last_prep_ns < c->min_iv_ns)
+        return -EBUSY;
+    return jep ? bex__ps_join_check_locked(s, jep) : 0;
+}
+
+/* PREPARE (jep NULL) or JOIN (jep: the new backup): hold the Pushes. */
+static int prepare(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *h,
+                   const bex_rpc_endpoint *jep)
+{
+    struct cut *c = s->cut;
+    if (!c->dir && !jep)
+        return -ENOTSUP;
+    pthread_mutex_lock(&s->mu);
+    int rc = may_start_locked(s, h, jep);
     bool join = !rc && c->th_live;
     if (!rc) {
         c->state = CUT_PREPARING;
@@ -347,8 +387,12 @@ static int prepare(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *
     pthread_mutex_lock(&s->mu);
     c->id = h->id;
     c->prep_ns = c->last_prep_ns = mono_ns();
+    c->deadline = c->prep_ns + (jep ? c->join_ns : c->pause_ns);
     c->prep_unix = unix_ns();
     c->committed = c->aborted = false;
+    c->join = jep != NULL;
+    if (jep)
+        c->jep = *jep;
     c->commit_req = NULL;
     c->q_n = c->rows = 0;
     c->ctx = ctx;
@@ -360,8 +404,8 @@ static int prepare(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *
     if (rc) {
         free(c->buf);
         c->buf = NULL;
-        c->need_full = true;
-        c->failures++;
+        c->need_full |= !jep;
+        c->failures += !jep;
         release_locked(s);
         c->state = CUT_IDLE;
     }
@@ -373,11 +417,12 @@ static int prepare(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *
 static int finish(bex_ps_shard *s, const struct bex__ps_cut_hdr *h, bex_rpc_req *req)
 {
     struct cut *c = s->cut;
-    if (h->op == BEX__PS_CUT_COMMIT && !req)
-        return -EOPNOTSUPP; /* answered when written: needs the handler */
+    if ((h->op == BEX__PS_CUT_COMMIT || h->op == BEX__PS_CUT_JOINED) && !req)
+        return -EOPNOTSUPP; /* answered when done: needs the handler */
     pthread_mutex_lock(&s->mu);
     int rc = 0;
-    bool mine = c->state == CUT_HELD && c->id == h->id;
+    bool mine = c->state == CUT_HELD && c->id == h->id &&
+                (h->op == BEX__PS_CUT_ABORT || c->join == (h->op == BEX__PS_CUT_JOINED));
     if (h->op == BEX__PS_CUT_ABORT) {
         if (mine)
             c->aborted = true;
@@ -394,13 +439,19 @@ static int finish(bex_ps_shard *s, const struct bex__ps_cut_hdr *h, bex_rpc_req 
     return rc;
 }
 
-int bex__ps_cut_serve(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t len,
-                      bex_rpc_req *req, void **resp, size_t *resp_len)
+int bex__ps_cut_serve(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t len, bex_rpc_req *req,
+                      void **resp, size_t *resp_len)
 {
     struct bex__ps_cut_hdr h;
-    if (len != BEX__PS_CUT_HDR_LEN || bex__ps_cut_get(body, len, &h))
+    bex_rpc_endpoint jep;
+    if (bex__ps_cut_get(body, len, &h) ||
+        len != (h.op == BEX__PS_CUT_JOIN ? BEX__PS_JOIN_LEN : BEX__PS_CUT_HDR_LEN))
         return -EINVAL;
-    int rc = h.op == BEX__PS_CUT_PREPARE ? prepare(s, ctx, &h) : finish(s, &h, req);
+    if (h.op == BEX__PS_CUT_JOIN)
+        bex__ps_join_endpoint((const uint8_t *)body + BEX__PS_CUT_HDR_LEN, &jep);
+    int rc = h.op == BEX__PS_CUT_PREPARE || h.op == BEX__PS_CUT_JOIN
+                 ? prepare(s, ctx, &h, h.op == BEX__PS_CUT_JOIN ? &jep : NULL)
+                 : finish(s, &h, req);
     if (rc)
         return rc;
     uint8_t *out = bex_rpc_alloc(ctx, BEX__PS_CUT_HDR_LEN);

@@ -634,5 +634,104 @@ static int t_lag(void)
     return 0;
 }
 
+/* ---- join ---- */
+
+struct jtrainer {
+    bex_ps_client *pc;
+    int id;
+    _Atomic bool *stop;
+    _Atomic uint64_t acked;
+};
+
+static void *jtrainer_main(void *arg)
+{
+    struct jtrainer *u = arg;
+    for (uint64_t i = 0; !atomic_load(u->stop); i++) {
+        uint64_t keys[3] = {7 + i % 5, 20 + (uint64_t)u->id, 30 + i % 3};
+        float g1[3 * 4], g2[3 * 2];
+        for (int j = 0; j < 12; j++)
+            g1[j] = (float)((int)(i % 7) - 3);
+        for (int j = 0; j < 6; j++)
+            g2[j] = 0.25f * (float)(j + 1 + u->id) - 0.6f;
+        CHECK_OK(bex_ps_push_sync(u->pc, ST[0].id, ST[0].dim, keys, 3, g1));
+        CHECK_OK(bex_ps_push_sync(u->pc, ST[1].id, ST[1].dim, keys, 3, g2));
+        atomic_fetch_add(&u->acked, 1);
+    }
+    return NULL;
+}
+
+static int t_join(void)
+{
+    struct cluster c;
+    struct in_addr a0, a1;
+    PAIR_NEED(pair_addrs(&a0, &a1));
+    c = (struct cluster){.ns = 1};
+    snprintf(c.tmp, sizeof c.tmp, "/tmp/bex-snap-XXXXXX");
+    CHECK(mkdtemp(c.tmp));
+    struct node bk[2] = {{0}};
+    bex_ps_shard_config pc = shard_cfg(&c, 0);
+    pc.role = BEX_PS_ROLE_BACKUP;
+    node_start(&bk[0], &pc);
+    bex_rpc_endpoint ep = {.addr = bk[0].addr};
+    pc.role = BEX_PS_ROLE_PRIMARY;
+    pc.backups = &ep;
+    pc.n_backups = 1;
+    node_start(&c.n[0], &pc);
+    c.cctx = client_ctx();
+    c.dir = dir_of(&c);
+    _Atomic bool stop = false;
+    struct jtrainer u[2];
+    pthread_t th[2];
+    for (int t = 0; t < 2; t++) {
+        bex_ps_client_config cc = {.dir = c.dir,
+                                   .timeout_ms = 20000 * time_scale(),
+                                   .connect_timeout_ms = 15000 * time_scale(),
+                                   .push_mode = BEX_PS_PUSH_PRIMARY};
+        u[t] = (struct jtrainer){.id = t, .stop = &stop};
+        CHECK_OK(bex_ps_client_create(c.cctx, &cc, &u[t].pc));
+        CHECK(pthread_create(&th[t], NULL, jtrainer_main, &u[t]) == 0);
+    }
+    while (atomic_load(&u[1].acked) < 30)
+        pair_sleep_ms(5);
+    /* a third replica, empty, joins while the Pushes go on */
+    pc = shard_cfg(&c, 0);
+    pc.role = BEX_PS_ROLE_BACKUP;
+    pc.flags = BEX_PS_SHARD_CATCHUP;
+    node_start(&bk[1], &pc);
+    bex_ps_join_config jc = {.primary = {.addr = c.n[0].addr},
+                             .self = {.addr = bk[1].addr},
+                             .timeout_ms = 10000 * time_scale()};
+    uint64_t at = atomic_load(&u[0].acked) + atomic_load(&u[1].acked);
+    CHECK_OK(bex_ps_shard_join(bk[1].s, bk[1].ctx, &jc));
+    uint64_t until = atomic_load(&u[0].acked) + atomic_load(&u[1].acked) + 40;
+    while (atomic_load(&u[0].acked) + atomic_load(&u[1].acked) < until)
+        pair_sleep_ms(5);
+    atomic_store(&stop, true);
+    for (int t = 0; t < 2; t++) {
+        CHECK(pthread_join(th[t], NULL) == 0);
+        bex_ps_client_destroy(u[t].pc);
+    }
+    bex_ps_shard_stats sp, s1, s2;
+    bex_ps_shard_stats_get(c.n[0].s, &sp);
+    bex_ps_shard_stats_get(bk[0].s, &s1);
+    bex_ps_shard_stats_get(bk[1].s, &s2);
+    printf("joined after %llu Pushes; lsn %llu, %llu, %llu; the new one applied %llu forwards\n",
+           (unsigned long long)at, (unsigned long long)sp.lsn, (unsigned long long)s1.lsn,
+           (unsigned long long)s2.lsn, (unsigned long long)s2.fwd_applied);
+    CHECK(sp.n_backups == 2 && sp.backups_down == 0);
+    CHECK(sp.lsn == s1.lsn && sp.lsn == s2.lsn);
+    CHECK(s2.fwd_applied > 0 && s2.catchup_rows > 0);
+    same_rows(c.n[0].s, bk[0].s); /* bit for bit, Adagrad too */
+    same_rows(c.n[0].s, bk[1].s);
+    /* the same backup twice: refused */
+    node_stop(&bk[1]);
+    node_start(&bk[1], &pc);
+    CHECK_EQ(bex_ps_shard_join(bk[1].s, bk[1].ctx, &jc), -EEXIST);
+    node_stop(&bk[1]);
+    node_stop(&bk[0]);
+    cluster_stop(&c);
+    return 0;
+}
+
 BEX_TEST_MAIN({"cut", t_cut}, {"incremental", t_incremental}, {"pause", t_pause},
-              {"bad_files", t_bad_files}, {"lag", t_lag})
+              {"bad_files", t_bad_files}, {"lag", t_lag}, {"join", t_join})
