@@ -38,6 +38,7 @@
 #include "bex/ps.h"
 #include "bex/rpc.h"
 #include "bex/sock.h"
+#include "snapcmd.h"
 
 #define MAX_SERVED 64
 
@@ -56,7 +57,10 @@ __attribute__((noreturn)) static void usage(int status)
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
         "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
         "              [--eager-max B] [--send-window B] [--io-threads N]\n"
-        "              [--drain-timeout-ms MS]\n");
+        "              [--drain-timeout-ms MS]\n"
+        "              [--cut-dir DIR] [--restore-cut ID] [--cut-pause-ms MS]\n"
+        "              [--cut-full-every N] [--join]\n"
+        "       bex-ps snapshot --cluster FILE [--service NAME] [--full] [--timeout-ms MS]\n");
     exit(status);
 }
 
@@ -88,6 +92,7 @@ struct served {
     uint32_t role;                /* --primary-backup: BEX_PS_ROLE_* */
     bex_rpc_endpoint backups[15]; /* the primary's */
     size_t n_backups;
+    bex_rpc_endpoint primary; /* --primary-backup: replica 0 (--join) */
 };
 
 /* ---- /metrics ---- */
@@ -227,6 +232,11 @@ struct opts {
     long send_window; /* the context's (0: none) */
     long io_threads;
     int catchup, verbose, primary_backup;
+    /* consistent cuts (--cut-*) and --join (a new backup joins its primary) */
+    const char *cut_dir;
+    unsigned long long restore_cut;
+    long cut_pause_ms, cut_full_every;
+    int join;
     unsigned long n_shards_opt, ttl_s;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables;
@@ -279,6 +289,17 @@ static bool num_opt(int c, struct opts *o)
     case 'D':
         o->drain_ms = opt_num(optarg, 0, 3600000);
         return true;
+    case 'X':
+        o->cut_pause_ms = opt_num(optarg, 1, 60000);
+        return true;
+    case 'F':
+        o->cut_full_every = opt_num(optarg, 1, 1000000);
+        return true;
+    case 'R':
+        o->restore_cut = strtoull(optarg, NULL, 10);
+        if (!o->restore_cut)
+            usage(2);
+        return true;
     default:
         return false;
     }
@@ -312,6 +333,12 @@ static void one_opt(int c, struct opts *o)
         break;
     case 'B':
         o->primary_backup = 1;
+        break;
+    case 'J':
+        o->join = 1;
+        break;
+    case 'K':
+        o->cut_dir = optarg;
         break;
     case 'E':
         o->etcd = optarg;
@@ -386,6 +413,11 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"send-window", required_argument, 0, 'W'},
                                        {"io-threads", required_argument, 0, 'I'},
                                        {"drain-timeout-ms", required_argument, 0, 'D'},
+                                       {"cut-dir", required_argument, 0, 'K'},
+                                       {"restore-cut", required_argument, 0, 'R'},
+                                       {"cut-pause-ms", required_argument, 0, 'X'},
+                                       {"cut-full-every", required_argument, 0, 'F'},
+                                       {"join", no_argument, 0, 'J'},
                                        {"help", no_argument, 0, 'h'},
                                        {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
@@ -393,7 +425,8 @@ static void parse_opts(int argc, char **argv, struct opts *o)
         one_opt(c, o);
     if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
         !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)) ||
-        (o->etcd && o->primary_backup))
+        (o->etcd && o->primary_backup) || (o->restore_cut && !o->cut_dir) ||
+        (o->join && (!o->primary_backup || !o->replica)))
         usage(2);
     if (o->n_tables == 0)
         o->tables[o->n_tables++] =
@@ -476,6 +509,7 @@ static int listen_addrs(const struct opts *o, struct node *nd)
 static void pb_roles(struct served *sv, const bex_dir_replica *reps, size_t nr, uint32_t self)
 {
     sv->role = self == 0 ? BEX_PS_ROLE_PRIMARY : BEX_PS_ROLE_BACKUP;
+    sv->primary = (bex_rpc_endpoint){.addr = reps[0].addr, .transport = reps[0].transport};
     for (size_t j = 1; self == 0 && j < nr && sv->n_backups < 15; j++)
         sv->backups[sv->n_backups++] =
             (bex_rpc_endpoint){.addr = reps[j].addr, .transport = reps[j].transport};
@@ -588,7 +622,11 @@ static int start_shard(const struct opts *o, struct node *nd)
                               .flags = s->n_peers ? BEX_PS_SHARD_CATCHUP : 0,
                               .role = s->role,
                               .backups = s->backups,
-                              .n_backups = s->n_backups};
+                              .n_backups = s->n_backups,
+                              .cut_dir = o->cut_dir,
+                              .restore_cut = o->restore_cut,
+                              .cut_pause_ms = (uint32_t)o->cut_pause_ms,
+                              .cut_full_every = (uint32_t)o->cut_full_every};
     char a[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &self->addr.sin_addr, a, sizeof a);
     int rc;
@@ -643,7 +681,9 @@ static void catchup_all(const struct opts *o, struct node *nd)
         bex_ps_catchup_config cu = {.peers = nd->sv[i].peers,
                                     .n_peers = nd->sv[i].n_peers,
                                     .timeout_ms = (uint32_t)o->catchup_ms};
-        int rc = bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
+        int rc = o->join ? bex_ps_tool_join(nd->sv[i].ps, nd->ctx, &nd->sv[i].primary, &nd->self[i],
+                                            (uint32_t)o->catchup_ms)
+                         : bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
         if (rc)
             fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
                     nd->sv[i].shard, bex_strerror(rc));
@@ -754,6 +794,8 @@ static int stop_all(const struct opts *o, struct node *nd, int status)
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "snapshot") == 0)
+        return bex_ps_tool_snapshot(argc - 1, argv + 1);
     static struct opts o;
     parse_opts(argc, argv, &o);
     /* the signals are taken by sigwait below: blocked before any thread */
