@@ -12,7 +12,11 @@
  * bex_ps_shard_register puts its Fetch and Push on an RPC server (Push as
  * BEX_RPC_METHOD_WRITE: a retried Push is applied once, within the
  * server's dedup window). bex_ps_shard_snapshot writes it to a file;
- * bex_ps_shard_create loads that file when it exists. Wire and snapshot
+ * bex_ps_shard_create loads that file when it exists. bex_ps_snapshot_all
+ * takes a consistent cut of every shard (one point every client's Pushes
+ * respect; incremental; restored with restore_cut), and bex_ps_shard_join
+ * adds a backup to a running primary (docs/architecture.md, "Snapshots",
+ * "Operations"). Wire and snapshot
  * formats: docs/protocol.md ("Parameter server").
  *
  * Client side: a bex_ps_client fetches and pushes over a directory (one RPC
@@ -225,7 +229,10 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx);
  * per-second bound on new clients applies, not the per-connection one.
  * A backup refuses Push (-EPERM); a primary's Push and a Forward need the
  * registered handlers (answered once the backups applied it, or in turn):
- * through this function they are refused -EOPNOTSUPP. */
+ * through this function they are refused -EOPNOTSUPP, as is a cut's
+ * COMMIT or JOINED (BEX_PS_M_CUT). A Push served through this function is
+ * not held by a cut: an application that wraps the handlers this way
+ * gets no consistent cut. */
 int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
                        void **resp, size_t *resp_len);
 
