@@ -84,8 +84,8 @@ static int call1(bex_rpc_channel *ch, bex_ctx *ctx, const uint8_t *body, size_t 
     memcpy(b, body, len);
     struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     bex_rpc_call_opts o = {.timeout_ms = timeout_ms ? timeout_ms : 1};
-    int rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_CUT, b, len, &o, bex__rpc_wait_done, &w,
-                          NULL);
+    int rc =
+        bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_CUT, b, len, &o, bex__rpc_wait_done, &w, NULL);
     if (rc) {
         bex_rpc_free(b);
         return rc;
@@ -118,8 +118,8 @@ static int join_steps(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
     b[23] = (uint8_t)(cfg->self.transport >> 8);
     int rc = call1(ch, ctx, b, sizeof b, left_ms(deadline));
     if (rc) {
-        bex__log(&s->log, BEX_LOG_ERROR, "ps shard %u: the primary refused the join: %s",
-                 s->shard, bex_strerror(rc));
+        bex__log(&s->log, BEX_LOG_ERROR, "ps shard %u: the primary refused the join: %s", s->shard,
+                 bex_strerror(rc));
         return rc;
     }
     bex_ps_catchup_config cc = {.peers = &cfg->primary,
@@ -128,8 +128,8 @@ static int join_steps(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
                                 .chunk_bytes = cfg->chunk_bytes,
                                 .max_bytes = cfg->max_bytes};
     rc = bex_ps_shard_catchup(s, ctx, &cc);
-    bex__ps_cut_put(b, &(struct bex__ps_cut_hdr){.op = rc ? BEX__PS_CUT_ABORT : BEX__PS_CUT_JOINED,
-                                                 .id = id});
+    bex__ps_cut_put(
+        b, &(struct bex__ps_cut_hdr){.op = rc ? BEX__PS_CUT_ABORT : BEX__PS_CUT_JOINED, .id = id});
     int rc2 = call1(ch, ctx, b, BEX__PS_CUT_HDR_LEN, left_ms(deadline));
     if (!rc && rc2)
         bex__log(&s->log, BEX_LOG_ERROR,
@@ -160,7 +160,6 @@ int bex_ps_shard_join(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
     rc = join_steps(s, ctx, cfg, ch, deadline);
     bex_rpc_channel_destroy(ch);
     if (!rc)
-        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: joined its primary's replica set",
-                 s->shard);
+        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: joined its primary's replica set", s->shard);
     return rc;
 }
