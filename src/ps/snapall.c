@@ -40,7 +40,6 @@ static int run_phase(bex_ctx *ctx, bex_rpc_channel **ch, uint32_t n, uint8_t op,
             if (ph[i].rc)
                 bex_rpc_free(b);
         }
-        ph[i].w.done = ph[i].rc != 0; /* not sent: nothing to wait for */
     }
     int first = 0;
     for (uint32_t i = 0; i < n; i++) {
