@@ -1,0 +1,104 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* bex-ps's consistent cuts as an operator runs them (issue 29 item 3;
+ * docs/configuration.md, "bex-ps"), natively over TCP on loopback:
+ *
+ * program: a bex-ps serving two shards with --cut-dir; Pushes; `bex-ps
+ *   snapshot` prints a full cut; more Pushes; a second, incremental; the
+ *   process stopped, started again with --restore-cut of the second: every
+ *   row Fetched equals what it was before the stop. A cut of a cluster
+ *   whose bex-ps has no --cut-dir fails (exit 1). */
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include "ps_prog.h"
+
+/* `bex-ps snapshot --cluster cluster`: its exit status, its line in out. */
+static int snapshot_cmd(const char *cluster, char *out, size_t cap)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s snapshot --cluster %s 2>&1", BEX_PS_BIN, cluster);
+    FILE *f = popen(cmd, "r");
+    CHECK(f);
+    out[0] = 0;
+    if (!fgets(out, (int)cap, f))
+        out[0] = 0;
+    fprintf(stderr, "%s", out);
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static pid_t start(const char *cluster, const char *dir, const char *restore)
+{
+    const char *args[] = {"--cluster", cluster, "--shard",   "all",     "--transport", "tcp",
+                          "--table",   "1:8:sgd:0.1", dir ? "--cut-dir" : NULL, dir,
+                          restore ? "--restore-cut" : NULL, restore, NULL};
+    return bex_ps_start(args, NULL, 0);
+}
+
+static void fetch_all(bex_dir *d, float *rows, const uint64_t *keys, size_t n)
+{
+    bex_ctx *ctx = client_ctx();
+    bex_ps_client *c = client_of(ctx, d);
+    CHECK_OK(bex_ps_fetch_sync(c, TC.id, TC.dim, keys, n, rows));
+    bex_ps_client_destroy(c);
+    CHECK_OK(bex_ctx_destroy(ctx));
+}
+
+static void push_all(bex_dir *d, const uint64_t *keys, size_t n, float g)
+{
+    bex_ctx *ctx = client_ctx();
+    bex_ps_client *c = client_of(ctx, d);
+    float gr[32 * 8];
+    for (size_t i = 0; i < n * 8; i++)
+        gr[i] = g;
+    CHECK_OK(bex_ps_push_sync(c, TC.id, TC.dim, keys, n, gr));
+    bex_ps_client_destroy(c);
+    CHECK_OK(bex_ctx_destroy(ctx));
+}
+
+static int t_program(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char tmpl[] = "/tmp/bex-ps-snap-XXXXXX";
+    char cluster[128], cuts[160], line[256];
+    uint16_t ports[NSH][2];
+    tmp_cluster(tmpl, cluster, sizeof cluster, 1, ports);
+    snprintf(cuts, sizeof cuts, "%s/cuts", tmpl);
+    CHECK(mkdir(cuts, 0700) == 0);
+    bex_dir *d = dir_of_file(cluster);
+    uint64_t keys[24];
+    for (int i = 0; i < 24; i++)
+        keys[i] = 500 + (uint64_t)i;
+    /* no --cut-dir: refused */
+    pid_t pid = start(cluster, NULL, NULL);
+    CHECK_EQ(snapshot_cmd(cluster, line, sizeof line), 1);
+    CHECK(strstr(line, "not supported") || strstr(line, "Operation not supported"));
+    term_bex_ps(pid);
+    pid = start(cluster, cuts, NULL);
+    push_all(d, keys, 24, 2.0f);
+    CHECK_EQ(snapshot_cmd(cluster, line, sizeof line), 0);
+    CHECK(strstr(line, "2 shards (2 full)"));
+    push_all(d, keys, 5, 1.0f);
+    pair_sleep_ms(150); /* cut_min_interval_ms: 100 */
+    CHECK_EQ(snapshot_cmd(cluster, line, sizeof line), 0);
+    CHECK(strstr(line, "2 shards (0 full), 5 rows"));
+    unsigned long long id = 0;
+    CHECK(sscanf(line, "cut %llu:", &id) == 1 && id);
+    float before[24 * 8], after[24 * 8];
+    fetch_all(d, before, keys, 24);
+    term_bex_ps(pid);
+    char ids[32];
+    snprintf(ids, sizeof ids, "%llu", id);
+    pid = start(cluster, cuts, ids);
+    fetch_all(d, after, keys, 24);
+    CHECK(memcmp(before, after, sizeof before) == 0);
+    term_bex_ps(pid);
+    bex_dir_destroy(d);
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpl);
+    CHECK(system(cmd) == 0);
+    return 0;
+}
+
+BEX_TEST_MAIN({"program", t_program})
