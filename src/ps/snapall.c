@@ -127,6 +127,10 @@ int bex_ps_snapshot_all(bex_ctx *ctx, const bex_ps_snapshot_config *cfg,
     struct phase *ph = calloc(n, sizeof *ph);
     int rc = ch && ph ? open_channels(ctx, cfg, svc, n, tmo, ch) : -ENOMEM;
     uint8_t fl = (cfg->flags & BEX_PS_SNAPSHOT_FULL) ? BEX__PS_CUT_F_FULL : 0;
+    /* a first round trip (ABORT of a cut no shard has: nothing done)
+     * makes every connection before any shard holds its Pushes */
+    if (!rc)
+        rc = run_phase(ctx, ch, n, BEX__PS_CUT_ABORT, 0, id, tmo, ph);
     if (!rc)
         rc = run_phase(ctx, ch, n, BEX__PS_CUT_PREPARE, fl, id, tmo, ph);
     if (!rc)

@@ -29,9 +29,19 @@ static int snapshot_cmd(const char *cluster, char *out, size_t cap)
 
 static pid_t start(const char *cluster, const char *dir, const char *restore)
 {
-    const char *args[] = {"--cluster", cluster, "--shard",   "all",     "--transport", "tcp",
-                          "--table",   "1:8:sgd:0.1", dir ? "--cut-dir" : NULL, dir,
-                          restore ? "--restore-cut" : NULL, restore, NULL};
+    const char *args[] = {"--cluster",
+                          cluster,
+                          "--shard",
+                          "all",
+                          "--transport",
+                          "tcp",
+                          "--table",
+                          "1:8:sgd:0.1",
+                          dir ? "--cut-dir" : NULL,
+                          dir,
+                          restore ? "--restore-cut" : NULL,
+                          restore,
+                          NULL};
     return bex_ps_start(args, NULL, 0);
 }
 
