@@ -21,6 +21,8 @@
  *   once the pause (cut_pause_ms) ends, not before; COMMIT then is
  *   answered -ETIMEDOUT and no file is written; a PREPARE too soon is
  *   refused -EBUSY; the next cut is full.
+ * hold_max: past cut_hold_max bytes held the cut gives way at once (the
+ *   Push served, COMMIT -ETIMEDOUT).
  * bad_files: truncated, corrupt, other shard's, missing base: a clear
  *   error (logged), no shard.
  * lag: a primary's backup gone: its lag in Pushes and seconds shows in
@@ -472,6 +474,42 @@ static int t_pause(void)
     return 0;
 }
 
+/* Past cut_hold_max bytes held the cut gives way at once: the Push held
+ * is served well before the pause's end, COMMIT is refused. */
+static int t_hold_max(void)
+{
+    struct cluster c;
+    struct in_addr a0, a1;
+    PAIR_NEED(pair_addrs(&a0, &a1));
+    c = (struct cluster){.ns = 1};
+    snprintf(c.tmp, sizeof c.tmp, "/tmp/bex-snap-XXXXXX");
+    CHECK(mkdtemp(c.tmp));
+    bex_ps_shard_config pc = shard_cfg(&c, 0);
+    pc.cut_pause_ms = 20000; /* not what ends it */
+    pc.cut_hold_max = 16;    /* one Push is more */
+    node_start(&c.n[0], &pc);
+    c.cctx = client_ctx();
+    c.dir = dir_of(&c);
+    struct pushed p = {.pc = client(&c)};
+    uint64_t key = 4;
+    push_keys(p.pc, &key, 1);
+    bex_rpc_channel *ch = chan(&c, 0);
+    uint64_t t0 = pair_now_ms();
+    CHECK_OK(cut_call(c.cctx, ch, BEX__PS_CUT_PREPARE, 42));
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, push_one, &p) == 0);
+    CHECK(pthread_join(th, NULL) == 0);
+    CHECK(atomic_load(&p.done_ms) - t0 < 10000);
+    CHECK_EQ(cut_call(c.cctx, ch, BEX__PS_CUT_COMMIT, 42), -ETIMEDOUT);
+    bex_ps_shard_stats ss;
+    bex_ps_shard_stats_get(c.n[0].s, &ss);
+    CHECK(ss.snap_failures == 1 && ss.pushes == 2 && ss.snaps == 0);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_ps_client_destroy(p.pc);
+    cluster_stop(&c);
+    return 0;
+}
+
 /* ---- bad_files ---- */
 
 static char logged[4096];
@@ -773,6 +811,15 @@ static int t_join(void)
     CHECK(s2.fwd_applied > 0 && s2.catchup_rows > 0);
     same_rows(c.n[0].s, bk[0].s); /* bit for bit, Adagrad too */
     same_rows(c.n[0].s, bk[1].s);
+    /* a cut of a primary-backup shard (its primary), restored */
+    bex_ps_snapshot_result r;
+    CHECK_OK(cut(&c, 0, &r));
+    bex_ps_shard_config rc_cfg = shard_cfg(&c, 0);
+    rc_cfg.restore_cut = r.cut_id;
+    bex_ps_shard *rs;
+    CHECK_OK(bex_ps_shard_create(&rc_cfg, &rs));
+    same_rows(c.n[0].s, rs);
+    bex_ps_shard_destroy(rs);
     /* the same backup twice: refused */
     node_stop(&bk[1]);
     node_start(&bk[1], &pc);
@@ -784,4 +831,5 @@ static int t_join(void)
 }
 
 BEX_TEST_MAIN({"cut", t_cut}, {"incremental", t_incremental}, {"pause", t_pause},
-              {"bad_files", t_bad_files}, {"lag", t_lag}, {"join", t_join}, {"skew", t_skew})
+              {"bad_files", t_bad_files}, {"lag", t_lag}, {"join", t_join}, {"skew", t_skew},
+              {"hold_max", t_hold_max})
