@@ -58,11 +58,8 @@ static int want(const uint8_t *data, size_t size)
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     bex_ctx *ctx = ctx_once();
-    bex_ps_shard_config pc = {.shard = 0,
-                              .n_shards = 1,
-                              .tables = tables,
-                              .n_tables = 1,
-                              .log_fn = quiet};
+    bex_ps_shard_config pc = {
+        .shard = 0, .n_shards = 1, .tables = tables, .n_tables = 1, .log_fn = quiet};
     bex_ps_shard *s;
     FZ_CHECK(bex_ps_shard_create(&pc, &s) == 0);
     void *resp = NULL;

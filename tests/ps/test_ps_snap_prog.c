@@ -5,8 +5,9 @@
  * program: a bex-ps serving two shards with --cut-dir; Pushes; `bex-ps
  *   snapshot` prints a full cut; more Pushes; a second, incremental; the
  *   process stopped, started again with --restore-cut of the second: every
- *   row Fetched equals what it was before the stop. A cut of a cluster
- *   whose bex-ps has no --cut-dir fails (exit 1). */
+ *   row Fetched equals what it was before the stop; /metrics counts the
+ *   cuts and shows their age. A cut of a cluster whose bex-ps has no
+ *   --cut-dir fails (exit 1). */
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -25,6 +26,26 @@ static int snapshot_cmd(const char *cluster, char *out, size_t cap)
     fprintf(stderr, "%s", out);
     int st = pclose(f);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static pid_t start_url(const char *cluster, const char *dir, const char *restore, char *url)
+{
+    const char *args[] = {"--cluster",
+                          cluster,
+                          "--shard",
+                          "all",
+                          "--transport",
+                          "tcp",
+                          "--table",
+                          "1:8:sgd:0.1",
+                          "--metrics-port",
+                          "0",
+                          "--cut-dir",
+                          dir,
+                          restore ? "--restore-cut" : NULL,
+                          restore,
+                          NULL};
+    return bex_ps_start(args, url, 128);
 }
 
 static pid_t start(const char *cluster, const char *dir, const char *restore)
@@ -85,7 +106,8 @@ static int t_program(void)
     CHECK_EQ(snapshot_cmd(cluster, line, sizeof line), 1);
     CHECK(strstr(line, "not supported") || strstr(line, "Operation not supported"));
     term_bex_ps(pid);
-    pid = start(cluster, cuts, NULL);
+    char url[128], *text;
+    pid = start_url(cluster, cuts, NULL, url);
     push_all(d, keys, 24, 2.0f);
     CHECK_EQ(snapshot_cmd(cluster, line, sizeof line), 0);
     CHECK(strstr(line, "2 shards (2 full)"));
@@ -95,6 +117,13 @@ static int t_program(void)
     CHECK(strstr(line, "2 shards (0 full), 5 rows"));
     unsigned long long id = 0;
     CHECK(sscanf(line, "cut %llu:", &id) == 1 && id);
+    CHECK_EQ(http_get(url, &text), 200);
+    CHECK_EQ(sample(text, "bex_ps_snapshots_total{shard=\"1\"}"), 2);
+    double age = sample(text, "bex_ps_snapshot_age_seconds{shard=\"1\"}");
+    CHECK(age >= 0 && age < 60);
+    sample(text, "bex_ps_snapshot_duration_seconds{shard=\"0\"}");
+    sample(text, "bex_ps_failovers_total{shard=\"0\"}");
+    free(text);
     float before[24 * 8], after[24 * 8];
     fetch_all(d, before, keys, 24);
     term_bex_ps(pid);
