@@ -351,9 +351,11 @@ typedef struct bex_ps_join_config {
  * applied it. Returns 0, or the error that ended it (the primary's
  * refusal: -EPERM not a primary, -EEXIST already a backup, -ENOSPC
  * BEX_PS_BACKUPS_MAX backups, -EBUSY a cut or join under way; the copy's;
- * -ETIMEDOUT the primary's pause ran out): s is then not in the set (it
- * serves what it copied, no forward reaches it). Blocks: never from a
- * callback of ctx. */
+ * -ETIMEDOUT the primary's pause ran out): s is then not in the set.
+ * When JOIN itself failed s is still catching up (nothing copied); after
+ * a copy it serves what it copied, but no forward reaches it: it is stale
+ * from then on (bex-ps --join exits 1). Blocks: never from a callback of
+ * ctx. */
 int bex_ps_shard_join(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *cfg);
 
 /* ---- consistent cuts of the whole model (docs/architecture.md,

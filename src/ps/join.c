@@ -118,7 +118,8 @@ static int join_steps(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
     b[23] = (uint8_t)(cfg->self.transport >> 8);
     int rc = call1(ch, ctx, b, sizeof b, left_ms(deadline));
     if (rc) {
-        bex__log(&s->log, BEX_LOG_ERROR, "ps shard %u: the primary refused the join: %s", s->shard,
+        bex__log(&s->log, BEX_LOG_ERROR,
+                 "ps shard %u: JOIN at the primary failed (nothing copied): %s", s->shard,
                  bex_strerror(rc));
         return rc;
     }

@@ -673,7 +673,7 @@ static int register_all(const struct opts *o, struct node *nd)
  * refuse Fetches until then; after the etcd registration, so that clients
  * send them the Pushes the peer applies after its copy): a failure is
  * logged, and the shard serves its snapshot and the Pushes it held. */
-static void catchup_all(const struct opts *o, struct node *nd)
+static int catchup_all(const struct opts *o, struct node *nd)
 {
     for (size_t i = 0; i < nd->n_sv; i++) {
         if (!nd->sv[i].n_peers)
@@ -684,12 +684,15 @@ static void catchup_all(const struct opts *o, struct node *nd)
         int rc = o->join ? bex_ps_tool_join(nd->sv[i].ps, nd->ctx, &nd->sv[i].primary, &nd->self[i],
                                             (uint32_t)o->catchup_ms)
                          : bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
+        if (rc && o->join) /* not in the replica set: it would serve stale rows */
+            return 1;
         if (rc)
             fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
                     nd->sv[i].shard, bex_strerror(rc));
         else
             printf("bex-ps: shard %u caught up\n", nd->sv[i].shard);
     }
+    return 0;
 }
 
 static int start_metrics(const struct opts *o, struct node *nd)
@@ -824,7 +827,7 @@ int main(int argc, char **argv)
         status = register_all(&o, &nd);
     atomic_store(&nd.mt.not_ready, "catching up");
     if (status == 0)
-        catchup_all(&o, &nd);
+        status = catchup_all(&o, &nd);
     if (status == 0)
         serve(&o, &nd, &sigs);
     return stop_all(&o, &nd, status);
