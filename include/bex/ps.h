@@ -12,7 +12,11 @@
  * bex_ps_shard_register puts its Fetch and Push on an RPC server (Push as
  * BEX_RPC_METHOD_WRITE: a retried Push is applied once, within the
  * server's dedup window). bex_ps_shard_snapshot writes it to a file;
- * bex_ps_shard_create loads that file when it exists. Wire and snapshot
+ * bex_ps_shard_create loads that file when it exists. bex_ps_snapshot_all
+ * takes a consistent cut of every shard (one point every client's Pushes
+ * respect; incremental; restored with restore_cut), and bex_ps_shard_join
+ * adds a backup to a running primary (docs/architecture.md, "Snapshots",
+ * "Operations"). Wire and snapshot
  * formats: docs/protocol.md ("Parameter server").
  *
  * Client side: a bex_ps_client fetches and pushes over a directory (one RPC
@@ -75,6 +79,9 @@ extern "C" {
  * its backups ("Forward"), not for applications. */
 #define BEX_PS_SERVICE 0x5053u /* "PS" */
 enum { BEX_PS_M_FETCH = 1, BEX_PS_M_PUSH = 2, BEX_PS_M_COPY = 3, BEX_PS_M_FORWARD = 4 };
+/* An administrator's method: the two phases of a consistent cut of the
+ * whole model (bex_ps_snapshot_all; docs/protocol.md, "Cut"). */
+enum { BEX_PS_M_CUT = 5 };
 
 /* Bounds of the wire format (a body past them is refused, -E2BIG). */
 #define BEX_PS_DIM_MAX    4096u       /* floats in a row */
@@ -160,6 +167,27 @@ typedef struct bex_ps_shard_config {
     uint32_t forward_window;
     uint64_t forward_hold_max;
     uint32_t backup_retry_ms;
+    /* Consistent cuts (bex_ps_snapshot_all; docs/architecture.md,
+     * "Snapshots"): cut_dir is where this shard writes its cut files
+     * (shard<N>-cut<ID>.snap) and reads them back (NULL: a cut is refused
+     * -ENOTSUP). restore_cut (not 0): at create, the shard loads that cut
+     * (its full file and the incremental ones after it, from cut_dir)
+     * instead of snapshot_path. cut_pause_ms: the longest the shard holds
+     * Pushes for one cut (50, at most 60000): past it the cut is aborted
+     * and the Pushes go on (held, never failed); cut_hold_max: bytes of
+     * Pushes held (64 MiB), past which likewise. cut_full_every: every
+     * Nth cut is written full, the others hold only the rows changed since
+     * the cut before (8; 1: every one full). cut_min_interval_ms: a cut
+     * asked sooner than this after the last one began is refused -EBUSY
+     * (100): a peer cannot keep the Pushes held. */
+    const char *cut_dir;
+    uint64_t restore_cut;
+    uint32_t cut_pause_ms, cut_full_every, cut_min_interval_ms;
+    uint64_t cut_hold_max;
+    /* A primary: the longest it holds Pushes while a new backup copies it
+     * and joins (bex_ps_shard_join; 10000, at most 600000); past it the
+     * join is refused and the Pushes go on. */
+    uint32_t join_pause_ms;
 } bex_ps_shard_config;
 
 enum {
@@ -202,7 +230,10 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx);
  * per-second bound on new clients applies, not the per-connection one.
  * A backup refuses Push (-EPERM); a primary's Push and a Forward need the
  * registered handlers (answered once the backups applied it, or in turn):
- * through this function they are refused -EOPNOTSUPP. */
+ * through this function they are refused -EOPNOTSUPP, as is a cut's
+ * COMMIT or JOINED (BEX_PS_M_CUT). A Push served through this function is
+ * not held by a cut: an application that wraps the handlers this way
+ * gets no consistent cut. */
 int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
                        void **resp, size_t *resp_len);
 
@@ -239,6 +270,9 @@ typedef struct bex_ps_catchup_config {
  * a callback of ctx. -EINVAL when the shard is not catching up. */
 int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg);
 
+/* Backups of a primary, at most. */
+#define BEX_PS_BACKUPS_MAX 15u
+
 typedef struct bex_ps_shard_stats {
     uint64_t fetches, pushes, rows_fetched, rows_pushed;
     uint64_t malformed; /* bodies refused */
@@ -262,6 +296,23 @@ typedef struct bex_ps_shard_stats {
     uint64_t rejoins; /* a primary's backups back after being marked down */
     uint64_t lsn;
     uint32_t role, backups_down;
+    /* operations (docs/architecture.md, "Snapshots" and "Replication"):
+     * failovers: times this replica became primary by a failover (the
+     * failover code counts them); at a primary, per backup b <
+     * n_backups: lag_pushes[b], the Pushes numbered that b has not
+     * acknowledged, and lag_ns[b], how long ago the oldest of them was
+     * numbered (0: in step); at a backup, fwd_age_ns: how long ago it
+     * applied its last forward (0: none yet). The last cut or snapshot
+     * written: snap_id (its cut id; 0 for bex_ps_shard_snapshot),
+     * snap_unix_ns (when it was taken, CLOCK_REALTIME; 0: none),
+     * snap_write_ns (how long writing its file took), snap_pause_ns (how
+     * long Pushes were held for it); snaps written, snap_failures (cuts
+     * aborted or not written), snap_rows (rows in the last file). */
+    uint64_t failovers;
+    uint32_t n_backups;
+    uint64_t lag_pushes[BEX_PS_BACKUPS_MAX], lag_ns[BEX_PS_BACKUPS_MAX];
+    uint64_t fwd_age_ns;
+    uint64_t snap_id, snap_unix_ns, snap_write_ns, snap_pause_ns, snaps, snap_failures, snap_rows;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 
@@ -275,6 +326,87 @@ void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
  * -EINVAL, -ENOMEM. The RPC servers' side (requests, dedup, latency from
  * dispatch to answer): bex_rpc_server_prometheus. */
 int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, size_t cap);
+
+/* ---- adding a backup to a running shard (docs/architecture.md,
+ * "Replication") ---- */
+
+/* clang-format off */
+#define BEX_PS_JOIN_CONFIG_INIT {.size = sizeof(bex_ps_join_config)}
+/* clang-format on */
+typedef struct bex_ps_join_config {
+    size_t size;              /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
+    bex_rpc_endpoint primary; /* the shard's primary */
+    bex_rpc_endpoint self;    /* where the primary forwards to this backup (it listens there) */
+    uint32_t timeout_ms;      /* the whole join's deadline (10000) */
+    uint32_t chunk_bytes;     /* the copy's (bex_ps_catchup_config) */
+    uint64_t max_bytes;
+} bex_ps_join_config;
+
+/* Add the shard s (created BEX_PS_ROLE_BACKUP with BEX_PS_SHARD_CATCHUP,
+ * its server listening at cfg->self) to the replica set of its running
+ * primary: the primary holds new Pushes (held, never failed; at most its
+ * join_pause_ms), s copies the primary (bex_ps_shard_catchup: its rows,
+ * the ids of the Pushes applied and its position), the primary adds s to
+ * its backups and releases the Pushes, each then forwarded to s too. From
+ * then on s is a backup like the others: a Push is acknowledged once it
+ * applied it. Returns 0, or the error that ended it (the primary's
+ * refusal: -EPERM not a primary, -EEXIST already a backup, -ENOSPC
+ * BEX_PS_BACKUPS_MAX backups, -EBUSY a cut or join under way; the copy's;
+ * -ETIMEDOUT the primary's pause ran out): s is then not in the set.
+ * When JOIN itself failed s is still catching up (nothing copied); after
+ * a copy it serves what it copied, but no forward reaches it: it is stale
+ * from then on (bex-ps --join exits 1). Blocks: never from a callback of
+ * ctx. */
+int bex_ps_shard_join(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *cfg);
+
+/* ---- consistent cuts of the whole model (docs/architecture.md,
+ * "Snapshots") ---- */
+
+/* clang-format off */
+#define BEX_PS_SNAPSHOT_CONFIG_INIT {.size = sizeof(bex_ps_snapshot_config)}
+/* clang-format on */
+typedef struct bex_ps_snapshot_config {
+    size_t size;         /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
+    bex_dir *dir;        /* where the shards are (their primaries: listed first) */
+    const char *service; /* the directory's service name ("ps") */
+    uint32_t n_shards;   /* 0: as many as the directory lists now */
+    uint64_t cut_id;     /* 0: the realtime clock in microseconds */
+    uint32_t flags;      /* BEX_PS_SNAPSHOT_FULL */
+    uint32_t timeout_ms; /* each phase's deadline, the files' writing included (10000) */
+} bex_ps_snapshot_config;
+
+/* Every shard writes a full file, whatever its cut_full_every. */
+#define BEX_PS_SNAPSHOT_FULL (1u << 0)
+
+typedef struct bex_ps_snapshot_result {
+    uint64_t cut_id;
+    uint64_t pause_ns_max; /* the longest a shard held Pushes for it */
+    uint64_t held;         /* Pushes held, every shard */
+    uint64_t rows;         /* rows written, every shard */
+    uint32_t shards, full; /* shards cut; of them, those whose file is full */
+} bex_ps_snapshot_result;
+
+/* Take a consistent cut of every shard of the service, in two phases
+ * over RPC (method BEX_PS_M_CUT) to the first replica the directory lists
+ * of each shard (its primary): PREPARE, at which each shard holds new
+ * Pushes (at most its cut_pause_ms) and copies its rows changed since its
+ * last cut (optimizer state included) and the ids of the Pushes applied;
+ * once every shard is prepared, COMMIT, at which each releases the Pushes
+ * held and writes its file in the background (answering COMMIT when it is
+ * written). What is in it: every Push acknowledged before PREPARE reached
+ * its shard; of a client that waits for each Push's acknowledgement
+ * before sending the next, a prefix of its Pushes (one multi-shard Push
+ * may be in on one shard and not on another: a cut is not atomic across
+ * the shards of one Push). Restore: bex_ps_shard_config.restore_cut.
+ * Returns 0 and *out (may be NULL) when every shard wrote its file; else
+ * the first error (every shard was told to abort: no file of this cut is
+ * then to be restored): -EINVAL, -ENOMEM, -EHOSTUNREACH (a shard with no
+ * replica), a shard's refusal (-EBUSY: a cut under way or too soon,
+ * -ENOTSUP: no cut_dir, -EAGAIN: catching up), -ETIMEDOUT (a shard's pause
+ * ran out before COMMIT: it aborted), a write error. Blocks: never from a
+ * callback of ctx. Any thread. */
+int bex_ps_snapshot_all(bex_ctx *ctx, const bex_ps_snapshot_config *cfg,
+                        bex_ps_snapshot_result *out);
 
 /* ---- client ---- */
 

@@ -269,9 +269,12 @@ static uint64_t install_cut(bex_ps_shard *s, struct table *cut, struct idset *cu
         struct table *t = &s->tables[i], *c = &cut[i];
         free(t->keys);
         free(t->vals);
+        free(t->dirty);
         bex__ihash_free(&t->idx);
         t->keys = c->keys;
         t->vals = c->vals;
+        t->dirty = c->dirty;
+        c->dirty = NULL;
         t->idx = c->idx;
         t->n_rows = c->n_rows;
         t->cap_rows = c->cap_rows;
@@ -282,6 +285,7 @@ static uint64_t install_cut(bex_ps_shard *s, struct table *cut, struct idset *cu
     }
     bex__ps_ids_free(&s->ids);
     s->ids = *cut_ids;
+    bex__ps_cut_forget_locked(s);
     return rows;
 }
 

@@ -141,6 +141,8 @@ static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
 {
     if (method == BEX_PS_M_COPY)
         return serve_copy(s, ctx, body, len, resp, resp_len);
+    if (method == BEX_PS_M_CUT)
+        return bex__ps_cut_serve(s, ctx, body, len, req, resp, resp_len);
     if (method == BEX_PS_M_FORWARD)
         return repl_serve(s, method, NULL, body, len, req);
     if (method != BEX_PS_M_FETCH && method != BEX_PS_M_PUSH)
@@ -179,15 +181,25 @@ int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
     return shard_serve(s, ctx, method, body, len, NULL, resp, resp_len);
 }
 
-static void handler(bex_rpc_req *req, void *body, size_t len, void *user)
+void bex__ps_handle(struct reg *r, bex_rpc_req *req, void *body, size_t len)
 {
-    struct reg *r = user;
     void *resp = NULL;
     size_t rlen = 0;
     int rc = shard_serve(r->s, r->ctx, r->method, body, len, req, &resp, &rlen);
     bex_rpc_free(body);
     if (rc != BEX__PS_LATER)
         bex_rpc_reply(req, rc, resp, rlen);
+}
+
+static void handler(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    struct reg *r = user;
+    bool push = r->method == BEX_PS_M_PUSH;
+    if (push && bex__ps_cut_hold(r->s, r, req, body, len))
+        return; /* held for a cut: served when it releases the Pushes */
+    bex__ps_handle(r, req, body, len);
+    if (push)
+        bex__ps_cut_done(r->s);
 }
 
 int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
@@ -199,10 +211,11 @@ int bex_ps_shard_register(bex_ps_shard *s, bex_rpc_server *srv, bex_ctx *ctx)
     regs[1] = (struct reg){s, ctx, BEX_PS_M_PUSH};
     regs[2] = (struct reg){s, ctx, BEX_PS_M_COPY};
     regs[3] = (struct reg){s, ctx, BEX_PS_M_FORWARD};
+    regs[4] = (struct reg){s, ctx, BEX_PS_M_CUT};
     int rc = bex__ps_repl_register(s, ctx);
     if (rc)
         return rc;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         rc = bex_rpc_server_register(srv, BEX_PS_SERVICE, regs[i].method,
                                      bex__ps_method_flags(regs[i].method), handler, &regs[i]);
         if (rc)

@@ -198,6 +198,51 @@ static inline int bex__ps_fwd_get(const void *body, size_t len, struct bex__ps_f
     return h->session && (h->lsn || (h->flags & BEX__PS_FWD_PROBE)) ? 0 : -EINVAL;
 }
 
+/* ---- consistent cuts (BEX_PS_M_CUT; docs/protocol.md, "Cut") ---- */
+
+/* u8 version, u8 op, u8 flags, u8 0, u32 0, u64 cut id (not 0): a request;
+ * the answer repeats it, COMMIT's followed by u64 pause_ns, u64 Pushes
+ * held, u64 rows written, u32 full (1) or incremental (0), u32 0. */
+#define BEX__PS_CUT_HDR_LEN 16
+#define BEX__PS_CUT_ANS_LEN (BEX__PS_CUT_HDR_LEN + 32)
+enum {
+    BEX__PS_CUT_PREPARE = 1,
+    BEX__PS_CUT_COMMIT = 2,
+    BEX__PS_CUT_ABORT = 3,
+    /* a new backup's join: JOIN (the header, then u32 IPv4 address and
+     * u16 port in network order, u16 transport) holds the Pushes; JOINED
+     * adds it and releases them; ABORT lets them go */
+    BEX__PS_CUT_JOIN = 4,
+    BEX__PS_CUT_JOINED = 5,
+};
+#define BEX__PS_JOIN_LEN   (BEX__PS_CUT_HDR_LEN + 8)
+#define BEX__PS_CUT_F_FULL 1u
+struct bex__ps_cut_hdr {
+    uint8_t op, flags;
+    uint64_t id;
+};
+static inline void bex__ps_cut_put(uint8_t *p, const struct bex__ps_cut_hdr *h)
+{
+    p[0] = BEX__PS_VERSION;
+    p[1] = h->op;
+    p[2] = (uint8_t)(h->flags & BEX__PS_CUT_F_FULL);
+    p[3] = 0;
+    bex__ps_put32(p + 4, 0);
+    bex__ps_put64(p + 8, h->id);
+}
+/* 0, or -EINVAL when body (len bytes) does not start with a cut header. */
+static inline int bex__ps_cut_get(const void *body, size_t len, struct bex__ps_cut_hdr *h)
+{
+    const uint8_t *p = body;
+    if (!p || len < BEX__PS_CUT_HDR_LEN || p[0] != BEX__PS_VERSION || p[1] < BEX__PS_CUT_PREPARE ||
+        p[1] > BEX__PS_CUT_JOINED || (p[2] & ~BEX__PS_CUT_F_FULL) || p[3] || bex__ps_get32(p + 4))
+        return -EINVAL;
+    h->op = p[1];
+    h->flags = p[2];
+    h->id = bex__ps_get64(p + 8);
+    return h->id ? 0 : -EINVAL;
+}
+
 /* The RPC registration flags of a method: Push changes state, so a retried
  * Push is answered from the dedup window, not applied again. (Tests that
  * wrap the handlers register with these too.) */

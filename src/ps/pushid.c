@@ -233,8 +233,11 @@ int bex__ps_push_apply_locked(bex_ps_shard *s, struct table *t, uint32_t n, cons
         return rc;
     if (c)
         ids_mark(&s->ids, c, id->seq, now);
-    for (uint32_t i = 0; i < n; i++)
-        bex__ps_apply(t, bex__ps_row_get(t, keys[i]), g + (size_t)i * t->cfg.dim);
+    for (uint32_t i = 0; i < n; i++) {
+        float *v = bex__ps_row_get(t, keys[i]);
+        bex__ps_apply(t, v, g + (size_t)i * t->cfg.dim);
+        bex__ps_row_dirty(t, v);
+    }
     s->st.pushes++;
     s->st.rows_pushed += n;
     t->pushes++;

@@ -46,7 +46,9 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     rp->win_n = cfg->forward_window ? cfg->forward_window : FWD_WINDOW;
     rp->hold_max = cfg->forward_hold_max ? cfg->forward_hold_max : FWD_HOLD_MAX;
     rp->retry_ns = (uint64_t)(cfg->backup_retry_ms ? cfg->backup_retry_ms : 1000) * 1000000ull;
-    if (cfg->n_backups && !(rp->bk = calloc(cfg->n_backups, sizeof *rp->bk)))
+    /* a primary's room for every backup: one may join later (join.c),
+     * while forwards to the others complete */
+    if (cfg->role == BEX_PS_ROLE_PRIMARY && !(rp->bk = calloc(BEX_PS_BACKUPS_MAX, sizeof *rp->bk)))
         return -ENOMEM;
     rp->n_bk = cfg->n_backups;
     for (size_t i = 0; i < rp->n_bk; i++) {
@@ -169,6 +171,7 @@ struct fop {
     bex_ps_shard *s;
     bex_rpc_req *req;
     struct bex__ps_hdr h;  /* the answer's */
+    uint64_t lsn;          /* its number (lag.c) */
     _Atomic uint32_t left; /* forwards out, + 1 while sending */
     _Atomic int status;
     struct fcall calls[];
@@ -263,6 +266,8 @@ static void fwd_done(int status, void *body, size_t len, void *user)
                      s->shard, fc->b, bex_strerror(status));
         int zero = 0;
         atomic_compare_exchange_strong(&op->status, &zero, -EHOSTDOWN);
+    } else {
+        bex__ps_lag_acked(s, fc->b, op->lsn);
     }
     fop_put(op);
 }
@@ -423,6 +428,7 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
             *lsn = ++s->rp.lsn;
             s->rp.inflight++;
             s->st.fwd_sent += s->rp.n_bk;
+            bex__ps_lag_numbered_locked(s, *lsn);
         }
     }
     pthread_mutex_unlock(&s->mu);
@@ -453,7 +459,7 @@ int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const voi
         free(op);
         return rc;
     }
-    *op = (struct fop){.s = s, .req = req, .h = *h};
+    *op = (struct fop){.s = s, .req = req, .h = *h, .lsn = lsn};
     atomic_store(&op->left, (uint32_t)rp->n_bk + 1);
     bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
     for (uint32_t i = 0; i < rp->n_bk; i++) {
@@ -488,6 +494,7 @@ static int fwd_apply_locked(bex_ps_shard *s, struct fwdh *f)
         bex__ps_push_apply_locked(s, f->t, f->n, f->keys, f->g, f->has_id ? &f->id : NULL, NULL);
     s->rp.next++;
     s->st.fwd_applied++;
+    bex__ps_lag_applied_locked(s);
     if (rc)
         bex__log(&s->log, BEX_LOG_ERROR,
                  "ps shard %u: forward %llu not applied (%s): this backup now differs from its "

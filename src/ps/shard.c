@@ -48,6 +48,7 @@ void bex__ps_tables_free(struct table *ts, size_t n)
     for (size_t i = 0; i < n; i++) {
         free(ts[i].keys);
         free(ts[i].vals);
+        free(ts[i].dirty);
         bex__ihash_free(&ts[i].idx);
     }
     free(ts);
@@ -107,11 +108,15 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
     s->new_rate = cfg->new_clients_per_sec ? cfg->new_clients_per_sec : 1000;
     s->new_per_conn = cfg->new_clients_per_conn ? cfg->new_clients_per_conn : 64;
     int rrc = bex__ps_repl_init(s, cfg);
+    if (!rrc)
+        rrc = bex__ps_lag_init(s);
+    if (!rrc)
+        rrc = bex__ps_cut_init(s, cfg); /* restore_cut: loads the cut */
     if (rrc) {
         bex_ps_shard_destroy(s);
         return rrc;
     }
-    if (cfg->snapshot_path) {
+    if (cfg->snapshot_path && !cfg->restore_cut) {
         int rc = bex__ps_snapshot_load(s, cfg->snapshot_path);
         if (rc == -ENOENT) {
             bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: no snapshot at %s, starting empty",
@@ -131,7 +136,9 @@ void bex_ps_shard_destroy(bex_ps_shard *s)
 {
     if (!s)
         return;
+    bex__ps_cut_fini(s); /* its writer joined: it answers its COMMIT */
     bex__ps_repl_fini(s);
+    bex__ps_lag_fini(s);
     bex__ps_held_free(s->held);
     bex__ps_ids_free(&s->ids);
     free(s->cp.buf);
@@ -147,6 +154,8 @@ static void repl_stats_locked(const bex_ps_shard *s, bex_ps_shard_stats *out)
     out->role = s->rp.role;
     out->backups_down = s->rp.n_down;
     out->lsn = s->rp.role == BEX_PS_ROLE_PRIMARY ? s->rp.lsn : s->rp.next ? s->rp.next - 1 : 0;
+    bex__ps_lag_stats_locked(s, out);
+    bex__ps_cut_stats_locked(s, out);
 }
 
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out)
@@ -309,6 +318,7 @@ int bex_ps_shard_prometheus(bex_ps_shard *const *shards, size_t n, char *buf, si
         struct bex__prom_array sa = {sst, n, sizeof *sst, shard_label, &sl};
         bex__prom_counters(&o, shard_ctrs, ARRAY_SIZE(shard_ctrs), bex__prom_array_next, &sa);
         repl_gauges(&o, shards, sst, n);
+        bex__ps_ops_prom(&o, shards, sst, n);
         bex__prom_printf(&o, "# HELP bex_ps_serve_seconds Time a request took in the shard, "
                              "decoding to answer.\n# TYPE bex_ps_serve_seconds histogram\n");
         for (size_t k = 0; k < n; k++)

@@ -7,6 +7,8 @@
 #define BEX_PS_SHARD_INTERNAL_H
 
 #include <pthread.h>
+#include <sodium.h>
+#include <stdio.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -30,6 +32,7 @@ struct table {
     uint64_t *keys; /* row -> key */
     float *vals;    /* row -> width floats */
     uint32_t n_rows, cap_rows;
+    uint64_t *dirty;       /* a bit per row: changed since the last cut (snapcut.c) */
     struct bex__ihash idx; /* key -> row (table.c) */
     /* served (under the shard's lock): requests, rows, and the time a
      * request took in the shard, from its decoding to its answer */
@@ -169,7 +172,7 @@ struct copy {
 
 struct bex_ps_shard {
     uint32_t shard, n_shards;
-    struct reg regs[4]; /* the handlers' user pointers */
+    struct reg regs[5]; /* the handlers' user pointers */
     struct table *tables;
     size_t n_tables;
     pthread_mutex_t mu;
@@ -188,6 +191,8 @@ struct bex_ps_shard {
     uint64_t held_bytes, held_max;
     struct copy cp;
     struct repl rp;
+    struct cut *cut; /* consistent cuts (snapcut.c) */
+    struct lag *lag; /* replica lag (lag.c) */
 };
 
 int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq);
@@ -257,5 +262,72 @@ int bex__ps_ids_new(struct idset *d, const struct idkey *key, uint64_t now, uint
 void bex__ps_apply(const struct table *t, float *v, const float *g);
 
 void bex__ps_table_defaults(bex_ps_table_config *c);
+
+/* ---- consistent cuts (snapcut.c, snapshot_cut.c) and lag (lag.c) ---- */
+
+/* A snapshot file being written or read (snapshot.c): written through f
+ * and hashed; read from p, left bytes. */
+struct bex__ps_wr {
+    FILE *f;
+    crypto_generichash_state h;
+    int err;
+};
+struct bex__ps_rd {
+    const uint8_t *p;
+    size_t left;
+};
+void bex__ps_wr_bytes(struct bex__ps_wr *w, const void *p, size_t n);
+void bex__ps_wr32(struct bex__ps_wr *w, uint32_t v);
+void bex__ps_wr64(struct bex__ps_wr *w, uint64_t v);
+void bex__ps_wr_ids(struct bex__ps_wr *w, bex_ps_shard *s);
+int bex__ps_rd32(struct bex__ps_rd *r, uint32_t *v);
+int bex__ps_rd64(struct bex__ps_rd *r, uint64_t *v);
+int bex__ps_load_ids(struct bex__ps_rd *r, struct idset *ids, bool tok);
+int bex__ps_check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const char *magic,
+                      uint32_t lo, uint32_t hi, const char *what, uint32_t *version,
+                      struct bex__ps_rd *r);
+int bex__ps_read_file(const char *path, uint8_t **buf, size_t *size);
+
+int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg);
+void bex__ps_cut_fini(bex_ps_shard *s);
+/* A Push arriving at the registered handler: true when it is held for a
+ * cut (req, body taken; served when the cut releases it), else it is
+ * served now and bex__ps_cut_done follows. */
+bool bex__ps_cut_hold(bex_ps_shard *s, struct reg *r, bex_rpc_req *req, void *body, size_t len);
+void bex__ps_cut_done(bex_ps_shard *s);
+int bex__ps_cut_serve(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t len, bex_rpc_req *req,
+                      void **resp, size_t *resp_len);
+/* The rows were replaced whole (catch-up): the next cut is full. */
+void bex__ps_cut_forget_locked(bex_ps_shard *s);
+void bex__ps_cut_stats_locked(const bex_ps_shard *s, bex_ps_shard_stats *out);
+void bex__ps_snap_written_locked(bex_ps_shard *s, uint64_t id, uint64_t t0_unix, uint64_t write_ns,
+                                 uint64_t pause_ns, uint64_t rows, int rc);
+/* The registered handler's body (catchup_peer.c): serve req and answer it. */
+void bex__ps_handle(struct reg *r, bex_rpc_req *req, void *body, size_t len);
+/* row v of t changed (a Push): marked for the next incremental cut */
+void bex__ps_row_dirty(struct table *t, const float *v);
+/* The cut file of this shard's cut id: made (under s->mu; rows changed
+ * since prev, or every row when prev is 0; the dirty marks cleared), and
+ * the chain ending at id loaded into s (at create). */
+int bex__ps_cut_make(bex_ps_shard *s, uint64_t id, uint64_t prev, char **buf, size_t *len,
+                     uint64_t *rows);
+int bex__ps_cut_restore(bex_ps_shard *s, const char *dir, uint64_t id, uint32_t *chain);
+int bex__ps_cut_path(char *out, size_t cap, const char *dir, uint32_t shard, uint64_t id);
+
+/* join.c: a JOIN's backup checked (a primary, room, not there yet),
+ * added (its channel made; in step at the primary's lsn), decoded. */
+int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep);
+int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep);
+void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep);
+
+int bex__ps_lag_init(bex_ps_shard *s);
+void bex__ps_lag_fini(bex_ps_shard *s);
+void bex__ps_lag_numbered_locked(bex_ps_shard *s, uint64_t lsn);
+void bex__ps_lag_acked(bex_ps_shard *s, uint32_t b, uint64_t lsn);
+void bex__ps_lag_applied_locked(bex_ps_shard *s);
+void bex__ps_lag_stats_locked(const bex_ps_shard *s, bex_ps_shard_stats *out);
+struct bex__prom;
+void bex__ps_ops_prom(struct bex__prom *o, bex_ps_shard *const *shards,
+                      const bex_ps_shard_stats *sst, size_t n);
 
 #endif

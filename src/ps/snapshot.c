@@ -34,13 +34,7 @@ static const char snap_magic[8] = {'B', 'E', 'X', 'P', 'S', 'N', 'A', 'P'};
 #define COPY_VERSION 3 /* 3: the replication position after the ids */
 #define SNAP_HASH    crypto_generichash_BYTES
 
-struct wr {
-    FILE *f;
-    crypto_generichash_state h;
-    int err;
-};
-
-static void wr_bytes(struct wr *w, const void *p, size_t n)
+void bex__ps_wr_bytes(struct bex__ps_wr *w, const void *p, size_t n)
 {
     if (w->err)
         return;
@@ -49,39 +43,39 @@ static void wr_bytes(struct wr *w, const void *p, size_t n)
         w->err = -EIO;
 }
 
-static void wr32(struct wr *w, uint32_t v)
+void bex__ps_wr32(struct bex__ps_wr *w, uint32_t v)
 {
     uint8_t b[4];
     bex__ps_put32(b, v);
-    wr_bytes(w, b, 4);
+    bex__ps_wr_bytes(w, b, 4);
 }
 
-static void wr64(struct wr *w, uint64_t v)
+void bex__ps_wr64(struct bex__ps_wr *w, uint64_t v)
 {
     uint8_t b[8];
     bex__ps_put64(b, v);
-    wr_bytes(w, b, 8);
+    bex__ps_wr_bytes(w, b, 8);
 }
 
 /* shard, n_shards, n_tables, then every table's rows (under s->mu). */
-static void wr_tables(struct wr *w, bex_ps_shard *s)
+static void wr_tables(struct bex__ps_wr *w, bex_ps_shard *s)
 {
-    wr32(w, s->shard);
-    wr32(w, s->n_shards);
-    wr32(w, (uint32_t)s->n_tables);
+    bex__ps_wr32(w, s->shard);
+    bex__ps_wr32(w, s->n_shards);
+    bex__ps_wr32(w, (uint32_t)s->n_tables);
     uint8_t row[8 + 8 * BEX_PS_DIM_MAX];
     for (size_t i = 0; i < s->n_tables; i++) {
         const struct table *t = &s->tables[i];
-        wr32(w, t->cfg.id);
-        wr32(w, t->cfg.dim);
-        wr32(w, t->cfg.optimizer);
-        wr32(w, t->n_rows);
+        bex__ps_wr32(w, t->cfg.id);
+        bex__ps_wr32(w, t->cfg.dim);
+        bex__ps_wr32(w, t->cfg.optimizer);
+        bex__ps_wr32(w, t->n_rows);
         for (uint32_t r = 0; r < t->n_rows; r++) {
             bex__ps_put64(row, t->keys[r]);
             const float *v = t->vals + (size_t)r * t->width;
             for (uint32_t c = 0; c < t->width; c++)
                 bex__ps_putf(row + 8 + 4 * (size_t)c, v[c]);
-            wr_bytes(w, row, 8 + 4 * (size_t)t->width);
+            bex__ps_wr_bytes(w, row, 8 + 4 * (size_t)t->width);
         }
     }
 }
@@ -89,17 +83,17 @@ static void wr_tables(struct wr *w, bex_ps_shard *s)
 /* The ids of the Pushes applied: u32 clients; per client u64 id, 2 x u64
  * token, u64 highest sequence, IDS_WINDOW / 64 u64 bitmap words (under
  * s->mu). */
-static void wr_ids(struct wr *w, bex_ps_shard *s)
+void bex__ps_wr_ids(struct bex__ps_wr *w, bex_ps_shard *s)
 {
-    wr32(w, s->ids.n);
+    bex__ps_wr32(w, s->ids.n);
     for (uint32_t i = 0; i < s->ids.n; i++) {
         const struct idc *c = &s->ids.c[i];
-        wr64(w, c->k.client);
-        wr64(w, c->k.tok[0]);
-        wr64(w, c->k.tok[1]);
-        wr64(w, c->max);
+        bex__ps_wr64(w, c->k.client);
+        bex__ps_wr64(w, c->k.tok[0]);
+        bex__ps_wr64(w, c->k.tok[1]);
+        bex__ps_wr64(w, c->max);
         for (uint32_t k = 0; k < IDS_WINDOW / 64; k++)
-            wr64(w, c->bits[k]);
+            bex__ps_wr64(w, c->bits[k]);
     }
 }
 
@@ -113,18 +107,21 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
         return -ENOMEM;
     memcpy(tmp, path, plen);
     memcpy(tmp + plen, ".tmp", 5);
-    struct wr w = {.f = fopen(tmp, "wb")};
+    struct bex__ps_wr w = {.f = fopen(tmp, "wb")};
     if (!w.f) {
         int rc = -errno;
         free(tmp);
         return rc;
     }
     crypto_generichash_init(&w.h, NULL, 0, SNAP_HASH);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    uint64_t t0 = bex__rpc_now_ns();
     pthread_mutex_lock(&s->mu);
-    wr_bytes(&w, snap_magic, sizeof snap_magic);
-    wr32(&w, SNAP_VERSION);
+    bex__ps_wr_bytes(&w, snap_magic, sizeof snap_magic);
+    bex__ps_wr32(&w, SNAP_VERSION);
     wr_tables(&w, s);
-    wr_ids(&w, s);
+    bex__ps_wr_ids(&w, s);
     pthread_mutex_unlock(&s->mu);
     uint8_t sum[SNAP_HASH];
     crypto_generichash_final(&w.h, sum, sizeof sum);
@@ -140,6 +137,10 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
         unlink(tmp);
     else
         bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: snapshot written to %s", s->shard, path);
+    pthread_mutex_lock(&s->mu);
+    bex__ps_snap_written_locked(s, 0, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec,
+                                bex__rpc_now_ns() - t0, 0, 0, w.err);
+    pthread_mutex_unlock(&s->mu);
     free(tmp);
     return w.err;
 }
@@ -154,18 +155,18 @@ int bex__ps_copy_make(bex_ps_shard *s, char **buf, size_t *len)
 {
     *buf = NULL;
     *len = 0;
-    struct wr w = {.f = open_memstream(buf, len)};
+    struct bex__ps_wr w = {.f = open_memstream(buf, len)};
     if (!w.f)
         return -ENOMEM;
     crypto_generichash_init(&w.h, NULL, 0, SNAP_HASH);
-    wr_bytes(&w, copy_magic, sizeof copy_magic);
-    wr32(&w, COPY_VERSION);
+    bex__ps_wr_bytes(&w, copy_magic, sizeof copy_magic);
+    bex__ps_wr32(&w, COPY_VERSION);
     wr_tables(&w, s);
-    wr_ids(&w, s);
+    bex__ps_wr_ids(&w, s);
     uint64_t session, lsn;
     bex__ps_repl_position(s, &session, &lsn);
-    wr64(&w, session);
-    wr64(&w, lsn);
+    bex__ps_wr64(&w, session);
+    bex__ps_wr64(&w, lsn);
     uint8_t sum[SNAP_HASH];
     crypto_generichash_final(&w.h, sum, sizeof sum);
     if (!w.err && fwrite(sum, 1, sizeof sum, w.f) != sizeof sum)
@@ -180,12 +181,7 @@ int bex__ps_copy_make(bex_ps_shard *s, char **buf, size_t *len)
     return w.err ? -ENOMEM : 0;
 }
 
-struct rd {
-    const uint8_t *p;
-    size_t left;
-};
-
-static int rd32(struct rd *r, uint32_t *v)
+int bex__ps_rd32(struct bex__ps_rd *r, uint32_t *v)
 {
     if (r->left < 4)
         return -EINVAL;
@@ -195,7 +191,7 @@ static int rd32(struct rd *r, uint32_t *v)
     return 0;
 }
 
-static int rd64(struct rd *r, uint64_t *v)
+int bex__ps_rd64(struct bex__ps_rd *r, uint64_t *v)
 {
     if (r->left < 8)
         return -EINVAL;
@@ -208,8 +204,9 @@ static int rd64(struct rd *r, uint64_t *v)
 /* buf (size bytes) ends with the BLAKE2b-256 of the rest and starts with
  * magic and a version from lo to hi: 0, *version and *r after them, or
  * -EINVAL. */
-static int check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const char *magic,
-                     uint32_t lo, uint32_t hi, const char *what, uint32_t *version, struct rd *r)
+int bex__ps_check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const char *magic,
+                      uint32_t lo, uint32_t hi, const char *what, uint32_t *version,
+                      struct bex__ps_rd *r)
 {
     if (size < 8 + 4 + 12 + SNAP_HASH)
         return -EINVAL;
@@ -219,8 +216,8 @@ static int check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const cha
         bex__log(&s->log, BEX_LOG_ERROR, "ps %s: checksum mismatch", what);
         return -EINVAL;
     }
-    *r = (struct rd){.p = buf + 8, .left = size - SNAP_HASH - 8};
-    if (memcmp(buf, magic, 8) || rd32(r, version) || *version < lo || *version > hi) {
+    *r = (struct bex__ps_rd){.p = buf + 8, .left = size - SNAP_HASH - 8};
+    if (memcmp(buf, magic, 8) || bex__ps_rd32(r, version) || *version < lo || *version > hi) {
         bex__log(&s->log, BEX_LOG_ERROR, "ps %s: not a file of its kind, version %u to %u", what,
                  lo, hi);
         return -EINVAL;
@@ -231,22 +228,22 @@ static int check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const cha
 /* The ids section at r into ids (empty); tok: with tokens (else the
  * zero token). Every client is taken as seen now: its retries may still
  * come. */
-static int load_ids(struct rd *r, struct idset *ids, bool tok)
+int bex__ps_load_ids(struct bex__ps_rd *r, struct idset *ids, bool tok)
 {
     uint32_t n;
     size_t each = (tok ? 32 : 16) + IDS_WINDOW / 8;
-    if (rd32(r, &n) || n > IDS_LOAD_MAX || r->left / each < n)
+    if (bex__ps_rd32(r, &n) || n > IDS_LOAD_MAX || r->left / each < n)
         return -EINVAL;
     uint64_t now = bex__rpc_now_ns();
     for (uint32_t i = 0; i < n; i++) {
         struct idkey k = {0};
         uint64_t max = 0;
-        rd64(r, &k.client);
+        bex__ps_rd64(r, &k.client);
         if (tok) {
-            rd64(r, &k.tok[0]);
-            rd64(r, &k.tok[1]);
+            bex__ps_rd64(r, &k.tok[0]);
+            bex__ps_rd64(r, &k.tok[1]);
         }
-        rd64(r, &max);
+        bex__ps_rd64(r, &max);
         if (bex__ps_ids_find(ids, &k))
             return -EINVAL; /* a client twice */
         struct idc *c;
@@ -255,18 +252,18 @@ static int load_ids(struct rd *r, struct idset *ids, bool tok)
             return rc;
         c->max = max;
         for (uint32_t w = 0; w < IDS_WINDOW / 64; w++)
-            rd64(r, &c->bits[w]);
+            bex__ps_rd64(r, &c->bits[w]);
     }
     return 0;
 }
 
 /* The tables at r (shard, shard count, tables, rows) into dst[] (s's
  * tables' configs, empty), every count checked against what is left. */
-static int load_tables(bex_ps_shard *s, struct table *dst, struct rd *r, const char *what)
+static int load_tables(bex_ps_shard *s, struct table *dst, struct bex__ps_rd *r, const char *what)
 {
     uint32_t shard, n_shards, n_tables;
-    if (rd32(r, &shard) || rd32(r, &n_shards) || rd32(r, &n_tables) || shard != s->shard ||
-        n_shards != s->n_shards || n_tables != s->n_tables) {
+    if (bex__ps_rd32(r, &shard) || bex__ps_rd32(r, &n_shards) || bex__ps_rd32(r, &n_tables) ||
+        shard != s->shard || n_shards != s->n_shards || n_tables != s->n_tables) {
         bex__log(&s->log, BEX_LOG_ERROR, "ps %s: not of this shard (shard, shard count or tables)",
                  what);
         return -EINVAL;
@@ -274,7 +271,8 @@ static int load_tables(bex_ps_shard *s, struct table *dst, struct rd *r, const c
     bool seen[BEX_PS_TABLES_MAX] = {false};
     for (uint32_t i = 0; i < n_tables; i++) {
         uint32_t id, dim, opt, n_rows;
-        if (rd32(r, &id) || rd32(r, &dim) || rd32(r, &opt) || rd32(r, &n_rows))
+        if (bex__ps_rd32(r, &id) || bex__ps_rd32(r, &dim) || bex__ps_rd32(r, &opt) ||
+            bex__ps_rd32(r, &n_rows))
             return -EINVAL;
         struct table *c = bex__ps_find_table(s, id);
         if (!c || seen[c - s->tables] || c->cfg.dim != dim || c->cfg.optimizer != opt) {
@@ -301,17 +299,18 @@ static int load_tables(bex_ps_shard *s, struct table *dst, struct rd *r, const c
     return 0;
 }
 
-/* Load rows from the file at path into s (empty, tables configured). The
- * checksum is verified before anything is read; then every count is
- * checked against what is left. */
-int bex__ps_snapshot_load(bex_ps_shard *s, const char *path)
+/* The whole file at path into *buf (malloc'd) and *size: 0, -errno,
+ * -EINVAL (not a regular file or too short to be a snapshot), -ENOMEM. */
+int bex__ps_read_file(const char *path, uint8_t **buf, size_t *size)
 {
+    *buf = NULL;
+    *size = 0;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -errno;
     struct stat st;
     int rc = 0;
-    uint8_t *buf = NULL;
+    uint8_t *b = NULL;
     if (fstat(fd, &st)) {
         rc = -errno;
         goto out;
@@ -320,29 +319,47 @@ int bex__ps_snapshot_load(bex_ps_shard *s, const char *path)
         rc = -EINVAL;
         goto out;
     }
-    size_t size = (size_t)st.st_size;
-    buf = malloc(size);
-    if (!buf) {
+    size_t n = (size_t)st.st_size;
+    if (!(b = malloc(n))) {
         rc = -ENOMEM;
         goto out;
     }
-    for (size_t got = 0; got < size;) {
-        ssize_t n = read(fd, buf + got, size - got);
-        if (n < 0 && errno == EINTR)
+    for (size_t got = 0; got < n;) {
+        ssize_t k = read(fd, b + got, n - got);
+        if (k < 0 && errno == EINTR)
             continue;
-        if (n <= 0) {
-            rc = n < 0 ? -errno : -EIO;
+        if (k <= 0) {
+            rc = k < 0 ? -errno : -EIO;
             goto out;
         }
-        got += (size_t)n;
+        got += (size_t)k;
     }
+    *buf = b;
+    *size = n;
+    b = NULL;
+out:
+    free(b);
+    close(fd);
+    return rc;
+}
+
+/* Load rows from the file at path into s (empty, tables configured). The
+ * checksum is verified before anything is read; then every count is
+ * checked against what is left. */
+int bex__ps_snapshot_load(bex_ps_shard *s, const char *path)
+{
+    uint8_t *buf;
+    size_t size;
+    int rc = bex__ps_read_file(path, &buf, &size);
+    if (rc)
+        return rc;
     char what[256];
     snprintf(what, sizeof what, "snapshot %s", path);
-    struct rd r;
+    struct bex__ps_rd r;
     uint32_t version;
-    if ((rc = check_sum(s, buf, size, snap_magic, 1, SNAP_VERSION, what, &version, &r)) ||
+    if ((rc = bex__ps_check_sum(s, buf, size, snap_magic, 1, SNAP_VERSION, what, &version, &r)) ||
         (rc = load_tables(s, s->tables, &r, what)) ||
-        (version >= 2 && (rc = load_ids(&r, &s->ids, version >= 3))))
+        (version >= 2 && (rc = bex__ps_load_ids(&r, &s->ids, version >= 3))))
         goto out;
     if (r.left)
         rc = -EINVAL;
@@ -350,7 +367,6 @@ int bex__ps_snapshot_load(bex_ps_shard *s, const char *path)
         bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: snapshot %s loaded", s->shard, path);
 out:
     free(buf);
-    close(fd);
     return rc;
 }
 
@@ -371,14 +387,16 @@ struct table *bex__ps_tables_like(const bex_ps_shard *s)
 int bex__ps_copy_load(bex_ps_shard *s, const uint8_t *buf, size_t size, struct table *dst,
                       struct idset *ids)
 {
-    struct rd r;
+    struct bex__ps_rd r;
     uint32_t version;
-    int rc = check_sum(s, buf, size, copy_magic, 2, COPY_VERSION, "catch-up copy", &version, &r);
-    if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")) || (rc = load_ids(&r, ids, true)))
+    int rc =
+        bex__ps_check_sum(s, buf, size, copy_magic, 2, COPY_VERSION, "catch-up copy", &version, &r);
+    if (rc || (rc = load_tables(s, dst, &r, "catch-up copy")) ||
+        (rc = bex__ps_load_ids(&r, ids, true)))
         return rc;
     /* the maker's replication position (version 3) */
     s->rp.cut_session = s->rp.cut_lsn = 0;
-    if (version >= 3 && (rd64(&r, &s->rp.cut_session) || rd64(&r, &s->rp.cut_lsn)))
+    if (version >= 3 && (bex__ps_rd64(&r, &s->rp.cut_session) || bex__ps_rd64(&r, &s->rp.cut_lsn)))
         return -EINVAL;
     return r.left ? -EINVAL : 0;
 }

@@ -90,6 +90,12 @@ int bex__ps_table_reserve(struct table *t, uint32_t extra)
         if (!v)
             return -ENOMEM;
         t->vals = v;
+        size_t ow = ((size_t)t->cap_rows + 63) / 64, nw = ((size_t)cap + 63) / 64;
+        uint64_t *d = realloc(t->dirty, nw * sizeof *d);
+        if (!d)
+            return -ENOMEM;
+        memset(d + ow, 0, (nw - ow) * sizeof *d);
+        t->dirty = d;
         t->cap_rows = (uint32_t)cap;
     }
     return bex__ihash_reserve(&t->idx, (uint32_t)want, row_hash, t);
@@ -112,6 +118,12 @@ float *bex__ps_row_get(struct table *t, uint64_t key)
         bex__ihash_insert(&t->idx, key_hash(key), r);
     }
     return t->vals + (size_t)r * t->width;
+}
+
+void bex__ps_row_dirty(struct table *t, const float *v)
+{
+    size_t r = (size_t)(v - t->vals) / t->width;
+    t->dirty[r / 64] |= 1ull << (r % 64);
 }
 
 /* Keys among keys[0..n) without a row yet (duplicates counted: an upper

@@ -268,3 +268,18 @@ write("ps", "push-adagrad", ps(1, 2, 3, [9, 9, 4], [1.0, -2.0, 0.25] * 3))
 write("ps", "push-id", ps(1, 1, 4, [1, 5], [0.25] * 8, push_id=(0xC1, 7)))
 write("ps", "push-nan", ps(1, 1, 4, [1], [float("nan")] * 4))
 write("ps", "fetch-bad-length", ps(0, 1, 4, [1, 2])[:-3])
+
+
+# ---------------- PS Cut bodies (little-endian; fuzz_pscut.c) ----------------
+def pscut(op, cut_id, flags=0, extra=b""):
+    return struct.pack("<BBBxIQ", 1, op, flags, 0, cut_id) + extra
+
+
+write("pscut", "prepare", pscut(1, 42, flags=1))
+write("pscut", "commit", pscut(2, 42))
+write("pscut", "abort", pscut(3, 42))
+write("pscut", "join", pscut(4, 7, extra=bytes([127, 0, 0, 1, 0x1f, 0x90, 2, 0])))
+write("pscut", "joined", pscut(5, 7))
+write("pscut", "id-zero", pscut(1, 0))
+write("pscut", "bad-op", pscut(6, 1))
+write("pscut", "short", pscut(1, 42)[:15])

@@ -580,7 +580,7 @@ static int t_limits(void)
     CHECK(st.rows == 4 && st.pushes == 1 && st.fetches == 2 && st.malformed == 0);
     size_t len;
     void *b = serve_body(ctx, BEX_PS_M_FETCH, 1, 4, 0, 1, 0, &len), *resp = NULL;
-    CHECK_EQ(bex_ps_shard_serve(s, ctx, BEX_PS_M_FORWARD + 1, b, len, &resp, &len), -ENOSYS);
+    CHECK_EQ(bex_ps_shard_serve(s, ctx, BEX_PS_M_CUT + 1, b, len, &resp, &len), -ENOSYS);
     bex_rpc_free(b);
     bex_ps_shard_destroy(s);
     /* configurations refused */

@@ -38,6 +38,7 @@
 #include "bex/ps.h"
 #include "bex/rpc.h"
 #include "bex/sock.h"
+#include "snapcmd.h"
 
 #define MAX_SERVED 64
 
@@ -61,7 +62,10 @@ __attribute__((noreturn)) static void usage(int status)
         "              [--metrics-port PORT] [--keepalive-timeout-ms MS] [--verbose]\n"
         "              [--no-catchup] [--catchup-timeout-ms MS] [--poll spin-sleep|busy|event]\n"
         "              [--eager-max B] [--send-window B] [--io-threads N]\n"
-        "              [--drain-timeout-ms MS]\n");
+        "              [--drain-timeout-ms MS]\n"
+        "              [--cut-dir DIR] [--restore-cut ID] [--cut-pause-ms MS]\n"
+        "              [--cut-full-every N] [--join]\n"
+        "       bex-ps snapshot --cluster FILE [--service NAME] [--full] [--timeout-ms MS]\n");
     exit(status);
 }
 
@@ -94,6 +98,7 @@ struct served {
     bex_rpc_endpoint backups[15]; /* the primary's */
     size_t n_backups;
     bex_ps_failover *fo; /* --etcd --primary-backup */
+    bex_rpc_endpoint primary; /* --primary-backup: replica 0 (--join) */
 };
 
 /* ---- /metrics ---- */
@@ -235,6 +240,11 @@ struct opts {
     int catchup, verbose, primary_backup;
     const char *replicas_s; /* --etcd --primary-backup: every replica's --listen */
     long lease_ttl_ms, lease_margin_ms, fwd_timeout_ms, etcd_wait_ms;
+    /* consistent cuts (--cut-*) and --join (a new backup joins its primary) */
+    const char *cut_dir;
+    unsigned long long restore_cut;
+    long cut_pause_ms, cut_full_every;
+    int join;
     unsigned long n_shards_opt, ttl_s;
     bex_ps_table_config tables[BEX_PS_TABLES_MAX];
     size_t n_tables;
@@ -302,6 +312,17 @@ static bool num_opt(int c, struct opts *o)
     case 'w':
         o->etcd_wait_ms = opt_num(optarg, 0, 86400000);
         return true;
+    case 'X':
+        o->cut_pause_ms = opt_num(optarg, 1, 60000);
+        return true;
+    case 'F':
+        o->cut_full_every = opt_num(optarg, 1, 1000000);
+        return true;
+    case 'Q':
+        o->restore_cut = strtoull(optarg, NULL, 10);
+        if (!o->restore_cut)
+            usage(2);
+        return true;
     default:
         return false;
     }
@@ -338,6 +359,12 @@ static void one_opt(int c, struct opts *o)
         break;
     case 'R':
         o->replicas_s = optarg;
+        break;
+    case 'J':
+        o->join = 1;
+        break;
+    case 'K':
+        o->cut_dir = optarg;
         break;
     case 'E':
         o->etcd = optarg;
@@ -418,6 +445,11 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"lease-margin-ms", required_argument, 0, 'g'},
                                        {"forward-timeout-ms", required_argument, 0, 'f'},
                                        {"etcd-wait-ms", required_argument, 0, 'w'},
+                                       {"cut-dir", required_argument, 0, 'K'},
+                                       {"restore-cut", required_argument, 0, 'Q'},
+                                       {"cut-pause-ms", required_argument, 0, 'X'},
+                                       {"cut-full-every", required_argument, 0, 'F'},
+                                       {"join", no_argument, 0, 'J'},
                                        {"help", no_argument, 0, 'h'},
                                        {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
@@ -425,7 +457,9 @@ static void parse_opts(int argc, char **argv, struct opts *o)
         one_opt(c, o);
     if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
         !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)) ||
-        (o->etcd && o->primary_backup && !o->replicas_s) || (o->replicas_s && !o->etcd))
+        (o->etcd && o->primary_backup && !o->replicas_s) || (o->replicas_s && !o->etcd) ||
+        (o->restore_cut && !o->cut_dir) ||
+        (o->join && (!o->primary_backup || !o->replica)))
         usage(2);
     if (o->etcd && o->primary_backup)
         o->catchup = 0; /* each backup copies from its primary (the failover agent) */
@@ -510,6 +544,7 @@ static int listen_addrs(const struct opts *o, struct node *nd)
 static void pb_roles(struct served *sv, const bex_dir_replica *reps, size_t nr, uint32_t self)
 {
     sv->role = self == 0 ? BEX_PS_ROLE_PRIMARY : BEX_PS_ROLE_BACKUP;
+    sv->primary = (bex_rpc_endpoint){.addr = reps[0].addr, .transport = reps[0].transport};
     for (size_t j = 1; self == 0 && j < nr && sv->n_backups < 15; j++)
         sv->backups[sv->n_backups++] =
             (bex_rpc_endpoint){.addr = reps[j].addr, .transport = reps[j].transport};
@@ -667,7 +702,11 @@ static int start_shard(const struct opts *o, struct node *nd)
                               .role = s->role,
                               .backups = s->backups,
                               .n_backups = s->n_backups,
-                              .forward_timeout_ms = (uint32_t)o->fwd_timeout_ms};
+                              .forward_timeout_ms = (uint32_t)o->fwd_timeout_ms,
+                              .cut_dir = o->cut_dir,
+                              .restore_cut = o->restore_cut,
+                              .cut_pause_ms = (uint32_t)o->cut_pause_ms,
+                              .cut_full_every = (uint32_t)o->cut_full_every};
     char a[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &self->addr.sin_addr, a, sizeof a);
     int rc;
@@ -757,7 +796,7 @@ static int failover_all(const struct opts *o, struct node *nd)
  * refuse Fetches until then; after the etcd registration, so that clients
  * send them the Pushes the peer applies after its copy): a failure is
  * logged, and the shard serves its snapshot and the Pushes it held. */
-static void catchup_all(const struct opts *o, struct node *nd)
+static int catchup_all(const struct opts *o, struct node *nd)
 {
     for (size_t i = 0; i < nd->n_sv; i++) {
         if (!nd->sv[i].n_peers)
@@ -765,13 +804,18 @@ static void catchup_all(const struct opts *o, struct node *nd)
         bex_ps_catchup_config cu = {.peers = nd->sv[i].peers,
                                     .n_peers = nd->sv[i].n_peers,
                                     .timeout_ms = (uint32_t)o->catchup_ms};
-        int rc = bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
+        int rc = o->join ? bex_ps_tool_join(nd->sv[i].ps, nd->ctx, &nd->sv[i].primary, &nd->self[i],
+                                            (uint32_t)o->catchup_ms)
+                         : bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
+        if (rc && o->join) /* not in the replica set: it would serve stale rows */
+            return 1;
         if (rc)
             fprintf(stderr, "bex-ps: shard %u: catch-up failed (%s): serving its snapshot\n",
                     nd->sv[i].shard, bex_strerror(rc));
         else
             printf("bex-ps: shard %u caught up\n", nd->sv[i].shard);
     }
+    return 0;
 }
 
 static int start_metrics(const struct opts *o, struct node *nd)
@@ -878,6 +922,8 @@ static int stop_all(const struct opts *o, struct node *nd, int status)
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "snapshot") == 0)
+        return bex_ps_tool_snapshot(argc - 1, argv + 1);
     static struct opts o;
     parse_opts(argc, argv, &o);
     /* the signals are taken by sigwait below: blocked before any thread */
@@ -908,7 +954,7 @@ int main(int argc, char **argv)
         status = failover_all(&o, &nd);
     atomic_store(&nd.mt.not_ready, "catching up");
     if (status == 0)
-        catchup_all(&o, &nd);
+        status = catchup_all(&o, &nd);
     if (status == 0)
         serve(&o, &nd, &sigs);
     return stop_all(&o, &nd, status);

@@ -1,0 +1,166 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The PS shard: a backup added to a running shard (issue 29 item 5;
+ * docs/architecture.md, "Replication", "Adding a backup").
+ *
+ * The new backup asks its primary to JOIN (BEX_PS_M_CUT, op JOIN): the
+ * primary holds new Pushes as for a cut (snapcut.c), so its rows, ids and
+ * lsn stay still; the backup copies them (catch-up, the copy carrying the
+ * primary's session and lsn) and says JOINED; the primary adds it to its
+ * backups, in step at that lsn, and releases the Pushes, which it then
+ * forwards to every backup, the new one included. */
+#include <errno.h>
+#include <pthread.h>
+#include <sodium.h>
+#include <string.h>
+#include <arpa/inet.h>
+
+#include "bex/ps.h"
+#include "common/cfg.h"
+#include "common/log.h"
+#include "ps/ps_internal.h"
+#include "ps/shard_internal.h"
+#include "rpc/internal.h"
+
+void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep)
+{
+    *ep = (bex_rpc_endpoint){.addr = {.sin_family = AF_INET}};
+    memcpy(&ep->addr.sin_addr.s_addr, p, 4);
+    memcpy(&ep->addr.sin_port, p + 4, 2);
+    ep->transport = (uint32_t)p[6] | (uint32_t)p[7] << 8;
+}
+
+static bool same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
+{
+    return a->sin_addr.s_addr == b->sin_addr.s_addr && a->sin_port == b->sin_port;
+}
+
+int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep)
+{
+    const struct repl *rp = &s->rp;
+    if (rp->role != BEX_PS_ROLE_PRIMARY || !rp->ctx)
+        return -EPERM;
+    if (rp->n_bk >= BEX_PS_BACKUPS_MAX)
+        return -ENOSPC;
+    if (!ep->addr.sin_port || ep->transport > BEX_TRANSPORT_TCP)
+        return -EINVAL;
+    for (size_t i = 0; i < rp->n_bk; i++)
+        if (same_addr(&rp->bk[i].addr, &ep->addr))
+            return -EEXIST; /* a backup restarted rejoins by the probe */
+    return 0;
+}
+
+/* No Push is between the door and its forwards (the hold): n_bk may grow;
+ * the room for it was made at init, so forwards in flight keep their
+ * backup's place. */
+int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep)
+{
+    struct repl *rp = &s->rp;
+    int rc = bex__ps_join_check_locked(s, ep);
+    if (rc)
+        return rc;
+    uint32_t b = (uint32_t)rp->n_bk;
+    rp->bk[b] = (struct backup){.addr = ep->addr, .transport = ep->transport};
+    rp->n_bk++;
+    if ((rc = bex__ps_repl_register(s, rp->ctx))) {
+        rp->n_bk--;
+        return rc;
+    }
+    bex__ps_lag_acked(s, b, rp->lsn); /* it copied every Push up to here */
+    char a[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+    bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: backup %u (%s:%u) joined at lsn %llu", s->shard,
+             b, a, ntohs(ep->addr.sin_port), (unsigned long long)rp->lsn);
+    return 0;
+}
+
+/* One call of method CUT to the primary, body b (len bytes, ours until
+ * sent): its status. */
+static int call1(bex_rpc_channel *ch, bex_ctx *ctx, const uint8_t *body, size_t len,
+                 uint32_t timeout_ms)
+{
+    uint8_t *b = bex_rpc_alloc(ctx, len);
+    if (!b)
+        return -ENOMEM;
+    memcpy(b, body, len);
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    bex_rpc_call_opts o = {.timeout_ms = timeout_ms ? timeout_ms : 1};
+    int rc =
+        bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_CUT, b, len, &o, bex__rpc_wait_done, &w, NULL);
+    if (rc) {
+        bex_rpc_free(b);
+        return rc;
+    }
+    void *resp = NULL;
+    size_t rlen = 0;
+    rc = bex__rpc_wait(&w, &resp, &rlen);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+static uint32_t left_ms(uint64_t deadline)
+{
+    uint64_t now = bex__rpc_now_ns();
+    return now >= deadline ? 0 : (uint32_t)((deadline - now) / 1000000ull + 1);
+}
+
+/* JOIN, the copy, JOINED (or ABORT): the join's steps on channel ch. */
+static int join_steps(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *cfg,
+                      bex_rpc_channel *ch, uint64_t deadline)
+{
+    uint64_t id = 0;
+    randombytes_buf(&id, sizeof id);
+    id |= 1;
+    uint8_t b[BEX__PS_JOIN_LEN];
+    bex__ps_cut_put(b, &(struct bex__ps_cut_hdr){.op = BEX__PS_CUT_JOIN, .id = id});
+    memcpy(b + 16, &cfg->self.addr.sin_addr.s_addr, 4);
+    memcpy(b + 20, &cfg->self.addr.sin_port, 2);
+    b[22] = (uint8_t)cfg->self.transport;
+    b[23] = (uint8_t)(cfg->self.transport >> 8);
+    int rc = call1(ch, ctx, b, sizeof b, left_ms(deadline));
+    if (rc) {
+        bex__log(&s->log, BEX_LOG_ERROR,
+                 "ps shard %u: JOIN at the primary failed (nothing copied): %s", s->shard,
+                 bex_strerror(rc));
+        return rc;
+    }
+    bex_ps_catchup_config cc = {.peers = &cfg->primary,
+                                .n_peers = 1,
+                                .timeout_ms = left_ms(deadline),
+                                .chunk_bytes = cfg->chunk_bytes,
+                                .max_bytes = cfg->max_bytes};
+    rc = bex_ps_shard_catchup(s, ctx, &cc);
+    bex__ps_cut_put(
+        b, &(struct bex__ps_cut_hdr){.op = rc ? BEX__PS_CUT_ABORT : BEX__PS_CUT_JOINED, .id = id});
+    int rc2 = call1(ch, ctx, b, BEX__PS_CUT_HDR_LEN, left_ms(deadline));
+    if (!rc && rc2)
+        bex__log(&s->log, BEX_LOG_ERROR,
+                 "ps shard %u: copied the primary, but it did not add this backup: %s (its "
+                 "join_pause_ms ran out?)",
+                 s->shard, bex_strerror(rc2));
+    return rc ? rc : rc2;
+}
+
+int bex_ps_shard_join(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *cfg)
+{
+    bex_ps_join_config c;
+    BEX__CFG_TAKE(cfg, c);
+    if (!s || !ctx || !cfg || s->rp.role != BEX_PS_ROLE_BACKUP || !s->catching)
+        return -EINVAL;
+    uint32_t tmo = cfg->timeout_ms ? cfg->timeout_ms : 10000;
+    uint64_t deadline = bex__rpc_now_ns() + (uint64_t)tmo * 1000000ull;
+    bex_rpc_channel_config cc = {.endpoints = &cfg->primary,
+                                 .n_endpoints = 1,
+                                 .name = "ps-join",
+                                 .request_timeout_ms = tmo,
+                                 .connect_timeout_ms = tmo,
+                                 .max_attempts = 1};
+    bex_rpc_channel *ch;
+    int rc = bex_rpc_channel_create(ctx, &cc, &ch);
+    if (rc)
+        return rc;
+    rc = join_steps(s, ctx, cfg, ch, deadline);
+    bex_rpc_channel_destroy(ch);
+    if (!rc)
+        bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: joined its primary's replica set", s->shard);
+    return rc;
+}
