@@ -643,6 +643,40 @@ static int t_backup_restart(void)
     return 0;
 }
 
+/* ---- retry_seq ---- */
+
+/* bex_ps_push_seq: a Push sent twice with the same seq through a client
+ * (as a trainer retries one whose answer was lost) is applied once on
+ * every replica; a new seq is a new Push. */
+static int t_retry_seq(void)
+{
+    struct pb p;
+    int rc = pb_start(&p, false, 0);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 57;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    uint64_t seq = bex_ps_push_next_seq(c);
+    CHECK(seq > 0);
+    CHECK_EQ(bex_ps_push_seq_sync(c, 0, TS->id, TS->dim, &key, 1, g, NULL, 0, NULL), -EINVAL);
+    CHECK_OK(bex_ps_push_seq_sync(c, seq, TS->id, TS->dim, &key, 1, g, NULL, 0, NULL));
+    CHECK_OK(bex_ps_push_seq_sync(c, seq, TS->id, TS->dim, &key, 1, g, NULL, 0, NULL));
+    for (int r = 0; r < NREP; r++)
+        CHECK_EQ(stats(p.s[r]).pushes, 1);
+    CHECK_EQ(stats(p.s[0]).dup_ids, 1);
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)); /* the next seq: applied */
+    float row[NREP][8];
+    for (int r = 0; r < NREP; r++) {
+        CHECK_EQ(stats(p.s[r]).pushes, 2);
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+    }
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
-              {"backup_restart", t_backup_restart}, {"bench", t_bench})
+              {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq})
