@@ -403,7 +403,8 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
                                .connect_timeout_ms = connect_timeout_ms,
                                .max_attempts = 4,
                                .retry_budget_burst = 1000,
-                               .retry_budget_permille = 200};
+                               .retry_budget_permille = 200,
+                               .push_mode = o->push_mode};
     if ((rc = bex_ps_client_create(r->ctx, &pc, &r->ps))) {
         fprintf(stderr, "%s: PS client: %s\n", prog, bex_strerror(rc));
         goto err_ctx;
