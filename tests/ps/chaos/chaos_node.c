@@ -420,7 +420,8 @@ static int check_table(struct node *n, uint32_t s, uint32_t t, long long (*sums)
     }
     for (uint32_t i = 0; i < k * DIM; i++) {
         uint64_t key = keys[i / DIM];
-        float want = t == T_SGD ? 0.0f - (float)sums[key - KEY0][i % DIM] : rows[0][i];
+        long long sum = sums[key - KEY0][i % DIM]; /* a row no Push touched: +0 */
+        float want = t != T_SGD ? rows[0][i] : sum ? -(float)sum : 0.0f;
         for (size_t r = 0; r < nr; r++)
             if (bits(rows[r][i]) != bits(want) && bad++ < 20)
                 printf("shard %u replica %zu table %u key %llu col %u: %.9g (0x%08x), %s %.9g "
