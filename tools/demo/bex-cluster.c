@@ -1373,9 +1373,11 @@ static double watch_phase(struct prun *r, struct frun *f)
             break;
         if (r->ctl && t > ph->duration_s + 4 * (EXTRA_WAIT + READY_WAIT) * g.scale)
             die("phase %d: the clients' bex-cluster did not finish", r->pi + 1);
-        if (t > ph->duration_s + EXTRA_WAIT * g.scale) {
-            fprintf(stderr, "\nbex-cluster: clients still running %d s past the phase: stopped\n",
-                    EXTRA_WAIT);
+        /* primary-backup: a trainer's last Push may be retried that long */
+        double extra = (EXTRA_WAIT + (ph->pb ? ph->retry_ms / 1000 : 0)) * g.scale;
+        if (t > ph->duration_s + extra) {
+            fprintf(stderr, "\nbex-cluster: clients still running %.0f s past the phase: stopped\n",
+                    extra);
             for (int i = 0; i < r->n_cl; i++)
                 if (r->cl_p[i]->running)
                     kill(r->cl_p[i]->pid, SIGKILL);
