@@ -1087,6 +1087,7 @@ struct prun {
     double grad;
     bex_dir *ctl; /* --etcd: the clients' registrations */
     bex_dir_registration *ctl_reg;
+    double start_s;        /* the phase's clock's start (CLOCK_MONOTONIC) */
     double win_lo, win_hi; /* the fault's window (s of the phase), -1: none */
     struct lat win;        /* the trainers' Pushes started in it */
 };
@@ -1361,6 +1362,7 @@ static double watch_phase(struct prun *r, struct frun *f)
 {
     const struct phase *ph = r->ph;
     double start = now_s();
+    r->start_s = start;
     for (;;) {
         double t = now_s() - start;
         if (ph->fault && g.servers)
@@ -1442,7 +1444,11 @@ static json_t *collect_clients(struct prun *r, struct totals *tt, struct lat *al
             tt->bad_clients++;
         }
         snprintf(path, sizeof path, "%s/%s.samples.csv", r->dir, p->name);
-        load_samples(path, p->role, r->ph->warmup_s, all, bn, &r->win, r->win_lo, r->win_hi);
+        /* the window in the client's clock (its samples' times count from
+         * its own start, t0_mono_s in its report: seconds after ours) */
+        double off = cj ? jnum(cj, "t0_mono_s", r->start_s) - r->start_s : 0;
+        load_samples(path, p->role, r->ph->warmup_s, all, bn, &r->win, r->win_lo - off,
+                     r->win_hi - off);
     }
     for (int s = 0; g.servers && s < r->S; s++)
         for (int k = 0; k < r->R; k++) {
@@ -1584,8 +1590,8 @@ static json_t *phase_results(struct prun *r, struct frun *f, const struct verify
     struct bins *bn = calloc(1, sizeof *bn);
     if (!bn)
         die("out of memory");
-    /* the fault's window: from just before the kill (a client's clock
-     * starts a little after the phase's) to 1 s after it serves again */
+    /* the fault's window: from just before the kill to 1 s after it
+     * serves again */
     r->win_lo = f->kill_t >= 0 ? f->kill_t - 0.5 : -1;
     r->win_hi = f->kill_t < 0 ? -1 : f->ready_t >= 0 ? f->ready_t + 1 : ph->duration_s;
     json_t *clients = collect_clients(r, &tt, all, bn);
