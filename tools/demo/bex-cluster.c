@@ -87,8 +87,7 @@ static const char DEFAULT_PLAN[] =
     "    {\"name\": \"tcp\", \"transport\": \"tcp\", \"duration_s\": 20, \"rankers\": 2,\n"
     "     \"trainers\": 2},\n"
     "    {\"name\": \"fault\", \"transport\": \"rdma\", \"duration_s\": 24, \"rankers\": 2,\n"
-    "     \"trainers\": 2, \"replication\": \"primary-backup\",\n"
-    "     \"fault\": {\"shard\": 0, \"replica\": 0, \"snapshot_at_s\": 4,\n"
+    "     \"trainers\": 2, \"fault\": {\"shard\": 0, \"replica\": 1, \"snapshot_at_s\": 4,\n"
     "     \"kill_at_s\": 8, \"restart_at_s\": 14}}\n"
     "  ]\n"
     "}\n";
