@@ -561,6 +561,24 @@ void bex_ps_failover_stop(bex_ps_failover *f, bool revoke);
 /* Tests: hold the lease's keep-alives (a stopped process). */
 void bex_ps_failover_hold(bex_ps_failover *f, bool hold);
 
+/* A Push sent again with its id, until acknowledged (issue 29 item 6).
+ * bex_ps_push_next_seq reserves the next sequence of the client's Push ids
+ * (0 only for c NULL); bex_ps_push_seq is bex_ps_push_report with that
+ * sequence instead of a new one (-EINVAL for seq 0). A Push that failed
+ * (in doubt: its answer lost, a replica or the primary down) sent again
+ * with the same seq, to the same shards, is applied once at each replica
+ * whether or not it was applied there before (the id record, replicated
+ * with the data under primary-backup, in snapshots and catch-up copies),
+ * while the seq is within the replicas' window (1024 behind the client's
+ * highest). Reuse a seq only for the same keys and gradients. */
+uint64_t bex_ps_push_next_seq(bex_ps_client *c);
+int bex_ps_push_seq(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_t dim,
+                    const uint64_t *keys, size_t n, const float *grads, bex_ps_replica_result *res,
+                    size_t cap, size_t *n_res, bex_ps_done_fn done, void *user);
+int bex_ps_push_seq_sync(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_t dim,
+                         const uint64_t *keys, size_t n, const float *grads,
+                         bex_ps_replica_result *res, size_t cap, size_t *n_res);
+
 #pragma GCC visibility pop
 
 #ifdef __cplusplus

@@ -605,8 +605,8 @@ static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const ui
 
 static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t dim,
                    const uint64_t *keys, size_t n, float *rows, const float *grads,
-                   bex_ps_replica_result *res, size_t res_cap, size_t *n_res, bex_ps_done_fn done,
-                   void *user)
+                   bex_ps_replica_result *res, size_t res_cap, size_t *n_res, uint64_t seq,
+                   bex_ps_done_fn done, void *user)
 {
     if (!c || !done || dim == 0 || dim > BEX_PS_DIM_MAX || (n && !keys) || n > BEX_PS_KEYS_MAX ||
         (n && method == BEX_PS_M_FETCH && !rows) || (n && method == BEX_PS_M_PUSH && !grads) ||
@@ -675,7 +675,7 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
     if (n_res)
         *n_res = push ? n_subs : 0;
     atomic_store(&op->left, (uint32_t)n_subs + 1);
-    uint64_t id_seq = push ? atomic_fetch_add(&c->push_seq, 1) + 1 : 0;
+    uint64_t id_seq = push && !seq ? atomic_fetch_add(&c->push_seq, 1) + 1 : seq;
     bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
     for (size_t i = 0; i < n_subs; i++)
         send_sub(c, &op->subs[i], method, keys, grads, id_seq, &opts);
@@ -686,20 +686,38 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
 int bex_ps_fetch(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                  float *rows, bex_ps_done_fn done, void *user)
 {
-    return request(c, BEX_PS_M_FETCH, table, dim, keys, n, rows, NULL, NULL, 0, NULL, done, user);
+    return request(c, BEX_PS_M_FETCH, table, dim, keys, n, rows, NULL, NULL, 0, NULL, 0, done,
+                   user);
 }
 
 int bex_ps_push(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                 const float *grads, bex_ps_done_fn done, void *user)
 {
-    return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, NULL, 0, NULL, done, user);
+    return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, NULL, 0, NULL, 0, done,
+                   user);
 }
 
 int bex_ps_push_report(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                        size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
                        size_t *n_res, bex_ps_done_fn done, void *user)
 {
-    return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, res, cap, n_res, done, user);
+    return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, res, cap, n_res, 0, done,
+                   user);
+}
+
+uint64_t bex_ps_push_next_seq(bex_ps_client *c)
+{
+    return c ? atomic_fetch_add(&c->push_seq, 1) + 1 : 0;
+}
+
+int bex_ps_push_seq(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_t dim,
+                    const uint64_t *keys, size_t n, const float *grads, bex_ps_replica_result *res,
+                    size_t cap, size_t *n_res, bex_ps_done_fn done, void *user)
+{
+    if (!seq)
+        return -EINVAL;
+    return request(c, BEX_PS_M_PUSH, table, dim, keys, n, NULL, grads, res, cap, n_res, seq, done,
+                   user);
 }
 
 /* The blocking forms wait with the RPC layer's waiter (one call waited for). */
@@ -738,4 +756,13 @@ int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, cons
     struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     return wait_for(
         &w, bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
+}
+
+int bex_ps_push_seq_sync(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_t dim,
+                         const uint64_t *keys, size_t n, const float *grads,
+                         bex_ps_replica_result *res, size_t cap, size_t *n_res)
+{
+    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    return wait_for(
+        &w, bex_ps_push_seq(c, seq, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
 }

@@ -97,7 +97,17 @@ for p in ph:
     assert lat["trainer_push"]["count"] > 0, f"{n}: no Push"
     assert p["failed_user_requests"] == 0, f"{n}: {p['failed_user_requests']} user requests failed"
     fault = p.get("fault")
-    if fault:
+    if fault and p.get("replication") == "primary-backup":
+        # a primary killed: each Push retried with its id until acknowledged
+        assert lat["trainer_push"]["failed"] == 0, \
+            f"{n}: {lat['trainer_push']['failed']} training Pushes failed (goal 0)"
+        assert fault["push_during"]["count"] > 0, f"{n}: no Push during the fault"
+        assert fault["outage_s"] > 0 and fault["down_s"] > 0, f"{n}: no outage measured"
+        # a Push out while the primary is down waits for it: the window
+        # (placed with each trainer's t0_mono_s) must hold one
+        assert fault["outage_s"] >= 0.5 * fault["down_s"], \
+            f"{n}: longest Push {fault['outage_s']} s, primary down {fault['down_s']} s"
+    elif fault:
         # a Push to the dead replica's shard fails there; none may fail everywhere
         assert lat["trainer_push"]["failed"] == p["push_partial"], \
             f"{n}: {lat['trainer_push']['failed'] - p['push_partial']} Pushes no replica acknowledged"

@@ -6,7 +6,12 @@
  * addresses from a cluster file it writes), then its rankers and trainers
  * (bex-ranker, bex-trainer) for the phase's duration, over the phase's
  * transport; a fault phase sends kill -9 to one replica mid-run and
- * restarts it (from its snapshot). After the clients, it checks from every
+ * restarts it (from its snapshot). A phase with "replication":
+ * "primary-backup" starts bex-ps --primary-backup (replica 0 each shard's
+ * primary) and trainers that Push to the primaries and retry each failed
+ * Push with its id (bex_ps_push_seq); its fault, on a primary, reports the
+ * training Pushes failed (goal 0), how long the primary was down and the
+ * Pushes' latency meanwhile. After the clients, it checks from every
  * replica how many times each trained key's Pushes were applied (the
  * trainers' gradients are constant, so a row's value counts them), stops
  * the servers (SIGTERM), and collects the JSON reports and latency samples
@@ -93,6 +98,7 @@ static const char DEFAULT_PLAN[] =
 #define SERIES_BIN 1.0 /* seconds per point of series.dat */
 #define READY_WAIT 60  /* seconds for a bex-ps to say ready */
 #define STOP_WAIT  5   /* seconds between SIGTERM and SIGKILL */
+#define PROC_ARGS  64  /* a process's argv, its NULL included */
 #define EXTRA_WAIT 30  /* seconds past a phase's end for its clients */
 
 enum { R_KEEPER, R_PS, R_RANKER, R_TRAINER };
@@ -108,7 +114,7 @@ struct proc {
     int status;
     struct rusage ru;
     unsigned long long prog_ok, prog_failed;
-    char *argv[48];
+    char *argv[PROC_ARGS];
 };
 
 static struct {
@@ -405,6 +411,8 @@ struct phase {
     double warmup_s; /* samples that start earlier are left out of the stats */
     int fault, f_shard, f_replica;
     double f_snap, f_kill, f_restart;
+    int pb;          /* "replication": "primary-backup" (else client fan-out) */
+    double retry_ms; /* pb: a trainer's Push sent again with its id this long */
 };
 
 struct plan {
@@ -474,6 +482,18 @@ static void plan_load(struct plan *pl, const char *arg)
         ph->warmup_s = jnum(p, "warmup_s", jnum(r, "warmup_s", 2)) * g.scale;
         if (ph->warmup_s >= ph->duration_s)
             ph->warmup_s = 0;
+        json_t *rp = json_object_get(p, "replication");
+        ph->pb = rp && json_is_string(rp) && strcmp(json_string_value(rp), "primary-backup") == 0;
+        if (rp && !ph->pb && (!json_is_string(rp) || strcmp(json_string_value(rp), "fan-out")))
+            die("plan %s: phases[%zu].replication: fan-out or primary-backup", arg, i);
+        ph->retry_ms = jnum(pl->trainer, "push_retry_ms", 30000);
+        if (ph->pb && g.etcd) { /* bex-ps --etcd has no primary-backup (failover) yet */
+            fprintf(stderr,
+                    "bex-cluster: phase %s: client fan-out (primary-backup needs a "
+                    "cluster file, not --etcd, for now)\n",
+                    ph->name);
+            ph->pb = 0;
+        }
         ph->rankers = (int)jnum(p, "rankers", 1);
         ph->trainers = (int)jnum(p, "trainers", 1);
         if (ph->rankers < 0 || ph->trainers < 0 || ph->rankers + ph->trainers > 64 ||
@@ -510,7 +530,7 @@ static void argv_set(struct proc *p, ...)
     va_list ap;
     va_start(ap, p);
     int n = 0;
-    for (const char *s; (s = va_arg(ap, const char *)) && n < 47;)
+    for (const char *s; (s = va_arg(ap, const char *)) && n < PROC_ARGS - 1;)
         p->argv[n++] = xstrdup(s);
     p->argv[n] = NULL;
     va_end(ap);
@@ -521,7 +541,7 @@ static void argv_add(struct proc *p, const char *k, const char *v)
     int n = 0;
     while (p->argv[n])
         n++;
-    if (n + 2 >= 47)
+    if (n + 2 >= PROC_ARGS - 1)
         die("too many arguments");
     p->argv[n++] = xstrdup(k);
     if (v)
@@ -847,7 +867,7 @@ struct bins {
 };
 
 static void load_samples(const char *path, int role, double warmup_s, struct lat *all,
-                         struct bins *bn)
+                         struct bins *bn, struct lat *win, double lo_s, double hi_s)
 {
     FILE *f = fopen(path, "r");
     if (!f)
@@ -864,6 +884,8 @@ static void load_samples(const char *path, int role, double warmup_s, struct lat
         if (s < 0)
             continue;
         lat_add(&all[s], us, (int)ok, t >= warmup_s * 1000);
+        if (s == S_TPUSH && t >= lo_s * 1000 && t <= hi_s * 1000)
+            lat_add(win, us, (int)ok, 1);
         int b = (int)((double)t / 1000.0 / SERIES_BIN);
         if (b >= 0 && b < 1024) {
             lat_add(&bn->b[s][b], us, (int)ok, 1);
@@ -1064,6 +1086,9 @@ struct prun {
     double grad;
     bex_dir *ctl; /* --etcd: the clients' registrations */
     bex_dir_registration *ctl_reg;
+    double start_s;        /* the phase's clock's start (CLOCK_MONOTONIC) */
+    double win_lo, win_hi; /* the fault's window (s of the phase), -1: none */
+    struct lat win;        /* the trainers' Pushes started in it */
 };
 
 /* The fault's course. */
@@ -1138,6 +1163,8 @@ static void spawn_server(struct prun *r, int s, int k)
     else
         argv_set(p, g.ps_bin, "--cluster", r->cluster, "--shard", b1, "--replica", b2, "--table",
                  tab, "--snapshot-dir", r->snapdir, "--transport", ph->transport, NULL);
+    if (ph->pb && !g.etcd)
+        argv_add(p, "--primary-backup", NULL);
     argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
     argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
     argv_num(p, "--eager-max", pl->ps, "eager_max");
@@ -1237,6 +1264,12 @@ static void spawn_client(struct prun *r, int i)
         argv_add(p, "--grad", gs);
         snprintf(cnt, sizeof cnt, "%s/%s.counts", r->dir, name);
         argv_add(p, "--counts", cnt);
+        if (ph->pb) {
+            char rms[32];
+            snprintf(rms, sizeof rms, "%.0f", ph->retry_ms * g.scale);
+            argv_add(p, "--push-primary", NULL);
+            argv_add(p, "--push-retry-ms", rms);
+        }
     }
     snprintf(path, sizeof path, "%s/%s.log", r->dir, name);
     proc_spawn(p, path);
@@ -1328,6 +1361,7 @@ static double watch_phase(struct prun *r, struct frun *f)
 {
     const struct phase *ph = r->ph;
     double start = now_s();
+    r->start_s = start;
     for (;;) {
         double t = now_s() - start;
         if (ph->fault && g.servers)
@@ -1340,9 +1374,11 @@ static double watch_phase(struct prun *r, struct frun *f)
             break;
         if (r->ctl && t > ph->duration_s + 4 * (EXTRA_WAIT + READY_WAIT) * g.scale)
             die("phase %d: the clients' bex-cluster did not finish", r->pi + 1);
-        if (t > ph->duration_s + EXTRA_WAIT * g.scale) {
-            fprintf(stderr, "\nbex-cluster: clients still running %d s past the phase: stopped\n",
-                    EXTRA_WAIT);
+        /* primary-backup: a trainer's last Push may be retried that long */
+        double extra = (EXTRA_WAIT + (ph->pb ? ph->retry_ms / 1000 : 0)) * g.scale;
+        if (t > ph->duration_s + extra) {
+            fprintf(stderr, "\nbex-cluster: clients still running %.0f s past the phase: stopped\n",
+                    extra);
             for (int i = 0; i < r->n_cl; i++)
                 if (r->cl_p[i]->running)
                     kill(r->cl_p[i]->pid, SIGKILL);
@@ -1407,7 +1443,11 @@ static json_t *collect_clients(struct prun *r, struct totals *tt, struct lat *al
             tt->bad_clients++;
         }
         snprintf(path, sizeof path, "%s/%s.samples.csv", r->dir, p->name);
-        load_samples(path, p->role, r->ph->warmup_s, all, bn);
+        /* the window in the client's clock (its samples' times count from
+         * its own start, t0_mono_s in its report: seconds after ours) */
+        double off = cj ? jnum(cj, "t0_mono_s", r->start_s) - r->start_s : 0;
+        load_samples(path, p->role, r->ph->warmup_s, all, bn, &r->win, r->win_lo - off,
+                     r->win_hi - off);
     }
     for (int s = 0; g.servers && s < r->S; s++)
         for (int k = 0; k < r->R; k++) {
@@ -1444,6 +1484,24 @@ static json_t *fault_json(const struct phase *ph, struct frun *f)
                          "kill_at_s", ph->f_kill, "restart_at_s", ph->f_restart,
                          "by_servers_instance", 1);
     return NULL;
+}
+
+/* The trainers' Pushes during the fault (r->win), into the fault's
+ * record: how many, how many failed in the end (retried by id or not),
+ * their P99, how long the replica was down and the outage the trainers
+ * saw (the longest a Push took). */
+static void fault_window_json(json_t *fj, struct prun *r)
+{
+    json_t *w = lat_json(&r->win, r->win_hi - r->win_lo);
+    json_object_set_new(w, "from_s", json_real(r->win_lo));
+    json_object_set_new(w, "to_s", json_real(r->win_hi));
+    json_object_set_new(fj, "push_during", w);
+    double down = jnum(fj, "ready_again_at_s", -1) - jnum(fj, "killed_at_s", 0);
+    json_object_set_new(fj, "down_s", json_real(down));
+    json_object_set_new(fj, "outage_s",
+                        json_real(r->win.n ? (double)r->win.v[r->win.n - 1] / 1e6 : 0));
+    free(r->win.v);
+    r->win = (struct lat){0};
 }
 
 /* The check of applied Pushes, into res. */
@@ -1531,6 +1589,10 @@ static json_t *phase_results(struct prun *r, struct frun *f, const struct verify
     struct bins *bn = calloc(1, sizeof *bn);
     if (!bn)
         die("out of memory");
+    /* the fault's window: from just before the kill to 1 s after it
+     * serves again */
+    r->win_lo = f->kill_t >= 0 ? f->kill_t - 0.5 : -1;
+    r->win_hi = f->kill_t < 0 ? -1 : f->ready_t >= 0 ? f->ready_t + 1 : ph->duration_s;
     json_t *clients = collect_clients(r, &tt, all, bn);
     json_object_set_new(res, "client_errors", json_integer(tt.bad_clients));
     json_t *lat = json_object();
@@ -1551,8 +1613,12 @@ static json_t *phase_results(struct prun *r, struct frun *f, const struct verify
     }
     json_object_set_new(res, "cpu", cpu_json(&tt));
     json_t *fj = fault_json(ph, f);
+    if (fj && r->win_lo >= 0)
+        fault_window_json(fj, r);
     if (fj)
         json_object_set_new(res, "fault", fj);
+    json_object_set_new(res, "replication",
+                        json_string(ph->pb ? "primary-backup" : "client fan-out"));
     if (vf->done)
         push_check_json(res, vf, ph, r->S, r->R);
     json_object_set_new(res, "clients", clients);
@@ -1723,13 +1789,34 @@ static void print_table7(json_t *rd, json_t *tc)
         "", 0);
 }
 
+/* The training Pushes of a fault phase during its fault. */
+static void print_fault_pushes(json_t *p, json_t *f)
+{
+    printf("  %-34s %.0f of %.0f (goal 0), %.0f of %.0f during the fault\n",
+           "training Pushes failed", jpath(p, "latency", "trainer_push", "failed"),
+           jpath(p, "latency", "trainer_push", "count"), jpath(f, "push_during", "failed", NULL),
+           jpath(f, "push_during", "count", NULL));
+    printf("  %-34s %.1f s (kill -9 to serving again); the longest\n"
+           "  %-34s training Push took %.1f s\n",
+           "replica down", jpath(f, "down_s", NULL, NULL), "", jpath(f, "outage_s", NULL, NULL));
+    printf("  %-34s P99 %.1f ms, mean %.1f ms, %.0f Pushes (from %.1f s to %.1f s)\n",
+           "training Push during the fault", jpath(f, "push_during", "p99_us", NULL) / 1000,
+           jpath(f, "push_during", "mean_us", NULL) / 1000, jpath(f, "push_during", "count", NULL),
+           jpath(f, "push_during", "from_s", NULL), jpath(f, "push_during", "to_s", NULL));
+}
+
 /* A phase outside the tables (a fault phase, say), on its own. */
 static void print_phase(json_t *p)
 {
     json_t *f = json_object_get(p, "fault");
-    printf("\nPhase \"%s\" (%s)%s\n", json_string_value(json_object_get(p, "name")),
-           json_string_value(json_object_get(p, "transport")),
-           f ? ": one replica killed with kill -9 mid-run, then restarted" : "");
+    const char *rp = json_string_value(json_object_get(p, "replication"));
+    int pb = rp && strcmp(rp, "primary-backup") == 0;
+    printf("\nPhase \"%s\" (%s, %s)%s\n", json_string_value(json_object_get(p, "name")),
+           json_string_value(json_object_get(p, "transport")), rp ? rp : "client fan-out",
+           !f   ? ""
+           : pb ? ": a primary killed with kill -9 mid-run, then restarted\n"
+                  "  (a static cluster file: no failover; trainers retry each Push with its id)"
+                : ": one replica killed with kill -9 mid-run, then restarted");
     if (f && json_object_get(f, "by_servers_instance"))
         printf("  %-34s shard %d replica %d: killed at %.1f s and restarted at %.1f s (planned) "
                "by the servers' bex-cluster\n",
@@ -1763,6 +1850,8 @@ static void print_phase(json_t *p)
     printf("  %-34s %.0f (failovers %.0f, refused by the budget %.0f)\n", "retries",
            jpath(p, "retries", NULL, NULL), jpath(p, "failovers", NULL, NULL),
            jpath(p, "retry_throttled", NULL, NULL));
+    if (f && json_object_get(f, "push_during"))
+        print_fault_pushes(p, f);
 }
 
 /* Pushes applied per shard and replica, every phase that checked them. */

@@ -15,7 +15,11 @@
  * --counts writes, per key and replica, the Pushes that replica
  * acknowledged and the ones whose part there failed (which may or may not
  * have been applied), for bex-cluster's check that none was applied twice
- * and none acknowledged was lost. Prints the JSON report of load.h at the
+ * and none acknowledged was lost. With --push-primary a Push goes to each
+ * shard's primary alone (primary-backup: its acknowledgement is every
+ * replica's); with --push-retry-ms a failed Push is sent again with its id
+ * (bex_ps_push_seq) until acknowledged or that long, so none stays in
+ * doubt and none is applied twice. Prints the JSON report of load.h at the
  * end. */
 #include <errno.h>
 #include <getopt.h>
@@ -27,10 +31,12 @@
 
 #include "load.h"
 
-enum { O_COMPUTE = 256, O_MEAN_BYTES, O_P99_BYTES, O_COUNTS, O_GRAD };
+enum { O_COMPUTE = 256, O_MEAN_BYTES, O_P99_BYTES, O_COUNTS, O_GRAD, O_PRIMARY, O_RETRY };
 
 struct topts {
     double compute_us, mean_bytes, p99_bytes, grad;
+    double retry_ms; /* --push-retry-ms: a failed Push sent again with its id this long */
+    int primary;     /* --push-primary: Pushes to each shard's primary (primary-backup) */
     const char *counts;
 };
 
@@ -39,6 +45,10 @@ static int extra(int opt, const char *arg, void *user)
     struct topts *to = user;
     if (opt == O_COUNTS) {
         to->counts = arg;
+        return 0;
+    }
+    if (opt == O_PRIMARY) {
+        to->primary = 1;
         return 0;
     }
     char *end;
@@ -51,6 +61,8 @@ static int extra(int opt, const char *arg, void *user)
         to->mean_bytes = v;
     else if (opt == O_P99_BYTES)
         to->p99_bytes = v;
+    else if (opt == O_RETRY)
+        to->retry_ms = v;
     else
         to->grad = v;
     return 0;
@@ -67,6 +79,7 @@ static uint64_t end_us;
 static _Atomic uint32_t *applied[REPS_MAX], *unsure[REPS_MAX];
 static uint32_t n_shards, n_reps;
 static _Atomic uint64_t push_partial; /* Pushes some replicas acknowledged, not all */
+static _Atomic uint64_t push_resent;  /* --push-retry-ms: Pushes sent again with their id */
 #define SIZES_MAX (1u << 20)
 static uint32_t sizes[SIZES_MAX]; /* the Push bodies' sizes */
 static _Atomic size_t n_sizes;
@@ -75,6 +88,23 @@ static int cmp_u32(const void *a, const void *b)
 {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
     return x < y ? -1 : x > y;
+}
+
+/* A Push, reported per replica; with --push-retry-ms sent again with the
+ * same id (bex_ps_push_seq) every 20 ms until acknowledged or that long. */
+static int push_retried(const struct ld_opts *o, const uint64_t *keys, size_t n, const float *grads,
+                        bex_ps_replica_result *res, size_t cap, size_t *n_res)
+{
+    uint64_t seq = bex_ps_push_next_seq(run.ps), end = ld_now_us() + (uint64_t)(to.retry_ms * 1e3);
+    int rc;
+    while ((rc = bex_ps_push_seq_sync(run.ps, seq, o->table, o->dim, keys, n, grads, res, cap,
+                                      n_res)) &&
+           ld_now_us() < end) {
+        atomic_fetch_add(&push_resent, 1);
+        struct timespec ts = {0, 20 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    return rc;
 }
 
 static void *loop(void *arg)
@@ -131,8 +161,7 @@ static void *loop(void *arg)
         }
         uint64_t t_push = ld_now_us();
         size_t n_res = 0;
-        int prc =
-            bex_ps_push_report_sync(run.ps, o->table, o->dim, keys, n, grads, res, res_cap, &n_res);
+        int prc = push_retried(o, keys, n, grads, res, res_cap, &n_res);
         ld_record(&run, LD_PUSH, t_push, prc == 0);
         ld_record(&run, LD_ITER, t_iter, rc == 0 && prc == 0);
         /* which replica of each shard acknowledged: parts come per shard in
@@ -141,10 +170,11 @@ static void *loop(void *arg)
         int some_ok = 0;
         for (size_t i = 0; i < n_res && i < res_cap; i++) {
             int ri = ld_replica_index(&run, res[i].shard, &res[i].addr);
-            if (ri >= 0 && ri < (int)REPS_MAX && res[i].shard < n_shards) {
+            if (to.primary && res[i].shard < n_shards) /* the primary's answer: every replica's */
+                memset(rep_ok + res[i].shard * REPS_MAX, res[i].status == 0 ? 1 : 2, REPS_MAX);
+            else if (ri >= 0 && ri < (int)REPS_MAX && res[i].shard < n_shards)
                 rep_ok[res[i].shard * REPS_MAX + (uint32_t)ri] = res[i].status == 0 ? 1 : 2;
-                some_ok |= res[i].status == 0;
-            }
+            some_ok |= res[i].status == 0;
         }
         if (prc && some_ok)
             atomic_fetch_add(&push_partial, 1);
@@ -208,10 +238,12 @@ static int finish_run(void)
     char extra_json[320];
     snprintf(extra_json, sizeof extra_json,
              ",\"compute_us\":%.0f,\"mean_bytes\":%.0f,\"p99_bytes\":%.0f,\"grad\":%.9g,"
-             "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u},\"push_partial\":%llu",
+             "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u},\"push_partial\":%llu,"
+             "\"push_resent\":%llu",
              to.compute_us, to.mean_bytes, to.p99_bytes, to.grad, ns ? sum / (double)ns : 0.0,
              ns ? sizes[(size_t)((double)(ns - 1) * 0.99)] : 0,
-             (unsigned long long)atomic_load(&push_partial));
+             (unsigned long long)atomic_load(&push_partial),
+             (unsigned long long)atomic_load(&push_resent));
     return ld_run_finish(&run, "trainer", extra_json) ? 1 : 0;
 }
 
@@ -223,10 +255,13 @@ int main(int argc, char **argv)
                                        {"p99-bytes", required_argument, 0, O_P99_BYTES},
                                        {"counts", required_argument, 0, O_COUNTS},
                                        {"grad", required_argument, 0, O_GRAD},
+                                       {"push-primary", no_argument, 0, O_PRIMARY},
+                                       {"push-retry-ms", required_argument, 0, O_RETRY},
                                        {0, 0, 0, 0}};
     ld_parse(argc, argv, &o, lo, extra, &to,
              "       [--compute-us US] [--mean-bytes B] [--p99-bytes B] [--grad G]\n"
-             "       [--counts FILE]\n");
+             "       [--counts FILE] [--push-primary] [--push-retry-ms MS]\n");
+    o.push_mode = to.primary ? BEX_PS_PUSH_PRIMARY : BEX_PS_PUSH_ALL;
     /* log-normal: mean = exp(mu + s^2/2), P99 = exp(mu + 2.326 s), so
      * s^2/2 - 2.326 s + ln(P99/mean) = 0 */
     double q = log(to.p99_bytes / to.mean_bytes), z = 2.3263478740;

@@ -403,7 +403,8 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
                                .connect_timeout_ms = connect_timeout_ms,
                                .max_attempts = 4,
                                .retry_budget_burst = 1000,
-                               .retry_budget_permille = 200};
+                               .retry_budget_permille = 200,
+                               .push_mode = o->push_mode};
     if ((rc = bex_ps_client_create(r->ctx, &pc, &r->ps))) {
         fprintf(stderr, "%s: PS client: %s\n", prog, bex_strerror(rc));
         goto err_ctx;
@@ -524,9 +525,10 @@ int ld_run_finish(struct ld_run *r, const char *role, const char *extra_json)
     static const char *const pnames[] = {"spin-sleep", "busy", "event"};
     fprintf(f,
             "{\"role\":\"%s\",\"transport\":\"%s\",\"poll\":\"%s\",\"outstanding\":%u,"
-            "\"zipf\":%g,\"keys\":%u,\"dim\":%u,\"duration_s\":%.3f,\"elapsed_s\":%.3f,\"ops\":{",
+            "\"zipf\":%g,\"keys\":%u,\"dim\":%u,\"duration_s\":%.3f,\"elapsed_s\":%.3f,"
+            "\"t0_mono_s\":%.6f,\"ops\":{",
             role, tnames[r->o->transport % 3], pnames[poll_mode % 3], r->o->outstanding, r->o->zipf,
-            r->o->keys, r->o->dim, r->o->duration_s, elapsed);
+            r->o->keys, r->o->dim, r->o->duration_s, elapsed, (double)r->t0_us / 1e6);
     uint32_t *lat = malloc((r->n ? r->n : 1) * sizeof *lat);
     uint64_t net_ops = 0;
     int first = 1;

@@ -28,8 +28,9 @@ struct ld_opts {
     uint32_t table, dim;
     uint32_t timeout_ms; /* a request's deadline */
     uint64_t seed;
-    int progress;  /* a "progress OK FAILED" line every second */
-    int warm_push; /* the warm-up Pushes too (trainers: every replica's channel) */
+    int progress;       /* a "progress OK FAILED" line every second */
+    int warm_push;      /* the warm-up Pushes too (trainers: every replica's channel) */
+    uint32_t push_mode; /* the PS client's (BEX_PS_PUSH_ALL or BEX_PS_PUSH_PRIMARY) */
     int verbose;
 };
 
