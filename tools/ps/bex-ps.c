@@ -34,6 +34,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "dump.h"
 #include "bex/dir.h"
 #include "bex/ps.h"
 #include "bex/rpc.h"
@@ -754,6 +755,8 @@ static int stop_all(const struct opts *o, struct node *nd, int status)
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "dump")) /* bex-ps dump SNAPSHOT DIR (dump.c) */
+        return bex_ps_dump_main(argc - 1, argv + 1);
     static struct opts o;
     parse_opts(argc, argv, &o);
     /* the signals are taken by sigwait below: blocked before any thread */
