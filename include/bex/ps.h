@@ -402,10 +402,11 @@ int bex_ps_rows_busy(float *rows);
 
 /* bex_ps_fetch into rows from bex_ps_rows_alloc of c's context: when every
  * key belongs to one shard, the answer lands in the array, rows at their
- * keys' positions, straight from the wire (RDMA: the server WRITEs it into
- * the exposed array; TCP: it is received into the transport's buffer and
- * copied there once, not decoded); keys on several shards go the copying
- * way of bex_ps_fetch. An answer longer than the n rows asked is refused
+ * keys' positions, straight from the wire (a context with an RDMA device:
+ * bex_rpc_call_into, the server WRITEs it into the exposed array; a
+ * TCP-only context: it is received into the transport's buffer and its
+ * rows copied there once, in order, not decoded); keys on several shards
+ * go the copying way of bex_ps_fetch. An answer longer than the n rows asked is refused
  * (-EBADMSG or -EMSGSIZE), nothing written past them; on an error rows are
  * undefined. done runs once the array is no longer written. Errors as
  * bex_ps_fetch, and -EINVAL (rows not from bex_ps_rows_alloc of this

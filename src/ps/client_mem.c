@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "bex/ps.h"
+#include "bex/sock.h"
 #include "common/hash.h"
 #include "ps/ps_internal.h"
 #include "rpc/internal.h"
@@ -201,6 +202,23 @@ static void fetch_done(int status, void *body, size_t len, void *user)
     free(op);
 }
 
+/* TCP only (the context has no RDMA device): the answer arrives in a
+ * receive buffer either way (bex_rpc_call_into would copy it from there,
+ * after opening a socket of its own per call): one copy of the rows, in
+ * order, no decode. */
+static void fetch_done_copy(int status, void *body, size_t len, void *user)
+{
+    struct zop *op = user;
+    if (status == 0)
+        status = bex__ps_check_resp(BEX_PS_M_FETCH, body, len, op->table, op->n, op->dim);
+    if (status == 0)
+        memcpy(rows_of(op->u), (uint8_t *)body + BEX__PS_HDR_LEN, 4 * (size_t)op->n * op->dim);
+    bex_rpc_free(body);
+    ubuf_release(op->u);
+    op->done(status, op->user);
+    free(op);
+}
+
 /* Fetch's sub-request from the array (claimed): 0 or an error (released). */
 static int fetch_send(bex_ps_client *c, struct zop *op, uint32_t shard, const uint64_t *keys)
 {
@@ -215,8 +233,11 @@ static int fetch_send(bex_ps_client *c, struct zop *op, uint32_t shard, const ui
     uint8_t *dst = (uint8_t *)rows_of(op->u) - BEX__PS_HDR_LEN;
     size_t cap = BEX__PS_HDR_LEN + 4 * (size_t)op->n * op->dim;
     bex_rpc_call_opts o = {.timeout_ms = bex__ps_client_timeout(c)};
-    int rc = bex__rpc_call_ext(bex__ps_client_fetch_ch(c, shard), BEX_PS_SERVICE, BEX_PS_M_FETCH,
-                               b, len, dst, cap, &o, fetch_done, op, NULL);
+    bex_rpc_channel *ch = bex__ps_client_fetch_ch(c, shard);
+    int rc = bex_ctx_pd(ctx) ? bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, dst,
+                                                 cap, &o, fetch_done, op, NULL)
+                             : bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, &o,
+                                            fetch_done_copy, op, NULL);
     if (rc)
         bex_rpc_free(b);
     return rc;
@@ -230,8 +251,8 @@ int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint
     if (rc || (rc = claim(rows, bex__ps_client_ctx(c), n, dim, &u)))
         return rc;
     long s = n ? one_shard(c, keys, n) : -1;
-    if (s < 0 || !WIRE_NATIVE || bex__ps_req_len(BEX_PS_M_FETCH, (uint32_t)n, dim) >
-                                     BEX_PS_BODY_MAX) { /* the copying way */
+    if (s < 0 || !WIRE_NATIVE ||
+        bex__ps_req_len(BEX_PS_M_FETCH, (uint32_t)n, dim) > BEX_PS_BODY_MAX) { /* the copying way */
         ubuf_release(u);
         return bex_ps_fetch(c, table, dim, keys, n, rows, done, user);
     }
@@ -240,8 +261,8 @@ int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint
         ubuf_release(u);
         return -ENOMEM;
     }
-    *op = (struct zop){.u = u, .table = table, .n = (uint32_t)n, .dim = dim, .done = done,
-                       .user = user};
+    *op = (struct zop){
+        .u = u, .table = table, .n = (uint32_t)n, .dim = dim, .done = done, .user = user};
     rc = fetch_send(c, op, (uint32_t)s, keys);
     if (rc) {
         ubuf_release(u);
@@ -286,8 +307,8 @@ static int push_send(bex_ps_client *c, struct zop *op, uint32_t shard, const uin
                              op, &bw);
 }
 
-int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
-                     size_t n, float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
+int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
                      bex_ps_done_fn done, void *user)
 {
     int rc = check_args(c, dim, keys, n, grads, done);
@@ -300,8 +321,13 @@ int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint6
                 ROOM - BEX_RPC_HDR_LEN + 12 * (size_t)n * dim <= BEX_PS_BODY_MAX;
     struct zop *op = zero ? malloc(sizeof *op) : NULL;
     if (op) {
-        *op = (struct zop){.u = u, .table = table, .n = (uint32_t)n, .dim = dim, .done = done,
-                           .user = user, .res = cap ? res : NULL};
+        *op = (struct zop){.u = u,
+                           .table = table,
+                           .n = (uint32_t)n,
+                           .dim = dim,
+                           .done = done,
+                           .user = user,
+                           .res = cap ? res : NULL};
         rc = push_send(c, op, (uint32_t)s, keys);
         if (rc == 0 && n_res)
             *n_res = 1;
@@ -367,7 +393,7 @@ int bex_ps_push_from_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const 
                           size_t *n_res)
 {
     struct zwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-    return zwait(
-        &w, bex_ps_push_from(c, table, dim, keys, n, grads, res, cap, n_res, zwait_done, &w),
-        grads);
+    return zwait(&w,
+                 bex_ps_push_from(c, table, dim, keys, n, grads, res, cap, n_res, zwait_done, &w),
+                 grads);
 }

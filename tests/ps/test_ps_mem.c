@@ -47,8 +47,8 @@ static int keys_on(uint32_t s, uint64_t *keys, int *idx)
     return n;
 }
 
-/* The answer's PS header lies right in front of rows: the answer was put
- * there whole (received or written there), not decoded into it. */
+/* The answer's PS header lies right in front of rows: the server wrote the
+ * answer there whole (bex_rpc_call_into), nothing decoded into it. */
 static void answer_in_place(const float *rows, const bex_ps_table_config *t, uint32_t n)
 {
     const uint8_t *h = (const uint8_t *)rows - BEX__PS_HDR_LEN;
@@ -95,7 +95,8 @@ static int t_into(void)
     memset((uint8_t *)rows - BEX__PS_HDR_LEN, 0, BEX__PS_HDR_LEN);
     CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, k0, (size_t)n, rows));
     ref_check(&r, idx, n, rows);
-    answer_in_place(rows, t, (uint32_t)n); /* not decoded: landed there */
+    if (bex_ctx_pd(ctx)) /* RDMA: written there (TCP-only: the rows copied once) */
+        answer_in_place(rows, t, (uint32_t)n);
     /* a Push from the array, its keys in the array's slots */
     uint64_t *slots = bex_ps_rows_keys(rows);
     CHECK(slots);
