@@ -251,8 +251,11 @@ int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint
     if (rc || (rc = claim(rows, bex__ps_client_ctx(c), n, dim, &u)))
         return rc;
     long s = n ? one_shard(c, keys, n) : -1;
+    /* the copying way (which also refuses a request or answer past the
+     * wire's bounds) */
     if (s < 0 || !WIRE_NATIVE ||
-        bex__ps_req_len(BEX_PS_M_FETCH, (uint32_t)n, dim) > BEX_PS_BODY_MAX) { /* the copying way */
+        bex__ps_req_len(BEX_PS_M_FETCH, (uint32_t)n, dim) > BEX_PS_BODY_MAX ||
+        BEX__PS_HDR_LEN + 4 * n * (size_t)dim > BEX_PS_BODY_MAX) {
         ubuf_release(u);
         return bex_ps_fetch(c, table, dim, keys, n, rows, done, user);
     }
@@ -318,7 +321,7 @@ int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint6
     long s = n ? one_shard(c, keys, n) : -1;
     /* without a copy: the whole array (its keys right in front of its rows) */
     bool zero = s >= 0 && WIRE_NATIVE && n == u->n && dim == u->dim &&
-                ROOM - BEX_RPC_HDR_LEN + 12 * (size_t)n * dim <= BEX_PS_BODY_MAX;
+                ROOM - BEX_RPC_HDR_LEN + 8 * n + 4 * n * (size_t)dim <= BEX_PS_BODY_MAX;
     struct zop *op = zero ? malloc(sizeof *op) : NULL;
     if (op) {
         *op = (struct zop){.u = u,
