@@ -32,6 +32,8 @@ CHANNEL = dict(NET, connect_timeout_ms=5000 * SCALE)
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch: imports torch (left out in the VM: slow there)")
     config.addinivalue_line("markers", "tcp_only: runs the examples, which use TCP on loopback")
+    config.addinivalue_line("markers", "native_only: the same on either transport: not run again in "
+                            "the VM (its seconds)")
 
 
 def bex_ps_binary():

@@ -44,6 +44,7 @@ def test_fetch_and_push_on_bex_memory(cluster, pools_baseline):
         del a, g, b
 
 
+@pytest.mark.native_only
 def test_bad_input_on_bex_memory(cluster, pools_baseline):
     with client(cluster) as c:
         keys = keys_on(0, 4)
@@ -68,6 +69,7 @@ def test_bad_input_on_bex_memory(cluster, pools_baseline):
         bex.empty((4, DIM))  # no open client
 
 
+@pytest.mark.native_only
 def test_array_outlives_its_client(cluster, pools_baseline):
     c = client(cluster)
     keys = keys_on(0, 4)
@@ -95,6 +97,7 @@ def test_torch_shares_bex_memory(cluster, pools_baseline):
         del t, a
 
 
+@pytest.mark.native_only
 def test_leak_check_sees_a_context_left_open():
     base = _bex.pools()
     ctx = bex.sock.Context(**NET)
