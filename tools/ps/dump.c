@@ -68,10 +68,10 @@ static int write_npy(const char *path, const char *descr, size_t size, uint32_t 
     FILE *f = fopen(path, "wb");
     if (!f)
         return -errno;
-    uint8_t pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (uint8_t)(total - 10),
-                       (uint8_t)((total - 10) >> 8)};
-    int ok = fwrite(pre, 1, 10, f) == 10 && fwrite(hdr, 1, (size_t)(total - 10), f) ==
-                                                (size_t)(total - 10);
+    uint8_t pre[10] = {
+        0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (uint8_t)(total - 10), (uint8_t)((total - 10) >> 8)};
+    int ok = fwrite(pre, 1, 10, f) == 10 &&
+             fwrite(hdr, 1, (size_t)(total - 10), f) == (size_t)(total - 10);
     for (uint32_t i = 0; ok && i < n; i++) /* the file's bytes are little-endian, as .npy's */
         ok = fwrite(rec + (size_t)i * stride + off, size, cols, f) == cols;
     if (fclose(f) || !ok)
@@ -90,8 +90,8 @@ static int dump_table(const struct snap *s, size_t *off, const char *dir)
     const uint8_t *h = s->p + *off;
     uint32_t id = get32(h), dim = get32(h + 4), opt = get32(h + 8), n = get32(h + 12);
     if ((opt != 1 && opt != 2) || dim == 0 || dim > 4096) {
-        fprintf(stderr, "bex-ps dump: table %u at byte %zu: dim %u, optimizer %u\n", id, *off,
-                dim, opt);
+        fprintf(stderr, "bex-ps dump: table %u at byte %zu: dim %u, optimizer %u\n", id, *off, dim,
+                opt);
         return -EINVAL;
     }
     size_t stride = 8 + 4 * (size_t)dim * (opt == 2 ? 2 : 1);
