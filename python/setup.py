@@ -97,7 +97,8 @@ setup(
     ext_modules=[
         Extension("bex._bex",
                   sources=["src/bexmodule.c", "src/buffers.c", "src/ps.c", "src/ps_async.c",
-                           "src/rpc.c", "src/guard.c", "src/sock.c"],
+                           "src/rpc.c", "src/guard.c", "src/sock.c", "src/mem.c",
+                           "src/pools.c"],
                   depends=["src/bexmod.h", "src/psclient.h"],
                   extra_compile_args=["-std=gnu11", "-Wall", "-Wextra", "-Werror",
                                       "-Wno-missing-field-initializers",

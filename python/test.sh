@@ -11,7 +11,8 @@
 #       inside the Soft-RoCE VM (scripts/rxe-vm): the package installed by a
 #       run of the first form, the tests over RDMA (servers on rxe1's
 #       address, clients on rxe0's), less those that import torch (slow in
-#       the emulated VM) and those that run the examples (TCP on loopback)
+#       the emulated VM), those that run the examples (TCP on loopback) and
+#       those marked native_only (the same on either transport)
 #
 # Environment: BEX_PYTHON (default /usr/bin/python3: Debian's, with
 # python3-numpy, python3-pytest and python3-torch from scripts/deps).
@@ -33,7 +34,7 @@ if [ "$rxe" = 1 ]; then
         echo "python/test.sh --rxe: no package in $site (run python/test.sh first)" >&2
         exit 1
     }
-    tier=python-rxe select=(-m "not torch and not tcp_only")
+    tier=python-rxe select=(-m "not torch and not tcp_only and not native_only")
     export BEX_PY_TRANSPORT=rdma
 else
     rm -rf "$site"

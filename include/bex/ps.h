@@ -579,6 +579,58 @@ int bex_ps_push_seq_sync(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_
                          const uint64_t *keys, size_t n, const float *grads,
                          bex_ps_replica_result *res, size_t cap, size_t *n_res);
 
+/* ---- calls on caller memory: zero copy (issue 24 item 1, issue 28 item 3) ---- */
+
+/* An array of n rows of dim floats (n 1..BEX_PS_KEYS_MAX, dim
+ * 1..BEX_PS_DIM_MAX) in memory ctx registered (its landing pool: the only
+ * memory a peer may write), with room in front for n keys and the wire's
+ * headers: what bex_ps_fetch_into and bex_ps_push_from use without a copy.
+ * Counted against bex_ctx_config.user_mem_max (NULL, errno ENOBUFS past
+ * it; EINVAL; ENOMEM or the registration's error). Any thread. */
+float *bex_ps_rows_alloc(bex_ctx *ctx, uint32_t n, uint32_t dim);
+/* Free rows from bex_ps_rows_alloc (a call still using them: once it no
+ * longer does). 0 or -EINVAL (not such an array). */
+int bex_ps_rows_free(float *rows);
+/* The n key slots in front of rows (NULL: not such an array): keys written
+ * there are sent by bex_ps_push_from without even the keys' copy. A Fetch
+ * into the array writes the answer's headers (80 bytes) over the last
+ * slots: write the keys again before a Push from them. */
+uint64_t *bex_ps_rows_keys(float *rows);
+/* 1 while a call uses rows (another call on them fails -EBUSY), 0 when
+ * none does, -EINVAL (not such an array). After a Push's done with an
+ * error (a deadline) the transport may still read its rows for a while. */
+int bex_ps_rows_busy(float *rows);
+
+/* bex_ps_fetch into rows from bex_ps_rows_alloc of c's context: when every
+ * key belongs to one shard, the answer lands in the array, rows at their
+ * keys' positions, straight from the wire (a context with an RDMA device:
+ * bex_rpc_call_into, the server WRITEs it into the exposed array; a
+ * TCP-only context: it is received into the transport's buffer and its
+ * rows copied there once, in order, not decoded); keys on several shards
+ * go the copying way of bex_ps_fetch. An answer longer than the n rows asked is refused
+ * (-EBADMSG or -EMSGSIZE), nothing written past them; on an error rows are
+ * undefined. done runs once the array is no longer written. Errors as
+ * bex_ps_fetch, and -EINVAL (rows not from bex_ps_rows_alloc of this
+ * context), -ENOBUFS (n * dim past the array), -EBUSY (a call uses it). */
+int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                      size_t n, float *rows, bex_ps_done_fn done, void *user);
+/* bex_ps_push_report from grads, an array of bex_ps_rows_alloc: when every
+ * key belongs to one shard whose Push goes to one replica (a single replica,
+ * or BEX_PS_PUSH_PRIMARY), the request is sent from the array itself
+ * (headers written in its room, keys copied into its key slots unless keys
+ * are them, the gradients not copied); otherwise as bex_ps_push_report.
+ * The array must not change until bex_ps_rows_busy says 0 (after done on
+ * success, or a little later). Errors as bex_ps_fetch_into. */
+int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
+                     bex_ps_done_fn done, void *user);
+/* The same, waiting (push_from: until its array is free again too). */
+int bex_ps_fetch_into_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                           size_t n, float *rows);
+int bex_ps_push_from_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
+                          size_t n, float *grads, bex_ps_replica_result *res, size_t cap,
+                          size_t *n_res);
+
 #pragma GCC visibility pop
 
 #ifdef __cplusplus

@@ -242,6 +242,9 @@ typedef struct bex_ctx_config {
                                   device without them fails bex_ctx_create with
                                   -EOPNOTSUPP; OFF: never. bex_sock_stats.thread_domains
                                   says what was chosen */
+    uint64_t user_mem_max;     /* bytes of caller memory the context registers for
+                                  zero-copy calls (bex_ps_rows_alloc) at once (1 GiB);
+                                  past it such an allocation fails -ENOBUFS */
 } bex_ctx_config;
 
 /* Exactly v as bex_ctx_config.traffic_class, 0 included (a plain 0 means

@@ -2,8 +2,9 @@
 /* ps_rate: calls a second of one C client's waiting Fetch or Push
  * (bex_ps_fetch_sync / bex_ps_push_sync) of ROWS rows of DIM floats, for
  * python/bench/run, which runs bex.ps.Client's the same way
- * (ps_rate.py) to compare.
- *   ps_rate CLUSTER fetch|push ROWS DIM SECONDS
+ * (ps_rate.py) to compare. fetch0 and push0: on caller memory, without a
+ * copy (bex_ps_rows_alloc, bex_ps_fetch_into_sync / bex_ps_push_from_sync).
+ *   ps_rate CLUSTER fetch|push|fetch0|push0 ROWS DIM SECONDS
  * prints "calls_per_sec N cpu_us_per_call U" (U: the process's CPU time,
  * its bex I/O thread's included, per call). */
 #include <arpa/inet.h>
@@ -28,10 +29,21 @@ static double now(void)
     return clock_s(CLOCK_MONOTONIC);
 }
 
-static int run(bex_ps_client *pc, int push, size_t n, uint32_t dim, double secs)
+static int call(bex_ps_client *pc, int push, int zero, const uint64_t *keys, size_t n, uint32_t dim,
+                float *rows)
 {
+    if (zero)
+        return push ? bex_ps_push_from_sync(pc, 1, dim, keys, n, rows, NULL, 0, NULL)
+                    : bex_ps_fetch_into_sync(pc, 1, dim, keys, n, rows);
+    return push ? bex_ps_push_sync(pc, 1, dim, keys, n, rows)
+                : bex_ps_fetch_sync(pc, 1, dim, keys, n, rows);
+}
+
+static int run(bex_ctx *ctx, bex_ps_client *pc, const char *op, size_t n, uint32_t dim, double secs)
+{
+    int push = !strncmp(op, "push", 4), zero = op[strlen(op) - 1] == '0';
     uint64_t *keys = malloc(n * sizeof *keys);
-    float *rows = calloc(n * dim, sizeof *rows);
+    float *rows = zero ? bex_ps_rows_alloc(ctx, (uint32_t)n, dim) : calloc(n * dim, sizeof *rows);
     int rc = keys && rows ? 0 : -ENOMEM;
     for (size_t i = 0; i < n; i++)
         keys[i] = i * 7919u;
@@ -40,8 +52,7 @@ static int run(bex_ps_client *pc, int push, size_t n, uint32_t dim, double secs)
     long calls = 0;
     double t0 = now(), t = t0, cpu0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
     while (rc == 0 && t - t0 < secs) {
-        rc = push ? bex_ps_push_sync(pc, 1, dim, keys, n, rows)
-                  : bex_ps_fetch_sync(pc, 1, dim, keys, n, rows);
+        rc = call(pc, push, zero, keys, n, dim, rows);
         calls++;
         if ((calls & 15) == 0)
             t = now();
@@ -51,14 +62,17 @@ static int run(bex_ps_client *pc, int push, size_t n, uint32_t dim, double secs)
         printf("calls_per_sec %.1f cpu_us_per_call %.2f\n", (double)calls / (t - t0),
                (clock_s(CLOCK_PROCESS_CPUTIME_ID) - cpu0) * 1e6 / (double)calls);
     free(keys);
-    free(rows);
+    if (zero)
+        bex_ps_rows_free(rows);
+    else
+        free(rows);
     return rc;
 }
 
 int main(int argc, char **argv)
 {
     if (argc != 6) {
-        fprintf(stderr, "usage: ps_rate CLUSTER fetch|push ROWS DIM SECONDS\n");
+        fprintf(stderr, "usage: ps_rate CLUSTER fetch|push|fetch0|push0 ROWS DIM SECONDS\n");
         return 2;
     }
     bex_ctx_config cfg = {.transport = BEX_TRANSPORT_TCP};
@@ -73,7 +87,7 @@ int main(int argc, char **argv)
         (rc = bex_ctx_create(&cfg, &ctx)) == 0) {
         pcc.dir = dir;
         if ((rc = bex_ps_client_create(ctx, &pcc, &pc)) == 0)
-            rc = run(pc, !strcmp(argv[2], "push"), strtoul(argv[3], NULL, 10),
+            rc = run(ctx, pc, argv[2], strtoul(argv[3], NULL, 10),
                      (uint32_t)strtoul(argv[4], NULL, 10), atof(argv[5]));
     }
     if (rc)

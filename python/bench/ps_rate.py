@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """ps_rate.py: calls a second of bex.ps.Client's waiting fetch or push of
 ROWS rows of DIM floats, the same loop as ps_rate.c (python/bench/run).
-    ps_rate.py CLUSTER fetch|push ROWS DIM SECONDS"""
+fetch0 and push0: on an array of bex.empty (without a copy).
+    ps_rate.py CLUSTER fetch|push|fetch0|push0 ROWS DIM SECONDS"""
 import sys
 import time
 
@@ -13,9 +14,11 @@ import bex.ps
 def main(cluster, op, rows, dim, secs):
     n, dim, secs = int(rows), int(dim), float(secs)
     keys = np.arange(n, dtype=np.uint64) * np.uint64(7919)
-    buf = np.full((n, dim), 1e-6, np.float32)
     with bex.ps.Client(cluster, dims={1: dim}, timeout_ms=10000) as c:
-        call = (lambda: c.push(1, keys, buf)) if op == "push" else (lambda: c.fetch(1, keys, buf))
+        buf = c.empty((n, dim)) if op.endswith("0") else np.empty((n, dim), np.float32)
+        buf[:] = 1e-6
+        push = op.startswith("push")
+        call = (lambda: c.push(1, keys, buf)) if push else (lambda: c.fetch(1, keys, buf))
         calls, t0, cpu0 = 0, time.monotonic(), time.process_time()
         t = t0
         while t - t0 < secs:
@@ -24,6 +27,8 @@ def main(cluster, op, rows, dim, secs):
             if calls % 16 == 0:
                 t = time.monotonic()
         cpu = (time.process_time() - cpu0) * 1e6 / calls
+        if op.endswith("0"):
+            assert c.stats()["zero_copy"] == calls, (c.stats(), calls)
         print(f"calls_per_sec {calls / (time.monotonic() - t0):.1f} cpu_us_per_call {cpu:.2f}")
 
 

@@ -14,10 +14,14 @@ raises bex.ForkError.
 """
 from ._bex import Error, ForkError, PushError, strerror, version
 
-__all__ = ["Error", "ForkError", "PushError", "strerror", "version", "ps", "rpc", "sock", "snapshot"]
+__all__ = ["Error", "ForkError", "PushError", "strerror", "version", "ps", "rpc", "sock", "snapshot",
+           "empty"]
 
 
 def __getattr__(name):
+    if name == "empty":  # bex.ps.empty: an array on bex's registered memory
+        from .ps import empty
+        return empty
     if name in ("ps", "rpc", "sock", "snapshot"):  # the submodules without an import
         import importlib
         return importlib.import_module("." + name, __name__)

@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """bex.ps: the parameter-server client (include/bex/ps.h)."""
 import asyncio
+import math
+import weakref
 
 import numpy
 
 from . import _bex
 from ._dispatch import Dispatch
 
-__all__ = ["Client", "KEYS_MAX", "DIM_MAX", "key_shard"]
+__all__ = ["Client", "KEYS_MAX", "DIM_MAX", "key_shard", "empty"]
 
 KEYS_MAX = _bex.PS_KEYS_MAX
 DIM_MAX = _bex.PS_DIM_MAX
@@ -36,6 +38,31 @@ def _as_buffer(x, writable=False):
             raise ValueError("out must be writable (numpy.from_dlpack gave a read-only view)")
         return a
     return x  # the extension names what is wrong
+
+
+_last_client = None  # a weakref to the client opened last (bex.empty's default)
+
+
+def empty(shape, dtype=numpy.float32, *, client=None):
+    """A numpy array of shape and dtype (uninitialized) on bex's registered
+    memory (bex_ps_rows_alloc) of client's context (default: the client
+    opened last, still open). fetch(out=a) lands rows in it straight from
+    the wire and push(keys, a) sends from it, without a copy, when all
+    keys belong to one shard (else, and for an array of another client,
+    they take the copying way). The array keeps its memory (and its
+    client's context) alive; torch.from_numpy(a) shares it. Counted against
+    the context's user_mem_max (bex.Error ENOBUFS past it)."""
+    if client is None:
+        client = _last_client() if _last_client is not None else None
+        if client is None or client.closed:
+            raise ValueError("bex.empty needs a bex.ps.Client: open one first or pass client=")
+    shape = (int(shape),) if isinstance(shape, (int, numpy.integer)) else tuple(map(int, shape))
+    if not shape or shape[0] < 1 or any(d < 1 for d in shape):
+        raise ValueError(f"bex.empty: shape must be non-empty with dimensions >= 1, not {shape}")
+    dtype = numpy.dtype(dtype)
+    per_row = math.prod(shape[1:]) * dtype.itemsize
+    mem = _bex.Memory(client, shape[0], max(1, -(-per_row // 4)))
+    return numpy.frombuffer(mem, dtype, count=math.prod(shape)).reshape(shape)
 
 
 class Client(_bex.PsClient, Dispatch):
@@ -73,9 +100,16 @@ class Client(_bex.PsClient, Dispatch):
     """
 
     def __init__(self, cluster, dims=None, **kw):
+        global _last_client
         super().__init__(str(cluster), **kw)
+        _last_client = weakref.ref(self)
         self.dims = dict(dims or {})
         self._dispatch_init("bex-ps-dispatch")
+
+    def empty(self, shape, dtype=numpy.float32):
+        """bex.empty(shape, dtype, client=self): an array on this client's
+        registered memory, for fetch and push without a copy."""
+        return empty(shape, dtype, client=self)
 
     def _dim(self, table, dim, rows=None):
         if dim is None:

@@ -6,7 +6,10 @@ little-endian); the answer is one float32 score per id, the dot product
 of its embedding row (Fetched from bex-ps) with a user vector. Handlers
 run on worker threads, off bex's I/O thread.
     python3 ranker.py CLUSTER_FILE [IP:PORT] [DIM]   prints "listening on IP:PORT"
-    python3 ranker.py --query IP:PORT ID...           prints "ID SCORE" lines, best first"""
+    python3 ranker.py --query IP:PORT ID...           prints "ID SCORE" lines, best first
+BEX_LOCAL_ADDR and BEX_TRANSPORT (the environment's; 127.0.0.1, tcp) are its
+clients' and server's local_addr and transport."""
+import os
 import signal
 import sys
 
@@ -16,13 +19,15 @@ import bex.ps
 import bex.rpc
 
 SERVICE, RANK, TABLE = 8, 1, 1
+NET = {"local_addr": os.environ.get("BEX_LOCAL_ADDR", "127.0.0.1"),
+       "transport": os.environ.get("BEX_TRANSPORT", "tcp")}
 
 
 def serve(cluster, addr="127.0.0.1:0", dim=16):
     dim = int(dim)
     user = np.linspace(-1, 1, dim, dtype=np.float32)
-    with bex.ps.Client(cluster, dims={TABLE: dim}, timeout_ms=5000) as ps, \
-            bex.rpc.Server(workers=4) as srv:
+    with bex.ps.Client(cluster, dims={TABLE: dim}, timeout_ms=5000, **NET) as ps, \
+            bex.rpc.Server(workers=4, **NET) as srv:
         def rank(body):
             ids = np.frombuffer(body, np.uint64)
             return (ps.fetch(TABLE, ids) @ user).astype(np.float32).tobytes()
@@ -33,7 +38,7 @@ def serve(cluster, addr="127.0.0.1:0", dim=16):
 
 def query(addr, *ids):
     keys = np.array([int(i) for i in ids], np.uint64)
-    with bex.rpc.Channel([addr], timeout_ms=5000, connect_timeout_ms=2000) as ch:
+    with bex.rpc.Channel([addr], timeout_ms=5000, connect_timeout_ms=2000, **NET) as ch:
         scores = np.frombuffer(ch.call(SERVICE, RANK, keys.tobytes()), np.float32)
     for i in np.argsort(-scores):
         print(keys[i], f"{scores[i]:+.6f}")

@@ -43,6 +43,13 @@ int bexmod_efd_wait(int efd);
 int bexmod_ps_init(PyObject *m);
 int bexmod_rpc_init(PyObject *m);
 int bexmod_sock_init(PyObject *m);
+int bexmod_mem_init(PyObject *m);
+int bexmod_pools_init(PyObject *m);
+
+/* bex_ctx_create and _destroy, the context tracked (pools.c: bex._bex.pools
+ * for the tests' leak checks; its log lines to stderr, counted). */
+int bexmod_ctx_create(const bex_ctx_config *cfg, bex_ctx **out);
+void bexmod_ctx_destroy(bex_ctx *ctx);
 
 /* An object's calls in progress, its closed state and its process: a call
  * enters (ValueError when closed, bex.ForkError in a fork's child: what

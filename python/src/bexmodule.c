@@ -154,7 +154,8 @@ PyMODINIT_FUNC PyInit__bex(void)
     if (!m)
         return NULL;
     if (add_errors(m) < 0 || bexmod_ps_init(m) < 0 || bexmod_rpc_init(m) < 0 ||
-        bexmod_sock_init(m) < 0 || PyModule_AddIntConstant(m, "PS_KEYS_MAX", BEX_PS_KEYS_MAX) < 0 ||
+        bexmod_sock_init(m) < 0 || bexmod_mem_init(m) < 0 || bexmod_pools_init(m) < 0 ||
+        PyModule_AddIntConstant(m, "PS_KEYS_MAX", BEX_PS_KEYS_MAX) < 0 ||
         PyModule_AddIntConstant(m, "PS_DIM_MAX", BEX_PS_DIM_MAX) < 0) {
         Py_DECREF(m);
         return NULL;

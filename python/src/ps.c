@@ -10,6 +10,8 @@
  * own). */
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -89,8 +91,13 @@ static void ps_close_now(PsClient *self)
     pthread_mutex_unlock(&self->mu);
     if (self->pc)
         bex_ps_client_destroy(self->pc);
-    if (self->ctx)
-        bex_ctx_destroy(self->ctx);
+    pthread_mutex_lock(&self->mu);
+    bool keep = self->live_mem > 0; /* bex.empty arrays: the last one destroys it */
+    if (keep)
+        self->ctx_orphan = self->ctx;
+    pthread_mutex_unlock(&self->mu);
+    if (self->ctx && !keep)
+        bexmod_ctx_destroy(self->ctx);
     if (self->dir)
         bex_dir_destroy(self->dir);
     Py_END_ALLOW_THREADS;
@@ -146,7 +153,7 @@ static int ps_open(PsClient *self, const char *where, bex_ctx_config *cc, bex_ps
     int rc, step = 0;
     Py_BEGIN_ALLOW_THREADS;
     if ((rc = open_dir(self, where, err, sizeof err)) == 0 && ++step &&
-        (rc = bex_ctx_create(cc, &self->ctx)) == 0 && ++step) {
+        (rc = bexmod_ctx_create(cc, &self->ctx)) == 0 && ++step) {
         pcc->dir = self->dir;
         rc = bex_ps_client_create(self->ctx, pcc, &self->pc);
     }
@@ -269,6 +276,54 @@ PyObject *bexmod_raise_fetch(PsClient *self, int rc, uint32_t table, const uint6
     return NULL;
 }
 
+/* A refusal of a call on caller memory before anything was sent: the
+ * array is another context's or in use; the copying call does it. */
+static bool zero_refused(int rc)
+{
+    return rc == -EINVAL || rc == -ENOBUFS || rc == -EBUSY;
+}
+
+/* The keys all on one shard: a call on a bex.empty array then goes
+ * without a copy (bex_ps_fetch_into, bex_ps_push_from). */
+static bool one_shard(const PsClient *self, const uint64_t *keys, size_t n)
+{
+    uint32_t ns = self->n_shards ? self->n_shards : 1;
+    for (size_t i = 1; i < n; i++)
+        if (bex_ps_key_shard(keys[i], ns) != bex_ps_key_shard(keys[0], ns))
+            return false;
+    return true;
+}
+
+/* Fetch into out: without a copy when out is an array of bex.empty. */
+static int fetch_sync(PsClient *self, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                      float *out)
+{
+    bex_ps_client *pc = self->pc;
+    if (n && bex_ps_rows_busy(out) == 0) {
+        int rc = bex_ps_fetch_into_sync(pc, table, dim, keys, n, out);
+        if (!zero_refused(rc)) {
+            self->zero_copy += one_shard(self, keys, n);
+            return rc;
+        }
+    }
+    return bex_ps_fetch_sync(pc, table, dim, keys, n, out);
+}
+
+static int push_sync(PsClient *self, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     const float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res)
+{
+    bex_ps_client *pc = self->pc;
+    float *g = (float *)grads; /* push_from writes only the array's header room */
+    if (n && bex_ps_rows_busy(g) == 0) {
+        int rc = bex_ps_push_from_sync(pc, table, dim, keys, n, g, res, cap, n_res);
+        if (!zero_refused(rc)) {
+            self->zero_copy += one_shard(self, keys, n);
+            return rc;
+        }
+    }
+    return bex_ps_push_report_sync(pc, table, dim, keys, n, grads, res, cap, n_res);
+}
+
 static PyObject *ps_fetch_into(PsClient *self, PyObject *args)
 {
     unsigned long long table;
@@ -285,7 +340,7 @@ static PyObject *ps_fetch_into(PsClient *self, PyObject *args)
         goto err_out;
     int rc;
     Py_BEGIN_ALLOW_THREADS;
-    rc = bex_ps_fetch_sync(self->pc, (uint32_t)table, (uint32_t)dim, kv.buf, n, ov.buf);
+    rc = fetch_sync(self, (uint32_t)table, (uint32_t)dim, kv.buf, n, ov.buf);
     Py_END_ALLOW_THREADS;
     bexmod_ps_leave(self);
     ret = rc ? bexmod_raise_fetch(self, rc, (uint32_t)table, kv.buf, n) : Py_NewRef(Py_None);
@@ -386,8 +441,7 @@ static PyObject *ps_push(PsClient *self, PyObject *args)
         goto err_grads;
     int rc;
     Py_BEGIN_ALLOW_THREADS;
-    rc = bex_ps_push_report_sync(self->pc, (uint32_t)table, (uint32_t)dim, kv.buf, n, gv.buf, res,
-                                 cap, &n_res);
+    rc = push_sync(self, (uint32_t)table, (uint32_t)dim, kv.buf, n, gv.buf, res, cap, &n_res);
     Py_END_ALLOW_THREADS;
     bexmod_ps_leave(self);
     ret = rc ? bexmod_raise_push(rc, (uint32_t)table, res, n_res < cap ? n_res : cap)
@@ -415,10 +469,10 @@ static PyObject *ps_stats(PsClient *self, PyObject *unused)
     bex_ps_client_stats s;
     bex_ps_client_stats_get(self->pc, &s);
     bexmod_ps_leave(self);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "calls", s.calls, "ok", s.ok, "failed", s.failed,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsl}", "calls", s.calls, "ok", s.ok, "failed", s.failed,
                          "attempts", s.attempts, "retries", s.retries, "retry_throttled",
                          s.retry_throttled, "failovers", s.failovers, "conn_failures",
-                         s.conn_failures);
+                         s.conn_failures, "zero_copy", (long)atomic_load(&self->zero_copy));
 }
 
 /* Bytes in use in the context's pools (send and receive), for leak checks. */
@@ -502,6 +556,8 @@ static PyTypeObject ps_type = {
     .tp_methods = ps_methods,
     .tp_getset = ps_getset,
 };
+
+PyTypeObject *bexmod_ps_type = &ps_type;
 
 int bexmod_ps_init(PyObject *m)
 {

@@ -25,12 +25,20 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t idle;
     int busy, closed;
+    /* arrays of bex_ps_rows_alloc on ctx (bex.empty, mem.c) still alive;
+     * a client closed meanwhile leaves its context here for the last of
+     * them to destroy */
+    long live_mem;
+    bex_ctx *ctx_orphan;
+    _Atomic long zero_copy; /* waiting calls that went without a copy */
     /* completions of the asynchronous calls: bex's I/O thread appends
      * under qmu and writes efd; the dispatcher drains (ps_async.c) */
     int efd;
     pthread_mutex_t qmu;
     struct bexmod_op *qhead, *qtail;
 } PsClient;
+
+extern PyTypeObject *bexmod_ps_type;
 
 /* The client for one call (busy until leave), or an exception (closed, a
  * fork's copy). */

@@ -81,7 +81,7 @@ static void ch_close_now(Channel *self)
     pthread_mutex_unlock(&self->qmu);
     Py_BEGIN_ALLOW_THREADS;
     if (self->ctx)
-        bex_ctx_destroy(self->ctx);
+        bexmod_ctx_destroy(self->ctx);
     Py_END_ALLOW_THREADS;
     self->ctx = NULL;
 }
@@ -143,7 +143,7 @@ static int ch_init(Channel *self, PyObject *args, PyObject *kw)
     chc.endpoints = eps;
     int rc, step = 0;
     Py_BEGIN_ALLOW_THREADS;
-    if ((rc = bex_ctx_create(&cc, &self->ctx)) == 0 && ++step)
+    if ((rc = bexmod_ctx_create(&cc, &self->ctx)) == 0 && ++step)
         rc = bex_rpc_channel_create(self->ctx, &chc, &self->ch);
     Py_END_ALLOW_THREADS;
     PyMem_Free(eps);
@@ -472,13 +472,13 @@ static int srv_init(Server *self, PyObject *args, PyObject *kw)
     self->queue_max = queue_max;
     int rc, step = 0;
     Py_BEGIN_ALLOW_THREADS;
-    if ((rc = bex_ctx_create(&cc, &self->ctx)) == 0 && ++step)
+    if ((rc = bexmod_ctx_create(&cc, &self->ctx)) == 0 && ++step)
         rc = bex_rpc_server_create(self->ctx, NULL, &self->srv);
     Py_END_ALLOW_THREADS;
     if (rc == 0)
         return 0;
     if (self->ctx)
-        bex_ctx_destroy(self->ctx);
+        bexmod_ctx_destroy(self->ctx);
     self->ctx = NULL;
     bexmod_raise(bexmod_error, rc, "bex: %s", step ? "RPC server" : "context");
     return -1;
@@ -654,7 +654,7 @@ static void srv_close_now(Server *self)
     while (self->inflight) /* the workers' answers, before the context goes */
         pthread_cond_wait(&self->g.idle, &self->g.mu);
     pthread_mutex_unlock(&self->g.mu);
-    bex_ctx_destroy(self->ctx);
+    bexmod_ctx_destroy(self->ctx);
     Py_END_ALLOW_THREADS;
     self->srv = NULL, self->ctx = NULL;
 }

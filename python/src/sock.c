@@ -511,7 +511,7 @@ static int ctx_init(SockContext *self, PyObject *args, PyObject *kw)
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS;
-    rc = bex_ctx_create(&cc, &self->ctx);
+    rc = bexmod_ctx_create(&cc, &self->ctx);
     Py_END_ALLOW_THREADS;
     if (rc) {
         bexmod_raise(bexmod_error, rc, "bex: context on %s", local);
@@ -534,7 +534,7 @@ static PyObject *ctx_close(SockContext *self, PyObject *unused)
     }
     if (bexmod_guard_close(&self->g) == 0) {
         Py_BEGIN_ALLOW_THREADS;
-        bex_ctx_destroy(self->ctx);
+        bexmod_ctx_destroy(self->ctx);
         Py_END_ALLOW_THREADS;
     }
     self->ctx = NULL;

@@ -32,6 +32,8 @@ CHANNEL = dict(NET, connect_timeout_ms=5000 * SCALE)
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch: imports torch (left out in the VM: slow there)")
     config.addinivalue_line("markers", "tcp_only: runs the examples, which use TCP on loopback")
+    config.addinivalue_line("markers", "native_only: the same on either transport: not run again in "
+                            "the VM (its seconds)")
 
 
 def bex_ps_binary():
@@ -128,3 +130,34 @@ def cluster2(tmp_path):
     c = Cluster(str(tmp_path), 2, 2)
     yield c
     c.stop()
+
+
+def pools_settled(base, timeout=5.0):
+    """(ok, now): the extension's contexts and the bytes in use in their
+    pools back to base (none more alive, no byte more, no context destroyed
+    with live buffers), waiting up to timeout seconds for what bex's I/O
+    threads free after a call returned."""
+    import gc
+    from bex import _bex
+    deadline = time.monotonic() + timeout * SCALE
+    while True:
+        gc.collect()
+        now = _bex.pools()
+        ok = (now["contexts"] <= base["contexts"] and now["leaked"] == base["leaked"]
+              and all(now[k] <= base[k] for k in ("pool", "recv_pool", "landing")))
+        if ok or time.monotonic() > deadline:
+            return ok, now
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def pools_baseline():
+    """After the test, bex's pool counters are back to their baseline
+    (issue 28 item 8: nothing leaks, beyond the PS client too)."""
+    import gc
+    from bex import _bex
+    gc.collect()
+    base = _bex.pools()
+    yield base
+    ok, now = pools_settled(base)
+    assert ok, f"bex pools not back to their baseline: {now} (before: {base})"

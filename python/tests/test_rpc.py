@@ -18,6 +18,9 @@ from conftest import CHANNEL, SCALE, SERVER_IP, SERVER_NET, stopped
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples")
 
+# every test: bex's pools back to their baseline after it (conftest.py)
+pytestmark = pytest.mark.usefixtures("pools_baseline")
+
 
 def channel(endpoints, **kw):
     """A channel of the tests: deadlines long enough for the VM's first

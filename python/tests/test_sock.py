@@ -15,6 +15,9 @@ from conftest import NET, SCALE, SERVER_IP, SERVER_NET
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
 
+# every test: bex's pools back to their baseline after it (conftest.py)
+pytestmark = pytest.mark.usefixtures("pools_baseline")
+
 
 def contexts():
     """A server context (on SERVER_IP) and a client one (on CLIENT_IP)."""

@@ -766,3 +766,47 @@ int bex_ps_push_seq_sync(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_
     return wait_for(
         &w, bex_ps_push_seq(c, seq, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
 }
+
+/* ---- for the calls on caller memory (client_mem.c) ---- */
+
+bex_ctx *bex__ps_client_ctx(const bex_ps_client *c)
+{
+    return c->ctx;
+}
+
+uint32_t bex__ps_client_shards(const bex_ps_client *c)
+{
+    return c->n_shards;
+}
+
+uint32_t bex__ps_client_timeout(const bex_ps_client *c)
+{
+    return c->timeout_ms;
+}
+
+bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard)
+{
+    return c->ch[shard];
+}
+
+int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch,
+                            struct sockaddr_in *addr, struct bex__ps_hdr *h)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = push_refresh(c);
+    if (rc == 0 && c->push[shard].n != 1)
+        rc = -ENOENT;
+    if (rc == 0) {
+        *ch = c->push[shard].r[0]->ch;
+        *addr = c->push[shard].r[0]->r.addr;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (rc)
+        return rc;
+    h->flags = BEX__PS_F_ID;
+    h->id_client = c->push_client;
+    h->id_seq = atomic_fetch_add(&c->push_seq, 1) + 1;
+    h->id_tok[0] = c->push_tok[0];
+    h->id_tok[1] = c->push_tok[1];
+    return 0;
+}

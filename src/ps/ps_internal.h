@@ -251,4 +251,16 @@ static inline uint32_t bex__ps_method_flags(uint32_t method)
     return method == BEX_PS_M_PUSH ? BEX_RPC_METHOD_WRITE : 0;
 }
 
+/* ---- the client, for its calls on caller memory (client_mem.c) ---- */
+
+bex_ctx *bex__ps_client_ctx(const bex_ps_client *c);
+uint32_t bex__ps_client_shards(const bex_ps_client *c);
+uint32_t bex__ps_client_timeout(const bex_ps_client *c);
+bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard);
+/* The one Push channel of shard (and its replica's address) with a new
+ * Push id in h; -ENOENT when the shard's Push goes to more than one replica
+ * (or none), -ENOMEM. */
+int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch,
+                            struct sockaddr_in *addr, struct bex__ps_hdr *h);
+
 #endif

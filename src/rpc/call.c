@@ -29,7 +29,10 @@ void bex__rpc_call_put(struct bex_rpc_channel *ch, struct call *c)
 {
     if (--c->refs)
         return;
-    bex_mem_free(c->msg);
+    if (c->borrow.release)
+        c->borrow.release(c->borrow.arg); /* the caller's body, no longer read */
+    else
+        bex_mem_free(c->msg);
     free(c);
     if (--ch->n_calls == 0)
         pthread_cond_broadcast(&ch->cv);

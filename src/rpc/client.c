@@ -208,12 +208,13 @@ void *bex_rpc_alloc_dest(bex_ctx *ctx, size_t cap)
 
 static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
                       size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
-                      bex_rpc_done_fn done, void *user, uint64_t *call_id);
+                      bex_rpc_done_fn done, void *user, uint64_t *call_id,
+                      const struct bex__rpc_borrow *bw);
 
 int bex_rpc_call(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body, size_t len,
                  const bex_rpc_call_opts *opts, bex_rpc_done_fn done, void *user, uint64_t *call_id)
 {
-    return call_start(ch, service, method, body, len, NULL, 0, opts, done, user, call_id);
+    return call_start(ch, service, method, body, len, NULL, 0, opts, done, user, call_id, NULL);
 }
 
 int bex_rpc_call_into(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
@@ -226,7 +227,17 @@ int bex_rpc_call_into(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         bex_mem_pool_of(bex__rpc_hdr_of(dst)) != bex_ctx_landing_pool(ch->ctx) ||
         bex_mem_usable_size(bex__rpc_hdr_of(dst)) < cap + BEX_RPC_HDR_LEN)
         return -EINVAL;
-    return call_start(ch, service, method, body, len, dst, cap, opts, done, user, call_id);
+    return call_start(ch, service, method, body, len, dst, cap, opts, done, user, call_id, NULL);
+}
+
+int bex__rpc_call_ext(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
+                      bex_rpc_done_fn done, void *user, const struct bex__rpc_borrow *bw)
+{
+    if (dst && (!ch || cap > (size_t)INT32_MAX - BEX_RPC_HDR_LEN ||
+                bex_mem_pool_of(bex__rpc_hdr_of(dst)) != bex_ctx_landing_pool(ch->ctx)))
+        return -EINVAL;
+    return call_start(ch, service, method, body, len, dst, cap, opts, done, user, NULL, bw);
 }
 
 /* c's request header, in front of its body: written once, so every
@@ -251,7 +262,8 @@ static void call_encode(bex_rpc_channel *ch, struct call *c, size_t len, uint64_
 
 static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
                       size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
-                      bex_rpc_done_fn done, void *user, uint64_t *call_id)
+                      bex_rpc_done_fn done, void *user, uint64_t *call_id,
+                      const struct bex__rpc_borrow *bw)
 {
     if (!ch || !done || (!body && len) || len > (size_t)INT32_MAX - BEX_RPC_HDR_LEN ||
         (opts && (opts->flags & ~(uint32_t)BEX_RPC_CALL_NO_RETRY)))
@@ -289,6 +301,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         .state = CALL_LIVE,
         .dst = dst,
         .cap = cap,
+        .borrow = bw ? *bw : (struct bex__rpc_borrow){0},
     };
     struct call *dl = NULL;
     pthread_mutex_lock(&ch->mu);

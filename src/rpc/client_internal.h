@@ -109,8 +109,9 @@ struct call {
     uint8_t *dst;
     size_t cap;
     struct xatt *xa;
-    struct bex__list lnode; /* the channel's live calls */
-    struct call *dnext;     /* completions to run */
+    struct bex__rpc_borrow borrow; /* release set: the body is the caller's */
+    struct bex__list lnode;        /* the channel's live calls */
+    struct call *dnext;            /* completions to run */
 };
 
 /* An attempt of a call with a destination (bex_rpc_call_into): a socket

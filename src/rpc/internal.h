@@ -144,6 +144,22 @@ static inline uint8_t *bex__rpc_hdr_of(void *body)
     return (uint8_t *)body - BEX_RPC_HDR_LEN;
 }
 
+/* A body the caller keeps (bex__rpc_call_ext): instead of freeing it, the
+ * call runs release(arg) once no transport reads it any more (after the
+ * completion or before it), under the channel's lock: release may only
+ * mark the body free, never call into the channel. */
+struct bex__rpc_borrow {
+    void (*release)(void *arg);
+    void *arg;
+};
+/* bex_rpc_call_into whose dst may lie inside a landing allocation (the
+ * caller checked that the header room and cap bytes are in it), and whose
+ * body, with bw (may be NULL), stays the caller's (for the PS client's
+ * calls on caller memory, src/ps/client_mem.c). dst NULL: bex_rpc_call. */
+int bex__rpc_call_ext(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
+                      size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
+                      bex_rpc_done_fn done, void *user, const struct bex__rpc_borrow *bw);
+
 /* Tests: close the connection a request came on (its answer will find it
  * closing and be dropped, though a WRITE's is kept for a retry), to lose
  * a response after the request was applied. */

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
+#include "sock/ctx_access.h"
 #include "sock/internal.h"
 
 /* Window mode: an exposed slot's window, read before the slot is taken
@@ -202,4 +203,36 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
     if (mw)
         ibv_dealloc_mw(mw);
     return -ENOSPC;
+}
+
+/* ---- caller memory (ctx_access.h) ---- */
+
+void *bex__ctx_user_alloc(bex_ctx *ctx, size_t len)
+{
+    uint64_t max = ctx->cfg.user_mem_max;
+    uint64_t was = atomic_fetch_add(&ctx->user_mem, len);
+    if (was + len > max || was + len < was) {
+        atomic_fetch_sub(&ctx->user_mem, len);
+        errno = ENOBUFS;
+        return NULL;
+    }
+    /* landing memory: the only memory a peer may write (an exposed
+     * destination), registered once per chunk as the pool grows */
+    void *p = bex_sock_alloc_exposable(ctx, len);
+    if (!p)
+        atomic_fetch_sub(&ctx->user_mem, len);
+    return p;
+}
+
+void bex__ctx_user_free(bex_ctx *ctx, void *p, size_t len)
+{
+    if (!p)
+        return;
+    bex_mem_free(p);
+    atomic_fetch_sub(&ctx->user_mem, len);
+}
+
+uint64_t bex__ctx_user_bytes(bex_ctx *ctx)
+{
+    return atomic_load(&ctx->user_mem);
 }

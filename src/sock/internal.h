@@ -144,6 +144,7 @@ struct bex_ctx {
     pthread_mutex_t homes_lock;
     struct bex__hmap homes; /* struct peer_home by home_key() */
     struct exp_slot exposed[EXPOSED_MAX];
+    _Atomic uint64_t user_mem; /* bytes of caller memory (bex__ctx_user_alloc) */
 };
 
 /* The context whose I/O thread this is (NULL on other threads), and which

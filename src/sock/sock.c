@@ -44,6 +44,7 @@ static int config_check(bex_ctx_config *c)
     DEF(rndv_max, 256);
     DEF(rndv_bytes_max, (uint64_t)256 << 20);
     DEF(recv_bytes_max, (uint64_t)1 << 30);
+    DEF(user_mem_max, (uint64_t)1 << 30);
     DEF(recv_share_min, (uint64_t)4 << 20);
     DEF(recv_min_rate, 1u << 20);
     DEF(recv_rate_ms, 5000);

@@ -34,6 +34,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "dump.h"
 #include "bex/dir.h"
 #include "bex/ps.h"
 #include "bex/rpc.h"
@@ -924,6 +925,8 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "snapshot") == 0)
         return bex_ps_tool_snapshot(argc - 1, argv + 1);
+    if (argc > 1 && !strcmp(argv[1], "dump")) /* bex-ps dump SNAPSHOT DIR (dump.c) */
+        return bex_ps_dump_main(argc - 1, argv + 1);
     static struct opts o;
     parse_opts(argc, argv, &o);
     /* the signals are taken by sigwait below: blocked before any thread */

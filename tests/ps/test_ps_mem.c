@@ -1,0 +1,299 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The PS client's calls on caller memory (bex_ps_fetch_into,
+ * bex_ps_push_from; issue 24 item 1, issue 28 item 3): rows fetched into an
+ * array of bex_ps_rows_alloc land at their keys' positions, a Push sent
+ * from one is applied as bex_ps_push's, keys on several shards take the
+ * copying way with the same result; bad input (memory bex did not
+ * register, an array too small, another context's array, one in use, the
+ * context's cap) is refused with nothing sent; a server answering with a
+ * wrong row count fails the call and nothing is written past the rows
+ * asked. Over TCP natively (tcp) and RDMA in the VM (rxe). */
+#include "ps_test.h"
+
+static bex_dir *dir_of(const struct srv_proc *sps, int n)
+{
+    char j[512], ip[NSH][INET_ADDRSTRLEN], err[256];
+    for (int i = 0; i < n; i++)
+        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip[i], sizeof ip[i]);
+    if (n == 1)
+        snprintf(j, sizeof j,
+                 "{\"services\":{\"ps\":{\"shards\":["
+                 "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"}]}]}}}",
+                 ip[0], ntohs(sps[0].addr.sin_port));
+    else
+        snprintf(j, sizeof j,
+                 "{\"services\":{\"ps\":{\"shards\":["
+                 "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"}]},"
+                 "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
+                 ip[0], ntohs(sps[0].addr.sin_port), ip[1], ntohs(sps[1].addr.sin_port));
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    int rc = bex_dir_load_json(d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    return d;
+}
+
+/* The keys of key_of(0..NK) on shard s, their indexes in idx. */
+static int keys_on(uint32_t s, uint64_t *keys, int *idx)
+{
+    int n = 0;
+    for (int i = 0; i < NK; i++)
+        if (bex_ps_key_shard(key_of(i), NSH) == s) {
+            idx[n] = i;
+            keys[n++] = key_of(i);
+        }
+    return n;
+}
+
+/* The answer's PS header lies right in front of rows: the server wrote the
+ * answer there whole (bex_rpc_call_into), nothing decoded into it. */
+static void answer_in_place(const float *rows, const bex_ps_table_config *t, uint32_t n)
+{
+    const uint8_t *h = (const uint8_t *)rows - BEX__PS_HDR_LEN;
+    CHECK_EQ(h[0], BEX__PS_VERSION);
+    CHECK_EQ(bex__ps_get32(h + 4), t->id);
+    CHECK_EQ(bex__ps_get32(h + 8), n);
+    CHECK_EQ(bex__ps_get32(h + 12), t->dim);
+}
+
+/* The Push went from the array: its request's PS header (with the Push's
+ * id) in the room in front of its keys. */
+static void push_in_place(const float *grads, const bex_ps_table_config *t, uint32_t n)
+{
+    const uint8_t *h = (const uint8_t *)grads - 8 * (size_t)n - BEX__PS_ID_LEN - BEX__PS_HDR_LEN;
+    CHECK_EQ(h[0], BEX__PS_VERSION);
+    CHECK_EQ(h[2], BEX__PS_F_ID);
+    CHECK_EQ(bex__ps_get32(h + 8), n);
+    CHECK_EQ(bex__ps_get32(h + 12), t->dim);
+}
+
+/* Fetch into an array and Push from one, on one shard (without a copy) and
+ * across both (the copying way): the rows are the reference's. */
+static int t_into(void)
+{
+    int rc = 0;
+    struct in_addr a0, a1;
+    if ((rc = pair_addrs(&a0, &a1)))
+        return rc;
+    struct srv_proc sp[NSH];
+    spawn(&sp[0], 0, NULL, MODE_NORMAL);
+    spawn(&sp[1], 1, NULL, MODE_NORMAL);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of(sp, NSH);
+    bex_ps_client *pc = client_of(ctx, d);
+    const bex_ps_table_config *t = &TABLES[0];
+    uint64_t all_keys[NK], k0[NK];
+    int all[NK], idx[NK];
+    keys_init(all_keys, all);
+    struct ref r;
+    ref_init(&r, t, all_keys);
+    int n = keys_on(0, k0, idx);
+    float *rows = bex_ps_rows_alloc(ctx, (uint32_t)n, t->dim);
+    CHECK(rows);
+    memset((uint8_t *)rows - BEX__PS_HDR_LEN, 0, BEX__PS_HDR_LEN);
+    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, k0, (size_t)n, rows));
+    ref_check(&r, idx, n, rows);
+    if (bex_ctx_pd(ctx)) /* RDMA: written there (TCP-only: the rows copied once) */
+        answer_in_place(rows, t, (uint32_t)n);
+    /* a Push from the array, its keys in the array's slots */
+    uint64_t *slots = bex_ps_rows_keys(rows);
+    CHECK(slots);
+    memcpy(slots, k0, sizeof(uint64_t) * (size_t)n);
+    grads_of(rows, n, t->dim, 3);
+    ref_push(&r, idx, n, rows);
+    bex_ps_replica_result res[2];
+    size_t n_res = 0;
+    CHECK_OK(bex_ps_push_from_sync(pc, t->id, t->dim, slots, (size_t)n, rows, res, 2, &n_res));
+    CHECK_EQ(n_res, 1);
+    CHECK_EQ(res[0].status, 0);
+    CHECK_EQ(res[0].shard, 0);
+    CHECK_EQ(bex_ps_rows_busy(rows), 0);
+    push_in_place(rows, t, (uint32_t)n);
+    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, k0, (size_t)n, rows));
+    ref_check(&r, idx, n, rows);
+    /* every key, both shards: the copying way, the same rows */
+    float *big = bex_ps_rows_alloc(ctx, NK, t->dim);
+    CHECK(big);
+    grads_of(big, NK, t->dim, 5);
+    ref_push(&r, all, NK, big);
+    CHECK_OK(bex_ps_push_from_sync(pc, t->id, t->dim, all_keys, NK, big, NULL, 0, NULL));
+    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, all_keys, NK, big));
+    ref_check(&r, all, NK, big);
+    transport_check(ctx);
+    CHECK_OK(bex_ps_rows_free(rows));
+    CHECK_OK(bex_ps_rows_free(big));
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    for (int s = 0; s < NSH; s++)
+        rc |= stop(&sp[s]);
+    return rc ? 1 : 0;
+}
+
+static void never(int status, void *user)
+{
+    (void)status;
+    (void)user;
+    CHECK(0);
+}
+
+/* Bad input: refused, nothing sent (done never runs). */
+static int t_bad(void)
+{
+    int rc = 0;
+    struct in_addr a0, a1;
+    if ((rc = pair_addrs(&a0, &a1)))
+        return rc;
+    struct srv_proc sp[NSH];
+    spawn(&sp[0], 0, NULL, MODE_NORMAL);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of(sp, 1);
+    bex_ps_client *pc = client_of(ctx, d);
+    uint64_t keys[NK];
+    int idx[NK];
+    CHECK(keys_on(0, keys, idx) >= 4); /* the server is shard 0 of NSH */
+    float plain[4 * 8];
+    /* memory bex did not register */
+    CHECK_EQ(bex_ps_fetch_into(pc, 1, 8, keys, 4, plain, never, NULL), -EINVAL);
+    CHECK_EQ(bex_ps_push_from(pc, 1, 8, keys, 4, plain, NULL, 0, NULL, never, NULL), -EINVAL);
+    CHECK_EQ(bex_ps_rows_free(plain), -EINVAL);
+    CHECK(!bex_ps_rows_keys(plain));
+    /* an array too small: 3 rows for 4 keys, or 4 rows of dim 4 for dim 8 */
+    float *small = bex_ps_rows_alloc(ctx, 3, 8), *narrow = bex_ps_rows_alloc(ctx, 4, 4);
+    CHECK(small && narrow);
+    CHECK_EQ(bex_ps_fetch_into(pc, 1, 8, keys, 4, small, never, NULL), -ENOBUFS);
+    CHECK_EQ(bex_ps_push_from(pc, 1, 8, keys, 4, small, NULL, 0, NULL, never, NULL), -ENOBUFS);
+    CHECK_EQ(bex_ps_fetch_into(pc, 1, 8, keys, 4, narrow, never, NULL), -ENOBUFS);
+    /* fewer keys than rows: fine (a Fetch lands in the first rows) */
+    CHECK_OK(bex_ps_fetch_into_sync(pc, 1, 8, keys, 2, small));
+    /* another context's array */
+    bex_ctx *other = client_ctx();
+    float *theirs = bex_ps_rows_alloc(other, 4, 8);
+    CHECK(theirs);
+    CHECK_EQ(bex_ps_fetch_into(pc, 1, 8, keys, 4, theirs, never, NULL), -EINVAL);
+    CHECK_OK(bex_ps_rows_free(theirs));
+    CHECK_OK(bex_ctx_destroy(other));
+    /* bad arguments */
+    CHECK(!bex_ps_rows_alloc(ctx, 0, 8) && errno == EINVAL);
+    CHECK(!bex_ps_rows_alloc(ctx, 4, BEX_PS_DIM_MAX + 1) && errno == EINVAL);
+    CHECK_EQ(bex_ps_fetch_into(pc, 1, 0, keys, 4, small, never, NULL), -EINVAL);
+    CHECK_EQ(bex_ps_fetch_into(pc, 1, 8, NULL, 2, small, never, NULL), -EINVAL);
+    CHECK_OK(bex_ps_rows_free(small));
+    CHECK_OK(bex_ps_rows_free(narrow));
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return stop(&sp[0]) ? 1 : rc;
+}
+
+/* The context's cap on caller memory: past it -ENOBUFS; freed memory
+ * counts no more. */
+static int t_cap(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    bex_ctx_config base = {.user_mem_max = 1u << 20};
+    bex_ctx_config c = scaled(&base, a1);
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    float *a = bex_ps_rows_alloc(ctx, 1024, 128); /* 512 KiB + keys */
+    CHECK(a);
+    errno = 0;
+    CHECK(!bex_ps_rows_alloc(ctx, 1024, 128));
+    CHECK_EQ(errno, ENOBUFS);
+    CHECK_OK(bex_ps_rows_free(a));
+    float *b = bex_ps_rows_alloc(ctx, 1024, 128);
+    CHECK(b);
+    CHECK_OK(bex_ps_rows_free(b));
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return 0;
+}
+
+/* ---- a server answering Fetch with a wrong row count ---- */
+
+static struct {
+    bex_ctx *ctx;
+    int delta; /* rows answered beyond those asked (negative: fewer) */
+} rogue;
+
+static void rogue_fetch(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    struct bex__ps_hdr h;
+    CHECK_OK(bex__ps_decode(BEX_PS_M_FETCH, body, len, &h));
+    bex_rpc_free(body);
+    uint32_t n = (uint32_t)((int)h.n + rogue.delta);
+    size_t out_len = BEX__PS_HDR_LEN + 4 * (size_t)n * h.dim;
+    uint8_t *out = bex_rpc_alloc(rogue.ctx, out_len);
+    CHECK(out);
+    bex__ps_hdr_put(out, &(struct bex__ps_hdr){.table = h.table, .n = n, .dim = h.dim});
+    for (size_t i = 0; i < (size_t)n * h.dim; i++)
+        bex__ps_putf(out + BEX__PS_HDR_LEN + 4 * i, 7.0f);
+    bex_rpc_reply(req, 0, out, out_len);
+}
+
+static void rogue_child(int wfd, int rfd, void *arg)
+{
+    rogue.delta = *(int *)arg;
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c = scaled(&base, a0);
+    bex_rpc_server *srv;
+    CHECK_OK(bex_ctx_create(&c, &rogue.ctx));
+    CHECK_OK(bex_rpc_server_create(rogue.ctx, NULL, &srv));
+    CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_FETCH, 0, rogue_fetch, NULL));
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0}, got;
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_server_addr(srv, &got);
+    CHECK(write(wfd, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    char q;
+    ssize_t r = read(rfd, &q, 1);
+    (void)r;
+    CHECK_OK(bex_rpc_server_destroy(srv));
+    CHECK_OK(bex_ctx_destroy(rogue.ctx));
+    exit(0);
+}
+
+/* More rows than asked, or fewer: the call fails, the array's rows past
+ * those asked keep their values. */
+static int t_wrong_rows(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    const int deltas[] = {1, 8, -1};
+    for (size_t k = 0; k < sizeof deltas / sizeof deltas[0]; k++) {
+        struct srv_proc sp;
+        int delta = deltas[k];
+        srv_spawn(&sp, rogue_child, &delta);
+        bex_ctx *ctx = client_ctx();
+        bex_dir *d = dir_of(&sp, 1);
+        bex_ps_client *pc = client_of(ctx, d);
+        float *rows = bex_ps_rows_alloc(ctx, 16, 8);
+        CHECK(rows);
+        for (int i = 0; i < 16 * 8; i++)
+            rows[i] = -1.0f;
+        uint64_t keys[4] = {11, 12, 13, 14};
+        int st = bex_ps_fetch_into_sync(pc, 1, 8, keys, 4, rows);
+        if (!(st == -EBADMSG || st == -EMSGSIZE)) {
+            fprintf(stderr, "delta %d: status %d\n", delta, st);
+            CHECK(0);
+        }
+        for (int i = 4 * 8; i < 16 * 8; i++)
+            CHECK(rows[i] == -1.0f); /* nothing past the rows asked */
+        CHECK_OK(bex_ps_rows_free(rows));
+        bex_ps_client_destroy(pc);
+        bex_dir_destroy(d);
+        CHECK_OK(bex_ctx_destroy(ctx));
+        rc |= stop(&sp);
+    }
+    return rc ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"into", t_into}, {"bad", t_bad}, {"cap", t_cap}, {"wrong_rows", t_wrong_rows})
