@@ -88,6 +88,23 @@ static void bk_name(const bex_ps_shard *s, uint32_t b, char *name, size_t cap)
     snprintf(name, cap, "%s:%u", ip, ntohs(s->rp.bk[b].addr.sin_port));
 }
 
+/* A new term: the set's members copy from this primary first; client
+ * Pushes wait (-EAGAIN) until each answers a probe in step, at most
+ * forward_timeout_ms (one that is not then is removed on its first
+ * forward, and rejoins later). */
+static void await_set(struct bex_ps_failover *f, const bool *out, size_t nb)
+{
+    bex_ps_shard *s = f->s;
+    bex__ps_repl_pause(s, 0);
+    uint64_t end = bex__rpc_now_ns() + (uint64_t)s->rp.fwd_timeout_ms * 1000000ull;
+    for (uint32_t b = 0; b < nb; b++)
+        while (!out[b] && bex__ps_repl_probe(s, b) && bex__rpc_now_ns() < end) {
+            struct timespec ts = {0, 10000000};
+            nanosleep(&ts, NULL);
+        }
+    bex__ps_repl_resume(s);
+}
+
 /* Won epoch: the set (written at the first term), then lead its other
  * members. */
 static void lead(struct bex_ps_failover *f, uint64_t epoch, const char *set, bool set_absent)
@@ -106,6 +123,8 @@ static void lead(struct bex_ps_failover *f, uint64_t epoch, const char *set, boo
         }
     int rc = bex__ps_repl_lead(f->s, epoch, f->el, bk, out, nb);
     f->fit = rc == 0;
+    if (rc == 0)
+        await_set(f, out, nb);
     bex__log(&f->s->log, rc ? BEX_LOG_ERROR : BEX_LOG_INFO,
              "ps shard %u: primary for epoch %llu, %zu other replicas, set %s%s%s", f->s->shard,
              (unsigned long long)epoch, nb, text, rc ? ": " : "", rc ? bex_strerror(rc) : "");

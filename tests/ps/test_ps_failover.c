@@ -76,11 +76,16 @@ static void rm_rf(const char *path)
     rmdir(path);
 }
 
-static pid_t main_pid;
+static pid_t main_pid, ps_pid[NREP];
 static void cleanup(void)
 {
     if (getpid() != main_pid)
         return;
+    /* bex-ps children too, a stopped one included (SIGTERM would wait for
+     * its SIGCONT and keep the test's output open) */
+    for (int r = 0; r < NREP; r++)
+        if (ps_pid[r] > 0 && kill(ps_pid[r], SIGKILL) == 0)
+            waitpid(ps_pid[r], NULL, 0);
     if (etcd_pid > 0) {
         kill(etcd_pid, SIGKILL);
         waitpid(etcd_pid, NULL, 0);
@@ -626,7 +631,6 @@ static int t_any_order(void)
 
 #define PROC_TTL "2000"
 
-static pid_t ps_pid[NREP];
 static char ps_args[NREP][2][64]; /* [1]: its --listen */
 
 static void proc_start(int r, const char *reps)
@@ -776,9 +780,20 @@ static int t_proc(void)
     /* kill -9 the primary: a backup takes over, every Push acknowledged */
     CHECK(kill(ps_pid[p1], SIGKILL) == 0);
     waitpid(ps_pid[p1], NULL, 0);
+    ps_pid[p1] = 0;
     proc_pushes(c, 30, acked, &seq);
     int p2 = proc_wait_primary(&p, p1);
     CHECK(p2 >= 0);
+    /* the third replica back in p2's set, so that it may take over */
+    int p3w = 3 - p1 - p2;
+    char set[256] = "";
+    for (uint64_t end = bex_test_now_ms() + 15000 * time_scale(); !strstr(set, ps_args[p3w][1]);
+         bex_test_sleep_ms(50)) {
+        uint64_t cr, mr;
+        CHECK(bex_test_now_ms() < end);
+        proc_pushes(c, 1, acked, &seq); /* rejoins happen while Pushes come */
+        CHECK_OK(bex__elect_get(url, "/bex/ps/ps/0/set", &cr, &mr, set, sizeof set));
+    }
     /* SIGSTOP the new primary past its lease, then SIGCONT */
     CHECK(kill(ps_pid[p2], SIGSTOP) == 0);
     proc_pushes(c, 20, acked, &seq);
@@ -792,8 +807,10 @@ static int t_proc(void)
     bex_ps_client_destroy(c);
     bex_dir_destroy(d);
     CHECK_OK(bex_ctx_destroy(cctx));
-    for (int r = 0; r < NREP; r++)
+    for (int r = 0; r < NREP; r++) {
         term_bex_ps(ps_pid[r]);
+        ps_pid[r] = 0;
+    }
     return 0;
 }
 
