@@ -38,6 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bex/addr.h"
 #include "bex/common.h"
 
 #ifdef __cplusplus
@@ -105,7 +106,7 @@ uint64_t bex_dir_generation(bex_dir *d);
 
 /* One replica. */
 typedef struct bex_dir_replica {
-    struct sockaddr_in addr;
+    bex_addr addr;
     char locality[BEX_DIR_LOCALITY_MAX + 1];
     uint32_t transport; /* BEX_TRANSPORT_* (0: the client context's) */
 } bex_dir_replica;
@@ -121,7 +122,7 @@ size_t bex_dir_replicas(bex_dir *d, const char *service, uint32_t shard, bex_dir
  * node until bex_dir_report (with done set). Returns 0, or -ENOENT (no
  * replica). */
 int bex_dir_pick(bex_dir *d, const char *service, uint32_t shard, const char *locality,
-                 const struct sockaddr_in *avoid, bex_dir_replica *out);
+                 const bex_addr *avoid, bex_dir_replica *out);
 
 /* Outcomes of calls, for quarantine. */
 enum {
@@ -132,7 +133,7 @@ enum {
 };
 /* Report an outcome for addr. done: the call bex_dir_pick counted as
  * outstanding is over. Unknown addresses are ignored. */
-void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int done);
+void bex_dir_report(bex_dir *d, const bex_addr *addr, int outcome, int done);
 
 enum { BEX_DIR_HEALTHY = 0, BEX_DIR_QUARANTINED = 1, BEX_DIR_PROBING = 2 };
 
@@ -154,10 +155,10 @@ typedef struct bex_dir_node_stats {
 } bex_dir_node_stats;
 
 /* The counters of the node at addr. Returns 0, or -ENOENT (never seen). */
-int bex_dir_node_stats_get(bex_dir *d, const struct sockaddr_in *addr, bex_dir_node_stats *out);
+int bex_dir_node_stats_get(bex_dir *d, const bex_addr *addr, bex_dir_node_stats *out);
 
 /* Every node's counters in Prometheus text exposition format (metric
- * names bex_dir_node_*, label node="a.b.c.d:port"; state and outstanding
+ * names bex_dir_node_*, label node="a.b.c.d:port" or "[v6]:port"; state and outstanding
  * as gauges), NUL-terminated, into buf (cap bytes). Returns the length it
  * needed (without the NUL), like snprintf: output is cut when that is
  * >= cap. */

@@ -20,6 +20,17 @@ void bex__rdma_gid_from_ipv4(struct in_addr ip, union ibv_gid *out)
     memcpy(&out->raw[12], &ip.s_addr, 4); /* s_addr is already network order */
 }
 
+int bex__rdma_gid_from_addr(const bex_addr *a, union ibv_gid *out)
+{
+    if (a->sa.sa_family == AF_INET)
+        bex__rdma_gid_from_ipv4(a->in4.sin_addr, out);
+    else if (a->sa.sa_family == AF_INET6)
+        memcpy(out->raw, &a->in6.sin6_addr, 16); /* RoCE v2 over IPv6: the address itself */
+    else
+        return -EAFNOSUPPORT;
+    return 0;
+}
+
 /* The kernel names GID types "IB/RoCE v1" and "RoCE v2" in sysfs; used only
  * when the extended query is missing (kernels before 5.9). */
 static int sysfs_gid_is_v2(const char *dev, uint8_t port, int index)
@@ -138,8 +149,15 @@ out_close:
 
 int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out)
 {
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = ip}};
+    return bex__rdma_find_addr(&a, out);
+}
+
+int bex__rdma_find_addr(const bex_addr *addr, struct bex__rdma_path *out)
+{
     union ibv_gid want;
-    bex__rdma_gid_from_ipv4(ip, &want);
+    if (bex__rdma_gid_from_addr(addr, &want))
+        return -EAFNOSUPPORT;
 
     int num = 0;
     struct ibv_device **list = ibv_get_device_list(&num);
@@ -271,8 +289,15 @@ out_unlock:
 int bex__rdma_dev_open_ipv4(struct in_addr ip, struct bex__rdma_dev **dev,
                             struct bex__rdma_path *path)
 {
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = ip}};
+    return bex__rdma_dev_open_addr(&a, dev, path);
+}
+
+int bex__rdma_dev_open_addr(const bex_addr *addr, struct bex__rdma_dev **dev,
+                            struct bex__rdma_path *path)
+{
     struct bex__rdma_path p;
-    int rc = bex__rdma_find_ipv4(ip, &p);
+    int rc = bex__rdma_find_addr(addr, &p);
     if (rc < 0)
         return rc;
     struct bex__rdma_dev *d;

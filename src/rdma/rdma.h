@@ -27,6 +27,7 @@
 
 #include <infiniband/verbs.h>
 
+#include "bex/addr.h"
 #include "bex/common.h"
 #include "common/fault.h"
 #include "common/list.h"
@@ -127,6 +128,9 @@ struct bex__rdma_path {
  * Any thread. Opens and closes devices itself: costs a few system calls per
  * device, meant for connection setup, not the data path. */
 int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out);
+/* The same for an IPv4 or IPv6 address (RoCE v2 over IPv6: the GID equal
+ * to the address); -EAFNOSUPPORT for another family. */
+int bex__rdma_find_addr(const bex_addr *addr, struct bex__rdma_path *out);
 
 /* Why no device serves ip, for a log line: "no usable RDMA device for
  * IP (err's text)" and what each port of each device has instead (no GID
@@ -134,9 +138,13 @@ int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out);
  * device; NUL-terminated, cut to cap. Opens every device: not for a hot
  * path. */
 void bex__rdma_why_none(struct in_addr ip, int err, char *buf, size_t cap);
+void bex__rdma_why_none_addr(const bex_addr *addr, int err, char *buf, size_t cap);
 
 /* The IPv4-mapped GID ::ffff:a.b.c.d of ip. */
 void bex__rdma_gid_from_ipv4(struct in_addr ip, union ibv_gid *out);
+/* The RoCE v2 GID of an address: IPv4-mapped, or the IPv6 address itself.
+ * 0, or -EAFNOSUPPORT. */
+int bex__rdma_gid_from_addr(const bex_addr *a, union ibv_gid *out);
 
 /* ---- device handle --------------------------------------------------- */
 
@@ -179,6 +187,8 @@ int bex__rdma_dev_open(const char *name, struct bex__rdma_dev **out);
  * connection setup makes with the local address of its TCP socket. On
  * success the caller owns one reference to *dev and *path is complete. */
 int bex__rdma_dev_open_ipv4(struct in_addr ip, struct bex__rdma_dev **dev,
+                            struct bex__rdma_path *path);
+int bex__rdma_dev_open_addr(const bex_addr *addr, struct bex__rdma_dev **dev,
                             struct bex__rdma_path *path);
 
 /* Drop a reference. The last one deallocates the PD and closes the context;

@@ -241,7 +241,7 @@ static bool parse_key(const struct bex__etcd_watch *w, const char *key, struct b
     if (end == a + 1 || *end != '/' || sh > UINT32_MAX)
         return false;
     m->shard = (uint32_t)sh;
-    return bex__dir_parse_addr(end + 1, &m->r.addr) == 0;
+    return bex__dir_parse_addr(end + 1, &m->r.addr, NULL, 0) == 0;
 }
 
 static void ent_del(struct bex__etcd_watch *w, const char *key)
@@ -265,9 +265,9 @@ static int ent_put(struct bex__etcd_watch *w, const char *key, const char *val, 
                  key, w->prefix);
         return 0;
     }
-    struct sockaddr_in ka = m.r.addr;
+    bex_addr ka = m.r.addr;
     if (bex__dir_parse_replica_json(val, vlen, &m.r, err, sizeof err) ||
-        m.r.addr.sin_addr.s_addr != ka.sin_addr.s_addr || m.r.addr.sin_port != ka.sin_port) {
+        !bex_addr_equal(&m.r.addr, &ka)) {
         bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: etcd key %s: bad value (%s): ignored", key,
                  err[0] ? err : "its addr is not the key's");
         ent_del(w, key);
@@ -675,8 +675,8 @@ int bex_dir_register_etcd(const char *url, const char *prefix, const char *servi
                           bex_dir_registration **out)
 {
     if (!url || !service || !self || !out || !*service || strchr(service, '/') ||
-        strlen(service) > BEX_DIR_NAME_MAX || self->addr.sin_family != AF_INET ||
-        !self->addr.sin_port || !bex__dir_locality_ok(self->locality) ||
+        strlen(service) > BEX_DIR_NAME_MAX || !bex_addr_valid(&self->addr) ||
+        !bex_addr_port(&self->addr) || !bex__dir_locality_ok(self->locality) ||
         self->transport > BEX_TRANSPORT_TCP || (prefix && !*prefix)) {
         set_err(err, errlen, "bad argument");
         return -EINVAL;
@@ -692,9 +692,8 @@ int bex_dir_register_etcd(const char *url, const char *prefix, const char *servi
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&r->cv, &ca);
     pthread_condattr_destroy(&ca);
-    char ip[INET_ADDRSTRLEN], addr[32], key[256];
-    inet_ntop(AF_INET, &self->addr.sin_addr, ip, sizeof ip);
-    snprintf(addr, sizeof addr, "%s:%u", ip, ntohs(self->addr.sin_port));
+    char addr[BEX_ADDR_STRLEN], key[256];
+    bex_addr_format(&self->addr, true, addr, sizeof addr);
     snprintf(key, sizeof key, "%sservices/%s/%u/%s", prefix ? prefix : "/bex/", service, shard,
              addr);
     static const char *const tnames[] = {"auto", "rdma", "tcp"};

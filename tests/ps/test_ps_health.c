@@ -102,8 +102,9 @@ static int mute_listener(uint16_t port)
     CHECK(fd >= 0);
     int one = 1;
     CHECK(setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) == 0);
-    struct sockaddr_in a = {
-        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    bex_addr a = {.in4 = {.sin_family = AF_INET,
+                          .sin_port = htons(port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)}};
     CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
     CHECK(listen(fd, 16) == 0);
     return fd;
