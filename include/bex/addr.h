@@ -21,9 +21,9 @@ extern "C" {
 #pragma GCC visibility push(default)
 
 typedef union bex_addr {
-    struct sockaddr sa;       /* sa.sa_family: AF_INET, AF_INET6 or AF_UNSPEC */
-    struct sockaddr_in in4;   /* AF_INET */
-    struct sockaddr_in6 in6;  /* AF_INET6 */
+    struct sockaddr sa;      /* sa.sa_family: AF_INET, AF_INET6 or AF_UNSPEC */
+    struct sockaddr_in in4;  /* AF_INET */
+    struct sockaddr_in6 in6; /* AF_INET6 */
 } bex_addr;
 
 /* The longest text bex_addr_format writes: "[" IPv6 "%" scope "]:" port. */

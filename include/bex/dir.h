@@ -186,6 +186,37 @@ int bex_dir_deregister(bex_dir_registration *r);
  * expires); frees r. For tests. */
 void bex_dir_registration_abandon(bex_dir_registration *r);
 
+/* ---- etcd's connection: TLS and authentication ---- */
+
+/* How every etcd request of the process connects (watches, registrations,
+ * leases): an https:// URL is checked against ca_file and presents
+ * cert_file/key_file when etcd asks for a client certificate
+ * (--client-cert-auth); with etcd's authentication on, requests carry a
+ * token, taken from user/password (POST /v3/auth/authenticate, again when
+ * etcd answers that the token is invalid or expired) or given as token.
+ * Paths are read by libcurl at each request. NULL fields: none. */
+/* clang-format off */
+#define BEX_ETCD_CONFIG_INIT {.size = sizeof(bex_etcd_config)}
+/* clang-format on */
+typedef struct bex_etcd_config {
+    size_t size;           /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
+    const char *ca_file;   /* PEM CA bundle for etcd's server certificate (NULL: the system's) */
+    const char *cert_file; /* PEM client certificate (NULL: none) */
+    const char *key_file;  /* its private key (PEM; required with cert_file) */
+    const char *user;      /* etcd user name (NULL: no authentication) */
+    const char *password;  /* its password (required with user) */
+    const char *token;     /* a token to send as it is (instead of user/password) */
+} bex_etcd_config;
+
+/* Set the process's etcd connection settings (copied; cfg NULL: none).
+ * Requests already under way keep what they had. Until this is called the
+ * environment gives them, read at the first etcd request: BEX_ETCD_CACERT,
+ * BEX_ETCD_CERT, BEX_ETCD_KEY, BEX_ETCD_USER ("name:password"),
+ * BEX_ETCD_TOKEN. Returns 0, -EINVAL (a bad size, a certificate without
+ * its key or the reverse, a user without a password, both user and
+ * token), -ENOMEM. Any thread. */
+int bex_etcd_configure(const bex_etcd_config *cfg);
+
 #pragma GCC visibility pop
 
 #ifdef __cplusplus

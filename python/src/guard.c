@@ -73,7 +73,8 @@ int bexmod_parse_addr(const char *s, bex_addr *out)
 {
     char why[200];
     if (bex_addr_resolve(s, 0, out, why, sizeof why) || !strchr(s, ':')) {
-        PyErr_Format(PyExc_ValueError, "address must be 'host:port' ('[v6]:port'), not '%s'", s);
+        PyErr_Format(PyExc_ValueError,
+                     "address must be 'ip:port', '[v6]:port' or 'host:port', not '%s'", s);
         return -1;
     }
     return 0;

@@ -218,8 +218,7 @@ int bex_addr_resolve(const char *text, uint16_t default_port, bex_addr *out, cha
         if ((ai->ai_family == AF_INET && ai->ai_addrlen >= sizeof out->in4) ||
             (ai->ai_family == AF_INET6 && ai->ai_addrlen >= sizeof out->in6)) {
             *out = (bex_addr){0};
-            memcpy(out, ai->ai_addr,
-                   ai->ai_family == AF_INET ? sizeof out->in4 : sizeof out->in6);
+            memcpy(out, ai->ai_addr, ai->ai_family == AF_INET ? sizeof out->in4 : sizeof out->in6);
             bex_addr_set_port(out, port);
             rc = 0;
         }

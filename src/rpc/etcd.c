@@ -21,6 +21,7 @@
 
 #include "common/log.h"
 #include "rpc/dir_internal.h"
+#include "rpc/etcd_tls.h"
 #include "rpc/internal.h"
 
 #define OP_TIMEOUT_MS 3000 /* one unary call to etcd */
@@ -144,11 +145,33 @@ static CURL *easy_for(const char *url, const char *path, const char *body, struc
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, (long)OP_TIMEOUT_MS);
     *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    bex__etcd_http_setup(e, url, hdrs); /* TLS and the auth token */
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, *hdrs);
     return e;
 }
 
-/* POST body (JSON) to url + path; *out gets the answer's JSON. */
+/* One POST of text to url + path: the answer's status and body into
+ * *code and b. */
+static CURLcode post_once(const char *url, const char *path, const char *text, struct buf *b,
+                          long *code)
+{
+    struct curl_slist *hdrs = NULL;
+    CURL *e = easy_for(url, path, text, b, &hdrs);
+    if (!e) {
+        curl_slist_free_all(hdrs);
+        return CURLE_OUT_OF_MEMORY;
+    }
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long)OP_TIMEOUT_MS);
+    CURLcode c = curl_easy_perform(e);
+    *code = 0;
+    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, code);
+    curl_easy_cleanup(e);
+    curl_slist_free_all(hdrs);
+    return c;
+}
+
+/* POST body (JSON) to url + path; *out gets the answer's JSON. A token
+ * etcd refused (expired) is fetched again, once. */
 static int call(const char *url, const char *path, json_t *body, json_t **out, char *err,
                 size_t errlen)
 {
@@ -156,19 +179,14 @@ static int call(const char *url, const char *path, json_t *body, json_t **out, c
     if (!text)
         return -ENOMEM;
     struct buf b = {0};
-    struct curl_slist *hdrs = NULL;
-    CURL *e = easy_for(url, path, text, &b, &hdrs);
-    free(text);
-    if (!e) {
-        curl_slist_free_all(hdrs);
-        return -ENOMEM;
+    long code;
+    CURLcode c = post_once(url, path, text, &b, &code);
+    if (c == CURLE_OK && code != 200 && bex__etcd_token_refused(code, b.p)) {
+        free(b.p);
+        b = (struct buf){0};
+        c = post_once(url, path, text, &b, &code);
     }
-    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long)OP_TIMEOUT_MS);
-    CURLcode c = curl_easy_perform(e);
-    long code = 0;
-    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &code);
-    curl_easy_cleanup(e);
-    curl_slist_free_all(hdrs);
+    free(text);
     int rc = 0;
     if (c != CURLE_OK) {
         set_err(err, errlen, "etcd %s%s: %s", url, path, curl_easy_strerror(c));

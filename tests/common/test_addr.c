@@ -40,8 +40,8 @@ static int parse(void)
     CHECK(bex_addr_is_any(&a));
     CHECK_OK(bex_addr_parse("127.0.0.1", 80, &a));
     CHECK_EQ(bex_addr_port(&a), 80);
-    const char *bad[] = {"", ":80", "1.2.3.4:", "1.2.3.4:65536", "1.2.3.4:8x", "[::1",
-                         "[::1]x", "[::1]:", "1.2.3:80", "localhost:80", "[]:1"};
+    const char *bad[] = {"",       ":80",    "1.2.3.4:", "1.2.3.4:65536", "1.2.3.4:8x", "[::1",
+                         "[::1]x", "[::1]:", "1.2.3:80", "localhost:80",  "[]:1"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         if (bex_addr_parse(bad[i], 0, &a) != -EINVAL) {
             fprintf(stderr, "'%s' was taken\n", bad[i]);

@@ -75,8 +75,7 @@ static int round_trip(bex_ctx *sctx, bex_ctx *cctx, const char *listen_at, const
     CHECK(bex_addr_port(&got) != 0);
     CHECK_OK(bex_addr_parse(connect_to, bex_addr_port(&got), &to));
     struct v6cli c = {.base = {.w = &v.w}};
-    bex_sock_ops ops = {
-        .on_connect = v6_connect, .on_recv = v6_recv, .on_close = local_cli_closed};
+    bex_sock_ops ops = {.on_connect = v6_connect, .on_recv = v6_recv, .on_close = local_cli_closed};
     bex_sock *s;
     CHECK_OK(bex_sock_connect(cctx, &to, &ops, &c, &s));
     CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 10000));
