@@ -27,7 +27,7 @@ static struct {
 
 static void settings_free(void)
 {
-    char **f[] = {&st.ca,    &st.cert,  &st.key,      &st.user,
+    char **f[] = {&st.ca,       &st.cert,  &st.key,      &st.user,
                   &st.password, &st.token, &st.auth_url, &st.auth_token};
     for (size_t i = 0; i < sizeof f / sizeof *f; i++) {
         free(*f[i]);
@@ -134,7 +134,8 @@ static char *authenticate(const char *url)
     json_t *req = json_pack("{ssss}", "name", st.user, "password", st.password), *resp = NULL;
     char *body = req ? json_dumps(req, JSON_COMPACT) : NULL, full[1024], *tok = NULL;
     json_decref(req);
-    if (e && body && snprintf(full, sizeof full, "%s/v3/auth/authenticate", url) < (int)sizeof full) {
+    if (e && body &&
+        snprintf(full, sizeof full, "%s/v3/auth/authenticate", url) < (int)sizeof full) {
         struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
         curl_easy_setopt(e, CURLOPT_URL, full);
         curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);

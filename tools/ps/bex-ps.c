@@ -129,8 +129,33 @@ static char *metrics_text(const struct metrics *m)
     return NULL;
 }
 
+/* /ready's text: "ready" or "not ready: why", then with replication each
+ * shard's role now ("shard3: primary", "backup", "backup, catching up"):
+ * malloc'd. */
+static char *ready_text(const struct metrics *m, const char *why)
+{
+    size_t cap = 64 + m->n * 48, n;
+    char *text = malloc(cap);
+    if (!text)
+        return NULL;
+    n = (size_t)snprintf(text, cap, why ? "not ready: %s\n" : "ready\n", why);
+    for (size_t i = 0; i < m->n && n < cap; i++) {
+        bex_ps_shard_stats st;
+        bex_ps_shard_stats_get(m->ps[i], &st);
+        if (st.role == BEX_PS_ROLE_ANY)
+            continue;
+        bool catching = why && !strcmp(why, "catching up");
+        n += (size_t)snprintf(text + n, cap - n, "%s: %s%s\n", m->names[i],
+                              st.role == BEX_PS_ROLE_PRIMARY ? "primary" : "backup",
+                              catching ? ", catching up" : "");
+    }
+    return text;
+}
+
 static enum MHD_Result http_answer(struct MHD_Connection *c, unsigned code, char *text)
 {
+    if (!text)
+        return MHD_NO;
     struct MHD_Response *r =
         MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
     if (!r) {
@@ -161,11 +186,7 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *c, const char *
         return http_answer(c, MHD_HTTP_OK, strdup("ok\n"));
     if (strcmp(url, "/ready") == 0) {
         const char *why = atomic_load(&m->not_ready);
-        if (!why)
-            return http_answer(c, MHD_HTTP_OK, strdup("ready\n"));
-        char text[64];
-        snprintf(text, sizeof text, "not ready: %s\n", why);
-        return http_answer(c, MHD_HTTP_SERVICE_UNAVAILABLE, strdup(text));
+        return http_answer(c, why ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_OK, ready_text(m, why));
     }
     if (strcmp(url, "/metrics") != 0)
         return http_answer(c, MHD_HTTP_NOT_FOUND, strdup("only /metrics, /healthz, /ready\n"));
@@ -489,7 +510,7 @@ static int cluster_addrs(const struct opts *o, bex_dir *dir, struct node *nd)
             return 1;
         }
         nd->self[i] = reps[o->replica];
-        if (nd->self[i].addr.in4.sin_addr.s_addr != nd->self[0].addr.in4.sin_addr.s_addr) {
+        if (!bex_addr_same_host(&nd->self[i].addr, &nd->self[0].addr)) {
             fprintf(stderr, "bex-ps: the shards served must share an IP address\n");
             return 1;
         }
