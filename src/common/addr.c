@@ -205,6 +205,8 @@ int bex_addr_resolve(const char *text, uint16_t default_port, bex_addr *out, cha
         return addr_err(err, errlen, -EINVAL, "bad address", text ? text : "(null)", "");
     if (addr_numeric(host, port, out))
         return 0;
+    if (strspn(host, "0123456789.") == strlen(host)) /* getaddrinfo takes "1.2.3" as 1.2.0.3 */
+        return addr_err(err, errlen, -EINVAL, "bad address", text, ": not a.b.c.d");
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
     int g = getaddrinfo(host, NULL, &hints, &res);
     char why[128];

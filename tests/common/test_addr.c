@@ -114,6 +114,7 @@ static int resolve_hosts(void)
     fprintf(stderr, "%s\n", err);
     CHECK(strstr(err, "bex-none.invalid"));
     CHECK_EQ(bex_addr_resolve("bex-v4.test:99999", 0, &a, err, sizeof err), -EINVAL);
+    CHECK_EQ(bex_addr_resolve("1.2.3:80", 0, &a, err, sizeof err), -EINVAL); /* not 1.2.0.3 */
     return 0;
 }
 

@@ -555,7 +555,7 @@ static void free_ports(const char *addr, int n, int *ports)
             bind(fd, (struct sockaddr *)&a, sizeof a) ||
             getsockname(fd, (struct sockaddr *)&a, &len))
             die("a free port on %s: %s", addr, strerror(errno));
-        ports[i] = ntohs(a.in4.sin_port); /* fd stays open: the reservation */
+        ports[i] = bex_addr_port(&a); /* fd stays open: the reservation */
     }
 }
 
@@ -970,11 +970,10 @@ static char *etcd_cluster(int pi, int S, int R, double wait_s)
             json_t *by_r[4] = {0};
             for (size_t i = 0; i < n && i < 16; i++) {
                 int r;
-                char a[INET_ADDRSTRLEN], ap[64];
+                char ap[BEX_ADDR_STRLEN];
                 if (sscanf(reps[i].locality, "dc1/pod%d", &r) != 1 || r < 0 || r >= R || by_r[r])
                     continue;
-                inet_ntop(AF_INET, &reps[i].addr.in4.sin_addr, a, sizeof a);
-                snprintf(ap, sizeof ap, "%s:%u", a, ntohs(reps[i].addr.in4.sin_port));
+                bex_addr_format(&reps[i].addr, true, ap, sizeof ap);
                 by_r[r] = json_pack("{s:s,s:s,s:s}", "addr", ap, "locality", reps[i].locality,
                                     "transport",
                                     reps[i].transport == BEX_TRANSPORT_RDMA  ? "rdma"

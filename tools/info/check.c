@@ -221,9 +221,9 @@ int info_serve(bex_ctx *ctx, const bex_addr *addr)
     }
     bex_addr at;
     bex_listener_addr(l, &at);
-    char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &at.in4.sin_addr, ip, sizeof ip);
-    printf("bex-info: listening on %s:%u\n", ip, ntohs(at.in4.sin_port));
+    char ip[BEX_ADDR_STRLEN];
+    bex_addr_format(&at, false, ip, sizeof ip);
+    printf("bex-info: listening on %s:%u\n", ip, bex_addr_port(&at));
     fflush(stdout);
     int sig;
     sigwait(&sigs, &sig);

@@ -204,9 +204,8 @@ static void add_peers(struct served *sv, const bex_dir_replica *reps, size_t nr,
     for (int near = 1; near >= 0; near--)
         for (size_t j = 0; j < nr; j++) {
             bool same = strcmp(reps[j].locality, self->locality) == 0;
-            if ((reps[j].addr.in4.sin_addr.s_addr == self->addr.in4.sin_addr.s_addr &&
-                 reps[j].addr.in4.sin_port == self->addr.in4.sin_port) ||
-                same != (bool)near || sv->n_peers == sizeof sv->peers / sizeof sv->peers[0])
+            if (bex_addr_equal(&reps[j].addr, &self->addr) || same != (bool)near ||
+                sv->n_peers == sizeof sv->peers / sizeof sv->peers[0])
                 continue;
             bex_rpc_endpoint *e = &sv->peers[sv->n_peers++];
             e->addr = reps[j].addr;
@@ -581,8 +580,8 @@ static int make_ctx(const struct opts *o, struct node *nd)
         return 1;
     }
     if (want == BEX_TRANSPORT_RDMA && !bex_ctx_pd(nd->ctx)) {
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &nd->self[0].addr.in4.sin_addr, a, sizeof a);
+        char a[BEX_ADDR_STRLEN];
+        bex_addr_format(&nd->self[0].addr, false, a, sizeof a);
         fprintf(stderr, "bex-ps: RDMA wanted, but no RDMA device carries %s\n", a);
         bex_ctx_destroy(nd->ctx);
         return 1;
@@ -607,8 +606,8 @@ static int start_shard(const struct opts *o, struct node *nd)
                               .role = s->role,
                               .backups = s->backups,
                               .n_backups = s->n_backups};
-    char a[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &self->addr.in4.sin_addr, a, sizeof a);
+    char a[BEX_ADDR_STRLEN];
+    bex_addr_format(&self->addr, false, a, sizeof a);
     int rc;
     if ((rc = bex_ps_shard_create(&pc, &s->ps)) == 0) {
         if ((rc = bex_rpc_server_create(nd->ctx, NULL, &s->srv)) == 0 &&
@@ -621,13 +620,13 @@ static int start_shard(const struct opts *o, struct node *nd)
             bex_ps_shard_destroy(s->ps);
     }
     if (rc) {
-        fprintf(stderr, "bex-ps: shard %u at %s:%u: %s\n", s->shard, a,
-                ntohs(self->addr.in4.sin_port), bex_strerror(rc));
+        fprintf(stderr, "bex-ps: shard %u at %s:%u: %s\n", s->shard, a, bex_addr_port(&self->addr),
+                bex_strerror(rc));
         return 1;
     }
     bex_rpc_server_addr(s->srv, &self->addr); /* the port, when it was 0 */
     printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, nd->n_shards, a,
-           ntohs(self->addr.in4.sin_port));
+           bex_addr_port(&self->addr));
     return 0;
 }
 
@@ -681,23 +680,24 @@ static int start_metrics(const struct opts *o, struct node *nd)
     }
     mt->n = nd->n_sv;
     mt->ctx = nd->ctx;
-    bex_addr ma = {.in4 = {.sin_family = AF_INET,
-                           .sin_addr = nd->self[0].addr.in4.sin_addr,
-                           .sin_port = htons((uint16_t)o->metrics_port)}};
+    bex_addr ma = nd->self[0].addr;
+    bex_addr_set_port(&ma, (uint16_t)o->metrics_port);
     /* its thread starts with the signals blocked, as every thread here */
-    nd->httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
+    nd->httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG |
+                                     (ma.sa.sa_family == AF_INET6 ? MHD_USE_IPv6 : 0),
                                  (uint16_t)o->metrics_port, NULL, NULL, on_http, mt,
                                  MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ma,
                                  MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
     const union MHD_DaemonInfo *di =
         nd->httpd ? MHD_get_daemon_info(nd->httpd, MHD_DAEMON_INFO_BIND_PORT) : NULL;
-    char a[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &ma.in4.sin_addr, a, sizeof a);
+    char a[BEX_ADDR_STRLEN];
     if (!di) {
-        fprintf(stderr, "bex-ps: metrics on %s:%ld: cannot listen\n", a, o->metrics_port);
+        fprintf(stderr, "bex-ps: metrics on %s: cannot listen\n",
+                bex_addr_format(&ma, true, a, sizeof a));
         return 1;
     }
-    printf("bex-ps: metrics at http://%s:%u/metrics\n", a, (unsigned)di->port);
+    bex_addr_set_port(&ma, di->port);
+    printf("bex-ps: metrics at http://%s/metrics\n", bex_addr_format(&ma, true, a, sizeof a));
     fflush(stdout); /* before the catch-up: /ready tells it */
     return 0;
 }
