@@ -74,6 +74,34 @@ static void consider(struct match *m, const char *dev, uint8_t port, uint32_t in
     m->path.gid = *gid;
 }
 
+/* A GID table entry: chosen when it is the RoCE v2 GID of the address
+ * on an Ethernet port (RoCE v1 GIDs and InfiniBand ports never are). */
+static void row_consider(struct match *m, const struct bex__rdma_gid_row *r,
+                         const union ibv_gid *want)
+{
+    if (r->gid_type != IBV_GID_TYPE_ROCE_V2 || r->link_layer != IBV_LINK_LAYER_ETHERNET ||
+        memcmp(&r->gid, want, 16) != 0)
+        return;
+    consider(m, r->dev, r->port, r->index, &r->gid, r->active);
+}
+
+int bex__rdma_choose(const struct bex__rdma_gid_row *rows, size_t n, const bex_addr *addr,
+                     struct bex__rdma_path *out)
+{
+    union ibv_gid want;
+    if (bex__rdma_gid_from_addr(addr, &want))
+        return -EAFNOSUPPORT;
+    struct match m = {0};
+    for (size_t i = 0; i < n; i++)
+        row_consider(&m, &rows[i], &want);
+    if (!m.found)
+        return -ENODEV;
+    if (!m.active)
+        return -ENETDOWN;
+    *out = m.path;
+    return 0;
+}
+
 /* One GID at a time: for kernels or providers without the table query. */
 static void scan_port_slowly(struct ibv_context *ctx, const char *dev, uint8_t port,
                              const struct ibv_port_attr *pa, const union ibv_gid *want,
@@ -125,15 +153,17 @@ static int scan_device(struct ibv_device *d, const union ibv_gid *want, struct m
     if (n >= 0) {
         for (ssize_t i = 0; i < n; i++) {
             const struct ibv_gid_entry *e = &tab[i];
-            if (e->gid_type != IBV_GID_TYPE_ROCE_V2 || memcmp(&e->gid, want, 16) != 0)
-                continue;
             if (e->port_num < 1 || e->port_num > da.phys_port_cnt)
                 continue;
             const struct ibv_port_attr *a = &pa[e->port_num - 1];
-            if (a->link_layer != IBV_LINK_LAYER_ETHERNET)
-                continue;
-            consider(m, name, (uint8_t)e->port_num, e->gid_index, &e->gid,
-                     a->state == IBV_PORT_ACTIVE);
+            struct bex__rdma_gid_row row = {.dev = name,
+                                            .port = (uint8_t)e->port_num,
+                                            .index = e->gid_index,
+                                            .gid_type = e->gid_type,
+                                            .link_layer = a->link_layer,
+                                            .active = a->state == IBV_PORT_ACTIVE,
+                                            .gid = e->gid};
+            row_consider(m, &row, want);
         }
     } else {
         for (uint8_t p = 1; p <= da.phys_port_cnt && p != 0; p++)
