@@ -21,17 +21,10 @@
 #include "example_args.h"
 #include <bex/sock.h>
 
-/* "a.b.c.d:port" into *a; 0 or -EINVAL. */
-static int parse_addr(const char *s, struct sockaddr_in *a)
+/* "host:port" into *a (a.b.c.d, [v6] or a name); 0 or an error. */
+static int parse_addr(const char *s, bex_addr *a)
 {
-    char ip[16];
-    unsigned port;
-    *a = (struct sockaddr_in){.sin_family = AF_INET};
-    if (sscanf(s, "%15[0-9.]:%u", ip, &port) != 2 || port > 65535 ||
-        inet_pton(AF_INET, ip, &a->sin_addr) != 1)
-        return -EINVAL;
-    a->sin_port = htons((uint16_t)port);
-    return 0;
+    return strchr(s, ':') ? bex_addr_resolve(s, 0, a, NULL, 0) : -EINVAL;
 }
 
 /* ---- server: callbacks run on bex's I/O thread and must not block ---- */
@@ -88,7 +81,7 @@ static void on_close(bex_sock *s, void *user)
     sem_post(&closed);
 }
 
-static int client(bex_ctx *ctx, const struct sockaddr_in *to, const char *msg)
+static int client(bex_ctx *ctx, const bex_addr *to, const char *msg)
 {
     static const bex_sock_ops ops = {
         .on_connect = on_failure, .on_recv = on_recv, .on_error = on_failure, .on_close = on_close};
@@ -114,7 +107,7 @@ static int client(bex_ctx *ctx, const struct sockaddr_in *to, const char *msg)
 int main(int argc, char **argv)
 {
     example_args(argc, argv, "echo", "server IP:PORT | echo client IP:PORT MESSAGE [LOCAL_IP]");
-    struct sockaddr_in addr;
+    bex_addr addr;
     int server = argc == 3 && strcmp(argv[1], "server") == 0;
     if ((!server && !((argc == 4 || argc == 5) && strcmp(argv[1], "client") == 0)) ||
         parse_addr(argv[2], &addr) != 0) {
@@ -123,11 +116,11 @@ int main(int argc, char **argv)
     }
     /* A context: the local IP (it picks the RDMA NIC), memory, an I/O
      * thread. Zero in any other field means its default. */
-    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
-                          .local_addr = addr.sin_addr,
-                          .transport = BEX_TRANSPORT_TCP};
-    if (!server && inet_pton(AF_INET, argc == 5 ? argv[4] : "127.0.0.1", &cfg.local_addr) != 1) {
-        fprintf(stderr, "echo: %s: not an IPv4 address\n", argv[4]);
+    bex_ctx_config cfg = {
+        .size = sizeof(bex_ctx_config), .local_addr = addr, .transport = BEX_TRANSPORT_TCP};
+    if (!server &&
+        bex_addr_resolve(argc == 5 ? argv[4] : "127.0.0.1", 0, &cfg.local_addr, NULL, 0) != 0) {
+        fprintf(stderr, "echo: %s: not an address\n", argv[4]);
         return 1;
     }
     bex_ctx *ctx;
@@ -144,7 +137,8 @@ int main(int argc, char **argv)
             return 1;
         }
         bex_listener_addr(l, &addr); /* the port bex picked, for port 0 */
-        printf("listening on %s:%u\n", inet_ntoa(addr.sin_addr), ntohs(addr.sin_port));
+        char text[BEX_ADDR_STRLEN];
+        printf("listening on %s\n", bex_addr_format(&addr, true, text, sizeof text));
         fflush(stdout);
         for (;;)
             pause(); /* serve until killed */

@@ -78,7 +78,7 @@ int main(int argc, char **argv)
     bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
                           .transport = BEX_TRANSPORT_TCP}; /* TCP: runs anywhere */
     if ((argc != 2 && argc != 3) ||
-        inet_pton(AF_INET, argc == 3 ? argv[2] : "127.0.0.1", &cfg.local_addr) != 1) {
+        bex_addr_resolve(argc == 3 ? argv[2] : "127.0.0.1", 0, &cfg.local_addr, NULL, 0) != 0) {
         fprintf(stderr, "usage: ps_client CLUSTER_FILE [LOCAL_IP]\n");
         return 2;
     }

@@ -19,7 +19,7 @@
 #define EXAMPLE_SERVICE 7 /* the ids rpc_server registered */
 #define EXAMPLE_UPPER   1
 
-static int call_upper(bex_ctx *ctx, const struct sockaddr_in *server, const char *text)
+static int call_upper(bex_ctx *ctx, const bex_addr *server, const char *text)
 {
     /* A channel: calls to a list of endpoints (replicas), with deadlines
      * and retries. The defaults suit a data center (a 40 ms deadline, a
@@ -56,18 +56,16 @@ static int call_upper(bex_ctx *ctx, const struct sockaddr_in *server, const char
 int main(int argc, char **argv)
 {
     example_args(argc, argv, "rpc_client", "IP:PORT TEXT [LOCAL_IP]");
-    char ip[16];
-    unsigned port;
-    struct sockaddr_in server = {.sin_family = AF_INET};
+    bex_addr server;
     bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
                           .transport = BEX_TRANSPORT_TCP}; /* TCP: runs anywhere */
-    if ((argc != 3 && argc != 4) || sscanf(argv[1], "%15[0-9.]:%u", ip, &port) != 2 || port == 0 ||
-        port > 65535 || inet_pton(AF_INET, ip, &server.sin_addr) != 1 ||
-        inet_pton(AF_INET, argc == 4 ? argv[3] : "127.0.0.1", &cfg.local_addr) != 1) {
-        fprintf(stderr, "usage: rpc_client IP:PORT TEXT [LOCAL_IP]\n");
+    /* host:port: a.b.c.d, [v6] or a name (resolved) */
+    if ((argc != 3 && argc != 4) || bex_addr_resolve(argv[1], 0, &server, NULL, 0) != 0 ||
+        bex_addr_port(&server) == 0 ||
+        bex_addr_resolve(argc == 4 ? argv[3] : "127.0.0.1", 0, &cfg.local_addr, NULL, 0) != 0) {
+        fprintf(stderr, "usage: rpc_client HOST:PORT TEXT [LOCAL_IP]\n");
         return 2;
     }
-    server.sin_port = htons((uint16_t)port);
     bex_ctx *ctx;
     int rc = bex_ctx_create(&cfg, &ctx);
     if (rc) {

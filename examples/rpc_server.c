@@ -35,7 +35,7 @@ static void upper(bex_rpc_req *req, void *body, size_t len, void *user)
     bex_rpc_reply(req, 0, body, len); /* fails only when the caller is gone */
 }
 
-static int serve(bex_ctx *ctx, struct sockaddr_in *addr)
+static int serve(bex_ctx *ctx, bex_addr *addr)
 {
     bex_rpc_server *srv;
     int rc = bex_rpc_server_create(ctx, NULL, &srv); /* NULL: default config */
@@ -47,7 +47,8 @@ static int serve(bex_ctx *ctx, struct sockaddr_in *addr)
         return rc;
     }
     bex_rpc_server_addr(srv, addr); /* the port bex picked, for port 0 */
-    printf("listening on %s:%u\n", inet_ntoa(addr->sin_addr), ntohs(addr->sin_port));
+    char text[BEX_ADDR_STRLEN];
+    printf("listening on %s\n", bex_addr_format(addr, true, text, sizeof text));
     fflush(stdout);
     /* Wait for SIGINT/SIGTERM (blocked in main before bex started its threads). */
     sigset_t sigs;
@@ -62,24 +63,19 @@ static int serve(bex_ctx *ctx, struct sockaddr_in *addr)
 int main(int argc, char **argv)
 {
     example_args(argc, argv, "rpc_server", "IP:PORT (port 0: any free one)");
-    char ip[16];
-    unsigned port;
-    struct sockaddr_in addr = {.sin_family = AF_INET};
-    if (argc != 2 || sscanf(argv[1], "%15[0-9.]:%u", ip, &port) != 2 || port > 65535 ||
-        inet_pton(AF_INET, ip, &addr.sin_addr) != 1) {
-        fprintf(stderr, "usage: rpc_server IP:PORT (port 0: any free one)\n");
+    bex_addr addr; /* host:port: a.b.c.d, [v6] or a name (resolved) */
+    if (argc != 2 || !strchr(argv[1], ':') || bex_addr_resolve(argv[1], 0, &addr, NULL, 0) != 0) {
+        fprintf(stderr, "usage: rpc_server HOST:PORT (port 0: any free one)\n");
         return 2;
     }
-    addr.sin_port = htons((uint16_t)port);
     sigset_t sigs;
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL); /* before any thread: serve() takes them */
 
-    bex_ctx_config cfg = {.size = sizeof(bex_ctx_config),
-                          .local_addr = addr.sin_addr,
-                          .transport = BEX_TRANSPORT_TCP};
+    bex_ctx_config cfg = {
+        .size = sizeof(bex_ctx_config), .local_addr = addr, .transport = BEX_TRANSPORT_TCP};
     bex_ctx *ctx;
     int rc = bex_ctx_create(&cfg, &ctx);
     if (rc) {

@@ -142,7 +142,7 @@ static int parse(int argc, char **argv, struct opts *o)
 
 static int make_ctx(const struct opts *o, struct in_addr local, bex_ctx **ctx)
 {
-    bex_ctx_config cfg = {.local_addr = local,
+    bex_ctx_config cfg = {.local_addr = bex_addr_ipv4(local.s_addr, 0),
                           .io_threads = 1,
                           .poll_mode = o->poll_mode,
                           .transport = o->transport,
@@ -166,8 +166,8 @@ static void client(const struct opts *o, const uint16_t *ports, int ready_fd)
         _exit(1);
     static const bex_sock_ops ops = {.on_connect = on_connect};
     for (uint32_t i = 0; i < o->conns; i++) {
-        struct sockaddr_in a = {
-            .sin_family = AF_INET, .sin_addr = o->addr, .sin_port = htons(ports[i])};
+        bex_addr a = {
+            .in4 = {.sin_family = AF_INET, .sin_addr = o->addr, .sin_port = htons(ports[i])}};
         bex_sock *s;
         int rc = bex_sock_connect(ctx, &a, &ops, NULL, &s);
         if (rc) {
@@ -243,7 +243,7 @@ static int listen_all(const struct opts *o, bex_ctx *ctx, uint16_t *ports)
 {
     static const bex_listener_ops lops = {.on_accept = on_accept};
     for (uint32_t i = 0; i < o->conns; i++) {
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = o->addr};
+        bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = o->addr}};
         bex_listener *l;
         int rc = bex_listen(ctx, &a, &lops, NULL, &l);
         if (rc) {
@@ -251,7 +251,7 @@ static int listen_all(const struct opts *o, bex_ctx *ctx, uint16_t *ports)
             return rc;
         }
         bex_listener_addr(l, &a);
-        ports[i] = ntohs(a.sin_port);
+        ports[i] = ntohs(a.in4.sin_port);
     }
     return 0;
 }

@@ -162,7 +162,7 @@ static int setup_decode(const uint8_t *p, size_t len, uint32_t *resp)
 static void fill_cfg(const struct opts *o, bex_ctx_config *c, uint32_t frag)
 {
     memset(c, 0, sizeof(*c));
-    c->local_addr = o->local;
+    c->local_addr = bex_addr_ipv4(o->local.s_addr, 0);
     c->eager_max = o->eager;
     c->frag_size = frag;
     c->poll_spin_us = o->spin_us;
@@ -378,9 +378,9 @@ static int run_server(const struct opts *o)
     }
     bex_listener_ops lops = {.on_accept = srv_accept};
     for (uint32_t i = 0; i < nl; i++) {
-        struct sockaddr_in a = {.sin_family = AF_INET,
-                                .sin_port = htons((uint16_t)(o->port + i)),
-                                .sin_addr = o->local};
+        bex_addr a = {.in4 = {.sin_family = AF_INET,
+                              .sin_port = htons((uint16_t)(o->port + i)),
+                              .sin_addr = o->local}};
         err = bex_listen(srv.ctx, &a, &lops, &srv, &ls[i]);
         if (err) {
             fprintf(stderr, "bex-perf server: bex_listen on port %u: %s\n", o->port + i,
@@ -1017,15 +1017,15 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
             goto out_free;
         }
     }
-    struct sockaddr_in srv = {.sin_family = AF_INET};
-    if (inet_pton(AF_INET, o->client, &srv.sin_addr) != 1) {
+    bex_addr srv = {.in4 = {.sin_family = AF_INET}};
+    if (inet_pton(AF_INET, o->client, &srv.in4.sin_addr) != 1) {
         fprintf(stderr, "bex-perf: bad server address '%s'\n", o->client);
         goto out_free;
     }
     uint32_t opened = 0;
     for (; opened < cl.ncs; opened++) {
         struct csock *c = &cl.cs[opened];
-        srv.sin_port = htons((uint16_t)(o->port + (o->conns ? opened % ports : 0)));
+        srv.in4.sin_port = htons((uint16_t)(o->port + (o->conns ? opened % ports : 0)));
         /* --conns: at most 16 connections in setup at once */
         if (o->conns && opened >= 16 &&
             gate_wait(&cl.g, &cl.connected, (long)opened - 15, &cl.fail, o->timeout_s)) {

@@ -106,7 +106,7 @@ static void h_echo(bex_rpc_req *req, void *body, size_t len, void *user)
 /* Serve until SIGINT/SIGTERM, or until ready_fd's peer closes (matrix). */
 static int run_server(const struct opts *o, int ready_fd, int quit_fd)
 {
-    bex_ctx_config c = {.local_addr = o->local,
+    bex_ctx_config c = {.local_addr = bex_addr_ipv4(o->local.s_addr, 0),
                         .transport = o->transport,
                         .keepalive_timeout_ms = o->ka_timeout_ms,
                         .eager_max = o->eager_max,
@@ -119,21 +119,20 @@ static int run_server(const struct opts *o, int ready_fd, int quit_fd)
     if ((err = bex_rpc_server_create(ctx, NULL, &srv)) ||
         (err = bex_rpc_server_register(srv, SVC, M_ECHO, 0, h_echo, NULL)))
         die("rpc server", err);
-    struct sockaddr_in a = {
-        .sin_family = AF_INET, .sin_port = htons(o->port), .sin_addr = o->local};
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_port = htons(o->port), .sin_addr = o->local}};
     if ((err = bex_rpc_server_listen(srv, &a)))
         die("bex_rpc_server_listen", err);
-    struct sockaddr_in got;
+    bex_addr got;
     bex_rpc_server_addr(srv, &got);
     if (ready_fd >= 0) {
-        if (write(ready_fd, &got.sin_port, sizeof got.sin_port) != sizeof got.sin_port)
+        if (write(ready_fd, &got.in4.sin_port, sizeof got.in4.sin_port) != sizeof got.in4.sin_port)
             die("ready pipe", -errno);
         char q;
         ssize_t r = read(quit_fd, &q, 1);
         (void)r;
     } else {
         fprintf(stderr, "bex-rpc-bench: serving on %s:%u (%s)\n", inet_ntoa(o->local),
-                ntohs(got.sin_port), transport_name(o->transport));
+                ntohs(got.in4.sin_port), transport_name(o->transport));
         signal(SIGINT, on_signal);
         signal(SIGTERM, on_signal);
         while (!stop_flag)
@@ -231,7 +230,7 @@ static int cmp_u64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static int run_client(const struct opts *o, struct sockaddr_in srv, bex_ctx *ctx)
+static int run_client(const struct opts *o, bex_addr srv, bex_ctx *ctx)
 {
     bex_rpc_endpoint ep = {.addr = srv, .transport = o->transport};
     bex_rpc_channel_config cc = {.endpoints = &ep,
@@ -334,8 +333,8 @@ static int run_matrix(struct opts *o)
     uint16_t port;
     if (read(up[0], &port, sizeof port) != sizeof port)
         die("server did not start", -EIO);
-    struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
-    bex_ctx_config c = {.local_addr = a1,
+    bex_addr srv = {.in4 = {.sin_family = AF_INET, .sin_port = port, .sin_addr = a0}};
+    bex_ctx_config c = {.local_addr = bex_addr_ipv4(a1.s_addr, 0),
                         .transport = o->transport,
                         .keepalive_timeout_ms = o->ka_timeout_ms,
                         .eager_max = o->eager_max,
@@ -474,10 +473,10 @@ int main(int argc, char **argv)
         usage(2);
     if (o.server)
         return run_server(&o, -1, -1);
-    struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = htons(o.port)};
-    if (inet_pton(AF_INET, o.client, &srv.sin_addr) != 1)
+    bex_addr srv = {.in4 = {.sin_family = AF_INET, .sin_port = htons(o.port)}};
+    if (inet_pton(AF_INET, o.client, &srv.in4.sin_addr) != 1)
         usage(2);
-    bex_ctx_config c = {.local_addr = o.local,
+    bex_ctx_config c = {.local_addr = bex_addr_ipv4(o.local.s_addr, 0),
                         .transport = o.transport,
                         .keepalive_timeout_ms = o.ka_timeout_ms,
                         .eager_max = o.eager_max,

@@ -38,6 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bex/addr.h"
 #include "bex/common.h"
 
 #ifdef __cplusplus
@@ -105,7 +106,7 @@ uint64_t bex_dir_generation(bex_dir *d);
 
 /* One replica. */
 typedef struct bex_dir_replica {
-    struct sockaddr_in addr;
+    bex_addr addr;
     char locality[BEX_DIR_LOCALITY_MAX + 1];
     uint32_t transport; /* BEX_TRANSPORT_* (0: the client context's) */
 } bex_dir_replica;
@@ -121,7 +122,7 @@ size_t bex_dir_replicas(bex_dir *d, const char *service, uint32_t shard, bex_dir
  * node until bex_dir_report (with done set). Returns 0, or -ENOENT (no
  * replica). */
 int bex_dir_pick(bex_dir *d, const char *service, uint32_t shard, const char *locality,
-                 const struct sockaddr_in *avoid, bex_dir_replica *out);
+                 const bex_addr *avoid, bex_dir_replica *out);
 
 /* Outcomes of calls, for quarantine. */
 enum {
@@ -132,7 +133,7 @@ enum {
 };
 /* Report an outcome for addr. done: the call bex_dir_pick counted as
  * outstanding is over. Unknown addresses are ignored. */
-void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int done);
+void bex_dir_report(bex_dir *d, const bex_addr *addr, int outcome, int done);
 
 enum { BEX_DIR_HEALTHY = 0, BEX_DIR_QUARANTINED = 1, BEX_DIR_PROBING = 2 };
 
@@ -154,10 +155,10 @@ typedef struct bex_dir_node_stats {
 } bex_dir_node_stats;
 
 /* The counters of the node at addr. Returns 0, or -ENOENT (never seen). */
-int bex_dir_node_stats_get(bex_dir *d, const struct sockaddr_in *addr, bex_dir_node_stats *out);
+int bex_dir_node_stats_get(bex_dir *d, const bex_addr *addr, bex_dir_node_stats *out);
 
 /* Every node's counters in Prometheus text exposition format (metric
- * names bex_dir_node_*, label node="a.b.c.d:port"; state and outstanding
+ * names bex_dir_node_*, label node="a.b.c.d:port" or "[v6]:port"; state and outstanding
  * as gauges), NUL-terminated, into buf (cap bytes). Returns the length it
  * needed (without the NUL), like snprintf: output is cut when that is
  * >= cap. */
@@ -184,6 +185,37 @@ int bex_dir_deregister(bex_dir_registration *r);
 /* Stop the keepalive only, as a crash would (the key goes when the lease
  * expires); frees r. For tests. */
 void bex_dir_registration_abandon(bex_dir_registration *r);
+
+/* ---- etcd's connection: TLS and authentication ---- */
+
+/* How every etcd request of the process connects (watches, registrations,
+ * leases): an https:// URL is checked against ca_file and presents
+ * cert_file/key_file when etcd asks for a client certificate
+ * (--client-cert-auth); with etcd's authentication on, requests carry a
+ * token, taken from user/password (POST /v3/auth/authenticate, again when
+ * etcd answers that the token is invalid or expired) or given as token.
+ * Paths are read by libcurl at each request. NULL fields: none. */
+/* clang-format off */
+#define BEX_ETCD_CONFIG_INIT {.size = sizeof(bex_etcd_config)}
+/* clang-format on */
+typedef struct bex_etcd_config {
+    size_t size;           /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
+    const char *ca_file;   /* PEM CA bundle for etcd's server certificate (NULL: the system's) */
+    const char *cert_file; /* PEM client certificate (NULL: none) */
+    const char *key_file;  /* its private key (PEM; required with cert_file) */
+    const char *user;      /* etcd user name (NULL: no authentication) */
+    const char *password;  /* its password (required with user) */
+    const char *token;     /* a token to send as it is (instead of user/password) */
+} bex_etcd_config;
+
+/* Set the process's etcd connection settings (copied; cfg NULL: none).
+ * Requests already under way keep what they had. Until this is called the
+ * environment gives them, read at the first etcd request: BEX_ETCD_CACERT,
+ * BEX_ETCD_CERT, BEX_ETCD_KEY, BEX_ETCD_USER ("name:password"),
+ * BEX_ETCD_TOKEN. Returns 0, -EINVAL (a bad size, a certificate without
+ * its key or the reverse, a user without a password, both user and
+ * token), -ENOMEM. Any thread. */
+int bex_etcd_configure(const bex_etcd_config *cfg);
 
 #pragma GCC visibility pop
 

@@ -481,10 +481,10 @@ int bex_ps_push(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *
 /* A Push's outcome at one replica of one shard. */
 typedef struct bex_ps_replica_result {
     uint32_t shard;
-    struct sockaddr_in addr; /* the replica (0.0.0.0:0 when the shard had none) */
-    int status;              /* 0: it applied the Push; else the error that ended its part
-                                (its answer, -ETIMEDOUT, -ECONNREFUSED, ...; -EHOSTUNREACH:
-                                the shard had no replica): not known to have applied it */
+    bex_addr addr; /* the replica (AF_UNSPEC when the shard had none) */
+    int status;    /* 0: it applied the Push; else the error that ended its part
+                      (its answer, -ETIMEDOUT, -ECONNREFUSED, ...; -EHOSTUNREACH:
+                      the shard had no replica): not known to have applied it */
 } bex_ps_replica_result;
 
 /* Replicas of one shard a Push goes to, at most (more are left out). */

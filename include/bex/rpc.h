@@ -117,8 +117,8 @@ int bex_rpc_server_register(bex_rpc_server *srv, uint32_t service, uint32_t meth
 
 /* Listen on addr (port 0 picks one); bex_rpc_server_addr tells which.
  * Once. Returns 0 or bex_listen's error. */
-int bex_rpc_server_listen(bex_rpc_server *srv, const struct sockaddr_in *addr);
-void bex_rpc_server_addr(const bex_rpc_server *srv, struct sockaddr_in *out);
+int bex_rpc_server_listen(bex_rpc_server *srv, const bex_addr *addr);
+void bex_rpc_server_addr(const bex_rpc_server *srv, bex_addr *out);
 
 /* Answer req: status 0 or a negative errno for the caller's completion,
  * and body (len bytes; from bex_rpc_alloc of the server's context or a
@@ -182,7 +182,7 @@ int bex_rpc_server_drain(bex_rpc_server *srv, uint32_t timeout_ms);
 
 /* One endpoint of a channel: a server's address and where it is. */
 typedef struct bex_rpc_endpoint {
-    struct sockaddr_in addr;
+    bex_addr addr;
     const char *locality; /* e.g. "dc1/pod3" (copied; NULL: none) */
     uint32_t transport;   /* BEX_TRANSPORT_* for this endpoint (0: the context's) */
 } bex_rpc_endpoint;
@@ -392,7 +392,7 @@ void bex_rpc_channel_stats_get(bex_rpc_channel *ch, bex_rpc_channel_stats *out);
  * quarantine to come). Counters follow an endpoint while it stays in the
  * list (bex_rpc_channel_set_endpoints); a removed one's are gone. */
 typedef struct bex_rpc_endpoint_stats {
-    struct sockaddr_in addr;
+    bex_addr addr;
     char locality[64];      /* its label (cut to fit) */
     uint64_t attempts;      /* requests sent to it */
     uint64_t answers;       /* answers from it (late ones included) */

@@ -55,6 +55,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bex/addr.h"
 #include "bex/common.h"
 #include "bex/mem.h"
 
@@ -128,9 +129,11 @@ int bex_poll_mode_parse(const char *name, uint32_t *mode);
 /* clang-format on */
 typedef struct bex_ctx_config {
     size_t size; /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
-    /* The local IPv4 address to use; it chooses the RDMA device and GID
-     * (RoCEv2). Required (INADDR_ANY is refused with -EINVAL). */
-    struct in_addr local_addr;
+    /* The local address to use, IPv4 or IPv6 (its port is ignored); it
+     * chooses the RDMA device, port and GID (RoCE: the GID that carries
+     * it), and TCP connections leave from it. Required (the wildcard
+     * address is refused with -EINVAL). */
+    bex_addr local_addr;
     uint32_t sq_depth;             /* send-queue depth = work-request chain length (32;
                                       a power of two, 2..4096) */
     uint32_t rq_depth;             /* receive-queue depth d = initial credits (64) */
@@ -270,7 +273,7 @@ int bex_secret_load(const char *path, void *buf, size_t cap, size_t *len);
  * and cfg->landing_pool if given, else bemalloc pools of its own,
  * registered with the PD), and start cfg->io_threads I/O threads. The
  * environment's BEX_* settings (above) replace the fields they name first.
- * Returns 0, -EINVAL (a field out of range, local_addr INADDR_ANY, a
+ * Returns 0, -EINVAL (a field out of range, local_addr the wildcard address, a
  * secret, or BEX_SECRET, of the wrong size, a BEX_* variable with a bad
  * value: an ERROR line names it), -ENODEV or -ENETDOWN (with
  * BEX_TRANSPORT_RDMA: no usable RDMA device has that address),
@@ -353,8 +356,8 @@ typedef struct bex_sock_ops {
  * joins it; otherwise one is made (TCP connect, hello, then the QP up, or
  * TCP on (bex_ctx_config.transport)). Sends may be issued before
  * on_connect; they wait. */
-int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
-                     void *user, bex_sock **out);
+int bex_sock_connect(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops *ops, void *user,
+                     bex_sock **out);
 
 /* Per-connection choices for bex_sock_connect_opts; zero means the
  * context's. */
@@ -369,8 +372,8 @@ typedef struct bex_connect_opts {
 /* bex_sock_connect with per-connection options (opts may be NULL).
  * -ENODEV: RDMA only asked of a context without a device; -EINVAL: an
  * unknown flag or transport. */
-int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
-                          void *user, const bex_connect_opts *opts, bex_sock **out);
+int bex_sock_connect_opts(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops *ops, void *user,
+                          const bex_connect_opts *opts, bex_sock **out);
 
 /* Send len bytes at buf (from bex_sock_alloc/bex_mem_alloc of this context's
  * pool, bex_sock_alloc_exposable, or a buffer this context received; any pointer inside a live
@@ -468,9 +471,9 @@ typedef struct bex_listener_ops {
 
 /* Listen on addr (port 0 picks one; bex_listener_addr tells which). Any
  * thread, callbacks included. */
-int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_ops *ops,
-               void *user, bex_listener **out);
-void bex_listener_addr(const bex_listener *l, struct sockaddr_in *out);
+int bex_listen(bex_ctx *ctx, const bex_addr *addr, const bex_listener_ops *ops, void *user,
+               bex_listener **out);
+void bex_listener_addr(const bex_listener *l, bex_addr *out);
 /* Stop listening (sockets already accepted are not affected; a connection
  * it accepted closes once its last socket is, so that a peer's next socket
  * to this address reaches whatever listens there next). Synchronous:

@@ -76,7 +76,7 @@ int main(int argc, char **argv)
         return 2;
     }
     bex_ctx_config cfg = {.transport = BEX_TRANSPORT_TCP};
-    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    cfg.local_addr = bex_addr_loopback4(0);
     bex_dir *dir = NULL;
     bex_ctx *ctx = NULL;
     bex_ps_client *pc = NULL;

@@ -23,7 +23,7 @@ const char *bexmod_errname(int rc);
  * the exception's errno and bex_error. Returns NULL. */
 PyObject *bexmod_raise(PyObject *type, int rc, const char *fmt, ...);
 /* "a.b.c.d:port" */
-PyObject *bexmod_addr_str(const struct sockaddr_in *a);
+PyObject *bexmod_addr_str(const bex_addr *a);
 
 /* The keys of a call: uint64 (or int64 with no negative value), 1-D,
  * C-contiguous. On 0 *view holds the buffer (PyBuffer_Release it). */
@@ -69,7 +69,7 @@ int bexmod_guard_close(struct bexmod_guard *g);
 void bexmod_guard_wait_idle(struct bexmod_guard *g);
 
 /* "a.b.c.d:port", or a ValueError. */
-int bexmod_parse_addr(const char *s, struct sockaddr_in *out);
+int bexmod_parse_addr(const char *s, bex_addr *out);
 /* local_addr and transport ("tcp", "rdma", "auto") into cc, or a ValueError. */
 int bexmod_ctx_config(bex_ctx_config *cc, const char *local, const char *transport);
 /* setattr(o, name, v) and drop v (NULL: nothing). */

@@ -51,11 +51,10 @@ PyObject *bexmod_raise(PyObject *type, int rc, const char *fmt, ...)
     return NULL;
 }
 
-PyObject *bexmod_addr_str(const struct sockaddr_in *a)
+PyObject *bexmod_addr_str(const bex_addr *a)
 {
-    char ip[INET_ADDRSTRLEN] = "?";
-    inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
-    return PyUnicode_FromFormat("%s:%u", ip, (unsigned)ntohs(a->sin_port));
+    char ip[BEX_ADDR_STRLEN];
+    return PyUnicode_FromString(bex_addr_format(a, true, ip, sizeof ip));
 }
 
 int bexmod_add_types(PyObject *m, PyTypeObject *const *types, const char *const *names, int n)

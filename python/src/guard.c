@@ -69,24 +69,12 @@ void bexmod_guard_wait_idle(struct bexmod_guard *g)
     pthread_mutex_unlock(&g->mu);
 }
 
-int bexmod_parse_addr(const char *s, struct sockaddr_in *out)
+int bexmod_parse_addr(const char *s, bex_addr *out)
 {
-    char ip[INET_ADDRSTRLEN];
-    const char *colon = strrchr(s, ':');
-    char *end;
-    unsigned long port = colon ? strtoul(colon + 1, &end, 10) : 0;
-    size_t iplen = colon ? (size_t)(colon - s) : 0;
-    memset(out, 0, sizeof *out);
-    out->sin_family = AF_INET;
-    out->sin_port = htons((uint16_t)port);
-    if (!colon || !colon[1] || *end || port > 65535 || iplen >= sizeof ip) {
-        PyErr_Format(PyExc_ValueError, "address must be 'ip:port', not '%s'", s);
-        return -1;
-    }
-    memcpy(ip, s, iplen);
-    ip[iplen] = 0;
-    if (inet_pton(AF_INET, ip, &out->sin_addr) != 1) {
-        PyErr_Format(PyExc_ValueError, "address must be 'ip:port' (IPv4), not '%s'", s);
+    char why[200];
+    if (bex_addr_resolve(s, 0, out, why, sizeof why) || !strchr(s, ':')) {
+        PyErr_Format(PyExc_ValueError,
+                     "address must be 'ip:port', '[v6]:port' or 'host:port', not '%s'", s);
         return -1;
     }
     return 0;
@@ -94,8 +82,8 @@ int bexmod_parse_addr(const char *s, struct sockaddr_in *out)
 
 int bexmod_ctx_config(bex_ctx_config *cc, const char *local, const char *transport)
 {
-    if (inet_pton(AF_INET, local, &cc->local_addr) != 1) {
-        PyErr_Format(PyExc_ValueError, "local_addr must be an IPv4 address, not '%s'", local);
+    if (bex_addr_resolve(local, 0, &cc->local_addr, NULL, 0) != 0) {
+        PyErr_Format(PyExc_ValueError, "local_addr must be an IP address or host, not '%s'", local);
         return -1;
     }
     if (!strcmp(transport, "tcp"))

@@ -189,8 +189,8 @@ static int ps_init(PsClient *self, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_RuntimeError, "bex client already open");
         return -1;
     }
-    if (inet_pton(AF_INET, local, &cc.local_addr) != 1) {
-        PyErr_Format(PyExc_ValueError, "local_addr must be an IPv4 address, not '%s'", local);
+    if (bex_addr_resolve(local, 0, &cc.local_addr, NULL, 0) != 0) {
+        PyErr_Format(PyExc_ValueError, "local_addr must be an IP address or host, not '%s'", local);
         return -1;
     }
     if (parse_transport(transport, &cc.transport) < 0)
@@ -245,10 +245,9 @@ static void fetch_where(PsClient *self, const uint64_t *keys, size_t n, char *bu
                            : " (replicas");
         for (size_t i = 0; i < nr && i < 4; i++) {
             len = strlen(buf);
-            char ip[INET_ADDRSTRLEN] = "?";
-            inet_ntop(AF_INET, &r[i].addr.sin_addr, ip, sizeof ip);
-            snprintf(buf + len, cap - len, "%s%s:%u", i ? ", " : " ", ip,
-                     ntohs(r[i].addr.sin_port));
+            char ip[BEX_ADDR_STRLEN];
+            snprintf(buf + len, cap - len, "%s%s", i ? ", " : " ",
+                     bex_addr_format(&r[i].addr, true, ip, sizeof ip));
         }
         if (nr)
             strncat(buf, ")", cap - strlen(buf) - 1);

@@ -511,7 +511,7 @@ static PyObject *srv_register(Server *self, PyObject *args)
 static PyObject *srv_listen(Server *self, PyObject *args)
 {
     const char *addr = "127.0.0.1:0";
-    struct sockaddr_in sa;
+    bex_addr sa;
     if (!PyArg_ParseTuple(args, "|s:listen", &addr) || bexmod_parse_addr(addr, &sa) < 0)
         return NULL;
     if (!self->srv || self->listening) {

@@ -568,7 +568,7 @@ static PyObject *ctx_connect(SockContext *self, PyObject *args)
 {
     const char *addr;
     double timeout = 10;
-    struct sockaddr_in sa;
+    bex_addr sa;
     if (!PyArg_ParseTuple(args, "s|d:connect", &addr, &timeout) ||
         bexmod_parse_addr(addr, &sa) < 0 || ctx_usable(self) < 0)
         return NULL;
@@ -604,7 +604,7 @@ static PyObject *ctx_listen(SockContext *self, PyObject *args)
 {
     const char *addr = "127.0.0.1:0";
     unsigned accept_max = 128;
-    struct sockaddr_in sa;
+    bex_addr sa;
     if (!PyArg_ParseTuple(args, "|sI:listen", &addr, &accept_max) ||
         bexmod_parse_addr(addr, &sa) < 0 || ctx_usable(self) < 0)
         return NULL;

@@ -188,9 +188,8 @@ void bex__conn_fail(struct conn *c, int err)
 /* "peer a.b.c.d:port", for log lines (buf: 32 bytes). */
 const char *bex__conn_name(const struct conn *c, char *buf)
 {
-    char ip[INET_ADDRSTRLEN] = "?";
-    inet_ntop(AF_INET, &c->key.sin_addr, ip, sizeof ip);
-    snprintf(buf, 32, "peer %s:%u", ip, ntohs(c->key.sin_port));
+    char a[BEX_ADDR_STRLEN];
+    snprintf(buf, BEX__CONN_NAME_LEN, "peer %s", bex_addr_format(&c->key, true, a, sizeof a));
     return buf;
 }
 
@@ -274,7 +273,7 @@ int bex__conn_engine_make(struct conn *c)
     err = bex__engine_create(&io->sh, ctx->ecfg, &io->env->upcalls, c->eng_id, c, &c->eng);
     io->sh.cq = io->cqs[0].cq;
     if (!err) { /* c->x once the setup chose RDMA (the owner's chosen) */
-        char name[32];
+        char name[BEX__CONN_NAME_LEN];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
         io->cqs[idx].used += need;
         c->cqe_reserved = need;
@@ -295,18 +294,20 @@ void bex__conn_engine_drop(struct conn *c)
     BEX__STAT_ADD(&c->io->stats, engines, (uint64_t)-1);
 }
 
-int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uint32_t mode,
-                           struct conn **out)
+int bex__conn_start_client(struct bex__io *io, const bex_addr *to, uint32_t mode, struct conn **out)
 {
     struct bex__conn_env *ctx = io->env;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int fd = socket(to->sa.sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -errno;
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = ctx->cfg->local_addr};
+    bex_addr me = ctx->cfg->local_addr;
+    bex_addr_set_port(&me, 0);
     int err = 0;
-    if (bind(fd, (struct sockaddr *)&me, sizeof(me))) {
+    /* from local_addr when it is of the peer's family (a context of one
+     * family may still reach a peer of the other over TCP) */
+    if (me.sa.sa_family == to->sa.sa_family && bind(fd, &me.sa, bex_addr_len(&me))) {
         err = -errno;
         close(fd);
         return err;
@@ -389,7 +390,7 @@ static void listener_pause(struct bex__io *io, struct bex_listener *l, int err)
 {
     if (!l->backoff_ms)
         bex__log(io->env->log, BEX_LOG_WARN,
-                 "listener on port %u: accept: %s; retrying with backoff", ntohs(l->addr.sin_port),
+                 "listener on port %u: accept: %s; retrying with backoff", bex_addr_port(&l->addr),
                  strerror(err));
     l->backoff_ms = l->backoff_ms ? (l->backoff_ms * 2 > 500 ? 500 : l->backoff_ms * 2) : 20;
     bex__loop_unwatch(&io->loop, l->fd);
@@ -413,9 +414,9 @@ void bex__listener_accept(struct bex__io *io, struct bex_listener *l)
      * accept must not keep the I/O thread from its engines (keepalive,
      * completions); the level-triggered listener brings us back */
     for (int k = 0; k < ACCEPT_BATCH; k++) {
-        struct sockaddr_in peer = {0};
+        bex_addr peer = {0};
         socklen_t pl = sizeof(peer);
-        int fd = accept4(l->fd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int fd = accept4(l->fd, &peer.sa, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             int err = errno;
             if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM)
@@ -450,8 +451,7 @@ void bex__listener_accept(struct bex__io *io, struct bex_listener *l)
 
 /* The setup table is per thread: each holds at most its share of
  * setup_max (rounded up), and a newcomer makes room among its thread's. */
-void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
-                     const struct sockaddr_in *peer)
+void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd, const bex_addr *peer)
 {
     struct bex__conn_env *ctx = io->env;
     /* Setup costs no CQ entries or QP, but it is bounded: an idle or
@@ -477,7 +477,7 @@ void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
     c->in_setup = true;
     io->n_setup++;
     c->l = l;
-    if (peer->sin_family == AF_INET)
+    if (bex_addr_valid(peer))
         c->key = *peer;
     bex__conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
     if (bex__loop_watch(&io->loop, fd, EPOLLIN | EPOLLRDHUP, &c->tag))

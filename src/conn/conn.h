@@ -71,7 +71,7 @@ struct bex_listener {
     int fd;
     bex_listener_ops ops;
     void *user;
-    struct sockaddr_in addr;
+    bex_addr addr;
     sem_t done;
     struct bex_listener *next;
     /* accept ran out of descriptors (EMFILE, ENFILE, ...): the listener is
@@ -91,7 +91,7 @@ struct conn {
     int fd;
     enum bex__conn_phase phase;
     bool client;
-    struct sockaddr_in key;  /* the peer: the listener we connected to, or the
+    bex_addr key;            /* the peer: the listener we connected to, or the
                                 address accept4 gave (kept: a peer that reset
                                 has no getpeername) */
     struct bex__xport *x;    /* its transport, once made */
@@ -138,9 +138,11 @@ struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id);
  * thread's loop (which visits only connections marked so). */
 void bex__conn_ready(struct conn *c);
 /* A client connection to the listener at to, its engine made at once. */
-int bex__conn_start_client(struct bex__io *io, const struct sockaddr_in *to, uint32_t mode,
+int bex__conn_start_client(struct bex__io *io, const bex_addr *to, uint32_t mode,
                            struct conn **out);
-/* "peer a.b.c.d:port" of the connection, for log lines (buf: 32 bytes). */
+/* "peer a.b.c.d:port" or "peer [v6]:port" of the connection, for log
+ * lines (buf: BEX__CONN_NAME_LEN bytes). */
+#define BEX__CONN_NAME_LEN 72
 const char *bex__conn_name(const struct conn *c, char *buf);
 /* Make the connection's engine, reserving its CQ entries. */
 int bex__conn_engine_make(struct conn *c);
@@ -172,8 +174,7 @@ void bex__listener_accept(struct bex__io *io, struct bex_listener *l);
 /* A listener's epoll watcher (tag.cb): bex__listener_accept. */
 void bex__listener_on_event(struct ep_tag *t, uint32_t events);
 /* On the connection's thread: take an accepted descriptor into the setup. */
-void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd,
-                     const struct sockaddr_in *peer);
+void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd, const bex_addr *peer);
 /* Free dead connections no socket refers to. */
 void bex__conn_reap(struct bex__io *io);
 

@@ -47,7 +47,7 @@ struct adopt_cmd {
     struct bex__cmd cmd;
     struct bex_listener *l;
     int fd;
-    struct sockaddr_in peer;
+    bex_addr peer;
 };
 
 /* The first CQ entries of an I/O thread; the CQ grows (ibv_resize_cq,

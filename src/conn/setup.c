@@ -135,7 +135,7 @@ void bex__conn_set_phase(struct conn *c, enum bex__conn_phase to)
     if (c->phase == to)
         return;
     assert(phase_move_ok(c->phase, to));
-    char name[32];
+    char name[BEX__CONN_NAME_LEN];
     if (c->io->env->log->level >= BEX_LOG_DEBUG) /* (the name costs a format) */
         bex__log(c->io->env->log, BEX_LOG_DEBUG, "%s (engine %u): %s -> %s",
                  bex__conn_name(c, name), c->eng_id, bex__conn_phase_name(c->phase),
@@ -156,28 +156,28 @@ void bex__conn_expect(struct conn *c, enum bex__conn_phase phase)
     c->waiting_since = bex__now_ms();
 }
 
-static void conn_peer_addr(struct conn *c, struct sockaddr_in *a)
+static void conn_peer_addr(struct conn *c, bex_addr *a)
 {
     socklen_t sl = sizeof(*a);
-    if (c->key.sin_family == AF_INET)
+    if (bex_addr_valid(&c->key))
         *a = c->key; /* kept from connect/accept4: a peer that reset has no getpeername */
-    else if (c->fd < 0 || getpeername(c->fd, (struct sockaddr *)a, &sl) || a->sin_family != AF_INET)
+    else if (c->fd < 0 || getpeername(c->fd, &a->sa, &sl) || !bex_addr_valid(a))
         memset(a, 0, sizeof(*a));
 }
 
 /* A refusal's one log line, naming the peer. */
 void bex__conn_log_refusal(struct conn *c, int err, const char *why)
 {
-    struct sockaddr_in a;
+    bex_addr a;
     conn_peer_addr(c, &a);
-    char ip[INET_ADDRSTRLEN] = "?";
-    inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
+    char ip[BEX_ADDR_STRLEN];
+    bex_addr_format(&a, true, ip, sizeof ip);
     if (c->client)
-        bex__log(c->io->env->log, BEX_LOG_WARN, "connection to %s:%u refused: %s (%s)", ip,
-                 ntohs(a.sin_port), why, bex_strerror(err));
+        bex__log(c->io->env->log, BEX_LOG_WARN, "connection to %s refused: %s (%s)", ip, why,
+                 bex_strerror(err));
     else
-        bex__log(c->io->env->log, BEX_LOG_WARN, "refused peer %s:%u: %s (%s)", ip,
-                 ntohs(a.sin_port), why, bex_strerror(err));
+        bex__log(c->io->env->log, BEX_LOG_WARN, "refused peer %s: %s (%s)", ip, why,
+                 bex_strerror(err));
 }
 
 /* Refuse the peer: log once, tell it why when nothing else is on its way
@@ -203,14 +203,12 @@ static void conn_refuse(struct conn *c, int err, const char *why)
 /* The TCP endpoints as both sides name them: client first, then listener. */
 static int conn_ends(struct conn *c)
 {
-    struct sockaddr_in me, peer;
+    bex_addr me, peer;
     socklen_t sl = sizeof(me), pl = sizeof(peer);
-    if (getsockname(c->fd, (struct sockaddr *)&me, &sl) ||
-        getpeername(c->fd, (struct sockaddr *)&peer, &pl))
+    if (getsockname(c->fd, &me.sa, &sl) || getpeername(c->fd, &peer.sa, &pl))
         return -errno;
-    const struct sockaddr_in *cl = c->client ? &me : &peer, *li = c->client ? &peer : &me;
-    bex__auth_ends(&c->auth, cl->sin_addr.s_addr, cl->sin_port, li->sin_addr.s_addr, li->sin_port);
-    return 0;
+    const bex_addr *cl = c->client ? &me : &peer, *li = c->client ? &peer : &me;
+    return bex__auth_ends_addr(&c->auth, cl, li);
 }
 
 /* RoCEv2: a peer at a.b.c.d has the GID ::ffff:a.b.c.d. A hello naming any
@@ -218,13 +216,12 @@ static int conn_ends(struct conn *c)
  * relays the setup. */
 static bool gid_is_peer(struct conn *c, const uint8_t gid[16])
 {
-    struct sockaddr_in a;
+    bex_addr a;
     socklen_t sl = sizeof(a);
-    if (getpeername(c->fd, (struct sockaddr *)&a, &sl) || a.sin_family != AF_INET)
+    union ibv_gid want;
+    if (getpeername(c->fd, &a.sa, &sl) || bex__rdma_gid_from_addr(&a, &want))
         return false;
-    uint8_t want[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-    memcpy(want + 12, &a.sin_addr.s_addr, 4);
-    return memcmp(want, gid, 16) == 0;
+    return memcmp(want.raw, gid, 16) == 0;
 }
 
 /* The client's first message: a plain hello, or with a secret an OPEN that
@@ -271,7 +268,7 @@ static int go_tcp(struct conn *c)
         .parts_max = ctx->cfg->streams_max < (UINT32_MAX - 64) / 2 ? 2 * ctx->cfg->streams_max + 64
                                                                    : UINT32_MAX,
     };
-    char name[32];
+    char name[BEX__CONN_NAME_LEN];
     snprintf(tc.name, sizeof tc.name, "%s (engine %u)", bex__conn_name(c, name), c->eng_id);
     int err = bex__tcp_create(&c->io->sh, &tc, &c->io->env->upcalls, c, c->fd, &c->io->loop,
                               &c->tag, &c->x);
@@ -409,7 +406,7 @@ static int setup_hello(struct conn *c, const char **why)
         /* the QP cannot come up: over TCP instead. Answering, a NO_RDMA
          * hello says so; having sent an RDMA hello, a FALLBACK notice does,
          * and the peer's notice comes before the first frame. */
-        char name[32];
+        char name[BEX__CONN_NAME_LEN];
         bex__log(ctx->log, BEX_LOG_INFO, "%s (engine %u): the QP did not come up (%s): over TCP",
                  bex__conn_name(c, name), c->eng_id, bex_strerror(err));
         bex__conn_engine_drop(c);
@@ -473,12 +470,11 @@ static int setup_notice(struct conn *c, const char **why)
 refused:
     /* the peer refused us or failed: say so once, it is closing anyway */
     err = st < 4096 ? -(int)st : -EPROTO;
-    struct sockaddr_in a;
+    bex_addr a;
     conn_peer_addr(c, &a);
-    char ip[INET_ADDRSTRLEN] = "?";
-    inet_ntop(AF_INET, &a.sin_addr, ip, sizeof ip);
-    bex__log(ctx->log, BEX_LOG_INFO, "peer %s:%u ended the setup: %s", ip, ntohs(a.sin_port),
-             bex_strerror(err));
+    char ip[BEX_ADDR_STRLEN];
+    bex__log(ctx->log, BEX_LOG_INFO, "peer %s ended the setup: %s",
+             bex_addr_format(&a, true, ip, sizeof ip), bex_strerror(err));
     return err;
 }
 
@@ -566,7 +562,7 @@ void bex__conn_lost(struct conn *c, int err)
     uint32_t open = c->io->env->ops->open_streams(c);
     if (!open)
         return;
-    char name[32];
+    char name[BEX__CONN_NAME_LEN];
     bex__log(c->io->env->log, BEX_LOG_WARN,
              "%s (engine %u): connection lost with %u socket%s open (%s)", bex__conn_name(c, name),
              c->eng_id, open, open == 1 ? "" : "s", bex_strerror(err));

@@ -178,8 +178,8 @@ static bool copy_final(int rc)
 static int try_peer(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg, size_t i,
                     uint64_t deadline, struct table **cutp, struct idset *cut_ids)
 {
-    char a[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &cfg->peers[i].addr.sin_addr, a, sizeof a);
+    char a[BEX_ADDR_STRLEN];
+    bex_addr_format(&cfg->peers[i].addr, false, a, sizeof a);
     struct table *cut = NULL;
     uint8_t *buf;
     size_t len;
@@ -200,7 +200,7 @@ static int try_peer(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *
     }
     if (rc == 0) {
         bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: copy of %zu bytes from %s:%u", s->shard, len,
-                 a, ntohs(cfg->peers[i].addr.sin_port));
+                 a, bex_addr_port(&cfg->peers[i].addr));
         *cutp = cut;
         return 0;
     }
@@ -209,7 +209,7 @@ static int try_peer(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *
     bex__ps_ids_free(cut_ids);
     if (copy_final(rc)) /* its answer: logged once, not asked again */
         bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: catch-up from %s:%u failed: %s", s->shard, a,
-                 ntohs(cfg->peers[i].addr.sin_port), bex_strerror(rc));
+                 bex_addr_port(&cfg->peers[i].addr), bex_strerror(rc));
     return rc;
 }
 
@@ -245,12 +245,12 @@ static int pull_rounds(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_confi
         uint32_t left = ms_left(deadline);
         if (*cut || !again || left <= CATCHUP_PAUSE_MS)
             break;
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &cfg->peers[last].addr.sin_addr, a, sizeof a);
+        char a[BEX_ADDR_STRLEN];
+        bex_addr_format(&cfg->peers[last].addr, false, a, sizeof a);
         bex__log(&s->log, BEX_LOG_WARN,
                  "ps shard %u: catch-up round %u failed (%zu peers unreachable, %s:%u: %s): "
                  "trying again, %u ms left",
-                 s->shard, round, again, a, ntohs(cfg->peers[last].addr.sin_port),
+                 s->shard, round, again, a, bex_addr_port(&cfg->peers[last].addr),
                  bex_strerror(last_rc), left);
         struct timespec ts = {0, CATCHUP_PAUSE_MS * 1000000l};
         while (nanosleep(&ts, &ts) && errno == EINTR)

@@ -259,8 +259,7 @@ static void stats_add(bex_ps_client_stats *o, const bex_rpc_channel_stats *st)
 static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
 {
     for (struct pch *p = c->all; p; p = p->next)
-        if (p->r.addr.sin_addr.s_addr == r->addr.sin_addr.s_addr &&
-            p->r.addr.sin_port == r->addr.sin_port && p->r.transport == r->transport)
+        if (bex_addr_equal(&p->r.addr, &r->addr) && p->r.transport == r->transport)
             return p;
     struct pch *p = calloc(1, sizeof *p);
     if (!p)

@@ -112,7 +112,7 @@ struct fwdh {
 
 /* A primary's backup. */
 struct backup {
-    struct sockaddr_in addr;
+    bex_addr addr;
     uint32_t transport;
     bex_rpc_channel *ch; /* made at register */
     bool down;           /* a forward failed: no Push acknowledged from then on */

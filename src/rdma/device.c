@@ -20,6 +20,17 @@ void bex__rdma_gid_from_ipv4(struct in_addr ip, union ibv_gid *out)
     memcpy(&out->raw[12], &ip.s_addr, 4); /* s_addr is already network order */
 }
 
+int bex__rdma_gid_from_addr(const bex_addr *a, union ibv_gid *out)
+{
+    if (a->sa.sa_family == AF_INET)
+        bex__rdma_gid_from_ipv4(a->in4.sin_addr, out);
+    else if (a->sa.sa_family == AF_INET6)
+        memcpy(out->raw, &a->in6.sin6_addr, 16); /* RoCE v2 over IPv6: the address itself */
+    else
+        return -EAFNOSUPPORT;
+    return 0;
+}
+
 /* The kernel names GID types "IB/RoCE v1" and "RoCE v2" in sysfs; used only
  * when the extended query is missing (kernels before 5.9). */
 static int sysfs_gid_is_v2(const char *dev, uint8_t port, int index)
@@ -61,6 +72,34 @@ static void consider(struct match *m, const char *dev, uint8_t port, uint32_t in
     m->path.port = port;
     m->path.gid_index = (uint8_t)index;
     m->path.gid = *gid;
+}
+
+/* A GID table entry: chosen when it is the RoCE v2 GID of the address
+ * on an Ethernet port (RoCE v1 GIDs and InfiniBand ports never are). */
+static void row_consider(struct match *m, const struct bex__rdma_gid_row *r,
+                         const union ibv_gid *want)
+{
+    if (r->gid_type != IBV_GID_TYPE_ROCE_V2 || r->link_layer != IBV_LINK_LAYER_ETHERNET ||
+        memcmp(&r->gid, want, 16) != 0)
+        return;
+    consider(m, r->dev, r->port, r->index, &r->gid, r->active);
+}
+
+int bex__rdma_choose(const struct bex__rdma_gid_row *rows, size_t n, const bex_addr *addr,
+                     struct bex__rdma_path *out)
+{
+    union ibv_gid want;
+    if (bex__rdma_gid_from_addr(addr, &want))
+        return -EAFNOSUPPORT;
+    struct match m = {0};
+    for (size_t i = 0; i < n; i++)
+        row_consider(&m, &rows[i], &want);
+    if (!m.found)
+        return -ENODEV;
+    if (!m.active)
+        return -ENETDOWN;
+    *out = m.path;
+    return 0;
 }
 
 /* One GID at a time: for kernels or providers without the table query. */
@@ -114,15 +153,17 @@ static int scan_device(struct ibv_device *d, const union ibv_gid *want, struct m
     if (n >= 0) {
         for (ssize_t i = 0; i < n; i++) {
             const struct ibv_gid_entry *e = &tab[i];
-            if (e->gid_type != IBV_GID_TYPE_ROCE_V2 || memcmp(&e->gid, want, 16) != 0)
-                continue;
             if (e->port_num < 1 || e->port_num > da.phys_port_cnt)
                 continue;
             const struct ibv_port_attr *a = &pa[e->port_num - 1];
-            if (a->link_layer != IBV_LINK_LAYER_ETHERNET)
-                continue;
-            consider(m, name, (uint8_t)e->port_num, e->gid_index, &e->gid,
-                     a->state == IBV_PORT_ACTIVE);
+            struct bex__rdma_gid_row row = {.dev = name,
+                                            .port = (uint8_t)e->port_num,
+                                            .index = e->gid_index,
+                                            .gid_type = e->gid_type,
+                                            .link_layer = a->link_layer,
+                                            .active = a->state == IBV_PORT_ACTIVE,
+                                            .gid = e->gid};
+            row_consider(m, &row, want);
         }
     } else {
         for (uint8_t p = 1; p <= da.phys_port_cnt && p != 0; p++)
@@ -138,8 +179,15 @@ out_close:
 
 int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out)
 {
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = ip}};
+    return bex__rdma_find_addr(&a, out);
+}
+
+int bex__rdma_find_addr(const bex_addr *addr, struct bex__rdma_path *out)
+{
     union ibv_gid want;
-    bex__rdma_gid_from_ipv4(ip, &want);
+    if (bex__rdma_gid_from_addr(addr, &want))
+        return -EAFNOSUPPORT;
 
     int num = 0;
     struct ibv_device **list = ibv_get_device_list(&num);
@@ -271,8 +319,15 @@ out_unlock:
 int bex__rdma_dev_open_ipv4(struct in_addr ip, struct bex__rdma_dev **dev,
                             struct bex__rdma_path *path)
 {
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = ip}};
+    return bex__rdma_dev_open_addr(&a, dev, path);
+}
+
+int bex__rdma_dev_open_addr(const bex_addr *addr, struct bex__rdma_dev **dev,
+                            struct bex__rdma_path *path)
+{
     struct bex__rdma_path p;
-    int rc = bex__rdma_find_ipv4(ip, &p);
+    int rc = bex__rdma_find_addr(addr, &p);
     if (rc < 0)
         return rc;
     struct bex__rdma_dev *d;

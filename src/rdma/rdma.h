@@ -23,10 +23,12 @@
 
 #include <errno.h>
 #include <netinet/in.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <infiniband/verbs.h>
 
+#include "bex/addr.h"
 #include "bex/common.h"
 #include "common/fault.h"
 #include "common/list.h"
@@ -127,6 +129,29 @@ struct bex__rdma_path {
  * Any thread. Opens and closes devices itself: costs a few system calls per
  * device, meant for connection setup, not the data path. */
 int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out);
+/* The same for an IPv4 or IPv6 address (RoCE v2 over IPv6: the GID equal
+ * to the address); -EAFNOSUPPORT for another family. */
+int bex__rdma_find_addr(const bex_addr *addr, struct bex__rdma_path *out);
+
+/* One GID table entry with its port's attributes, as the device choice
+ * sees it (bex__rdma_find_addr builds them from ibv_query_gid_table). */
+struct bex__rdma_gid_row {
+    const char *dev;
+    uint8_t port;
+    uint32_t index;     /* GID index (above 255 never chosen: sgid_index is 8 bits) */
+    uint32_t gid_type;  /* IBV_GID_TYPE_IB, _ROCE_V1, _ROCE_V2 */
+    uint8_t link_layer; /* IBV_LINK_LAYER_ETHERNET, _INFINIBAND */
+    bool active;        /* the port is ACTIVE */
+    union ibv_gid gid;
+};
+/* The choice among rows for addr: the RoCE v2 GID equal to its GID
+ * (bex__rdma_gid_from_addr) on an Ethernet port, an ACTIVE port's before
+ * another's, the first of equals. RoCE v1 GIDs and InfiniBand ports (LID
+ * routing) are not chosen: bex's setup exchanges GIDs for RoCE v2 only.
+ * 0 (out: all but active_mtu), -ENODEV, -ENETDOWN (only on inactive
+ * ports), -EAFNOSUPPORT. Pure: tests give it fake tables. */
+int bex__rdma_choose(const struct bex__rdma_gid_row *rows, size_t n, const bex_addr *addr,
+                     struct bex__rdma_path *out);
 
 /* Why no device serves ip, for a log line: "no usable RDMA device for
  * IP (err's text)" and what each port of each device has instead (no GID
@@ -134,9 +159,13 @@ int bex__rdma_find_ipv4(struct in_addr ip, struct bex__rdma_path *out);
  * device; NUL-terminated, cut to cap. Opens every device: not for a hot
  * path. */
 void bex__rdma_why_none(struct in_addr ip, int err, char *buf, size_t cap);
+void bex__rdma_why_none_addr(const bex_addr *addr, int err, char *buf, size_t cap);
 
 /* The IPv4-mapped GID ::ffff:a.b.c.d of ip. */
 void bex__rdma_gid_from_ipv4(struct in_addr ip, union ibv_gid *out);
+/* The RoCE v2 GID of an address: IPv4-mapped, or the IPv6 address itself.
+ * 0, or -EAFNOSUPPORT. */
+int bex__rdma_gid_from_addr(const bex_addr *a, union ibv_gid *out);
 
 /* ---- device handle --------------------------------------------------- */
 
@@ -179,6 +208,8 @@ int bex__rdma_dev_open(const char *name, struct bex__rdma_dev **out);
  * connection setup makes with the local address of its TCP socket. On
  * success the caller owns one reference to *dev and *path is complete. */
 int bex__rdma_dev_open_ipv4(struct in_addr ip, struct bex__rdma_dev **dev,
+                            struct bex__rdma_path *path);
+int bex__rdma_dev_open_addr(const bex_addr *addr, struct bex__rdma_dev **dev,
                             struct bex__rdma_path *path);
 
 /* Drop a reference. The last one deallocates the PD and closes the context;

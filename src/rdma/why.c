@@ -72,11 +72,17 @@ static void port_why(struct why *w, struct ibv_context *ctx, const char *dev, ui
 
 void bex__rdma_why_none(struct in_addr addr, int err, char *buf, size_t cap)
 {
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = addr}};
+    bex__rdma_why_none_addr(&a, err, buf, cap);
+}
+
+void bex__rdma_why_none_addr(const bex_addr *addr, int err, char *buf, size_t cap)
+{
     struct why w = {buf, cap, 0};
     if (cap)
         buf[0] = 0;
-    char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &addr, ip, sizeof ip);
+    char ip[BEX_ADDR_STRLEN];
+    bex_addr_format(addr, false, ip, sizeof ip);
     say(&w, "no usable RDMA device for %s", ip);
     if (err != -ENODEV && err != -ENETDOWN) /* else what follows says it */
         say(&w, " (%s)", bex_strerror(err));
@@ -89,8 +95,8 @@ void bex__rdma_why_none(struct in_addr addr, int err, char *buf, size_t cap)
             ibv_free_device_list(list);
         return;
     }
-    union ibv_gid want;
-    bex__rdma_gid_from_ipv4(addr, &want);
+    union ibv_gid want = {0};
+    (void)bex__rdma_gid_from_addr(addr, &want);
     for (int i = 0; i < num; i++) {
         const char *dev = ibv_get_device_name(list[i]);
         struct ibv_context *ctx = ibv_open_device(list[i]);

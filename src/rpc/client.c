@@ -49,7 +49,7 @@ static int check_endpoints(const bex_rpc_endpoint *eps, size_t n)
     if (!eps || n == 0 || n > 4096)
         return -EINVAL;
     for (size_t i = 0; i < n; i++)
-        if (eps[i].addr.sin_family != AF_INET || !eps[i].addr.sin_port ||
+        if (!bex_addr_valid(&eps[i].addr) || !bex_addr_port(&eps[i].addr) ||
             eps[i].transport > BEX_TRANSPORT_TCP)
             return -EINVAL;
     return 0;
@@ -57,8 +57,7 @@ static int check_endpoints(const bex_rpc_endpoint *eps, size_t n)
 
 static bool ep_same(const struct endpoint *ep, const bex_rpc_endpoint *e)
 {
-    return ep->addr.sin_addr.s_addr == e->addr.sin_addr.s_addr &&
-           ep->addr.sin_port == e->addr.sin_port && ep->transport == e->transport;
+    return bex_addr_equal(&ep->addr, &e->addr) && ep->transport == e->transport;
 }
 
 /* The list for eps[0..n): endpoints of old (n_old of them) with the same
@@ -545,11 +544,11 @@ static void chan_label(const void *obj, const void *name, char *labels, size_t c
 static void ep_label(const void *obj, const void *name, char *labels, size_t cap)
 {
     const bex_rpc_endpoint_stats *e = obj;
-    char ip[INET_ADDRSTRLEN], loc[160];
-    inet_ntop(AF_INET, &e->addr.sin_addr, ip, sizeof ip);
+    char ip[BEX_ADDR_STRLEN], loc[160];
+    bex_addr_format(&e->addr, false, ip, sizeof ip);
     bex__prom_escape(e->locality, loc, sizeof loc);
     snprintf(labels, cap, "channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"", (const char *)name,
-             ip, ntohs(e->addr.sin_port), loc);
+             ip, bex_addr_port(&e->addr), loc);
 }
 
 static const struct bex__prom_ctr chan_ctrs[] = {
@@ -647,12 +646,12 @@ int bex_rpc_channel_prometheus(bex_rpc_channel *ch, char *buf, size_t cap)
         "1 reconnecting, 2 other replicas first, 3 over TCP).\n"
         "# TYPE bex_rpc_endpoint_ladder_step gauge\n");
     for (size_t i = 0; i < ne; i++) {
-        char ip[INET_ADDRSTRLEN], loc[160];
-        inet_ntop(AF_INET, &es[i].addr.sin_addr, ip, sizeof ip);
+        char ip[BEX_ADDR_STRLEN], loc[160];
+        bex_addr_format(&es[i].addr, false, ip, sizeof ip);
         bex__prom_escape(es[i].locality, loc, sizeof loc);
         OUT("bex_rpc_endpoint_ladder_step{channel=\"%s\",endpoint=\"%s:%u\",locality=\"%s\"} "
             "%u\n",
-            name, ip, ntohs(es[i].addr.sin_port), loc, es[i].ladder);
+            name, ip, bex_addr_port(&es[i].addr), loc, es[i].ladder);
     }
 #undef OUT
     return o.n > INT32_MAX ? INT32_MAX : (int)o.n;

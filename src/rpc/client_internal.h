@@ -54,7 +54,7 @@ struct link {
  * by each of its links, so that one removed from the list lives until its
  * last link's bex__rpc_on_close. */
 struct endpoint {
-    struct sockaddr_in addr;
+    bex_addr addr;
     char *locality;
     uint32_t transport;
     int refs;

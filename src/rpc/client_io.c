@@ -24,10 +24,10 @@
 void bex__rpc_ep_reachable(struct bex_rpc_channel *ch, struct endpoint *ep)
 {
     if (ep->suspect) {
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+        char a[BEX_ADDR_STRLEN];
+        bex_addr_format(&ep->addr, false, a, sizeof a);
         bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: endpoint %s:%u reachable again", ch->name,
-                 a, ntohs(ep->addr.sin_port));
+                 a, bex_addr_port(&ep->addr));
     }
     ep->suspect = false;
 }

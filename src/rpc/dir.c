@@ -128,7 +128,7 @@ size_t bex_dir_replicas(bex_dir *d, const char *service, uint32_t shard, bex_dir
 }
 
 struct avoid_addr {
-    const struct sockaddr_in *a;
+    const bex_addr *a;
 };
 
 static bool avoid_by_addr(void *arg, const struct bex__dir_node *n)
@@ -138,7 +138,7 @@ static bool avoid_by_addr(void *arg, const struct bex__dir_node *n)
 }
 
 int bex_dir_pick(bex_dir *d, const char *service, uint32_t shard, const char *locality,
-                 const struct sockaddr_in *avoid, bex_dir_replica *out)
+                 const bex_addr *avoid, bex_dir_replica *out)
 {
     if (!d || !service || !out)
         return -EINVAL;
@@ -154,7 +154,7 @@ int bex_dir_pick(bex_dir *d, const char *service, uint32_t shard, const char *lo
     return rc;
 }
 
-void bex_dir_report(bex_dir *d, const struct sockaddr_in *addr, int outcome, int done)
+void bex_dir_report(bex_dir *d, const bex_addr *addr, int outcome, int done)
 {
     if (!d || !addr)
         return;
@@ -223,7 +223,7 @@ int bex_dir_prometheus(bex_dir *d, char *buf, size_t cap)
     return o.n > INT32_MAX ? INT32_MAX : (int)o.n;
 }
 
-int bex_dir_node_stats_get(bex_dir *d, const struct sockaddr_in *addr, bex_dir_node_stats *out)
+int bex_dir_node_stats_get(bex_dir *d, const bex_addr *addr, bex_dir_node_stats *out)
 {
     if (!d || !addr || !out)
         return -EINVAL;

@@ -20,33 +20,17 @@
 
 /* ---- labels and addresses ---- */
 
-int bex__dir_parse_addr(const char *s, struct sockaddr_in *addr)
+int bex__dir_parse_addr(const char *s, bex_addr *addr, char *err, size_t errlen)
 {
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || (size_t)(colon - s) >= INET_ADDRSTRLEN)
-        return -EINVAL;
-    char host[INET_ADDRSTRLEN];
-    memcpy(host, s, (size_t)(colon - s));
-    host[colon - s] = 0;
-    struct in_addr ia;
-    if (inet_pton(AF_INET, host, &ia) != 1)
-        return -EINVAL;
-    const char *p = colon + 1;
-    unsigned long port = 0;
-    if (!*p)
-        return -EINVAL;
-    for (; *p; p++) {
-        if (!isdigit((unsigned char)*p))
-            return -EINVAL;
-        port = port * 10 + (unsigned long)(*p - '0');
-        if (port > 65535)
-            return -EINVAL;
+    char why[160];
+    int rc = bex_addr_resolve(s, 0, addr, why, sizeof why);
+    if (rc == 0 && bex_addr_port(addr) == 0) {
+        snprintf(why, sizeof why, "no port (1-65535) in '%s'", s);
+        rc = -EINVAL;
     }
-    if (!port)
-        return -EINVAL;
-    *addr = (struct sockaddr_in){
-        .sin_family = AF_INET, .sin_port = htons((uint16_t)port), .sin_addr = ia};
-    return 0;
+    if (rc && err && errlen)
+        snprintf(err, errlen, "%s", why);
+    return rc;
 }
 
 bool bex__dir_locality_ok(const char *s)
@@ -81,7 +65,7 @@ unsigned bex__dir_closeness(const char *a, const char *b)
     }
 }
 
-bool bex__dir_same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
+bool bex__dir_same_addr(const bex_addr *a, const bex_addr *b)
 {
-    return a->sin_addr.s_addr == b->sin_addr.s_addr && a->sin_port == b->sin_port;
+    return bex_addr_equal(a, b);
 }

@@ -114,7 +114,7 @@ bool bex__dir_in_shard(bex_dir *d, const char *service, uint32_t shard,
     return in;
 }
 
-struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr)
+struct bex__dir_node *bex__dir_node_find(bex_dir *d, const bex_addr *addr)
 {
     pthread_mutex_lock(&d->mu);
     struct bex__dir_node *n = bex__dir_node_lookup(d, addr);

@@ -47,10 +47,16 @@ static int parse_replica(json_t *o, bex_dir_replica *r, const char *where, char 
     json_object_foreach(o, key, v)
     {
         if (!strcmp(key, "addr")) {
-            if (!json_is_string(v) || bex__dir_parse_addr(json_string_value(v), &r->addr)) {
-                bex__dir_set_err(err, errlen, "%s.addr: not \"a.b.c.d:port\" (port 1-65535)",
-                                 where);
-                return -EINVAL;
+            char why[160] = "not a string";
+            int rc = json_is_string(v)
+                         ? bex__dir_parse_addr(json_string_value(v), &r->addr, why, sizeof why)
+                         : -EINVAL;
+            if (rc) {
+                bex__dir_set_err(err, errlen,
+                                 "%s.addr: %s (want \"host:port\": a.b.c.d, [v6] or a name; "
+                                 "port 1-65535)",
+                                 where, why);
+                return rc == -EAGAIN ? -EAGAIN : -EINVAL;
             }
             have_addr = true;
         } else if (!strcmp(key, "locality")) {

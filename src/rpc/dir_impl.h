@@ -22,7 +22,7 @@ struct fail_ring {
 
 struct bex__dir_node {
     bex_dir_replica r;
-    char name[32]; /* "a.b.c.d:port", for the log */
+    char name[BEX_ADDR_STRLEN]; /* "a.b.c.d:port" or "[v6]:port", for the log */
     int state;
     uint64_t until;  /* QUARANTINED: till then; PROBING: the probe's expiry */
     bool probe_out;  /* PROBING: a probe call is out */
@@ -76,7 +76,7 @@ struct pending {
     } l[4];
 };
 
-struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const struct sockaddr_in *addr);
+struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const bex_addr *addr);
 struct shard *bex__dir_shard_find(bex_dir *d, const char *service, uint32_t shard);
 __attribute__((format(printf, 3, 4))) bool bex__dir_defer(struct pending *p, int level,
                                                           const char *fmt, ...);
@@ -88,7 +88,7 @@ bool bex__dir_ring_add(struct fail_ring *r, uint64_t now, uint64_t window);
 
 __attribute__((format(printf, 3, 4))) void bex__dir_set_err(char *err, size_t errlen,
                                                             const char *fmt, ...);
-bool bex__dir_same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b);
+bool bex__dir_same_addr(const bex_addr *a, const bex_addr *b);
 
 void bex__dir_services_free(struct service *s);
 int bex__dir_node_get(bex_dir *d, const bex_dir_replica *r, struct bex__dir_node **out);

@@ -31,7 +31,7 @@ void bex__dir_node_info(bex_dir *d, const struct bex__dir_node *n, bex_dir_repli
 bool bex__dir_in_shard(bex_dir *d, const char *service, uint32_t shard,
                        const struct bex__dir_node *n);
 /* The node at addr, NULL if never seen (tests). */
-struct bex__dir_node *bex__dir_node_find(bex_dir *d, const struct sockaddr_in *addr);
+struct bex__dir_node *bex__dir_node_find(bex_dir *d, const bex_addr *addr);
 
 /* One registration seen in a source: (service, shard) served by r. */
 struct bex__dir_member {
@@ -45,8 +45,12 @@ struct bex__dir_member {
 int bex__dir_set_members(bex_dir *d, const struct bex__dir_member *m, size_t n);
 struct bex__log *bex__dir_log(bex_dir *d);
 
-/* Parse "a.b.c.d:port" into addr. Returns 0 or -EINVAL. */
-int bex__dir_parse_addr(const char *s, struct sockaddr_in *addr);
+/* Parse "host:port" into addr: host an IPv4 address, an IPv6 one in
+ * brackets ("[::1]:5000") or a name, resolved here (getaddrinfo: /etc/hosts,
+ * DNS; the first IPv4 or IPv6 answer). Blocks while it resolves. Returns 0,
+ * -EINVAL (malformed, port 0), -ENOENT (unknown name) or -EAGAIN (the
+ * resolver failed for now); err (may be NULL) says which. */
+int bex__dir_parse_addr(const char *s, bex_addr *addr, char *err, size_t errlen);
 /* A locality label's checks: printable, no spaces, <= BEX_DIR_LOCALITY_MAX,
  * no empty component. */
 bool bex__dir_locality_ok(const char *s);

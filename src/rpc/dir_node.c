@@ -21,7 +21,7 @@
 
 /* ---- nodes (under d->mu) ---- */
 
-struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const struct sockaddr_in *addr)
+struct bex__dir_node *bex__dir_node_lookup(bex_dir *d, const bex_addr *addr)
 {
     for (struct bex__dir_node *n = d->nodes; n; n = n->next)
         if (bex__dir_same_addr(&n->r.addr, addr))
@@ -67,9 +67,7 @@ int bex__dir_node_get(bex_dir *d, const bex_dir_replica *r, struct bex__dir_node
                 bex__dir_node_free(n);
             return -ENOMEM;
         }
-        char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &r->addr.sin_addr, ip, sizeof ip);
-        snprintf(n->name, sizeof n->name, "%s:%u", ip, ntohs(r->addr.sin_port));
+        bex_addr_format(&r->addr, true, n->name, sizeof n->name);
         n->next = d->nodes;
         d->nodes = n;
         d->n_nodes++;

@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "rpc/dir_internal.h"
 #include "rpc/etcd_internal.h"
+#include "rpc/etcd_tls.h"
 #include "rpc/internal.h"
 
 #define OP_TIMEOUT_MS 3000 /* one unary call to etcd */
@@ -145,11 +146,33 @@ static CURL *easy_for(const char *url, const char *path, const char *body, struc
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, (long)OP_TIMEOUT_MS);
     *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    bex__etcd_http_setup(e, url, hdrs); /* TLS and the auth token */
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, *hdrs);
     return e;
 }
 
-/* POST body (JSON) to url + path; *out gets the answer's JSON. */
+/* One POST of text to url + path: the answer's status and body into
+ * *code and b. */
+static CURLcode post_once(const char *url, const char *path, const char *text, struct buf *b,
+                          long *code)
+{
+    struct curl_slist *hdrs = NULL;
+    CURL *e = easy_for(url, path, text, b, &hdrs);
+    if (!e) {
+        curl_slist_free_all(hdrs);
+        return CURLE_OUT_OF_MEMORY;
+    }
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long)OP_TIMEOUT_MS);
+    CURLcode c = curl_easy_perform(e);
+    *code = 0;
+    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, code);
+    curl_easy_cleanup(e);
+    curl_slist_free_all(hdrs);
+    return c;
+}
+
+/* POST body (JSON) to url + path; *out gets the answer's JSON. A token
+ * etcd refused (expired) is fetched again, once. */
 static int call(const char *url, const char *path, json_t *body, json_t **out, char *err,
                 size_t errlen)
 {
@@ -157,19 +180,14 @@ static int call(const char *url, const char *path, json_t *body, json_t **out, c
     if (!text)
         return -ENOMEM;
     struct buf b = {0};
-    struct curl_slist *hdrs = NULL;
-    CURL *e = easy_for(url, path, text, &b, &hdrs);
-    free(text);
-    if (!e) {
-        curl_slist_free_all(hdrs);
-        return -ENOMEM;
+    long code;
+    CURLcode c = post_once(url, path, text, &b, &code);
+    if (c == CURLE_OK && code != 200 && bex__etcd_token_refused(code, b.p)) {
+        free(b.p);
+        b = (struct buf){0};
+        c = post_once(url, path, text, &b, &code);
     }
-    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long)OP_TIMEOUT_MS);
-    CURLcode c = curl_easy_perform(e);
-    long code = 0;
-    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &code);
-    curl_easy_cleanup(e);
-    curl_slist_free_all(hdrs);
+    free(text);
     int rc = 0;
     if (c != CURLE_OK) {
         set_err(err, errlen, "etcd %s%s: %s", url, path, curl_easy_strerror(c));
@@ -242,7 +260,7 @@ static bool parse_key(const struct bex__etcd_watch *w, const char *key, struct b
     if (end == a + 1 || *end != '/' || sh > UINT32_MAX)
         return false;
     m->shard = (uint32_t)sh;
-    return bex__dir_parse_addr(end + 1, &m->r.addr) == 0;
+    return bex__dir_parse_addr(end + 1, &m->r.addr, NULL, 0) == 0;
 }
 
 static void ent_del(struct bex__etcd_watch *w, const char *key)
@@ -266,9 +284,9 @@ static int ent_put(struct bex__etcd_watch *w, const char *key, const char *val, 
                  key, w->prefix);
         return 0;
     }
-    struct sockaddr_in ka = m.r.addr;
+    bex_addr ka = m.r.addr;
     if (bex__dir_parse_replica_json(val, vlen, &m.r, err, sizeof err) ||
-        m.r.addr.sin_addr.s_addr != ka.sin_addr.s_addr || m.r.addr.sin_port != ka.sin_port) {
+        !bex_addr_equal(&m.r.addr, &ka)) {
         bex__log(bex__dir_log(w->d), BEX_LOG_WARN, "dir: etcd key %s: bad value (%s): ignored", key,
                  err[0] ? err : "its addr is not the key's");
         ent_del(w, key);
@@ -676,8 +694,8 @@ int bex_dir_register_etcd(const char *url, const char *prefix, const char *servi
                           bex_dir_registration **out)
 {
     if (!url || !service || !self || !out || !*service || strchr(service, '/') ||
-        strlen(service) > BEX_DIR_NAME_MAX || self->addr.sin_family != AF_INET ||
-        !self->addr.sin_port || !bex__dir_locality_ok(self->locality) ||
+        strlen(service) > BEX_DIR_NAME_MAX || !bex_addr_valid(&self->addr) ||
+        !bex_addr_port(&self->addr) || !bex__dir_locality_ok(self->locality) ||
         self->transport > BEX_TRANSPORT_TCP || (prefix && !*prefix)) {
         set_err(err, errlen, "bad argument");
         return -EINVAL;
@@ -693,9 +711,8 @@ int bex_dir_register_etcd(const char *url, const char *prefix, const char *servi
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&r->cv, &ca);
     pthread_condattr_destroy(&ca);
-    char ip[INET_ADDRSTRLEN], addr[32], key[256];
-    inet_ntop(AF_INET, &self->addr.sin_addr, ip, sizeof ip);
-    snprintf(addr, sizeof addr, "%s:%u", ip, ntohs(self->addr.sin_port));
+    char addr[BEX_ADDR_STRLEN], key[256];
+    bex_addr_format(&self->addr, true, addr, sizeof addr);
     snprintf(key, sizeof key, "%sservices/%s/%u/%s", prefix ? prefix : "/bex/", service, shard,
              addr);
     static const char *const tnames[] = {"auto", "rdma", "tcp"};

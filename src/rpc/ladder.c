@@ -44,14 +44,14 @@ __attribute__((format(printf, 4, 5))) void bex__rpc_ladder_log(struct bex_rpc_ch
                                                                const struct endpoint *ep, int level,
                                                                const char *fmt, ...)
 {
-    char a[INET_ADDRSTRLEN], msg[192];
-    inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+    char a[BEX_ADDR_STRLEN], msg[192];
+    bex_addr_format(&ep->addr, false, a, sizeof a);
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     bex__log(ch->log, level, "rpc channel %s: endpoint %s:%u: %s", ch->name, a,
-             ntohs(ep->addr.sin_port), msg);
+             bex_addr_port(&ep->addr), msg);
 }
 
 /* Whether a replica other than ep is at step OK, and not failed since its
@@ -141,11 +141,11 @@ bool bex__rpc_ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, in
         /* once per transition: the endpoint stays suspect until a
          * connection to it is up again */
         ch->st.endpoints_down++;
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
+        char a[BEX_ADDR_STRLEN];
+        bex_addr_format(&ep->addr, false, a, sizeof a);
         bex__log(ch->log, BEX_LOG_WARN,
                  "rpc channel %s: endpoint %s:%u failed (%s): calls go to other replicas", ch->name,
-                 a, ntohs(ep->addr.sin_port), bex_strerror(err));
+                 a, bex_addr_port(&ep->addr), bex_strerror(err));
     }
     return step;
 }

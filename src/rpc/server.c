@@ -755,7 +755,7 @@ static void on_accept(bex_listener *l, bex_sock *s, void *user)
     }
 }
 
-int bex_rpc_server_listen(bex_rpc_server *srv, const struct sockaddr_in *addr)
+int bex_rpc_server_listen(bex_rpc_server *srv, const bex_addr *addr)
 {
     if (!srv || !addr || srv->listening)
         return -EINVAL;
@@ -769,12 +769,12 @@ int bex_rpc_server_listen(bex_rpc_server *srv, const struct sockaddr_in *addr)
     return 0;
 }
 
-void bex_rpc_server_addr(const bex_rpc_server *srv, struct sockaddr_in *out)
+void bex_rpc_server_addr(const bex_rpc_server *srv, bex_addr *out)
 {
     if (srv->l)
         bex_listener_addr(srv->l, out);
     else
-        *out = (struct sockaddr_in){0};
+        *out = (bex_addr){0};
 }
 
 void bex_rpc_server_stats_get(bex_rpc_server *srv, bex_rpc_server_stats *out)

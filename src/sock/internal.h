@@ -99,7 +99,7 @@ struct bex_sock {
     bex_sock_ops ops;         /* I/O thread only (see bex_sock_set_user) */
     void *user;               /* I/O thread only */
     _Atomic(void *) user_pub; /* what bex_sock_user returns, any thread */
-    struct sockaddr_in peer;
+    bex_addr peer;
     uint32_t mode; /* client: BEX_TRANSPORT_* of its connection */
     _Atomic int state;
     _Atomic bool closing;     /* bex_sock_close was called */
@@ -124,7 +124,7 @@ struct bex_sock {
  * the same listener (and transport choice) share one connection, so they
  * go to the thread that has it. Control path only (bex_sock_connect). */
 struct peer_home {
-    struct sockaddr_in addr;
+    bex_addr addr;
     uint32_t mode, io;
 };
 

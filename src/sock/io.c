@@ -13,8 +13,7 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
     struct conn *c = NULL;
     for (struct conn *p = io->conns; p; p = p->next) {
         if (p->client && !p->dead && (!p->x || !p->x->ops->is_dead(p->x)) && p->mode == s->mode &&
-            p->key.sin_addr.s_addr == s->peer.sin_addr.s_addr &&
-            p->key.sin_port == s->peer.sin_port) {
+            bex_addr_equal(&p->key, &s->peer)) {
             c = p;
             break;
         }

@@ -14,9 +14,8 @@ int bex_sock_last_error(const bex_sock *s, char *buf, size_t cap)
         snprintf(buf, cap, "no error");
         return 0;
     }
-    char ip[INET_ADDRSTRLEN] = "?";
-    inet_ntop(AF_INET, &s->peer.sin_addr, ip, sizeof ip);
-    snprintf(buf, cap, "peer %s:%u: %s%s", ip, ntohs(s->peer.sin_port),
+    char ip[BEX_ADDR_STRLEN];
+    snprintf(buf, cap, "peer %s: %s%s", bex_addr_format(&s->peer, true, ip, sizeof ip),
              atomic_load(&s->last_connecting) ? "connecting: " : "", bex_strerror(err));
     return err;
 }

@@ -26,7 +26,7 @@
 
 static int config_check(bex_ctx_config *c)
 {
-    if (c->local_addr.s_addr == htonl(INADDR_ANY))
+    if (bex_addr_is_any(&c->local_addr))
         return -EINVAL;
     DEF(sq_depth, 32);
     DEF(rq_depth, 64);
@@ -280,18 +280,24 @@ static void io_stop(bex_ctx *ctx)
     }
 }
 
-/* A peer's key in the homes table: address, port and transport choice
- * fit in 64 bits, so the key is the whole identity. */
-static uint64_t home_key(const struct sockaddr_in *addr, uint32_t mode)
+/* A peer's key in the homes table: an IPv4 address, port and transport
+ * choice fit in 64 bits, so the key is the whole identity; an IPv6 one is
+ * hashed (FNV-1a), and two peers that collide merely share a thread. */
+static uint64_t home_key(const bex_addr *addr, uint32_t mode)
 {
-    return (uint64_t)ntohl(addr->sin_addr.s_addr) << 32 | (uint64_t)ntohs(addr->sin_port) << 16 |
-           (mode & 0xffffu);
+    uint64_t host = ntohl(addr->in4.sin_addr.s_addr);
+    if (addr->sa.sa_family == AF_INET6) {
+        uint64_t h = 14695981039346656037ull;
+        for (int i = 0; i < 16; i++)
+            h = (h ^ addr->in6.sin6_addr.s6_addr[i]) * 1099511628211ull;
+        host = h ^ h >> 32;
+    }
+    return (host & 0xffffffffu) << 32 | (uint64_t)bex_addr_port(addr) << 16 | (mode & 0xffffu);
 }
 
 /* The thread of the connection to addr with this transport choice: the one
  * that has (or had) it, else the next in round-robin order. */
-static int peer_home(bex_ctx *ctx, const struct sockaddr_in *addr, uint32_t mode,
-                     struct bex__io **out)
+static int peer_home(bex_ctx *ctx, const bex_addr *addr, uint32_t mode, struct bex__io **out)
 {
     if (ctx->n_io == 1) {
         *out = &ctx->io[0];
@@ -352,7 +358,7 @@ static int ctx_dev_open(bex_ctx *ctx)
 {
     const bex_ctx_config *c = &ctx->cfg;
     if (c->transport != BEX_TRANSPORT_TCP) {
-        int err = bex__rdma_dev_open_ipv4(c->local_addr, &ctx->dev, &ctx->sh.path);
+        int err = bex__rdma_dev_open_addr(&c->local_addr, &ctx->dev, &ctx->sh.path);
         if (!err && ctx->sh.path.active_mtu == 0) {
             bex__rdma_dev_close(ctx->dev);
             ctx->dev = NULL;
@@ -362,7 +368,7 @@ static int ctx_dev_open(bex_ctx *ctx)
             return err;
         if (err) { /* AUTO: a context without a device works over TCP, and says why */
             char why[512];
-            bex__rdma_why_none(c->local_addr, err, why, sizeof why);
+            bex__rdma_why_none_addr(&c->local_addr, err, why, sizeof why);
             bex__log(&ctx->log, BEX_LOG_WARN, "%s: TCP only", why);
         }
     }
@@ -498,8 +504,8 @@ static int ctx_env_apply(bex_ctx *ctx)
         return err;
     }
     ctx->log.level = ctx->cfg.log_level ? ctx->cfg.log_level : BEX_LOG_WARN;
-    char addr[INET_ADDRSTRLEN], name[48];
-    inet_ntop(AF_INET, &ctx->cfg.local_addr, addr, sizeof addr);
+    char addr[BEX_ADDR_STRLEN], name[BEX_ADDR_STRLEN + 16];
+    bex_addr_format(&ctx->cfg.local_addr, false, addr, sizeof addr);
     snprintf(name, sizeof name, "ctx%u %s", atomic_fetch_add(&ctx_seq, 1) + 1, addr);
     bex__log_set_name(&ctx->log, name);
     if (n)
@@ -685,16 +691,16 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
     }
 }
 
-int bex_sock_connect(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
-                     void *user, bex_sock **out)
+int bex_sock_connect(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops *ops, void *user,
+                     bex_sock **out)
 {
     return bex_sock_connect_opts(ctx, addr, ops, user, NULL, out);
 }
 
-int bex_sock_connect_opts(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_sock_ops *ops,
-                          void *user, const bex_connect_opts *opts, bex_sock **out)
+int bex_sock_connect_opts(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops *ops, void *user,
+                          const bex_connect_opts *opts, bex_sock **out)
 {
-    if (!ctx || !addr || !out || addr->sin_family != AF_INET || addr->sin_port == 0)
+    if (!ctx || !addr || !out || !bex_addr_valid(addr) || bex_addr_port(addr) == 0)
         return -EINVAL;
     uint32_t mode = ctx->cfg.transport;
     if (opts) {
@@ -889,16 +895,16 @@ int bex_sock_set_user(bex_sock *s, const bex_sock_ops *ops, void *user)
     return 0;
 }
 
-int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_ops *ops,
-               void *user, bex_listener **out)
+int bex_listen(bex_ctx *ctx, const bex_addr *addr, const bex_listener_ops *ops, void *user,
+               bex_listener **out)
 {
-    if (!ctx || !addr || !out || addr->sin_family != AF_INET)
+    if (!ctx || !addr || !out || !bex_addr_valid(addr))
         return -EINVAL;
     struct bex_listener *l = calloc(1, sizeof(*l));
     if (!l)
         return -ENOMEM;
     int err;
-    l->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    l->fd = socket(addr->sa.sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (l->fd < 0) {
         err = -errno;
         goto err_free;
@@ -906,8 +912,8 @@ int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_
     int one = 1;
     setsockopt(l->fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     socklen_t sl = sizeof(l->addr);
-    if (bind(l->fd, (const struct sockaddr *)addr, sizeof(*addr)) || listen(l->fd, 128) ||
-        getsockname(l->fd, (struct sockaddr *)&l->addr, &sl)) {
+    if (bind(l->fd, &addr->sa, bex_addr_len(addr)) || listen(l->fd, 128) ||
+        getsockname(l->fd, &l->addr.sa, &sl)) {
         err = -errno;
         goto err_close;
     }
@@ -941,7 +947,7 @@ err_free:
     return err;
 }
 
-void bex_listener_addr(const bex_listener *l, struct sockaddr_in *out)
+void bex_listener_addr(const bex_listener *l, bex_addr *out)
 {
     *out = l->addr;
 }

@@ -137,7 +137,7 @@ static void on_open(struct bex__xport *x, uint32_t stream)
     struct conn *c = x->user;
     struct bex_sock *s = bex__sock_of(bex__conn_stream_find(c, stream));
     if (s || c->client) {
-        char name[32];
+        char name[BEX__CONN_NAME_LEN];
         bex__log(&c->ctx->log, BEX_LOG_ERROR, "%s (engine %u): unexpected OPEN of stream %u",
                  bex__conn_name(c, name), c->eng_id, stream);
         bex__conn_fail(c, -EPROTO);
@@ -154,7 +154,7 @@ static void on_open(struct bex__xport *x, uint32_t stream)
         /* INFO: refusing a stream is flow control; should the peer go on
          * regardless, the engine fails with the one WARN/ERROR line that
          * names it */
-        char name[32];
+        char name[BEX__CONN_NAME_LEN];
         bex__log_once(&c->ctx->log, &c->said, CONN_SAID_REFUSAL, BEX_LOG_INFO,
                       "%s (engine %u): opens more than %u streams on one connection; "
                       "refusing them (logged once per connection)",

@@ -269,6 +269,36 @@ void bex__auth_ends(struct bex__auth_transcript *t, uint32_t client_ip, uint16_t
     memcpy(t->ends + 4, &client_port, 2);
     memcpy(t->ends + 6, &listener_ip, 4);
     memcpy(t->ends + 10, &listener_port, 2);
+    t->ends_len = 12;
+}
+
+/* a, with an IPv4-mapped IPv6 address made IPv4 */
+static bex_addr ends_unmap(const bex_addr *a)
+{
+    if (a->sa.sa_family != AF_INET6 || !IN6_IS_ADDR_V4MAPPED(&a->in6.sin6_addr))
+        return *a;
+    bex_addr v4 = {.in4 = {.sin_family = AF_INET, .sin_port = a->in6.sin6_port}};
+    memcpy(&v4.in4.sin_addr, &a->in6.sin6_addr.s6_addr[12], 4);
+    return v4;
+}
+
+int bex__auth_ends_addr(struct bex__auth_transcript *t, const bex_addr *client,
+                        const bex_addr *listener)
+{
+    bex_addr c = ends_unmap(client), l = ends_unmap(listener);
+    if (c.sa.sa_family == AF_INET && l.sa.sa_family == AF_INET) {
+        bex__auth_ends(t, c.in4.sin_addr.s_addr, c.in4.sin_port, l.in4.sin_addr.s_addr,
+                       l.in4.sin_port);
+        return 0;
+    }
+    if (c.sa.sa_family != AF_INET6 || l.sa.sa_family != AF_INET6)
+        return -EAFNOSUPPORT;
+    memcpy(t->ends, &c.in6.sin6_addr, 16);
+    memcpy(t->ends + 16, &c.in6.sin6_port, 2);
+    memcpy(t->ends + 18, &l.in6.sin6_addr, 16);
+    memcpy(t->ends + 34, &l.in6.sin6_port, 2);
+    t->ends_len = 36;
+    return 0;
 }
 
 /* Equal lengths, so label || fields is unambiguous without separators. */
@@ -283,7 +313,7 @@ void bex__auth_mac(const uint8_t key[BEX__AUTH_KEY_LEN], int which,
     crypto_auth_hmacsha256_update(&st, (const uint8_t *)mac_label[which], 12);
     crypto_auth_hmacsha256_update(&st, t->nonce_l, sizeof t->nonce_l);
     crypto_auth_hmacsha256_update(&st, t->nonce_c, sizeof t->nonce_c);
-    crypto_auth_hmacsha256_update(&st, t->ends, sizeof t->ends);
+    crypto_auth_hmacsha256_update(&st, t->ends, t->ends_len);
     if (which != BEX__AUTH_MAC_PROOF_C)
         crypto_auth_hmacsha256_update(&st, hello_l, BEX__HELLO_LEN);
     if (which == BEX__AUTH_MAC_HELLO_C)

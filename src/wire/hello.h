@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bex/addr.h"
+
 #define BEX__HELLO_MAGIC 0x42455848u /* "BEXH" */
 /* 3: DATA goes header-free (docs/protocol.md); 1 had a header on every
  * SEND; 2 is the authenticated-setup envelope, not a hello */
@@ -142,13 +144,21 @@ int bex__auth_decode_hello(const uint8_t *buf, size_t len, struct bex__hello *h,
 struct bex__auth_transcript {
     uint8_t nonce_l[BEX__AUTH_NONCE_LEN]; /* the listener's (CHALLENGE) */
     uint8_t nonce_c[BEX__AUTH_NONCE_LEN]; /* the connector's (OPEN) */
-    uint8_t ends[12]; /* client IPv4, port, listener IPv4, port; network order */
+    /* client address, port, listener address, port; network order: 12
+     * bytes over IPv4, 36 over IPv6 (IPv4-mapped IPv6 addresses count as
+     * IPv4, so a dual-stack listener and an IPv4 client agree) */
+    uint8_t ends[36];
+    uint8_t ends_len;
 };
 
 /* Fill t->ends from the two endpoints (sin_addr, sin_port as in a
  * sockaddr_in, network order). */
 void bex__auth_ends(struct bex__auth_transcript *t, uint32_t client_ip, uint16_t client_port,
                     uint32_t listener_ip, uint16_t listener_port);
+/* The same from the two socket addresses (IPv4 or IPv6; both of one family
+ * once IPv4-mapped ones are taken as IPv4). 0, or -EAFNOSUPPORT. */
+int bex__auth_ends_addr(struct bex__auth_transcript *t, const bex_addr *client,
+                        const bex_addr *listener);
 
 /* The three MACs, each with its own label so none can stand for another:
  *   PROOF_C  the connector's proof:  label || nonce_l || nonce_c || ends

@@ -39,17 +39,17 @@ static void *at_page_end(size_t len)
 
 struct old_ctx_config {
     size_t size;
-    struct in_addr local_addr;
+    bex_addr local_addr;
 };
 
 static int ctx_older(void)
 {
     struct old_ctx_config *o = at_page_end(sizeof *o);
     o->size = sizeof *o;
-    inet_pton(AF_INET, "127.0.0.1", &o->local_addr);
+    bex_addr_parse("127.0.0.1", 0, &o->local_addr);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create((const bex_ctx_config *)o, &ctx));
-    struct sockaddr_in at = {.sin_family = AF_INET, .sin_addr = o->local_addr};
+    bex_addr at = o->local_addr;
     bex_listener_ops lops = {0};
     bex_listener *l;
     CHECK_OK(bex_listen(ctx, &at, &lops, NULL, &l));
@@ -130,7 +130,7 @@ static int newer(void)
     struct new_ctx_config n = {.now = BEX_CTX_CONFIG_INIT};
     n.now.size = sizeof n;
     n.now.transport = BEX_TRANSPORT_TCP;
-    inet_pton(AF_INET, "127.0.0.1", &n.now.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &n.now.local_addr);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&n.now, &ctx));
     CHECK_OK(bex_ctx_destroy(ctx));

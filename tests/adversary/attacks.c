@@ -20,10 +20,10 @@
 #include "adv.h"
 #include "peer.h"
 
-static struct sockaddr_in srv_of(const struct adv_attack_ctx *a)
+static bex_addr srv_of(const struct adv_attack_ctx *a)
 {
-    return (struct sockaddr_in){
-        .sin_family = AF_INET, .sin_port = htons(a->port), .sin_addr = a->srv_addr};
+    return (bex_addr){
+        .in4 = {.sin_family = AF_INET, .sin_port = htons(a->port), .sin_addr = a->srv_addr}};
 }
 
 static uint32_t rnd_state = 12345;
@@ -52,8 +52,8 @@ static int tcp_open(const struct adv_attack_ctx *a, bool nonblock, struct tconn 
         return -errno;
     int one = 1;
     setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = a->local};
-    struct sockaddr_in to = srv_of(a);
+    bex_addr me = {.in4 = {.sin_family = AF_INET, .sin_addr = a->local}};
+    bex_addr to = srv_of(a);
     if (bind(c->fd, (struct sockaddr *)&me, sizeof me) ||
         (connect(c->fd, (struct sockaddr *)&to, sizeof to) && errno != EINPROGRESS)) {
         int err = -errno;
@@ -61,10 +61,10 @@ static int tcp_open(const struct adv_attack_ctx *a, bool nonblock, struct tconn 
         c->fd = -1;
         return err;
     }
-    struct sockaddr_in got;
+    bex_addr got;
     socklen_t sl = sizeof got;
     getsockname(c->fd, (struct sockaddr *)&got, &sl);
-    c->port = ntohs(got.sin_port);
+    c->port = ntohs(got.in4.sin_port);
     c->t0 = adv_now_ms();
     return 0;
 }
@@ -479,7 +479,7 @@ int adv_attack_connect_close(struct adv_attack_ctx *a)
  * good client still comes. */
 static int peer_up(struct adv_attack_ctx *a, struct adv_peer *p, const struct adv_peer_opts *o)
 {
-    struct sockaddr_in srv = srv_of(a);
+    bex_addr srv = srv_of(a);
     struct adv_peer_opts oo = o ? *o : (struct adv_peer_opts){0};
     oo.secret = a->secret;
     int rc = adv_peer_open(p, a->local, &srv, &oo);
@@ -1010,13 +1010,13 @@ int adv_attack_unauthenticated(struct adv_attack_ctx *a)
             int64_t dl = bex__hello_now_ms() + 5000 * (int64_t)adv_scale();
             if (bex__hello_read_all(c[i].fd, m, BEX__AUTH_SHORT_LEN, dl) == 0 &&
                 bex__auth_decode(m, BEX__AUTH_SHORT_LEN, BEX__AUTH_CHALLENGE, t.nonce_l) == 0) {
-                struct sockaddr_in me, them;
+                bex_addr me, them;
                 socklen_t sl = sizeof me;
                 getsockname(c[i].fd, (struct sockaddr *)&me, &sl);
                 sl = sizeof them;
                 getpeername(c[i].fd, (struct sockaddr *)&them, &sl);
-                bex__auth_ends(&t, me.sin_addr.s_addr, me.sin_port, them.sin_addr.s_addr,
-                               them.sin_port);
+                bex__auth_ends(&t, me.in4.sin_addr.s_addr, me.in4.sin_port,
+                               them.in4.sin_addr.s_addr, them.in4.sin_port);
                 uint8_t mac[BEX__AUTH_MAC_LEN];
                 bex__auth_mac(key, BEX__AUTH_MAC_PROOF_C, &t, NULL, NULL, mac);
                 bex__auth_encode(BEX__AUTH_PROOF, mac, m);

@@ -166,7 +166,7 @@ int adv_good_main(int rd, int wr, void *arg)
     unsigned scale = adv_scale();
     /* "on time": no echo may take longer than this, attack or not */
     const uint64_t lat_max = 10000ull * scale;
-    bex_ctx_config cfg = {.local_addr = a1,
+    bex_ctx_config cfg = {.local_addr = bex_addr_ipv4(a1.s_addr, 0),
                           .keepalive_timeout_ms = ADV_KEEPALIVE_MS * adv_timer_scale(),
                           /* the server's setup deadline decides, not ours */
                           .connect_timeout_ms = 3 * adv_setup_ms(),
@@ -179,7 +179,7 @@ int adv_good_main(int rd, int wr, void *arg)
         adv_say(wr, "result fail bex_ctx_create: %s", bex_strerror(err));
         return 1;
     }
-    struct sockaddr_in srv = {.sin_family = AF_INET, .sin_port = htons(o->port), .sin_addr = a0};
+    bex_addr srv = {.in4 = {.sin_family = AF_INET, .sin_port = htons(o->port), .sin_addr = a0}};
     for (int i = 0; i < NSOCK; i++) {
         err = bex_sock_connect(ctx, &srv, &g_ops, &G.gs[i], &G.gs[i].s);
         if (err) {

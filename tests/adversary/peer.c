@@ -22,24 +22,24 @@ static void say_err(const char *what, int err)
 }
 
 /* A TCP connection from local to srv, blocking, with our port. */
-static int tcp_connect(struct in_addr local, const struct sockaddr_in *srv, uint16_t *lport)
+static int tcp_connect(struct in_addr local, const bex_addr *srv, uint16_t *lport)
 {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -errno;
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = local};
+    bex_addr me = {.in4 = {.sin_family = AF_INET, .sin_addr = local}};
     if (bind(fd, (struct sockaddr *)&me, sizeof me) ||
         connect(fd, (const struct sockaddr *)srv, sizeof *srv)) {
         int err = -errno;
         close(fd);
         return err;
     }
-    struct sockaddr_in got;
+    bex_addr got;
     socklen_t sl = sizeof got;
     getsockname(fd, (struct sockaddr *)&got, &sl);
-    *lport = ntohs(got.sin_port);
+    *lport = ntohs(got.in4.sin_port);
     return fd;
 }
 
@@ -146,12 +146,13 @@ static int setup_auth(struct adv_peer *p, int64_t dl)
         return rc;
     if ((rc = bex__auth_decode(m, len, BEX__AUTH_CHALLENGE, t.nonce_l)))
         return rc;
-    struct sockaddr_in me, them;
+    bex_addr me, them;
     socklen_t sl = sizeof me;
     getsockname(p->fd, (struct sockaddr *)&me, &sl);
     sl = sizeof them;
     getpeername(p->fd, (struct sockaddr *)&them, &sl);
-    bex__auth_ends(&t, me.sin_addr.s_addr, me.sin_port, them.sin_addr.s_addr, them.sin_port);
+    bex__auth_ends(&t, me.in4.sin_addr.s_addr, me.in4.sin_port, them.in4.sin_addr.s_addr,
+                   them.in4.sin_port);
     bex__auth_mac(key, BEX__AUTH_MAC_PROOF_C, &t, NULL, NULL, mac);
     bex__auth_encode(BEX__AUTH_PROOF, mac, m);
     if ((rc = bex__hello_write_all(p->fd, m, BEX__AUTH_SHORT_LEN, dl)))
@@ -182,7 +183,7 @@ static int setup_auth(struct adv_peer *p, int64_t dl)
     return rc < 0 ? rc : 0;
 }
 
-static int handshake(struct adv_peer *p, struct sockaddr_in const *srv, struct in_addr local)
+static int handshake(struct adv_peer *p, bex_addr const *srv, struct in_addr local)
 {
     int64_t dl = bex__hello_now_ms() + 10000 * (int64_t)adv_scale();
     int fd = tcp_connect(local, srv, &p->lport);
@@ -192,7 +193,7 @@ static int handshake(struct adv_peer *p, struct sockaddr_in const *srv, struct i
     return p->o.secret ? setup_auth(p, dl) : setup_plain(p, dl);
 }
 
-int adv_peer_open(struct adv_peer *p, struct in_addr local, const struct sockaddr_in *srv,
+int adv_peer_open(struct adv_peer *p, struct in_addr local, const bex_addr *srv,
                   const struct adv_peer_opts *o)
 {
     memset(p, 0, sizeof *p);

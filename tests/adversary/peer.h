@@ -88,7 +88,7 @@ struct adv_peer {
  * 0, or a negative errno (the server refused us or the setup failed: then
  * p->closed tells whether the server closed the TCP connection). On failure
  * the peer is still to be destroyed. */
-int adv_peer_open(struct adv_peer *p, struct in_addr local, const struct sockaddr_in *srv,
+int adv_peer_open(struct adv_peer *p, struct in_addr local, const bex_addr *srv,
                   const struct adv_peer_opts *o);
 void adv_peer_destroy(struct adv_peer *p);
 

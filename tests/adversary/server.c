@@ -365,7 +365,7 @@ int adv_server_main(int rd, int wr, void *arg)
     S.wr = wr;
     pthread_mutex_init(&S.mu, NULL);
     bex_ctx_config cfg = {
-        .local_addr = a0,
+        .local_addr = bex_addr_ipv4(a0.s_addr, 0),
         .keepalive_timeout_ms = ADV_KEEPALIVE_MS * adv_timer_scale(),
         .connect_timeout_ms = adv_setup_ms(),
         .qp_timeout = ADV_QP_TIMEOUT,
@@ -398,7 +398,7 @@ int adv_server_main(int rd, int wr, void *arg)
     for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++)
         canary_add(sz[i], 2000 + (uint32_t)i);
     S.ncan_main = S.ncan;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     bex_listener_ops lops = {.on_accept = srv_accept};
     err = bex_listen(S.ctx, &a, &lops, &S, &S.l);
     if (err) {
@@ -411,9 +411,9 @@ int adv_server_main(int rd, int wr, void *arg)
     S.fds_base = adv_fd_count();
     atomic_store(&S.rss_peak, adv_rss_kb());
     CHECK(pthread_create(&S.sampler, NULL, sampler_main, NULL) == 0);
-    struct sockaddr_in got;
+    bex_addr got;
     bex_listener_addr(S.l, &got);
-    adv_say(wr, "port %u", ntohs(got.sin_port));
+    adv_say(wr, "port %u", ntohs(got.in4.sin_port));
     for (;;) {
         char c = adv_get_cmd(rd, -1);
         if (c == 'r')

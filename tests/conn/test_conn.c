@@ -168,7 +168,7 @@ static void world_init(struct world *w)
     memset(w, 0, sizeof(*w));
     w->cfg = (bex_ctx_config){
         .transport = BEX_TRANSPORT_TCP,
-        .local_addr.s_addr = htonl(INADDR_LOOPBACK),
+        .local_addr = bex_addr_ipv4(htonl(INADDR_LOOPBACK), 0),
         .frag_size = 65536,
         .keepalive_ms = 100,
         .keepalive_timeout_ms = 2000,
@@ -209,7 +209,7 @@ static void world_listen(struct world *w)
     struct bex_listener *l = &w->l;
     l->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     CHECK(l->fd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)}};
     socklen_t sl = sizeof a;
     CHECK_OK(bind(l->fd, (struct sockaddr *)&a, sizeof a));
     CHECK_OK(listen(l->fd, 16));
@@ -351,7 +351,7 @@ static int refused(void)
     struct fake_stream f = {0};
     world_init(&w);
     world_listen(&w);
-    struct sockaddr_in to = w.l.addr;
+    bex_addr to = w.l.addr;
     bex__loop_unwatch(&w.io.loop, w.l.fd);
     close(w.l.fd);
     w.l.fd = -1;

@@ -86,7 +86,7 @@ static void run_up(struct run *r, const bex_ctx_config *sc, const bex_ctx_config
     r->cl = (struct local_cli){.w = &r->v.base.w};
     r->sctx = local_ctx(sc, addr0);
     r->cctx = local_ctx(cc, addr1);
-    struct sockaddr_in a;
+    bex_addr a;
     r->l = local_listen(r->sctx, addr0, &r->v.base, srv_recv, &a);
     bex_sock_ops ops = {.on_connect = local_cli_connect, .on_close = local_cli_closed};
     CHECK_OK(bex_sock_connect(r->cctx, &a, &ops, &r->cl, &r->s));
@@ -190,7 +190,7 @@ static void ifname_of(struct in_addr a, char *name, size_t cap)
     name[0] = 0;
     for (i = all; i; i = i->ifa_next)
         if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET &&
-            ((struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr == a.s_addr)
+            ((bex_addr *)i->ifa_addr)->in4.sin_addr.s_addr == a.s_addr)
             snprintf(name, cap, "%s", i->ifa_name);
     freeifaddrs(all);
     CHECK(name[0]);

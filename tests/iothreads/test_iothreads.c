@@ -38,7 +38,7 @@ static bex_ctx *ctx_new(struct in_addr a, uint32_t threads)
 
 /* ---- server: echo every message back on its socket ---- */
 
-static bex_listener *srv_listen(bex_ctx *ctx, struct local_srv *v, struct sockaddr_in *out)
+static bex_listener *srv_listen(bex_ctx *ctx, struct local_srv *v, bex_addr *out)
 {
     return local_listen(ctx, addr0, v, echo_srv_recv, out);
 }
@@ -69,7 +69,7 @@ static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
     waiter_add(c->base.w, &c->recvd, 1);
 }
 
-static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c)
+static bex_sock *cli_open(bex_ctx *ctx, const bex_addr *to, struct cli *c)
 {
     bex_sock_ops ops = {
         .on_connect = local_cli_connect, .on_recv = cli_recv, .on_close = local_cli_closed};
@@ -100,7 +100,7 @@ static int spread(void)
     PAIR_NEED(setup_addrs());
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 2), *cctx = ctx_new(addr1, 2);
-    struct sockaddr_in a0, a1;
+    bex_addr a0, a1;
     bex_listener *l0 = srv_listen(sctx, &v, &a0), *l1 = srv_listen(sctx, &v, &a1);
     struct cli c0 = {.base.w = &v.w}, c1 = {.base.w = &v.w};
     bex_sock *s0 = cli_open(cctx, &a0, &c0);
@@ -155,7 +155,7 @@ static long stall_run(uint32_t threads)
 {
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 2), *cctx = ctx_new(addr1, threads);
-    struct sockaddr_in a0, a1;
+    bex_addr a0, a1;
     bex_listener *l0 = srv_listen(sctx, &v, &a0), *l1 = srv_listen(sctx, &v, &a1);
     struct cli ca = {.base.w = &v.w, .block = true}, cb = {.base.w = &v.w};
     bex_sock *sa = cli_open(cctx, &a0, &ca);
@@ -223,7 +223,7 @@ static int many_run(uint32_t cq_max)
     CHECK_EQ(cctx->io[0].n_cq, 1);
     CHECK_EQ(cctx->io[0].cqs[0].cap, BEX__CQ_INITIAL);
     bex_listener *l[MANY];
-    struct sockaddr_in a[MANY];
+    bex_addr a[MANY];
     struct cli c[MANY];
     bex_sock *s[MANY];
     /* one after the other: 24 setups at once make each wait for the
@@ -327,7 +327,7 @@ static int early_open(void)
         return bex_test_skip("about RDMA traffic ahead of the TCP readiness notice");
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
-    struct sockaddr_in a0;
+    bex_addr a0;
     bex_listener *l0 = srv_listen(sctx, &v, &a0);
     struct cli busy = {.base.w = &v.w};
     bex_sock *bs = cli_open(cctx, &a0, &busy);
@@ -341,7 +341,7 @@ static int early_open(void)
      * at once: the message waits for the transport and goes right after
      * the client's readiness notice */
     bex_listener *l[EARLY_CONNS];
-    struct sockaddr_in a[EARLY_CONNS];
+    bex_addr a[EARLY_CONNS];
     struct cli c[EARLY_CONNS];
     bex_sock *s[EARLY_CONNS];
     for (int i = 0; i < EARLY_CONNS; i++) {
@@ -387,7 +387,7 @@ static int ready_list(void)
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
     bex_listener *l[IDLE_CONNS + 1];
-    struct sockaddr_in a[IDLE_CONNS + 1];
+    bex_addr a[IDLE_CONNS + 1];
     struct cli c[IDLE_CONNS + 1];
     bex_sock *s[IDLE_CONNS + 1];
     for (int i = 0; i <= IDLE_CONNS; i++) { /* one after the other, as in many */
@@ -444,7 +444,7 @@ static int echo_visits(void)
     PAIR_NEED(setup_addrs());
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
-    struct sockaddr_in a;
+    bex_addr a;
     bex_listener *l = srv_listen(sctx, &v, &a);
     struct cli c = {.base.w = &v.w};
     bex_sock *s = cli_open(cctx, &a, &c);
@@ -497,7 +497,7 @@ static int idle_visits(void)
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
     bex_listener *l[IDLE_CONNS];
-    struct sockaddr_in a[IDLE_CONNS];
+    bex_addr a[IDLE_CONNS];
     struct cli c[IDLE_CONNS];
     bex_sock *s[IDLE_CONNS];
     for (int i = 0; i < IDLE_CONNS; i++) { /* one after the other, as in many */
@@ -546,7 +546,7 @@ static int idle_ticks(void)
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
     bex_listener *l[IDLE_CONNS];
-    struct sockaddr_in a[IDLE_CONNS];
+    bex_addr a[IDLE_CONNS];
     struct cli c[IDLE_CONNS];
     bex_sock *s[IDLE_CONNS];
     for (int i = 0; i < IDLE_CONNS; i++) { /* one after the other, as in many */
@@ -617,7 +617,7 @@ static long idle_run(uint32_t threads, uint32_t smode, uint32_t cmode, unsigned 
     struct local_srv v = {.w = WAITER_INIT};
     bex_ctx *sctx = ctx_new_mode(addr0, threads, smode);
     bex_ctx *cctx = ctx_new_mode(addr1, threads, cmode);
-    struct sockaddr_in a0;
+    bex_addr a0;
     bex_listener *l0 = srv_listen(sctx, &v, &a0);
     struct cli c = {.base.w = &v.w};
     bex_sock *s = cli_open(cctx, &a0, &c);

@@ -7,7 +7,9 @@
 # CMake package in -dev; bex-ps, bex-info and the systemd unit in bex-ps,
 # which depend on libbex0 of the same version); the unit starts
 # /usr/bin/bex-ps and stops it with SIGTERM (its drain); the programs
-# unpacked with the library run (--version).
+# unpacked with the library run (--version); bex-ps started from the
+# unpacked packages by the unit's own ExecStart line answers /healthz and
+# /ready and stops with status 0 on the unit's KillSignal.
 #   test_deb.sh BUILD_DIR VERSION
 set -euo pipefail
 build=$1
@@ -78,4 +80,40 @@ for p in bex-ps bex-info; do
     out=$(LD_LIBRARY_PATH=$root/usr/lib "$root/usr/bin/$p" --version) || fail "$p --version failed"
     [ "$out" = "$p $version" ] || fail "$p --version printed '$out'"
 done
-echo "test_deb: ok ($(cat "$tmp"/*.files | wc -l) paths in 3 packages)"
+
+# Start bex-ps as the unit would: its ExecStart line, from the unpacked
+# package, with the unit's KillSignal, and BEX_PS_OPTS as an
+# /etc/default/bex-ps would give them (a one-shard cluster on loopback);
+# /healthz and /ready must answer 200, and SIGTERM must end it with 0.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port=$(free_port) mport=$(free_port)
+printf '{"services":{"ps":{"shards":[{"replicas":[{"addr":"127.0.0.1:%s","transport":"tcp"}]}]}}}\n' \
+    "$port" >"$tmp/cluster.json"
+BEX_PS_OPTS="--cluster $tmp/cluster.json --shard all --table 1:4:sgd:0.1 --transport tcp --metrics-port $mport --no-catchup"
+exec_start=$(sed -n 's/^ExecStart=//p' "$unit")
+cmd=${exec_start//\$BEX_PS_OPTS/$BEX_PS_OPTS}
+cmd=${cmd/\/usr\/bin\//$root/usr/bin/}
+LD_LIBRARY_PATH=$root/usr/lib $cmd >"$tmp/ps.out" 2>&1 &
+pid=$!
+code=000
+for _ in $(seq 100); do
+    code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/healthz" || true)
+    [ "$code" = 200 ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+done
+[ "$code" = 200 ] || { cat "$tmp/ps.out" >&2; kill "$pid" 2>/dev/null; fail "/healthz answered $code"; }
+ready=000
+for _ in $(seq 100); do
+    ready=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/ready" || true)
+    [ "$ready" = 200 ] && break
+    sleep 0.1
+done
+[ "$ready" = 200 ] || { cat "$tmp/ps.out" >&2; kill "$pid"; fail "/ready answered $ready"; }
+sig=$(sed -n 's/^KillSignal=SIG//p' "$unit")
+kill -s "$sig" "$pid"
+rc=0
+wait "$pid" || rc=$?
+[ "$rc" = 0 ] || { cat "$tmp/ps.out" >&2; fail "bex-ps exited $rc after SIG$sig"; }
+grep -q '^bex-ps: stopped' "$tmp/ps.out" || { cat "$tmp/ps.out" >&2; fail "bex-ps did not say stopped"; }
+echo "test_deb: ok ($(cat "$tmp"/*.files | wc -l) paths in 3 packages; bex-ps from the unit's ExecStart served /healthz and stopped on SIG$sig)"

@@ -116,11 +116,11 @@ static inline void srv_child(int wfd, int rfd, void *arg)
         CHECK_OK(bex_ps_shard_register(sv.ps, sv.srv, sv.ctx));
     }
     CHECK_OK(bex_rpc_server_register(sv.srv, SVC_T, M_STATS, 0, h_stats, NULL));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     CHECK_OK(bex_rpc_server_listen(sv.srv, &la));
-    struct sockaddr_in got;
+    bex_addr got;
     bex_rpc_server_addr(sv.srv, &got);
-    CHECK(write(wfd, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
     char q;
     ssize_t r = read(rfd, &q, 1); /* until the parent says so, or is gone */
     (void)r;

@@ -28,7 +28,7 @@ static const float LR = 0.1f, GRAD = 0.5f;
 
 struct setup {
     char dir[64], cluster[128];
-    struct sockaddr_in addr; /* the replica's */
+    bex_addr addr; /* the replica's */
     const char *args[16];
 };
 
@@ -51,7 +51,7 @@ static void setup_make(struct setup *s)
                      ip, port);
     CHECK(n > 0 && (size_t)n < sizeof j);
     write_file(s->cluster, j, (size_t)n);
-    s->addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0, .sin_port = htons(port)};
+    s->addr = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a0, .sin_port = htons(port)}};
     const char *args[] = {"--cluster",
                           s->cluster,
                           "--shard",

@@ -128,7 +128,7 @@ static int shard0_keys(uint64_t *keys, int *idx, struct ref *ref)
 /* The peer's RPC server on a0: h answers COPY (user: the peer's context),
  * or with h NULL the shard's own methods; its address into *addr. */
 static bex_rpc_server *peer_server(bex_ctx *pctx, struct in_addr a0, bex_ps_shard *shard,
-                                   bex_rpc_handler h, struct sockaddr_in *addr)
+                                   bex_rpc_handler h, bex_addr *addr)
 {
     bex_rpc_server *srv;
     CHECK_OK(bex_rpc_server_create(pctx, NULL, &srv));
@@ -136,7 +136,7 @@ static bex_rpc_server *peer_server(bex_ctx *pctx, struct in_addr a0, bex_ps_shar
         CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, h, pctx));
     else
         CHECK_OK(bex_ps_shard_register(shard, srv, pctx));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     CHECK_OK(bex_rpc_server_listen(srv, &la));
     bex_rpc_server_addr(srv, addr);
     return srv;
@@ -297,10 +297,10 @@ static int t_replay(void)
     bex_ctx *pctx, *rctx;
     PAIR_NEED(lib_ctxs(&a0, &pctx, &rctx));
     bex_ps_shard *peer = shard0(0, NULL), *rs = shard0(BEX_PS_SHARD_CATCHUP, NULL);
-    bex_rpc_endpoint eps[2] = {{.addr = {.sin_family = AF_INET,
-                                         .sin_addr = a0,
-                                         .sin_port = htons(free_port())}}, /* nobody */
-                               {.addr = {0}}};
+    bex_rpc_endpoint eps[2] = {{.addr = {.in4 = {.sin_family = AF_INET,
+                                                 .sin_addr = a0,
+                                                 .sin_port = htons(free_port())}}}, /* nobody */
+                               {.locality = NULL}};
     bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &eps[1].addr);
 
     /* Push q (1..7) of client 0xc1: its rows move by its grads */
@@ -427,7 +427,7 @@ static int t_stale(void)
     bex_ctx *pctx, *rctx;
     PAIR_NEED(lib_ctxs(&a0, &pctx, &rctx));
     bex_ps_shard *peer = shard0(0, NULL), *rs = shard0(BEX_PS_SHARD_CATCHUP, NULL);
-    bex_rpc_endpoint ep = {.addr = {0}};
+    bex_rpc_endpoint ep = {.addr = {.sa = {0}}};
     bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &ep.addr);
     uint64_t keys[NK];
     int idx[NK];
@@ -506,7 +506,7 @@ static int t_behind(void)
 static struct {
     bex_ctx *ctx;
     bex_ps_shard *shard;
-    struct sockaddr_in addr;
+    bex_addr addr;
     bex_rpc_server *srv;
 } late;
 
@@ -542,7 +542,7 @@ static int t_peer_late(void)
     for (int q = 2; q <= 3; q++)
         push_to(rs, rctx, &P, q);
     late.addr =
-        (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0, .sin_port = htons(free_port())};
+        (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a0, .sin_port = htons(free_port())}};
     bex_rpc_endpoint ep = {.addr = late.addr};
     pthread_t th;
     CHECK(pthread_create(&th, NULL, late_listen, NULL) == 0);
@@ -594,7 +594,7 @@ static void *pusher(void *arg)
          * reference; replica 1 must end up with it too */
         bool r1_failed = false;
         for (size_t k = 0; k < nres; k++) {
-            bool is_r1 = ntohs(res[k].addr.sin_port) == pu.ports[res[k].shard][1];
+            bool is_r1 = ntohs(res[k].addr.in4.sin_port) == pu.ports[res[k].shard][1];
             if (!is_r1)
                 CHECK_OK(res[k].status);
             else if (res[k].status)
@@ -826,7 +826,7 @@ static void fake_start(uint16_t port)
     CHECK_OK(bex_ctx_create(&c, &fk.ctx));
     CHECK_OK(bex_rpc_server_create(fk.ctx, NULL, &fk.srv));
     CHECK_OK(bex_rpc_server_register(fk.srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, fake_copy, NULL));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a, .sin_port = htons(port)};
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a, .sin_port = htons(port)}};
     CHECK_OK(bex_rpc_server_listen(fk.srv, &la));
 }
 

@@ -248,7 +248,7 @@ static void *push_rpc_body(bex_ctx *ctx, const struct who *w, size_t *len)
 /* Pushes of 10 new clients on one channel (one RPC connection) of ctx to
  * addr, 100 a client id from base: how many were refused -EAGAIN (the
  * others: 0). */
-static int new_clients_on(bex_ctx *ctx, const struct sockaddr_in *addr, uint64_t base)
+static int new_clients_on(bex_ctx *ctx, const bex_addr *addr, uint64_t base)
 {
     bex_rpc_endpoint ep = {.addr = *addr};
     bex_rpc_channel_config cc = {.endpoints = &ep,
@@ -287,7 +287,7 @@ static int t_per_conn(void)
     bex_rpc_server *srv;
     CHECK_OK(bex_rpc_server_create(sctx, NULL, &srv));
     CHECK_OK(bex_ps_shard_register(s, srv, sctx));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     CHECK_OK(bex_rpc_server_listen(srv, &la));
     bex_rpc_server_addr(srv, &la);
     CHECK_EQ(new_clients_on(cctx, &la, 0x70000), 2);

@@ -102,8 +102,9 @@ static int mute_listener(uint16_t port)
     CHECK(fd >= 0);
     int one = 1;
     CHECK(setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) == 0);
-    struct sockaddr_in a = {
-        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    bex_addr a = {.in4 = {.sin_family = AF_INET,
+                          .sin_port = htons(port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)}};
     CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
     CHECK(listen(fd, 16) == 0);
     return fd;
@@ -241,4 +242,50 @@ static int t_drain(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"serving", t_serving}, {"catching_up", t_catching_up}, {"drain", t_drain})
+/* --primary-backup: /ready names each shard's role (issue 27 item 6):
+ * replica 0 "shard0: primary" (and shard1), replica 1 "shard0: backup". */
+static int t_roles(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char tmpl[] = "/tmp/bex-ps-health-XXXXXX";
+    char cluster[128], url[2][128];
+    tmp_cluster(tmpl, cluster, sizeof cluster, 2, NULL);
+    pid_t pid[2];
+    for (int r = 0; r < 2; r++) {
+        const char *args[] = {"--cluster",
+                              cluster,
+                              "--shard",
+                              "all",
+                              "--replica",
+                              r ? "1" : "0",
+                              "--table",
+                              "1:8:sgd:0.1",
+                              "--transport",
+                              "tcp",
+                              "--metrics-port",
+                              "0",
+                              "--no-catchup",
+                              "--primary-backup",
+                              NULL};
+        pid[r] = bex_ps_start(args, url[r], sizeof url[r]);
+    }
+    for (int r = 0; r < 2; r++) {
+        char path[160], *text;
+        snprintf(path, sizeof path, "%.*s/ready", (int)(strlen(url[r]) - strlen("/metrics")),
+                 url[r]);
+        CHECK_EQ(http_get(path, &text), 200);
+        fprintf(stderr, "replica %d /ready: %s", r, text);
+        CHECK(strcmp(text, r ? "ready\nshard0: backup\nshard1: backup\n"
+                             : "ready\nshard0: primary\nshard1: primary\n") == 0);
+        free(text);
+    }
+    for (int r = 0; r < 2; r++)
+        term_bex_ps(pid[r]);
+    unlink(cluster);
+    CHECK(rmdir(tmpl) == 0);
+    return 0;
+}
+
+BEX_TEST_MAIN({"serving", t_serving}, {"catching_up", t_catching_up}, {"drain", t_drain},
+              {"roles", t_roles})

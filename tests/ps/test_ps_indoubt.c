@@ -30,7 +30,7 @@ static bex_ctx *ctx_new(void)
 {
     bex_ctx_config c = {
         .transport = BEX_TRANSPORT_TCP, .keepalive_timeout_ms = 60000, .connect_timeout_ms = 10000};
-    inet_pton(AF_INET, "127.0.0.1", &c.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &c.local_addr);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&c, &ctx));
     return ctx;
@@ -85,11 +85,11 @@ static void side_start(struct side *sd, bool restore)
         CHECK_OK(bex_rpc_server_register(sd->srv, BEX_PS_SERVICE, BEX_PS_M_PUSH, 0, h_push, sd));
     else
         CHECK_OK(bex_ps_shard_register(sd->cur, sd->srv, sd->ctx));
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    bex_addr a = {.in4 = {.sin_family = AF_INET}};
+    inet_pton(AF_INET, "127.0.0.1", &a.in4.sin_addr);
     CHECK_OK(bex_rpc_server_listen(sd->srv, &a));
     bex_rpc_server_addr(sd->srv, &a);
-    sd->port = ntohs(a.sin_port);
+    sd->port = ntohs(a.in4.sin_port);
 }
 
 static void side_stop(struct side *sd)

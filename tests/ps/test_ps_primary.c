@@ -47,7 +47,7 @@ struct pb {
     bex_ctx *bctx[NREP]; /* the backups' (as processes of their own); [0] unused */
     bex_ps_shard *s[NREP];
     bex_rpc_server *srv[NREP];
-    struct sockaddr_in addr[NREP];
+    bex_addr addr[NREP];
     bex_dir *dir;
 };
 
@@ -65,8 +65,8 @@ static void replica_start(struct pb *p, int r, struct in_addr a0, const bex_ps_s
     CHECK_OK(bex_ps_shard_create(pc, &p->s[r]));
     CHECK_OK(bex_rpc_server_create(ctx, NULL, &p->srv[r]));
     CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], ctx));
-    if (!p->addr[r].sin_port)
-        p->addr[r] = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0};
+    if (!p->addr[r].in4.sin_port)
+        p->addr[r] = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     CHECK_OK(bex_rpc_server_listen(p->srv[r], &p->addr[r]));
     bex_rpc_server_addr(p->srv[r], &p->addr[r]);
 }
@@ -78,9 +78,9 @@ static bex_dir *dir_of(const struct pb *p)
     size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
     for (int r = 0; r < NREP; r++) {
         char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &p->addr[r].sin_addr, ip, sizeof ip);
+        inet_ntop(AF_INET, &p->addr[r].in4.sin_addr, ip, sizeof ip);
         o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"%s:%u\"}", r ? "," : "", ip,
-                              ntohs(p->addr[r].sin_port));
+                              ntohs(p->addr[r].in4.sin_port));
     }
     o += (size_t)snprintf(j + o, sizeof j - o, "]}]}}}");
     CHECK(o < sizeof j);
@@ -599,7 +599,7 @@ static void backup2_restart(struct pb *p)
                               .n_tables = 2,
                               .role = BEX_PS_ROLE_BACKUP,
                               .flags = BEX_PS_SHARD_CATCHUP};
-    replica_start(p, 2, p->addr[2].sin_addr, &pc);
+    replica_start(p, 2, p->addr[2].in4.sin_addr, &pc);
     bex_rpc_endpoint peer = {.addr = p->addr[0]};
     bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
     CHECK_OK(bex_ps_shard_catchup(p->s[2], p->bctx[2], &cc));

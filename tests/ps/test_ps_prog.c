@@ -204,7 +204,7 @@ static int t_replica_restart(void)
     bex_dir_replica reps[2];
     for (size_t i = 0; i < nres; i++) {
         CHECK_EQ(bex_dir_replicas(d, "ps", res[i].shard, reps, 2), 2);
-        int is_r1 = res[i].addr.sin_port == reps[1].addr.sin_port;
+        int is_r1 = res[i].addr.in4.sin_port == reps[1].addr.in4.sin_port;
         CHECK_EQ(is_r1, (int)(i % 2));
         CHECK(is_r1 ? res[i].status != 0 : res[i].status == 0);
     }
@@ -219,7 +219,7 @@ static int t_replica_restart(void)
         bex_dir_replica r0[2], r1[2];
         CHECK_EQ(bex_dir_replicas(d, "ps", 0, r0, 2), 2);
         CHECK_EQ(bex_dir_replicas(d, "ps", 1, r1, 2), 2);
-        bex_dir *d1 = dir_of_ports(ntohs(r0[1].addr.sin_port), ntohs(r1[1].addr.sin_port));
+        bex_dir *d1 = dir_of_ports(ntohs(r0[1].addr.in4.sin_port), ntohs(r1[1].addr.in4.sin_port));
         bex_ps_client *p1 = client_of(ctx, d1);
         CHECK_OK(bex_ps_fetch_sync(p1, 1, 8, keys, NK, now));
         CHECK(memcmp(had, now, sizeof had) == 0);
@@ -330,7 +330,7 @@ static int t_etcd(void)
         bex_dir_replica rp;
         CHECK_EQ(bex_dir_replicas(d, "ps", s, &rp, 1), 1);
         CHECK(strcmp(rp.locality, "dc1/pod7") == 0);
-        CHECK(rp.addr.sin_addr.s_addr == htonl(INADDR_LOOPBACK) && rp.addr.sin_port != 0);
+        CHECK(rp.addr.in4.sin_addr.s_addr == htonl(INADDR_LOOPBACK) && rp.addr.in4.sin_port != 0);
     }
     bex_ctx *ctx = client_ctx();
     bex_ps_client_config cc = {.dir = d,

@@ -39,9 +39,10 @@ static bex_dir *dir_pick(const struct cluster *cl, const int *pick)
             if (pick[s] >= 0 && pick[s] != r)
                 continue;
             char ip[INET_ADDRSTRLEN];
-            inet_ntop(AF_INET, &cl->sp[s][r].addr.sin_addr, ip, sizeof ip);
+            inet_ntop(AF_INET, &cl->sp[s][r].addr.in4.sin_addr, ip, sizeof ip);
             o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"%s:%u\",\"locality\":\"%s\"}",
-                                  first ? "" : ",", ip, ntohs(cl->sp[s][r].addr.sin_port), LOC[r]);
+                                  first ? "" : ",", ip, ntohs(cl->sp[s][r].addr.in4.sin_port),
+                                  LOC[r]);
             first = 0;
         }
         o += (size_t)snprintf(j + o, sizeof j - o, "]}");
@@ -80,9 +81,9 @@ static void fetch_pick(bex_ctx *ctx, const struct cluster *cl, const int *pick,
     bex_dir_destroy(d);
 }
 
-static int same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
+static int same_addr(const bex_addr *a, const bex_addr *b)
 {
-    return a->sin_addr.s_addr == b->sin_addr.s_addr && a->sin_port == b->sin_port;
+    return a->in4.sin_addr.s_addr == b->in4.sin_addr.s_addr && a->in4.sin_port == b->in4.sin_port;
 }
 
 /* Push grads for idx[0..n) of table r->t with a report: status 0, and one

@@ -10,17 +10,17 @@
 #include "harness.h"
 #include "rpc/dir_internal.h"
 
-static inline struct sockaddr_in A(const char *s) {
-    struct sockaddr_in a;
-    CHECK(bex__dir_parse_addr(s, &a) == 0);
+static inline bex_addr A(const char *s)
+{
+    bex_addr a;
+    CHECK(bex__dir_parse_addr(s, &a, NULL, 0) == 0);
     return a;
 }
 
 /* The directory's node at addr (it must be there). */
-static inline struct bex__dir_node *
-node(bex_dir *d, const char *addr)
+static inline struct bex__dir_node *node(bex_dir *d, const char *addr)
 {
-    struct sockaddr_in a = A(addr);
+    bex_addr a = A(addr);
     struct bex__dir_node *n = bex__dir_node_find(d, &a);
     CHECK(n);
     return n;
@@ -28,7 +28,7 @@ node(bex_dir *d, const char *addr)
 
 static inline bex_dir_node_stats stats(bex_dir *d, const char *addr)
 {
-    struct sockaddr_in a = A(addr);
+    bex_addr a = A(addr);
     bex_dir_node_stats s;
     CHECK_OK(bex_dir_node_stats_get(d, &a, &s));
     return s;

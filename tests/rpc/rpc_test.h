@@ -267,12 +267,12 @@ static void srv_child(int wfd, int rfd, void *arg)
     CHECK(bex_rpc_server_register(ts.srv, SVC, M_ECHO, 0, h_echo, NULL) == -EEXIST);
     pthread_t worker;
     CHECK(pthread_create(&worker, NULL, worker_main, NULL) == 0);
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     CHECK_OK(bex_rpc_server_listen(ts.srv, &la));
-    struct sockaddr_in got;
+    bex_addr got;
     bex_rpc_server_addr(ts.srv, &got);
-    CHECK(got.sin_port != 0);
-    CHECK(write(wfd, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    CHECK(got.in4.sin_port != 0);
+    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
     char q;
     ssize_t r = read(rfd, &q, 1); /* until the parent says so, or is gone */
     (void)r;
@@ -461,12 +461,12 @@ static inline void dir_load_ps(bex_dir *d, const struct srv_proc *sps, size_t n,
     int o = snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
     for (size_t i = 0; i < n; i++) {
         char ip[INET_ADDRSTRLEN], tr[64] = "";
-        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip, sizeof ip);
+        inet_ntop(AF_INET, &sps[i].addr.in4.sin_addr, ip, sizeof ip);
         if (transport)
             snprintf(tr, sizeof tr, ",\"transport\":\"%s\"", transport);
         o += snprintf(j + o, sizeof j - (size_t)o,
                       "%s{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod%d\"%s}", i ? "," : "", ip,
-                      ntohs(sps[i].addr.sin_port), pod + (int)i, tr);
+                      ntohs(sps[i].addr.in4.sin_port), pod + (int)i, tr);
         CHECK(o > 0 && (size_t)o < sizeof j);
     }
     o += snprintf(j + o, sizeof j - (size_t)o, "]}]}}}");

@@ -82,13 +82,13 @@ static int t_parse_good(void)
     bex_dir_replica r[4];
     CHECK_EQ(bex_dir_replicas(d, "ps", 0, r, 4), 3);
     /* listed order */
-    CHECK(r[0].addr.sin_addr.s_addr == A("10.0.0.1:1").sin_addr.s_addr);
-    CHECK_EQ(ntohs(r[0].addr.sin_port), 7000);
+    CHECK(r[0].addr.in4.sin_addr.s_addr == A("10.0.0.1:1").in4.sin_addr.s_addr);
+    CHECK_EQ(ntohs(r[0].addr.in4.sin_port), 7000);
     CHECK(!strcmp(r[0].locality, "dc1/pod1") && r[0].transport == BEX_TRANSPORT_AUTO);
     CHECK(!strcmp(r[1].locality, "dc1/pod2") && r[1].transport == BEX_TRANSPORT_TCP);
     CHECK(!strcmp(r[2].locality, "dc2/pod1") && r[2].transport == BEX_TRANSPORT_RDMA);
     CHECK_EQ(bex_dir_replicas(d, "ps", 1, r, 4), 1);
-    CHECK(ntohs(r[0].addr.sin_port) == 7001 && r[0].locality[0] == 0);
+    CHECK(ntohs(r[0].addr.in4.sin_port) == 7001 && r[0].locality[0] == 0);
     CHECK_EQ(bex_dir_replicas(d, "ps", 2, r, 4), 0);
     CHECK_EQ(bex_dir_replicas(d, "ranker", 0, r, 4), 1);
     CHECK(!strcmp(r[0].locality, "dc1"));
@@ -189,7 +189,7 @@ static int port_of(struct bex__dir_node *n)
 {
     bex_dir_replica r;
     bex__dir_node_info(cur_dir, n, &r);
-    return ntohs(r.addr.sin_port);
+    return ntohs(r.addr.in4.sin_port);
 }
 
 /* pick and end the call at once; the port picked */
@@ -251,12 +251,12 @@ static int t_choice_locality(void)
     CHECK_EQ(bex__dir_pick_node(d, "nope", 0, "dc1/pod2", NULL, NULL, t, &n), -ENOENT);
     /* the public pick with an address to avoid */
     bex_dir_replica r;
-    struct sockaddr_in a3 = A("10.0.0.1:3");
+    bex_addr a3 = A("10.0.0.1:3");
     CHECK_OK(bex_dir_pick(d, "ps", 0, "dc1/pod2", &a3, &r));
-    CHECK_EQ(ntohs(r.addr.sin_port), 2); /* same dc next */
+    CHECK_EQ(ntohs(r.addr.in4.sin_port), 2); /* same dc next */
     bex_dir_report(d, &r.addr, BEX_DIR_DONE, 1);
     CHECK_OK(bex_dir_pick(d, "ps", 0, "dc1/pod2", NULL, &r));
-    CHECK_EQ(ntohs(r.addr.sin_port), 3);
+    CHECK_EQ(ntohs(r.addr.in4.sin_port), 3);
     bex_dir_report(d, &r.addr, BEX_DIR_DONE, 1);
     CHECK_EQ(stats(d, "10.0.0.1:2").outstanding, 0);
     bex_dir_destroy(d);
@@ -512,15 +512,55 @@ static int t_quarantine_never_all(void)
     CHECK(strstr(buf, "bex_dir_node_state{node=\"10.0.0.1:3\"} 0\n"));
     CHECK(strstr(buf, "bex_dir_node_outstanding{node=\"10.0.0.1:2\"} 0\n"));
     free(buf);
-    struct sockaddr_in unknown = A("10.9.9.9:9");
+    bex_addr unknown = A("10.9.9.9:9");
     bex_dir_node_stats ns;
     CHECK_EQ(bex_dir_node_stats_get(d, &unknown, &ns), -ENOENT);
     bex_dir_destroy(d);
     return 0;
 }
 
+/* Addresses by name and IPv6 (issue 27 item 7): "localhost" (in every
+ * /etc/hosts) resolves, "[::1]:p" is IPv6, an IPv6 address shows as
+ * "[v6]:port" in the metrics' node label, and an unknown name fails the
+ * load naming it, the contents unchanged. */
+static int t_parse_names(void)
+{
+    bex_dir *d = mkdir_cfg(0, 0, 0, 0);
+    char err[256] = "";
+    int rc = bex_dir_load_json(d,
+                               "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
+                               "{\"addr\":\"localhost:7000\"},{\"addr\":\"[::1]:7001\"}]}]}}}",
+                               err, sizeof err);
+    if (rc)
+        fprintf(stderr, "load: %s\n", err);
+    CHECK_OK(rc);
+    bex_dir_replica r[4];
+    CHECK_EQ(bex_dir_replicas(d, "ps", 0, r, 4), 2);
+    CHECK(bex_addr_valid(&r[0].addr) && bex_addr_port(&r[0].addr) == 7000);
+    CHECK_EQ(r[1].addr.sa.sa_family, AF_INET6);
+    CHECK(IN6_IS_ADDR_LOOPBACK(&r[1].addr.in6.sin6_addr) && bex_addr_port(&r[1].addr) == 7001);
+    bex_dir_replica got;
+    CHECK_OK(bex_dir_pick(d, "ps", 0, NULL, &r[0].addr, &got));
+    CHECK(bex_addr_equal(&got.addr, &r[1].addr)); /* the other one: r[0] avoided */
+    bex_dir_report(d, &got.addr, BEX_DIR_OK, 1);
+    char text[8192];
+    CHECK(bex_dir_prometheus(d, text, sizeof text) < (int)sizeof text);
+    CHECK(strstr(text, "node=\"[::1]:7001\""));
+    CHECK_EQ(bex_dir_load_json(d,
+                               "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
+                               "{\"addr\":\"bex-none.invalid:7000\"}]}]}}}",
+                               err, sizeof err),
+             -EINVAL);
+    fprintf(stderr, "unknown name: %s\n", err);
+    CHECK(strstr(err, "bex-none.invalid") && strstr(err, "replicas[0].addr"));
+    CHECK_EQ(bex_dir_replicas(d, "ps", 0, r, 4), 2); /* unchanged */
+    bex_dir_destroy(d);
+    return 0;
+}
+
 BEX_TEST_MAIN({"parse_good", t_parse_good}, {"parse_bad", t_parse_bad},
-              {"choice_locality", t_choice_locality}, {"choice_spread", t_choice_spread},
+              {"parse_names", t_parse_names}, {"choice_locality", t_choice_locality},
+              {"choice_spread", t_choice_spread},
               {"choice_skips_quarantined", t_choice_skips_quarantined},
               {"quarantine_start", t_quarantine_start}, {"quarantine_lift", t_quarantine_lift},
               {"quarantine_never_all", t_quarantine_never_all})

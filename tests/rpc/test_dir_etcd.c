@@ -165,9 +165,7 @@ static pid_t fork_registrant(const char *url, uint16_t port, const char *loc, in
         char g;
         if (read(gfd[0], &g, 1) != 1)
             _exit(1);
-        bex_dir_replica self = {.addr = {.sin_family = AF_INET,
-                                         .sin_port = htons(port),
-                                         .sin_addr.s_addr = htonl(INADDR_LOOPBACK)}};
+        bex_dir_replica self = {.addr = bex_addr_loopback4(port)};
         snprintf(self.locality, sizeof self.locality, "%s", loc);
         bex_dir_registration *reg = NULL;
         char err[256] = "";
@@ -234,7 +232,7 @@ static bool has_port(bex_dir *d, uint16_t port, const char *loc)
     bex_dir_replica r[8];
     size_t n = bex_dir_replicas(d, "ps", 0, r, 8);
     for (size_t i = 0; i < n && i < 8; i++)
-        if (ntohs(r[i].addr.sin_port) == port && (!loc || !strcmp(r[i].locality, loc)))
+        if (ntohs(r[i].addr.in4.sin_port) == port && (!loc || !strcmp(r[i].locality, loc)))
             return true;
     return false;
 }
@@ -301,11 +299,8 @@ static int t_watch(void)
     CHECK_EQ(bex_dir_replicas(d, "ps", 0, NULL, 0), 2);
     /* a registration made now shows through the watch (not the first
      * read), and a revoked one goes at once */
-    bex_dir_replica self = {.addr = {.sin_family = AF_INET,
-                                     .sin_port = htons(7003),
-                                     .sin_addr.s_addr = htonl(INADDR_LOOPBACK)},
-                            .locality = "dc2/pod1",
-                            .transport = 2};
+    bex_dir_replica self = {
+        .addr = bex_addr_loopback4(7003), .locality = "dc2/pod1", .transport = 2};
     bex_dir_registration *reg;
     CHECK_OK(bex_dir_register_etcd(url, NULL, "ps", 0, &self, 30, err, sizeof err, &reg));
     CHECK(wait_n(d, 3, 3000 * scale) >= 0);
@@ -333,7 +328,7 @@ static int t_watch(void)
     /* the directory's choice follows etcd: only the survivor is picked */
     for (int i = 0; i < 10; i++) {
         CHECK_OK(bex_dir_pick(d, "ps", 0, "dc1/pod1", NULL, &r[0]));
-        CHECK_EQ(ntohs(r[0].addr.sin_port), 7002);
+        CHECK_EQ(ntohs(r[0].addr.in4.sin_port), 7002);
         bex_dir_report(d, &r[0].addr, BEX_DIR_OK, 1);
     }
     /* the other server dies too: the shard empties */

@@ -541,8 +541,8 @@ static bex_rpc_endpoint_stats ep_stats(bex_rpc_channel *ch, const struct srv_pro
     size_t n = bex_rpc_channel_endpoint_stats(ch, es, 4);
     CHECK(n <= 4);
     for (size_t i = 0; i < n; i++)
-        if (es[i].addr.sin_addr.s_addr == sp->addr.sin_addr.s_addr &&
-            es[i].addr.sin_port == sp->addr.sin_port)
+        if (es[i].addr.in4.sin_addr.s_addr == sp->addr.in4.sin_addr.s_addr &&
+            es[i].addr.in4.sin_port == sp->addr.in4.sin_port)
             return es[i];
     CHECK(!"no endpoint for the server");
     return es[0];
@@ -583,7 +583,7 @@ static int t_send_fails(void)
     bex_dir_node_stats b0 = nstats(d, &sp[1]);
     CHECK_EQ(b0.conn_failures, 0);
     bex__rpc_send_hook(fail_under_send);
-    atomic_store(&fail_port, ntohs(sp[1].addr.sin_port));
+    atomic_store(&fail_port, ntohs(sp[1].addr.in4.sin_port));
     uint64_t took;
     int rc = echo(ctx, ch, 1, &took);
     fprintf(stderr, "send_fails: %s after %llu ms\n", bex_strerror(rc), (unsigned long long)took);
@@ -639,7 +639,7 @@ static int t_into_conn_lift(void)
     bex_dir *d = mkdir2(sp);
     bex_rpc_channel *ch = chan_dir(ctx, d);
     int rule = fn_add(&(struct fn_rule){.side = FN_CLIENT,
-                                        .port = ntohs(sp[0].addr.sin_port),
+                                        .port = ntohs(sp[0].addr.in4.sin_port),
                                         .dir = FN_TX,
                                         .kind = BEX__RPC_REQUEST,
                                         .action = FN_FAIL_BEFORE,

@@ -189,8 +189,8 @@ static int t_kill(void)
     bex_rpc_endpoint_stats es[4];
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 4), 2);
     for (int i = 0; i < 2; i++) {
-        int k = es[i].addr.sin_port == sp[0].addr.sin_port ? 0 : 1;
-        CHECK(es[i].addr.sin_port == sp[k].addr.sin_port);
+        int k = es[i].addr.in4.sin_port == sp[0].addr.in4.sin_port ? 0 : 1;
+        CHECK(es[i].addr.in4.sin_port == sp[k].addr.in4.sin_port);
         CHECK(!strcmp(es[i].locality, k ? "dc1/pod2" : "dc1/pod1"));
         CHECK(es[i].attempts >= 1);
         if (k == 0)
@@ -222,11 +222,11 @@ static int t_empty(void)
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     CHECK_EQ(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL), -EHOSTUNREACH);
     char j[512], ip[INET_ADDRSTRLEN], err[256];
-    inet_ntop(AF_INET, &sp[1].addr.sin_addr, ip, sizeof ip);
+    inet_ntop(AF_INET, &sp[1].addr.in4.sin_addr, ip, sizeof ip);
     snprintf(j, sizeof j,
              "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s:%u\"}]},"
              "{\"replicas\":[{\"addr\":\"%s:%u\"}]}]}}}",
-             ip, ntohs(sp[1].addr.sin_port), ip, ntohs(sp[1].addr.sin_port));
+             ip, ntohs(sp[1].addr.in4.sin_port), ip, ntohs(sp[1].addr.in4.sin_port));
     CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
     CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
     CHECK_EQ(nstats(d, &sp[1]).ok, 1);
@@ -257,10 +257,10 @@ static int t_empty(void)
 static void load_one(bex_dir *d, const struct srv_proc *sp)
 {
     char j[256], ip[INET_ADDRSTRLEN], err[256];
-    inet_ntop(AF_INET, &sp->addr.sin_addr, ip, sizeof ip);
+    inet_ntop(AF_INET, &sp->addr.in4.sin_addr, ip, sizeof ip);
     snprintf(j, sizeof j,
              "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s:%u\"}]}]}}}", ip,
-             ntohs(sp->addr.sin_port));
+             ntohs(sp->addr.in4.sin_port));
     CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
 }
 

@@ -94,16 +94,16 @@ static int log_count(const char *a, const char *b)
     return log_count_from(0, a, b);
 }
 
-static void ep_name(const struct sockaddr_in *a, char *out, size_t cap)
+static void ep_name(const bex_addr *a, char *out, size_t cap)
 {
     char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
-    snprintf(out, cap, "endpoint %s:%u:", ip, ntohs(a->sin_port));
+    inet_ntop(AF_INET, &a->in4.sin_addr, ip, sizeof ip);
+    snprintf(out, cap, "endpoint %s:%u:", ip, ntohs(a->in4.sin_port));
 }
 
 /* From log line `from` on, the ladder of endpoint a went through steps 1,
  * 2 and (tcp) 3 in that order, each logged once. */
-static void check_order_from(int from, const struct sockaddr_in *a, bool tcp)
+static void check_order_from(int from, const bex_addr *a, bool tcp)
 {
     char name[64];
     ep_name(a, name, sizeof name);
@@ -120,7 +120,7 @@ static void check_order_from(int from, const struct sockaddr_in *a, bool tcp)
     }
 }
 
-static void check_order(const struct sockaddr_in *a, bool tcp)
+static void check_order(const bex_addr *a, bool tcp)
 {
     check_order_from(0, a, tcp);
 }
@@ -231,11 +231,11 @@ static int t_steps(void)
     CHECK(strstr(buf, "bex_rpc_ladder_moves_total{channel=\"test\"} 2\n"));
     CHECK(strstr(buf, "bex_rpc_rdma_restored_total{channel=\"test\"} 0\n"));
     char want[256], ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &sp.addr.sin_addr, ip, sizeof ip);
+    inet_ntop(AF_INET, &sp.addr.in4.sin_addr, ip, sizeof ip);
     snprintf(want, sizeof want,
              "bex_rpc_endpoint_ladder_step{channel=\"test\",endpoint=\"%s:%u\","
              "locality=\"dc1/pod1\"} 3\n",
-             ip, ntohs(sp.addr.sin_port));
+             ip, ntohs(sp.addr.in4.sin_port));
     CHECK(strstr(buf, want));
     free(buf);
     return rpc_finish(ch, ctx, &sp, 1);

@@ -358,7 +358,7 @@ static int t_connect_timeout(void)
     spawn_server(&sp[1], false);
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     CHECK(fd >= 0);
-    struct sockaddr_in ba = {.sin_family = AF_INET, .sin_addr = sp[1].addr.sin_addr};
+    bex_addr ba = {.in4 = {.sin_family = AF_INET, .sin_addr = sp[1].addr.in4.sin_addr}};
     CHECK(bind(fd, (struct sockaddr *)&ba, sizeof ba) == 0);
     CHECK(listen(fd, 16) == 0);
     socklen_t bl = sizeof ba;
@@ -826,11 +826,11 @@ static int t_prometheus(void)
           es[0].conn_failures == 0);
     CHECK(strcmp(es[0].locality, "dc1/pod1") == 0);
     char want[256], ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &sp.addr.sin_addr, ip, sizeof ip);
+    inet_ntop(AF_INET, &sp.addr.in4.sin_addr, ip, sizeof ip);
     snprintf(want, sizeof want,
              "bex_rpc_endpoint_attempts_total{channel=\"pr\\\"om\",endpoint=\"%s:%u\","
              "locality=\"dc1/pod1\"} 11\n",
-             ip, ntohs(sp.addr.sin_port));
+             ip, ntohs(sp.addr.in4.sin_port));
     CHECK(strstr(buf, want));
     free(buf);
     return rpc_finish(ch, ctx, &sp, 1);

@@ -82,7 +82,7 @@ struct rig {
     bex_ctx *sctx, *cctx;
     bex_rpc_server *srv;
     bex_rpc_channel *ch;
-    struct sockaddr_in at;
+    bex_addr at;
 };
 
 static bex_rpc_channel *channel(struct rig *r)
@@ -102,15 +102,15 @@ static bex_rpc_channel *channel(struct rig *r)
 static int rig_up(struct rig *r)
 {
     bex_ctx_config c = {.size = sizeof c, .transport = BEX_TRANSPORT_TCP};
-    inet_pton(AF_INET, "127.0.0.1", &c.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &c.local_addr);
     CHECK_OK(bex_ctx_create(&c, &r->sctx));
-    inet_pton(AF_INET, "127.0.0.2", &c.local_addr);
+    bex_addr_parse("127.0.0.2", 0, &c.local_addr);
     CHECK_OK(bex_ctx_create(&c, &r->cctx));
     CHECK_OK(bex_rpc_server_create(r->sctx, NULL, &r->srv));
     CHECK_OK(bex_rpc_server_register(r->srv, SVC, 1, 0, h_park, NULL));
     CHECK_OK(bex_rpc_server_register(r->srv, SVC, 2, 0, h_echo, NULL));
-    r->at = (struct sockaddr_in){.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &r->at.sin_addr);
+    r->at = (bex_addr){.in4 = {.sin_family = AF_INET}};
+    inet_pton(AF_INET, "127.0.0.1", &r->at.in4.sin_addr);
     CHECK_OK(bex_rpc_server_listen(r->srv, &r->at));
     bex_rpc_server_addr(r->srv, &r->at);
     r->ch = channel(r);

@@ -254,7 +254,8 @@ static int t_endpoints(void)
     CHECK_EQ(st.retries, 1);
     bex_rpc_endpoint_stats es[1];
     CHECK_EQ(bex_rpc_channel_endpoint_stats(ch, es, 1), 1);
-    CHECK(es[0].addr.sin_port == sp[1].addr.sin_port && es[0].attempts == 1 && es[0].answers == 1);
+    CHECK(es[0].addr.in4.sin_port == sp[1].addr.in4.sin_port && es[0].attempts == 1 &&
+          es[0].answers == 1);
     return finish(ch, ctx, dst, sp, 2);
 }
 
@@ -363,12 +364,12 @@ static void hostile_child(int wfd, int rfd, void *arg)
     bex_ctx_config c = scaled(&base, a0);
     CHECK_OK(bex_ctx_create(&c, &hs.ctx));
     static const bex_listener_ops lops = {.on_accept = hs_accept};
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     bex_listener *l;
     CHECK_OK(bex_listen(hs.ctx, &la, &lops, NULL, &l));
-    struct sockaddr_in got;
+    bex_addr got;
     bex_listener_addr(l, &got);
-    CHECK(write(wfd, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
     char q;
     ssize_t r = read(rfd, &q, 1);
     (void)r;

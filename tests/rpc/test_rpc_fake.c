@@ -58,7 +58,7 @@ static bex_ctx *ctx_new(void)
 {
     bex_ctx_config c = {
         .transport = BEX_TRANSPORT_TCP, .keepalive_timeout_ms = 60000, .connect_timeout_ms = 10000};
-    inet_pton(AF_INET, "127.0.0.1", &c.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &c.local_addr);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&c, &ctx));
     return ctx;
@@ -76,7 +76,7 @@ struct server {
     pthread_mutex_t mu;
     bex_rpc_req *held[64]; /* M_NEVER */
     int n_held;
-    struct sockaddr_in addr;
+    bex_addr addr;
 };
 
 static void h_echo(bex_rpc_req *req, void *body, size_t len, void *user)
@@ -137,11 +137,11 @@ static void server_start_cfg(struct server *s, char tag, const bex_rpc_server_co
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_NEVER, 0, h_never, s));
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_WRITE, BEX_RPC_METHOD_WRITE, h_write, s));
     CHECK_OK(bex_rpc_server_register(s->srv, SVC, M_BUSY, 0, h_busy, s));
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    bex_addr a = {.in4 = {.sin_family = AF_INET}};
+    inet_pton(AF_INET, "127.0.0.1", &a.in4.sin_addr);
     CHECK_OK(bex_rpc_server_listen(s->srv, &a));
     bex_rpc_server_addr(s->srv, &s->addr);
-    CHECK(s->addr.sin_port != 0);
+    CHECK(s->addr.in4.sin_port != 0);
 }
 
 static void server_start(struct server *s, char tag)
@@ -151,7 +151,7 @@ static void server_start(struct server *s, char tag)
 
 static uint16_t port(const struct server *s)
 {
-    return ntohs(s->addr.sin_port);
+    return ntohs(s->addr.in4.sin_port);
 }
 
 static void server_stop(struct server *s)

@@ -19,7 +19,7 @@ static void h_echo(bex_rpc_req *req, void *body, size_t len, void *user)
     bex_rpc_reply(req, 0, body, len);
 }
 
-static bex_rpc_server *server_at(bex_ctx *ctx, struct sockaddr_in *at)
+static bex_rpc_server *server_at(bex_ctx *ctx, bex_addr *at)
 {
     bex_rpc_server *srv;
     CHECK_OK(bex_rpc_server_create(ctx, NULL, &srv));
@@ -61,7 +61,7 @@ static int restart(bool same)
     bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
     bex_ctx *sctx = local_ctx(&base, a0);
     bex_ctx *cctx = same ? sctx : local_ctx(&base, a1);
-    struct sockaddr_in at = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr at = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     bex_rpc_server *srv = server_at(sctx, &at);
     bex_rpc_endpoint ep = {.addr = at};
     bex_rpc_channel_config cc = {.endpoints = &ep,

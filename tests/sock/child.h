@@ -14,7 +14,7 @@
 
 struct srv_proc {
     pid_t pid;
-    struct sockaddr_in addr; /* ADDR0 and the port the child reported */
+    bex_addr addr; /* ADDR0 and the port the child reported */
     int to_child;
 };
 
@@ -48,7 +48,7 @@ static inline void srv_spawn(struct srv_proc *sp, srv_child_fn child, void *arg)
     CHECK(read(up[0], &port, sizeof port) == sizeof port);
     close(up[0]);
     *sp = (struct srv_proc){.pid = pid, .to_child = down[1]};
-    sp->addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+    sp->addr = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_port = port, .sin_addr = a0}};
 }
 
 /* Kill a server with -9 and hold its port: bound (not listening) by the

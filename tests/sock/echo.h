@@ -107,13 +107,13 @@ static inline void local_srv_accept(bex_listener *l, bex_sock *s, void *user)
  * its next listener (TSan saw the rewrite of the same value race). */
 static inline bex_listener *local_listen(bex_ctx *ctx, struct in_addr a, struct local_srv *v,
                                          void (*on_recv)(bex_sock *, void *, size_t, void *),
-                                         struct sockaddr_in *out)
+                                         bex_addr *out)
 {
     if (v->on_recv != on_recv) {
         CHECK(!v->on_recv); /* one on_recv per local_srv */
         v->on_recv = on_recv;
     }
-    struct sockaddr_in at = {.sin_family = AF_INET, .sin_addr = a};
+    bex_addr at = {.in4 = {.sin_family = AF_INET, .sin_addr = a}};
     bex_listener_ops lops = {.on_accept = local_srv_accept};
     bex_listener *l;
     CHECK_OK(bex_listen(ctx, &at, &lops, v, &l));

@@ -40,7 +40,7 @@
 struct pair {
     bex_ctx *ctx;
     bex_listener *l;          /* server */
-    struct sockaddr_in srv;   /* client: where the server listens */
+    bex_addr srv;             /* client: where the server listens */
     pid_t child;              /* client: the server's pid */
     int to_child, from_child; /* client: pipes to/from the server */
     int to_parent, from_parent;
@@ -424,7 +424,7 @@ static inline void pair_server_exit(struct pair *p, bex_mem_pool *pool, bex_mem_
 static inline bex_ctx_config scaled(const bex_ctx_config *in, struct in_addr a)
 {
     bex_ctx_config c = in ? *in : (bex_ctx_config){0};
-    c.local_addr = a;
+    c.local_addr = bex_addr_ipv4(a.s_addr, 0);
     if (pair_tcp())
         c.transport = BEX_TRANSPORT_TCP;
     /* BEX_TEST_IO_THREADS=n: contexts with n I/O threads */
@@ -521,7 +521,7 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
         pthread_join(wd.t, NULL);
         return 1;
     }
-    p.srv = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = port, .sin_addr = a0};
+    p.srv = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_port = port, .sin_addr = a0}};
     rc = client_fn(&p, carg);
     /* tell the server we are done, then reap it with a deadline */
     char bye = 'q';
@@ -556,15 +556,16 @@ static inline int pair_run(const bex_ctx_config *scfg, pair_fn server_fn, void *
  * Accepted sockets are tracked for the teardown (pair_server_close). */
 static inline void pair_listen(struct pair *p, const bex_listener_ops *ops, void *user)
 {
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    a.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR0"));
+    bex_addr a = {.in4 = {.sin_family = AF_INET}};
+    a.in4.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR0"));
     p->accept_ops = ops ? *ops : (bex_listener_ops){0};
     p->accept_user = user;
     bex_listener_ops wrap = {.on_accept = pair_srv_on_accept};
     CHECK_OK(bex_listen(p->ctx, &a, &wrap, p, &p->l));
-    struct sockaddr_in got;
+    bex_addr got;
     bex_listener_addr(p->l, &got);
-    CHECK(write(p->to_parent, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    CHECK(write(p->to_parent, &got.in4.sin_port, sizeof got.in4.sin_port) ==
+          sizeof got.in4.sin_port);
 }
 
 /* Server side: block until the parent says it is done (or is gone); close

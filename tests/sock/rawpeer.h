@@ -139,12 +139,11 @@ static inline void rp_up(struct rawpeer *rp)
 
 /* Connect to a bex listener as a client. Returns 0, or the error of the
  * exchange (a listener that refuses the hello closes the connection). */
-static inline int rp_connect(struct rawpeer *rp, const struct sockaddr_in *to,
-                             const struct rp_opts *o)
+static inline int rp_connect(struct rawpeer *rp, const bex_addr *to, const struct rp_opts *o)
 {
     rp->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     CHECK(rp->fd >= 0);
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = rp->addr};
+    bex_addr me = {.in4 = {.sin_family = AF_INET, .sin_addr = rp->addr}};
     CHECK(bind(rp->fd, (struct sockaddr *)&me, sizeof(me)) == 0);
     CHECK(connect(rp->fd, (const struct sockaddr *)to, sizeof(*to)) == 0);
     int64_t dl = bex__hello_now_ms() + 10000;

@@ -176,7 +176,7 @@ static const bex_sock_ops tc_ops = {.on_connect = tc_connect,
                                     .on_error = tc_error,
                                     .on_close = tc_closed};
 
-static struct tc *tc_start(bex_ctx *ctx, const struct sockaddr_in *srv)
+static struct tc *tc_start(bex_ctx *ctx, const bex_addr *srv)
 {
     struct tc *t = calloc(1, sizeof(*t));
     CHECK(t);
@@ -222,11 +222,11 @@ static void tc_close(struct tc *t)
 
 /* ---------------- raw TCP: the setup by hand ---------------- */
 
-static int raw_connect(const struct sockaddr_in *srv)
+static int raw_connect(const bex_addr *srv)
 {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     CHECK(fd >= 0);
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = addr_env("BEX_TEST_ADDR1")};
+    bex_addr me = {.in4 = {.sin_family = AF_INET, .sin_addr = addr_env("BEX_TEST_ADDR1")}};
     CHECK(bind(fd, (struct sockaddr *)&me, sizeof me) == 0);
     CHECK(connect(fd, (const struct sockaddr *)srv, sizeof *srv) == 0);
     return fd;
@@ -314,12 +314,13 @@ static void key_of(const char *s, uint8_t key[BEX__AUTH_KEY_LEN])
 /* Both ends of fd as the transcript names them: client first. */
 static void raw_ends(int fd, bool client, struct bex__auth_transcript *t)
 {
-    struct sockaddr_in me, peer;
+    bex_addr me, peer;
     socklen_t a = sizeof me, b = sizeof peer;
     CHECK(getsockname(fd, (struct sockaddr *)&me, &a) == 0);
     CHECK(getpeername(fd, (struct sockaddr *)&peer, &b) == 0);
-    const struct sockaddr_in *c = client ? &me : &peer, *l = client ? &peer : &me;
-    bex__auth_ends(t, c->sin_addr.s_addr, c->sin_port, l->sin_addr.s_addr, l->sin_port);
+    const bex_addr *c = client ? &me : &peer, *l = client ? &peer : &me;
+    bex__auth_ends(t, c->in4.sin_addr.s_addr, c->in4.sin_port, l->in4.sin_addr.s_addr,
+                   l->in4.sin_port);
 }
 
 /* Client side, up to and including the PROOF (made with key). */
@@ -357,7 +358,7 @@ static int same_client(struct pair *p, void *arg)
     CHECK(write(fd, S2, strlen(S2)) == (ssize_t)strlen(S2));
     close(fd);
     setenv("BEX_SECRET_FILE", path, 1);
-    bex_ctx_config c = {.local_addr = addr_env("BEX_TEST_ADDR1")};
+    bex_ctx_config c = {.local_addr = bex_addr_ipv4((addr_env("BEX_TEST_ADDR1")).s_addr, 0)};
     bex_ctx *other;
     CHECK_OK(bex_ctx_create(&c, &other));
     unlink(path);
@@ -397,7 +398,7 @@ static int refused_client(struct pair *p, void *arg)
     (void)arg;
     struct in_addr a1 = addr_env("BEX_TEST_ADDR1");
     bex_ctx_config cb = with_secret(S2), cn = {0};
-    cb.local_addr = cn.local_addr = a1;
+    cb.local_addr = cn.local_addr = bex_addr_ipv4(a1.s_addr, 0);
     bex_ctx *bad, *none;
     CHECK_OK(bex_ctx_create(&cb, &bad));
     CHECK_OK(bex_ctx_create(&cn, &none));
@@ -442,7 +443,7 @@ static int secret_vs_none_client(struct pair *p, void *arg)
 {
     (void)arg;
     bex_ctx_config cs = with_secret(S1);
-    cs.local_addr = addr_env("BEX_TEST_ADDR1");
+    cs.local_addr = bex_addr_ipv4((addr_env("BEX_TEST_ADDR1")).s_addr, 0);
     bex_ctx *sec;
     CHECK_OK(bex_ctx_create(&cs, &sec));
     struct tc *ts = tc_start(sec, &p->srv);
@@ -638,11 +639,11 @@ static int fake_listener(struct pair *p, void *arg)
     struct in_addr a0 = addr_env("BEX_TEST_ADDR0"), a1 = addr_env("BEX_TEST_ADDR1");
     int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     CHECK(l >= 0);
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr me = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     socklen_t sl = sizeof me;
     CHECK(bind(l, (struct sockaddr *)&me, sizeof me) == 0 && listen(l, 4) == 0);
     CHECK(getsockname(l, (struct sockaddr *)&me, &sl) == 0);
-    CHECK(write(p->to_parent, &me.sin_port, sizeof me.sin_port) == sizeof me.sin_port);
+    CHECK(write(p->to_parent, &me.in4.sin_port, sizeof me.in4.sin_port) == sizeof me.in4.sin_port);
 
     /* (1) a client without a secret */
     int fd = accept(l, NULL, NULL);
@@ -704,7 +705,7 @@ static int fake_listener_client(struct pair *p, void *arg)
     tc_close(t);
 
     bex_ctx_config cs = with_secret(S1);
-    cs.local_addr = addr_env("BEX_TEST_ADDR1");
+    cs.local_addr = bex_addr_ipv4((addr_env("BEX_TEST_ADDR1")).s_addr, 0);
     bex_ctx *sec;
     CHECK_OK(bex_ctx_create(&cs, &sec));
     struct tc *u = tc_start(sec, &p->srv);

@@ -89,7 +89,7 @@ static int ctx_create(void)
 {
     clear();
     bex_ctx_config cfg = {.transport = BEX_TRANSPORT_TCP, .log_fn = hook};
-    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &cfg.local_addr);
     setenv("BEX_IO_THREADS", "0", 1);
     bex_ctx *ctx = NULL;
     CHECK_EQ(bex_ctx_create(&cfg, &ctx), -EINVAL);

@@ -344,7 +344,7 @@ static const bex_sock_ops cs_ops = {.on_connect = cs_connect,
         }                                                                                          \
     } while (0)
 
-static struct cs *cs_open(bex_ctx *ctx, const struct sockaddr_in *srv, bex_sock **s)
+static struct cs *cs_open(bex_ctx *ctx, const bex_addr *srv, bex_sock **s)
 {
     struct cs *c = calloc(1, sizeof(*c));
     CHECK(c);

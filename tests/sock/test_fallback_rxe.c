@@ -155,7 +155,7 @@ static int close_wait(bex_sock *s)
 static bex_ctx *nodev_ctx(uint32_t transport)
 {
     bex_ctx_config cfg = {.transport = transport};
-    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &cfg.local_addr);
     cfg.keepalive_timeout_ms = 2000 * time_scale();
     cfg.connect_timeout_ms = 3000 * time_scale();
     bex_ctx *ctx = NULL;
@@ -173,7 +173,7 @@ static int nodev_client(struct pair *p, void *arg)
     /* RDMA only cannot work without a device */
     {
         bex_ctx_config cfg = {.transport = BEX_TRANSPORT_RDMA};
-        inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+        bex_addr_parse("127.0.0.1", 0, &cfg.local_addr);
         bex_ctx *bad = NULL;
         CHECK_EQ(bex_ctx_create(&cfg, &bad), -ENODEV);
     }

@@ -33,7 +33,7 @@ static void keep(int level, const char *msg, void *arg)
 static int warn(void)
 {
     bex_ctx_config c = {.transport = BEX_TRANSPORT_AUTO, .log_fn = keep};
-    inet_pton(AF_INET, "127.0.0.1", &c.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &c.local_addr);
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&c, &ctx));
     CHECK(bex_ctx_pd(ctx) == NULL);

@@ -45,11 +45,11 @@ static const bex_sock_ops cli_ops = {
     .on_connect = cli_connected, .on_error = cli_error, .on_close = cli_closed};
 
 /* "peer IP:PORT: " for a */
-static void peer_prefix(const struct sockaddr_in *a, char *out, size_t cap)
+static void peer_prefix(const bex_addr *a, char *out, size_t cap)
 {
     char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
-    snprintf(out, cap, "peer %s:%u: ", ip, ntohs(a->sin_port));
+    inet_ntop(AF_INET, &a->in4.sin_addr, ip, sizeof ip);
+    snprintf(out, cap, "peer %s:%u: ", ip, ntohs(a->in4.sin_port));
 }
 
 static int refused(void)
@@ -57,8 +57,8 @@ static int refused(void)
     struct in_addr a0, a1;
     PAIR_NEED(pair_addrs(&a0, &a1));
     bex_ctx *ctx = local_ctx(NULL, a1);
-    struct sockaddr_in to = {.sin_family = AF_INET, .sin_addr = a0};
-    to.sin_port = htons(bex_test_port_at(a0)); /* reserved, nobody listens */
+    bex_addr to = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
+    to.in4.sin_port = htons(bex_test_port_at(a0)); /* reserved, nobody listens */
     struct cli c = {.w = WAITER_INIT};
     bex_sock *s;
     CHECK_OK(bex_sock_connect(ctx, &to, &cli_ops, &c, &s));

@@ -740,11 +740,11 @@ static int stall_server(struct pair *p, void *arg)
     CHECK_OK(pair_addrs(&a0, &a1));
     int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     CHECK(lfd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = a0};
+    bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     socklen_t sl = sizeof(a);
     CHECK(bind(lfd, (struct sockaddr *)&a, sizeof(a)) == 0 && listen(lfd, 4) == 0 &&
           getsockname(lfd, (struct sockaddr *)&a, &sl) == 0);
-    CHECK(write(p->to_parent, &a.sin_port, sizeof a.sin_port) == sizeof a.sin_port);
+    CHECK(write(p->to_parent, &a.in4.sin_port, sizeof a.in4.sin_port) == sizeof a.in4.sin_port);
     struct rawpeer rp;
     struct rp_opts o = {
         .recv_depth = st->mode ? 8 : 64, .max_rndv = 16, .max_msg = 1u << 30, .eager_max = 1024};

@@ -108,7 +108,7 @@ static const bex_sock_ops cli_ops = {.on_connect = cli_connected,
                                      .on_error = cli_error,
                                      .on_close = cli_closed};
 
-static bex_sock *cli_connect(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c)
+static bex_sock *cli_connect(bex_ctx *ctx, const bex_addr *to, struct cli *c)
 {
     bex_sock *s;
     if (bex_sock_connect(ctx, to, &cli_ops, c, &s) || wait_count(&c->w, &c->connected, 1, 10000) ||

@@ -43,12 +43,12 @@ static void log_keep(int level, const char *msg, void *arg)
 /* Waits up to ms (scaled) for a WARN/ERROR line containing what; then
  * checks that every WARN/ERROR line starts with "peer <srv> (engine ".
  * Returns how many lines contained what. */
-static int log_check(const struct sockaddr_in *srv, const char *what, unsigned ms)
+static int log_check(const bex_addr *srv, const char *what, unsigned ms)
 {
     char prefix[64];
     char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &srv->sin_addr, ip, sizeof ip);
-    snprintf(prefix, sizeof prefix, "peer %s:%u (engine ", ip, ntohs(srv->sin_port));
+    inet_ntop(AF_INET, &srv->in4.sin_addr, ip, sizeof ip);
+    snprintf(prefix, sizeof prefix, "peer %s:%u (engine ", ip, ntohs(srv->in4.sin_port));
     uint64_t end = pair_now_ms() + (uint64_t)ms * time_scale();
     int found = 0;
     for (;;) {

@@ -48,7 +48,7 @@ static void srv_echo(bex_sock *s, void *buf, size_t len, void *user)
 
 /* One attempt: a socket from cctx to at sends 64 bytes; true when they
  * come back, false when the socket fails (or nothing within 2 s). */
-static bool try_echo(bex_ctx *cctx, const struct sockaddr_in *at, struct waiter *w)
+static bool try_echo(bex_ctx *cctx, const bex_addr *at, struct waiter *w)
 {
     struct cli c = {.base.w = w};
     bex_sock_ops ops = {.on_connect = cli_connect,
@@ -74,7 +74,7 @@ static bool try_echo(bex_ctx *cctx, const struct sockaddr_in *at, struct waiter 
 }
 
 /* Attempts until one is echoed (true) or REACH_MS passed (false). */
-static bool reach(bex_ctx *cctx, const struct sockaddr_in *at, struct waiter *w, int *tries)
+static bool reach(bex_ctx *cctx, const bex_addr *at, struct waiter *w, int *tries)
 {
     uint64_t end = pair_now_ms() + REACH_MS * time_scale();
     for (*tries = 1;; ++*tries) {
@@ -102,7 +102,7 @@ static int relisten(enum mode m)
     bex_ctx *sctx = local_ctx(NULL, a0);
     bex_ctx *cctx = m == SAME_CTX ? sctx : local_ctx(NULL, a1);
     struct local_srv v1 = {.w = WAITER_INIT}, v2 = {.w = WAITER_INIT};
-    struct sockaddr_in at;
+    bex_addr at;
     bex_listener *l = local_listen(sctx, a0, &v1, srv_echo, &at);
     int tries;
     CHECK(reach(cctx, &at, &v1.w, &tries));

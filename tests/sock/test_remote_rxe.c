@@ -323,7 +323,7 @@ static struct ccli *ccli_new(void)
         }                                                                                          \
     } while (0)
 
-static bex_sock *ccli_open(bex_ctx *ctx, const struct sockaddr_in *srv, struct ccli *c)
+static bex_sock *ccli_open(bex_ctx *ctx, const bex_addr *srv, struct ccli *c)
 {
     bex_sock *s;
     CHECK_OK(bex_sock_connect(ctx, srv, &ccli_ops, c, &s));

@@ -167,7 +167,7 @@ struct rig {
     struct cli c;
     bex_ctx *sctx, *cctx;
     bex_listener *l;
-    struct sockaddr_in at;
+    bex_addr at;
     bex_sock *s;
 };
 

@@ -10,7 +10,7 @@
 static int create(uint32_t sq_depth)
 {
     bex_ctx_config cfg = {.sq_depth = sq_depth};
-    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &cfg.local_addr);
     bex_ctx *ctx = NULL;
     int rc = bex_ctx_create(&cfg, &ctx);
     if (rc == 0)
@@ -56,7 +56,7 @@ static int poll_mode_parse(void)
 
 static int create_cfg(bex_ctx_config cfg)
 {
-    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &cfg.local_addr);
     cfg.transport = BEX_TRANSPORT_TCP; /* past the checks, no device needed */
     bex_ctx *ctx = NULL;
     int rc = bex_ctx_create(&cfg, &ctx);

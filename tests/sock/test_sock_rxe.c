@@ -848,10 +848,10 @@ static int connect_refused_client(struct pair *p, void *arg)
 {
     (void)arg;
     struct cli *c = cli_new();
-    struct sockaddr_in to = p->srv;
+    bex_addr to = p->srv;
     /* a port bound here and never listened on (tests/port.h): refused;
      * port 1 was assumed free, and a program on the host listened there */
-    to.sin_port = htons(bex_test_port_at(to.sin_addr));
+    to.in4.sin_port = htons(bex_test_port_at(to.in4.sin_addr));
     CHECK_OK(bex_sock_connect(p->ctx, &to, &cli_ops, c, &c->socks[0]));
     CLI_WAIT(c, connected, 1, 10000);
     CHECK_EQ(c->conn_status, -ECONNREFUSED);
@@ -861,7 +861,7 @@ static int connect_refused_client(struct pair *p, void *arg)
     cli_close_all(c, 1);
     /* bad arguments are refused at once */
     bex_sock *s;
-    struct sockaddr_in zero = {.sin_family = AF_INET};
+    bex_addr zero = {.in4 = {.sin_family = AF_INET}};
     CHECK_EQ(bex_sock_connect(p->ctx, &zero, &cli_ops, c, &s), -EINVAL);
     free(c);
     return 0;

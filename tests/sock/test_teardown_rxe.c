@@ -659,8 +659,8 @@ static int deadline_client(struct pair *p, void *arg)
     (void)arg;
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
     CHECK(lfd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    a.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR0"));
+    bex_addr a = {.in4 = {.sin_family = AF_INET}};
+    a.in4.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR0"));
     socklen_t sl = sizeof(a);
     CHECK(bind(lfd, (struct sockaddr *)&a, sizeof(a)) == 0 && listen(lfd, 4) == 0 &&
           getsockname(lfd, (struct sockaddr *)&a, &sl) == 0);
@@ -764,7 +764,8 @@ static int expose_null_client(struct pair *p, void *arg)
     struct in_addr a0, a1;
     CHECK_OK(pair_addrs(&a0, &a1));
     struct logcap lc = {0};
-    bex_ctx_config cfg = {.local_addr = a1, .log_fn = cap_log, .log_arg = &lc};
+    bex_ctx_config cfg = {
+        .local_addr = bex_addr_ipv4(a1.s_addr, 0), .log_fn = cap_log, .log_arg = &lc};
     bex_ctx *ctx;
     CHECK_OK(bex_ctx_create(&cfg, &ctx));
     _Atomic int closed = 0;
@@ -810,8 +811,8 @@ static void cb_connect(bex_sock *s, int status, void *user)
     (void)status;
     struct cbt *c = g_cbt;
     (void)user;
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    a.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR1"));
+    bex_addr a = {.in4 = {.sin_family = AF_INET}};
+    a.in4.sin_addr.s_addr = inet_addr(getenv("BEX_TEST_ADDR1"));
     atomic_store(&c->stage, 1);
     c->listen_rc = bex_listen(c->t->ctx, &a, NULL, NULL, &c->l);
     atomic_store(&c->stage, 2);
@@ -839,9 +840,9 @@ static int callback_client(struct pair *p, void *arg)
     CHECK_OK(c.listen_rc);
     CHECK_EQ(c.lclose_rc, -EDEADLK);
     CHECK_EQ(c.destroy_rc, -EDEADLK);
-    struct sockaddr_in la;
+    bex_addr la;
     bex_listener_addr(c.l, &la);
-    CHECK(la.sin_port != 0);
+    CHECK(la.in4.sin_port != 0);
     CHECK_OK(bex_listener_close(c.l)); /* from here it works */
     bex_sock_close(c.t->socks[0]);
     TRK_WAIT(c.t, closed, 1, 20000);

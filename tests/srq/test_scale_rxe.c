@@ -212,8 +212,7 @@ static int client_main(int rd, int wr)
         for (int k = 0; k < CTXS; k++) {
             /* at most WINDOW setups per context under way */
             CHECK_OK(wait_count(&c.w, &c.connected, started + 1 - WINDOW * CTXS, 60000));
-            struct sockaddr_in to = {
-                .sin_family = AF_INET, .sin_port = ports[i], .sin_addr = addr0};
+            bex_addr to = {.in4 = {.sin_family = AF_INET, .sin_port = ports[i], .sin_addr = addr0}};
             CHECK_OK(bex_sock_connect(ctx[k], &to, &ops, &c, &socks[started]));
             started++;
         }
@@ -375,10 +374,10 @@ static int c2000(void)
     uint16_t ports[PORTS_MAX] = {0};
     bex_listener_ops lops = {.on_accept = s_accept};
     for (int i = 0; i < PORTS; i++) {
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr = addr0}, got;
+        bex_addr a = {.in4 = {.sin_family = AF_INET, .sin_addr = addr0}}, got;
         CHECK_OK(bex_listen(sctx, &a, &lops, &v, &l[i]));
         bex_listener_addr(l[i], &got);
-        ports[i] = got.sin_port;
+        ports[i] = got.in4.sin_port;
     }
     for (int p = 0; p < PROCS; p++)
         CHECK(write(to_kid[p], ports, sizeof ports) == sizeof ports);

@@ -67,7 +67,7 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
     bex_mem_free(buf);
 }
 
-static bex_listener *srv_listen(bex_ctx *ctx, struct srv *v, struct sockaddr_in *out)
+static bex_listener *srv_listen(bex_ctx *ctx, struct srv *v, bex_addr *out)
 {
     return local_listen(ctx, addr0, &v->base, srv_recv, out);
 }
@@ -120,7 +120,7 @@ static void cli_error(bex_sock *s, int err, void *user)
     waiter_add(c->base.w, &c->failed, 1);
 }
 
-static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c)
+static bex_sock *cli_open(bex_ctx *ctx, const bex_addr *to, struct cli *c)
 {
     bex_sock_ops ops = {.on_connect = cli_connect,
                         .on_recv = cli_recv,
@@ -173,7 +173,7 @@ static int mode(void)
         CHECK_EQ(q->granted, 0);
         CHECK_EQ(q->posted, 0); /* nothing posted before a peer comes */
     }
-    struct sockaddr_in a;
+    bex_addr a;
     bex_listener *l = srv_listen(sctx, &v, &a);
     struct cli c[MODE_PEERS];
     bex_sock *s[MODE_PEERS];
@@ -266,7 +266,7 @@ static int shares(void)
     struct srv v = {.base.w = WAITER_INIT, .echo = true};
     bex_ctx_config sc = {.srq_depth = 64, .rq_depth = 16, .transport = BEX_TRANSPORT_RDMA};
     bex_ctx *sctx = local_ctx(&sc, addr0);
-    struct sockaddr_in a;
+    bex_addr a;
     bex_listener *l = srv_listen(sctx, &v, &a);
     bex_ctx_config cc = {.rq_depth = 16, .transport = BEX_TRANSPORT_RDMA};
     enum { N = 6 };
@@ -350,7 +350,7 @@ static long starve_run(bool unshared)
                          .recv_bytes_max = 8 * 1024,
                          .transport = BEX_TRANSPORT_RDMA};
     bex_ctx *sctx = local_ctx(&sc, addr0);
-    struct sockaddr_in a;
+    bex_addr a;
     bex_listener *l = srv_listen(sctx, &v, &a);
     /* A's sends wait for credit for as long as the case runs */
     bex_ctx_config cc = {.credit_timeout_ms = 600000, .transport = BEX_TRANSPORT_RDMA};

@@ -9,7 +9,7 @@
 static int create(uint32_t srq_depth, uint32_t rq_depth)
 {
     bex_ctx_config cfg = {.srq_depth = srq_depth, .rq_depth = rq_depth};
-    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &cfg.local_addr);
     bex_ctx *ctx = NULL;
     int rc = bex_ctx_create(&cfg, &ctx);
     if (rc == 0)

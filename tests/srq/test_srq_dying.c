@@ -50,7 +50,7 @@ static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
 }
 
 /* A peer that takes a shared receive for a SEND it never finishes. */
-static void die_mid_send(struct in_addr local, const struct sockaddr_in *srv)
+static void die_mid_send(struct in_addr local, const bex_addr *srv)
 {
     struct adv_peer p;
     struct adv_peer_opts o = {0};
@@ -100,7 +100,7 @@ static int last_wqe_event(void)
                          .io_threads = 1,
                          .srq_drain_ms = 600000};
     bex_ctx *sctx = local_ctx(&sc, a0);
-    struct sockaddr_in at;
+    bex_addr at;
     bex_listener *l = local_listen(sctx, a0, &v.base, srv_recv, &at);
     struct adv_peer h;
     struct adv_peer_opts o = {0};
@@ -140,7 +140,7 @@ static int dying_peers(void)
     bex_ctx_config sc = {
         .srq_depth = DEPTH, .rq_depth = SHARE, .eager_max = 1u << 20, .io_threads = 1};
     bex_ctx *sctx = local_ctx(&sc, a0);
-    struct sockaddr_in at;
+    bex_addr at;
     bex_listener *l = local_listen(sctx, a0, &v.base, srv_recv, &at);
     struct adv_peer h;
     struct adv_peer_opts o = {0};

@@ -118,7 +118,7 @@ static void cli_sent(bex_sock *s, void *buf, size_t len, void *msg_user, int sta
     waiter_add(c->base.w, &c->done, 1);
 }
 
-static bex_sock *cli_open(bex_ctx *ctx, const struct sockaddr_in *to, struct cli *c, bool sent_cb)
+static bex_sock *cli_open(bex_ctx *ctx, const bex_addr *to, struct cli *c, bool sent_cb)
 {
     bex_sock_ops ops = {.on_connect = local_cli_connect,
                         .on_recv = cli_recv,
@@ -149,7 +149,7 @@ static void rig_up(struct rig *r, uint32_t poll_mode, uint32_t keepalive_ms, boo
     r->v = (struct srv){.base.w = WAITER_INIT, .echo = echo};
     r->sctx = ctx_new(addr0, poll_mode, keepalive_ms);
     r->cctx = ctx_new(addr1, poll_mode, keepalive_ms);
-    struct sockaddr_in at;
+    bex_addr at;
     r->l = local_listen(r->sctx, addr0, &r->v.base, srv_recv, &at);
     r->c = (struct cli){.base.w = &r->v.base.w, .ctx = r->cctx};
     r->s = cli_open(r->cctx, &at, &r->c, sent_cb);

@@ -73,7 +73,7 @@ static bex_ctx *mkctx(uint64_t recv_max, uint32_t max_msg, uint32_t streams_max)
 {
     bex_ctx_config cfg = {0};
     cfg.recv_rate_ms = rate_ms;
-    inet_pton(AF_INET, "127.0.0.1", &cfg.local_addr);
+    bex_addr_parse("127.0.0.1", 0, &cfg.local_addr);
     cfg.transport = BEX_TRANSPORT_TCP;
     cfg.recv_bytes_max = recv_max;
     cfg.max_msg = max_msg;
@@ -85,11 +85,10 @@ static bex_ctx *mkctx(uint64_t recv_max, uint32_t max_msg, uint32_t streams_max)
     return c;
 }
 
-static bex_listener *listen_on(bex_ctx *ctx, const bex_listener_ops *ops, void *user,
-                               struct sockaddr_in *a)
+static bex_listener *listen_on(bex_ctx *ctx, const bex_listener_ops *ops, void *user, bex_addr *a)
 {
-    *a = (struct sockaddr_in){.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &a->sin_addr);
+    *a = (bex_addr){.in4 = {.sin_family = AF_INET}};
+    inet_pton(AF_INET, "127.0.0.1", &a->in4.sin_addr);
     bex_listener *l;
     CHECK_OK(bex_listen(ctx, a, ops, user, &l));
     bex_listener_addr(l, a);
@@ -97,7 +96,7 @@ static bex_listener *listen_on(bex_ctx *ctx, const bex_listener_ops *ops, void *
 }
 
 /* The peer: TCP connect, the plain hello both ways. */
-static int raw_connect(const struct sockaddr_in *to)
+static int raw_connect(const bex_addr *to)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     CHECK(fd >= 0);
@@ -241,7 +240,7 @@ static void x_accept(bex_listener *l, bex_sock *s, void *u)
 static int x_peer(bex_listener **l, bex_remote_buf *rb)
 {
     xs.ctx = mkctx(0, 0, 0);
-    struct sockaddr_in a;
+    bex_addr a;
     static const bex_listener_ops lops = {.on_accept = x_accept};
     *l = listen_on(xs.ctx, &lops, NULL, &a);
     int fd = raw_connect(&a);
@@ -357,7 +356,7 @@ static void r_accept(bex_listener *l, bex_sock *s, void *u)
 }
 
 /* A client context (*cli) connects to a and sends 100 bytes: its socket. */
-static bex_sock *client_sends(bex_ctx **cli, const struct sockaddr_in *a)
+static bex_sock *client_sends(bex_ctx **cli, const bex_addr *a)
 {
     *cli = mkctx(0, 0, 0);
     bex_sock *cs;
@@ -372,7 +371,7 @@ static bex_sock *client_sends(bex_ctx **cli, const struct sockaddr_in *a)
 static int parts_bounded(void)
 {
     bex_ctx *srv = mkctx(0, 0, 4); /* streams_max 4: at most 2 x 4 + 64 parts */
-    struct sockaddr_in a;
+    bex_addr a;
     bex_listener_ops lops = {.on_accept = r_accept};
     bex_listener *l = listen_on(srv, &lops, NULL, &a);
     int fd = raw_connect(&a);
@@ -395,7 +394,7 @@ static int parts_bounded(void)
 /* A server with recv_bytes_max 4 MiB listening at *a, and a peer that
  * starts two 4 MiB messages (1 byte each): the first takes the room, the
  * second finds none, so the server stops reading. The peer's descriptor. */
-static int paused_peer(bex_ctx **srv, bex_listener **l, struct sockaddr_in *a)
+static int paused_peer(bex_ctx **srv, bex_listener **l, bex_addr *a)
 {
     *srv = mkctx(4 * MIB, 4 * MIB, 0);
     static const bex_listener_ops lops = {.on_accept = r_accept};
@@ -413,7 +412,7 @@ static int pause_with_parts(void)
 {
     bex_ctx *srv;
     bex_listener *l;
-    struct sockaddr_in a;
+    bex_addr a;
     int fd = paused_peer(&srv, &l, &a);
     /* silence from here on (reading what comes, so keepalives flow) */
     CHECK(closed_within(fd, scaled(4000)));
@@ -437,7 +436,7 @@ static int pause_with_parts(void)
 static int interleave_over_limit(void)
 {
     bex_ctx *srv = mkctx(4 * MIB, 4 * MIB, 0);
-    struct sockaddr_in a;
+    bex_addr a;
     bex_listener_ops lops = {.on_accept = r_accept};
     bex_listener *l = listen_on(srv, &lops, NULL, &a);
     bex_ctx *cli = mkctx(0, 0, 0);
@@ -469,8 +468,8 @@ static int interleave_over_limit(void)
 static int no_ack(void)
 {
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    bex_addr a = {.in4 = {.sin_family = AF_INET}};
+    inet_pton(AF_INET, "127.0.0.1", &a.in4.sin_addr);
     CHECK(bind(lfd, (struct sockaddr *)&a, sizeof a) == 0);
     CHECK(listen(lfd, 4) == 0);
     socklen_t sl = sizeof a;
@@ -505,7 +504,7 @@ static int rdhup_paused(void)
 {
     bex_ctx *srv;
     bex_listener *l;
-    struct sockaddr_in a;
+    bex_addr a;
     int fd = paused_peer(&srv, &l, &a);
     bex_test_sleep_ms(200);
     shutdown(fd, SHUT_WR);
@@ -575,7 +574,7 @@ static int hold_budget(void)
     rate_ms = 1000;
     /* recv_bytes_max 64 MiB: four 16 MiB messages would fill it */
     bex_ctx *srv = mkctx(64 * MIB, 16 * MIB, 0);
-    struct sockaddr_in a;
+    bex_addr a;
     static const bex_listener_ops lops = {.on_accept = r_accept};
     bex_listener *l = listen_on(srv, &lops, NULL, &a);
     int fds[HOSTILE];
@@ -629,7 +628,7 @@ static int hold_budget(void)
 static int slow_sender(void)
 {
     bex_ctx *srv = mkctx(64 * MIB, 16 * MIB, 0);
-    struct sockaddr_in a;
+    bex_addr a;
     static const bex_listener_ops lops = {.on_accept = r_accept};
     bex_listener *l = listen_on(srv, &lops, NULL, &a);
     int fd = raw_connect(&a);
@@ -684,7 +683,7 @@ static void pc_accept(bex_listener *l, bex_sock *s, void *u)
 static int peer_close_twice(void)
 {
     bex_ctx *srv = mkctx(0, 0, 0);
-    struct sockaddr_in a;
+    bex_addr a;
     static const bex_listener_ops lops = {.on_accept = pc_accept};
     bex_listener *l = listen_on(srv, &lops, NULL, &a);
     int fd = raw_connect(&a);

@@ -567,15 +567,15 @@ static void argv_num(struct proc *p, const char *k, json_t *o, const char *jk)
 static void free_ports(const char *addr, int n, int *ports)
 {
     for (int i = 0; i < n; i++) {
-        struct sockaddr_in a = {.sin_family = AF_INET};
-        inet_pton(AF_INET, addr, &a.sin_addr);
+        bex_addr a = {.in4 = {.sin_family = AF_INET}};
+        inet_pton(AF_INET, addr, &a.in4.sin_addr);
         socklen_t len = sizeof a;
         int one = 1, fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
             bind(fd, (struct sockaddr *)&a, sizeof a) ||
             getsockname(fd, (struct sockaddr *)&a, &len))
             die("a free port on %s: %s", addr, strerror(errno));
-        ports[i] = ntohs(a.sin_port); /* fd stays open: the reservation */
+        ports[i] = bex_addr_port(&a); /* fd stays open: the reservation */
     }
 }
 
@@ -776,7 +776,7 @@ static void verify_phase(const struct plan *pl, const struct phase *ph, const ch
     bex_ctx_config cc = {.transport = strcmp(ph->transport, "tcp") == 0    ? BEX_TRANSPORT_TCP
                                       : strcmp(ph->transport, "rdma") == 0 ? BEX_TRANSPORT_RDMA
                                                                            : BEX_TRANSPORT_AUTO};
-    inet_pton(AF_INET, g.addrs[0], &cc.local_addr);
+    bex_addr_parse(g.addrs[0], 0, &cc.local_addr);
     bex_ctx *ctx;
     int rc = bex_ctx_create(&cc, &ctx);
     if (rc) {
@@ -992,11 +992,10 @@ static char *etcd_cluster(int pi, int S, int R, double wait_s)
             json_t *by_r[4] = {0};
             for (size_t i = 0; i < n && i < 16; i++) {
                 int r;
-                char a[INET_ADDRSTRLEN], ap[64];
+                char ap[BEX_ADDR_STRLEN];
                 if (sscanf(reps[i].locality, "dc1/pod%d", &r) != 1 || r < 0 || r >= R || by_r[r])
                     continue;
-                inet_ntop(AF_INET, &reps[i].addr.sin_addr, a, sizeof a);
-                snprintf(ap, sizeof ap, "%s:%u", a, ntohs(reps[i].addr.sin_port));
+                bex_addr_format(&reps[i].addr, true, ap, sizeof ap);
                 by_r[r] = json_pack("{s:s,s:s,s:s}", "addr", ap, "locality", reps[i].locality,
                                     "transport",
                                     reps[i].transport == BEX_TRANSPORT_RDMA  ? "rdma"
@@ -1285,8 +1284,8 @@ static int sync_instances(struct prun *r)
     etcd_prefix(ctl_prefix, sizeof ctl_prefix, -1);
     if (g.etcd && !g.servers) {
         bex_dir_replica me = {
-            .addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(r->pi + 1))}};
-        inet_pton(AF_INET, g.addrs[0], &me.addr.sin_addr);
+            .addr = {.in4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(r->pi + 1))}}};
+        inet_pton(AF_INET, g.addrs[0], &me.addr.in4.sin_addr);
         char err[256] = "";
         int rc = bex_dir_register_etcd(g.etcd, ctl_prefix, "clients", (uint32_t)r->pi, &me, 10, err,
                                        sizeof err, &r->ctl_reg);
@@ -2059,7 +2058,7 @@ static int check_rdma(const struct plan *pl)
     for (int i = 0; i < pl->n_ph; i++)
         if (strcmp(pl->ph[i].transport, "rdma") == 0) {
             bex_ctx_config cc = {.transport = BEX_TRANSPORT_RDMA, .log_level = BEX_LOG_ERROR};
-            inet_pton(AF_INET, g.addrs[0], &cc.local_addr);
+            bex_addr_parse(g.addrs[0], 0, &cc.local_addr);
             bex_ctx *ctx;
             int rc = bex_ctx_create(&cc, &ctx);
             if (rc)

@@ -383,7 +383,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
                          .eager_max = eager_max,
                          .poll_mode = poll_mode,
                          .log_level = o->verbose ? BEX_LOG_INFO : BEX_LOG_WARN};
-    if (inet_pton(AF_INET, o->addr, &cc.local_addr) != 1) {
+    if (bex_addr_parse(o->addr, 0, &cc.local_addr) != 0) {
         fprintf(stderr, "%s: --addr %s: not an IPv4 address\n", prog, o->addr);
         rc = -EINVAL;
         goto err_dir;
@@ -445,13 +445,13 @@ uint32_t ld_shards(struct ld_run *r, uint32_t *max_reps)
     return n;
 }
 
-int ld_replica_index(struct ld_run *r, uint32_t shard, const struct sockaddr_in *addr)
+int ld_replica_index(struct ld_run *r, uint32_t shard, const bex_addr *addr)
 {
     bex_dir_replica reps[BEX_PS_REPLICAS_MAX];
     size_t n = bex_dir_replicas(r->dir, r->o->service, shard, reps, BEX_PS_REPLICAS_MAX);
     for (size_t i = 0; i < n && i < BEX_PS_REPLICAS_MAX; i++)
-        if (reps[i].addr.sin_addr.s_addr == addr->sin_addr.s_addr &&
-            reps[i].addr.sin_port == addr->sin_port)
+        if (reps[i].addr.in4.sin_addr.s_addr == addr->in4.sin_addr.s_addr &&
+            reps[i].addr.in4.sin_port == addr->in4.sin_port)
             return (int)i;
     return -1;
 }

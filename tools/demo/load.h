@@ -90,7 +90,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog);
 uint32_t ld_shards(struct ld_run *r, uint32_t *max_reps);
 /* The place of addr among shard's replicas in the directory (the cluster
  * file's order), or -1. */
-int ld_replica_index(struct ld_run *r, uint32_t shard, const struct sockaddr_in *addr);
+int ld_replica_index(struct ld_run *r, uint32_t shard, const bex_addr *addr);
 /* Record one operation that started at start_us. Any thread. */
 void ld_record(struct ld_run *r, int op, uint64_t start_us, int ok);
 /* Print a progress line when a second passed since the last (main

@@ -18,7 +18,7 @@
 #include "sock/internal.h"
 
 struct opts {
-    struct sockaddr_in local, peer, listen;
+    bex_addr local, peer, listen;
     bool have_local, have_peer, have_listen, json;
     uint32_t transport;
     uint64_t burst_bytes;
@@ -26,7 +26,7 @@ struct opts {
 
 /* What the context chose. */
 struct report {
-    char local[INET_ADDRSTRLEN];
+    char local[BEX_ADDR_STRLEN];
     bool rdma;
     char why[1024];
     const struct bex__rdma_dev *dev;
@@ -61,17 +61,20 @@ __attribute__((noreturn)) static void bad(const char *opt, const char *val, cons
     exit(2);
 }
 
-/* IP (port_needed 0), IP:PORT with PORT 0 allowed (1) or not (2). */
-static void parse_ip_port(const char *opt, const char *s, int port_needed, struct sockaddr_in *a)
+/* HOST (port_needed 0), HOST:PORT with PORT 0 allowed (1) or not (2);
+ * HOST an IPv4 address, [IPv6] (bare without a port) or a name. */
+static void parse_ip_port(const char *opt, const char *s, int port_needed, bex_addr *a)
 {
-    char ip[INET_ADDRSTRLEN + 1];
-    unsigned port = 0;
-    int used = 0;
-    int k = sscanf(s, "%16[0-9.]%n:%u%n", ip, &used, &port, &used);
-    *a = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    if (k < 1 || s[used] || port > 65535 || inet_pton(AF_INET, ip, &a->sin_addr) != 1 ||
-        (port_needed && k < 2) || (port_needed == 2 && port == 0) || (!port_needed && k > 1))
-        bad(opt, s, port_needed ? "not IP:PORT (IPv4)" : "not an IPv4 address");
+    char why[200];
+    const char *end = s[0] == '[' ? strchr(s, ']') : NULL;
+    const char *colon = strrchr(end ? end : s, ':');
+    bool v6bare = !end && colon && strchr(s, ':') != colon; /* "fd00::1": no port */
+    bool has_port = colon && !v6bare;
+    if (bex_addr_resolve(s, 0, a, why, sizeof why))
+        bad(opt, s, why);
+    if ((port_needed && !has_port) || (port_needed == 2 && bex_addr_port(a) == 0) ||
+        (!port_needed && has_port))
+        bad(opt, s, port_needed ? "not HOST:PORT" : "not an address without a port");
 }
 
 static void parse(int argc, char **argv, struct opts *o)
@@ -158,12 +161,12 @@ static const char *port_state_name(enum ibv_port_state st)
 static void fill_report(bex_ctx *ctx, const struct opts *o, struct report *r)
 {
     memset(r, 0, sizeof *r);
-    inet_ntop(AF_INET, &o->local.sin_addr, r->local, sizeof r->local);
+    bex_addr_format(&o->local, false, r->local, sizeof r->local);
     r->dev = ctx->dev;
     r->rdma = ctx->dev != NULL;
     if (!r->rdma) {
-        int err = bex__rdma_find_ipv4(o->local.sin_addr, &r->path);
-        bex__rdma_why_none(o->local.sin_addr, err ? err : -ENETDOWN, r->why, sizeof r->why);
+        int err = bex__rdma_find_addr(&o->local, &r->path);
+        bex__rdma_why_none_addr(&o->local, err ? err : -ENETDOWN, r->why, sizeof r->why);
         return;
     }
     r->path = ctx->sh.path;
@@ -287,7 +290,7 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
     /* ERROR only: the fallback's WARN is this program's report */
-    bex_ctx_config cc = {.local_addr = o.have_listen ? o.listen.sin_addr : o.local.sin_addr,
+    bex_ctx_config cc = {.local_addr = o.have_listen ? o.listen : o.local,
                          .transport = BEX_TRANSPORT_AUTO,
                          .log_level = BEX_LOG_ERROR};
     bex_ctx *ctx;

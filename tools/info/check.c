@@ -146,8 +146,8 @@ static int burst(bex_ctx *ctx, bex_sock *s, struct peer *p, uint64_t bytes, stru
     return 0;
 }
 
-void info_check(bex_ctx *ctx, const struct sockaddr_in *peer, uint32_t transport,
-                uint64_t burst_bytes, struct check_result *r)
+void info_check(bex_ctx *ctx, const bex_addr *peer, uint32_t transport, uint64_t burst_bytes,
+                struct check_result *r)
 {
     static struct peer p = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     *r = (struct check_result){.step = "connect"};
@@ -206,7 +206,7 @@ static void srv_accept(bex_listener *l, bex_sock *s, void *user)
     bex_sock_set_user(s, &ops, user);
 }
 
-int info_serve(bex_ctx *ctx, const struct sockaddr_in *addr)
+int info_serve(bex_ctx *ctx, const bex_addr *addr)
 {
     sigset_t sigs; /* blocked by main before the context's threads */
     sigemptyset(&sigs);
@@ -219,11 +219,11 @@ int info_serve(bex_ctx *ctx, const struct sockaddr_in *addr)
         fprintf(stderr, "bex-info: --listen: %s\n", bex_strerror(rc));
         return 1;
     }
-    struct sockaddr_in at;
+    bex_addr at;
     bex_listener_addr(l, &at);
-    char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &at.sin_addr, ip, sizeof ip);
-    printf("bex-info: listening on %s:%u\n", ip, ntohs(at.sin_port));
+    char ip[BEX_ADDR_STRLEN];
+    bex_addr_format(&at, false, ip, sizeof ip);
+    printf("bex-info: listening on %s:%u\n", ip, bex_addr_port(&at));
     fflush(stdout);
     int sig;
     sigwait(&sigs, &sig);

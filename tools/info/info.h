@@ -24,10 +24,10 @@ struct check_result {
 
 /* Connect ctx to peer (transport: BEX_TRANSPORT_* for this connection),
  * make round trips, send a burst of burst_bytes, fill r. */
-void info_check(bex_ctx *ctx, const struct sockaddr_in *peer, uint32_t transport,
-                uint64_t burst_bytes, struct check_result *r);
+void info_check(bex_ctx *ctx, const bex_addr *peer, uint32_t transport, uint64_t burst_bytes,
+                struct check_result *r);
 /* Serve the checks of other hosts on ctx at addr until SIGINT/SIGTERM;
  * returns a process exit status. */
-int info_serve(bex_ctx *ctx, const struct sockaddr_in *addr);
+int info_serve(bex_ctx *ctx, const bex_addr *addr);
 
 #endif

@@ -141,8 +141,33 @@ static char *metrics_text(const struct metrics *m)
     return NULL;
 }
 
+/* /ready's text: "ready" or "not ready: why", then with replication each
+ * shard's role now ("shard3: primary", "backup", "backup, catching up"):
+ * malloc'd. */
+static char *ready_text(const struct metrics *m, const char *why)
+{
+    size_t cap = 64 + m->n * 48, n;
+    char *text = malloc(cap);
+    if (!text)
+        return NULL;
+    n = (size_t)snprintf(text, cap, why ? "not ready: %s\n" : "ready\n", why);
+    for (size_t i = 0; i < m->n && n < cap; i++) {
+        bex_ps_shard_stats st;
+        bex_ps_shard_stats_get(m->ps[i], &st);
+        if (st.role == BEX_PS_ROLE_ANY)
+            continue;
+        bool catching = why && !strcmp(why, "catching up");
+        n += (size_t)snprintf(text + n, cap - n, "%s: %s%s\n", m->names[i],
+                              st.role == BEX_PS_ROLE_PRIMARY ? "primary" : "backup",
+                              catching ? ", catching up" : "");
+    }
+    return text;
+}
+
 static enum MHD_Result http_answer(struct MHD_Connection *c, unsigned code, char *text)
 {
+    if (!text)
+        return MHD_NO;
     struct MHD_Response *r =
         MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
     if (!r) {
@@ -173,11 +198,7 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *c, const char *
         return http_answer(c, MHD_HTTP_OK, strdup("ok\n"));
     if (strcmp(url, "/ready") == 0) {
         const char *why = atomic_load(&m->not_ready);
-        if (!why)
-            return http_answer(c, MHD_HTTP_OK, strdup("ready\n"));
-        char text[64];
-        snprintf(text, sizeof text, "not ready: %s\n", why);
-        return http_answer(c, MHD_HTTP_SERVICE_UNAVAILABLE, strdup(text));
+        return http_answer(c, why ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_OK, ready_text(m, why));
     }
     if (strcmp(url, "/metrics") != 0)
         return http_answer(c, MHD_HTTP_NOT_FOUND, strdup("only /metrics, /healthz, /ready\n"));
@@ -195,9 +216,8 @@ static void add_peers(struct served *sv, const bex_dir_replica *reps, size_t nr,
     for (int near = 1; near >= 0; near--)
         for (size_t j = 0; j < nr; j++) {
             bool same = strcmp(reps[j].locality, self->locality) == 0;
-            if ((reps[j].addr.sin_addr.s_addr == self->addr.sin_addr.s_addr &&
-                 reps[j].addr.sin_port == self->addr.sin_port) ||
-                same != (bool)near || sv->n_peers == sizeof sv->peers / sizeof sv->peers[0])
+            if (bex_addr_equal(&reps[j].addr, &self->addr) || same != (bool)near ||
+                sv->n_peers == sizeof sv->peers / sizeof sv->peers[0])
                 continue;
             bex_rpc_endpoint *e = &sv->peers[sv->n_peers++];
             e->addr = reps[j].addr;
@@ -514,26 +534,23 @@ static int shard_list(const struct opts *o, struct node *nd)
     return 0;
 }
 
-/* --listen IP[:PORT] (etcd): shard i of the list at PORT + i (0: any). */
+/* --listen HOST[:PORT] (etcd): shard i of the list at PORT + i (0: any).
+ * HOST: an IPv4 address, [IPv6] or a name (resolved here). */
 static int listen_addrs(const struct opts *o, struct node *nd)
 {
-    char ip[INET_ADDRSTRLEN + 1];
-    unsigned port = 0;
-    int used = 0;
-    struct in_addr ia;
+    bex_addr a;
+    char why[200];
     const char *ls = o->listen_s;
-    int k = sscanf(ls, "%16[0-9.]:%u%n", ip, &port, &used);
-    if (k < 1 || port + nd->n_sv > 65536 || inet_pton(AF_INET, ip, &ia) != 1 ||
-        (k == 1 && strcmp(ip, ls) != 0) || (k == 2 && ls[used])) {
-        fprintf(stderr, "bex-ps: --listen %s: not IP[:PORT]\n", ls);
+    if (bex_addr_resolve(ls, 0, &a, why, sizeof why) || bex_addr_port(&a) + nd->n_sv > 65536) {
+        fprintf(stderr, "bex-ps: --listen %s: not HOST[:PORT] (%s)\n", ls,
+                bex_addr_port(&a) ? "port + shards past 65535" : why);
         return 1;
     }
+    unsigned port = bex_addr_port(&a);
     for (size_t i = 0; i < nd->n_sv; i++) {
-        nd->self[i] =
-            (bex_dir_replica){.addr = {.sin_family = AF_INET,
-                                       .sin_addr = ia,
-                                       .sin_port = htons((uint16_t)(port ? port + i : 0))},
-                              .transport = o->transport == BEX_TRANSPORT_AUTO ? 0 : o->transport};
+        nd->self[i] = (bex_dir_replica){
+            .addr = a, .transport = o->transport == BEX_TRANSPORT_AUTO ? 0 : o->transport};
+        bex_addr_set_port(&nd->self[i].addr, (uint16_t)(port ? port + i : 0));
         snprintf(nd->self[i].locality, sizeof nd->self[i].locality, "%s", o->locality);
     }
     return 0;
@@ -562,7 +579,7 @@ static int cluster_addrs(const struct opts *o, bex_dir *dir, struct node *nd)
             return 1;
         }
         nd->self[i] = reps[o->replica];
-        if (nd->self[i].addr.sin_addr.s_addr != nd->self[0].addr.sin_addr.s_addr) {
+        if (!bex_addr_same_host(&nd->self[i].addr, &nd->self[0].addr)) {
             fprintf(stderr, "bex-ps: the shards served must share an IP address\n");
             return 1;
         }
@@ -662,7 +679,7 @@ static int plan(const struct opts *o, struct node *nd)
 static int make_ctx(const struct opts *o, struct node *nd)
 {
     uint32_t want = nd->self[0].transport ? nd->self[0].transport : o->transport;
-    bex_ctx_config cc = {.local_addr = nd->self[0].addr.sin_addr,
+    bex_ctx_config cc = {.local_addr = nd->self[0].addr,
                          .transport =
                              want == BEX_TRANSPORT_TCP ? BEX_TRANSPORT_TCP : BEX_TRANSPORT_AUTO,
                          .keepalive_timeout_ms = (uint32_t)o->keepalive_timeout_ms,
@@ -677,8 +694,8 @@ static int make_ctx(const struct opts *o, struct node *nd)
         return 1;
     }
     if (want == BEX_TRANSPORT_RDMA && !bex_ctx_pd(nd->ctx)) {
-        char a[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &nd->self[0].addr.sin_addr, a, sizeof a);
+        char a[BEX_ADDR_STRLEN];
+        bex_addr_format(&nd->self[0].addr, false, a, sizeof a);
         fprintf(stderr, "bex-ps: RDMA wanted, but no RDMA device carries %s\n", a);
         bex_ctx_destroy(nd->ctx);
         return 1;
@@ -708,8 +725,8 @@ static int start_shard(const struct opts *o, struct node *nd)
                               .restore_cut = o->restore_cut,
                               .cut_pause_ms = (uint32_t)o->cut_pause_ms,
                               .cut_full_every = (uint32_t)o->cut_full_every};
-    char a[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &self->addr.sin_addr, a, sizeof a);
+    char a[BEX_ADDR_STRLEN];
+    bex_addr_format(&self->addr, false, a, sizeof a);
     int rc;
     if ((rc = bex_ps_shard_create(&pc, &s->ps)) == 0) {
         if ((rc = bex_rpc_server_create(nd->ctx, NULL, &s->srv)) == 0 &&
@@ -722,13 +739,13 @@ static int start_shard(const struct opts *o, struct node *nd)
             bex_ps_shard_destroy(s->ps);
     }
     if (rc) {
-        fprintf(stderr, "bex-ps: shard %u at %s:%u: %s\n", s->shard, a, ntohs(self->addr.sin_port),
+        fprintf(stderr, "bex-ps: shard %u at %s:%u: %s\n", s->shard, a, bex_addr_port(&self->addr),
                 bex_strerror(rc));
         return 1;
     }
     bex_rpc_server_addr(s->srv, &self->addr); /* the port, when it was 0 */
     printf("bex-ps: shard %u of %u serving at %s:%u\n", s->shard, nd->n_shards, a,
-           ntohs(self->addr.sin_port));
+           bex_addr_port(&self->addr));
     return 0;
 }
 
@@ -830,23 +847,24 @@ static int start_metrics(const struct opts *o, struct node *nd)
     }
     mt->n = nd->n_sv;
     mt->ctx = nd->ctx;
-    struct sockaddr_in ma = {.sin_family = AF_INET,
-                             .sin_addr = nd->self[0].addr.sin_addr,
-                             .sin_port = htons((uint16_t)o->metrics_port)};
+    bex_addr ma = nd->self[0].addr;
+    bex_addr_set_port(&ma, (uint16_t)o->metrics_port);
     /* its thread starts with the signals blocked, as every thread here */
-    nd->httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
+    nd->httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG |
+                                     (ma.sa.sa_family == AF_INET6 ? MHD_USE_IPv6 : 0),
                                  (uint16_t)o->metrics_port, NULL, NULL, on_http, mt,
                                  MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ma,
                                  MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
     const union MHD_DaemonInfo *di =
         nd->httpd ? MHD_get_daemon_info(nd->httpd, MHD_DAEMON_INFO_BIND_PORT) : NULL;
-    char a[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &ma.sin_addr, a, sizeof a);
+    char a[BEX_ADDR_STRLEN];
     if (!di) {
-        fprintf(stderr, "bex-ps: metrics on %s:%ld: cannot listen\n", a, o->metrics_port);
+        fprintf(stderr, "bex-ps: metrics on %s: cannot listen\n",
+                bex_addr_format(&ma, true, a, sizeof a));
         return 1;
     }
-    printf("bex-ps: metrics at http://%s:%u/metrics\n", a, (unsigned)di->port);
+    bex_addr_set_port(&ma, di->port);
+    printf("bex-ps: metrics at http://%s/metrics\n", bex_addr_format(&ma, true, a, sizeof a));
     fflush(stdout); /* before the catch-up: /ready tells it */
     return 0;
 }
