@@ -789,7 +789,7 @@ bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard)
 }
 
 int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch,
-                            struct sockaddr_in *addr, struct bex__ps_hdr *h)
+                            bex_addr *addr, struct bex__ps_hdr *h)
 {
     pthread_mutex_lock(&c->mu);
     int rc = push_refresh(c);

@@ -292,7 +292,7 @@ static int push_send(bex_ps_client *c, struct zop *op, uint32_t shard, const uin
 {
     struct bex__ps_hdr h = {.table = op->table, .n = op->n, .dim = op->dim};
     bex_rpc_channel *ch;
-    struct sockaddr_in addr;
+    bex_addr addr;
     int rc = bex__ps_client_push_one(c, shard, &ch, &addr, &h);
     if (rc)
         return rc;

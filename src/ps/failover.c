@@ -26,7 +26,7 @@ struct bex_ps_failover {
     bex_ctx *ctx;
     char *url, key[256], set_key[256];
     bex_rpc_endpoint reps[BEX_PS_REPLICAS_MAX];
-    char names[BEX_PS_REPLICAS_MAX][32];
+    char names[BEX_PS_REPLICAS_MAX][BEX_ADDR_STRLEN];
     size_t n;
     uint32_t self, ttl_ms, margin_ms, resync_ms;
     bex__elect *el;
@@ -80,12 +80,10 @@ static int index_of(const struct bex_ps_failover *f, const char *name)
     return -1;
 }
 
-/* Backup b's name ("a.b.c.d:port"). */
+/* Backup b's name ("a.b.c.d:port" or "[v6]:port"). */
 static void bk_name(const bex_ps_shard *s, uint32_t b, char *name, size_t cap)
 {
-    char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &s->rp.bk[b].addr.sin_addr, ip, sizeof ip);
-    snprintf(name, cap, "%s:%u", ip, ntohs(s->rp.bk[b].addr.sin_port));
+    bex_addr_format(&s->rp.bk[b].addr, true, name, cap);
 }
 
 /* A new term: the set's members copy from this primary first; client
@@ -138,7 +136,7 @@ static void removals(struct bex_ps_failover *f, uint64_t epoch, const char *set)
     char cur[SET_MAX], text[SET_MAX];
     snprintf(cur, sizeof cur, "%s", set);
     for (size_t i = 0; i < n; i++) {
-        char name[32];
+        char name[BEX_ADDR_STRLEN];
         bk_name(f->s, b[i], name, sizeof name);
         set_text(f, cur, index_of(f, name), text, sizeof text);
         int rc = bex__elect_put_if(f->url, f->set_key, text, f->key, epoch);
@@ -158,7 +156,7 @@ static void removals(struct bex_ps_failover *f, uint64_t epoch, const char *set)
 static int rejoin(struct bex_ps_failover *f, uint64_t epoch, const char *set, uint32_t b)
 {
     bex_ps_shard *s = f->s;
-    char name[32], text[SET_MAX + 40];
+    char name[BEX_ADDR_STRLEN], text[SET_MAX + BEX_ADDR_STRLEN + 2];
     bk_name(s, b, name, sizeof name);
     int rc = bex__ps_repl_probe(s, b); /* a live one starts its copy on this */
     if (rc && rc != -ESTALE && rc != -EAGAIN)
@@ -172,8 +170,10 @@ static int rejoin(struct bex_ps_failover *f, uint64_t epoch, const char *set, ui
         }
     }
     if (rc == 0) {
-        snprintf(text, sizeof text, "%s%s%s", set, *set ? "," : "", name);
-        rc = bex__elect_put_if(f->url, f->set_key, text, f->key, epoch);
+        int w = snprintf(text, sizeof text, "%s%s%s", set, *set ? "," : "", name);
+        rc = w < 0 || (size_t)w >= SET_MAX ? -ENAMETOOLONG /* the set key's text is bounded */
+                                           : bex__elect_put_if(f->url, f->set_key, text, f->key,
+                                                               epoch);
     }
     if (rc == 0) {
         pthread_mutex_lock(&s->mu);
@@ -360,10 +360,8 @@ int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_c
     snprintf(f->key, sizeof f->key, "%sps/%s/%u/primary", pre, svc, cfg->shard);
     snprintf(f->set_key, sizeof f->set_key, "%sps/%s/%u/set", pre, svc, cfg->shard);
     for (size_t i = 0; i < f->n; i++) {
-        char ip[INET_ADDRSTRLEN];
         f->reps[i] = cfg->replicas[i];
-        inet_ntop(AF_INET, &f->reps[i].addr.sin_addr, ip, sizeof ip);
-        snprintf(f->names[i], sizeof f->names[i], "%s:%u", ip, ntohs(f->reps[i].addr.sin_port));
+        bex_addr_format(&f->reps[i].addr, true, f->names[i], sizeof f->names[i]);
     }
     pthread_mutex_init(&f->mu, NULL);
     pthread_condattr_t ca;

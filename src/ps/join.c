@@ -23,15 +23,12 @@
 
 void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep)
 {
-    *ep = (bex_rpc_endpoint){.addr = {.sin_family = AF_INET}};
-    memcpy(&ep->addr.sin_addr.s_addr, p, 4);
-    memcpy(&ep->addr.sin_port, p + 4, 2);
+    /* the JOIN body carries an IPv4 address (bex_ps_shard_join refuses
+     * others: docs/protocol.md, "Cut") */
+    *ep = (bex_rpc_endpoint){.addr = {.in4 = {.sin_family = AF_INET}}};
+    memcpy(&ep->addr.in4.sin_addr.s_addr, p, 4);
+    memcpy(&ep->addr.in4.sin_port, p + 4, 2);
     ep->transport = (uint32_t)p[6] | (uint32_t)p[7] << 8;
-}
-
-static bool same_addr(const struct sockaddr_in *a, const struct sockaddr_in *b)
-{
-    return a->sin_addr.s_addr == b->sin_addr.s_addr && a->sin_port == b->sin_port;
 }
 
 int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep)
@@ -41,10 +38,10 @@ int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep)
         return -EPERM;
     if (rp->n_bk >= BEX_PS_BACKUPS_MAX)
         return -ENOSPC;
-    if (!ep->addr.sin_port || ep->transport > BEX_TRANSPORT_TCP)
+    if (!bex_addr_port(&ep->addr) || ep->transport > BEX_TRANSPORT_TCP)
         return -EINVAL;
     for (size_t i = 0; i < rp->n_bk; i++)
-        if (same_addr(&rp->bk[i].addr, &ep->addr))
+        if (bex_addr_equal(&rp->bk[i].addr, &ep->addr))
             return -EEXIST; /* a backup restarted rejoins by the probe */
     return 0;
 }
@@ -66,10 +63,10 @@ int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep)
         return rc;
     }
     bex__ps_lag_acked(s, b, rp->lsn); /* it copied every Push up to here */
-    char a[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &ep->addr.sin_addr, a, sizeof a);
-    bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: backup %u (%s:%u) joined at lsn %llu", s->shard,
-             b, a, ntohs(ep->addr.sin_port), (unsigned long long)rp->lsn);
+    char a[BEX_ADDR_STRLEN];
+    bex_addr_format(&ep->addr, true, a, sizeof a);
+    bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: backup %u (%s) joined at lsn %llu", s->shard, b,
+             a, (unsigned long long)rp->lsn);
     return 0;
 }
 
@@ -112,8 +109,8 @@ static int join_steps(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
     id |= 1;
     uint8_t b[BEX__PS_JOIN_LEN];
     bex__ps_cut_put(b, &(struct bex__ps_cut_hdr){.op = BEX__PS_CUT_JOIN, .id = id});
-    memcpy(b + 16, &cfg->self.addr.sin_addr.s_addr, 4);
-    memcpy(b + 20, &cfg->self.addr.sin_port, 2);
+    memcpy(b + 16, &cfg->self.addr.in4.sin_addr.s_addr, 4);
+    memcpy(b + 20, &cfg->self.addr.in4.sin_port, 2);
     b[22] = (uint8_t)cfg->self.transport;
     b[23] = (uint8_t)(cfg->self.transport >> 8);
     int rc = call1(ch, ctx, b, sizeof b, left_ms(deadline));

@@ -261,6 +261,6 @@ bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard)
  * Push id in h; -ENOENT when the shard's Push goes to more than one replica
  * (or none), -ENOMEM. */
 int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch,
-                            struct sockaddr_in *addr, struct bex__ps_hdr *h);
+                            bex_addr *addr, struct bex__ps_hdr *h);
 
 #endif

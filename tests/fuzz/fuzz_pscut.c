@@ -31,7 +31,7 @@ static bex_ctx *ctx_once(void)
     static bex_ctx *ctx;
     if (!ctx) {
         bex_ctx_config c = {.transport = BEX_TRANSPORT_TCP, .log_fn = quiet};
-        inet_pton(AF_INET, "127.0.0.1", &c.local_addr);
+        c.local_addr = bex_addr_loopback4(0);
         FZ_CHECK(bex_ctx_create(&c, &ctx) == 0);
     }
     return ctx;

@@ -155,8 +155,8 @@ static void fo_start(struct fo *p)
         CHECK_OK(bex_ps_shard_create(&pc, &p->s[r]));
         CHECK_OK(bex_rpc_server_create(p->ctx[r], NULL, &p->srv[r]));
         CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], p->ctx[r]));
-        struct sockaddr_in a = {
-            .sin_family = AF_INET, .sin_addr = a0, .sin_port = p->ep[r].addr.sin_port};
+        bex_addr a = {
+            .in4 = {.sin_family = AF_INET, .sin_addr = a0, .sin_port = p->ep[r].addr.in4.sin_port}};
         CHECK_OK(bex_rpc_server_listen(p->srv[r], &a));
         bex_rpc_server_addr(p->srv[r], &p->ep[r].addr);
         bex_rpc_channel_config cc = {.endpoints = &p->ep[r],
@@ -347,7 +347,7 @@ static void wait_one(struct fo *p, int prim, int r)
         bool listed = false;
         pthread_mutex_lock(&p->s[prim]->mu);
         for (size_t b = 0; b < p->s[prim]->rp.n_bk; b++)
-            if (p->s[prim]->rp.bk[b].addr.sin_port == p->ep[r].addr.sin_port)
+            if (p->s[prim]->rp.bk[b].addr.in4.sin_port == p->ep[r].addr.in4.sin_port)
                 listed = !p->s[prim]->rp.bk[b].out; /* in the set: forwarded to */
         pthread_mutex_unlock(&p->s[prim]->mu);
         ok &= listed;
@@ -464,7 +464,7 @@ static void fo_restart(struct fo *p, int r)
     CHECK_OK(bex_ps_shard_create(&pc, &p->s[r]));
     CHECK_OK(bex_rpc_server_create(p->ctx[r], NULL, &p->srv[r]));
     CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], p->ctx[r]));
-    struct sockaddr_in a = p->ep[r].addr;
+    bex_addr a = p->ep[r].addr;
     CHECK_OK(bex_rpc_server_listen(p->srv[r], &a));
     bex_ps_failover_config fc = {.etcd_url = url,
                                  .replicas = p->ep,
@@ -494,7 +494,7 @@ static int t_backup_down(void)
         push_one(&p);
     int bk = (prim + 1) % NREP;
     char name[32], set[256];
-    snprintf(name, sizeof name, "127.0.0.1:%u", ntohs(p.ep[bk].addr.sin_port));
+    snprintf(name, sizeof name, "127.0.0.1:%u", ntohs(p.ep[bk].addr.in4.sin_port));
     set_now(set, sizeof set);
     CHECK(strstr(set, name));
     fo_kill(&p, bk);
@@ -582,7 +582,7 @@ static bex_dir *dir_of(const struct fo *p)
     size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
     for (int r = 0; r < NREP; r++)
         o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"127.0.0.1:%u\"}", r ? "," : "",
-                              ntohs(p->ep[r].addr.sin_port));
+                              ntohs(p->ep[r].addr.in4.sin_port));
     snprintf(j + o, sizeof j - o, "]}]}}}");
     bex_dir *d;
     CHECK_OK(bex_dir_create(NULL, &d));
@@ -594,7 +594,7 @@ static int t_any_order(void)
 {
     struct fo p = {0};
     for (int r = 0; r < NREP; r++)
-        p.ep[r].addr = (struct sockaddr_in){.sin_family = AF_INET,
+        p.ep[r].addr.in4 = (struct sockaddr_in){.sin_family = AF_INET,
                                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
                                             .sin_port = htons(free_port())};
     bex_ctx *cctx = client_ctx();

@@ -14,18 +14,18 @@ static bex_dir *dir_of(const struct srv_proc *sps, int n)
 {
     char j[512], ip[NSH][INET_ADDRSTRLEN], err[256];
     for (int i = 0; i < n; i++)
-        inet_ntop(AF_INET, &sps[i].addr.sin_addr, ip[i], sizeof ip[i]);
+        inet_ntop(AF_INET, &sps[i].addr.in4.sin_addr, ip[i], sizeof ip[i]);
     if (n == 1)
         snprintf(j, sizeof j,
                  "{\"services\":{\"ps\":{\"shards\":["
                  "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"}]}]}}}",
-                 ip[0], ntohs(sps[0].addr.sin_port));
+                 ip[0], ntohs(sps[0].addr.in4.sin_port));
     else
         snprintf(j, sizeof j,
                  "{\"services\":{\"ps\":{\"shards\":["
                  "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"}]},"
                  "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-                 ip[0], ntohs(sps[0].addr.sin_port), ip[1], ntohs(sps[1].addr.sin_port));
+                 ip[0], ntohs(sps[0].addr.in4.sin_port), ip[1], ntohs(sps[1].addr.in4.sin_port));
     bex_dir *d;
     CHECK_OK(bex_dir_create(NULL, &d));
     int rc = bex_dir_load_json(d, j, err, sizeof err);
@@ -247,10 +247,10 @@ static void rogue_child(int wfd, int rfd, void *arg)
     CHECK_OK(bex_ctx_create(&c, &rogue.ctx));
     CHECK_OK(bex_rpc_server_create(rogue.ctx, NULL, &srv));
     CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_FETCH, 0, rogue_fetch, NULL));
-    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr = a0}, got;
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}}, got;
     CHECK_OK(bex_rpc_server_listen(srv, &la));
     bex_rpc_server_addr(srv, &got);
-    CHECK(write(wfd, &got.sin_port, sizeof got.sin_port) == sizeof got.sin_port);
+    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
     char q;
     ssize_t r = read(rfd, &q, 1);
     (void)r;

@@ -49,7 +49,7 @@ struct node {
     bex_ctx *ctx;
     bex_ps_shard *s;
     bex_rpc_server *srv;
-    struct sockaddr_in addr;
+    bex_addr addr;
 };
 
 struct cluster {
@@ -82,8 +82,8 @@ static void node_start(struct node *n, const bex_ps_shard_config *pc)
     CHECK_OK(bex_ps_shard_create(pc, &n->s));
     CHECK_OK(bex_rpc_server_create(n->ctx, NULL, &n->srv));
     CHECK_OK(bex_ps_shard_register(n->s, n->srv, n->ctx));
-    if (!n->addr.sin_port)
-        n->addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr = a0};
+    if (!bex_addr_port(&n->addr))
+        n->addr = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
     CHECK_OK(bex_rpc_server_listen(n->srv, &n->addr));
     bex_rpc_server_addr(n->srv, &n->addr);
 }
@@ -106,9 +106,9 @@ static bex_dir *dir_of(const struct cluster *c)
     size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[");
     for (uint32_t k = 0; k < c->ns; k++) {
         char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &c->n[k].addr.sin_addr, ip, sizeof ip);
+        inet_ntop(AF_INET, &c->n[k].addr.in4.sin_addr, ip, sizeof ip);
         o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"replicas\":[{\"addr\":\"%s:%u\"}]}",
-                              k ? "," : "", ip, ntohs(c->n[k].addr.sin_port));
+                              k ? "," : "", ip, ntohs(c->n[k].addr.in4.sin_port));
     }
     o += (size_t)snprintf(j + o, sizeof j - o, "]}}}");
     CHECK(o < sizeof j);

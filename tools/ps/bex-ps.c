@@ -617,28 +617,23 @@ static int pb_etcd_plan(const struct opts *o, struct node *nd)
     bool self_seen = false;
     for (const char *p = o->replicas_s; p && *p;) {
         const char *e = strchr(p, ',');
-        char one[64];
+        char one[256];
         snprintf(one, sizeof one, "%.*s", (int)(e ? e - p : (long)strlen(p)), p);
-        struct sockaddr_in a = {.sin_family = AF_INET};
-        char ip[INET_ADDRSTRLEN + 1];
-        unsigned port = 0;
-        int used = 0;
-        if (nd->n_reps == BEX_PS_REPLICAS_MAX ||
-            sscanf(one, "%16[0-9.]:%u%n", ip, &port, &used) != 2 || one[used] ||
-            inet_pton(AF_INET, ip, &a.sin_addr) != 1 || !port || port + nd->n_sv > 65536) {
-            fprintf(stderr, "bex-ps: --replicas %s: not IP:PORT,... (at most %u)\n", o->replicas_s,
-                    BEX_PS_REPLICAS_MAX);
+        bex_addr a;
+        char err[128] = "";
+        if (nd->n_reps == BEX_PS_REPLICAS_MAX || bex_addr_resolve(one, 0, &a, err, sizeof err) ||
+            !bex_addr_port(&a) || bex_addr_port(&a) + nd->n_sv > 65536) {
+            fprintf(stderr, "bex-ps: --replicas %s: not HOST:PORT,... (at most %u)%s%s\n",
+                    o->replicas_s, BEX_PS_REPLICAS_MAX, err[0] ? ": " : "", err);
             return 1;
         }
-        a.sin_port = htons((uint16_t)port);
-        if (a.sin_addr.s_addr == nd->self[0].addr.sin_addr.s_addr &&
-            a.sin_port == nd->self[0].addr.sin_port) {
+        if (bex_addr_equal(&a, &nd->self[0].addr)) {
             nd->self_rep = (uint32_t)nd->n_reps;
             self_seen = true;
         }
         for (size_t i = 0; i < nd->n_sv; i++) {
             nd->reps[i][nd->n_reps] = (bex_rpc_endpoint){.addr = a, .transport = o->transport};
-            nd->reps[i][nd->n_reps].addr.sin_port = htons((uint16_t)(ntohs(a.sin_port) + i));
+            bex_addr_set_port(&nd->reps[i][nd->n_reps].addr, (uint16_t)(bex_addr_port(&a) + i));
         }
         nd->n_reps++;
         p = e ? e + 1 : NULL;

@@ -19,23 +19,23 @@
 
 /* The local address that routes to the first shard's primary (a UDP
  * socket's connect sends nothing): the context's. */
-static int local_for(bex_dir *dir, const char *svc, struct in_addr *out, uint32_t *transport)
+static int local_for(bex_dir *dir, const char *svc, bex_addr *out, uint32_t *transport)
 {
     bex_dir_replica rep;
     if (bex_dir_replicas(dir, svc, 0, &rep, 1) == 0)
         return -EHOSTUNREACH;
     *transport = rep.transport ? rep.transport : BEX_TRANSPORT_AUTO;
-    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in me;
+    int fd = socket(rep.addr.sa.sa_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    bex_addr me = {0};
     socklen_t len = sizeof me;
-    int rc = fd < 0 || connect(fd, (struct sockaddr *)&rep.addr, sizeof rep.addr) ||
-                     getsockname(fd, (struct sockaddr *)&me, &len)
+    int rc = fd < 0 || connect(fd, &rep.addr.sa, bex_addr_len(&rep.addr)) ||
+                     getsockname(fd, &me.sa, &len)
                  ? -errno
                  : 0;
     if (fd >= 0)
         close(fd);
     if (!rc)
-        *out = me.sin_addr;
+        *out = me;
     return rc;
 }
 

@@ -65,7 +65,7 @@ struct node {
     bex_dir *dir;
     uint32_t n_shards;
     bex_rpc_channel *ch[2];
-    struct sockaddr_in ch_addr[2];
+    bex_addr ch_addr[2];
     uint64_t client, tok[2], seq;
     long long sums[NKEYS][DIM];
     unsigned long pushes, attempts, max_wait_ms;
@@ -170,7 +170,7 @@ static void node_init(struct node *n)
     bex_ctx_config cc = {.transport = n->o.transport ? n->o.transport : BEX_TRANSPORT_TCP,
                          .keepalive_timeout_ms = 3000,
                          .connect_timeout_ms = 3000};
-    if (n->o.addr && inet_pton(AF_INET, n->o.addr, &cc.local_addr) != 1)
+    if (n->o.addr && bex_addr_parse(n->o.addr, 0, &cc.local_addr) != 0)
         die("--addr", -EINVAL);
     int rc = bex_ctx_create(&cc, &n->ctx);
     if (rc)
@@ -226,7 +226,7 @@ static bex_rpc_channel *primary(struct node *n, uint32_t s)
     bex_dir_replica r;
     if (bex_dir_replicas(n->dir, "ps", s, &r, 1) < 1)
         return NULL;
-    if (n->ch[s] && memcmp(&n->ch_addr[s], &r.addr, sizeof r.addr) != 0) {
+    if (n->ch[s] && !bex_addr_equal(&n->ch_addr[s], &r.addr)) {
         bex_rpc_channel_destroy(n->ch[s]);
         n->ch[s] = NULL;
     }
