@@ -75,8 +75,8 @@ void bex__engine_wnd_completed(struct bex__engine *e, struct sslot *s)
     uint64_t d = now - s->post_us;
     s->post_us = 0;
     uint64_t cuts = e->wnd.cuts;
-    int64_t delta = bex__wnd_sample(&e->wnd, d > UINT32_MAX ? UINT32_MAX : (uint32_t)d,
-                                    s->batch_bytes, now);
+    int64_t delta =
+        bex__wnd_sample(&e->wnd, d > UINT32_MAX ? UINT32_MAX : (uint32_t)d, s->batch_bytes, now);
     struct bex__stats *st = e->sh->stats;
     BEX__STAT_ADD(st, window_bytes, (uint64_t)delta);
     BEX__STAT_ADD(st, window_cuts, e->wnd.cuts - cuts);
