@@ -248,7 +248,28 @@ typedef struct bex_ctx_config {
     uint64_t user_mem_max;     /* bytes of caller memory the context registers for
                                   zero-copy calls (bex_ps_rows_alloc) at once (1 GiB);
                                   past it such an allocation fails -ENOBUFS */
+    /* The send window (docs/architecture.md, "Send window"; RDMA only).
+     * STATIC: send_window as is. ADAPTIVE: each engine's window follows the
+     * queueing delay it measures (time from posting a batch to its
+     * completion, against the smallest seen), between send_window_min and
+     * send_window_max, starting at send_window (16384 when 0). */
+    uint32_t send_window_mode;      /* BEX_WINDOW_* (STATIC) */
+    uint32_t send_window_min;       /* adaptive: smallest window, bytes (4096) */
+    uint32_t send_window_max;       /* adaptive: largest window, bytes (262144) */
+    uint32_t send_window_target_us; /* adaptive: queueing delay above which the
+                                       window is cut (1000) */
+    uint32_t send_window_dest;      /* bytes in flight of all the engines sending to
+                                       one remote IP address (ADAPTIVE: 262144,
+                                       STATIC: none; UINT32_MAX: none); an engine
+                                       with nothing in flight may always post one
+                                       fragment */
 } bex_ctx_config;
+
+/* bex_ctx_config.send_window_mode */
+enum {
+    BEX_WINDOW_STATIC = 0,
+    BEX_WINDOW_ADAPTIVE = 1,
+};
 
 /* Exactly v as bex_ctx_config.traffic_class, 0 included (a plain 0 means
  * the default). */
@@ -521,6 +542,14 @@ typedef struct bex_sock_stats {
     uint64_t keepalive_fails; /* connections failed for the peer's silence (keepalive) */
     uint64_t tcp_fallbacks;   /* connections of transport AUTO that went over TCP (no device
                                  here or at the peer, or the QP could not come up) */
+    /* The adaptive send window (send_window_mode ADAPTIVE; 0 otherwise) and
+     * the per-destination bound (send_window_dest). */
+    uint64_t window_bytes;      /* the engines' current windows, summed */
+    uint64_t window_base_us;    /* smallest base delay an engine measured (0: none) */
+    uint64_t window_delay_us;   /* the largest of the I/O threads' last delay samples */
+    uint64_t window_cuts;       /* multiplicative decreases of a window */
+    uint64_t dest_bound_hits;   /* times a send waited for its destination's bound */
+    uint64_t dest_max_inflight; /* highest bytes in flight to one destination seen */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

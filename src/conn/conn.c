@@ -275,6 +275,7 @@ int bex__conn_engine_make(struct conn *c)
     if (!err) { /* c->x once the setup chose RDMA (the owner's chosen) */
         char name[BEX__CONN_NAME_LEN];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
+        bex__engine_set_dest(c->eng, c->key.sin_addr.s_addr);
         io->cqs[idx].used += need;
         c->cqe_reserved = need;
         c->cq_idx = idx;

@@ -58,6 +58,16 @@ static int parse_transport(const struct env_var *v, const char *s, uint32_t *out
     return -EINVAL;
 }
 
+static int parse_wmode(const struct env_var *v, const char *s, uint32_t *out)
+{
+    (void)v;
+    if (strcasecmp(s, "static") == 0 || strcasecmp(s, "adaptive") == 0) {
+        *out = strcasecmp(s, "static") == 0 ? BEX_WINDOW_STATIC : BEX_WINDOW_ADAPTIVE;
+        return 0;
+    }
+    return -EINVAL;
+}
+
 static int parse_poll(const struct env_var *v, const char *s, uint32_t *out)
 {
     (void)v;
@@ -74,6 +84,13 @@ static const struct env_var vars[] = {
     {"BEX_KEEPALIVE_TIMEOUT_MS", FIELD(keepalive_timeout_ms), parse_num, 1, 86400000, "1-86400000"},
     {"BEX_CONNECT_TIMEOUT_MS", FIELD(connect_timeout_ms), parse_num, 1, 86400000, "1-86400000"},
     {"BEX_SRQ_DEPTH", FIELD(srq_depth), parse_num, 0, 32768, "0 (off) or rq_depth-32768"},
+    {"BEX_SEND_WINDOW_MODE", FIELD(send_window_mode), parse_wmode, 0, 0, "static or adaptive"},
+    {"BEX_SEND_WINDOW_MIN", FIELD(send_window_min), parse_num, 256, UINT32_MAX, "256 or more"},
+    {"BEX_SEND_WINDOW_MAX", FIELD(send_window_max), parse_num, 256, UINT32_MAX, "256 or more"},
+    {"BEX_SEND_WINDOW_TARGET_US", FIELD(send_window_target_us), parse_num, 1, 10000000,
+     "1-10000000"},
+    {"BEX_SEND_WINDOW_DEST", FIELD(send_window_dest), parse_num, 1, UINT32_MAX,
+     "bytes (4294967295: none)"},
 };
 #undef FIELD
 

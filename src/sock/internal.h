@@ -145,6 +145,7 @@ struct bex_ctx {
     struct bex__hmap homes; /* struct peer_home by home_key() */
     struct exp_slot exposed[EXPOSED_MAX];
     _Atomic uint64_t user_mem; /* bytes of caller memory (bex__ctx_user_alloc) */
+    struct bex__wnd_dests dests; /* per-destination send bounds (window.c) */
 };
 
 /* The context whose I/O thread this is (NULL on other threads), and which
@@ -191,6 +192,15 @@ int bex__exposed_deliver(struct bex__xport *x, uint32_t imm);
 void *bex__exposed_buf(struct bex__xport *x, uint32_t token, uint32_t *len);
 void bex__exposed_cancel(struct bex_sock *s);
 void bex__exposed_bind(struct bex__io *io, struct bind_cmd *bc);
+
+/* window.c: the send window's settings: defaults and checks (0 or
+ * -EINVAL), the engines' share of them and the per-destination table
+ * (init after the engines' configuration is filled, fini once no engine
+ * is left). */
+int bex__ctx_window_check(bex_ctx_config *c);
+void bex__ctx_window_init(bex_ctx *ctx);
+void bex__ctx_window_fini(bex_ctx *ctx);
+void bex__ctx_window_stats(struct bex__stats *s, bex_sock_stats *o);
 
 /* rdma_opts.c: the RDMA provider options of bex_ctx_config.
  * 0 or -EINVAL for a value out of range. */

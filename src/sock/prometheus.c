@@ -44,6 +44,17 @@ static const struct {
       keepalive_fails),
     C("bex_transport_tcp_fallbacks_total", "Connections of transport auto that went over TCP",
       tcp_fallbacks),
+    G("bex_transport_window_bytes", "Adaptive send windows of the engines, summed", window_bytes),
+    G("bex_transport_window_base_delay_us",
+      "Smallest base delay (post to completion) an engine measured", window_base_us),
+    G("bex_transport_window_delay_us", "Largest of the I/O threads' last delay samples",
+      window_delay_us),
+    C("bex_transport_window_cuts_total", "Multiplicative decreases of an adaptive send window",
+      window_cuts),
+    C("bex_transport_dest_bound_hits_total", "Times a send waited for its destination's bound",
+      dest_bound_hits),
+    G("bex_transport_dest_max_inflight_bytes", "Highest bytes in flight to one destination seen",
+      dest_max_inflight),
 #undef C
 #undef G
 };

@@ -65,7 +65,7 @@ static int config_check(bex_ctx_config *c)
         c->io_threads > BEX__IO_THREADS_MAX || c->poll_mode > BEX_POLL_EVENT ||
         (c->srq_depth && (c->srq_depth < c->rq_depth || c->srq_depth > BEX__SRQ_DEPTH_MAX)))
         return -EINVAL;
-    if (bex__ctx_rdma_opts_check(c))
+    if (bex__ctx_rdma_opts_check(c) || bex__ctx_window_check(c))
         return -EINVAL;
     /* peer-writable memory only in a landing pool, nothing else there */
     if ((c->pool && bex_mem_pool_kind(c->pool) != BEX_MEM_POOL_GENERAL) ||
@@ -541,6 +541,7 @@ int bex_ctx_create(const bex_ctx_config *cfg, bex_ctx **out)
     }
     ctx->has_secret = have > 0;
     ctx_ecfg_fill(ctx);
+    bex__ctx_window_init(ctx);
     if ((err = ctx_dev_open(ctx)))
         goto err_free;
     if ((err = ctx_pools_create(ctx)))
@@ -557,6 +558,7 @@ err_pools:
 err_close_dev:
     bex__rdma_dev_close(ctx->dev);
 err_free:
+    bex__ctx_window_fini(ctx);
     bex__log_fini(&ctx->log);
     sodium_memzero(ctx->auth_key, sizeof ctx->auth_key);
     free(ctx);
@@ -597,6 +599,7 @@ int bex_ctx_destroy(bex_ctx *ctx)
         free(h);
     bex__hmap_free(&ctx->homes);
     pthread_mutex_destroy(&ctx->homes_lock);
+    bex__ctx_window_fini(ctx);
     if (ctx->own_pool && bex_mem_pool_destroy(ctx->sh.pool))
         bex__log(&ctx->log, BEX_LOG_ERROR, "context destroyed while buffers of its pool are live");
     if (bex_mem_pool_destroy(ctx->sh.recv_pool))
@@ -686,7 +689,11 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(retry_errors);
         LD(keepalive_fails);
         LD(tcp_fallbacks);
+        LD(window_bytes);
+        LD(window_cuts);
+        LD(dest_bound_hits);
 #undef LD
+        bex__ctx_window_stats(s, o);
         o->thread_domains += ctx->io[i].td != NULL;
     }
 }

@@ -218,6 +218,9 @@ struct bex__stats {
     _Atomic uint64_t srq_draining;
     /* failures, for bex_ctx_prometheus */
     _Atomic uint64_t rnr_errors, retry_errors, keepalive_fails, tcp_fallbacks;
+    /* the send window (bex_sock_stats; window_bytes changes by deltas) */
+    _Atomic uint64_t window_bytes, window_base_us, window_delay_us, window_cuts, dest_bound_hits,
+        dest_max_inflight;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \

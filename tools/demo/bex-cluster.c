@@ -413,6 +413,7 @@ struct phase {
     double f_snap, f_kill, f_restart;
     int pb;          /* "replication": "primary-backup" (else client fan-out) */
     double retry_ms; /* pb: a trainer's Push sent again with its id this long */
+    double send_window; /* the phase's "send_window" for every process (-1: the plan's) */
 };
 
 struct plan {
@@ -496,6 +497,7 @@ static void plan_load(struct plan *pl, const char *arg)
         }
         ph->rankers = (int)jnum(p, "rankers", 1);
         ph->trainers = (int)jnum(p, "trainers", 1);
+        ph->send_window = jnum(p, "send_window", -1);
         if (ph->rankers < 0 || ph->trainers < 0 || ph->rankers + ph->trainers > 64 ||
             ph->duration_s <= 0)
             die("plan %s: phases[%zu]: at most 64 clients, a positive duration", arg, i);
@@ -557,6 +559,19 @@ static void argv_num(struct proc *p, const char *k, json_t *o, const char *jk)
     char b[64];
     snprintf(b, sizeof b, "%.17g", json_number_value(v));
     argv_add(p, k, b);
+}
+
+/* --send-window: the phase's own (Table 7's "RDMA without / with the
+ * window" split in one plan), else o's "send_window". */
+static void argv_window(struct proc *p, const struct phase *ph, json_t *o)
+{
+    char b[32];
+    if (ph->send_window < 0) {
+        argv_num(p, "--send-window", o, "send_window");
+        return;
+    }
+    snprintf(b, sizeof b, "%.0f", ph->send_window);
+    argv_add(p, "--send-window", b);
 }
 
 /* Free TCP ports on addr: bound to port 0 all at once, so they differ, and
@@ -1167,7 +1182,7 @@ static void spawn_server(struct prun *r, int s, int k)
     argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
     argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
     argv_num(p, "--eager-max", pl->ps, "eager_max");
-    argv_num(p, "--send-window", pl->ps, "send_window");
+    argv_window(p, ph, pl->ps);
     argv_num(p, "--io-threads", pl->ps, "io_threads");
     if (ph->poll)
         argv_add(p, "--poll", ph->poll);
@@ -1245,6 +1260,7 @@ static void spawn_client(struct prun *r, int i)
     argv_num(p, "--connect-timeout-ms", o, "connect_timeout_ms");
     argv_num(p, "--keepalive-timeout-ms", o, "keepalive_timeout_ms");
     argv_num(p, "--eager-max", o, "eager_max");
+    argv_window(p, ph, o);
     if (ph->poll)
         argv_add(p, "--poll", ph->poll);
     if (rk) {

@@ -480,9 +480,38 @@ void ld_record(struct ld_run *r, int op, uint64_t start_us, int ok)
     pthread_mutex_unlock(&r->mu);
 }
 
+/* With BEX_MEM_SAMPLES=FILE in the environment: every 200 ms a line
+ * "t_ms pool registered_bytes in_use_bytes" per pool of the context
+ * (bench/ps/mem-timeline, the paper's Figure 5). */
+static void mem_sample(struct ld_run *r, uint64_t now)
+{
+    static FILE *f;
+    static int tried;
+    static uint64_t next;
+    if (!tried) {
+        tried = 1;
+        const char *path = getenv("BEX_MEM_SAMPLES");
+        f = path ? fopen(path, "w") : NULL;
+    }
+    if (!f || now < next)
+        return;
+    next = now + 200000;
+    bex_mem_pool *pools[] = {bex_ctx_pool(r->ctx), bex_ctx_recv_pool(r->ctx),
+                             bex_ctx_landing_pool(r->ctx)};
+    static const char *const names[] = {"main", "recv", "landing"};
+    for (int i = 0; i < 3; i++) {
+        bex_mem_stats ms;
+        bex_mem_pool_stats(pools[i], &ms);
+        fprintf(f, "%llu %s %zu %zu\n", (unsigned long long)((now - r->t0_us) / 1000), names[i],
+                ms.registered_bytes, ms.in_use_bytes);
+    }
+    fflush(f);
+}
+
 void ld_progress(struct ld_run *r, int op, uint64_t *last_us)
 {
     uint64_t now = ld_now_us();
+    mem_sample(r, now);
     if (!r->o->progress || now - *last_us < 1000000)
         return;
     *last_us = now;

@@ -90,6 +90,8 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         struct sslot *s = sslot_at(e, c);
         e->head++;
         e->inflight -= s->bytes;
+        bex__engine_window_give(e, s->bytes);
+        bex__engine_wnd_completed(e, s);
         if (s->free_mw) {
             ibv_dealloc_mw(s->free_mw); /* its invalidation is done */
             s->free_mw = NULL;

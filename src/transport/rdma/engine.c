@@ -222,6 +222,7 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
     if (err)
         goto err_destroy;
     e->psn = bex__rdma_random_psn();
+    bex__engine_wnd_init(e); /* last: undone by bex__engine_destroy */
     *out = e;
     return 0;
 
@@ -292,6 +293,7 @@ void bex__engine_destroy(struct bex__engine *e)
     if (e->holding)
         atomic_fetch_sub_explicit(bex__engine_holders(e), 1, memory_order_relaxed);
     bex__engine_release_windows(e);
+    bex__engine_wnd_fini(e);
     if (e->qp && e->nodev)
         bex__engine_nodev_to(e, IBV_QPS_RESET);
     else if (e->qp && e->srq_in)

@@ -41,6 +41,7 @@
 #include "rdma/rdma.h"
 #include "transport/thread.h"
 #include "transport/transport.h"
+#include "transport/window.h"
 #include "wire/hdr.h"
 
 struct bex__engine_config {
@@ -63,6 +64,13 @@ struct bex__engine_config {
      * delivery, whichever is later, fails the engine. */
     uint64_t share_min;
     uint32_t min_rate, rate_window_ms;
+    /* The send window (transport/window.h): BEX_WINDOW_STATIC (send_window
+     * as is) or BEX_WINDOW_ADAPTIVE (wnd's controller); dests, the
+     * per-destination bounds the engines share (NULL: none), which
+     * bex__engine_set_dest picks the engine's from. */
+    uint32_t wnd_mode;
+    struct bex__wnd_params wnd;
+    struct bex__wnd_dests *dests;
 };
 
 /* The smallest recv_depth a peer may grant: ordinary SENDs keep the last
@@ -113,6 +121,10 @@ uint32_t bex__engine_qpn(struct bex__engine *e);
 /* Name the connection in the engine's log lines ("<name> (engine <id>):"),
  * e.g. the peer's "a.b.c.d:port": an operator must see who failed. */
 void bex__engine_set_name(struct bex__engine *e, const char *name);
+/* The remote IPv4 address (network order) the engine sends to: its share
+ * of cfg.dests' bound for that address (none without dests). Once, before
+ * traffic. */
+void bex__engine_set_dest(struct bex__engine *e, uint32_t ip);
 void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out);
 /* Bring the QP to RTS with the peer's hello. */
 int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *peer);

@@ -46,6 +46,9 @@ struct sslot {
     uint32_t bytes;             /* payload bytes (send window) */
     uint8_t *hdr;               /* this slot's header buffer */
     struct ibv_mw *free_mw;     /* window to deallocate once this LOCAL_INV is done */
+    uint64_t post_us;           /* adaptive window: the batch this slot ends was
+                                   posted then (0: no sample) */
+    uint32_t batch_bytes;       /* and had this many payload bytes */
 };
 
 /* One buffer per receive (struct bex__rslot, srq.h): a DATA's payload lands
@@ -116,12 +119,14 @@ struct bex__engine {
     struct sslot *ss;
     uint32_t sq, head, post, tail;
     uint32_t peer_credits, to_return;
-    uint32_t peer_rq;      /* credits the peer granted in its hello */
-    uint32_t inflight;     /* payload bytes posted, not completed */
-    uint32_t peer_eager;   /* largest message the peer takes by SEND */
-    uint32_t peer_max_msg; /* largest message the peer accepts at all */
-    uint32_t frag;         /* effective fragment size */
-    uint64_t credit_wait;  /* since when sends wait for a credit (0: none wait) */
+    uint32_t peer_rq;           /* credits the peer granted in its hello */
+    uint32_t inflight;          /* payload bytes posted, not completed */
+    struct bex__wnd wnd;        /* adaptive send window (sendwnd.c) */
+    struct bex__wnd_dest *dest; /* its destination's shared bound (NULL: none) */
+    uint32_t peer_eager;        /* largest message the peer takes by SEND */
+    uint32_t peer_max_msg;      /* largest message the peer accepts at all */
+    uint32_t frag;              /* effective fragment size */
+    uint64_t credit_wait;       /* since when sends wait for a credit (0: none wait) */
     /* Delivery reports (include/bex/sock.h: 0 means the peer's engine holds
      * the message). Every SEND and WRITE_WITH_IMM takes one of the peer's
      * receives, in order, and the peer returns a credit only for a receive
@@ -278,5 +283,15 @@ bool bex__engine_spare_fill(struct bex__engine *e);
 uint32_t bex__engine_free_slots(const struct bex__engine *e);
 struct sslot *bex__engine_slot_take(struct bex__engine *e);
 void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r);
+/* sendwnd.c: the send window (static or adaptive) and the destination's
+ * bound: take (false: wait; counted as window_stalls or dest_bound_hits),
+ * give back, and the adaptive controller's samples. */
+void bex__engine_wnd_init(struct bex__engine *e);
+void bex__engine_wnd_fini(struct bex__engine *e);
+uint32_t bex__engine_window(const struct bex__engine *e);
+bool bex__engine_window_take(struct bex__engine *e, uint32_t bytes);
+void bex__engine_window_give(struct bex__engine *e, uint32_t bytes);
+void bex__engine_wnd_posted(struct bex__engine *e, struct sslot *s, uint32_t bytes);
+void bex__engine_wnd_completed(struct bex__engine *e, struct sslot *s);
 
 #endif

@@ -267,6 +267,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
         }
     }
     e->head = e->post = e->tail;
+    bex__engine_window_give(e, e->inflight);
     e->inflight = 0;
     for (uint32_t i = 0; i < e->max_rndv; i++) {
         e->rout[i].m = NULL;

@@ -23,13 +23,6 @@ bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg)
     return e->peer_credits > (credit_msg ? 0u : 1u);
 }
 
-static bool window_allows(struct bex__engine *e, uint32_t bytes)
-{
-    if (!e->cfg.send_window || e->inflight == 0 || bytes == 0)
-        return true;
-    return e->inflight + bytes <= e->cfg.send_window;
-}
-
 /* The next send slot, its work request cleared but for the unions of
  * remote addresses and window binds, which a SEND does not read (see
  * slot_take). */
@@ -196,8 +189,7 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
         *blocked = true;
         return false;
     }
-    if (!window_allows(e, (uint32_t)m->len)) {
-        BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+    if (!bex__engine_window_take(e, (uint32_t)m->len)) {
         *blocked = true;
         return false;
     }
@@ -219,15 +211,17 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
 static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m,
                           bool *blocked)
 {
-    uint32_t frag = (uint32_t)(m->len - m->off < e->frag ? m->len - m->off : e->frag);
+    uint32_t most = e->frag, w = bex__engine_window(e);
+    if (w && w < most) /* the adaptive window's fragments follow it */
+        most = w;
+    uint32_t frag = (uint32_t)(m->len - m->off < most ? m->len - m->off : most);
     bool last = m->off + frag == m->len;
     if (last && !bex__engine_have_credit(e, false)) {
         BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
         *blocked = true;
         return false;
     }
-    if (!window_allows(e, frag)) {
-        BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+    if (!bex__engine_window_take(e, frag)) {
         *blocked = true;
         return false;
     }
@@ -323,12 +317,16 @@ void bex__engine_post_pending(struct bex__engine *e)
      * the signaling policy, whatever it is (recounted up to bad on failure) */
     uint64_t signaled = 0;
     bool consumes = false;
+    uint32_t bytes = 0;
     for (uint32_t c = e->post; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);
         bool last = c + 1 == e->tail;
         s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
-        if (last) /* slot_take cleared the flags; prep_data may have set INLINE */
+        bytes += s->bytes;
+        if (last) { /* slot_take cleared the flags; prep_data may have set INLINE */
             s->wr.send_flags |= IBV_SEND_SIGNALED;
+            bex__engine_wnd_posted(e, s, bytes);
+        }
         signaled += (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
         consumes |= wr_consumes(&s->wr);
     }

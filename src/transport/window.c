@@ -1,0 +1,122 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The adaptive send window's controller and the per-destination bound
+ * (window.h). */
+#include "transport/window.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint32_t clamp(const struct bex__wnd_params *p, uint64_t v)
+{
+    if (v < p->min)
+        return p->min;
+    return v > p->max ? p->max : (uint32_t)v;
+}
+
+void bex__wnd_init(struct bex__wnd *w, const struct bex__wnd_params *p)
+{
+    memset(w, 0, sizeof(*w));
+    w->p = *p;
+    w->cwnd = clamp(p, p->init);
+}
+
+/* Below the target: BEX__WND_AI bytes more per window of bytes completed. */
+static void grow(struct bex__wnd *w, uint32_t bytes)
+{
+    w->acc += (uint64_t)bytes * BEX__WND_AI;
+    uint64_t inc = w->acc / w->cwnd;
+    w->acc %= w->cwnd;
+    w->cwnd = clamp(&w->p, (uint64_t)w->cwnd + inc);
+}
+
+/* Above it: a cut in proportion to the excess, then none for one delay. */
+static void cut(struct bex__wnd *w, uint32_t queue_us, uint32_t delay_us, uint64_t now_us)
+{
+    uint64_t pm = (uint64_t)BEX__WND_BETA_PERMILLE * (queue_us - w->p.target_us) / queue_us;
+    if (pm > BEX__WND_MAX_CUT_PERMILLE)
+        pm = BEX__WND_MAX_CUT_PERMILLE;
+    w->cwnd = clamp(&w->p, w->cwnd - (uint64_t)w->cwnd * pm / 1000);
+    w->next_cut_us = now_us + delay_us;
+    w->acc = 0;
+    w->cuts++;
+}
+
+int64_t bex__wnd_sample(struct bex__wnd *w, uint32_t delay_us, uint32_t bytes, uint64_t now_us)
+{
+    uint32_t old = w->cwnd;
+    w->last_us = delay_us;
+    if (w->base_us == 0 || delay_us < w->base_us)
+        w->base_us = delay_us ? delay_us : 1;
+    uint32_t queue_us = delay_us > w->base_us ? delay_us - w->base_us : 0;
+    if (queue_us <= w->p.target_us)
+        grow(w, bytes);
+    else if (now_us >= w->next_cut_us)
+        cut(w, queue_us, delay_us, now_us);
+    return (int64_t)w->cwnd - (int64_t)old;
+}
+
+int bex__wnd_dests_init(struct bex__wnd_dests *d, uint64_t bound)
+{
+    memset(d, 0, sizeof(*d));
+    d->bound = bound;
+    return -pthread_mutex_init(&d->lock, NULL);
+}
+
+void bex__wnd_dests_free(struct bex__wnd_dests *d)
+{
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    for (void *x; (x = bex__hmap_next(&d->map, &it, NULL));)
+        free(x);
+    bex__hmap_free(&d->map);
+    pthread_mutex_destroy(&d->lock);
+}
+
+struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip)
+{
+    if (!d || !d->bound)
+        return NULL;
+    pthread_mutex_lock(&d->lock);
+    struct bex__wnd_dest *x = bex__hmap_get(&d->map, ip);
+    if (!x && (x = calloc(1, sizeof(*x)))) {
+        x->ip = ip;
+        x->bound = d->bound;
+        if (bex__hmap_put(&d->map, ip, x)) {
+            free(x);
+            x = NULL;
+        }
+    }
+    if (x)
+        x->refs++;
+    pthread_mutex_unlock(&d->lock);
+    return x;
+}
+
+void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x)
+{
+    if (!x)
+        return;
+    pthread_mutex_lock(&d->lock);
+    if (--x->refs == 0) {
+        bex__hmap_del(&d->map, x->ip);
+        free(x);
+    }
+    pthread_mutex_unlock(&d->lock);
+}
+
+bool bex__wnd_dest_take(struct bex__wnd_dest *x, uint64_t bytes, bool alone, uint64_t *now)
+{
+    uint64_t cur = atomic_load_explicit(&x->inflight, memory_order_relaxed);
+    do {
+        if (!alone && cur + bytes > x->bound)
+            return false;
+    } while (!atomic_compare_exchange_weak_explicit(&x->inflight, &cur, cur + bytes,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    *now = cur + bytes;
+    return true;
+}
+
+void bex__wnd_dest_give(struct bex__wnd_dest *x, uint64_t bytes)
+{
+    atomic_fetch_sub_explicit(&x->inflight, bytes, memory_order_relaxed);
+}

@@ -1,0 +1,88 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The adaptive send window and the per-destination bound (issue 24 item 3;
+ * docs/architecture.md, "Send window").
+ *
+ * bex__wnd is a delay-based controller, a pure function of the samples it
+ * is fed: each sample is the time from posting a batch of work requests to
+ * its completion, in the spirit of TIMELY and Swift. The smallest sample
+ * seen is the base delay; what a sample exceeds it by is the queueing
+ * delay. At or below the target the window grows additively (about
+ * BEX__WND_AI bytes per window of bytes completed); above it the window is
+ * cut multiplicatively, in proportion to how far above, at most once per
+ * base-delay-plus-queueing interval (a cut must see its own effect first),
+ * never by more than half. The window stays within [min, max].
+ *
+ * bex__wnd_dests is the aggregate bound: the engines of one context that
+ * send to the same remote IPv4 address share one bex__wnd_dest, whose
+ * bytes in flight stay within its bound. An engine with nothing in flight
+ * may always post one fragment (so no engine waits for another's
+ * completion, which would need a wake-up across I/O threads): the bound
+ * holds up to max(bound, engines x fragment). The table is locked only to
+ * find or drop an entry; admission and release are atomics. */
+#ifndef BEX_TRANSPORT_WINDOW_H
+#define BEX_TRANSPORT_WINDOW_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/hash.h"
+
+/* bex_ctx_config.send_window_mode's values live in bex/sock.h
+ * (BEX_WINDOW_STATIC, BEX_WINDOW_ADAPTIVE). */
+
+/* Additive increase: bytes a window grows by per window of completed bytes. */
+#define BEX__WND_AI 1024u
+/* Multiplicative decrease: the cut is BETA x (queueing - target) / queueing
+ * of the window, in thousandths, at most MAX_CUT. */
+#define BEX__WND_BETA_PERMILLE    800u
+#define BEX__WND_MAX_CUT_PERMILLE 500u
+
+struct bex__wnd_params {
+    uint32_t min, max;  /* bytes, 0 < min <= max */
+    uint32_t init;      /* the first window (clamped to [min, max]) */
+    uint32_t target_us; /* queueing delay above which the window is cut */
+};
+
+struct bex__wnd {
+    struct bex__wnd_params p;
+    uint32_t cwnd;        /* bytes */
+    uint32_t base_us;     /* smallest delay seen (0: no sample yet) */
+    uint32_t last_us;     /* the last sample */
+    uint64_t next_cut_us; /* no cut before this time */
+    uint64_t cuts;        /* multiplicative decreases */
+    uint64_t acc;         /* bytes completed toward the next increase */
+};
+
+void bex__wnd_init(struct bex__wnd *w, const struct bex__wnd_params *p);
+/* One sample: a batch of bytes posted delay_us ago completed at now_us.
+ * Returns the window's change in bytes (negative: a cut). */
+int64_t bex__wnd_sample(struct bex__wnd *w, uint32_t delay_us, uint32_t bytes, uint64_t now_us);
+
+struct bex__wnd_dest {
+    uint32_t ip;   /* network order */
+    uint32_t refs; /* engines holding it (under the table's lock) */
+    uint64_t bound;
+    _Atomic uint64_t inflight;
+};
+
+struct bex__wnd_dests {
+    pthread_mutex_t lock;
+    struct bex__hmap map; /* ip -> struct bex__wnd_dest */
+    uint64_t bound;       /* 0: no aggregate bound (no entries made) */
+};
+
+int bex__wnd_dests_init(struct bex__wnd_dests *d, uint64_t bound);
+void bex__wnd_dests_free(struct bex__wnd_dests *d);
+/* The entry of ip (network order), made on first use, one reference more;
+ * NULL with no bound (d NULL or bound 0) or no memory (then unbounded). */
+struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip);
+void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x);
+/* Take bytes of x's bound: always when alone (the engine has nothing in
+ * flight), else only when they fit. Returns whether taken; *now the bytes
+ * in flight to x after taking them. */
+bool bex__wnd_dest_take(struct bex__wnd_dest *x, uint64_t bytes, bool alone, uint64_t *now);
+void bex__wnd_dest_give(struct bex__wnd_dest *x, uint64_t bytes);
+
+#endif

@@ -1,0 +1,194 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The adaptive send window's controller as a pure function, and the
+ * per-destination bound (transport/window.h; issue 24 item 3):
+ *  - grows: delays at the base grow the window by about BEX__WND_AI per
+ *    window of completed bytes, up to max and not beyond.
+ *  - cuts: a queueing delay above the target cuts the window in proportion
+ *    to the excess, by at most half, once per delay (a second sample
+ *    before then changes nothing), never below min; cuts are counted.
+ *  - base: the base delay is the smallest sample; a delay that falls to
+ *    the target or below grows the window again.
+ *  - senders: N controllers behind one simulated bottleneck (queueing
+ *    delay = bytes in flight / rate) keep the queue near the target: the
+ *    queueing delay settles within [target / 4, 3 x target], and each
+ *    sender's window is smaller with 16 senders than with 4.
+ *  - dest: the shared bound: an engine with bytes in flight takes only
+ *    what fits, an engine alone always may; give returns them; one entry
+ *    per address, freed with its last reference; no bound, no entry. */
+#include <arpa/inet.h>
+
+#include "transport/window.h"
+#include "harness.h"
+
+static const struct bex__wnd_params P = {
+    .min = 4096, .max = 65536, .init = 16384, .target_us = 100};
+
+static int grows(void)
+{
+    struct bex__wnd w;
+    bex__wnd_init(&w, &P);
+    CHECK_EQ(w.cwnd, 16384);
+    uint64_t t = 0;
+    /* one window's worth of bytes at the base delay: +AI */
+    CHECK(bex__wnd_sample(&w, 50, 16384, t += 50) == BEX__WND_AI);
+    CHECK_EQ(w.cwnd, 16384 + BEX__WND_AI);
+    CHECK_EQ(w.base_us, 50);
+    /* small batches add up to the same increase */
+    uint32_t before = w.cwnd;
+    for (int i = 0; i < 4; i++)
+        bex__wnd_sample(&w, 60, before / 4, t += 60);
+    CHECK(w.cwnd >= before + BEX__WND_AI * 95 / 100 && w.cwnd <= before + BEX__WND_AI);
+    for (int i = 0; i < 10000; i++)
+        bex__wnd_sample(&w, 50, w.cwnd, t += 50);
+    CHECK_EQ(w.cwnd, P.max);
+    CHECK_EQ(w.cuts, 0);
+    /* the first window is clamped into [min, max] */
+    struct bex__wnd_params q = P;
+    q.init = 1;
+    bex__wnd_init(&w, &q);
+    CHECK_EQ(w.cwnd, P.min);
+    q.init = 1u << 30;
+    bex__wnd_init(&w, &q);
+    CHECK_EQ(w.cwnd, P.max);
+    return 0;
+}
+
+static int cuts(void)
+{
+    struct bex__wnd w;
+    bex__wnd_init(&w, &P);
+    uint64_t t = 1000;
+    bex__wnd_sample(&w, 50, 0, t); /* base 50, no bytes: no growth */
+    CHECK_EQ(w.cwnd, 16384);
+    /* queueing 150 us, 50 over the target: cut 0.8 x 50 / 150 = 26.6 % */
+    int64_t d = bex__wnd_sample(&w, 200, 4096, t += 10);
+    CHECK(d < 0);
+    CHECK_EQ(w.cwnd, 16384 - 16384 * 266 / 1000);
+    CHECK_EQ(w.cuts, 1);
+    /* within the delay of that sample: no second cut */
+    CHECK(bex__wnd_sample(&w, 5000, 4096, t += 100) == 0);
+    CHECK_EQ(w.cuts, 1);
+    /* after it, a huge delay: at most half */
+    uint32_t before = w.cwnd;
+    bex__wnd_sample(&w, 5000, 4096, t += 200);
+    CHECK_EQ(w.cwnd, before / 2);
+    CHECK_EQ(w.cuts, 2);
+    for (int i = 0; i < 50; i++)
+        bex__wnd_sample(&w, 5000, 4096, t += 5000);
+    CHECK_EQ(w.cwnd, P.min);
+    CHECK(w.cuts >= 3);
+    /* at the target exactly: no cut, growth */
+    before = w.cwnd;
+    CHECK(bex__wnd_sample(&w, 150, w.cwnd, t += 5000) > 0);
+    CHECK(w.cwnd > before);
+    return 0;
+}
+
+static int base(void)
+{
+    struct bex__wnd w;
+    bex__wnd_init(&w, &P);
+    uint64_t t = 0;
+    bex__wnd_sample(&w, 400, 0, t += 400);
+    CHECK_EQ(w.base_us, 400);
+    bex__wnd_sample(&w, 300, 0, t += 400);
+    CHECK_EQ(w.base_us, 300);
+    bex__wnd_sample(&w, 900, 0, t += 900);
+    CHECK_EQ(w.base_us, 300);
+    CHECK_EQ(w.last_us, 900);
+    CHECK_EQ(w.cuts, 1); /* 600 queueing, target 100 */
+    /* a zero delay is a base of 1 us, not "none yet" */
+    bex__wnd_init(&w, &P);
+    bex__wnd_sample(&w, 0, 0, 1);
+    CHECK_EQ(w.base_us, 1);
+    return 0;
+}
+
+/* n controllers, one bottleneck of rate bytes/us, base 50 us, for steps
+ * rounds; the mean queueing delay of the last quarter and each sender's
+ * mean window then. Each controller's first sample sees the queue empty
+ * (its base); the windows start at P.init. */
+static void simulate(uint32_t n, uint32_t rate, int steps, double *queue_us, double *wnd)
+{
+    struct bex__wnd w[16];
+    uint64_t t = 50;
+    for (uint32_t i = 0; i < n; i++) { /* each first sees the queue empty */
+        bex__wnd_init(&w[i], &P);
+        bex__wnd_sample(&w[i], 50, 0, t);
+    }
+    double qsum = 0, wsum = 0;
+    int counted = 0;
+    for (int s = 0; s < steps; s++) {
+        uint64_t inflight = 0;
+        for (uint32_t i = 0; i < n; i++)
+            inflight += w[i].cwnd;
+        uint32_t q = (uint32_t)(inflight / rate);
+        t += 50 + q;
+        for (uint32_t i = 0; i < n; i++)
+            bex__wnd_sample(&w[i], 50 + q, w[i].cwnd, t);
+        if (s >= steps * 3 / 4) {
+            qsum += q;
+            wsum += (double)inflight / n;
+            counted++;
+        }
+    }
+    *queue_us = qsum / counted;
+    *wnd = wsum / counted;
+}
+
+static int senders(void)
+{
+    double q4, w4, q16, w16;
+    /* 1000 bytes/us: the target (100 us) is 100 KB in flight in all */
+    simulate(4, 1000, 4000, &q4, &w4);
+    simulate(16, 1000, 4000, &q16, &w16);
+    fprintf(stderr, "4 senders: queueing %.0f us, window %.0f; 16: %.0f us, %.0f\n", q4, w4, q16,
+            w16);
+    CHECK(q4 >= P.target_us / 4.0 && q4 <= 3.0 * P.target_us);
+    CHECK(q16 >= P.target_us / 4.0 && q16 <= 3.0 * P.target_us);
+    CHECK(w16 < w4 / 2);
+    CHECK(w4 > P.min && w4 < P.max && w16 >= P.min);
+    /* 100 bytes/us: 16 x min (4 KB) is 655 us of queue; the bound, not
+     * the target, holds then: every window sits at min */
+    simulate(16, 100, 4000, &q16, &w16);
+    CHECK(w16 <= P.min * 1.1);
+    return 0;
+}
+
+static int dest(void)
+{
+    struct bex__wnd_dests d;
+    CHECK_OK(bex__wnd_dests_init(&d, 10000));
+    uint32_t a = inet_addr("10.0.0.1"), b = inet_addr("10.0.0.2");
+    struct bex__wnd_dest *x = bex__wnd_dest_get(&d, a), *y = bex__wnd_dest_get(&d, a);
+    struct bex__wnd_dest *z = bex__wnd_dest_get(&d, b);
+    CHECK(x && x == y && z && z != x);
+    CHECK_EQ(x->refs, 2);
+    uint64_t now;
+    CHECK(bex__wnd_dest_take(x, 6000, false, &now));
+    CHECK_EQ(now, 6000);
+    CHECK(!bex__wnd_dest_take(x, 6000, false, &now)); /* 12000 > 10000 */
+    CHECK_EQ(atomic_load(&x->inflight), 6000);
+    CHECK(bex__wnd_dest_take(x, 6000, true, &now)); /* alone: always */
+    CHECK_EQ(now, 12000);
+    CHECK(bex__wnd_dest_take(z, 10000, false, &now)); /* its own bound */
+    bex__wnd_dest_give(x, 6000);
+    CHECK(bex__wnd_dest_take(x, 4000, false, &now));
+    CHECK_EQ(now, 10000);
+    bex__wnd_dest_put(&d, y);
+    CHECK_EQ(x->refs, 1);
+    CHECK_EQ(bex__hmap_len(&d.map), 2);
+    bex__wnd_dest_put(&d, x);
+    bex__wnd_dest_put(&d, z);
+    CHECK_EQ(bex__hmap_len(&d.map), 0);
+    bex__wnd_dest_put(&d, NULL);
+    bex__wnd_dests_free(&d);
+    /* no bound: no entry */
+    CHECK_OK(bex__wnd_dests_init(&d, 0));
+    CHECK(bex__wnd_dest_get(&d, a) == NULL);
+    CHECK(bex__wnd_dest_get(NULL, a) == NULL);
+    bex__wnd_dests_free(&d);
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(grows), BEX_CASE(cuts), BEX_CASE(base), BEX_CASE(senders), BEX_CASE(dest))
