@@ -195,6 +195,19 @@ const char *bex__conn_name(const struct conn *c, char *buf)
 
 uint32_t bex__cq_max_test;
 
+/* The send bound's key of a peer (transport/window.h): its IPv4 address,
+ * or for IPv6 a 32-bit FNV-1a hash of its address (two that collide share
+ * one bound: tighter, never looser). */
+static uint32_t dest_key(const bex_addr *a)
+{
+    if (a->sa.sa_family != AF_INET6)
+        return a->in4.sin_addr.s_addr;
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < 16; i++)
+        h = (h ^ a->in6.sin6_addr.s6_addr[i]) * 16777619u;
+    return h;
+}
+
 /* A CQ of the thread with room for need more entries (its index in
  * io->cqs): one that has it, else one grown to have it (doubling, with
  * ibv_resize_cq, up to the device's max_cqe), else a new one. So the
@@ -275,7 +288,7 @@ int bex__conn_engine_make(struct conn *c)
     if (!err) { /* c->x once the setup chose RDMA (the owner's chosen) */
         char name[BEX__CONN_NAME_LEN];
         bex__engine_set_name(c->eng, bex__conn_name(c, name));
-        bex__engine_set_dest(c->eng, c->key.sin_addr.s_addr);
+        bex__engine_set_dest(c->eng, dest_key(&c->key));
         io->cqs[idx].used += need;
         c->cqe_reserved = need;
         c->cq_idx = idx;

@@ -64,7 +64,7 @@ static void run(uint32_t dest, bex_sock_stats *st, char *text, size_t cap)
     bex_sock *s[CONNS];
     bex_sock_ops ops = {.on_connect = local_cli_connect, .on_close = local_cli_closed};
     for (int i = 0; i < CONNS; i++) {
-        struct sockaddr_in a;
+        bex_addr a;
         l[i] = local_listen(sctx, addr0, &v.base, srv_recv, &a);
         CHECK_OK(bex_sock_connect(cctx, &a, &ops, &cl, &s[i]));
     }
