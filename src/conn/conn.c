@@ -54,13 +54,17 @@ struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
     return c && c->eng_id == id ? c : NULL;
 }
 
+void bex__io_lists_init(struct bex__io *io)
+{
+    bex__list_init(&io->conns);
+    bex__list_init(&io->ready);
+    bex__list_init(&io->listeners);
+}
+
 void bex__conn_ready(struct conn *c)
 {
-    if (c->ready)
-        return;
-    c->ready = true;
-    c->ready_next = c->io->ready;
-    c->io->ready = c;
+    if (!bex__list_linked(&c->ready_link))
+        bex__list_push_head(&c->io->ready, &c->ready_link);
 }
 
 /* An accepted connection leaves the setup table (bex_ctx_config.setup_max):
@@ -106,8 +110,8 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
     c->next_stream = 1;
     bex__conn_timers_start(c);
     io->engines[engine_slot(io, id)] = c;
-    c->next = io->conns;
-    io->conns = c;
+    bex__list_init(&c->ready_link);
+    bex__list_push_head(&io->conns, &c->link);
     *out = c;
     return 0;
 }
@@ -115,20 +119,8 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
 void bex__conn_free(struct conn *c)
 {
     struct bex__io *io = c->io;
-    for (struct conn **p = &io->conns; *p; p = &(*p)->next) {
-        if (*p == c) {
-            *p = c->next;
-            break;
-        }
-    }
-    if (c->ready) {
-        for (struct conn **p = &io->ready; *p; p = &(*p)->ready_next) {
-            if (*p == c) {
-                *p = c->ready_next;
-                break;
-            }
-        }
-    }
+    bex__list_remove(&c->link);
+    bex__list_remove(&c->ready_link);
     io->engines[engine_slot(io, c->eng_id)] = NULL;
     bex__conn_timers_stop(c);
     bex__conn_setup_end(c);
@@ -359,7 +351,10 @@ static bool setup_evict_oldest(struct bex__io *io)
     for (;;) {
         struct conn *old = NULL;
         bool old_quiet = false;
-        for (struct conn *c = io->conns; c; c = c->next) { /* newest first */
+        struct bex__list *n;
+        bex__list_foreach(n, &io->conns)
+        { /* newest first */
+            struct conn *c = bex__conn_of(n);
             if (!c->in_setup || c->fd < 0)
                 continue;
             bool quiet = c->phase == first && !c->rlen && !c->heard;
@@ -494,15 +489,15 @@ void bex__conn_reap(struct bex__io *io)
     if (!io->reap)
         return;
     io->reap = false;
-    struct conn *c = io->conns;
-    while (c) {
-        struct conn *next = c->next;
+    struct bex__list *n, *tmp;
+    bex__list_foreach_safe(n, tmp, &io->conns)
+    {
+        struct conn *c = bex__conn_of(n);
         BEX__STAT_ADD(io, reap_visits, 1);
         if (c->dead && bex__conn_nstreams(c) == 0)
             bex__conn_free(c);
         else if (!c->dead && !c->client && !c->l && bex__conn_nstreams(c) == 0)
             bex__conn_fail(c, -ECONNABORTED); /* its listener closed, its last socket gone */
-        c = next;
     }
 }
 

@@ -73,7 +73,7 @@ struct bex_listener {
     void *user;
     struct sockaddr_in addr;
     sem_t done;
-    struct bex_listener *next;
+    struct bex__list link; /* on its thread's io->listeners */
     /* accept ran out of descriptors (EMFILE, ENFILE, ...): the listener is
      * out of epoll until paused_until, so its level-triggered readiness
      * does not spin the I/O thread */
@@ -84,10 +84,9 @@ struct bex_listener {
 
 struct conn {
     struct ep_tag tag;
-    bex_ctx *ctx;            /* its owner's handle (opaque here) */
-    struct bex__io *io;      /* the I/O thread it belongs to */
-    struct conn *ready_next; /* on io->ready while ready */
-    bool ready;
+    bex_ctx *ctx;                /* its owner's handle (opaque here) */
+    struct bex__io *io;          /* the I/O thread it belongs to */
+    struct bex__list ready_link; /* on io->ready while ready */
     int fd;
     enum bex__conn_phase phase;
     bool client;
@@ -127,10 +126,16 @@ struct conn {
     struct bex__hmap streams; /* its owner's streams by stream id: what the
                                  transport's upcalls name (bex__conn_stream_*) */
     uint32_t next_stream;
-    struct conn *next;
+    struct bex__list link; /* on io->conns */
 };
 
+/* The connection of an io->conns node. */
+#define bex__conn_of(node) bex__list_entry(node, struct conn, link)
+
 /* ---- conn.c ---- */
+/* A zeroed thread's connection and listener lists, empty (before anything
+ * else touches it, bex_ctx_destroy's walk included). */
+void bex__io_lists_init(struct bex__io *io);
 /* The connection of engine id on this thread (NULL: none, or another
  * thread's: ids are unique in the context). */
 struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id);

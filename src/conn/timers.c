@@ -144,7 +144,8 @@ static void on_house(struct bex__timer *t)
         bex_mem_pool_collect(io->sh.recv_pool);
         bex_mem_pool_collect(io->sh.landing);
     }
-    uint64_t period = several && io->conns ? keepalive_us(io) : (uint64_t)IDLE_WAKE_MS * 1000;
+    uint64_t period =
+        several && !bex__list_empty(&io->conns) ? keepalive_us(io) : (uint64_t)IDLE_WAKE_MS * 1000;
     bex__timer_start(&io->timers, t, next_round(io->now_us, period));
 }
 

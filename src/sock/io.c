@@ -11,7 +11,10 @@
 static void do_connect(struct bex__io *io, struct bex_sock *s)
 {
     struct conn *c = NULL;
-    for (struct conn *p = io->conns; p; p = p->next) {
+    struct bex__list *n;
+    bex__list_foreach(n, &io->conns)
+    {
+        struct conn *p = bex__conn_of(n);
         if (p->client && !p->dead && (!p->x || !p->x->ops->is_dead(p->x)) && p->mode == s->mode &&
             p->key.sin_addr.s_addr == s->peer.sin_addr.s_addr &&
             p->key.sin_port == s->peer.sin_port) {
@@ -129,8 +132,7 @@ static void do_close(struct bex_sock *s)
 
 void bex__io_listen(struct bex__io *io, struct bex_listener *l)
 {
-    l->next = io->listeners;
-    io->listeners = l;
+    bex__list_push_head(&io->listeners, &l->link);
     bex__loop_watch(&io->loop, l->fd, EPOLLIN, &l->tag);
 }
 
@@ -140,19 +142,19 @@ void bex__io_listen(struct bex__io *io, struct bex_listener *l)
  * make a new connection, to whatever listens at that address next. */
 static void forget_listener(struct bex__io *io, struct bex_listener *l)
 {
-    for (struct conn *cn = io->conns; cn; cn = cn->next)
+    struct bex__list *n;
+    bex__list_foreach(n, &io->conns)
+    {
+        struct conn *cn = bex__conn_of(n);
         if (cn->l == l)
             cn->l = NULL;
+    }
     io->reap = true; /* those without sockets close (bex__conn_reap) */
 }
 
 static void do_unlisten(struct bex__io *io, struct bex_listener *l)
 {
-    for (struct bex_listener **p = &io->listeners; *p; p = &(*p)->next)
-        if (*p == l) {
-            *p = l->next;
-            break;
-        }
+    bex__list_remove(&l->link);
     bex__loop_unwatch(&io->loop, l->fd);
     bex__listener_pause_stop(l);
     forget_listener(io, l);

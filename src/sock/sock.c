@@ -451,6 +451,8 @@ static int ctx_io_start(bex_ctx *ctx)
     ctx->io = calloc(ctx->n_io, sizeof(*ctx->io));
     if (!ctx->io)
         return -ENOMEM;
+    for (uint32_t i = 0; i < ctx->n_io; i++)
+        bex__io_lists_init(&ctx->io[i]);
     ctx->env = (struct bex__conn_env){
         .cfg = &ctx->cfg,
         .dev = ctx->dev,
@@ -565,8 +567,8 @@ int bex_ctx_destroy(bex_ctx *ctx)
     io_stop(ctx);
     for (uint32_t k = 0; k < ctx->n_io; k++) {
         struct bex__io *io = &ctx->io[k];
-        while (io->conns) {
-            struct conn *cn = io->conns;
+        for (struct bex__list *n; (n = bex__list_first(&io->conns));) {
+            struct conn *cn = bex__conn_of(n);
             struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
             uint64_t id;
             for (struct bex__stream *st; (st = bex__hmap_next(&cn->streams, &it, &id));) {
@@ -896,6 +898,7 @@ int bex_listen(bex_ctx *ctx, const struct sockaddr_in *addr, const bex_listener_
     struct bex_listener *l = calloc(1, sizeof(*l));
     if (!l)
         return -ENOMEM;
+    bex__list_init(&l->link);
     int err;
     l->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (l->fd < 0) {
