@@ -92,7 +92,7 @@ static void cq_failed(struct bex__io *io, uint32_t q, int n)
     bex__list_foreach(it, &io->conns)
     {
         struct conn *c = bex__conn_of(it);
-        if (c->eng && !c->dead && (c->cq_idx == q || q == UINT32_MAX)) {
+        if (c->eng && !bex__conn_dead(c) && (c->cq_idx == q || q == UINT32_MAX)) {
             any = true;
             bex__conn_fail(c, -EIO);
         }
@@ -114,7 +114,7 @@ static bool run_ready(struct bex__io *io)
     while ((n = bex__list_first(&list))) {
         struct conn *c = bex__list_entry(n, struct conn, ready_link);
         bex__list_remove(n);
-        if (!c->x || c->dead)
+        if (!c->x || bex__conn_dead(c))
             continue;
         BEX__STAT_ADD(io, visits, 1);
         if (c->x->ops->progress(c->x)) {

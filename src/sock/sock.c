@@ -854,7 +854,7 @@ void bex_sock_close(bex_sock *s)
 int bex_sock_transport(const bex_sock *s)
 {
     const struct conn *c = s ? s->conn : NULL;
-    if (!c || !c->x || c->dead)
+    if (!c || !c->x || bex__conn_dead(c))
         return 0;
     /* not c->eng: after a fallback to TCP the engine may linger; not the
      * ops' name: a test's wrapper around the TCP transport (fakenet) has

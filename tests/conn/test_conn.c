@@ -237,7 +237,7 @@ static void world_turn(struct world *w)
     while ((r = bex__list_first(&list))) {
         struct conn *c = bex__list_entry(r, struct conn, ready_link);
         bex__list_remove(r);
-        if (c->x && !c->dead && c->x->ops->progress(c->x))
+        if (c->x && !bex__conn_dead(c) && c->x->ops->progress(c->x))
             bex__conn_ready(c);
         bex__conn_due_sync(c);
     }
