@@ -33,20 +33,26 @@ const char *bex__sock_life_name(enum bex__sock_life life)
     return (unsigned)life < ARRAY_SIZE(names) ? names[life] : "?";
 }
 
-/* The state ev leads to from s's, or -1 if s's state refuses it. */
-static int life_after(unsigned from, enum bex__sock_event ev)
+/* The state ev leads to from s's (its one bit set or cleared); *legal:
+ * whether s's state allows ev. */
+static unsigned life_after(unsigned from, enum bex__sock_event ev, bool *legal)
 {
     switch (ev) {
     case SK_EV_ATTACH: /* a live stream on no transport */
-        return from & (SK_BIT_ATTACHED | SK_BIT_DEAD) ? -1 : (int)(from | SK_BIT_ATTACHED);
+        *legal = !(from & (SK_BIT_ATTACHED | SK_BIT_DEAD));
+        return from | SK_BIT_ATTACHED;
     case SK_EV_LET_GO:
-        return from & SK_BIT_ATTACHED ? (int)(from & ~SK_BIT_ATTACHED) : -1;
+        *legal = from & SK_BIT_ATTACHED;
+        return from & ~SK_BIT_ATTACHED;
     case SK_EV_DIE:
-        return from & SK_BIT_DEAD ? -1 : (int)(from | SK_BIT_DEAD);
+        *legal = !(from & SK_BIT_DEAD);
+        return from | SK_BIT_DEAD;
     case SK_EV_CLOSE:
-        return from & SK_BIT_CLOSED ? -1 : (int)(from | SK_BIT_CLOSED);
+        *legal = !(from & SK_BIT_CLOSED);
+        return from | SK_BIT_CLOSED;
     }
-    return -1;
+    *legal = false;
+    return from;
 }
 
 static const char *const event_names[] = {[SK_EV_ATTACH] = "attach",
@@ -54,24 +60,32 @@ static const char *const event_names[] = {[SK_EV_ATTACH] = "attach",
                                           [SK_EV_DIE] = "die",
                                           [SK_EV_CLOSE] = "close"};
 
-bool bex__sock_try_move(struct bex_sock *s, enum bex__sock_event ev)
+static void life_set(struct bex_sock *s, enum bex__sock_event ev, unsigned to)
 {
-    int to = life_after(s->life, ev);
-    if (to < 0)
-        return false;
     if (s->ctx->log.level >= BEX_LOG_DEBUG)
         bex__log(&s->ctx->log, BEX_LOG_DEBUG, "socket %u (engine %u): %s: %s -> %s", s->id,
                  atomic_load(&s->eng_id), event_names[ev], bex__sock_life_name(s->life),
                  bex__sock_life_name((enum bex__sock_life)to));
     s->life = (enum bex__sock_life)to;
-    return true;
 }
 
+bool bex__sock_try_move(struct bex_sock *s, enum bex__sock_event ev)
+{
+    bool legal;
+    unsigned to = life_after(s->life, ev, &legal);
+    if (legal)
+        life_set(s, ev, to);
+    return legal;
+}
+
+/* Without asserts (NDEBUG) an illegal move still sets or clears its bit,
+ * as the booleans it replaced did. */
 void bex__sock_move(struct bex_sock *s, enum bex__sock_event ev)
 {
-    bool legal = bex__sock_try_move(s, ev);
+    bool legal;
+    unsigned to = life_after(s->life, ev, &legal);
     assert(legal && "an illegal socket move of our own");
-    (void)legal;
+    life_set(s, ev, to);
 }
 
 /* Hand a buffer back to the application; without an on_send_done nobody
