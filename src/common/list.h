@@ -69,6 +69,19 @@ static inline void bex__list_remove(struct bex__list *n)
     bex__list_init(n);
 }
 
+/* Move every element of from (in order) onto to, which must be empty;
+ * from is then empty. O(1). */
+static inline void bex__list_take_all(struct bex__list *from, struct bex__list *to)
+{
+    if (bex__list_empty(from))
+        return;
+    to->next = from->next;
+    to->prev = from->prev;
+    to->next->prev = to;
+    to->prev->next = to;
+    bex__list_init(from);
+}
+
 /* The first element, or NULL for an empty list. */
 static inline struct bex__list *bex__list_first(const struct bex__list *head)
 {

@@ -2,6 +2,7 @@
 /* The connection table: connections by engine id, client connections by
  * the listener address, accepting, the setup table, deadlines, teardown. */
 #include <arpa/inet.h>
+#include <assert.h>
 #include <errno.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
@@ -21,10 +22,23 @@ int bex__conn_stream_add(struct conn *c, uint32_t id, struct bex__stream *st)
     return bex__hmap_put(&c->streams, id, st);
 }
 
-/* c is dead: the reaper frees it once it has no socket left. */
-static void conn_dead(struct conn *c)
+const char *bex__conn_life_name(enum bex__conn_life life)
 {
-    c->dead = true;
+    return life == CONN_LIVE ? "LIVE" : life == CONN_DEAD ? "DEAD" : "?";
+}
+
+/* The one move of c's life, LIVE -> DEAD: the reaper frees it once it has
+ * no socket left. */
+static void conn_die(struct conn *c)
+{
+    assert(c->life == CONN_LIVE && "a connection dies once");
+    if (c->io->env->log->level >= BEX_LOG_DEBUG) {
+        char name[32];
+        bex__log(c->io->env->log, BEX_LOG_DEBUG, "%s (engine %u): %s -> %s in phase %s",
+                 bex__conn_name(c, name), c->eng_id, bex__conn_life_name(c->life),
+                 bex__conn_life_name(CONN_DEAD), bex__conn_phase_name(c->phase));
+    }
+    c->life = CONN_DEAD;
     c->io->reap = true;
 }
 
@@ -54,13 +68,17 @@ struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
     return c && c->eng_id == id ? c : NULL;
 }
 
+void bex__io_lists_init(struct bex__io *io)
+{
+    bex__list_init(&io->conns);
+    bex__list_init(&io->ready);
+    bex__list_init(&io->listeners);
+}
+
 void bex__conn_ready(struct conn *c)
 {
-    if (c->ready)
-        return;
-    c->ready = true;
-    c->ready_next = c->io->ready;
-    c->io->ready = c;
+    if (!bex__list_linked(&c->ready_link))
+        bex__list_push_head(&c->io->ready, &c->ready_link);
 }
 
 /* An accepted connection leaves the setup table (bex_ctx_config.setup_max):
@@ -106,8 +124,8 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
     c->next_stream = 1;
     bex__conn_timers_start(c);
     io->engines[engine_slot(io, id)] = c;
-    c->next = io->conns;
-    io->conns = c;
+    bex__list_init(&c->ready_link);
+    bex__list_push_head(&io->conns, &c->link);
     *out = c;
     return 0;
 }
@@ -115,20 +133,8 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
 void bex__conn_free(struct conn *c)
 {
     struct bex__io *io = c->io;
-    for (struct conn **p = &io->conns; *p; p = &(*p)->next) {
-        if (*p == c) {
-            *p = c->next;
-            break;
-        }
-    }
-    if (c->ready) {
-        for (struct conn **p = &io->ready; *p; p = &(*p)->ready_next) {
-            if (*p == c) {
-                *p = c->ready_next;
-                break;
-            }
-        }
-    }
+    bex__list_remove(&c->link);
+    bex__list_remove(&c->ready_link);
     io->engines[engine_slot(io, c->eng_id)] = NULL;
     bex__conn_timers_stop(c);
     bex__conn_setup_end(c);
@@ -159,10 +165,10 @@ void bex__conn_free(struct conn *c)
  * on it learns the error; the engine already handed their messages back. */
 void bex__conn_finish(struct conn *c, int err)
 {
-    if (c->dead)
+    if (bex__conn_dead(c))
         return;
     bex__conn_setup_end(c); /* its place in the setup table is free at once */
-    conn_dead(c);
+    conn_die(c);
     if (c->fd >= 0) {
         /* the TCP side has nothing more to say; level-triggered events of a
          * failed socket would otherwise come back every loop */
@@ -177,7 +183,7 @@ void bex__conn_finish(struct conn *c, int err)
  * the connection before this returns. */
 void bex__conn_fail(struct conn *c, int err)
 {
-    if (c->dead)
+    if (bex__conn_dead(c))
         return;
     if (c->x && !c->x->ops->is_dead(c->x))
         c->x->ops->fail(c->x, err); /* on_fail -> bex__conn_finish */
@@ -341,18 +347,18 @@ int bex__conn_start_client(struct bex__io *io, const bex_addr *to, uint32_t mode
      * connections that have said nothing (setup_max) */
     if (c->rdma_ok && (err = bex__conn_engine_make(c))) {
         if (mode == BEX_TRANSPORT_RDMA) {
-            conn_dead(c);
+            conn_die(c);
             return err;
         }
         c->rdma_ok = false; /* no QP for it: a NO_RDMA hello, TCP */
     }
     if (connect(fd, (const struct sockaddr *)to, sizeof(*to)) && errno != EINPROGRESS) {
         err = -errno;
-        conn_dead(c);
+        conn_die(c);
         return err;
     }
     if ((err = bex__loop_watch(&io->loop, fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &c->tag))) {
-        conn_dead(c);
+        conn_die(c);
         return err;
     }
     *out = c;
@@ -374,7 +380,10 @@ static bool setup_evict_oldest(struct bex__io *io)
     for (;;) {
         struct conn *old = NULL;
         bool old_quiet = false;
-        for (struct conn *c = io->conns; c; c = c->next) { /* newest first */
+        struct bex__list *n;
+        bex__list_foreach(n, &io->conns)
+        { /* newest first */
+            struct conn *c = bex__conn_of(n);
             if (!c->in_setup || c->fd < 0)
                 continue;
             bool quiet = c->phase == first && !c->rlen && !c->heard;
@@ -495,7 +504,7 @@ void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd, const b
         c->key = *peer;
     bex__conn_expect(c, ctx->has_secret ? P_WAIT_OPEN : P_WAIT_HELLO);
     if (bex__loop_watch(&io->loop, fd, EPOLLIN | EPOLLRDHUP, &c->tag))
-        conn_dead(c);
+        conn_die(c);
 }
 
 /* Free the dead connections without sockets, and fail the accepted ones
@@ -508,15 +517,15 @@ void bex__conn_reap(struct bex__io *io)
     if (!io->reap)
         return;
     io->reap = false;
-    struct conn *c = io->conns;
-    while (c) {
-        struct conn *next = c->next;
+    struct bex__list *n, *tmp;
+    bex__list_foreach_safe(n, tmp, &io->conns)
+    {
+        struct conn *c = bex__conn_of(n);
         BEX__STAT_ADD(io, reap_visits, 1);
-        if (c->dead && bex__conn_nstreams(c) == 0)
+        if (bex__conn_dead(c) && bex__conn_nstreams(c) == 0)
             bex__conn_free(c);
-        else if (!c->dead && !c->client && !c->l && bex__conn_nstreams(c) == 0)
+        else if (!bex__conn_dead(c) && !c->client && !c->l && bex__conn_nstreams(c) == 0)
             bex__conn_fail(c, -ECONNABORTED); /* its listener closed, its last socket gone */
-        c = next;
     }
 }
 

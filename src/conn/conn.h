@@ -37,8 +37,8 @@ struct bex__stream;
  * -> UP and the listener CONNECTING -> WAIT_OPEN -> WAIT_PROOF ->
  * WAIT_HELLO -> WAIT_READY -> UP. WAIT_READY is skipped when the hellos
  * chose TCP. Only bex__conn_set_phase (setup.c) changes it. Whether the
- * connection is finished is c->dead, orthogonal: a connection dies in
- * any phase, and the phase then says whether it ever came up. */
+ * connection is finished is its life (below), orthogonal: a connection
+ * dies in any phase, and the phase then says whether it ever came up. */
 enum bex__conn_phase {
     P_CONNECTING,
     P_WAIT_HELLO,
@@ -48,6 +48,15 @@ enum bex__conn_phase {
     P_WAIT_PROOF,
     P_WAIT_CHALLENGE
 };
+
+/* A connection's life: LIVE, then DEAD (its transport failed or never was;
+ * its owner was told; the reaper frees it once no socket refers to it).
+ * Only conn_die (conn.c: bex__conn_finish, a setup that never started)
+ * changes it, once:
+ * dying twice is our own bug and asserts; what a peer does fails the
+ * connection through bex__conn_fail, which does nothing to a dead one.
+ * bex__conn_life_name names it for logs. */
+enum bex__conn_life { CONN_LIVE, CONN_DEAD };
 
 /* c->said: what a connection logs once (bex__log_once). */
 #define CONN_SAID_REFUSAL 1u /* the peer's OPENs beyond streams_max */
@@ -73,7 +82,7 @@ struct bex_listener {
     void *user;
     bex_addr addr;
     sem_t done;
-    struct bex_listener *next;
+    struct bex__list link; /* on its thread's io->listeners */
     /* accept ran out of descriptors (EMFILE, ENFILE, ...): the listener is
      * out of epoll until paused_until, so its level-triggered readiness
      * does not spin the I/O thread */
@@ -84,10 +93,9 @@ struct bex_listener {
 
 struct conn {
     struct ep_tag tag;
-    bex_ctx *ctx;            /* its owner's handle (opaque here) */
-    struct bex__io *io;      /* the I/O thread it belongs to */
-    struct conn *ready_next; /* on io->ready while ready */
-    bool ready;
+    bex_ctx *ctx;                /* its owner's handle (opaque here) */
+    struct bex__io *io;          /* the I/O thread it belongs to */
+    struct bex__list ready_link; /* on io->ready while ready */
     int fd;
     enum bex__conn_phase phase;
     bool client;
@@ -114,23 +122,34 @@ struct conn {
                                          message (setup_evict's order) */
     bool heard;                       /* setup: its first bytes wait to be read */
     uint64_t conn_id;
-    uint32_t mode;         /* BEX_TRANSPORT_* wanted for this connection */
-    bool rdma_ok;          /* this side may use RDMA (mode, device) */
-    bool fallback;         /* our QP did not come up: TCP after the notices */
-    uint32_t peer_max_msg; /* from the peer's hello */
-    bool dead;             /* failed: destroy at the next safe point */
-    bool in_setup;         /* accepted, setup not finished: counted in ctx->n_setup */
-    uint32_t said;         /* lines logged once per connection (CONN_SAID_*) */
-    uint32_t cqe_reserved; /* CQ entries held for the engine ... */
-    uint32_t cq_idx;       /* ... in this CQ of its thread (io->cqs) */
+    uint32_t mode;            /* BEX_TRANSPORT_* wanted for this connection */
+    bool rdma_ok;             /* this side may use RDMA (mode, device) */
+    bool fallback;            /* our QP did not come up: TCP after the notices */
+    uint32_t peer_max_msg;    /* from the peer's hello */
+    enum bex__conn_life life; /* conn_die: destroy at the next safe point */
+    bool in_setup;            /* accepted, setup not finished: counted in ctx->n_setup */
+    uint32_t said;            /* lines logged once per connection (CONN_SAID_*) */
+    uint32_t cqe_reserved;    /* CQ entries held for the engine ... */
+    uint32_t cq_idx;          /* ... in this CQ of its thread (io->cqs) */
     struct bex_listener *l;
     struct bex__hmap streams; /* its owner's streams by stream id: what the
                                  transport's upcalls name (bex__conn_stream_*) */
     uint32_t next_stream;
-    struct conn *next;
+    struct bex__list link; /* on io->conns */
 };
 
+/* The connection of an io->conns node. */
+#define bex__conn_of(node) bex__list_entry(node, struct conn, link)
+
 /* ---- conn.c ---- */
+static inline bool bex__conn_dead(const struct conn *c)
+{
+    return c->life == CONN_DEAD;
+}
+const char *bex__conn_life_name(enum bex__conn_life life);
+/* A zeroed thread's connection and listener lists, empty (before anything
+ * else touches it, bex_ctx_destroy's walk included). */
+void bex__io_lists_init(struct bex__io *io);
 /* The connection of engine id on this thread (NULL: none, or another
  * thread's: ids are unique in the context). */
 struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id);

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "bex/sock.h"
+#include "common/list.h"
 #include "common/util.h"
 #include "common/timer.h"
 #include "loop/loop.h"
@@ -129,9 +130,9 @@ struct bex__io {
     struct ep_tag async_tag; /* SRQ mode: the device's async event fd */
     pthread_t thread;
     bool started;
-    struct conn *conns;
-    struct conn *ready; /* connections with work (bex__conn_ready) */
-    bool reap;          /* a connection died or lost a socket: bex__conn_reap looks */
+    struct bex__list conns; /* struct conn.link, newest first */
+    struct bex__list ready; /* connections with work (struct conn.ready_link: bex__conn_ready) */
+    bool reap;              /* a connection died or lost a socket: bex__conn_reap looks */
     /* its timers (common/timer.h, in bex__now_us() time): connections'
      * setup deadlines, ticks (keepalive, stalls) and transports' due_us,
      * listeners' backoff, its own housekeeping; the loop sleeps until the
@@ -147,8 +148,8 @@ struct bex__io {
     _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
     _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
     bool draining;                 /* the owner is running commands it took */
-    struct bex_listener *listeners;
-    struct conn **engines; /* by engine id (bex__conn_by_engine) */
+    struct bex__list listeners;    /* struct bex_listener.link */
+    struct conn **engines;         /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;
     struct io_cq *cqs; /* with a device: at least one; sh.cq is cqs[0].cq */
     uint32_t n_cq;

@@ -573,7 +573,7 @@ void bex__conn_step(struct conn *c, uint32_t events)
 {
     int err = 0;
     const char *why = NULL;
-    if (c->dead || c->fd < 0)
+    if (bex__conn_dead(c) || c->fd < 0)
         return;
     if (c->phase == P_UP && bex__xport_is_tcp(c->x)) {
         bex__tcp_events(c->x, events);

@@ -88,8 +88,11 @@ static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
 static void cq_failed(struct bex__io *io, uint32_t q, int n)
 {
     bool any = false;
-    for (struct conn *c = io->conns; c; c = c->next) {
-        if (c->eng && !c->dead && (c->cq_idx == q || q == UINT32_MAX)) {
+    struct bex__list *it;
+    bex__list_foreach(it, &io->conns)
+    {
+        struct conn *c = bex__conn_of(it);
+        if (c->eng && !bex__conn_dead(c) && (c->cq_idx == q || q == UINT32_MAX)) {
             any = true;
             bex__conn_fail(c, -EIO);
         }
@@ -104,14 +107,14 @@ static void cq_failed(struct bex__io *io, uint32_t q, int n)
  * brings them back (bex__conn_ready). */
 static bool run_ready(struct bex__io *io)
 {
-    struct conn *list = io->ready;
-    io->ready = NULL;
+    struct bex__list list, *n;
+    bex__list_init(&list);
+    bex__list_take_all(&io->ready, &list);
     bool did = false;
-    while (list) {
-        struct conn *c = list;
-        list = c->ready_next;
-        c->ready = false;
-        if (!c->x || c->dead)
+    while ((n = bex__list_first(&list))) {
+        struct conn *c = bex__list_entry(n, struct conn, ready_link);
+        bex__list_remove(n);
+        if (!c->x || bex__conn_dead(c))
             continue;
         BEX__STAT_ADD(io, visits, 1);
         if (c->x->ops->progress(c->x)) {
@@ -175,7 +178,7 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
         ibv_req_notify_cq(io->sh.srq->cq, 0);
     bex__loop_sleep_begin(&io->loop);
     bool found = poll_cqs(io, wc);
-    if (found || bex__loop_has_cmds(&io->loop) || io->ready) {
+    if (found || bex__loop_has_cmds(&io->loop) || !bex__list_empty(&io->ready)) {
         bex__loop_sleep_end(&io->loop);
         return;
     }

@@ -50,7 +50,7 @@ static void on_tick(struct bex__timer *t)
 {
     struct conn *c = bex__container_of(t, struct conn, tick_tm);
     struct bex__io *io = c->io;
-    if (c->dead)
+    if (bex__conn_dead(c))
         return; /* finished: nothing to tick */
     unsigned want = 0;
     if (c->x) {
@@ -60,7 +60,7 @@ static void on_tick(struct bex__timer *t)
         if ((want & BEX__TICK_PROGRESS) || sweep)
             bex__conn_ready(c);
         bex__conn_due_sync(c); /* a keepalive written may hold acknowledgements */
-        if (c->dead)
+        if (bex__conn_dead(c))
             return;
     }
     uint64_t period = want & BEX__TICK_SOON ? (uint64_t)io->tick_ms * 1000 : keepalive_us(io);
@@ -70,7 +70,7 @@ static void on_tick(struct bex__timer *t)
 static void on_setup_deadline(struct bex__timer *t)
 {
     struct conn *c = bex__container_of(t, struct conn, setup_tm);
-    if (c->dead || c->phase == P_UP)
+    if (bex__conn_dead(c) || c->phase == P_UP)
         return;
     if (!c->client) /* a peer that never finishes its setup is refused, by
                      * name; closed without a notice, as before */
@@ -81,7 +81,7 @@ static void on_setup_deadline(struct bex__timer *t)
 static void on_due(struct bex__timer *t)
 {
     struct conn *c = bex__container_of(t, struct conn, due_tm);
-    if (!c->dead)
+    if (!bex__conn_dead(c))
         bex__conn_ready(c);
 }
 
@@ -144,7 +144,8 @@ static void on_house(struct bex__timer *t)
         bex_mem_pool_collect(io->sh.recv_pool);
         bex_mem_pool_collect(io->sh.landing);
     }
-    uint64_t period = several && io->conns ? keepalive_us(io) : (uint64_t)IDLE_WAKE_MS * 1000;
+    uint64_t period =
+        several && !bex__list_empty(&io->conns) ? keepalive_us(io) : (uint64_t)IDLE_WAKE_MS * 1000;
     bex__timer_start(&io->timers, t, next_round(io->now_us, period));
 }
 

@@ -70,7 +70,7 @@ int bex__exposed_deliver(struct bex__xport *xp, uint32_t imm)
     BEX__STAT_ADD(&c->io->stats, bytes_recv, len);
     /* an exposed buffer is the application's until it is reported, never
      * freed by bex behind its back */
-    if (!s->dead && !s->app_closed && s->ops.on_recv)
+    if (!bex__sock_dead(s) && !bex__sock_app_closed(s) && s->ops.on_recv)
         s->ops.on_recv(s, buf, len, s->user);
     else
         bex__sock_report_done(s, buf, len, user, -ECANCELED);

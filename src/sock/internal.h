@@ -90,6 +90,37 @@ struct bind_cmd {
  * once by bex_sock_close, so that neither can overwrite the other. */
 enum bex__sock_state { S_CONNECTING, S_OPEN, S_FAILED };
 
+/* A socket's life on its I/O thread, in one word (s->life) that only
+ * bex__sock_move (sock/stream.c) changes; it was three loose booleans.
+ * Three facts, each a bit, each set at most once except ATTACHED:
+ *   ATTACHED  its stream is on the connection's transport, until the
+ *             transport lets go (on_stream_closed, or the connection ends);
+ *   DEAD      no more traffic: failed, closed by the peer, or closed;
+ *   CLOSED    bex_sock_close was processed.
+ * Every combination is a state with a name (bex__sock_life_name, in the
+ * DEBUG line of each move). The moves are events: ATTACH (only a live
+ * stream on no transport: IDLE or IDLE_CLOSED), LET_GO (only an attached
+ * one), DIE (only a live one), CLOSE (only one not closed). Our own code
+ * drives every move: an illegal one asserts. The upcalls a peer drives
+ * (its CLOSE, the end of a stream it closed) reach a socket only through
+ * the transport, which tracks the stream; should one still find its
+ * socket in a state that refuses it, that connection fails (-EPROTO) and
+ * nothing aborts (bex__sock_try_move). */
+#define SK_BIT_ATTACHED 1u
+#define SK_BIT_DEAD     2u
+#define SK_BIT_CLOSED   4u
+enum bex__sock_life {
+    SK_IDLE = 0,                                                    /* live, on no transport yet */
+    SK_ATTACHED = SK_BIT_ATTACHED,                                  /* live, on the transport */
+    SK_DEAD = SK_BIT_DEAD,                                          /* dead, let go of */
+    SK_DYING = SK_BIT_DEAD | SK_BIT_ATTACHED,                       /* dead, still held */
+    SK_IDLE_CLOSED = SK_BIT_CLOSED,                                 /* closed, sends wait */
+    SK_CLOSING = SK_BIT_CLOSED | SK_BIT_ATTACHED,                   /* closed, CLOSE goes out */
+    SK_DONE = SK_BIT_CLOSED | SK_BIT_DEAD,                          /* freed once reported */
+    SK_DYING_CLOSED = SK_BIT_CLOSED | SK_BIT_DEAD | SK_BIT_ATTACHED /* closed, dead, held */
+};
+enum bex__sock_event { SK_EV_ATTACH, SK_EV_LET_GO, SK_EV_DIE, SK_EV_CLOSE };
+
 struct bex_sock {
     struct bex__cmd connect_cmd, close_cmd;
     bex_ctx *ctx;
@@ -106,12 +137,9 @@ struct bex_sock {
     _Atomic uint32_t eng_id;  /* 0 until attached to an engine */
     _Atomic uint32_t max_msg; /* the peer's max_msg once its engine is up, else 0 */
     uint32_t id;
-    uint32_t pending; /* messages handed to bex, not yet reported */
-    bool attached;    /* st is on an engine (the engine lets go by
-                         on_stream_closed or on_fail) */
-    bool app_closed;  /* bex_sock_close was processed */
-    bool dead;        /* no more traffic: failed, peer-closed or closed */
-    bool error_told;  /* on_error (or on_connect with an error) reported */
+    uint32_t pending;         /* messages handed to bex, not yet reported */
+    enum bex__sock_life life; /* I/O thread only: bex__sock_move */
+    bool error_told;          /* on_error (or on_connect with an error) reported */
     bool close_reported;
     bool waiting; /* on a connection whose transport is not chosen yet:
                      sends wait in wq (linked by m.next) */
@@ -182,6 +210,24 @@ void bex__sock_maybe_finish(struct bex_sock *s);
 /* The one place a socket's state changes: logs the move by name (DEBUG)
  * and asserts it is one of the moves above (each is our code's choice). */
 void bex__sock_set_state(struct bex_sock *s, enum bex__sock_state to);
+/* The one place s->life changes: the move ev makes, logged (DEBUG) by
+ * name; an illegal one asserts (our own code's). bex__sock_try_move is
+ * for moves a peer drives: false, and nothing changed, if illegal. */
+void bex__sock_move(struct bex_sock *s, enum bex__sock_event ev);
+bool bex__sock_try_move(struct bex_sock *s, enum bex__sock_event ev);
+const char *bex__sock_life_name(enum bex__sock_life life);
+static inline bool bex__sock_attached(const struct bex_sock *s)
+{
+    return s->life & SK_BIT_ATTACHED;
+}
+static inline bool bex__sock_dead(const struct bex_sock *s)
+{
+    return s->life & SK_BIT_DEAD;
+}
+static inline bool bex__sock_app_closed(const struct bex_sock *s)
+{
+    return s->life & SK_BIT_CLOSED;
+}
 const char *bex__sock_state_name(int st);
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting);
 /* c failed before its transport was chosen: s's queued sends come back. */

@@ -11,9 +11,12 @@
 static void do_connect(struct bex__io *io, struct bex_sock *s)
 {
     struct conn *c = NULL;
-    for (struct conn *p = io->conns; p; p = p->next) {
-        if (p->client && !p->dead && (!p->x || !p->x->ops->is_dead(p->x)) && p->mode == s->mode &&
-            bex_addr_equal(&p->key, &s->peer)) {
+    struct bex__list *n;
+    bex__list_foreach(n, &io->conns)
+    {
+        struct conn *p = bex__conn_of(n);
+        if (p->client && !bex__conn_dead(p) && (!p->x || !p->x->ops->is_dead(p->x)) &&
+            p->mode == s->mode && bex_addr_equal(&p->key, &s->peer)) {
             c = p;
             break;
         }
@@ -38,13 +41,13 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
         return;
     }
     c->x->ops->attach(c->x, &s->st, s->id, true);
-    s->attached = true;
+    bex__sock_move(s, SK_EV_ATTACH);
     bex__conn_ready(c);
     atomic_store(&s->eng_id, c->eng_id);
     if (c->x->ops->is_up(c->x)) {
         atomic_store(&s->max_msg, c->x->ops->peer_max_msg(c->x));
         bex__sock_set_state(s, S_OPEN);
-        if (s->ops.on_connect && !s->app_closed)
+        if (s->ops.on_connect && !bex__sock_app_closed(s))
             s->ops.on_connect(s, 0, s->user);
     }
 }
@@ -60,7 +63,7 @@ static void to_transport(struct bex_sock *s, struct sock_msg *w)
 static void do_send(struct sock_msg *w)
 {
     struct bex_sock *s = w->s;
-    if (s->waiting && !s->dead) { /* goes to the transport once chosen */
+    if (s->waiting && !bex__sock_dead(s)) { /* goes to the transport once chosen */
         w->m.next = NULL;
         if (s->wq_tail)
             s->wq_tail->m.next = &w->m;
@@ -70,7 +73,7 @@ static void do_send(struct sock_msg *w)
         s->pending++;
         return;
     }
-    if (!s->attached || s->dead) {
+    if (!bex__sock_attached(s) || bex__sock_dead(s)) {
         /* accepted by bex_sock_send, but the socket died meanwhile */
         void *buf = w->m.buf, *user = w->m.user;
         size_t len = w->m.len;
@@ -94,7 +97,7 @@ bool bex__io_send_now(struct sock_msg *w)
     struct bex_sock *s = w->s;
     struct bex__io *io = s->io;
     if (io->draining || atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) || s->waiting ||
-        !s->attached || s->dead)
+        !bex__sock_attached(s) || bex__sock_dead(s))
         return false;
     struct bex__xport *x = s->conn->x;
     if (!x->ops->takes || !x->ops->takes(x, &s->st, &w->m))
@@ -106,9 +109,9 @@ bool bex__io_send_now(struct sock_msg *w)
 
 static void do_close(struct bex_sock *s)
 {
-    if (s->app_closed)
+    if (bex__sock_app_closed(s))
         return;
-    s->app_closed = true;
+    bex__sock_move(s, SK_EV_CLOSE);
     if (s->waiting) {
         if (s->wq_head)
             return;         /* its sends go first: closed once attached */
@@ -117,19 +120,18 @@ static void do_close(struct bex_sock *s)
     /* Connecting or up alike, the queue is sent, then CLOSE; the engine
      * lets go by on_stream_closed (or on_fail). A stream the peer closed
      * is closing already. */
-    if (s->attached && !s->dead) {
+    if (bex__sock_attached(s) && !bex__sock_dead(s)) {
         s->conn->x->ops->close_stream(s->conn->x, &s->st);
         bex__conn_ready(s->conn);
     }
-    if (!s->attached)
-        s->dead = true;
+    if (!bex__sock_attached(s) && !bex__sock_dead(s))
+        bex__sock_move(s, SK_EV_DIE);
     bex__sock_maybe_finish(s);
 }
 
 void bex__io_listen(struct bex__io *io, struct bex_listener *l)
 {
-    l->next = io->listeners;
-    io->listeners = l;
+    bex__list_push_head(&io->listeners, &l->link);
     bex__loop_watch(&io->loop, l->fd, EPOLLIN, &l->tag);
 }
 
@@ -139,19 +141,19 @@ void bex__io_listen(struct bex__io *io, struct bex_listener *l)
  * make a new connection, to whatever listens at that address next. */
 static void forget_listener(struct bex__io *io, struct bex_listener *l)
 {
-    for (struct conn *cn = io->conns; cn; cn = cn->next)
+    struct bex__list *n;
+    bex__list_foreach(n, &io->conns)
+    {
+        struct conn *cn = bex__conn_of(n);
         if (cn->l == l)
             cn->l = NULL;
+    }
     io->reap = true; /* those without sockets close (bex__conn_reap) */
 }
 
 static void do_unlisten(struct bex__io *io, struct bex_listener *l)
 {
-    for (struct bex_listener **p = &io->listeners; *p; p = &(*p)->next)
-        if (*p == l) {
-            *p = l->next;
-            break;
-        }
+    bex__list_remove(&l->link);
     bex__loop_unwatch(&io->loop, l->fd);
     bex__listener_pause_stop(l);
     forget_listener(io, l);

@@ -458,6 +458,8 @@ static int ctx_io_start(bex_ctx *ctx)
     ctx->io = calloc(ctx->n_io, sizeof(*ctx->io));
     if (!ctx->io)
         return -ENOMEM;
+    for (uint32_t i = 0; i < ctx->n_io; i++)
+        bex__io_lists_init(&ctx->io[i]);
     ctx->env = (struct bex__conn_env){
         .cfg = &ctx->cfg,
         .dev = ctx->dev,
@@ -574,8 +576,8 @@ int bex_ctx_destroy(bex_ctx *ctx)
     io_stop(ctx);
     for (uint32_t k = 0; k < ctx->n_io; k++) {
         struct bex__io *io = &ctx->io[k];
-        while (io->conns) {
-            struct conn *cn = io->conns;
+        for (struct bex__list *n; (n = bex__list_first(&io->conns));) {
+            struct conn *cn = bex__conn_of(n);
             struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
             uint64_t id;
             for (struct bex__stream *st; (st = bex__hmap_next(&cn->streams, &it, &id));) {
@@ -866,7 +868,7 @@ void bex_sock_close(bex_sock *s)
 int bex_sock_transport(const bex_sock *s)
 {
     const struct conn *c = s ? s->conn : NULL;
-    if (!c || !c->x || c->dead)
+    if (!c || !c->x || bex__conn_dead(c))
         return 0;
     /* not c->eng: after a fallback to TCP the engine may linger; not the
      * ops' name: a test's wrapper around the TCP transport (fakenet) has
@@ -910,6 +912,7 @@ int bex_listen(bex_ctx *ctx, const bex_addr *addr, const bex_listener_ops *ops, 
     struct bex_listener *l = calloc(1, sizeof(*l));
     if (!l)
         return -ENOMEM;
+    bex__list_init(&l->link);
     int err;
     l->fd = socket(addr->sa.sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (l->fd < 0) {

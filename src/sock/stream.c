@@ -24,6 +24,70 @@ void bex__sock_set_state(struct bex_sock *s, enum bex__sock_state to)
     atomic_store(&s->state, (int)to);
 }
 
+const char *bex__sock_life_name(enum bex__sock_life life)
+{
+    static const char *const names[] = {
+        [SK_IDLE] = "IDLE",   [SK_ATTACHED] = "ATTACHED",        [SK_DEAD] = "DEAD",
+        [SK_DYING] = "DYING", [SK_IDLE_CLOSED] = "IDLE_CLOSED",  [SK_CLOSING] = "CLOSING",
+        [SK_DONE] = "DONE",   [SK_DYING_CLOSED] = "DYING_CLOSED"};
+    return (unsigned)life < ARRAY_SIZE(names) ? names[life] : "?";
+}
+
+/* The state ev leads to from s's (its one bit set or cleared); *legal:
+ * whether s's state allows ev. */
+static unsigned life_after(unsigned from, enum bex__sock_event ev, bool *legal)
+{
+    switch (ev) {
+    case SK_EV_ATTACH: /* a live stream on no transport */
+        *legal = !(from & (SK_BIT_ATTACHED | SK_BIT_DEAD));
+        return from | SK_BIT_ATTACHED;
+    case SK_EV_LET_GO:
+        *legal = from & SK_BIT_ATTACHED;
+        return from & ~SK_BIT_ATTACHED;
+    case SK_EV_DIE:
+        *legal = !(from & SK_BIT_DEAD);
+        return from | SK_BIT_DEAD;
+    case SK_EV_CLOSE:
+        *legal = !(from & SK_BIT_CLOSED);
+        return from | SK_BIT_CLOSED;
+    }
+    *legal = false;
+    return from;
+}
+
+static const char *const event_names[] = {[SK_EV_ATTACH] = "attach",
+                                          [SK_EV_LET_GO] = "let go",
+                                          [SK_EV_DIE] = "die",
+                                          [SK_EV_CLOSE] = "close"};
+
+static void life_set(struct bex_sock *s, enum bex__sock_event ev, unsigned to)
+{
+    if (s->ctx->log.level >= BEX_LOG_DEBUG)
+        bex__log(&s->ctx->log, BEX_LOG_DEBUG, "socket %u (engine %u): %s: %s -> %s", s->id,
+                 atomic_load(&s->eng_id), event_names[ev], bex__sock_life_name(s->life),
+                 bex__sock_life_name((enum bex__sock_life)to));
+    s->life = (enum bex__sock_life)to;
+}
+
+bool bex__sock_try_move(struct bex_sock *s, enum bex__sock_event ev)
+{
+    bool legal;
+    unsigned to = life_after(s->life, ev, &legal);
+    if (legal)
+        life_set(s, ev, to);
+    return legal;
+}
+
+/* Without asserts (NDEBUG) an illegal move still sets or clears its bit,
+ * as the booleans it replaced did. */
+void bex__sock_move(struct bex_sock *s, enum bex__sock_event ev)
+{
+    bool legal;
+    unsigned to = life_after(s->life, ev, &legal);
+    assert(legal && "an illegal socket move of our own");
+    life_set(s, ev, to);
+}
+
 /* Hand a buffer back to the application; without an on_send_done nobody
  * would ever free it, so bex does. */
 void bex__sock_report_done(struct bex_sock *s, void *buf, size_t len, void *msg_user, int status)
@@ -39,10 +103,11 @@ void bex__sock_report_done(struct bex_sock *s, void *buf, size_t len, void *msg_
  * before on_close. */
 void bex__sock_maybe_finish(struct bex_sock *s)
 {
-    if (!s->app_closed || s->attached || s->pending || s->close_reported)
+    if (!bex__sock_app_closed(s) || bex__sock_attached(s) || s->pending || s->close_reported)
         return;
     s->close_reported = true;
-    s->dead = true;
+    if (!bex__sock_dead(s))
+        bex__sock_move(s, SK_EV_DIE);
     bex__exposed_cancel(s);
     if (s->conn)
         bex__conn_stream_del(s->conn, s->id);
@@ -58,8 +123,8 @@ void bex__sock_maybe_finish(struct bex_sock *s)
  * more into its exposed buffers, which come back now. */
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
 {
-    if (!s->dead) {
-        s->dead = true;
+    if (!bex__sock_dead(s)) {
+        bex__sock_move(s, SK_EV_DIE);
         bex__sock_set_state(s, S_FAILED);
         bex__exposed_cancel(s);
     }
@@ -67,7 +132,7 @@ void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
         atomic_store(&s->last_connecting, connecting);
         atomic_store(&s->last_err, err);
     }
-    if (!s->error_told && !s->app_closed) {
+    if (!s->error_told && !bex__sock_app_closed(s)) {
         s->error_told = true;
         if (connecting) {
             if (s->ops.on_connect)
@@ -94,7 +159,7 @@ static void conn_up(struct conn *c, struct bex__xport *x)
         if (atomic_load(&s->state) != S_CONNECTING)
             continue; /* open already, or failed */
         bex__sock_set_state(s, S_OPEN);
-        if (!s->app_closed && s->ops.on_connect)
+        if (!bex__sock_app_closed(s) && s->ops.on_connect)
             s->ops.on_connect(s, 0, s->user);
     }
 }
@@ -107,7 +172,8 @@ static void conn_down(struct conn *c, int err, bool connecting)
     for (struct bex_sock *s; (s = next_sock(c, &it));) {
         if (s->waiting)
             bex__sock_drop_waiting(s);
-        s->attached = false; /* the engine let go */
+        if (bex__sock_attached(s))
+            bex__sock_move(s, SK_EV_LET_GO); /* the engine let go */
         bex__sock_fail(s, err, connecting && atomic_load(&s->state) == S_CONNECTING);
     }
 }
@@ -117,7 +183,7 @@ static uint32_t conn_open_streams(struct conn *c)
     uint32_t open = 0;
     struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
     for (struct bex_sock *s; (s = next_sock(c, &it));)
-        open += !s->dead;
+        open += !bex__sock_dead(s);
     return open;
 }
 
@@ -125,7 +191,7 @@ static void on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
 {
     struct conn *c = x->user;
     struct bex_sock *s = bex__sock_of(bex__conn_stream_find(c, stream));
-    if (!s || s->dead || s->app_closed || !s->ops.on_recv) {
+    if (!s || bex__sock_dead(s) || bex__sock_app_closed(s) || !s->ops.on_recv) {
         bex_mem_free(buf); /* the socket is gone: nobody to give it to */
         return;
     }
@@ -183,7 +249,7 @@ static void on_open(struct bex__xport *x, uint32_t stream)
         return;
     }
     x->ops->attach(x, &s->st, stream, false);
-    s->attached = true;
+    bex__sock_move(s, SK_EV_ATTACH);
     atomic_init(&s->eng_id, c->eng_id);
     struct bex_listener *l = c->l;
     if (l && l->ops.on_accept)
@@ -201,7 +267,7 @@ static void on_peer_close(struct bex__xport *x, uint32_t stream)
     /* the engine hands back what it held first (on_error says so); the
      * extra count keeps s alive should the stream finish meanwhile */
     s->pending++;
-    if (s->attached)
+    if (bex__sock_attached(s))
         x->ops->peer_closed(x, &s->st);
     s->pending--;
     bex__sock_fail(s, -ECONNRESET, false);
@@ -224,10 +290,21 @@ static void on_send_done(struct bex__xport *x, struct bex__msg *m, int status)
 
 static void on_stream_closed(struct bex__xport *x, struct bex__stream *st)
 {
-    (void)x;
     struct bex_sock *s = bex__container_of(st, struct bex_sock, st);
-    s->attached = false;
-    s->dead = true;
+    /* the end of a stream (the peer's answer to our CLOSE, or its own
+     * CLOSE): the transport names only streams it holds */
+    if (!bex__sock_try_move(s, SK_EV_LET_GO)) {
+        struct conn *c = x->user;
+        char name[32];
+        if (!bex__conn_dead(c))
+            bex__log(&c->ctx->log, BEX_LOG_WARN,
+                     "%s (engine %u): stream %u ended twice (socket %s)", bex__conn_name(c, name),
+                     c->eng_id, s->id, bex__sock_life_name(s->life));
+        bex__conn_fail(c, -EPROTO);
+        return;
+    }
+    if (!bex__sock_dead(s))
+        bex__sock_move(s, SK_EV_DIE);
     bex__sock_maybe_finish(s);
 }
 
@@ -242,7 +319,7 @@ static void conn_chosen(struct conn *c)
             continue;
         s->waiting = false;
         x->ops->attach(x, &s->st, s->id, true);
-        s->attached = true;
+        bex__sock_move(s, SK_EV_ATTACH);
         atomic_store(&s->eng_id, c->eng_id);
         while (s->wq_head) {
             struct sock_msg *w = s->wq_head;
@@ -250,7 +327,7 @@ static void conn_chosen(struct conn *c)
             x->ops->send(x, &s->st, &w->m); /* counted in pending already */
         }
         s->wq_tail = NULL;
-        if (s->app_closed)
+        if (bex__sock_app_closed(s))
             x->ops->close_stream(x, &s->st);
     }
 }

@@ -191,6 +191,7 @@ static void world_init(struct world *w)
     w->env = (struct bex__conn_env){
         .cfg = &w->cfg, .sh = &w->sh, .ecfg = &w->ecfg, .log = &w->log, .io = &w->io, .n_io = 1};
     bex__conn_env_init(&w->env, &fake_ops);
+    bex__io_lists_init(&w->io);
     w->io.env = &w->env;
     w->io.sh = w->sh;
     w->io.sh.stats = &w->io.stats;
@@ -216,7 +217,7 @@ static void world_listen(struct world *w)
     CHECK_OK(getsockname(l->fd, (struct sockaddr *)&l->addr, &sl));
     l->tag.cb = bex__listener_on_event;
     l->io = &w->io;
-    w->io.listeners = l;
+    bex__list_push_head(&w->io.listeners, &l->link);
     CHECK_OK(bex__loop_watch(&w->io.loop, l->fd, EPOLLIN, &l->tag));
 }
 
@@ -230,13 +231,13 @@ static void world_turn(struct world *w)
         struct ep_tag *t = ev[i].data.ptr;
         t->cb(t, ev[i].events);
     }
-    struct conn *list = w->io.ready;
-    w->io.ready = NULL;
-    while (list) {
-        struct conn *c = list;
-        list = c->ready_next;
-        c->ready = false;
-        if (c->x && !c->dead && c->x->ops->progress(c->x))
+    struct bex__list list, *r;
+    bex__list_init(&list);
+    bex__list_take_all(&w->io.ready, &list);
+    while ((r = bex__list_first(&list))) {
+        struct conn *c = bex__list_entry(r, struct conn, ready_link);
+        bex__list_remove(r);
+        if (c->x && !bex__conn_dead(c) && c->x->ops->progress(c->x))
             bex__conn_ready(c);
         bex__conn_due_sync(c);
     }
@@ -255,16 +256,20 @@ static void world_turn(struct world *w)
 
 static struct conn *world_server_conn(struct world *w)
 {
-    for (struct conn *c = w->io.conns; c; c = c->next)
+    struct bex__list *n;
+    bex__list_foreach(n, &w->io.conns)
+    {
+        struct conn *c = bex__conn_of(n);
         if (!c->client)
             return c;
+    }
     return NULL;
 }
 
 static void world_fini(struct world *w)
 {
-    while (w->io.conns) {
-        struct conn *c = w->io.conns;
+    for (struct bex__list *n; (n = bex__list_first(&w->io.conns));) {
+        struct conn *c = bex__conn_of(n);
         struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
         uint64_t id;
         while (bex__hmap_next(&c->streams, &it, &id))
@@ -338,7 +343,7 @@ static int down(void)
     CHECK(!cli.down_connecting);
     CHECK(cli.down_err < 0);
     CHECK_EQ(cli.open_asked, 1);
-    TURN_UNTIL(&w, w.io.conns == NULL);
+    TURN_UNTIL(&w, bex__list_empty(&w.io.conns));
     world_fini(&w);
     return 0;
 }
@@ -355,7 +360,7 @@ static int refused(void)
     bex__loop_unwatch(&w.io.loop, w.l.fd);
     close(w.l.fd);
     w.l.fd = -1;
-    w.io.listeners = NULL;
+    bex__list_remove(&w.l.link);
     struct conn *c;
     CHECK_OK(bex__conn_start_client(&w.io, &to, BEX_TRANSPORT_TCP, &c));
     CHECK_OK(bex__conn_stream_add(c, c->next_stream++, &f.st));
@@ -363,7 +368,7 @@ static int refused(void)
     CHECK(cli.down_connecting);
     CHECK_EQ(cli.down_err, -ECONNREFUSED);
     CHECK_EQ(cli.chosen, 0);
-    TURN_UNTIL(&w, w.io.conns == NULL);
+    TURN_UNTIL(&w, bex__list_empty(&w.io.conns));
     world_fini(&w);
     return 0;
 }

@@ -282,7 +282,7 @@ static void cap_stop(struct cap *c)
 static void client_qp_av(struct run *r, struct ibv_qp_attr *a)
 {
     struct bex__io *io = &r->cctx->io[0];
-    struct conn *cn = io->conns;
+    struct conn *cn = bex__list_empty(&io->conns) ? NULL : bex__conn_of(io->conns.next);
     CHECK(cn && cn->eng && cn->eng->qp);
     struct ibv_qp_init_attr ia;
     CHECK_OK(ibv_query_qp(cn->eng->qp, a, IBV_QP_AV, &ia));

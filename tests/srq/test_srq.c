@@ -194,7 +194,10 @@ static int mode(void)
         /* (posted and held change with every receive: not read from here,
          * the thread writes them without a lock) */
         uint32_t engines = 0;
-        for (struct conn *cn = io->conns; cn; cn = cn->next) {
+        struct bex__list *n;
+        bex__list_foreach(n, &io->conns)
+        {
+            struct conn *cn = bex__conn_of(n);
             if (!cn->eng)
                 continue;
             engines++;
@@ -207,7 +210,10 @@ static int mode(void)
     /* every QP draws on its thread's queue: the queue knows it by number */
     for (uint32_t t = 0; t < 2; t++) {
         struct bex__srq *q = sctx->io[t].sh.srq;
-        for (struct conn *cn = sctx->io[t].conns; cn; cn = cn->next) {
+        struct bex__list *n;
+        bex__list_foreach(n, &sctx->io[t].conns)
+        {
+            struct conn *cn = bex__conn_of(n);
             CHECK(cn->eng);
             struct bex__engine_local loc;
             bex__engine_local(cn->eng, &loc);
