@@ -13,7 +13,7 @@
  * (not spread: a scraper refuses a family seen twice). */
 static void families_once(const char *text)
 {
-    char seen[64][96];
+    char seen[256][96];
     int n = 0;
     char cur[96] = "";
     for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
@@ -25,7 +25,7 @@ static void families_once(const char *text)
                     fprintf(stderr, "family %s twice\n", name);
                     CHECK(0);
                 }
-            CHECK(n < 64);
+            CHECK(n < 256);
             snprintf(seen[n++], sizeof seen[0], "%s", name);
             snprintf(cur, sizeof cur, "%s", name);
         } else if (*p != '#' && *p != '\n') {
