@@ -10,6 +10,10 @@
 #            a system call per message fails here)
 #   allocs   bex over TCP makes no heap allocation per message received or
 #            sent (issue 25 item 2: the read side's calloc per message)
+#   futex    a synchronous PS Fetch or Push costs its client process at
+#            most one wake-up of the calling thread (bench/cost/ps-futex:
+#            2 futex calls, the I/O thread's wake and the caller's wait;
+#            issue 25 item 3)
 # usage: test_cost.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2
@@ -43,5 +47,14 @@ for side in srv cli; do
     # no heap allocation per message (1.0 per side before issue 25 item 2)
     v=$(val bex allocs $side)
     awk -v v="$v" 'BEGIN {exit !(v <= 0.2)}' || fail "bex TCP $side: $v heap allocations per round trip (guard: at most 0.2)"
+done
+
+ps=$(cd "$src" && BEX_BUILD_DIR=$build PORT=$((port + 40)) bench/cost/ps-futex)
+echo "$ps"
+for op in fetch push; do
+    # 2.0-2.2 since issue 25 item 3 (8.7-13.6 before: a mutex and condition
+    # variable per call, and the channel's timer thread woken twice)
+    v=$(awk -v o=$op '$1 == "cost" && $2 == "ps" && $3 == o {print $5}' <<<"$ps")
+    awk -v v="$v" 'BEGIN {exit !(v != "" && v <= 3.0)}' || fail "PS $op: $v futex calls per operation (guard: at most 3.0)"
 done
 echo "ok"
