@@ -56,14 +56,16 @@ int main(int argc, char **argv)
     bex_ctx_config cc = BEX_CTX_CONFIG_INIT;
     cc.transport = BEX_TRANSPORT_TCP;
     cc.poll_mode = BEX_POLL_EVENT;
-    inet_pton(AF_INET, getenv("PS_OPS_LOCAL") ? getenv("PS_OPS_LOCAL") : "127.0.0.1", &cc.local_addr);
+    inet_pton(AF_INET, getenv("PS_OPS_LOCAL") ? getenv("PS_OPS_LOCAL") : "127.0.0.1",
+              &cc.local_addr);
     bex_ctx *ctx;
     int rc = bex_ctx_create(&cc, &ctx);
     if (rc)
         return fail("context", rc);
     bex_dir *dir;
     char err[256] = "";
-    if ((rc = bex_dir_create(NULL, &dir)) || (rc = bex_dir_load_file(dir, argv[1], err, sizeof err)))
+    if ((rc = bex_dir_create(NULL, &dir)) ||
+        (rc = bex_dir_load_file(dir, argv[1], err, sizeof err)))
         return fail(err[0] ? err : "directory", rc);
     bex_ps_client_config pc = BEX_PS_CLIENT_CONFIG_INIT;
     pc.dir = dir;
