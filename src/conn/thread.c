@@ -190,8 +190,8 @@ static void run_timers(struct bex__io *io)
 
 /* Sleep until an event, a command, a completion or the nearest timer
  * (rounded up to epoll's milliseconds): the CQs armed (once per event
- * read), and polled once more since, so nothing slips between (a poll
- * since arming that emptied them is that one). */
+ * read), and polled once more since, so nothing slips between (the idle
+ * turn's poll is that one when it ran armed and emptied them). */
 static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
 {
     if (!io->cq_armed)
@@ -244,11 +244,7 @@ void *bex__io_main(void *arg)
                 int m = bex__loop_wait(&io->loop, ev, 16, 0);
                 handle_events(io, ev, m, wc);
             }
-            /* event mode: on to sleep, whose poll after arming is the
-             * next turn's (it returns at once for commands, connections
-             * with more to do, or completions) */
-            if (!event)
-                continue;
+            continue;
         }
         /* The precise clock may be a system call (see bex__now_ms): while
          * spinning, look at it on every 16th idle poll only. Busy polling
