@@ -249,6 +249,7 @@ static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
         bex__log(ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u grown from %u to %u entries",
                  io->idx, i, q->cap, want);
         q->cap = want;
+        io->cq_armed = false; /* armed again before the thread sleeps */
         *idx = i;
         return 0;
     }
@@ -273,6 +274,7 @@ static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
     bex__log(ctx->log, BEX_LOG_DEBUG, "I/O thread %u: CQ %u added (%u entries)", io->idx, io->n_cq,
              cqe);
     io->cqs[io->n_cq] = (struct io_cq){.cq = cq, .cap = cqe};
+    io->cq_armed = false; /* armed before the thread sleeps */
     *idx = io->n_cq++;
     return 0;
 }

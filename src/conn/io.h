@@ -153,6 +153,11 @@ struct bex__io {
     uint32_t next_engine_seq;
     struct io_cq *cqs; /* with a device: at least one; sh.cq is cqs[0].cq */
     uint32_t n_cq;
+    /* every CQ (and the SRQ's) armed for an event since the last event was
+     * read (thread.c; a CQ added or grown clears it), and whether the last
+     * poll ran armed and took each CQ to empty: then sleeping needs no
+     * further poll, a completion since wakes the thread */
+    bool cq_armed, cq_quiet;
     uint32_t n_setup; /* accepted connections in setup here (setup_max) */
     uint64_t n_setup_evictions;
     uint64_t setup_evicted_ms; /* the last one: a flood is logged once */

@@ -34,15 +34,20 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, str
 }
 
 /* The completion channel's watcher: the CQs are polled on every turn
- * anyway; the events only need acknowledging. */
+ * anyway; an event only needs acknowledging, and its CQ arming again
+ * (every CQ is, before the next poll). One event a call: with one CQ
+ * there is no other, and another CQ's keeps the descriptor readable, so a
+ * read never returns EAGAIN. */
 static void on_channel(struct ep_tag *t, uint32_t events)
 {
     (void)events;
     struct bex__io *io = bex__container_of(t, struct bex__io, ch_tag);
     struct ibv_cq *cq;
     void *cq_ctx;
-    while (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0)
+    if (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0) {
         ibv_ack_cq_events(cq, 1);
+        io->cq_armed = false;
+    }
 }
 
 /* SRQ mode: the device's async events, each to its QP's queue. */
@@ -131,13 +136,14 @@ static bool run_ready(struct bex__io *io)
  * completions. */
 static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
 {
-    bool any = false;
+    bool any = false, full = false;
     for (uint32_t q = 0; q < io->n_cq; q++) {
         int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
         if (n < 0)
             cq_failed(io, q, n);
         dispatch(io, wc, n);
         any |= n > 0;
+        full |= n == WC_BATCH;
     }
     if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
         /* one at a time: an engine that fails on one takes its QP's
@@ -151,8 +157,26 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
         if (rc < 0)
             cq_failed(io, UINT32_MAX, rc);
         any |= n > 0;
+        full |= n == WC_BATCH;
     }
+    io->cq_quiet = io->cq_armed && !full;
     return any;
+}
+
+/* Arm every CQ of the thread for an event at its next completion (a
+ * system call each on rxe; mlx5 rings a doorbell): only when an event was
+ * read since, or a CQ added or grown. The poll after it finds what came
+ * before. Armed before the sleep, not before the turn's work: the
+ * completions of the sends that work posts (rxe completes them within the
+ * post) are then polled, not a wake-up each. */
+static void arm_cqs(struct bex__io *io)
+{
+    for (uint32_t q = 0; q < io->n_cq; q++)
+        ibv_req_notify_cq(io->cqs[q].cq, 0);
+    if (io->sh.srq)
+        ibv_req_notify_cq(io->sh.srq->cq, 0);
+    io->cq_armed = true;
+    io->cq_quiet = false;
 }
 
 /* The timers due (conn/timers.c): the coarse clock first, the precise
@@ -168,16 +192,15 @@ static void run_timers(struct bex__io *io)
 }
 
 /* Sleep until an event, a command, a completion or the nearest timer
- * (rounded up to epoll's milliseconds): arm the CQs, then look once more so
- * nothing slips between. */
+ * (rounded up to epoll's milliseconds): the CQs armed (once per event
+ * read), and polled once more since, so nothing slips between (the idle
+ * turn's poll is that one when it ran armed and emptied them). */
 static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
 {
-    for (uint32_t q = 0; q < io->n_cq; q++)
-        ibv_req_notify_cq(io->cqs[q].cq, 0);
-    if (io->sh.srq)
-        ibv_req_notify_cq(io->sh.srq->cq, 0);
+    if (!io->cq_armed)
+        arm_cqs(io);
     bex__loop_sleep_begin(&io->loop);
-    bool found = poll_cqs(io, wc);
+    bool found = !io->cq_quiet && poll_cqs(io, wc);
     if (found || bex__loop_has_cmds(&io->loop) || !bex__list_empty(&io->ready)) {
         bex__loop_sleep_end(&io->loop);
         return;
@@ -207,6 +230,7 @@ void *bex__io_main(void *arg)
     bex__io_timers_init(io);
     uint32_t spins = 0, idle_polls = 0;
     bool spun_out = false;
+    bool event = cfg->poll_mode == BEX_POLL_EVENT;
     while (!io->stopping) {
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
@@ -228,7 +252,7 @@ void *bex__io_main(void *arg)
         /* The precise clock may be a system call (see bex__now_ms): while
          * spinning, look at it on every 16th idle poll only. Busy polling
          * never sleeps; event mode sleeps at once. */
-        if (cfg->poll_mode == BEX_POLL_EVENT) {
+        if (event) {
             spun_out = true;
         } else if (cfg->poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0) {
             uint64_t t = bex__now_us();

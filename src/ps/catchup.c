@@ -49,7 +49,7 @@ static int copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_cop
     bex_rpc_call_opts o = {.timeout_ms = left};
     /* not bex_rpc_call_sync: its caller cannot tell a refused call (b still
      * ours) from one that failed */
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     int rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o,
                           bex__rpc_wait_done, &w, NULL);
     if (rc) {

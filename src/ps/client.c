@@ -737,14 +737,14 @@ static int wait_for(struct bex__rpc_wait *w, int rc)
 int bex_ps_fetch_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows)
 {
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     return wait_for(&w, bex_ps_fetch(c, table, dim, keys, n, rows, sync_done, &w));
 }
 
 int bex_ps_push_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      const float *grads)
 {
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     return wait_for(&w, bex_ps_push(c, table, dim, keys, n, grads, sync_done, &w));
 }
 
@@ -752,7 +752,7 @@ int bex_ps_push_report_sync(bex_ps_client *c, uint32_t table, uint32_t dim, cons
                             size_t n, const float *grads, bex_ps_replica_result *res, size_t cap,
                             size_t *n_res)
 {
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     return wait_for(
         &w, bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
 }

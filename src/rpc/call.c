@@ -34,7 +34,9 @@ void bex__rpc_call_put(struct bex_rpc_channel *ch, struct call *c)
     else
         bex_mem_free(c->msg);
     free(c);
-    if (--ch->n_calls == 0)
+    /* only bex_rpc_channel_destroy waits for none: the timer thread,
+     * which waits on the same condition, is not woken per call */
+    if (--ch->n_calls == 0 && ch->destroying)
         pthread_cond_broadcast(&ch->cv);
 }
 

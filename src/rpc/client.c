@@ -13,7 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
 #include <sys/random.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "common/cfg.h"
 #include "common/log.h"
@@ -398,26 +401,32 @@ int bex_rpc_channel_set_endpoints(bex_rpc_channel *ch, const bex_rpc_endpoint *e
     return 0;
 }
 
+static void futex_wait(_Atomic uint32_t *w, uint32_t v)
+{
+    syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, NULL, NULL, 0);
+}
+
 void bex__rpc_wait_done(int status, void *body, size_t len, void *user)
 {
     struct bex__rpc_wait *w = user;
-    pthread_mutex_lock(&w->mu);
     w->status = status;
     w->body = body;
     w->len = len;
-    w->done = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
+    /* after this store the waiter may return and w be gone: the wake
+     * names only the address (a later waiter there wakes, looks, and
+     * sleeps again) */
+    if (atomic_exchange_explicit(&w->state, 2, memory_order_acq_rel) == 1)
+        syscall(SYS_futex, &w->state, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
 int bex__rpc_wait(struct bex__rpc_wait *w, void **body, size_t *len)
 {
-    pthread_mutex_lock(&w->mu);
-    while (!w->done)
-        pthread_cond_wait(&w->cv, &w->mu);
-    pthread_mutex_unlock(&w->mu);
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
+    uint32_t v = 0;
+    if (atomic_compare_exchange_strong_explicit(&w->state, &v, 1, memory_order_acq_rel,
+                                                memory_order_acquire)) {
+        while (atomic_load_explicit(&w->state, memory_order_acquire) == 1)
+            futex_wait(&w->state, 1);
+    }
     *body = w->body;
     *len = w->len;
     return w->status;
@@ -430,7 +439,7 @@ int bex_rpc_call_sync(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         return -EINVAL;
     if (bex__ctx_on_io_thread(ch->ctx) || pthread_equal(pthread_self(), ch->timer))
         return -EDEADLK;
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     int err = bex_rpc_call(ch, service, method, body, len, opts, bex__rpc_wait_done, &w, NULL);
     if (err)
         return err;

@@ -112,15 +112,19 @@ void bex__rpc_send_hook(void (*fn)(bex_sock *s));
 
 /* ---- one call waited for (bex_rpc_call_sync, the ps catch-up's copy) ---- */
 
-/* Set up as {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER}. */
+/* Set up as BEX__RPC_WAIT_INIT. One futex word: the completion wakes the
+ * waiter only when it sleeps, once, and touches no lock (a mutex and
+ * condition variable cost the two threads 3-5 futex calls a call). */
 struct bex__rpc_wait {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool done;
+    _Atomic uint32_t state; /* 0 waiting, 1 the waiter sleeps, 2 done */
     int status;
     void *body;
     size_t len;
 };
+#define BEX__RPC_WAIT_INIT                                                                         \
+    {                                                                                              \
+        .state = 0                                                                                 \
+    }
 /* The bex_rpc_done_fn to pass with user = a struct bex__rpc_wait. */
 void bex__rpc_wait_done(int status, void *body, size_t len, void *user);
 /* Block until bex__rpc_wait_done ran on w; returns the call's status, its

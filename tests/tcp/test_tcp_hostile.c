@@ -710,7 +710,94 @@ static int peer_close_twice(void)
     return 0;
 }
 
+/* ---- frames in any pieces (frames_split) ---- */
+
+#define FS_N 240
+static atomic_int fs_recvd, fs_bad;
+
+static uint32_t fs_len(int i)
+{
+    return 1 + (uint32_t)(i * 37) % 1500;
+}
+
+static void fs_recv(bex_sock *s, void *buf, size_t len, void *u)
+{
+    (void)s, (void)u;
+    int i = atomic_load(&fs_recvd);
+    const uint8_t *b = buf;
+    bool ok = len == fs_len(i);
+    for (size_t j = 0; ok && j < len; j++)
+        ok = b[j] == (uint8_t)(i + j);
+    if (!ok)
+        atomic_fetch_add(&fs_bad, 1);
+    bex_mem_free(buf);
+    atomic_fetch_add(&fs_recvd, 1);
+}
+
+static const bex_sock_ops fs_ops = {.on_recv = fs_recv, .on_error = count_err};
+
+static void fs_accept(bex_listener *l, bex_sock *s, void *u)
+{
+    (void)l, (void)u;
+    bex_sock_set_user(s, &fs_ops, NULL);
+}
+
+/* Append message i's frames to w: one frame, or (every fifth) two
+ * fragments. Returns the bytes appended. */
+static size_t fs_frames(uint8_t *w, int i)
+{
+    uint32_t len = fs_len(i), cut = i % 5 == 0 && len > 1 ? len / 2 : len;
+    size_t n = 0;
+    for (uint32_t off = 0; off < len; off = cut, cut = len) {
+        struct bex__hdr h = {
+            .type = BEX__MSG_DATA, .stream = 1, .len = cut - off, .id = len, .addr = off};
+        bex__hdr_encode(&h, w + n);
+        n += BEX__HDR_LEN;
+        for (uint32_t j = off; j < cut; j++)
+            w[n++] = (uint8_t)(i + j);
+    }
+    return n;
+}
+
+/* The reader takes whatever one read brings (the current frame's payload,
+ * the next headers and small payloads ahead, issue 25 item 2): frames
+ * written in pieces of every size, a header or payload cut anywhere, many
+ * frames in one piece, messages of one frame and of two, all arrive whole
+ * and in order. */
+static int frames_split(void)
+{
+    bex_ctx *srv = mkctx(0, 0, 0);
+    struct sockaddr_in a;
+    static const bex_listener_ops lops = {.on_accept = fs_accept};
+    bex_listener *l = listen_on(srv, &lops, NULL, &a);
+    int fd = raw_connect(&a);
+    CHECK(frame(fd, BEX__MSG_OPEN, 1, 0, 0, 0, NULL));
+    uint8_t *w = malloc((size_t)FS_N * (1500 + 2 * BEX__HDR_LEN));
+    CHECK(w);
+    size_t n = 0;
+    for (int i = 0; i < FS_N; i++)
+        n += fs_frames(w + n, i);
+    static const size_t piece[] = {1, 3, 29, 31, 32, 33, 64, 1000, 1024, 1057, 4096, 17};
+    int64_t dl = bex__hello_now_ms() + (int64_t)scaled(5000);
+    for (size_t off = 0, k = 0; off < n; k++) {
+        size_t m = piece[k % (sizeof piece / sizeof piece[0])];
+        m = m < n - off ? m : n - off;
+        CHECK_OK(bex__hello_write_all(fd, w + off, m, dl));
+        off += m;
+        if (k % 3 == 0)
+            bex_test_sleep_ms(1); /* the reader sees the pieces apart */
+    }
+    free(w);
+    CHECK(wait_for(&fs_recvd, FS_N, scaled(5000)));
+    CHECK_EQ(atomic_load(&fs_bad), 0);
+    CHECK_EQ(atomic_load(&sock_errors), 0);
+    close(fd);
+    bex_listener_close(l);
+    bex_ctx_destroy(srv);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(direct_two_streams), BEX_CASE(direct_after_cancel), BEX_CASE(parts_bounded),
               BEX_CASE(pause_with_parts), BEX_CASE(interleave_over_limit), BEX_CASE(no_ack),
               BEX_CASE(rdhup_paused), BEX_CASE(hold_budget), BEX_CASE(slow_sender),
-              BEX_CASE(peer_close_twice))
+              BEX_CASE(peer_close_twice), BEX_CASE(frames_split))

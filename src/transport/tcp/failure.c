@@ -19,7 +19,16 @@ void bex__tcp_part_free(struct bex__tcp *t, struct part *p)
     bex__tcp_part_unhold(t, p);
     if (!p->direct && p->buf)
         bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
-    free(p);
+    bex__tcp_part_release(t, p);
+}
+
+/* p's entry goes: t->one is free again, an allocated one freed. */
+void bex__tcp_part_release(struct bex__tcp *t, struct part *p)
+{
+    if (p == &t->one)
+        t->one_busy = false;
+    else
+        free(p);
 }
 
 void bex__tcp_fail(struct bex__xport *x, int err)
@@ -63,6 +72,8 @@ void bex__tcp_fail(struct bex__xport *x, int err)
         bex__hmap_del(&t->parts, p->stream);
         bex__tcp_part_free(t, p);
     }
+    if (t->one_busy)
+        bex__tcp_part_free(t, &t->one);
     t->parts_n = 0;
     t->cur = NULL;
     t->up->on_fail(&t->x, err);

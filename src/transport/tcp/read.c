@@ -15,7 +15,8 @@
 
 static struct part *part_of(struct bex__tcp *t, uint32_t stream)
 {
-    return bex__hmap_get(&t->parts, stream);
+    /* (t->one is never busy at a header: its frame is its message) */
+    return t->parts_n ? bex__hmap_get(&t->parts, stream) : NULL;
 }
 
 /* The peer acknowledged n of our messages. */
@@ -24,7 +25,7 @@ static int acked(struct bex__tcp *t, uint32_t n)
     if (n > t->ack_n)
         return -EPROTO;
     if (n)
-        t->ack_wait_ms = bex__now_ms();
+        t->ack_wait_ms = t->rx_ms;
     while (n--) {
         struct bex__msg *m = t->ack_head;
         t->ack_head = m->next;
@@ -61,7 +62,8 @@ static bool direct_live(struct bex__tcp *t, const struct part *p)
 /* A message of the peer's arrived whole. */
 static void part_complete(struct bex__tcp *t, struct part *p)
 {
-    bex__hmap_del(&t->parts, p->stream);
+    if (p != &t->one)
+        bex__hmap_del(&t->parts, p->stream);
     t->parts_n--;
     bex__tcp_part_unhold(t, p);
     t->acks_owed++;
@@ -71,14 +73,14 @@ static void part_complete(struct bex__tcp *t, struct part *p)
     BEX__STAT_ADD(t->sh->stats, msgs_recv, 1);
     if (p->direct) {
         uint32_t token = p->token;
-        free(p);
+        bex__tcp_part_release(t, p);
         if (t->up->on_direct(&t->x, token))
             bex__tcp_violation(t, "a DIRECT message names no exposed buffer");
         return;
     }
     uint32_t stream = p->stream, len = p->len;
     void *buf = p->buf;
-    free(p);
+    bex__tcp_part_release(t, p);
     BEX__STAT_ADD(t->sh->stats, bytes_recv, len);
     t->up->on_msg(&t->x, stream, buf, len);
 }
@@ -123,33 +125,50 @@ static bool on_close_frame(struct bex__tcp *t, const struct bex__hdr *h)
 }
 
 /* Where a DATA message starting with h goes: a received buffer, when the
- * budget has room. false: p is freed and on_header returns *ret. */
+ * budget has room. false: on_header returns *ret. */
 static bool part_buf(struct bex__tcp *t, const struct bex__hdr *h, struct part *p, bool *ret)
 {
     if (h->id > t->cfg.max_msg) {
-        free(p);
         bex__tcp_violation(t, "a message above max_msg");
         return false;
     }
     if (t->part_bytes + h->id > bex__tcp_recv_share(t)) {
-        free(p);
         *ret = pause_for_room(t, true);
         return false;
     }
     if (!bex__tcp_recv_room(t, h->id)) { /* until the application frees some */
-        free(p);
         *ret = pause_for_room(t, false);
         return false;
     }
     p->len = h->id;
     p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
     if (!p->buf) {
-        free(p);
         bex__tcp_fail(&t->x, -ENOMEM);
         return false;
     }
     bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
     return true;
+}
+
+/* Where the entry of a message drafted in d goes: t->one when the frame
+ * carries the whole message (the common case, no allocation), else a
+ * partly received message of the map. NULL: out of memory. */
+static struct part *part_place(struct bex__tcp *t, const struct bex__hdr *h, const struct part *d)
+{
+    if (h->len == d->len && !t->one_busy) {
+        t->one = *d;
+        t->one_busy = true;
+        return &t->one;
+    }
+    struct part *p = malloc(sizeof(*p));
+    if (!p)
+        return NULL;
+    *p = *d;
+    if (bex__hmap_put(&t->parts, p->stream, p)) {
+        free(p);
+        return NULL;
+    }
+    return p;
 }
 
 /* A DATA or DIRECT frame that starts a message: its entry, or NULL, and
@@ -171,28 +190,21 @@ static struct part *part_start(struct bex__tcp *t, const struct bex__hdr *h, boo
         bex__tcp_violation(t, "a second DIRECT message into an exposed buffer still being written");
         return NULL;
     }
-    struct part *p = calloc(1, sizeof(*p));
-    if (!p) {
-        bex__tcp_fail(&t->x, -ENOMEM);
-        return NULL;
-    }
-    p->stream = h->stream;
-    p->direct = direct;
+    struct part d = {.stream = h->stream, .direct = direct};
     if (direct) {
-        p->token = h->id;
-        p->buf = t->up->direct_buf(&t->x, h->id, &p->len);
-        if (!p->buf) {
-            free(p);
+        d.token = h->id;
+        d.buf = t->up->direct_buf(&t->x, h->id, &d.len);
+        if (!d.buf) {
             bex__tcp_violation(t, "a DIRECT message names no exposed buffer");
             return NULL;
         }
-    } else if (!part_buf(t, h, p, ret)) {
+    } else if (!part_buf(t, h, &d, ret)) {
         return NULL;
     }
-    if (bex__hmap_put(&t->parts, p->stream, p)) {
+    struct part *p = part_place(t, h, &d);
+    if (!p) {
         if (!direct)
-            bex_mem_free(p->buf); /* the estimate learns of it at its next exact count */
-        free(p);
+            bex_mem_free(d.buf); /* the estimate learns of it at its next exact count */
         bex__tcp_fail(&t->x, -ENOMEM);
         return NULL;
     }
@@ -204,13 +216,14 @@ static struct part *part_start(struct bex__tcp *t, const struct bex__hdr *h, boo
     return p;
 }
 
-/* A header is read: act on it, or set up where its payload goes. Returns
+/* A header is read (raw: its bytes; unused when need_buf, whose header is
+ * decoded already): act on it, or set up where its payload goes. Returns
  * false when the read must stop (failed, or waiting for room). */
-static bool on_header(struct bex__tcp *t)
+static bool on_header(struct bex__tcp *t, const uint8_t *raw)
 {
     struct bex__hdr *h = &t->hdr;
     if (!t->need_buf) {
-        if (bex__hdr_decode_frame(t->rhdr, h)) {
+        if (bex__hdr_decode_frame(raw, h)) {
             bex__tcp_violation(t, "malformed frame header");
             return false;
         }
@@ -266,71 +279,154 @@ static bool on_header(struct bex__tcp *t)
     return true;
 }
 
-/* Read what the socket has: payloads straight into their buffers, the next
- * header in the same call. At most RX_BUDGET bytes or RX_MSGS messages a
- * call: the application's callbacks run in here, and the loop must get to
- * write (acknowledgements, keepalive) between batches, as it does between
- * CQ polls over RDMA; the descriptor stays readable for the next call. */
+/* n payload bytes of the current frame arrived (at its buffer's offset):
+ * count them, and deliver its message when they were its last. Whether
+ * reading goes on. */
+static bool payload_in(struct bex__tcp *t, uint32_t n)
+{
+    struct part *p = t->cur;
+    p->off += n;
+    t->part_rx += n;
+    t->cur_left -= n;
+    if (t->cur_left)
+        return true;
+    t->in_payload = false;
+    t->cur = NULL;
+    if (p->off == p->len)
+        part_complete(t, p);
+    return !t->dead;
+}
+
+/* May the current frame's payload still go into its exposed buffer? */
+static bool direct_ok(struct bex__tcp *t)
+{
+    struct part *p = t->cur;
+    if (p->direct && !direct_live(t, p)) {
+        /* as over RDMA, where its completion names no armed buffer */
+        bex__tcp_violation(t, "a DIRECT message into a buffer no longer exposed");
+        return false;
+    }
+    return true;
+}
+
+/* Take what the last read staged: payload bytes of the current frame
+ * (copied into its buffer) or the next header (decoded in place when it is
+ * there whole). Whether reading goes on. */
+static bool take_staged(struct bex__tcp *t)
+{
+    uint32_t avail = t->stage_end - t->stage_off;
+    const uint8_t *s = t->stage + t->stage_off;
+    if (t->in_payload) {
+        if (!direct_ok(t))
+            return false;
+        uint32_t k = avail < t->cur_left ? avail : t->cur_left;
+        memcpy(t->cur->buf + t->cur->off, s, k);
+        t->stage_off += k;
+        return payload_in(t, k);
+    }
+    if (!t->rhdr_len && avail >= BEX__HDR_LEN) {
+        t->stage_off += BEX__HDR_LEN;
+        return on_header(t, s);
+    }
+    uint32_t k = BEX__HDR_LEN - t->rhdr_len;
+    k = avail < k ? avail : k;
+    memcpy(t->rhdr + t->rhdr_len, s, k);
+    t->rhdr_len += k;
+    t->stage_off += k;
+    return t->rhdr_len < BEX__HDR_LEN || on_header(t, t->rhdr);
+}
+
+/* One read: the current frame's payload straight into its buffer, the rest
+ * of a header, and up to RX_STAGE bytes more into the stage. Returns the
+ * bytes read, 0 when there was nothing (or EINTR), -1 when the connection
+ * failed; *drained: the read came short, so the socket had no more. */
+static ssize_t read_some(struct bex__tcp *t, bool *drained)
+{
+    struct iovec iov[3];
+    int n = 0;
+    size_t want = 0;
+    if (t->in_payload)
+        iov[n++] = (struct iovec){t->cur->buf + t->cur->off, t->cur_left};
+    if (t->rhdr_len)
+        iov[n++] = (struct iovec){t->rhdr + t->rhdr_len, BEX__HDR_LEN - t->rhdr_len};
+    iov[n++] = (struct iovec){t->stage, RX_STAGE};
+    for (int i = 0; i < n; i++)
+        want += iov[i].iov_len;
+    ssize_t r = readv(t->fd, iov, n);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        *drained = true;
+        return 0;
+    }
+    if (r < 0 && errno == EINTR)
+        return 0;
+    if (r <= 0) {
+        t->link_lost = true;
+        bex__tcp_fail(&t->x, r < 0 ? -errno : -ECONNRESET);
+        return -1;
+    }
+    *drained = (size_t)r < want;
+    t->last_rx = t->rx_ms;
+    return r;
+}
+
+/* The bytes of one read, in the order read_some asked for them: payload,
+ * the rest of a header, the stage (its bounds set first: a header that
+ * pauses reading leaves them for later). Whether reading goes on. */
+static bool took(struct bex__tcp *t, size_t got)
+{
+    uint32_t pay = 0, hdr = 0;
+    if (t->in_payload)
+        pay = got < t->cur_left ? (uint32_t)got : t->cur_left;
+    size_t rest = got - pay;
+    if (t->rhdr_len)
+        hdr = rest < BEX__HDR_LEN - t->rhdr_len ? (uint32_t)rest : BEX__HDR_LEN - t->rhdr_len;
+    t->stage_off = 0;
+    t->stage_end = (uint32_t)(rest - hdr);
+    if (pay && !payload_in(t, pay))
+        return false;
+    if (!hdr)
+        return true;
+    t->rhdr_len += hdr;
+    return t->rhdr_len < BEX__HDR_LEN || on_header(t, t->rhdr);
+}
+
+/* Read what the socket has: one readv takes the current frame's payload
+ * straight into its buffer and the next frames into the stage, from which
+ * small payloads are copied; a short read says the socket is drained, so
+ * no read is made to learn it (EAGAIN). At most RX_BUDGET bytes or RX_MSGS
+ * messages are read a call (what is staged is taken whole, at most RX_STAGE
+ * bytes more): the application's callbacks run in here, and the loop must
+ * get to write (acknowledgements, keepalive) between batches, as it does
+ * between CQ polls over RDMA; the descriptor stays readable for the next
+ * call. */
 #define RX_BUDGET (1u << 20)
 #define RX_MSGS   16
 void bex__tcp_rx(struct bex__tcp *t)
 {
     size_t budget = RX_BUDGET;
     uint64_t msgs0 = t->msgs_in;
+    bool drained = false;
+    t->rx_ms = bex__now_ms();
     while (!t->dead) {
-        if (!budget || t->msgs_in - msgs0 >= RX_MSGS)
-            return;
         if (t->need_buf) {
-            if (!on_header(t))
+            if (!on_header(t, NULL))
                 return;
             continue;
         }
-        if (t->rx_paused)
-            return;
-        struct iovec iov[2];
-        int n = 0;
-        if (t->in_payload) {
-            struct part *p = t->cur;
-            if (p->direct && !direct_live(t, p)) {
-                /* as over RDMA, where its completion names no armed buffer */
-                bex__tcp_violation(t, "a DIRECT message into a buffer no longer exposed");
+        if (t->stage_off < t->stage_end) {
+            if (!take_staged(t))
                 return;
-            }
-            iov[n++] = (struct iovec){p->buf + p->off, t->cur_left};
-        }
-        iov[n++] = (struct iovec){t->rhdr + t->rhdr_len, BEX__HDR_LEN - t->rhdr_len};
-        ssize_t r = readv(t->fd, iov, n);
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-            return;
-        if (r < 0 && errno == EINTR)
             continue;
-        if (r <= 0) {
-            t->link_lost = true;
-            bex__tcp_fail(&t->x, r < 0 ? -errno : -ECONNRESET);
+        }
+        if (t->rx_paused || drained || !budget || t->msgs_in - msgs0 >= RX_MSGS)
             return;
-        }
-        t->last_rx = bex__now_ms();
-        size_t got = (size_t)r;
-        budget = got < budget ? budget - got : 0;
-        if (t->in_payload) {
-            struct part *p = t->cur;
-            size_t k = got < t->cur_left ? got : t->cur_left;
-            p->off += (uint32_t)k;
-            t->part_rx += k;
-            t->cur_left -= (uint32_t)k;
-            got -= k;
-            if (t->cur_left == 0) {
-                t->in_payload = false;
-                t->cur = NULL;
-                if (p->off == p->len) {
-                    part_complete(t, p);
-                    if (t->dead)
-                        return;
-                }
-            }
-        }
-        t->rhdr_len += (uint32_t)got;
-        if (t->rhdr_len == BEX__HDR_LEN && !on_header(t))
+        if (t->in_payload && !direct_ok(t))
+            return;
+        ssize_t r = read_some(t, &drained);
+        if (r < 0)
+            return;
+        budget = (size_t)r < budget ? budget - (size_t)r : 0;
+        if (r > 0 && !took(t, (size_t)r))
             return;
     }
 }

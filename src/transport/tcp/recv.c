@@ -42,7 +42,7 @@ void bex__tcp_hold_note(struct bex__tcp *t)
     t->holding = h;
     atomic_fetch_add_explicit(holders(t), h ? 1 : -1, memory_order_relaxed);
     if (h) {
-        t->rate_ms = bex__now_ms();
+        t->rate_ms = t->rx_ms; /* (only a read starts holding) */
         t->rate_rx = t->part_rx;
     }
 }

@@ -108,6 +108,8 @@ static void tcp_destroy(struct bex__xport *x)
         bex__hmap_del(&t->parts, p->stream);
         bex__tcp_part_free(t, p);
     }
+    if (t->one_busy)
+        bex__tcp_part_free(t, &t->one);
     bex__hmap_free(&t->parts);
     free(t->ctlq);
     free(t->prefix);

@@ -18,6 +18,11 @@
  * in a CREDIT frame if nothing else carries them: a full read batch
  * (RX_MSGS), so a one-way stream gets them no later than before. */
 #define ACK_MAX 16
+/* Bytes a read takes beyond the frame being received: the next headers
+ * and small payloads, so that one readv per wake-up takes a small message
+ * whole (its payload copied from here once) and a short read says the
+ * socket is drained. */
+#define RX_STAGE 1024
 
 /* One frame of the write batch: its header, and the payload slice it sends
  * straight from the message's buffer. */
@@ -84,6 +89,10 @@ struct bex__tcp {
     /* read side */
     uint8_t rhdr[BEX__HDR_LEN];
     uint32_t rhdr_len;
+    uint8_t stage[RX_STAGE]; /* read ahead: stage[stage_off..stage_end) not taken yet */
+    uint32_t stage_off, stage_end;
+    struct part one; /* a message arriving in one frame: no allocation, no map entry */
+    bool one_busy;
     bool in_payload; /* reading the payload of hdr */
     bool need_buf;   /* hdr read; its message waits for room to be received */
     struct bex__hdr hdr;
@@ -97,6 +106,7 @@ struct bex__tcp {
     uint64_t rate_ms;    /* holding: start of the rate window (bex__now_ms) */
     uint64_t rate_rx;    /* part_rx then */
     uint64_t last_rx, last_tx;
+    uint64_t rx_ms;   /* bex__now_ms() when the running bex__tcp_rx began */
     uint64_t msgs_in; /* the peer's messages received whole */
     bool violation_logged;
     bool link_lost; /* failed because the TCP connection did (EOF, reset, write error) */
@@ -122,6 +132,7 @@ void bex__tcp_hold_note(struct bex__tcp *t);
 void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p);
 void bex__tcp_done(struct bex__tcp *t, struct bex__msg *m, int status);
 void bex__tcp_part_free(struct bex__tcp *t, struct part *p);
+void bex__tcp_part_release(struct bex__tcp *t, struct part *p);
 void bex__tcp_violation(struct bex__tcp *t, const char *what);
 void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st);
 int bex__tcp_flush(struct bex__tcp *t);

@@ -137,7 +137,7 @@ static bool schedule(struct bex__tcp *t)
 /* A frame is written whole. The counters keep their RDMA names: a DIRECT
  * frame counts as a WRITE, every other frame as a SEND, a sendmsg call as
  * an ibv_post_send call. */
-static void frame_written(struct bex__tcp *t, struct out_frame *f)
+static void frame_written(struct bex__tcp *t, struct out_frame *f, uint64_t now_ms)
 {
     if (!f->raw) {
         if (f->hdr[0] == BEX__MSG_DIRECT)
@@ -152,7 +152,7 @@ static void frame_written(struct bex__tcp *t, struct out_frame *f)
             struct bex__msg *m = f->m;
             m->next = NULL;
             if (!t->ack_head)
-                t->ack_wait_ms = bex__now_ms();
+                t->ack_wait_ms = now_ms;
             if (t->ack_tail)
                 t->ack_tail->next = m;
             else
@@ -199,7 +199,8 @@ int bex__tcp_flush(struct bex__tcp *t)
             return -errno;
         }
         BEX__STAT_ADD(t->sh->stats, post_send_calls, 1);
-        t->last_tx = bex__now_ms();
+        uint64_t now_ms = bex__now_ms();
+        t->last_tx = now_ms;
         size_t left = (size_t)w + t->out_off;
         t->out_off = 0;
         while (t->out_n) {
@@ -212,7 +213,7 @@ int bex__tcp_flush(struct bex__tcp *t)
             left -= sz;
             t->out_head = (t->out_head + 1) % OUT_MAX;
             t->out_n--;
-            frame_written(t, f);
+            frame_written(t, f, now_ms);
             if (t->dead)
                 return 0;
         }

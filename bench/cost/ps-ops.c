@@ -1,0 +1,80 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* ps-ops: N synchronous Fetches or Pushes of a parameter-server client,
+ * one after another from the calling thread, for bench/cost/ps-futex (what
+ * a synchronous operation costs in thread hand-offs, issue 25 item 3).
+ *   ps-ops CLUSTER_FILE N fetch|push [KEYS (16)] [DIM (8)] [TABLE (1)]
+ * The context polls in event mode over TCP from 127.0.0.1 (PS_OPS_LOCAL:
+ * another address; BEX_* environment overrides apply); exits 1 on the
+ * first failed operation. */
+#include <arpa/inet.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bex/dir.h"
+#include "bex/ps.h"
+#include "bex/sock.h"
+
+static int fail(const char *what, int rc)
+{
+    fprintf(stderr, "ps-ops: %s: %s\n", what, bex_strerror(rc));
+    return 1;
+}
+
+static int run(bex_ps_client *c, long n, int push, uint32_t keys, uint32_t dim, uint32_t table)
+{
+    uint64_t *k = calloc(keys, sizeof(*k));
+    float *rows = calloc((size_t)keys * dim, sizeof(*rows));
+    if (!k || !rows)
+        return fail("calloc", -12);
+    for (uint32_t i = 0; i < keys; i++)
+        k[i] = i * 7919u + 1;
+    for (size_t i = 0; i < (size_t)keys * dim; i++)
+        rows[i] = 0.001f;
+    for (long i = 0; i < n; i++) {
+        int rc = push ? bex_ps_push_sync(c, table, dim, k, keys, rows)
+                      : bex_ps_fetch_sync(c, table, dim, k, keys, rows);
+        if (rc)
+            return fail(push ? "push" : "fetch", rc);
+    }
+    free(k);
+    free(rows);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 4 || (strcmp(argv[3], "fetch") && strcmp(argv[3], "push"))) {
+        fprintf(stderr, "usage: ps-ops CLUSTER_FILE N fetch|push [KEYS] [DIM] [TABLE]\n");
+        return 2;
+    }
+    long n = atol(argv[2]);
+    uint32_t keys = argc > 4 ? (uint32_t)atoi(argv[4]) : 16;
+    uint32_t dim = argc > 5 ? (uint32_t)atoi(argv[5]) : 8;
+    uint32_t table = argc > 6 ? (uint32_t)atoi(argv[6]) : 1;
+    bex_ctx_config cc = BEX_CTX_CONFIG_INIT;
+    cc.transport = BEX_TRANSPORT_TCP;
+    cc.poll_mode = BEX_POLL_EVENT;
+    inet_pton(AF_INET, getenv("PS_OPS_LOCAL") ? getenv("PS_OPS_LOCAL") : "127.0.0.1",
+              &cc.local_addr);
+    bex_ctx *ctx;
+    int rc = bex_ctx_create(&cc, &ctx);
+    if (rc)
+        return fail("context", rc);
+    bex_dir *dir;
+    char err[256] = "";
+    if ((rc = bex_dir_create(NULL, &dir)) ||
+        (rc = bex_dir_load_file(dir, argv[1], err, sizeof err)))
+        return fail(err[0] ? err : "directory", rc);
+    bex_ps_client_config pc = BEX_PS_CLIENT_CONFIG_INIT;
+    pc.dir = dir;
+    bex_ps_client *c;
+    if ((rc = bex_ps_client_create(ctx, &pc, &c)))
+        return fail("client", rc);
+    int ret = run(c, n, !strcmp(argv[3], "push"), keys, dim, table);
+    bex_ps_client_destroy(c);
+    bex_dir_destroy(dir);
+    bex_ctx_destroy(ctx);
+    return ret;
+}
