@@ -761,7 +761,7 @@ int bex_ps_push_seq_sync(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_
                          const uint64_t *keys, size_t n, const float *grads,
                          bex_ps_replica_result *res, size_t cap, size_t *n_res)
 {
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     return wait_for(
         &w, bex_ps_push_seq(c, seq, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w));
 }

@@ -79,7 +79,7 @@ static int call1(bex_rpc_channel *ch, bex_ctx *ctx, const uint8_t *body, size_t 
     if (!b)
         return -ENOMEM;
     memcpy(b, body, len);
-    struct bex__rpc_wait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     bex_rpc_call_opts o = {.timeout_ms = timeout_ms ? timeout_ms : 1};
     int rc =
         bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_CUT, b, len, &o, bex__rpc_wait_done, &w, NULL);

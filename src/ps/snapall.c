@@ -29,8 +29,7 @@ static int run_phase(bex_ctx *ctx, bex_rpc_channel **ch, uint32_t n, uint8_t op,
 {
     bex_rpc_call_opts o = {.timeout_ms = timeout_ms};
     for (uint32_t i = 0; i < n; i++) {
-        ph[i] =
-            (struct phase){.w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER}};
+        ph[i] = (struct phase){.w = BEX__RPC_WAIT_INIT};
         uint8_t *b = bex_rpc_alloc(ctx, BEX__PS_CUT_HDR_LEN);
         ph[i].rc = b ? 0 : -ENOMEM;
         if (b) {

@@ -767,7 +767,7 @@ static size_t fs_frames(uint8_t *w, int i)
 static int frames_split(void)
 {
     bex_ctx *srv = mkctx(0, 0, 0);
-    struct sockaddr_in a;
+    bex_addr a;
     static const bex_listener_ops lops = {.on_accept = fs_accept};
     bex_listener *l = listen_on(srv, &lops, NULL, &a);
     int fd = raw_connect(&a);
