@@ -56,8 +56,11 @@ int main(int argc, char **argv)
     bex_ctx_config cc = BEX_CTX_CONFIG_INIT;
     cc.transport = BEX_TRANSPORT_TCP;
     cc.poll_mode = BEX_POLL_EVENT;
-    inet_pton(AF_INET, getenv("PS_OPS_LOCAL") ? getenv("PS_OPS_LOCAL") : "127.0.0.1",
-              &cc.local_addr);
+    if (bex_addr_parse(getenv("PS_OPS_LOCAL") ? getenv("PS_OPS_LOCAL") : "127.0.0.1", 0,
+                       &cc.local_addr)) {
+        fprintf(stderr, "ps-ops: PS_OPS_LOCAL: not an IP address\n");
+        return 2;
+    }
     bex_ctx *ctx;
     int rc = bex_ctx_create(&cc, &ctx);
     if (rc)
