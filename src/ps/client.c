@@ -788,8 +788,8 @@ bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard)
     return c->ch[shard];
 }
 
-int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch,
-                            bex_addr *addr, struct bex__ps_hdr *h)
+int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch, bex_addr *addr,
+                            struct bex__ps_hdr *h)
 {
     pthread_mutex_lock(&c->mu);
     int rc = push_refresh(c);

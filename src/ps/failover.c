@@ -171,9 +171,9 @@ static int rejoin(struct bex_ps_failover *f, uint64_t epoch, const char *set, ui
     }
     if (rc == 0) {
         int w = snprintf(text, sizeof text, "%s%s%s", set, *set ? "," : "", name);
-        rc = w < 0 || (size_t)w >= SET_MAX ? -ENAMETOOLONG /* the set key's text is bounded */
-                                           : bex__elect_put_if(f->url, f->set_key, text, f->key,
-                                                               epoch);
+        rc = w < 0 || (size_t)w >= SET_MAX
+                 ? -ENAMETOOLONG /* the set key's text is bounded */
+                 : bex__elect_put_if(f->url, f->set_key, text, f->key, epoch);
     }
     if (rc == 0) {
         pthread_mutex_lock(&s->mu);

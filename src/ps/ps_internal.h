@@ -260,7 +260,7 @@ bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard)
 /* The one Push channel of shard (and its replica's address) with a new
  * Push id in h; -ENOENT when the shard's Push goes to more than one replica
  * (or none), -ENOMEM. */
-int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch,
-                            bex_addr *addr, struct bex__ps_hdr *h);
+int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch, bex_addr *addr,
+                            struct bex__ps_hdr *h);
 
 #endif

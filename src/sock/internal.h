@@ -172,7 +172,7 @@ struct bex_ctx {
     pthread_mutex_t homes_lock;
     struct bex__hmap homes; /* struct peer_home by home_key() */
     struct exp_slot exposed[EXPOSED_MAX];
-    _Atomic uint64_t user_mem; /* bytes of caller memory (bex__ctx_user_alloc) */
+    _Atomic uint64_t user_mem;   /* bytes of caller memory (bex__ctx_user_alloc) */
     struct bex__wnd_dests dests; /* per-destination send bounds (window.c) */
 };
 

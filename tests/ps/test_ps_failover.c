@@ -595,8 +595,8 @@ static int t_any_order(void)
     struct fo p = {0};
     for (int r = 0; r < NREP; r++)
         p.ep[r].addr.in4 = (struct sockaddr_in){.sin_family = AF_INET,
-                                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
-                                            .sin_port = htons(free_port())};
+                                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
+                                                .sin_port = htons(free_port())};
     bex_ctx *cctx = client_ctx();
     bex_dir *d = dir_of(&p);
     bex_ps_client_config cc = {.dir = d,

@@ -14,11 +14,15 @@
 #include "harness.h"
 #include "rdma/rdma.h"
 
-static struct bex__rdma_gid_row row(const char *dev, uint8_t port, uint32_t index,
-                                    uint32_t type, uint8_t ll, bool active, const char *ip)
+static struct bex__rdma_gid_row row(const char *dev, uint8_t port, uint32_t index, uint32_t type,
+                                    uint8_t ll, bool active, const char *ip)
 {
-    struct bex__rdma_gid_row r = {.dev = dev, .port = port, .index = index, .gid_type = type,
-                                  .link_layer = ll, .active = active};
+    struct bex__rdma_gid_row r = {.dev = dev,
+                                  .port = port,
+                                  .index = index,
+                                  .gid_type = type,
+                                  .link_layer = ll,
+                                  .active = active};
     bex_addr a;
     CHECK_OK(bex_addr_parse(ip, 0, &a));
     CHECK_OK(bex__rdma_gid_from_addr(&a, &r.gid));
@@ -40,7 +44,7 @@ static bex_addr A(const char *ip)
 static int roce_v2(void)
 {
     struct bex__rdma_gid_row t[] = {
-        row("mlx5_0", 1, 2, V2, ETH, false, "10.0.0.1"), /* the address, port down */
+        row("mlx5_0", 1, 2, V2, ETH, false, "10.0.0.1"),  /* the address, port down */
         row("mlx5_1", 1, 300, V2, ETH, true, "10.0.0.1"), /* index past 255 */
         row("mlx5_1", 2, 3, V2, ETH, true, "10.0.0.1"),   /* the one */
         row("mlx5_1", 2, 4, V2, ETH, true, "fd00::1"),
@@ -61,9 +65,9 @@ static int roce_v2(void)
 static int not_chosen(void)
 {
     struct bex__rdma_gid_row t[] = {
-        row("mlx4_0", 1, 0, V1, ETH, true, "10.0.0.1"),                   /* RoCE v1 only */
-        row("mlx5_ib", 1, 0, V2, IB, true, "fd00::2"),                    /* an IB port */
-        row("mlx5_ib", 1, 1, IBV_GID_TYPE_IB, IB, true, "fe80::1"),       /* its port GID */
+        row("mlx4_0", 1, 0, V1, ETH, true, "10.0.0.1"),             /* RoCE v1 only */
+        row("mlx5_ib", 1, 0, V2, IB, true, "fd00::2"),              /* an IB port */
+        row("mlx5_ib", 1, 1, IBV_GID_TYPE_IB, IB, true, "fe80::1"), /* its port GID */
     };
     struct bex__rdma_path p;
     bex_addr a4 = A("10.0.0.1"), a6 = A("fd00::2"), ll = A("fe80::1"), none = {0};

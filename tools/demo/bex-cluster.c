@@ -411,8 +411,8 @@ struct phase {
     double warmup_s; /* samples that start earlier are left out of the stats */
     int fault, f_shard, f_replica;
     double f_snap, f_kill, f_restart;
-    int pb;          /* "replication": "primary-backup" (else client fan-out) */
-    double retry_ms; /* pb: a trainer's Push sent again with its id this long */
+    int pb;             /* "replication": "primary-backup" (else client fan-out) */
+    double retry_ms;    /* pb: a trainer's Push sent again with its id this long */
     double send_window; /* the phase's "send_window" for every process (-1: the plan's) */
 };
 

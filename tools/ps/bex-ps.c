@@ -98,7 +98,7 @@ struct served {
     uint32_t role;                /* --primary-backup: BEX_PS_ROLE_* */
     bex_rpc_endpoint backups[15]; /* the primary's */
     size_t n_backups;
-    bex_ps_failover *fo; /* --etcd --primary-backup */
+    bex_ps_failover *fo;      /* --etcd --primary-backup */
     bex_rpc_endpoint primary; /* --primary-backup: replica 0 (--join) */
 };
 
@@ -479,8 +479,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
     if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
         !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)) ||
         (o->etcd && o->primary_backup && !o->replicas_s) || (o->replicas_s && !o->etcd) ||
-        (o->restore_cut && !o->cut_dir) ||
-        (o->join && (!o->primary_backup || !o->replica)))
+        (o->restore_cut && !o->cut_dir) || (o->join && (!o->primary_backup || !o->replica)))
         usage(2);
     if (o->etcd && o->primary_backup)
         o->catchup = 0; /* each backup copies from its primary (the failover agent) */
