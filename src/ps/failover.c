@@ -247,10 +247,16 @@ static void campaign(struct bex_ps_failover *f, uint64_t set_rev, const char *se
         return;
     }
     uint64_t epoch = 0;
-    char holder[64];
+    char holder[BEX_ADDR_STRLEN];
     if (bex__elect_campaign(f->el, f->key, me, f->set_key, set_rev, &epoch, holder,
-                            sizeof holder) == 1)
-        lead(f, epoch, set, set_rev == 0);
+                            sizeof holder) != 1)
+        return;
+    if (set_rev) { /* a set written: an earlier primary's term ended */
+        pthread_mutex_lock(&f->s->mu);
+        f->s->st.failovers++;
+        pthread_mutex_unlock(&f->s->mu);
+    }
+    lead(f, epoch, set, set_rev == 0);
 }
 
 /* Another leads epoch from holder: follow it, copying from it first. */
@@ -291,7 +297,7 @@ static void step(struct bex_ps_failover *f)
         return;
     }
     uint64_t epoch, set_rev;
-    char holder[64], set[SET_MAX];
+    char holder[BEX_ADDR_STRLEN], set[SET_MAX];
     if (read_keys(f, &epoch, holder, sizeof holder, &set_rev, set, sizeof set))
         return;
     pthread_mutex_lock(&s->mu);

@@ -375,6 +375,7 @@ static int t_kill9(void)
     CHECK(prim >= 0);
     wait_synced(&p, prim);
     uint64_t e1 = p.s[prim]->rp.epoch;
+    CHECK_EQ(stats(p.s[prim]).failovers, 0); /* the first election is no failover */
     for (int i = 0; i < 40; i++)
         push_one(&p);
     /* a Push naming another term is refused; one naming none (0) is
@@ -396,6 +397,8 @@ static int t_kill9(void)
             (unsigned long long)took, (unsigned long long)e1,
             (unsigned long long)p.s[np]->rp.epoch);
     CHECK(p.s[np]->rp.epoch > e1);
+    CHECK(stats(p.s[np]).failovers >=
+          1); /* bex_ps_failovers_total (1 unless its own lease lapsed) */
     CHECK(took < (TTL + 500 + 4000) * time_scale()); /* TTL + margin + etcd's expiry check, slack */
     for (int i = 0; i < 40; i++)
         push_one(&p);
