@@ -278,6 +278,9 @@ static int ent_put(struct bex__etcd_watch *w, const char *key, const char *val, 
     struct bex__dir_member m;
     char err[200];
     if (!parse_key(w, key, &m)) {
+        size_t pl = strlen(w->prefix);
+        if (strncmp(key, w->prefix, pl) || strncmp(key + pl, "services/", 9))
+            return 0; /* not a directory key (the failover's <prefix>ps/...): not ours */
         bex__log(bex__dir_log(w->d), BEX_LOG_WARN,
                  "dir: etcd key %s: not %sservices/<service>/"
                  "<shard>/<a.b.c.d:port>: ignored",

@@ -288,6 +288,9 @@ static int t_watch(void)
     /* foreign keys: one not an address, one with a value not JSON: both
      * ignored (and logged), the contents unchanged */
     uint64_t g = bex_dir_generation(d);
+    /* a key under the prefix but outside services/ (the failover's
+     * <prefix>ps/...) is not the directory's: ignored without a word */
+    raw_put(url, "L2JleC9wcy9wcy8wL3ByaW1hcnk=", "MTI3LjAuMC4xOjcwMDE=");
     raw_put(url, "L2JleC9zZXJ2aWNlcy9wcy8wL2JhZA==", "ew==");
     raw_put(url, "L2JleC9zZXJ2aWNlcy9wcy8wLzEyNy4wLjAuMTo3MDA5", "ew==");
     /* (etcd may deliver both events in one message: one new generation) */
@@ -295,6 +298,8 @@ static int t_watch(void)
          atomic_load(&bad_key_logs) < 2 && bex_test_now_ms() < end;)
         bex_test_sleep_ms(10);
     CHECK(atomic_load(&bad_key_logs) >= 2);
+    bex_test_sleep_ms(300); /* the events came in order: the foreign key's was first */
+    CHECK_EQ(atomic_load(&bad_key_logs), 2);
     CHECK(bex_dir_generation(d) >= g + 1);
     CHECK_EQ(bex_dir_replicas(d, "ps", 0, NULL, 0), 2);
     /* a registration made now shows through the watch (not the first

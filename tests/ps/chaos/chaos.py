@@ -177,10 +177,12 @@ class Server:
         a = self.ch.args
         self.life += 1
         self.log = os.path.join(self.ch.dir, "ps-s%d-r%d.%d.log" % (self.s, self.r, self.life))
+        reps = ",".join(self.ch.addr_of[self.s, r] for r in range(a.replicas))
         where = ["--cluster", self.ch.cluster] if not self.ch.etcd else [
             "--etcd", self.ch.etcd.url, "--etcd-prefix", self.ch.prefix, "--listen",
             self.ch.addr_of[self.s, self.r], "--n-shards", str(a.shards), "--ttl",
-            str(a.lease_s)]
+            str(a.lease_s), "--replicas", reps, "--lease-ttl-ms", str(a.lease_s * 1000),
+            "--forward-timeout-ms", "1000"]
         cmd = self.ch.hosts.prefix(self.r) + [a.ps] + where + [
             "--shard", str(self.s), "--replica", str(self.r),
             "--table", "1:4:sgd:1", "--table", "2:4:adagrad:0.1", "--transport", a.transport,

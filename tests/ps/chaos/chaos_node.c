@@ -66,6 +66,7 @@ struct node {
     uint32_t n_shards;
     bex_rpc_channel *ch[2];
     bex_addr ch_addr[2];
+    uint32_t turn[2]; /* the replica tried next: advanced after a failed attempt */
     uint64_t client, tok[2], seq;
     long long sums[NKEYS][DIM];
     unsigned long pushes, attempts, max_wait_ms;
@@ -219,20 +220,24 @@ static int call(struct node *n, bex_rpc_channel *ch, uint32_t m, const void *b, 
     return bex_rpc_call_sync(ch, BEX_PS_SERVICE, m, body, len, NULL, resp, rlen);
 }
 
-/* The channel to shard s's primary as the directory lists it now (the
- * first replica); NULL while it lists none. */
+/* The channel to the replica of shard s the trainer tries now: the first
+ * the directory lists (a static cluster file's primary) until an attempt
+ * fails, then the next (etcd mode: the primary is elected, any of them);
+ * NULL while it lists none. */
 static bex_rpc_channel *primary(struct node *n, uint32_t s)
 {
-    bex_dir_replica r;
-    if (bex_dir_replicas(n->dir, "ps", s, &r, 1) < 1)
+    bex_dir_replica r[8];
+    size_t nr = bex_dir_replicas(n->dir, "ps", s, r, 8);
+    if (nr < 1)
         return NULL;
-    if (n->ch[s] && !bex_addr_equal(&n->ch_addr[s], &r.addr)) {
+    const bex_dir_replica *one = &r[n->turn[s] % (nr < 8 ? nr : 8)];
+    if (n->ch[s] && !bex_addr_equal(&n->ch_addr[s], &one->addr)) {
         bex_rpc_channel_destroy(n->ch[s]);
         n->ch[s] = NULL;
     }
     if (!n->ch[s]) {
-        n->ch[s] = chan(n, &r);
-        n->ch_addr[s] = r.addr;
+        n->ch[s] = chan(n, one);
+        n->ch_addr[s] = one->addr;
     }
     return n->ch[s];
 }
@@ -278,8 +283,10 @@ static void push_acked(struct node *n, uint32_t s, uint32_t t, const uint64_t *k
                     (unsigned long long)h.id_seq, n->o.ack_bound_ms);
             exit(3);
         }
-        if (rc)
+        if (rc) {
+            n->turn[s]++;
             sleep_ms(50);
+        }
     }
     unsigned long w = (unsigned long)(now_ms() - t0);
     if (w > n->max_wait_ms)
