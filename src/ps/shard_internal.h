@@ -127,7 +127,7 @@ struct bex__elect;
 /* Primary-backup replication (repl.c), under the shard's lock. */
 struct repl {
     _Atomic uint32_t role; /* read without mu (a request's door); changed under mu */
-    bex_ctx *ctx; /* register's */
+    bex_ctx *ctx;          /* register's */
     /* primary: its backups, its session and the last lsn numbered */
     struct backup *bk;
     size_t n_bk;
