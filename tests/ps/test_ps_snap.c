@@ -160,8 +160,12 @@ static bex_ps_client *client(const struct cluster *c)
     return pc;
 }
 
+/* Each cut starts 2 ms after the last: a replica refuses (-EBUSY) a
+ * PREPARE sooner than cut_min_interval_ms (1 here) after its last one,
+ * and on a quiet host a cut of a few rows ends in under a millisecond. */
 static int cut(struct cluster *c, uint32_t flags, bex_ps_snapshot_result *r)
 {
+    pair_sleep_ms(2);
     bex_ps_snapshot_config sc = {
         .dir = c->dir, .service = "ps", .flags = flags, .timeout_ms = 20000 * time_scale()};
     return bex_ps_snapshot_all(c->cctx, &sc, r);
