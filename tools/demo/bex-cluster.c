@@ -61,7 +61,11 @@
  * user requests a second. Its deadlines (10 s) and keepalive timeouts
  * (10 s) are the VM's: on a loaded host the emulated processes stall for
  * seconds (P99s of 1.5-3 s at a load of 10 on 2 cores), and a tighter
- * deadline failed user requests in phases without a fault. A ranker's
+ * deadline failed user requests in phases without a fault. The fault
+ * phase runs primary-backup shards that fail over through etcd (bex-cluster
+ * starts one, or uses --etcd's) and kills shard 0's primary: trainers retry
+ * each Push with its id, so none fails (tools/demo/plan-fanout-fault.json
+ * is the same plan with the former client fan-out fault: a backup killed). A ranker's
  * Fetch answers are 1-64 KB, and every 32nd is 1 MiB (16384 keys): all of
  * them that large at once made rxe fail QPs under this load. Answers and
  * Pushes up to 64 KB go by one SEND (eager_max 65600 in every process, as
@@ -80,14 +84,16 @@ static const char DEFAULT_PLAN[] =
     "             \"eager_max\": 65600},\n"
     "  \"trainer\": {\"outstanding\": 1, \"compute_us\": 5000, \"mean_bytes\": 20480,\n"
     "              \"p99_bytes\": 51200, \"timeout_ms\": 10000,\n"
-    "              \"keepalive_timeout_ms\": 10000, \"eager_max\": 65600},\n"
+    "              \"keepalive_timeout_ms\": 10000, \"eager_max\": 65600,\n"
+    "              \"push_retry_ms\": 30000},\n"
     "  \"phases\": [\n"
     "    {\"name\": \"rdma\", \"transport\": \"rdma\", \"duration_s\": 20, \"rankers\": 2,\n"
     "     \"trainers\": 2},\n"
     "    {\"name\": \"tcp\", \"transport\": \"tcp\", \"duration_s\": 20, \"rankers\": 2,\n"
     "     \"trainers\": 2},\n"
     "    {\"name\": \"fault\", \"transport\": \"rdma\", \"duration_s\": 24, \"rankers\": 2,\n"
-    "     \"trainers\": 2, \"fault\": {\"shard\": 0, \"replica\": 1, \"snapshot_at_s\": 4,\n"
+    "     \"trainers\": 2, \"replication\": \"primary-backup\",\n"
+    "     \"fault\": {\"shard\": 0, \"replica\": \"primary\", \"snapshot_at_s\": 4,\n"
     "     \"kill_at_s\": 8, \"restart_at_s\": 14}}\n"
     "  ]\n"
     "}\n";
@@ -101,7 +107,7 @@ static const char DEFAULT_PLAN[] =
 #define PROC_ARGS  64  /* a process's argv, its NULL included */
 #define EXTRA_WAIT 30  /* seconds past a phase's end for its clients */
 
-enum { R_KEEPER, R_PS, R_RANKER, R_TRAINER };
+enum { R_KEEPER, R_PS, R_RANKER, R_TRAINER, R_ETCD };
 
 struct proc {
     int used, role, idx; /* idx: ranker/trainer number, or shard * R + replica */
@@ -132,6 +138,9 @@ static struct {
      * cluster file is read from there; --only: this instance's half */
     const char *etcd, *etcd_prefix;
     int servers, clients; /* which processes this instance starts */
+    /* primary-backup phases without --etcd: an etcd of our own (one for
+     * the run, on 127.0.0.1) that the servers fail over through */
+    char own_etcd[64];
 } g;
 
 static void on_signal(int sig)
@@ -488,13 +497,6 @@ static void plan_load(struct plan *pl, const char *arg)
         if (rp && !ph->pb && (!json_is_string(rp) || strcmp(json_string_value(rp), "fan-out")))
             die("plan %s: phases[%zu].replication: fan-out or primary-backup", arg, i);
         ph->retry_ms = jnum(pl->trainer, "push_retry_ms", 30000);
-        if (ph->pb && g.etcd) { /* bex-ps --etcd has no primary-backup (failover) yet */
-            fprintf(stderr,
-                    "bex-cluster: phase %s: client fan-out (primary-backup needs a "
-                    "cluster file, not --etcd, for now)\n",
-                    ph->name);
-            ph->pb = 0;
-        }
         ph->rankers = (int)jnum(p, "rankers", 1);
         ph->trainers = (int)jnum(p, "trainers", 1);
         ph->send_window = jnum(p, "send_window", -1);
@@ -505,7 +507,15 @@ static void plan_load(struct plan *pl, const char *arg)
         if (f) {
             ph->fault = 1;
             ph->f_shard = (int)jnum(f, "shard", 0);
-            ph->f_replica = (int)jnum(f, "replica", pl->replicas - 1);
+            /* "primary" (the default under primary-backup): the replica
+             * that is the shard's primary when the fault starts (etcd) */
+            json_t *fr = json_object_get(f, "replica");
+            int cur = fr ? json_is_string(fr) && !strcmp(json_string_value(fr), "primary") : ph->pb;
+            ph->f_replica = cur ? -1 : (int)jnum(f, "replica", pl->replicas - 1);
+            if (fr && !cur && !json_is_number(fr))
+                die("plan %s: phases[%zu].fault.replica: a number or \"primary\"", arg, i);
+            if (cur && !ph->pb)
+                die("plan %s: phases[%zu].fault.replica \"primary\" needs primary-backup", arg, i);
             ph->f_snap = jnum(f, "snapshot_at_s", -1) * g.scale;
             ph->f_kill = jnum(f, "kill_at_s", ph->duration_s / 3 / g.scale) * g.scale;
             ph->f_restart = jnum(f, "restart_at_s", ph->duration_s * 2 / 3 / g.scale) * g.scale;
@@ -881,8 +891,15 @@ struct bins {
     int n;
 };
 
+/* The fault's window and kill (seconds in the client's clock), and the
+ * end of the first training Push started after the kill and acknowledged. */
+struct fwin {
+    struct lat *lat;
+    double lo_s, hi_s, kill_s, first_ack_s;
+};
+
 static void load_samples(const char *path, int role, double warmup_s, struct lat *all,
-                         struct bins *bn, struct lat *win, double lo_s, double hi_s)
+                         struct bins *bn, struct fwin *w)
 {
     FILE *f = fopen(path, "r");
     if (!f)
@@ -899,8 +916,12 @@ static void load_samples(const char *path, int role, double warmup_s, struct lat
         if (s < 0)
             continue;
         lat_add(&all[s], us, (int)ok, t >= warmup_s * 1000);
-        if (s == S_TPUSH && t >= lo_s * 1000 && t <= hi_s * 1000)
-            lat_add(win, us, (int)ok, 1);
+        if (s == S_TPUSH && t >= w->lo_s * 1000 && t <= w->hi_s * 1000)
+            lat_add(w->lat, us, (int)ok, 1);
+        double end_s = (t + us / 1000.0) / 1000.0;
+        if (s == S_TPUSH && ok && w->kill_s >= 0 && t >= w->kill_s * 1000 &&
+            (w->first_ack_s < 0 || end_s < w->first_ack_s))
+            w->first_ack_s = end_s;
         int b = (int)((double)t / 1000.0 / SERIES_BIN);
         if (b >= 0 && b < 1024) {
             lat_add(&bn->b[s][b], us, (int)ok, 1);
@@ -962,6 +983,155 @@ static void progress(int pi, int n_ph, const struct phase *ph, double t, const c
             "(%llu failed) | training iterations %llu (%llu failed)%s%s%s",
             g.tty ? "\r\033[K" : "", pi + 1, n_ph, ph->name, ph->transport, t, ph->duration_s,
             ps_up, ps_n, rq, rf, it, itf, state[0] ? " | " : "", state, g.tty ? "" : "\n");
+}
+
+/* ---- etcd for primary-backup (failover): ours, and its keys ---- */
+
+static const char B64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+static void b64_enc(const char *in, char *out, size_t cap)
+{
+    size_t n = strlen(in), o = 0;
+    for (size_t i = 0; i < n && o + 5 < cap; i += 3) {
+        unsigned v = (unsigned char)in[i] << 16;
+        v |= i + 1 < n ? (unsigned char)in[i + 1] << 8 : 0;
+        v |= i + 2 < n ? (unsigned char)in[i + 2] : 0;
+        out[o++] = B64[v >> 18 & 63];
+        out[o++] = B64[v >> 12 & 63];
+        out[o++] = i + 1 < n ? B64[v >> 6 & 63] : '=';
+        out[o++] = i + 2 < n ? B64[v & 63] : '=';
+    }
+    out[o] = 0;
+}
+
+static void b64_dec(const char *in, char *out, size_t cap)
+{
+    unsigned v = 0, bits = 0;
+    size_t o = 0;
+    for (; *in && *in != '=' && o + 1 < cap; in++) {
+        const char *c = strchr(B64, *in);
+        if (!c || !*c)
+            break;
+        v = v << 6 | (unsigned)(c - B64);
+        if ((bits += 6) >= 8) {
+            bits -= 8;
+            out[o++] = (char)(v >> bits & 255);
+        }
+    }
+    out[o] = 0;
+}
+
+/* The value of key in the etcd at url (http://a.b.c.d:port, its v3 JSON
+ * gateway), into val: 0, or -1 (no such key, etcd did not answer in 2 s). */
+static int etcd_get(const char *url, const char *key, char *val, size_t cap)
+{
+    char host[64], k64[1400], body[1500], req[1700], resp[8192];
+    int port;
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    if (sscanf(url, "http://%63[^:/]:%d", host, &port) != 2 ||
+        inet_pton(AF_INET, host, &a.sin_addr) != 1 || strlen(key) > 1000)
+        return -1;
+    a.sin_port = htons((uint16_t)port);
+    b64_enc(key, k64, sizeof k64);
+    int bl = snprintf(body, sizeof body, "{\"key\":\"%s\"}", k64);
+    int rl = snprintf(req, sizeof req,
+                      "POST /v3/kv/range HTTP/1.0\r\nHost: %s:%d\r\nContent-Type: "
+                      "application/json\r\nContent-Length: %d\r\n\r\n%s",
+                      host, port, bl, body);
+    struct timeval tmo = {2, 0};
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    size_t n = 0;
+    ssize_t k = -1;
+    if (fd >= 0 && !setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tmo, sizeof tmo) &&
+        !setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tmo, sizeof tmo) &&
+        !connect(fd, (struct sockaddr *)&a, sizeof a) && write(fd, req, (size_t)rl) == rl)
+        while (n < sizeof resp - 1 && (k = read(fd, resp + n, sizeof resp - 1 - n)) > 0)
+            n += (size_t)k;
+    if (fd >= 0)
+        close(fd);
+    resp[n] = 0;
+    const char *js = strstr(resp, "\r\n\r\n");
+    json_t *o = js ? json_loads(js + 4, 0, NULL) : NULL;
+    json_t *kv = json_array_get(json_object_get(o, "kvs"), 0);
+    const char *v = json_string_value(json_object_get(kv, "value"));
+    if (v)
+        b64_dec(v, val, cap);
+    json_decref(o);
+    return v ? 0 : -1;
+}
+
+/* The etcd program: $BEX_ETCD, else etcd on PATH (Debian's etcd-server). */
+static void etcd_program(char *out, size_t cap)
+{
+    const char *e = getenv("BEX_ETCD"), *name = e && *e ? e : "etcd";
+    if (strchr(name, '/')) {
+        snprintf(out, cap, "%s", name);
+        return;
+    }
+    const char *path = getenv("PATH");
+    for (const char *p = path && *path ? path : "/usr/bin:/bin"; p;) {
+        const char *c = strchr(p, ':');
+        int l = c ? (int)(c - p) : (int)strlen(p);
+        snprintf(out, cap, "%.*s/%s", l, p, name);
+        if (access(out, X_OK) == 0)
+            return;
+        p = c ? c + 1 : NULL;
+    }
+    die("primary-backup fails over through etcd: no %s on PATH (install etcd-server: "
+        "scripts/deps; or set BEX_ETCD, or give --etcd URL)",
+        name);
+}
+
+/* Whether something listens at 127.0.0.1:port. */
+static int tcp_listens(int port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr = {htonl(INADDR_LOOPBACK)}};
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    if (fd >= 0)
+        close(fd);
+    return ok;
+}
+
+/* Our etcd (once for the run, on 127.0.0.1, its data in TMPDIR),
+ * listening when this returns 0; -1: interrupted. */
+static int start_own_etcd(void)
+{
+    if (g.own_etcd[0])
+        return 0;
+    char bin[PATH_MAX], data[1100], curl[64], purl[64], init[96], log[2100];
+    int ports[2];
+    etcd_program(bin, sizeof bin);
+    free_ports("127.0.0.1", 2, ports);
+    snprintf(curl, sizeof curl, "http://127.0.0.1:%d", ports[0]);
+    snprintf(purl, sizeof purl, "http://127.0.0.1:%d", ports[1]);
+    snprintf(init, sizeof init, "demo=%s", purl);
+    snprintf(data, sizeof data, "%s/etcd", g.snap_root);
+    snprintf(log, sizeof log, "%s/etcd.log", g.out);
+    struct proc *p = proc_new(R_ETCD, 0, "etcd");
+    argv_set(p, bin, "--name", "demo", "--data-dir", data, "--listen-client-urls", curl,
+             "--advertise-client-urls", curl, "--listen-peer-urls", purl,
+             "--initial-advertise-peer-urls", purl, "--initial-cluster", init, "--log-level",
+             "warn", NULL);
+    proc_spawn(p, log);
+    for (double t0 = now_s(); !tcp_listens(ports[0]);) {
+        if (!p->running)
+            die("etcd (%s) exited (see %s)", bin, log);
+        if (now_s() - t0 > READY_WAIT * g.scale)
+            die("etcd not listening after %d s (see %s)", READY_WAIT, log);
+        if (pump(100))
+            return -1;
+    }
+    snprintf(g.own_etcd, sizeof g.own_etcd, "%s", curl);
+    return 0;
+}
+
+/* The etcd a primary-backup phase fails over through (NULL: none). */
+static const char *pb_etcd(const struct phase *ph)
+{
+    return !ph->pb ? NULL : g.etcd ? g.etcd : g.own_etcd;
 }
 
 /* ---- etcd (--etcd) ---- */
@@ -1103,10 +1273,13 @@ struct prun {
     double start_s;        /* the phase's clock's start (CLOCK_MONOTONIC) */
     double win_lo, win_hi; /* the fault's window (s of the phase), -1: none */
     struct lat win;        /* the trainers' Pushes started in it */
+    double kill_s;         /* the fault's kill -9 (s of the phase), -1: none */
+    double first_ack_s;    /* the first Push started after it acknowledged, -1: none */
 };
 
 /* The fault's course. */
 struct frun {
+    int rep; /* the replica the fault hits (-1: not chosen yet) */
     int snapped, killed, restarted, restart_ready;
     double kill_t, restart_t, ready_t;
     char state[128];
@@ -1154,6 +1327,21 @@ static void write_cluster(struct prun *r)
         die("%s: %s", r->cluster, strerror(errno));
 }
 
+/* primary-backup: failover through etcd, every replica of shard s listed
+ * (bex-ps --replicas), the lease as the plan's "ps" says. */
+static void pb_args(const struct prun *r, struct proc *p, int s)
+{
+    char reps[4 * 64 + 4] = "";
+    for (int k = 0; k < r->R; k++)
+        snprintf(reps + strlen(reps), sizeof reps - strlen(reps), "%s%s", k ? "," : "",
+                 r->ps_addr[s][k]);
+    argv_add(p, "--primary-backup", NULL);
+    argv_add(p, "--replicas", reps);
+    argv_num(p, "--lease-ttl-ms", r->pl->ps, "lease_ttl_ms");
+    argv_num(p, "--lease-margin-ms", r->pl->ps, "lease_margin_ms");
+    argv_num(p, "--forward-timeout-ms", r->pl->ps, "forward_timeout_ms");
+}
+
 /* bex-ps for shard s, replica k: with --etcd, registered there under the
  * phase's prefix. */
 static void spawn_server(struct prun *r, int s, int k)
@@ -1169,16 +1357,16 @@ static void spawn_server(struct prun *r, int s, int k)
     snprintf(b1, sizeof b1, "%d", s);
     snprintf(b2, sizeof b2, "%d", k);
     snprintf(loc, sizeof loc, "dc1/pod%d", k);
-    if (g.etcd) /* at the same port when restarted: the clients' file stays true */
-        argv_set(p, g.ps_bin, "--etcd", g.etcd, "--etcd-prefix", prefix, "--listen",
-                 r->ps_addr[s][k], "--n-shards", nsh, "--locality", loc, "--shard", b1, "--replica",
-                 b2, "--table", tab, "--snapshot-dir", r->snapdir, "--transport", ph->transport,
-                 NULL);
+    const char *url = g.etcd ? g.etcd : pb_etcd(ph);
+    if (url) /* at the same port when restarted: the clients' file stays true */
+        argv_set(p, g.ps_bin, "--etcd", url, "--etcd-prefix", prefix, "--listen", r->ps_addr[s][k],
+                 "--n-shards", nsh, "--locality", loc, "--shard", b1, "--replica", b2, "--table",
+                 tab, "--snapshot-dir", r->snapdir, "--transport", ph->transport, NULL);
     else
         argv_set(p, g.ps_bin, "--cluster", r->cluster, "--shard", b1, "--replica", b2, "--table",
                  tab, "--snapshot-dir", r->snapdir, "--transport", ph->transport, NULL);
-    if (ph->pb && !g.etcd)
-        argv_add(p, "--primary-backup", NULL);
+    if (ph->pb)
+        pb_args(r, p, s);
     argv_num(p, "--snapshot-every", pl->ps, "snapshot_every_ms");
     argv_num(p, "--keepalive-timeout-ms", pl->ps, "keepalive_timeout_ms");
     argv_num(p, "--eager-max", pl->ps, "eager_max");
@@ -1196,6 +1384,8 @@ static void spawn_server(struct prun *r, int s, int k)
  * previous phase). -1: interrupted. */
 static int start_servers(struct prun *r)
 {
+    if (g.servers && r->ph->pb && !g.etcd && start_own_etcd())
+        return -1;
     for (int s = 0; g.servers && s < r->S; s++)
         for (int k = 0; k < r->R; k++)
             spawn_server(r, s, k);
@@ -1330,11 +1520,34 @@ static void fault_event(struct frun *f, double t, const char *event, const struc
                           json_pack("{s:f,s:s,s:s}", "t_s", t, "event", event, "process", v->name));
 }
 
+/* The replica the fault hits: the plan's, or (replica "primary") the
+ * shard's primary now, as etcd names it; -1: none named yet. */
+static int fault_victim(const struct prun *r)
+{
+    const struct phase *ph = r->ph;
+    if (ph->f_replica >= 0)
+        return ph->f_replica;
+    char key[700], val[128];
+    etcd_prefix(key, sizeof key, r->pi);
+    snprintf(key + strlen(key), sizeof key - strlen(key), "ps/ps/%d/primary", ph->f_shard);
+    if (etcd_get(pb_etcd(ph), key, val, sizeof val))
+        return -1;
+    for (int k = 0; k < r->R; k++)
+        if (!strcmp(val, r->ps_addr[ph->f_shard][k]))
+            return k;
+    return -1;
+}
+
 /* The fault's events due at t: snapshot, kill -9, restart, ready again. */
 static void fault_step(struct prun *r, struct frun *f, double t)
 {
     const struct phase *ph = r->ph;
-    struct proc *v = r->ps[ph->f_shard][ph->f_replica];
+    if (f->rep < 0 && (!f->snapped || !f->killed) &&
+        ((ph->f_snap >= 0 && t >= ph->f_snap) || t >= ph->f_kill))
+        f->rep = fault_victim(r);
+    if (f->rep < 0)
+        return;
+    struct proc *v = r->ps[ph->f_shard][f->rep];
     if (!f->snapped && ph->f_snap >= 0 && t >= ph->f_snap) {
         f->snapped = 1;
         kill(v->pid, SIGUSR1);
@@ -1461,8 +1674,11 @@ static json_t *collect_clients(struct prun *r, struct totals *tt, struct lat *al
         /* the window in the client's clock (its samples' times count from
          * its own start, t0_mono_s in its report: seconds after ours) */
         double off = cj ? jnum(cj, "t0_mono_s", r->start_s) - r->start_s : 0;
-        load_samples(path, p->role, r->ph->warmup_s, all, bn, &r->win, r->win_lo - off,
-                     r->win_hi - off);
+        struct fwin w = {&r->win, r->win_lo - off, r->win_hi - off,
+                         r->kill_s >= 0 ? r->kill_s - off : -1, -1};
+        load_samples(path, p->role, r->ph->warmup_s, all, bn, &w);
+        if (w.first_ack_s >= 0 && (r->first_ack_s < 0 || w.first_ack_s + off < r->first_ack_s))
+            r->first_ack_s = w.first_ack_s + off;
     }
     for (int s = 0; g.servers && s < r->S; s++)
         for (int k = 0; k < r->R; k++) {
@@ -1490,8 +1706,8 @@ static json_t *cpu_json(const struct totals *tt)
 static json_t *fault_json(const struct phase *ph, struct frun *f)
 {
     if (ph->fault && g.servers)
-        return json_pack("{s:i,s:i,s:f,s:f,s:f,s:o}", "shard", ph->f_shard, "replica",
-                         ph->f_replica, "killed_at_s", f->kill_t, "restarted_at_s", f->restart_t,
+        return json_pack("{s:i,s:i,s:f,s:f,s:f,s:o}", "shard", ph->f_shard, "replica", f->rep,
+                         "killed_at_s", f->kill_t, "restarted_at_s", f->restart_t,
                          "ready_again_at_s", f->ready_t, "events", f->events);
     json_decref(f->events);
     if (ph->fault) /* the servers' instance did it: the plan's times */
@@ -1515,13 +1731,19 @@ static void fault_window_json(json_t *fj, struct prun *r)
     json_object_set_new(fj, "down_s", json_real(down));
     json_object_set_new(fj, "outage_s",
                         json_real(r->win.n ? (double)r->win.v[r->win.n - 1] / 1e6 : 0));
+    /* failover: from the kill to the first training Push the shard's new
+     * primary acknowledged (each trainer Push spans every shard: one
+     * started after the kill needs it); -1: none */
+    if (r->ph->pb)
+        json_object_set_new(fj, "failover_s",
+                            json_real(r->first_ack_s >= 0 ? r->first_ack_s - r->kill_s : -1));
     free(r->win.v);
     r->win = (struct lat){0};
 }
 
 /* The check of applied Pushes, into res. */
 static void push_check_json(json_t *res, const struct verify *vf, const struct phase *ph, int S,
-                            int R)
+                            int R, int killed)
 {
     json_t *v = json_object();
     json_object_set_new(v, "keys", json_integer(vf->keys));
@@ -1536,7 +1758,7 @@ static void push_check_json(json_t *res, const struct verify *vf, const struct p
             json_object_set_new(o, "shard", json_integer(s));
             json_object_set_new(o, "replica", json_integer(r));
             json_object_set_new(o, "killed",
-                                json_boolean(ph->fault && s == ph->f_shard && r == ph->f_replica));
+                                json_boolean(ph->fault && s == ph->f_shard && r == killed));
             json_object_set_new(o, "rows_checked", json_integer(q->checked));
             json_object_set_new(o, "rows_exact", json_integer(q->exact));
             json_object_set_new(o, "pushes_applied_twice", json_integer(q->twice));
@@ -1608,6 +1830,8 @@ static json_t *phase_results(struct prun *r, struct frun *f, const struct verify
      * serves again */
     r->win_lo = f->kill_t >= 0 ? f->kill_t - 0.5 : -1;
     r->win_hi = f->kill_t < 0 ? -1 : f->ready_t >= 0 ? f->ready_t + 1 : ph->duration_s;
+    r->kill_s = f->kill_t;
+    r->first_ack_s = -1;
     json_t *clients = collect_clients(r, &tt, all, bn);
     json_object_set_new(res, "client_errors", json_integer(tt.bad_clients));
     json_t *lat = json_object();
@@ -1635,7 +1859,7 @@ static json_t *phase_results(struct prun *r, struct frun *f, const struct verify
     json_object_set_new(res, "replication",
                         json_string(ph->pb ? "primary-backup" : "client fan-out"));
     if (vf->done)
-        push_check_json(res, vf, ph, r->S, r->R);
+        push_check_json(res, vf, ph, r->S, r->R, f->rep);
     json_object_set_new(res, "clients", clients);
     write_series(r->pi, ph, bn);
     for (int s = 0; s < S_N; s++) {
@@ -1652,7 +1876,8 @@ static json_t *run_phase(const struct plan *pl, int pi)
     static struct prun r;
     r = (struct prun){.pl = pl, .ph = &pl->ph[pi], .pi = pi, .S = pl->shards, .R = pl->replicas};
     const struct phase *ph = r.ph;
-    struct frun f = {.kill_t = -1, .restart_t = -1, .ready_t = -1, .events = json_array()};
+    struct frun f = {
+        .rep = ph->f_replica, .kill_t = -1, .restart_t = -1, .ready_t = -1, .events = json_array()};
     phase_dirs(&r);
     write_cluster(&r);
     if (start_servers(&r)) {
@@ -1811,9 +2036,14 @@ static void print_fault_pushes(json_t *p, json_t *f)
            "training Pushes failed", jpath(p, "latency", "trainer_push", "failed"),
            jpath(p, "latency", "trainer_push", "count"), jpath(f, "push_during", "failed", NULL),
            jpath(f, "push_during", "count", NULL));
+    if (json_object_get(f, "failover_s"))
+        printf("  %-34s %.2f s (kill -9 to the first training Push the new\n"
+               "  %-34s primary acknowledged)\n",
+               "failover", jpath(f, "failover_s", NULL, NULL), "");
     printf("  %-34s %.1f s (kill -9 to serving again); the longest\n"
            "  %-34s training Push took %.1f s\n",
-           "replica down", jpath(f, "down_s", NULL, NULL), "", jpath(f, "outage_s", NULL, NULL));
+           "killed replica down", jpath(f, "down_s", NULL, NULL), "",
+           jpath(f, "outage_s", NULL, NULL));
     printf("  %-34s P99 %.1f ms, mean %.1f ms, %.0f Pushes (from %.1f s to %.1f s)\n",
            "training Push during the fault", jpath(f, "push_during", "p99_us", NULL) / 1000,
            jpath(f, "push_during", "mean_us", NULL) / 1000, jpath(f, "push_during", "count", NULL),
@@ -1829,8 +2059,9 @@ static void print_phase(json_t *p)
     printf("\nPhase \"%s\" (%s, %s)%s\n", json_string_value(json_object_get(p, "name")),
            json_string_value(json_object_get(p, "transport")), rp ? rp : "client fan-out",
            !f   ? ""
-           : pb ? ": a primary killed with kill -9 mid-run, then restarted\n"
-                  "  (a static cluster file: no failover; trainers retry each Push with its id)"
+           : pb ? ": a shard's primary killed with kill -9 mid-run; a backup takes\n"
+                  "  over through etcd (lease expiry), the killed one restarts and rejoins as a\n"
+                  "  backup; trainers retry each Push with its id until acknowledged"
                 : ": one replica killed with kill -9 mid-run, then restarted");
     if (f && json_object_get(f, "by_servers_instance"))
         printf("  %-34s shard %d replica %d: killed at %.1f s and restarted at %.1f s (planned) "
