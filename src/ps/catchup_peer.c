@@ -103,16 +103,23 @@ out:
     return 0;
 }
 
-/* Count and log a request refused for the shard's role (rate-limited:
- * a client may send many). */
+/* Count and log a request refused for the shard's role. A client that
+ * has not found the primary yet retries 20 times a second (under the call
+ * site's limit), so the line is said at the 1st, 2nd, 4th, 8th, ...
+ * refusal of the shard only, with the count; bex_ps_shard_stats has them
+ * all (not_primary). */
 static int role_refused(bex_ps_shard *s, int rc, const char *why)
 {
     pthread_mutex_lock(&s->mu);
-    s->st.not_primary++;
+    uint64_t n = ++s->st.not_primary;
     pthread_mutex_unlock(&s->mu);
-    bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: %s refused: %s", s->shard, why,
+    if (n & (n - 1))
+        return rc;
+    bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: %s refused: %s (%llu refused so far)", s->shard,
+             why,
              rc == -EPERM ? "this replica is a backup (Pushes go to the primary)"
-                          : "needs the registered handler");
+                          : "needs the registered handler",
+             (unsigned long long)n);
     return rc;
 }
 

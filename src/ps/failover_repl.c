@@ -35,11 +35,14 @@ int bex__ps_fenced_forward(bex_ps_shard *s, uint64_t epoch)
     if (epoch < rp->epoch)
         return -ESTALE; /* a deposed primary's */
     if (epoch > rp->epoch) {
-        /* a new term: copy from its primary first (the agent) */
-        rp->epoch = epoch;
-        rp->synced = false;
+        /* a term this backup has not seen in etcd: maybe a new primary's
+         * (its agent reads etcd now, follows it and copies from it, and
+         * the primary's channel sends this again), maybe forged by any
+         * peer: taking it from the Forward would make the backup refuse
+         * its real primary's forwards and every copy from it for good */
         if (rp->kick)
             rp->kick(rp->kick_arg);
+        return -EAGAIN;
     }
     return rp->synced ? 0 : -EAGAIN;
 }

@@ -38,7 +38,13 @@
  *   stopped with SIGSTOP past its lease (the last replica takes over),
  *   continued, and the killed one restarted empty; every Push the client
  *   made is acknowledged, and all three replicas end with exactly the
- *   initial rows less lr x the acknowledged Pushes. */
+ *   initial rows less lr x the acknowledged Pushes.
+ * refusals: a client Pushing to a backup 40 times, 20 a second (as one
+ *   retrying): each refused -EPERM and counted, the WARN logged at the
+ *   1st, 2nd, 4th, ... refusal only (a few lines, not one per Push); a client Push naming a future
+ * epoch at the primary: refused -ESTALE, counted, nothing applied, the epoch kept; a Forward naming
+ * a future (forged) or past epoch at a backup: refused, counted, the backup's epoch and step kept,
+ * so it stays in the set. */
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -136,6 +142,17 @@ struct fo {
     uint64_t seq;
 };
 
+/* The shards' log (to stderr), counting per replica (arg) the refusals of
+ * a client's Push at a backup. */
+static _Atomic int backup_lines[NREP];
+static void count_log(int level, const char *msg, void *arg)
+{
+    (void)level;
+    if (strstr(msg, "this replica is a backup"))
+        atomic_fetch_add(&backup_lines[(intptr_t)arg], 1);
+    fprintf(stderr, "replica %d: %s\n", (int)(intptr_t)arg, msg);
+}
+
 /* Three replicas with their agents (at p->ep's ports when set). */
 static void fo_start(struct fo *p)
 {
@@ -147,8 +164,10 @@ static void fo_start(struct fo *p)
                               .tables = TABLES,
                               .n_tables = 2,
                               .role = BEX_PS_ROLE_BACKUP,
-                              .forward_timeout_ms = 1000 * time_scale()};
+                              .forward_timeout_ms = 1000 * time_scale(),
+                              .log_fn = count_log};
     for (int r = 0; r < NREP; r++) {
+        pc.log_arg = (void *)(intptr_t)r;
         bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
         bex_ctx_config sc = scaled(&base, a0);
         CHECK_OK(bex_ctx_create(&sc, &p->ctx[r]));
@@ -817,5 +836,79 @@ static int t_proc(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"kill9", t_kill9}, {"sigstop", t_sigstop}, {"backup_down", t_backup_down},
-              {"any_order", t_any_order}, {"proc", t_proc}, {"out_at_election", t_out_at_election})
+/* A Forward of one row of key (id seq) naming session, to replica r. */
+static int forward_to(struct fo *p, int r, uint64_t session, uint64_t key, uint64_t seq)
+{
+    uint8_t b[512];
+    bex__ps_fwd_put(b, &(struct bex__ps_fwd_hdr){.session = session, .lsn = 1u << 20});
+    size_t len = BEX__PS_FWD_HDR_LEN + push_body(b + BEX__PS_FWD_HDR_LEN, key, seq);
+    return call_method(p->ch[r], p->cctx, BEX_PS_M_FORWARD, b, len);
+}
+
+/* Replica r's epoch and whether it is in step, under its lock. */
+static uint64_t epoch_of(struct fo *p, int r, bool *synced)
+{
+    pthread_mutex_lock(&p->s[r]->mu);
+    uint64_t e = p->s[r]->rp.epoch;
+    if (synced)
+        *synced = p->s[r]->rp.synced;
+    pthread_mutex_unlock(&p->s[r]->mu);
+    return e;
+}
+
+static int t_refusals(void)
+{
+    start_etcd();
+    struct fo p = {0};
+    fo_start(&p);
+    int prim = wait_primary(&p, -1, 15000);
+    CHECK(prim >= 0);
+    wait_synced(&p, prim);
+    for (int i = 0; i < 8; i++)
+        push_one(&p);
+    int bk = (prim + 1) % NREP;
+    uint8_t b[256];
+    /* a client that keeps Pushing to a backup: refused, counted, said 7 times */
+    size_t len = push_body(b, 1000 + (p.seq + 1) % NKEY, p.seq + 1);
+    uint64_t np0 = stats(p.s[bk]).not_primary; /* push_one's tries there */
+    int lines0 = atomic_load(&backup_lines[bk]), want = 0;
+    for (uint64_t n = np0 + 1; n <= np0 + 40; n++)
+        want += !(n & (n - 1));    /* said at the 1st refusal, the 2nd, 4th, ... */
+    for (int i = 0; i < 40; i++) { /* 20 a second, as a client retrying: under the site's limit */
+        CHECK_EQ(call_raw(p.ch[bk], p.cctx, b, len), -EPERM);
+        bex_test_sleep_ms(50);
+    }
+    CHECK_EQ(stats(p.s[bk]).not_primary, np0 + 40);
+    CHECK_EQ(atomic_load(&backup_lines[bk]) - lines0, want);
+    /* a client Push naming a term to come: refused, counted, not applied */
+    uint64_t e = epoch_of(&p, prim, NULL);
+    bex_ps_shard_stats st0 = stats(p.s[prim]);
+    len = push_body_ep(b, 1000 + (p.seq + 1) % NKEY, p.seq + 1, true, e + 1000);
+    CHECK_EQ(call_epoch(p.ch[prim], p.cctx, b, len), -ESTALE);
+    bex_ps_shard_stats st1 = stats(p.s[prim]);
+    CHECK_EQ(st1.not_primary, st0.not_primary + 1);
+    CHECK_EQ(st1.pushes, st0.pushes);
+    CHECK_EQ(st1.lsn, st0.lsn);
+    CHECK_EQ(epoch_of(&p, prim, NULL), e);
+    /* Forwards naming a forged future term and a past one at a backup */
+    bool synced = false;
+    uint64_t fr = stats(p.s[bk]).fwd_refused, applied = stats(p.s[bk]).fwd_applied;
+    CHECK(forward_to(&p, bk, e + 1000, 1000 + (p.seq + 1) % NKEY, p.seq + 1) < 0);
+    CHECK(forward_to(&p, bk, e - 1, 1000 + (p.seq + 1) % NKEY, p.seq + 1) < 0);
+    CHECK_EQ(stats(p.s[bk]).fwd_refused, fr + 2);
+    CHECK_EQ(stats(p.s[bk]).fwd_applied, applied);
+    CHECK_EQ(epoch_of(&p, bk, &synced), e);
+    CHECK(synced);
+    /* the backup still takes the primary's forwards: rows exact everywhere */
+    for (int i = 0; i < 8; i++)
+        push_one(&p);
+    wait_synced(&p, prim);
+    CHECK_EQ(epoch_of(&p, bk, NULL), e);
+    rows_check(&p);
+    fo_stop(&p);
+    return 0;
+}
+
+BEX_TEST_MAIN({"refusals", t_refusals}, {"kill9", t_kill9}, {"sigstop", t_sigstop},
+              {"backup_down", t_backup_down}, {"any_order", t_any_order}, {"proc", t_proc},
+              {"out_at_election", t_out_at_election})
