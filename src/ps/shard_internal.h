@@ -280,6 +280,10 @@ void bex__ps_wr_bytes(struct bex__ps_wr *w, const void *p, size_t n);
 void bex__ps_wr32(struct bex__ps_wr *w, uint32_t v);
 void bex__ps_wr64(struct bex__ps_wr *w, uint64_t v);
 void bex__ps_wr_ids(struct bex__ps_wr *w, bex_ps_shard *s);
+/* The trailer of a file written to an open_memstream (*buf, *len): the
+ * hash of what w wrote, then fclose; on any error *buf freed and NULL.
+ * 0 or -ENOMEM. */
+int bex__ps_wr_finish(struct bex__ps_wr *w, char **buf, size_t *len);
 int bex__ps_rd32(struct bex__ps_rd *r, uint32_t *v);
 int bex__ps_rd64(struct bex__ps_rd *r, uint64_t *v);
 int bex__ps_load_ids(struct bex__ps_rd *r, struct idset *ids, bool tok);

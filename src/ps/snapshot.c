@@ -167,18 +167,23 @@ int bex__ps_copy_make(bex_ps_shard *s, char **buf, size_t *len)
     bex__ps_repl_position(s, &session, &lsn);
     bex__ps_wr64(&w, session);
     bex__ps_wr64(&w, lsn);
+    return bex__ps_wr_finish(&w, buf, len);
+}
+
+int bex__ps_wr_finish(struct bex__ps_wr *w, char **buf, size_t *len)
+{
     uint8_t sum[SNAP_HASH];
-    crypto_generichash_final(&w.h, sum, sizeof sum);
-    if (!w.err && fwrite(sum, 1, sizeof sum, w.f) != sizeof sum)
-        w.err = -ENOMEM;
-    if (fclose(w.f) && !w.err)
-        w.err = -ENOMEM;
-    if (w.err) {
+    crypto_generichash_final(&w->h, sum, sizeof sum);
+    if (!w->err && fwrite(sum, 1, sizeof sum, w->f) != sizeof sum)
+        w->err = -ENOMEM;
+    if (fclose(w->f) && !w->err)
+        w->err = -ENOMEM;
+    if (w->err) {
         free(*buf);
         *buf = NULL;
         *len = 0;
     }
-    return w.err ? -ENOMEM : 0;
+    return w->err ? -ENOMEM : 0;
 }
 
 int bex__ps_rd32(struct bex__ps_rd *r, uint32_t *v)

@@ -86,19 +86,7 @@ int bex__ps_cut_make(bex_ps_shard *s, uint64_t id, uint64_t prev, char **buf, si
     for (size_t i = 0; i < s->n_tables; i++)
         *rows += wr_table(&w, &s->tables[i], prev == 0);
     bex__ps_wr_ids(&w, s);
-    uint8_t sum[crypto_generichash_BYTES];
-    crypto_generichash_final(&w.h, sum, sizeof sum);
-    if (!w.err && fwrite(sum, 1, sizeof sum, w.f) != sizeof sum)
-        w.err = -ENOMEM;
-    if (fclose(w.f) && !w.err)
-        w.err = -ENOMEM;
-    if (w.err) {
-        free(*buf);
-        *buf = NULL;
-        *len = 0;
-        return -ENOMEM;
-    }
-    return 0;
+    return bex__ps_wr_finish(&w, buf, len);
 }
 
 /* One file of a chain, read and checked (its checksum, shard, id). */
