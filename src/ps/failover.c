@@ -19,7 +19,7 @@
 
 #define SET_MAX 1024 /* the set key's text */
 
-enum { SAID_ETCD = 1, SAID_OUT = 2, SAID_FRESH = 4 };
+enum { SAID_ETCD = 1, SAID_OUT = 2, SAID_FRESH = 4, SAID_BADSET = 8 };
 
 struct bex_ps_failover {
     bex_ps_shard *s;
@@ -210,6 +210,69 @@ static void rejoins(struct bex_ps_failover *f, uint64_t epoch)
     }
 }
 
+/* The set as read from etcd, checked: an entry that names none of the
+ * replicas (malformed, unknown, twice) is left out of set and said once
+ * (until a good set is read). Anyone who can write etcd can write the
+ * set; trusted, a set naming no replica here stopped every campaign for
+ * good. Returns whether an entry was left out. */
+static bool set_check(struct bex_ps_failover *f, char *set, size_t cap)
+{
+    char ok[SET_MAX], was[SET_MAX];
+    size_t o = 0;
+    bool bad = false;
+    ok[0] = 0;
+    snprintf(was, sizeof was, "%s", set);
+    for (const char *p = set; p && *p;) {
+        const char *e = strchr(p, ',');
+        size_t l = e ? (size_t)(e - p) : strlen(p);
+        int k = -1;
+        for (size_t i = 0; i < f->n && k < 0; i++)
+            if (strlen(f->names[i]) == l && !memcmp(p, f->names[i], l))
+                k = (int)i;
+        if (k < 0 || in_set(ok, f->names[k]))
+            bad = true;
+        else if (o < sizeof ok)
+            o += (size_t)snprintf(ok + o, sizeof ok - o, "%s%s", o ? "," : "", f->names[k]);
+        p = e ? e + 1 : NULL;
+    }
+    if (bad && bex__log_first(&f->said, SAID_BADSET))
+        bex__log(&f->s->log, BEX_LOG_WARN,
+                 "ps shard %u: the replica set in etcd (%.200s) names replicas this one does not "
+                 "know or is malformed: those entries are ignored",
+                 f->s->shard, was);
+    if (!bad)
+        f->said &= ~(uint32_t)SAID_BADSET;
+    snprintf(set, cap, "%s", ok);
+    return bad;
+}
+
+/* As primary of epoch, after a bad set was read: its own set written back
+ * (itself and the backups it forwards to), into set. */
+static void set_heal(struct bex_ps_failover *f, uint64_t epoch, char *set, size_t cap)
+{
+    bex_ps_shard *s = f->s;
+    char text[SET_MAX];
+    size_t o = (size_t)snprintf(text, sizeof text, "%s", f->names[f->self]);
+    pthread_mutex_lock(&s->mu);
+    for (uint32_t b = 0; b < s->rp.n_bk && o < sizeof text; b++)
+        if (!s->rp.bk[b].out) {
+            char name[BEX_ADDR_STRLEN];
+            bk_name(s, b, name, sizeof name);
+            o += (size_t)snprintf(text + o, sizeof text - o, ",%s", name);
+        }
+    pthread_mutex_unlock(&s->mu);
+    int rc = o < sizeof text ? bex__elect_put_if(f->url, f->set_key, text, f->key, epoch)
+                             : -ENAMETOOLONG;
+    if (rc == 0) {
+        snprintf(set, cap, "%s", text);
+        f->said &= ~(uint32_t)SAID_BADSET; /* a bad one written again is said again */
+    }
+    bex__log(&s->log, rc ? BEX_LOG_ERROR : BEX_LOG_INFO,
+             "ps shard %u: replica set %s %s (epoch %llu)%s%s", s->shard, text,
+             rc ? "could not be written back" : "written back", (unsigned long long)epoch,
+             rc ? ": " : "", rc ? bex_strerror(rc) : "");
+}
+
 /* etcd's keys now: 0, or the failure (logged once until etcd answers). */
 static int read_keys(struct bex_ps_failover *f, uint64_t *epoch, char *holder, size_t hcap,
                      uint64_t *set_rev, char *set, size_t scap)
@@ -304,7 +367,10 @@ static void step(struct bex_ps_failover *f)
     bool primary = s->rp.role == BEX_PS_ROLE_PRIMARY;
     uint64_t mine = s->rp.epoch;
     pthread_mutex_unlock(&s->mu);
+    bool bad = set_rev && set_check(f, set, sizeof set);
     if (primary && epoch == mine) {
+        if (bad)
+            set_heal(f, epoch, set, sizeof set);
         removals(f, epoch, set);
         rejoins(f, epoch);
     } else if (primary) {

@@ -41,10 +41,16 @@
  *   initial rows less lr x the acknowledged Pushes.
  * refusals: a client Pushing to a backup 40 times, 20 a second (as one
  *   retrying): each refused -EPERM and counted, the WARN logged at the
- *   1st, 2nd, 4th, ... refusal only (a few lines, not one per Push); a client Push naming a future
- * epoch at the primary: refused -ESTALE, counted, nothing applied, the epoch kept; a Forward naming
- * a future (forged) or past epoch at a backup: refused, counted, the backup's epoch and step kept,
- * so it stays in the set. */
+ *   1st, 2nd, 4th, ... refusal only (a few lines, not one per Push); a
+ *   client Push naming a future epoch at the primary: refused -ESTALE,
+ *   counted, nothing applied, the epoch kept; a Forward naming a future
+ *   (forged) or past epoch at a backup: refused, counted, the backup's
+ *   epoch and step kept, so it stays in the set.
+ * bad_set: the replica set in etcd overwritten (as by anyone who can
+ *   write there) with a malformed value, then with one naming an unknown
+ *   replica: the primary says so once each time and writes its own set
+ *   back (every replica); Pushes go on, and a failover afterwards works
+ *   (with the bad set left, no replica would ever campaign). */
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -144,12 +150,14 @@ struct fo {
 
 /* The shards' log (to stderr), counting per replica (arg) the refusals of
  * a client's Push at a backup. */
-static _Atomic int backup_lines[NREP];
+static _Atomic int backup_lines[NREP], bad_set_lines[NREP];
 static void count_log(int level, const char *msg, void *arg)
 {
     (void)level;
     if (strstr(msg, "this replica is a backup"))
         atomic_fetch_add(&backup_lines[(intptr_t)arg], 1);
+    if (strstr(msg, "the replica set in etcd"))
+        atomic_fetch_add(&bad_set_lines[(intptr_t)arg], 1);
     fprintf(stderr, "replica %d: %s\n", (int)(intptr_t)arg, msg);
 }
 
@@ -385,14 +393,23 @@ static void wait_synced(struct fo *p, int prim)
             wait_one(p, prim, r);
 }
 
-static int t_kill9(void)
+/* etcd and the three replicas started, the first primary elected (etcd
+ * starting, then the first election) and every backup in step with it:
+ * returns the primary. */
+static int fo_up(struct fo *p)
 {
     start_etcd();
-    struct fo p = {0};
-    fo_start(&p);
-    int prim = wait_primary(&p, -1, 15000); /* etcd starting, then the first election */
+    fo_start(p);
+    int prim = wait_primary(p, -1, 15000);
     CHECK(prim >= 0);
-    wait_synced(&p, prim);
+    wait_synced(p, prim);
+    return prim;
+}
+
+static int t_kill9(void)
+{
+    struct fo p = {0};
+    int prim = fo_up(&p);
     uint64_t e1 = p.s[prim]->rp.epoch;
     CHECK_EQ(stats(p.s[prim]).failovers, 0); /* the first election is no failover */
     for (int i = 0; i < 40; i++)
@@ -429,12 +446,8 @@ static int t_kill9(void)
 
 static int t_sigstop(void)
 {
-    start_etcd();
     struct fo p = {0};
-    fo_start(&p);
-    int prim = wait_primary(&p, -1, 15000);
-    CHECK(prim >= 0);
-    wait_synced(&p, prim);
+    int prim = fo_up(&p);
     for (int i = 0; i < 30; i++)
         push_one(&p);
     /* stopped: no keep-alive, no agent step; its lease runs out */
@@ -506,12 +519,8 @@ static void set_now(char *set, size_t cap)
 
 static int t_backup_down(void)
 {
-    start_etcd();
     struct fo p = {0};
-    fo_start(&p);
-    int prim = wait_primary(&p, -1, 15000);
-    CHECK(prim >= 0);
-    wait_synced(&p, prim);
+    int prim = fo_up(&p);
     for (int i = 0; i < 20; i++)
         push_one(&p);
     int bk = (prim + 1) % NREP;
@@ -545,12 +554,8 @@ static int t_backup_down(void)
  * primary (which lists it out of the set, probes it, and lets it back). */
 static int t_out_at_election(void)
 {
-    start_etcd();
     struct fo p = {0};
-    fo_start(&p);
-    int prim = wait_primary(&p, -1, 15000);
-    CHECK(prim >= 0);
-    wait_synced(&p, prim);
+    int prim = fo_up(&p);
     int bk = (prim + 1) % NREP, other = (prim + 2) % NREP;
     fo_kill(&p, bk);
     for (int i = 0; i < 10; i++)
@@ -858,12 +863,8 @@ static uint64_t epoch_of(struct fo *p, int r, bool *synced)
 
 static int t_refusals(void)
 {
-    start_etcd();
     struct fo p = {0};
-    fo_start(&p);
-    int prim = wait_primary(&p, -1, 15000);
-    CHECK(prim >= 0);
-    wait_synced(&p, prim);
+    int prim = fo_up(&p);
     for (int i = 0; i < 8; i++)
         push_one(&p);
     int bk = (prim + 1) % NREP;
@@ -909,6 +910,57 @@ static int t_refusals(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"refusals", t_refusals}, {"kill9", t_kill9}, {"sigstop", t_sigstop},
-              {"backup_down", t_backup_down}, {"any_order", t_any_order}, {"proc", t_proc},
-              {"out_at_election", t_out_at_election})
+/* Whether set names every replica of p, once each. */
+static bool set_whole(const char *set, const struct fo *p)
+{
+    int commas = 0;
+    for (const char *c = set; *c; c++)
+        commas += *c == ',';
+    for (int r = 0; r < NREP; r++) {
+        char name[32];
+        snprintf(name, sizeof name, "127.0.0.1:%u", ntohs(p->ep[r].addr.in4.sin_port));
+        if (!strstr(set, name))
+            return false;
+    }
+    return commas == NREP - 1;
+}
+
+static int t_bad_set(void)
+{
+    struct fo p = {0};
+    int prim = fo_up(&p);
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    uint64_t e = epoch_of(&p, prim, NULL);
+    char set[256];
+    set_now(set, sizeof set);
+    CHECK(set_whole(set, &p));
+    const char *bad[] = {",,garbage", "10.9.9.9:1"};
+    for (int k = 0; k < 2; k++) {
+        CHECK_OK(bex__elect_put_if(url, "/bex/ps/ps/0/set", bad[k], "/bex/ps/ps/0/primary", e));
+        /* the primary writes its own set back */
+        for (uint64_t end = bex_test_now_ms() + 10000 * time_scale();; bex_test_sleep_ms(20)) {
+            set_now(set, sizeof set);
+            if (set_whole(set, &p))
+                break;
+            CHECK(bex_test_now_ms() < end);
+        }
+        CHECK_EQ(atomic_load(&bad_set_lines[prim]), k + 1); /* said once each time */
+        for (int i = 0; i < 10; i++)
+            push_one(&p);
+    }
+    fo_kill(&p, prim);
+    push_one(&p); /* acknowledged by the new primary */
+    int np = wait_primary(&p, prim, 1);
+    CHECK(np >= 0);
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    wait_synced(&p, np);
+    rows_check(&p);
+    fo_stop(&p);
+    return 0;
+}
+
+BEX_TEST_MAIN({"bad_set", t_bad_set}, {"refusals", t_refusals}, {"kill9", t_kill9},
+              {"sigstop", t_sigstop}, {"backup_down", t_backup_down}, {"any_order", t_any_order},
+              {"proc", t_proc}, {"out_at_election", t_out_at_election})
