@@ -2095,6 +2095,8 @@ static void print_phase(json_t *p)
                "by the servers' bex-cluster\n",
                "fault", (int)jpath(f, "shard", NULL, NULL), (int)jpath(f, "replica", NULL, NULL),
                jpath(f, "kill_at_s", NULL, NULL), jpath(f, "restart_at_s", NULL, NULL));
+    else if (f && jpath(f, "killed_at_s", NULL, NULL) < 0)
+        printf("  %-34s did not run: no trainer did an operation in the phase\n", "fault");
     else if (f)
         printf("  %-34s shard %d replica %d: killed at %.1f s, restarted at %.1f s, "
                "serving again at %.1f s\n",
