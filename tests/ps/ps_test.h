@@ -6,6 +6,7 @@
 #ifndef BEX_TEST_PS_H
 #define BEX_TEST_PS_H
 
+#include <arpa/inet.h>
 #include <math.h>
 #include <sys/prctl.h>
 
@@ -34,6 +35,41 @@ struct srv_stats {
     bex_ps_shard_stats ps;
     bex_rpc_server_stats rpc;
 };
+
+/* ---- directories ---- */
+
+/* A directory loaded from the JSON text j (the case fails on an error). */
+static inline bex_dir *dir_from_json(const char *j)
+{
+    char err[256];
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    int rc = bex_dir_load_json(d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    return d;
+}
+
+/* A directory of service "ps" with n shards, shard i on a[i] alone
+ * (locality dc1/pod<i+1> when loc). */
+static inline bex_dir *dir_of_shards(const bex_addr *a, int n, bool loc)
+{
+    char j[2048];
+    size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[");
+    for (int i = 0; i < n; i++) {
+        char ip[INET_ADDRSTRLEN], l[48] = "";
+        inet_ntop(AF_INET, &a[i].in4.sin_addr, ip, sizeof ip);
+        if (loc)
+            snprintf(l, sizeof l, ",\"locality\":\"dc1/pod%d\"", i + 1);
+        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"replicas\":[{\"addr\":\"%s:%u\"%s}]}",
+                              i ? "," : "", ip, ntohs(a[i].in4.sin_port), l);
+        CHECK(o < sizeof j);
+    }
+    o += (size_t)snprintf(j + o, sizeof j - o, "]}}}");
+    CHECK(o < sizeof j);
+    return dir_from_json(j);
+}
 
 /* ---- the server child ---- */
 

@@ -12,21 +12,10 @@
 /* A directory with shard i on sps[i]. */
 static bex_dir *dir_of(const struct srv_proc *sps)
 {
-    char j[512], ip[NSH][INET_ADDRSTRLEN], err[256];
+    bex_addr a[NSH];
     for (int i = 0; i < NSH; i++)
-        inet_ntop(AF_INET, &sps[i].addr.in4.sin_addr, ip[i], sizeof ip[i]);
-    snprintf(j, sizeof j,
-             "{\"services\":{\"ps\":{\"shards\":["
-             "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"}]},"
-             "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-             ip[0], ntohs(sps[0].addr.in4.sin_port), ip[1], ntohs(sps[1].addr.in4.sin_port));
-    bex_dir *d;
-    CHECK_OK(bex_dir_create(NULL, &d));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
-    return d;
+        a[i] = sps[i].addr;
+    return dir_of_shards(a, NSH, true);
 }
 
 /* The client, its directory and context gone, then both servers told to

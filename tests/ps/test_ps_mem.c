@@ -12,27 +12,10 @@
 
 static bex_dir *dir_of(const struct srv_proc *sps, int n)
 {
-    char j[512], ip[NSH][INET_ADDRSTRLEN], err[256];
+    bex_addr a[NSH];
     for (int i = 0; i < n; i++)
-        inet_ntop(AF_INET, &sps[i].addr.in4.sin_addr, ip[i], sizeof ip[i]);
-    if (n == 1)
-        snprintf(j, sizeof j,
-                 "{\"services\":{\"ps\":{\"shards\":["
-                 "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"}]}]}}}",
-                 ip[0], ntohs(sps[0].addr.in4.sin_port));
-    else
-        snprintf(j, sizeof j,
-                 "{\"services\":{\"ps\":{\"shards\":["
-                 "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod1\"}]},"
-                 "{\"replicas\":[{\"addr\":\"%s:%u\",\"locality\":\"dc1/pod2\"}]}]}}}",
-                 ip[0], ntohs(sps[0].addr.in4.sin_port), ip[1], ntohs(sps[1].addr.in4.sin_port));
-    bex_dir *d;
-    CHECK_OK(bex_dir_create(NULL, &d));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
-    return d;
+        a[i] = sps[i].addr;
+    return dir_of_shards(a, n, true);
 }
 
 /* The keys of key_of(0..NK) on shard s, their indexes in idx. */

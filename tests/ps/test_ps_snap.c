@@ -102,23 +102,10 @@ static void node_stop(struct node *n)
 
 static bex_dir *dir_of(const struct cluster *c)
 {
-    char j[1024], err[256];
-    size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[");
-    for (uint32_t k = 0; k < c->ns; k++) {
-        char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &c->n[k].addr.in4.sin_addr, ip, sizeof ip);
-        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"replicas\":[{\"addr\":\"%s:%u\"}]}",
-                              k ? "," : "", ip, ntohs(c->n[k].addr.in4.sin_port));
-    }
-    o += (size_t)snprintf(j + o, sizeof j - o, "]}}}");
-    CHECK(o < sizeof j);
-    bex_dir *d;
-    CHECK_OK(bex_dir_create(NULL, &d));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
-    return d;
+    bex_addr a[NS];
+    for (uint32_t k = 0; k < c->ns; k++)
+        a[k] = c->n[k].addr;
+    return dir_of_shards(a, (int)c->ns, false);
 }
 
 static int cluster_start(struct cluster *c, uint32_t ns, uint32_t full_every)
@@ -300,6 +287,28 @@ static void cut_while_training(struct cluster *c, struct trainer *u, uint64_t *i
     check_prefix(c, r.cut_id, lo, hi);
 }
 
+/* NT trainers on c, Pushing until *stop, each with 20 Pushes
+ * acknowledged when this returns. */
+static void trainers_start(struct cluster *c, struct trainer *u, pthread_t *th, _Atomic bool *stop)
+{
+    for (int t = 0; t < NT; t++) {
+        u[t] = (struct trainer){.pc = client(c), .id = t, .stop = stop};
+        CHECK(pthread_create(&th[t], NULL, trainer_main, &u[t]) == 0);
+    }
+    while (atomic_load(&u[NT - 1].acked) < 20)
+        pair_sleep_ms(5);
+}
+
+/* The trainers stopped, their clients gone. */
+static void trainers_stop(struct trainer *u, pthread_t *th, _Atomic bool *stop)
+{
+    atomic_store(stop, true);
+    for (int t = 0; t < NT; t++) {
+        CHECK(pthread_join(th[t], NULL) == 0);
+        bex_ps_client_destroy(u[t].pc);
+    }
+}
+
 static int t_cut(void)
 {
     struct cluster c;
@@ -309,22 +318,13 @@ static int t_cut(void)
     _Atomic bool stop = false;
     struct trainer u[NT];
     pthread_t th[NT];
-    for (int t = 0; t < NT; t++) {
-        u[t] = (struct trainer){.pc = client(&c), .id = t, .stop = &stop};
-        CHECK(pthread_create(&th[t], NULL, trainer_main, &u[t]) == 0);
-    }
-    while (atomic_load(&u[NT - 1].acked) < 20)
-        pair_sleep_ms(5);
+    trainers_start(&c, u, th, &stop);
     uint64_t id1, id2;
     cut_while_training(&c, u, &id1, true); /* the first: full */
     pair_sleep_ms(50);
     cut_while_training(&c, u, &id2, false); /* incremental to it */
     CHECK(id2 > id1);
-    atomic_store(&stop, true);
-    for (int t = 0; t < NT; t++) {
-        CHECK(pthread_join(th[t], NULL) == 0);
-        bex_ps_client_destroy(u[t].pc);
-    }
+    trainers_stop(u, th, &stop);
     bex_ps_snapshot_result r;
     CHECK_OK(cut(&c, 0, &r));
     CHECK_EQ(r.full, 0);
@@ -611,12 +611,7 @@ static int t_skew(void)
     _Atomic bool stop = false;
     struct trainer u[NT];
     pthread_t th[NT];
-    for (int t = 0; t < NT; t++) {
-        u[t] = (struct trainer){.pc = client(&c), .id = t, .stop = &stop};
-        CHECK(pthread_create(&th[t], NULL, trainer_main, &u[t]) == 0);
-    }
-    while (atomic_load(&u[NT - 1].acked) < 20)
-        pair_sleep_ms(5);
+    trainers_start(&c, u, th, &stop);
     bex_rpc_channel *ch[NS] = {chan(&c, 0), chan(&c, 1)};
     uint64_t lo[NT], hi[NT], id = 777;
     for (int t = 0; t < NT; t++)
@@ -629,11 +624,7 @@ static int t_skew(void)
     for (int t = 0; t < NT; t++)
         hi[t] = atomic_load(&u[t].sent);
     check_prefix(&c, id, lo, hi);
-    atomic_store(&stop, true);
-    for (int t = 0; t < NT; t++) {
-        CHECK(pthread_join(th[t], NULL) == 0);
-        bex_ps_client_destroy(u[t].pc);
-    }
+    trainers_stop(u, th, &stop);
     for (int k = 0; k < NS; k++)
         CHECK_OK(bex_rpc_channel_destroy(ch[k]));
     cluster_stop(&c);
