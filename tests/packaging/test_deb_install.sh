@@ -17,6 +17,7 @@
 # What it cannot show: systemd as PID 1 starting the unit (DynamicUser,
 # StateDirectory, LimitMEMLOCK), and an install resolving dependencies
 # with apt. Needs root (chroot) and dpkg: exit 77 (skip) without them.
+# The packages are the ones test_deb.packages left in BUILD_DIR/test-deb.
 #   test_deb_install.sh BUILD_DIR VERSION
 set -euo pipefail
 build=$1
@@ -27,10 +28,10 @@ fail() { echo "test_deb_install: $*" >&2; exit 1; }
 command -v dpkg >/dev/null || { echo "SKIP: no dpkg" >&2; exit 77; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-(cd "$build" && cpack --config CPackConfig.cmake -G DEB -B "$tmp/out") >"$tmp/cpack.log" 2>&1 ||
-    { cat "$tmp/cpack.log" >&2; fail "cpack failed"; }
-lib=$(ls "$tmp/out/libbex${major}_${version}_"*.deb)
-ps=$(ls "$tmp/out/bex-ps_${version}_"*.deb)
+# the packages test_deb.packages built (its fixture) and checked
+debs=$build/test-deb
+lib=$(ls "$debs/libbex${major}_${version}_"*.deb) || fail "no libbex$major in $debs (test_deb.packages)"
+ps=$(ls "$debs/bex-ps_${version}_"*.deb) || fail "no bex-ps in $debs (test_deb.packages)"
 
 # The root: a dpkg database and what the maintainer scripts run.
 root=$tmp/root
