@@ -110,6 +110,23 @@ int bex__rdma_mtu_bytes(enum ibv_mtu mtu);
 
 /* ---- device choice --------------------------------------------------- */
 
+/* How the RTR transition addresses the peer, from the local port's link
+ * layer and the type of the chosen GID (bex__rdma_route_of). Zero is
+ * RoCE v2, the only route the device choice takes today; RoCE v1 and
+ * InfiniBand are built and unit-tested (tests/rdma/test_rdma_route.c) but
+ * unverified on hardware (docs/architecture.md, "Fabrics"). */
+enum bex__rdma_route {
+    BEX__RDMA_ROUTE_ROCE_V2 = 0, /* Ethernet, RoCE v2 GID: GRH (UDP/IP) */
+    BEX__RDMA_ROUTE_ROCE_V1 = 1, /* Ethernet, RoCE v1 GID: GRH (Ethertype) */
+    BEX__RDMA_ROUTE_IB = 2,      /* InfiniBand: the peer's LID, and a GRH
+                                    when its GID is not link-local */
+};
+/* The route of a port whose link layer is link_layer (IBV_LINK_LAYER_*;
+ * UNSPECIFIED, as old providers report IB ports, counts as InfiniBand) for
+ * a GID of type gid_type (IBV_GID_TYPE_*): Ethernet with a RoCE v1 GID is
+ * ROCE_V1, Ethernet otherwise ROCE_V2. */
+enum bex__rdma_route bex__rdma_route_of(uint8_t link_layer, uint32_t gid_type);
+
 /* Where one side of a connection sits: the device, port and GID index whose
  * GID is the RoCEv2 IPv4-mapped form (::ffff:a.b.c.d) of a local address. */
 struct bex__rdma_path {
@@ -118,6 +135,8 @@ struct bex__rdma_path {
     uint8_t gid_index;       /* sgid_index for the global route header */
     union ibv_gid gid;       /* the GID itself (goes into the hello) */
     enum ibv_mtu active_mtu; /* port's active MTU (filled by open_ipv4) */
+    uint8_t route;           /* enum bex__rdma_route (0: RoCE v2) */
+    uint16_t lid;            /* the port's LID (InfiniBand; 0 on RoCE) */
 };
 
 /* Find the device, port and GID index for local IPv4 address ip (network
@@ -329,6 +348,8 @@ struct bex__rdma_peer {
     enum ibv_mtu active_mtu;
     uint8_t rd_atomic; /* READs the peer accepts as responder:
                           caps our max_rd_atomic */
+    uint16_t lid;      /* the peer port's LID: InfiniBand routes only,
+                          unicast 1..0xbfff there */
 };
 
 /* The effective max_dest_rd_atomic this side will set for cfg (default or
@@ -341,11 +362,14 @@ int bex__rdma_qp_to_init(struct ibv_qp *qp, const struct bex__rdma_path *path,
                          const struct bex__rdma_conn_config *cfg);
 
 /* INIT -> RTR: path MTU = min(path->active_mtu, peer->active_mtu), remote
- * QPN and PSN, RoCEv2 global route (dgid = peer->gid, sgid_index =
- * path->gid_index, hop_limit, traffic_class, flow_label; sl),
- * max_dest_rd_atomic, min_rnr_timer. Receives
- * may be posted from INIT on; after RTR the QP accepts the peer's packets.
- * Returns 0, -EINVAL for an invalid MTU, or the verbs error. */
+ * QPN and PSN, max_dest_rd_atomic, min_rnr_timer, and the address by
+ * path->route: RoCE v2 and v1 a global route (dgid = peer->gid, sgid_index
+ * = path->gid_index, hop_limit, traffic_class, flow_label; sl), no DLID;
+ * InfiniBand DLID = peer->lid (sl), no GRH when peer->gid is link-local
+ * (fe80::/64, the subnet's own) or zero, else the same global route too.
+ * Receives may be posted from INIT on; after RTR the QP accepts the peer's
+ * packets. Returns 0, -EINVAL for an invalid MTU, QPN, PSN or (InfiniBand)
+ * a LID that is not unicast, or the verbs error. */
 int bex__rdma_qp_to_rtr(struct ibv_qp *qp, struct bex__rdma_dev *dev,
                         const struct bex__rdma_path *path, const struct bex__rdma_peer *peer,
                         const struct bex__rdma_conn_config *cfg);

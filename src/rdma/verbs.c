@@ -2,12 +2,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "rdma/internal.h"
 #include "rdma/rdma.h"
 
 /* Transition defaults; the comments in rdma.h explain the units. */
@@ -32,6 +34,15 @@ static uint8_t pick(uint8_t v, uint8_t def)
 }
 
 static const struct bex__rdma_conn_config no_config;
+
+struct bex__rdma_verbs_ops bex__rdma_ops = {.modify_qp = ibv_modify_qp};
+
+enum bex__rdma_route bex__rdma_route_of(uint8_t link_layer, uint32_t gid_type)
+{
+    if (link_layer != IBV_LINK_LAYER_ETHERNET)
+        return BEX__RDMA_ROUTE_IB;
+    return gid_type == IBV_GID_TYPE_ROCE_V1 ? BEX__RDMA_ROUTE_ROCE_V1 : BEX__RDMA_ROUTE_ROCE_V2;
+}
 
 int bex__rdma_wc_errno(enum ibv_wc_status status)
 {
@@ -255,8 +266,46 @@ int bex__rdma_qp_to_init(struct ibv_qp *qp, const struct bex__rdma_path *path,
         .qp_access_flags =
             cfg->access ? (int)cfg->access : IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE,
     };
-    return bex__rdma_err(ibv_modify_qp(
+    return bex__rdma_err(bex__rdma_ops.modify_qp(
         qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS));
+}
+
+/* Whether an InfiniBand peer is reached without a GRH: its GID is zero or
+ * in the link-local subnet prefix fe80::/64, the subnet's own (IBTA: a GRH
+ * only crosses routers). */
+static bool ib_gid_local(const union ibv_gid *g)
+{
+    static const uint8_t ll[8] = {0xfe, 0x80};
+    static const union ibv_gid zero;
+    return memcmp(g->raw, ll, 8) == 0 || memcmp(g, &zero, sizeof zero) == 0;
+}
+
+/* The peer's address for RTR by path->route; -EINVAL for an InfiniBand
+ * peer whose LID is not unicast (a peer's bad hello, not our bug). */
+static int fill_ah(struct ibv_ah_attr *ah, const struct bex__rdma_path *path,
+                   const struct bex__rdma_peer *peer, const struct bex__rdma_conn_config *cfg)
+{
+    memset(ah, 0, sizeof *ah);
+    ah->port_num = path->port;
+    ah->sl = cfg->sl;
+    bool grh = true;
+    if (path->route == BEX__RDMA_ROUTE_IB) {
+        if (peer->lid == 0 || peer->lid >= 0xc000) /* 0xc000..: multicast, permissive */
+            return -EINVAL;
+        ah->dlid = peer->lid;
+        grh = !ib_gid_local(&peer->gid);
+    }
+    /* RoCE v1 and v2 differ only in the type of the sgid_index's GID: the
+     * provider builds the frame from it. */
+    if (grh) {
+        ah->is_global = 1;
+        ah->grh.dgid = peer->gid;
+        ah->grh.sgid_index = path->gid_index;
+        ah->grh.hop_limit = pick(cfg->hop_limit, DEF_HOP_LIMIT);
+        ah->grh.flow_label = cfg->flow_label;
+        ah->grh.traffic_class = cfg->traffic_class;
+    }
+    return 0;
 }
 
 int bex__rdma_qp_to_rtr(struct ibv_qp *qp, struct bex__rdma_dev *dev,
@@ -277,25 +326,13 @@ int bex__rdma_qp_to_rtr(struct ibv_qp *qp, struct bex__rdma_dev *dev,
         .rq_psn = peer->psn,
         .max_dest_rd_atomic = bex__rdma_dest_rd_atomic(dev, cfg),
         .min_rnr_timer = pick(cfg->min_rnr_timer, DEF_MIN_RNR_TIMER),
-        .ah_attr =
-            {
-                .is_global = 1,
-                .port_num = path->port,
-                .sl = cfg->sl,
-                .grh =
-                    {
-                        .dgid = peer->gid,
-                        .sgid_index = path->gid_index,
-                        .hop_limit = pick(cfg->hop_limit, DEF_HOP_LIMIT),
-                        .flow_label = cfg->flow_label,
-                        .traffic_class = cfg->traffic_class,
-                    },
-            },
     };
-    return bex__rdma_err(ibv_modify_qp(qp, &a,
-                                       IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
-                                           IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                                           IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER));
+    if (fill_ah(&a.ah_attr, path, peer, cfg))
+        return -EINVAL;
+    return bex__rdma_err(bex__rdma_ops.modify_qp(
+        qp, &a,
+        IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+            IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER));
 }
 
 int bex__rdma_qp_to_rts(struct ibv_qp *qp, struct bex__rdma_dev *dev, uint32_t psn,
@@ -319,16 +356,16 @@ int bex__rdma_qp_to_rts(struct ibv_qp *qp, struct bex__rdma_dev *dev, uint32_t p
         .rnr_retry = pick(cfg->rnr_retry, DEF_RNR_RETRY),
         .max_rd_atomic = rd,
     };
-    return bex__rdma_err(ibv_modify_qp(qp, &a,
-                                       IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT |
-                                           IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                                           IBV_QP_MAX_QP_RD_ATOMIC));
+    return bex__rdma_err(bex__rdma_ops.modify_qp(qp, &a,
+                                                 IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT |
+                                                     IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                                     IBV_QP_MAX_QP_RD_ATOMIC));
 }
 
 int bex__rdma_qp_to_err(struct ibv_qp *qp)
 {
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
-    int rc = bex__rdma_err(ibv_modify_qp(qp, &a, IBV_QP_STATE));
+    int rc = bex__rdma_err(bex__rdma_ops.modify_qp(qp, &a, IBV_QP_STATE));
     if (rc != -EINVAL)
         return rc;
     /* Linux refuses RESET -> ERR (its transition table allows only INIT from

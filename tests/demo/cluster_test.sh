@@ -6,7 +6,8 @@
 #       phase has user requests and training iterations, none failed, no
 #       client error, no Push applied twice (checked from results.json);
 #       bex-cluster exits 0 and leaves no process behind; with "vm", on the
-#       Soft-RoCE VM's addresses (BEX_TEST_ADDR0,BEX_TEST_ADDR1), else 127.0.0.1
+#       Soft-RoCE VM's addresses (BEX_TEST_ADDR0,BEX_TEST_ADDR1), with "v6" on
+#       ::1, else 127.0.0.1
 #   cluster_test.sh etcd BEX_CLUSTER PLAN       two instances on one local etcd:
 #       --only servers (127.0.0.1) and --only clients (127.0.0.2, the servers
 #       found through etcd); both exit 0, each started its half only, none
@@ -27,6 +28,14 @@ if [ "$where" = vm ]; then
         exit 77
     fi
     addrs=$BEX_TEST_ADDR0,$BEX_TEST_ADDR1
+fi
+# "v6": the IPv6 loopback (every address bex-cluster prints and hands on is IPv6)
+if [ "$where" = v6 ]; then
+    python3 -c 'import socket; socket.socket(socket.AF_INET6).bind(("::1", 0))' 2>/dev/null || {
+        echo "SKIP: no IPv6 loopback" >&2
+        exit 77
+    }
+    addrs=::1
 fi
 scale=${BEX_TEST_TIME_SCALE:-1}
 out=$(mktemp -d "${TMPDIR:-/tmp}/bex-cluster-test.XXXXXX")
@@ -208,6 +217,11 @@ run)
     left_behind || fail "processes left behind"
     tmp_left || fail "snapshot directory left in TMPDIR"
     check_results "$out/run/results.json" || fail "results.json"
+    if [ "$where" = v6 ]; then
+        # the servers were written down, and so reached, as [::1]:port
+        grep -q '"addr": "\[::1\]:[0-9]*"' "$out"/run/phase1-*/cluster.json ||
+            fail "cluster.json has no [::1]:port address"
+    fi
     ;;
 etcd)
     # two bex-cluster instances sharing one local etcd: one starts the

@@ -126,8 +126,8 @@ struct proc {
 
 static struct {
     char out[2048], bin[2048], ps_bin[PATH_MAX];
-    char snap_root[1024]; /* the servers' snapshots: a directory in TMPDIR */
-    char addrs[MAX_ADDRS][INET_ADDRSTRLEN];
+    char snap_root[1024];                   /* the servers' snapshots: a directory in TMPDIR */
+    char addrs[MAX_ADDRS][BEX_ADDR_STRLEN]; /* hosts, IPv6 without brackets */
     int n_addrs;
     pid_t self, pgid;
     FILE *pids;
@@ -595,13 +595,13 @@ static void argv_window(struct proc *p, const struct phase *ph, json_t *o)
 static void free_ports(const char *addr, int n, int *ports)
 {
     for (int i = 0; i < n; i++) {
-        bex_addr a = {.in4 = {.sin_family = AF_INET}};
-        inet_pton(AF_INET, addr, &a.in4.sin_addr);
+        bex_addr a;
+        if (bex_addr_parse(addr, 0, &a))
+            die("a free port on %s: not an IP address", addr);
         socklen_t len = sizeof a;
-        int one = 1, fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int one = 1, fd = socket(a.sa.sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
-            bind(fd, (struct sockaddr *)&a, sizeof a) ||
-            getsockname(fd, (struct sockaddr *)&a, &len))
+            bind(fd, &a.sa, bex_addr_len(&a)) || getsockname(fd, (struct sockaddr *)&a, &len))
             die("a free port on %s: %s", addr, strerror(errno));
         ports[i] = bex_addr_port(&a); /* fd stays open: the reservation */
     }
@@ -1265,8 +1265,8 @@ struct prun {
     const struct phase *ph;
     int pi, S, R;
     char dir[3072], snapdir[PATH_MAX + 16], cluster[PATH_MAX + 32];
-    char ps_addr[16][4][64]; /* "a.b.c.d:port" of each server */
-    char *cl_txt;            /* the cluster file */
+    char ps_addr[16][4][BEX_ADDR_STRLEN]; /* "a.b.c.d:port", "[v6]:port" */
+    char *cl_txt;                         /* the cluster file */
     struct proc *ps[16][4];
     struct proc *cl_p[64];
     int n_cl;
@@ -1314,7 +1314,10 @@ static void write_cluster(struct prun *r)
             if (k == 0)
                 json_array_append_new(shards, json_pack("{s:[]}", "replicas"));
             char *ap = r->ps_addr[s][k], loc[32];
-            snprintf(ap, sizeof r->ps_addr[s][k], "%s:%d", a, ports[s]);
+            bex_addr pa;
+            if (bex_addr_parse(a, (uint16_t)ports[s], &pa))
+                die("%s: not an IP address", a);
+            bex_addr_format(&pa, true, ap, sizeof r->ps_addr[s][k]);
             snprintf(loc, sizeof loc, "dc1/pod%d", k);
             json_array_append_new(json_object_get(json_array_get(shards, (size_t)s), "replicas"),
                                   json_pack("{s:s,s:s,s:s}", "addr", ap, "locality", loc,
@@ -1492,9 +1495,9 @@ static int sync_instances(struct prun *r)
     char ctl_prefix[512];
     etcd_prefix(ctl_prefix, sizeof ctl_prefix, -1);
     if (g.etcd && !g.servers) {
-        bex_dir_replica me = {
-            .addr = {.in4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(r->pi + 1))}}};
-        inet_pton(AF_INET, g.addrs[0], &me.addr.in4.sin_addr);
+        bex_dir_replica me = {0};
+        if (bex_addr_parse(g.addrs[0], (uint16_t)(r->pi + 1), &me.addr))
+            die("%s: not an IP address", g.addrs[0]);
         char err[256] = "";
         int rc = bex_dir_register_etcd(g.etcd, ctl_prefix, "clients", (uint32_t)r->pi, &me, 10, err,
                                        sizeof err, &r->ctl_reg);
@@ -2319,10 +2322,13 @@ static void parse_addrs(const char *addrs)
         char tmp[256];
         snprintf(tmp, sizeof tmp, "%s", addrs);
         for (char *sv, *t = strtok_r(tmp, ",", &sv); t; t = strtok_r(NULL, ",", &sv)) {
-            struct in_addr ia;
-            if (g.n_addrs == MAX_ADDRS || inet_pton(AF_INET, t, &ia) != 1)
-                die("--addrs: %s: not an IPv4 address (at most %d)", t, MAX_ADDRS);
-            snprintf(g.addrs[g.n_addrs++], INET_ADDRSTRLEN, "%s", t);
+            /* IPv4 or IPv6, "[v6]" too; kept as the bare host, the form
+             * the clients' --addr and bex_addr_parse take */
+            bex_addr ia;
+            if (g.n_addrs == MAX_ADDRS || bex_addr_parse(t, 0, &ia) || bex_addr_port(&ia))
+                die("--addrs: %s: not an IPv4 or IPv6 address without a port (at most %d)", t,
+                    MAX_ADDRS);
+            bex_addr_format(&ia, false, g.addrs[g.n_addrs++], BEX_ADDR_STRLEN);
         }
     }
 }

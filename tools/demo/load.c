@@ -384,7 +384,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
                          .poll_mode = poll_mode,
                          .log_level = o->verbose ? BEX_LOG_INFO : BEX_LOG_WARN};
     if (bex_addr_parse(o->addr, 0, &cc.local_addr) != 0) {
-        fprintf(stderr, "%s: --addr %s: not an IPv4 address\n", prog, o->addr);
+        fprintf(stderr, "%s: --addr %s: not an IP address\n", prog, o->addr);
         rc = -EINVAL;
         goto err_dir;
     }
@@ -450,8 +450,7 @@ int ld_replica_index(struct ld_run *r, uint32_t shard, const bex_addr *addr)
     bex_dir_replica reps[BEX_PS_REPLICAS_MAX];
     size_t n = bex_dir_replicas(r->dir, r->o->service, shard, reps, BEX_PS_REPLICAS_MAX);
     for (size_t i = 0; i < n && i < BEX_PS_REPLICAS_MAX; i++)
-        if (reps[i].addr.in4.sin_addr.s_addr == addr->in4.sin_addr.s_addr &&
-            reps[i].addr.in4.sin_port == addr->in4.sin_port)
+        if (bex_addr_equal(&reps[i].addr, addr)) /* IPv4 or IPv6 */
             return (int)i;
     return -1;
 }
