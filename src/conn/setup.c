@@ -64,7 +64,6 @@ static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
         .max_msg = h->max_msg,
         .ka_addr = h->ka_addr,
         .ka_rkey = h->ka_rkey,
-        .ka_timeout_ms = h->ka_timeout_ms,
     };
     memcpy(p->rdma.gid.raw, h->gid, 16);
     return bex__engine_check_peer(p);

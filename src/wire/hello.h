@@ -59,8 +59,8 @@ struct bex__hello {
     uint32_t ka_rkey;   /* rkey of that word */
     uint16_t max_rndv;  /* rendezvous the sender holds open at once, >= 1 */
     /* either transport: the sender's keepalive_timeout_ms, 1..65535 (a
-       longer one is sent as 65535; 0: not given): the peer need not
-       write keepalives more often than a quarter of it */
+       longer one is sent as 65535; 0: not given): over TCP the peer need
+       not write keepalives more often than a quarter of it */
     uint16_t ka_timeout_ms;
 };
 #define BEX__HELLO_MAX_EAGER (1u << 20)

@@ -399,7 +399,6 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
     e->peer_max_msg = p->max_msg;
     e->peer_ka_addr = p->ka_addr;
     e->peer_ka_rkey = p->ka_rkey;
-    e->ka_send_ms = bex__keepalive_send_ms(e->cfg.keepalive_ms, p->ka_timeout_ms);
     e->state = E_CONNECTED;
     return 0;
 }

@@ -102,7 +102,6 @@ struct bex__engine_peer {
     uint32_t rq_depth, max_rndv, eager_max, max_msg;
     uint64_t ka_addr;
     uint32_t ka_rkey;
-    uint32_t ka_timeout_ms; /* the peer's keepalive timeout (0: not known) */
 };
 
 int bex__engine_create(struct bex__engine_shared *sh, const struct bex__engine_config *cfg,

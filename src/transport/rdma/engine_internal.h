@@ -225,7 +225,6 @@ struct bex__engine {
                         keepalive write is due for keepalive_ms */
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
-    uint32_t ka_send_ms;   /* keepalive write interval (bex__keepalive_send_ms) */
     bool violation_logged; /* the peer's fault is logged: no second line */
     int stream_fault;      /* a peer's CLOSE a stream's state does not take (-EPROTO) */
     char name[48];         /* how log lines name the connection (bex__engine_set_name) */

@@ -176,16 +176,15 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
      * so while we post messages the write is put off: at 1024 connections
      * with one message each in flight the writes were 0.4 extra doorbells
      * and signaled completions per message (docs/benchmarks.md). Quiet for
-     * ka_send_ms (to within a tick: keepalive_ms, or a quarter of the
-     * peer's timeout when that is longer), we write again. An idle engine
+     * keepalive_ms (to within a tick), we write again. An idle engine
      * ticks once per keepalive_ms (conn/timers.c), each tick a little
      * early or late: an eighth of the period early is on time. */
     if (e->peer_hears) {
         e->peer_hears = false;
-        e->ka_next_ms = now + e->ka_send_ms;
+        e->ka_next_ms = now + e->cfg.keepalive_ms;
     }
     if (now + e->cfg.keepalive_ms / 8 >= e->ka_next_ms) {
-        e->ka_next_ms = now + e->ka_send_ms;
+        e->ka_next_ms = now + e->cfg.keepalive_ms;
         e->ka_due = true;
         if (!bex__engine_wops_hold(e)) {
             bex__engine_prep_keepalive(e);
