@@ -28,6 +28,7 @@ static inline struct bex__hello bex_test_hello_sample(void)
         .ka_addr = 0x00007f0011223344ull,
         .ka_rkey = 0xdeadbeef,
         .max_rndv = 256,
+        .ka_timeout_ms = 2000,
     };
 }
 
@@ -39,7 +40,7 @@ static inline int bex_test_hello_same(const struct bex__hello *a, const struct b
            a->recv_depth == b->recv_depth && a->sq_depth == b->sq_depth &&
            a->max_msg == b->max_msg && a->frag_size == b->frag_size && a->conn_id == b->conn_id &&
            a->eager_max == b->eager_max && a->ka_addr == b->ka_addr && a->ka_rkey == b->ka_rkey &&
-           a->max_rndv == b->max_rndv;
+           a->max_rndv == b->max_rndv && a->ka_timeout_ms == b->ka_timeout_ms;
 }
 
 #endif

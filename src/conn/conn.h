@@ -122,15 +122,16 @@ struct conn {
                                          message (setup_evict's order) */
     bool heard;                       /* setup: its first bytes wait to be read */
     uint64_t conn_id;
-    uint32_t mode;            /* BEX_TRANSPORT_* wanted for this connection */
-    bool rdma_ok;             /* this side may use RDMA (mode, device) */
-    bool fallback;            /* our QP did not come up: TCP after the notices */
-    uint32_t peer_max_msg;    /* from the peer's hello */
-    enum bex__conn_life life; /* conn_die: destroy at the next safe point */
-    bool in_setup;            /* accepted, setup not finished: counted in ctx->n_setup */
-    uint32_t said;            /* lines logged once per connection (CONN_SAID_*) */
-    uint32_t cqe_reserved;    /* CQ entries held for the engine ... */
-    uint32_t cq_idx;          /* ... in this CQ of its thread (io->cqs) */
+    uint32_t mode;               /* BEX_TRANSPORT_* wanted for this connection */
+    bool rdma_ok;                /* this side may use RDMA (mode, device) */
+    bool fallback;               /* our QP did not come up: TCP after the notices */
+    uint32_t peer_max_msg;       /* from the peer's hello */
+    uint32_t peer_ka_timeout_ms; /* from the peer's hello: its keepalive timeout */
+    enum bex__conn_life life;    /* conn_die: destroy at the next safe point */
+    bool in_setup;               /* accepted, setup not finished: counted in ctx->n_setup */
+    uint32_t said;               /* lines logged once per connection (CONN_SAID_*) */
+    uint32_t cqe_reserved;       /* CQ entries held for the engine ... */
+    uint32_t cq_idx;             /* ... in this CQ of its thread (io->cqs) */
     struct bex_listener *l;
     struct bex__hmap streams; /* its owner's streams by stream id: what the
                                  transport's upcalls name (bex__conn_stream_*) */

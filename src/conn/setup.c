@@ -13,6 +13,14 @@
 
 /* Our hello: with an engine, what its QP needs; without, a NO_RDMA hello
  * (the connection stays on TCP). */
+/* Our keepalive timeout as the hello carries it: a longer one than the
+ * field holds is sent as its largest (the peer then writes more often
+ * than needed, never less). */
+static uint16_t hello_ka_timeout(uint32_t ms)
+{
+    return ms > UINT16_MAX ? UINT16_MAX : (uint16_t)(ms ? ms : 1);
+}
+
 static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
 {
     struct bex__conn_env *ctx = c->io->env;
@@ -21,6 +29,7 @@ static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
         h->flags = BEX__HELLO_F_NO_RDMA;
         h->max_msg = ctx->cfg->max_msg;
         h->conn_id = conn_id;
+        h->ka_timeout_ms = hello_ka_timeout(ctx->cfg->keepalive_timeout_ms);
         return;
     }
     struct bex__engine_local l;
@@ -40,6 +49,7 @@ static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
     h->max_rndv = (uint16_t)l.max_rndv;
     h->ka_addr = l.ka_addr;
     h->ka_rkey = l.ka_rkey;
+    h->ka_timeout_ms = hello_ka_timeout(ctx->cfg->keepalive_timeout_ms);
 }
 
 static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
@@ -260,6 +270,7 @@ static int go_tcp(struct conn *c)
         .frag_size = ctx->cfg->frag_size,
         .keepalive_ms = ctx->cfg->keepalive_ms,
         .keepalive_timeout_ms = ctx->cfg->keepalive_timeout_ms,
+        .peer_ka_timeout_ms = c->peer_ka_timeout_ms,
         .stall_ms = ctx->cfg->credit_timeout_ms,
         .share_min = ctx->cfg->recv_share_min,
         .min_rate = ctx->cfg->recv_min_rate,
@@ -363,6 +374,7 @@ static int setup_hello(struct conn *c, const char **why)
         return -EPROTO;
     }
     c->peer_max_msg = h.max_msg;
+    c->peer_ka_timeout_ms = h.ka_timeout_ms;
     bool peer_rdma = !(h.flags & BEX__HELLO_F_NO_RDMA);
     if (!peer_rdma && c->mode == BEX_TRANSPORT_RDMA) {
         *why = "the peer has no RDMA device";

@@ -21,6 +21,10 @@
  * Changed only by bex__rpc_link_move. */
 enum link_state { L_CONNECTING, L_UP, L_FAILED };
 
+/* Lines a link logs once (l->said, bex__log_first). MALFORMED also means
+ * the link was refused: what else it brings is dropped. */
+enum { LINK_SAID_MALFORMED = 1u << 0 };
+
 /* A call's life: LIVE (an attempt out, or being chosen) <-> WAITING (the
  * next attempt waits for the last one's destination to be retired), then
  * PARKED (completed; the completion waits for that retirement) or DONE
@@ -35,7 +39,7 @@ struct link {
     bex_sock *s;
     enum link_state state;
     uint64_t t_start; /* connect started (ns) */
-    bool bad;         /* refused for a malformed answer (logged once) */
+    uint32_t said;    /* LINK_SAID_* (under ch->mu) */
     /* recovery ladder */
     int rung;               /* the endpoint's step when this link was made */
     bool tcp;               /* made over TCP by the ladder (step 3) */

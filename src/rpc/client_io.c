@@ -129,7 +129,7 @@ void bex__rpc_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     struct bex__rpc_hdr h;
     const char *why = NULL;
     pthread_mutex_lock(&ch->mu);
-    if (l->bad) {
+    if (l->said & LINK_SAID_MALFORMED) {
         pthread_mutex_unlock(&ch->mu);
         bex_mem_free(buf);
         return;
@@ -150,9 +150,8 @@ void bex__rpc_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     }
     if (why) {
         ch->st.bad_header++;
-        l->bad = true;
-        bex__log(ch->log, BEX_LOG_WARN, "rpc channel %s: malformed answer (%s): connection closed",
-                 ch->name, why);
+        bex__log_once(ch->log, &l->said, LINK_SAID_MALFORMED, BEX_LOG_WARN,
+                      "rpc channel %s: malformed answer (%s): connection closed", ch->name, why);
         bex__rpc_link_fail(ch, l, -EPROTO, &done);
         pthread_mutex_unlock(&ch->mu);
         bex_mem_free(buf);

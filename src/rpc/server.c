@@ -28,15 +28,23 @@ struct method {
     struct bex__rpc_hist *hist;
 };
 
+/* An accepted connection's life: OPEN -> CLOSING (we called
+ * bex_sock_close: nothing more is sent, what arrives is dropped) ->
+ * CLOSED (its on_close ran: s is gone). CLOSED is final. Changed only by
+ * conn_move; conn_close is the one way to CLOSING. */
+enum conn_state { C_OPEN, C_CLOSING, C_CLOSED };
+
+/* Lines a connection logs once (c->said, bex__log_once). */
+enum { CONN_SAID_MALFORMED = 1u << 0 };
+
 /* One accepted socket. Referenced by the server's list until on_close and
  * by every request of it not answered yet. */
 struct conn {
     struct bex_rpc_server *srv;
     bex_sock *s;
     int refs;
-    bool closing; /* bex_sock_close called: nothing more is sent */
-    bool closed;  /* on_close ran: s is gone */
-    bool bad;     /* refused for a malformed header (logged once) */
+    enum conn_state state;
+    uint32_t said; /* CONN_SAID_* (under srv->mu) */
     /* new client ids of a handler's dedup table it brought
      * (bex__rpc_req_conn_admit) */
     _Atomic uint32_t new_clients;
@@ -417,6 +425,32 @@ static void dedup_record(struct bex_rpc_server *srv, const struct bex__rpc_hdr *
     }
 }
 
+/* ---- a connection's state (under srv->mu) ---- */
+
+static const char *const conn_names[] = {"OPEN", "CLOSING", "CLOSED"};
+
+/* The one place c->state changes: each move is named in the debug log;
+ * one our own code must never make asserts (the socket layer runs
+ * on_close once, and only after bex_sock_close). */
+static void conn_move(struct bex_rpc_server *srv, struct conn *c, enum conn_state to)
+{
+    enum conn_state from = c->state;
+    assert((from == C_OPEN && to == C_CLOSING) || (from == C_CLOSING && to == C_CLOSED));
+    c->state = to;
+    if (srv->log && srv->log->level >= BEX_LOG_DEBUG)
+        bex__log(srv->log, BEX_LOG_DEBUG, "rpc server: connection %p %s -> %s", (void *)c,
+                 conn_names[from], conn_names[to]);
+}
+
+/* Close c's socket unless that was done: nothing more is sent on it. */
+static void conn_close(struct bex_rpc_server *srv, struct conn *c)
+{
+    if (c->state != C_OPEN)
+        return;
+    conn_move(srv, c, C_CLOSING);
+    bex_sock_close(c->s);
+}
+
 /* ---- sending answers ---- */
 
 /* Send an answer (kind, status) to the request h on c: body is an RPC body
@@ -431,7 +465,7 @@ static int send_answer(struct bex_rpc_server *srv, struct conn *c, const struct 
             return -ENOMEM;
         len = 0;
     }
-    if (c->closing || c->closed) {
+    if (c->state != C_OPEN) {
         bex_rpc_free(body);
         return -EPIPE;
     }
@@ -534,16 +568,12 @@ bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max)
 static void conn_refuse(struct bex_rpc_server *srv, struct conn *c, const char *why)
 {
     /* once per connection: later messages of it are dropped unlogged */
-    if (!c->bad) {
-        c->bad = true;
+    if (bex__log_first(&c->said, CONN_SAID_MALFORMED)) {
         srv->st.bad_header++;
         bex__log(srv->log, BEX_LOG_WARN,
                  "rpc server: malformed request header (%s): connection closed", why);
     }
-    if (!c->closing) {
-        c->closing = true;
-        bex_sock_close(c->s);
-    }
+    conn_close(srv, c);
 }
 
 /* A WRITE request's dedup outcome, under srv->mu: -1 to apply it, else it
@@ -636,7 +666,7 @@ static void on_recv(bex_sock *s, void *buf, size_t len, void *user)
     struct bex__rpc_hdr h;
     const char *why;
     pthread_mutex_lock(&srv->mu);
-    if (c->bad || c->closing) {
+    if (c->state != C_OPEN) {
         pthread_mutex_unlock(&srv->mu);
         bex_mem_free(buf);
         return;
@@ -698,11 +728,9 @@ static void on_error(bex_sock *s, int err, void *user)
 {
     (void)err;
     struct conn *c = user;
+    (void)s;
     pthread_mutex_lock(&c->srv->mu);
-    if (!c->closing) {
-        c->closing = true;
-        bex_sock_close(s);
-    }
+    conn_close(c->srv, c);
     pthread_mutex_unlock(&c->srv->mu);
 }
 
@@ -712,7 +740,7 @@ static void on_close(bex_sock *s, void *user)
     struct conn *c = user;
     struct bex_rpc_server *srv = c->srv;
     pthread_mutex_lock(&srv->mu);
-    c->closed = c->closing = true;
+    conn_move(srv, c, C_CLOSED);
     bex__list_remove(&c->lnode);
     pthread_cond_broadcast(&srv->cv);
     conn_put_locked(c);
@@ -958,10 +986,7 @@ int bex_rpc_server_destroy(bex_rpc_server *srv)
     bex__list_foreach(pos, &srv->conns)
     {
         struct conn *c = bex__list_entry(pos, struct conn, lnode);
-        if (!c->closing) {
-            c->closing = true;
-            bex_sock_close(c->s);
-        }
+        conn_close(srv, c);
     }
     while (!bex__list_empty(&srv->conns))
         pthread_cond_wait(&srv->cv, &srv->mu);
@@ -976,9 +1001,6 @@ void bex__rpc_req_close_conn(bex_rpc_req *req)
 {
     struct conn *c = req->c;
     pthread_mutex_lock(&req->srv->mu);
-    if (!c->closing) {
-        c->closing = true;
-        bex_sock_close(c->s);
-    }
+    conn_close(req->srv, c);
     pthread_mutex_unlock(&req->srv->mu);
 }

@@ -227,4 +227,15 @@ struct bex__stats {
                           atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),          \
                           memory_order_relaxed)
 
+/* How often an idle connection writes its keepalive: every keepalive_ms,
+ * or less often when the peer's timeout (its hello's ka_timeout_ms; 0:
+ * not known) allows: a quarter of it, so three keepalives may be late or
+ * lost before the peer gives up. Never more often than keepalive_ms, so a
+ * peer's tiny timeout costs us nothing more than before. */
+static inline uint32_t bex__keepalive_send_ms(uint32_t keepalive_ms, uint32_t peer_timeout_ms)
+{
+    uint32_t quarter = peer_timeout_ms / 4;
+    return quarter > keepalive_ms ? quarter : keepalive_ms;
+}
+
 #endif

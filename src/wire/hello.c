@@ -7,8 +7,8 @@
 #include "bex/sock.h"
 #include "wire/hello.h"
 
-/* Byte offsets of the hello (version 3; 1 had the same layout); docs/protocol.md has the same
- * table. */
+/* Byte offsets of the hello (version 4; 3 and 1 had the same layout with
+ * bytes 42..43 reserved); docs/protocol.md has the same table. */
 enum {
     OFF_MAGIC = 0,
     OFF_VERSION = 4,
@@ -21,7 +21,7 @@ enum {
     OFF_RD_ATOMIC = 37,
     OFF_RECV_DEPTH = 38,
     OFF_SQ_DEPTH = 40,
-    OFF_RSVD0 = 42, /* 2 bytes */
+    OFF_KA_TIMEOUT = 42,
     OFF_MAX_MSG = 44,
     OFF_FRAG_SIZE = 48,
     OFF_CONN_ID = 52,
@@ -99,6 +99,7 @@ void bex__hello_encode(const struct bex__hello *h, uint8_t buf[BEX__HELLO_LEN])
     put64(buf + OFF_KA_ADDR, h->ka_addr);
     put32(buf + OFF_KA_RKEY, h->ka_rkey);
     put16(buf + OFF_MAX_RNDV, h->max_rndv);
+    put16(buf + OFF_KA_TIMEOUT, h->ka_timeout_ms);
 }
 
 int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
@@ -113,7 +114,7 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
         return -EPROTO;
     if (len != BEX__HELLO_LEN || get16(buf + OFF_LENGTH) != BEX__HELLO_LEN)
         return -EBADMSG;
-    if (buf[OFF_RSVD0] | buf[OFF_RSVD0 + 1] | !all_zero(buf + OFF_RSVD1, 2))
+    if (!all_zero(buf + OFF_RSVD1, 2))
         return -EBADMSG;
 
     struct bex__hello h;
@@ -132,6 +133,7 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
     h.ka_addr = get64(buf + OFF_KA_ADDR);
     h.ka_rkey = get32(buf + OFF_KA_RKEY);
     h.max_rndv = get16(buf + OFF_MAX_RNDV);
+    h.ka_timeout_ms = get16(buf + OFF_KA_TIMEOUT);
 
     if (h.flags & ~BEX__HELLO_F_ALL)
         return -EBADMSG;

@@ -17,9 +17,10 @@
 #include "bex/addr.h"
 
 #define BEX__HELLO_MAGIC 0x42455848u /* "BEXH" */
-/* 3: DATA goes header-free (docs/protocol.md); 1 had a header on every
+/* 4: the hello carries the sender's keepalive timeout (ka_timeout_ms);
+ * 3: DATA goes header-free (docs/protocol.md); 1 had a header on every
  * SEND; 2 is the authenticated-setup envelope, not a hello */
-#define BEX__HELLO_VERSION 3
+#define BEX__HELLO_VERSION 4
 #define BEX__HELLO_LEN     80
 
 /* flags */
@@ -57,6 +58,10 @@ struct bex__hello {
                            (8 bytes), non-zero */
     uint32_t ka_rkey;   /* rkey of that word */
     uint16_t max_rndv;  /* rendezvous the sender holds open at once, >= 1 */
+    /* either transport: the sender's keepalive_timeout_ms, 1..65535 (a
+       longer one is sent as 65535; 0: not given): over TCP the peer need
+       not write keepalives more often than a quarter of it */
+    uint16_t ka_timeout_ms;
 };
 #define BEX__HELLO_MAX_EAGER (1u << 20)
 

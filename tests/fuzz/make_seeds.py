@@ -30,9 +30,9 @@ def write(target, name, data):
 def hello(flags=0, qpn=0x1234, psn=7, gid=b"\xfe\x80" + bytes(13) + b"\x01", mtu=5,
           rd_atomic=16, recv_depth=64, sq_depth=32, max_msg=1 << 31, frag=65536,
           conn_id=0x1122334455667788, eager=8192, ka_addr=0x7F0000001000, ka_rkey=0x55,
-          max_rndv=256, magic=0x42455848, version=3, length=80):
+          max_rndv=256, ka_timeout=2000, magic=0x42455848, version=4, length=80):
     b = struct.pack(">IHHIII16sBBHHHIIQIQIHH", magic, version, length, flags, qpn, psn, gid,
-                    mtu, rd_atomic, recv_depth, sq_depth, 0, max_msg, frag, conn_id, eager,
+                    mtu, rd_atomic, recv_depth, sq_depth, ka_timeout, max_msg, frag, conn_id, eager,
                     ka_addr, ka_rkey, max_rndv, 0)
     assert len(b) == 80
     return b
@@ -48,6 +48,8 @@ write("hello", "limits", hello(qpn=0xFFFFFF, psn=0xFFFFFF, mtu=1, recv_depth=655
 write("hello", "bad-magic", b"GET / HTTP/1.1\r\n" + bytes(64))
 write("hello", "bad-version", hello(version=2))
 write("hello", "old-version", hello(version=1))  # from before DATA went header-free
+write("hello", "v3", hello(version=3, ka_timeout=0))  # from before the keepalive timeout
+write("hello", "ka-timeout-zero", hello(ka_timeout=0))
 write("hello", "short", hello()[:40])
 
 

@@ -62,9 +62,12 @@ static int peek(void)
     /* strangers, unknown versions, impossible lengths */
     len = 99;
     CHECK_EQ(bex__setup_peek((const uint8_t *)"GET / HT", &len), -EPROTO);
-    /* 4: a future one; 1: a hello from before DATA went header-free */
-    const uint8_t v4[8] = {'B', 'E', 'X', 'H', 0, 4, 0, 44};
-    CHECK_EQ(bex__setup_peek(v4, &len), -EPROTO);
+    /* 5: a future one; 3: a hello from before it carried the keepalive
+     * timeout; 1: from before DATA went header-free */
+    const uint8_t v5[8] = {'B', 'E', 'X', 'H', 0, 5, 0, 44};
+    CHECK_EQ(bex__setup_peek(v5, &len), -EPROTO);
+    const uint8_t v3[8] = {'B', 'E', 'X', 'H', 0, 3, 0, 80};
+    CHECK_EQ(bex__setup_peek(v3, &len), -EPROTO);
     const uint8_t v1[8] = {'B', 'E', 'X', 'H', 0, 1, 0, 80};
     CHECK_EQ(bex__setup_peek(v1, &len), -EPROTO);
     const uint16_t lens[] = {0, 8, 12, 43, 45, 80, 123, 125, 0xffff};

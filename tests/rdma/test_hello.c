@@ -11,6 +11,7 @@
 #include "harness.h"
 #include "conn/hello_io.h"
 #include "hello_test.h"
+#include "transport/transport.h"
 
 static struct bex__hello no_rdma(void)
 {
@@ -60,13 +61,13 @@ static int roundtrip(void)
 static int wire_layout(void)
 {
     static const uint8_t want[BEX__HELLO_LEN] = {
-        'B',  'E',  'X',  'H',  0,    3,    0,    80,   /* magic, version, length */
+        'B',  'E',  'X',  'H',  0,    4,    0,    80,   /* magic, version, length */
         0,    0,    0,    0,                            /* flags */
         0,    0x12, 0x34, 0x56,                         /* qpn */
         0,    0xab, 0xcd, 0xef,                         /* psn */
         0,    0,    0,    0,    0,    0,    0,    0,    /* gid */
         0,    0,    0xff, 0xff, 10,   99,   0,    1,    /* */
-        3,    16,   0,    64,   0,    32,   0,    0,    /* mtu, rd_atomic, depths, rsvd */
+        3,    16,   0,    64,   0,    32,   0x07, 0xd0, /* mtu, rd_atomic, depths, ka_timeout */
         0,    0x80, 0,    0,                            /* max_msg 8 MiB */
         0,    0,    0x10, 0,                            /* frag 4096 */
         0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, /* conn_id */
@@ -96,8 +97,8 @@ static int bad_magic_version(void)
         CHECK_EQ(bex__hello_decode(bad, sizeof bad, &out), -EPROTO);
     }
     /* 1: a peer from before DATA went header-free; 2: the authenticated
-     * envelope's, never a hello's */
-    const uint16_t versions[] = {0, 1, 2, 4, 0x0100, 0xffff};
+     * envelope's, never a hello's; 3: from before the keepalive timeout */
+    const uint16_t versions[] = {0, 1, 2, 3, 5, 0x0100, 0xffff};
     for (size_t i = 0; i < sizeof versions / sizeof versions[0]; i++) {
         memcpy(bad, buf, sizeof bad);
         bad[4] = (uint8_t)(versions[i] >> 8);
@@ -152,7 +153,7 @@ static int reserved_bytes(void)
     struct bex__hello h = bex_test_hello_sample(), out;
     uint8_t buf[BEX__HELLO_LEN], bad[BEX__HELLO_LEN];
     bex__hello_encode(&h, buf);
-    const int offs[] = {42, 43, 78, 79};
+    const int offs[] = {78, 79}; /* 42..43 are ka_timeout_ms since version 4 */
     for (size_t i = 0; i < sizeof offs / sizeof offs[0]; i++) {
         for (int bit = 0; bit < 8; bit++) {
             memcpy(bad, buf, sizeof bad);
@@ -160,6 +161,35 @@ static int reserved_bytes(void)
             CHECK_EQ(bex__hello_decode(bad, sizeof bad, &out), -EBADMSG);
         }
     }
+    return 0;
+}
+
+/* The sender's keepalive timeout (version 4, bytes 42..43): any value
+ * round trips, 0 is "not given"; whatever a peer claims, we never write
+ * keepalives more often than our keepalive_ms (a tiny timeout costs us
+ * nothing) nor less often than a quarter of what it claims (at most 65535
+ * ms: the field's width bounds it). */
+static int ka_timeout(void)
+{
+    const uint16_t vals[] = {0, 1, 2000, UINT16_MAX};
+    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
+        struct bex__hello h = bex_test_hello_sample(), out;
+        uint8_t buf[BEX__HELLO_LEN];
+        h.ka_timeout_ms = vals[i];
+        bex__hello_encode(&h, buf);
+        CHECK_EQ(buf[42], (uint8_t)(vals[i] >> 8));
+        CHECK_EQ(buf[43], (uint8_t)vals[i]);
+        CHECK_OK(bex__hello_decode(buf, sizeof buf, &out));
+        CHECK_EQ(out.ka_timeout_ms, vals[i]);
+        h = no_rdma();
+        h.ka_timeout_ms = vals[i];
+        CHECK_EQ(verdict(&h), 0); /* not an RDMA field: a side without RDMA sends it too */
+    }
+    CHECK_EQ(bex__keepalive_send_ms(100, 0), 100);    /* not given: as before */
+    CHECK_EQ(bex__keepalive_send_ms(100, 1), 100);    /* hostile: not more often */
+    CHECK_EQ(bex__keepalive_send_ms(100, 399), 100);  /* a quarter is below ours */
+    CHECK_EQ(bex__keepalive_send_ms(100, 2000), 500); /* a quarter of the peer's */
+    CHECK_EQ(bex__keepalive_send_ms(100, UINT16_MAX), UINT16_MAX / 4);
     return 0;
 }
 
@@ -459,6 +489,6 @@ static int fd_peer_closed(void)
 
 BEX_TEST_MAIN(BEX_CASE(roundtrip), BEX_CASE(wire_layout), BEX_CASE(bad_magic_version),
               BEX_CASE(bad_length), BEX_CASE(truncated), BEX_CASE(reserved_bytes),
-              BEX_CASE(bad_fields), BEX_CASE(out_untouched_on_error), BEX_CASE(fuzz),
-              BEX_CASE(fd_roundtrip), BEX_CASE(fd_silent_peer), BEX_CASE(fd_write_deadline),
-              BEX_CASE(fd_peer_closed))
+              BEX_CASE(ka_timeout), BEX_CASE(bad_fields), BEX_CASE(out_untouched_on_error),
+              BEX_CASE(fuzz), BEX_CASE(fd_roundtrip), BEX_CASE(fd_silent_peer),
+              BEX_CASE(fd_write_deadline), BEX_CASE(fd_peer_closed))

@@ -20,7 +20,11 @@
  *   before the timer tick or the keepalive would carry it, also when the
  *   receiver's I/O thread sleeps between events (poll_mode EVENT).
  * - one_way_window: the same with 64 outstanding: the stream moves and
- *   acknowledgements are coalesced (fewer CREDIT frames than messages / 4). */
+ *   acknowledgements are coalesced (fewer CREDIT frames than messages / 4).
+ * - idle_keepalive: an idle connection writes its keepalive only as often
+ *   as the peer's timeout needs (a quarter of it: the hello carries it),
+ *   not every keepalive_ms (issue 26 item 7): keepalive_ms 20, timeouts of
+ *   2000 ms, a second idle: about two frames each way (it was fifty). */
 #include <arpa/inet.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -43,11 +47,13 @@ static int setup_addrs(void)
 
 /* keepalive_ms: 0 for the default; the echo cases raise it so that no
  * keepalive frame counts among theirs */
+static uint32_t ka_timeout_ms; /* idle_keepalive: the contexts' timeout (0: 4 x keepalive_ms) */
+
 static bex_ctx *ctx_new(struct in_addr a, uint32_t poll_mode, uint32_t keepalive_ms)
 {
     bex_ctx_config c = {.poll_mode = poll_mode, .keepalive_ms = keepalive_ms};
     if (keepalive_ms)
-        c.keepalive_timeout_ms = keepalive_ms * 4;
+        c.keepalive_timeout_ms = ka_timeout_ms ? ka_timeout_ms : keepalive_ms * 4;
     return local_ctx(&c, a);
 }
 
@@ -285,5 +291,36 @@ static int one_way_window(void)
     return 0;
 }
 
+/* Counts frames, not time: the bound follows the time that really passed
+ * (twice the expected rate, plus slack), so a slow host only sends fewer. */
+static int idle_keepalive(void)
+{
+    PAIR_NEED(setup_addrs());
+    struct rig r;
+    ka_timeout_ms = 2000; /* keepalives every 500 ms, not every 20 */
+    rig_up(&r, BEX_POLL_EVENT, 20, false, false);
+    pair_sleep_ms(100); /* the setup's frames are out */
+    uint64_t c0 = frames(r.cctx, NULL), s0 = frames(r.sctx, NULL);
+    uint64_t t0 = pair_now_ms();
+    pair_sleep_ms(1000);
+    uint64_t c = frames(r.cctx, NULL) - c0, s = frames(r.sctx, NULL) - s0;
+    uint64_t ms = pair_now_ms() - t0;
+    uint64_t max = ms / 250 + 3;
+    printf("idle %llu ms: %llu frames client -> server, %llu back (at most %llu; every "
+           "keepalive_ms would be %llu)\n",
+           (unsigned long long)ms, (unsigned long long)c, (unsigned long long)s,
+           (unsigned long long)max, (unsigned long long)(ms / 20));
+    CHECK(c >= 1 && s >= 1); /* keepalives still go */
+    CHECK(c <= max && s <= max);
+    bex_sock_stats st;
+    bex_ctx_stats(r.cctx, &st);
+    CHECK_EQ(st.keepalive_fails, 0);
+    bex_ctx_stats(r.sctx, &st);
+    CHECK_EQ(st.keepalive_fails, 0);
+    rig_down(&r);
+    return 0;
+}
+
 BEX_TEST_MAIN({"echo", echo}, {"echo_thread", echo_thread}, {"one_way", one_way},
-              {"one_way_event", one_way_event}, {"one_way_window", one_way_window})
+              {"one_way_event", one_way_event}, {"one_way_window", one_way_window},
+              {"idle_keepalive", idle_keepalive})

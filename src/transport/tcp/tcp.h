@@ -39,14 +39,17 @@ struct bex__tcp_config {
     uint32_t peer_max_msg; /* the largest the peer accepts (its hello) */
     uint32_t frag_size;    /* payload bytes per frame at most */
     uint32_t keepalive_ms, keepalive_timeout_ms;
-    uint32_t ack_delay_us; /* acknowledgements wait this long at most for a
-                              frame to carry them (0: BEX__TCP_ACK_DELAY_US) */
-    uint32_t stall_ms;     /* our messages written whole that wait this long for
-                              the peer's acknowledgement, or reading paused this
-                              long for room while partly received messages are
-                              held (only reading on finishes them), fail the
-                              connection (0: never) */
-    uint32_t parts_max;    /* the peer's messages partly received at once at most */
+    uint32_t peer_ka_timeout_ms; /* the peer's keepalive timeout (its hello; 0:
+                                    not known): we write keepalives every
+                                    bex__keepalive_send_ms */
+    uint32_t ack_delay_us;       /* acknowledgements wait this long at most for a
+                                    frame to carry them (0: BEX__TCP_ACK_DELAY_US) */
+    uint32_t stall_ms;           /* our messages written whole that wait this long for
+                                    the peer's acknowledgement, or reading paused this
+                                    long for room while partly received messages are
+                                    held (only reading on finishes them), fail the
+                                    connection (0: never) */
+    uint32_t parts_max;          /* the peer's messages partly received at once at most */
     /* The receive budget's fair share (recv_bytes_max): a DATA message
      * starts only while the connection's partly received messages stay
      * within max(recv_max / (other connections holding some + 2),

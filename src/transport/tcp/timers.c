@@ -122,9 +122,12 @@ unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now)
     }
     /* An idle connection ticks once per keepalive_ms (conn/timers.c), each
      * tick a little early or late: an eighth of the period early is on
-     * time. */
-    if (now > t->last_tx && now - t->last_tx + t->cfg.keepalive_ms / 8 >= t->cfg.keepalive_ms &&
-        !t->out_n && !t->ctl_n) {
+     * time. It writes a keepalive only as often as the peer's timeout
+     * needs (bex__keepalive_send_ms), so the peer's thread is not woken
+     * by one every tick. */
+    uint32_t every = bex__keepalive_send_ms(t->cfg.keepalive_ms, t->cfg.peer_ka_timeout_ms);
+    if (now > t->last_tx && now - t->last_tx + t->cfg.keepalive_ms / 8 >= every && !t->out_n &&
+        !t->ctl_n) {
         /* a header says we are alive */
         bex__tcp_ctl_push(t, BEX__MSG_CREDIT, 0, NULL);
         t->last_tx = now;
