@@ -292,7 +292,8 @@ static int t_kill(void)
     const unsigned slack = 200 * time_scale(); /* the retirement of an exposure */
     long n = 0, before_kill = 0;
     uint64_t start = pair_now_ms(), kill_at = start + 500 * time_scale(),
-             end = start + 2500 * time_scale();
+             end = kill_at + 1000 * time_scale(); /* the ladder moves at the failure: 1 s
+                                                   * (scaled) of calls after the kill */
     bool killed = false;
     int hold = -1; /* the killed server's port, held (srv_kill_hold) */
     while (pair_now_ms() < end && n < MAXN) {

@@ -27,6 +27,7 @@ Rerun one seed: tests/ps/chaos/chaos.py --ps build/tools/ps/bex-ps
   failed run printed them). Exit status 0 pass, 1 a finding, 77 skipped.
 """
 import argparse
+import fcntl
 import os
 import random
 import shutil
@@ -75,15 +76,28 @@ class Hosts:
     def netns_setup(self, tag):
         if os.geteuid() != 0 or not shutil.which("ip"):
             return "not root, or no ip(8)"
-        net = "10.213.%d" % (os.getpid() % 250 + 1)
-        self.net, self.br = net, tag + "br"
-        try:
-            sh("ip", "link", "add", self.br, "type", "bridge")
-            sh("ip", "addr", "add", net + ".1/24", "dev", self.br)
-            sh("ip", "link", "set", self.br, "up")
-            self.client = net + ".1"
-        except RuntimeError as e:
-            return str(e)
+        self.br = tag + "br"
+        # Two runs side by side (chaos.tcp and chaos.tcp.etcd under ctest
+        # -j) must not take the same /24: one at a time (a lock) takes the
+        # first 10.213.N/24 no interface has, from one its pid chooses.
+        with open("/run/bex-chaos-net.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            used = subprocess.run(["ip", "-4", "-o", "addr"], stdout=subprocess.PIPE,
+                                  text=True).stdout
+            for i in range(250):
+                net = "10.213.%d" % ((os.getpid() + i) % 250 + 1)
+                if " %s." % net not in used:
+                    break
+            else:
+                return "every 10.213.N/24 in use"
+            self.net = net
+            try:
+                sh("ip", "link", "add", self.br, "type", "bridge")
+                sh("ip", "addr", "add", net + ".1/24", "dev", self.br)
+                sh("ip", "link", "set", self.br, "up")
+                self.client = net + ".1"
+            except RuntimeError as e:
+                return str(e)
         return None
 
     def add_host(self, r):
