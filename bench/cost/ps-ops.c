@@ -5,7 +5,9 @@
  *   ps-ops CLUSTER_FILE N fetch|push [KEYS (16)] [DIM (8)] [TABLE (1)]
  * The context polls in event mode over TCP from 127.0.0.1 (PS_OPS_LOCAL:
  * another address; BEX_* environment overrides apply); exits 1 on the
- * first failed operation. */
+ * first failed operation. With PS_OPS_SHARDS=S it prints to stdout how
+ * many of S shards each operation's keys touch (its sub-requests), for
+ * bench/cost/ps-fanout. */
 #include <arpa/inet.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -22,6 +24,22 @@ static int fail(const char *what, int rc)
     return 1;
 }
 
+/* PS_OPS_SHARDS=S: the shards of S the keys touch, one line on stdout */
+static void print_touched(const uint64_t *k, uint32_t keys)
+{
+    const char *e = getenv("PS_OPS_SHARDS");
+    uint32_t ns = e ? (uint32_t)atoi(e) : 0, touched = 0;
+    if (!ns || ns > 1024)
+        return;
+    unsigned char seen[1024] = {0};
+    for (uint32_t i = 0; i < keys; i++) {
+        uint32_t s = bex_ps_key_shard(k[i], ns);
+        touched += !seen[s];
+        seen[s] = 1;
+    }
+    printf("shards touched %u of %u\n", touched, ns);
+}
+
 static int run(bex_ps_client *c, long n, int push, uint32_t keys, uint32_t dim, uint32_t table)
 {
     uint64_t *k = calloc(keys, sizeof(*k));
@@ -30,6 +48,7 @@ static int run(bex_ps_client *c, long n, int push, uint32_t keys, uint32_t dim, 
         return fail("calloc", -12);
     for (uint32_t i = 0; i < keys; i++)
         k[i] = i * 7919u + 1;
+    print_touched(k, keys);
     for (size_t i = 0; i < (size_t)keys * dim; i++)
         rows[i] = 0.001f;
     for (long i = 0; i < n; i++) {
@@ -72,6 +91,9 @@ int main(int argc, char **argv)
         return fail(err[0] ? err : "directory", rc);
     bex_ps_client_config pc = BEX_PS_CLIENT_CONFIG_INIT;
     pc.dir = dir;
+    /* under valgrind a first call waits for a slow start: room for it */
+    pc.timeout_ms = 30000;
+    pc.connect_timeout_ms = 30000;
     bex_ps_client *c;
     if ((rc = bex_ps_client_create(ctx, &pc, &c)))
         return fail("client", rc);

@@ -43,8 +43,11 @@ void bex__loop_fini(struct bex__loop *l)
 static void wake(struct bex__loop *l)
 {
     /* seq_cst on both sides: either the loop sees our command before it
-     * sleeps, or we see it sleeping and write the eventfd. */
-    if (atomic_load(&l->sleeping)) {
+     * sleeps, or we see it sleeping and write the eventfd. The first
+     * waker takes the flag: the commands pushed after it, before the loop
+     * is up, write nothing more (a Fetch over 8 shards pushes 8 calls in
+     * a row; issue 25 item 5). */
+    if (atomic_load(&l->sleeping) && atomic_exchange(&l->sleeping, 0)) {
         uint64_t one = 1;
         ssize_t r = write(l->evfd, &one, sizeof(one));
         (void)r;

@@ -35,6 +35,9 @@ static int read_keys(const bex_ps_shard *s, const uint8_t *p, uint32_t n, uint64
     return 0;
 }
 
+/* keys of a Fetch read into a stack array rather than the heap (2 KiB) */
+#define FETCH_KEYS_SMALL 256
+
 int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
                         const uint8_t *p, void **resp, size_t *resp_len)
 {
@@ -45,14 +48,18 @@ int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr 
     uint8_t *out = bex_rpc_alloc(ctx, out_len);
     if (!out)
         return -ENOMEM;
-    uint64_t *keys = malloc((h->n ? h->n : 1) * sizeof *keys);
+    /* a sub-request's keys (a Fetch spread over shards has few each) on
+     * the stack: no allocation per sub-request (issue 25 item 5) */
+    uint64_t small[FETCH_KEYS_SMALL];
+    uint64_t *keys = h->n <= FETCH_KEYS_SMALL ? small : malloc(h->n * sizeof *keys);
     if (!keys) {
         bex_rpc_free(out);
         return -ENOMEM;
     }
     int rc = read_keys(s, p, h->n, keys);
     if (rc) {
-        free(keys);
+        if (keys != small)
+            free(keys);
         bex_rpc_free(out);
         return rc;
     }
@@ -73,7 +80,8 @@ int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr 
         t->rows_fetched += h->n;
     }
     pthread_mutex_unlock(&s->mu);
-    free(keys);
+    if (keys != small)
+        free(keys);
     if (rc) {
         bex_rpc_free(out);
         return rc;

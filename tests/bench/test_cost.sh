@@ -10,13 +10,17 @@
 #            a system call per message fails here)
 #   allocs   bex over TCP makes no heap allocation per message received or
 #            sent (issue 25 item 2: the read side's calloc per message)
+#   fanout   (with a third argument "fanout", that alone: CTest's
+#            bench.cost_fanout) a Fetch's sub-request costs its bex-ps no
+#            heap allocation (bench/cost/ps-fanout over 2 shards; issue 25
+#            item 5: the request's record and the keys' array, 2.0 before)
 #   futex    a synchronous PS Fetch or Push costs its client process at
 #            most one wake-up of the calling thread (bench/cost/ps-futex:
 #            2 futex calls, the I/O thread's wake and the caller's wait;
 #            issue 25 item 3)
-# usage: test_cost.sh SOURCE_DIR BUILD_DIR
+# usage: test_cost.sh SOURCE_DIR BUILD_DIR [fanout]
 set -euo pipefail
-src=$1 build=$2
+src=$1 build=$2 part=${3:-}
 fail() { echo "FAIL: $*" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -32,6 +36,18 @@ echo "copycount-probe: $calls calls, $bytes bytes"
 # takes one port per run)
 lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
 port=$((10000 + (RANDOM % ((lo - 10064) / 64)) * 64))
+if [ "$part" = fanout ]; then
+    fan=$(cd "$src" && BEX_BUILD_DIR=$build PORT=$port SHARDS=2 TOOLS=allocs N1=50 N2=250 \
+        bench/cost/ps-fanout)
+    echo "$fan"
+    # 0.0 since issue 25 item 5 (2.0 before: the request's record in
+    # bex_rpc_server and the Fetch's keys, each malloc'd per sub-request)
+    v=$(awk '$1 == "fanout" && $2 == 2 && $3 == "allocs" && $4 == "srv" {print $8}' <<<"$fan")
+    awk -v v="$v" 'BEGIN {exit !(v != "" && v <= 0.2)}' ||
+        fail "PS fan-out: $v heap allocations per sub-request in bex-ps (guard: at most 0.2)"
+    echo "ok"
+    exit 0
+fi
 out=$(cd "$src" && BEX_BUILD_DIR=$build STACKS="kernel bex" TOOLS="syscalls copies allocs" \
     N1=300 N2=1300 PORT=$port bench/cost/run)
 echo "$out"
