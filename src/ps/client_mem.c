@@ -285,6 +285,7 @@ struct zcall {
     _Atomic int status;       /* the first error */
     struct ubuf *u;
     bool release; /* Fetch: the array is let go when the last part ends */
+    bool lent;    /* Push waited for: the transport letting the array go is a part */
     uint32_t table, dim, n_tail;
     bex_ps_done_fn done;
     void *user;
@@ -490,6 +491,15 @@ static void push_done(int status, void *body, size_t len, void *user)
     part_end(z, status);
 }
 
+/* The transport let a waited-for Push's array go (under the channel's
+ * lock: the waiter's done only wakes it). */
+static void lent_back(void *arg)
+{
+    struct zcall *z = arg;
+    ubuf_release(z->u);
+    part_end(z, 0);
+}
+
 /* The first shard's part of a Push from the array (claimed), through ch
  * with h (bex__ps_client_push_one's): its headers and keys written in
  * front of its rows, the array's first. */
@@ -505,7 +515,8 @@ static int push_send(bex_ps_client *c, struct zpart *p, bex_rpc_channel *ch, str
     bex__ps_hdr_put(body, h);
     size_t len = BEX__PS_HDR_LEN + BEX__PS_ID_LEN + 8 * (size_t)p->n + 4 * (size_t)p->n * z->dim;
     bex_rpc_call_opts o = {.timeout_ms = bex__ps_client_timeout(c)};
-    struct bex__rpc_borrow bw = {.release = ubuf_release, .arg = z->u};
+    struct bex__rpc_borrow bw = {.release = z->lent ? lent_back : ubuf_release,
+                                 .arg = z->lent ? (void *)z : z->u};
     int rc = bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, body, len, NULL, 0, &o, push_done,
                                p, &bw);
     if (rc == 0)
@@ -523,6 +534,7 @@ struct push_args {
     bex_ps_done_fn done;
     void *user;
     uint32_t shard0, n0; /* the first run: shard, keys */
+    bool sync;           /* done once the transport let the array go too */
     bex_addr addr;       /* its one replica */
 };
 
@@ -533,12 +545,13 @@ struct push_args {
 static int push_parts(bex_ps_client *c, struct ubuf *u, const struct push_args *a,
                       bex_rpc_channel *ch, struct bex__ps_hdr *h)
 {
-    uint32_t n0 = a->n0, parts = 1 + (n0 < a->n), sent = 0;
+    uint32_t n0 = a->n0, parts = 1 + (n0 < a->n) + a->sync, sent = 0;
     struct zcall *z = zcall_new(u, parts, 0, a->table, a->dim, a->done, a->user);
     if (!z) {
         ubuf_release(u);
         return -ENOMEM;
     }
+    z->lent = a->sync;
     size_t n_rest = 0;
     int rc = 0;
     if (n0 < a->n) { /* first: the copying call reads the keys before they move */
@@ -554,7 +567,7 @@ static int push_parts(bex_ps_client *c, struct ubuf *u, const struct push_args *
             (bex_ps_replica_result){.shard = a->shard0, .addr = a->addr, .status = -EINPROGRESS};
     rc = rc ? rc : push_send(c, p, ch, h, a->keys);
     if (rc == 0)
-        sent++;
+        sent += 1 + a->sync; /* and, waited for, the array's return */
     else
         ubuf_release(u); /* not lent to the transport */
     if (rc && p->res)
@@ -564,9 +577,9 @@ static int push_parts(bex_ps_client *c, struct ubuf *u, const struct push_args *
     return zcall_started(z, sent, parts, rc);
 }
 
-int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+static int push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
-                     bex_ps_done_fn done, void *user)
+                     bex_ps_done_fn done, void *user, bool sync)
 {
     int rc = check_args(c, dim, keys, n, grads, done);
     struct ubuf *u = NULL;
@@ -588,7 +601,8 @@ int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint6
                           .done = done,
                           .user = user,
                           .shard0 = rs.n ? rs.r[0].shard : 0,
-                          .n0 = rs.n ? rs.r[0].b : 0};
+                          .n0 = rs.n ? rs.r[0].b : 0,
+                          .sync = sync};
     bool zero =
         rs.n && WIRE_NATIVE &&
         ROOM - BEX_RPC_HDR_LEN + 8 * (size_t)a.n0 + 4 * (size_t)a.n0 * dim <= BEX_PS_BODY_MAX;
@@ -602,6 +616,13 @@ int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint6
     if (rc != -ENOENT)
         return rc;
     return bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, done, user);
+}
+
+int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
+                     bex_ps_done_fn done, void *user)
+{
+    return push_from(c, table, dim, keys, n, grads, res, cap, n_res, done, user, false);
 }
 
 /* ---- waiting: the RPC layer's waiter (one futex word, one wake-up) ---- */
@@ -618,7 +639,7 @@ static int wait_array(struct bex__rpc_wait *w, int rc, float *rows)
     void *body;
     size_t len;
     rc = bex__rpc_wait(w, &body, &len);
-    /* a Push's array may be let go a little after its done: until then */
+    /* the copying way's array (a Push's own let go before done): free */
     pthread_mutex_lock(&reg_mu);
     struct ubuf *u;
     while ((u = find_locked(rows)) && u->busy)
