@@ -625,8 +625,9 @@ int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint
  * first run's shard takes its Push at one replica (a single replica, or
  * BEX_PS_PUSH_PRIMARY), that run's request is sent from the array itself
  * (headers and its keys written in the room in front of the rows, the keys
- * not copied when keys are the array's bex_ps_rows_keys and the run is all
- * n; its gradients not copied); res[0] is its result. A Push body carries
+ * not copied when keys are the array's bex_ps_rows_keys and the run covers
+ * every row the array has; its gradients not copied); res[0] is its
+ * result. A Push body carries
  * its keys right in front of its rows, so only the first run has room in
  * front of it: the other runs go by one copying bex_ps_push_report (res[1]
  * on). Otherwise as bex_ps_push_report. The array must not change until
