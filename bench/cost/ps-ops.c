@@ -2,13 +2,15 @@
 /* ps-ops: N synchronous Fetches or Pushes of a parameter-server client,
  * one after another from the calling thread, for bench/cost/ps-futex (what
  * a synchronous operation costs in thread hand-offs, issue 25 item 3).
- *   ps-ops CLUSTER_FILE N fetch|push [KEYS (16)] [DIM (8)] [TABLE (1)]
+ *   ps-ops CLUSTER_FILE N fetch|push|fetch_into|push_from [KEYS (16)] [DIM (8)] [TABLE (1)]
+ * (fetch_into, push_from: on an array of bex_ps_rows_alloc, issue 28 item 2)
  * The context polls in event mode over TCP from 127.0.0.1 (PS_OPS_LOCAL:
  * another address; BEX_* environment overrides apply); exits 1 on the
  * first failed operation. With PS_OPS_SHARDS=S it prints to stdout how
  * many of S shards each operation's keys touch (its sub-requests), for
  * bench/cost/ps-fanout. */
 #include <arpa/inet.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,32 +42,64 @@ static void print_touched(const uint64_t *k, uint32_t keys)
     printf("shards touched %u of %u\n", touched, ns);
 }
 
-static int run(bex_ps_client *c, long n, int push, uint32_t keys, uint32_t dim, uint32_t table)
+enum op { OP_FETCH, OP_PUSH, OP_FETCH_INTO, OP_PUSH_FROM };
+static const char *const op_names[] = {"fetch", "push", "fetch_into", "push_from"};
+
+static int op_of(const char *s)
 {
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(s, op_names[i]))
+            return i;
+    return -1;
+}
+
+static int one(bex_ps_client *c, int op, uint32_t table, uint32_t dim, const uint64_t *k,
+               uint32_t keys, float *rows)
+{
+    switch (op) {
+    case OP_PUSH:
+        return bex_ps_push_sync(c, table, dim, k, keys, rows);
+    case OP_FETCH_INTO:
+        return bex_ps_fetch_into_sync(c, table, dim, k, keys, rows);
+    case OP_PUSH_FROM:
+        return bex_ps_push_from_sync(c, table, dim, k, keys, rows, NULL, 0, NULL);
+    default:
+        return bex_ps_fetch_sync(c, table, dim, k, keys, rows);
+    }
+}
+
+static int run(bex_ctx *ctx, bex_ps_client *c, long n, int op, uint32_t keys, uint32_t dim,
+               uint32_t table)
+{
+    bool mem = op == OP_FETCH_INTO || op == OP_PUSH_FROM;
     uint64_t *k = calloc(keys, sizeof(*k));
-    float *rows = calloc((size_t)keys * dim, sizeof(*rows));
+    float *rows = mem ? bex_ps_rows_alloc(ctx, keys, dim) : calloc((size_t)keys * dim, 4);
     if (!k || !rows)
-        return fail("calloc", -12);
+        return fail("alloc", -12);
     for (uint32_t i = 0; i < keys; i++)
         k[i] = i * 7919u + 1;
     print_touched(k, keys);
     for (size_t i = 0; i < (size_t)keys * dim; i++)
         rows[i] = 0.001f;
     for (long i = 0; i < n; i++) {
-        int rc = push ? bex_ps_push_sync(c, table, dim, k, keys, rows)
-                      : bex_ps_fetch_sync(c, table, dim, k, keys, rows);
+        int rc = one(c, op, table, dim, k, keys, rows);
         if (rc)
-            return fail(push ? "push" : "fetch", rc);
+            return fail(op_names[op], rc);
     }
     free(k);
-    free(rows);
+    if (mem)
+        bex_ps_rows_free(rows);
+    else
+        free(rows);
     return 0;
 }
 
 int main(int argc, char **argv)
 {
-    if (argc < 4 || (strcmp(argv[3], "fetch") && strcmp(argv[3], "push"))) {
-        fprintf(stderr, "usage: ps-ops CLUSTER_FILE N fetch|push [KEYS] [DIM] [TABLE]\n");
+    if (argc < 4 || op_of(argv[3]) < 0) {
+        fprintf(
+            stderr,
+            "usage: ps-ops CLUSTER_FILE N fetch|push|fetch_into|push_from [KEYS] [DIM] [TABLE]\n");
         return 2;
     }
     long n = atol(argv[2]);
@@ -97,7 +131,7 @@ int main(int argc, char **argv)
     bex_ps_client *c;
     if ((rc = bex_ps_client_create(ctx, &pc, &c)))
         return fail("client", rc);
-    int ret = run(c, n, !strcmp(argv[3], "push"), keys, dim, table);
+    int ret = run(ctx, c, n, op_of(argv[3]), keys, dim, table);
     bex_ps_client_destroy(c);
     bex_dir_destroy(dir);
     bex_ctx_destroy(ctx);

@@ -601,26 +601,38 @@ uint64_t *bex_ps_rows_keys(float *rows);
  * error (a deadline) the transport may still read its rows for a while. */
 int bex_ps_rows_busy(float *rows);
 
-/* bex_ps_fetch into rows from bex_ps_rows_alloc of c's context: when every
- * key belongs to one shard, the answer lands in the array, rows at their
- * keys' positions, straight from the wire (a context with an RDMA device:
- * bex_rpc_call_into, the server WRITEs it into the exposed array; a
- * TCP-only context: it is received into the transport's buffer and its
- * rows copied there once, in order, not decoded); keys on several shards
- * go the copying way of bex_ps_fetch. An answer longer than the n rows asked is refused
- * (-EBADMSG or -EMSGSIZE), nothing written past them; on an error rows are
- * undefined. done runs once the array is no longer written. Errors as
- * bex_ps_fetch, and -EINVAL (rows not from bex_ps_rows_alloc of this
- * context), -ENOBUFS (n * dim past the array), -EBUSY (a call uses it). */
+/* bex_ps_fetch into rows from bex_ps_rows_alloc of c's context. The keys
+ * must come grouped by shard (each shard's keys one run, in any order of
+ * shards; -EINVAL otherwise, nothing sent): each shard's part then lands in
+ * its slice of the array, rows at their keys' positions, straight from the
+ * wire (a context with an RDMA device: bex_rpc_call_into, the server
+ * WRITEs it into the exposed slice; a TCP-only context: it is received
+ * into the transport's buffer and its rows copied there once, in order,
+ * not decoded). Grouped, not permuted, because a permutation would need a
+ * copy to put the rows in the caller's order. Over RDMA a part's headers
+ * (80 bytes) land in front of its slice, over the last rows of the run
+ * before: those few rows (80 / (4 * dim) rounded up per run) come by one
+ * copying call and are put in place at the end. An answer longer than the
+ * rows asked is refused (-EBADMSG or -EMSGSIZE), nothing written past
+ * them; on an error rows are undefined. done runs once the array is no
+ * longer written. Errors as bex_ps_fetch, and -EINVAL (rows not from
+ * bex_ps_rows_alloc of this context; keys not grouped), -ENOBUFS (n * dim
+ * past the array), -EBUSY (a call uses it). */
 int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows, bex_ps_done_fn done, void *user);
-/* bex_ps_push_report from grads, an array of bex_ps_rows_alloc: when every
- * key belongs to one shard whose Push goes to one replica (a single replica,
- * or BEX_PS_PUSH_PRIMARY), the request is sent from the array itself
- * (headers written in its room, keys copied into its key slots unless keys
- * are them, the gradients not copied); otherwise as bex_ps_push_report.
- * The array must not change until bex_ps_rows_busy says 0 (after done on
- * success, or a little later). Errors as bex_ps_fetch_into. */
+/* bex_ps_push_report from grads, an array of bex_ps_rows_alloc, keys
+ * grouped by shard as for bex_ps_fetch_into (-EINVAL otherwise). When the
+ * first run's shard takes its Push at one replica (a single replica, or
+ * BEX_PS_PUSH_PRIMARY), that run's request is sent from the array itself
+ * (headers and its keys written in the room in front of the rows, the keys
+ * not copied when keys are the array's bex_ps_rows_keys and the run covers
+ * every row the array has; its gradients not copied); res[0] is its
+ * result. A Push body carries
+ * its keys right in front of its rows, so only the first run has room in
+ * front of it: the other runs go by one copying bex_ps_push_report (res[1]
+ * on). Otherwise as bex_ps_push_report. The array must not change until
+ * bex_ps_rows_busy says 0 (after done on success, or a little later).
+ * Errors as bex_ps_fetch_into. */
 int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
                      bex_ps_done_fn done, void *user);
@@ -630,6 +642,11 @@ int bex_ps_fetch_into_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const
 int bex_ps_push_from_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                           size_t n, float *grads, bex_ps_replica_result *res, size_t cap,
                           size_t *n_res);
+/* How many sub-requests (one per shard) of calls on rows went without a
+ * copy since bex_ps_rows_alloc (a Fetch's landed in the array, a Push's
+ * was sent from it): what tells a caller, and the tests, that a call took
+ * the zero-copy way. 0 also when rows is not such an array. Any thread. */
+uint64_t bex_ps_rows_zero(float *rows);
 
 #pragma GCC visibility pop
 

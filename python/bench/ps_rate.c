@@ -6,7 +6,8 @@
  * copy (bex_ps_rows_alloc, bex_ps_fetch_into_sync / bex_ps_push_from_sync).
  *   ps_rate CLUSTER fetch|push|fetch0|push0 ROWS DIM SECONDS
  * prints "calls_per_sec N cpu_us_per_call U" (U: the process's CPU time,
- * its bex I/O thread's included, per call). */
+ * its bex I/O thread's included, per call). BEX_RATE_CALLS=N: exactly N
+ * calls instead of SECONDS (python/bench/counts). */
 #include <arpa/inet.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,9 +50,9 @@ static int run(bex_ctx *ctx, bex_ps_client *pc, const char *op, size_t n, uint32
         keys[i] = i * 7919u;
     for (size_t i = 0; rc == 0 && i < n * dim; i++)
         rows[i] = 1e-6f;
-    long calls = 0;
+    long calls = 0, max = getenv("BEX_RATE_CALLS") ? atol(getenv("BEX_RATE_CALLS")) : -1;
     double t0 = now(), t = t0, cpu0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
-    while (rc == 0 && t - t0 < secs) {
+    while (rc == 0 && (max >= 0 ? calls < max : t - t0 < secs)) {
         rc = call(pc, push, zero, keys, n, dim, rows);
         calls++;
         if ((calls & 15) == 0)

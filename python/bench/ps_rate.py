@@ -2,7 +2,9 @@
 """ps_rate.py: calls a second of bex.ps.Client's waiting fetch or push of
 ROWS rows of DIM floats, the same loop as ps_rate.c (python/bench/run).
 fetch0 and push0: on an array of bex.empty (without a copy).
-    ps_rate.py CLUSTER fetch|push|fetch0|push0 ROWS DIM SECONDS"""
+    ps_rate.py CLUSTER fetch|push|fetch0|push0 ROWS DIM SECONDS
+BEX_RATE_CALLS=N: exactly N calls instead of SECONDS (python/bench/counts)."""
+import os
 import sys
 import time
 
@@ -21,7 +23,8 @@ def main(cluster, op, rows, dim, secs):
         call = (lambda: c.push(1, keys, buf)) if push else (lambda: c.fetch(1, keys, buf))
         calls, t0, cpu0 = 0, time.monotonic(), time.process_time()
         t = t0
-        while t - t0 < secs:
+        most = int(os.environ.get("BEX_RATE_CALLS", "-1"))
+        while (calls < most) if most >= 0 else (t - t0 < secs):
             call()
             calls += 1
             if calls % 16 == 0:

@@ -47,9 +47,10 @@ def empty(shape, dtype=numpy.float32, *, client=None):
     """A numpy array of shape and dtype (uninitialized) on bex's registered
     memory (bex_ps_rows_alloc) of client's context (default: the client
     opened last, still open). fetch(out=a) lands rows in it straight from
-    the wire and push(keys, a) sends from it, without a copy, when all
-    keys belong to one shard (else, and for an array of another client,
-    they take the copying way). The array keeps its memory (and its
+    the wire and push(keys, a) sends from it, without a copy, when the
+    keys come grouped by shard (each shard's keys one run; the first
+    shard's part of a Push; else, and for an array of another client, they
+    take the copying way). The array keeps its memory (and its
     client's context) alive; torch.from_numpy(a) shares it. Counted against
     the context's user_mem_max (bex.Error ENOBUFS past it)."""
     if client is None:

@@ -276,21 +276,11 @@ PyObject *bexmod_raise_fetch(PsClient *self, int rc, uint32_t table, const uint6
 }
 
 /* A refusal of a call on caller memory before anything was sent: the
- * array is another context's or in use; the copying call does it. */
+ * array is another context's or in use, or the keys are not grouped by
+ * shard; the copying call does it. */
 static bool zero_refused(int rc)
 {
     return rc == -EINVAL || rc == -ENOBUFS || rc == -EBUSY;
-}
-
-/* The keys all on one shard: a call on a bex.empty array then goes
- * without a copy (bex_ps_fetch_into, bex_ps_push_from). */
-static bool one_shard(const PsClient *self, const uint64_t *keys, size_t n)
-{
-    uint32_t ns = self->n_shards ? self->n_shards : 1;
-    for (size_t i = 1; i < n; i++)
-        if (bex_ps_key_shard(keys[i], ns) != bex_ps_key_shard(keys[0], ns))
-            return false;
-    return true;
 }
 
 /* Fetch into out: without a copy when out is an array of bex.empty. */
@@ -299,9 +289,10 @@ static int fetch_sync(PsClient *self, uint32_t table, uint32_t dim, const uint64
 {
     bex_ps_client *pc = self->pc;
     if (n && bex_ps_rows_busy(out) == 0) {
+        uint64_t z0 = bex_ps_rows_zero(out);
         int rc = bex_ps_fetch_into_sync(pc, table, dim, keys, n, out);
         if (!zero_refused(rc)) {
-            self->zero_copy += one_shard(self, keys, n);
+            self->zero_copy += bex_ps_rows_zero(out) != z0;
             return rc;
         }
     }
@@ -314,9 +305,10 @@ static int push_sync(PsClient *self, uint32_t table, uint32_t dim, const uint64_
     bex_ps_client *pc = self->pc;
     float *g = (float *)grads; /* push_from writes only the array's header room */
     if (n && bex_ps_rows_busy(g) == 0) {
+        uint64_t z0 = bex_ps_rows_zero(g);
         int rc = bex_ps_push_from_sync(pc, table, dim, keys, n, g, res, cap, n_res);
         if (!zero_refused(rc)) {
-            self->zero_copy += one_shard(self, keys, n);
+            self->zero_copy += bex_ps_rows_zero(g) != z0;
             return rc;
         }
     }

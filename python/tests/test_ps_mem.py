@@ -35,13 +35,37 @@ def test_fetch_and_push_on_bex_memory(cluster, pools_baseline):
         c.push(TABLE, keys, g)
         assert c.stats()["zero_copy"] == z0 + 2
         np.testing.assert_allclose(c.fetch(TABLE, keys, out=a), want - LR * 0.25, atol=1e-6)
-        # keys on both shards: the copying way, the same rows
-        both = np.concatenate([keys_on(0, 4), keys_on(1, 4)])
-        b = c.empty((8, DIM))
-        c.fetch(TABLE, both, out=b)
-        np.testing.assert_array_equal(b, c.fetch(TABLE, both))
-        assert c.stats()["zero_copy"] == z0 + 3  # one more: a's fetch, not b's
-        del a, g, b
+        # keys on both shards, not grouped by shard: the copying way
+        mixed = np.array([keys_on(0, 4)[0], keys_on(1, 4)[0], keys_on(0, 4)[1]], np.uint64)
+        m = c.empty((3, DIM))
+        c.fetch(TABLE, mixed, out=m)
+        np.testing.assert_array_equal(m, c.fetch(TABLE, mixed))
+        assert c.stats()["zero_copy"] == z0 + 3  # one more: a's fetch, not m's
+        del a, g, m
+
+
+def test_multi_shard_on_bex_memory(cluster, pools_baseline):
+    """Keys on both shards grouped by shard: each shard's part lands in /
+    is sent from its slice of the array (issue 28 item 1)."""
+    with client(cluster) as c:
+        both = np.concatenate([keys_on(0, 40), keys_on(1, 40)])
+        want = c.fetch(TABLE, both)  # the copying way
+        b = c.empty((80, DIM))
+        z0 = c.stats()["zero_copy"]
+        assert c.fetch(TABLE, both, out=b) is b
+        np.testing.assert_array_equal(b, want)
+        assert c.stats()["zero_copy"] == z0 + 1
+        b[:] = 0.5
+        c.push(TABLE, both, b)
+        assert c.stats()["zero_copy"] == z0 + 2
+        np.testing.assert_allclose(c.fetch(TABLE, both, out=b), want - LR * 0.5, atol=1e-6)
+        # shard 1's keys first: any order of shards
+        swap = np.concatenate([both[40:], both[:40]])
+        c.fetch(TABLE, swap, out=b)
+        np.testing.assert_allclose(b[:40], want[40:] - LR * 0.5, atol=1e-6)
+        np.testing.assert_allclose(b[40:], want[:40] - LR * 0.5, atol=1e-6)
+        assert c.stats()["zero_copy"] == z0 + 4
+        del b
 
 
 @pytest.mark.native_only

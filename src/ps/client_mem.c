@@ -10,6 +10,7 @@
  * the array). The wire is little-endian: on another host every call takes
  * the copying way. */
 #include <errno.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -36,6 +37,7 @@ struct ubuf {
     size_t bytes;
     uint32_t n, dim;
     bool busy, freeing;
+    _Atomic uint64_t zero; /* sub-requests without a copy */
 };
 
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -119,6 +121,15 @@ uint64_t *bex_ps_rows_keys(float *rows)
     return u ? keys_of(u) : NULL;
 }
 
+uint64_t bex_ps_rows_zero(float *rows)
+{
+    pthread_mutex_lock(&reg_mu);
+    struct ubuf *u = find_locked(rows);
+    uint64_t z = u ? atomic_load_explicit(&u->zero, memory_order_relaxed) : 0;
+    pthread_mutex_unlock(&reg_mu);
+    return z;
+}
+
 int bex_ps_rows_busy(float *rows)
 {
     pthread_mutex_lock(&reg_mu);
@@ -163,17 +174,6 @@ static int claim(const float *rows, bex_ctx *ctx, size_t n, uint32_t dim, struct
     return rc;
 }
 
-/* The one shard every key belongs to, or -1. */
-static long one_shard(const bex_ps_client *c, const uint64_t *keys, size_t n)
-{
-    uint32_t ns = bex__ps_client_shards(c);
-    uint32_t s = bex_ps_key_shard(keys[0], ns);
-    for (size_t i = 1; i < n; i++)
-        if (bex_ps_key_shard(keys[i], ns) != s)
-            return -1;
-    return s;
-}
-
 static int check_args(bex_ps_client *c, uint32_t dim, const uint64_t *keys, size_t n,
                       const float *rows, bex_ps_done_fn done)
 {
@@ -183,23 +183,194 @@ static int check_args(bex_ps_client *c, uint32_t dim, const uint64_t *keys, size
     return 0;
 }
 
-struct zop {
+/* ---- the keys by shard ---- */
+
+/* One shard's keys, keys[a..b); a Fetch lands keys[a..e) in the array
+ * (the rest, under the next part's headers, come by a copying call). */
+struct run {
+    uint32_t shard, a, b, e;
+};
+
+#define RUNS_ON_STACK 8
+#define SEEN_ON_STACK 1024 /* shards */
+
+struct runs {
+    struct run *r;
+    uint32_t n;
+    struct run st[RUNS_ON_STACK];
+};
+
+static void runs_free(struct runs *rs)
+{
+    if (rs->r != rs->st)
+        free(rs->r);
+}
+
+/* keys[0..n) by shard into rs: 0, -EINVAL (a shard's keys in two runs:
+ * not grouped), -ENOMEM. */
+static int runs_get(const bex_ps_client *c, const uint64_t *keys, size_t n, struct runs *rs)
+{
+    uint32_t ns = bex__ps_client_shards(c);
+    rs->r = rs->st;
+    rs->n = n ? 1 : 0;
+    rs->st[0] = (struct run){.shard = 0, .a = 0, .b = (uint32_t)n};
+    if (ns <= 1) /* one shard: no key to hash (a third of a 1024-key Push's instructions) */
+        return 0;
+    size_t most = n < ns ? n : ns;
+    uint64_t seen_st[SEEN_ON_STACK / 64] = {0};
+    uint64_t *seen = ns <= SEEN_ON_STACK ? seen_st : calloc((ns + 63) / 64, 8);
+    rs->r = most <= RUNS_ON_STACK ? rs->st : malloc(most * sizeof *rs->r);
+    rs->n = 0;
+    int rc = seen && rs->r ? 0 : -ENOMEM;
+    for (size_t i = 0; !rc && i < n; i++) {
+        uint32_t s = bex_ps_key_shard(keys[i], ns);
+        if (rs->n && rs->r[rs->n - 1].shard == s) {
+            rs->r[rs->n - 1].b = (uint32_t)i + 1;
+            continue;
+        }
+        if (seen[s / 64] & (1ull << (s % 64)))
+            rc = -EINVAL;
+        seen[s / 64] |= 1ull << (s % 64);
+        rs->r[rs->n++] = (struct run){.shard = s, .a = (uint32_t)i, .b = (uint32_t)i + 1};
+    }
+    if (seen != seen_st)
+        free(seen);
+    if (rc && rs->r)
+        runs_free(rs);
+    return rc;
+}
+
+/* Where each run's part lands (e), when the answer's headers land in
+ * front of its rows (an RDMA context): over the last rows of the run
+ * before, which that run's part must then not land (they are fetched by a
+ * copying call and put in place at the end). Returns how many rows that is. */
+static uint32_t runs_plan(struct runs *rs, uint32_t dim, bool landing)
+{
+    uint32_t head = BEX_RPC_HDR_LEN + BEX__PS_HDR_LEN;
+    uint32_t m = landing ? (head + 4 * dim - 1) / (4 * dim) : 0;
+    uint32_t limit = rs->r[rs->n - 1].b, tails = 0;
+    for (uint32_t j = rs->n; j-- > 0;) {
+        struct run *r = &rs->r[j];
+        r->e = r->b < limit ? r->b : limit;
+        r->e = r->e > r->a ? r->e : r->a;
+        tails += r->b - r->e;
+        if (r->e > r->a)
+            limit = r->a > m ? r->a - m : 0;
+    }
+    return tails;
+}
+
+/* Every landing part within the wire's bounds (else the copying way,
+ * which refuses what is past them). */
+static bool runs_fit(const struct runs *rs, uint32_t dim)
+{
+    for (uint32_t j = 0; j < rs->n; j++) {
+        uint32_t k = rs->r[j].e - rs->r[j].a;
+        if (bex__ps_req_len(BEX_PS_M_FETCH, k, dim) > BEX_PS_BODY_MAX ||
+            BEX__PS_HDR_LEN + 4 * (size_t)k * dim > BEX_PS_BODY_MAX)
+            return false;
+    }
+    return true;
+}
+
+/* ---- one call in parts ---- */
+
+struct zcall;
+
+struct zpart {
+    struct zcall *z;
+    uint32_t first, n;
+    bex_ps_replica_result *res; /* Push: the caller's entry (or NULL) */
+};
+
+/* A call on an array: its parts (one per shard, and the copying one), the
+ * caller's done when the last ends. */
+struct zcall {
+    _Atomic uint32_t pending; /* parts in flight, +1 while starting */
+    _Atomic int status;       /* the first error */
     struct ubuf *u;
-    uint32_t table, n, dim, method;
+    bool release; /* Fetch: the array is let go when the last part ends */
+    bool lent;    /* Push waited for: the transport letting the array go is a part */
+    uint32_t table, dim, n_tail;
     bex_ps_done_fn done;
     void *user;
-    bex_ps_replica_result *res; /* Push: the caller's, one entry (or NULL) */
+    uint64_t *tail_keys; /* n_tail: the rows a copying call fetched... */
+    float *tail_rows;
+    uint32_t *tail_at; /* ...and their positions in the array */
+    struct zpart part[];
 };
+
+static struct zcall *zcall_new(struct ubuf *u, uint32_t parts, uint32_t tails, uint32_t table,
+                               uint32_t dim, bex_ps_done_fn done, void *user)
+{
+    size_t head = sizeof(struct zcall) + parts * sizeof(struct zpart);
+    head = (head + 7) & ~(size_t)7;
+    size_t rows = 4 * (size_t)tails * dim;
+    struct zcall *z = malloc(head + 8 * (size_t)tails + rows + 4 * (size_t)tails);
+    if (!z)
+        return NULL;
+    *z = (struct zcall){
+        .u = u, .table = table, .dim = dim, .n_tail = tails, .done = done, .user = user};
+    uint8_t *p = (uint8_t *)z + head;
+    z->tail_keys = (uint64_t *)(void *)p;
+    z->tail_rows = (float *)(void *)(p + 8 * (size_t)tails);
+    z->tail_at = (uint32_t *)(void *)(p + 8 * (size_t)tails + rows);
+    atomic_init(&z->pending, parts + 1);
+    for (uint32_t i = 0; i < parts; i++)
+        z->part[i] = (struct zpart){.z = z};
+    return z;
+}
+
+/* A part of z ended (or was never sent) with status. */
+static void part_end(struct zcall *z, int status)
+{
+    int none = 0;
+    if (status)
+        atomic_compare_exchange_strong(&z->status, &none, status);
+    if (atomic_fetch_sub_explicit(&z->pending, 1, memory_order_acq_rel) != 1)
+        return;
+    int st = atomic_load(&z->status);
+    float *rows = rows_of(z->u);
+    for (uint32_t i = 0; st == 0 && i < z->n_tail; i++)
+        memcpy(rows + (size_t)z->tail_at[i] * z->dim, z->tail_rows + (size_t)i * z->dim,
+               4 * (size_t)z->dim);
+    if (z->release)
+        ubuf_release(z->u); /* done runs once the array is retired */
+    z->done(st, z->user);
+    free(z);
+}
+
+static void copy_part_done(int status, void *user)
+{
+    part_end(user, status);
+}
+
+/* Starting z ended after sent of its parts (the rest never sent, rc the
+ * error that stopped it): 0 (z's done will run), or rc (nothing was sent,
+ * z freed). */
+static int zcall_started(struct zcall *z, uint32_t sent, uint32_t parts, int rc)
+{
+    atomic_fetch_sub_explicit(&z->pending, parts - sent, memory_order_acq_rel);
+    if (rc && sent == 0) {
+        if (z->release)
+            ubuf_release(z->u);
+        free(z);
+        return rc;
+    }
+    part_end(z, rc);
+    return 0;
+}
+
+/* ---- Fetch into the array ---- */
 
 static void fetch_done(int status, void *body, size_t len, void *user)
 {
-    struct zop *op = user;
+    struct zpart *p = user;
+    struct zcall *z = p->z;
     /* body is the array's (rows - header): checked, never freed */
     if (status == 0)
-        status = bex__ps_check_resp(BEX_PS_M_FETCH, body, len, op->table, op->n, op->dim);
-    ubuf_release(op->u); /* call_into: done runs once the array is retired */
-    op->done(status, op->user);
-    free(op);
+        status = bex__ps_check_resp(BEX_PS_M_FETCH, body, len, z->table, p->n, z->dim);
+    part_end(z, status);
 }
 
 /* TCP only (the context has no RDMA device): the answer arrives in a
@@ -208,39 +379,83 @@ static void fetch_done(int status, void *body, size_t len, void *user)
  * order, no decode. */
 static void fetch_done_copy(int status, void *body, size_t len, void *user)
 {
-    struct zop *op = user;
+    struct zpart *p = user;
+    struct zcall *z = p->z;
     if (status == 0)
-        status = bex__ps_check_resp(BEX_PS_M_FETCH, body, len, op->table, op->n, op->dim);
+        status = bex__ps_check_resp(BEX_PS_M_FETCH, body, len, z->table, p->n, z->dim);
     if (status == 0)
-        memcpy(rows_of(op->u), (uint8_t *)body + BEX__PS_HDR_LEN, 4 * (size_t)op->n * op->dim);
+        memcpy(rows_of(z->u) + (size_t)p->first * z->dim, (uint8_t *)body + BEX__PS_HDR_LEN,
+               4 * (size_t)p->n * z->dim);
     bex_rpc_free(body);
-    ubuf_release(op->u);
-    op->done(status, op->user);
-    free(op);
+    part_end(z, status);
 }
 
-/* Fetch's sub-request from the array (claimed): 0 or an error (released). */
-static int fetch_send(bex_ps_client *c, struct zop *op, uint32_t shard, const uint64_t *keys)
+/* Fetch's part p (its keys from keys) into its slice of the array. */
+static int fetch_send(bex_ps_client *c, struct zpart *p, uint32_t shard, const uint64_t *keys)
 {
+    struct zcall *z = p->z;
     bex_ctx *ctx = bex__ps_client_ctx(c);
-    size_t len = bex__ps_req_len(BEX_PS_M_FETCH, op->n, op->dim);
+    size_t len = bex__ps_req_len(BEX_PS_M_FETCH, p->n, z->dim);
     uint8_t *b = bex_rpc_alloc(ctx, len);
     if (!b)
         return -ENOMEM;
-    struct bex__ps_hdr h = {.table = op->table, .n = op->n, .dim = op->dim};
+    struct bex__ps_hdr h = {.table = z->table, .n = p->n, .dim = z->dim};
     bex__ps_hdr_put(b, &h);
-    memcpy(b + BEX__PS_HDR_LEN, keys, 8 * (size_t)op->n);
-    uint8_t *dst = (uint8_t *)rows_of(op->u) - BEX__PS_HDR_LEN;
-    size_t cap = BEX__PS_HDR_LEN + 4 * (size_t)op->n * op->dim;
+    memcpy(b + BEX__PS_HDR_LEN, keys + p->first, 8 * (size_t)p->n);
+    uint8_t *dst = (uint8_t *)(rows_of(z->u) + (size_t)p->first * z->dim) - BEX__PS_HDR_LEN;
+    size_t cap = BEX__PS_HDR_LEN + 4 * (size_t)p->n * z->dim;
     bex_rpc_call_opts o = {.timeout_ms = bex__ps_client_timeout(c)};
     bex_rpc_channel *ch = bex__ps_client_fetch_ch(c, shard);
     int rc = bex_ctx_pd(ctx) ? bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, dst,
-                                                 cap, &o, fetch_done, op, NULL)
+                                                 cap, &o, fetch_done, p, NULL)
                              : bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, &o,
-                                            fetch_done_copy, op, NULL);
+                                            fetch_done_copy, p, NULL);
     if (rc)
         bex_rpc_free(b);
+    else
+        atomic_fetch_add_explicit(&z->u->zero, 1, memory_order_relaxed);
     return rc;
+}
+
+/* The copying part: the rows under the other parts' headers. */
+static int fetch_tails(bex_ps_client *c, struct zcall *z, const struct runs *rs,
+                       const uint64_t *keys)
+{
+    uint32_t t = 0;
+    for (uint32_t j = 0; j < rs->n; j++)
+        for (uint32_t i = rs->r[j].e; i < rs->r[j].b; i++) {
+            z->tail_at[t] = i;
+            z->tail_keys[t++] = keys[i];
+        }
+    return bex_ps_fetch(c, z->table, z->dim, z->tail_keys, t, z->tail_rows, copy_part_done, z);
+}
+
+/* Every part of a Fetch into the array (claimed: let go on an error). */
+static int fetch_parts(bex_ps_client *c, struct ubuf *u, const struct runs *rs, uint32_t tails,
+                       uint32_t table, uint32_t dim, const uint64_t *keys, bex_ps_done_fn done,
+                       void *user)
+{
+    uint32_t parts = tails ? 1 : 0, sent = 0;
+    for (uint32_t j = 0; j < rs->n; j++)
+        parts += rs->r[j].e > rs->r[j].a;
+    struct zcall *z = zcall_new(u, parts, tails, table, dim, done, user);
+    if (!z) {
+        ubuf_release(u);
+        return -ENOMEM;
+    }
+    z->release = true;
+    int rc = tails ? fetch_tails(c, z, rs, keys) : 0;
+    sent += tails && !rc;
+    for (uint32_t j = 0; !rc && j < rs->n; j++) {
+        const struct run *r = &rs->r[j];
+        if (r->e == r->a)
+            continue;
+        struct zpart *p = &z->part[sent];
+        *p = (struct zpart){.z = z, .first = r->a, .n = r->e - r->a};
+        rc = fetch_send(c, p, r->shard, keys);
+        sent += !rc;
+    }
+    return zcall_started(z, sent, parts, rc);
 }
 
 int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
@@ -250,153 +465,206 @@ int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint
     struct ubuf *u = NULL;
     if (rc || (rc = claim(rows, bex__ps_client_ctx(c), n, dim, &u)))
         return rc;
-    long s = n ? one_shard(c, keys, n) : -1;
-    /* the copying way (which also refuses a request or answer past the
-     * wire's bounds) */
-    if (s < 0 || !WIRE_NATIVE ||
-        bex__ps_req_len(BEX_PS_M_FETCH, (uint32_t)n, dim) > BEX_PS_BODY_MAX ||
-        BEX__PS_HDR_LEN + 4 * n * (size_t)dim > BEX_PS_BODY_MAX) {
+    struct runs rs;
+    if ((rc = runs_get(c, keys, n, &rs))) {
         ubuf_release(u);
-        return bex_ps_fetch(c, table, dim, keys, n, rows, done, user);
+        return rc;
     }
-    struct zop *op = malloc(sizeof *op);
-    if (!op) {
+    bool landing = bex_ctx_pd(bex__ps_client_ctx(c)) != NULL;
+    uint32_t tails = rs.n ? runs_plan(&rs, dim, landing) : 0;
+    if (rs.n && WIRE_NATIVE && runs_fit(&rs, dim))
+        rc = fetch_parts(c, u, &rs, tails, table, dim, keys, done, user);
+    else { /* the copying way */
         ubuf_release(u);
-        return -ENOMEM;
+        rc = bex_ps_fetch(c, table, dim, keys, n, rows, done, user);
     }
-    *op = (struct zop){
-        .u = u, .table = table, .n = (uint32_t)n, .dim = dim, .done = done, .user = user};
-    rc = fetch_send(c, op, (uint32_t)s, keys);
-    if (rc) {
-        ubuf_release(u);
-        free(op);
-    }
+    runs_free(&rs);
     return rc;
 }
 
+/* ---- Push from the array ---- */
+
 static void push_done(int status, void *body, size_t len, void *user)
 {
-    struct zop *op = user;
+    struct zpart *p = user;
+    struct zcall *z = p->z;
     if (status == 0)
-        status = bex__ps_check_resp(BEX_PS_M_PUSH, body, len, op->table, op->n, op->dim);
+        status = bex__ps_check_resp(BEX_PS_M_PUSH, body, len, z->table, p->n, z->dim);
     bex_rpc_free(body);
-    if (op->res)
-        op->res->status = status;
-    op->done(status, op->user);
-    free(op);
+    if (p->res)
+        p->res->status = status;
+    part_end(z, status);
 }
 
-/* Push from the array (claimed) to its shard's one replica: 0, -ENOENT (not
- * one replica: the copying way), or an error. */
-static int push_send(bex_ps_client *c, struct zop *op, uint32_t shard, const uint64_t *keys)
+/* The transport let a waited-for Push's array go (under the channel's
+ * lock: the waiter's done only wakes it). */
+static void lent_back(void *arg)
 {
-    struct bex__ps_hdr h = {.table = op->table, .n = op->n, .dim = op->dim};
-    bex_rpc_channel *ch;
-    bex_addr addr;
-    int rc = bex__ps_client_push_one(c, shard, &ch, &addr, &h);
-    if (rc)
-        return rc;
-    uint64_t *slots = keys_of(op->u);
+    struct zcall *z = arg;
+    ubuf_release(z->u);
+    part_end(z, 0);
+}
+
+/* The first shard's part of a Push from the array (claimed), through ch
+ * with h (bex__ps_client_push_one's): its headers and keys written in
+ * front of its rows, the array's first. */
+static int push_send(bex_ps_client *c, struct zpart *p, bex_rpc_channel *ch, struct bex__ps_hdr *h,
+                     const uint64_t *keys)
+{
+    struct zcall *z = p->z;
+    float *rows = rows_of(z->u);
+    uint64_t *slots = (uint64_t *)(void *)rows - p->n;
     if (keys != slots)
-        memcpy(slots, keys, 8 * (size_t)op->n);
-    uint8_t *body = op->u->base + BEX_RPC_HDR_LEN;
-    bex__ps_hdr_put(body, &h);
-    size_t len = BEX__PS_HDR_LEN + BEX__PS_ID_LEN + 8 * (size_t)op->n + 4 * (size_t)op->n * op->dim;
-    if (op->res)
-        *op->res = (bex_ps_replica_result){.shard = shard, .addr = addr, .status = -EINPROGRESS};
+        memmove(slots, keys, 8 * (size_t)p->n); /* keys may be the array's own slots */
+    uint8_t *body = (uint8_t *)slots - BEX__PS_ID_LEN - BEX__PS_HDR_LEN;
+    bex__ps_hdr_put(body, h);
+    size_t len = BEX__PS_HDR_LEN + BEX__PS_ID_LEN + 8 * (size_t)p->n + 4 * (size_t)p->n * z->dim;
     bex_rpc_call_opts o = {.timeout_ms = bex__ps_client_timeout(c)};
-    struct bex__rpc_borrow bw = {.release = ubuf_release, .arg = op->u};
-    return bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, body, len, NULL, 0, &o, push_done,
-                             op, &bw);
+    struct bex__rpc_borrow bw = {.release = z->lent ? lent_back : ubuf_release,
+                                 .arg = z->lent ? (void *)z : z->u};
+    int rc = bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, body, len, NULL, 0, &o, push_done,
+                               p, &bw);
+    if (rc == 0)
+        atomic_fetch_add_explicit(&z->u->zero, 1, memory_order_relaxed);
+    return rc;
+}
+
+/* What a Push from an array was asked. */
+struct push_args {
+    uint32_t table, dim, n;
+    const uint64_t *keys;
+    float *grads;
+    bex_ps_replica_result *res;
+    size_t cap, *n_res;
+    bex_ps_done_fn done;
+    void *user;
+    uint32_t shard0, n0; /* the first run: shard, keys */
+    bool sync;           /* done once the transport let the array go too */
+    bex_addr addr;       /* its one replica */
+};
+
+/* The parts of a Push from the array (claimed; the first run's shard has
+ * one replica, through ch with h): the first run from the array, the
+ * others' by a copying call (a Push body is contiguous, its keys right in
+ * front of its rows: only the first run has room in front of its rows). */
+static int push_parts(bex_ps_client *c, struct ubuf *u, const struct push_args *a,
+                      bex_rpc_channel *ch, struct bex__ps_hdr *h)
+{
+    uint32_t n0 = a->n0, parts = 1 + (n0 < a->n) + a->sync, sent = 0;
+    struct zcall *z = zcall_new(u, parts, 0, a->table, a->dim, a->done, a->user);
+    if (!z) {
+        ubuf_release(u);
+        return -ENOMEM;
+    }
+    z->lent = a->sync;
+    size_t n_rest = 0;
+    int rc = 0;
+    if (n0 < a->n) { /* first: the copying call reads the keys before they move */
+        rc = bex_ps_push_report(c, a->table, a->dim, a->keys + n0, a->n - n0,
+                                a->grads + (size_t)n0 * a->dim, a->cap > 1 ? a->res + 1 : NULL,
+                                a->cap > 1 ? a->cap - 1 : 0, &n_rest, copy_part_done, z);
+        sent += !rc;
+    }
+    struct zpart *p = &z->part[0];
+    *p = (struct zpart){.z = z, .n = n0, .res = a->cap ? a->res : NULL};
+    if (p->res)
+        *p->res =
+            (bex_ps_replica_result){.shard = a->shard0, .addr = a->addr, .status = -EINPROGRESS};
+    rc = rc ? rc : push_send(c, p, ch, h, a->keys);
+    if (rc == 0)
+        sent += 1 + a->sync; /* and, waited for, the array's return */
+    else
+        ubuf_release(u); /* not lent to the transport */
+    if (rc && p->res)
+        p->res->status = rc;
+    if (a->n_res)
+        *a->n_res = sent ? 1 + n_rest : 0;
+    return zcall_started(z, sent, parts, rc);
+}
+
+static int push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
+                     float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
+                     bex_ps_done_fn done, void *user, bool sync)
+{
+    int rc = check_args(c, dim, keys, n, grads, done);
+    struct ubuf *u = NULL;
+    if (rc || (cap && !res) || (rc = claim(grads, bex__ps_client_ctx(c), n, dim, &u)))
+        return rc ? rc : -EINVAL;
+    struct runs rs;
+    if ((rc = runs_get(c, keys, n, &rs))) {
+        ubuf_release(u);
+        return rc;
+    }
+    struct push_args a = {.table = table,
+                          .dim = dim,
+                          .keys = keys,
+                          .n = (uint32_t)n,
+                          .grads = grads,
+                          .res = res,
+                          .cap = cap,
+                          .n_res = n_res,
+                          .done = done,
+                          .user = user,
+                          .shard0 = rs.n ? rs.r[0].shard : 0,
+                          .n0 = rs.n ? rs.r[0].b : 0,
+                          .sync = sync};
+    bool zero =
+        rs.n && WIRE_NATIVE &&
+        ROOM - BEX_RPC_HDR_LEN + 8 * (size_t)a.n0 + 4 * (size_t)a.n0 * dim <= BEX_PS_BODY_MAX;
+    runs_free(&rs);
+    struct bex__ps_hdr h = {.table = table, .n = a.n0, .dim = dim};
+    bex_rpc_channel *ch;
+    rc = zero ? bex__ps_client_push_one(c, a.shard0, &ch, &a.addr, &h) : -ENOENT;
+    if (rc == 0)
+        return push_parts(c, u, &a, ch, &h); /* lets the array go on an error */
+    ubuf_release(u);
+    if (rc != -ENOENT)
+        return rc;
+    return bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, done, user);
 }
 
 int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
                      bex_ps_done_fn done, void *user)
 {
-    int rc = check_args(c, dim, keys, n, grads, done);
-    struct ubuf *u = NULL;
-    if (rc || (cap && !res) || (rc = claim(grads, bex__ps_client_ctx(c), n, dim, &u)))
-        return rc ? rc : -EINVAL;
-    long s = n ? one_shard(c, keys, n) : -1;
-    /* without a copy: the whole array (its keys right in front of its rows) */
-    bool zero = s >= 0 && WIRE_NATIVE && n == u->n && dim == u->dim &&
-                ROOM - BEX_RPC_HDR_LEN + 8 * n + 4 * n * (size_t)dim <= BEX_PS_BODY_MAX;
-    struct zop *op = zero ? malloc(sizeof *op) : NULL;
-    if (op) {
-        *op = (struct zop){.u = u,
-                           .table = table,
-                           .n = (uint32_t)n,
-                           .dim = dim,
-                           .done = done,
-                           .user = user,
-                           .res = cap ? res : NULL};
-        rc = push_send(c, op, (uint32_t)s, keys);
-        if (rc == 0 && n_res)
-            *n_res = 1;
-        if (rc == 0)
-            return 0; /* the call releases the array */
-        free(op);
-        if (rc != -ENOENT) {
-            ubuf_release(u);
-            return rc;
-        }
-    } else if (zero) {
-        ubuf_release(u);
-        return -ENOMEM;
-    }
-    ubuf_release(u);
-    return bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, done, user);
+    return push_from(c, table, dim, keys, n, grads, res, cap, n_res, done, user, false);
 }
 
-/* ---- waiting ---- */
+/* ---- waiting: the RPC layer's waiter (one futex word, one wake-up) ---- */
 
-struct zwait {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool done;
-    int status;
-};
-
-static void zwait_done(int status, void *user)
+static void sync_done(int status, void *user)
 {
-    struct zwait *w = user;
-    pthread_mutex_lock(&w->mu);
-    w->done = true;
-    w->status = status;
-    pthread_cond_broadcast(&w->cv);
-    pthread_mutex_unlock(&w->mu);
+    bex__rpc_wait_done(status, NULL, 0, user);
 }
 
-static int zwait(struct zwait *w, int rc, float *rows)
+static int wait_array(struct bex__rpc_wait *w, int rc, float *rows)
 {
     if (rc)
         return rc;
-    pthread_mutex_lock(&w->mu);
-    while (!w->done)
-        pthread_cond_wait(&w->cv, &w->mu);
-    pthread_mutex_unlock(&w->mu);
-    pthread_mutex_lock(&reg_mu); /* until the transport lets the array go */
+    void *body;
+    size_t len;
+    rc = bex__rpc_wait(w, &body, &len);
+    /* the copying way's array (a Push's own let go before done): free */
+    pthread_mutex_lock(&reg_mu);
     struct ubuf *u;
     while ((u = find_locked(rows)) && u->busy)
         pthread_cond_wait(&reg_cv, &reg_mu);
     pthread_mutex_unlock(&reg_mu);
-    return w->status;
+    return rc;
 }
 
 int bex_ps_fetch_into_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                            size_t n, float *rows)
 {
-    struct zwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-    return zwait(&w, bex_ps_fetch_into(c, table, dim, keys, n, rows, zwait_done, &w), rows);
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
+    return wait_array(&w, bex_ps_fetch_into(c, table, dim, keys, n, rows, sync_done, &w), rows);
 }
 
 int bex_ps_push_from_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                           size_t n, float *grads, bex_ps_replica_result *res, size_t cap,
                           size_t *n_res)
 {
-    struct zwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-    return zwait(&w,
-                 bex_ps_push_from(c, table, dim, keys, n, grads, res, cap, n_res, zwait_done, &w),
-                 grads);
+    struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
+    return wait_array(
+        &w, bex_ps_push_from(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w), grads);
 }

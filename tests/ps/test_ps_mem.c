@@ -96,16 +96,73 @@ static int t_into(void)
     push_in_place(rows, t, (uint32_t)n);
     CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, k0, (size_t)n, rows));
     ref_check(&r, idx, n, rows);
-    /* every key, both shards: the copying way, the same rows */
-    float *big = bex_ps_rows_alloc(ctx, NK, t->dim);
-    CHECK(big);
-    grads_of(big, NK, t->dim, 5);
-    ref_push(&r, all, NK, big);
-    CHECK_OK(bex_ps_push_from_sync(pc, t->id, t->dim, all_keys, NK, big, NULL, 0, NULL));
-    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, all_keys, NK, big));
-    ref_check(&r, all, NK, big);
     transport_check(ctx);
     CHECK_OK(bex_ps_rows_free(rows));
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    for (int s = 0; s < NSH; s++)
+        rc |= stop(&sp[s]);
+    return rc ? 1 : 0;
+}
+
+/* keys_of(0..NK) grouped by shard (shard 0's, then shard 1's), their
+ * indexes in idx; the count on shard 0 in *n0. */
+static void keys_grouped(uint64_t *keys, int *idx, int *n0)
+{
+    *n0 = keys_on(0, keys, idx);
+    keys_on(1, keys + *n0, idx + *n0);
+}
+
+/* Keys on both shards, grouped by shard: each shard's part of a Fetch
+ * lands in its slice of the array and the first part of a Push goes from
+ * its slice (bex_ps_rows_zero counts them), the rows are the reference's;
+ * keys not grouped are refused -EINVAL, nothing sent (issue 28 item 1). */
+static int t_multi(void)
+{
+    int rc = 0;
+    struct in_addr a0, a1;
+    if ((rc = pair_addrs(&a0, &a1)))
+        return rc;
+    struct srv_proc sp[NSH];
+    spawn(&sp[0], 0, NULL, MODE_NORMAL);
+    spawn(&sp[1], 1, NULL, MODE_NORMAL);
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of(sp, NSH);
+    bex_ps_client *pc = client_of(ctx, d);
+    const bex_ps_table_config *t = &TABLES[0];
+    uint64_t all_keys[NK], keys[NK];
+    int all[NK], idx[NK], n0;
+    keys_init(all_keys, all);
+    struct ref r;
+    ref_init(&r, t, all_keys);
+    keys_grouped(keys, idx, &n0);
+    CHECK(n0 > 0 && n0 < NK);
+    float *big = bex_ps_rows_alloc(ctx, NK, t->dim);
+    CHECK(big);
+    CHECK_EQ(bex_ps_rows_zero(big), 0);
+    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, keys, NK, big));
+    ref_check(&r, idx, NK, big);
+    CHECK_EQ(bex_ps_rows_zero(big), 2); /* one part per shard, no copying call */
+    grads_of(big, NK, t->dim, 5);
+    ref_push(&r, idx, NK, big);
+    bex_ps_replica_result res[4];
+    size_t n_res = 0;
+    CHECK_OK(bex_ps_push_from_sync(pc, t->id, t->dim, keys, NK, big, res, 4, &n_res));
+    CHECK_EQ(n_res, 2);
+    CHECK_EQ(res[0].shard, 0);
+    CHECK_EQ(res[1].shard, 1);
+    CHECK_EQ(res[0].status | res[1].status, 0);
+    CHECK_EQ(bex_ps_rows_zero(big), 3);
+    push_in_place(big, t, (uint32_t)n0);
+    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, keys, NK, big));
+    ref_check(&r, idx, NK, big);
+    /* not grouped: refused, the array untouched and free */
+    CHECK_EQ(bex_ps_fetch_into_sync(pc, t->id, t->dim, all_keys, NK, big), -EINVAL);
+    CHECK_EQ(bex_ps_push_from_sync(pc, t->id, t->dim, all_keys, NK, big, NULL, 0, NULL), -EINVAL);
+    CHECK_EQ(bex_ps_rows_busy(big), 0);
+    CHECK_EQ(bex_ps_rows_zero(big), 5);
+    transport_check(ctx);
     CHECK_OK(bex_ps_rows_free(big));
     bex_ps_client_destroy(pc);
     bex_dir_destroy(d);
@@ -279,4 +336,5 @@ static int t_wrong_rows(void)
     return rc ? 1 : 0;
 }
 
-BEX_TEST_MAIN({"into", t_into}, {"bad", t_bad}, {"cap", t_cap}, {"wrong_rows", t_wrong_rows})
+BEX_TEST_MAIN({"into", t_into}, {"multi", t_multi}, {"bad", t_bad}, {"cap", t_cap},
+              {"wrong_rows", t_wrong_rows})

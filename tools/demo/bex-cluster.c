@@ -1896,6 +1896,22 @@ static json_t *phase_results(struct prun *r, struct frun *f, const struct verify
     return res;
 }
 
+/* A process beside the phase (scripts/demo-python: the Python examples,
+ * whose start takes minutes in the emulated VM) keeps the phase's servers
+ * up while DIR/hold exists, at most HOLD_MAX seconds; after the phase's
+ * clients and its check, so that its figures are not changed. */
+#define HOLD_MAX 480
+static void hold_servers(const char *dir)
+{
+    char p[3100];
+    snprintf(p, sizeof p, "%s/hold", dir);
+    for (int i = 0; i < HOLD_MAX * 10 && access(p, F_OK) == 0; i++) {
+        if (i == 0 && !g.quiet)
+            fprintf(stderr, "bex-cluster: servers kept while %s exists\n", p);
+        usleep(100000);
+    }
+}
+
 static json_t *run_phase(const struct plan *pl, int pi)
 {
     static struct prun r;
@@ -1934,6 +1950,7 @@ static json_t *run_phase(const struct plan *pl, int pi)
                     ph->name);
         verify_phase(pl, ph, r.dir, r.cl_txt, &vf, r.grad);
     }
+    hold_servers(r.dir);
     free(r.cl_txt);
     /* the other instance's servers may stop now */
     int rc = bex_dir_deregister(r.ctl_reg);
