@@ -274,7 +274,10 @@ typedef struct bex_ps_catchup_config {
  * peer gives a copy by the deadline (dead, itself catching up, hostile),
  * it logs why and falls back to its own rows (its snapshot) plus every
  * held Push, and returns the error (-ETIMEDOUT, -ECONNREFUSED, -EAGAIN,
- * -EBADMSG, -E2BIG, ...); the shard serves either way. Blocks: never from
+ * -EBADMSG, -E2BIG, ...); the shard serves either way, except a
+ * BEX_PS_ROLE_PRIMARY given peers: its peers may hold Pushes it lacks, so
+ * it stays catching up (Pushes and Fetches refused -EAGAIN) and this
+ * function may be called again until one succeeds. Blocks: never from
  * a callback of ctx. -EINVAL when the shard is not catching up. */
 int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg);
 

@@ -33,7 +33,11 @@
  *   primary's probe, gets the forward again from the primary's log and
  *   rejoins; the replicas end equal. backup_behind_log: the same with a
  *   log too small to hold a Push: the backup stays down, Pushes refused
- *   -EHOSTDOWN, nothing resent. */
+ *   -EHOSTDOWN, nothing resent.
+ * primary_stale: a restarted primary whose catch-up timed out (its peer
+ *   hangs) refuses Pushes and Fetches (-EAGAIN) rather than serve its old
+ *   rows as primary (seen once in the VM); a second catch-up, from a
+ *   backup, brings it level and it serves. */
 #include <pthread.h>
 
 #include "ps_test.h"
@@ -756,7 +760,128 @@ static int t_backup_behind_log(void)
     return 0;
 }
 
+/* ---- primary_stale ---- */
+
+/* A peer that never answers a COPY (its requests kept, answered at the end). */
+static struct {
+    bex_ctx *ctx;
+    bex_rpc_server *srv;
+    bex_rpc_req *held[64];
+    _Atomic int n_held;
+} hang;
+
+static void hang_copy(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)len;
+    (void)user;
+    bex_rpc_free(body);
+    int i = atomic_fetch_add(&hang.n_held, 1);
+    if (i < 64)
+        hang.held[i] = req;
+    else
+        bex_rpc_reply(req, -EAGAIN, NULL, 0);
+}
+
+static bex_rpc_endpoint hang_start(struct in_addr a0)
+{
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c = scaled(&base, a0);
+    CHECK_OK(bex_ctx_create(&c, &hang.ctx));
+    CHECK_OK(bex_rpc_server_create(hang.ctx, NULL, &hang.srv));
+    CHECK_OK(bex_rpc_server_register(hang.srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, hang_copy, NULL));
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
+    CHECK_OK(bex_rpc_server_listen(hang.srv, &la));
+    bex_rpc_server_addr(hang.srv, &la);
+    return (bex_rpc_endpoint){.addr = la};
+}
+
+static void hang_stop(void)
+{
+    for (int i = 0; i < atomic_load(&hang.n_held) && i < 64; i++)
+        bex_rpc_reply(hang.held[i], -ECANCELED, NULL, 0);
+    CHECK_OK(bex_rpc_server_destroy(hang.srv));
+    CHECK_OK(bex_ctx_destroy(hang.ctx));
+}
+
+/* The primary restarted (its state lost) at its address, catching up. */
+static void primary_restart(struct pb *p)
+{
+    CHECK_OK(bex_rpc_server_destroy(p->srv[0]));
+    bex_ps_shard_destroy(p->s[0]);
+    bex_rpc_endpoint bk[NREP - 1];
+    for (int r = 1; r < NREP; r++)
+        bk[r - 1] = (bex_rpc_endpoint){.addr = p->addr[r]};
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_PRIMARY,
+                              .backups = bk,
+                              .n_backups = NREP - 1,
+                              .forward_timeout_ms = 1500 * time_scale(),
+                              .backup_retry_ms = 50,
+                              .flags = BEX_PS_SHARD_CATCHUP};
+    replica_start(p, 0, p->addr[0].in4.sin_addr, &pc);
+}
+
+/* A Fetch of key at replica r, through bex_ps_shard_serve: its status. */
+static int fetch_status(struct pb *p, int r, uint64_t key)
+{
+    uint8_t body[BEX__PS_HDR_LEN + 8];
+    bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = TS->id, .n = 1, .dim = TS->dim});
+    bex__ps_put64(body + BEX__PS_HDR_LEN, key);
+    void *resp = NULL;
+    size_t len = 0;
+    int rc = bex_ps_shard_serve(p->s[r], p->sctx, BEX_PS_M_FETCH, body, sizeof body, &resp, &len);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+static int t_primary_stale(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 50);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 35;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1}, row[NREP][8];
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    bex_ps_client_destroy(c);
+    primary_restart(&p);
+    bex_rpc_endpoint peer = hang_start(p.addr[0].in4.sin_addr);
+    bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 300};
+    CHECK_EQ(bex_ps_shard_catchup(p.s[0], p.sctx, &cc), -ETIMEDOUT);
+    /* its rows are empty: it must not serve them as the shard's */
+    CHECK_EQ(fetch_status(&p, 0, key), -EAGAIN);
+    bex_ps_client_config qc = {
+        .dir = p.dir, .service = "ps", .timeout_ms = 300, .push_mode = BEX_PS_PUSH_PRIMARY};
+    CHECK_OK(bex_ps_client_create(p.cctx, &qc, &c));
+    CHECK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g) != 0); /* was acknowledged */
+    bex_ps_client_destroy(c);
+    for (int r = 1; r < NREP; r++)
+        CHECK_EQ(stats(p.s[r]).pushes, 2);
+    /* caught up from backup 1 this time: it serves the shard's rows */
+    bex_rpc_endpoint b1 = {.addr = p.addr[1]};
+    cc = (bex_ps_catchup_config){.peers = &b1, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_catchup(p.s[0], p.sctx, &cc));
+    c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    for (int r = 0; r < NREP; r++)
+        rows_of(&p, r, TS, &key, 1, row[r]);
+    CHECK(memcmp(row[0], row[1], sizeof row[0]) == 0);
+    CHECK(memcmp(row[0], row[2], sizeof row[0]) == 0);
+    for (int r = 1; r < NREP; r++)
+        CHECK_EQ(stats(p.s[r]).pushes, 3);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    hang_stop();
+    return 0;
+}
+
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
               {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq},
-              {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log})
+              {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
+              {"primary_stale", t_primary_stale})
