@@ -33,7 +33,12 @@
  *   primary's probe, gets the forward again from the primary's log and
  *   rejoins; the replicas end equal. backup_behind_log: the same with a
  *   log too small to hold a Push: the backup stays down, Pushes refused
- *   -EHOSTDOWN, nothing resent.
+ *   -EHOSTDOWN, nothing resent; restarted with a catch-up (a full copy)
+ *   it rejoins and the replicas end equal. behind_hostile: a backup's
+ *   server replaced by a fake whose probe answers claim hostile
+ *   positions (past the primary's lsn, UINT64_MAX, 0, a short body): the
+ *   primary resends only what its log covers, never rejoins it, and
+ *   goes on refusing Pushes -EHOSTDOWN.
  * primary_stale: a restarted primary whose catch-up timed out (its peer
  *   hangs) refuses Pushes and Fetches (-EAGAIN) rather than serve its old
  *   rows as primary (seen once in the VM); a second catch-up, from a
@@ -755,6 +760,91 @@ static int t_backup_behind_log(void)
     CHECK(st.rejoins == 0 && st.log_rejoins == 0 && st.fwd_resent == 0 && st.backups_down == 1);
     CHECK_EQ(stats(p.s[2]).lsn, 1);
     CHECK_EQ(stats(p.s[1]).lsn, 2);
+    /* further behind than the log: restarted, it copies and rejoins */
+    CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
+    bex_ps_shard_destroy(p.s[2]);
+    CHECK_OK(bex_ctx_destroy(p.bctx[2]));
+    p.srv[2] = NULL;
+    p.s[2] = NULL;
+    p.bctx[2] = NULL;
+    backup2_restart(&p);
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1}, row[NREP][8];
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    CHECK_OK(rc);
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(stats(p.s[r]).lsn, 3);
+    }
+    st = stats(p.s[0]);
+    CHECK(st.rejoins == 1 && st.log_rejoins == 0 && st.fwd_resent == 0);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
+/* ---- behind_hostile ---- */
+
+/* A fake backup: a Forward fails (-EIO); probe k is answered -ESTALE
+ * with the kth hostile position. */
+static struct {
+    bex_ctx *ctx;
+    _Atomic int probes, forwards;
+} hb;
+
+static void hostile_fwd(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    struct bex__ps_fwd_hdr fh;
+    int rc = bex__ps_fwd_get(body, len, &fh);
+    bex_rpc_free(body);
+    if (rc || !(fh.flags & BEX__PS_FWD_PROBE)) {
+        atomic_fetch_add(&hb.forwards, 1);
+        bex_rpc_reply(req, -EIO, NULL, 0);
+        return;
+    }
+    /* past the primary's lsn, far past it, 0 (the log covers 1..), short */
+    static const uint64_t pos[] = {1000, UINT64_MAX, UINT64_MAX - 1, 0, 5};
+    int k = atomic_fetch_add(&hb.probes, 1) % 5;
+    size_t n = k == 4 ? 3 : BEX__PS_POS_LEN;
+    uint8_t *out = bex_rpc_alloc(hb.ctx, BEX__PS_POS_LEN);
+    CHECK(out);
+    bex__ps_put64(out, pos[k]);
+    bex_rpc_reply(req, -ESTALE, out, n);
+}
+
+static int t_behind_hostile(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 10);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 36;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
+    hb.ctx = p.bctx[2];
+    CHECK_OK(bex_rpc_server_create(p.bctx[2], NULL, &p.srv[2]));
+    CHECK_OK(bex_rpc_server_register(p.srv[2], BEX_PS_SERVICE, BEX_PS_M_FORWARD,
+                                     bex__ps_method_flags(BEX_PS_M_FORWARD), hostile_fwd, NULL));
+    CHECK_OK(bex_rpc_server_listen(p.srv[2], &p.addr[2]));
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+    /* every position answered a few times over */
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (atomic_load(&hb.probes) < 15 && pair_now_ms() < end) {
+        CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+        pair_sleep_ms(5);
+    }
+    CHECK(atomic_load(&hb.probes) >= 15);
+    bex_ps_shard_stats st = stats(p.s[0]);
+    CHECK(st.rejoins == 0 && st.backups_down == 1 && st.lsn == 2);
+    /* position 0 alone is covered: lsn 1 and 2 resent, refused */
+    CHECK(st.fwd_resent >= 2 && st.fwd_resent % 2 == 0);
+    CHECK((int)st.fwd_resent <= atomic_load(&hb.forwards));
     bex_ps_client_destroy(c);
     pb_stop(&p);
     return 0;
@@ -884,4 +974,4 @@ BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"re
               {"order", t_order}, {"backup_down", t_backup_down},
               {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq},
               {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
-              {"primary_stale", t_primary_stale})
+              {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile})
