@@ -64,6 +64,8 @@ void bex__ps_rlog_add_locked(struct rlog *l, uint64_t lsn, const void *body, siz
         return;
     }
     memcpy(copy, body, len);
+    if (l->n && l->e[(l->head + l->n - 1) % l->cap].lsn + 1 != lsn)
+        bex__ps_rlog_clear(l); /* not the next one (a new session): start again */
     while (l->n && (l->n == l->cap || l->bytes + len > l->max_bytes))
         drop_oldest(l);
     l->e[(l->head + l->n) % l->cap] = (struct rlog_ent){lsn, copy, len};
