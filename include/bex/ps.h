@@ -188,6 +188,14 @@ typedef struct bex_ps_shard_config {
      * and joins (bex_ps_shard_join; 10000, at most 600000); past it the
      * join is refused and the Pushes go on. */
     uint32_t join_pause_ms;
+    /* A primary keeps its last forwards in a log, at most
+     * forward_log_entries of them (1024, at most 65536) and
+     * forward_log_bytes of Push bodies (16 MiB): a backup marked down
+     * that is behind by forwards still in the log gets them again and
+     * rejoins; one behind the log stays down until it catches up by a
+     * copy (docs/architecture.md, "Replication"). */
+    uint32_t forward_log_entries;
+    uint64_t forward_log_bytes;
 } bex_ps_shard_config;
 
 enum {
@@ -266,7 +274,10 @@ typedef struct bex_ps_catchup_config {
  * peer gives a copy by the deadline (dead, itself catching up, hostile),
  * it logs why and falls back to its own rows (its snapshot) plus every
  * held Push, and returns the error (-ETIMEDOUT, -ECONNREFUSED, -EAGAIN,
- * -EBADMSG, -E2BIG, ...); the shard serves either way. Blocks: never from
+ * -EBADMSG, -E2BIG, ...); the shard serves either way, except a
+ * BEX_PS_ROLE_PRIMARY given peers: its peers may hold Pushes it lacks, so
+ * it stays catching up (Pushes and Fetches refused -EAGAIN) and this
+ * function may be called again until one succeeds. Blocks: never from
  * a callback of ctx. -EINVAL when the shard is not catching up. */
 int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg);
 
@@ -313,6 +324,9 @@ typedef struct bex_ps_shard_stats {
     uint64_t lag_pushes[BEX_PS_BACKUPS_MAX], lag_ns[BEX_PS_BACKUPS_MAX];
     uint64_t fwd_age_ns;
     uint64_t snap_id, snap_unix_ns, snap_write_ns, snap_pause_ns, snaps, snap_failures, snap_rows;
+    /* a primary: forwards sent again from its log to a backup found
+     * behind, and backups that rejoined by them (counted in rejoins too) */
+    uint64_t fwd_resent, log_rejoins;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 

@@ -358,6 +358,18 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     struct idset cut_ids = {.head = IDS_NIL, .tail = IDS_NIL};
     int rc = pull_rounds(s, ctx, cfg, deadline, &cut, &cut_ids);
     pthread_mutex_lock(&s->mu);
+    if (!cut && cfg->n_peers && s->rp.role == BEX_PS_ROLE_PRIMARY) {
+        /* its peers may hold Pushes it lacks: as primary it would number
+         * Pushes on old rows and its backups would take them */
+        s->catchup_busy = false; /* it may be called again */
+        s->st.catchup_failed++;
+        pthread_mutex_unlock(&s->mu);
+        bex__log(&s->log, BEX_LOG_ERROR,
+                 "ps shard %u: the primary's catch-up failed (%s): not serving its snapshot as "
+                 "primary (Pushes and Fetches refused -EAGAIN) until a catch-up succeeds",
+                 s->shard, bex_strerror(rc));
+        return rc;
+    }
     uint64_t rows = cut ? install_cut(s, cut, &cut_ids) : 0;
     if (cut)
         bex__ps_repl_take_cut(s);

@@ -169,7 +169,10 @@ static inline int bex__ps_copy_get(const void *body, size_t len, struct bex__ps_
  * empty. With BEX__PS_FWD_PROBE the Push is not applied: the backup
  * answers 0 when it follows session and applied lsn, else -ESTALE. */
 #define BEX__PS_FWD_HDR_LEN 24
-#define BEX__PS_FWD_PROBE   1u
+/* A probe's -ESTALE answer from a backup behind in the session it
+ * follows: the last lsn it applied (u64, little-endian). */
+#define BEX__PS_POS_LEN   8
+#define BEX__PS_FWD_PROBE 1u
 struct bex__ps_fwd_hdr {
     uint64_t session, lsn;
     uint32_t flags;

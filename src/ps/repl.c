@@ -59,7 +59,7 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     while (!rp->session)
         if (getrandom(&rp->session, sizeof rp->session, 0) != sizeof rp->session)
             return -EIO;
-    return 0;
+    return bex__ps_rlog_init(&rp->log, cfg);
 }
 
 /* The channel to backup b: retries within the forward's deadline, never
@@ -119,6 +119,8 @@ void bex__ps_repl_fini(bex_ps_shard *s)
         if (rp->bk[i].ch)
             bex_rpc_channel_destroy(rp->bk[i].ch);
     free(rp->bk);
+    bex__ps_rlog_clear(&rp->log);
+    free(rp->log.e);
     struct fwdh *list = NULL;
     for (uint32_t i = 0; rp->win && i < rp->win_n; i++)
         if (rp->win[i]) {
@@ -323,11 +325,22 @@ struct probe {
 
 static void probe_done(int status, void *body, size_t len, void *user)
 {
-    (void)len;
     struct probe *pr = user;
     bex_ps_shard *s = pr->s;
     struct backup *b = &s->rp.bk[pr->b];
+    /* behind in this session: its answer says where (docs/protocol.md) */
+    bool behind = status == -ESTALE && len == BEX__PS_POS_LEN && !s->rp.fenced;
+    uint64_t pos = behind ? bex__ps_get64(body) : 0;
     bex_rpc_free(body);
+    if (behind && bex__ps_rlog_resend(s, pr->b, pos) == 0) {
+        free(pr); /* still probing: the resend ends it */
+        return;
+    }
+    if (behind)
+        bex__log(&s->log, BEX_LOG_WARN,
+                 "ps shard %u: backup %u is behind (at lsn %llu) by more than the forward log "
+                 "holds: it stays down until restarted with a catch-up",
+                 s->shard, pr->b, (unsigned long long)pos);
     pthread_mutex_lock(&s->mu);
     b->probing = false;
     bool back = status == 0 && b->down;
@@ -392,11 +405,11 @@ static uint32_t probes_due_locked(bex_ps_shard *s, uint32_t *due)
     return n;
 }
 
-/* Apply a client's Push (decoded: h) and number it, under the lock. 0 and
- * *lsn, or the error that refuses it. */
+/* Apply a client's Push (decoded: h; its body, len bytes) and number it,
+ * under the lock, and log it. 0 and *lsn, or the error that refuses it. */
 static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct table *t,
                          const uint64_t *keys, const float *g, const bex_rpc_req *req,
-                         uint64_t *lsn)
+                         const void *body, size_t len, uint64_t *lsn)
 {
     struct pushid id = {.k = {h->id_client, {h->id_tok[0], h->id_tok[1]}},
                         .seq = h->id_seq,
@@ -426,6 +439,8 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
                                        NULL);
         if (rc == 0) {
             *lsn = ++s->rp.lsn;
+            if (s->rp.n_bk)
+                bex__ps_rlog_add_locked(&s->rp.log, *lsn, body, len);
             s->rp.inflight++;
             s->st.fwd_sent += s->rp.n_bk;
             bex__ps_lag_numbered_locked(s, *lsn);
@@ -452,7 +467,7 @@ int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const voi
     if (!op)
         rc = -ENOMEM;
     if (!rc)
-        rc = primary_apply(s, h, t, keys, g, req, &lsn);
+        rc = primary_apply(s, h, t, keys, g, req, body, len, &lsn);
     free(keys);
     free(g);
     if (rc) {
@@ -575,6 +590,17 @@ static int fwd_take_locked(bex_ps_shard *s, uint64_t session, struct fwdh *f, st
     return BEX__PS_LATER;
 }
 
+/* A probe answered -ESTALE with the last lsn this backup applied. */
+static int probe_behind(bex_ps_shard *s, bex_rpc_req *req, uint64_t pos)
+{
+    uint8_t *out = bex_rpc_alloc(s->rp.ctx, BEX__PS_POS_LEN);
+    if (!out)
+        return -ESTALE; /* answered without it: the primary probes again */
+    bex__ps_put64(out, pos);
+    bex_rpc_reply(req, -ESTALE, out, BEX__PS_POS_LEN);
+    return BEX__PS_LATER;
+}
+
 int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rpc_req *req)
 {
     if (s->rp.role != BEX_PS_ROLE_BACKUP)
@@ -619,11 +645,15 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
     }
     if (rc && rc != BEX__PS_LATER)
         s->st.fwd_refused++;
+    /* static mode, behind in the session it follows: say where it is */
+    uint64_t pos = s->rp.next - 1;
+    bool say = rc == -ESTALE && probe && !s->rp.fenced && !s->catching &&
+               fh.session == s->rp.in_session && fh.lsn >= s->rp.next;
     pthread_mutex_unlock(&s->mu);
     answer_all(done);
     if (rc != BEX__PS_LATER)
         fwdh_free(f);
-    return rc;
+    return say ? probe_behind(s, req, pos) : rc;
 }
 
 /* ---- etcd mode: a change of term (failover.c) ---- */
@@ -655,6 +685,7 @@ int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
         rp->n_down = 0;
         rp->epoch = rp->session = epoch;
         rp->lsn = 0;
+        bex__ps_rlog_clear(&rp->log);
         rp->el = el;
         rp->role = BEX_PS_ROLE_PRIMARY;
         pthread_mutex_unlock(&s->mu);

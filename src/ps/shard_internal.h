@@ -121,6 +121,19 @@ struct backup {
     bool out;            /* etcd mode: removed from the replica set, not forwarded to */
 };
 
+/* A primary's log of its last forwards (repl_log.c): a ring of the Push
+ * bodies of lsns first .. first + n - 1, always contiguous. */
+struct rlog_ent {
+    uint64_t lsn;
+    uint8_t *body;
+    size_t len;
+};
+struct rlog {
+    struct rlog_ent *e;
+    uint32_t cap, head, n; /* head: the oldest's index */
+    uint64_t bytes, max_bytes;
+};
+
 struct fcall;
 struct bex__elect;
 
@@ -158,6 +171,7 @@ struct repl {
     struct backup *old_bk; /* an earlier term's backups (freed at fini) */
     void (*kick)(void *arg);
     void *kick_arg;
+    struct rlog log; /* primary: its last forwards */
 };
 
 /* A handler's answer will be sent later (bex_rpc_reply), not now. */
@@ -323,6 +337,16 @@ int bex__ps_cut_path(char *out, size_t cap, const char *dir, uint32_t shard, uin
 int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep);
 int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep);
 void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep);
+
+/* repl_log.c: the primary's log of forwards (bounds from cfg); a
+ * forward numbered (under s->mu; on no memory the log is emptied, never
+ * left with a hole); emptied (a new session); the log's forwards after
+ * pos sent again to backup b, which rejoins when it applied them all
+ * (0), or -ERANGE when the log does not reach back to pos + 1. */
+int bex__ps_rlog_init(struct rlog *l, const bex_ps_shard_config *cfg);
+void bex__ps_rlog_add_locked(struct rlog *l, uint64_t lsn, const void *body, size_t len);
+void bex__ps_rlog_clear(struct rlog *l);
+int bex__ps_rlog_resend(bex_ps_shard *s, uint32_t b, uint64_t pos);
 
 int bex__ps_lag_init(bex_ps_shard *s);
 void bex__ps_lag_fini(bex_ps_shard *s);

@@ -23,8 +23,16 @@
  * etcd: the same with bex-ps --etcd: the peers are found in etcd.
  * peer_dies / peer_hangs: the peer (a fake in the test) dies in the middle
  *   of the copy, or never answers a chunk: the restarted bex-ps still comes
- *   up in time, serving its snapshot, with the failure counted. */
+ *   up in time, serving its snapshot, with the failure counted.
+ * primary_hangs: a static --primary-backup primary whose backup hangs
+ *   (a listener that never accepts) does not serve its snapshot as primary
+ *   when its catch-up times out: it stays up, tries again (a second
+ *   failure counted), /ready 503 "not ready: catching up", and stops on
+ *   SIGTERM. */
 #include <pthread.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 
 #include "ps_prog.h"
 
@@ -919,6 +927,120 @@ static int t_peer_hangs(void)
     return peer_fails(1);
 }
 
+/* ---- primary_hangs ---- */
+
+/* A TCP listener on port that never accepts: a peer that hangs. */
+static int hung_listener(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(fd >= 0);
+    int one = 1;
+    CHECK(setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) == 0);
+    bex_addr a = {.in4 = {.sin_family = AF_INET,
+                          .sin_port = htons(port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)}};
+    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    CHECK(listen(fd, 16) == 0);
+    return fd;
+}
+
+/* bex-ps with argv, its stdout into *out; its metrics base URL into base. */
+static pid_t spawn_metrics(const char *const *argv, FILE **out, char *base, size_t cap)
+{
+    int p[2];
+    CHECK(pipe(p) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        dup2(p[1], 1);
+        close(p[0]);
+        close(p[1]);
+        execv(BEX_PS_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    close(p[1]);
+    CHECK((*out = fdopen(p[0], "r")));
+    static const char at[] = "bex-ps: metrics at ";
+    char line[256];
+    base[0] = 0;
+    while (!base[0] && fgets(line, sizeof line, *out))
+        if (strncmp(line, at, sizeof at - 1) == 0)
+            snprintf(base, cap, "%.*s",
+                     (int)(strcspn(line + sizeof at - 1, "\n") - strlen("/metrics")),
+                     line + sizeof at - 1);
+    CHECK(base[0]);
+    return pid;
+}
+
+static int t_primary_hangs(void)
+{
+    if (!pair_tcp())
+        return bex_test_skip("the program cases run over TCP only");
+    char tmpl[] = "/tmp/bex-ps-catchup-XXXXXX";
+    char cluster[128];
+    uint16_t ports[NSH][2];
+    tmp_cluster(tmpl, cluster, sizeof cluster, 2, ports);
+    int hung[NSH];
+    for (int s = 0; s < NSH; s++)
+        hung[s] = hung_listener(ports[s][1]);
+    const char *argv[] = {"bex-ps",
+                          "--cluster",
+                          cluster,
+                          "--shard",
+                          "all",
+                          "--replica",
+                          "0",
+                          "--table",
+                          "1:8:sgd",
+                          "--transport",
+                          "tcp",
+                          "--metrics-port",
+                          "0",
+                          "--primary-backup",
+                          "--catchup-timeout-ms",
+                          "300",
+                          NULL};
+    FILE *f;
+    char base[128], path[160], *text;
+    pid_t pid = spawn_metrics(argv, &f, base, sizeof base);
+    /* a second catch-up of shard 0 failed: it tried again instead of
+     * serving (before: one failure, then its empty rows served, ready) */
+    char murl[160];
+    snprintf(murl, sizeof murl, "%s/metrics", base);
+    uint64_t until = pair_now_ms() + 30000ull * time_scale();
+    while (metric(murl, "bex_ps_catchup_failures_total", 0) < 2 && pair_now_ms() < until)
+        pair_sleep_ms(50);
+    CHECK(metric(murl, "bex_ps_catchup_failures_total", 0) >= 2);
+    CHECK_EQ(waitpid(pid, NULL, WNOHANG), 0);
+    snprintf(path, sizeof path, "%s/ready", base);
+    CHECK_EQ(http_get(path, &text), 503); /* was 200: its empty rows served */
+    fprintf(stderr, "/ready: %s", text);
+    static const char want[] = "not ready: catching up\n";
+    CHECK(strncmp(text, want, sizeof want - 1) == 0);
+    CHECK(strstr(text, "shard0: primary, catching up\n"));
+    free(text);
+    CHECK(kill(pid, SIGTERM) == 0);
+    int status = 0;
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && pair_now_ms() < end)
+        pair_sleep_ms(10);
+    if (w == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+    }
+    CHECK(w == pid && WIFEXITED(status)); /* stopped by SIGTERM, within a bound */
+    fclose(f);
+    for (int s = 0; s < NSH; s++)
+        close(hung[s]);
+    unlink(cluster);
+    CHECK(rmdir(tmpl) == 0);
+    return 0;
+}
+
 BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"stale", t_stale},
               {"hostile", t_hostile}, {"peer_late", t_peer_late}, {"restart", t_restart},
-              {"etcd", t_etcd}, {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs})
+              {"etcd", t_etcd}, {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs},
+              {"primary_hangs", t_primary_hangs})

@@ -28,8 +28,21 @@
  *   -EHOSTDOWN within the forward deadline and so does every later one:
  *   none is acknowledged without every backup.
  * retry_seq: bex_ps_push_seq twice with one seq: applied once everywhere.
- * backup_behind (not run by CTest: it fails, the chaos test's finding): a
- *   backup that missed a forward but kept its rows never rejoins. */
+ * backup_behind: a backup that missed a forward but kept its rows (the
+ *   chaos test's finding: it never rejoined) is found behind by the
+ *   primary's probe, gets the forward again from the primary's log and
+ *   rejoins; the replicas end equal. backup_behind_log: the same with a
+ *   log too small to hold a Push: the backup stays down, Pushes refused
+ *   -EHOSTDOWN, nothing resent; restarted with a catch-up (a full copy)
+ *   it rejoins and the replicas end equal. behind_hostile: a backup's
+ *   server replaced by a fake whose probe answers claim hostile
+ *   positions (past the primary's lsn, UINT64_MAX, 0, a short body): the
+ *   primary resends only what its log covers, never rejoins it, and
+ *   goes on refusing Pushes -EHOSTDOWN.
+ * primary_stale: a restarted primary whose catch-up timed out (its peer
+ *   hangs) refuses Pushes and Fetches (-EAGAIN) rather than serve its old
+ *   rows as primary (seen once in the VM); a second catch-up, from a
+ *   backup, brings it level and it serves. */
 #include <pthread.h>
 
 #include "ps_test.h"
@@ -41,6 +54,7 @@
 
 static const bex_ps_table_config *const TA = &TABLES[1]; /* Adagrad */
 static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
+static uint64_t log_bytes; /* the primary's forward_log_bytes (0: default) */
 
 struct pb {
     bex_ctx *sctx, *cctx;
@@ -119,6 +133,7 @@ static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retr
         pc.n_backups = NREP - 1;
         pc.forward_timeout_ms = fwd_ms;
         pc.backup_retry_ms = retry_ms;
+        pc.forward_log_bytes = log_bytes;
     }
     replica_start(p, 0, a0, &pc);
     p->dir = dir_of(p);
@@ -680,15 +695,31 @@ static int t_retry_seq(void)
     return 0;
 }
 
-/* ---- backup_behind (not run by CTest: it fails, the chaos test's
- * finding, docs/testing.md "The chaos test") ---- */
+/* ---- backup_behind ---- */
 
-/* A backup alive with its rows that missed a forward (its server gone
- * while the Push was forwarded, as a backup stopped past the forward
- * deadline whose connection was reset) comes back at its address: the
- * primary's probe finds it behind (-ESTALE), and nothing brings it level,
- * so the shard refuses every Push (-EHOSTDOWN) for as long as it runs. A
- * Push should be acknowledged again within a bound. */
+/* Backup 2 alive with its rows misses a forward (its server gone while
+ * the Push was forwarded, as a backup stopped past the forward deadline
+ * whose connection was reset) and comes back at its address: the
+ * primary's probe finds it behind. Returns the Push's status once it is
+ * not -EHOSTDOWN or after a few seconds. */
+static int behind_run(struct pb *p, bex_ps_client *c, uint64_t key, uint32_t wait_ms)
+{
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_rpc_server_destroy(p->srv[2])); /* its rows stay */
+    p->srv[2] = NULL;
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN); /* missed there */
+    CHECK_OK(bex_rpc_server_create(p->bctx[2], NULL, &p->srv[2]));
+    CHECK_OK(bex_ps_shard_register(p->s[2], p->srv[2], p->bctx[2]));
+    CHECK_OK(bex_rpc_server_listen(p->srv[2], &p->addr[2]));
+    uint64_t end = pair_now_ms() + wait_ms;
+    int rc;
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    return rc;
+}
+
 static int t_backup_behind(void)
 {
     struct pb p;
@@ -697,29 +728,250 @@ static int t_backup_behind(void)
         return rc;
     bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
     uint64_t key = 33;
-    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
-    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
-    CHECK_OK(bex_rpc_server_destroy(p.srv[2])); /* its rows stay */
+    CHECK_OK(behind_run(&p, c, key, 10000 * time_scale())); /* was -EHOSTDOWN for ever */
+    float row[NREP][8];
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(stats(p.s[r]).lsn, 3);
+    }
+    bex_ps_shard_stats st = stats(p.s[0]);
+    CHECK(st.rejoins == 1 && st.log_rejoins == 1 && st.backups_down == 0);
+    CHECK_EQ(st.fwd_resent, 1); /* lsn 2 alone */
+    CHECK_EQ(stats(p.s[2]).pushes, 3);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
+static int t_backup_behind_log(void)
+{
+    struct pb p;
+    log_bytes = 1; /* no Push fits: the log stays empty */
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    log_bytes = 0;
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 34;
+    /* probed many times meanwhile (every 20 ms while Pushes come) */
+    CHECK_EQ(behind_run(&p, c, key, 600), -EHOSTDOWN);
+    bex_ps_shard_stats st = stats(p.s[0]);
+    CHECK(st.rejoins == 0 && st.log_rejoins == 0 && st.fwd_resent == 0 && st.backups_down == 1);
+    CHECK_EQ(stats(p.s[2]).lsn, 1);
+    CHECK_EQ(stats(p.s[1]).lsn, 2);
+    /* further behind than the log: restarted, it copies and rejoins */
+    CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
+    bex_ps_shard_destroy(p.s[2]);
+    CHECK_OK(bex_ctx_destroy(p.bctx[2]));
     p.srv[2] = NULL;
-    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN); /* missed there */
-    CHECK_OK(bex_rpc_server_create(p.bctx[2], NULL, &p.srv[2]));
-    CHECK_OK(bex_ps_shard_register(p.s[2], p.srv[2], p.bctx[2]));
-    CHECK_OK(bex_rpc_server_listen(p.srv[2], &p.addr[2]));
+    p.s[2] = NULL;
+    p.bctx[2] = NULL;
+    backup2_restart(&p);
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1}, row[NREP][8];
     uint64_t end = pair_now_ms() + 10000ull * time_scale();
     while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)) == -EHOSTDOWN &&
            pair_now_ms() < end)
         pair_sleep_ms(20);
-    CHECK_OK(rc); /* fails: -EHOSTDOWN after 10 s, backup 1 never rejoins */
-    float row[NREP][8];
-    for (int r = 0; r < NREP; r++)
+    CHECK_OK(rc);
+    for (int r = 0; r < NREP; r++) {
         rows_of(&p, r, TS, &key, 1, row[r]);
-    CHECK(memcmp(row[0], row[2], sizeof row[0]) == 0);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(stats(p.s[r]).lsn, 3);
+    }
+    st = stats(p.s[0]);
+    CHECK(st.rejoins == 1 && st.log_rejoins == 0 && st.fwd_resent == 0);
     bex_ps_client_destroy(c);
     pb_stop(&p);
+    return 0;
+}
+
+/* ---- behind_hostile ---- */
+
+/* A fake backup: a Forward fails (-EIO); probe k is answered -ESTALE
+ * with the kth hostile position. */
+static struct {
+    bex_ctx *ctx;
+    _Atomic int probes, forwards;
+} hb;
+
+static void hostile_fwd(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    struct bex__ps_fwd_hdr fh;
+    int rc = bex__ps_fwd_get(body, len, &fh);
+    bex_rpc_free(body);
+    if (rc || !(fh.flags & BEX__PS_FWD_PROBE)) {
+        atomic_fetch_add(&hb.forwards, 1);
+        bex_rpc_reply(req, -EIO, NULL, 0);
+        return;
+    }
+    /* past the primary's lsn, far past it, 0 (the log covers 1..), short */
+    static const uint64_t pos[] = {1000, UINT64_MAX, UINT64_MAX - 1, 0, 5};
+    int k = atomic_fetch_add(&hb.probes, 1) % 5;
+    size_t n = k == 4 ? 3 : BEX__PS_POS_LEN;
+    uint8_t *out = bex_rpc_alloc(hb.ctx, BEX__PS_POS_LEN);
+    CHECK(out);
+    bex__ps_put64(out, pos[k]);
+    bex_rpc_reply(req, -ESTALE, out, n);
+}
+
+static int t_behind_hostile(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 10);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 36;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
+    hb.ctx = p.bctx[2];
+    CHECK_OK(bex_rpc_server_create(p.bctx[2], NULL, &p.srv[2]));
+    CHECK_OK(bex_rpc_server_register(p.srv[2], BEX_PS_SERVICE, BEX_PS_M_FORWARD,
+                                     bex__ps_method_flags(BEX_PS_M_FORWARD), hostile_fwd, NULL));
+    CHECK_OK(bex_rpc_server_listen(p.srv[2], &p.addr[2]));
+    CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+    /* every position answered a few times over */
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (atomic_load(&hb.probes) < 15 && pair_now_ms() < end) {
+        CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
+        pair_sleep_ms(5);
+    }
+    CHECK(atomic_load(&hb.probes) >= 15);
+    bex_ps_shard_stats st = stats(p.s[0]);
+    CHECK(st.rejoins == 0 && st.backups_down == 1 && st.lsn == 2);
+    /* position 0 alone is covered: lsn 1 and 2 resent, refused */
+    CHECK(st.fwd_resent >= 2 && st.fwd_resent % 2 == 0);
+    CHECK((int)st.fwd_resent <= atomic_load(&hb.forwards));
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
+/* ---- primary_stale ---- */
+
+/* A peer that never answers a COPY (its requests kept, answered at the end). */
+static struct {
+    bex_ctx *ctx;
+    bex_rpc_server *srv;
+    bex_rpc_req *held[64];
+    _Atomic int n_held;
+} hang;
+
+static void hang_copy(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)len;
+    (void)user;
+    bex_rpc_free(body);
+    int i = atomic_fetch_add(&hang.n_held, 1);
+    if (i < 64)
+        hang.held[i] = req;
+    else
+        bex_rpc_reply(req, -EAGAIN, NULL, 0);
+}
+
+static bex_rpc_endpoint hang_start(struct in_addr a0)
+{
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c = scaled(&base, a0);
+    CHECK_OK(bex_ctx_create(&c, &hang.ctx));
+    CHECK_OK(bex_rpc_server_create(hang.ctx, NULL, &hang.srv));
+    CHECK_OK(bex_rpc_server_register(hang.srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, hang_copy, NULL));
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
+    CHECK_OK(bex_rpc_server_listen(hang.srv, &la));
+    bex_rpc_server_addr(hang.srv, &la);
+    return (bex_rpc_endpoint){.addr = la};
+}
+
+static void hang_stop(void)
+{
+    for (int i = 0; i < atomic_load(&hang.n_held) && i < 64; i++)
+        bex_rpc_reply(hang.held[i], -ECANCELED, NULL, 0);
+    CHECK_OK(bex_rpc_server_destroy(hang.srv));
+    CHECK_OK(bex_ctx_destroy(hang.ctx));
+}
+
+/* The primary restarted (its state lost) at its address, catching up. */
+static void primary_restart(struct pb *p)
+{
+    CHECK_OK(bex_rpc_server_destroy(p->srv[0]));
+    bex_ps_shard_destroy(p->s[0]);
+    bex_rpc_endpoint bk[NREP - 1];
+    for (int r = 1; r < NREP; r++)
+        bk[r - 1] = (bex_rpc_endpoint){.addr = p->addr[r]};
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_PRIMARY,
+                              .backups = bk,
+                              .n_backups = NREP - 1,
+                              .forward_timeout_ms = 1500 * time_scale(),
+                              .backup_retry_ms = 50,
+                              .flags = BEX_PS_SHARD_CATCHUP};
+    replica_start(p, 0, p->addr[0].in4.sin_addr, &pc);
+}
+
+/* A Fetch of key at replica r, through bex_ps_shard_serve: its status. */
+static int fetch_status(struct pb *p, int r, uint64_t key)
+{
+    uint8_t body[BEX__PS_HDR_LEN + 8];
+    bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = TS->id, .n = 1, .dim = TS->dim});
+    bex__ps_put64(body + BEX__PS_HDR_LEN, key);
+    void *resp = NULL;
+    size_t len = 0;
+    int rc = bex_ps_shard_serve(p->s[r], p->sctx, BEX_PS_M_FETCH, body, sizeof body, &resp, &len);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+static int t_primary_stale(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 50);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 35;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1}, row[NREP][8];
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    bex_ps_client_destroy(c);
+    primary_restart(&p);
+    bex_rpc_endpoint peer = hang_start(p.addr[0].in4.sin_addr);
+    bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 300};
+    CHECK_EQ(bex_ps_shard_catchup(p.s[0], p.sctx, &cc), -ETIMEDOUT);
+    /* its rows are empty: it must not serve them as the shard's */
+    CHECK_EQ(fetch_status(&p, 0, key), -EAGAIN);
+    bex_ps_client_config qc = {
+        .dir = p.dir, .service = "ps", .timeout_ms = 300, .push_mode = BEX_PS_PUSH_PRIMARY};
+    CHECK_OK(bex_ps_client_create(p.cctx, &qc, &c));
+    CHECK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g) != 0); /* was acknowledged */
+    bex_ps_client_destroy(c);
+    for (int r = 1; r < NREP; r++)
+        CHECK_EQ(stats(p.s[r]).pushes, 2);
+    /* caught up from backup 1 this time: it serves the shard's rows */
+    bex_rpc_endpoint b1 = {.addr = p.addr[1]};
+    cc = (bex_ps_catchup_config){.peers = &b1, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_catchup(p.s[0], p.sctx, &cc));
+    c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    for (int r = 0; r < NREP; r++)
+        rows_of(&p, r, TS, &key, 1, row[r]);
+    CHECK(memcmp(row[0], row[1], sizeof row[0]) == 0);
+    CHECK(memcmp(row[0], row[2], sizeof row[0]) == 0);
+    for (int r = 1; r < NREP; r++)
+        CHECK_EQ(stats(p.s[r]).pushes, 3);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    hang_stop();
     return 0;
 }
 
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
               {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq},
-              {"backup_behind", t_backup_behind})
+              {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
+              {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile})

@@ -804,11 +804,26 @@ static int failover_all(const struct opts *o, struct node *nd)
     return 0;
 }
 
+/* A primary's catch-up failed: it does not serve its snapshot (its
+ * backups may hold newer rows) and tries again, not ready meanwhile,
+ * until SIGTERM or SIGINT (1: stop). */
+static int primary_catchup_wait(const struct node *nd, size_t i, int rc, const sigset_t *sigs)
+{
+    fprintf(stderr,
+            "bex-ps: shard %u: the primary's catch-up failed (%s): not serving its snapshot as "
+            "primary; trying again\n",
+            nd->sv[i].shard, bex_strerror(rc));
+    struct timespec pause = {0, 500000000};
+    int sig = sigtimedwait(sigs, NULL, &pause);
+    return sig == SIGTERM || sig == SIGINT;
+}
+
 /* Catch up with a peer replica, each shard in turn (they hold Pushes and
  * refuse Fetches until then; after the etcd registration, so that clients
  * send them the Pushes the peer applies after its copy): a failure is
- * logged, and the shard serves its snapshot and the Pushes it held. */
-static int catchup_all(const struct opts *o, struct node *nd)
+ * logged, and the shard serves its snapshot and the Pushes it held; a
+ * primary's is tried again until it succeeds. */
+static int catchup_all(const struct opts *o, struct node *nd, const sigset_t *sigs)
 {
     for (size_t i = 0; i < nd->n_sv; i++) {
         if (!nd->sv[i].n_peers)
@@ -819,6 +834,12 @@ static int catchup_all(const struct opts *o, struct node *nd)
         int rc = o->join ? bex_ps_tool_join(nd->sv[i].ps, nd->ctx, &nd->sv[i].primary, &nd->self[i],
                                             (uint32_t)o->catchup_ms)
                          : bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
+        while (rc && !o->join && !o->etcd && nd->sv[i].role == BEX_PS_ROLE_PRIMARY &&
+               o->primary_backup) {
+            if (primary_catchup_wait(nd, i, rc, sigs))
+                return 1;
+            rc = bex_ps_shard_catchup(nd->sv[i].ps, nd->ctx, &cu);
+        }
         if (rc && o->join) /* not in the replica set: it would serve stale rows */
             return 1;
         if (rc)
@@ -969,7 +990,7 @@ int main(int argc, char **argv)
         status = failover_all(&o, &nd);
     atomic_store(&nd.mt.not_ready, "catching up");
     if (status == 0)
-        status = catchup_all(&o, &nd);
+        status = catchup_all(&o, &nd, &sigs);
     if (status == 0)
         serve(&o, &nd, &sigs);
     return stop_all(&o, &nd, status);
