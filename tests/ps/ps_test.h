@@ -378,6 +378,28 @@ static inline uint16_t free_port(void)
 }
 
 #ifdef BEX_PS_BIN
+/* Run bex-ps with argv (argv[0] included, NULL-terminated), its stdout
+ * into *out; it dies with the test (no process left when a check fails). */
+static inline pid_t bex_ps_spawn_piped(const char *const *argv, FILE **out)
+{
+    int p[2];
+    CHECK(pipe(p) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        dup2(p[1], 1);
+        close(p[0]);
+        close(p[1]);
+        execv(BEX_PS_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    close(p[1]);
+    CHECK((*out = fdopen(p[0], "r")));
+    return pid;
+}
+
 /* Start bex-ps with args (after the program's name, NULL-terminated) and
  * wait for its "ready" line; the metrics URL it printed before, if any,
  * goes to url (url_cap bytes; "" when none). */
@@ -392,23 +414,8 @@ static inline pid_t bex_ps_start(const char *const *args, char *url, size_t url_
     argv[n] = NULL;
     if (url_cap)
         url[0] = 0;
-    int p[2];
-    CHECK(pipe(p) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        /* gone with the test, also when a check fails (no process left) */
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        dup2(p[1], 1);
-        close(p[0]);
-        close(p[1]);
-        execv(BEX_PS_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    close(p[1]);
-    FILE *f = fdopen(p[0], "r");
-    CHECK(f);
+    FILE *f;
+    pid_t pid = bex_ps_spawn_piped(argv, &f);
     char line[256];
     bool ready = false;
     static const char at[] = "bex-ps: metrics at ";

@@ -947,21 +947,7 @@ static int hung_listener(uint16_t port)
 /* bex-ps with argv, its stdout into *out; its metrics base URL into base. */
 static pid_t spawn_metrics(const char *const *argv, FILE **out, char *base, size_t cap)
 {
-    int p[2];
-    CHECK(pipe(p) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        dup2(p[1], 1);
-        close(p[0]);
-        close(p[1]);
-        execv(BEX_PS_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    close(p[1]);
-    CHECK((*out = fdopen(p[0], "r")));
+    pid_t pid = bex_ps_spawn_piped(argv, out);
     static const char at[] = "bex-ps: metrics at ";
     char line[256];
     base[0] = 0;

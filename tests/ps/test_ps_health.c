@@ -110,28 +110,6 @@ static int mute_listener(uint16_t port)
     return fd;
 }
 
-/* bex-ps with argv, its stdout into *out. */
-static pid_t ps_spawn(const char *const *argv, FILE **out)
-{
-    int p[2];
-    CHECK(pipe(p) == 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        dup2(p[1], 1);
-        close(p[0]);
-        close(p[1]);
-        execv(BEX_PS_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    close(p[1]);
-    *out = fdopen(p[0], "r");
-    CHECK(*out);
-    return pid;
-}
-
 /* The next line of f that is want (others echoed); 0 or -1 at EOF. */
 static int expect_line(FILE *f, const char *want)
 {
@@ -165,7 +143,7 @@ static int t_catching_up(void)
                           "0",       "--catchup-timeout-ms",
                           "3000",    NULL};
     FILE *f;
-    pid_t pid = ps_spawn(argv, &f);
+    pid_t pid = bex_ps_spawn_piped(argv, &f);
     char line[256], base[128] = "", path[160], *text;
     static const char at[] = "bex-ps: metrics at ";
     while (!base[0] && fgets(line, sizeof line, f)) {
@@ -215,7 +193,7 @@ static int t_drain(void)
                           "--table", "1:8:sgd:0.1", "--transport", "tcp",     "--drain-timeout-ms",
                           "5000",    NULL};
     FILE *f;
-    pid_t pid = ps_spawn(argv, &f);
+    pid_t pid = bex_ps_spawn_piped(argv, &f);
     CHECK_OK(expect_line(f, "bex-ps: ready\n"));
     bex_ctx *ctx = client_ctx();
     bex_dir *d = dir_of_file(cluster);
