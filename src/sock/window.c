@@ -7,7 +7,7 @@
 
 #include "sock/internal.h"
 
-#define WND_MIN_DEF       4096u
+#define WND_MIN_DEF       1024u
 #define WND_MAX_DEF       262144u
 #define WND_INIT_DEF      16384u
 #define WND_TARGET_US_DEF 1000u
@@ -23,6 +23,8 @@ int bex__ctx_window_check(bex_ctx_config *c)
         c->send_window_max = WND_MAX_DEF;
     if (!c->send_window_target_us)
         c->send_window_target_us = WND_TARGET_US_DEF;
+    if (!c->send_window_base_max_us)
+        c->send_window_base_max_us = c->send_window_target_us;
     if (!c->send_window_dest && c->send_window_mode == BEX_WINDOW_ADAPTIVE)
         c->send_window_dest = WND_DEST_DEF;
     /* a window below a header-free SEND's worth would only add work requests */
@@ -42,7 +44,8 @@ void bex__ctx_window_init(bex_ctx *ctx)
     e->wnd = (struct bex__wnd_params){.min = c->send_window_min,
                                       .max = c->send_window_max,
                                       .init = c->send_window ? c->send_window : WND_INIT_DEF,
-                                      .target_us = c->send_window_target_us};
+                                      .target_us = c->send_window_target_us,
+                                      .base_max_us = c->send_window_base_max_us};
     e->dests = dest ? &ctx->dests : NULL;
 }
 
