@@ -264,7 +264,7 @@ typedef struct bex_ctx_config {
                                          with nothing in flight may always post one
                                          fragment */
     uint32_t send_window_base_max_us; /* adaptive: the base delay's ceiling
-                                         (send_window_target_us) */
+                                         (none) */
 } bex_ctx_config;
 
 /* bex_ctx_config.send_window_mode */

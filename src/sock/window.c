@@ -23,8 +23,6 @@ int bex__ctx_window_check(bex_ctx_config *c)
         c->send_window_max = WND_MAX_DEF;
     if (!c->send_window_target_us)
         c->send_window_target_us = WND_TARGET_US_DEF;
-    if (!c->send_window_base_max_us)
-        c->send_window_base_max_us = c->send_window_target_us;
     if (!c->send_window_dest && c->send_window_mode == BEX_WINDOW_ADAPTIVE)
         c->send_window_dest = WND_DEST_DEF;
     /* a window below a header-free SEND's worth would only add work requests */
