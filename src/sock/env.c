@@ -89,6 +89,8 @@ static const struct env_var vars[] = {
     {"BEX_SEND_WINDOW_MAX", FIELD(send_window_max), parse_num, 256, UINT32_MAX, "256 or more"},
     {"BEX_SEND_WINDOW_TARGET_US", FIELD(send_window_target_us), parse_num, 1, 10000000,
      "1-10000000"},
+    {"BEX_SEND_WINDOW_BASE_MAX_US", FIELD(send_window_base_max_us), parse_num, 1, 10000000,
+     "1-10000000"},
     {"BEX_SEND_WINDOW_DEST", FIELD(send_window_dest), parse_num, 1, UINT32_MAX,
      "bytes (4294967295: none)"},
 };

@@ -7,7 +7,7 @@
 
 #include "sock/internal.h"
 
-#define WND_MIN_DEF       4096u
+#define WND_MIN_DEF       1024u
 #define WND_MAX_DEF       262144u
 #define WND_INIT_DEF      16384u
 #define WND_TARGET_US_DEF 1000u
@@ -42,7 +42,8 @@ void bex__ctx_window_init(bex_ctx *ctx)
     e->wnd = (struct bex__wnd_params){.min = c->send_window_min,
                                       .max = c->send_window_max,
                                       .init = c->send_window ? c->send_window : WND_INIT_DEF,
-                                      .target_us = c->send_window_target_us};
+                                      .target_us = c->send_window_target_us,
+                                      .base_max_us = c->send_window_base_max_us};
     e->dests = dest ? &ctx->dests : NULL;
 }
 

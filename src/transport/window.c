@@ -48,6 +48,11 @@ int64_t bex__wnd_sample(struct bex__wnd *w, uint32_t delay_us, uint32_t bytes, u
     w->last_us = delay_us;
     if (w->base_us == 0 || delay_us < w->base_us)
         w->base_us = delay_us ? delay_us : 1;
+    /* An engine that starts behind a standing queue never sees the path
+     * empty: its smallest sample holds the queue, which it would then keep
+     * (and add to until drops). A base above the ceiling is such a queue. */
+    if (w->p.base_max_us && w->base_us > w->p.base_max_us)
+        w->base_us = w->p.base_max_us;
     uint32_t queue_us = delay_us > w->base_us ? delay_us - w->base_us : 0;
     if (queue_us <= w->p.target_us)
         grow(w, bytes);

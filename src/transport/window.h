@@ -40,9 +40,10 @@
 #define BEX__WND_MAX_CUT_PERMILLE 500u
 
 struct bex__wnd_params {
-    uint32_t min, max;  /* bytes, 0 < min <= max */
-    uint32_t init;      /* the first window (clamped to [min, max]) */
-    uint32_t target_us; /* queueing delay above which the window is cut */
+    uint32_t min, max;    /* bytes, 0 < min <= max */
+    uint32_t init;        /* the first window (clamped to [min, max]) */
+    uint32_t target_us;   /* queueing delay above which the window is cut */
+    uint32_t base_max_us; /* the base delay's ceiling (0: none) */
 };
 
 struct bex__wnd {

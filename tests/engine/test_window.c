@@ -12,11 +12,17 @@
  *    delay = bytes in flight / rate) keep the queue near the target: the
  *    queueing delay settles within [target / 4, 3 x target], and each
  *    sender's window is smaller with 16 senders than with 4.
+ *  - incast16: the 16-sender incast of docs/benchmarks.md in miniature,
+ *    with the context's defaults but the target and the base ceiling
+ *    (both 40 ms, as bench/ps/incast-adaptive): a queue that 16 windows
+ *    at 4 KB overflow, half the senders starting behind a standing queue;
+ *    after the first half of the run nothing is dropped.
  *  - dest: the shared bound: an engine with bytes in flight takes only
  *    what fits, an engine alone always may; give returns them; one entry
  *    per address, freed with its last reference; no bound, no entry. */
 #include <arpa/inet.h>
 
+#include "sock/internal.h"
 #include "transport/window.h"
 #include "harness.h"
 
@@ -155,6 +161,80 @@ static int senders(void)
     return 0;
 }
 
+/* The incast16 bottleneck (the window's defaults but the target and the
+ * base ceiling): 2 Mbit/s (0.25 bytes/us), a 48 KB queue (less
+ * than 16 x 4 KB, as the 64 KB tbf queue less the Fetches and control
+ * messages beside the Pushes was in the 16-sender runs), 1 ms base delay
+ * (Soft-RoCE in a VM), rxe's retransmission timeout at qp_timeout 14. */
+#define I16_N     16
+#define I16_Q     (48 * 1024)
+#define I16_BASE  1000u
+#define I16_RTO   67000u
+#define I16_STEPS 8000
+
+/* One round: every active sender has its window in flight; in an order
+ * that turns each round, what does not fit the queue is dropped and its
+ * batch completes a timeout later. Returns the batches dropped. */
+static int i16_round(struct bex__wnd *w, int active, int s, uint64_t *t)
+{
+    uint64_t inflight = 0, longest = 0;
+    for (int i = 0; i < active; i++)
+        inflight += w[i].cwnd;
+    uint64_t queued = inflight < I16_Q ? inflight : I16_Q, acc = 0;
+    uint32_t delay = I16_BASE + (uint32_t)(queued * 4); /* 0.25 bytes/us */
+    int drops = 0;
+    for (int k = 0; k < active; k++) {
+        struct bex__wnd *x = &w[(k + s) % active];
+        acc += x->cwnd;
+        uint32_t d = delay + (acc > I16_Q ? I16_RTO : 0);
+        drops += acc > I16_Q;
+        longest = d > longest ? d : longest;
+        bex__wnd_sample(x, d, x->cwnd, *t + d);
+    }
+    *t += longest;
+    return drops;
+}
+
+static int incast16(void)
+{
+    bex_ctx_config c = {.send_window_mode = BEX_WINDOW_ADAPTIVE,
+                        .send_window_target_us = 40000,
+                        .send_window_base_max_us = 40000};
+    CHECK_OK(bex__ctx_window_check(&c));
+    const struct bex__wnd_params p = {.min = c.send_window_min,
+                                      .max = c.send_window_max,
+                                      .init = 16384,
+                                      .target_us = c.send_window_target_us,
+                                      .base_max_us = c.send_window_base_max_us};
+    struct bex__wnd w[I16_N];
+    uint64_t t = 0;
+    int active = 0, late = 0, first = 0;
+    for (int s = 0; s < I16_STEPS; s++) {
+        /* half start at once (their first sample sees the queue empty),
+         * the rest one by one once a queue stands */
+        int want = s == 0 ? I16_N / 2 : s < 100 ? active : active + (s % 10 == 0 && active < I16_N);
+        for (; active < want; active++) {
+            bex__wnd_init(&w[active], &p);
+            if (s == 0)
+                bex__wnd_sample(&w[active], I16_BASE, 0, t);
+        }
+        int d = i16_round(w, active, s, &t);
+        if (s < I16_STEPS / 2)
+            first += d;
+        else
+            late += d;
+    }
+    uint64_t inflight = 0;
+    for (int i = 0; i < I16_N; i++)
+        inflight += w[i].cwnd;
+    fprintf(stderr, "incast16: drops %d then %d; windows %llu bytes in all, last base %u us\n",
+            first, late, (unsigned long long)inflight, w[I16_N - 1].base_us);
+    CHECK_EQ(active, I16_N);
+    CHECK_EQ(late, 0);
+    CHECK(inflight <= I16_Q);
+    return 0;
+}
+
 static int dest(void)
 {
     struct bex__wnd_dests d;
@@ -191,4 +271,5 @@ static int dest(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(grows), BEX_CASE(cuts), BEX_CASE(base), BEX_CASE(senders), BEX_CASE(dest))
+BEX_TEST_MAIN(BEX_CASE(grows), BEX_CASE(cuts), BEX_CASE(base), BEX_CASE(senders),
+              BEX_CASE(incast16), BEX_CASE(dest))
