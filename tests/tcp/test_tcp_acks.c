@@ -297,7 +297,10 @@ static int idle_keepalive(void)
 {
     PAIR_NEED(setup_addrs());
     struct rig r;
-    ka_timeout_ms = 2000; /* keepalives every 500 ms, not every 20 */
+    /* keepalives every 500 ms, not every 20: local_ctx stretches the
+     * timeout by the sanitizer's time scale (x3, x10), which would stretch
+     * the interval past the idle second, so it gets 2000 / scale here */
+    ka_timeout_ms = 2000 / time_scale();
     rig_up(&r, BEX_POLL_EVENT, 20, false, false);
     pair_sleep_ms(100); /* the setup's frames are out */
     uint64_t c0 = frames(r.cctx, NULL), s0 = frames(r.sctx, NULL);
