@@ -856,26 +856,31 @@ static int t_behind_hostile(void)
 static struct {
     bex_ctx *ctx;
     bex_rpc_server *srv;
+    pthread_mutex_t mu; /* held and n_held: the I/O threads add, the test takes */
     bex_rpc_req *held[64];
-    _Atomic int n_held;
-} hang;
+    int n_held;
+    bool stopping;
+} hang = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static void hang_copy(bex_rpc_req *req, void *body, size_t len, void *user)
 {
     (void)len;
     (void)user;
     bex_rpc_free(body);
-    int i = atomic_fetch_add(&hang.n_held, 1);
-    if (i < 64)
-        hang.held[i] = req;
-    else
-        bex_rpc_reply(req, -EAGAIN, NULL, 0);
+    pthread_mutex_lock(&hang.mu);
+    int rc = hang.stopping ? -ECANCELED : hang.n_held < 64 ? 0 : -EAGAIN;
+    if (!rc)
+        hang.held[hang.n_held++] = req;
+    pthread_mutex_unlock(&hang.mu);
+    if (rc)
+        bex_rpc_reply(req, rc, NULL, 0);
 }
 
 static bex_rpc_endpoint hang_start(struct in_addr a0)
 {
     bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
     bex_ctx_config c = scaled(&base, a0);
+    hang.stopping = false; /* before its server exists: no handler runs */
     CHECK_OK(bex_ctx_create(&c, &hang.ctx));
     CHECK_OK(bex_rpc_server_create(hang.ctx, NULL, &hang.srv));
     CHECK_OK(bex_rpc_server_register(hang.srv, BEX_PS_SERVICE, BEX_PS_M_COPY, 0, hang_copy, NULL));
@@ -887,7 +892,12 @@ static bex_rpc_endpoint hang_start(struct in_addr a0)
 
 static void hang_stop(void)
 {
-    for (int i = 0; i < atomic_load(&hang.n_held) && i < 64; i++)
+    pthread_mutex_lock(&hang.mu);
+    hang.stopping = true;
+    int n = hang.n_held;
+    hang.n_held = 0;
+    pthread_mutex_unlock(&hang.mu);
+    for (int i = 0; i < n; i++)
         bex_rpc_reply(hang.held[i], -ECANCELED, NULL, 0);
     CHECK_OK(bex_rpc_server_destroy(hang.srv));
     CHECK_OK(bex_ctx_destroy(hang.ctx));
