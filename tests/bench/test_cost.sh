@@ -32,12 +32,16 @@ echo "copycount-probe: $calls calls, $bytes bytes"
 [ "$calls" = 1000 ] || fail "copycount saw $calls calls, not 1000"
 [ "$bytes" = 100000 ] || fail "copycount saw $bytes bytes, not 100000"
 
-# a port range of our own below the ephemeral ones (64 from $port; the run
-# takes one port per run)
+# a port range of our own below the ephemeral ones (64 from $port): the
+# cost runs take $port.. (one port per run, 12 runs) and ps-futex $port+40,
+# the fan-out part $port+48.. (bench.cost and bench.cost_fanout start side
+# by side and may draw the same block). SRANDOM, not RANDOM: bash seeds
+# RANDOM from the time and the PID, and two scripts ctest starts in the
+# same microsecond drew the same port (CI of stop 32).
 lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
-port=$((10000 + (RANDOM % ((lo - 10064) / 64)) * 64))
+port=$((10000 + (SRANDOM % ((lo - 10064) / 64)) * 64))
 if [ "$part" = fanout ]; then
-    fan=$(cd "$src" && BEX_BUILD_DIR=$build PORT=$port SHARDS=2 TOOLS=allocs N1=50 N2=250 \
+    fan=$(cd "$src" && BEX_BUILD_DIR=$build PORT=$((port + 48)) SHARDS=2 TOOLS=allocs N1=50 N2=250 \
         bench/cost/ps-fanout)
     echo "$fan"
     # 0.0 since issue 25 item 5 (2.0 before: the request's record in

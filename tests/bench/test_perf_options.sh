@@ -28,7 +28,7 @@ fail() { echo "FAIL: $*" >&2; failed=1; }
 # then draws again
 lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
 [ "$lo" -gt 12000 ] 2>/dev/null || lo=32768
-pick_port() { port=$((10000 + (RANDOM % ((lo - 10016) / 16)) * 16)); }
+pick_port() { port=$((10000 + (SRANDOM % ((lo - 10016) / 16)) * 16)); }
 pick_port
 
 # jget LINE KEY: a number or string field of a flat JSON line
