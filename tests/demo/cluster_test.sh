@@ -49,7 +49,7 @@ fail() {
     [ -f "$out/log" ] && tail -20 "$out/log" >&2
     # the processes' refusals and ladder steps, counted (a replica that
     # refused its clients, a client stuck on a step)
-    cat "$out"/run/phase*/*.log 2>/dev/null | grep -E "refused|step [0-9]" |
+    cat "$out"/run/phase*/*.log 2>/dev/null | grep -E "refused|step [0-9]|Fetch failed" |
         sed 's/:[0-9]*\b//g' | sort | uniq -c | sort -rn | head -20 >&2
     exit 1
 }

@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <semaphore.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -137,8 +138,15 @@ static void model_done(int status, void *user)
             sz.large_lat_sum += (double)(ld_now_us() - m->start_us);
     }
     pthread_mutex_unlock(&sz.mu);
-    if (status)
+    if (status) {
+        /* the first few failures named, so a test that counts a failed
+         * user request shows why (its log lines are what it prints) */
+        static _Atomic unsigned named;
+        if (atomic_fetch_add(&named, 1) < 8)
+            fprintf(stderr, "bex-ranker: a model Fetch failed %.1f ms after it was issued: %s\n",
+                    (double)(ld_now_us() - m->start_us) / 1000.0, bex_strerror(status));
         atomic_store(&m->u->failed, 1);
+    }
     ureq_put(m->u);
 }
 
