@@ -15,6 +15,8 @@ set -euo pipefail
 build=$1
 version=$2
 fail() { echo "test_deb: $*" >&2; exit 1; }
+# shellcheck source=unit_check.sh
+. "$(dirname "$0")/unit_check.sh"
 command -v dpkg-deb >/dev/null || fail "dpkg-deb not found (scripts/deps test)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -72,52 +74,12 @@ grep -qx 'ExecStart=/usr/bin/bex-ps $BEX_PS_OPTS' "$unit" || fail "the unit does
 grep -qx 'KillSignal=SIGTERM' "$unit" || fail "the unit does not stop it with SIGTERM"
 grep -q '^TimeoutStopSec=' "$unit" || fail "the unit gives the drain no time"
 grep -qx 'WantedBy=multi-user.target' "$unit" || fail "the unit has no [Install] target"
-if command -v systemd-analyze >/dev/null; then
-    # the unit's syntax and settings; its ExecStart pointed at the unpacked
-    # binary (verify wants it to exist and /usr/bin/bex-ps is not installed)
-    mkdir -p "$tmp/unit"
-    sed "s|^ExecStart=/usr/bin/bex-ps|ExecStart=$root/usr/bin/bex-ps|" "$unit" >"$tmp/unit/bex-ps.service"
-    systemd-analyze verify --man=no "$tmp/unit/bex-ps.service" 2>"$tmp/verify" ||
-        { cat "$tmp/verify" >&2; fail "systemd-analyze verify"; }
-fi
+unit_verify "$root" "$unit" "$tmp"
 for p in bex-ps bex-info; do
     out=$(LD_LIBRARY_PATH=$root/usr/lib "$root/usr/bin/$p" --version) || fail "$p --version failed"
     [ "$out" = "$p $version" ] || fail "$p --version printed '$out'"
 done
 
-# Start bex-ps as the unit would: its ExecStart line, from the unpacked
-# package, with the unit's KillSignal, and BEX_PS_OPTS as an
-# /etc/default/bex-ps would give them (a one-shard cluster on loopback);
-# /healthz and /ready must answer 200, and SIGTERM must end it with 0.
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-port=$(free_port) mport=$(free_port)
-printf '{"services":{"ps":{"shards":[{"replicas":[{"addr":"127.0.0.1:%s","transport":"tcp"}]}]}}}\n' \
-    "$port" >"$tmp/cluster.json"
-BEX_PS_OPTS="--cluster $tmp/cluster.json --shard all --table 1:4:sgd:0.1 --transport tcp --metrics-port $mport --no-catchup"
-exec_start=$(sed -n 's/^ExecStart=//p' "$unit")
-cmd=${exec_start//\$BEX_PS_OPTS/$BEX_PS_OPTS}
-cmd=${cmd/\/usr\/bin\//$root/usr/bin/}
-LD_LIBRARY_PATH=$root/usr/lib $cmd >"$tmp/ps.out" 2>&1 &
-pid=$!
-code=000
-for _ in $(seq 100); do
-    code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/healthz" || true)
-    [ "$code" = 200 ] && break
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-done
-[ "$code" = 200 ] || { cat "$tmp/ps.out" >&2; kill "$pid" 2>/dev/null; fail "/healthz answered $code"; }
-ready=000
-for _ in $(seq 100); do
-    ready=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/ready" || true)
-    [ "$ready" = 200 ] && break
-    sleep 0.1
-done
-[ "$ready" = 200 ] || { cat "$tmp/ps.out" >&2; kill "$pid"; fail "/ready answered $ready"; }
-sig=$(sed -n 's/^KillSignal=SIG//p' "$unit")
-kill -s "$sig" "$pid"
-rc=0
-wait "$pid" || rc=$?
-[ "$rc" = 0 ] || { cat "$tmp/ps.out" >&2; fail "bex-ps exited $rc after SIG$sig"; }
-grep -q '^bex-ps: stopped' "$tmp/ps.out" || { cat "$tmp/ps.out" >&2; fail "bex-ps did not say stopped"; }
-echo "test_deb: ok ($(cat "$tmp"/*.files | wc -l) paths in 3 packages; bex-ps from the unit's ExecStart served /healthz and stopped on SIG$sig)"
+# bex-ps from the unpacked packages, as the unit starts and stops it
+unit_run "$root" "$unit" "$tmp"
+echo "test_deb: ok ($(cat "$tmp"/*.files | wc -l) paths in 3 packages; bex-ps from the unit's ExecStart served /healthz and stopped on SIG$unit_sig)"

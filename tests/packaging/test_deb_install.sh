@@ -24,6 +24,8 @@ build=$1
 version=$2
 major=${version%%.*}
 fail() { echo "test_deb_install: $*" >&2; exit 1; }
+# shellcheck source=unit_check.sh
+. "$(dirname "$0")/unit_check.sh"
 [ "$(id -u)" = 0 ] || { echo "SKIP: not root (dpkg --root chroots)" >&2; exit 77; }
 command -v dpkg >/dev/null || { echo "SKIP: no dpkg" >&2; exit 77; }
 tmp=$(mktemp -d)
@@ -75,43 +77,9 @@ done
 chroot "$root" /sbin/ldconfig -p | grep -q "libbex.so.$major " || fail "postinst: no libbex in ld.so.cache"
 
 unit=$root/usr/lib/systemd/system/bex-ps.service
-if command -v systemd-analyze >/dev/null; then
-    mkdir -p "$tmp/unit"
-    sed "s|^ExecStart=/usr/bin/|ExecStart=$root/usr/bin/|" "$unit" >"$tmp/unit/bex-ps.service"
-    systemd-analyze verify --man=no "$tmp/unit/bex-ps.service" 2>"$tmp/verify" ||
-        { cat "$tmp/verify" >&2; fail "systemd-analyze verify"; }
-fi
-
-# bex-ps by the unit's ExecStart, from the installed tree.
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-port=$(free_port) mport=$(free_port)
-printf '{"services":{"ps":{"shards":[{"replicas":[{"addr":"127.0.0.1:%s","transport":"tcp"}]}]}}}\n' \
-    "$port" >"$tmp/cluster.json"
-BEX_PS_OPTS="--cluster $tmp/cluster.json --shard all --table 1:4:sgd:0.1 --transport tcp --metrics-port $mport --no-catchup"
-exec_start=$(sed -n 's/^ExecStart=//p' "$unit")
-cmd=${exec_start//\$BEX_PS_OPTS/$BEX_PS_OPTS}
-cmd=${cmd/\/usr\/bin\//$root/usr/bin/}
-LD_LIBRARY_PATH=$root/usr/lib $cmd >"$tmp/ps.out" 2>&1 &
-pid=$!
-http_200() {
-    local code=000
-    for _ in $(seq 100); do
-        code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/$1" || true)
-        [ "$code" = 200 ] && return 0
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    cat "$tmp/ps.out" >&2
-    kill "$pid" 2>/dev/null
-    fail "/$1 answered $code"
-}
-http_200 healthz
-http_200 ready
-sig=$(sed -n 's/^KillSignal=SIG//p' "$unit")
-kill -s "$sig" "$pid"
-rc=0
-wait "$pid" || rc=$?
-[ "$rc" = 0 ] || { cat "$tmp/ps.out" >&2; fail "bex-ps exited $rc after SIG$sig"; }
+unit_verify "$root" "$unit" "$tmp"
+# bex-ps by the unit's ExecStart, from the installed tree
+unit_run "$root" "$unit" "$tmp"
 
 dpkg --root="$root" --purge bex-ps "libbex$major" >"$tmp/purge.log" 2>&1 ||
     { cat "$tmp/purge.log" >&2; fail "dpkg --purge failed"; }
@@ -123,4 +91,4 @@ chroot "$root" /sbin/ldconfig -p | grep -q libbex && fail "postrm: libbex still 
 left=$(find "$root" -type f ! -path "$root/var/lib/dpkg/*" ! -path "$root/etc/ld.so.cache" |
     sort | comm -13 <(echo "$pre") -)
 [ -z "$left" ] || fail "left after purge: $left"
-echo "test_deb_install: ok (installed with dpkg --root, bex-ps served /healthz and /ready and stopped on SIG$sig, purged clean)"
+echo "test_deb_install: ok (installed with dpkg --root, bex-ps served /healthz and /ready and stopped on SIG$unit_sig, purged clean)"
