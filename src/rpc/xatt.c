@@ -58,6 +58,26 @@ int bex__rpc_xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoi
     return 0;
 }
 
+/* xa's socket no longer probes its endpoint: it failed, closed, was
+ * answered over, or came up at step OK. */
+void bex__rpc_xatt_probed(struct xatt *xa)
+{
+    if (xa->probing) {
+        xa->probing = false;
+        xa->ep->xprobing--;
+    }
+}
+
+/* End xa's attempt: its socket closes (and probes no more). */
+void bex__rpc_xatt_end(struct xatt *xa)
+{
+    bex__rpc_xatt_probed(xa);
+    if (!xa->closing) {
+        xa->closing = true;
+        bex_sock_close(xa->s);
+    }
+}
+
 /* xa's exposure came back or was delivered: what waited for it goes on. */
 static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct call **done)
 {
