@@ -73,7 +73,7 @@ void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, v
     c->resp_len = resp_len;
     /* an attempt out (a link's, or a destination's own socket not being
      * ended for a next one) timed out with the call */
-    if (kind == K_TIMEOUT && (c->link || (c->xa && !c->xa->closing)))
+    if (kind == K_TIMEOUT && (c->link || (c->xa && bex__rpc_xatt_live(c->xa))))
         bex__rpc_dir_report(ch, c->ep, BEX_DIR_REQ_FAIL);
     bex__rpc_dir_release(ch, c);
     switch (kind) {
