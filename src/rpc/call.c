@@ -56,26 +56,6 @@ void bex__rpc_dir_release(struct bex_rpc_channel *ch, struct call *c)
     c->counted = NULL;
 }
 
-/* xa's socket no longer probes its endpoint: it failed, closed, was
- * answered over, or came up at step OK. */
-void bex__rpc_xatt_probed(struct xatt *xa)
-{
-    if (xa->probing) {
-        xa->probing = false;
-        xa->ep->xprobing--;
-    }
-}
-
-/* End xa's attempt: its socket closes (and probes no more). */
-void bex__rpc_xatt_end(struct xatt *xa)
-{
-    bex__rpc_xatt_probed(xa);
-    if (!xa->closing) {
-        xa->closing = true;
-        bex_sock_close(xa->s);
-    }
-}
-
 /* Take c off the books with status; its completion runs once the lock is
  * released (bex__rpc_run_done). */
 void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, void *resp,
@@ -93,7 +73,7 @@ void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, v
     c->resp_len = resp_len;
     /* an attempt out (a link's, or a destination's own socket not being
      * ended for a next one) timed out with the call */
-    if (kind == K_TIMEOUT && (c->link || (c->xa && !c->xa->closing)))
+    if (kind == K_TIMEOUT && (c->link || (c->xa && bex__rpc_xatt_live(c->xa))))
         bex__rpc_dir_report(ch, c->ep, BEX_DIR_REQ_FAIL);
     bex__rpc_dir_release(ch, c);
     switch (kind) {

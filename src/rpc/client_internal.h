@@ -32,6 +32,14 @@ enum { LINK_SAID_MALFORMED = 1u << 0 };
  * by bex__rpc_call_move. */
 enum call_state { CALL_LIVE, CALL_WAITING, CALL_PARKED, CALL_DONE };
 
+/* An attempt's socket's life (struct xatt): PROBING (connecting, or up at
+ * step 1 or 2 of the ladder and not answered over yet: counted in its
+ * endpoint's xprobing) -> OPEN (answered over, or up at step OK) ->
+ * CLOSING (bex__rpc_xatt_end closed its socket) -> CLOSED (its on_close:
+ * freed right after); PROBING -> CLOSING too (failed, or ended before an
+ * answer). Changed only by xatt_move (xatt.c). */
+enum xatt_state { XA_PROBING, XA_OPEN, XA_CLOSING, XA_CLOSED };
+
 /* One socket to an endpoint; lives until its bex__rpc_on_close. */
 struct link {
     struct bex_rpc_channel *ch;
@@ -80,7 +88,7 @@ struct endpoint {
      * again (bex__rpc_ep_conn_failed) */
     uint64_t fail_gen;
     bool fail_stepped;
-    uint32_t xprobing; /* attempts with a destination probing it (xatt.probing) */
+    uint32_t xprobing; /* attempts with a destination probing it (an xatt PROBING) */
 };
 
 /* completion kinds, for the counters */
@@ -129,10 +137,11 @@ struct xatt {
     struct call *c;
     struct endpoint *ep;
     bex_sock *s;
-    bool closing;
-    bool armed;    /* the destination is exposed on s: not retired */
-    bool probing;  /* the socket is connecting, or up at step 1 or 2 of the ladder
-                      and not answered over yet (counted in ep->xprobing) */
+    enum xatt_state state;
+    /* the destination is exposed on s: not retired. Beside the state, not
+     * part of it: set while PROBING or OPEN, an exposure outlives them into
+     * CLOSING and is back (false) before CLOSED */
+    bool armed;
     char dest_tag; /* msg_user of the DEST message */
     /* as a link's: the endpoint's step when made, over the ladder's TCP
      * fallback or not, the endpoint's fail_gen then */
@@ -140,6 +149,12 @@ struct xatt {
     bool tcp;
     uint64_t gen;
 };
+
+/* xa's socket is not closing: its attempt may still be answered over it. */
+static inline bool bex__rpc_xatt_live(const struct xatt *xa)
+{
+    return xa->state == XA_PROBING || xa->state == XA_OPEN;
+}
 
 struct bex_rpc_channel {
     bex_ctx *ctx;
@@ -217,7 +232,6 @@ void bex__rpc_xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep
 extern const bex_sock_ops bex__rpc_link_ops;
 
 int bex__rpc_xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep);
-void bex__rpc_xatt_probed(struct xatt *xa);
 void bex__rpc_xatt_end(struct xatt *xa);
 bool bex__rpc_ep_conn_failed(struct bex_rpc_channel *ch, struct endpoint *ep, int rung,
                              uint64_t gen, int err);

@@ -2,6 +2,7 @@
 /* RPC client: attempts with a destination (bex_rpc_call_into): each on a
  * socket of its own, so that ending one retires the destination's exposure. */
 #include <arpa/inet.h>
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -43,7 +44,7 @@ int bex__rpc_xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoi
     struct xatt *xa = calloc(1, sizeof(*xa));
     if (!xa)
         return -ENOMEM;
-    *xa = (struct xatt){.ch = ch, .c = c, .ep = ep};
+    *xa = (struct xatt){.ch = ch, .c = c, .ep = ep, .state = XA_PROBING};
     bex_connect_opts o = bex__rpc_ladder_connect(ch, ep, &xa->rung, &xa->tcp, &xa->gen);
     int err = bex_sock_connect_opts(ch->ctx, &ep->addr, &xatt_ops, xa, &o, &xa->s);
     if (err) {
@@ -53,9 +54,48 @@ int bex__rpc_xatt_open(struct bex_rpc_channel *ch, struct call *c, struct endpoi
     ep->refs++;
     c->refs++;
     c->xa = xa;
-    xa->probing = true;
-    ep->xprobing++;
+    ep->xprobing++; /* PROBING */
     return 0;
+}
+
+static const char *const xatt_names[] = {"PROBING", "OPEN", "CLOSING", "CLOSED"};
+
+/* The one place xa->state changes (under ch->mu): each move is named in
+ * the debug log; one our own code must never make asserts (every move
+ * is ours: the socket layer reports on_close once, and only after
+ * bex_sock_close; a peer's answer is checked before it proves the
+ * socket). Leaving PROBING takes xa off its endpoint's count. */
+static void xatt_move(struct xatt *xa, enum xatt_state to)
+{
+    enum xatt_state from = xa->state;
+    assert((from == XA_PROBING && (to == XA_OPEN || to == XA_CLOSING)) ||
+           (from == XA_OPEN && to == XA_CLOSING) || (from == XA_CLOSING && to == XA_CLOSED));
+    assert(to != XA_CLOSED || !xa->armed);
+    xa->state = to;
+    if (from == XA_PROBING)
+        xa->ep->xprobing--;
+    struct bex_rpc_channel *ch = xa->ch;
+    if (ch->log && ch->log->level >= BEX_LOG_DEBUG)
+        bex__log(ch->log, BEX_LOG_DEBUG, "rpc channel %s: attempt %p (call %llu) %s -> %s",
+                 ch->name, (void *)xa, (unsigned long long)xa->c->id, xatt_names[from],
+                 xatt_names[to]);
+}
+
+/* xa's socket no longer probes its endpoint: it was answered over, or
+ * came up at step OK. */
+static void xatt_probed(struct xatt *xa)
+{
+    if (xa->state == XA_PROBING)
+        xatt_move(xa, XA_OPEN);
+}
+
+/* End xa's attempt: its socket closes (and probes no more). */
+void bex__rpc_xatt_end(struct xatt *xa)
+{
+    if (!bex__rpc_xatt_live(xa))
+        return;
+    xatt_move(xa, XA_CLOSING);
+    bex_sock_close(xa->s);
 }
 
 /* xa's exposure came back or was delivered: what waited for it goes on. */
@@ -99,14 +139,15 @@ static void x_on_connect(bex_sock *s, int status, void *user)
     struct bex_rpc_channel *ch = xa->ch;
     struct call *c = xa->c, *done = NULL;
     pthread_mutex_lock(&ch->mu);
-    /* a connection the ladder made proves itself by an answer */
-    if (status || xa->rung == BEX_RPC_LADDER_OK)
-        bex__rpc_xatt_probed(xa);
+    /* a connection the ladder made proves itself by an answer (a failed
+     * one probes no more either: xatt_failed ends it) */
+    if (!status && xa->rung == BEX_RPC_LADDER_OK)
+        xatt_probed(xa);
     if (!status && xa->rung == BEX_RPC_LADDER_OK)
         bex__rpc_ep_reachable(ch, xa->ep);
     if (status) {
         xatt_failed(ch, xa, status, true, &done);
-    } else if (!xa->closing && c->xa == xa && bex__rpc_call_live(c)) {
+    } else if (bex__rpc_xatt_live(xa) && c->xa == xa && bex__rpc_call_live(c)) {
         /* over RDMA the answer is written into the destination (header
          * in its room, then the body); over TCP, where an exposed buffer
          * must be written whole, it comes as a message and is copied */
@@ -224,7 +265,7 @@ static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     bool current = c->xa == xa && c->state == CALL_LIVE;
     if (why) {
         ch->st.bad_header++;
-        if (!xa->closing)
+        if (bex__rpc_xatt_live(xa))
             bex__log(ch->log, BEX_LOG_WARN,
                      "rpc channel %s: malformed answer (%s): attempt's socket closed", ch->name,
                      why);
@@ -232,7 +273,7 @@ static void x_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     } else {
         /* the connection works, at the step it was made at */
         bex__rpc_ep_answered(ch, xa->ep, xa->tcp, h.status, current);
-        bex__rpc_xatt_probed(xa);
+        xatt_probed(xa);
         bex__rpc_ep_reachable(ch, xa->ep);
         bex__rpc_ladder_proven(ch, xa->ep, xa->rung);
         if (!current) {
@@ -268,7 +309,7 @@ static void x_on_close(bex_sock *s, void *user)
     struct call *c = xa->c, *done = NULL;
     pthread_mutex_lock(&ch->mu);
     xa->armed = false; /* exposures come back before bex__rpc_on_close */
-    bex__rpc_xatt_probed(xa);
+    xatt_move(xa, XA_CLOSED);
     xatt_retired(ch, xa, &done);
     if (c->xa == xa)
         c->xa = NULL;
@@ -292,7 +333,7 @@ void bex__rpc_xatt_fail_ep(struct bex_rpc_channel *ch, const struct endpoint *ep
     bex__list_foreach_safe(pos, tmp, &ch->live)
     {
         struct call *c = bex__list_entry(pos, struct call, lnode);
-        if (c->xa && c->xa->ep == ep && !c->xa->closing)
+        if (c->xa && c->xa->ep == ep && bex__rpc_xatt_live(c->xa))
             xatt_failed(ch, c->xa, err, false, done);
     }
 }

@@ -24,7 +24,14 @@
  * - idle_keepalive: an idle connection writes its keepalive only as often
  *   as the peer's timeout needs (a quarter of it: the hello carries it),
  *   not every keepalive_ms (issue 26 item 7): keepalive_ms 20, timeouts of
- *   2000 ms, a second idle: about two frames each way (it was fifty). */
+ *   2000 ms, a second idle: about two frames each way (it was fifty).
+ * - keepalive_grid: the keepalives of idle connections that came up at
+ *   different times are written in the same ticks (on a grid of the send
+ *   interval), so that their peer's thread wakes once for all of them, and
+ *   still never further apart than the interval (issue 26 item 7; with
+ *   each connection's interval counted from its own last write, the
+ *   connections' keepalives went in as many ticks as there were phases).
+ *   Ticks with made-up times: no sockets, no clock. */
 #include <arpa/inet.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -32,6 +39,7 @@
 #include <string.h>
 
 #include "sock/echo.h"
+#include "transport/tcp/tcp_internal.h"
 
 #define MSG_LEN    64
 #define ECHO_N     2000
@@ -324,6 +332,43 @@ static int idle_keepalive(void)
     return 0;
 }
 
+/* Ticks every 100 ms (1 ms late) of idle connections that came up at
+ * 13..93 ms past different 100 ms ticks, keepalive_ms 100 and the peer's
+ * timeout 2000 (a write every 500 ms): after the first second every
+ * connection writes at the same ticks, once per 500 ms, and no gap
+ * between two writes is longer than 500 ms and a tick. */
+#define GRID_CONNS 9
+static int keepalive_grid(void)
+{
+    struct bex__tcp *t = calloc(GRID_CONNS, sizeof(*t));
+    CHECK(t != NULL);
+    for (int i = 0; i < GRID_CONNS; i++) {
+        t[i].cfg.keepalive_ms = 100;
+        t[i].cfg.peer_ka_timeout_ms = 2000;
+        t[i].last_tx = 100000 + (uint64_t)i * 110 + 13;
+    }
+    uint64_t max_gap = 0;
+    for (uint64_t now = 100201; now < 105000; now += 100) {
+        uint32_t writers = 0;
+        for (int i = 0; i < GRID_CONNS; i++) {
+            if (!bex__tcp_keepalive_due(&t[i], now))
+                continue;
+            uint64_t gap = now - t[i].last_tx;
+            max_gap = gap > max_gap ? gap : max_gap;
+            t[i].last_tx = now;
+            writers++;
+        }
+        if (now < 102000)
+            continue;
+        /* settled: all on the multiples of 500 ms, none in between */
+        CHECK_EQ(writers, (now - 1) % 500 == 0 ? GRID_CONNS : 0);
+    }
+    printf("longest gap between two keepalives: %llu ms\n", (unsigned long long)max_gap);
+    CHECK(max_gap <= 500 + 100);
+    free(t);
+    return 0;
+}
+
 BEX_TEST_MAIN({"echo", echo}, {"echo_thread", echo_thread}, {"one_way", one_way},
               {"one_way_event", one_way_event}, {"one_way_window", one_way_window},
-              {"idle_keepalive", idle_keepalive})
+              {"idle_keepalive", idle_keepalive}, {"keepalive_grid", keepalive_grid})

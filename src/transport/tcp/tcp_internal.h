@@ -106,8 +106,9 @@ struct bex__tcp {
     uint64_t rate_ms;    /* holding: start of the rate window (bex__now_ms) */
     uint64_t rate_rx;    /* part_rx then */
     uint64_t last_rx, last_tx;
-    uint64_t rx_ms;   /* bex__now_ms() when the running bex__tcp_rx began */
-    uint64_t msgs_in; /* the peer's messages received whole */
+    uint64_t ka_period; /* the keepalive grid's period of the last tick (timers.c) */
+    uint64_t rx_ms;     /* bex__now_ms() when the running bex__tcp_rx began */
+    uint64_t msgs_in;   /* the peer's messages received whole */
     bool violation_logged;
     bool link_lost; /* failed because the TCP connection did (EOF, reset, write error) */
     uint8_t *prefix;
@@ -123,6 +124,9 @@ void bex__tcp_fail(struct bex__xport *x, int err);
 bool bex__tcp_ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct bex__stream *st);
 bool bex__tcp_progress(struct bex__xport *x);
 void bex__tcp_rx(struct bex__tcp *t);
+/* A keepalive is due at this tick (now, ms; timers.c; also ka_period's
+ * update: call once per tick). */
+bool bex__tcp_keepalive_due(struct bex__tcp *t, uint64_t now);
 unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now);
 struct bex__xport *bex__tcp_unwrap(struct bex__xport *x);
 void bex__tcp_want(struct bex__tcp *t);

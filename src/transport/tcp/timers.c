@@ -106,6 +106,29 @@ static unsigned tick_wants(const struct bex__tcp *t)
     return want;
 }
 
+/* Is a keepalive due at this tick (now, ms)? It is written only as often
+ * as the peer's timeout needs (bex__keepalive_send_ms: every), so the
+ * peer's thread is not woken by one every tick; and on a grid all
+ * connections share (the multiples of every of the monotonic clock), so
+ * that a thread's idle connections, which tick together once per
+ * keepalive_ms (conn/timers.c), write theirs in the same tick and their
+ * peers' threads wake once for all of them, not once per tick for the
+ * connections that came up in it. The first tick of each period of the
+ * grid writes one unless the connection wrote within the last eighth of
+ * keepalive_ms; in between one is written when every has passed (each
+ * tick a little late: an eighth of keepalive_ms early is on time), so the
+ * gap between two writes is never longer than before. */
+bool bex__tcp_keepalive_due(struct bex__tcp *t, uint64_t now)
+{
+    uint32_t every = bex__keepalive_send_ms(t->cfg.keepalive_ms, t->cfg.peer_ka_timeout_ms);
+    if (now <= t->last_tx || !every)
+        return false;
+    uint64_t since = now - t->last_tx, slack = t->cfg.keepalive_ms / 8;
+    bool grid = now / every != t->ka_period;
+    t->ka_period = now / every;
+    return since + slack >= every || (grid && since >= slack);
+}
+
 unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now)
 {
     struct bex__tcp *t = tcp_of(x);
@@ -120,14 +143,7 @@ unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now)
         bex__tcp_fail(x, -ETIMEDOUT);
         return tick_wants(t);
     }
-    /* An idle connection ticks once per keepalive_ms (conn/timers.c), each
-     * tick a little early or late: an eighth of the period early is on
-     * time. It writes a keepalive only as often as the peer's timeout
-     * needs (bex__keepalive_send_ms), so the peer's thread is not woken
-     * by one every tick. */
-    uint32_t every = bex__keepalive_send_ms(t->cfg.keepalive_ms, t->cfg.peer_ka_timeout_ms);
-    if (now > t->last_tx && now - t->last_tx + t->cfg.keepalive_ms / 8 >= every && !t->out_n &&
-        !t->ctl_n) {
+    if (bex__tcp_keepalive_due(t, now) && !t->out_n && !t->ctl_n) {
         /* a header says we are alive */
         bex__tcp_ctl_push(t, BEX__MSG_CREDIT, 0, NULL);
         t->last_tx = now;
