@@ -267,7 +267,7 @@ typedef struct bex_ctx_config {
                                            (none) */
     uint32_t send_window_base_epoch_ms; /* adaptive, with a base ceiling: the base is
                                            the smallest delay of the last one to two
-                                           epochs of this length (10000), not of
+                                           epochs of this length (2000), not of
                                            all time */
 } bex_ctx_config;
 

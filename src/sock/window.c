@@ -12,7 +12,7 @@
 #define WND_INIT_DEF      16384u
 #define WND_TARGET_US_DEF 1000u
 #define WND_DEST_DEF      262144u
-#define WND_EPOCH_MS_DEF  10000u
+#define WND_EPOCH_MS_DEF  2000u
 
 int bex__ctx_window_check(bex_ctx_config *c)
 {
