@@ -253,18 +253,22 @@ typedef struct bex_ctx_config {
      * queueing delay it measures (time from posting a batch to its
      * completion, against the smallest seen), between send_window_min and
      * send_window_max, starting at send_window (16384 when 0). */
-    uint32_t send_window_mode;        /* BEX_WINDOW_* (STATIC) */
-    uint32_t send_window_min;         /* adaptive: smallest window, bytes (1024) */
-    uint32_t send_window_max;         /* adaptive: largest window, bytes (262144) */
-    uint32_t send_window_target_us;   /* adaptive: queueing delay above which the
-                                         window is cut (1000) */
-    uint32_t send_window_dest;        /* bytes in flight of all the engines sending to
-                                         one remote IP address (ADAPTIVE: 262144,
-                                         STATIC: none; UINT32_MAX: none); an engine
-                                         with nothing in flight may always post one
-                                         fragment */
-    uint32_t send_window_base_max_us; /* adaptive: the base delay's ceiling
-                                         (none) */
+    uint32_t send_window_mode;          /* BEX_WINDOW_* (STATIC) */
+    uint32_t send_window_min;           /* adaptive: smallest window, bytes (1024) */
+    uint32_t send_window_max;           /* adaptive: largest window, bytes (262144) */
+    uint32_t send_window_target_us;     /* adaptive: queueing delay above which the
+                                           window is cut (1000) */
+    uint32_t send_window_dest;          /* bytes in flight of all the engines sending to
+                                           one remote IP address (ADAPTIVE: 262144,
+                                           STATIC: none; UINT32_MAX: none); an engine
+                                           with nothing in flight may always post one
+                                           fragment */
+    uint32_t send_window_base_max_us;   /* adaptive: the base delay's ceiling
+                                           (none) */
+    uint32_t send_window_base_epoch_ms; /* adaptive, with a base ceiling: the base is
+                                           the smallest delay of the last one to two
+                                           epochs of this length (2000), not of
+                                           all time */
 } bex_ctx_config;
 
 /* bex_ctx_config.send_window_mode */

@@ -154,6 +154,8 @@ static bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
             dispatch(io, wc, 1);
             n++;
         }
+        /* the reposts of every engine served: one post */
+        bex__srq_flush(io->sh.srq);
         if (rc < 0)
             cq_failed(io, UINT32_MAX, rc);
         any |= n > 0;

@@ -91,6 +91,8 @@ static const struct env_var vars[] = {
      "1-10000000"},
     {"BEX_SEND_WINDOW_BASE_MAX_US", FIELD(send_window_base_max_us), parse_num, 1, 10000000,
      "1-10000000"},
+    {"BEX_SEND_WINDOW_BASE_EPOCH_MS", FIELD(send_window_base_epoch_ms), parse_num, 1, 3600000,
+     "1-3600000"},
     {"BEX_SEND_WINDOW_DEST", FIELD(send_window_dest), parse_num, 1, UINT32_MAX,
      "bytes (4294967295: none)"},
 };

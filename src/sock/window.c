@@ -12,6 +12,7 @@
 #define WND_INIT_DEF      16384u
 #define WND_TARGET_US_DEF 1000u
 #define WND_DEST_DEF      262144u
+#define WND_EPOCH_MS_DEF  2000u
 
 int bex__ctx_window_check(bex_ctx_config *c)
 {
@@ -23,6 +24,8 @@ int bex__ctx_window_check(bex_ctx_config *c)
         c->send_window_max = WND_MAX_DEF;
     if (!c->send_window_target_us)
         c->send_window_target_us = WND_TARGET_US_DEF;
+    if (!c->send_window_base_epoch_ms)
+        c->send_window_base_epoch_ms = WND_EPOCH_MS_DEF;
     if (!c->send_window_dest && c->send_window_mode == BEX_WINDOW_ADAPTIVE)
         c->send_window_dest = WND_DEST_DEF;
     /* a window below a header-free SEND's worth would only add work requests */
@@ -43,7 +46,8 @@ void bex__ctx_window_init(bex_ctx *ctx)
                                       .max = c->send_window_max,
                                       .init = c->send_window ? c->send_window : WND_INIT_DEF,
                                       .target_us = c->send_window_target_us,
-                                      .base_max_us = c->send_window_base_max_us};
+                                      .base_max_us = c->send_window_base_max_us,
+                                      .base_epoch_us = c->send_window_base_epoch_ms * 1000ull};
     e->dests = dest ? &ctx->dests : NULL;
 }
 

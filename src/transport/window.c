@@ -36,18 +36,42 @@ static void cut(struct bex__wnd *w, uint32_t queue_us, uint32_t delay_us, uint64
     uint64_t pm = (uint64_t)BEX__WND_BETA_PERMILLE * (queue_us - w->p.target_us) / queue_us;
     if (pm > BEX__WND_MAX_CUT_PERMILLE)
         pm = BEX__WND_MAX_CUT_PERMILLE;
+    if (pm < BEX__WND_MIN_CUT_PERMILLE)
+        pm = BEX__WND_MIN_CUT_PERMILLE;
     w->cwnd = clamp(&w->p, w->cwnd - (uint64_t)w->cwnd * pm / 1000);
     w->next_cut_us = now_us + delay_us;
     w->acc = 0;
     w->cuts++;
 }
 
+/* The base: the smallest delay of all time, or with a ceiling and an
+ * epoch, of this epoch and the last (a windowed minimum, as BBR's of the
+ * round-trip time). Of all time, the engines that started on an empty path
+ * keep a base the ones that started behind a standing queue never see:
+ * for the same delay the first see more queueing than the others, cut
+ * while the others grow, and sit at the floor (test_window.fair16). */
+static void base_update(struct bex__wnd *w, uint32_t d, uint64_t now_us)
+{
+    if (!w->p.base_max_us || !w->p.base_epoch_us) {
+        if (w->base_us == 0 || d < w->base_us)
+            w->base_us = d;
+        return;
+    }
+    if (now_us >= w->epoch_end_us) {
+        w->prev_min_us = w->cur_min_us;
+        w->cur_min_us = 0;
+        w->epoch_end_us = now_us + w->p.base_epoch_us;
+    }
+    if (w->cur_min_us == 0 || d < w->cur_min_us)
+        w->cur_min_us = d;
+    w->base_us = w->prev_min_us && w->prev_min_us < w->cur_min_us ? w->prev_min_us : w->cur_min_us;
+}
+
 int64_t bex__wnd_sample(struct bex__wnd *w, uint32_t delay_us, uint32_t bytes, uint64_t now_us)
 {
     uint32_t old = w->cwnd;
     w->last_us = delay_us;
-    if (w->base_us == 0 || delay_us < w->base_us)
-        w->base_us = delay_us ? delay_us : 1;
+    base_update(w, delay_us ? delay_us : 1, now_us);
     /* An engine that starts behind a standing queue never sees the path
      * empty: its smallest sample holds the queue, which it would then keep
      * (and add to until drops). A base above the ceiling is such a queue. */

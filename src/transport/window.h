@@ -6,7 +6,11 @@
  * is fed: each sample is the time from posting a batch of work requests to
  * its completion, in the spirit of TIMELY and Swift. The smallest sample
  * seen is the base delay; what a sample exceeds it by is the queueing
- * delay. At or below the target the window grows additively (about
+ * delay. With a base ceiling the smallest sample is of the last one to
+ * two epochs, not of all time: engines that started at different times
+ * (one on an empty path, one behind a standing queue) then come to the
+ * same base, and so to the same share; the ceiling bounds what a standing
+ * queue can make the base. At or below the target the window grows additively (about
  * BEX__WND_AI bytes per window of bytes completed); above it the window is
  * cut multiplicatively, in proportion to how far above, at most once per
  * base-delay-plus-queueing interval (a cut must see its own effect first),
@@ -38,18 +42,29 @@
  * of the window, in thousandths, at most MAX_CUT. */
 #define BEX__WND_BETA_PERMILLE    800u
 #define BEX__WND_MAX_CUT_PERMILLE 500u
+/* ... and at least MIN_CUT: a cut of next to nothing (a queue just past
+ * the target) would leave every window as it was, neither growing nor
+ * shrinking, however unequal the shares (test_window.fair16). */
+#ifndef BEX__WND_MIN_CUT_PERMILLE
+#define BEX__WND_MIN_CUT_PERMILLE 50u
+#endif
 
 struct bex__wnd_params {
-    uint32_t min, max;    /* bytes, 0 < min <= max */
-    uint32_t init;        /* the first window (clamped to [min, max]) */
-    uint32_t target_us;   /* queueing delay above which the window is cut */
-    uint32_t base_max_us; /* the base delay's ceiling (0: none) */
+    uint32_t min, max;      /* bytes, 0 < min <= max */
+    uint32_t init;          /* the first window (clamped to [min, max]) */
+    uint32_t target_us;     /* queueing delay above which the window is cut */
+    uint32_t base_max_us;   /* the base delay's ceiling (0: none) */
+    uint64_t base_epoch_us; /* with a ceiling: the base is the smallest delay
+                               of this epoch and the last (0: of all time) */
 };
 
 struct bex__wnd {
     struct bex__wnd_params p;
     uint32_t cwnd;        /* bytes */
     uint32_t base_us;     /* smallest delay seen (0: no sample yet) */
+    uint32_t cur_min_us;  /* smallest delay of the current epoch (0: none) */
+    uint32_t prev_min_us; /* of the epoch before (0: none) */
+    uint64_t epoch_end_us;
     uint32_t last_us;     /* the last sample */
     uint64_t next_cut_us; /* no cut before this time */
     uint64_t cuts;        /* multiplicative decreases */

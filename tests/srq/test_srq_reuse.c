@@ -27,7 +27,12 @@
  *               all of its own, in order, and B (A's number) none.
  *  poll_fails   the CQ fails while A's leaving looks at it: the failure
  *               reaches the I/O thread (bex__srq_next returns it), which
- *               fails every engine of the thread. */
+ *               fails every engine of the thread.
+ *  chain        one message arrives on each of N engines: the receives
+ *               they give back in one poll turn go onto the shared queue
+ *               in one ibv_post_srq_recv, not one per engine (issue 24
+ *               item 2, Figure 11 at 1024 QPs), and every one of them is
+ *               posted before an engine's next send (its credit) goes. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <stdint.h>
@@ -56,9 +61,13 @@ static struct ibv_wc cq[MAXQ]; /* the shared CQ, oldest first */
 static uint32_t cq_head, cq_n;
 static int poll_fail; /* the next poll returns this (negative) */
 
+static uint32_t srq_posts;             /* ibv_post_srq_recv calls */
+static uint32_t sends, posted_at_send; /* post_send calls; n_posted at the last */
+
 static int fake_post_srq_recv(struct ibv_srq *s, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
 {
     (void)bad;
+    srq_posts++;
     CHECK(s == &srq_standin);
     for (; wr; wr = wr->next) {
         CHECK(n_posted < MAXQ && wr->num_sge == 1);
@@ -96,6 +105,8 @@ static int fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_
     (void)qp;
     (void)wr;
     (void)bad;
+    sends++;
+    posted_at_send = n_posted;
     return 0;
 }
 
@@ -332,6 +343,7 @@ static int io_poll(void)
     int rc;
     while ((rc = bex__srq_next(sh.srq, &wc)) > 0)
         (void)bex__engine_srq_complete(sh.srq, &wc);
+    bex__srq_flush(sh.srq); /* the turn's reposts, as poll_cqs */
     return rc;
 }
 
@@ -350,7 +362,10 @@ static int reused_qpn(void)
     CHECK_EQ(io_poll(), 0);
     CHECK_EQ(a.n_opens, 1);
     CHECK_EQ(a.opens[0], 7);
-    CHECK_EQ(sh.srq->held, 1);
+    /* its receive went back to the queue at the turn's end (bex__srq_flush),
+     * its credit not yet to the peer */
+    CHECK_EQ(sh.srq->held, 0);
+    CHECK_EQ(bex__engine_charged(a.e), 1);
     /* two messages of A's peer arrive; before the thread polls them, A's
      * connection goes */
     arrive(QPN_A, NULL, 7, "old peer 1");
@@ -376,8 +391,10 @@ static int reused_qpn(void)
     CHECK(strcmp(b.msgs[0], "new peer") == 0);
     CHECK_EQ(b.msg_stream[0], 1);
     /* and B is charged with exactly its peer's two receives: the OPEN's
-     * (held for reposting) and the message's (its slot kept, refilled) */
-    CHECK_EQ(sh.srq->held, 2);
+     * and the message's (its slot refilled), posted again at the turn's
+     * end, their credits owed to B's peer */
+    CHECK_EQ(bex__engine_charged(b.e), 2);
+    CHECK_EQ(sh.srq->held, 0);
     CHECK_EQ(sh.srq->granted, RQ);
     check_conserved();
     conn_down(&b);
@@ -416,9 +433,11 @@ static int others_kept(void)
     CHECK_EQ(b.fails, 0);
     CHECK_EQ(b.n_msgs, 0);
     CHECK_EQ(b.n_opens, 0);
-    /* C holds its OPEN's receive; its messages' slots were refilled and
-     * are held for reposting too: 6 held, B none */
-    CHECK_EQ(sh.srq->held, 6);
+    /* C is charged with its OPEN's receive and its messages' (refilled,
+     * posted again at the turn's end): 6, B none */
+    CHECK_EQ(bex__engine_charged(c.e), 6);
+    CHECK_EQ(bex__engine_charged(b.e), 0);
+    CHECK_EQ(sh.srq->held, 0);
     check_conserved();
     conn_down(&b);
     conn_down(&c);
@@ -456,4 +475,64 @@ static int poll_fails(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(reused_qpn), BEX_CASE(others_kept), BEX_CASE(poll_fails))
+/* N_CHAIN engines with shares of RQ_CHAIN; a credit update goes once
+ * half a share waits (the engine's k), so M_CHAIN messages each make every
+ * engine send one at its next progress, ack delay or not */
+enum { N_CHAIN = 8, RQ_CHAIN = DEPTH / N_CHAIN, M_CHAIN = RQ_CHAIN / 2 };
+
+/* M_CHAIN messages from the peer of each QP in [first, first + n) */
+static void arrive_each(uint32_t first, uint32_t n)
+{
+    for (uint32_t m = 0; m < M_CHAIN; m++)
+        for (uint32_t i = 0; i < n; i++)
+            arrive(first + i, NULL, 1, "m");
+}
+
+static int chain(void)
+{
+    thread_init();
+    cfg.rq_depth = RQ_CHAIN; /* every engine's share fits the queue */
+    static struct conn c[N_CHAIN];
+    for (uint32_t i = 0; i < N_CHAIN; i++)
+        conn_up(&c[i], "C", 0x40 + i);
+    uint32_t before = n_posted;
+    /* one poll turn: messages on every QP */
+    srq_posts = 0;
+    arrive_each(0x40, N_CHAIN);
+    CHECK_EQ(io_poll(), 0);
+    for (uint32_t i = 0; i < N_CHAIN; i++)
+        CHECK_EQ(c[i].n_msgs, M_CHAIN);
+    /* then each engine's progress, whose sends carry the credits back */
+    uint32_t s_turn = sends;
+    for (uint32_t i = 0; i < N_CHAIN; i++)
+        (void)bex__engine_progress(c[i].e);
+    CHECK_EQ(sends - s_turn, N_CHAIN); /* each engine's credit update went */
+    fprintf(stderr, "%u receives given back in %u ibv_post_srq_recv calls\n", N_CHAIN * M_CHAIN,
+            srq_posts);
+    CHECK_EQ(n_posted, before); /* every one posted again */
+    CHECK_EQ(srq_posts, 1);
+    CHECK_EQ(sh.srq->held, 0);
+    check_conserved();
+    /* receives given back outside a turn's flush are posted before their
+     * engine's next send (their credits) goes */
+    arrive_each(0x40, 1);
+    struct ibv_wc wc;
+    for (uint32_t m = 0; m < M_CHAIN; m++) { /* no flush: the turn goes on */
+        CHECK_EQ(bex__srq_next(sh.srq, &wc), 1);
+        (void)bex__engine_srq_complete(sh.srq, &wc);
+    }
+    CHECK_EQ(n_posted, before - M_CHAIN);
+    uint32_t s0 = sends;
+    (void)bex__engine_progress(c[0].e);
+    CHECK_EQ(sends, s0 + 1);          /* the credit update went */
+    CHECK_EQ(posted_at_send, before); /* after its receives were posted */
+    CHECK_EQ(io_poll(), 0);
+    check_conserved();
+    for (uint32_t i = 0; i < N_CHAIN; i++)
+        conn_down(&c[i]);
+    CHECK_EQ(io_poll(), 0);
+    thread_fini(0);
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(reused_qpn), BEX_CASE(others_kept), BEX_CASE(poll_fails), BEX_CASE(chain))

@@ -78,6 +78,31 @@ static uint64_t end_us;
 /* per replica and rank: Pushes acknowledged, and failed there */
 static _Atomic uint32_t *applied[REPS_MAX], *unsure[REPS_MAX];
 static uint32_t n_shards, n_reps;
+
+/* The send window's state after each Push (issue 24: the adaptive
+ * controller beside the latencies it shapes): the context's window bytes,
+ * its last delay sample (posting to completion: base plus queueing) and
+ * its cuts so far. The first WND_SAMPLES_MAX Pushes. */
+#define WND_SAMPLES_MAX 1024u
+struct wnd_sample {
+    uint32_t t_ms, bytes, delay_us, cuts, stalls;
+};
+static struct wnd_sample wnd_samples[WND_SAMPLES_MAX];
+static _Atomic uint32_t n_wnd;
+
+static void wnd_record(void)
+{
+    uint32_t i = atomic_fetch_add(&n_wnd, 1);
+    if (i >= WND_SAMPLES_MAX)
+        return;
+    bex_sock_stats st;
+    bex_ctx_stats(run.ctx, &st);
+    wnd_samples[i] = (struct wnd_sample){.t_ms = (uint32_t)((ld_now_us() - run.t0_us) / 1000),
+                                         .bytes = (uint32_t)st.window_bytes,
+                                         .delay_us = (uint32_t)st.window_delay_us,
+                                         .cuts = (uint32_t)st.window_cuts,
+                                         .stalls = (uint32_t)st.window_stalls};
+}
 static _Atomic uint64_t push_partial; /* Pushes some replicas acknowledged, not all */
 static _Atomic uint64_t push_resent;  /* --push-retry-ms: Pushes sent again with their id */
 #define SIZES_MAX (1u << 20)
@@ -163,6 +188,7 @@ static void *loop(void *arg)
         size_t n_res = 0;
         int prc = push_retried(o, keys, n, grads, res, res_cap, &n_res);
         ld_record(&run, LD_PUSH, t_push, prc == 0);
+        wnd_record();
         ld_record(&run, LD_ITER, t_iter, rc == 0 && prc == 0);
         /* which replica of each shard acknowledged: parts come per shard in
          * the directory's order of its replicas */
@@ -225,6 +251,36 @@ static int write_counts(const struct ld_opts *o)
     return rc;
 }
 
+/* The send window's state at the end and after each Push, as JSON members
+ * (a leading comma) into buf: the length written. */
+static size_t window_json(char *buf, size_t cap)
+{
+    bex_sock_stats st;
+    bex_ctx_stats(run.ctx, &st);
+    int n = snprintf(buf, cap,
+                     ",\"window\":{\"bytes\":%llu,\"base_us\":%llu,\"delay_us\":%llu,"
+                     "\"cuts\":%llu,\"stalls\":%llu,\"dest_bound_hits\":%llu,"
+                     "\"dest_max_inflight\":%llu,\"max_inflight\":%llu,\"retry_errors\":%llu,"
+                     "\"rnr_errors\":%llu,\"series\":[",
+                     (unsigned long long)st.window_bytes, (unsigned long long)st.window_base_us,
+                     (unsigned long long)st.window_delay_us, (unsigned long long)st.window_cuts,
+                     (unsigned long long)st.window_stalls, (unsigned long long)st.dest_bound_hits,
+                     (unsigned long long)st.dest_max_inflight,
+                     (unsigned long long)st.max_inflight_bytes, (unsigned long long)st.retry_errors,
+                     (unsigned long long)st.rnr_errors);
+    size_t at = n > 0 && (size_t)n < cap ? (size_t)n : 0;
+    uint32_t k = atomic_load(&n_wnd) < WND_SAMPLES_MAX ? atomic_load(&n_wnd) : WND_SAMPLES_MAX;
+    /* [ms since start, window bytes, last delay us, cuts, stalls] per Push */
+    for (uint32_t i = 0; i < k && at + 64 < cap; i++) {
+        const struct wnd_sample *w = &wnd_samples[i];
+        at += (size_t)snprintf(buf + at, cap - at, "%s[%u,%u,%u,%u,%u]", i ? "," : "", w->t_ms,
+                               w->bytes, w->delay_us, w->cuts, w->stalls);
+    }
+    if (at + 3 < cap)
+        at += (size_t)snprintf(buf + at, cap - at, "]}");
+    return at;
+}
+
 /* The run's closing JSON line, with the sizes the Pushes had. 0 or 1. */
 static int finish_run(void)
 {
@@ -235,16 +291,23 @@ static int finish_run(void)
         sum += sizes[i];
     if (ns)
         qsort(sizes, ns, sizeof *sizes, cmp_u32);
-    char extra_json[320];
-    snprintf(extra_json, sizeof extra_json,
-             ",\"compute_us\":%.0f,\"mean_bytes\":%.0f,\"p99_bytes\":%.0f,\"grad\":%.9g,"
-             "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u},\"push_partial\":%llu,"
-             "\"push_resent\":%llu",
-             to.compute_us, to.mean_bytes, to.p99_bytes, to.grad, ns ? sum / (double)ns : 0.0,
-             ns ? sizes[(size_t)((double)(ns - 1) * 0.99)] : 0,
-             (unsigned long long)atomic_load(&push_partial),
-             (unsigned long long)atomic_load(&push_resent));
-    return ld_run_finish(&run, "trainer", extra_json) ? 1 : 0;
+    size_t cap = 1024 + (size_t)WND_SAMPLES_MAX * 64, at = 0;
+    char *extra_json = malloc(cap);
+    if (!extra_json)
+        return 1;
+    at += (size_t)snprintf(
+        extra_json, cap,
+        ",\"compute_us\":%.0f,\"mean_bytes\":%.0f,\"p99_bytes\":%.0f,\"grad\":%.9g,"
+        "\"push_bytes\":{\"mean\":%.0f,\"p99\":%u},\"push_partial\":%llu,"
+        "\"push_resent\":%llu",
+        to.compute_us, to.mean_bytes, to.p99_bytes, to.grad, ns ? sum / (double)ns : 0.0,
+        ns ? sizes[(size_t)((double)(ns - 1) * 0.99)] : 0,
+        (unsigned long long)atomic_load(&push_partial),
+        (unsigned long long)atomic_load(&push_resent));
+    at += window_json(extra_json + at, cap - at);
+    int rc = ld_run_finish(&run, "trainer", extra_json) ? 1 : 0;
+    free(extra_json);
+    return rc;
 }
 
 int main(int argc, char **argv)

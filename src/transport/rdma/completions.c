@@ -409,6 +409,10 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
         bex__engine_fail(e, rc);
     } else {
         bex__engine_complete(e, wc);
+        /* staged now, posted with the other engines' reposts at the end
+         * of the thread's poll turn (bex__srq_flush) */
+        if (e->state != E_DEAD && e->n_unposted)
+            bex__engine_repost_recvs(e);
     }
     /* taken by neither the engine's lists nor its release (it failed on
      * this receive): back to the pool */

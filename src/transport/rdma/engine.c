@@ -350,6 +350,11 @@ bool bex__engine_is_up(struct bex__engine *e)
 {
     return e->state == E_UP;
 }
+uint32_t bex__engine_charged(const struct bex__engine *e)
+{
+    return e->n_unposted + e->n_starved + e->to_return;
+}
+
 bool bex__engine_is_dead(struct bex__engine *e)
 {
     return e->state == E_DEAD;

@@ -182,6 +182,9 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);
  * in its wr_id), handed to the engine of its QP. Returns that engine's
  * user (its connection), or NULL when the QP is gone. */
 void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc);
+/* Receives of e's peer not yet credited back to it: held (unposted,
+ * starved) or posted again with the credit not yet sent (tests). */
+uint32_t bex__engine_charged(const struct bex__engine *e);
 /* Schedule and post what can go. Returns true if anything was posted. */
 bool bex__engine_progress(struct bex__engine *e);
 /* Timer tick: keepalive. now in ms (CLOCK_MONOTONIC). */

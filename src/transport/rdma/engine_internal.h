@@ -159,6 +159,8 @@ struct bex__engine {
      * the shared queue that the peer consumed (charged to it until
      * reposted), rq is its share of the queue */
     bool srq_in;       /* holds a share (granted, not yet released) */
+    uint64_t srq_wait; /* the shared queue's flush its reposts wait for
+                          (bex__srq_post): flushed before the next send */
     uint32_t qpn;      /* its QP's number, the key of the queue's map */
     uint32_t srq_cur;  /* the slot whose completion is being handled, until
                           it is held (NO_SLOT otherwise) */

@@ -312,6 +312,9 @@ void bex__engine_post_pending(struct bex__engine *e)
 {
     if (e->post == e->tail)
         return;
+    /* what is posted may carry the credits of receives still staged */
+    if (e->sh->srq && !bex__srq_flushed(e->sh->srq, e->srq_wait))
+        bex__srq_flush(e->sh->srq);
     struct sslot *first = sslot_at(e, e->post);
     /* counted from the flags of what is posted, so that the counter shows
      * the signaling policy, whatever it is (recounted up to bad on failure) */
@@ -367,8 +370,10 @@ void bex__engine_repost_recvs(struct bex__engine *e)
         return;
     int rc;
     if (e->sh->srq) {
-        /* onto the shared queue; the credits come back to this peer */
-        rc = bex__srq_post(e->sh->srq, e->unposted, e->n_unposted);
+        /* onto the shared queue, posted with the other engines' at the
+         * thread's next flush; the credits come back to this peer */
+        e->srq_wait = bex__srq_post(e->sh->srq, e->unposted, e->n_unposted);
+        rc = 0;
     } else {
         for (uint32_t i = 0; i < e->n_unposted; i++) {
             struct bex__rslot *r = &e->rs[e->unposted[i]];

@@ -27,11 +27,12 @@ static int srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rb
     q->map_cap = 64;
     q->map = calloc(q->map_cap, sizeof(*q->map));
     q->wcs = calloc(depth, sizeof(*q->wcs));
+    q->pend = calloc(depth, sizeof(*q->pend));
     q->dying = calloc(depth, sizeof(*q->dying));
     q->last_wqe = calloc(depth, sizeof(*q->last_wqe));
     q->drain_ms = BEX__SRQ_DRAIN_MS;
     int err = -ENOMEM;
-    if (!q->slots || !q->pool || !q->map || !q->wcs || !q->dying || !q->last_wqe)
+    if (!q->slots || !q->pool || !q->map || !q->wcs || !q->pend || !q->dying || !q->last_wqe)
         goto err_free;
     q->stand_in = stand_in != NULL;
     if (stand_in) {
@@ -53,6 +54,7 @@ err_free:
     free(q->pool);
     free(q->map);
     free(q->wcs);
+    free(q->pend);
     free(q->dying);
     free(q->last_wqe);
     free(q);
@@ -92,6 +94,7 @@ void bex__srq_destroy(struct bex__srq *q)
     free(q->pool);
     free(q->map);
     free(q->wcs);
+    free(q->pend);
     free(q->dying);
     free(q->last_wqe);
     pthread_mutex_destroy(&q->last_mu);
@@ -383,12 +386,35 @@ struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t 
     return hit->e;
 }
 
-int bex__srq_post(struct bex__srq *q, const uint32_t *idx, uint32_t n)
+uint64_t bex__srq_post(struct bex__srq *q, const uint32_t *idx, uint32_t n)
 {
-    int err = post_chain(q, idx, n);
+    memcpy(q->pend + q->n_pend, idx, n * sizeof(*idx));
+    q->n_pend += n;
+    q->held -= n;
+    q->posted += n;
+    BEX__STAT_ADD(q->sh->stats, srq_posted, n);
+    return q->flushes + 1;
+}
+
+void bex__srq_flush(struct bex__srq *q)
+{
+    uint32_t n = q->n_pend;
+    if (!n)
+        return;
+    q->n_pend = 0;
+    q->flushes++;
+    /* post_chain counts them posted again */
+    q->posted -= n;
+    BEX__STAT_ADD(q->sh->stats, srq_posted, -(uint64_t)n);
+    int err = post_chain(q, q->pend, n);
     if (!err)
-        q->held -= n;
-    return err;
+        return;
+    bex__log(q->sh->log, BEX_LOG_ERROR, "ibv_post_srq_recv of %u receives: %s", n,
+             bex_strerror(err));
+    for (uint32_t i = 0; i < n; i++)
+        q->pool[q->n_pool++] = q->pend[i];
+    if (!q->cq_err)
+        q->cq_err = err;
 }
 
 void bex__srq_return(struct bex__srq *q, uint32_t idx)

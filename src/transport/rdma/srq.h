@@ -77,7 +77,14 @@ struct bex__srq {
     struct bex__rslot *slots;
     uint32_t *pool; /* slots neither posted nor held by an engine */
     uint32_t n_pool;
-    uint32_t posted;  /* receives posted whose completion was not polled */
+    uint32_t posted; /* receives posted whose completion was not polled (with
+                        those staged for the next flush: pend) */
+    /* receives engines gave back (bex__srq_post), posted together at the
+     * next bex__srq_flush: one ibv_post_srq_recv per poll turn of the
+     * thread, not one per engine (cap entries: each slot at most once) */
+    uint32_t *pend;
+    uint32_t n_pend;
+    uint64_t flushes; /* flushes that posted (or failed to post) a chain */
     uint32_t held;    /* consumed receives engines hold (credits not returned) */
     uint32_t granted; /* credits granted to the engines on the queue */
     uint32_t peers;   /* engines on the queue */
@@ -144,9 +151,24 @@ void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const ui
 /* A receive of slot idx completed on QP qpn: its engine, which now holds
  * it (NULL: the QP is gone, and the slot went back to the pool). */
 struct bex__engine *bex__srq_arrived(struct bex__srq *q, uint32_t idx, uint32_t qpn);
-/* Post receives an engine held (its credits go back to its peer): 0 or a
- * negative errno (nothing posted). */
-int bex__srq_post(struct bex__srq *q, const uint32_t *idx, uint32_t n);
+/* Receives an engine held go back to the queue (their credits to its
+ * peer): staged for the thread's next bex__srq_flush, so that the reposts
+ * of every engine served in one poll turn take one ibv_post_srq_recv.
+ * They count as posted from now on. Returns the flush count they wait for
+ * (bex__srq_flushed: a credit must not leave before its receive is
+ * posted, so an engine flushes before its next send if it is not there
+ * yet). */
+uint64_t bex__srq_post(struct bex__srq *q, const uint32_t *idx, uint32_t n);
+/* Post the staged receives in one chain. Where the post fails they go back
+ * to the pool and the queue fails as a CQ does (bex__srq_next returns the
+ * error: the I/O thread fails every engine on it, whose peers may hold
+ * credits those receives were to back). */
+void bex__srq_flush(struct bex__srq *q);
+/* Whether the receives staged at flush count want are posted (or failed). */
+static inline bool bex__srq_flushed(const struct bex__srq *q, uint64_t want)
+{
+    return q->flushes >= want;
+}
 /* A held receive goes back to the pool unposted (its engine failed on it). */
 void bex__srq_return(struct bex__srq *q, uint32_t idx);
 
