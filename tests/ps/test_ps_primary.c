@@ -46,6 +46,7 @@
 #include <pthread.h>
 
 #include "ps_test.h"
+#include "ps/shard_internal.h"
 
 #define NREP    3
 #define NKEY    12
@@ -980,8 +981,194 @@ static int t_primary_stale(void)
     return 0;
 }
 
+/* ---- restart_suffix, restart_suffix_log, suffix_hostile ---- */
+
+/* Backup 2 killed and restarted from the snapshot at path (version 4:
+ * its position in the primary's session), catching up from the primary. */
+static void backup2_restart_snap(struct pb *p, const char *path)
+{
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_BACKUP,
+                              .flags = BEX_PS_SHARD_CATCHUP,
+                              .snapshot_path = path};
+    replica_start(p, 2, p->addr[2].in4.sin_addr, &pc);
+    bex_rpc_endpoint peer = {.addr = p->addr[0]};
+    bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_catchup(p->s[2], p->bctx[2], &cc));
+}
+
+static void backup2_kill(struct pb *p)
+{
+    CHECK_OK(bex_rpc_server_destroy(p->srv[2]));
+    bex_ps_shard_destroy(p->s[2]);
+    CHECK_OK(bex_ctx_destroy(p->bctx[2]));
+    p->srv[2] = NULL;
+    p->s[2] = NULL;
+    p->bctx[2] = NULL;
+}
+
+/* Snapshot of backup 2 after the first Push, three more acknowledged,
+ * backup 2 killed, one more (applied at the others, -EHOSTDOWN), backup 2
+ * restarted from its snapshot; the Pushes go on once it is back. The
+ * replicas end equal at lsn 6 (SGD and Adagrad rows). */
+static void suffix_run(struct pb *p, const char *snap)
+{
+    bex_ps_client *c = pb_client(p, BEX_PS_PUSH_PRIMARY);
+    uint64_t keys[2] = {41, 42};
+    float g[16];
+    for (int i = 0; i < 16; i++)
+        g[i] = (float)(i % 5) - 2.0f;
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, keys, 2, g));
+    CHECK_OK(bex_ps_shard_snapshot(p->s[2], snap));
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TA->id, TA->dim, keys, 2, g));
+    backup2_kill(p);
+    CHECK_EQ(bex_ps_push_sync(c, TA->id, TA->dim, keys, 2, g), -EHOSTDOWN); /* lsn 5 */
+    backup2_restart_snap(p, snap);
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    int rc;
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, keys, 2, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    CHECK_OK(rc);
+    float row[NREP][2 * 8] = {{0}}, arow[NREP][2 * 8] = {{0}};
+    for (int r = 0; r < NREP; r++) {
+        rows_of(p, r, TS, keys, 2, row[r]);
+        rows_of(p, r, TA, keys, 2, arow[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK(memcmp(arow[0], arow[r], sizeof arow[0]) == 0);
+        CHECK_EQ(stats(p->s[r]).lsn, 6);
+    }
+    bex_ps_client_destroy(c);
+}
+
+static int t_restart_suffix(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    if (rc)
+        return rc;
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    CHECK(mkdtemp(dir));
+    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
+    suffix_run(&p, snap);
+    bex_ps_shard_stats st = stats(p.s[2]);
+    /* lsn 2..5 from the primary's log, no row copied */
+    CHECK_EQ(st.catchup_suffix, 1);
+    CHECK_EQ(st.suffix_applied, 4);
+    CHECK_EQ(st.catchup_rows, 0);
+    CHECK_EQ(st.catchup_failed, 0);
+    CHECK(stats(p.s[0]).suffixes_served >= 1);
+    CHECK_EQ(stats(p.s[0]).copies_served, 0);
+    pb_stop(&p);
+    CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
+    return 0;
+}
+
+static int t_restart_suffix_log(void)
+{
+    struct pb p;
+    log_bytes = 1; /* no Push fits: the log cannot cover the snapshot */
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    log_bytes = 0;
+    if (rc)
+        return rc;
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    CHECK(mkdtemp(dir));
+    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
+    suffix_run(&p, snap);
+    bex_ps_shard_stats st = stats(p.s[2]);
+    CHECK(st.catchup_suffix == 0 && st.suffix_applied == 0 && st.catchup_rows > 0);
+    CHECK_EQ(stats(p.s[0]).suffixes_served, 0);
+    CHECK_EQ(stats(p.s[0]).copies_served, 1);
+    pb_stop(&p);
+    CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
+    return 0;
+}
+
+/* One COPY op SUFFIX call to replica r: its status; *last and the entries'
+ * count on 0. */
+static int suffix_ask(struct pb *p, int r, uint64_t session, uint64_t pos, uint32_t max,
+                      uint64_t *last, int *n)
+{
+    bex_rpc_endpoint ep = {.addr = p->addr[r]};
+    bex_rpc_channel_config cc = {.endpoints = &ep,
+                                 .n_endpoints = 1,
+                                 .request_timeout_ms = 5000 * time_scale(),
+                                 .max_attempts = 1};
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &ch));
+    uint8_t *b = bex_rpc_alloc(p->cctx, BEX__PS_COPY_HDR_LEN);
+    CHECK(b);
+    bex__ps_copy_put(
+        b, &(struct bex__ps_copy_hdr){
+               .op = BEX__PS_COPY_SUFFIX, .max_len = max, .session = session, .offset = pos});
+    bex_rpc_call_opts o = {.timeout_ms = 5000 * time_scale()};
+    void *resp = NULL;
+    size_t len = 0;
+    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o,
+                               &resp, &len);
+    struct bex__ps_copy_hdr a;
+    if (rc == 0) {
+        CHECK_OK(bex__ps_copy_get(resp, len, &a));
+        *last = a.offset;
+        *n = 0;
+        for (size_t off = BEX__PS_COPY_HDR_LEN; off < len; (*n)++) {
+            CHECK(len - off >= 12);
+            CHECK_EQ(bex__ps_get64((uint8_t *)resp + off), pos + 1 + (uint64_t)*n);
+            off += 12 + bex__ps_get32((uint8_t *)resp + off + 8);
+        }
+    }
+    bex_rpc_free(resp);
+    bex_rpc_channel_destroy(ch);
+    return rc;
+}
+
+/* Positions a restarted backup (or a hostile peer) may claim: the
+ * primary answers the suffix its log holds, or refuses; it goes on
+ * serving. */
+static int t_suffix_hostile(void)
+{
+    struct pb p;
+    int rc = pb_start(&p, false, 0);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 43, last = 0, session, lsn;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    pthread_mutex_lock(&p.s[0]->mu);
+    bex__ps_repl_position(p.s[0], &session, &lsn);
+    pthread_mutex_unlock(&p.s[0]->mu);
+    CHECK_EQ(lsn, 3);
+    int n = -1;
+    CHECK_OK(suffix_ask(&p, 0, session, 0, 1u << 20, &last, &n));
+    CHECK(last == 3 && n == 3); /* from the start: the log holds it */
+    CHECK_OK(suffix_ask(&p, 0, session, 1, 1, &last, &n));
+    CHECK(last == 3 && n == 1); /* max_len 1: one entry at least */
+    CHECK_OK(suffix_ask(&p, 0, session, 3, 1u << 20, &last, &n));
+    CHECK(last == 3 && n == 0);                                                     /* in step */
+    CHECK_EQ(suffix_ask(&p, 0, session, 4, 1u << 20, &last, &n), -ERANGE);          /* future */
+    CHECK_EQ(suffix_ask(&p, 0, session, UINT64_MAX, 1u << 20, &last, &n), -ERANGE); /* huge */
+    CHECK_EQ(suffix_ask(&p, 0, session ^ 2, 1, 1u << 20, &last, &n), -ESTALE);
+    CHECK_EQ(suffix_ask(&p, 0, 0, 0, 1u << 20, &last, &n), -ESTALE);
+    CHECK_EQ(suffix_ask(&p, 0, session, 1, 0, &last, &n), -EINVAL);
+    CHECK_EQ(suffix_ask(&p, 1, session, 1, 1u << 20, &last, &n), -ENOENT); /* a backup */
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_EQ(stats(p.s[0]).suffixes_served, 3);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
               {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq},
               {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
-              {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile})
+              {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile},
+              {"restart_suffix", t_restart_suffix}, {"restart_suffix_log", t_restart_suffix_log},
+              {"suffix_hostile", t_suffix_hostile})
