@@ -53,8 +53,7 @@ static int entry_apply_locked(bex_ps_shard *s, const uint8_t *body, size_t len)
     if (rc)
         return rc;
     struct pushid id = {.k = {h.id_client, {h.id_tok[0], h.id_tok[1]}}, .seq = h.id_seq};
-    rc = bex__ps_push_apply_locked(s, t, h.n, keys, g, (h.flags & BEX__PS_F_ID) ? &id : NULL,
-                                   NULL);
+    rc = bex__ps_push_apply_locked(s, t, h.n, keys, g, (h.flags & BEX__PS_F_ID) ? &id : NULL, NULL);
     free(keys);
     free(g);
     return rc;

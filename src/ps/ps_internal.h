@@ -222,12 +222,15 @@ enum {
     BEX__PS_CUT_COMMIT = 2,
     BEX__PS_CUT_ABORT = 3,
     /* a new backup's join: JOIN (the header, then u32 IPv4 address and
-     * u16 port in network order, u16 transport) holds the Pushes; JOINED
-     * adds it and releases them; ABORT lets them go */
+     * u16 port in network order, u16 transport; or, BEX__PS_JOIN6_LEN,
+     * 16 bytes of IPv6 address, u16 port, u16 transport, u32 scope id
+     * little-endian) holds the Pushes; JOINED adds it and releases them;
+     * ABORT lets them go */
     BEX__PS_CUT_JOIN = 4,
     BEX__PS_CUT_JOINED = 5,
 };
 #define BEX__PS_JOIN_LEN   (BEX__PS_CUT_HDR_LEN + 8)
+#define BEX__PS_JOIN6_LEN  (BEX__PS_CUT_HDR_LEN + 24)
 #define BEX__PS_CUT_F_FULL 1u
 struct bex__ps_cut_hdr {
     uint8_t op, flags;

@@ -340,7 +340,8 @@ int bex__ps_cut_path(char *out, size_t cap, const char *dir, uint32_t shard, uin
  * added (its channel made; in step at the primary's lsn), decoded. */
 int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep);
 int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep);
-void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep);
+void bex__ps_join_endpoint(const uint8_t *p, size_t len, bex_rpc_endpoint *ep);
+size_t bex__ps_join_put(uint8_t *p, const bex_rpc_endpoint *ep);
 
 /* repl_log.c: the primary's log of forwards (bounds from cfg); a
  * forward numbered (under s->mu; on no memory the log is emptied, never

@@ -42,7 +42,12 @@
  * primary_stale: a restarted primary whose catch-up timed out (its peer
  *   hangs) refuses Pushes and Fetches (-EAGAIN) rather than serve its old
  *   rows as primary (seen once in the VM); a second catch-up, from a
- *   backup, brings it level and it serves. */
+ *   backup, brings it level and it serves.
+ * restart_suffix: a backup restarted from its snapshot, 4 forwards
+ *   behind, catches up by the primary's log suffix, no row copied;
+ *   restart_suffix_log: the log too small, a full copy; suffix_hostile:
+ *   hostile positions asked of the primary are refused, nothing changes.
+ * join_v6: a backup on ::1 joins a running primary on ::1. */
 #include <pthread.h>
 
 #include "ps_test.h"
@@ -1165,10 +1170,104 @@ static int t_suffix_hostile(void)
     return 0;
 }
 
+/* ---- join_v6 ---- */
+
+/* A context on ::1 over TCP. */
+static bex_ctx *v6_ctx(void)
+{
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c = scaled(&base, (struct in_addr){htonl(INADDR_LOOPBACK)});
+    c.local_addr = bex_addr_loopback6(0);
+    c.transport = BEX_TRANSPORT_TCP;
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    return ctx;
+}
+
+/* A primary and one backup on ::1, a Push; a second backup on ::1 joins
+ * (the JOIN body carries its IPv6 address): the Pushes after it reach
+ * it, and the three replicas end equal. */
+static int t_join_v6(void)
+{
+    bex_ctx *ctx[NREP];
+    bex_ps_shard *s[NREP];
+    bex_rpc_server *srv[NREP];
+    bex_rpc_endpoint ep[NREP];
+    for (int r = NREP - 1; r >= 0; r--) {
+        ctx[r] = v6_ctx();
+        bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = TABLES, .n_tables = 2};
+        pc.role = r ? BEX_PS_ROLE_BACKUP : BEX_PS_ROLE_PRIMARY;
+        pc.flags = r == 2 ? BEX_PS_SHARD_CATCHUP : 0;
+        pc.backups = r ? NULL : &ep[1];
+        pc.n_backups = r ? 0 : 1;
+        pc.forward_timeout_ms = 3000 * time_scale();
+        CHECK_OK(bex_ps_shard_create(&pc, &s[r]));
+        CHECK_OK(bex_rpc_server_create(ctx[r], NULL, &srv[r]));
+        CHECK_OK(bex_ps_shard_register(s[r], srv[r], ctx[r]));
+        ep[r] = (bex_rpc_endpoint){.addr = bex_addr_loopback6(0), .transport = BEX_TRANSPORT_TCP};
+        int rc = bex_rpc_server_listen(srv[r], &ep[r].addr);
+        if (rc == -EADDRNOTAVAIL || rc == -EAFNOSUPPORT)
+            return bex_test_skip("no IPv6 loopback");
+        CHECK_OK(rc);
+        bex_rpc_server_addr(srv[r], &ep[r].addr);
+    }
+    bex_ctx *cctx = v6_ctx();
+    char j[512], a[3][BEX_ADDR_STRLEN], err[128];
+    for (int r = 0; r < NREP; r++)
+        bex_addr_format(&ep[r].addr, true, a[r], sizeof a[r]);
+    snprintf(
+        j, sizeof j,
+        "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s\"},{\"addr\":\"%s\"},"
+        "{\"addr\":\"%s\"}]}]}}}",
+        a[0], a[1], a[2]);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .timeout_ms = 20000 * time_scale(),
+                               .push_mode = BEX_PS_PUSH_PRIMARY};
+    bex_ps_client *c;
+    CHECK_OK(bex_ps_client_create(cctx, &cc, &c));
+    uint64_t key = 61;
+    float g[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    CHECK_OK(bex_ps_push_sync(c, TA->id, TA->dim, &key, 1, g));
+    bex_ps_join_config jc = {.primary = ep[0], .self = ep[2], .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_join(s[2], ctx[2], &jc));
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TA->id, TA->dim, &key, 1, g));
+    CHECK_EQ(stats(s[0]).n_backups, 2);
+    float row[NREP][8] = {{0}};
+    for (int r = 0; r < NREP; r++) {
+        uint8_t body[BEX__PS_HDR_LEN + 8];
+        bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = TA->id, .n = 1, .dim = TA->dim});
+        bex__ps_put64(body + BEX__PS_HDR_LEN, key);
+        void *resp = NULL;
+        size_t len = 0;
+        CHECK_OK(bex_ps_shard_serve(s[r], ctx[r], BEX_PS_M_FETCH, body, sizeof body, &resp, &len));
+        CHECK_EQ(len, BEX__PS_HDR_LEN + 4 * (size_t)TA->dim);
+        for (uint32_t i = 0; i < TA->dim; i++)
+            row[r][i] = bex__ps_getf((const uint8_t *)resp + BEX__PS_HDR_LEN + 4 * i);
+        bex_rpc_free(resp);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(stats(s[r]).lsn, 4);
+    }
+    bex_ps_client_destroy(c);
+    bex_dir_destroy(d);
+    for (int r = 0; r < NREP; r++)
+        CHECK_OK(bex_rpc_server_destroy(srv[r]));
+    for (int r = 0; r < NREP; r++) {
+        bex_ps_shard_destroy(s[r]);
+        CHECK_OK(bex_ctx_destroy(ctx[r]));
+    }
+    CHECK_OK(bex_ctx_destroy(cctx));
+    return 0;
+}
+
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
               {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq},
               {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
               {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile},
               {"restart_suffix", t_restart_suffix}, {"restart_suffix_log", t_restart_suffix_log},
-              {"suffix_hostile", t_suffix_hostile})
+              {"suffix_hostile", t_suffix_hostile}, {"join_v6", t_join_v6})
