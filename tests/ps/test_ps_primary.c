@@ -1096,22 +1096,27 @@ static int t_restart_suffix_log(void)
 
 /* One COPY op SUFFIX call to replica r: its status; *last and the entries'
  * count on 0. */
+static bex_rpc_channel *suffix_ch[NREP];
+
 static int suffix_ask(struct pb *p, int r, uint64_t session, uint64_t pos, uint32_t max,
                       uint64_t *last, int *n)
 {
-    bex_rpc_endpoint ep = {.addr = p->addr[r]};
-    bex_rpc_channel_config cc = {.endpoints = &ep,
-                                 .n_endpoints = 1,
-                                 .request_timeout_ms = 5000 * time_scale(),
-                                 .max_attempts = 1};
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &ch));
+    if (!suffix_ch[r]) {
+        bex_rpc_endpoint ep = {.addr = p->addr[r]};
+        bex_rpc_channel_config cc = {.endpoints = &ep,
+                                     .n_endpoints = 1,
+                                     .request_timeout_ms = 10000 * time_scale(),
+                                     .connect_timeout_ms = 10000 * time_scale(),
+                                     .max_attempts = 1};
+        CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &suffix_ch[r]));
+    }
+    bex_rpc_channel *ch = suffix_ch[r];
     uint8_t *b = bex_rpc_alloc(p->cctx, BEX__PS_COPY_HDR_LEN);
     CHECK(b);
     bex__ps_copy_put(
         b, &(struct bex__ps_copy_hdr){
                .op = BEX__PS_COPY_SUFFIX, .max_len = max, .session = session, .offset = pos});
-    bex_rpc_call_opts o = {.timeout_ms = 5000 * time_scale()};
+    bex_rpc_call_opts o = {.timeout_ms = 10000 * time_scale()};
     void *resp = NULL;
     size_t len = 0;
     int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o,
@@ -1128,7 +1133,6 @@ static int suffix_ask(struct pb *p, int r, uint64_t session, uint64_t pos, uint3
         }
     }
     bex_rpc_free(resp);
-    bex_rpc_channel_destroy(ch);
     return rc;
 }
 
@@ -1165,6 +1169,11 @@ static int t_suffix_hostile(void)
     CHECK_EQ(suffix_ask(&p, 1, session, 1, 1u << 20, &last, &n), -ENOENT); /* a backup */
     CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
     CHECK_EQ(stats(p.s[0]).suffixes_served, 3);
+    for (int r = 0; r < NREP; r++)
+        if (suffix_ch[r]) {
+            bex_rpc_channel_destroy(suffix_ch[r]);
+            suffix_ch[r] = NULL;
+        }
     bex_ps_client_destroy(c);
     pb_stop(&p);
     return 0;
