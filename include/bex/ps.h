@@ -190,7 +190,9 @@ typedef struct bex_ps_shard_config {
     uint32_t join_pause_ms;
     /* A primary keeps its last forwards in a log, at most
      * forward_log_entries of them (1024, at most 65536) and
-     * forward_log_bytes of Push bodies (16 MiB): a backup marked down
+     * forward_log_bytes of Push bodies (16 MiB; a backup restarted from
+     * its snapshot takes the suffix after the snapshot's lsn from it
+     * when it holds it, docs/protocol.md "Catch-up"): a backup marked down
      * that is behind by forwards still in the log gets them again and
      * rejoins; one behind the log stays down until it catches up by a
      * copy (docs/architecture.md, "Replication"). */
@@ -278,7 +280,11 @@ typedef struct bex_ps_catchup_config {
  * BEX_PS_ROLE_PRIMARY given peers: its peers may hold Pushes it lacks, so
  * it stays catching up (Pushes and Fetches refused -EAGAIN) and this
  * function may be called again until one succeeds. Blocks: never from
- * a callback of ctx. -EINVAL when the shard is not catching up. */
+ * a callback of ctx. -EINVAL when the shard is not catching up.
+ * A BEX_PS_ROLE_BACKUP (static mode) loaded from a snapshot that records
+ * its position asks each peer first for its primary's forward-log suffix
+ * after that position and, when one gives it, applies those forwards
+ * instead of copying the rows (stats catchup_suffix); else the copy. */
 int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg);
 
 /* Backups of a primary, at most. */
@@ -327,6 +333,11 @@ typedef struct bex_ps_shard_stats {
     /* a primary: forwards sent again from its log to a backup found
      * behind, and backups that rejoined by them (counted in rejoins too) */
     uint64_t fwd_resent, log_rejoins;
+    /* a restarted backup's catch-ups by its primary's log suffix (the
+     * forwards after its snapshot's position, instead of a full copy;
+     * catchup_rows counts the full copies' rows), and the forwards they
+     * applied; at a primary, the suffix answers it served */
+    uint64_t catchup_suffix, suffix_applied, suffixes_served;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 

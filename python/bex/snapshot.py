@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"BEXPSNAP"
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)  # 4: the replication position after the ids (not read)
 OPTIMIZERS = {1: "sgd", 2: "adagrad"}
 
 

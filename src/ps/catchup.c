@@ -36,8 +36,8 @@ static uint32_t ms_left(uint64_t deadline_ns)
 
 /* One COPY call; its answer's header checked against (op, session,
  * offset). On 0, *body / *len: the answer (free with bex_rpc_free). */
-static int copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_copy_hdr *q,
-                     uint64_t deadline, struct bex__ps_copy_hdr *a, void **body, size_t *len)
+int bex__ps_copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_copy_hdr *q,
+                      uint64_t deadline, struct bex__ps_copy_hdr *a, void **body, size_t *len)
 {
     uint32_t left = ms_left(deadline);
     if (!left)
@@ -79,7 +79,7 @@ static void copy_close(bex_rpc_channel *ch, bex_ctx *ctx, struct bex__ps_copy_hd
     uint64_t d2 = bex__rpc_now_ns() + 500000000ull;
     q->op = BEX__PS_COPY_CLOSE;
     q->offset = 0;
-    if (copy_call(ch, ctx, q, d2 < deadline ? d2 : deadline, &a, &body, &blen) == 0)
+    if (bex__ps_copy_call(ch, ctx, q, d2 < deadline ? d2 : deadline, &a, &body, &blen) == 0)
         bex_rpc_free(body);
 }
 
@@ -114,7 +114,7 @@ static int copy_pull(bex_ctx *ctx, const bex_rpc_endpoint *ep, const bex_ps_catc
     size_t blen;
     uint8_t *out = NULL;
     uint64_t total = 0, got = 0;
-    if ((rc = copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
+    if ((rc = bex__ps_copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
         goto done;
     bex_rpc_free(body);
     total = a.offset;
@@ -125,7 +125,7 @@ static int copy_pull(bex_ctx *ctx, const bex_rpc_endpoint *ep, const bex_ps_catc
     q = (struct bex__ps_copy_hdr){.op = BEX__PS_COPY_CHUNK, .session = a.session, .max_len = chunk};
     while (got < total) {
         q.offset = got;
-        if ((rc = copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
+        if ((rc = bex__ps_copy_call(ch, ctx, &q, deadline, &a, &body, &blen)))
             break;
         size_t n = blen - BEX__PS_COPY_HDR_LEN;
         if (n == 0 || n > chunk || n > total - got) {
@@ -356,9 +356,14 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
         bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
     struct table *cut = NULL;
     struct idset cut_ids = {.head = IDS_NIL, .tail = IDS_NIL};
-    int rc = pull_rounds(s, ctx, cfg, deadline, &cut, &cut_ids);
+    /* a backup whose snapshot its primary's log covers takes the forwards
+     * after it alone (catchup_suffix.c); else the full copy */
+    bool suffix = bex__ps_catchup_suffix(s, ctx, cfg, deadline) == 0;
+    int rc = suffix ? 0 : pull_rounds(s, ctx, cfg, deadline, &cut, &cut_ids);
     pthread_mutex_lock(&s->mu);
-    if (!cut && cfg->n_peers && s->rp.role == BEX_PS_ROLE_PRIMARY) {
+    if (suffix)
+        s->st.catchup_suffix++;
+    if (!cut && !suffix && cfg->n_peers && s->rp.role == BEX_PS_ROLE_PRIMARY) {
         /* its peers may hold Pushes it lacks: as primary it would number
          * Pushes on old rows and its backups would take them */
         s->catchup_busy = false; /* it may be called again */
@@ -374,12 +379,12 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     if (cut)
         bex__ps_repl_take_cut(s);
     uint64_t replayed = 0, skipped = 0, failed = 0;
-    replay_held(s, cut != NULL, &replayed, &skipped, &failed);
+    replay_held(s, cut || suffix, &replayed, &skipped, &failed);
     s->catching = false;
     s->st.catchup_rows += rows;
     s->st.catchup_replayed += replayed;
     s->st.catchup_skipped += skipped;
-    if (!cut)
+    if (!cut && !suffix)
         s->st.catchup_failed++;
     pthread_mutex_unlock(&s->mu);
     if (cut)

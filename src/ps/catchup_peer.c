@@ -30,6 +30,33 @@ static void copy_drop(struct copy *cp)
     *cp = (struct copy){0};
 }
 
+/* COPY op SUFFIX (docs/protocol.md, "Catch-up"): the forwards after a
+ * restarted backup's position from the primary's log, or why not. */
+static int serve_suffix(bex_ps_shard *s, const struct bex__ps_copy_hdr *h, void **resp,
+                        size_t *resp_len)
+{
+    if (h->max_len == 0)
+        return -EINVAL;
+    uint32_t max = h->max_len < COPY_CHUNK_MAX ? h->max_len : COPY_CHUNK_MAX;
+    uint8_t *out;
+    size_t len;
+    uint64_t last;
+    pthread_mutex_lock(&s->mu);
+    int rc = s->catching ? -EAGAIN
+                         : bex__ps_rlog_suffix_locked(&s->rp, h->session, h->offset, max, &out,
+                                                      &len, &last);
+    if (rc == 0)
+        s->st.suffixes_served++;
+    pthread_mutex_unlock(&s->mu);
+    if (rc)
+        return rc;
+    bex__ps_copy_put(out, &(struct bex__ps_copy_hdr){
+                              .op = BEX__PS_COPY_SUFFIX, .session = h->session, .offset = last});
+    *resp = out;
+    *resp_len = len;
+    return 0;
+}
+
 /* BEX_PS_M_COPY: OPEN makes the copy (one cut, under s->mu) and names it
  * by a session; CHUNK answers bytes of it; CLOSE drops it. One copy at a
  * time: an OPEN replaces the one before (its puller gets -ESTALE). */
@@ -39,6 +66,8 @@ static int serve_copy(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t le
     struct bex__ps_copy_hdr h;
     if (bex__ps_copy_get(body, len, &h) || len != BEX__PS_COPY_HDR_LEN)
         return -EINVAL;
+    if (h.op == BEX__PS_COPY_SUFFIX)
+        return serve_suffix(s, &h, resp, resp_len);
     uint64_t now = bex__rpc_now_ns();
     struct bex__ps_copy_hdr a = {.op = h.op, .session = h.session, .offset = h.offset};
     size_t n = 0;

@@ -21,14 +21,43 @@
 #include "ps/shard_internal.h"
 #include "rpc/internal.h"
 
-void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep)
+/* The JOIN body after its header (docs/protocol.md, "Cut"): 8 bytes for
+ * an IPv4 address, 24 for an IPv6 one (len, checked by the caller). */
+void bex__ps_join_endpoint(const uint8_t *p, size_t len, bex_rpc_endpoint *ep)
 {
-    /* the JOIN body carries an IPv4 address (bex_ps_shard_join refuses
-     * others: docs/protocol.md, "Cut") */
+    if (len == BEX__PS_JOIN6_LEN - BEX__PS_CUT_HDR_LEN) {
+        *ep = (bex_rpc_endpoint){.addr = {.in6 = {.sin6_family = AF_INET6}}};
+        memcpy(&ep->addr.in6.sin6_addr, p, 16);
+        memcpy(&ep->addr.in6.sin6_port, p + 16, 2);
+        ep->transport = (uint32_t)p[18] | (uint32_t)p[19] << 8;
+        ep->addr.in6.sin6_scope_id = bex__ps_get32(p + 20);
+        return;
+    }
     *ep = (bex_rpc_endpoint){.addr = {.in4 = {.sin_family = AF_INET}}};
     memcpy(&ep->addr.in4.sin_addr.s_addr, p, 4);
     memcpy(&ep->addr.in4.sin_port, p + 4, 2);
     ep->transport = (uint32_t)p[6] | (uint32_t)p[7] << 8;
+}
+
+/* The inverse, after the header: the bytes written (0: not IPv4/IPv6). */
+size_t bex__ps_join_put(uint8_t *p, const bex_rpc_endpoint *ep)
+{
+    const bex_addr *a = &ep->addr;
+    uint8_t *t = p + (a->sa.sa_family == AF_INET6 ? 18 : 6);
+    if (a->sa.sa_family == AF_INET6) {
+        memcpy(p, &a->in6.sin6_addr, 16);
+        memcpy(p + 16, &a->in6.sin6_port, 2);
+        bex__ps_put32(p + 20, a->in6.sin6_scope_id);
+    } else if (a->sa.sa_family == AF_INET) {
+        memcpy(p, &a->in4.sin_addr.s_addr, 4);
+        memcpy(p + 4, &a->in4.sin_port, 2);
+    } else {
+        return 0;
+    }
+    t[0] = (uint8_t)ep->transport;
+    t[1] = (uint8_t)(ep->transport >> 8);
+    return a->sa.sa_family == AF_INET6 ? BEX__PS_JOIN6_LEN - BEX__PS_CUT_HDR_LEN
+                                       : BEX__PS_JOIN_LEN - BEX__PS_CUT_HDR_LEN;
 }
 
 int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep)
@@ -107,13 +136,10 @@ static int join_steps(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
     uint64_t id = 0;
     randombytes_buf(&id, sizeof id);
     id |= 1;
-    uint8_t b[BEX__PS_JOIN_LEN];
+    uint8_t b[BEX__PS_JOIN6_LEN];
     bex__ps_cut_put(b, &(struct bex__ps_cut_hdr){.op = BEX__PS_CUT_JOIN, .id = id});
-    memcpy(b + 16, &cfg->self.addr.in4.sin_addr.s_addr, 4);
-    memcpy(b + 20, &cfg->self.addr.in4.sin_port, 2);
-    b[22] = (uint8_t)cfg->self.transport;
-    b[23] = (uint8_t)(cfg->self.transport >> 8);
-    int rc = call1(ch, ctx, b, sizeof b, left_ms(deadline));
+    size_t n = bex__ps_join_put(b + BEX__PS_CUT_HDR_LEN, &cfg->self);
+    int rc = n ? call1(ch, ctx, b, BEX__PS_CUT_HDR_LEN + n, left_ms(deadline)) : -EINVAL;
     if (rc) {
         bex__log(&s->log, BEX_LOG_ERROR,
                  "ps shard %u: JOIN at the primary failed (nothing copied): %s", s->shard,

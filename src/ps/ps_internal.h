@@ -132,7 +132,16 @@ static inline uint64_t bex__ps_resp_epoch(const void *body, size_t len)
  * request; an answer has the same 24 bytes (max_len 0; OPEN: offset is
  * the copy's total length), CHUNK's followed by the bytes at offset. */
 #define BEX__PS_COPY_HDR_LEN 24
-enum { BEX__PS_COPY_OPEN = 1, BEX__PS_COPY_CHUNK = 2, BEX__PS_COPY_CLOSE = 3 };
+enum {
+    BEX__PS_COPY_OPEN = 1,
+    BEX__PS_COPY_CHUNK = 2,
+    BEX__PS_COPY_CLOSE = 3,
+    /* a restarted backup at (session, offset: the last lsn it applied)
+     * asks its primary for the forwards after it: the answer's offset is
+     * the primary's lsn, then entries u64 lsn, u32 length, the Push body,
+     * in lsn order from offset + 1, at most max_len bytes (at least one) */
+    BEX__PS_COPY_SUFFIX = 4
+};
 struct bex__ps_copy_hdr {
     uint8_t op;
     uint32_t max_len;
@@ -152,7 +161,7 @@ static inline int bex__ps_copy_get(const void *body, size_t len, struct bex__ps_
 {
     const uint8_t *p = body;
     if (!p || len < BEX__PS_COPY_HDR_LEN || p[0] != BEX__PS_VERSION || p[2] || p[3] ||
-        p[1] < BEX__PS_COPY_OPEN || p[1] > BEX__PS_COPY_CLOSE)
+        p[1] < BEX__PS_COPY_OPEN || p[1] > BEX__PS_COPY_SUFFIX)
         return -EINVAL;
     h->op = p[1];
     h->max_len = bex__ps_get32(p + 4);
@@ -213,12 +222,15 @@ enum {
     BEX__PS_CUT_COMMIT = 2,
     BEX__PS_CUT_ABORT = 3,
     /* a new backup's join: JOIN (the header, then u32 IPv4 address and
-     * u16 port in network order, u16 transport) holds the Pushes; JOINED
-     * adds it and releases them; ABORT lets them go */
+     * u16 port in network order, u16 transport; or, BEX__PS_JOIN6_LEN,
+     * 16 bytes of IPv6 address, u16 port, u16 transport, u32 scope id
+     * little-endian) holds the Pushes; JOINED adds it and releases them;
+     * ABORT lets them go */
     BEX__PS_CUT_JOIN = 4,
     BEX__PS_CUT_JOINED = 5,
 };
 #define BEX__PS_JOIN_LEN   (BEX__PS_CUT_HDR_LEN + 8)
+#define BEX__PS_JOIN6_LEN  (BEX__PS_CUT_HDR_LEN + 24)
 #define BEX__PS_CUT_F_FULL 1u
 struct bex__ps_cut_hdr {
     uint8_t op, flags;

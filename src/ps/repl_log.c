@@ -190,3 +190,48 @@ int bex__ps_rlog_resend(bex_ps_shard *s, uint32_t b, uint64_t pos)
     free(lens);
     return rc;
 }
+
+/* ---- a restarted backup's catch-up by log suffix (catchup_suffix.c) ---- */
+
+/* The entries of pos + 1 .. rp->lsn that fit in max bytes (at least
+ * one), each u64 lsn, u32 length, that many bytes of the Push body, into
+ * an RPC buffer after room for a copy header (under s->mu). 0 with *out,
+ * *len (the whole answer) and *last (the primary's lsn); -ENOENT not a
+ * primary with a log, -ESTALE another session, -ERANGE a position the
+ * log does not hold (behind it, past the primary's lsn), -ENOMEM. */
+int bex__ps_rlog_suffix_locked(const struct repl *rp, uint64_t session, uint64_t pos, uint32_t max,
+                               uint8_t **out, size_t *len, uint64_t *last)
+{
+    const struct rlog *l = &rp->log;
+    if (rp->role != BEX_PS_ROLE_PRIMARY || rp->fenced || !l->e)
+        return -ENOENT; /* etcd mode: a backup copies from its term's primary */
+    if (session != rp->session)
+        return -ESTALE;
+    uint64_t first = l->n ? l->e[l->head].lsn : rp->lsn + 1;
+    bool whole = !l->n || l->e[(l->head + l->n - 1) % l->cap].lsn == rp->lsn;
+    if (pos > rp->lsn || (pos < rp->lsn && (pos + 1 < first || !whole)))
+        return -ERANGE;
+    uint64_t n = rp->lsn - pos, size = BEX__PS_COPY_HDR_LEN;
+    uint32_t k = 0, at = (uint32_t)((l->head + (pos + 1 - first)) % l->cap);
+    for (; k < n; k++) {
+        size_t e = l->e[(at + k) % l->cap].len + 12;
+        if (k && size + e > max)
+            break;
+        size += e;
+    }
+    uint8_t *b = bex_rpc_alloc(rp->ctx, (size_t)size);
+    if (!b)
+        return -ENOMEM;
+    size_t o = BEX__PS_COPY_HDR_LEN;
+    for (uint32_t i = 0; i < k; i++) {
+        const struct rlog_ent *e = &l->e[(at + i) % l->cap];
+        bex__ps_put64(b + o, e->lsn);
+        bex__ps_put32(b + o + 8, (uint32_t)e->len);
+        memcpy(b + o + 12, e->body, e->len);
+        o += 12 + e->len;
+    }
+    *out = b;
+    *len = (size_t)size;
+    *last = rp->lsn;
+    return 0;
+}

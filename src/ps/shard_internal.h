@@ -156,6 +156,10 @@ struct repl {
     /* catch-up: the position of the last copy loaded (its maker's
      * session and lsn; 0: none), taken by a backup with the copy */
     uint64_t cut_session, cut_lsn;
+    /* the position of the snapshot loaded at create (0: none, or a
+     * snapshot older than version 4): a restarted backup asks its
+     * primary for the forwards after it (catchup_suffix.c) */
+    uint64_t snap_session, snap_lsn;
     /* etcd mode (failover.c, docs/architecture.md "Replication"): the
      * session is the epoch (term) from etcd. Primary: acknowledges only
      * before el's deadline; a forward failed at a backup of the set waits
@@ -336,7 +340,8 @@ int bex__ps_cut_path(char *out, size_t cap, const char *dir, uint32_t shard, uin
  * added (its channel made; in step at the primary's lsn), decoded. */
 int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep);
 int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep);
-void bex__ps_join_endpoint(const uint8_t *p, bex_rpc_endpoint *ep);
+void bex__ps_join_endpoint(const uint8_t *p, size_t len, bex_rpc_endpoint *ep);
+size_t bex__ps_join_put(uint8_t *p, const bex_rpc_endpoint *ep);
 
 /* repl_log.c: the primary's log of forwards (bounds from cfg); a
  * forward numbered (under s->mu; on no memory the log is emptied, never
@@ -357,5 +362,15 @@ void bex__ps_lag_stats_locked(const bex_ps_shard *s, bex_ps_shard_stats *out);
 struct bex__prom;
 void bex__ps_ops_prom(struct bex__prom *o, bex_ps_shard *const *shards,
                       const bex_ps_shard_stats *sst, size_t n);
+
+/* repl_log.c, catchup_suffix.c: a restarted backup's catch-up by the
+ * primary's log suffix (COPY op SUFFIX; docs/protocol.md, "Catch-up") */
+int bex__ps_rlog_suffix_locked(const struct repl *rp, uint64_t session, uint64_t pos, uint32_t max,
+                               uint8_t **out, size_t *len, uint64_t *last);
+struct bex__ps_copy_hdr;
+int bex__ps_copy_call(bex_rpc_channel *ch, bex_ctx *ctx, const struct bex__ps_copy_hdr *q,
+                      uint64_t deadline, struct bex__ps_copy_hdr *a, void **body, size_t *len);
+int bex__ps_catchup_suffix(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *cfg,
+                           uint64_t deadline);
 
 #endif

@@ -445,10 +445,12 @@ int bex__ps_cut_serve(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t le
     struct bex__ps_cut_hdr h;
     bex_rpc_endpoint jep;
     if (bex__ps_cut_get(body, len, &h) ||
-        len != (h.op == BEX__PS_CUT_JOIN ? BEX__PS_JOIN_LEN : BEX__PS_CUT_HDR_LEN))
+        (h.op == BEX__PS_CUT_JOIN ? len != BEX__PS_JOIN_LEN && len != BEX__PS_JOIN6_LEN
+                                  : len != BEX__PS_CUT_HDR_LEN))
         return -EINVAL;
     if (h.op == BEX__PS_CUT_JOIN)
-        bex__ps_join_endpoint((const uint8_t *)body + BEX__PS_CUT_HDR_LEN, &jep);
+        bex__ps_join_endpoint((const uint8_t *)body + BEX__PS_CUT_HDR_LEN,
+                              len - BEX__PS_CUT_HDR_LEN, &jep);
     int rc = h.op == BEX__PS_CUT_PREPARE || h.op == BEX__PS_CUT_JOIN
                  ? prepare(s, ctx, &h, h.op == BEX__PS_CUT_JOIN ? &jep : NULL)
                  : finish(s, &h, req);

@@ -30,7 +30,7 @@
  * (no ids) is still loaded, and 2 (ids without tokens: taken as the zero
  * token, which no bex_ps_client sends). */
 static const char snap_magic[8] = {'B', 'E', 'X', 'P', 'S', 'N', 'A', 'P'};
-#define SNAP_VERSION 3
+#define SNAP_VERSION 4 /* 4: the replication position after the ids */
 #define COPY_VERSION 3 /* 3: the replication position after the ids */
 #define SNAP_HASH    crypto_generichash_BYTES
 
@@ -122,6 +122,10 @@ int bex_ps_shard_snapshot(bex_ps_shard *s, const char *path)
     bex__ps_wr32(&w, SNAP_VERSION);
     wr_tables(&w, s);
     bex__ps_wr_ids(&w, s);
+    uint64_t session, lsn; /* one cut with the rows: under s->mu */
+    bex__ps_repl_position(s, &session, &lsn);
+    bex__ps_wr64(&w, session);
+    bex__ps_wr64(&w, lsn);
     pthread_mutex_unlock(&s->mu);
     uint8_t sum[SNAP_HASH];
     crypto_generichash_final(&w.h, sum, sizeof sum);
@@ -366,6 +370,12 @@ int bex__ps_snapshot_load(bex_ps_shard *s, const char *path)
         (rc = load_tables(s, s->tables, &r, what)) ||
         (version >= 2 && (rc = bex__ps_load_ids(&r, &s->ids, version >= 3))))
         goto out;
+    s->rp.snap_session = s->rp.snap_lsn = 0;
+    if (version >= 4 &&
+        (bex__ps_rd64(&r, &s->rp.snap_session) || bex__ps_rd64(&r, &s->rp.snap_lsn))) {
+        rc = -EINVAL;
+        goto out;
+    }
     if (r.left)
         rc = -EINVAL;
     else

@@ -42,10 +42,16 @@
  * primary_stale: a restarted primary whose catch-up timed out (its peer
  *   hangs) refuses Pushes and Fetches (-EAGAIN) rather than serve its old
  *   rows as primary (seen once in the VM); a second catch-up, from a
- *   backup, brings it level and it serves. */
+ *   backup, brings it level and it serves.
+ * restart_suffix: a backup restarted from its snapshot, 4 forwards
+ *   behind, catches up by the primary's log suffix, no row copied;
+ *   restart_suffix_log: the log too small, a full copy; suffix_hostile:
+ *   hostile positions asked of the primary are refused, nothing changes.
+ * join_v6: a backup on ::1 joins a running primary on ::1. */
 #include <pthread.h>
 
 #include "ps_test.h"
+#include "ps/shard_internal.h"
 
 #define NREP    3
 #define NKEY    12
@@ -980,8 +986,297 @@ static int t_primary_stale(void)
     return 0;
 }
 
+/* ---- restart_suffix, restart_suffix_log, suffix_hostile ---- */
+
+/* Backup 2 killed and restarted from the snapshot at path (version 4:
+ * its position in the primary's session), catching up from the primary. */
+static void backup2_restart_snap(struct pb *p, const char *path)
+{
+    bex_ps_shard_config pc = {.shard = 0,
+                              .n_shards = 1,
+                              .tables = TABLES,
+                              .n_tables = 2,
+                              .role = BEX_PS_ROLE_BACKUP,
+                              .flags = BEX_PS_SHARD_CATCHUP,
+                              .snapshot_path = path};
+    replica_start(p, 2, p->addr[2].in4.sin_addr, &pc);
+    bex_rpc_endpoint peer = {.addr = p->addr[0]};
+    bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_catchup(p->s[2], p->bctx[2], &cc));
+}
+
+static void backup2_kill(struct pb *p)
+{
+    CHECK_OK(bex_rpc_server_destroy(p->srv[2]));
+    bex_ps_shard_destroy(p->s[2]);
+    CHECK_OK(bex_ctx_destroy(p->bctx[2]));
+    p->srv[2] = NULL;
+    p->s[2] = NULL;
+    p->bctx[2] = NULL;
+}
+
+/* Snapshot of backup 2 after the first Push, three more acknowledged,
+ * backup 2 killed, one more (applied at the others, -EHOSTDOWN), backup 2
+ * restarted from its snapshot; the Pushes go on once it is back. The
+ * replicas end equal at lsn 6 (SGD and Adagrad rows). */
+static void suffix_run(struct pb *p, const char *snap)
+{
+    bex_ps_client *c = pb_client(p, BEX_PS_PUSH_PRIMARY);
+    uint64_t keys[2] = {41, 42};
+    float g[16];
+    for (int i = 0; i < 16; i++)
+        g[i] = (float)(i % 5) - 2.0f;
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, keys, 2, g));
+    CHECK_OK(bex_ps_shard_snapshot(p->s[2], snap));
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TA->id, TA->dim, keys, 2, g));
+    backup2_kill(p);
+    CHECK_EQ(bex_ps_push_sync(c, TA->id, TA->dim, keys, 2, g), -EHOSTDOWN); /* lsn 5 */
+    backup2_restart_snap(p, snap);
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    int rc;
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, keys, 2, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    CHECK_OK(rc);
+    float row[NREP][2 * 8] = {{0}}, arow[NREP][2 * 8] = {{0}};
+    for (int r = 0; r < NREP; r++) {
+        rows_of(p, r, TS, keys, 2, row[r]);
+        rows_of(p, r, TA, keys, 2, arow[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK(memcmp(arow[0], arow[r], sizeof arow[0]) == 0);
+        CHECK_EQ(stats(p->s[r]).lsn, 6);
+    }
+    bex_ps_client_destroy(c);
+}
+
+static int t_restart_suffix(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    if (rc)
+        return rc;
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    CHECK(mkdtemp(dir));
+    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
+    suffix_run(&p, snap);
+    bex_ps_shard_stats st = stats(p.s[2]);
+    /* lsn 2..5 from the primary's log, no row copied */
+    CHECK_EQ(st.catchup_suffix, 1);
+    CHECK_EQ(st.suffix_applied, 4);
+    CHECK_EQ(st.catchup_rows, 0);
+    CHECK_EQ(st.catchup_failed, 0);
+    CHECK(stats(p.s[0]).suffixes_served >= 1);
+    CHECK_EQ(stats(p.s[0]).copies_served, 0);
+    pb_stop(&p);
+    CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
+    return 0;
+}
+
+static int t_restart_suffix_log(void)
+{
+    struct pb p;
+    log_bytes = 1; /* no Push fits: the log cannot cover the snapshot */
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    log_bytes = 0;
+    if (rc)
+        return rc;
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    CHECK(mkdtemp(dir));
+    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
+    suffix_run(&p, snap);
+    bex_ps_shard_stats st = stats(p.s[2]);
+    CHECK(st.catchup_suffix == 0 && st.suffix_applied == 0 && st.catchup_rows > 0);
+    CHECK_EQ(stats(p.s[0]).suffixes_served, 0);
+    CHECK_EQ(stats(p.s[0]).copies_served, 1);
+    pb_stop(&p);
+    CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
+    return 0;
+}
+
+/* One COPY op SUFFIX call to replica r: its status; *last and the entries'
+ * count on 0. */
+static bex_rpc_channel *suffix_ch[NREP];
+
+static int suffix_ask(struct pb *p, int r, uint64_t session, uint64_t pos, uint32_t max,
+                      uint64_t *last, int *n)
+{
+    if (!suffix_ch[r]) {
+        bex_rpc_endpoint ep = {.addr = p->addr[r]};
+        bex_rpc_channel_config cc = {.endpoints = &ep,
+                                     .n_endpoints = 1,
+                                     .request_timeout_ms = 10000 * time_scale(),
+                                     .connect_timeout_ms = 10000 * time_scale(),
+                                     .max_attempts = 1};
+        CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &suffix_ch[r]));
+    }
+    bex_rpc_channel *ch = suffix_ch[r];
+    uint8_t *b = bex_rpc_alloc(p->cctx, BEX__PS_COPY_HDR_LEN);
+    CHECK(b);
+    bex__ps_copy_put(
+        b, &(struct bex__ps_copy_hdr){
+               .op = BEX__PS_COPY_SUFFIX, .max_len = max, .session = session, .offset = pos});
+    bex_rpc_call_opts o = {.timeout_ms = 10000 * time_scale()};
+    void *resp = NULL;
+    size_t len = 0;
+    int rc = bex_rpc_call_sync(ch, BEX_PS_SERVICE, BEX_PS_M_COPY, b, BEX__PS_COPY_HDR_LEN, &o,
+                               &resp, &len);
+    struct bex__ps_copy_hdr a;
+    if (rc == 0) {
+        CHECK_OK(bex__ps_copy_get(resp, len, &a));
+        *last = a.offset;
+        *n = 0;
+        for (size_t off = BEX__PS_COPY_HDR_LEN; off < len; (*n)++) {
+            CHECK(len - off >= 12);
+            CHECK_EQ(bex__ps_get64((uint8_t *)resp + off), pos + 1 + (uint64_t)*n);
+            off += 12 + bex__ps_get32((uint8_t *)resp + off + 8);
+        }
+    }
+    bex_rpc_free(resp);
+    return rc;
+}
+
+/* Positions a restarted backup (or a hostile peer) may claim: the
+ * primary answers the suffix its log holds, or refuses; it goes on
+ * serving. */
+static int t_suffix_hostile(void)
+{
+    struct pb p;
+    int rc = pb_start(&p, false, 0);
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 43, last = 0, session, lsn;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    pthread_mutex_lock(&p.s[0]->mu);
+    bex__ps_repl_position(p.s[0], &session, &lsn);
+    pthread_mutex_unlock(&p.s[0]->mu);
+    CHECK_EQ(lsn, 3);
+    int n = -1;
+    CHECK_OK(suffix_ask(&p, 0, session, 0, 1u << 20, &last, &n));
+    CHECK(last == 3 && n == 3); /* from the start: the log holds it */
+    CHECK_OK(suffix_ask(&p, 0, session, 1, 1, &last, &n));
+    CHECK(last == 3 && n == 1); /* max_len 1: one entry at least */
+    CHECK_OK(suffix_ask(&p, 0, session, 3, 1u << 20, &last, &n));
+    CHECK(last == 3 && n == 0);                                                     /* in step */
+    CHECK_EQ(suffix_ask(&p, 0, session, 4, 1u << 20, &last, &n), -ERANGE);          /* future */
+    CHECK_EQ(suffix_ask(&p, 0, session, UINT64_MAX, 1u << 20, &last, &n), -ERANGE); /* huge */
+    CHECK_EQ(suffix_ask(&p, 0, session ^ 2, 1, 1u << 20, &last, &n), -ESTALE);
+    CHECK_EQ(suffix_ask(&p, 0, 0, 0, 1u << 20, &last, &n), -ESTALE);
+    CHECK_EQ(suffix_ask(&p, 0, session, 1, 0, &last, &n), -EINVAL);
+    CHECK_EQ(suffix_ask(&p, 1, session, 1, 1u << 20, &last, &n), -ENOENT); /* a backup */
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_EQ(stats(p.s[0]).suffixes_served, 3);
+    for (int r = 0; r < NREP; r++)
+        if (suffix_ch[r]) {
+            bex_rpc_channel_destroy(suffix_ch[r]);
+            suffix_ch[r] = NULL;
+        }
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    return 0;
+}
+
+/* ---- join_v6 ---- */
+
+/* A context on ::1 over TCP. */
+static bex_ctx *v6_ctx(void)
+{
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c = scaled(&base, (struct in_addr){htonl(INADDR_LOOPBACK)});
+    c.local_addr = bex_addr_loopback6(0);
+    c.transport = BEX_TRANSPORT_TCP;
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    return ctx;
+}
+
+/* A primary and one backup on ::1, a Push; a second backup on ::1 joins
+ * (the JOIN body carries its IPv6 address): the Pushes after it reach
+ * it, and the three replicas end equal. */
+static int t_join_v6(void)
+{
+    bex_ctx *ctx[NREP];
+    bex_ps_shard *s[NREP];
+    bex_rpc_server *srv[NREP];
+    bex_rpc_endpoint ep[NREP];
+    for (int r = NREP - 1; r >= 0; r--) {
+        ctx[r] = v6_ctx();
+        bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = TABLES, .n_tables = 2};
+        pc.role = r ? BEX_PS_ROLE_BACKUP : BEX_PS_ROLE_PRIMARY;
+        pc.flags = r == 2 ? BEX_PS_SHARD_CATCHUP : 0;
+        pc.backups = r ? NULL : &ep[1];
+        pc.n_backups = r ? 0 : 1;
+        pc.forward_timeout_ms = 3000 * time_scale();
+        CHECK_OK(bex_ps_shard_create(&pc, &s[r]));
+        CHECK_OK(bex_rpc_server_create(ctx[r], NULL, &srv[r]));
+        CHECK_OK(bex_ps_shard_register(s[r], srv[r], ctx[r]));
+        ep[r] = (bex_rpc_endpoint){.addr = bex_addr_loopback6(0), .transport = BEX_TRANSPORT_TCP};
+        int rc = bex_rpc_server_listen(srv[r], &ep[r].addr);
+        if (rc == -EADDRNOTAVAIL || rc == -EAFNOSUPPORT)
+            return bex_test_skip("no IPv6 loopback");
+        CHECK_OK(rc);
+        bex_rpc_server_addr(srv[r], &ep[r].addr);
+    }
+    bex_ctx *cctx = v6_ctx();
+    char j[512], a[3][BEX_ADDR_STRLEN], err[128];
+    for (int r = 0; r < NREP; r++)
+        bex_addr_format(&ep[r].addr, true, a[r], sizeof a[r]);
+    snprintf(
+        j, sizeof j,
+        "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[{\"addr\":\"%s\"},{\"addr\":\"%s\"},"
+        "{\"addr\":\"%s\"}]}]}}}",
+        a[0], a[1], a[2]);
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(NULL, &d));
+    CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .timeout_ms = 20000 * time_scale(),
+                               .push_mode = BEX_PS_PUSH_PRIMARY};
+    bex_ps_client *c;
+    CHECK_OK(bex_ps_client_create(cctx, &cc, &c));
+    uint64_t key = 61;
+    float g[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    CHECK_OK(bex_ps_push_sync(c, TA->id, TA->dim, &key, 1, g));
+    bex_ps_join_config jc = {.primary = ep[0], .self = ep[2], .timeout_ms = 10000 * time_scale()};
+    CHECK_OK(bex_ps_shard_join(s[2], ctx[2], &jc));
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TA->id, TA->dim, &key, 1, g));
+    CHECK_EQ(stats(s[0]).n_backups, 2);
+    float row[NREP][8] = {{0}};
+    for (int r = 0; r < NREP; r++) {
+        uint8_t body[BEX__PS_HDR_LEN + 8];
+        bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = TA->id, .n = 1, .dim = TA->dim});
+        bex__ps_put64(body + BEX__PS_HDR_LEN, key);
+        void *resp = NULL;
+        size_t len = 0;
+        CHECK_OK(bex_ps_shard_serve(s[r], ctx[r], BEX_PS_M_FETCH, body, sizeof body, &resp, &len));
+        CHECK_EQ(len, BEX__PS_HDR_LEN + 4 * (size_t)TA->dim);
+        for (uint32_t i = 0; i < TA->dim; i++)
+            row[r][i] = bex__ps_getf((const uint8_t *)resp + BEX__PS_HDR_LEN + 4 * i);
+        bex_rpc_free(resp);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(stats(s[r]).lsn, 4);
+    }
+    bex_ps_client_destroy(c);
+    bex_dir_destroy(d);
+    for (int r = 0; r < NREP; r++)
+        CHECK_OK(bex_rpc_server_destroy(srv[r]));
+    for (int r = 0; r < NREP; r++) {
+        bex_ps_shard_destroy(s[r]);
+        CHECK_OK(bex_ctx_destroy(ctx[r]));
+    }
+    CHECK_OK(bex_ctx_destroy(cctx));
+    return 0;
+}
+
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
               {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq},
               {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
-              {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile})
+              {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile},
+              {"restart_suffix", t_restart_suffix}, {"restart_suffix_log", t_restart_suffix_log},
+              {"suffix_hostile", t_suffix_hostile}, {"join_v6", t_join_v6})

@@ -139,8 +139,8 @@ static long check_snap(const uint8_t *b, size_t len, struct snap *s)
         return -1;
     }
     uint32_t version = get32(b + 8);
-    if (version < 1 || version > 3) {
-        fprintf(stderr, "bex-ps dump: snapshot version %u, this one knows 1..3\n", version);
+    if (version < 1 || version > 4) {
+        fprintf(stderr, "bex-ps dump: snapshot version %u, this one knows 1..4\n", version);
         return -1;
     }
     printf("shard %u of %u, version %u\n", get32(b + 12), get32(b + 16), version);
