@@ -13,7 +13,9 @@
 #   fanout   (with a third argument "fanout", that alone: CTest's
 #            bench.cost_fanout) a Fetch's sub-request costs its bex-ps no
 #            heap allocation (bench/cost/ps-fanout over 2 shards; issue 25
-#            item 5: the request's record and the keys' array, 2.0 before)
+#            item 5: the request's record and the keys' array, 2.0 before),
+#            and its client allocates no call record nor send descriptor
+#            per sub-request (3.5 before)
 #   futex    a synchronous PS Fetch or Push costs its client process at
 #            most one wake-up of the calling thread (bench/cost/ps-futex:
 #            2 futex calls, the I/O thread's wake and the caller's wait;
@@ -49,6 +51,13 @@ if [ "$part" = fanout ]; then
     v=$(awk '$1 == "fanout" && $2 == 2 && $3 == "allocs" && $4 == "srv" {print $8}' <<<"$fan")
     awk -v v="$v" 'BEGIN {exit !(v != "" && v <= 0.2)}' ||
         fail "PS fan-out: $v heap allocations per sub-request in bex-ps (guard: at most 0.2)"
+    # the client: 3.5 a sub-request over 2 shards before issue 25 item 5's
+    # second part (a struct call and a send descriptor malloc'd per RPC
+    # call, 1.5 per Fetch besides); the guard allows what a Fetch itself
+    # allocates, not one more per sub-request
+    v=$(awk '$1 == "fanout" && $2 == 2 && $3 == "allocs" && $4 == "cli" {print $8}' <<<"$fan")
+    awk -v v="$v" 'BEGIN {exit !(v != "" && v <= 1.6)}' ||
+        fail "PS fan-out: $v heap allocations per sub-request in the client (guard: at most 1.6)"
     echo "ok"
     exit 0
 fi
