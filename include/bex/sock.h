@@ -34,8 +34,9 @@
  *                its socket (unless that socket is closed by then). The
  *                peer says so (over RDMA the credit of its receive comes
  *                back, over TCP an acknowledgement), at the latest 1 ms
- *                (RDMA) or 200 us (TCP) after its arrival when the peer
- *                has nothing to send;
+ *                (RDMA) or the peer's tcp_ack_delay_us (TCP, 200 us by
+ *                default) after its arrival when the peer has nothing
+ *                to send;
  *                a peer that never says so fails the connection after
  *                credit_timeout_ms, and the message comes back -EIO.
  *   -ECANCELED   not delivered, and never will be: it never left this host,
@@ -269,6 +270,13 @@ typedef struct bex_ctx_config {
                                            the smallest delay of the last one to two
                                            epochs of this length (2000), not of
                                            all time */
+    uint32_t tcp_ack_delay_us;        /* TCP: how long the acknowledgements this side owes
+                                         wait for a frame of ours to carry them before they
+                                         go in one of their own (200; at most 1000000). A
+                                         context that only makes requests (an RPC or PS
+                                         client) can hold them until its next request on
+                                         the connection: the server then reads no frame
+                                         for them (docs/configuration.md) */
 } bex_ctx_config;
 
 /* bex_ctx_config.send_window_mode */

@@ -269,6 +269,7 @@ static int go_tcp(struct conn *c)
         .peer_max_msg = c->peer_max_msg,
         .frag_size = ctx->cfg->frag_size,
         .keepalive_ms = ctx->cfg->keepalive_ms,
+        .ack_delay_us = ctx->cfg->tcp_ack_delay_us,
         .keepalive_timeout_ms = ctx->cfg->keepalive_timeout_ms,
         .peer_ka_timeout_ms = c->peer_ka_timeout_ms,
         .stall_ms = ctx->cfg->credit_timeout_ms,

@@ -33,7 +33,13 @@ void bex__rpc_call_put(struct bex_rpc_channel *ch, struct call *c)
         c->borrow.release(c->borrow.arg); /* the caller's body, no longer read */
     else
         bex_mem_free(c->msg);
-    free(c);
+    if (ch->n_spare < BEX__RPC_CALL_SPARE) {
+        c->dnext = ch->spare;
+        ch->spare = c;
+        ch->n_spare++;
+    } else {
+        free(c);
+    }
     /* only bex_rpc_channel_destroy waits for none: the timer thread,
      * which waits on the same condition, is not woken per call */
     if (--ch->n_calls == 0 && ch->destroying)

@@ -262,6 +262,28 @@ static void call_encode(bex_rpc_channel *ch, struct call *c, size_t len, uint64_
     bex__rpc_hdr_encode(&h, c->msg);
 }
 
+/* A channel's spare call, or a new one (under ch->mu: calls are freed on
+ * the I/O thread) */
+static struct call *call_new_locked(bex_rpc_channel *ch)
+{
+    struct call *c = ch->spare;
+    if (!c)
+        return malloc(sizeof(*c));
+    ch->spare = c->dnext;
+    ch->n_spare--;
+    return c;
+}
+
+static void spares_free(bex_rpc_channel *ch)
+{
+    while (ch->spare) {
+        struct call *n = ch->spare->dnext;
+        free(ch->spare);
+        ch->spare = n;
+    }
+    ch->n_spare = 0;
+}
+
 static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, void *body,
                       size_t len, void *dst, size_t cap, const bex_rpc_call_opts *opts,
                       bex_rpc_done_fn done, void *user, uint64_t *call_id,
@@ -281,14 +303,17 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     bool own_body = !body;
     if (own_body && !(body = bex_rpc_alloc(ch->ctx, 0)))
         return -ENOMEM;
-    struct call *c = malloc(sizeof(*c));
-    if (!c) {
-        if (own_body)
-            bex_rpc_free(body);
-        return -ENOMEM;
-    }
     uint64_t now = bex__rpc_now_ns();
     uint64_t tmo_ns = opts && opts->timeout_ms ? opts->timeout_ms * 1000000ull : ch->tr_ns;
+    pthread_mutex_lock(&ch->mu);
+    struct call *c = ch->destroying ? NULL : call_new_locked(ch);
+    if (!c) {
+        int err = ch->destroying ? -EPIPE : -ENOMEM;
+        pthread_mutex_unlock(&ch->mu);
+        if (own_body)
+            bex_rpc_free(body);
+        return err;
+    }
     *c = (struct call){
         .service = service,
         .method = method,
@@ -306,14 +331,6 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
         .borrow = bw ? *bw : (struct bex__rpc_borrow){0},
     };
     struct call *dl = NULL;
-    pthread_mutex_lock(&ch->mu);
-    if (ch->destroying) {
-        pthread_mutex_unlock(&ch->mu);
-        free(c);
-        if (own_body)
-            bex_rpc_free(body);
-        return -EPIPE;
-    }
     c->id = ++ch->next_id;
     if (bex__hmap_put(&ch->calls, c->id, c) != 0) {
         pthread_mutex_unlock(&ch->mu);
@@ -491,6 +508,7 @@ int bex_rpc_channel_destroy(bex_rpc_channel *ch)
     free(ch->service);
     free(ch->locality);
     free(ch->name);
+    spares_free(ch);
     pthread_cond_destroy(&ch->cv);
     bex__hmap_free(&ch->calls);
     pthread_mutex_destroy(&ch->mu);

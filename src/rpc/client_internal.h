@@ -21,6 +21,10 @@
  * Changed only by bex__rpc_link_move. */
 enum link_state { L_CONNECTING, L_UP, L_FAILED };
 
+/* Freed calls a channel keeps for its next ones (a synchronous Fetch over
+ * S shards has S out at once). */
+#define BEX__RPC_CALL_SPARE 64
+
 /* Lines a link logs once (l->said, bex__log_first). MALFORMED also means
  * the link was refused: what else it brings is dropped. */
 enum { LINK_SAID_MALFORMED = 1u << 0 };
@@ -123,7 +127,12 @@ struct call {
     struct xatt *xa;
     struct bex__rpc_borrow borrow; /* release set: the body is the caller's */
     struct bex__list lnode;        /* the channel's live calls */
-    struct call *dnext;            /* completions to run */
+    struct call *dnext;            /* completions to run; the channel's spares */
+    /* the first attempt's send descriptor (bex_sock_send_req), so that a
+     * call allocates none; a retry's send, which may start while this one
+     * is out, takes one of bex's */
+    bool sreq_used;
+    bex_send_req sreq;
 };
 
 /* An attempt of a call with a destination (bex_rpc_call_into): a socket
@@ -183,6 +192,10 @@ struct bex_rpc_channel {
     int64_t tokens; /* retry budget, thousandths of a retry */
     struct bex__list links;
     size_t n_calls; /* not yet freed */
+    /* freed calls kept for the next (up to BEX__RPC_CALL_SPARE), linked by
+     * dnext: a call costs no malloc once the channel has run a while */
+    struct call *spare;
+    size_t n_spare;
     pthread_t timer;
     bool stop, destroying;
     uint64_t timer_next;

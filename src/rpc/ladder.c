@@ -481,6 +481,17 @@ void bex__rpc_send_hook(void (*fn)(bex_sock *s))
  * starting; *step: that error was a connection failure that took a step
  * of the recovery ladder. A link found failed here fails now (bex__rpc_link_fail:
  * its other calls go to done or elsewhere). */
+
+/* c's request on s: its first send in the call's own descriptor (no
+ * allocation), a retry's in one of bex's (the first may still be out) */
+static int send_call(bex_sock *s, struct call *c)
+{
+    if (c->sreq_used)
+        return bex_sock_send(s, c->msg, c->len, c);
+    int err = bex_sock_send_req(s, &c->sreq, c->msg, c->len, c);
+    c->sreq_used = !err;
+    return err;
+}
 int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
                            const struct endpoint *exclude, bool *step, struct call **done)
 {
@@ -523,7 +534,7 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
         void (*hook)(bex_sock *) = atomic_load_explicit(&send_hook, memory_order_acquire);
         if (hook)
             hook(l->s);
-        err = bex_sock_send(l->s, c->msg, c->len, c);
+        err = send_call(l->s, c);
         if (err == -EPIPE) {
             /* the connection failed and its failure callback is waiting
              * for ch->mu: it fails now, as that callback would have it

@@ -95,6 +95,7 @@ static const struct env_var vars[] = {
      "1-3600000"},
     {"BEX_SEND_WINDOW_DEST", FIELD(send_window_dest), parse_num, 1, UINT32_MAX,
      "bytes (4294967295: none)"},
+    {"BEX_TCP_ACK_DELAY_US", FIELD(tcp_ack_delay_us), parse_num, 1, 1000000, "1-1000000"},
 };
 #undef FIELD
 

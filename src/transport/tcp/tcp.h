@@ -33,6 +33,9 @@
  * the sender of a one-way stream sees its messages reported this much
  * later at most (ACK_MAX in tcp.c bounds the count held). */
 #define BEX__TCP_ACK_DELAY_US 200
+/* bex_ctx_config.tcp_ack_delay_us's ceiling: an idle connection's
+ * keepalive carries owed acknowledgements anyway */
+#define BEX__TCP_ACK_DELAY_MAX_US 1000000
 
 struct bex__tcp_config {
     uint32_t max_msg;      /* the largest message we accept */
