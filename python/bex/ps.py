@@ -167,14 +167,6 @@ class Client(_bex.PsClient, Dispatch):
         dim = self._dim(table, dim, grads)
         super().push(table, dim, _as_buffer(keys), _as_buffer(grads))
 
-    async def afetch(self, table, keys, out=None, *, dim=None):
-        """fetch() for asyncio: awaits without blocking the event loop."""
-        return await asyncio.wrap_future(self.fetch_async(table, keys, out, dim=dim))
-
-    async def apush(self, table, keys, grads, *, dim=None):
-        """push() for asyncio."""
-        return await asyncio.wrap_future(self.push_async(table, keys, grads, dim=dim))
-
     def close(self):
         """Wait for the waiting calls in progress, fail the asynchronous
         ones (ECANCELED, their Futures set before this returns), free."""

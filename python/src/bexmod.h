@@ -40,6 +40,11 @@ int bexmod_add_types(PyObject *m, PyTypeObject *const *types, const char *const 
  * consume its count: 0, or -1 with an OSError set. */
 int bexmod_efd_wait(int efd);
 
+/* The process id without a system call (a fork's child sees its own):
+ * bexmod_pid_init once, at the module's import (0, or -1). */
+int bexmod_pid_init(void);
+pid_t bexmod_pid(void);
+
 int bexmod_ps_init(PyObject *m);
 int bexmod_rpc_init(PyObject *m);
 int bexmod_sock_init(PyObject *m);

@@ -149,6 +149,10 @@ static int add_errors(PyObject *m)
 
 PyMODINIT_FUNC PyInit__bex(void)
 {
+    if (bexmod_pid_init() < 0) {
+        PyErr_SetString(PyExc_OSError, "bex: pthread_atfork failed");
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;

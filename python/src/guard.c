@@ -11,11 +11,33 @@
 
 #include "bexmod.h"
 
+/* The process id, kept here: getpid() is a system call in glibc >= 2.25,
+ * and the fork check of every call made one that the C client does not
+ * (python/tests/test_ps_syscalls.py). fork() runs the child handler in the
+ * child before anything else, so a fork's check sees the child's id. */
+static volatile pid_t cur_pid;
+
+static void pid_after_fork(void)
+{
+    cur_pid = getpid();
+}
+
+int bexmod_pid_init(void)
+{
+    cur_pid = getpid();
+    return pthread_atfork(NULL, NULL, pid_after_fork) ? -1 : 0;
+}
+
+pid_t bexmod_pid(void)
+{
+    return cur_pid;
+}
+
 void bexmod_guard_init(struct bexmod_guard *g)
 {
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->idle, NULL);
-    g->pid = getpid();
+    g->pid = bexmod_pid();
 }
 
 void bexmod_guard_fini(struct bexmod_guard *g)
@@ -26,11 +48,11 @@ void bexmod_guard_fini(struct bexmod_guard *g)
 
 int bexmod_guard_enter(struct bexmod_guard *g, const char *what)
 {
-    if (g->pid != getpid()) {
+    if (g->pid != bexmod_pid()) {
         PyErr_Format(bexmod_fork_error,
                      "this bex %s belongs to process %d, and this process (%d) is a fork of it: "
                      "open a new one here",
-                     what, (int)g->pid, (int)getpid());
+                     what, (int)g->pid, (int)bexmod_pid());
         return -1;
     }
     pthread_mutex_lock(&g->mu);
@@ -58,7 +80,7 @@ int bexmod_guard_close(struct bexmod_guard *g)
     pthread_mutex_lock(&g->mu);
     g->closed = 1;
     pthread_mutex_unlock(&g->mu);
-    return g->pid == getpid() ? 0 : -1;
+    return g->pid == bexmod_pid() ? 0 : -1;
 }
 
 void bexmod_guard_wait_idle(struct bexmod_guard *g)

@@ -70,7 +70,7 @@ static int mem_init(Memory *self, PyObject *args, PyObject *kw)
 static void mem_dealloc(Memory *self)
 {
     PsClient *pc = self->owner;
-    if (pc && self->rows && pc->pid == getpid()) { /* a fork's copy: the parent's */
+    if (pc && self->rows && pc->pid == bexmod_pid()) { /* a fork's copy: the parent's */
         bex_ctx *orphan = NULL;
         bex_ps_rows_free(self->rows);
         pthread_mutex_lock(&pc->mu);

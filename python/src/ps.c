@@ -28,11 +28,11 @@
 /* The client for one call, or an exception (closed, forked). */
 int bexmod_ps_enter(PsClient *self)
 {
-    if (self->pid != getpid()) {
+    if (self->pid != bexmod_pid()) {
         PyErr_Format(bexmod_fork_error,
                      "this bex client belongs to process %d, and this process (%d) is a fork of "
                      "it: open a new bex.ps.Client in this process",
-                     (int)self->pid, (int)getpid());
+                     (int)self->pid, (int)bexmod_pid());
         return -1;
     }
     pthread_mutex_lock(&self->mu);
@@ -63,7 +63,7 @@ static PyObject *ps_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return NULL;
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->idle, NULL);
-    self->pid = getpid();
+    self->pid = bexmod_pid();
     self->efd = -1;
     if (bexmod_async_init(self) < 0) {
         Py_DECREF(self);
@@ -75,7 +75,7 @@ static PyObject *ps_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 /* Mark closed, wait for the calls in progress, destroy (GIL released). */
 static void ps_close_now(PsClient *self)
 {
-    if (self->pid != getpid()) { /* a fork's copy: the parent owns it */
+    if (self->pid != bexmod_pid()) { /* a fork's copy: the parent owns it */
         self->closed = 1;
         return;
     }

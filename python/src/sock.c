@@ -197,7 +197,7 @@ static void sock_close_now(Socket *so)
     if (so->closed)
         return;
     so->closed = 1;
-    if (so->ctx->g.pid != getpid())
+    if (so->ctx->g.pid != bexmod_pid())
         return; /* a fork's copy: the parent's */
     struct sstate *st = so->st;
     Py_BEGIN_ALLOW_THREADS;
@@ -216,7 +216,7 @@ static void sock_dealloc(Socket *so)
 
 static int sock_check(Socket *so)
 {
-    if (so->ctx->g.pid != getpid()) {
+    if (so->ctx->g.pid != bexmod_pid()) {
         PyErr_SetString(bexmod_fork_error, "this bex socket belongs to the parent process");
         return -1;
     }
@@ -386,7 +386,7 @@ static void listener_close_now(Listener *l)
 {
     if (!l->l)
         return;
-    if (l->ctx->g.pid != getpid()) {
+    if (l->ctx->g.pid != bexmod_pid()) {
         l->l = NULL;
         return;
     }
@@ -423,7 +423,7 @@ static PyObject *listener_accept(Listener *l, PyObject *args)
     double timeout = -1;
     if (!PyArg_ParseTuple(args, "|d:accept", &timeout))
         return NULL;
-    if (!l->l || l->ctx->g.pid != getpid()) {
+    if (!l->l || l->ctx->g.pid != bexmod_pid()) {
         PyErr_SetString(l->l ? bexmod_fork_error : PyExc_ValueError,
                         l->l ? "this bex listener belongs to the parent process"
                              : "bex listener is closed");
@@ -557,7 +557,7 @@ static int ctx_usable(SockContext *self)
         PyErr_SetString(PyExc_ValueError, "bex context is closed");
         return -1;
     }
-    if (self->g.pid != getpid()) {
+    if (self->g.pid != bexmod_pid()) {
         PyErr_SetString(bexmod_fork_error, "this bex context belongs to the parent process");
         return -1;
     }

@@ -321,7 +321,9 @@ def test_fork_child_gets_a_clear_error(cluster):
 
 
 def test_pool_returns_to_baseline(cluster):
-    with client(cluster, timeout_ms=300) as c:
+    # the default deadline (3 s, scaled): a call is not what this test
+    # times, and 300 ms was passed in the VM on a loaded host
+    with client(cluster) as c:
         keys = np.arange(64, dtype=np.uint64)
         g = np.ones((64, DIM), np.float32)
         warm(c, keys)

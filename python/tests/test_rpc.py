@@ -116,16 +116,21 @@ def test_close_fails_outstanding_calls(server):
 def test_slow_handler_does_not_stall_bex():
     """One worker blocked, a queue of 2: the I/O thread keeps answering
     (EAGAIN at once for what does not fit), nothing is lost."""
-    gate = threading.Event()
+    gate, held = threading.Event(), threading.Event()
     srv = bex.rpc.Server(queue_max=2, workers=1, **SERVER_NET)
-    srv.register(1, 1, lambda body: (gate.wait(30), body)[1])
+    srv.register(1, 1, lambda body: (held.set(), gate.wait(30), body)[2])
     srv.start(f"{SERVER_IP}:0")
     try:
         with channel([srv.addr], timeout_ms=20000 * SCALE, max_attempts=1) as ch:
             first = ch.call_async(1, 1, b"first")
-            time.sleep(0.3)  # the worker holds it
+            # waited for, not slept on: the VM under load took more than the
+            # 0.3 s slept before, and a queued call was refused instead
+            assert held.wait(20 * SCALE)  # the worker holds it
             queued = [ch.call_async(1, 1, b"q%d" % i) for i in range(2)]
-            time.sleep(0.3)
+            deadline = time.monotonic() + 20 * SCALE
+            while srv.stats()["queued"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert srv.stats()["queued"] == 2
             t0 = time.monotonic()
             with pytest.raises(bex.Error) as e:
                 ch.call(1, 1, b"refused")

@@ -449,4 +449,48 @@ static inline void term_bex_ps(pid_t pid)
 }
 #endif
 
+/* ---- a client on shard servers: the set-up the end-to-end cases share ---- */
+
+struct ps_rig {
+    struct srv_proc sp[NSH];
+    int n; /* servers: shards 0..n - 1 */
+    bex_ctx *ctx;
+    bex_dir *d;
+    bex_ps_client *pc;
+};
+
+/* n servers (1..NSH) spawned in mode, shard i on the i-th, and a client
+ * over a directory of those n (locality "dc1/pod1"): 0, or pair_addrs's
+ * error (nothing started). */
+static inline int rig_up(struct ps_rig *g, int n, int mode)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    CHECK(n >= 1 && n <= NSH);
+    bex_addr a[NSH];
+    g->n = n;
+    for (int s = 0; s < n; s++) {
+        spawn(&g->sp[s], (uint32_t)s, NULL, mode);
+        a[s] = g->sp[s].addr;
+    }
+    g->ctx = client_ctx();
+    g->d = dir_of_shards(a, n, true);
+    g->pc = client_of(g->ctx, g->d);
+    return 0;
+}
+
+/* The client, its directory and context gone, then the servers told to
+ * go: rc, 1 when a server did not leave cleanly. */
+static inline int rig_down(struct ps_rig *g, int rc)
+{
+    bex_ps_client_destroy(g->pc);
+    bex_dir_destroy(g->d);
+    CHECK_OK(bex_ctx_destroy(g->ctx));
+    for (int s = 0; s < g->n; s++)
+        rc |= stop(&g->sp[s]);
+    return rc ? 1 : 0;
+}
+
 #endif

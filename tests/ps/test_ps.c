@@ -50,16 +50,12 @@ static void many_done(int status, void *user)
  * shards, for SGD and Adagrad, in one request and in many at once. */
 static int t_train(void)
 {
-    int rc = 0;
-    struct in_addr a0, a1;
-    if ((rc = pair_addrs(&a0, &a1)))
+    struct ps_rig g;
+    int rc = rig_up(&g, NSH, MODE_NORMAL);
+    if (rc)
         return rc;
-    struct srv_proc sp[NSH];
-    for (int s = 0; s < NSH; s++)
-        spawn(&sp[s], (uint32_t)s, NULL, MODE_NORMAL);
-    bex_ctx *ctx = client_ctx();
-    bex_dir *d = dir_of(sp);
-    bex_ps_client *pc = client_of(ctx, d);
+    bex_ctx *ctx = g.ctx;
+    bex_ps_client *pc = g.pc;
     uint64_t keys[NK];
     int all[NK];
     keys_init(keys, all);
@@ -98,13 +94,13 @@ static int t_train(void)
     }
     /* both shards served Fetches and Pushes */
     for (int s = 0; s < NSH; s++) {
-        bex_rpc_channel *ch = raw_chan(ctx, &sp[s]);
+        bex_rpc_channel *ch = raw_chan(ctx, &g.sp[s]);
         struct srv_stats st = stats_of(ch);
         CHECK(st.ps.fetches > 0 && st.ps.pushes == 6 && st.ps.malformed == 0);
         CHECK_OK(bex_rpc_channel_destroy(ch));
     }
     transport_check(ctx);
-    return client_down(pc, d, ctx, sp, rc) ? 1 : 0;
+    return rig_down(&g, rc);
 }
 
 /* shard 0 loses the answer to the first Push it applies (its connection

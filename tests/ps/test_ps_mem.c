@@ -56,16 +56,12 @@ static void push_in_place(const float *grads, const bex_ps_table_config *t, uint
  * across both (the copying way): the rows are the reference's. */
 static int t_into(void)
 {
-    int rc = 0;
-    struct in_addr a0, a1;
-    if ((rc = pair_addrs(&a0, &a1)))
+    struct ps_rig g;
+    int rc = rig_up(&g, NSH, MODE_NORMAL);
+    if (rc)
         return rc;
-    struct srv_proc sp[NSH];
-    spawn(&sp[0], 0, NULL, MODE_NORMAL);
-    spawn(&sp[1], 1, NULL, MODE_NORMAL);
-    bex_ctx *ctx = client_ctx();
-    bex_dir *d = dir_of(sp, NSH);
-    bex_ps_client *pc = client_of(ctx, d);
+    bex_ctx *ctx = g.ctx;
+    bex_ps_client *pc = g.pc;
     const bex_ps_table_config *t = &TABLES[0];
     uint64_t all_keys[NK], k0[NK];
     int all[NK], idx[NK];
@@ -98,12 +94,7 @@ static int t_into(void)
     ref_check(&r, idx, n, rows);
     transport_check(ctx);
     CHECK_OK(bex_ps_rows_free(rows));
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    for (int s = 0; s < NSH; s++)
-        rc |= stop(&sp[s]);
-    return rc ? 1 : 0;
+    return rig_down(&g, rc);
 }
 
 /* keys_of(0..NK) grouped by shard (shard 0's, then shard 1's), their
@@ -120,16 +111,12 @@ static void keys_grouped(uint64_t *keys, int *idx, int *n0)
  * keys not grouped are refused -EINVAL, nothing sent (issue 28 item 1). */
 static int t_multi(void)
 {
-    int rc = 0;
-    struct in_addr a0, a1;
-    if ((rc = pair_addrs(&a0, &a1)))
+    struct ps_rig g;
+    int rc = rig_up(&g, NSH, MODE_NORMAL);
+    if (rc)
         return rc;
-    struct srv_proc sp[NSH];
-    spawn(&sp[0], 0, NULL, MODE_NORMAL);
-    spawn(&sp[1], 1, NULL, MODE_NORMAL);
-    bex_ctx *ctx = client_ctx();
-    bex_dir *d = dir_of(sp, NSH);
-    bex_ps_client *pc = client_of(ctx, d);
+    bex_ctx *ctx = g.ctx;
+    bex_ps_client *pc = g.pc;
     const bex_ps_table_config *t = &TABLES[0];
     uint64_t all_keys[NK], keys[NK];
     int all[NK], idx[NK], n0;
@@ -164,12 +151,7 @@ static int t_multi(void)
     CHECK_EQ(bex_ps_rows_zero(big), 5);
     transport_check(ctx);
     CHECK_OK(bex_ps_rows_free(big));
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    for (int s = 0; s < NSH; s++)
-        rc |= stop(&sp[s]);
-    return rc ? 1 : 0;
+    return rig_down(&g, rc);
 }
 
 static void never(int status, void *user)
@@ -182,15 +164,12 @@ static void never(int status, void *user)
 /* Bad input: refused, nothing sent (done never runs). */
 static int t_bad(void)
 {
-    int rc = 0;
-    struct in_addr a0, a1;
-    if ((rc = pair_addrs(&a0, &a1)))
+    struct ps_rig g;
+    int rc = rig_up(&g, 1, MODE_NORMAL);
+    if (rc)
         return rc;
-    struct srv_proc sp[NSH];
-    spawn(&sp[0], 0, NULL, MODE_NORMAL);
-    bex_ctx *ctx = client_ctx();
-    bex_dir *d = dir_of(sp, 1);
-    bex_ps_client *pc = client_of(ctx, d);
+    bex_ctx *ctx = g.ctx;
+    bex_ps_client *pc = g.pc;
     uint64_t keys[NK];
     int idx[NK];
     CHECK(keys_on(0, keys, idx) >= 4); /* the server is shard 0 of NSH */
@@ -222,10 +201,7 @@ static int t_bad(void)
     CHECK_EQ(bex_ps_fetch_into(pc, 1, 8, NULL, 2, small, never, NULL), -EINVAL);
     CHECK_OK(bex_ps_rows_free(small));
     CHECK_OK(bex_ps_rows_free(narrow));
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    return stop(&sp[0]) ? 1 : rc;
+    return rig_down(&g, rc);
 }
 
 /* The context's cap on caller memory: past it -ENOBUFS; freed memory
