@@ -40,7 +40,8 @@ static inline int bex_test_hello_same(const struct bex__hello *a, const struct b
            a->recv_depth == b->recv_depth && a->sq_depth == b->sq_depth &&
            a->max_msg == b->max_msg && a->frag_size == b->frag_size && a->conn_id == b->conn_id &&
            a->eager_max == b->eager_max && a->ka_addr == b->ka_addr && a->ka_rkey == b->ka_rkey &&
-           a->max_rndv == b->max_rndv && a->ka_timeout_ms == b->ka_timeout_ms;
+           a->max_rndv == b->max_rndv && a->ka_timeout_ms == b->ka_timeout_ms &&
+           a->route == b->route && a->lid == b->lid;
 }
 
 #endif

@@ -50,6 +50,8 @@ static void hello_fill(struct conn *c, struct bex__hello *h, uint64_t conn_id)
     h->ka_addr = l.ka_addr;
     h->ka_rkey = l.ka_rkey;
     h->ka_timeout_ms = hello_ka_timeout(ctx->cfg->keepalive_timeout_ms);
+    h->route = ctx->sh->path.route;
+    h->lid = ctx->sh->path.lid;
 }
 
 static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
@@ -57,7 +59,6 @@ static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
     if (h->flags & BEX__HELLO_F_NO_RDMA)
         return -EPROTONOSUPPORT;
     *p = (struct bex__engine_peer){
-        .rdma = {.qpn = h->qpn, .psn = h->psn, .active_mtu = h->mtu, .rd_atomic = h->rd_atomic},
         .rq_depth = h->recv_depth,
         .max_rndv = h->max_rndv,
         .eager_max = h->eager_max,
@@ -65,7 +66,7 @@ static int peer_of_hello(const struct bex__hello *h, struct bex__engine_peer *p)
         .ka_addr = h->ka_addr,
         .ka_rkey = h->ka_rkey,
     };
-    memcpy(p->rdma.gid.raw, h->gid, 16);
+    bex__rdma_peer_of_hello(h, &p->rdma);
     return bex__engine_check_peer(p);
 }
 
@@ -221,11 +222,15 @@ static int conn_ends(struct conn *c)
     return bex__auth_ends_addr(&c->auth, cl, li);
 }
 
-/* RoCEv2: a peer at a.b.c.d has the GID ::ffff:a.b.c.d. A hello naming any
+/* RoCE: a peer at a.b.c.d has the GID ::ffff:a.b.c.d. A hello naming any
  * other GID would point our QP at someone else's, or at a host that merely
- * relays the setup. */
-static bool gid_is_peer(struct conn *c, const uint8_t gid[16])
+ * relays the setup. An InfiniBand GID is the port's, not the address's:
+ * nothing here binds it to the peer (docs/security.md; a secret does). */
+static bool gid_is_peer(struct conn *c, const struct bex__hello *h)
 {
+    const uint8_t *gid = h->gid;
+    if (h->route == BEX__HELLO_ROUTE_IB)
+        return true;
     bex_addr a;
     socklen_t sl = sizeof(a);
     union ibv_gid want;
@@ -353,7 +358,8 @@ static int hello_read(struct conn *c, struct bex__hello *h, const char **why)
             return -EACCES;
         }
         if ((err = bex__hello_decode(c->rbuf, c->rlen, h))) {
-            *why = "malformed hello";
+            *why = err == -EPROTONOSUPPORT ? "the hello names a route (GID type) we do not support"
+                                           : "malformed hello";
             return err;
         }
     }
@@ -363,6 +369,17 @@ static int hello_read(struct conn *c, struct bex__hello *h, const char **why)
 /* The peer's hello (plain, or inside an authenticated HELLO whose MAC this
  * checks): check it fits this connection, choose the transport (RDMA when
  * both sides can, else TCP unless this side wants RDMA only), answer. */
+/* Bring our QP up to the peer of hello h: 0 or why not. RoCE v1 and v2
+ * frames do not interoperate, nor RoCE and InfiniBand: a peer on another
+ * route cannot reach our QP (-EPROTONOSUPPORT; the caller goes over TCP). */
+static int qp_up(struct conn *c, const struct bex__hello *h, const struct bex__engine_peer *peer)
+{
+    if (h->route != c->io->env->sh->path.route)
+        return -EPROTONOSUPPORT;
+    int err = BEX__FAULT(BEX__FAULT_QP_UP); /* tests: the QP does not come up */
+    return err ? err : bex__engine_connect(c->eng, peer);
+}
+
 static int setup_hello(struct conn *c, const char **why)
 {
     struct bex__conn_env *ctx = c->io->env;
@@ -393,7 +410,7 @@ static int setup_hello(struct conn *c, const char **why)
         *why = NULL;
         return go_tcp(c);
     }
-    if (!gid_is_peer(c, h.gid)) {
+    if (!gid_is_peer(c, &h)) {
         *why = "the hello's GID is not the TCP peer's address";
         return -EPROTO;
     }
@@ -412,8 +429,7 @@ static int setup_hello(struct conn *c, const char **why)
             return err;
         return go_tcp(c);
     }
-    err = BEX__FAULT(BEX__FAULT_QP_UP); /* tests: the QP does not come up */
-    if (err || (err = bex__engine_connect(c->eng, &peer))) {
+    if ((err = qp_up(c, &h, &peer))) {
         if (c->mode == BEX_TRANSPORT_RDMA)
             return err;
         /* the QP cannot come up: over TCP instead. Answering, a NO_RDMA

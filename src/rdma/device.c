@@ -1,6 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if_arp.h>
+#include <netpacket/packet.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +15,12 @@
 #include "rdma/rdma.h"
 
 int bex__rdma_gid_query_mode;
+
+/* The hello carries the route as it is. */
+_Static_assert((int)BEX__HELLO_ROUTE_ROCE_V2 == (int)BEX__RDMA_ROUTE_ROCE_V2 &&
+                   (int)BEX__HELLO_ROUTE_ROCE_V1 == (int)BEX__RDMA_ROUTE_ROCE_V1 &&
+                   (int)BEX__HELLO_ROUTE_IB == (int)BEX__RDMA_ROUTE_IB,
+               "hello routes are the device choice's");
 
 void bex__rdma_gid_from_ipv4(struct in_addr ip, union ibv_gid *out)
 {
@@ -32,98 +42,131 @@ int bex__rdma_gid_from_addr(const bex_addr *a, union ibv_gid *out)
 }
 
 /* The kernel names GID types "IB/RoCE v1" and "RoCE v2" in sysfs; used only
- * when the extended query is missing (kernels before 5.9). */
-static int sysfs_gid_is_v2(const char *dev, uint8_t port, int index)
+ * when the extended query is missing (kernels before 5.9). -1: unknown. */
+static int sysfs_gid_type(const char *dev, uint8_t port, int index)
 {
     char path[256], text[32] = "";
     snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/%u/gid_attrs/types/%d", dev, port,
              index);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return 0;
+        return -1;
     ssize_t n = read(fd, text, sizeof text - 1);
     close(fd);
     if (n <= 0)
-        return 0;
+        return -1;
     text[n] = '\0';
-    return strncmp(text, "RoCE v2", 7) == 0;
+    if (strncmp(text, "RoCE v2", 7) == 0)
+        return IBV_GID_TYPE_ROCE_V2;
+    return strncmp(text, "IB/RoCE v1", 10) == 0 ? IBV_GID_TYPE_ROCE_V1 : -1;
 }
 
-/* A match found so far: remember whether its port was ACTIVE, since a
- * matching but inactive port should lose to an active one elsewhere. */
+/* A match found so far: an ACTIVE port's beats another's, then the better
+ * route (RoCE v2, v1, InfiniBand: the enum's order), then the first. */
 struct match {
     int found;
     int active;
     struct bex__rdma_path path;
 };
 
-static void consider(struct match *m, const char *dev, uint8_t port, uint32_t index,
-                     const union ibv_gid *gid, int active)
+static bool ib_link(uint8_t link_layer)
 {
+    return link_layer == IBV_LINK_LAYER_INFINIBAND || link_layer == IBV_LINK_LAYER_UNSPECIFIED;
+}
+
+/* The route by which a row serves the address (RoCE GID want, or the
+ * IPoIB port GID ipoib, NULL when the address is not on IPoIB), or -1. */
+static int row_route(const struct bex__rdma_gid_row *r, const union ibv_gid *want,
+                     const union ibv_gid *ipoib)
+{
+    if (ib_link(r->link_layer))
+        return ipoib && r->gid_type == IBV_GID_TYPE_IB && !memcmp(&r->gid, ipoib, 16)
+                   ? BEX__RDMA_ROUTE_IB
+                   : -1;
+    if (r->link_layer != IBV_LINK_LAYER_ETHERNET || memcmp(&r->gid, want, 16) != 0)
+        return -1;
+    if (r->gid_type == IBV_GID_TYPE_ROCE_V2)
+        return BEX__RDMA_ROUTE_ROCE_V2;
+    return r->gid_type == IBV_GID_TYPE_ROCE_V1 ? BEX__RDMA_ROUTE_ROCE_V1 : -1;
+}
+
+/* A GID table entry: chosen when it serves the address (row_route) and
+ * beats what was found before. An InfiniBand port without a unicast LID
+ * (no subnet manager yet) counts as not ACTIVE. */
+static void row_consider(struct match *m, const struct bex__rdma_gid_row *r,
+                         const union ibv_gid *want, const union ibv_gid *ipoib)
+{
+    int route = row_route(r, want, ipoib);
     /* sgid_index is 8 bits in struct ibv_global_route. */
-    if (index > 255)
+    if (route < 0 || r->index > 255)
         return;
-    if (m->found && (m->active || !active))
+    int active = r->active && (route != BEX__RDMA_ROUTE_IB || (r->lid >= 1 && r->lid <= 0xbfff));
+    if (m->found && (m->active > active || (m->active == active && m->path.route <= route)))
         return;
     m->found = 1;
     m->active = active;
     memset(&m->path, 0, sizeof m->path);
-    snprintf(m->path.dev_name, sizeof m->path.dev_name, "%s", dev);
-    m->path.port = port;
-    m->path.gid_index = (uint8_t)index;
-    m->path.gid = *gid;
+    snprintf(m->path.dev_name, sizeof m->path.dev_name, "%s", r->dev);
+    m->path.port = r->port;
+    m->path.gid_index = (uint8_t)r->index;
+    m->path.gid = r->gid;
+    m->path.route = (uint8_t)route;
+    m->path.lid = route == BEX__RDMA_ROUTE_IB ? r->lid : 0;
 }
 
-/* A GID table entry: chosen when it is the RoCE v2 GID of the address
- * on an Ethernet port (RoCE v1 GIDs and InfiniBand ports never are). */
-static void row_consider(struct match *m, const struct bex__rdma_gid_row *r,
-                         const union ibv_gid *want)
+static int match_result(const struct match *m, struct bex__rdma_path *out)
 {
-    if (r->gid_type != IBV_GID_TYPE_ROCE_V2 || r->link_layer != IBV_LINK_LAYER_ETHERNET ||
-        memcmp(&r->gid, want, 16) != 0)
-        return;
-    consider(m, r->dev, r->port, r->index, &r->gid, r->active);
+    if (!m->found)
+        return -ENODEV;
+    if (!m->active)
+        return -ENETDOWN;
+    *out = m->path;
+    return 0;
 }
 
 int bex__rdma_choose(const struct bex__rdma_gid_row *rows, size_t n, const bex_addr *addr,
-                     struct bex__rdma_path *out)
+                     const union ibv_gid *ipoib, struct bex__rdma_path *out)
 {
     union ibv_gid want;
     if (bex__rdma_gid_from_addr(addr, &want))
         return -EAFNOSUPPORT;
     struct match m = {0};
     for (size_t i = 0; i < n; i++)
-        row_consider(&m, &rows[i], &want);
-    if (!m.found)
-        return -ENODEV;
-    if (!m.active)
-        return -ENETDOWN;
-    *out = m.path;
-    return 0;
+        row_consider(&m, &rows[i], &want, ipoib);
+    return match_result(&m, out);
 }
 
 /* One GID at a time: for kernels or providers without the table query. */
 static void scan_port_slowly(struct ibv_context *ctx, const char *dev, uint8_t port,
                              const struct ibv_port_attr *pa, const union ibv_gid *want,
-                             struct match *m)
+                             const union ibv_gid *ipoib, struct match *m)
 {
-    int active = pa->state == IBV_PORT_ACTIVE;
+    struct bex__rdma_gid_row row = {.dev = dev,
+                                    .port = port,
+                                    .link_layer = pa->link_layer,
+                                    .active = pa->state == IBV_PORT_ACTIVE,
+                                    .lid = pa->lid};
     for (int i = 0; i < pa->gid_tbl_len && i <= 255; i++) {
         struct ibv_gid_entry e;
+        row.index = (uint32_t)i;
         if (bex__rdma_gid_query_mode < 2 && ibv_query_gid_ex(ctx, port, (uint32_t)i, &e, 0) == 0) {
-            if (e.gid_type == IBV_GID_TYPE_ROCE_V2 && memcmp(&e.gid, want, 16) == 0)
-                consider(m, dev, port, (uint32_t)i, &e.gid, active);
+            row.gid_type = e.gid_type;
+            row.gid = e.gid;
+            row_consider(m, &row, want, ipoib);
             continue;
         }
-        union ibv_gid g;
-        if (ibv_query_gid(ctx, port, i, &g) != 0)
+        if (ibv_query_gid(ctx, port, i, &row.gid) != 0)
             continue;
-        if (memcmp(&g, want, 16) == 0 && sysfs_gid_is_v2(dev, port, i))
-            consider(m, dev, port, (uint32_t)i, &g, active);
+        int type = ib_link(pa->link_layer) ? IBV_GID_TYPE_IB : sysfs_gid_type(dev, port, i);
+        if (type < 0)
+            continue;
+        row.gid_type = (uint32_t)type;
+        row_consider(m, &row, want, ipoib);
     }
 }
 
-static int scan_device(struct ibv_device *d, const union ibv_gid *want, struct match *m)
+static int scan_device(struct ibv_device *d, const union ibv_gid *want, const union ibv_gid *ipoib,
+                       struct match *m)
 {
     const char *name = ibv_get_device_name(d);
     struct ibv_context *ctx = ibv_open_device(d);
@@ -162,13 +205,13 @@ static int scan_device(struct ibv_device *d, const union ibv_gid *want, struct m
                                             .gid_type = e->gid_type,
                                             .link_layer = a->link_layer,
                                             .active = a->state == IBV_PORT_ACTIVE,
+                                            .lid = a->lid,
                                             .gid = e->gid};
-            row_consider(m, &row, want);
+            row_consider(m, &row, want, ipoib);
         }
     } else {
         for (uint8_t p = 1; p <= da.phys_port_cnt && p != 0; p++)
-            if (pa[p - 1].link_layer == IBV_LINK_LAYER_ETHERNET)
-                scan_port_slowly(ctx, name, p, &pa[p - 1], want, m);
+            scan_port_slowly(ctx, name, p, &pa[p - 1], want, ipoib, m);
     }
     free(tab);
     rc = 0;
@@ -194,20 +237,66 @@ int bex__rdma_find_addr(const bex_addr *addr, struct bex__rdma_path *out)
     if (!list) /* ENOSYS: no RDMA support in the kernel at all */
         return errno == ENOSYS ? -ENODEV : bex__rdma_errno();
 
+    /* On InfiniBand the address is an IPoIB netdev's: its hardware
+     * address names the port GID. */
+    union ibv_gid ipoib;
+    struct ifaddrs *ifs = NULL;
+    bool on_ipoib = getifaddrs(&ifs) == 0 && bex__rdma_ipoib_gid(ifs, addr, &ipoib) == 0;
+    if (ifs)
+        freeifaddrs(ifs);
+
     struct match m = {0};
-    for (int i = 0; i < num && !(m.found && m.active); i++) {
+    for (int i = 0; i < num; i++) {
         /* A device that cannot be opened or queried is not ours to choose;
          * another may still match. */
-        (void)scan_device(list[i], &want, &m);
+        (void)scan_device(list[i], &want, on_ipoib ? &ipoib : NULL, &m);
     }
     ibv_free_device_list(list);
+    return match_result(&m, out);
+}
 
-    if (!m.found)
-        return -ENODEV;
-    if (!m.active)
-        return -ENETDOWN;
-    *out = m.path;
-    return 0;
+/* Where an IPoIB netdev's 20-byte hardware address keeps the port GID:
+ * after 4 bytes of flags and QPN (RFC 4391). */
+#define IPOIB_HWADDR_LEN 20
+#define IPOIB_GID_OFF    4
+
+static bool ifa_has_addr(const struct ifaddrs *ifa, const bex_addr *addr)
+{
+    const struct sockaddr *sa = ifa->ifa_addr;
+    if (!sa || sa->sa_family != addr->sa.sa_family)
+        return false;
+    if (sa->sa_family == AF_INET)
+        return ((const struct sockaddr_in *)(const void *)sa)->sin_addr.s_addr ==
+               addr->in4.sin_addr.s_addr;
+    if (sa->sa_family == AF_INET6)
+        return !memcmp(&((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr,
+                       &addr->in6.sin6_addr, 16);
+    return false;
+}
+
+static int ipoib_link_gid(const struct ifaddrs *ifs, const char *name, union ibv_gid *out)
+{
+    for (const struct ifaddrs *ifa = ifs; ifa; ifa = ifa->ifa_next) {
+        const struct sockaddr *sa = ifa->ifa_addr;
+        if (!sa || sa->sa_family != AF_PACKET || !ifa->ifa_name || strcmp(ifa->ifa_name, name))
+            continue;
+        const struct sockaddr_ll *ll = (const struct sockaddr_ll *)(const void *)sa;
+        if (ll->sll_hatype != ARPHRD_INFINIBAND || ll->sll_halen != IPOIB_HWADDR_LEN)
+            return -ENODEV;
+        /* glibc's link entries hold the whole address past sll_addr[8] */
+        const uint8_t *hw = (const uint8_t *)sa + offsetof(struct sockaddr_ll, sll_addr);
+        memcpy(out->raw, hw + IPOIB_GID_OFF, 16);
+        return 0;
+    }
+    return -ENODEV;
+}
+
+int bex__rdma_ipoib_gid(const struct ifaddrs *ifs, const bex_addr *addr, union ibv_gid *out)
+{
+    for (const struct ifaddrs *ifa = ifs; ifa; ifa = ifa->ifa_next)
+        if (ifa->ifa_name && ifa_has_addr(ifa, addr))
+            return ipoib_link_gid(ifs, ifa->ifa_name, out);
+    return -ENODEV;
 }
 
 /* ---- the process-wide device table ----------------------------------- */
@@ -340,6 +429,8 @@ int bex__rdma_dev_open_addr(const bex_addr *addr, struct bex__rdma_dev **dev,
     if (rc < 0)
         goto err_close;
     p.active_mtu = port.active_mtu;
+    if (p.route == BEX__RDMA_ROUTE_IB)
+        p.lid = port.lid; /* the subnet manager may have moved it */
     *dev = d;
     *path = p;
     return 0;
@@ -396,4 +487,14 @@ int bex__rdma_async_next(struct bex__rdma_dev *dev, struct ibv_async_event *ev)
     if (ibv_get_async_event(dev->ctx, ev) == 0)
         return 1;
     return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -errno;
+}
+
+void bex__rdma_peer_of_hello(const struct bex__hello *h, struct bex__rdma_peer *out)
+{
+    *out = (struct bex__rdma_peer){.qpn = h->qpn,
+                                   .psn = h->psn,
+                                   .active_mtu = (enum ibv_mtu)h->mtu,
+                                   .rd_atomic = h->rd_atomic,
+                                   .lid = h->lid};
+    memcpy(out->gid.raw, h->gid, 16);
 }

@@ -111,10 +111,11 @@ int bex__rdma_mtu_bytes(enum ibv_mtu mtu);
 /* ---- device choice --------------------------------------------------- */
 
 /* How the RTR transition addresses the peer, from the local port's link
- * layer and the type of the chosen GID (bex__rdma_route_of). Zero is
- * RoCE v2, the only route the device choice takes today; RoCE v1 and
- * InfiniBand are built and unit-tested (tests/rdma/test_rdma_route.c) but
- * unverified on hardware (docs/architecture.md, "Fabrics"). */
+ * layer and the type of the chosen GID (bex__rdma_route_of); the hello
+ * carries it (BEX__HELLO_ROUTE_*, the same values) and both sides of a
+ * connection must have the same. RoCE v1 and InfiniBand are unit-tested
+ * against fake devices (tests/rdma/test_rdma_route.c, test_rdma_choose.c)
+ * but unverified on hardware (docs/architecture.md, "Fabrics"). */
 enum bex__rdma_route {
     BEX__RDMA_ROUTE_ROCE_V2 = 0, /* Ethernet, RoCE v2 GID: GRH (UDP/IP) */
     BEX__RDMA_ROUTE_ROCE_V1 = 1, /* Ethernet, RoCE v1 GID: GRH (Ethertype) */
@@ -127,8 +128,10 @@ enum bex__rdma_route {
  * ROCE_V1, Ethernet otherwise ROCE_V2. */
 enum bex__rdma_route bex__rdma_route_of(uint8_t link_layer, uint32_t gid_type);
 
-/* Where one side of a connection sits: the device, port and GID index whose
- * GID is the RoCEv2 IPv4-mapped form (::ffff:a.b.c.d) of a local address. */
+/* Where one side of a connection sits: the device, port and GID index that
+ * serve a local address (bex__rdma_choose): on RoCE the GID is the address's
+ * (::ffff:a.b.c.d, or the IPv6 address), on InfiniBand the port GID of the
+ * IPoIB netdev with the address. */
 struct bex__rdma_path {
     char dev_name[IBV_SYSFS_NAME_MAX];
     uint8_t port;            /* 1-based port number */
@@ -140,8 +143,8 @@ struct bex__rdma_path {
 };
 
 /* Find the device, port and GID index for local IPv4 address ip (network
- * order, as in struct sockaddr_in). Only RoCEv2 GIDs of Ethernet ports are
- * considered; an ACTIVE port is preferred.
+ * order, as in struct sockaddr_in), as bex__rdma_choose chooses among the
+ * GID tables of every device (the IPoIB GID from getifaddrs).
  * Returns 0 and fills *out (all fields but active_mtu), -ENODEV when no
  * device has that address, -ENETDOWN when the only match is on a port that is
  * not ACTIVE, or another negative errno when the device list cannot be read.
@@ -161,16 +164,27 @@ struct bex__rdma_gid_row {
     uint32_t gid_type;  /* IBV_GID_TYPE_IB, _ROCE_V1, _ROCE_V2 */
     uint8_t link_layer; /* IBV_LINK_LAYER_ETHERNET, _INFINIBAND */
     bool active;        /* the port is ACTIVE */
+    uint16_t lid;       /* the port's LID (InfiniBand) */
     union ibv_gid gid;
 };
-/* The choice among rows for addr: the RoCE v2 GID equal to its GID
- * (bex__rdma_gid_from_addr) on an Ethernet port, an ACTIVE port's before
- * another's, the first of equals. RoCE v1 GIDs and InfiniBand ports (LID
- * routing) are not chosen: bex's setup exchanges GIDs for RoCE v2 only.
- * 0 (out: all but active_mtu), -ENODEV, -ENETDOWN (only on inactive
- * ports), -EAFNOSUPPORT. Pure: tests give it fake tables. */
+/* The choice among rows for addr, by route: on an Ethernet port the RoCE
+ * v2 GID equal to addr's GID (bex__rdma_gid_from_addr), else its RoCE v1
+ * GID; on an InfiniBand port the IB GID equal to ipoib, the port GID of
+ * the IPoIB netdev that carries addr (bex__rdma_ipoib_gid; NULL when addr
+ * is on no IPoIB netdev), LID routing with the port's LID. An ACTIVE port's
+ * entry (on InfiniBand: with a unicast LID, i.e. a subnet manager has run)
+ * beats another's, then RoCE v2 beats v1 beats InfiniBand, then the first.
+ * 0 (out: all but active_mtu; route and lid set), -ENODEV, -ENETDOWN (only
+ * on inactive ports), -EAFNOSUPPORT. Pure: tests give it fake tables. */
 int bex__rdma_choose(const struct bex__rdma_gid_row *rows, size_t n, const bex_addr *addr,
-                     struct bex__rdma_path *out);
+                     const union ibv_gid *ipoib, struct bex__rdma_path *out);
+
+/* The port GID of the IPoIB netdev in ifs (a getifaddrs list) that has
+ * addr: the last 16 bytes of its 20-byte hardware address. 0, or -ENODEV
+ * when no netdev has addr or the one that has it is not IPoIB. Pure: tests
+ * give it fake lists. */
+struct ifaddrs;
+int bex__rdma_ipoib_gid(const struct ifaddrs *ifs, const bex_addr *addr, union ibv_gid *out);
 
 /* Why no device serves ip, for a log line: "no usable RDMA device for
  * IP (err's text)" and what each port of each device has instead (no GID
@@ -351,6 +365,10 @@ struct bex__rdma_peer {
     uint16_t lid;      /* the peer port's LID: InfiniBand routes only,
                           unicast 1..0xbfff there */
 };
+
+/* The RTR part of a decoded hello (bex__hello_decode judged its ranges):
+ * QPN, PSN, GID, MTU, rd_atomic and the LID of an InfiniBand sender. */
+void bex__rdma_peer_of_hello(const struct bex__hello *h, struct bex__rdma_peer *out);
 
 /* The effective max_dest_rd_atomic this side will set for cfg (default or
  * configured, capped by the device): the value to offer in the hello. */

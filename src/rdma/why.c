@@ -52,22 +52,24 @@ static void port_why(struct why *w, struct ibv_context *ctx, const char *dev, ui
         say(w, "; %s port %u: cannot be queried", dev, p);
         return;
     }
-    if (pa.link_layer == IBV_LINK_LAYER_INFINIBAND) {
-        say(w, "; %s port %u: InfiniBand (LID routing: not supported)", dev, p);
+    if (pa.link_layer != IBV_LINK_LAYER_ETHERNET) {
+        say(w, "; %s port %u: InfiniBand, LID %u, %s (%s must be an address of its IPoIB netdev)",
+            dev, p, pa.lid, ibv_port_state_str(pa.state), ip);
         return;
     }
     int t = gid_type_of(ctx, p, pa.gid_tbl_len, want);
     if (t < 0)
         say(w, "; %s port %u: no GID for %s", dev, p, ip);
-    else if (t != IBV_GID_TYPE_ROCE_V2)
-        say(w, "; %s port %u: %s only as a RoCE v1 GID (RoCE v2 needed)", dev, p, ip);
+    else if (t != IBV_GID_TYPE_ROCE_V2 && t != IBV_GID_TYPE_ROCE_V1)
+        say(w, "; %s port %u: %s only as a GID of type %d (RoCE v1 or v2 needed)", dev, p, ip, t);
     else if (pa.state != IBV_PORT_ACTIVE)
         say(w, "; %s port %u: has %s but is %s, not ACTIVE", dev, p, ip,
             ibv_port_state_str(pa.state));
     else if (pa.active_mtu == 0)
         say(w, "; %s port %u: has %s but no active MTU", dev, p, ip);
     else
-        say(w, "; %s port %u: has %s (RoCE v2, ACTIVE)", dev, p, ip);
+        say(w, "; %s port %u: has %s (RoCE v%d, ACTIVE)", dev, p, ip,
+            t == IBV_GID_TYPE_ROCE_V1 ? 1 : 2);
 }
 
 void bex__rdma_why_none(struct in_addr addr, int err, char *buf, size_t cap)

@@ -8,7 +8,7 @@
 #include "wire/hello.h"
 
 /* Byte offsets of the hello (version 4; 3 and 1 had the same layout with
- * bytes 42..43 reserved); docs/protocol.md has the same table. */
+ * bytes 42..43 and 78..79 reserved); docs/protocol.md has the same table. */
 enum {
     OFF_MAGIC = 0,
     OFF_VERSION = 4,
@@ -29,9 +29,9 @@ enum {
     OFF_KA_ADDR = 64,
     OFF_KA_RKEY = 72,
     OFF_MAX_RNDV = 76,
-    OFF_RSVD1 = 78, /* 2 bytes */
+    OFF_LID = 78, /* reserved (zero) before InfiniBand routes */
 };
-_Static_assert(OFF_RSVD1 + 2 == BEX__HELLO_LEN, "hello layout must fill BEX__HELLO_LEN");
+_Static_assert(OFF_LID + 2 == BEX__HELLO_LEN, "hello layout must fill BEX__HELLO_LEN");
 
 /* Explicit shifts rather than htonl() + memcpy: the layout is then the same
  * on every host and no unaligned access is ever made. */
@@ -84,7 +84,8 @@ void bex__hello_encode(const struct bex__hello *h, uint8_t buf[BEX__HELLO_LEN])
     put32(buf + OFF_MAGIC, BEX__HELLO_MAGIC);
     put16(buf + OFF_VERSION, BEX__HELLO_VERSION);
     put16(buf + OFF_LENGTH, BEX__HELLO_LEN);
-    put32(buf + OFF_FLAGS, h->flags);
+    uint32_t route = (uint32_t)(h->route & 3u) << BEX__HELLO_ROUTE_SHIFT;
+    put32(buf + OFF_FLAGS, (h->flags & ~BEX__HELLO_ROUTE_MASK) | route);
     put32(buf + OFF_QPN, h->qpn);
     put32(buf + OFF_PSN, h->psn);
     memcpy(buf + OFF_GID, h->gid, 16);
@@ -100,6 +101,20 @@ void bex__hello_encode(const struct bex__hello *h, uint8_t buf[BEX__HELLO_LEN])
     put32(buf + OFF_KA_RKEY, h->ka_rkey);
     put16(buf + OFF_MAX_RNDV, h->max_rndv);
     put16(buf + OFF_KA_TIMEOUT, h->ka_timeout_ms);
+    put16(buf + OFF_LID, h->lid);
+}
+
+/* The route and the LID: the LID is an InfiniBand port's unicast address
+ * and nothing else (a RoCE or TCP-only sender has none). */
+static int route_check(const struct bex__hello *h)
+{
+    if (h->route > BEX__HELLO_ROUTE_IB)
+        return -EPROTONOSUPPORT;
+    if ((h->flags & BEX__HELLO_F_NO_RDMA) && h->route != BEX__HELLO_ROUTE_ROCE_V2)
+        return -EBADMSG;
+    if (h->route == BEX__HELLO_ROUTE_IB)
+        return h->lid >= 1 && h->lid <= BEX__HELLO_LID_MAX ? 0 : -EBADMSG;
+    return h->lid == 0 ? 0 : -EBADMSG;
 }
 
 int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
@@ -114,11 +129,12 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
         return -EPROTO;
     if (len != BEX__HELLO_LEN || get16(buf + OFF_LENGTH) != BEX__HELLO_LEN)
         return -EBADMSG;
-    if (!all_zero(buf + OFF_RSVD1, 2))
-        return -EBADMSG;
 
     struct bex__hello h;
     h.flags = get32(buf + OFF_FLAGS);
+    h.route = (uint8_t)((h.flags & BEX__HELLO_ROUTE_MASK) >> BEX__HELLO_ROUTE_SHIFT);
+    h.flags &= ~BEX__HELLO_ROUTE_MASK;
+    h.lid = get16(buf + OFF_LID);
     h.qpn = get32(buf + OFF_QPN);
     h.psn = get32(buf + OFF_PSN);
     memcpy(h.gid, buf + OFF_GID, 16);
@@ -137,6 +153,9 @@ int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out)
 
     if (h.flags & ~BEX__HELLO_F_ALL)
         return -EBADMSG;
+    int err = route_check(&h);
+    if (err)
+        return err;
     if (h.conn_id == 0)
         return -EBADMSG;
     if (h.max_msg == 0 || h.max_msg > BEX__HELLO_MAX_MSG)

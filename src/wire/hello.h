@@ -29,6 +29,22 @@
     0x2u /* sender's receives come from a shared RQ:                                               \
             recv_depth is a hint, not a credit grant */
 #define BEX__HELLO_F_ALL 0x3u
+/* Bits 2..3 of the flags word carry the sender's route (decoded into
+ * bex__hello.route, never left in .flags): how a peer reaches its port.
+ * They and the LID (bytes 78..79) sit where a version-4 decoder of before
+ * requires zeros, so a RoCE v2 hello is unchanged byte for byte and an
+ * older peer refuses the others as malformed instead of misreading them. */
+#define BEX__HELLO_ROUTE_SHIFT 2
+#define BEX__HELLO_ROUTE_MASK  0xcu
+enum {
+    BEX__HELLO_ROUTE_ROCE_V2 = 0, /* Ethernet, RoCE v2 GID (UDP/IP) */
+    BEX__HELLO_ROUTE_ROCE_V1 = 1, /* Ethernet, RoCE v1 GID (Ethertype) */
+    BEX__HELLO_ROUTE_IB = 2,      /* InfiniBand: LID, GRH when routed */
+    /* 3 is refused: a GID type this version does not know */
+};
+/* Unicast LIDs; 0 is unassigned, 0xc000..0xfffe multicast, 0xffff the
+ * permissive LID: none addresses one port. */
+#define BEX__HELLO_LID_MAX 0xbfffu
 
 /* limits a decoder enforces */
 #define BEX__HELLO_MAX_MSG  (1u << 31) /* RC's largest message */
@@ -62,6 +78,11 @@ struct bex__hello {
        longer one is sent as 65535; 0: not given): over TCP the peer need
        not write keepalives more often than a quarter of it */
     uint16_t ka_timeout_ms;
+    /* the sender's route, BEX__HELLO_ROUTE_* (flags bits 2..3); and its
+       port's LID: InfiniBand 1..BEX__HELLO_LID_MAX, 0 on RoCE and with
+       NO_RDMA (which also has route 0) */
+    uint8_t route;
+    uint16_t lid;
 };
 #define BEX__HELLO_MAX_EAGER (1u << 20)
 
@@ -76,7 +97,10 @@ void bex__hello_encode(const struct bex__hello *h, uint8_t buf[BEX__HELLO_LEN]);
  *            BEX__HELLO_LEN, unknown flags, non-zero reserved bytes, a field
  *            out of range (see the struct), or, with BEX__HELLO_F_NO_RDMA,
  *            a non-zero RDMA field (qpn, psn, gid, mtu, rd_atomic, depths,
- *            frag_size).
+ *            frag_size), an InfiniBand route whose LID is not unicast (0,
+ *            multicast, permissive), a RoCE route or NO_RDMA hello with a
+ *            LID, NO_RDMA with a route,
+ *   -EPROTONOSUPPORT  a route of 3 (a GID type this version does not know).
  * *out is written only on success. Never reads beyond buf[len-1]. */
 int bex__hello_decode(const uint8_t *buf, size_t len, struct bex__hello *out);
 

@@ -26,13 +26,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memset(&sentinel, 0xa5, sizeof sentinel);
     h = sentinel;
     int rc = bex__hello_decode(data, size, &h);
-    FZ_CHECK(rc == 0 || rc == -EPROTO || rc == -EBADMSG);
+    FZ_CHECK(rc == 0 || rc == -EPROTO || rc == -EBADMSG || rc == -EPROTONOSUPPORT);
     if (rc) {
         FZ_CHECK(bex_test_hello_same(&h, &sentinel));
         return 0;
     }
     FZ_CHECK(size == BEX__HELLO_LEN);
     FZ_CHECK((h.flags & ~BEX__HELLO_F_ALL) == 0);
+    FZ_CHECK(h.route <= BEX__HELLO_ROUTE_IB);
+    FZ_CHECK(h.route == BEX__HELLO_ROUTE_IB ? h.lid >= 1 && h.lid <= BEX__HELLO_LID_MAX
+                                            : h.lid == 0);
     FZ_CHECK(h.conn_id != 0);
     FZ_CHECK(h.max_msg >= 1 && h.max_msg <= BEX__HELLO_MAX_MSG);
     if (h.flags & BEX__HELLO_F_NO_RDMA) {

@@ -216,7 +216,7 @@ static int bad_fields(void)
         }                                                                                          \
     } while (0)
 
-    for (uint32_t bit = 2; bit < 32; bit++)
+    for (uint32_t bit = 4; bit < 32; bit++) /* bits 2..3: the route (route_lid) */
         EXPECT_BAD(flags, 1u << bit);
     EXPECT_BAD(qpn, 0);
     EXPECT_BAD(qpn, 1);
@@ -289,6 +289,76 @@ static int bad_fields(void)
     return 0;
 }
 
+/* The route and LID (flags bits 2..3, bytes 78..79) of RoCE v1 and
+ * InfiniBand senders: pinned on the wire, round trips, and every hostile
+ * value refused: route 3 (a GID type we do not know: -EPROTONOSUPPORT), an InfiniBand LID
+ * that is not unicast, a LID on a RoCE route or a NO_RDMA hello. */
+static int route_wire(void)
+{
+    struct bex__hello h = bex_test_hello_sample(), out;
+    uint8_t buf[BEX__HELLO_LEN];
+    h.route = BEX__HELLO_ROUTE_IB;
+    h.lid = 0x1234;
+    h.flags = BEX__HELLO_F_SRQ;
+    bex__hello_encode(&h, buf);
+    CHECK_EQ(buf[11], 0x08 | BEX__HELLO_F_SRQ);
+    CHECK_EQ(buf[78], 0x12);
+    CHECK_EQ(buf[79], 0x34);
+    CHECK_OK(bex__hello_decode(buf, sizeof buf, &out));
+    CHECK(bex_test_hello_same(&h, &out));
+    CHECK_EQ(out.flags, BEX__HELLO_F_SRQ); /* the route is not left in the flags */
+    h = bex_test_hello_sample();
+    h.route = BEX__HELLO_ROUTE_ROCE_V1;
+    bex__hello_encode(&h, buf);
+    CHECK_EQ(buf[11], 0x04);
+    CHECK_OK(bex__hello_decode(buf, sizeof buf, &out));
+    CHECK(bex_test_hello_same(&h, &out));
+    buf[11] = 0x0c; /* route 3 */
+    CHECK_EQ(bex__hello_decode(buf, sizeof buf, &out), -EPROTONOSUPPORT);
+    return 0;
+}
+
+static int route_lid(void)
+{
+    const struct {
+        uint8_t route;
+        uint16_t lid;
+        int want;
+    } cases[] = {
+        {BEX__HELLO_ROUTE_IB, 1, 0},
+        {BEX__HELLO_ROUTE_IB, BEX__HELLO_LID_MAX, 0},
+        {BEX__HELLO_ROUTE_IB, 0, -EBADMSG},      /* unassigned: no SM yet */
+        {BEX__HELLO_ROUTE_IB, 0xc000, -EBADMSG}, /* multicast */
+        {BEX__HELLO_ROUTE_IB, 0xfffe, -EBADMSG},
+        {BEX__HELLO_ROUTE_IB, 0xffff, -EBADMSG}, /* permissive */
+        {BEX__HELLO_ROUTE_ROCE_V2, 1, -EBADMSG}, /* RoCE has no LID */
+        {BEX__HELLO_ROUTE_ROCE_V1, 7, -EBADMSG},
+        {BEX__HELLO_ROUTE_ROCE_V1, 0, 0},
+        {3, 0, -EPROTONOSUPPORT},
+        {3, 1, -EPROTONOSUPPORT},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct bex__hello h = bex_test_hello_sample();
+        h.route = cases[i].route;
+        h.lid = cases[i].lid;
+        if (verdict(&h) != cases[i].want) {
+            fprintf(stderr, "route %u lid %#x: %d\n", h.route, h.lid, verdict(&h));
+            return 1;
+        }
+    }
+    struct bex__hello n = no_rdma();
+    n.route = BEX__HELLO_ROUTE_IB;
+    n.lid = 5;
+    CHECK_EQ(verdict(&n), -EBADMSG);
+    n = no_rdma();
+    n.route = BEX__HELLO_ROUTE_ROCE_V1;
+    CHECK_EQ(verdict(&n), -EBADMSG);
+    n = no_rdma();
+    n.lid = 5;
+    CHECK_EQ(verdict(&n), -EBADMSG);
+    return 0;
+}
+
 static int out_untouched_on_error(void)
 {
     struct bex__hello h = bex_test_hello_sample(), out;
@@ -326,7 +396,7 @@ static int fuzz(void)
     struct bex__hello base = bex_test_hello_sample();
     uint8_t valid[BEX__HELLO_LEN];
     bex__hello_encode(&base, valid);
-    long ok = 0, proto = 0, badmsg = 0;
+    long ok = 0, proto = 0, badmsg = 0, route = 0;
     for (int iter = 0; iter < 100000; iter++) {
         uint8_t buf[BEX__HELLO_LEN + 4];
         size_t len = BEX__HELLO_LEN;
@@ -365,13 +435,16 @@ static int fuzz(void)
             proto++;
         } else if (rc == -EBADMSG) {
             badmsg++;
+        } else if (rc == -EPROTONOSUPPORT) {
+            route++; /* route 3: flags bits 2..3 both set */
         } else {
             fprintf(stderr, "unexpected rc %d at iteration %d\n", rc, iter);
             return 1;
         }
         free(p);
     }
-    fprintf(stderr, "decoded %ld, -EPROTO %ld, -EBADMSG %ld\n", ok, proto, badmsg);
+    fprintf(stderr, "decoded %ld, -EPROTO %ld, -EBADMSG %ld, -EPROTONOSUPPORT %ld\n", ok, proto,
+            badmsg, route);
     /* the mix must exercise all three outcomes, or the fuzzer is blind */
     CHECK(ok > 0 && proto > 0 && badmsg > 0);
     return 0;
@@ -489,6 +562,6 @@ static int fd_peer_closed(void)
 
 BEX_TEST_MAIN(BEX_CASE(roundtrip), BEX_CASE(wire_layout), BEX_CASE(bad_magic_version),
               BEX_CASE(bad_length), BEX_CASE(truncated), BEX_CASE(reserved_bytes),
-              BEX_CASE(ka_timeout), BEX_CASE(bad_fields), BEX_CASE(out_untouched_on_error),
-              BEX_CASE(fuzz), BEX_CASE(fd_roundtrip), BEX_CASE(fd_silent_peer),
-              BEX_CASE(fd_write_deadline), BEX_CASE(fd_peer_closed))
+              BEX_CASE(ka_timeout), BEX_CASE(bad_fields), BEX_CASE(route_wire), BEX_CASE(route_lid),
+              BEX_CASE(out_untouched_on_error), BEX_CASE(fuzz), BEX_CASE(fd_roundtrip),
+              BEX_CASE(fd_silent_peer), BEX_CASE(fd_write_deadline), BEX_CASE(fd_peer_closed))

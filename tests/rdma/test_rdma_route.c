@@ -11,7 +11,11 @@
  *  - ib_grh: a global peer GID: DLID and a GRH.
  *  - ib_bad_lid: an InfiniBand peer with LID 0 or a multicast LID:
  *    -EINVAL, modify_qp never called.
- *  - route_of: the route from the port's link layer and the GID's type. */
+ *  - route_of: the route from the port's link layer and the GID's type.
+ *  - from_hello: the whole InfiniBand chain: the device choice on a fake
+ *    GID table (IPoIB port GID), the hello that path sends (route, LID,
+ *    GID) through the wire codec, the peer made of it, and RTR: DLID =
+ *    the sender's LID, no GRH (link-local GID). */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <string.h>
@@ -173,5 +177,43 @@ static int route_of(void)
     return 0;
 }
 
+static int from_hello(void)
+{
+    struct bex__rdma_gid_row row = {.dev = "mlx5_0",
+                                    .port = 1,
+                                    .index = 0,
+                                    .gid_type = IBV_GID_TYPE_IB,
+                                    .link_layer = IBV_LINK_LAYER_INFINIBAND,
+                                    .active = true,
+                                    .lid = 0x0102,
+                                    .gid = gid("fe80::2:c903:0:1")};
+    bex_addr ipoib_addr;
+    CHECK_OK(bex_addr_parse("192.168.7.1", 0, &ipoib_addr));
+    struct bex__rdma_path sender;
+    CHECK_OK(bex__rdma_choose(&row, 1, &ipoib_addr, &row.gid, &sender));
+
+    struct bex__hello h = {.qpn = 0x4242, .psn = 77, .mtu = IBV_MTU_4096, .rd_atomic = 4};
+    h.recv_depth = h.sq_depth = h.max_rndv = 1;
+    h.max_msg = h.frag_size = 4096;
+    h.conn_id = h.ka_addr = 1;
+    h.route = sender.route;
+    h.lid = sender.lid;
+    memcpy(h.gid, sender.gid.raw, 16);
+    uint8_t buf[BEX__HELLO_LEN];
+    bex__hello_encode(&h, buf);
+    struct bex__hello got;
+    CHECK_OK(bex__hello_decode(buf, sizeof buf, &got));
+    struct bex__rdma_peer peer;
+    bex__rdma_peer_of_hello(&got, &peer);
+
+    struct bex__rdma_path path = path_of(got.route, 7);
+    CHECK_OK(drive(&path, &peer));
+    const struct ibv_ah_attr *ah = &rec.attr.ah_attr;
+    CHECK_EQ(rec.attr.dest_qp_num, 0x4242);
+    CHECK_EQ(ah->dlid, 0x0102);
+    CHECK_EQ(ah->is_global, 0);
+    return 0;
+}
+
 BEX_TEST_MAIN({"roce_v2", roce_v2}, {"roce_v1", roce_v1}, {"ib_lid", ib_lid}, {"ib_grh", ib_grh},
-              {"ib_bad_lid", ib_bad_lid}, {"route_of", route_of})
+              {"ib_bad_lid", ib_bad_lid}, {"route_of", route_of}, {"from_hello", from_hello})

@@ -628,6 +628,55 @@ static int raw_gid(void)
     return pair_run(&scfg, echo_server, &e, NULL, raw_gid_client, NULL, 60);
 }
 
+/* By hand, against a RoCE v2 listener without a secret (issue 27: routes
+ * in the hello): a route this version does not know (3) is refused with
+ * -EPROTONOSUPPORT; a RoCE v1 and an InfiniBand hello (valid, with our
+ * address's GID) are answered with a NO_RDMA hello: another route cannot
+ * reach the listener's QP, so the connection goes over TCP. */
+static int raw_route_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    struct in_addr a1 = addr_env("BEX_TEST_ADDR1");
+    uint8_t raw[BEX__HELLO_LEN];
+
+    int fd = raw_connect(&p->srv);
+    struct bex__hello h = raw_hello(a1, 0x3331);
+    h.route = 3;
+    bex__hello_encode(&h, raw);
+    raw_write(fd, raw, sizeof raw);
+    EXPECT_REFUSAL(fd, EPROTONOSUPPORT);
+
+    const uint8_t routes[] = {BEX__HELLO_ROUTE_ROCE_V1, BEX__HELLO_ROUTE_IB};
+    for (size_t i = 0; i < sizeof routes; i++) {
+        fd = raw_connect(&p->srv);
+        h = raw_hello(a1, 0x3332 + i);
+        h.route = routes[i];
+        h.lid = routes[i] == BEX__HELLO_ROUTE_IB ? 5 : 0;
+        bex__hello_encode(&h, raw);
+        raw_write(fd, raw, sizeof raw);
+        struct bex__hello hl;
+        CHECK_OK(bex__hello_recv(fd, &hl, bex__hello_now_ms() + ms(10000)));
+        CHECK_EQ(hl.conn_id, 0x3332 + i);
+        CHECK(hl.flags & BEX__HELLO_F_NO_RDMA);
+        close(fd);
+    }
+
+    struct tc *tg = tc_start(p->ctx, &p->srv);
+    CHECK_EQ(tc_wait_connect(tg), 0);
+    tc_echo(p->ctx, tg, NLENS);
+    tc_close(tg);
+    pair_sleep_ms(100);
+    return 0;
+}
+
+static int raw_route(void)
+{
+    no_env_secret();
+    bex_ctx_config scfg = server_cfg(NULL);
+    struct expect e = {.refusals = 1, .min_accepted = 1};
+    return pair_run(&scfg, echo_server, &e, NULL, raw_route_client, NULL, 60);
+}
+
 /* The connector's side, against a fake listener (by hand, in the server
  * process): (1) without a secret, a listener hello whose GID is not the
  * listener's address is refused (-EPROTO); (2) with a secret, a listener
@@ -723,4 +772,4 @@ static int client_checks(void)
 }
 
 BEX_TEST_MAIN(BEX_CASE(same_secret), BEX_CASE(refused), BEX_CASE(secret_vs_none),
-              BEX_CASE(raw_auth), BEX_CASE(raw_gid), BEX_CASE(client_checks))
+              BEX_CASE(raw_auth), BEX_CASE(raw_gid), BEX_CASE(raw_route), BEX_CASE(client_checks))

@@ -103,7 +103,7 @@ fi
     exit 77
 }
 run dev 0 --local "$BEX_TEST_ADDR0" --json
-json dev 'd["transport"] == "rdma" and d["device"].startswith("rxe") and d["link_layer"] == "Ethernet" and d["gid_type"] == "RoCE v2" and d["mtu"] in (256, 512, 1024, 2048, 4096) and d["port_state"] == "ACTIVE" and d["remote_access"] in ("landing", "window") and isinstance(d["srq"], bool) and isinstance(d["thread_domain"], bool) and d["limits"]["max_qp"] > 0 and d["limits"]["max_qp_wr"] > 0'
+json dev 'd["transport"] == "rdma" and d["device"].startswith("rxe") and d["link_layer"] == "Ethernet" and d["gid_type"] == "RoCE v2" and d["lid"] == 0 and d["mtu"] in (256, 512, 1024, 2048, 4096) and d["port_state"] == "ACTIVE" and d["remote_access"] in ("landing", "window") and isinstance(d["srq"], bool) and isinstance(d["thread_domain"], bool) and d["limits"]["max_qp"] > 0 and d["limits"]["max_qp_wr"] > 0'
 # (the GID: ::ffff: and the address)
 json dev 'd["gid"] == "::ffff:" + os.environ["BEX_TEST_ADDR0"]'
 run text 0 --local "$BEX_TEST_ADDR0"

@@ -140,6 +140,14 @@ static const char *link_layer_name(uint8_t ll)
                                              : "unspecified";
 }
 
+/* The GID's type as the route names it: what the peer must speak too. */
+static const char *route_name(uint8_t route)
+{
+    return route == BEX__RDMA_ROUTE_IB        ? "IB"
+           : route == BEX__RDMA_ROUTE_ROCE_V1 ? "RoCE v1"
+                                              : "RoCE v2";
+}
+
 static const char *port_state_name(enum ibv_port_state st)
 {
     switch (st) {
@@ -212,13 +220,14 @@ static void print_json(const struct report *r, const struct check_result *c)
     } else {
         const struct ibv_device_attr *a = &r->dev->attr;
         printf(",\"device\":\"%s\",\"port\":%u,\"link_layer\":\"%s\",\"port_state\":\"%s\","
-               "\"gid_index\":%u,\"gid\":\"%s\",\"gid_type\":\"RoCE v2\",\"mtu\":%d,"
+               "\"gid_index\":%u,\"gid\":\"%s\",\"gid_type\":\"%s\",\"lid\":%u,\"mtu\":%d,"
                "\"max_mtu\":%d,\"remote_access\":\"%s\",\"srq\":%s,\"thread_domain\":%s,"
                "\"fw_ver\":",
                r->dev->name, r->path.port, link_layer_name(r->port.link_layer),
-               port_state_name(r->port.state), r->path.gid_index, r->gid,
-               bex__rdma_mtu_bytes(r->port.active_mtu), bex__rdma_mtu_bytes(r->port.max_mtu),
-               r->remote_access, a->max_srq > 0 ? "true" : "false", r->td ? "true" : "false");
+               port_state_name(r->port.state), r->path.gid_index, r->gid, route_name(r->path.route),
+               r->path.lid, bex__rdma_mtu_bytes(r->port.active_mtu),
+               bex__rdma_mtu_bytes(r->port.max_mtu), r->remote_access,
+               a->max_srq > 0 ? "true" : "false", r->td ? "true" : "false");
         json_str(a->fw_ver);
         printf(",\"limits\":{");
         const char *sep = "";
@@ -257,7 +266,10 @@ static void print_text(const struct report *r, const struct check_result *c)
                a->fw_ver[0] ? a->fw_ver : "-");
         printf("port:           %u (%s, %s)\n", r->path.port, link_layer_name(r->port.link_layer),
                port_state_name(r->port.state));
-        printf("GID:            index %u, %s, RoCE v2\n", r->path.gid_index, r->gid);
+        printf("GID:            index %u, %s, %s\n", r->path.gid_index, r->gid,
+               route_name(r->path.route));
+        if (r->path.route == BEX__RDMA_ROUTE_IB)
+            printf("LID:            %u\n", r->path.lid);
         printf("MTU:            %d (port max %d)\n", bex__rdma_mtu_bytes(r->port.active_mtu),
                bex__rdma_mtu_bytes(r->port.max_mtu));
         printf("remote access:  %s\nSRQ:            %s\nthread domain:  %s\nlimits:        ",
