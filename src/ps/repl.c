@@ -25,6 +25,7 @@
 #include "bex/ps.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
+#include "ps/repl_batch.h"
 #include "ps/shard_internal.h"
 #include "rpc/internal.h"
 
@@ -160,24 +161,6 @@ void bex__ps_repl_take_cut(bex_ps_shard *s)
 }
 
 /* ---- primary ---- */
-
-/* A client's Push out to the backups: answered when the last is back. */
-struct fop;
-struct fcall {
-    struct fop *op;
-    uint32_t b;          /* the backup */
-    uint64_t epoch;      /* etcd mode: the term it was sent in */
-    struct fcall *rm_nx; /* waiting for b's removal (repl.rm) */
-};
-struct fop {
-    bex_ps_shard *s;
-    bex_rpc_req *req;
-    struct bex__ps_hdr h;  /* the answer's */
-    uint64_t lsn;          /* its number (lag.c) */
-    _Atomic uint32_t left; /* forwards out, + 1 while sending */
-    _Atomic int status;
-    struct fcall calls[];
-};
 
 static void fop_put(struct fop *op)
 {
