@@ -148,8 +148,9 @@ static void batch_send(struct fbatch *bt, bex_rpc_channel *ch, uint64_t session,
         batch_done(-ENOMEM, NULL, 0, bt);
         return;
     }
-    bex__ps_fwd_put(p, &(struct bex__ps_fwd_hdr){
-                           .session = session, .lsn = bt->list->op->lsn, .flags = BEX__PS_FWD_BATCH});
+    bex__ps_fwd_put(p, &(struct bex__ps_fwd_hdr){.session = session,
+                                                 .lsn = bt->list->op->lsn,
+                                                 .flags = BEX__PS_FWD_BATCH});
     bex__ps_put32(p + BEX__PS_FWD_HDR_LEN, n);
     bex__ps_put32(p + BEX__PS_FWD_HDR_LEN + 4, 0);
     size_t off = BATCH_HDR;

@@ -388,8 +388,8 @@ static int t_adagrad(void)
 static size_t batch_of(uint8_t *b, uint64_t session, uint64_t first, uint32_t n,
                        const uint64_t *lsns)
 {
-    bex__ps_fwd_put(b, &(struct bex__ps_fwd_hdr){
-                           .session = session, .lsn = first, .flags = BEX__PS_FWD_BATCH});
+    bex__ps_fwd_put(
+        b, &(struct bex__ps_fwd_hdr){.session = session, .lsn = first, .flags = BEX__PS_FWD_BATCH});
     bex__ps_put32(b + BEX__PS_FWD_HDR_LEN, n);
     bex__ps_put32(b + BEX__PS_FWD_HDR_LEN + 4, 0);
     size_t off = BEX__PS_FWD_HDR_LEN + BEX__PS_FWD_BATCH_HDR;
@@ -408,7 +408,8 @@ static size_t batch_of(uint8_t *b, uint64_t session, uint64_t first, uint32_t n,
 static size_t ent_off(uint32_t i)
 {
     uint8_t tmp[64];
-    return BEX__PS_FWD_HDR_LEN + BEX__PS_FWD_BATCH_HDR + i * (BEX__PS_FWD_ENT_HDR + push_of(tmp, 0));
+    return BEX__PS_FWD_HDR_LEN + BEX__PS_FWD_BATCH_HDR +
+           i * (BEX__PS_FWD_ENT_HDR + push_of(tmp, 0));
 }
 
 /* Batches that lie, each refused whole; returns how many. */
