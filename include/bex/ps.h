@@ -200,7 +200,7 @@ typedef struct bex_ps_shard_config {
      * FORWARD batch (docs/protocol.md, "Forward"), in lsn order: at most
      * forward_batch_max Pushes (64, at most 65536) and forward_batch_bytes
      * of Push bodies (1 MiB, at most 64 MiB; a larger Push goes alone) a
-     * batch, and at most forward_batches_inflight batches (2, at most 64)
+     * batch, and at most forward_batches_inflight batches (8, at most 64)
      * out to one backup at once; while that many are out, its forwards
      * wait and go in the next batch. Each Push is still answered once
      * every backup of the set applied the batch holding it. */

@@ -33,7 +33,7 @@
 #define BATCH_MAX_MAX   65536u
 #define BATCH_BYTES     (1ull << 20)
 #define BATCH_BYTES_MAX (64ull << 20)
-#define DEPTH           2u
+#define DEPTH           8u
 #define DEPTH_MAX       64u
 #define BATCH_HDR       (BEX__PS_FWD_HDR_LEN + BEX__PS_FWD_BATCH_HDR)
 
