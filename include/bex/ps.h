@@ -198,6 +198,17 @@ typedef struct bex_ps_shard_config {
      * copy (docs/architecture.md, "Replication"). */
     uint32_t forward_log_entries;
     uint64_t forward_log_bytes;
+    /* A primary sends the forwards queued for one backup together, as one
+     * FORWARD batch (docs/protocol.md, "Forward"), in lsn order: at most
+     * forward_batch_max Pushes (64, at most 65536) and forward_batch_bytes
+     * of Push bodies (1 MiB, at most 64 MiB; a larger Push goes alone) a
+     * batch, and at most forward_batches_inflight batches (8, at most 64)
+     * out to one backup at once; while that many are out, its forwards
+     * wait and go in the next batch. Each Push is still answered once
+     * every backup of the set applied the batch holding it. */
+    uint32_t forward_batch_max;
+    uint64_t forward_batch_bytes;
+    uint32_t forward_batches_inflight;
 } bex_ps_shard_config;
 
 enum {
@@ -338,6 +349,10 @@ typedef struct bex_ps_shard_stats {
      * catchup_rows counts the full copies' rows), and the forwards they
      * applied; at a primary, the suffix answers it served */
     uint64_t catchup_suffix, suffix_applied, suffixes_served;
+    /* a primary: forward batches sent (fwd_sent / fwd_batches: the mean
+     * Pushes a batch); a backup: forward batches refused whole (a count,
+     * a length or an lsn that does not add up; counted in fwd_refused too) */
+    uint64_t fwd_batches, fwd_batches_bad;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 

@@ -441,12 +441,12 @@ int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_c
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&f->cv, &ca);
     pthread_condattr_destroy(&ca);
+    f->kicked = true; /* a first step at once (before a forward can kick) */
     pthread_mutex_lock(&s->mu);
     s->rp.fenced = true;
     s->rp.kick = kick;
     s->rp.kick_arg = f;
     pthread_mutex_unlock(&s->mu);
-    f->kicked = true; /* a first step at once */
     int rc = -pthread_create(&f->thr, NULL, agent_main, f);
     if (rc) {
         bex_ps_failover_stop(f, false);

@@ -182,6 +182,12 @@ static inline int bex__ps_copy_get(const void *body, size_t len, struct bex__ps_
  * follows: the last lsn it applied (u64, little-endian). */
 #define BEX__PS_POS_LEN   8
 #define BEX__PS_FWD_PROBE 1u
+/* A batch (repl_batch.c): lsn is the first's; then u32 count (1..65536),
+ * u32 0, and count entries: u64 lsn (the first's + i), u32 len, u32 0,
+ * len bytes of a client's Push body. Answered once every one is applied. */
+#define BEX__PS_FWD_BATCH     2u
+#define BEX__PS_FWD_BATCH_HDR 8u
+#define BEX__PS_FWD_ENT_HDR   16u
 struct bex__ps_fwd_hdr {
     uint64_t session, lsn;
     uint32_t flags;
@@ -189,7 +195,7 @@ struct bex__ps_fwd_hdr {
 static inline void bex__ps_fwd_put(uint8_t *p, const struct bex__ps_fwd_hdr *h)
 {
     p[0] = BEX__PS_VERSION;
-    p[1] = (uint8_t)(h->flags & BEX__PS_FWD_PROBE);
+    p[1] = (uint8_t)(h->flags & (BEX__PS_FWD_PROBE | BEX__PS_FWD_BATCH));
     p[2] = p[3] = 0;
     bex__ps_put32(p + 4, 0);
     bex__ps_put64(p + 8, h->session);
@@ -201,8 +207,9 @@ static inline void bex__ps_fwd_put(uint8_t *p, const struct bex__ps_fwd_hdr *h)
 static inline int bex__ps_fwd_get(const void *body, size_t len, struct bex__ps_fwd_hdr *h)
 {
     const uint8_t *p = body;
-    if (!p || len < BEX__PS_FWD_HDR_LEN || p[0] != BEX__PS_VERSION || (p[1] & ~BEX__PS_FWD_PROBE) ||
-        p[2] || p[3] || bex__ps_get32(p + 4))
+    if (!p || len < BEX__PS_FWD_HDR_LEN || p[0] != BEX__PS_VERSION ||
+        (p[1] & ~(BEX__PS_FWD_PROBE | BEX__PS_FWD_BATCH)) ||
+        p[1] == (BEX__PS_FWD_PROBE | BEX__PS_FWD_BATCH) || p[2] || p[3] || bex__ps_get32(p + 4))
         return -EINVAL;
     h->flags = p[1];
     h->session = bex__ps_get64(p + 8);

@@ -25,6 +25,7 @@
 #include "bex/ps.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
+#include "ps/repl_batch.h"
 #include "ps/shard_internal.h"
 #include "rpc/internal.h"
 
@@ -59,7 +60,8 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     while (!rp->session)
         if (getrandom(&rp->session, sizeof rp->session, 0) != sizeof rp->session)
             return -EIO;
-    return bex__ps_rlog_init(&rp->log, cfg);
+    int rc = bex__ps_batch_init(rp, cfg);
+    return rc ? rc : bex__ps_rlog_init(&rp->log, cfg);
 }
 
 /* The channel to backup b: retries within the forward's deadline, never
@@ -93,11 +95,15 @@ int bex__ps_repl_register(bex_ps_shard *s, bex_ctx *ctx)
     return 0;
 }
 
-static void fwdh_free(struct fwdh *f)
+void bex__ps_fwdh_free(struct fwdh *f)
 {
-    free(f->keys);
-    free(f->g);
-    free(f);
+    while (f) {
+        struct fwdh *nx = f->more;
+        free(f->keys);
+        free(f->g);
+        free(f);
+        f = nx;
+    }
 }
 
 /* Answer the forwards on list (each its status), after the lock. */
@@ -106,7 +112,7 @@ static void answer_all(struct fwdh *list)
     while (list) {
         struct fwdh *nx = list->next;
         bex_rpc_reply(list->req, list->status, NULL, 0);
-        fwdh_free(list);
+        bex__ps_fwdh_free(list);
         list = nx;
     }
 }
@@ -114,10 +120,17 @@ static void answer_all(struct fwdh *list)
 void bex__ps_repl_fini(bex_ps_shard *s)
 {
     struct repl *rp = &s->rp;
-    /* outstanding forwards complete (-ECANCELED): their Pushes answered */
+    pthread_mutex_lock(&s->mu);
     for (size_t i = 0; i < rp->n_bk; i++)
+        bex__ps_batch_close_locked(&rp->bk[i]);
+    pthread_mutex_unlock(&s->mu);
+    /* outstanding forwards complete (-ECANCELED): their Pushes answered,
+     * and so are the ones still queued */
+    for (size_t i = 0; i < rp->n_bk; i++) {
         if (rp->bk[i].ch)
             bex_rpc_channel_destroy(rp->bk[i].ch);
+        bex__ps_batch_drain(&rp->bk[i], -ECANCELED);
+    }
     free(rp->bk);
     bex__ps_rlog_clear(&rp->log);
     free(rp->log.e);
@@ -161,24 +174,6 @@ void bex__ps_repl_take_cut(bex_ps_shard *s)
 
 /* ---- primary ---- */
 
-/* A client's Push out to the backups: answered when the last is back. */
-struct fop;
-struct fcall {
-    struct fop *op;
-    uint32_t b;          /* the backup */
-    uint64_t epoch;      /* etcd mode: the term it was sent in */
-    struct fcall *rm_nx; /* waiting for b's removal (repl.rm) */
-};
-struct fop {
-    bex_ps_shard *s;
-    bex_rpc_req *req;
-    struct bex__ps_hdr h;  /* the answer's */
-    uint64_t lsn;          /* its number (lag.c) */
-    _Atomic uint32_t left; /* forwards out, + 1 while sending */
-    _Atomic int status;
-    struct fcall calls[];
-};
-
 static void fop_put(struct fop *op)
 {
     if (atomic_fetch_sub(&op->left, 1) != 1)
@@ -205,6 +200,7 @@ static void fop_put(struct fop *op)
     pthread_mutex_lock(&s->mu);
     s->rp.inflight--;
     pthread_mutex_unlock(&s->mu);
+    free(op->body);
     free(op);
 }
 
@@ -240,13 +236,10 @@ static bool fenced_failed(bex_ps_shard *s, struct fcall *fc, int status)
     return wait;
 }
 
-static void fwd_done(int status, void *body, size_t len, void *user)
+void bex__ps_fwd_done(int status, struct fcall *fc)
 {
-    (void)len;
-    struct fcall *fc = user;
     struct fop *op = fc->op;
     bex_ps_shard *s = op->s;
-    bex_rpc_free(body);
     if (status && s->rp.fenced) {
         if (fenced_failed(s, fc, status))
             return; /* answered once the backup is out of the set */
@@ -409,7 +402,7 @@ static uint32_t probes_due_locked(bex_ps_shard *s, uint32_t *due)
  * under the lock, and log it. 0 and *lsn, or the error that refuses it. */
 static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct table *t,
                          const uint64_t *keys, const float *g, const bex_rpc_req *req,
-                         const void *body, size_t len, uint64_t *lsn)
+                         struct fop *op)
 {
     struct pushid id = {.k = {h->id_client, {h->id_tok[0], h->id_tok[1]}},
                         .seq = h->id_seq,
@@ -438,12 +431,13 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
         rc = bex__ps_push_apply_locked(s, t, h->n, keys, g, (h->flags & BEX__PS_F_ID) ? &id : NULL,
                                        NULL);
         if (rc == 0) {
-            *lsn = ++s->rp.lsn;
+            op->lsn = ++s->rp.lsn;
             if (s->rp.n_bk)
-                bex__ps_rlog_add_locked(&s->rp.log, *lsn, body, len);
+                bex__ps_rlog_add_locked(&s->rp.log, op->lsn, op->body, op->len);
             s->rp.inflight++;
             s->st.fwd_sent += s->rp.n_bk;
-            bex__ps_lag_numbered_locked(s, *lsn);
+            bex__ps_lag_numbered_locked(s, op->lsn);
+            bex__ps_batch_queue_locked(s, op); /* in lsn order */
         }
     }
     pthread_mutex_unlock(&s->mu);
@@ -455,67 +449,75 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
 int bex__ps_primary_push(bex_ps_shard *s, const struct bex__ps_hdr *h, const void *body, size_t len,
                          bex_rpc_req *req)
 {
-    struct repl *rp = &s->rp;
     struct table *t;
-    uint64_t *keys, lsn = 0;
+    uint64_t *keys;
     float *g;
     int rc = bex__ps_push_read(s, h, (const uint8_t *)body + bex__ps_keys_off(h), &t, &keys, &g);
     if (rc)
         return rc;
-    size_t flen = BEX__PS_FWD_HDR_LEN + len;
-    struct fop *op = calloc(1, sizeof *op + rp->n_bk * sizeof(struct fcall));
-    if (!op)
+    /* room for every backup: one may join before it is numbered */
+    struct fop *op = calloc(1, sizeof *op + BEX_PS_BACKUPS_MAX * sizeof(struct fcall));
+    uint8_t *copy = op ? malloc(len ? len : 1) : NULL;
+    if (!copy)
         rc = -ENOMEM;
-    if (!rc)
-        rc = primary_apply(s, h, t, keys, g, req, body, len, &lsn);
+    if (!rc) {
+        memcpy(copy, body, len);
+        *op = (struct fop){.s = s, .req = req, .h = *h, .body = copy, .len = len};
+        rc = primary_apply(s, h, t, keys, g, req, op);
+    }
     free(keys);
     free(g);
     if (rc) {
+        free(copy);
         free(op);
         return rc;
     }
-    *op = (struct fop){.s = s, .req = req, .h = *h, .lsn = lsn};
-    atomic_store(&op->left, (uint32_t)rp->n_bk + 1);
-    bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
-    for (uint32_t i = 0; i < rp->n_bk; i++) {
-        op->calls[i] = (struct fcall){op, i, rp->epoch, NULL};
-        if (rp->bk[i].out) {
-            fop_put(op); /* out of the set: not waited for */
-            continue;
-        }
-        uint8_t *b = bex_rpc_alloc(rp->ctx, flen);
-        int crc = b ? 0 : -ENOMEM;
-        if (b) {
-            bex__ps_fwd_put(b, &(struct bex__ps_fwd_hdr){.session = rp->session, .lsn = lsn});
-            memcpy(b + BEX__PS_FWD_HDR_LEN, body, len);
-            crc = bex_rpc_call(rp->bk[i].ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, b, flen, &o,
-                               fwd_done, &op->calls[i], NULL);
-            if (crc)
-                bex_rpc_free(b);
-        }
-        if (crc)
-            fwd_done(crc, NULL, 0, &op->calls[i]);
-    }
+    bex__ps_batch_pump(s);
     fop_put(op); /* the sending guard: the answer may go here */
     return BEX__PS_LATER;
 }
 
 /* ---- backup ---- */
 
-/* Apply a forward in its turn (under the lock): its status. */
+/* Apply a forward in its turn (under the lock), or a batch's forwards
+ * from the next one on (those before it applied already): the first
+ * error, else 0. */
 static int fwd_apply_locked(bex_ps_shard *s, struct fwdh *f)
 {
-    int rc =
-        bex__ps_push_apply_locked(s, f->t, f->n, f->keys, f->g, f->has_id ? &f->id : NULL, NULL);
-    s->rp.next++;
-    s->st.fwd_applied++;
-    bex__ps_lag_applied_locked(s);
-    if (rc)
-        bex__log(&s->log, BEX_LOG_ERROR,
-                 "ps shard %u: forward %llu not applied (%s): this backup now differs from its "
-                 "primary",
-                 s->shard, (unsigned long long)f->lsn, bex_strerror(rc));
-    return rc;
+    int first = 0;
+    for (; f; f = f->more) {
+        if (f->lsn < s->rp.next)
+            continue;
+        int rc = bex__ps_push_apply_locked(s, f->t, f->n, f->keys, f->g, f->has_id ? &f->id : NULL,
+                                           NULL);
+        s->rp.next++;
+        s->st.fwd_applied++;
+        bex__ps_lag_applied_locked(s);
+        if (rc)
+            bex__log(&s->log, BEX_LOG_ERROR,
+                     "ps shard %u: forward %llu not applied (%s): this backup now differs from "
+                     "its primary",
+                     s->shard, (unsigned long long)f->lsn, bex_strerror(rc));
+        first = first ? first : rc;
+    }
+    return first;
+}
+
+/* After a batch applied several: the held ones it covered (a resend
+ * grouped otherwise) applied too, from the next lsn on, onto *done. */
+static void settle_locked(bex_ps_shard *s, struct fwdh **done)
+{
+    struct repl *rp = &s->rp;
+    for (uint32_t i = 0; i < rp->win_n && rp->hold_bytes; i++) {
+        struct fwdh *h = rp->win[i];
+        if (!h || h->lsn >= rp->next)
+            continue;
+        rp->win[i] = NULL;
+        rp->hold_bytes -= h->bytes;
+        h->status = fwd_apply_locked(s, h);
+        h->next = *done;
+        *done = h;
+    }
 }
 
 /* Apply the held forwards whose turn came, onto *done. */
@@ -566,10 +568,12 @@ static int fwd_take_locked(bex_ps_shard *s, uint64_t session, struct fwdh *f, st
         rp->in_session = session;
         rp->next = 1;
     }
-    if (f->lsn < rp->next)
+    if (f->lsn + (f->cnt - 1) < rp->next)
         return 0; /* applied already: a resend */
-    if (f->lsn == rp->next) {
+    if (f->lsn <= rp->next) {
         int rc = fwd_apply_locked(s, f);
+        if (f->cnt > 1)
+            settle_locked(s, done);
         drain_locked(s, done);
         return rc;
     }
@@ -590,6 +594,31 @@ static int fwd_take_locked(bex_ps_shard *s, uint64_t session, struct fwdh *f, st
     return BEX__PS_LATER;
 }
 
+int bex__ps_fwd_decode(bex_ps_shard *s, const uint8_t *push, size_t len, uint64_t lsn,
+                       struct fwdh **out)
+{
+    struct bex__ps_hdr h;
+    int rc = bex__ps_decode(BEX_PS_M_PUSH, push, len, &h);
+    struct fwdh *f = rc ? NULL : calloc(1, sizeof *f);
+    if (!rc && !f)
+        rc = -ENOMEM;
+    if (!rc)
+        rc = bex__ps_push_read(s, &h, push + bex__ps_keys_off(&h), &f->t, &f->keys, &f->g);
+    if (rc) {
+        free(f);
+        return rc;
+    }
+    f->lsn = lsn;
+    f->cnt = 1;
+    f->n = h.n;
+    f->has_id = h.flags & BEX__PS_F_ID;
+    /* the primary admitted the client: no new-client rate here */
+    f->id = (struct pushid){.k = {h.id_client, {h.id_tok[0], h.id_tok[1]}}, .seq = h.id_seq};
+    f->bytes = sizeof *f + (size_t)h.n * 8 + (size_t)h.n * h.dim * 4;
+    *out = f;
+    return 0;
+}
+
 /* A probe answered -ESTALE with the last lsn this backup applied. */
 static int probe_behind(bex_ps_shard *s, bex_rpc_req *req, uint64_t pos)
 {
@@ -606,26 +635,16 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
     if (s->rp.role != BEX_PS_ROLE_BACKUP)
         return -EPERM;
     struct bex__ps_fwd_hdr fh;
-    struct bex__ps_hdr h;
+    struct fwdh *f = NULL;
     int rc = bex__ps_fwd_get(body, len, &fh);
     const uint8_t *push = (const uint8_t *)body + BEX__PS_FWD_HDR_LEN;
-    if (rc == 0)
-        rc = bex__ps_decode(BEX_PS_M_PUSH, push, len - BEX__PS_FWD_HDR_LEN, &h);
-    struct fwdh *f = rc ? NULL : calloc(1, sizeof *f);
-    if (!rc && !f)
-        rc = -ENOMEM;
-    if (!rc)
-        rc = bex__ps_push_read(s, &h, push + bex__ps_keys_off(&h), &f->t, &f->keys, &f->g);
-    if (rc) {
-        free(f);
+    size_t plen = len - BEX__PS_FWD_HDR_LEN;
+    if (rc == 0 && (fh.flags & BEX__PS_FWD_BATCH))
+        rc = bex__ps_batch_decode(s, fh.lsn, push, plen, &f);
+    else if (rc == 0)
+        rc = bex__ps_fwd_decode(s, push, plen, fh.lsn, &f);
+    if (rc)
         return rc;
-    }
-    f->lsn = fh.lsn;
-    f->n = h.n;
-    f->has_id = h.flags & BEX__PS_F_ID;
-    /* the primary admitted the client: no new-client rate here */
-    f->id = (struct pushid){.k = {h.id_client, {h.id_tok[0], h.id_tok[1]}}, .seq = h.id_seq};
-    f->bytes = sizeof *f + (size_t)h.n * 8 + (size_t)h.n * h.dim * 4;
     f->req = req;
     struct fwdh *done = NULL;
     pthread_mutex_lock(&s->mu);
@@ -652,7 +671,7 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
     pthread_mutex_unlock(&s->mu);
     answer_all(done);
     if (rc != BEX__PS_LATER)
-        fwdh_free(f);
+        bex__ps_fwdh_free(f);
     return say ? probe_behind(s, req, pos) : rc;
 }
 
@@ -680,6 +699,8 @@ int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
         pthread_mutex_lock(&s->mu);
         old = rp->bk;
         n_old = rp->n_bk;
+        for (size_t i = 0; i < n_old; i++)
+            bex__ps_batch_close_locked(&old[i]);
         rp->bk = bk;
         rp->n_bk = n;
         rp->n_down = 0;
@@ -692,9 +713,11 @@ int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
     }
     /* an earlier term's forwards complete -ECANCELED: their Pushes are
      * refused (fenced_failed: not of this term) */
-    for (size_t i = 0; i < n_old; i++)
+    for (size_t i = 0; i < n_old; i++) {
         if (old[i].ch)
             bex_rpc_channel_destroy(old[i].ch);
+        bex__ps_batch_drain(&old[i], -ECANCELED);
+    }
     free(old);
     return rc;
 }

@@ -108,6 +108,10 @@ struct fwdh {
     size_t bytes;
     bex_rpc_req *req;
     int status; /* its answer */
+    /* a batch (repl_batch.c): the head holds the batch's req, its bytes
+     * and cnt forwards (lsn .. lsn + cnt - 1) chained by more; 1 alone */
+    struct fwdh *more;
+    uint32_t cnt;
 };
 
 /* A primary's backup. */
@@ -119,6 +123,11 @@ struct backup {
     bool probing;        /* down: a probe is out */
     uint64_t probe_ns;   /* down: no probe before then */
     bool out;            /* etcd mode: removed from the replica set, not forwarded to */
+    /* forwards queued in lsn order (repl_batch.c), batches out; closed:
+     * its channel is being destroyed, nothing more is sent */
+    struct fcall *q_head, *q_tail;
+    uint32_t b_out;
+    bool closed;
 };
 
 /* A primary's log of its last forwards (repl_log.c): a ring of the Push
@@ -176,6 +185,9 @@ struct repl {
     void (*kick)(void *arg);
     void *kick_arg;
     struct rlog log; /* primary: its last forwards */
+    /* primary: a batch's bounds, batches out to one backup at most */
+    uint32_t batch_max, batch_depth;
+    uint64_t batch_bytes;
 };
 
 /* A handler's answer will be sent later (bex_rpc_reply), not now. */
