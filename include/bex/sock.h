@@ -270,13 +270,13 @@ typedef struct bex_ctx_config {
                                            the smallest delay of the last one to two
                                            epochs of this length (2000), not of
                                            all time */
-    uint32_t tcp_ack_delay_us;        /* TCP: how long the acknowledgements this side owes
-                                         wait for a frame of ours to carry them before they
-                                         go in one of their own (200; at most 1000000). A
-                                         context that only makes requests (an RPC or PS
-                                         client) can hold them until its next request on
-                                         the connection: the server then reads no frame
-                                         for them (docs/configuration.md) */
+    uint32_t tcp_ack_delay_us;          /* TCP: how long the acknowledgements this side owes
+                                           wait for a frame of ours to carry them before they
+                                           go in one of their own (200; at most 1000000). A
+                                           context that only makes requests (an RPC or PS
+                                           client) can hold them until its next request on
+                                           the connection: the server then reads no frame
+                                           for them (docs/configuration.md) */
 } bex_ctx_config;
 
 /* bex_ctx_config.send_window_mode */
