@@ -94,12 +94,17 @@ static int run(bex_ctx *ctx, bex_ps_client *c, long n, int op, uint32_t keys, ui
     return 0;
 }
 
+#define PS_OPS_USAGE                                                                               \
+    "usage: bex-ps-ops CLUSTER_FILE N fetch|push|fetch_into|push_from [KEYS] [DIM] [TABLE]\n"
+
 int main(int argc, char **argv)
 {
+    if (argc == 2 && !strcmp(argv[1], "--help"))
+        return printf(PS_OPS_USAGE), 0;
+    if (argc == 2 && !strcmp(argv[1], "--version"))
+        return printf("bex-ps-ops %s\n", bex_version_string()), 0;
     if (argc < 4 || op_of(argv[3]) < 0) {
-        fprintf(
-            stderr,
-            "usage: ps-ops CLUSTER_FILE N fetch|push|fetch_into|push_from [KEYS] [DIM] [TABLE]\n");
+        fprintf(stderr, PS_OPS_USAGE);
         return 2;
     }
     long n = atol(argv[2]);

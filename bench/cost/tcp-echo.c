@@ -85,9 +85,15 @@ static int ping(const char *host, int port, size_t size, long n, char *buf)
     return 0;
 }
 
+#define TCP_ECHO_USAGE "usage: bex-tcp-echo -s PORT SIZE | -c HOST PORT SIZE N\n"
+
 int main(int argc, char **argv)
 {
     static char buf[1 << 20];
+    if (argc == 2 && !strcmp(argv[1], "--help"))
+        return printf(TCP_ECHO_USAGE), 0;
+    if (argc == 2 && !strcmp(argv[1], "--version"))
+        return printf("bex-tcp-echo %s\n", BEX_TCP_ECHO_VERSION), 0;
     if (argc == 4 && !strcmp(argv[1], "-s")) {
         size_t size = strtoul(argv[3], NULL, 0);
         if (size == 0 || size > sizeof buf)
@@ -100,6 +106,6 @@ int main(int argc, char **argv)
             return fprintf(stderr, "tcp-echo: SIZE 1..%zu\n", sizeof buf), 2;
         return ping(argv[2], atoi(argv[3]), size, atol(argv[5]), buf);
     }
-    fprintf(stderr, "usage: tcp-echo -s PORT SIZE | -c HOST PORT SIZE N\n");
+    fprintf(stderr, TCP_ECHO_USAGE);
     return 2;
 }
