@@ -622,7 +622,9 @@ bool fk_progress(struct fk_pair *p, int side)
 void fk_tick(struct fk_pair *p, int side, uint64_t advance_ms)
 {
     p->clock += advance_ms;
-    bex__engine_tick(p->s[side].e, bex__now_ms() + p->clock);
+    if (p->virt_clock && !p->clock_base)
+        p->clock_base = bex__now_ms();
+    bex__engine_tick(p->s[side].e, (p->virt_clock ? p->clock_base : bex__now_ms()) + p->clock);
     reap(&p->s[side]);
     reap(&p->s[!side]);
 }

@@ -173,6 +173,12 @@ struct fk_pair {
     struct fk_msg *msgs; /* FK_MAX_MSGS */
     uint32_t n_msgs;
     uint64_t clock; /* virtual ms added to the real clock for ticks */
+    /* set by a test whose timing is all virtual (keepalive deadlines): its
+     * ticks are at clock_base + clock, clock_base the real clock at its
+     * first tick, so that time lost to a loaded host does not count
+     * against a deadline between two ticks */
+    bool virt_clock;
+    uint64_t clock_base;
     uint64_t rng;
     bool verbose;
     /* hook: called at every post of a payload-carrying request */

@@ -36,6 +36,7 @@ static int quiet_when_busy(void)
     fk_default_config(&c); /* keepalive_ms 1000 */
     struct fk_pair p;
     fk_pair_init(&p, &c, &c, 11);
+    p.virt_clock = true;
     struct fk_stream *st = fk_open(&p);
     fk_quiesce(&p);
     CHECK(fk_stream(&p, 1, st->id) != NULL);
@@ -59,6 +60,7 @@ static int writes_when_quiet(void)
     fk_default_config(&c);
     struct fk_pair p;
     fk_pair_init(&p, &c, &c, 12);
+    p.virt_clock = true;
     struct fk_stream *st = fk_open(&p);
     fk_quiesce(&p);
     uint32_t before[2] = {p.s[0].ka_writes, p.s[1].ka_writes};
@@ -85,6 +87,7 @@ static int alive_one_way(void)
     c.keepalive_timeout_ms = 350;
     struct fk_pair p;
     fk_pair_init(&p, &c, &c, 13);
+    p.virt_clock = true;
     struct fk_stream *st = fk_open(&p);
     fk_quiesce(&p);
     uint32_t before1 = p.s[1].ka_writes;
