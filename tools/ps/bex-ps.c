@@ -971,8 +971,17 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
+    /* bad input (a BEX_* variable, the cluster file, the shards, the
+     * addresses): one line naming it, exit 2, nothing started */
+    char why[256];
+    if (bex_env_check(why, sizeof why)) {
+        fprintf(stderr, "bex-ps: %s\n", why);
+        return 2;
+    }
     static struct node nd;
-    if (plan(&o, &nd) || make_ctx(&o, &nd))
+    if (plan(&o, &nd))
+        return 2;
+    if (make_ctx(&o, &nd))
         return 1;
     int status = 0;
     for (; nd.up < nd.n_sv; nd.up++)
