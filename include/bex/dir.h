@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* bex service directory: where a service's replicas are, and which are
- * healthy (issue 9 items 2, 3 and 6; paper §7.2).
+ * healthy (paper §7.2).
  *
  * A service (a name, e.g. "ps") is a set of shards numbered from 0; each
  * shard has replicas, each an address with a locality label: '/'-separated
