@@ -572,6 +572,7 @@ int bex_ps_client_prometheus(bex_ps_client *c, const char *name, char *buf, size
  * forward_timeout_ms of the shard bounds how long a Push waits for a
  * backup that stopped answering before it leaves the set. */
 typedef struct bex_ps_failover_config {
+    size_t size;          /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     const char *etcd_url; /* required */
     const char *prefix;   /* NULL: "/bex/" */
     const char *service;  /* NULL: "ps" */
@@ -582,6 +583,9 @@ typedef struct bex_ps_failover_config {
     uint32_t lease_ttl_ms, lease_margin_ms;
     uint32_t resync_timeout_ms; /* a copy from a new primary (10000) */
 } bex_ps_failover_config;
+/* clang-format off */
+#define BEX_PS_FAILOVER_CONFIG_INIT {.size = sizeof(bex_ps_failover_config)}
+/* clang-format on */
 
 typedef struct bex_ps_failover bex_ps_failover;
 
