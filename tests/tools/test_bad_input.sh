@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Bad input to the programs (issue 27, "Bad input"): a missing or
-# unreadable cluster/plan file, an address without a port in it, an
-# environment variable with a bad value. Each is one line on stderr naming
+# unreadable cluster/plan file (a directory: said so), an address without
+# a port in it, an environment variable with a bad value. Each is one line on stderr naming
 # the input, exit status 2, nothing started (nothing on stdout, no
 # listener: the programs stop before their context). No network is used:
 # every case fails before a socket is opened.
@@ -36,14 +36,14 @@ for p in "$ps --shard all" "$ranker --duration 1" "$trainer --duration 1"; do
     # shellcheck disable=SC2086
     set -- $p
     expect /nonexistent/c.json -- "$@" --cluster /nonexistent/c.json
-    expect "$tmp/dir.json" -- "$@" --cluster "$tmp/dir.json"
+    expect "$tmp/dir.json: Is a directory" -- "$@" --cluster "$tmp/dir.json"
     expect "'127.0.0.1'" -- "$@" --cluster "$tmp/noport.json"
     for e in BEX_LOG_LEVEL=loud BEX_TRANSPORT=ib BEX_IO_THREADS=0; do
         expect "${e%%=*}" -- env "$e" "$@" --cluster "$tmp/ok.json"
     done
 done
 expect /nonexistent/p.json -- "$cluster" --plan /nonexistent/p.json --out "$tmp/out1"
-expect "$tmp/dir.json" -- "$cluster" --plan "$tmp/dir.json" --out "$tmp/out1"
+expect "$tmp/dir.json: Is a directory" -- "$cluster" --plan "$tmp/dir.json" --out "$tmp/out1"
 expect phases -- "$cluster" --plan "$tmp/ok.json" --out "$tmp/out1"
 expect BEX_IO_THREADS -- env BEX_IO_THREADS=x "$cluster" --out "$tmp/out1"
 [ ! -e "$tmp/out1" ] || fail "bex-cluster made its output directory on bad input"

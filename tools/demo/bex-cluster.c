@@ -464,6 +464,9 @@ static void plan_load(struct plan *pl, const char *arg)
         pl->root = json_loads(DEFAULT_PLAN, 0, &err);
     else
         pl->root = json_load_file(arg, 0, &err);
+    struct stat st;
+    if (!pl->root && stat(arg, &st) == 0 && S_ISDIR(st.st_mode))
+        die("plan %s: %s", arg, strerror(EISDIR));
     if (!pl->root)
         die("plan %s: %s (line %d)", arg, err.text, err.line);
     json_t *r = pl->root;
