@@ -379,6 +379,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
     int rc = bex_dir_create(NULL, &r->dir);
     if (rc == 0 && (rc = bex_dir_load_file(r->dir, o->cluster, err, sizeof err))) {
         fprintf(stderr, "%s: %s\n", prog, err[0] ? err : bex_strerror(rc));
+        bex_dir_destroy(r->dir);
         exit(2);
     }
     if (rc)
@@ -391,6 +392,7 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
                          .log_level = o->verbose ? BEX_LOG_INFO : BEX_LOG_WARN};
     if (bex_addr_parse(o->addr, 0, &cc.local_addr) != 0) {
         fprintf(stderr, "%s: --addr %s: not an IP address\n", prog, o->addr);
+        bex_dir_destroy(r->dir);
         exit(2);
     }
     if ((rc = bex_ctx_create(&cc, &r->ctx))) {

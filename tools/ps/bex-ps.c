@@ -500,12 +500,16 @@ static int load_cluster(const struct opts *o, bex_dir **dir, uint32_t *n_shards)
             fprintf(stderr, "bex-ps: %s\n", err);
         else
             fprintf(stderr, "bex-ps: %s: %s\n", o->cluster, bex_strerror(rc));
+        bex_dir_destroy(*dir);
+        *dir = NULL;
         return 1;
     }
     while (*n_shards < 4096 && bex_dir_replicas(*dir, o->service, *n_shards, NULL, 0) > 0)
         (*n_shards)++;
     if (*n_shards == 0) {
         fprintf(stderr, "bex-ps: %s: no service \"%s\"\n", o->cluster, o->service);
+        bex_dir_destroy(*dir);
+        *dir = NULL;
         return 1;
     }
     return 0;
