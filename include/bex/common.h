@@ -30,7 +30,9 @@ const char *bex_version_string(void);
 
 /* Config structs (bex_ctx_config, bex_mem_config, bex_dir_config,
  * bex_rpc_server_config, bex_rpc_channel_config, bex_ps_table_config,
- * bex_ps_shard_config, bex_ps_catchup_config, bex_ps_client_config) start
+ * bex_ps_shard_config, bex_ps_catchup_config, bex_ps_client_config,
+ * bex_ps_join_config, bex_ps_snapshot_config, bex_ps_failover_config,
+ * bex_etcd_config) start
  * with their size: start from their BEX_*_CONFIG_INIT ({.size =
  * sizeof(T)}, the other fields zero: their defaults). A program built
  * against older headers passes its smaller struct, and the library takes

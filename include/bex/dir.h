@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* bex service directory: where a service's replicas are, and which are
- * healthy (issue 9 items 2, 3 and 6; paper §7.2).
+ * healthy (paper §7.2).
  *
  * A service (a name, e.g. "ps") is a set of shards numbered from 0; each
  * shard has replicas, each an address with a locality label: '/'-separated
@@ -86,7 +86,7 @@ void bex_dir_destroy(bex_dir *d);
  * is in docs/configuration.md, "Cluster file"). Node health is kept for
  * addresses that stay. On error the contents are unchanged and err (errlen
  * bytes, may be NULL) says what and where: -EINVAL (malformed), -ENOENT /
- * -EACCES (the file), -ENOMEM, -ENOSPC (max_nodes), -EBUSY (d follows
+ * -EACCES / -EISDIR (the file), -ENOMEM, -ENOSPC (max_nodes), -EBUSY (d follows
  * etcd). */
 int bex_dir_load_file(bex_dir *d, const char *path, char *err, size_t errlen);
 /* The same from text in memory. */

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* bex parameter server (issue 10; paper §2.1, §8): sharded embedding tables
+/* bex parameter server (paper §2.1, §8): sharded embedding tables
  * served over bex RPC.
  *
  * A table is a map from uint64 keys to rows of dim float32 values; a key
@@ -572,6 +572,7 @@ int bex_ps_client_prometheus(bex_ps_client *c, const char *name, char *buf, size
  * forward_timeout_ms of the shard bounds how long a Push waits for a
  * backup that stopped answering before it leaves the set. */
 typedef struct bex_ps_failover_config {
+    size_t size;          /* sizeof(this struct): its _CONFIG_INIT sets it (bex/common.h) */
     const char *etcd_url; /* required */
     const char *prefix;   /* NULL: "/bex/" */
     const char *service;  /* NULL: "ps" */
@@ -582,6 +583,9 @@ typedef struct bex_ps_failover_config {
     uint32_t lease_ttl_ms, lease_margin_ms;
     uint32_t resync_timeout_ms; /* a copy from a new primary (10000) */
 } bex_ps_failover_config;
+/* clang-format off */
+#define BEX_PS_FAILOVER_CONFIG_INIT {.size = sizeof(bex_ps_failover_config)}
+/* clang-format on */
 
 typedef struct bex_ps_failover bex_ps_failover;
 
@@ -601,7 +605,7 @@ void bex_ps_failover_stop(bex_ps_failover *f, bool revoke);
 /* Tests: hold the lease's keep-alives (a stopped process). */
 void bex_ps_failover_hold(bex_ps_failover *f, bool hold);
 
-/* A Push sent again with its id, until acknowledged (issue 29 item 6).
+/* A Push sent again with its id, until acknowledged.
  * bex_ps_push_next_seq reserves the next sequence of the client's Push ids
  * (0 only for c NULL); bex_ps_push_seq is bex_ps_push_report with that
  * sequence instead of a new one (-EINVAL for seq 0). A Push that failed
@@ -619,7 +623,7 @@ int bex_ps_push_seq_sync(bex_ps_client *c, uint64_t seq, uint32_t table, uint32_
                          const uint64_t *keys, size_t n, const float *grads,
                          bex_ps_replica_result *res, size_t cap, size_t *n_res);
 
-/* ---- calls on caller memory: zero copy (issue 24 item 1, issue 28 item 3) ---- */
+/* ---- calls on caller memory: zero copy ---- */
 
 /* An array of n rows of dim floats (n 1..BEX_PS_KEYS_MAX, dim
  * 1..BEX_PS_DIM_MAX) in memory ctx registered (its landing pool: the only

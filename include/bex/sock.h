@@ -120,6 +120,14 @@ enum {
  * BEX_POLL_*, or -EINVAL (name NULL or none of these; *mode unchanged). */
 int bex_poll_mode_parse(const char *name, uint32_t *mode);
 
+/* Check the environment's BEX_* settings (the table in
+ * docs/configuration.md) without creating a context: 0 when every one set
+ * has a good value, else -EINVAL and why (cap bytes, NUL-terminated) names
+ * the variable, its value and what it may be. Programs call it before
+ * starting anything, to refuse a bad value with that one line (exit
+ * status 2); bex_ctx_create refuses the same values. Any thread. */
+int bex_env_check(char *why, size_t cap);
+
 /* Context configuration; zero in any field means its default. Some fields
  * can be set from the environment too, which then wins (BEX_LOG_LEVEL,
  * BEX_TRANSPORT, BEX_IO_THREADS, BEX_POLL_MODE, BEX_KEEPALIVE_MS,

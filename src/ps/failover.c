@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "bex/ps.h"
+#include "common/cfg.h"
 #include "common/log.h"
 #include "ps/shard_internal.h"
 #include "rpc/elect.h"
@@ -413,6 +414,8 @@ static void *agent_main(void *arg)
 int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_config *cfg,
                           bex_ps_failover **out)
 {
+    bex_ps_failover_config local;
+    BEX__CFG_TAKE(cfg, local);
     if (!s || !ctx || !cfg || !out || !cfg->etcd_url || !cfg->replicas || !cfg->n_replicas ||
         cfg->n_replicas > BEX_PS_REPLICAS_MAX || cfg->self >= cfg->n_replicas ||
         s->rp.role != BEX_PS_ROLE_BACKUP || s->rp.n_bk || !s->rp.ctx)

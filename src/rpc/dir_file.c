@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 
 #include "bex/sock.h"
 #include "common/log.h"
@@ -246,6 +247,12 @@ int bex_dir_load_file(bex_dir *d, const char *path, char *err, size_t errlen)
     if (!d || !path)
         return -EINVAL;
     FILE *f = fopen(path, "rb");
+    struct stat st;
+    if (f && fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+        fclose(f); /* glibc opens a directory; reading it fails */
+        f = NULL;
+        errno = EISDIR;
+    }
     if (!f) {
         int e = -errno;
         bex__dir_set_err(err, errlen, "%s: %s", path, strerror(-e));

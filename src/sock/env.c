@@ -129,3 +129,13 @@ int bex__ctx_env(bex_ctx_config *cfg, char *why, size_t cap, unsigned *applied)
         *applied = n;
     return 0;
 }
+
+int bex_env_check(char *why, size_t cap)
+{
+    bex_ctx_config scratch = {0};
+    char buf[256];
+    int rc = bex__ctx_env(&scratch, buf, sizeof buf, NULL);
+    if (why && cap)
+        snprintf(why, cap, "%s", rc ? buf : "");
+    return rc;
+}

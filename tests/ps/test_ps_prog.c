@@ -402,15 +402,17 @@ static int t_hist(void)
 
 /* bex-ps's numeric options: out of range or not a whole number is refused
  * with the usage text (exit 2) before anything starts; in range passes the
- * parse (the missing cluster file fails later, exit 1). */
+ * parse, and the missing cluster file is refused after it (exit 2 too, one
+ * line naming the file). Returns 2 for the usage text, 1 for the file's
+ * line, -1 for anything else. */
 static int run_ps(const char *opt, const char *val)
 {
+    FILE *err = tmpfile();
+    CHECK(err != NULL);
     pid_t pid = fork();
     CHECK(pid >= 0);
     if (pid == 0) {
-        int fd = open("/dev/null", O_WRONLY);
-        if (fd >= 0)
-            dup2(fd, 2);
+        dup2(fileno(err), 2);
         execl(BEX_PS_BIN, BEX_PS_BIN, "--cluster", "/nonexistent/bex-ps-cluster", "--shard", "0",
               opt, val, (char *)NULL);
         _exit(127);
@@ -418,7 +420,16 @@ static int run_ps(const char *opt, const char *val)
     int st;
     CHECK(waitpid(pid, &st, 0) == pid);
     CHECK(WIFEXITED(st));
-    return WEXITSTATUS(st);
+    char first[512] = "";
+    rewind(err);
+    if (!fgets(first, sizeof first, err))
+        first[0] = 0;
+    fclose(err);
+    if (WEXITSTATUS(st) != 2)
+        return -1;
+    if (strncmp(first, "usage:", 6) == 0)
+        return 2;
+    return strstr(first, "/nonexistent/bex-ps-cluster") ? 1 : -1;
 }
 
 static int t_options(void)

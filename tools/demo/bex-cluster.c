@@ -134,7 +134,8 @@ static struct {
     struct proc procs[MAX_PROCS];
     volatile sig_atomic_t stop_sig, got_chld;
     int tty, quiet;
-    double scale; /* durations multiplied by this */
+    int die_status; /* die's exit status (0: 1); 2 while reading the input */
+    double scale;   /* durations multiplied by this */
     /* --etcd: the servers register there (bex-ps --etcd), the clients'
      * cluster file is read from there; --only: this instance's half */
     const char *etcd, *etcd_prefix;
@@ -164,7 +165,7 @@ static void die(const char *fmt, ...)
     fputc('\n', stderr);
     va_end(ap);
     cleanup_all();
-    exit(1);
+    exit(g.die_status ? g.die_status : 1);
 }
 
 static double now_s(void)
@@ -463,6 +464,9 @@ static void plan_load(struct plan *pl, const char *arg)
         pl->root = json_loads(DEFAULT_PLAN, 0, &err);
     else
         pl->root = json_load_file(arg, 0, &err);
+    struct stat st;
+    if (!pl->root && stat(arg, &st) == 0 && S_ISDIR(st.st_mode))
+        die("plan %s: %s", arg, strerror(EISDIR));
     if (!pl->root)
         die("plan %s: %s (line %d)", arg, err.text, err.line);
     json_t *r = pl->root;
@@ -2449,10 +2453,17 @@ int main(int argc, char **argv)
     snprintf(g.out, sizeof g.out, "bex-cluster-out");
     parse_args(argc, argv, &plan_arg, &addrs);
     g.tty = isatty(2);
+    /* bad input (a BEX_* variable, which every program run inherits, the
+     * addresses, the plan): one line naming it, exit 2, nothing started */
     find_programs();
+    g.die_status = 2;
+    char why[256];
+    if (bex_env_check(why, sizeof why))
+        die("%s", why);
     parse_addrs(addrs);
     struct plan pl = {0};
     plan_load(&pl, plan_arg);
+    g.die_status = 0;
     int soft_roce = check_rdma(&pl);
     prepare_out();
     install_signals();

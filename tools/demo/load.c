@@ -370,10 +370,17 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
     *r = (struct ld_run){.o = o};
     pthread_mutex_init(&r->mu, NULL);
     char err[256] = "";
+    /* bad input (a BEX_* variable, the cluster file, --addr): one line
+     * naming it, exit 2, nothing started */
+    if (bex_env_check(err, sizeof err)) {
+        fprintf(stderr, "%s: %s\n", prog, err);
+        exit(2);
+    }
     int rc = bex_dir_create(NULL, &r->dir);
     if (rc == 0 && (rc = bex_dir_load_file(r->dir, o->cluster, err, sizeof err))) {
         fprintf(stderr, "%s: %s\n", prog, err[0] ? err : bex_strerror(rc));
-        goto err_dir;
+        bex_dir_destroy(r->dir);
+        exit(2);
     }
     if (rc)
         goto err_msg;
@@ -385,8 +392,8 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
                          .log_level = o->verbose ? BEX_LOG_INFO : BEX_LOG_WARN};
     if (bex_addr_parse(o->addr, 0, &cc.local_addr) != 0) {
         fprintf(stderr, "%s: --addr %s: not an IP address\n", prog, o->addr);
-        rc = -EINVAL;
-        goto err_dir;
+        bex_dir_destroy(r->dir);
+        exit(2);
     }
     if ((rc = bex_ctx_create(&cc, &r->ctx))) {
         fprintf(stderr, "%s: context on %s: %s\n", prog, o->addr, bex_strerror(rc));

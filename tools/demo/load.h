@@ -84,7 +84,9 @@ struct ld_run {
 };
 
 /* Create the context and client (the directory from o->cluster). Returns
- * 0 or a negative errno (said on stderr). */
+ * 0 or a negative errno (said on stderr); bad input (a bad BEX_* variable,
+ * a cluster file that does not load, a bad --addr) exits with status 2
+ * after one line naming it, before anything started. */
 int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog);
 /* The directory's shards, and the most replicas one has (*max_reps). */
 uint32_t ld_shards(struct ld_run *r, uint32_t *max_reps);

@@ -6,7 +6,8 @@
  * end to end (connect, round trips, a bandwidth burst, the transport
  * chosen). The pre-deployment check, in one command; --json for scripts.
  * Exit status: 0 RDMA usable (and the check passed), 1 the check failed,
- * 2 a bad command line, 3 no usable RDMA device (bex would use TCP). */
+ * 2 a bad command line or BEX_* variable, 3 no usable RDMA device (bex
+ * would use TCP). */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
@@ -51,7 +52,8 @@ __attribute__((noreturn)) static void usage(int status)
             "  --burst-mib N      the check's burst, MiB (default 64; 0: none)\n"
             "  --listen IP:PORT   serve checks until SIGINT or SIGTERM\n"
             "exit status: 0 RDMA usable (and the check passed), 1 the check failed,\n"
-            "2 a bad command line, 3 no usable RDMA device (bex would use TCP)\n");
+            "2 a bad command line or BEX_* variable, 3 no usable RDMA device\n"
+            "(bex would use TCP)\n");
     exit(status);
 }
 
@@ -131,6 +133,11 @@ static void parse(int argc, char **argv, struct opts *o)
     }
     if (optind != argc || o->have_local == o->have_listen || (o->have_listen && o->have_peer))
         usage(2);
+    char why[256];
+    if (bex_env_check(why, sizeof why)) {
+        fprintf(stderr, "bex-info: %s\n", why);
+        exit(2);
+    }
 }
 
 static const char *link_layer_name(uint8_t ll)

@@ -500,12 +500,16 @@ static int load_cluster(const struct opts *o, bex_dir **dir, uint32_t *n_shards)
             fprintf(stderr, "bex-ps: %s\n", err);
         else
             fprintf(stderr, "bex-ps: %s: %s\n", o->cluster, bex_strerror(rc));
+        bex_dir_destroy(*dir);
+        *dir = NULL;
         return 1;
     }
     while (*n_shards < 4096 && bex_dir_replicas(*dir, o->service, *n_shards, NULL, 0) > 0)
         (*n_shards)++;
     if (*n_shards == 0) {
         fprintf(stderr, "bex-ps: %s: no service \"%s\"\n", o->cluster, o->service);
+        bex_dir_destroy(*dir);
+        *dir = NULL;
         return 1;
     }
     return 0;
@@ -971,8 +975,17 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
+    /* bad input (a BEX_* variable, the cluster file, the shards, the
+     * addresses): one line naming it, exit 2, nothing started */
+    char why[256];
+    if (bex_env_check(why, sizeof why)) {
+        fprintf(stderr, "bex-ps: %s\n", why);
+        return 2;
+    }
     static struct node nd;
-    if (plan(&o, &nd) || make_ctx(&o, &nd))
+    if (plan(&o, &nd))
+        return 2;
+    if (make_ctx(&o, &nd))
         return 1;
     int status = 0;
     for (; nd.up < nd.n_sv; nd.up++)
