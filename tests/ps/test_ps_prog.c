@@ -401,10 +401,10 @@ static int t_hist(void)
 }
 
 /* bex-ps's numeric options: out of range or not a whole number is refused
- * with the usage text (exit 2) before anything starts; in range passes the
- * parse, and the missing cluster file is refused after it (exit 2 too, one
- * line naming the file). Returns 2 for the usage text, 1 for the file's
- * line, -1 for anything else. */
+ * with one line naming the option (exit 2) before anything starts; in range
+ * passes the parse, and the missing cluster file is refused after it (exit
+ * 2 too, one line naming the file). Returns 2 for the option's line, 1 for
+ * the file's, -1 for anything else. */
 static int run_ps(const char *opt, const char *val)
 {
     FILE *err = tmpfile();
@@ -427,7 +427,9 @@ static int run_ps(const char *opt, const char *val)
     fclose(err);
     if (WEXITSTATUS(st) != 2)
         return -1;
-    if (strncmp(first, "usage:", 6) == 0)
+    char named[128];
+    snprintf(named, sizeof named, "bex-ps: %s '%s': ", opt, val);
+    if (strncmp(first, named, strlen(named)) == 0)
         return 2;
     return strstr(first, "/nonexistent/bex-ps-cluster") ? 1 : -1;
 }

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Bad input to the programs (issue 27, "Bad input"): a missing or
 # unreadable cluster/plan file (a directory: said so), an address without
-# a port in it, an environment variable with a bad value. Each is one line on stderr naming
+# a port in it, an environment variable with a bad value, a bad value of
+# one of bex-ps's options. Each is one line on stderr naming
 # the input, exit status 2, nothing started (nothing on stdout, no
 # listener: the programs stop before their context). No network is used:
 # every case fails before a socket is opened.
@@ -42,6 +43,11 @@ for p in "$ps --shard all" "$ranker --duration 1" "$trainer --duration 1"; do
         expect "${e%%=*}" -- env "$e" "$@" --cluster "$tmp/ok.json"
     done
 done
+# a bad option value: the option, its value and what it may be
+expect "--transport 'ib': not auto, rdma or tcp" -- "$ps" --shard all --cluster "$tmp/ok.json" --transport ib
+expect "--io-threads '0': not a whole number from 1 to 64" -- "$ps" --shard all --cluster "$tmp/ok.json" --io-threads 0
+expect "--poll 'fast'" -- "$ps" --shard all --cluster "$tmp/ok.json" --poll fast
+expect "--table '1:x:sgd'" -- "$ps" --shard all --cluster "$tmp/ok.json" --table 1:x:sgd
 expect /nonexistent/p.json -- "$cluster" --plan /nonexistent/p.json --out "$tmp/out1"
 expect "$tmp/dir.json: Is a directory" -- "$cluster" --plan "$tmp/dir.json" --out "$tmp/out1"
 expect phases -- "$cluster" --plan "$tmp/ok.json" --out "$tmp/out1"

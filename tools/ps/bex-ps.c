@@ -238,14 +238,31 @@ static void snapshot_all(struct served *sv, size_t n, const char *dir)
     }
 }
 
-/* A whole decimal number in [lo, hi], or usage(). */
+/* the limits bad_value's lines name */
+_Static_assert(BEX_DIR_LOCALITY_MAX == 63 && BEX_PS_TABLES_MAX == 64, "bex-ps's messages");
+
+/* The option being parsed (its long name), for bad_value. */
+static const char *cur_opt = "";
+
+/* The current option's value is bad: one line naming the option, its
+ * value and what it may be, exit status 2. */
+__attribute__((noreturn)) static void bad_value(const char *want)
+{
+    fprintf(stderr, "bex-ps: --%s '%s': %s\n", cur_opt, optarg ? optarg : "", want);
+    exit(2);
+}
+
+/* A whole decimal number in [lo, hi], or bad_value(). */
 static long opt_num(const char *s, long lo, long hi)
 {
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (*s == 0 || *end || errno || v < lo || v > hi)
-        usage(2);
+    if (*s == 0 || *end || errno || v < lo || v > hi) {
+        char want[80];
+        snprintf(want, sizeof want, "not a whole number from %ld to %ld", lo, hi);
+        bad_value(want);
+    }
     return v;
 }
 
@@ -342,7 +359,7 @@ static bool num_opt(int c, struct opts *o)
     case 'Q':
         o->restore_cut = strtoull(optarg, NULL, 10);
         if (!o->restore_cut)
-            usage(2);
+            bad_value("not a cut id (a whole number above 0)");
         return true;
     default:
         return false;
@@ -399,15 +416,17 @@ static void one_opt(int c, struct opts *o)
     case 'L':
         o->locality = optarg;
         if (strlen(o->locality) > BEX_DIR_LOCALITY_MAX)
-            usage(2);
+            bad_value("longer than BEX_DIR_LOCALITY_MAX (63) bytes");
         break;
     case 't':
-        if (o->n_tables == BEX_PS_TABLES_MAX || parse_table(optarg, &o->tables[o->n_tables++]))
-            usage(2);
+        if (o->n_tables == BEX_PS_TABLES_MAX)
+            bad_value("one table more than BEX_PS_TABLES_MAX (64)");
+        if (parse_table(optarg, &o->tables[o->n_tables++]))
+            bad_value("not ID:DIM:sgd|adagrad[:LR]");
         break;
     case 'p':
         if (bex_poll_mode_parse(optarg, &o->poll_mode))
-            usage(2);
+            bad_value("not spin-sleep, busy or event");
         break;
     case 'x':
         if (strcmp(optarg, "tcp") == 0)
@@ -415,7 +434,7 @@ static void one_opt(int c, struct opts *o)
         else if (strcmp(optarg, "rdma") == 0)
             o->transport = BEX_TRANSPORT_RDMA;
         else if (strcmp(optarg, "auto") != 0)
-            usage(2);
+            bad_value("not auto, rdma or tcp");
         break;
     default:
         if (!num_opt(c, o))
@@ -474,8 +493,11 @@ static void parse_opts(int argc, char **argv, struct opts *o)
                                        {"help", no_argument, 0, 'h'},
                                        {"version", no_argument, 0, 'V'},
                                        {0, 0, 0, 0}};
-    for (int c; (c = getopt_long(argc, argv, "", lo, NULL)) != -1;)
+    int idx = -1;
+    for (int c; (c = getopt_long(argc, argv, "", lo, &idx)) != -1; idx = -1) {
+        cur_opt = idx >= 0 ? lo[idx].name : "";
         one_opt(c, o);
+    }
     if (!o->shards || optind != argc || (o->snap_every_ms && !o->snap_dir) ||
         !o->cluster == !o->etcd || (o->etcd && (!o->listen_s || !o->n_shards_opt)) ||
         (o->etcd && o->primary_backup && !o->replicas_s) || (o->replicas_s && !o->etcd) ||
