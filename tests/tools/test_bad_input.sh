@@ -3,7 +3,7 @@
 # Bad input to the programs (issue 27, "Bad input"): a missing or
 # unreadable cluster/plan file (a directory: said so), an address without
 # a port in it, an environment variable with a bad value, a bad value of
-# one of bex-ps's options. Each is one line on stderr naming
+# an option (bex-ps, bex-ranker, bex-trainer). Each is one line on stderr naming
 # the input, exit status 2, nothing started (nothing on stdout, no
 # listener: the programs stop before their context). No network is used:
 # every case fails before a socket is opened.
@@ -39,6 +39,7 @@ for p in "$ps --shard all" "$ranker --duration 1" "$trainer --duration 1"; do
     expect /nonexistent/c.json -- "$@" --cluster /nonexistent/c.json
     expect "$tmp/dir.json: Is a directory" -- "$@" --cluster "$tmp/dir.json"
     expect "'127.0.0.1'" -- "$@" --cluster "$tmp/noport.json"
+    expect "--transport 'ib': not auto, rdma or tcp" -- "$@" --cluster "$tmp/ok.json" --transport ib
     for e in BEX_LOG_LEVEL=loud BEX_TRANSPORT=ib BEX_IO_THREADS=0; do
         expect "${e%%=*}" -- env "$e" "$@" --cluster "$tmp/ok.json"
     done
@@ -48,6 +49,10 @@ expect "--transport 'ib': not auto, rdma or tcp" -- "$ps" --shard all --cluster 
 expect "--io-threads '0': not a whole number from 1 to 64" -- "$ps" --shard all --cluster "$tmp/ok.json" --io-threads 0
 expect "--poll 'fast'" -- "$ps" --shard all --cluster "$tmp/ok.json" --poll fast
 expect "--table '1:x:sgd'" -- "$ps" --shard all --cluster "$tmp/ok.json" --table 1:x:sgd
+for p in "$ranker" "$trainer"; do
+    expect "--outstanding '0': not a number from 1 to 4096" -- "$p" --cluster "$tmp/ok.json" --outstanding 0
+    expect "--poll 'fast': not spin-sleep, busy or event" -- "$p" --cluster "$tmp/ok.json" --poll fast
+done
 expect /nonexistent/p.json -- "$cluster" --plan /nonexistent/p.json --out "$tmp/out1"
 expect "$tmp/dir.json: Is a directory" -- "$cluster" --plan "$tmp/dir.json" --out "$tmp/out1"
 expect phases -- "$cluster" --plan "$tmp/ok.json" --out "$tmp/out1"

@@ -99,20 +99,35 @@ __attribute__((noreturn)) static void usage(const char *prog, const char *extra)
     usage_status(prog, extra, 2);
 }
 
+/* The option being parsed (its long name), for bad_value. */
+static const char *cur_opt = "";
+
+/* The current option's value is bad: one line naming the option, its
+ * value and what it may be, exit status 2 (not the usage text). */
+__attribute__((noreturn)) static void bad_value(const char *prog, const char *want)
+{
+    const char *slash = strrchr(prog, '/');
+    fprintf(stderr, "%s: --%s '%s': %s\n", slash ? slash + 1 : prog, cur_opt, optarg ? optarg : "",
+            want);
+    exit(2);
+}
+
 static double num(const char *prog, const char *extra, const char *s, double lo, double hi)
 {
+    (void)extra;
     char *end;
     errno = 0;
     double v = strtod(s, &end);
     if (errno || end == s || *end || !(v >= lo && v <= hi)) {
-        fprintf(stderr, "%s: '%s': expected a number in [%g, %g]\n", prog, s, lo, hi);
-        usage(prog, extra);
+        char want[96];
+        snprintf(want, sizeof want, "not a number from %g to %g", lo, hi);
+        bad_value(prog, want);
     }
     return v;
 }
 
 /* A common option that is a name or a choice: 1 if c is one, else 0. */
-static int opt_text(struct ld_opts *o, int c, const char *prog, const char *usage_extra)
+static int opt_text(struct ld_opts *o, int c, const char *prog)
 {
     switch (c) {
     case O_CLUSTER:
@@ -141,11 +156,11 @@ static int opt_text(struct ld_opts *o, int c, const char *prog, const char *usag
         else if (strcmp(optarg, "auto") == 0)
             o->transport = BEX_TRANSPORT_AUTO;
         else
-            usage(prog, usage_extra);
+            bad_value(prog, "not auto, rdma or tcp");
         return 1;
     case O_POLL:
         if (bex_poll_mode_parse(optarg, &poll_mode))
-            usage(prog, usage_extra);
+            bad_value(prog, "not spin-sleep, busy or event");
         return 1;
     case O_PROGRESS:
         o->progress = 1;
@@ -228,8 +243,10 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
     memcpy(lo, common_opts, sizeof common_opts);
     if (n_extra)
         memcpy(lo + N_COMMON, extra, n_extra * sizeof *lo);
-    for (int c; (c = getopt_long(argc, argv, "", lo, NULL)) != -1;) {
-        if (opt_text(o, c, prog, usage_extra) || opt_number(o, c, prog, usage_extra))
+    int idx = -1;
+    for (int c; (c = getopt_long(argc, argv, "", lo, &idx)) != -1; idx = -1) {
+        cur_opt = idx >= 0 ? lo[idx].name : "";
+        if (opt_text(o, c, prog) || opt_number(o, c, prog, usage_extra))
             continue;
         switch (c) {
         case O_HELP:
@@ -243,6 +260,8 @@ void ld_parse(int argc, char **argv, struct ld_opts *o, const struct option *ext
         default:
             if (c >= 256 && fn && fn(c, optarg, user) == 0)
                 break;
+            if (c >= 256 && optarg)
+                bad_value(prog, "not a value it takes (see --help)");
             usage(prog, usage_extra);
         }
     }
