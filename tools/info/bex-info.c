@@ -51,6 +51,8 @@ __attribute__((noreturn)) static void usage(int status)
             "  --transport T      the check's connection: auto (default), rdma or tcp\n"
             "  --burst-mib N      the check's burst, MiB (default 64; 0: none)\n"
             "  --listen IP:PORT   serve checks until SIGINT or SIGTERM\n"
+            "  --help             this text\n"
+            "  --version          the version\n"
             "exit status: 0 RDMA usable (and the check passed), 1 the check failed,\n"
             "2 a bad command line or BEX_* variable, 3 no usable RDMA device\n"
             "(bex would use TCP)\n");
