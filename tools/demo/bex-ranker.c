@@ -206,8 +206,12 @@ int main(int argc, char **argv)
                                        {"rate", required_argument, 0, O_RATE},
                                        {0, 0, 0, 0}};
     ld_parse(argc, argv, &o, lo, extra, &ro,
-             "       [--models K] [--keys-min N] [--keys-max N] [--large-every N]\n"
-             "       [--large-keys N] [--rate R]\n");
+             "  --models K                 models a user request evaluates (4)\n"
+             "  --keys-min N               a model's fewest keys (16)\n"
+             "  --keys-max N               a model's most keys (2048)\n"
+             "  --large-every N            every Nth model Fetches --large-keys keys (0: none)\n"
+             "  --large-keys N             the keys of such a Fetch (16384)\n"
+             "  --rate R                   user requests a second, open loop (0: closed loop)\n");
     if (ro.keys_min > ro.keys_max) {
         fprintf(stderr, "bex-ranker: --keys-min is above --keys-max\n");
         return 2;

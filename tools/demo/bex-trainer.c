@@ -322,8 +322,13 @@ int main(int argc, char **argv)
                                        {"push-retry-ms", required_argument, 0, O_RETRY},
                                        {0, 0, 0, 0}};
     ld_parse(argc, argv, &o, lo, extra, &to,
-             "       [--compute-us US] [--mean-bytes B] [--p99-bytes B] [--grad G]\n"
-             "       [--counts FILE] [--push-primary] [--push-retry-ms MS]\n");
+             "  --compute-us US            compute time between Fetch and Push (2000)\n"
+             "  --mean-bytes B             the Push body's mean size (20480)\n"
+             "  --p99-bytes B              its P99 size (51200)\n"
+             "  --grad G                   every gradient value (0x1p-10)\n"
+             "  --counts FILE              per key and replica, the Pushes acknowledged there\n"
+             "  --push-primary             Push to each shard's primary alone (primary-backup)\n"
+             "  --push-retry-ms MS         send a failed Push again with its id this long\n");
     o.push_mode = to.primary ? BEX_PS_PUSH_PRIMARY : BEX_PS_PUSH_ALL;
     /* log-normal: mean = exp(mu + s^2/2), P99 = exp(mu + 2.326 s), so
      * s^2/2 - 2.326 s + ln(P99/mean) = 0 */

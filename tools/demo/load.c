@@ -81,16 +81,35 @@ static uint32_t poll_mode;            /* the context's BEX_POLL_* (0: spin-sleep
 
 __attribute__((noreturn)) static void usage_status(const char *prog, const char *extra, int status)
 {
-    fprintf(
-        status ? stderr : stdout,
-        "usage: %s --cluster FILE [--service NAME] [--addr A.B.C.D] [--transport auto|rdma|tcp]\n"
-        "       [--locality L] [--duration S] [--outstanding N] [--zipf S] [--keys N]\n"
-        "       [--table ID] [--dim D] [--timeout-ms MS] [--attempt-timeout-ms MS]\n"
-        "       [--connect-timeout-ms MS] [--keepalive-timeout-ms MS] [--send-window B]\n"
-        "       [--eager-max B] [--poll spin-sleep|busy|event]\n"
-        "       [--seed N] [--json FILE] [--samples FILE]\n"
-        "       [--progress] [--verbose]\n%s",
-        prog, extra ? extra : "");
+    FILE *f = status ? stderr : stdout;
+    fprintf(f, "usage: %s --cluster FILE [OPTION]...\n", prog);
+    fputs("  --cluster FILE             the cluster file of the PS service\n"
+          "  --service NAME             the service's name (ps)\n"
+          "  --addr IP                  this client's address (127.0.0.1)\n"
+          "  --locality L               read from replicas of this locality first (none)\n"
+          "  --transport auto|rdma|tcp  the transport (auto)\n"
+          "  --duration S               how long the load runs, seconds (10)\n"
+          "  --outstanding N            requests or loops in flight (8)\n"
+          "  --zipf S                   the keys' Zipf exponent (0.99)\n"
+          "  --keys N                   how many keys there are (100000)\n"
+          "  --table ID                 the table (1)\n"
+          "  --dim D                    its row length (16)\n"
+          "  --timeout-ms MS            a request's deadline (1000)\n"
+          "  --attempt-timeout-ms MS    one attempt's deadline (library default)\n"
+          "  --connect-timeout-ms MS    a connection's setup at most (3000)\n"
+          "  --keepalive-timeout-ms MS  a peer silent this long is dead (library default)\n"
+          "  --send-window B            bytes in flight per connection (0: none)\n"
+          "  --eager-max B              the largest message sent eagerly (library default)\n"
+          "  --poll spin-sleep|busy|event  how the I/O threads wait (spin-sleep)\n"
+          "  --seed N                   the random seed (1)\n"
+          "  --json FILE                the JSON report there (-: stdout, the default)\n"
+          "  --samples FILE             each request's latency there (CSV)\n"
+          "  --progress                 a progress line every second\n"
+          "  --verbose                  log at INFO\n"
+          "  --help                     this text\n"
+          "  --version                  the version\n",
+          f);
+    fputs(extra ? extra : "", f);
     exit(status);
 }
 
