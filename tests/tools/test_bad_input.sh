@@ -57,6 +57,8 @@ expect /nonexistent/p.json -- "$cluster" --plan /nonexistent/p.json --out "$tmp/
 expect "$tmp/dir.json: Is a directory" -- "$cluster" --plan "$tmp/dir.json" --out "$tmp/out1"
 expect phases -- "$cluster" --plan "$tmp/ok.json" --out "$tmp/out1"
 expect BEX_IO_THREADS -- env BEX_IO_THREADS=x "$cluster" --out "$tmp/out1"
+expect "--time-scale '0': not a number above 0" -- "$cluster" --time-scale 0 --out "$tmp/out1"
+expect "--only 'both': not servers or clients" -- "$cluster" --only both --out "$tmp/out1"
 [ ! -e "$tmp/out1" ] || fail "bex-cluster made its output directory on bad input"
 for e in BEX_TRANSPORT=ib BEX_IO_THREADS=0; do
     expect "${e%%=*}" -- env "$e" "$info" --local 127.0.0.1

@@ -2228,11 +2228,30 @@ static void print_tables(json_t *phases, json_t *plan, int soft_roce)
 
 __attribute__((noreturn)) static void usage(int status)
 {
-    fprintf(status ? stderr : stdout,
-            "usage: bex-cluster [--plan FILE|default] [--out DIR] [--addrs A[,B...]]\n"
-            "                   [--bin-dir DIR] [--time-scale X] [--quiet] [--print-plan]\n"
-            "                   [--etcd URL [--etcd-prefix P] [--only servers|clients]]\n");
+    fputs("usage: bex-cluster [OPTION]...\n"
+          "Run a parameter-server cluster on this machine through a phase plan and\n"
+          "print the paper's tables (docs/configuration.md, \"bex-cluster\").\n"
+          "  --plan FILE|default        the phase plan (JSON; default: the built-in one)\n"
+          "  --print-plan               print the built-in plan and exit\n"
+          "  --out DIR                  results, logs and plots go there (bex-cluster-out)\n"
+          "  --addrs A[,B...]           the hosts' addresses (BEX_TEST_ADDR0,1, else 127.0.0.1)\n"
+          "  --bin-dir DIR              where bex-ps, bex-ranker, bex-trainer are (beside it)\n"
+          "  --time-scale X             multiply the plan's times by X (1; up to 1000)\n"
+          "  --quiet                    no progress lines\n"
+          "  --etcd URL                 servers register in etcd, clients read it there\n"
+          "  --etcd-prefix P            its key prefix, ending in '/' (/bex-cluster/)\n"
+          "  --only servers|clients     run one half (with --etcd: two machines)\n"
+          "  --help                     this text\n"
+          "  --version                  the version\n",
+          status ? stderr : stdout);
     exit(status);
+}
+
+/* The current option's value is bad: one line naming it, exit status 2. */
+__attribute__((noreturn)) static void bad_value(const char *opt, const char *want)
+{
+    fprintf(stderr, "bex-cluster: --%s '%s': %s\n", opt, optarg ? optarg : "", want);
+    exit(2);
 }
 
 /* The command line into g, *plan_arg and *addrs; usage() on a bad one. */
@@ -2274,7 +2293,7 @@ static void parse_args(int argc, char **argv, const char **plan_arg, const char 
         case 's':
             g.scale = atof(optarg);
             if (!(g.scale > 0 && g.scale <= 1000))
-                usage(2);
+                bad_value("time-scale", "not a number above 0, at most 1000");
             break;
         case 'q':
             g.quiet = 1;
@@ -2295,7 +2314,7 @@ static void parse_args(int argc, char **argv, const char **plan_arg, const char 
             else if (strcmp(only, "clients") == 0)
                 g.servers = 0;
             else
-                usage(2);
+                bad_value("only", "not servers or clients");
             break;
         default:
             usage(2);
