@@ -13,7 +13,15 @@
  *    its registered bytes at least its in-use bytes.
  *  - keepalive: the server frozen (SIGSTOP) moves keepalive failures to 1.
  *  - fallback: a client context of transport auto: without a device its
- *    connection is a fallback to TCP (counted); with one (rxe), none is. */
+ *    connection is a fallback to TCP (counted); with one (rxe), none is.
+ *  - stalls: the stated load against a server granting 8 credits (rq_depth
+ *    8) from a client whose send window holds one message (4096 bytes):
+ *    over RDMA the credit and window stalls move (each send past the
+ *    eighth waits for a credit, each past the first for the window); over
+ *    TCP they stay 0 (the kernel's flow control: bex counts neither). RNR
+ *    and retry errors are not made to move: credits keep RNR from
+ *    happening, and a retry error needs a lost path (the adversary suite's
+ *    cut wire), so their families are only checked to exist (names). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -222,6 +230,34 @@ static int fallback_client(struct pair *p, void *arg)
     return 0;
 }
 
+static int stalls_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    bex_ctx *ctx = p->ctx;
+    long long cs0 = metric(ctx, "bex_transport_credit_stalls_total");
+    long long ws0 = metric(ctx, "bex_transport_window_stalls_total");
+    CHECK(cs0 >= 0 && ws0 >= 0);
+    struct cli c = {.w = WAITER_INIT};
+    bex_sock *s = cli_connect(ctx, &p->srv, &c);
+    CHECK(s);
+    for (int i = 0; i < LOAD_N; i++)
+        local_send(ctx, s, LOAD_LEN);
+    CHECK_OK(wait_count(&c.w, &c.recvd, LOAD_N, 60000));
+    long long cs = metric(ctx, "bex_transport_credit_stalls_total") - cs0;
+    long long ws = metric(ctx, "bex_transport_window_stalls_total") - ws0;
+    fprintf(stderr, "%d sends of %d bytes: %lld credit stalls, %lld window stalls\n", LOAD_N,
+            LOAD_LEN, cs, ws);
+    if (pair_tcp()) {
+        CHECK_EQ(cs, 0);
+        CHECK_EQ(ws, 0);
+    } else {
+        CHECK(cs > 0);
+        CHECK(ws > 0);
+    }
+    CHECK_OK(cli_close(s, &c));
+    return 0;
+}
+
 static const bex_ctx_config ka_cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1500};
 
 static int names(void)
@@ -239,9 +275,19 @@ static int keepalive(void)
     return pair_run(&ka_cfg, echo_srv_main, NULL, &ka_cfg, keepalive_client, NULL, 60);
 }
 
+/* the server grants 8 credits; the client's window holds one message */
+static const bex_ctx_config few_credits = {.rq_depth = 8};
+static const bex_ctx_config one_in_flight = {.send_window = LOAD_LEN};
+
+static int stalls(void)
+{
+    return pair_run(&few_credits, echo_srv_main, NULL, &one_in_flight, stalls_client, NULL, 120);
+}
+
 static int fallback(void)
 {
     return pair_run(NULL, echo_srv_main, NULL, NULL, fallback_client, NULL, 60);
 }
 
-BEX_TEST_MAIN(BEX_CASE(names), BEX_CASE(load), BEX_CASE(keepalive), BEX_CASE(fallback))
+BEX_TEST_MAIN(BEX_CASE(names), BEX_CASE(load), BEX_CASE(keepalive), BEX_CASE(fallback),
+              BEX_CASE(stalls))
