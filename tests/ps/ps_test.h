@@ -214,10 +214,10 @@ static inline bex_ps_client *client_of(bex_ctx *ctx, bex_dir *d)
     return client_tmo(ctx, d, 20000 * time_scale());
 }
 
-/* A channel straight to one server: its counters, raw bodies. */
-static inline bex_rpc_channel *raw_chan(bex_ctx *ctx, const struct srv_proc *sp)
+/* A channel straight to the server at a: its counters, raw bodies. */
+static inline bex_rpc_channel *raw_chan_at(bex_ctx *ctx, bex_addr a)
 {
-    bex_rpc_endpoint ep = {.addr = sp->addr};
+    bex_rpc_endpoint ep = {.addr = a};
     bex_rpc_channel_config cc = {.endpoints = &ep,
                                  .n_endpoints = 1,
                                  .name = "raw",
@@ -227,6 +227,39 @@ static inline bex_rpc_channel *raw_chan(bex_ctx *ctx, const struct srv_proc *sp)
     bex_rpc_channel *ch;
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     return ch;
+}
+
+/* The same to one spawned server. */
+static inline bex_rpc_channel *raw_chan(bex_ctx *ctx, const struct srv_proc *sp)
+{
+    return raw_chan_at(ctx, sp->addr);
+}
+
+/* A thread of concurrent Pushes (ps_pusher_main): npush Pushes of 4 of
+ * the keys 1000 .. 1000 + nkey - 1 to table t (dim 5, TABLES[1]), each
+ * thread (id) with its own keys and gradients, so that replicas applying
+ * them in different orders would differ (Adagrad). */
+struct ps_pusher {
+    bex_ps_client *c;
+    int id;
+    const bex_ps_table_config *t;
+    int npush, nkey;
+};
+
+static inline void *ps_pusher_main(void *arg)
+{
+    struct ps_pusher *u = arg;
+    CHECK(u->t->dim == 5);
+    for (int i = 0; i < u->npush; i++) {
+        uint64_t keys[4];
+        float g[4 * 5];
+        for (int k = 0; k < 4; k++)
+            keys[k] = 1000 + (uint64_t)((u->id * 7 + i * 3 + k * 5) % u->nkey);
+        for (int j = 0; j < 4 * 5; j++)
+            g[j] = 0.37f * (float)((u->id + 1) * (j + 1)) / (float)(i + 3) - 0.21f;
+        CHECK_OK(bex_ps_push_sync(u->c, u->t->id, u->t->dim, keys, 4, g));
+    }
+    return NULL;
 }
 
 static inline struct srv_stats stats_of(bex_rpc_channel *ch)

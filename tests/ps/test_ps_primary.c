@@ -206,37 +206,18 @@ static bex_ps_shard_stats stats(bex_ps_shard *s)
 
 /* ---- adagrad ---- */
 
-struct pusher {
-    bex_ps_client *c;
-    int id;
-};
-
-static void *pusher_main(void *arg)
-{
-    struct pusher *u = arg;
-    for (int i = 0; i < NPUSH; i++) {
-        uint64_t keys[4];
-        float g[4 * 5];
-        for (int k = 0; k < 4; k++)
-            keys[k] = 1000 + (uint64_t)((u->id * 7 + i * 3 + k * 5) % NKEY);
-        for (int j = 0; j < 4 * 5; j++)
-            g[j] = 0.37f * (float)((u->id + 1) * (j + 1)) / (float)(i + 3) - 0.21f;
-        CHECK_OK(bex_ps_push_sync(u->c, TA->id, TA->dim, keys, 4, g));
-    }
-    return NULL;
-}
-
 static int adagrad_run(bool fanout)
 {
     struct pb p;
     int rc = pb_start(&p, fanout, 0);
     if (rc)
         return rc;
-    struct pusher u[NPUSHER];
+    struct ps_pusher u[NPUSHER];
     pthread_t th[NPUSHER];
     for (int i = 0; i < NPUSHER; i++) {
-        u[i] = (struct pusher){pb_client(&p, fanout ? BEX_PS_PUSH_ALL : BEX_PS_PUSH_PRIMARY), i};
-        CHECK(pthread_create(&th[i], NULL, pusher_main, &u[i]) == 0);
+        u[i] = (struct ps_pusher){pb_client(&p, fanout ? BEX_PS_PUSH_ALL : BEX_PS_PUSH_PRIMARY), i,
+                                  TA, NPUSH, NKEY};
+        CHECK(pthread_create(&th[i], NULL, ps_pusher_main, &u[i]) == 0);
     }
     for (int i = 0; i < NPUSHER; i++) {
         CHECK(pthread_join(th[i], NULL) == 0);
@@ -297,16 +278,7 @@ static size_t push_body(uint8_t *b, uint64_t key, uint64_t seq)
 
 static bex_rpc_channel *chan_to(const struct pb *p, int r)
 {
-    bex_rpc_endpoint ep = {.addr = p->addr[r]};
-    bex_rpc_channel_config cc = {.endpoints = &ep,
-                                 .n_endpoints = 1,
-                                 .name = "raw",
-                                 .request_timeout_ms = 20000 * time_scale(),
-                                 .connect_timeout_ms = 15000 * time_scale(),
-                                 .max_attempts = 1};
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &ch));
-    return ch;
+    return raw_chan_at(p->cctx, p->addr[r]);
 }
 
 static bex_ctx *raw_ctx;

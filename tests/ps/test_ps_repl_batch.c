@@ -142,16 +142,7 @@ static bex_ps_shard_stats stats(bex_ps_shard *s)
 
 static bex_rpc_channel *chan_to(const struct pb *p, int r)
 {
-    bex_rpc_endpoint ep = {.addr = p->addr[r]};
-    bex_rpc_channel_config cc = {.endpoints = &ep,
-                                 .n_endpoints = 1,
-                                 .name = "raw",
-                                 .request_timeout_ms = 20000 * time_scale(),
-                                 .connect_timeout_ms = 15000 * time_scale(),
-                                 .max_attempts = 1};
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &ch));
-    return ch;
+    return raw_chan_at(p->cctx, p->addr[r]);
 }
 
 static void async_done(int status, void *body, size_t len, void *user)
@@ -297,26 +288,6 @@ static int t_batched(void)
 
 /* ---- adagrad ---- */
 
-struct pusher {
-    bex_ps_client *c;
-    int id;
-};
-
-static void *pusher_main(void *arg)
-{
-    struct pusher *u = arg;
-    for (int i = 0; i < NPUSH; i++) {
-        uint64_t keys[4];
-        float g[4 * 5];
-        for (int k = 0; k < 4; k++)
-            keys[k] = 1000 + (uint64_t)((u->id * 7 + i * 3 + k * 5) % NKEY);
-        for (int j = 0; j < 4 * 5; j++)
-            g[j] = 0.37f * (float)((u->id + 1) * (j + 1)) / (float)(i + 3) - 0.21f;
-        CHECK_OK(bex_ps_push_sync(u->c, TA->id, TA->dim, keys, 4, g));
-    }
-    return NULL;
-}
-
 /* Replica r's rows of keys[0..n) of TA, as it serves them. */
 static void rows_of(bex_ps_shard *s, bex_ctx *ctx, const uint64_t *keys, uint32_t n, float *rows)
 {
@@ -341,7 +312,7 @@ static int t_adagrad(void)
     int rc = pb_start(&p, 3, 1, NULL);
     if (rc)
         return rc;
-    struct pusher u[NPUSHER];
+    struct ps_pusher u[NPUSHER];
     pthread_t th[NPUSHER];
     bex_ps_client_config cc = {.dir = p.dir,
                                .service = "ps",
@@ -349,9 +320,9 @@ static int t_adagrad(void)
                                .connect_timeout_ms = 15000 * time_scale(),
                                .push_mode = BEX_PS_PUSH_PRIMARY};
     for (int i = 0; i < NPUSHER; i++) {
-        u[i].id = i;
+        u[i] = (struct ps_pusher){.id = i, .t = TA, .npush = NPUSH, .nkey = NKEY};
         CHECK_OK(bex_ps_client_create(p.cctx, &cc, &u[i].c));
-        CHECK(pthread_create(&th[i], NULL, pusher_main, &u[i]) == 0);
+        CHECK(pthread_create(&th[i], NULL, ps_pusher_main, &u[i]) == 0);
     }
     for (int i = 0; i < NPUSHER; i++) {
         CHECK(pthread_join(th[i], NULL) == 0);
