@@ -55,6 +55,7 @@
 #include <netinet/in.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include "bex/addr.h"
 #include "bex/common.h"
@@ -586,6 +587,33 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);
  * (without the NUL), like snprintf: the output is cut when that is >= cap;
  * -EINVAL. Any thread (approximate while the context runs). */
 int bex_ctx_prometheus(bex_ctx *ctx, char *buf, size_t cap);
+
+/* Buffers one bex_sock_sendv message gathers, at most. */
+#define BEX_SOCK_IOV_MAX 4
+
+/* Send one message gathered from iovcnt buffers (1..BEX_SOCK_IOV_MAX):
+ * the peer receives one message, iov[0]'s bytes, then iov[1]'s, and so on,
+ * exactly as if they had been sent from one buffer; no byte is copied.
+ * Over TCP each fragment is cut at its buffer's end and the buffers go out
+ * in one sendmsg (writev) with their frame headers. Over RDMA a message the
+ * peer takes eagerly is one SEND whose scatter/gather list holds every
+ * buffer (and the header, when the stream's id needs one), when the QP's
+ * max_send_sge (the device's max_sge, up to BEX_SOCK_IOV_MAX + 1) holds
+ * them all; otherwise, and for a large message, it goes by rendezvous, one
+ * SGE a WRITE, each buffer's fragments in turn.
+ * Each buffer obeys bex_sock_send's rules: memory this context registered
+ * (bex_sock_alloc, bex_sock_alloc_exposable, a received buffer; any part
+ * of one allocation) and not empty. iov itself is copied: the caller may
+ * reuse it on return. Every buffer belongs to bex until on_send_done
+ * reports the message once, with iov[0].iov_base as buf and the total
+ * length as len (with on_send_done NULL, bex frees every buffer with
+ * bex_mem_free). Returns 0 (on_send_done will report it), or at once:
+ * -EINVAL (s or iov NULL, iovcnt 0, an empty buffer, one this context did
+ * not register), -E2BIG (iovcnt > BEX_SOCK_IOV_MAX), -EPIPE (the socket
+ * failed or is closing), -EMSGSIZE (a total past 2 GiB - 1 or the peer's
+ * max_msg), -ENOMEM; then nothing was sent. Completion, order and
+ * statuses as bex_sock_send. Any thread, callbacks included. */
+int bex_sock_sendv(bex_sock *s, const struct iovec *iov, unsigned iovcnt, void *msg_user);
 
 #pragma GCC visibility pop
 

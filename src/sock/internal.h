@@ -38,6 +38,13 @@ struct sock_msg {
     struct bex_sock *s;
     struct sock_msg *free_next; /* in the cache */
     bool caller_owned;
+    bool gathered; /* the head of a struct sock_msgv (malloc'd, never cached) */
+};
+
+/* A gathered message's descriptor (bex_sock_sendv): its buffers beside it. */
+struct sock_msgv {
+    struct sock_msg w;
+    struct bex__seg seg[BEX__SEG_MAX];
 };
 /* Descriptors an I/O thread keeps for reuse, at most. */
 #define BEX__MSG_CACHE_MAX 256

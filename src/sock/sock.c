@@ -785,6 +785,14 @@ void bex__sock_msg_put(struct sock_msg *w)
 {
     if (w->caller_owned)
         return;
+    if (w->gathered) {
+        /* without on_send_done bex frees the buffers: the first one goes
+         * with the report (bex__sock_report_done), the others here */
+        for (uint8_t i = 1; !w->s->ops.on_send_done && i < w->m.nseg; i++)
+            bex_mem_free(w->m.seg[i].buf);
+        free(w); /* its struct sock_msgv */
+        return;
+    }
     struct bex__io *io = w->s->io;
     if (io->n_msg_free >= BEX__MSG_CACHE_MAX) {
         free(w);
@@ -826,6 +834,62 @@ static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_
     }
     if (bex__io_self != s->io || !bex__io_send_now(w))
         bex__io_push(s->io, &w->cmd, CMD_SEND);
+    return 0;
+}
+
+/* iov's buffers as seg[] (each checked as bex_sock_send checks its one),
+ * their total in *total: 0, or bex_sock_sendv's errors. */
+static int gather_check(bex_sock *s, const struct iovec *iov, unsigned iovcnt, struct bex__seg *seg,
+                        size_t *total)
+{
+    if (!iov || iovcnt == 0)
+        return -EINVAL;
+    if (iovcnt > BEX_SOCK_IOV_MAX)
+        return -E2BIG;
+    *total = 0;
+    for (unsigned i = 0; i < iovcnt; i++) {
+        if (iov[i].iov_len == 0)
+            return -EINVAL;
+        int err = bex__sock_check_buf(s, iov[i].iov_base, iov[i].iov_len, &seg[i].lkey);
+        if (err)
+            return err;
+        seg[i].buf = iov[i].iov_base;
+        seg[i].len = (uint32_t)iov[i].iov_len;
+        *total += iov[i].iov_len;
+    }
+    uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
+    if (*total > INT32_MAX || (peer_max && *total > peer_max))
+        return -EMSGSIZE;
+    return 0;
+}
+
+_Static_assert(BEX_SOCK_IOV_MAX == BEX__SEG_MAX, "a gathered message's buffers");
+
+int bex_sock_sendv(bex_sock *s, const struct iovec *iov, unsigned iovcnt, void *msg_user)
+{
+    if (!s)
+        return -EINVAL;
+    if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED)
+        return -EPIPE;
+    struct bex__seg seg[BEX__SEG_MAX];
+    size_t total;
+    int err = gather_check(s, iov, iovcnt, seg, &total);
+    if (err)
+        return err;
+    struct sock_msgv *v = malloc(sizeof *v);
+    if (!v)
+        return -ENOMEM;
+    memcpy(v->seg, seg, iovcnt * sizeof seg[0]);
+    v->w = (struct sock_msg){.s = s,
+                             .m = {.buf = seg[0].buf,
+                                   .len = total,
+                                   .user = msg_user,
+                                   .lkey = seg[0].lkey,
+                                   .nseg = (uint8_t)iovcnt,
+                                   .seg = v->seg},
+                             .gathered = true};
+    if (bex__io_self != s->io || !bex__io_send_now(&v->w))
+        bex__io_push(s->io, &v->w.cmd, CMD_SEND);
     return 0;
 }
 

@@ -37,6 +37,17 @@ enum bex__msg_state {
 
 struct bex__stream;
 
+/* One buffer of a gathered message (bex_sock_sendv): its bytes and its
+ * region's lkey. */
+struct bex__seg {
+    uint8_t *buf;
+    uint32_t len;
+    uint32_t lkey;
+};
+
+/* Buffers one gathered message has, at most (BEX_SOCK_IOV_MAX). */
+#define BEX__SEG_MAX 4
+
 struct bex__msg {
     struct bex__msg *next;
     struct bex__stream *st;
@@ -59,7 +70,29 @@ struct bex__msg {
                         the engine's peer_rndv_used until written or released) */
     int status;      /* the error it ends with, when it failed before posting
                         (rendezvous refused) or was abandoned in flight */
+    uint8_t nseg;    /* gathered: its bytes are seg[0..nseg) in order (buf and
+                        lkey the first's, len their total); 0: buf alone */
+    const struct bex__seg *seg;
 };
+
+/* Where m's byte off lies: the address, the bytes from there to the end of
+ * its buffer (*run) and that buffer's lkey. A fragment never crosses a
+ * buffer's end, so each goes from one contiguous piece. */
+static inline uint8_t *bex__msg_at(const struct bex__msg *m, size_t off, size_t *run,
+                                   uint32_t *lkey)
+{
+    if (!m->nseg) {
+        *run = m->len - off;
+        *lkey = m->lkey;
+        return (uint8_t *)m->buf + off;
+    }
+    uint32_t i = 0;
+    while (i + 1 < m->nseg && off >= m->seg[i].len)
+        off -= m->seg[i++].len;
+    *run = m->seg[i].len - off;
+    *lkey = m->seg[i].lkey;
+    return m->seg[i].buf + off;
+}
 
 struct bex__engine;
 

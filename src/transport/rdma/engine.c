@@ -129,6 +129,18 @@ static int engine_recv_bufs(struct bex__engine *e, bool srq)
     return 0;
 }
 
+/* Send SGEs a QP asks for: a header and BEX__SEG_MAX gathered buffers,
+ * as far as the device allows (2 at least: a header and a payload). A
+ * gathered message needing more goes by rendezvous, one SGE a WRITE. */
+static uint32_t send_sges(const struct bex__engine_shared *sh)
+{
+    uint32_t most = BEX__SEG_MAX + 1;
+    if (!sh->dev)
+        return most;
+    uint32_t dev = (uint32_t)sh->dev->attr.max_sge;
+    return dev < most ? (dev > 2 ? dev : 2) : most;
+}
+
 /* The QP (or the stand-in), in the INIT state. */
 static int engine_qp(struct bex__engine *e, bool srq, struct ibv_qp *stand_in)
 {
@@ -140,7 +152,7 @@ static int engine_qp(struct bex__engine *e, bool srq, struct ibv_qp *stand_in)
         .pd = sh->pd,
         .sq_depth = e->sq,
         .rq_depth = e->rq,
-        .max_send_sge = 2,
+        .max_send_sge = send_sges(sh),
         .max_recv_sge = 1,
         .max_inline = BEX__ENGINE_INLINE,
     };
@@ -148,6 +160,7 @@ static int engine_qp(struct bex__engine *e, bool srq, struct ibv_qp *stand_in)
     if (e->nodev) {
         e->qp = stand_in;
         e->max_inline = BEX__ENGINE_INLINE; /* the stand-in copies nothing: any value works */
+        e->max_sge = qc.max_send_sge;
         err = 0;
     } else {
         struct ibv_qp_cap cap;
@@ -157,8 +170,10 @@ static int engine_qp(struct bex__engine *e, bool srq, struct ibv_qp *stand_in)
             qc.max_inline = 0;
             err = bex__rdma_qp_create(sh->dev, &qc, &e->qp, &cap);
         }
-        if (!err)
+        if (!err) {
             e->max_inline = cap.max_inline_data;
+            e->max_sge = cap.max_send_sge < qc.max_send_sge ? cap.max_send_sge : qc.max_send_sge;
+        }
     }
     if (err)
         return err;

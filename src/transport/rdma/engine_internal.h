@@ -40,15 +40,15 @@ enum { E_INIT, E_CONNECTED, E_UP, E_DEAD };
 
 struct sslot {
     struct ibv_send_wr wr;
-    struct ibv_sge sge[2];
-    struct bex__msg *done;      /* message finished by this request */
-    struct bex__stream *closed; /* stream whose CLOSE this is */
-    uint32_t bytes;             /* payload bytes (send window) */
-    uint8_t *hdr;               /* this slot's header buffer */
-    struct ibv_mw *free_mw;     /* window to deallocate once this LOCAL_INV is done */
-    uint64_t post_us;           /* adaptive window: the batch this slot ends was
-                                   posted then (0: no sample) */
-    uint32_t batch_bytes;       /* and had this many payload bytes */
+    struct ibv_sge sge[BEX__SEG_MAX + 1]; /* a header and a gathered message's buffers */
+    struct bex__msg *done;                /* message finished by this request */
+    struct bex__stream *closed;           /* stream whose CLOSE this is */
+    uint32_t bytes;                       /* payload bytes (send window) */
+    uint8_t *hdr;                         /* this slot's header buffer */
+    struct ibv_mw *free_mw;               /* window to deallocate once this LOCAL_INV is done */
+    uint64_t post_us;                     /* adaptive window: the batch this slot ends was
+                                             posted then (0: no sample) */
+    uint32_t batch_bytes;                 /* and had this many payload bytes */
 };
 
 /* One buffer per receive (struct bex__rslot, srq.h): a DATA's payload lands
@@ -167,6 +167,7 @@ struct bex__engine {
     uint8_t *hdr_area; /* sq headers, general pool (no remote access) */
     uint32_t hdr_lkey;
     uint32_t max_inline; /* the QP's inline bytes: smaller DATA payloads go inline */
+    uint32_t max_sge;    /* the QP's send SGEs (<= BEX__SEG_MAX + 1, the device's max_sge) */
 
     /* control messages waiting for a slot (RNDV_RESP, refusing CLOSE) */
     struct bex__hdr *ctlq;

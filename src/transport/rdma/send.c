@@ -90,6 +90,21 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
     return s;
 }
 
+/* m's bytes as s's SGEs from sge[first] on: one for a plain message, one
+ * per buffer for a gathered one (goes_eager checked they fit the QP). */
+static void gather(struct sslot *s, int first, const struct bex__msg *m)
+{
+    if (!m->nseg) {
+        s->sge[first] = (struct ibv_sge){(uintptr_t)m->buf, (uint32_t)m->len, m->lkey};
+        s->wr.num_sge = first + 1;
+        return;
+    }
+    for (int i = 0; i < m->nseg; i++)
+        s->sge[first + i] =
+            (struct ibv_sge){(uintptr_t)m->seg[i].buf, m->seg[i].len, m->seg[i].lkey};
+    s->wr.num_sge = first + m->nseg;
+}
+
 /* Prepare the header-free SEND_WITH_IMM of DATA m (the immediate carries
  * stream and credits). Caller checked slot + credit. */
 static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
@@ -101,8 +116,7 @@ static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, st
     s->wr.imm_data = htonl(bex__imm_encode(st->id, credits));
     s->wr.opcode = IBV_WR_SEND_WITH_IMM;
     if (len) {
-        s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf, len, m->lkey};
-        s->wr.num_sge = 1;
+        gather(s, 0, m);
         /* copied into the work request at posting: the NIC reads no memory */
         if (len <= e->max_inline)
             s->wr.send_flags = IBV_SEND_INLINE;
@@ -120,6 +134,10 @@ static bool goes_eager(const struct bex__engine *e, const struct bex__stream *st
                        const struct bex__msg *m)
 {
     if (m->direct || m->len > e->peer_eager)
+        return false;
+    /* a gathered message whose buffers (and header) the QP cannot carry in
+     * one request takes the rendezvous way: one buffer a WRITE */
+    if (m->nseg && m->nseg + (st->id <= BEX__IMM_STREAM_MAX ? 0u : 1u) > e->max_sge)
         return false;
     return st->id <= BEX__IMM_STREAM_MAX || m->len + BEX__HDR_LEN <= e->peer_eager || m->len == 0;
 }
@@ -198,7 +216,10 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
         s = prep_data(e, st, m);
     } else {
         struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
-        s = prep_send(e, &h, m->buf, (uint32_t)m->len, m->lkey);
+        s = prep_send(e, &h, NULL, 0, 0);
+        if (m->len)
+            gather(s, 1, m);
+        account_bytes(e, s, (uint32_t)m->len);
     }
     pop_head(st);
     m->state = BEX__M_POSTED;
@@ -214,7 +235,10 @@ static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct 
     uint32_t most = e->frag, w = bex__engine_window(e);
     if (w && w < most) /* the adaptive window's fragments follow it */
         most = w;
-    uint32_t frag = (uint32_t)(m->len - m->off < most ? m->len - m->off : most);
+    size_t run;
+    uint32_t lkey;
+    uint8_t *at = bex__msg_at(m, m->off, &run, &lkey); /* a fragment ends at its buffer's end */
+    uint32_t frag = (uint32_t)(run < most ? run : most);
     bool last = m->off + frag == m->len;
     if (last && !bex__engine_have_credit(e, false)) {
         BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
@@ -226,7 +250,7 @@ static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct 
         return false;
     }
     struct sslot *s = bex__engine_slot_take(e);
-    s->sge[0] = (struct ibv_sge){(uintptr_t)m->buf + m->off, frag, m->lkey};
+    s->sge[0] = (struct ibv_sge){(uintptr_t)at, frag, lkey};
     s->wr.num_sge = 1;
     s->wr.wr.rdma.remote_addr = m->raddr + m->off;
     s->wr.wr.rdma.rkey = m->rkey;

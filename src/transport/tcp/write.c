@@ -44,9 +44,12 @@ static bool stream_turn(struct bex__tcp *t, struct bex__stream *st)
     }
     struct bex__msg *m = st->q_head;
     if (m) {
-        uint32_t n = (uint32_t)(m->len - m->off);
-        if (n > t->cfg.frag_size)
-            n = t->cfg.frag_size;
+        /* a gathered message's fragments end at its buffers' ends: the
+         * batch's sendmsg gathers them, nothing is copied */
+        size_t run;
+        uint32_t lkey;
+        const uint8_t *p = bex__msg_at(m, m->off, &run, &lkey);
+        uint32_t n = (uint32_t)(run < t->cfg.frag_size ? run : t->cfg.frag_size);
         /* id: the whole message's length (DATA) or the exposed buffer's
          * token (DIRECT); addr: where this fragment starts in it */
         struct bex__hdr h = {.type = m->direct ? BEX__MSG_DIRECT : BEX__MSG_DATA,
@@ -58,7 +61,7 @@ static bool stream_turn(struct bex__tcp *t, struct bex__stream *st)
             t->ack_now = false; /* answers follow the peer's messages again */
         struct out_frame *f = frame_new(t, &h);
         f->m = m;
-        f->p = (const uint8_t *)m->buf + m->off;
+        f->p = p;
         f->plen = n;
         m->off += n;
         if (m->off == m->len) {
