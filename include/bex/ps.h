@@ -665,18 +665,21 @@ int bex_ps_rows_busy(float *rows);
 int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows, bex_ps_done_fn done, void *user);
 /* bex_ps_push_report from grads, an array of bex_ps_rows_alloc, keys
- * grouped by shard as for bex_ps_fetch_into (-EINVAL otherwise). When the
- * first run's shard takes its Push at one replica (a single replica, or
- * BEX_PS_PUSH_PRIMARY), that run's request is sent from the array itself
- * (headers and its keys written in the room in front of the rows, the keys
- * not copied when keys are the array's bex_ps_rows_keys and the run covers
- * every row the array has; its gradients not copied); res[0] is its
- * result. A Push body carries
- * its keys right in front of its rows, so only the first run has room in
- * front of it: the other runs go by one copying bex_ps_push_report (res[1]
- * on). Otherwise as bex_ps_push_report. The array must not change until
- * bex_ps_rows_busy says 0 (after done on success, or a little later).
- * Errors as bex_ps_fetch_into. */
+ * grouped by shard as for bex_ps_fetch_into (-EINVAL otherwise). Each run
+ * (one shard's keys) whose shard takes its Push at one replica (a single
+ * replica, or BEX_PS_PUSH_PRIMARY) is sent without a copy of its
+ * gradients: the first run's request from the array itself (headers and
+ * its keys written in the room in front of the rows, the keys not copied
+ * when keys are the array's bex_ps_rows_keys and the run covers every row
+ * the array has), every other run's gathered (bex_sock_sendv: its headers
+ * and keys, 8 bytes a key, in a buffer of their own, then its rows
+ * straight from the array). A run whose shard has several replicas, or
+ * whose part is past the wire's bounds, goes by a copying
+ * bex_ps_push_report of its slice. Results in run order: res[] holds each
+ * zero-copy run's entry and each copied run's replicas' entries, *n_res
+ * their count. Otherwise as bex_ps_push_report. The array must not change
+ * until bex_ps_rows_busy says 0 (after done on success, or a little
+ * later). Errors as bex_ps_fetch_into. */
 int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                      float *grads, bex_ps_replica_result *res, size_t cap, size_t *n_res,
                      bex_ps_done_fn done, void *user);

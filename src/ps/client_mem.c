@@ -38,6 +38,10 @@ struct ubuf {
     uint32_t n, dim;
     bool busy, freeing;
     _Atomic uint64_t zero; /* sub-requests without a copy */
+    /* a Push from it: the transports reading it, + 1 while it starts; the
+     * call whose done waits for its return (waited for), or NULL */
+    _Atomic uint32_t lends;
+    struct zcall *lent_z;
 };
 
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -290,7 +294,6 @@ struct zcall {
     _Atomic int status;       /* the first error */
     struct ubuf *u;
     bool release; /* Fetch: the array is let go when the last part ends */
-    bool lent;    /* Push waited for: the transport letting the array go is a part */
     uint32_t table, dim, n_tail;
     bex_ps_done_fn done;
     void *user;
@@ -496,89 +499,175 @@ static void push_done(int status, void *body, size_t len, void *user)
     part_end(z, status);
 }
 
-/* The transport let a waited-for Push's array go (under the channel's
- * lock: the waiter's done only wakes it). */
-static void lent_back(void *arg)
+/* A transport let go of the array for one part of a Push (a borrow's
+ * release, under its channel's lock: it only marks and wakes), or the
+ * Push's start is over: the last one lets the array go and, for a Push
+ * waited for, ends the part that stands for the array's return. */
+static void lend_end(void *arg)
 {
-    struct zcall *z = arg;
-    ubuf_release(z->u);
-    part_end(z, 0);
+    struct ubuf *u = arg;
+    if (atomic_fetch_sub_explicit(&u->lends, 1, memory_order_acq_rel) != 1)
+        return;
+    struct zcall *z = u->lent_z;
+    ubuf_release(u);
+    if (z)
+        part_end(z, 0);
 }
 
-/* The first shard's part of a Push from the array (claimed), through ch
- * with h (bex__ps_client_push_one's): its headers and keys written in
- * front of its rows, the array's first. */
-static int push_send(bex_ps_client *c, struct zpart *p, bex_rpc_channel *ch, struct bex__ps_hdr *h,
-                     const uint64_t *keys)
+/* Part p's request through ch: body (len bytes, header room in front),
+ * then tail (tail_len bytes of the array, 0: the body is the array's
+ * own), both read by the transport until lend_end. */
+static int lend_send(bex_ps_client *c, struct zpart *p, bex_rpc_channel *ch, void *body, size_t len,
+                     void *tail, size_t tail_len)
+{
+    struct ubuf *u = p->z->u;
+    bex_rpc_call_opts o = {.timeout_ms = bex__ps_client_timeout(c)};
+    struct bex__rpc_borrow bw = {.release = lend_end, .arg = u, .tail = tail, .tail_len = tail_len};
+    atomic_fetch_add_explicit(&u->lends, 1, memory_order_relaxed);
+    int rc = bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, body, len, NULL, 0, &o, push_done,
+                               p, &bw);
+    if (rc) /* the start's own count keeps it above 0 */
+        atomic_fetch_sub_explicit(&u->lends, 1, memory_order_relaxed);
+    else
+        atomic_fetch_add_explicit(&u->zero, 1, memory_order_relaxed);
+    return rc;
+}
+
+/* The first run's part, in place: its headers and keys written in front
+ * of its rows, the array's first, and sent from there. Sent last: its
+ * keys may move over the array's other key slots. */
+static int push_in_place(bex_ps_client *c, struct zpart *p, bex_rpc_channel *ch,
+                         const struct bex__ps_hdr *h, const uint64_t *keys)
 {
     struct zcall *z = p->z;
-    float *rows = rows_of(z->u);
-    uint64_t *slots = (uint64_t *)(void *)rows - p->n;
+    uint64_t *slots = (uint64_t *)(void *)rows_of(z->u) - p->n;
     if (keys != slots)
         memmove(slots, keys, 8 * (size_t)p->n); /* keys may be the array's own slots */
     uint8_t *body = (uint8_t *)slots - BEX__PS_ID_LEN - BEX__PS_HDR_LEN;
     bex__ps_hdr_put(body, h);
     size_t len = BEX__PS_HDR_LEN + BEX__PS_ID_LEN + 8 * (size_t)p->n + 4 * (size_t)p->n * z->dim;
-    bex_rpc_call_opts o = {.timeout_ms = bex__ps_client_timeout(c)};
-    struct bex__rpc_borrow bw = {.release = z->lent ? lent_back : ubuf_release,
-                                 .arg = z->lent ? (void *)z : z->u};
-    int rc = bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, body, len, NULL, 0, &o, push_done,
-                               p, &bw);
-    if (rc == 0)
-        atomic_fetch_add_explicit(&z->u->zero, 1, memory_order_relaxed);
+    return lend_send(c, p, ch, body, len, NULL, 0);
+}
+
+/* Another run's part, gathered: its headers and keys in a buffer of their
+ * own (the keys copied, 8 bytes a row), then its rows straight from the
+ * array (bex_sock_sendv: writev over TCP, SGEs over RDMA). */
+static int push_gathered(bex_ps_client *c, struct zpart *p, bex_rpc_channel *ch,
+                         const struct bex__ps_hdr *h, const uint64_t *keys)
+{
+    struct zcall *z = p->z;
+    size_t len = BEX__PS_HDR_LEN + BEX__PS_ID_LEN + 8 * (size_t)p->n;
+    uint8_t *b = bex_rpc_alloc(bex__ps_client_ctx(c), len);
+    if (!b)
+        return -ENOMEM;
+    bex__ps_hdr_put(b, h);
+    memcpy(b + BEX__PS_HDR_LEN + BEX__PS_ID_LEN, keys + p->first, 8 * (size_t)p->n);
+    float *rows = rows_of(z->u) + (size_t)p->first * z->dim;
+    int rc = lend_send(c, p, ch, b, len, rows, 4 * (size_t)p->n * z->dim);
+    if (rc)
+        bex_rpc_free(b);
     return rc;
 }
 
-/* What a Push from an array was asked. */
+/* What a Push from an array was asked, and how far its start is. */
 struct push_args {
-    uint32_t table, dim, n;
+    uint32_t table, dim;
     const uint64_t *keys;
     float *grads;
     bex_ps_replica_result *res;
-    size_t cap, *n_res;
-    bex_ps_done_fn done;
-    void *user;
-    uint32_t shard0, n0; /* the first run: shard, keys */
-    bool sync;           /* done once the transport let the array go too */
-    bex_addr addr;       /* its one replica */
+    size_t cap;
+    size_t used; /* entries of res given out, in run order (may pass cap) */
 };
 
-/* The parts of a Push from the array (claimed; the first run's shard has
- * one replica, through ch with h): the first run from the array, the
- * others' by a copying call (a Push body is contiguous, its keys right in
- * front of its rows: only the first run has room in front of its rows). */
-static int push_parts(bex_ps_client *c, struct ubuf *u, const struct push_args *a,
-                      bex_rpc_channel *ch, struct bex__ps_hdr *h)
+/* Run r's part by a copying bex_ps_push_report of its slice (its shard has
+ * several replicas, or the part is past the wire's bounds). */
+static int push_copied(bex_ps_client *c, struct zcall *z, struct push_args *a, const struct run *r)
 {
-    uint32_t n0 = a->n0, parts = 1 + (n0 < a->n) + a->sync, sent = 0;
-    struct zcall *z = zcall_new(u, parts, 0, a->table, a->dim, a->done, a->user);
+    size_t k = 0, room = a->used < a->cap ? a->cap - a->used : 0;
+    int rc = bex_ps_push_report(c, a->table, a->dim, a->keys + r->a, r->b - r->a,
+                                a->grads + (size_t)r->a * a->dim, room ? a->res + a->used : NULL,
+                                room, &k, copy_part_done, z);
+    if (rc == 0)
+        a->used += k;
+    return rc;
+}
+
+/* Whether run r's shard takes its part without a copy (then through *ch,
+ * with h and its replica's address in its result entry p->res): 0, -ENOENT
+ * (it does not: copy), or an error. */
+static int push_route(bex_ps_client *c, struct push_args *a, const struct run *r, struct zpart *p,
+                      bex_rpc_channel **ch, struct bex__ps_hdr *h)
+{
+    uint32_t n = r->b - r->a;
+    *h = (struct bex__ps_hdr){.table = a->table, .n = n, .dim = a->dim};
+    if (ROOM - BEX_RPC_HDR_LEN + 8 * (size_t)n + 4 * (size_t)n * a->dim > BEX_PS_BODY_MAX)
+        return -ENOENT;
+    bex_addr addr;
+    int rc = bex__ps_client_push_one(c, r->shard, ch, &addr, h);
+    if (rc)
+        return rc;
+    *p = (struct zpart){.z = p->z, .first = r->a, .n = n};
+    if (a->used < a->cap) {
+        p->res = &a->res[a->used];
+        *p->res = (bex_ps_replica_result){.shard = r->shard, .addr = addr, .status = -EINPROGRESS};
+    }
+    a->used++;
+    return 0;
+}
+
+/* Run j's part (not the first's), gathered or copied: 0 or its error. */
+static int push_other(bex_ps_client *c, struct zcall *z, struct push_args *a, const struct run *r,
+                      struct zpart *p)
+{
+    bex_rpc_channel *ch;
+    struct bex__ps_hdr h;
+    int rc = push_route(c, a, r, p, &ch, &h);
+    if (rc == -ENOENT)
+        return push_copied(c, z, a, r);
+    if (rc == 0 && (rc = push_gathered(c, p, ch, &h, a->keys)) && p->res)
+        p->res->status = rc;
+    return rc;
+}
+
+/* Every part of a Push from the array (claimed), one per run in order:
+ * the first in place when its shard takes it at one replica, every
+ * other's rows gathered from the array when its shard does; the rest
+ * copied. sync: done waits for the array's return too. */
+static int push_parts(bex_ps_client *c, struct ubuf *u, const struct runs *rs, struct push_args *a,
+                      size_t *n_res, bex_ps_done_fn done, void *user, bool sync)
+{
+    uint32_t parts = rs->n + sync, sent = 0;
+    struct zcall *z = zcall_new(u, rs->n, 0, a->table, a->dim, done, user);
     if (!z) {
         ubuf_release(u);
         return -ENOMEM;
     }
-    z->lent = a->sync;
-    size_t n_rest = 0;
-    int rc = 0;
-    if (n0 < a->n) { /* first: the copying call reads the keys before they move */
-        rc = bex_ps_push_report(c, a->table, a->dim, a->keys + n0, a->n - n0,
-                                a->grads + (size_t)n0 * a->dim, a->cap > 1 ? a->res + 1 : NULL,
-                                a->cap > 1 ? a->cap - 1 : 0, &n_rest, copy_part_done, z);
+    atomic_store(&z->pending, parts + 1);
+    atomic_store(&u->lends, 1); /* the start's own, until it is over */
+    u->lent_z = sync ? z : NULL;
+    bex_rpc_channel *ch0 = NULL;
+    struct bex__ps_hdr h0;
+    int rc = push_route(c, a, &rs->r[0], &z->part[0], &ch0, &h0);
+    if (rc == -ENOENT) /* first: it reads the keys before any move */
+        rc = push_copied(c, z, a, &rs->r[0]);
+    else
+        ch0 = rc ? NULL : ch0;
+    sent += !rc && !ch0;
+    for (uint32_t j = 1; !rc && j < rs->n; j++) {
+        rc = push_other(c, z, a, &rs->r[j], &z->part[j]);
         sent += !rc;
     }
-    struct zpart *p = &z->part[0];
-    *p = (struct zpart){.z = z, .n = n0, .res = a->cap ? a->res : NULL};
-    if (p->res)
-        *p->res =
-            (bex_ps_replica_result){.shard = a->shard0, .addr = a->addr, .status = -EINPROGRESS};
-    rc = rc ? rc : push_send(c, p, ch, h, a->keys);
-    if (rc == 0)
-        sent += 1 + a->sync; /* and, waited for, the array's return */
+    if (ch0 && !rc && !(rc = push_in_place(c, &z->part[0], ch0, &h0, a->keys)))
+        sent++;
+    else if (ch0 && z->part[0].res)
+        z->part[0].res->status = rc ? rc : -ECANCELED;
+    if (n_res)
+        *n_res = sent ? a->used : 0;
+    if (sync && sent)
+        sent++; /* the array's return, which lend_end reports */
     else
-        ubuf_release(u); /* not lent to the transport */
-    if (rc && p->res)
-        p->res->status = rc;
-    if (a->n_res)
-        *a->n_res = sent ? 1 + n_rest : 0;
+        u->lent_z = NULL;
+    lend_end(u);
     return zcall_started(z, sent, parts, rc);
 }
 
@@ -595,32 +684,16 @@ static int push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint6
         ubuf_release(u);
         return rc;
     }
-    struct push_args a = {.table = table,
-                          .dim = dim,
-                          .keys = keys,
-                          .n = (uint32_t)n,
-                          .grads = grads,
-                          .res = res,
-                          .cap = cap,
-                          .n_res = n_res,
-                          .done = done,
-                          .user = user,
-                          .shard0 = rs.n ? rs.r[0].shard : 0,
-                          .n0 = rs.n ? rs.r[0].b : 0,
-                          .sync = sync};
-    bool zero =
-        rs.n && WIRE_NATIVE &&
-        ROOM - BEX_RPC_HDR_LEN + 8 * (size_t)a.n0 + 4 * (size_t)a.n0 * dim <= BEX_PS_BODY_MAX;
+    struct push_args a = {
+        .table = table, .dim = dim, .keys = keys, .grads = grads, .res = res, .cap = cap};
+    if (rs.n && WIRE_NATIVE)
+        rc = push_parts(c, u, &rs, &a, n_res, done, user, sync); /* lets the array go */
+    else {
+        ubuf_release(u);
+        rc = bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, done, user);
+    }
     runs_free(&rs);
-    struct bex__ps_hdr h = {.table = table, .n = a.n0, .dim = dim};
-    bex_rpc_channel *ch;
-    rc = zero ? bex__ps_client_push_one(c, a.shard0, &ch, &a.addr, &h) : -ENOENT;
-    if (rc == 0)
-        return push_parts(c, u, &a, ch, &h); /* lets the array go on an error */
-    ubuf_release(u);
-    if (rc != -ENOENT)
-        return rc;
-    return bex_ps_push_report(c, table, dim, keys, n, grads, res, cap, n_res, done, user);
+    return rc;
 }
 
 int bex_ps_push_from(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,

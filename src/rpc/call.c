@@ -30,8 +30,8 @@ void bex__rpc_call_put(struct bex_rpc_channel *ch, struct call *c)
     if (--c->refs)
         return;
     if (c->borrow.release)
-        c->borrow.release(c->borrow.arg); /* the caller's body, no longer read */
-    else
+        c->borrow.release(c->borrow.arg); /* the caller's body (or tail), no longer read */
+    if (!c->borrow.release || c->borrow.tail)
         bex_mem_free(c->msg);
     if (ch->n_spare < BEX__RPC_CALL_SPARE) {
         c->dnext = ch->spare;

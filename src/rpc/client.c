@@ -239,6 +239,10 @@ int bex__rpc_call_ext(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     if (dst && (!ch || cap > (size_t)INT32_MAX - BEX_RPC_HDR_LEN ||
                 bex_mem_pool_of(bex__rpc_hdr_of(dst)) != bex_ctx_landing_pool(ch->ctx)))
         return -EINVAL;
+    if (bw && bw->tail &&
+        (dst || !body || bw->tail_len == 0 || !bw->release ||
+         bw->tail_len > (size_t)INT32_MAX - BEX_RPC_HDR_LEN - len))
+        return -EINVAL;
     return call_start(ch, service, method, body, len, dst, cap, opts, done, user, NULL, bw);
 }
 
@@ -339,7 +343,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
             bex_rpc_free(body);
         return -ENOMEM;
     }
-    call_encode(ch, c, len, tmo_ns);
+    call_encode(ch, c, len + c->borrow.tail_len, tmo_ns);
     ch->tokens += ch->budget_permille;
     if (ch->tokens > (int64_t)ch->budget_burst * 1000)
         ch->tokens = (int64_t)ch->budget_burst * 1000;

@@ -155,6 +155,12 @@ static inline uint8_t *bex__rpc_hdr_of(void *body)
 struct bex__rpc_borrow {
     void (*release)(void *arg);
     void *arg;
+    /* tail set: the request is the body's len bytes, then tail_len bytes
+     * at tail (the caller's registered memory), sent gathered
+     * (bex_sock_sendv) without a copy; then the body is the call's (freed
+     * as bex_rpc_call's) and release is about the tail. No dst. */
+    void *tail;
+    size_t tail_len;
 };
 /* bex_rpc_call_into whose dst may lie inside a landing allocation (the
  * caller checked that the header room and cap bytes are in it), and whose

@@ -486,6 +486,10 @@ void bex__rpc_send_hook(void (*fn)(bex_sock *s))
  * allocation), a retry's in one of bex's (the first may still be out) */
 static int send_call(bex_sock *s, struct call *c)
 {
+    if (c->borrow.tail) { /* header and body, then the caller's tail: gathered */
+        struct iovec iov[2] = {{c->msg, c->len}, {c->borrow.tail, c->borrow.tail_len}};
+        return bex_sock_sendv(s, iov, 2, c);
+    }
     if (c->sreq_used)
         return bex_sock_send(s, c->msg, c->len, c);
     int err = bex_sock_send_req(s, &c->sreq, c->msg, c->len, c);

@@ -106,9 +106,10 @@ static void keys_grouped(uint64_t *keys, int *idx, int *n0)
 }
 
 /* Keys on both shards, grouped by shard: each shard's part of a Fetch
- * lands in its slice of the array and the first part of a Push goes from
- * its slice (bex_ps_rows_zero counts them), the rows are the reference's;
- * keys not grouped are refused -EINVAL, nothing sent (issue 28 item 1). */
+ * lands in its slice of the array and each shard's part of a Push goes
+ * from its slice, the first in place, the second gathered (bex_ps_rows_zero
+ * counts them: no part copied), the rows are the reference's; keys not
+ * grouped are refused -EINVAL, nothing sent (issue 28 items 1 and 3). */
 static int t_multi(void)
 {
     struct ps_rig g;
@@ -140,7 +141,7 @@ static int t_multi(void)
     CHECK_EQ(res[0].shard, 0);
     CHECK_EQ(res[1].shard, 1);
     CHECK_EQ(res[0].status | res[1].status, 0);
-    CHECK_EQ(bex_ps_rows_zero(big), 3);
+    CHECK_EQ(bex_ps_rows_zero(big), 4); /* both parts from the array */
     push_in_place(big, t, (uint32_t)n0);
     CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, keys, NK, big));
     ref_check(&r, idx, NK, big);
@@ -148,10 +149,119 @@ static int t_multi(void)
     CHECK_EQ(bex_ps_fetch_into_sync(pc, t->id, t->dim, all_keys, NK, big), -EINVAL);
     CHECK_EQ(bex_ps_push_from_sync(pc, t->id, t->dim, all_keys, NK, big, NULL, 0, NULL), -EINVAL);
     CHECK_EQ(bex_ps_rows_busy(big), 0);
-    CHECK_EQ(bex_ps_rows_zero(big), 5);
+    CHECK_EQ(bex_ps_rows_zero(big), 6);
     transport_check(ctx);
     CHECK_OK(bex_ps_rows_free(big));
     return rig_down(&g, rc);
+}
+
+/* ---- 1, 2 and 4 shards: no Push part copied ---- */
+
+/* A shard server of n_shards (arg: shard, n_shards). */
+static void shard_child(int wfd, int rfd, void *arg)
+{
+    const uint32_t *sn = arg;
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config c = scaled(&base, a0);
+    bex_ctx *ctx;
+    bex_rpc_server *srv;
+    bex_ps_shard *ps;
+    CHECK_OK(bex_ctx_create(&c, &ctx));
+    CHECK_OK(bex_rpc_server_create(ctx, NULL, &srv));
+    bex_ps_shard_config pc = {.shard = sn[0], .n_shards = sn[1], .tables = TABLES, .n_tables = 2};
+    CHECK_OK(bex_ps_shard_create(&pc, &ps));
+    CHECK_OK(bex_ps_shard_register(ps, srv, ctx));
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}}, got;
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_server_addr(srv, &got);
+    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
+    char q;
+    ssize_t r = read(rfd, &q, 1);
+    (void)r;
+    CHECK_OK(bex_rpc_server_destroy(srv));
+    bex_ps_shard_destroy(ps);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    exit(0);
+}
+
+#define SHARDS_MAX 4
+
+/* keys_of(0..NK) grouped by shard of ns, their indexes in idx. */
+static void keys_by_shard(uint32_t ns, uint64_t *keys, int *idx)
+{
+    int n = 0;
+    for (uint32_t s = 0; s < ns; s++)
+        for (int i = 0; i < NK; i++)
+            if (bex_ps_key_shard(key_of(i), ns) == s) {
+                idx[n] = i;
+                keys[n++] = key_of(i);
+            }
+    CHECK_EQ(n, NK);
+}
+
+/* One Push from an array over ns shards: ns parts, each sent from the
+ * array (bex_ps_rows_zero goes up by ns: none copied), each shard's result
+ * 0, and a Fetch reads the reference's rows. */
+static void push_spread(uint32_t ns)
+{
+    struct srv_proc sp[SHARDS_MAX];
+    uint32_t sn[SHARDS_MAX][2];
+    bex_addr a[SHARDS_MAX];
+    for (uint32_t s = 0; s < ns; s++) {
+        sn[s][0] = s;
+        sn[s][1] = ns;
+        srv_spawn(&sp[s], shard_child, sn[s]);
+        a[s] = sp[s].addr;
+    }
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of_shards(a, (int)ns, true);
+    bex_ps_client *pc = client_of(ctx, d);
+    const bex_ps_table_config *t = &TABLES[0];
+    uint64_t all_keys[NK], keys[NK];
+    int idx[NK];
+    for (int i = 0; i < NK; i++)
+        all_keys[i] = key_of(i);
+    struct ref r;
+    ref_init(&r, t, all_keys);
+    keys_by_shard(ns, keys, idx);
+    float *g = bex_ps_rows_alloc(ctx, NK, t->dim);
+    CHECK(g);
+    grads_of(g, NK, t->dim, 11);
+    ref_push(&r, idx, NK, g);
+    bex_ps_replica_result res[SHARDS_MAX];
+    size_t n_res = 0;
+    CHECK_OK(bex_ps_push_from_sync(pc, t->id, t->dim, keys, NK, g, res, SHARDS_MAX, &n_res));
+    fprintf(stderr, "%u shards: %llu of %zu parts sent from the array\n", ns,
+            (unsigned long long)bex_ps_rows_zero(g), n_res);
+    CHECK_EQ(n_res, ns);
+    CHECK_EQ(bex_ps_rows_zero(g), ns);
+    for (uint32_t s = 0; s < ns; s++) {
+        CHECK_EQ(res[s].shard, s);
+        CHECK_EQ(res[s].status, 0);
+    }
+    CHECK_EQ(bex_ps_rows_busy(g), 0);
+    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, keys, NK, g));
+    ref_check(&r, idx, NK, g);
+    CHECK_OK(bex_ps_rows_free(g));
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    for (uint32_t s = 0; s < ns; s++)
+        CHECK_OK(stop(&sp[s]));
+}
+
+static int t_shards(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    push_spread(1);
+    push_spread(2);
+    push_spread(4);
+    return 0;
 }
 
 static void never(int status, void *user)
@@ -313,4 +423,4 @@ static int t_wrong_rows(void)
 }
 
 BEX_TEST_MAIN({"into", t_into}, {"multi", t_multi}, {"bad", t_bad}, {"cap", t_cap},
-              {"wrong_rows", t_wrong_rows})
+              {"wrong_rows", t_wrong_rows}, {"shards", t_shards})
