@@ -5,13 +5,15 @@
  * (ps_rate.py) to compare. fetch0 and push0: on caller memory, without a
  * copy (bex_ps_rows_alloc, bex_ps_fetch_into_sync / bex_ps_push_from_sync).
  *   ps_rate CLUSTER fetch|push|fetch0|push0 ROWS DIM SECONDS
- * prints "calls_per_sec N cpu_us_per_call U" (U: the process's CPU time,
- * its bex I/O thread's included, per call). BEX_RATE_CALLS=N: exactly N
+ * prints "calls_per_sec N cpu_us_per_call U user_us V sys_us W" (U: the
+ * process's CPU time, its bex I/O thread's included, per call; V and W its
+ * user and system parts, by getrusage over the same window). BEX_RATE_CALLS=N: exactly N
  * calls instead of SECONDS (python/bench/counts). */
 #include <arpa/inet.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include <bex/dir.h>
@@ -28,6 +30,15 @@ static double clock_s(clockid_t id)
 static double now(void)
 {
     return clock_s(CLOCK_MONOTONIC);
+}
+
+/* The process's user and system CPU seconds (getrusage: every thread). */
+static void cpu_s(double *user, double *sys)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    *user = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6;
+    *sys = (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec / 1e6;
 }
 
 static int call(bex_ps_client *pc, int push, int zero, const uint64_t *keys, size_t n, uint32_t dim,
@@ -51,6 +62,8 @@ static int run(bex_ctx *ctx, bex_ps_client *pc, const char *op, size_t n, uint32
     for (size_t i = 0; rc == 0 && i < n * dim; i++)
         rows[i] = 1e-6f;
     long calls = 0, max = getenv("BEX_RATE_CALLS") ? atol(getenv("BEX_RATE_CALLS")) : -1;
+    double u0, s0, u1, s1;
+    cpu_s(&u0, &s0);
     double t0 = now(), t = t0, cpu0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
     while (rc == 0 && (max >= 0 ? calls < max : t - t0 < secs)) {
         rc = call(pc, push, zero, keys, n, dim, rows);
@@ -59,9 +72,12 @@ static int run(bex_ctx *ctx, bex_ps_client *pc, const char *op, size_t n, uint32
             t = now();
     }
     t = now();
+    double cpu1 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
+    cpu_s(&u1, &s1);
     if (rc == 0)
-        printf("calls_per_sec %.1f cpu_us_per_call %.2f\n", (double)calls / (t - t0),
-               (clock_s(CLOCK_PROCESS_CPUTIME_ID) - cpu0) * 1e6 / (double)calls);
+        printf("calls_per_sec %.1f cpu_us_per_call %.2f user_us %.2f sys_us %.2f\n",
+               (double)calls / (t - t0), (cpu1 - cpu0) * 1e6 / (double)calls,
+               (u1 - u0) * 1e6 / (double)calls, (s1 - s0) * 1e6 / (double)calls);
     free(keys);
     if (zero)
         bex_ps_rows_free(rows);
