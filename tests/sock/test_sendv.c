@@ -90,9 +90,8 @@ static int rig_up(struct rig *r)
     r->cctx = local_ctx(NULL, addr1);
     r->l = local_listen(r->sctx, addr0, &r->v.base, srv_recv, &r->at);
     r->c = (struct cli){.base.w = &r->v.base.w};
-    bex_sock_ops ops = {.on_connect = local_cli_connect,
-                        .on_send_done = cli_done,
-                        .on_close = local_cli_closed};
+    bex_sock_ops ops = {
+        .on_connect = local_cli_connect, .on_send_done = cli_done, .on_close = local_cli_closed};
     CHECK_OK(bex_sock_connect(r->cctx, &r->at, &ops, &r->c, &r->s));
     CHECK_OK(wait_count(&r->v.base.w, &r->c.base.connected, 1, 5000));
     return 0;
