@@ -42,9 +42,9 @@ static int serve_suffix(bex_ps_shard *s, const struct bex__ps_copy_hdr *h, void 
     size_t len;
     uint64_t last;
     pthread_mutex_lock(&s->mu);
-    int rc = s->catching ? -EAGAIN
-                         : bex__ps_rlog_suffix_locked(&s->rp, h->session, h->offset, max, &out,
-                                                      &len, &last);
+    int rc = bex__ps_shard_catching(s) ? -EAGAIN
+                                       : bex__ps_rlog_suffix_locked(&s->rp, h->session, h->offset,
+                                                                    max, &out, &len, &last);
     if (rc == 0)
         s->st.suffixes_served++;
     pthread_mutex_unlock(&s->mu);
@@ -74,7 +74,7 @@ static int serve_copy(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t le
     int rc = 0;
     uint8_t *out = NULL;
     pthread_mutex_lock(&s->mu);
-    if (s->catching) {
+    if (bex__ps_shard_catching(s)) {
         rc = -EAGAIN; /* not caught up itself: no copy to give */
         goto out;
     }

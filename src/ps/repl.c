@@ -412,7 +412,7 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
     uint32_t due[BEX_PS_REPLICAS_MAX], n_due = 0;
     uint64_t at = 0;
     pthread_mutex_lock(&s->mu);
-    if (s->catching)
+    if (bex__ps_shard_catching(s))
         rc = -EAGAIN; /* its rows are not the shard's yet: the client retries */
     else if (s->rp.fenced)
         rc = s->rp.paused ? -EAGAIN : bex__ps_fenced_admit(s, h); /* backups leave the set */
@@ -552,7 +552,7 @@ static void drop_held_locked(struct repl *rp, struct fwdh **done, int status)
 static int fwd_take_locked(bex_ps_shard *s, uint64_t session, struct fwdh *f, struct fwdh **done)
 {
     struct repl *rp = &s->rp;
-    if (s->catching)
+    if (bex__ps_shard_catching(s))
         return -EAGAIN;
     if (session != rp->in_session) {
         if (f->lsn != 1) {
@@ -653,7 +653,9 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
         ; /* a stale epoch, or one this backup has not copied from yet */
     else if (probe)
         /* in step: it follows that session and applied that lsn */
-        rc = !s->catching && fh.session == s->rp.in_session && fh.lsn < s->rp.next ? 0 : -ESTALE;
+        rc = !bex__ps_shard_catching(s) && fh.session == s->rp.in_session && fh.lsn < s->rp.next
+                 ? 0
+                 : -ESTALE;
     else
         rc = fwd_take_locked(s, fh.session, f, &done);
     if (rc == -ESTALE && probe && s->rp.fenced && s->rp.synced && fh.session == s->rp.epoch) {
@@ -666,7 +668,7 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
         s->st.fwd_refused++;
     /* static mode, behind in the session it follows: say where it is */
     uint64_t pos = s->rp.next - 1;
-    bool say = rc == -ESTALE && probe && !s->rp.fenced && !s->catching &&
+    bool say = rc == -ESTALE && probe && !s->rp.fenced && !bex__ps_shard_catching(s) &&
                fh.session == s->rp.in_session && fh.lsn >= s->rp.next;
     pthread_mutex_unlock(&s->mu);
     answer_all(done);
