@@ -114,15 +114,19 @@ struct fwdh {
     uint32_t cnt;
 };
 
-/* A primary's backup. */
+/* A primary's backup (docs/architecture.md, "Lifecycles"), under the
+ * shard's lock: UP (forwarded to, in step); static mode: DOWN (a forward
+ * failed: no Push acknowledged from then on) and PROBING (down, a probe
+ * or a resend from the log out); etcd mode: OUT (removed from the
+ * replica set, not forwarded to). Changed only by bex__ps_backup_move. */
+enum bex__ps_backup_state { BK_UP, BK_DOWN, BK_PROBING, BK_OUT };
+
 struct backup {
     bex_addr addr;
     uint32_t transport;
     bex_rpc_channel *ch; /* made at register */
-    bool down;           /* a forward failed: no Push acknowledged from then on */
-    bool probing;        /* down: a probe is out */
-    uint64_t probe_ns;   /* down: no probe before then */
-    bool out;            /* etcd mode: removed from the replica set, not forwarded to */
+    enum bex__ps_backup_state state;
+    uint64_t probe_ns; /* down or out: no probe before then */
     /* forwards queued in lsn order (repl_batch.c), batches out; closed:
      * its channel is being destroyed, nothing more is sent */
     struct fcall *q_head, *q_tail;
@@ -245,6 +249,11 @@ static inline bool bex__ps_shard_catching(const bex_ps_shard *s)
  * again: a primary's that failed, it may be called again). */
 int bex__ps_shard_catchup_start(bex_ps_shard *s);
 void bex__ps_shard_catchup_end_locked(bex_ps_shard *s, bool again);
+/* repl.c: the one place a backup's state changes (under s->mu; b is
+ * backup i of the primary): logs it by name (DEBUG), asserts the move is
+ * one of the table's. */
+const char *bex__ps_backup_state_name(unsigned st);
+void bex__ps_backup_move(bex_ps_shard *s, uint32_t i, enum bex__ps_backup_state to);
 
 int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq);
 void bex__ps_ids_free(struct idset *d);
