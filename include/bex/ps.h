@@ -291,7 +291,8 @@ typedef struct bex_ps_catchup_config {
  * BEX_PS_ROLE_PRIMARY given peers: its peers may hold Pushes it lacks, so
  * it stays catching up (Pushes and Fetches refused -EAGAIN) and this
  * function may be called again until one succeeds. Blocks: never from
- * a callback of ctx. -EINVAL when the shard is not catching up.
+ * a callback of ctx. -EINVAL (and a WARN naming the shard's state) when
+ * the shard awaits no catch-up: not catching up, or one already running.
  * A BEX_PS_ROLE_BACKUP (static mode) loaded from a snapshot that records
  * its position asks each peer first for its primary's forward-log suffix
  * after that position and, when one gives it, applies those forwards

@@ -193,7 +193,7 @@ static int try_peer(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_config *
         if (rc == 0) {
             pthread_mutex_lock(&s->mu);
             /* a new primary's copy is taken even behind ours (a re-sync) */
-            if (!s->resync && bex__ps_ids_behind(&s->ids, cut_ids))
+            if (s->state != SH_RESYNC && bex__ps_ids_behind(&s->ids, cut_ids))
                 rc = -ESTALE;
             pthread_mutex_unlock(&s->mu);
         }
@@ -344,14 +344,9 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     BEX__CFG_TAKE(cfg, c);
     if (!s || !ctx || !cfg || (cfg->n_peers && !cfg->peers))
         return -EINVAL;
-    pthread_mutex_lock(&s->mu);
-    /* once: a second caller meanwhile would install a copy over Pushes
-     * applied after the first */
-    bool mine = s->catching && !s->catchup_busy;
-    s->catchup_busy = true;
-    pthread_mutex_unlock(&s->mu);
-    if (!mine)
-        return -EINVAL;
+    int src = bex__ps_shard_catchup_start(s); /* once: WAIT -> CATCHUP */
+    if (src)
+        return src;
     uint64_t deadline =
         bex__rpc_now_ns() + (uint64_t)(cfg->timeout_ms ? cfg->timeout_ms : 10000) * 1000000ull;
     struct table *cut = NULL;
@@ -366,7 +361,7 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     if (!cut && !suffix && cfg->n_peers && s->rp.role == BEX_PS_ROLE_PRIMARY) {
         /* its peers may hold Pushes it lacks: as primary it would number
          * Pushes on old rows and its backups would take them */
-        s->catchup_busy = false; /* it may be called again */
+        bex__ps_shard_catchup_end_locked(s, true); /* it may be called again */
         s->st.catchup_failed++;
         pthread_mutex_unlock(&s->mu);
         bex__log(&s->log, BEX_LOG_ERROR,
@@ -380,7 +375,7 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
         bex__ps_repl_take_cut(s);
     uint64_t replayed = 0, skipped = 0, failed = 0;
     replay_held(s, cut || suffix, &replayed, &skipped, &failed);
-    s->catching = false;
+    bex__ps_shard_catchup_end_locked(s, false);
     s->st.catchup_rows += rows;
     s->st.catchup_replayed += replayed;
     s->st.catchup_skipped += skipped;

@@ -42,9 +42,9 @@ static int serve_suffix(bex_ps_shard *s, const struct bex__ps_copy_hdr *h, void 
     size_t len;
     uint64_t last;
     pthread_mutex_lock(&s->mu);
-    int rc = s->catching ? -EAGAIN
-                         : bex__ps_rlog_suffix_locked(&s->rp, h->session, h->offset, max, &out,
-                                                      &len, &last);
+    int rc = bex__ps_shard_catching(s) ? -EAGAIN
+                                       : bex__ps_rlog_suffix_locked(&s->rp, h->session, h->offset,
+                                                                    max, &out, &len, &last);
     if (rc == 0)
         s->st.suffixes_served++;
     pthread_mutex_unlock(&s->mu);
@@ -74,7 +74,7 @@ static int serve_copy(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t le
     int rc = 0;
     uint8_t *out = NULL;
     pthread_mutex_lock(&s->mu);
-    if (s->catching) {
+    if (bex__ps_shard_catching(s)) {
         rc = -EAGAIN; /* not caught up itself: no copy to give */
         goto out;
     }
@@ -146,8 +146,10 @@ static int role_refused(bex_ps_shard *s, int rc, const char *why)
         return rc;
     bex__log(&s->log, BEX_LOG_WARN, "ps shard %u: %s refused: %s (%llu refused so far)", s->shard,
              why,
-             rc == -EPERM ? "this replica is a backup (Pushes go to the primary)"
-                          : "needs the registered handler",
+             rc != -EPERM ? "needs the registered handler"
+             : s->rp.role == BEX_PS_ROLE_BACKUP
+                 ? "this replica is a backup (Pushes go to the primary)"
+                 : "this replica is not a backup (Forwards go to backups)",
              (unsigned long long)n);
     return rc;
 }
@@ -159,9 +161,12 @@ static int role_refused(bex_ps_shard *s, int rc, const char *why)
 static int repl_serve(bex_ps_shard *s, uint32_t method, const struct bex__ps_hdr *h,
                       const void *body, size_t len, bex_rpc_req *req)
 {
+    if (method == BEX_PS_M_FORWARD && !req)
+        return role_refused(s, -EOPNOTSUPP, "a Forward");
+    if (method == BEX_PS_M_FORWARD && s->rp.role != BEX_PS_ROLE_BACKUP)
+        return role_refused(s, -EPERM, "a Forward"); /* its sender is no primary of ours */
     if (method == BEX_PS_M_FORWARD)
-        return req ? bex__ps_backup_forward(s, body, len, req)
-                   : role_refused(s, -EOPNOTSUPP, "a Forward");
+        return bex__ps_backup_forward(s, body, len, req);
     if (s->rp.role == BEX_PS_ROLE_BACKUP)
         return role_refused(s, -EPERM, "a client's Push");
     if (s->rp.role != BEX_PS_ROLE_PRIMARY)

@@ -178,7 +178,8 @@ static int rejoin(struct bex_ps_failover *f, uint64_t epoch, const char *set, ui
     }
     if (rc == 0) {
         pthread_mutex_lock(&s->mu);
-        s->rp.bk[b].out = false;
+        if (s->rp.bk[b].state == BK_OUT)
+            bex__ps_backup_move(s, b, BK_UP);
         s->st.rejoins++;
         pthread_mutex_unlock(&s->mu);
     }
@@ -200,7 +201,7 @@ static void rejoins(struct bex_ps_failover *f, uint64_t epoch)
     uint64_t cr, mr;
     for (uint32_t b = 0; b < s->rp.n_bk; b++) {
         pthread_mutex_lock(&s->mu);
-        bool due = s->rp.bk[b].out && now >= s->rp.bk[b].probe_ns;
+        bool due = s->rp.bk[b].state == BK_OUT && now >= s->rp.bk[b].probe_ns;
         if (due)
             s->rp.bk[b].probe_ns = now + 1000000000ull;
         pthread_mutex_unlock(&s->mu);
@@ -256,7 +257,7 @@ static void set_heal(struct bex_ps_failover *f, uint64_t epoch, char *set, size_
     size_t o = (size_t)snprintf(text, sizeof text, "%s", f->names[f->self]);
     pthread_mutex_lock(&s->mu);
     for (uint32_t b = 0; b < s->rp.n_bk && o < sizeof text; b++)
-        if (!s->rp.bk[b].out) {
+        if (s->rp.bk[b].state != BK_OUT) {
             char name[BEX_ADDR_STRLEN];
             bk_name(s, b, name, sizeof name);
             o += (size_t)snprintf(text + o, sizeof text - o, ",%s", name);

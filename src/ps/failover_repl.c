@@ -53,12 +53,9 @@ int bex__ps_resync(bex_ps_shard *s, bex_ctx *ctx, const bex_rpc_endpoint *primar
 {
     pthread_mutex_lock(&s->mu);
     uint64_t epoch = s->rp.epoch;
-    bool go = !s->catching && s->rp.role == BEX_PS_ROLE_BACKUP;
-    if (go) {
-        s->catching = true;
-        s->catchup_busy = false;
-        s->resync = true;
-    }
+    bool go = s->state == SH_SERVING && s->rp.role == BEX_PS_ROLE_BACKUP;
+    if (go)
+        bex__ps_shard_move(s, SH_RESYNC_WAIT);
     pthread_mutex_unlock(&s->mu);
     if (!go)
         return -EBUSY;
@@ -68,7 +65,8 @@ int bex__ps_resync(bex_ps_shard *s, bex_ctx *ctx, const bex_rpc_endpoint *primar
     cc.timeout_ms = timeout_ms;
     int rc = bex_ps_shard_catchup(s, ctx, &cc);
     pthread_mutex_lock(&s->mu);
-    s->resync = false;
+    if (s->state == SH_RESYNC_WAIT || s->state == SH_RESYNC) /* not over: a plain catch-up */
+        bex__ps_shard_move(s, s->state == SH_RESYNC ? SH_CATCHUP : SH_WAIT);
     bool ok = rc == 0 && s->rp.in_session == epoch && s->rp.epoch == epoch;
     if (ok)
         s->rp.synced = true;

@@ -167,7 +167,7 @@ int bex_ps_shard_join(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
 {
     bex_ps_join_config c;
     BEX__CFG_TAKE(cfg, c);
-    if (!s || !ctx || !cfg || s->rp.role != BEX_PS_ROLE_BACKUP || !s->catching)
+    if (!s || !ctx || !cfg || s->rp.role != BEX_PS_ROLE_BACKUP || !bex__ps_shard_catching(s))
         return -EINVAL;
     uint32_t tmo = cfg->timeout_ms ? cfg->timeout_ms : 10000;
     uint64_t deadline = bex__rpc_now_ns() + (uint64_t)tmo * 1000000ull;

@@ -13,6 +13,7 @@
  * Backup: forwards are applied in lsn order; one ahead of its turn is held
  * (bounded) and answered when applied; one already applied (a resend) is
  * answered at once. A new primary session starts at lsn 1. */
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -24,6 +25,7 @@
 
 #include "bex/ps.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "ps/ps_internal.h"
 #include "ps/repl_batch.h"
 #include "ps/shard_internal.h"
@@ -204,6 +206,45 @@ static void fop_put(struct fop *op)
     free(op);
 }
 
+/* ---- a backup's state (under s->mu) ---- */
+
+const char *bex__ps_backup_state_name(unsigned st)
+{
+    static const char *const names[] = {
+        [BK_UP] = "UP", [BK_DOWN] = "DOWN", [BK_PROBING] = "PROBING", [BK_OUT] = "OUT"};
+    return st < ARRAY_SIZE(names) ? names[st] : "?";
+}
+
+/* Static mode: UP -> DOWN -> PROBING -> UP or DOWN; etcd mode (where no
+ * backup is marked down): UP -> OUT -> UP. */
+static bool backup_move_ok(enum bex__ps_backup_state from, enum bex__ps_backup_state to)
+{
+    switch (from) {
+    case BK_UP:
+        return to == BK_DOWN || to == BK_OUT;
+    case BK_DOWN:
+        return to == BK_PROBING;
+    case BK_PROBING:
+        return to == BK_UP || to == BK_DOWN;
+    case BK_OUT:
+        return to == BK_UP;
+    }
+    return false;
+}
+
+void bex__ps_backup_move(bex_ps_shard *s, uint32_t i, enum bex__ps_backup_state to)
+{
+    struct backup *b = &s->rp.bk[i];
+    enum bex__ps_backup_state from = b->state;
+    bool ok = backup_move_ok(from, to);
+    assert(ok);
+    (void)ok;
+    b->state = to;
+    if (s->log.level >= BEX_LOG_DEBUG)
+        bex__log(&s->log, BEX_LOG_DEBUG, "ps shard %u: backup %u %s -> %s", s->shard, i,
+                 bex__ps_backup_state_name(from), bex__ps_backup_state_name(to));
+}
+
 /* etcd mode: a forward to backup fc->b failed. Not waited for when the
  * backup is out of the set already (or the forward is of an earlier
  * term: its Push is refused then); else it waits for the agent's removal
@@ -215,7 +256,7 @@ static bool fenced_failed(bex_ps_shard *s, struct fcall *fc, int status)
     pthread_mutex_lock(&s->mu);
     s->st.fwd_failed++;
     stale = fc->epoch != rp->epoch || rp->role != BEX_PS_ROLE_PRIMARY;
-    if (!stale && !rp->bk[fc->b].out) {
+    if (!stale && rp->bk[fc->b].state != BK_OUT) {
         fc->rm_nx = rp->rm;
         rp->rm = fc;
         wait = true;
@@ -246,9 +287,9 @@ void bex__ps_fwd_done(int status, struct fcall *fc)
     } else if (status) {
         struct backup *b = &s->rp.bk[fc->b];
         pthread_mutex_lock(&s->mu);
-        bool was = b->down;
+        bool was = b->state != BK_UP;
         if (!was) {
-            b->down = true;
+            bex__ps_backup_move(s, fc->b, BK_DOWN);
             b->probe_ns = bex__rpc_now_ns() + s->rp.retry_ns;
             s->rp.n_down++;
         }
@@ -286,8 +327,8 @@ void bex__ps_repl_removed(bex_ps_shard *s, uint32_t b, int status)
 {
     struct fcall *mine = NULL, **pp = &s->rp.rm;
     pthread_mutex_lock(&s->mu);
-    if (status == 0 && b < s->rp.n_bk)
-        s->rp.bk[b].out = true;
+    if (status == 0 && b < s->rp.n_bk && s->rp.bk[b].state != BK_OUT)
+        bex__ps_backup_move(s, b, BK_OUT);
     while (*pp) {
         struct fcall *f = *pp;
         if (f->b == b) {
@@ -335,10 +376,10 @@ static void probe_done(int status, void *body, size_t len, void *user)
                  "holds: it stays down until restarted with a catch-up",
                  s->shard, pr->b, (unsigned long long)pos);
     pthread_mutex_lock(&s->mu);
-    b->probing = false;
-    bool back = status == 0 && b->down;
+    bool back = status == 0 && b->state == BK_PROBING;
+    if (b->state == BK_PROBING)
+        bex__ps_backup_move(s, pr->b, back ? BK_UP : BK_DOWN);
     if (back) {
-        b->down = false;
         s->rp.n_down--;
         s->st.rejoins++;
     }
@@ -376,7 +417,8 @@ static void probe_send(bex_ps_shard *s, uint32_t b, uint64_t lsn)
     }
     free(pr);
     pthread_mutex_lock(&s->mu);
-    rp->bk[b].probing = false;
+    if (rp->bk[b].state == BK_PROBING)
+        bex__ps_backup_move(s, b, BK_DOWN);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -389,8 +431,8 @@ static uint32_t probes_due_locked(bex_ps_shard *s, uint32_t *due)
     uint32_t n = 0;
     for (uint32_t i = 0; i < rp->n_bk; i++) {
         struct backup *b = &rp->bk[i];
-        if (b->down && !b->probing && now >= b->probe_ns && rp->lsn) {
-            b->probing = true;
+        if (b->state == BK_DOWN && now >= b->probe_ns && rp->lsn) {
+            bex__ps_backup_move(s, i, BK_PROBING);
             b->probe_ns = now + rp->retry_ns;
             due[n++] = i;
         }
@@ -412,7 +454,7 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
     uint32_t due[BEX_PS_REPLICAS_MAX], n_due = 0;
     uint64_t at = 0;
     pthread_mutex_lock(&s->mu);
-    if (s->catching)
+    if (bex__ps_shard_catching(s))
         rc = -EAGAIN; /* its rows are not the shard's yet: the client retries */
     else if (s->rp.fenced)
         rc = s->rp.paused ? -EAGAIN : bex__ps_fenced_admit(s, h); /* backups leave the set */
@@ -552,7 +594,7 @@ static void drop_held_locked(struct repl *rp, struct fwdh **done, int status)
 static int fwd_take_locked(bex_ps_shard *s, uint64_t session, struct fwdh *f, struct fwdh **done)
 {
     struct repl *rp = &s->rp;
-    if (s->catching)
+    if (bex__ps_shard_catching(s))
         return -EAGAIN;
     if (session != rp->in_session) {
         if (f->lsn != 1) {
@@ -653,7 +695,9 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
         ; /* a stale epoch, or one this backup has not copied from yet */
     else if (probe)
         /* in step: it follows that session and applied that lsn */
-        rc = !s->catching && fh.session == s->rp.in_session && fh.lsn < s->rp.next ? 0 : -ESTALE;
+        rc = !bex__ps_shard_catching(s) && fh.session == s->rp.in_session && fh.lsn < s->rp.next
+                 ? 0
+                 : -ESTALE;
     else
         rc = fwd_take_locked(s, fh.session, f, &done);
     if (rc == -ESTALE && probe && s->rp.fenced && s->rp.synced && fh.session == s->rp.epoch) {
@@ -666,7 +710,7 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
         s->st.fwd_refused++;
     /* static mode, behind in the session it follows: say where it is */
     uint64_t pos = s->rp.next - 1;
-    bool say = rc == -ESTALE && probe && !s->rp.fenced && !s->catching &&
+    bool say = rc == -ESTALE && probe && !s->rp.fenced && !bex__ps_shard_catching(s) &&
                fh.session == s->rp.in_session && fh.lsn >= s->rp.next;
     pthread_mutex_unlock(&s->mu);
     answer_all(done);
@@ -690,7 +734,7 @@ int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
     for (size_t i = 0; i < n && !rc; i++) {
         bk[i].addr = backups[i].addr;
         bk[i].transport = backups[i].transport;
-        bk[i].out = out[i]; /* not in the set: probed, and rejoins when in step */
+        bk[i].state = out[i] ? BK_OUT : BK_UP; /* out: probed, and rejoins when in step */
         rc = bk_channel(rp, rp->ctx, &bk[i]);
     }
     struct backup *old = bk;

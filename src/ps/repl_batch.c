@@ -58,7 +58,7 @@ void bex__ps_batch_queue_locked(bex_ps_shard *s, struct fop *op)
         struct backup *b = &rp->bk[i];
         struct fcall *fc = &op->calls[i];
         *fc = (struct fcall){.op = op, .b = i, .epoch = rp->epoch};
-        if (b->out)
+        if (b->state == BK_OUT)
             continue; /* out of the set: not waited for */
         if (b->q_tail)
             b->q_tail->q_nx = fc;

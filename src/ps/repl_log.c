@@ -88,10 +88,10 @@ static void resend_end(struct resend *r)
     struct backup *b = &s->rp.bk[r->b];
     int st = atomic_load(&r->status);
     pthread_mutex_lock(&s->mu);
-    b->probing = false;
-    bool back = st == 0 && b->down;
+    bool back = st == 0 && b->state == BK_PROBING;
+    if (b->state == BK_PROBING)
+        bex__ps_backup_move(s, r->b, back ? BK_UP : BK_DOWN);
     if (back) {
-        b->down = false;
         s->rp.n_down--;
         s->st.rejoins++;
         s->st.log_rejoins++;

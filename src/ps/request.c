@@ -66,7 +66,8 @@ int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr 
     pthread_mutex_lock(&s->mu);
     /* catching up: its rows are not the shard's yet (retryable: the client
      * fails over to another replica) */
-    rc = s->catching ? -EAGAIN : bex__ps_table_reserve(t, bex__ps_missing_rows(t, keys, h->n));
+    rc = bex__ps_shard_catching(s) ? -EAGAIN
+                                   : bex__ps_table_reserve(t, bex__ps_missing_rows(t, keys, h->n));
     if (rc == 0) {
         uint8_t *q = out + BEX__PS_HDR_LEN;
         for (uint32_t i = 0; i < h->n; i++) {
@@ -144,7 +145,7 @@ int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *
         goto done;
     }
     pthread_mutex_lock(&s->mu);
-    if (s->catching) {
+    if (bex__ps_shard_catching(s)) {
         /* held, checked whole: applied (or found in the peer's copy) when
          * the catch-up ends */
         size_t bytes = sizeof(struct held) + (size_t)h->n * 8 + nf * 4;

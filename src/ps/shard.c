@@ -6,6 +6,7 @@
  * A table is an open-addressing hash of key -> row index over a growing row
  * array (weights, then Adagrad's accumulators, per row). One mutex per
  * shard: handlers run on I/O threads and a snapshot may run on another. */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -54,6 +55,74 @@ void bex__ps_tables_free(struct table *ts, size_t n)
     free(ts);
 }
 
+/* ---- the shard's state (under s->mu) ---- */
+
+const char *bex__ps_shard_state_name(unsigned st)
+{
+    static const char *const names[] = {[SH_SERVING] = "SERVING",
+                                        [SH_WAIT] = "WAIT",
+                                        [SH_CATCHUP] = "CATCHUP",
+                                        [SH_RESYNC_WAIT] = "RESYNC_WAIT",
+                                        [SH_RESYNC] = "RESYNC"};
+    return st < ARRAY_SIZE(names) ? names[st] : "?";
+}
+
+/* The moves of docs/architecture.md's table: a catch-up starts from a
+ * WAIT state and ends SERVING (or back in WAIT: a primary's that failed);
+ * a resync starts from SERVING and, over, leaves what it waited for. */
+static bool shard_move_ok(enum bex__ps_shard_state from, enum bex__ps_shard_state to)
+{
+    switch (from) {
+    case SH_SERVING:
+        return to == SH_RESYNC_WAIT;
+    case SH_WAIT:
+        return to == SH_CATCHUP;
+    case SH_CATCHUP:
+        return to == SH_SERVING || to == SH_WAIT;
+    case SH_RESYNC_WAIT:
+        return to == SH_RESYNC || to == SH_WAIT;
+    case SH_RESYNC:
+        return to == SH_SERVING || to == SH_RESYNC_WAIT || to == SH_CATCHUP;
+    }
+    return false;
+}
+
+void bex__ps_shard_move(bex_ps_shard *s, enum bex__ps_shard_state to)
+{
+    enum bex__ps_shard_state from = s->state;
+    bool ok = shard_move_ok(from, to);
+    assert(ok);
+    (void)ok;
+    s->state = to;
+    if (s->log.level >= BEX_LOG_DEBUG)
+        bex__log(&s->log, BEX_LOG_DEBUG, "ps shard %u: %s -> %s", s->shard,
+                 bex__ps_shard_state_name(from), bex__ps_shard_state_name(to));
+}
+
+int bex__ps_shard_catchup_start(bex_ps_shard *s)
+{
+    pthread_mutex_lock(&s->mu);
+    enum bex__ps_shard_state st = s->state;
+    bool go = st == SH_WAIT || st == SH_RESYNC_WAIT;
+    if (go)
+        bex__ps_shard_move(s, st == SH_WAIT ? SH_CATCHUP : SH_RESYNC);
+    pthread_mutex_unlock(&s->mu);
+    if (go)
+        return 0;
+    /* the application's call (or a second one meanwhile: it would install
+     * a copy over Pushes applied after the first) */
+    bex__log(&s->log, BEX_LOG_WARN,
+             "ps shard %u: catch-up refused (-EINVAL): the shard is %s, not waiting for one",
+             s->shard, bex__ps_shard_state_name(st));
+    return -EINVAL;
+}
+
+void bex__ps_shard_catchup_end_locked(bex_ps_shard *s, bool again)
+{
+    bool resync = s->state == SH_RESYNC;
+    bex__ps_shard_move(s, !again ? SH_SERVING : resync ? SH_RESYNC_WAIT : SH_WAIT);
+}
+
 int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
 {
     bex_ps_shard_config c;
@@ -99,7 +168,7 @@ int bex_ps_shard_create(const bex_ps_shard_config *cfg, bex_ps_shard **out)
     }
     pthread_mutex_init(&s->mu, NULL);
     bex__log_init(&s->log, cfg->log_fn, cfg->log_arg, BEX_LOG_INFO);
-    s->catching = cfg->flags & BEX_PS_SHARD_CATCHUP;
+    s->state = (cfg->flags & BEX_PS_SHARD_CATCHUP) ? SH_WAIT : SH_SERVING;
     s->held_tail = &s->held;
     s->held_max = cfg->catchup_log_max ? cfg->catchup_log_max : 256ull << 20;
     s->ids = (struct idset){.head = IDS_NIL, .tail = IDS_NIL};

@@ -114,15 +114,19 @@ struct fwdh {
     uint32_t cnt;
 };
 
-/* A primary's backup. */
+/* A primary's backup (docs/architecture.md, "Lifecycles"), under the
+ * shard's lock: UP (forwarded to, in step); static mode: DOWN (a forward
+ * failed: no Push acknowledged from then on) and PROBING (down, a probe
+ * or a resend from the log out); etcd mode: OUT (removed from the
+ * replica set, not forwarded to). Changed only by bex__ps_backup_move. */
+enum bex__ps_backup_state { BK_UP, BK_DOWN, BK_PROBING, BK_OUT };
+
 struct backup {
     bex_addr addr;
     uint32_t transport;
     bex_rpc_channel *ch; /* made at register */
-    bool down;           /* a forward failed: no Push acknowledged from then on */
-    bool probing;        /* down: a probe is out */
-    uint64_t probe_ns;   /* down: no probe before then */
-    bool out;            /* etcd mode: removed from the replica set, not forwarded to */
+    enum bex__ps_backup_state state;
+    uint64_t probe_ns; /* down or out: no probe before then */
     /* forwards queued in lsn order (repl_batch.c), batches out; closed:
      * its channel is being destroyed, nothing more is sent */
     struct fcall *q_head, *q_tail;
@@ -200,6 +204,14 @@ struct copy {
     size_t len;
 };
 
+/* A shard's life (docs/architecture.md, "Lifecycles"), under s->mu:
+ * SERVING, or catching up (requests answered -EAGAIN, Pushes held): WAIT
+ * for bex_ps_shard_catchup (created with BEX_PS_SHARD_CATCHUP, or a
+ * primary's catch-up that failed), CATCHUP while it runs; RESYNC_WAIT and
+ * RESYNC the same for a resync from a new primary (etcd mode: its copy
+ * is taken even if behind ours). Changed only by bex__ps_shard_move. */
+enum bex__ps_shard_state { SH_SERVING, SH_WAIT, SH_CATCHUP, SH_RESYNC_WAIT, SH_RESYNC };
+
 struct bex_ps_shard {
     uint32_t shard, n_shards;
     struct reg regs[5]; /* the handlers' user pointers */
@@ -214,9 +226,7 @@ struct bex_ps_shard {
      * bucket's theoretical arrival time), new_per_conn per connection */
     uint32_t ids_max, new_rate, new_per_conn;
     uint64_t horizon_ns, new_tat;
-    bool catching;     /* BEX_PS_SHARD_CATCHUP until bex_ps_shard_catchup ends */
-    bool catchup_busy; /* bex_ps_shard_catchup called (once) */
-    bool resync;       /* a copy from a new primary: taken even if behind ours */
+    enum bex__ps_shard_state state; /* bex__ps_shard_move */
     struct held *held, **held_tail;
     uint64_t held_bytes, held_max;
     struct copy cp;
@@ -224,6 +234,26 @@ struct bex_ps_shard {
     struct cut *cut; /* consistent cuts (snapcut.c) */
     struct lag *lag; /* replica lag (lag.c) */
 };
+
+/* shard.c: the one place s->state changes (under s->mu): logs the move by
+ * name (DEBUG) and asserts it is one of the table's; bex__ps_shard_catching:
+ * not SERVING. */
+const char *bex__ps_shard_state_name(unsigned st);
+void bex__ps_shard_move(bex_ps_shard *s, enum bex__ps_shard_state to);
+static inline bool bex__ps_shard_catching(const bex_ps_shard *s)
+{
+    return s->state != SH_SERVING;
+}
+/* bex_ps_shard_catchup's start (0, or -EINVAL and a WARN naming the
+ * state: no catch-up awaited, or one running) and end (under s->mu;
+ * again: a primary's that failed, it may be called again). */
+int bex__ps_shard_catchup_start(bex_ps_shard *s);
+void bex__ps_shard_catchup_end_locked(bex_ps_shard *s, bool again);
+/* repl.c: the one place a backup's state changes (under s->mu; b is
+ * backup i of the primary): logs it by name (DEBUG), asserts the move is
+ * one of the table's. */
+const char *bex__ps_backup_state_name(unsigned st);
+void bex__ps_backup_move(bex_ps_shard *s, uint32_t i, enum bex__ps_backup_state to);
 
 int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq);
 void bex__ps_ids_free(struct idset *d);

@@ -356,7 +356,7 @@ static int may_start_locked(bex_ps_shard *s, const struct bex__ps_cut_hdr *h,
                             const bex_rpc_endpoint *jep)
 {
     struct cut *c = s->cut;
-    if (s->catching)
+    if (bex__ps_shard_catching(s))
         return -EAGAIN;
     if (c->state != CUT_IDLE)
         return c->state == CUT_HELD && c->id == h->id && !c->aborted ? 1 : -EBUSY;

@@ -526,4 +526,86 @@ static inline int rig_down(struct ps_rig *g, int rc)
     return rc ? 1 : 0;
 }
 
+/* ---- the primary-backup rig (test_ps_primary.c, test_ps_repl_batch.c):
+ * one shard, PB_NREP replicas in this process, each behind its own RPC
+ * server and context; replica 0 the primary, listed first ---- */
+#define PB_NREP 3
+
+struct pb {
+    bex_ctx *sctx, *cctx;
+    bex_ctx *bctx[PB_NREP]; /* the backups' (as processes of their own); [0] unused */
+    bex_ps_shard *s[PB_NREP];
+    bex_rpc_server *srv[PB_NREP];
+    bex_addr addr[PB_NREP];
+    bex_dir *dir;
+};
+
+static inline bex_ctx *pb_ctx_at(struct in_addr a0)
+{
+    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
+    bex_ctx_config sc = scaled(&base, a0);
+    bex_ctx *ctx;
+    CHECK_OK(bex_ctx_create(&sc, &ctx));
+    return ctx;
+}
+
+/* Replica r's server listening at a0 (port 0: any) or, restarted, at
+ * p->addr[r]. */
+static inline void pb_listen(struct pb *p, int r, struct in_addr a0)
+{
+    if (!p->addr[r].in4.sin_port)
+        p->addr[r] = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
+    CHECK_OK(bex_rpc_server_listen(p->srv[r], &p->addr[r]));
+    bex_rpc_server_addr(p->srv[r], &p->addr[r]);
+}
+
+/* Replica r (pc) on its context (the primary's sctx, a backup's its own). */
+static inline void pb_replica_start(struct pb *p, int r, struct in_addr a0,
+                                    const bex_ps_shard_config *pc)
+{
+    bex_ctx *ctx = r ? (p->bctx[r] = pb_ctx_at(a0)) : p->sctx;
+    CHECK_OK(bex_ps_shard_create(pc, &p->s[r]));
+    CHECK_OK(bex_rpc_server_create(ctx, NULL, &p->srv[r]));
+    CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], ctx));
+    pb_listen(p, r, a0);
+}
+
+/* The directory: the shard's replicas, the primary first. */
+static inline bex_dir *pb_dir(const struct pb *p)
+{
+    char j[1024];
+    size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
+    for (int r = 0; r < PB_NREP; r++) {
+        char ip[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &p->addr[r].in4.sin_addr, ip, sizeof ip);
+        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"%s:%u\"}", r ? "," : "", ip,
+                              ntohs(p->addr[r].in4.sin_port));
+    }
+    o += (size_t)snprintf(j + o, sizeof j - o, "]}]}}}");
+    CHECK(o < sizeof j);
+    return dir_from_json(j);
+}
+
+static inline void pb_stop(struct pb *p)
+{
+    for (int r = 0; r < PB_NREP; r++)
+        if (p->srv[r])
+            CHECK_OK(bex_rpc_server_destroy(p->srv[r]));
+    for (int r = 0; r < PB_NREP; r++)
+        bex_ps_shard_destroy(p->s[r]);
+    bex_dir_destroy(p->dir);
+    for (int r = 1; r < PB_NREP; r++)
+        if (p->bctx[r])
+            CHECK_OK(bex_ctx_destroy(p->bctx[r]));
+    CHECK_OK(bex_ctx_destroy(p->cctx));
+    CHECK_OK(bex_ctx_destroy(p->sctx));
+}
+
+static inline bex_ps_shard_stats pb_stats(bex_ps_shard *s)
+{
+    bex_ps_shard_stats st;
+    bex_ps_shard_stats_get(s, &st);
+    return st;
+}
+
 #endif

@@ -375,7 +375,7 @@ static void wait_one(struct fo *p, int prim, int r)
         pthread_mutex_lock(&p->s[prim]->mu);
         for (size_t b = 0; b < p->s[prim]->rp.n_bk; b++)
             if (p->s[prim]->rp.bk[b].addr.in4.sin_port == p->ep[r].addr.in4.sin_port)
-                listed = !p->s[prim]->rp.bk[b].out; /* in the set: forwarded to */
+                listed = p->s[prim]->rp.bk[b].state != BK_OUT; /* in the set: forwarded to */
         pthread_mutex_unlock(&p->s[prim]->mu);
         ok &= listed;
         if (ok)

@@ -53,7 +53,7 @@
 #include "ps_test.h"
 #include "ps/shard_internal.h"
 
-#define NREP    3
+#define NREP    PB_NREP
 #define NKEY    12
 #define NPUSHER 4
 #define NPUSH   150
@@ -62,57 +62,6 @@ static const bex_ps_table_config *const TA = &TABLES[1]; /* Adagrad */
 static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
 static uint64_t log_bytes; /* the primary's forward_log_bytes (0: default) */
 
-struct pb {
-    bex_ctx *sctx, *cctx;
-    bex_ctx *bctx[NREP]; /* the backups' (as processes of their own); [0] unused */
-    bex_ps_shard *s[NREP];
-    bex_rpc_server *srv[NREP];
-    bex_addr addr[NREP];
-    bex_dir *dir;
-};
-
-/* Replica r on its context (the primary's sctx, a backup's its own), at
- * a0 (port 0: any) or p->addr[r]. */
-static void replica_start(struct pb *p, int r, struct in_addr a0, const bex_ps_shard_config *pc)
-{
-    bex_ctx *ctx = p->sctx;
-    if (r) {
-        bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
-        bex_ctx_config sc = scaled(&base, a0);
-        CHECK_OK(bex_ctx_create(&sc, &p->bctx[r]));
-        ctx = p->bctx[r];
-    }
-    CHECK_OK(bex_ps_shard_create(pc, &p->s[r]));
-    CHECK_OK(bex_rpc_server_create(ctx, NULL, &p->srv[r]));
-    CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], ctx));
-    if (!p->addr[r].in4.sin_port)
-        p->addr[r] = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
-    CHECK_OK(bex_rpc_server_listen(p->srv[r], &p->addr[r]));
-    bex_rpc_server_addr(p->srv[r], &p->addr[r]);
-}
-
-/* The directory: the shard's replicas, the primary first. */
-static bex_dir *dir_of(const struct pb *p)
-{
-    char j[1024], err[256];
-    size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
-    for (int r = 0; r < NREP; r++) {
-        char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &p->addr[r].in4.sin_addr, ip, sizeof ip);
-        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"%s:%u\"}", r ? "," : "", ip,
-                              ntohs(p->addr[r].in4.sin_port));
-    }
-    o += (size_t)snprintf(j + o, sizeof j - o, "]}]}}}");
-    CHECK(o < sizeof j);
-    bex_dir *d;
-    CHECK_OK(bex_dir_create(NULL, &d));
-    int rc = bex_dir_load_json(d, j, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
-    return d;
-}
-
 /* Three replicas: with roles (replica 0 the primary of the other two, a
  * forward deadline of fwd_ms, down backups probed every retry_ms) or,
  * fanout, all BEX_PS_ROLE_ANY. */
@@ -120,15 +69,12 @@ static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retr
 {
     struct in_addr a0, a1;
     PAIR_NEED(pair_addrs(&a0, &a1));
-    *p = (struct pb){0};
-    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
-    bex_ctx_config sc = scaled(&base, a0);
-    CHECK_OK(bex_ctx_create(&sc, &p->sctx));
+    *p = (struct pb){.sctx = pb_ctx_at(a0)};
     p->cctx = client_ctx();
     bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = TABLES, .n_tables = 2};
     for (int r = 1; r < NREP; r++) {
         pc.role = fanout ? BEX_PS_ROLE_ANY : BEX_PS_ROLE_BACKUP;
-        replica_start(p, r, a0, &pc);
+        pb_replica_start(p, r, a0, &pc);
     }
     bex_rpc_endpoint bk[NREP - 1];
     for (int r = 1; r < NREP; r++)
@@ -141,29 +87,14 @@ static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retr
         pc.backup_retry_ms = retry_ms;
         pc.forward_log_bytes = log_bytes;
     }
-    replica_start(p, 0, a0, &pc);
-    p->dir = dir_of(p);
+    pb_replica_start(p, 0, a0, &pc);
+    p->dir = pb_dir(p);
     return 0;
 }
 
 static int pb_start(struct pb *p, bool fanout, uint32_t fwd_ms)
 {
     return pb_start_ex(p, fanout, fwd_ms, 0);
-}
-
-static void pb_stop(struct pb *p)
-{
-    for (int r = 0; r < NREP; r++)
-        if (p->srv[r])
-            CHECK_OK(bex_rpc_server_destroy(p->srv[r]));
-    for (int r = 0; r < NREP; r++)
-        bex_ps_shard_destroy(p->s[r]);
-    bex_dir_destroy(p->dir);
-    for (int r = 1; r < NREP; r++)
-        if (p->bctx[r])
-            CHECK_OK(bex_ctx_destroy(p->bctx[r]));
-    CHECK_OK(bex_ctx_destroy(p->cctx));
-    CHECK_OK(bex_ctx_destroy(p->sctx));
 }
 
 static bex_ps_client *pb_client(const struct pb *p, uint32_t mode)
@@ -197,13 +128,6 @@ static void rows_of(struct pb *p, int r, const bex_ps_table_config *t, const uin
     bex_rpc_free(resp);
 }
 
-static bex_ps_shard_stats stats(bex_ps_shard *s)
-{
-    bex_ps_shard_stats st;
-    bex_ps_shard_stats_get(s, &st);
-    return st;
-}
-
 /* ---- adagrad ---- */
 
 static int adagrad_run(bool fanout)
@@ -229,14 +153,14 @@ static int adagrad_run(bool fanout)
     float rows[NREP][NKEY * 5];
     for (int r = 0; r < NREP; r++) {
         rows_of(&p, r, TA, keys, NKEY, rows[r]);
-        CHECK_EQ(stats(p.s[r]).pushes, NPUSHER * NPUSH); /* each once */
+        CHECK_EQ(pb_stats(p.s[r]).pushes, NPUSHER * NPUSH); /* each once */
     }
     for (int r = 1; r < NREP; r++)
         CHECK(memcmp(rows[0], rows[r], sizeof rows[0]) == 0);
     if (!fanout) {
-        CHECK_EQ(stats(p.s[0]).lsn, NPUSHER * NPUSH);
-        CHECK_EQ(stats(p.s[1]).lsn, NPUSHER * NPUSH);
-        CHECK_EQ(stats(p.s[0]).backups_down, 0);
+        CHECK_EQ(pb_stats(p.s[0]).lsn, NPUSHER * NPUSH);
+        CHECK_EQ(pb_stats(p.s[1]).lsn, NPUSHER * NPUSH);
+        CHECK_EQ(pb_stats(p.s[0]).backups_down, 0);
     }
     /* the clients' and the forwards' connections over the transport
      * under test */
@@ -315,7 +239,7 @@ static int t_retry(void)
             want -= TS->lr * 1.0f;
             CHECK(memcmp(&row[d], &want, 4) == 0);
         }
-        bex_ps_shard_stats st = stats(p.s[r]);
+        bex_ps_shard_stats st = pb_stats(p.s[r]);
         CHECK_EQ(st.pushes, 1);
         CHECK_EQ(st.dup_ids, 1);
         if (r)
@@ -323,14 +247,14 @@ static int t_retry(void)
     }
     /* a client's Push to a backup; a forward out of nowhere */
     CHECK_EQ(call_raw(ch1, BEX_PS_M_PUSH, b, len), -EPERM);
-    CHECK_EQ(stats(p.s[1]).not_primary, 1);
+    CHECK_EQ(pb_stats(p.s[1]).not_primary, 1);
     uint8_t f[BEX__PS_FWD_HDR_LEN + 256];
     bex__ps_fwd_put(f, &(struct bex__ps_fwd_hdr){.session = 5, .lsn = 9});
     memcpy(f + BEX__PS_FWD_HDR_LEN, b, len);
     CHECK_EQ(call_raw(ch1, BEX_PS_M_FORWARD, f, BEX__PS_FWD_HDR_LEN + len), -ESTALE);
     CHECK_EQ(call_raw(ch1, BEX_PS_M_FORWARD, f, 10), -EINVAL);
     CHECK_EQ(call_raw(ch0, BEX_PS_M_FORWARD, f, BEX__PS_FWD_HDR_LEN + len), -EPERM);
-    CHECK_EQ(stats(p.s[1]).pushes, 1);
+    CHECK_EQ(pb_stats(p.s[1]).pushes, 1);
     /* the primary's Push needs the handler */
     void *resp = NULL;
     size_t rlen = 0;
@@ -383,9 +307,9 @@ static int wait_status(_Atomic int *st)
 static void wait_held(bex_ps_shard *s, uint64_t n)
 {
     uint64_t end = pair_now_ms() + 20000ull * time_scale();
-    while (stats(s).fwd_held < n && pair_now_ms() < end)
+    while (pb_stats(s).fwd_held < n && pair_now_ms() < end)
         pair_sleep_ms(2);
-    CHECK_EQ(stats(s).fwd_held, n);
+    CHECK_EQ(pb_stats(s).fwd_held, n);
 }
 
 /* Key 7's row of a fresh shard fed the Pushes of forwards salts[0..3)
@@ -421,7 +345,7 @@ static void order_malformed(bex_rpc_channel *ch, bex_ps_shard *s)
     CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len - 1), -EINVAL); /* the Push cut */
     bex__ps_putf(b + len - 4, NAN);
     CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, b, len), -EINVAL);
-    CHECK_EQ(stats(s).pushes, 4);
+    CHECK_EQ(pb_stats(s).pushes, 4);
 }
 
 static int t_order(void)
@@ -445,7 +369,7 @@ static int t_order(void)
     CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[1], len[1]));
     CHECK_EQ(wait_status(&st3b), 0);
     CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, b[1], len[1])); /* applied already */
-    bex_ps_shard_stats bs = stats(p.s[2]);
+    bex_ps_shard_stats bs = pb_stats(p.s[2]);
     CHECK(bs.pushes == 3 && bs.fwd_applied == 3 && bs.lsn == 3);
     float row[5], want[5], wrong[5];
     uint64_t key = 7;
@@ -465,7 +389,7 @@ static int t_order(void)
     fl = fwd_body(f, 0xdef, 1, 6);
     CHECK_OK(call_raw(ch, BEX_PS_M_FORWARD, f, fl));
     CHECK_EQ(wait_status(&st6), -ESTALE);
-    CHECK_EQ(stats(p.s[2]).pushes, 4);
+    CHECK_EQ(pb_stats(p.s[2]).pushes, 4);
     fl = fwd_body(f, 0xabc, 7, 5); /* the old session: gone */
     CHECK_EQ(call_raw(ch, BEX_PS_M_FORWARD, f, fl), -ESTALE);
     order_malformed(ch, p.s[2]);
@@ -490,11 +414,11 @@ static int t_backup_down(void)
     p.srv[2] = NULL;
     CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
     CHECK_EQ(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g), -EHOSTDOWN);
-    bex_ps_shard_stats st = stats(p.s[0]);
+    bex_ps_shard_stats st = pb_stats(p.s[0]);
     CHECK_EQ(st.backups_down, 1);
     CHECK_EQ(st.backup_down_refused, 1);
     CHECK_EQ(st.role, BEX_PS_ROLE_PRIMARY);
-    CHECK_EQ(stats(p.s[1]).pushes, 2); /* the second Push reached backup 1 */
+    CHECK_EQ(pb_stats(p.s[1]).pushes, 2); /* the second Push reached backup 1 */
     bex_ps_client_destroy(c);
     pb_stop(&p);
     return 0;
@@ -592,7 +516,7 @@ static void backup2_restart(struct pb *p)
                               .n_tables = 2,
                               .role = BEX_PS_ROLE_BACKUP,
                               .flags = BEX_PS_SHARD_CATCHUP};
-    replica_start(p, 2, p->addr[2].in4.sin_addr, &pc);
+    pb_replica_start(p, 2, p->addr[2].in4.sin_addr, &pc);
     bex_rpc_endpoint peer = {.addr = p->addr[0]};
     bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
     CHECK_OK(bex_ps_shard_catchup(p->s[2], p->bctx[2], &cc));
@@ -628,11 +552,11 @@ static int t_backup_restart(void)
     float row[NREP][8];
     for (int r = 0; r < NREP; r++) {
         rows_of(&p, r, TS, &key, 1, row[r]);
-        CHECK_EQ(stats(p.s[r]).lsn, 4);
+        CHECK_EQ(pb_stats(p.s[r]).lsn, 4);
     }
     CHECK(memcmp(row[0], row[1], sizeof row[0]) == 0);
     CHECK(memcmp(row[0], row[2], sizeof row[0]) == 0);
-    bex_ps_shard_stats st = stats(p.s[0]);
+    bex_ps_shard_stats st = pb_stats(p.s[0]);
     CHECK(st.rejoins == 1 && st.backups_down == 0 && st.pushes == 4);
     bex_ps_client_destroy(c);
     pb_stop(&p);
@@ -659,12 +583,12 @@ static int t_retry_seq(void)
     CHECK_OK(bex_ps_push_seq_sync(c, seq, TS->id, TS->dim, &key, 1, g, NULL, 0, NULL));
     CHECK_OK(bex_ps_push_seq_sync(c, seq, TS->id, TS->dim, &key, 1, g, NULL, 0, NULL));
     for (int r = 0; r < NREP; r++)
-        CHECK_EQ(stats(p.s[r]).pushes, 1);
-    CHECK_EQ(stats(p.s[0]).dup_ids, 1);
+        CHECK_EQ(pb_stats(p.s[r]).pushes, 1);
+    CHECK_EQ(pb_stats(p.s[0]).dup_ids, 1);
     CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)); /* the next seq: applied */
     float row[NREP][8];
     for (int r = 0; r < NREP; r++) {
-        CHECK_EQ(stats(p.s[r]).pushes, 2);
+        CHECK_EQ(pb_stats(p.s[r]).pushes, 2);
         rows_of(&p, r, TS, &key, 1, row[r]);
         CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
     }
@@ -711,12 +635,12 @@ static int t_backup_behind(void)
     for (int r = 0; r < NREP; r++) {
         rows_of(&p, r, TS, &key, 1, row[r]);
         CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
-        CHECK_EQ(stats(p.s[r]).lsn, 3);
+        CHECK_EQ(pb_stats(p.s[r]).lsn, 3);
     }
-    bex_ps_shard_stats st = stats(p.s[0]);
+    bex_ps_shard_stats st = pb_stats(p.s[0]);
     CHECK(st.rejoins == 1 && st.log_rejoins == 1 && st.backups_down == 0);
     CHECK_EQ(st.fwd_resent, 1); /* lsn 2 alone */
-    CHECK_EQ(stats(p.s[2]).pushes, 3);
+    CHECK_EQ(pb_stats(p.s[2]).pushes, 3);
     bex_ps_client_destroy(c);
     pb_stop(&p);
     return 0;
@@ -734,10 +658,10 @@ static int t_backup_behind_log(void)
     uint64_t key = 34;
     /* probed many times meanwhile (every 20 ms while Pushes come) */
     CHECK_EQ(behind_run(&p, c, key, 600), -EHOSTDOWN);
-    bex_ps_shard_stats st = stats(p.s[0]);
+    bex_ps_shard_stats st = pb_stats(p.s[0]);
     CHECK(st.rejoins == 0 && st.log_rejoins == 0 && st.fwd_resent == 0 && st.backups_down == 1);
-    CHECK_EQ(stats(p.s[2]).lsn, 1);
-    CHECK_EQ(stats(p.s[1]).lsn, 2);
+    CHECK_EQ(pb_stats(p.s[2]).lsn, 1);
+    CHECK_EQ(pb_stats(p.s[1]).lsn, 2);
     /* further behind than the log: restarted, it copies and rejoins */
     CHECK_OK(bex_rpc_server_destroy(p.srv[2]));
     bex_ps_shard_destroy(p.s[2]);
@@ -755,9 +679,9 @@ static int t_backup_behind_log(void)
     for (int r = 0; r < NREP; r++) {
         rows_of(&p, r, TS, &key, 1, row[r]);
         CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
-        CHECK_EQ(stats(p.s[r]).lsn, 3);
+        CHECK_EQ(pb_stats(p.s[r]).lsn, 3);
     }
-    st = stats(p.s[0]);
+    st = pb_stats(p.s[0]);
     CHECK(st.rejoins == 1 && st.log_rejoins == 0 && st.fwd_resent == 0);
     bex_ps_client_destroy(c);
     pb_stop(&p);
@@ -818,7 +742,7 @@ static int t_behind_hostile(void)
         pair_sleep_ms(5);
     }
     CHECK(atomic_load(&hb.probes) >= 15);
-    bex_ps_shard_stats st = stats(p.s[0]);
+    bex_ps_shard_stats st = pb_stats(p.s[0]);
     CHECK(st.rejoins == 0 && st.backups_down == 1 && st.lsn == 2);
     /* position 0 alone is covered: lsn 1 and 2 resent, refused */
     CHECK(st.fwd_resent >= 2 && st.fwd_resent % 2 == 0);
@@ -899,7 +823,7 @@ static void primary_restart(struct pb *p)
                               .forward_timeout_ms = 1500 * time_scale(),
                               .backup_retry_ms = 50,
                               .flags = BEX_PS_SHARD_CATCHUP};
-    replica_start(p, 0, p->addr[0].in4.sin_addr, &pc);
+    pb_replica_start(p, 0, p->addr[0].in4.sin_addr, &pc);
 }
 
 /* A Fetch of key at replica r, through bex_ps_shard_serve: its status. */
@@ -939,7 +863,7 @@ static int t_primary_stale(void)
     CHECK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g) != 0); /* was acknowledged */
     bex_ps_client_destroy(c);
     for (int r = 1; r < NREP; r++)
-        CHECK_EQ(stats(p.s[r]).pushes, 2);
+        CHECK_EQ(pb_stats(p.s[r]).pushes, 2);
     /* caught up from backup 1 this time: it serves the shard's rows */
     bex_rpc_endpoint b1 = {.addr = p.addr[1]};
     cc = (bex_ps_catchup_config){.peers = &b1, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
@@ -951,7 +875,7 @@ static int t_primary_stale(void)
     CHECK(memcmp(row[0], row[1], sizeof row[0]) == 0);
     CHECK(memcmp(row[0], row[2], sizeof row[0]) == 0);
     for (int r = 1; r < NREP; r++)
-        CHECK_EQ(stats(p.s[r]).pushes, 3);
+        CHECK_EQ(pb_stats(p.s[r]).pushes, 3);
     bex_ps_client_destroy(c);
     pb_stop(&p);
     hang_stop();
@@ -971,7 +895,7 @@ static void backup2_restart_snap(struct pb *p, const char *path)
                               .role = BEX_PS_ROLE_BACKUP,
                               .flags = BEX_PS_SHARD_CATCHUP,
                               .snapshot_path = path};
-    replica_start(p, 2, p->addr[2].in4.sin_addr, &pc);
+    pb_replica_start(p, 2, p->addr[2].in4.sin_addr, &pc);
     bex_rpc_endpoint peer = {.addr = p->addr[0]};
     bex_ps_catchup_config cc = {.peers = &peer, .n_peers = 1, .timeout_ms = 10000 * time_scale()};
     CHECK_OK(bex_ps_shard_catchup(p->s[2], p->bctx[2], &cc));
@@ -1017,7 +941,7 @@ static void suffix_run(struct pb *p, const char *snap)
         rows_of(p, r, TA, keys, 2, arow[r]);
         CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
         CHECK(memcmp(arow[0], arow[r], sizeof arow[0]) == 0);
-        CHECK_EQ(stats(p->s[r]).lsn, 6);
+        CHECK_EQ(pb_stats(p->s[r]).lsn, 6);
     }
     bex_ps_client_destroy(c);
 }
@@ -1032,14 +956,14 @@ static int t_restart_suffix(void)
     CHECK(mkdtemp(dir));
     snprintf(snap, sizeof snap, "%s/b2.snap", dir);
     suffix_run(&p, snap);
-    bex_ps_shard_stats st = stats(p.s[2]);
+    bex_ps_shard_stats st = pb_stats(p.s[2]);
     /* lsn 2..5 from the primary's log, no row copied */
     CHECK_EQ(st.catchup_suffix, 1);
     CHECK_EQ(st.suffix_applied, 4);
     CHECK_EQ(st.catchup_rows, 0);
     CHECK_EQ(st.catchup_failed, 0);
-    CHECK(stats(p.s[0]).suffixes_served >= 1);
-    CHECK_EQ(stats(p.s[0]).copies_served, 0);
+    CHECK(pb_stats(p.s[0]).suffixes_served >= 1);
+    CHECK_EQ(pb_stats(p.s[0]).copies_served, 0);
     pb_stop(&p);
     CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
     return 0;
@@ -1057,10 +981,10 @@ static int t_restart_suffix_log(void)
     CHECK(mkdtemp(dir));
     snprintf(snap, sizeof snap, "%s/b2.snap", dir);
     suffix_run(&p, snap);
-    bex_ps_shard_stats st = stats(p.s[2]);
+    bex_ps_shard_stats st = pb_stats(p.s[2]);
     CHECK(st.catchup_suffix == 0 && st.suffix_applied == 0 && st.catchup_rows > 0);
-    CHECK_EQ(stats(p.s[0]).suffixes_served, 0);
-    CHECK_EQ(stats(p.s[0]).copies_served, 1);
+    CHECK_EQ(pb_stats(p.s[0]).suffixes_served, 0);
+    CHECK_EQ(pb_stats(p.s[0]).copies_served, 1);
     pb_stop(&p);
     CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
     return 0;
@@ -1140,7 +1064,7 @@ static int t_suffix_hostile(void)
     CHECK_EQ(suffix_ask(&p, 0, session, 1, 0, &last, &n), -EINVAL);
     CHECK_EQ(suffix_ask(&p, 1, session, 1, 1u << 20, &last, &n), -ENOENT); /* a backup */
     CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
-    CHECK_EQ(stats(p.s[0]).suffixes_served, 3);
+    CHECK_EQ(pb_stats(p.s[0]).suffixes_served, 3);
     for (int r = 0; r < NREP; r++)
         if (suffix_ch[r]) {
             bex_rpc_channel_destroy(suffix_ch[r]);
@@ -1217,7 +1141,7 @@ static int t_join_v6(void)
     CHECK_OK(bex_ps_shard_join(s[2], ctx[2], &jc));
     for (int i = 0; i < 3; i++)
         CHECK_OK(bex_ps_push_sync(c, TA->id, TA->dim, &key, 1, g));
-    CHECK_EQ(stats(s[0]).n_backups, 2);
+    CHECK_EQ(pb_stats(s[0]).n_backups, 2);
     float row[NREP][8] = {{0}};
     for (int r = 0; r < NREP; r++) {
         uint8_t body[BEX__PS_HDR_LEN + 8];
@@ -1231,7 +1155,7 @@ static int t_join_v6(void)
             row[r][i] = bex__ps_getf((const uint8_t *)resp + BEX__PS_HDR_LEN + 4 * i);
         bex_rpc_free(resp);
         CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
-        CHECK_EQ(stats(s[r]).lsn, 4);
+        CHECK_EQ(pb_stats(s[r]).lsn, 4);
     }
     bex_ps_client_destroy(c);
     bex_dir_destroy(d);

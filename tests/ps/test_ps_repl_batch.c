@@ -26,64 +26,13 @@
 
 #include "ps_test.h"
 
-#define NREP    3
+#define NREP    PB_NREP
 #define NKEY    12
 #define NPUSHER 4
 #define NPUSH   150
 #define NHELD   8
 
 static const bex_ps_table_config *const TA = &TABLES[1]; /* Adagrad */
-
-struct pb {
-    bex_ctx *sctx, *cctx;
-    bex_ctx *bctx[NREP]; /* the backups' (as processes of their own); [0] unused */
-    bex_ps_shard *s[NREP];
-    bex_rpc_server *srv[NREP];
-    bex_addr addr[NREP];
-    bex_dir *dir;
-};
-
-static bex_ctx *ctx_at(struct in_addr a0)
-{
-    bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
-    bex_ctx_config sc = scaled(&base, a0);
-    bex_ctx *ctx;
-    CHECK_OK(bex_ctx_create(&sc, &ctx));
-    return ctx;
-}
-
-static void listen_at(struct pb *p, int r, struct in_addr a0)
-{
-    p->addr[r] = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a0}};
-    CHECK_OK(bex_rpc_server_listen(p->srv[r], &p->addr[r]));
-    bex_rpc_server_addr(p->srv[r], &p->addr[r]);
-}
-
-/* Replica r (pc) on its context (the primary's sctx, a backup's its own). */
-static void replica_start(struct pb *p, int r, struct in_addr a0, const bex_ps_shard_config *pc)
-{
-    bex_ctx *ctx = r ? (p->bctx[r] = ctx_at(a0)) : p->sctx;
-    CHECK_OK(bex_ps_shard_create(pc, &p->s[r]));
-    CHECK_OK(bex_rpc_server_create(ctx, NULL, &p->srv[r]));
-    CHECK_OK(bex_ps_shard_register(p->s[r], p->srv[r], ctx));
-    listen_at(p, r, a0);
-}
-
-/* The directory: the shard's replicas, the primary first. */
-static bex_dir *dir_of(const struct pb *p)
-{
-    char j[1024];
-    size_t o = (size_t)snprintf(j, sizeof j, "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":[");
-    for (int r = 0; r < NREP; r++) {
-        char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &p->addr[r].in4.sin_addr, ip, sizeof ip);
-        o += (size_t)snprintf(j + o, sizeof j - o, "%s{\"addr\":\"%s:%u\"}", r ? "," : "", ip,
-                              ntohs(p->addr[r].in4.sin_port));
-    }
-    o += (size_t)snprintf(j + o, sizeof j - o, "]}]}}}");
-    CHECK(o < sizeof j);
-    return dir_from_json(j);
-}
 
 /* Three replicas, replica 0 the primary of the other two with batches of
  * at most batch_max Pushes, depth out per backup; fake (not NULL): replica
@@ -92,18 +41,18 @@ static int pb_start(struct pb *p, uint32_t batch_max, uint32_t depth, bex_rpc_ha
 {
     struct in_addr a0, a1;
     PAIR_NEED(pair_addrs(&a0, &a1));
-    *p = (struct pb){.sctx = ctx_at(a0), .cctx = client_ctx()};
+    *p = (struct pb){.sctx = pb_ctx_at(a0), .cctx = client_ctx()};
     bex_ps_shard_config pc = {.shard = 0, .n_shards = 1, .tables = TABLES, .n_tables = 2};
     pc.role = BEX_PS_ROLE_BACKUP;
-    replica_start(p, 1, a0, &pc);
+    pb_replica_start(p, 1, a0, &pc);
     if (fake) {
-        p->bctx[2] = ctx_at(a0);
+        p->bctx[2] = pb_ctx_at(a0);
         CHECK_OK(bex_rpc_server_create(p->bctx[2], NULL, &p->srv[2]));
         CHECK_OK(bex_rpc_server_register(p->srv[2], BEX_PS_SERVICE, BEX_PS_M_FORWARD,
                                          bex__ps_method_flags(BEX_PS_M_FORWARD), fake, NULL));
-        listen_at(p, 2, a0);
+        pb_listen(p, 2, a0);
     } else {
-        replica_start(p, 2, a0, &pc);
+        pb_replica_start(p, 2, a0, &pc);
     }
     bex_rpc_endpoint bk[NREP - 1];
     for (int r = 1; r < NREP; r++)
@@ -113,31 +62,9 @@ static int pb_start(struct pb *p, uint32_t batch_max, uint32_t depth, bex_rpc_ha
     pc.n_backups = NREP - 1;
     pc.forward_batch_max = batch_max;
     pc.forward_batches_inflight = depth;
-    replica_start(p, 0, a0, &pc);
-    p->dir = dir_of(p);
+    pb_replica_start(p, 0, a0, &pc);
+    p->dir = pb_dir(p);
     return 0;
-}
-
-static void pb_stop(struct pb *p)
-{
-    for (int r = 0; r < NREP; r++)
-        if (p->srv[r])
-            CHECK_OK(bex_rpc_server_destroy(p->srv[r]));
-    for (int r = 0; r < NREP; r++)
-        bex_ps_shard_destroy(p->s[r]);
-    bex_dir_destroy(p->dir);
-    for (int r = 1; r < NREP; r++)
-        if (p->bctx[r])
-            CHECK_OK(bex_ctx_destroy(p->bctx[r]));
-    CHECK_OK(bex_ctx_destroy(p->cctx));
-    CHECK_OK(bex_ctx_destroy(p->sctx));
-}
-
-static bex_ps_shard_stats stats(bex_ps_shard *s)
-{
-    bex_ps_shard_stats st;
-    bex_ps_shard_stats_get(s, &st);
-    return st;
 }
 
 static bex_rpc_channel *chan_to(const struct pb *p, int r)
@@ -262,9 +189,9 @@ static int t_batched(void)
         call_async(ch, p.cctx, BEX_PS_M_PUSH, b, len, &st[i]);
     }
     /* every Push numbered and queued for both backups */
-    while (stats(p.s[0]).fwd_sent < 2 * NHELD && pair_now_ms() < end)
+    while (pb_stats(p.s[0]).fwd_sent < 2 * NHELD && pair_now_ms() < end)
         pair_sleep_ms(2);
-    CHECK_EQ(stats(p.s[0]).fwd_sent, 2 * NHELD);
+    CHECK_EQ(pb_stats(p.s[0]).fwd_sent, 2 * NHELD);
     CHECK_EQ(fake_calls(), 1); /* the rest wait for the one out */
     pthread_mutex_lock(&fk.mu);
     bex_rpc_req *held = fk.held;
@@ -276,10 +203,10 @@ static int t_batched(void)
     CHECK(fk.count[0] == 1 && fk.first[0] == 1);
     CHECK(fk.count[1] == NHELD - 1 && fk.first[1] == 2);
     CHECK(!fk.gap);
-    bex_ps_shard_stats ps = stats(p.s[0]);
+    bex_ps_shard_stats ps = pb_stats(p.s[0]);
     CHECK(ps.fwd_batches < ps.fwd_sent);
     CHECK(ps.fwd_batches >= 3); /* 2 to the fake, 1 at least to backup 1 */
-    bex_ps_shard_stats bs = stats(p.s[1]);
+    bex_ps_shard_stats bs = pb_stats(p.s[1]);
     CHECK(bs.lsn == NHELD && bs.pushes == NHELD && bs.fwd_applied == NHELD);
     CHECK_OK(bex_rpc_channel_destroy(ch));
     pb_stop(&p);
@@ -334,12 +261,12 @@ static int t_adagrad(void)
     float rows[NREP][NKEY * 5];
     for (int r = 0; r < NREP; r++) {
         rows_of(p.s[r], p.sctx, keys, NKEY, rows[r]);
-        bex_ps_shard_stats st = stats(p.s[r]);
+        bex_ps_shard_stats st = pb_stats(p.s[r]);
         CHECK(st.pushes == NPUSHER * NPUSH && st.lsn == NPUSHER * NPUSH); /* each once */
     }
     for (int r = 1; r < NREP; r++)
         CHECK(memcmp(rows[0], rows[r], sizeof rows[0]) == 0);
-    bex_ps_shard_stats ps = stats(p.s[0]);
+    bex_ps_shard_stats ps = pb_stats(p.s[0]);
     CHECK(ps.fwd_sent == 2ull * NPUSHER * NPUSH && ps.fwd_batches <= ps.fwd_sent);
     CHECK(ps.backups_down == 0);
     fprintf(stderr, "forwards %llu in %llu batches\n", (unsigned long long)ps.fwd_sent,
@@ -444,7 +371,7 @@ static int t_hostile(void)
     size_t len = batch_of(b, SESSION, 1, 3, NULL);
     CHECK_OK(call_raw(ch, p.cctx, b, len));
     int bad = hostile_refused(ch, p.cctx);
-    bex_ps_shard_stats st = stats(s);
+    bex_ps_shard_stats st = pb_stats(s);
     CHECK(st.pushes == 3 && st.lsn == 3 && st.fwd_batches_bad == (uint64_t)bad);
     len = batch_of(b, SESSION + 1, 5, 2, NULL); /* a session not followed from its start */
     CHECK_EQ(call_raw(ch, p.cctx, b, len), -ESTALE);
@@ -453,16 +380,16 @@ static int t_hostile(void)
     len = batch_of(b, SESSION, 6, 2, NULL);
     call_async(ch, p.cctx, BEX_PS_M_FORWARD, b, len, &st6);
     uint64_t end = pair_now_ms() + 20000ull * time_scale();
-    while (stats(s).fwd_held < 1 && pair_now_ms() < end)
+    while (pb_stats(s).fwd_held < 1 && pair_now_ms() < end)
         pair_sleep_ms(2);
-    CHECK_EQ(stats(s).fwd_held, 1);
+    CHECK_EQ(pb_stats(s).fwd_held, 1);
     len = batch_of(b, SESSION, 4, 2, NULL);
     CHECK_OK(call_raw(ch, p.cctx, b, len));
     CHECK_EQ(wait_status(&st6), 0);
-    CHECK(stats(s).pushes == 7 && stats(s).lsn == 7);
+    CHECK(pb_stats(s).pushes == 7 && pb_stats(s).lsn == 7);
     len = batch_of(b, SESSION, 6, 3, NULL); /* 6, 7 applied already: 8 alone */
     CHECK_OK(call_raw(ch, p.cctx, b, len));
-    CHECK(stats(s).pushes == 8 && stats(s).lsn == 8);
+    CHECK(pb_stats(s).pushes == 8 && pb_stats(s).lsn == 8);
     float row[5], want[5];
     uint64_t key = 7;
     rows_of(s, p.sctx, &key, 1, row);
