@@ -675,6 +675,17 @@ static int t_retry_seq(void)
 
 /* ---- backup_behind ---- */
 
+/* Counter name of shard s in its /metrics text (-1: not there). */
+static long long prom_ctr(bex_ps_shard *s, const char *name)
+{
+    static char buf[1 << 16];
+    char pat[128];
+    CHECK(bex_ps_shard_prometheus(&s, 1, buf, sizeof buf) > 0);
+    snprintf(pat, sizeof pat, "\n%s{shard=\"0\"} ", name);
+    const char *p = strstr(buf, pat);
+    return p ? strtoll(p + strlen(pat), NULL, 10) : -1;
+}
+
 /* Backup 2 alive with its rows misses a forward (its server gone while
  * the Push was forwarded, as a backup stopped past the forward deadline
  * whose connection was reset) and comes back at its address: the
@@ -716,6 +727,8 @@ static int t_backup_behind(void)
     bex_ps_shard_stats st = stats(p.s[0]);
     CHECK(st.rejoins == 1 && st.log_rejoins == 1 && st.backups_down == 0);
     CHECK_EQ(st.fwd_resent, 1); /* lsn 2 alone */
+    CHECK_EQ(prom_ctr(p.s[0], "bex_ps_forwards_resent_total"), 1);
+    CHECK_EQ(prom_ctr(p.s[0], "bex_ps_backup_log_rejoins_total"), 1);
     CHECK_EQ(stats(p.s[2]).pushes, 3);
     bex_ps_client_destroy(c);
     pb_stop(&p);
@@ -1040,6 +1053,11 @@ static int t_restart_suffix(void)
     CHECK_EQ(st.catchup_failed, 0);
     CHECK(stats(p.s[0]).suffixes_served >= 1);
     CHECK_EQ(stats(p.s[0]).copies_served, 0);
+    /* and in /metrics: the suffix path moved, the full copy's did not */
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_suffix_total"), 1);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_suffix_pushes_total"), 4);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_full_copies_total"), 0);
+    CHECK(prom_ctr(p.s[0], "bex_ps_catchup_suffixes_served_total") >= 1);
     pb_stop(&p);
     CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
     return 0;
@@ -1061,6 +1079,10 @@ static int t_restart_suffix_log(void)
     CHECK(st.catchup_suffix == 0 && st.suffix_applied == 0 && st.catchup_rows > 0);
     CHECK_EQ(stats(p.s[0]).suffixes_served, 0);
     CHECK_EQ(stats(p.s[0]).copies_served, 1);
+    CHECK_EQ(st.catchup_full, 1);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_full_copies_total"), 1);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_suffix_total"), 0);
+    CHECK_EQ(prom_ctr(p.s[0], "bex_ps_catchup_copies_served_total"), 1);
     pb_stop(&p);
     CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
     return 0;
