@@ -45,7 +45,10 @@
  *   backup, brings it level and it serves.
  * restart_suffix: a backup restarted from its snapshot, 4 forwards
  *   behind, catches up by the primary's log suffix, no row copied;
- *   restart_suffix_log: the log too small, a full copy; suffix_hostile:
+ *   restart_suffix_log: the log too small, a full copy;
+ *   restart_suffix_empty: its snapshot at the primary's lsn (an empty
+ *   suffix, seen in the chaos test): it takes the primary's session and
+ *   rejoins (it refused every later forward, and stayed down); suffix_hostile:
  *   hostile positions asked of the primary are refused, nothing changes.
  * join_v6: a backup on ::1 joins a running primary on ::1. */
 #include <pthread.h>
@@ -1063,6 +1066,43 @@ static int t_restart_suffix(void)
     return 0;
 }
 
+static int t_restart_suffix_empty(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    if (rc)
+        return rc;
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    CHECK(mkdtemp(dir));
+    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 43;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_ps_shard_snapshot(p.s[2], snap)); /* at lsn 1, the primary's */
+    backup2_kill(&p); /* no Push meanwhile: the primary stays at lsn 1 */
+    backup2_restart_snap(&p, snap);
+    CHECK_EQ(stats(p.s[2]).catchup_suffix, 1);
+    CHECK_EQ(stats(p.s[2]).suffix_applied, 0);
+    uint64_t end = pair_now_ms() + 5000ull * time_scale();
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    CHECK_OK(rc); /* it rejoined */
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    float row[NREP][8];
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(stats(p.s[r]).lsn, 5);
+    }
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
+    return 0;
+}
+
 static int t_restart_suffix_log(void)
 {
     struct pb p;
@@ -1273,4 +1313,5 @@ BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"re
               {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
               {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile},
               {"restart_suffix", t_restart_suffix}, {"restart_suffix_log", t_restart_suffix_log},
+              {"restart_suffix_empty", t_restart_suffix_empty},
               {"suffix_hostile", t_suffix_hostile}, {"join_v6", t_join_v6})
