@@ -14,7 +14,9 @@
  *   less lr times its acknowledged Pushes (none lost, none twice), and
  *   the two survivors equal bit for bit; the new epoch is above the old.
  *   A Push naming another epoch (EPOCH flag) is refused -ESTALE; one
- *   naming 0 is applied and its answer carries the primary's epoch.
+ *   naming 0 is applied and its answer carries the primary's epoch. The
+ *   other survivor follows the new term by a full copy (catchup_full),
+ *   not a log suffix.
  * sigstop: the primary's agent and keep-alives held (a stopped process)
  *   past its lease: it acknowledges nothing from its lease's deadline on
  *   (a Push sent to it is refused -ESTALE), a backup takes over, and when
@@ -434,6 +436,9 @@ static int t_kill9(void)
     CHECK_EQ(call_epoch(p.ch[prim], p.cctx, b, len), (int64_t)e1);
     p.seq++;
     p.acked[p.seq % NKEY]++;
+    uint64_t full[NREP];
+    for (int r = 0; r < NREP; r++)
+        full[r] = stats(p.s[r]).catchup_full;
     uint64_t t0 = bex_test_now_ms();
     fo_kill(&p, prim);
     push_one(&p); /* acknowledged by the new primary only */
@@ -450,6 +455,12 @@ static int t_kill9(void)
     for (int i = 0; i < 40; i++)
         push_one(&p);
     wait_synced(&p, np);
+    /* the other survivor followed the new term by a full copy, not by a
+     * log suffix (docs/architecture.md, "Takeover": the log is not kept
+     * across a term) */
+    int other = 3 - prim - np;
+    CHECK(stats(p.s[other]).catchup_full > full[other]);
+    CHECK_EQ(stats(p.s[other]).catchup_suffix, 0);
     rows_check(&p);
     fo_stop(&p);
     return 0;
