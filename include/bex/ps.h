@@ -354,6 +354,9 @@ typedef struct bex_ps_shard_stats {
      * Pushes a batch); a backup: forward batches refused whole (a count,
      * a length or an lsn that does not add up; counted in fwd_refused too) */
     uint64_t fwd_batches, fwd_batches_bad;
+    /* catch-ups that installed a full copy of a peer's rows (the other
+     * path to catchup_suffix) */
+    uint64_t catchup_full;
 } bex_ps_shard_stats;
 void bex_ps_shard_stats_get(bex_ps_shard *s, bex_ps_shard_stats *out);
 

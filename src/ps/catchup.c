@@ -377,6 +377,7 @@ int bex_ps_shard_catchup(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_con
     replay_held(s, cut || suffix, &replayed, &skipped, &failed);
     bex__ps_shard_catchup_end_locked(s, false);
     s->st.catchup_rows += rows;
+    s->st.catchup_full += cut != NULL;
     s->st.catchup_replayed += replayed;
     s->st.catchup_skipped += skipped;
     if (!cut && !suffix)

@@ -137,6 +137,16 @@ int bex__ps_catchup_suffix(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_catchup_c
             break; /* applied part of one peer's: that peer's or a full copy */
         rc = suffix_from(s, ctx, &cfg->peers[i], chunk, deadline, session, &pos);
     }
+    if (rc == 0) {
+        /* its rows hold every forward of session up to pos: an empty
+         * suffix (the snapshot at the primary's lsn) sets the position
+         * too, else the next forward was refused as of a session it did
+         * not follow from its start */
+        pthread_mutex_lock(&s->mu);
+        s->rp.in_session = session;
+        s->rp.next = pos + 1;
+        pthread_mutex_unlock(&s->mu);
+    }
     if (rc)
         bex__log(&s->log, BEX_LOG_INFO,
                  "ps shard %u: no log suffix after lsn %llu (%s): a full copy instead", s->shard,

@@ -25,13 +25,16 @@ enum { SAID_ETCD = 1, SAID_OUT = 2, SAID_FRESH = 4, SAID_BADSET = 8 };
 struct bex_ps_failover {
     bex_ps_shard *s;
     bex_ctx *ctx;
-    char *url, key[256], set_key[256];
+    char *url, key[256], set_key[256], joined_key[256];
     bex_rpc_endpoint reps[BEX_PS_REPLICAS_MAX];
     char names[BEX_PS_REPLICAS_MAX][BEX_ADDR_STRLEN];
     size_t n;
     uint32_t self, ttl_ms, margin_ms, resync_ms;
     bex__elect *el;
     bool fit; /* holds every acknowledged Push: synced once, or led */
+    /* a replica the others do not list: the term its JOIN was answered
+     * in, when it may send the next */
+    uint64_t join_epoch, join_ns;
     uint32_t said;
     pthread_t thr;
     pthread_mutex_t mu;
@@ -79,6 +82,27 @@ static int index_of(const struct bex_ps_failover *f, const char *name)
         if (!strcmp(f->names[i], name))
             return (int)i;
     return -1;
+}
+
+/* A replica that joined the running shard (its name from the joined
+ * key, or from the primary's backups) listed from now on: 0, or -ENOSPC
+ * (BEX_PS_REPLICAS_MAX listed), -EINVAL (not an address). The joined
+ * key holds names only: a joined replica's transport is this one's. */
+static int learn(struct bex_ps_failover *f, const char *name, uint32_t transport)
+{
+    bex_addr a;
+    if (index_of(f, name) >= 0)
+        return 0;
+    if (f->n >= BEX_PS_REPLICAS_MAX)
+        return -ENOSPC;
+    if (bex_addr_parse(name, 0, &a) || !bex_addr_port(&a))
+        return -EINVAL;
+    f->reps[f->n] = (bex_rpc_endpoint){.addr = a, .transport = transport};
+    snprintf(f->names[f->n], sizeof f->names[f->n], "%s", name);
+    f->n++;
+    bex__log(&f->s->log, BEX_LOG_INFO, "ps shard %u: replica %s joined the shard", f->s->shard,
+             name);
+    return 0;
 }
 
 /* Backup b's name ("a.b.c.d:port" or "[v6]:port"). */
@@ -199,17 +223,97 @@ static void rejoins(struct bex_ps_failover *f, uint64_t epoch)
     uint64_t now = bex__rpc_now_ns();
     char set[SET_MAX];
     uint64_t cr, mr;
-    for (uint32_t b = 0; b < s->rp.n_bk; b++) {
+    for (uint32_t b = 0;; b++) {
+        char name[BEX_ADDR_STRLEN];
         pthread_mutex_lock(&s->mu);
-        bool due = s->rp.bk[b].state == BK_OUT && now >= s->rp.bk[b].probe_ns;
-        if (due)
+        bool more = b < s->rp.n_bk,
+             due = more && s->rp.bk[b].state == BK_OUT && now >= s->rp.bk[b].probe_ns;
+        if (due) {
             s->rp.bk[b].probe_ns = now + 1000000000ull;
+            bk_name(s, b, name, sizeof name);
+        }
         pthread_mutex_unlock(&s->mu);
-        if (due && !bex__elect_get(f->url, f->set_key, &cr, &mr, set, sizeof set)) {
+        if (!more)
+            return;
+        /* one JOIN added is let in once its name is in the joined key */
+        if (due && index_of(f, name) >= 0 &&
+            !bex__elect_get(f->url, f->set_key, &cr, &mr, set, sizeof set)) {
             rejoin(f, epoch, set, b);
             return;
         }
     }
+}
+
+/* As primary of epoch: a backup JOIN added (join.c) that this agent does
+ * not list yet: its name appended to the joined key (guarded by epoch),
+ * where every replica reads it (set_check), then listed here. */
+static void record_joined(struct bex_ps_failover *f, uint64_t epoch)
+{
+    bex_ps_shard *s = f->s;
+    for (uint32_t b = 0;; b++) {
+        char name[BEX_ADDR_STRLEN], cur[SET_MAX], text[SET_MAX];
+        pthread_mutex_lock(&s->mu);
+        bool more = b < s->rp.n_bk;
+        uint32_t tr = more ? s->rp.bk[b].transport : 0;
+        if (more)
+            bk_name(s, b, name, sizeof name);
+        pthread_mutex_unlock(&s->mu);
+        if (!more)
+            return;
+        if (index_of(f, name) >= 0)
+            continue;
+        uint64_t cr, mr;
+        int rc = bex__elect_get(f->url, f->joined_key, &cr, &mr, cur, sizeof cur);
+        if (!rc && !in_set(cur, name)) {
+            int w = snprintf(text, sizeof text, "%s%s%s", cur, *cur ? "," : "", name);
+            rc = w < 0 || (size_t)w >= sizeof text
+                     ? -ENAMETOOLONG /* the key's text is bounded */
+                     : bex__elect_put_if(f->url, f->joined_key, text, f->key, epoch);
+        }
+        if (!rc)
+            rc = learn(f, name, tr);
+        if (rc)
+            bex__log(&s->log, BEX_LOG_WARN,
+                     "ps shard %u: replica %s joined, but could not be recorded in etcd (%s): "
+                     "it stays out of the replica set",
+                     s->shard, name, bex_strerror(rc));
+    }
+}
+
+/* Not listed by the primary (added to the running shard), out of the
+ * set: ask the primary of epoch (replica i) to JOIN, once a term, again
+ * a second later when refused for now. -EEXIST: it lists this one. */
+static void maybe_join(struct bex_ps_failover *f, uint64_t epoch, int i, const char *set)
+{
+    uint64_t now = bex__rpc_now_ns();
+    if (!set || in_set(set, f->names[f->self]) || f->join_epoch == epoch || now < f->join_ns)
+        return;
+    f->join_ns = now + 1000000000ull;
+    int rc = bex__ps_join_fenced_call(f->s, f->ctx, &f->reps[i], &f->reps[f->self], epoch,
+                                      f->s->rp.fwd_timeout_ms);
+    if (rc == 0 || rc == -EEXIST)
+        f->join_epoch = epoch;
+    if (rc != -EEXIST)
+        bex__log(&f->s->log, rc ? BEX_LOG_WARN : BEX_LOG_INFO,
+                 "ps shard %u: JOIN at the primary %s (epoch %llu): %s", f->s->shard, f->names[i],
+                 (unsigned long long)epoch, rc ? bex_strerror(rc) : "added, out of the set");
+}
+
+/* The entry of l bytes at p, not listed here: listed when the joined key
+ * (read into joined once a check, *read) names it; its index, or -1. */
+static int joined_index(struct bex_ps_failover *f, const char *p, size_t l, char *joined,
+                        bool *read)
+{
+    char name[BEX_ADDR_STRLEN];
+    uint64_t cr, mr;
+    memcpy(name, p, l);
+    name[l] = 0;
+    if (!*read && bex__elect_get(f->url, f->joined_key, &cr, &mr, joined, SET_MAX))
+        joined[0] = 0;
+    *read = true;
+    if (!in_set(joined, name) || learn(f, name, f->reps[f->self].transport))
+        return -1;
+    return index_of(f, name);
 }
 
 /* The set as read from etcd, checked: an entry that names none of the
@@ -219,9 +323,9 @@ static void rejoins(struct bex_ps_failover *f, uint64_t epoch)
  * good. Returns whether an entry was left out. */
 static bool set_check(struct bex_ps_failover *f, char *set, size_t cap)
 {
-    char ok[SET_MAX], was[SET_MAX];
+    char ok[SET_MAX], was[SET_MAX], joined[SET_MAX] = "";
     size_t o = 0;
-    bool bad = false;
+    bool bad = false, read = false;
     ok[0] = 0;
     snprintf(was, sizeof was, "%s", set);
     for (const char *p = set; p && *p;) {
@@ -231,6 +335,8 @@ static bool set_check(struct bex_ps_failover *f, char *set, size_t cap)
         for (size_t i = 0; i < f->n && k < 0; i++)
             if (strlen(f->names[i]) == l && !memcmp(p, f->names[i], l))
                 k = (int)i;
+        if (k < 0 && l < BEX_ADDR_STRLEN)
+            k = joined_index(f, p, l, joined, &read);
         if (k < 0 || in_set(ok, f->names[k]))
             bad = true;
         else if (o < sizeof ok)
@@ -325,13 +431,14 @@ static void campaign(struct bex_ps_failover *f, uint64_t set_rev, const char *se
 }
 
 /* Another leads epoch from holder: follow it, copying from it first. */
-static void follow(struct bex_ps_failover *f, uint64_t epoch, const char *holder)
+static void follow(struct bex_ps_failover *f, uint64_t epoch, const char *holder, const char *set)
 {
     bex_ps_shard *s = f->s;
     int i = index_of(f, holder);
     if (i < 0 || (uint32_t)i == f->self)
         return; /* an earlier life's key: it expires */
     bex__ps_repl_follow(s, epoch);
+    maybe_join(f, epoch, i, set); /* before the copy: the primary's pause */
     pthread_mutex_lock(&s->mu);
     bool synced = s->rp.synced;
     pthread_mutex_unlock(&s->mu);
@@ -373,6 +480,7 @@ static void step(struct bex_ps_failover *f)
     if (primary && epoch == mine) {
         if (bad)
             set_heal(f, epoch, set, sizeof set);
+        record_joined(f, epoch);
         removals(f, epoch, set);
         rejoins(f, epoch);
     } else if (primary) {
@@ -382,7 +490,7 @@ static void step(struct bex_ps_failover *f)
     } else if (!epoch) {
         campaign(f, set_rev, set);
     } else {
-        follow(f, epoch, holder);
+        follow(f, epoch, holder, set_rev ? set : NULL);
     }
 }
 
@@ -435,6 +543,7 @@ int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_c
                *svc = cfg->service ? cfg->service : "ps";
     snprintf(f->key, sizeof f->key, "%sps/%s/%u/primary", pre, svc, cfg->shard);
     snprintf(f->set_key, sizeof f->set_key, "%sps/%s/%u/set", pre, svc, cfg->shard);
+    snprintf(f->joined_key, sizeof f->joined_key, "%sps/%s/%u/joined", pre, svc, cfg->shard);
     for (size_t i = 0; i < f->n; i++) {
         f->reps[i] = cfg->replicas[i];
         bex_addr_format(&f->reps[i].addr, true, f->names[i], sizeof f->names[i]);

@@ -187,3 +187,73 @@ int bex_ps_shard_join(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_join_config *c
         bex__log(&s->log, BEX_LOG_INFO, "ps shard %u: joined its primary's replica set", s->shard);
     return rc;
 }
+
+/* ---- etcd mode: a replica added to a running shard ----
+ *
+ * The new replica's agent (failover.c) sends JOIN, its id the term it
+ * read from etcd, to that term's primary. The primary adds it to its
+ * backups out of the replica set (no hold, no JOINED: nothing is
+ * forwarded to it yet) and kicks its agent, which writes its name to the
+ * shard's joined key and then treats it as any backup out of the set:
+ * probed, it copies (again) from the primary with the Pushes paused, and
+ * is put in the set under the term's guard. */
+int bex__ps_join_fenced(bex_ps_shard *s, uint64_t epoch, const bex_rpc_endpoint *ep, bool *fenced)
+{
+    struct repl *rp = &s->rp;
+    pthread_mutex_lock(&s->mu);
+    *fenced = rp->fenced;
+    int rc = 0;
+    if (!rp->fenced)
+        ; /* static mode: the hold, the copy, JOINED (snapcut.c) */
+    else if (rp->role != BEX_PS_ROLE_PRIMARY)
+        rc = -EPERM;
+    else if (epoch != rp->epoch || !bex__ps_lease_held(rp))
+        rc = -ESTALE; /* another term's JOIN, or not surely primary now */
+    else
+        rc = bex__ps_join_check_locked(s, ep);
+    if (rp->fenced && !rc) {
+        rp->bk[rp->n_bk] = (struct backup){
+            .addr = ep->addr, .transport = ep->transport, .state = BK_OUT, .probe_ns = 0};
+        rp->n_bk++;
+        if ((rc = bex__ps_repl_register(s, rp->ctx)))
+            rp->n_bk--;
+    }
+    void (*kick)(void *) = rp->kick;
+    void *arg = rp->kick_arg;
+    pthread_mutex_unlock(&s->mu);
+    if (!*fenced)
+        return 0;
+    char a[BEX_ADDR_STRLEN];
+    bex_addr_format(&ep->addr, true, a, sizeof a);
+    bex__log(&s->log, rc && rc != -EEXIST ? BEX_LOG_WARN : BEX_LOG_INFO,
+             "ps shard %u: JOIN of %s (epoch %llu): %s", s->shard, a, (unsigned long long)epoch,
+             rc ? bex_strerror(rc) : "a backup out of the replica set until it is in step");
+    if (!rc && kick)
+        kick(arg);
+    return rc;
+}
+
+int bex__ps_join_fenced_call(bex_ps_shard *s, bex_ctx *ctx, const bex_rpc_endpoint *primary,
+                             const bex_rpc_endpoint *self, uint64_t epoch, uint32_t timeout_ms)
+{
+    uint8_t b[BEX__PS_JOIN6_LEN];
+    bex__ps_cut_put(b, &(struct bex__ps_cut_hdr){.op = BEX__PS_CUT_JOIN, .id = epoch});
+    size_t n = bex__ps_join_put(b + BEX__PS_CUT_HDR_LEN, self);
+    if (!n || !epoch)
+        return -EINVAL;
+    bex_rpc_channel_config cc = {.endpoints = primary,
+                                 .n_endpoints = 1,
+                                 .name = "ps-join",
+                                 .request_timeout_ms = timeout_ms,
+                                 .connect_timeout_ms = timeout_ms,
+                                 .max_attempts = 1};
+    bex_rpc_channel *ch;
+    int rc = bex_rpc_channel_create(ctx, &cc, &ch);
+    if (rc)
+        return rc;
+    uint64_t deadline = bex__rpc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    rc = call1(ch, ctx, b, BEX__PS_CUT_HDR_LEN + n, left_ms(deadline));
+    bex_rpc_channel_destroy(ch);
+    (void)s;
+    return rc;
+}

@@ -727,8 +727,9 @@ int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
     struct repl *rp = &s->rp;
     if (n >= BEX_PS_REPLICAS_MAX)
         return -EINVAL;
-    struct backup *bk = n ? calloc(n, sizeof *bk) : NULL;
-    if (n && !bk)
+    /* room for every backup: a replica may join during the term (join.c) */
+    struct backup *bk = calloc(BEX_PS_BACKUPS_MAX, sizeof *bk);
+    if (!bk)
         return -ENOMEM;
     int rc = 0;
     for (size_t i = 0; i < n && !rc; i++) {

@@ -384,6 +384,14 @@ int bex__ps_join_check_locked(const bex_ps_shard *s, const bex_rpc_endpoint *ep)
 int bex__ps_join_add_locked(bex_ps_shard *s, const bex_rpc_endpoint *ep);
 void bex__ps_join_endpoint(const uint8_t *p, size_t len, bex_rpc_endpoint *ep);
 size_t bex__ps_join_put(uint8_t *p, const bex_rpc_endpoint *ep);
+/* etcd mode: a JOIN of term epoch at this shard (*fenced: etcd mode;
+ * false: the static JOIN's hold is for the caller): 0 (added out of the
+ * replica set, the agent kicked), -EPERM not a primary, -ESTALE another
+ * term or no lease, -EEXIST known already, -ENOSPC, -EINVAL; and the
+ * new replica's call of it (not under the lock). */
+int bex__ps_join_fenced(bex_ps_shard *s, uint64_t epoch, const bex_rpc_endpoint *ep, bool *fenced);
+int bex__ps_join_fenced_call(bex_ps_shard *s, bex_ctx *ctx, const bex_rpc_endpoint *primary,
+                             const bex_rpc_endpoint *self, uint64_t epoch, uint32_t timeout_ms);
 
 /* repl_log.c: the primary's log of forwards (bounds from cfg); a
  * forward numbered (under s->mu; on no memory the log is emptied, never

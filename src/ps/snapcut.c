@@ -448,10 +448,15 @@ int bex__ps_cut_serve(bex_ps_shard *s, bex_ctx *ctx, const void *body, size_t le
         (h.op == BEX__PS_CUT_JOIN ? len != BEX__PS_JOIN_LEN && len != BEX__PS_JOIN6_LEN
                                   : len != BEX__PS_CUT_HDR_LEN))
         return -EINVAL;
-    if (h.op == BEX__PS_CUT_JOIN)
+    bool fenced = false;
+    int rc = 0;
+    if (h.op == BEX__PS_CUT_JOIN) {
         bex__ps_join_endpoint((const uint8_t *)body + BEX__PS_CUT_HDR_LEN,
                               len - BEX__PS_CUT_HDR_LEN, &jep);
-    int rc = h.op == BEX__PS_CUT_PREPARE || h.op == BEX__PS_CUT_JOIN
+        rc = bex__ps_join_fenced(s, h.id, &jep, &fenced); /* etcd mode: no hold */
+    }
+    if (!fenced)
+        rc = h.op == BEX__PS_CUT_PREPARE || h.op == BEX__PS_CUT_JOIN
                  ? prepare(s, ctx, &h, h.op == BEX__PS_CUT_JOIN ? &jep : NULL)
                  : finish(s, &h, req);
     if (rc)

@@ -14,7 +14,9 @@
  *   less lr times its acknowledged Pushes (none lost, none twice), and
  *   the two survivors equal bit for bit; the new epoch is above the old.
  *   A Push naming another epoch (EPOCH flag) is refused -ESTALE; one
- *   naming 0 is applied and its answer carries the primary's epoch.
+ *   naming 0 is applied and its answer carries the primary's epoch. The
+ *   other survivor follows the new term by a full copy (catchup_full),
+ *   not a log suffix.
  * sigstop: the primary's agent and keep-alives held (a stopped process)
  *   past its lease: it acknowledges nothing from its lease's deadline on
  *   (a Push sent to it is refused -ESTALE), a backup takes over, and when
@@ -62,9 +64,10 @@
 #include "ps_test.h"
 #include "rpc/elect.h"
 
-#define NREP 3
-#define NKEY 8
-#define TTL  2000u
+#define NREP   3
+#define MAXREP (NREP + 1) /* join: a fourth one added */
+#define NKEY   8
+#define TTL    2000u
 
 static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
 static pid_t etcd_pid;
@@ -138,19 +141,19 @@ static void start_etcd(void)
 }
 
 struct fo {
-    bex_ctx *ctx[NREP], *cctx;
-    bex_ps_shard *s[NREP];
-    bex_rpc_server *srv[NREP];
-    bex_ps_failover *f[NREP];
-    bex_rpc_endpoint ep[NREP];
-    bex_rpc_channel *ch[NREP];
+    bex_ctx *ctx[MAXREP], *cctx;
+    bex_ps_shard *s[MAXREP];
+    bex_rpc_server *srv[MAXREP];
+    bex_ps_failover *f[MAXREP];
+    bex_rpc_endpoint ep[MAXREP];
+    bex_rpc_channel *ch[MAXREP];
     uint32_t acked[NKEY];
     uint64_t seq;
 };
 
 /* The shards' log (to stderr), counting per replica (arg) the refusals of
  * a client's Push at a backup. */
-static _Atomic int backup_lines[NREP], bad_set_lines[NREP];
+static _Atomic int backup_lines[MAXREP], bad_set_lines[MAXREP];
 static void count_log(int level, const char *msg, void *arg)
 {
     (void)level;
@@ -161,12 +164,10 @@ static void count_log(int level, const char *msg, void *arg)
     fprintf(stderr, "replica %d: %s\n", (int)(intptr_t)arg, msg);
 }
 
-/* Three replicas with their agents (at p->ep's ports when set). */
-static void fo_start(struct fo *p)
+/* Replica r's context, shard, server (on a0, at p->ep[r]'s port when
+ * set) and the test's channel to it; no agent yet. */
+static void fo_one(struct fo *p, int r, struct in_addr a0)
 {
-    struct in_addr a0, a1;
-    CHECK(pair_addrs(&a0, &a1) == 0);
-    p->cctx = client_ctx();
     bex_ps_shard_config pc = {.shard = 0,
                               .n_shards = 1,
                               .tables = TABLES,
@@ -174,7 +175,7 @@ static void fo_start(struct fo *p)
                               .role = BEX_PS_ROLE_BACKUP,
                               .forward_timeout_ms = 1000 * time_scale(),
                               .log_fn = count_log};
-    for (int r = 0; r < NREP; r++) {
+    {
         pc.log_arg = (void *)(intptr_t)r;
         bex_ctx_config base = {.keepalive_timeout_ms = 10000, .connect_timeout_ms = 10000};
         bex_ctx_config sc = scaled(&base, a0);
@@ -194,6 +195,16 @@ static void fo_start(struct fo *p)
                                      .max_attempts = 1};
         CHECK_OK(bex_rpc_channel_create(p->cctx, &cc, &p->ch[r]));
     }
+}
+
+/* Three replicas with their agents (at p->ep's ports when set). */
+static void fo_start(struct fo *p)
+{
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    p->cctx = client_ctx();
+    for (int r = 0; r < NREP; r++)
+        fo_one(p, r, a0);
     for (int r = 0; r < NREP; r++) {
         bex_ps_failover_config fc = {.etcd_url = url,
                                      .replicas = p->ep,
@@ -217,12 +228,14 @@ static void fo_kill(struct fo *p, int r)
 
 static void fo_stop(struct fo *p)
 {
-    for (int r = 0; r < NREP; r++)
+    for (int r = 0; r < MAXREP; r++)
         bex_ps_failover_stop(p->f[r], true);
-    for (int r = 0; r < NREP; r++)
+    for (int r = 0; r < MAXREP; r++)
         if (p->srv[r])
             CHECK_OK(bex_rpc_server_destroy(p->srv[r]));
-    for (int r = 0; r < NREP; r++) {
+    for (int r = 0; r < MAXREP; r++) {
+        if (!p->ctx[r])
+            continue; /* no fourth replica */
         bex_rpc_channel_destroy(p->ch[r]);
         bex_ps_shard_destroy(p->s[r]);
         CHECK_OK(bex_ctx_destroy(p->ctx[r]));
@@ -240,7 +253,7 @@ static bex_ps_shard_stats stats(bex_ps_shard *s)
 /* The primary now (the replica whose role says so), or -1. */
 static int primary_of(struct fo *p, int not )
 {
-    for (int r = 0; r < NREP; r++)
+    for (int r = 0; r < MAXREP; r++)
         if (r != not &&p->srv[r] && stats(p->s[r]).role == BEX_PS_ROLE_PRIMARY)
             return r;
     return -1;
@@ -323,7 +336,7 @@ static void push_one(struct fo *p)
     int rc = -1;
     static int at;
     for (uint64_t end = bex_test_now_ms() + 20000 * time_scale(); rc && bex_test_now_ms() < end;) {
-        for (int k = 0; k < NREP && rc; k++, at = (at + 1) % NREP)
+        for (int k = 0; k < MAXREP && rc; k++, at = (at + 1) % MAXREP)
             if (p->srv[at])
                 rc = call_raw(p->ch[at], p->cctx, b, len);
         if (rc)
@@ -341,7 +354,7 @@ static void rows_check(struct fo *p)
         uint8_t body[BEX__PS_HDR_LEN + 8];
         bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = TS->id, .n = 1, .dim = TS->dim});
         bex__ps_put64(body + BEX__PS_HDR_LEN, key);
-        for (int r = 0; r < NREP; r++) {
+        for (int r = 0; r < MAXREP; r++) {
             if (!p->srv[r])
                 continue;
             void *resp = NULL;
@@ -388,7 +401,7 @@ static void wait_one(struct fo *p, int prim, int r)
 /* Every live backup so. */
 static void wait_synced(struct fo *p, int prim)
 {
-    for (int r = 0; r < NREP; r++)
+    for (int r = 0; r < MAXREP; r++)
         if (r != prim && p->srv[r])
             wait_one(p, prim, r);
 }
@@ -423,6 +436,9 @@ static int t_kill9(void)
     CHECK_EQ(call_epoch(p.ch[prim], p.cctx, b, len), (int64_t)e1);
     p.seq++;
     p.acked[p.seq % NKEY]++;
+    uint64_t full[NREP];
+    for (int r = 0; r < NREP; r++)
+        full[r] = stats(p.s[r]).catchup_full;
     uint64_t t0 = bex_test_now_ms();
     fo_kill(&p, prim);
     push_one(&p); /* acknowledged by the new primary only */
@@ -439,6 +455,12 @@ static int t_kill9(void)
     for (int i = 0; i < 40; i++)
         push_one(&p);
     wait_synced(&p, np);
+    /* the other survivor followed the new term by a full copy, not by a
+     * log suffix (docs/architecture.md, "Takeover": the log is not kept
+     * across a term) */
+    int other = 3 - prim - np;
+    CHECK(stats(p.s[other]).catchup_full > full[other]);
+    CHECK_EQ(stats(p.s[other]).catchup_suffix, 0);
     rows_check(&p);
     fo_stop(&p);
     return 0;
@@ -961,6 +983,104 @@ static int t_bad_set(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"bad_set", t_bad_set}, {"refusals", t_refusals}, {"kill9", t_kill9},
-              {"sigstop", t_sigstop}, {"backup_down", t_backup_down}, {"any_order", t_any_order},
-              {"proc", t_proc}, {"out_at_election", t_out_at_election})
+/* ---- join: a replica added to the running shard in etcd mode ---- */
+
+struct bg_push {
+    struct fo *p;
+    atomic_bool stop;
+    int n;
+};
+
+static void *bg_push_main(void *arg)
+{
+    struct bg_push *u = arg;
+    while (!atomic_load(&u->stop)) {
+        push_one(u->p);
+        u->n++;
+    }
+    return NULL;
+}
+
+/* Whether the set (or, key "joined", the joined key) names replica r. */
+static bool key_names(const struct fo *p, const char *key, int r)
+{
+    char v[512], name[32], k[64];
+    uint64_t cr, mr;
+    snprintf(k, sizeof k, "/bex/ps/ps/0/%s", key);
+    snprintf(name, sizeof name, "127.0.0.1:%u", ntohs(p->ep[r].addr.in4.sin_port));
+    CHECK_OK(bex__elect_get(url, k, &cr, &mr, v, sizeof v));
+    return strstr(v, name) != NULL;
+}
+
+/* A JOIN of replica r's address naming epoch, sent by the test to
+ * replica to. */
+static int join_raw(struct fo *p, int to, int r, uint64_t epoch)
+{
+    uint8_t b[BEX__PS_JOIN6_LEN];
+    bex__ps_cut_put(b, &(struct bex__ps_cut_hdr){.op = BEX__PS_CUT_JOIN, .id = epoch});
+    size_t n = bex__ps_join_put(b + BEX__PS_CUT_HDR_LEN, &p->ep[r]);
+    return call_method(p->ch[to], p->cctx, BEX_PS_M_CUT, b, BEX__PS_CUT_HDR_LEN + n);
+}
+
+static int t_join(void)
+{
+    struct fo p = {0};
+    int prim = fo_up(&p);
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    struct in_addr a0, a1;
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    fo_one(&p, NREP, a0); /* listed by none of the three */
+    uint64_t e = p.s[prim]->rp.epoch;
+    size_t nb = p.s[prim]->rp.n_bk;
+    /* another term's JOIN is refused and adds nothing */
+    CHECK_EQ(join_raw(&p, prim, NREP, e + 1), -ESTALE);
+    CHECK_EQ(join_raw(&p, prim, NREP, e - 1), -ESTALE);
+    CHECK_EQ(join_raw(&p, (prim + 1) % NREP, NREP, e), -EPERM); /* a backup */
+    CHECK_EQ(p.s[prim]->rp.n_bk, nb);
+    CHECK(!key_names(&p, "set", NREP));
+    /* started under Pushes, its list naming the four: it JOINs, copies,
+     * and is put in the set */
+    struct bg_push u = {.p = &p};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, bg_push_main, &u) == 0);
+    bex_ps_failover_config fc = {.etcd_url = url,
+                                 .replicas = p.ep,
+                                 .n_replicas = MAXREP,
+                                 .self = NREP,
+                                 .lease_ttl_ms = TTL,
+                                 .lease_margin_ms = 500};
+    CHECK_OK(bex_ps_failover_start(p.s[NREP], p.ctx[NREP], &fc, &p.f[NREP]));
+    wait_one(&p, prim, NREP);
+    uint64_t applied = stats(p.s[NREP]).fwd_applied;
+    for (uint64_t end = bex_test_now_ms() + 10000 * time_scale();
+         stats(p.s[NREP]).fwd_applied == applied; bex_test_sleep_ms(20))
+        CHECK(bex_test_now_ms() < end); /* forwarded to now */
+    atomic_store(&u.stop, true);
+    CHECK(pthread_join(th, NULL) == 0);
+    fprintf(stderr, "join: %d Pushes acknowledged while the fourth replica joined\n", u.n);
+    CHECK(key_names(&p, "set", NREP) && key_names(&p, "joined", NREP));
+    CHECK_EQ(p.s[prim]->rp.epoch, e); /* no term change on the way */
+    CHECK_EQ(join_raw(&p, prim, NREP, e), -EEXIST);
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    wait_synced(&p, prim);
+    rows_check(&p); /* the four: exact, equal bit for bit */
+    /* the primary dies: the next one (an old backup learns the fourth
+     * from etcd, or the fourth itself) keeps every survivor in its set */
+    fo_kill(&p, prim);
+    push_one(&p);
+    int np = wait_primary(&p, prim, 1);
+    CHECK(np >= 0);
+    for (int i = 0; i < 10; i++)
+        push_one(&p);
+    wait_synced(&p, np);
+    CHECK(key_names(&p, "set", NREP));
+    rows_check(&p);
+    fo_stop(&p);
+    return 0;
+}
+
+BEX_TEST_MAIN({"join", t_join}, {"bad_set", t_bad_set}, {"refusals", t_refusals},
+              {"kill9", t_kill9}, {"sigstop", t_sigstop}, {"backup_down", t_backup_down},
+              {"any_order", t_any_order}, {"proc", t_proc}, {"out_at_election", t_out_at_election})

@@ -45,7 +45,10 @@
  *   backup, brings it level and it serves.
  * restart_suffix: a backup restarted from its snapshot, 4 forwards
  *   behind, catches up by the primary's log suffix, no row copied;
- *   restart_suffix_log: the log too small, a full copy; suffix_hostile:
+ *   restart_suffix_log: the log too small, a full copy;
+ *   restart_suffix_empty: its snapshot at the primary's lsn (an empty
+ *   suffix, seen in the chaos test): it takes the primary's session and
+ *   rejoins (it refused every later forward, and stayed down); suffix_hostile:
  *   hostile positions asked of the primary are refused, nothing changes.
  * join_v6: a backup on ::1 joins a running primary on ::1. */
 #include <pthread.h>
@@ -599,6 +602,17 @@ static int t_retry_seq(void)
 
 /* ---- backup_behind ---- */
 
+/* Counter name of shard s in its /metrics text (-1: not there). */
+static long long prom_ctr(bex_ps_shard *s, const char *name)
+{
+    static char buf[1 << 16];
+    char pat[128];
+    CHECK(bex_ps_shard_prometheus(&s, 1, buf, sizeof buf) > 0);
+    snprintf(pat, sizeof pat, "\n%s{shard=\"0\"} ", name);
+    const char *p = strstr(buf, pat);
+    return p ? strtoll(p + strlen(pat), NULL, 10) : -1;
+}
+
 /* Backup 2 alive with its rows misses a forward (its server gone while
  * the Push was forwarded, as a backup stopped past the forward deadline
  * whose connection was reset) and comes back at its address: the
@@ -640,6 +654,8 @@ static int t_backup_behind(void)
     bex_ps_shard_stats st = pb_stats(p.s[0]);
     CHECK(st.rejoins == 1 && st.log_rejoins == 1 && st.backups_down == 0);
     CHECK_EQ(st.fwd_resent, 1); /* lsn 2 alone */
+    CHECK_EQ(prom_ctr(p.s[0], "bex_ps_forwards_resent_total"), 1);
+    CHECK_EQ(prom_ctr(p.s[0], "bex_ps_backup_log_rejoins_total"), 1);
     CHECK_EQ(pb_stats(p.s[2]).pushes, 3);
     bex_ps_client_destroy(c);
     pb_stop(&p);
@@ -964,6 +980,48 @@ static int t_restart_suffix(void)
     CHECK_EQ(st.catchup_failed, 0);
     CHECK(pb_stats(p.s[0]).suffixes_served >= 1);
     CHECK_EQ(pb_stats(p.s[0]).copies_served, 0);
+    /* and in /metrics: the suffix path moved, the full copy's did not */
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_suffix_total"), 1);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_suffix_pushes_total"), 4);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_full_copies_total"), 0);
+    CHECK(prom_ctr(p.s[0], "bex_ps_catchup_suffixes_served_total") >= 1);
+    pb_stop(&p);
+    CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
+    return 0;
+}
+
+static int t_restart_suffix_empty(void)
+{
+    struct pb p;
+    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    if (rc)
+        return rc;
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    CHECK(mkdtemp(dir));
+    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 43;
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    CHECK_OK(bex_ps_shard_snapshot(p.s[2], snap)); /* at lsn 1, the primary's */
+    backup2_kill(&p); /* no Push meanwhile: the primary stays at lsn 1 */
+    backup2_restart_snap(&p, snap);
+    CHECK_EQ(pb_stats(p.s[2]).catchup_suffix, 1);
+    CHECK_EQ(pb_stats(p.s[2]).suffix_applied, 0);
+    uint64_t end = pair_now_ms() + 5000ull * time_scale();
+    while ((rc = bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g)) == -EHOSTDOWN &&
+           pair_now_ms() < end)
+        pair_sleep_ms(20);
+    CHECK_OK(rc); /* it rejoined */
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    float row[NREP][8];
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(pb_stats(p.s[r]).lsn, 5);
+    }
+    bex_ps_client_destroy(c);
     pb_stop(&p);
     CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
     return 0;
@@ -985,6 +1043,10 @@ static int t_restart_suffix_log(void)
     CHECK(st.catchup_suffix == 0 && st.suffix_applied == 0 && st.catchup_rows > 0);
     CHECK_EQ(pb_stats(p.s[0]).suffixes_served, 0);
     CHECK_EQ(pb_stats(p.s[0]).copies_served, 1);
+    CHECK_EQ(st.catchup_full, 1);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_full_copies_total"), 1);
+    CHECK_EQ(prom_ctr(p.s[2], "bex_ps_catchup_suffix_total"), 0);
+    CHECK_EQ(prom_ctr(p.s[0], "bex_ps_catchup_copies_served_total"), 1);
     pb_stop(&p);
     CHECK(unlink(snap) == 0 && rmdir(dir) == 0);
     return 0;
@@ -1175,4 +1237,5 @@ BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"re
               {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
               {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile},
               {"restart_suffix", t_restart_suffix}, {"restart_suffix_log", t_restart_suffix_log},
+              {"restart_suffix_empty", t_restart_suffix_empty},
               {"suffix_hostile", t_suffix_hostile}, {"join_v6", t_join_v6})

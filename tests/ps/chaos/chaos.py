@@ -8,7 +8,12 @@ namespace, a host of its own on a bridge), --trainers bex_chaos_node
 trainers Pushing for --seconds with explicit Push ids (each Push retried
 with its id until acknowledged), while a scheduler seeded by --seed kills -9
 and restarts, or SIGSTOPs and SIGCONTs, primaries and backups at random (at
-most one fault per shard at a time, --faults per shard at most). Then every
+most one fault per shard at a time, --faults per shard at most); a
+"snapkill" has a replica write its snapshot (SIGUSR1), lets the Pushes go
+on for a while, then kills it -9 and restarts it from that snapshot, so a
+backup catches up by its primary's log suffix when the log still covers
+it (static mode), by a full copy otherwise; the run reports how many of
+each it saw. Then every
 process is brought back and bex_chaos_node check reads every row from each
 replica: replicas equal bit for bit (SGD and Adagrad), each SGD row exactly
 0 less the acknowledged gradients (none lost, none applied twice).
@@ -200,7 +205,8 @@ class Server:
         cmd = self.ch.hosts.prefix(self.r) + [a.ps] + where + [
             "--shard", str(self.s), "--replica", str(self.r),
             "--table", "1:4:sgd:1", "--table", "2:4:adagrad:0.1", "--transport", a.transport,
-            "--primary-backup", "--keepalive-timeout-ms", "3000", "--catchup-timeout-ms", "10000"]
+            "--primary-backup", "--keepalive-timeout-ms", "3000", "--catchup-timeout-ms", "10000",
+            "--snapshot-dir", self.ch.snap_dir]
         if not catchup:
             cmd.append("--no-catchup")
         with open(self.log, "w") as f:
@@ -243,6 +249,8 @@ class Chaos:
         self.hosts = Hosts(args.hosts)
         self.servers, self.trainers = {}, []
         self.etcd, self.prefix, self.addr_of = None, "/bex-chaos/", {}
+        self.snap_dir = os.path.join(self.dir, "snap")  # snapkill's snapshots
+        os.mkdir(self.snap_dir)
 
     def write_cluster(self):
         a, shards = self.args, []
@@ -276,12 +284,13 @@ class Chaos:
         """Shard s's next fault: (kind, replica, seconds), from its own
         generator (the sequence depends on the seed alone)."""
         g = self.rng[s]
-        kind = g.choice(["kill", "kill", "stop", "stop", "longstop"])
+        kind = g.choice(["kill", "snapkill", "stop", "stop", "longstop", "snapkill"])
         r = g.randrange(self.args.replicas)
         if kind == "longstop" and not self.args.long_backup_stops and not self.etcd:
             r = 0  # static mode: a backup stopped past forward_timeout_ms may never rejoin
+        # a snapkill's time drawn as a kill's
         secs = {"kill": g.uniform(0.2, 1.5), "stop": g.uniform(0.3, 2.5),
-                "longstop": g.uniform(5.5, 7.0)}[kind]
+                "longstop": g.uniform(5.5, 7.0)}["kill" if kind == "snapkill" else kind]
         return kind, r, secs
 
     def fault_step(self, s, st, t):
@@ -295,15 +304,20 @@ class Chaos:
             st.update(phase="fault", kind=kind, until=t + secs, n=st["n"] + 1)
             if kind == "kill":
                 sv.kill9()
+            elif kind == "snapkill":
+                sv.signal(signal.SIGUSR1)  # its snapshot; killed at "until"
             else:
                 sv.signal(signal.SIGSTOP)
                 sv.stopped = True
-            say("%5.1f s: %s %s for %.1f s" % (t, "kill -9" if kind == "kill" else "SIGSTOP",
-                                                sv.name(), secs))
+            what = {"kill": "kill -9", "snapkill": "snapshot of"}.get(kind, "SIGSTOP")
+            say("%5.1f s: %s %s for %.1f s" % (t, what, sv.name(), secs))
         elif st["phase"] == "fault" and t >= st["until"]:
+            if st["kind"] == "snapkill":
+                st["sv"].kill9()  # restarted from the snapshot just written
             self.recover(st["sv"])
             st["phase"] = "recovering"
-            say("%5.1f s: %s %s" % (t, "restart" if st["kind"] == "kill" else "SIGCONT",
+            say("%5.1f s: %s %s" % (t, {"kill": "restart", "snapkill": "kill -9, restart from its "
+                                         "snapshot"}.get(st["kind"], "SIGCONT"),
                                      st["sv"].name()))
         elif st["phase"] == "recovering" and st["sv"].ready():
             st.update(phase="idle", at=t + self.rng[s].uniform(0.3, 1.5))
@@ -378,7 +392,19 @@ class Chaos:
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=120)
         sys.stdout.write(r.stdout)
+        self.catchups()
         return 1 if bad or r.returncode else 0
+
+    def catchups(self):
+        """How the restarted replicas caught up, from their logs."""
+        suffix = full = 0
+        for name in os.listdir(self.dir):
+            if name.startswith("ps-") and name.endswith(".log"):
+                with open(os.path.join(self.dir, name)) as f:
+                    text = f.read()
+                suffix += text.count("caught up by its primary's log")
+                full += text.count("a full copy instead")
+        say("catch-ups by log suffix: %d; suffix refused, full copy instead: %d" % (suffix, full))
 
     def cleanup(self, keep):
         for p in self.trainers:
