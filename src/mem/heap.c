@@ -733,17 +733,20 @@ BEX__MEM_SLOW static void *alloc_slow(bex_mem_pool *pool, size_t size)
      * here, and the general pools' fast path pays nothing for them. */
     if (pool && pool->kind == BEX_MEM_POOL_LANDING)
         return bex__mem_land_alloc(pool, size);
-    if (pool && tl.prev_pool_id == pool->id && tl.prev_heap)
-        heap_use(pool->id, tl.prev_heap); /* swaps the two cached */
-    else if (!heap_get_slow(pool))
+    if (!heap_get_slow(pool))
         return NULL;
     return bex_mem_alloc(pool, size);
 }
 
 void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
 {
-    if (BEX__MEM_UNLIKELY(!pool || tl.pool_id != pool->id))
-        return alloc_slow(pool, size); /* a tail call: no frame here */
+    if (BEX__MEM_UNLIKELY(!pool || tl.pool_id != pool->id)) {
+        /* the pool used before the last (an I/O thread alternates two):
+         * swapped in here, without alloc_slow's call */
+        if (!pool || tl.prev_pool_id != pool->id || !tl.prev_heap)
+            return alloc_slow(pool, size); /* a tail call: no frame here */
+        heap_use(pool->id, tl.prev_heap);
+    }
     struct bex__mem_heap *h = tl.heap;
     if (BEX__MEM_LIKELY(size <= BEX__MEM_SMALL_MAX)) {
         unsigned c = bex__mem_class_of(size);
