@@ -35,14 +35,19 @@ struct tls_ent {
 };
 
 /* Per-thread state. The last pool used is cached in the first two fields:
- * most threads use one pool. Pools are matched by id, never by address, so
- * a pool created where a destroyed one was never inherits its heaps. */
+ * most threads use one pool; the one used before it in the next two (an
+ * I/O thread alternates its receive pool and its context's). Pools are
+ * matched by id, never by address, so a pool created where a destroyed
+ * one was never inherits its heaps. */
 struct tls {
     uint64_t pool_id;
     struct bex__mem_heap *heap;
+    uint64_t prev_pool_id;
+    struct bex__mem_heap *prev_heap;
     uint64_t tid; /* 0 until the thread first needs a heap */
     struct tls_ent *ents;
     unsigned n, cap;
+    uint64_t lookups; /* heap_get_slow's searches (bex__mem_heap_lookups) */
 };
 
 /* initial-exec: a global-dynamic TLS access from libbex.so would cost a
@@ -587,8 +592,8 @@ static void thread_exit(void *arg)
     free(tl.ents);
     tl.ents = NULL;
     tl.n = tl.cap = 0;
-    tl.pool_id = 0;
-    tl.heap = NULL;
+    tl.pool_id = tl.prev_pool_id = 0;
+    tl.heap = tl.prev_heap = NULL;
 }
 
 static void make_exit_key(void)
@@ -606,8 +611,20 @@ static void prune_dead(void)
             tl.ents[k++] = tl.ents[i];
     bex__mem_registry_unlock();
     tl.n = k;
-    tl.pool_id = 0;
-    tl.heap = NULL;
+    tl.pool_id = tl.prev_pool_id = 0;
+    tl.heap = tl.prev_heap = NULL;
+}
+
+/* Make (id, h) the cached pool, the one it replaces the previous. */
+static struct bex__mem_heap *heap_use(uint64_t id, struct bex__mem_heap *h)
+{
+    if (tl.pool_id != id) {
+        tl.prev_pool_id = tl.pool_id;
+        tl.prev_heap = tl.heap;
+    }
+    tl.pool_id = id;
+    tl.heap = h;
+    return h;
 }
 
 BEX__MEM_SLOW static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
@@ -618,12 +635,10 @@ BEX__MEM_SLOW static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
     }
     if (!tl.tid)
         tl.tid = atomic_fetch_add_explicit(&next_tid, 1, memory_order_relaxed);
+    tl.lookups++;
     for (unsigned i = 0; i < tl.n; i++) {
-        if (tl.ents[i].pool_id == pool->id) {
-            tl.pool_id = pool->id;
-            tl.heap = tl.ents[i].heap;
-            return tl.heap;
-        }
+        if (tl.ents[i].pool_id == pool->id)
+            return heap_use(pool->id, tl.ents[i].heap);
     }
     pthread_once(&exit_once, make_exit_key);
     if (exit_key_err) {
@@ -654,9 +669,7 @@ BEX__MEM_SLOW static struct bex__mem_heap *heap_get_slow(bex_mem_pool *pool)
     tl.ents[tl.n].heap = h;
     tl.n++;
     pthread_setspecific(exit_key, &tl);
-    tl.pool_id = pool->id;
-    tl.heap = h;
-    return h;
+    return heap_use(pool->id, h);
 }
 
 /* ---- the general kind's pool ops ------------------------------------------ */
@@ -727,8 +740,13 @@ BEX__MEM_SLOW static void *alloc_slow(bex_mem_pool *pool, size_t size)
 
 void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
 {
-    if (BEX__MEM_UNLIKELY(!pool || tl.pool_id != pool->id))
-        return alloc_slow(pool, size); /* a tail call: no frame here */
+    if (BEX__MEM_UNLIKELY(!pool || tl.pool_id != pool->id)) {
+        /* the pool used before the last (an I/O thread alternates two):
+         * swapped in here, without alloc_slow's call */
+        if (!pool || tl.prev_pool_id != pool->id || !tl.prev_heap)
+            return alloc_slow(pool, size); /* a tail call: no frame here */
+        heap_use(pool->id, tl.prev_heap);
+    }
     struct bex__mem_heap *h = tl.heap;
     if (BEX__MEM_LIKELY(size <= BEX__MEM_SMALL_MAX)) {
         unsigned c = bex__mem_class_of(size);
@@ -864,6 +882,11 @@ const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool)
     struct bex__mem_chunk *c = header_of(ptr);
     *pool = c->pool;
     return &c->mr;
+}
+
+uint64_t bex__mem_heap_lookups(void)
+{
+    return tl.lookups;
 }
 
 /* The calling thread's heap of pool, or NULL: never creates one. */

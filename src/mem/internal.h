@@ -308,6 +308,9 @@ extern const struct bex__mem_kind_ops bex__mem_landing_ops;
 /* heap.c */
 void bex__mem_heap_tidy(struct bex__mem_heap *h);
 void bex__mem_heap_flush_bins(struct bex__mem_heap *h);
+/* The calling thread's searches of its list of heaps (the slow path of an
+ * allocation from a pool that is not one of the last it used). */
+uint64_t bex__mem_heap_lookups(void);
 
 /* pool.c: registry of live pools, for thread-exit handlers. */
 void bex__mem_registry_lock(void);

@@ -404,6 +404,48 @@ static int pools_and_bad_args(void)
     return 0;
 }
 
+/* A thread alternating two pools (an I/O thread's receive buffers and
+ * its answers) finds each pool's heap without searching its list: two
+ * allocations a sub-request went the slow way (bench/cost/ps-fanout). */
+static int two_pools_cached(void)
+{
+    bex_mem_registrar noop;
+    bex_mem_registrar_noop(&noop);
+    bex_mem_pool *a, *b;
+    CHECK_OK(bex_mem_pool_create(&noop, NULL, &a));
+    CHECK_OK(bex_mem_pool_create(&noop, NULL, &b));
+    bex_mem_free(bex_mem_alloc(a, 100));
+    bex_mem_free(bex_mem_alloc(b, 100));
+    uint64_t before = bex__mem_heap_lookups();
+    for (int i = 0; i < 100; i++) {
+        void *x = bex_mem_alloc(a, 100), *y = bex_mem_alloc(b, 2000);
+        check_buf(NULL, a, x, 100);
+        check_buf(NULL, b, y, 2000);
+        bex_mem_free(x);
+        bex_mem_free(y);
+    }
+    CHECK_EQ(bex__mem_heap_lookups() - before, 0);
+    /* a third pool is searched for, and the two last used stay cached */
+    bex_mem_pool *c;
+    CHECK_OK(bex_mem_pool_create(&noop, NULL, &c));
+    bex_mem_free(bex_mem_alloc(c, 100));
+    bex_mem_free(bex_mem_alloc(a, 100));
+    before = bex__mem_heap_lookups();
+    bex_mem_free(bex_mem_alloc(c, 100));
+    bex_mem_free(bex_mem_alloc(a, 100));
+    CHECK_EQ(bex__mem_heap_lookups() - before, 0);
+    CHECK_OK(bex_mem_pool_destroy(c));
+    /* a pool created where a destroyed one was is not taken for it */
+    CHECK_OK(bex_mem_pool_create(&noop, NULL, &c));
+    void *z = bex_mem_alloc(c, 100);
+    check_buf(NULL, c, z, 100);
+    bex_mem_free(z);
+    CHECK_OK(bex_mem_pool_destroy(c));
+    CHECK_OK(bex_mem_pool_destroy(a));
+    CHECK_OK(bex_mem_pool_destroy(b));
+    return 0;
+}
+
 static int destroy_busy(void)
 {
     struct fake *f = fake_new();
@@ -940,4 +982,5 @@ BEX_TEST_MAIN(BEX_CASE(size_classes), BEX_CASE(sizes_covered), BEX_CASE(huge_int
               BEX_CASE(destroy_busy), BEX_CASE(cross_thread_free), BEX_CASE(thread_exit_adopt),
               BEX_CASE(destroyed_pool_thread_exit), BEX_CASE(stress),
               BEX_CASE(steady_registrations), BEX_CASE(chunks_released),
-              BEX_CASE(registrar_failure), BEX_CASE(default_pool), BEX_CASE(reserve_ahead))
+              BEX_CASE(registrar_failure), BEX_CASE(default_pool), BEX_CASE(reserve_ahead),
+              BEX_CASE(two_pools_cached))
