@@ -132,8 +132,8 @@ int bex_env_check(char *why, size_t cap);
 /* Context configuration; zero in any field means its default. Some fields
  * can be set from the environment too, which then wins (BEX_LOG_LEVEL,
  * BEX_TRANSPORT, BEX_IO_THREADS, BEX_POLL_MODE, BEX_KEEPALIVE_MS,
- * BEX_KEEPALIVE_TIMEOUT_MS, BEX_CONNECT_TIMEOUT_MS, BEX_SRQ_DEPTH: the
- * table is in docs/configuration.md). */
+ * BEX_KEEPALIVE_TIMEOUT_MS, BEX_CONNECT_TIMEOUT_MS, BEX_SRQ_DEPTH,
+ * BEX_LOG_WINDOW_MS: the table is in docs/configuration.md). */
 /* clang-format off */
 #define BEX_CTX_CONFIG_INIT {.size = sizeof(bex_ctx_config)}
 /* clang-format on */
@@ -286,6 +286,10 @@ typedef struct bex_ctx_config {
                                            client) can hold them until its next request on
                                            the connection: the server then reads no frame
                                            for them (docs/configuration.md) */
+    uint32_t log_window_ms;             /* the log's rate window: each place in the library
+                                           that logs passes at most 20 lines per window of
+                                           this many ms and counts the rest (1000; at most
+                                           3600000); a shorter one passes more lines */
 } bex_ctx_config;
 
 /* bex_ctx_config.send_window_mode */

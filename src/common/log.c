@@ -23,6 +23,12 @@ void bex__log_init(struct bex__log *lg, bex_log_fn fn, void *arg, int level)
     lg->arg = arg;
     lg->level = level ? level : BEX_LOG_WARN;
     lg->name[0] = 0;
+    lg->window_ms = BEX__LOG_WINDOW_MS;
+}
+
+void bex__log_set_window(struct bex__log *lg, uint32_t ms)
+{
+    lg->window_ms = ms ? ms : BEX__LOG_WINDOW_MS;
 }
 
 void bex__log_fini(struct bex__log *lg)
@@ -74,12 +80,12 @@ static void emit(struct bex__log *lg, int level, const char *msg)
 }
 
 /* Whether the site may log now; *dropped: the lines it suppressed before. */
-static int site_pass(struct bex__log_site *site, uint32_t *dropped)
+static int site_pass(struct bex__log_site *site, uint32_t window, uint32_t *dropped)
 {
     uint64_t now = mono_ms();
     int pass = 0;
     pthread_mutex_lock(&sites_lock);
-    if (now - site->window_ms >= 1000) {
+    if (now - site->window_ms >= window) {
         site->window_ms = now;
         site->in_window = 0;
     }
@@ -100,7 +106,9 @@ void bex__log_at(struct bex__log_site *site, struct bex__log *lg, int level, con
     if (lg && level > lg->level)
         return;
     uint32_t dropped = 0;
-    if (!site_pass(site, &dropped))
+    /* a logger never initialised (zeroed) keeps the default window */
+    uint32_t window = lg && lg->window_ms ? lg->window_ms : BEX__LOG_WINDOW_MS;
+    if (!site_pass(site, window, &dropped))
         return;
     char line[512];
     va_list ap;

@@ -7,7 +7,8 @@
  * "<UTC time> bex <LEVEL> [<context>] <line>" (bex__log_format).
  *
  * A peer can make us log (every refusal of bad input does), so each call
- * site of bex__log lets through at most BEX__LOG_BURST lines per second
+ * site of bex__log lets through at most BEX__LOG_BURST lines per window
+ * (one second unless the logger's window is set: bex__log_set_window)
  * and counts the rest; the next line that passes there says how many were
  * dropped. The limit is per call site, not per logger, so a flood of one
  * kind of line (a peer's WARN) never drops another (an ERROR of ours); a
@@ -25,18 +26,22 @@
 
 #include "bex/common.h"
 
-#define BEX__LOG_BURST 20 /* lines per second before suppression */
+#define BEX__LOG_BURST      20      /* lines per window before suppression */
+#define BEX__LOG_WINDOW_MS  1000    /* a call site's window, by default */
+#define BEX__LOG_WINDOW_MAX 3600000 /* the longest window one may set, ms */
 
 struct bex__log {
     bex_log_fn fn; /* NULL: stderr */
     void *arg;
-    int level;     /* highest level passed on (BEX_LOG_*) */
-    char name[48]; /* the context, in stderr lines ("" until named) */
+    int level;          /* highest level passed on (BEX_LOG_*) */
+    char name[48];      /* the context, in stderr lines ("" until named) */
+    uint32_t window_ms; /* a call site's window when this logger logs there
+                           (BEX__LOG_WINDOW_MS; bex_ctx_config.log_window_ms) */
 };
 
 /* The rate limit of one call site (a static in the bex__log macro). */
 struct bex__log_site {
-    uint64_t window_ms; /* start of the current one-second window */
+    uint64_t window_ms; /* start of the current window */
     uint32_t in_window; /* lines passed in it */
     uint32_t dropped;   /* lines suppressed since the last one passed */
 };
@@ -44,6 +49,11 @@ struct bex__log_site {
 /* Set up a logger; fn NULL means stderr, level 0 means BEX_LOG_WARN. */
 void bex__log_init(struct bex__log *lg, bex_log_fn fn, void *arg, int level);
 void bex__log_fini(struct bex__log *lg);
+/* The rate window of the call sites this logger logs at, ms (0: the
+ * default, BEX__LOG_WINDOW_MS): a site lets BEX__LOG_BURST lines through
+ * per window. Tests that provoke one kind of line case after case set it
+ * short instead of waiting out a second. */
+void bex__log_set_window(struct bex__log *lg, uint32_t ms);
 /* Name the context in stderr lines (copied, truncated to fit). */
 void bex__log_set_name(struct bex__log *lg, const char *name);
 

@@ -96,6 +96,7 @@ static const struct env_var vars[] = {
     {"BEX_SEND_WINDOW_DEST", FIELD(send_window_dest), parse_num, 1, UINT32_MAX,
      "bytes (4294967295: none)"},
     {"BEX_TCP_ACK_DELAY_US", FIELD(tcp_ack_delay_us), parse_num, 1, 1000000, "1-1000000"},
+    {"BEX_LOG_WINDOW_MS", FIELD(log_window_ms), parse_num, 1, 3600000, "1-3600000"},
 };
 #undef FIELD
 

@@ -63,7 +63,7 @@ static int config_check(bex_ctx_config *c)
         c->log_level > BEX_LOG_DEBUG || c->max_msg > INT32_MAX || c->rndv_max > 32767 ||
         c->remote_access > BEX_REMOTE_ACCESS_WINDOW || c->transport > BEX_TRANSPORT_TCP ||
         c->io_threads > BEX__IO_THREADS_MAX || c->poll_mode > BEX_POLL_EVENT ||
-        c->tcp_ack_delay_us > BEX__TCP_ACK_DELAY_MAX_US ||
+        c->tcp_ack_delay_us > BEX__TCP_ACK_DELAY_MAX_US || c->log_window_ms > BEX__LOG_WINDOW_MAX ||
         (c->srq_depth && (c->srq_depth < c->rq_depth || c->srq_depth > BEX__SRQ_DEPTH_MAX)))
         return -EINVAL;
     if (bex__ctx_rdma_opts_check(c) || bex__ctx_window_check(c))
@@ -507,6 +507,7 @@ static int ctx_env_apply(bex_ctx *ctx)
         return err;
     }
     ctx->log.level = ctx->cfg.log_level ? ctx->cfg.log_level : BEX_LOG_WARN;
+    bex__log_set_window(&ctx->log, ctx->cfg.log_window_ms);
     char addr[BEX_ADDR_STRLEN], name[BEX_ADDR_STRLEN + 16];
     bex_addr_format(&ctx->cfg.local_addr, false, addr, sizeof addr);
     snprintf(name, sizeof name, "ctx%u %s", atomic_fetch_add(&ctx_seq, 1) + 1, addr);

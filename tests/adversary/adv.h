@@ -64,6 +64,10 @@ long adv_pattern_diff(const void *p, size_t n, uint32_t seed);
  * timeout 5 s x adv_timer_scale(). */
 #define ADV_QP_TIMEOUT   18
 #define ADV_KEEPALIVE_MS 5000
+/* The server's log rate window (bex_ctx_config.log_window_ms): short, so
+ * that the cases of a group wait 100 ms past it between them, not a second
+ * (test_adversary.c) */
+#define ADV_LOG_WINDOW_MS 200
 
 /* The library's timers in the suite (setup deadline, keepalive, rendezvous
  * and credit timeouts) are stretched by 1 + scale / 3: 1 plain, 2 ASan, 4

@@ -371,6 +371,7 @@ int adv_server_main(int rd, int wr, void *arg)
         .qp_timeout = ADV_QP_TIMEOUT,
         .log_fn = log_hook,
         .log_level = BEX_LOG_WARN,
+        .log_window_ms = ADV_LOG_WINDOW_MS,
         .secret = o->secret,
         .secret_len = o->secret ? strlen(o->secret) : 0,
         .remote_access = o->remote_access,

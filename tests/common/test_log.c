@@ -62,6 +62,32 @@ static int rate_limit(void)
     return 0;
 }
 
+/* A logger's window (bex_ctx_config.log_window_ms) replaces the second:
+ * a site that used up its burst passes lines again once that window has
+ * passed, long before a second has. 0 restores the default. */
+static int window(void)
+{
+    struct seen s = {0};
+    struct bex__log lg;
+    struct bex__log_site site = {0};
+    bex__log_init(&lg, hook, &s, 0);
+    CHECK_EQ(lg.window_ms, BEX__LOG_WINDOW_MS);
+    bex__log_set_window(&lg, 50);
+    CHECK_EQ(lg.window_ms, 50);
+    for (int i = 0; i < 1000; i++)
+        bex__log_at(&site, &lg, BEX_LOG_WARN, "refused %d", i);
+    CHECK(s.n < 1000);  /* some were suppressed */
+    usleep(150 * 1000); /* three windows, far less than the default's second */
+    int before = s.n;
+    bex__log_at(&site, &lg, BEX_LOG_WARN, "after");
+    CHECK(s.n > before);
+    CHECK(strcmp(s.last, "after") == 0);
+    bex__log_set_window(&lg, 0);
+    CHECK_EQ(lg.window_ms, BEX__LOG_WINDOW_MS);
+    bex__log_fini(&lg);
+    return 0;
+}
+
 /* A flood from one call site drops nothing of another: the limit is per
  * site (the bex__log macro gives each its own). */
 static int per_site(void)
@@ -112,4 +138,5 @@ static int stderr_format(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(levels), BEX_CASE(rate_limit), BEX_CASE(per_site), BEX_CASE(stderr_format))
+BEX_TEST_MAIN(BEX_CASE(levels), BEX_CASE(rate_limit), BEX_CASE(per_site), BEX_CASE(window),
+              BEX_CASE(stderr_format))

@@ -8,10 +8,10 @@
 
 static void clear(void)
 {
-    static const char *const names[] = {"BEX_LOG_LEVEL",          "BEX_TRANSPORT",
-                                        "BEX_IO_THREADS",         "BEX_POLL_MODE",
-                                        "BEX_KEEPALIVE_MS",       "BEX_KEEPALIVE_TIMEOUT_MS",
-                                        "BEX_CONNECT_TIMEOUT_MS", "BEX_SRQ_DEPTH"};
+    static const char *const names[] = {
+        "BEX_LOG_LEVEL",          "BEX_TRANSPORT",    "BEX_IO_THREADS",
+        "BEX_POLL_MODE",          "BEX_KEEPALIVE_MS", "BEX_KEEPALIVE_TIMEOUT_MS",
+        "BEX_CONNECT_TIMEOUT_MS", "BEX_SRQ_DEPTH",    "BEX_LOG_WINDOW_MS"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         unsetenv(names[i]);
 }
@@ -41,6 +41,9 @@ static int applies(void)
     setenv("BEX_LOG_LEVEL", "2", 1);
     CHECK_OK(bex__ctx_env(&cfg, why, sizeof why, NULL));
     CHECK_EQ(cfg.log_level, BEX_LOG_WARN);
+    setenv("BEX_LOG_WINDOW_MS", "200", 1);
+    CHECK_OK(bex__ctx_env(&cfg, why, sizeof why, NULL));
+    CHECK_EQ(cfg.log_window_ms, 200);
     clear();
     return 0;
 }
@@ -51,10 +54,12 @@ static int bad_values(void)
 {
     static const struct {
         const char *name, *value;
-    } bad[] = {{"BEX_IO_THREADS", "0"},     {"BEX_IO_THREADS", "65"},  {"BEX_IO_THREADS", "two"},
-               {"BEX_IO_THREADS", "-1"},    {"BEX_IO_THREADS", "4x"},  {"BEX_TRANSPORT", "ib"},
-               {"BEX_POLL_MODE", "sleepy"}, {"BEX_LOG_LEVEL", "9"},    {"BEX_LOG_LEVEL", ""},
-               {"BEX_KEEPALIVE_MS", "1e3"}, {"BEX_SRQ_DEPTH", "99999"}};
+    } bad[] = {
+        {"BEX_IO_THREADS", "0"},         {"BEX_IO_THREADS", "65"},   {"BEX_IO_THREADS", "two"},
+        {"BEX_IO_THREADS", "-1"},        {"BEX_IO_THREADS", "4x"},   {"BEX_TRANSPORT", "ib"},
+        {"BEX_POLL_MODE", "sleepy"},     {"BEX_LOG_LEVEL", "9"},     {"BEX_LOG_LEVEL", ""},
+        {"BEX_KEEPALIVE_MS", "1e3"},     {"BEX_SRQ_DEPTH", "99999"}, {"BEX_LOG_WINDOW_MS", "0"},
+        {"BEX_LOG_WINDOW_MS", "3600001"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         clear();
         setenv("BEX_TRANSPORT", "tcp", 1); /* a good one beside */
@@ -106,6 +111,12 @@ static int ctx_create(void)
     CHECK(found);
     CHECK_OK(bex_ctx_destroy(ctx));
     clear();
+    /* a log window longer than an hour is refused, the longest taken */
+    cfg.log_window_ms = 3600001;
+    CHECK_EQ(bex_ctx_create(&cfg, &ctx), -EINVAL);
+    cfg.log_window_ms = 3600000;
+    CHECK_OK(bex_ctx_create(&cfg, &ctx));
+    CHECK_OK(bex_ctx_destroy(ctx));
     return 0;
 }
 
