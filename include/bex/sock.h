@@ -253,8 +253,9 @@ typedef struct bex_ctx_config {
     uint32_t thread_domains;   /* BEX_SWITCH_* (AUTO): a thread domain per I/O thread
                                   for its QPs. AUTO: where the device has them; ON: a
                                   device without them fails bex_ctx_create with
-                                  -EOPNOTSUPP; OFF: never. bex_sock_stats.thread_domains
-                                  says what was chosen */
+                                  -EOPNOTSUPP (a failed allocation: its error); OFF:
+                                  never. bex_sock_stats.thread_domains says what was
+                                  chosen. Unverified on hardware (rxe has none) */
     uint64_t user_mem_max;     /* bytes of caller memory the context registers for
                                   zero-copy calls (bex_ps_rows_alloc) at once (1 GiB);
                                   past it such an allocation fails -ENOBUFS */

@@ -70,6 +70,18 @@ void bex__fault_reg_seen(int access)
     if (fn)
         fn(atomic_load(&reg_arg), access);
 }
+
+static const struct bex__fault_td_ops *_Atomic td_ops;
+
+void bex__fault_td_set(const struct bex__fault_td_ops *ops)
+{
+    atomic_store(&td_ops, ops);
+}
+
+const struct bex__fault_td_ops *bex__fault_td(void)
+{
+    return atomic_load(&td_ops);
+}
 #else
 /* ISO C wants a declaration in every translation unit */
 typedef int bex__fault_none;

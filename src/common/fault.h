@@ -21,6 +21,24 @@
 
 #include <stdint.h>
 
+struct ibv_context;
+struct ibv_pd;
+struct ibv_td;
+
+/* Tests: a stand-in for the provider's thread-domain verbs, as a device
+ * that has them would answer (rxe has none): while set, bex__rdma_td_alloc
+ * and bex__rdma_td_free call these instead of ibv_alloc_td,
+ * ibv_alloc_parent_domain, ibv_dealloc_pd and ibv_dealloc_td (NULL with
+ * errno set, or a verbs return code, as those do); NULL ops restores them. */
+struct bex__fault_td_ops {
+    struct ibv_td *(*alloc_td)(void *arg, struct ibv_context *ctx);
+    struct ibv_pd *(*alloc_parent)(void *arg, struct ibv_context *ctx, struct ibv_pd *pd,
+                                   struct ibv_td *td);
+    int (*dealloc_pd)(void *arg, struct ibv_pd *parent);
+    int (*dealloc_td)(void *arg, struct ibv_td *td);
+    void *arg;
+};
+
 enum bex__fault_kind {
     BEX__FAULT_POST_SEND,  /* bex__rdma_post_send: every ibv_post_send of an engine */
     BEX__FAULT_POST_RECV,  /* bex__rdma_post_recv: every ibv_post_recv of an engine */
@@ -52,9 +70,13 @@ int bex__fault_fired(enum bex__fault_kind k);
 void bex__fault_reg_hook(void (*fn)(void *arg, int access), void *arg);
 void bex__fault_reg_seen(int access);
 #define BEX__FAULT_REG(access) bex__fault_reg_seen(access)
+void bex__fault_td_set(const struct bex__fault_td_ops *ops);
+const struct bex__fault_td_ops *bex__fault_td(void);
+#define BEX__FAULT_TD() bex__fault_td()
 #else
 #define BEX__FAULT(k)          0
 #define BEX__FAULT_REG(access) ((void)0)
+#define BEX__FAULT_TD()        ((const struct bex__fault_td_ops *)0)
 #endif
 
 #endif

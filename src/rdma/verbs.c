@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/fault.h"
 #include "rdma/internal.h"
 #include "rdma/rdma.h"
 
@@ -142,6 +143,38 @@ int bex__rdma_cq_resize(struct ibv_cq *cq, int cqe)
 
 /* ---- thread domains -------------------------------------------------- */
 
+/* The thread-domain verbs, or a test's stand-in for a device that has
+ * them (BEX__FAULT_TD: only in the fault-injection build). */
+static struct ibv_td *td_verb_alloc(struct bex__rdma_dev *dev)
+{
+    const struct bex__fault_td_ops *f = BEX__FAULT_TD();
+    if (f)
+        return f->alloc_td(f->arg, dev->ctx);
+    struct ibv_td_init_attr tattr = {0};
+    return ibv_alloc_td(dev->ctx, &tattr);
+}
+
+static struct ibv_pd *td_verb_parent(struct bex__rdma_dev *dev, struct ibv_td *td)
+{
+    const struct bex__fault_td_ops *f = BEX__FAULT_TD();
+    if (f)
+        return f->alloc_parent(f->arg, dev->ctx, dev->pd, td);
+    struct ibv_parent_domain_init_attr pattr = {.pd = dev->pd, .td = td};
+    return ibv_alloc_parent_domain(dev->ctx, &pattr);
+}
+
+static int td_verb_dealloc_pd(struct ibv_pd *pd)
+{
+    const struct bex__fault_td_ops *f = BEX__FAULT_TD();
+    return f ? f->dealloc_pd(f->arg, pd) : ibv_dealloc_pd(pd);
+}
+
+static int td_verb_dealloc_td(struct ibv_td *td)
+{
+    const struct bex__fault_td_ops *f = BEX__FAULT_TD();
+    return f ? f->dealloc_td(f->arg, td) : ibv_dealloc_td(td);
+}
+
 int bex__rdma_td_alloc(struct bex__rdma_dev *dev, struct bex__rdma_td **out)
 {
     int rc;
@@ -149,16 +182,14 @@ int bex__rdma_td_alloc(struct bex__rdma_dev *dev, struct bex__rdma_td **out)
     if (!t)
         return -ENOMEM;
 
-    struct ibv_td_init_attr tattr = {0};
     errno = 0;
-    t->td = ibv_alloc_td(dev->ctx, &tattr);
+    t->td = td_verb_alloc(dev);
     if (!t->td) {
         rc = bex__rdma_errno();
         goto err_free;
     }
-    struct ibv_parent_domain_init_attr pattr = {.pd = dev->pd, .td = t->td};
     errno = 0;
-    t->pd = ibv_alloc_parent_domain(dev->ctx, &pattr);
+    t->pd = td_verb_parent(dev, t->td);
     if (!t->pd) {
         rc = bex__rdma_errno();
         goto err_dealloc_td;
@@ -167,7 +198,7 @@ int bex__rdma_td_alloc(struct bex__rdma_dev *dev, struct bex__rdma_td **out)
     return 0;
 
 err_dealloc_td:
-    ibv_dealloc_td(t->td);
+    td_verb_dealloc_td(t->td);
 err_free:
     free(t);
     /* Providers without the verb answer EOPNOTSUPP through libibverbs'
@@ -179,10 +210,10 @@ int bex__rdma_td_free(struct bex__rdma_td *t)
 {
     if (!t)
         return 0;
-    int rc = bex__rdma_err(ibv_dealloc_pd(t->pd));
+    int rc = bex__rdma_err(td_verb_dealloc_pd(t->pd));
     if (rc < 0)
         return rc;
-    rc = bex__rdma_err(ibv_dealloc_td(t->td));
+    rc = bex__rdma_err(td_verb_dealloc_td(t->td));
     /* The parent domain is gone, so the TD can only fail if the provider is
      * broken; free our memory either way rather than leak it. */
     free(t);

@@ -61,9 +61,10 @@ int bex__io_td_pick(bex_ctx *ctx, struct bex__io *io)
     }
     io->td = NULL;
     if (want == BEX_SWITCH_ON) {
-        bex__log(&ctx->log, BEX_LOG_ERROR,
-                 "bex_ctx_create: thread_domains ON, but %s has no thread domains (%s)",
-                 ctx->dev->name, bex_strerror(err));
+        bex__log(
+            &ctx->log, BEX_LOG_ERROR,
+            "bex_ctx_create: thread_domains ON, but %s gave an I/O thread no thread domain (%s)",
+            ctx->dev->name, bex_strerror(err));
         return err;
     }
     bex__log_once_atomic(&ctx->log, &td_said, 1, BEX_LOG_INFO,

@@ -20,7 +20,19 @@
  *   td_on            ON: bex_ctx_create fails with -EOPNOTSUPP and an ERROR
  *                    line naming thread_domains; nothing is left behind
  *   td_off           OFF: never tries (no fallback line), comes up, stats 0.
- *                    rxe cannot show the "with" side: no thread domains */
+ *                    rxe cannot show the "with" side: no thread domains
+ *   td_fake          the "with" side against a stand-in for a device that
+ *                    has thread domains (bex__fault_td_set: recording ops):
+ *                    ON comes up, one thread domain and one parent domain
+ *                    over the device's PD per I/O thread, stats count them,
+ *                    messages arrive; at teardown each parent domain goes
+ *                    before its thread domain, each once. The stand-in's
+ *                    parent domain is the device's PD itself (rxe's QPs can
+ *                    use no other PD with bex's memory), so which PD a QP
+ *                    sits on is not seen: unverified on hardware
+ *   td_fake_fail     the stand-in's parent domain fails (ENOMEM): ON fails
+ *                    the context with -ENOMEM, AUTO falls back and comes up;
+ *                    the thread domain allocated is freed either way */
 #include <errno.h>
 #include <ifaddrs.h>
 #include <linux/if_ether.h>
@@ -90,7 +102,8 @@ static void run_up(struct run *r, const bex_ctx_config *sc, const bex_ctx_config
     r->l = local_listen(r->sctx, addr0, &r->v.base, srv_recv, &a);
     bex_sock_ops ops = {.on_connect = local_cli_connect, .on_close = local_cli_closed};
     CHECK_OK(bex_sock_connect(r->cctx, &a, &ops, &r->cl, &r->s));
-    CHECK_OK(wait_count(&r->v.base.w, &r->cl.connected, 1, 10000));
+    /* (a starved VM took more than 10 s: a wait, not a deadline of bex's) */
+    CHECK_OK(wait_count(&r->v.base.w, &r->cl.connected, 1, 30000));
     bex_sock_stats st;
     bex_ctx_stats(r->cctx, &st);
     CHECK_EQ(st.tcp_conns, 0); /* RDMA, not the TCP fallback */
@@ -359,8 +372,12 @@ static void log_rec(int level, const char *msg, void *arg)
 static void td_works(uint32_t td)
 {
     struct logs lg = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    /* generous deadlines: a starved VM (ctest -j4 beside a busy loop) took
+     * more than the 3 s default to connect; nothing here waits them out */
     bex_ctx_config c = {.thread_domains = td,
                         .io_threads = 2,
+                        .connect_timeout_ms = 20000,
+                        .keepalive_timeout_ms = 20000,
                         .log_fn = log_rec,
                         .log_arg = &lg,
                         .log_level = BEX_LOG_INFO};
@@ -410,5 +427,172 @@ static int td_on(void)
     return 0;
 }
 
+/* ---- thread domains against a stand-in device that has them ---- */
+
+#define FAKE_TDS 16
+
+struct fake_td {
+    pthread_mutex_t mu;
+    bool parent_fails;
+    struct ibv_td tds[FAKE_TDS];
+    int n_td, n_parent, parent_bad, pd_freed, td_freed, order_bad, free_bad;
+    bool pd_gone[FAKE_TDS], td_gone[FAKE_TDS];
+    struct ibv_pd *pds[FAKE_TDS];
+    struct ibv_td *parent_td[FAKE_TDS];
+};
+
+static struct ibv_td *fake_alloc_td(void *arg, struct ibv_context *ctx)
+{
+    struct fake_td *f = arg;
+    pthread_mutex_lock(&f->mu);
+    struct ibv_td *t = f->n_td < FAKE_TDS ? &f->tds[f->n_td++] : NULL;
+    if (t)
+        t->context = ctx;
+    pthread_mutex_unlock(&f->mu);
+    if (!t)
+        errno = ENOMEM;
+    return t;
+}
+
+/* The parent domain is the device's PD itself (see td_fake). */
+static struct ibv_pd *fake_alloc_parent(void *arg, struct ibv_context *ctx, struct ibv_pd *pd,
+                                        struct ibv_td *td)
+{
+    struct fake_td *f = arg;
+    pthread_mutex_lock(&f->mu);
+    int i = f->n_parent;
+    bool ok = !f->parent_fails && i < FAKE_TDS;
+    if (ok) {
+        f->parent_bad += !pd || pd->context != ctx || !td || td->context != ctx;
+        f->pds[i] = pd;
+        f->parent_td[i] = td;
+        f->n_parent++;
+    }
+    pthread_mutex_unlock(&f->mu);
+    if (!ok)
+        errno = ENOMEM;
+    return ok ? pd : NULL;
+}
+
+/* Parent domains all share the device's PD: the one not yet freed whose
+ * pointer matches. */
+static int fake_dealloc_pd(void *arg, struct ibv_pd *parent)
+{
+    struct fake_td *f = arg;
+    pthread_mutex_lock(&f->mu);
+    int i = 0;
+    while (i < f->n_parent && (f->pds[i] != parent || f->pd_gone[i]))
+        i++;
+    if (i == f->n_parent)
+        f->free_bad++;
+    else
+        f->pd_gone[i] = true;
+    f->pd_freed++;
+    pthread_mutex_unlock(&f->mu);
+    return 0;
+}
+
+static int fake_dealloc_td(void *arg, struct ibv_td *td)
+{
+    struct fake_td *f = arg;
+    pthread_mutex_lock(&f->mu);
+    long i = td - f->tds;
+    if (i < 0 || i >= f->n_td || f->td_gone[i]) {
+        f->free_bad++;
+    } else {
+        f->td_gone[i] = true;
+        /* its parent domain, if it had one, must be gone already */
+        for (int k = 0; k < f->n_parent; k++)
+            f->order_bad += f->parent_td[k] == td && !f->pd_gone[k];
+    }
+    f->td_freed++;
+    pthread_mutex_unlock(&f->mu);
+    return 0;
+}
+
+static void fake_td_on(struct fake_td *f, struct bex__fault_td_ops *ops)
+{
+    *ops = (struct bex__fault_td_ops){.alloc_td = fake_alloc_td,
+                                      .alloc_parent = fake_alloc_parent,
+                                      .dealloc_pd = fake_dealloc_pd,
+                                      .dealloc_td = fake_dealloc_td,
+                                      .arg = f};
+    bex__fault_td_set(ops);
+}
+
+static int td_fake(void)
+{
+    PAIR_NEED(setup_addrs());
+    struct fake_td f = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    struct bex__fault_td_ops ops;
+    fake_td_on(&f, &ops);
+    struct logs lg = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    /* generous deadlines: a starved VM (ctest -j4 beside a busy loop) took
+     * more than the 3 s default to connect; nothing here waits them out */
+    bex_ctx_config c = {.thread_domains = BEX_SWITCH_ON,
+                        .io_threads = 2,
+                        .connect_timeout_ms = 20000,
+                        .keepalive_timeout_ms = 20000,
+                        .log_fn = log_rec,
+                        .log_arg = &lg,
+                        .log_level = BEX_LOG_INFO};
+    struct run r = {0};
+    run_up(&r, &c, &c);
+    run_send(&r);
+    bex_sock_stats st;
+    bex_ctx_stats(r.sctx, &st);
+    CHECK_EQ(st.thread_domains, 2);
+    bex_ctx_stats(r.cctx, &st);
+    CHECK_EQ(st.thread_domains, 2);
+    CHECK_EQ(f.n_td, 4); /* two I/O threads a context, two contexts */
+    CHECK_EQ(f.n_parent, 4);
+    CHECK_EQ(f.parent_bad, 0);
+    for (int i = 0; i < 4; i++)
+        CHECK(f.parent_td[i] >= f.tds && f.parent_td[i] < f.tds + f.n_td);
+    run_down(&r);
+    bex__fault_td_set(NULL);
+    CHECK_EQ(f.pd_freed, 4);
+    CHECK_EQ(f.td_freed, 4);
+    CHECK_EQ(f.free_bad, 0);
+    CHECK_EQ(f.order_bad, 0);
+    CHECK_EQ(lg.fallback, 0);
+    CHECK_EQ(lg.errors, 0);
+    return 0;
+}
+
+static int td_fake_fail(void)
+{
+    PAIR_NEED(setup_addrs());
+    struct fake_td f = {.mu = PTHREAD_MUTEX_INITIALIZER, .parent_fails = true};
+    struct bex__fault_td_ops ops;
+    fake_td_on(&f, &ops);
+    struct logs lg = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    bex_ctx_config c = {.thread_domains = BEX_SWITCH_ON,
+                        .log_fn = log_rec,
+                        .log_arg = &lg,
+                        .log_level = BEX_LOG_INFO};
+    bex_ctx_config sc = scaled(&c, addr0);
+    bex_ctx *ctx = NULL;
+    CHECK_EQ(bex_ctx_create(&sc, &ctx), -ENOMEM);
+    CHECK(ctx == NULL);
+    CHECK_EQ(lg.naming, 1);
+    CHECK_EQ(f.n_td, 1);
+    CHECK_EQ(f.td_freed, 1);
+    c.thread_domains = BEX_SWITCH_AUTO;
+    sc = scaled(&c, addr0);
+    CHECK_OK(bex_ctx_create(&sc, &ctx));
+    bex_sock_stats st;
+    bex_ctx_stats(ctx, &st);
+    CHECK_EQ(st.thread_domains, 0);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    bex__fault_td_set(NULL);
+    CHECK_EQ(f.td_freed, f.n_td);
+    CHECK_EQ(f.free_bad, 0);
+    CHECK_EQ(f.pd_freed, 0);
+    CHECK_EQ(lg.fallback, 1);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(relaxed_default), BEX_CASE(relaxed_off), BEX_CASE(qos_tos),
-              BEX_CASE(qos_zero), BEX_CASE(td_auto), BEX_CASE(td_on), BEX_CASE(td_off))
+              BEX_CASE(qos_zero), BEX_CASE(td_auto), BEX_CASE(td_on), BEX_CASE(td_off),
+              BEX_CASE(td_fake), BEX_CASE(td_fake_fail))
