@@ -82,6 +82,5 @@ void bex__tcp_fail(struct bex__xport *x, int err)
 /* The peer broke the protocol: one log line, then the connection goes. */
 void bex__tcp_violation(struct bex__tcp *t, const char *what)
 {
-    bex__tcp_fail(
-        &t->x, bex__stream_violation(t->sh->log, t->cfg.name, "TCP", &t->violation_logged, what));
+    bex__tcp_fail(&t->x, bex__stream_violation(t->sh->log, t->cfg.name, "TCP", &t->said, what));
 }

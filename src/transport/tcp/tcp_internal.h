@@ -109,8 +109,8 @@ struct bex__tcp {
     uint64_t ka_period; /* the keepalive grid's period of the last tick (timers.c) */
     uint64_t rx_ms;     /* bex__now_ms() when the running bex__tcp_rx began */
     uint64_t msgs_in;   /* the peer's messages received whole */
-    bool violation_logged;
-    bool link_lost; /* failed because the TCP connection did (EOF, reset, write error) */
+    uint32_t said;      /* lines logged once (bex__log_once): BEX__SAID_VIOLATION */
+    bool link_lost;     /* failed because the TCP connection did (EOF, reset, write error) */
     uint8_t *prefix;
 };
 
