@@ -24,22 +24,35 @@ int bex__conn_stream_add(struct conn *c, uint32_t id, struct bex__stream *st)
 
 const char *bex__conn_life_name(enum bex__conn_life life)
 {
-    return life == CONN_LIVE ? "LIVE" : life == CONN_DEAD ? "DEAD" : "?";
+    static const char *const names[] = {
+        [CONN_LIVE] = "LIVE", [CONN_SETUP] = "SETUP", [CONN_DEAD] = "DEAD"};
+    return (unsigned)life < ARRAY_SIZE(names) ? names[life] : "?";
 }
 
-/* The one move of c's life, LIVE -> DEAD: the reaper frees it once it has
- * no socket left. */
-static void conn_die(struct conn *c)
+/* The one place c's life changes: SETUP -> LIVE, SETUP or LIVE -> DEAD
+ * (the reaper frees a dead one once it has no socket left). Leaving SETUP
+ * gives its place in the setup table back. */
+static void conn_move(struct conn *c, enum bex__conn_life to)
 {
-    assert(c->life == CONN_LIVE && "a connection dies once");
+    enum bex__conn_life from = c->life;
+    assert(((from == CONN_SETUP && to == CONN_LIVE) || (from != CONN_DEAD && to == CONN_DEAD)) &&
+           "a connection dies once");
     if (c->io->env->log->level >= BEX_LOG_DEBUG) {
         char name[32];
         bex__log(c->io->env->log, BEX_LOG_DEBUG, "%s (engine %u): %s -> %s in phase %s",
-                 bex__conn_name(c, name), c->eng_id, bex__conn_life_name(c->life),
-                 bex__conn_life_name(CONN_DEAD), bex__conn_phase_name(c->phase));
+                 bex__conn_name(c, name), c->eng_id, bex__conn_life_name(from),
+                 bex__conn_life_name(to), bex__conn_phase_name(c->phase));
     }
-    c->life = CONN_DEAD;
-    c->io->reap = true;
+    if (from == CONN_SETUP)
+        c->io->n_setup--;
+    c->life = to;
+    if (to == CONN_DEAD)
+        c->io->reap = true;
+}
+
+static void conn_die(struct conn *c)
+{
+    conn_move(c, CONN_DEAD);
 }
 
 void bex__conn_stream_del(struct conn *c, uint32_t id)
@@ -85,10 +98,8 @@ void bex__conn_ready(struct conn *c)
  * its hello finished, or it failed. */
 void bex__conn_setup_end(struct conn *c)
 {
-    if (c->in_setup) {
-        c->in_setup = false;
-        c->io->n_setup--;
-    }
+    if (c->life == CONN_SETUP)
+        conn_move(c, CONN_LIVE);
 }
 
 /* A connection holds nothing but its descriptor and this struct until its
@@ -167,8 +178,7 @@ void bex__conn_finish(struct conn *c, int err)
 {
     if (bex__conn_dead(c))
         return;
-    bex__conn_setup_end(c); /* its place in the setup table is free at once */
-    conn_die(c);
+    conn_die(c); /* from SETUP too: its place in the setup table is free at once */
     if (c->fd >= 0) {
         /* the TCP side has nothing more to say; level-triggered events of a
          * failed socket would otherwise come back every loop */
@@ -386,7 +396,7 @@ static bool setup_evict_oldest(struct bex__io *io)
         bex__list_foreach(n, &io->conns)
         { /* newest first */
             struct conn *c = bex__conn_of(n);
-            if (!c->in_setup || c->fd < 0)
+            if (c->life != CONN_SETUP || c->fd < 0)
                 continue;
             bool quiet = c->phase == first && !c->rlen && !c->heard;
             if (!old || (quiet && !old_quiet) ||
@@ -499,7 +509,7 @@ void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd, const b
         close(fd);
         return;
     }
-    c->in_setup = true;
+    c->life = CONN_SETUP; /* an accepted connection's first life: counted from here */
     io->n_setup++;
     c->l = l;
     if (bex_addr_valid(peer))

@@ -49,14 +49,15 @@ enum bex__conn_phase {
     P_WAIT_CHALLENGE
 };
 
-/* A connection's life: LIVE, then DEAD (its transport failed or never was;
- * its owner was told; the reaper frees it once no socket refers to it).
- * Only conn_die (conn.c: bex__conn_finish, a setup that never started)
- * changes it, once:
+/* A connection's life: an accepted one starts in SETUP (counted in its
+ * thread's setup table, setup_max), a client's LIVE; SETUP -> LIVE when
+ * its setup is through (bex__conn_setup_end), SETUP or LIVE -> DEAD (its
+ * transport failed or never was; its owner was told; the reaper frees it
+ * once no socket refers to it). Only conn_move (conn.c) changes it:
  * dying twice is our own bug and asserts; what a peer does fails the
  * connection through bex__conn_fail, which does nothing to a dead one.
  * bex__conn_life_name names it for logs. */
-enum bex__conn_life { CONN_LIVE, CONN_DEAD };
+enum bex__conn_life { CONN_LIVE, CONN_SETUP, CONN_DEAD };
 
 /* c->said: what a connection logs once (bex__log_once). */
 #define CONN_SAID_REFUSAL 1u /* the peer's OPENs beyond streams_max */
@@ -127,8 +128,7 @@ struct conn {
     bool fallback;               /* our QP did not come up: TCP after the notices */
     uint32_t peer_max_msg;       /* from the peer's hello */
     uint32_t peer_ka_timeout_ms; /* from the peer's hello: its keepalive timeout */
-    enum bex__conn_life life;    /* conn_die: destroy at the next safe point */
-    bool in_setup;               /* accepted, setup not finished: counted in ctx->n_setup */
+    enum bex__conn_life life;    /* conn_move; DEAD: destroy at the next safe point */
     uint32_t said;               /* lines logged once per connection (CONN_SAID_*) */
     uint32_t cqe_reserved;       /* CQ entries held for the engine ... */
     uint32_t cq_idx;             /* ... in this CQ of its thread (io->cqs) */
@@ -169,7 +169,8 @@ int bex__conn_engine_make(struct conn *c);
 /* Destroy the engine made for the setup (the connection goes over TCP, or
  * is freed before its transport was chosen). */
 void bex__conn_engine_drop(struct conn *c);
-/* An accepted connection leaves the setup table. */
+/* An accepted connection leaves the setup table (SETUP -> LIVE; nothing
+ * in any other life). */
 void bex__conn_setup_end(struct conn *c);
 /* Fail a connection (its engine too, synchronously). */
 void bex__conn_fail(struct conn *c, int err);

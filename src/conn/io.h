@@ -115,6 +115,13 @@ struct bex__conn_env {
 /* Fill env's upcalls from ops (the rest of env is the caller's). */
 void bex__conn_env_init(struct bex__conn_env *env, const struct bex__conn_owner_ops *ops);
 
+/* An I/O thread's life: NEW -> RUNNING (its thread made, bex_ctx_create)
+ * -> STOPPING (its loop took CMD_STOP and ends) -> JOINED (the context
+ * joined it). Only bex__io_move changes it, RUNNING and JOINED on the
+ * context's thread, STOPPING on the I/O thread: hence atomic, each reads
+ * the other's. Nothing a peer does moves it. */
+enum bex__io_state { IO_NEW, IO_RUNNING, IO_STOPPING, IO_JOINED };
+
 /* One I/O thread of a context and everything only it touches. */
 struct bex__io {
     bex_ctx *ctx; /* its owner's handle (opaque here) */
@@ -129,7 +136,7 @@ struct bex__io {
     struct ep_tag ch_tag;
     struct ep_tag async_tag; /* SRQ mode: the device's async event fd */
     pthread_t thread;
-    bool started;
+    _Atomic int state;      /* enum bex__io_state: bex__io_move */
     struct bex__list conns; /* struct conn.link, newest first */
     struct bex__list ready; /* connections with work (struct conn.ready_link: bex__conn_ready) */
     bool reap;              /* a connection died or lost a socket: bex__conn_reap looks */
@@ -161,7 +168,6 @@ struct bex__io {
     uint32_t n_setup; /* accepted connections in setup here (setup_max) */
     uint64_t n_setup_evictions;
     uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
-    bool stopping;
     struct bex__cmd stop_cmd;
     /* the owner's (sock's) cache of send descriptors; conn never looks */
     struct sock_msg *msg_free;
@@ -179,8 +185,17 @@ extern _Thread_local bex_ctx *bex__io_ctx;
 extern _Thread_local struct bex__io *bex__io_self;
 
 /* The I/O thread's body (pthread_create's start routine; arg is the struct
- * bex__io): its loop until a command sets io->stopping. */
+ * bex__io): its loop until CMD_STOP moves it to STOPPING. */
 void *bex__io_main(void *arg);
+/* The one place io's state changes: names the move in the debug log and
+ * asserts it is NEW -> RUNNING -> STOPPING -> JOINED (every move is our
+ * own code's). */
+void bex__io_move(struct bex__io *io, enum bex__io_state to);
+const char *bex__io_state_name(int s);
+static inline enum bex__io_state bex__io_state(struct bex__io *io)
+{
+    return (enum bex__io_state)atomic_load_explicit(&io->state, memory_order_acquire);
+}
 /* Set the watchers of the thread's own descriptors (completion channel,
  * async events). */
 void bex__io_tags_init(struct bex__io *io);

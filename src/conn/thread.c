@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The I/O thread: completions, events, timers, sleep; the owner's
  * commands through bex__conn_owner_ops.drain_cmds (moved from sock/io.c). */
+#include <assert.h>
+
 #include "conn/conn.h"
 #include "transport/rdma/srq.h"
 
@@ -220,6 +222,27 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
         handle_events(io, ev, m, wc);
 }
 
+const char *bex__io_state_name(int s)
+{
+    static const char *const names[] = {[IO_NEW] = "NEW",
+                                        [IO_RUNNING] = "RUNNING",
+                                        [IO_STOPPING] = "STOPPING",
+                                        [IO_JOINED] = "JOINED"};
+    return (unsigned)s < ARRAY_SIZE(names) ? names[s] : "?";
+}
+
+void bex__io_move(struct bex__io *io, enum bex__io_state to)
+{
+    int from = atomic_load_explicit(&io->state, memory_order_relaxed);
+    assert((from == IO_NEW && to == IO_RUNNING) || (from == IO_RUNNING && to == IO_STOPPING) ||
+           (from == IO_STOPPING && to == IO_JOINED));
+    struct bex__log *lg = io->env ? io->env->log : NULL;
+    if (lg && lg->level >= BEX_LOG_DEBUG)
+        bex__log(lg, BEX_LOG_DEBUG, "I/O thread %u: %s -> %s", io->idx, bex__io_state_name(from),
+                 bex__io_state_name(to));
+    atomic_store_explicit(&io->state, (int)to, memory_order_release);
+}
+
 void *bex__io_main(void *arg)
 {
     struct bex__io *io = arg;
@@ -233,7 +256,7 @@ void *bex__io_main(void *arg)
     uint32_t spins = 0, idle_polls = 0;
     bool spun_out = false;
     bool event = cfg->poll_mode == BEX_POLL_EVENT;
-    while (!io->stopping) {
+    while (bex__io_state(io) != IO_STOPPING) {
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
         did |= io->env->ops->drain_cmds(io);

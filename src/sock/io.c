@@ -220,7 +220,7 @@ bool bex__sock_drain_cmds(struct bex__io *io)
             break;
         }
         case CMD_STOP:
-            io->stopping = true;
+            bex__io_move(io, IO_STOPPING);
             break;
         case CMD_BIND:
             bex__exposed_bind(io, bex__container_of(c, struct bind_cmd, cmd));

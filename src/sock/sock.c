@@ -258,12 +258,14 @@ static void io_fini(struct bex__io *io)
 static void io_stop(bex_ctx *ctx)
 {
     for (uint32_t i = 0; i < ctx->n_io; i++)
-        if (ctx->io[i].started)
+        if (bex__io_state(&ctx->io[i]) == IO_RUNNING)
             bex__io_push(&ctx->io[i], &ctx->io[i].stop_cmd, CMD_STOP);
     for (uint32_t i = 0; i < ctx->n_io; i++) {
-        if (ctx->io[i].started)
+        enum bex__io_state st = bex__io_state(&ctx->io[i]);
+        if (st == IO_RUNNING || st == IO_STOPPING) {
             pthread_join(ctx->io[i].thread, NULL);
-        ctx->io[i].started = false;
+            bex__io_move(&ctx->io[i], IO_JOINED);
+        }
     }
     /* A listener's thread may have handed a connection to a thread that
      * had stopped already: its descriptor would leak. */
@@ -482,7 +484,7 @@ static int ctx_io_start(bex_ctx *ctx)
     for (uint32_t i = 0; i < ctx->n_io; i++) {
         if ((err = -pthread_create(&ctx->io[i].thread, NULL, bex__io_main, &ctx->io[i])))
             goto err_io;
-        ctx->io[i].started = true;
+        bex__io_move(&ctx->io[i], IO_RUNNING);
     }
     return 0;
 err_io:

@@ -101,13 +101,11 @@ bool bex__ack_hold_due(struct bex__xport *x, uint64_t *held, uint32_t delay_us)
 }
 
 int bex__stream_violation(struct bex__log *log, const char *name, const char *transport,
-                          bool *logged, const char *what)
+                          uint32_t *said, const char *what)
 {
-    if (!*logged)
-        bex__log(log, BEX_LOG_WARN,
-                 "%s: over %s: protocol violation by the peer: %s (the connection fails)", name,
-                 transport, what);
-    *logged = true;
+    bex__log_once(log, said, BEX__SAID_VIOLATION, BEX_LOG_WARN,
+                  "%s: over %s: protocol violation by the peer: %s (the connection fails)", name,
+                  transport, what);
     return -EPROTO;
 }
 

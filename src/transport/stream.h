@@ -123,12 +123,16 @@ static inline bool bex__stream_gone(const struct bex__stream *st)
  * that time has passed. */
 bool bex__ack_hold_due(struct bex__xport *x, uint64_t *held, uint32_t delay_us);
 
+/* The bit of a connection's "said" word (bex__log_once) its violation
+ * line takes: the peer's fault is logged once per connection. */
+#define BEX__SAID_VIOLATION 1u
+
 /* The peer broke the protocol (what says how): one WARN naming the
- * connection (name) and its transport, once per connection (*logged), the
- * log's rate limit over all; returns -EPROTO, with which the caller fails
- * the connection. A peer's fault is never an ERROR: that level is for our
- * own. */
+ * connection (name) and its transport, once per connection (the
+ * BEX__SAID_VIOLATION bit of *said), the log's rate limit over all;
+ * returns -EPROTO, with which the caller fails the connection. A peer's
+ * fault is never an ERROR: that level is for our own. */
 int bex__stream_violation(struct bex__log *log, const char *name, const char *transport,
-                          bool *logged, const char *what);
+                          uint32_t *said, const char *what);
 
 #endif

@@ -13,6 +13,7 @@
 #include "harness.h"
 #include "transport/tcp/tcp.h"
 #include "transport/transport.h"
+#include "wire/hello.h"
 
 #define PAYLOAD "hello over conn"
 static char payload[] = PAYLOAD;
@@ -373,4 +374,46 @@ static int refused(void)
     return 0;
 }
 
-BEX_TEST_MAIN({"tcp_setup", tcp_setup}, {"down", down}, {"refused", refused})
+/* Whether the peer closed fd (EOF or reset); the bytes it wrote first are
+ * dropped. */
+static bool peer_gone(int fd)
+{
+    char b[256];
+    ssize_t n = recv(fd, b, sizeof b, MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+/* A raw peer's readiness notice before any hello: a move of the setup that
+ * the accepted connection's phase (WAIT_HELLO) does not take, driven by the
+ * peer. The listener's side fails that connection and closes it, its place
+ * in the setup table comes back at once (SETUP -> DEAD), it is freed, and
+ * the thread goes on: the next client sets up and its message arrives. */
+static int ready_first(void)
+{
+    struct world w;
+    struct fake_stream f = {0};
+    world_init(&w);
+    world_listen(&w);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(fd >= 0);
+    CHECK_OK(connect(fd, (struct sockaddr *)&w.l.addr, sizeof(struct sockaddr_in)));
+    uint8_t b[BEX__READY_LEN];
+    bex__ready_encode(0, b);
+    CHECK(write(fd, b, sizeof b) == (ssize_t)sizeof b);
+    TURN_UNTIL(&w, peer_gone(fd));
+    close(fd);
+    CHECK_EQ(w.io.n_setup, 0);
+    TURN_UNTIL(&w, bex__list_empty(&w.io.conns));
+    CHECK_EQ(srv.opens + srv.chosen, 0);
+    struct conn *c;
+    CHECK_OK(bex__conn_start_client(&w.io, &w.l.addr, BEX_TRANSPORT_TCP, &c));
+    CHECK_OK(bex__conn_stream_add(c, c->next_stream++, &f.st));
+    TURN_UNTIL(&w, srv.msgs == 1 && cli.done == 1);
+    CHECK(strcmp(srv.got, PAYLOAD) == 0);
+    CHECK_EQ(w.io.n_setup, 0);
+    world_fini(&w);
+    return 0;
+}
+
+BEX_TEST_MAIN({"tcp_setup", tcp_setup}, {"down", down}, {"refused", refused},
+              {"ready_first", ready_first})

@@ -161,5 +161,23 @@ static int peer_close_unopened(void)
     return 0;
 }
 
+/* The peer's readiness notice a second time, once its engine is UP: a
+ * move the engine's state does not take, driven by the peer, so its engine
+ * fails with -EPROTO (a violation) and the process goes on. */
+static int peer_ready_twice(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 1);
+    CHECK(!fk_dead(&p, 0));
+    bex__engine_start(p.s[0].e);
+    CHECK(fk_dead(&p, 0));
+    CHECK_EQ(p.s[0].fail_err, -EPROTO);
+    CHECK(!fk_dead(&p, 1));
+    fk_pair_fini(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(local_fail), BEX_CASE(nic_error), BEX_CASE(peer_fail),
-              BEX_CASE(random_schedules), BEX_CASE(peer_close_unopened))
+              BEX_CASE(random_schedules), BEX_CASE(peer_close_unopened), BEX_CASE(peer_ready_twice))

@@ -55,6 +55,7 @@
 #include "bex/sock.h"
 #include "conn/hello_io.h"
 #include "harness.h"
+#include "transport/tcp/tcp_internal.h"
 #include "wire/hdr.h"
 #include "wire/hello.h"
 
@@ -797,7 +798,54 @@ static int frames_split(void)
     return 0;
 }
 
+/* ---- a peer's fault on a dead connection (fault_when_dead) ---- */
+
+static int fwd_fails, fwd_err, fwd_warns;
+
+static void fwd_on_fail(struct bex__xport *x, int err)
+{
+    (void)x;
+    fwd_fails++;
+    fwd_err = err;
+}
+
+static void fwd_sink(int level, const char *msg, void *arg)
+{
+    (void)msg, (void)arg;
+    fwd_warns += level == BEX_LOG_WARN;
+}
+
+/* The TCP connection's state machine without a socket: a peer's protocol
+ * violation moves an UP connection to DEAD (-EPROTO to on_fail, one WARN);
+ * a second one, which the dead connection's state does not take, changes
+ * nothing: no second on_fail, no second line, no abort. */
+static int fault_when_dead(void)
+{
+    struct bex__log lg;
+    bex__log_init(&lg, fwd_sink, NULL, BEX_LOG_INFO);
+    struct bex__engine_shared sh = {.log = &lg};
+    static const struct bex__transport_upcalls up = {.on_fail = fwd_on_fail};
+    struct bex__tcp_config cfg = {.name = "raw peer"};
+    struct bex__xport *x;
+    CHECK_OK(bex__tcp_create(&sh, &cfg, &up, NULL, -1, NULL, NULL, &x));
+    struct bex__tcp *t = tcp_of(x);
+    CHECK_EQ(t->state, T_NEW);
+    bex__tcp_move(t, T_UP); /* bex__tcp_start without its loop */
+    bex__tcp_violation(t, "a frame out of turn");
+    CHECK_EQ(t->state, T_DEAD);
+    CHECK_EQ(fwd_fails, 1);
+    CHECK_EQ(fwd_err, -EPROTO);
+    bex__tcp_violation(t, "another");
+    CHECK_EQ(t->state, T_DEAD);
+    CHECK_EQ(fwd_fails, 1);
+    CHECK_EQ(fwd_warns, 1);
+    CHECK(x->ops->is_dead(x) && !x->ops->is_up(x));
+    x->ops->destroy(x);
+    bex__log_fini(&lg);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(direct_two_streams), BEX_CASE(direct_after_cancel), BEX_CASE(parts_bounded),
               BEX_CASE(pause_with_parts), BEX_CASE(interleave_over_limit), BEX_CASE(no_ack),
               BEX_CASE(rdhup_paused), BEX_CASE(hold_budget), BEX_CASE(slow_sender),
-              BEX_CASE(peer_close_twice), BEX_CASE(frames_split))
+              BEX_CASE(peer_close_twice), BEX_CASE(frames_split), BEX_CASE(fault_when_dead))

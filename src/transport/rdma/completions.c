@@ -378,11 +378,10 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
     }
     if (rc) {
         if (rc == -EPROTO) /* the peer's fault: a WARN (bex__stream_violation) */
-            bex__stream_violation(e->sh->log, e->name, "RDMA", &e->violation_logged,
-                                  "a message it sent");
-        else if (!e->violation_logged)
-            bex__log(e->sh->log, BEX_LOG_ERROR, "%s: %s from peer", e->name, strerror(-rc));
-        e->violation_logged = true;
+            bex__stream_violation(e->sh->log, e->name, "RDMA", &e->said, "a message it sent");
+        else
+            bex__log_once(e->sh->log, &e->said, BEX__SAID_VIOLATION, BEX_LOG_ERROR,
+                          "%s: %s from peer", e->name, strerror(-rc));
         bex__engine_fail(e, rc);
     }
     return true;

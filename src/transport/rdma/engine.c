@@ -361,6 +361,24 @@ uint32_t bex__engine_qpn(struct bex__engine *e)
 {
     return e->qpn;
 }
+const char *bex__engine_state_name(enum bex__engine_state s)
+{
+    static const char *const names[] = {
+        [E_INIT] = "INIT", [E_CONNECTED] = "CONNECTED", [E_UP] = "UP", [E_DEAD] = "DEAD"};
+    return (unsigned)s < ARRAY_SIZE(names) ? names[s] : "?";
+}
+
+void bex__engine_move(struct bex__engine *e, enum bex__engine_state to)
+{
+    enum bex__engine_state from = e->state;
+    assert((from == E_INIT && to == E_CONNECTED) || (from == E_CONNECTED && to == E_UP) ||
+           (from != E_DEAD && to == E_DEAD));
+    if (e->sh->log && e->sh->log->level >= BEX_LOG_DEBUG)
+        bex__log(e->sh->log, BEX_LOG_DEBUG, "%s: %s -> %s", e->name, bex__engine_state_name(from),
+                 bex__engine_state_name(to));
+    e->state = to;
+}
+
 bool bex__engine_is_up(struct bex__engine *e)
 {
     return e->state == E_UP;
@@ -419,15 +437,20 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
     e->peer_max_msg = p->max_msg;
     e->peer_ka_addr = p->ka_addr;
     e->peer_ka_rkey = p->ka_rkey;
-    e->state = E_CONNECTED;
+    bex__engine_move(e, E_CONNECTED);
     return 0;
 }
 
 void bex__engine_start(struct bex__engine *e)
 {
-    if (e->state != E_CONNECTED)
+    if (e->state == E_DEAD)
+        return;                    /* it failed before the peer's notice came */
+    if (e->state != E_CONNECTED) { /* the peer's notice out of turn: before its hello, or twice */
+        bex__engine_fail(e, bex__engine_violation(e, "a readiness notice in state %s",
+                                                  bex__engine_state_name(e->state)));
         return;
-    e->state = E_UP;
+    }
+    bex__engine_move(e, E_UP);
     uint64_t now = bex__now_ms();
     e->ka_last_ms = now;
     e->ka_next_ms = now;

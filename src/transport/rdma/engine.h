@@ -128,7 +128,9 @@ void bex__engine_set_dest(struct bex__engine *e, uint32_t ip);
 void bex__engine_local(struct bex__engine *e, struct bex__engine_local *out);
 /* Bring the QP to RTS with the peer's hello. */
 int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *peer);
-/* The peer is ready: traffic may start. */
+/* The peer is ready: traffic may start (CONNECTED -> UP). A dead engine
+ * stays dead; in any other state the notice is out of turn, the peer's
+ * fault: the engine fails with -EPROTO. */
 void bex__engine_start(struct bex__engine *e);
 bool bex__engine_is_up(struct bex__engine *e);
 bool bex__engine_is_dead(struct bex__engine *e);

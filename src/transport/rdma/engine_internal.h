@@ -32,11 +32,11 @@
 #define ST_UNSENT  (-ECANCELED)
 #define ST_INDOUBT (-EIO)
 
-/* Engine states; only the engine changes them (docs/architecture.md):
- * INIT -> CONNECTED (bex__engine_connect) -> UP (bex__engine_start) -> DEAD
- * (bex__engine_fail, from any state; synchronous: the QP is destroyed and
- * everything handed back before on_fail returns). */
-enum { E_INIT, E_CONNECTED, E_UP, E_DEAD };
+/* Engine states (docs/architecture.md): INIT -> CONNECTED
+ * (bex__engine_connect) -> UP (bex__engine_start) -> DEAD (bex__engine_fail,
+ * from any state; synchronous: the QP is destroyed and everything handed
+ * back before on_fail returns). Only bex__engine_move changes it. */
+enum bex__engine_state { E_INIT, E_CONNECTED, E_UP, E_DEAD };
 
 struct sslot {
     struct ibv_send_wr wr;
@@ -112,7 +112,7 @@ struct bex__engine {
     struct ibv_qp *qp;
     bool nodev; /* qp is a stand-in: bex__engine_create_nodev */
     uint32_t psn;
-    int state;
+    enum bex__engine_state state;
 
     /* send chain: counters grow and wrap; slot = counter & (sq - 1), sq a
      * power of two, so the mapping stays continuous across the wrap */
@@ -228,10 +228,17 @@ struct bex__engine {
                         keepalive write is due for keepalive_ms */
     uint64_t peer_ka_addr;
     uint32_t peer_ka_rkey;
-    bool violation_logged; /* the peer's fault is logged: no second line */
-    int stream_fault;      /* a peer's CLOSE a stream's state does not take (-EPROTO) */
-    char name[48];         /* how log lines name the connection (bex__engine_set_name) */
+    uint32_t said;    /* lines logged once (bex__log_once): BEX__SAID_VIOLATION */
+    int stream_fault; /* a peer's CLOSE a stream's state does not take (-EPROTO) */
+    char name[48];    /* how log lines name the connection (bex__engine_set_name) */
 };
+
+/* The one place e's state changes: names the move in the debug log and
+ * asserts it is one our code may make (INIT -> CONNECTED -> UP, any but
+ * DEAD -> DEAD); what a peer does out of turn is checked before (a
+ * violation, which fails the engine). */
+void bex__engine_move(struct bex__engine *e, enum bex__engine_state to);
+const char *bex__engine_state_name(enum bex__engine_state s);
 
 static inline uint64_t wrid(const struct bex__engine *e, uint32_t low)
 {

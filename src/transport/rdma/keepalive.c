@@ -18,7 +18,7 @@ __attribute__((format(printf, 2, 3))) int bex__engine_violation(struct bex__engi
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    return bex__stream_violation(e->sh->log, e->name, "RDMA", &e->violation_logged, msg);
+    return bex__stream_violation(e->sh->log, e->name, "RDMA", &e->said, msg);
 }
 
 /* ---------------- keepalive and failure ---------------- */
@@ -226,7 +226,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
 {
     if (e->state == E_DEAD)
         return;
-    e->state = E_DEAD;
+    bex__engine_move(e, E_DEAD);
     bex__engine_release_windows(e); /* before the QP: see release_windows */
     if (e->qp) {
         if (e->nodev) {

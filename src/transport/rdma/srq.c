@@ -12,6 +12,9 @@
 #include "loop/loop.h"
 #include "bex/common.h"
 
+/* q->said: a refused share is logged once, again after a release. */
+#define SRQ_SAID_FULL 1u
+
 static int srq_create(struct bex__engine_shared *sh, uint32_t depth, uint32_t rbuf_len,
                       struct ibv_cq *cq, struct ibv_srq *stand_in, struct bex__srq **out)
 {
@@ -323,12 +326,10 @@ uint32_t bex__srq_unshared_test;
 int bex__srq_grant(struct bex__srq *q, struct bex__engine *e, uint32_t qpn, uint32_t share)
 {
     if (share > q->cap - q->granted && !bex__srq_unshared_test) {
-        if (!q->full_told)
-            bex__log(q->sh->log, BEX_LOG_WARN,
-                     "shared receive queue full: %u of %u receives granted to %u peers, no share "
-                     "of %u for another (srq_depth)",
-                     q->granted, q->cap, q->peers, share);
-        q->full_told = true;
+        bex__log_once(q->sh->log, &q->said, SRQ_SAID_FULL, BEX_LOG_WARN,
+                      "shared receive queue full: %u of %u receives granted to %u peers, no share "
+                      "of %u for another (srq_depth)",
+                      q->granted, q->cap, q->peers, share);
         BEX__STAT_ADD(q->sh->stats, srq_refused, 1);
         return -ENOSPC;
     }
@@ -365,7 +366,7 @@ void bex__srq_release(struct bex__srq *q, uint32_t qpn, uint32_t share, const ui
         q->pool[q->n_pool++] = a[i];
     for (uint32_t i = 0; i < nb; i++)
         q->pool[q->n_pool++] = b[i];
-    q->full_told = false;
+    q->said &= ~SRQ_SAID_FULL; /* full again after this release: say so again */
     refill(q);
 }
 

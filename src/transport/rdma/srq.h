@@ -88,7 +88,7 @@ struct bex__srq {
     uint32_t held;    /* consumed receives engines hold (credits not returned) */
     uint32_t granted; /* credits granted to the engines on the queue */
     uint32_t peers;   /* engines on the queue */
-    bool full_told;   /* a refused share was logged (again after a release) */
+    uint32_t said;    /* lines logged once (bex__log_once): SRQ_SAID_FULL */
     /* QP number -> engine, open addressing: a receive completion names
      * the QP, not the engine */
     struct bex__srq_ent *map;

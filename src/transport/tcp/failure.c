@@ -34,9 +34,9 @@ void bex__tcp_part_release(struct bex__tcp *t, struct part *p)
 void bex__tcp_fail(struct bex__xport *x, int err)
 {
     struct bex__tcp *t = tcp_of(x);
-    if (t->dead)
+    if (t->state == T_DEAD)
         return;
-    t->dead = true;
+    bex__tcp_move(t, T_DEAD);
     t->x.due_us = 0;
     /* the fd is the connection's: it closes it on on_fail; from here on
      * nothing is written or read, so every buffer is ours to hand back */
@@ -82,6 +82,5 @@ void bex__tcp_fail(struct bex__xport *x, int err)
 /* The peer broke the protocol: one log line, then the connection goes. */
 void bex__tcp_violation(struct bex__tcp *t, const char *what)
 {
-    bex__tcp_fail(
-        &t->x, bex__stream_violation(t->sh->log, t->cfg.name, "TCP", &t->violation_logged, what));
+    bex__tcp_fail(&t->x, bex__stream_violation(t->sh->log, t->cfg.name, "TCP", &t->said, what));
 }

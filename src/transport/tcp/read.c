@@ -33,7 +33,7 @@ static int acked(struct bex__tcp *t, uint32_t n)
             t->ack_tail = NULL;
         t->ack_n--;
         bex__tcp_done(t, m, 0);
-        if (t->dead)
+        if (t->state == T_DEAD)
             return 0;
     }
     return 0;
@@ -119,9 +119,9 @@ static bool on_close_frame(struct bex__tcp *t, const struct bex__hdr *h)
         return false;
     }
     t->up->on_peer_close(&t->x, h->stream);
-    if (!t->dead && st && bex__stream_find(&t->streams, h->stream) == st)
+    if (t->state != T_DEAD && st && bex__stream_find(&t->streams, h->stream) == st)
         bex__tcp_stream_maybe_end(t, st);
-    return !t->dead;
+    return t->state != T_DEAD;
 }
 
 /* Where a DATA message starting with h goes: a received buffer, when the
@@ -231,7 +231,7 @@ static bool on_header(struct bex__tcp *t, const uint8_t *raw)
             bex__tcp_violation(t, "acknowledges messages never sent");
             return false;
         }
-        if (t->dead)
+        if (t->state == T_DEAD)
             return false;
     }
     t->rhdr_len = 0;
@@ -240,7 +240,7 @@ static bool on_header(struct bex__tcp *t, const uint8_t *raw)
         return true;
     case BEX__MSG_OPEN:
         t->up->on_open(&t->x, h->stream);
-        return !t->dead;
+        return t->state != T_DEAD;
     case BEX__MSG_CLOSE:
         return on_close_frame(t, h);
     default:
@@ -274,7 +274,7 @@ static bool on_header(struct bex__tcp *t, const uint8_t *raw)
         t->in_payload = false;
         part_complete(t, p);
         t->cur = NULL;
-        return !t->dead;
+        return t->state != T_DEAD;
     }
     return true;
 }
@@ -294,7 +294,7 @@ static bool payload_in(struct bex__tcp *t, uint32_t n)
     t->cur = NULL;
     if (p->off == p->len)
         part_complete(t, p);
-    return !t->dead;
+    return t->state != T_DEAD;
 }
 
 /* May the current frame's payload still go into its exposed buffer? */
@@ -407,7 +407,7 @@ void bex__tcp_rx(struct bex__tcp *t)
     uint64_t msgs0 = t->msgs_in;
     bool drained = false;
     t->rx_ms = bex__now_ms();
-    while (!t->dead) {
+    while (t->state != T_DEAD) {
         if (t->need_buf) {
             if (!on_header(t, NULL))
                 return;
@@ -435,17 +435,17 @@ void bex__tcp_events(struct bex__xport *x, uint32_t events)
 {
     x = bex__tcp_unwrap(x);
     struct bex__tcp *t = tcp_of(x);
-    if (t->dead)
+    if (t->state == T_DEAD)
         return;
     if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
         bex__tcp_rx(t);
-    if (!t->dead && events & EPOLLOUT) {
+    if (t->state != T_DEAD && events & EPOLLOUT) {
         int err = bex__tcp_flush(t);
         if (err) {
             t->link_lost = true;
             bex__tcp_fail(x, err);
         }
     }
-    if (!t->dead)
+    if (t->state != T_DEAD)
         bex__tcp_progress(x);
 }

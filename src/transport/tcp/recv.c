@@ -36,7 +36,7 @@ uint64_t bex__tcp_recv_share(struct bex__tcp *t)
  * rate window when the connection begins to hold. */
 void bex__tcp_hold_note(struct bex__tcp *t)
 {
-    bool h = !t->dead && t->part_bytes > 0;
+    bool h = t->state != T_DEAD && t->part_bytes > 0;
     if (h == t->holding)
         return;
     t->holding = h;

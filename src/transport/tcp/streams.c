@@ -34,7 +34,8 @@ void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, 
 bool bex__tcp_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
 {
     const struct bex__tcp *t = tcp_of(x);
-    return !t->dead && bex__stream_open(st) && (m->direct || m->len <= t->cfg.peer_max_msg);
+    return t->state != T_DEAD && bex__stream_open(st) &&
+           (m->direct || m->len <= t->cfg.peer_max_msg);
 }
 
 void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
@@ -44,7 +45,7 @@ void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
     m->st = st;
     m->off = 0;
     m->state = BEX__M_QUEUED;
-    if (t->dead || !bex__stream_open(st)) {
+    if (t->state == T_DEAD || !bex__stream_open(st)) {
         bex__tcp_done(t, m, -ECANCELED);
         return;
     }

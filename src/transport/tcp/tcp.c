@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The TCP transport (see tcp.h). */
+#include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +39,7 @@ void bex__tcp_want(struct bex__tcp *t)
         ev |= EPOLLIN | EPOLLRDHUP;
     if (t->out_n || t->ctl_n)
         ev |= EPOLLOUT;
-    if (ev != t->events && !t->dead) {
+    if (ev != t->events && t->state != T_DEAD) {
         if (bex__loop_modify(t->loop, t->fd, ev, t->tag) == 0)
             t->events = ev;
     }
@@ -63,6 +64,7 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
     t->up = up;
     t->sh = sh;
     t->cfg = *cfg;
+    t->state = T_NEW;
     bex__stream_set_init(&t->streams);
     if (!t->cfg.ack_delay_us)
         t->cfg.ack_delay_us = BEX__TCP_ACK_DELAY_US;
@@ -89,13 +91,29 @@ int bex__tcp_prefix(struct bex__xport *x, const void *p, size_t n)
     return 0;
 }
 
+const char *bex__tcp_state_name(enum bex__tcp_state s)
+{
+    static const char *const names[] = {[T_NEW] = "NEW", [T_UP] = "UP", [T_DEAD] = "DEAD"};
+    return (unsigned)s < ARRAY_SIZE(names) ? names[s] : "?";
+}
+
+void bex__tcp_move(struct bex__tcp *t, enum bex__tcp_state to)
+{
+    enum bex__tcp_state from = t->state;
+    assert((from == T_NEW && to == T_UP) || (from != T_DEAD && to == T_DEAD));
+    if (t->sh->log && t->sh->log->level >= BEX_LOG_DEBUG)
+        bex__log(t->sh->log, BEX_LOG_DEBUG, "%s: over TCP: %s -> %s", t->cfg.name,
+                 bex__tcp_state_name(from), bex__tcp_state_name(to));
+    t->state = to;
+}
+
 void bex__tcp_start(struct bex__xport *x)
 {
     struct bex__tcp *t = tcp_of(bex__tcp_unwrap(x));
-    t->is_up = true;
+    bex__tcp_move(t, T_UP);
     t->last_rx = t->last_tx = bex__now_ms();
     t->up->on_up(&t->x);
-    if (!t->dead)
+    if (t->state != T_DEAD)
         bex__tcp_want(t);
 }
 
@@ -118,12 +136,12 @@ static void tcp_destroy(struct bex__xport *x)
 
 static bool tcp_is_up(struct bex__xport *x)
 {
-    return tcp_of(x)->is_up;
+    return tcp_of(x)->state == T_UP;
 }
 
 static bool tcp_is_dead(struct bex__xport *x)
 {
-    return tcp_of(x)->dead;
+    return tcp_of(x)->state == T_DEAD;
 }
 
 static uint32_t tcp_peer_max_msg(struct bex__xport *x)

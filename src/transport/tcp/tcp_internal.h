@@ -24,6 +24,13 @@
  * socket is drained. */
 #define RX_STAGE 1024
 
+/* A TCP connection's state (docs/architecture.md): NEW (made by
+ * bex__tcp_create, the setup's last bytes may be queued) -> UP
+ * (bex__tcp_start) -> DEAD (bex__tcp_fail, from either; synchronous: every
+ * message and stream handed back before on_fail returns). Only
+ * bex__tcp_move changes it. */
+enum bex__tcp_state { T_NEW, T_UP, T_DEAD };
+
 /* One frame of the write batch: its header, and the payload slice it sends
  * straight from the message's buffer. */
 struct out_frame {
@@ -61,11 +68,11 @@ struct bex__tcp {
     int fd;
     struct bex__loop *loop;
     struct ep_tag *tag;
-    uint32_t events; /* what we watch now */
-    bool is_up, dead;
-    bool rx_paused;     /* recv_bytes_max: not reading until there is room */
-    bool pause_own;     /* paused by the connection's own share (recv_share) */
-    uint64_t paused_ms; /* bex__now_ms() when reading paused */
+    uint32_t events;           /* what we watch now */
+    enum bex__tcp_state state; /* changed only by bex__tcp_move */
+    bool rx_paused;            /* recv_bytes_max: not reading until there is room */
+    bool pause_own;            /* paused by the connection's own share (recv_share) */
+    uint64_t paused_ms;        /* bex__now_ms() when reading paused */
     /* streams: every one, and those with something to send (a ring) */
     struct bex__stream_set streams;
     /* write side */
@@ -109,8 +116,8 @@ struct bex__tcp {
     uint64_t ka_period; /* the keepalive grid's period of the last tick (timers.c) */
     uint64_t rx_ms;     /* bex__now_ms() when the running bex__tcp_rx began */
     uint64_t msgs_in;   /* the peer's messages received whole */
-    bool violation_logged;
-    bool link_lost; /* failed because the TCP connection did (EOF, reset, write error) */
+    uint32_t said;      /* lines logged once (bex__log_once): BEX__SAID_VIOLATION */
+    bool link_lost;     /* failed because the TCP connection did (EOF, reset, write error) */
     uint8_t *prefix;
 };
 
@@ -120,6 +127,11 @@ static inline struct bex__tcp *tcp_of(struct bex__xport *x)
 }
 
 /* ---- functions shared by the module's files ---- */
+/* The one place t's state changes: names the move in the debug log and
+ * asserts it is NEW -> UP or a live state -> DEAD (our code makes every
+ * move; a peer only fails the connection, which a dead one ignores). */
+void bex__tcp_move(struct bex__tcp *t, enum bex__tcp_state to);
+const char *bex__tcp_state_name(enum bex__tcp_state s);
 void bex__tcp_fail(struct bex__xport *x, int err);
 bool bex__tcp_ctl_push(struct bex__tcp *t, uint8_t type, uint32_t stream, struct bex__stream *st);
 bool bex__tcp_progress(struct bex__xport *x);

@@ -96,7 +96,7 @@ static bool timed_out(struct bex__tcp *t, uint64_t now)
  * rate the tick measures. An idle connection asks for neither. */
 static unsigned tick_wants(const struct bex__tcp *t)
 {
-    if (t->dead || !t->is_up)
+    if (t->state != T_UP)
         return BEX__TICK_PROGRESS;
     unsigned want = 0;
     if (t->need_buf || t->rx_paused || t->holding || t->out_n || t->ctl_n || t->streams.ring_n)
@@ -132,11 +132,11 @@ bool bex__tcp_keepalive_due(struct bex__tcp *t, uint64_t now)
 unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now)
 {
     struct bex__tcp *t = tcp_of(x);
-    if (t->dead || !t->is_up)
+    if (t->state != T_UP)
         return tick_wants(t);
     if (t->need_buf) { /* room again? */
         bex__tcp_rx(t);
-        if (t->dead)
+        if (t->state == T_DEAD)
             return tick_wants(t);
     }
     if (timed_out(t, now)) {

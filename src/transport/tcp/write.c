@@ -174,7 +174,7 @@ static void frame_written(struct bex__tcp *t, struct out_frame *f, uint64_t now_
  * gone). */
 int bex__tcp_flush(struct bex__tcp *t)
 {
-    while (t->out_n && !t->dead) {
+    while (t->out_n && t->state != T_DEAD) {
         struct iovec iov[IOV_BATCH];
         int n = 0;
         size_t skip = t->out_off;
@@ -217,7 +217,7 @@ int bex__tcp_flush(struct bex__tcp *t)
             t->out_head = (t->out_head + 1) % OUT_MAX;
             t->out_n--;
             frame_written(t, f, now_ms);
-            if (t->dead)
+            if (t->state == T_DEAD)
                 return 0;
         }
     }
@@ -227,10 +227,10 @@ int bex__tcp_flush(struct bex__tcp *t)
 bool bex__tcp_progress(struct bex__xport *x)
 {
     struct bex__tcp *t = tcp_of(x);
-    if (t->dead || !t->is_up)
+    if (t->state != T_UP)
         return false;
     bool did = false;
-    for (int round = 0; round < 4 && !t->dead; round++) {
+    for (int round = 0; round < 4 && t->state != T_DEAD; round++) {
         bool s = schedule(t);
         uint32_t before = t->out_n;
         int err = bex__tcp_flush(t);
@@ -245,7 +245,7 @@ bool bex__tcp_progress(struct bex__xport *x)
             (!t->streams.ring_n && !t->ctl_n && (!t->acks_owed || t->ack_held)))
             break;
     }
-    if (!t->dead)
+    if (t->state != T_DEAD)
         bex__tcp_want(t);
     return did;
 }
