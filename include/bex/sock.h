@@ -158,7 +158,7 @@ typedef struct bex_ctx_config {
     uint32_t connect_timeout_ms;   /* TCP connect + hello (3000) */
     uint32_t poll_spin_us;         /* busy-poll this long before sleeping (50) */
     uint8_t qp_timeout;            /* verbs local ACK timeout exponent (14) */
-    uint8_t qp_retry_cnt;          /* transport retries (7) */
+    uint8_t qp_retry_cnt;          /* transport retries (7; rxe: 7 retries forever) */
     uint8_t qp_rnr_retry;          /* RNR retries (7; credits keep RNR from happening) */
     bex_mem_pool *pool;            /* use this pool (registered with this context's
                                       PD, see bex_ctx_pd, with local access only)

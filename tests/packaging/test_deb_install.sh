@@ -15,7 +15,7 @@
 #  - dpkg --purge removes both: no file of theirs left, the cache without
 #    libbex (the postrm ran), the database without them.
 # What it cannot show: systemd as PID 1 starting the unit (DynamicUser,
-# StateDirectory, LimitMEMLOCK), and an install resolving dependencies
+# StateDirectory, LimitMEMLOCK: test_deb.systemd shows it, in a VM), and an install resolving dependencies
 # with apt. Needs root (chroot) and dpkg: exit 77 (skip) without them.
 # The packages are the ones test_deb.packages left in BUILD_DIR/test-deb.
 #   test_deb_install.sh BUILD_DIR VERSION

@@ -19,9 +19,19 @@
  *    over RDMA the credit and window stalls move (each send past the
  *    eighth waits for a credit, each past the first for the window); over
  *    TCP they stay 0 (the kernel's flow control: bex counts neither). RNR
- *    and retry errors are not made to move: credits keep RNR from
- *    happening, and a retry error needs a lost path (the adversary suite's
- *    cut wire), so their families are only checked to exist (names). */
+ *    errors are only checked to exist (names): credits keep RNR from
+ *    happening.
+ *  - retry_errors (rxe only, label serial): the QPs' ACK timeout and
+ *    retries stated (qp_timeout 14, about 67 ms; qp_retry_cnt 6: about
+ *    0.5 s to fail); one echo through; then the server frozen (SIGSTOP:
+ *    its kernel still acknowledges, its bex returns no credit), RETRY_N
+ *    sends handed to the NIC, and the wire drops 100 % (netem loss on both
+ *    veths): the next unacknowledged work request (a send or a keepalive)
+ *    exhausts its retries. Retry errors move to 1 in bex_ctx_prometheus's
+ *    text, the socket reports -ETIMEDOUT, every send comes back with an
+ *    error (none reported delivered, none echoed), well before the
+ *    keepalive timeout (20 s here). The wire is restored at exit however
+ *    the case ends (atexit; a kill: the CTest fixture netem_cleanup). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,7 +83,8 @@ static long long metric(bex_ctx *ctx, const char *sample)
 
 struct cli {
     struct waiter w;
-    _Atomic long connected, recvd, errors, closed;
+    _Atomic long connected, recvd, errors, closed, done, done_err;
+    _Atomic int err; /* the last on_error's */
     int conn_status;
 };
 
@@ -94,13 +105,18 @@ static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
 
 static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
 {
-    (void)s, (void)len, (void)mu, (void)status, (void)user;
+    (void)s, (void)len, (void)mu;
+    struct cli *c = user;
     bex_mem_free(buf);
+    if (status)
+        atomic_fetch_add(&c->done_err, 1);
+    waiter_add(&c->w, &c->done, 1);
 }
 
 static void cli_error(bex_sock *s, int err, void *user)
 {
-    (void)s, (void)err;
+    (void)s;
+    atomic_store(&((struct cli *)user)->err, err);
     waiter_add(&((struct cli *)user)->w, &((struct cli *)user)->errors, 1);
 }
 
@@ -258,6 +274,111 @@ static int stalls_client(struct pair *p, void *arg)
     return 0;
 }
 
+#define RETRY_N 4
+
+/* netem loss of 100 % on both veths (op "add") or none ("del") */
+static int wire_drop(const char *op)
+{
+    int rc = 0;
+    for (int i = 0; i < 2; i++) {
+        char cmd[128];
+        snprintf(cmd, sizeof cmd, "tc qdisc %s dev veth%d root netem loss 100%% 2>&1", op, i);
+        rc |= system(cmd);
+    }
+    return rc;
+}
+
+/* The drop must not outlive the case: removed at exit of this process
+ * (a failed CHECK exits too), not of the forked server. */
+static pid_t drop_owner;
+
+static void wire_restore(void)
+{
+    if (drop_owner && getpid() == drop_owner) {
+        drop_owner = 0;
+        if (wire_drop("del"))
+            fprintf(stderr, "could not remove the netem qdiscs\n");
+    }
+}
+
+/* Waits (10 s at most) until pid is stopped (state T in /proc/pid/stat):
+ * kill(SIGSTOP) returns before the target has stopped. */
+static int wait_stopped(pid_t pid)
+{
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    for (int i = 0; i < 1000; i++) {
+        FILE *f = fopen(path, "r");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+        if (f)
+            fclose(f);
+        buf[n] = 0;
+        const char *st = strrchr(buf, ')');
+        if (st && st[1] == ' ' && st[2] == 'T')
+            return 0;
+        pair_sleep_ms(10);
+    }
+    return -1;
+}
+
+/* The cut: with the server frozen (its kernel still acknowledges, its bex
+ * returns no credit: the sends are handed to the NIC, not delivered), the
+ * sends go out, then the wire drops everything: the next unacknowledged
+ * work request (a send or a keepalive) exhausts its retries. */
+static int retry_cut(struct pair *p, struct cli *c, bex_sock *s)
+{
+    CHECK_OK(kill(p->child, SIGSTOP));
+    CHECK_OK(wait_stopped(p->child));
+    for (int i = 0; i < RETRY_N; i++)
+        local_send(p->ctx, s, LOAD_LEN);
+    drop_owner = getpid();
+    CHECK(atexit(wire_restore) == 0);
+    CHECK_OK(wire_drop("add"));
+    int rc = wait_count(&c->w, &c->errors, 1, 10000);
+    if (!rc)
+        rc = wait_count(&c->w, &c->done, 1 + RETRY_N, 10000);
+    if (rc)
+        fprintf(stderr, "after the cut: %ld errors, %ld sends done (%ld failed), %ld received\n",
+                atomic_load(&c->errors), atomic_load(&c->done), atomic_load(&c->done_err),
+                atomic_load(&c->recvd));
+    return rc;
+}
+
+static int retry_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    bex_ctx *ctx = p->ctx;
+    CHECK_EQ(metric(ctx, "bex_transport_retry_errors_total"), 0);
+    struct cli c = {.w = WAITER_INIT};
+    bex_sock *s = cli_connect(ctx, &p->srv, &c);
+    CHECK(s);
+    local_send(ctx, s, LOAD_LEN); /* the path works before the cut */
+    CHECK_OK(wait_count(&c.w, &c.recvd, 1, 10000));
+    CHECK_OK(wait_count(&c.w, &c.done, 1, 10000));
+    CHECK_EQ(atomic_load(&c.done_err), 0);
+    int rc = retry_cut(p, &c, s);
+    long long retries = metric(ctx, "bex_transport_retry_errors_total");
+    long long ka = metric(ctx, "bex_transport_keepalive_failures_total");
+    fprintf(stderr,
+            "wire cut: error %d, %ld of %d sends failed, retry errors %lld, keepalive "
+            "failures %lld\n",
+            atomic_load(&c.err), atomic_load(&c.done_err), RETRY_N, retries, ka);
+    wire_restore();
+    /* the frozen server is killed, not waited for (as in keepalive), even
+     * when a check below fails: pair_run would wait for it */
+    kill(p->child, SIGKILL);
+    waitpid(p->child, NULL, 0);
+    p->child = 0;
+    CHECK_OK(rc);
+    CHECK_EQ(atomic_load(&c.err), -ETIMEDOUT);
+    CHECK_EQ(atomic_load(&c.done_err), RETRY_N);
+    CHECK_EQ(atomic_load(&c.recvd), 1);
+    CHECK_EQ(retries, 1);
+    CHECK_EQ(ka, 0);
+    CHECK_OK(cli_close(s, &c));
+    return 0;
+}
+
 static const bex_ctx_config ka_cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = 1500};
 
 static int names(void)
@@ -284,10 +405,25 @@ static int stalls(void)
     return pair_run(&few_credits, echo_srv_main, NULL, &one_in_flight, stalls_client, NULL, 120);
 }
 
+/* The QPs' ACK timeout and retries stated: bex's ACK timeout (about
+ * 67 ms) and 6 retries, so that a send unacknowledged for 7 x 67 ms,
+ * about 0.5 s, fails its QP. Not bex's 7: rxe retries forever at 7 (as
+ * the verbs spec says of RNR retries only). Not shorter either: an ACK
+ * timeout of 4 ms and 1 retry failed QPs before the cut on a loaded host.
+ * The keepalive timeout far beyond (20 s), so that only the retries end
+ * the connection. */
+static const bex_ctx_config stated_retry = {
+    .qp_timeout = 14, .qp_retry_cnt = 6, .keepalive_timeout_ms = 20000};
+
+static int retry_errors(void)
+{
+    return pair_run(&stated_retry, echo_srv_main, NULL, &stated_retry, retry_client, NULL, 60);
+}
+
 static int fallback(void)
 {
     return pair_run(NULL, echo_srv_main, NULL, NULL, fallback_client, NULL, 60);
 }
 
 BEX_TEST_MAIN(BEX_CASE(names), BEX_CASE(load), BEX_CASE(keepalive), BEX_CASE(fallback),
-              BEX_CASE(stalls))
+              BEX_CASE(stalls), BEX_CASE(retry_errors))

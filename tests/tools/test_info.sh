@@ -9,7 +9,10 @@
 #     fails at connect (exit 1).
 #   test_info.sh BEX_INFO rxe: on BEX_TEST_ADDR0 (rxe0, in the VM; skips
 #     with 77 without it): exit 0, --json's device rxe*, Ethernet, RoCE v2,
-#     an MTU, landing, limits; the check from BEX_TEST_ADDR1 over RDMA.
+#     an MTU, landing, limits; the check from BEX_TEST_ADDR1 over RDMA. The
+#     GID index printed (--json and text, on both sides) is the kernel's
+#     one (sysfs) that holds ::ffff:ADDR with the type RoCE v2 on the
+#     device and port printed: the GID bex's context uses is that one.
 set -euo pipefail
 bin=$1
 mode=$2
@@ -69,6 +72,46 @@ listen() {
     fail "bex-info --listen $1:0 printed no port"
 }
 
+# jfield NAME KEY: a number or string field of run NAME's --json (flat
+# keys only: device, port, gid_index)
+jfield() {
+    sed -n "s/.*\"$2\":\"\{0,1\}\([^\",}]*\).*/\1/p" "$tmp/$1.out" | head -n 1
+}
+
+# sysfs_gid ADDR DEV PORT: the index of DEV's PORT whose GID is ::ffff:ADDR
+# and whose type is RoCE v2, from the kernel's table; fails unless exactly
+# one entry is
+sysfs_gid() {
+    local o1 o2 o3 o4 want dir f i found=
+    IFS=. read -r o1 o2 o3 o4 <<<"$1"
+    want=$(printf '0000:0000:0000:0000:0000:ffff:%02x%02x:%02x%02x' "$o1" "$o2" "$o3" "$o4")
+    dir=/sys/class/infiniband/$2/ports/$3
+    [ -d "$dir/gids" ] || fail "no $dir/gids"
+    # (read, not cat: rxe's table has 1024 entries, and a process start
+    # costs a fraction of a second in the VM)
+    local g t
+    for f in "$dir"/gids/*; do
+        i=${f##*/}
+        read -r g <"$f" && [ "$g" = "$want" ] || continue
+        { read -r t <"$dir/gid_attrs/types/$i"; } 2>/dev/null && [ "$t" = "RoCE v2" ] || continue
+        [ -z "$found" ] || fail "$2 port $3: GIDs $found and $i both hold $want (RoCE v2)"
+        found=$i
+    done
+    [ -n "$found" ] || fail "$2 port $3: no RoCE v2 GID $want in $dir/gids"
+    echo "$found"
+}
+
+# gid_is_kernels NAME ADDR: run NAME's --json GID index is the kernel's
+gid_is_kernels() {
+    local dev port idx want
+    dev=$(jfield "$1" device)
+    port=$(jfield "$1" port)
+    idx=$(jfield "$1" gid_index)
+    want=$(sysfs_gid "$2" "$dev" "$port")
+    echo "test_info: $1: $dev port $port GID index $idx, the kernel's for $2: $want" >&2
+    [ "$idx" = "$want" ] || fail "$1: GID index $idx printed, $dev port $port holds $2 (RoCE v2) at $want"
+}
+
 if [ "$mode" = native ]; then
     run text 3 --local 127.0.0.1
     grep -q '^transport: *tcp$' "$tmp/text.out" || fail "no 'transport: tcp' line"
@@ -106,10 +149,15 @@ run dev 0 --local "$BEX_TEST_ADDR0" --json
 json dev 'd["transport"] == "rdma" and d["device"].startswith("rxe") and d["link_layer"] == "Ethernet" and d["gid_type"] == "RoCE v2" and d["lid"] == 0 and d["mtu"] in (256, 512, 1024, 2048, 4096) and d["port_state"] == "ACTIVE" and d["remote_access"] in ("landing", "window") and isinstance(d["srq"], bool) and isinstance(d["thread_domain"], bool) and d["limits"]["max_qp"] > 0 and d["limits"]["max_qp_wr"] > 0'
 # (the GID: ::ffff: and the address)
 json dev 'd["gid"] == "::ffff:" + os.environ["BEX_TEST_ADDR0"]'
+gid_is_kernels dev "$BEX_TEST_ADDR0"
+gidx=$(jfield dev gid_index)
 run text 0 --local "$BEX_TEST_ADDR0"
 grep -q '^transport: *rdma$' "$tmp/text.out" || fail "no 'transport: rdma' line"
+grep -q "^GID: *index $gidx, ::ffff:$BEX_TEST_ADDR0, RoCE v2\$" "$tmp/text.out" ||
+    fail "no 'GID: index $gidx, ::ffff:$BEX_TEST_ADDR0, RoCE v2' line"
 listen "$BEX_TEST_ADDR0"
 run check 0 --local "$BEX_TEST_ADDR1" --peer "$BEX_TEST_ADDR0:$port" --json --burst-mib 8
+gid_is_kernels check "$BEX_TEST_ADDR1"
 json check 'd["transport"] == "rdma" and d["check"]["ok"] and d["check"]["transport"] == "rdma" and d["check"]["round_trips"] == 20 and d["check"]["burst_bytes"] == 8 << 20'
 json_verify
 echo "test_info: rxe ok"
