@@ -353,6 +353,9 @@ int bex__ps_check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const ch
 int bex__ps_read_file(const char *path, uint8_t **buf, size_t *size);
 
 int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg);
+/* The shard is going (the first half of bex__ps_cut_fini, which then waits
+ * and frees): a cut under way ends now, its Pushes released. Does not wait. */
+void bex__ps_cut_stop(bex_ps_shard *s);
 void bex__ps_cut_fini(bex_ps_shard *s);
 /* A Push arriving at the registered handler: true when it is held for a
  * cut (req, body taken; served when the cut releases it), else it is

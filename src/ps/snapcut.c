@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "bex/ps.h"
+#include "common/fault.h"
 #include "common/log.h"
 #include "ps/ps_internal.h"
 #include "ps/shard_internal.h"
@@ -132,15 +133,23 @@ int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     return rc;
 }
 
+void bex__ps_cut_stop(bex_ps_shard *s)
+{
+    struct cut *c = s->cut;
+    pthread_mutex_lock(&s->mu);
+    c->aborted = true; /* a cut under way ends now */
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
 void bex__ps_cut_fini(bex_ps_shard *s)
 {
     struct cut *c = s->cut;
     if (!c)
         return;
+    bex__ps_cut_stop(s);
     pthread_mutex_lock(&s->mu);
     bool join = c->th_live;
-    c->aborted = true; /* a cut under way ends now */
-    pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&s->mu);
     if (join)
         pthread_join(c->th, NULL);
@@ -382,6 +391,8 @@ static int prepare(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *
     pthread_mutex_unlock(&s->mu);
     if (rc)
         return rc == 1 ? 0 : rc; /* 1: this cut is prepared already (a resend) */
+    /* tests: a stop lands here */
+    (void)BEX__FAULT(BEX__FAULT_CUT_PREP);
     if (join)
         pthread_join(c->th, NULL); /* the last cut's, done */
     pthread_mutex_lock(&s->mu);
