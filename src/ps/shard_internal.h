@@ -354,8 +354,12 @@ int bex__ps_read_file(const char *path, uint8_t **buf, size_t *size);
 
 int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg);
 /* The shard is going (the first half of bex__ps_cut_fini, which then waits
- * and frees): a cut under way ends now, its Pushes released. Does not wait. */
+ * for the cut under way to end and frees): a cut under way ends now (its
+ * Pushes released, its COMMIT answered -ETIMEDOUT), none starts again
+ * (PREPARE -ECANCELED). Does not wait. */
 void bex__ps_cut_stop(bex_ps_shard *s);
+/* A cut's state by name (snapcut.c, for logs). */
+const char *bex__ps_cut_state_name(unsigned st);
 void bex__ps_cut_fini(bex_ps_shard *s);
 /* A Push arriving at the registered handler: true when it is held for a
  * cut (req, body taken; served when the cut releases it), else it is
