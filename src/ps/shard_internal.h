@@ -150,10 +150,21 @@ struct rlog {
 struct fcall;
 struct bex__elect;
 
+/* A replica's replication state (docs/architecture.md, "Lifecycles"),
+ * under the shard's lock: ANY (no replication), PRIMARY, PAUSED (a
+ * primary whose client Pushes wait, -EAGAIN: etcd mode, a new term's set
+ * or a backup rejoining), BACKUP (static mode; etcd mode: copied from its
+ * primary of this epoch) and UNSYNCED (etcd mode: a backup that has not,
+ * refusing that epoch's forwards). Changed only by bex__ps_repl_move. */
+enum bex__ps_repl_state { RP_ANY, RP_PRIMARY, RP_PAUSED, RP_BACKUP, RP_UNSYNCED };
+
 /* Primary-backup replication (repl.c), under the shard's lock. */
 struct repl {
-    _Atomic uint32_t role; /* read without mu (a request's door); changed under mu */
-    bex_ctx *ctx;          /* register's */
+    enum bex__ps_repl_state state; /* bex__ps_repl_move */
+    /* the state's role (enum bex_ps_role): read without mu (a request's
+     * door), written only by bex__ps_repl_move */
+    _Atomic uint32_t role;
+    bex_ctx *ctx; /* register's */
     /* primary: its backups, its session and the last lsn numbered */
     struct backup *bk;
     size_t n_bk;
@@ -178,9 +189,9 @@ struct repl {
      * before el's deadline; a forward failed at a backup of the set waits
      * on rm until the agent removed that backup from the set in etcd.
      * Backup: refuses forwards of an epoch below epoch, and of epoch until
-     * it copied from its primary (synced). */
-    bool fenced, synced;
-    bool paused;       /* primary: a backup rejoining, client Pushes -EAGAIN */
+     * it copied from its primary (UNSYNCED until then). fenced: etcd mode,
+     * set once when the agent starts. */
+    bool fenced;
     uint32_t inflight; /* primary: Pushes numbered, not answered yet */
     uint64_t epoch;
     struct bex__elect *el;
@@ -254,6 +265,11 @@ void bex__ps_shard_catchup_end_locked(bex_ps_shard *s, bool again);
  * one of the table's. */
 const char *bex__ps_backup_state_name(unsigned st);
 void bex__ps_backup_move(bex_ps_shard *s, uint32_t i, enum bex__ps_backup_state to);
+/* repl.c: the one place s->rp.state (and the role beside it) changes
+ * (under s->mu): logs it by name (DEBUG), asserts the move is one of the
+ * table's. */
+const char *bex__ps_repl_state_name(unsigned st);
+void bex__ps_repl_move(bex_ps_shard *s, enum bex__ps_repl_state to);
 
 int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq);
 void bex__ps_ids_free(struct idset *d);
