@@ -48,6 +48,9 @@ enum bex__fault_kind {
                               not yet armed (ret is ignored) */
     BEX__FAULT_QP_UP,      /* conn/setup.c: bringing the QP to RTR/RTS with the
                               peer's hello (ret: the negative errno it fails with) */
+    BEX__FAULT_CUT_PREP,   /* ps/snapcut.c: a PREPARE claimed the cut, the shard's
+                              lock released, the last cut's thread not joined
+                              yet (ret is ignored) */
     BEX__FAULT_KINDS,
 };
 

@@ -440,7 +440,7 @@ static void follow(struct bex_ps_failover *f, uint64_t epoch, const char *holder
     bex__ps_repl_follow(s, epoch);
     maybe_join(f, epoch, i, set); /* before the copy: the primary's pause */
     pthread_mutex_lock(&s->mu);
-    bool synced = s->rp.synced;
+    bool synced = s->rp.state == RP_BACKUP;
     pthread_mutex_unlock(&s->mu);
     if (synced)
         return;
@@ -557,6 +557,8 @@ int bex_ps_failover_start(bex_ps_shard *s, bex_ctx *ctx, const bex_ps_failover_c
     f->kicked = true; /* a first step at once (before a forward can kick) */
     pthread_mutex_lock(&s->mu);
     s->rp.fenced = true;
+    if (s->rp.state == RP_BACKUP) /* checked above: copies first */
+        bex__ps_repl_move(s, RP_UNSYNCED);
     s->rp.kick = kick;
     s->rp.kick_arg = f;
     pthread_mutex_unlock(&s->mu);

@@ -44,7 +44,7 @@ int bex__ps_fenced_forward(bex_ps_shard *s, uint64_t epoch)
             rp->kick(rp->kick_arg);
         return -EAGAIN;
     }
-    return rp->synced ? 0 : -EAGAIN;
+    return rp->state == RP_BACKUP ? 0 : -EAGAIN; /* UNSYNCED: not copied yet */
 }
 
 /* Not under the lock. */
@@ -69,7 +69,8 @@ int bex__ps_resync(bex_ps_shard *s, bex_ctx *ctx, const bex_rpc_endpoint *primar
         bex__ps_shard_move(s, s->state == SH_RESYNC ? SH_CATCHUP : SH_WAIT);
     bool ok = rc == 0 && s->rp.in_session == epoch && s->rp.epoch == epoch;
     if (ok)
-        s->rp.synced = true;
+        if (s->rp.state == RP_UNSYNCED)
+            bex__ps_repl_move(s, RP_BACKUP);
     pthread_mutex_unlock(&s->mu);
     return rc ? rc : ok ? 0 : -ESTALE;
 }

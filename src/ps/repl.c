@@ -44,6 +44,10 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
         cfg->n_backups >= BEX_PS_REPLICAS_MAX || (cfg->n_backups && !cfg->backups) ||
         cfg->forward_window > FWD_WINDOW_MAX)
         return -EINVAL;
+    /* the first state (no move): the configured role's */
+    rp->state = cfg->role == BEX_PS_ROLE_PRIMARY  ? RP_PRIMARY
+                : cfg->role == BEX_PS_ROLE_BACKUP ? RP_BACKUP
+                                                  : RP_ANY;
     rp->role = cfg->role;
     rp->fwd_timeout_ms = cfg->forward_timeout_ms ? cfg->forward_timeout_ms : FWD_TIMEOUT_MS;
     rp->win_n = cfg->forward_window ? cfg->forward_window : FWD_WINDOW;
@@ -243,6 +247,51 @@ void bex__ps_backup_move(bex_ps_shard *s, uint32_t i, enum bex__ps_backup_state 
     if (s->log.level >= BEX_LOG_DEBUG)
         bex__log(&s->log, BEX_LOG_DEBUG, "ps shard %u: backup %u %s -> %s", s->shard, i,
                  bex__ps_backup_state_name(from), bex__ps_backup_state_name(to));
+}
+
+const char *bex__ps_repl_state_name(unsigned st)
+{
+    static const char *const names[] = {[RP_ANY] = "ANY",
+                                        [RP_PRIMARY] = "PRIMARY",
+                                        [RP_PAUSED] = "PAUSED",
+                                        [RP_BACKUP] = "BACKUP",
+                                        [RP_UNSYNCED] = "UNSYNCED"};
+    return st < ARRAY_SIZE(names) ? names[st] : "?";
+}
+
+/* etcd mode's moves (static mode has none): a term's primary pauses and
+ * resumes, a backup leads, any follows a term (UNSYNCED until it copied). */
+static bool repl_move_ok(enum bex__ps_repl_state from, enum bex__ps_repl_state to)
+{
+    switch (from) {
+    case RP_ANY:
+        return false;
+    case RP_PRIMARY:
+        return to == RP_PAUSED || to == RP_UNSYNCED;
+    case RP_PAUSED:
+        return to == RP_PRIMARY || to == RP_UNSYNCED;
+    case RP_BACKUP:
+        return to == RP_PRIMARY || to == RP_UNSYNCED;
+    case RP_UNSYNCED:
+        return to == RP_PRIMARY || to == RP_BACKUP;
+    }
+    return false;
+}
+
+void bex__ps_repl_move(bex_ps_shard *s, enum bex__ps_repl_state to)
+{
+    struct repl *rp = &s->rp;
+    enum bex__ps_repl_state from = rp->state;
+    bool ok = repl_move_ok(from, to);
+    assert(ok);
+    (void)ok;
+    rp->state = to;
+    atomic_store(&rp->role, to == RP_PRIMARY || to == RP_PAUSED ? BEX_PS_ROLE_PRIMARY
+                            : to == RP_ANY                      ? BEX_PS_ROLE_ANY
+                                                                : BEX_PS_ROLE_BACKUP);
+    if (s->log.level >= BEX_LOG_DEBUG)
+        bex__log(&s->log, BEX_LOG_DEBUG, "ps shard %u: replication %s -> %s", s->shard,
+                 bex__ps_repl_state_name(from), bex__ps_repl_state_name(to));
 }
 
 /* etcd mode: a forward to backup fc->b failed. Not waited for when the
@@ -457,7 +506,8 @@ static int primary_apply(bex_ps_shard *s, const struct bex__ps_hdr *h, struct ta
     if (bex__ps_shard_catching(s))
         rc = -EAGAIN; /* its rows are not the shard's yet: the client retries */
     else if (s->rp.fenced)
-        rc = s->rp.paused ? -EAGAIN : bex__ps_fenced_admit(s, h); /* backups leave the set */
+        rc = s->rp.state == RP_PAUSED ? -EAGAIN
+                                      : bex__ps_fenced_admit(s, h); /* backups leave the set */
     if (rc) {
         /* refused */
     } else if (s->rp.n_down) {
@@ -700,9 +750,10 @@ int bex__ps_backup_forward(bex_ps_shard *s, const void *body, size_t len, bex_rp
                  : -ESTALE;
     else
         rc = fwd_take_locked(s, fh.session, f, &done);
-    if (rc == -ESTALE && probe && s->rp.fenced && s->rp.synced && fh.session == s->rp.epoch) {
+    if (rc == -ESTALE && probe && s->rp.fenced && s->rp.state == RP_BACKUP &&
+        fh.session == s->rp.epoch) {
         /* out of step with its primary (left out of the set): copy again */
-        s->rp.synced = false;
+        bex__ps_repl_move(s, RP_UNSYNCED);
         if (s->rp.kick)
             s->rp.kick(s->rp.kick_arg);
     }
@@ -753,7 +804,8 @@ int bex__ps_repl_lead(bex_ps_shard *s, uint64_t epoch, struct bex__elect *el,
         rp->lsn = 0;
         bex__ps_rlog_clear(&rp->log);
         rp->el = el;
-        rp->role = BEX_PS_ROLE_PRIMARY;
+        if (rp->state != RP_PRIMARY && rp->state != RP_PAUSED)
+            bex__ps_repl_move(s, RP_PRIMARY);
         pthread_mutex_unlock(&s->mu);
     }
     /* an earlier term's forwards complete -ECANCELED: their Pushes are
@@ -773,13 +825,13 @@ void bex__ps_repl_follow(bex_ps_shard *s, uint64_t epoch)
     struct fwdh *done = NULL;
     uint32_t b[BEX_PS_REPLICAS_MAX];
     pthread_mutex_lock(&s->mu);
-    bool led = rp->role == BEX_PS_ROLE_PRIMARY;
-    rp->role = BEX_PS_ROLE_BACKUP;
+    bool led = rp->state == RP_PRIMARY || rp->state == RP_PAUSED;
     rp->el = NULL;
     if (epoch > rp->epoch || led) {
         if (epoch > rp->epoch)
             rp->epoch = epoch;
-        rp->synced = false;
+        if (rp->state != RP_UNSYNCED)
+            bex__ps_repl_move(s, RP_UNSYNCED);
         if (rp->win)
             drop_held_locked(rp, &done, -ESTALE);
     }
@@ -795,7 +847,8 @@ int bex__ps_repl_pause(bex_ps_shard *s, uint32_t wait_ms)
 {
     uint64_t end = bex__rpc_now_ns() + (uint64_t)wait_ms * 1000000ull;
     pthread_mutex_lock(&s->mu);
-    s->rp.paused = true;
+    if (s->rp.state == RP_PRIMARY)
+        bex__ps_repl_move(s, RP_PAUSED);
     /* a Push waiting for a removal (the agent's, who pauses) ends the wait */
     while (s->rp.inflight && !s->rp.rm && bex__rpc_now_ns() < end) {
         pthread_mutex_unlock(&s->mu);
@@ -811,7 +864,8 @@ int bex__ps_repl_pause(bex_ps_shard *s, uint32_t wait_ms)
 void bex__ps_repl_resume(bex_ps_shard *s)
 {
     pthread_mutex_lock(&s->mu);
-    s->rp.paused = false;
+    if (s->rp.state == RP_PAUSED)
+        bex__ps_repl_move(s, RP_PRIMARY);
     pthread_mutex_unlock(&s->mu);
 }
 

@@ -150,10 +150,21 @@ struct rlog {
 struct fcall;
 struct bex__elect;
 
+/* A replica's replication state (docs/architecture.md, "Lifecycles"),
+ * under the shard's lock: ANY (no replication), PRIMARY, PAUSED (a
+ * primary whose client Pushes wait, -EAGAIN: etcd mode, a new term's set
+ * or a backup rejoining), BACKUP (static mode; etcd mode: copied from its
+ * primary of this epoch) and UNSYNCED (etcd mode: a backup that has not,
+ * refusing that epoch's forwards). Changed only by bex__ps_repl_move. */
+enum bex__ps_repl_state { RP_ANY, RP_PRIMARY, RP_PAUSED, RP_BACKUP, RP_UNSYNCED };
+
 /* Primary-backup replication (repl.c), under the shard's lock. */
 struct repl {
-    _Atomic uint32_t role; /* read without mu (a request's door); changed under mu */
-    bex_ctx *ctx;          /* register's */
+    enum bex__ps_repl_state state; /* bex__ps_repl_move */
+    /* the state's role (enum bex_ps_role): read without mu (a request's
+     * door), written only by bex__ps_repl_move */
+    _Atomic uint32_t role;
+    bex_ctx *ctx; /* register's */
     /* primary: its backups, its session and the last lsn numbered */
     struct backup *bk;
     size_t n_bk;
@@ -178,9 +189,9 @@ struct repl {
      * before el's deadline; a forward failed at a backup of the set waits
      * on rm until the agent removed that backup from the set in etcd.
      * Backup: refuses forwards of an epoch below epoch, and of epoch until
-     * it copied from its primary (synced). */
-    bool fenced, synced;
-    bool paused;       /* primary: a backup rejoining, client Pushes -EAGAIN */
+     * it copied from its primary (UNSYNCED until then). fenced: etcd mode,
+     * set once when the agent starts. */
+    bool fenced;
     uint32_t inflight; /* primary: Pushes numbered, not answered yet */
     uint64_t epoch;
     struct bex__elect *el;
@@ -254,6 +265,11 @@ void bex__ps_shard_catchup_end_locked(bex_ps_shard *s, bool again);
  * one of the table's. */
 const char *bex__ps_backup_state_name(unsigned st);
 void bex__ps_backup_move(bex_ps_shard *s, uint32_t i, enum bex__ps_backup_state to);
+/* repl.c: the one place s->rp.state (and the role beside it) changes
+ * (under s->mu): logs it by name (DEBUG), asserts the move is one of the
+ * table's. */
+const char *bex__ps_repl_state_name(unsigned st);
+void bex__ps_repl_move(bex_ps_shard *s, enum bex__ps_repl_state to);
 
 int bex__ps_ids_has(const struct idset *d, const struct idkey *key, uint64_t seq);
 void bex__ps_ids_free(struct idset *d);
@@ -353,6 +369,13 @@ int bex__ps_check_sum(bex_ps_shard *s, const uint8_t *buf, size_t size, const ch
 int bex__ps_read_file(const char *path, uint8_t **buf, size_t *size);
 
 int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg);
+/* The shard is going (the first half of bex__ps_cut_fini, which then waits
+ * for the cut under way to end and frees): a cut under way ends now (its
+ * Pushes released, its COMMIT answered -ETIMEDOUT), none starts again
+ * (PREPARE -ECANCELED). Does not wait. */
+void bex__ps_cut_stop(bex_ps_shard *s);
+/* A cut's state by name (snapcut.c, for logs). */
+const char *bex__ps_cut_state_name(unsigned st);
 void bex__ps_cut_fini(bex_ps_shard *s);
 /* A Push arriving at the registered handler: true when it is held for a
  * cut (req, body taken; served when the cut releases it), else it is

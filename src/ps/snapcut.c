@@ -14,6 +14,7 @@
  * answers COMMIT. No COMMIT within cut_pause_ms, too many bytes held, or
  * ABORT: the thread releases the Pushes and the cut is void (the next one
  * is full: its changed rows were not written). */
+#include <assert.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -26,7 +27,9 @@
 #include <unistd.h>
 
 #include "bex/ps.h"
+#include "common/fault.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "ps/ps_internal.h"
 #include "ps/shard_internal.h"
 #include "rpc/internal.h"
@@ -39,7 +42,25 @@
 #define JOIN_PAUSE_MS    10000u
 #define JOIN_PAUSE_MAX   600000u
 
-enum { CUT_IDLE, CUT_PREPARING, CUT_HELD };
+/* A cut's life (docs/architecture.md, "Lifecycles"), under s->mu;
+ * changed only by cut_move. IDLE; PREPARING (PREPARE or JOIN claimed it:
+ * the last cut's thread joined, the door drained, the copy made); HELD
+ * (the Pushes held, the thread waits for COMMIT); COMMITTED (COMMIT or
+ * JOINED taken); ABORTED (ABORT, too many bytes held, no memory for a
+ * held Push: the cut is void, and PREPARE never moves on from it);
+ * RELEASING (the thread releases the Pushes and writes the file, or voids
+ * the cut); CLOSING (the shard is going: what is under way ends, nothing
+ * starts) and CLOSED, the end. */
+enum cut_state {
+    CUT_IDLE,
+    CUT_PREPARING,
+    CUT_HELD,
+    CUT_COMMITTED,
+    CUT_ABORTED,
+    CUT_RELEASING,
+    CUT_CLOSING,
+    CUT_CLOSED,
+};
 
 /* A Push held for a cut. */
 struct cutq {
@@ -58,17 +79,17 @@ struct cut {
     _Atomic uint32_t inflight;
     _Atomic bool holding;
     /* under s->mu */
-    int state;
+    enum cut_state state; /* cut_move */
     uint64_t id, last_id, prep_ns, prep_unix, last_prep_ns, deadline, join_ns;
     bool join;            /* this hold is a backup's join, not a cut */
     bex_rpc_endpoint jep; /* join: the new backup */
     uint32_t since_full;  /* incremental cuts since the last full */
-    bool need_full, full, committed, aborted;
+    bool need_full, full;
     struct cutq *q, **qtail;
     uint64_t q_bytes, q_n, rows;
     char *buf;
     size_t len;
-    bex_rpc_req *commit_req;
+    bex_rpc_req *commit_req; /* not NULL: COMMIT (JOINED) taken for this id */
     bex_ctx *ctx;
     pthread_t th;
     bool th_live;
@@ -88,6 +109,72 @@ static uint64_t unix_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+const char *bex__ps_cut_state_name(unsigned st)
+{
+    static const char *const names[] = {
+        [CUT_IDLE] = "IDLE",           [CUT_PREPARING] = "PREPARING", [CUT_HELD] = "HELD",
+        [CUT_COMMITTED] = "COMMITTED", [CUT_ABORTED] = "ABORTED",     [CUT_RELEASING] = "RELEASING",
+        [CUT_CLOSING] = "CLOSING",     [CUT_CLOSED] = "CLOSED"};
+    return st < ARRAY_SIZE(names) ? names[st] : "?";
+}
+
+/* The moves of docs/architecture.md's table. */
+static bool cut_move_ok(enum cut_state from, enum cut_state to)
+{
+    if (to == CUT_CLOSING) /* the shard going, from a cut under way */
+        return from != CUT_IDLE && from != CUT_CLOSING && from != CUT_CLOSED;
+    switch (from) {
+    case CUT_IDLE:
+        return to == CUT_PREPARING || to == CUT_CLOSED;
+    case CUT_PREPARING:
+        return to == CUT_HELD || to == CUT_ABORTED || to == CUT_IDLE;
+    case CUT_HELD:
+        return to == CUT_COMMITTED || to == CUT_ABORTED || to == CUT_RELEASING;
+    case CUT_COMMITTED:
+        return to == CUT_ABORTED || to == CUT_RELEASING;
+    case CUT_ABORTED:
+        return to == CUT_RELEASING || to == CUT_IDLE;
+    case CUT_RELEASING:
+        return to == CUT_IDLE;
+    case CUT_CLOSING:
+        return to == CUT_CLOSED;
+    case CUT_CLOSED:
+        return false;
+    }
+    return false;
+}
+
+/* The one place c->state changes (under s->mu): asserts the move is one
+ * of the table's, logs it by name (DEBUG), wakes the waiters on c->cv. */
+static void cut_move(bex_ps_shard *s, enum cut_state to)
+{
+    struct cut *c = s->cut;
+    enum cut_state from = c->state;
+    bool ok = cut_move_ok(from, to);
+    assert(ok);
+    (void)ok;
+    c->state = to;
+    pthread_cond_broadcast(&c->cv);
+    if (s->log.level >= BEX_LOG_DEBUG)
+        bex__log(&s->log, BEX_LOG_DEBUG, "ps shard %u: cut %" PRIu64 " %s -> %s", s->shard, c->id,
+                 bex__ps_cut_state_name(from), bex__ps_cut_state_name(to));
+}
+
+/* The cut under way is void (under s->mu): ABORTED, unless it is past
+ * that (its thread decided already, or the shard is going). */
+static void cut_void_locked(bex_ps_shard *s)
+{
+    enum cut_state st = s->cut->state;
+    if (st == CUT_PREPARING || st == CUT_HELD || st == CUT_COMMITTED)
+        cut_move(s, CUT_ABORTED);
+}
+
+/* A cut's end (under s->mu): IDLE, or CLOSED when the shard is going. */
+static void cut_end_locked(bex_ps_shard *s)
+{
+    cut_move(s, s->cut->state == CUT_CLOSING ? CUT_CLOSED : CUT_IDLE);
 }
 
 /* Wait on c->cv until at (monotonic ns), at most. */
@@ -132,15 +219,27 @@ int bex__ps_cut_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
     return rc;
 }
 
+void bex__ps_cut_stop(bex_ps_shard *s)
+{
+    struct cut *c = s->cut;
+    pthread_mutex_lock(&s->mu);
+    if (c->state == CUT_IDLE)
+        cut_move(s, CUT_CLOSED);
+    else if (c->state != CUT_CLOSING && c->state != CUT_CLOSED)
+        cut_move(s, CUT_CLOSING); /* a cut under way ends now */
+    pthread_mutex_unlock(&s->mu);
+}
+
 void bex__ps_cut_fini(bex_ps_shard *s)
 {
     struct cut *c = s->cut;
     if (!c)
         return;
+    bex__ps_cut_stop(s);
     pthread_mutex_lock(&s->mu);
+    while (c->state != CUT_CLOSED) /* the cut under way ends: CLOSING -> CLOSED */
+        pthread_cond_wait(&c->cv, &s->mu);
     bool join = c->th_live;
-    c->aborted = true; /* a cut under way ends now */
-    pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&s->mu);
     if (join)
         pthread_join(c->th, NULL);
@@ -159,10 +258,8 @@ bool bex__ps_cut_hold(bex_ps_shard *s, struct reg *r, bex_rpc_req *req, void *bo
     struct cutq *e = malloc(sizeof *e);
     pthread_mutex_lock(&s->mu);
     if (!atomic_load(&c->holding) || !e) {
-        if (!e) {
-            c->aborted = true; /* served now, inside the cut: it is void */
-            pthread_cond_broadcast(&c->cv);
-        }
+        if (!e)
+            cut_void_locked(s); /* served now, inside the cut: it is void */
         pthread_mutex_unlock(&s->mu);
         free(e);
         return false;
@@ -173,10 +270,8 @@ bool bex__ps_cut_hold(bex_ps_shard *s, struct reg *r, bex_rpc_req *req, void *bo
     *c->qtail = e;
     c->qtail = &e->next;
     c->q_n++;
-    if ((c->q_bytes += len) > c->hold_max) {
-        c->aborted = true; /* Pushes are not failed: the cut gives way */
-        pthread_cond_broadcast(&c->cv);
-    }
+    if ((c->q_bytes += len) > c->hold_max)
+        cut_void_locked(s); /* Pushes are not failed: the cut gives way */
     pthread_mutex_unlock(&s->mu);
     return true;
 }
@@ -276,11 +371,53 @@ static void *join_end(bex_ps_shard *s, bool ok)
                  bex_strerror(rc));
     release_locked(s);
     bex_rpc_req *req = c->commit_req;
-    c->state = CUT_IDLE;
+    cut_end_locked(s);
     pthread_mutex_unlock(&s->mu);
     if (req)
         bex_rpc_reply(req, rc, NULL, 0);
     return NULL;
+}
+
+/* A void cut (under s->mu; its state st when the thread woke): logged
+ * and counted before its Pushes go, so that whoever sees them served sees
+ * it too; the next cut is full. */
+static void void_locked(bex_ps_shard *s, enum cut_state st)
+{
+    struct cut *c = s->cut;
+    bex__log(&s->log, BEX_LOG_WARN,
+             "ps shard %u: cut %" PRIu64 " aborted (%s): Pushes released, the next cut is full",
+             s->shard, c->id,
+             st == CUT_ABORTED   ? "aborted or too many bytes held"
+             : st == CUT_CLOSING ? "the shard is going"
+                                 : "no COMMIT in time");
+    bex__ps_snap_written_locked(s, c->id, c->prep_unix, 0, 0, 0, -ETIMEDOUT);
+    c->need_full = true;
+}
+
+/* Under s->mu, the Pushes released: the copy into the cut's file (the
+ * lock released meanwhile). 0 or the write's error. */
+static int write_locked(bex_ps_shard *s, const struct outcome *oc)
+{
+    struct cut *c = s->cut;
+    char *buf = c->buf;
+    size_t len = c->len;
+    uint64_t unix0 = c->prep_unix;
+    c->buf = NULL;
+    pthread_mutex_unlock(&s->mu);
+    uint64_t t0 = mono_ns();
+    int rc = write_file(s, oc->id, buf, len);
+    uint64_t wns = mono_ns() - t0;
+    free(buf);
+    pthread_mutex_lock(&s->mu);
+    bex__ps_snap_written_locked(s, oc->id, unix0, wns, oc->pause, oc->rows, rc);
+    if (rc == 0) {
+        c->since_full = oc->full ? 0 : c->since_full + 1;
+        c->last_id = oc->id;
+        c->need_full = false;
+    } else {
+        c->need_full = true;
+    }
+    return rc;
 }
 
 /* The cut's thread: waits for COMMIT (or the pause's end), releases the
@@ -290,38 +427,25 @@ static void *cut_main(void *arg)
     bex_ps_shard *s = arg;
     struct cut *c = s->cut;
     pthread_mutex_lock(&s->mu);
-    while (!c->committed && !c->aborted && mono_ns() < c->deadline)
+    while (c->state == CUT_HELD && mono_ns() < c->deadline)
         wait_until(s, c->deadline);
-    bool ok = c->committed && !c->aborted;
+    enum cut_state st = c->state;
+    bool ok = st == CUT_COMMITTED;
+    if (st != CUT_CLOSING)
+        cut_move(s, CUT_RELEASING);
     if (c->join)
         return join_end(s, ok);
     if (!ok)
-        bex__log(&s->log, BEX_LOG_WARN,
-                 "ps shard %u: cut %" PRIu64 " aborted (%s): Pushes released, the next cut is full",
-                 s->shard, c->id,
-                 c->aborted ? "aborted or too many bytes held" : "no COMMIT in time");
+        void_locked(s, st);
     release_locked(s);
     struct outcome oc = {c->id, mono_ns() - c->prep_ns, c->q_n, c->rows, c->full};
     bex_rpc_req *req = c->commit_req;
-    char *buf = c->buf;
-    size_t len = c->len;
-    uint64_t unix0 = c->prep_unix;
-    c->buf = NULL;
-    pthread_mutex_unlock(&s->mu);
-    uint64_t t0 = mono_ns();
-    int rc = ok ? write_file(s, oc.id, buf, len) : -ETIMEDOUT;
-    uint64_t wns = mono_ns() - t0;
-    free(buf);
-    pthread_mutex_lock(&s->mu);
-    bex__ps_snap_written_locked(s, oc.id, unix0, wns, oc.pause, oc.rows, rc);
-    if (rc == 0) {
-        c->since_full = oc.full ? 0 : c->since_full + 1;
-        c->last_id = oc.id;
-        c->need_full = false;
-    } else {
-        c->need_full = true;
+    int rc = ok ? write_locked(s, &oc) : -ETIMEDOUT;
+    if (!ok) {
+        free(c->buf);
+        c->buf = NULL;
     }
-    c->state = CUT_IDLE;
+    cut_end_locked(s);
     pthread_mutex_unlock(&s->mu);
     if (req)
         answer_commit(s, req, rc, &oc);
@@ -334,11 +458,13 @@ static int take_locked(bex_ps_shard *s, uint32_t flags)
 {
     struct cut *c = s->cut;
     uint64_t deadline = c->deadline;
-    while (atomic_load(&c->inflight) && mono_ns() < deadline) {
+    while (atomic_load(&c->inflight) && c->state == CUT_PREPARING && mono_ns() < deadline) {
         uint64_t at = mono_ns() + 1000000ull; /* a safety net: done() broadcasts */
         wait_until(s, at < deadline ? at : deadline);
     }
-    if (atomic_load(&c->inflight) || c->aborted)
+    if (c->state != CUT_PREPARING) /* the shard going; ABORT or a bound: void */
+        return c->state == CUT_CLOSING ? -ECANCELED : -ETIMEDOUT;
+    if (atomic_load(&c->inflight))
         return -ETIMEDOUT;
     if (c->join)
         return 0; /* the new backup copies the shard now (COPY) */
@@ -358,11 +484,49 @@ static int may_start_locked(bex_ps_shard *s, const struct bex__ps_cut_hdr *h,
     struct cut *c = s->cut;
     if (bex__ps_shard_catching(s))
         return -EAGAIN;
+    if (c->state == CUT_CLOSING || c->state == CUT_CLOSED)
+        return -ECANCELED; /* the shard is going */
     if (c->state != CUT_IDLE)
-        return c->state == CUT_HELD && c->id == h->id && !c->aborted ? 1 : -EBUSY;
+        return (c->state == CUT_HELD || c->state == CUT_COMMITTED) && c->id == h->id ? 1 : -EBUSY;
     if (c->last_prep_ns && mono_ns() - c->last_prep_ns < c->min_iv_ns)
         return -EBUSY;
     return jep ? bex__ps_join_check_locked(s, jep) : 0;
+}
+
+/* Under s->mu, PREPARING, the last cut's thread joined: hold the Pushes,
+ * take the copy and start the cut's thread (HELD); else the Pushes are
+ * released and the cut is over (IDLE; CLOSED when the shard is going). */
+static int hold_locked(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *h,
+                       const bex_rpc_endpoint *jep)
+{
+    struct cut *c = s->cut;
+    if (c->state != CUT_PREPARING) { /* ABORT: void; the shard going: it stays so */
+        int rc = c->state == CUT_CLOSING ? -ECANCELED : -ETIMEDOUT;
+        cut_end_locked(s);
+        return rc;
+    }
+    c->prep_ns = c->last_prep_ns = mono_ns();
+    c->deadline = c->prep_ns + (jep ? c->join_ns : c->pause_ns);
+    c->prep_unix = unix_ns();
+    c->join = jep != NULL;
+    if (jep)
+        c->jep = *jep;
+    c->q_n = c->rows = 0;
+    c->ctx = ctx;
+    atomic_store(&c->holding, true);
+    int rc = take_locked(s, h->flags);
+    if (!rc && (rc = -pthread_create(&c->th, NULL, cut_main, s)) == 0) {
+        c->th_live = true;
+        cut_move(s, CUT_HELD); /* the thread waits for the lock meanwhile */
+        return 0;
+    }
+    free(c->buf);
+    c->buf = NULL;
+    c->need_full |= !jep;
+    c->failures += !jep;
+    release_locked(s);
+    cut_end_locked(s);
+    return rc;
 }
 
 /* PREPARE (jep NULL) or JOIN (jep: the new backup): hold the Pushes. */
@@ -376,39 +540,20 @@ static int prepare(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_cut_hdr *
     int rc = may_start_locked(s, h, jep);
     bool join = !rc && c->th_live;
     if (!rc) {
-        c->state = CUT_PREPARING;
+        c->id = h->id;
+        c->commit_req = NULL;
         c->th_live = false;
+        cut_move(s, CUT_PREPARING); /* an ABORT or a stop may come in now */
     }
     pthread_mutex_unlock(&s->mu);
     if (rc)
         return rc == 1 ? 0 : rc; /* 1: this cut is prepared already (a resend) */
+    /* tests: a stop lands here */
+    (void)BEX__FAULT(BEX__FAULT_CUT_PREP);
     if (join)
         pthread_join(c->th, NULL); /* the last cut's, done */
     pthread_mutex_lock(&s->mu);
-    c->id = h->id;
-    c->prep_ns = c->last_prep_ns = mono_ns();
-    c->deadline = c->prep_ns + (jep ? c->join_ns : c->pause_ns);
-    c->prep_unix = unix_ns();
-    c->committed = c->aborted = false;
-    c->join = jep != NULL;
-    if (jep)
-        c->jep = *jep;
-    c->commit_req = NULL;
-    c->q_n = c->rows = 0;
-    c->ctx = ctx;
-    atomic_store(&c->holding, true);
-    c->state = CUT_HELD;
-    rc = take_locked(s, h->flags);
-    if (!rc && (rc = -pthread_create(&c->th, NULL, cut_main, s)) == 0)
-        c->th_live = true;
-    if (rc) {
-        free(c->buf);
-        c->buf = NULL;
-        c->need_full |= !jep;
-        c->failures += !jep;
-        release_locked(s);
-        c->state = CUT_IDLE;
-    }
+    rc = hold_locked(s, ctx, h, jep);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -421,20 +566,18 @@ static int finish(bex_ps_shard *s, const struct bex__ps_cut_hdr *h, bex_rpc_req 
         return -EOPNOTSUPP; /* answered when done: needs the handler */
     pthread_mutex_lock(&s->mu);
     int rc = 0;
-    bool mine = c->state == CUT_HELD && c->id == h->id &&
-                (h->op == BEX__PS_CUT_ABORT || c->join == (h->op == BEX__PS_CUT_JOINED));
     if (h->op == BEX__PS_CUT_ABORT) {
-        if (mine)
-            c->aborted = true;
-    } else if (!mine || c->aborted || c->committed) {
-        /* its pause ran out (or it was aborted): the cut is void */
-        rc = c->id == h->id && !c->committed ? -ETIMEDOUT : -ESTALE;
+        if (c->id == h->id) /* a cut under way (else nothing) */
+            cut_void_locked(s);
+    } else if (c->state != CUT_HELD || c->id != h->id || c->join != (h->op == BEX__PS_CUT_JOINED)) {
+        /* its pause ran out (or it was aborted): the cut is void; or a
+         * COMMIT again, or of another cut */
+        rc = c->id == h->id && !c->commit_req ? -ETIMEDOUT : -ESTALE;
     } else {
-        c->committed = true;
         c->commit_req = req;
+        cut_move(s, CUT_COMMITTED);
         rc = BEX__PS_LATER;
     }
-    pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }

@@ -382,7 +382,7 @@ static void wait_one(struct fo *p, int prim, int r)
     uint64_t end = bex_test_now_ms() + 10000 * time_scale();
     for (;;) {
         pthread_mutex_lock(&p->s[r]->mu);
-        bool ok = p->s[r]->rp.synced && p->s[r]->rp.epoch == p->s[prim]->rp.epoch;
+        bool ok = p->s[r]->rp.state == RP_BACKUP && p->s[r]->rp.epoch == p->s[prim]->rp.epoch;
         pthread_mutex_unlock(&p->s[r]->mu);
         bool listed = false;
         pthread_mutex_lock(&p->s[prim]->mu);
@@ -878,7 +878,7 @@ static uint64_t epoch_of(struct fo *p, int r, bool *synced)
     pthread_mutex_lock(&p->s[r]->mu);
     uint64_t e = p->s[r]->rp.epoch;
     if (synced)
-        *synced = p->s[r]->rp.synced;
+        *synced = p->s[r]->rp.state == RP_BACKUP;
     pthread_mutex_unlock(&p->s[r]->mu);
     return e;
 }
