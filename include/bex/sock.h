@@ -159,7 +159,10 @@ typedef struct bex_ctx_config {
     uint32_t poll_spin_us;         /* busy-poll this long before sleeping (50) */
     uint8_t qp_timeout;            /* verbs local ACK timeout exponent (14) */
     uint8_t qp_retry_cnt;          /* transport retries (7; rxe: 7 retries forever) */
-    uint8_t qp_rnr_retry;          /* RNR retries (7; credits keep RNR from happening) */
+    uint8_t qp_rnr_retry;          /* RNR retries (7 = forever; credits keep RNR from
+                                      happening with an honest peer; below 7 a peer that
+                                      posts no receive for its credits fails the QP:
+                                      -ENOBUFS, stats rnr_errors) */
     bex_mem_pool *pool;            /* use this pool (registered with this context's
                                       PD, see bex_ctx_pd, with local access only)
                                       instead of creating one */
@@ -219,7 +222,9 @@ typedef struct bex_ctx_config {
     uint32_t rndv_timeout_ms;   /* a rendezvous request of ours unanswered this long
                                    fails the engine with -ETIMEDOUT (30000) */
     uint32_t credit_timeout_ms; /* sends waiting this long for credits the peer does
-                                   not return fail the engine with -ETIMEDOUT (30000) */
+                                   not return, and over RDMA a posted send not
+                                   completed this long (RNR retried forever), fail
+                                   the engine with -ETIMEDOUT (30000) */
     uint32_t transport;         /* BEX_TRANSPORT_* (AUTO); bex_sock_connect_opts can
                                    choose per connection */
     uint32_t io_threads;        /* I/O threads of the context (1, at most 64); each
@@ -565,7 +570,8 @@ typedef struct bex_sock_stats {
                                     their own (0: the device has none, or
                                     bex_ctx_config.thread_domains is OFF) */
 
-    uint64_t rnr_errors;      /* RDMA: connections failed with RNR retries exhausted */
+    uint64_t rnr_errors;      /* RDMA: connections failed with RNR retries exhausted (a peer
+                                 that posts no receive for the credits it granted) */
     uint64_t retry_errors;    /* RDMA: connections failed with transport retries exhausted */
     uint64_t keepalive_fails; /* connections failed for the peer's silence (keepalive) */
     uint64_t tcp_fallbacks;   /* connections of transport AUTO that went over TCP (no device

@@ -31,6 +31,8 @@ struct rp_opts {
     uint16_t max_rndv;
     uint32_t max_msg;
     uint32_t eager_max; /* <= RP_EAGER */
+    bool no_recvs;      /* grant recv_depth credits in the hello but post no
+                           receive: a peer lying about its credits (RNR) */
 };
 
 struct rawpeer {
@@ -96,7 +98,7 @@ static inline void rp_init(struct rawpeer *rp, struct in_addr a, const struct rp
     rp->mr = ibv_reg_mr(rp->dev->pd, rp->mem, rp->mem_len,
                         IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     CHECK(rp->mr);
-    uint32_t n = o->recv_depth < RP_SLOTS ? o->recv_depth : RP_SLOTS;
+    uint32_t n = o->no_recvs ? 0 : o->recv_depth < RP_SLOTS ? o->recv_depth : RP_SLOTS;
     for (uint32_t i = 0; i < n; i++) {
         struct ibv_sge sge = {(uintptr_t)(rp->mem + (size_t)i * RP_SLOT), RP_SLOT, rp->mr->lkey};
         struct ibv_recv_wr wr = {.wr_id = (1ull << 32) | i, .sg_list = &sge, .num_sge = 1}, *bad;

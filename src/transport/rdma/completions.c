@@ -322,7 +322,7 @@ void bex__engine_set_name(struct bex__engine *e, const char *name)
 /* The send request a failed completion names (counter cnt), for the log:
  * which operation the peer's NIC refused tells a bad request of ours from
  * the link's trouble. */
-static void describe_send(struct bex__engine *e, uint32_t cnt, char *out, size_t n)
+void bex__engine_describe_send(struct bex__engine *e, uint32_t cnt, char *out, size_t n)
 {
     uint32_t c = e->head;
     while (c != e->post && (c & WR_CNT_MASK) != cnt)
@@ -352,7 +352,7 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
     if (wc->status != IBV_WC_SUCCESS) {
         char what[96] = "receive";
         if (!(low & WR_RECV))
-            describe_send(e, low & WR_CNT_MASK, what, sizeof what);
+            bex__engine_describe_send(e, low & WR_CNT_MASK, what, sizeof what);
         bex__log(e->sh->log, BEX_LOG_ERROR,
                  "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name, what,
                  ibv_wc_status_str(wc->status), wc->vendor_err, wc_why(wc->status));

@@ -127,6 +127,9 @@ struct bex__engine {
     uint32_t peer_max_msg;      /* largest message the peer accepts at all */
     uint32_t frag;              /* effective fragment size */
     uint64_t credit_wait;       /* since when sends wait for a credit (0: none wait) */
+    uint64_t post_wait_ms;      /* the tick that first saw the oldest posted work
+                                   request (post_mark) not completed (0: none seen) */
+    uint32_t post_mark;         /* head at post_wait_ms */
     /* Delivery reports (include/bex/sock.h: 0 means the peer's engine holds
      * the message). Every SEND and WRITE_WITH_IMM takes one of the peer's
      * receives, in order, and the peer returns a credit only for a receive
@@ -268,6 +271,9 @@ __attribute__((format(printf, 2, 3))) int bex__engine_violation(struct bex__engi
                                                                 const char *fmt, ...);
 bool bex__engine_busy(const struct bex__engine *e);
 bool bex__engine_work(const struct bex__engine *e);
+/* The posted send request of counter cnt (masked by WR_CNT_MASK), for a
+ * log line: its operation, length and place in the queue. */
+void bex__engine_describe_send(struct bex__engine *e, uint32_t cnt, char *out, size_t n);
 void bex__engine_fail_now(struct bex__engine *e, int err);
 bool bex__engine_recv_room(struct bex__engine *e, uint64_t want);
 void *bex__engine_recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len);

@@ -67,6 +67,31 @@ static bool stalled(struct bex__engine *e, uint64_t now)
     return false;
 }
 
+/* A work request posted and never completed: a peer whose hello granted
+ * credits for receives it never posts has our SEND NAKed for want of a
+ * receive (RNR), and at qp_rnr_retry 7 the NIC retries it forever while
+ * the peer's keepalive goes on. Timed by the tick, as the acknowledgements
+ * are: the same credit_timeout_ms, since the peer withholds what a credit
+ * promised. */
+static bool post_stalled(struct bex__engine *e, uint64_t now)
+{
+    if (e->head == e->post || !e->post_wait_ms || e->post_mark != e->head) {
+        e->post_wait_ms = e->head != e->post ? now : 0;
+        e->post_mark = e->head;
+        return false;
+    }
+    if (!e->cfg.credit_timeout_ms || now - e->post_wait_ms <= e->cfg.credit_timeout_ms)
+        return false;
+    char what[96];
+    bex__engine_describe_send(e, e->head & WR_CNT_MASK, what, sizeof what);
+    bex__log(e->sh->log, BEX_LOG_ERROR,
+             "%s: a %s has not completed in %u ms: the peer takes none (no receive posted for the "
+             "credits it granted?)",
+             e->name, what, e->cfg.credit_timeout_ms);
+    bex__engine_fail(e, -ETIMEDOUT);
+    return true;
+}
+
 /* A granted destination must be written within rate_window_ms +
  * len / min_rate of its grant, or of the last destination written if that
  * is later: a peer granted destinations that it never writes holds the
@@ -152,7 +177,7 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
         bex__engine_fail(e, -ETIMEDOUT);
         return true;
     }
-    if (stalled(e, now))
+    if (stalled(e, now) || post_stalled(e, now))
         return true;
     if (grants_stalled(e, now)) {
         bex__engine_fail(e, -ETIMEDOUT);
