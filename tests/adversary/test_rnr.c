@@ -53,11 +53,8 @@ static int liar_listen(struct in_addr a, uint16_t *port)
 static int liar_main(int wr, struct in_addr a)
 {
     struct rawpeer rp;
-    struct rp_opts o = {.recv_depth = 64,
-                        .max_rndv = 16,
-                        .max_msg = 1u << 20,
-                        .eager_max = 1024,
-                        .no_recvs = true};
+    struct rp_opts o = {
+        .recv_depth = 64, .max_rndv = 16, .max_msg = 1u << 20, .eager_max = 1024, .no_recvs = true};
     rp_init(&rp, a, &o);
     uint16_t port = 0;
     int lfd = liar_listen(a, &port);
@@ -172,10 +169,10 @@ static const bex_sock_ops cli_ops = {.on_connect = cli_connected,
                                      .on_close = cli_closed};
 
 struct want {
-    uint8_t rnr_retry;     /* qp_rnr_retry (0: the default, 7) */
-    int err;               /* the socket's error (on_error, bex_sock_last_error) */
-    long long rnr_errors;  /* bex_transport_rnr_errors_total after it */
-    const char *log;       /* an ERROR line naming the peer says this */
+    uint8_t rnr_retry;    /* qp_rnr_retry (0: the default, 7) */
+    int err;              /* the socket's error (on_error, bex_sock_last_error) */
+    long long rnr_errors; /* bex_transport_rnr_errors_total after it */
+    const char *log;      /* an ERROR line naming the peer says this */
 };
 
 /* One message to the liar. Its OPEN, sent at connect, meets the RNR first:
@@ -302,19 +299,15 @@ static int run_liar(const struct want *w)
 
 static int rnr_short(void)
 {
-    struct want w = {.rnr_retry = 1,
-                     .err = -ENOBUFS,
-                     .rnr_errors = 1,
-                     .log = "RNR retry counter exceeded"};
+    struct want w = {
+        .rnr_retry = 1, .err = -ENOBUFS, .rnr_errors = 1, .log = "RNR retry counter exceeded"};
     return run_liar(&w);
 }
 
 static int rnr_forever(void)
 {
-    struct want w = {.rnr_retry = 0,
-                     .err = -ETIMEDOUT,
-                     .rnr_errors = 0,
-                     .log = "has not completed"};
+    struct want w = {
+        .rnr_retry = 0, .err = -ETIMEDOUT, .rnr_errors = 0, .log = "has not completed"};
     return run_liar(&w);
 }
 
