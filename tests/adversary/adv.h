@@ -92,8 +92,10 @@ long adv_raise_nofile(long want);
 long adv_rss_kb(void);
 /* Open file descriptors of this process. */
 int adv_fd_count(void);
-/* Connections waiting in this process's listening sockets' accept queues
- * (TCP_INFO's tcpi_unacked of a listener), or -1. */
+/* Connections waiting for this process's listening sockets: in their
+ * accept queues (TCP_INFO's tcpi_unacked of a listener) or still to come
+ * (half-open, or closed by their client and not yet acknowledged: see
+ * util.c), or -1. */
 int adv_listen_backlog(void);
 int adv_addrs(struct in_addr *a0, struct in_addr *a1);
 

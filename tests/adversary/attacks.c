@@ -120,6 +120,22 @@ static void tcp_close_all(struct tconn *c, int n)
         }
 }
 
+/* The same with a reset (SO_LINGER 0): nothing of them is left to reach
+ * the server later. A connection closed with FIN whose handshake the
+ * server has not completed (its final ACK dropped while the accept queue
+ * was full; with SYN cookies the server keeps no trace of it) retransmits
+ * its FIN for seconds, and each retransmission can complete it into the
+ * accept queue: hundreds of them after a flood, long after the attacker
+ * has gone (test_adversary's settle wait timed out on them). */
+static void tcp_reset_all(struct tconn *c, int n)
+{
+    struct linger lg = {1, 0};
+    for (int i = 0; i < n; i++)
+        if (c[i].fd >= 0)
+            setsockopt(c[i].fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+    tcp_close_all(c, n);
+}
+
 static void write_all(int fd, const void *p, size_t n)
 {
     const uint8_t *b = p;
@@ -434,7 +450,7 @@ int adv_attack_idle_conns(struct adv_attack_ctx *a)
     }
     adv_say(a->wr, "note opened %d (%d failed), closed by the server %d, refilled %d", opened,
             failed, closed_by_server, refills);
-    tcp_close_all(c, N);
+    tcp_reset_all(c, N);
     adv_say(a->wr, "done");
     return 0;
 }

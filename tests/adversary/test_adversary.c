@@ -468,7 +468,8 @@ static void run_one(struct group *g, const struct adv_case *c)
     if (r.engines > 1)
         failf("%ld engines left after the attack, the early good client has 1", r.engines);
     if (r.fds_now > r.fds_base + FDS_SLACK || r.backlog != 0)
-        failf("%ld fds open after the attack, %ld before, %ld connections waiting for accept",
+        failf("%ld fds open after the attack, %ld before, %ld connections waiting for accept "
+              "(queued or half-open)",
               r.fds_now, r.fds_base, r.backlog);
     if (r.canaries < 10)
         failf("only %ld canaries were placed", r.canaries);

@@ -211,6 +211,40 @@ int adv_fd_count(void)
     return n - 1; /* the directory's own fd */
 }
 
+/* Connections to a local TCP port the listener has not seen yet, by
+ * /proc/net/tcp and tcp6 (the attacker shares the server's network
+ * namespace): the server's half-open ones (SYN_RECV, 03: a handshake whose
+ * final ACK was dropped while the accept queue was full) and, on the
+ * connecting side, sockets closed but not yet acknowledged (FIN_WAIT1, 04;
+ * CLOSING, 0B; LAST_ACK, 09): with SYN cookies the server keeps no state
+ * for a handshake, and the closed socket's retransmitted FIN completes it
+ * and reaches the accept queue seconds after the attacker has gone. */
+static int half_open(unsigned port)
+{
+    static const char *const files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+    int n = 0;
+    for (size_t f = 0; f < sizeof files / sizeof files[0]; f++) {
+        FILE *fp = fopen(files[f], "r");
+        if (!fp)
+            continue;
+        char line[512], local[128], remote[128];
+        unsigned st;
+        while (fgets(line, sizeof line, fp)) {
+            char *lc, *rc;
+            if (sscanf(line, " %*u: %127s %127s %x", local, remote, &st) != 3 ||
+                !(lc = strrchr(local, ':')) || !(rc = strrchr(remote, ':')))
+                continue;
+            unsigned lport = (unsigned)strtoul(lc + 1, NULL, 16);
+            unsigned rport = (unsigned)strtoul(rc + 1, NULL, 16);
+            if ((lport == port && st == 0x03) ||
+                (rport == port && (st == 0x04 || st == 0x0b || st == 0x09)))
+                n++;
+        }
+        fclose(fp);
+    }
+    return n;
+}
+
 int adv_listen_backlog(void)
 {
     DIR *d = opendir("/proc/self/fd");
@@ -228,6 +262,11 @@ int adv_listen_backlog(void)
             getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &tl))
             continue;
         n += (int)ti.tcpi_unacked; /* of a listening socket: its accept queue */
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0)
+            n += half_open(ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                          : ((struct sockaddr_in *)&ss)->sin_port));
     }
     closedir(d);
     return n;
