@@ -97,6 +97,9 @@ static const struct env_var vars[] = {
      "bytes (4294967295: none)"},
     {"BEX_TCP_ACK_DELAY_US", FIELD(tcp_ack_delay_us), parse_num, 1, 1000000, "1-1000000"},
     {"BEX_LOG_WINDOW_MS", FIELD(log_window_ms), parse_num, 1, 3600000, "1-3600000"},
+    {"BEX_RECV_MIN_RATE", FIELD(recv_min_rate), parse_num, 1, UINT32_MAX,
+     "bytes a second, 1 or more"},
+    {"BEX_RECV_RATE_MS", FIELD(recv_rate_ms), parse_num, 1, 86400000, "1-86400000"},
 };
 #undef FIELD
 

@@ -11,7 +11,8 @@ static void clear(void)
     static const char *const names[] = {
         "BEX_LOG_LEVEL",          "BEX_TRANSPORT",    "BEX_IO_THREADS",
         "BEX_POLL_MODE",          "BEX_KEEPALIVE_MS", "BEX_KEEPALIVE_TIMEOUT_MS",
-        "BEX_CONNECT_TIMEOUT_MS", "BEX_SRQ_DEPTH",    "BEX_LOG_WINDOW_MS"};
+        "BEX_CONNECT_TIMEOUT_MS", "BEX_SRQ_DEPTH",    "BEX_LOG_WINDOW_MS",
+        "BEX_RECV_MIN_RATE",      "BEX_RECV_RATE_MS"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         unsetenv(names[i]);
 }
@@ -77,6 +78,34 @@ static int bad_values(void)
     return 0;
 }
 
+/* The receive-rate floor a peer must keep (recv_min_rate, recv_rate_ms)
+ * can be lowered from outside: a bench or a deployment whose bottleneck
+ * gives each sender less than 1 MiB/s must not have its honest, slow
+ * senders failed as stalled ones. Zero is refused (zero is the default
+ * in the struct, not a setting). */
+static int recv_rate(void)
+{
+    clear();
+    bex_ctx_config cfg = {.recv_min_rate = 1000};
+    char why[256] = "";
+    setenv("BEX_RECV_MIN_RATE", "4096", 1);
+    setenv("BEX_RECV_RATE_MS", "60000", 1);
+    unsigned n = 0;
+    CHECK_OK(bex__ctx_env(&cfg, why, sizeof why, &n));
+    CHECK_EQ(n, 2);
+    CHECK_EQ(cfg.recv_min_rate, 4096);
+    CHECK_EQ(cfg.recv_rate_ms, 60000);
+    setenv("BEX_RECV_RATE_MS", "0", 1);
+    CHECK_EQ(bex__ctx_env(&cfg, why, sizeof why, NULL), -EINVAL);
+    CHECK(strstr(why, "BEX_RECV_RATE_MS") != NULL);
+    setenv("BEX_RECV_RATE_MS", "60000", 1);
+    setenv("BEX_RECV_MIN_RATE", "0", 1);
+    CHECK_EQ(bex__ctx_env(&cfg, why, sizeof why, NULL), -EINVAL);
+    CHECK(strstr(why, "BEX_RECV_MIN_RATE") != NULL);
+    clear();
+    return 0;
+}
+
 static char seen[4][256];
 static int n_seen;
 static void hook(int level, const char *msg, void *arg)
@@ -120,4 +149,4 @@ static int ctx_create(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(applies), BEX_CASE(bad_values), BEX_CASE(ctx_create))
+BEX_TEST_MAIN(BEX_CASE(applies), BEX_CASE(bad_values), BEX_CASE(ctx_create), BEX_CASE(recv_rate))
