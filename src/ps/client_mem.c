@@ -737,7 +737,9 @@ int bex_ps_push_from_sync(bex_ps_client *c, uint32_t table, uint32_t dim, const 
                           size_t n, float *grads, bex_ps_replica_result *res, size_t cap,
                           size_t *n_res)
 {
+    /* sync: the call completes once the array is back too, so that its
+     * caller wakes once, not at the answer and again at the array's return */
     struct bex__rpc_wait w = BEX__RPC_WAIT_INIT;
     return wait_array(
-        &w, bex_ps_push_from(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w), grads);
+        &w, push_from(c, table, dim, keys, n, grads, res, cap, n_res, sync_done, &w, true), grads);
 }

@@ -264,6 +264,77 @@ static int t_shards(void)
     return 0;
 }
 
+/* ---- parts past the eager bound ---- */
+
+#define NBIG 700 /* keys: about 350 rows of dim 8 (11 KiB) a shard, past eager_max (8 KiB) */
+
+/* A Push from an array over 2 shards whose parts are each past the
+ * transport's eager bound: the first sent in place, the second gathered
+ * (its headers and keys in a buffer of their own, its rows from the
+ * array), by rendezvous over RDMA (the WRITEs cut at the buffers' ends) and
+ * in fragments over TCP; both parts from the array (bex_ps_rows_zero),
+ * and a Fetch reads every row as init - lr * grad. */
+static int t_large(void)
+{
+    struct in_addr a0, a1;
+    int rc = pair_addrs(&a0, &a1);
+    if (rc)
+        return rc;
+    struct srv_proc sp[2];
+    uint32_t sn[2][2] = {{0, 2}, {1, 2}};
+    bex_addr a[2];
+    for (int s = 0; s < 2; s++) {
+        srv_spawn(&sp[s], shard_child, sn[s]);
+        a[s] = sp[s].addr;
+    }
+    bex_ctx *ctx = client_ctx();
+    bex_dir *d = dir_of_shards(a, 2, true);
+    bex_ps_client *pc = client_of(ctx, d);
+    const bex_ps_table_config *t = &TABLES[0];
+    static uint64_t keys[NBIG];
+    uint32_t n = 0, n0 = 0;
+    for (uint32_t s = 0; s < 2; s++) {
+        n0 = s == 1 ? n : n0; /* shard 0's count */
+        for (int i = 0; i < NBIG; i++)
+            if (bex_ps_key_shard(key_of(i), 2) == s)
+                keys[n++] = key_of(i);
+    }
+    CHECK_EQ(n, NBIG);
+    CHECK(n0 * t->dim * 4 > 8192 && (n - n0) * t->dim * 4 > 8192);
+    float *g = bex_ps_rows_alloc(ctx, NBIG, t->dim);
+    CHECK(g);
+    for (uint32_t i = 0; i < NBIG * t->dim; i++)
+        g[i] = (float)(i % 97) / 97.0f - 0.5f;
+    bex_ps_replica_result res[2];
+    size_t n_res = 0;
+    CHECK_OK(bex_ps_push_from_sync(pc, t->id, t->dim, keys, NBIG, g, res, 2, &n_res));
+    CHECK_EQ(n_res, 2);
+    CHECK_EQ(res[0].status | res[1].status, 0);
+    CHECK_EQ(bex_ps_rows_zero(g), 2); /* both parts from the array, none copied */
+    float *rows = bex_ps_rows_alloc(ctx, NBIG, t->dim);
+    CHECK(rows);
+    CHECK_OK(bex_ps_fetch_into_sync(pc, t->id, t->dim, keys, NBIG, rows));
+    for (uint32_t i = 0; i < NBIG; i++)
+        for (uint32_t c = 0; c < t->dim; c++) {
+            float want =
+                bex_ps_init_value(t->id, keys[i], c, t->init_scale) - t->lr * g[i * t->dim + c];
+            if (!(fabsf(rows[i * t->dim + c] - want) <= 1e-5f)) {
+                fprintf(stderr, "row %u col %u: %.9g, want %.9g\n", i, c,
+                        (double)rows[i * t->dim + c], (double)want);
+                CHECK(0);
+            }
+        }
+    transport_check(ctx);
+    CHECK_OK(bex_ps_rows_free(rows));
+    CHECK_OK(bex_ps_rows_free(g));
+    bex_ps_client_destroy(pc);
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    for (int s = 0; s < 2; s++)
+        rc |= stop(&sp[s]);
+    return rc ? 1 : 0;
+}
+
 static void never(int status, void *user)
 {
     (void)status;
@@ -423,4 +494,4 @@ static int t_wrong_rows(void)
 }
 
 BEX_TEST_MAIN({"into", t_into}, {"multi", t_multi}, {"bad", t_bad}, {"cap", t_cap},
-              {"wrong_rows", t_wrong_rows}, {"shards", t_shards})
+              {"wrong_rows", t_wrong_rows}, {"shards", t_shards}, {"large", t_large})
