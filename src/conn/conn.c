@@ -551,8 +551,16 @@ void bex__listener_on_event(struct ep_tag *t, uint32_t events)
 void bex__conn_on_event(struct ep_tag *t, uint32_t events)
 {
     struct conn *c = bex__container_of(t, struct conn, tag);
-    bex__conn_step(c, events);
-    bex__conn_ready(c);
+    if (bex__conn_step(c, events)) {
+        bex__conn_ready(c);
+        return;
+    }
+    /* The TCP transport's events ended in a progress call with nothing
+     * more to move: a mark the sends of its callbacks left (an answer
+     * sent from on_recv) is spent, not a second call a message. That call
+     * may have held acknowledgements until x->due_us. */
+    bex__list_remove(&c->ready_link);
+    bex__conn_due_sync(c);
 }
 
 struct bex__io *bex__io_next(struct bex__conn_env *env)

@@ -231,10 +231,11 @@ void bex__conn_log_refusal(struct conn *c, int err, const char *why);
  * never closed are open (over RDMA the setup's descriptor tells, over TCP
  * the transport's on_fail). */
 void bex__conn_lost(struct conn *c, int err);
-/* Advance the setup state machine on events; any error fails c. */
-void bex__conn_step(struct conn *c, uint32_t events);
+/* Advance the setup state machine on events; any error fails c. Whether
+ * its transport wants a progress call (an up TCP one ran its own). */
+bool bex__conn_step(struct conn *c, uint32_t events);
 /* A connection's epoll watcher (tag.cb): bex__conn_step, then its
- * transport has work. */
+ * transport has work when the step says so (its deadline synced). */
 void bex__conn_on_event(struct ep_tag *t, uint32_t events);
 
 #endif

@@ -597,20 +597,21 @@ void bex__conn_lost(struct conn *c, int err)
              c->eng_id, open, open == 1 ? "" : "s", bex_strerror(err));
 }
 
-/* Advance the setup state machine; any error fails the connection. */
-void bex__conn_step(struct conn *c, uint32_t events)
+/* Advance the setup state machine; any error fails the connection.
+ * Whether the connection's transport wants a progress call: an up TCP
+ * one made its own (bex__tcp_events) and wants one only when it has more
+ * to move at once. */
+bool bex__conn_step(struct conn *c, uint32_t events)
 {
     int err = 0;
     const char *why = NULL;
     if (bex__conn_dead(c) || c->fd < 0)
-        return;
-    if (c->phase == P_UP && bex__xport_is_tcp(c->x)) {
-        bex__tcp_events(c->x, events);
-        return;
-    }
+        return true;
+    if (c->phase == P_UP && bex__xport_is_tcp(c->x))
+        return bex__tcp_events(c->x, events);
     if (c->phase == P_CONNECTING) {
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP)))
-            return;
+            return true;
         socklen_t sl = sizeof(err);
         if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &sl) || err) {
             err = err ? -err : -errno;
@@ -631,7 +632,7 @@ void bex__conn_step(struct conn *c, uint32_t events)
     while (c->rlen < c->rwant) {
         ssize_t n = recv(c->fd, c->rbuf + c->rlen, c->rwant - c->rlen, 0);
         if (n < 0 && (errno == EAGAIN || errno == EINTR))
-            return;
+            return true;
         if (n <= 0) {
             err = n < 0 ? -errno : -ECONNRESET;
             goto fail;
@@ -661,7 +662,7 @@ void bex__conn_step(struct conn *c, uint32_t events)
         if ((err = setup_msg(c, &why)))
             goto fail;
     }
-    return;
+    return true;
 fail:
     if (why)
         conn_refuse(c, err, why);
@@ -670,4 +671,5 @@ fail:
             bex__conn_lost(c, err);
         bex__conn_fail(c, err);
     }
+    return true;
 }

@@ -189,20 +189,22 @@ static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
     if (method != BEX_PS_M_FETCH && method != BEX_PS_M_PUSH)
         return -ENOSYS;
     struct bex__ps_hdr h;
-    uint64_t t0 = bex__rpc_now_ns();
+    /* an RPC's time counts from its dispatch: no clock read of our own */
+    uint64_t t0 = req ? bex__rpc_req_start_ns(req) : bex__rpc_now_ns();
     int rc = bex__ps_decode(method, body, len, &h);
     if (rc == 0 && method == BEX_PS_M_PUSH)
         rc = repl_serve(s, method, &h, body, len, req);
     if (rc == 0 || rc == SERVE_HERE) {
         const uint8_t *p = (const uint8_t *)body + bex__ps_keys_off(&h);
-        rc = method == BEX_PS_M_FETCH ? bex__ps_serve_fetch(s, ctx, &h, p, resp, resp_len)
+        rc = method == BEX_PS_M_FETCH ? bex__ps_serve_fetch(s, ctx, &h, p, t0, resp, resp_len)
                                       : bex__ps_serve_push(s, ctx, &h, p, req, resp, resp_len);
     }
-    if (rc == 0) {
-        /* the table exists: the request was served */
+    if (rc == 0 && method == BEX_PS_M_PUSH) {
+        /* the table exists: the request was served (a Fetch counted its
+         * time under the rows' lock) */
         uint64_t ns = bex__rpc_now_ns() - t0;
         pthread_mutex_lock(&s->mu);
-        bex__rpc_hist_add(&bex__ps_find_table(s, h.table)->lat[method == BEX_PS_M_PUSH], ns);
+        bex__rpc_hist_add(&bex__ps_find_table(s, h.table)->lat[1], ns);
         pthread_mutex_unlock(&s->mu);
     }
     if (rc == -EINVAL || rc == -E2BIG) {

@@ -73,6 +73,8 @@ uint32_t bex__ps_row_find(const struct table *t, uint64_t key)
 /* Room for extra more rows (the load factor stays <= 1/2). */
 int bex__ps_table_reserve(struct table *t, uint32_t extra)
 {
+    if (!extra) /* a Fetch of rows that exist: room was made when they came */
+        return 0;
     uint64_t want = (uint64_t)t->n_rows + extra;
     if (want > t->cfg.max_rows)
         return -ENOSPC;

@@ -90,6 +90,9 @@ double bex__rpc_hist_quantile(const struct bex__rpc_hist *h, double q);
  * fewer than max so far (then counted), false when it has max already.
  * Any thread, while req is not answered. */
 bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max);
+/* When req was handed to its handler (bex__rpc_now_ns time): a handler
+ * timing its own work starts there rather than reading the clock again. */
+uint64_t bex__rpc_req_start_ns(const bex_rpc_req *req);
 
 uint64_t bex__rpc_now_ns(void);
 /* Tests: the RPC layer (channels, servers, directories) reads its time

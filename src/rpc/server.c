@@ -563,6 +563,11 @@ void bex_rpc_req_ids(const bex_rpc_req *req, uint64_t *client_id, uint64_t *seq)
         *seq = req->h.seq;
 }
 
+uint64_t bex__rpc_req_start_ns(const bex_rpc_req *req)
+{
+    return req->start_ns;
+}
+
 bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max)
 {
     /* req holds a reference on its connection */

@@ -437,7 +437,12 @@ static int ready_list(void)
  * answer's post. Before 10e87a7 each side had about twice as many (an
  * empty call after every posting one, another after each send
  * completion). Allowed besides: a call on each 10 ms tick while an engine
- * has work, and the idle sweeps (every 10th tick) and keepalive writes. */
+ * has work, and the idle sweeps (every 10th tick) and keepalive writes.
+ * Over TCP a connection's epoll event runs its progress call itself
+ * (bex__tcp_events): the server, answering from on_recv, needs no visit of
+ * the loop's, the client one (its request's send, from the command queue).
+ * Before, every event was followed by a visit for nothing, and a visit
+ * that wrote by another: about 1 an echo at the server, 3 at the client. */
 #define VISIT_ECHOES 400
 static int echo_visits(void)
 {
@@ -457,15 +462,21 @@ static int echo_visits(void)
     uint64_t cd0 = atomic_load(&cio->direct_sends), sd0 = atomic_load(&sio->direct_sends);
     for (int i = 0; i < VISIT_ECHOES; i++) {
         send_one(cctx, s);
-        CHECK_OK(wait_count(&v.w, &c.recvd, i + 2, 1000));
+        CHECK_OK(wait_count(&v.w, &c.recvd, i + 2, 10000)); /* (a loaded host) */
     }
     uint64_t cv = atomic_load(&cio->visits) - c0, sv = atomic_load(&sio->visits) - s0;
     uint64_t ms = pair_now_ms() - t0, ticks = ms / 10 + 2 + 2 * (ms / 100 + 2);
     fprintf(stderr, "%d echoes in %llu ms: %llu progress calls at the client, %llu at the server\n",
             VISIT_ECHOES, (unsigned long long)ms, (unsigned long long)cv, (unsigned long long)sv);
-    CHECK(cv <= 5 * VISIT_ECHOES / 2 + ticks);
-    CHECK(sv <= 3 * VISIT_ECHOES / 2 + ticks);
-    CHECK(cv >= VISIT_ECHOES && sv >= VISIT_ECHOES); /* the counters count */
+    if (pair_tcp()) {
+        CHECK(cv <= 3 * VISIT_ECHOES / 2 + ticks);
+        CHECK(sv <= VISIT_ECHOES / 4 + ticks);
+        CHECK(cv >= VISIT_ECHOES); /* the counter counts */
+    } else {
+        CHECK(cv <= 5 * VISIT_ECHOES / 2 + ticks);
+        CHECK(sv <= 3 * VISIT_ECHOES / 2 + ticks);
+        CHECK(cv >= VISIT_ECHOES && sv >= VISIT_ECHOES); /* the counters count */
+    }
     /* the server answers from its on_recv: straight to the engine, no
      * command queue (bex__io_send_now); the client sends from this thread,
      * through the queue */

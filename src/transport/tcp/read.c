@@ -431,12 +431,12 @@ void bex__tcp_rx(struct bex__tcp *t)
     }
 }
 
-void bex__tcp_events(struct bex__xport *x, uint32_t events)
+bool bex__tcp_events(struct bex__xport *x, uint32_t events)
 {
     x = bex__tcp_unwrap(x);
     struct bex__tcp *t = tcp_of(x);
     if (t->state == T_DEAD)
-        return;
+        return false;
     if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
         bex__tcp_rx(t);
     if (t->state != T_DEAD && events & EPOLLOUT) {
@@ -446,6 +446,5 @@ void bex__tcp_events(struct bex__xport *x, uint32_t events)
             bex__tcp_fail(x, err);
         }
     }
-    if (t->state != T_DEAD)
-        bex__tcp_progress(x);
+    return t->state != T_DEAD && bex__tcp_progress(x);
 }

@@ -76,8 +76,9 @@ int bex__tcp_create(struct bex__engine_shared *sh, const struct bex__tcp_config 
 int bex__tcp_prefix(struct bex__xport *x, const void *p, size_t n);
 /* The connection is up: on_up, then traffic. */
 void bex__tcp_start(struct bex__xport *x);
-/* The fd's epoll events. */
-void bex__tcp_events(struct bex__xport *x, uint32_t events);
+/* The fd's epoll events: read, write, then progress. Whether progress has
+ * more to move at once (its return): the caller visits it again only then. */
+bool bex__tcp_events(struct bex__xport *x, uint32_t events);
 bool bex__xport_is_tcp(const struct bex__xport *x);
 /* It failed because its TCP connection did (EOF, reset, a write error):
  * nothing was logged, the connection says whether that was a loss

@@ -108,16 +108,14 @@ static bool ack_due(struct bex__tcp *t)
 }
 
 /* Fill the batch: control frames first, then one unit per stream per turn. */
-static bool schedule(struct bex__tcp *t)
+static void schedule(struct bex__tcp *t)
 {
-    bool any = false;
     while (t->ctl_n && t->out_n < OUT_MAX) {
         struct ctl c = t->ctlq[t->ctl_head];
         t->ctl_head = (t->ctl_head + 1) % t->ctl_cap;
         t->ctl_n--;
         struct out_frame *f = frame_ctl(t, c.type, c.stream);
         f->st = c.st;
-        any = true;
     }
     struct bex__stream *st;
     while (t->out_n < OUT_MAX && (st = bex__stream_ring_first(&t->streams))) {
@@ -126,15 +124,12 @@ static bool schedule(struct bex__tcp *t)
             continue;
         if (stream_turn(t, st))
             bex__tcp_ring_add(t, st);
-        any = true;
     }
     /* acknowledgements with nothing else to carry them */
     if (t->acks_owed && t->out_n < OUT_MAX && ack_due(t)) {
         frame_ctl(t, BEX__MSG_CREDIT, 0);
         BEX__STAT_ADD(t->sh->stats, credit_msgs, 1);
-        any = true;
     }
-    return any;
 }
 
 /* A frame is written whole. The counters keep their RDMA names: a DIRECT
@@ -229,23 +224,22 @@ bool bex__tcp_progress(struct bex__xport *x)
     struct bex__tcp *t = tcp_of(x);
     if (t->state != T_UP)
         return false;
-    bool did = false;
+    bool more = false;
     for (int round = 0; round < 4 && t->state != T_DEAD; round++) {
-        bool s = schedule(t);
-        uint32_t before = t->out_n;
+        schedule(t);
         int err = bex__tcp_flush(t);
         if (err) {
             t->link_lost = true;
             bex__tcp_fail(x, err);
             return true;
         }
-        did |= s || t->out_n != before;
         /* (acknowledgements held back wait for their deadline) */
-        if (t->out_n == OUT_MAX ||
-            (!t->streams.ring_n && !t->ctl_n && (!t->acks_owed || t->ack_held)))
+        more = t->state != T_DEAD && !t->out_n &&
+               (t->streams.ring_n || t->ctl_n || (t->acks_owed && !t->ack_held));
+        if (t->out_n == OUT_MAX || !more)
             break;
     }
     if (t->state != T_DEAD)
         bex__tcp_want(t);
-    return did;
+    return more;
 }
