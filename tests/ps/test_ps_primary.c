@@ -1085,15 +1085,26 @@ static void suffix_run(struct pb *p, const char *snap)
     bex_ps_client_destroy(c);
 }
 
+/* The replicas of the suffix cases (forward deadline 1.5 s, probes every
+ * 20 ms) and a fresh directory dir (a mkdtemp template) for backup 2's
+ * snapshot, whose path goes into snap. */
+static int suffix_start(struct pb *p, char *dir, char *snap, size_t cap)
+{
+    int rc = pb_start_ex(p, false, 1500 * time_scale(), 20);
+    if (rc)
+        return rc;
+    CHECK(mkdtemp(dir));
+    snprintf(snap, cap, "%s/b2.snap", dir);
+    return 0;
+}
+
 static int t_restart_suffix(void)
 {
     struct pb p;
-    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    int rc = suffix_start(&p, dir, snap, sizeof snap);
     if (rc)
         return rc;
-    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
-    CHECK(mkdtemp(dir));
-    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
     suffix_run(&p, snap);
     bex_ps_shard_stats st = pb_stats(p.s[2]);
     /* lsn 2..5 from the primary's log, no row copied */
@@ -1116,12 +1127,10 @@ static int t_restart_suffix(void)
 static int t_restart_suffix_empty(void)
 {
     struct pb p;
-    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    int rc = suffix_start(&p, dir, snap, sizeof snap);
     if (rc)
         return rc;
-    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
-    CHECK(mkdtemp(dir));
-    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
     bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
     uint64_t key = 43;
     float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
