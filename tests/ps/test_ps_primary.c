@@ -693,7 +693,7 @@ static int t_retry_seq(void)
  * backup_behind, backup_restart and restart_suffix at load 29). */
 static int t_slow_connect(void)
 {
-    uint32_t fwd = 300 * time_scale();
+    uint32_t fwd = 200 * time_scale();
     struct pb p;
     struct relay rl;
     bk2_relay = &rl;
@@ -707,14 +707,14 @@ static int t_slow_connect(void)
     bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
     uint64_t key = 44;
     float g[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
-    CHECK_EQ(pb_stats(p.s[0]).backups_down, 0);
+    /* one Push only: a later one would have the short forward deadline,
+     * which a loaded host may miss (every forward here has the setup's) */
     CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
     float row[NREP][8];
     for (int r = 0; r < NREP; r++) {
         rows_of(&p, r, TS, &key, 1, row[r]);
         CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
-        CHECK_EQ(pb_stats(p.s[r]).lsn, 2);
+        CHECK_EQ(pb_stats(p.s[r]).lsn, 1);
     }
     CHECK_EQ(pb_stats(p.s[0]).backups_down, 0);
     bex_ps_client_destroy(c);
