@@ -49,6 +49,14 @@ const char *bex_version_string(void);
  * is static and may be used from any thread. */
 const char *bex_strerror(int err);
 
+/* Why the calling thread's last call that refused a caller's buffer did so,
+ * as one line naming the buffer (its address and length) and what is wrong
+ * with it, e.g. "buffer 0x5581c2a0 (64 bytes): not memory bex allocated
+ * ...". Set by the calls whose comment says so, when they return -EINVAL
+ * for a buffer (bex_sock_send and its variants, bex_sock_expose); "" while
+ * none has. Thread-local: valid until the thread's next such refusal. */
+const char *bex_last_error(void);
+
 /* Log levels of the library's log hook (bex_ctx_config.log_fn). */
 enum { BEX_LOG_ERROR = 1, BEX_LOG_WARN = 2, BEX_LOG_INFO = 3, BEX_LOG_DEBUG = 4 };
 

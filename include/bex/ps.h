@@ -209,6 +209,12 @@ typedef struct bex_ps_shard_config {
     uint32_t forward_batch_max;
     uint64_t forward_batch_bytes;
     uint32_t forward_batches_inflight;
+    /* A primary's connection to a backup may take this long to come up
+     * (10000): until a forward to that backup was answered once, its
+     * forwards' deadline is forward_timeout_ms plus this, so a backup
+     * still connecting (RDMA setup on a loaded host can take seconds) is
+     * waited for, not marked down by the first Push. */
+    uint32_t backup_connect_timeout_ms;
 } bex_ps_shard_config;
 
 enum {

@@ -21,7 +21,8 @@
  *
  * Ownership (zero-copy): a buffer passed to bex_sock_send() must come from
  * bex_sock_alloc() (the context's bemalloc pool), bex_sock_alloc_exposable(),
- * or be a buffer this context received. It belongs to bex until
+ * or be a buffer this context received (any other is refused with -EINVAL
+ * and a bex_last_error() text, checked, never a crash). It belongs to bex until
  * on_send_done reports it, with 0 or an error; then it is the caller's again.
  * A received buffer (on_recv) belongs to the application, which frees it
  * with bex_mem_free() from any thread, whenever it likes.
@@ -431,7 +432,11 @@ int bex_sock_connect_opts(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops
 
 /* Send len bytes at buf (from bex_sock_alloc/bex_mem_alloc of this context's
  * pool, bex_sock_alloc_exposable, or a buffer this context received; any pointer inside a live
- * allocation, as long as [buf, buf+len) stays inside it). Returns 0
+ * allocation, as long as [buf, buf+len) stays inside it). Any other memory
+ * (malloc's, the stack, another context's) is refused, not sent: -EINVAL,
+ * with bex_last_error() naming the buffer; the same holds for every buffer
+ * of bex_sock_send_req, bex_sock_sendv, bex_sock_send_direct and
+ * bex_sock_expose. Returns 0
  * (on_send_done will report it) or at once -EINVAL (bad buffer or length),
  * -EPIPE (socket failed or closing), -EMSGSIZE (len > 2 GiB - 1, or above the
  * peer's max_msg once the connection is up; a send queued before that and

@@ -1,7 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "bex/common.h"
+#include "common/error.h"
 
 /* The codes bex gives a meaning of its own (docs/protocol.md): the
  * system's text first (what the code is called elsewhere), then bex's. */
@@ -50,4 +53,20 @@ const char *bex_strerror(int err)
     /* strerrordesc_np is thread-safe and returns static text. */
     const char *s = strerrordesc_np(-err);
     return s ? s : "unknown error";
+}
+
+static _Thread_local char last_error[256];
+
+const char *bex_last_error(void)
+{
+    return last_error;
+}
+
+int bex__refuse(int err, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return err;
 }

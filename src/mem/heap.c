@@ -879,7 +879,13 @@ bex_mem_pool *bex_mem_pool_of(const void *ptr)
 
 const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool)
 {
-    struct bex__mem_chunk *c = header_of(ptr);
+    /* a caller's pointer, not yet known to be bemalloc's: its header is
+     * read only once the region table says a mapping of ours is there */
+    struct bex__mem_chunk *c = bex__mem_region_of(ptr);
+    if (!c) {
+        *pool = NULL;
+        return NULL;
+    }
     *pool = c->pool;
     return &c->mr;
 }

@@ -319,5 +319,8 @@ bex_mem_pool *bex__mem_registry_find(uint64_t id);
 /* pool.c: huge mappings longer than a chunk, for interior-pointer lookup. */
 extern _Atomic size_t bex__mem_huge_multi;
 struct bex__mem_chunk *bex__mem_huge_lookup(const void *p);
+/* The header of the mapping of any pool holding p, NULL if bemalloc mapped
+ * nothing there (any pointer; two loads, no lock). */
+struct bex__mem_chunk *bex__mem_region_of(const void *p);
 
 #endif

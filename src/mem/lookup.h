@@ -7,8 +7,9 @@
 
 #include "bex/mem.h"
 
-/* The registered region covering ptr (non-NULL, inside a live allocation),
- * and in *pool the pool it belongs to. */
+/* The registered region of the mapping holding ptr, and in *pool the pool
+ * it belongs to; NULL (and *pool NULL) when no pool mapped memory at ptr
+ * (malloc's, the stack, a freed huge mapping): any pointer may be asked. */
 const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool);
 
 #endif

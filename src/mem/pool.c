@@ -74,11 +74,14 @@ bex_mem_pool *bex__mem_registry_find(uint64_t id)
     return NULL;
 }
 
-/* ---- the huge-mapping table -----------------------------------------------
- * bex_mem_mr() accepts interior pointers. Inside a huge mapping longer than
- * 4 MiB, masking an interior pointer lands on user data, not on the header,
- * so such mappings enter every later 4 MiB slot they cover in a two-level
- * table. The table is consulted only while such a mapping exists. */
+/* ---- the region table -----------------------------------------------------
+ * Every mapping (regular chunk, landing chunk, huge mapping) enters each
+ * 4 MiB slot it covers in a two-level table, so that any address can be
+ * asked whether bemalloc mapped it (bex__mem_region_of: a caller's pointer
+ * checked before its header is read) and, inside a huge mapping longer
+ * than 4 MiB, where its header is (masking an interior pointer lands on
+ * user data there): bex_mem_mr() accepts interior pointers. The free and
+ * lookup fast paths consult it only while such a mapping exists. */
 #define L1_BITS 13
 #define L2_BITS (47 - BEX__MEM_CHUNK_SHIFT - L1_BITS)
 static _Atomic(_Atomic(struct bex__mem_chunk *) *) huge_l1[1u << L1_BITS];
@@ -114,10 +117,16 @@ struct bex__mem_chunk *bex__mem_huge_lookup(const void *p)
     return e ? atomic_load_explicit(e, memory_order_acquire) : NULL;
 }
 
+struct bex__mem_chunk *bex__mem_region_of(const void *p)
+{
+    return bex__mem_huge_lookup(p);
+}
+
+/* Enter c in (val c) or take it out of (val NULL) every slot it covers. */
 static int huge_table_set(struct bex__mem_chunk *c, struct bex__mem_chunk *val)
 {
     uintptr_t base = bex__mem_base_of(c);
-    uintptr_t a = base + BEX__MEM_CHUNK_SIZE, end = base + c->map_size;
+    uintptr_t a = base, end = base + c->map_size;
     for (; a < end; a += BEX__MEM_CHUNK_SIZE) {
         _Atomic(struct bex__mem_chunk *) *e = huge_slot(a, val != NULL);
         if (!e)
@@ -179,6 +188,13 @@ struct bex__mem_chunk *bex__mem_region_create(bex_mem_pool *pool, size_t len, si
         errno = rc < 0 ? -rc : rc;
         return NULL;
     }
+    if (huge_table_set(c, c) != 0) {
+        huge_table_set(c, NULL);
+        pool->reg.dereg(pool->reg.ctx, &c->mr);
+        munmap(base, len);
+        errno = ENOMEM;
+        return NULL;
+    }
     atomic_fetch_add_explicit(&pool->registrations, 1, memory_order_relaxed);
     size_t r =
         atomic_fetch_add_explicit(&pool->registered_bytes, c->mr.length, memory_order_relaxed) +
@@ -191,6 +207,7 @@ struct bex__mem_chunk *bex__mem_region_create(bex_mem_pool *pool, size_t len, si
 void bex__mem_region_destroy(bex_mem_pool *pool, struct bex__mem_chunk *c)
 {
     size_t len = c->map_size;
+    huge_table_set(c, NULL);
     pool->reg.dereg(pool->reg.ctx, &c->mr);
     atomic_fetch_add_explicit(&pool->deregistrations, 1, memory_order_relaxed);
     atomic_fetch_sub_explicit(&pool->registered_bytes, c->mr.length, memory_order_relaxed);
@@ -351,15 +368,8 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
                                    pool->kind == BEX_MEM_POOL_LANDING ? BEX__MEM_HUGE_HDR : 0);
         if (!c)
             return NULL;
-        if (c->map_size > BEX__MEM_CHUNK_SIZE) {
-            if (huge_table_set(c, c) != 0) {
-                huge_table_set(c, NULL);
-                bex__mem_region_destroy(pool, c);
-                errno = ENOMEM;
-                return NULL;
-            }
+        if (c->map_size > BEX__MEM_CHUNK_SIZE)
             atomic_fetch_add_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
-        }
         struct bex__mem_span *s = &c->spans[0];
         s->kind = BEX__MEM_HUGE;
         s->cls = BEX__MEM_NO_CLASS;
@@ -390,10 +400,8 @@ void bex__mem_huge_free(struct bex__mem_chunk *c)
     }
     pthread_mutex_unlock(&pool->lock);
     if (release) {
-        if (c->map_size > BEX__MEM_CHUNK_SIZE) {
-            huge_table_set(c, NULL);
+        if (c->map_size > BEX__MEM_CHUNK_SIZE)
             atomic_fetch_sub_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
-        }
         bex__mem_region_destroy(pool, c);
     }
 }
@@ -606,10 +614,8 @@ int bex_mem_pool_destroy(bex_mem_pool *pool)
     bex__list_foreach_safe(pos, tmp, &pool->huge_cached)
     {
         struct bex__mem_chunk *c = bex__list_entry(pos, struct bex__mem_chunk, link);
-        if (c->map_size > BEX__MEM_CHUNK_SIZE) {
-            huge_table_set(c, NULL);
+        if (c->map_size > BEX__MEM_CHUNK_SIZE)
             atomic_fetch_sub_explicit(&bex__mem_huge_multi, 1, memory_order_relaxed);
-        }
         bex__mem_region_destroy(pool, c);
     }
     while (pool->heaps) {

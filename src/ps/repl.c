@@ -32,6 +32,7 @@
 #include "rpc/internal.h"
 
 #define FWD_TIMEOUT_MS 5000u
+#define BK_CONNECT_MS  10000u
 #define FWD_WINDOW     1024u
 #define FWD_WINDOW_MAX 65536u
 #define FWD_HOLD_MAX   (64ull << 20)
@@ -50,6 +51,8 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
                                                   : RP_ANY;
     rp->role = cfg->role;
     rp->fwd_timeout_ms = cfg->forward_timeout_ms ? cfg->forward_timeout_ms : FWD_TIMEOUT_MS;
+    rp->bk_connect_ms =
+        cfg->backup_connect_timeout_ms ? cfg->backup_connect_timeout_ms : BK_CONNECT_MS;
     rp->win_n = cfg->forward_window ? cfg->forward_window : FWD_WINDOW;
     rp->hold_max = cfg->forward_hold_max ? cfg->forward_hold_max : FWD_HOLD_MAX;
     rp->retry_ns = (uint64_t)(cfg->backup_retry_ms ? cfg->backup_retry_ms : 1000) * 1000000ull;
@@ -71,7 +74,9 @@ int bex__ps_repl_init(bex_ps_shard *s, const bex_ps_shard_config *cfg)
 }
 
 /* The channel to backup b: retries within the forward's deadline, never
- * throttled (a forward lost is a backup marked down or removed). */
+ * throttled (a forward lost is a backup marked down or removed). Its
+ * connection may take the setup deadline: a forward's own deadline bounds
+ * how long a Push waits for it (bex__ps_fwd_timeout). */
 static int bk_channel(struct repl *rp, bex_ctx *ctx, struct backup *b)
 {
     bex_rpc_endpoint ep = {.addr = b->addr, .transport = b->transport};
@@ -79,7 +84,8 @@ static int bk_channel(struct repl *rp, bex_ctx *ctx, struct backup *b)
                                  .n_endpoints = 1,
                                  .name = "ps-forward",
                                  .request_timeout_ms = rp->fwd_timeout_ms,
-                                 .connect_timeout_ms = rp->fwd_timeout_ms,
+                                 .connect_timeout_ms = rp->bk_connect_ms,
+                                 .probe_timeout_ms = rp->fwd_timeout_ms,
                                  .max_attempts = FWD_ATTEMPTS,
                                  .retry_budget_burst = 1000000,
                                  .retry_budget_permille = 1000};
@@ -99,6 +105,13 @@ int bex__ps_repl_register(bex_ps_shard *s, bex_ctx *ctx)
             return rc;
     }
     return 0;
+}
+
+uint32_t bex__ps_fwd_timeout(const struct repl *rp, const struct backup *b)
+{
+    /* a backup never reached is still connecting (an RDMA connection can
+     * take seconds on a loaded host): its setup is not the forward's delay */
+    return b->reached ? rp->fwd_timeout_ms : rp->fwd_timeout_ms + rp->bk_connect_ms;
 }
 
 void bex__ps_fwdh_free(struct fwdh *f)

@@ -74,7 +74,8 @@ void bex__ps_batch_queue_locked(bex_ps_shard *s, struct fop *op)
 struct fbatch {
     bex_ps_shard *s;
     struct backup *bk;
-    struct fcall *list; /* chained by q_nx, lsn order */
+    struct fcall *list;  /* chained by q_nx, lsn order */
+    uint32_t timeout_ms; /* the forward's deadline (bex__ps_fwd_timeout) */
 };
 
 /* The next batch off b's queue (under s->mu): n forwards, bytes on the
@@ -128,6 +129,7 @@ static void batch_done(int status, void *body, size_t len, void *user)
     bex_rpc_free(body);
     pthread_mutex_lock(&s->mu);
     bk->b_out--;
+    bk->reached |= status == 0;
     if (status)
         rest = take_all_locked(bk); /* they would fail the same way, later */
     pthread_mutex_unlock(&s->mu);
@@ -161,7 +163,7 @@ static void batch_send(struct fbatch *bt, bex_rpc_channel *ch, uint64_t session,
         memcpy(p + off + BEX__PS_FWD_ENT_HDR, f->op->body, f->op->len);
         off += BEX__PS_FWD_ENT_HDR + f->op->len;
     }
-    bex_rpc_call_opts o = {.timeout_ms = rp->fwd_timeout_ms};
+    bex_rpc_call_opts o = {.timeout_ms = bt->timeout_ms};
     int rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_FORWARD, p, bytes, &o, batch_done, bt, NULL);
     if (rc) {
         bex_rpc_free(p);
@@ -188,7 +190,8 @@ static bool pump_one(bex_ps_shard *s, struct backup *fixed, size_t idx)
         if (go && !bt)
             fail = take_all_locked(bk);
         else if (go) {
-            *bt = (struct fbatch){s, bk, take_locked(rp, bk, &n, &bytes)};
+            *bt = (struct fbatch){s, bk, take_locked(rp, bk, &n, &bytes),
+                                  bex__ps_fwd_timeout(rp, bk)};
             bk->b_out++;
             s->st.fwd_batches++;
         }

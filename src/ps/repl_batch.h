@@ -37,6 +37,9 @@ void bex__ps_fwd_done(int status, struct fcall *fc);
 int bex__ps_fwd_decode(bex_ps_shard *s, const uint8_t *push, size_t len, uint64_t lsn,
                        struct fwdh **out);
 void bex__ps_fwdh_free(struct fwdh *f);
+/* repl.c: the deadline of a forward to b (under s->mu): forward_timeout_ms,
+ * plus backup_connect_timeout_ms until a forward to b was answered once. */
+uint32_t bex__ps_fwd_timeout(const struct repl *rp, const struct backup *b);
 
 /* repl_batch.c. The bounds from cfg (-EINVAL past their maxima). */
 int bex__ps_batch_init(struct repl *rp, const bex_ps_shard_config *cfg);

@@ -132,6 +132,9 @@ struct backup {
     struct fcall *q_head, *q_tail;
     uint32_t b_out;
     bool closed;
+    /* a forward to it was answered: its connection came up once, so a
+     * forward's deadline no longer includes the connection's setup */
+    bool reached;
 };
 
 /* A primary's log of its last forwards (repl_log.c): a ring of the Push
@@ -169,7 +172,8 @@ struct repl {
     struct backup *bk;
     size_t n_bk;
     uint32_t n_down, fwd_timeout_ms;
-    uint64_t retry_ns; /* a down backup probed at most this often */
+    uint32_t bk_connect_ms; /* a backup's connection setup (backup_connect_timeout_ms) */
+    uint64_t retry_ns;      /* a down backup probed at most this often */
     uint64_t session, lsn;
     /* backup: the primary's session it follows, the next lsn to apply,
      * forwards held ahead of their turn (win[lsn % win_n]) */

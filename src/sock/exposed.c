@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
+#include "common/error.h"
 #include "sock/ctx_access.h"
 #include "sock/internal.h"
 
@@ -138,8 +139,8 @@ int bex_sock_expose(bex_sock *s, void *buf, uint32_t len, void *msg_user, bex_re
     if (err)
         return err;
     bex_ctx *ctx = s->ctx;
-    if (bex_mem_pool_of(buf) != ctx->sh.landing)
-        return -EINVAL; /* only landing memory may be peer-writable */
+    if (bex_mem_pool_of(buf) != ctx->sh.landing) /* only landing memory is peer-writable */
+        return bex__refuse(-EINVAL, "buffer %p: not from bex_sock_alloc_exposable", buf);
     /* Window mode: a window for this exposure alone; the I/O thread binds
      * it on the engine's QP ahead of anything sent after this call. */
     struct ibv_mw *mw = NULL;

@@ -10,6 +10,7 @@
 #include <sodium.h>
 
 #include "common/cfg.h"
+#include "common/error.h"
 #include "sock/ctx_access.h"
 #include "sock/env.h"
 #include "sock/internal.h"
@@ -754,13 +755,25 @@ int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
     if (len > INT32_MAX)
         return -EMSGSIZE;
     if (!buf)
-        return -EINVAL;
+        return bex__refuse(-EINVAL, "buffer NULL (%zu bytes)", len);
     bex_mem_pool *pool;
     const bex_mem_region *r = bex__mem_lookup(buf, &pool);
-    if ((pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool && pool != s->ctx->sh.landing) ||
-        (uintptr_t)buf < (uintptr_t)r->addr ||
+    if (!r)
+        return bex__refuse(-EINVAL,
+                           "buffer %p (%zu bytes): not memory bex allocated (bex_sock_alloc, "
+                           "bex_sock_alloc_exposable or a received buffer)",
+                           buf, len);
+    if (pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool && pool != s->ctx->sh.landing)
+        return bex__refuse(-EINVAL,
+                           "buffer %p (%zu bytes): bex memory, but not of this socket's "
+                           "context (another context's, or a pool of the application's)",
+                           buf, len);
+    if ((uintptr_t)buf < (uintptr_t)r->addr ||
         (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
-        return -EINVAL;
+        return bex__refuse(-EINVAL,
+                           "buffer %p (%zu bytes): runs outside its allocation's registered "
+                           "region",
+                           buf, len);
     if (lkey)
         *lkey = r->lkey;
     return 0;

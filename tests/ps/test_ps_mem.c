@@ -157,6 +157,19 @@ static int t_multi(void)
 
 /* ---- 1, 2 and 4 shards: no Push part copied ---- */
 
+/* A child's server: listening at a0 (any port), the port written to wfd,
+ * then serving until the parent writes to (or closes) rfd. */
+static void listen_until_told(bex_rpc_server *srv, struct in_addr a0, int wfd, int rfd)
+{
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}}, got;
+    CHECK_OK(bex_rpc_server_listen(srv, &la));
+    bex_rpc_server_addr(srv, &got);
+    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
+    char q;
+    ssize_t r = read(rfd, &q, 1);
+    (void)r;
+}
+
 /* A shard server of n_shards (arg: shard, n_shards). */
 static void shard_child(int wfd, int rfd, void *arg)
 {
@@ -173,13 +186,7 @@ static void shard_child(int wfd, int rfd, void *arg)
     bex_ps_shard_config pc = {.shard = sn[0], .n_shards = sn[1], .tables = TABLES, .n_tables = 2};
     CHECK_OK(bex_ps_shard_create(&pc, &ps));
     CHECK_OK(bex_ps_shard_register(ps, srv, ctx));
-    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}}, got;
-    CHECK_OK(bex_rpc_server_listen(srv, &la));
-    bex_rpc_server_addr(srv, &got);
-    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
-    char q;
-    ssize_t r = read(rfd, &q, 1);
-    (void)r;
+    listen_until_told(srv, a0, wfd, rfd);
     CHECK_OK(bex_rpc_server_destroy(srv));
     bex_ps_shard_destroy(ps);
     CHECK_OK(bex_ctx_destroy(ctx));
@@ -444,13 +451,7 @@ static void rogue_child(int wfd, int rfd, void *arg)
     CHECK_OK(bex_ctx_create(&c, &rogue.ctx));
     CHECK_OK(bex_rpc_server_create(rogue.ctx, NULL, &srv));
     CHECK_OK(bex_rpc_server_register(srv, BEX_PS_SERVICE, BEX_PS_M_FETCH, 0, rogue_fetch, NULL));
-    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a0}}, got;
-    CHECK_OK(bex_rpc_server_listen(srv, &la));
-    bex_rpc_server_addr(srv, &got);
-    CHECK(write(wfd, &got.in4.sin_port, sizeof got.in4.sin_port) == sizeof got.in4.sin_port);
-    char q;
-    ssize_t r = read(rfd, &q, 1);
-    (void)r;
+    listen_until_told(srv, a0, wfd, rfd);
     CHECK_OK(bex_rpc_server_destroy(srv));
     CHECK_OK(bex_ctx_destroy(rogue.ctx));
     exit(0);

@@ -51,7 +51,10 @@
  *   rejoins (it refused every later forward, and stayed down); suffix_hostile:
  *   hostile positions asked of the primary are refused, nothing changes.
  * join_v6: a backup on ::1 joins a running primary on ::1. */
+#include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "ps_test.h"
 #include "ps/shard_internal.h"
@@ -63,7 +66,83 @@
 
 static const bex_ps_table_config *const TA = &TABLES[1]; /* Adagrad */
 static const bex_ps_table_config *const TS = &TABLES[0]; /* SGD */
-static uint64_t log_bytes; /* the primary's forward_log_bytes (0: default) */
+static uint64_t log_bytes;      /* the primary's forward_log_bytes (0: default) */
+static uint32_t bk_connect_ms;  /* the primary's backup_connect_timeout_ms */
+static struct relay *bk2_relay; /* in front of backup 2 (NULL: none) */
+static uint32_t bk2_delay_ms;   /* its hold of each connection */
+
+/* A TCP relay in front of backup 2 that holds each connection delay_ms
+ * before it opens its own to the backup: a backup whose connection takes
+ * longer than a forward's deadline to come up (RDMA setup at load 30). */
+struct relay {
+    int lfd;
+    bex_addr at, to;
+    uint32_t delay_ms;
+    _Atomic bool stop;
+    pthread_t th;
+};
+
+/* Copy between a and b until either side closes or the relay stops. */
+static void relay_pipe(struct relay *rl, int a, int b)
+{
+    char buf[16384];
+    while (!atomic_load(&rl->stop)) {
+        struct pollfd pf[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+        if (poll(pf, 2, 50) < 0)
+            return;
+        for (int i = 0; i < 2; i++) {
+            if (!pf[i].revents)
+                continue;
+            ssize_t n = read(pf[i].fd, buf, sizeof buf);
+            if (n <= 0 || write(pf[1 - i].fd, buf, (size_t)n) != n)
+                return;
+        }
+    }
+}
+
+static void *relay_main(void *arg)
+{
+    struct relay *rl = arg;
+    while (!atomic_load(&rl->stop)) {
+        struct pollfd pf = {rl->lfd, POLLIN, 0};
+        if (poll(&pf, 1, 50) <= 0)
+            continue;
+        int a = accept(rl->lfd, NULL, NULL);
+        if (a < 0)
+            continue;
+        pair_sleep_ms(rl->delay_ms);
+        int b = socket(AF_INET, SOCK_STREAM, 0);
+        if (b >= 0 && connect(b, (const struct sockaddr *)&rl->to.in4, sizeof rl->to.in4) == 0)
+            relay_pipe(rl, a, b);
+        if (b >= 0)
+            close(b);
+        close(a);
+    }
+    return NULL;
+}
+
+static void relay_start(struct relay *rl, const bex_addr *to, uint32_t delay_ms)
+{
+    *rl = (struct relay){.to = *to, .delay_ms = delay_ms};
+    struct sockaddr_in sa = to->in4;
+    sa.sin_port = 0; /* the kernel's pick: no race for a port */
+    socklen_t sl = sizeof sa;
+    rl->lfd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(rl->lfd >= 0 && bind(rl->lfd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    CHECK(listen(rl->lfd, 8) == 0 && getsockname(rl->lfd, (struct sockaddr *)&sa, &sl) == 0);
+    char ip[INET_ADDRSTRLEN], text[64];
+    inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof ip);
+    snprintf(text, sizeof text, "%s:%u", ip, ntohs(sa.sin_port));
+    CHECK_OK(bex_addr_parse(text, 0, &rl->at));
+    CHECK(pthread_create(&rl->th, NULL, relay_main, rl) == 0);
+}
+
+static void relay_stop(struct relay *rl)
+{
+    atomic_store(&rl->stop, true);
+    CHECK(pthread_join(rl->th, NULL) == 0);
+    close(rl->lfd);
+}
 
 /* Three replicas: with roles (replica 0 the primary of the other two, a
  * forward deadline of fwd_ms, down backups probed every retry_ms) or,
@@ -82,6 +161,10 @@ static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retr
     bex_rpc_endpoint bk[NREP - 1];
     for (int r = 1; r < NREP; r++)
         bk[r - 1] = (bex_rpc_endpoint){.addr = p->addr[r]};
+    if (bk2_relay) {
+        relay_start(bk2_relay, &p->addr[2], bk2_delay_ms);
+        bk[1].addr = bk2_relay->at;
+    }
     if (!fanout) {
         pc.role = BEX_PS_ROLE_PRIMARY;
         pc.backups = bk;
@@ -89,6 +172,7 @@ static int pb_start_ex(struct pb *p, bool fanout, uint32_t fwd_ms, uint32_t retr
         pc.forward_timeout_ms = fwd_ms;
         pc.backup_retry_ms = retry_ms;
         pc.forward_log_bytes = log_bytes;
+        pc.backup_connect_timeout_ms = bk_connect_ms;
     }
     pb_replica_start(p, 0, a0, &pc);
     p->dir = pb_dir(p);
@@ -600,6 +684,45 @@ static int t_retry_seq(void)
     return 0;
 }
 
+/* ---- slow_connect ---- */
+
+/* The first Push while the primary's connection to backup 2 takes three
+ * forward deadlines to come up: it waits for the connection (within
+ * backup_connect_timeout_ms) and is applied everywhere; no backup is
+ * marked down. It was -EHOSTDOWN, backup 2 down (the RDMA failures of
+ * backup_behind, backup_restart and restart_suffix at load 29). */
+static int t_slow_connect(void)
+{
+    uint32_t fwd = 200 * time_scale();
+    struct pb p;
+    struct relay rl;
+    bk2_relay = &rl;
+    bk2_delay_ms = 3 * fwd;
+    bk_connect_ms = 30 * fwd;
+    int rc = pb_start_ex(&p, false, fwd, 50);
+    bk2_relay = NULL;
+    bk_connect_ms = 0;
+    if (rc)
+        return rc;
+    bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
+    uint64_t key = 44;
+    float g[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    /* one Push only: a later one would have the short forward deadline,
+     * which a loaded host may miss (every forward here has the setup's) */
+    CHECK_OK(bex_ps_push_sync(c, TS->id, TS->dim, &key, 1, g));
+    float row[NREP][8];
+    for (int r = 0; r < NREP; r++) {
+        rows_of(&p, r, TS, &key, 1, row[r]);
+        CHECK(memcmp(row[0], row[r], sizeof row[0]) == 0);
+        CHECK_EQ(pb_stats(p.s[r]).lsn, 1);
+    }
+    CHECK_EQ(pb_stats(p.s[0]).backups_down, 0);
+    bex_ps_client_destroy(c);
+    pb_stop(&p);
+    relay_stop(&rl);
+    return 0;
+}
+
 /* ---- backup_behind ---- */
 
 /* Counter name of shard s in its /metrics text (-1: not there). */
@@ -962,15 +1085,26 @@ static void suffix_run(struct pb *p, const char *snap)
     bex_ps_client_destroy(c);
 }
 
+/* The replicas of the suffix cases (forward deadline 1.5 s, probes every
+ * 20 ms) and a fresh directory dir (a mkdtemp template) for backup 2's
+ * snapshot, whose path goes into snap. */
+static int suffix_start(struct pb *p, char *dir, char *snap, size_t cap)
+{
+    int rc = pb_start_ex(p, false, 1500 * time_scale(), 20);
+    if (rc)
+        return rc;
+    CHECK(mkdtemp(dir));
+    snprintf(snap, cap, "%s/b2.snap", dir);
+    return 0;
+}
+
 static int t_restart_suffix(void)
 {
     struct pb p;
-    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    int rc = suffix_start(&p, dir, snap, sizeof snap);
     if (rc)
         return rc;
-    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
-    CHECK(mkdtemp(dir));
-    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
     suffix_run(&p, snap);
     bex_ps_shard_stats st = pb_stats(p.s[2]);
     /* lsn 2..5 from the primary's log, no row copied */
@@ -993,12 +1127,10 @@ static int t_restart_suffix(void)
 static int t_restart_suffix_empty(void)
 {
     struct pb p;
-    int rc = pb_start_ex(&p, false, 1500 * time_scale(), 20);
+    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
+    int rc = suffix_start(&p, dir, snap, sizeof snap);
     if (rc)
         return rc;
-    char dir[] = "/tmp/bex-ps-suffix-XXXXXX", snap[64];
-    CHECK(mkdtemp(dir));
-    snprintf(snap, sizeof snap, "%s/b2.snap", dir);
     bex_ps_client *c = pb_client(&p, BEX_PS_PUSH_PRIMARY);
     uint64_t key = 43;
     float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
@@ -1234,8 +1366,9 @@ static int t_join_v6(void)
 BEX_TEST_MAIN({"adagrad", t_adagrad}, {"adagrad_fanout", t_adagrad_fanout}, {"retry", t_retry},
               {"order", t_order}, {"backup_down", t_backup_down},
               {"backup_restart", t_backup_restart}, {"bench", t_bench}, {"retry_seq", t_retry_seq},
-              {"backup_behind", t_backup_behind}, {"backup_behind_log", t_backup_behind_log},
-              {"primary_stale", t_primary_stale}, {"behind_hostile", t_behind_hostile},
-              {"restart_suffix", t_restart_suffix}, {"restart_suffix_log", t_restart_suffix_log},
+              {"slow_connect", t_slow_connect}, {"backup_behind", t_backup_behind},
+              {"backup_behind_log", t_backup_behind_log}, {"primary_stale", t_primary_stale},
+              {"behind_hostile", t_behind_hostile}, {"restart_suffix", t_restart_suffix},
+              {"restart_suffix_log", t_restart_suffix_log},
               {"restart_suffix_empty", t_restart_suffix_empty},
               {"suffix_hostile", t_suffix_hostile}, {"join_v6", t_join_v6})
