@@ -143,6 +143,20 @@ static void send_gathered(struct rig *r, const size_t *lens, unsigned n)
     CHECK_OK(bex_sock_sendv(r->s, iov, n, m));
 }
 
+/* After refused sends: a good message of two pieces (a and b bytes) is the
+ * first to arrive, intact, and nothing failed; then the rig goes down. */
+static void first_after_refused(struct rig *r, size_t a, size_t b)
+{
+    size_t l[2] = {a, b};
+    send_gathered(r, l, 2);
+    CHECK_OK(wait_count(&r->v.base.w, &r->c.done, 1, 5000));
+    CHECK_OK(wait_count(&r->v.base.w, &r->v.recvd, 1, 5000));
+    CHECK_EQ(atomic_load(&r->v.recvd), 1);
+    CHECK_EQ(atomic_load(&r->v.bad), 0);
+    CHECK_EQ(atomic_load(&r->c.failed), 0);
+    rig_down(r);
+}
+
 static int gather(void)
 {
     struct rig r;
@@ -213,14 +227,7 @@ static int errors(void)
     bex_mem_free(theirs);
     bex_mem_free(a);
     /* nothing went: the next good message is the first to arrive */
-    size_t l[2] = {10, 20};
-    send_gathered(&r, l, 2);
-    CHECK_OK(wait_count(&r.v.base.w, &r.c.done, 1, 5000));
-    CHECK_OK(wait_count(&r.v.base.w, &r.v.recvd, 1, 5000));
-    CHECK_EQ(atomic_load(&r.v.recvd), 1);
-    CHECK_EQ(atomic_load(&r.v.bad), 0);
-    CHECK_EQ(atomic_load(&r.c.failed), 0);
-    rig_down(&r);
+    first_after_refused(&r, 10, 20);
     return 0;
 }
 
@@ -283,14 +290,7 @@ static int foreign(void)
     CHECK(munmap(map, map_len) == 0);
     free(heap_buf);
     bex_mem_free(a);
-    size_t l[2] = {11, 22};
-    send_gathered(&r, l, 2);
-    CHECK_OK(wait_count(&r.v.base.w, &r.c.done, 1, 5000));
-    CHECK_OK(wait_count(&r.v.base.w, &r.v.recvd, 1, 5000));
-    CHECK_EQ(atomic_load(&r.v.recvd), 1);
-    CHECK_EQ(atomic_load(&r.v.bad), 0);
-    CHECK_EQ(atomic_load(&r.c.failed), 0);
-    rig_down(&r);
+    first_after_refused(&r, 11, 22);
     return 0;
 }
 
