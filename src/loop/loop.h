@@ -73,5 +73,10 @@ int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int tim
  * every user is a millisecond timeout read on every loop turn. */
 uint64_t bex__now_ms(void);
 uint64_t bex__now_us(void);
+/* Tests: bex__now_ms reads fn from now on (NULL: CLOCK_MONOTONIC_COARSE
+ * again), e.g. a coarse clock lagging the precise one by more than a
+ * jiffy, as a VM's emulated ticks make it. fn must be monotonic and never
+ * ahead of bex__now_us. */
+void bex__loop_coarse_hook(uint64_t (*fn)(void));
 
 #endif
