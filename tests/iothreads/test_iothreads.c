@@ -684,6 +684,52 @@ static int idle_event(void)
     return 0;
 }
 
+/* A coarse clock lagging the precise one by LAG_MS: more than the jiffy
+ * (10 ms) the loop's timer gate allows, as the VM's emulated ticks made it
+ * (up to 11.8 ms measured there). */
+#define LAG_MS 30
+
+static uint64_t lagging_coarse(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000 - LAG_MS;
+}
+
+/* idle_event with the coarse clock lagging (bex__loop_coarse_hook): the
+ * loop's timers skip while the coarse clock reads them not yet due, and
+ * the sleep's timeout, from the precise clock, is 0 once they are: the
+ * same bounds as idle_event hold. Before the fix, every due timer made
+ * the threads turn with epoll_wait(.., 0) until the coarse clock caught
+ * up (the VM's 10344 turns in an idle second, 1 run in 40). */
+static int idle_event_lag(void)
+{
+    PAIR_NEED(setup_addrs());
+    bex__loop_coarse_hook(lagging_coarse);
+    uint64_t n;
+    long cpu = idle_run(2, BEX_POLL_EVENT, BEX_POLL_EVENT, 1000, &n);
+    bex__loop_coarse_hook(NULL);
+    CHECK(cpu < event_allowance_ms() * (long)time_scale());
+    CHECK(n < 1000);
+    return 0;
+}
+
+/* The same with both contexts spinning before they sleep
+ * (BEX_POLL_SPIN_SLEEP): a thread spins on to a timer due within a
+ * millisecond, and with the gate skipping a due one it spun until the
+ * coarse clock caught up (20 ms a timer here): the idle second's CPU
+ * within idle_event's allowance. */
+static int idle_spin_lag(void)
+{
+    PAIR_NEED(setup_addrs());
+    bex__loop_coarse_hook(lagging_coarse);
+    uint64_t n;
+    long cpu = idle_run(2, BEX_POLL_SPIN_SLEEP, BEX_POLL_SPIN_SLEEP, 1000, &n);
+    bex__loop_coarse_hook(NULL);
+    CHECK(cpu < event_allowance_ms() * (long)time_scale());
+    return 0;
+}
+
 /* The control for idle_event: busy polling keeps its thread on the CPU
  * and turning while idle, so idle_event's measurements can see spinning:
  * more loop turns than it allows by far, and more CPU than it allows. One
@@ -789,6 +835,7 @@ static int td_fallback(void)
 }
 
 BEX_TEST_MAIN(BEX_CASE(spread), BEX_CASE(stall), BEX_CASE(stall_one_thread), BEX_CASE(many),
-              BEX_CASE(idle_event), BEX_CASE(idle_busy), BEX_CASE(one_pd), BEX_CASE(ready_list),
-              BEX_CASE(idle_visits), BEX_CASE(echo_visits), BEX_CASE(many_cqs),
-              BEX_CASE(td_fallback), BEX_CASE(early_open), BEX_CASE(idle_ticks))
+              BEX_CASE(idle_event), BEX_CASE(idle_event_lag), BEX_CASE(idle_spin_lag),
+              BEX_CASE(idle_busy), BEX_CASE(one_pd), BEX_CASE(ready_list), BEX_CASE(idle_visits),
+              BEX_CASE(echo_visits), BEX_CASE(many_cqs), BEX_CASE(td_fallback),
+              BEX_CASE(early_open), BEX_CASE(idle_ticks))
