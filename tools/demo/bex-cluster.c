@@ -1288,6 +1288,7 @@ struct prun {
 struct frun {
     int rep; /* the replica the fault hits (-1: not chosen yet) */
     int snapped, killed, restarted, restart_ready;
+    double t0; /* its clock's start (s of the phase): the clients work; -1: not yet */
     double kill_t, restart_t, ready_t;
     char state[128];
     json_t *events;
@@ -1607,27 +1608,39 @@ static int clients_work(const struct prun *r)
     return 1;
 }
 
-/* The run: the fault's events, the progress line, until the clients end.
- * Returns how long it took, or -1: interrupted. */
+/* Whether the fault still has its restart to make, or its restarted
+ * replica to see ready, at t: the clients may end first (under load they
+ * start late, and the fault's clock starts when they work), and the check
+ * after the phase reads every replica, the restarted one caught up. Not
+ * past READY_WAIT (scaled) after the restart: the check then says so. */
+static int fault_pending(const struct prun *r, const struct frun *f, double t)
+{
+    if (!r->ph->fault || !g.servers || f->t0 < 0 || !f->killed || f->restart_ready)
+        return 0;
+    return !f->restarted || t - f->restart_t <= READY_WAIT * g.scale;
+}
+
+/* The run: the fault's events, the progress line, until the clients end
+ * and the fault is over. Returns how long it took, or -1: interrupted. */
 static double watch_phase(struct prun *r, struct frun *f)
 {
     const struct phase *ph = r->ph;
-    double start = now_s(), fault_t0 = -1;
+    double start = now_s();
     r->start_s = start;
     for (;;) {
         double t = now_s() - start;
         /* the fault's clock starts when the clients work: in the VM they
          * take tens of seconds to start, and a fault timed from their
          * spawning was over before a trainer Pushed */
-        if (ph->fault && g.servers && fault_t0 < 0 && (!g.clients || clients_work(r)))
-            fault_t0 = t;
-        if (ph->fault && g.servers && fault_t0 >= 0)
-            fault_step(r, f, t, t - fault_t0);
+        if (ph->fault && g.servers && f->t0 < 0 && (!g.clients || clients_work(r)))
+            f->t0 = t;
+        if (ph->fault && g.servers && f->t0 >= 0)
+            fault_step(r, f, t, t - f->t0);
         int clients = 0;
         for (int i = 0; i < r->n_cl; i++)
             clients += r->cl_p[i]->running;
         if (r->ctl ? bex_dir_replicas(r->ctl, "clients", (uint32_t)r->pi, NULL, 0) == 0
-                   : clients == 0)
+                   : clients == 0 && !fault_pending(r, f, t))
             break;
         if (r->ctl && t > ph->duration_s + 4 * (EXTRA_WAIT + READY_WAIT) * g.scale)
             die("phase %d: the clients' bex-cluster did not finish", r->pi + 1);
@@ -1921,8 +1934,12 @@ static json_t *run_phase(const struct plan *pl, int pi)
     static struct prun r;
     r = (struct prun){.pl = pl, .ph = &pl->ph[pi], .pi = pi, .S = pl->shards, .R = pl->replicas};
     const struct phase *ph = r.ph;
-    struct frun f = {
-        .rep = ph->f_replica, .kill_t = -1, .restart_t = -1, .ready_t = -1, .events = json_array()};
+    struct frun f = {.rep = ph->f_replica,
+                     .t0 = -1,
+                     .kill_t = -1,
+                     .restart_t = -1,
+                     .ready_t = -1,
+                     .events = json_array()};
     phase_dirs(&r);
     write_cluster(&r);
     if (start_servers(&r)) {
