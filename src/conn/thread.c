@@ -227,14 +227,12 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
     uint64_t next = bex__timers_next(&io->timers);
     if (next != UINT64_MAX) {
         uint64_t t = bex__now_us();
-        /* due: run it now rather than turn with a timeout of 0 until the
-         * coarse clock lets run_timers see it */
-        if (next <= t) {
-            bex__loop_sleep_end(&io->loop);
+        /* due: run it now (else the turns with a timeout of 0 below go on
+         * until the coarse clock lets run_timers see it); the events are
+         * still looked at */
+        if (next <= t)
             bex__io_timers_run(io, t);
-            return;
-        }
-        uint64_t ms = (next - t + 999) / 1000;
+        uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
         timeout = ms > INT32_MAX ? INT32_MAX : (int)ms;
     }
     int m = bex__loop_wait(&io->loop, ev, 16, timeout);
