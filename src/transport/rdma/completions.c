@@ -128,9 +128,10 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
             return bex__engine_violation(
                 e, "an answer (status %d) to rendezvous request %u of generation %u, which %s",
                 h->status, i, h->id >> 16,
-                i >= e->max_rndv   ? "names no slot"
-                : !e->rout[i].used ? "is not asked (answered already?)"
-                                   : "is of another generation");
+                i >= e->max_rndv ? "names no slot"
+                : !e->rout[i].used
+                    ? "is not asked (answered twice: the peer saw our request twice?)"
+                    : "is of another generation");
         struct bex__msg *m = e->rout[i].m;
         e->rout[i].m = NULL;
         e->rout[i].used = false;
@@ -319,7 +320,8 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     if (e->peer_credits > e->peer_rq) /* more credits back than the peer ever granted */
         return bex__engine_violation(e,
                                      "%u credits back (type %u, stream %u, %u bytes, QP %u), %u "
-                                     "held: above the %u it granted",
+                                     "held: above the %u it granted (a message delivered "
+                                     "twice either way?)",
                                      h.credits, h.type, h.stream, wc->byte_len,
                                      e->qp ? e->qp->qp_num : 0, e->peer_credits - h.credits,
                                      e->peer_rq);
