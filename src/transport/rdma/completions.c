@@ -125,7 +125,13 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
     case BEX__MSG_RNDV_RESP: {
         uint32_t i = h->id & 0xffff;
         if (i >= e->max_rndv || !e->rout[i].used || e->rout[i].gen != (h->id >> 16))
-            return -EPROTO;
+            return bex__engine_violation(
+                e, "an answer (status %d) to rendezvous request %u of generation %u, which %s",
+                h->status, i, h->id >> 16,
+                i >= e->max_rndv ? "names no slot"
+                : !e->rout[i].used
+                    ? "is not asked (answered twice: the peer saw our request twice?)"
+                    : "is of another generation");
         struct bex__msg *m = e->rout[i].m;
         e->rout[i].m = NULL;
         e->rout[i].used = false;
@@ -169,7 +175,7 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
     case BEX__MSG_CREDIT:
         return 0;
     }
-    return -EPROTO;
+    return bex__engine_violation(e, "a control message of type %u", h->type);
 }
 
 /* Give consumed slot idx a fresh buffer and queue it for reposting, or,
@@ -211,59 +217,114 @@ void bex__engine_refill_starved(struct bex__engine *e)
     memmove(e->starved, e->starved + done, e->n_starved * sizeof(*e->starved));
 }
 
+/* A receive completion no valid peer causes: what it was, for the log. */
+static int bad_recv(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx, const char *what)
+{
+    return bex__engine_violation(
+        e, "%s (receive %u: opcode %d, %u bytes, immediate 0x%08x, flags 0x%x)", what, idx,
+        (int)wc->opcode, wc->byte_len, ntohl(wc->imm_data), (unsigned)wc->wc_flags);
+}
+
+/* A WRITE_WITH_IMM's rendezvous slot (imm: slot i, generation gen) that
+ * the peer may not complete: why, or NULL when it may. */
+static const char *rin_unwritable(const struct bex__engine *e, uint32_t i, uint32_t gen)
+{
+    if (i >= e->max_rndv)
+        return "a write-with-immediate naming no rendezvous slot";
+    const struct rndv_in *in = &e->rin[i];
+    if (!in->used)
+        return "a write-with-immediate naming a free rendezvous slot (written already?)";
+    if (in->gen != gen)
+        return "a write-with-immediate naming another generation of a rendezvous slot";
+    /* a deferred request (no buffer yet) was never answered, and a slot
+     * the peer has not been told about cannot be done */
+    if (!in->buf)
+        return "a write-with-immediate naming a rendezvous request not yet answered";
+    if (!in->granted)
+        return "a write-with-immediate naming a destination whose answer is not yet sent";
+    return NULL;
+}
+
+/* A SEND's header that does not decode: its first bytes, for the log. */
+static int bad_header(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx,
+                      const uint8_t *b)
+{
+    return bex__engine_violation(
+        e,
+        "a SEND whose header does not decode (receive %u, %u bytes: %02x %02x %02x%02x "
+        "%02x%02x%02x%02x %02x%02x%02x%02x %02x%02x%02x%02x ...)",
+        idx, wc->byte_len, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+        b[12], b[13], b[14], b[15]);
+}
+
+/* A WRITE_WITH_IMM landed (receive idx, its buffer unused): a rendezvous
+ * destination written, or an exposed buffer. */
+static int write_imm_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
+{
+    bex__engine_hold_unposted(e, idx); /* its buffer was not used */
+    e->acks_owed = true;
+    uint32_t imm = ntohl(wc->imm_data);
+    uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
+    if (imm & BEX__IMM_DIRECT) {
+        BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+        int rc = e->ops->on_direct(&e->x, imm);
+        return rc == -EPROTO
+                   ? bad_recv(e, wc, idx, "a write-with-immediate naming no exposed buffer")
+                   : rc;
+    } else {
+        const char *why = rin_unwritable(e, i, gen);
+        if (why)
+            return bad_recv(e, wc, idx, why);
+        struct rndv_in *in = &e->rin[i];
+        in->used = false;
+        e->rin_used--;
+        e->rin_bytes -= in->len;
+        e->rin_done++;
+        bex__engine_rin_unbind(e, in); /* the key is dead before the buffer goes up */
+        BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+        BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
+        e->ops->on_msg(&e->x, in->stream, in->buf, in->len);
+        if (e->state == E_UP)
+            return bex__engine_rndv_resume(e); /* the peer's budget has room again */
+    }
+    return 0;
+}
+
 static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
 {
     /* not a receive of ours, or one not posted (in SRQ mode the queue
      * checked it: a slot of its own, posted) */
     if (e->sh->srq ? idx != e->srq_cur : (idx >= e->rq || !e->rs[idx].buf))
-        return -EPROTO;
+        return bad_recv(e, wc, idx,
+                        e->sh->srq || idx >= e->rq ? "a completion naming no receive of ours"
+                                                   : "a completion of a receive not posted");
     struct bex__rslot *r = bex__engine_rslot_at(e, idx);
-    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-        bex__engine_hold_unposted(e, idx); /* its buffer was not used */
-        e->acks_owed = true;
-        uint32_t imm = ntohl(wc->imm_data);
-        uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
-        if (imm & BEX__IMM_DIRECT) {
-            BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
-            return e->ops->on_direct(&e->x, imm);
-        } else {
-            /* a deferred request (no buffer yet) was never answered, and a
-             * slot the peer has not been told about cannot be done */
-            if (i >= e->max_rndv || !e->rin[i].used || e->rin[i].gen != gen || !e->rin[i].buf ||
-                !e->rin[i].granted)
-                return -EPROTO;
-            struct rndv_in *in = &e->rin[i];
-            in->used = false;
-            e->rin_used--;
-            e->rin_bytes -= in->len;
-            e->rin_done++;
-            bex__engine_rin_unbind(e, in); /* the key is dead before the buffer goes up */
-            BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
-            BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
-            e->ops->on_msg(&e->x, in->stream, in->buf, in->len);
-            if (e->state == E_UP)
-                return bex__engine_rndv_resume(e); /* the peer's budget has room again */
-        }
-        return 0;
-    }
+    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM)
+        return write_imm_completed(e, wc, idx);
     /* bex never sends SEND_WITH_INV: a peer that does is revoking our
      * windows behind our back (rxe sets bit 0x4, the kernel's flag) */
     if (wc->opcode != IBV_WC_RECV || (wc->wc_flags & (IBV_WC_WITH_INV | 0x4)))
-        return -EPROTO;
+        return bad_recv(e, wc, idx, "a receive of an operation bex never sends");
     struct bex__hdr h;
     uint32_t off = 0; /* where a DATA's payload starts in the buffer */
     if (wc->wc_flags & IBV_WC_WITH_IMM) {
         if (bex__imm_decode(ntohl(wc->imm_data), wc->byte_len, &h))
-            return -EPROTO;
+            return bad_recv(e, wc, idx, "a SEND_WITH_IMM of a reserved kind");
     } else {
         /* rbuf_len >= BEX__HDR_LEN: a header-sized SEND always fits */
         if (bex__hdr_decode(r->buf, wc->byte_len, &h))
-            return -EPROTO;
+            return bad_header(e, wc, idx, r->buf);
         off = BEX__HDR_LEN;
     }
     e->peer_credits += h.credits;
-    if (e->peer_credits > e->peer_rq)
-        return -EPROTO; /* more credits back than the peer ever granted */
+    if (e->peer_credits > e->peer_rq) /* more credits back than the peer ever granted */
+        return bex__engine_violation(e,
+                                     "%u credits back (type %u, stream %u, %u bytes, QP %u), %u "
+                                     "held: above the %u it granted (a message delivered "
+                                     "twice either way?)",
+                                     h.credits, h.type, h.stream, wc->byte_len,
+                                     e->qp ? e->qp->qp_num : 0, e->peer_credits - h.credits,
+                                     e->peer_rq);
     if (h.credits) {
         e->credit_wait = 0;
         acks_in(e, h.credits);
@@ -275,7 +336,8 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
         return handle_ctl(e, &h);
     }
     if (h.len > e->cfg.eager_max || h.len > e->cfg.max_msg)
-        return -EPROTO;
+        return bex__engine_violation(e, "a DATA of %u bytes (eager_max %u, max_msg %u)", h.len,
+                                     e->cfg.eager_max, e->cfg.max_msg);
     /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
     void *buf = r->buf;
     r->buf = NULL;

@@ -13,7 +13,7 @@
 __attribute__((format(printf, 2, 3))) int bex__engine_violation(struct bex__engine *e,
                                                                 const char *fmt, ...)
 {
-    char msg[160];
+    char msg[256];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
