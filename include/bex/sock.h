@@ -589,6 +589,9 @@ typedef struct bex_sock_stats {
     uint64_t window_cuts;       /* multiplicative decreases of a window */
     uint64_t dest_bound_hits;   /* times a send waited for its destination's bound */
     uint64_t dest_max_inflight; /* highest bytes in flight to one destination seen */
+    uint64_t keepalive_writes;  /* RDMA: keepalive WRITEs posted (not in writes_posted;
+                                   in post_send_calls and signaled: an idle engine's
+                                   takes a doorbell of its own) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

@@ -7,6 +7,15 @@
 #include "transport/rdma/srq.h"
 
 #define WC_BATCH 64
+/* Completions one CQ (and the shared receive queue) may give a poll turn,
+ * in batches of WC_BATCH, before the turn's progress calls: a CQ is polled
+ * until it gives less than a batch or this many. With several messages in
+ * flight per QP over many QPs, one batch a turn split a QP's answers
+ * across turns and its next sends across doorbells (at 1024 QPs with 4
+ * each, 0.54-0.71 doorbells a request against 0.27 at 1 QP:
+ * docs/benchmarks.md, Figure 11's counts). The bound keeps a turn's first
+ * completion from waiting for more than this many dispatches. */
+#define WC_TURN_MAX 1024
 /* The coarse clock lags the precise one by a jiffy at most (HZ 100 at
  * worst): a timer further than this ahead needs no precise look. */
 #define COARSE_LAG_US 10000
@@ -139,11 +148,17 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
 {
     bool any = false, full = false;
     for (uint32_t q = 0; q < io->n_cq; q++) {
-        int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
-        if (n < 0)
-            cq_failed(io, q, n);
-        dispatch(io, wc, n);
-        any |= n > 0;
+        int n, got = 0;
+        do {
+            n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+            if (n < 0) {
+                cq_failed(io, q, n);
+                break;
+            }
+            dispatch(io, wc, n);
+            got += n;
+        } while (n == WC_BATCH && got < WC_TURN_MAX);
+        any |= got > 0;
         full |= n == WC_BATCH;
     }
     if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
@@ -151,7 +166,7 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
          * others out of what was polled (bex__srq_release), and a
          * completion handed out is never one of a QP destroyed since */
         int n = 0, rc = 0;
-        while (n < WC_BATCH && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
+        while (n < WC_TURN_MAX && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
             dispatch(io, wc, 1);
             n++;
         }
@@ -160,13 +175,13 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
         if (rc < 0)
             cq_failed(io, UINT32_MAX, rc);
         any |= n > 0;
-        full |= n == WC_BATCH;
+        full |= n == WC_TURN_MAX;
     }
     io->cq_quiet = io->cq_armed && !full;
     return any;
 }
 
-/* Poll every CQ of the thread once (a batch each): whether any had
+/* Poll every CQ of the thread (up to WC_TURN_MAX each): whether any had
  * completions. A thread of TCP connections alone has none: it is called
  * some three times a message, so that costs no call. */
 static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)

@@ -695,6 +695,7 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(rnr_errors);
         LD(retry_errors);
         LD(keepalive_fails);
+        LD(keepalive_writes);
         LD(tcp_fallbacks);
         LD(window_bytes);
         LD(window_cuts);

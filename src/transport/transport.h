@@ -254,6 +254,7 @@ struct bex__stats {
     /* the send window (bex_sock_stats; window_bytes changes by deltas) */
     _Atomic uint64_t window_bytes, window_base_us, window_delay_us, window_cuts, dest_bound_hits,
         dest_max_inflight;
+    _Atomic uint64_t keepalive_writes;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \

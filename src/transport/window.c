@@ -21,6 +21,24 @@ void bex__wnd_init(struct bex__wnd *w, const struct bex__wnd_params *p)
     w->cwnd = clamp(p, p->init);
 }
 
+void bex__wnd_save(const struct bex__wnd *w, uint64_t now_us, struct bex__wnd_memo *m)
+{
+    *m = (struct bex__wnd_memo){.cwnd = w->cwnd, .base_us = w->base_us, .at_us = now_us};
+}
+
+bool bex__wnd_resume(struct bex__wnd *w, const struct bex__wnd_memo *m, uint64_t now_us)
+{
+    if (!m->base_us || now_us < m->at_us || now_us - m->at_us > BEX__WND_MEMO_MAX_US)
+        return false;
+    w->cwnd = clamp(&w->p, m->cwnd);
+    w->base_us = m->base_us;
+    /* the first sample ends this (empty) epoch: the memo's base becomes
+     * the last epoch's minimum (base_update) */
+    w->cur_min_us = m->base_us;
+    w->epoch_end_us = 0;
+    return true;
+}
+
 /* Below the target: BEX__WND_AI bytes more per window of bytes completed. */
 static void grow(struct bex__wnd *w, uint32_t bytes)
 {
@@ -101,8 +119,11 @@ void bex__wnd_dests_free(struct bex__wnd_dests *d)
     pthread_mutex_destroy(&d->lock);
 }
 
-struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip)
+struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip,
+                                        struct bex__wnd_memo *memo)
 {
+    if (memo)
+        *memo = (struct bex__wnd_memo){0};
     if (!d || !d->bound)
         return NULL;
     pthread_mutex_lock(&d->lock);
@@ -115,18 +136,24 @@ struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip)
             x = NULL;
         }
     }
-    if (x)
+    if (x) {
         x->refs++;
+        if (memo)
+            *memo = x->memo;
+    }
     pthread_mutex_unlock(&d->lock);
     return x;
 }
 
-void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x)
+void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x,
+                       const struct bex__wnd_memo *memo)
 {
     if (!x)
         return;
     pthread_mutex_lock(&d->lock);
-    if (--x->refs == 0) {
+    if (memo && memo->base_us)
+        x->memo = *memo;
+    if (--x->refs == 0 && !x->memo.base_us) {
         bex__hmap_del(&d->map, x->ip);
         free(x);
     }

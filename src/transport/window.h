@@ -22,7 +22,17 @@
  * may always post one fragment (so no engine waits for another's
  * completion, which would need a wake-up across I/O threads): the bound
  * holds up to max(bound, engines x fragment). The table is locked only to
- * find or drop an entry; admission and release are atomics. */
+ * find or drop an entry; admission and release are atomics.
+ *
+ * An engine that goes leaves its controller's state (window and base
+ * delay: bex__wnd_memo) in its destination's entry, and the next engine to
+ * that address starts from it instead of from the configured start: a
+ * connection that fails and is made again (a keepalive, a peer's deadline)
+ * resumes at the window its predecessor had learned, not with a burst of
+ * send_window into the queue that made it fail. An entry with a memo stays
+ * in the table when its last engine goes (some 64 bytes per address sent
+ * to, for the context's life); a memo older than BEX__WND_MEMO_MAX_US is
+ * not used. */
 #ifndef BEX_TRANSPORT_WINDOW_H
 #define BEX_TRANSPORT_WINDOW_H
 
@@ -72,6 +82,23 @@ struct bex__wnd {
 };
 
 void bex__wnd_init(struct bex__wnd *w, const struct bex__wnd_params *p);
+
+/* A controller's state handed from an engine that goes to the next one to
+ * the same address. */
+struct bex__wnd_memo {
+    uint32_t cwnd;    /* bytes */
+    uint32_t base_us; /* 0: no memo (the engine had no sample) */
+    uint64_t at_us;   /* when it was left */
+};
+/* A memo older than this is of another path's state: not used. */
+#define BEX__WND_MEMO_MAX_US (60ull * 1000 * 1000)
+/* w's state into m (m->base_us 0 when w had no sample). */
+void bex__wnd_save(const struct bex__wnd *w, uint64_t now_us, struct bex__wnd_memo *m);
+/* Start w (fresh from bex__wnd_init) at m's window and base delay instead
+ * of p.init and none; with a base epoch the base is taken as the last
+ * epoch's smallest delay, so it ages out as w's own would. False (w as it
+ * was) without a memo or with one older than BEX__WND_MEMO_MAX_US. */
+bool bex__wnd_resume(struct bex__wnd *w, const struct bex__wnd_memo *m, uint64_t now_us);
 /* One sample: a batch of bytes posted delay_us ago completed at now_us.
  * Returns the window's change in bytes (negative: a cut). */
 int64_t bex__wnd_sample(struct bex__wnd *w, uint32_t delay_us, uint32_t bytes, uint64_t now_us);
@@ -81,6 +108,7 @@ struct bex__wnd_dest {
     uint32_t refs; /* engines holding it (under the table's lock) */
     uint64_t bound;
     _Atomic uint64_t inflight;
+    struct bex__wnd_memo memo; /* the last engine's that went (under the lock) */
 };
 
 struct bex__wnd_dests {
@@ -92,9 +120,15 @@ struct bex__wnd_dests {
 int bex__wnd_dests_init(struct bex__wnd_dests *d, uint64_t bound);
 void bex__wnd_dests_free(struct bex__wnd_dests *d);
 /* The entry of ip (network order), made on first use, one reference more;
- * NULL with no bound (d NULL or bound 0) or no memory (then unbounded). */
-struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip);
-void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x);
+ * NULL with no bound (d NULL or bound 0) or no memory (then unbounded).
+ * memo (may be NULL): the entry's memo (zeroed: none). */
+struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip,
+                                        struct bex__wnd_memo *memo);
+/* One reference less; memo (may be NULL; base_us 0: none) is left in the
+ * entry for the next engine. The entry goes with its last reference unless
+ * it holds a memo. */
+void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x,
+                       const struct bex__wnd_memo *memo);
 /* Take bytes of x's bound: always when alone (the engine has nothing in
  * flight), else only when they fit. Returns whether taken; *now the bytes
  * in flight to x after taking them. */

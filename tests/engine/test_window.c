@@ -19,7 +19,15 @@
  *    after the first half of the run nothing is dropped.
  *  - dest: the shared bound: an engine with bytes in flight takes only
  *    what fits, an engine alone always may; give returns them; one entry
- *    per address, freed with its last reference; no bound, no entry. */
+ *    per address, freed with its last reference; no bound, no entry.
+ *  - handover: an engine's controller state (window, base delay) left in
+ *    its destination's entry at its end starts the next engine to that
+ *    address: the entry outlives its last reference while it holds the
+ *    memo; the successor has the window and the base, so it cuts at a
+ *    queue a fresh controller would take for its base (and grow into);
+ *    a memo of no sample, or older than BEX__WND_MEMO_MAX_US, is not
+ *    used; with a base epoch the handed base ages out as the successor's
+ *    own would. */
 #include <arpa/inet.h>
 #include <stdlib.h>
 #include <string.h>
@@ -291,8 +299,8 @@ static int dest(void)
     struct bex__wnd_dests d;
     CHECK_OK(bex__wnd_dests_init(&d, 10000));
     uint32_t a = inet_addr("10.0.0.1"), b = inet_addr("10.0.0.2");
-    struct bex__wnd_dest *x = bex__wnd_dest_get(&d, a), *y = bex__wnd_dest_get(&d, a);
-    struct bex__wnd_dest *z = bex__wnd_dest_get(&d, b);
+    struct bex__wnd_dest *x = bex__wnd_dest_get(&d, a, NULL), *y = bex__wnd_dest_get(&d, a, NULL);
+    struct bex__wnd_dest *z = bex__wnd_dest_get(&d, b, NULL);
     CHECK(x && x == y && z && z != x);
     CHECK_EQ(x->refs, 2);
     uint64_t now;
@@ -306,21 +314,118 @@ static int dest(void)
     bex__wnd_dest_give(x, 6000);
     CHECK(bex__wnd_dest_take(x, 4000, false, &now));
     CHECK_EQ(now, 10000);
-    bex__wnd_dest_put(&d, y);
+    bex__wnd_dest_put(&d, y, NULL);
     CHECK_EQ(x->refs, 1);
     CHECK_EQ(bex__hmap_len(&d.map), 2);
-    bex__wnd_dest_put(&d, x);
-    bex__wnd_dest_put(&d, z);
+    bex__wnd_dest_put(&d, x, NULL);
+    bex__wnd_dest_put(&d, z, NULL);
     CHECK_EQ(bex__hmap_len(&d.map), 0);
-    bex__wnd_dest_put(&d, NULL);
+    bex__wnd_dest_put(&d, NULL, NULL);
     bex__wnd_dests_free(&d);
     /* no bound: no entry */
     CHECK_OK(bex__wnd_dests_init(&d, 0));
-    CHECK(bex__wnd_dest_get(&d, a) == NULL);
-    CHECK(bex__wnd_dest_get(NULL, a) == NULL);
+    CHECK(bex__wnd_dest_get(&d, a, NULL) == NULL);
+    CHECK(bex__wnd_dest_get(NULL, a, NULL) == NULL);
     bex__wnd_dests_free(&d);
     return 0;
 }
 
+/* The incast bench's settings: target and base ceiling 40 ms, epoch 2 s. */
+static const struct bex__wnd_params PH = {.min = 1024,
+                                          .max = 262144,
+                                          .init = 16384,
+                                          .target_us = 40000,
+                                          .base_max_us = 40000,
+                                          .base_epoch_us = 2000000};
+
+static int handover(void)
+{
+    struct bex__wnd_dests d;
+    CHECK_OK(bex__wnd_dests_init(&d, 262144));
+    uint32_t a = inet_addr("10.0.0.1");
+    struct bex__wnd_memo m;
+    /* the first engine: no memo yet; it learns a 1 ms base, then a queue
+     * of 60 ms cuts it (every delay apart: each cut is seen first) */
+    struct bex__wnd w1;
+    bex__wnd_init(&w1, &PH);
+    struct bex__wnd_dest *x = bex__wnd_dest_get(&d, a, &m);
+    CHECK(x);
+    CHECK_EQ(m.base_us, 0);
+    uint64_t t = 1000000;
+    bex__wnd_sample(&w1, 1000, 4096, t);
+    for (int i = 0; i < 6; i++) {
+        t += 70000;
+        bex__wnd_sample(&w1, 61000, 4096, t);
+    }
+    CHECK(w1.cuts >= 5);
+    CHECK(w1.cwnd < PH.init / 2);
+    CHECK_EQ(w1.base_us, 1000);
+    /* it goes (the connection failed): its state stays with the address */
+    bex__wnd_save(&w1, t, &m);
+    bex__wnd_dest_put(&d, x, &m);
+    CHECK_EQ(bex__hmap_len(&d.map), 1);
+    /* its successor, 5 s later */
+    struct bex__wnd_memo got;
+    struct bex__wnd_dest *y = bex__wnd_dest_get(&d, a, &got);
+    CHECK(y == x);
+    CHECK_EQ(y->refs, 1);
+    CHECK_EQ(got.cwnd, w1.cwnd);
+    CHECK_EQ(got.base_us, 1000);
+    struct bex__wnd w2, fresh;
+    bex__wnd_init(&w2, &PH);
+    bex__wnd_init(&fresh, &PH);
+    t += 5000000;
+    CHECK(bex__wnd_resume(&w2, &got, t));
+    CHECK_EQ(w2.cwnd, w1.cwnd);
+    CHECK_EQ(w2.base_us, 1000);
+    /* the queue is still there (61 ms): the successor cuts at once; a
+     * fresh controller takes it for its base and grows */
+    t += 1000;
+    uint32_t before = w2.cwnd;
+    bex__wnd_sample(&w2, 61000, 4096, t);
+    bex__wnd_sample(&fresh, 61000, 4096, t);
+    fprintf(stderr, "handover: successor %u -> %u bytes; fresh %u -> %u\n", before, w2.cwnd,
+            PH.init, fresh.cwnd);
+    CHECK(w2.cwnd < before);
+    CHECK_EQ(w2.cuts, 1);
+    CHECK(fresh.cwnd > PH.init);
+    CHECK_EQ(fresh.cuts, 0);
+    /* the handed base ages out as the successor's own would: two epochs
+     * of 2 ms samples and the base is 2 ms */
+    for (int i = 0; i < 3; i++) {
+        t += PH.base_epoch_us;
+        bex__wnd_sample(&w2, 2000, 1024, t);
+    }
+    CHECK_EQ(w2.base_us, 2000);
+    /* an engine that had no sample leaves no memo: the last one stays */
+    struct bex__wnd w3;
+    bex__wnd_init(&w3, &PH);
+    struct bex__wnd_dest *z = bex__wnd_dest_get(&d, a, NULL);
+    bex__wnd_save(&w3, t, &m);
+    CHECK_EQ(m.base_us, 0);
+    bex__wnd_dest_put(&d, z, &m);
+    bex__wnd_save(&w2, t, &m);
+    bex__wnd_dest_put(&d, y, &m);
+    y = bex__wnd_dest_get(&d, a, &got);
+    CHECK_EQ(got.cwnd, w2.cwnd);
+    CHECK_EQ(got.base_us, 2000);
+    /* too old: a start from scratch */
+    struct bex__wnd w4;
+    bex__wnd_init(&w4, &PH);
+    CHECK(!bex__wnd_resume(&w4, &got, got.at_us + BEX__WND_MEMO_MAX_US + 1));
+    CHECK_EQ(w4.cwnd, PH.init);
+    CHECK_EQ(w4.base_us, 0);
+    CHECK(bex__wnd_resume(&w4, &got, got.at_us + BEX__WND_MEMO_MAX_US));
+    bex__wnd_dest_put(&d, y, NULL);
+    /* an address whose engines left no memo: its entry goes as before */
+    uint32_t b = inet_addr("10.0.0.2");
+    x = bex__wnd_dest_get(&d, b, NULL);
+    CHECK_EQ(bex__hmap_len(&d.map), 2);
+    bex__wnd_dest_put(&d, x, NULL);
+    CHECK_EQ(bex__hmap_len(&d.map), 1);
+    bex__wnd_dests_free(&d); /* the memo's entry freed here (ASan) */
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(grows), BEX_CASE(cuts), BEX_CASE(base), BEX_CASE(senders), BEX_CASE(fair16),
-              BEX_CASE(incast16), BEX_CASE(dest))
+              BEX_CASE(incast16), BEX_CASE(dest), BEX_CASE(handover))

@@ -425,6 +425,7 @@ void bex__engine_prep_keepalive(struct bex__engine *e)
     if (!e->ka_due || !bex__engine_free_slots(e))
         return;
     e->ka_due = false;
+    BEX__STAT_ADD(e->sh->stats, keepalive_writes, 1);
     struct sslot *s = bex__engine_slot_take(e);
     uint64_t seq = ++e->ka_seq;
     memcpy(s->hdr, &seq, sizeof(seq));

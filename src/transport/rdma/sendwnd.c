@@ -17,10 +17,19 @@ void bex__engine_wnd_init(struct bex__engine *e)
     BEX__STAT_ADD(e->sh->stats, window_bytes, e->wnd.cwnd);
 }
 
+/* With the adaptive window the engine starts where the last engine to ip
+ * left off (its memo: window and base delay), when there was one. */
 void bex__engine_set_dest(struct bex__engine *e, uint32_t ip)
 {
-    if (!e->dest)
-        e->dest = bex__wnd_dest_get(e->cfg.dests, ip);
+    if (e->dest)
+        return;
+    struct bex__wnd_memo m;
+    e->dest = bex__wnd_dest_get(e->cfg.dests, ip, adaptive(e) ? &m : NULL);
+    if (!e->dest || !adaptive(e))
+        return;
+    uint32_t old = e->wnd.cwnd;
+    if (bex__wnd_resume(&e->wnd, &m, bex__now_us()))
+        BEX__STAT_ADD(e->sh->stats, window_bytes, (uint64_t)e->wnd.cwnd - old);
 }
 
 /* The engine's window now: 0 for none. */
@@ -86,12 +95,16 @@ void bex__engine_wnd_completed(struct bex__engine *e, struct sslot *s)
         atomic_store_explicit(&st->window_base_us, e->wnd.base_us, memory_order_relaxed);
 }
 
-/* The engine goes: its bytes in flight off its destination, its window off
- * the gauge. */
+/* The engine goes: its bytes in flight off its destination, its
+ * controller's state left there for the next engine, its window off the
+ * gauge. */
 void bex__engine_wnd_fini(struct bex__engine *e)
 {
     bex__engine_window_give(e, e->inflight);
-    bex__wnd_dest_put(e->cfg.dests, e->dest);
+    struct bex__wnd_memo m = {0};
+    if (adaptive(e))
+        bex__wnd_save(&e->wnd, bex__now_us(), &m);
+    bex__wnd_dest_put(e->cfg.dests, e->dest, &m);
     e->dest = NULL;
     if (adaptive(e))
         BEX__STAT_ADD(e->sh->stats, window_bytes, (uint64_t)0 - e->wnd.cwnd);

@@ -1,0 +1,232 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The I/O thread's poll turn over RDMA, and the counters Figure 11's
+ * per-message counts rest on (rxe; one process, two contexts: a server on
+ * ADDR0, a client on ADDR1).
+ *
+ * - one_chain: a turn takes every completion its CQ holds (up to
+ *   WC_TURN_MAX, src/conn/thread.c) before its progress calls, so the
+ *   answers to many messages that arrived together leave in one chain.
+ *   The server's I/O thread is held in the callback of a first message
+ *   while the client sends HELD more, until the server's rxe has taken
+ *   them all (its rdma_recvs counter; it writes each completion right
+ *   after): all wait in the server's CQ. (The client's on_send_done is
+ *   no sign: a send is handed back on the peer's credit acknowledgement,
+ *   which the held thread does not send.) Released, the server echoes each from
+ *   its callback. With a turn of one batch of 64 completions the HELD
+ *   answers took HELD / 64 doorbells (ibv_post_send calls) and more; now
+ *   two: the first message's answer, then the rest. This is Figure 11's
+ *   count at many QPs with several messages each (docs/benchmarks.md), on
+ *   one QP where it can be made exact.
+ * - keepalive_count: an idle connection's keepalive WRITEs are counted
+ *   (bex_sock_stats.keepalive_writes), each a doorbell of its own and in
+ *   no SEND or WRITE count, so that a benchmark can tell them from its
+ *   messages' posts. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sock/echo.h"
+
+#define MSG_LEN 256
+#define HELD    512 /* 8 batches of 64 */
+
+static struct in_addr addr0, addr1;
+
+/* Room for every message at once, both ways: credits (rq_depth) and a
+ * chain of HELD + 1 sends (sq_depth); and a keepalive timeout longer than
+ * the hold (the held server writes no keepalive: at the default 2 s the
+ * client failed the connection in the VM). */
+static const bex_ctx_config roomy = {.io_threads = 1,
+                                     .rq_depth = 1024,
+                                     .sq_depth = 1024,
+                                     .keepalive_timeout_ms = 60000,
+                                     .credit_timeout_ms = 60000};
+
+struct hold_srv {
+    struct local_srv base; /* first: what the shared callbacks take */
+    _Atomic long held;
+    _Atomic bool release;
+};
+
+/* The first message holds the thread until released; every one is echoed
+ * (bex frees the buffer once sent: no on_send_done here). */
+static void hold_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    struct hold_srv *h = user;
+    if (atomic_load(&h->held) == 0) {
+        waiter_add(&h->base.w, &h->held, 1);
+        unsigned limit = 60000 * time_scale();
+        for (unsigned t = 0; !atomic_load(&h->release) && t < limit; t++)
+            pair_sleep_ms(1);
+        CHECK(atomic_load(&h->release));
+    }
+    if (bex_sock_send(s, buf, len, NULL) != 0)
+        bex_mem_free(buf);
+}
+
+/* A counter of the rxe device under ctx (/sys/class/infiniband), or -1. */
+static long long dev_counter(bex_ctx *ctx, const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/1/hw_counters/%s",
+             bex_ctx_pd(ctx)->context->device->name, name);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    long long v = -1;
+    if (fscanf(f, "%lld", &v) != 1)
+        v = -1;
+    fclose(f);
+    return v;
+}
+
+struct cli {
+    struct local_cli base;
+    _Atomic long recvd, done, bad;
+};
+
+static void cli_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    (void)s;
+    struct cli *c = user;
+    if (len != MSG_LEN)
+        atomic_fetch_add(&c->bad, 1);
+    bex_mem_free(buf);
+    waiter_add(c->base.w, &c->recvd, 1);
+}
+
+static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
+{
+    (void)s, (void)len, (void)mu;
+    struct cli *c = user;
+    if (status != 0)
+        atomic_fetch_add(&c->bad, 1);
+    bex_mem_free(buf);
+    waiter_add(c->base.w, &c->done, 1);
+}
+
+static int one_chain(void)
+{
+    PAIR_NEED(pair_addrs(&addr0, &addr1));
+    if (pair_tcp())
+        return bex_test_skip("completion queues are RDMA's");
+    struct hold_srv h = {.base.w = WAITER_INIT};
+    bex_ctx *sctx = local_ctx(&roomy, addr0), *cctx = local_ctx(&roomy, addr1);
+    bex_addr a;
+    bex_listener *l = local_listen(sctx, addr0, &h.base, hold_recv, &a);
+    struct cli c = {.base.w = &h.base.w};
+    bex_sock_ops ops = {.on_connect = local_cli_connect,
+                        .on_recv = cli_recv,
+                        .on_send_done = cli_done,
+                        .on_close = local_cli_closed};
+    bex_sock *s;
+    CHECK_OK(bex_sock_connect(cctx, &a, &ops, &c, &s));
+    CHECK_OK(wait_count(&h.base.w, &c.base.connected, 1, 10000));
+    local_send(cctx, s, MSG_LEN);
+    CHECK_OK(wait_count(&h.base.w, &h.held, 1, 10000));
+    long long r0 = dev_counter(sctx, "rdma_recvs");
+    CHECK(r0 >= 0);
+    for (int i = 0; i < HELD; i++)
+        local_send(cctx, s, MSG_LEN);
+    /* every SEND taken by the server's rxe: its completion waits in the
+     * server's CQ, the thread still held */
+    uint64_t end = pair_now_ms() + 30000ull * time_scale();
+    while (dev_counter(sctx, "rdma_recvs") < r0 + HELD && pair_now_ms() < end)
+        pair_sleep_ms(1);
+    CHECK(dev_counter(sctx, "rdma_recvs") >= r0 + HELD);
+    CHECK_EQ(atomic_load(&c.recvd), 0);
+    bex_sock_stats s0, s1;
+    bex_ctx_stats(sctx, &s0);
+    atomic_store(&h.release, true);
+    CHECK_OK(wait_count(&h.base.w, &c.recvd, HELD + 1, 30000));
+    bex_ctx_stats(sctx, &s1);
+    CHECK_EQ(atomic_load(&c.bad), 0);
+    uint64_t calls = s1.post_send_calls - s0.post_send_calls;
+    uint64_t ka = s1.keepalive_writes - s0.keepalive_writes;
+    uint64_t credits = s1.credit_msgs - s0.credit_msgs;
+    fprintf(stderr,
+            "%d answers: %llu ibv_post_send calls, of them at most %llu keepalive writes "
+            "and %llu credit messages; %llu SENDs\n",
+            HELD + 1, (unsigned long long)calls, (unsigned long long)ka,
+            (unsigned long long)credits, (unsigned long long)(s1.sends_posted - s0.sends_posted));
+    CHECK(s1.sends_posted - s0.sends_posted >= HELD + 1); /* the counters count */
+    /* the first answer, then the HELD others in one chain (a keepalive or
+     * a credit message may take a doorbell of its own) */
+    CHECK(calls <= 2 + ka + credits);
+    bex_sock_close(s);
+    CHECK_OK(wait_count(&h.base.w, &c.base.closed, 1, 10000));
+    CHECK_OK(wait_count(&h.base.w, &h.base.closed, 1, 10000));
+    CHECK_OK(bex_listener_close(l));
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
+/* Counters read apart while the I/O thread may be posting: two snapshots
+ * 1 ms apart until they agree. */
+static void still_stats(bex_ctx *ctx, bex_sock_stats *out)
+{
+    bex_sock_stats again;
+    for (int i = 0; i < 2000; i++) {
+        bex_ctx_stats(ctx, out);
+        pair_sleep_ms(1);
+        bex_ctx_stats(ctx, &again);
+        if (memcmp(out, &again, sizeof again) == 0)
+            return;
+    }
+    fprintf(stderr, "the counters never held still for 1 ms\n");
+    exit(1);
+}
+
+#define KA_WANT 3
+static int keepalive_count(void)
+{
+    PAIR_NEED(pair_addrs(&addr0, &addr1));
+    if (pair_tcp())
+        return bex_test_skip("keepalive WRITEs are RDMA's");
+    bex_ctx_config cfg = {.io_threads = 1, .keepalive_ms = 100};
+    struct hold_srv h = {.base.w = WAITER_INIT, .release = true};
+    bex_ctx *sctx = local_ctx(&cfg, addr0), *cctx = local_ctx(&cfg, addr1);
+    bex_addr a;
+    bex_listener *l = local_listen(sctx, addr0, &h.base, hold_recv, &a);
+    struct cli c = {.base.w = &h.base.w};
+    bex_sock_ops ops = {.on_connect = local_cli_connect,
+                        .on_recv = cli_recv,
+                        .on_send_done = cli_done,
+                        .on_close = local_cli_closed};
+    bex_sock *s;
+    CHECK_OK(bex_sock_connect(cctx, &a, &ops, &c, &s));
+    CHECK_OK(wait_count(&h.base.w, &c.base.connected, 1, 10000));
+    local_send(cctx, s, MSG_LEN);
+    CHECK_OK(wait_count(&h.base.w, &c.recvd, 1, 10000));
+    CHECK_OK(wait_count(&h.base.w, &c.done, 1, 10000));
+    bex_sock_stats s0, s1;
+    still_stats(cctx, &s0);
+    /* idle now: what the client posts from here is keepalives (and
+     * nothing else: its one message was answered and acknowledged) */
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    do {
+        pair_sleep_ms(10);
+        still_stats(cctx, &s1);
+    } while (s1.keepalive_writes < s0.keepalive_writes + KA_WANT && pair_now_ms() < end);
+    uint64_t ka = s1.keepalive_writes - s0.keepalive_writes;
+    fprintf(stderr, "idle: %llu keepalive writes, %llu WRITEs, %llu SENDs, %llu doorbells\n",
+            (unsigned long long)ka, (unsigned long long)(s1.writes_posted - s0.writes_posted),
+            (unsigned long long)(s1.sends_posted - s0.sends_posted),
+            (unsigned long long)(s1.post_send_calls - s0.post_send_calls));
+    CHECK(ka >= KA_WANT);
+    CHECK_EQ(s1.writes_posted - s0.writes_posted, 0); /* (data WRITEs only) */
+    CHECK_EQ(s1.sends_posted - s0.sends_posted, 0);
+    CHECK_EQ(s1.post_send_calls - s0.post_send_calls, ka);
+    CHECK_EQ(atomic_load(&c.bad), 0);
+    bex_sock_close(s);
+    CHECK_OK(wait_count(&h.base.w, &c.base.closed, 1, 10000));
+    CHECK_OK(wait_count(&h.base.w, &h.base.closed, 1, 10000));
+    CHECK_OK(bex_listener_close(l));
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(one_chain), BEX_CASE(keepalive_count))
