@@ -46,7 +46,7 @@ static int read_keys(const bex_ps_shard *s, const uint8_t *p, uint32_t n, uint64
 #define FETCH_KEYS_SMALL 256
 
 int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
-                        const uint8_t *p, uint64_t t0, void **resp, size_t *resp_len)
+                        const uint8_t *p, uint64_t t0, uint64_t *t1, void **resp, size_t *resp_len)
 {
     struct table *t = bex__ps_find_table(s, h->table);
     if (!t || t->cfg.dim != h->dim)
@@ -86,7 +86,8 @@ int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr 
         s->st.rows_fetched += h->n;
         t->fetches++;
         t->rows_fetched += h->n;
-        bex__rpc_hist_add(&t->lat[0], bex__rpc_now_ns() - t0);
+        *t1 = bex__rpc_now_ns();
+        bex__rpc_hist_add(&t->lat[0], *t1 - t0);
     }
     pthread_mutex_unlock(&s->mu);
     if (keys != small)
