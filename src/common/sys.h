@@ -18,19 +18,41 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+/* Sanitizer builds keep libc's calls: ThreadSanitizer takes a send and
+ * the read of it, or an epoll_ctl and the wait that reports it, as
+ * synchronization, and AddressSanitizer checks the buffers, only through
+ * its interceptors of the libc functions. */
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#define BEX__SYS_LIBC 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define BEX__SYS_LIBC 1
+#endif
+#endif
+
 static inline ssize_t bex__sys_readv(int fd, const struct iovec *iov, int n)
 {
+#ifdef BEX__SYS_LIBC
+    return readv(fd, iov, n);
+#else
     return syscall(SYS_readv, fd, iov, n);
+#endif
 }
 
 static inline ssize_t bex__sys_sendmsg(int fd, const struct msghdr *mh, int flags)
 {
+#ifdef BEX__SYS_LIBC
+    return sendmsg(fd, mh, flags);
+#else
     return syscall(SYS_sendmsg, fd, mh, flags);
+#endif
 }
 
 static inline int bex__sys_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout_ms)
 {
-#ifdef SYS_epoll_wait
+#if defined(BEX__SYS_LIBC)
+    return epoll_wait(epfd, ev, max, timeout_ms);
+#elif defined(SYS_epoll_wait)
     return (int)syscall(SYS_epoll_wait, epfd, ev, max, timeout_ms);
 #else
     /* (architectures without epoll_wait: what libc's wrapper calls) */
