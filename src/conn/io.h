@@ -180,9 +180,12 @@ static inline void bex__io_push(struct bex__io *io, struct bex__cmd *c, int type
 }
 
 /* The I/O thread running on this thread, and its owner's context (NULL on
- * any other thread). */
-extern _Thread_local bex_ctx *bex__io_ctx;
-extern _Thread_local struct bex__io *bex__io_self;
+ * any other thread). initial-exec, as the allocator's (src/mem/heap.c): a
+ * global-dynamic access from libbex.so costs a __tls_get_addr call, some
+ * 20 instructions of a sub-request's on the send path (issue 25 item 5). */
+#define BEX__IO_TLS _Thread_local __attribute__((tls_model("initial-exec")))
+extern BEX__IO_TLS bex_ctx *bex__io_ctx;
+extern BEX__IO_TLS struct bex__io *bex__io_self;
 
 /* The I/O thread's body (pthread_create's start routine; arg is the struct
  * bex__io): its loop until CMD_STOP moves it to STOPPING. */

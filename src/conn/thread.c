@@ -20,8 +20,8 @@
  * worst): a timer further than this ahead needs no precise look. */
 #define COARSE_LAG_US 10000
 
-_Thread_local bex_ctx *bex__io_ctx;
-_Thread_local struct bex__io *bex__io_self;
+BEX__IO_TLS bex_ctx *bex__io_ctx;
+BEX__IO_TLS struct bex__io *bex__io_self;
 
 static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc);
 

@@ -5,6 +5,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/sys.h"
 #include "loop/loop.h"
 
 int bex__loop_init(struct bex__loop *l)
@@ -116,7 +117,7 @@ void bex__loop_sleep_end(struct bex__loop *l)
 
 int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms)
 {
-    int n = epoll_wait(l->epfd, ev, max, timeout_ms);
+    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
     if (n <= 0)
         return 0;
     int k = 0;

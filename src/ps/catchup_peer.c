@@ -176,9 +176,10 @@ static int repl_serve(bex_ps_shard *s, uint32_t method, const struct bex__ps_hdr
 }
 
 /* bex_ps_shard_serve for the RPC request req (NULL: none); BEX__PS_LATER
- * when req is answered later. */
+ * when req is answered later. A Fetch or Push served here sets *t_end to
+ * the time its latency sample ended (0 stays: none read). */
 static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
-                       bex_rpc_req *req, void **resp, size_t *resp_len)
+                       bex_rpc_req *req, void **resp, size_t *resp_len, uint64_t *t_end)
 {
     if (method == BEX_PS_M_COPY)
         return serve_copy(s, ctx, body, len, resp, resp_len);
@@ -196,15 +197,16 @@ static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
         rc = repl_serve(s, method, &h, body, len, req);
     if (rc == 0 || rc == SERVE_HERE) {
         const uint8_t *p = (const uint8_t *)body + bex__ps_keys_off(&h);
-        rc = method == BEX_PS_M_FETCH ? bex__ps_serve_fetch(s, ctx, &h, p, t0, resp, resp_len)
-                                      : bex__ps_serve_push(s, ctx, &h, p, req, resp, resp_len);
+        rc = method == BEX_PS_M_FETCH
+                 ? bex__ps_serve_fetch(s, ctx, &h, p, t0, t_end, resp, resp_len)
+                 : bex__ps_serve_push(s, ctx, &h, p, req, resp, resp_len);
     }
     if (rc == 0 && method == BEX_PS_M_PUSH) {
         /* the table exists: the request was served (a Fetch counted its
          * time under the rows' lock) */
-        uint64_t ns = bex__rpc_now_ns() - t0;
+        *t_end = bex__rpc_now_ns();
         pthread_mutex_lock(&s->mu);
-        bex__rpc_hist_add(&bex__ps_find_table(s, h.table)->lat[1], ns);
+        bex__rpc_hist_add(&bex__ps_find_table(s, h.table)->lat[1], *t_end - t0);
         pthread_mutex_unlock(&s->mu);
     }
     if (rc == -EINVAL || rc == -E2BIG) {
@@ -221,17 +223,20 @@ static int shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const voi
 int bex_ps_shard_serve(bex_ps_shard *s, bex_ctx *ctx, uint32_t method, const void *body, size_t len,
                        void **resp, size_t *resp_len)
 {
-    return shard_serve(s, ctx, method, body, len, NULL, resp, resp_len);
+    uint64_t t_end = 0;
+    return shard_serve(s, ctx, method, body, len, NULL, resp, resp_len, &t_end);
 }
 
 void bex__ps_handle(struct reg *r, bex_rpc_req *req, void *body, size_t len)
 {
     void *resp = NULL;
     size_t rlen = 0;
-    int rc = shard_serve(r->s, r->ctx, r->method, body, len, req, &resp, &rlen);
+    uint64_t t_end = 0;
+    int rc = shard_serve(r->s, r->ctx, r->method, body, len, req, &resp, &rlen, &t_end);
     bex_rpc_free(body);
+    /* the RPC's latency sample ends where the PS's did: one clock read */
     if (rc != BEX__PS_LATER)
-        bex_rpc_reply(req, rc, resp, rlen);
+        bex__rpc_reply_at(req, rc, resp, rlen, t_end);
 }
 
 static void handler(bex_rpc_req *req, void *body, size_t len, void *user)

@@ -115,7 +115,23 @@ int bex__ps_decode(uint32_t method, const void *body, size_t len, struct bex__ps
 int bex__ps_check_resp(uint32_t method, const void *body, size_t len, uint32_t table, uint32_t n,
                        uint32_t dim);
 
+/* The keys' hash (splitmix64's finalizer): shards, rows, initial values;
+ * bex__ps_mix is it out of line. */
 uint64_t bex__ps_mix(uint64_t x);
+static inline uint64_t bex__ps_mix_inline(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+/* bex_ps_key_shard for n_shards > 1, inline: a Fetch or Push checks each
+ * of its keys with it (issue 25 item 5: the call and the mix out of line
+ * were some 23 instructions a key). */
+static inline uint32_t bex__ps_key_shard_n(uint64_t key, uint32_t n_shards)
+{
+    return (uint32_t)(bex__ps_mix_inline(key) % n_shards);
+}
 
 /* The epoch a checked Push answer carries, 0 when none. */
 static inline uint64_t bex__ps_resp_epoch(const void *body, size_t len)

@@ -25,10 +25,7 @@
 
 uint64_t bex__ps_mix(uint64_t x)
 {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
+    return bex__ps_mix_inline(x);
 }
 
 float bex_ps_init_value(uint32_t table, uint64_t key, uint32_t col, float s)
@@ -43,5 +40,5 @@ uint32_t bex_ps_key_shard(uint64_t key, uint32_t n_shards)
 {
     if (n_shards <= 1)
         return 0;
-    return (uint32_t)(bex__ps_mix(key) % n_shards);
+    return bex__ps_key_shard_n(key, n_shards);
 }

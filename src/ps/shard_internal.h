@@ -290,9 +290,9 @@ struct table *bex__ps_find_table(bex_ps_shard *s, uint32_t id);
 int bex__ps_copy_make(bex_ps_shard *s, char **buf, size_t *len);
 /* A Fetch served from p (its keys): the answer in *resp, and the time since
  * t0 (bex__rpc_now_ns) in its table's latency histogram, under the lock the
- * rows take anyway. */
+ * rows take anyway; *t1 the time read for it (left alone on an error). */
 int bex__ps_serve_fetch(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h,
-                        const uint8_t *p, uint64_t t0, void **resp, size_t *resp_len);
+                        const uint8_t *p, uint64_t t0, uint64_t *t1, void **resp, size_t *resp_len);
 int bex__ps_serve_push(bex_ps_shard *s, bex_ctx *ctx, const struct bex__ps_hdr *h, const uint8_t *p,
                        const bex_rpc_req *req, void **resp, size_t *resp_len);
 

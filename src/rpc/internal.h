@@ -93,6 +93,10 @@ bool bex__rpc_req_conn_admit(const bex_rpc_req *req, uint32_t max);
 /* When req was handed to its handler (bex__rpc_now_ns time): a handler
  * timing its own work starts there rather than reading the clock again. */
 uint64_t bex__rpc_req_start_ns(const bex_rpc_req *req);
+/* bex_rpc_reply, the method's latency sample ending at now_ns (a
+ * bex__rpc_now_ns time the handler read as it finished: no second clock
+ * read, issue 25 item 5), or at the clock's time when now_ns is 0. */
+int bex__rpc_reply_at(bex_rpc_req *req, int status, void *body, size_t len, uint64_t now_ns);
 
 uint64_t bex__rpc_now_ns(void);
 /* Tests: the RPC layer (channels, servers, directories) reads its time

@@ -520,6 +520,11 @@ static int send_answer(struct bex_rpc_server *srv, struct conn *c, const struct 
 
 int bex_rpc_reply(bex_rpc_req *req, int status, void *body, size_t len)
 {
+    return bex__rpc_reply_at(req, status, body, len, 0);
+}
+
+int bex__rpc_reply_at(bex_rpc_req *req, int status, void *body, size_t len, uint64_t now)
+{
     if (!req)
         return -EINVAL;
     struct bex_rpc_server *srv = req->srv;
@@ -531,7 +536,8 @@ int bex_rpc_reply(bex_rpc_req *req, int status, void *body, size_t len)
     }
     if (!body)
         len = 0;
-    uint64_t now = bex__rpc_now_ns();
+    if (!now)
+        now = bex__rpc_now_ns();
     pthread_mutex_lock(&srv->mu);
     struct method *m = &srv->methods[req->mi];
     m->answered++;

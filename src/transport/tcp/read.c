@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "common/sys.h"
 #include "transport/tcp/tcp_internal.h"
 
 /* ---------------- read side ---------------- */
@@ -352,7 +353,7 @@ static ssize_t read_some(struct bex__tcp *t, bool *drained)
     iov[n++] = (struct iovec){t->stage, RX_STAGE};
     for (int i = 0; i < n; i++)
         want += iov[i].iov_len;
-    ssize_t r = readv(t->fd, iov, n);
+    ssize_t r = bex__sys_readv(t->fd, iov, n);
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         *drained = true;
         return 0;

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "common/sys.h"
 #include "transport/tcp/tcp_internal.h"
 
 /* ---------------- write side ---------------- */
@@ -188,7 +189,7 @@ int bex__tcp_flush(struct bex__tcp *t)
             skip = 0;
         }
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};
-        ssize_t w = sendmsg(t->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t w = bex__sys_sendmsg(t->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 return 0;
