@@ -137,12 +137,43 @@ struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip,
         }
     }
     if (x) {
-        x->refs++;
+        if (x->refs++ == 0 && x->memo.base_us)
+            d->memos--; /* memo-only no more */
         if (memo)
             *memo = x->memo;
     }
     pthread_mutex_unlock(&d->lock);
     return x;
+}
+
+static void drop_entry(struct bex__wnd_dests *d, struct bex__wnd_dest *x)
+{
+    bex__hmap_del(&d->map, x->ip);
+    free(x);
+}
+
+/* Over BEX__WND_MEMOS_MAX memo-only entries (under the lock): drop those
+ * whose memo is older than BEX__WND_MEMO_MAX_US at now_us (the newest
+ * memo's time), then, while still over, the oldest. O(table) per call: it
+ * runs only when an engine goes with the table full of memos. */
+static void trim_memos(struct bex__wnd_dests *d, uint64_t now_us)
+{
+    struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
+    struct bex__wnd_dest *oldest = NULL;
+    for (struct bex__wnd_dest *x; (x = bex__hmap_next(&d->map, &it, NULL));) {
+        if (x->refs || !x->memo.base_us)
+            continue;
+        if (x->memo.at_us + BEX__WND_MEMO_MAX_US < now_us) {
+            drop_entry(d, x); /* iteration may remove what it returned */
+            d->memos--;
+        } else if (!oldest || x->memo.at_us < oldest->memo.at_us) {
+            oldest = x;
+        }
+    }
+    if (d->memos > BEX__WND_MEMOS_MAX && oldest) {
+        drop_entry(d, oldest);
+        d->memos--;
+    }
 }
 
 void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x,
@@ -153,9 +184,12 @@ void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x,
     pthread_mutex_lock(&d->lock);
     if (memo && memo->base_us)
         x->memo = *memo;
-    if (--x->refs == 0 && !x->memo.base_us) {
-        bex__hmap_del(&d->map, x->ip);
-        free(x);
+    if (--x->refs == 0) {
+        if (!x->memo.base_us) {
+            drop_entry(d, x);
+        } else if (++d->memos > BEX__WND_MEMOS_MAX) {
+            trim_memos(d, x->memo.at_us);
+        }
     }
     pthread_mutex_unlock(&d->lock);
 }

@@ -30,9 +30,11 @@
  * connection that fails and is made again (a keepalive, a peer's deadline)
  * resumes at the window its predecessor had learned, not with a burst of
  * send_window into the queue that made it fail. An entry with a memo stays
- * in the table when its last engine goes (some 64 bytes per address sent
- * to, for the context's life); a memo older than BEX__WND_MEMO_MAX_US is
- * not used. */
+ * in the table when its last engine goes, as a memo-only entry (some 64
+ * bytes); a memo older than BEX__WND_MEMO_MAX_US is not used. The table
+ * holds at most BEX__WND_MEMOS_MAX memo-only entries: past that, the memos
+ * older than BEX__WND_MEMO_MAX_US go, then the oldest, so a server that
+ * many addresses connect to over time keeps a bounded table. */
 #ifndef BEX_TRANSPORT_WINDOW_H
 #define BEX_TRANSPORT_WINDOW_H
 
@@ -92,6 +94,8 @@ struct bex__wnd_memo {
 };
 /* A memo older than this is of another path's state: not used. */
 #define BEX__WND_MEMO_MAX_US (60ull * 1000 * 1000)
+/* Memo-only entries (no engine holds them) a table keeps at most. */
+#define BEX__WND_MEMOS_MAX 1024u
 /* w's state into m (m->base_us 0 when w had no sample). */
 void bex__wnd_save(const struct bex__wnd *w, uint64_t now_us, struct bex__wnd_memo *m);
 /* Start w (fresh from bex__wnd_init) at m's window and base delay instead
@@ -115,6 +119,7 @@ struct bex__wnd_dests {
     pthread_mutex_t lock;
     struct bex__hmap map; /* ip -> struct bex__wnd_dest */
     uint64_t bound;       /* 0: no aggregate bound (no entries made) */
+    uint32_t memos;       /* memo-only entries (refs 0), <= BEX__WND_MEMOS_MAX */
 };
 
 int bex__wnd_dests_init(struct bex__wnd_dests *d, uint64_t bound);
@@ -126,7 +131,8 @@ struct bex__wnd_dest *bex__wnd_dest_get(struct bex__wnd_dests *d, uint32_t ip,
                                         struct bex__wnd_memo *memo);
 /* One reference less; memo (may be NULL; base_us 0: none) is left in the
  * entry for the next engine. The entry goes with its last reference unless
- * it holds a memo. */
+ * it holds a memo; past BEX__WND_MEMOS_MAX memo-only entries the stale,
+ * then the oldest, go (the one just left may be it). */
 void bex__wnd_dest_put(struct bex__wnd_dests *d, struct bex__wnd_dest *x,
                        const struct bex__wnd_memo *memo);
 /* Take bytes of x's bound: always when alone (the engine has nothing in

@@ -27,7 +27,13 @@
  *    queue a fresh controller would take for its base (and grow into);
  *    a memo of no sample, or older than BEX__WND_MEMO_MAX_US, is not
  *    used; with a base epoch the handed base ages out as the successor's
- *    own would. */
+ *    own would.
+ *  - memo_bound: memo-only entries are bounded (a server that ever more
+ *    addresses connect to): 3 x BEX__WND_MEMOS_MAX addresses each leave a
+ *    memo and the table keeps the newest BEX__WND_MEMOS_MAX, the oldest
+ *    starting afresh; entries engines hold are never dropped; once the
+ *    table is over its cap, memos older than BEX__WND_MEMO_MAX_US go
+ *    first, all of them. */
 #include <arpa/inet.h>
 #include <stdlib.h>
 #include <string.h>
@@ -427,5 +433,60 @@ static int handover(void)
     return 0;
 }
 
+static uint32_t nth_ip(uint32_t i)
+{
+    return htonl(0x0a000000u + i);
+}
+
+/* Addresses [from, to) each get an engine that goes leaving a memo made
+ * at t0 + i. */
+static int leave_memos(struct bex__wnd_dests *d, uint32_t from, uint32_t to, uint64_t t0)
+{
+    for (uint32_t i = from; i < to; i++) {
+        struct bex__wnd_dest *x = bex__wnd_dest_get(d, nth_ip(i), NULL);
+        CHECK(x);
+        struct bex__wnd_memo m = {.cwnd = 8192, .base_us = 1000, .at_us = t0 + i};
+        bex__wnd_dest_put(d, x, &m);
+    }
+    return 0;
+}
+
+static int memo_bound(void)
+{
+    struct bex__wnd_dests d;
+    CHECK_OK(bex__wnd_dests_init(&d, 262144));
+    const uint32_t cap = BEX__WND_MEMOS_MAX, n = 3 * cap, held = 4;
+    uint64_t t0 = 1000000;
+    struct bex__wnd_dest *live[4];
+    for (uint32_t i = 0; i < held; i++)
+        CHECK((live[i] = bex__wnd_dest_get(&d, nth_ip(n + i), NULL)));
+    CHECK_OK(leave_memos(&d, 0, n, t0));
+    fprintf(stderr, "memo_bound: %u addresses left memos, %u entries kept (cap %u, %u held)\n", n,
+            bex__hmap_len(&d.map), cap, held);
+    CHECK_EQ(bex__hmap_len(&d.map), cap + held);
+    for (uint32_t i = 0; i < held; i++) {
+        CHECK(bex__wnd_dest_get(&d, nth_ip(n + i), NULL) == live[i]);
+        CHECK_EQ(live[i]->refs, 2);
+        bex__wnd_dest_put(&d, live[i], NULL);
+    }
+    /* the newest memo kept, the oldest gone (its address starts afresh) */
+    struct bex__wnd_memo got;
+    struct bex__wnd_dest *x = bex__wnd_dest_get(&d, nth_ip(n - 1), &got);
+    CHECK_EQ(got.at_us, t0 + n - 1);
+    bex__wnd_dest_put(&d, x, NULL);
+    x = bex__wnd_dest_get(&d, nth_ip(0), &got);
+    CHECK_EQ(got.base_us, 0);
+    bex__wnd_dest_put(&d, x, NULL);
+    CHECK_EQ(bex__hmap_len(&d.map), cap + held);
+    /* one memo past the cap, made after all others went stale: they go */
+    CHECK_OK(leave_memos(&d, n + held, n + held + 1, t0 + n + BEX__WND_MEMO_MAX_US));
+    CHECK_EQ(bex__hmap_len(&d.map), 1 + held);
+    for (uint32_t i = 0; i < held; i++)
+        bex__wnd_dest_put(&d, live[i], NULL);
+    CHECK_EQ(bex__hmap_len(&d.map), 1);
+    bex__wnd_dests_free(&d);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(grows), BEX_CASE(cuts), BEX_CASE(base), BEX_CASE(senders), BEX_CASE(fair16),
-              BEX_CASE(incast16), BEX_CASE(dest), BEX_CASE(handover))
+              BEX_CASE(incast16), BEX_CASE(dest), BEX_CASE(handover), BEX_CASE(memo_bound))
