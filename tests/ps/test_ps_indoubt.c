@@ -110,6 +110,21 @@ static bex_ps_shard_stats stats(bex_ps_shard *s)
     return st;
 }
 
+/* A client over d (the test's deadlines) at locality (NULL: none). */
+static bex_ps_client *client_new(bex_ctx *cx, bex_dir *d, const char *locality,
+                                 uint32_t max_attempts)
+{
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .locality = locality,
+                               .timeout_ms = 5000 * bex_test_time_scale(),
+                               .connect_timeout_ms = 2000 * bex_test_time_scale(),
+                               .max_attempts = max_attempts};
+    bex_ps_client *pc;
+    CHECK_OK(bex_ps_client_create(cx, &cc, &pc));
+    return pc;
+}
+
 /* One Push of key 7 (gradient 1) by a client of max_attempts; its status,
  * its report's in *rep. */
 static int push_once(bex_ctx *cx, uint16_t port, uint32_t max_attempts, int *rep)
@@ -122,13 +137,7 @@ static int push_once(bex_ctx *cx, uint16_t port, uint32_t max_attempts, int *rep
     bex_dir *d;
     CHECK_OK(bex_dir_create(NULL, &d));
     CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
-    bex_ps_client_config cc = {.dir = d,
-                               .service = "ps",
-                               .timeout_ms = 5000 * bex_test_time_scale(),
-                               .connect_timeout_ms = 2000 * bex_test_time_scale(),
-                               .max_attempts = max_attempts};
-    bex_ps_client *pc;
-    CHECK_OK(bex_ps_client_create(cx, &cc, &pc));
+    bex_ps_client *pc = client_new(cx, d, NULL, max_attempts);
     uint64_t key = 7;
     float g[2] = {1.0f, 1.0f};
     bex_ps_replica_result res[1];
@@ -256,15 +265,32 @@ static bex_ps_client *fetch_client(bex_ctx *cx, bex_dir **d, uint16_t pa, uint16
         CHECK_OK(bex_dir_node_stats_get(*d, &ab, &ns));
         CHECK_EQ(ns.quarantines, 1);
     }
-    bex_ps_client_config cc = {.dir = *d,
-                               .service = "ps",
-                               .locality = "dc1/pod1",
-                               .timeout_ms = 5000 * bex_test_time_scale(),
-                               .connect_timeout_ms = 2000 * bex_test_time_scale(),
-                               .max_attempts = max_attempts};
+    return client_new(cx, *d, "dc1/pod1", max_attempts);
+}
+
+/* Both sides (a, b) and a Fetch client of them. */
+struct frig {
+    struct side a, b;
+    bex_ctx *cx;
+    bex_dir *d;
     bex_ps_client *pc;
-    CHECK_OK(bex_ps_client_create(cx, &cc, &pc));
-    return pc;
+};
+
+static void frig_open(struct frig *f, uint32_t max_attempts, uint32_t b_quarantine_ms)
+{
+    fn_install();
+    side_start(&f->a, false);
+    side_start(&f->b, false);
+    f->cx = ctx_new();
+    f->pc = fetch_client(f->cx, &f->d, f->a.port, f->b.port, max_attempts, b_quarantine_ms);
+}
+
+static int frig_close(struct frig *f)
+{
+    bex_ps_client_destroy(f->pc);
+    bex_dir_destroy(f->d);
+    side_stop(&f->b);
+    return finish(&f->a, f->cx);
 }
 
 #define NF 16
@@ -295,14 +321,11 @@ static void fetch_done(int status, void *user)
  * each must come back with the rows, from b. */
 static int fetch_dies(int nf, uint32_t max_attempts, uint32_t b_quarantine_ms)
 {
-    fn_install();
-    struct side a, b;
-    side_start(&a, false);
-    side_start(&b, false);
-    bex_ctx *cx = ctx_new();
-    bex_dir *d;
-    bex_ps_client *pc = fetch_client(cx, &d, a.port, b.port, max_attempts, b_quarantine_ms);
-    int rule = doubt_rule(a.port, true);
+    struct frig fr;
+    frig_open(&fr, max_attempts, b_quarantine_ms);
+    struct side *a = &fr.a, *b = &fr.b;
+    bex_ps_client *pc = fr.pc;
+    int rule = doubt_rule(a->port, true);
     struct fwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .left = nf};
     struct fone f[NF];
     uint64_t keys[NF];
@@ -331,11 +354,8 @@ static int fetch_dies(int nf, uint32_t max_attempts, uint32_t b_quarantine_ms)
             CHECK_EQ(rows[i][c], bex_ps_init_value(TI.id, keys[i], c, 0.01f));
     }
     CHECK_EQ(fn_hits(rule), 1);
-    CHECK(stats(b.cur).fetches >= 1);
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    side_stop(&b);
-    return finish(&a, cx);
+    CHECK(stats(b->cur).fetches >= 1);
+    return frig_close(&fr);
 }
 
 static int t_fetch_one(void)
@@ -369,16 +389,14 @@ static bex_dir_node_stats node_stats(bex_dir *d, uint16_t port)
  * come back with the rows within its deadline, not -EIO. */
 static int t_fetch_probe_out(void)
 {
-    fn_install();
-    struct side a, b;
-    side_start(&a, false);
-    side_start(&b, false);
-    bex_ctx *cx = ctx_new();
-    bex_dir *d;
-    bex_ps_client *pc = fetch_client(cx, &d, a.port, b.port, 3, 1);
+    struct frig fr;
+    frig_open(&fr, 3, 1);
+    struct side *a = &fr.a, *b = &fr.b;
+    bex_ps_client *pc = fr.pc;
+    bex_dir *d = fr.d;
     bex_addr aa, ab;
-    CHECK_OK(bex_addr_parse("127.0.0.1", a.port, &aa));
-    CHECK_OK(bex_addr_parse("127.0.0.1", b.port, &ab));
+    CHECK_OK(bex_addr_parse("127.0.0.1", a->port, &aa));
+    CHECK_OK(bex_addr_parse("127.0.0.1", b->port, &ab));
     /* b's quarantine (1 ms) over: the next pick of the shard probes it */
     bex_dir_replica r;
     do {
@@ -386,8 +404,8 @@ static int t_fetch_probe_out(void)
         if (!bex_addr_equal(&r.addr, &ab))
             bex_dir_report(d, &r.addr, BEX_DIR_DONE, 1);
     } while (!bex_addr_equal(&r.addr, &ab));
-    CHECK_EQ(node_stats(d, b.port).probes, 1);
-    int rule = doubt_rule(a.port, true);
+    CHECK_EQ(node_stats(d, b->port).probes, 1);
+    int rule = doubt_rule(a->port, true);
     struct fwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .left = 1};
     struct fone f = {&w, 0};
     uint64_t key = 100;
@@ -396,9 +414,9 @@ static int t_fetch_probe_out(void)
     /* a's connection failures: the one in doubt, the ladder's two steps
      * (moves), then the channel's other two attempts */
     uint64_t end = bex_test_now_ms() + 20000ull * bex_test_time_scale();
-    while (node_stats(d, a.port).conn_failures < 4 && bex_test_now_ms() < end)
+    while (node_stats(d, a->port).conn_failures < 4 && bex_test_now_ms() < end)
         bex_test_sleep_ms(1);
-    CHECK(node_stats(d, a.port).conn_failures >= 4);
+    CHECK(node_stats(d, a->port).conn_failures >= 4);
     bex_dir_report(d, &ab, BEX_DIR_OK, 1); /* b answered its probe */
     pthread_mutex_lock(&w.mu);
     while (w.left)
@@ -410,11 +428,8 @@ static int t_fetch_probe_out(void)
     for (uint32_t c = 0; c < TI.dim; c++)
         CHECK_EQ(rows[c], bex_ps_init_value(TI.id, key, c, 0.01f));
     CHECK_EQ(fn_hits(rule), 1);
-    CHECK_EQ(stats(b.cur).fetches, 1);
-    bex_ps_client_destroy(pc);
-    bex_dir_destroy(d);
-    side_stop(&b);
-    return finish(&a, cx);
+    CHECK_EQ(stats(b->cur).fetches, 1);
+    return frig_close(&fr);
 }
 
 BEX_TEST_MAIN({"retried", t_retried}, {"restored", t_restored}, {"in_doubt", t_in_doubt},
