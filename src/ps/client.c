@@ -403,12 +403,14 @@ static bool retryable(int st)
 
 /* Queue sb to be sent again (true), a Push's primary taken to be the
  * next replica unless the answer was -EAGAIN; false when it may not be (a
- * Fetch: an answer of a primary's, -EPERM or -ESTALE, is not its). */
+ * Fetch: an answer of a primary's, -EPERM or -ESTALE, is not its; with
+ * max_attempts 1 nothing is retried). */
 static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
 {
     bool fetch = sb->op->method == BEX_PS_M_FETCH;
     uint64_t now = bex__rpc_now_ns();
-    if (!retryable(status) || (fetch && (status == -EPERM || status == -ESTALE)) ||
+    if (!retryable(status) ||
+        (fetch && (status == -EPERM || status == -ESTALE || c->max_attempts == 1)) ||
         now + c->retry_ns >= sb->end_ns)
         return false;
     pthread_mutex_lock(&c->mu);
