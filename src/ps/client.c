@@ -404,7 +404,7 @@ static bool retryable(int st)
 /* Queue sb to be sent again (true), a Push's primary taken to be the
  * next replica unless the answer was -EAGAIN; false when it may not be (a
  * Fetch: an answer of a primary's, -EPERM or -ESTALE, is not its; with
- * max_attempts 1 nothing is retried). */
+ * max_attempts 1 nothing is retried; a shard of one replica fails fast). */
 static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
 {
     bool fetch = sb->op->method == BEX_PS_M_FETCH;
@@ -412,6 +412,10 @@ static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
     if (!retryable(status) ||
         (fetch && (status == -EPERM || status == -ESTALE || c->max_attempts == 1)) ||
         now + c->retry_ns >= sb->end_ns)
+        return false;
+    /* a Fetch of a shard with one replica: its channel reconnected already
+     * (the recovery ladder); the caller hears of the failure now */
+    if (fetch && bex_dir_replicas(c->dir, c->svc, sb->shard, NULL, 0) < 2)
         return false;
     pthread_mutex_lock(&c->mu);
     bool ok = !c->rstop && retry_thread(c) == 0;
