@@ -491,7 +491,9 @@ typedef struct bex_ps_client_config {
      * in doubt (-EIO) or lost with its connection is sent again, with the same id (applied
      * once), primary_retry_ms later (50) to the next replica the directory
      * lists (re-read then; the same one after -EAGAIN), until the
-     * request's deadline (timeout_ms); its status is the last attempt's. */
+     * request's deadline (timeout_ms); its status is the last attempt's.
+     * The same pause spaces a Fetch's part issued again (bex_ps_fetch),
+     * in every mode. */
     uint32_t primary_retry_ms;
 } bex_ps_client_config;
 
@@ -522,7 +524,19 @@ typedef void (*bex_ps_done_fn)(int status, void *user);
  * rows[i * dim ...]; keys are copied, rows must stay until done runs. On 0
  * done runs exactly once (maybe before this returns: n == 0, or every
  * sub-request failed at once); on error (-EINVAL, -E2BIG: a shard's part
- * past the wire's bounds, -ENOMEM) it does not. */
+ * past the wire's bounds, -ENOMEM) it does not. A Fetch is a read: a
+ * shard's part (of a shard with several replicas) whose call failed for
+ * its connection, came back in doubt (-EIO) or refused for now (-EAGAIN)
+ * after its channel's attempts is issued again primary_retry_ms later
+ * (50; the shard's channel picks the replica afresh) while its deadline
+ * (timeout_ms) leaves more than that pause. So done's status is 0, an answer of a shard (-EINVAL,
+ * -ENOMEM,
+ * ...), -ETIMEDOUT, or one of those errors (-EIO, a connection error,
+ * -EAGAIN, -EHOSTUNREACH) only when no replica answered before the last
+ * pause would have passed the deadline; -ECANCELED when the client is
+ * destroyed. A part is not issued again with max_attempts 1 (no retries),
+ * nor when its shard has a single replica listed: the error then comes at
+ * once (its channel's recovery ladder reconnected already). */
 int bex_ps_fetch(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                  float *rows, bex_ps_done_fn done, void *user);
 /* Push grads[i * dim ...] for keys[i]; keys and grads are copied. */
@@ -671,7 +685,8 @@ int bex_ps_rows_busy(float *rows);
  * them; on an error rows are undefined. done runs once the array is no
  * longer written. Errors as bex_ps_fetch, and -EINVAL (rows not from
  * bex_ps_rows_alloc of this context; keys not grouped), -ENOBUFS (n * dim
- * past the array), -EBUSY (a call uses it). */
+ * past the array), -EBUSY (a call uses it); unlike bex_ps_fetch, a part is
+ * not issued again once its channel's attempts failed (not yet done). */
 int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows, bex_ps_done_fn done, void *user);
 /* bex_ps_push_report from grads, an array of bex_ps_rows_alloc, keys

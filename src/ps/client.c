@@ -12,7 +12,14 @@
  * server with the same (client id, sequence) and its dedup window applies
  * it once. The Push channels follow the directory (its generation): a
  * replica keeps its channel while it is listed, and a channel is only
- * destroyed with the client (a Push may still be out on it). */
+ * destroyed with the client (a Push may still be out on it).
+ *
+ * A Fetch is a read: a sub-request that failed for its connection, came
+ * back in doubt (-EIO) or was refused for now is issued again on its
+ * shard's channel by the retry thread (a pause later, within the
+ * deadline), from the keys the request kept: its channel's attempts may
+ * all have gone to a replica that died while the shard's other one was
+ * held back by the directory (a quarantine's one probe out). */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -66,7 +73,8 @@ struct bex_ps_client {
     uint64_t push_client, push_tok[2];
     _Atomic uint64_t push_seq;
     /* BEX_PS_PUSH_PRIMARY: per shard, the replica (index into push[s])
-     * taken for primary; Pushes to send again (retry_main), under mu */
+     * taken for primary; Pushes, and Fetches of any mode, to send again
+     * (retry_main), under mu */
     uint32_t *prim;
     _Atomic uint64_t *epoch; /* per shard: the primary's term its last answer gave (0: none) */
     struct bex__list rq;     /* struct sub.rl, oldest first (one pause for all: in time order) */
@@ -83,7 +91,8 @@ struct sub {
     uint32_t shard, n;
     uint32_t *pos; /* the keys' places in the caller's arrays */
     uint32_t idx;  /* its place among the request's sub-requests */
-    /* BEX_PS_PUSH_PRIMARY: its body kept to send again, until end_ns */
+    /* BEX_PS_PUSH_PRIMARY: its body kept to send again, until end_ns (a
+     * Fetch: sent again from op->keys until end_ns) */
     uint8_t *copy;
     size_t len;
     uint64_t end_ns, at_ns;
@@ -96,7 +105,8 @@ struct op {
     _Atomic uint32_t left; /* sub-requests not complete, + 1 while issuing */
     _Atomic int status;
     uint32_t method, table, dim;
-    float *rows; /* Fetch: the caller's */
+    float *rows;          /* Fetch: the caller's */
+    const uint64_t *keys; /* Fetch: a copy of the caller's (in the same block) */
     bex_ps_done_fn done;
     void *user;
     bex_ps_replica_result *res; /* Push: the caller's, res_cap entries */
@@ -106,8 +116,8 @@ struct op {
 
 static void *retry_main(void *arg);
 
-/* BEX_PS_PUSH_PRIMARY: the primary per shard, the retry thread. */
-static int retry_start(bex_ps_client *c, uint32_t n)
+/* The retry queue, empty, and its thread not started. */
+static void retry_init(bex_ps_client *c)
 {
     bex__list_init(&c->rq);
     pthread_condattr_t ca;
@@ -115,22 +125,39 @@ static int retry_start(bex_ps_client *c, uint32_t n)
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&c->rcv, &ca);
     pthread_condattr_destroy(&ca);
-    if (!(c->prim = calloc(n, sizeof *c->prim)) || !(c->epoch = calloc(n, sizeof *c->epoch)) ||
-        pthread_create(&c->rthr, NULL, retry_main, c))
+}
+
+/* The retry thread, started on first need (a Fetch to send again) or
+ * with the client (BEX_PS_PUSH_PRIMARY). Under c->mu. */
+static int retry_thread(bex_ps_client *c)
+{
+    if (c->rthr_on)
+        return 0;
+    if (c->rstop || pthread_create(&c->rthr, NULL, retry_main, c))
         return -ENOMEM;
     c->rthr_on = true;
     return 0;
 }
 
+/* BEX_PS_PUSH_PRIMARY: the primary per shard, the retry thread. */
+static int retry_start(bex_ps_client *c, uint32_t n)
+{
+    if (!(c->prim = calloc(n, sizeof *c->prim)) || !(c->epoch = calloc(n, sizeof *c->epoch)))
+        return -ENOMEM;
+    pthread_mutex_lock(&c->mu);
+    int rc = retry_thread(c);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
 static void retry_stop(bex_ps_client *c)
 {
-    if (!c->prim)
-        return;
     pthread_mutex_lock(&c->mu);
     c->rstop = true;
     pthread_cond_signal(&c->rcv);
+    bool on = c->rthr_on;
     pthread_mutex_unlock(&c->mu);
-    if (c->rthr_on)
+    if (on)
         pthread_join(c->rthr, NULL);
 }
 
@@ -163,6 +190,7 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
         return -ENOMEM;
     }
     pthread_mutex_init(&c->mu, NULL);
+    retry_init(c);
     c->ctx = ctx;
     c->dir = cfg->dir;
     snprintf(c->svc, sizeof c->svc, "%s", svc);
@@ -234,8 +262,7 @@ void bex_ps_client_destroy(bex_ps_client *c)
         free(p);
     }
     reps_free(c->push, c->n_shards);
-    if (c->prim)
-        pthread_cond_destroy(&c->rcv);
+    pthread_cond_destroy(&c->rcv);
     free(c->prim);
     free((void *)c->epoch);
     pthread_mutex_destroy(&c->mu);
@@ -374,17 +401,26 @@ static bool retryable(int st)
            st == -EPIPE || st == -ENOTCONN || st == -ETIMEDOUT || st == -ESHUTDOWN;
 }
 
-/* Queue sb to be sent again (true), the primary taken to be the next
- * replica unless the answer was -EAGAIN; false when it may not be. */
+/* Queue sb to be sent again (true), a Push's primary taken to be the
+ * next replica unless the answer was -EAGAIN; false when it may not be (a
+ * Fetch: an answer of a primary's, -EPERM or -ESTALE, is not its; with
+ * max_attempts 1 nothing is retried; a shard of one replica fails fast). */
 static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
 {
+    bool fetch = sb->op->method == BEX_PS_M_FETCH;
     uint64_t now = bex__rpc_now_ns();
-    if (!retryable(status) || now + c->retry_ns >= sb->end_ns)
+    if (!retryable(status) ||
+        (fetch && (status == -EPERM || status == -ESTALE || c->max_attempts == 1)) ||
+        now + c->retry_ns >= sb->end_ns)
+        return false;
+    /* a Fetch of a shard with one replica: its channel reconnected already
+     * (the recovery ladder); the caller hears of the failure now */
+    if (fetch && bex_dir_replicas(c->dir, c->svc, sb->shard, NULL, 0) < 2)
         return false;
     pthread_mutex_lock(&c->mu);
-    bool ok = !c->rstop;
+    bool ok = !c->rstop && retry_thread(c) == 0;
     if (ok) {
-        if (status != -EAGAIN && c->prim[sb->shard] == sb->pi) {
+        if (!fetch && status != -EAGAIN && c->prim[sb->shard] == sb->pi) {
             c->prim[sb->shard]++;
             atomic_store(&c->epoch[sb->shard], 0); /* the next primary's term is not known */
         }
@@ -397,10 +433,34 @@ static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
 }
 
 static void sub_done(int status, void *body, size_t len, void *user);
+static uint8_t *sub_body(bex_ps_client *c, struct sub *sb, const uint64_t *keys, const float *grads,
+                         uint64_t id_seq, size_t *len);
+
+/* A Fetch's sb again on its shard's channel, until its deadline. */
+static void resend_fetch(bex_ps_client *c, struct sub *sb)
+{
+    uint64_t now = bex__rpc_now_ns();
+    size_t len;
+    uint8_t *b = sub_body(c, sb, sb->op->keys, NULL, 0, &len);
+    int rc = -ENOMEM;
+    if (b) {
+        bex_rpc_call_opts o = {
+            .timeout_ms = (uint32_t)((sb->end_ns > now ? sb->end_ns - now : 0) / 1000000 + 1)};
+        if ((rc = bex_rpc_call(sb->ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, &o, sub_done, sb,
+                               NULL)))
+            bex_rpc_free(b);
+    }
+    if (rc)
+        sub_done(rc, NULL, 0, sb);
+}
 
 /* sb to the replica taken for primary now (the directory re-read). */
 static void resend(bex_ps_client *c, struct sub *sb)
 {
+    if (sb->op->method == BEX_PS_M_FETCH) {
+        resend_fetch(c, sb);
+        return;
+    }
     pthread_mutex_lock(&c->mu);
     int rc = push_refresh(c);
     size_t n = rc ? 0 : c->push[sb->shard].n;
@@ -481,7 +541,7 @@ static void sub_done(int status, void *body, size_t len, void *user)
         status = bex__ps_check_resp(op->method, body, len, op->table, sb->n, op->dim);
     if (sb->copy && status == 0 && bex__ps_resp_epoch(body, len))
         atomic_store(&op->c->epoch[sb->shard], bex__ps_resp_epoch(body, len));
-    if (sb->copy && status && retry_later(op->c, sb, status)) {
+    if (status && (sb->copy || op->keys) && retry_later(op->c, sb, status)) {
         bex_rpc_free(body);
         return;
     }
@@ -548,17 +608,14 @@ static size_t shard_subs(bex_ps_client *c, struct op *op, size_t s, uint32_t cnt
     return k;
 }
 
-/* sb's request encoded and called; a failure ends sb at once. */
-static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const uint64_t *keys,
-                     const float *grads, uint64_t id_seq, const bex_rpc_call_opts *opts)
+/* sb's request encoded (*len bytes, from bex_rpc_alloc), or NULL. */
+static uint8_t *sub_body(bex_ps_client *c, struct sub *sb, const uint64_t *keys, const float *grads,
+                         uint64_t id_seq, size_t *len)
 {
     struct op *op = sb->op;
+    uint32_t method = op->method;
     bool push = method == BEX_PS_M_PUSH;
     uint32_t table = op->table, dim = op->dim;
-    if (!sb->ch) {
-        sub_end(sb, -EHOSTUNREACH);
-        return;
-    }
     struct bex__ps_hdr h = {.table = table, .n = sb->n, .dim = dim};
     if (push)
         h = (struct bex__ps_hdr){.table = table,
@@ -573,13 +630,11 @@ static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const ui
         h.flags |= BEX__PS_F_EPOCH;
         h.epoch = atomic_load(&c->epoch[sb->shard]);
     }
-    size_t len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0) +
-                 ((h.flags & BEX__PS_F_EPOCH) ? BEX__PS_EPOCH_LEN : 0);
-    uint8_t *b = bex_rpc_alloc(c->ctx, len);
-    if (!b) {
-        sub_end(sb, -ENOMEM);
-        return;
-    }
+    *len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0) +
+           ((h.flags & BEX__PS_F_EPOCH) ? BEX__PS_EPOCH_LEN : 0);
+    uint8_t *b = bex_rpc_alloc(c->ctx, *len);
+    if (!b)
+        return NULL;
     bex__ps_hdr_put(b, &h);
     uint8_t *p = b + bex__ps_keys_off(&h);
     for (uint32_t j = 0; j < sb->n; j++, p += 8)
@@ -590,6 +645,26 @@ static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const ui
             for (uint32_t d = 0; d < dim; d++, p += 4)
                 bex__ps_putf(p, g[d]);
         }
+    return b;
+}
+
+/* sb's request encoded and called; a failure ends sb at once. */
+static void send_sub(bex_ps_client *c, struct sub *sb, const uint64_t *keys, const float *grads,
+                     uint64_t id_seq, const bex_rpc_call_opts *opts)
+{
+    struct op *op = sb->op;
+    uint32_t method = op->method;
+    bool push = method == BEX_PS_M_PUSH;
+    if (!sb->ch) {
+        sub_end(sb, -EHOSTUNREACH);
+        return;
+    }
+    size_t len;
+    uint8_t *b = sub_body(c, sb, keys, grads, id_seq, &len);
+    if (!b) {
+        sub_end(sb, -ENOMEM);
+        return;
+    }
     if (push && c->prim && (sb->copy = malloc(len))) {
         memcpy(sb->copy, b, len); /* to send again after a failover */
         sb->len = len;
@@ -600,6 +675,21 @@ static void send_sub(bex_ps_client *c, struct sub *sb, uint32_t method, const ui
         bex_rpc_free(b);
         sub_done(rc, NULL, 0, sb);
     }
+}
+
+/* op's sub-requests sent (a Fetch's with its deadline, to send again),
+ * then its issuing guard dropped: done may run here. */
+static void send_all(bex_ps_client *c, struct op *op, size_t n_subs, const uint64_t *keys,
+                     const float *grads, uint64_t id_seq)
+{
+    bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
+    uint64_t end_ns = op->keys ? bex__rpc_now_ns() + (uint64_t)c->timeout_ms * 1000000ull : 0;
+    for (size_t i = 0; i < n_subs; i++) {
+        if (end_ns)
+            op->subs[i].end_ns = end_ns;
+        send_sub(c, &op->subs[i], keys, grads, id_seq, &opts);
+    }
+    op_put(op);
 }
 
 static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t dim,
@@ -627,7 +717,9 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
         if (cnt[s])
             n_subs += push && c->push[s].n && !c->prim ? c->push[s].n : 1;
     struct op *op = NULL;
-    if (!rc && !(op = calloc(1, sizeof *op + n_subs * sizeof(struct sub) + (n ? n : 1) * 4)))
+    size_t nk = push ? 0 : n; /* a Fetch's keys kept, to send it again */
+    if (!rc &&
+        !(op = calloc(1, sizeof *op + n_subs * sizeof(struct sub) + nk * 8 + (n ? n : 1) * 4)))
         rc = -ENOMEM;
     if (rc) {
         if (push)
@@ -645,7 +737,9 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
                       .res = res,
                       .res_cap = res_cap,
                       .subs = (struct sub *)(op + 1)};
-    uint32_t *pos = (uint32_t *)(op->subs + n_subs);
+    uint64_t *kc = (uint64_t *)(op->subs + n_subs);
+    uint32_t *pos = (uint32_t *)(kc + nk);
+    op->keys = nk ? memcpy(kc, keys, nk * 8) : NULL;
     /* each shard's key places, then its subs (sharing them) */
     uint32_t *at = calloc(ns, sizeof *at);
     size_t k = 0;
@@ -675,10 +769,7 @@ static int request(bex_ps_client *c, uint32_t method, uint32_t table, uint32_t d
         *n_res = push ? n_subs : 0;
     atomic_store(&op->left, (uint32_t)n_subs + 1);
     uint64_t id_seq = push && !seq ? atomic_fetch_add(&c->push_seq, 1) + 1 : seq;
-    bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
-    for (size_t i = 0; i < n_subs; i++)
-        send_sub(c, &op->subs[i], method, keys, grads, id_seq, &opts);
-    op_put(op); /* the issuing guard: done may run here */
+    send_all(c, op, n_subs, keys, grads, id_seq);
     return 0;
 }
 

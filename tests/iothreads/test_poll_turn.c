@@ -106,42 +106,69 @@ static void cli_done(bex_sock *s, void *buf, size_t len, void *mu, int status, v
     waiter_add(c->base.w, &c->done, 1);
 }
 
+/* Both cases' pair: a server (hold_recv) on ADDR0 and a client on ADDR1,
+ * contexts of cfg, the client connected. */
+struct rig {
+    struct hold_srv h;
+    bex_ctx *sctx, *cctx;
+    bex_listener *l;
+    struct cli c;
+    bex_sock *s;
+};
+
+static void rig_open(struct rig *r, const bex_ctx_config *cfg, bool release)
+{
+    r->h = (struct hold_srv){.base.w = WAITER_INIT, .release = release};
+    r->sctx = local_ctx(cfg, addr0);
+    r->cctx = local_ctx(cfg, addr1);
+    bex_addr a;
+    r->l = local_listen(r->sctx, addr0, &r->h.base, hold_recv, &a);
+    r->c = (struct cli){.base.w = &r->h.base.w};
+    static const bex_sock_ops ops = {.on_connect = local_cli_connect,
+                                     .on_recv = cli_recv,
+                                     .on_send_done = cli_done,
+                                     .on_close = local_cli_closed};
+    CHECK_OK(bex_sock_connect(r->cctx, &a, &ops, &r->c, &r->s));
+    CHECK_OK(wait_count(&r->h.base.w, &r->c.base.connected, 1, 10000));
+}
+
+static void rig_close(struct rig *r)
+{
+    CHECK_EQ(atomic_load(&r->c.bad), 0);
+    bex_sock_close(r->s);
+    CHECK_OK(wait_count(&r->h.base.w, &r->c.base.closed, 1, 10000));
+    CHECK_OK(wait_count(&r->h.base.w, &r->h.base.closed, 1, 10000));
+    CHECK_OK(bex_listener_close(r->l));
+    CHECK_OK(bex_ctx_destroy(r->cctx));
+    CHECK_OK(bex_ctx_destroy(r->sctx));
+}
+
 static int one_chain(void)
 {
     PAIR_NEED(pair_addrs(&addr0, &addr1));
     if (pair_tcp())
         return bex_test_skip("completion queues are RDMA's");
-    struct hold_srv h = {.base.w = WAITER_INIT};
-    bex_ctx *sctx = local_ctx(&roomy, addr0), *cctx = local_ctx(&roomy, addr1);
-    bex_addr a;
-    bex_listener *l = local_listen(sctx, addr0, &h.base, hold_recv, &a);
-    struct cli c = {.base.w = &h.base.w};
-    bex_sock_ops ops = {.on_connect = local_cli_connect,
-                        .on_recv = cli_recv,
-                        .on_send_done = cli_done,
-                        .on_close = local_cli_closed};
-    bex_sock *s;
-    CHECK_OK(bex_sock_connect(cctx, &a, &ops, &c, &s));
-    CHECK_OK(wait_count(&h.base.w, &c.base.connected, 1, 10000));
-    local_send(cctx, s, MSG_LEN);
-    CHECK_OK(wait_count(&h.base.w, &h.held, 1, 10000));
+    struct rig r;
+    rig_open(&r, &roomy, false);
+    bex_ctx *sctx = r.sctx;
+    local_send(r.cctx, r.s, MSG_LEN);
+    CHECK_OK(wait_count(&r.h.base.w, &r.h.held, 1, 10000));
     long long r0 = dev_counter(sctx, "rdma_recvs");
     CHECK(r0 >= 0);
     for (int i = 0; i < HELD; i++)
-        local_send(cctx, s, MSG_LEN);
+        local_send(r.cctx, r.s, MSG_LEN);
     /* every SEND taken by the server's rxe: its completion waits in the
      * server's CQ, the thread still held */
     uint64_t end = pair_now_ms() + 30000ull * time_scale();
     while (dev_counter(sctx, "rdma_recvs") < r0 + HELD && pair_now_ms() < end)
         pair_sleep_ms(1);
     CHECK(dev_counter(sctx, "rdma_recvs") >= r0 + HELD);
-    CHECK_EQ(atomic_load(&c.recvd), 0);
+    CHECK_EQ(atomic_load(&r.c.recvd), 0);
     bex_sock_stats s0, s1;
     bex_ctx_stats(sctx, &s0);
-    atomic_store(&h.release, true);
-    CHECK_OK(wait_count(&h.base.w, &c.recvd, HELD + 1, 30000));
+    atomic_store(&r.h.release, true);
+    CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, HELD + 1, 30000));
     bex_ctx_stats(sctx, &s1);
-    CHECK_EQ(atomic_load(&c.bad), 0);
     uint64_t calls = s1.post_send_calls - s0.post_send_calls;
     uint64_t ka = s1.keepalive_writes - s0.keepalive_writes;
     uint64_t credits = s1.credit_msgs - s0.credit_msgs;
@@ -154,12 +181,7 @@ static int one_chain(void)
     /* the first answer, then the HELD others in one chain (a keepalive or
      * a credit message may take a doorbell of its own) */
     CHECK(calls <= 2 + ka + credits);
-    bex_sock_close(s);
-    CHECK_OK(wait_count(&h.base.w, &c.base.closed, 1, 10000));
-    CHECK_OK(wait_count(&h.base.w, &h.base.closed, 1, 10000));
-    CHECK_OK(bex_listener_close(l));
-    CHECK_OK(bex_ctx_destroy(cctx));
-    CHECK_OK(bex_ctx_destroy(sctx));
+    rig_close(&r);
     return 0;
 }
 
@@ -186,21 +208,12 @@ static int keepalive_count(void)
     if (pair_tcp())
         return bex_test_skip("keepalive WRITEs are RDMA's");
     bex_ctx_config cfg = {.io_threads = 1, .keepalive_ms = 100};
-    struct hold_srv h = {.base.w = WAITER_INIT, .release = true};
-    bex_ctx *sctx = local_ctx(&cfg, addr0), *cctx = local_ctx(&cfg, addr1);
-    bex_addr a;
-    bex_listener *l = local_listen(sctx, addr0, &h.base, hold_recv, &a);
-    struct cli c = {.base.w = &h.base.w};
-    bex_sock_ops ops = {.on_connect = local_cli_connect,
-                        .on_recv = cli_recv,
-                        .on_send_done = cli_done,
-                        .on_close = local_cli_closed};
-    bex_sock *s;
-    CHECK_OK(bex_sock_connect(cctx, &a, &ops, &c, &s));
-    CHECK_OK(wait_count(&h.base.w, &c.base.connected, 1, 10000));
-    local_send(cctx, s, MSG_LEN);
-    CHECK_OK(wait_count(&h.base.w, &c.recvd, 1, 10000));
-    CHECK_OK(wait_count(&h.base.w, &c.done, 1, 10000));
+    struct rig r;
+    rig_open(&r, &cfg, true);
+    bex_ctx *cctx = r.cctx;
+    local_send(cctx, r.s, MSG_LEN);
+    CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, 1, 10000));
+    CHECK_OK(wait_count(&r.h.base.w, &r.c.done, 1, 10000));
     bex_sock_stats s0, s1;
     still_stats(cctx, &s0);
     /* idle now: what the client posts from here is keepalives, and the
@@ -229,13 +242,7 @@ static int keepalive_count(void)
      * ASan 3 keepalive writes once took 2 doorbells: not explained, so
      * the lower bound is only that they take doorbells at all) */
     CHECK(calls >= 1 && calls <= ka + credits);
-    CHECK_EQ(atomic_load(&c.bad), 0);
-    bex_sock_close(s);
-    CHECK_OK(wait_count(&h.base.w, &c.base.closed, 1, 10000));
-    CHECK_OK(wait_count(&h.base.w, &h.base.closed, 1, 10000));
-    CHECK_OK(bex_listener_close(l));
-    CHECK_OK(bex_ctx_destroy(cctx));
-    CHECK_OK(bex_ctx_destroy(sctx));
+    rig_close(&r);
     return 0;
 }
 

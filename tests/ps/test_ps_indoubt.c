@@ -14,7 +14,9 @@
  *   sending, every time): the Push completes -EIO (in doubt), not a
  *   connection error that reads as "not applied"; it was applied once. */
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include "bex/dir.h"
@@ -108,6 +110,21 @@ static bex_ps_shard_stats stats(bex_ps_shard *s)
     return st;
 }
 
+/* A client over d (the test's deadlines) at locality (NULL: none). */
+static bex_ps_client *client_new(bex_ctx *cx, bex_dir *d, const char *locality,
+                                 uint32_t max_attempts)
+{
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .locality = locality,
+                               .timeout_ms = 5000 * bex_test_time_scale(),
+                               .connect_timeout_ms = 2000 * bex_test_time_scale(),
+                               .max_attempts = max_attempts};
+    bex_ps_client *pc;
+    CHECK_OK(bex_ps_client_create(cx, &cc, &pc));
+    return pc;
+}
+
 /* One Push of key 7 (gradient 1) by a client of max_attempts; its status,
  * its report's in *rep. */
 static int push_once(bex_ctx *cx, uint16_t port, uint32_t max_attempts, int *rep)
@@ -120,13 +137,7 @@ static int push_once(bex_ctx *cx, uint16_t port, uint32_t max_attempts, int *rep
     bex_dir *d;
     CHECK_OK(bex_dir_create(NULL, &d));
     CHECK_OK(bex_dir_load_json(d, j, err, sizeof err));
-    bex_ps_client_config cc = {.dir = d,
-                               .service = "ps",
-                               .timeout_ms = 5000 * bex_test_time_scale(),
-                               .connect_timeout_ms = 2000 * bex_test_time_scale(),
-                               .max_attempts = max_attempts};
-    bex_ps_client *pc;
-    CHECK_OK(bex_ps_client_create(cx, &cc, &pc));
+    bex_ps_client *pc = client_new(cx, d, NULL, max_attempts);
     uint64_t key = 7;
     float g[2] = {1.0f, 1.0f};
     bex_ps_replica_result res[1];
@@ -226,4 +237,201 @@ static int t_in_doubt(void)
     return finish(&sd, cx);
 }
 
-BEX_TEST_MAIN({"retried", t_retried}, {"restored", t_restored}, {"in_doubt", t_in_doubt})
+/* ---- A Fetch in doubt: its replica dies with the request out ---- */
+
+/* A client of both sides' shard (replica a at dc1/pod1, the client's
+ * locality, so that a Fetch goes to a first; b at dc1/pod2). */
+static bex_ps_client *fetch_client(bex_ctx *cx, bex_dir **d, uint16_t pa, uint16_t pb,
+                                   uint32_t max_attempts, uint32_t b_quarantine_ms)
+{
+    char j[512], err[256];
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":[{\"replicas\":["
+             "{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\",\"locality\":\"dc1/pod1\"},"
+             "{\"addr\":\"127.0.0.1:%u\",\"transport\":\"tcp\",\"locality\":\"dc1/pod2\"}]}]}}}",
+             pa, pb);
+    bex_dir_config dc = {
+        .conn_fail_max = 1, .quarantine_ms = b_quarantine_ms, .probe_timeout_ms = 600000};
+    CHECK_OK(bex_dir_create(&dc, d));
+    CHECK_OK(bex_dir_load_json(*d, j, err, sizeof err));
+    if (b_quarantine_ms) {
+        /* b failed before (a replica killed and restarted a while ago):
+         * quarantined in this client's directory */
+        bex_addr ab;
+        CHECK_OK(bex_addr_parse("127.0.0.1", pb, &ab));
+        for (int i = 0; i < 2; i++)
+            bex_dir_report(*d, &ab, BEX_DIR_CONN_FAIL, 0);
+        bex_dir_node_stats ns;
+        CHECK_OK(bex_dir_node_stats_get(*d, &ab, &ns));
+        CHECK_EQ(ns.quarantines, 1);
+    }
+    return client_new(cx, *d, "dc1/pod1", max_attempts);
+}
+
+/* Both sides (a, b) and a Fetch client of them. */
+struct frig {
+    struct side a, b;
+    bex_ctx *cx;
+    bex_dir *d;
+    bex_ps_client *pc;
+};
+
+static void frig_open(struct frig *f, uint32_t max_attempts, uint32_t b_quarantine_ms)
+{
+    fn_install();
+    side_start(&f->a, false);
+    side_start(&f->b, false);
+    f->cx = ctx_new();
+    f->pc = fetch_client(f->cx, &f->d, f->a.port, f->b.port, max_attempts, b_quarantine_ms);
+}
+
+static int frig_close(struct frig *f)
+{
+    bex_ps_client_destroy(f->pc);
+    bex_dir_destroy(f->d);
+    side_stop(&f->b);
+    return finish(&f->a, f->cx);
+}
+
+#define NF 16
+
+struct fwait {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int left, st[NF];
+};
+
+struct fone {
+    struct fwait *w;
+    int i;
+};
+
+static void fetch_done(int status, void *user)
+{
+    struct fone *f = user;
+    pthread_mutex_lock(&f->w->mu);
+    f->w->st[f->i] = status;
+    f->w->left--;
+    pthread_cond_broadcast(&f->w->cv);
+    pthread_mutex_unlock(&f->w->mu);
+}
+
+/* nf Fetches out at once while replica a dies (its first request comes
+ * back in doubt, every later connection to it fails before it sends):
+ * each must come back with the rows, from b. */
+static int fetch_dies(int nf, uint32_t max_attempts, uint32_t b_quarantine_ms)
+{
+    struct frig fr;
+    frig_open(&fr, max_attempts, b_quarantine_ms);
+    struct side *a = &fr.a, *b = &fr.b;
+    bex_ps_client *pc = fr.pc;
+    int rule = doubt_rule(a->port, true);
+    struct fwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .left = nf};
+    struct fone f[NF];
+    uint64_t keys[NF];
+    float rows[NF][2];
+    for (int i = 0; i < nf; i++) {
+        f[i] = (struct fone){&w, i};
+        keys[i] = 100 + (uint64_t)i;
+        CHECK_OK(bex_ps_fetch(pc, TI.id, TI.dim, &keys[i], 1, rows[i], fetch_done, &f[i]));
+    }
+    pthread_mutex_lock(&w.mu);
+    while (w.left)
+        pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    bex_ps_client_stats cs;
+    bex_ps_client_stats_get(pc, &cs);
+    fprintf(stderr,
+            "fetches %d: calls %llu attempts %llu retries %llu failovers %llu conn_failures %llu\n",
+            nf, (unsigned long long)cs.calls, (unsigned long long)cs.attempts,
+            (unsigned long long)cs.retries, (unsigned long long)cs.failovers,
+            (unsigned long long)cs.conn_failures);
+    for (int i = 0; i < nf; i++) {
+        if (w.st[i])
+            fprintf(stderr, "fetch %d: %s\n", i, bex_strerror(w.st[i]));
+        CHECK_OK(w.st[i]);
+        for (uint32_t c = 0; c < TI.dim; c++)
+            CHECK_EQ(rows[i][c], bex_ps_init_value(TI.id, keys[i], c, 0.01f));
+    }
+    CHECK_EQ(fn_hits(rule), 1);
+    CHECK(stats(b->cur).fetches >= 1);
+    return frig_close(&fr);
+}
+
+static int t_fetch_one(void)
+{
+    return fetch_dies(1, 0, 0);
+}
+
+static int t_fetch_many(void)
+{
+    return fetch_dies(NF, 0, 0);
+}
+
+static int t_fetch_quarantined(void)
+{
+    return fetch_dies(NF, 0, 60000);
+}
+
+static bex_dir_node_stats node_stats(bex_dir *d, uint16_t port)
+{
+    bex_addr x;
+    bex_dir_node_stats ns = {0};
+    CHECK_OK(bex_addr_parse("127.0.0.1", port, &x));
+    CHECK_OK(bex_dir_node_stats_get(d, &x, &ns));
+    return ns;
+}
+
+/* One Fetch in doubt on a, which dies, while b, its shard's live replica,
+ * is quarantined with its one probe out (another call's: here the test's
+ * own pick): the channel's attempts all go back to a and fail. The Fetch
+ * is a read: once b's probe answers (the quarantine lifted), it must still
+ * come back with the rows within its deadline, not -EIO. */
+static int t_fetch_probe_out(void)
+{
+    struct frig fr;
+    frig_open(&fr, 3, 1);
+    struct side *a = &fr.a, *b = &fr.b;
+    bex_ps_client *pc = fr.pc;
+    bex_dir *d = fr.d;
+    bex_addr aa, ab;
+    CHECK_OK(bex_addr_parse("127.0.0.1", a->port, &aa));
+    CHECK_OK(bex_addr_parse("127.0.0.1", b->port, &ab));
+    /* b's quarantine (1 ms) over: the next pick of the shard probes it */
+    bex_dir_replica r;
+    do {
+        CHECK_OK(bex_dir_pick(d, "ps", 0, "dc1/pod1", &aa, &r));
+        if (!bex_addr_equal(&r.addr, &ab))
+            bex_dir_report(d, &r.addr, BEX_DIR_DONE, 1);
+    } while (!bex_addr_equal(&r.addr, &ab));
+    CHECK_EQ(node_stats(d, b->port).probes, 1);
+    int rule = doubt_rule(a->port, true);
+    struct fwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .left = 1};
+    struct fone f = {&w, 0};
+    uint64_t key = 100;
+    float rows[2];
+    CHECK_OK(bex_ps_fetch(pc, TI.id, TI.dim, &key, 1, rows, fetch_done, &f));
+    /* a's connection failures: the one in doubt, the ladder's two steps
+     * (moves), then the channel's other two attempts */
+    uint64_t end = bex_test_now_ms() + 20000ull * bex_test_time_scale();
+    while (node_stats(d, a->port).conn_failures < 4 && bex_test_now_ms() < end)
+        bex_test_sleep_ms(1);
+    CHECK(node_stats(d, a->port).conn_failures >= 4);
+    bex_dir_report(d, &ab, BEX_DIR_OK, 1); /* b answered its probe */
+    pthread_mutex_lock(&w.mu);
+    while (w.left)
+        pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    if (w.st[0])
+        fprintf(stderr, "fetch: %s\n", bex_strerror(w.st[0]));
+    CHECK_OK(w.st[0]);
+    for (uint32_t c = 0; c < TI.dim; c++)
+        CHECK_EQ(rows[c], bex_ps_init_value(TI.id, key, c, 0.01f));
+    CHECK_EQ(fn_hits(rule), 1);
+    CHECK_EQ(stats(b->cur).fetches, 1);
+    return frig_close(&fr);
+}
+
+BEX_TEST_MAIN({"retried", t_retried}, {"restored", t_restored}, {"in_doubt", t_in_doubt},
+              {"fetch_one", t_fetch_one}, {"fetch_many", t_fetch_many},
+              {"fetch_quarantined", t_fetch_quarantined}, {"fetch_probe_out", t_fetch_probe_out})
