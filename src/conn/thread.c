@@ -20,6 +20,9 @@
  * worst): a timer further than this ahead needs no precise look. */
 #define COARSE_LAG_US 10000
 
+/* Completion events acknowledged together (on_channel). */
+#define CQ_ACK_BATCH 64
+
 BEX__IO_TLS bex_ctx *bex__io_ctx;
 BEX__IO_TLS struct bex__io *bex__io_self;
 
@@ -56,9 +59,21 @@ static void on_channel(struct ep_tag *t, uint32_t events)
     struct ibv_cq *cq;
     void *cq_ctx;
     if (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0) {
-        ibv_ack_cq_events(cq, 1);
+        if (cq != io->ev_cq) {
+            bex__io_ack_cq_events(io);
+            io->ev_cq = cq;
+        }
+        if (++io->ev_unacked >= CQ_ACK_BATCH)
+            bex__io_ack_cq_events(io);
         io->cq_armed = false;
     }
+}
+
+void bex__io_ack_cq_events(struct bex__io *io)
+{
+    if (io->ev_unacked)
+        ibv_ack_cq_events(io->ev_cq, io->ev_unacked);
+    io->ev_unacked = 0;
 }
 
 /* SRQ mode: the device's async events, each to its QP's queue. */
