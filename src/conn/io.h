@@ -165,6 +165,13 @@ struct bex__io {
      * poll ran armed and took each CQ to empty: then sleeping needs no
      * further poll, a completion since wakes the thread */
     bool cq_armed, cq_quiet;
+    /* completion events read and not yet acknowledged, all of ev_cq's:
+     * acknowledged in batches (ibv_ack_cq_events takes a mutex and signals
+     * a condition each call, some 95 instructions a round trip), and every
+     * one before a CQ is destroyed (bex__io_ack_cq_events), which waits for
+     * them */
+    struct ibv_cq *ev_cq;
+    uint32_t ev_unacked;
     uint32_t n_setup; /* accepted connections in setup here (setup_max) */
     uint64_t n_setup_evictions;
     uint64_t setup_evicted_ms; /* the last one: a flood is logged once */
@@ -202,6 +209,9 @@ static inline enum bex__io_state bex__io_state(struct bex__io *io)
 /* Set the watchers of the thread's own descriptors (completion channel,
  * async events). */
 void bex__io_tags_init(struct bex__io *io);
+/* Acknowledge the completion events read and not yet acknowledged: before
+ * any of the thread's CQs is destroyed (ibv_destroy_cq waits for them). */
+void bex__io_ack_cq_events(struct bex__io *io);
 
 /* The next I/O thread in round-robin order. */
 struct bex__io *bex__io_next(struct bex__conn_env *env);

@@ -20,6 +20,9 @@
  * worst): a timer further than this ahead needs no precise look. */
 #define COARSE_LAG_US 10000
 
+/* Completion events acknowledged together (on_channel). */
+#define CQ_ACK_BATCH 64
+
 BEX__IO_TLS bex_ctx *bex__io_ctx;
 BEX__IO_TLS struct bex__io *bex__io_self;
 
@@ -56,9 +59,21 @@ static void on_channel(struct ep_tag *t, uint32_t events)
     struct ibv_cq *cq;
     void *cq_ctx;
     if (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0) {
-        ibv_ack_cq_events(cq, 1);
+        if (cq != io->ev_cq) {
+            bex__io_ack_cq_events(io);
+            io->ev_cq = cq;
+        }
+        if (++io->ev_unacked >= CQ_ACK_BATCH)
+            bex__io_ack_cq_events(io);
         io->cq_armed = false;
     }
+}
+
+void bex__io_ack_cq_events(struct bex__io *io)
+{
+    if (io->ev_unacked)
+        ibv_ack_cq_events(io->ev_cq, io->ev_unacked);
+    io->ev_unacked = 0;
 }
 
 /* SRQ mode: the device's async events, each to its QP's queue. */
@@ -79,22 +94,34 @@ void bex__io_tags_init(struct bex__io *io)
     io->async_tag.cb = on_async;
 }
 
-/* Hand each completion to its engine, found by the id in its wr_id. */
-static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
+/* Hand each completion to its engine, found by the id in its wr_id:
+ * whether one made its connection ready (a receive, or a send after which
+ * its engine has work). A send's completion that leaves nothing to do is
+ * no work for the loop: the turn after it need not run (issue 25: an event
+ * loop's round trip took three turns, the last two for the completion of
+ * the answer's send, which rxe completes within the post, and an empty
+ * poll; the sleep polls once more after arming anyway). */
+static bool dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
 {
+    bool any = false;
     for (int i = 0; i < n; i++) {
         if (bex__wr_engine(wc[i].wr_id) == 0 && io->sh.srq) {
             /* a receive of the shared queue: its QP says whose */
             struct conn *c = bex__engine_srq_complete(io->sh.srq, &wc[i]);
-            if (c)
+            if (c) {
                 bex__conn_ready(c);
+                any = true;
+            }
             continue;
         }
         struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc[i].wr_id));
         /* else a stale completion of a destroyed engine */
-        if (c && c->eng && bex__engine_complete(c->eng, &wc[i]))
+        if (c && c->eng && bex__engine_complete(c->eng, &wc[i])) {
             bex__conn_ready(c);
+            any = true;
+        }
     }
+    return any;
 }
 
 /* ibv_poll_cq failed: completions may be lost, and with them the hand-back
@@ -155,10 +182,9 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
                 cq_failed(io, q, n);
                 break;
             }
-            dispatch(io, wc, n);
+            any |= dispatch(io, wc, n);
             got += n;
         } while (n == WC_BATCH && got < WC_TURN_MAX);
-        any |= got > 0;
         full |= n == WC_BATCH;
     }
     if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
@@ -167,23 +193,22 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
          * completion handed out is never one of a QP destroyed since */
         int n = 0, rc = 0;
         while (n < WC_TURN_MAX && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
-            dispatch(io, wc, 1);
+            any |= dispatch(io, wc, 1);
             n++;
         }
         /* the reposts of every engine served: one post */
         bex__srq_flush(io->sh.srq);
         if (rc < 0)
             cq_failed(io, UINT32_MAX, rc);
-        any |= n > 0;
         full |= n == WC_TURN_MAX;
     }
     io->cq_quiet = io->cq_armed && !full;
-    return any;
+    return any || full; /* (a full CQ may hold more) */
 }
 
-/* Poll every CQ of the thread (up to WC_TURN_MAX each): whether any had
- * completions. A thread of TCP connections alone has none: it is called
- * some three times a message, so that costs no call. */
+/* Poll every CQ of the thread (up to WC_TURN_MAX each): whether a
+ * completion made work (dispatch) or a CQ may hold more. A thread of TCP connections alone has
+ * none: it is called some three times a message, so that costs no call. */
 static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
 {
     if (!io->n_cq && !io->sh.srq) {

@@ -245,7 +245,8 @@ static void io_fini(struct bex__io *io)
     if (!io->engines)
         return;
     bex__loop_fini(&io->loop);
-    io_srq_fini(io); /* every QP on it is gone (the connections were freed) */
+    bex__io_ack_cq_events(io); /* (ibv_destroy_cq waits for them) */
+    io_srq_fini(io);           /* every QP on it is gone (the connections were freed) */
     bex__rdma_td_free(io->td);
     for (uint32_t i = 0; i < io->n_cq; i++)
         bex__rdma_cq_destroy(io->cqs[i].cq);

@@ -438,8 +438,10 @@ bool bex__tcp_events(struct bex__xport *x, uint32_t events)
     struct bex__tcp *t = tcp_of(x);
     if (t->state == T_DEAD)
         return false;
-    if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
+    if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
         bex__tcp_rx(t);
+        t->ev_ms = t->rx_ms;
+    }
     if (t->state != T_DEAD && events & EPOLLOUT) {
         int err = bex__tcp_flush(t);
         if (err) {
@@ -447,5 +449,7 @@ bool bex__tcp_events(struct bex__xport *x, uint32_t events)
             bex__tcp_fail(x, err);
         }
     }
-    return t->state != T_DEAD && bex__tcp_progress(x);
+    bool more = t->state != T_DEAD && bex__tcp_progress(x);
+    t->ev_ms = 0;
+    return more;
 }

@@ -115,9 +115,12 @@ struct bex__tcp {
     uint64_t last_rx, last_tx;
     uint64_t ka_period; /* the keepalive grid's period of the last tick (timers.c) */
     uint64_t rx_ms;     /* bex__now_ms() when the running bex__tcp_rx began */
-    uint64_t msgs_in;   /* the peer's messages received whole */
-    uint32_t said;      /* lines logged once (bex__log_once): BEX__SAID_VIOLATION */
-    bool link_lost;     /* failed because the TCP connection did (EOF, reset, write error) */
+    /* rx_ms while bex__tcp_events runs after a read, else 0: its writes'
+     * time (bex__tcp_flush), one clock read a message fewer (issue 25) */
+    uint64_t ev_ms;
+    uint64_t msgs_in; /* the peer's messages received whole */
+    uint32_t said;    /* lines logged once (bex__log_once): BEX__SAID_VIOLATION */
+    bool link_lost;   /* failed because the TCP connection did (EOF, reset, write error) */
     uint8_t *prefix;
 };
 

@@ -198,7 +198,8 @@ int bex__tcp_flush(struct bex__tcp *t)
             return -errno;
         }
         BEX__STAT_ADD(t->sh->stats, post_send_calls, 1);
-        uint64_t now_ms = bex__now_ms();
+        /* (the coarse clock: the read's, when a read just ran) */
+        uint64_t now_ms = t->ev_ms ? t->ev_ms : bex__now_ms();
         t->last_tx = now_ms;
         size_t left = (size_t)w + t->out_off;
         t->out_off = 0;
