@@ -529,12 +529,11 @@ typedef void (*bex_ps_done_fn)(int status, void *user);
  * its connection, came back in doubt (-EIO) or refused for now (-EAGAIN)
  * after its channel's attempts is issued again primary_retry_ms later
  * (50; the shard's channel picks the replica afresh) while its deadline
- * (timeout_ms) leaves more than that pause. So done's status is 0, an answer of a shard (-EINVAL,
- * -ENOMEM,
- * ...), -ETIMEDOUT, or one of those errors (-EIO, a connection error,
- * -EAGAIN, -EHOSTUNREACH) only when no replica answered before the last
- * pause would have passed the deadline; -ECANCELED when the client is
- * destroyed. A part is not issued again with max_attempts 1 (no retries),
+ * (timeout_ms) leaves more than that pause. So done's status is 0, a
+ * shard's answer (-EINVAL, -ENOMEM, ...), -ETIMEDOUT, or one of those
+ * errors (-EIO, a connection error, -EAGAIN, -EHOSTUNREACH) only when no
+ * replica answered before the last pause would have passed the deadline;
+ * -ECANCELED when the client is destroyed. A part is not issued again with max_attempts 1 (no retries),
  * nor when its shard has a single replica listed: the error then comes at
  * once (its channel's recovery ladder reconnected already). */
 int bex_ps_fetch(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
