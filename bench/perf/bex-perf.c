@@ -46,6 +46,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
+#include <glob.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
@@ -446,6 +447,14 @@ struct csock {
     uint64_t sent, resp;
 };
 
+/* The RDMA devices' port counters (rdma_rxe's names; a device without one
+ * counts 0): packets, and the protocol's retries and refusals. */
+static const char *const hw_names[] = {"sent_pkts",          "rcvd_pkts",    "duplicate_request",
+                                       "out_of_seq_request", "rcvd_rnr_err", "send_rnr_err",
+                                       "rcvd_seq_err",       "ack_deferred", "completer_retry_err",
+                                       "retry_exceeded_err"};
+#define HW_N (sizeof hw_names / sizeof hw_names[0])
+
 /* What the OS counted over the measured phase: this process's user and
  * system CPU and context switches (getrusage), and the whole machine's
  * CPU split and context switches (/proc/stat, in USER_HZ ticks). */
@@ -454,6 +463,7 @@ struct phase_os {
     long nvcsw, nivcsw;
     unsigned long long m[8]; /* user nice system idle iowait irq softirq steal */
     unsigned long long ctxt;
+    unsigned long long hw[HW_N]; /* RDMA devices' counters, summed */
 };
 
 struct client {
@@ -541,6 +551,23 @@ static void phase_os_read(struct phase_os *o)
             sscanf(line + 5, "%llu", &o->ctxt);
     }
     fclose(f);
+    memset(o->hw, 0, sizeof o->hw);
+    for (size_t i = 0; i < HW_N; i++) {
+        glob_t g;
+        char pat[128];
+        snprintf(pat, sizeof pat, "/sys/class/infiniband/*/ports/*/hw_counters/%s", hw_names[i]);
+        if (glob(pat, 0, NULL, &g) != 0)
+            continue;
+        for (size_t k = 0; k < g.gl_pathc; k++) {
+            FILE *h = fopen(g.gl_pathv[k], "r");
+            unsigned long long v = 0;
+            if (h && fscanf(h, "%llu", &v) == 1)
+                o->hw[i] += v;
+            if (h)
+                fclose(h);
+        }
+        globfree(&g);
+    }
 }
 
 static void print_os_json(const struct phase_os *a, const struct phase_os *b)
@@ -553,6 +580,8 @@ static void print_os_json(const struct phase_os *a, const struct phase_os *b)
            b->ctxt - a->ctxt);
     for (int i = 0; i < 8; i++)
         printf(",\"m_%s\":%llu", nm[i], b->m[i] - a->m[i]);
+    for (size_t i = 0; i < HW_N; i++)
+        printf(",\"hw_%s\":%llu", hw_names[i], b->hw[i] - a->hw[i]);
 }
 
 static void phase_start(struct client *cl)
