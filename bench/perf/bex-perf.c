@@ -46,6 +46,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
+#include <glob.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
@@ -446,6 +447,25 @@ struct csock {
     uint64_t sent, resp;
 };
 
+/* The RDMA devices' port counters (rdma_rxe's names; a device without one
+ * counts 0): packets, and the protocol's retries and refusals. */
+static const char *const hw_names[] = {"sent_pkts",          "rcvd_pkts",    "duplicate_request",
+                                       "out_of_seq_request", "rcvd_rnr_err", "send_rnr_err",
+                                       "rcvd_seq_err",       "ack_deferred", "completer_retry_err",
+                                       "retry_exceeded_err"};
+#define HW_N (sizeof hw_names / sizeof hw_names[0])
+
+/* What the OS counted over the measured phase: this process's user and
+ * system CPU and context switches (getrusage), and the whole machine's
+ * CPU split and context switches (/proc/stat, in USER_HZ ticks). */
+struct phase_os {
+    double user_s, sys_s;
+    long nvcsw, nivcsw;
+    unsigned long long m[8]; /* user nice system idle iowait irq softirq steal */
+    unsigned long long ctxt;
+    unsigned long long hw[HW_N]; /* RDMA devices' counters, summed */
+};
+
 struct client {
     const struct opts *o;
     bex_ctx *ctx;   /* ctxs[0] */
@@ -481,6 +501,7 @@ struct client {
 
     bex_sock_stats st0, st1;
     double cpu0, cpu1;
+    struct phase_os os0, os1;
 };
 
 static void cl_fail(struct client *cl, int err)
@@ -507,11 +528,68 @@ static void stats_all(struct client *cl, bex_sock_stats *out)
 
 /* With --conns, phase_start and phase_end may run on different I/O
  * threads: the mutex orders their writes before the report reads them. */
+
+static void phase_os_read(struct phase_os *o)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    o->user_s = (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6;
+    o->sys_s = (double)ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6;
+    o->nvcsw = ru.ru_nvcsw;
+    o->nivcsw = ru.ru_nivcsw;
+    memset(o->m, 0, sizeof o->m);
+    o->ctxt = 0;
+    FILE *f = fopen("/proc/stat", "r");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        if (!strncmp(line, "cpu ", 4))
+            sscanf(line + 4, "%llu %llu %llu %llu %llu %llu %llu %llu", &o->m[0], &o->m[1],
+                   &o->m[2], &o->m[3], &o->m[4], &o->m[5], &o->m[6], &o->m[7]);
+        else if (!strncmp(line, "ctxt ", 5))
+            sscanf(line + 5, "%llu", &o->ctxt);
+    }
+    fclose(f);
+    memset(o->hw, 0, sizeof o->hw);
+    for (size_t i = 0; i < HW_N; i++) {
+        glob_t g;
+        char pat[128];
+        snprintf(pat, sizeof pat, "/sys/class/infiniband/*/ports/*/hw_counters/%s", hw_names[i]);
+        if (glob(pat, 0, NULL, &g) != 0)
+            continue;
+        for (size_t k = 0; k < g.gl_pathc; k++) {
+            FILE *h = fopen(g.gl_pathv[k], "r");
+            unsigned long long v = 0;
+            if (h && fscanf(h, "%llu", &v) == 1)
+                o->hw[i] += v;
+            if (h)
+                fclose(h);
+        }
+        globfree(&g);
+    }
+}
+
+static void print_os_json(const struct phase_os *a, const struct phase_os *b)
+{
+    static const char *const nm[8] = {"user",   "nice", "system",  "idle",
+                                      "iowait", "irq",  "softirq", "steal"};
+    printf(",\"os_user_s\":%.3f,\"os_sys_s\":%.3f,\"os_nvcsw\":%ld,\"os_nivcsw\":%ld,"
+           "\"os_ctxt\":%llu",
+           b->user_s - a->user_s, b->sys_s - a->sys_s, b->nvcsw - a->nvcsw, b->nivcsw - a->nivcsw,
+           b->ctxt - a->ctxt);
+    for (int i = 0; i < 8; i++)
+        printf(",\"m_%s\":%llu", nm[i], b->m[i] - a->m[i]);
+    for (size_t i = 0; i < HW_N; i++)
+        printf(",\"hw_%s\":%llu", hw_names[i], b->hw[i] - a->hw[i]);
+}
+
 static void phase_start(struct client *cl)
 {
     pthread_mutex_lock(&cl->g.mu);
     stats_all(cl, &cl->st0);
     cl->stream0 = atomic_load(&cl->stream_resp);
+    phase_os_read(&cl->os0);
     cl->cpu0 = cpu_seconds();
     cl->t0_ns = mono_ns();
     cl->t0_tick = ticks();
@@ -525,6 +603,7 @@ static void phase_end(struct client *cl)
     cl->t1_ns = mono_ns();
     cl->stream1 = atomic_load(&cl->stream_resp);
     cl->cpu1 = cpu_seconds();
+    phase_os_read(&cl->os1);
     stats_all(cl, &cl->st1);
     atomic_store(&cl->finished, 1);
     pthread_cond_broadcast(&cl->g.cv);
@@ -786,6 +865,7 @@ static int cmp_u64(const void *a, const void *b)
 static void print_stats_json(const struct client *cl)
 {
     const bex_sock_stats *a = &cl->st0, *b = &cl->st1;
+    print_os_json(&cl->os0, &cl->os1);
     printf(",\"cpu_s\":%.3f,\"post_send_calls\":%" PRIu64 ",\"sends_posted\":%" PRIu64
            ",\"writes_posted\":%" PRIu64 ",\"signaled\":%" PRIu64 ",\"post_recv_calls\":%" PRIu64
            ",\"credit_stalls\":%" PRIu64 ",\"window_stalls\":%" PRIu64 ",\"credit_msgs\":%" PRIu64
