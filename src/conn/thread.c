@@ -80,19 +80,38 @@ void bex__io_tags_init(struct bex__io *io)
 }
 
 /* Hand each completion to its engine, found by the id in its wr_id. */
+/* A receive completion of c in this poll turn: counted, and c once per
+ * turn (bex_sock_stats.poll_recvs / poll_recv_conns: how many of a QP's
+ * receives a turn takes together, so how many of its answers can leave in
+ * one chain). */
+static void count_recv(struct bex__io *io, struct conn *c, const struct ibv_wc *wc)
+{
+    if (wc->status != IBV_WC_SUCCESS || !(wc->opcode & IBV_WC_RECV))
+        return;
+    BEX__STAT_ADD(&io->stats, poll_recvs, 1);
+    if (c->recv_turn != io->poll_no) {
+        c->recv_turn = io->poll_no;
+        BEX__STAT_ADD(&io->stats, poll_recv_conns, 1);
+    }
+}
+
 static void dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
 {
     for (int i = 0; i < n; i++) {
         if (bex__wr_engine(wc[i].wr_id) == 0 && io->sh.srq) {
             /* a receive of the shared queue: its QP says whose */
             struct conn *c = bex__engine_srq_complete(io->sh.srq, &wc[i]);
-            if (c)
+            if (c) {
+                count_recv(io, c, &wc[i]);
                 bex__conn_ready(c);
+            }
             continue;
         }
         struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc[i].wr_id));
-        /* else a stale completion of a destroyed engine */
-        if (c && c->eng && bex__engine_complete(c->eng, &wc[i]))
+        if (!c || !c->eng) /* a stale completion of a destroyed engine */
+            continue;
+        count_recv(io, c, &wc[i]);
+        if (bex__engine_complete(c->eng, &wc[i]))
             bex__conn_ready(c);
     }
 }
@@ -147,6 +166,7 @@ static bool run_ready(struct bex__io *io)
 static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
 {
     bool any = false, full = false;
+    io->poll_no++;
     for (uint32_t q = 0; q < io->n_cq; q++) {
         int n, got = 0;
         do {
