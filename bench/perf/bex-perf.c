@@ -870,13 +870,15 @@ static void print_stats_json(const struct client *cl)
            ",\"writes_posted\":%" PRIu64 ",\"signaled\":%" PRIu64 ",\"post_recv_calls\":%" PRIu64
            ",\"credit_stalls\":%" PRIu64 ",\"window_stalls\":%" PRIu64 ",\"credit_msgs\":%" PRIu64
            ",\"max_inflight_bytes\":%" PRIu64 ",\"rndv_prebound\":%" PRIu64
-           ",\"keepalive_writes\":%" PRIu64,
+           ",\"keepalive_writes\":%" PRIu64 ",\"poll_recvs\":%" PRIu64
+           ",\"poll_recv_conns\":%" PRIu64,
            cl->cpu1 - cl->cpu0, b->post_send_calls - a->post_send_calls,
            b->sends_posted - a->sends_posted, b->writes_posted - a->writes_posted,
            b->signaled - a->signaled, b->post_recv_calls - a->post_recv_calls,
            b->credit_stalls - a->credit_stalls, b->window_stalls - a->window_stalls,
            b->credit_msgs - a->credit_msgs, b->max_inflight_bytes,
-           b->rndv_prebound - a->rndv_prebound, b->keepalive_writes - a->keepalive_writes);
+           b->rndv_prebound - a->rndv_prebound, b->keepalive_writes - a->keepalive_writes,
+           b->poll_recvs - a->poll_recvs, b->poll_recv_conns - a->poll_recv_conns);
 }
 
 static const char *poll_name(uint32_t m)

@@ -533,9 +533,10 @@ typedef void (*bex_ps_done_fn)(int status, void *user);
  * shard's answer (-EINVAL, -ENOMEM, ...), -ETIMEDOUT, or one of those
  * errors (-EIO, a connection error, -EAGAIN, -EHOSTUNREACH) only when no
  * replica answered before the last pause would have passed the deadline;
- * -ECANCELED when the client is destroyed. A part is not issued again with max_attempts 1 (no retries),
- * nor when its shard has a single replica listed: the error then comes at
- * once (its channel's recovery ladder reconnected already). */
+ * -ECANCELED when the client is destroyed. A part is not issued again
+ * with max_attempts 1 (no retries), nor when its shard has a single
+ * replica listed: the error then comes at once (its channel's recovery
+ * ladder reconnected already). */
 int bex_ps_fetch(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys, size_t n,
                  float *rows, bex_ps_done_fn done, void *user);
 /* Push grads[i * dim ...] for keys[i]; keys and grads are copied. */

@@ -592,6 +592,11 @@ typedef struct bex_sock_stats {
     uint64_t keepalive_writes;  /* RDMA: keepalive WRITEs posted (not in writes_posted;
                                    in post_send_calls and signaled: an idle engine's
                                    takes a doorbell of its own) */
+    uint64_t poll_recvs;        /* RDMA: receive completions the I/O threads polled */
+    uint64_t poll_recv_conns;   /* RDMA: connections with a receive in a poll turn, once
+                                   per turn: poll_recvs / this is how many of a QP's
+                                   receives a turn takes together (its answers then
+                                   leave in one ibv_post_send) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

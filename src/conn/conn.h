@@ -137,6 +137,7 @@ struct conn {
                                  transport's upcalls name (bex__conn_stream_*) */
     uint32_t next_stream;
     struct bex__list link; /* on io->conns */
+    uint64_t recv_turn;    /* the last poll turn (io->poll_no) it had a receive in */
 };
 
 /* The connection of an io->conns node. */

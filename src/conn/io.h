@@ -154,6 +154,7 @@ struct bex__io {
     _Atomic uint64_t tick_calls;   /* transport ticks (conn/timers.c; the same) */
     _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
     _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
+    uint64_t poll_no;              /* poll turns with CQs (conn/thread.c) */
     bool draining;                 /* the owner is running commands it took */
     struct bex__list listeners;    /* struct bex_listener.link */
     struct conn **engines;         /* by engine id (bex__conn_by_engine) */

@@ -94,6 +94,21 @@ void bex__io_tags_init(struct bex__io *io)
     io->async_tag.cb = on_async;
 }
 
+/* A receive completion of c in this poll turn: counted, and c once per
+ * turn (bex_sock_stats.poll_recvs / poll_recv_conns: how many of a QP's
+ * receives a turn takes together, so how many of its answers can leave in
+ * one chain). */
+static void count_recv(struct bex__io *io, struct conn *c, const struct ibv_wc *wc)
+{
+    if (wc->status != IBV_WC_SUCCESS || !(wc->opcode & IBV_WC_RECV))
+        return;
+    BEX__STAT_ADD(&io->stats, poll_recvs, 1);
+    if (c->recv_turn != io->poll_no) {
+        c->recv_turn = io->poll_no;
+        BEX__STAT_ADD(&io->stats, poll_recv_conns, 1);
+    }
+}
+
 /* Hand each completion to its engine, found by the id in its wr_id:
  * whether one made its connection ready (a receive, or a send after which
  * its engine has work). A send's completion that leaves nothing to do is
@@ -109,14 +124,17 @@ static bool dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
             /* a receive of the shared queue: its QP says whose */
             struct conn *c = bex__engine_srq_complete(io->sh.srq, &wc[i]);
             if (c) {
+                count_recv(io, c, &wc[i]);
                 bex__conn_ready(c);
                 any = true;
             }
             continue;
         }
         struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc[i].wr_id));
-        /* else a stale completion of a destroyed engine */
-        if (c && c->eng && bex__engine_complete(c->eng, &wc[i])) {
+        if (!c || !c->eng) /* a stale completion of a destroyed engine */
+            continue;
+        count_recv(io, c, &wc[i]);
+        if (bex__engine_complete(c->eng, &wc[i])) {
             bex__conn_ready(c);
             any = true;
         }
@@ -174,6 +192,7 @@ static bool run_ready(struct bex__io *io)
 static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
 {
     bool any = false, full = false;
+    io->poll_no++;
     for (uint32_t q = 0; q < io->n_cq; q++) {
         int n, got = 0;
         do {

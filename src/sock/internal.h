@@ -251,6 +251,9 @@ void bex__exposed_bind(struct bex__io *io, struct bind_cmd *bc);
  * (init after the engines' configuration is filled, fini once no engine
  * is left). */
 int bex__ctx_window_check(bex_ctx_config *c);
+/* The adaptive window's parameters of a checked config c; high_us is half
+ * the QP's retransmission timeout (4.096 us << qp_timeout; none with 0). */
+void bex__ctx_window_params(const bex_ctx_config *c, struct bex__wnd_params *p);
 void bex__ctx_window_init(bex_ctx *ctx);
 void bex__ctx_window_fini(bex_ctx *ctx);
 void bex__ctx_window_stats(struct bex__stats *s, bex_sock_stats *o);

@@ -697,6 +697,8 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(retry_errors);
         LD(keepalive_fails);
         LD(keepalive_writes);
+        LD(poll_recvs);
+        LD(poll_recv_conns);
         LD(tcp_fallbacks);
         LD(window_bytes);
         LD(window_cuts);

@@ -34,6 +34,20 @@ int bex__ctx_window_check(bex_ctx_config *c)
     return 0;
 }
 
+void bex__ctx_window_params(const bex_ctx_config *c, struct bex__wnd_params *p)
+{
+    /* the verbs local ACK timeout: 4.096 us << qp_timeout, 0 infinite */
+    uint64_t rto_us = c->qp_timeout ? (4096ull << c->qp_timeout) / 1000 : 0;
+    *p = (struct bex__wnd_params){.min = c->send_window_min,
+                                  .max = c->send_window_max,
+                                  .init = c->send_window ? c->send_window : WND_INIT_DEF,
+                                  .target_us = c->send_window_target_us,
+                                  .base_max_us = c->send_window_base_max_us,
+                                  .base_epoch_us = c->send_window_base_epoch_ms * 1000ull,
+                                  .high_us = rto_us / 2 > UINT32_MAX ? UINT32_MAX
+                                                                     : (uint32_t)(rto_us / 2)};
+}
+
 void bex__ctx_window_init(bex_ctx *ctx)
 {
     const bex_ctx_config *c = &ctx->cfg;
@@ -42,12 +56,7 @@ void bex__ctx_window_init(bex_ctx *ctx)
     (void)bex__wnd_dests_init(&ctx->dests, dest);
     struct bex__engine_config *e = &ctx->ecfg;
     e->wnd_mode = c->send_window_mode;
-    e->wnd = (struct bex__wnd_params){.min = c->send_window_min,
-                                      .max = c->send_window_max,
-                                      .init = c->send_window ? c->send_window : WND_INIT_DEF,
-                                      .target_us = c->send_window_target_us,
-                                      .base_max_us = c->send_window_base_max_us,
-                                      .base_epoch_us = c->send_window_base_epoch_ms * 1000ull};
+    bex__ctx_window_params(c, &e->wnd);
     e->dests = dest ? &ctx->dests : NULL;
 }
 

@@ -255,6 +255,9 @@ struct bex__stats {
     _Atomic uint64_t window_bytes, window_base_us, window_delay_us, window_cuts, dest_bound_hits,
         dest_max_inflight;
     _Atomic uint64_t keepalive_writes;
+    /* receive completions a poll turn dispatched, and the connections that
+     * had any in a turn, once per turn (conn/thread.c) */
+    _Atomic uint64_t poll_recvs, poll_recv_conns;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \

@@ -48,10 +48,20 @@ static void grow(struct bex__wnd *w, uint32_t bytes)
     w->cwnd = clamp(&w->p, (uint64_t)w->cwnd + inc);
 }
 
-/* Above it: a cut in proportion to the excess, then none for one delay. */
+/* BETA x how far v is above limit, of v (0 at or below it). */
+static uint64_t excess_permille(uint32_t v, uint32_t limit)
+{
+    return v > limit ? (uint64_t)BEX__WND_BETA_PERMILLE * (v - limit) / v : 0;
+}
+
+/* Above the target or high_us: a cut in proportion to the excess (the
+ * larger one), then none for one delay. */
 static void cut(struct bex__wnd *w, uint32_t queue_us, uint32_t delay_us, uint64_t now_us)
 {
-    uint64_t pm = (uint64_t)BEX__WND_BETA_PERMILLE * (queue_us - w->p.target_us) / queue_us;
+    uint64_t pm = excess_permille(queue_us, w->p.target_us);
+    uint64_t hi = w->p.high_us ? excess_permille(delay_us, w->p.high_us) : 0;
+    if (hi > pm)
+        pm = hi;
     if (pm > BEX__WND_MAX_CUT_PERMILLE)
         pm = BEX__WND_MAX_CUT_PERMILLE;
     if (pm < BEX__WND_MIN_CUT_PERMILLE)
@@ -96,7 +106,8 @@ int64_t bex__wnd_sample(struct bex__wnd *w, uint32_t delay_us, uint32_t bytes, u
     if (w->p.base_max_us && w->base_us > w->p.base_max_us)
         w->base_us = w->p.base_max_us;
     uint32_t queue_us = delay_us > w->base_us ? delay_us - w->base_us : 0;
-    if (queue_us <= w->p.target_us)
+    bool high = w->p.high_us && delay_us > w->p.high_us;
+    if (queue_us <= w->p.target_us && !high)
         grow(w, bytes);
     else if (now_us >= w->next_cut_us)
         cut(w, queue_us, delay_us, now_us);

@@ -16,6 +16,16 @@
  * base-delay-plus-queueing interval (a cut must see its own effect first),
  * never by more than half. The window stays within [min, max].
  *
+ * A delay above high_us is cut whatever the base (TIMELY's T_high), in
+ * proportion to how far above. The engines set it to half the
+ * transport's retransmission timeout: the base is a windowed minimum
+ * capped at base_max_us, so under a standing queue it rises to the
+ * ceiling, and the window then takes a delay of ceiling plus target for
+ * no queueing; once that passes the NIC's timeout (Soft-RoCE's at
+ * qp_timeout 14: 67 ms; a 40 ms ceiling and target allow 80) the NIC
+ * resends what is still queued, and the copies fill the queue
+ * (test_window.incast16).
+ *
  * bex__wnd_dests is the aggregate bound: the engines of one context that
  * send to the same remote IPv4 address share one bex__wnd_dest, whose
  * bytes in flight stay within its bound. An engine with nothing in flight
@@ -68,6 +78,8 @@ struct bex__wnd_params {
     uint32_t base_max_us;   /* the base delay's ceiling (0: none) */
     uint64_t base_epoch_us; /* with a ceiling: the base is the smallest delay
                                of this epoch and the last (0: of all time) */
+    uint32_t high_us;       /* a delay above it is cut whatever the base
+                               (0: none) */
 };
 
 struct bex__wnd {

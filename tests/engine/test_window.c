@@ -16,7 +16,12 @@
  *    with the context's defaults but the target and the base ceiling
  *    (both 40 ms, as bench/ps/incast-adaptive): a queue that 16 windows
  *    at 4 KB overflow, half the senders starting behind a standing queue;
- *    after the first half of the run nothing is dropped.
+ *    after the first half of the run nothing is dropped, and no batch
+ *    waits past rxe's retransmission timeout (it would be resent while
+ *    still queued).
+ *  - high: a delay above high_us (half the retransmission timeout) is cut
+ *    whatever the base, by the larger of its and the target's cut; it
+ *    never grows the window; high_us 0 is none.
  *  - dest: the shared bound: an engine with bytes in flight takes only
  *    what fits, an engine alone always may; give returns them; one entry
  *    per address, freed with its last reference; no bound, no entry.
@@ -191,7 +196,7 @@ static int senders(void)
 /* One round: every active sender has its window in flight; in an order
  * that turns each round, what does not fit the queue is dropped and its
  * batch completes a timeout later. Returns the batches dropped. */
-static int i16_round(struct bex__wnd *w, int active, int s, uint64_t *t)
+static int i16_round(struct bex__wnd *w, int active, int s, uint64_t *t, int *over_rto)
 {
     uint64_t inflight = 0, longest = 0;
     for (int i = 0; i < active; i++)
@@ -204,6 +209,7 @@ static int i16_round(struct bex__wnd *w, int active, int s, uint64_t *t)
         acc += x->cwnd;
         uint32_t d = delay + (acc > I16_Q ? I16_RTO : 0);
         drops += acc > I16_Q;
+        *over_rto += acc <= I16_Q && d >= I16_RTO;
         longest = d > longest ? d : longest;
         bex__wnd_sample(x, d, x->cwnd, *t + d);
     }
@@ -215,6 +221,7 @@ static int i16_round(struct bex__wnd *w, int active, int s, uint64_t *t)
  * per sender the mean window over the last quarter (share[]). */
 struct i16_out {
     int first, late;
+    int rto_first, rto_late; /* batches not dropped whose delay passed the RTO */
     uint64_t inflight;
     uint32_t last_base;
     double share[I16_N];
@@ -224,14 +231,13 @@ static int i16_run(struct i16_out *o)
 {
     bex_ctx_config c = {.send_window_mode = BEX_WINDOW_ADAPTIVE,
                         .send_window_target_us = 40000,
-                        .send_window_base_max_us = 40000};
+                        .send_window_base_max_us = 40000,
+                        .qp_timeout = 14}; /* the context's default: 67 ms */
     CHECK_OK(bex__ctx_window_check(&c));
-    const struct bex__wnd_params p = {.min = c.send_window_min,
-                                      .max = c.send_window_max,
-                                      .init = 16384,
-                                      .target_us = c.send_window_target_us,
-                                      .base_max_us = c.send_window_base_max_us,
-                                      .base_epoch_us = c.send_window_base_epoch_ms * 1000ull};
+    struct bex__wnd_params p;
+    bex__ctx_window_params(&c, &p);
+    CHECK_EQ(p.init, 16384);
+    CHECK_EQ(p.high_us, 33554);
     struct bex__wnd w[I16_N];
     uint64_t t = 0;
     int active = 0;
@@ -245,11 +251,14 @@ static int i16_run(struct i16_out *o)
             if (s == 0)
                 bex__wnd_sample(&w[active], I16_BASE, 0, t);
         }
-        int d = i16_round(w, active, s, &t);
-        if (s < I16_STEPS / 2)
+        int rto = 0, d = i16_round(w, active, s, &t, &rto);
+        if (s < I16_STEPS / 2) {
             o->first += d;
-        else
+            o->rto_first += rto;
+        } else {
             o->late += d;
+            o->rto_late += rto;
+        }
         for (int i = 0; s >= I16_STEPS * 3 / 4 && i < active; i++)
             o->share[i] += w[i].cwnd / (I16_STEPS / 4.0);
     }
@@ -267,10 +276,63 @@ static int incast16(void)
 {
     struct i16_out o;
     CHECK_OK(i16_run(&o));
-    fprintf(stderr, "incast16: drops %d then %d; windows %llu bytes in all, last base %u us\n",
-            o.first, o.late, (unsigned long long)o.inflight, o.last_base);
+    fprintf(stderr,
+            "incast16: drops %d then %d; past the RTO %d then %d; windows %llu bytes in all, "
+            "last base %u us\n",
+            o.first, o.late, o.rto_first, o.rto_late, (unsigned long long)o.inflight, o.last_base);
     CHECK_EQ(o.late, 0);
+    /* no batch waits past the RTO (rxe would resend it, still queued):
+     * without high_us every one of the second half did, the bases at the
+     * 40 ms ceiling and the windows at 2153 bytes, 139 ms of delay */
+    CHECK_EQ(o.rto_late, 0);
     CHECK(o.inflight <= I16_Q);
+    return 0;
+}
+
+/* high_us: a delay above it is cut though the base (here at its ceiling)
+ * makes it no queueing, and never grows the window; at or below it the
+ * target rules as before. */
+static int high(void)
+{
+    struct bex__wnd_params p = P;
+    p.base_max_us = 400;
+    p.high_us = 500;
+    struct bex__wnd w;
+    bex__wnd_init(&w, &p);
+    uint64_t t = 0;
+    bex__wnd_sample(&w, 450, 0, t += 450); /* base 400 (the ceiling) */
+    CHECK_EQ(w.base_us, 400);
+    /* 500: queueing 100, at the target, at high_us: growth */
+    CHECK(bex__wnd_sample(&w, 500, w.cwnd, t += 500) > 0);
+    CHECK_EQ(w.cuts, 0);
+    /* 1000: the larger of the two cuts, the target's (0.8 x 500 / 600,
+     * at most half) over high_us's (0.8 x 500 / 1000) */
+    uint32_t before = w.cwnd;
+    bex__wnd_sample(&w, 1000, w.cwnd, t += 1000);
+    CHECK_EQ(w.cwnd, before / 2);
+    /* a target no queue here reaches: high_us alone cuts */
+    p.target_us = 100000;
+    bex__wnd_init(&w, &p);
+    t = 0;
+    bex__wnd_sample(&w, 400, 0, t += 400);
+    before = w.cwnd;
+    /* 1000 is 600 of queueing, far below the target: the cut is high's,
+     * 0.8 x 500 / 1000 = 400 permille */
+    CHECK(bex__wnd_sample(&w, 1000, 4096, t += 1000) < 0);
+    CHECK_EQ(w.cwnd, before - before * 400 / 1000);
+    CHECK_EQ(w.cuts, 1);
+    /* above high_us within the cut's delay: neither cut nor growth */
+    before = w.cwnd;
+    CHECK(bex__wnd_sample(&w, 600, 4096, t += 100) == 0);
+    CHECK_EQ(w.cwnd, before);
+    /* at high_us: growth again */
+    CHECK(bex__wnd_sample(&w, 500, w.cwnd, t += 2000) > 0);
+    /* high_us 0: none (the target alone) */
+    p.high_us = 0;
+    bex__wnd_init(&w, &p);
+    bex__wnd_sample(&w, 400, 0, 400);
+    CHECK(bex__wnd_sample(&w, 5000, 4096, 6000) > 0);
+    CHECK_EQ(w.cuts, 0);
     return 0;
 }
 
@@ -489,4 +551,5 @@ static int memo_bound(void)
 }
 
 BEX_TEST_MAIN(BEX_CASE(grows), BEX_CASE(cuts), BEX_CASE(base), BEX_CASE(senders), BEX_CASE(fair16),
-              BEX_CASE(incast16), BEX_CASE(dest), BEX_CASE(handover), BEX_CASE(memo_bound))
+              BEX_CASE(incast16), BEX_CASE(high), BEX_CASE(dest), BEX_CASE(handover),
+              BEX_CASE(memo_bound))

@@ -16,7 +16,9 @@
  *   answers took HELD / 64 doorbells (ibv_post_send calls) and more; now
  *   two: the first message's answer, then the rest. This is Figure 11's
  *   count at many QPs with several messages each (docs/benchmarks.md), on
- *   one QP where it can be made exact.
+ *   one QP where it can be made exact. The server's poll_recvs and
+ *   poll_recv_conns say the same from the receive side: the HELD
+ *   receives were dispatched in one turn.
  * - keepalive_count: an idle connection's keepalive WRITEs are counted
  *   (bex_sock_stats.keepalive_writes), each a doorbell of its own and in
  *   no SEND or WRITE count, so that a benchmark can tell them from its
@@ -181,6 +183,15 @@ static int one_chain(void)
     /* the first answer, then the HELD others in one chain (a keepalive or
      * a credit message may take a doorbell of its own) */
     CHECK(calls <= 2 + ka + credits);
+    /* the HELD receives were one connection's in one poll turn
+     * (bex_sock_stats.poll_recv_conns counts a connection once a turn):
+     * any other receive since s0 (the client's credit messages) may have
+     * a turn of its own, the HELD share one (a turn of one batch: 8) */
+    uint64_t recvs = s1.poll_recvs - s0.poll_recvs, turns = s1.poll_recv_conns - s0.poll_recv_conns;
+    fprintf(stderr, "%llu receives polled in %llu connection-turns\n", (unsigned long long)recvs,
+            (unsigned long long)turns);
+    CHECK(recvs >= HELD);
+    CHECK(turns >= 1 && turns <= 1 + (recvs - HELD));
     rig_close(&r);
     return 0;
 }
