@@ -153,6 +153,13 @@ static void report_free(struct report *r)
     memset(r, 0, sizeof *r);
 }
 
+/* back to the early good client alone: one engine, no fds beyond the
+ * slack, nothing queued or half-open on the listening port */
+static bool server_settled(const struct report *r)
+{
+    return r->engines <= 1 && r->fds_now <= r->fds_base + FDS_SLACK && r->backlog == 0;
+}
+
 static int get_report(struct adv_proc *srv, struct report *r, unsigned scale, bool quiet)
 {
     report_free(r);
@@ -439,15 +446,26 @@ static void run_one(struct group *g, const struct adv_case *c)
     /* the server learns of the attacker's closes when its I/O thread gets
      * to them, and accepts what the attacker left in its accept queue (each
      * such connection an fd until its reset is read): the count settles only
-     * once that queue is empty */
-    while (get_report(&g->srv, &r, sc, true) == 0 &&
-           (r.engines > 1 || r.fds_now > r.fds_base + FDS_SLACK || r.backlog != 0) &&
-           adv_now_ms() < end) {
-        fprintf(stderr, "waiting for the server to settle: engines %ld, fds %ld, backlog %ld\n",
-                r.engines, r.fds_now, r.backlog);
-        adv_sleep_ms(200);
+     * once that queue is empty. The report checked below is a second one:
+     * a socket still closing or a handshake completed late can show in it
+     * after a settled first (a CI run saw backlog 0, then 1); then the wait
+     * goes on, and only what outlasts the deadline fails. */
+    int rc;
+    for (;;) {
+        rc = get_report(&g->srv, &r, sc, true);
+        if (rc == 0 && !server_settled(&r) && adv_now_ms() < end) {
+            fprintf(stderr, "waiting for the server to settle: engines %ld, fds %ld, backlog %ld\n",
+                    r.engines, r.fds_now, r.backlog);
+            adv_sleep_ms(200);
+            continue;
+        }
+        if (rc == 0)
+            rc = get_report(&g->srv, &r, sc, false);
+        if (rc == 0 && !server_settled(&r) && adv_now_ms() < end)
+            continue;
+        break;
     }
-    if (!r.ok || get_report(&g->srv, &r, sc, false)) {
+    if (rc || !r.ok) {
         failf("the server did not report");
         report_free(&r);
         return;
