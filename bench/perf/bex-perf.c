@@ -99,6 +99,7 @@ struct opts {
     long runs;
     unsigned timeout_s;
     bool size_set, iters_set;
+    bool steady; /* bw --conns: no drain in the measured window */
 };
 
 /* ---------------- small helpers ---------------- */
@@ -478,7 +479,10 @@ struct client {
     _Atomic int fail;
     struct csock *cs;
     uint32_t ncs;
-    uint64_t total, warm, iters;
+    /* total: messages sent; the measured window runs from the answer to
+     * message warm to the answer to message end (= total, or total less
+     * the load in flight with --steady) */
+    uint64_t total, warm, iters, end;
 
     /* lat: two buffers alternate, since the echo of one may arrive before
      * its own send is reported done */
@@ -596,7 +600,8 @@ static void phase_start(struct client *cl)
     pthread_mutex_unlock(&cl->g.mu);
 }
 
-static void phase_end(struct client *cl)
+/* The measured window's end: its times and counters. */
+static void phase_record(struct client *cl)
 {
     pthread_mutex_lock(&cl->g.mu);
     cl->t1_tick = ticks();
@@ -605,9 +610,22 @@ static void phase_end(struct client *cl)
     cl->cpu1 = cpu_seconds();
     phase_os_read(&cl->os1);
     stats_all(cl, &cl->st1);
+    pthread_mutex_unlock(&cl->g.mu);
+}
+
+/* The last answer: the run is over. */
+static void phase_finish(struct client *cl)
+{
+    pthread_mutex_lock(&cl->g.mu);
     atomic_store(&cl->finished, 1);
     pthread_cond_broadcast(&cl->g.cv);
     pthread_mutex_unlock(&cl->g.mu);
+}
+
+static void phase_end(struct client *cl)
+{
+    phase_record(cl);
+    phase_finish(cl);
 }
 
 /* Send on flow c while its window and buffers allow, at most max messages.
@@ -649,8 +667,10 @@ static void flow_recv(struct client *cl, struct csock *c, size_t len)
         uint64_t r = atomic_fetch_add(&cl->aresp, 1) + 1;
         if (r == cl->warm)
             phase_start(cl);
+        if (r == cl->end)
+            phase_record(cl);
         if (r == cl->total) {
-            phase_end(cl);
+            phase_finish(cl);
             return;
         }
     }
@@ -905,6 +925,8 @@ static void print_cfg_json(const struct client *cl)
                ",\"srq_credits\":%" PRIu64 ",\"srq_refused\":%" PRIu64,
                o->conns, o->ports ? o->ports : 1, cl->nctx, cl->st1.engines, cl->st1.srq_credits,
                cl->st1.srq_refused);
+    if (o->steady)
+        printf(",\"steady\":true");
 }
 
 static void print_stats_text(const struct client *cl, uint64_t msgs)
@@ -973,7 +995,7 @@ static void report_lat(struct client *cl)
 static void report_bw(struct client *cl, uint32_t frag, enum test shown)
 {
     double secs = (double)(cl->t1_ns - cl->t0_ns) / 1e9;
-    uint64_t msgs = cl->total - cl->warm;
+    uint64_t msgs = cl->end - cl->warm;
     double mib_s = (double)msgs * (double)cl->size / secs / 1048576.0;
     double msg_s = (double)msgs / secs;
     const char *name = shown == T_FRAG ? "frag" : "bw";
@@ -1049,7 +1071,11 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
     cl.nctx = o->conns ? (o->conns + ports - 1) / ports : 1;
     cl.iters = o->iters;
     cl.warm = o->warmup;
-    cl.total = cl.warm + cl.iters;
+    cl.end = cl.warm + cl.iters;
+    /* --steady: every answer of the window is followed by a request (the
+     * load in flight is sent after it and drained unmeasured), so the
+     * counts per message are of the closed loop, not of its drain */
+    cl.total = cl.end + (o->steady ? o->outstanding : 0);
     cl.cs = calloc(cl.ncs, sizeof(*cl.cs));
     cl.ctxs = calloc(cl.nctx, sizeof(*cl.ctxs));
     if (!cl.cs || !cl.ctxs)
@@ -1208,6 +1234,9 @@ static void usage(FILE *f)
             "      --keepalive-ms MS ctx keepalive_ms (library default)\n"
             "      --conns N         bw: N connections (engines), each its own closed loop of\n"
             "                        --outstanding / N messages in flight (at least 1)\n"
+            "      --steady          bw --conns: the measured window ends --outstanding\n"
+            "                        answers before the last (those drain unmeasured), so\n"
+            "                        every answer in it is followed by a request\n"
             "      --ports P         server: listen on P consecutive ports from -p; client\n"
             "                        (--conns): spread connections over them (1)\n"
             "      --streams K       lat: K sockets on the same engine stream --stream-size\n"
@@ -1283,7 +1312,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         O_TRANSPORT,
         O_QPTO,
         O_SETUPMAX,
-        O_CONNTO
+        O_CONNTO,
+        O_STEADY
     };
     static const struct option lo[] = {{"server", no_argument, NULL, 's'},
                                        {"client", required_argument, NULL, 'c'},
@@ -1308,6 +1338,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
                                        {"keepalive-timeout", required_argument, NULL, O_KA},
                                        {"keepalive-ms", required_argument, NULL, O_KAMS},
                                        {"conns", required_argument, NULL, O_CONNS},
+                                       {"steady", no_argument, NULL, O_STEADY},
                                        {"ports", required_argument, NULL, O_PORTS},
                                        {"streams", required_argument, NULL, O_STREAMS},
                                        {"stream-size", required_argument, NULL, O_SSIZE},
@@ -1449,6 +1480,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
             if (parse_u32("setup-max", optarg, &o->setup_max, false))
                 return -1;
             break;
+        case O_STEADY:
+            o->steady = true;
+            break;
         case O_CONNTO:
             if (parse_u32("connect-timeout", optarg, &o->connect_timeout_ms, false))
                 return -1;
@@ -1544,6 +1578,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
         o->warmup = o->test == T_LAT ? 100 : o->outstanding;
     if (o->conns && o->test != T_BW) {
         fprintf(stderr, "bex-perf: --conns is for --test bw\n");
+        return -1;
+    }
+    if (o->steady && !o->conns) {
+        fprintf(stderr, "bex-perf: --steady is for --conns\n");
         return -1;
     }
     if (o->streams && o->test != T_LAT) {

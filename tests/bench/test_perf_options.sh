@@ -9,8 +9,12 @@
 #   streams  --test lat --streams 2 --frag 4096: the round trips measured,
 #            a median > 0, the streams moved data (stream_mib_s > 0)
 #            (--connect-timeout 60000, which the JSON reports)
-#   bad      --conns with --test lat, --streams with --test bw and
-#            --connect-timeout 0 are refused
+#   steady   --conns 4 --steady, 400 in flight, 1000 measured: a request
+#            follows every answer of the measured window (SENDs within 100
+#            of 1000; without --steady the window's last 400 answers have
+#            none, about 600), and the 400 after it were answered too
+#   bad      --conns with --test lat, --streams with --test bw,
+#            --steady without --conns and --connect-timeout 0 are refused
 #
 # Usage: test_perf_options.sh path/to/bex-perf [case]
 set -uo pipefail
@@ -113,16 +117,40 @@ case_streams() {
     server_end 3
 }
 
+case_steady() {
+    server 4 --ports 2 --io-threads 2 || return
+    local out rc=0
+    out=$(timeout 60 "$perf" -c 127.0.0.1 --local 127.0.0.1 -p $port --transport tcp --test bw \
+        --size 512 --conns 4 --ports 2 --io-threads 2 --outstanding 400 --iters 1000 --steady \
+        --json) || rc=$?
+    [ $rc = 0 ] || fail "steady: client exited with $rc"
+    echo "$out"
+    [ "$(jget "$out" steady)" = true ] || fail "steady: not reported"
+    [ "$(jget "$out" iters)" = 1000 ] || fail "steady: iters $(jget "$out" iters)"
+    local sends
+    sends=$(jget "$out" sends_posted)
+    [ "${sends:-0}" -ge 900 ] && [ "${sends:-0}" -le 1100 ] ||
+        fail "steady: $sends SENDs in the measured window, expected 1000 +- 100"
+    server_end 4
+    # warm-up (400), measured (1000) and the drain after (400): 1800
+    local total
+    total=$(sed -n 's/.*session done: \([0-9]*\) messages.*/\1/p' "$work/srv.out" |
+        awk '{m += $1} END {print m}')
+    [ "${total:-0}" = 1800 ] || fail "steady: the server saw ${total:-0} messages, expected 1800"
+}
+
 case_bad() {
     "$perf" -c 127.0.0.1 --local 127.0.0.1 --test lat --conns 2 >/dev/null 2>&1
     [ $? = 2 ] || fail "bad: --conns with --test lat accepted"
     "$perf" -c 127.0.0.1 --local 127.0.0.1 --test bw --streams 2 >/dev/null 2>&1
     [ $? = 2 ] || fail "bad: --streams with --test bw accepted"
+    "$perf" -c 127.0.0.1 --local 127.0.0.1 --test bw --steady >/dev/null 2>&1
+    [ $? = 2 ] || fail "bad: --steady without --conns accepted"
     "$perf" -c 127.0.0.1 --local 127.0.0.1 --connect-timeout 0 >/dev/null 2>&1
     [ $? = 2 ] || fail "bad: --connect-timeout 0 accepted"
 }
 
-for c in conns streams bad; do
+for c in conns streams steady bad; do
     [ "$want" = all ] || [ "$want" = $c ] || continue
     case_$c
 done
