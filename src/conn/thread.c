@@ -9,11 +9,14 @@
 #define WC_BATCH 64
 /* Completions one CQ (and the shared receive queue) may give a poll turn,
  * in batches of WC_BATCH, before the turn's progress calls: a CQ is polled
- * until it gives less than a batch or this many. With several messages in
+ * until it gives less than a batch or this many, and once the turn has
+ * taken more than one from it, until a poll gives nothing (those that
+ * landed while it dispatched the others). With several messages in
  * flight per QP over many QPs, one batch a turn split a QP's answers
  * across turns and its next sends across doorbells (at 1024 QPs with 4
  * each, 0.54-0.71 doorbells a request against 0.27 at 1 QP:
- * docs/benchmarks.md, Figure 11's counts). The bound keeps a turn's first
+ * docs/benchmarks.md, Figure 11's counts). A turn of one completion (a
+ * ping-pong's) polls no more than before. The bound keeps a turn's first
  * completion from waiting for more than this many dispatches. */
 #define WC_TURN_MAX 1024
 /* The coarse clock lags the precise one by a jiffy at most (HZ 100 at
@@ -203,8 +206,8 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
             }
             any |= dispatch(io, wc, n);
             got += n;
-        } while (n == WC_BATCH && got < WC_TURN_MAX);
-        full |= n == WC_BATCH;
+        } while ((n == WC_BATCH || (n > 0 && got > 1)) && got < WC_TURN_MAX);
+        full |= n == WC_BATCH || (n > 0 && got >= WC_TURN_MAX);
     }
     if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
         /* one at a time: an engine that fails on one takes its QP's
