@@ -422,7 +422,11 @@ int ld_run_start(struct ld_run *r, struct ld_opts *o, const char *prog)
     }
     if (rc)
         goto err_msg;
+    /* --connect-timeout-ms is the context's setup deadline too (issue 24
+     * item 3): with the channel's alone, setups slowed by a bottleneck
+     * failed at the library's 3 s and the ladder moved the load to TCP */
     bex_ctx_config cc = {.transport = o->transport,
+                         .connect_timeout_ms = connect_timeout_ms,
                          .keepalive_timeout_ms = keepalive_timeout_ms,
                          .send_window = send_window,
                          .eager_max = eager_max,
