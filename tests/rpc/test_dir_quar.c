@@ -24,7 +24,9 @@
  *   lifts the quarantine (B never fails);
  * - into_conn_lift (tcp only: fakenet): the same with A quarantined for
  *   connection failures (each request to A fails its connection), so that
- *   the probe goes to an endpoint the channel holds failed. */
+ *   the probe goes to an endpoint the channel holds failed.
+ * - probe_out (tcp only): B dies while A is quarantined with its one probe
+ *   out (not the call's): the call reaches A within its deadline. */
 #include <sys/wait.h>
 
 #include "bex/dir.h"
@@ -383,6 +385,60 @@ static int t_into_lift(void)
     return stop_both(sp);
 }
 
+/* B dies while A, the shard's other replica, is quarantined with its one
+ * probe out (another call's: here the test's own pick, its outcome not
+ * reported until the end): a call with a retry budget must reach A within
+ * its deadline, not spend every attempt on the dead B (B failing, the last
+ * replica outside quarantine, releases another probe of A, as it does for
+ * a quarantined replica: the call's retry is that probe). */
+static int t_probe_out(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_both(sp);
+    bex_ctx *ctx = client_ctx();
+    quar_ms = 1;
+    bex_dir *d = mkdir2(sp);
+    bex_rpc_channel *ch = chan_dir(ctx, d);
+    /* A quarantined by failures (as another channel's calls would report
+     * them); its 1 ms period over, the next pick of the shard probes it:
+     * the test's, left out */
+    for (int i = 0; i < 3; i++)
+        bex_dir_report(d, &sp[0].addr, BEX_DIR_CONN_FAIL, false);
+    CHECK_EQ(nstats(d, &sp[0]).quarantines, 1);
+    bex_dir_replica r;
+    do {
+        CHECK_OK(bex_dir_pick(d, "ps", 0, "dc1/pod1", NULL, &r));
+        if (!bex_addr_equal(&r.addr, &sp[0].addr))
+            bex_dir_report(d, &r.addr, BEX_DIR_DONE, true);
+    } while (!bex_addr_equal(&r.addr, &sp[0].addr));
+    bex_dir_node_stats a0 = nstats(d, &sp[0]);
+    CHECK_EQ(a0.state, BEX_DIR_PROBING);
+    CHECK_EQ(a0.probes, 1);
+    int hold = kill9(&sp[1]);
+    uint64_t took;
+    int rc = echo(ctx, ch, 1, &took);
+    print_stats("probe_out", d, sp, ch);
+    fprintf(stderr, "probe_out: the call: %s after %llu ms (deadline %u ms)\n", bex_strerror(rc),
+            (unsigned long long)took, deadline_ms());
+    CHECK_OK(rc);
+    CHECK(took <= deadline_ms() + 50 * time_scale());
+    /* A answered the call, its second probe (released early by B's
+     * failure), which lifted the quarantine */
+    bex_dir_node_stats a = nstats(d, &sp[0]), b = nstats(d, &sp[1]);
+    CHECK_EQ(a.probes, 2);
+    CHECK_EQ(a.early_probes, 1);
+    CHECK_EQ(a.ok, 1);
+    CHECK_EQ(a.lifts, 1);
+    CHECK_EQ(a.state, BEX_DIR_HEALTHY);
+    CHECK(b.conn_failures >= 1);
+    CHECK_EQ(atomic_load(&n_early), 1);
+    bex_dir_report(d, &sp[0].addr, BEX_DIR_DONE, true); /* the test's probe */
+    quar_down(ctx, d, ch, sp, false);
+    close(hold);
+    return stop_server(&sp[0], false) ? 1 : 0;
+}
+
 struct rec {
     _Atomic long calls, ok, late, twice;
     struct waiter w;
@@ -688,4 +744,4 @@ static int t_into_conn_lift(void)
 
 BEX_TEST_MAIN({"other_dies", t_other_dies}, {"both_die", t_both_die}, {"send_fails", t_send_fails},
               {"into_other_dies", t_into_other_dies}, {"into_lift", t_into_lift},
-              {"into_conn_lift", t_into_conn_lift})
+              {"into_conn_lift", t_into_conn_lift}, {"probe_out", t_probe_out})
