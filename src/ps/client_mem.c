@@ -418,7 +418,7 @@ static void fetch_done_copy(int status, void *body, size_t len, void *user)
 }
 
 /* Fetch's part p (its keys from keys) into its slice of the array, with
- * timeout_ms. */
+ * timeout_ms. On 0 p's call is out: p and its call may end at once. */
 static int fetch_send(bex_ps_client *c, struct zpart *p, const uint64_t *keys, uint32_t timeout_ms)
 {
     struct zcall *z = p->z;
@@ -439,9 +439,7 @@ static int fetch_send(bex_ps_client *c, struct zpart *p, const uint64_t *keys, u
                              : bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, &o,
                                             fetch_done_copy, p, NULL);
     if (rc)
-        bex_rpc_free(b);
-    else
-        atomic_fetch_add_explicit(&z->u->zero, 1, memory_order_relaxed);
+        bex_rpc_free(b); /* else p's call may have ended already: z, p gone */
     return rc;
 }
 
@@ -505,6 +503,8 @@ static int fetch_parts(bex_ps_client *c, struct ubuf *u, const struct runs *rs, 
                             .rt = {.end_ns = end_ns, .fn = fetch_retry}};
         rc = fetch_send(c, p, keys, timeout_ms);
         sent += !rc;
+        if (!rc) /* z lives while starting (a retry's send counts no more) */
+            atomic_fetch_add_explicit(&u->zero, 1, memory_order_relaxed);
     }
     return zcall_started(z, sent, parts, rc);
 }
