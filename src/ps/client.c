@@ -19,7 +19,9 @@
  * shard's channel by the retry thread (a pause later, within the
  * deadline), from the keys the request kept: its channel's attempts may
  * all have gone to a replica that died while the shard's other one was
- * held back by the directory (a quarantine's one probe out). */
+ * held back by the directory (a quarantine's one probe out).
+ * bex_ps_fetch_into's parts (client_mem.c) go on the same queue: an entry
+ * is a struct bex__ps_retry, whose fn sends its part again. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
