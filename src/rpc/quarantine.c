@@ -98,11 +98,17 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
                 continue;
             for (size_t i = 0; i < sh->n; i++) {
                 struct bex__dir_node *q = sh->reps[i];
-                /* a probe out (another call's) holds the calls back as
-                 * a quarantine does: another is released beside it */
-                bool held = q->state == BEX_DIR_QUARANTINED ||
-                            (q->state == BEX_DIR_PROBING && q->probe_out);
-                if (q == n || !held || now >= q->until)
+                if (q == n || now >= q->until)
+                    continue;
+                if (q->state == BEX_DIR_PROBING && q->probe_out) {
+                    /* its probe out (another call's) holds the calls back
+                     * as a quarantine does: another beside it (a probe
+                     * as the first, its period over: not an early one) */
+                    q->probe_out = false;
+                    q->st.early_probes++;
+                    continue;
+                }
+                if (q->state != BEX_DIR_QUARANTINED)
                     continue;
                 q->state = BEX_DIR_PROBING;
                 q->probe_out = false;
