@@ -150,8 +150,10 @@ typedef struct bex_dir_node_stats {
     uint64_t probes;             /* probe calls given out */
     uint64_t probe_failures;     /* probes that failed (quarantined again) */
     uint64_t lifts;              /* quarantines lifted by a good probe */
-    uint64_t early_probes;       /* quarantines cut short for a probe: the last
-                                    replica of a shard outside quarantine failed */
+    uint64_t early_probes;       /* quarantines cut short for a probe, or a
+                                    probe given out beside one still out: the
+                                    last replica of a shard outside quarantine
+                                    failed */
 } bex_dir_node_stats;
 
 /* The counters of the node at addr. Returns 0, or -ENOENT (never seen). */

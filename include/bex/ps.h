@@ -683,10 +683,14 @@ int bex_ps_rows_busy(float *rows);
  * copying call and are put in place at the end. An answer longer than the
  * rows asked is refused (-EBADMSG or -EMSGSIZE), nothing written past
  * them; on an error rows are undefined. done runs once the array is no
- * longer written. Errors as bex_ps_fetch, and -EINVAL (rows not from
- * bex_ps_rows_alloc of this context; keys not grouped), -ENOBUFS (n * dim
- * past the array), -EBUSY (a call uses it); unlike bex_ps_fetch, a part is
- * not issued again once its channel's attempts failed (not yet done). */
+ * longer written. A shard's part is issued again as bex_ps_fetch's is
+ * (the same retry thread and conditions: in doubt, its connection lost or
+ * -EAGAIN after its channel's attempts, primary_retry_ms later, within
+ * the deadline, a shard of several replicas, max_attempts not 1: the keys
+ * are then copied, 8 bytes a key), into the same slice. Errors as
+ * bex_ps_fetch, and -EINVAL (rows not from bex_ps_rows_alloc of this
+ * context; keys not grouped), -ENOBUFS (n * dim past the array), -EBUSY
+ * (a call uses it). */
 int bex_ps_fetch_into(bex_ps_client *c, uint32_t table, uint32_t dim, const uint64_t *keys,
                       size_t n, float *rows, bex_ps_done_fn done, void *user);
 /* bex_ps_push_report from grads, an array of bex_ps_rows_alloc, keys

@@ -19,7 +19,9 @@
  * shard's channel by the retry thread (a pause later, within the
  * deadline), from the keys the request kept: its channel's attempts may
  * all have gone to a replica that died while the shard's other one was
- * held back by the directory (a quarantine's one probe out). */
+ * held back by the directory (a quarantine's one probe out).
+ * bex_ps_fetch_into's parts (client_mem.c) go on the same queue: an entry
+ * is a struct bex__ps_retry, whose fn sends its part again. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -77,7 +79,7 @@ struct bex_ps_client {
      * (retry_main), under mu */
     uint32_t *prim;
     _Atomic uint64_t *epoch; /* per shard: the primary's term its last answer gave (0: none) */
-    struct bex__list rq;     /* struct sub.rl, oldest first (one pause for all: in time order) */
+    struct bex__list rq; /* struct bex__ps_retry.rl, oldest first (one pause for all: in order) */
     uint64_t retry_ns;
     pthread_t rthr;
     pthread_cond_t rcv;
@@ -91,13 +93,12 @@ struct sub {
     uint32_t shard, n;
     uint32_t *pos; /* the keys' places in the caller's arrays */
     uint32_t idx;  /* its place among the request's sub-requests */
-    /* BEX_PS_PUSH_PRIMARY: its body kept to send again, until end_ns (a
-     * Fetch: sent again from op->keys until end_ns) */
+    /* BEX_PS_PUSH_PRIMARY: its body kept to send again, until rt.end_ns
+     * (a Fetch: sent again from op->keys until rt.end_ns) */
     uint8_t *copy;
     size_t len;
-    uint64_t end_ns, at_ns;
     uint32_t pi; /* the replica index it went to */
-    struct bex__list rl;
+    struct bex__ps_retry rt;
 };
 
 struct op {
@@ -401,35 +402,47 @@ static bool retryable(int st)
            st == -EPIPE || st == -ENOTCONN || st == -ETIMEDOUT || st == -ESHUTDOWN;
 }
 
-/* Queue sb to be sent again (true), a Push's primary taken to be the
- * next replica unless the answer was -EAGAIN; false when it may not be (a
- * Fetch: an answer of a primary's, -EPERM or -ESTALE, is not its; with
- * max_attempts 1 nothing is retried; a shard of one replica fails fast). */
-static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
+/* Queue rt, a part of shard that failed with status, to be sent again
+ * (true); a Push's (push: the replica index pi it went to) primary taken
+ * to be the next replica unless the answer was -EAGAIN; false when it may
+ * not be (a Fetch: an answer of a primary's, -EPERM or -ESTALE, is not
+ * its; with max_attempts 1 nothing is retried; a shard of one replica
+ * fails fast). */
+static bool retry_queue(bex_ps_client *c, struct bex__ps_retry *rt, uint32_t shard, int status,
+                        bool push, uint32_t pi)
 {
-    bool fetch = sb->op->method == BEX_PS_M_FETCH;
     uint64_t now = bex__rpc_now_ns();
     if (!retryable(status) ||
-        (fetch && (status == -EPERM || status == -ESTALE || c->max_attempts == 1)) ||
-        now + c->retry_ns >= sb->end_ns)
+        (!push && (status == -EPERM || status == -ESTALE || c->max_attempts == 1)) ||
+        now + c->retry_ns >= rt->end_ns)
         return false;
     /* a Fetch of a shard with one replica: its channel reconnected already
      * (the recovery ladder); the caller hears of the failure now */
-    if (fetch && bex_dir_replicas(c->dir, c->svc, sb->shard, NULL, 0) < 2)
+    if (!push && bex_dir_replicas(c->dir, c->svc, shard, NULL, 0) < 2)
         return false;
     pthread_mutex_lock(&c->mu);
     bool ok = !c->rstop && retry_thread(c) == 0;
     if (ok) {
-        if (!fetch && status != -EAGAIN && c->prim[sb->shard] == sb->pi) {
-            c->prim[sb->shard]++;
-            atomic_store(&c->epoch[sb->shard], 0); /* the next primary's term is not known */
+        if (push && status != -EAGAIN && c->prim[shard] == pi) {
+            c->prim[shard]++;
+            atomic_store(&c->epoch[shard], 0); /* the next primary's term is not known */
         }
-        sb->at_ns = now + c->retry_ns;
-        bex__list_push_tail(&c->rq, &sb->rl);
+        rt->at_ns = now + c->retry_ns;
+        bex__list_push_tail(&c->rq, &rt->rl);
         pthread_cond_signal(&c->rcv);
     }
     pthread_mutex_unlock(&c->mu);
     return ok;
+}
+
+bool bex__ps_fetch_retry(bex_ps_client *c, struct bex__ps_retry *rt, uint32_t shard, int status)
+{
+    return retry_queue(c, rt, shard, status, false, 0);
+}
+
+static bool retry_later(bex_ps_client *c, struct sub *sb, int status)
+{
+    return retry_queue(c, &sb->rt, sb->shard, status, sb->op->method == BEX_PS_M_PUSH, sb->pi);
 }
 
 static void sub_done(int status, void *body, size_t len, void *user);
@@ -444,8 +457,7 @@ static void resend_fetch(bex_ps_client *c, struct sub *sb)
     uint8_t *b = sub_body(c, sb, sb->op->keys, NULL, 0, &len);
     int rc = -ENOMEM;
     if (b) {
-        bex_rpc_call_opts o = {
-            .timeout_ms = (uint32_t)((sb->end_ns > now ? sb->end_ns - now : 0) / 1000000 + 1)};
+        bex_rpc_call_opts o = {.timeout_ms = bex__ps_retry_left_ms(&sb->rt, now)};
         if ((rc = bex_rpc_call(sb->ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, &o, sub_done, sb,
                                NULL)))
             bex_rpc_free(b);
@@ -476,8 +488,7 @@ static void resend(bex_ps_client *c, struct sub *sb)
     if (b) {
         memcpy(b, sb->copy, sb->len);
         bex__ps_put64(b + BEX__PS_HDR_LEN + BEX__PS_ID_LEN, atomic_load(&c->epoch[sb->shard]));
-        bex_rpc_call_opts o = {
-            .timeout_ms = (uint32_t)((sb->end_ns > now ? sb->end_ns - now : 0) / 1000000 + 1)};
+        bex_rpc_call_opts o = {.timeout_ms = bex__ps_retry_left_ms(&sb->rt, now)};
         if ((rc = bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, sb->len, &o, sub_done, sb,
                                NULL)))
             bex_rpc_free(b);
@@ -486,19 +497,32 @@ static void resend(bex_ps_client *c, struct sub *sb)
         sub_done(rc, NULL, 0, sb);
 }
 
+/* A sub-request's retry: sent again, or ended with status. */
+static void sub_retry(bex_ps_client *c, struct bex__ps_retry *rt, int status)
+{
+    struct sub *sb = bex__list_entry(rt, struct sub, rt);
+    if (status == 0) {
+        resend(c, sb);
+        return;
+    }
+    free(sb->copy);
+    sb->copy = NULL;
+    sub_end(sb, status);
+}
+
 /* The oldest queued (under c->mu), unlinked when due (else *at_ns its
  * time, NULL). */
-static struct sub *retry_due(bex_ps_client *c, uint64_t *at_ns)
+static struct bex__ps_retry *retry_due(bex_ps_client *c, uint64_t *at_ns)
 {
     struct bex__list *n = bex__list_first(&c->rq);
     if (!n)
         return NULL;
-    struct sub *sb = bex__list_entry(n, struct sub, rl);
-    *at_ns = sb->at_ns;
-    if (sb->at_ns > bex__rpc_now_ns())
+    struct bex__ps_retry *rt = bex__list_entry(n, struct bex__ps_retry, rl);
+    *at_ns = rt->at_ns;
+    if (rt->at_ns > bex__rpc_now_ns())
         return NULL;
     bex__list_remove(n);
-    return sb;
+    return rt;
 }
 
 static void *retry_main(void *arg)
@@ -507,10 +531,10 @@ static void *retry_main(void *arg)
     pthread_mutex_lock(&c->mu);
     while (!c->rstop) {
         uint64_t at = 0;
-        struct sub *sb = retry_due(c, &at);
-        if (sb) {
+        struct bex__ps_retry *rt = retry_due(c, &at);
+        if (rt) {
             pthread_mutex_unlock(&c->mu);
-            resend(c, sb);
+            rt->fn(c, rt, 0);
             pthread_mutex_lock(&c->mu);
         } else if (at) {
             struct timespec ts = {(time_t)(at / 1000000000ull), (long)(at % 1000000000ull)};
@@ -521,12 +545,10 @@ static void *retry_main(void *arg)
     }
     struct bex__list *n;
     while ((n = bex__list_first(&c->rq))) {
-        struct sub *sb = bex__list_entry(n, struct sub, rl);
+        struct bex__ps_retry *rt = bex__list_entry(n, struct bex__ps_retry, rl);
         bex__list_remove(n);
         pthread_mutex_unlock(&c->mu);
-        free(sb->copy);
-        sb->copy = NULL;
-        sub_end(sb, -ECANCELED);
+        rt->fn(c, rt, -ECANCELED);
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
@@ -668,7 +690,7 @@ static void send_sub(bex_ps_client *c, struct sub *sb, const uint64_t *keys, con
     if (push && c->prim && (sb->copy = malloc(len))) {
         memcpy(sb->copy, b, len); /* to send again after a failover */
         sb->len = len;
-        sb->end_ns = bex__rpc_now_ns() + (uint64_t)opts->timeout_ms * 1000000ull;
+        sb->rt.end_ns = bex__rpc_now_ns() + (uint64_t)opts->timeout_ms * 1000000ull;
     }
     int rc = bex_rpc_call(sb->ch, BEX_PS_SERVICE, method, b, len, opts, sub_done, sb, NULL);
     if (rc) {
@@ -685,8 +707,9 @@ static void send_all(bex_ps_client *c, struct op *op, size_t n_subs, const uint6
     bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
     uint64_t end_ns = op->keys ? bex__rpc_now_ns() + (uint64_t)c->timeout_ms * 1000000ull : 0;
     for (size_t i = 0; i < n_subs; i++) {
+        op->subs[i].rt.fn = sub_retry;
         if (end_ns)
-            op->subs[i].end_ns = end_ns;
+            op->subs[i].rt.end_ns = end_ns;
         send_sub(c, &op->subs[i], keys, grads, id_seq, &opts);
     }
     op_put(op);
@@ -877,6 +900,11 @@ uint32_t bex__ps_client_timeout(const bex_ps_client *c)
 bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard)
 {
     return c->ch[shard];
+}
+
+bool bex__ps_client_fetch_retries(const bex_ps_client *c)
+{
+    return c->max_attempts != 1;
 }
 
 int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch, bex_addr *addr,

@@ -285,11 +285,14 @@ struct zpart {
     struct zcall *z;
     uint32_t first, n;
     bex_ps_replica_result *res; /* Push: the caller's entry (or NULL) */
+    uint32_t shard;             /* Fetch: its shard's, and its retry */
+    struct bex__ps_retry rt;
 };
 
 /* A call on an array: its parts (one per shard, and the copying one), the
  * caller's done when the last ends. */
 struct zcall {
+    bex_ps_client *c;
     _Atomic uint32_t pending; /* parts in flight, +1 while starting */
     _Atomic int status;       /* the first error */
     struct ubuf *u;
@@ -300,21 +303,27 @@ struct zcall {
     uint64_t *tail_keys; /* n_tail: the rows a copying call fetched... */
     float *tail_rows;
     uint32_t *tail_at; /* ...and their positions in the array */
+    uint64_t *keys;    /* a Fetch's keys, kept to issue a part again (or NULL) */
     struct zpart part[];
 };
 
-static struct zcall *zcall_new(struct ubuf *u, uint32_t parts, uint32_t tails, uint32_t table,
-                               uint32_t dim, bex_ps_done_fn done, void *user)
+/* A call of parts on u, with room for tails rows fetched by a copying
+ * call and for n_keys keys kept. */
+static struct zcall *zcall_new(struct ubuf *u, uint32_t parts, uint32_t tails, uint32_t n_keys,
+                               uint32_t table, uint32_t dim, bex_ps_done_fn done, void *user)
 {
     size_t head = sizeof(struct zcall) + parts * sizeof(struct zpart);
     head = (head + 7) & ~(size_t)7;
     size_t rows = 4 * (size_t)tails * dim;
-    struct zcall *z = malloc(head + 8 * (size_t)tails + rows + 4 * (size_t)tails);
+    struct zcall *z =
+        malloc(head + 8 * (size_t)n_keys + 8 * (size_t)tails + rows + 4 * (size_t)tails);
     if (!z)
         return NULL;
     *z = (struct zcall){
         .u = u, .table = table, .dim = dim, .n_tail = tails, .done = done, .user = user};
     uint8_t *p = (uint8_t *)z + head;
+    z->keys = n_keys ? (uint64_t *)(void *)p : NULL;
+    p += 8 * (size_t)n_keys;
     z->tail_keys = (uint64_t *)(void *)p;
     z->tail_rows = (float *)(void *)(p + 8 * (size_t)tails);
     z->tail_at = (uint32_t *)(void *)(p + 8 * (size_t)tails + rows);
@@ -366,6 +375,15 @@ static int zcall_started(struct zcall *z, uint32_t sent, uint32_t parts, int rc)
 
 /* ---- Fetch into the array ---- */
 
+/* Fetch part p failed with status: issued again later as bex_ps_fetch's
+ * parts are (its keys kept), else ended. */
+static void fetch_failed(struct zpart *p, int status)
+{
+    struct zcall *z = p->z;
+    if (!z->keys || !bex__ps_fetch_retry(z->c, &p->rt, p->shard, status))
+        part_end(z, status);
+}
+
 static void fetch_done(int status, void *body, size_t len, void *user)
 {
     struct zpart *p = user;
@@ -373,7 +391,10 @@ static void fetch_done(int status, void *body, size_t len, void *user)
     /* body is the array's (rows - header): checked, never freed */
     if (status == 0)
         status = bex__ps_check_resp(BEX_PS_M_FETCH, body, len, z->table, p->n, z->dim);
-    part_end(z, status);
+    if (status)
+        fetch_failed(p, status);
+    else
+        part_end(z, 0);
 }
 
 /* TCP only (the context has no RDMA device): the answer arrives in a
@@ -390,11 +411,15 @@ static void fetch_done_copy(int status, void *body, size_t len, void *user)
         memcpy(rows_of(z->u) + (size_t)p->first * z->dim, (uint8_t *)body + BEX__PS_HDR_LEN,
                4 * (size_t)p->n * z->dim);
     bex_rpc_free(body);
-    part_end(z, status);
+    if (status)
+        fetch_failed(p, status);
+    else
+        part_end(z, 0);
 }
 
-/* Fetch's part p (its keys from keys) into its slice of the array. */
-static int fetch_send(bex_ps_client *c, struct zpart *p, uint32_t shard, const uint64_t *keys)
+/* Fetch's part p (its keys from keys) into its slice of the array, with
+ * timeout_ms. On 0 p's call is out: p and its call may end at once. */
+static int fetch_send(bex_ps_client *c, struct zpart *p, const uint64_t *keys, uint32_t timeout_ms)
 {
     struct zcall *z = p->z;
     bex_ctx *ctx = bex__ps_client_ctx(c);
@@ -407,17 +432,27 @@ static int fetch_send(bex_ps_client *c, struct zpart *p, uint32_t shard, const u
     memcpy(b + BEX__PS_HDR_LEN, keys + p->first, 8 * (size_t)p->n);
     uint8_t *dst = (uint8_t *)(rows_of(z->u) + (size_t)p->first * z->dim) - BEX__PS_HDR_LEN;
     size_t cap = BEX__PS_HDR_LEN + 4 * (size_t)p->n * z->dim;
-    bex_rpc_call_opts o = {.timeout_ms = bex__ps_client_timeout(c)};
-    bex_rpc_channel *ch = bex__ps_client_fetch_ch(c, shard);
+    bex_rpc_call_opts o = {.timeout_ms = timeout_ms};
+    bex_rpc_channel *ch = bex__ps_client_fetch_ch(c, p->shard);
     int rc = bex_ctx_pd(ctx) ? bex__rpc_call_ext(ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, dst,
                                                  cap, &o, fetch_done, p, NULL)
                              : bex_rpc_call(ch, BEX_PS_SERVICE, BEX_PS_M_FETCH, b, len, &o,
                                             fetch_done_copy, p, NULL);
     if (rc)
-        bex_rpc_free(b);
-    else
-        atomic_fetch_add_explicit(&z->u->zero, 1, memory_order_relaxed);
+        bex_rpc_free(b); /* else p's call may have ended already: z, p gone */
     return rc;
+}
+
+/* Fetch part p's retry (bex__ps_fetch_retry): sent again from the keys
+ * kept, within its deadline, or ended with status. */
+static void fetch_retry(bex_ps_client *c, struct bex__ps_retry *rt, int status)
+{
+    struct zpart *p = bex__list_entry(rt, struct zpart, rt);
+    if (status == 0 &&
+        (status = fetch_send(c, p, p->z->keys, bex__ps_retry_left_ms(rt, bex__rpc_now_ns()))))
+        fetch_failed(p, status);
+    else if (status)
+        part_end(p->z, status);
 }
 
 /* The copying part: the rows under the other parts' headers. */
@@ -441,12 +476,19 @@ static int fetch_parts(bex_ps_client *c, struct ubuf *u, const struct runs *rs, 
     uint32_t parts = tails ? 1 : 0, sent = 0;
     for (uint32_t j = 0; j < rs->n; j++)
         parts += rs->r[j].e > rs->r[j].a;
-    struct zcall *z = zcall_new(u, parts, tails, table, dim, done, user);
+    /* the keys kept for a part issued again, as bex_ps_fetch keeps its own */
+    uint32_t n_keys = bex__ps_client_fetch_retries(c) ? rs->r[rs->n - 1].b : 0;
+    struct zcall *z = zcall_new(u, parts, tails, n_keys, table, dim, done, user);
     if (!z) {
         ubuf_release(u);
         return -ENOMEM;
     }
+    z->c = c;
     z->release = true;
+    if (n_keys)
+        memcpy(z->keys, keys, 8 * (size_t)n_keys);
+    uint32_t timeout_ms = bex__ps_client_timeout(c);
+    uint64_t end_ns = bex__rpc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
     int rc = tails ? fetch_tails(c, z, rs, keys) : 0;
     sent += tails && !rc;
     for (uint32_t j = 0; !rc && j < rs->n; j++) {
@@ -454,9 +496,15 @@ static int fetch_parts(bex_ps_client *c, struct ubuf *u, const struct runs *rs, 
         if (r->e == r->a)
             continue;
         struct zpart *p = &z->part[sent];
-        *p = (struct zpart){.z = z, .first = r->a, .n = r->e - r->a};
-        rc = fetch_send(c, p, r->shard, keys);
+        *p = (struct zpart){.z = z,
+                            .first = r->a,
+                            .n = r->e - r->a,
+                            .shard = r->shard,
+                            .rt = {.end_ns = end_ns, .fn = fetch_retry}};
+        rc = fetch_send(c, p, keys, timeout_ms);
         sent += !rc;
+        if (!rc) /* z lives while starting (a retry's send counts no more) */
+            atomic_fetch_add_explicit(&u->zero, 1, memory_order_relaxed);
     }
     return zcall_started(z, sent, parts, rc);
 }
@@ -637,7 +685,7 @@ static int push_parts(bex_ps_client *c, struct ubuf *u, const struct runs *rs, s
                       size_t *n_res, bex_ps_done_fn done, void *user, bool sync)
 {
     uint32_t parts = rs->n + sync, sent = 0;
-    struct zcall *z = zcall_new(u, rs->n, 0, a->table, a->dim, done, user);
+    struct zcall *z = zcall_new(u, rs->n, 0, 0, a->table, a->dim, done, user);
     if (!z) {
         ubuf_release(u);
         return -ENOMEM;

@@ -6,11 +6,13 @@
 #define BEX_PS_INTERNAL_H
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bex/ps.h"
+#include "common/list.h"
 
 #define BEX__PS_VERSION 1
 #define BEX__PS_HDR_LEN 16
@@ -295,6 +297,32 @@ bex_ctx *bex__ps_client_ctx(const bex_ps_client *c);
 uint32_t bex__ps_client_shards(const bex_ps_client *c);
 uint32_t bex__ps_client_timeout(const bex_ps_client *c);
 bex_rpc_channel *bex__ps_client_fetch_ch(const bex_ps_client *c, uint32_t shard);
+/* Whether a Fetch's part may be issued again at all (max_attempts is not
+ * 1): a part that may keeps its keys. */
+bool bex__ps_client_fetch_retries(const bex_ps_client *c);
+
+/* A part of a request queued on the client's retry thread to be sent
+ * again (a Fetch's part, of bex_ps_fetch or bex_ps_fetch_into, or a Push's
+ * under BEX_PS_PUSH_PRIMARY). fn sends it again (status 0) or ends it with
+ * status (-ECANCELED: the client is being destroyed); from the retry
+ * thread. end_ns: its request's deadline (set when it is first sent). */
+struct bex__ps_retry {
+    struct bex__list rl;
+    uint64_t at_ns, end_ns;
+    void (*fn)(bex_ps_client *c, struct bex__ps_retry *rt, int status);
+};
+/* A Fetch's part of shard that failed with status: queued on the retry
+ * thread (true: rt->fn runs later) when bex_ps_fetch's contract issues it
+ * again (a retryable status, a shard of several replicas, max_attempts not
+ * 1, its deadline leaving more than the pause), else false (the caller
+ * ends it with status). */
+bool bex__ps_fetch_retry(bex_ps_client *c, struct bex__ps_retry *rt, uint32_t shard, int status);
+/* The time rt's deadline leaves at now (ns), in ms rounded up: a resend's
+ * timeout. */
+static inline uint32_t bex__ps_retry_left_ms(const struct bex__ps_retry *rt, uint64_t now)
+{
+    return (uint32_t)((rt->end_ns > now ? rt->end_ns - now : 0) / 1000000 + 1);
+}
 /* The one Push channel of shard (and its replica's address) with a new
  * Push id in h; -ENOENT when the shard's Push goes to more than one replica
  * (or none), -ENOMEM. */

@@ -82,8 +82,12 @@ static const char *kind_name(int outcome)
  * only when a quarantine starts (else every call of the shard would go to
  * the failing node until a period ended). A probe answered lifts the
  * quarantine as usual; a failed one starts another period, and the next
- * failure of n releases another probe: one call at a time per node, only
- * while n keeps failing. Counted each time, logged once until a lift. */
+ * failure of n releases another probe: one call more per failure of n,
+ * only while n keeps failing. A replica whose probe is out (another call's,
+ * not answered yet) gets another one so too: else the calls that fail on n
+ * would have nowhere but n to go until that probe's outcome (seen: a
+ * ranker's Fetch retried on a replica killed with -9 until it failed).
+ * Counted each time, logged once until a lift. */
 static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome, uint64_t now,
                           struct pending *pl)
 {
@@ -94,7 +98,17 @@ static void release_early(bex_dir *d, const struct bex__dir_node *n, int outcome
                 continue;
             for (size_t i = 0; i < sh->n; i++) {
                 struct bex__dir_node *q = sh->reps[i];
-                if (q == n || q->state != BEX_DIR_QUARANTINED || now >= q->until)
+                if (q == n || now >= q->until)
+                    continue;
+                if (q->state == BEX_DIR_PROBING && q->probe_out) {
+                    /* its probe out (another call's) holds the calls back
+                     * as a quarantine does: another beside it (a probe
+                     * as the first, its period over: not an early one) */
+                    q->probe_out = false;
+                    q->st.early_probes++;
+                    continue;
+                }
+                if (q->state != BEX_DIR_QUARANTINED)
                     continue;
                 q->state = BEX_DIR_PROBING;
                 q->probe_out = false;

@@ -429,6 +429,51 @@ static int ready_list(void)
     return 0;
 }
 
+/* An echo pair: sctx's server listening, cctx's client connected to it,
+ * one echo done, then 100 ms for the connection's set-up to settle. */
+struct echo_rig {
+    struct local_srv v;
+    bex_ctx *sctx, *cctx;
+    bex_listener *l;
+    struct cli c;
+    bex_sock *s;
+};
+
+static void echo_open(struct echo_rig *r, bex_ctx *sctx, bex_ctx *cctx)
+{
+    *r = (struct echo_rig){.v = {.w = WAITER_INIT}, .sctx = sctx, .cctx = cctx};
+    bex_addr a;
+    r->l = srv_listen(sctx, &r->v, &a);
+    r->c.base.w = &r->v.w;
+    r->s = cli_open(cctx, &a, &r->c);
+    CHECK_OK(wait_count(&r->v.w, &r->c.base.connected, 1, 10000));
+    send_one(cctx, r->s);
+    CHECK_OK(wait_count(&r->v.w, &r->c.recvd, 1, 10000));
+    pair_sleep_ms(100);
+}
+
+/* n more echoes on r, one at a time. */
+static void echo_run(struct echo_rig *r, int n)
+{
+    long done = atomic_load(&r->c.recvd);
+    for (int i = 1; i <= n; i++) {
+        send_one(r->cctx, r->s);
+        CHECK_OK(wait_count(&r->v.w, &r->c.recvd, done + i, 10000)); /* (a loaded host) */
+    }
+}
+
+/* echo_open's pair closed, both contexts destroyed. */
+static int echo_close(struct echo_rig *r)
+{
+    bex_sock_close(r->s);
+    CHECK_OK(wait_count(&r->v.w, &r->c.base.closed, 1, 10000));
+    CHECK_OK(wait_count(&r->v.w, &r->v.closed, 1, 10000));
+    CHECK_OK(bex_listener_close(r->l));
+    CHECK_OK(bex_ctx_destroy(r->cctx));
+    CHECK_OK(bex_ctx_destroy(r->sctx));
+    return 0;
+}
+
 /* Progress calls per echo over RDMA, on one connection: an engine's
  * progress moves all it can in one call and is not called again for
  * nothing (a send completion asks for a call only when work is left). The
@@ -447,23 +492,13 @@ static int ready_list(void)
 static int echo_visits(void)
 {
     PAIR_NEED(setup_addrs());
-    struct local_srv v = {.w = WAITER_INIT};
-    bex_ctx *sctx = ctx_new(addr0, 1), *cctx = ctx_new(addr1, 1);
-    bex_addr a;
-    bex_listener *l = srv_listen(sctx, &v, &a);
-    struct cli c = {.base.w = &v.w};
-    bex_sock *s = cli_open(cctx, &a, &c);
-    CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 10000));
-    send_one(cctx, s);
-    CHECK_OK(wait_count(&v.w, &c.recvd, 1, 10000));
-    pair_sleep_ms(100);
+    struct echo_rig r;
+    echo_open(&r, ctx_new(addr0, 1), ctx_new(addr1, 1));
+    bex_ctx *sctx = r.sctx, *cctx = r.cctx;
     struct bex__io *cio = &cctx->io[0], *sio = &sctx->io[0];
     uint64_t c0 = atomic_load(&cio->visits), s0 = atomic_load(&sio->visits), t0 = pair_now_ms();
     uint64_t cd0 = atomic_load(&cio->direct_sends), sd0 = atomic_load(&sio->direct_sends);
-    for (int i = 0; i < VISIT_ECHOES; i++) {
-        send_one(cctx, s);
-        CHECK_OK(wait_count(&v.w, &c.recvd, i + 2, 10000)); /* (a loaded host) */
-    }
+    echo_run(&r, VISIT_ECHOES);
     uint64_t cv = atomic_load(&cio->visits) - c0, sv = atomic_load(&sio->visits) - s0;
     uint64_t ms = pair_now_ms() - t0, ticks = ms / 10 + 2 + 2 * (ms / 100 + 2);
     fprintf(stderr, "%d echoes in %llu ms: %llu progress calls at the client, %llu at the server\n",
@@ -485,13 +520,7 @@ static int echo_visits(void)
             (unsigned long long)cd, (unsigned long long)sd);
     CHECK_EQ(cd, 0);
     CHECK_EQ(sd, VISIT_ECHOES);
-    bex_sock_close(s);
-    CHECK_OK(wait_count(&v.w, &c.base.closed, 1, 10000));
-    CHECK_OK(wait_count(&v.w, &v.closed, 1, 10000));
-    CHECK_OK(bex_listener_close(l));
-    CHECK_OK(bex_ctx_destroy(cctx));
-    CHECK_OK(bex_ctx_destroy(sctx));
-    return 0;
+    return echo_close(&r);
 }
 
 /* Idle RDMA connections are left alone between their keepalives: the
@@ -675,35 +704,18 @@ static long idle_run(uint32_t threads, uint32_t smode, uint32_t cmode, unsigned 
 static int echo_turns(void)
 {
     PAIR_NEED(setup_addrs());
-    struct local_srv v = {.w = WAITER_INIT};
-    bex_ctx *sctx = ctx_new_mode(addr0, 1, BEX_POLL_EVENT);
-    bex_ctx *cctx = ctx_new_mode(addr1, 1, BEX_POLL_EVENT);
-    bex_addr a;
-    bex_listener *l = srv_listen(sctx, &v, &a);
-    struct cli c = {.base.w = &v.w};
-    bex_sock *s = cli_open(cctx, &a, &c);
-    CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 10000));
-    send_one(cctx, s);
-    CHECK_OK(wait_count(&v.w, &c.recvd, 1, 10000));
-    pair_sleep_ms(100);
+    struct echo_rig r;
+    echo_open(&r, ctx_new_mode(addr0, 1, BEX_POLL_EVENT), ctx_new_mode(addr1, 1, BEX_POLL_EVENT));
+    bex_ctx *sctx = r.sctx;
     uint64_t t0 = turns(sctx), ms0 = pair_now_ms();
-    for (int i = 0; i < TURN_ECHOES; i++) {
-        send_one(cctx, s);
-        CHECK_OK(wait_count(&v.w, &c.recvd, i + 2, 10000)); /* (a loaded host) */
-    }
+    echo_run(&r, TURN_ECHOES);
     uint64_t n = turns(sctx) - t0, ms = pair_now_ms() - ms0;
     uint64_t bound = 5 * TURN_ECHOES / 2 + ms / 100 + 10;
     fprintf(stderr, "%d echoes in %llu ms: %llu loop turns at the server (bound %llu)\n",
             TURN_ECHOES, (unsigned long long)ms, (unsigned long long)n, (unsigned long long)bound);
     CHECK(n <= bound);
     CHECK(n >= TURN_ECHOES); /* the counter counts */
-    bex_sock_close(s);
-    CHECK_OK(wait_count(&v.w, &c.base.closed, 1, 10000));
-    CHECK_OK(wait_count(&v.w, &v.closed, 1, 10000));
-    CHECK_OK(bex_listener_close(l));
-    CHECK_OK(bex_ctx_destroy(cctx));
-    CHECK_OK(bex_ctx_destroy(sctx));
-    return 0;
+    return echo_close(&r);
 }
 
 /* What idle_event allows an idle second to cost, unstretched (ms). */

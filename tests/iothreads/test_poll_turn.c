@@ -265,22 +265,6 @@ static int late_chain(void)
     return 0;
 }
 
-/* Counters read apart while the I/O thread may be posting: two snapshots
- * 1 ms apart until they agree. */
-static void still_stats(bex_ctx *ctx, bex_sock_stats *out)
-{
-    bex_sock_stats again;
-    for (int i = 0; i < 2000; i++) {
-        bex_ctx_stats(ctx, out);
-        pair_sleep_ms(1);
-        bex_ctx_stats(ctx, &again);
-        if (memcmp(out, &again, sizeof again) == 0)
-            return;
-    }
-    fprintf(stderr, "the counters never held still for 1 ms\n");
-    exit(1);
-}
-
 #define KA_WANT 3
 static int keepalive_count(void)
 {
@@ -295,7 +279,7 @@ static int keepalive_count(void)
     CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, 1, 10000));
     CHECK_OK(wait_count(&r.h.base.w, &r.c.done, 1, 10000));
     bex_sock_stats s0, s1;
-    still_stats(cctx, &s0);
+    pair_quiet_stats(cctx, &s0);
     /* idle now: what the client posts from here is keepalives, and the
      * credits for the answer it took, if they had not gone back yet (a
      * CREDIT message: seen under ASan, where the window opens sooner
@@ -303,7 +287,7 @@ static int keepalive_count(void)
     uint64_t end = pair_now_ms() + 20000ull * time_scale();
     do {
         pair_sleep_ms(10);
-        still_stats(cctx, &s1);
+        pair_quiet_stats(cctx, &s1);
     } while (s1.keepalive_writes < s0.keepalive_writes + KA_WANT && pair_now_ms() < end);
     uint64_t ka = s1.keepalive_writes - s0.keepalive_writes;
     uint64_t credits = s1.credit_msgs - s0.credit_msgs;

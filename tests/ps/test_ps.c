@@ -8,6 +8,7 @@
  * corrupt or foreign snapshot is refused. Over TCP natively (tcp) and RDMA
  * in the VM (rxe). */
 #include "ps_test.h"
+#include "rpc/still_clock.h"
 
 /* A directory with shard i on sps[i]. */
 static bex_dir *dir_of(const struct srv_proc *sps)
@@ -148,35 +149,10 @@ static void timed_done(int status, void *user)
     waiter_add(&t->w, &t->calls, 1);
 }
 
-/* The RPC layer's clock in t_deadline (bex__rpc_clock_hook): the real one
- * while the connections are made, then standing still but where the case
- * moves it, so that "at its deadline, not before, not after" is judged on
- * the clock the deadline is kept by, whatever the host's load (on the wall
- * clock, a completion 108 ms after the deadline failed a 100 ms slack at
- * load 20). Hooked before the client's objects exist, so that the
- * channels' timer threads look at it every millisecond from the start. */
-static _Atomic uint64_t dl_ns; /* 0: the real clock */
-
-static uint64_t mono_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t dl_clock(void)
-{
-    uint64_t v = atomic_load(&dl_ns);
-    return v ? v : mono_now_ns();
-}
-
-/* The clock stops, a second ahead of the real one (past every time read
- * from it so far: it stays monotonic); its time. */
-static uint64_t dl_freeze(void)
-{
-    atomic_store(&dl_ns, mono_now_ns() + 1000000000ull);
-    return atomic_load(&dl_ns);
-}
+/* The RPC layer's clock in t_deadline (tests/rpc/still_clock.h): "at its
+ * deadline, not before, not after" is judged on the clock the deadline is
+ * kept by (on the wall clock, a completion 108 ms after the deadline
+ * failed a 100 ms slack at load 20). */
 
 /* Shard 1 never answers Fetches: a Fetch over both shards completes once,
  * with -ETIMEDOUT, at its deadline (not with the RPC clock short of it,
@@ -193,8 +169,8 @@ static int t_deadline(void)
     struct srv_proc sp[NSH];
     spawn(&sp[0], 0, NULL, MODE_NORMAL);
     spawn(&sp[1], 1, NULL, MODE_HOLD);
-    atomic_store(&dl_ns, 0);
-    bex__rpc_clock_hook(dl_clock); /* (the servers forked before) */
+    atomic_store(&still_ns, 0);
+    bex__rpc_clock_hook(still_clock); /* (the servers forked before) */
     bex_ctx *ctx = client_ctx();
     bex_dir *d = dir_of(sp);
     const unsigned tmo = 300 * time_scale();
@@ -222,18 +198,18 @@ static int t_deadline(void)
     while ((rc = bex_ps_push_sync(pc, 1, 8, &k1, 1, g)) == -ETIMEDOUT && pair_now_ms() < warm_end)
         ;
     CHECK_OK(rc);
-    uint64_t f0 = dl_freeze();
+    uint64_t f0 = still_freeze();
     static struct timed t = {.w = WAITER_INIT};
     CHECK_OK(bex_ps_fetch(pc, 1, 8, keys, NK, rows, timed_done, &t));
     /* a millisecond short of the deadline: still out (however long the
      * wait, the clock stays there) */
-    atomic_store(&dl_ns, f0 + tmo_ns - 1000000);
+    atomic_store(&still_ns, f0 + tmo_ns - 1000000);
     pair_sleep_ms(tmo);
     CHECK_EQ(atomic_load(&t.calls), 0);
-    atomic_store(&dl_ns, f0 + tmo_ns); /* at the deadline */
+    atomic_store(&still_ns, f0 + tmo_ns); /* at the deadline */
     CHECK(wait_count(&t.w, &t.calls, 1, 10000) == 0);
     CHECK_EQ(t.status, -ETIMEDOUT);
-    atomic_store(&dl_ns, f0 + 2 * tmo_ns);
+    atomic_store(&still_ns, f0 + 2 * tmo_ns);
     pair_sleep_ms(tmo);
     CHECK_EQ(atomic_load(&t.calls), 1); /* once */
     CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, k0, (size_t)n0, rows));
@@ -244,9 +220,9 @@ static int t_deadline(void)
     waitpid(sp[1].pid, &st, 0);
     close(sp[1].to_child);
     static struct timed t2 = {.w = WAITER_INIT};
-    uint64_t f1 = atomic_load(&dl_ns);
+    uint64_t f1 = atomic_load(&still_ns);
     CHECK_OK(bex_ps_fetch(pc, 1, 8, keys, NK, rows, timed_done, &t2));
-    atomic_store(&dl_ns, f1 + tmo_ns);
+    atomic_store(&still_ns, f1 + tmo_ns);
     CHECK(wait_count(&t2.w, &t2.calls, 1, 10000) == 0);
     CHECK(t2.status != 0);
     CHECK_OK(bex_ps_fetch_sync(pc, 1, 8, k0, (size_t)n0, rows));

@@ -12,7 +12,10 @@
  *   retry; applied once.
  * in_doubt: the retry cannot reach the shard (its connection fails before
  *   sending, every time): the Push completes -EIO (in doubt), not a
- *   connection error that reads as "not applied"; it was applied once. */
+ *   connection error that reads as "not applied"; it was applied once.
+ * fetch_*: a Fetch whose replica dies comes back with the rows from the
+ *   shard's other replica (bex_ps_fetch); into_*: the same by
+ *   bex_ps_fetch_into, its rows into an array of bex_ps_rows_alloc. */
 #include <arpa/inet.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -316,43 +319,85 @@ static void fetch_done(int status, void *user)
     pthread_mutex_unlock(&f->w->mu);
 }
 
-/* nf Fetches out at once while replica a dies (its first request comes
- * back in doubt, every later connection to it fails before it sends):
- * each must come back with the rows, from b. */
-static int fetch_dies(int nf, uint32_t max_attempts, uint32_t b_quarantine_ms)
+/* A Fetch of key into out (dim TI.dim): bex_ps_fetch, or into: bex_ps_fetch_into an array
+ * of bex_ps_rows_alloc (*arr, freed by fetch_check). */
+static void fetch_start(bex_ps_client *pc, bex_ctx *cx, const uint64_t *key, float *out, bool into,
+                        float **arr, struct fone *f)
+{
+    *arr = NULL;
+    if (!into) {
+        CHECK_OK(bex_ps_fetch(pc, TI.id, TI.dim, key, 1, out, fetch_done, f));
+        return;
+    }
+    *arr = bex_ps_rows_alloc(cx, 1, TI.dim);
+    CHECK(*arr != NULL);
+    CHECK_OK(bex_ps_fetch_into(pc, TI.id, TI.dim, key, 1, *arr, fetch_done, f));
+}
+
+/* The Fetch of key ended with status and the rows (out, or into its array,
+ * which must have gone without a copy). */
+static int fetch_check(int status, uint64_t key, const float *out, float *arr)
+{
+    if (status)
+        fprintf(stderr, "fetch of %llu%s: %s\n", (unsigned long long)key, arr ? " into" : "",
+                bex_strerror(status));
+    CHECK_OK(status);
+    const float *rows = arr ? arr : out;
+    for (uint32_t c = 0; c < TI.dim; c++)
+        CHECK_EQ(rows[c], bex_ps_init_value(TI.id, key, c, 0.01f));
+    if (arr) {
+        CHECK(bex_ps_rows_zero(arr) >= 1);
+        CHECK_OK(bex_ps_rows_free(arr));
+    }
+    return 0;
+}
+
+static int fetch_left(struct fwait *w)
+{
+    pthread_mutex_lock(&w->mu);
+    int left = w->left;
+    pthread_mutex_unlock(&w->mu);
+    return left;
+}
+
+static void fetch_wait(struct fwait *w)
+{
+    pthread_mutex_lock(&w->mu);
+    while (w->left)
+        pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* nf Fetches out at once (into: bex_ps_fetch_into) while replica a dies
+ * (its first request comes back in doubt, every later connection to it
+ * fails before it sends): each must come back with the rows, from b. */
+static int fetch_dies(int nf, uint32_t max_attempts, uint32_t b_quarantine_ms, bool into)
 {
     struct frig fr;
     frig_open(&fr, max_attempts, b_quarantine_ms);
-    struct side *a = &fr.a, *b = &fr.b;
+    struct side *b = &fr.b;
     bex_ps_client *pc = fr.pc;
-    int rule = doubt_rule(a->port, true);
+    int rule = doubt_rule(fr.a.port, true);
     struct fwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .left = nf};
     struct fone f[NF];
     uint64_t keys[NF];
-    float rows[NF][2];
+    float rows[NF][2], *arr[NF];
     for (int i = 0; i < nf; i++) {
         f[i] = (struct fone){&w, i};
         keys[i] = 100 + (uint64_t)i;
-        CHECK_OK(bex_ps_fetch(pc, TI.id, TI.dim, &keys[i], 1, rows[i], fetch_done, &f[i]));
+        fetch_start(pc, fr.cx, &keys[i], rows[i], into, &arr[i], &f[i]);
     }
-    pthread_mutex_lock(&w.mu);
-    while (w.left)
-        pthread_cond_wait(&w.cv, &w.mu);
-    pthread_mutex_unlock(&w.mu);
+    fetch_wait(&w);
     bex_ps_client_stats cs;
     bex_ps_client_stats_get(pc, &cs);
     fprintf(stderr,
-            "fetches %d: calls %llu attempts %llu retries %llu failovers %llu conn_failures %llu\n",
-            nf, (unsigned long long)cs.calls, (unsigned long long)cs.attempts,
+            "fetches %d%s: calls %llu attempts %llu retries %llu failovers %llu conn_failures "
+            "%llu\n",
+            nf, into ? " into" : "", (unsigned long long)cs.calls, (unsigned long long)cs.attempts,
             (unsigned long long)cs.retries, (unsigned long long)cs.failovers,
             (unsigned long long)cs.conn_failures);
-    for (int i = 0; i < nf; i++) {
-        if (w.st[i])
-            fprintf(stderr, "fetch %d: %s\n", i, bex_strerror(w.st[i]));
-        CHECK_OK(w.st[i]);
-        for (uint32_t c = 0; c < TI.dim; c++)
-            CHECK_EQ(rows[i][c], bex_ps_init_value(TI.id, keys[i], c, 0.01f));
-    }
+    for (int i = 0; i < nf; i++)
+        CHECK_OK(fetch_check(w.st[i], keys[i], rows[i], arr[i]));
     CHECK_EQ(fn_hits(rule), 1);
     CHECK(stats(b->cur).fetches >= 1);
     return frig_close(&fr);
@@ -360,17 +405,32 @@ static int fetch_dies(int nf, uint32_t max_attempts, uint32_t b_quarantine_ms)
 
 static int t_fetch_one(void)
 {
-    return fetch_dies(1, 0, 0);
+    return fetch_dies(1, 0, 0, false);
 }
 
 static int t_fetch_many(void)
 {
-    return fetch_dies(NF, 0, 0);
+    return fetch_dies(NF, 0, 0, false);
 }
 
 static int t_fetch_quarantined(void)
 {
-    return fetch_dies(NF, 0, 60000);
+    return fetch_dies(NF, 0, 60000, false);
+}
+
+static int t_into_one(void)
+{
+    return fetch_dies(1, 0, 0, true);
+}
+
+static int t_into_many(void)
+{
+    return fetch_dies(NF, 0, 0, true);
+}
+
+static int t_into_quarantined(void)
+{
+    return fetch_dies(NF, 0, 60000, true);
 }
 
 static bex_dir_node_stats node_stats(bex_dir *d, uint16_t port)
@@ -382,12 +442,14 @@ static bex_dir_node_stats node_stats(bex_dir *d, uint16_t port)
     return ns;
 }
 
-/* One Fetch in doubt on a, which dies, while b, its shard's live replica,
- * is quarantined with its one probe out (another call's: here the test's
- * own pick): the channel's attempts all go back to a and fail. The Fetch
- * is a read: once b's probe answers (the quarantine lifted), it must still
- * come back with the rows within its deadline, not -EIO. */
-static int t_fetch_probe_out(void)
+/* One Fetch (into: bex_ps_fetch_into) in doubt on a, which dies, while
+ * b, its shard's live replica, is quarantined with its one probe out
+ * (another call's: here the test's own pick). a's failures release another
+ * probe of b (src/rpc/quarantine.c), which a retry of the channel takes;
+ * should every attempt still go back to a and fail, the Fetch is a read:
+ * once b's probe answers (the quarantine lifted), it must still come back
+ * with the rows within its deadline, not -EIO. */
+static int fetch_probe_out(bool into)
 {
     struct frig fr;
     frig_open(&fr, 3, 1);
@@ -409,29 +471,34 @@ static int t_fetch_probe_out(void)
     struct fwait w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .left = 1};
     struct fone f = {&w, 0};
     uint64_t key = 100;
-    float rows[2];
-    CHECK_OK(bex_ps_fetch(pc, TI.id, TI.dim, &key, 1, rows, fetch_done, &f));
-    /* a's connection failures: the one in doubt, the ladder's two steps
-     * (moves), then the channel's other two attempts */
+    float rows[2], *arr;
+    fetch_start(pc, fr.cx, &key, rows, into, &arr, &f);
+    /* the Fetch done, or a's connection failures: the one in doubt, the
+     * ladder's two steps (moves), then the channel's other two attempts */
     uint64_t end = bex_test_now_ms() + 20000ull * bex_test_time_scale();
-    while (node_stats(d, a->port).conn_failures < 4 && bex_test_now_ms() < end)
+    while (node_stats(d, a->port).conn_failures < 4 && fetch_left(&w) && bex_test_now_ms() < end)
         bex_test_sleep_ms(1);
-    CHECK(node_stats(d, a->port).conn_failures >= 4);
-    bex_dir_report(d, &ab, BEX_DIR_OK, 1); /* b answered its probe */
-    pthread_mutex_lock(&w.mu);
-    while (w.left)
-        pthread_cond_wait(&w.cv, &w.mu);
-    pthread_mutex_unlock(&w.mu);
-    if (w.st[0])
-        fprintf(stderr, "fetch: %s\n", bex_strerror(w.st[0]));
-    CHECK_OK(w.st[0]);
-    for (uint32_t c = 0; c < TI.dim; c++)
-        CHECK_EQ(rows[c], bex_ps_init_value(TI.id, key, c, 0.01f));
+    CHECK(node_stats(d, a->port).conn_failures >= 4 || !fetch_left(&w));
+    bex_dir_report(d, &ab, BEX_DIR_OK, 1); /* b answered the test's probe */
+    fetch_wait(&w);
+    CHECK_OK(fetch_check(w.st[0], key, rows, arr));
     CHECK_EQ(fn_hits(rule), 1);
     CHECK_EQ(stats(b->cur).fetches, 1);
     return frig_close(&fr);
 }
 
+static int t_fetch_probe_out(void)
+{
+    return fetch_probe_out(false);
+}
+
+static int t_into_probe_out(void)
+{
+    return fetch_probe_out(true);
+}
+
 BEX_TEST_MAIN({"retried", t_retried}, {"restored", t_restored}, {"in_doubt", t_in_doubt},
               {"fetch_one", t_fetch_one}, {"fetch_many", t_fetch_many},
-              {"fetch_quarantined", t_fetch_quarantined}, {"fetch_probe_out", t_fetch_probe_out})
+              {"fetch_quarantined", t_fetch_quarantined}, {"fetch_probe_out", t_fetch_probe_out},
+              {"into_one", t_into_one}, {"into_many", t_into_many},
+              {"into_quarantined", t_into_quarantined}, {"into_probe_out", t_into_probe_out})

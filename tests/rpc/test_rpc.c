@@ -6,6 +6,7 @@
  * applied once, a peer sending garbage, answers from another thread, the
  * counters and their Prometheus dump. Over RDMA (rxe) and TCP (tcp). */
 #include "rpc/rpc_test.h"
+#include "rpc/still_clock.h"
 
 #include <dirent.h>
 
@@ -346,32 +347,10 @@ static int t_failover(void)
     return rc ? 1 : 0;
 }
 
-/* The RPC layer's clock in t_connect_timeout (bex__rpc_clock_hook): the
- * real one while the connections are made, then standing still but where
- * the case moves it, so that Tc and the hold-down are judged on the clock
- * they are kept by, whatever the host's load (on the wall clock, a call
- * "within Tc + 1 s" failed at load 30-38). Hooked after the servers are
- * forked and before the channels exist, so that their timer threads look at
- * it every millisecond from the start. */
-static _Atomic uint64_t ct_ns; /* 0: the real clock */
-
-static uint64_t ct_real_ns(void)
-{
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
-}
-
-static uint64_t ct_clock(void)
-{
-    uint64_t v = atomic_load(&ct_ns);
-    return v ? v : ct_real_ns();
-}
-
-static void ct_advance(uint64_t ms)
-{
-    atomic_fetch_add(&ct_ns, ms * 1000000ull);
-}
+/* The RPC layer's clock in t_connect_timeout (tests/rpc/still_clock.h):
+ * Tc and the hold-down are judged on the clock they are kept by (on the
+ * wall clock, a call "within Tc + 1 s" failed at load 30-38); hooked after
+ * the servers are forked. */
 
 /* An echo of no body out on ch, its completion counted in *n, its status in
  * *status. */
@@ -409,8 +388,8 @@ static int t_connect_timeout(void)
     socklen_t bl = sizeof ba;
     CHECK(getsockname(fd, (struct sockaddr *)&ba, &bl) == 0);
     sp[0] = (struct srv_proc){.addr = ba};
-    atomic_store(&ct_ns, 0);
-    bex__rpc_clock_hook(ct_clock);
+    atomic_store(&still_ns, 0);
+    bex__rpc_clock_hook(still_clock);
     bex_ctx *ctx = client_ctx();
     bex_rpc_endpoint ep[2];
     bex_rpc_channel_config cc = chan_cfg(ep, sp, 2);
@@ -432,17 +411,17 @@ static int t_connect_timeout(void)
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     /* the clock stops, a second ahead of the real one (past every time read
      * from it: it stays monotonic) */
-    atomic_store(&ct_ns, ct_real_ns() + 1000000000ull);
+    still_freeze();
     struct waiter w = WAITER_INIT;
     _Atomic long n = 0;
     struct ct_call c[3] = {{.n = &n, .w = &w}, {.n = &n, .w = &w}, {.n = &n, .w = &w}};
     /* round robin sends the first call to the first endpoint: at Tc it
      * goes to the second */
     CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, NULL, 0, NULL, ct_done, &c[0], NULL));
-    ct_advance(tc - 1);
+    still_advance_ms(tc - 1);
     pair_sleep_ms(tc + 200); /* past Tc on the wall clock, short of it on the RPC one */
     CHECK_EQ(atomic_load(&n), 0);
-    ct_advance(1);
+    still_advance_ms(1);
     CHECK(wait_count(&w, &n, 1, 20000) == 0);
     CHECK_OK(atomic_load(&c[0].status));
     bex_rpc_channel_stats st;
@@ -457,14 +436,14 @@ static int t_connect_timeout(void)
     CHECK_EQ(st.attempts, 6);
     /* after the hold-down, one call of two probes the first endpoint again:
      * it completes at Tc via the second */
-    ct_advance(hold + 50);
+    still_advance_ms(hold + 50);
     CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, NULL, 0, NULL, ct_done, &c[1], NULL));
     CHECK_OK(bex_rpc_call(ch, SVC, M_ECHO, NULL, 0, NULL, ct_done, &c[2], NULL));
     CHECK(wait_count(&w, &n, 2, 20000) == 0); /* the one to the second endpoint */
-    ct_advance(tc - 1);
+    still_advance_ms(tc - 1);
     pair_sleep_ms(tc + 200);
     CHECK_EQ(atomic_load(&n), 2);
-    ct_advance(1);
+    still_advance_ms(1);
     CHECK(wait_count(&w, &n, 3, 20000) == 0);
     CHECK_OK(atomic_load(&c[1].status));
     CHECK_OK(atomic_load(&c[2].status));

@@ -572,6 +572,23 @@ static inline void pair_listen(struct pair *p, const bex_listener_ops *ops, void
  * nothing. For a server that checks the state the client left before the
  * teardown closes anything; its callback state must outlive its function
  * (the teardown runs after it returns). */
+/* Counters that are read apart while the I/O thread may be posting (a
+ * keepalive): two snapshots 1 ms apart until they agree (2000 tries, then
+ * the test fails). */
+static inline void pair_quiet_stats(bex_ctx *ctx, bex_sock_stats *out)
+{
+    bex_sock_stats again;
+    for (int i = 0; i < 2000; i++) {
+        bex_ctx_stats(ctx, out);
+        pair_sleep_ms(1);
+        bex_ctx_stats(ctx, &again);
+        if (memcmp(out, &again, sizeof again) == 0)
+            return;
+    }
+    fprintf(stderr, "the counters never held still for 1 ms\n");
+    exit(1);
+}
+
 static inline void pair_wait_done(struct pair *p)
 {
     char c;

@@ -284,22 +284,6 @@ static int sizes(void)
     return pair_run(&cfg, echo_server, NULL, &cfg, sizes_client, NULL, 120);
 }
 
-/* Counters that are read apart while the I/O thread may be posting (a
- * keepalive): take two snapshots 1 ms apart until they agree. */
-static void quiet_stats(bex_ctx *ctx, bex_sock_stats *out)
-{
-    bex_sock_stats again;
-    for (int i = 0; i < 2000; i++) {
-        bex_ctx_stats(ctx, out);
-        pair_sleep_ms(1);
-        bex_ctx_stats(ctx, &again);
-        if (memcmp(out, &again, sizeof again) == 0)
-            return;
-    }
-    fprintf(stderr, "the counters never held still for 1 ms\n");
-    exit(1);
-}
-
 /* 16 sockets to one address share one engine; interleaved traffic keeps
  * per-socket order. */
 /* Credits for every message in flight at once, both ways (multiplex: at
@@ -341,7 +325,7 @@ static int multiplex_client(struct pair *p, void *arg)
         CHECK_EQ(c->next_seq[si], PER);
     CLI_WAIT(c, done, NS * PER, 10000);
     CHECK_EQ(atomic_load(&c->send_err), 0);
-    quiet_stats(p->ctx, &st);
+    pair_quiet_stats(p->ctx, &st);
     CHECK_EQ(st.engines, 1);
     fprintf(stderr,
             "%llu SENDs + %llu WRITEs in %llu ibv_post_send calls, %llu signaled; "
