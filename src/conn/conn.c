@@ -57,6 +57,8 @@ static void conn_die(struct conn *c)
 
 void bex__conn_stream_del(struct conn *c, uint32_t id)
 {
+    if (c->last_id == id)
+        c->last_st = NULL;
     if (bex__hmap_del(&c->streams, id))
         c->io->reap = true; /* a dead connection may have lost its last */
 }

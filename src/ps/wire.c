@@ -22,9 +22,9 @@ static int hdr_get(const void *body, size_t len, struct bex__ps_hdr *h)
         return -EINVAL;
     h->flags = p[2];
     h->id_client = h->id_seq = h->id_tok[0] = h->id_tok[1] = h->epoch = 0;
-    h->table = bex__ps_get32(p + 4);
-    h->n = bex__ps_get32(p + 8);
-    h->dim = bex__ps_get32(p + 12);
+    h->table = bex__ps_hdr_get32(p + 4);
+    h->n = bex__ps_hdr_get32(p + 8);
+    h->dim = bex__ps_hdr_get32(p + 12);
     if (h->dim == 0)
         return -EINVAL;
     if (h->n > BEX_PS_KEYS_MAX || h->dim > BEX_PS_DIM_MAX || len > BEX_PS_BODY_MAX)

@@ -555,7 +555,8 @@ int bex__rpc_reply_at(bex_rpc_req *req, int status, void *body, size_t len, uint
         req = NULL;
     }
     pthread_mutex_unlock(&srv->mu);
-    free(req);
+    if (req) /* (kept for the next request: no call to free) */
+        free(req);
     if (last)
         srv_free(srv);
     return err;

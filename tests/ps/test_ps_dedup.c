@@ -11,7 +11,11 @@
  * flood: fresh client ids past the shard's rate are refused -EAGAIN
  *   (retriable) and never evict an honest client with a retriable Push; a
  *   full table refuses new clients the same way until the retry horizon
- *   of its idlest client has passed. */
+ *   of its idlest client has passed.
+ * foreign: shard 0 of 2 refuses -EINVAL a Fetch or Push with a key of shard
+ *   1's, alone or beside its own keys, new or beside rows it holds, and
+ *   makes no row for it; its own keys are served (a Fetch checks only the
+ *   keys without a row, issue 25 item 5). */
 #include "ps_test.h"
 
 static const bex_ps_table_config TD = {.id = 1, .dim = 2, .optimizer = BEX_PS_SGD, .lr = 1.0f};
@@ -301,5 +305,57 @@ static int t_per_conn(void)
     return 0;
 }
 
+/* A Fetch of keys[0..n) of TD: its status, the answer freed. */
+static int fetch(bex_ps_shard *s, bex_ctx *ctx, const uint64_t *keys, uint32_t n)
+{
+    uint8_t body[BEX__PS_HDR_LEN + 8 * 4];
+    CHECK(n <= 4);
+    bex__ps_hdr_put(body, &(struct bex__ps_hdr){.table = TD.id, .n = n, .dim = TD.dim});
+    for (uint32_t i = 0; i < n; i++)
+        bex__ps_put64(body + BEX__PS_HDR_LEN + 8 * i, keys[i]);
+    void *resp = NULL;
+    size_t len = 0;
+    int rc = bex_ps_shard_serve(s, ctx, BEX_PS_M_FETCH, body, BEX__PS_HDR_LEN + 8 * (size_t)n,
+                                &resp, &len);
+    if (rc == 0)
+        CHECK_EQ(len, BEX__PS_HDR_LEN + 4 * (size_t)n * TD.dim);
+    bex_rpc_free(resp);
+    return rc;
+}
+
+static int t_foreign(void)
+{
+    bex_ctx *ctx = client_ctx();
+    bex_ps_shard_config pc = {.shard = 0, .n_shards = 2, .tables = &TD, .n_tables = 1};
+    bex_ps_shard *s;
+    CHECK_OK(bex_ps_shard_create(&pc, &s));
+    uint64_t own[2], other = 0;
+    int n_own = 0;
+    for (uint64_t k = 1; n_own < 2 || !other; k++) {
+        if (bex_ps_key_shard(k, 2) == 0 && n_own < 2)
+            own[n_own++] = k;
+        else if (bex_ps_key_shard(k, 2) == 1 && !other)
+            other = k;
+    }
+    CHECK_EQ(fetch(s, ctx, &other, 1), -EINVAL); /* alone, new */
+    CHECK_EQ(stats(s).rows, 0);
+    CHECK_OK(fetch(s, ctx, own, 1)); /* a row made */
+    CHECK_EQ(stats(s).rows, 1);
+    /* beside a row it holds, beside a new key of its own: refused whole */
+    CHECK_EQ(fetch(s, ctx, (uint64_t[]){own[0], other}, 2), -EINVAL);
+    CHECK_EQ(fetch(s, ctx, (uint64_t[]){own[1], other, own[0]}, 3), -EINVAL);
+    CHECK_EQ(stats(s).rows, 1);
+    CHECK_OK(fetch(s, ctx, (uint64_t[]){own[0], own[1], own[0]}, 3));
+    CHECK_EQ(stats(s).rows, 2);
+    /* a Push of shard 1's key (push() sends key 7) */
+    CHECK_EQ(bex_ps_key_shard(7, 2), 1);
+    CHECK_EQ(push(s, ctx, &VICTIM, 1, 1), -EINVAL);
+    CHECK_EQ(stats(s).rows, 2);
+    CHECK_EQ(stats(s).malformed, 4);
+    bex_ps_shard_destroy(s);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    return 0;
+}
+
 BEX_TEST_MAIN({"stale", t_stale}, {"stale_snapshot", t_stale_snapshot}, {"spoof", t_spoof},
-              {"flood", t_flood}, {"per_conn", t_per_conn})
+              {"flood", t_flood}, {"per_conn", t_per_conn}, {"foreign", t_foreign})

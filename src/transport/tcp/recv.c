@@ -49,7 +49,7 @@ void bex__tcp_hold_note(struct bex__tcp *t)
 
 void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p)
 {
-    if (!p->direct) {
+    if (p->held) {
         t->part_bytes -= p->len;
         bex__tcp_hold_note(t);
     }

@@ -19,7 +19,7 @@ struct bex__xport *bex__tcp_unwrap(struct bex__xport *x)
     return x;
 }
 
-bool bex__xport_is_tcp(const struct bex__xport *x)
+bool bex__xport_is_tcp_wrapped(const struct bex__xport *x)
 {
     x = bex__tcp_unwrap((struct bex__xport *)x);
     return x && x->ops == &bex__tcp_transport;

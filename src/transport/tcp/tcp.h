@@ -79,13 +79,18 @@ void bex__tcp_start(struct bex__xport *x);
 /* The fd's epoll events: read, write, then progress. Whether progress has
  * more to move at once (its return): the caller visits it again only then. */
 bool bex__tcp_events(struct bex__xport *x, uint32_t events);
-bool bex__xport_is_tcp(const struct bex__xport *x);
+extern const struct bex__transport_ops bex__tcp_transport;
+bool bex__xport_is_tcp_wrapped(const struct bex__xport *x);
+/* Is x the TCP transport (or a test's wrapper of it)? Inline: an up
+ * connection's every event asks (issue 25 item 5). */
+static inline bool bex__xport_is_tcp(const struct bex__xport *x)
+{
+    return (x && x->ops == &bex__tcp_transport) || bex__xport_is_tcp_wrapped(x);
+}
 /* It failed because its TCP connection did (EOF, reset, a write error):
  * nothing was logged, the connection says whether that was a loss
  * (bex__conn_lost). */
 bool bex__tcp_link_lost(const struct bex__xport *x);
-
-extern const struct bex__transport_ops bex__tcp_transport;
 
 /* Tests only (tests/rpc/fakenet.h): while set, every TCP transport
  * bex__tcp_create makes may be wrapped by a transport of the test's, which

@@ -58,6 +58,7 @@ struct part {
     uint32_t token; /* direct */
     uint8_t *buf;
     uint32_t len, off;
+    bool held; /* counted in part_bytes (a DATA message not staged whole) */
 };
 
 struct bex__tcp {
