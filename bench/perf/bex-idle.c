@@ -9,6 +9,9 @@
  * --addr is the server's address (127.0.0.1), --client-addr the client
  * context's (the same by default; over RDMA in the Soft-RoCE VM the other
  * device's: --addr 10.99.0.1 --client-addr 10.99.0.2).
+ * A --keepalive-ms above 1000 gets a keepalive_timeout_ms of ten times it
+ * (the library's 2000 would refuse it): bench/perf/idle-cg idles with
+ * keepalive_ms 60000, so that its window holds ticks and no keepalives.
  *
  * The server (this process) has one I/O thread and listens on N ports
  * (port 0 each); a child process with one context of its own opens one
@@ -147,6 +150,8 @@ static int make_ctx(const struct opts *o, struct in_addr local, bex_ctx **ctx)
                           .poll_mode = o->poll_mode,
                           .transport = o->transport,
                           .keepalive_ms = o->keepalive_ms,
+                          /* the library's 2000 refuses a keepalive_ms above 1000 */
+                          .keepalive_timeout_ms = o->keepalive_ms > 1000 ? 10 * o->keepalive_ms : 0,
                           .rq_depth = 16,
                           .eager_max = 1024,
                           .connect_timeout_ms = 60000,
