@@ -42,6 +42,17 @@
 
 #include "bex/sock.h"
 
+/* Under callgrind (bench/perf/idle-cg) the window's instructions alone:
+ * counts zeroed at its start, dumped at its end (no-ops otherwise). */
+#if __has_include(<valgrind/callgrind.h>)
+#include <valgrind/callgrind.h>
+#define IDLE_WINDOW_START() CALLGRIND_ZERO_STATS
+#define IDLE_WINDOW_END()   CALLGRIND_DUMP_STATS_AT("idle window")
+#else
+#define IDLE_WINDOW_START() ((void)0)
+#define IDLE_WINDOW_END()   ((void)0)
+#endif
+
 struct opts {
     uint32_t conns, poll_mode, transport, keepalive_ms;
     double seconds;
@@ -296,7 +307,9 @@ int main(int argc, char **argv)
     struct sample a, b;
     sample_threads(&a);
     double s0 = now_s();
+    IDLE_WINDOW_START();
     usleep((useconds_t)(o.seconds * 1e6));
+    IDLE_WINDOW_END();
     sample_threads(&b);
     double dt = now_s() - s0;
     long hz = sysconf(_SC_CLK_TCK);
