@@ -25,6 +25,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -52,6 +53,10 @@
 #define IDLE_WINDOW_START() ((void)0)
 #define IDLE_WINDOW_END()   ((void)0)
 #endif
+
+/* How long the connections may take to come up (s): RDMA engines under
+ * callgrind in the VM come up at about two a second. */
+#define SETUP_S 600
 
 struct opts {
     uint32_t conns, poll_mode, transport, keepalive_ms;
@@ -165,7 +170,7 @@ static int make_ctx(const struct opts *o, struct in_addr local, bex_ctx **ctx)
                           .keepalive_timeout_ms = o->keepalive_ms > 1000 ? 10 * o->keepalive_ms : 0,
                           .rq_depth = 16,
                           .eager_max = 1024,
-                          .connect_timeout_ms = 60000,
+                          .connect_timeout_ms = SETUP_S * 1000,
                           .setup_max = o->conns,
                           .log_level = BEX_LOG_ERROR};
     int rc = bex_ctx_create(&cfg, ctx);
@@ -296,7 +301,7 @@ int main(int argc, char **argv)
     char r = 0;
     ssize_t got = read(pfd[0], &r, 1);
     double t0 = now_s();
-    while (atomic_load(&accepted) < o.conns && now_s() - t0 < 60)
+    while (atomic_load(&accepted) < o.conns && now_s() - t0 < SETUP_S)
         usleep(10000);
     if (got != 1 || r != 'K' || atomic_load(&accepted) != o.conns) {
         fprintf(stderr, "bex-idle: %u of %u connections up\n", atomic_load(&accepted), o.conns);
@@ -304,11 +309,19 @@ int main(int argc, char **argv)
         return 1;
     }
     sleep(1);
+    /* the window starts half-way between two whole seconds of the
+     * monotonic clock, the grid of an idle connection's ticks (at a
+     * keepalive_ms of a second or more), so that with whole --seconds no
+     * round of ticks straddles either of its ends */
+    double g = now_s();
+    usleep((useconds_t)((floor(g) + 1.5 - g) * 1e6));
     struct sample a, b;
     sample_threads(&a);
     double s0 = now_s();
     IDLE_WINDOW_START();
-    usleep((useconds_t)(o.seconds * 1e6));
+    double left = s0 + o.seconds - now_s();
+    if (left > 0)
+        usleep((useconds_t)(left * 1e6));
     IDLE_WINDOW_END();
     sample_threads(&b);
     double dt = now_s() - s0;
