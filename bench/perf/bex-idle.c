@@ -308,7 +308,10 @@ int main(int argc, char **argv)
         kill(pid, SIGKILL);
         return 1;
     }
-    sleep(1);
+    /* TCP: a connection writes a keepalive at its first tick once
+     * keepalive_ms / 8 has passed since its last write (the set-up's), a
+     * round the window should not hold */
+    usleep((useconds_t)(1000 + o.keepalive_ms / 8) * 1000);
     /* the window starts half-way between two whole seconds of the
      * monotonic clock, the grid of an idle connection's ticks (at a
      * keepalive_ms of a second or more), so that with whole --seconds no
