@@ -15,8 +15,9 @@
  *   whatever its transport said. The connections of one period are a
  *   round (io->rounds): a list and one timer, at the earliest of their
  *   deadlines, which ticks those due. So a tick costs the heap nothing: at
- *   1024 connections one timer per connection spent ~710 instructions a
- *   tick in the heap's removal (docs/benchmarks.md).
+ *   1024 connections one timer per connection spent ~1050 of the ~1230
+ *   instructions of an idle TCP connection's tick in the heap's removal and
+ *   insertion (docs/benchmarks.md).
  * - A connection's setup deadline (connect_timeout_ms) and its transport's
  *   due_us (TCP's acknowledgement delay; RDMA's held acknowledgements):
  *   one timer each.
