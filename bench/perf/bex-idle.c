@@ -9,6 +9,9 @@
  * --addr is the server's address (127.0.0.1), --client-addr the client
  * context's (the same by default; over RDMA in the Soft-RoCE VM the other
  * device's: --addr 10.99.0.1 --client-addr 10.99.0.2).
+ * A --keepalive-ms above 1000 gets a keepalive_timeout_ms of ten times it
+ * (the library's 2000 would refuse it): bench/perf/idle-cg idles with
+ * keepalive_ms 60000, so that its window holds ticks and no keepalives.
  *
  * The server (this process) has one I/O thread and listens on N ports
  * (port 0 each); a child process with one context of its own opens one
@@ -22,6 +25,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -38,6 +42,21 @@
 #include <arpa/inet.h>
 
 #include "bex/sock.h"
+
+/* Under callgrind (bench/perf/idle-cg) the window's instructions alone:
+ * counts zeroed at its start, dumped at its end (no-ops otherwise). */
+#if __has_include(<valgrind/callgrind.h>)
+#include <valgrind/callgrind.h>
+#define IDLE_WINDOW_START() CALLGRIND_ZERO_STATS
+#define IDLE_WINDOW_END()   CALLGRIND_DUMP_STATS_AT("idle window")
+#else
+#define IDLE_WINDOW_START() ((void)0)
+#define IDLE_WINDOW_END()   ((void)0)
+#endif
+
+/* How long the connections may take to come up (s): RDMA engines under
+ * callgrind in the VM come up at about two a second. */
+#define SETUP_S 600
 
 struct opts {
     uint32_t conns, poll_mode, transport, keepalive_ms;
@@ -147,9 +166,11 @@ static int make_ctx(const struct opts *o, struct in_addr local, bex_ctx **ctx)
                           .poll_mode = o->poll_mode,
                           .transport = o->transport,
                           .keepalive_ms = o->keepalive_ms,
+                          /* the library's 2000 refuses a keepalive_ms above 1000 */
+                          .keepalive_timeout_ms = o->keepalive_ms > 1000 ? 10 * o->keepalive_ms : 0,
                           .rq_depth = 16,
                           .eager_max = 1024,
-                          .connect_timeout_ms = 60000,
+                          .connect_timeout_ms = SETUP_S * 1000,
                           .setup_max = o->conns,
                           .log_level = BEX_LOG_ERROR};
     int rc = bex_ctx_create(&cfg, ctx);
@@ -280,18 +301,31 @@ int main(int argc, char **argv)
     char r = 0;
     ssize_t got = read(pfd[0], &r, 1);
     double t0 = now_s();
-    while (atomic_load(&accepted) < o.conns && now_s() - t0 < 60)
+    while (atomic_load(&accepted) < o.conns && now_s() - t0 < SETUP_S)
         usleep(10000);
     if (got != 1 || r != 'K' || atomic_load(&accepted) != o.conns) {
         fprintf(stderr, "bex-idle: %u of %u connections up\n", atomic_load(&accepted), o.conns);
         kill(pid, SIGKILL);
         return 1;
     }
-    sleep(1);
+    /* TCP: a connection writes a keepalive at its first tick once
+     * keepalive_ms / 8 has passed since its last write (the set-up's), a
+     * round the window should not hold */
+    usleep((useconds_t)(1000 + o.keepalive_ms / 8) * 1000);
+    /* the window starts half-way between two whole seconds of the
+     * monotonic clock, the grid of an idle connection's ticks (at a
+     * keepalive_ms of a second or more), so that with whole --seconds no
+     * round of ticks straddles either of its ends */
+    double g = now_s();
+    usleep((useconds_t)((floor(g) + 1.5 - g) * 1e6));
     struct sample a, b;
     sample_threads(&a);
     double s0 = now_s();
-    usleep((useconds_t)(o.seconds * 1e6));
+    IDLE_WINDOW_START();
+    double left = s0 + o.seconds - now_s();
+    if (left > 0)
+        usleep((useconds_t)(left * 1e6));
+    IDLE_WINDOW_END();
     sample_threads(&b);
     double dt = now_s() - s0;
     long hz = sysconf(_SC_CLK_TCK);

@@ -15,6 +15,14 @@ void bex__timers_init(struct bex__timers *ts)
 {
     bex__heap_init(&ts->heap, timer_less);
     ts->seq = 0;
+    atomic_init(&ts->heap_ops, 0);
+}
+
+static void count_ops(struct bex__timers *ts, uint64_t n)
+{
+    atomic_store_explicit(&ts->heap_ops,
+                          atomic_load_explicit(&ts->heap_ops, memory_order_relaxed) + n,
+                          memory_order_relaxed);
 }
 
 void bex__timer_init(struct bex__timer *t, bex__timer_cb cb)
@@ -24,6 +32,7 @@ void bex__timer_init(struct bex__timer *t, bex__timer_cb cb)
 
 void bex__timer_start(struct bex__timers *ts, struct bex__timer *t, uint64_t due)
 {
+    count_ops(ts, t->active ? 2 : 1);
     if (t->active)
         bex__heap_remove(&ts->heap, &t->node);
     t->due = due;
@@ -36,6 +45,7 @@ void bex__timer_stop(struct bex__timers *ts, struct bex__timer *t)
 {
     if (!t->active)
         return;
+    count_ops(ts, 1);
     bex__heap_remove(&ts->heap, &t->node);
     t->active = false;
 }

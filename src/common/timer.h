@@ -8,6 +8,7 @@
 #ifndef BEX_COMMON_TIMER_H
 #define BEX_COMMON_TIMER_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -27,6 +28,7 @@ struct bex__timer {
 struct bex__timers {
     struct bex__heap heap;
     uint64_t seq;
+    _Atomic uint64_t heap_ops; /* inserts and removes (one writer; tests read) */
 };
 
 void bex__timers_init(struct bex__timers *ts);

@@ -116,9 +116,10 @@ struct conn {
     struct bex__auth_transcript auth; /* with a secret */
     uint8_t hello_l[BEX__HELLO_LEN];  /* listener with a secret: the hello it MACed */
     struct bex__timer setup_tm;       /* the setup's deadline (connect_timeout_ms) */
-    struct bex__timer tick_tm;        /* the transport's tick (conn/timers.c) */
+    struct bex__list tick_link;       /* in a round of the thread's ticks (conn/timers.c) */
+    uint64_t tick_due;                /* when its next tick is due (bex__now_us() time) */
     struct bex__timer due_tm;         /* the transport's due_us */
-    uint32_t rounds;                  /* tick_tm's firings (the sweep: every TICK_SWEEP-th) */
+    uint32_t rounds;                  /* its ticks (the sweep: every TICK_SWEEP-th) */
     uint64_t waiting_since;           /* setup: since when the peer owes us its next
                                          message (setup_evict's order) */
     bool heard;                       /* setup: its first bytes wait to be read */

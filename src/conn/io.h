@@ -145,8 +145,16 @@ struct bex__io {
      * listeners' backoff, its own housekeeping; the loop sleeps until the
      * nearest (conn/timers.c) */
     struct bex__timers timers;
-    uint64_t now_us;               /* the clock of the timers running now */
-    uint32_t tick_ms;              /* a connection with work held back: its tick period */
+    uint64_t now_us;  /* the clock of the timers running now */
+    uint32_t tick_ms; /* a connection with work held back: its tick period */
+    /* connections' ticks, one timer for each period's round: [0] idle
+     * (keepalive period), [1] work held back (tick_ms) (conn/timers.c) */
+    struct bex__tick_round {
+        struct bex__timer tm;
+        struct bex__list conns; /* struct conn.tick_link */
+        uint64_t period_us;
+        struct bex__io *io;
+    } rounds[2];
     struct bex__timer house;       /* collecting heaps (several threads), at least once a second */
     struct bex__timer srq_tm;      /* SRQ mode: QPs draining (bex__srq_reap) */
     _Atomic uint64_t visits;       /* transport progress calls (single writer; tests read) */
