@@ -142,8 +142,10 @@ void bex__conn_timers_stop(struct conn *c)
 void bex__conn_due_sync(struct conn *c)
 {
     uint64_t due = c->x ? c->x->due_us : 0;
-    if (!due)
-        bex__timer_stop(&c->io->timers, &c->due_tm);
+    if (!due) {
+        if (c->due_tm.active) /* the common case, once per message: no call */
+            bex__timer_stop(&c->io->timers, &c->due_tm);
+    }
     else if (!c->due_tm.active || c->due_tm.due != due)
         bex__timer_start(&c->io->timers, &c->due_tm, due);
 }
