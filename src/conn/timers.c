@@ -145,8 +145,7 @@ void bex__conn_due_sync(struct conn *c)
     if (!due) {
         if (c->due_tm.active) /* the common case, once per message: no call */
             bex__timer_stop(&c->io->timers, &c->due_tm);
-    }
-    else if (!c->due_tm.active || c->due_tm.due != due)
+    } else if (!c->due_tm.active || c->due_tm.due != due)
         bex__timer_start(&c->io->timers, &c->due_tm, due);
 }
 
