@@ -260,11 +260,15 @@ static void arm_cqs(struct bex__io *io)
  * one only when the nearest timer may be due. A coarse clock lagging by
  * more than COARSE_LAG_US (a VM's emulated ticks: 11.8 ms seen) skips a
  * due timer here: the loop's looks at the precise clock before a sleep
- * run it (io_sleep, and the spinning's every 16th idle poll). */
+ * run it (io_sleep, and the spinning's every 16th idle poll). The coarse
+ * value is the one a read this turn took if there was one (a TCP read's,
+ * bex__now_ms_since_wait): one clock read a sub-request less at a server
+ * (issue 25's fan-out); a timer due during the callbacks after that read
+ * runs a turn later at most. */
 static void run_timers(struct bex__io *io)
 {
     uint64_t next = bex__timers_next(&io->timers);
-    if (next == UINT64_MAX || bex__now_ms() * 1000 + COARSE_LAG_US < next)
+    if (next == UINT64_MAX || bex__now_ms_since_wait() * 1000 + COARSE_LAG_US < next)
         return;
     uint64_t now = bex__now_us();
     if (now >= next)

@@ -115,8 +115,13 @@ void bex__loop_sleep_end(struct bex__loop *l)
     atomic_store(&l->sleeping, 0);
 }
 
+/* The coarse clock as this thread last read it (bex__now_ms) since its
+ * last bex__loop_wait, 0 when it has not: bex__now_ms_since_wait's. */
+static _Thread_local uint64_t coarse_seen __attribute__((tls_model("initial-exec")));
+
 int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms)
 {
+    coarse_seen = 0; /* what was read before a wait is old after it */
     int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
     if (n <= 0)
         return 0;
@@ -144,7 +149,7 @@ void bex__loop_coarse_hook(uint64_t (*fn)(void))
     atomic_store_explicit(&coarse_fn, fn, memory_order_release);
 }
 
-uint64_t bex__now_ms(void)
+static uint64_t coarse_read(void)
 {
     uint64_t (*fn)(void) = atomic_load_explicit(&coarse_fn, memory_order_relaxed);
     if (__builtin_expect(fn != NULL, 0))
@@ -152,6 +157,18 @@ uint64_t bex__now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+uint64_t bex__now_ms(void)
+{
+    return coarse_seen = coarse_read();
+}
+
+uint64_t bex__now_ms_since_wait(void)
+{
+    uint64_t v = coarse_seen;
+    coarse_seen = 0;
+    return v ? v : coarse_read();
 }
 
 uint64_t bex__now_us(void)
