@@ -50,12 +50,16 @@ static struct in_addr addr0, addr1;
 /* Room for every message at once, both ways: credits (rq_depth) and a
  * chain of HELD + 1 sends (sq_depth); and a keepalive timeout longer than
  * the hold (the held server writes no keepalive: at the default 2 s the
- * client failed the connection in the VM). */
+ * client failed the connection in the VM). The setup of connections this
+ * deep (1024 receives each side) outlasted bex's 3 s connect timeout once
+ * in the VM at host load 12 (one_chain, -ETIMEDOUT at its connect): the
+ * rig waits 10 s for it, so the context does too (both scaled). */
 static const bex_ctx_config roomy = {.io_threads = 1,
                                      .rq_depth = 1024,
                                      .sq_depth = 1024,
                                      .keepalive_timeout_ms = 60000,
-                                     .credit_timeout_ms = 60000};
+                                     .credit_timeout_ms = 60000,
+                                     .connect_timeout_ms = 10000};
 
 struct hold_srv {
     struct local_srv base; /* first: what the shared callbacks take */
