@@ -897,9 +897,9 @@ static int idle_spin_lag(void)
  * times what idle_event allows a second (shrunk by the time scale: 17,495
  * turns in an idle second under TSan in the VM, every turn some thousand
  * times dearer), within a minute (scaled). And in that window the thread
- * never slept: no voluntary context switch, which load does not make (a
- * thread in event or spin-then-sleep mode makes one a wake-up, some ten
- * and more a second: its timer ticks, its keepalives). */
+ * never slept: next to no voluntary context switch (none seen), which load
+ * does not make (a thread in event or spin-then-sleep mode makes one a
+ * wake-up, some ten and more a second: its timer ticks, its keepalives). */
 static int idle_busy(void)
 {
     PAIR_NEED(setup_addrs());
@@ -912,7 +912,10 @@ static int idle_busy(void)
             bw.cpu, (unsigned long long)bw.ms, bw.sleeps);
     CHECK(bw.cpu >= bw.cpu_want && cpu >= bw.cpu);
     CHECK(n >= bw.turns_want);
-    CHECK(bw.sleeps <= 1);
+    /* none seen; a few allowed (a sanitizer's runtime may block on a lock
+     * of its own): a thread that sleeps between events makes hundreds
+     * before it has had that much CPU (11 a second, 3 ms of CPU in 3 s) */
+    CHECK(bw.sleeps <= 5);
     return 0;
 }
 
