@@ -782,10 +782,10 @@ static long idle_run(uint32_t threads, uint32_t smode, uint32_t cmode, unsigned 
  * a request: the client returns credits in a message of their own when its
  * next request is later than the credit timer (bex_sock_stats.credit_msgs),
  * which the host's load decides. In a starved VM (load 11-20) 120 of them
- * came in 400 echoes, each taking a wake and its two turns: 1045 turns,
- * and 1077 against a bound of 1052 per echo once. So the bound counts the
- * server's receive completions (poll_recvs: the requests and those credit
- * messages), two and a half turns each. */
+ * came in 400 echoes, each taking a wake and its two turns: 1045 turns;
+ * against the old bound per echo, 1077 turns against 1052 failed once.
+ * So the bound counts the server's receive completions (poll_recvs: the
+ * requests and those credit messages), two and a half turns each. */
 #define TURN_ECHOES 400
 static int echo_turns(void)
 {
