@@ -50,12 +50,16 @@ static struct in_addr addr0, addr1;
 /* Room for every message at once, both ways: credits (rq_depth) and a
  * chain of HELD + 1 sends (sq_depth); and a keepalive timeout longer than
  * the hold (the held server writes no keepalive: at the default 2 s the
- * client failed the connection in the VM). */
+ * client failed the connection in the VM). The setup of connections this
+ * deep (1024 receives each side) outlasted bex's 3 s connect timeout once
+ * in the VM at host load 12 (one_chain, -ETIMEDOUT at its connect): the
+ * rig waits 10 s for it, so the context does too (both scaled). */
 static const bex_ctx_config roomy = {.io_threads = 1,
                                      .rq_depth = 1024,
                                      .sq_depth = 1024,
                                      .keepalive_timeout_ms = 60000,
-                                     .credit_timeout_ms = 60000};
+                                     .credit_timeout_ms = 60000,
+                                     .connect_timeout_ms = 10000};
 
 struct hold_srv {
     struct local_srv base; /* first: what the shared callbacks take */
@@ -159,55 +163,32 @@ static void rig_close(struct rig *r)
     CHECK_OK(bex_ctx_destroy(r->sctx));
 }
 
-static int one_chain(void)
+/* rig_open's pair with the server's thread held in the first message's
+ * callback; *r0: the server's rxe's rdma_recvs counter then. */
+static void rig_hold(struct rig *r, int holds, long long *r0)
 {
-    PAIR_NEED(pair_addrs(&addr0, &addr1));
-    if (pair_tcp())
-        return bex_test_skip("completion queues are RDMA's");
-    struct rig r;
-    rig_open(&r, &roomy, 1);
-    bex_ctx *sctx = r.sctx;
-    local_send(r.cctx, r.s, MSG_LEN);
-    CHECK_OK(wait_count(&r.h.base.w, &r.h.held, 1, 10000));
-    long long r0 = dev_counter(sctx, "rdma_recvs");
-    CHECK(r0 >= 0);
-    for (int i = 0; i < HELD; i++)
-        local_send(r.cctx, r.s, MSG_LEN);
-    /* every SEND taken by the server's rxe: its completion waits in the
-     * server's CQ, the thread still held */
-    uint64_t end = pair_now_ms() + 30000ull * time_scale();
-    while (dev_counter(sctx, "rdma_recvs") < r0 + HELD && pair_now_ms() < end)
-        pair_sleep_ms(1);
-    CHECK(dev_counter(sctx, "rdma_recvs") >= r0 + HELD);
-    CHECK_EQ(atomic_load(&r.c.recvd), 0);
-    bex_sock_stats s0, s1;
-    bex_ctx_stats(sctx, &s0);
-    atomic_store(&r.h.release, 1);
-    CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, HELD + 1, 30000));
-    bex_ctx_stats(sctx, &s1);
-    uint64_t calls = s1.post_send_calls - s0.post_send_calls;
-    uint64_t ka = s1.keepalive_writes - s0.keepalive_writes;
-    uint64_t credits = s1.credit_msgs - s0.credit_msgs;
+    rig_open(r, &roomy, holds);
+    local_send(r->cctx, r->s, MSG_LEN);
+    CHECK_OK(wait_count(&r->h.base.w, &r->h.held, 1, 10000));
+    *r0 = dev_counter(r->sctx, "rdma_recvs");
+    CHECK(*r0 >= 0);
+}
+
+/* The server's answers between s0 and s1 (at least `answers` SENDs) left
+ * in two doorbells: the first message's answer, then the others in one
+ * chain (a keepalive or a credit message may take a doorbell of its own). */
+static void check_two_doorbells(const bex_sock_stats *s0, const bex_sock_stats *s1, long answers)
+{
+    uint64_t calls = s1->post_send_calls - s0->post_send_calls;
+    uint64_t ka = s1->keepalive_writes - s0->keepalive_writes;
+    uint64_t credits = s1->credit_msgs - s0->credit_msgs;
     fprintf(stderr,
-            "%d answers: %llu ibv_post_send calls, of them at most %llu keepalive writes "
+            "%ld answers: %llu ibv_post_send calls, of them at most %llu keepalive writes "
             "and %llu credit messages; %llu SENDs\n",
-            HELD + 1, (unsigned long long)calls, (unsigned long long)ka,
-            (unsigned long long)credits, (unsigned long long)(s1.sends_posted - s0.sends_posted));
-    CHECK(s1.sends_posted - s0.sends_posted >= HELD + 1); /* the counters count */
-    /* the first answer, then the HELD others in one chain (a keepalive or
-     * a credit message may take a doorbell of its own) */
+            answers, (unsigned long long)calls, (unsigned long long)ka, (unsigned long long)credits,
+            (unsigned long long)(s1->sends_posted - s0->sends_posted));
+    CHECK(s1->sends_posted - s0->sends_posted >= (uint64_t)answers); /* the counters count */
     CHECK(calls <= 2 + ka + credits);
-    /* the HELD receives were one connection's in one poll turn
-     * (bex_sock_stats.poll_recv_conns counts a connection once a turn):
-     * any other receive since s0 (the client's credit messages) may have
-     * a turn of its own, the HELD share one (a turn of one batch: 8) */
-    uint64_t recvs = s1.poll_recvs - s0.poll_recvs, turns = s1.poll_recv_conns - s0.poll_recv_conns;
-    fprintf(stderr, "%llu receives polled in %llu connection-turns\n", (unsigned long long)recvs,
-            (unsigned long long)turns);
-    CHECK(recvs >= HELD);
-    CHECK(turns >= 1 && turns <= 1 + (recvs - HELD));
-    rig_close(&r);
-    return 0;
 }
 
 /* Send n messages from the client and wait until the server's rxe has
@@ -224,6 +205,38 @@ static void land(struct rig *r, int n, long long *r0)
     *r0 += n;
 }
 
+static int one_chain(void)
+{
+    PAIR_NEED(pair_addrs(&addr0, &addr1));
+    if (pair_tcp())
+        return bex_test_skip("completion queues are RDMA's");
+    struct rig r;
+    long long r0;
+    rig_hold(&r, 1, &r0);
+    /* every SEND taken by the server's rxe: its completion waits in the
+     * server's CQ, the thread still held */
+    land(&r, HELD, &r0);
+    CHECK_EQ(atomic_load(&r.c.recvd), 0);
+    bex_sock_stats s0, s1;
+    bex_ctx_stats(r.sctx, &s0);
+    atomic_store(&r.h.release, 1);
+    CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, HELD + 1, 30000));
+    bex_ctx_stats(r.sctx, &s1);
+    /* the first answer, then the HELD others in one chain */
+    check_two_doorbells(&s0, &s1, HELD + 1);
+    /* the HELD receives were one connection's in one poll turn
+     * (bex_sock_stats.poll_recv_conns counts a connection once a turn):
+     * any other receive since s0 (the client's credit messages) may have
+     * a turn of its own, the HELD share one (a turn of one batch: 8) */
+    uint64_t recvs = s1.poll_recvs - s0.poll_recvs, turns = s1.poll_recv_conns - s0.poll_recv_conns;
+    fprintf(stderr, "%llu receives polled in %llu connection-turns\n", (unsigned long long)recvs,
+            (unsigned long long)turns);
+    CHECK(recvs >= HELD);
+    CHECK(turns >= 1 && turns <= 1 + (recvs - HELD));
+    rig_close(&r);
+    return 0;
+}
+
 #define LATE_A 8
 #define LATE_B 8
 static int late_chain(void)
@@ -232,11 +245,8 @@ static int late_chain(void)
     if (pair_tcp())
         return bex_test_skip("completion queues are RDMA's");
     struct rig r;
-    rig_open(&r, &roomy, 2);
-    local_send(r.cctx, r.s, MSG_LEN);
-    CHECK_OK(wait_count(&r.h.base.w, &r.h.held, 1, 10000));
-    long long r0 = dev_counter(r.sctx, "rdma_recvs");
-    CHECK(r0 >= 0);
+    long long r0;
+    rig_hold(&r, 2, &r0);
     land(&r, LATE_A, &r0);
     bex_sock_stats s0, s1;
     bex_ctx_stats(r.sctx, &s0);
@@ -248,19 +258,9 @@ static int late_chain(void)
     atomic_store(&r.h.release, 2);
     CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, 1 + LATE_A + LATE_B, 30000));
     bex_ctx_stats(r.sctx, &s1);
-    uint64_t calls = s1.post_send_calls - s0.post_send_calls;
-    uint64_t ka = s1.keepalive_writes - s0.keepalive_writes;
-    uint64_t credits = s1.credit_msgs - s0.credit_msgs;
-    fprintf(stderr,
-            "%d answers: %llu ibv_post_send calls, of them at most %llu keepalive writes "
-            "and %llu credit messages; %llu SENDs\n",
-            1 + LATE_A + LATE_B, (unsigned long long)calls, (unsigned long long)ka,
-            (unsigned long long)credits, (unsigned long long)(s1.sends_posted - s0.sends_posted));
-    CHECK(s1.sends_posted - s0.sends_posted >= 1 + LATE_A + LATE_B);
     /* the first message's answer, then the LATE_A and LATE_B answers in
-     * one chain (a keepalive or a credit message may take a doorbell of
-     * its own; a turn that stopped at a poll of less than a batch: 3) */
-    CHECK(calls <= 2 + ka + credits);
+     * one chain (a turn that stopped at a poll of less than a batch: 3) */
+    check_two_doorbells(&s0, &s1, 1 + LATE_A + LATE_B);
     rig_close(&r);
     return 0;
 }

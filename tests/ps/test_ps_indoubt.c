@@ -403,35 +403,19 @@ static int fetch_dies(int nf, uint32_t max_attempts, uint32_t b_quarantine_ms, b
     return frig_close(&fr);
 }
 
-static int t_fetch_one(void)
-{
-    return fetch_dies(1, 0, 0, false);
-}
-
-static int t_fetch_many(void)
-{
-    return fetch_dies(NF, 0, 0, false);
-}
-
-static int t_fetch_quarantined(void)
-{
-    return fetch_dies(NF, 0, 60000, false);
-}
-
-static int t_into_one(void)
-{
-    return fetch_dies(1, 0, 0, true);
-}
-
-static int t_into_many(void)
-{
-    return fetch_dies(NF, 0, 0, true);
-}
-
-static int t_into_quarantined(void)
-{
-    return fetch_dies(NF, 0, 60000, true);
-}
+/* fetch_dies's cases: one Fetch, NF, NF with b quarantined (its probe
+ * far off), each plain and into the caller's rows. */
+#define DIES_CASE(name, nf, b_quarantine_ms, into)                                                 \
+    static int name(void)                                                                          \
+    {                                                                                              \
+        return fetch_dies(nf, 0, b_quarantine_ms, into);                                           \
+    }
+DIES_CASE(t_fetch_one, 1, 0, false)
+DIES_CASE(t_fetch_many, NF, 0, false)
+DIES_CASE(t_fetch_quarantined, NF, 60000, false)
+DIES_CASE(t_into_one, 1, 0, true)
+DIES_CASE(t_into_many, NF, 0, true)
+DIES_CASE(t_into_quarantined, NF, 60000, true)
 
 static bex_dir_node_stats node_stats(bex_dir *d, uint16_t port)
 {

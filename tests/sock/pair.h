@@ -177,6 +177,22 @@ static inline int wait_count(struct waiter *w, _Atomic long *flag, long want, un
     return atomic_load(flag) >= want ? 0 : -1;
 }
 
+/* Wait until *flag >= want while it moves: fails (-1) only when a whole
+ * stall_ms (stretched by time_scale()) passed without the count growing.
+ * For a long chain of events whose total time the host's load decides (an
+ * echo chain of thousands), where the property is that it never stops. */
+static inline int wait_moving(struct waiter *w, _Atomic long *flag, long want, unsigned stall_ms)
+{
+    long last = atomic_load(flag);
+    while (wait_count(w, flag, want, stall_ms)) {
+        long now = atomic_load(flag);
+        if (now == last)
+            return -1;
+        last = now;
+    }
+    return 0;
+}
+
 /* An RDMA hardware counter summed over every rxe device, or -1. */
 static inline long long rxe_counter(const char *name)
 {

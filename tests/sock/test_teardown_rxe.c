@@ -511,6 +511,22 @@ static int refused_flush(void)
  * false timeouts while streaming. */
 #define KA_TIMEOUT 3000
 
+/* kill_client's return for a round that rxe's known fault ended: under
+ * load rxe refuses a retransmitted WRITE now and then ("remote invalid
+ * request", IBV_WC_REM_INV_REQ_ERR: -EINVAL for the sockets; perftest's
+ * own ib_write_bw fails the same way in the VM, docs/testing.md). It says
+ * nothing of bex's teardown: the round runs again, RXE_FAULTS_MAX times
+ * at most in a case (each said in the log), and the case fails if rxe
+ * keeps failing it. */
+#define RXE_FAULT      3
+#define RXE_FAULTS_MAX 3
+
+static bool rxe_refused_write(struct trk *t)
+{
+    return !pair_tcp() &&
+           (atomic_load(&t->err[0]) == -EINVAL || atomic_load(&t->err[1]) == -EINVAL);
+}
+
 /* 2 sockets stream 1 MiB messages, 16 in flight each (32 on the engine);
  * the server gets sig. Every accepted send is reported exactly once, each
  * socket gets on_error, and on_close once closed, within a bound: a
@@ -537,6 +553,18 @@ static int kill_client(struct pair *p, void *arg)
         pair_sleep_ms(1);
     }
     uint64_t t_err = t->t_error[0] > t->t_error[1] ? t->t_error[0] : t->t_error[1];
+    if (rxe_refused_write(t)) {
+        fprintf(stderr, "the round hit rxe's refusal of a retransmitted WRITE (remote invalid "
+                        "request, docs/testing.md): not bex's, the round runs again\n");
+        kill(p->child, SIGKILL);
+        waitpid(p->child, NULL, 0);
+        p->child = 0;
+        bex_sock_close(t->socks[0]);
+        bex_sock_close(t->socks[1]);
+        TRK_WAIT(t, closed, 2, 5000);
+        free(t);
+        return RXE_FAULT;
+    }
     if (!t_kill) {
         fprintf(stderr, "the engine failed (%s) before the server was killed\n",
                 bex_strerror(atomic_load(&t->err[0])));
@@ -576,29 +604,33 @@ static int kill_client(struct pair *p, void *arg)
     return 0;
 }
 
-static int kill_stream(void)
+/* pair_run of kill_client, rounds times, a round that rxe's fault ended
+ * run again (RXE_FAULTS_MAX in all). */
+static int kill_rounds(int sig, int rounds)
 {
-    int sig = SIGKILL;
     bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = KA_TIMEOUT};
-    /* it used to fail about one run in five */
-    for (int round = 0; round < 6; round++) {
+    int faults = 0;
+    for (int round = 0; round < rounds; round++) {
         int rc = pair_run(&cfg, srv_main, NULL, &cfg, kill_client, &sig, 60);
+        if (rc == RXE_FAULT && ++faults <= RXE_FAULTS_MAX) {
+            round--;
+            continue;
+        }
         if (rc)
-            return rc;
+            return rc == RXE_FAULT ? 1 : rc;
     }
     return 0;
 }
 
+static int kill_stream(void)
+{
+    /* it used to fail about one run in five */
+    return kill_rounds(SIGKILL, 6);
+}
+
 static int stop_kill_stream(void)
 {
-    int sig = SIGSTOP;
-    bex_ctx_config cfg = {.keepalive_ms = 100, .keepalive_timeout_ms = KA_TIMEOUT};
-    for (int round = 0; round < 2; round++) {
-        int rc = pair_run(&cfg, srv_main, NULL, &cfg, kill_client, &sig, 60);
-        if (rc)
-            return rc;
-    }
-    return 0;
+    return kill_rounds(SIGSTOP, 2);
 }
 
 /* ---------------- close while connecting ---------------- */
