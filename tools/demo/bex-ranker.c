@@ -230,16 +230,17 @@ int main(int argc, char **argv)
      * waits for a slot, its wait counted in its latency (from its
      * arrival). Closed loop (no --rate): the next request starts when one
      * completes, so the load is whatever the machine sustains. */
-    uint64_t arrival = run.t0_us, arrivals = 0, waited = 0;
+    struct ld_poisson arr = {.rate = ro.rate, .t_us = run.t0_us};
+    uint64_t arrivals = 0, waited = 0;
     int counted = 0; /* the next arrival's wait for a slot is counted */
     while (ld_now_us() < end) {
         ld_progress(&run, LD_REQUEST, &last);
         if (ro.rate > 0) {
-            if (arrival >= end)
+            if (arr.t_us >= end)
                 break;
             uint64_t now = ld_now_us();
-            if (now < arrival) {
-                uint64_t d = arrival - now < 100000 ? arrival - now : 100000;
+            if (now < arr.t_us) {
+                uint64_t d = arr.t_us - now < 100000 ? arr.t_us - now : 100000;
                 struct timespec ts = {.tv_nsec = (long)d * 1000};
                 nanosleep(&ts, NULL);
                 continue;
@@ -261,10 +262,9 @@ int main(int argc, char **argv)
         }
         counted = 0;
         if (ro.rate > 0) {
-            issue(&ro, &rng, arrival);
+            issue(&ro, &rng, arr.t_us);
             arrivals++;
-            /* exponential gaps, -ln(1 - U) / rate seconds: Poisson arrivals */
-            arrival += (uint64_t)(-log(1 - ld_uniform(&rng)) / ro.rate * 1e6);
+            ld_poisson_advance(&arr, &rng);
         } else {
             issue(&ro, &rng, ld_now_us());
         }

@@ -351,6 +351,13 @@ double ld_normal(uint64_t *s)
     return sqrt(-2 * log(u1)) * cos(2 * M_PI * u2);
 }
 
+uint64_t ld_poisson_advance(struct ld_poisson *p, uint64_t *rng)
+{
+    /* exponential gaps, -ln(1 - U) / rate seconds: Poisson arrivals */
+    p->t_us += (uint64_t)(-log(1 - ld_uniform(rng)) / p->rate * 1e6);
+    return p->t_us;
+}
+
 uint64_t ld_now_us(void)
 {
     struct timespec ts;

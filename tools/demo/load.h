@@ -61,6 +61,16 @@ uint64_t ld_rand(uint64_t *s);
 double ld_uniform(uint64_t *s);
 double ld_normal(uint64_t *s);
 
+/* Poisson arrivals (an open loop): exponential gaps of mean 1 / rate
+ * seconds drawn from the caller's generator, on an absolute timeline that
+ * starts at t_us (the first arrival). */
+struct ld_poisson {
+    double rate;   /* arrivals per second, > 0 */
+    uint64_t t_us; /* the current arrival */
+};
+/* Advance to the next arrival; returns its time (microseconds). */
+uint64_t ld_poisson_advance(struct ld_poisson *p, uint64_t *rng);
+
 /* Monotonic microseconds. */
 uint64_t ld_now_us(void);
 
