@@ -353,8 +353,14 @@ double ld_normal(uint64_t *s)
 
 uint64_t ld_poisson_advance(struct ld_poisson *p, uint64_t *rng)
 {
-    /* exponential gaps, -ln(1 - U) / rate seconds: Poisson arrivals */
-    p->t_us += (uint64_t)(-log(1 - ld_uniform(rng)) / p->rate * 1e6);
+    /* exponential gaps, -ln(1 - U) / rate seconds: Poisson arrivals. The
+     * fractions of a microsecond are carried, not dropped: dropped, every
+     * gap was 0.5 us short on average, and the rate 1 + 0.5e-6 x rate
+     * times the one asked for (2.5 % high at 50 000/s) */
+    double t = p->frac_us - log(1 - ld_uniform(rng)) / p->rate * 1e6;
+    uint64_t whole = (uint64_t)t;
+    p->frac_us = t - (double)whole;
+    p->t_us += whole;
     return p->t_us;
 }
 

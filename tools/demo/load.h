@@ -65,8 +65,9 @@ double ld_normal(uint64_t *s);
  * seconds drawn from the caller's generator, on an absolute timeline that
  * starts at t_us (the first arrival). */
 struct ld_poisson {
-    double rate;   /* arrivals per second, > 0 */
-    uint64_t t_us; /* the current arrival */
+    double rate;    /* arrivals per second, > 0 */
+    uint64_t t_us;  /* the current arrival */
+    double frac_us; /* the timeline's part of a microsecond t_us leaves out (0 at first) */
 };
 /* Advance to the next arrival; returns its time (microseconds). */
 uint64_t ld_poisson_advance(struct ld_poisson *p, uint64_t *rng);
