@@ -521,9 +521,10 @@ void ld_record(struct ld_run *r, int op, uint64_t start_us, int ok)
 {
     uint64_t now = ld_now_us();
     pthread_mutex_lock(&r->mu);
-    if (ok)
+    if (ok) {
         r->ok[op]++;
-    else
+        r->in_window[op] += now < r->end_us;
+    } else
         r->failed[op]++;
     if (r->n == r->cap) {
         void *p = realloc(r->s, 2 * r->cap * sizeof *r->s);
@@ -639,11 +640,17 @@ int ld_run_finish(struct ld_run *r, const char *role, const char *extra_json)
             qsort(lat, k, sizeof *lat, cmp_u32);
         fprintf(f,
                 "%s\"%s\":{\"count\":%llu,\"ok\":%llu,\"failed\":%llu,\"per_s\":%.1f,"
-                "\"mean_us\":%.1f,\"p50_us\":%u,\"p99_us\":%u,\"max_us\":%u}",
+                "\"mean_us\":%.1f,\"p50_us\":%u,\"p99_us\":%u,\"max_us\":%u",
                 first ? "" : ",", ld_op_names[op], (unsigned long long)cnt,
                 (unsigned long long)r->ok[op], (unsigned long long)r->failed[op],
                 (double)r->ok[op] / elapsed, k ? sum / (double)k : 0.0, k ? lat[k / 2] : 0,
                 k ? lat[(size_t)((double)(k - 1) * 0.99)] : 0, k ? lat[k - 1] : 0);
+        /* the window's throughput: completed in it, over its length */
+        if (r->end_us > r->t0_us)
+            fprintf(f, ",\"in_window\":%llu,\"window_per_s\":%.1f",
+                    (unsigned long long)r->in_window[op],
+                    (double)r->in_window[op] * 1e6 / (double)(r->end_us - r->t0_us));
+        fputc('}', f);
         first = 0;
     }
     free(lat);

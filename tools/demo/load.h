@@ -81,7 +81,8 @@ struct ld_run {
     bex_ctx *ctx;
     bex_dir *dir;
     bex_ps_client *ps;
-    uint64_t t0_us; /* the run's start */
+    uint64_t t0_us;  /* the run's start */
+    uint64_t end_us; /* the measured window's end (0: none): ops completed in [t0, end) counted */
     struct rusage ru0;
     pthread_mutex_t mu;
     struct ld_sample {
@@ -91,6 +92,7 @@ struct ld_run {
     } * s;
     size_t n, cap;
     uint64_t ok[LD_OPS], failed[LD_OPS];
+    uint64_t in_window[LD_OPS]; /* ok ones that completed before end_us */
     FILE *progress_out;
 };
 
