@@ -26,10 +26,10 @@ for try in 1 2 3 4 5; do
         --table 1:16:sgd >"$tmp/ps.log" 2>&1 &
     spid=$!
     deadline=$((SECONDS + 30 * scale))
-    while ! grep -qs ready "$tmp/ps.log" && kill -0 "$spid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+    while ! grep -qsx 'bex-ps: ready' "$tmp/ps.log" && kill -0 "$spid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
         sleep 0.05
     done
-    grep -qs ready "$tmp/ps.log" && break
+    grep -qsx 'bex-ps: ready' "$tmp/ps.log" && break
     kill "$spid" 2>/dev/null || true
     wait "$spid" 2>/dev/null || true
     spid=
