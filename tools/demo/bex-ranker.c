@@ -343,9 +343,9 @@ int main(int argc, char **argv)
     uint32_t lag50 = 0, lag99 = 0, lagmax = 0;
     if (ls.lag_n) {
         qsort(ls.lag, ls.lag_n, sizeof *ls.lag, cmp_u32);
-        lag50 = ls.lag[ls.lag_n / 2];
-        lag99 = ls.lag[(size_t)((double)(ls.lag_n - 1) * 0.99)];
-        lagmax = ls.lag[ls.lag_n - 1];
+        lag50 = ld_quantile(ls.lag, ls.lag_n, 0.5);
+        lag99 = ld_quantile(ls.lag, ls.lag_n, 0.99);
+        lagmax = ld_quantile(ls.lag, ls.lag_n, 1);
     }
     free(ls.lag);
     char extra_json[1024];

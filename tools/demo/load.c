@@ -364,6 +364,11 @@ uint64_t ld_poisson_advance(struct ld_poisson *p, uint64_t *rng)
     return p->t_us;
 }
 
+uint32_t ld_quantile(const uint32_t *sorted, size_t n, double q)
+{
+    return n ? sorted[(size_t)((double)(n - 1) * q)] : 0;
+}
+
 uint64_t ld_now_us(void)
 {
     struct timespec ts;

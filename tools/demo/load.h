@@ -72,6 +72,10 @@ struct ld_poisson {
 /* Advance to the next arrival; returns its time (microseconds). */
 uint64_t ld_poisson_advance(struct ld_poisson *p, uint64_t *rng);
 
+/* The q-quantile (0..1) of n sorted values (0 for none): the value at
+ * floor((n - 1) x q), so that a lower q never gives a higher value. */
+uint32_t ld_quantile(const uint32_t *sorted, size_t n, double q);
+
 /* Monotonic microseconds. */
 uint64_t ld_now_us(void);
 
