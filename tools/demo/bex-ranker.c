@@ -66,14 +66,14 @@ static int extra(int opt, const char *arg, void *user)
 }
 
 static struct ld_run run;
+static struct ld_zipf zipf;
+static sem_t slots;
 
 static int cmp_u32(const void *a, const void *b)
 {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
     return x < y ? -1 : x > y;
 }
-static struct ld_zipf zipf;
-static sem_t slots;
 
 /* The Fetch answers' sizes (rows x dim x 4 bytes, all shards'): a
  * histogram in powers of 4 from 4 KiB (bucket i: up to 4 KiB x 4^i, the
