@@ -6,8 +6,8 @@
 # Every arrival of the window is issued, late ones too, or fails unissued
 # past the end plus the deadline (arrivals_dropped): none is left out
 # (before, the loop stopped at the end and the backlog went uncounted:
-# arrivals were what one slot carried in the window: 549 of ~20 000 at
-# 200 000/s for 0.1 s). The window's own count
+# arrivals were what one slot carried in the window: 3038 of ~20 000).
+# The window's own count
 # (in_window, window_per_s) and the latency from arrival are reported.
 # usage: ranker_open_loop.sh BEX_PS BEX_RANKER
 set -euo pipefail
