@@ -6,7 +6,8 @@
 # and completed/s is at most offered/s (both counted over the same
 # window: no more can complete in it than arrived); the table's median of
 # two rounds is their mean, its range theirs; the knee line and the plot's
-# data (SWEEP_DATA) are there. The figures themselves are not checked.
+# data (SWEEP_DATA) are there, and REPLAY of the output prints the same
+# tables. The figures themselves are not checked.
 # usage: test_fetch_sweep.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2
@@ -43,3 +44,9 @@ data = [l.split() for l in open(sys.argv[2])]
 assert [d[:2] for d in data] == [["tcp", "10"], ["tcp", "100"]] and all(len(d) == 12 for d in data), data
 print("ok")
 PY
+# REPLAY: the same tables and knee again from the run's own lines
+(cd "$src" && REPLAY=$tmp/out bench/cost/fetch-sweep) >"$tmp/replay" || fail "REPLAY exited $?"
+diff <(sed -n '/^tcp, event mode/,$p' "$tmp/out") <(sed -n '/^tcp, event mode/,$p' "$tmp/replay") ||
+    fail "REPLAY's tables differ from the run's"
+grep -q '^knee (tcp): ' "$tmp/replay" || fail "REPLAY printed no knee"
+echo "replay ok"
