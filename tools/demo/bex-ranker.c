@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #include "load.h"
@@ -67,6 +68,12 @@ static int extra(int opt, const char *arg, void *user)
 static struct ld_run run;
 static struct ld_zipf zipf;
 static sem_t slots;
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
 
 /* The Fetch answers' sizes (rows x dim x 4 bytes, all shards'): a
  * histogram in powers of 4 from 4 KiB (bucket i: up to 4 KiB x 4^i, the
@@ -194,6 +201,106 @@ static void issue(const struct ropts *ro, uint64_t *rng, uint64_t arrival_us)
     ureq_put(u); /* the issuing guard */
 }
 
+/* Take a slot, waiting at most 100 ms: 0, or -1 when none came free. */
+static int slot_take(uint64_t *waited_once, int *counted)
+{
+    if (sem_trywait(&slots) == 0)
+        return 0;
+    if (waited_once && !*counted)
+        ++*waited_once;
+    *counted = 1;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 100 * 1000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+    }
+    return sem_timedwait(&slots, &ts) == 0 ? 0 : -1;
+}
+
+/* Closed loop (no --rate): the next request starts when one completes,
+ * so the load is whatever the machine sustains, until the end. */
+static void closed_loop(const struct ropts *ro, uint64_t *rng)
+{
+    uint64_t last = run.t0_us;
+    int counted = 0;
+    while (ld_now_us() < run.end_us) {
+        ld_progress(&run, LD_REQUEST, &last);
+        if (slot_take(NULL, &counted) == 0)
+            issue(ro, rng, ld_now_us());
+    }
+}
+
+struct loop_stats {
+    uint64_t arrivals, waited, dropped;
+    uint32_t *lag; /* microseconds from an arrival to its issue (open_loop) */
+    size_t lag_n, lag_cap;
+};
+
+static void lag_add(struct loop_stats *ls, uint64_t lag_us)
+{
+    if (ls->lag_n == ls->lag_cap) {
+        size_t cap = ls->lag_cap ? 2 * ls->lag_cap : 4096;
+        uint32_t *p = realloc(ls->lag, cap * sizeof *p);
+        if (!p)
+            return; /* the sample is lost, nothing else */
+        ls->lag = p;
+        ls->lag_cap = cap;
+    }
+    ls->lag[ls->lag_n++] = lag_us > UINT32_MAX ? UINT32_MAX : (uint32_t)lag_us;
+}
+
+/* Open loop (--rate): user requests arrive as a Poisson process on an
+ * absolute timeline from the start, as they do at a ranker serving users,
+ * whatever the PS's speed; at most --outstanding are in flight, and one
+ * arriving when all are taken waits for a slot, its wait counted in its
+ * latency (from its arrival). Every arrival before the end is issued,
+ * late ones too (at overload, the backlog left at the end), until the end
+ * plus the request deadline (--timeout-ms): those still waiting then fail
+ * unissued (arrivals_dropped). The generator's own share of the latency
+ * is sampled (issue_lag_us): an arrival the thread slept for and that
+ * found a slot free, issued how long after it was due (the wake-up's
+ * lateness; a backlog's arrivals and those that waited are not in it). */
+static void open_loop(const struct ropts *ro, uint64_t *rng, struct loop_stats *ls)
+{
+    /* the sleeps until an arrival end at it, not up to 50 us later */
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    struct ld_poisson arr = {.rate = ro->rate, .t_us = run.t0_us};
+    uint64_t last = run.t0_us, give_up = run.end_us + (uint64_t)run.o->timeout_ms * 1000;
+    uint64_t last_issue = 0;
+    int counted = 0; /* the next arrival's wait for a slot is counted */
+    while (arr.t_us < run.end_us) {
+        ld_progress(&run, LD_REQUEST, &last);
+        uint64_t now = ld_now_us();
+        if (now >= give_up) {
+            ld_record(&run, LD_REQUEST, arr.t_us, 0);
+            ls->arrivals++;
+            ls->dropped++;
+            ld_poisson_advance(&arr, rng);
+            continue;
+        }
+        if (now < arr.t_us) {
+            uint64_t d = arr.t_us - now < 100000 ? arr.t_us - now : 100000;
+            struct timespec ts = {.tv_nsec = (long)d * 1000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        /* the thread slept for this arrival: its lateness is the wake-up's */
+        int slept = arr.t_us > last_issue;
+        if (slot_take(&ls->waited, &counted) != 0)
+            continue;
+        now = ld_now_us();
+        if (slept && !counted)
+            lag_add(ls, now - arr.t_us);
+        counted = 0;
+        issue(ro, rng, arr.t_us);
+        last_issue = now;
+        ls->arrivals++;
+        ld_poisson_advance(&arr, rng);
+    }
+}
+
 int main(int argc, char **argv)
 {
     struct ld_opts o;
@@ -222,67 +329,37 @@ int main(int argc, char **argv)
     }
     if (ld_run_start(&run, &o, "bex-ranker"))
         return 1;
-    uint64_t rng = o.seed * 0x2545f4914f6cdd1dull + 1, last = run.t0_us;
-    uint64_t end = run.t0_us + (uint64_t)(o.duration_s * 1e6);
-    /* Open loop (--rate): user requests arrive as a Poisson process, as
-     * they do at a ranker serving users, whatever the PS's speed; at most
-     * --outstanding are in flight, and one arriving when all are taken
-     * waits for a slot, its wait counted in its latency (from its
-     * arrival). Closed loop (no --rate): the next request starts when one
-     * completes, so the load is whatever the machine sustains. */
-    uint64_t arrival = run.t0_us, arrivals = 0, waited = 0;
-    int counted = 0; /* the next arrival's wait for a slot is counted */
-    while (ld_now_us() < end) {
-        ld_progress(&run, LD_REQUEST, &last);
-        if (ro.rate > 0) {
-            if (arrival >= end)
-                break;
-            uint64_t now = ld_now_us();
-            if (now < arrival) {
-                uint64_t d = arrival - now < 100000 ? arrival - now : 100000;
-                struct timespec ts = {.tv_nsec = (long)d * 1000};
-                nanosleep(&ts, NULL);
-                continue;
-            }
-        }
-        if (sem_trywait(&slots) != 0) {
-            waited += ro.rate > 0 && !counted;
-            counted = 1;
-            /* wait for a free slot, but not past the end (progress meanwhile) */
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
-            if (sem_timedwait(&slots, &ts) != 0)
-                continue;
-        }
-        counted = 0;
-        if (ro.rate > 0) {
-            issue(&ro, &rng, arrival);
-            arrivals++;
-            /* exponential gaps, -ln(1 - U) / rate seconds: Poisson arrivals */
-            arrival += (uint64_t)(-log(1 - ld_uniform(&rng)) / ro.rate * 1e6);
-        } else {
-            issue(&ro, &rng, ld_now_us());
-        }
-    }
+    uint64_t rng = o.seed * 0x2545f4914f6cdd1dull + 1;
+    run.end_us = run.t0_us + (uint64_t)(o.duration_s * 1e6);
+    struct loop_stats ls = {0};
+    if (ro.rate > 0)
+        open_loop(&ro, &rng, &ls);
+    else
+        closed_loop(&ro, &rng);
     /* every request completes by its deadline */
     for (uint32_t i = 0; i < o.outstanding; i++)
         while (sem_wait(&slots) != 0)
             ;
+    uint32_t lag50 = 0, lag99 = 0, lagmax = 0;
+    if (ls.lag_n) {
+        qsort(ls.lag, ls.lag_n, sizeof *ls.lag, cmp_u32);
+        lag50 = ld_quantile(ls.lag, ls.lag_n, 0.5);
+        lag99 = ld_quantile(ls.lag, ls.lag_n, 0.99);
+        lagmax = ld_quantile(ls.lag, ls.lag_n, 1);
+    }
+    free(ls.lag);
     char extra_json[1024];
     int k = snprintf(
         extra_json, sizeof extra_json,
         ",\"models\":%u,\"keys_min\":%u,\"keys_max\":%u,\"large_every\":%u,"
         "\"large_keys\":%u,\"rate\":%g,\"arrivals\":%llu,\"arrivals_waited\":%llu,"
+        "\"arrivals_dropped\":%llu,\"issue_lag_us\":{\"p50\":%u,\"p99\":%u,\"max\":%u},"
         "\"fetch_bytes\":{\"count\":%llu,\"min\":%llu,"
         "\"max\":%llu,\"mean\":%.1f,\"mib_or_more\":%llu,\"large\":%llu,\"large_failed\":%llu,"
         "\"large_mean_us\":%.1f,\"hist\":[",
         ro.models, ro.keys_min, ro.keys_max, ro.large_every, ro.large_keys, ro.rate,
-        (unsigned long long)arrivals, (unsigned long long)waited, (unsigned long long)sz.n,
+        (unsigned long long)ls.arrivals, (unsigned long long)ls.waited,
+        (unsigned long long)ls.dropped, lag50, lag99, lagmax, (unsigned long long)sz.n,
         (unsigned long long)(sz.n ? sz.min : 0), (unsigned long long)sz.max,
         sz.n ? (double)sz.sum / (double)sz.n : 0.0, (unsigned long long)sz.mib,
         (unsigned long long)sz.large, (unsigned long long)sz.large_failed,

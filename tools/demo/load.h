@@ -61,6 +61,21 @@ uint64_t ld_rand(uint64_t *s);
 double ld_uniform(uint64_t *s);
 double ld_normal(uint64_t *s);
 
+/* Poisson arrivals (an open loop): exponential gaps of mean 1 / rate
+ * seconds drawn from the caller's generator, on an absolute timeline that
+ * starts at t_us (the first arrival). */
+struct ld_poisson {
+    double rate;    /* arrivals per second, > 0 */
+    uint64_t t_us;  /* the current arrival */
+    double frac_us; /* the timeline's part of a microsecond t_us leaves out (0 at first) */
+};
+/* Advance to the next arrival; returns its time (microseconds). */
+uint64_t ld_poisson_advance(struct ld_poisson *p, uint64_t *rng);
+
+/* The q-quantile (0..1) of n sorted values (0 for none): the value at
+ * floor((n - 1) x q), so that a lower q never gives a higher value. */
+uint32_t ld_quantile(const uint32_t *sorted, size_t n, double q);
+
 /* Monotonic microseconds. */
 uint64_t ld_now_us(void);
 
@@ -70,7 +85,8 @@ struct ld_run {
     bex_ctx *ctx;
     bex_dir *dir;
     bex_ps_client *ps;
-    uint64_t t0_us; /* the run's start */
+    uint64_t t0_us;  /* the run's start */
+    uint64_t end_us; /* the measured window's end (0: none): ops completed in [t0, end) counted */
     struct rusage ru0;
     pthread_mutex_t mu;
     struct ld_sample {
@@ -80,6 +96,7 @@ struct ld_run {
     } * s;
     size_t n, cap;
     uint64_t ok[LD_OPS], failed[LD_OPS];
+    uint64_t in_window[LD_OPS]; /* ok ones that completed before end_us */
     FILE *progress_out;
 };
 
