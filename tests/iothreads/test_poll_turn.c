@@ -8,9 +8,9 @@
  *   answers to many messages that arrived together leave in one chain.
  *   The server's I/O thread is held in the callback of a first message
  *   while the client sends HELD more, until the server's rxe has taken
- *   them all (its rdma_recvs counter; it writes each completion right
- *   after): all wait in the server's CQ. (The client's on_send_done is
- *   no sign: a send is handed back on the peer's credit acknowledgement,
+ *   them all and written their completions (its rdma_recvs and sent_pkts
+ *   counters: land() says why both): all wait in the server's CQ. (The
+ *   client's on_send_done is no sign: a send is handed back on the peer's credit acknowledgement,
  *   which the held thread does not send.) Released, the server echoes each from
  *   its callback. With a turn of one batch of 64 completions the HELD
  *   answers took HELD / 64 doorbells (ibv_post_send calls) and more; now
@@ -192,16 +192,27 @@ static void check_two_doorbells(const bex_sock_stats *s0, const bex_sock_stats *
 }
 
 /* Send n messages from the client and wait until the server's rxe has
- * taken them all (its rdma_recvs counter from r0): their completions wait
- * in the server's CQ while its thread is held. */
+ * taken them all and written their completions: their completions wait in
+ * the server's CQ while its thread is held. rxe counts rdma_recvs just
+ * before it writes a receive's completion, so the count alone let a test
+ * release the thread while a guest preempted there had not written the
+ * last one yet (late_chain: 3 doorbells, once in the VM under load). It
+ * sends a message's ACK (every message of one packet asks for one) after
+ * writing its completion: so also wait for n packets more from the server
+ * (sent_pkts; the held thread posts nothing). */
 static void land(struct rig *r, int n, long long *r0)
 {
+    long long p0 = dev_counter(r->sctx, "sent_pkts");
+    CHECK(p0 >= 0);
     for (int i = 0; i < n; i++)
         local_send(r->cctx, r->s, MSG_LEN);
     uint64_t end = pair_now_ms() + 30000ull * time_scale();
-    while (dev_counter(r->sctx, "rdma_recvs") < *r0 + n && pair_now_ms() < end)
+    while ((dev_counter(r->sctx, "rdma_recvs") < *r0 + n ||
+            dev_counter(r->sctx, "sent_pkts") < p0 + n) &&
+           pair_now_ms() < end)
         pair_sleep_ms(1);
     CHECK(dev_counter(r->sctx, "rdma_recvs") >= *r0 + n);
+    CHECK(dev_counter(r->sctx, "sent_pkts") >= p0 + n);
     *r0 += n;
 }
 
