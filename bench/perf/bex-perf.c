@@ -506,6 +506,10 @@ struct client {
     bex_sock_stats st0, st1;
     double cpu0, cpu1;
     struct phase_os os0, os1;
+    /* at the first connect: a failed run's counters are since then */
+    bex_sock_stats st_b;
+    double cpu_b;
+    struct phase_os os_b;
 };
 
 static void cl_fail(struct client *cl, int err)
@@ -899,6 +903,14 @@ static void print_stats_json(const struct client *cl)
            b->credit_msgs - a->credit_msgs, b->max_inflight_bytes,
            b->rndv_prebound - a->rndv_prebound, b->keepalive_writes - a->keepalive_writes,
            b->poll_recvs - a->poll_recvs, b->poll_recv_conns - a->poll_recv_conns);
+    /* the loops' polls and system calls (Figure 11's per-message counts) */
+    printf(",\"cq_polls\":%" PRIu64 ",\"cq_polls_empty\":%" PRIu64 ",\"cq_arms\":%" PRIu64
+           ",\"cq_events\":%" PRIu64 ",\"loop_waits\":%" PRIu64 ",\"loop_sleeps\":%" PRIu64
+           ",\"loop_wake_reads\":%" PRIu64 ",\"loop_wakes\":%" PRIu64,
+           b->cq_polls - a->cq_polls, b->cq_polls_empty - a->cq_polls_empty,
+           b->cq_arms - a->cq_arms, b->cq_events - a->cq_events, b->loop_waits - a->loop_waits,
+           b->loop_sleeps - a->loop_sleeps, b->loop_wake_reads - a->loop_wake_reads,
+           b->loop_wakes - a->loop_wakes);
 }
 
 static const char *poll_name(uint32_t m)
@@ -927,6 +939,8 @@ static void print_cfg_json(const struct client *cl)
                cl->st1.srq_refused);
     if (o->steady)
         printf(",\"steady\":true");
+    if (o->ka_ms)
+        printf(",\"keepalive_ms\":%u", o->ka_ms);
 }
 
 static void print_stats_text(const struct client *cl, uint64_t msgs)
@@ -989,6 +1003,26 @@ static void report_lat(struct client *cl)
                    cl->o->streams, cl->o->stream_size, cl->o->frag, stream_mib_s);
         print_stats_text(cl, n * 2);
     }
+    fflush(stdout);
+}
+
+/* A run that failed (--json): its counters from the first connect to
+ * now, the RDMA devices' (rxe's retries, refusals and packets) among
+ * them, as one line "failed run: {...}" (no result line: a reader of
+ * results skips it). What a stall leaves to look at. */
+static void report_failed(struct client *cl)
+{
+    phase_record(cl);
+    cl->st0 = cl->st_b;
+    cl->os0 = cl->os_b;
+    cl->cpu0 = cl->cpu_b;
+    printf("failed run: {\"test\":\"failed\",\"outstanding\":%u,\"sockets\":%u,\"connected\":%ld,"
+           "\"answered\":%" PRIu64,
+           cl->o->outstanding, cl->ncs, atomic_load(&cl->connected),
+           cl->o->conns ? atomic_load(&cl->aresp) : cl->resp);
+    print_cfg_json(cl);
+    print_stats_json(cl);
+    printf("}\n");
     fflush(stdout);
 }
 
@@ -1131,6 +1165,9 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
         fprintf(stderr, "bex-perf: bad server address '%s'\n", o->client);
         goto out_free;
     }
+    stats_all(&cl, &cl.st_b);
+    phase_os_read(&cl.os_b);
+    cl.cpu_b = cpu_seconds();
     uint32_t opened = 0;
     for (; opened < cl.ncs; opened++) {
         struct csock *c = &cl.cs[opened];
@@ -1163,6 +1200,8 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
             fprintf(stderr, "bex-perf: test failed: %s\n", bex_strerror(err));
         else
             rc = 0;
+        if (rc && o->json)
+            report_failed(&cl);
     }
     for (uint32_t i = 0; i < opened; i++)
         bex_sock_close(cl.cs[i].s);

@@ -597,6 +597,20 @@ typedef struct bex_sock_stats {
                                    per turn: poll_recvs / this is how many of a QP's
                                    receives a turn takes together (its answers then
                                    leave in one ibv_post_send) */
+    /* What the I/O threads' loops call per message (Figure 11's polls and
+     * system calls; docs/benchmarks.md): */
+    uint64_t cq_polls;        /* RDMA: ibv_poll_cq calls (the threads' CQs and SRQ mode's
+                                 receive CQ; no system call: the CQ is mapped) */
+    uint64_t cq_polls_empty;  /* of them, those that found no completion */
+    uint64_t cq_arms;         /* RDMA: ibv_req_notify_cq calls (a system call each on rxe, a
+                                 doorbell write on mlx5) */
+    uint64_t cq_events;       /* RDMA: completion events read (ibv_get_cq_event: a read()) */
+    uint64_t loop_waits;      /* epoll_wait calls of the I/O threads (a system call each) */
+    uint64_t loop_sleeps;     /* of them, with a timeout other than 0: the thread slept */
+    uint64_t loop_wake_reads; /* the I/O threads' reads of their wake-up eventfd (a
+                                 system call each) */
+    uint64_t loop_wakes;      /* other threads' writes to that eventfd, waking a sleeping
+                                 I/O thread for a command (a system call each, theirs) */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

@@ -62,6 +62,7 @@ static void on_channel(struct ep_tag *t, uint32_t events)
     struct ibv_cq *cq;
     void *cq_ctx;
     if (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0) {
+        BEX__STAT_ADD(&io->stats, cq_events, 1);
         if (cq != io->ev_cq) {
             bex__io_ack_cq_events(io);
             io->ev_cq = cq;
@@ -200,6 +201,7 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
         int n, got = 0;
         do {
             n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+            bex__stat_poll(&io->stats, n);
             if (n < 0) {
                 cq_failed(io, q, n);
                 break;
@@ -252,6 +254,7 @@ static void arm_cqs(struct bex__io *io)
         ibv_req_notify_cq(io->cqs[q].cq, 0);
     if (io->sh.srq)
         ibv_req_notify_cq(io->sh.srq->cq, 0);
+    BEX__STAT_ADD(&io->stats, cq_arms, io->n_cq + (io->sh.srq != NULL));
     io->cq_armed = true;
     io->cq_quiet = false;
 }

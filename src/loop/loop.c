@@ -13,6 +13,10 @@ int bex__loop_init(struct bex__loop *l)
     int err;
     atomic_init(&l->cmds, NULL);
     atomic_init(&l->sleeping, 0);
+    atomic_init(&l->waits, 0);
+    atomic_init(&l->sleeps, 0);
+    atomic_init(&l->wake_reads, 0);
+    atomic_init(&l->wakes, 0);
     l->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (l->epfd < 0)
         return -errno;
@@ -50,6 +54,7 @@ static void wake(struct bex__loop *l)
      * a row; issue 25 item 5). */
     if (atomic_load(&l->sleeping) && atomic_exchange(&l->sleeping, 0)) {
         uint64_t one = 1;
+        atomic_fetch_add_explicit(&l->wakes, 1, memory_order_relaxed);
         ssize_t r = write(l->evfd, &one, sizeof(one));
         (void)r;
     }
@@ -119,9 +124,19 @@ void bex__loop_sleep_end(struct bex__loop *l)
  * last bex__loop_wait, 0 when it has not: bex__now_ms_since_wait's. */
 static _Thread_local uint64_t coarse_seen __attribute__((tls_model("initial-exec")));
 
+/* A counter of the loop's own thread (single writer): no locked add. */
+static inline void loop_count(_Atomic uint64_t *c)
+{
+    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+}
+
 int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms)
 {
     coarse_seen = 0; /* what was read before a wait is old after it */
+    loop_count(&l->waits);
+    if (timeout_ms != 0)
+        loop_count(&l->sleeps);
     int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
     if (n <= 0)
         return 0;
@@ -129,6 +144,7 @@ int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int tim
     for (int i = 0; i < n; i++) {
         if (ev[i].data.ptr == l) {
             uint64_t v;
+            loop_count(&l->wake_reads);
             ssize_t r = read(l->evfd, &v, sizeof(v));
             (void)r;
             continue;

@@ -42,6 +42,10 @@ struct bex__loop {
     int epfd, evfd;
     _Atomic(struct bex__cmd *) cmds; /* lock-free stack, newest first */
     _Atomic int sleeping;
+    /* system calls of the loop (bex_sock_stats.loop_*): epoll_wait calls
+     * and those with a timeout, eventfd reads (the loop's thread only),
+     * and eventfd writes (wake: any thread) */
+    _Atomic uint64_t waits, sleeps, wake_reads, wakes;
 };
 
 /* 0 or a negative errno; bex__loop_fini undoes it. */

@@ -699,11 +699,21 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(keepalive_writes);
         LD(poll_recvs);
         LD(poll_recv_conns);
+        LD(cq_polls);
+        LD(cq_polls_empty);
+        LD(cq_arms);
+        LD(cq_events);
         LD(tcp_fallbacks);
         LD(window_bytes);
         LD(window_cuts);
         LD(dest_bound_hits);
 #undef LD
+#define LL(f, g) o->f += atomic_load_explicit(&ctx->io[i].loop.g, memory_order_relaxed)
+        LL(loop_waits, waits);
+        LL(loop_sleeps, sleeps);
+        LL(loop_wake_reads, wake_reads);
+        LL(loop_wakes, wakes);
+#undef LL
         bex__ctx_window_stats(s, o);
         o->thread_domains += ctx->io[i].td != NULL;
     }

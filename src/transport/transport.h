@@ -258,11 +258,23 @@ struct bex__stats {
     /* receive completions a poll turn dispatched, and the connections that
      * had any in a turn, once per turn (conn/thread.c) */
     _Atomic uint64_t poll_recvs, poll_recv_conns;
+    /* ibv_poll_cq calls and those that found nothing (bex__stat_poll),
+     * CQ armings and completion events read (conn/thread.c) */
+    _Atomic uint64_t cq_polls, cq_polls_empty, cq_arms, cq_events;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \
                           atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),          \
                           memory_order_relaxed)
+
+/* One ibv_poll_cq call that gave n (bex_sock_stats.cq_polls and
+ * cq_polls_empty). */
+static inline void bex__stat_poll(struct bex__stats *st, int n)
+{
+    BEX__STAT_ADD(st, cq_polls, 1);
+    if (n == 0)
+        BEX__STAT_ADD(st, cq_polls_empty, 1);
+}
 
 /* How often an idle connection writes its keepalive: every keepalive_ms,
  * or less often when the peer's timeout (its hello's ka_timeout_ms; 0:

@@ -34,7 +34,16 @@
  * - keepalive_count: an idle connection's keepalive WRITEs are counted
  *   (bex_sock_stats.keepalive_writes), each a doorbell of its own and in
  *   no SEND or WRITE count, so that a benchmark can tell them from its
- *   messages' posts. */
+ *   messages' posts.
+ * - loop_counts: the loop's polls and system calls are counted
+ *   (bex_sock_stats.cq_polls, cq_polls_empty, cq_arms, cq_events,
+ *   loop_waits, loop_sleeps, loop_wake_reads, loop_wakes: Figure 11's
+ *   polls and system calls per message). A client in event mode sends
+ *   PINGS messages one after another; the server holds the first until
+ *   the client's thread, asleep on an armed CQ, has read a completion
+ *   event (its keepalive WRITE's: every 100 ms while it waits). Each
+ *   answer came in a poll of its own, and no poll that found something
+ *   took nothing: PINGS <= polls that found any <= completions. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -321,4 +330,77 @@ static int keepalive_count(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(one_chain), BEX_CASE(late_chain), BEX_CASE(keepalive_count))
+#define PINGS 32
+static int loop_counts(void)
+{
+    PAIR_NEED(pair_addrs(&addr0, &addr1));
+    if (pair_tcp())
+        return bex_test_skip("completion queues are RDMA's");
+    bex_ctx_config cfg = {.io_threads = 1,
+                          .poll_mode = BEX_POLL_EVENT,
+                          .keepalive_ms = 100,
+                          .keepalive_timeout_ms = 60000,
+                          .credit_timeout_ms = 60000};
+    struct rig r;
+    rig_open(&r, &cfg, 1);
+    bex_ctx *cctx = r.cctx;
+    bex_sock_stats s0, s1;
+    bex_ctx_stats(cctx, &s0);
+    local_send(cctx, r.s, MSG_LEN);
+    CHECK_OK(wait_count(&r.h.base.w, &r.h.held, 1, 10000));
+    /* the client waits: asleep with its CQ armed, a completion (its
+     * keepalive's, at least) raises an event that it reads */
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    do {
+        pair_sleep_ms(1);
+        bex_ctx_stats(cctx, &s1);
+    } while (s1.cq_events == s0.cq_events && pair_now_ms() < end);
+    CHECK(s1.cq_events > s0.cq_events);
+    atomic_store(&r.h.release, 1);
+    CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, 1, 30000));
+    for (long i = 1; i < PINGS; i++) {
+        local_send(cctx, r.s, MSG_LEN);
+        CHECK_OK(wait_count(&r.h.base.w, &r.c.recvd, i + 1, 30000));
+    }
+    bex_ctx_stats(cctx, &s1);
+#define D(f) (s1.f - s0.f)
+    fprintf(stderr,
+            "%d answers: %llu polls (%llu empty), %llu receives and %llu signaled sends; "
+            "%llu CQ armings, %llu events read; %llu epoll_waits (%llu slept), "
+            "%llu eventfd reads, %llu eventfd writes\n",
+            PINGS, (unsigned long long)D(cq_polls), (unsigned long long)D(cq_polls_empty),
+            (unsigned long long)D(poll_recvs), (unsigned long long)D(signaled),
+            (unsigned long long)D(cq_arms), (unsigned long long)D(cq_events),
+            (unsigned long long)D(loop_waits), (unsigned long long)D(loop_sleeps),
+            (unsigned long long)D(loop_wake_reads), (unsigned long long)D(loop_wakes));
+    CHECK(D(cq_polls) >= D(cq_polls_empty));
+    uint64_t found = D(cq_polls) - D(cq_polls_empty);
+    /* each answer in a poll of its own (the next request left after the
+     * callback of the one before), each of those polls took at least one
+     * completion: a receive, or a signaled send's (one posted before s0
+     * at most: the connection's last setup write) */
+    CHECK(found >= PINGS);
+    CHECK(D(poll_recvs) >= PINGS);
+    CHECK(found <= D(poll_recvs) + D(signaled) + 1);
+    /* sleeping: the poll after arming found the CQ empty */
+    CHECK(D(cq_polls_empty) >= 1);
+    CHECK(D(loop_sleeps) >= 1 && D(loop_sleeps) <= D(loop_waits));
+    /* an event needs an arming before it (the CQ may have been armed at
+     * s0), and is read after an epoll_wait reported the channel */
+    CHECK(D(cq_arms) >= 1 && D(cq_events) <= D(cq_arms) + 1);
+    CHECK(D(cq_events) <= D(loop_waits));
+    /* the test's sends woke the sleeping thread: writes to its eventfd,
+     * read after a wait (one write may have come before s0, and a read
+     * takes every write since the last) */
+    CHECK(D(loop_wakes) >= 1);
+    CHECK(D(loop_wake_reads) >= 1 && D(loop_wake_reads) <= D(loop_wakes) + 1);
+    CHECK(D(loop_wake_reads) <= D(loop_waits));
+    /* a ping-pong chains nothing: a doorbell a request at least */
+    CHECK(D(post_send_calls) >= PINGS);
+#undef D
+    rig_close(&r);
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(one_chain), BEX_CASE(late_chain), BEX_CASE(keepalive_count),
+              BEX_CASE(loop_counts))

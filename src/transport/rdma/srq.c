@@ -119,6 +119,7 @@ static int ring_poll(struct bex__srq *q, int max)
     if (max <= 0)
         return 0;
     int n = bex__rdma_poll_cq(q->cq, max, &q->wcs[tail]);
+    bex__stat_poll(q->sh->stats, n);
     if (n > 0)
         q->wc_n += (uint32_t)n;
     return n;
