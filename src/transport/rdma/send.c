@@ -10,19 +10,6 @@
 
 /* ---------------- send side ---------------- */
 
-uint32_t bex__engine_free_slots(const struct bex__engine *e)
-{
-    return e->sq - (e->tail - e->head);
-}
-
-/* Credits: ordinary SENDs leave one credit for a CREDIT message, so that two
- * peers that have used up each other's receives can always tell each other
- * about reposted ones. */
-bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg)
-{
-    return e->peer_credits > (credit_msg ? 0u : 1u);
-}
-
 /* The next send slot, its work request cleared but for the unions of
  * remote addresses and window binds, which a SEND does not read (see
  * slot_take). */
