@@ -520,7 +520,8 @@ bool bex__engine_progress(struct bex__engine *e)
      * and alone (see wops_hold) */
     if (bex__engine_wops_hold(e))
         return e->tail != before;
-    bex__engine_prep_keepalive(e);
+    if (e->ka_due)
+        bex__engine_prep_keepalive(e);
     /* the peer waits for these receives' credits to report its messages:
      * posted now, whatever we send next carries them */
     if (e->acks_owed && e->n_unposted) {
@@ -568,8 +569,11 @@ bool bex__engine_progress(struct bex__engine *e)
     acks_settle(e);
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
-    bex__engine_post_pending(e);
-    if (bex__engine_spare_fill(e))
+    if (e->post != e->tail)
+        bex__engine_post_pending(e);
+    /* (the checks ahead of the calls: a message's progress without window
+     * mode or a keepalive due pays no call for them) */
+    if (e->sh->windows && bex__engine_spare_fill(e))
         bex__engine_wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
 }
