@@ -204,7 +204,8 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
                 cq_failed(io, q, n);
                 break;
             }
-            any |= dispatch(io, wc, n);
+            if (n > 0) /* (an empty poll calls nothing more) */
+                any |= dispatch(io, wc, n);
             got += n;
         } while ((n == WC_BATCH || (n > 0 && got > 1)) && got < WC_TURN_MAX);
         full |= n == WC_BATCH || (n > 0 && got >= WC_TURN_MAX);
