@@ -206,7 +206,8 @@ static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
                 cq_failed(io, q, n);
                 break;
             }
-            any |= dispatch(io, wc, n);
+            if (n > 0) /* (an empty poll calls nothing more) */
+                any |= dispatch(io, wc, n);
             got += n;
         } while ((n == WC_BATCH || (n > 0 && got > 1)) && got < WC_TURN_MAX);
         full |= n == WC_BATCH || (n > 0 && got >= WC_TURN_MAX);
@@ -356,6 +357,20 @@ void *bex__io_main(void *arg)
             idle_since = 0;
             idle_polls = 0;
             spun_out = false;
+            /* Event mode, a completion event read since the CQs were
+             * armed: the sleep's look (arm, then poll) is the next turn's
+             * poll. What this turn's work left (the completions of the
+             * sends it posted, which rxe completes within the post; a
+             * command; a connection ready again) is found there or brings
+             * the loop back without sleeping. Before (issue 25), a second
+             * turn polled for the answer's send completion, and the sleep
+             * polled again after arming: three polls and two turns a round
+             * trip, now two and one. Once armed, turns go on as before
+             * (no sleep's look per turn while work keeps coming). */
+            if (event && !io->cq_armed) {
+                io_sleep(io, ev, wc);
+                continue;
+            }
             if (++spins % 64 == 0) {
                 int m = bex__loop_wait(&io->loop, ev, 16, 0);
                 handle_events(io, ev, m, wc);

@@ -91,7 +91,8 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         e->head++;
         e->inflight -= s->bytes;
         bex__engine_window_give(e, s->bytes);
-        bex__engine_wnd_completed(e, s);
+        if (s->post_us) /* an adaptive window's sample (no call otherwise) */
+            bex__engine_wnd_completed(e, s);
         if (s->free_mw) {
             ibv_dealloc_mw(s->free_mw); /* its invalidation is done */
             s->free_mw = NULL;

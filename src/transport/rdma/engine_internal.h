@@ -6,6 +6,7 @@
 #ifndef BEX_TRANSPORT_RDMA_ENGINE_INTERNAL_H
 #define BEX_TRANSPORT_RDMA_ENGINE_INTERNAL_H
 
+#include <assert.h>
 #include <errno.h>
 
 #include "transport/rdma/engine.h"
@@ -259,7 +260,6 @@ void bex__engine_srq_leave(struct bex__engine *e);
 int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s);
 void bex__engine_release_windows(struct bex__engine *e);
 void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status);
-bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg);
 void bex__engine_post_pending(struct bex__engine *e);
 void bex__engine_repost_recvs(struct bex__engine *e);
 void bex__engine_prep_keepalive(struct bex__engine *e);
@@ -275,13 +275,8 @@ bool bex__engine_work(const struct bex__engine *e);
  * log line: its operation, length and place in the queue. */
 void bex__engine_describe_send(struct bex__engine *e, uint32_t cnt, char *out, size_t n);
 void bex__engine_fail_now(struct bex__engine *e, int err);
-bool bex__engine_recv_room(struct bex__engine *e, uint64_t want);
 void *bex__engine_recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len);
-int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void *buf);
-void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf);
 void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf);
-struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uint32_t idx);
-void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx);
 void bex__engine_hold_starved(struct bex__engine *e, uint32_t idx);
 void bex__engine_queue_release(struct bex__engine *e, uint64_t addr, uint32_t rkey, uint32_t imm);
 void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st);
@@ -296,7 +291,6 @@ bool bex__engine_spare_has(struct bex__engine *e, uint32_t len);
 bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *out);
 void bex__engine_prep_wops(struct bex__engine *e);
 bool bex__engine_spare_fill(struct bex__engine *e);
-uint32_t bex__engine_free_slots(const struct bex__engine *e);
 struct sslot *bex__engine_slot_take(struct bex__engine *e);
 void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r);
 /* sendwnd.c: the send window (static or adaptive) and the destination's
@@ -306,8 +300,66 @@ void bex__engine_wnd_init(struct bex__engine *e);
 void bex__engine_wnd_fini(struct bex__engine *e);
 uint32_t bex__engine_window(const struct bex__engine *e);
 bool bex__engine_window_take(struct bex__engine *e, uint32_t bytes);
-void bex__engine_window_give(struct bex__engine *e, uint32_t bytes);
 void bex__engine_wnd_posted(struct bex__engine *e, struct sslot *s, uint32_t bytes);
 void bex__engine_wnd_completed(struct bex__engine *e, struct sslot *s);
+
+/* ---- the per-message path's one-liners, inline (issue 25: each was a
+ * call between the module's files, some ten of them a message) ---- */
+
+static inline uint32_t bex__engine_free_slots(const struct bex__engine *e)
+{
+    return e->sq - (e->tail - e->head);
+}
+
+/* Credits: ordinary SENDs leave one credit for a CREDIT message, so that two
+ * peers that have used up each other's receives can always tell each other
+ * about reposted ones. */
+static inline bool bex__engine_have_credit(const struct bex__engine *e, bool credit_msg)
+{
+    return e->peer_credits > (credit_msg ? 0u : 1u);
+}
+
+static inline bool bex__engine_recv_room(struct bex__engine *e, uint64_t want)
+{
+    return bex__recv_room(e->sh, want);
+}
+
+/* The usable bytes of buf, a receive buffer (rbuf_len bytes from the
+ * receive pool): looked up once, the same for every one. */
+static inline int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void *buf)
+{
+    if (!e->rbuf_usable)
+        e->rbuf_usable = (uint32_t)bex_mem_usable_size(buf);
+    assert(bex_mem_usable_size(buf) == e->rbuf_usable);
+    return e->rbuf_usable;
+}
+
+static inline void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf)
+{
+    r->buf = buf;
+    r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
+}
+
+/* Receive slot idx: the engine's own, or in SRQ mode the shared queue's. */
+static inline struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uint32_t idx)
+{
+    return e->sh->srq ? &e->sh->srq->slots[idx] : &e->rs[idx];
+}
+
+/* A consumed receive is kept for reposting (with its buffer) or starved
+ * (without): in SRQ mode the slot is the engine's charge from now on. */
+static inline void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx)
+{
+    e->unposted[e->n_unposted++] = idx;
+    if (idx == e->srq_cur)
+        e->srq_cur = NO_SLOT;
+}
+
+/* Bytes the engine no longer has in flight (completed or abandoned). */
+static inline void bex__engine_window_give(struct bex__engine *e, uint32_t bytes)
+{
+    if (e->dest && bytes)
+        bex__wnd_dest_give(e->dest, bytes);
+}
 
 #endif

@@ -24,11 +24,6 @@ bex_mem_pool *bex__engine_rndv_pool(struct bex__engine_shared *sh)
     return sh->landing; /* the only memory a peer may write */
 }
 
-bool bex__engine_recv_room(struct bex__engine *e, uint64_t want)
-{
-    return bex__recv_room(e->sh, want);
-}
-
 void *bex__engine_recv_alloc(struct bex__engine *e, bex_mem_pool *pool, size_t len)
 {
     void *b = bex_mem_alloc(pool, len);
@@ -47,22 +42,6 @@ void bex__engine_recv_free(struct bex__engine *e, void *b)
     bex_mem_free(b);
 }
 
-/* The usable bytes of buf, a receive buffer (rbuf_len bytes from the
- * receive pool): looked up once, the same for every one. */
-int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void *buf)
-{
-    if (!e->rbuf_usable)
-        e->rbuf_usable = (uint32_t)bex_mem_usable_size(buf);
-    assert(bex_mem_usable_size(buf) == e->rbuf_usable);
-    return e->rbuf_usable;
-}
-
-void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf)
-{
-    r->buf = buf;
-    r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
-}
-
 void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf)
 {
     bex__engine_slot_put(e, r, buf);
@@ -77,21 +56,6 @@ void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r)
     if (buf)
         bex__recv_posted(e->sh, -bex__engine_rbuf_usable(e, buf));
     return buf;
-}
-
-/* Receive slot idx: the engine's own, or in SRQ mode the shared queue's. */
-struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uint32_t idx)
-{
-    return e->sh->srq ? &e->sh->srq->slots[idx] : &e->rs[idx];
-}
-
-/* A consumed receive is kept for reposting (with its buffer) or starved
- * (without): in SRQ mode the slot is the engine's charge from now on. */
-void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx)
-{
-    e->unposted[e->n_unposted++] = idx;
-    if (idx == e->srq_cur)
-        e->srq_cur = NO_SLOT;
 }
 
 void bex__engine_hold_starved(struct bex__engine *e, uint32_t idx)

@@ -10,19 +10,6 @@
 
 /* ---------------- send side ---------------- */
 
-uint32_t bex__engine_free_slots(const struct bex__engine *e)
-{
-    return e->sq - (e->tail - e->head);
-}
-
-/* Credits: ordinary SENDs leave one credit for a CREDIT message, so that two
- * peers that have used up each other's receives can always tell each other
- * about reposted ones. */
-bool bex__engine_have_credit(struct bex__engine *e, bool credit_msg)
-{
-    return e->peer_credits > (credit_msg ? 0u : 1u);
-}
-
 /* The next send slot, its work request cleared but for the unions of
  * remote addresses and window binds, which a SEND does not read (see
  * slot_take). */
@@ -533,7 +520,8 @@ bool bex__engine_progress(struct bex__engine *e)
      * and alone (see wops_hold) */
     if (bex__engine_wops_hold(e))
         return e->tail != before;
-    bex__engine_prep_keepalive(e);
+    if (e->ka_due)
+        bex__engine_prep_keepalive(e);
     /* the peer waits for these receives' credits to report its messages:
      * posted now, whatever we send next carries them */
     if (e->acks_owed && e->n_unposted) {
@@ -581,8 +569,11 @@ bool bex__engine_progress(struct bex__engine *e)
     acks_settle(e);
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
-    bex__engine_post_pending(e);
-    if (bex__engine_spare_fill(e))
+    if (e->post != e->tail)
+        bex__engine_post_pending(e);
+    /* (the checks ahead of the calls: a message's progress without window
+     * mode or a keepalive due pays no call for them) */
+    if (e->sh->windows && bex__engine_spare_fill(e))
         bex__engine_wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
 }

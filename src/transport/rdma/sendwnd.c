@@ -60,13 +60,6 @@ bool bex__engine_window_take(struct bex__engine *e, uint32_t bytes)
     return true;
 }
 
-/* Bytes the engine no longer has in flight (completed or abandoned). */
-void bex__engine_window_give(struct bex__engine *e, uint32_t bytes)
-{
-    if (e->dest && bytes)
-        bex__wnd_dest_give(e->dest, bytes);
-}
-
 /* A batch is posted: its last (signaled) slot s remembers when and how
  * many payload bytes, for the delay sample at its completion (a batch of
  * control messages alone is a sample too: a small one, near the base). */
