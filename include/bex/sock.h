@@ -597,6 +597,12 @@ typedef struct bex_sock_stats {
                                    per turn: poll_recvs / this is how many of a QP's
                                    receives a turn takes together (its answers then
                                    leave in one ibv_post_send) */
+    uint64_t empty_turns;       /* I/O threads' loop turns that found nothing to do (no
+                                   completion, command, due timer or progress): what
+                                   busy polling spins while it waits; bench/cost/run
+                                   subtracts their cost from a busy run's instructions */
+    uint64_t loop_waits;        /* epoll_wait calls of the I/O threads: the sleeps, and a
+                                   spinning thread's looks at its descriptors */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

@@ -31,6 +31,13 @@ BEX__IO_TLS struct bex__io *bex__io_self;
 
 static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc);
 
+/* bex__loop_wait, counted (bex_sock_stats.loop_waits). */
+static int io_wait(struct bex__io *io, struct epoll_event *ev, int timeout_ms)
+{
+    BEX__STAT_ADD(&io->stats, loop_waits, 1);
+    return bex__loop_wait(&io->loop, ev, 16, timeout_ms);
+}
+
 static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, struct ibv_wc *wc)
 {
     /* A connection's TCP event (its peer closed it) may come with the
@@ -301,7 +308,7 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
         uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
         timeout = ms > INT32_MAX ? INT32_MAX : (int)ms;
     }
-    int m = bex__loop_wait(&io->loop, ev, 16, timeout);
+    int m = io_wait(io, ev, timeout);
     bex__loop_sleep_end(&io->loop);
     if (m > 0)
         handle_events(io, ev, m, wc);
@@ -354,11 +361,12 @@ void *bex__io_main(void *arg)
             idle_polls = 0;
             spun_out = false;
             if (++spins % 64 == 0) {
-                int m = bex__loop_wait(&io->loop, ev, 16, 0);
+                int m = io_wait(io, ev, 0);
                 handle_events(io, ev, m, wc);
             }
             continue;
         }
+        BEX__STAT_ADD(&io->stats, empty_turns, 1);
         /* The precise clock may be a system call (see bex__now_ms): while
          * spinning, look at it on every 16th idle poll only. Busy polling
          * never sleeps; event mode sleeps at once. */
@@ -377,7 +385,7 @@ void *bex__io_main(void *arg)
         }
         if (!spun_out) {
             if (++spins % 64 == 0) {
-                int m = bex__loop_wait(&io->loop, ev, 16, 0);
+                int m = io_wait(io, ev, 0);
                 handle_events(io, ev, m, wc);
             }
             continue;

@@ -699,6 +699,8 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(keepalive_writes);
         LD(poll_recvs);
         LD(poll_recv_conns);
+        LD(empty_turns);
+        LD(loop_waits);
         LD(tcp_fallbacks);
         LD(window_bytes);
         LD(window_cuts);

@@ -258,6 +258,8 @@ struct bex__stats {
     /* receive completions a poll turn dispatched, and the connections that
      * had any in a turn, once per turn (conn/thread.c) */
     _Atomic uint64_t poll_recvs, poll_recv_conns;
+    /* loop turns that found nothing to do, and epoll_wait calls (conn/thread.c) */
+    _Atomic uint64_t empty_turns, loop_waits;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \
