@@ -99,7 +99,8 @@ struct opts {
     long runs;
     unsigned timeout_s;
     bool size_set, iters_set;
-    bool steady; /* bw --conns: no drain in the measured window */
+    bool steady;      /* bw --conns: no drain in the measured window */
+    uint32_t idle_ms; /* lat: connected and idle this long before the test */
 };
 
 /* ---------------- small helpers ---------------- */
@@ -352,6 +353,22 @@ static void srv_accept(bex_listener *l, bex_sock *s, void *user)
     bex_sock_set_user(s, &srv_ops, ss);
 }
 
+/* The whole process's empty loop turns and epoll_wait calls, on stderr
+ * (bench/cost/run reads them: busy polling's empty turns are subtracted
+ * from its instructions). */
+static void report_turns(const char *who, bex_ctx *const *ctxs, uint32_t n)
+{
+    uint64_t empty = 0, waits = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        bex_sock_stats st;
+        bex_ctx_stats(ctxs[i], &st);
+        empty += st.empty_turns;
+        waits += st.loop_waits;
+    }
+    fprintf(stderr, "%s: %" PRIu64 " empty loop turns, %" PRIu64 " loop waits\n", who, empty,
+            waits);
+}
+
 static int run_server(const struct opts *o)
 {
     sigset_t sigs;
@@ -423,6 +440,7 @@ static int run_server(const struct opts *o)
     int rc = atomic_load(&srv.n_live) == 0 ? 0 : 1;
     if (rc)
         fprintf(stderr, "bex-perf server: %ld sockets did not close\n", atomic_load(&srv.n_live));
+    report_turns("bex-perf server", &srv.ctx, 1);
     bex_ctx_destroy(srv.ctx);
     pthread_mutex_destroy(&srv.mu);
     return rc;
@@ -788,8 +806,12 @@ static void cl_recv(bex_sock *s, void *buf, size_t len, void *user)
             return;
         }
         c->ready = true;
-        if (atomic_fetch_add(&cl->ready, 1) + 1 == (long)cl->ncs)
-            start_test(cl);
+        if (atomic_fetch_add(&cl->ready, 1) + 1 == (long)cl->ncs) {
+            if (cl->o->idle_ms) /* client_run starts it after the idle time */
+                gate_signal(&cl->g);
+            else
+                start_test(cl);
+        }
         return;
     }
     bex_mem_free(buf);
@@ -895,14 +917,15 @@ static void print_stats_json(const struct client *cl)
            ",\"credit_stalls\":%" PRIu64 ",\"window_stalls\":%" PRIu64 ",\"credit_msgs\":%" PRIu64
            ",\"max_inflight_bytes\":%" PRIu64 ",\"rndv_prebound\":%" PRIu64
            ",\"keepalive_writes\":%" PRIu64 ",\"poll_recvs\":%" PRIu64
-           ",\"poll_recv_conns\":%" PRIu64,
+           ",\"poll_recv_conns\":%" PRIu64 ",\"empty_turns\":%" PRIu64,
            cl->cpu1 - cl->cpu0, b->post_send_calls - a->post_send_calls,
            b->sends_posted - a->sends_posted, b->writes_posted - a->writes_posted,
            b->signaled - a->signaled, b->post_recv_calls - a->post_recv_calls,
            b->credit_stalls - a->credit_stalls, b->window_stalls - a->window_stalls,
            b->credit_msgs - a->credit_msgs, b->max_inflight_bytes,
            b->rndv_prebound - a->rndv_prebound, b->keepalive_writes - a->keepalive_writes,
-           b->poll_recvs - a->poll_recvs, b->poll_recv_conns - a->poll_recv_conns);
+           b->poll_recvs - a->poll_recvs, b->poll_recv_conns - a->poll_recv_conns,
+           b->empty_turns - a->empty_turns);
     /* the loops' polls and system calls (Figure 11's per-message counts) */
     printf(",\"cq_polls\":%" PRIu64 ",\"cq_polls_empty\":%" PRIu64 ",\"cq_arms\":%" PRIu64
            ",\"cq_events\":%" PRIu64 ",\"loop_waits\":%" PRIu64 ",\"loop_sleeps\":%" PRIu64
@@ -1187,6 +1210,13 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
             break;
         }
     }
+    if (o->idle_ms && !atomic_load(&cl.fail) &&
+        !gate_wait(&cl.g, &cl.ready, (long)cl.ncs, &cl.fail, o->timeout_s)) {
+        struct timespec idle = {o->idle_ms / 1000, (long)(o->idle_ms % 1000) * 1000000L};
+        while (nanosleep(&idle, &idle) && errno == EINTR)
+            ;
+        start_test(&cl); /* (its first send from this thread, the rest from callbacks) */
+    }
     if (!atomic_load(&cl.fail)) {
         int err = gate_wait(&cl.g, &cl.finished, 1, &cl.fail, o->timeout_s);
         if (err == -ETIMEDOUT)
@@ -1216,6 +1246,8 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
             report_bw(&cl, frag, shown);
     }
 out_free:
+    if (cl.nctx && cl.ctxs && cl.ctxs[cl.nctx - 1])
+        report_turns("bex-perf", cl.ctxs, cl.nctx);
     /* every send has been reported by now (on_close comes after them) */
     for (int i = 0; i < 2; i++)
         bex_mem_free(cl.lbuf[i]);
@@ -1288,7 +1320,9 @@ static void usage(FILE *f)
             "      --qp-timeout N    ctx qp_timeout (verbs ACK timeout exponent; 14)\n"
             "      --setup-max N     ctx setup_max (64)\n"
             "      --connect-timeout MS  ctx connect_timeout_ms (3000); many connections\n"
-            "                        set up at once on a slow host need more\n",
+            "                        set up at once on a slow host need more\n"
+            "      --idle-ms MS      lat: once connected, idle MS ms before the test\n"
+            "                        (bench/cost/run: what an empty loop turn costs)\n",
             DEFAULT_PORT);
 }
 
@@ -1352,7 +1386,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         O_QPTO,
         O_SETUPMAX,
         O_CONNTO,
-        O_STEADY
+        O_STEADY,
+        O_IDLE
     };
     static const struct option lo[] = {{"server", no_argument, NULL, 's'},
                                        {"client", required_argument, NULL, 'c'},
@@ -1378,6 +1413,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
                                        {"keepalive-ms", required_argument, NULL, O_KAMS},
                                        {"conns", required_argument, NULL, O_CONNS},
                                        {"steady", no_argument, NULL, O_STEADY},
+                                       {"idle-ms", required_argument, NULL, O_IDLE},
                                        {"ports", required_argument, NULL, O_PORTS},
                                        {"streams", required_argument, NULL, O_STREAMS},
                                        {"stream-size", required_argument, NULL, O_SSIZE},
@@ -1522,6 +1558,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
         case O_STEADY:
             o->steady = true;
             break;
+        case O_IDLE:
+            if (parse_u32("idle-ms", optarg, &o->idle_ms, false))
+                return -1;
+            break;
         case O_CONNTO:
             if (parse_u32("connect-timeout", optarg, &o->connect_timeout_ms, false))
                 return -1;
@@ -1621,6 +1661,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
     }
     if (o->steady && !o->conns) {
         fprintf(stderr, "bex-perf: --steady is for --conns\n");
+        return -1;
+    }
+    if (o->idle_ms && (o->test != T_LAT || o->streams)) {
+        fprintf(stderr, "bex-perf: --idle-ms is for --test lat without --streams\n");
         return -1;
     }
     if (o->streams && o->test != T_LAT) {

@@ -611,6 +611,10 @@ typedef struct bex_sock_stats {
                                  system call each) */
     uint64_t loop_wakes;      /* other threads' writes to that eventfd, waking a sleeping
                                  I/O thread for a command (a system call each, theirs) */
+    uint64_t empty_turns;     /* I/O threads' loop turns that found nothing to do (no
+                                 completion, command, due timer or progress): what busy
+                                 polling spins while it waits; bench/cost/run subtracts
+                                 their cost from a busy run's instructions */
 } bex_sock_stats;
 
 void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);

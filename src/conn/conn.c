@@ -135,6 +135,8 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
     c->mode = ctx->cfg->transport;
     c->rdma_ok = c->mode != BEX_TRANSPORT_TCP && ctx->dev;
     c->next_stream = 1;
+    c->coming = true;
+    io->n_coming++;
     bex__conn_timers_start(c);
     io->engines[engine_slot(io, id)] = c;
     bex__list_init(&c->ready_link);
@@ -151,6 +153,7 @@ void bex__conn_free(struct conn *c)
     io->engines[engine_slot(io, c->eng_id)] = NULL;
     bex__conn_timers_stop(c);
     bex__conn_setup_end(c);
+    bex__conn_came(c);
     if (c->fd >= 0) {
         bex__loop_unwatch(&io->loop, c->fd);
         close(c->fd);
@@ -181,6 +184,7 @@ void bex__conn_finish(struct conn *c, int err)
     if (bex__conn_dead(c))
         return;
     conn_die(c); /* from SETUP too: its place in the setup table is free at once */
+    bex__conn_came(c);
     if (c->fd >= 0) {
         /* the TCP side has nothing more to say; level-triggered events of a
          * failed socket would otherwise come back every loop */

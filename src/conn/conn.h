@@ -123,6 +123,8 @@ struct conn {
     uint64_t waiting_since;           /* setup: since when the peer owes us its next
                                          message (setup_evict's order) */
     bool heard;                       /* setup: its first bytes wait to be read */
+    bool coming;                      /* in set-up (not UP, not dead): counted in
+                                         io->n_coming (bex__conn_came) */
     uint64_t conn_id;
     uint32_t mode;               /* BEX_TRANSPORT_* wanted for this connection */
     bool rdma_ok;                /* this side may use RDMA (mode, device) */
@@ -151,6 +153,15 @@ struct conn {
 static inline bool bex__conn_dead(const struct conn *c)
 {
     return c->life == CONN_DEAD;
+}
+/* c's set-up is over (it came UP, or died, or is freed): its thread's
+ * spinning need not look at its descriptor every few turns for it. */
+static inline void bex__conn_came(struct conn *c)
+{
+    if (c->coming) {
+        c->coming = false;
+        c->io->n_coming--;
+    }
 }
 const char *bex__conn_life_name(enum bex__conn_life life);
 /* A zeroed thread's connection and listener lists, empty (before anything

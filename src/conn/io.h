@@ -164,8 +164,15 @@ struct bex__io {
     _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
     uint64_t poll_no;              /* poll turns with CQs (conn/thread.c) */
     bool draining;                 /* the owner is running commands it took */
-    struct bex__list listeners;    /* struct bex_listener.link */
-    struct conn **engines;         /* by engine id (bex__conn_by_engine) */
+    /* spinning (conn/thread.c spin_look): connections of this thread in
+     * set-up (struct conn.coming), the coarse clock this turn read
+     * (run_timers) and the one of the last look at the epoll set, and the
+     * turns since a look */
+    uint32_t n_coming;
+    uint32_t spins;
+    uint64_t turn_ms, looked_ms;
+    struct bex__list listeners; /* struct bex_listener.link */
+    struct conn **engines;      /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;
     struct io_cq *cqs; /* with a device: at least one; sh.cq is cqs[0].cq */
     uint32_t n_cq;

@@ -152,8 +152,10 @@ void bex__conn_set_phase(struct conn *c, enum bex__conn_phase to)
                  bex__conn_name(c, name), c->eng_id, bex__conn_phase_name(c->phase),
                  bex__conn_phase_name(to));
     c->phase = to;
-    if (to == P_UP) /* the setup's deadline is met */
+    if (to == P_UP) { /* the setup's deadline is met */
         bex__timer_stop(&c->io->timers, &c->setup_tm);
+        bex__conn_came(c);
+    }
 }
 
 /* Read the next setup message: its preamble first, which tells its kind and

@@ -272,7 +272,8 @@ static void arm_cqs(struct bex__io *io)
 static void run_timers(struct bex__io *io)
 {
     uint64_t next = bex__timers_next(&io->timers);
-    if (next == UINT64_MAX || bex__now_ms_since_wait() * 1000 + COARSE_LAG_US < next)
+    io->turn_ms = bex__now_ms_since_wait(); /* (spin_look's too) */
+    if (next == UINT64_MAX || io->turn_ms * 1000 + COARSE_LAG_US < next)
         return;
     uint64_t now = bex__now_us();
     if (now >= next)
@@ -311,6 +312,31 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
         handle_events(io, ev, m, wc);
 }
 
+/* A spinning thread's look at its epoll set (epoll_wait(.., 0): a system
+ * call). Its connections' messages over RDMA are completions, polled every
+ * turn; what only the epoll set tells is a TCP connection's data, a
+ * set-up's next message, a listener's new connection, a peer's close, the
+ * device's async events. While a connection of the thread goes over TCP
+ * or is in set-up, every 64th turn, as before; else once per tick of the
+ * coarse clock the turn read (run_timers): at most HZ (100-1000) a second,
+ * whatever the turns or messages, so that busy polling RDMA makes no
+ * system call per message but its doorbells (issue 25: a look every 64
+ * turns was 0.75-1.9 per message). A new connection at a listener, or a
+ * peer's close, then waits for the next tick at most (1-10 ms; 12 ms seen
+ * in a VM whose ticks lag); commands and timers do not wait for a look. */
+static void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
+{
+    if (io->n_coming || atomic_load_explicit(&io->stats.tcp_conns, memory_order_relaxed)) {
+        if (++io->spins % 64)
+            return;
+    } else if (io->turn_ms == io->looked_ms) {
+        return;
+    }
+    io->looked_ms = io->turn_ms;
+    int m = bex__loop_wait(&io->loop, ev, 16, 0);
+    handle_events(io, ev, m, wc);
+}
+
 const char *bex__io_state_name(int s)
 {
     static const char *const names[] = {[IO_NEW] = "NEW",
@@ -342,7 +368,7 @@ void *bex__io_main(void *arg)
     struct epoll_event ev[16];
     uint64_t idle_since = 0;
     bex__io_timers_init(io);
-    uint32_t spins = 0, idle_polls = 0;
+    uint32_t idle_polls = 0;
     bool spun_out = false;
     bool event = cfg->poll_mode == BEX_POLL_EVENT;
     while (bex__io_state(io) != IO_STOPPING) {
@@ -371,12 +397,10 @@ void *bex__io_main(void *arg)
                 io_sleep(io, ev, wc);
                 continue;
             }
-            if (++spins % 64 == 0) {
-                int m = bex__loop_wait(&io->loop, ev, 16, 0);
-                handle_events(io, ev, m, wc);
-            }
+            spin_look(io, ev, wc);
             continue;
         }
+        BEX__STAT_ADD(&io->stats, empty_turns, 1);
         /* The precise clock may be a system call (see bex__now_ms): while
          * spinning, look at it on every 16th idle poll only. Busy polling
          * never sleeps; event mode sleeps at once. */
@@ -394,10 +418,7 @@ void *bex__io_main(void *arg)
                 t - idle_since >= cfg->poll_spin_us && bex__timers_next(&io->timers) > t + 1000;
         }
         if (!spun_out) {
-            if (++spins % 64 == 0) {
-                int m = bex__loop_wait(&io->loop, ev, 16, 0);
-                handle_events(io, ev, m, wc);
-            }
+            spin_look(io, ev, wc);
             continue;
         }
         io_sleep(io, ev, wc);

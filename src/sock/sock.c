@@ -703,6 +703,7 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *o)
         LD(cq_polls_empty);
         LD(cq_arms);
         LD(cq_events);
+        LD(empty_turns);
         LD(tcp_fallbacks);
         LD(window_bytes);
         LD(window_cuts);

@@ -261,6 +261,8 @@ struct bex__stats {
     /* ibv_poll_cq calls and those that found nothing (bex__stat_poll),
      * CQ armings and completion events read (conn/thread.c) */
     _Atomic uint64_t cq_polls, cq_polls_empty, cq_arms, cq_events;
+    /* loop turns that found nothing to do (conn/thread.c) */
+    _Atomic uint64_t empty_turns;
 };
 #define BEX__STAT_ADD(st, field, n)                                                                \
     atomic_store_explicit(&(st)->field,                                                            \

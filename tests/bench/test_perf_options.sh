@@ -17,8 +17,13 @@
 #            are posted at the turn's end, so each edge of the window moves
 #            by up to a turn's answers: 1000-1184 seen; without --steady
 #            its last 400 answers have no request: 722 seen)
+#   idle     --test lat --idle-ms 300, busy polling: the run's empty loop
+#            turns (printed at exit, the whole run) exceed the measured
+#            window's (the JSON's empty_turns) by the idle time's, and
+#            loop_waits is reported
 #   bad      --conns with --test lat, --streams with --test bw,
-#            --steady without --conns and --connect-timeout 0 are refused
+#            --steady without --conns, --connect-timeout 0 and --idle-ms
+#            with --test bw are refused
 #
 # Usage: test_perf_options.sh path/to/bex-perf [case]
 set -uo pipefail
@@ -143,6 +148,25 @@ case_steady() {
     [ "${total:-0}" = 1800 ] || fail "steady: the server saw ${total:-0} messages, expected 1800"
 }
 
+case_idle() {
+    server 1 --poll-mode busy || return
+    local out rc=0
+    out=$(timeout 60 "$perf" -c 127.0.0.1 --local 127.0.0.1 -p $port --transport tcp --test lat \
+        --poll-mode busy --iters 200 --idle-ms 300 --json 2>"$work/cli.err") || rc=$?
+    [ $rc = 0 ] || fail "idle: client exited with $rc: $(cat "$work/cli.err")"
+    echo "$out"
+    local win all
+    win=$(jget "$out" empty_turns)
+    all=$(sed -n 's/^bex-perf: \([0-9]*\) empty loop turns, [0-9]* loop waits$/\1/p' "$work/cli.err")
+    echo "empty turns: $win in the window, ${all:-none} in the run"
+    [ -n "$(jget "$out" loop_waits)" ] || fail "idle: no loop_waits"
+    [ -n "$win" ] && [ -n "$all" ] && [ "$all" -gt $((win + 100)) ] ||
+        fail "idle: ${all:-no} empty turns in the run, ${win:-none} in the window: no idle spin"
+    server_end 1
+    grep -q "^bex-perf server: [0-9]* empty loop turns" "$work/srv.out" ||
+        fail "idle: the server did not print its empty turns"
+}
+
 case_bad() {
     "$perf" -c 127.0.0.1 --local 127.0.0.1 --test lat --conns 2 >/dev/null 2>&1
     [ $? = 2 ] || fail "bad: --conns with --test lat accepted"
@@ -152,9 +176,11 @@ case_bad() {
     [ $? = 2 ] || fail "bad: --steady without --conns accepted"
     "$perf" -c 127.0.0.1 --local 127.0.0.1 --connect-timeout 0 >/dev/null 2>&1
     [ $? = 2 ] || fail "bad: --connect-timeout 0 accepted"
+    "$perf" -c 127.0.0.1 --local 127.0.0.1 --test bw --idle-ms 10 >/dev/null 2>&1
+    [ $? = 2 ] || fail "bad: --idle-ms with --test bw accepted"
 }
 
-for c in conns streams steady bad; do
+for c in conns streams steady idle bad; do
     [ "$want" = all ] || [ "$want" = $c ] || continue
     case_$c
 done

@@ -920,6 +920,112 @@ static int idle_busy(void)
     return 0;
 }
 
+/* A coarse clock the test holds still (bex__loop_coarse_hook), set to the
+ * real one's value whenever the test lets it move. */
+static _Atomic uint64_t held_ms;
+
+static uint64_t real_coarse_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static uint64_t held_coarse(void)
+{
+    return atomic_load(&held_ms);
+}
+
+/* Wait until io has turned `more` times past t0 (a busy thread under load
+ * may get little CPU; the deadline is long). */
+static void wait_turns(struct bex__io *io, uint64_t t0, uint64_t more)
+{
+    uint64_t end = pair_now_ms() + 30000ull * time_scale();
+    while (atomic_load(&io->turns) < t0 + more && pair_now_ms() < end)
+        pair_sleep_ms(1);
+    CHECK(atomic_load(&io->turns) >= t0 + more);
+}
+
+static uint64_t loop_waits(struct bex__io *io)
+{
+    return atomic_load_explicit(&io->stats.loop_waits, memory_order_relaxed);
+}
+
+#define LOOK_ECHOES 200
+/* Issue 25 item 2: a busy-polling thread looks at its epoll set (sockets,
+ * listeners, the device's events) once per tick of the coarse clock it
+ * reads each turn, not every 64th turn: no system call per message but
+ * the doorbell, whatever it spins. While one of its connections is in
+ * set-up or goes over TCP (whose messages come as events) it looks every
+ * 64th turn still. The coarse clock is held still here
+ * (bex__loop_coarse_hook), so no tick comes:
+ * - a busy thread with no connection turns 6400 times and looks at most
+ *   once (at the hold's edge); then the clock moves and a look comes.
+ *   Before, a look every 64 turns: 100 or more.
+ * - a connection sets up with the clock held (its set-up is looked at
+ *   every 64 turns), then LOOK_ECHOES echoes: over RDMA the busy client
+ *   looks at most once in them (their completions are polled; before, one
+ *   look every 64 turns, thousands), over TCP at least once per 64 turns
+ *   (its socket's events are its messages: served as promptly as before).
+ * The server sleeps between events (a second spinning thread starves
+ * rxe's kernel work in the VM's two CPUs: idle_busy). */
+static int busy_looks(void)
+{
+    PAIR_NEED(setup_addrs());
+    bex_ctx *cctx = ctx_new_mode(addr1, 1, BEX_POLL_BUSY);
+    struct bex__io *cio = &cctx->io[0];
+    wait_turns(cio, 0, 1000); /* (it runs) */
+    atomic_store(&held_ms, real_coarse_ms());
+    bex__loop_coarse_hook(held_coarse);
+    wait_turns(cio, atomic_load(&cio->turns), 1); /* a turn reads the held clock */
+    uint64_t w0 = loop_waits(cio), t0 = atomic_load(&cio->turns);
+    wait_turns(cio, t0, 6400);
+    uint64_t w = loop_waits(cio) - w0, t = atomic_load(&cio->turns) - t0;
+    fprintf(stderr, "no connection, the clock held: %llu turns, %llu looks\n",
+            (unsigned long long)t, (unsigned long long)w);
+    CHECK(w <= 1);
+    /* the clock moves (never ahead of the precise one): a look */
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    while (real_coarse_ms() <= atomic_load(&held_ms) && pair_now_ms() < end)
+        pair_sleep_ms(1);
+    atomic_store(&held_ms, real_coarse_ms());
+    w0 = loop_waits(cio);
+    while (loop_waits(cio) == w0 && pair_now_ms() < end)
+        pair_sleep_ms(1);
+    CHECK(loop_waits(cio) > w0);
+
+    /* set-up and echoes with the clock held */
+    struct local_srv v = {.w = WAITER_INIT};
+    bex_ctx *sctx = ctx_new_mode(addr0, 1, BEX_POLL_EVENT);
+    bex_addr a;
+    bex_listener *l = srv_listen(sctx, &v, &a);
+    struct cli c = {.base.w = &v.w};
+    bex_sock *s = cli_open(cctx, &a, &c);
+    CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 10000));
+    send_one(cctx, s);
+    CHECK_OK(wait_count(&v.w, &c.recvd, 1, 10000));
+    w0 = loop_waits(cio), t0 = atomic_load(&cio->turns);
+    for (long i = 2; i <= LOOK_ECHOES + 1; i++) {
+        send_one(cctx, s);
+        CHECK_OK(wait_count(&v.w, &c.recvd, i, 10000));
+    }
+    w = loop_waits(cio) - w0, t = atomic_load(&cio->turns) - t0;
+    fprintf(stderr, "%d echoes, the clock held: %llu turns, %llu looks at the busy client\n",
+            LOOK_ECHOES, (unsigned long long)t, (unsigned long long)w);
+    if (pair_tcp())
+        CHECK(w + 1 >= t / 64);
+    else
+        CHECK(w <= 1);
+    bex__loop_coarse_hook(NULL);
+    bex_sock_close(s);
+    CHECK_OK(wait_count(&v.w, &c.base.closed, 1, 10000));
+    CHECK_OK(wait_count(&v.w, &v.closed, 1, 10000));
+    CHECK_OK(bex_listener_close(l));
+    CHECK_OK(bex_ctx_destroy(cctx));
+    CHECK_OK(bex_ctx_destroy(sctx));
+    return 0;
+}
+
 /* The process opens one PD per device, whatever uses it: a context with 2
  * I/O threads, a second context on the same device, and the default pool
  * (bex_mem_default_init, which allocated a PD of its own before). Counted
@@ -1008,4 +1114,5 @@ BEX_TEST_MAIN(BEX_CASE(spread), BEX_CASE(stall), BEX_CASE(stall_one_thread), BEX
               BEX_CASE(idle_event), BEX_CASE(idle_event_lag), BEX_CASE(idle_spin_lag),
               BEX_CASE(idle_busy), BEX_CASE(one_pd), BEX_CASE(ready_list), BEX_CASE(idle_visits),
               BEX_CASE(echo_visits), BEX_CASE(many_cqs), BEX_CASE(td_fallback),
-              BEX_CASE(early_open), BEX_CASE(idle_ticks), BEX_CASE(echo_turns))
+              BEX_CASE(early_open), BEX_CASE(idle_ticks), BEX_CASE(echo_turns),
+              BEX_CASE(busy_looks))
