@@ -948,7 +948,7 @@ static void wait_turns(struct bex__io *io, uint64_t t0, uint64_t more)
 
 static uint64_t loop_waits(struct bex__io *io)
 {
-    return atomic_load_explicit(&io->stats.loop_waits, memory_order_relaxed);
+    return atomic_load_explicit(&io->loop.waits, memory_order_relaxed);
 }
 
 #define LOOK_ECHOES 200
