@@ -988,8 +988,10 @@ static int busy_looks(void)
     uint64_t end = pair_now_ms() + 10000ull * time_scale();
     while (real_coarse_ms() <= atomic_load(&held_ms) && pair_now_ms() < end)
         pair_sleep_ms(1);
-    atomic_store(&held_ms, real_coarse_ms());
+    /* (the count before the clock moves: the spinning thread looks at
+     * once, before a read after the move would see it) */
     w0 = loop_waits(cio);
+    atomic_store(&held_ms, real_coarse_ms());
     while (loop_waits(cio) == w0 && pair_now_ms() < end)
         pair_sleep_ms(1);
     CHECK(loop_waits(cio) > w0);
