@@ -47,7 +47,11 @@
  * each of its shards, each on a channel of that replica alone: a retry
  * after a lost answer goes to the same server with the same sequence, and
  * its dedup window applies the Push once. A Push succeeds when every
- * replica acknowledged; bex_ps_push_report says which did not. Each Push
+ * replica acknowledged; bex_ps_push_report says which did not. A part a
+ * replica failed (its connection, in doubt, -EAGAIN) while another
+ * replica of the shard took it is kept and sent to that replica again
+ * once it answers (bex_ps_client_config.push_resend_max), so that the
+ * replicas converge. Each Push
  * also carries an id (the client's random id and 128-bit random token,
  * and a sequence) that every replica records, in its snapshot too: a
  * replica applies an id once, refuses one more than 1024 behind the
