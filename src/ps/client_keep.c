@@ -28,7 +28,7 @@ struct bex__ps_krep {
     struct bex__list q; /* struct kept, oldest first */
     _Atomic uint32_t n;
     uint64_t bytes;
-    bool busy;                /* the oldest is out */
+    bool busy;                 /* the oldest is out */
     uint64_t due_ns, pause_ns; /* its next send (0: none due) */
     struct bex__ps_krep *next;
 };
@@ -150,8 +150,7 @@ void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t s
         return;
     }
     struct kept *o;
-    while ((atomic_load(&r->n) >= k->max || r->bytes + len > k->max_bytes) &&
-           (o = oldest_idle(r)))
+    while ((atomic_load(&r->n) >= k->max || r->bytes + len > k->max_bytes) && (o = oldest_idle(r)))
         drop(k, r, o, "past the bound of Pushes kept per replica");
     n->seq = seq;
     n->len = len;
