@@ -47,7 +47,11 @@
  * each of its shards, each on a channel of that replica alone: a retry
  * after a lost answer goes to the same server with the same sequence, and
  * its dedup window applies the Push once. A Push succeeds when every
- * replica acknowledged; bex_ps_push_report says which did not. Each Push
+ * replica acknowledged; bex_ps_push_report says which did not. A part a
+ * replica failed (its connection, in doubt, -EAGAIN) while another
+ * replica of the shard took it is kept and sent to that replica again
+ * once it answers (bex_ps_client_config.push_resend_max), so that the
+ * replicas converge. Each Push
  * also carries an id (the client's random id and 128-bit random token,
  * and a sequence) that every replica records, in its snapshot too: a
  * replica applies an id once, refuses one more than 1024 behind the
@@ -495,6 +499,21 @@ typedef struct bex_ps_client_config {
      * The same pause spaces a Fetch's part issued again (bex_ps_fetch),
      * in every mode. */
     uint32_t primary_retry_ms;
+    /* BEX_PS_PUSH_ALL: a Push whose part at a replica failed for its
+     * connection, came back in doubt (-EIO) or refused for now (-EAGAIN)
+     * while another replica of its shard took it is kept for that replica
+     * and sent to it again, with its id (applied once), once it answers:
+     * oldest first, one at a time, the first primary_retry_ms after the
+     * failure, then a pause doubling to 1 s while it fails, at once after
+     * a Push it took. Its report and status still tell the failed attempt.
+     * Kept per replica: at most push_resend_max Pushes (1024, also the
+     * most: a replica's id window) and push_resend_bytes bytes (16 MiB);
+     * past either the oldest is dropped, and so is one whose sequence fell
+     * 1024 behind this client's newest (the replica would refuse it:
+     * -ESTALE). Dropped ones are logged and counted (push_dropped): that
+     * replica misses them. */
+    uint32_t push_resend_max;
+    uint64_t push_resend_bytes;
 } bex_ps_client_config;
 
 enum { BEX_PS_PUSH_ALL = 0, BEX_PS_PUSH_PRIMARY = 1 };
@@ -514,6 +533,11 @@ typedef struct bex_ps_client_stats {
     uint64_t calls, ok, failed;
     uint64_t attempts, retries, retry_throttled, failovers;
     uint64_t conn_failures;
+    /* Pushes kept for a replica that failed them while another replica
+     * took them (bex_ps_client_config.push_resend_max), sent to it again
+     * and taken, dropped unsent (past the bound, out of the replicas' id
+     * window, refused), and kept now */
+    uint64_t push_kept, push_resent, push_dropped, push_held;
 } bex_ps_client_stats;
 void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out);
 

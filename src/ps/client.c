@@ -44,7 +44,8 @@
 struct pch {
     bex_dir_replica r;
     bex_rpc_channel *ch;
-    struct pch *next; /* every one the client made */
+    struct bex__ps_krep *kr; /* the Pushes kept for it */
+    struct pch *next;        /* every one the client made */
 };
 
 struct shard_reps {
@@ -84,6 +85,7 @@ struct bex_ps_client {
     pthread_t rthr;
     pthread_cond_t rcv;
     bool rthr_on, rstop;
+    struct bex__ps_keep keep; /* Pushes a replica failed, to send it again */
 };
 
 struct op;
@@ -99,6 +101,14 @@ struct sub {
     size_t len;
     uint32_t pi; /* the replica index it went to */
     struct bex__ps_retry rt;
+    int status;
+    /* BEX_PS_PUSH_ALL, a shard of several replicas: its replica's kept
+     * Pushes; the shard's first sub holds the body (kbody, klen) until the
+     * request ends, to keep it for a replica that failed it */
+    struct bex__ps_krep *kr;
+    bool keeps;
+    uint8_t *kbody;
+    size_t klen;
 };
 
 struct op {
@@ -113,6 +123,8 @@ struct op {
     bex_ps_replica_result *res; /* Push: the caller's, res_cap entries */
     size_t res_cap;
     struct sub *subs; /* in the same block */
+    size_t n_subs;
+    uint64_t seq; /* a Push's id sequence */
 };
 
 static void *retry_main(void *arg);
@@ -192,6 +204,8 @@ int bex_ps_client_create(bex_ctx *ctx, const bex_ps_client_config *cfg, bex_ps_c
     }
     pthread_mutex_init(&c->mu, NULL);
     retry_init(c);
+    bex__ps_keep_init(&c->keep, ctx, &c->push_seq, cfg->push_resend_max, cfg->push_resend_bytes,
+                      cfg->primary_retry_ms);
     c->ctx = ctx;
     c->dir = cfg->dir;
     snprintf(c->svc, sizeof c->svc, "%s", svc);
@@ -255,6 +269,7 @@ void bex_ps_client_destroy(bex_ps_client *c)
     if (!c)
         return;
     retry_stop(c); /* its queue answered -ECANCELED; calls out end so too */
+    bex__ps_keep_stop(&c->keep);
     for (uint32_t i = 0; i < c->n_shards; i++)
         bex_rpc_channel_destroy(c->ch[i]);
     for (struct pch *p = c->all, *nx; p; p = nx) {
@@ -263,6 +278,7 @@ void bex_ps_client_destroy(bex_ps_client *c)
         free(p);
     }
     reps_free(c->push, c->n_shards);
+    bex__ps_keep_free(&c->keep);
     pthread_cond_destroy(&c->rcv);
     free(c->prim);
     free((void *)c->epoch);
@@ -306,6 +322,11 @@ static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
         .retry_budget_permille = c->budget_permille,
     };
     if (bex_rpc_channel_create(c->ctx, &cc, &p->ch)) {
+        free(p);
+        return NULL;
+    }
+    if (!(p->kr = bex__ps_keep_rep(&c->keep, p->ch, &r->addr))) {
+        bex_rpc_channel_destroy(p->ch);
         free(p);
         return NULL;
     }
@@ -365,12 +386,38 @@ void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
         stats_add(out, &st);
     }
     pthread_mutex_unlock(&c->mu);
+    bex__ps_keep_stats(&c->keep, out);
+}
+
+/* A Push's parts ended: in each shard some replica took, a part a replica
+ * failed so that it may take it later is kept for it (client_keep.c); a
+ * replica that took it sends its kept ones now. The bodies freed. */
+static void keep_settle(struct op *op)
+{
+    struct bex__ps_keep *k = &op->c->keep;
+    for (size_t i = 0, j; i < op->n_subs; i = j) {
+        struct sub *sb = &op->subs[i];
+        bool ok = false;
+        for (j = i; j < op->n_subs && op->subs[j].shard == sb->shard; j++)
+            ok |= op->subs[j].status == 0 && op->subs[j].kr;
+        for (size_t q = i; q < j && ok; q++) {
+            struct sub *o = &op->subs[q];
+            if (o->status == 0)
+                bex__ps_keep_ok(k, o->kr);
+            else if (o->kr && sb->kbody && bex__ps_keepable(o->status))
+                bex__ps_keep_add(k, o->kr, op->seq, sb->kbody, sb->klen);
+        }
+        free(sb->kbody);
+        sb->kbody = NULL;
+    }
 }
 
 static void op_put(struct op *op)
 {
     if (atomic_fetch_sub(&op->left, 1) != 1)
         return;
+    if (op->method == BEX_PS_M_PUSH)
+        keep_settle(op);
     op->done(atomic_load(&op->status), op->user);
     free(op);
 }
@@ -385,6 +432,7 @@ static void op_fail(struct op *op, int status)
 static void sub_end(struct sub *sb, int status)
 {
     struct op *op = sb->op;
+    sb->status = status;
     if (op->res && sb->idx < op->res_cap)
         op->res[sb->idx].status = status;
     if (status)
@@ -621,6 +669,10 @@ static size_t shard_subs(bex_ps_client *c, struct op *op, size_t s, uint32_t cnt
                            .idx = (uint32_t)k,
                            .pi = (uint32_t)r};
         sb->ch = push ? (nr ? c->push[s].r[r]->ch : NULL) : c->ch[s];
+        if (push && !c->prim && nr > 1) {
+            sb->kr = c->push[s].r[r]->kr;
+            sb->keeps = r == first;
+        }
         if (res && k < res_cap) {
             res[k] = (bex_ps_replica_result){.shard = (uint32_t)s, .status = -EINPROGRESS};
             if (push && nr)
@@ -687,6 +739,10 @@ static void send_sub(bex_ps_client *c, struct sub *sb, const uint64_t *keys, con
         sub_end(sb, -ENOMEM);
         return;
     }
+    if (sb->keeps && (sb->kbody = malloc(len))) {
+        memcpy(sb->kbody, b, len); /* to keep for a replica that fails it */
+        sb->klen = len;
+    }
     if (push && c->prim && (sb->copy = malloc(len))) {
         memcpy(sb->copy, b, len); /* to send again after a failover */
         sb->len = len;
@@ -706,6 +762,8 @@ static void send_all(bex_ps_client *c, struct op *op, size_t n_subs, const uint6
 {
     bex_rpc_call_opts opts = {.timeout_ms = c->timeout_ms};
     uint64_t end_ns = op->keys ? bex__rpc_now_ns() + (uint64_t)c->timeout_ms * 1000000ull : 0;
+    op->n_subs = n_subs;
+    op->seq = id_seq;
     for (size_t i = 0; i < n_subs; i++) {
         op->subs[i].rt.fn = sub_retry;
         if (end_ns)

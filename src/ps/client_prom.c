@@ -26,6 +26,14 @@ static const struct bex__prom_ctr ctrs[] = {
      offsetof(bex_ps_client_stats, failovers)},
     {"bex_ps_client_conn_failures_total", "Connections failed or timed out",
      offsetof(bex_ps_client_stats, conn_failures)},
+    {"bex_ps_client_push_kept_total",
+     "Pushes kept for a replica that failed them while another replica took them",
+     offsetof(bex_ps_client_stats, push_kept)},
+    {"bex_ps_client_push_resent_total", "Kept Pushes sent to their replica again and taken",
+     offsetof(bex_ps_client_stats, push_resent)},
+    {"bex_ps_client_push_dropped_total",
+     "Kept Pushes dropped unsent (past the bound, out of the id window, refused)",
+     offsetof(bex_ps_client_stats, push_dropped)},
 };
 
 static void client_label(const void *obj, const void *arg, char *labels, size_t cap)

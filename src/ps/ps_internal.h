@@ -7,6 +7,8 @@
 
 #include <endian.h>
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -26,6 +28,9 @@
  * (client, token): docs/security.md, "Dedup keys and Push ids". */
 #define BEX__PS_F_ID   1u
 #define BEX__PS_ID_LEN 32
+/* A shard's record of a client's Push ids spans the 1024 sequences up to
+ * the highest it applied: one older is refused (-ESTALE). */
+#define BEX__PS_IDS_WINDOW 1024u
 /* BEX__PS_F_EPOCH (a Push with an id, etcd mode): u64 epoch after the id,
  * the term of the primary the client means; a primary of another term
  * refuses it -ESTALE (docs/protocol.md, "Push"). */
@@ -347,5 +352,56 @@ static inline uint32_t bex__ps_retry_left_ms(const struct bex__ps_retry *rt, uin
  * (or none), -ENOMEM. */
 int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch, bex_addr *addr,
                             struct bex__ps_hdr *h);
+
+/* ---- Pushes kept for a replica that failed them (client_keep.c) ----
+ *
+ * A Push (client fan-out) whose attempt at a replica failed for its
+ * connection, in doubt or refused for now while another replica of its
+ * shard took it is kept for that replica and sent to it again, with its
+ * id, once it answers: the replicas would differ for good otherwise (a
+ * restarted replica's catch-up copies its peer at a cut; a Push the peer
+ * applied after it reaches the restarted one only so). The replica's id
+ * record applies it once. Per replica, oldest first, one out at a time (in
+ * order); a failed resend waits a pause that doubles from pause_ms up to
+ * 1 s; a Push the replica took kicks the next at once. Bounded per
+ * replica (max Pushes, max_bytes): past it the oldest is dropped; a Push
+ * whose sequence fell BEX__PS_IDS_WINDOW behind the client's newest is
+ * dropped too (the replica could not tell it from one applied: -ESTALE).
+ * Dropped ones are counted and logged: that replica misses them. */
+struct bex__ps_krep;
+struct bex__ps_keep {
+    bex_ctx *ctx;
+    const _Atomic uint64_t *seq; /* the client's newest Push sequence */
+    uint32_t max;
+    uint64_t max_bytes, pause_ns;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thr;
+    bool on, stop;
+    struct bex__ps_krep *reps; /* every replica's (under mu) */
+    uint64_t held;             /* Pushes kept now (under mu) */
+    _Atomic uint64_t kept, resent, dropped;
+};
+/* max 0: 1024 (at most BEX__PS_IDS_WINDOW), max_bytes 0: 16 MiB,
+ * pause_ms 0: 50. */
+void bex__ps_keep_init(struct bex__ps_keep *k, bex_ctx *ctx, const _Atomic uint64_t *seq,
+                       uint32_t max, uint64_t max_bytes, uint32_t pause_ms);
+/* Its thread stopped (no resend starts after): before the channels go. */
+void bex__ps_keep_stop(struct bex__ps_keep *k);
+/* Everything freed: after the channels (their resends ended). */
+void bex__ps_keep_free(struct bex__ps_keep *k);
+/* The record of the replica whose Push channel is ch (NULL: -ENOMEM). */
+struct bex__ps_krep *bex__ps_keep_rep(struct bex__ps_keep *k, bex_rpc_channel *ch,
+                                      const bex_addr *addr);
+/* A sub-request's status that keeps its Push for the replica. */
+bool bex__ps_keepable(int status);
+/* Push seq (body, len bytes: copied) failed at r while another replica
+ * took it: kept. */
+void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t seq,
+                      const void *body, size_t len);
+/* A Push of this client reached r: its kept ones are sent now. */
+void bex__ps_keep_ok(struct bex__ps_keep *k, struct bex__ps_krep *r);
+/* The counters, and how many are kept now. */
+void bex__ps_keep_stats(struct bex__ps_keep *k, bex_ps_client_stats *out);
 
 #endif

@@ -51,7 +51,7 @@ struct reg {
  * bitmap of the IDS_WINDOW sequences up to it. At most lim clients; a new
  * one takes the place of the least recently seen only when that one was
  * last seen longer than the retry horizon ago, else it is refused. */
-#define IDS_WINDOW   1024u
+#define IDS_WINDOW   BEX__PS_IDS_WINDOW
 #define IDS_CLIENTS  4096u
 #define IDS_LOAD_MAX (1u << 20) /* clients a snapshot or copy may hold */
 #define IDS_NIL      UINT32_MAX

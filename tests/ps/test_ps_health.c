@@ -81,8 +81,10 @@ static int t_serving(void)
     CHECK(sample(buf, "bex_ps_client_ok_total{client=\"test\"}") >= PUSHES);
     CHECK(sample(buf, "bex_ps_client_failed_total{client=\"test\"}") == 0);
     CHECK(strstr(buf, "# TYPE bex_ps_client_retries_total counter"));
-    /* 8 samples, each labelled "ps" instead of "test" */
-    CHECK_EQ(bex_ps_client_prometheus(pc, NULL, NULL, 0), n - 8 * 2);
+    /* no replica failed a Push: none kept */
+    CHECK(sample(buf, "bex_ps_client_push_kept_total{client=\"test\"}") == 0);
+    /* 11 samples, each labelled "ps" instead of "test" */
+    CHECK_EQ(bex_ps_client_prometheus(pc, NULL, NULL, 0), n - 11 * 2);
     CHECK_EQ(bex_ps_client_prometheus(NULL, NULL, buf, sizeof buf), -EINVAL);
 
     bex_ps_client_destroy(pc);
