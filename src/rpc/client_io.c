@@ -40,7 +40,7 @@ void bex__rpc_on_connect(bex_sock *s, int status, void *user)
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
     if (status) {
-        bex__rpc_link_fail(ch, l, status, &done);
+        bex__rpc_link_fail_ex(ch, l, status, true, &done); /* never up: nothing sent */
     } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
         bex__rpc_link_move(ch, l, L_UP); /* its ping must be answered within probe_ns from now */
         l->t_start = bex__rpc_now_ns();
@@ -182,6 +182,8 @@ void bex__rpc_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     } else if (h.status && bex__rpc_retryable(h.status, true)) {
         /* an earlier attempt's refusal: the current attempt may still do */
         bex_rpc_free(body);
+        if (c->held == l)
+            c->held = NULL; /* no answer to wait for there any more */
     } else {
         bex__rpc_complete(ch, c, h.status, body, blen, h.status ? K_REMOTE : K_OK, &done);
     }
@@ -256,7 +258,8 @@ bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
     const struct bex__list *pos;
     bex__list_foreach(pos, &ch->live)
     {
-        if (bex__list_entry(pos, const struct call, lnode)->link == l)
+        const struct call *c = bex__list_entry(pos, const struct call, lnode);
+        if (c->link == l || c->held == l)
             return true;
     }
     return false;
