@@ -113,6 +113,8 @@ void bex__rpc_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, i
          * follows the sends it hands back), and with it every call on it */
         bex__rpc_link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
     } else if (status && bex__rpc_call_live(c) && c->link == l) {
+        if (c->held == l)
+            c->held = NULL; /* a send of it on l failed: wait for none there */
         bex__rpc_attempt_failed(ch, c, status, false, &done);
     }
     bex__rpc_call_put(ch, c);
@@ -176,14 +178,14 @@ void bex__rpc_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     void *body = blen ? (uint8_t *)buf + BEX_RPC_HDR_LEN : NULL;
     if (!blen)
         bex_mem_free(buf);
+    if (c->held == l)
+        c->held = NULL; /* answered over l: no answer to wait for there any more */
     if (h.status && bex__rpc_retryable(h.status, true) && c->link == l) {
         bex_rpc_free(body);
         bex__rpc_attempt_failed(ch, c, h.status, true, &done);
     } else if (h.status && bex__rpc_retryable(h.status, true)) {
         /* an earlier attempt's refusal: the current attempt may still do */
         bex_rpc_free(body);
-        if (c->held == l)
-            c->held = NULL; /* no answer to wait for there any more */
     } else {
         bex__rpc_complete(ch, c, h.status, body, blen, h.status ? K_REMOTE : K_OK, &done);
     }
