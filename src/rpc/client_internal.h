@@ -125,7 +125,8 @@ struct call {
     /* an earlier attempt still out beside the current one (a link's that
      * passed attempt_timeout_ms and was retried on another link): when
      * the later attempts come to nothing, the call waits for its answer
-     * instead of failing (NULL: none; cleared when its link fails) */
+     * instead of failing (NULL: none; cleared when its link fails,
+     * answers the call or fails a send of it) */
     struct link *held;
     struct endpoint *ep;      /* the current attempt's */
     struct endpoint *counted; /* directory mode: outstanding on this one's node */
