@@ -22,7 +22,12 @@
  * Failures: a failed or timed out attempt is retried with a configurable
  * probability, within a retry budget (retries bounded as a share of recent
  * calls, like gRPC's retry throttling), on another endpoint when the
- * channel has one; the call's deadline is never exceeded. Methods a server
+ * channel has one; the call's deadline is never exceeded. An attempt
+ * refused before its request was sent (a connection refused) costs no
+ * attempt the first time its endpoint refuses the call; a timed out
+ * attempt stays out beside the retry, and the call ends with the first
+ * answer: it fails only when no attempt out may still be answered.
+ * Methods a server
  * registers as state-changing (BEX_RPC_METHOD_WRITE) are applied at most
  * once per (client id, sequence) within the server's dedup window; a retry
  * of an applied call gets the first result. docs/protocol.md ("RPC") has

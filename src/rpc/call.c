@@ -74,6 +74,7 @@ void bex__rpc_complete(struct bex_rpc_channel *ch, struct call *c, int status, v
     }
     bex__hmap_del(&ch->calls, c->id);
     bex__list_remove(&c->lnode);
+    c->held = NULL;
     c->status = status;
     c->resp = resp;
     c->resp_len = resp_len;

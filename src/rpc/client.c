@@ -355,7 +355,7 @@ static int call_start(bex_rpc_channel *ch, uint32_t service, uint32_t method, vo
     if (c->deadline < ch->timer_next || !ch->timer_next)
         pthread_cond_broadcast(&ch->cv);
     bool step;
-    int err = bex__rpc_start_attempt(ch, c, NULL, &step, &dl);
+    int err = bex__rpc_start_attempt(ch, c, NULL, NULL, &step, &dl);
     if (err)
         bex__rpc_attempt_failed_ex(ch, c, err, false, step, &dl);
     pthread_mutex_unlock(&ch->mu);

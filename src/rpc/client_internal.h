@@ -93,6 +93,7 @@ struct endpoint {
     uint64_t fail_gen;
     bool fail_stepped;
     uint32_t xprobing; /* attempts with a destination probing it (an xatt PROBING) */
+    uint64_t bit;      /* its bit in a call's refused set (ep_bit: given on first use) */
 };
 
 /* completion kinds, for the counters */
@@ -107,9 +108,26 @@ struct call {
     void *user;
     uint64_t t_start, deadline, attempt_deadline; /* ns; attempt_deadline 0: none */
     uint32_t attempts;
-    uint32_t moves;           /* attempts the recovery ladder made (not counted
-                                 against max_attempts nor the budget) */
-    struct link *link;        /* the current attempt's */
+    uint32_t moves; /* attempts the recovery ladder made (not counted
+                       against max_attempts nor the budget) */
+    /* Attempts refused before their request was sent (provably not
+     * executed): their endpoints' bits (the set, ep_bit; two endpoints may
+     * share one, which only counts an attempt more), and the retries that
+     * followed an endpoint's first refusal, not counted against
+     * max_attempts nor the budget. refused_new: the attempt that just
+     * failed was such a first refusal (set by bex__rpc_start_attempt and
+     * bex__rpc_link_fail_ex, read and cleared by
+     * bex__rpc_attempt_failed_ex, which each of them calls next). */
+    uint64_t refused;
+    uint32_t unsent;
+    bool refused_new;
+    struct link *link; /* the current attempt's */
+    /* an earlier attempt still out beside the current one (a link's that
+     * passed attempt_timeout_ms and was retried on another link): when
+     * the later attempts come to nothing, the call waits for its answer
+     * instead of failing (NULL: none; cleared when its link fails,
+     * answers the call or fails a send of it) */
+    struct link *held;
     struct endpoint *ep;      /* the current attempt's */
     struct endpoint *counted; /* directory mode: outstanding on this one's node */
     int refs;                 /* 1 while live or its completion runs, + 1 per send out */
@@ -173,6 +191,7 @@ struct bex_rpc_channel {
     uint32_t max_attempts, retry_permille, budget_permille, budget_burst;
     struct endpoint **eps;
     size_t n_eps, rr;
+    uint32_t next_bit; /* the next endpoint's bit (ep_bit), mod 64 */
     /* directory mode (eps NULL): replicas of (service, shard) in dir,
      * chosen per attempt (src/rpc/dir.c); an endpoint is made for each
      * node the first time it is chosen */
@@ -212,8 +231,11 @@ void bex__rpc_run_done(struct bex_rpc_channel *ch, struct call *done);
 void bex__rpc_attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int err, bool remote,
                                 bool moved, struct call **done);
 bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done);
+bool bex__rpc_link_fail_ex(struct bex_rpc_channel *ch, struct link *l, int err, bool unsent,
+                           struct call **done);
 int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
-                           const struct endpoint *exclude, bool *step, struct call **done);
+                           const struct endpoint *exclude, const struct link *keep, bool *step,
+                           struct call **done);
 bool bex__rpc_may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote);
 void bex__rpc_dir_prune(struct bex_rpc_channel *ch, struct call **done);
 bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l);

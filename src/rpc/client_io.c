@@ -40,7 +40,7 @@ void bex__rpc_on_connect(bex_sock *s, int status, void *user)
     struct call *done = NULL;
     pthread_mutex_lock(&ch->mu);
     if (status) {
-        bex__rpc_link_fail(ch, l, status, &done);
+        bex__rpc_link_fail_ex(ch, l, status, true, &done); /* never up: nothing sent */
     } else if (l->state == L_CONNECTING && l->ping && !l->proven) {
         bex__rpc_link_move(ch, l, L_UP); /* its ping must be answered within probe_ns from now */
         l->t_start = bex__rpc_now_ns();
@@ -113,6 +113,8 @@ void bex__rpc_on_send_done(bex_sock *s, void *buf, size_t len, void *msg_user, i
          * follows the sends it hands back), and with it every call on it */
         bex__rpc_link_fail(ch, l, status == -ECANCELED ? -ECONNRESET : status, &done);
     } else if (status && bex__rpc_call_live(c) && c->link == l) {
+        if (c->held == l)
+            c->held = NULL; /* a send of it on l failed: wait for none there */
         bex__rpc_attempt_failed(ch, c, status, false, &done);
     }
     bex__rpc_call_put(ch, c);
@@ -176,6 +178,8 @@ void bex__rpc_on_recv(bex_sock *s, void *buf, size_t len, void *user)
     void *body = blen ? (uint8_t *)buf + BEX_RPC_HDR_LEN : NULL;
     if (!blen)
         bex_mem_free(buf);
+    if (c->held == l)
+        c->held = NULL; /* answered over l: no answer to wait for there any more */
     if (h.status && bex__rpc_retryable(h.status, true) && c->link == l) {
         bex_rpc_free(body);
         bex__rpc_attempt_failed(ch, c, h.status, true, &done);
@@ -256,7 +260,8 @@ bool bex__rpc_link_has_calls(struct bex_rpc_channel *ch, const struct link *l)
     const struct bex__list *pos;
     bex__list_foreach(pos, &ch->live)
     {
-        if (bex__list_entry(pos, const struct call, lnode)->link == l)
+        const struct call *c = bex__list_entry(pos, const struct call, lnode);
+        if (c->link == l || c->held == l)
             return true;
     }
     return false;

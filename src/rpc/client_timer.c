@@ -22,11 +22,14 @@
 /* c's attempt passed attempt_timeout_ms: a failure of it for the
  * endpoint's counters and the directory, and a retry when the call may
  * have one (attempts, deadline, coin, budget), on another endpoint when
- * there is one. A link's attempt stays out (its answer is still taken);
- * an attempt with a destination is abandoned (bex__rpc_start_attempt ends it), as
- * two would share the destination, and the retry exposes it afresh once
- * the transport no longer writes it. With no retry the attempt stays out
- * until the call's deadline. */
+ * there is one that did not refuse the call. A link's attempt stays out
+ * (its answer is still taken) and, the retry on another link, is held
+ * (c->held): should the retry and those after it come to nothing (a dead
+ * replica refusing them), the call waits for it rather than failing. An
+ * attempt with a destination is abandoned (bex__rpc_start_attempt ends
+ * it), as two would share the destination, and the retry exposes it
+ * afresh once the transport no longer writes it. With no retry the
+ * attempt stays out until the call's deadline. */
 static void attempt_timed_out(struct bex_rpc_channel *ch, struct call *c, struct call **done)
 {
     c->attempt_deadline = 0;
@@ -39,9 +42,19 @@ static void attempt_timed_out(struct bex_rpc_channel *ch, struct call *c, struct
         return;
     ch->st.retries++;
     bool step;
-    int err = bex__rpc_start_attempt(ch, c, pe, &step, done);
-    if (!err)
+    int err = bex__rpc_start_attempt(ch, c, pe, c->dst ? NULL : pl, &step, done);
+    if (!err) {
+        if (pl && c->link != pl && pl->state != L_FAILED && !c->held)
+            c->held = pl;
         return;
+    }
+    if (err == -EALREADY) { /* only endpoints that refused the call: pl goes on */
+        ch->st.retries--;
+        ch->tokens += 1000;
+        c->link = pl;
+        c->ep = pe;
+        return;
+    }
     if (c->dst) {
         bex__rpc_attempt_failed_ex(ch, c, err, false, step, done); /* the first one was ended */
     } else if (!pl || pl->state == L_FAILED) {
@@ -51,6 +64,7 @@ static void attempt_timed_out(struct bex_rpc_channel *ch, struct call *c, struct
         bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
     } else {
         /* no second attempt now: the first may still answer */
+        c->refused_new = false;
         c->link = pl;
         c->ep = pe;
     }

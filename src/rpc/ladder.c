@@ -253,15 +253,38 @@ static bool connect_refused(struct bex_rpc_channel *ch, struct endpoint *ep, int
 
 static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct link **out);
 
+static bool call_refused(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep);
+
+/* l failed: no call waits for an earlier attempt out on it any more. */
+static void held_drop(struct bex_rpc_channel *ch, const struct link *l)
+{
+    struct bex__list *pos;
+    bex__list_foreach(pos, &ch->live)
+    {
+        struct call *c = bex__list_entry(pos, struct call, lnode);
+        if (c->held == l)
+            c->held = NULL;
+    }
+}
+
+bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
+{
+    return bex__rpc_link_fail_ex(ch, l, err, false, done);
+}
+
 /* l failed with err: its endpoint's failure counted and reported (once,
  * bex__rpc_ep_conn_failed), its socket closed, the calls out on it retried or
- * completed. Returns whether the failure took a step of the recovery
- * ladder (the calls it moves spend no budget). */
-bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, struct call **done)
+ * completed. unsent: it never came up (on_connect said so), so nothing
+ * sent on it was sent: its calls' attempts were refused, not executed.
+ * Returns whether the failure took a step of the recovery ladder (the
+ * calls it moves spend no budget). */
+bool bex__rpc_link_fail_ex(struct bex_rpc_channel *ch, struct link *l, int err, bool unsent,
+                           struct call **done)
 {
     if (l->state == L_FAILED)
         return false;
     bex__rpc_link_move(ch, l, L_FAILED);
+    held_drop(ch, l);
     if (l->probe) {
         /* step 3's RDMA retry failed: the endpoint stays on TCP (no call
          * was on this connection, its health is not in question) */
@@ -300,8 +323,11 @@ bool bex__rpc_link_fail(struct bex_rpc_channel *ch, struct link *l, int err, str
     bex__list_foreach_safe(pos, tmp, &ch->live)
     {
         struct call *c = bex__list_entry(pos, struct call, lnode);
-        if (c->link == l)
-            bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
+        if (c->link != l)
+            continue;
+        if (unsent)
+            c->refused_new = call_refused(ch, c, l->ep);
+        bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
     }
     /* step 2 with no other replica on RDMA: TCP (step 3) is what the
      * next calls need; its connection is started now, not by the first
@@ -382,7 +408,30 @@ static int link_open(struct bex_rpc_channel *ch, struct endpoint *ep, struct lin
  * up, when another endpoint is there: otherwise every call of the moment
  * would queue on a connection that may well be refused again, each then
  * needing a retry. */
-static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude);
+static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude,
+                                      uint64_t refused);
+
+/* ep's bit in a call's refused set, given on first use (64 a channel,
+ * then shared: a shared bit only counts an attempt more). */
+static uint64_t ep_bit(struct bex_rpc_channel *ch, struct endpoint *ep)
+{
+    if (!ep->bit)
+        ep->bit = 1ull << (ch->next_bit++ % 64);
+    return ep->bit;
+}
+
+/* c's attempt on ep was refused before its request was sent: ep joins the
+ * call's refused set. Returns whether it was ep's first refusal of c (the
+ * retry after it is not counted: ep is not tried again for c while
+ * another endpoint is there, so these retries are at most one per
+ * endpoint). */
+static bool call_refused(struct bex_rpc_channel *ch, struct call *c, struct endpoint *ep)
+{
+    uint64_t b = ep_bit(ch, ep);
+    bool first = !(c->refused & b);
+    c->refused |= b;
+    return first;
+}
 
 /* ep failed and a connection to it is being made again (its link, or an
  * attempt with a destination's socket): that one probes it. */
@@ -391,16 +440,17 @@ static bool ep_probed(const struct endpoint *ep)
     return ep->suspect && (ep->cur || ep->xprobing);
 }
 
-static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
+static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude,
+                                  uint64_t refused)
 {
     if (ch->dir)
-        return dir_choose_ep(ch, exclude);
+        return dir_choose_ep(ch, exclude, refused);
     uint64_t now = bex__rpc_now_ns();
     struct endpoint *soonest = NULL;
     for (size_t i = 0; i < ch->n_eps; i++) {
         size_t k = (ch->rr + i) % ch->n_eps;
         struct endpoint *ep = ch->eps[k];
-        if (ep == exclude && ch->n_eps > 1)
+        if ((ep == exclude || (ep->bit & refused)) && ch->n_eps > 1)
             continue;
         if (ep->down_until <= now && !(ep_probed(ep) && ch->n_eps > 1)) {
             ch->rr = (k + 1) % ch->n_eps;
@@ -421,7 +471,7 @@ static struct endpoint *choose_ep(struct bex_rpc_channel *ch, const struct endpo
 struct dir_avoid {
     struct bex_rpc_channel *ch;
     const struct endpoint *exclude;
-    uint64_t now;
+    uint64_t now, refused;
 };
 
 static struct endpoint *dir_ep_of(struct bex_rpc_channel *ch, const struct bex__dir_node *n)
@@ -433,19 +483,22 @@ static struct endpoint *dir_ep_of(struct bex_rpc_channel *ch, const struct bex__
 }
 
 /* The channel's own exclusions, as in choose_ep: the failed attempt's
- * endpoint, one held down, one being probed by its reconnection. */
+ * endpoint, one that refused the call, one held down, one being probed by
+ * its reconnection. */
 static bool dir_avoid_fn(void *arg, const struct bex__dir_node *n)
 {
     const struct dir_avoid *a = arg;
     const struct endpoint *ep = dir_ep_of(a->ch, n);
-    return ep && (ep == a->exclude || ep->down_until > a->now || ep_probed(ep));
+    return ep &&
+           (ep == a->exclude || (ep->bit & a->refused) || ep->down_until > a->now || ep_probed(ep));
 }
 
 /* Directory mode: the directory picks the node (locality, load,
  * quarantine); NULL when the shard has no replica. */
-static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude)
+static struct endpoint *dir_choose_ep(struct bex_rpc_channel *ch, const struct endpoint *exclude,
+                                      uint64_t refused)
 {
-    struct dir_avoid a = {ch, exclude, bex__rpc_now_ns()};
+    struct dir_avoid a = {ch, exclude, bex__rpc_now_ns(), refused};
     struct bex__dir_node *n;
     if (bex__dir_pick_node(ch->dir, ch->service, ch->shard, ch->locality, dir_avoid_fn, &a, a.now,
                            &n))
@@ -475,13 +528,6 @@ void bex__rpc_send_hook(void (*fn)(bex_sock *s))
     atomic_store_explicit(&send_hook, fn, memory_order_release);
 }
 
-/* Send c on an endpoint (not exclude when there is another): on the
- * endpoint's link, or (a call with a destination) on a socket of its own
- * (bex__rpc_xatt_open). Returns 0 or the error that kept the attempt from
- * starting; *step: that error was a connection failure that took a step
- * of the recovery ladder. A link found failed here fails now (bex__rpc_link_fail:
- * its other calls go to done or elsewhere). */
-
 /* c's request on s: its first send in the call's own descriptor (no
  * allocation), a retry's in one of bex's (the first may still be out) */
 static int send_call(bex_sock *s, struct call *c)
@@ -496,10 +542,36 @@ static int send_call(bex_sock *s, struct call *c)
     c->sreq_used = !err;
     return err;
 }
+/* Whether ep brings c nothing new while an attempt of it is out on keep:
+ * ep refused c before, or keep is the earlier attempt c holds (c->held)
+ * and ep is its endpoint (the request is there already). Then the pick is
+ * given back to the directory, not used. */
+static bool nothing_new(struct bex_rpc_channel *ch, const struct call *c, struct endpoint *ep,
+                        const struct link *keep)
+{
+    if (!keep || !ep || ((ep->bit & c->refused) == 0 && !(keep == c->held && ep == keep->ep)))
+        return false;
+    if (ch->dir)
+        bex__dir_report_node(ch->dir, ep->node, BEX_DIR_DONE, true, bex__rpc_now_ns());
+    return true;
+}
+
+/* Send c on an endpoint (not exclude when there is another, nor one that
+ * refused c): on the endpoint's link, or (a call with a destination) on a
+ * socket of its own (bex__rpc_xatt_open). Returns 0 or the error that kept
+ * the attempt from starting; *step: that error was a connection failure
+ * that took a step of the recovery ladder; -EALREADY: keep (an attempt of
+ * c still out, NULL: none) is all there is (nothing_new), no attempt
+ * made. A link found failed here fails now (bex__rpc_link_fail: its other
+ * calls go to done or elsewhere). A connection refused here, before the
+ * request was sent, sets c->refused_new on the endpoint's first refusal
+ * of c. */
 int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
-                           const struct endpoint *exclude, bool *step, struct call **done)
+                           const struct endpoint *exclude, const struct link *keep, bool *step,
+                           struct call **done)
 {
     *step = false;
+    c->refused_new = false;
     c->link = NULL;
     c->attempt_deadline = 0;
     if (c->dst) {
@@ -513,7 +585,9 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
             return 0;
         }
     }
-    struct endpoint *ep = choose_ep(ch, exclude);
+    struct endpoint *ep = choose_ep(ch, exclude, c->refused);
+    if (nothing_new(ch, c, ep, keep))
+        return -EALREADY;
     c->attempts++;
     if (ch->dir) {
         /* the new pick counts as outstanding; the old attempt's no more */
@@ -534,6 +608,8 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
         if (err)
             *step = connect_refused(ch, ep, err);
     }
+    if (err && err != -ENOMEM && err != -EINVAL)
+        c->refused_new = call_refused(ch, c, ep); /* no connection: nothing sent */
     if (!err && !c->dst) {
         void (*hook)(bex_sock *) = atomic_load_explicit(&send_hook, memory_order_acquire);
         if (hook)
@@ -548,6 +624,7 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
              * quarantined replica is released for it when this was the
              * shard's last one (src/rpc/dir.c, release_early) */
             *step = bex__rpc_link_fail(ch, l, err, done);
+            c->refused_new = call_refused(ch, c, ep); /* refused by the socket: not sent */
             return err;
         }
     }
@@ -581,7 +658,8 @@ bool bex__rpc_retryable(int err, bool remote)
  * coin, then the budget (only a retry that happens spends a token). */
 bool bex__rpc_may_retry(struct bex_rpc_channel *ch, struct call *c, int err, bool remote)
 {
-    if ((c->flags & BEX_RPC_CALL_NO_RETRY) || c->attempts - c->moves >= ch->max_attempts ||
+    if ((c->flags & BEX_RPC_CALL_NO_RETRY) ||
+        c->attempts - c->moves - c->unsent >= ch->max_attempts ||
         !bex__rpc_retryable(err, remote) || bex__rpc_now_ns() >= c->deadline || ch->destroying)
         return false;
     if (ch->retry_permille < 1000 && bex__rpc_rnd(ch) % 1000 >= ch->retry_permille)
@@ -598,11 +676,32 @@ bool bex__rpc_may_retry(struct bex_rpc_channel *ch, struct call *c, int err, boo
  * as a retry, less the coin and the budget, and not counted against
  * max_attempts (bounded by the ladder's steps, and per call). */
 #define LADDER_MOVES_MAX 8
-static bool may_move(struct bex_rpc_channel *ch, struct call *c, int err)
+static bool may_retry_free(struct bex_rpc_channel *ch, struct call *c, int err)
 {
     return !(c->flags & BEX_RPC_CALL_NO_RETRY) && ch->max_attempts > 1 &&
-           c->moves < LADDER_MOVES_MAX && bex__rpc_retryable(err, false) &&
-           bex__rpc_now_ns() < c->deadline && !ch->destroying;
+           bex__rpc_retryable(err, false) && bex__rpc_now_ns() < c->deadline && !ch->destroying;
+}
+
+static bool may_move(struct bex_rpc_channel *ch, struct call *c, int err)
+{
+    return c->moves < LADDER_MOVES_MAX && may_retry_free(ch, c, err);
+}
+
+/* c's attempts after the one out on c->held came to nothing: the call
+ * waits for that one (its answer, its connection's failure, or the
+ * deadline) rather than failing while it may still be answered. Returns
+ * whether it does. */
+static bool wait_held(struct bex_rpc_channel *ch, struct call *c)
+{
+    struct link *h = c->held;
+    c->held = NULL;
+    if (!h || h->state == L_FAILED || c->dst || ch->destroying)
+        return false;
+    bex__rpc_dir_release(ch, c); /* the failed attempt's pick */
+    c->link = h;
+    c->ep = h->ep;
+    c->attempt_deadline = 0;
+    return true;
 }
 
 /* The current attempt of c failed with err: retry, or complete with err.
@@ -619,20 +718,35 @@ void bex__rpc_attempt_failed_ex(struct bex_rpc_channel *ch, struct call *c, int 
     if (err == -EIO)
         c->in_doubt = true;
     for (;;) {
+        /* a first refusal by its endpoint (nothing sent): retried as a
+         * ladder's move is, without an attempt, coin or token */
+        bool fresh = c->refused_new && may_retry_free(ch, c, err);
+        c->refused_new = false;
         bool mv = moved && may_move(ch, c, err);
-        if (!mv && !bex__rpc_may_retry(ch, c, err, remote))
+        bool token = !mv && !fresh;
+        if (token && !bex__rpc_may_retry(ch, c, err, remote))
             break;
         ch->st.retries++;
         if (mv) {
             c->moves++;
             ch->st.ladder_moves++;
+        } else if (fresh) {
+            c->unsent++;
         }
-        int e = bex__rpc_start_attempt(ch, c, c->ep, &moved, done);
+        int e = bex__rpc_start_attempt(ch, c, c->ep, c->held, &moved, done);
         if (!e)
             return;
+        if (e == -EALREADY) { /* nothing new: the held attempt is all there is */
+            ch->st.retries--;
+            if (token)
+                ch->tokens += 1000;
+            break;
+        }
         err = e;
         remote = false;
     }
+    if (wait_held(ch, c))
+        return;
     /* a later attempt's failure to get there does not undo an earlier one
      * that may have: the call stays in doubt */
     if (!remote && c->in_doubt)

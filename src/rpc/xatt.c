@@ -111,7 +111,7 @@ static void xatt_retired(struct bex_rpc_channel *ch, struct xatt *xa, struct cal
     } else if (c->state == CALL_WAITING) {
         bex__rpc_call_move(ch, c, CALL_LIVE);
         bool step;
-        int err = bex__rpc_start_attempt(ch, c, c->ep, &step, done);
+        int err = bex__rpc_start_attempt(ch, c, c->ep, NULL, &step, done);
         if (err)
             bex__rpc_attempt_failed_ex(ch, c, err, false, step, done);
     }

@@ -89,15 +89,10 @@ static int t_kill(void)
     bex_dir *d = dir_of(sp, quarantine_ms);
     const unsigned deadline = 400 * time_scale();
     bex_rpc_channel_config cc = dir_chan(d, deadline);
-    /* No attempt timeout: the kill fails the near replica's connection
-     * (a reset, then refusals), which moves its calls at once. With one
-     * (100 ms) a loaded host made an attempt on the live replica outlast
-     * it, its retry went back to the dead one (its hold-down over, not yet
-     * quarantined), and a call whose attempts the refusals spent failed
-     * -ECONNREFUSED (1 of 7193 once), the live replica's answer, still
-     * out, dropped: the channel fails fast there, which a PS client's
-     * failover to the next primary relies on (test_ps_failover.proc). */
-    cc.attempt_timeout_ms = 0;
+    /* With the attempt timeout (deadline / 4): a loaded host may time out
+     * an attempt on the live replica and retry it on the dead one, whose
+     * refusals must not fail the call while that attempt is out (as they
+     * did once in 7193 calls with -ECONNREFUSED: slow_live) */
     bex_rpc_channel *ch;
     CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
     /* the far replica's connection up first (the directory listing it
@@ -329,4 +324,79 @@ static int t_prune(void)
     return stop_server(&sp[1], false) ? 1 : 0;
 }
 
-BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty}, {"prune", t_prune})
+/* The live replica slow, the other dead: B (sp[0], in the client's pod,
+ * so picked first) killed with -9, its port held (every connection to it
+ * refused, nothing sent), A (sp[1]) answering the call 10 attempt
+ * timeouts late, well within the deadline. The call must end with A's
+ * answer: B's refusals may not spend its attempts while A's attempt is
+ * out (before the fix: -ECONNREFUSED after about two attempt timeouts,
+ * B's hold-down of 1 ms over at each retry), and A gets it once. */
+static int t_slow_live(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    /* B's refusals never quarantine it here: the channel's rule alone */
+    bex_dir_config dc = {.conn_fail_max = 50,
+                         .req_fail_max = 50,
+                         .fail_window_ms = 60000,
+                         .quarantine_ms = 60000,
+                         .log_fn = dir_log,
+                         .log_level = BEX_LOG_INFO};
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(&dc, &d));
+    const unsigned attempt = 100 * time_scale(), late = 10 * attempt, deadline = 3 * late;
+    bex_rpc_channel_config cc = dir_chan(d, deadline);
+    cc.attempt_timeout_ms = attempt;
+    cc.holddown_ms = 1;
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    load2(d, sp, 1); /* A alone: its connection up first */
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    load2(d, sp, 2);
+    int hold = srv_kill_hold(&sp[0]);
+    CHECK(hold >= 0);
+    uint32_t *b = bex_rpc_alloc(ctx, sizeof *b);
+    CHECK(b);
+    *b = late;
+    void *resp = NULL;
+    size_t rlen = 0;
+    uint64_t t0 = pair_now_ms();
+    int rc = bex_rpc_call_sync(ch, SVC, M_LATE, b, sizeof *b, NULL, &resp, &rlen);
+    uint64_t took = pair_now_ms() - t0;
+    bex_rpc_channel_stats st;
+    bex_rpc_channel_stats_get(ch, &st);
+    bex_dir_node_stats s0 = nstats(d, &sp[0]);
+    bex_rpc_endpoint_stats es[4];
+    size_t nes = bex_rpc_channel_endpoint_stats(ch, es, 4);
+    uint64_t a_attempts = 0;
+    for (size_t i = 0; i < nes; i++)
+        if (es[i].addr.in4.sin_port == sp[1].addr.in4.sin_port)
+            a_attempts = es[i].attempts;
+    fprintf(stderr,
+            "slow_live: %s after %llu ms (answer due after %u, deadline %u); attempts %llu, "
+            "retries %llu, ladder moves %llu; B's connection failures %llu; A's attempts %llu\n",
+            bex_strerror(rc), (unsigned long long)took, late, deadline,
+            (unsigned long long)st.attempts, (unsigned long long)st.retries,
+            (unsigned long long)st.ladder_moves, (unsigned long long)s0.conn_failures,
+            (unsigned long long)a_attempts);
+    CHECK_OK(rc);
+    CHECK(rlen == sizeof *b && *(uint32_t *)resp == late);
+    bex_rpc_free(resp);
+    CHECK(took >= late && took < deadline);
+    /* B was tried (nearest) and refused; A had the warm-up and the call
+     * once: a retry found nothing new to try and left A's attempt out */
+    CHECK(s0.conn_failures >= 1);
+    CHECK_EQ(s0.state, BEX_DIR_HEALTHY);
+    CHECK_EQ(a_attempts, 2);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    close(hold);
+    CHECK(stop_server(&sp[0], true) == 0);
+    return stop_server(&sp[1], false) ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty}, {"prune", t_prune}, {"slow_live", t_slow_live})
