@@ -33,7 +33,10 @@ def test_fetch_and_push_on_bex_memory(cluster, pools_baseline):
         g = c.empty((16, DIM))
         g[:] = 0.25
         c.push(TABLE, keys, g)
-        assert c.stats()["zero_copy"] == z0 + 2
+        s = c.stats()
+        assert s["zero_copy"] == z0 + 2
+        # one replica a shard: no Push is kept for another
+        assert (s["push_kept"], s["push_resent"], s["push_dropped"], s["push_held"]) == (0, 0, 0, 0)
         np.testing.assert_allclose(c.fetch(TABLE, keys, out=a), want - LR * 0.25, atol=1e-6)
         # keys on both shards, not grouped by shard: the copying way
         mixed = np.array([keys_on(0, 4)[0], keys_on(1, 4)[0], keys_on(0, 4)[1]], np.uint64)
