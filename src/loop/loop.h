@@ -71,6 +71,14 @@ int bex__loop_watch(struct bex__loop *l, int fd, uint32_t events, struct ep_tag 
 int bex__loop_modify(struct bex__loop *l, int fd, uint32_t events, struct ep_tag *tag);
 void bex__loop_unwatch(struct bex__loop *l, int fd);
 
+/* The loop's thread, each turn: whether commands may be queued, by a
+ * plain look (no locked instruction; what it misses, the sleep's
+ * bex__loop_has_cmds sees). */
+static inline bool bex__loop_cmds_queued(struct bex__loop *l)
+{
+    return atomic_load_explicit(&l->cmds, memory_order_relaxed) != NULL;
+}
+
 static inline void bex__loop_sleep_begin(struct bex__loop *l)
 {
     atomic_store(&l->sleeping, 1);
