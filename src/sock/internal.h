@@ -187,10 +187,6 @@ struct bex_ctx {
  * of its threads: the calls that wait for an I/O thread must not wait for
  * themselves, and a callback may act at once on its own thread's sockets. */
 
-/* io.c: a send issued on its socket's own I/O thread, handed straight to
- * the transport when nothing can be ahead of it; false: queue it. */
-bool bex__io_send_now(struct sock_msg *w);
-
 /* sock.c: 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of
  * this context's registered memory; its region's lkey in *lkey (if lkey). */
 int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey);
@@ -235,6 +231,38 @@ static inline bool bex__sock_app_closed(const struct bex_sock *s)
 {
     return s->life & SK_BIT_CLOSED;
 }
+
+/* Hand w to its attached socket's transport; the connection has work. */
+static inline void bex__sock_to_transport(struct bex_sock *s, struct sock_msg *w)
+{
+    s->pending++;
+    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
+    bex__conn_ready(s->conn);
+}
+
+/* A send on the socket's own I/O thread (from a callback) goes straight
+ * to its transport instead of through the command queue, when nothing can
+ * be ahead of it: no command waits in the queue or is being run (an
+ * earlier send, close or bind of this thread, or one another thread issued
+ * before it), the socket's stream is attached, and the transport takes the
+ * message without handing it back at once (so that no on_send_done runs
+ * inside bex_sock_send). False: queue it as any other thread would.
+ * Inline, as bex__sock_to_transport: a callback's send pays no call. */
+static inline bool bex__io_send_now(struct sock_msg *w)
+{
+    struct bex_sock *s = w->s;
+    struct bex__io *io = s->io;
+    if (io->draining || atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) || s->waiting ||
+        !bex__sock_attached(s) || bex__sock_dead(s))
+        return false;
+    struct bex__xport *x = s->conn->x;
+    if (!x->ops->takes || !x->ops->takes(x, &s->st, &w->m))
+        return false;
+    bex__sock_to_transport(s, w);
+    BEX__STAT_ADD(io, direct_sends, 1);
+    return true;
+}
+
 const char *bex__sock_state_name(int st);
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting);
 /* c failed before its transport was chosen: s's queued sends come back. */
