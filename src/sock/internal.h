@@ -190,10 +190,6 @@ struct bex_ctx {
 /* sock.c: 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of
  * this context's registered memory; its region's lkey in *lkey (if lkey). */
 int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey);
-/* A send is done with its descriptor: back to its socket's I/O thread's
- * cache (or free; a caller's is left alone). On that thread, or once it
- * has stopped. Read what the report needs first. */
-void bex__sock_msg_put(struct sock_msg *w);
 
 /* io.c: the I/O thread's commands (bex__sock_conn_ops.drain_cmds) */
 bool bex__sock_drain_cmds(struct bex__io *io);
@@ -230,6 +226,27 @@ static inline bool bex__sock_dead(const struct bex_sock *s)
 static inline bool bex__sock_app_closed(const struct bex_sock *s)
 {
     return s->life & SK_BIT_CLOSED;
+}
+
+/* sock.c: bex__sock_msg_put's other cases: a gathered message's
+ * descriptor, or the cache full. */
+void bex__sock_msg_put_slow(struct sock_msg *w);
+/* A send is done with its descriptor: back to its socket's I/O thread's
+ * cache (or free; a caller's is left alone). On that thread, or once it
+ * has stopped. Read what the report needs first. Inline: every send's
+ * descriptor goes back here. */
+static inline void bex__sock_msg_put(struct sock_msg *w)
+{
+    if (w->caller_owned)
+        return;
+    struct bex__io *io = w->s->io;
+    if (w->gathered || io->n_msg_free >= BEX__MSG_CACHE_MAX) {
+        bex__sock_msg_put_slow(w);
+        return;
+    }
+    w->free_next = io->msg_free;
+    io->msg_free = w;
+    io->n_msg_free++;
 }
 
 /* Hand w to its attached socket's transport; the connection has work. */

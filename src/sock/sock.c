@@ -812,10 +812,8 @@ static struct sock_msg *msg_get(bex_sock *s)
     return malloc(sizeof(struct sock_msg));
 }
 
-void bex__sock_msg_put(struct sock_msg *w)
+void bex__sock_msg_put_slow(struct sock_msg *w)
 {
-    if (w->caller_owned)
-        return;
     if (w->gathered) {
         /* without on_send_done bex frees the buffers: the first one goes
          * with the report (bex__sock_report_done), the others here */
@@ -824,14 +822,7 @@ void bex__sock_msg_put(struct sock_msg *w)
         free(w); /* its struct sock_msgv */
         return;
     }
-    struct bex__io *io = w->s->io;
-    if (io->n_msg_free >= BEX__MSG_CACHE_MAX) {
-        free(w);
-        return;
-    }
-    w->free_next = io->msg_free;
-    io->msg_free = w;
-    io->n_msg_free++;
+    free(w); /* the cache is full */
 }
 
 static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_remote_buf *rb,
