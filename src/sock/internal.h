@@ -15,6 +15,7 @@
 #include "common/util.h"
 #include "conn/conn.h"
 #include "loop/loop.h"
+#include "mem/lookup.h"
 #include "rdma/rdma.h"
 #include "transport/rdma/engine.h"
 
@@ -187,10 +188,6 @@ struct bex_ctx {
  * of its threads: the calls that wait for an I/O thread must not wait for
  * themselves, and a callback may act at once on its own thread's sockets. */
 
-/* sock.c: 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of
- * this context's registered memory; its region's lkey in *lkey (if lkey). */
-int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey);
-
 /* io.c: the I/O thread's commands (bex__sock_conn_ops.drain_cmds) */
 bool bex__sock_drain_cmds(struct bex__io *io);
 void bex__io_listen(struct bex__io *io, struct bex_listener *l);
@@ -228,6 +225,27 @@ static inline bool bex__sock_app_closed(const struct bex_sock *s)
     return s->life & SK_BIT_CLOSED;
 }
 
+/* Whether pool is one of s's context's (its send, receive or landing pool). */
+static inline bool bex__sock_pool_ours(const bex_sock *s, const bex_mem_pool *pool)
+{
+    return pool == s->ctx->sh.pool || pool == s->ctx->sh.recv_pool || pool == s->ctx->sh.landing;
+}
+/* sock.c: bex__sock_check_buf's refusal of buf/len (the error, logged). */
+int bex__sock_buf_refused(bex_sock *s, void *buf, size_t len);
+/* 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of this
+ * context's registered memory; its region's lkey in *lkey (if lkey).
+ * Inline, the refusal apart: every send checks its buffer. */
+static inline int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
+{
+    bex_mem_pool *pool;
+    const bex_mem_region *r = buf && len <= INT32_MAX ? bex__mem_lookup(buf, &pool) : NULL;
+    if (!r || !bex__sock_pool_ours(s, pool) || (uintptr_t)buf < (uintptr_t)r->addr ||
+        (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
+        return bex__sock_buf_refused(s, buf, len);
+    if (lkey)
+        *lkey = r->lkey;
+    return 0;
+}
 /* sock.c: bex__sock_msg_put's other cases: a gathered message's
  * descriptor, or the cache full. */
 void bex__sock_msg_put_slow(struct sock_msg *w);
