@@ -134,7 +134,9 @@ int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int tim
             (void)r;
             continue;
         }
-        ev[k++] = ev[i];
+        if (k != i) /* (no copy while none of the loop's own came before) */
+            ev[k] = ev[i];
+        k++;
     }
     return k;
 }
