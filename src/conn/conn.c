@@ -63,37 +63,11 @@ void bex__conn_stream_del(struct conn *c, uint32_t id)
         c->io->reap = true; /* a dead connection may have lost its last */
 }
 
-/* Engine ids are unique in the context (an exposed buffer names its
- * engine by id, whichever thread looks): thread i of n hands out
- * seq * n + i, and keeps them in its table by seq. Looked up twice per
- * message: with one thread, no division (a helper call under an emulating
- * VM). */
-static uint32_t engine_slot(struct bex__io *io, uint32_t id)
-{
-    uint32_t n = io->env->n_io;
-    return (n == 1 ? id : id / n) % ENGINE_TABLE;
-}
-
-struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
-{
-    uint32_t n = io->env->n_io;
-    if (n > 1 && id % n != io->idx)
-        return NULL;
-    struct conn *c = io->engines[engine_slot(io, id)];
-    return c && c->eng_id == id ? c : NULL;
-}
-
 void bex__io_lists_init(struct bex__io *io)
 {
     bex__list_init(&io->conns);
     bex__list_init(&io->ready);
     bex__list_init(&io->listeners);
-}
-
-void bex__conn_ready(struct conn *c)
-{
-    if (!bex__list_linked(&c->ready_link))
-        bex__list_push_head(&c->io->ready, &c->ready_link);
 }
 
 /* An accepted connection leaves the setup table (bex_ctx_config.setup_max):
@@ -119,7 +93,7 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
             continue;
         }
         id = seq * ctx->n_io + io->idx;
-        if (!io->engines[engine_slot(io, id)])
+        if (!io->engines[bex__conn_engine_slot(io, id)])
             break;
     }
     struct conn *c = calloc(1, sizeof(*c));
@@ -138,7 +112,7 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
     c->coming = true;
     io->n_coming++;
     bex__conn_timers_start(c);
-    io->engines[engine_slot(io, id)] = c;
+    io->engines[bex__conn_engine_slot(io, id)] = c;
     bex__list_init(&c->ready_link);
     bex__list_push_head(&io->conns, &c->link);
     *out = c;
@@ -150,7 +124,7 @@ void bex__conn_free(struct conn *c)
     struct bex__io *io = c->io;
     bex__list_remove(&c->link);
     bex__list_remove(&c->ready_link);
-    io->engines[engine_slot(io, c->eng_id)] = NULL;
+    io->engines[bex__conn_engine_slot(io, c->eng_id)] = NULL;
     bex__conn_timers_stop(c);
     bex__conn_setup_end(c);
     bex__conn_came(c);

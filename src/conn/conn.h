@@ -167,12 +167,36 @@ const char *bex__conn_life_name(enum bex__conn_life life);
 /* A zeroed thread's connection and listener lists, empty (before anything
  * else touches it, bex_ctx_destroy's walk included). */
 void bex__io_lists_init(struct bex__io *io);
+/* Engine ids are unique in the context (an exposed buffer names its
+ * engine by id, whichever thread looks): thread i of n hands out
+ * seq * n + i, and keeps them in its table by seq. Looked up twice per
+ * message: with one thread, no division (a helper call under an emulating
+ * VM). */
+static inline uint32_t bex__conn_engine_slot(struct bex__io *io, uint32_t id)
+{
+    uint32_t n = io->env->n_io;
+    return (n == 1 ? id : id / n) % ENGINE_TABLE;
+}
+
 /* The connection of engine id on this thread (NULL: none, or another
- * thread's: ids are unique in the context). */
-struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id);
+ * thread's: ids are unique in the context). Inline, as bex__conn_ready:
+ * each completion calls both. */
+static inline struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
+{
+    uint32_t n = io->env->n_io;
+    if (n > 1 && id % n != io->idx)
+        return NULL;
+    struct conn *c = io->engines[bex__conn_engine_slot(io, id)];
+    return c && c->eng_id == id ? c : NULL;
+}
+
 /* c has work: its transport's progress runs on the next turn of its
  * thread's loop (which visits only connections marked so). */
-void bex__conn_ready(struct conn *c);
+static inline void bex__conn_ready(struct conn *c)
+{
+    if (!bex__list_linked(&c->ready_link))
+        bex__list_push_head(&c->io->ready, &c->ready_link);
+}
 /* A client connection to the listener at to, its engine made at once. */
 int bex__conn_start_client(struct bex__io *io, const bex_addr *to, uint32_t mode,
                            struct conn **out);

@@ -88,9 +88,10 @@ struct bex__conn_owner_ops {
     void (*down)(struct conn *c, int err, bool connecting);
     /* How many of c's streams are open (for the lost-connection line). */
     uint32_t (*open_streams)(struct conn *c);
-    /* The I/O thread's loop, each turn: run the commands queued for the
-     * thread (io->loop's queue, whose commands are the owner's); whether
-     * there were any. */
+    /* The I/O thread's loop, on a turn when commands are queued
+     * (bex__loop_cmds_queued): run the commands queued for the thread
+     * (io->loop's queue, whose commands are the owner's); whether there
+     * were any. */
     bool (*drain_cmds)(struct bex__io *io);
 };
 

@@ -102,7 +102,8 @@ void bex__io_tags_init(struct bex__io *io)
  * turn (bex_sock_stats.poll_recvs / poll_recv_conns: how many of a QP's
  * receives a turn takes together, so how many of its answers can leave in
  * one chain). */
-static void count_recv(struct bex__io *io, struct conn *c, const struct ibv_wc *wc)
+__attribute__((always_inline)) static inline void count_recv(struct bex__io *io, struct conn *c,
+                                                             const struct ibv_wc *wc)
 {
     if (wc->status != IBV_WC_SUCCESS || !(wc->opcode & IBV_WC_RECV))
         return;
@@ -120,7 +121,8 @@ static void count_recv(struct bex__io *io, struct conn *c, const struct ibv_wc *
  * loop's round trip took three turns, the last two for the completion of
  * the answer's send, which rxe completes within the post, and an empty
  * poll; the sleep polls once more after arming anyway). */
-static bool dispatch(struct bex__io *io, const struct ibv_wc *wc, int n)
+__attribute__((always_inline)) static inline bool dispatch(struct bex__io *io,
+                                                           const struct ibv_wc *wc, int n)
 {
     bool any = false;
     for (int i = 0; i < n; i++) {
@@ -192,41 +194,61 @@ static bool run_ready(struct bex__io *io)
     return did;
 }
 
+/* One CQ of the thread (index q), polled until it gives less than a
+ * batch or WC_TURN_MAX (see there): whether a completion made work; *full
+ * set when it may hold more. Inline, and the shared receive queue's part
+ * apart (poll_srq): a ping-pong's poll is one CQ's, and its fixed cost
+ * was some 70 instructions (issue 25). */
+static inline bool poll_cq(struct bex__io *io, uint32_t q, struct ibv_wc *wc, bool *full)
+{
+    bool any = false;
+    int n, got = 0;
+    do {
+        n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+        bex__stat_poll(&io->stats, n);
+        if (n <= 0) { /* (an empty poll calls nothing more) */
+            if (n < 0)
+                cq_failed(io, q, n);
+            return any;
+        }
+        any |= dispatch(io, wc, n);
+        got += n;
+    } while ((n == WC_BATCH || got > 1) && got < WC_TURN_MAX);
+    if (n == WC_BATCH || got >= WC_TURN_MAX)
+        *full = true;
+    return any;
+}
+
+/* SRQ mode: every receive completion of the thread, one at a time: an
+ * engine that fails on one takes its QP's others out of what was polled
+ * (bex__srq_release), and a completion handed out is never one of a QP
+ * destroyed since. Whether one made work; *full as poll_cq's. */
+__attribute__((noinline)) static bool poll_srq(struct bex__io *io, struct ibv_wc *wc, bool *full)
+{
+    bool any = false;
+    int n = 0, rc = 0;
+    while (n < WC_TURN_MAX && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
+        any |= dispatch(io, wc, 1);
+        n++;
+    }
+    /* the reposts of every engine served: one post */
+    bex__srq_flush(io->sh.srq);
+    if (rc < 0)
+        cq_failed(io, UINT32_MAX, rc);
+    if (n == WC_TURN_MAX)
+        *full = true;
+    return any;
+}
+
 /* poll_cqs of a thread that has CQs. */
 static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
 {
     bool any = false, full = false;
     io->poll_no++;
-    for (uint32_t q = 0; q < io->n_cq; q++) {
-        int n, got = 0;
-        do {
-            n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
-            bex__stat_poll(&io->stats, n);
-            if (n < 0) {
-                cq_failed(io, q, n);
-                break;
-            }
-            if (n > 0) /* (an empty poll calls nothing more) */
-                any |= dispatch(io, wc, n);
-            got += n;
-        } while ((n == WC_BATCH || (n > 0 && got > 1)) && got < WC_TURN_MAX);
-        full |= n == WC_BATCH || (n > 0 && got >= WC_TURN_MAX);
-    }
-    if (io->sh.srq) { /* SRQ mode: every receive completion of the thread */
-        /* one at a time: an engine that fails on one takes its QP's
-         * others out of what was polled (bex__srq_release), and a
-         * completion handed out is never one of a QP destroyed since */
-        int n = 0, rc = 0;
-        while (n < WC_TURN_MAX && (rc = bex__srq_next(io->sh.srq, &wc[0])) > 0) {
-            any |= dispatch(io, wc, 1);
-            n++;
-        }
-        /* the reposts of every engine served: one post */
-        bex__srq_flush(io->sh.srq);
-        if (rc < 0)
-            cq_failed(io, UINT32_MAX, rc);
-        full |= n == WC_TURN_MAX;
-    }
+    for (uint32_t q = 0; q < io->n_cq; q++)
+        any |= poll_cq(io, q, wc, &full);
+    if (io->sh.srq)
+        any |= poll_srq(io, wc, &full);
     io->cq_quiet = io->cq_armed && !full;
     return any || full; /* (a full CQ may hold more) */
 }
@@ -374,11 +396,17 @@ void *bex__io_main(void *arg)
     while (bex__io_state(io) != IO_STOPPING) {
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
-        did |= io->env->ops->drain_cmds(io);
+        /* the calls a turn usually has nothing for are gated here, not
+         * inside them: no call when there is nothing (issue 25: a round
+         * trip's turn paid some 30 instructions for the three) */
+        if (bex__loop_cmds_queued(&io->loop))
+            did |= io->env->ops->drain_cmds(io);
         run_timers(io);
         did |= run_ready(io);
-        bex__conn_reap(io);
-        bex__io_srq_timer(io);
+        if (io->reap)
+            bex__conn_reap(io);
+        if (io->sh.srq)
+            bex__io_srq_timer(io);
         if (did) {
             idle_since = 0;
             idle_polls = 0;

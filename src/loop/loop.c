@@ -88,11 +88,6 @@ struct bex__cmd *bex__loop_take(struct bex__loop *l)
     return fifo;
 }
 
-bool bex__loop_has_cmds(struct bex__loop *l)
-{
-    return atomic_load(&l->cmds) != NULL;
-}
-
 int bex__loop_watch(struct bex__loop *l, int fd, uint32_t events, struct ep_tag *tag)
 {
     struct epoll_event ev = {.events = events, .data.ptr = tag};
@@ -108,16 +103,6 @@ int bex__loop_modify(struct bex__loop *l, int fd, uint32_t events, struct ep_tag
 void bex__loop_unwatch(struct bex__loop *l, int fd)
 {
     epoll_ctl(l->epfd, EPOLL_CTL_DEL, fd, NULL);
-}
-
-void bex__loop_sleep_begin(struct bex__loop *l)
-{
-    atomic_store(&l->sleeping, 1);
-}
-
-void bex__loop_sleep_end(struct bex__loop *l)
-{
-    atomic_store(&l->sleeping, 0);
 }
 
 /* The coarse clock as this thread last read it (bex__now_ms) since its
@@ -149,7 +134,9 @@ int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int tim
             (void)r;
             continue;
         }
-        ev[k++] = ev[i];
+        if (k != i) /* (no copy while none of the loop's own came before) */
+            ev[k] = ev[i];
+        k++;
     }
     return k;
 }

@@ -17,6 +17,7 @@
 
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <sys/epoll.h>
 
@@ -57,8 +58,12 @@ void bex__loop_fini(struct bex__loop *l);
 void bex__loop_push(struct bex__loop *l, struct bex__cmd *c, int type);
 /* The loop's thread: every queued command, oldest first (NULL if none). */
 struct bex__cmd *bex__loop_take(struct bex__loop *l);
-/* Whether commands are queued (seq_cst: for the sleep protocol). */
-bool bex__loop_has_cmds(struct bex__loop *l);
+/* Whether commands are queued (seq_cst: for the sleep protocol). Inline,
+ * as the two below: the sleep calls all three once a round trip. */
+static inline bool bex__loop_has_cmds(struct bex__loop *l)
+{
+    return atomic_load(&l->cmds) != NULL;
+}
 
 /* Watch fd for events on behalf of tag (EPOLL_CTL_ADD / MOD / DEL):
  * 0 or a negative errno. */
@@ -66,8 +71,23 @@ int bex__loop_watch(struct bex__loop *l, int fd, uint32_t events, struct ep_tag 
 int bex__loop_modify(struct bex__loop *l, int fd, uint32_t events, struct ep_tag *tag);
 void bex__loop_unwatch(struct bex__loop *l, int fd);
 
-void bex__loop_sleep_begin(struct bex__loop *l);
-void bex__loop_sleep_end(struct bex__loop *l);
+/* The loop's thread, each turn: whether commands may be queued, by a
+ * plain look (no locked instruction; what it misses, the sleep's
+ * bex__loop_has_cmds sees). */
+static inline bool bex__loop_cmds_queued(struct bex__loop *l)
+{
+    return atomic_load_explicit(&l->cmds, memory_order_relaxed) != NULL;
+}
+
+static inline void bex__loop_sleep_begin(struct bex__loop *l)
+{
+    atomic_store(&l->sleeping, 1);
+}
+
+static inline void bex__loop_sleep_end(struct bex__loop *l)
+{
+    atomic_store(&l->sleeping, 0);
+}
 /* epoll_wait for up to max events (timeout_ms as epoll's): the number of
  * events left for the caller. The loop's own wake-ups are consumed here and
  * not returned. */

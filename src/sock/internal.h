@@ -15,6 +15,7 @@
 #include "common/util.h"
 #include "conn/conn.h"
 #include "loop/loop.h"
+#include "mem/lookup.h"
 #include "rdma/rdma.h"
 #include "transport/rdma/engine.h"
 
@@ -187,18 +188,6 @@ struct bex_ctx {
  * of its threads: the calls that wait for an I/O thread must not wait for
  * themselves, and a callback may act at once on its own thread's sockets. */
 
-/* io.c: a send issued on its socket's own I/O thread, handed straight to
- * the transport when nothing can be ahead of it; false: queue it. */
-bool bex__io_send_now(struct sock_msg *w);
-
-/* sock.c: 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of
- * this context's registered memory; its region's lkey in *lkey (if lkey). */
-int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey);
-/* A send is done with its descriptor: back to its socket's I/O thread's
- * cache (or free; a caller's is left alone). On that thread, or once it
- * has stopped. Read what the report needs first. */
-void bex__sock_msg_put(struct sock_msg *w);
-
 /* io.c: the I/O thread's commands (bex__sock_conn_ops.drain_cmds) */
 bool bex__sock_drain_cmds(struct bex__io *io);
 void bex__io_listen(struct bex__io *io, struct bex_listener *l);
@@ -235,6 +224,80 @@ static inline bool bex__sock_app_closed(const struct bex_sock *s)
 {
     return s->life & SK_BIT_CLOSED;
 }
+
+/* Whether pool is one of s's context's (its send, receive or landing pool). */
+static inline bool bex__sock_pool_ours(const bex_sock *s, const bex_mem_pool *pool)
+{
+    return pool == s->ctx->sh.pool || pool == s->ctx->sh.recv_pool || pool == s->ctx->sh.landing;
+}
+/* sock.c: bex__sock_check_buf's refusal of buf/len (the error, logged). */
+int bex__sock_buf_refused(bex_sock *s, void *buf, size_t len);
+/* 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of this
+ * context's registered memory; its region's lkey in *lkey (if lkey).
+ * Inline, the refusal apart: every send checks its buffer. */
+static inline int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
+{
+    bex_mem_pool *pool;
+    const bex_mem_region *r = buf && len <= INT32_MAX ? bex__mem_lookup(buf, &pool) : NULL;
+    if (!r || !bex__sock_pool_ours(s, pool) || (uintptr_t)buf < (uintptr_t)r->addr ||
+        (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
+        return bex__sock_buf_refused(s, buf, len);
+    if (lkey)
+        *lkey = r->lkey;
+    return 0;
+}
+/* sock.c: bex__sock_msg_put's other cases: a gathered message's
+ * descriptor, or the cache full. */
+void bex__sock_msg_put_slow(struct sock_msg *w);
+/* A send is done with its descriptor: back to its socket's I/O thread's
+ * cache (or free; a caller's is left alone). On that thread, or once it
+ * has stopped. Read what the report needs first. Inline: every send's
+ * descriptor goes back here. */
+static inline void bex__sock_msg_put(struct sock_msg *w)
+{
+    if (w->caller_owned)
+        return;
+    struct bex__io *io = w->s->io;
+    if (w->gathered || io->n_msg_free >= BEX__MSG_CACHE_MAX) {
+        bex__sock_msg_put_slow(w);
+        return;
+    }
+    w->free_next = io->msg_free;
+    io->msg_free = w;
+    io->n_msg_free++;
+}
+
+/* Hand w to its attached socket's transport; the connection has work. */
+static inline void bex__sock_to_transport(struct bex_sock *s, struct sock_msg *w)
+{
+    s->pending++;
+    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
+    bex__conn_ready(s->conn);
+}
+
+/* A send on the socket's own I/O thread (from a callback) goes straight
+ * to its transport instead of through the command queue, when nothing can
+ * be ahead of it: no command waits in the queue or is being run (an
+ * earlier send, close or bind of this thread, or one another thread issued
+ * before it), the socket's stream is attached, and the transport takes the
+ * message without handing it back at once (so that no on_send_done runs
+ * inside bex_sock_send). False: queue it as any other thread would.
+ * Inline, as bex__sock_to_transport: a callback's send pays no call. */
+static inline bool bex__io_send_now(struct sock_msg *w)
+{
+    struct bex_sock *s = w->s;
+    struct bex__io *io = s->io;
+    if (io->draining || atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) || s->waiting ||
+        !bex__sock_attached(s) || bex__sock_dead(s))
+        return false;
+    struct bex__xport *x = s->conn->x;
+    if (!x->ops->takes || !x->ops->takes(x, &s->st, &w->m))
+        return false;
+    bex__sock_to_transport(s, w);
+    BEX__STAT_ADD(io, direct_sends, 1);
+    return true;
+}
+
 const char *bex__sock_state_name(int st);
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting);
 /* c failed before its transport was chosen: s's queued sends come back. */

@@ -52,14 +52,6 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
     }
 }
 
-/* Hand w to its attached socket's transport; the connection has work. */
-static void to_transport(struct bex_sock *s, struct sock_msg *w)
-{
-    s->pending++;
-    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
-    bex__conn_ready(s->conn);
-}
-
 static void do_send(struct sock_msg *w)
 {
     struct bex_sock *s = w->s;
@@ -82,29 +74,7 @@ static void do_send(struct sock_msg *w)
         bex__sock_maybe_finish(s);
         return;
     }
-    to_transport(s, w);
-}
-
-/* A send on the socket's own I/O thread (from a callback) goes straight
- * to its transport instead of through the command queue, when nothing can
- * be ahead of it: no command waits in the queue or is being run (an
- * earlier send, close or bind of this thread, or one another thread issued
- * before it), the socket's stream is attached, and the transport takes the
- * message without handing it back at once (so that no on_send_done runs
- * inside bex_sock_send). False: queue it as any other thread would. */
-bool bex__io_send_now(struct sock_msg *w)
-{
-    struct bex_sock *s = w->s;
-    struct bex__io *io = s->io;
-    if (io->draining || atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) || s->waiting ||
-        !bex__sock_attached(s) || bex__sock_dead(s))
-        return false;
-    struct bex__xport *x = s->conn->x;
-    if (!x->ops->takes || !x->ops->takes(x, &s->st, &w->m))
-        return false;
-    to_transport(s, w);
-    BEX__STAT_ADD(io, direct_sends, 1);
-    return true;
+    bex__sock_to_transport(s, w);
 }
 
 static void do_close(struct bex_sock *s)

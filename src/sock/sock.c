@@ -765,7 +765,7 @@ int bex_sock_connect_opts(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops
     return 0;
 }
 
-int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
+int bex__sock_buf_refused(bex_sock *s, void *buf, size_t len)
 {
     if (len > INT32_MAX)
         return -EMSGSIZE;
@@ -778,20 +778,15 @@ int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
                            "buffer %p (%zu bytes): not memory bex allocated (bex_sock_alloc, "
                            "bex_sock_alloc_exposable or a received buffer)",
                            buf, len);
-    if (pool != s->ctx->sh.pool && pool != s->ctx->sh.recv_pool && pool != s->ctx->sh.landing)
+    if (!bex__sock_pool_ours(s, pool))
         return bex__refuse(-EINVAL,
                            "buffer %p (%zu bytes): bex memory, but not of this socket's "
                            "context (another context's, or a pool of the application's)",
                            buf, len);
-    if ((uintptr_t)buf < (uintptr_t)r->addr ||
-        (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
-        return bex__refuse(-EINVAL,
-                           "buffer %p (%zu bytes): runs outside its allocation's registered "
-                           "region",
-                           buf, len);
-    if (lkey)
-        *lkey = r->lkey;
-    return 0;
+    return bex__refuse(-EINVAL,
+                       "buffer %p (%zu bytes): runs outside its allocation's registered "
+                       "region",
+                       buf, len);
 }
 
 /* A send descriptor. On the socket's own I/O thread (a callback sending)
@@ -812,10 +807,8 @@ static struct sock_msg *msg_get(bex_sock *s)
     return malloc(sizeof(struct sock_msg));
 }
 
-void bex__sock_msg_put(struct sock_msg *w)
+void bex__sock_msg_put_slow(struct sock_msg *w)
 {
-    if (w->caller_owned)
-        return;
     if (w->gathered) {
         /* without on_send_done bex frees the buffers: the first one goes
          * with the report (bex__sock_report_done), the others here */
@@ -824,14 +817,7 @@ void bex__sock_msg_put(struct sock_msg *w)
         free(w); /* its struct sock_msgv */
         return;
     }
-    struct bex__io *io = w->s->io;
-    if (io->n_msg_free >= BEX__MSG_CACHE_MAX) {
-        free(w);
-        return;
-    }
-    w->free_next = io->msg_free;
-    io->msg_free = w;
-    io->n_msg_free++;
+    free(w); /* the cache is full */
 }
 
 static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_remote_buf *rb,
@@ -840,7 +826,7 @@ static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_
     if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED)
         return -EPIPE;
     /* the one MR lookup of the send: its lkey goes with the message */
-    uint32_t lkey;
+    uint32_t lkey = 0; /* (set when the check passes) */
     int err = bex__sock_check_buf(s, buf, len, &lkey);
     if (err)
         return err;
