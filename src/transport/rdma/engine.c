@@ -51,7 +51,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
         e->frag = cfg->send_window;
     e->state = E_INIT;
     bex__stream_set_init(&e->streams);
-    e->head = e->post = e->tail = SEND_CNT_START;
+    e->head = e->post = e->tail = e->sig_end = e->dscan = SEND_CNT_START;
     e->srq_cur = NO_SLOT;
 }
 
