@@ -130,6 +130,8 @@ struct bex__engine {
      * dscan: the first posted slot not yet looked at for a message the
      * peer acknowledged before its request was retired (acks_in). */
     uint32_t sig_end, dscan;
+    uint32_t quiet_max; /* sq / 4, or 0 when a send window, a destination's
+                           bound or window mode needs every chain signaled */
     bool sig_force;
     uint32_t peer_credits, to_return;
     uint32_t peer_rq;           /* credits the peer granted in its hello */

@@ -326,18 +326,17 @@ static bool wr_consumes(const struct ibv_send_wr *w)
  * retirement does not wait for. */
 static bool wr_quiet(const struct sslot *s)
 {
-    return (s->wr.opcode == IBV_WR_SEND || s->wr.opcode == IBV_WR_SEND_WITH_IMM) && !s->closed &&
+    _Static_assert(IBV_WR_SEND_WITH_IMM == IBV_WR_SEND + 1, "the two SENDs are adjacent");
+    return (uint32_t)(s->wr.opcode - IBV_WR_SEND) <= 1 && !s->closed &&
            (!s->done || !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE));
 }
 
-/* Whether a chain of quiet requests may go unsignaled: not while a send
- * window counts bytes (their completion gives them back), not in window
- * mode (its operations wait for an empty queue), not once a quarter of the
- * queue would be unretired, and not when the tick asked for a signal. */
+/* Whether a chain of quiet requests may go unsignaled: not once a quarter
+ * of the queue would be unretired, not when the tick asked for a signal,
+ * never with a send window or in window mode (quiet_max 0). */
 static bool chain_quiet(const struct bex__engine *e)
 {
-    return !e->sig_force && !e->sh->windows && !e->dest && !bex__engine_window(e) &&
-           e->tail - e->head < e->sq / 4;
+    return e->tail - e->head < e->quiet_max && !e->sig_force;
 }
 
 void bex__engine_post_pending(struct bex__engine *e)
