@@ -548,10 +548,16 @@ typedef struct bex_sock_stats {
     uint64_t writes_posted;   /* WRITE + WRITE_WITH_IMM work requests */
     uint64_t post_send_calls; /* ibv_post_send calls (doorbells) */
     uint64_t post_recv_calls;
-    uint64_t signaled;           /* signaled work requests */
+    uint64_t signaled;           /* signaled work requests: at most one a doorbell, and
+                                    a doorbell of inline SENDs alone goes unsignaled
+                                    while fewer than sq_depth / 4 requests wait to be
+                                    retired and no send window is set (RDMA: a
+                                    ping-pong signals one in sq_depth / 4) */
     uint64_t credit_stalls;      /* times a send waited for peer credit */
     uint64_t window_stalls;      /* times a send waited for the send window */
-    uint64_t max_inflight_bytes; /* highest bytes in flight seen on an engine */
+    uint64_t max_inflight_bytes; /* highest bytes in flight seen on an engine (RDMA:
+                                    posted and not yet retired by a signaled
+                                    completion) */
     uint64_t credit_msgs;        /* explicit credit-update messages sent */
     uint64_t engines;            /* transports currently made: RDMA engines (from the
                                     start of their setup) and TCP connections */
@@ -591,7 +597,9 @@ typedef struct bex_sock_stats {
     uint64_t dest_max_inflight; /* highest bytes in flight to one destination seen */
     uint64_t keepalive_writes;  /* RDMA: keepalive WRITEs posted (not in writes_posted;
                                    in post_send_calls and signaled: an idle engine's
-                                   takes a doorbell of its own) */
+                                   takes a doorbell of its own; also the one a tick
+                                   posts to retire unsignaled requests once an engine
+                                   went quiet) */
     uint64_t poll_recvs;        /* RDMA: receive completions the I/O threads polled */
     uint64_t poll_recv_conns;   /* RDMA: connections with a receive in a poll turn, once
                                    per turn: poll_recvs / this is how many of a QP's

@@ -203,6 +203,10 @@ static void up_on_peer_close(struct bex__xport *x, uint32_t stream)
 static bool refers_to(const struct fk_wr *w, const struct fk_msg *m)
 {
     uint64_t b = (uintptr_t)m->m.buf, end = b + m->m.len;
+    /* an inline request's bytes were copied at posting (the stand-in reads
+     * them later, but only before the peer's receive that reports it) */
+    if (w->wr.send_flags & IBV_SEND_INLINE)
+        return false;
     for (int i = w->wr.opcode == IBV_WR_SEND ? 1 : 0; i < w->wr.num_sge; i++)
         if (w->sge[i].addr < end && w->sge[i].addr + w->sge[i].length > b)
             return true;
@@ -219,8 +223,8 @@ static void up_on_send_done(struct bex__xport *x, struct bex__msg *bm, int statu
     FK_CHECK(m->done == 0); /* handed back exactly once */
     m->done = 1;
     m->status = status;
-    if (status == 0)
-        FK_CHECK(m->final_acked); /* its last request completed */
+    if (status == 0) /* its last request completed, or went inline and the peer has it */
+        FK_CHECK(m->final_acked || (m->final_inline && m->delivered == 1));
     else if (status == -ECANCELED)
         FK_CHECK(!m->final_posted); /* never delivered: its last request never left */
     else if (status == -EIO)
@@ -337,6 +341,7 @@ static void note_post(struct fk_side *s, struct fk_wr *w)
     if (w->fin) {
         FK_CHECK(!w->fin->final_posted);
         w->fin->final_posted = true;
+        w->fin->final_inline = (w->wr.send_flags & IBV_SEND_INLINE) != 0;
         w->fin->posted_bytes_at = s->payload_posted;
     }
     /* credits: receive-consuming requests never exceed what the peer granted,
@@ -839,7 +844,7 @@ void fk_check_final(struct fk_pair *p)
         switch (m->status) {
         case 0:
             /* the peer's engine held it (its credit came back): delivered */
-            FK_CHECK(m->arrived && m->final_acked);
+            FK_CHECK(m->arrived && (m->final_acked || m->final_inline));
             FK_CHECK(m->delivered == 1);
             break;
         case -ECANCELED:

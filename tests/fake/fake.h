@@ -84,6 +84,9 @@ struct fk_msg {
     int done;   /* on_send_done calls */
     int status; /* of the first */
     bool final_posted, final_acked, arrived;
+    bool final_inline;        /* its last request went inline: its bytes copied at
+                                 posting, so it is done once the peer's engine has
+                                 it, before a signaled completion retires it */
     int delivered;            /* on_msg / on_direct calls at the peer */
     int exposed;              /* direct: index in the peer's exposed table, else -1 */
     uint64_t post_bytes_at;   /* its side's payload bytes posted when it was queued */

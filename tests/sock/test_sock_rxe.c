@@ -335,11 +335,13 @@ static int multiplex_client(struct pair *p, void *arg)
             (unsigned long long)st.credit_stalls, (unsigned long long)st.credit_msgs);
     check_no_stalls(&st);
     /* doorbell batching: fewer ibv_post_send calls than work requests;
-     * selective signaling: exactly one signaled request per call (its last,
-     * which retires the whole chain), so fewer signaled than posted */
+     * selective signaling: at most one signaled request per call (its last,
+     * which retires the whole chain and the unsignaled chains before it; a
+     * chain of inline SENDs alone may go unsignaled: send.c, chain_quiet),
+     * so fewer signaled than posted */
     CHECK(st.post_send_calls < st.sends_posted + st.writes_posted);
     if (!pair_tcp()) { /* over TCP: frames gathered into one sendmsg */
-        CHECK_EQ(st.signaled, st.post_send_calls);
+        CHECK(st.signaled >= 1 && st.signaled <= st.post_send_calls);
         CHECK(st.signaled < st.sends_posted + st.writes_posted);
     }
     cli_close_all(c, NS);

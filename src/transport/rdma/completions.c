@@ -68,6 +68,32 @@ static void ack_wait(struct bex__engine *e, struct bex__msg *m)
     e->ack_tail = m;
 }
 
+/* Messages whose requests are posted and not yet retired, which the
+ * peer's credits acknowledge: its engine has them, so its NIC had all their
+ * bytes, and an inline request's bytes were copied at posting (nothing of
+ * the caller's is read again, even by a retransmission). Reported in
+ * order, after the acknowledgement queue (older); the slot stays taken
+ * until a signaled completion retires it. */
+static void acks_posted(struct bex__engine *e)
+{
+    if ((int32_t)(e->dscan - e->head) < 0)
+        e->dscan = e->head;
+    while (e->dscan != e->post && e->state == E_UP) {
+        struct sslot *s = sslot_at(e, e->dscan);
+        struct bex__msg *m = s->done;
+        if (s->closed)
+            return;
+        if (m) {
+            bool copied = !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE);
+            if (m->status || !copied || !acked(e, m->ack_seq))
+                return;
+            s->done = NULL;
+            delivered(e, m);
+        }
+        e->dscan++;
+    }
+}
+
 /* The peer returned n credits: report what they acknowledge. */
 static void acks_in(struct bex__engine *e, uint32_t n)
 {
@@ -80,6 +106,8 @@ static void acks_in(struct bex__engine *e, uint32_t n)
         m->next = NULL;
         delivered(e, m);
     }
+    if (!e->ack_head && e->head != e->post)
+        acks_posted(e);
 }
 
 static void send_completed(struct bex__engine *e, uint32_t cnt)

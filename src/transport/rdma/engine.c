@@ -42,6 +42,11 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
     e->user = user;
     e->nodev = nodev;
     e->sq = cfg->sq_depth;
+    /* no chain goes unsignaled while a send window counts bytes (their
+     * completion gives them back) or in window mode (its operations wait
+     * for an empty queue); bex__engine_set_dest clears it too */
+    bool windowed = cfg->send_window || cfg->wnd_mode == BEX_WINDOW_ADAPTIVE || sh->windows;
+    e->quiet_max = windowed ? 0 : e->sq / 4;
     e->rq = cfg->rq_depth;
     e->k = e->rq / 2;
     e->rbuf_len = cfg->eager_max > BEX__HDR_LEN ? cfg->eager_max : BEX__HDR_LEN;
@@ -51,7 +56,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
         e->frag = cfg->send_window;
     e->state = E_INIT;
     bex__stream_set_init(&e->streams);
-    e->head = e->post = e->tail = SEND_CNT_START;
+    e->head = e->post = e->tail = e->sig_end = e->dscan = SEND_CNT_START;
     e->srq_cur = NO_SLOT;
 }
 

@@ -119,6 +119,20 @@ struct bex__engine {
      * power of two, so the mapping stays continuous across the wrap */
     struct sslot *ss;
     uint32_t sq, head, post, tail;
+    /* Selective signaling across chains (bex__engine_post_pending): a chain
+     * of SENDs that read no memory of the caller's after posting (inline
+     * payloads, the slots' own headers) goes unsignaled, retired by the
+     * next signaled completion, as long as fewer than sq / 4 requests are
+     * unretired. sig_end: tail after the last signaled chain (none
+     * pending once head reaches it); sig_force: the tick found unretired
+     * requests and nothing signaled pending (the next chain is signaled,
+     * and a keepalive write goes at the next tick if none came);
+     * dscan: the first posted slot not yet looked at for a message the
+     * peer acknowledged before its request was retired (acks_in). */
+    uint32_t sig_end, dscan;
+    uint32_t quiet_max; /* sq / 4, or 0 when a send window, a destination's
+                           bound or window mode needs every chain signaled */
+    bool sig_force;
     uint32_t peer_credits, to_return;
     uint32_t peer_rq;           /* credits the peer granted in its hello */
     uint32_t inflight;          /* payload bytes posted, not completed */

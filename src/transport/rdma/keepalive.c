@@ -75,8 +75,11 @@ static bool stalled(struct bex__engine *e, uint64_t now)
  * promised. */
 static bool post_stalled(struct bex__engine *e, uint64_t now)
 {
-    if (e->head == e->post || !e->post_wait_ms || e->post_mark != e->head) {
-        e->post_wait_ms = e->head != e->post ? now : 0;
+    /* timed while a signaled request is pending: unsignaled ones alone are
+     * retired by one the tick posts (retire_quiet), which is timed then */
+    bool pending = (int32_t)(e->sig_end - e->head) > 0;
+    if (!pending || !e->post_wait_ms || e->post_mark != e->head) {
+        e->post_wait_ms = pending ? now : 0;
         e->post_mark = e->head;
         return false;
     }
@@ -90,6 +93,25 @@ static bool post_stalled(struct bex__engine *e, uint64_t now)
              e->name, what, e->cfg.credit_timeout_ms);
     bex__engine_fail(e, -ETIMEDOUT);
     return true;
+}
+
+/* Requests posted unsignaled and nothing signaled pending to retire them
+ * (bex__engine_post_pending): the next chain goes signaled; if none has
+ * come by the next tick, a keepalive write (always signaled) retires them,
+ * so that their slots and bytes come back on an engine gone quiet. */
+static void retire_quiet(struct bex__engine *e)
+{
+    if (e->state != E_UP || e->head == e->post || (int32_t)(e->sig_end - e->head) > 0)
+        return;
+    if (!e->sig_force) {
+        e->sig_force = true;
+        return;
+    }
+    e->ka_due = true;
+    if (!bex__engine_wops_hold(e)) {
+        bex__engine_prep_keepalive(e);
+        bex__engine_post_pending(e);
+    }
 }
 
 /* A granted destination must be written within rate_window_ms +
@@ -216,6 +238,7 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
             bex__engine_post_pending(e);
         }
     }
+    retire_quiet(e);
     return e->state != E_UP || bex__engine_busy(e);
 }
 
@@ -291,7 +314,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
             bex__engine_msg_done(e, m, m->status ? m->status : ST_INDOUBT);
         }
     }
-    e->head = e->post = e->tail;
+    e->head = e->post = e->sig_end = e->dscan = e->tail;
     bex__engine_window_give(e, e->inflight);
     e->inflight = 0;
     for (uint32_t i = 0; i < e->max_rndv; i++) {

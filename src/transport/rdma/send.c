@@ -319,6 +319,26 @@ static bool wr_consumes(const struct ibv_send_wr *w)
            w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
 }
 
+/* May s go out unsignaled, retired by a later signaled completion? A SEND
+ * that reads nothing of the caller's after posting (its payload inline, or
+ * none, or only the slot's own header) and closes no stream: its message
+ * is reported once the peer's credits acknowledge it (acks_in), which the
+ * retirement does not wait for. */
+static bool wr_quiet(const struct sslot *s)
+{
+    _Static_assert(IBV_WR_SEND_WITH_IMM == IBV_WR_SEND + 1, "the two SENDs are adjacent");
+    return (uint32_t)(s->wr.opcode - IBV_WR_SEND) <= 1 && !s->closed &&
+           (!s->done || !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE));
+}
+
+/* Whether a chain of quiet requests may go unsignaled: not once a quarter
+ * of the queue would be unretired, not when the tick asked for a signal,
+ * never with a send window or in window mode (quiet_max 0). */
+static bool chain_quiet(const struct bex__engine *e)
+{
+    return e->tail - e->head < e->quiet_max && !e->sig_force;
+}
+
 void bex__engine_post_pending(struct bex__engine *e)
 {
     if (e->post == e->tail)
@@ -330,16 +350,20 @@ void bex__engine_post_pending(struct bex__engine *e)
     /* counted from the flags of what is posted, so that the counter shows
      * the signaling policy, whatever it is (recounted up to bad on failure) */
     uint64_t signaled = 0;
-    bool consumes = false;
+    bool consumes = false, quiet = chain_quiet(e);
     uint32_t bytes = 0;
     for (uint32_t c = e->post; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);
         bool last = c + 1 == e->tail;
         s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
         bytes += s->bytes;
-        if (last) { /* slot_take cleared the flags; prep_data may have set INLINE */
+        quiet = quiet && wr_quiet(s);
+        /* slot_take cleared the flags; prep_data may have set INLINE */
+        if (last && !quiet) {
             s->wr.send_flags |= IBV_SEND_SIGNALED;
             bex__engine_wnd_posted(e, s, bytes);
+            e->sig_end = e->tail;
+            e->sig_force = false;
         }
         signaled += (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
         consumes |= wr_consumes(&s->wr);
