@@ -80,6 +80,7 @@ struct cli {
     /* socket 0's sequence numbers reported delivered (status 0) */
     _Atomic bool ok0[MAXSEQ];
     _Atomic long send_err_other; /* failed sends neither -EIO nor -ECANCELED */
+    _Atomic long einval;         /* on_error calls with -EINVAL (rxe_refused) */
 };
 
 /* message layout: [0..3] socket index, [4..7] seq, rest pattern(seed) */
@@ -191,6 +192,8 @@ static void cli_error(bex_sock *s, int err, void *user)
     struct cli *c = user;
     (void)s;
     c->err = err;
+    if (err == -EINVAL)
+        atomic_fetch_add(&c->einval, 1);
     atomic_fetch_add(&c->errors, 1);
     waiter_signal(&c->w);
 }
@@ -249,6 +252,89 @@ static void cli_close_all(struct cli *c, int n)
     CLI_WAIT(c, closed, before + n, 20000);
 }
 
+/* Wait for n echoes in all, or until a socket fails (its engine's
+ * failure ends every echo still to come: nothing to wait for), or ms
+ * (scaled) pass: whether they came. */
+static bool cli_wait_echoes(struct cli *c, long n, unsigned ms)
+{
+    uint64_t end = pair_now_ms() + (uint64_t)ms * time_scale();
+    while (atomic_load(&c->recvd) < n && !atomic_load(&c->errors) && pair_now_ms() < end)
+        wait_count(&c->w, &c->recvd, n, 50);
+    return atomic_load(&c->recvd) >= n;
+}
+
+/* Under load rxe (kernel 6.1) refuses a retransmitted multi-packet WRITE
+ * now and then ("remote invalid request", IBV_WC_REM_INV_REQ_ERR;
+ * perftest's own ib_write_bw fails the same way in the VM,
+ * docs/testing.md). A case that streams rendezvous fragments both ways
+ * meets it in any round, and the client cannot always name it: -EINVAL
+ * when the server's rxe refused a WRITE of the client's, else its QP's
+ * flush or the peer's reset once the server's engine failed (seen in the
+ * VM under ASan: -EINVAL, -ECANCELED, -ECONNRESET). What it needs is a
+ * retransmission: a round whose engine failed while rxe retransmitted
+ * (its counters of retries and duplicate or out-of-sequence requests grew,
+ * both devices) says nothing of bex. Its client returns RXE_FAULT and the
+ * case runs it again, RXE_FAULTS_MAX times at most (each said in the log),
+ * so that a fault every round still fails it (test_teardown_rxe.c's
+ * kill_rounds does the same); a failure with no retransmission fails at
+ * once, as before. */
+#define RXE_FAULT      3
+#define RXE_FAULTS_MAX 3
+
+/* rxe's retransmissions so far, both devices (-1 without them). */
+static long long rxe_retries(void)
+{
+    long long a = rxe_counter("completer_retry_err"), b = rxe_counter("duplicate_request");
+    long long c = rxe_counter("out_of_seq_request");
+    return a < 0 || b < 0 || c < 0 ? -1 : a + b + c;
+}
+
+/* Whether a round that began with rxe_retries() at r0 ended by a socket's
+ * failure while rxe retransmitted (said in the log). */
+static bool rxe_refused(struct cli *c, long long r0)
+{
+    if (pair_tcp() || !atomic_load(&c->errors))
+        return false;
+    long long r = rxe_retries();
+    fprintf(stderr,
+            "a socket failed (%ld with -EINVAL); rxe retransmitted %lld times in the round\n",
+            atomic_load(&c->einval), r - r0);
+    return r0 >= 0 && r > r0;
+}
+
+/* bex_sock_send of message m: true when taken. False when the socket had
+ * failed (-EPIPE) in a round that rxe's fault ended (m freed); any other
+ * failure fails the case. */
+static bool cli_send(struct cli *c, bex_sock *s, void *m, size_t len, long long r0)
+{
+    int rc = bex_sock_send(s, m, len, NULL);
+    if (rc == 0)
+        return true;
+    bex_mem_free(m);
+    if (rc == -EPIPE) { /* its on_error may be on its way */
+        wait_count(&c->w, &c->errors, 1, 5000);
+        if (rxe_refused(c, r0))
+            return false;
+    }
+    fprintf(stderr, "bex_sock_send: %s\n", bex_strerror(rc));
+    exit(1);
+}
+
+/* pair_run, again for a round that rxe's fault ended (RXE_FAULTS_MAX). */
+static int pair_run_rxe(const bex_ctx_config *scfg, pair_fn server_fn, void *sarg,
+                        const bex_ctx_config *ccfg, pair_fn client_fn, void *carg,
+                        unsigned timeout_s)
+{
+    int rc, faults = 0;
+    while ((rc = pair_run(scfg, server_fn, sarg, ccfg, client_fn, carg, timeout_s)) == RXE_FAULT &&
+           ++faults <= RXE_FAULTS_MAX)
+        fprintf(stderr,
+                "the round hit rxe's refusal of a retransmitted WRITE (remote invalid "
+                "request, docs/testing.md): not bex's, it runs again (%d)\n",
+                faults);
+    return rc == RXE_FAULT ? 1 : rc;
+}
+
 /* ---------------- cases ---------------- */
 
 static int sizes_client(struct pair *p, void *arg)
@@ -261,11 +347,17 @@ static int sizes_client(struct pair *p, void *arg)
                       8 * K,     8 * K + 1, 64 * K - 1, 64 * K,    64 * K + 1, 1 * M,
                       4 * M - 1, 4 * M,     4 * M + 1,  8 * M + 1, 64 * M};
     struct cli *c = cli_new();
+    long long r0 = rxe_retries();
     cli_connect_n(p, c, 1);
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         void *b = cli_msg(p, c, 0, (uint32_t)i, sizes[i]);
-        CHECK_OK(bex_sock_send(c->socks[0], b, sizes[i], NULL));
-        CLI_WAIT(c, recvd, (long)i + 1, 60000);
+        if (!cli_send(c, c->socks[0], b, sizes[i], r0) ||
+            (!cli_wait_echoes(c, (long)i + 1, 60000) && rxe_refused(c, r0))) {
+            cli_close_all(c, 1);
+            free(c);
+            return RXE_FAULT;
+        }
+        CLI_WAIT(c, recvd, (long)i + 1, 0); /* (or say what the client saw) */
         CHECK_EQ(c->bad, 0);
     }
     CHECK_EQ(c->next_seq[0], sizeof sizes / sizeof sizes[0]);
@@ -281,7 +373,7 @@ static int sizes(void)
     /* 64 MiB buffers are allocated, registered and checked on the I/O
      * threads of an emulated VM: give keepalive room for such stalls */
     bex_ctx_config cfg = {.keepalive_timeout_ms = 30000};
-    return pair_run(&cfg, echo_server, NULL, &cfg, sizes_client, NULL, 120);
+    return pair_run_rxe(&cfg, echo_server, NULL, &cfg, sizes_client, NULL, 120);
 }
 
 /* 16 sockets to one address share one engine; interleaved traffic keeps
@@ -310,16 +402,23 @@ static int multiplex_client(struct pair *p, void *arg)
     enum { NS = 16, PER = 24 };
     const size_t lens[] = {100, 5000, 20000, 300000};
     struct cli *c = cli_new();
+    long long r0 = rxe_retries();
     cli_connect_n(p, c, NS);
     bex_sock_stats st;
     bex_ctx_stats(p->ctx, &st);
     CHECK_EQ(st.engines, 1);
-    for (uint32_t seq = 0; seq < PER; seq++)
-        for (uint32_t si = 0; si < NS; si++) {
+    bool fault = false;
+    for (uint32_t seq = 0; seq < PER && !fault; seq++)
+        for (uint32_t si = 0; si < NS && !fault; si++) {
             size_t len = lens[(seq + si) % 4];
-            CHECK_OK(bex_sock_send(c->socks[si], cli_msg(p, c, si, seq, len), len, NULL));
+            fault = !cli_send(c, c->socks[si], cli_msg(p, c, si, seq, len), len, r0);
         }
-    CLI_WAIT(c, recvd, NS * PER, 60000);
+    if (fault || (!cli_wait_echoes(c, NS * PER, 60000) && rxe_refused(c, r0))) {
+        cli_close_all(c, NS);
+        free(c);
+        return RXE_FAULT;
+    }
+    CLI_WAIT(c, recvd, NS * PER, 0); /* (or say what the client saw) */
     CHECK_EQ(c->bad, 0);
     for (int si = 0; si < NS; si++)
         CHECK_EQ(c->next_seq[si], PER);
@@ -351,7 +450,7 @@ static int multiplex_client(struct pair *p, void *arg)
 
 static int multiplex(void)
 {
-    return pair_run(&roomy, echo_server, NULL, &roomy, multiplex_client, NULL, 120);
+    return pair_run_rxe(&roomy, echo_server, NULL, &roomy, multiplex_client, NULL, 120);
 }
 
 /* A receiver with 4 receives that handles each message slowly: the sender
