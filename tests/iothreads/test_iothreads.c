@@ -27,9 +27,15 @@
 
 static struct in_addr addr0, addr1;
 
+/* A connect timeout of 10 s (scaled), not bex's 3: idle_busy's set-up
+ * beside a busy-polling client thread ran out of 30 s once under TSan in
+ * the VM (its two CPUs shared with rxe's kernel work and another test). */
 static bex_ctx *ctx_new_mode(struct in_addr a, uint32_t threads, uint32_t poll_mode)
 {
-    return local_ctx(&(bex_ctx_config){.io_threads = threads, .poll_mode = poll_mode}, a);
+    return local_ctx(&(bex_ctx_config){.io_threads = threads,
+                                       .poll_mode = poll_mode,
+                                       .connect_timeout_ms = 10000},
+                     a);
 }
 
 static bex_ctx *ctx_new(struct in_addr a, uint32_t threads)
@@ -733,7 +739,7 @@ static long idle_run(uint32_t threads, uint32_t smode, uint32_t cmode, unsigned 
     bex_listener *l0 = srv_listen(sctx, &v, &a0);
     struct cli c = {.base.w = &v.w};
     bex_sock *s = cli_open(cctx, &a0, &c);
-    CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 5000));
+    CHECK_OK(wait_count(&v.w, &c.base.connected, 1, 10000)); /* as the connect timeout */
     for (int i = 0; i < 10; i++) {
         send_one(cctx, s);
         CHECK_OK(wait_count(&v.w, &c.recvd, i + 1, echo_ms));

@@ -218,6 +218,9 @@ class Server:
             return "bex-ps: ready" in f.read()
 
     def wait_ready(self, secs):
+        # sanitizer builds run slower: tests/CMakeLists.txt's time scale
+        # (1 plain, 3 ASan, 10 TSan), as every C test's deadlines
+        secs *= max(1, int(os.environ.get("BEX_TEST_TIME_SCALE", "1")))
         end = time.monotonic() + secs
         while time.monotonic() < end:
             if self.p.poll() is not None:
@@ -228,6 +231,8 @@ class Server:
             if self.ready():
                 return
             time.sleep(0.05)
+        with open(self.log) as f:  # the log may be in a VM's /tmp: its tail here
+            sys.stdout.write("".join(f.readlines()[-20:]))
         raise RuntimeError("%s not ready in %d s (%s)" % (self.name(), secs, self.log))
 
     def name(self):
