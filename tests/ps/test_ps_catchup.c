@@ -617,6 +617,65 @@ static int window_push(bex_ps_client *pc, const struct pushes *P, int q, uint64_
     return rc;
 }
 
+/* The rig of the window and resend_bound cases: the peer (shard 0's
+ * first replica, served on a0) and the restarted replica's shard rs, not
+ * served: its port p1 on a1 reserved, nobody listening (its Pushes are
+ * refused); the directory of both (window_dir); the client's context and
+ * the config of a client of them (one attempt a call), to adjust and
+ * create. */
+struct wrig {
+    bex_ctx *pctx, *rctx, *cctx;
+    struct in_addr a1;
+    uint16_t p1;
+    bex_ps_shard *peer, *rs;
+    bex_rpc_endpoint ep;        /* the peer's */
+    bex_rpc_server *srv, *srv1; /* the peer's; the replica's once wrig_serve */
+    bex_dir *d;
+    bex_ps_client_config cc;
+};
+
+/* w set up, rs made with shard0's flags rs_flags: 0, or what the case
+ * returns (lib_ctxs). */
+static int wrig_up(struct wrig *w, uint32_t rs_flags)
+{
+    struct in_addr a0;
+    *w = (struct wrig){.srv1 = NULL};
+    PAIR_NEED(lib_ctxs(&a0, &w->pctx, &w->rctx));
+    CHECK(pair_addrs(&a0, &w->a1) == 0);
+    w->peer = shard0(0, NULL);
+    w->rs = shard0(rs_flags, NULL);
+    w->srv = peer_server(w->pctx, a0, w->peer, NULL, &w->ep.addr);
+    w->p1 = bex_test_port_at(w->a1); /* reserved, nobody listening: refused */
+    w->d = window_dir(&w->ep.addr, w->a1, w->p1);
+    w->cctx = client_ctx();
+    w->cc = (bex_ps_client_config){.dir = w->d,
+                                   .service = "ps",
+                                   .n_shards = NSH,
+                                   .timeout_ms = 10000 * time_scale(),
+                                   .connect_timeout_ms = 5000 * time_scale(),
+                                   .max_attempts = 1};
+    return 0;
+}
+
+/* The restarted replica served at its port: it answers from now on. */
+static void wrig_serve(struct wrig *w)
+{
+    CHECK_OK(bex_rpc_server_create(w->rctx, NULL, &w->srv1));
+    CHECK_OK(bex_ps_shard_register(w->rs, w->srv1, w->rctx));
+    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = w->a1, .sin_port = htons(w->p1)}};
+    CHECK_OK(bex_rpc_server_listen(w->srv1, &la));
+}
+
+/* w torn down (its clients destroyed first, by the case). */
+static void wrig_down(struct wrig *w)
+{
+    CHECK_OK(bex_ctx_destroy(w->cctx));
+    bex_dir_destroy(w->d);
+    if (w->srv1)
+        CHECK_OK(bex_rpc_server_destroy(w->srv1));
+    lib_down(w->srv, w->peer, w->rs, w->pctx, w->rctx);
+}
+
 /* The window docs/architecture.md ("Catch-up of a restarted replica")
  * named, made deterministic: the client's Pushes to the restarted replica
  * fail (its port refuses: as its channel not reconnected yet) while the
@@ -627,44 +686,29 @@ static int window_push(bex_ps_client *pc, const struct pushes *P, int q, uint64_
  * 1 came with the copy: sent again, it is a duplicate). */
 static int t_window(void)
 {
-    struct in_addr a0, a1;
-    bex_ctx *pctx, *rctx;
-    PAIR_NEED(lib_ctxs(&a0, &pctx, &rctx));
-    CHECK(pair_addrs(&a0, &a1) == 0);
-    bex_ps_shard *peer = shard0(0, NULL), *rs = shard0(BEX_PS_SHARD_CATCHUP, NULL);
-    bex_rpc_endpoint ep = {.locality = NULL};
-    bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &ep.addr);
-    uint16_t p1 = bex_test_port_at(a1); /* reserved, nobody listening: refused */
-    bex_dir *d = window_dir(&ep.addr, a1, p1);
-    bex_ctx *cctx = client_ctx();
-    bex_ps_client_config cc = {.dir = d,
-                               .service = "ps",
-                               .n_shards = NSH,
-                               .timeout_ms = 10000 * time_scale(),
-                               .connect_timeout_ms = 5000 * time_scale(),
-                               .max_attempts = 1};
+    static struct wrig w;
+    PAIR_NEED(wrig_up(&w, BEX_PS_SHARD_CATCHUP));
+    bex_ps_shard *peer = w.peer, *rs = w.rs;
+    bex_ctx *pctx = w.pctx, *rctx = w.rctx;
+    const bex_rpc_endpoint *ep = &w.ep;
     bex_ps_client *pc;
-    CHECK_OK(bex_ps_client_create(cctx, &cc, &pc));
+    CHECK_OK(bex_ps_client_create(w.cctx, &w.cc, &pc));
     static struct pushes P;
     pushes_make(&P, 3, 0, 20); /* the bodies unused: the client makes its own */
     int st[2];
     /* Push 1: the peer takes it, the restarted replica's attempt fails */
-    CHECK(window_push(pc, &P, 1, 0, &ep.addr, st) != 0);
+    CHECK(window_push(pc, &P, 1, 0, &ep->addr, st) != 0);
     CHECK(st[0] == 0 && st[1] != 0);
     /* the peer's cut: Push 1 in it */
-    bex_ps_catchup_config cu = {.peers = &ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
+    bex_ps_catchup_config cu = {.peers = ep, .n_peers = 1, .timeout_ms = 20000 * time_scale()};
     CHECK_OK(bex_ps_shard_catchup(rs, rctx, &cu));
     catchup_counts(rs, (uint64_t)P.n, 0, 0, 0);
     /* Push 2, after the cut: the peer alone again */
-    CHECK(window_push(pc, &P, 2, 0, &ep.addr, st) != 0);
+    CHECK(window_push(pc, &P, 2, 0, &ep->addr, st) != 0);
     CHECK(st[0] == 0 && st[1] != 0);
     /* the restarted replica reachable; Push 3 reaches both (its own
      * retries, with its id, until its channel to the replica is back) */
-    bex_rpc_server *srv1;
-    CHECK_OK(bex_rpc_server_create(rctx, NULL, &srv1));
-    CHECK_OK(bex_ps_shard_register(rs, srv1, rctx));
-    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a1, .sin_port = htons(p1)}};
-    CHECK_OK(bex_rpc_server_listen(srv1, &la));
+    wrig_serve(&w);
     /* the replica gets Push 2 (sent again): wait for it, to a deadline */
     bex_ps_shard_stats rst;
     uint64_t end = pair_now_ms() + 10000ull * time_scale();
@@ -676,7 +720,7 @@ static int t_window(void)
      * channel to the replica is back) */
     uint64_t seq3 = bex_ps_push_next_seq(pc);
     end = pair_now_ms() + 10000ull * time_scale();
-    while (window_push(pc, &P, 3, seq3, &ep.addr, st) != 0 && pair_now_ms() < end)
+    while (window_push(pc, &P, 3, seq3, &ep->addr, st) != 0 && pair_now_ms() < end)
         pair_sleep_ms(20);
     CHECK(st[0] == 0 && st[1] == 0);
     bex_ps_shard_stats_get(rs, &rst);
@@ -699,11 +743,8 @@ static int t_window(void)
     }
     CHECK(cs.push_kept == 2 && cs.push_resent == 2 && cs.push_dropped == 0 && cs.push_held == 0);
     bex_ps_client_destroy(pc);
-    CHECK_OK(bex_ctx_destroy(cctx));
-    bex_dir_destroy(d);
-    CHECK_OK(bex_rpc_server_destroy(srv1));
     pushes_free(&P);
-    lib_down(srv, peer, rs, pctx, rctx);
+    wrig_down(&w);
     return 0;
 }
 
@@ -716,36 +757,23 @@ static int t_window(void)
  * -ESTALE). push_resend_bytes below a Push's body: none kept. */
 static int t_resend_bound(void)
 {
-    struct in_addr a0, a1;
-    bex_ctx *pctx, *rctx;
-    PAIR_NEED(lib_ctxs(&a0, &pctx, &rctx));
-    CHECK(pair_addrs(&a0, &a1) == 0);
-    bex_ps_shard *peer = shard0(0, NULL), *rs = shard0(0, NULL);
-    bex_rpc_endpoint ep = {.locality = NULL};
-    bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &ep.addr);
-    uint16_t p1 = bex_test_port_at(a1);
-    bex_dir *d = window_dir(&ep.addr, a1, p1);
-    bex_ctx *cctx = client_ctx();
-    bex_ps_client_config cc = {.dir = d,
-                               .service = "ps",
-                               .n_shards = NSH,
-                               .timeout_ms = 10000 * time_scale(),
-                               .connect_timeout_ms = 5000 * time_scale(),
-                               .max_attempts = 1,
-                               .push_resend_max = 2};
+    static struct wrig w;
+    PAIR_NEED(wrig_up(&w, 0));
+    const bex_rpc_endpoint *ep = &w.ep;
     bex_ps_client *pc, *pc2;
-    CHECK_OK(bex_ps_client_create(cctx, &cc, &pc));
-    cc.push_resend_max = 0;
-    cc.push_resend_bytes = 64; /* less than a Push of the case's keys */
-    CHECK_OK(bex_ps_client_create(cctx, &cc, &pc2));
+    w.cc.push_resend_max = 2;
+    CHECK_OK(bex_ps_client_create(w.cctx, &w.cc, &pc));
+    w.cc.push_resend_max = 0;
+    w.cc.push_resend_bytes = 64; /* less than a Push of the case's keys */
+    CHECK_OK(bex_ps_client_create(w.cctx, &w.cc, &pc2));
     static struct pushes P;
     pushes_make(&P, 5, 0, 30);
     int st[2];
     for (int q = 1; q <= 4; q++) {
-        CHECK(window_push(pc, &P, q, 0, &ep.addr, st) != 0);
+        CHECK(window_push(pc, &P, q, 0, &ep->addr, st) != 0);
         CHECK(st[0] == 0 && st[1] != 0);
     }
-    CHECK(window_push(pc2, &P, 1, 0, &ep.addr, st) != 0);
+    CHECK(window_push(pc2, &P, 1, 0, &ep->addr, st) != 0);
     CHECK(st[0] == 0 && st[1] != 0);
     bex_ps_client_stats cs;
     bex_ps_client_stats_get(pc, &cs);
@@ -754,14 +782,10 @@ static int t_resend_bound(void)
     CHECK(cs.push_kept == 0 && cs.push_dropped == 1 && cs.push_held == 0);
     for (int i = 0; i < 1100; i++)
         bex_ps_push_next_seq(pc);
-    bex_rpc_server *srv1;
-    CHECK_OK(bex_rpc_server_create(rctx, NULL, &srv1));
-    CHECK_OK(bex_ps_shard_register(rs, srv1, rctx));
-    bex_addr la = {.in4 = {.sin_family = AF_INET, .sin_addr = a1, .sin_port = htons(p1)}};
-    CHECK_OK(bex_rpc_server_listen(srv1, &la));
+    wrig_serve(&w);
     uint64_t seq5 = bex_ps_push_next_seq(pc);
     uint64_t end = pair_now_ms() + 10000ull * time_scale();
-    while (window_push(pc, &P, 5, seq5, &ep.addr, st) != 0 && pair_now_ms() < end)
+    while (window_push(pc, &P, 5, seq5, &ep->addr, st) != 0 && pair_now_ms() < end)
         pair_sleep_ms(20);
     CHECK(st[0] == 0 && st[1] == 0);
     bex_ps_client_stats_get(pc, &cs);
@@ -771,18 +795,15 @@ static int t_resend_bound(void)
     }
     CHECK(cs.push_kept == 4 && cs.push_dropped == 4 && cs.push_held == 0 && cs.push_resent == 0);
     bex_ps_shard_stats rst;
-    bex_ps_shard_stats_get(rs, &rst);
+    bex_ps_shard_stats_get(w.rs, &rst);
     CHECK(rst.pushes == 1 && rst.stale_ids == 0); /* Push 5 alone; nothing stale sent */
     static char text[8192];
     CHECK(bex_ps_client_prometheus(pc, "t", text, sizeof text) < (int)sizeof text);
     CHECK(strstr(text, "bex_ps_client_push_dropped_total{client=\"t\"} 4\n"));
     bex_ps_client_destroy(pc);
     bex_ps_client_destroy(pc2);
-    CHECK_OK(bex_ctx_destroy(cctx));
-    bex_dir_destroy(d);
-    CHECK_OK(bex_rpc_server_destroy(srv1));
     pushes_free(&P);
-    lib_down(srv, peer, rs, pctx, rctx);
+    wrig_down(&w);
     return 0;
 }
 
