@@ -182,10 +182,13 @@ void bex__ps_keep_ok(struct bex__ps_keep *k, struct bex__ps_krep *r)
 
 void bex__ps_keep_stats(struct bex__ps_keep *k, bex_ps_client_stats *out)
 {
+    /* under mu, where a kept Push leaves held and enters resent or
+     * dropped in one step: read before it, dropped could miss Pushes held
+     * no more (kept = held + resent + dropped would not hold) */
+    pthread_mutex_lock(&k->mu);
     out->push_kept = atomic_load(&k->kept);
     out->push_resent = atomic_load(&k->resent);
     out->push_dropped = atomic_load(&k->dropped);
-    pthread_mutex_lock(&k->mu);
     out->push_held = k->held;
     pthread_mutex_unlock(&k->mu);
 }

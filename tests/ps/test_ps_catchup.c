@@ -793,6 +793,9 @@ static int t_resend_bound(void)
         pair_sleep_ms(5);
         bex_ps_client_stats_get(pc, &cs);
     }
+    fprintf(stderr, "client: %llu kept, %llu dropped, %llu held, %llu resent\n",
+            (unsigned long long)cs.push_kept, (unsigned long long)cs.push_dropped,
+            (unsigned long long)cs.push_held, (unsigned long long)cs.push_resent);
     CHECK(cs.push_kept == 4 && cs.push_dropped == 4 && cs.push_held == 0 && cs.push_resent == 0);
     bex_ps_shard_stats rst;
     bex_ps_shard_stats_get(w.rs, &rst);
