@@ -103,12 +103,12 @@ struct sub {
     struct bex__ps_retry rt;
     int status;
     /* BEX_PS_PUSH_ALL, a shard of several replicas: its replica's kept
-     * Pushes; the shard's first sub holds the body (kbody, klen) until the
-     * request ends, to keep it for a replica that failed it */
+     * Pushes; the body it was sent from (shared: ps_internal.h, "a Push
+     * body shared"), held until the request ends, kept without a copy
+     * when its replica failed it while another took it */
     struct bex__ps_krep *kr;
-    bool keeps;
-    uint8_t *kbody;
-    size_t klen;
+    uint8_t *body;
+    size_t blen;
 };
 
 struct op {
@@ -390,8 +390,9 @@ void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
 }
 
 /* A Push's parts ended: in each shard some replica took, a part a replica
- * failed so that it may take it later is kept for it (client_keep.c); a
- * replica that took it sends its kept ones now. The bodies freed. */
+ * failed so that it may take it later is kept for it (client_keep.c), in
+ * the body it was sent from; a replica that took it sends its kept ones
+ * now. The parts' holds of their bodies dropped. */
 static void keep_settle(struct op *op)
 {
     struct bex__ps_keep *k = &op->c->keep;
@@ -404,11 +405,13 @@ static void keep_settle(struct op *op)
             struct sub *o = &op->subs[q];
             if (o->status == 0)
                 bex__ps_keep_ok(k, o->kr);
-            else if (o->kr && sb->kbody && bex__ps_keepable(o->status))
-                bex__ps_keep_add(k, o->kr, op->seq, sb->kbody, sb->klen);
+            else if (o->kr && o->body && bex__ps_keepable(o->status))
+                bex__ps_keep_add(k, o->kr, op->seq, o->body, o->blen);
         }
-        free(sb->kbody);
-        sb->kbody = NULL;
+        for (size_t q = i; q < j; q++) {
+            bex__ps_pbody_put(op->subs[q].body, op->subs[q].blen);
+            op->subs[q].body = NULL;
+        }
     }
 }
 
@@ -669,10 +672,8 @@ static size_t shard_subs(bex_ps_client *c, struct op *op, size_t s, uint32_t cnt
                            .idx = (uint32_t)k,
                            .pi = (uint32_t)r};
         sb->ch = push ? (nr ? c->push[s].r[r]->ch : NULL) : c->ch[s];
-        if (push && !c->prim && nr > 1) {
+        if (push && !c->prim && nr > 1)
             sb->kr = c->push[s].r[r]->kr;
-            sb->keeps = r == first;
-        }
         if (res && k < res_cap) {
             res[k] = (bex_ps_replica_result){.shard = (uint32_t)s, .status = -EINPROGRESS};
             if (push && nr)
@@ -682,7 +683,8 @@ static size_t shard_subs(bex_ps_client *c, struct op *op, size_t s, uint32_t cnt
     return k;
 }
 
-/* sb's request encoded (*len bytes, from bex_rpc_alloc), or NULL. */
+/* sb's request encoded (*len bytes, from bex_rpc_alloc; a shared body,
+ * bex__ps_pbody_alloc, when sb->kr), or NULL. */
 static uint8_t *sub_body(bex_ps_client *c, struct sub *sb, const uint64_t *keys, const float *grads,
                          uint64_t id_seq, size_t *len)
 {
@@ -706,7 +708,7 @@ static uint8_t *sub_body(bex_ps_client *c, struct sub *sb, const uint64_t *keys,
     }
     *len = bex__ps_req_len(method, sb->n, dim) + (push ? BEX__PS_ID_LEN : 0) +
            ((h.flags & BEX__PS_F_EPOCH) ? BEX__PS_EPOCH_LEN : 0);
-    uint8_t *b = bex_rpc_alloc(c->ctx, *len);
+    uint8_t *b = sb->kr ? bex__ps_pbody_alloc(c->ctx, *len) : bex_rpc_alloc(c->ctx, *len);
     if (!b)
         return NULL;
     bex__ps_hdr_put(b, &h);
@@ -739,9 +741,13 @@ static void send_sub(bex_ps_client *c, struct sub *sb, const uint64_t *keys, con
         sub_end(sb, -ENOMEM);
         return;
     }
-    if (sb->keeps && (sb->kbody = malloc(len))) {
-        memcpy(sb->kbody, b, len); /* to keep for a replica that fails it */
-        sb->klen = len;
+    if (sb->kr) { /* held: kept, without a copy, if its replica fails it */
+        sb->body = b;
+        sb->blen = len;
+        int rc = bex__ps_pbody_call(sb->ch, method, b, len, opts, sub_done, sb);
+        if (rc)
+            sub_done(rc, NULL, 0, sb);
+        return;
     }
     if (push && c->prim && (sb->copy = malloc(len))) {
         memcpy(sb->copy, b, len); /* to send again after a failover */

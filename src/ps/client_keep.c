@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The PS client: Pushes kept for a replica that failed them while another
  * replica of the shard took them, sent to it again once it answers
- * (ps_internal.h, "Pushes kept for a replica that failed them"). */
+ * (ps_internal.h, "Pushes kept for a replica that failed them"), and the
+ * shared bodies they are kept in (ps_internal.h, "a Push body shared"). */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -37,8 +38,71 @@ struct kept {
     struct bex__list l;
     uint64_t seq;
     size_t len;
-    uint8_t body[];
+    void *body; /* shared (bex__ps_pbody_alloc), one of its holders */
 };
+
+/* ---- shared bodies ---- */
+
+static struct bex__ps_pbody *pbody_of(void *body, size_t len)
+{
+    return (struct bex__ps_pbody *)(void *)((uint8_t *)body + ((len + 7) & ~(size_t)7));
+}
+
+void *bex__ps_pbody_alloc(bex_ctx *ctx, size_t len)
+{
+    if (len > SIZE_MAX / 2)
+        return NULL;
+    void *b = bex_rpc_alloc(ctx, ((len + 7) & ~(size_t)7) + sizeof(struct bex__ps_pbody));
+    if (b)
+        *pbody_of(b, len) = (struct bex__ps_pbody){.refs = 1, .body = b};
+    return b;
+}
+
+void bex__ps_pbody_get(void *body, size_t len)
+{
+    atomic_fetch_add_explicit(&pbody_of(body, len)->refs, 1, memory_order_relaxed);
+}
+
+/* One holder less of the shared body at arg (a borrow's release, under its
+ * channel's lock: it only counts and frees memory). */
+static void pbody_release(void *arg)
+{
+    struct bex__ps_pbody *pb = arg;
+    if (atomic_fetch_sub_explicit(&pb->refs, 1, memory_order_acq_rel) == 1)
+        bex_rpc_free(pb->body);
+}
+
+void bex__ps_pbody_put(void *body, size_t len)
+{
+    if (body)
+        pbody_release(pbody_of(body, len));
+}
+
+bool bex__ps_pbody_alone(void *body, size_t len)
+{
+    return atomic_load_explicit(&pbody_of(body, len)->refs, memory_order_acquire) == 1;
+}
+
+int bex__ps_pbody_call(bex_rpc_channel *ch, uint32_t method, void *body, size_t len,
+                       const bex_rpc_call_opts *opts, bex_rpc_done_fn done, void *user)
+{
+    struct bex__ps_pbody *pb = pbody_of(body, len);
+    struct bex__rpc_borrow bw = {.release = pbody_release, .arg = pb};
+    atomic_fetch_add_explicit(&pb->refs, 1, memory_order_relaxed);
+    int rc =
+        bex__rpc_call_ext(ch, BEX_PS_SERVICE, method, body, len, NULL, 0, opts, done, user, &bw);
+    if (rc) /* nothing sent: the call holds it no more (the caller does) */
+        atomic_fetch_sub_explicit(&pb->refs, 1, memory_order_relaxed);
+    return rc;
+}
+
+/* ---- kept Pushes ---- */
+
+static void kept_free(struct kept *n)
+{
+    bex__ps_pbody_put(n->body, n->len);
+    free(n);
+}
 
 void bex__ps_keep_init(struct bex__ps_keep *k, bex_ctx *ctx, const _Atomic uint64_t *seq,
                        uint32_t max, uint64_t max_bytes, uint32_t pause_ms)
@@ -73,7 +137,7 @@ void bex__ps_keep_free(struct bex__ps_keep *k)
         struct bex__list *n;
         while ((n = bex__list_first(&r->q))) {
             bex__list_remove(n);
-            free(bex__list_entry(n, struct kept, l));
+            kept_free(bex__list_entry(n, struct kept, l));
         }
         free(r);
     }
@@ -121,7 +185,7 @@ static void drop(struct bex__ps_keep *k, struct bex__ps_krep *r, struct kept *n,
     atomic_fetch_sub(&r->n, 1);
     r->bytes -= n->len;
     k->held--;
-    free(n);
+    kept_free(n);
     atomic_fetch_add(&k->dropped, 1);
 }
 
@@ -136,10 +200,10 @@ static struct kept *oldest_idle(struct bex__ps_krep *r)
 
 static void *keep_main(void *arg);
 
-void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t seq,
-                      const void *body, size_t len)
+void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t seq, void *body,
+                      size_t len)
 {
-    struct kept *n = malloc(sizeof *n + len);
+    struct kept *n = malloc(sizeof *n);
     pthread_mutex_lock(&k->mu);
     if (!k->on && !k->stop && n && pthread_create(&k->thr, NULL, keep_main, k) == 0)
         k->on = true;
@@ -152,9 +216,8 @@ void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t s
     struct kept *o;
     while ((atomic_load(&r->n) >= k->max || r->bytes + len > k->max_bytes) && (o = oldest_idle(r)))
         drop(k, r, o, "past the bound of Pushes kept per replica");
-    n->seq = seq;
-    n->len = len;
-    memcpy(n->body, body, len);
+    bex__ps_pbody_get(body, len); /* taken over: no copy */
+    *n = (struct kept){.seq = seq, .len = len, .body = body};
     bex__list_push_tail(&r->q, &n->l);
     atomic_fetch_add(&r->n, 1);
     r->bytes += len;
@@ -197,7 +260,7 @@ void bex__ps_keep_stats(struct bex__ps_keep *k, bex_ps_client_stats *out)
 static void resent(int status, void *body, size_t len, void *user)
 {
     (void)len;
-    bex_rpc_free(body);
+    bex_rpc_free(body); /* the answer */
     struct bex__ps_krep *r = user;
     struct bex__ps_keep *k = r->k;
     pthread_mutex_lock(&k->mu);
@@ -209,7 +272,7 @@ static void resent(int status, void *body, size_t len, void *user)
         atomic_fetch_sub(&r->n, 1);
         r->bytes -= n->len;
         k->held--;
-        free(n);
+        kept_free(n);
         atomic_fetch_add(&k->resent, 1);
         r->pause_ns = k->pause_ns;
         r->due_ns = now;
@@ -235,20 +298,27 @@ static void send_oldest(struct bex__ps_keep *k, struct bex__ps_krep *r)
         r->due_ns = bex__rpc_now_ns();
         return;
     }
-    uint8_t *b = bex_rpc_alloc(k->ctx, n->len);
+    /* sent from the body itself, unless another holds it (an attempt that
+     * sent it before, not let go by its transport yet): the RPC header in
+     * front of it is that attempt's; then from a copy, kept instead */
+    void *b = n->body;
+    size_t len = n->len;
+    if (!bex__ps_pbody_alone(b, len)) {
+        void *f = bex__ps_pbody_alloc(k->ctx, len);
+        if (f) {
+            memcpy(f, b, len);
+            bex__ps_pbody_put(b, len);
+            n->body = f;
+        }
+        b = f;
+    }
     r->busy = true;
     r->due_ns = 0;
-    if (b)
-        memcpy(b, n->body, n->len);
-    size_t len = n->len;
     pthread_mutex_unlock(&k->mu);
     bex_rpc_call_opts o = {.timeout_ms = RESEND_MS, .flags = 0};
-    int rc = b ? bex_rpc_call(r->ch, BEX_PS_SERVICE, BEX_PS_M_PUSH, b, len, &o, resent, r, NULL)
-               : -ENOMEM;
-    if (rc) {
-        bex_rpc_free(b);
+    int rc = b ? bex__ps_pbody_call(r->ch, BEX_PS_M_PUSH, b, len, &o, resent, r) : -ENOMEM;
+    if (rc)
         resent(rc == -ENOMEM ? -EAGAIN : rc, NULL, 0, r);
-    }
     pthread_mutex_lock(&k->mu);
 }
 

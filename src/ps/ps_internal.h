@@ -353,6 +353,33 @@ static inline uint32_t bex__ps_retry_left_ms(const struct bex__ps_retry *rt, uin
 int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch, bex_addr *addr,
                             struct bex__ps_hdr *h);
 
+/* ---- a Push body shared (client_keep.c) ----
+ *
+ * A Push's body for a shard of several replicas (client fan-out), from
+ * bex_rpc_alloc with a count of its holders behind its len bytes (8-byte
+ * aligned): the Push's part holds it until the Push ends, the RPC call
+ * that sends it until no transport reads it (a borrow: bex__ps_pbody_call),
+ * a kept Push (below) while it is kept; the last holder frees it. So a
+ * Push a replica failed is kept without a copy: the body it was sent from
+ * is taken over. A holder that sends it writes the RPC header in front of
+ * it: only one holder alone may (bex__ps_pbody_alone). */
+struct bex__ps_pbody {
+    _Atomic uint32_t refs;
+    void *body;
+};
+/* A body of len bytes, one holder (the caller); NULL: -ENOMEM. */
+void *bex__ps_pbody_alloc(bex_ctx *ctx, size_t len);
+/* A holder more of body (len bytes), or one less (the last frees it). */
+void bex__ps_pbody_get(void *body, size_t len);
+void bex__ps_pbody_put(void *body, size_t len);
+/* No other holder of body than the caller's. */
+bool bex__ps_pbody_alone(void *body, size_t len);
+/* bex_rpc_call of (BEX_PS_SERVICE, method) with body (len bytes), the
+ * call a holder of it until no transport reads it; the caller's hold
+ * stays. Errors as bex_rpc_call's (done does not run). */
+int bex__ps_pbody_call(bex_rpc_channel *ch, uint32_t method, void *body, size_t len,
+                       const bex_rpc_call_opts *opts, bex_rpc_done_fn done, void *user);
+
 /* ---- Pushes kept for a replica that failed them (client_keep.c) ----
  *
  * A Push (client fan-out) whose attempt at a replica failed for its
@@ -395,10 +422,10 @@ struct bex__ps_krep *bex__ps_keep_rep(struct bex__ps_keep *k, bex_rpc_channel *c
                                       const bex_addr *addr);
 /* A sub-request's status that keeps its Push for the replica. */
 bool bex__ps_keepable(int status);
-/* Push seq (body, len bytes: copied) failed at r while another replica
- * took it: kept. */
-void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t seq,
-                      const void *body, size_t len);
+/* Push seq (body, len bytes: a shared body, bex__ps_pbody_alloc) failed at
+ * r while another replica took it: kept, body held (no copy). */
+void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t seq, void *body,
+                      size_t len);
 /* A Push of this client reached r: its kept ones are sent now. */
 void bex__ps_keep_ok(struct bex__ps_keep *k, struct bex__ps_krep *r);
 /* The counters, and how many are kept now. */
