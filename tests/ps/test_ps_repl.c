@@ -326,10 +326,18 @@ static int t_failover(void)
     for (int t = 0; t < 2; t++)
         fetch_check(pc, &refs[t], keys, all, NK);
     /* the channels' counters summed: every sub-request ended; the dead
-     * replica's Push part failed, its connection with it */
+     * replica's Push part failed, its connection with it. That part is
+     * kept for the dead replica and sent to it again from the first
+     * primary_retry_ms on (client_keep.c): one resend of each held Push
+     * may be out when the counters are read (over rxe at -j2, 41 calls
+     * and 40 ended, when this counted none) */
     bex_ps_client_stats cs;
     bex_ps_client_stats_get(pc, &cs);
-    CHECK_EQ(cs.calls, cs.ok + cs.failed);
+    fprintf(stderr, "client: %llu calls, %llu ok, %llu failed, %llu Pushes held\n",
+            (unsigned long long)cs.calls, (unsigned long long)cs.ok, (unsigned long long)cs.failed,
+            (unsigned long long)cs.push_held);
+    CHECK(cs.push_kept == 1 && cs.push_held <= 1);
+    CHECK(cs.calls >= cs.ok + cs.failed && cs.calls - cs.ok - cs.failed <= cs.push_held);
     CHECK(cs.failed >= 1 && cs.conn_failures >= 1);
     /* a call may fail before any attempt starts (the dead replica's
      * connection refused at once on loopback, seen under TSan), so only
