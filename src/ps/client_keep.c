@@ -190,15 +190,20 @@ void bex__ps_keep_stats(struct bex__ps_keep *k, bex_ps_client_stats *out)
     pthread_mutex_unlock(&k->mu);
 }
 
-/* A resend of r's oldest ended. */
+/* A resend of r's oldest ended: an answer that is not a Push's (a
+ * replica's malformed one) is not taken for applied, as a Push's own part
+ * is not (-EBADMSG, client.c sub_done). */
 static void resent(int status, void *body, size_t len, void *user)
 {
-    (void)len;
-    bex_rpc_free(body);
     struct bex__ps_krep *r = user;
     struct bex__ps_keep *k = r->k;
     pthread_mutex_lock(&k->mu);
     struct kept *n = bex__list_entry(bex__list_first(&r->q), struct kept, l);
+    if (status == 0)
+        status =
+            bex__ps_check_resp(BEX_PS_M_PUSH, body, len, bex__ps_hdr_get32(n->body + 4),
+                               bex__ps_hdr_get32(n->body + 8), bex__ps_hdr_get32(n->body + 12));
+    bex_rpc_free(body);
     r->busy = false;
     uint64_t now = bex__rpc_now_ns();
     if (status == 0) {
