@@ -156,11 +156,13 @@ void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t s
     n->len = len;
     memcpy(n->body, body, len);
     bex__list_push_tail(&r->q, &n->l);
-    atomic_fetch_add(&r->n, 1);
+    /* the first one kept: a time set when the last one went (sent or
+     * dropped) is no one's, and the thread may wait for no time at all */
+    bool first = atomic_fetch_add(&r->n, 1) == 0;
     r->bytes += len;
     k->held++;
     atomic_fetch_add(&k->kept, 1);
-    if (!r->busy && !r->due_ns) {
+    if (!r->busy && (!r->due_ns || first)) {
         r->due_ns = bex__rpc_now_ns() + r->pause_ns;
         pthread_cond_signal(&k->cv);
     }
