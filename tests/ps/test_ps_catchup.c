@@ -875,6 +875,24 @@ static void hz_down(void)
     pthread_mutex_unlock(&hz.mu);
 }
 
+/* The hostile replica restarted (svc: with the Push method): gone, and
+ * up again once pc's Push channel saw its connection fail, so that the
+ * next Push opens a new one to the new server rather than meet the old
+ * one closing (it would fail at once, in doubt, never reaching it). */
+static void hz_restart(bex_ps_client *pc, bool svc)
+{
+    bex_ps_client_stats a, b;
+    bex_ps_client_stats_get(pc, &a);
+    hz_down();
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    do {
+        pair_sleep_ms(1);
+        bex_ps_client_stats_get(pc, &b);
+    } while (b.conn_failures == a.conn_failures && pair_now_ms() < end);
+    CHECK(b.conn_failures > a.conn_failures);
+    hz_up_svc(svc);
+}
+
 /* Wait (to a deadline) until the hostile replica took n calls in all. */
 static void hz_wait_calls(uint64_t n)
 {
@@ -955,7 +973,9 @@ static int t_resend_hostile(void)
     bex_ps_client_config cc = {.dir = d,
                                .service = "ps",
                                .n_shards = NSH,
-                               .timeout_ms = 500 * time_scale(),
+                               /* the peer's part in time at load 20; the
+                                  hostile one's, when it hangs, then */
+                               .timeout_ms = 1000 * time_scale(),
                                .connect_timeout_ms = 5000 * time_scale(),
                                .max_attempts = 1,
                                .push_resend_max = 8};
@@ -1008,16 +1028,14 @@ static int t_resend_hostile(void)
         hz_push_one(pc, &P, made++, &ep.addr, &st1);
         CHECK_EQ(st1, -EAGAIN);
     }
-    hz_down();
-    hz_up_svc(false);
+    hz_restart(pc, false);
     hz_wait_settled(pc, &cs);
     CHECK(cs.push_kept == 22 && cs.push_resent == 0 && cs.push_dropped == 22);
     hz_push_one(pc, &P, made++, &ep.addr, &st1);
     CHECK_EQ(st1, -ENOSYS);
     bex_ps_client_stats_get(pc, &cs);
     CHECK(cs.push_kept == 22 && cs.push_held == 0);
-    hz_down();
-    hz_up();
+    hz_restart(pc, true);
 
     /* applied behind it, never answered; restarted twice */
     atomic_store(&hz.mode, HZ_APPLY);
@@ -1029,8 +1047,7 @@ static int t_resend_hostile(void)
     hz_wait_calls(c0 + 3); /* both, and the oldest sent again: applied, hanging */
     for (int r = 0; r < 2; r++) {
         c0 = atomic_load(&hz.calls);
-        hz_down();
-        hz_up();
+        hz_restart(pc, true);
         hz_wait_calls(c0 + 1); /* sent again to the new one */
     }
     pthread_mutex_lock(&hz.mu);
@@ -1038,8 +1055,7 @@ static int t_resend_hostile(void)
     pthread_mutex_unlock(&hz.mu);
     CHECK_EQ(threads_now(), threads);
     atomic_store(&hz.mode, HZ_HONEST);
-    hz_down();
-    hz_up();
+    hz_restart(pc, true);
     hz_wait_settled(pc, &cs);
     bex_ps_shard_stats hst, pst;
     bex_ps_shard_stats_get(hz.shard, &hst);
