@@ -219,11 +219,13 @@ void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t s
     bex__ps_pbody_get(body, len); /* taken over: no copy */
     *n = (struct kept){.seq = seq, .len = len, .body = body};
     bex__list_push_tail(&r->q, &n->l);
-    atomic_fetch_add(&r->n, 1);
+    /* the first one kept: a time set when the last one went (sent or
+     * dropped) is no one's, and the thread may wait for no time at all */
+    bool first = atomic_fetch_add(&r->n, 1) == 0;
     r->bytes += len;
     k->held++;
     atomic_fetch_add(&k->kept, 1);
-    if (!r->busy && !r->due_ns) {
+    if (!r->busy && (!r->due_ns || first)) {
         r->due_ns = bex__rpc_now_ns() + r->pause_ns;
         pthread_cond_signal(&k->cv);
     }
@@ -256,15 +258,20 @@ void bex__ps_keep_stats(struct bex__ps_keep *k, bex_ps_client_stats *out)
     pthread_mutex_unlock(&k->mu);
 }
 
-/* A resend of r's oldest ended. */
+/* A resend of r's oldest ended: an answer that is not a Push's (a
+ * replica's malformed one) is not taken for applied, as a Push's own part
+ * is not (-EBADMSG, client.c sub_done). */
 static void resent(int status, void *body, size_t len, void *user)
 {
-    (void)len;
-    bex_rpc_free(body); /* the answer */
     struct bex__ps_krep *r = user;
     struct bex__ps_keep *k = r->k;
     pthread_mutex_lock(&k->mu);
     struct kept *n = bex__list_entry(bex__list_first(&r->q), struct kept, l);
+    if (status == 0)
+        status = bex__ps_check_resp(
+            BEX_PS_M_PUSH, body, len, bex__ps_hdr_get32((uint8_t *)n->body + 4),
+            bex__ps_hdr_get32((uint8_t *)n->body + 8), bex__ps_hdr_get32((uint8_t *)n->body + 12));
+    bex_rpc_free(body);
     r->busy = false;
     uint64_t now = bex__rpc_now_ns();
     if (status == 0) {

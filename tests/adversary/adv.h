@@ -174,6 +174,7 @@ int adv_attack_rndv_huge(struct adv_attack_ctx *a);
 int adv_attack_rndv_endless(struct adv_attack_ctx *a);
 int adv_attack_streams(struct adv_attack_ctx *a);
 int adv_attack_no_credits(struct adv_attack_ctx *a);
+int adv_attack_overack(struct adv_attack_ctx *a);
 int adv_attack_srq_overcredit(struct adv_attack_ctx *a);
 int adv_attack_recv_depth_1(struct adv_attack_ctx *a);
 int adv_attack_rkey_forged(struct adv_attack_ctx *a);

@@ -669,6 +669,36 @@ int adv_attack_no_credits(struct adv_attack_ctx *a)
     return peer_end(a, &p, t0, 15000 * adv_scale());
 }
 
+/* Credits back for receives the server never used: a few echoes asked
+ * (the server sends to us), then a CREDIT that returns 64 more than it
+ * sent. Believed, they would report as delivered messages our NIC never
+ * had and let the server send into receives we never posted: the server
+ * must refuse the connection before taking them, and its good clients go
+ * on. */
+int adv_attack_overack(struct adv_attack_ctx *a)
+{
+    struct adv_peer p;
+    struct adv_peer_opts o = {.recv_depth = 16};
+    if (peer_up(a, &p, &o))
+        return peer_done(a, &p);
+    open_stream(&p, 1);
+    adv_say(a->wr, "underway");
+    uint64_t t0 = adv_now_ms();
+    for (uint32_t i = 0; i < 4; i++) {
+        struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = 1, .len = 512};
+        if (adv_peer_send(&p, &h, 512, 2000))
+            break;
+    }
+    adv_peer_poll(&p, 200);
+    uint32_t owed = p.to_return;
+    p.to_return += 64;
+    struct bex__hdr c = {.type = BEX__MSG_CREDIT};
+    int rc = adv_peer_send_nocredit(&p, &c, 0);
+    adv_say(a->wr, "note %u echoes taken, %u credits returned where %u were owed (send %d)",
+            p.data_recv, owed + 64, owed, rc);
+    return peer_end(a, &p, t0, 10000 * adv_scale());
+}
+
 /* SRQ mode (the srq group): SENDs far past the credits the server granted,
  * while holding our receives so that the server can return only a few
  * credits (in at most recv_depth messages). On a shared receive queue each

@@ -687,6 +687,8 @@ CASE(streams, .fn = adv_attack_streams, .secret = true, .log = LOG_EACH, .close_
      .keys = "stream|limit|too many")
 CASE(no_credits, .fn = adv_attack_no_credits, .secret = true, .log = LOG_EACH, .close_each = true,
      .keys = "credit|timed out|timeout")
+CASE(overack, .fn = adv_attack_overack, .secret = true, .log = LOG_EACH, .close_each = true,
+     .keys = "credits back|granted")
 /* SRQ mode only (the srq group): without a queue of its own the flood only
  * takes the attacker's own receives (RNR) */
 CASE(srq_overcredit, .fn = adv_attack_srq_overcredit, .secret = true, .log = LOG_EACH,
@@ -721,7 +723,7 @@ static const struct group_def g_protocol = {
     "protocol",
     true,
     0,
-    {&unauthenticated, &recv_depth_1, &rndv_huge, &rndv_endless, &streams, &no_credits,
+    {&unauthenticated, &recv_depth_1, &rndv_huge, &rndv_endless, &streams, &no_credits, &overack,
      &rkey_forged, &rkey_stale, &rkey_range, &kill9_rndv, &fallback_after_frames}};
 static const struct group_def g_window = {
     "window", true, BEX_REMOTE_ACCESS_WINDOW, {&rkey_stale, &rkey_range, &kill9_rndv}};
@@ -765,6 +767,7 @@ ALONE(rndv_huge)
 ALONE(rndv_endless)
 ALONE(streams)
 ALONE(no_credits)
+ALONE(overack)
 ALONE(recv_depth_1)
 ALONE(rkey_forged)
 ALONE(rkey_stale)
@@ -794,7 +797,8 @@ BEX_TEST_MAIN(BEX_CASE(setup), BEX_CASE(protocol), BEX_CASE(window), BEX_CASE(sr
               ALONE_CASE(baseline), ALONE_CASE(random_bytes), ALONE_CASE(truncated_hello),
               ALONE_CASE(absurd_hello), ALONE_CASE(idle_conns), ALONE_CASE(connect_close),
               ALONE_CASE(rndv_huge), ALONE_CASE(rndv_endless), ALONE_CASE(streams),
-              ALONE_CASE(no_credits), ALONE_CASE(recv_depth_1), ALONE_CASE(rkey_forged),
-              ALONE_CASE(rkey_stale), ALONE_CASE(rkey_range), ALONE_CASE(kill9_rndv),
-              ALONE_CASE(unauthenticated), ALONE_CASE(fallback_after_frames),
-              BEX_CASE(rkey_stale_window), BEX_CASE(window_baseline))
+              ALONE_CASE(no_credits), ALONE_CASE(overack), ALONE_CASE(recv_depth_1),
+              ALONE_CASE(rkey_forged), ALONE_CASE(rkey_stale), ALONE_CASE(rkey_range),
+              ALONE_CASE(kill9_rndv), ALONE_CASE(unauthenticated),
+              ALONE_CASE(fallback_after_frames), BEX_CASE(rkey_stale_window),
+              BEX_CASE(window_baseline))

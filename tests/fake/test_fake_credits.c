@@ -9,6 +9,7 @@
 
 #include "fake/fake.h"
 #include "harness.h"
+#include "transport/rdma/engine_internal.h"
 
 static uint32_t delivered_from(struct fk_pair *p, int from)
 {
@@ -233,5 +234,105 @@ static int ping_pong_signals(void)
     return 0;
 }
 
+/* ---- a peer whose credits acknowledge what it does not have ---- */
+
+/* Side 0 (its stream open, quiet) queues n messages of len bytes and
+ * posts what its credits let it; none executed yet. */
+static struct fk_stream *queue_posted(struct fk_pair *p, struct fk_msg **m, int n, uint32_t len)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    fk_pair_init(p, &c, &c, 3);
+    struct fk_stream *st = fk_open(p);
+    fk_quiesce(p);
+    for (int i = 0; i < n; i++)
+        m[i] = fk_send(p, st, len, false);
+    fk_progress(p, 0);
+    return st;
+}
+
+/* Credits from the peer (a CREDIT message as its engine never sends),
+ * taken by side 0. */
+static void forged_credits(struct fk_pair *p, uint32_t n)
+{
+    struct bex__hdr h = {.type = BEX__MSG_CREDIT, .credits = (uint16_t)n};
+    fk_inject_hdr(p, 0, &h);
+    CHECK(fk_recv_cqe(p, 0));
+    fk_progress(p, 0);
+}
+
+/* The peer acknowledges the 4 messages posted (1000 bytes each, not
+ * inline: their requests read the caller's buffers) before its NIC has
+ * any of them, as many credits as side 0's requests took, no more (the
+ * most a lie can claim unnoticed): none is reported, no send slot comes
+ * free, until the NIC executes and retires their requests; then they are
+ * reported delivered, once each. The real credits that follow are more
+ * than were ever granted: side 0 fails the connection (-EPROTO), every
+ * message already handed back. (fk_pair_fini checks each message's end
+ * against what the NIC did.) */
+static int overack_posted(void)
+{
+    struct fk_pair p;
+    struct fk_msg *m[4];
+    queue_posted(&p, m, 4, 1000);
+    struct bex__engine *e = p.s[0].e;
+    for (int i = 0; i < 4; i++)
+        CHECK(m[i]->final_posted && !m[i]->final_inline);
+    uint32_t taken = e->peer_rq - e->peer_credits, slots = bex__engine_free_slots(e);
+    CHECK(taken >= 4);
+    forged_credits(&p, taken);
+    CHECK(!fk_dead(&p, 0));
+    CHECK_EQ(bex__engine_free_slots(e), slots);
+    for (int i = 0; i < 4; i++)
+        CHECK_EQ(m[i]->done, 0);
+    while (fk_exec(&p, 0))
+        ;
+    while (fk_send_cqe(&p, 0))
+        ;
+    fk_progress(&p, 0);
+    for (int i = 0; i < 4; i++) {
+        CHECK_EQ(m[i]->done, 1);
+        CHECK_EQ(m[i]->status, 0);
+    }
+    /* the peer's own credits (the last ones ack_delay_us, real time, after
+     * its engine took the messages): more than granted */
+    uint64_t end = bex__now_ms() + 30000;
+    do
+        fk_quiesce(&p);
+    while (!fk_dead(&p, 0) && bex__now_ms() < end);
+    CHECK(fk_dead(&p, 0));
+    CHECK_EQ(p.s[0].fail_err, -EPROTO);
+    for (int i = 0; i < 4; i++)
+        CHECK_EQ(m[i]->delivered, 1);
+    fk_pair_fini(&p);
+    return 0;
+}
+
+/* Credits past every receive side 0's requests took (40 messages queued,
+ * those its credits allowed posted, none executed): a violation, side 0
+ * fails the connection (-EPROTO) before taking them; no message is
+ * reported delivered (posted ones come back in doubt, -EIO, the others
+ * never sent, -ECANCELED), no crash. */
+static int overack_beyond(void)
+{
+    struct fk_pair p;
+    static struct fk_msg *m[40];
+    queue_posted(&p, m, 40, 100);
+    struct bex__engine *e = p.s[0].e;
+    uint32_t taken = e->peer_rq - e->peer_credits;
+    CHECK(taken >= 1 && !m[39]->final_posted);
+    forged_credits(&p, taken + 1);
+    CHECK(fk_dead(&p, 0));
+    CHECK_EQ(p.s[0].fail_err, -EPROTO);
+    fk_quiesce(&p);
+    for (int i = 0; i < 40; i++) {
+        CHECK_EQ(m[i]->done, 1);
+        CHECK(m[i]->status == (m[i]->final_posted ? -EIO : -ECANCELED));
+    }
+    fk_pair_fini(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(reserve_kept), BEX_CASE(come_back), BEX_CASE(withheld_recv_max),
-              BEX_CASE(random_schedules), BEX_CASE(ping_pong_signals))
+              BEX_CASE(random_schedules), BEX_CASE(ping_pong_signals), BEX_CASE(overack_posted),
+              BEX_CASE(overack_beyond))

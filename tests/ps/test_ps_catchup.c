@@ -20,6 +20,10 @@
  *   applied once.
  * resend_bound: the bounds of the Pushes kept (push_resend_max,
  *   push_resend_bytes, the replicas' id window): past them dropped, counted.
+ * resend_hostile: a replica that answers the Pushes kept for it -EAGAIN
+ *   forever, with a malformed answer, refuses every call, applies them and
+ *   never answers, or restarts in a loop: memory and threads bounded, resends paced, one
+ *   out at a time, counted; each Push applied once; destroy does not wait.
  * restart: bex-ps processes, 2 shards x 2 replicas; a thread Pushes all the
  *   time; replica 1 snapshots, is killed -9, Pushes go on, it restarts (its
  *   "ready" comes after catch-up); the two replicas' rows are equal bit for
@@ -35,6 +39,7 @@
  *   when its catch-up times out: it stays up, tries again (a second
  *   failure counted), /ready 503 "not ready: catching up", and stops on
  *   SIGTERM. */
+#include <dirent.h>
 #include <pthread.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -810,6 +815,307 @@ static int t_resend_bound(void)
     return 0;
 }
 
+/* ---- resend_hostile: a replica that answers its kept Pushes badly ---- */
+
+/* What the hostile replica does with a Push (the client's or a resend). */
+enum {
+    HZ_EAGAIN, /* -EAGAIN, forever */
+    HZ_SHORT,  /* status 0 and a 5-byte body: no Push answer */
+    HZ_APPLY,  /* applies it to the shard behind it and never answers */
+    HZ_HANG,   /* never answers */
+    HZ_HONEST, /* applies it and answers as a shard does */
+};
+
+#define HZ_HELD_MAX 64
+static struct {
+    _Atomic int mode;
+    bex_ps_shard *shard; /* the rows behind the hostile replica */
+    bex_ctx *ctx;
+    bex_rpc_server *srv;
+    bex_addr addr;
+    pthread_mutex_t mu;
+    bex_rpc_req *held[HZ_HELD_MAX]; /* requests never answered (until the server goes) */
+    size_t n_held;
+    _Atomic uint64_t calls;
+} hz = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void hz_push(bex_rpc_req *req, void *body, size_t len, void *user)
+{
+    (void)user;
+    int mode = atomic_load(&hz.mode);
+    if (mode == HZ_APPLY || mode == HZ_HONEST) {
+        void *resp = NULL;
+        size_t rlen = 0;
+        int rc = bex_ps_shard_serve(hz.shard, hz.ctx, BEX_PS_M_PUSH, body, len, &resp, &rlen);
+        if (mode == HZ_HONEST) {
+            bex_rpc_free(body);
+            bex_rpc_reply(req, rc, resp, rlen);
+            atomic_fetch_add(&hz.calls, 1);
+            return;
+        }
+        bex_rpc_free(resp);
+    }
+    if (mode == HZ_APPLY || mode == HZ_HANG) {
+        bex_rpc_free(body);
+        pthread_mutex_lock(&hz.mu);
+        CHECK(hz.n_held < HZ_HELD_MAX);
+        hz.held[hz.n_held++] = req;
+        pthread_mutex_unlock(&hz.mu);
+    } else if (mode == HZ_SHORT) {
+        bex_rpc_reply(req, 0, body, len < 5 ? len : 5); /* the request's first bytes */
+    } else {
+        bex_rpc_free(body);
+        bex_rpc_reply(req, -EAGAIN, NULL, 0);
+    }
+    atomic_fetch_add(&hz.calls, 1);
+}
+
+/* The hostile replica listening at addr (its port fixed across restarts);
+ * without the Push method (svc false) it accepts connections and refuses
+ * every call (-ENOSYS, the RPC server's own answer). */
+static void hz_up_svc(bool svc)
+{
+    CHECK_OK(bex_rpc_server_create(hz.ctx, NULL, &hz.srv));
+    if (svc)
+        CHECK_OK(bex_rpc_server_register(hz.srv, BEX_PS_SERVICE, BEX_PS_M_PUSH,
+                                         bex__ps_method_flags(BEX_PS_M_PUSH), hz_push, NULL));
+    CHECK_OK(bex_rpc_server_listen(hz.srv, &hz.addr));
+}
+
+static void hz_up(void)
+{
+    hz_up_svc(true);
+}
+
+/* The hostile replica gone (its connections closed), then the requests it
+ * held answered (dropped: nobody is there). */
+static void hz_down(void)
+{
+    CHECK_OK(bex_rpc_server_destroy(hz.srv));
+    pthread_mutex_lock(&hz.mu);
+    for (size_t i = 0; i < hz.n_held; i++)
+        bex_rpc_reply(hz.held[i], -ECANCELED, NULL, 0);
+    hz.n_held = 0;
+    pthread_mutex_unlock(&hz.mu);
+}
+
+/* The hostile replica restarted (svc: with the Push method): gone, and
+ * up again once pc's Push channel saw its connection fail, so that the
+ * next Push opens a new one to the new server rather than meet the old
+ * one closing (it would fail at once, in doubt, never reaching it). */
+static void hz_restart(bex_ps_client *pc, bool svc)
+{
+    bex_ps_client_stats a, b;
+    bex_ps_client_stats_get(pc, &a);
+    hz_down();
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    do {
+        pair_sleep_ms(1);
+        bex_ps_client_stats_get(pc, &b);
+    } while (b.conn_failures == a.conn_failures && pair_now_ms() < end);
+    CHECK(b.conn_failures > a.conn_failures);
+    hz_up_svc(svc);
+}
+
+/* Wait (to a deadline) until the hostile replica took n calls in all. */
+static void hz_wait_calls(uint64_t n)
+{
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    while (atomic_load(&hz.calls) < n && pair_now_ms() < end)
+        pair_sleep_ms(2);
+    if (atomic_load(&hz.calls) < n)
+        fprintf(stderr, "the hostile replica took %llu calls, not %llu\n",
+                (unsigned long long)atomic_load(&hz.calls), (unsigned long long)n);
+    CHECK(atomic_load(&hz.calls) >= n);
+}
+
+/* Wait (to a deadline) until pc holds no kept Push; its counters into *cs. */
+static void hz_wait_settled(bex_ps_client *pc, bex_ps_client_stats *cs)
+{
+    uint64_t end = pair_now_ms() + 20000ull * time_scale();
+    bex_ps_client_stats_get(pc, cs);
+    while (cs->push_held && pair_now_ms() < end) {
+        pair_sleep_ms(5);
+        bex_ps_client_stats_get(pc, cs);
+    }
+    CHECK_EQ(cs->push_held, 0);
+}
+
+/* The threads of this process. */
+static int threads_now(void)
+{
+    DIR *d = opendir("/proc/self/task");
+    CHECK(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/* One Push through pc: taken by the peer, the hostile replica's status
+ * into *st1. */
+static void hz_push_one(bex_ps_client *pc, const struct pushes *P, int i, const bex_addr *peer,
+                        int *st1)
+{
+    int st[2];
+    CHECK(window_push(pc, P, 1 + i % P->q_max, 0, peer, st) != 0);
+    CHECK_OK(st[0]);
+    *st1 = st[1];
+}
+
+/* Shard 0 at an honest peer and at a hostile replica; a bex_ps_client
+ * keeps at most 8 Pushes for a replica (push_resend_max). The hostile one
+ * answers every Push -EAGAIN: 20 kept, 8 held, the 12 oldest dropped; it
+ * gets the resends one at a time, paced (50 ms doubling to 1 s: a few in
+ * a second, not a loop), and the client's threads do not grow. It answers
+ * them with 5 bytes instead of a Push's answer: each dropped (-EBADMSG,
+ * as a Push's own part is), not counted sent (on the code before: counted
+ * sent, taken for applied). It accepts connections and refuses every
+ * call (no Push method): the kept ones dropped (-ENOSYS). It applies Pushes and never answers, and
+ * restarts twice: one resend out at a time, each Push applied once
+ * behind it (the rest duplicates), every held Push sent once it answers.
+ * The peer applies each of the client's Pushes once; the client's
+ * destroy with a resend hanging returns before that resend's 10 s
+ * deadline. */
+static int t_resend_hostile(void)
+{
+    struct in_addr a0, a1;
+    bex_ctx *pctx;
+    PAIR_NEED(lib_ctxs(&a0, &pctx, &hz.ctx));
+    CHECK(pair_addrs(&a0, &a1) == 0);
+    bex_ps_shard *peer = shard0(0, NULL);
+    hz.shard = shard0(0, NULL);
+    bex_rpc_endpoint ep = {.locality = NULL};
+    bex_rpc_server *srv = peer_server(pctx, a0, peer, NULL, &ep.addr);
+    uint16_t p1 = bex_test_port_at(a1);
+    hz.addr = (bex_addr){.in4 = {.sin_family = AF_INET, .sin_addr = a1, .sin_port = htons(p1)}};
+    atomic_store(&hz.mode, HZ_EAGAIN);
+    hz_up();
+    bex_dir *d = window_dir(&ep.addr, a1, p1);
+    bex_ctx *cctx = client_ctx();
+    bex_ps_client_config cc = {.dir = d,
+                               .service = "ps",
+                               .n_shards = NSH,
+                               /* the peer's part in time at load 20; the
+                                  hostile one's, when it hangs, then */
+                               .timeout_ms = 1000 * time_scale(),
+                               .connect_timeout_ms = 5000 * time_scale(),
+                               .max_attempts = 1,
+                               .push_resend_max = 8};
+    bex_ps_client *pc;
+    CHECK_OK(bex_ps_client_create(cctx, &cc, &pc));
+    static struct pushes P;
+    pushes_make(&P, 7, 0, 40);
+    int st1, made = 0;
+    bex_ps_client_stats cs;
+
+    /* -EAGAIN forever */
+    hz_push_one(pc, &P, made++, &ep.addr, &st1); /* the channels and the keeping thread made */
+    CHECK_EQ(st1, -EAGAIN);
+    int threads = threads_now();
+    while (made < 20) {
+        hz_push_one(pc, &P, made++, &ep.addr, &st1);
+        CHECK_EQ(st1, -EAGAIN);
+    }
+    bex_ps_client_stats_get(pc, &cs);
+    CHECK(cs.push_kept == 20 && cs.push_held == 8 && cs.push_dropped == 12);
+    uint64_t t0 = pair_now_ms(), c0 = atomic_load(&hz.calls);
+    hz_wait_calls(c0 + 2); /* sent again, refused again */
+    pair_sleep_ms(600);    /* a window to count them in */
+    uint64_t resends = atomic_load(&hz.calls) - c0, took = pair_now_ms() - t0;
+    fprintf(stderr, "-EAGAIN forever: %llu resends in %llu ms\n", (unsigned long long)resends,
+            (unsigned long long)took);
+    /* 50, 100, 200, 400, 800 ms, then every 1 s: at most log2(took / 50)
+     * + took / 1000 + 2 */
+    CHECK(resends <= 6 + took / 1000);
+    CHECK_EQ(threads_now(), threads);
+    bex_ps_client_stats_get(pc, &cs);
+    CHECK(cs.push_held == 8 && cs.push_resent == 0 && cs.push_dropped == 12);
+
+    /* a malformed answer: not a Push's */
+    atomic_store(&hz.mode, HZ_SHORT);
+    hz_wait_settled(pc, &cs);
+    fprintf(stderr, "short answers: kept %llu, sent again %llu, dropped %llu\n",
+            (unsigned long long)cs.push_kept, (unsigned long long)cs.push_resent,
+            (unsigned long long)cs.push_dropped);
+    CHECK(cs.push_resent == 0 && cs.push_dropped == 20);
+    hz_push_one(pc, &P, made++, &ep.addr, &st1); /* its own part's answer: the same */
+    CHECK_EQ(st1, -EBADMSG);
+    bex_ps_client_stats_get(pc, &cs);
+    CHECK(cs.push_kept == 20 && cs.push_held == 0);
+
+    /* 2 kept (-EAGAIN), then it accepts connections and refuses every
+     * call: dropped (-ENOSYS), as a Push's own part is not kept */
+    atomic_store(&hz.mode, HZ_EAGAIN);
+    for (int i = 0; i < 2; i++) {
+        hz_push_one(pc, &P, made++, &ep.addr, &st1);
+        CHECK_EQ(st1, -EAGAIN);
+    }
+    hz_restart(pc, false);
+    hz_wait_settled(pc, &cs);
+    CHECK(cs.push_kept == 22 && cs.push_resent == 0 && cs.push_dropped == 22);
+    hz_push_one(pc, &P, made++, &ep.addr, &st1);
+    CHECK_EQ(st1, -ENOSYS);
+    bex_ps_client_stats_get(pc, &cs);
+    CHECK(cs.push_kept == 22 && cs.push_held == 0);
+    hz_restart(pc, true);
+
+    /* applied behind it, never answered; restarted twice */
+    atomic_store(&hz.mode, HZ_APPLY);
+    c0 = atomic_load(&hz.calls);
+    for (int i = 0; i < 2; i++) {
+        hz_push_one(pc, &P, made++, &ep.addr, &st1);
+        CHECK(st1 == -ETIMEDOUT || st1 == -EIO);
+    }
+    hz_wait_calls(c0 + 3); /* both, and the oldest sent again: applied, hanging */
+    for (int r = 0; r < 2; r++) {
+        c0 = atomic_load(&hz.calls);
+        hz_restart(pc, true);
+        hz_wait_calls(c0 + 1); /* sent again to the new one */
+    }
+    pthread_mutex_lock(&hz.mu);
+    CHECK_EQ(hz.n_held, 1); /* one resend out at a time */
+    pthread_mutex_unlock(&hz.mu);
+    CHECK_EQ(threads_now(), threads);
+    atomic_store(&hz.mode, HZ_HONEST);
+    hz_restart(pc, true);
+    hz_wait_settled(pc, &cs);
+    bex_ps_shard_stats hst, pst;
+    bex_ps_shard_stats_get(hz.shard, &hst);
+    bex_ps_shard_stats_get(peer, &pst);
+    fprintf(stderr,
+            "restarts: kept %llu, sent again %llu, dropped %llu; behind the hostile replica "
+            "%llu applied, %llu duplicates; the peer %llu applied, %llu duplicates\n",
+            (unsigned long long)cs.push_kept, (unsigned long long)cs.push_resent,
+            (unsigned long long)cs.push_dropped, (unsigned long long)hst.pushes,
+            (unsigned long long)hst.dup_ids, (unsigned long long)pst.pushes,
+            (unsigned long long)pst.dup_ids);
+    CHECK(cs.push_kept == 24 && cs.push_resent == 2 && cs.push_dropped == 22);
+    CHECK_EQ(hst.pushes, 2);    /* each once */
+    CHECK(hst.dup_ids >= 3);    /* the original, then at least the resends before each restart */
+    CHECK_EQ(pst.pushes, made); /* every one of the client's, once */
+    CHECK_EQ(pst.dup_ids, 0);
+
+    /* a resend hanging at the client's destroy */
+    atomic_store(&hz.mode, HZ_HANG);
+    c0 = atomic_load(&hz.calls);
+    hz_push_one(pc, &P, made++, &ep.addr, &st1);
+    CHECK(st1 == -ETIMEDOUT || st1 == -EIO);
+    hz_wait_calls(c0 + 2); /* it, and sent again */
+    t0 = pair_now_ms();
+    bex_ps_client_destroy(pc);
+    took = pair_now_ms() - t0;
+    fprintf(stderr, "destroy with a resend hanging: %llu ms\n", (unsigned long long)took);
+    CHECK(took < 9000); /* not the resend's 10 s deadline */
+    CHECK_OK(bex_ctx_destroy(cctx));
+    bex_dir_destroy(d);
+    hz_down();
+    pushes_free(&P);
+    lib_down(srv, peer, hz.shard, pctx, hz.ctx);
+    return 0;
+}
+
 /* ---- restart: bex-ps processes, kill -9 while Pushes go on ---- */
 
 static struct {
@@ -1280,6 +1586,6 @@ static int t_primary_hangs(void)
 
 BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"stale", t_stale},
               {"hostile", t_hostile}, {"peer_late", t_peer_late}, {"window", t_window},
-              {"resend_bound", t_resend_bound}, {"restart", t_restart}, {"etcd", t_etcd},
-              {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs},
-              {"primary_hangs", t_primary_hangs})
+              {"resend_bound", t_resend_bound}, {"resend_hostile", t_resend_hostile},
+              {"restart", t_restart}, {"etcd", t_etcd}, {"peer_dies", t_peer_dies},
+              {"peer_hangs", t_peer_hangs}, {"primary_hangs", t_primary_hangs})

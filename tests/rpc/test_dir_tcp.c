@@ -5,6 +5,8 @@
  * quarantined past its threshold and no longer tried, and after the
  * period a probe finds it still dead and quarantines it again. A shard
  * without replicas fails calls with -EHOSTUNREACH. */
+#include <dirent.h>
+
 #include "bex/dir.h"
 #include "rpc/rpc_test.h"
 
@@ -399,4 +401,124 @@ static int t_slow_live(void)
     return stop_server(&sp[1], false) ? 1 : 0;
 }
 
-BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty}, {"prune", t_prune}, {"slow_live", t_slow_live})
+static void status_done(int status, void *body, size_t len, void *user)
+{
+    (void)len;
+    bex_rpc_free(body);
+    tcall_done(user, status, status == 0);
+}
+
+/* N calls at once of method m on ch, each with its deadline (deadline ms,
+ * completions judged late past deadline + slack); waits for all. */
+static void calls_at_once(bex_ctx *ctx, bex_rpc_channel *ch, uint32_t m, struct tcall *o, int n,
+                          struct tally *t, unsigned deadline, unsigned slack)
+{
+    for (int i = 0; i < n; i++) {
+        o[i] = (struct tcall){.r = t, .t0_ms = pair_now_ms(), .limit_ms = deadline + slack};
+        CHECK_OK(bex_rpc_call(ch, SVC, m, pattern_body(ctx, 64, (uint32_t)i), 64, NULL, status_done,
+                              &o[i], NULL));
+    }
+    CHECK(wait_count(&t->w, &t->calls, n, 20000) == 0);
+    CHECK_EQ(atomic_load(&t->twice), 0);
+}
+
+/* The threads of this process. */
+static int threads_now(void)
+{
+    DIR *dp = opendir("/proc/self/task");
+    CHECK(dp);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(dp));)
+        n += e->d_name[0] != '.';
+    closedir(dp);
+    return n;
+}
+
+/* Hostile endpoints against the held attempt, 64 calls at once: A
+ * (sp[0]) accepts every call and never answers (M_NEVER), B (sp[1]) refuses
+ * every connection at once (killed, its port held). With both listed,
+ * every call's attempt at A times out, its retry is refused by B, and it
+ * waits for A's attempt to its deadline: -ETIMEDOUT, in time, nothing
+ * applied twice, no thread more, its attempts bounded (max_attempts,
+ * 3, plus one refusal by B that costs none). With B alone, every call
+ * fails -ECONNREFUSED before its deadline: B's refusals cost the calls
+ * their attempts (no free retry loop): at most max_attempts + 1 tries
+ * each. */
+static int t_held_many(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    bex_ctx *ctx = client_ctx();
+    bex_dir_config dc = {.conn_fail_max = 1000,
+                         .req_fail_max = 1000,
+                         .fail_window_ms = 60000,
+                         .quarantine_ms = 60000,
+                         .log_fn = dir_log,
+                         .log_level = BEX_LOG_INFO};
+    bex_dir *d;
+    CHECK_OK(bex_dir_create(&dc, &d));
+    const unsigned deadline = 1000 * time_scale(), slack = 500 * time_scale();
+    bex_rpc_channel_config cc = dir_chan(d, deadline);
+    cc.holddown_ms = 1;
+    bex_rpc_channel *ch;
+    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
+    dir_load_ps(d, &sp[0], 1, 1, NULL); /* A alone: its connection up first */
+    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    load2(d, sp, 2);
+    int hold = srv_kill_hold(&sp[1]);
+    CHECK(hold >= 0);
+    int threads = threads_now();
+    enum { N = 64 };
+    static struct tcall o[N];
+    static struct tally t = {.w = WAITER_INIT}, t2 = {.w = WAITER_INIT};
+    bex_rpc_channel_stats s0, s1, s2;
+    bex_rpc_channel_stats_get(ch, &s0);
+    calls_at_once(ctx, ch, M_NEVER, o, N, &t, deadline, slack);
+    bex_rpc_channel_stats_get(ch, &s1);
+    fprintf(stderr,
+            "silent A, refusing B: %ld ok, %ld late; attempts %llu, retries %llu, throttled "
+            "%llu, connection failures %llu\n",
+            atomic_load(&t.ok), atomic_load(&t.late),
+            (unsigned long long)(s1.attempts - s0.attempts),
+            (unsigned long long)(s1.retries - s0.retries),
+            (unsigned long long)(s1.retry_throttled - s0.retry_throttled),
+            (unsigned long long)(s1.conn_failures - s0.conn_failures));
+    tcall_show_failed(o, N, "silent A, refusing B");
+    CHECK_EQ(atomic_load(&t.ok), 0);
+    CHECK_EQ(atomic_load(&t.late), 0);
+    for (int i = 0; i < N; i++)
+        CHECK_EQ(o[i].status, -ETIMEDOUT);
+    CHECK(s1.attempts - s0.attempts <= 3 * N);
+    CHECK(s1.retries - s0.retries <= 4 * N);
+    CHECK_EQ(threads_now(), threads);
+
+    load2(d, sp, 1); /* B alone */
+    calls_at_once(ctx, ch, M_ECHO, o, N, &t2, deadline, slack);
+    bex_rpc_channel_stats_get(ch, &s2);
+    fprintf(stderr,
+            "refusing B alone: %ld ok, %ld late; attempts %llu, retries %llu, throttled %llu, "
+            "connection failures %llu\n",
+            atomic_load(&t2.ok), atomic_load(&t2.late),
+            (unsigned long long)(s2.attempts - s1.attempts),
+            (unsigned long long)(s2.retries - s1.retries),
+            (unsigned long long)(s2.retry_throttled - s1.retry_throttled),
+            (unsigned long long)(s2.conn_failures - s1.conn_failures));
+    tcall_show_failed(o, N, "refusing B alone");
+    CHECK_EQ(atomic_load(&t2.ok), 0);
+    CHECK_EQ(atomic_load(&t2.late), 0);
+    for (int i = 0; i < N; i++)
+        CHECK(o[i].status == -ECONNREFUSED || o[i].status == -EHOSTUNREACH);
+    CHECK(s2.retries - s1.retries <= 4 * N);
+    CHECK_EQ(threads_now(), threads);
+    CHECK_OK(bex_rpc_channel_destroy(ch));
+    bex_dir_destroy(d);
+    CHECK_OK(bex_ctx_destroy(ctx));
+    close(hold);
+    CHECK(stop_server(&sp[1], true) == 0);
+    return stop_server(&sp[0], false) ? 1 : 0;
+}
+
+BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty}, {"prune", t_prune}, {"slow_live", t_slow_live},
+              {"held_many", t_held_many})
