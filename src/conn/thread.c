@@ -31,17 +31,28 @@ BEX__IO_TLS struct bex__io *bex__io_self;
 
 static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc);
 
+/* handle_events's polls ahead of a connection's event: out of line, so
+ * that the common call (the completion channel's event, or a TCP
+ * connection's data on a thread without CQs) saves no registers for them
+ * (issue 25: some 17 instructions an event). */
+__attribute__((noinline)) static void cq_first_polls(struct bex__io *io, struct ibv_wc *wc)
+{
+    for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
+        ;
+}
+
 static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, struct ibv_wc *wc)
 {
     /* A connection's TCP event (its peer closed it) may come with the
      * completions that explain it still in a CQ (the peer's NIC refused our
      * write, then the peer closed): take those first, so that the
      * connection fails for that cause and not for the reset. */
-    for (int i = 0; i < n; i++) {
-        if (((struct ep_tag *)ev[i].data.ptr)->cq_first) {
-            for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
-                ;
-            break;
+    if (io->n_cq || io->sh.srq) {
+        for (int i = 0; i < n; i++) {
+            if (((struct ep_tag *)ev[i].data.ptr)->cq_first) {
+                cq_first_polls(io, wc);
+                break;
+            }
         }
     }
     for (int i = 0; i < n; i++) {
