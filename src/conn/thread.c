@@ -205,16 +205,20 @@ static bool run_ready(struct bex__io *io)
     return did;
 }
 
-/* One CQ of the thread (index q), polled until it gives less than a
- * batch or WC_TURN_MAX (see there): whether a completion made work; *full
- * set when it may hold more. Inline, and the shared receive queue's part
- * apart (poll_srq): a ping-pong's poll is one CQ's, and its fixed cost
- * was some 70 instructions (issue 25). */
-static inline bool poll_cq(struct bex__io *io, uint32_t q, struct ibv_wc *wc, bool *full)
+/* poll_cq's part after a poll gave n > 0 completions in wc: dispatched,
+ * and the CQ polled on until it gives less than a batch or WC_TURN_MAX
+ * (see there): whether a completion made work; *full set when it may hold
+ * more. */
+static inline bool poll_cq_more(struct bex__io *io, uint32_t q, struct ibv_wc *wc, int n,
+                                bool *full)
 {
     bool any = false;
-    int n, got = 0;
-    do {
+    int got = 0;
+    for (;;) {
+        any |= dispatch(io, wc, n);
+        got += n;
+        if (!((n == WC_BATCH || got > 1) && got < WC_TURN_MAX))
+            break;
         n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
         bex__stat_poll(&io->stats, n);
         if (n <= 0) { /* (an empty poll calls nothing more) */
@@ -222,12 +226,27 @@ static inline bool poll_cq(struct bex__io *io, uint32_t q, struct ibv_wc *wc, bo
                 cq_failed(io, q, n);
             return any;
         }
-        any |= dispatch(io, wc, n);
-        got += n;
-    } while ((n == WC_BATCH || got > 1) && got < WC_TURN_MAX);
+    }
     if (n == WC_BATCH || got >= WC_TURN_MAX)
         *full = true;
     return any;
+}
+
+/* One CQ of the thread (index q), polled until it gives less than a
+ * batch or WC_TURN_MAX (see there): whether a completion made work; *full
+ * set when it may hold more. The shared receive queue's part apart
+ * (poll_srq): a ping-pong's poll is one CQ's, and its fixed cost was some
+ * 70 instructions (issue 25). */
+static inline bool poll_cq(struct bex__io *io, uint32_t q, struct ibv_wc *wc, bool *full)
+{
+    int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+    bex__stat_poll(&io->stats, n);
+    if (n <= 0) { /* (an empty poll calls nothing more) */
+        if (n < 0)
+            cq_failed(io, q, n);
+        return false;
+    }
+    return poll_cq_more(io, q, wc, n, full);
 }
 
 /* SRQ mode: every receive completion of the thread, one at a time: an
@@ -251,17 +270,49 @@ __attribute__((noinline)) static bool poll_srq(struct bex__io *io, struct ibv_wc
     return any;
 }
 
-/* poll_cqs of a thread that has CQs. */
-static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
+/* poll_cqs_some's every CQ and the shared receive queue's (poll_no
+ * counted by the caller). */
+__attribute__((noinline)) static bool poll_cqs_all(struct bex__io *io, struct ibv_wc *wc)
 {
     bool any = false, full = false;
-    io->poll_no++;
     for (uint32_t q = 0; q < io->n_cq; q++)
         any |= poll_cq(io, q, wc, &full);
     if (io->sh.srq)
         any |= poll_srq(io, wc, &full);
     io->cq_quiet = io->cq_armed && !full;
     return any || full; /* (a full CQ may hold more) */
+}
+
+/* poll_cqs_some's one CQ after its first poll gave n (not 0). */
+__attribute__((noinline)) static bool poll_one_rest(struct bex__io *io, struct ibv_wc *wc, int n)
+{
+    bool any = false, full = false;
+    if (n < 0)
+        cq_failed(io, 0, n);
+    else
+        any = poll_cq_more(io, 0, wc, n, &full);
+    io->cq_quiet = io->cq_armed && !full;
+    return any || full;
+}
+
+/* poll_cqs of a thread that has CQs. A thread of one CQ and no shared
+ * receive queue (the usual) polls inline, and an empty poll (one of a
+ * ping-pong's two: the sleep's after arming) returns at once; a poll that
+ * found completions goes on out of line, whose frame (the dispatch, the
+ * engine's completion) an empty one then does not pay (issue 25: some 35
+ * instructions of saved registers a poll). */
+static inline bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
+{
+    io->poll_no++;
+    if (__builtin_expect(io->n_cq != 1 || io->sh.srq != NULL, 0))
+        return poll_cqs_all(io, wc);
+    int n = bex__rdma_poll_cq(io->cqs[0].cq, WC_BATCH, wc);
+    bex__stat_poll(&io->stats, n);
+    if (n == 0) {
+        io->cq_quiet = io->cq_armed;
+        return false;
+    }
+    return poll_one_rest(io, wc, n);
 }
 
 /* Poll every CQ of the thread (up to WC_TURN_MAX each): whether a
