@@ -353,7 +353,7 @@ static void arm_cqs(struct bex__io *io)
  * bex__now_ms_since_wait): one clock read a sub-request less at a server
  * (issue 25's fan-out); a timer due during the callbacks after that read
  * runs a turn later at most. */
-static void run_timers(struct bex__io *io)
+__attribute__((always_inline)) static inline void run_timers(struct bex__io *io)
 {
     uint64_t next = bex__timers_next(&io->timers);
     io->turn_ms = bex__now_ms_since_wait(); /* (spin_look's too) */
@@ -364,11 +364,21 @@ static void run_timers(struct bex__io *io)
         bex__io_timers_run(io, now);
 }
 
+/* io_sleep's timers when it does not sleep (out of line: rare). */
+__attribute__((noinline)) static void run_timers_late(struct bex__io *io)
+{
+    run_timers(io);
+}
+
 /* Sleep until an event, a command, a completion or the nearest timer
  * (rounded up to epoll's milliseconds): the CQs armed (once per event
  * read), and polled once more since, so nothing slips between (the idle
- * turn's poll is that one when it ran armed and emptied them). */
-static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
+ * turn's poll is that one when it ran armed and emptied them). The timers
+ * due run here, from the precise clock; timers_late: the turn before ran
+ * none (bex__io_main), and they run here even when the loop does not
+ * sleep. */
+static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
+                     bool timers_late)
 {
     if (!io->cq_armed)
         arm_cqs(io);
@@ -376,6 +386,8 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
     bool found = !io->cq_quiet && poll_cqs(io, wc);
     if (found || bex__loop_has_cmds(&io->loop) || !bex__list_empty(&io->ready)) {
         bex__loop_sleep_end(&io->loop);
+        if (timers_late)
+            run_timers_late(io);
         return;
     }
     int timeout = -1; /* (the housekeeping timer always runs) */
@@ -463,7 +475,14 @@ void *bex__io_main(void *arg)
          * trip's turn paid some 30 instructions for the three) */
         if (bex__loop_cmds_queued(&io->loop))
             did |= io->env->ops->drain_cmds(io);
-        run_timers(io);
+        /* Event mode, a completion event read since the CQs were armed:
+         * this turn is followed by the sleep's look (io_sleep), which
+         * runs the timers due from the precise clock it reads anyway, so
+         * the turn reads no clock for them (issue 25: a round trip read
+         * the coarse clock here and the precise one in the sleep). A
+         * timer's work then waits for the next turn. */
+        if (!event || io->cq_armed)
+            run_timers(io);
         did |= run_ready(io);
         if (io->reap)
             bex__conn_reap(io);
@@ -484,7 +503,7 @@ void *bex__io_main(void *arg)
              * trip, now two and one. Once armed, turns go on as before
              * (no sleep's look per turn while work keeps coming). */
             if (event && !io->cq_armed) {
-                io_sleep(io, ev, wc);
+                io_sleep(io, ev, wc, true);
                 continue;
             }
             spin_look(io, ev, wc);
@@ -511,7 +530,7 @@ void *bex__io_main(void *arg)
             spin_look(io, ev, wc);
             continue;
         }
-        io_sleep(io, ev, wc);
+        io_sleep(io, ev, wc, event && !io->cq_armed);
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;
