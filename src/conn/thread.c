@@ -376,7 +376,10 @@ __attribute__((noinline)) static void run_timers_late(struct bex__io *io)
  * turn's poll is that one when it ran armed and emptied them). The timers
  * due run here, from the precise clock; timers_late: the turn before ran
  * none (bex__io_main), and they run here even when the loop does not
- * sleep. */
+ * sleep. In event mode a turn after a completion event (the CQs not
+ * armed) is always followed by this look, so it reads no clock for the
+ * timers (issue 25: a round trip read the coarse clock in the turn and
+ * the precise one here); a timer's work then waits for the next turn. */
 static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
                      bool timers_late)
 {
@@ -475,12 +478,7 @@ void *bex__io_main(void *arg)
          * trip's turn paid some 30 instructions for the three) */
         if (bex__loop_cmds_queued(&io->loop))
             did |= io->env->ops->drain_cmds(io);
-        /* Event mode, a completion event read since the CQs were armed:
-         * this turn is followed by the sleep's look (io_sleep), which
-         * runs the timers due from the precise clock it reads anyway, so
-         * the turn reads no clock for them (issue 25: a round trip read
-         * the coarse clock here and the precise one in the sleep). A
-         * timer's work then waits for the next turn. */
+        /* (event mode, CQs not armed: the sleep's look runs them, io_sleep) */
         if (!event || io->cq_armed)
             run_timers(io);
         did |= run_ready(io);
