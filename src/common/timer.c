@@ -50,12 +50,6 @@ void bex__timer_stop(struct bex__timers *ts, struct bex__timer *t)
     t->active = false;
 }
 
-uint64_t bex__timers_next(const struct bex__timers *ts)
-{
-    const struct bex__heap_node *n = bex__heap_min(&ts->heap);
-    return n ? bex__container_of(n, struct bex__timer, node)->due : UINT64_MAX;
-}
-
 unsigned bex__timers_run(struct bex__timers *ts, uint64_t now)
 {
     unsigned fired = 0, budget = ts->heap.n;

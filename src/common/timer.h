@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "common/heap.h"
+#include "common/util.h"
 
 struct bex__timer;
 typedef void (*bex__timer_cb)(struct bex__timer *t);
@@ -38,8 +39,13 @@ void bex__timer_init(struct bex__timer *t, bex__timer_cb cb);
 void bex__timer_start(struct bex__timers *ts, struct bex__timer *t, uint64_t due);
 /* Stops t; nothing if it is not running. */
 void bex__timer_stop(struct bex__timers *ts, struct bex__timer *t);
-/* The nearest deadline, or UINT64_MAX when no timer runs. */
-uint64_t bex__timers_next(const struct bex__timers *ts);
+/* The nearest deadline, or UINT64_MAX when no timer runs. Inline: an
+ * I/O loop asks twice a round trip (issue 25). */
+static inline uint64_t bex__timers_next(const struct bex__timers *ts)
+{
+    const struct bex__heap_node *n = bex__heap_min(&ts->heap);
+    return n ? bex__container_of(n, struct bex__timer, node)->due : UINT64_MAX;
+}
 /* Fires, in deadline order, the timers due at or before now (each is
  * stopped before its callback, which may start or stop any timer), but no
  * more callbacks than timers were running at the call: a callback that

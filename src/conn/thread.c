@@ -31,17 +31,28 @@ BEX__IO_TLS struct bex__io *bex__io_self;
 
 static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc);
 
+/* handle_events's polls ahead of a connection's event: out of line, so
+ * that the common call (the completion channel's event, or a TCP
+ * connection's data on a thread without CQs) saves no registers for them
+ * (issue 25: some 17 instructions an event). */
+__attribute__((noinline)) static void cq_first_polls(struct bex__io *io, struct ibv_wc *wc)
+{
+    for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
+        ;
+}
+
 static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, struct ibv_wc *wc)
 {
     /* A connection's TCP event (its peer closed it) may come with the
      * completions that explain it still in a CQ (the peer's NIC refused our
      * write, then the peer closed): take those first, so that the
      * connection fails for that cause and not for the reset. */
-    for (int i = 0; i < n; i++) {
-        if (((struct ep_tag *)ev[i].data.ptr)->cq_first) {
-            for (int k = 0; k < 4 && poll_cqs(io, wc); k++)
-                ;
-            break;
+    if (io->n_cq || io->sh.srq) {
+        for (int i = 0; i < n; i++) {
+            if (((struct ep_tag *)ev[i].data.ptr)->cq_first) {
+                cq_first_polls(io, wc);
+                break;
+            }
         }
     }
     for (int i = 0; i < n; i++) {
@@ -194,16 +205,20 @@ static bool run_ready(struct bex__io *io)
     return did;
 }
 
-/* One CQ of the thread (index q), polled until it gives less than a
- * batch or WC_TURN_MAX (see there): whether a completion made work; *full
- * set when it may hold more. Inline, and the shared receive queue's part
- * apart (poll_srq): a ping-pong's poll is one CQ's, and its fixed cost
- * was some 70 instructions (issue 25). */
-static inline bool poll_cq(struct bex__io *io, uint32_t q, struct ibv_wc *wc, bool *full)
+/* poll_cq's part after a poll gave n > 0 completions in wc: dispatched,
+ * and the CQ polled on until it gives less than a batch or WC_TURN_MAX
+ * (see there): whether a completion made work; *full set when it may hold
+ * more. */
+static inline bool poll_cq_more(struct bex__io *io, uint32_t q, struct ibv_wc *wc, int n,
+                                bool *full)
 {
     bool any = false;
-    int n, got = 0;
-    do {
+    int got = 0;
+    for (;;) {
+        any |= dispatch(io, wc, n);
+        got += n;
+        if (!((n == WC_BATCH || got > 1) && got < WC_TURN_MAX))
+            break;
         n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
         bex__stat_poll(&io->stats, n);
         if (n <= 0) { /* (an empty poll calls nothing more) */
@@ -211,12 +226,27 @@ static inline bool poll_cq(struct bex__io *io, uint32_t q, struct ibv_wc *wc, bo
                 cq_failed(io, q, n);
             return any;
         }
-        any |= dispatch(io, wc, n);
-        got += n;
-    } while ((n == WC_BATCH || got > 1) && got < WC_TURN_MAX);
+    }
     if (n == WC_BATCH || got >= WC_TURN_MAX)
         *full = true;
     return any;
+}
+
+/* One CQ of the thread (index q), polled until it gives less than a
+ * batch or WC_TURN_MAX (see there): whether a completion made work; *full
+ * set when it may hold more. The shared receive queue's part apart
+ * (poll_srq): a ping-pong's poll is one CQ's, and its fixed cost was some
+ * 70 instructions (issue 25). */
+static inline bool poll_cq(struct bex__io *io, uint32_t q, struct ibv_wc *wc, bool *full)
+{
+    int n = bex__rdma_poll_cq(io->cqs[q].cq, WC_BATCH, wc);
+    bex__stat_poll(&io->stats, n);
+    if (n <= 0) { /* (an empty poll calls nothing more) */
+        if (n < 0)
+            cq_failed(io, q, n);
+        return false;
+    }
+    return poll_cq_more(io, q, wc, n, full);
 }
 
 /* SRQ mode: every receive completion of the thread, one at a time: an
@@ -240,17 +270,49 @@ __attribute__((noinline)) static bool poll_srq(struct bex__io *io, struct ibv_wc
     return any;
 }
 
-/* poll_cqs of a thread that has CQs. */
-static bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
+/* poll_cqs_some's every CQ and the shared receive queue's (poll_no
+ * counted by the caller). */
+__attribute__((noinline)) static bool poll_cqs_all(struct bex__io *io, struct ibv_wc *wc)
 {
     bool any = false, full = false;
-    io->poll_no++;
     for (uint32_t q = 0; q < io->n_cq; q++)
         any |= poll_cq(io, q, wc, &full);
     if (io->sh.srq)
         any |= poll_srq(io, wc, &full);
     io->cq_quiet = io->cq_armed && !full;
     return any || full; /* (a full CQ may hold more) */
+}
+
+/* poll_cqs_some's one CQ after its first poll gave n (not 0). */
+__attribute__((noinline)) static bool poll_one_rest(struct bex__io *io, struct ibv_wc *wc, int n)
+{
+    bool any = false, full = false;
+    if (n < 0)
+        cq_failed(io, 0, n);
+    else
+        any = poll_cq_more(io, 0, wc, n, &full);
+    io->cq_quiet = io->cq_armed && !full;
+    return any || full;
+}
+
+/* poll_cqs of a thread that has CQs. A thread of one CQ and no shared
+ * receive queue (the usual) polls inline, and an empty poll (one of a
+ * ping-pong's two: the sleep's after arming) returns at once; a poll that
+ * found completions goes on out of line, whose frame (the dispatch, the
+ * engine's completion) an empty one then does not pay (issue 25: some 35
+ * instructions of saved registers a poll). */
+static inline bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
+{
+    io->poll_no++;
+    if (__builtin_expect(io->n_cq != 1 || io->sh.srq != NULL, 0))
+        return poll_cqs_all(io, wc);
+    int n = bex__rdma_poll_cq(io->cqs[0].cq, WC_BATCH, wc);
+    bex__stat_poll(&io->stats, n);
+    if (n == 0) {
+        io->cq_quiet = io->cq_armed;
+        return false;
+    }
+    return poll_one_rest(io, wc, n);
 }
 
 /* Poll every CQ of the thread (up to WC_TURN_MAX each): whether a
@@ -291,7 +353,7 @@ static void arm_cqs(struct bex__io *io)
  * bex__now_ms_since_wait): one clock read a sub-request less at a server
  * (issue 25's fan-out); a timer due during the callbacks after that read
  * runs a turn later at most. */
-static void run_timers(struct bex__io *io)
+__attribute__((always_inline)) static inline void run_timers(struct bex__io *io)
 {
     uint64_t next = bex__timers_next(&io->timers);
     io->turn_ms = bex__now_ms_since_wait(); /* (spin_look's too) */
@@ -302,11 +364,24 @@ static void run_timers(struct bex__io *io)
         bex__io_timers_run(io, now);
 }
 
+/* io_sleep's timers when it does not sleep (out of line: rare). */
+__attribute__((noinline)) static void run_timers_late(struct bex__io *io)
+{
+    run_timers(io);
+}
+
 /* Sleep until an event, a command, a completion or the nearest timer
  * (rounded up to epoll's milliseconds): the CQs armed (once per event
  * read), and polled once more since, so nothing slips between (the idle
- * turn's poll is that one when it ran armed and emptied them). */
-static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
+ * turn's poll is that one when it ran armed and emptied them). The timers
+ * due run here, from the precise clock; timers_late: the turn before ran
+ * none (bex__io_main), and they run here even when the loop does not
+ * sleep. In event mode a turn after a completion event (the CQs not
+ * armed) is always followed by this look, so it reads no clock for the
+ * timers (issue 25: a round trip read the coarse clock in the turn and
+ * the precise one here); a timer's work then waits for the next turn. */
+static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
+                     bool timers_late)
 {
     if (!io->cq_armed)
         arm_cqs(io);
@@ -314,6 +389,8 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
     bool found = !io->cq_quiet && poll_cqs(io, wc);
     if (found || bex__loop_has_cmds(&io->loop) || !bex__list_empty(&io->ready)) {
         bex__loop_sleep_end(&io->loop);
+        if (timers_late)
+            run_timers_late(io);
         return;
     }
     int timeout = -1; /* (the housekeeping timer always runs) */
@@ -401,7 +478,9 @@ void *bex__io_main(void *arg)
          * trip's turn paid some 30 instructions for the three) */
         if (bex__loop_cmds_queued(&io->loop))
             did |= io->env->ops->drain_cmds(io);
-        run_timers(io);
+        /* (event mode, CQs not armed: the sleep's look runs them, io_sleep) */
+        if (!event || io->cq_armed)
+            run_timers(io);
         did |= run_ready(io);
         if (io->reap)
             bex__conn_reap(io);
@@ -422,7 +501,7 @@ void *bex__io_main(void *arg)
              * trip, now two and one. Once armed, turns go on as before
              * (no sleep's look per turn while work keeps coming). */
             if (event && !io->cq_armed) {
-                io_sleep(io, ev, wc);
+                io_sleep(io, ev, wc, true);
                 continue;
             }
             spin_look(io, ev, wc);
@@ -449,7 +528,7 @@ void *bex__io_main(void *arg)
             spin_look(io, ev, wc);
             continue;
         }
-        io_sleep(io, ev, wc);
+        io_sleep(io, ev, wc, event && !io->cq_armed);
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;

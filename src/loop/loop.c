@@ -116,6 +116,28 @@ static inline void loop_count(_Atomic uint64_t *c)
                           memory_order_relaxed);
 }
 
+/* bex__loop_wait's events from ev[i], the first of the loop's own
+ * wake-ups, on: each wake-up consumed (the eventfd read), the others
+ * copied down; how many events are left. Out of line: most waits return
+ * an owner's events alone, and bex__loop_wait then saves no registers for
+ * this loop (issue 25). */
+__attribute__((noinline)) static int own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i,
+                                                 int n)
+{
+    int k = i;
+    for (; i < n; i++) {
+        if (ev[i].data.ptr == l) {
+            uint64_t v;
+            loop_count(&l->wake_reads);
+            ssize_t r = read(l->evfd, &v, sizeof(v));
+            (void)r;
+            continue;
+        }
+        ev[k++] = ev[i];
+    }
+    return k;
+}
+
 int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms)
 {
     coarse_seen = 0; /* what was read before a wait is old after it */
@@ -125,20 +147,10 @@ int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int tim
     int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
     if (n <= 0)
         return 0;
-    int k = 0;
-    for (int i = 0; i < n; i++) {
-        if (ev[i].data.ptr == l) {
-            uint64_t v;
-            loop_count(&l->wake_reads);
-            ssize_t r = read(l->evfd, &v, sizeof(v));
-            (void)r;
-            continue;
-        }
-        if (k != i) /* (no copy while none of the loop's own came before) */
-            ev[k] = ev[i];
-        k++;
-    }
-    return k;
+    for (int i = 0; i < n; i++)
+        if (ev[i].data.ptr == l)
+            return own_wakeups(l, ev, i, n);
+    return n;
 }
 
 /* Every user is a millisecond timeout, and the I/O loop reads this on every

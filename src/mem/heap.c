@@ -14,7 +14,6 @@
 
 #include "common/cfg.h"
 #include "mem/internal.h"
-#include "mem/lookup.h"
 
 /* Slow paths stay out of line, so the fast paths need no stack frame. */
 #define BEX__MEM_SLOW __attribute__((noinline, cold))
@@ -875,19 +874,6 @@ bex_mem_pool *bex_mem_pool_of(const void *ptr)
     if (!ptr)
         return NULL;
     return header_of(ptr)->pool;
-}
-
-const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool)
-{
-    /* a caller's pointer, not yet known to be bemalloc's: its header is
-     * read only once the region table says a mapping of ours is there */
-    struct bex__mem_chunk *c = bex__mem_region_of(ptr);
-    if (!c) {
-        *pool = NULL;
-        return NULL;
-    }
-    *pool = c->pool;
-    return &c->mr;
 }
 
 uint64_t bex__mem_heap_lookups(void)

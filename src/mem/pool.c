@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 
 #include "mem/internal.h"
+#include "mem/lookup.h"
 
 #define DEFAULT_RETAIN ((size_t)64 << 20)
 
@@ -87,26 +88,37 @@ bex_mem_pool *bex__mem_registry_find(uint64_t id)
 static _Atomic(_Atomic(struct bex__mem_chunk *) *) huge_l1[1u << L1_BITS];
 _Atomic size_t bex__mem_huge_multi;
 
-static _Atomic(struct bex__mem_chunk *) *huge_slot(uintptr_t addr, bool create)
+/* Install the table's second level i1 (mapped on first use): it, or
+ * NULL when the mapping failed. */
+static _Atomic(struct bex__mem_chunk *) *huge_l2_create(size_t i1)
+{
+    size_t len = sizeof(_Atomic(struct bex__mem_chunk *)) << L2_BITS;
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    _Atomic(struct bex__mem_chunk *) *expect = NULL;
+    if (atomic_compare_exchange_strong_explicit(&huge_l1[i1], &expect, m, memory_order_acq_rel,
+                                                memory_order_acquire))
+        return m;
+    munmap(m, len); /* another thread installed it first */
+    return expect;
+}
+
+/* The table's entry for addr's slot: NULL when its second level does not
+ * exist and create is false (or its mapping failed). Inline: with create
+ * false (every lookup) it is a shift, two loads and a test. */
+static inline __attribute__((always_inline)) _Atomic(struct bex__mem_chunk *) *
+huge_slot(uintptr_t addr, bool create)
 {
     uintptr_t slot = addr >> BEX__MEM_CHUNK_SHIFT;
     size_t i1 = (slot >> L2_BITS) & ((1u << L1_BITS) - 1);
     _Atomic(struct bex__mem_chunk *) *l2 = atomic_load_explicit(&huge_l1[i1], memory_order_acquire);
-    if (!l2) {
+    if (__builtin_expect(!l2, 0)) {
         if (!create)
             return NULL;
-        size_t len = sizeof(*l2) << L2_BITS;
-        void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (m == MAP_FAILED)
+        l2 = huge_l2_create(i1);
+        if (!l2)
             return NULL;
-        _Atomic(struct bex__mem_chunk *) *expect = NULL;
-        if (atomic_compare_exchange_strong_explicit(&huge_l1[i1], &expect, m, memory_order_acq_rel,
-                                                    memory_order_acquire)) {
-            l2 = m;
-        } else {
-            munmap(m, len); /* another thread installed it first */
-            l2 = expect;
-        }
     }
     return &l2[slot & ((1u << L2_BITS) - 1)];
 }
@@ -120,6 +132,22 @@ struct bex__mem_chunk *bex__mem_huge_lookup(const void *p)
 struct bex__mem_chunk *bex__mem_region_of(const void *p)
 {
     return bex__mem_huge_lookup(p);
+}
+
+/* (heap.c's before: its calls of bex__mem_region_of, bex__mem_huge_lookup
+ * and huge_slot were some 37 instructions a send's check, issue 25) */
+const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool)
+{
+    /* a caller's pointer, not yet known to be bemalloc's: its header is
+     * read only once the region table says a mapping of ours is there */
+    _Atomic(struct bex__mem_chunk *) *e = huge_slot((uintptr_t)ptr, false);
+    struct bex__mem_chunk *c = e ? atomic_load_explicit(e, memory_order_acquire) : NULL;
+    if (!c) {
+        *pool = NULL;
+        return NULL;
+    }
+    *pool = c->pool;
+    return &c->mr;
 }
 
 /* Enter c in (val c) or take it out of (val NULL) every slot it covers. */
