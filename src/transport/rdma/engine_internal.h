@@ -162,9 +162,16 @@ struct bex__engine {
     uint64_t ack_held; /* bex__now_us() when owed credits were first held
                           back for a message to carry them (0: not held) */
 
-    /* receive side */
+    /* receive side: rq credits granted, rslots = rq + spare receives of
+     * our own (spare: bex__engine_rq_spare; 0 in SRQ mode). The spare
+     * ones let a consumed receive's credit go back before it is posted
+     * again, so that reposts go in chains rather than one ibv_post_recv a
+     * message (bex__engine_repost_recvs): slack, the receives posted
+     * beyond the credits the peer holds or will be sent, pays for them,
+     * and n_credited of the unposted slots (their first ones) have had
+     * their credit returned so. */
     struct bex__rslot *rs;
-    uint32_t rq, k;
+    uint32_t rq, k, rslots, slack, n_credited;
     uint32_t rbuf_len;    /* receive buffer bytes: eager_max, at least a header */
     uint32_t rbuf_usable; /* their usable size (one size class: the same for
                              all), known after the first (0: not yet) */

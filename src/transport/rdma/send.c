@@ -406,10 +406,25 @@ void bex__engine_post_pending(struct bex__engine *e)
     e->post = e->tail;
 }
 
+/* Receives consumed and handled (unposted, with a fresh buffer) give their
+ * credits back: at once while the spare receives posted beyond the
+ * granted ones (slack) cover them, the slots kept for the next chain; else
+ * every unposted slot is posted again, in one chain, and the slack is what
+ * the credited ones had taken. The peer is never granted a receive that is
+ * not posted: posted - credits it holds or will be sent = slack >= 0.
+ * (Each consumed receive lowers both; a credit returned here raises the
+ * second, a receive posted the first.) */
 void bex__engine_repost_recvs(struct bex__engine *e)
 {
-    if (e->n_unposted == 0)
+    uint32_t fresh = e->n_unposted - e->n_credited; /* credits not yet returned */
+    if (fresh == 0)
         return;
+    if (fresh <= e->slack && e->n_unposted < e->k) {
+        e->slack -= fresh;
+        e->n_credited = e->n_unposted;
+        e->to_return += fresh;
+        return;
+    }
     int rc;
     if (e->sh->srq) {
         /* onto the shared queue, posted with the other engines' at the
@@ -431,8 +446,9 @@ void bex__engine_repost_recvs(struct bex__engine *e)
         bex__engine_fail_now(e, bex__rdma_err(rc));
         return;
     }
-    e->to_return += e->n_unposted;
-    e->n_unposted = 0;
+    e->to_return += fresh;
+    e->slack += e->n_credited;
+    e->n_unposted = e->n_credited = 0;
 }
 
 /* The keepalive sequence goes by RDMA WRITE: no receive, no credit, no
@@ -487,7 +503,7 @@ static bool ack_due(struct bex__engine *e)
 /* Every owed credit went (or waits for a buffer: starved): nothing held. */
 static void acks_settle(struct bex__engine *e)
 {
-    if (e->to_return || e->n_unposted || !e->acks_owed)
+    if (e->to_return || e->n_unposted != e->n_credited || !e->acks_owed)
         return;
     e->acks_owed = e->n_starved != 0;
     e->ack_held = 0;
@@ -548,7 +564,7 @@ bool bex__engine_progress(struct bex__engine *e)
         bex__engine_prep_keepalive(e);
     /* the peer waits for these receives' credits to report its messages:
      * posted now, whatever we send next carries them */
-    if (e->acks_owed && e->n_unposted) {
+    if (e->acks_owed && e->n_unposted != e->n_credited) {
         bex__engine_repost_recvs(e);
         if (e->state != E_UP)
             return e->tail != before;
