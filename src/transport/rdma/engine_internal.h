@@ -313,6 +313,11 @@ bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *o
 void bex__engine_prep_wops(struct bex__engine *e);
 bool bex__engine_spare_fill(struct bex__engine *e);
 struct sslot *bex__engine_slot_take(struct bex__engine *e);
+/* m, just queued alone on st, with no other stream in the ring: prepared
+ * at once (posted by the next bex__engine_progress, which was due anyway)
+ * when it goes by SEND and nothing the scheduler would put first or
+ * count waits; false: it goes through the ring as usual. */
+bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m);
 void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r);
 /* sendwnd.c: the send window (static or adaptive) and the destination's
  * bound: take (false: wait; counted as window_stalls or dest_bound_hits),

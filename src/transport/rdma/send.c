@@ -215,6 +215,20 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
     return true;
 }
 
+bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+{
+    /* what progress sends first (window operations, a keepalive, control
+     * messages, releases), a stream owing its OPEN or CLOSE, a send window
+     * or a destination's bound (quiet_max 0: their stalls are counted by
+     * the scheduler's turn), no slot, the last credits: the ring's way */
+    if (e->state != E_UP || st->state != BEX__S_OPEN || st->q_head != m || !e->quiet_max ||
+        e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due || !bex__engine_free_slots(e) ||
+        !bex__engine_have_credit(e, false) || m->len > e->peer_max_msg || !goes_eager(e, st, m))
+        return false;
+    bool blocked;
+    return turn_eager(e, st, m, &blocked); /* cannot block: credit checked, no window */
+}
+
 /* A turn of st whose head m has its destination: one fragment written. */
 static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m,
                           bool *blocked)
@@ -555,7 +569,7 @@ bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
-    uint32_t before = e->tail;
+    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
     /* window binds and revocations: ahead of the answers that name them,
      * and alone (see wops_hold) */
     if (bex__engine_wops_hold(e))
