@@ -169,6 +169,8 @@ static void up_on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t l
         s->held[s->n_held++] = buf;
     else
         bex_mem_free(buf);
+    if (s->pair->on_msg)
+        s->pair->on_msg(s->pair, s->idx, stream);
 }
 
 static void up_on_open(struct bex__xport *x, uint32_t stream)

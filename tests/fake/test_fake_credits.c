@@ -278,6 +278,42 @@ static int ping_pong_reposts(void)
     return 0;
 }
 
+/* Side 1 answers every message from its upcall, as bex-perf's server
+ * does (the engine prepares the answer at once, bex__engine_turn_now). */
+static void answer_in_upcall(struct fk_pair *p, int side, uint32_t stream)
+{
+    if (side == 1)
+        fk_send(p, fk_stream(p, 1, stream), 32, false);
+}
+
+/* An answer sent from the upcall of the message it answers carries that
+ * message's credit: the message is reported as soon as the answer
+ * arrives, and no CREDIT message goes alone. */
+static int upcall_answer_credits(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 8);
+    p.virt_clock = true;
+    struct fk_stream *st = fk_open(&p);
+    fk_quiesce(&p);
+    p.on_msg = answer_in_upcall;
+    uint64_t credit0 = atomic_load(&p.s[1].stats.credit_msgs);
+    enum { ROUNDS = 32 };
+    for (int r = 0; r < ROUNDS; r++) {
+        struct fk_msg *m = fk_send(&p, st, 32, false);
+        fk_quiesce(&p);
+        CHECK_EQ(p.msgs[p.n_msgs - 1].delivered, 1); /* the answer */
+        CHECK_EQ(m->done, 1);                        /* reported by its credit */
+    }
+    CHECK_EQ(atomic_load(&p.s[1].stats.credit_msgs) - credit0, 0);
+    p.on_msg = NULL;
+    CHECK(!fk_dead(&p, 0) && !fk_dead(&p, 1));
+    fk_pair_fini(&p);
+    return 0;
+}
+
 /* The spare receives are no credits: a peer that sends past the rq_depth
  * it was granted (its messages' credits not yet back to it) lands in
  * one and is told off, where before it met RNR. */
@@ -307,4 +343,4 @@ static int beyond_credits(void)
 
 BEX_TEST_MAIN(BEX_CASE(reserve_kept), BEX_CASE(come_back), BEX_CASE(withheld_recv_max),
               BEX_CASE(random_schedules), BEX_CASE(ping_pong_signals), BEX_CASE(ping_pong_reposts),
-              BEX_CASE(beyond_credits))
+              BEX_CASE(beyond_credits), BEX_CASE(upcall_answer_credits))

@@ -225,6 +225,13 @@ bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct 
         e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due || !bex__engine_free_slots(e) ||
         !bex__engine_have_credit(e, false) || m->len > e->peer_max_msg || !goes_eager(e, st, m))
         return false;
+    /* an answer sent from the upcall of the peer's message carries that
+     * message's credit, as progress would have it (before its turn) */
+    if (e->acks_owed && e->n_unposted != e->n_credited) {
+        bex__engine_repost_recvs(e);
+        if (e->state != E_UP)
+            return false;
+    }
     bool blocked;
     return turn_eager(e, st, m, &blocked); /* cannot block: credit checked, no window */
 }
