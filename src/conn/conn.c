@@ -275,7 +275,10 @@ int bex__conn_engine_make(struct conn *c)
     struct bex__io *io = c->io;
     /* every completion the engine can have outstanding must fit its CQ
      * (in SRQ mode its receives complete on the shared queue's CQ) */
-    uint32_t need = ctx->ecfg->sq_depth + (io->sh.srq ? 0 : ctx->ecfg->rq_depth) + 2, idx;
+    uint32_t rq = ctx->ecfg->rq_depth;
+    uint32_t need = ctx->ecfg->sq_depth +
+                    (io->sh.srq ? 0 : rq + bex__engine_rq_spare(&io->sh, rq)) + 2,
+             idx;
     int err = cq_room(io, need, &idx);
     if (err)
         return err;

@@ -274,7 +274,7 @@ static int recv_posted(void)
     const uint32_t eagers[] = {0, 16, 32, 8192};
     for (size_t i = 0; i < 4; i++) {
         CHECK_OK(up(8, eagers[i], 8, 1024));
-        CHECK_EQ(T.nrq, 8);
+        CHECK_EQ(T.nrq, 8 + bex__engine_rq_spare(&T.sh, 8)); /* the credits and the spare */
         for (uint32_t k = 0; k < T.nrq; k++) {
             CHECK_EQ(T.rq[k].num_sge, 1);
             CHECK_EQ(T.rq[k].sge.length, eagers[i] > 32 ? eagers[i] : 32);

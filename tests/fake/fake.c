@@ -169,6 +169,8 @@ static void up_on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t l
         s->held[s->n_held++] = buf;
     else
         bex_mem_free(buf);
+    if (s->pair->on_msg)
+        s->pair->on_msg(s->pair, s->idx, stream);
 }
 
 static void up_on_open(struct bex__xport *x, uint32_t stream)
@@ -420,7 +422,8 @@ static int fk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_re
     (void)bad;
     FK_CHECK(s->qp.state != IBV_QPS_RESET);
     for (; wr; wr = wr->next) {
-        FK_CHECK(s->rq_n < s->cfg.rq_depth); /* the QP's receive queue */
+        /* the QP's receive queue: the credits granted and the spare receives */
+        FK_CHECK(s->rq_n < s->cfg.rq_depth + bex__engine_rq_spare(&s->sh, s->cfg.rq_depth));
         FK_CHECK(wr->num_sge >= 1 && wr->num_sge <= 2);
         struct fk_rwr *r = &s->rq[(s->rq_head + s->rq_n++) % FK_QCAP];
         r->wr_id = wr->wr_id;
@@ -734,7 +737,8 @@ static void side_init(struct fk_pair *p, int idx, const struct bex__engine_confi
                                         .log = &s->log};
     FK_CHECK(bex__engine_create_nodev(&s->sh, &s->cfg, &fk_ops, 1 + (uint32_t)idx, s, &s->qp,
                                       &s->e) == 0);
-    FK_CHECK(s->qp.state == IBV_QPS_INIT && s->rq_n == cfg->rq_depth);
+    FK_CHECK(s->qp.state == IBV_QPS_INIT &&
+             s->rq_n == cfg->rq_depth + bex__engine_rq_spare(&s->sh, cfg->rq_depth));
 }
 
 void fk_pair_init(struct fk_pair *p, const struct bex__engine_config *c0,

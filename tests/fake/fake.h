@@ -186,6 +186,9 @@ struct fk_pair {
     bool verbose;
     /* hook: called at every post of a payload-carrying request */
     void (*on_post)(struct fk_pair *p, int side, const struct fk_wr *w, struct fk_msg *m);
+    /* hook: called in the upcall of every message delivered (not direct),
+     * after it was checked: an answer sent from it is a callback's send */
+    void (*on_msg)(struct fk_pair *p, int side, uint32_t stream);
     void *user;
 };
 

@@ -42,7 +42,9 @@ static int reserve_kept(void)
     /* OPEN + 14 DATA = 15 = rq_depth - 1 receives consumed */
     CHECK_EQ(p.s[0].consumers_posted, c.rq_depth - 1);
     CHECK_EQ(p.s[0].min_credits_left, 1);
-    CHECK_EQ(p.s[1].rq_n, 1); /* one receive left at the peer */
+    /* one receive left at the peer, and the spare ones it posts beyond
+     * the credits it grants (bex__engine_rq_spare) */
+    CHECK_EQ(p.s[1].rq_n, 1 + bex__engine_rq_spare(&p.s[1].sh, c.rq_depth));
     CHECK(atomic_load(&p.s[0].stats.credit_stalls) > 0);
     fk_quiesce(&p);
     CHECK_EQ(delivered_from(&p, 0), 50);
@@ -333,6 +335,113 @@ static int overack_beyond(void)
     return 0;
 }
 
+/* A ping-pong reposts its receives in chains: the spare receives posted
+ * beyond the credits pay for the credits that go back with each answer
+ * (the stand-in NIC checks that every SEND finds a posted receive), so
+ * an ibv_post_recv is made every spare + 1 messages, not every message;
+ * the delivery reports still come with the answers. */
+static int ping_pong_reposts(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 6);
+    p.virt_clock = true;
+    struct fk_stream *st = fk_open(&p);
+    fk_quiesce(&p);
+    struct fk_stream *back = fk_stream(&p, 1, st->id);
+    CHECK(back != NULL);
+    uint32_t spare = bex__engine_rq_spare(&p.s[0].sh, c.rq_depth);
+    CHECK(spare >= 1);
+    uint64_t calls0[2];
+    for (int i = 0; i < 2; i++)
+        calls0[i] = atomic_load(&p.s[i].stats.post_recv_calls);
+    enum { ROUNDS = 64 };
+    for (int r = 0; r < ROUNDS; r++) {
+        fk_send(&p, st, 32, false);
+        fk_quiesce(&p);
+        fk_send(&p, back, 32, false);
+        fk_quiesce(&p);
+        /* the message before this answer is reported: the answer carried
+         * the credit of its receive */
+        CHECK_EQ(p.msgs[p.n_msgs - 2].done, 1);
+    }
+    for (int i = 0; i < 2; i++) {
+        uint64_t calls = atomic_load(&p.s[i].stats.post_recv_calls) - calls0[i];
+        fprintf(stderr, "side %d: %llu ibv_post_recv for %d messages received (spare %u)\n", i,
+                (unsigned long long)calls, ROUNDS, spare);
+        CHECK(calls >= 1);
+        CHECK(calls <= ROUNDS / (spare + 1) + 1);
+    }
+    CHECK(!fk_dead(&p, 0) && !fk_dead(&p, 1));
+    fk_pair_fini(&p);
+    return 0;
+}
+
+/* Side 1 answers every message from its upcall, as bex-perf's server
+ * does (the engine prepares the answer at once, bex__engine_turn_now). */
+static void answer_in_upcall(struct fk_pair *p, int side, uint32_t stream)
+{
+    if (side == 1)
+        fk_send(p, fk_stream(p, 1, stream), 32, false);
+}
+
+/* An answer sent from the upcall of the message it answers carries that
+ * message's credit: the message is reported as soon as the answer
+ * arrives, and no CREDIT message goes alone. */
+static int upcall_answer_credits(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 8);
+    p.virt_clock = true;
+    struct fk_stream *st = fk_open(&p);
+    fk_quiesce(&p);
+    p.on_msg = answer_in_upcall;
+    uint64_t credit0 = atomic_load(&p.s[1].stats.credit_msgs);
+    enum { ROUNDS = 32 };
+    for (int r = 0; r < ROUNDS; r++) {
+        struct fk_msg *m = fk_send(&p, st, 32, false);
+        fk_quiesce(&p);
+        CHECK_EQ(p.msgs[p.n_msgs - 1].delivered, 1); /* the answer */
+        CHECK_EQ(m->done, 1);                        /* reported by its credit */
+    }
+    CHECK_EQ(atomic_load(&p.s[1].stats.credit_msgs) - credit0, 0);
+    p.on_msg = NULL;
+    CHECK(!fk_dead(&p, 0) && !fk_dead(&p, 1));
+    fk_pair_fini(&p);
+    return 0;
+}
+
+/* The spare receives are no credits: a peer that sends past the rq_depth
+ * it was granted (its messages' credits not yet back to it) lands in
+ * one and is told off, where before it met RNR. */
+static int beyond_credits(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 7);
+    fk_quiesce(&p);
+    CHECK(bex__engine_rq_spare(&p.s[1].sh, c.rq_depth) >= 1);
+    /* side 1 handles every one but never progresses: the credits stay
+     * with it (charged) */
+    struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+    for (uint32_t i = 0; i < c.rq_depth; i++) {
+        fk_inject_hdr(&p, 1, &h);
+        CHECK(fk_recv_cqe(&p, 1));
+        CHECK(!fk_dead(&p, 1));
+    }
+    CHECK_EQ(bex__engine_charged(p.s[1].e), c.rq_depth);
+    fk_inject_hdr(&p, 1, &h);
+    CHECK(fk_recv_cqe(&p, 1));
+    CHECK(fk_dead(&p, 1));
+    fk_pair_fini(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(reserve_kept), BEX_CASE(come_back), BEX_CASE(withheld_recv_max),
               BEX_CASE(random_schedules), BEX_CASE(ping_pong_signals), BEX_CASE(overack_posted),
-              BEX_CASE(overack_beyond))
+              BEX_CASE(overack_beyond), BEX_CASE(ping_pong_reposts), BEX_CASE(beyond_credits),
+              BEX_CASE(upcall_answer_credits))

@@ -138,6 +138,30 @@ static int random_schedules(void)
     return 0;
 }
 
+/* A small message sent with no other stream waiting is prepared at once
+ * (bex__engine_turn_now) and posted by the next progress call: a failure
+ * in between hands it back never sent (-ECANCELED), not in doubt. */
+static int prepared_unsent(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 11);
+    struct fk_stream *st = fk_open(&p);
+    fk_quiesce(&p);
+    struct fk_msg *m = fk_send(&p, st, 32, false);
+    CHECK_EQ(m->done, 0);
+    bex__engine_fail(p.s[0].e, -ECONNRESET);
+    CHECK_EQ(m->done, 1);
+    CHECK_EQ(m->status, -ECANCELED);
+    CHECK(!m->final_posted);
+    fk_quiesce(&p);
+    bex__engine_fail(p.s[1].e, -ECONNRESET);
+    fk_check_final(&p);
+    fk_pair_fini(&p);
+    return 0;
+}
+
 /* The peer's CLOSE of a stream whose OPEN it never got (ours is still
  * to send): an illegal move of the stream's state, and the peer's, so its
  * engine fails with -EPROTO, the process goes on, and what the stream
@@ -180,4 +204,5 @@ static int peer_ready_twice(void)
 }
 
 BEX_TEST_MAIN(BEX_CASE(local_fail), BEX_CASE(nic_error), BEX_CASE(peer_fail),
-              BEX_CASE(random_schedules), BEX_CASE(peer_close_unopened), BEX_CASE(peer_ready_twice))
+              BEX_CASE(random_schedules), BEX_CASE(peer_close_unopened), BEX_CASE(peer_ready_twice),
+              BEX_CASE(prepared_unsent))

@@ -507,7 +507,8 @@ static int fk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_re
         return ENOMEM;
     }
     for (; wr; wr = wr->next) {
-        FZ_CHECK(F.rq_n < F.cfg.rq_depth); /* the QP's receive queue */
+        /* the QP's receive queue: the credits granted and the spare receives */
+        FZ_CHECK(F.rq_n < F.cfg.rq_depth + bex__engine_rq_spare(&F.sh, F.cfg.rq_depth));
         FZ_CHECK(wr->num_sge >= 0 && wr->num_sge <= 2);
         struct rwr *w = &B.rq[(F.rq_head + F.rq_n++) % QCAP];
         w->wr_id = wr->wr_id;
@@ -1250,7 +1251,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0; /* refused at the door */
 
     FZ_CHECK(bex__engine_create_nodev(&F.sh, &F.cfg, &up_ops, 1, NULL, &F.qp, &F.e) == 0);
-    FZ_CHECK(F.qp.state == IBV_QPS_INIT && F.rq_n == F.cfg.rq_depth);
+    FZ_CHECK(F.qp.state == IBV_QPS_INIT &&
+             F.rq_n == F.cfg.rq_depth + bex__engine_rq_spare(&F.sh, F.cfg.rq_depth));
     struct bex__engine_local l;
     bex__engine_local(F.e, &l);
     F.ka_local = (volatile uint64_t *)(uintptr_t)l.ka_addr;

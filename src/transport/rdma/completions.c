@@ -323,10 +323,15 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
 {
     /* not a receive of ours, or one not posted (in SRQ mode the queue
      * checked it: a slot of its own, posted) */
-    if (e->sh->srq ? idx != e->srq_cur : (idx >= e->rq || !e->rs[idx].buf))
+    if (e->sh->srq ? idx != e->srq_cur : (idx >= e->rslots || !e->rs[idx].buf))
         return bad_recv(e, wc, idx,
-                        e->sh->srq || idx >= e->rq ? "a completion naming no receive of ours"
-                                                   : "a completion of a receive not posted");
+                        e->sh->srq || idx >= e->rslots ? "a completion naming no receive of ours"
+                                                       : "a completion of a receive not posted");
+    /* more receives are posted than the peer is granted (rq_spare): one it
+     * had no credit for is a violation, not an RNR (in SRQ mode
+     * bex__engine_srq_complete checked it) */
+    if (!e->sh->srq && e->n_unposted - e->n_credited + e->n_starved + e->to_return >= e->rq)
+        return bad_recv(e, wc, idx, "a message beyond the credits granted");
     struct bex__rslot *r = bex__engine_rslot_at(e, idx);
     if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM)
         return write_imm_completed(e, wc, idx);

@@ -60,14 +60,27 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
     e->srq_cur = NO_SLOT;
 }
 
+uint32_t bex__engine_rq_spare(const struct bex__engine_shared *sh, uint32_t rq_depth)
+{
+    if (sh->srq)
+        return 0; /* the shared queue's reposts are batched per poll turn */
+    /* an eighth: one ibv_post_recv per 9 messages at the default 64 */
+    uint32_t spare = rq_depth / 8 < 1 ? 1 : rq_depth / 8 > 32 ? 32 : rq_depth / 8;
+    if (sh->dev) {
+        uint32_t most = (uint32_t)sh->dev->attr.max_qp_wr;
+        spare = most <= rq_depth ? 0 : most - rq_depth < spare ? most - rq_depth : spare;
+    }
+    return spare;
+}
+
 /* The engine's tables: send slots, receive slots (not in SRQ mode), the
  * control, rendezvous and release queues. */
 static int engine_tables(struct bex__engine *e, bool srq)
 {
     e->ss = calloc(e->sq, sizeof(*e->ss));
-    e->rs = srq ? NULL : calloc(e->rq, sizeof(*e->rs));
-    e->unposted = calloc(e->rq, sizeof(*e->unposted));
-    e->starved = calloc(e->rq, sizeof(*e->starved));
+    e->rs = srq ? NULL : calloc(e->rslots, sizeof(*e->rs));
+    e->unposted = calloc(e->rslots, sizeof(*e->unposted));
+    e->starved = calloc(e->rslots, sizeof(*e->starved));
     /* one answer per rendezvous slot, one refusal per receive (see
      * bex__engine_refuse_stream) */
     e->ctl_cap = e->max_rndv + e->rq + CTLQ_EXTRA;
@@ -116,7 +129,7 @@ static int engine_areas(struct bex__engine *e)
 /* The engine's own receive buffers (none in SRQ mode). */
 static int engine_recv_bufs(struct bex__engine *e, bool srq)
 {
-    for (uint32_t i = 0; !srq && i < e->rq; i++) {
+    for (uint32_t i = 0; !srq && i < e->rslots; i++) {
         struct bex__rslot *r = &e->rs[i];
         void *buf = bex__engine_recv_alloc(e, e->sh->recv_pool, e->rbuf_len);
         if (!buf)
@@ -130,7 +143,7 @@ static int engine_recv_bufs(struct bex__engine *e, bool srq)
      * application holds would otherwise stop this thread for a registration
      * at each new chunk (tens of ms on Soft-RoCE). Best effort: a failure
      * shows at the refill, which copes with it. */
-    (void)bex_mem_pool_reserve(e->sh->recv_pool, e->rq, e->rbuf_len);
+    (void)bex_mem_pool_reserve(e->sh->recv_pool, e->rslots, e->rbuf_len);
     return 0;
 }
 
@@ -156,7 +169,7 @@ static int engine_qp(struct bex__engine *e, bool srq, struct ibv_qp *stand_in)
         .srq = srq ? sh->srq->srq : NULL,
         .pd = sh->pd,
         .sq_depth = e->sq,
-        .rq_depth = e->rq,
+        .rq_depth = e->rslots,
         .max_send_sge = send_sges(sh),
         .max_recv_sge = 1,
         .max_inline = BEX__ENGINE_INLINE,
@@ -200,8 +213,8 @@ static int engine_receives(struct bex__engine *e, bool srq)
         e->srq_in = true;
         return 0;
     }
-    for (uint32_t i = 0; i < e->rq; i++)
-        e->rs[i].wr.next = i + 1 < e->rq ? &e->rs[i + 1].wr : NULL;
+    for (uint32_t i = 0; i < e->rslots; i++)
+        e->rs[i].wr.next = i + 1 < e->rslots ? &e->rs[i + 1].wr : NULL;
     struct ibv_recv_wr *bad;
     int err = bex__rdma_err(bex__rdma_post_recv(e->qp, &e->rs[0].wr, &bad));
     if (err)
@@ -230,6 +243,8 @@ static int engine_create(struct bex__engine_shared *sh, const struct bex__engine
         e->rq = sh->srq->cap;
         e->k = e->rq / 2;
     }
+    e->rslots = e->rq + bex__engine_rq_spare(sh, e->rq);
+    e->slack = e->rslots - e->rq; /* all posted, rq of them granted */
     int err = engine_tables(e, srq);
     if (!err)
         err = engine_areas(e);
@@ -321,7 +336,7 @@ void bex__engine_destroy(struct bex__engine *e)
     else if (e->qp)
         bex__rdma_qp_destroy(e->qp);
     bex__engine_srq_leave(e);
-    for (uint32_t i = 0; e->rs && i < e->rq; i++)
+    for (uint32_t i = 0; e->rs && i < e->rslots; i++)
         bex__engine_recv_free(e, bex__engine_slot_take_buf(e, &e->rs[i]));
     for (uint32_t i = 0; e->rin && i < e->max_rndv; i++)
         if (e->rin[i].used)
@@ -390,7 +405,7 @@ bool bex__engine_is_up(struct bex__engine *e)
 }
 uint32_t bex__engine_charged(const struct bex__engine *e)
 {
-    return e->n_unposted + e->n_starved + e->to_return;
+    return e->n_unposted - e->n_credited + e->n_starved + e->to_return;
 }
 
 bool bex__engine_is_dead(struct bex__engine *e)

@@ -21,8 +21,10 @@
  * so its payload lands at the buffer's start; a control message's header
  * lands there too. Rendezvous destinations come from the landing pool (see
  * bex/mem.h); the keepalive word is a registered region of its own. A SEND's payload buffer goes to
- * the application as it is and a fresh one takes its place; receives are reposted k = rq_depth/2 at
- * a time with one ibv_post_recv, and the credits go back to the peer with the next SEND (the
+ * the application as it is and a fresh one takes its place. A few receives are posted beyond the
+ * credits granted (bex__engine_rq_spare), so a consumed receive's credit goes back before it is
+ * posted again, and receives are reposted in chains, one ibv_post_recv for up to spare + 1 (or
+ * k = rq_depth/2) of them; the credits go back to the peer with the next SEND (the
  * immediate or the header), or in an explicit CREDIT message. In SRQ mode
  * (sh->srq) the receives are the I/O thread's shared queue's, and the
  * engine's peer holds a share of them as its credits (srq.h). */
@@ -85,6 +87,13 @@ struct bex__engine_config {
  * hundred us in the emulated VM, and each CREDIT alone costs both sides a
  * work request and a progress call (test_iothreads.echo_visits). */
 #define BEX__ENGINE_ACK_DELAY_US 1000
+
+/* Receives an engine posts beyond the rq_depth credits it grants (none in
+ * SRQ mode; sh->dev's max_qp_wr bounds them): a consumed receive's credit
+ * goes back at once while these cover it, and the receives are posted
+ * again in chains of up to spare + 1. Every receive of the engine's QP
+ * (rq_depth + spare) may complete on its CQ. */
+uint32_t bex__engine_rq_spare(const struct bex__engine_shared *sh, uint32_t rq_depth);
 
 /* Inline bytes asked of the QP: a DATA payload up to what the device
  * grants goes inside its work request (none where the device has none). */

@@ -162,9 +162,16 @@ struct bex__engine {
     uint64_t ack_held; /* bex__now_us() when owed credits were first held
                           back for a message to carry them (0: not held) */
 
-    /* receive side */
+    /* receive side: rq credits granted, rslots = rq + spare receives of
+     * our own (spare: bex__engine_rq_spare; 0 in SRQ mode). The spare
+     * ones let a consumed receive's credit go back before it is posted
+     * again, so that reposts go in chains rather than one ibv_post_recv a
+     * message (bex__engine_repost_recvs): slack, the receives posted
+     * beyond the credits the peer holds or will be sent, pays for them,
+     * and n_credited of the unposted slots (their first ones) have had
+     * their credit returned so. */
     struct bex__rslot *rs;
-    uint32_t rq, k;
+    uint32_t rq, k, rslots, slack, n_credited;
     uint32_t rbuf_len;    /* receive buffer bytes: eager_max, at least a header */
     uint32_t rbuf_usable; /* their usable size (one size class: the same for
                              all), known after the first (0: not yet) */
@@ -306,6 +313,11 @@ bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *o
 void bex__engine_prep_wops(struct bex__engine *e);
 bool bex__engine_spare_fill(struct bex__engine *e);
 struct sslot *bex__engine_slot_take(struct bex__engine *e);
+/* m, just queued alone on st, with no other stream in the ring: prepared
+ * at once (posted by the next bex__engine_progress, which was due anyway)
+ * when it goes by SEND and nothing the scheduler would put first or
+ * count waits; false: it goes through the ring as usual. */
+bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m);
 void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r);
 /* sendwnd.c: the send window (static or adaptive) and the destination's
  * bound: take (false: wait; counted as window_stalls or dest_bound_hits),

@@ -304,14 +304,16 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
         bex__engine_msg_done(e, m, ST_INDOUBT);
     }
     e->ack_tail = NULL;
-    /* posted messages next, in order; then queued ones */
+    /* posted messages next, in order, then prepared ones (bex__engine_turn_now:
+     * never posted); then queued ones */
     for (uint32_t c = e->head; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);
         s->closed = NULL;
         if (s->done) {
             struct bex__msg *m = s->done;
             s->done = NULL;
-            bex__engine_msg_done(e, m, m->status ? m->status : ST_INDOUBT);
+            int st = (int32_t)(c - e->post) < 0 ? ST_INDOUBT : ST_UNSENT;
+            bex__engine_msg_done(e, m, m->status ? m->status : st);
         }
     }
     e->head = e->post = e->sig_end = e->dscan = e->tail;

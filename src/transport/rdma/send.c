@@ -215,6 +215,27 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
     return true;
 }
 
+bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+{
+    /* what progress sends first (window operations, a keepalive, control
+     * messages, releases), a stream owing its OPEN or CLOSE, a send window
+     * or a destination's bound (quiet_max 0: their stalls are counted by
+     * the scheduler's turn), no slot, the last credits: the ring's way */
+    if (e->state != E_UP || st->state != BEX__S_OPEN || st->q_head != m || !e->quiet_max ||
+        e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due || !bex__engine_free_slots(e) ||
+        !bex__engine_have_credit(e, false) || m->len > e->peer_max_msg || !goes_eager(e, st, m))
+        return false;
+    /* an answer sent from the upcall of the peer's message carries that
+     * message's credit, as progress would have it (before its turn) */
+    if (e->acks_owed && e->n_unposted != e->n_credited) {
+        bex__engine_repost_recvs(e);
+        if (e->state != E_UP)
+            return false;
+    }
+    bool blocked;
+    return turn_eager(e, st, m, &blocked); /* cannot block: credit checked, no window */
+}
+
 /* A turn of st whose head m has its destination: one fragment written. */
 static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m,
                           bool *blocked)
@@ -406,10 +427,25 @@ void bex__engine_post_pending(struct bex__engine *e)
     e->post = e->tail;
 }
 
+/* Receives consumed and handled (unposted, with a fresh buffer) give their
+ * credits back: at once while the spare receives posted beyond the
+ * granted ones (slack) cover them, the slots kept for the next chain; else
+ * every unposted slot is posted again, in one chain, and the slack is what
+ * the credited ones had taken. The peer is never granted a receive that is
+ * not posted: posted - credits it holds or will be sent = slack >= 0.
+ * (Each consumed receive lowers both; a credit returned here raises the
+ * second, a receive posted the first.) */
 void bex__engine_repost_recvs(struct bex__engine *e)
 {
-    if (e->n_unposted == 0)
+    uint32_t fresh = e->n_unposted - e->n_credited; /* credits not yet returned */
+    if (fresh == 0)
         return;
+    if (fresh <= e->slack && e->n_unposted < e->k) {
+        e->slack -= fresh;
+        e->n_credited = e->n_unposted;
+        e->to_return += fresh;
+        return;
+    }
     int rc;
     if (e->sh->srq) {
         /* onto the shared queue, posted with the other engines' at the
@@ -431,8 +467,9 @@ void bex__engine_repost_recvs(struct bex__engine *e)
         bex__engine_fail_now(e, bex__rdma_err(rc));
         return;
     }
-    e->to_return += e->n_unposted;
-    e->n_unposted = 0;
+    e->to_return += fresh;
+    e->slack += e->n_credited;
+    e->n_unposted = e->n_credited = 0;
 }
 
 /* The keepalive sequence goes by RDMA WRITE: no receive, no credit, no
@@ -487,7 +524,7 @@ static bool ack_due(struct bex__engine *e)
 /* Every owed credit went (or waits for a buffer: starved): nothing held. */
 static void acks_settle(struct bex__engine *e)
 {
-    if (e->to_return || e->n_unposted || !e->acks_owed)
+    if (e->to_return || e->n_unposted != e->n_credited || !e->acks_owed)
         return;
     e->acks_owed = e->n_starved != 0;
     e->ack_held = 0;
@@ -539,7 +576,7 @@ bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
-    uint32_t before = e->tail;
+    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
     /* window binds and revocations: ahead of the answers that name them,
      * and alone (see wops_hold) */
     if (bex__engine_wops_hold(e))
@@ -548,7 +585,7 @@ bool bex__engine_progress(struct bex__engine *e)
         bex__engine_prep_keepalive(e);
     /* the peer waits for these receives' credits to report its messages:
      * posted now, whatever we send next carries them */
-    if (e->acks_owed && e->n_unposted) {
+    if (e->acks_owed && e->n_unposted != e->n_credited) {
         bex__engine_repost_recvs(e);
         if (e->state != E_UP)
             return e->tail != before;

@@ -130,6 +130,9 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
     }
     m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
     bex__stream_enqueue(st, m);
+    /* no other stream waits: its turn now (the next progress posts it) */
+    if (!e->streams.ring_n && bex__engine_turn_now(e, st, m))
+        return;
     bex__stream_ring_add(&e->streams, st);
 }
 
