@@ -536,8 +536,13 @@ typedef struct bex_ps_client_stats {
     /* Pushes kept for a replica that failed them while another replica
      * took them (bex_ps_client_config.push_resend_max), sent to it again
      * and taken, dropped unsent (past the bound, out of the replicas' id
-     * window, refused), and kept now */
+     * window, refused, their replica gone from the directory), and kept
+     * now */
     uint64_t push_kept, push_resent, push_dropped, push_held;
+    /* The Push channels the client has now: one per replica the directory
+     * lists, and those of replicas it no longer lists not retired yet
+     * (docs/configuration.md, "PS client") */
+    uint64_t push_channels;
 } bex_ps_client_stats;
 void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out);
 

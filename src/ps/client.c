@@ -68,6 +68,7 @@ struct bex_ps_client {
     uint64_t gen;            /* the directory generation push follows */
     struct shard_reps *push; /* per shard (NULL until the first Push) */
     struct pch *all;
+    uint64_t n_pch; /* the Push channels the client has */
     /* A Push's id, the same at every replica (a restarted replica's
      * catch-up tells by it which Pushes its peer applied): this client's
      * random id and a sequence per Push, and its random token: the
@@ -332,6 +333,7 @@ static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
     }
     p->next = c->all;
     c->all = p;
+    c->n_pch++;
     return p;
 }
 
@@ -385,6 +387,7 @@ void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
         bex_rpc_channel_stats_get(p->ch, &st);
         stats_add(out, &st);
     }
+    out->push_channels = c->n_pch;
     pthread_mutex_unlock(&c->mu);
     bex__ps_keep_stats(&c->keep, out);
 }
