@@ -460,12 +460,12 @@ static PyObject *ps_stats(PsClient *self, PyObject *unused)
     bex_ps_client_stats s;
     bex_ps_client_stats_get(self->pc, &s);
     bexmod_ps_leave(self);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsl}", "calls", s.calls, "ok", s.ok, "failed",
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsl}", "calls", s.calls, "ok", s.ok, "failed",
                          s.failed, "attempts", s.attempts, "retries", s.retries, "retry_throttled",
                          s.retry_throttled, "failovers", s.failovers, "conn_failures",
                          s.conn_failures, "push_kept", s.push_kept, "push_resent", s.push_resent,
-                         "push_dropped", s.push_dropped, "push_held", s.push_held, "zero_copy",
-                         (long)atomic_load(&self->zero_copy));
+                         "push_dropped", s.push_dropped, "push_held", s.push_held, "push_channels",
+                         s.push_channels, "zero_copy", (long)atomic_load(&self->zero_copy));
 }
 
 /* Bytes in use in the context's pools (send and receive), for leak checks. */

@@ -11,8 +11,10 @@
  * that replica alone, so that a retry after a lost answer goes to the same
  * server with the same (client id, sequence) and its dedup window applies
  * it once. The Push channels follow the directory (its generation): a
- * replica keeps its channel while it is listed, and a channel is only
- * destroyed with the client (a Push may still be out on it).
+ * replica keeps its channel while it is listed; the channel of one the
+ * directory no longer lists is retired once nothing is out on it and
+ * nothing kept for it (push_sweep), so that a directory whose replicas
+ * change address cannot grow the client without bound.
  *
  * A Fetch is a read: a sub-request that failed for its connection, came
  * back in doubt (-EIO) or was refused for now is issued again on its
@@ -39,13 +41,19 @@
 #include "rpc/internal.h"
 
 #define MAX_SHARDS 4096u
+/* Channels of replicas gone from the directory that still keep Pushes (or
+ * have calls out): past these, the longest gone one's are dropped. */
+#define GONE_MAX 8u
 
 /* A Push channel: one replica's. */
 struct pch {
     bex_dir_replica r;
     bex_rpc_channel *ch;
     struct bex__ps_krep *kr; /* the Pushes kept for it */
-    struct pch *next;        /* every one the client made */
+    struct bex__list l;      /* in c->all, or c->dead */
+    _Atomic uint32_t out;    /* holders of ch: Push parts, calls (taken under c->mu) */
+    uint64_t gone;           /* 0: listed; else when it left the lists (c->gone_tick) */
+    bool mark, busy;         /* push_mark's; push_sweep's: a resend out, passed over */
 };
 
 struct shard_reps {
@@ -63,12 +71,16 @@ struct bex_ps_client {
     uint32_t timeout_ms, attempt_timeout_ms, connect_timeout_ms;
     uint32_t max_attempts, budget_burst, budget_permille; /* the channels' (0: default) */
     uint32_t push_mode;                                   /* BEX_PS_PUSH_* */
-    bex_rpc_channel **ch;    /* Fetch: a directory-mode channel per shard */
-    pthread_mutex_t mu;      /* the Push channels below */
-    uint64_t gen;            /* the directory generation push follows */
-    struct shard_reps *push; /* per shard (NULL until the first Push) */
-    struct pch *all;
-    uint64_t n_pch; /* the Push channels the client has */
+    bex_rpc_channel **ch;        /* Fetch: a directory-mode channel per shard */
+    pthread_mutex_t mu;          /* the Push channels below */
+    uint64_t gen;                /* the directory generation push follows */
+    struct shard_reps *push;     /* per shard (NULL until the first Push) */
+    struct bex__list all;        /* struct pch.l: every Push channel the client has */
+    uint64_t n_pch;              /* the Push channels the client has (all and dead) */
+    uint64_t gone_tick;          /* channels that left the lists, counted */
+    size_t n_gone;               /* those of all not listed now */
+    struct bex__list dead;       /* struct pch.l retired: for the retry thread to destroy */
+    bex_ps_client_stats retired; /* the counters of channels destroyed */
     /* A Push's id, the same at every replica (a restarted replica's
      * catch-up tells by it which Pushes its peer applied): this client's
      * random id and a sequence per Push, and its random token: the
@@ -110,6 +122,7 @@ struct sub {
     struct bex__ps_krep *kr;
     uint8_t *body;
     size_t blen;
+    struct pch *pch; /* a Push's: its channel's, held until the request ends */
 };
 
 struct op {
@@ -130,9 +143,12 @@ struct op {
 
 static void *retry_main(void *arg);
 
-/* The retry queue, empty, and its thread not started. */
+/* The retry queue, empty, and its thread not started; no Push channel
+ * (the thread destroys the retired ones). */
 static void retry_init(bex_ps_client *c)
 {
+    bex__list_init(&c->all);
+    bex__list_init(&c->dead);
     bex__list_init(&c->rq);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -273,10 +289,14 @@ void bex_ps_client_destroy(bex_ps_client *c)
     bex__ps_keep_stop(&c->keep);
     for (uint32_t i = 0; i < c->n_shards; i++)
         bex_rpc_channel_destroy(c->ch[i]);
-    for (struct pch *p = c->all, *nx; p; p = nx) {
-        nx = p->next;
-        bex_rpc_channel_destroy(p->ch);
-        free(p);
+    for (int i = 0; i < 2; i++) {
+        struct bex__list *n;
+        while ((n = bex__list_first(i ? &c->dead : &c->all))) {
+            bex__list_remove(n);
+            struct pch *p = bex__list_entry(n, struct pch, l);
+            bex_rpc_channel_destroy(p->ch);
+            free(p);
+        }
     }
     reps_free(c->push, c->n_shards);
     bex__ps_keep_free(&c->keep);
@@ -303,9 +323,13 @@ static void stats_add(bex_ps_client_stats *o, const bex_rpc_channel_stats *st)
 /* The channel of replica r, made on first need. Under c->mu. */
 static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
 {
-    for (struct pch *p = c->all; p; p = p->next)
+    struct bex__list *n;
+    bex__list_foreach(n, &c->all)
+    {
+        struct pch *p = bex__list_entry(n, struct pch, l);
         if (bex_addr_equal(&p->r.addr, &r->addr) && p->r.transport == r->transport)
             return p;
+    }
     struct pch *p = calloc(1, sizeof *p);
     if (!p)
         return NULL;
@@ -331,10 +355,81 @@ static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
         free(p);
         return NULL;
     }
-    p->next = c->all;
-    c->all = p;
+    bex__list_push_tail(&c->all, &p->l);
     c->n_pch++;
     return p;
+}
+
+/* Which channels c->push lists (gone 0), and since when the others are not
+ * (gone: c->gone_tick's then). Under c->mu. */
+static void push_mark(bex_ps_client *c)
+{
+    struct bex__list *n;
+    bex__list_foreach(n, &c->all) bex__list_entry(n, struct pch, l)->mark = false;
+    for (uint32_t s = 0; s < c->n_shards; s++)
+        for (size_t i = 0; i < c->push[s].n; i++)
+            c->push[s].r[i]->mark = true;
+    c->n_gone = 0;
+    bex__list_foreach(n, &c->all)
+    {
+        struct pch *p = bex__list_entry(n, struct pch, l);
+        if (p->mark)
+            p->gone = 0;
+        else if (c->n_gone++, !p->gone)
+            p->gone = ++c->gone_tick;
+    }
+}
+
+/* p (its kept Pushes' record freed), moved from c->all to the retry
+ * thread to destroy (or to bex_ps_client_destroy, when that thread is not
+ * there). Under c->mu. */
+static void push_retire(bex_ps_client *c, struct pch *p)
+{
+    bex__list_remove(&p->l);
+    c->n_gone--;
+    p->kr = NULL;
+    bex__list_push_tail(&c->dead, &p->l);
+    if (retry_thread(c) == 0)
+        pthread_cond_signal(&c->rcv);
+}
+
+/* The longest gone channel of c->all that nothing holds (not passed over
+ * as busy), or NULL. Under c->mu. */
+static struct pch *gone_oldest(bex_ps_client *c)
+{
+    struct pch *old = NULL;
+    struct bex__list *n;
+    bex__list_foreach(n, &c->all)
+    {
+        struct pch *p = bex__list_entry(n, struct pch, l);
+        if (p->gone && !p->busy && !atomic_load(&p->out) && (!old || p->gone < old->gone))
+            old = p;
+    }
+    return old;
+}
+
+/* The channels of replicas gone from the directory retired: each that
+ * nothing holds and nothing is kept for; past GONE_MAX gone ones that
+ * stay, the longest gone that nothing holds too, its kept Pushes dropped
+ * (counted, logged). Under c->mu. */
+static void push_sweep(bex_ps_client *c)
+{
+    struct bex__list *n, *nx;
+    bex__list_foreach_safe(n, nx, &c->all)
+    {
+        struct pch *p = bex__list_entry(n, struct pch, l);
+        p->busy = false;
+        /* the count first: no lock taken for one that keeps Pushes */
+        if (p->gone && !atomic_load(&p->out) && !bex__ps_keep_count(p->kr) &&
+            bex__ps_keep_retire(&c->keep, p->kr, false))
+            push_retire(c, p);
+    }
+    struct pch *old;
+    while (c->n_gone > GONE_MAX && (old = gone_oldest(c)))
+        if (bex__ps_keep_retire(&c->keep, old->kr, true))
+            push_retire(c, old);
+        else
+            old->busy = true; /* a resend of it out: the next sweep's */
 }
 
 /* Make c->push follow the directory's replicas. Under c->mu. 0 or -ENOMEM
@@ -342,8 +437,11 @@ static struct pch *pch_of(bex_ps_client *c, const bex_dir_replica *r)
 static int push_refresh(bex_ps_client *c)
 {
     uint64_t g = bex_dir_generation(c->dir);
-    if (c->push && g == c->gen)
+    if (c->push && g == c->gen) {
+        if (c->n_gone)
+            push_sweep(c);
         return 0;
+    }
     struct shard_reps *nw = calloc(c->n_shards, sizeof *nw);
     if (!nw)
         return -ENOMEM;
@@ -371,6 +469,8 @@ static int push_refresh(bex_ps_client *c)
     reps_free(c->push, c->n_shards);
     c->push = nw;
     c->gen = g;
+    push_mark(c);
+    push_sweep(c);
     return 0;
 }
 
@@ -383,10 +483,22 @@ void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
         stats_add(out, &st);
     }
     pthread_mutex_lock(&c->mu);
-    for (struct pch *p = c->all; p; p = p->next) {
-        bex_rpc_channel_stats_get(p->ch, &st);
-        stats_add(out, &st);
+    for (int i = 0; i < 2; i++) {
+        struct bex__list *n;
+        bex__list_foreach(n, i ? &c->dead : &c->all)
+        {
+            bex_rpc_channel_stats_get(bex__list_entry(n, struct pch, l)->ch, &st);
+            stats_add(out, &st);
+        }
     }
+    out->calls += c->retired.calls;
+    out->ok += c->retired.ok;
+    out->failed += c->retired.failed;
+    out->attempts += c->retired.attempts;
+    out->retries += c->retired.retries;
+    out->retry_throttled += c->retired.retry_throttled;
+    out->failovers += c->retired.failovers;
+    out->conn_failures += c->retired.conn_failures;
     out->push_channels = c->n_pch;
     pthread_mutex_unlock(&c->mu);
     bex__ps_keep_stats(&c->keep, out);
@@ -418,12 +530,31 @@ static void keep_settle(struct op *op)
     }
 }
 
+/* sb holds p (a Push part's channel), the one it held before let go.
+ * Under c->mu. */
+static void push_hold(struct sub *sb, struct pch *p)
+{
+    atomic_fetch_add(&p->out, 1);
+    bex__ps_client_push_put(sb->pch);
+    sb->pch = p;
+}
+
+void bex__ps_client_push_put(void *hold)
+{
+    struct pch *p = hold;
+    if (p)
+        atomic_fetch_sub(&p->out, 1);
+}
+
 static void op_put(struct op *op)
 {
     if (atomic_fetch_sub(&op->left, 1) != 1)
         return;
-    if (op->method == BEX_PS_M_PUSH)
+    if (op->method == BEX_PS_M_PUSH) {
         keep_settle(op);
+        for (size_t i = 0; i < op->n_subs; i++)
+            bex__ps_client_push_put(op->subs[i].pch);
+    }
     op->done(atomic_load(&op->status), op->user);
     free(op);
 }
@@ -534,6 +665,7 @@ static void resend(bex_ps_client *c, struct sub *sb)
     if (n) {
         sb->pi = c->prim[sb->shard];
         ch = c->push[sb->shard].r[sb->pi % n]->ch;
+        push_hold(sb, c->push[sb->shard].r[sb->pi % n]);
     }
     pthread_mutex_unlock(&c->mu);
     uint64_t now = bex__rpc_now_ns();
@@ -579,12 +711,32 @@ static struct bex__ps_retry *retry_due(bex_ps_client *c, uint64_t *at_ns)
     return rt;
 }
 
+/* The retired Push channels destroyed (under c->mu, released meanwhile):
+ * nothing holds them, no call is out on them; their counters kept. */
+static void reap(bex_ps_client *c)
+{
+    struct bex__list *n;
+    while ((n = bex__list_first(&c->dead))) {
+        bex__list_remove(n);
+        struct pch *p = bex__list_entry(n, struct pch, l);
+        bex_rpc_channel_stats st;
+        bex_rpc_channel_stats_get(p->ch, &st);
+        stats_add(&c->retired, &st);
+        pthread_mutex_unlock(&c->mu);
+        bex_rpc_channel_destroy(p->ch);
+        free(p);
+        pthread_mutex_lock(&c->mu);
+        c->n_pch--;
+    }
+}
+
 static void *retry_main(void *arg)
 {
     bex_ps_client *c = arg;
     pthread_mutex_lock(&c->mu);
     while (!c->rstop) {
         uint64_t at = 0;
+        reap(c);
         struct bex__ps_retry *rt = retry_due(c, &at);
         if (rt) {
             pthread_mutex_unlock(&c->mu);
@@ -675,6 +827,8 @@ static size_t shard_subs(bex_ps_client *c, struct op *op, size_t s, uint32_t cnt
                            .idx = (uint32_t)k,
                            .pi = (uint32_t)r};
         sb->ch = push ? (nr ? c->push[s].r[r]->ch : NULL) : c->ch[s];
+        if (push && nr)
+            push_hold(sb, c->push[s].r[r]);
         if (push && !c->prim && nr > 1)
             sb->kr = c->push[s].r[r]->kr;
         if (res && k < res_cap) {
@@ -975,15 +1129,18 @@ bool bex__ps_client_fetch_retries(const bex_ps_client *c)
 }
 
 int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch, bex_addr *addr,
-                            struct bex__ps_hdr *h)
+                            struct bex__ps_hdr *h, void **hold)
 {
     pthread_mutex_lock(&c->mu);
     int rc = push_refresh(c);
     if (rc == 0 && c->push[shard].n != 1)
         rc = -ENOENT;
     if (rc == 0) {
-        *ch = c->push[shard].r[0]->ch;
-        *addr = c->push[shard].r[0]->r.addr;
+        struct pch *p = c->push[shard].r[0];
+        *ch = p->ch;
+        *addr = p->r.addr;
+        atomic_fetch_add(&p->out, 1);
+        *hold = p;
     }
     pthread_mutex_unlock(&c->mu);
     if (rc)

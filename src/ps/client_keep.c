@@ -31,7 +31,7 @@ struct bex__ps_krep {
     uint64_t bytes;
     bool busy;                 /* the oldest is out */
     uint64_t due_ns, pause_ns; /* its next send (0: none due) */
-    struct bex__ps_krep *next;
+    struct bex__list l;        /* in k->reps */
 };
 
 struct kept {
@@ -111,6 +111,7 @@ void bex__ps_keep_init(struct bex__ps_keep *k, bex_ctx *ctx, const _Atomic uint6
     k->max = max && max < BEX__PS_IDS_WINDOW ? max : BEX__PS_IDS_WINDOW;
     k->max_bytes = max_bytes ? max_bytes : 16ull << 20;
     k->pause_ns = (uint64_t)(pause_ms ? pause_ms : 50) * 1000000ull;
+    bex__list_init(&k->reps);
     pthread_mutex_init(&k->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -132,8 +133,10 @@ void bex__ps_keep_stop(struct bex__ps_keep *k)
 
 void bex__ps_keep_free(struct bex__ps_keep *k)
 {
-    for (struct bex__ps_krep *r = k->reps, *nx; r; r = nx) {
-        nx = r->next;
+    struct bex__list *l;
+    while ((l = bex__list_first(&k->reps))) {
+        struct bex__ps_krep *r = bex__list_entry(l, struct bex__ps_krep, l);
+        bex__list_remove(l);
         struct bex__list *n;
         while ((n = bex__list_first(&r->q))) {
             bex__list_remove(n);
@@ -141,7 +144,6 @@ void bex__ps_keep_free(struct bex__ps_keep *k)
         }
         free(r);
     }
-    k->reps = NULL;
     pthread_cond_destroy(&k->cv);
     pthread_mutex_destroy(&k->mu);
 }
@@ -158,8 +160,7 @@ struct bex__ps_krep *bex__ps_keep_rep(struct bex__ps_keep *k, bex_rpc_channel *c
     r->pause_ns = k->pause_ns;
     bex__list_init(&r->q);
     pthread_mutex_lock(&k->mu);
-    r->next = k->reps;
-    k->reps = r;
+    bex__list_push_tail(&k->reps, &r->l);
     pthread_mutex_unlock(&k->mu);
     return r;
 }
@@ -243,6 +244,40 @@ void bex__ps_keep_ok(struct bex__ps_keep *k, struct bex__ps_krep *r)
         pthread_cond_signal(&k->cv);
     }
     pthread_mutex_unlock(&k->mu);
+}
+
+uint32_t bex__ps_keep_count(struct bex__ps_krep *r)
+{
+    return atomic_load(&r->n);
+}
+
+bool bex__ps_keep_retire(struct bex__ps_keep *k, struct bex__ps_krep *r, bool force)
+{
+    pthread_mutex_lock(&k->mu);
+    uint32_t n = atomic_load(&r->n);
+    if (r->busy || (n && !force)) {
+        pthread_mutex_unlock(&k->mu);
+        return false;
+    }
+    if (n) {
+        char a[BEX_ADDR_STRLEN];
+        bex__log(bex__ctx_log(k->ctx), BEX_LOG_WARN,
+                 "ps client: Pushes kept for replica %s dropped (%u; the directory no longer "
+                 "lists it, past the bound of such replicas kept): that replica misses them",
+                 bex_addr_format(&r->addr, true, a, sizeof a), n);
+    }
+    struct bex__list *l;
+    while ((l = bex__list_first(&r->q))) {
+        bex__list_remove(l);
+        r->bytes -= bex__list_entry(l, struct kept, l)->len;
+        kept_free(bex__list_entry(l, struct kept, l));
+        k->held--;
+        atomic_fetch_add(&k->dropped, 1);
+    }
+    bex__list_remove(&r->l);
+    pthread_mutex_unlock(&k->mu);
+    free(r);
+    return true;
 }
 
 void bex__ps_keep_stats(struct bex__ps_keep *k, bex_ps_client_stats *out)
@@ -334,9 +369,13 @@ static void send_oldest(struct bex__ps_keep *k, struct bex__ps_krep *r)
 static struct bex__ps_krep *next_due(struct bex__ps_keep *k, uint64_t *at)
 {
     struct bex__ps_krep *best = NULL;
-    for (struct bex__ps_krep *r = k->reps; r; r = r->next)
+    struct bex__list *pos;
+    bex__list_foreach(pos, &k->reps)
+    {
+        struct bex__ps_krep *r = bex__list_entry(pos, struct bex__ps_krep, l);
         if (!r->busy && r->due_ns && atomic_load(&r->n) && (!best || r->due_ns < best->due_ns))
             best = r;
+    }
     *at = best ? best->due_ns : 0;
     return best;
 }

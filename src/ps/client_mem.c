@@ -287,6 +287,7 @@ struct zpart {
     bex_ps_replica_result *res; /* Push: the caller's entry (or NULL) */
     uint32_t shard;             /* Fetch: its shard's, and its retry */
     struct bex__ps_retry rt;
+    void *hold; /* Push: its channel's (bex__ps_client_push_one) */
 };
 
 /* A call on an array: its parts (one per shard, and the copying one), the
@@ -544,6 +545,7 @@ static void push_done(int status, void *body, size_t len, void *user)
     bex_rpc_free(body);
     if (p->res)
         p->res->status = status;
+    bex__ps_client_push_put(p->hold);
     part_end(z, status);
 }
 
@@ -651,10 +653,11 @@ static int push_route(bex_ps_client *c, struct push_args *a, const struct run *r
     if (ROOM - BEX_RPC_HDR_LEN + 8 * (size_t)n + 4 * (size_t)n * a->dim > BEX_PS_BODY_MAX)
         return -ENOENT;
     bex_addr addr;
-    int rc = bex__ps_client_push_one(c, r->shard, ch, &addr, h);
+    void *hold;
+    int rc = bex__ps_client_push_one(c, r->shard, ch, &addr, h, &hold);
     if (rc)
         return rc;
-    *p = (struct zpart){.z = p->z, .first = r->a, .n = n};
+    *p = (struct zpart){.z = p->z, .first = r->a, .n = n, .hold = hold};
     if (a->used < a->cap) {
         p->res = &a->res[a->used];
         *p->res = (bex_ps_replica_result){.shard = r->shard, .addr = addr, .status = -EINPROGRESS};
@@ -672,8 +675,11 @@ static int push_other(bex_ps_client *c, struct zcall *z, struct push_args *a, co
     int rc = push_route(c, a, r, p, &ch, &h);
     if (rc == -ENOENT)
         return push_copied(c, z, a, r);
-    if (rc == 0 && (rc = push_gathered(c, p, ch, &h, a->keys)) && p->res)
-        p->res->status = rc;
+    if (rc == 0 && (rc = push_gathered(c, p, ch, &h, a->keys))) {
+        bex__ps_client_push_put(p->hold); /* not sent */
+        if (p->res)
+            p->res->status = rc;
+    }
     return rc;
 }
 
@@ -707,8 +713,11 @@ static int push_parts(bex_ps_client *c, struct ubuf *u, const struct runs *rs, s
     }
     if (ch0 && !rc && !(rc = push_in_place(c, &z->part[0], ch0, &h0, a->keys)))
         sent++;
-    else if (ch0 && z->part[0].res)
-        z->part[0].res->status = rc ? rc : -ECANCELED;
+    else if (ch0) { /* not sent */
+        bex__ps_client_push_put(z->part[0].hold);
+        if (z->part[0].res)
+            z->part[0].res->status = rc ? rc : -ECANCELED;
+    }
     if (n_res)
         *n_res = sent ? a->used : 0;
     if (sync && sent)

@@ -32,7 +32,7 @@ static const struct bex__prom_ctr ctrs[] = {
     {"bex_ps_client_push_resent_total", "Kept Pushes sent to their replica again and taken",
      offsetof(bex_ps_client_stats, push_resent)},
     {"bex_ps_client_push_dropped_total",
-     "Kept Pushes dropped unsent (past the bound, out of the id window, refused)",
+     "Kept Pushes dropped unsent (past the bound, out of the id window, refused, replica gone)",
      offsetof(bex_ps_client_stats, push_dropped)},
 };
 

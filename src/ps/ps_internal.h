@@ -348,10 +348,15 @@ static inline uint32_t bex__ps_retry_left_ms(const struct bex__ps_retry *rt, uin
     return (uint32_t)((rt->end_ns > now ? rt->end_ns - now : 0) / 1000000 + 1);
 }
 /* The one Push channel of shard (and its replica's address) with a new
- * Push id in h; -ENOENT when the shard's Push goes to more than one replica
- * (or none), -ENOMEM. */
+ * Push id in h, held (*hold) until bex__ps_client_push_put: a channel of a
+ * replica gone from the directory is retired once no one holds it;
+ * -ENOENT when the shard's Push goes to more than one replica (or none),
+ * -ENOMEM. */
 int bex__ps_client_push_one(bex_ps_client *c, uint32_t shard, bex_rpc_channel **ch, bex_addr *addr,
-                            struct bex__ps_hdr *h);
+                            struct bex__ps_hdr *h, void **hold);
+/* A hold of bex__ps_client_push_one let go (its call ended, or was never
+ * made); NULL: none. */
+void bex__ps_client_push_put(void *hold);
 
 /* ---- a Push body shared (client_keep.c) ----
  *
@@ -405,8 +410,8 @@ struct bex__ps_keep {
     pthread_cond_t cv;
     pthread_t thr;
     bool on, stop;
-    struct bex__ps_krep *reps; /* every replica's (under mu) */
-    uint64_t held;             /* Pushes kept now (under mu) */
+    struct bex__list reps; /* every replica's krep.l (under mu) */
+    uint64_t held;         /* Pushes kept now (under mu) */
     _Atomic uint64_t kept, resent, dropped;
 };
 /* max 0: 1024 (at most BEX__PS_IDS_WINDOW), max_bytes 0: 16 MiB,
@@ -428,6 +433,12 @@ void bex__ps_keep_add(struct bex__ps_keep *k, struct bex__ps_krep *r, uint64_t s
                       size_t len);
 /* A Push of this client reached r: its kept ones are sent now. */
 void bex__ps_keep_ok(struct bex__ps_keep *k, struct bex__ps_krep *r);
+/* How many Pushes r keeps now. */
+uint32_t bex__ps_keep_count(struct bex__ps_krep *r);
+/* r (its replica gone from the directory) freed, true, unless a resend of
+ * it is out, or it keeps Pushes and not force: false. With force its kept
+ * Pushes are dropped (counted, logged): that replica misses them. */
+bool bex__ps_keep_retire(struct bex__ps_keep *k, struct bex__ps_krep *r, bool force);
 /* The counters, and how many are kept now. */
 void bex__ps_keep_stats(struct bex__ps_keep *k, bex_ps_client_stats *out);
 

@@ -20,6 +20,10 @@
  *   applied once.
  * resend_bound: the bounds of the Pushes kept (push_resend_max,
  *   push_resend_bytes, the replicas' id window): past them dropped, counted.
+ * churn: a directory that renames a replica to a fresh address before
+ *   every Push: the client's Push channels and kept Pushes stay bounded,
+ *   those of replicas gone are retired (dropped ones counted); every Push
+ *   applied once at the peer.
  * resend_hostile: a replica that answers the Pushes kept for it -EAGAIN
  *   forever, with a malformed answer, refuses every call, applies them and
  *   never answers, or restarts in a loop: memory and threads bounded, resends paced, one
@@ -815,6 +819,127 @@ static int t_resend_bound(void)
     return 0;
 }
 
+/* ---- churn: a directory that renames a replica again and again ---- */
+
+/* The directory of the churn case into w->d: shard 0 at the peer and, p1
+ * not 0, at a1:p1; shard 1 at a1:q1, or at the peer when q1 is 0. */
+static void churn_dir(struct wrig *w, uint16_t p1, uint16_t q1)
+{
+    char ip0[INET_ADDRSTRLEN], ip1[INET_ADDRSTRLEN], r0[64], r1[64], j[512];
+    inet_ntop(AF_INET, &w->ep.addr.in4.sin_addr, ip0, sizeof ip0);
+    inet_ntop(AF_INET, &w->a1, ip1, sizeof ip1);
+    unsigned p0 = ntohs(w->ep.addr.in4.sin_port);
+    snprintf(r0, sizeof r0, ",{\"addr\":\"%s:%u\"}", ip1, (unsigned)p1);
+    snprintf(r1, sizeof r1, "{\"addr\":\"%s:%u\"}", q1 ? ip1 : ip0, q1 ? (unsigned)q1 : p0);
+    snprintf(j, sizeof j,
+             "{\"services\":{\"ps\":{\"shards\":["
+             "{\"replicas\":[{\"addr\":\"%s:%u\"}%s]},{\"replicas\":[%s]}]}}}",
+             ip0, p0, p1 ? r0 : "", r1);
+    char err[256] = "";
+    int rc = bex_dir_load_json(w->d, j, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+}
+
+/* The client's stats once pred holds of them, or at a deadline. */
+static void churn_wait(bex_ps_client *pc, bex_ps_client_stats *cs,
+                       bool (*pred)(const bex_ps_client_stats *))
+{
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    bex_ps_client_stats_get(pc, cs);
+    while (!pred(cs) && pair_now_ms() < end) {
+        pair_sleep_ms(5);
+        bex_ps_client_stats_get(pc, cs);
+    }
+    fprintf(stderr, "client: %llu channels, %llu kept, %llu held, %llu dropped, %llu resent\n",
+            (unsigned long long)cs->push_channels, (unsigned long long)cs->push_kept,
+            (unsigned long long)cs->push_held, (unsigned long long)cs->push_dropped,
+            (unsigned long long)cs->push_resent);
+}
+
+#define CHURN 40
+static bool churn_none_held(const bex_ps_client_stats *cs)
+{
+    return cs->push_held == 0;
+}
+static bool churn_two(const bex_ps_client_stats *cs)
+{
+    return cs->push_channels == 2;
+}
+
+/* Shard 0's second replica renamed to a fresh address before each of
+ * CHURN Pushes (a port reserved on a1, nobody listening: a replica
+ * restarted on a new port each time, or a hostile directory): its part
+ * fails there while the peer takes it, so it is kept for that address.
+ * The client keeps the channels and kept Pushes of at most 8 replicas gone
+ * from the directory, the rest dropped, counted: 10 channels (the peer's,
+ * the listed one's, 8 gone), once the retired are destroyed and no resend
+ * to a gone one was out at the last look (Pushes more, to the same
+ * directory, until then). Then shard 0 on the
+ * peer alone and shard 1 renamed 10 times (its channels never used: retired
+ * as they go); once the kept Pushes fall out of the id window (dropped),
+ * their channels go too: 2 left. The peer applied every Push once. (On the
+ * code before: 41 channels and 40 Pushes held after the first part, 51
+ * channels at the end.) */
+static int t_churn(void)
+{
+    static struct wrig w;
+    PAIR_NEED(wrig_up(&w, 0));
+    bex_ps_client *pc;
+    CHECK_OK(bex_ps_client_create(w.cctx, &w.cc, &pc));
+    static struct pushes P;
+    pushes_make(&P, 1, 0, 40);
+    int st[2], pushes = 0;
+    for (int i = 0; i < CHURN; i++, pushes++) {
+        churn_dir(&w, bex_test_port_at(w.a1), 0);
+        if (i)
+            ref_push(&P.ref, P.idx, P.n, P.g[1]);
+        CHECK(window_push(pc, &P, 1, 0, &w.ep.addr, st) != 0);
+        CHECK(st[0] == 0 && st[1] != 0);
+    }
+    bex_ps_client_stats cs;
+    uint64_t end = pair_now_ms() + 10000ull * time_scale();
+    int more = 0; /* Pushes to the last directory, each a look */
+    for (bex_ps_client_stats_get(pc, &cs); cs.push_channels > 10 && pair_now_ms() < end;
+         bex_ps_client_stats_get(pc, &cs), more++, pushes++) {
+        ref_push(&P.ref, P.idx, P.n, P.g[1]);
+        CHECK(window_push(pc, &P, 1, 0, &w.ep.addr, st) != 0);
+        CHECK(st[0] == 0 && st[1] != 0);
+        pair_sleep_ms(5);
+    }
+    fprintf(stderr, "client: %llu channels, %llu kept, %llu held, %llu dropped (%d Pushes more)\n",
+            (unsigned long long)cs.push_channels, (unsigned long long)cs.push_kept,
+            (unsigned long long)cs.push_held, (unsigned long long)cs.push_dropped, more);
+    CHECK_EQ(cs.push_channels, 10);
+    /* 1 + more kept for the listed one, 1 for each of the 8 gone */
+    CHECK(cs.push_kept == (uint64_t)(CHURN + more) && cs.push_resent == 0);
+    CHECK_EQ(cs.push_held, (uint64_t)(9 + more));
+    CHECK_EQ(cs.push_dropped, (uint64_t)(CHURN - 9));
+    for (int i = 0; i < 10; i++, pushes++) {
+        churn_dir(&w, 0, bex_test_port_at(w.a1));
+        ref_push(&P.ref, P.idx, P.n, P.g[1]);
+        CHECK_OK(bex_ps_push_sync(pc, TC.id, TC.dim, P.keys, (size_t)P.n, P.g[1]));
+    }
+    for (int i = 0; i < 1100; i++)
+        bex_ps_push_next_seq(pc);
+    churn_wait(pc, &cs, churn_none_held);
+    CHECK(cs.push_held == 0 && cs.push_dropped == (uint64_t)(CHURN + more));
+    ref_push(&P.ref, P.idx, P.n, P.g[1]); /* one more: the client looks again */
+    CHECK_OK(bex_ps_push_sync(pc, TC.id, TC.dim, P.keys, (size_t)P.n, P.g[1]));
+    pushes++;
+    churn_wait(pc, &cs, churn_two);
+    CHECK_EQ(cs.push_channels, 2); /* the peer's and shard 1's listed one */
+    bex_ps_shard_stats pst;
+    bex_ps_shard_stats_get(w.peer, &pst);
+    CHECK_EQ(pst.pushes, (uint64_t)pushes);
+    shard_check(&P, w.peer, w.pctx);
+    bex_ps_client_destroy(pc);
+    pushes_free(&P);
+    wrig_down(&w);
+    return 0;
+}
+
 /* ---- resend_hostile: a replica that answers its kept Pushes badly ---- */
 
 /* What the hostile replica does with a Push (the client's or a resend). */
@@ -1586,6 +1711,7 @@ static int t_primary_hangs(void)
 
 BEX_TEST_MAIN({"replay", t_replay}, {"behind", t_behind}, {"stale", t_stale},
               {"hostile", t_hostile}, {"peer_late", t_peer_late}, {"window", t_window},
-              {"resend_bound", t_resend_bound}, {"resend_hostile", t_resend_hostile},
-              {"restart", t_restart}, {"etcd", t_etcd}, {"peer_dies", t_peer_dies},
-              {"peer_hangs", t_peer_hangs}, {"primary_hangs", t_primary_hangs})
+              {"resend_bound", t_resend_bound}, {"churn", t_churn},
+              {"resend_hostile", t_resend_hostile}, {"restart", t_restart}, {"etcd", t_etcd},
+              {"peer_dies", t_peer_dies}, {"peer_hangs", t_peer_hangs},
+              {"primary_hangs", t_primary_hangs})
