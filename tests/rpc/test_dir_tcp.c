@@ -326,6 +326,58 @@ static int t_prune(void)
     return stop_server(&sp[1], false) ? 1 : 0;
 }
 
+/* The rig of slow_live and held_many: two servers (sp), the client's
+ * context, a directory whose health rule does not act here (fail_max
+ * failures of either kind a minute), a channel over it (deadline, attempt
+ * timeout attempt or 0: dir_chan's, hold-down 1 ms) whose connection to
+ * sp[warm] is up (the directory listing it alone for one call), then both
+ * listed and the other killed -9, its port held. */
+struct rig {
+    bex_ctx *ctx;
+    bex_dir *d;
+    bex_rpc_channel *ch;
+    int hold;
+};
+
+static void rig_up(struct rig *r, struct srv_proc *sp, uint32_t fail_max, unsigned deadline,
+                   unsigned attempt, int warm)
+{
+    spawn_server(&sp[0], false);
+    spawn_server(&sp[1], false);
+    r->ctx = client_ctx();
+    bex_dir_config dc = {.conn_fail_max = fail_max,
+                         .req_fail_max = fail_max,
+                         .fail_window_ms = 60000,
+                         .quarantine_ms = 60000,
+                         .log_fn = dir_log,
+                         .log_level = BEX_LOG_INFO};
+    CHECK_OK(bex_dir_create(&dc, &r->d));
+    bex_rpc_channel_config cc = dir_chan(r->d, deadline);
+    if (attempt)
+        cc.attempt_timeout_ms = attempt;
+    cc.holddown_ms = 1;
+    CHECK_OK(bex_rpc_channel_create(r->ctx, &cc, &r->ch));
+    if (warm)
+        load2(r->d, sp, 1);
+    else
+        dir_load_ps(r->d, &sp[0], 1, 1, NULL);
+    CHECK_OK(bex_rpc_call_sync(r->ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
+    load2(r->d, sp, 2);
+    r->hold = srv_kill_hold(&sp[!warm]);
+    CHECK(r->hold >= 0);
+}
+
+/* r torn down: 0, or 1 when a server failed. */
+static int rig_down(struct rig *r, struct srv_proc *sp, int warm)
+{
+    CHECK_OK(bex_rpc_channel_destroy(r->ch));
+    bex_dir_destroy(r->d);
+    CHECK_OK(bex_ctx_destroy(r->ctx));
+    close(r->hold);
+    CHECK(stop_server(&sp[!warm], true) == 0);
+    return stop_server(&sp[warm], false) ? 1 : 0;
+}
+
 /* The live replica slow, the other dead: B (sp[0], in the client's pod,
  * so picked first) killed with -9, its port held (every connection to it
  * refused, nothing sent), A (sp[1]) answering the call 10 attempt
@@ -337,29 +389,14 @@ static int t_slow_live(void)
 {
     RPC_NEED_ADDRS();
     struct srv_proc sp[2];
-    spawn_server(&sp[0], false);
-    spawn_server(&sp[1], false);
-    bex_ctx *ctx = client_ctx();
-    /* B's refusals never quarantine it here: the channel's rule alone */
-    bex_dir_config dc = {.conn_fail_max = 50,
-                         .req_fail_max = 50,
-                         .fail_window_ms = 60000,
-                         .quarantine_ms = 60000,
-                         .log_fn = dir_log,
-                         .log_level = BEX_LOG_INFO};
-    bex_dir *d;
-    CHECK_OK(bex_dir_create(&dc, &d));
     const unsigned attempt = 100 * time_scale(), late = 10 * attempt, deadline = 3 * late;
-    bex_rpc_channel_config cc = dir_chan(d, deadline);
-    cc.attempt_timeout_ms = attempt;
-    cc.holddown_ms = 1;
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
-    load2(d, sp, 1); /* A alone: its connection up first */
-    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
-    load2(d, sp, 2);
-    int hold = srv_kill_hold(&sp[0]);
-    CHECK(hold >= 0);
+    /* B's refusals never quarantine it here: the channel's rule alone; A
+     * alone first: its connection up */
+    struct rig r;
+    rig_up(&r, sp, 50, deadline, attempt, 1);
+    bex_ctx *ctx = r.ctx;
+    bex_dir *d = r.d;
+    bex_rpc_channel *ch = r.ch;
     uint32_t *b = bex_rpc_alloc(ctx, sizeof *b);
     CHECK(b);
     *b = late;
@@ -393,12 +430,7 @@ static int t_slow_live(void)
     CHECK(s0.conn_failures >= 1);
     CHECK_EQ(s0.state, BEX_DIR_HEALTHY);
     CHECK_EQ(a_attempts, 2);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    close(hold);
-    CHECK(stop_server(&sp[0], true) == 0);
-    return stop_server(&sp[1], false) ? 1 : 0;
+    return rig_down(&r, sp, 1);
 }
 
 static void status_done(int status, void *body, size_t len, void *user)
@@ -448,27 +480,12 @@ static int t_held_many(void)
 {
     RPC_NEED_ADDRS();
     struct srv_proc sp[2];
-    spawn_server(&sp[0], false);
-    spawn_server(&sp[1], false);
-    bex_ctx *ctx = client_ctx();
-    bex_dir_config dc = {.conn_fail_max = 1000,
-                         .req_fail_max = 1000,
-                         .fail_window_ms = 60000,
-                         .quarantine_ms = 60000,
-                         .log_fn = dir_log,
-                         .log_level = BEX_LOG_INFO};
-    bex_dir *d;
-    CHECK_OK(bex_dir_create(&dc, &d));
     const unsigned deadline = 1000 * time_scale(), slack = 500 * time_scale();
-    bex_rpc_channel_config cc = dir_chan(d, deadline);
-    cc.holddown_ms = 1;
-    bex_rpc_channel *ch;
-    CHECK_OK(bex_rpc_channel_create(ctx, &cc, &ch));
-    dir_load_ps(d, &sp[0], 1, 1, NULL); /* A alone: its connection up first */
-    CHECK_OK(bex_rpc_call_sync(ch, SVC, M_ECHO, NULL, 0, NULL, NULL, NULL));
-    load2(d, sp, 2);
-    int hold = srv_kill_hold(&sp[1]);
-    CHECK(hold >= 0);
+    struct rig r;
+    rig_up(&r, sp, 1000, deadline, 0, 0); /* A alone first: its connection up */
+    bex_ctx *ctx = r.ctx;
+    bex_dir *d = r.d;
+    bex_rpc_channel *ch = r.ch;
     int threads = threads_now();
     enum { N = 64 };
     static struct tcall o[N];
@@ -512,12 +529,7 @@ static int t_held_many(void)
         CHECK(o[i].status == -ECONNREFUSED || o[i].status == -EHOSTUNREACH);
     CHECK(s2.retries - s1.retries <= 4 * N);
     CHECK_EQ(threads_now(), threads);
-    CHECK_OK(bex_rpc_channel_destroy(ch));
-    bex_dir_destroy(d);
-    CHECK_OK(bex_ctx_destroy(ctx));
-    close(hold);
-    CHECK(stop_server(&sp[1], true) == 0);
-    return stop_server(&sp[0], false) ? 1 : 0;
+    return rig_down(&r, sp, 0);
 }
 
 BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty}, {"prune", t_prune}, {"slow_live", t_slow_live},
