@@ -847,6 +847,12 @@ size_t bex_mem_usable_size(const void *ptr)
 {
     if (!ptr)
         return 0;
+    /* a small block: its class, in the descriptor bex_mem_free reads too
+     * (the run's head descriptor and its kind were some 12 instructions
+     * more a received message, issue 25 item 2) */
+    const struct bex__mem_fast *f = &bex__mem_chunk_of(ptr)->fast[bex__mem_span_index(ptr)];
+    if (BEX__MEM_LIKELY(f->cls != BEX__MEM_NO_CLASS))
+        return bex__mem_class_size[f->cls];
     struct bex__mem_span *s = bex__mem_span_of(ptr);
     switch (s->kind) {
     case BEX__MEM_SMALL:
@@ -862,11 +868,21 @@ size_t bex_mem_usable_size(const void *ptr)
     }
 }
 
+/* bex_mem_mr while a huge mapping longer than a chunk exists */
+BEX__MEM_SLOW static const bex_mem_region *mr_slow(const void *ptr)
+{
+    return &header_of(ptr)->mr;
+}
+
+/* header_of's common case inline, the other a tail call: no register
+ * saved (issue 25 item 2: every received message's fresh buffer asks) */
 const bex_mem_region *bex_mem_mr(const void *ptr)
 {
     if (!ptr)
         return NULL;
-    return &header_of(ptr)->mr;
+    if (BEX__MEM_UNLIKELY(atomic_load_explicit(&bex__mem_huge_multi, memory_order_relaxed)))
+        return mr_slow(ptr);
+    return &bex__mem_chunk_of(ptr)->mr;
 }
 
 bex_mem_pool *bex_mem_pool_of(const void *ptr)

@@ -5,11 +5,49 @@
 #ifndef BEX_MEM_LOOKUP_H
 #define BEX_MEM_LOOKUP_H
 
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
 #include "bex/mem.h"
+
+/* pool.c's region table (every 4 MiB slot a mapping of bemalloc's covers,
+ * two levels: see there), for the inline lookup below; its geometry and
+ * where a chunk header keeps its region and pool are checked against
+ * mem/internal.h's in pool.c. */
+struct bex__mem_chunk;
+#define BEX__MEM_LOOKUP_SHIFT 22 /* BEX__MEM_CHUNK_SHIFT */
+#define BEX__MEM_LOOKUP_L1    13
+#define BEX__MEM_LOOKUP_L2    (47 - BEX__MEM_LOOKUP_SHIFT - BEX__MEM_LOOKUP_L1)
+/* offsetof(struct bex__mem_chunk, mr); pool right after it */
+#define BEX__MEM_LOOKUP_MR_OFF 9216
+extern _Atomic(_Atomic(struct bex__mem_chunk *) *) bex__mem_huge_l1[1u << BEX__MEM_LOOKUP_L1];
 
 /* The registered region of the mapping holding ptr, and in *pool the pool
  * it belongs to; NULL (and *pool NULL) when no pool mapped memory at ptr
- * (malloc's, the stack, a freed huge mapping): any pointer may be asked. */
-const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool);
+ * (malloc's, the stack, a freed huge mapping): any pointer may be asked.
+ * Inline: every send checks its buffer with it (a call was some 8
+ * instructions more a send, issue 25 item 2). */
+static inline const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool)
+{
+    /* a caller's pointer, not yet known to be bemalloc's: its header is
+     * read only once the region table says a mapping of ours is there */
+    uintptr_t slot = (uintptr_t)ptr >> BEX__MEM_LOOKUP_SHIFT;
+    size_t i1 = (slot >> BEX__MEM_LOOKUP_L2) & ((1u << BEX__MEM_LOOKUP_L1) - 1);
+    _Atomic(struct bex__mem_chunk *) *l2 =
+        atomic_load_explicit(&bex__mem_huge_l1[i1], memory_order_acquire);
+    struct bex__mem_chunk *c =
+        __builtin_expect(l2 != NULL, 1)
+            ? atomic_load_explicit(&l2[slot & ((1u << BEX__MEM_LOOKUP_L2) - 1)],
+                                   memory_order_acquire)
+            : NULL;
+    if (!c) {
+        *pool = NULL;
+        return NULL;
+    }
+    const bex_mem_region *mr = (const bex_mem_region *)((const char *)c + BEX__MEM_LOOKUP_MR_OFF);
+    *pool = *(bex_mem_pool *const *)(const void *)(mr + 1);
+    return mr;
+}
 
 #endif

@@ -85,7 +85,16 @@ bex_mem_pool *bex__mem_registry_find(uint64_t id)
  * lookup fast paths consult it only while such a mapping exists. */
 #define L1_BITS 13
 #define L2_BITS (47 - BEX__MEM_CHUNK_SHIFT - L1_BITS)
-static _Atomic(_Atomic(struct bex__mem_chunk *) *) huge_l1[1u << L1_BITS];
+/* (named for mem/lookup.h's inline bex__mem_lookup, which reads it) */
+#define huge_l1 bex__mem_huge_l1
+_Atomic(_Atomic(struct bex__mem_chunk *) *) huge_l1[1u << L1_BITS];
+_Static_assert(BEX__MEM_LOOKUP_SHIFT == BEX__MEM_CHUNK_SHIFT && BEX__MEM_LOOKUP_L1 == L1_BITS &&
+                   BEX__MEM_LOOKUP_L2 == L2_BITS,
+               "mem/lookup.h's region table is this one");
+_Static_assert(offsetof(struct bex__mem_chunk, mr) == BEX__MEM_LOOKUP_MR_OFF &&
+                   offsetof(struct bex__mem_chunk, pool) ==
+                       BEX__MEM_LOOKUP_MR_OFF + sizeof(bex_mem_region),
+               "mem/lookup.h reads a chunk's region and pool at these offsets");
 _Atomic size_t bex__mem_huge_multi;
 
 /* Install the table's second level i1 (mapped on first use): it, or
@@ -132,22 +141,6 @@ struct bex__mem_chunk *bex__mem_huge_lookup(const void *p)
 struct bex__mem_chunk *bex__mem_region_of(const void *p)
 {
     return bex__mem_huge_lookup(p);
-}
-
-/* (heap.c's before: its calls of bex__mem_region_of, bex__mem_huge_lookup
- * and huge_slot were some 37 instructions a send's check, issue 25) */
-const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_pool **pool)
-{
-    /* a caller's pointer, not yet known to be bemalloc's: its header is
-     * read only once the region table says a mapping of ours is there */
-    _Atomic(struct bex__mem_chunk *) *e = huge_slot((uintptr_t)ptr, false);
-    struct bex__mem_chunk *c = e ? atomic_load_explicit(e, memory_order_acquire) : NULL;
-    if (!c) {
-        *pool = NULL;
-        return NULL;
-    }
-    *pool = c->pool;
-    return &c->mr;
 }
 
 /* Enter c in (val c) or take it out of (val NULL) every slot it covers. */

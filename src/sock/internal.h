@@ -232,19 +232,26 @@ static inline bool bex__sock_pool_ours(const bex_sock *s, const bex_mem_pool *po
 }
 /* sock.c: bex__sock_check_buf's refusal of buf/len (the error, logged). */
 int bex__sock_buf_refused(bex_sock *s, void *buf, size_t len);
-/* 0, or -EINVAL / -EMSGSIZE when buf/len is not a whole piece of this
- * context's registered memory; its region's lkey in *lkey (if lkey).
- * Inline, the refusal apart: every send checks its buffer. */
-static inline int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
+/* Whether buf/len is a whole piece of this context's registered memory;
+ * its region's lkey in *lkey (if lkey) when it is. Inline: every send
+ * checks its buffer. */
+static inline bool bex__sock_buf_ok(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
 {
     bex_mem_pool *pool;
     const bex_mem_region *r = buf && len <= INT32_MAX ? bex__mem_lookup(buf, &pool) : NULL;
     if (!r || !bex__sock_pool_ours(s, pool) || (uintptr_t)buf < (uintptr_t)r->addr ||
         (uintptr_t)buf + len > (uintptr_t)r->addr + r->length)
-        return bex__sock_buf_refused(s, buf, len);
+        return false;
     if (lkey)
         *lkey = r->lkey;
-    return 0;
+    return true;
+}
+/* 0, or bex__sock_buf_refused's -EINVAL / -EMSGSIZE (logged) when buf/len
+ * is not a whole piece of this context's registered memory; its region's
+ * lkey in *lkey (if lkey). */
+static inline int bex__sock_check_buf(bex_sock *s, void *buf, size_t len, uint32_t *lkey)
+{
+    return bex__sock_buf_ok(s, buf, len, lkey) ? 0 : bex__sock_buf_refused(s, buf, len);
 }
 /* sock.c: bex__sock_msg_put's other cases: a gathered message's
  * descriptor, or the cache full. */
@@ -267,12 +274,14 @@ static inline void bex__sock_msg_put(struct sock_msg *w)
     io->n_msg_free++;
 }
 
-/* Hand w to its attached socket's transport; the connection has work. */
+/* Hand w to its attached socket's transport; the connection has work.
+ * The connection is marked first, so that the send is a tail call: no
+ * transport's send touches the ready list (issue 25 item 2). */
 static inline void bex__sock_to_transport(struct bex_sock *s, struct sock_msg *w)
 {
     s->pending++;
-    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
     bex__conn_ready(s->conn);
+    s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
 }
 
 /* A send on the socket's own I/O thread (from a callback) goes straight
@@ -283,18 +292,22 @@ static inline void bex__sock_to_transport(struct bex_sock *s, struct sock_msg *w
  * message without handing it back at once (so that no on_send_done runs
  * inside bex_sock_send). False: queue it as any other thread would.
  * Inline, as bex__sock_to_transport: a callback's send pays no call. */
-static inline bool bex__io_send_now(struct sock_msg *w)
+static inline bool bex__io_send_ok(struct sock_msg *w)
 {
     struct bex_sock *s = w->s;
     struct bex__io *io = s->io;
     if (io->draining || atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) || s->waiting ||
-        !bex__sock_attached(s) || bex__sock_dead(s))
+        (s->life & (SK_BIT_ATTACHED | SK_BIT_DEAD)) != SK_BIT_ATTACHED)
         return false;
     struct bex__xport *x = s->conn->x;
-    if (!x->ops->takes || !x->ops->takes(x, &s->st, &w->m))
+    return x->ops->takes && x->ops->takes(x, &s->st, &w->m);
+}
+static inline bool bex__io_send_now(struct sock_msg *w)
+{
+    if (!bex__io_send_ok(w))
         return false;
-    bex__sock_to_transport(s, w);
-    BEX__STAT_ADD(io, direct_sends, 1);
+    BEX__STAT_ADD(w->s->io, direct_sends, 1);
+    bex__sock_to_transport(w->s, w);
     return true;
 }
 

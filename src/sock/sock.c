@@ -789,22 +789,18 @@ int bex__sock_buf_refused(bex_sock *s, void *buf, size_t len)
                        buf, len);
 }
 
-/* A send descriptor. On the socket's own I/O thread (a callback sending)
- * from that thread's cache, which only it touches: descriptors come back
- * there (bex__sock_msg_put) on the same thread. Other threads malloc. */
-static struct sock_msg *msg_get(bex_sock *s)
+/* A filled descriptor on its way: at once to the transport from a callback
+ * (bex__io_send_now), else through the command queue. Apart from submit,
+ * which then keeps no registers across calls of its own on the common
+ * path, and with the transport's send a tail call (issue 25 item 2). */
+static __attribute__((noinline)) void submit_go(bex_sock *s, struct sock_msg *w)
 {
-    struct bex__io *io = s->io;
-    if (bex__io_self == io && io->msg_free) {
-        struct sock_msg *w = io->msg_free;
-        io->msg_free = w->free_next;
-        io->n_msg_free--;
-        return w;
+    if (bex__io_self != s->io || !bex__io_send_ok(w)) {
+        bex__io_push(s->io, &w->cmd, CMD_SEND);
+        return;
     }
-    /* malloc, not calloc (nor malloc + memset, which compilers turn into
-     * calloc): glibc's calloc skips the per-thread cache and takes the
-     * arena lock, some 300 instructions more per message */
-    return malloc(sizeof(struct sock_msg));
+    BEX__STAT_ADD(s->io, direct_sends, 1);
+    bex__sock_to_transport(s, w); /* (a tail call) */
 }
 
 void bex__sock_msg_put_slow(struct sock_msg *w)
@@ -820,16 +816,88 @@ void bex__sock_msg_put_slow(struct sock_msg *w)
     free(w); /* the cache is full */
 }
 
-static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_remote_buf *rb,
-                  bex_send_req *req)
+/* w as a fresh descriptor of buf: every field of its message set, one by
+ * one, and of the rest those the path reads (the command's are set by
+ * bex__io_push, free_next by the cache). Not *w = (struct sock_msg){...}:
+ * that clears all 18 words with a `rep stos` (some 28 instructions a send,
+ * issue 25 item 2) before the fields are written again. */
+_Static_assert(sizeof(struct bex__msg) == 104,
+               "sock_msg_fill sets every field of struct bex__msg: add a new one there");
+static inline void sock_msg_fill(struct sock_msg *w, bex_sock *s, void *buf, size_t len,
+                                 void *msg_user, uint32_t lkey, bool caller_owned)
+{
+    w->m.next = NULL;
+    w->m.st = NULL;
+    w->m.buf = buf;
+    w->m.len = len;
+    w->m.user = msg_user;
+    w->m.off = 0;
+    w->m.raddr = 0;
+    w->m.rkey = 0;
+    w->m.imm = 0;
+    w->m.lkey = lkey;
+    w->m.rndv_id = 0;
+    w->m.last_wr = 0;
+    w->m.ack_seq = 0;
+    w->m.state = 0;
+    w->m.direct = false;
+    w->m.rndv_asked = false;
+    w->m.peer_slot = false;
+    w->m.status = 0;
+    w->m.nseg = 0;
+    w->m.seg = NULL;
+    w->s = s;
+    w->caller_owned = caller_owned;
+    w->gathered = false;
+}
+
+/* w (from the cache, malloc or the caller) filled and on its way. */
+static inline __attribute__((always_inline)) int
+submit_fill(bex_sock *s, struct sock_msg *w, void *buf, size_t len, void *msg_user, uint32_t lkey,
+            const bex_remote_buf *rb, bool caller_owned)
+{
+    sock_msg_fill(w, s, buf, len, msg_user, len ? lkey : 0, caller_owned);
+    if (rb) {
+        w->m.direct = true;
+        w->m.raddr = rb->addr;
+        w->m.rkey = rb->rkey;
+        w->m.imm = rb->token;
+    }
+    submit_go(s, w);
+    return 0;
+}
+
+/* submit's descriptor when its thread's cache has none (another thread
+ * than the socket's, or the cache empty): malloc'd. */
+static __attribute__((noinline)) int submit_new(bex_sock *s, void *buf, size_t len, void *msg_user,
+                                                uint32_t lkey, const bex_remote_buf *rb)
+{
+    /* malloc, not calloc (nor malloc + memset, which compilers turn into
+     * calloc): glibc's calloc skips the per-thread cache and takes the
+     * arena lock, some 300 instructions more per message */
+    struct sock_msg *w = malloc(sizeof(struct sock_msg));
+    if (!w)
+        return -ENOMEM;
+    return submit_fill(s, w, buf, len, msg_user, lkey, rb, false);
+}
+
+/* Inline in each entry point: bex_sock_send's copy, the one callbacks
+ * use, loses the branches of rb and req and the call. Every call it makes
+ * is a tail call (the refusal, submit_new, submit_go), so that its common
+ * path saves no registers (issue 25 item 2). The descriptor: the caller's
+ * (req), or on the socket's own I/O thread (a callback sending) from that
+ * thread's cache, which only it touches (descriptors come back there,
+ * bex__sock_msg_put, on the same thread), else submit_new's. */
+static inline __attribute__((always_inline)) int submit(bex_sock *s, void *buf, size_t len,
+                                                        void *msg_user, const bex_remote_buf *rb,
+                                                        bex_send_req *req)
 {
     if (atomic_load(&s->closing) || atomic_load(&s->state) == S_FAILED)
         return -EPIPE;
     /* the one MR lookup of the send: its lkey goes with the message */
     uint32_t lkey = 0; /* (set when the check passes) */
-    int err = bex__sock_check_buf(s, buf, len, &lkey);
-    if (err)
-        return err;
+    if (!bex__sock_buf_ok(s, buf, len, &lkey))
+        return bex__sock_buf_refused(s, buf, len);
     if (rb && (rb->len != len || !(rb->token & BEX__IMM_DIRECT) || len == 0))
         return -EINVAL;
     /* the peer's limit, once known (sends queued before are checked by the
@@ -837,21 +905,15 @@ static int submit(bex_sock *s, void *buf, size_t len, void *msg_user, const bex_
     uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
     if (!rb && peer_max && len > peer_max)
         return -EMSGSIZE;
-    struct sock_msg *w = req ? (struct sock_msg *)(void *)req : msg_get(s);
-    if (!w)
-        return -ENOMEM;
-    *w = (struct sock_msg){.s = s,
-                           .m = {.buf = buf, .len = len, .user = msg_user, .lkey = len ? lkey : 0},
-                           .caller_owned = req != NULL};
-    if (rb) {
-        w->m.direct = true;
-        w->m.raddr = rb->addr;
-        w->m.rkey = rb->rkey;
-        w->m.imm = rb->token;
-    }
-    if (bex__io_self != s->io || !bex__io_send_now(w))
-        bex__io_push(s->io, &w->cmd, CMD_SEND);
-    return 0;
+    if (req)
+        return submit_fill(s, (struct sock_msg *)(void *)req, buf, len, msg_user, lkey, rb, true);
+    struct bex__io *io = s->io;
+    struct sock_msg *w = io->msg_free;
+    if (__builtin_expect(bex__io_self != io || w == NULL, 0))
+        return submit_new(s, buf, len, msg_user, lkey, rb);
+    io->msg_free = w->free_next;
+    io->n_msg_free--;
+    return submit_fill(s, w, buf, len, msg_user, lkey, rb, false);
 }
 
 /* iov's buffers as seg[] (each checked as bex_sock_send checks its one),

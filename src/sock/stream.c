@@ -187,15 +187,40 @@ static uint32_t conn_open_streams(struct conn *c)
     return open;
 }
 
-static void on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
+/* Whether s takes received messages: live, not closed, with an on_recv. */
+static inline bool sock_takes_recv(const struct bex_sock *s)
 {
-    struct conn *c = x->user;
+    return !(s->life & (SK_BIT_DEAD | SK_BIT_CLOSED)) && s->ops.on_recv;
+}
+
+/* on_msg's other cases: another stream than the one found last, or a
+ * socket that takes no more messages. */
+static __attribute__((noinline)) void on_msg_slow(struct conn *c, uint32_t stream, void *buf,
+                                                  size_t len)
+{
     struct bex_sock *s = bex__sock_of(bex__conn_stream_find(c, stream));
-    if (!s || bex__sock_dead(s) || bex__sock_app_closed(s) || !s->ops.on_recv) {
+    if (!s || !sock_takes_recv(s)) {
         bex_mem_free(buf); /* the socket is gone: nobody to give it to */
         return;
     }
     s->ops.on_recv(s, buf, len, s->user);
+}
+
+/* The stream bex__conn_stream_find found last first, as it does, but here:
+ * then on_msg saves no registers and both its calls are tail calls (it was
+ * 29 instructions a message, issue 25 item 2). */
+static void on_msg(struct bex__xport *x, uint32_t stream, void *buf, size_t len)
+{
+    struct conn *c = x->user;
+    struct bex__stream *st = c->last_st;
+    if (__builtin_expect(st != NULL && c->last_id == stream, 1)) {
+        struct bex_sock *s = bex__sock_of(st);
+        if (__builtin_expect(sock_takes_recv(s), 1)) {
+            s->ops.on_recv(s, buf, len, s->user);
+            return;
+        }
+    }
+    on_msg_slow(c, stream, buf, len);
 }
 
 static void on_open(struct bex__xport *x, uint32_t stream)
@@ -273,19 +298,49 @@ static void on_peer_close(struct bex__xport *x, uint32_t stream)
     bex__sock_fail(s, -ECONNRESET, false);
 }
 
+/* on_send_done's every case: the descriptor back, the report, and the
+ * socket freed if that was the last thing it waited for. */
+static __attribute__((noinline)) void send_done_slow(struct sock_msg *w, int status)
+{
+    struct bex_sock *s = w->s;
+    s->pending--;
+    /* the descriptor goes back first: a caller's bex_send_req is the
+     * caller's again in on_send_done, and a send from the callback reuses it */
+    void *buf = w->m.buf, *user = w->m.user;
+    size_t len = w->m.len;
+    bex__sock_msg_put(w);
+    bex__sock_report_done(s, buf, len, user, status);
+    bex__sock_maybe_finish(s);
+}
+
+/* The common case inline, in a frame that saves no registers: a socket
+ * the application has not closed has nothing to finish after the report,
+ * which cannot close it (SK_BIT_CLOSED is set by the close command,
+ * bex__sock_drain_cmds, which the loop runs between upcalls, never inside
+ * one), so on_send_done is a tail call; a descriptor of bex's goes back to
+ * a cache with room (42 instructions a message with the call and
+ * bex__sock_maybe_finish after it, issue 25 item 2). */
 static void on_send_done(struct bex__xport *x, struct bex__msg *m, int status)
 {
     (void)x;
     struct sock_msg *w = bex__container_of(m, struct sock_msg, m);
     struct bex_sock *s = w->s;
+    struct bex__io *io = s->io;
+    if (__builtin_expect(bex__sock_app_closed(s) || !s->ops.on_send_done || w->gathered ||
+                             (!w->caller_owned && io->n_msg_free >= BEX__MSG_CACHE_MAX),
+                         0)) {
+        send_done_slow(w, status);
+        return;
+    }
     s->pending--;
-    /* the descriptor goes back first: a caller's bex_send_req is the
-     * caller's again in on_send_done, and a send from the callback reuses it */
     void *buf = m->buf, *user = m->user;
     size_t len = m->len;
-    bex__sock_msg_put(w);
-    bex__sock_report_done(s, buf, len, user, status);
-    bex__sock_maybe_finish(s);
+    if (!w->caller_owned) { /* bex__sock_msg_put's case of a cache with room */
+        w->free_next = io->msg_free;
+        io->msg_free = w;
+        io->n_msg_free++;
+    }
+    s->ops.on_send_done(s, buf, len, user, status, s->user);
 }
 
 static void on_stream_closed(struct bex__xport *x, struct bex__stream *st)
