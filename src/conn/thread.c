@@ -399,6 +399,30 @@ __attribute__((noinline)) static void run_timers_late(struct bex__io *io)
     run_timers(io);
 }
 
+/* io_sleep's timeout for the nearest deadline next (UINT64_MAX: none,
+ * -1), from the precise clock; the timers due run first (else the turns
+ * with a timeout of 0 go on until the coarse clock lets run_timers see
+ * them; the events are still looked at). A deadline that was the nearest
+ * at the sleep before too (a busy thread's: the tick round's, for a
+ * keepalive period) arms the loop's timer (one system call), and the
+ * sleeps after, while it stays the nearest, read no clock (issue 25 item
+ * 2: the clock read, its call and this arithmetic were some 40
+ * instructions a round trip). An idle thread's deadlines each come once:
+ * it arms nothing and sleeps on timeouts alone, as before. */
+__attribute__((noinline)) static int sleep_timeout(struct bex__io *io, uint64_t next)
+{
+    if (next == UINT64_MAX)
+        return -1; /* (the housekeeping timer always runs) */
+    uint64_t t = bex__now_us();
+    if (next <= t)
+        bex__io_timers_run(io, t);
+    else if (next == io->sleep_due)
+        bex__loop_timer(&io->loop, next);
+    io->sleep_due = next;
+    uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
+    return ms > INT32_MAX ? INT32_MAX : (int)ms;
+}
+
 /* Sleep until an event, a command, a completion or the nearest timer
  * (rounded up to epoll's milliseconds): the CQs armed (once per event
  * read), and polled once more since, so nothing slips between (the idle
@@ -422,18 +446,10 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
             run_timers_late(io);
         return;
     }
-    int timeout = -1; /* (the housekeeping timer always runs) */
+    /* the loop's timer armed for the nearest deadline: no clock, no
+     * timeout (tfd_due is never UINT64_MAX) */
     uint64_t next = bex__timers_next(&io->timers);
-    if (next != UINT64_MAX) {
-        uint64_t t = bex__now_us();
-        /* due: run it now (else the turns with a timeout of 0 below go on
-         * until the coarse clock lets run_timers see it); the events are
-         * still looked at */
-        if (next <= t)
-            bex__io_timers_run(io, t);
-        uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
-        timeout = ms > INT32_MAX ? INT32_MAX : (int)ms;
-    }
+    int timeout = next == io->loop.tfd_due ? -1 : sleep_timeout(io, next);
     int m = bex__loop_wait(&io->loop, ev, 16, timeout);
     bex__loop_sleep_end(&io->loop);
     /* the completion channel's event alone (an event loop's every wake-up

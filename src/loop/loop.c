@@ -2,6 +2,7 @@
 /* The per-thread loop: epoll, wake-up eventfd, command queue, clocks. */
 #include <errno.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -31,7 +32,23 @@ int bex__loop_init(struct bex__loop *l)
         err = -errno;
         goto err_evfd;
     }
+    l->tfd_due = 0;
+    l->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (l->tfd < 0) {
+        err = -errno;
+        goto err_evfd;
+    }
+    /* edge-triggered, never read: each expiry is one event, and arming
+     * again (timerfd_settime) clears the count; its entry points one byte
+     * into the loop, which no owner's tag can either */
+    ev = (struct epoll_event){.events = EPOLLIN | EPOLLET, .data.ptr = (char *)l + 1};
+    if (epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->tfd, &ev)) {
+        err = -errno;
+        goto err_tfd;
+    }
     return 0;
+err_tfd:
+    close(l->tfd);
 err_evfd:
     close(l->evfd);
 err_epoll:
@@ -41,6 +58,7 @@ err_epoll:
 
 void bex__loop_fini(struct bex__loop *l)
 {
+    close(l->tfd);
     close(l->evfd);
     close(l->epfd);
 }
@@ -116,16 +134,27 @@ static inline void loop_count(_Atomic uint64_t *c)
                           memory_order_relaxed);
 }
 
+/* Whether an event's entry is the loop's own: its eventfd's (l) or its
+ * timer's (l + 1). */
+static inline bool own_event(const struct bex__loop *l, const struct epoll_event *e)
+{
+    return (uintptr_t)e->data.ptr - (uintptr_t)l <= 1;
+}
+
 /* bex__loop_wait's events from ev[i], the first of the loop's own
- * wake-ups, on: each wake-up consumed (the eventfd read), the others
- * copied down; how many events are left. Out of line: most waits return
- * an owner's events alone, and bex__loop_wait then saves no registers for
- * this loop (issue 25). */
+ * wake-ups, on: each wake-up consumed (the eventfd read; the timer's
+ * expiry: tfd_due cleared), the others copied down; how many events are
+ * left. Out of line: most waits return an owner's events alone, and
+ * bex__loop_wait then saves no registers for this loop (issue 25). */
 __attribute__((noinline)) static int own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i,
                                                  int n)
 {
     int k = i;
     for (; i < n; i++) {
+        if (ev[i].data.ptr == (char *)l + 1) {
+            l->tfd_due = 0;
+            continue;
+        }
         if (ev[i].data.ptr == l) {
             uint64_t v;
             loop_count(&l->wake_reads);
@@ -148,9 +177,18 @@ int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int tim
     if (n <= 0)
         return 0;
     for (int i = 0; i < n; i++)
-        if (ev[i].data.ptr == l)
+        if (own_event(l, &ev[i]))
             return own_wakeups(l, ev, i, n);
     return n;
+}
+
+void bex__loop_timer(struct bex__loop *l, uint64_t due_us)
+{
+    struct itimerspec its = {.it_value = {.tv_sec = (time_t)(due_us / 1000000),
+                                          .tv_nsec = (long)(due_us % 1000000) * 1000}};
+    l->tfd_due = 0; /* (due_us 0 disarms it) */
+    if (timerfd_settime(l->tfd, TFD_TIMER_ABSTIME, &its, NULL) == 0)
+        l->tfd_due = due_us;
 }
 
 /* Every user is a millisecond timeout, and the I/O loop reads this on every

@@ -41,6 +41,13 @@ struct bex__cmd {
 
 struct bex__loop {
     int epfd, evfd;
+    /* a timerfd in the set (edge-triggered; its entry points at the loop
+     * plus one), armed by bex__loop_timer: tfd_due is the deadline it is
+     * armed for (bex__now_us time) until its expiry's event is consumed
+     * (bex__loop_wait), else 0. While the thread's nearest deadline is
+     * tfd_due it sleeps without a timeout, so with no clock read. */
+    int tfd;
+    uint64_t tfd_due;
     _Atomic(struct bex__cmd *) cmds; /* lock-free stack, newest first */
     _Atomic int sleeping;
     /* system calls of the loop (bex_sock_stats.loop_*): epoll_wait calls
@@ -89,9 +96,14 @@ static inline void bex__loop_sleep_end(struct bex__loop *l)
     atomic_store(&l->sleeping, 0);
 }
 /* epoll_wait for up to max events (timeout_ms as epoll's): the number of
- * events left for the caller. The loop's own wake-ups are consumed here and
- * not returned. */
+ * events left for the caller. The loop's own wake-ups and its timer's
+ * expiry (which clears tfd_due) are consumed here and not returned. */
 int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms);
+/* Arm the loop's timer for due_us (bex__now_us time; absolute): an event
+ * at that time that ends a wait (bex__loop_wait returns, perhaps 0), and
+ * tfd_due = due_us until then. A failure leaves tfd_due 0 (the caller
+ * then keeps to timeouts). One system call. */
+void bex__loop_timer(struct bex__loop *l, uint64_t due_us);
 
 /* Monotonic clocks. bex__now_ms is coarse (a jiffy) and cheap everywhere:
  * every user is a millisecond timeout read on every loop turn. */
