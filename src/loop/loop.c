@@ -123,31 +123,9 @@ void bex__loop_unwatch(struct bex__loop *l, int fd)
     epoll_ctl(l->epfd, EPOLL_CTL_DEL, fd, NULL);
 }
 
-/* The coarse clock as this thread last read it (bex__now_ms) since its
- * last bex__loop_wait, 0 when it has not: bex__now_ms_since_wait's. */
-static _Thread_local uint64_t coarse_seen __attribute__((tls_model("initial-exec")));
+BEX__LOOP_TLS uint64_t bex__loop_coarse_seen;
 
-/* A counter of the loop's own thread (single writer): no locked add. */
-static inline void loop_count(_Atomic uint64_t *c)
-{
-    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
-                          memory_order_relaxed);
-}
-
-/* Whether an event's entry is the loop's own: its eventfd's (l) or its
- * timer's (l + 1). */
-static inline bool own_event(const struct bex__loop *l, const struct epoll_event *e)
-{
-    return (uintptr_t)e->data.ptr - (uintptr_t)l <= 1;
-}
-
-/* bex__loop_wait's events from ev[i], the first of the loop's own
- * wake-ups, on: each wake-up consumed (the eventfd read; the timer's
- * expiry: tfd_due cleared), the others copied down; how many events are
- * left. Out of line: most waits return an owner's events alone, and
- * bex__loop_wait then saves no registers for this loop (issue 25). */
-__attribute__((noinline)) static int own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i,
-                                                 int n)
+int bex__loop_own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i, int n)
 {
     int k = i;
     for (; i < n; i++) {
@@ -157,7 +135,7 @@ __attribute__((noinline)) static int own_wakeups(struct bex__loop *l, struct epo
         }
         if (ev[i].data.ptr == l) {
             uint64_t v;
-            loop_count(&l->wake_reads);
+            bex__loop_count(&l->wake_reads);
             ssize_t r = read(l->evfd, &v, sizeof(v));
             (void)r;
             continue;
@@ -165,21 +143,6 @@ __attribute__((noinline)) static int own_wakeups(struct bex__loop *l, struct epo
         ev[k++] = ev[i];
     }
     return k;
-}
-
-int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms)
-{
-    coarse_seen = 0; /* what was read before a wait is old after it */
-    loop_count(&l->waits);
-    if (timeout_ms != 0)
-        loop_count(&l->sleeps);
-    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
-    if (n <= 0)
-        return 0;
-    for (int i = 0; i < n; i++)
-        if (own_event(l, &ev[i]))
-            return own_wakeups(l, ev, i, n);
-    return n;
 }
 
 void bex__loop_timer(struct bex__loop *l, uint64_t due_us)
@@ -214,13 +177,13 @@ static uint64_t coarse_read(void)
 
 uint64_t bex__now_ms(void)
 {
-    return coarse_seen = coarse_read();
+    return bex__loop_coarse_seen = coarse_read();
 }
 
 uint64_t bex__now_ms_since_wait(void)
 {
-    uint64_t v = coarse_seen;
-    coarse_seen = 0;
+    uint64_t v = bex__loop_coarse_seen;
+    bex__loop_coarse_seen = 0;
     return v ? v : coarse_read();
 }
 
