@@ -258,8 +258,16 @@ void bex__io_srq_timer(struct bex__io *io);
 void bex__conn_timers_start(struct conn *c);
 /* A freed connection's: every one stopped. */
 void bex__conn_timers_stop(struct conn *c);
-/* After a progress call: the transport's due_us on the heap. */
-void bex__conn_due_sync(struct conn *c);
+/* After a progress call: the transport's due_us on the heap. The common
+ * case (no due_us, no timer: once per message) inline, no call (issue 25
+ * item 2); bex__conn_due_set the rest. */
+void bex__conn_due_set(struct conn *c, uint64_t due);
+static inline void bex__conn_due_sync(struct conn *c)
+{
+    uint64_t due = c->x ? c->x->due_us : 0;
+    if (due || c->due_tm.active)
+        bex__conn_due_set(c, due);
+}
 /* A listener out of epoll (accept's backoff) comes back in ms. */
 void bex__listener_pause_timer(struct bex_listener *l, uint32_t ms);
 void bex__listener_pause_stop(struct bex_listener *l);

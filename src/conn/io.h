@@ -146,7 +146,11 @@ struct bex__io {
      * listeners' backoff, its own housekeeping; the loop sleeps until the
      * nearest (conn/timers.c) */
     struct bex__timers timers;
-    uint64_t now_us;  /* the clock of the timers running now */
+    uint64_t now_us; /* the clock of the timers running now */
+    /* the nearest deadline at the last sleep that read the clock
+     * (conn/thread.c sleep_timeout: the same one twice arms the loop's
+     * timer) */
+    uint64_t sleep_due;
     uint32_t tick_ms; /* a connection with work held back: its tick period */
     /* connections' ticks, one timer for each period's round: [0] idle
      * (keepalive period), [1] work held back (tick_ms) (conn/timers.c) */

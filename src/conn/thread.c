@@ -66,10 +66,8 @@ static void handle_events(struct bex__io *io, struct epoll_event *ev, int n, str
  * (every CQ is, before the next poll). One event a call: with one CQ
  * there is no other, and another CQ's keeps the descriptor readable, so a
  * read never returns EAGAIN. */
-static void on_channel(struct ep_tag *t, uint32_t events)
+static inline void take_cq_event(struct bex__io *io)
 {
-    (void)events;
-    struct bex__io *io = bex__container_of(t, struct bex__io, ch_tag);
     struct ibv_cq *cq;
     void *cq_ctx;
     if (ibv_get_cq_event(io->ch, &cq, &cq_ctx) == 0) {
@@ -82,6 +80,12 @@ static void on_channel(struct ep_tag *t, uint32_t events)
             bex__io_ack_cq_events(io);
         io->cq_armed = false;
     }
+}
+
+static void on_channel(struct ep_tag *t, uint32_t events)
+{
+    (void)events;
+    take_cq_event(bex__container_of(t, struct bex__io, ch_tag));
 }
 
 void bex__io_ack_cq_events(struct bex__io *io)
@@ -283,9 +287,34 @@ __attribute__((noinline)) static bool poll_cqs_all(struct bex__io *io, struct ib
     return any || full; /* (a full CQ may hold more) */
 }
 
-/* poll_cqs_some's one CQ after its first poll gave n (not 0). */
+/* One completion of a thread without a shared receive queue, to its
+ * engine: dispatch's body for n == 1, in a frame that keeps one register
+ * (issue 25: the general loop of poll_cq_more, with its batch and turn
+ * bounds, saved six registers and spilled five values, some 100
+ * instructions for a ping-pong's one completion). */
+__attribute__((always_inline)) static inline bool dispatch_one(struct bex__io *io,
+                                                               const struct ibv_wc *wc)
+{
+    struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc->wr_id));
+    if (!c || !c->eng) /* a stale completion of a destroyed engine */
+        return false;
+    count_recv(io, c, wc);
+    if (!bex__engine_complete(c->eng, wc))
+        return false;
+    bex__conn_ready(c);
+    return true;
+}
+
+/* poll_cqs_some's one CQ after its first poll gave n (not 0). One
+ * completion (a ping-pong's) is all the CQ had: poll_cq_more would
+ * dispatch it and poll no more (got 1, less than a batch), so neither
+ * does this. */
 __attribute__((noinline)) static bool poll_one_rest(struct bex__io *io, struct ibv_wc *wc, int n)
 {
+    if (__builtin_expect(n == 1, 1)) {
+        io->cq_quiet = io->cq_armed;
+        return dispatch_one(io, wc);
+    }
     bool any = false, full = false;
     if (n < 0)
         cq_failed(io, 0, n);
@@ -370,6 +399,30 @@ __attribute__((noinline)) static void run_timers_late(struct bex__io *io)
     run_timers(io);
 }
 
+/* io_sleep's timeout for the nearest deadline next (UINT64_MAX: none,
+ * -1), from the precise clock; the timers due run first (else the turns
+ * with a timeout of 0 go on until the coarse clock lets run_timers see
+ * them; the events are still looked at). A deadline that was the nearest
+ * at the sleep before too (a busy thread's: the tick round's, for a
+ * keepalive period) arms the loop's timer (one system call), and the
+ * sleeps after, while it stays the nearest, read no clock (issue 25 item
+ * 2: the clock read, its call and this arithmetic were some 40
+ * instructions a round trip). An idle thread's deadlines each come once:
+ * it arms nothing and sleeps on timeouts alone, as before. */
+__attribute__((noinline)) static int sleep_timeout(struct bex__io *io, uint64_t next)
+{
+    if (next == UINT64_MAX)
+        return -1; /* (the housekeeping timer always runs) */
+    uint64_t t = bex__now_us();
+    if (next <= t)
+        bex__io_timers_run(io, t);
+    else if (next == io->sleep_due)
+        bex__loop_timer(&io->loop, next);
+    io->sleep_due = next;
+    uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
+    return ms > INT32_MAX ? INT32_MAX : (int)ms;
+}
+
 /* Sleep until an event, a command, a completion or the nearest timer
  * (rounded up to epoll's milliseconds): the CQs armed (once per event
  * read), and polled once more since, so nothing slips between (the idle
@@ -393,21 +446,18 @@ static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *
             run_timers_late(io);
         return;
     }
-    int timeout = -1; /* (the housekeeping timer always runs) */
+    /* the loop's timer armed for the nearest deadline: no clock, no
+     * timeout (tfd_due is never UINT64_MAX) */
     uint64_t next = bex__timers_next(&io->timers);
-    if (next != UINT64_MAX) {
-        uint64_t t = bex__now_us();
-        /* due: run it now (else the turns with a timeout of 0 below go on
-         * until the coarse clock lets run_timers see it); the events are
-         * still looked at */
-        if (next <= t)
-            bex__io_timers_run(io, t);
-        uint64_t ms = next > t ? (next - t + 999) / 1000 : 0;
-        timeout = ms > INT32_MAX ? INT32_MAX : (int)ms;
-    }
+    int timeout = next == io->loop.tfd_due ? -1 : sleep_timeout(io, next);
     int m = bex__loop_wait(&io->loop, ev, 16, timeout);
     bex__loop_sleep_end(&io->loop);
-    if (m > 0)
+    /* the completion channel's event alone (an event loop's every wake-up
+     * in a ping-pong): on_channel's work here, not through handle_events
+     * and the watcher's call (issue 25: some 40 instructions a wake-up) */
+    if (m == 1 && ev[0].data.ptr == &io->ch_tag)
+        take_cq_event(io);
+    else if (m > 0)
         handle_events(io, ev, m, wc);
 }
 

@@ -139,11 +139,10 @@ void bex__conn_timers_stop(struct conn *c)
     bex__timer_stop(ts, &c->due_tm);
 }
 
-void bex__conn_due_sync(struct conn *c)
+void bex__conn_due_set(struct conn *c, uint64_t due)
 {
-    uint64_t due = c->x ? c->x->due_us : 0;
     if (!due) {
-        if (c->due_tm.active) /* the common case, once per message: no call */
+        if (c->due_tm.active)
             bex__timer_stop(&c->io->timers, &c->due_tm);
     } else if (!c->due_tm.active || c->due_tm.due != due)
         bex__timer_start(&c->io->timers, &c->due_tm, due);

@@ -2,6 +2,7 @@
 /* The per-thread loop: epoll, wake-up eventfd, command queue, clocks. */
 #include <errno.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -31,7 +32,23 @@ int bex__loop_init(struct bex__loop *l)
         err = -errno;
         goto err_evfd;
     }
+    l->tfd_due = 0;
+    l->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (l->tfd < 0) {
+        err = -errno;
+        goto err_evfd;
+    }
+    /* edge-triggered, never read: each expiry is one event, and arming
+     * again (timerfd_settime) clears the count; its entry points one byte
+     * into the loop, which no owner's tag can either */
+    ev = (struct epoll_event){.events = EPOLLIN | EPOLLET, .data.ptr = (char *)l + 1};
+    if (epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->tfd, &ev)) {
+        err = -errno;
+        goto err_tfd;
+    }
     return 0;
+err_tfd:
+    close(l->tfd);
 err_evfd:
     close(l->evfd);
 err_epoll:
@@ -41,6 +58,7 @@ err_epoll:
 
 void bex__loop_fini(struct bex__loop *l)
 {
+    close(l->tfd);
     close(l->evfd);
     close(l->epfd);
 }
@@ -105,30 +123,19 @@ void bex__loop_unwatch(struct bex__loop *l, int fd)
     epoll_ctl(l->epfd, EPOLL_CTL_DEL, fd, NULL);
 }
 
-/* The coarse clock as this thread last read it (bex__now_ms) since its
- * last bex__loop_wait, 0 when it has not: bex__now_ms_since_wait's. */
-static _Thread_local uint64_t coarse_seen __attribute__((tls_model("initial-exec")));
+BEX__LOOP_TLS uint64_t bex__loop_coarse_seen;
 
-/* A counter of the loop's own thread (single writer): no locked add. */
-static inline void loop_count(_Atomic uint64_t *c)
-{
-    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
-                          memory_order_relaxed);
-}
-
-/* bex__loop_wait's events from ev[i], the first of the loop's own
- * wake-ups, on: each wake-up consumed (the eventfd read), the others
- * copied down; how many events are left. Out of line: most waits return
- * an owner's events alone, and bex__loop_wait then saves no registers for
- * this loop (issue 25). */
-__attribute__((noinline)) static int own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i,
-                                                 int n)
+int bex__loop_own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i, int n)
 {
     int k = i;
     for (; i < n; i++) {
+        if (ev[i].data.ptr == (char *)l + 1) {
+            l->tfd_due = 0;
+            continue;
+        }
         if (ev[i].data.ptr == l) {
             uint64_t v;
-            loop_count(&l->wake_reads);
+            bex__loop_count(&l->wake_reads);
             ssize_t r = read(l->evfd, &v, sizeof(v));
             (void)r;
             continue;
@@ -138,19 +145,13 @@ __attribute__((noinline)) static int own_wakeups(struct bex__loop *l, struct epo
     return k;
 }
 
-int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms)
+void bex__loop_timer(struct bex__loop *l, uint64_t due_us)
 {
-    coarse_seen = 0; /* what was read before a wait is old after it */
-    loop_count(&l->waits);
-    if (timeout_ms != 0)
-        loop_count(&l->sleeps);
-    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
-    if (n <= 0)
-        return 0;
-    for (int i = 0; i < n; i++)
-        if (ev[i].data.ptr == l)
-            return own_wakeups(l, ev, i, n);
-    return n;
+    struct itimerspec its = {.it_value = {.tv_sec = (time_t)(due_us / 1000000),
+                                          .tv_nsec = (long)(due_us % 1000000) * 1000}};
+    l->tfd_due = 0; /* (due_us 0 disarms it) */
+    if (timerfd_settime(l->tfd, TFD_TIMER_ABSTIME, &its, NULL) == 0)
+        l->tfd_due = due_us;
 }
 
 /* Every user is a millisecond timeout, and the I/O loop reads this on every
@@ -176,13 +177,13 @@ static uint64_t coarse_read(void)
 
 uint64_t bex__now_ms(void)
 {
-    return coarse_seen = coarse_read();
+    return bex__loop_coarse_seen = coarse_read();
 }
 
 uint64_t bex__now_ms_since_wait(void)
 {
-    uint64_t v = coarse_seen;
-    coarse_seen = 0;
+    uint64_t v = bex__loop_coarse_seen;
+    bex__loop_coarse_seen = 0;
     return v ? v : coarse_read();
 }
 

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <sys/epoll.h>
 
+#include "common/sys.h"
+
 /* A watcher: what an epoll event belongs to, embedded in its owner, and
  * the owner's handler, which finds the owner from t (container_of). The
  * thread calls cb and knows nothing of what is behind it. */
@@ -41,6 +43,13 @@ struct bex__cmd {
 
 struct bex__loop {
     int epfd, evfd;
+    /* a timerfd in the set (edge-triggered; its entry points at the loop
+     * plus one), armed by bex__loop_timer: tfd_due is the deadline it is
+     * armed for (bex__now_us time) until its expiry's event is consumed
+     * (bex__loop_wait), else 0. While the thread's nearest deadline is
+     * tfd_due it sleeps without a timeout, so with no clock read. */
+    int tfd;
+    uint64_t tfd_due;
     _Atomic(struct bex__cmd *) cmds; /* lock-free stack, newest first */
     _Atomic int sleeping;
     /* system calls of the loop (bex_sock_stats.loop_*): epoll_wait calls
@@ -88,10 +97,58 @@ static inline void bex__loop_sleep_end(struct bex__loop *l)
 {
     atomic_store(&l->sleeping, 0);
 }
+/* The coarse clock as this thread last read it (bex__now_ms) since its
+ * last bex__loop_wait, 0 when it has not: bex__now_ms_since_wait's
+ * (loop.c). initial-exec: no __tls_get_addr call from libbex.so. */
+#define BEX__LOOP_TLS _Thread_local __attribute__((tls_model("initial-exec")))
+extern BEX__LOOP_TLS uint64_t bex__loop_coarse_seen;
+
+/* A counter of the loop's own thread (single writer): no locked add. */
+static inline void bex__loop_count(_Atomic uint64_t *c)
+{
+    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+}
+
+/* Whether an event's entry is the loop's own: its eventfd's (l) or its
+ * timer's (l + 1). */
+static inline bool bex__loop_own_event(const struct bex__loop *l, const struct epoll_event *e)
+{
+    return (uintptr_t)e->data.ptr - (uintptr_t)l <= 1;
+}
+
+/* bex__loop_wait's events from ev[i], the first of the loop's own, on:
+ * each eventfd wake-up consumed (read), the timer's expiry too (tfd_due
+ * cleared), the others copied down; how many events are left. Out of
+ * line (loop.c): most waits return an owner's events alone, and the wait
+ * then saves no registers for this loop (issue 25). */
+int bex__loop_own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i, int n);
+
 /* epoll_wait for up to max events (timeout_ms as epoll's): the number of
- * events left for the caller. The loop's own wake-ups are consumed here and
- * not returned. */
-int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max, int timeout_ms);
+ * events left for the caller. The loop's own wake-ups and its timer's
+ * expiry (which clears tfd_due) are consumed here and not returned.
+ * Inline: the I/O thread's sleep calls it once a round trip (issue 25
+ * item 2: its call and frame, some 10 instructions). */
+static inline int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max,
+                                 int timeout_ms)
+{
+    bex__loop_coarse_seen = 0; /* what was read before a wait is old after it */
+    bex__loop_count(&l->waits);
+    if (timeout_ms != 0)
+        bex__loop_count(&l->sleeps);
+    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
+    if (n <= 0)
+        return 0;
+    for (int i = 0; i < n; i++)
+        if (bex__loop_own_event(l, &ev[i]))
+            return bex__loop_own_wakeups(l, ev, i, n);
+    return n;
+}
+/* Arm the loop's timer for due_us (bex__now_us time; absolute): an event
+ * at that time that ends a wait (bex__loop_wait returns, perhaps 0), and
+ * tfd_due = due_us until then. A failure leaves tfd_due 0 (the caller
+ * then keeps to timeouts). One system call. */
+void bex__loop_timer(struct bex__loop *l, uint64_t due_us);
 
 /* Monotonic clocks. bex__now_ms is coarse (a jiffy) and cheap everywhere:
  * every user is a millisecond timeout read on every loop turn. */

@@ -31,11 +31,6 @@
  * moment before. Another thread's frees not yet collected by it count as
  * in use; each thread collects its heaps on its timer tick. */
 
-struct bex__recv_acct *bex__recv_acct_of(struct bex__engine_shared *sh)
-{
-    return sh->recv_acct ? sh->recv_acct : &sh->recv_own;
-}
-
 static void recv_refresh(struct bex__engine_shared *sh)
 {
     uint64_t now = bex__now_ms();
@@ -55,38 +50,11 @@ static void recv_refresh(struct bex__engine_shared *sh)
     sh->recv_base = exact - before;
 }
 
-/* May want more bytes be received? With nothing held, one message of any
- * size may: a limit below max_msg slows, it never stops, a connection. */
-static inline bool room_in(struct bex__engine_shared *sh, uint64_t want)
-{
-    struct bex__recv_acct *a = bex__recv_acct_of(sh);
-    int64_t held = sh->recv_base + atomic_load_explicit(&a->allocated, memory_order_relaxed) -
-                   atomic_load_explicit(&a->posted, memory_order_relaxed);
-    return held <= 0 || (uint64_t)held + want <= sh->recv_max;
-}
-
-/* The estimate says full: an exact count, and the answer on it (out of
- * line: the common answer, from the estimate, then saves no registers for
- * this one; issue 25 item 5). */
-__attribute__((noinline)) static bool room_exact(struct bex__engine_shared *sh, uint64_t want)
+/* The estimate said full: an exact count, and the answer on it (out of
+ * line: the common answer, from the estimate, saves no registers for this
+ * one; issue 25 item 5). */
+bool bex__recv_room_exact(struct bex__engine_shared *sh, uint64_t want)
 {
     recv_refresh(sh);
-    return room_in(sh, want);
-}
-
-bool bex__recv_room(struct bex__engine_shared *sh, uint64_t want)
-{
-    if (!sh->recv_max || room_in(sh, want))
-        return true;
-    return room_exact(sh, want);
-}
-
-void bex__recv_allocated(struct bex__engine_shared *sh, int64_t size)
-{
-    atomic_fetch_add(&bex__recv_acct_of(sh)->allocated, size);
-}
-
-void bex__recv_posted(struct bex__engine_shared *sh, int64_t size)
-{
-    atomic_fetch_add_explicit(&bex__recv_acct_of(sh)->posted, size, memory_order_relaxed);
+    return bex__recv_room_in(sh, want);
 }

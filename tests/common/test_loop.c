@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* loop/loop.h: the wake-up protocol between pushers and a sleeping loop. */
+#include <errno.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -44,4 +45,51 @@ static int wake_once(void)
     return 0;
 }
 
-BEX_TEST_MAIN(BEX_CASE(wake_once))
+/* The loop's timer (bex__loop_timer): its expiry ends a wait that has no
+ * timeout, not before its deadline, and is consumed there (no event
+ * returned, tfd_due back to 0); armed again after an expiry it never read
+ * (edge-triggered), it ends the next wait again; a command's wake-up
+ * while it is armed leaves it armed; a deadline already past ends the
+ * next wait at once. */
+static int timer_edges(void)
+{
+    struct bex__loop l;
+    CHECK_OK(bex__loop_init(&l));
+    CHECK_EQ(l.tfd_due, 0);
+    struct epoll_event ev[4];
+    for (int round = 0; round < 3; round++) {
+        uint64_t due = bex__now_us() + 3000;
+        bex__loop_timer(&l, due);
+        CHECK_EQ(l.tfd_due, due);
+        CHECK_EQ(bex__loop_wait(&l, ev, 4, -1), 0);
+        CHECK(bex__now_us() >= due);
+        CHECK_EQ(l.tfd_due, 0);
+    }
+    /* armed far ahead: a command wakes the wait, the timer stays armed */
+    uint64_t far = bex__now_us() + 3600ull * 1000000;
+    bex__loop_timer(&l, far);
+    struct bex__cmd c;
+    bex__loop_sleep_begin(&l);
+    bex__loop_push(&l, &c, 1);
+    CHECK_EQ(bex__loop_wait(&l, ev, 4, -1), 0);
+    bex__loop_sleep_end(&l);
+    CHECK(bex__loop_take(&l) == &c);
+    CHECK_EQ(l.tfd_due, far);
+    /* re-armed for a time already past: the next wait ends at once */
+    uint64_t past = bex__now_us() - 1;
+    bex__loop_timer(&l, past);
+    CHECK_EQ(l.tfd_due, past);
+    CHECK_EQ(bex__loop_wait(&l, ev, 4, -1), 0);
+    CHECK_EQ(l.tfd_due, 0);
+    /* 0 disarms: no expiry after the deadline it replaced */
+    bex__loop_timer(&l, bex__now_us() + 1000);
+    bex__loop_timer(&l, 0);
+    CHECK_EQ(l.tfd_due, 0);
+    CHECK_EQ(bex__loop_wait(&l, ev, 4, 20), 0);
+    uint64_t v;
+    CHECK(read(l.tfd, &v, sizeof v) < 0 && errno == EAGAIN);
+    bex__loop_fini(&l);
+    return 0;
+}
+
+BEX_TEST_MAIN(BEX_CASE(wake_once), BEX_CASE(timer_edges))
