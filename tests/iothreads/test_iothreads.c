@@ -934,7 +934,12 @@ static int idle_busy(void)
     long cpu = idle_run(1, BEX_POLL_SPIN_SLEEP, BEX_POLL_BUSY, 5000, &n, &bw);
     fprintf(stderr, "the busy thread: %ld ms CPU in %llu ms, %ld voluntary context switches\n",
             bw.cpu, (unsigned long long)bw.ms, bw.sleeps);
-    CHECK(bw.cpu >= bw.cpu_want && cpu >= bw.cpu);
+    /* The process's CPU (getrusage) includes the thread's, but the kernel
+     * adds a thread running on another CPU into it only at that CPU's
+     * scheduler ticks, while the thread's own clock is exact: the process
+     * figure may trail by one tick (4 ms at HZ 250, 10 at HZ 100). Seen:
+     * 55 ms against the thread's 56, 2 runs of 40 on main 0cc2f1f. */
+    CHECK(bw.cpu >= bw.cpu_want && cpu + 10 >= bw.cpu);
     CHECK(n >= bw.turns_want);
     /* none seen; a few allowed (a sanitizer's runtime may block on a lock
      * of its own): a thread that sleeps between events makes hundreds
