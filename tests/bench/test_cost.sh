@@ -3,6 +3,10 @@
 # bench/cost/run's method against known answers, natively:
 #   copies   bex-copycount counts exactly what copycount-probe copies
 #            (1000 x 100 bytes, memcpy and memmove)
+#   cg-counts the counts bench/cost/run takes from a callgrind file, on
+#            cg-probe: its poll function's calls and the completions they
+#            returned (20000 and 2000), and its qsort's instructions as
+#            callgrind_annotate gives them (the sample sort taken out)
 #   syscalls the kernel TCP ping-pong costs exactly one write and one read
 #            per round trip and side (the difference of two run lengths:
 #            set-up and teardown cancel), and bex over TCP a stated number
@@ -35,6 +39,17 @@ read -r _ calls bytes <"$tmp/cc"
 echo "copycount-probe: $calls calls, $bytes bytes"
 [ "$calls" = 1000 ] || fail "copycount saw $calls calls, not 1000"
 [ "$bytes" = 100000 ] || fail "copycount saw $bytes bytes, not 100000"
+
+valgrind --tool=callgrind -q --dump-instr=yes --callgrind-out-file="$tmp/cg" \
+    "$build/bench/cost/bex-cg-probe" 20000
+read -r total sort polls done < <(python3 "$src/bench/cost/cg-counts" "$tmp/cg" bex-cg-probe)
+echo "cg-probe: total $total, sort $sort, polls $polls, completions $done"
+[ "$polls" = 20000 ] || fail "cg-counts found $polls polls, not 20000"
+[ "$done" = 2000 ] || fail "cg-counts found $done completions, not 2000"
+want=$(callgrind_annotate "$tmp/cg" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+[ "$total" = "$want" ] || fail "cg-counts' total $total, callgrind_annotate's $want"
+want=$(callgrind_annotate --inclusive=yes "$tmp/cg" | awk '/:qsort \[/ {gsub(",", "", $1); print $1}')
+[ -n "$want" ] && [ "$sort" = "$want" ] || fail "cg-counts' sort $sort, qsort's inclusive count $want"
 
 # a port range of our own below the ephemeral ones (64 from $port): the
 # cost runs take $port.. (one port per run, 12 runs) and ps-futex $port+40,
