@@ -381,6 +381,19 @@ static inline void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx
         e->srq_cur = NO_SLOT;
 }
 
+/* The peer waits for the credits of receives we handled (acks_owed) to
+ * report its messages: those not yet returned go back now (credited from
+ * the slack, or the receives posted again), so that whatever we send next
+ * carries them. False: the repost failed the engine. */
+static inline bool bex__engine_return_owed(struct bex__engine *e)
+{
+    if (e->acks_owed && e->n_unposted != e->n_credited) {
+        bex__engine_repost_recvs(e);
+        return e->state == E_UP;
+    }
+    return true;
+}
+
 /* Bytes the engine no longer has in flight (completed or abandoned). */
 static inline void bex__engine_window_give(struct bex__engine *e, uint32_t bytes)
 {

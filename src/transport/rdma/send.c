@@ -227,11 +227,8 @@ bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct 
         return false;
     /* an answer sent from the upcall of the peer's message carries that
      * message's credit, as progress would have it (before its turn) */
-    if (e->acks_owed && e->n_unposted != e->n_credited) {
-        bex__engine_repost_recvs(e);
-        if (e->state != E_UP)
-            return false;
-    }
+    if (!bex__engine_return_owed(e))
+        return false;
     bool blocked;
     return turn_eager(e, st, m, &blocked); /* cannot block: credit checked, no window */
 }
@@ -585,11 +582,8 @@ bool bex__engine_progress(struct bex__engine *e)
         bex__engine_prep_keepalive(e);
     /* the peer waits for these receives' credits to report its messages:
      * posted now, whatever we send next carries them */
-    if (e->acks_owed && e->n_unposted != e->n_credited) {
-        bex__engine_repost_recvs(e);
-        if (e->state != E_UP)
-            return e->tail != before;
-    }
+    if (!bex__engine_return_owed(e))
+        return e->tail != before;
     /* control messages first: they unblock the peer */
     while (e->ctl_n && bex__engine_free_slots(e) && bex__engine_have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
