@@ -121,8 +121,10 @@ static int engine_areas(struct bex__engine *e)
                               IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!e->ka_mr && !e->nodev)
         return errno ? -errno : -ENOMEM;
-    for (uint32_t i = 0; i < e->sq; i++)
+    for (uint32_t i = 0; i < e->sq; i++) {
         e->ss[i].hdr = e->hdr_area + (size_t)i * BEX__HDR_LEN;
+        e->ss[i].wr.sg_list = e->ss[i].sge; /* for good: slot_take_send */
+    }
     return 0;
 }
 

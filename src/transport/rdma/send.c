@@ -12,13 +12,13 @@
 
 /* The next send slot, its work request cleared but for the unions of
  * remote addresses and window binds, which a SEND does not read (see
- * slot_take). */
-static struct sslot *slot_take_send(struct bex__engine *e)
+ * slot_take); its sg_list points at its sge from the start (engine_areas),
+ * and bex__engine_post_pending links the chain (wr.next). */
+static inline struct sslot *slot_take_send(struct bex__engine *e)
 {
     struct sslot *s = sslot_at(e, e->tail);
+    assert(s->wr.sg_list == s->sge);
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
-    s->wr.next = NULL;
-    s->wr.sg_list = s->sge;
     s->wr.num_sge = 0;
     s->wr.opcode = IBV_WR_SEND;
     s->wr.send_flags = 0;
@@ -77,24 +77,33 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
     return s;
 }
 
-/* m's bytes as s's SGEs from sge[first] on: one for a plain message, one
- * per buffer for a gathered one (goes_eager checked they fit the QP). */
-static void gather(struct sslot *s, int first, const struct bex__msg *m)
+/* A gathered message's buffers as s's SGEs from sge[first] on, one per
+ * buffer (goes_eager checked they fit the QP). */
+static void gather_segs(struct sslot *s, int first, const struct bex__msg *m)
 {
-    if (!m->nseg) {
-        s->sge[first] = (struct ibv_sge){(uintptr_t)m->buf, (uint32_t)m->len, m->lkey};
-        s->wr.num_sge = first + 1;
-        return;
-    }
     for (int i = 0; i < m->nseg; i++)
         s->sge[first + i] =
             (struct ibv_sge){(uintptr_t)m->seg[i].buf, m->seg[i].len, m->seg[i].lkey};
     s->wr.num_sge = first + m->nseg;
 }
 
+/* m's bytes as s's SGEs from sge[first] on: one for a plain message (no
+ * call), one per buffer for a gathered one. */
+__attribute__((always_inline)) static inline void gather(struct sslot *s, int first,
+                                                         const struct bex__msg *m)
+{
+    if (m->nseg) {
+        gather_segs(s, first, m);
+        return;
+    }
+    s->sge[first] = (struct ibv_sge){(uintptr_t)m->buf, (uint32_t)m->len, m->lkey};
+    s->wr.num_sge = first + 1;
+}
+
 /* Prepare the header-free SEND_WITH_IMM of DATA m (the immediate carries
  * stream and credits). Caller checked slot + credit. */
-static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+__attribute__((always_inline)) static inline struct sslot *
+prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
     struct sslot *s = slot_take_send(e);
     uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
@@ -117,8 +126,8 @@ static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, st
 /* Does m go by SEND? Up to the peer's eager_max header-free; on a stream
  * the immediate cannot name, with the header in front, so it must fit the
  * peer's receive buffer with it (zero bytes always do). */
-static bool goes_eager(const struct bex__engine *e, const struct bex__stream *st,
-                       const struct bex__msg *m)
+static inline bool goes_eager(const struct bex__engine *e, const struct bex__stream *st,
+                              const struct bex__msg *m)
 {
     if (m->direct || m->len > e->peer_eager)
         return false;
@@ -183,6 +192,28 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
     return false;
 }
 
+/* st's head m goes by SEND (goes_eager), with a slot and a credit there
+ * and its bytes taken by the window: its work request prepared. Inlined in
+ * both its callers, the scheduler's turn and bex__engine_turn_now. */
+__attribute__((always_inline)) static inline void
+eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+{
+    struct sslot *s;
+    if (st->id <= BEX__IMM_STREAM_MAX) {
+        s = prep_data(e, st, m);
+    } else {
+        struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
+        s = prep_send(e, &h, NULL, 0, 0);
+        if (m->len)
+            gather(s, 1, m);
+        account_bytes(e, s, (uint32_t)m->len);
+    }
+    pop_head(st);
+    m->state = BEX__M_POSTED;
+    m->ack_seq = e->cons_sent;
+    s->done = m;
+}
+
 /* One turn of a stream: at most one fragment or one small message (or one
  * control message of its own). Returns true if it prepared a request. */
 /* A turn of st whose head m goes by SEND (eager). */
@@ -198,20 +229,7 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
         *blocked = true;
         return false;
     }
-    struct sslot *s;
-    if (st->id <= BEX__IMM_STREAM_MAX) {
-        s = prep_data(e, st, m);
-    } else {
-        struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
-        s = prep_send(e, &h, NULL, 0, 0);
-        if (m->len)
-            gather(s, 1, m);
-        account_bytes(e, s, (uint32_t)m->len);
-    }
-    pop_head(st);
-    m->state = BEX__M_POSTED;
-    m->ack_seq = e->cons_sent;
-    s->done = m;
+    eager_prep(e, st, m);
     return true;
 }
 
@@ -229,8 +247,11 @@ bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct 
      * message's credit, as progress would have it (before its turn) */
     if (!bex__engine_return_owed(e))
         return false;
-    bool blocked;
-    return turn_eager(e, st, m, &blocked); /* cannot block: credit checked, no window */
+    /* turn_eager's checks hold: the credit is checked, and with quiet_max
+     * set no send window or destination's bound counts bytes
+     * (bex__engine_window_take takes any) */
+    eager_prep(e, st, m);
+    return true;
 }
 
 /* A turn of st whose head m has its destination: one fragment written. */
