@@ -385,28 +385,33 @@ void bex__engine_post_pending(struct bex__engine *e)
     /* what is posted may carry the credits of receives still staged */
     if (e->sh->srq && !bex__srq_flushed(e->sh->srq, e->srq_wait))
         bex__srq_flush(e->sh->srq);
-    struct sslot *first = sslot_at(e, e->post);
-    /* counted from the flags of what is posted, so that the counter shows
-     * the signaling policy, whatever it is (recounted up to bad on failure) */
-    uint64_t signaled = 0;
+    /* one pass, each slot looked up once: its link, its bytes, whether the
+     * chain may go quiet and whether it takes a peer's receive */
+    struct sslot *first = sslot_at(e, e->post), *s = first;
     bool consumes = false, quiet = chain_quiet(e);
     uint32_t bytes = 0;
-    for (uint32_t c = e->post; c != e->tail; c++) {
-        struct sslot *s = sslot_at(e, c);
-        bool last = c + 1 == e->tail;
-        s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
+    for (uint32_t c = e->post + 1;; c++) {
         bytes += s->bytes;
         quiet = quiet && wr_quiet(s);
-        /* slot_take cleared the flags; prep_data may have set INLINE */
-        if (last && !quiet) {
-            s->wr.send_flags |= IBV_SEND_SIGNALED;
-            bex__engine_wnd_posted(e, s, bytes);
-            e->sig_end = e->tail;
-            e->sig_force = false;
-        }
-        signaled += (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
         consumes |= wr_consumes(&s->wr);
+        if (c == e->tail)
+            break;
+        struct sslot *next = sslot_at(e, c);
+        s->wr.next = &next->wr;
+        s = next;
     }
+    s->wr.next = NULL;
+    /* slot_take cleared the flags; prep_data may have set INLINE */
+    if (!quiet) {
+        s->wr.send_flags |= IBV_SEND_SIGNALED;
+        bex__engine_wnd_posted(e, s, bytes);
+        e->sig_end = e->tail;
+        e->sig_force = false;
+    }
+    /* counted from the flags of what is posted, so that the counter shows
+     * the signaling policy (recounted up to bad on failure): only the
+     * chain's last request is ever signaled */
+    uint64_t signaled = (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
     struct ibv_send_wr *bad = NULL;
     /* counted before the call, as its work requests were when prepared:
      * rxe's ibv_post_send is a system call that may take milliseconds in a
