@@ -595,21 +595,10 @@ static void schedule_streams(struct bex__engine *e)
     }
 }
 
-bool bex__engine_progress(struct bex__engine *e)
+/* Control messages, destinations given back and the streams' turns, in
+ * that order, as slots and credits allow (bex__engine_progress). */
+__attribute__((noinline)) static void progress_queues(struct bex__engine *e)
 {
-    if (e->state != E_UP)
-        return false;
-    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
-    /* window binds and revocations: ahead of the answers that name them,
-     * and alone (see wops_hold) */
-    if (bex__engine_wops_hold(e))
-        return e->tail != before;
-    if (e->ka_due)
-        bex__engine_prep_keepalive(e);
-    /* the peer waits for these receives' credits to report its messages:
-     * posted now, whatever we send next carries them */
-    if (!bex__engine_return_owed(e))
-        return e->tail != before;
     /* control messages first: they unblock the peer */
     while (e->ctl_n && bex__engine_free_slots(e) && bex__engine_have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -639,14 +628,40 @@ bool bex__engine_progress(struct bex__engine *e)
         BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
     }
     schedule_streams(e);
+}
+
+/* A CREDIT message: the credits nobody carried (out of line: rare). */
+__attribute__((noinline)) static void prep_credit(struct bex__engine *e)
+{
+    struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+    prep_send(e, &h, NULL, 0, 0);
+    BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
+}
+
+bool bex__engine_progress(struct bex__engine *e)
+{
+    if (e->state != E_UP)
+        return false;
+    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
+    /* window binds and revocations: ahead of the answers that name them,
+     * and alone (see wops_hold) */
+    if ((e->wq_n || e->wop_busy) && bex__engine_wops_hold(e))
+        return e->tail != before;
+    if (e->ka_due)
+        bex__engine_prep_keepalive(e);
+    /* the peer waits for these receives' credits to report its messages:
+     * posted now, whatever we send next carries them */
+    if (!bex__engine_return_owed(e))
+        return e->tail != before;
+    /* what waits in the queues: none when a lone stream's message was
+     * prepared by bex__engine_turn_now (no call then) */
+    if (e->ctl_n || e->rel_n || e->streams.ring_n)
+        progress_queues(e);
     /* credits nobody carried: an explicit update once half the queue waits,
      * or once the peer has waited ack_delay for the ones it reports by */
     if ((e->to_return >= e->k || ack_due(e)) && bex__engine_free_slots(e) &&
-        bex__engine_have_credit(e, true)) {
-        struct bex__hdr h = {.type = BEX__MSG_CREDIT};
-        prep_send(e, &h, NULL, 0, 0);
-        BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
-    }
+        bex__engine_have_credit(e, true))
+        prep_credit(e);
     acks_settle(e);
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
