@@ -50,6 +50,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
     e->rq = cfg->rq_depth;
     e->k = e->rq / 2;
     e->rbuf_len = cfg->eager_max > BEX__HDR_LEN ? cfg->eager_max : BEX__HDR_LEN;
+    e->recv_max = cfg->eager_max < cfg->max_msg ? cfg->eager_max : cfg->max_msg;
     e->max_rndv = cfg->rndv_max;
     e->frag = cfg->frag_size;
     if (cfg->send_window && cfg->send_window < e->frag)

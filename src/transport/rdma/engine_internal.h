@@ -173,6 +173,7 @@ struct bex__engine {
     struct bex__rslot *rs;
     uint32_t rq, k, rslots, slack, n_credited;
     uint32_t rbuf_len;    /* receive buffer bytes: eager_max, at least a header */
+    uint32_t recv_max;    /* the largest DATA a SEND may bring: eager_max and max_msg's least */
     uint32_t rbuf_usable; /* their usable size (one size class: the same for
                              all), known after the first (0: not yet) */
     uint32_t *unposted;   /* consumed receive slots awaiting repost */
