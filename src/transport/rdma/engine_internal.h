@@ -382,17 +382,33 @@ static inline void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx
         e->srq_cur = NO_SLOT;
 }
 
+/* Receives consumed and handled whose credits are not yet returned go
+ * back at once while the spare receives cover them (slack) and fewer than
+ * k wait to be posted: true when they did (bex__engine_repost_recvs). */
+static inline bool bex__engine_credit_from_slack(struct bex__engine *e)
+{
+    uint32_t fresh = e->n_unposted - e->n_credited; /* credits not yet returned */
+    if (fresh > e->slack || e->n_unposted >= e->k)
+        return false;
+    e->slack -= fresh;
+    e->n_credited = e->n_unposted;
+    e->to_return += fresh;
+    return true;
+}
+
 /* The peer waits for the credits of receives we handled (acks_owed) to
  * report its messages: those not yet returned go back now (credited from
  * the slack, or the receives posted again), so that whatever we send next
  * carries them. False: the repost failed the engine. */
 static inline bool bex__engine_return_owed(struct bex__engine *e)
 {
-    if (e->acks_owed && e->n_unposted != e->n_credited) {
-        bex__engine_repost_recvs(e);
-        return e->state == E_UP;
-    }
-    return true;
+    if (!e->acks_owed || e->n_unposted == e->n_credited)
+        return true;
+    /* bex__engine_repost_recvs's first case, without the call */
+    if (bex__engine_credit_from_slack(e))
+        return true;
+    bex__engine_repost_recvs(e);
+    return e->state == E_UP;
 }
 
 /* Bytes the engine no longer has in flight (completed or abandoned). */

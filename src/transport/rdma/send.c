@@ -461,14 +461,8 @@ void bex__engine_post_pending(struct bex__engine *e)
 void bex__engine_repost_recvs(struct bex__engine *e)
 {
     uint32_t fresh = e->n_unposted - e->n_credited; /* credits not yet returned */
-    if (fresh == 0)
+    if (fresh == 0 || bex__engine_credit_from_slack(e))
         return;
-    if (fresh <= e->slack && e->n_unposted < e->k) {
-        e->slack -= fresh;
-        e->n_credited = e->n_unposted;
-        e->to_return += fresh;
-        return;
-    }
     int rc;
     if (e->sh->srq) {
         /* onto the shared queue, posted with the other engines' at the
