@@ -238,10 +238,12 @@ bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct 
     /* what progress sends first (window operations, a keepalive, control
      * messages, releases), a stream owing its OPEN or CLOSE, a send window
      * or a destination's bound (quiet_max 0: their stalls are counted by
-     * the scheduler's turn), no slot, the last credits: the ring's way */
+     * the scheduler's turn), no slot, the last credits: the ring's way
+     * (the queues' counts and flags or'ed: one test, not five) */
     if (e->state != E_UP || st->state != BEX__S_OPEN || st->q_head != m || !e->quiet_max ||
-        e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due || !bex__engine_free_slots(e) ||
-        !bex__engine_have_credit(e, false) || m->len > e->peer_max_msg || !goes_eager(e, st, m))
+        (e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due) ||
+        !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) ||
+        m->len > e->peer_max_msg || !goes_eager(e, st, m))
         return false;
     /* an answer sent from the upcall of the peer's message carries that
      * message's credit, as progress would have it (before its turn) */
@@ -649,7 +651,7 @@ bool bex__engine_progress(struct bex__engine *e)
         return e->tail != before;
     /* what waits in the queues: none when a lone stream's message was
      * prepared by bex__engine_turn_now (no call then) */
-    if (e->ctl_n || e->rel_n || e->streams.ring_n)
+    if (e->ctl_n | e->rel_n | e->streams.ring_n)
         progress_queues(e);
     /* credits nobody carried: an explicit update once half the queue waits,
      * or once the peer has waited ack_delay for the ones it reports by */
