@@ -371,10 +371,7 @@ struct bex__xport *bex__engine_xport(struct bex__engine *e)
 {
     return &e->x;
 }
-struct bex__engine *bex__engine_of(struct bex__xport *x)
-{
-    return (struct bex__engine *)((char *)x - offsetof(struct bex__engine, x));
-}
+_Static_assert(offsetof(struct bex__engine, x) == 0, "bex__engine_of: the xport comes first");
 uint32_t bex__engine_id(struct bex__engine *e)
 {
     return e->id;

@@ -281,7 +281,6 @@ void bex__engine_recv_free(struct bex__engine *e, void *b);
 void bex__engine_srq_leave(struct bex__engine *e);
 int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s);
 void bex__engine_release_windows(struct bex__engine *e);
-void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status);
 void bex__engine_post_pending(struct bex__engine *e);
 void bex__engine_repost_recvs(struct bex__engine *e);
 void bex__engine_prep_keepalive(struct bex__engine *e);
@@ -409,6 +408,13 @@ static inline bool bex__engine_return_owed(struct bex__engine *e)
         return true;
     bex__engine_repost_recvs(e);
     return e->state == E_UP;
+}
+
+/* m is handed back with status (0: delivered; the contract is in
+ * bex/sock.h): inline, once a message. */
+static inline void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status)
+{
+    e->ops->on_send_done(&e->x, m, status);
 }
 
 /* Bytes the engine no longer has in flight (completed or abandoned). */
