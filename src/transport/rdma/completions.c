@@ -42,8 +42,8 @@ int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
 
 static void delivered(struct bex__engine *e, struct bex__msg *m)
 {
-    BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
-    BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
+    BEX__STAT_ADD(e->stats, msgs_sent, 1);
+    BEX__STAT_ADD(e->stats, bytes_sent, m->len);
     bex__engine_msg_done(e, m, 0);
 }
 
@@ -223,7 +223,7 @@ static void slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *
     if (!fresh) {
         bex__recv_posted(e->sh, -u);
         bex__engine_hold_starved(e, idx);
-        BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
+        BEX__STAT_ADD(e->stats, recv_paused, 1);
         return;
     }
     /* the same size class as gone's (bex__engine_rbuf_usable asserts it) */
@@ -297,7 +297,7 @@ static int write_imm_completed(struct bex__engine *e, const struct ibv_wc *wc, u
     uint32_t imm = ntohl(wc->imm_data);
     uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
     if (imm & BEX__IMM_DIRECT) {
-        BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+        BEX__STAT_ADD(e->stats, msgs_recv, 1);
         int rc = e->ops->on_direct(&e->x, imm);
         return rc == -EPROTO
                    ? bad_recv(e, wc, idx, "a write-with-immediate naming no exposed buffer")
@@ -312,8 +312,8 @@ static int write_imm_completed(struct bex__engine *e, const struct ibv_wc *wc, u
         e->rin_bytes -= in->len;
         e->rin_done++;
         bex__engine_rin_unbind(e, in); /* the key is dead before the buffer goes up */
-        BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
-        BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
+        BEX__STAT_ADD(e->stats, msgs_recv, 1);
+        BEX__STAT_ADD(e->stats, bytes_recv, in->len);
         e->ops->on_msg(&e->x, in->stream, in->buf, in->len);
         if (e->state == E_UP)
             return bex__engine_rndv_resume(e); /* the peer's budget has room again */
@@ -398,8 +398,8 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
         memmove(buf, (uint8_t *)buf + off, h.len);
     slot_refill(e, idx, r, buf);
     e->acks_owed = true;
-    BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
-    BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
+    BEX__STAT_ADD(e->stats, msgs_recv, 1);
+    BEX__STAT_ADD(e->stats, bytes_recv, h.len);
     e->ops->on_msg(&e->x, h.stream, buf, h.len);
     return 0;
 }
@@ -472,9 +472,9 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
                  "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name, what,
                  ibv_wc_status_str(wc->status), wc->vendor_err, wc_why(wc->status));
         if (wc->status == IBV_WC_RNR_RETRY_EXC_ERR)
-            BEX__STAT_ADD(e->sh->stats, rnr_errors, 1);
+            BEX__STAT_ADD(e->stats, rnr_errors, 1);
         else if (wc->status == IBV_WC_RETRY_EXC_ERR)
-            BEX__STAT_ADD(e->sh->stats, retry_errors, 1);
+            BEX__STAT_ADD(e->stats, retry_errors, 1);
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return true;
     }

@@ -31,6 +31,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
                         bool nodev)
 {
     e->sh = sh;
+    e->stats = sh->stats;
     e->cfg = *cfg;
     if (!e->cfg.ack_delay_us)
         e->cfg.ack_delay_us = BEX__ENGINE_ACK_DELAY_US;
@@ -222,7 +223,7 @@ static int engine_receives(struct bex__engine *e, bool srq)
     int err = bex__rdma_err(bex__rdma_post_recv(e->qp, &e->rs[0].wr, &bad));
     if (err)
         return err;
-    BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
+    BEX__STAT_ADD(e->stats, post_recv_calls, 1);
     return 0;
 }
 

@@ -106,6 +106,7 @@ struct rndv_rel {
 struct bex__engine {
     struct bex__xport x; /* first: what the connection holds */
     struct bex__engine_shared *sh;
+    struct bex__stats *stats; /* sh->stats, one load nearer (the counters, once a message) */
     struct bex__engine_config cfg;
     const struct bex__transport_upcalls *ops;
     uint32_t id;

@@ -45,8 +45,8 @@ static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes
 {
     s->bytes = bytes;
     e->inflight += bytes;
-    if (e->inflight > atomic_load_explicit(&e->sh->stats->max_inflight_bytes, memory_order_relaxed))
-        atomic_store_explicit(&e->sh->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
+    if (e->inflight > atomic_load_explicit(&e->stats->max_inflight_bytes, memory_order_relaxed))
+        atomic_store_explicit(&e->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
 }
 
 /* A work request that takes one of the peer's receives. */
@@ -73,7 +73,7 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
     s->wr.opcode = IBV_WR_SEND;
     spend_credit(e);
     account_bytes(e, s, len);
-    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    BEX__STAT_ADD(e->stats, sends_posted, 1);
     return s;
 }
 
@@ -119,7 +119,7 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
     }
     spend_credit(e);
     account_bytes(e, s, len);
-    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    BEX__STAT_ADD(e->stats, sends_posted, 1);
     return s;
 }
 
@@ -165,7 +165,7 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
             return false;
         }
         if (!bex__engine_have_credit(e, false)) {
-            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            BEX__STAT_ADD(e->stats, credit_stalls, 1);
             *blocked = true;
             return false;
         }
@@ -221,7 +221,7 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
                        bool *blocked)
 {
     if (!bex__engine_have_credit(e, false)) {
-        BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+        BEX__STAT_ADD(e->stats, credit_stalls, 1);
         *blocked = true;
         return false;
     }
@@ -269,7 +269,7 @@ static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct 
     uint32_t frag = (uint32_t)(run < most ? run : most);
     bool last = m->off + frag == m->len;
     if (last && !bex__engine_have_credit(e, false)) {
-        BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+        BEX__STAT_ADD(e->stats, credit_stalls, 1);
         *blocked = true;
         return false;
     }
@@ -283,7 +283,7 @@ static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct 
     s->wr.wr.rdma.remote_addr = m->raddr + m->off;
     s->wr.wr.rdma.rkey = m->rkey;
     account_bytes(e, s, frag);
-    BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+    BEX__STAT_ADD(e->stats, writes_posted, 1);
     m->off += frag;
     m->last_wr = e->tail - 1;
     if (!last) {
@@ -420,8 +420,8 @@ void bex__engine_post_pending(struct bex__engine *e)
      * starved guest, and counters read during it showed a keepalive WRITE
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
-    BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
-    BEX__STAT_ADD(e->sh->stats, signaled, signaled);
+    BEX__STAT_ADD(e->stats, post_send_calls, 1);
+    BEX__STAT_ADD(e->stats, signaled, signaled);
     int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
     if (rc) {
         uint64_t was = signaled;
@@ -431,7 +431,7 @@ void bex__engine_post_pending(struct bex__engine *e)
             signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
             consumes |= wr_consumes(w);
         }
-        BEX__STAT_ADD(e->sh->stats, signaled, signaled - was); /* fewer: modulo 2^64 */
+        BEX__STAT_ADD(e->stats, signaled, signaled - was); /* fewer: modulo 2^64 */
     }
     if (consumes)
         e->peer_hears = true;
@@ -478,7 +478,7 @@ void bex__engine_repost_recvs(struct bex__engine *e)
         }
         struct ibv_recv_wr *bad;
         rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
-        BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
+        BEX__STAT_ADD(e->stats, post_recv_calls, 1);
     }
     if (rc) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name,
@@ -499,7 +499,7 @@ void bex__engine_prep_keepalive(struct bex__engine *e)
     if (!e->ka_due || !bex__engine_free_slots(e))
         return;
     e->ka_due = false;
-    BEX__STAT_ADD(e->sh->stats, keepalive_writes, 1);
+    BEX__STAT_ADD(e->stats, keepalive_writes, 1);
     struct sslot *s = bex__engine_slot_take(e);
     uint64_t seq = ++e->ka_seq;
     memcpy(s->hdr, &seq, sizeof(seq));
@@ -621,7 +621,7 @@ __attribute__((noinline)) static void progress_queues(struct bex__engine *e)
         s->wr.wr.rdma.rkey = r.rkey;
         spend_credit(e);
         e->peer_rndv_used--;
-        BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+        BEX__STAT_ADD(e->stats, writes_posted, 1);
     }
     schedule_streams(e);
 }
@@ -631,7 +631,7 @@ __attribute__((noinline)) static void prep_credit(struct bex__engine *e)
 {
     struct bex__hdr h = {.type = BEX__MSG_CREDIT};
     prep_send(e, &h, NULL, 0, 0);
-    BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
+    BEX__STAT_ADD(e->stats, credit_msgs, 1);
 }
 
 bool bex__engine_progress(struct bex__engine *e)
