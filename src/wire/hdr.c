@@ -82,22 +82,6 @@ int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h)
     return 0;
 }
 
-uint32_t bex__imm_encode(uint32_t stream, uint32_t credits)
-{
-    return BEX__IMM_KIND_DATA << BEX__IMM_KIND_SHIFT | stream << BEX__IMM_STREAM_SHIFT | credits;
-}
-
-int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h)
-{
-    *h = (struct bex__hdr){
-        .type = BEX__MSG_DATA,
-        .credits = (uint16_t)(imm & BEX__IMM_CREDITS_MAX),
-        .stream = (imm >> BEX__IMM_STREAM_SHIFT) & BEX__IMM_STREAM_MAX,
-        .len = len,
-    };
-    return imm >> BEX__IMM_KIND_SHIFT == BEX__IMM_KIND_DATA ? 0 : -EPROTO;
-}
-
 int bex__hdr_decode_frame(const uint8_t *in, struct bex__hdr *h)
 {
     fields(in, h);

@@ -4,6 +4,7 @@
 #ifndef BEX_WIRE_HDR_H
 #define BEX_WIRE_HDR_H
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -56,12 +57,25 @@ void bex__hdr_encode(const struct bex__hdr *h, uint8_t *out);
  * name). */
 int bex__hdr_decode(const uint8_t *in, size_t len, struct bex__hdr *h);
 /* The immediate (host order) of a DATA on stream (<= BEX__IMM_STREAM_MAX)
- * returning credits (<= BEX__IMM_CREDITS_MAX). */
-uint32_t bex__imm_encode(uint32_t stream, uint32_t credits);
+ * returning credits (<= BEX__IMM_CREDITS_MAX). Inline: once a message. */
+static inline uint32_t bex__imm_encode(uint32_t stream, uint32_t credits)
+{
+    return BEX__IMM_KIND_DATA << BEX__IMM_KIND_SHIFT | stream << BEX__IMM_STREAM_SHIFT | credits;
+}
 /* A received SEND_WITH_IMM of len bytes with immediate imm (host order) as
  * the header it stands for (type DATA, stream, credits, len; the rest 0).
- * Returns 0 or -EPROTO (a kind no valid peer sends). */
-int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h);
+ * Returns 0 or -EPROTO (a kind no valid peer sends). Inline: once a
+ * message. */
+static inline int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h)
+{
+    *h = (struct bex__hdr){
+        .type = BEX__MSG_DATA,
+        .credits = (uint16_t)(imm & BEX__IMM_CREDITS_MAX),
+        .stream = (imm >> BEX__IMM_STREAM_SHIFT) & BEX__IMM_STREAM_MAX,
+        .len = len,
+    };
+    return imm >> BEX__IMM_KIND_SHIFT == BEX__IMM_KIND_DATA ? 0 : -EPROTO;
+}
 /* A TCP frame's header (BEX__HDR_LEN bytes; its payload follows, h->len
  * bytes for DATA and DIRECT, none otherwise): 0 or -EPROTO. */
 int bex__hdr_decode_frame(const uint8_t *in, struct bex__hdr *h);

@@ -42,8 +42,8 @@ int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
 
 static void delivered(struct bex__engine *e, struct bex__msg *m)
 {
-    BEX__STAT_ADD(e->sh->stats, msgs_sent, 1);
-    BEX__STAT_ADD(e->sh->stats, bytes_sent, m->len);
+    BEX__STAT_ADD(e->stats, msgs_sent, 1);
+    BEX__STAT_ADD(e->stats, bytes_sent, m->len);
     bex__engine_msg_done(e, m, 0);
 }
 
@@ -207,13 +207,13 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
     return bex__engine_violation(e, "a control message of type %u", h->type);
 }
 
-/* Give consumed slot idx a fresh buffer and queue it for reposting, or,
+/* Give consumed slot idx (r) a fresh buffer and queue it for reposting, or,
  * when the context may not receive more (or memory is short), leave it
  * starved: its credit stays with us until bex__engine_refill_starved() succeeds.
  * gone, the buffer that went up to the application, is still counted as
  * posted: a fresh one takes its place in that count (one buffer of the
  * size out, one in), or, starved, the count drops by it. */
-static void slot_refill(struct bex__engine *e, uint32_t idx, const void *gone)
+static void slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const void *gone)
 {
     int64_t u = bex__engine_rbuf_usable(e, gone);
     void *fresh = NULL;
@@ -223,11 +223,13 @@ static void slot_refill(struct bex__engine *e, uint32_t idx, const void *gone)
     if (!fresh) {
         bex__recv_posted(e->sh, -u);
         bex__engine_hold_starved(e, idx);
-        BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
+        BEX__STAT_ADD(e->stats, recv_paused, 1);
         return;
     }
-    bex__recv_allocated(e->sh, bex__engine_rbuf_usable(e, fresh));
-    bex__engine_slot_put(e, bex__engine_rslot_at(e, idx), fresh);
+    /* the same size class as gone's (bex__engine_rbuf_usable asserts it) */
+    assert(bex_mem_usable_size(fresh) == (size_t)u);
+    bex__recv_allocated(e->sh, u);
+    bex__engine_slot_put(e, r, fresh);
     bex__engine_hold_unposted(e, idx);
 }
 
@@ -295,7 +297,7 @@ static int write_imm_completed(struct bex__engine *e, const struct ibv_wc *wc, u
     uint32_t imm = ntohl(wc->imm_data);
     uint32_t i = imm & 0xffff, gen = (imm >> 16) & 0x7fff;
     if (imm & BEX__IMM_DIRECT) {
-        BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
+        BEX__STAT_ADD(e->stats, msgs_recv, 1);
         int rc = e->ops->on_direct(&e->x, imm);
         return rc == -EPROTO
                    ? bad_recv(e, wc, idx, "a write-with-immediate naming no exposed buffer")
@@ -310,8 +312,8 @@ static int write_imm_completed(struct bex__engine *e, const struct ibv_wc *wc, u
         e->rin_bytes -= in->len;
         e->rin_done++;
         bex__engine_rin_unbind(e, in); /* the key is dead before the buffer goes up */
-        BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
-        BEX__STAT_ADD(e->sh->stats, bytes_recv, in->len);
+        BEX__STAT_ADD(e->stats, msgs_recv, 1);
+        BEX__STAT_ADD(e->stats, bytes_recv, in->len);
         e->ops->on_msg(&e->x, in->stream, in->buf, in->len);
         if (e->state == E_UP)
             return bex__engine_rndv_resume(e); /* the peer's budget has room again */
@@ -319,20 +321,37 @@ static int write_imm_completed(struct bex__engine *e, const struct ibv_wc *wc, u
     return 0;
 }
 
+/* Receive slot idx of a completion, or NULL when it is no receive of ours
+ * the peer may have completed (*why: what it was); the queue is looked up
+ * once (bex__engine_rslot_at's test). */
+static inline struct bex__rslot *recv_slot(struct bex__engine *e, uint32_t idx, const char **why)
+{
+    struct bex__srq *q = e->sh->srq;
+    if (q) {
+        /* in SRQ mode the queue checked it (a slot of its own, posted), and
+         * the credits (bex__engine_srq_complete) */
+        *why = "a completion naming no receive of ours";
+        return idx == e->srq_cur ? &q->slots[idx] : NULL;
+    }
+    /* not a receive of ours, or one not posted */
+    *why = idx >= e->rslots ? "a completion naming no receive of ours"
+                            : "a completion of a receive not posted";
+    if (idx >= e->rslots || !e->rs[idx].buf)
+        return NULL;
+    /* more receives are posted than the peer is granted (rq_spare): one it
+     * had no credit for is a violation, not an RNR */
+    *why = "a message beyond the credits granted";
+    if (e->n_unposted - e->n_credited + e->n_starved + e->to_return >= e->rq)
+        return NULL;
+    return &e->rs[idx];
+}
+
 static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
 {
-    /* not a receive of ours, or one not posted (in SRQ mode the queue
-     * checked it: a slot of its own, posted) */
-    if (e->sh->srq ? idx != e->srq_cur : (idx >= e->rslots || !e->rs[idx].buf))
-        return bad_recv(e, wc, idx,
-                        e->sh->srq || idx >= e->rslots ? "a completion naming no receive of ours"
-                                                       : "a completion of a receive not posted");
-    /* more receives are posted than the peer is granted (rq_spare): one it
-     * had no credit for is a violation, not an RNR (in SRQ mode
-     * bex__engine_srq_complete checked it) */
-    if (!e->sh->srq && e->n_unposted - e->n_credited + e->n_starved + e->to_return >= e->rq)
-        return bad_recv(e, wc, idx, "a message beyond the credits granted");
-    struct bex__rslot *r = bex__engine_rslot_at(e, idx);
+    const char *why;
+    struct bex__rslot *r = recv_slot(e, idx, &why);
+    if (!r)
+        return bad_recv(e, wc, idx, why);
     if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM)
         return write_imm_completed(e, wc, idx);
     /* bex never sends SEND_WITH_INV: a peer that does is revoking our
@@ -369,7 +388,7 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
         bex__engine_hold_unposted(e, idx); /* its buffer was not used */
         return handle_ctl(e, &h);
     }
-    if (h.len > e->cfg.eager_max || h.len > e->cfg.max_msg)
+    if (h.len > e->recv_max)
         return bex__engine_violation(e, "a DATA of %u bytes (eager_max %u, max_msg %u)", h.len,
                                      e->cfg.eager_max, e->cfg.max_msg);
     /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
@@ -377,10 +396,10 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
     r->buf = NULL;
     if (off) /* a stream beyond the immediate's: the payload goes to the start */
         memmove(buf, (uint8_t *)buf + off, h.len);
-    slot_refill(e, idx, buf);
+    slot_refill(e, idx, r, buf);
     e->acks_owed = true;
-    BEX__STAT_ADD(e->sh->stats, msgs_recv, 1);
-    BEX__STAT_ADD(e->sh->stats, bytes_recv, h.len);
+    BEX__STAT_ADD(e->stats, msgs_recv, 1);
+    BEX__STAT_ADD(e->stats, bytes_recv, h.len);
     e->ops->on_msg(&e->x, h.stream, buf, h.len);
     return 0;
 }
@@ -453,9 +472,9 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
                  "%s: work completion error on a %s: %s (vendor 0x%x): %s", e->name, what,
                  ibv_wc_status_str(wc->status), wc->vendor_err, wc_why(wc->status));
         if (wc->status == IBV_WC_RNR_RETRY_EXC_ERR)
-            BEX__STAT_ADD(e->sh->stats, rnr_errors, 1);
+            BEX__STAT_ADD(e->stats, rnr_errors, 1);
         else if (wc->status == IBV_WC_RETRY_EXC_ERR)
-            BEX__STAT_ADD(e->sh->stats, retry_errors, 1);
+            BEX__STAT_ADD(e->stats, retry_errors, 1);
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return true;
     }

@@ -31,6 +31,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
                         bool nodev)
 {
     e->sh = sh;
+    e->stats = sh->stats;
     e->cfg = *cfg;
     if (!e->cfg.ack_delay_us)
         e->cfg.ack_delay_us = BEX__ENGINE_ACK_DELAY_US;
@@ -50,6 +51,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
     e->rq = cfg->rq_depth;
     e->k = e->rq / 2;
     e->rbuf_len = cfg->eager_max > BEX__HDR_LEN ? cfg->eager_max : BEX__HDR_LEN;
+    e->recv_max = cfg->eager_max < cfg->max_msg ? cfg->eager_max : cfg->max_msg;
     e->max_rndv = cfg->rndv_max;
     e->frag = cfg->frag_size;
     if (cfg->send_window && cfg->send_window < e->frag)
@@ -121,8 +123,10 @@ static int engine_areas(struct bex__engine *e)
                               IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!e->ka_mr && !e->nodev)
         return errno ? -errno : -ENOMEM;
-    for (uint32_t i = 0; i < e->sq; i++)
+    for (uint32_t i = 0; i < e->sq; i++) {
         e->ss[i].hdr = e->hdr_area + (size_t)i * BEX__HDR_LEN;
+        e->ss[i].wr.sg_list = e->ss[i].sge; /* for good: slot_take_send */
+    }
     return 0;
 }
 
@@ -219,7 +223,7 @@ static int engine_receives(struct bex__engine *e, bool srq)
     int err = bex__rdma_err(bex__rdma_post_recv(e->qp, &e->rs[0].wr, &bad));
     if (err)
         return err;
-    BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
+    BEX__STAT_ADD(e->stats, post_recv_calls, 1);
     return 0;
 }
 
@@ -368,10 +372,7 @@ struct bex__xport *bex__engine_xport(struct bex__engine *e)
 {
     return &e->x;
 }
-struct bex__engine *bex__engine_of(struct bex__xport *x)
-{
-    return (struct bex__engine *)((char *)x - offsetof(struct bex__engine, x));
-}
+_Static_assert(offsetof(struct bex__engine, x) == 0, "bex__engine_of: the xport comes first");
 uint32_t bex__engine_id(struct bex__engine *e)
 {
     return e->id;

@@ -106,6 +106,7 @@ struct rndv_rel {
 struct bex__engine {
     struct bex__xport x; /* first: what the connection holds */
     struct bex__engine_shared *sh;
+    struct bex__stats *stats; /* sh->stats, one load nearer (the counters, once a message) */
     struct bex__engine_config cfg;
     const struct bex__transport_upcalls *ops;
     uint32_t id;
@@ -173,6 +174,7 @@ struct bex__engine {
     struct bex__rslot *rs;
     uint32_t rq, k, rslots, slack, n_credited;
     uint32_t rbuf_len;    /* receive buffer bytes: eager_max, at least a header */
+    uint32_t recv_max;    /* the largest DATA a SEND may bring: eager_max and max_msg's least */
     uint32_t rbuf_usable; /* their usable size (one size class: the same for
                              all), known after the first (0: not yet) */
     uint32_t *unposted;   /* consumed receive slots awaiting repost */
@@ -280,7 +282,6 @@ void bex__engine_recv_free(struct bex__engine *e, void *b);
 void bex__engine_srq_leave(struct bex__engine *e);
 int bex__engine_nodev_to(struct bex__engine *e, enum ibv_qp_state s);
 void bex__engine_release_windows(struct bex__engine *e);
-void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status);
 void bex__engine_post_pending(struct bex__engine *e);
 void bex__engine_repost_recvs(struct bex__engine *e);
 void bex__engine_prep_keepalive(struct bex__engine *e);
@@ -379,6 +380,42 @@ static inline void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx
     e->unposted[e->n_unposted++] = idx;
     if (idx == e->srq_cur)
         e->srq_cur = NO_SLOT;
+}
+
+/* Receives consumed and handled whose credits are not yet returned go
+ * back at once while the spare receives cover them (slack) and fewer than
+ * k wait to be posted: true when they did (bex__engine_repost_recvs). */
+static inline bool bex__engine_credit_from_slack(struct bex__engine *e)
+{
+    uint32_t fresh = e->n_unposted - e->n_credited; /* credits not yet returned */
+    if (fresh > e->slack || e->n_unposted >= e->k)
+        return false;
+    e->slack -= fresh;
+    e->n_credited = e->n_unposted;
+    e->to_return += fresh;
+    return true;
+}
+
+/* The peer waits for the credits of receives we handled (acks_owed) to
+ * report its messages: those not yet returned go back now (credited from
+ * the slack, or the receives posted again), so that whatever we send next
+ * carries them. False: the repost failed the engine. */
+static inline bool bex__engine_return_owed(struct bex__engine *e)
+{
+    if (!e->acks_owed || e->n_unposted == e->n_credited)
+        return true;
+    /* bex__engine_repost_recvs's first case, without the call */
+    if (bex__engine_credit_from_slack(e))
+        return true;
+    bex__engine_repost_recvs(e);
+    return e->state == E_UP;
+}
+
+/* m is handed back with status (0: delivered; the contract is in
+ * bex/sock.h): inline, once a message. */
+static inline void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status)
+{
+    e->ops->on_send_done(&e->x, m, status);
 }
 
 /* Bytes the engine no longer has in flight (completed or abandoned). */

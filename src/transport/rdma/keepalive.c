@@ -195,7 +195,7 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
     } else if (now - e->ka_last_ms > e->cfg.keepalive_timeout_ms) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "%s: keepalive timeout (%u ms)", e->name,
                  e->cfg.keepalive_timeout_ms);
-        BEX__STAT_ADD(e->sh->stats, keepalive_fails, 1);
+        BEX__STAT_ADD(e->stats, keepalive_fails, 1);
         bex__engine_fail(e, -ETIMEDOUT);
         return true;
     }

@@ -63,7 +63,7 @@ static int rndv_answer(struct bex__engine *e, uint32_t i)
         r.addr = (uintptr_t)sp.buf;
         r.rkey = sp.key;
         r.stream = ((uint32_t)in->gen << 16) | i;
-        BEX__STAT_ADD(e->sh->stats, rndv_prebound, 1);
+        BEX__STAT_ADD(e->stats, rndv_prebound, 1);
         return bex__engine_queue_ctl(e, &r);
     }
     void *buf = bex__engine_recv_alloc(e, bex__engine_rndv_pool(e->sh), in->len);
@@ -141,7 +141,7 @@ int bex__engine_rndv_request(struct bex__engine *e, const struct bex__hdr *h)
     if (e->wait_n || !rndv_fits(e, h->len)) {
         e->rin_wait[(e->wait_head + e->wait_n) % e->max_rndv] = i;
         e->wait_n++;
-        BEX__STAT_ADD(e->sh->stats, recv_paused, 1);
+        BEX__STAT_ADD(e->stats, recv_paused, 1);
         return 0;
     }
     return rndv_answer(e, i);

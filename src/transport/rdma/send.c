@@ -12,13 +12,13 @@
 
 /* The next send slot, its work request cleared but for the unions of
  * remote addresses and window binds, which a SEND does not read (see
- * slot_take). */
-static struct sslot *slot_take_send(struct bex__engine *e)
+ * slot_take); its sg_list points at its sge from the start (engine_areas),
+ * and bex__engine_post_pending links the chain (wr.next). */
+static inline struct sslot *slot_take_send(struct bex__engine *e)
 {
     struct sslot *s = sslot_at(e, e->tail);
+    assert(s->wr.sg_list == s->sge);
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
-    s->wr.next = NULL;
-    s->wr.sg_list = s->sge;
     s->wr.num_sge = 0;
     s->wr.opcode = IBV_WR_SEND;
     s->wr.send_flags = 0;
@@ -45,8 +45,8 @@ static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes
 {
     s->bytes = bytes;
     e->inflight += bytes;
-    if (e->inflight > atomic_load_explicit(&e->sh->stats->max_inflight_bytes, memory_order_relaxed))
-        atomic_store_explicit(&e->sh->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
+    if (e->inflight > atomic_load_explicit(&e->stats->max_inflight_bytes, memory_order_relaxed))
+        atomic_store_explicit(&e->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
 }
 
 /* A work request that takes one of the peer's receives. */
@@ -73,28 +73,37 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
     s->wr.opcode = IBV_WR_SEND;
     spend_credit(e);
     account_bytes(e, s, len);
-    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    BEX__STAT_ADD(e->stats, sends_posted, 1);
     return s;
 }
 
-/* m's bytes as s's SGEs from sge[first] on: one for a plain message, one
- * per buffer for a gathered one (goes_eager checked they fit the QP). */
-static void gather(struct sslot *s, int first, const struct bex__msg *m)
+/* A gathered message's buffers as s's SGEs from sge[first] on, one per
+ * buffer (goes_eager checked they fit the QP). */
+static void gather_segs(struct sslot *s, int first, const struct bex__msg *m)
 {
-    if (!m->nseg) {
-        s->sge[first] = (struct ibv_sge){(uintptr_t)m->buf, (uint32_t)m->len, m->lkey};
-        s->wr.num_sge = first + 1;
-        return;
-    }
     for (int i = 0; i < m->nseg; i++)
         s->sge[first + i] =
             (struct ibv_sge){(uintptr_t)m->seg[i].buf, m->seg[i].len, m->seg[i].lkey};
     s->wr.num_sge = first + m->nseg;
 }
 
+/* m's bytes as s's SGEs from sge[first] on: one for a plain message (no
+ * call), one per buffer for a gathered one. */
+__attribute__((always_inline)) static inline void gather(struct sslot *s, int first,
+                                                         const struct bex__msg *m)
+{
+    if (m->nseg) {
+        gather_segs(s, first, m);
+        return;
+    }
+    s->sge[first] = (struct ibv_sge){(uintptr_t)m->buf, (uint32_t)m->len, m->lkey};
+    s->wr.num_sge = first + 1;
+}
+
 /* Prepare the header-free SEND_WITH_IMM of DATA m (the immediate carries
  * stream and credits). Caller checked slot + credit. */
-static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+__attribute__((always_inline)) static inline struct sslot *
+prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
     struct sslot *s = slot_take_send(e);
     uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
@@ -110,15 +119,15 @@ static struct sslot *prep_data(struct bex__engine *e, struct bex__stream *st, st
     }
     spend_credit(e);
     account_bytes(e, s, len);
-    BEX__STAT_ADD(e->sh->stats, sends_posted, 1);
+    BEX__STAT_ADD(e->stats, sends_posted, 1);
     return s;
 }
 
 /* Does m go by SEND? Up to the peer's eager_max header-free; on a stream
  * the immediate cannot name, with the header in front, so it must fit the
  * peer's receive buffer with it (zero bytes always do). */
-static bool goes_eager(const struct bex__engine *e, const struct bex__stream *st,
-                       const struct bex__msg *m)
+static inline bool goes_eager(const struct bex__engine *e, const struct bex__stream *st,
+                              const struct bex__msg *m)
 {
     if (m->direct || m->len > e->peer_eager)
         return false;
@@ -156,7 +165,7 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
             return false;
         }
         if (!bex__engine_have_credit(e, false)) {
-            BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+            BEX__STAT_ADD(e->stats, credit_stalls, 1);
             *blocked = true;
             return false;
         }
@@ -183,21 +192,12 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
     return false;
 }
 
-/* One turn of a stream: at most one fragment or one small message (or one
- * control message of its own). Returns true if it prepared a request. */
-/* A turn of st whose head m goes by SEND (eager). */
-static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m,
-                       bool *blocked)
+/* st's head m goes by SEND (goes_eager), with a slot and a credit there
+ * and its bytes taken by the window: its work request prepared. Inlined in
+ * both its callers, the scheduler's turn and bex__engine_turn_now. */
+__attribute__((always_inline)) static inline void
+eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
-    if (!bex__engine_have_credit(e, false)) {
-        BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
-        *blocked = true;
-        return false;
-    }
-    if (!bex__engine_window_take(e, (uint32_t)m->len)) {
-        *blocked = true;
-        return false;
-    }
     struct sslot *s;
     if (st->id <= BEX__IMM_STREAM_MAX) {
         s = prep_data(e, st, m);
@@ -212,6 +212,24 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
     m->state = BEX__M_POSTED;
     m->ack_seq = e->cons_sent;
     s->done = m;
+}
+
+/* One turn of a stream: at most one fragment or one small message (or one
+ * control message of its own). Returns true if it prepared a request. */
+/* A turn of st whose head m goes by SEND (eager). */
+static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m,
+                       bool *blocked)
+{
+    if (!bex__engine_have_credit(e, false)) {
+        BEX__STAT_ADD(e->stats, credit_stalls, 1);
+        *blocked = true;
+        return false;
+    }
+    if (!bex__engine_window_take(e, (uint32_t)m->len)) {
+        *blocked = true;
+        return false;
+    }
+    eager_prep(e, st, m);
     return true;
 }
 
@@ -220,20 +238,22 @@ bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct 
     /* what progress sends first (window operations, a keepalive, control
      * messages, releases), a stream owing its OPEN or CLOSE, a send window
      * or a destination's bound (quiet_max 0: their stalls are counted by
-     * the scheduler's turn), no slot, the last credits: the ring's way */
+     * the scheduler's turn), no slot, the last credits: the ring's way
+     * (the queues' counts and flags or'ed: one test, not five) */
     if (e->state != E_UP || st->state != BEX__S_OPEN || st->q_head != m || !e->quiet_max ||
-        e->ctl_n || e->rel_n || e->wq_n || e->wop_busy || e->ka_due || !bex__engine_free_slots(e) ||
-        !bex__engine_have_credit(e, false) || m->len > e->peer_max_msg || !goes_eager(e, st, m))
+        (e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due) ||
+        !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) ||
+        m->len > e->peer_max_msg || !goes_eager(e, st, m))
         return false;
     /* an answer sent from the upcall of the peer's message carries that
      * message's credit, as progress would have it (before its turn) */
-    if (e->acks_owed && e->n_unposted != e->n_credited) {
-        bex__engine_repost_recvs(e);
-        if (e->state != E_UP)
-            return false;
-    }
-    bool blocked;
-    return turn_eager(e, st, m, &blocked); /* cannot block: credit checked, no window */
+    if (!bex__engine_return_owed(e))
+        return false;
+    /* turn_eager's checks hold: the credit is checked, and with quiet_max
+     * set no send window or destination's bound counts bytes
+     * (bex__engine_window_take takes any) */
+    eager_prep(e, st, m);
+    return true;
 }
 
 /* A turn of st whose head m has its destination: one fragment written. */
@@ -249,7 +269,7 @@ static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct 
     uint32_t frag = (uint32_t)(run < most ? run : most);
     bool last = m->off + frag == m->len;
     if (last && !bex__engine_have_credit(e, false)) {
-        BEX__STAT_ADD(e->sh->stats, credit_stalls, 1);
+        BEX__STAT_ADD(e->stats, credit_stalls, 1);
         *blocked = true;
         return false;
     }
@@ -263,7 +283,7 @@ static bool turn_fragment(struct bex__engine *e, struct bex__stream *st, struct 
     s->wr.wr.rdma.remote_addr = m->raddr + m->off;
     s->wr.wr.rdma.rkey = m->rkey;
     account_bytes(e, s, frag);
-    BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+    BEX__STAT_ADD(e->stats, writes_posted, 1);
     m->off += frag;
     m->last_wr = e->tail - 1;
     if (!last) {
@@ -367,36 +387,41 @@ void bex__engine_post_pending(struct bex__engine *e)
     /* what is posted may carry the credits of receives still staged */
     if (e->sh->srq && !bex__srq_flushed(e->sh->srq, e->srq_wait))
         bex__srq_flush(e->sh->srq);
-    struct sslot *first = sslot_at(e, e->post);
-    /* counted from the flags of what is posted, so that the counter shows
-     * the signaling policy, whatever it is (recounted up to bad on failure) */
-    uint64_t signaled = 0;
+    /* one pass, each slot looked up once: its link, its bytes, whether the
+     * chain may go quiet and whether it takes a peer's receive */
+    struct sslot *first = sslot_at(e, e->post), *s = first;
     bool consumes = false, quiet = chain_quiet(e);
     uint32_t bytes = 0;
-    for (uint32_t c = e->post; c != e->tail; c++) {
-        struct sslot *s = sslot_at(e, c);
-        bool last = c + 1 == e->tail;
-        s->wr.next = last ? NULL : &sslot_at(e, c + 1)->wr;
+    for (uint32_t c = e->post + 1;; c++) {
         bytes += s->bytes;
         quiet = quiet && wr_quiet(s);
-        /* slot_take cleared the flags; prep_data may have set INLINE */
-        if (last && !quiet) {
-            s->wr.send_flags |= IBV_SEND_SIGNALED;
-            bex__engine_wnd_posted(e, s, bytes);
-            e->sig_end = e->tail;
-            e->sig_force = false;
-        }
-        signaled += (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
         consumes |= wr_consumes(&s->wr);
+        if (c == e->tail)
+            break;
+        struct sslot *next = sslot_at(e, c);
+        s->wr.next = &next->wr;
+        s = next;
     }
+    s->wr.next = NULL;
+    /* slot_take cleared the flags; prep_data may have set INLINE */
+    if (!quiet) {
+        s->wr.send_flags |= IBV_SEND_SIGNALED;
+        bex__engine_wnd_posted(e, s, bytes);
+        e->sig_end = e->tail;
+        e->sig_force = false;
+    }
+    /* counted from the flags of what is posted, so that the counter shows
+     * the signaling policy (recounted up to bad on failure): only the
+     * chain's last request is ever signaled */
+    uint64_t signaled = (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
     struct ibv_send_wr *bad = NULL;
     /* counted before the call, as its work requests were when prepared:
      * rxe's ibv_post_send is a system call that may take milliseconds in a
      * starved guest, and counters read during it showed a keepalive WRITE
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
-    BEX__STAT_ADD(e->sh->stats, post_send_calls, 1);
-    BEX__STAT_ADD(e->sh->stats, signaled, signaled);
+    BEX__STAT_ADD(e->stats, post_send_calls, 1);
+    BEX__STAT_ADD(e->stats, signaled, signaled);
     int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
     if (rc) {
         uint64_t was = signaled;
@@ -406,7 +431,7 @@ void bex__engine_post_pending(struct bex__engine *e)
             signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
             consumes |= wr_consumes(w);
         }
-        BEX__STAT_ADD(e->sh->stats, signaled, signaled - was); /* fewer: modulo 2^64 */
+        BEX__STAT_ADD(e->stats, signaled, signaled - was); /* fewer: modulo 2^64 */
     }
     if (consumes)
         e->peer_hears = true;
@@ -438,14 +463,8 @@ void bex__engine_post_pending(struct bex__engine *e)
 void bex__engine_repost_recvs(struct bex__engine *e)
 {
     uint32_t fresh = e->n_unposted - e->n_credited; /* credits not yet returned */
-    if (fresh == 0)
+    if (fresh == 0 || bex__engine_credit_from_slack(e))
         return;
-    if (fresh <= e->slack && e->n_unposted < e->k) {
-        e->slack -= fresh;
-        e->n_credited = e->n_unposted;
-        e->to_return += fresh;
-        return;
-    }
     int rc;
     if (e->sh->srq) {
         /* onto the shared queue, posted with the other engines' at the
@@ -459,7 +478,7 @@ void bex__engine_repost_recvs(struct bex__engine *e)
         }
         struct ibv_recv_wr *bad;
         rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
-        BEX__STAT_ADD(e->sh->stats, post_recv_calls, 1);
+        BEX__STAT_ADD(e->stats, post_recv_calls, 1);
     }
     if (rc) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name,
@@ -480,7 +499,7 @@ void bex__engine_prep_keepalive(struct bex__engine *e)
     if (!e->ka_due || !bex__engine_free_slots(e))
         return;
     e->ka_due = false;
-    BEX__STAT_ADD(e->sh->stats, keepalive_writes, 1);
+    BEX__STAT_ADD(e->stats, keepalive_writes, 1);
     struct sslot *s = bex__engine_slot_take(e);
     uint64_t seq = ++e->ka_seq;
     memcpy(s->hdr, &seq, sizeof(seq));
@@ -572,24 +591,10 @@ static void schedule_streams(struct bex__engine *e)
     }
 }
 
-bool bex__engine_progress(struct bex__engine *e)
+/* Control messages, destinations given back and the streams' turns, in
+ * that order, as slots and credits allow (bex__engine_progress). */
+__attribute__((noinline)) static void progress_queues(struct bex__engine *e)
 {
-    if (e->state != E_UP)
-        return false;
-    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
-    /* window binds and revocations: ahead of the answers that name them,
-     * and alone (see wops_hold) */
-    if (bex__engine_wops_hold(e))
-        return e->tail != before;
-    if (e->ka_due)
-        bex__engine_prep_keepalive(e);
-    /* the peer waits for these receives' credits to report its messages:
-     * posted now, whatever we send next carries them */
-    if (e->acks_owed && e->n_unposted != e->n_credited) {
-        bex__engine_repost_recvs(e);
-        if (e->state != E_UP)
-            return e->tail != before;
-    }
     /* control messages first: they unblock the peer */
     while (e->ctl_n && bex__engine_free_slots(e) && bex__engine_have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -616,17 +621,43 @@ bool bex__engine_progress(struct bex__engine *e)
         s->wr.wr.rdma.rkey = r.rkey;
         spend_credit(e);
         e->peer_rndv_used--;
-        BEX__STAT_ADD(e->sh->stats, writes_posted, 1);
+        BEX__STAT_ADD(e->stats, writes_posted, 1);
     }
     schedule_streams(e);
+}
+
+/* A CREDIT message: the credits nobody carried (out of line: rare). */
+__attribute__((noinline)) static void prep_credit(struct bex__engine *e)
+{
+    struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+    prep_send(e, &h, NULL, 0, 0);
+    BEX__STAT_ADD(e->stats, credit_msgs, 1);
+}
+
+bool bex__engine_progress(struct bex__engine *e)
+{
+    if (e->state != E_UP)
+        return false;
+    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
+    /* window binds and revocations: ahead of the answers that name them,
+     * and alone (see wops_hold) */
+    if ((e->wq_n || e->wop_busy) && bex__engine_wops_hold(e))
+        return e->tail != before;
+    if (e->ka_due)
+        bex__engine_prep_keepalive(e);
+    /* the peer waits for these receives' credits to report its messages:
+     * posted now, whatever we send next carries them */
+    if (!bex__engine_return_owed(e))
+        return e->tail != before;
+    /* what waits in the queues: none when a lone stream's message was
+     * prepared by bex__engine_turn_now (no call then) */
+    if (e->ctl_n | e->rel_n | e->streams.ring_n)
+        progress_queues(e);
     /* credits nobody carried: an explicit update once half the queue waits,
      * or once the peer has waited ack_delay for the ones it reports by */
     if ((e->to_return >= e->k || ack_due(e)) && bex__engine_free_slots(e) &&
-        bex__engine_have_credit(e, true)) {
-        struct bex__hdr h = {.type = BEX__MSG_CREDIT};
-        prep_send(e, &h, NULL, 0, 0);
-        BEX__STAT_ADD(e->sh->stats, credit_msgs, 1);
-    }
+        bex__engine_have_credit(e, true))
+        prep_credit(e);
     acks_settle(e);
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */

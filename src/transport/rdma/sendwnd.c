@@ -14,7 +14,7 @@ void bex__engine_wnd_init(struct bex__engine *e)
     if (!adaptive(e))
         return;
     bex__wnd_init(&e->wnd, &e->cfg.wnd);
-    BEX__STAT_ADD(e->sh->stats, window_bytes, e->wnd.cwnd);
+    BEX__STAT_ADD(e->stats, window_bytes, e->wnd.cwnd);
 }
 
 /* With the adaptive window the engine starts where the last engine to ip
@@ -31,7 +31,7 @@ void bex__engine_set_dest(struct bex__engine *e, uint32_t ip)
         return;
     uint32_t old = e->wnd.cwnd;
     if (bex__wnd_resume(&e->wnd, &m, bex__now_us()))
-        BEX__STAT_ADD(e->sh->stats, window_bytes, (uint64_t)e->wnd.cwnd - old);
+        BEX__STAT_ADD(e->stats, window_bytes, (uint64_t)e->wnd.cwnd - old);
 }
 
 /* The engine's window now: 0 for none. */
@@ -47,18 +47,18 @@ bool bex__engine_window_take(struct bex__engine *e, uint32_t bytes)
     if (bytes == 0)
         return true;
     if (w && !alone && e->inflight + bytes > w) {
-        BEX__STAT_ADD(e->sh->stats, window_stalls, 1);
+        BEX__STAT_ADD(e->stats, window_stalls, 1);
         return false;
     }
     if (!e->dest)
         return true;
     uint64_t now;
     if (!bex__wnd_dest_take(e->dest, bytes, alone, &now)) {
-        BEX__STAT_ADD(e->sh->stats, dest_bound_hits, 1);
+        BEX__STAT_ADD(e->stats, dest_bound_hits, 1);
         return false;
     }
-    if (now > atomic_load_explicit(&e->sh->stats->dest_max_inflight, memory_order_relaxed))
-        atomic_store_explicit(&e->sh->stats->dest_max_inflight, now, memory_order_relaxed);
+    if (now > atomic_load_explicit(&e->stats->dest_max_inflight, memory_order_relaxed))
+        atomic_store_explicit(&e->stats->dest_max_inflight, now, memory_order_relaxed);
     return true;
 }
 
@@ -81,7 +81,7 @@ void bex__engine_wnd_completed(struct bex__engine *e, struct sslot *s)
     uint64_t cuts = e->wnd.cuts;
     int64_t delta =
         bex__wnd_sample(&e->wnd, d > UINT32_MAX ? UINT32_MAX : (uint32_t)d, s->batch_bytes, now);
-    struct bex__stats *st = e->sh->stats;
+    struct bex__stats *st = e->stats;
     BEX__STAT_ADD(st, window_bytes, (uint64_t)delta);
     BEX__STAT_ADD(st, window_cuts, e->wnd.cuts - cuts);
     atomic_store_explicit(&st->window_delay_us, e->wnd.last_us, memory_order_relaxed);
@@ -102,5 +102,5 @@ void bex__engine_wnd_fini(struct bex__engine *e)
     bex__wnd_dest_put(e->cfg.dests, e->dest, &m);
     e->dest = NULL;
     if (adaptive(e))
-        BEX__STAT_ADD(e->sh->stats, window_bytes, (uint64_t)0 - e->wnd.cwnd);
+        BEX__STAT_ADD(e->stats, window_bytes, (uint64_t)0 - e->wnd.cwnd);
 }

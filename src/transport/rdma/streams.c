@@ -15,11 +15,6 @@ void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t 
     st->eng = e;
 }
 
-void bex__engine_msg_done(struct bex__engine *e, struct bex__msg *m, int status)
-{
-    e->ops->on_send_done(&e->x, m, status);
-}
-
 void bex__engine_queue_release(struct bex__engine *e, uint64_t addr, uint32_t rkey, uint32_t imm)
 {
     /* bounded: one entry per peer slot we hold, at most max_rndv */
