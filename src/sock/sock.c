@@ -907,9 +907,13 @@ static inline __attribute__((always_inline)) int submit(bex_sock *s, void *buf, 
         return -EMSGSIZE;
     if (req)
         return submit_fill(s, (struct sock_msg *)(void *)req, buf, len, msg_user, lkey, rb, true);
+    /* the thread first: the cache is the I/O thread's alone (another
+     * thread's read of msg_free races with its pushes) */
     struct bex__io *io = s->io;
+    if (__builtin_expect(bex__io_self != io, 0))
+        return submit_new(s, buf, len, msg_user, lkey, rb);
     struct sock_msg *w = io->msg_free;
-    if (__builtin_expect(bex__io_self != io || w == NULL, 0))
+    if (__builtin_expect(w == NULL, 0))
         return submit_new(s, buf, len, msg_user, lkey, rb);
     io->msg_free = w->free_next;
     io->n_msg_free--;
