@@ -6,7 +6,8 @@
 #   cg-counts the counts bench/cost/run takes from a callgrind file, on
 #            cg-probe: its poll function's calls and the completions they
 #            returned (20000 and 2000), and its qsort's instructions as
-#            callgrind_annotate gives them (the sample sort taken out)
+#            callgrind_annotate gives them (the sample sort taken out);
+#            callgrind-diff's total of the same --dump-instr=yes file
 #   syscalls the kernel TCP ping-pong costs exactly one write and one read
 #            per round trip and side (the difference of two run lengths:
 #            set-up and teardown cancel), and bex over TCP a stated number
@@ -48,6 +49,11 @@ echo "cg-probe: total $total, sort $sort, polls $polls, completions $done"
 [ "$done" = 2000 ] || fail "cg-counts found $done completions, not 2000"
 want=$(callgrind_annotate "$tmp/cg" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
 [ "$total" = "$want" ] || fail "cg-counts' total $total, callgrind_annotate's $want"
+# callgrind-diff reads the same file (an instruction column before the
+# line's with --dump-instr=yes): against an empty profile, its total
+: >"$tmp/empty"
+got=$(python3 "$src/bench/cost/callgrind-diff" 1 "$tmp/empty" "$tmp/cg" | awk '$2 == "total" {print $1}')
+[ "$got" = "$want.0" ] || fail "callgrind-diff's total '$got', callgrind_annotate's $want"
 want=$(callgrind_annotate --inclusive=yes "$tmp/cg" | awk '/:qsort \[/ {gsub(",", "", $1); print $1}')
 [ -n "$want" ] && [ "$sort" = "$want" ] || fail "cg-counts' sort $sort, qsort's inclusive count $want"
 
