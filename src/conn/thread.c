@@ -433,8 +433,8 @@ __attribute__((noinline)) static int sleep_timeout(struct bex__io *io, uint64_t 
  * armed) is always followed by this look, so it reads no clock for the
  * timers (issue 25: a round trip read the coarse clock in the turn and
  * the precise one here); a timer's work then waits for the next turn. */
-static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
-                     bool timers_late)
+__attribute__((always_inline)) static inline void
+io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc, bool timers_late)
 {
     if (!io->cq_armed)
         arm_cqs(io);
