@@ -183,30 +183,52 @@ static void cq_failed(struct bex__io *io, uint32_t q, int n)
         bex__log(io->env->log, BEX_LOG_ERROR, "ibv_poll_cq: %d; every engine failed", n);
 }
 
-/* Progress for the connections that have work, and only those: one whose
- * transport says it may have more at once stays on the list for the next
- * turn, the others leave it until a command, completion, event or timer
- * brings them back (bex__conn_ready). */
-static bool run_ready(struct bex__io *io)
+/* c's progress call (c off the ready list): whether its transport may
+ * have more at once (c is ready again then). */
+__attribute__((always_inline)) static inline bool run_one(struct bex__io *io, struct conn *c)
+{
+    if (!c->x || bex__conn_dead(c))
+        return false;
+    BEX__STAT_ADD(io, visits, 1);
+    bool did = c->x->ops->progress(c->x);
+    if (did)
+        bex__conn_ready(c);
+    /* a callback in progress may have marked it again: it stays */
+    bex__conn_due_sync(c);
+    return did;
+}
+
+/* run_ready's list of several: taken whole, so that the connections
+ * marked again during it wait for the next turn. */
+__attribute__((noinline)) static bool run_ready_all(struct bex__io *io)
 {
     struct bex__list list, *n;
     bex__list_init(&list);
     bex__list_take_all(&io->ready, &list);
     bool did = false;
     while ((n = bex__list_first(&list))) {
-        struct conn *c = bex__list_entry(n, struct conn, ready_link);
         bex__list_remove(n);
-        if (!c->x || bex__conn_dead(c))
-            continue;
-        BEX__STAT_ADD(io, visits, 1);
-        if (c->x->ops->progress(c->x)) {
-            did = true;
-            bex__conn_ready(c);
-        }
-        /* a callback in progress may have marked it again: it stays */
-        bex__conn_due_sync(c);
+        did |= run_one(io, bex__list_entry(n, struct conn, ready_link));
     }
     return did;
+}
+
+/* Progress for the connections that have work, and only those: one whose
+ * transport says it may have more at once stays on the list for the next
+ * turn, the others leave it until a command, completion, event or timer
+ * brings them back (bex__conn_ready). One connection on the list (a
+ * ping-pong's every turn) is taken off it alone, the list not moved
+ * (issue 25 item 2); what it marks again is on the list for the next turn,
+ * as in run_ready_all. */
+static inline bool run_ready(struct bex__io *io)
+{
+    struct bex__list *n = io->ready.next;
+    if (n == &io->ready)
+        return false;
+    if (__builtin_expect(n->next != &io->ready, 0))
+        return run_ready_all(io);
+    bex__list_remove(n);
+    return run_one(io, bex__list_entry(n, struct conn, ready_link));
 }
 
 /* poll_cq's part after a poll gave n > 0 completions in wc: dispatched,
@@ -433,8 +455,8 @@ __attribute__((noinline)) static int sleep_timeout(struct bex__io *io, uint64_t 
  * armed) is always followed by this look, so it reads no clock for the
  * timers (issue 25: a round trip read the coarse clock in the turn and
  * the precise one here); a timer's work then waits for the next turn. */
-static void io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc,
-                     bool timers_late)
+__attribute__((always_inline)) static inline void
+io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc, bool timers_late)
 {
     if (!io->cq_armed)
         arm_cqs(io);

@@ -793,14 +793,24 @@ int bex__sock_buf_refused(bex_sock *s, void *buf, size_t len)
  * (bex__io_send_now), else through the command queue. Apart from submit,
  * which then keeps no registers across calls of its own on the common
  * path, and with the transport's send a tail call (issue 25 item 2). */
-static __attribute__((noinline)) void submit_go(bex_sock *s, struct sock_msg *w)
+static __attribute__((noinline)) void submit_go_own(bex_sock *s, struct sock_msg *w)
 {
-    if (bex__io_self != s->io || !bex__io_send_ok(w)) {
+    if (!bex__io_send_ok(w)) {
         bex__io_push(s->io, &w->cmd, CMD_SEND);
         return;
     }
     BEX__STAT_ADD(s->io, direct_sends, 1);
     bex__sock_to_transport(s, w); /* (a tail call) */
+}
+
+/* submit_go_own from any thread: another one's send is a command. */
+static __attribute__((noinline)) void submit_go(bex_sock *s, struct sock_msg *w)
+{
+    if (bex__io_self != s->io) {
+        bex__io_push(s->io, &w->cmd, CMD_SEND);
+        return;
+    }
+    submit_go_own(s, w); /* (a tail call) */
 }
 
 void bex__sock_msg_put_slow(struct sock_msg *w)
@@ -851,10 +861,12 @@ static inline void sock_msg_fill(struct sock_msg *w, bex_sock *s, void *buf, siz
     w->gathered = false;
 }
 
-/* w (from the cache, malloc or the caller) filled and on its way. */
+/* w (from the cache, malloc or the caller) filled and on its way; own:
+ * the caller is on s's I/O thread (the cache's descriptor: submit looked),
+ * so submit_go_own, which does not look again (issue 25 item 2). */
 static inline __attribute__((always_inline)) int
 submit_fill(bex_sock *s, struct sock_msg *w, void *buf, size_t len, void *msg_user, uint32_t lkey,
-            const bex_remote_buf *rb, bool caller_owned)
+            const bex_remote_buf *rb, bool caller_owned, bool own)
 {
     sock_msg_fill(w, s, buf, len, msg_user, len ? lkey : 0, caller_owned);
     if (rb) {
@@ -863,7 +875,10 @@ submit_fill(bex_sock *s, struct sock_msg *w, void *buf, size_t len, void *msg_us
         w->m.rkey = rb->rkey;
         w->m.imm = rb->token;
     }
-    submit_go(s, w);
+    if (own)
+        submit_go_own(s, w);
+    else
+        submit_go(s, w);
     return 0;
 }
 
@@ -878,7 +893,7 @@ static __attribute__((noinline)) int submit_new(bex_sock *s, void *buf, size_t l
     struct sock_msg *w = malloc(sizeof(struct sock_msg));
     if (!w)
         return -ENOMEM;
-    return submit_fill(s, w, buf, len, msg_user, lkey, rb, false);
+    return submit_fill(s, w, buf, len, msg_user, lkey, rb, false, false);
 }
 
 /* Inline in each entry point: bex_sock_send's copy, the one callbacks
@@ -906,7 +921,8 @@ static inline __attribute__((always_inline)) int submit(bex_sock *s, void *buf, 
     if (!rb && peer_max && len > peer_max)
         return -EMSGSIZE;
     if (req)
-        return submit_fill(s, (struct sock_msg *)(void *)req, buf, len, msg_user, lkey, rb, true);
+        return submit_fill(s, (struct sock_msg *)(void *)req, buf, len, msg_user, lkey, rb, true,
+                           false);
     /* the thread first: the cache is the I/O thread's alone (another
      * thread's read of msg_free races with its pushes) */
     struct bex__io *io = s->io;
@@ -917,7 +933,7 @@ static inline __attribute__((always_inline)) int submit(bex_sock *s, void *buf, 
         return submit_new(s, buf, len, msg_user, lkey, rb);
     io->msg_free = w->free_next;
     io->n_msg_free--;
-    return submit_fill(s, w, buf, len, msg_user, lkey, rb, false);
+    return submit_fill(s, w, buf, len, msg_user, lkey, rb, false, true);
 }
 
 /* iov's buffers as seg[] (each checked as bex_sock_send checks its one),

@@ -333,14 +333,16 @@ static void on_send_done(struct bex__xport *x, struct bex__msg *m, int status)
         return;
     }
     s->pending--;
-    void *buf = m->buf, *user = m->user;
-    size_t len = m->len;
+    /* the descriptor back before the report's arguments are loaded (its
+     * fields are not those the cache writes): the push then needs no
+     * register the six arguments take, and the frame saves none (two
+     * pushes and pops a message before, issue 25 item 2) */
     if (!w->caller_owned) { /* bex__sock_msg_put's case of a cache with room */
         w->free_next = io->msg_free;
         io->msg_free = w;
         io->n_msg_free++;
     }
-    s->ops.on_send_done(s, buf, len, user, status, s->user);
+    s->ops.on_send_done(s, m->buf, m->len, m->user, status, s->user);
 }
 
 static void on_stream_closed(struct bex__xport *x, struct bex__stream *st)
