@@ -91,7 +91,13 @@ struct bex__msg *bex__stream_take_queue(struct bex__stream *st)
 
 bool bex__ack_hold_due(struct bex__xport *x, uint64_t *held, uint32_t delay_us)
 {
-    return bex__ack_hold_due_at(x, held, delay_us, bex__now_us());
+    uint64_t now = bex__now_us();
+    if (!*held) {
+        *held = now ? now : 1;
+        x->due_us = *held + delay_us;
+        return false;
+    }
+    return now >= x->due_us;
 }
 
 int bex__stream_violation(struct bex__log *log, const char *name, const char *transport,

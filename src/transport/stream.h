@@ -123,19 +123,6 @@ static inline bool bex__stream_gone(const struct bex__stream *st)
  * that time has passed. */
 bool bex__ack_hold_due(struct bex__xport *x, uint64_t *held, uint32_t delay_us);
 
-/* The same with the clock read by the caller (now: bex__now_us()), so
- * that one progress call reads it once (issue 25 item 2). */
-static inline bool bex__ack_hold_due_at(struct bex__xport *x, uint64_t *held, uint32_t delay_us,
-                                        uint64_t now)
-{
-    if (!*held) {
-        *held = now ? now : 1;
-        x->due_us = *held + delay_us;
-        return false;
-    }
-    return now >= x->due_us;
-}
-
 /* The bit of a connection's "said" word (bex__log_once) its violation
  * line takes: the peer's fault is logged once per connection. */
 #define BEX__SAID_VIOLATION 1u

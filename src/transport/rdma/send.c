@@ -533,12 +533,11 @@ void bex__engine_prep_keepalive(struct bex__engine *e)
  * peer's message within microseconds and carries them, so they wait for
  * one up to ack_delay_us (the I/O thread calls progress again then:
  * x.due_us). */
-static bool ack_due(struct bex__engine *e, uint64_t *now)
+static bool ack_due(struct bex__engine *e)
 {
     if (!e->acks_owed || !e->to_return)
         return false;
-    *now = bex__now_us();
-    return bex__ack_hold_due_at(&e->x, &e->ack_held, e->cfg.ack_delay_us, *now);
+    return bex__ack_hold_due(&e->x, &e->ack_held, e->cfg.ack_delay_us);
 }
 
 /* Every owed credit went (or waits for a buffer: starved): nothing held. */
@@ -656,12 +655,11 @@ bool bex__engine_progress(struct bex__engine *e)
         progress_queues(e);
     /* credits nobody carried: an explicit update once half the queue waits,
      * or once the peer has waited ack_delay for the ones it reports by */
-    uint64_t now = 0; /* the clock, read at most once a call (0: not yet) */
-    if ((e->to_return >= e->k || ack_due(e, &now)) && bex__engine_free_slots(e) &&
+    if ((e->to_return >= e->k || ack_due(e)) && bex__engine_free_slots(e) &&
         bex__engine_have_credit(e, true))
         prep_credit(e);
     acks_settle(e);
-    if (e->ack_held && e->x.due_us && (now ? now : bex__now_us()) >= e->x.due_us)
+    if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
     if (e->post != e->tail)
         bex__engine_post_pending(e);
