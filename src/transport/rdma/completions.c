@@ -110,9 +110,48 @@ static void acks_in(struct bex__engine *e, uint32_t n)
         acks_posted(e);
 }
 
+/* Slot s's message and CLOSE, once its request is retired. */
+static void slot_retired(struct bex__engine *e, struct sslot *s)
+{
+    if (s->done) {
+        struct bex__msg *m = s->done;
+        s->done = NULL;
+        /* status set: abandoned with fragments in flight, now done */
+        if (m->status)
+            bex__engine_msg_done(e, m, m->status);
+        else
+            ack_wait(e, m);
+    }
+    if (s->closed) {
+        struct bex__stream *st = s->closed;
+        s->closed = NULL;
+        bex__stream_move(st, BEX__SE_CLOSE_DONE);
+        if (st->state == BEX__S_CLOSED_BOTH)
+            bex__engine_finish_stream(e, st);
+    }
+}
+
+/* Completions come in posting order: everything up to cnt is done. With
+ * quiet chains allowed (quiet_max) there is no send window, destination's
+ * bound, adaptive sample or window to deallocate (engine.c,
+ * bex__engine_set_dest): a retired slot gives back its bytes and reports
+ * its message or CLOSE, the one test of the two (most often the
+ * acknowledgement scan, acks_posted, reported the message already). */
 static void send_completed(struct bex__engine *e, uint32_t cnt)
 {
-    /* Completions come in posting order: everything up to cnt is done. */
+    if (e->quiet_max) {
+        while (e->head != e->post) {
+            uint32_t c = e->head++;
+            struct sslot *s = sslot_at(e, c);
+            assert(!e->dest && !s->post_us && !s->free_mw);
+            e->inflight -= s->bytes;
+            if ((uintptr_t)s->done | (uintptr_t)s->closed)
+                slot_retired(e, s);
+            if ((c & WR_CNT_MASK) == cnt)
+                break;
+        }
+        return;
+    }
     while (e->head != e->post) {
         uint32_t c = e->head;
         struct sslot *s = sslot_at(e, c);
@@ -125,22 +164,7 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
             ibv_dealloc_mw(s->free_mw); /* its invalidation is done */
             s->free_mw = NULL;
         }
-        if (s->done) {
-            struct bex__msg *m = s->done;
-            s->done = NULL;
-            /* status set: abandoned with fragments in flight, now done */
-            if (m->status)
-                bex__engine_msg_done(e, m, m->status);
-            else
-                ack_wait(e, m);
-        }
-        if (s->closed) {
-            struct bex__stream *st = s->closed;
-            s->closed = NULL;
-            bex__stream_move(st, BEX__SE_CLOSE_DONE);
-            if (st->state == BEX__S_CLOSED_BOTH)
-                bex__engine_finish_stream(e, st);
-        }
+        slot_retired(e, s);
         if ((c & WR_CNT_MASK) == cnt)
             break;
     }
