@@ -476,13 +476,11 @@ static int push_refresh(bex_ps_client *c)
 
 void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
 {
-    *out = (bex_ps_client_stats){0};
     bex_rpc_channel_stats st;
-    for (uint32_t i = 0; i < c->n_shards; i++) {
-        bex_rpc_channel_stats_get(c->ch[i], &st);
-        stats_add(out, &st);
-    }
     pthread_mutex_lock(&c->mu);
+    /* the destroyed Push channels' counters: reap summed them with
+     * stats_add, whose fields alone they hold */
+    *out = c->retired;
     for (int i = 0; i < 2; i++) {
         struct bex__list *n;
         bex__list_foreach(n, i ? &c->dead : &c->all)
@@ -491,16 +489,12 @@ void bex_ps_client_stats_get(bex_ps_client *c, bex_ps_client_stats *out)
             stats_add(out, &st);
         }
     }
-    out->calls += c->retired.calls;
-    out->ok += c->retired.ok;
-    out->failed += c->retired.failed;
-    out->attempts += c->retired.attempts;
-    out->retries += c->retired.retries;
-    out->retry_throttled += c->retired.retry_throttled;
-    out->failovers += c->retired.failovers;
-    out->conn_failures += c->retired.conn_failures;
     out->push_channels = c->n_pch;
     pthread_mutex_unlock(&c->mu);
+    for (uint32_t i = 0; i < c->n_shards; i++) {
+        bex_rpc_channel_stats_get(c->ch[i], &st);
+        stats_add(out, &st);
+    }
     bex__ps_keep_stats(&c->keep, out);
 }
 
