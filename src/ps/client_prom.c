@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* bex_ps_client_prometheus: the PS client's counters (bex_ps_client_stats)
- * in Prometheus text exposition format. */
+ * in Prometheus text exposition format: counters, and the two gauges
+ * push_held and push_channels. */
 #include <errno.h>
 #include <limits.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "bex/ps.h"
@@ -36,6 +38,16 @@ static const struct bex__prom_ctr ctrs[] = {
      offsetof(bex_ps_client_stats, push_dropped)},
 };
 
+/* what the client has now (bex_ps_client_stats: push_held, push_channels) */
+static const struct bex__prom_ctr gauges[] = {
+    {"bex_ps_client_push_held", "Pushes kept now, not yet sent again nor dropped",
+     offsetof(bex_ps_client_stats, push_held)},
+    {"bex_ps_client_push_channels",
+     "Push channels now: one per replica listed, and those of replicas no longer listed not "
+     "retired yet",
+     offsetof(bex_ps_client_stats, push_channels)},
+};
+
 static void client_label(const void *obj, const void *arg, char *labels, size_t cap)
 {
     (void)obj;
@@ -55,5 +67,11 @@ int bex_ps_client_prometheus(bex_ps_client *c, const char *name, char *buf, size
     struct bex__prom o = {buf, cap, 0};
     struct bex__prom_array one = {&s, 1, sizeof s, client_label, label};
     bex__prom_counters(&o, ctrs, sizeof ctrs / sizeof ctrs[0], bex__prom_array_next, &one);
+    for (size_t i = 0; i < sizeof gauges / sizeof gauges[0]; i++) {
+        const struct bex__prom_ctr *g = &gauges[i];
+        bex__prom_printf(&o, "# HELP %s %s.\n# TYPE %s gauge\n%s{client=\"%s\"} %llu\n", g->metric,
+                         g->help, g->metric, g->metric, label,
+                         (unsigned long long)*(const uint64_t *)((const char *)&s + g->off));
+    }
     return o.n > (size_t)INT_MAX ? -ENOMEM : (int)o.n;
 }

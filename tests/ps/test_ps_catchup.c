@@ -787,6 +787,15 @@ static int t_resend_bound(void)
     bex_ps_client_stats cs;
     bex_ps_client_stats_get(pc, &cs);
     CHECK(cs.push_kept == 4 && cs.push_dropped == 2 && cs.push_held == 2);
+    /* the gauges: 2 held now, a Push channel per replica (the peer and
+     * the refusing one) */
+    static char text[8192];
+    CHECK(bex_ps_client_prometheus(pc, "t", text, sizeof text) < (int)sizeof text);
+    CHECK(strstr(
+        text, "# TYPE bex_ps_client_push_held gauge\nbex_ps_client_push_held{client=\"t\"} 2\n"));
+    CHECK(cs.push_channels == 2);
+    CHECK(strstr(text, "# TYPE bex_ps_client_push_channels gauge\n"
+                       "bex_ps_client_push_channels{client=\"t\"} 2\n"));
     bex_ps_client_stats_get(pc2, &cs);
     CHECK(cs.push_kept == 0 && cs.push_dropped == 1 && cs.push_held == 0);
     for (int i = 0; i < 1100; i++)
@@ -809,9 +818,9 @@ static int t_resend_bound(void)
     bex_ps_shard_stats rst;
     bex_ps_shard_stats_get(w.rs, &rst);
     CHECK(rst.pushes == 1 && rst.stale_ids == 0); /* Push 5 alone; nothing stale sent */
-    static char text[8192];
     CHECK(bex_ps_client_prometheus(pc, "t", text, sizeof text) < (int)sizeof text);
     CHECK(strstr(text, "bex_ps_client_push_dropped_total{client=\"t\"} 4\n"));
+    CHECK(strstr(text, "bex_ps_client_push_held{client=\"t\"} 0\n"));
     bex_ps_client_destroy(pc);
     bex_ps_client_destroy(pc2);
     pushes_free(&P);

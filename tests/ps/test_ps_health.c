@@ -83,8 +83,12 @@ static int t_serving(void)
     CHECK(strstr(buf, "# TYPE bex_ps_client_retries_total counter"));
     /* no replica failed a Push: none kept */
     CHECK(sample(buf, "bex_ps_client_push_kept_total{client=\"test\"}") == 0);
-    /* 11 samples, each labelled "ps" instead of "test" */
-    CHECK_EQ(bex_ps_client_prometheus(pc, NULL, NULL, 0), n - 11 * 2);
+    CHECK(sample(buf, "bex_ps_client_push_held{client=\"test\"}") == 0);
+    CHECK(strstr(buf, "# TYPE bex_ps_client_push_held gauge"));
+    /* two shards of one replica each (cluster_file): two Push channels */
+    CHECK(sample(buf, "bex_ps_client_push_channels{client=\"test\"}") == 2);
+    /* 13 samples (11 counters, 2 gauges), each labelled "ps" instead of "test" */
+    CHECK_EQ(bex_ps_client_prometheus(pc, NULL, NULL, 0), n - 13 * 2);
     CHECK_EQ(bex_ps_client_prometheus(NULL, NULL, buf, sizeof buf), -EINVAL);
 
     bex_ps_client_destroy(pc);
