@@ -196,8 +196,12 @@ struct gate {
 
 static void gate_init(struct gate *g)
 {
+    pthread_condattr_t a;
     pthread_mutex_init(&g->mu, NULL);
-    pthread_cond_init(&g->cv, NULL);
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(&g->cv, &a);
+    pthread_condattr_destroy(&a);
 }
 
 static void gate_destroy(struct gate *g)
@@ -214,26 +218,23 @@ static void gate_signal(struct gate *g)
 }
 
 /* Wait until *v >= want, or *fail is set, or timeout_s passes. Returns 0,
- * the failure, or -ETIMEDOUT. */
+ * the failure, or -ETIMEDOUT. Every change of *v and *fail is followed by
+ * gate_signal, so the wait sleeps until one comes (no periodic wake-up:
+ * a measured run's instructions do not grow with its length in time). */
 static int gate_wait(struct gate *g, _Atomic long *v, long want, _Atomic int *fail,
                      unsigned timeout_s)
 {
-    uint64_t end = mono_ns() + (uint64_t)timeout_s * 1000000000ull;
+    struct timespec end;
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    end.tv_sec += (time_t)timeout_s;
     int rc = 0;
     pthread_mutex_lock(&g->mu);
     while (atomic_load(v) < want && !(rc = atomic_load(fail))) {
-        if (mono_ns() >= end) {
+        if (pthread_cond_timedwait(&g->cv, &g->mu, &end) == ETIMEDOUT && atomic_load(v) < want &&
+            !(rc = atomic_load(fail))) {
             rc = -ETIMEDOUT;
             break;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&g->cv, &g->mu, &ts);
     }
     pthread_mutex_unlock(&g->mu);
     return rc;
@@ -256,6 +257,7 @@ struct server {
     pthread_mutex_t mu; /* the list of live sockets: main thread closes them */
     struct srv_sock *live;
     _Atomic long sessions, n_live;
+    pthread_t main; /* woken by SIGUSR1 once --runs sockets have closed */
 };
 
 static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
@@ -324,7 +326,9 @@ static void srv_close(bex_sock *s, void *user)
                 ss->msgs, ss->bytes);
     free(ss);
     atomic_fetch_sub(&srv->n_live, 1);
-    atomic_fetch_add(&srv->sessions, 1);
+    long done = atomic_fetch_add(&srv->sessions, 1) + 1;
+    if (srv->o->runs > 0 && done == (long)srv->o->runs)
+        pthread_kill(srv->main, SIGUSR1);
 }
 
 static const bex_sock_ops srv_ops = {.on_recv = srv_recv,
@@ -375,10 +379,11 @@ static int run_server(const struct opts *o)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
-    /* blocked before the I/O thread exists, so only sigtimedwait sees them */
+    sigaddset(&sigs, SIGUSR1); /* srv_close: --runs sockets have closed */
+    /* blocked before the I/O thread exists, so only sigwaitinfo sees them */
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
 
-    struct server srv = {.o = o};
+    struct server srv = {.o = o, .main = pthread_self()};
     pthread_mutex_init(&srv.mu, NULL);
     bex_ctx_config cfg;
     fill_cfg(o, &cfg, o->frag);
@@ -419,9 +424,10 @@ static int run_server(const struct opts *o)
         printf("bex-perf server: listening on %s:%u\n", ip, o->port);
     fflush(stdout);
 
-    struct timespec tick = {0, 200 * 1000000L};
+    /* asleep until a signal: no periodic wake-up (a measured run's
+     * instructions do not grow with its length in time) */
     for (;;) {
-        int sig = sigtimedwait(&sigs, NULL, &tick);
+        int sig = sigwaitinfo(&sigs, NULL);
         if (sig == SIGINT || sig == SIGTERM)
             break;
         if (o->runs > 0 && atomic_load(&srv.sessions) >= o->runs)
