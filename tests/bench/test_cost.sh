@@ -7,6 +7,9 @@
 #            cg-probe: its poll function's calls and the completions they
 #            returned (20000 and 2000), and its qsort's instructions as
 #            callgrind_annotate gives them (the sample sort taken out);
+#            its clock calibration (400 gettimeofday calls in
+#            probe_calibrate) as probe_calibrate's inclusive count, and not
+#            main's (one gettimeofday call of its own);
 #            callgrind-diff's total of the same --dump-instr=yes file
 #   syscalls the kernel TCP ping-pong costs exactly one write and one read
 #            per round trip and side (the difference of two run lengths:
@@ -43,8 +46,8 @@ echo "copycount-probe: $calls calls, $bytes bytes"
 
 valgrind --tool=callgrind -q --dump-instr=yes --callgrind-out-file="$tmp/cg" \
     "$build/bench/cost/bex-cg-probe" 20000
-read -r total sort polls done < <(python3 "$src/bench/cost/cg-counts" "$tmp/cg" bex-cg-probe)
-echo "cg-probe: total $total, sort $sort, polls $polls, completions $done"
+read -r total sort polls done calib < <(python3 "$src/bench/cost/cg-counts" "$tmp/cg" bex-cg-probe)
+echo "cg-probe: total $total, sort $sort, polls $polls, completions $done, calibration $calib"
 [ "$polls" = 20000 ] || fail "cg-counts found $polls polls, not 20000"
 [ "$done" = 2000 ] || fail "cg-counts found $done completions, not 2000"
 want=$(callgrind_annotate "$tmp/cg" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
@@ -56,6 +59,9 @@ got=$(python3 "$src/bench/cost/callgrind-diff" 1 "$tmp/empty" "$tmp/cg" | awk '$
 [ "$got" = "$want.0" ] || fail "callgrind-diff's total '$got', callgrind_annotate's $want"
 want=$(callgrind_annotate --inclusive=yes "$tmp/cg" | awk '/:qsort \[/ {gsub(",", "", $1); print $1}')
 [ -n "$want" ] && [ "$sort" = "$want" ] || fail "cg-counts' sort $sort, qsort's inclusive count $want"
+want=$(callgrind_annotate --inclusive=yes "$tmp/cg" | awk '/:probe_calibrate \[/ {gsub(",", "", $1); print $1}')
+[ -n "$want" ] && [ "${calib:-}" = "$want" ] ||
+    fail "cg-counts' calibration '${calib:-}', probe_calibrate's inclusive count $want"
 
 # a port range of our own below the ephemeral ones (64 from $port): the
 # cost runs take $port.. (one port per run, 12 runs) and ps-futex $port+40,
