@@ -192,6 +192,7 @@ static const char *mode_name(bex_ctx *ctx)
 }
 
 /* A one-shot "wait until the I/O thread says so". */
+#define GATE_TIMEOUT 1 /* gate_wait's own timeout (not a failure's -ETIMEDOUT) */
 struct gate {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -221,7 +222,8 @@ static void gate_signal(struct gate *g)
 }
 
 /* Wait until *v >= want, or *fail is set, or timeout_s passes. Returns 0,
- * the failure, or -ETIMEDOUT. Every change of *v and *fail is followed by
+ * the failure (negative: a connect's -ETIMEDOUT among them), or
+ * GATE_TIMEOUT. Every change of *v and *fail is followed by
  * gate_signal, so the wait sleeps until one comes (no periodic wake-up:
  * a measured run's instructions do not grow with its length in time). */
 static int gate_wait(struct gate *g, _Atomic long *v, long want, _Atomic int *fail,
@@ -235,7 +237,7 @@ static int gate_wait(struct gate *g, _Atomic long *v, long want, _Atomic int *fa
     while (atomic_load(v) < want && !(rc = atomic_load(fail))) {
         if (pthread_cond_timedwait(&g->cv, &g->mu, &end) == ETIMEDOUT && atomic_load(v) < want &&
             !(rc = atomic_load(fail))) {
-            rc = -ETIMEDOUT;
+            rc = GATE_TIMEOUT;
             break;
         }
     }
@@ -925,6 +927,7 @@ static void cl_connect(bex_sock *s, int status, void *user)
     struct csock *c = user;
     struct client *cl = c->cl;
     if (status) {
+        fprintf(stderr, "bex-perf: connect: %s\n", bex_strerror(status));
         cl_fail(cl, status);
         return;
     }
@@ -1295,7 +1298,7 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
     }
     if (!atomic_load(&cl.fail)) {
         int err = gate_wait(&cl.g, &cl.finished, 1, &cl.fail, o->timeout_s);
-        if (err == -ETIMEDOUT)
+        if (err == GATE_TIMEOUT)
             fprintf(stderr,
                     "bex-perf: no result within %u s (connected %ld, ready %ld, sent %" PRIu64
                     ", answered %" PRIu64 ", round trips %" PRIu64 ")\n",
