@@ -6,8 +6,13 @@
  * POLLS / 10 calls return an entry and the rest find the ring empty; then
  * it sorts 1000 numbers with qsort, as a benchmark sorts its latency
  * samples. cg-counts must find POLLS calls, POLLS / 10 completions, and
- * the sort's inclusive instructions.   usage: cg-probe POLLS */
+ * the sort's inclusive instructions. Before all that it calibrates a clock
+ * as perftest does (probe_calibrate: 400 gettimeofday calls, their
+ * regression), and main reads gettimeofday once itself: cg-counts must
+ * find probe_calibrate's inclusive instructions as the calibration, and
+ * not main's.   usage: cg-probe POLLS */
 #include <stdlib.h>
+#include <sys/time.h>
 
 static volatile int ring[64];
 static volatile unsigned head, tail;
@@ -23,6 +28,24 @@ static __attribute__((noinline)) int probe_poll(int ne, int *out)
     return n;
 }
 
+/* perftest's sample_get_cpu_mhz in small: gettimeofday read CALIBRATIONS
+ * times against a counter, a least-squares slope of the two */
+#define CALIBRATIONS 400
+static __attribute__((noinline)) double probe_calibrate(void)
+{
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    struct timeval t0, t;
+    gettimeofday(&t0, NULL);
+    for (int i = 1; i < CALIBRATIONS; i++) {
+        gettimeofday(&t, NULL);
+        double x = (double)i,
+               y = (double)(t.tv_sec - t0.tv_sec) * 1e6 + (double)(t.tv_usec - t0.tv_usec);
+        sx += x, sy += y, sxx += x * x, sxy += x * y;
+    }
+    double n = CALIBRATIONS - 1;
+    return (n * sxy - sx * sy) / (n * sxx - sx * sx);
+}
+
 static int cmp_int(const void *a, const void *b)
 {
     int x = *(const int *)a, y = *(const int *)b;
@@ -34,6 +57,10 @@ int main(int argc, char **argv)
     if (argc != 2)
         return 2;
     long polls = atol(argv[1]), done = 0;
+    struct timeval start;
+    gettimeofday(&start, NULL);
+    if (probe_calibrate() < 0) /* (time runs forward: never) */
+        return 1;
     int out[16], *s = malloc(sizeof(int) * 1000);
     if (!s)
         return 1;

@@ -7,7 +7,10 @@
  * lat   one message outstanding: the client sends --size bytes, the server
  *       echoes the same buffer back, --iters times after --warmup round
  *       trips. The ping-pong runs inside the I/O thread's callbacks (on_recv
- *       sends the next message), so no thread hop is measured. Reports half
+ *       sends the next message: the client, too, the buffer it received),
+ *       so no thread hop is measured, and a sample is one cycle-counter
+ *       read and one store, as in perftest (the mean is the window's ticks
+ *       over its round trips; the sort is the report's). Reports half
  *       the round trip like perftest's *_lat: median (perftest's t_typical),
  *       P99, min, mean, max.
  *   bw    --size-byte messages (1 MiB) client -> server over --sockets
@@ -189,6 +192,7 @@ static const char *mode_name(bex_ctx *ctx)
 }
 
 /* A one-shot "wait until the I/O thread says so". */
+#define GATE_TIMEOUT 1 /* gate_wait's own timeout (not a failure's -ETIMEDOUT) */
 struct gate {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -196,8 +200,12 @@ struct gate {
 
 static void gate_init(struct gate *g)
 {
+    pthread_condattr_t a;
     pthread_mutex_init(&g->mu, NULL);
-    pthread_cond_init(&g->cv, NULL);
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(&g->cv, &a);
+    pthread_condattr_destroy(&a);
 }
 
 static void gate_destroy(struct gate *g)
@@ -214,26 +222,24 @@ static void gate_signal(struct gate *g)
 }
 
 /* Wait until *v >= want, or *fail is set, or timeout_s passes. Returns 0,
- * the failure, or -ETIMEDOUT. */
+ * the failure (negative: a connect's -ETIMEDOUT among them), or
+ * GATE_TIMEOUT. Every change of *v and *fail is followed by
+ * gate_signal, so the wait sleeps until one comes (no periodic wake-up:
+ * a measured run's instructions do not grow with its length in time). */
 static int gate_wait(struct gate *g, _Atomic long *v, long want, _Atomic int *fail,
                      unsigned timeout_s)
 {
-    uint64_t end = mono_ns() + (uint64_t)timeout_s * 1000000000ull;
+    struct timespec end;
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    end.tv_sec += (time_t)timeout_s;
     int rc = 0;
     pthread_mutex_lock(&g->mu);
     while (atomic_load(v) < want && !(rc = atomic_load(fail))) {
-        if (mono_ns() >= end) {
-            rc = -ETIMEDOUT;
+        if (pthread_cond_timedwait(&g->cv, &g->mu, &end) == ETIMEDOUT && atomic_load(v) < want &&
+            !(rc = atomic_load(fail))) {
+            rc = GATE_TIMEOUT;
             break;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&g->cv, &g->mu, &ts);
     }
     pthread_mutex_unlock(&g->mu);
     return rc;
@@ -256,6 +262,7 @@ struct server {
     pthread_mutex_t mu; /* the list of live sockets: main thread closes them */
     struct srv_sock *live;
     _Atomic long sessions, n_live;
+    pthread_t main; /* woken by SIGUSR1 once --runs sockets have closed */
 };
 
 static void srv_recv(bex_sock *s, void *buf, size_t len, void *user)
@@ -324,7 +331,9 @@ static void srv_close(bex_sock *s, void *user)
                 ss->msgs, ss->bytes);
     free(ss);
     atomic_fetch_sub(&srv->n_live, 1);
-    atomic_fetch_add(&srv->sessions, 1);
+    long done = atomic_fetch_add(&srv->sessions, 1) + 1;
+    if (srv->o->runs > 0 && done == (long)srv->o->runs)
+        pthread_kill(srv->main, SIGUSR1);
 }
 
 static const bex_sock_ops srv_ops = {.on_recv = srv_recv,
@@ -375,10 +384,11 @@ static int run_server(const struct opts *o)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
-    /* blocked before the I/O thread exists, so only sigtimedwait sees them */
+    sigaddset(&sigs, SIGUSR1); /* srv_close: --runs sockets have closed */
+    /* blocked before the I/O thread exists, so only sigwaitinfo sees them */
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
 
-    struct server srv = {.o = o};
+    struct server srv = {.o = o, .main = pthread_self()};
     pthread_mutex_init(&srv.mu, NULL);
     bex_ctx_config cfg;
     fill_cfg(o, &cfg, o->frag);
@@ -419,9 +429,10 @@ static int run_server(const struct opts *o)
         printf("bex-perf server: listening on %s:%u\n", ip, o->port);
     fflush(stdout);
 
-    struct timespec tick = {0, 200 * 1000000L};
+    /* asleep until a signal: no periodic wake-up (a measured run's
+     * instructions do not grow with its length in time) */
     for (;;) {
-        int sig = sigtimedwait(&sigs, NULL, &tick);
+        int sig = sigwaitinfo(&sigs, NULL);
         if (sig == SIGINT || sig == SIGTERM)
             break;
         if (o->runs > 0 && atomic_load(&srv.sessions) >= o->runs)
@@ -502,13 +513,16 @@ struct client {
      * the load in flight with --steady) */
     uint64_t total, warm, iters, end;
 
-    /* lat: two buffers alternate, since the echo of one may arrive before
-     * its own send is reported done */
-    void *lbuf[2];
-    bool lbusy[2];
-    int lcur;
-    bool lwaiting; /* next send waits for lbuf[lcur] */
-    uint64_t lcount, last_tick, *samples;
+    /* lat: the first message's buffer (bex's once sent: it comes back
+     * freed); every later message is the echo received, sent back as it
+     * came, as the server does. A round trip's own work is perftest's: one
+     * cycle-counter read and one store (lat_recv). The next sample goes to
+     * *lnext, which moves by lstep (0 in the warm-up: its samples
+     * overwrite one spare word); lleft answers to the next mark (the
+     * warm-up's end, the run's) */
+    void *lbuf;
+    uint64_t last_tick, *samples, *lnext, lstep, lleft, lspare;
+    uint64_t warm_tick; /* the answer to message warm: the window's start */
     uint64_t t0_tick, t1_tick, t0_ns, t1_ns;
 
     /* bw */
@@ -530,7 +544,8 @@ struct client {
     struct phase_os os_b;
 };
 
-static void cl_fail(struct client *cl, int err)
+/* (out of line: the latency callbacks' fast path stays short) */
+static void __attribute__((noinline, cold)) cl_fail(struct client *cl, int err)
 {
     int zero = 0;
     atomic_compare_exchange_strong(&cl->fail, &zero, err ? err : -EIO);
@@ -699,42 +714,75 @@ static void flow_recv(struct client *cl, struct csock *c, size_t len)
     flow_issue(cl, c, UINT32_MAX);
 }
 
-static void lat_send(struct client *cl)
+/* lat: the latency socket's callbacks from its setup's answer on
+ * (cl_recv sets them; user: the client). */
+
+/* Round trips answered so far (a report's, after a timeout). */
+static uint64_t lat_count(const struct client *cl)
 {
-    int b = cl->lcur;
-    if (cl->lbusy[b]) {
-        cl->lwaiting = true;
+    if (cl->test != T_LAT)
+        return 0;
+    return cl->lstep ? cl->warm + (uint64_t)(cl->lnext - cl->samples) : cl->warm - cl->lleft;
+}
+
+/* The answer to message warm (the window starts: the samples from here
+ * are kept) or to the last one (returns true: the run is over). */
+static bool __attribute__((noinline)) lat_mark(struct client *cl)
+{
+    if (cl->lstep) {
+        phase_end(cl);
+        return true;
+    }
+    cl->warm_tick = cl->last_tick;
+    phase_start(cl);
+    cl->lnext = cl->samples;
+    cl->lstep = 1;
+    cl->lleft = cl->iters;
+    return false;
+}
+
+/* An echo of the wrong length, or one after the run failed. */
+static void __attribute__((noinline)) lat_odd(struct client *cl, size_t len)
+{
+    if (atomic_load(&cl->fail))
+        return;
+    fprintf(stderr, "bex-perf: echo of %zu bytes, expected %zu\n", len, cl->size);
+    cl_fail(cl, -EPROTO);
+}
+
+/* The echo: its sample, and it goes back as the next message. */
+static void lat_recv(bex_sock *s, void *buf, size_t len, void *user)
+{
+    uint64_t now = ticks();
+    struct client *cl = user;
+    if (len != cl->size || atomic_load_explicit(&cl->fail, memory_order_relaxed)) {
+        bex_mem_free(buf);
+        lat_odd(cl, len);
         return;
     }
-    cl->lwaiting = false;
-    cl->lbusy[b] = true;
-    int err = bex_sock_send(cl->cs[0].s, cl->lbuf[b], cl->size, (void *)(uintptr_t)b);
+    uint64_t *p = cl->lnext;
+    *p = now - cl->last_tick;
+    cl->lnext = p + cl->lstep;
+    cl->last_tick = now;
+    if (--cl->lleft == 0 && lat_mark(cl)) {
+        bex_mem_free(buf);
+        return;
+    }
+    int err = bex_sock_send(s, buf, len, NULL);
     if (err) {
-        cl->lbusy[b] = false;
+        bex_mem_free(buf);
         cl_fail(cl, err);
     }
 }
 
-static void lat_recv(struct client *cl, size_t len)
+/* Every buffer sent on the latency socket is bex's (the setup's, the first
+ * message's, the echoes received): freed here. */
+static void lat_send_done(bex_sock *s, void *buf, size_t len, void *mu, int status, void *user)
 {
-    uint64_t now = ticks();
-    if (len != cl->size) {
-        fprintf(stderr, "bex-perf: echo of %zu bytes, expected %zu\n", len, cl->size);
-        cl_fail(cl, -EPROTO);
-        return;
-    }
-    cl->lcount++;
-    if (cl->lcount > cl->warm)
-        cl->samples[cl->lcount - cl->warm - 1] = now - cl->last_tick;
-    else if (cl->lcount == cl->warm)
-        phase_start(cl);
-    cl->last_tick = now;
-    if (cl->lcount == cl->total) {
-        phase_end(cl);
-        return;
-    }
-    cl->lcur ^= 1;
-    lat_send(cl);
+    (void)s, (void)len, (void)mu;
+    if (status)
+        cl_fail(user, status);
+    bex_mem_free(buf);
 }
 
 static void bw_issue(struct client *cl)
@@ -782,15 +830,31 @@ static void start_test(struct client *cl)
     }
     if (cl->test == T_LAT) {
         cl->last_tick = ticks();
-        if (cl->warm == 0)
+        if (cl->warm == 0) {
+            cl->warm_tick = cl->last_tick;
             phase_start(cl);
-        lat_send(cl);
+        }
+        /* the first message: its buffer is bex's from here on */
+        void *b = cl->lbuf;
+        cl->lbuf = NULL;
+        int err = bex_sock_send(cl->cs[0].s, b, cl->size, NULL);
+        if (err) {
+            bex_mem_free(b);
+            cl_fail(cl, err);
+        }
     } else {
         if (cl->warm == 0)
             phase_start(cl);
         bw_issue(cl);
     }
 }
+
+static void lat_error(bex_sock *s, int err, void *user);
+static void lat_close(bex_sock *s, void *user);
+static const bex_sock_ops lat_ops = {.on_recv = lat_recv,
+                                     .on_send_done = lat_send_done,
+                                     .on_error = lat_error,
+                                     .on_close = lat_close};
 
 static void cl_recv(bex_sock *s, void *buf, size_t len, void *user)
 {
@@ -806,6 +870,15 @@ static void cl_recv(bex_sock *s, void *buf, size_t len, void *user)
             return;
         }
         c->ready = true;
+        /* the latency socket's own callbacks from here on (immediate: this
+         * is its I/O thread) */
+        if (!c->flow && cl->test == T_LAT) {
+            int err = bex_sock_set_user(s, &lat_ops, cl);
+            if (err) {
+                cl_fail(cl, err);
+                return;
+            }
+        }
         if (atomic_fetch_add(&cl->ready, 1) + 1 == (long)cl->ncs) {
             if (cl->o->idle_ms) /* client_run starts it after the idle time */
                 gate_signal(&cl->g);
@@ -819,8 +892,6 @@ static void cl_recv(bex_sock *s, void *buf, size_t len, void *user)
         return;
     if (c->flow)
         flow_recv(cl, c, len);
-    else if (cl->test == T_LAT)
-        lat_recv(cl, len);
     else
         bw_recv(cl, len);
 }
@@ -844,10 +915,6 @@ static void cl_send_done(bex_sock *s, void *buf, size_t len, void *mu, int statu
     if (c->flow) {
         c->freeb[c->nfree++] = b;
         flow_issue(cl, c, UINT32_MAX);
-    } else if (cl->test == T_LAT) {
-        cl->lbusy[b] = false;
-        if (cl->lwaiting && (int)b == cl->lcur && !atomic_load(&cl->finished))
-            lat_send(cl);
     } else {
         cl->freeb[cl->nfree++] = b;
         if (!atomic_load(&cl->finished) && !atomic_load_explicit(&cl->fail, memory_order_relaxed))
@@ -860,6 +927,7 @@ static void cl_connect(bex_sock *s, int status, void *user)
     struct csock *c = user;
     struct client *cl = c->cl;
     if (status) {
+        fprintf(stderr, "bex-perf: connect: %s\n", bex_strerror(status));
         cl_fail(cl, status);
         return;
     }
@@ -879,21 +947,31 @@ static void cl_connect(bex_sock *s, int status, void *user)
     gate_signal(&cl->g);
 }
 
+static void lat_error(bex_sock *s, int err, void *user)
+{
+    struct client *cl = user;
+    (void)s;
+    if (!atomic_load(&cl->finished))
+        fprintf(stderr, "bex-perf: socket error: %s\n", bex_strerror(err));
+    cl_fail(cl, err);
+}
+
+static void lat_close(bex_sock *s, void *user)
+{
+    struct client *cl = user;
+    (void)s;
+    atomic_fetch_add(&cl->closed, 1);
+    gate_signal(&cl->g);
+}
+
 static void cl_error(bex_sock *s, int err, void *user)
 {
-    struct csock *c = user;
-    (void)s;
-    if (!atomic_load(&c->cl->finished))
-        fprintf(stderr, "bex-perf: socket error: %s\n", bex_strerror(err));
-    cl_fail(c->cl, err);
+    lat_error(s, err, ((struct csock *)user)->cl);
 }
 
 static void cl_close(bex_sock *s, void *user)
 {
-    struct csock *c = user;
-    (void)s;
-    atomic_fetch_add(&c->cl->closed, 1);
-    gate_signal(&c->cl->g);
+    lat_close(s, ((struct csock *)user)->cl);
 }
 
 static const bex_sock_ops cl_ops = {.on_connect = cl_connect,
@@ -988,9 +1066,8 @@ static void report_lat(struct client *cl)
     double dticks = (double)(cl->t1_tick - cl->t0_tick);
     double ns_per_tick = dticks > 0 ? (double)(cl->t1_ns - cl->t0_ns) / dticks : 1.0;
     qsort(cl->samples, n, sizeof(uint64_t), cmp_u64);
-    double sum = 0;
-    for (uint64_t i = 0; i < n; i++)
-        sum += (double)cl->samples[i];
+    /* the samples' sum: each is the difference of two answers' ticks */
+    double sum = (double)(cl->last_tick - cl->warm_tick);
     /* half the round trip, in microseconds */
     double f = ns_per_tick / 2000.0;
     double min = (double)cl->samples[0] * f, max = (double)cl->samples[n - 1] * f;
@@ -1148,15 +1225,17 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
     }
     cl.ctx = cl.ctxs[0];
     if (test == T_LAT) {
-        cl.samples = calloc(cl.iters, sizeof(uint64_t));
-        for (int i = 0; i < 2; i++)
-            cl.lbuf[i] = bex_sock_alloc(cl.ctx, cl.size ? cl.size : 1);
-        if (!cl.samples || !cl.lbuf[0] || !cl.lbuf[1]) {
+        /* malloc: its pages are touched by the run, not zeroed first */
+        cl.samples = malloc(cl.iters * sizeof(uint64_t));
+        cl.lnext = cl.warm ? &cl.lspare : cl.samples;
+        cl.lstep = cl.warm ? 0 : 1;
+        cl.lleft = cl.warm ? cl.warm : cl.iters;
+        cl.lbuf = bex_sock_alloc(cl.ctx, cl.size ? cl.size : 1);
+        if (!cl.samples || !cl.lbuf) {
             fprintf(stderr, "bex-perf: out of memory\n");
             goto out_free;
         }
-        memset(cl.lbuf[0], 0xa5, cl.size);
-        memset(cl.lbuf[1], 0x5a, cl.size);
+        memset(cl.lbuf, 0xa5, cl.size);
     } else if (!o->conns) {
         cl.nbufs = o->outstanding + 2;
         cl.bufs = calloc(cl.nbufs, sizeof(void *));
@@ -1219,13 +1298,13 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
     }
     if (!atomic_load(&cl.fail)) {
         int err = gate_wait(&cl.g, &cl.finished, 1, &cl.fail, o->timeout_s);
-        if (err == -ETIMEDOUT)
+        if (err == GATE_TIMEOUT)
             fprintf(stderr,
                     "bex-perf: no result within %u s (connected %ld, ready %ld, sent %" PRIu64
                     ", answered %" PRIu64 ", round trips %" PRIu64 ")\n",
                     o->timeout_s, atomic_load(&cl.connected), atomic_load(&cl.ready),
                     o->conns ? atomic_load(&cl.aresp) : cl.sent,
-                    o->conns ? atomic_load(&cl.aresp) : cl.resp, cl.lcount);
+                    o->conns ? atomic_load(&cl.aresp) : cl.resp, lat_count(&cl));
         else if (err)
             fprintf(stderr, "bex-perf: test failed: %s\n", bex_strerror(err));
         else
@@ -1248,9 +1327,9 @@ static int client_run(const struct opts *o, enum test test, uint32_t frag, enum 
 out_free:
     if (cl.nctx && cl.ctxs && cl.ctxs[cl.nctx - 1])
         report_turns("bex-perf", cl.ctxs, cl.nctx);
-    /* every send has been reported by now (on_close comes after them) */
-    for (int i = 0; i < 2; i++)
-        bex_mem_free(cl.lbuf[i]);
+    /* every send has been reported by now (on_close comes after them); the
+     * first message's buffer is still ours if it was never sent */
+    bex_mem_free(cl.lbuf);
     for (uint32_t i = 0; cl.bufs && i < cl.nbufs; i++)
         bex_mem_free(cl.bufs[i]);
     for (uint32_t i = 0; cl.cs && i < cl.ncs; i++) {

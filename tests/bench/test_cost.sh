@@ -7,7 +7,14 @@
 #            cg-probe: its poll function's calls and the completions they
 #            returned (20000 and 2000), and its qsort's instructions as
 #            callgrind_annotate gives them (the sample sort taken out);
+#            its clock calibration (400 gettimeofday calls in
+#            probe_calibrate) as probe_calibrate's inclusive count, and not
+#            main's (one gettimeofday call of its own);
 #            callgrind-diff's total of the same --dump-instr=yes file
+#   retry    bench/cost/run starts a client again only when its connect was
+#            refused before the server listened: a bex-perf client that
+#            fails otherwise (SIZE=0: a bad option) fails the run at once,
+#            its output kept (KEEP=, the .tries file: one failure)
 #   syscalls the kernel TCP ping-pong costs exactly one write and one read
 #            per round trip and side (the difference of two run lengths:
 #            set-up and teardown cancel), and bex over TCP a stated number
@@ -43,8 +50,8 @@ echo "copycount-probe: $calls calls, $bytes bytes"
 
 valgrind --tool=callgrind -q --dump-instr=yes --callgrind-out-file="$tmp/cg" \
     "$build/bench/cost/bex-cg-probe" 20000
-read -r total sort polls done < <(python3 "$src/bench/cost/cg-counts" "$tmp/cg" bex-cg-probe)
-echo "cg-probe: total $total, sort $sort, polls $polls, completions $done"
+read -r total sort polls done calib < <(python3 "$src/bench/cost/cg-counts" "$tmp/cg" bex-cg-probe)
+echo "cg-probe: total $total, sort $sort, polls $polls, completions $done, calibration $calib"
 [ "$polls" = 20000 ] || fail "cg-counts found $polls polls, not 20000"
 [ "$done" = 2000 ] || fail "cg-counts found $done completions, not 2000"
 want=$(callgrind_annotate "$tmp/cg" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
@@ -56,9 +63,13 @@ got=$(python3 "$src/bench/cost/callgrind-diff" 1 "$tmp/empty" "$tmp/cg" | awk '$
 [ "$got" = "$want.0" ] || fail "callgrind-diff's total '$got', callgrind_annotate's $want"
 want=$(callgrind_annotate --inclusive=yes "$tmp/cg" | awk '/:qsort \[/ {gsub(",", "", $1); print $1}')
 [ -n "$want" ] && [ "$sort" = "$want" ] || fail "cg-counts' sort $sort, qsort's inclusive count $want"
+want=$(callgrind_annotate --inclusive=yes "$tmp/cg" | awk '/:probe_calibrate \[/ {gsub(",", "", $1); print $1}')
+[ -n "$want" ] && [ "${calib:-}" = "$want" ] ||
+    fail "cg-counts' calibration '${calib:-}', probe_calibrate's inclusive count $want"
 
 # a port range of our own below the ephemeral ones (64 from $port): the
-# cost runs take $port.. (one port per run, 12 runs) and ps-futex $port+40,
+# cost runs take $port.. (one port per run, 12 runs), ps-futex $port+40, the
+# retry check $port+44,
 # the fan-out part $port+48.. (bench.cost and bench.cost_fanout start side
 # by side and may draw the same block). SRANDOM, not RANDOM: bash seeds
 # RANDOM from the time and the PID, and two scripts ctest starts in the
@@ -95,6 +106,17 @@ if [ "$part" = fanout ]; then
     echo "ok"
     exit 0
 fi
+# a client that fails for another reason than a refused connect is not
+# started again (before: up to 120 times, half a second apart, any failure)
+start=$SECONDS
+if (cd "$src" && BEX_BUILD_DIR=$build STACKS=bex TOOLS=syscalls SIZE=0 N1=10 N2=20 PORT=$((port + 44)) \
+    RUN_TIMEOUT=60 KEEP=$tmp/retry bench/cost/run) >"$tmp/retry.out" 2>&1; then
+    fail "bench/cost/run passed with a client that cannot run (SIZE=0)"
+fi
+tries=$(grep -c "client failed" "$tmp/retry/bex.syscalls.10.tries" 2>/dev/null || true)
+echo "retry: a failing client ran ${tries:-0} time(s), $((SECONDS - start)) s"
+[ "${tries:-0}" = 1 ] || fail "bench/cost/run ran a failing client ${tries:-0} times, not once"
+
 out=$(cd "$src" && BEX_BUILD_DIR=$build STACKS="kernel bex" TOOLS="syscalls copies allocs" \
     N1=300 N2=1300 PORT=$port bench/cost/run)
 echo "$out"

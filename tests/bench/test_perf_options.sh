@@ -21,6 +21,12 @@
 #            turns (printed at exit, the whole run) exceed the measured
 #            window's (the JSON's empty_turns) by the idle time's, and
 #            loop_waits is reported
+#   mute     a server that accepts the connection and never answers (a
+#            listening socket nobody reads): with --connect-timeout 300 the
+#            client fails within seconds and says the connect timed out,
+#            not that the run had no result within --timeout (both were
+#            -ETIMEDOUT, and a connect's timeout read as the run's: the
+#            fourteenth session's "no result within 300 s" after 7 s)
 #   bad      --conns with --test lat, --streams with --test bw,
 #            --steady without --conns, --connect-timeout 0 and --idle-ms
 #            with --test bw are refused
@@ -167,6 +173,39 @@ case_idle() {
         fail "idle: the server did not print its empty turns"
 }
 
+case_mute() {
+    local lpid= attempt out
+    for attempt in 1 2 3 4 5; do
+        python3 -c 'import socket, sys, time
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(4)
+print("listening", flush=True)
+time.sleep(120)' $port >"$work/mute.out" 2>&1 &
+        lpid=$!
+        for _ in $(seq 100); do
+            grep -q listening "$work/mute.out" && break
+            kill -0 $lpid 2>/dev/null || break
+            sleep 0.1
+        done
+        grep -q listening "$work/mute.out" && break
+        wait $lpid 2>/dev/null
+        lpid=
+        pick_port
+    done
+    [ -n "$lpid" ] || { fail "mute: no listener"; return; }
+    local start=$SECONDS
+    out=$(timeout 60 "$perf" -c 127.0.0.1 --local 127.0.0.1 -p $port --transport tcp --test lat \
+        --connect-timeout 300 --timeout 30 2>&1)
+    local rc=$? took=$((SECONDS - start))
+    kill $lpid 2>/dev/null
+    wait $lpid 2>/dev/null
+    echo "mute: rc $rc after ${took} s: $(grep -v 'loop turns' <<<"$out" | tr '\n' ' ')"
+    [ $rc != 0 ] && [ $rc != 124 ] || fail "mute: the client's rc $rc against a server that never answers"
+    grep -q "connect: Connection timed out" <<<"$out" || fail "mute: no connect timeout said"
+    ! grep -q "no result within" <<<"$out" || fail "mute: a connect's timeout reported as the run's"
+}
+
 case_bad() {
     "$perf" -c 127.0.0.1 --local 127.0.0.1 --test lat --conns 2 >/dev/null 2>&1
     [ $? = 2 ] || fail "bad: --conns with --test lat accepted"
@@ -180,7 +219,7 @@ case_bad() {
     [ $? = 2 ] || fail "bad: --idle-ms with --test bw accepted"
 }
 
-for c in conns streams steady idle bad; do
+for c in conns streams steady idle mute bad; do
     [ "$want" = all ] || [ "$want" = $c ] || continue
     case_$c
 done
