@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <sys/epoll.h>
 
+#include "common/count.h"
 #include "common/sys.h"
 
 /* A watcher: what an epoll event belongs to, embedded in its owner, and
@@ -106,8 +107,7 @@ extern BEX__LOOP_TLS uint64_t bex__loop_coarse_seen;
 /* A counter of the loop's own thread (single writer): no locked add. */
 static inline void bex__loop_count(_Atomic uint64_t *c)
 {
-    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
-                          memory_order_relaxed);
+    bex__count_add(c, 1);
 }
 
 /* Whether an event's entry is the loop's own: its eventfd's (l) or its
