@@ -488,14 +488,19 @@ io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc, bool tim
      * timeout (tfd_due is never UINT64_MAX) */
     uint64_t next = bex__timers_next(&io->timers);
     int timeout = next == io->loop.tfd_due ? -1 : sleep_timeout(io, next);
-    int m = bex__loop_wait(&io->loop, ev, 16, timeout);
-    bex__loop_sleep_end(&io->loop);
+    int m = bex__loop_wait_raw(&io->loop, ev, 16, timeout);
     /* the completion channel's event alone (an event loop's every wake-up
      * in a ping-pong): on_channel's work here, not through handle_events
-     * and the watcher's call (issue 25: some 40 instructions a wake-up) */
-    if (m == 1 && ev[0].data.ptr == &io->ch_tag)
+     * and the watcher's call (issue 25: some 40 instructions a wake-up),
+     * and not looked at for the loop's own wake-ups either */
+    if (m == 1 && ev[0].data.ptr == &io->ch_tag) {
+        bex__loop_sleep_end(&io->loop);
         take_cq_event(io);
-    else if (m > 0)
+        return;
+    }
+    m = bex__loop_wait_own(&io->loop, ev, m);
+    bex__loop_sleep_end(&io->loop);
+    if (m > 0)
         handle_events(io, ev, m, wc);
 }
 

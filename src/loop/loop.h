@@ -124,6 +124,31 @@ static inline bool bex__loop_own_event(const struct bex__loop *l, const struct e
  * then saves no registers for this loop (issue 25). */
 int bex__loop_own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i, int n);
 
+/* bex__loop_wait's wait alone: epoll_wait's events (0 for none or an
+ * error), the loop's own among them; bex__loop_wait_own takes those out.
+ * A caller that knows its one event at a glance (the I/O thread's
+ * completion channel) skips that scan (issue 25 item 2). */
+static inline int bex__loop_wait_raw(struct bex__loop *l, struct epoll_event *ev, int max,
+                                     int timeout_ms)
+{
+    bex__loop_coarse_seen = 0; /* what was read before a wait is old after it */
+    bex__loop_count(&l->waits);
+    if (timeout_ms != 0)
+        bex__loop_count(&l->sleeps);
+    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
+    return n > 0 ? n : 0;
+}
+
+/* The loop's own wake-ups and its timer's expiry among n events of
+ * bex__loop_wait_raw consumed (see bex__loop_wait): how many are left. */
+static inline int bex__loop_wait_own(struct bex__loop *l, struct epoll_event *ev, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (bex__loop_own_event(l, &ev[i]))
+            return bex__loop_own_wakeups(l, ev, i, n);
+    return n;
+}
+
 /* epoll_wait for up to max events (timeout_ms as epoll's): the number of
  * events left for the caller. The loop's own wake-ups and its timer's
  * expiry (which clears tfd_due) are consumed here and not returned.
@@ -132,17 +157,7 @@ int bex__loop_own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i, in
 static inline int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max,
                                  int timeout_ms)
 {
-    bex__loop_coarse_seen = 0; /* what was read before a wait is old after it */
-    bex__loop_count(&l->waits);
-    if (timeout_ms != 0)
-        bex__loop_count(&l->sleeps);
-    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
-    if (n <= 0)
-        return 0;
-    for (int i = 0; i < n; i++)
-        if (bex__loop_own_event(l, &ev[i]))
-            return bex__loop_own_wakeups(l, ev, i, n);
-    return n;
+    return bex__loop_wait_own(l, ev, bex__loop_wait_raw(l, ev, max, timeout_ms));
 }
 /* Arm the loop's timer for due_us (bex__now_us time; absolute): an event
  * at that time that ends a wait (bex__loop_wait returns, perhaps 0), and
