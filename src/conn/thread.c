@@ -516,7 +516,18 @@ io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc, bool tim
  * turns was 0.75-1.9 per message). A new connection at a listener, or a
  * peer's close, then waits for the next tick at most (1-10 ms; 12 ms seen
  * in a VM whose ticks lag); commands and timers do not wait for a look. */
-static void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
+__attribute__((noinline)) static void spin_look_now(struct bex__io *io, struct epoll_event *ev,
+                                                    struct ibv_wc *wc)
+{
+    io->looked_ms = io->turn_ms;
+    int m = bex__loop_wait(&io->loop, ev, 16, 0);
+    handle_events(io, ev, m, wc);
+}
+
+/* spin_look's gate inline, the look out of line: a spinning thread's
+ * every turn asks, and almost none looks (issue 25 item 2, busy mode: the
+ * call and its frame on every turn). */
+static inline void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
 {
     if (io->n_coming || atomic_load_explicit(&io->stats.tcp_conns, memory_order_relaxed)) {
         if (++io->spins % 64)
@@ -524,9 +535,7 @@ static void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc 
     } else if (io->turn_ms == io->looked_ms) {
         return;
     }
-    io->looked_ms = io->turn_ms;
-    int m = bex__loop_wait(&io->loop, ev, 16, 0);
-    handle_events(io, ev, m, wc);
+    spin_look_now(io, ev, wc);
 }
 
 const char *bex__io_state_name(int s)
