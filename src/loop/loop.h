@@ -169,11 +169,19 @@ void bex__loop_timer(struct bex__loop *l, uint64_t due_us);
  * every user is a millisecond timeout read on every loop turn. */
 uint64_t bex__now_ms(void);
 uint64_t bex__now_us(void);
+/* The coarse clock read, not kept (bex__now_ms keeps it). */
+uint64_t bex__now_ms_read(void);
 /* The I/O loop's turn gate: the value this thread's last bex__now_ms read
  * if it read one since its last bex__loop_wait and no call of this took
  * it, else bex__now_ms's without keeping it. Older than a read by what
- * ran since (at most the turn's callbacks); a sleep never ages it. */
-uint64_t bex__now_ms_since_wait(void);
+ * ran since (at most the turn's callbacks); a sleep never ages it.
+ * Inline: a spinning loop asks on every turn (issue 25 item 2). */
+static inline uint64_t bex__now_ms_since_wait(void)
+{
+    uint64_t v = bex__loop_coarse_seen;
+    bex__loop_coarse_seen = 0;
+    return v ? v : bex__now_ms_read();
+}
 /* Tests: bex__now_ms reads fn from now on (NULL: CLOCK_MONOTONIC_COARSE
  * again), e.g. a coarse clock lagging the precise one by more than a
  * jiffy, as a VM's emulated ticks make it. fn must be monotonic and never
