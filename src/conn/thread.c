@@ -22,6 +22,14 @@
 /* The coarse clock lags the precise one by a jiffy at most (HZ 100 at
  * worst): a timer further than this ahead needs no precise look. */
 #define COARSE_LAG_US 10000
+/* Within that lag of the nearest deadline the coarse clock cannot say
+ * whether it is due: the turns then read the precise clock on every
+ * NEAR_EVERY-th of them (a deadline runs at most that many turns late; a
+ * sleep reads it anyway). Before (issue 25 item 2, busy mode), every turn
+ * did while a deadline was near: in one busy VM run a spinning server
+ * read it 3.7 times a round trip beyond its empty turns' share, some 100
+ * instructions. */
+#define NEAR_EVERY 16
 
 /* Completion events acknowledged together (on_channel). */
 #define CQ_ACK_BATCH 64
@@ -384,13 +392,29 @@ static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
  * before. Armed before the sleep, not before the turn's work: the
  * completions of the sends that work posts (rxe completes them within the
  * post) are then polled, not a wake-up each. */
-static void arm_cqs(struct bex__io *io)
+__attribute__((noinline)) static void arm_cqs_all(struct bex__io *io)
 {
     for (uint32_t q = 0; q < io->n_cq; q++)
         ibv_req_notify_cq(io->cqs[q].cq, 0);
     if (io->sh.srq)
         ibv_req_notify_cq(io->sh.srq->cq, 0);
     BEX__STAT_ADD(&io->stats, cq_arms, io->n_cq + (io->sh.srq != NULL));
+    io->cq_armed = true;
+    io->cq_quiet = false;
+}
+
+/* arm_cqs_all's one CQ and no shared receive queue (the usual, and a
+ * ping-pong's once a round trip): inline, no loop, no frame (issue 25
+ * item 2: arm_cqs's frame and loop were some 35 instructions a round
+ * trip, its one call through the provider's table 6). */
+static inline void arm_cqs(struct bex__io *io)
+{
+    if (__builtin_expect(io->n_cq != 1 || io->sh.srq != NULL, 0)) {
+        arm_cqs_all(io);
+        return;
+    }
+    ibv_req_notify_cq(io->cqs[0].cq, 0);
+    BEX__STAT_ADD(&io->stats, cq_arms, 1);
     io->cq_armed = true;
     io->cq_quiet = false;
 }
@@ -409,6 +433,8 @@ __attribute__((always_inline)) static inline void run_timers(struct bex__io *io)
     uint64_t next = bex__timers_next(&io->timers);
     io->turn_ms = bex__now_ms_since_wait(); /* (spin_look's too) */
     if (next == UINT64_MAX || io->turn_ms * 1000 + COARSE_LAG_US < next)
+        return;
+    if (io->near_turns++ % NEAR_EVERY)
         return;
     uint64_t now = bex__now_us();
     if (now >= next)
@@ -472,14 +498,19 @@ io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc, bool tim
      * timeout (tfd_due is never UINT64_MAX) */
     uint64_t next = bex__timers_next(&io->timers);
     int timeout = next == io->loop.tfd_due ? -1 : sleep_timeout(io, next);
-    int m = bex__loop_wait(&io->loop, ev, 16, timeout);
-    bex__loop_sleep_end(&io->loop);
+    int m = bex__loop_wait_raw(&io->loop, ev, 16, timeout);
     /* the completion channel's event alone (an event loop's every wake-up
      * in a ping-pong): on_channel's work here, not through handle_events
-     * and the watcher's call (issue 25: some 40 instructions a wake-up) */
-    if (m == 1 && ev[0].data.ptr == &io->ch_tag)
+     * and the watcher's call (issue 25: some 40 instructions a wake-up),
+     * and not looked at for the loop's own wake-ups either */
+    if (m == 1 && ev[0].data.ptr == &io->ch_tag) {
+        bex__loop_sleep_end(&io->loop);
         take_cq_event(io);
-    else if (m > 0)
+        return;
+    }
+    m = bex__loop_wait_own(&io->loop, ev, m);
+    bex__loop_sleep_end(&io->loop);
+    if (m > 0)
         handle_events(io, ev, m, wc);
 }
 
@@ -495,7 +526,18 @@ io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc, bool tim
  * turns was 0.75-1.9 per message). A new connection at a listener, or a
  * peer's close, then waits for the next tick at most (1-10 ms; 12 ms seen
  * in a VM whose ticks lag); commands and timers do not wait for a look. */
-static void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
+__attribute__((noinline)) static void spin_look_now(struct bex__io *io, struct epoll_event *ev,
+                                                    struct ibv_wc *wc)
+{
+    io->looked_ms = io->turn_ms;
+    int m = bex__loop_wait(&io->loop, ev, 16, 0);
+    handle_events(io, ev, m, wc);
+}
+
+/* spin_look's gate inline, the look out of line: a spinning thread's
+ * every turn asks, and almost none looks (issue 25 item 2, busy mode: the
+ * call and its frame on every turn). */
+static inline void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
 {
     if (io->n_coming || atomic_load_explicit(&io->stats.tcp_conns, memory_order_relaxed)) {
         if (++io->spins % 64)
@@ -503,9 +545,7 @@ static void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc 
     } else if (io->turn_ms == io->looked_ms) {
         return;
     }
-    io->looked_ms = io->turn_ms;
-    int m = bex__loop_wait(&io->loop, ev, 16, 0);
-    handle_events(io, ev, m, wc);
+    spin_look_now(io, ev, wc);
 }
 
 const char *bex__io_state_name(int s)

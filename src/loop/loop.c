@@ -165,7 +165,7 @@ void bex__loop_coarse_hook(uint64_t (*fn)(void))
     atomic_store_explicit(&coarse_fn, fn, memory_order_release);
 }
 
-static uint64_t coarse_read(void)
+uint64_t bex__now_ms_read(void)
 {
     uint64_t (*fn)(void) = atomic_load_explicit(&coarse_fn, memory_order_relaxed);
     if (__builtin_expect(fn != NULL, 0))
@@ -177,14 +177,7 @@ static uint64_t coarse_read(void)
 
 uint64_t bex__now_ms(void)
 {
-    return bex__loop_coarse_seen = coarse_read();
-}
-
-uint64_t bex__now_ms_since_wait(void)
-{
-    uint64_t v = bex__loop_coarse_seen;
-    bex__loop_coarse_seen = 0;
-    return v ? v : coarse_read();
+    return bex__loop_coarse_seen = bex__now_ms_read();
 }
 
 uint64_t bex__now_us(void)

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <sys/epoll.h>
 
+#include "common/count.h"
 #include "common/sys.h"
 
 /* A watcher: what an epoll event belongs to, embedded in its owner, and
@@ -106,8 +107,7 @@ extern BEX__LOOP_TLS uint64_t bex__loop_coarse_seen;
 /* A counter of the loop's own thread (single writer): no locked add. */
 static inline void bex__loop_count(_Atomic uint64_t *c)
 {
-    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
-                          memory_order_relaxed);
+    bex__count_add(c, 1);
 }
 
 /* Whether an event's entry is the loop's own: its eventfd's (l) or its
@@ -124,6 +124,31 @@ static inline bool bex__loop_own_event(const struct bex__loop *l, const struct e
  * then saves no registers for this loop (issue 25). */
 int bex__loop_own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i, int n);
 
+/* bex__loop_wait's wait alone: epoll_wait's events (0 for none or an
+ * error), the loop's own among them; bex__loop_wait_own takes those out.
+ * A caller that knows its one event at a glance (the I/O thread's
+ * completion channel) skips that scan (issue 25 item 2). */
+static inline int bex__loop_wait_raw(struct bex__loop *l, struct epoll_event *ev, int max,
+                                     int timeout_ms)
+{
+    bex__loop_coarse_seen = 0; /* what was read before a wait is old after it */
+    bex__loop_count(&l->waits);
+    if (timeout_ms != 0)
+        bex__loop_count(&l->sleeps);
+    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
+    return n > 0 ? n : 0;
+}
+
+/* The loop's own wake-ups and its timer's expiry among n events of
+ * bex__loop_wait_raw consumed (see bex__loop_wait): how many are left. */
+static inline int bex__loop_wait_own(struct bex__loop *l, struct epoll_event *ev, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (bex__loop_own_event(l, &ev[i]))
+            return bex__loop_own_wakeups(l, ev, i, n);
+    return n;
+}
+
 /* epoll_wait for up to max events (timeout_ms as epoll's): the number of
  * events left for the caller. The loop's own wake-ups and its timer's
  * expiry (which clears tfd_due) are consumed here and not returned.
@@ -132,17 +157,7 @@ int bex__loop_own_wakeups(struct bex__loop *l, struct epoll_event *ev, int i, in
 static inline int bex__loop_wait(struct bex__loop *l, struct epoll_event *ev, int max,
                                  int timeout_ms)
 {
-    bex__loop_coarse_seen = 0; /* what was read before a wait is old after it */
-    bex__loop_count(&l->waits);
-    if (timeout_ms != 0)
-        bex__loop_count(&l->sleeps);
-    int n = bex__sys_epoll_wait(l->epfd, ev, max, timeout_ms);
-    if (n <= 0)
-        return 0;
-    for (int i = 0; i < n; i++)
-        if (bex__loop_own_event(l, &ev[i]))
-            return bex__loop_own_wakeups(l, ev, i, n);
-    return n;
+    return bex__loop_wait_own(l, ev, bex__loop_wait_raw(l, ev, max, timeout_ms));
 }
 /* Arm the loop's timer for due_us (bex__now_us time; absolute): an event
  * at that time that ends a wait (bex__loop_wait returns, perhaps 0), and
@@ -154,11 +169,19 @@ void bex__loop_timer(struct bex__loop *l, uint64_t due_us);
  * every user is a millisecond timeout read on every loop turn. */
 uint64_t bex__now_ms(void);
 uint64_t bex__now_us(void);
+/* The coarse clock read, not kept (bex__now_ms keeps it). */
+uint64_t bex__now_ms_read(void);
 /* The I/O loop's turn gate: the value this thread's last bex__now_ms read
  * if it read one since its last bex__loop_wait and no call of this took
  * it, else bex__now_ms's without keeping it. Older than a read by what
- * ran since (at most the turn's callbacks); a sleep never ages it. */
-uint64_t bex__now_ms_since_wait(void);
+ * ran since (at most the turn's callbacks); a sleep never ages it.
+ * Inline: a spinning loop asks on every turn (issue 25 item 2). */
+static inline uint64_t bex__now_ms_since_wait(void)
+{
+    uint64_t v = bex__loop_coarse_seen;
+    bex__loop_coarse_seen = 0;
+    return v ? v : bex__now_ms_read();
+}
 /* Tests: bex__now_ms reads fn from now on (NULL: CLOCK_MONOTONIC_COARSE
  * again), e.g. a coarse clock lagging the precise one by more than a
  * jiffy, as a VM's emulated ticks make it. fn must be monotonic and never

@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/count.h"
 #include "common/list.h"
 
 struct ibv_mw;
@@ -264,10 +265,7 @@ struct bex__stats {
     /* loop turns that found nothing to do (conn/thread.c) */
     _Atomic uint64_t empty_turns;
 };
-#define BEX__STAT_ADD(st, field, n)                                                                \
-    atomic_store_explicit(&(st)->field,                                                            \
-                          atomic_load_explicit(&(st)->field, memory_order_relaxed) + (n),          \
-                          memory_order_relaxed)
+#define BEX__STAT_ADD(st, field, n) bex__count_add(&(st)->field, (n))
 
 /* One ibv_poll_cq call that gave n (bex_sock_stats.cq_polls and
  * cq_polls_empty). */
