@@ -192,11 +192,12 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
     return false;
 }
 
-/* st's head m goes by SEND (goes_eager), with a slot and a credit there
- * and its bytes taken by the window: its work request prepared. Inlined in
- * both its callers, the scheduler's turn and bex__engine_turn_now. */
+/* st's head m (or, queued: false, m alone, never queued) goes by SEND
+ * (goes_eager), with a slot and a credit there and its bytes taken by the
+ * window: its work request prepared. Inlined in both its callers, the
+ * scheduler's turn and send_now. */
 __attribute__((always_inline)) static inline void
-eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, bool queued)
 {
     struct sslot *s;
     if (st->id <= BEX__IMM_STREAM_MAX) {
@@ -208,7 +209,8 @@ eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
             gather(s, 1, m);
         account_bytes(e, s, (uint32_t)m->len);
     }
-    pop_head(st);
+    if (queued)
+        pop_head(st);
     m->state = BEX__M_POSTED;
     m->ack_seq = e->cons_sent;
     s->done = m;
@@ -229,30 +231,55 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
         *blocked = true;
         return false;
     }
-    eager_prep(e, st, m);
+    eager_prep(e, st, m, true);
     return true;
 }
 
-bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+/* goes_eager, and within the peer's max_msg: one bound (eager_lim). */
+static inline bool lone_eager(const struct bex__engine *e, const struct bex__stream *st,
+                              const struct bex__msg *m)
+{
+    if (m->direct || m->len > e->eager_lim)
+        return false;
+    if (m->nseg && m->nseg + (st->id <= BEX__IMM_STREAM_MAX ? 0u : 1u) > e->max_sge)
+        return false;
+    return st->id <= BEX__IMM_STREAM_MAX || m->len + BEX__HDR_LEN <= e->peer_eager || m->len == 0;
+}
+
+/* m, for st with nothing queued while no other stream waits in the ring:
+ * prepared at once, never queued (posted by the next bex__engine_progress,
+ * which was due anyway), when it goes by SEND and nothing the scheduler
+ * would put first or count waits; true also when the credits' return
+ * before it failed the engine (m was handed back); false: m goes through
+ * the queue and the ring as usual. */
+__attribute__((always_inline)) static inline bool
+send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
     /* what progress sends first (window operations, a keepalive, control
      * messages, releases), a stream owing its OPEN or CLOSE, a send window
      * or a destination's bound (quiet_max 0: their stalls are counted by
      * the scheduler's turn), no slot, the last credits: the ring's way
      * (the queues' counts and flags or'ed: one test, not five) */
-    if (e->state != E_UP || st->state != BEX__S_OPEN || st->q_head != m || !e->quiet_max ||
+    if (e->state != E_UP || st->state != BEX__S_OPEN || !e->quiet_max ||
         (e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due) ||
-        !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) ||
-        m->len > e->peer_max_msg || !goes_eager(e, st, m))
+        !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) || !lone_eager(e, st, m))
         return false;
     /* an answer sent from the upcall of the peer's message carries that
-     * message's credit, as progress would have it (before its turn) */
-    if (!bex__engine_return_owed(e))
-        return false;
+     * message's credit, as progress would have it (before its turn); a
+     * repost may fail the engine, which hands back what is queued, in
+     * order: m queued for it (bex__engine_return_owed's cases, unrolled) */
+    if (e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e)) {
+        m->state = BEX__M_QUEUED;
+        bex__stream_enqueue(st, m);
+        bex__engine_repost_recvs(e);
+        if (e->state != E_UP)
+            return true;
+        pop_head(st);
+    }
     /* turn_eager's checks hold: the credit is checked, and with quiet_max
      * set no send window or destination's bound counts bytes
      * (bex__engine_window_take takes any) */
-    eager_prep(e, st, m);
+    eager_prep(e, st, m, false);
     return true;
 }
 
@@ -266,6 +293,10 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
     m->rndv_asked = false;
     m->peer_slot = false;
     m->status = 0;
+    /* nothing queued on st and no other stream waits: its turn now, not
+     * queued (send_now tests the engine's and the stream's states) */
+    if (e && !st->q_head && !e->streams.ring_n && send_now(e, st, m))
+        return;
     if (!bex__engine_takes(st)) {
         m->state = BEX__M_QUEUED;
         if (e)
@@ -274,9 +305,6 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
     }
     m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
     bex__stream_enqueue(st, m);
-    /* no other stream waits: its turn now (the next progress posts it) */
-    if (!e->streams.ring_n && bex__engine_turn_now(e, st, m))
-        return;
     bex__stream_ring_add(&e->streams, st);
 }
 
@@ -662,7 +690,7 @@ bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
-    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
+    uint32_t before = e->post; /* what bex__engine_send prepared goes now too */
     /* window binds and revocations: ahead of the answers that name them,
      * and alone (see wops_hold) */
     if ((e->wq_n || e->wop_busy) && bex__engine_wops_hold(e))
@@ -674,7 +702,7 @@ bool bex__engine_progress(struct bex__engine *e)
     if (!bex__engine_return_owed(e))
         return e->tail != before;
     /* what waits in the queues: none when a lone stream's message was
-     * prepared by bex__engine_turn_now (no call then) */
+     * prepared by bex__engine_send (no call then) */
     if (e->ctl_n | e->rel_n | e->streams.ring_n)
         progress_queues(e);
     /* credits nobody carried: an explicit update once half the queue waits,
