@@ -134,6 +134,9 @@ struct bex__engine {
     uint32_t quiet_max; /* sq / 4, or 0 when a send window, a destination's
                            bound or window mode needs every chain signaled */
     bool sig_force;
+    bool chain_loud; /* a request prepared since the last post must be
+                        signaled (post_pending): no SEND, or one that reads
+                        the caller's memory after posting, or a CLOSE */
     uint32_t peer_credits, to_return;
     uint32_t peer_rq;           /* credits the peer granted in its hello */
     uint32_t inflight;          /* payload bytes posted, not completed */

@@ -317,6 +317,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
         }
     }
     e->head = e->post = e->sig_end = e->dscan = e->tail;
+    e->chain_loud = false;
     bex__engine_window_give(e, e->inflight);
     e->inflight = 0;
     for (uint32_t i = 0; i < e->max_rndv; i++) {

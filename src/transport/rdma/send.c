@@ -35,6 +35,7 @@ static inline struct sslot *slot_take_send(struct bex__engine *e)
 struct sslot *bex__engine_slot_take(struct bex__engine *e)
 {
     struct sslot *s = slot_take_send(e);
+    e->chain_loud = true; /* no SEND: wr_quiet refuses it */
     memset(&s->wr.wr, 0, sizeof(s->wr.wr));
     memset(&s->wr.qp_type, 0, sizeof(s->wr.qp_type));
     memset(&s->wr.bind_mw, 0, sizeof(s->wr.bind_mw));
@@ -49,11 +50,14 @@ static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes
         atomic_store_explicit(&e->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
 }
 
-/* A work request that takes one of the peer's receives. */
+/* A work request that takes one of the peer's receives: the peer hears
+ * from us (its keepalive is put off, bex__engine_tick) once it is posted,
+ * which this progress call does. */
 static void spend_credit(struct bex__engine *e)
 {
     e->peer_credits--;
     e->cons_sent++;
+    e->peer_hears = true;
 }
 
 /* Prepare a SEND of header h (and payload). Caller checked slot + credit. */
@@ -116,6 +120,8 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
         /* copied into the work request at posting: the NIC reads no memory */
         if (len <= e->max_inline)
             s->wr.send_flags = IBV_SEND_INLINE;
+        else
+            e->chain_loud = true; /* the NIC reads m after posting */
     }
     spend_credit(e);
     account_bytes(e, s, len);
@@ -205,8 +211,10 @@ eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, bo
     } else {
         struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
         s = prep_send(e, &h, NULL, 0, 0);
-        if (m->len)
+        if (m->len) {
             gather(s, 1, m);
+            e->chain_loud = true; /* the NIC reads m after posting */
+        }
         account_bytes(e, s, (uint32_t)m->len);
     }
     if (queued)
@@ -399,30 +407,37 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = st->id};
         struct sslot *s = prep_send(e, &h, NULL, 0, 0);
         s->closed = st;
+        e->chain_loud = true; /* its completion moves the stream on */
         bex__stream_move(st, BEX__SE_CLOSE_SENT);
         return true;
     }
     return false;
 }
 
-/* Does w take one of the peer's receives? */
-static bool wr_consumes(const struct ibv_send_wr *w)
-{
-    return w->opcode == IBV_WR_SEND || w->opcode == IBV_WR_SEND_WITH_IMM ||
-           w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
-}
-
+#ifndef NDEBUG
 /* May s go out unsignaled, retired by a later signaled completion? A SEND
  * that reads nothing of the caller's after posting (its payload inline, or
  * none, or only the slot's own header) and closes no stream: its message
  * is reported once the peer's credits acknowledge it (acks_in), which the
- * retirement does not wait for. */
+ * retirement does not wait for. What chain_loud sums as the requests are
+ * prepared, checked against them (asserts only). */
 static bool wr_quiet(const struct sslot *s)
 {
     _Static_assert(IBV_WR_SEND_WITH_IMM == IBV_WR_SEND + 1, "the two SENDs are adjacent");
     return (uint32_t)(s->wr.opcode - IBV_WR_SEND) <= 1 && !s->closed &&
            (!s->done || !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE));
 }
+
+/* chain_loud is set if a request of the chain needs it (it may be set
+ * for none: a stream detached drops its CLOSE's slot's mark, say) */
+static bool chain_loud_holds(const struct bex__engine *e)
+{
+    bool loud = false;
+    for (uint32_t c = e->post; c != e->tail; c++)
+        loud = loud || !wr_quiet(sslot_at(e, c));
+    return e->chain_loud || !loud;
+}
+#endif
 
 /* Whether a chain of quiet requests may go unsignaled: not once a quarter
  * of the queue would be unretired, not when the tick asked for a signal,
@@ -439,33 +454,35 @@ void bex__engine_post_pending(struct bex__engine *e)
     /* what is posted may carry the credits of receives still staged */
     if (e->sh->srq && !bex__srq_flushed(e->sh->srq, e->srq_wait))
         bex__srq_flush(e->sh->srq);
-    /* one pass, each slot looked up once: its link, its bytes, whether the
-     * chain may go quiet and whether it takes a peer's receive */
+    /* one pass, each slot looked up once: its link and its bytes (a lone
+     * request, no loop); whether the chain may go quiet was summed as its
+     * requests were prepared (chain_loud: one of them reads the caller's
+     * memory after posting, or is no SEND, or closes a stream), and the
+     * peer's receives they take were noted then (spend_credit) */
     struct sslot *first = sslot_at(e, e->post), *s = first;
-    bool consumes = false, quiet = chain_quiet(e);
-    uint32_t bytes = 0;
-    for (uint32_t c = e->post + 1;; c++) {
-        bytes += s->bytes;
-        quiet = quiet && wr_quiet(s);
-        consumes |= wr_consumes(&s->wr);
-        if (c == e->tail)
-            break;
+    uint32_t bytes = first->bytes;
+    for (uint32_t c = e->post + 1; c != e->tail; c++) {
         struct sslot *next = sslot_at(e, c);
         s->wr.next = &next->wr;
         s = next;
+        bytes += s->bytes;
     }
     s->wr.next = NULL;
-    /* slot_take cleared the flags; prep_data may have set INLINE */
+    assert(chain_loud_holds(e));
+    bool quiet = !e->chain_loud && chain_quiet(e);
+    e->chain_loud = false;
+    /* slot_take cleared the flags; prep_data may have set INLINE. Only
+     * the chain's last request is ever signaled (recounted up to bad on
+     * failure, so that the counter shows the signaling policy) */
+    uint64_t signaled = 0;
     if (!quiet) {
         s->wr.send_flags |= IBV_SEND_SIGNALED;
         bex__engine_wnd_posted(e, s, bytes);
         e->sig_end = e->tail;
         e->sig_force = false;
+        signaled = 1;
+        BEX__STAT_ADD(e->stats, signaled, 1);
     }
-    /* counted from the flags of what is posted, so that the counter shows
-     * the signaling policy (recounted up to bad on failure): only the
-     * chain's last request is ever signaled */
-    uint64_t signaled = (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
     struct ibv_send_wr *bad = NULL;
     /* counted before the call, as its work requests were when prepared:
      * rxe's ibv_post_send is a system call that may take milliseconds in a
@@ -473,21 +490,13 @@ void bex__engine_post_pending(struct bex__engine *e)
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
     BEX__STAT_ADD(e->stats, post_send_calls, 1);
-    BEX__STAT_ADD(e->stats, signaled, signaled);
     int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
     if (rc) {
         uint64_t was = signaled;
         signaled = 0;
-        consumes = false;
-        for (struct ibv_send_wr *w = &first->wr; w && w != bad; w = w->next) {
+        for (struct ibv_send_wr *w = &first->wr; w && w != bad; w = w->next)
             signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
-            consumes |= wr_consumes(w);
-        }
         BEX__STAT_ADD(e->stats, signaled, signaled - was); /* fewer: modulo 2^64 */
-    }
-    if (consumes)
-        e->peer_hears = true;
-    if (rc) {
         bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_send: %s", e->name,
                  bex_strerror(bex__rdma_err(rc)));
         /* nothing was posted from bad on: treat the chain as lost */
