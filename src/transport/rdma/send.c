@@ -447,7 +447,27 @@ static bool chain_quiet(const struct bex__engine *e)
     return e->tail - e->head < e->quiet_max && !e->sig_force;
 }
 
-void bex__engine_post_pending(struct bex__engine *e)
+/* ibv_post_send refused the chain from bad on (rc): the signaled counter
+ * recounted up to bad (signaled: what was counted), the chain lost, the
+ * engine failed. Out of line (post_chain is inlined). */
+__attribute__((noinline, cold)) static void post_failed(struct bex__engine *e, int rc,
+                                                        struct ibv_send_wr *first,
+                                                        struct ibv_send_wr *bad, uint64_t signaled)
+{
+    uint64_t now = 0;
+    for (struct ibv_send_wr *w = first; w && w != bad; w = w->next)
+        now += (w->send_flags & IBV_SEND_SIGNALED) != 0;
+    BEX__STAT_ADD(e->stats, signaled, now - signaled); /* fewer: modulo 2^64 */
+    bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_send: %s", e->name,
+             bex_strerror(bex__rdma_err(rc)));
+    /* nothing was posted from bad on: treat the chain as lost */
+    e->post = e->tail;
+    bex__engine_fail_now(e, bex__rdma_err(rc));
+}
+
+/* bex__engine_post_pending's work, inlined in bex__engine_progress (once a
+ * message) */
+__attribute__((always_inline)) static inline void post_chain(struct bex__engine *e)
 {
     if (e->post == e->tail)
         return;
@@ -492,16 +512,7 @@ void bex__engine_post_pending(struct bex__engine *e)
     BEX__STAT_ADD(e->stats, post_send_calls, 1);
     int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
     if (rc) {
-        uint64_t was = signaled;
-        signaled = 0;
-        for (struct ibv_send_wr *w = &first->wr; w && w != bad; w = w->next)
-            signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
-        BEX__STAT_ADD(e->stats, signaled, signaled - was); /* fewer: modulo 2^64 */
-        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_send: %s", e->name,
-                 bex_strerror(bex__rdma_err(rc)));
-        /* nothing was posted from bad on: treat the chain as lost */
-        e->post = e->tail;
-        bex__engine_fail_now(e, bex__rdma_err(rc));
+        post_failed(e, rc, &first->wr, bad, signaled);
         return;
     }
     /* rxe takes a window's current key from mw->rkey when the next bind is
@@ -511,6 +522,11 @@ void bex__engine_post_pending(struct bex__engine *e)
             if (e->ss[c % e->sq].wr.opcode == IBV_WR_BIND_MW)
                 e->ss[c % e->sq].wr.bind_mw.mw->rkey = e->ss[c % e->sq].wr.bind_mw.rkey;
     e->post = e->tail;
+}
+
+void bex__engine_post_pending(struct bex__engine *e)
+{
+    post_chain(e);
 }
 
 /* Receives consumed and handled (unposted, with a fresh buffer) give their
@@ -722,8 +738,7 @@ bool bex__engine_progress(struct bex__engine *e)
     acks_settle(e);
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
-    if (e->post != e->tail)
-        bex__engine_post_pending(e);
+    post_chain(e);       /* (returns at once when nothing is prepared) */
     /* (the checks ahead of the calls: a message's progress without window
      * mode or a keepalive due pays no call for them) */
     if (e->sh->windows && bex__engine_spare_fill(e))
