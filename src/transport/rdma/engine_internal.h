@@ -45,11 +45,13 @@ struct sslot {
     struct bex__msg *done;                /* message finished by this request */
     struct bex__stream *closed;           /* stream whose CLOSE this is */
     uint32_t bytes;                       /* payload bytes (send window) */
+    uint32_t batch_bytes;                 /* adaptive window: post_us's batch's payload
+                                             bytes (beside bytes: the slot is 256 bytes,
+                                             sslot_at's index a shift) */
     uint8_t *hdr;                         /* this slot's header buffer */
     struct ibv_mw *free_mw;               /* window to deallocate once this LOCAL_INV is done */
     uint64_t post_us;                     /* adaptive window: the batch this slot ends was
                                              posted then (0: no sample) */
-    uint32_t batch_bytes;                 /* and had this many payload bytes */
 };
 
 /* One buffer per receive (struct bex__rslot, srq.h): a DATA's payload lands
