@@ -105,11 +105,18 @@ __attribute__((always_inline)) static inline void gather(struct sslot *s, int fi
 }
 
 /* Prepare the header-free SEND_WITH_IMM of DATA m (the immediate carries
- * stream and credits). Caller checked slot + credit. */
+ * stream and credits). Caller checked slot + credit, and sets s->done
+ * (eager_prep). The slot's fields are set once each (slot_take_send's,
+ * unrolled: no store cleared first and set again). */
 __attribute__((always_inline)) static inline struct sslot *
 prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
-    struct sslot *s = slot_take_send(e);
+    struct sslot *s = sslot_at(e, e->tail);
+    assert(s->wr.sg_list == s->sge);
+    s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
+    e->tail++;
+    s->closed = NULL;
+    s->free_mw = NULL;
     uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
     e->to_return -= credits;
     uint32_t len = (uint32_t)m->len;
@@ -118,10 +125,15 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
     if (len) {
         gather(s, 0, m);
         /* copied into the work request at posting: the NIC reads no memory */
-        if (len <= e->max_inline)
+        if (len <= e->max_inline) {
             s->wr.send_flags = IBV_SEND_INLINE;
-        else
+        } else {
+            s->wr.send_flags = 0;
             e->chain_loud = true; /* the NIC reads m after posting */
+        }
+    } else {
+        s->wr.num_sge = 0;
+        s->wr.send_flags = 0;
     }
     spend_credit(e);
     account_bytes(e, s, len);
@@ -278,6 +290,10 @@ send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
      * order: m queued for it (bex__engine_return_owed's cases, unrolled) */
     if (e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e)) {
         m->state = BEX__M_QUEUED;
+        m->off = 0; /* what the failure's hand-back (abandon) reads */
+        m->rndv_id = 0;
+        m->rndv_asked = false;
+        m->peer_slot = false;
         bex__stream_enqueue(st, m);
         bex__engine_repost_recvs(e);
         if (e->state != E_UP)
@@ -294,17 +310,19 @@ send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
-    m->next = NULL;
     m->st = st;
+    m->status = 0;
+    /* nothing queued on st and no other stream waits: its turn now, not
+     * queued (send_now tests the engine's and the stream's states; what
+     * it posts reads neither the queue's link nor the fields of the
+     * rendezvous and fragments, set below for the queue's way) */
+    if (e && !st->q_head && !e->streams.ring_n && send_now(e, st, m))
+        return;
+    m->next = NULL;
     m->off = 0;
     m->rndv_id = 0;
     m->rndv_asked = false;
     m->peer_slot = false;
-    m->status = 0;
-    /* nothing queued on st and no other stream waits: its turn now, not
-     * queued (send_now tests the engine's and the stream's states) */
-    if (e && !st->q_head && !e->streams.ring_n && send_now(e, st, m))
-        return;
     if (!bex__engine_takes(st)) {
         m->state = BEX__M_QUEUED;
         if (e)
