@@ -76,8 +76,8 @@ static void ack_wait(struct bex__engine *e, struct bex__msg *m)
  * until a signaled completion retires it. */
 __attribute__((always_inline)) static inline void acks_posted(struct bex__engine *e)
 {
-    if ((int32_t)(e->dscan - e->head) < 0)
-        e->dscan = e->head;
+    /* dscan >= head: the retirement moves it on (send_completed) */
+    assert((int32_t)(e->dscan - e->head) >= 0);
     while (e->dscan != e->post && e->state == E_UP) {
         struct sslot *s = sslot_at(e, e->dscan);
         struct bex__msg *m = s->done;
@@ -137,7 +137,7 @@ static void slot_retired(struct bex__engine *e, struct sslot *s)
  * bex__engine_set_dest): a retired slot gives back its bytes and reports
  * its message or CLOSE, the one test of the two (most often the
  * acknowledgement scan, acks_posted, reported the message already). */
-static void send_completed(struct bex__engine *e, uint32_t cnt)
+static inline void send_retire(struct bex__engine *e, uint32_t cnt)
 {
     if (e->quiet_max) {
         while (e->head != e->post) {
@@ -168,6 +168,16 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         if ((c & WR_CNT_MASK) == cnt)
             break;
     }
+}
+
+static void send_completed(struct bex__engine *e, uint32_t cnt)
+{
+    send_retire(e, cnt);
+    /* the acknowledgement scan starts at the oldest unretired slot at the
+     * earliest (acks_posted): moved on here, once a completion, not there
+     * once a message */
+    if ((int32_t)(e->dscan - e->head) < 0)
+        e->dscan = e->head;
 }
 
 static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
