@@ -5,6 +5,7 @@
 #define BEX_WIRE_HDR_H
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -62,6 +63,20 @@ static inline uint32_t bex__imm_encode(uint32_t stream, uint32_t credits)
 {
     return BEX__IMM_KIND_DATA << BEX__IMM_KIND_SHIFT | stream << BEX__IMM_STREAM_SHIFT | credits;
 }
+/* A received immediate's (host order) fields, each on its own: the
+ * receive path reads them straight into its variables. */
+static inline bool bex__imm_is_data(uint32_t imm)
+{
+    return imm >> BEX__IMM_KIND_SHIFT == BEX__IMM_KIND_DATA;
+}
+static inline uint32_t bex__imm_stream(uint32_t imm)
+{
+    return (imm >> BEX__IMM_STREAM_SHIFT) & BEX__IMM_STREAM_MAX;
+}
+static inline uint16_t bex__imm_credits(uint32_t imm)
+{
+    return (uint16_t)(imm & BEX__IMM_CREDITS_MAX);
+}
 /* A received SEND_WITH_IMM of len bytes with immediate imm (host order) as
  * the header it stands for (type DATA, stream, credits, len; the rest 0).
  * Returns 0 or -EPROTO (a kind no valid peer sends). Inline: once a
@@ -70,11 +85,11 @@ static inline int bex__imm_decode(uint32_t imm, uint32_t len, struct bex__hdr *h
 {
     *h = (struct bex__hdr){
         .type = BEX__MSG_DATA,
-        .credits = (uint16_t)(imm & BEX__IMM_CREDITS_MAX),
-        .stream = (imm >> BEX__IMM_STREAM_SHIFT) & BEX__IMM_STREAM_MAX,
+        .credits = bex__imm_credits(imm),
+        .stream = bex__imm_stream(imm),
         .len = len,
     };
-    return imm >> BEX__IMM_KIND_SHIFT == BEX__IMM_KIND_DATA ? 0 : -EPROTO;
+    return bex__imm_is_data(imm) ? 0 : -EPROTO;
 }
 /* A TCP frame's header (BEX__HDR_LEN bytes; its payload follows, h->len
  * bytes for DATA and DIRECT, none otherwise): 0 or -EPROTO. */

@@ -379,7 +379,7 @@ static int ping_pong_reposts(void)
 }
 
 /* Side 1 answers every message from its upcall, as bex-perf's server
- * does (the engine prepares the answer at once, bex__engine_turn_now). */
+ * does (the engine prepares the answer at once, bex__engine_send). */
 static void answer_in_upcall(struct fk_pair *p, int side, uint32_t stream)
 {
     if (side == 1)

@@ -139,7 +139,7 @@ static int random_schedules(void)
 }
 
 /* A small message sent with no other stream waiting is prepared at once
- * (bex__engine_turn_now) and posted by the next progress call: a failure
+ * (bex__engine_send) and posted by the next progress call: a failure
  * in between hands it back never sent (-ECANCELED), not in doubt. */
 static int prepared_unsent(void)
 {

@@ -74,10 +74,10 @@ static void ack_wait(struct bex__engine *e, struct bex__msg *m)
  * the caller's is read again, even by a retransmission). Reported in
  * order, after the acknowledgement queue (older); the slot stays taken
  * until a signaled completion retires it. */
-static void acks_posted(struct bex__engine *e)
+__attribute__((always_inline)) static inline void acks_posted(struct bex__engine *e)
 {
-    if ((int32_t)(e->dscan - e->head) < 0)
-        e->dscan = e->head;
+    /* dscan >= head: the retirement moves it on (send_completed) */
+    assert((int32_t)(e->dscan - e->head) >= 0);
     while (e->dscan != e->post && e->state == E_UP) {
         struct sslot *s = sslot_at(e, e->dscan);
         struct bex__msg *m = s->done;
@@ -95,7 +95,7 @@ static void acks_posted(struct bex__engine *e)
 }
 
 /* The peer returned n credits: report what they acknowledge. */
-static void acks_in(struct bex__engine *e, uint32_t n)
+__attribute__((always_inline)) static inline void acks_in(struct bex__engine *e, uint32_t n)
 {
     e->cons_acked += n;
     while (e->ack_head && acked(e, e->ack_head->ack_seq) && e->state == E_UP) {
@@ -137,7 +137,7 @@ static void slot_retired(struct bex__engine *e, struct sslot *s)
  * bex__engine_set_dest): a retired slot gives back its bytes and reports
  * its message or CLOSE, the one test of the two (most often the
  * acknowledgement scan, acks_posted, reported the message already). */
-static void send_completed(struct bex__engine *e, uint32_t cnt)
+static inline void send_retire(struct bex__engine *e, uint32_t cnt)
 {
     if (e->quiet_max) {
         while (e->head != e->post) {
@@ -168,6 +168,16 @@ static void send_completed(struct bex__engine *e, uint32_t cnt)
         if ((c & WR_CNT_MASK) == cnt)
             break;
     }
+}
+
+static void send_completed(struct bex__engine *e, uint32_t cnt)
+{
+    send_retire(e, cnt);
+    /* the acknowledgement scan starts at the oldest unretired slot at the
+     * earliest (acks_posted): moved on here, once a completion, not there
+     * once a message */
+    if ((int32_t)(e->dscan - e->head) < 0)
+        e->dscan = e->head;
 }
 
 static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
@@ -237,7 +247,8 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
  * gone, the buffer that went up to the application, is still counted as
  * posted: a fresh one takes its place in that count (one buffer of the
  * size out, one in), or, starved, the count drops by it. */
-static void slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const void *gone)
+__attribute__((always_inline)) static inline void
+slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const void *gone)
 {
     int64_t u = bex__engine_rbuf_usable(e, gone);
     void *fresh = NULL;
@@ -370,6 +381,79 @@ static inline struct bex__rslot *recv_slot(struct bex__engine *e, uint32_t idx, 
     return &e->rs[idx];
 }
 
+/* The credits a peer's message returns (of a message of type, on stream):
+ * 0, 1 when the acknowledgements they report ended the engine (nothing
+ * more to do), or a violation's code. */
+__attribute__((always_inline)) static inline int credits_in(struct bex__engine *e,
+                                                            const struct ibv_wc *wc,
+                                                            uint32_t credits, uint8_t type,
+                                                            uint32_t stream)
+{
+    e->peer_credits += credits;
+    if (e->peer_credits > e->peer_rq) /* more credits back than the peer ever granted */
+        return bex__engine_violation(e,
+                                     "%u credits back (type %u, stream %u, %u bytes, QP %u), %u "
+                                     "held: above the %u it granted (a message delivered "
+                                     "twice either way?)",
+                                     credits, type, stream, wc->byte_len, e->qp ? e->qp->qp_num : 0,
+                                     e->peer_credits - credits, e->peer_rq);
+    if (credits) {
+        e->credit_wait = 0;
+        acks_in(e, credits);
+        if (e->state != E_UP)
+            return 1;
+    }
+    return 0;
+}
+
+/* A DATA of len bytes on stream, its payload in r's buffer from off on (len
+ * checked): the buffer goes up as it is (zero-copy), a fresh one replaces
+ * it. */
+__attribute__((always_inline)) static inline void data_in(struct bex__engine *e, uint32_t idx,
+                                                          struct bex__rslot *r, uint32_t stream,
+                                                          uint32_t len, uint32_t off)
+{
+    void *buf = r->buf;
+    r->buf = NULL;
+    if (off) /* a stream beyond the immediate's: the payload goes to the start */
+        memmove(buf, (uint8_t *)buf + off, len);
+    slot_refill(e, idx, r, buf);
+    e->acks_owed = true;
+    struct bex__stats *st = e->stats;
+    BEX__STAT_ADD(st, msgs_recv, 1);
+    BEX__STAT_ADD(st, bytes_recv, len);
+    e->ops->on_msg(&e->x, stream, buf, len);
+}
+
+static inline int data_too_long(struct bex__engine *e, uint32_t len)
+{
+    return bex__engine_violation(e, "a DATA of %u bytes (eager_max %u, max_msg %u)", len,
+                                 e->cfg.eager_max, e->cfg.max_msg);
+}
+
+/* A SEND with its header in front (no immediate): a control message, or a
+ * DATA on a stream the immediate cannot name. Out of line: the small
+ * messages of the streams the immediate names skip it. */
+__attribute__((noinline)) static int header_in(struct bex__engine *e, const struct ibv_wc *wc,
+                                               uint32_t idx, struct bex__rslot *r)
+{
+    struct bex__hdr h;
+    /* rbuf_len >= BEX__HDR_LEN: a header-sized SEND always fits */
+    if (bex__hdr_decode(r->buf, wc->byte_len, &h))
+        return bad_header(e, wc, idx, r->buf);
+    int rc = credits_in(e, wc, h.credits, h.type, h.stream);
+    if (rc)
+        return rc > 0 ? 0 : rc;
+    if (h.type != BEX__MSG_DATA) {
+        bex__engine_hold_unposted(e, idx); /* its buffer was not used */
+        return handle_ctl(e, &h);
+    }
+    if (h.len > e->recv_max)
+        return data_too_long(e, h.len);
+    data_in(e, idx, r, h.stream, h.len, BEX__HDR_LEN);
+    return 0;
+}
+
 static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
 {
     const char *why;
@@ -382,49 +466,20 @@ static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32
      * windows behind our back (rxe sets bit 0x4, the kernel's flag) */
     if (wc->opcode != IBV_WC_RECV || (wc->wc_flags & (IBV_WC_WITH_INV | 0x4)))
         return bad_recv(e, wc, idx, "a receive of an operation bex never sends");
-    struct bex__hdr h;
-    uint32_t off = 0; /* where a DATA's payload starts in the buffer */
-    if (wc->wc_flags & IBV_WC_WITH_IMM) {
-        if (bex__imm_decode(ntohl(wc->imm_data), wc->byte_len, &h))
-            return bad_recv(e, wc, idx, "a SEND_WITH_IMM of a reserved kind");
-    } else {
-        /* rbuf_len >= BEX__HDR_LEN: a header-sized SEND always fits */
-        if (bex__hdr_decode(r->buf, wc->byte_len, &h))
-            return bad_header(e, wc, idx, r->buf);
-        off = BEX__HDR_LEN;
-    }
-    e->peer_credits += h.credits;
-    if (e->peer_credits > e->peer_rq) /* more credits back than the peer ever granted */
-        return bex__engine_violation(e,
-                                     "%u credits back (type %u, stream %u, %u bytes, QP %u), %u "
-                                     "held: above the %u it granted (a message delivered "
-                                     "twice either way?)",
-                                     h.credits, h.type, h.stream, wc->byte_len,
-                                     e->qp ? e->qp->qp_num : 0, e->peer_credits - h.credits,
-                                     e->peer_rq);
-    if (h.credits) {
-        e->credit_wait = 0;
-        acks_in(e, h.credits);
-        if (e->state != E_UP)
-            return 0;
-    }
-    if (h.type != BEX__MSG_DATA) {
-        bex__engine_hold_unposted(e, idx); /* its buffer was not used */
-        return handle_ctl(e, &h);
-    }
-    if (h.len > e->recv_max)
-        return bex__engine_violation(e, "a DATA of %u bytes (eager_max %u, max_msg %u)", h.len,
-                                     e->cfg.eager_max, e->cfg.max_msg);
-    /* zero-copy: the payload buffer goes up as it is; a fresh one replaces it */
-    void *buf = r->buf;
-    r->buf = NULL;
-    if (off) /* a stream beyond the immediate's: the payload goes to the start */
-        memmove(buf, (uint8_t *)buf + off, h.len);
-    slot_refill(e, idx, r, buf);
-    e->acks_owed = true;
-    BEX__STAT_ADD(e->stats, msgs_recv, 1);
-    BEX__STAT_ADD(e->stats, bytes_recv, h.len);
-    e->ops->on_msg(&e->x, h.stream, buf, h.len);
+    if (!(wc->wc_flags & IBV_WC_WITH_IMM))
+        return header_in(e, wc, idx, r);
+    /* a DATA whose header is the immediate (bex__imm_decode's fields, read
+     * one by one): its payload fills the buffer from the start */
+    uint32_t imm = ntohl(wc->imm_data), len = wc->byte_len;
+    if (!bex__imm_is_data(imm))
+        return bad_recv(e, wc, idx, "a SEND_WITH_IMM of a reserved kind");
+    uint32_t stream = bex__imm_stream(imm);
+    int rc = credits_in(e, wc, bex__imm_credits(imm), BEX__MSG_DATA, stream);
+    if (rc)
+        return rc > 0 ? 0 : rc;
+    if (len > e->recv_max)
+        return data_too_long(e, len);
+    data_in(e, idx, r, stream, len, 0);
     return 0;
 }
 

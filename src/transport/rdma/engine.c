@@ -456,6 +456,7 @@ int bex__engine_connect(struct bex__engine *e, const struct bex__engine_peer *p)
     e->peer_max_rndv = p->max_rndv < e->max_rndv ? p->max_rndv : e->max_rndv;
     e->peer_eager = p->eager_max;
     e->peer_max_msg = p->max_msg;
+    e->eager_lim = p->eager_max < p->max_msg ? p->eager_max : p->max_msg;
     e->peer_ka_addr = p->ka_addr;
     e->peer_ka_rkey = p->ka_rkey;
     bex__engine_move(e, E_CONNECTED);

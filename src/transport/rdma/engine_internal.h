@@ -45,11 +45,13 @@ struct sslot {
     struct bex__msg *done;                /* message finished by this request */
     struct bex__stream *closed;           /* stream whose CLOSE this is */
     uint32_t bytes;                       /* payload bytes (send window) */
+    uint32_t batch_bytes;                 /* adaptive window: post_us's batch's payload
+                                             bytes (beside bytes: the slot is 256 bytes,
+                                             sslot_at's index a shift) */
     uint8_t *hdr;                         /* this slot's header buffer */
     struct ibv_mw *free_mw;               /* window to deallocate once this LOCAL_INV is done */
     uint64_t post_us;                     /* adaptive window: the batch this slot ends was
                                              posted then (0: no sample) */
-    uint32_t batch_bytes;                 /* and had this many payload bytes */
 };
 
 /* One buffer per receive (struct bex__rslot, srq.h): a DATA's payload lands
@@ -134,6 +136,9 @@ struct bex__engine {
     uint32_t quiet_max; /* sq / 4, or 0 when a send window, a destination's
                            bound or window mode needs every chain signaled */
     bool sig_force;
+    bool chain_loud; /* a request prepared since the last post must be
+                        signaled (post_pending): no SEND, or one that reads
+                        the caller's memory after posting, or a CLOSE */
     uint32_t peer_credits, to_return;
     uint32_t peer_rq;           /* credits the peer granted in its hello */
     uint32_t inflight;          /* payload bytes posted, not completed */
@@ -141,6 +146,8 @@ struct bex__engine {
     struct bex__wnd_dest *dest; /* its destination's shared bound (NULL: none) */
     uint32_t peer_eager;        /* largest message the peer takes by SEND */
     uint32_t peer_max_msg;      /* largest message the peer accepts at all */
+    uint32_t eager_lim;         /* the two's least: the largest a lone message sent
+                                   at once may be (send.c, send_now) */
     uint32_t frag;              /* effective fragment size */
     uint64_t credit_wait;       /* since when sends wait for a credit (0: none wait) */
     uint64_t post_wait_ms;      /* the tick that first saw the oldest posted work
@@ -314,11 +321,6 @@ bool bex__engine_spare_take(struct bex__engine *e, uint32_t len, struct spare *o
 void bex__engine_prep_wops(struct bex__engine *e);
 bool bex__engine_spare_fill(struct bex__engine *e);
 struct sslot *bex__engine_slot_take(struct bex__engine *e);
-/* m, just queued alone on st, with no other stream in the ring: prepared
- * at once (posted by the next bex__engine_progress, which was due anyway)
- * when it goes by SEND and nothing the scheduler would put first or
- * count waits; false: it goes through the ring as usual. */
-bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m);
 void *bex__engine_slot_take_buf(struct bex__engine *e, struct bex__rslot *r);
 /* sendwnd.c: the send window (static or adaptive) and the destination's
  * bound: take (false: wait; counted as window_stalls or dest_bound_hits),

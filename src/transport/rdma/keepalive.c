@@ -304,7 +304,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
         bex__engine_msg_done(e, m, ST_INDOUBT);
     }
     e->ack_tail = NULL;
-    /* posted messages next, in order, then prepared ones (bex__engine_turn_now:
+    /* posted messages next, in order, then prepared ones (bex__engine_send:
      * never posted); then queued ones */
     for (uint32_t c = e->head; c != e->tail; c++) {
         struct sslot *s = sslot_at(e, c);
@@ -317,6 +317,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
         }
     }
     e->head = e->post = e->sig_end = e->dscan = e->tail;
+    e->chain_loud = false;
     bex__engine_window_give(e, e->inflight);
     e->inflight = 0;
     for (uint32_t i = 0; i < e->max_rndv; i++) {

@@ -35,6 +35,7 @@ static inline struct sslot *slot_take_send(struct bex__engine *e)
 struct sslot *bex__engine_slot_take(struct bex__engine *e)
 {
     struct sslot *s = slot_take_send(e);
+    e->chain_loud = true; /* no SEND: wr_quiet refuses it */
     memset(&s->wr.wr, 0, sizeof(s->wr.wr));
     memset(&s->wr.qp_type, 0, sizeof(s->wr.qp_type));
     memset(&s->wr.bind_mw, 0, sizeof(s->wr.bind_mw));
@@ -49,11 +50,14 @@ static void account_bytes(struct bex__engine *e, struct sslot *s, uint32_t bytes
         atomic_store_explicit(&e->stats->max_inflight_bytes, e->inflight, memory_order_relaxed);
 }
 
-/* A work request that takes one of the peer's receives. */
+/* A work request that takes one of the peer's receives: the peer hears
+ * from us (its keepalive is put off, bex__engine_tick) once it is posted,
+ * which this progress call does. */
 static void spend_credit(struct bex__engine *e)
 {
     e->peer_credits--;
     e->cons_sent++;
+    e->peer_hears = true;
 }
 
 /* Prepare a SEND of header h (and payload). Caller checked slot + credit. */
@@ -101,11 +105,18 @@ __attribute__((always_inline)) static inline void gather(struct sslot *s, int fi
 }
 
 /* Prepare the header-free SEND_WITH_IMM of DATA m (the immediate carries
- * stream and credits). Caller checked slot + credit. */
+ * stream and credits). Caller checked slot + credit, and sets s->done
+ * (eager_prep). The slot's fields are set once each (slot_take_send's,
+ * unrolled: no store cleared first and set again). */
 __attribute__((always_inline)) static inline struct sslot *
 prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
-    struct sslot *s = slot_take_send(e);
+    struct sslot *s = sslot_at(e, e->tail);
+    assert(s->wr.sg_list == s->sge);
+    s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
+    e->tail++;
+    s->closed = NULL;
+    s->free_mw = NULL;
     uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
     e->to_return -= credits;
     uint32_t len = (uint32_t)m->len;
@@ -114,8 +125,15 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
     if (len) {
         gather(s, 0, m);
         /* copied into the work request at posting: the NIC reads no memory */
-        if (len <= e->max_inline)
+        if (len <= e->max_inline) {
             s->wr.send_flags = IBV_SEND_INLINE;
+        } else {
+            s->wr.send_flags = 0;
+            e->chain_loud = true; /* the NIC reads m after posting */
+        }
+    } else {
+        s->wr.num_sge = 0;
+        s->wr.send_flags = 0;
     }
     spend_credit(e);
     account_bytes(e, s, len);
@@ -192,11 +210,12 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
     return false;
 }
 
-/* st's head m goes by SEND (goes_eager), with a slot and a credit there
- * and its bytes taken by the window: its work request prepared. Inlined in
- * both its callers, the scheduler's turn and bex__engine_turn_now. */
+/* st's head m (or, queued: false, m alone, never queued) goes by SEND
+ * (goes_eager), with a slot and a credit there and its bytes taken by the
+ * window: its work request prepared. Inlined in both its callers, the
+ * scheduler's turn and send_now. */
 __attribute__((always_inline)) static inline void
-eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, bool queued)
 {
     struct sslot *s;
     if (st->id <= BEX__IMM_STREAM_MAX) {
@@ -204,11 +223,14 @@ eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
     } else {
         struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
         s = prep_send(e, &h, NULL, 0, 0);
-        if (m->len)
+        if (m->len) {
             gather(s, 1, m);
+            e->chain_loud = true; /* the NIC reads m after posting */
+        }
         account_bytes(e, s, (uint32_t)m->len);
     }
-    pop_head(st);
+    if (queued)
+        pop_head(st);
     m->state = BEX__M_POSTED;
     m->ack_seq = e->cons_sent;
     s->done = m;
@@ -229,31 +251,87 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
         *blocked = true;
         return false;
     }
-    eager_prep(e, st, m);
+    eager_prep(e, st, m, true);
     return true;
 }
 
-bool bex__engine_turn_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+/* goes_eager, and within the peer's max_msg: one bound (eager_lim). */
+static inline bool lone_eager(const struct bex__engine *e, const struct bex__stream *st,
+                              const struct bex__msg *m)
+{
+    if (m->direct || m->len > e->eager_lim)
+        return false;
+    if (m->nseg && m->nseg + (st->id <= BEX__IMM_STREAM_MAX ? 0u : 1u) > e->max_sge)
+        return false;
+    return st->id <= BEX__IMM_STREAM_MAX || m->len + BEX__HDR_LEN <= e->peer_eager || m->len == 0;
+}
+
+/* m, for st with nothing queued while no other stream waits in the ring:
+ * prepared at once, never queued (posted by the next bex__engine_progress,
+ * which was due anyway), when it goes by SEND and nothing the scheduler
+ * would put first or count waits; true also when the credits' return
+ * before it failed the engine (m was handed back); false: m goes through
+ * the queue and the ring as usual. */
+__attribute__((always_inline)) static inline bool
+send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
     /* what progress sends first (window operations, a keepalive, control
      * messages, releases), a stream owing its OPEN or CLOSE, a send window
      * or a destination's bound (quiet_max 0: their stalls are counted by
      * the scheduler's turn), no slot, the last credits: the ring's way
      * (the queues' counts and flags or'ed: one test, not five) */
-    if (e->state != E_UP || st->state != BEX__S_OPEN || st->q_head != m || !e->quiet_max ||
+    if (e->state != E_UP || st->state != BEX__S_OPEN || !e->quiet_max ||
         (e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due) ||
-        !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) ||
-        m->len > e->peer_max_msg || !goes_eager(e, st, m))
+        !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) || !lone_eager(e, st, m))
         return false;
     /* an answer sent from the upcall of the peer's message carries that
-     * message's credit, as progress would have it (before its turn) */
-    if (!bex__engine_return_owed(e))
-        return false;
+     * message's credit, as progress would have it (before its turn); a
+     * repost may fail the engine, which hands back what is queued, in
+     * order: m queued for it (bex__engine_return_owed's cases, unrolled) */
+    if (e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e)) {
+        m->state = BEX__M_QUEUED;
+        m->off = 0; /* what the failure's hand-back (abandon) reads */
+        m->rndv_id = 0;
+        m->rndv_asked = false;
+        m->peer_slot = false;
+        bex__stream_enqueue(st, m);
+        bex__engine_repost_recvs(e);
+        if (e->state != E_UP)
+            return true;
+        pop_head(st);
+    }
     /* turn_eager's checks hold: the credit is checked, and with quiet_max
      * set no send window or destination's bound counts bytes
      * (bex__engine_window_take takes any) */
-    eager_prep(e, st, m);
+    eager_prep(e, st, m, false);
     return true;
+}
+
+void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    m->st = st;
+    m->status = 0;
+    /* nothing queued on st and no other stream waits: its turn now, not
+     * queued (send_now tests the engine's and the stream's states; what
+     * it posts reads neither the queue's link nor the fields of the
+     * rendezvous and fragments, set below for the queue's way) */
+    if (e && !st->q_head && !e->streams.ring_n && send_now(e, st, m))
+        return;
+    m->next = NULL;
+    m->off = 0;
+    m->rndv_id = 0;
+    m->rndv_asked = false;
+    m->peer_slot = false;
+    if (!bex__engine_takes(st)) {
+        m->state = BEX__M_QUEUED;
+        if (e)
+            bex__engine_msg_done(e, m, ST_UNSENT);
+        return;
+    }
+    m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
+    bex__stream_enqueue(st, m);
+    bex__stream_ring_add(&e->streams, st);
 }
 
 /* A turn of st whose head m has its destination: one fragment written. */
@@ -347,30 +425,37 @@ static bool stream_turn(struct bex__engine *e, struct bex__stream *st, bool *blo
         struct bex__hdr h = {.type = BEX__MSG_CLOSE, .stream = st->id};
         struct sslot *s = prep_send(e, &h, NULL, 0, 0);
         s->closed = st;
+        e->chain_loud = true; /* its completion moves the stream on */
         bex__stream_move(st, BEX__SE_CLOSE_SENT);
         return true;
     }
     return false;
 }
 
-/* Does w take one of the peer's receives? */
-static bool wr_consumes(const struct ibv_send_wr *w)
-{
-    return w->opcode == IBV_WR_SEND || w->opcode == IBV_WR_SEND_WITH_IMM ||
-           w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
-}
-
+#ifndef NDEBUG
 /* May s go out unsignaled, retired by a later signaled completion? A SEND
  * that reads nothing of the caller's after posting (its payload inline, or
  * none, or only the slot's own header) and closes no stream: its message
  * is reported once the peer's credits acknowledge it (acks_in), which the
- * retirement does not wait for. */
+ * retirement does not wait for. What chain_loud sums as the requests are
+ * prepared, checked against them (asserts only). */
 static bool wr_quiet(const struct sslot *s)
 {
     _Static_assert(IBV_WR_SEND_WITH_IMM == IBV_WR_SEND + 1, "the two SENDs are adjacent");
     return (uint32_t)(s->wr.opcode - IBV_WR_SEND) <= 1 && !s->closed &&
            (!s->done || !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE));
 }
+
+/* chain_loud is set if a request of the chain needs it (it may be set
+ * for none: a stream detached drops its CLOSE's slot's mark, say) */
+static bool chain_loud_holds(const struct bex__engine *e)
+{
+    bool loud = false;
+    for (uint32_t c = e->post; c != e->tail; c++)
+        loud = loud || !wr_quiet(sslot_at(e, c));
+    return e->chain_loud || !loud;
+}
+#endif
 
 /* Whether a chain of quiet requests may go unsignaled: not once a quarter
  * of the queue would be unretired, not when the tick asked for a signal,
@@ -380,40 +465,62 @@ static bool chain_quiet(const struct bex__engine *e)
     return e->tail - e->head < e->quiet_max && !e->sig_force;
 }
 
-void bex__engine_post_pending(struct bex__engine *e)
+/* ibv_post_send refused the chain from bad on (rc): the signaled counter
+ * recounted up to bad (signaled: what was counted), the chain lost, the
+ * engine failed. Out of line (post_chain is inlined). */
+__attribute__((noinline, cold)) static void post_failed(struct bex__engine *e, int rc,
+                                                        struct ibv_send_wr *first,
+                                                        struct ibv_send_wr *bad, uint64_t signaled)
+{
+    uint64_t now = 0;
+    for (struct ibv_send_wr *w = first; w && w != bad; w = w->next)
+        now += (w->send_flags & IBV_SEND_SIGNALED) != 0;
+    BEX__STAT_ADD(e->stats, signaled, now - signaled); /* fewer: modulo 2^64 */
+    bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_send: %s", e->name,
+             bex_strerror(bex__rdma_err(rc)));
+    /* nothing was posted from bad on: treat the chain as lost */
+    e->post = e->tail;
+    bex__engine_fail_now(e, bex__rdma_err(rc));
+}
+
+/* bex__engine_post_pending's work, inlined in bex__engine_progress (once a
+ * message) */
+__attribute__((always_inline)) static inline void post_chain(struct bex__engine *e)
 {
     if (e->post == e->tail)
         return;
     /* what is posted may carry the credits of receives still staged */
     if (e->sh->srq && !bex__srq_flushed(e->sh->srq, e->srq_wait))
         bex__srq_flush(e->sh->srq);
-    /* one pass, each slot looked up once: its link, its bytes, whether the
-     * chain may go quiet and whether it takes a peer's receive */
+    /* one pass, each slot looked up once: its link and its bytes (a lone
+     * request, no loop); whether the chain may go quiet was summed as its
+     * requests were prepared (chain_loud: one of them reads the caller's
+     * memory after posting, or is no SEND, or closes a stream), and the
+     * peer's receives they take were noted then (spend_credit) */
     struct sslot *first = sslot_at(e, e->post), *s = first;
-    bool consumes = false, quiet = chain_quiet(e);
-    uint32_t bytes = 0;
-    for (uint32_t c = e->post + 1;; c++) {
-        bytes += s->bytes;
-        quiet = quiet && wr_quiet(s);
-        consumes |= wr_consumes(&s->wr);
-        if (c == e->tail)
-            break;
+    uint32_t bytes = first->bytes;
+    for (uint32_t c = e->post + 1; c != e->tail; c++) {
         struct sslot *next = sslot_at(e, c);
         s->wr.next = &next->wr;
         s = next;
+        bytes += s->bytes;
     }
     s->wr.next = NULL;
-    /* slot_take cleared the flags; prep_data may have set INLINE */
+    assert(chain_loud_holds(e));
+    bool quiet = !e->chain_loud && chain_quiet(e);
+    e->chain_loud = false;
+    /* slot_take cleared the flags; prep_data may have set INLINE. Only
+     * the chain's last request is ever signaled (recounted up to bad on
+     * failure, so that the counter shows the signaling policy) */
+    uint64_t signaled = 0;
     if (!quiet) {
         s->wr.send_flags |= IBV_SEND_SIGNALED;
         bex__engine_wnd_posted(e, s, bytes);
         e->sig_end = e->tail;
         e->sig_force = false;
+        signaled = 1;
+        BEX__STAT_ADD(e->stats, signaled, 1);
     }
-    /* counted from the flags of what is posted, so that the counter shows
-     * the signaling policy (recounted up to bad on failure): only the
-     * chain's last request is ever signaled */
-    uint64_t signaled = (s->wr.send_flags & IBV_SEND_SIGNALED) != 0;
     struct ibv_send_wr *bad = NULL;
     /* counted before the call, as its work requests were when prepared:
      * rxe's ibv_post_send is a system call that may take milliseconds in a
@@ -421,26 +528,9 @@ void bex__engine_post_pending(struct bex__engine *e)
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
     BEX__STAT_ADD(e->stats, post_send_calls, 1);
-    BEX__STAT_ADD(e->stats, signaled, signaled);
     int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
     if (rc) {
-        uint64_t was = signaled;
-        signaled = 0;
-        consumes = false;
-        for (struct ibv_send_wr *w = &first->wr; w && w != bad; w = w->next) {
-            signaled += (w->send_flags & IBV_SEND_SIGNALED) != 0;
-            consumes |= wr_consumes(w);
-        }
-        BEX__STAT_ADD(e->stats, signaled, signaled - was); /* fewer: modulo 2^64 */
-    }
-    if (consumes)
-        e->peer_hears = true;
-    if (rc) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_send: %s", e->name,
-                 bex_strerror(bex__rdma_err(rc)));
-        /* nothing was posted from bad on: treat the chain as lost */
-        e->post = e->tail;
-        bex__engine_fail_now(e, bex__rdma_err(rc));
+        post_failed(e, rc, &first->wr, bad, signaled);
         return;
     }
     /* rxe takes a window's current key from mw->rkey when the next bind is
@@ -450,6 +540,11 @@ void bex__engine_post_pending(struct bex__engine *e)
             if (e->ss[c % e->sq].wr.opcode == IBV_WR_BIND_MW)
                 e->ss[c % e->sq].wr.bind_mw.mw->rkey = e->ss[c % e->sq].wr.bind_mw.rkey;
     e->post = e->tail;
+}
+
+void bex__engine_post_pending(struct bex__engine *e)
+{
+    post_chain(e);
 }
 
 /* Receives consumed and handled (unposted, with a fresh buffer) give their
@@ -638,7 +733,7 @@ bool bex__engine_progress(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
-    uint32_t before = e->post; /* what bex__engine_turn_now prepared goes now too */
+    uint32_t before = e->post; /* what bex__engine_send prepared goes now too */
     /* window binds and revocations: ahead of the answers that name them,
      * and alone (see wops_hold) */
     if ((e->wq_n || e->wop_busy) && bex__engine_wops_hold(e))
@@ -650,7 +745,7 @@ bool bex__engine_progress(struct bex__engine *e)
     if (!bex__engine_return_owed(e))
         return e->tail != before;
     /* what waits in the queues: none when a lone stream's message was
-     * prepared by bex__engine_turn_now (no call then) */
+     * prepared by bex__engine_send (no call then) */
     if (e->ctl_n | e->rel_n | e->streams.ring_n)
         progress_queues(e);
     /* credits nobody carried: an explicit update once half the queue waits,
@@ -661,8 +756,7 @@ bool bex__engine_progress(struct bex__engine *e)
     acks_settle(e);
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
         e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
-    if (e->post != e->tail)
-        bex__engine_post_pending(e);
+    post_chain(e);       /* (returns at once when nothing is prepared) */
     /* (the checks ahead of the calls: a message's progress without window
      * mode or a keepalive due pays no call for them) */
     if (e->sh->windows && bex__engine_spare_fill(e))

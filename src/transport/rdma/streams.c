@@ -107,30 +107,6 @@ bool bex__engine_takes(const struct bex__stream *st)
     return e && bex__stream_open(st) && e->state != E_DEAD;
 }
 
-void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
-{
-    struct bex__engine *e = st->eng;
-    m->next = NULL;
-    m->st = st;
-    m->off = 0;
-    m->rndv_id = 0;
-    m->rndv_asked = false;
-    m->peer_slot = false;
-    m->status = 0;
-    if (!bex__engine_takes(st)) {
-        m->state = BEX__M_QUEUED;
-        if (e)
-            bex__engine_msg_done(e, m, ST_UNSENT);
-        return;
-    }
-    m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
-    bex__stream_enqueue(st, m);
-    /* no other stream waits: its turn now (the next progress posts it) */
-    if (!e->streams.ring_n && bex__engine_turn_now(e, st, m))
-        return;
-    bex__stream_ring_add(&e->streams, st);
-}
-
 void bex__engine_close_stream(struct bex__stream *st)
 {
     if (!st->eng || bex__stream_move(st, BEX__SE_CLOSE) <= 0)
