@@ -164,8 +164,9 @@ void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t 
  * m->lkey is the caller's: buf's region's lkey (bex_mem_mr), looked up once
  * when the message was accepted, not again here. */
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m);
-/* Whether bex__engine_send(st, m) would queue m (not hand it back at once). */
-bool bex__engine_takes(const struct bex__stream *st);
+/* bex__engine_send(st, m) when that would queue m, not hand it back at
+ * once: NULL; else m, untouched (the transport's send_now). */
+struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m);
 /* Close a stream: its queue is sent, then CLOSE; on_stream_closed once the
  * peer's CLOSE has arrived too. Works before the engine is up. */
 void bex__engine_close_stream(struct bex__stream *st);

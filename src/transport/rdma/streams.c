@@ -101,15 +101,15 @@ void bex__engine_finish_stream(struct bex__engine *e, struct bex__stream *st)
     e->ops->on_stream_closed(&e->x, st);
 }
 
-bool bex__engine_takes(const struct bex__stream *st)
+/* Whether bex__engine_send(st, m) would queue m (not hand it back at once). */
+static inline bool engine_takes(const struct bex__stream *st)
 {
     const struct bex__engine *e = st->eng;
     return e && bex__stream_open(st) && e->state != E_DEAD;
 }
 
-void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
+static inline void engine_msg_init(struct bex__stream *st, struct bex__msg *m)
 {
-    struct bex__engine *e = st->eng;
     m->next = NULL;
     m->st = st;
     m->off = 0;
@@ -117,18 +117,40 @@ void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
     m->rndv_asked = false;
     m->peer_slot = false;
     m->status = 0;
-    if (!bex__engine_takes(st)) {
-        m->state = BEX__M_QUEUED;
-        if (e)
-            bex__engine_msg_done(e, m, ST_UNSENT);
-        return;
-    }
+}
+
+/* m (which engine_takes let through) queued on st, its turn taken */
+static inline void engine_send_taken(struct bex__engine *e, struct bex__stream *st,
+                                     struct bex__msg *m)
+{
     m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
     bex__stream_enqueue(st, m);
     /* no other stream waits: its turn now (the next progress posts it) */
     if (!e->streams.ring_n && bex__engine_turn_now(e, st, m))
         return;
     bex__stream_ring_add(&e->streams, st);
+}
+
+struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
+{
+    if (!engine_takes(st))
+        return m;
+    engine_msg_init(st, m);
+    engine_send_taken(st->eng, st, m);
+    return NULL;
+}
+
+void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    engine_msg_init(st, m);
+    if (!engine_takes(st)) {
+        m->state = BEX__M_QUEUED;
+        if (e)
+            bex__engine_msg_done(e, m, ST_UNSENT);
+        return;
+    }
+    engine_send_taken(e, st, m);
 }
 
 void bex__engine_close_stream(struct bex__stream *st)
