@@ -95,6 +95,10 @@ _Static_assert(offsetof(struct bex__mem_chunk, mr) == BEX__MEM_LOOKUP_MR_OFF &&
                    offsetof(struct bex__mem_chunk, pool) ==
                        BEX__MEM_LOOKUP_MR_OFF + sizeof(bex_mem_region),
                "mem/lookup.h reads a chunk's region and pool at these offsets");
+_Static_assert(BEX__MEM_LOOKUP_COLOURS == BEX__MEM_COLOURS &&
+                   BEX__MEM_LOOKUP_COLOUR_STEP == BEX__MEM_COLOUR_STEP &&
+                   BEX__MEM_HUGE_HDR < BEX__MEM_CHUNK_SIZE,
+               "mem/lookup.h's bex__mem_block_mr finds a header as bex__mem_chunk_of does");
 _Atomic size_t bex__mem_huge_multi;
 
 /* Install the table's second level i1 (mapped on first use): it, or

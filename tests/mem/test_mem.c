@@ -12,6 +12,7 @@
 #include "bex/mem.h"
 #include "harness.h"
 #include "mem/internal.h"
+#include "mem/lookup.h"
 
 /* ---- fake registrar -------------------------------------------------------- */
 
@@ -115,6 +116,7 @@ static void check_buf(struct fake *f, bex_mem_pool *pool, void *p, size_t size)
     CHECK((char *)p >= lo && (char *)p + us <= hi);
     CHECK(bex_mem_mr((char *)p + us - 1) == mr);
     CHECK(bex_mem_mr((char *)p + us / 2) == mr);
+    CHECK(bex__mem_block_mr(p) == mr); /* the engine's inline lookup of a block */
     CHECK(bex_mem_pool_of(p) == pool);
     if (f) {
         struct fake_region *r = mr->handle;
