@@ -143,7 +143,8 @@ struct bex_sock {
     _Atomic int state;
     _Atomic bool closing;     /* bex_sock_close was called */
     _Atomic uint32_t eng_id;  /* 0 until attached to an engine */
-    _Atomic uint32_t max_msg; /* the peer's max_msg once its engine is up, else 0 */
+    _Atomic uint32_t max_msg; /* the peer's max_msg once its engine is up, else
+                                 UINT32_MAX (bex__sock_peer_limit) */
     uint32_t id;
     uint32_t pending;         /* messages handed to bex, not yet reported */
     enum bex__sock_life life; /* I/O thread only: bex__sock_move */
@@ -223,6 +224,13 @@ static inline bool bex__sock_dead(const struct bex_sock *s)
 static inline bool bex__sock_app_closed(const struct bex_sock *s)
 {
     return s->life & SK_BIT_CLOSED;
+}
+
+/* What s->max_msg holds for a peer's max_msg: it, or while it is not known
+ * (0) no limit, so that a send compares its length alone (issue 25 item 2). */
+static inline uint32_t bex__sock_peer_limit(uint32_t peer_max_msg)
+{
+    return peer_max_msg ? peer_max_msg : UINT32_MAX;
 }
 
 /* Whether pool is one of s's context's (its send, receive or landing pool). */

@@ -760,6 +760,7 @@ int bex_sock_connect_opts(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops
     s->mode = mode;
     atomic_init(&s->state, S_CONNECTING);
     atomic_init(&s->closing, false);
+    atomic_init(&s->max_msg, bex__sock_peer_limit(0));
     *out = s;
     bex__io_push(io, &s->connect_cmd, CMD_CONNECT);
     return 0;
@@ -929,7 +930,7 @@ static inline __attribute__((always_inline)) int submit(bex_sock *s, void *buf, 
     /* the peer's limit, once known (sends queued before are checked by the
      * engine); a direct write goes to a buffer the peer sized itself */
     uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
-    if (!rb && peer_max && len > peer_max)
+    if (!rb && len > peer_max)
         return -EMSGSIZE;
     if (req)
         return submit_fill(s, (struct sock_msg *)(void *)req, buf, len, msg_user, lkey, rb, true,
@@ -968,7 +969,7 @@ static int gather_check(bex_sock *s, const struct iovec *iov, unsigned iovcnt, s
         *total += iov[i].iov_len;
     }
     uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
-    if (*total > INT32_MAX || (peer_max && *total > peer_max))
+    if (*total > INT32_MAX || *total > peer_max)
         return -EMSGSIZE;
     return 0;
 }
