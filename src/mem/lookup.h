@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* bemalloc's pointer-to-chunk lookup for the rest of the library: region
- * and pool of a buffer in one go (bex_mem_mr + bex_mem_pool_of each find
- * the chunk header again). */
+/* bemalloc's shortcuts for the rest of the library's per-message paths:
+ * region and pool of a buffer in one go (bex_mem_mr + bex_mem_pool_of each
+ * find the chunk header again), a block's region inline, and an
+ * allocation that says its usable size. */
 #ifndef BEX_MEM_LOOKUP_H
 #define BEX_MEM_LOOKUP_H
 
@@ -67,5 +68,10 @@ static inline const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_poo
     *pool = *(bex_mem_pool *const *)(const void *)(mr + 1);
     return mr;
 }
+
+/* bex_mem_alloc(pool, size), and when it returns a block its usable size
+ * (bex_mem_usable_size) in *usable (not NULL): one call where a received
+ * message's buffer took two (heap.c). */
+void *bex__mem_alloc_usable(bex_mem_pool *pool, size_t size, size_t *usable);
 
 #endif

@@ -232,6 +232,18 @@ static int sizes_covered(void)
         CHECK(verify(p[i], bex_mem_usable_size(p[i]), (uint32_t)i));
         bex_mem_free(p[i]);
     }
+    /* bex__mem_alloc_usable (TCP's received buffers) says what
+     * bex_mem_usable_size says: at every boundary size, a block from the
+     * bin each second time (its first call may refill the bin) */
+    for (size_t i = 0; i < NSIZES; i++) {
+        for (int k = 0; k < 2; k++) {
+            size_t u = 0;
+            void *q = bex__mem_alloc_usable(pool, boundary_sizes[i], &u);
+            check_buf(f, pool, q, boundary_sizes[i]);
+            CHECK_EQ(u, bex_mem_usable_size(q));
+            bex_mem_free(q);
+        }
+    }
     bex_mem_free(NULL);
     CHECK_EQ(bex_mem_usable_size(NULL), 0);
     finish(pool, f);
