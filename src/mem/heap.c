@@ -14,6 +14,7 @@
 
 #include "common/cfg.h"
 #include "mem/internal.h"
+#include "mem/lookup.h"
 
 /* Slow paths stay out of line, so the fast paths need no stack frame. */
 #define BEX__MEM_SLOW __attribute__((noinline, cold))
@@ -68,8 +69,21 @@ static inline void add_delta(struct bex__mem_heap *h, int64_t d)
 
 static inline void bin_count_add(struct bex__mem_bin *b, uint32_t d)
 {
-    atomic_store_explicit(&b->count, atomic_load_explicit(&b->count, memory_order_relaxed) + d,
+    atomic_store_explicit(&b->count,
+                          (uint16_t)(atomic_load_explicit(&b->count, memory_order_relaxed) + d),
                           memory_order_relaxed);
+}
+
+/* h's bin of class c, for the fast paths. The empty asm hides how b was
+ * made, so that the bin's count (an _Atomic member) is reached from b: GCC
+ * otherwise computes its address again from h and c, apart from the list's
+ * (four instructions for a relaxed load and store that are plain moves,
+ * issue 25 item 2). */
+static inline struct bex__mem_bin *bin_at(struct bex__mem_heap *h, unsigned c)
+{
+    struct bex__mem_bin *b = &h->bins[c];
+    __asm__("" : "+r"(b));
+    return b;
 }
 
 static void maybe_flush(struct bex__mem_heap *h, bool all)
@@ -378,7 +392,7 @@ static void bin_fill(struct bex__mem_heap *h, struct bex__mem_bin *b, struct bex
     uint32_t want = b->limit / 2 ? b->limit / 2 : 1;
     if (s->nfree <= want) {
         b->list = s->free;
-        atomic_store_explicit(&b->count, s->nfree, memory_order_relaxed);
+        atomic_store_explicit(&b->count, (uint16_t)s->nfree, memory_order_relaxed);
         add_delta(h, (int64_t)s->nfree * s->block_size);
         s->used += s->nfree;
         s->free = NULL;
@@ -394,7 +408,7 @@ static void bin_fill(struct bex__mem_heap *h, struct bex__mem_bin *b, struct bex
     s->used += want;
     add_delta(h, (int64_t)want * s->block_size);
     b->list = first;
-    atomic_store_explicit(&b->count, want, memory_order_relaxed);
+    atomic_store_explicit(&b->count, (uint16_t)want, memory_order_relaxed);
 }
 
 /* Carve never-used blocks of run s straight into the bin, about a page at
@@ -415,7 +429,7 @@ static bool bin_carve(struct bex__mem_heap *h, struct bex__mem_bin *b, struct be
         *(void **)(base + (size_t)i * bs) = base + (size_t)(i + 1) * bs;
     *(void **)(base + (size_t)(n - 1) * bs) = NULL;
     b->list = base;
-    atomic_store_explicit(&b->count, n, memory_order_relaxed);
+    atomic_store_explicit(&b->count, (uint16_t)n, memory_order_relaxed);
     s->bump += n * bs;
     s->used += n;
     add_delta(h, (int64_t)n * bs);
@@ -449,7 +463,7 @@ static struct bex__mem_span *span_new(struct bex__mem_heap *h, unsigned c)
     }
     struct bex__mem_chunk *ch = bex__mem_chunk_of(s);
     for (unsigned j = 0, i = (unsigned)(s - ch->spans); j < n; j++)
-        ch->fast[i + j] = (struct bex__mem_fast){h, c};
+        ch->fast[i + j] = (struct bex__mem_fast){h, &h->bins[c]};
     return s;
 }
 
@@ -517,8 +531,7 @@ BEX__MEM_SLOW static void *medium_alloc(struct bex__mem_heap *h, size_t size)
     s->kind = BEX__MEM_MEDIUM;
     s->cls = BEX__MEM_NO_CLASS;
     s->heap = h;
-    bex__mem_chunk_of(s)->fast[s - bex__mem_chunk_of(s)->spans] =
-        (struct bex__mem_fast){h, BEX__MEM_NO_CLASS};
+    bex__mem_chunk_of(s)->fast[s - bex__mem_chunk_of(s)->spans] = (struct bex__mem_fast){h, NULL};
     s->block_size = (uint32_t)n << BEX__MEM_SPAN_SHIFT;
     s->capacity = 1;
     s->used = 1;
@@ -749,7 +762,7 @@ void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
     struct bex__mem_heap *h = tl.heap;
     if (BEX__MEM_LIKELY(size <= BEX__MEM_SMALL_MAX)) {
         unsigned c = bex__mem_class_of(size);
-        struct bex__mem_bin *b = &h->bins[c];
+        struct bex__mem_bin *b = bin_at(h, c);
         void *p = b->list;
         if (BEX__MEM_LIKELY(p != NULL)) {
             b->list = *(void **)p;
@@ -761,6 +774,34 @@ void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
     if (size <= BEX__MEM_MEDIUM_MAX)
         return medium_alloc(h, size);
     return bex__mem_huge_alloc(pool, size);
+}
+
+/* bex__mem_alloc_usable's every case but a hit in the cached pool's bin */
+BEX__MEM_SLOW static void *alloc_usable_slow(bex_mem_pool *pool, size_t size, size_t *usable)
+{
+    void *p = bex_mem_alloc(pool, size);
+    if (p)
+        *usable = bex_mem_usable_size(p);
+    return p;
+}
+
+/* A small block's usable size is its class's, known here
+ * (bex_mem_usable_size after the allocation was some 24 instructions a
+ * message over TCP, issue 25 item 2); the rest is a tail call. */
+void *bex__mem_alloc_usable(bex_mem_pool *pool, size_t size, size_t *usable)
+{
+    if (BEX__MEM_LIKELY(pool && tl.pool_id == pool->id && size <= BEX__MEM_SMALL_MAX)) {
+        unsigned c = bex__mem_class_of(size);
+        struct bex__mem_bin *b = bin_at(tl.heap, c);
+        void *p = b->list;
+        if (BEX__MEM_LIKELY(p != NULL)) {
+            b->list = *(void **)p;
+            bin_count_add(b, (uint32_t)-1);
+            *usable = bex__mem_class_size[c];
+            return p;
+        }
+    }
+    return alloc_usable_slow(pool, size, usable);
 }
 
 BEX__MEM_SLOW static void free_remote(struct bex__mem_span *s, void *p)
@@ -815,18 +856,17 @@ void bex_mem_free(void *ptr)
 {
     if (!ptr)
         return;
-    /* heap and class of the span holding the block (head or tail alike) */
+    /* heap and bin of the span holding the block (head or tail alike) */
     const struct bex__mem_fast *f = &bex__mem_chunk_of(ptr)->fast[bex__mem_span_index(ptr)];
     struct bex__mem_heap *h = f->heap;
-    unsigned c = (unsigned)f->cls;
-    if (BEX__MEM_LIKELY(c != BEX__MEM_NO_CLASS &&
+    struct bex__mem_bin *b = f->bin;
+    if (BEX__MEM_LIKELY(b != NULL &&
                         atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
-        struct bex__mem_bin *b = &h->bins[c];
         *(void **)ptr = b->list;
         b->list = ptr;
-        uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed) + 1;
-        atomic_store_explicit(&b->count, n, memory_order_relaxed);
-        if (BEX__MEM_UNLIKELY(n > b->limit))
+        uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed); /* before */
+        atomic_store_explicit(&b->count, (uint16_t)(n + 1), memory_order_relaxed);
+        if (BEX__MEM_UNLIKELY(n >= b->limit)) /* n + 1 > limit */
             bin_spill(h, b);
         return;
     }
@@ -851,8 +891,8 @@ size_t bex_mem_usable_size(const void *ptr)
      * (the run's head descriptor and its kind were some 12 instructions
      * more a received message, issue 25 item 2) */
     const struct bex__mem_fast *f = &bex__mem_chunk_of(ptr)->fast[bex__mem_span_index(ptr)];
-    if (BEX__MEM_LIKELY(f->cls != BEX__MEM_NO_CLASS))
-        return bex__mem_class_size[f->cls];
+    if (BEX__MEM_LIKELY(f->bin != NULL))
+        return bex__mem_class_size[f->bin->cls];
     struct bex__mem_span *s = bex__mem_span_of(ptr);
     switch (s->kind) {
     case BEX__MEM_SMALL:

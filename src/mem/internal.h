@@ -104,12 +104,17 @@ struct bex__mem_span {
     struct bex__mem_span *xnext; /* link in heap->xspans, written by the queuer */
 };
 
+struct bex__mem_bin;
+
 /* What the free fast path needs of a span, packed four to a cache line so
  * the lookups of a large working set stay in L1 (the descriptors are two
- * lines each). Kept equal to the descriptor's heap and cls. */
+ * lines each). Kept equal to the descriptor's heap and, for a small run,
+ * the heap's bin of its cls (NULL if the span is not small): the free
+ * pushes there without working out the bin from the class (issue 25 item
+ * 2). */
 struct bex__mem_fast {
     struct bex__mem_heap *heap;
-    uintptr_t cls;
+    struct bex__mem_bin *bin;
 };
 
 struct bex__mem_chunk {
@@ -164,7 +169,9 @@ struct bex__mem_land {
 
 struct bex__mem_bin {
     void *list;
-    _Atomic uint32_t count; /* owner-only writes (load + store); stats read it */
+    _Atomic uint16_t count; /* owner-only writes (load + store); stats read it;
+                               at most limit + 1 */
+    uint16_t cls;           /* its class (bex_mem_usable_size from a span's bin) */
     uint32_t limit;
 };
 

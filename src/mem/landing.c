@@ -81,12 +81,12 @@ static struct bex__mem_chunk *chunk_new(bex_mem_pool *pool)
     c->spans[0].kind = BEX__MEM_HUGE;
     c->spans[0].cls = BEX__MEM_NO_CLASS;
     c->spans[0].heap = &bex__mem_ownerless_heap;
-    c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
+    c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, NULL};
     for (unsigned i = 1; i < BEX__MEM_SPANS; i++) {
         c->spans[i].kind = BEX__MEM_LANDING;
         c->spans[i].cls = BEX__MEM_NO_CLASS;
         c->spans[i].heap = &bex__mem_ownerless_heap;
-        c->fast[i] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
+        c->fast[i] = (struct bex__mem_fast){&bex__mem_ownerless_heap, NULL};
     }
     struct bex__mem_land *l = (struct bex__mem_land *)(((uintptr_t)(c + 1) + 63) & ~(uintptr_t)63);
     memset(l, 0, sizeof(*l));

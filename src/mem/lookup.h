@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* bemalloc's pointer-to-chunk lookup for the rest of the library: region
- * and pool of a buffer in one go (bex_mem_mr + bex_mem_pool_of each find
- * the chunk header again). */
+/* bemalloc's shortcuts for the rest of the library's per-message paths:
+ * region and pool of a buffer in one go (bex_mem_mr + bex_mem_pool_of each
+ * find the chunk header again), a block's region inline, and an
+ * allocation that says its usable size. */
 #ifndef BEX_MEM_LOOKUP_H
 #define BEX_MEM_LOOKUP_H
 
@@ -22,6 +23,24 @@ struct bex__mem_chunk;
 /* offsetof(struct bex__mem_chunk, mr); pool right after it */
 #define BEX__MEM_LOOKUP_MR_OFF 9216
 extern _Atomic(_Atomic(struct bex__mem_chunk *) *) bex__mem_huge_l1[1u << BEX__MEM_LOOKUP_L1];
+/* a header's cache colour (BEX__MEM_COLOURS, BEX__MEM_COLOUR_STEP) */
+#define BEX__MEM_LOOKUP_COLOURS     32
+#define BEX__MEM_LOOKUP_COLOUR_STEP 512
+
+/* bex_mem_mr(block) for a block's first byte (a pointer bex_mem_alloc
+ * returned, of any pool and size): the header of the mapping it lies in is
+ * the one at the start of its 4 MiB slot, a huge mapping's too (its data
+ * starts within its first slot; only pointers further into a huge mapping
+ * longer than a chunk need bex_mem_mr's table). Inline and without checks:
+ * the engine asks it of every fresh receive buffer (bex_mem_mr's call was
+ * some 15 instructions a message, issue 25 item 2). */
+static inline const bex_mem_region *bex__mem_block_mr(const void *block)
+{
+    uintptr_t base = (uintptr_t)block & ~(((uintptr_t)1 << BEX__MEM_LOOKUP_SHIFT) - 1);
+    uintptr_t colour = (base >> BEX__MEM_LOOKUP_SHIFT) & (BEX__MEM_LOOKUP_COLOURS - 1);
+    return (const bex_mem_region *)(base + colour * BEX__MEM_LOOKUP_COLOUR_STEP +
+                                    BEX__MEM_LOOKUP_MR_OFF);
+}
 
 /* The registered region of the mapping holding ptr, and in *pool the pool
  * it belongs to; NULL (and *pool NULL) when no pool mapped memory at ptr
@@ -49,5 +68,10 @@ static inline const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_poo
     *pool = *(bex_mem_pool *const *)(const void *)(mr + 1);
     return mr;
 }
+
+/* bex_mem_alloc(pool, size), and when it returns a block its usable size
+ * (bex_mem_usable_size) in *usable (not NULL): one call where a received
+ * message's buffer took two (heap.c). */
+void *bex__mem_alloc_usable(bex_mem_pool *pool, size_t size, size_t *usable);
 
 #endif

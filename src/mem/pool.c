@@ -95,6 +95,10 @@ _Static_assert(offsetof(struct bex__mem_chunk, mr) == BEX__MEM_LOOKUP_MR_OFF &&
                    offsetof(struct bex__mem_chunk, pool) ==
                        BEX__MEM_LOOKUP_MR_OFF + sizeof(bex_mem_region),
                "mem/lookup.h reads a chunk's region and pool at these offsets");
+_Static_assert(BEX__MEM_LOOKUP_COLOURS == BEX__MEM_COLOURS &&
+                   BEX__MEM_LOOKUP_COLOUR_STEP == BEX__MEM_COLOUR_STEP &&
+                   BEX__MEM_HUGE_HDR < BEX__MEM_CHUNK_SIZE,
+               "mem/lookup.h's bex__mem_block_mr finds a header as bex__mem_chunk_of does");
 _Atomic size_t bex__mem_huge_multi;
 
 /* Install the table's second level i1 (mapped on first use): it, or
@@ -260,7 +264,7 @@ static struct bex__mem_chunk *chunk_new(bex_mem_pool *pool)
     c->spans[0].kind = BEX__MEM_HUGE;
     c->spans[0].cls = BEX__MEM_NO_CLASS;
     c->spans[0].heap = &bex__mem_ownerless_heap;
-    c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
+    c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, NULL};
     pthread_mutex_lock(&pool->lock);
     bex__mem_pool_chunk_link(pool, c);
     pthread_mutex_unlock(&pool->lock);
@@ -395,7 +399,7 @@ void *bex__mem_huge_alloc(bex_mem_pool *pool, size_t size)
         s->kind = BEX__MEM_HUGE;
         s->cls = BEX__MEM_NO_CLASS;
         s->heap = &bex__mem_ownerless_heap;
-        c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, BEX__MEM_NO_CLASS};
+        c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, NULL};
         s->span_count = 1;
         pthread_mutex_lock(&pool->lock);
         bex__list_push_head(&pool->huge_live, &c->link);
@@ -454,6 +458,7 @@ struct bex__mem_heap *bex__mem_pool_heap_adopt(bex_mem_pool *pool)
     for (unsigned c = 0; c < BEX__MEM_NCLS; c++) {
         uint32_t lim = BEX__MEM_BIN_BYTES / bex__mem_class_size[c];
         h->bins[c].limit = lim < 16 ? 16 : lim > 1024 ? 1024 : lim;
+        h->bins[c].cls = (uint16_t)c;
         h->active[c] = &bex__mem_empty_span;
     }
     for (unsigned k = 0; k < BEX__MEM_SPANS; k++)

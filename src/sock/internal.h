@@ -143,7 +143,8 @@ struct bex_sock {
     _Atomic int state;
     _Atomic bool closing;     /* bex_sock_close was called */
     _Atomic uint32_t eng_id;  /* 0 until attached to an engine */
-    _Atomic uint32_t max_msg; /* the peer's max_msg once its engine is up, else 0 */
+    _Atomic uint32_t max_msg; /* the peer's max_msg once its engine is up, else
+                                 UINT32_MAX (bex__sock_peer_limit) */
     uint32_t id;
     uint32_t pending;         /* messages handed to bex, not yet reported */
     enum bex__sock_life life; /* I/O thread only: bex__sock_move */
@@ -225,6 +226,13 @@ static inline bool bex__sock_app_closed(const struct bex_sock *s)
     return s->life & SK_BIT_CLOSED;
 }
 
+/* What s->max_msg holds for a peer's max_msg: it, or while it is not known
+ * (0) no limit, so that a send compares its length alone (issue 25 item 2). */
+static inline uint32_t bex__sock_peer_limit(uint32_t peer_max_msg)
+{
+    return peer_max_msg ? peer_max_msg : UINT32_MAX;
+}
+
 /* Whether pool is one of s's context's (its send, receive or landing pool). */
 static inline bool bex__sock_pool_ours(const bex_sock *s, const bex_mem_pool *pool)
 {
@@ -284,31 +292,48 @@ static inline void bex__sock_to_transport(struct bex_sock *s, struct sock_msg *w
     s->conn->x->ops->send(s->conn->x, &s->st, &w->m);
 }
 
-/* A send on the socket's own I/O thread (from a callback) goes straight
- * to its transport instead of through the command queue, when nothing can
+/* A send on the socket's own I/O thread (from a callback) may go straight
+ * to its transport instead of through the command queue when nothing can
  * be ahead of it: no command waits in the queue or is being run (an
  * earlier send, close or bind of this thread, or one another thread issued
- * before it), the socket's stream is attached, and the transport takes the
- * message without handing it back at once (so that no on_send_done runs
- * inside bex_sock_send). False: queue it as any other thread would.
- * Inline, as bex__sock_to_transport: a callback's send pays no call. */
-static inline bool bex__io_send_ok(struct sock_msg *w)
+ * before it), and the socket's stream is attached. The transport's
+ * send_now then takes the message, or hands it back untouched (it would
+ * report on_send_done at once, inside bex_sock_send): queue it then as any
+ * other thread would. Inline: a callback's send pays no call. */
+static inline bool bex__io_direct_ok(const struct bex_sock *s)
 {
-    struct bex_sock *s = w->s;
-    struct bex__io *io = s->io;
-    if (io->draining || atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) || s->waiting ||
-        (s->life & (SK_BIT_ATTACHED | SK_BIT_DEAD)) != SK_BIT_ATTACHED)
-        return false;
+    const struct bex__io *io = s->io;
+    return !io->draining && !atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) &&
+           !s->waiting && (s->life & (SK_BIT_ATTACHED | SK_BIT_DEAD)) == SK_BIT_ATTACHED;
+}
+/* w to its socket's transport by send_now, counted as bex__sock_to_transport
+ * counts a send (the connection marked first, harmless should the send be
+ * refused) and in direct_sends: NULL, or w's message, refused, with those
+ * counts taken back (bex__io_direct_refused). */
+static inline struct bex__msg *bex__io_send_direct(struct bex_sock *s, struct sock_msg *w)
+{
+    s->pending++;
+    BEX__STAT_ADD(s->io, direct_sends, 1);
+    bex__conn_ready(s->conn);
     struct bex__xport *x = s->conn->x;
-    return x->ops->takes && x->ops->takes(x, &s->st, &w->m);
+    return x->ops->send_now(x, &s->st, &w->m);
+}
+/* bex__io_send_direct's refusal of m: its counts taken back. */
+static inline struct sock_msg *bex__io_direct_refused(struct bex__msg *m)
+{
+    struct sock_msg *w = bex__container_of(m, struct sock_msg, m);
+    w->s->pending--;
+    BEX__STAT_ADD(w->s->io, direct_sends, (uint64_t)-1);
+    return w;
 }
 static inline bool bex__io_send_now(struct sock_msg *w)
 {
-    if (!bex__io_send_ok(w))
+    if (!bex__io_direct_ok(w->s))
         return false;
-    BEX__STAT_ADD(w->s->io, direct_sends, 1);
-    bex__sock_to_transport(w->s, w);
-    return true;
+    struct bex__msg *back = bex__io_send_direct(w->s, w);
+    if (back)
+        bex__io_direct_refused(back);
+    return !back;
 }
 
 const char *bex__sock_state_name(int st);

@@ -45,7 +45,7 @@ static void do_connect(struct bex__io *io, struct bex_sock *s)
     bex__conn_ready(c);
     atomic_store(&s->eng_id, c->eng_id);
     if (c->x->ops->is_up(c->x)) {
-        atomic_store(&s->max_msg, c->x->ops->peer_max_msg(c->x));
+        atomic_store(&s->max_msg, bex__sock_peer_limit(c->x->ops->peer_max_msg(c->x)));
         bex__sock_set_state(s, S_OPEN);
         if (s->ops.on_connect && !bex__sock_app_closed(s))
             s->ops.on_connect(s, 0, s->user);

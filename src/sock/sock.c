@@ -760,6 +760,7 @@ int bex_sock_connect_opts(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops
     s->mode = mode;
     atomic_init(&s->state, S_CONNECTING);
     atomic_init(&s->closing, false);
+    atomic_init(&s->max_msg, bex__sock_peer_limit(0));
     *out = s;
     bex__io_push(io, &s->connect_cmd, CMD_CONNECT);
     return 0;
@@ -789,28 +790,41 @@ int bex__sock_buf_refused(bex_sock *s, void *buf, size_t len)
                        buf, len);
 }
 
-/* A filled descriptor on its way: at once to the transport from a callback
- * (bex__io_send_now), else through the command queue. Apart from submit,
- * which then keeps no registers across calls of its own on the common
- * path, and with the transport's send a tail call (issue 25 item 2). */
-static __attribute__((noinline)) void submit_go_own(bex_sock *s, struct sock_msg *w)
+/* A send the transport refused to take at once: through the command
+ * queue, which hands it back outside bex_sock_send. */
+static __attribute__((noinline, cold)) int submit_refused(struct bex__msg *m)
 {
-    if (!bex__io_send_ok(w)) {
-        bex__io_push(s->io, &w->cmd, CMD_SEND);
-        return;
-    }
-    BEX__STAT_ADD(s->io, direct_sends, 1);
-    bex__sock_to_transport(s, w); /* (a tail call) */
+    struct sock_msg *w = bex__io_direct_refused(m);
+    bex__io_push(w->s->io, &w->cmd, CMD_SEND);
+    return 0;
 }
 
-/* submit_go_own from any thread: another one's send is a command. */
-static __attribute__((noinline)) void submit_go(bex_sock *s, struct sock_msg *w)
+/* A filled descriptor on its way: at once to the transport from a callback
+ * (bex__io_send_direct), else through the command queue. Apart from
+ * submit, whose calls are then all tail calls; the transport's send_now
+ * hands a refused message back, so that nothing is kept across it and
+ * this frame saves no registers either (one call where the check, takes,
+ * and the send were two, issue 25 item 2). 0. */
+static __attribute__((noinline)) int submit_go_own(bex_sock *s, struct sock_msg *w)
+{
+    if (__builtin_expect(!bex__io_direct_ok(s), 0)) {
+        bex__io_push(s->io, &w->cmd, CMD_SEND);
+        return 0;
+    }
+    struct bex__msg *back = bex__io_send_direct(s, w);
+    if (__builtin_expect(back != NULL, 0))
+        return submit_refused(back); /* (a tail call) */
+    return 0;
+}
+
+/* submit_go_own from any thread: another one's send is a command. 0. */
+static __attribute__((noinline)) int submit_go(bex_sock *s, struct sock_msg *w)
 {
     if (bex__io_self != s->io) {
         bex__io_push(s->io, &w->cmd, CMD_SEND);
-        return;
+        return 0;
     }
-    submit_go_own(s, w); /* (a tail call) */
+    return submit_go_own(s, w); /* (a tail call) */
 }
 
 void bex__sock_msg_put_slow(struct sock_msg *w)
@@ -876,10 +890,8 @@ submit_fill(bex_sock *s, struct sock_msg *w, void *buf, size_t len, void *msg_us
         w->m.imm = rb->token;
     }
     if (own)
-        submit_go_own(s, w);
-    else
-        submit_go(s, w);
-    return 0;
+        return submit_go_own(s, w); /* (a tail call) */
+    return submit_go(s, w);
 }
 
 /* submit's descriptor when its thread's cache has none (another thread
@@ -918,7 +930,7 @@ static inline __attribute__((always_inline)) int submit(bex_sock *s, void *buf, 
     /* the peer's limit, once known (sends queued before are checked by the
      * engine); a direct write goes to a buffer the peer sized itself */
     uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
-    if (!rb && peer_max && len > peer_max)
+    if (!rb && len > peer_max)
         return -EMSGSIZE;
     if (req)
         return submit_fill(s, (struct sock_msg *)(void *)req, buf, len, msg_user, lkey, rb, true,
@@ -957,7 +969,7 @@ static int gather_check(bex_sock *s, const struct iovec *iov, unsigned iovcnt, s
         *total += iov[i].iov_len;
     }
     uint32_t peer_max = atomic_load_explicit(&s->max_msg, memory_order_relaxed);
-    if (*total > INT32_MAX || (peer_max && *total > peer_max))
+    if (*total > INT32_MAX || *total > peer_max)
         return -EMSGSIZE;
     return 0;
 }

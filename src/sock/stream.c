@@ -155,7 +155,7 @@ static void conn_up(struct conn *c, struct bex__xport *x)
 {
     struct bex__hmap_iter it = BEX__HMAP_ITER_INIT;
     for (struct bex_sock *s; (s = next_sock(c, &it));) {
-        atomic_store(&s->max_msg, x->ops->peer_max_msg(x));
+        atomic_store(&s->max_msg, bex__sock_peer_limit(x->ops->peer_max_msg(x)));
         if (atomic_load(&s->state) != S_CONNECTING)
             continue; /* open already, or failed */
         bex__sock_set_state(s, S_OPEN);
@@ -267,7 +267,7 @@ static void on_open(struct bex__xport *x, uint32_t stream)
     atomic_init(&s->state, S_OPEN);
     atomic_init(&s->closing, false);
     atomic_init(&s->user_pub, NULL);
-    atomic_init(&s->max_msg, x->ops->peer_max_msg(x));
+    atomic_init(&s->max_msg, bex__sock_peer_limit(x->ops->peer_max_msg(x)));
     if (bex__conn_stream_add(c, stream, &s->st)) {
         free(s);
         bex__conn_fail(c, -ENOMEM);

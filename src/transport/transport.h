@@ -194,11 +194,14 @@ struct bex__transport_ops {
     void (*attach)(struct bex__xport *x, struct bex__stream *st, uint32_t id, bool client);
     /* Queue a message (owned by the transport until on_send_done). */
     void (*send)(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
-    /* Whether send(st, m) now would queue m, not hand it back at once
-     * (stream failed or closing, transport dead, too large for the peer):
-     * a send straight from bex_sock_send (bex__io_send_now) must not report
-     * on_send_done inside that call. */
-    bool (*takes)(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m);
+    /* send(st, m) when that would queue m, not hand it back at once: NULL.
+     * Otherwise (stream failed or closing, transport dead, too large for
+     * the peer) m, untouched. A send straight from bex_sock_send
+     * (bex__io_send_now) must not report on_send_done inside that call: its
+     * caller queues a refused m as a command instead. One call where a
+     * check (takes) and the send were two (issue 25 item 2); the refused m
+     * is returned so that the caller keeps nothing across the call. */
+    struct bex__msg *(*send_now)(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
     /* Send the queue, then CLOSE; on_stream_closed once the peer's CLOSE
      * has arrived too. Works before the transport is up. */
     void (*close_stream)(struct bex__xport *x, struct bex__stream *st);

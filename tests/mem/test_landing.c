@@ -14,6 +14,7 @@
 #include "bex/mem.h"
 #include "harness.h"
 #include "mem/internal.h"
+#include "mem/lookup.h"
 
 #define REG_MAX 4096
 
@@ -118,6 +119,7 @@ static int layout(void)
         CHECK((char *)p[i] >= (char *)r->addr && (char *)p[i] + u <= (char *)r->addr + r->length);
         /* an interior pointer finds the same region */
         CHECK(bex_mem_mr((char *)p[i] + u - 1) == r);
+        CHECK(bex__mem_block_mr(p[i]) == r); /* the engine's inline lookup of a block */
         uintptr_t base = bex__mem_base_of(p[i]);
         if (sizes[i] <= BEX__MEM_MEDIUM_MAX) {
             CHECK_EQ((uintptr_t)r->addr, base + BEX__MEM_SPAN_SIZE);

@@ -12,6 +12,7 @@
 #include "bex/mem.h"
 #include "harness.h"
 #include "mem/internal.h"
+#include "mem/lookup.h"
 
 /* ---- fake registrar -------------------------------------------------------- */
 
@@ -115,6 +116,7 @@ static void check_buf(struct fake *f, bex_mem_pool *pool, void *p, size_t size)
     CHECK((char *)p >= lo && (char *)p + us <= hi);
     CHECK(bex_mem_mr((char *)p + us - 1) == mr);
     CHECK(bex_mem_mr((char *)p + us / 2) == mr);
+    CHECK(bex__mem_block_mr(p) == mr); /* the engine's inline lookup of a block */
     CHECK(bex_mem_pool_of(p) == pool);
     if (f) {
         struct fake_region *r = mr->handle;
@@ -229,6 +231,18 @@ static int sizes_covered(void)
     for (size_t i = 0; i < NSIZES; i++) {
         CHECK(verify(p[i], bex_mem_usable_size(p[i]), (uint32_t)i));
         bex_mem_free(p[i]);
+    }
+    /* bex__mem_alloc_usable (TCP's received buffers) says what
+     * bex_mem_usable_size says: at every boundary size, a block from the
+     * bin each second time (its first call may refill the bin) */
+    for (size_t i = 0; i < NSIZES; i++) {
+        for (int k = 0; k < 2; k++) {
+            size_t u = 0;
+            void *q = bex__mem_alloc_usable(pool, boundary_sizes[i], &u);
+            check_buf(f, pool, q, boundary_sizes[i]);
+            CHECK_EQ(u, bex_mem_usable_size(q));
+            bex_mem_free(q);
+        }
     }
     bex_mem_free(NULL);
     CHECK_EQ(bex_mem_usable_size(NULL), 0);

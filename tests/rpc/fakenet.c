@@ -14,6 +14,7 @@
 
 #include "rpc/internal.h"
 #include "sock/internal.h"
+#include "transport/stream.h"
 #include "transport/tcp/tcp.h"
 #include "engine_test.h"
 
@@ -376,10 +377,17 @@ static void x_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
     w->in->ops->send(w->in, st, m);
 }
 
-static bool x_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
+/* The inner transport (TCP) refuses what bex__tcp_send_now refuses, asked
+ * through its ops before this wrapper records anything of m: a dead
+ * transport, a stream not open, a message over the peer's limit. */
+static struct bex__msg *x_send_now(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
 {
     struct fn_x *w = of(x);
-    return w->in->ops->takes(w->in, st, m);
+    if (w->in->ops->is_dead(w->in) || !bex__stream_open(st) ||
+        (!m->direct && m->len > w->in->ops->peer_max_msg(w->in)))
+        return m;
+    x_send(x, st, m);
+    return NULL;
 }
 
 static void x_close_stream(struct bex__xport *x, struct bex__stream *st)
@@ -443,7 +451,7 @@ static const struct bex__transport_ops fn_ops = {
     .refuse_stream = x_refuse_stream,
     .attach = x_attach,
     .send = x_send,
-    .takes = x_takes,
+    .send_now = x_send_now,
     .close_stream = x_close_stream,
     .peer_closed = x_peer_closed,
     .progress = x_progress,

@@ -164,6 +164,10 @@ void bex__engine_attach(struct bex__engine *e, struct bex__stream *st, uint32_t 
  * m->lkey is the caller's: buf's region's lkey (bex_mem_mr), looked up once
  * when the message was accepted, not again here. */
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m);
+/* bex__engine_send(st, m) when that would send or queue m, not hand it
+ * back at once: NULL; else m, handed back without a report (only its st
+ * and status may be set): the transport's send_now. */
+struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m);
 /* Whether bex__engine_send(st, m) would queue m (not hand it back at once). */
 bool bex__engine_takes(const struct bex__stream *st);
 /* Close a stream: its queue is sent, then CLOSE; on_stream_closed once the

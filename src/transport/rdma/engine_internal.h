@@ -9,6 +9,7 @@
 #include <assert.h>
 #include <errno.h>
 
+#include "mem/lookup.h"
 #include "transport/rdma/engine.h"
 #include "transport/rdma/srq.h"
 #include "transport/stream.h"
@@ -366,7 +367,8 @@ static inline int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void 
 static inline void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf)
 {
     r->buf = buf;
-    r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex_mem_mr(buf)->lkey};
+    /* buf is a block's start (bex_mem_alloc's): its region inline */
+    r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex__mem_block_mr(buf)->lkey};
 }
 
 /* Receive slot idx: the engine's own, or in SRQ mode the shared queue's. */

@@ -38,11 +38,11 @@ static void rdma_send(struct bex__xport *x, struct bex__stream *st, struct bex__
     bex__engine_send(st, m);
 }
 
-static bool rdma_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
+static struct bex__msg *rdma_send_now(struct bex__xport *x, struct bex__stream *st,
+                                      struct bex__msg *m)
 {
     (void)x;
-    (void)m;
-    return bex__engine_takes(st);
+    return bex__engine_send_now(st, m);
 }
 
 static void rdma_close_stream(struct bex__xport *x, struct bex__stream *st)
@@ -99,7 +99,7 @@ const struct bex__transport_ops bex__rdma_transport = {
     .refuse_stream = rdma_refuse_stream,
     .attach = rdma_attach,
     .send = rdma_send,
-    .takes = rdma_takes,
+    .send_now = rdma_send_now,
     .close_stream = rdma_close_stream,
     .peer_closed = rdma_peer_closed,
     .progress = rdma_progress,

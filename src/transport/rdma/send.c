@@ -307,31 +307,66 @@ send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
     return true;
 }
 
-void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
+/* m's queue fields, for the queue's way or its hand-back */
+static inline void msg_queue_init(struct bex__msg *m)
 {
-    struct bex__engine *e = st->eng;
-    m->st = st;
-    m->status = 0;
-    /* nothing queued on st and no other stream waits: its turn now, not
-     * queued (send_now tests the engine's and the stream's states; what
-     * it posts reads neither the queue's link nor the fields of the
-     * rendezvous and fragments, set below for the queue's way) */
-    if (e && !st->q_head && !e->streams.ring_n && send_now(e, st, m))
-        return;
     m->next = NULL;
     m->off = 0;
     m->rndv_id = 0;
     m->rndv_asked = false;
     m->peer_slot = false;
+}
+
+/* m, for st which takes it (bex__engine_takes), queued and st in the ring */
+static inline void send_queued(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+{
+    msg_queue_init(m);
+    m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
+    bex__stream_enqueue(st, m);
+    bex__stream_ring_add(&e->streams, st);
+}
+
+/* nothing queued on st and no other stream waits: its turn now, not
+ * queued (send_now tests the engine's and the stream's states; what it
+ * posts reads neither the queue's link nor the fields of the rendezvous
+ * and fragments, which send_queued sets for the queue's way) */
+static inline bool send_lone(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+{
+    if (!e || st->q_head || e->streams.ring_n)
+        return false;
+    m->st = st;
+    m->status = 0;
+    return send_now(e, st, m);
+}
+
+void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    if (send_lone(e, st, m))
+        return;
+    m->st = st;
+    m->status = 0;
     if (!bex__engine_takes(st)) {
+        msg_queue_init(m);
         m->state = BEX__M_QUEUED;
         if (e)
             bex__engine_msg_done(e, m, ST_UNSENT);
         return;
     }
-    m->state = m->direct ? BEX__M_READY : BEX__M_QUEUED;
-    bex__stream_enqueue(st, m);
-    bex__stream_ring_add(&e->streams, st);
+    send_queued(e, st, m);
+}
+
+struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    if (send_lone(e, st, m))
+        return NULL;
+    if (!bex__engine_takes(st))
+        return m;
+    m->st = st;
+    m->status = 0;
+    send_queued(e, st, m);
+    return NULL;
 }
 
 /* A turn of st whose head m has its destination: one fragment written. */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mem/lookup.h"
 #include "transport/rdma/srq.h"
 #include "transport/thread.h"
 #include "transport/transport.h"
@@ -248,7 +249,7 @@ static int slot_fill(struct bex__srq *q, struct bex__rslot *s)
     bex__recv_allocated(q->sh, size);
     bex__recv_posted(q->sh, size);
     s->buf = b;
-    s->sge = (struct ibv_sge){(uintptr_t)b, q->rbuf_len, bex_mem_mr(b)->lkey};
+    s->sge = (struct ibv_sge){(uintptr_t)b, q->rbuf_len, bex__mem_block_mr(b)->lkey};
     return 0;
 }
 

@@ -10,6 +10,7 @@
 #include <sys/uio.h>
 
 #include "common/sys.h"
+#include "mem/lookup.h"
 #include "transport/tcp/tcp_internal.h"
 
 /* ---------------- read side ---------------- */
@@ -142,12 +143,13 @@ static bool part_buf(struct bex__tcp *t, const struct bex__hdr *h, struct part *
         return false;
     }
     p->len = h->id;
-    p->buf = bex_mem_alloc(t->sh->recv_pool, p->len ? p->len : 1);
+    size_t usable;
+    p->buf = bex__mem_alloc_usable(t->sh->recv_pool, p->len ? p->len : 1, &usable);
     if (!p->buf) {
         bex__tcp_fail(&t->x, -ENOMEM);
         return false;
     }
-    bex__recv_allocated(t->sh, (int64_t)bex_mem_usable_size(p->buf));
+    bex__recv_allocated(t->sh, (int64_t)usable);
     return true;
 }
 

@@ -31,26 +31,46 @@ void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, 
     bex__stream_attach(&tcp_of(x)->streams, st, id, client);
 }
 
-bool bex__tcp_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m)
+/* m as st's: its fields the send sets */
+static inline void tcp_msg_init(struct bex__stream *st, struct bex__msg *m)
 {
-    const struct bex__tcp *t = tcp_of(x);
-    return t->state != T_DEAD && bex__stream_open(st) &&
-           (m->direct || m->len <= t->cfg.peer_max_msg);
+    m->next = NULL;
+    m->st = st;
+    m->off = 0;
+    m->state = BEX__M_QUEUED;
+}
+
+/* Why t cannot send m on st now: -ECANCELED (dead, or the stream not
+ * open), -EMSGSIZE (over the peer's limit: queued before the peer was
+ * known), else 0. */
+static inline int tcp_refusal(const struct bex__tcp *t, const struct bex__stream *st,
+                              const struct bex__msg *m)
+{
+    if (t->state == T_DEAD || !bex__stream_open(st))
+        return -ECANCELED;
+    if (!m->direct && m->len > t->cfg.peer_max_msg)
+        return -EMSGSIZE;
+    return 0;
+}
+
+struct bex__msg *bex__tcp_send_now(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
+{
+    struct bex__tcp *t = tcp_of(x);
+    if (tcp_refusal(t, st, m))
+        return m;
+    tcp_msg_init(st, m);
+    bex__stream_enqueue(st, m);
+    bex__tcp_ring_add(t, st);
+    return NULL;
 }
 
 void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__tcp *t = tcp_of(x);
-    m->next = NULL;
-    m->st = st;
-    m->off = 0;
-    m->state = BEX__M_QUEUED;
-    if (t->state == T_DEAD || !bex__stream_open(st)) {
-        bex__tcp_done(t, m, -ECANCELED);
-        return;
-    }
-    if (!m->direct && m->len > t->cfg.peer_max_msg) { /* queued before the peer was known */
-        bex__tcp_done(t, m, -EMSGSIZE);
+    tcp_msg_init(st, m);
+    int err = tcp_refusal(t, st, m);
+    if (err) {
+        bex__tcp_done(t, m, err);
         return;
     }
     bex__stream_enqueue(st, m);

@@ -158,7 +158,8 @@ void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st);
 int bex__tcp_flush(struct bex__tcp *t);
 void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st);
 void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, bool client);
-bool bex__tcp_takes(struct bex__xport *x, const struct bex__stream *st, const struct bex__msg *m);
+struct bex__msg *bex__tcp_send_now(struct bex__xport *x, struct bex__stream *st,
+                                   struct bex__msg *m);
 void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
 void bex__tcp_close_stream(struct bex__xport *x, struct bex__stream *st);
 void bex__tcp_peer_closed(struct bex__xport *x, struct bex__stream *st);
