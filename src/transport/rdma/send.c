@@ -266,6 +266,16 @@ static inline bool lone_eager(const struct bex__engine *e, const struct bex__str
     return st->id <= BEX__IMM_STREAM_MAX || m->len + BEX__HDR_LEN <= e->peer_eager || m->len == 0;
 }
 
+/* m's queue fields, for the queue's way or its hand-back */
+static inline void msg_queue_init(struct bex__msg *m)
+{
+    m->next = NULL;
+    m->off = 0;
+    m->rndv_id = 0;
+    m->rndv_asked = false;
+    m->peer_slot = false;
+}
+
 /* m, for st with nothing queued while no other stream waits in the ring:
  * prepared at once, never queued (posted by the next bex__engine_progress,
  * which was due anyway), when it goes by SEND and nothing the scheduler
@@ -289,11 +299,8 @@ send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
      * repost may fail the engine, which hands back what is queued, in
      * order: m queued for it (bex__engine_return_owed's cases, unrolled) */
     if (e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e)) {
+        msg_queue_init(m); /* what the failure's hand-back (abandon) reads */
         m->state = BEX__M_QUEUED;
-        m->off = 0; /* what the failure's hand-back (abandon) reads */
-        m->rndv_id = 0;
-        m->rndv_asked = false;
-        m->peer_slot = false;
         bex__stream_enqueue(st, m);
         bex__engine_repost_recvs(e);
         if (e->state != E_UP)
@@ -305,16 +312,6 @@ send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
      * (bex__engine_window_take takes any) */
     eager_prep(e, st, m, false);
     return true;
-}
-
-/* m's queue fields, for the queue's way or its hand-back */
-static inline void msg_queue_init(struct bex__msg *m)
-{
-    m->next = NULL;
-    m->off = 0;
-    m->rndv_id = 0;
-    m->rndv_asked = false;
-    m->peer_slot = false;
 }
 
 /* m, for st which takes it (bex__engine_takes), queued and st in the ring */
@@ -339,24 +336,9 @@ static inline bool send_lone(struct bex__engine *e, struct bex__stream *st, stru
     return send_now(e, st, m);
 }
 
-void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
-{
-    struct bex__engine *e = st->eng;
-    if (send_lone(e, st, m))
-        return;
-    m->st = st;
-    m->status = 0;
-    if (!bex__engine_takes(st)) {
-        msg_queue_init(m);
-        m->state = BEX__M_QUEUED;
-        if (e)
-            bex__engine_msg_done(e, m, ST_UNSENT);
-        return;
-    }
-    send_queued(e, st, m);
-}
-
-struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
+/* bex__engine_send_now's work, inlined in both callers */
+__attribute__((always_inline)) static inline struct bex__msg *
+engine_send_now(struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
     if (send_lone(e, st, m))
@@ -367,6 +349,24 @@ struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m
     m->status = 0;
     send_queued(e, st, m);
     return NULL;
+}
+
+struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
+{
+    return engine_send_now(st, m);
+}
+
+void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
+{
+    if (!engine_send_now(st, m))
+        return;
+    /* refused (stream failed or closing, engine dead or absent): reported */
+    m->st = st;
+    m->status = 0;
+    msg_queue_init(m);
+    m->state = BEX__M_QUEUED;
+    if (st->eng)
+        bex__engine_msg_done(st->eng, m, ST_UNSENT);
 }
 
 /* A turn of st whose head m has its destination: one fragment written. */
