@@ -438,7 +438,8 @@ int bex_sock_connect_opts(bex_ctx *ctx, const bex_addr *addr, const bex_sock_ops
  * of bex_sock_send_req, bex_sock_sendv, bex_sock_send_direct and
  * bex_sock_expose. Returns 0
  * (on_send_done will report it) or at once -EINVAL (bad buffer or length),
- * -EPIPE (socket failed or closing), -EMSGSIZE (len > 2 GiB - 1, or above the
+ * -EPIPE (socket failed or closing; once failed, bex_sock_last_error says
+ * why), -EMSGSIZE (len > 2 GiB - 1, or above the
  * peer's max_msg once the connection is up; a send queued before that and
  * found too large is handed back through on_send_done with -EMSGSIZE).
  * msg_user is handed back in on_send_done. */

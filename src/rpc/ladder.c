@@ -556,6 +556,26 @@ static bool nothing_new(struct bex_rpc_channel *ch, const struct call *c, struct
     return true;
 }
 
+/* c's request was refused by l's socket (-EPIPE): the connection failed
+ * and its failure callback is waiting for ch->mu. It fails now, as that
+ * callback would have it (the endpoint counted once, its node's connection
+ * failure reported, its link dropped), so that the retry sees the endpoint
+ * failed rather than finding this link again, and a quarantined replica is
+ * released for it when this was the shard's last one (src/rpc/dir.c,
+ * release_early). Returns the socket's own error (a refused connection's
+ * -ECONNREFUSED, which the socket layer records before it marks the socket
+ * failed), not the send's -EPIPE; *step as bex__rpc_start_attempt's. */
+static int send_refused(struct bex_rpc_channel *ch, struct call *c, struct link *l, bool *step,
+                        struct call **done)
+{
+    struct endpoint *ep = l->ep;
+    int why = bex_sock_last_error(l->s, NULL, 0);
+    int err = why ? why : -EPIPE;
+    *step = bex__rpc_link_fail(ch, l, err, done);
+    c->refused_new = call_refused(ch, c, ep); /* refused by the socket: not sent */
+    return err;
+}
+
 /* Send c on an endpoint (not exclude when there is another, nor one that
  * refused c): on the endpoint's link, or (a call with a destination) on a
  * socket of its own (bex__rpc_xatt_open). Returns 0 or the error that kept
@@ -615,18 +635,8 @@ int bex__rpc_start_attempt(struct bex_rpc_channel *ch, struct call *c,
         if (hook)
             hook(l->s);
         err = send_call(l->s, c);
-        if (err == -EPIPE) {
-            /* the connection failed and its failure callback is waiting
-             * for ch->mu: it fails now, as that callback would have it
-             * (the endpoint counted once, its node's connection failure
-             * reported, its link dropped), so that the retry sees the
-             * endpoint failed rather than finding this link again, and a
-             * quarantined replica is released for it when this was the
-             * shard's last one (src/rpc/dir.c, release_early) */
-            *step = bex__rpc_link_fail(ch, l, err, done);
-            c->refused_new = call_refused(ch, c, ep); /* refused by the socket: not sent */
-            return err;
-        }
+        if (err == -EPIPE)
+            return send_refused(ch, c, l, step, done);
     }
     if (err) {
         if (err != -EINVAL && err != -EMSGSIZE && err != -ENOMEM)

@@ -123,14 +123,16 @@ void bex__sock_maybe_finish(struct bex_sock *s)
  * more into its exposed buffers, which come back now. */
 void bex__sock_fail(struct bex_sock *s, int err, bool connecting)
 {
+    /* the reason first: a sender that finds the socket failed
+     * (-EPIPE) can read why (bex_sock_last_error) */
+    if (!atomic_load_explicit(&s->last_err, memory_order_relaxed)) {
+        atomic_store(&s->last_connecting, connecting);
+        atomic_store(&s->last_err, err);
+    }
     if (!bex__sock_dead(s)) {
         bex__sock_move(s, SK_EV_DIE);
         bex__sock_set_state(s, S_FAILED);
         bex__exposed_cancel(s);
-    }
-    if (!atomic_load_explicit(&s->last_err, memory_order_relaxed)) {
-        atomic_store(&s->last_connecting, connecting);
-        atomic_store(&s->last_err, err);
     }
     if (!s->error_told && !bex__sock_app_closed(s)) {
         s->error_told = true;

@@ -532,5 +532,47 @@ static int t_held_many(void)
     return rig_down(&r, sp, 0);
 }
 
+/* The RPC layer's send hook (bex__rpc_send_hook), under the channel's
+ * lock: armed, it waits until the socket layer has failed s (the refused
+ * connection's failure callback then waits for the lock this thread
+ * holds), so that the call's request is sent on a socket that failed
+ * before the channel heard of it. */
+static _Atomic bool refuse_armed, refused_under;
+
+static void wait_refused(bex_sock *s)
+{
+    if (!atomic_exchange(&refuse_armed, false))
+        return;
+    uint64_t end = pair_now_ms() + 5000 * time_scale();
+    while (atomic_load(&s->state) != S_FAILED && pair_now_ms() < end)
+        pair_sleep_ms(1);
+    CHECK_EQ(atomic_load(&s->state), S_FAILED);
+    atomic_store(&refused_under, true);
+}
+
+/* A call (no retry) to the refusing replica alone whose request is sent
+ * after its connection was refused but before the channel's callback
+ * heard of it: the call fails with the socket's reason, -ECONNREFUSED
+ * (before the fix: -EPIPE, "the socket is closed", which held_many saw
+ * when its calls raced the refusals under TSan). */
+static int t_refused_under_send(void)
+{
+    RPC_NEED_ADDRS();
+    struct srv_proc sp[2];
+    const unsigned deadline = 2000 * time_scale();
+    struct rig r;
+    rig_up(&r, sp, 1000, deadline, 0, 0); /* B (sp[1]) killed, its port held */
+    load2(r.d, sp, 1);                    /* B alone */
+    bex__rpc_send_hook(wait_refused);
+    atomic_store(&refuse_armed, true);
+    bex_rpc_call_opts o = {.flags = BEX_RPC_CALL_NO_RETRY};
+    int rc = bex_rpc_call_sync(r.ch, SVC, M_ECHO, NULL, 0, &o, NULL, NULL);
+    bex__rpc_send_hook(NULL);
+    fprintf(stderr, "refused_under_send: %s\n", bex_strerror(rc));
+    CHECK(atomic_load(&refused_under));
+    CHECK_EQ(rc, -ECONNREFUSED);
+    return rig_down(&r, sp, 0);
+}
+
 BEX_TEST_MAIN({"kill", t_kill}, {"empty", t_empty}, {"prune", t_prune}, {"slow_live", t_slow_live},
-              {"held_many", t_held_many})
+              {"held_many", t_held_many}, {"refused_under_send", t_refused_under_send})
