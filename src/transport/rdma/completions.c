@@ -42,8 +42,9 @@ int bex__engine_refuse_stream(struct bex__engine *e, uint32_t id)
 
 static void delivered(struct bex__engine *e, struct bex__msg *m)
 {
-    BEX__STAT_ADD(e->stats, msgs_sent, 1);
-    BEX__STAT_ADD(e->stats, bytes_sent, m->len);
+    struct bex__stats *st = e->stats; /* one load: a counter's store may alias e */
+    BEX__STAT_ADD(st, msgs_sent, 1);
+    BEX__STAT_ADD(st, bytes_sent, m->len);
     bex__engine_msg_done(e, m, 0);
 }
 
@@ -73,41 +74,57 @@ static void ack_wait(struct bex__engine *e, struct bex__msg *m)
  * bytes, and an inline request's bytes were copied at posting (nothing of
  * the caller's is read again, even by a retransmission). Reported in
  * order, after the acknowledgement queue (older); the slot stays taken
- * until a signaled completion retires it. */
-__attribute__((always_inline)) static inline void acks_posted(struct bex__engine *e)
+ * until a signaled completion retires it. True when a report's upcall
+ * ended the engine (the state is tested after each report only: nothing
+ * else here changes it). */
+__attribute__((always_inline)) static inline bool acks_posted(struct bex__engine *e)
 {
     /* dscan >= head: the retirement moves it on (send_completed) */
     assert((int32_t)(e->dscan - e->head) >= 0);
-    while (e->dscan != e->post && e->state == E_UP) {
+    /* requests are posted only while the engine is up, and its failure
+     * retires them all (head == post then) */
+    assert(e->state == E_UP);
+    while (e->dscan != e->post) {
         struct sslot *s = sslot_at(e, e->dscan);
         struct bex__msg *m = s->done;
         if (s->closed)
-            return;
-        if (m) {
-            bool copied = !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE);
-            if (m->status || !copied || !acked(e, m->ack_seq))
-                return;
-            s->done = NULL;
-            delivered(e, m);
+            return false;
+        if (!m) {
+            e->dscan++;
+            continue;
         }
+        bool copied = !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE);
+        if (m->status || !copied || !acked(e, m->ack_seq))
+            return false;
+        s->done = NULL;
         e->dscan++;
+        delivered(e, m);
+        if (e->state != E_UP)
+            return true;
     }
+    return false;
 }
 
-/* The peer returned n credits: report what they acknowledge. */
-__attribute__((always_inline)) static inline void acks_in(struct bex__engine *e, uint32_t n)
+/* The peer returned n credits: report what they acknowledge. True when a
+ * report's upcall ended the engine. */
+__attribute__((always_inline)) static inline bool acks_in(struct bex__engine *e, uint32_t n)
 {
     e->cons_acked += n;
-    while (e->ack_head && acked(e, e->ack_head->ack_seq) && e->state == E_UP) {
+    /* the queue holds messages only while the engine is up (its failure
+     * hands them back) */
+    while (e->ack_head && acked(e, e->ack_head->ack_seq)) {
         struct bex__msg *m = e->ack_head;
         e->ack_head = m->next;
         if (!e->ack_head)
             e->ack_tail = NULL;
         m->next = NULL;
         delivered(e, m);
+        if (e->state != E_UP)
+            return true;
     }
     if (!e->ack_head && e->head != e->post)
-        acks_posted(e);
+        return acks_posted(e);
+    return false;
 }
 
 /* Slot s's message and CLOSE, once its request is retired. */
@@ -131,6 +148,38 @@ static void slot_retired(struct bex__engine *e, struct sslot *s)
     }
 }
 
+/* send_retire with quiet chains allowed: the slots up to counter cnt
+ * (masked), or every posted one when cnt names none of them, retired in
+ * a loop over the slots alone; head and inflight are stored once, and
+ * before each report (its upcall may fail the engine, which retires
+ * everything and moves head to the tail: the loop stops there). */
+static inline void quiet_retire(struct bex__engine *e, uint32_t cnt)
+{
+    uint32_t c = e->head, end = e->post;
+    uint32_t n = (cnt - c) & WR_CNT_MASK; /* cnt's slot is the n-th from head */
+    if (n < end - c)
+        end = c + n + 1;
+    uint32_t bytes = 0;
+    struct sslot *ss = e->ss; /* (sslot_at's, read once) */
+    uint32_t mask = e->sq - 1;
+    while (c != end) {
+        struct sslot *s = &ss[c++ & mask];
+        assert(s == sslot_at(e, c - 1));
+        assert(!e->dest && !s->post_us && !s->free_mw);
+        bytes += s->bytes;
+        if ((uintptr_t)s->done | (uintptr_t)s->closed) {
+            e->head = c;
+            e->inflight -= bytes;
+            bytes = 0;
+            slot_retired(e, s);
+            if (e->head != c) /* the engine failed: everything is retired */
+                c = end = e->head;
+        }
+    }
+    e->head = c;
+    e->inflight -= bytes;
+}
+
 /* Completions come in posting order: everything up to cnt is done. With
  * quiet chains allowed (quiet_max) there is no send window, destination's
  * bound, adaptive sample or window to deallocate (engine.c,
@@ -140,16 +189,7 @@ static void slot_retired(struct bex__engine *e, struct sslot *s)
 static inline void send_retire(struct bex__engine *e, uint32_t cnt)
 {
     if (e->quiet_max) {
-        while (e->head != e->post) {
-            uint32_t c = e->head++;
-            struct sslot *s = sslot_at(e, c);
-            assert(!e->dest && !s->post_us && !s->free_mw);
-            e->inflight -= s->bytes;
-            if ((uintptr_t)s->done | (uintptr_t)s->closed)
-                slot_retired(e, s);
-            if ((c & WR_CNT_MASK) == cnt)
-                break;
-        }
+        quiet_retire(e, cnt);
         return;
     }
     while (e->head != e->post) {
@@ -361,12 +401,12 @@ static int write_imm_completed(struct bex__engine *e, const struct ibv_wc *wc, u
  * once (bex__engine_rslot_at's test). */
 static inline struct bex__rslot *recv_slot(struct bex__engine *e, uint32_t idx, const char **why)
 {
-    struct bex__srq *q = e->sh->srq;
-    if (q) {
-        /* in SRQ mode the queue checked it (a slot of its own, posted), and
-         * the credits (bex__engine_srq_complete) */
+    if (!e->rs) {
+        /* SRQ mode (the engine has no slots of its own): the queue checked
+         * it (a slot of its own, posted), and the credits
+         * (bex__engine_srq_complete) */
         *why = "a completion naming no receive of ours";
-        return idx == e->srq_cur ? &q->slots[idx] : NULL;
+        return idx == e->srq_cur ? &e->sh->srq->slots[idx] : NULL;
     }
     /* not a receive of ours, or one not posted */
     *why = idx >= e->rslots ? "a completion naming no receive of ours"
@@ -399,8 +439,7 @@ __attribute__((always_inline)) static inline int credits_in(struct bex__engine *
                                      e->peer_credits - credits, e->peer_rq);
     if (credits) {
         e->credit_wait = 0;
-        acks_in(e, credits);
-        if (e->state != E_UP)
+        if (acks_in(e, credits))
             return 1;
     }
     return 0;
@@ -454,20 +493,33 @@ __attribute__((noinline)) static int header_in(struct bex__engine *e, const stru
     return 0;
 }
 
-static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
+/* A receive that is no SEND_WITH_IMM: a WRITE_WITH_IMM, a SEND with its
+ * header in front, or what bex never sends. Out of line: the small
+ * messages of the streams the immediate names skip it. */
+__attribute__((noinline)) static int recv_other(struct bex__engine *e, const struct ibv_wc *wc,
+                                                uint32_t idx, struct bex__rslot *r)
 {
-    const char *why;
-    struct bex__rslot *r = recv_slot(e, idx, &why);
-    if (!r)
-        return bad_recv(e, wc, idx, why);
     if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM)
         return write_imm_completed(e, wc, idx);
     /* bex never sends SEND_WITH_INV: a peer that does is revoking our
      * windows behind our back (rxe sets bit 0x4, the kernel's flag) */
     if (wc->opcode != IBV_WC_RECV || (wc->wc_flags & (IBV_WC_WITH_INV | 0x4)))
         return bad_recv(e, wc, idx, "a receive of an operation bex never sends");
-    if (!(wc->wc_flags & IBV_WC_WITH_IMM))
-        return header_in(e, wc, idx, r);
+    assert(!(wc->wc_flags & IBV_WC_WITH_IMM));
+    return header_in(e, wc, idx, r);
+}
+
+static int recv_completed(struct bex__engine *e, const struct ibv_wc *wc, uint32_t idx)
+{
+    const char *why;
+    struct bex__rslot *r = recv_slot(e, idx, &why);
+    if (!r)
+        return bad_recv(e, wc, idx, why);
+    /* a SEND_WITH_IMM, with no invalidation: one test (recv_other's
+     * checks, in their order, for anything else) */
+    if (wc->opcode != IBV_WC_RECV ||
+        (wc->wc_flags & (IBV_WC_WITH_INV | 0x4 | IBV_WC_WITH_IMM)) != IBV_WC_WITH_IMM)
+        return recv_other(e, wc, idx, r);
     /* a DATA whose header is the immediate (bex__imm_decode's fields, read
      * one by one): its payload fills the buffer from the start */
     uint32_t imm = ntohl(wc->imm_data), len = wc->byte_len;
