@@ -665,19 +665,27 @@ void bex__engine_prep_keepalive(struct bex__engine *e)
  * x.due_us). */
 static bool ack_due(struct bex__engine *e)
 {
-    if (!e->acks_owed || !e->to_return)
+    assert(e->to_return); /* (progress tested it) */
+    if (!e->acks_owed)
         return false;
     return bex__ack_hold_due(&e->x, &e->ack_held, e->cfg.ack_delay_us);
 }
 
-/* Every owed credit went (or waits for a buffer: starved): nothing held. */
-static void acks_settle(struct bex__engine *e)
+/* Owed credits (acks_owed): when every one went (or waits for a buffer:
+ * starved), nothing is held; else, held past ack_delay with no slot or
+ * credit to send them, their return calls progress (x.due_us cleared).
+ * Only while acks_owed: ack_held is set by ack_due then, and cleared here
+ * when acks_owed is. */
+static inline void acks_settle(struct bex__engine *e)
 {
-    if (e->to_return || e->n_unposted != e->n_credited || !e->acks_owed)
+    if (!e->to_return && e->n_unposted == e->n_credited) {
+        e->acks_owed = e->n_starved != 0;
+        e->ack_held = 0;
+        e->x.due_us = 0;
         return;
-    e->acks_owed = e->n_starved != 0;
-    e->ack_held = 0;
-    e->x.due_us = 0;
+    }
+    if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
+        e->x.due_us = 0;
 }
 
 bool bex__engine_wops_hold(struct bex__engine *e)
@@ -784,14 +792,15 @@ bool bex__engine_progress(struct bex__engine *e)
     if (e->ctl_n | e->rel_n | e->streams.ring_n)
         progress_queues(e);
     /* credits nobody carried: an explicit update once half the queue waits,
-     * or once the peer has waited ack_delay for the ones it reports by */
-    if ((e->to_return >= e->k || ack_due(e)) && bex__engine_free_slots(e) &&
+     * or once the peer has waited ack_delay for the ones it reports by
+     * (none to return, the usual once an answer took them: one test) */
+    if (e->to_return && (e->to_return >= e->k || ack_due(e)) && bex__engine_free_slots(e) &&
         bex__engine_have_credit(e, true))
         prep_credit(e);
-    acks_settle(e);
-    if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
-        e->x.due_us = 0; /* due, but no slot or credit: their return calls us */
-    post_chain(e);       /* (returns at once when nothing is prepared) */
+    assert(e->acks_owed || !e->ack_held);
+    if (e->acks_owed)
+        acks_settle(e);
+    post_chain(e); /* (returns at once when nothing is prepared) */
     /* (the checks ahead of the calls: a message's progress without window
      * mode or a keepalive due pays no call for them) */
     if (e->sh->windows && bex__engine_spare_fill(e))
