@@ -279,9 +279,9 @@ static inline void msg_queue_init(struct bex__msg *m)
 /* m, for st with nothing queued while no other stream waits in the ring:
  * prepared at once, never queued (posted by the next bex__engine_progress,
  * which was due anyway), when it goes by SEND and nothing the scheduler
- * would put first or count waits; true also when the credits' return
- * before it failed the engine (m was handed back); false: m goes through
- * the queue and the ring as usual. */
+ * would put first or count waits, nor a repost of receives; false: m goes
+ * through the queue and the ring as usual. Nothing here hands a message
+ * back or fails the engine. */
 __attribute__((always_inline)) static inline bool
 send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
 {
@@ -295,18 +295,14 @@ send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
         !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) || !lone_eager(e, st, m))
         return false;
     /* an answer sent from the upcall of the peer's message carries that
-     * message's credit, as progress would have it (before its turn); a
-     * repost may fail the engine, which hands back what is queued, in
-     * order: m queued for it (bex__engine_return_owed's cases, unrolled) */
-    if (e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e)) {
-        msg_queue_init(m); /* what the failure's hand-back (abandon) reads */
-        m->state = BEX__M_QUEUED;
-        bex__stream_enqueue(st, m);
-        bex__engine_repost_recvs(e);
-        if (e->state != E_UP)
-            return true;
-        pop_head(st);
-    }
+     * message's credit, as progress would have it (before its turn): from
+     * the slack here; when the receives must be posted again first, the
+     * queue's way, whose progress call (due anyway) posts them before it
+     * prepares m. Not here: a failed post fails the engine, which would
+     * hand m and the rest back inside the caller's send (bex_sock_send),
+     * against send_now's contract (transport.h) */
+    if (e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e))
+        return false;
     /* turn_eager's checks hold: the credit is checked, and with quiet_max
      * set no send window or destination's bound counts bytes
      * (bex__engine_window_take takes any) */
