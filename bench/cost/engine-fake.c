@@ -11,9 +11,12 @@
  *   valgrind --tool=callgrind --callgrind-out-file=cg.1200 build/bench/cost/bex-engine-fake 1200
  *   bench/cost/callgrind-diff 1000 cg.200 cg.1200 1
  * The fake's own checks (fk_*) are in the counts too: read the engine's
- * functions only. */
+ * functions only. A second argument "now": side 1 answers by
+ * bex__engine_send_now, as a socket's send from a callback does (the
+ * sock layer's direct send), rather than bex__engine_send. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "fake/fake.h"
 
@@ -23,11 +26,17 @@ static void answer_in_upcall(struct fk_pair *p, int side, uint32_t stream)
         fk_send(p, fk_stream(p, 1, stream), 32, false);
 }
 
+static void answer_now_in_upcall(struct fk_pair *p, int side, uint32_t stream)
+{
+    if (side == 1)
+        fk_send_now(p, fk_stream(p, 1, stream), 32);
+}
+
 int main(int argc, char **argv)
 {
     int rounds = argc > 1 ? atoi(argv[1]) : 0;
     if (rounds <= 0 || rounds > FK_MAX_MSGS / 2 - 8) {
-        fprintf(stderr, "usage: bex-engine-fake ROUNDS (1 to %d)\n", FK_MAX_MSGS / 2 - 8);
+        fprintf(stderr, "usage: bex-engine-fake ROUNDS (1 to %d) [now]\n", FK_MAX_MSGS / 2 - 8);
         return 2;
     }
     struct bex__engine_config c;
@@ -37,7 +46,7 @@ int main(int argc, char **argv)
     p.virt_clock = true;
     struct fk_stream *st = fk_open(&p);
     fk_quiesce(&p);
-    p.on_msg = answer_in_upcall;
+    p.on_msg = argc > 2 && strcmp(argv[2], "now") == 0 ? answer_now_in_upcall : answer_in_upcall;
     for (int r = 0; r < rounds; r++) {
         struct fk_msg *m = fk_send(&p, st, 32, false);
         fk_quiesce(&p);

@@ -5,6 +5,7 @@
 #ifndef BEX_SOCK_INTERNAL_H
 #define BEX_SOCK_INTERNAL_H
 
+#include <assert.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <semaphore.h>
@@ -299,12 +300,20 @@ static inline void bex__sock_to_transport(struct bex_sock *s, struct sock_msg *w
  * before it), and the socket's stream is attached. The transport's
  * send_now then takes the message, or hands it back untouched (it would
  * report on_send_done at once, inside bex_sock_send): queue it then as any
- * other thread would. Inline: a callback's send pays no call. */
+ * other thread would. Inline: a callback's send pays no call.
+ *
+ * Only for a send that found s neither closing nor failed, on s's thread,
+ * which alone moves s->life: then an attached socket is live (DEAD comes
+ * with FAILED, or with a close) and waits for no transport (sends wait
+ * only before the transport is chosen, which attaches them), so attached
+ * is the one fact of s left to test (issue 25 item 2: the states were
+ * tested twice). */
 static inline bool bex__io_direct_ok(const struct bex_sock *s)
 {
     const struct bex__io *io = s->io;
+    assert(!(s->life & SK_BIT_ATTACHED) || (!(s->life & SK_BIT_DEAD) && !s->waiting));
     return !io->draining && !atomic_load_explicit(&io->loop.cmds, memory_order_relaxed) &&
-           !s->waiting && (s->life & (SK_BIT_ATTACHED | SK_BIT_DEAD)) == SK_BIT_ATTACHED;
+           (s->life & SK_BIT_ATTACHED);
 }
 /* w to its socket's transport by send_now, counted as bex__sock_to_transport
  * counts a send (the connection marked first, harmless should the send be

@@ -221,6 +221,7 @@ static void up_on_send_done(struct bex__xport *x, struct bex__msg *bm, int statu
     struct fk_side *s = side_of(e);
     struct fk_msg *m = (struct fk_msg *)bm;
     FK_CHECK(s->fails == 0);
+    FK_CHECK(!s->in_send_now); /* the transport's send_now contract */
     FK_CHECK(m >= s->pair->msgs && m < s->pair->msgs + s->pair->n_msgs && m->from == s->idx);
     FK_CHECK(m->done == 0); /* handed back exactly once */
     m->done = 1;
@@ -275,6 +276,7 @@ static void up_on_fail(struct bex__xport *x, int err)
     struct bex__engine *e = bex__engine_of(x);
     struct fk_side *s = side_of(e);
     FK_CHECK(++s->fails == 1 && err < 0);
+    FK_CHECK(!s->in_send_now); /* no failure inside a socket's send either */
     FK_CHECK(bex__engine_is_dead(e) && s->qp.state == IBV_QPS_RESET); /* the QP went first */
     s->fail_err = err;
     /* every message of this side has been handed back, every stream let go */
@@ -419,8 +421,11 @@ static int fk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_se
 static int fk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
 {
     struct fk_side *s = side_of_qp(qp);
-    (void)bad;
     FK_CHECK(s->qp.state != IBV_QPS_RESET);
+    if (s->fail_recv) {
+        *bad = wr;
+        return ENOBUFS; /* as verbs returns it: a positive errno */
+    }
     for (; wr; wr = wr->next) {
         /* the QP's receive queue: the credits granted and the spare receives */
         FK_CHECK(s->rq_n < s->cfg.rq_depth + bex__engine_rq_spare(&s->sh, s->cfg.rq_depth));
@@ -787,7 +792,9 @@ struct fk_stream *fk_open(struct fk_pair *p)
     return st;
 }
 
-struct fk_msg *fk_send(struct fk_pair *p, struct fk_stream *st, uint32_t len, bool direct)
+/* A message of len bytes on st, ready to go (fk_send, fk_send_now); NULL
+ * when st has no engine any more. */
+static struct fk_msg *msg_new(struct fk_pair *p, struct fk_stream *st, uint32_t len, bool direct)
 {
     struct fk_side *s = &p->s[st->side];
     struct fk_side *peer = peer_of(s);
@@ -824,7 +831,30 @@ struct fk_msg *fk_send(struct fk_pair *p, struct fk_stream *st, uint32_t len, bo
         m->m.imm = x->imm;
     }
     m->m.lkey = m->m.len ? bex_mem_mr(m->m.buf)->lkey : 0;
-    bex__engine_send(&st->st, &m->m);
+    return m;
+}
+
+struct fk_msg *fk_send(struct fk_pair *p, struct fk_stream *st, uint32_t len, bool direct)
+{
+    struct fk_msg *m = msg_new(p, st, len, direct);
+    if (m)
+        bex__engine_send(&st->st, &m->m);
+    return m;
+}
+
+struct fk_msg *fk_send_now(struct fk_pair *p, struct fk_stream *st, uint32_t len)
+{
+    struct fk_msg *m = msg_new(p, st, len, false);
+    if (!m)
+        return NULL;
+    struct fk_side *s = &p->s[st->side];
+    s->in_send_now = true;
+    struct bex__msg *back = bex__engine_send_now(&st->st, &m->m);
+    s->in_send_now = false;
+    if (back) {
+        FK_CHECK(back == &m->m && m->done == 0);
+        bex__engine_send(&st->st, back);
+    }
     return m;
 }
 

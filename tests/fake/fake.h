@@ -141,6 +141,9 @@ struct fk_side {
     uint32_t rcq_head, rcq_n;
     bool hold_writes; /* the test keeps RDMA WRITEs of this side on the wire */
     bool fail_next;   /* the next request executed fails (REM_ACCESS_ERR) */
+    bool fail_recv;   /* ibv_post_recv fails (ENOBUFS), as long as it is set */
+    bool in_send_now; /* inside bex__engine_send_now (fk_send_now): nothing may
+                         be handed back, nor the engine fail */
 
     /* accounting checked at every post */
     uint64_t consumers_posted; /* SEND + WRITE_WITH_IMM */
@@ -216,6 +219,12 @@ struct fk_stream *fk_stream(struct fk_pair *p, int side, uint32_t id);
 /* Queue a message of len bytes (>= 16) on a stream of side st->side.
  * direct: into a buffer the peer exposes for it (no rendezvous). */
 struct fk_msg *fk_send(struct fk_pair *p, struct fk_stream *st, uint32_t len, bool direct);
+/* The same message (not direct) by bex__engine_send_now, as a socket's send
+ * from a callback (bex_sock_send on its I/O thread): it checks that nothing
+ * is handed back and the engine does not fail inside that call; a message
+ * it refuses goes by bex__engine_send after it, as the sock layer's
+ * command would carry it. */
+struct fk_msg *fk_send_now(struct fk_pair *p, struct fk_stream *st, uint32_t len);
 
 /* ---- the NIC, one step at a time (each returns whether it did anything) */
 bool fk_progress(struct fk_pair *p, int side); /* bex__engine_progress */

@@ -203,6 +203,53 @@ static int peer_ready_twice(void)
     return 0;
 }
 
+/* Side 1 answers every message from its upcall by bex__engine_send_now,
+ * as a socket's send from a callback does (bex_sock_send on its I/O
+ * thread), and its receives cannot be posted again. The repost that
+ * returns the credits the answer is to carry fails the engine: outside the
+ * send, so that nothing comes back to the application inside its
+ * bex_sock_send (fk_send_now checks), and the answer is handed back once
+ * afterwards, never sent (-ECANCELED). Before, the repost ran inside
+ * send_now and handed the answer back there. */
+static struct fk_msg *answered;
+
+static void answer_now(struct fk_pair *p, int side, uint32_t stream)
+{
+    if (side != 1)
+        return;
+    struct fk_msg *m = fk_send_now(p, fk_stream(p, 1, stream), 32);
+    if (m)
+        answered = m;
+}
+
+static int repost_fails_in_send(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 12);
+    struct fk_stream *st = fk_open(&p);
+    fk_quiesce(&p);
+    p.on_msg = answer_now;
+    p.s[1].fail_recv = true;
+    /* the spare receives pay for the first answers' credits: a repost
+     * comes within rq_depth messages */
+    for (uint32_t r = 0; r < 2 * c.rq_depth && !fk_dead(&p, 1); r++) {
+        fk_send(&p, st, 32, false);
+        fk_quiesce(&p);
+    }
+    CHECK(fk_dead(&p, 1));
+    CHECK_EQ(p.s[1].fail_err, -ENOBUFS);
+    CHECK(answered != NULL);
+    CHECK_EQ(answered->done, 1);
+    CHECK_EQ(answered->status, -ECANCELED);
+    CHECK(!answered->final_posted);
+    p.on_msg = NULL;
+    p.s[1].fail_recv = false;
+    fk_pair_fini(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(local_fail), BEX_CASE(nic_error), BEX_CASE(peer_fail),
               BEX_CASE(random_schedules), BEX_CASE(peer_close_unopened), BEX_CASE(peer_ready_twice),
-              BEX_CASE(prepared_unsent))
+              BEX_CASE(prepared_unsent), BEX_CASE(repost_fails_in_send))

@@ -16,6 +16,11 @@
  *                      checks and arming the slot: the buffer is refused
  *                      (-EPIPE) or comes back at once, exactly once
  *   expose_race_window the same in window mode (the exposure's window)
+ *   repost_in_send     ibv_post_recv fails on the repost whose credits a send
+ *                      from on_recv is to carry: nothing is reported inside
+ *                      that bex_sock_send (the transport's send_now
+ *                      contract), the message comes back once afterwards
+ *                      (-ECANCELED), the socket fails with -ENOBUFS
  *
  * Each was shown to fail with its fix reverted (docs/testing.md). */
 #include <stdbool.h>
@@ -75,6 +80,11 @@ struct trk {
     _Atomic long x_reports;
     _Atomic int x_status;
     _Atomic long poll_logs; /* log lines about a failed ibv_poll_cq */
+    /* repost_in_send: echoes still to answer from on_recv, the echo that
+     * arms the fault, reports (on_send_done, on_error) made inside a
+     * bex_sock_send, and the last message a callback's send accepted */
+    struct pair *p;
+    _Atomic long pongs, arm_at, inside, last_id;
 };
 #define XUSER ((void *)(uintptr_t)0x7e57)
 
@@ -98,12 +108,26 @@ static void c_connect(bex_sock *s, int status, void *user)
     waiter_signal(&t->w);
 }
 
+static _Thread_local bool g_in_send; /* inside a callback's bex_sock_send */
+static int trk_send(struct pair *p, struct trk *t, int si, size_t len);
+
 static void c_recv(bex_sock *s, void *buf, size_t len, void *user)
 {
     struct trk *t = user;
     (void)s, (void)len;
     bex_mem_free(buf);
-    atomic_fetch_add(&t->recvd, 1);
+    long n = atomic_fetch_add(&t->recvd, 1) + 1;
+    if (atomic_load(&t->pongs) > 0 && !atomic_load(&t->errors)) {
+        atomic_fetch_sub(&t->pongs, 1);
+        if (n == atomic_load(&t->arm_at))
+            bex__fault_arm(BEX__FAULT_POST_RECV, 1, -ENOBUFS, 0, NULL, NULL);
+        long id = atomic_load(&t->next_id);
+        g_in_send = true;
+        int rc = trk_send(t->p, t, 0, 64);
+        g_in_send = false;
+        if (rc == 0)
+            atomic_store(&t->last_id, id);
+    }
     waiter_signal(&t->w);
 }
 
@@ -111,6 +135,10 @@ static void c_done(bex_sock *s, void *buf, size_t len, void *mu, int status, voi
 {
     struct trk *t = user;
     (void)s, (void)len;
+    if (g_in_send) {
+        fprintf(stderr, "on_send_done inside bex_sock_send\n");
+        atomic_fetch_add(&t->inside, 1);
+    }
     if (mu == XUSER) {
         /* the exposed buffer comes back: it is ours again */
         atomic_store(&t->x_status, status);
@@ -139,6 +167,10 @@ static void c_done(bex_sock *s, void *buf, size_t len, void *mu, int status, voi
 static void c_error(bex_sock *s, int err, void *user)
 {
     struct trk *t = user;
+    if (g_in_send) {
+        fprintf(stderr, "on_error inside bex_sock_send\n");
+        atomic_fetch_add(&t->inside, 1);
+    }
     int si = sock_index(t, s);
     atomic_store(&t->err[si], err);
     atomic_fetch_add(&t->errors_of[si], 1);
@@ -366,6 +398,51 @@ static int post_recv_error(void)
     return pair_run(NULL, echo_main, NULL, &c, post_client, (void *)&pc, 60);
 }
 
+/* ---------------- a repost fails inside a callback's send ---------------- */
+
+/* A ping-pong answered from on_recv: each of the client's sends is the
+ * direct one (its I/O thread, nothing queued), which before prepared the
+ * message at once and, when the credits it carries needed the receives
+ * posted again, posted them inside bex_sock_send: a failed post failed
+ * the engine there and handed the message back (on_send_done) and the
+ * socket's error (on_error) inside the application's call. */
+static int repost_client(struct pair *p, void *arg)
+{
+    (void)arg;
+    struct trk *t = trk_new();
+    t->p = p;
+    atomic_store(&t->last_id, -1);
+    trk_connect(p, t, 1);
+    /* armed from the 8th echo's on_recv: its receives were reposted
+     * before, so that the next repost comes from a callback's send */
+    atomic_store(&t->arm_at, 8);
+    atomic_store(&t->pongs, 400);
+    CHECK_OK(trk_send(p, t, 0, 64));
+    TRK_WAIT(t, errors, 1, 20000);
+    CHECK(bex__fault_fired(BEX__FAULT_POST_RECV));
+    long accepted = 0, n = atomic_load(&t->next_id);
+    for (long id = 0; id < n; id++)
+        accepted += atomic_load(&t->reports[id]) != -1;
+    TRK_WAIT(t, done, accepted, 5000);
+    trk_check_once(t);
+    CHECK_EQ(atomic_load(&t->inside), 0);
+    CHECK_EQ(atomic_load(&t->err[0]), -ENOBUFS);
+    CHECK_EQ(atomic_load(&t->errors_of[0]), 1);
+    /* the send the repost was for: taken, never posted */
+    long last = atomic_load(&t->last_id);
+    CHECK(last >= 0);
+    CHECK_EQ(atomic_load(&t->status[last]), -ECANCELED);
+    trk_close_all(t, 1);
+    free(t);
+    return 0;
+}
+
+static int repost_in_send(void)
+{
+    bex_ctx_config c = client_cfg();
+    return pair_run(NULL, echo_main, NULL, &c, repost_client, NULL, 60);
+}
+
 /* ---------------- bex_sock_expose racing an engine failure ---------------- */
 
 /* Inside bex_sock_expose, after its checks found the socket open and
@@ -446,4 +523,4 @@ static int expose_race_window(void)
 }
 
 BEX_TEST_MAIN(BEX_CASE(poll_cq_error), BEX_CASE(post_send_error), BEX_CASE(post_recv_error),
-              BEX_CASE(expose_race), BEX_CASE(expose_race_window))
+              BEX_CASE(expose_race), BEX_CASE(expose_race_window), BEX_CASE(repost_in_send))

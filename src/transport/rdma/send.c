@@ -82,8 +82,10 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
 }
 
 /* A gathered message's buffers as s's SGEs from sge[first] on, one per
- * buffer (goes_eager checked they fit the QP). */
-static void gather_segs(struct sslot *s, int first, const struct bex__msg *m)
+ * buffer (goes_eager checked they fit the QP). Inline: a call would make
+ * the lone message's frame (bex__engine_send_now) save registers. */
+__attribute__((always_inline)) static inline void gather_segs(struct sslot *s, int first,
+                                                              const struct bex__msg *m)
 {
     for (int i = 0; i < m->nseg; i++)
         s->sge[first + i] =
@@ -255,15 +257,14 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
     return true;
 }
 
-/* goes_eager, and within the peer's max_msg: one bound (eager_lim). */
+/* goes_eager header-free (prep_data: the immediate names st), and within
+ * the peer's max_msg: one bound (eager_lim). A stream the immediate cannot
+ * name takes the ring's way (its header's SEND is prep_send's, a call). */
 static inline bool lone_eager(const struct bex__engine *e, const struct bex__stream *st,
                               const struct bex__msg *m)
 {
-    if (m->direct || m->len > e->eager_lim)
-        return false;
-    if (m->nseg && m->nseg + (st->id <= BEX__IMM_STREAM_MAX ? 0u : 1u) > e->max_sge)
-        return false;
-    return st->id <= BEX__IMM_STREAM_MAX || m->len + BEX__HDR_LEN <= e->peer_eager || m->len == 0;
+    return !m->direct && m->len <= e->eager_lim && st->id <= BEX__IMM_STREAM_MAX &&
+           m->nseg <= e->max_sge;
 }
 
 /* m's queue fields, for the queue's way or its hand-back */
@@ -276,14 +277,13 @@ static inline void msg_queue_init(struct bex__msg *m)
     m->peer_slot = false;
 }
 
-/* m, for st with nothing queued while no other stream waits in the ring:
- * prepared at once, never queued (posted by the next bex__engine_progress,
- * which was due anyway), when it goes by SEND and nothing the scheduler
- * would put first or count waits; true also when the credits' return
- * before it failed the engine (m was handed back); false: m goes through
- * the queue and the ring as usual. */
+/* Whether m, for st with nothing queued while no other stream waits in
+ * the ring, is prepared at once, never queued (posted by the next
+ * bex__engine_progress, which was due anyway): it goes by SEND, and
+ * nothing the scheduler would put first or count waits, nor a repost of
+ * receives. Nothing here hands a message back or fails the engine. */
 __attribute__((always_inline)) static inline bool
-send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+lone_now(struct bex__engine *e, struct bex__stream *st, const struct bex__msg *m)
 {
     /* what progress sends first (window operations, a keepalive, control
      * messages, releases), a stream owing its OPEN or CLOSE, a send window
@@ -295,23 +295,13 @@ send_now(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
         !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) || !lone_eager(e, st, m))
         return false;
     /* an answer sent from the upcall of the peer's message carries that
-     * message's credit, as progress would have it (before its turn); a
-     * repost may fail the engine, which hands back what is queued, in
-     * order: m queued for it (bex__engine_return_owed's cases, unrolled) */
-    if (e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e)) {
-        msg_queue_init(m); /* what the failure's hand-back (abandon) reads */
-        m->state = BEX__M_QUEUED;
-        bex__stream_enqueue(st, m);
-        bex__engine_repost_recvs(e);
-        if (e->state != E_UP)
-            return true;
-        pop_head(st);
-    }
-    /* turn_eager's checks hold: the credit is checked, and with quiet_max
-     * set no send window or destination's bound counts bytes
-     * (bex__engine_window_take takes any) */
-    eager_prep(e, st, m, false);
-    return true;
+     * message's credit, as progress would have it (before its turn): from
+     * the slack here; when the receives must be posted again first, the
+     * queue's way, whose progress call (due anyway) posts them before it
+     * prepares m. Not here: a failed post fails the engine, which would
+     * hand m and the rest back inside the caller's send (bex_sock_send),
+     * against send_now's contract (transport.h) */
+    return !e->acks_owed || e->n_unposted == e->n_credited || bex__engine_credit_from_slack(e);
 }
 
 /* m, for st which takes it (bex__engine_takes), queued and st in the ring */
@@ -323,42 +313,48 @@ static inline void send_queued(struct bex__engine *e, struct bex__stream *st, st
     bex__stream_ring_add(&e->streams, st);
 }
 
-/* nothing queued on st and no other stream waits: its turn now, not
- * queued (send_now tests the engine's and the stream's states; what it
- * posts reads neither the queue's link nor the fields of the rendezvous
- * and fragments, which send_queued sets for the queue's way) */
-static inline bool send_lone(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+/* bex__engine_send_now's way when m is not sent alone: queued on st (the
+ * queue's link and the fields of the rendezvous and fragments set for
+ * it), or handed back untouched when st takes nothing (stream failed or
+ * closing, engine dead or absent). Out of line, a tail call: the lone
+ * message's frame keeps nothing across a call. */
+static __attribute__((noinline)) struct bex__msg *send_queue_way(struct bex__stream *st,
+                                                                 struct bex__msg *m)
 {
-    if (!e || st->q_head || e->streams.ring_n)
-        return false;
-    m->st = st;
-    m->status = 0;
-    return send_now(e, st, m);
-}
-
-/* bex__engine_send_now's work, inlined in both callers */
-__attribute__((always_inline)) static inline struct bex__msg *
-engine_send_now(struct bex__stream *st, struct bex__msg *m)
-{
-    struct bex__engine *e = st->eng;
-    if (send_lone(e, st, m))
-        return NULL;
     if (!bex__engine_takes(st))
         return m;
     m->st = st;
     m->status = 0;
-    send_queued(e, st, m);
+    send_queued(st->eng, st, m);
     return NULL;
 }
 
+/* One frame, no call on the lone message's way (issue 25 item 2): the
+ * engine's and the stream's states are tested once, in lone_now; what
+ * the lone message's request reads of m is set here or by the caller,
+ * never the queue's link nor the fields of the rendezvous and fragments,
+ * which send_queue_way sets for the queue's way. */
 struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
 {
-    return engine_send_now(st, m);
+    struct bex__engine *e = st->eng;
+    if (!e || st->q_head || e->streams.ring_n || !lone_now(e, st, m))
+        return send_queue_way(st, m); /* (a tail call) */
+    m->st = st;
+    m->status = 0;
+    /* turn_eager's checks hold: the credit is checked, and with quiet_max
+     * set no send window or destination's bound counts bytes
+     * (bex__engine_window_take takes any); eager_prep's header-free case,
+     * without its call of prep_send, so that this frame is a leaf's */
+    struct sslot *s = prep_data(e, st, m);
+    m->state = BEX__M_POSTED;
+    m->ack_seq = e->cons_sent;
+    s->done = m;
+    return NULL;
 }
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
 {
-    if (!engine_send_now(st, m))
+    if (!bex__engine_send_now(st, m))
         return;
     /* refused (stream failed or closing, engine dead or absent): reported */
     m->st = st;
