@@ -531,7 +531,9 @@ BEX__MEM_SLOW static void *medium_alloc(struct bex__mem_heap *h, size_t size)
     s->kind = BEX__MEM_MEDIUM;
     s->cls = BEX__MEM_NO_CLASS;
     s->heap = h;
-    bex__mem_chunk_of(s)->fast[s - bex__mem_chunk_of(s)->spans] = (struct bex__mem_fast){h, NULL};
+    /* (ownerless: its free takes the slow path, which reads s) */
+    bex__mem_chunk_of(s)->fast[s - bex__mem_chunk_of(s)->spans] =
+        (struct bex__mem_fast){&bex__mem_ownerless_heap, NULL};
     s->block_size = (uint32_t)n << BEX__MEM_SPAN_SHIFT;
     s->capacity = 1;
     s->used = 1;
@@ -760,20 +762,25 @@ void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
         heap_use(pool->id, tl.prev_heap);
     }
     struct bex__mem_heap *h = tl.heap;
-    if (BEX__MEM_LIKELY(size <= BEX__MEM_SMALL_MAX)) {
-        unsigned c = bex__mem_class_of(size);
-        struct bex__mem_bin *b = bin_at(h, c);
-        void *p = b->list;
-        if (BEX__MEM_LIKELY(p != NULL)) {
-            b->list = *(void **)p;
-            bin_count_add(b, (uint32_t)-1);
-            return p;
-        }
-        return small_refill(h, c);
-    }
-    if (size <= BEX__MEM_MEDIUM_MAX)
+    unsigned c;
+    /* a message's size first: one test where the small bound's and the
+     * class table's were two */
+    if (BEX__MEM_LIKELY(size <= 1024))
+        c = bex__mem_class_lut_small[(size + 15) >> 4];
+    else if (size <= BEX__MEM_SMALL_MAX)
+        c = bex__mem_class_lut_big[(size + 127) >> 7];
+    else if (size <= BEX__MEM_MEDIUM_MAX)
         return medium_alloc(h, size);
-    return bex__mem_huge_alloc(pool, size);
+    else
+        return bex__mem_huge_alloc(pool, size);
+    struct bex__mem_bin *b = bin_at(h, c);
+    void *p = b->list;
+    if (BEX__MEM_LIKELY(p != NULL)) {
+        b->list = *(void **)p;
+        bin_count_add(b, (uint32_t)-1);
+        return p;
+    }
+    return small_refill(h, c);
 }
 
 /* bex__mem_alloc_usable's every case but a hit in the cached pool's bin */
@@ -790,8 +797,15 @@ BEX__MEM_SLOW static void *alloc_usable_slow(bex_mem_pool *pool, size_t size, si
  * message over TCP, issue 25 item 2); the rest is a tail call. */
 void *bex__mem_alloc_usable(bex_mem_pool *pool, size_t size, size_t *usable)
 {
-    if (BEX__MEM_LIKELY(pool && tl.pool_id == pool->id && size <= BEX__MEM_SMALL_MAX)) {
-        unsigned c = bex__mem_class_of(size);
+    if (BEX__MEM_LIKELY(pool && tl.pool_id == pool->id)) {
+        unsigned c;
+        /* a message's size first, as in bex_mem_alloc */
+        if (BEX__MEM_LIKELY(size <= 1024))
+            c = bex__mem_class_lut_small[(size + 15) >> 4];
+        else if (size <= BEX__MEM_SMALL_MAX)
+            c = bex__mem_class_lut_big[(size + 127) >> 7];
+        else
+            return alloc_usable_slow(pool, size, usable);
         struct bex__mem_bin *b = bin_at(tl.heap, c);
         void *p = b->list;
         if (BEX__MEM_LIKELY(p != NULL)) {
@@ -856,12 +870,13 @@ void bex_mem_free(void *ptr)
 {
     if (!ptr)
         return;
-    /* heap and bin of the span holding the block (head or tail alike) */
-    const struct bex__mem_fast *f = &bex__mem_chunk_of(ptr)->fast[bex__mem_span_index(ptr)];
+    /* heap and bin of the span holding the block (head or tail alike);
+     * the heap is the ownerless one unless the span is small, so its
+     * owner's test says both (bex__mem_fast) */
+    const struct bex__mem_fast *f = bex__mem_fast_of(ptr);
     struct bex__mem_heap *h = f->heap;
-    struct bex__mem_bin *b = f->bin;
-    if (BEX__MEM_LIKELY(b != NULL &&
-                        atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
+    if (BEX__MEM_LIKELY(atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
+        struct bex__mem_bin *b = f->bin;
         *(void **)ptr = b->list;
         b->list = ptr;
         uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed); /* before */
@@ -890,7 +905,7 @@ size_t bex_mem_usable_size(const void *ptr)
     /* a small block: its class, in the descriptor bex_mem_free reads too
      * (the run's head descriptor and its kind were some 12 instructions
      * more a received message, issue 25 item 2) */
-    const struct bex__mem_fast *f = &bex__mem_chunk_of(ptr)->fast[bex__mem_span_index(ptr)];
+    const struct bex__mem_fast *f = bex__mem_fast_of(ptr);
     if (BEX__MEM_LIKELY(f->bin != NULL))
         return bex__mem_class_size[f->bin->cls];
     struct bex__mem_span *s = bex__mem_span_of(ptr);

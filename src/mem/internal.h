@@ -108,10 +108,11 @@ struct bex__mem_bin;
 
 /* What the free fast path needs of a span, packed four to a cache line so
  * the lookups of a large working set stay in L1 (the descriptors are two
- * lines each). Kept equal to the descriptor's heap and, for a small run,
- * the heap's bin of its cls (NULL if the span is not small): the free
- * pushes there without working out the bin from the class (issue 25 item
- * 2). */
+ * lines each). For a span of a small run, the descriptor's heap and the
+ * heap's bin of its cls: the free pushes there without working out the bin
+ * from the class (issue 25 item 2). For every other span the ownerless
+ * heap and NULL, so that the free's one test of the heap's owner sends it
+ * to the slow path (which reads the descriptor). */
 struct bex__mem_fast {
     struct bex__mem_heap *heap;
     struct bex__mem_bin *bin;
@@ -137,9 +138,17 @@ struct bex__mem_chunk {
  * their very start would all map to the same few cache sets, and the
  * descriptors of many chunks would evict each other. The header sits at
  * an offset derived from the chunk's address bits instead, which costs two
- * ALU operations per lookup and no memory access. */
-#define BEX__MEM_COLOURS     32
-#define BEX__MEM_COLOUR_STEP 512
+ * ALU operations per lookup and no memory access. The step is 1 KiB, the
+ * size of the fast descriptors' array: a pointer's bits 16..26 (span
+ * index, then colour) shifted down by 12 are then its fast descriptor's
+ * offset from the array at colour 0, one shift and one mask
+ * (bex__mem_fast_of; a step of 512 took five operations more on every
+ * free, issue 25 item 2). The arrays of the 32 colours tile the cache's
+ * sets as evenly as with the smaller step (every array and every
+ * descriptor table spans at least 1 KiB). */
+#define BEX__MEM_COLOURS      32
+#define BEX__MEM_COLOUR_SHIFT 10
+#define BEX__MEM_COLOUR_STEP  ((size_t)1 << BEX__MEM_COLOUR_SHIFT)
 
 /* User data of a huge mapping starts here; descriptor 0 covers it. */
 #define BEX__MEM_HUGE_HDR                                                                          \
@@ -176,10 +185,12 @@ struct bex__mem_bin {
 };
 
 struct bex__mem_heap {
+    /* first: a bin's address is the heap's plus 16 times its class (one
+     * add fewer an allocation) */
+    struct bex__mem_bin bins[BEX__MEM_NCLS];
     _Atomic uint64_t owner; /* thread id of the owner, BEX__MEM_NO_OWNER if none */
     _Atomic int64_t delta;  /* bytes moved out of runs (to users or bins) and not
                                yet added to the pool counter; slow paths only */
-    struct bex__mem_bin bins[BEX__MEM_NCLS];
     struct bex__mem_span *active[BEX__MEM_NCLS];   /* class lists' first, or the empty span */
     struct bex__list cls[BEX__MEM_NCLS];           /* class lists (span link) */
     struct bex__list by_run[BEX__MEM_SPANS];       /* owned chunks by longest free run */
@@ -249,16 +260,34 @@ static inline uintptr_t bex__mem_base_of(const void *p)
     return (uintptr_t)p & ~(uintptr_t)BEX__MEM_CHUNK_MASK;
 }
 
+/* The colour's offset (colour * BEX__MEM_COLOUR_STEP) of the chunk
+ * holding p: its address bits 22..26 moved down to bits 10..14. */
+static inline uintptr_t bex__mem_colour_off(uintptr_t p)
+{
+    return (p >> (BEX__MEM_CHUNK_SHIFT - BEX__MEM_COLOUR_SHIFT)) &
+           ((uintptr_t)(BEX__MEM_COLOURS - 1) << BEX__MEM_COLOUR_SHIFT);
+}
+
 static inline struct bex__mem_chunk *bex__mem_header_at(uintptr_t base)
 {
-    return (struct bex__mem_chunk *)(base +
-                                     ((base >> BEX__MEM_CHUNK_SHIFT) & (BEX__MEM_COLOURS - 1)) *
-                                         BEX__MEM_COLOUR_STEP);
+    return (struct bex__mem_chunk *)(base + bex__mem_colour_off(base));
+}
+
+/* The fast descriptor of the span holding p (any pointer into a chunk,
+ * or into a huge mapping's first span): its colour's header and its span
+ * index from one shift and mask (see BEX__MEM_COLOUR_STEP; pool.c checks
+ * the geometry). */
+static inline const struct bex__mem_fast *bex__mem_fast_of(const void *p)
+{
+    uintptr_t off = ((uintptr_t)p >> (BEX__MEM_SPAN_SHIFT - 4)) &
+                    ((uintptr_t)(BEX__MEM_COLOURS * BEX__MEM_SPANS - 1) << 4);
+    return (const struct bex__mem_fast *)(bex__mem_base_of(p) +
+                                          offsetof(struct bex__mem_chunk, fast) + off);
 }
 
 static inline struct bex__mem_chunk *bex__mem_chunk_of(const void *p)
 {
-    return bex__mem_header_at(bex__mem_base_of(p));
+    return (struct bex__mem_chunk *)(bex__mem_base_of(p) + bex__mem_colour_off((uintptr_t)p));
 }
 
 static inline unsigned bex__mem_span_index(const void *p)

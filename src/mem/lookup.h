@@ -24,8 +24,9 @@ struct bex__mem_chunk;
 #define BEX__MEM_LOOKUP_MR_OFF 9216
 extern _Atomic(_Atomic(struct bex__mem_chunk *) *) bex__mem_huge_l1[1u << BEX__MEM_LOOKUP_L1];
 /* a header's cache colour (BEX__MEM_COLOURS, BEX__MEM_COLOUR_STEP) */
-#define BEX__MEM_LOOKUP_COLOURS     32
-#define BEX__MEM_LOOKUP_COLOUR_STEP 512
+#define BEX__MEM_LOOKUP_COLOURS      32
+#define BEX__MEM_LOOKUP_COLOUR_SHIFT 10
+#define BEX__MEM_LOOKUP_COLOUR_STEP  ((size_t)1 << BEX__MEM_LOOKUP_COLOUR_SHIFT)
 
 /* bex_mem_mr(block) for a block's first byte (a pointer bex_mem_alloc
  * returned, of any pool and size): the header of the mapping it lies in is
@@ -37,9 +38,12 @@ extern _Atomic(_Atomic(struct bex__mem_chunk *) *) bex__mem_huge_l1[1u << BEX__M
 static inline const bex_mem_region *bex__mem_block_mr(const void *block)
 {
     uintptr_t base = (uintptr_t)block & ~(((uintptr_t)1 << BEX__MEM_LOOKUP_SHIFT) - 1);
-    uintptr_t colour = (base >> BEX__MEM_LOOKUP_SHIFT) & (BEX__MEM_LOOKUP_COLOURS - 1);
-    return (const bex_mem_region *)(base + colour * BEX__MEM_LOOKUP_COLOUR_STEP +
-                                    BEX__MEM_LOOKUP_MR_OFF);
+    /* the colour's offset straight from the address bits (internal.h's
+     * bex__mem_colour_off) */
+    uintptr_t colour_off =
+        ((uintptr_t)block >> (BEX__MEM_LOOKUP_SHIFT - BEX__MEM_LOOKUP_COLOUR_SHIFT)) &
+        ((uintptr_t)(BEX__MEM_LOOKUP_COLOURS - 1) << BEX__MEM_LOOKUP_COLOUR_SHIFT);
+    return (const bex_mem_region *)(base + colour_off + BEX__MEM_LOOKUP_MR_OFF);
 }
 
 /* The registered region of the mapping holding ptr, and in *pool the pool

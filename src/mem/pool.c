@@ -96,9 +96,17 @@ _Static_assert(offsetof(struct bex__mem_chunk, mr) == BEX__MEM_LOOKUP_MR_OFF &&
                        BEX__MEM_LOOKUP_MR_OFF + sizeof(bex_mem_region),
                "mem/lookup.h reads a chunk's region and pool at these offsets");
 _Static_assert(BEX__MEM_LOOKUP_COLOURS == BEX__MEM_COLOURS &&
-                   BEX__MEM_LOOKUP_COLOUR_STEP == BEX__MEM_COLOUR_STEP &&
+                   BEX__MEM_LOOKUP_COLOUR_SHIFT == BEX__MEM_COLOUR_SHIFT &&
                    BEX__MEM_HUGE_HDR < BEX__MEM_CHUNK_SIZE,
                "mem/lookup.h's bex__mem_block_mr finds a header as bex__mem_chunk_of does");
+/* bex__mem_fast_of's one shift and mask: a colour's step is the fast
+ * array's size, 16 bytes an entry, and a huge mapping's user data starts in
+ * its first span (descriptor 0 is the one its frees read). */
+_Static_assert(sizeof(struct bex__mem_fast) == 16 &&
+                   BEX__MEM_SPANS * sizeof(struct bex__mem_fast) == BEX__MEM_COLOUR_STEP &&
+                   BEX__MEM_SPAN_SHIFT - 4 == BEX__MEM_CHUNK_SHIFT - BEX__MEM_COLOUR_SHIFT &&
+                   BEX__MEM_HUGE_HDR < BEX__MEM_SPAN_SIZE,
+               "bex__mem_fast_of's geometry");
 _Atomic size_t bex__mem_huge_multi;
 
 /* Install the table's second level i1 (mapped on first use): it, or
@@ -264,7 +272,8 @@ static struct bex__mem_chunk *chunk_new(bex_mem_pool *pool)
     c->spans[0].kind = BEX__MEM_HUGE;
     c->spans[0].cls = BEX__MEM_NO_CLASS;
     c->spans[0].heap = &bex__mem_ownerless_heap;
-    c->fast[0] = (struct bex__mem_fast){&bex__mem_ownerless_heap, NULL};
+    for (unsigned i = 0; i < BEX__MEM_SPANS; i++) /* no run yet (bex__mem_fast) */
+        c->fast[i] = (struct bex__mem_fast){&bex__mem_ownerless_heap, NULL};
     pthread_mutex_lock(&pool->lock);
     bex__mem_pool_chunk_link(pool, c);
     pthread_mutex_unlock(&pool->lock);

@@ -64,10 +64,12 @@ static bool direct_live(struct bex__tcp *t, const struct part *p)
 /* A message of the peer's arrived whole. */
 static void part_complete(struct bex__tcp *t, struct part *p)
 {
-    if (p != &t->one)
+    bool one = p == &t->one;
+    if (!one)
         bex__hmap_del(&t->parts, p->stream);
     t->parts_n--;
-    bex__tcp_part_unhold(t, p);
+    if (p->held) /* (the test here, not a call a message: issue 25 item 2) */
+        bex__tcp_part_unhold(t, p);
     t->acks_owed++;
     if (t->ack_now)
         t->msg_in_us = bex__now_us();
@@ -82,7 +84,10 @@ static void part_complete(struct bex__tcp *t, struct part *p)
     }
     uint32_t stream = p->stream, len = p->len;
     void *buf = p->buf;
-    bex__tcp_part_release(t, p);
+    if (one)
+        t->one_busy = false; /* bex__tcp_part_release's common case */
+    else
+        bex__tcp_part_release(t, p);
     BEX__STAT_ADD(t->sh->stats, bytes_recv, len);
     t->up->on_msg(&t->x, stream, buf, len);
 }
@@ -134,11 +139,16 @@ static bool part_buf(struct bex__tcp *t, const struct bex__hdr *h, struct part *
         bex__tcp_violation(t, "a message above max_msg");
         return false;
     }
-    if (t->part_bytes + h->id > bex__tcp_recv_share(t)) {
+    /* the share is never below share_min: within it no call (its holders'
+     * count and division, some 20 instructions a message, issue 25 item 2) */
+    uint64_t held = t->part_bytes + h->id;
+    if (held > t->cfg.share_min && held > bex__tcp_recv_share(t)) {
         *ret = pause_for_room(t, true);
         return false;
     }
-    if (!bex__tcp_recv_room(t, h->id)) { /* until the application frees some */
+    /* the context's budget, as over RDMA: with nothing held, one message of
+     * any size may come */
+    if (!bex__recv_room(t->sh, h->id)) { /* until the application frees some */
         *ret = pause_for_room(t, false);
         return false;
     }
@@ -305,16 +315,23 @@ static bool payload_in(struct bex__tcp *t, uint32_t n)
     return t->state != T_DEAD;
 }
 
-/* May the current frame's payload still go into its exposed buffer? */
-static bool direct_ok(struct bex__tcp *t)
+/* A DIRECT message's buffer is no longer exposed: the connection fails
+ * (false). */
+static __attribute__((noinline)) bool direct_gone(struct bex__tcp *t)
 {
-    struct part *p = t->cur;
-    if (p->direct && !direct_live(t, p)) {
-        /* as over RDMA, where its completion names no armed buffer */
-        bex__tcp_violation(t, "a DIRECT message into a buffer no longer exposed");
-        return false;
-    }
-    return true;
+    if (direct_live(t, t->cur))
+        return true;
+    /* as over RDMA, where its completion names no armed buffer */
+    bex__tcp_violation(t, "a DIRECT message into a buffer no longer exposed");
+    return false;
+}
+
+/* May the current frame's payload still go into its exposed buffer?
+ * Inline: a DATA message's payload asks once (a call was some 10
+ * instructions a message, issue 25 item 2). */
+static inline bool direct_ok(struct bex__tcp *t)
+{
+    return !t->cur->direct || direct_gone(t);
 }
 
 /* Take what the last read staged: payload bytes of the current frame
@@ -334,7 +351,13 @@ static bool take_staged(struct bex__tcp *t)
     }
     if (!t->rhdr_len && avail >= BEX__HDR_LEN) {
         t->stage_off += BEX__HDR_LEN;
-        return on_header(t, s);
+        if (!on_header(t, s))
+            return false;
+        /* its payload, when staged behind it, at once (not a turn of
+         * bex__tcp_rx's loop more: issue 25 item 2) */
+        if (!t->in_payload || t->stage_off == t->stage_end)
+            return true;
+        return take_staged(t);
     }
     uint32_t k = BEX__HDR_LEN - t->rhdr_len;
     k = avail < k ? avail : k;

@@ -9,13 +9,6 @@
 
 /* ---------------- received memory (recv_bytes_max) ---------------- */
 
-/* As over RDMA (bex__recv_room): with nothing held, one message of any
- * size may come. */
-bool bex__tcp_recv_room(struct bex__tcp *t, uint64_t want_bytes)
-{
-    return bex__recv_room(t->sh, want_bytes);
-}
-
 static _Atomic int32_t *holders(struct bex__tcp *t)
 {
     return &(t->sh->recv_acct ? t->sh->recv_acct : &t->sh->recv_own)->holders;

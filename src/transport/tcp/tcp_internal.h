@@ -146,7 +146,6 @@ bool bex__tcp_keepalive_due(struct bex__tcp *t, uint64_t now);
 unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now);
 struct bex__xport *bex__tcp_unwrap(struct bex__xport *x);
 void bex__tcp_want(struct bex__tcp *t);
-bool bex__tcp_recv_room(struct bex__tcp *t, uint64_t want_bytes);
 uint64_t bex__tcp_recv_share(struct bex__tcp *t);
 void bex__tcp_hold_note(struct bex__tcp *t);
 void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p);
