@@ -10,7 +10,17 @@
  * as perftest does (probe_calibrate: 400 gettimeofday calls, their
  * regression), and main reads gettimeofday once itself: cg-counts must
  * find probe_calibrate's inclusive instructions as the calibration, and
- * not main's.   usage: cg-probe POLLS */
+ * not main's.   usage: cg-probe POLLS
+ * With three arguments (cg-probe MESSAGES WAIT_A WAIT_B) it waits as
+ * ib_send_lat's busy ping-pong does, in two loops of different cost
+ * around the same poll function: each message is a receive, waited for
+ * in loop B (its own instructions about four times loop A's) until it
+ * comes after WAIT_B empty polls, some work, and a send whose completion
+ * is waited for in loop A, after WAIT_A empty polls. A message's true
+ * cost is that of a run with no empty polls (WAIT_A = WAIT_B = 0); a
+ * method that subtracts a run's empty polls at one cost for both loops
+ * gets it wrong when the runs wait in different loops
+ * (tests/bench/test_cost.sh). */
 #include <stdlib.h>
 #include <sys/time.h>
 
@@ -46,6 +56,61 @@ static __attribute__((noinline)) double probe_calibrate(void)
     return (n * sxy - sx * sy) / (n * sxx - sx * sx);
 }
 
+/* two queues, a receive's and a send's (a receive CQ and a send CQ),
+ * polled by the same function from two call sites */
+struct probe_q {
+    volatile int ring[64];
+    volatile unsigned head, tail;
+};
+static struct probe_q recv_q, send_q;
+static volatile long sink; /* the work's and loop B's stores */
+
+static __attribute__((noinline)) int probe_poll_q(struct probe_q *q, int ne, int *out)
+{
+    int n = 0;
+    while (n < ne && q->head != q->tail) {
+        out[n++] = q->ring[q->head & 63];
+        q->head++;
+    }
+    return n;
+}
+
+static __attribute__((noinline)) int probe_loops(long messages, long wait_a, long wait_b)
+{
+    int out[16];
+    long done = 0;
+    for (long m = 0; m < messages; m++) {
+        /* loop B: the receive, after wait_b empty polls; its own work
+         * (the stores) makes an iteration dearer than loop A's */
+        for (long k = 0;; k++) {
+            if (k == wait_b) {
+                recv_q.ring[recv_q.tail & 63] = (int)m;
+                recv_q.tail++;
+            }
+            int n = probe_poll_q(&recv_q, batch, out);
+            if (n) {
+                done += n;
+                break;
+            }
+            sink += k;
+            sink ^= k >> 3;
+            sink += sink >> 7;
+        }
+        for (int i = 0; i < 8; i++) /* the message's work */
+            sink += out[0] + i;
+        /* loop A: the send's completion, after wait_a empty polls */
+        for (long k = 0;; k++) {
+            if (k == wait_a) {
+                send_q.ring[send_q.tail & 63] = (int)m;
+                send_q.tail++;
+            }
+            if (probe_poll_q(&send_q, batch, out))
+                break;
+        }
+    }
+    return done == messages ? 0 : 1;
+}
+
 static int cmp_int(const void *a, const void *b)
 {
     int x = *(const int *)a, y = *(const int *)b;
@@ -54,6 +119,8 @@ static int cmp_int(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
+    if (argc == 4)
+        return probe_loops(atol(argv[1]), atol(argv[2]), atol(argv[3]));
     if (argc != 2)
         return 2;
     long polls = atol(argv[1]), done = 0;
