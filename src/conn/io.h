@@ -166,7 +166,8 @@ struct bex__io {
     _Atomic uint64_t turns;        /* loop turns (the same) */
     _Atomic uint64_t tick_calls;   /* transport ticks (conn/timers.c; the same) */
     _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
-    _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
+    _Atomic uint64_t direct_sends; /* sends taken at once on this thread: bex__io_send_direct's,
+                                      from bex__io_send_now and the socket's own send (the same) */
     uint64_t poll_no;              /* poll turns with CQs (conn/thread.c) */
     bool draining;                 /* the owner is running commands it took */
     /* spinning (conn/thread.c spin_look): connections of this thread in
