@@ -178,8 +178,10 @@ struct bex__io {
     uint32_t spins;
     uint64_t turn_ms, looked_ms;
     /* turns that found the nearest deadline within the coarse clock's lag
-     * (run_timers: the precise clock on every 16th of them) */
-    uint32_t near_turns;
+     * (run_timers: the precise clock on every 16th of them), and turns of
+     * a polling thread that found work (its timers on every 16th of them:
+     * conn/thread.c WORK_TIMERS) */
+    uint32_t near_turns, work_turns;
     struct bex__list listeners; /* struct bex_listener.link */
     struct conn **engines;      /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;
