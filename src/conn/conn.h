@@ -183,10 +183,13 @@ static inline uint32_t bex__conn_engine_slot(struct bex__io *io, uint32_t id)
  * each completion calls both. */
 static inline struct conn *bex__conn_by_engine(struct bex__io *io, uint32_t id)
 {
-    uint32_t n = io->env->n_io;
-    if (n > 1 && id % n != io->idx)
-        return NULL;
-    struct conn *c = io->engines[bex__conn_engine_slot(io, id)];
+    uint32_t n = io->env->n_io, seq = id; /* (bex__conn_engine_slot's, one test of n) */
+    if (n > 1) {
+        if (id % n != io->idx)
+            return NULL;
+        seq = id / n;
+    }
+    struct conn *c = io->engines[seq % ENGINE_TABLE];
     return c && c->eng_id == id ? c : NULL;
 }
 

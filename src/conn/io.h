@@ -166,7 +166,8 @@ struct bex__io {
     _Atomic uint64_t turns;        /* loop turns (the same) */
     _Atomic uint64_t tick_calls;   /* transport ticks (conn/timers.c; the same) */
     _Atomic uint64_t reap_visits;  /* connections the reaper looked at (the same) */
-    _Atomic uint64_t direct_sends; /* sends taken by bex__io_send_now (the same) */
+    _Atomic uint64_t direct_sends; /* sends taken at once on this thread: bex__io_send_direct's,
+                                      from bex__io_send_now and the socket's own send (the same) */
     uint64_t poll_no;              /* poll turns with CQs (conn/thread.c) */
     bool draining;                 /* the owner is running commands it took */
     /* spinning (conn/thread.c spin_look): connections of this thread in
@@ -177,8 +178,10 @@ struct bex__io {
     uint32_t spins;
     uint64_t turn_ms, looked_ms;
     /* turns that found the nearest deadline within the coarse clock's lag
-     * (run_timers: the precise clock on every 16th of them) */
-    uint32_t near_turns;
+     * (run_timers: the precise clock on every 16th of them), and turns of
+     * a polling thread that found work (its timers on every 16th of them:
+     * conn/thread.c WORK_TIMERS) */
+    uint32_t near_turns, work_turns;
     struct bex__list listeners; /* struct bex_listener.link */
     struct conn **engines;      /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;

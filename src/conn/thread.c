@@ -31,6 +31,15 @@
  * instructions. */
 #define NEAR_EVERY 16
 
+/* A polling thread's turns look at its timers (run_timers: the coarse
+ * clock, some 26 instructions) when they found nothing to do (no
+ * completion that made work, no command), and on every WORK_TIMERS-th turn
+ * that found some: a timer runs at most that many turns with work late.
+ * Before (issue 25 item 2, busy mode), on every turn: a busy ping-pong's
+ * one turn with work a round trip paid the clock read that the idle turns
+ * around it make anyway. */
+#define WORK_TIMERS 16
+
 /* Completion events acknowledged together (on_channel). */
 #define CQ_ACK_BATCH 64
 
@@ -125,16 +134,21 @@ void bex__io_tags_init(struct bex__io *io)
  * turn (bex_sock_stats.poll_recvs / poll_recv_conns: how many of a QP's
  * receives a turn takes together, so how many of its answers can leave in
  * one chain). */
-__attribute__((always_inline)) static inline void count_recv(struct bex__io *io, struct conn *c,
-                                                             const struct ibv_wc *wc)
+__attribute__((always_inline)) static inline void count_recv_ok(struct bex__io *io, struct conn *c)
 {
-    if (wc->status != IBV_WC_SUCCESS || !(wc->opcode & IBV_WC_RECV))
-        return;
     BEX__STAT_ADD(&io->stats, poll_recvs, 1);
     if (c->recv_turn != io->poll_no) {
         c->recv_turn = io->poll_no;
         BEX__STAT_ADD(&io->stats, poll_recv_conns, 1);
     }
+}
+
+/* count_recv_ok when wc is a receive's success. */
+__attribute__((always_inline)) static inline void count_recv(struct bex__io *io, struct conn *c,
+                                                             const struct ibv_wc *wc)
+{
+    if (wc->status == IBV_WC_SUCCESS && (wc->opcode & IBV_WC_RECV))
+        count_recv_ok(io, c);
 }
 
 /* Hand each completion to its engine, found by the id in its wr_id:
@@ -304,8 +318,8 @@ __attribute__((noinline)) static bool poll_srq(struct bex__io *io, struct ibv_wc
     return any;
 }
 
-/* poll_cqs_some's every CQ and the shared receive queue's (poll_no
- * counted by the caller). */
+/* poll_cqs's every CQ and the shared receive queue's (poll_no counted by
+ * the caller). */
 __attribute__((noinline)) static bool poll_cqs_all(struct bex__io *io, struct ibv_wc *wc)
 {
     bool any = false, full = false;
@@ -317,34 +331,46 @@ __attribute__((noinline)) static bool poll_cqs_all(struct bex__io *io, struct ib
     return any || full; /* (a full CQ may hold more) */
 }
 
-/* One completion of a thread without a shared receive queue, to its
- * engine: dispatch's body for n == 1, in a frame that keeps one register
- * (issue 25: the general loop of poll_cq_more, with its batch and turn
- * bounds, saved six registers and spilled five values, some 100
- * instructions for a ping-pong's one completion). */
-__attribute__((always_inline)) static inline bool dispatch_one(struct bex__io *io,
-                                                               const struct ibv_wc *wc)
+/* dispatch_one's send completion (out of line: it keeps c across the
+ * engine's call, which the receive's path does not). */
+__attribute__((noinline)) static bool dispatch_sent(struct conn *c, const struct ibv_wc *wc)
 {
-    struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc->wr_id));
-    if (!c || !c->eng) /* a stale completion of a destroyed engine */
-        return false;
-    count_recv(io, c, wc);
     if (!bex__engine_complete(c->eng, wc))
         return false;
     bex__conn_ready(c);
     return true;
 }
 
-/* poll_cqs_some's one CQ after its first poll gave n (not 0). One
- * completion (a ping-pong's) is all the CQ had: poll_cq_more would
- * dispatch it and poll no more (got 1, less than a batch), so neither
- * does this. */
-__attribute__((noinline)) static bool poll_one_rest(struct bex__io *io, struct ibv_wc *wc, int n)
+/* One completion of a thread without a shared receive queue, to its
+ * engine: dispatch's body for n == 1 (issue 25: the general loop of
+ * poll_cq_more, with its batch and turn bounds, saved six registers and
+ * spilled five values, some 100 instructions for a ping-pong's one
+ * completion). After a receive or a failure the engine always wants its
+ * progress call (bex__engine_complete's contract): the connection is
+ * marked first and the engine's call is the last, so that this frame
+ * keeps nothing across it, and the upcall's answer (a send from the
+ * callback, which marks the connection too) finds it marked (issue 25
+ * item 2: some 15 instructions a receive). A send's completion makes work
+ * only when the engine says so. */
+__attribute__((always_inline)) static inline bool dispatch_one(struct bex__io *io,
+                                                               const struct ibv_wc *wc)
 {
-    if (__builtin_expect(n == 1, 1)) {
-        io->cq_quiet = io->cq_armed;
-        return dispatch_one(io, wc);
+    struct conn *c = bex__conn_by_engine(io, bex__wr_engine(wc->wr_id));
+    if (!c || !c->eng) /* a stale completion of a destroyed engine */
+        return false;
+    if (__builtin_expect(wc->status == IBV_WC_SUCCESS, 1)) {
+        if (__builtin_expect(!(wc->opcode & IBV_WC_RECV), 0))
+            return dispatch_sent(c, wc);
+        count_recv_ok(io, c);
     }
+    bex__conn_ready(c);
+    return bex__engine_complete(c->eng, wc); /* (true) */
+}
+
+/* poll_one_rest for n other than 1 (several completions, or a failed
+ * poll). */
+__attribute__((noinline)) static bool poll_rest_more(struct bex__io *io, struct ibv_wc *wc, int n)
+{
     bool any = false, full = false;
     if (n < 0)
         cq_failed(io, 0, n);
@@ -354,17 +380,48 @@ __attribute__((noinline)) static bool poll_one_rest(struct bex__io *io, struct i
     return any || full;
 }
 
-/* poll_cqs of a thread that has CQs. A thread of one CQ and no shared
- * receive queue (the usual) polls inline, and an empty poll (one of a
- * ping-pong's two: the sleep's after arming) returns at once; a poll that
- * found completions goes on out of line, whose frame (the dispatch, the
- * engine's completion) an empty one then does not pay (issue 25: some 35
- * instructions of saved registers a poll). */
-static inline bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
+/* poll_cqs's one CQ after its first poll gave n (not 0). One
+ * completion (a ping-pong's) is all the CQ had: poll_cq_more would
+ * dispatch it and poll no more (got 1, less than a batch), so neither
+ * does this. Every way out is a tail call, so that its frame saves no
+ * register (issue 25 item 2). */
+__attribute__((noinline)) static bool poll_one_rest(struct bex__io *io, struct ibv_wc *wc, int n)
 {
-    io->poll_no++;
-    if (__builtin_expect(io->n_cq != 1 || io->sh.srq != NULL, 0))
+    if (__builtin_expect(n != 1, 0))
+        return poll_rest_more(io, wc, n);
+    io->cq_quiet = io->cq_armed;
+    return dispatch_one(io, wc);
+}
+
+/* Whether the thread has one CQ and no shared receive queue (the usual
+ * with a device; a shared receive queue comes with a CQ, so n_cq is 0
+ * only without a device). */
+static inline bool one_cq(const struct bex__io *io)
+{
+    return io->n_cq == 1 && io->sh.srq == NULL;
+}
+
+/* Poll every CQ of the thread (up to WC_TURN_MAX each): whether a
+ * completion made work (dispatch) or a CQ may hold more. A thread of one
+ * CQ and no shared receive queue (the usual) polls inline, and an empty
+ * poll (one of a ping-pong's two: the sleep's after arming) returns at
+ * once; a poll that found completions goes on out of line, whose frame
+ * (the dispatch, the engine's completion) an empty one then does not pay
+ * (issue 25: some 35 instructions of saved registers a poll). A thread of
+ * TCP connections alone has no CQ: it is called some three times a
+ * message, so that costs no call. One test for the usual thread, not one
+ * for "no CQ" and another for "one" (issue 25 item 2). */
+static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
+{
+    if (__builtin_expect(!one_cq(io), 0)) {
+        if (!io->n_cq) {
+            io->cq_quiet = io->cq_armed;
+            return false;
+        }
+        io->poll_no++;
         return poll_cqs_all(io, wc);
+    }
+    io->poll_no++;
     int n = bex__rdma_poll_cq(io->cqs[0].cq, WC_BATCH, wc);
     bex__stat_poll(&io->stats, n);
     if (n == 0) {
@@ -372,18 +429,6 @@ static inline bool poll_cqs_some(struct bex__io *io, struct ibv_wc *wc)
         return false;
     }
     return poll_one_rest(io, wc, n);
-}
-
-/* Poll every CQ of the thread (up to WC_TURN_MAX each): whether a
- * completion made work (dispatch) or a CQ may hold more. A thread of TCP connections alone has
- * none: it is called some three times a message, so that costs no call. */
-static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
-{
-    if (!io->n_cq && !io->sh.srq) {
-        io->cq_quiet = io->cq_armed;
-        return false;
-    }
-    return poll_cqs_some(io, wc);
 }
 
 /* Arm every CQ of the thread for an event at its next completion (a
@@ -409,7 +454,7 @@ __attribute__((noinline)) static void arm_cqs_all(struct bex__io *io)
  * trip, its one call through the provider's table 6). */
 static inline void arm_cqs(struct bex__io *io)
 {
-    if (__builtin_expect(io->n_cq != 1 || io->sh.srq != NULL, 0)) {
+    if (__builtin_expect(!one_cq(io), 0)) {
         arm_cqs_all(io);
         return;
     }
@@ -484,10 +529,13 @@ __attribute__((noinline)) static int sleep_timeout(struct bex__io *io, uint64_t 
 __attribute__((always_inline)) static inline void
 io_sleep(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc, bool timers_late)
 {
-    if (!io->cq_armed)
+    bool quiet = io->cq_quiet; /* (arming clears it: no load after the call) */
+    if (!io->cq_armed) {
         arm_cqs(io);
+        quiet = false;
+    }
     bex__loop_sleep_begin(&io->loop);
-    bool found = !io->cq_quiet && poll_cqs(io, wc);
+    bool found = !quiet && poll_cqs(io, wc);
     if (found || bex__loop_has_cmds(&io->loop) || !bex__list_empty(&io->ready)) {
         bex__loop_sleep_end(&io->loop);
         if (timers_late)
@@ -548,6 +596,21 @@ static inline void spin_look(struct bex__io *io, struct epoll_event *ev, struct 
     spin_look_now(io, ev, wc);
 }
 
+/* A spin-then-sleep thread's idle turn that reads the precise clock (every
+ * 16th): the timers due run, and whether it has spun spin_us since
+ * *idle_since (set at its first idle turn) and may sleep. */
+static inline bool spin_done(struct bex__io *io, uint32_t spin_us, uint64_t *idle_since)
+{
+    uint64_t t = bex__now_us();
+    if (bex__timers_next(&io->timers) <= t) /* (run_timers's gate lags) */
+        bex__io_timers_run(io, t);
+    if (!*idle_since)
+        *idle_since = t;
+    /* a transport's deadline is near (some hundred us at most): spin on to
+     * it rather than sleep for epoll's whole millisecond */
+    return t - *idle_since >= spin_us && bex__timers_next(&io->timers) > t + 1000;
+}
+
 const char *bex__io_state_name(int s)
 {
     static const char *const names[] = {[IO_NEW] = "NEW",
@@ -582,16 +645,27 @@ void *bex__io_main(void *arg)
     uint32_t idle_polls = 0;
     bool spun_out = false;
     bool event = cfg->poll_mode == BEX_POLL_EVENT;
-    while (bex__io_state(io) != IO_STOPPING) {
+    for (;;) {
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
         /* the calls a turn usually has nothing for are gated here, not
          * inside them: no call when there is nothing (issue 25: a round
          * trip's turn paid some 30 instructions for the three) */
-        if (bex__loop_cmds_queued(&io->loop))
+        if (bex__loop_cmds_queued(&io->loop)) {
             did |= io->env->ops->drain_cmds(io);
-        /* (event mode, CQs not armed: the sleep's look runs them, io_sleep) */
-        if (!event || io->cq_armed)
+            /* the one move to STOPPING is a command's (CMD_STOP), so the
+             * state is looked at here, not on every turn (issue 25 item
+             * 2); what the commands marked gets its progress call first,
+             * as on any turn */
+            if (__builtin_expect(bex__io_state(io) == IO_STOPPING, 0)) {
+                run_ready(io);
+                break;
+            }
+        }
+        /* Event mode, CQs not armed: the sleep's look runs them (io_sleep).
+         * Else on a turn that found nothing, and on every WORK_TIMERS-th
+         * one that found work (see there). */
+        if (event ? io->cq_armed : (!did || ++io->work_turns % WORK_TIMERS == 0))
             run_timers(io);
         did |= run_ready(io);
         if (io->reap)
@@ -623,19 +697,10 @@ void *bex__io_main(void *arg)
         /* The precise clock may be a system call (see bex__now_ms): while
          * spinning, look at it on every 16th idle poll only. Busy polling
          * never sleeps; event mode sleeps at once. */
-        if (event) {
+        if (event)
             spun_out = true;
-        } else if (cfg->poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0) {
-            uint64_t t = bex__now_us();
-            if (bex__timers_next(&io->timers) <= t) /* (run_timers's gate lags) */
-                bex__io_timers_run(io, t);
-            if (!idle_since)
-                idle_since = t;
-            /* a transport's deadline is near (some hundred us at most): spin
-             * on to it rather than sleep for epoll's whole millisecond */
-            spun_out =
-                t - idle_since >= cfg->poll_spin_us && bex__timers_next(&io->timers) > t + 1000;
-        }
+        else if (cfg->poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0)
+            spun_out = spin_done(io, cfg->poll_spin_us, &idle_since);
         if (!spun_out) {
             spin_look(io, ev, wc);
             continue;
