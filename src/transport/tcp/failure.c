@@ -23,14 +23,6 @@ void bex__tcp_part_free(struct bex__tcp *t, struct part *p)
 }
 
 /* p's entry goes: t->one is free again, an allocated one freed. */
-void bex__tcp_part_release(struct bex__tcp *t, struct part *p)
-{
-    if (p == &t->one)
-        t->one_busy = false;
-    else
-        free(p);
-}
-
 void bex__tcp_fail(struct bex__xport *x, int err)
 {
     struct bex__tcp *t = tcp_of(x);

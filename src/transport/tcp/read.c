@@ -64,8 +64,7 @@ static bool direct_live(struct bex__tcp *t, const struct part *p)
 /* A message of the peer's arrived whole. */
 static void part_complete(struct bex__tcp *t, struct part *p)
 {
-    bool one = p == &t->one;
-    if (!one)
+    if (p != &t->one)
         bex__hmap_del(&t->parts, p->stream);
     t->parts_n--;
     if (p->held) /* (the test here, not a call a message: issue 25 item 2) */
@@ -84,10 +83,7 @@ static void part_complete(struct bex__tcp *t, struct part *p)
     }
     uint32_t stream = p->stream, len = p->len;
     void *buf = p->buf;
-    if (one)
-        t->one_busy = false; /* bex__tcp_part_release's common case */
-    else
-        bex__tcp_part_release(t, p);
+    bex__tcp_part_release(t, p); /* (inline) */
     BEX__STAT_ADD(t->sh->stats, bytes_recv, len);
     t->up->on_msg(&t->x, stream, buf, len);
 }

@@ -5,6 +5,8 @@
 #ifndef BEX_TRANSPORT_TCP_INTERNAL_H
 #define BEX_TRANSPORT_TCP_INTERNAL_H
 
+#include <stdlib.h>
+
 #include "common/hash.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -151,9 +153,19 @@ void bex__tcp_hold_note(struct bex__tcp *t);
 void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p);
 void bex__tcp_done(struct bex__tcp *t, struct bex__msg *m, int status);
 void bex__tcp_part_free(struct bex__tcp *t, struct part *p);
-void bex__tcp_part_release(struct bex__tcp *t, struct part *p);
 void bex__tcp_violation(struct bex__tcp *t, const char *what);
 void bex__tcp_stream_maybe_end(struct bex__tcp *t, struct bex__stream *st);
+
+/* p's memory back: the connection's one part marked free, any other
+ * freed. Inline: a message completed in the one part pays no call (issue
+ * 25 item 2). */
+static inline void bex__tcp_part_release(struct bex__tcp *t, struct part *p)
+{
+    if (p == &t->one)
+        t->one_busy = false;
+    else
+        free(p);
+}
 int bex__tcp_flush(struct bex__tcp *t);
 void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st);
 void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, bool client);
