@@ -37,12 +37,123 @@
 #            most one wake-up of the calling thread (bench/cost/ps-futex:
 #            2 futex calls, the I/O thread's wake and the caller's wait;
 #            issue 25 item 3)
-# usage: test_cost.sh SOURCE_DIR BUILD_DIR [fanout]
+#   rounds   (with a third argument "rounds", that alone: CTest's
+#            bench.cost_rounds) bench/cost/run's ROUNDS: from canned
+#            callgrind files (FROM=, a round a subdirectory) each figure
+#            is the median of the rounds with its range (an even count's
+#            median the middle two's mean), the ratio to perftest the
+#            median of each round's own ratio (not the ratio of the
+#            medians), the stacks' order rotates a round, and the
+#            time-driven work, the message path, poll_cq calls and CQ
+#            events a round trip are cg-counts --paths's; ROUNDS=1 reads
+#            FROM itself and prints today's lines; a run keeps each round
+#            in KEEP/rR (the kernel TCP ping-pong, two rounds)
+# usage: test_cost.sh SOURCE_DIR BUILD_DIR [fanout|rounds]
 set -euo pipefail
 src=$1 build=$2 part=${3:-}
 fail() { echo "FAIL: $*" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+
+if [ "$part" = rounds ]; then
+    # cgfile FILE TOTAL TIMED POLLS EVENTS: a callgrind file of a process
+    # whose instructions are TOTAL, TIMED of them in sleep_timeout (one of
+    # cg-counts' time-driven functions), that polls the provider POLLS
+    # times and reads EVENTS completion events
+    cgfile() {
+        cat >"$1" <<CG
+version: 1
+creator: test_cost.sh
+positions: line
+events: Ir
+ob=(1) /canned/bex-perf
+fn=(1) bex__io_main
+0 10
+cfn=(2) sleep_timeout
+calls=7 0
+0 $3
+cob=(3) /canned/librxe-rdmav34.so
+cfn=(3) 0x0000000000002ca0
+calls=$4 0
+0 $4
+cob=(4) /canned/libibverbs.so.1
+cfn=(4) ibv_get_cq_event
+calls=$5 0
+0 $5
+fn=(2)
+0 $3
+ob=(3)
+fn=(3)
+0 $4
+ob=(4)
+fn=(4)
+0 $5
+totals: $2
+CG
+    }
+    # canned STACK ROUND V T P E: that round's N1 (200) and N2 (1200) runs,
+    # both sides alike, V instructions a round trip, T of them
+    # time-driven, P polls and E events
+    canned() {
+        local d=$tmp/from/r$2 side
+        mkdir -p "$d"
+        for side in srv cli; do
+            cgfile "$d/$1.instructions.200.$side" 1000000 10000 400 200
+            cgfile "$d/$1.instructions.1200.$side" $((1000000 + 1000 * $3)) $((10000 + 1000 * $4)) \
+                $((400 + 1000 * $5 / 100)) $((200 + 1000 * $6 / 100))
+        done
+    }
+    # (P and E in hundredths)
+    canned bex 1 1800 50 200 100
+    canned bex 2 1700 -10 250 50
+    canned bex 3 1900 100 150 75
+    canned perftest 1 1500 0 200 200
+    canned perftest 2 1400 0 200 200
+    canned perftest 3 1450 0 200 200
+    for r in 1 2 3; do for f in "$tmp/from/r$r"/bex.*; do cp "$f" "${f/\/bex./\/base.}"; done; done
+    rounds() { # ROUNDS [DIR [STACKS]]: bench/cost/run's report from the canned files
+        (cd "$src" && FROM=${2:-$tmp/from} ROUNDS=$1 TRANSPORT=rdma STACKS=${3:-base bex perftest} BASE_BUILD=/none \
+            TOOLS=instructions N1=200 N2=1200 bench/cost/run)
+    }
+    out=$(rounds 3)
+    echo "$out"
+    line() { grep -F -- "$1" <<<"$out" >/dev/null || fail "ROUNDS=$2: no line '$1'"; }
+    # each round's stacks in turn, the list rotated a round
+    order=$(awk '$1 == "round" && $6 == "srv" {printf "%s%s%s", sep, $2, $4; sep = " "}' <<<"$out")
+    [ "$order" = "1:base 1:bex 1:perftest 2:bex 2:perftest 2:base 3:perftest 3:base 3:bex" ] ||
+        fail "ROUNDS=3 ran the stacks in the order '$order'"
+    line "cost bex instructions srv 1800.0 (range 1700.0..1900.0 over 3 rounds" 3
+    line "time-driven 50.0 [-10.0, 100.0], message path 1750.0 [1710.0, 1800.0], poll_cq 2.00 [1.50, 2.50], CQ events 0.75 [0.50, 1.00])" 3
+    line "cost perftest instructions cli 1450.0 (range 1400.0..1500.0 over 3 rounds" 3
+    line "| bex | 1800.0 [1700.0, 1900.0] / 1800.0 [1700.0, 1900.0] |" 3
+    line "| bex | 50.0 [-10.0, 100.0] / 50.0 [-10.0, 100.0] | 1750.0 [1710.0, 1800.0] / 1750.0 [1710.0, 1800.0] |" 3
+    # each round's own ratio (1.20, 1.21, 1.31), not 1800 / 1450 = 1.24
+    line "bex against perftest (instructions, the sort and calibration excluded; each round's against its own, the median of 3 rounds [range]): 1.21x [1.20x, 1.31x] / 1.21x [1.20x, 1.31x]" 3
+    line "bex's message path against perftest's (the time-driven work out of both too): 1.22x [1.17x, 1.24x]" 3
+    line "bex against perftest by round: round 1 1.20x / 1.20x, round 2 1.21x / 1.21x, round 3 1.31x / 1.31x" 3
+    # an even count: the middle two's mean
+    out=$(rounds 2 "$tmp/from" "bex perftest")
+    line "cost bex instructions srv 1750.0 (range 1700.0..1800.0 over 2 rounds" 2
+    line "poll_cq 2.25 [2.00, 2.50]" 2
+    # ROUNDS=1: FROM itself, today's lines (and the run's path in the
+    # cost line's detail)
+    out=$(rounds 1 "$tmp/from/r2" "bex perftest")
+    line "cost bex instructions srv 1700.0 (raw 1700.0, sort 0.0 excluded, calibration 0.0 excluded, time-driven -10.0, message path 1710.0, poll_cq 2.50, CQ events 0.50)" 1
+    line "| bex | 1700.0 / 1700.0 | 0.0 / 0.0 | 0.0 / 0.0 | 1700.0 / 1700.0 |" 1
+    line "bex against perftest (instructions, the sort and calibration excluded): 1.21x / 1.21x" 1
+    ! grep -q "^round [0-9]\|over [0-9]* rounds\|message path against" <<<"$out" || fail "ROUNDS=1 printed a round's figures"
+    # a run keeps each round apart, KEEP/rR
+    lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+    out=$(cd "$src" && BEX_BUILD_DIR=$build STACKS=kernel TOOLS=syscalls N1=100 N2=300 ROUNDS=2 \
+        PORT=$((10000 + SRANDOM % (lo - 10100))) KEEP=$tmp/keep bench/cost/run)
+    echo "$out"
+    line "cost kernel syscalls srv 2.0 (range 2.0..2.0 over 2 rounds; round 1 (the median): " 2
+    for r in 1 2; do
+        [ -s "$tmp/keep/r$r/kernel.syscalls.300.srv" ] || fail "ROUNDS=2: round $r not kept in KEEP/r$r"
+    done
+    echo "ok"
+    exit 0
+fi
 
 BEX_COPYCOUNT_OUT=$tmp/cc LD_PRELOAD=$build/bench/cost/bex-copycount.so \
     "$build/bench/cost/bex-copycount-probe" 1000 100
