@@ -45,7 +45,8 @@
 #            median of each round's own ratio (not the ratio of the
 #            medians), the stacks' order rotates a round, and the
 #            time-driven work, the message path, poll_cq calls and CQ
-#            events a round trip are cg-counts --paths's; ROUNDS=1 reads
+#            events a round trip are cg-counts --paths's, bex against
+#            base is each round's difference's median; ROUNDS=1 reads
 #            FROM itself and prints today's lines; a run keeps each round
 #            in KEEP/rR (the kernel TCP ping-pong, two rounds)
 # usage: test_cost.sh SOURCE_DIR BUILD_DIR [fanout|rounds]
@@ -110,7 +111,10 @@ CG
     canned perftest 1 1500 0 200 200
     canned perftest 2 1400 0 200 200
     canned perftest 3 1450 0 200 200
-    for r in 1 2 3; do for f in "$tmp/from/r$r"/bex.*; do cp "$f" "${f/\/bex./\/base.}"; done; done
+    # base: bex's before, 50 dearer in rounds 1 and 3, the same in 2
+    canned base 1 1850 50 200 100
+    canned base 2 1700 -10 250 50
+    canned base 3 1950 100 150 75
     rounds() { # ROUNDS [DIR [STACKS]]: bench/cost/run's report from the canned files
         (cd "$src" && FROM=${2:-$tmp/from} ROUNDS=$1 TRANSPORT=rdma STACKS=${3:-base bex perftest} BASE_BUILD=/none \
             TOOLS=instructions N1=200 N2=1200 bench/cost/run)
@@ -131,6 +135,9 @@ CG
     line "bex against perftest (instructions, the sort and calibration excluded; each round's against its own, the median of 3 rounds [range]): 1.21x [1.20x, 1.31x] / 1.21x [1.20x, 1.31x]" 3
     line "bex's message path against perftest's (the time-driven work out of both too): 1.22x [1.17x, 1.24x]" 3
     line "bex against perftest by round: round 1 1.20x / 1.20x, round 2 1.21x / 1.21x, round 3 1.31x / 1.31x" 3
+    # bex less base, round by round
+    line "bex against base (total, instructions a round trip, each round's difference, the median of 3 rounds [range]): -50.0 [-50.0, 0.0] / -50.0 [-50.0, 0.0]" 3
+    line "bex against base (message path, instructions a round trip, each round's difference, the median of 3 rounds [range]): -50.0 [-50.0, 0.0] / -50.0 [-50.0, 0.0]" 3
     # an even count: the middle two's mean
     out=$(rounds 2 "$tmp/from" "bex perftest")
     line "cost bex instructions srv 1750.0 (range 1700.0..1800.0 over 2 rounds" 2
@@ -141,7 +148,7 @@ CG
     line "cost bex instructions srv 1700.0 (raw 1700.0, sort 0.0 excluded, calibration 0.0 excluded, time-driven -10.0, message path 1710.0, poll_cq 2.50, CQ events 0.50)" 1
     line "| bex | 1700.0 / 1700.0 | 0.0 / 0.0 | 0.0 / 0.0 | 1700.0 / 1700.0 |" 1
     line "bex against perftest (instructions, the sort and calibration excluded): 1.21x / 1.21x" 1
-    ! grep -q "^round [0-9]\|over [0-9]* rounds\|message path against" <<<"$out" || fail "ROUNDS=1 printed a round's figures"
+    ! grep -q "^round [0-9]\|over [0-9]* rounds\|message path against\|against base" <<<"$out" || fail "ROUNDS=1 printed a round's figures"
     # a run keeps each round apart, KEEP/rR
     lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
     out=$(cd "$src" && BEX_BUILD_DIR=$build STACKS=kernel TOOLS=syscalls N1=100 N2=300 ROUNDS=2 \
