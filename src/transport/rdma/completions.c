@@ -281,6 +281,24 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
     return bex__engine_violation(e, "a control message of type %u", h->type);
 }
 
+/* A fresh receive buffer, the slow way: the bin is taken on the first
+ * one (on the engine's I/O thread, the one that completes its receives),
+ * and bex_mem_alloc refills it when empty. */
+__attribute__((noinline)) static void *rbuf_new_slow(struct bex__engine *e)
+{
+    if (!e->rbin)
+        e->rbin = bex__mem_thread_bin(e->sh->recv_pool, e->rbuf_len);
+    return bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
+}
+
+/* A fresh receive buffer (rbuf_len bytes from the receive pool): from the
+ * I/O thread's bin of its class, inline. */
+__attribute__((always_inline)) static inline void *rbuf_new(struct bex__engine *e)
+{
+    void *b = e->rbin ? bex__mem_bin_take(e->rbin) : NULL;
+    return __builtin_expect(b != NULL, 1) ? b : rbuf_new_slow(e);
+}
+
 /* Give consumed slot idx (r) a fresh buffer and queue it for reposting, or,
  * when the context may not receive more (or memory is short), leave it
  * starved: its credit stays with us until bex__engine_refill_starved() succeeds.
@@ -294,7 +312,7 @@ slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const voi
     void *fresh = NULL;
     /* room for rbuf_len more with gone already out of the count */
     if (e->n_starved == 0 && bex__engine_recv_room(e, e->rbuf_len + (uint64_t)u))
-        fresh = bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
+        fresh = rbuf_new(e);
     if (!fresh) {
         bex__recv_posted(e->sh, -u);
         bex__engine_hold_starved(e, idx);
