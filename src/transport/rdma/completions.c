@@ -309,9 +309,15 @@ __attribute__((always_inline)) static inline void
 slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const void *gone)
 {
     int64_t u = bex__engine_rbuf_usable(e, gone);
+    struct bex__engine_shared *sh = e->sh;
+    /* the counters' pointer once: the estimate's and the count's (the
+     * bin's stores, through void pointers, would have it read again) */
+    struct bex__recv_acct *a = bex__recv_acct_of(sh);
     void *fresh = NULL;
     /* room for rbuf_len more with gone already out of the count */
-    if (e->n_starved == 0 && bex__engine_recv_room(e, e->rbuf_len + (uint64_t)u))
+    uint64_t want = e->rbuf_len + (uint64_t)u;
+    if (e->n_starved == 0 &&
+        (!sh->recv_max || bex__recv_room_at(sh, a, want) || bex__recv_room_exact(sh, want)))
         fresh = rbuf_new(e);
     if (!fresh) {
         bex__recv_posted(e->sh, -u);
@@ -321,7 +327,7 @@ slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const voi
     }
     /* the same size class as gone's (bex__engine_rbuf_usable asserts it) */
     assert(bex_mem_usable_size(fresh) == (size_t)u);
-    bex__recv_allocated(e->sh, u);
+    atomic_fetch_add(&a->allocated, u); /* (bex__recv_allocated) */
     bex__engine_slot_put(e, r, fresh);
     bex__engine_hold_unposted(e, idx);
 }
