@@ -783,6 +783,14 @@ void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
     return small_refill(h, c);
 }
 
+struct bex__mem_bin *bex__mem_thread_bin(bex_mem_pool *pool, size_t size)
+{
+    if (!pool || pool->kind == BEX_MEM_POOL_LANDING || size > BEX__MEM_SMALL_MAX)
+        return NULL;
+    struct bex__mem_heap *h = tl.pool_id == pool->id ? tl.heap : heap_get_slow(pool);
+    return h ? &h->bins[bex__mem_class_of(size)] : NULL;
+}
+
 /* bex__mem_alloc_usable's every case but a hit in the cached pool's bin */
 BEX__MEM_SLOW static void *alloc_usable_slow(bex_mem_pool *pool, size_t size, size_t *usable)
 {

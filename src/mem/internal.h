@@ -29,6 +29,7 @@
 
 #include "bex/mem.h"
 #include "common/list.h"
+#include "mem/lookup.h"
 
 #define BEX__MEM_LIKELY(x)   __builtin_expect(!!(x), 1)
 #define BEX__MEM_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -173,16 +174,10 @@ struct bex__mem_land {
 /* Per-class cache of free blocks in front of the runs, tcmalloc-style:
  * the owner's frees push here and its allocations pop here, so the fast
  * paths never write a run descriptor, and a block just freed is the next
- * one handed out (still in cache). Overflow goes back to the runs. */
+ * one handed out (still in cache). Overflow goes back to the runs. The
+ * bin itself (struct bex__mem_bin) is mem/lookup.h's, whose
+ * bex__mem_bin_take pops one for a caller that holds its thread's bin. */
 #define BEX__MEM_BIN_BYTES 524288u /* a bin's limit: this many bytes, 16..1024 blocks */
-
-struct bex__mem_bin {
-    void *list;
-    _Atomic uint16_t count; /* owner-only writes (load + store); stats read it;
-                               at most limit + 1 */
-    uint16_t cls;           /* its class (bex_mem_usable_size from a span's bin) */
-    uint32_t limit;
-};
 
 struct bex__mem_heap {
     /* first: a bin's address is the heap's plus 16 times its class (one

@@ -78,4 +78,40 @@ static inline const bex_mem_region *bex__mem_lookup(const void *ptr, bex_mem_poo
  * message's buffer took two (heap.c). */
 void *bex__mem_alloc_usable(bex_mem_pool *pool, size_t size, size_t *usable);
 
+/* A thread's cache of free blocks of one size class of a general pool (a
+ * bin of the thread's heap: heap.c's allocations pop it, its frees push
+ * it). count is written by the owner only, with a relaxed load and store;
+ * the pool's stats read it. */
+struct bex__mem_bin {
+    void *list;
+    _Atomic uint16_t count; /* at most limit + 1 */
+    uint16_t cls;           /* its class (bex_mem_usable_size from a span's bin) */
+    uint32_t limit;
+};
+
+/* The calling thread's bin of size's class in pool, for a thread that
+ * allocates blocks of one size from one pool over and over (an I/O
+ * thread's receive buffers): bex__mem_bin_take pops it inline, without
+ * bex_mem_alloc's call, its test of the thread's cached pool (a swap when
+ * the thread alternates two pools) and its class lookup (some 30
+ * instructions a received message, issue 25 item 2). NULL when the pool
+ * has no bins for size (a landing pool, a block above the small classes)
+ * or the thread's heap cannot be made. The bin is the calling thread's:
+ * only it may take from it, until it exits or the pool is destroyed. */
+struct bex__mem_bin *bex__mem_thread_bin(bex_mem_pool *pool, size_t size);
+
+/* A block of b's class from b (the calling thread's, bex__mem_thread_bin),
+ * or NULL when b is empty: then bex_mem_alloc refills it. */
+static inline void *bex__mem_bin_take(struct bex__mem_bin *b)
+{
+    void *p = b->list;
+    if (__builtin_expect(p != NULL, 1)) {
+        b->list = *(void **)p;
+        atomic_store_explicit(&b->count,
+                              (uint16_t)(atomic_load_explicit(&b->count, memory_order_relaxed) - 1),
+                              memory_order_relaxed);
+    }
+    return p;
+}
+
 #endif

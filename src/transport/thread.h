@@ -64,15 +64,21 @@ static inline struct bex__recv_acct *bex__recv_acct_of(struct bex__engine_shared
     return sh->recv_acct ? sh->recv_acct : &sh->recv_own;
 }
 
-/* The estimate of what the context holds says want may come? With
+/* The estimate of what the context holds (a: bex__recv_acct_of(sh)) says
+ * want may come? With
  * nothing held, one message of any size may: a limit below max_msg slows,
  * it never stops, a connection. */
-static inline bool bex__recv_room_in(struct bex__engine_shared *sh, uint64_t want)
+static inline bool bex__recv_room_at(struct bex__engine_shared *sh, struct bex__recv_acct *a,
+                                     uint64_t want)
 {
-    struct bex__recv_acct *a = bex__recv_acct_of(sh);
     int64_t held = sh->recv_base + atomic_load_explicit(&a->allocated, memory_order_relaxed) -
                    atomic_load_explicit(&a->posted, memory_order_relaxed);
     return held <= 0 || (uint64_t)held + want <= sh->recv_max;
+}
+
+static inline bool bex__recv_room_in(struct bex__engine_shared *sh, uint64_t want)
+{
+    return bex__recv_room_at(sh, bex__recv_acct_of(sh), want);
 }
 
 /* The estimate said full: an exact count (at most once a clock tick), and

@@ -746,8 +746,8 @@ static void side_init(struct fk_pair *p, int idx, const struct bex__engine_confi
              s->rq_n == cfg->rq_depth + bex__engine_rq_spare(&s->sh, cfg->rq_depth));
 }
 
-void fk_pair_init(struct fk_pair *p, const struct bex__engine_config *c0,
-                  const struct bex__engine_config *c1, uint64_t seed)
+void fk_pair_connect(struct fk_pair *p, const struct bex__engine_config *c0,
+                     const struct bex__engine_config *c1, uint64_t seed)
 {
     memset(p, 0, sizeof(*p));
     p->rng = seed * 0x9e3779b97f4a7c15ull + 1;
@@ -775,6 +775,12 @@ void fk_pair_init(struct fk_pair *p, const struct bex__engine_config *c0,
         FK_CHECK(p->s[i].qp.state == IBV_QPS_RTS);
         p->s[i].credits_granted = o->rq_depth;
     }
+}
+
+void fk_pair_init(struct fk_pair *p, const struct bex__engine_config *c0,
+                  const struct bex__engine_config *c1, uint64_t seed)
+{
+    fk_pair_connect(p, c0, c1, seed);
     for (int i = 0; i < 2; i++)
         bex__engine_start(p->s[i].e);
 }

@@ -205,6 +205,10 @@ void fk_fatal(const char *file, int line, const char *what) __attribute__((noret
 
 /* Default configurations: side 0 is the client (it opens streams). */
 void fk_default_config(struct bex__engine_config *cfg);
+/* Create both engines with their configurations and connect them (each
+ * knows the other's hello), neither started: up to the test. */
+void fk_pair_connect(struct fk_pair *p, const struct bex__engine_config *c0,
+                     const struct bex__engine_config *c1, uint64_t seed);
 /* Create both engines with their configurations, connect and start them. */
 void fk_pair_init(struct fk_pair *p, const struct bex__engine_config *c0,
                   const struct bex__engine_config *c1, uint64_t seed);

@@ -441,7 +441,75 @@ static int beyond_credits(void)
     return 0;
 }
 
+/* Side 1 connected, not yet up (the peer's readiness notice not come):
+ * it has posted nothing a credit could acknowledge (requests are posted
+ * only while up), so its peer_credits are all it granted. */
+static void connected_not_up(struct fk_pair *p)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    fk_pair_connect(p, &c, &c, 11);
+    bex__engine_start(p->s[0].e);
+    CHECK(!bex__engine_is_up(p->s[1].e) && !fk_dead(p, 1));
+    CHECK_EQ(p->s[1].e->peer_credits, p->s[1].e->peer_rq);
+}
+
+/* Credits from a peer before side 1 is up are more than side 1 ever
+ * granted: a violation, side 1 fails the connection (-EPROTO) on the
+ * credits' bound, the first thing it reads of the message. Nothing goes
+ * up, no buffer is taken from the receive pool for it, no credit is
+ * counted or acknowledgement reported, nothing is held or waited for on
+ * the peer's say-so (fk_pair_fini: every pool has its bytes back). */
+static int credits_before_up(void)
+{
+    struct fk_pair p;
+    connected_not_up(&p);
+    bex_mem_stats before, after;
+    bex_mem_pool_collect(p.s[1].recv_pool);
+    bex_mem_pool_stats(p.s[1].recv_pool, &before);
+    struct bex__hdr h = {.type = BEX__MSG_CREDIT, .credits = 1};
+    fk_inject_hdr(&p, 1, &h);
+    CHECK(fk_recv_cqe(&p, 1));
+    CHECK(fk_dead(&p, 1));
+    CHECK_EQ(p.s[1].fail_err, -EPROTO);
+    CHECK_EQ(p.s[1].delivered, 0);
+    bex_mem_pool_collect(p.s[1].recv_pool);
+    bex_mem_pool_stats(p.s[1].recv_pool, &after);
+    CHECK(after.in_use_bytes <= before.in_use_bytes);
+    fk_pair_fini(&p);
+    return 0;
+}
+
+/* A CREDIT that returns none before side 1 is up is a control message
+ * like any: handled (since the sixteenth session a message's credits no
+ * longer decide whether it is dropped before the engine is up; before,
+ * one with credits was dropped and its receive lost), its receive kept
+ * for reposting and its credit charged to the peer, as it would be once
+ * up; side 1 then comes up. (A ping-pong after it would fail side 0: the
+ * credit side 1 returns for the forged message is one side 0 never
+ * spent.) */
+static int no_credits_before_up(void)
+{
+    struct fk_pair p;
+    connected_not_up(&p);
+    struct bex__engine *e = p.s[1].e;
+    uint32_t unposted = e->n_unposted;
+    struct bex__hdr h = {.type = BEX__MSG_CREDIT};
+    fk_inject_hdr(&p, 1, &h);
+    CHECK(fk_recv_cqe(&p, 1));
+    CHECK(!fk_dead(&p, 1));
+    CHECK_EQ(e->peer_credits, e->peer_rq);
+    CHECK_EQ(e->n_unposted, unposted + 1);
+    CHECK_EQ(bex__engine_charged(e), 1);
+    CHECK_EQ(p.s[1].delivered, 0);
+    bex__engine_start(e);
+    CHECK(bex__engine_is_up(e));
+    fk_pair_fini(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(reserve_kept), BEX_CASE(come_back), BEX_CASE(withheld_recv_max),
               BEX_CASE(random_schedules), BEX_CASE(ping_pong_signals), BEX_CASE(overack_posted),
               BEX_CASE(overack_beyond), BEX_CASE(ping_pong_reposts), BEX_CASE(beyond_credits),
-              BEX_CASE(upcall_answer_credits))
+              BEX_CASE(upcall_answer_credits), BEX_CASE(credits_before_up),
+              BEX_CASE(no_credits_before_up))

@@ -281,6 +281,24 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
     return bex__engine_violation(e, "a control message of type %u", h->type);
 }
 
+/* A fresh receive buffer, the slow way: the bin is taken on the first
+ * one (on the engine's I/O thread, the one that completes its receives),
+ * and bex_mem_alloc refills it when empty. */
+__attribute__((noinline)) static void *rbuf_new_slow(struct bex__engine *e)
+{
+    if (!e->rbin)
+        e->rbin = bex__mem_thread_bin(e->sh->recv_pool, e->rbuf_len);
+    return bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
+}
+
+/* A fresh receive buffer (rbuf_len bytes from the receive pool): from the
+ * I/O thread's bin of its class, inline. */
+__attribute__((always_inline)) static inline void *rbuf_new(struct bex__engine *e)
+{
+    void *b = e->rbin ? bex__mem_bin_take(e->rbin) : NULL;
+    return __builtin_expect(b != NULL, 1) ? b : rbuf_new_slow(e);
+}
+
 /* Give consumed slot idx (r) a fresh buffer and queue it for reposting, or,
  * when the context may not receive more (or memory is short), leave it
  * starved: its credit stays with us until bex__engine_refill_starved() succeeds.
@@ -291,10 +309,16 @@ __attribute__((always_inline)) static inline void
 slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const void *gone)
 {
     int64_t u = bex__engine_rbuf_usable(e, gone);
+    struct bex__engine_shared *sh = e->sh;
+    /* the counters' pointer once: the estimate's and the count's (the
+     * bin's stores, through void pointers, would have it read again) */
+    struct bex__recv_acct *a = bex__recv_acct_of(sh);
     void *fresh = NULL;
     /* room for rbuf_len more with gone already out of the count */
-    if (e->n_starved == 0 && bex__engine_recv_room(e, e->rbuf_len + (uint64_t)u))
-        fresh = bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
+    uint64_t want = e->rbuf_len + (uint64_t)u;
+    if (e->n_starved == 0 &&
+        (!sh->recv_max || bex__recv_room_at(sh, a, want) || bex__recv_room_exact(sh, want)))
+        fresh = rbuf_new(e);
     if (!fresh) {
         bex__recv_posted(e->sh, -u);
         bex__engine_hold_starved(e, idx);
@@ -303,8 +327,17 @@ slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const voi
     }
     /* the same size class as gone's (bex__engine_rbuf_usable asserts it) */
     assert(bex_mem_usable_size(fresh) == (size_t)u);
-    bex__recv_allocated(e->sh, u);
-    bex__engine_slot_put(e, r, fresh);
+    atomic_fetch_add(&a->allocated, u); /* (bex__recv_allocated) */
+    /* bex__engine_slot_put, but for the key: r's SGE holds gone's, which
+     * is fresh's too when both lie in one 4 MiB slot of the address space
+     * (one mapping's: its header, region and key are found from the
+     * slot's start, mem/lookup.h), as blocks of one class mostly do */
+    r->buf = fresh;
+    r->sge.addr = (uintptr_t)fresh;
+    r->sge.length = e->rbuf_len;
+    if (((uintptr_t)fresh ^ (uintptr_t)gone) >> BEX__MEM_LOOKUP_SHIFT)
+        r->sge.lkey = bex__mem_block_mr(fresh)->lkey;
+    assert(r->sge.lkey == bex__mem_block_mr(fresh)->lkey);
     bex__engine_hold_unposted(e, idx);
 }
 

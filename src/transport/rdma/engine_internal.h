@@ -185,7 +185,11 @@ struct bex__engine {
     uint32_t recv_max;    /* the largest DATA a SEND may bring: eager_max and max_msg's least */
     uint32_t rbuf_usable; /* their usable size (one size class: the same for
                              all), known after the first (0: not yet) */
-    uint32_t *unposted;   /* consumed receive slots awaiting repost */
+    /* the I/O thread's bin of their class in the receive pool, where a
+     * consumed receive's fresh buffer comes from (NULL: not taken yet, or
+     * the pool has none; bex_mem_alloc then) */
+    struct bex__mem_bin *rbin;
+    uint32_t *unposted; /* consumed receive slots awaiting repost */
     uint32_t n_unposted;
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
