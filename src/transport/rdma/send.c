@@ -81,25 +81,27 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
     return s;
 }
 
-/* A gathered message's buffers as s's SGEs from sge[first] on, one per
- * buffer (goes_eager checked they fit the QP). Inline: a call would make
- * the lone message's frame (bex__engine_send_now) save registers. */
-__attribute__((always_inline)) static inline void gather_segs(struct sslot *s, int first,
-                                                              const struct bex__msg *m)
+/* A gathered message's buffers (nseg, m's) as s's SGEs from sge[first]
+ * on, one per buffer (goes_eager checked they fit the QP). Inline: a call
+ * would make the frame of a gathered lone message (send_gathered_way)
+ * save registers. */
+__attribute__((always_inline)) static inline void
+gather_segs(struct sslot *s, int first, const struct bex__msg *m, unsigned nseg)
 {
-    for (int i = 0; i < m->nseg; i++)
+    for (unsigned i = 0; i < nseg; i++)
         s->sge[first + i] =
             (struct ibv_sge){(uintptr_t)m->seg[i].buf, m->seg[i].len, m->seg[i].lkey};
-    s->wr.num_sge = first + m->nseg;
+    s->wr.num_sge = first + (int)nseg;
 }
 
 /* m's bytes as s's SGEs from sge[first] on: one for a plain message (no
- * call), one per buffer for a gathered one. */
+ * call), one per buffer for a gathered one. nseg is m's, passed so that a
+ * caller that knows it is 0 (the plain lone message) compiles no loop. */
 __attribute__((always_inline)) static inline void gather(struct sslot *s, int first,
-                                                         const struct bex__msg *m)
+                                                         const struct bex__msg *m, unsigned nseg)
 {
-    if (m->nseg) {
-        gather_segs(s, first, m);
+    if (nseg) {
+        gather_segs(s, first, m, nseg);
         return;
     }
     s->sge[first] = (struct ibv_sge){(uintptr_t)m->buf, (uint32_t)m->len, m->lkey};
@@ -111,7 +113,7 @@ __attribute__((always_inline)) static inline void gather(struct sslot *s, int fi
  * (eager_prep). The slot's fields are set once each (slot_take_send's,
  * unrolled: no store cleared first and set again). */
 __attribute__((always_inline)) static inline struct sslot *
-prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, unsigned nseg)
 {
     struct sslot *s = sslot_at(e, e->tail);
     assert(s->wr.sg_list == s->sge);
@@ -125,7 +127,7 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
     s->wr.imm_data = htonl(bex__imm_encode(st->id, credits));
     s->wr.opcode = IBV_WR_SEND_WITH_IMM;
     if (len) {
-        gather(s, 0, m);
+        gather(s, 0, m, nseg);
         /* copied into the work request at posting: the NIC reads no memory */
         if (len <= e->max_inline) {
             s->wr.send_flags = IBV_SEND_INLINE;
@@ -221,12 +223,12 @@ eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, bo
 {
     struct sslot *s;
     if (st->id <= BEX__IMM_STREAM_MAX) {
-        s = prep_data(e, st, m);
+        s = prep_data(e, st, m, m->nseg);
     } else {
         struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
         s = prep_send(e, &h, NULL, 0, 0);
         if (m->len) {
-            gather(s, 1, m);
+            gather(s, 1, m, m->nseg);
             e->chain_loud = true; /* the NIC reads m after posting */
         }
         account_bytes(e, s, (uint32_t)m->len);
@@ -259,12 +261,13 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
 
 /* goes_eager header-free (prep_data: the immediate names st), and within
  * the peer's max_msg: one bound (eager_lim). A stream the immediate cannot
- * name takes the ring's way (its header's SEND is prep_send's, a call). */
+ * name takes the ring's way (its header's SEND is prep_send's, a call).
+ * A gathered message's buffers are checked against the QP's SGEs by its
+ * own way (send_gathered_way). */
 static inline bool lone_eager(const struct bex__engine *e, const struct bex__stream *st,
                               const struct bex__msg *m)
 {
-    return !m->direct && m->len <= e->eager_lim && st->id <= BEX__IMM_STREAM_MAX &&
-           m->nseg <= e->max_sge;
+    return !m->direct && m->len <= e->eager_lim && st->id <= BEX__IMM_STREAM_MAX;
 }
 
 /* m's queue fields, for the queue's way or its hand-back */
@@ -277,45 +280,52 @@ static inline void msg_queue_init(struct bex__msg *m)
     m->peer_slot = false;
 }
 
-/* Whether m, for st with nothing queued while no other stream waits in
- * the ring, is prepared at once, never queued (posted by the next
- * bex__engine_progress, which was due anyway): it goes by SEND, and
- * nothing the scheduler would put first or count waits. Nothing here
- * hands a message back or fails the engine. */
-__attribute__((always_inline)) static inline bool
-lone_now(struct bex__engine *e, struct bex__stream *st, const struct bex__msg *m)
+/* Whether a message for st with nothing queued while no other stream
+ * waits in the ring may be prepared at once, never queued (posted by the
+ * next bex__engine_progress, which was due anyway), as far as the engine
+ * and st tell: nothing the scheduler would put first or count waits.
+ * What progress sends first (window operations, a keepalive, control
+ * messages, releases), a stream owing its OPEN or CLOSE, a send window or
+ * a destination's bound (quiet_max 0: their stalls are counted by the
+ * scheduler's turn): the ring's way (the queues' counts and flags or'ed:
+ * one test, not five). */
+__attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
+                                                            const struct bex__stream *st)
 {
-    /* what progress sends first (window operations, a keepalive, control
-     * messages, releases), a stream owing its OPEN or CLOSE, a send window
-     * or a destination's bound (quiet_max 0: their stalls are counted by
-     * the scheduler's turn), no slot, the last credits: the ring's way
-     * (the queues' counts and flags or'ed: one test, not five) */
     return e->state == E_UP && st->state == BEX__S_OPEN && e->quiet_max &&
-           !(e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due) &&
-           bex__engine_free_slots(e) && bex__engine_have_credit(e, false) && lone_eager(e, st, m);
+           !(e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due);
 }
 
-/* Whether the lone message must wait for the receives to be posted again:
- * an answer sent from the upcall of the peer's message carries that
- * message's credit, as progress would have it (before its turn), from
- * the slack when it covers it, else from receives posted again first
- * (send_repost_way). */
+/* ... and as far as m tells, with a slot and a credit for it (no slot or
+ * the last credits: the ring's way). Nothing here hands a message back or
+ * fails the engine. */
+__attribute__((always_inline)) static inline bool
+lone_fits(const struct bex__engine *e, const struct bex__stream *st, const struct bex__msg *m)
+{
+    return bex__engine_free_slots(e) && bex__engine_have_credit(e, false) && lone_eager(e, st, m);
+}
+
+/* An answer sent from the upcall of the peer's message carries that
+ * message's credit, as progress would have it (return_owed, before its
+ * turn): from the slack when it covers it, done here (what progress does
+ * first anyway, whichever way the message goes); else the receives must
+ * be posted again first (send_repost_way): true then. */
 __attribute__((always_inline)) static inline bool lone_repost(struct bex__engine *e)
 {
     return e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e);
 }
 
-/* m prepared alone (lone_now holds): turn_eager's checks hold, the credit
- * is checked, and with quiet_max set no send window or destination's
- * bound counts bytes (bex__engine_window_take takes any); eager_prep's
- * header-free case, without its call of prep_send, so that its frame is
- * a leaf's. NULL. */
+/* m prepared alone (lone_open and lone_fits hold), nseg its buffers: turn_eager's
+ * checks hold, the credit is checked, and with quiet_max set no send
+ * window or destination's bound counts bytes (bex__engine_window_take
+ * takes any); eager_prep's header-free case, without its call of
+ * prep_send, so that its frame is a leaf's. NULL. */
 __attribute__((always_inline)) static inline struct bex__msg *
-lone_send(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+lone_send(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, unsigned nseg)
 {
     m->st = st;
     m->status = 0;
-    struct sslot *s = prep_data(e, st, m);
+    struct sslot *s = prep_data(e, st, m, nseg);
     m->state = BEX__M_POSTED;
     m->ack_seq = e->cons_sent;
     s->done = m;
@@ -366,22 +376,45 @@ static __attribute__((noinline)) struct bex__msg *send_repost_way(struct bex__st
         e->repost_err = repost_now(e);
     if (e->repost_err)
         return send_queue_way(st, m); /* (a tail call) */
-    return lone_send(e, st, m);
+    return lone_send(e, st, m, m->nseg);
+}
+
+/* bex__engine_send_now's lone way for a gathered message (bex_sock_sendv),
+ * whose buffers the QP's SGEs must hold (else the ring's way, which
+ * sends one by rendezvous): out of line, so that the plain message's
+ * frame has no loop over buffers and keeps fewer registers. */
+static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__stream *st,
+                                                                    struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    if (m->nseg > e->max_sge)
+        return send_queue_way(st, m); /* (a tail call) */
+    if (e->acks_owed && e->n_unposted != e->n_credited)
+        return send_repost_way(st, m); /* (a tail call) */
+    return lone_send(e, st, m, m->nseg);
 }
 
 /* One frame, no call on the lone message's way (issue 25 item 2): the
- * engine's and the stream's states are tested once, in lone_now; what
+ * engine's and the stream's states are tested once, in lone_open; what
  * the lone message's request reads of m is set here or by the caller,
  * never the queue's link nor the fields of the rendezvous and fragments,
  * which send_queue_way sets for the queue's way. */
 struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
-    if (!e || st->q_head || e->streams.ring_n || !lone_now(e, st, m))
+    if (!e || st->q_head || e->streams.ring_n || !lone_open(e, st))
         return send_queue_way(st, m); /* (a tail call) */
-    if (lone_repost(e))
+    /* first, so that its values are dead before the request's are loaded
+     * (the frame saves fewer registers); the repost it may need is
+     * decided last, by what it left (no value kept across) */
+    (void)lone_repost(e);
+    if (!lone_fits(e, st, m))
+        return send_queue_way(st, m); /* (a tail call) */
+    if (m->nseg)
+        return send_gathered_way(st, m); /* (a tail call) */
+    if (__builtin_expect(e->acks_owed && e->n_unposted != e->n_credited, 0))
         return send_repost_way(st, m); /* (a tail call) */
-    return lone_send(e, st, m);
+    return lone_send(e, st, m, 0);
 }
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
