@@ -216,8 +216,8 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
 
 /* st's head m (or, queued: false, m alone, never queued) goes by SEND
  * (goes_eager), with a slot and a credit there and its bytes taken by the
- * window: its work request prepared. Inlined in both its callers, the
- * scheduler's turn and send_now. */
+ * window: its work request prepared. Inlined in the scheduler's turn
+ * (the lone send prepares its own: lone_send). */
 __attribute__((always_inline)) static inline void
 eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, bool queued)
 {
