@@ -422,11 +422,11 @@ static int fk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_re
 {
     struct fk_side *s = side_of_qp(qp);
     FK_CHECK(s->qp.state != IBV_QPS_RESET);
-    if (s->fail_recv) {
-        *bad = wr;
-        return ENOBUFS; /* as verbs returns it: a positive errno */
-    }
-    for (; wr; wr = wr->next) {
+    for (uint32_t i = 0; wr; wr = wr->next, i++) {
+        if (s->fail_recv && i == s->recv_take) {
+            *bad = wr;      /* those ahead of it are posted */
+            return ENOBUFS; /* as verbs returns it: a positive errno */
+        }
         /* the QP's receive queue: the credits granted and the spare receives */
         FK_CHECK(s->rq_n < s->cfg.rq_depth + bex__engine_rq_spare(&s->sh, s->cfg.rq_depth));
         FK_CHECK(wr->num_sge >= 1 && wr->num_sge <= 2);

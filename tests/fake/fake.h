@@ -139,11 +139,12 @@ struct fk_side {
     uint32_t rq_head, rq_n;
     struct fk_wc rcq[FK_QCAP];
     uint32_t rcq_head, rcq_n;
-    bool hold_writes; /* the test keeps RDMA WRITEs of this side on the wire */
-    bool fail_next;   /* the next request executed fails (REM_ACCESS_ERR) */
-    bool fail_recv;   /* ibv_post_recv fails (ENOBUFS), as long as it is set */
-    bool in_send_now; /* inside bex__engine_send_now (fk_send_now): nothing may
-                         be handed back, nor the engine fail */
+    bool hold_writes;   /* the test keeps RDMA WRITEs of this side on the wire */
+    bool fail_next;     /* the next request executed fails (REM_ACCESS_ERR) */
+    bool fail_recv;     /* ibv_post_recv fails (ENOBUFS), as long as it is set */
+    uint32_t recv_take; /* ... after taking this many of the chain (bad: the next) */
+    bool in_send_now;   /* inside bex__engine_send_now (fk_send_now): nothing may
+                           be handed back, nor the engine fail */
 
     /* accounting checked at every post */
     uint64_t consumers_posted; /* SEND + WRITE_WITH_IMM */

@@ -191,6 +191,11 @@ struct bex__engine {
     struct bex__mem_bin *rbin;
     uint32_t *unposted; /* consumed receive slots awaiting repost */
     uint32_t n_unposted;
+    /* a repost that failed inside a direct send (bex__engine_send_now),
+     * which must not fail the engine (transport.h's send_now): the error,
+     * with which the next bex__engine_progress (the send marked the
+     * connection for it) or repost fails it (0: none) */
+    int repost_err;
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
     uint32_t n_starved;

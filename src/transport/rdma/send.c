@@ -81,25 +81,27 @@ static struct sslot *prep_send(struct bex__engine *e, struct bex__hdr *h, void *
     return s;
 }
 
-/* A gathered message's buffers as s's SGEs from sge[first] on, one per
- * buffer (goes_eager checked they fit the QP). Inline: a call would make
- * the lone message's frame (bex__engine_send_now) save registers. */
-__attribute__((always_inline)) static inline void gather_segs(struct sslot *s, int first,
-                                                              const struct bex__msg *m)
+/* A gathered message's buffers (nseg, m's) as s's SGEs from sge[first]
+ * on, one per buffer (goes_eager checked they fit the QP). Inline: a call
+ * would make the frame of a gathered lone message (send_gathered_way)
+ * save registers. */
+__attribute__((always_inline)) static inline void
+gather_segs(struct sslot *s, int first, const struct bex__msg *m, unsigned nseg)
 {
-    for (int i = 0; i < m->nseg; i++)
+    for (unsigned i = 0; i < nseg; i++)
         s->sge[first + i] =
             (struct ibv_sge){(uintptr_t)m->seg[i].buf, m->seg[i].len, m->seg[i].lkey};
-    s->wr.num_sge = first + m->nseg;
+    s->wr.num_sge = first + (int)nseg;
 }
 
 /* m's bytes as s's SGEs from sge[first] on: one for a plain message (no
- * call), one per buffer for a gathered one. */
+ * call), one per buffer for a gathered one. nseg is m's, passed so that a
+ * caller that knows it is 0 (the plain lone message) compiles no loop. */
 __attribute__((always_inline)) static inline void gather(struct sslot *s, int first,
-                                                         const struct bex__msg *m)
+                                                         const struct bex__msg *m, unsigned nseg)
 {
-    if (m->nseg) {
-        gather_segs(s, first, m);
+    if (nseg) {
+        gather_segs(s, first, m, nseg);
         return;
     }
     s->sge[first] = (struct ibv_sge){(uintptr_t)m->buf, (uint32_t)m->len, m->lkey};
@@ -111,7 +113,7 @@ __attribute__((always_inline)) static inline void gather(struct sslot *s, int fi
  * (eager_prep). The slot's fields are set once each (slot_take_send's,
  * unrolled: no store cleared first and set again). */
 __attribute__((always_inline)) static inline struct sslot *
-prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
+prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, unsigned nseg)
 {
     struct sslot *s = sslot_at(e, e->tail);
     assert(s->wr.sg_list == s->sge);
@@ -125,7 +127,7 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m)
     s->wr.imm_data = htonl(bex__imm_encode(st->id, credits));
     s->wr.opcode = IBV_WR_SEND_WITH_IMM;
     if (len) {
-        gather(s, 0, m);
+        gather(s, 0, m, nseg);
         /* copied into the work request at posting: the NIC reads no memory */
         if (len <= e->max_inline) {
             s->wr.send_flags = IBV_SEND_INLINE;
@@ -214,19 +216,19 @@ static bool try_rndv_req(struct bex__engine *e, struct bex__stream *st, bool *bl
 
 /* st's head m (or, queued: false, m alone, never queued) goes by SEND
  * (goes_eager), with a slot and a credit there and its bytes taken by the
- * window: its work request prepared. Inlined in both its callers, the
- * scheduler's turn and send_now. */
+ * window: its work request prepared. Inlined in the scheduler's turn
+ * (the lone send prepares its own: lone_send). */
 __attribute__((always_inline)) static inline void
 eager_prep(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, bool queued)
 {
     struct sslot *s;
     if (st->id <= BEX__IMM_STREAM_MAX) {
-        s = prep_data(e, st, m);
+        s = prep_data(e, st, m, m->nseg);
     } else {
         struct bex__hdr h = {.type = BEX__MSG_DATA, .stream = st->id, .len = (uint32_t)m->len};
         s = prep_send(e, &h, NULL, 0, 0);
         if (m->len) {
-            gather(s, 1, m);
+            gather(s, 1, m, m->nseg);
             e->chain_loud = true; /* the NIC reads m after posting */
         }
         account_bytes(e, s, (uint32_t)m->len);
@@ -259,12 +261,13 @@ static bool turn_eager(struct bex__engine *e, struct bex__stream *st, struct bex
 
 /* goes_eager header-free (prep_data: the immediate names st), and within
  * the peer's max_msg: one bound (eager_lim). A stream the immediate cannot
- * name takes the ring's way (its header's SEND is prep_send's, a call). */
+ * name takes the ring's way (its header's SEND is prep_send's, a call).
+ * A gathered message's buffers are checked against the QP's SGEs by its
+ * own way (send_gathered_way). */
 static inline bool lone_eager(const struct bex__engine *e, const struct bex__stream *st,
                               const struct bex__msg *m)
 {
-    return !m->direct && m->len <= e->eager_lim && st->id <= BEX__IMM_STREAM_MAX &&
-           m->nseg <= e->max_sge;
+    return !m->direct && m->len <= e->eager_lim && st->id <= BEX__IMM_STREAM_MAX;
 }
 
 /* m's queue fields, for the queue's way or its hand-back */
@@ -277,31 +280,56 @@ static inline void msg_queue_init(struct bex__msg *m)
     m->peer_slot = false;
 }
 
-/* Whether m, for st with nothing queued while no other stream waits in
- * the ring, is prepared at once, never queued (posted by the next
- * bex__engine_progress, which was due anyway): it goes by SEND, and
- * nothing the scheduler would put first or count waits, nor a repost of
- * receives. Nothing here hands a message back or fails the engine. */
-__attribute__((always_inline)) static inline bool
-lone_now(struct bex__engine *e, struct bex__stream *st, const struct bex__msg *m)
+/* Whether a message for st with nothing queued while no other stream
+ * waits in the ring may be prepared at once, never queued (posted by the
+ * next bex__engine_progress, which was due anyway), as far as the engine
+ * and st tell: nothing the scheduler would put first or count waits.
+ * What progress sends first (window operations, a keepalive, control
+ * messages, releases), a stream owing its OPEN or CLOSE, a send window or
+ * a destination's bound (quiet_max 0: their stalls are counted by the
+ * scheduler's turn): the ring's way (the queues' counts and flags or'ed:
+ * one test, not five). */
+__attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
+                                                            const struct bex__stream *st)
 {
-    /* what progress sends first (window operations, a keepalive, control
-     * messages, releases), a stream owing its OPEN or CLOSE, a send window
-     * or a destination's bound (quiet_max 0: their stalls are counted by
-     * the scheduler's turn), no slot, the last credits: the ring's way
-     * (the queues' counts and flags or'ed: one test, not five) */
-    if (e->state != E_UP || st->state != BEX__S_OPEN || !e->quiet_max ||
-        (e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due) ||
-        !bex__engine_free_slots(e) || !bex__engine_have_credit(e, false) || !lone_eager(e, st, m))
-        return false;
-    /* an answer sent from the upcall of the peer's message carries that
-     * message's credit, as progress would have it (before its turn): from
-     * the slack here; when the receives must be posted again first, the
-     * queue's way, whose progress call (due anyway) posts them before it
-     * prepares m. Not here: a failed post fails the engine, which would
-     * hand m and the rest back inside the caller's send (bex_sock_send),
-     * against send_now's contract (transport.h) */
-    return !e->acks_owed || e->n_unposted == e->n_credited || bex__engine_credit_from_slack(e);
+    return e->state == E_UP && st->state == BEX__S_OPEN && e->quiet_max &&
+           !(e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due);
+}
+
+/* ... and as far as m tells, with a slot and a credit for it (no slot or
+ * the last credits: the ring's way). Nothing here hands a message back or
+ * fails the engine. */
+__attribute__((always_inline)) static inline bool
+lone_fits(const struct bex__engine *e, const struct bex__stream *st, const struct bex__msg *m)
+{
+    return bex__engine_free_slots(e) && bex__engine_have_credit(e, false) && lone_eager(e, st, m);
+}
+
+/* An answer sent from the upcall of the peer's message carries that
+ * message's credit, as progress would have it (return_owed, before its
+ * turn): from the slack when it covers it, done here (what progress does
+ * first anyway, whichever way the message goes); else the receives must
+ * be posted again first (send_repost_way): true then. */
+__attribute__((always_inline)) static inline bool lone_repost(struct bex__engine *e)
+{
+    return e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e);
+}
+
+/* m prepared alone (lone_open and lone_fits hold), nseg its buffers: turn_eager's
+ * checks hold, the credit is checked, and with quiet_max set no send
+ * window or destination's bound counts bytes (bex__engine_window_take
+ * takes any); eager_prep's header-free case, without its call of
+ * prep_send, so that its frame is a leaf's. NULL. */
+__attribute__((always_inline)) static inline struct bex__msg *
+lone_send(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, unsigned nseg)
+{
+    m->st = st;
+    m->status = 0;
+    struct sslot *s = prep_data(e, st, m, nseg);
+    m->state = BEX__M_POSTED;
+    m->ack_seq = e->cons_sent;
+    s->done = m;
+    return NULL;
 }
 
 /* m, for st which takes it (bex__engine_takes), queued and st in the ring */
@@ -329,27 +357,64 @@ static __attribute__((noinline)) struct bex__msg *send_queue_way(struct bex__str
     return NULL;
 }
 
+static int repost_now(struct bex__engine *e);
+
+/* bex__engine_send_now's way when the lone message's credit needs the
+ * receives posted again (lone_repost): posted here, then m prepared as
+ * alone. A failed post fails nothing here (m and the rest would be
+ * handed back inside the caller's send, against send_now's contract,
+ * transport.h): its error is kept (repost_err, with the part of the
+ * chain the NIC took counted as posted: repost_now), m goes the queue's
+ * way, and the progress call the send marked the connection for fails
+ * the engine, which hands m back never sent. Out of line, a tail call:
+ * the lone message's frame stays a leaf's. */
+static __attribute__((noinline)) struct bex__msg *send_repost_way(struct bex__stream *st,
+                                                                  struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    if (!e->repost_err)
+        e->repost_err = repost_now(e);
+    if (e->repost_err)
+        return send_queue_way(st, m); /* (a tail call) */
+    return lone_send(e, st, m, m->nseg);
+}
+
+/* bex__engine_send_now's lone way for a gathered message (bex_sock_sendv),
+ * whose buffers the QP's SGEs must hold (else the ring's way, which
+ * sends one by rendezvous): out of line, so that the plain message's
+ * frame has no loop over buffers and keeps fewer registers. */
+static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__stream *st,
+                                                                    struct bex__msg *m)
+{
+    struct bex__engine *e = st->eng;
+    if (m->nseg > e->max_sge)
+        return send_queue_way(st, m); /* (a tail call) */
+    if (e->acks_owed && e->n_unposted != e->n_credited)
+        return send_repost_way(st, m); /* (a tail call) */
+    return lone_send(e, st, m, m->nseg);
+}
+
 /* One frame, no call on the lone message's way (issue 25 item 2): the
- * engine's and the stream's states are tested once, in lone_now; what
+ * engine's and the stream's states are tested once, in lone_open; what
  * the lone message's request reads of m is set here or by the caller,
  * never the queue's link nor the fields of the rendezvous and fragments,
  * which send_queue_way sets for the queue's way. */
 struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
-    if (!e || st->q_head || e->streams.ring_n || !lone_now(e, st, m))
+    if (!e || st->q_head || e->streams.ring_n || !lone_open(e, st))
         return send_queue_way(st, m); /* (a tail call) */
-    m->st = st;
-    m->status = 0;
-    /* turn_eager's checks hold: the credit is checked, and with quiet_max
-     * set no send window or destination's bound counts bytes
-     * (bex__engine_window_take takes any); eager_prep's header-free case,
-     * without its call of prep_send, so that this frame is a leaf's */
-    struct sslot *s = prep_data(e, st, m);
-    m->state = BEX__M_POSTED;
-    m->ack_seq = e->cons_sent;
-    s->done = m;
-    return NULL;
+    /* first, so that its values are dead before the request's are loaded
+     * (the frame saves fewer registers); the repost it may need is
+     * decided last, by what it left (no value kept across) */
+    (void)lone_repost(e);
+    if (!lone_fits(e, st, m))
+        return send_queue_way(st, m); /* (a tail call) */
+    if (m->nseg)
+        return send_gathered_way(st, m); /* (a tail call) */
+    if (__builtin_expect(e->acks_owed && e->n_unposted != e->n_credited, 0))
+        return send_repost_way(st, m); /* (a tail call) */
+    return lone_send(e, st, m, 0);
 }
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
@@ -578,6 +643,53 @@ void bex__engine_post_pending(struct bex__engine *e)
     post_chain(e);
 }
 
+/* The first n unposted receive slots are posted: those of them whose
+ * credit went from the slack (the first n_credited) give the slack back,
+ * the others' credits go to the peer; the rest stay unposted, in order. */
+static inline void recvs_posted(struct bex__engine *e, uint32_t n)
+{
+    uint32_t credited = n < e->n_credited ? n : e->n_credited;
+    e->slack += credited;
+    e->to_return += n - credited;
+    e->n_credited -= credited;
+    e->n_unposted -= n;
+    if (e->n_unposted)
+        memmove(e->unposted, e->unposted + n, e->n_unposted * sizeof(*e->unposted));
+}
+
+/* Every unposted receive slot posted again, in one chain: 0, or the
+ * post's error (logged). The engine's counts stay true either way: a
+ * chain the NIC took up to bad is counted as posted up to there (those
+ * receives cannot be posted twice), the rest stay unposted. */
+static int repost_now(struct bex__engine *e)
+{
+    if (e->sh->srq) {
+        /* onto the shared queue, posted with the other engines' at the
+         * thread's next flush; the credits come back to this peer */
+        e->srq_wait = bex__srq_post(e->sh->srq, e->unposted, e->n_unposted);
+        recvs_posted(e, e->n_unposted);
+        return 0;
+    }
+    for (uint32_t i = 0; i < e->n_unposted; i++) {
+        struct bex__rslot *r = &e->rs[e->unposted[i]];
+        r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
+    }
+    struct ibv_recv_wr *bad = NULL;
+    int rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
+    BEX__STAT_ADD(e->stats, post_recv_calls, 1);
+    if (!rc) {
+        recvs_posted(e, e->n_unposted);
+        return 0;
+    }
+    uint32_t n = 0; /* those ahead of bad went; none when bad is not in the chain */
+    while (n < e->n_unposted && &e->rs[e->unposted[n]].wr != bad)
+        n++;
+    recvs_posted(e, n < e->n_unposted ? n : 0);
+    rc = bex__rdma_err(rc);
+    bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name, bex_strerror(rc));
+    return rc;
+}
+
 /* Receives consumed and handled (unposted, with a fresh buffer) give their
  * credits back: at once while the spare receives posted beyond the
  * granted ones (slack) cover them, the slots kept for the next chain; else
@@ -585,36 +697,16 @@ void bex__engine_post_pending(struct bex__engine *e)
  * the credited ones had taken. The peer is never granted a receive that is
  * not posted: posted - credits it holds or will be sent = slack >= 0.
  * (Each consumed receive lowers both; a credit returned here raises the
- * second, a receive posted the first.) */
+ * second, a receive posted the first.) A repost that failed in a direct
+ * send (repost_err) fails the engine here, before anything is posted. */
 void bex__engine_repost_recvs(struct bex__engine *e)
 {
     uint32_t fresh = e->n_unposted - e->n_credited; /* credits not yet returned */
-    if (fresh == 0 || bex__engine_credit_from_slack(e))
+    if (!e->repost_err && (fresh == 0 || bex__engine_credit_from_slack(e)))
         return;
-    int rc;
-    if (e->sh->srq) {
-        /* onto the shared queue, posted with the other engines' at the
-         * thread's next flush; the credits come back to this peer */
-        e->srq_wait = bex__srq_post(e->sh->srq, e->unposted, e->n_unposted);
-        rc = 0;
-    } else {
-        for (uint32_t i = 0; i < e->n_unposted; i++) {
-            struct bex__rslot *r = &e->rs[e->unposted[i]];
-            r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
-        }
-        struct ibv_recv_wr *bad;
-        rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
-        BEX__STAT_ADD(e->stats, post_recv_calls, 1);
-    }
-    if (rc) {
-        bex__log(e->sh->log, BEX_LOG_ERROR, "%s: ibv_post_recv: %s", e->name,
-                 bex_strerror(bex__rdma_err(rc)));
-        bex__engine_fail_now(e, bex__rdma_err(rc));
-        return;
-    }
-    e->to_return += fresh;
-    e->slack += e->n_credited;
-    e->n_unposted = e->n_credited = 0;
+    int rc = e->repost_err ? e->repost_err : repost_now(e);
+    if (rc)
+        bex__engine_fail_now(e, rc);
 }
 
 /* The keepalive sequence goes by RDMA WRITE: no receive, no credit, no
@@ -726,9 +818,15 @@ static void schedule_streams(struct bex__engine *e)
 }
 
 /* Control messages, destinations given back and the streams' turns, in
- * that order, as slots and credits allow (bex__engine_progress). */
-__attribute__((noinline)) static void progress_queues(struct bex__engine *e)
+ * that order, as slots and credits allow (bex__engine_progress). False:
+ * the engine failed first, with the error of a repost that failed in a
+ * direct send (send_repost_way), now that no send is under way. */
+__attribute__((noinline)) static bool progress_queues(struct bex__engine *e)
 {
+    if (__builtin_expect(e->repost_err != 0, 0)) {
+        bex__engine_fail_now(e, e->repost_err);
+        return false;
+    }
     /* control messages first: they unblock the peer */
     while (e->ctl_n && bex__engine_free_slots(e) && bex__engine_have_credit(e, false)) {
         struct bex__hdr h = e->ctlq[e->ctl_head];
@@ -758,6 +856,7 @@ __attribute__((noinline)) static void progress_queues(struct bex__engine *e)
         BEX__STAT_ADD(e->stats, writes_posted, 1);
     }
     schedule_streams(e);
+    return true;
 }
 
 /* A CREDIT message: the credits nobody carried (out of line: rare). */
@@ -784,9 +883,10 @@ bool bex__engine_progress(struct bex__engine *e)
     if (!bex__engine_return_owed(e))
         return e->tail != before;
     /* what waits in the queues: none when a lone stream's message was
-     * prepared by bex__engine_send (no call then) */
-    if (e->ctl_n | e->rel_n | e->streams.ring_n)
-        progress_queues(e);
+     * prepared by bex__engine_send (no call then); a repost that failed in
+     * a direct send is or'ed in (one instruction, not a test of its own) */
+    if ((e->ctl_n | e->rel_n | e->streams.ring_n | (uint32_t)e->repost_err) && !progress_queues(e))
+        return false;
     /* credits nobody carried: an explicit update once half the queue waits,
      * or once the peer has waited ack_delay for the ones it reports by
      * (none to return, the usual once an answer took them: one test) */
