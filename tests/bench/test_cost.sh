@@ -57,6 +57,19 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 if [ "$part" = rounds ]; then
+    # the time-driven rule's names are functions of bex-perf as
+    # bench/cost/run measures it, a plain build (a rename or an inlining
+    # would move their work to the message path unseen); a sanitizer's
+    # build inlines otherwise and is never measured
+    names=$(python3 "$src/bench/cost/cg-counts" --names)
+    [ "$(wc -l <<<"$names")" -ge 12 ] || fail "cg-counts --names gave too few: $names"
+    if grep -qx 'BEX_SANITIZE:STRING=' "$build/CMakeCache.txt"; then
+        syms=$(nm "$build/bench/perf/bex-perf" | awk '$2 ~ /^[Tt]$/ {print $3}')
+        for n in $names; do
+            grep -qx -- "$n" <<<"$syms" ||
+                fail "cg-counts' time-driven rule names $n, no function of $build/bench/perf/bex-perf"
+        done
+    fi
     # cgfile FILE TOTAL TIMED POLLS EVENTS: a callgrind file of a process
     # whose instructions are TOTAL, TIMED of them in sleep_timeout (one of
     # cg-counts' time-driven functions), that polls the provider POLLS
