@@ -63,6 +63,13 @@ struct bex__rpc_hdr {
 
 /* Write h into out[0..63]. */
 void bex__rpc_hdr_encode(const struct bex__rpc_hdr *h, uint8_t *out);
+/* Write into out[0..63] the header of the answer (kind RESPONSE or ERROR)
+ * to request rq: rq's service, method, call id, client id, sequence and
+ * token, no flags, no timeout; the bytes bex__rpc_hdr_encode writes for that
+ * header, without a copy of rq made first (issue 25 item 5: the server
+ * answers every request). */
+void bex__rpc_answer_encode(const struct bex__rpc_hdr *rq, uint8_t kind, int32_t status,
+                            uint32_t body_len, uint8_t *out);
 /* Decode a message of len bytes; strict: wrong magic or version, unknown
  * kind or flags, non-zero reserved bytes, a body length that disagrees
  * with len, a request with a status, or a status that is not 0 or a

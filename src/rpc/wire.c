@@ -66,6 +66,25 @@ void bex__rpc_hdr_encode(const struct bex__rpc_hdr *h, uint8_t *out)
     memcpy(out + 52, h->tok, BEX__RPC_TOK_LEN);
 }
 
+void bex__rpc_answer_encode(const struct bex__rpc_hdr *rq, uint8_t kind, int32_t status,
+                            uint32_t body_len, uint8_t *out)
+{
+    /* every byte written: no memset; an answer has no flags, so version 1 */
+    put16(out + 0, BEX__RPC_MAGIC);
+    out[2] = BEX__RPC_VERSION;
+    out[3] = kind;
+    put32(out + 4, 0);
+    put32(out + 8, rq->service);
+    put32(out + 12, rq->method);
+    put64(out + 16, rq->call_id);
+    put64(out + 24, rq->client_id);
+    put64(out + 32, rq->seq);
+    put32(out + 40, (uint32_t)status);
+    put32(out + 44, body_len);
+    put32(out + 48, 0);
+    memcpy(out + 52, rq->tok, BEX__RPC_TOK_LEN);
+}
+
 int bex__rpc_hdr_decode(const uint8_t *msg, size_t len, struct bex__rpc_hdr *h, const char **why)
 {
     *why = NULL;
