@@ -30,19 +30,10 @@ bool bex__tcp_link_lost(const struct bex__xport *x)
     return bex__xport_is_tcp(x) && tcp_of(bex__tcp_unwrap((struct bex__xport *)x))->link_lost;
 }
 
-void bex__tcp_want(struct bex__tcp *t)
+void bex__tcp_want_change(struct bex__tcp *t, uint32_t ev)
 {
-    /* Paused, neither: the peer's EOF waits behind the bytes not read, and
-     * EPOLLRDHUP, level-triggered, would wake the loop on every turn. */
-    uint32_t ev = 0;
-    if (!t->rx_paused)
-        ev |= EPOLLIN | EPOLLRDHUP;
-    if (t->out_n || t->ctl_n)
-        ev |= EPOLLOUT;
-    if (ev != t->events && t->state != T_DEAD) {
-        if (bex__loop_modify(t->loop, t->fd, ev, t->tag) == 0)
-            t->events = ev;
-    }
+    if (t->state != T_DEAD && bex__loop_modify(t->loop, t->fd, ev, t->tag) == 0)
+        t->events = ev;
 }
 
 /* ---------------- the rest of the ops ---------------- */

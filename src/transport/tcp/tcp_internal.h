@@ -147,7 +147,23 @@ void bex__tcp_rx(struct bex__tcp *t);
 bool bex__tcp_keepalive_due(struct bex__tcp *t, uint64_t now);
 unsigned bex__tcp_tick(struct bex__xport *x, uint64_t now);
 struct bex__xport *bex__tcp_unwrap(struct bex__xport *x);
-void bex__tcp_want(struct bex__tcp *t);
+/* The events t watches made ev (unless t is dead). */
+void bex__tcp_want_change(struct bex__tcp *t, uint32_t ev);
+/* Watch what t waits for now. Inline: every progress call asks, and the
+ * answer is nearly always "as before" (a call and its frame were some 10
+ * instructions a message, issue 25 item 5). */
+static inline void bex__tcp_want(struct bex__tcp *t)
+{
+    /* Paused, neither: the peer's EOF waits behind the bytes not read, and
+     * EPOLLRDHUP, level-triggered, would wake the loop on every turn. */
+    uint32_t ev = 0;
+    if (!t->rx_paused)
+        ev |= EPOLLIN | EPOLLRDHUP;
+    if (t->out_n || t->ctl_n)
+        ev |= EPOLLOUT;
+    if (ev != t->events)
+        bex__tcp_want_change(t, ev);
+}
 uint64_t bex__tcp_recv_share(struct bex__tcp *t);
 void bex__tcp_hold_note(struct bex__tcp *t);
 void bex__tcp_part_unhold(struct bex__tcp *t, const struct part *p);

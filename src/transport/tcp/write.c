@@ -12,7 +12,10 @@
 
 /* ---------------- write side ---------------- */
 
-static struct out_frame *frame_new(struct bex__tcp *t, struct bex__hdr *h)
+/* The batch's next frame, for h (its credits set here). Inline: a message
+ * sent pays no call for its frame (some 8 instructions, issue 25 item 5). */
+__attribute__((always_inline)) static inline struct out_frame *frame_new(struct bex__tcp *t,
+                                                                         struct bex__hdr *h)
 {
     struct out_frame *f = &t->out[(t->out_head + t->out_n++) % OUT_MAX];
     memset(f, 0, sizeof(*f));
