@@ -59,7 +59,8 @@ static int fetch_room(const bex_ps_shard *s, struct table *t, const uint64_t *ke
             return -EINVAL;
         missing++;
     }
-    return bex__ps_table_reserve(t, missing);
+    /* (rows that all exist, a Fetch's common case, need no room: no call) */
+    return missing ? bex__ps_table_reserve(t, missing) : 0;
 }
 
 /* keys of a Fetch read into a stack array rather than the heap (2 KiB) */
