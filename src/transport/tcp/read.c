@@ -129,7 +129,8 @@ static bool on_close_frame(struct bex__tcp *t, const struct bex__hdr *h)
 
 /* Where a DATA message starting with h goes: a received buffer, when the
  * budget has room. false: on_header returns *ret. */
-static bool part_buf(struct bex__tcp *t, const struct bex__hdr *h, struct part *p, bool *ret)
+__attribute__((always_inline)) static inline bool
+part_buf(struct bex__tcp *t, const struct bex__hdr *h, struct part *p, bool *ret)
 {
     if (h->id > t->cfg.max_msg) {
         bex__tcp_violation(t, "a message above max_msg");
@@ -198,6 +199,23 @@ static struct part *part_start(struct bex__tcp *t, const struct bex__hdr *h, boo
     if (direct && direct_held(t, h->id)) {
         bex__tcp_violation(t, "a second DIRECT message into an exposed buffer still being written");
         return NULL;
+    }
+    if (!direct && h->len == h->id && !t->one_busy) {
+        /* the common case, a DATA frame carrying its whole message: its
+         * entry made in t->one itself (not drafted and copied there, some
+         * 10 instructions a message, issue 25 item 5) */
+        struct part *p = &t->one;
+        *p = (struct part){.stream = h->stream};
+        if (!part_buf(t, h, p, ret))
+            return NULL;
+        t->one_busy = true;
+        t->parts_n++;
+        if (h->len > t->stage_end - t->stage_off) { /* as below */
+            p->held = true;
+            t->part_bytes += p->len;
+            bex__tcp_hold_note(t);
+        }
+        return p;
     }
     struct part d = {.stream = h->stream, .direct = direct};
     if (direct) {
