@@ -288,12 +288,15 @@ static inline void msg_queue_init(struct bex__msg *m)
  * messages, releases), a stream owing its OPEN or CLOSE, a send window or
  * a destination's bound (quiet_max 0: their stalls are counted by the
  * scheduler's turn): the ring's way (the queues' counts and flags or'ed:
- * one test, not five). */
+ * one test, not six). So is every message after a repost that failed in
+ * a direct send (repost_err): the engine fails at the next progress call,
+ * and nothing more may be prepared for a tick's post to send before it. */
 __attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
                                                             const struct bex__stream *st)
 {
     return e->state == E_UP && st->state == BEX__S_OPEN && e->quiet_max &&
-           !(e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due);
+           !(e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due |
+             (uint32_t)e->repost_err);
 }
 
 /* ... and as far as m tells, with a slot and a credit for it (no slot or
@@ -366,14 +369,15 @@ static int repost_now(struct bex__engine *e);
  * transport.h): its error is kept (repost_err, with the part of the
  * chain the NIC took counted as posted: repost_now), m goes the queue's
  * way, and the progress call the send marked the connection for fails
- * the engine, which hands m back never sent. Out of line, a tail call:
+ * the engine, which hands m back never sent; until then every later
+ * message goes the queue's way too (lone_open). Out of line, a tail call:
  * the lone message's frame stays a leaf's. */
 static __attribute__((noinline)) struct bex__msg *send_repost_way(struct bex__stream *st,
                                                                   struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
-    if (!e->repost_err)
-        e->repost_err = repost_now(e);
+    assert(!e->repost_err); /* (lone_open refused it) */
+    e->repost_err = repost_now(e);
     if (e->repost_err)
         return send_queue_way(st, m); /* (a tail call) */
     return lone_send(e, st, m, m->nseg);
