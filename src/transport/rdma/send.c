@@ -310,12 +310,14 @@ lone_fits(const struct bex__engine *e, const struct bex__stream *st, const struc
 
 /* An answer sent from the upcall of the peer's message carries that
  * message's credit, as progress would have it (return_owed, before its
- * turn): from the slack when it covers it, done here (what progress does
- * first anyway, whichever way the message goes); else the receives must
- * be posted again first (send_repost_way): true then. */
-__attribute__((always_inline)) static inline bool lone_repost(struct bex__engine *e)
+ * turn): from the slack when it covers it, taken here (what progress does
+ * first anyway, whichever way the message goes). What the slack does not
+ * cover stays owed (bex__engine_credit_owed): the lone message's way posts
+ * the receives again first then (send_repost_way). */
+__attribute__((always_inline)) static inline void lone_credit(struct bex__engine *e)
 {
-    return e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e);
+    if (bex__engine_credit_owed(e))
+        (void)bex__engine_credit_from_slack(e);
 }
 
 /* m prepared alone (lone_open and lone_fits hold), nseg its buffers: turn_eager's
@@ -363,7 +365,7 @@ static __attribute__((noinline)) struct bex__msg *send_queue_way(struct bex__str
 static int repost_now(struct bex__engine *e);
 
 /* bex__engine_send_now's way when the lone message's credit needs the
- * receives posted again (lone_repost): posted here, then m prepared as
+ * receives posted again (lone_credit left it owed): posted here, then m prepared as
  * alone. A failed post fails nothing here (m and the rest would be
  * handed back inside the caller's send, against send_now's contract,
  * transport.h): its error is kept (repost_err, with the part of the
@@ -393,7 +395,7 @@ static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__
     struct bex__engine *e = st->eng;
     if (m->nseg > e->max_sge)
         return send_queue_way(st, m); /* (a tail call) */
-    if (e->acks_owed && e->n_unposted != e->n_credited)
+    if (bex__engine_credit_owed(e))
         return send_repost_way(st, m); /* (a tail call) */
     return lone_send(e, st, m, m->nseg);
 }
@@ -411,12 +413,12 @@ struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m
     /* first, so that its values are dead before the request's are loaded
      * (the frame saves fewer registers); the repost it may need is
      * decided last, by what it left (no value kept across) */
-    (void)lone_repost(e);
+    lone_credit(e);
     if (!lone_fits(e, st, m))
         return send_queue_way(st, m); /* (a tail call) */
     if (m->nseg)
         return send_gathered_way(st, m); /* (a tail call) */
-    if (__builtin_expect(e->acks_owed && e->n_unposted != e->n_credited, 0))
+    if (__builtin_expect(bex__engine_credit_owed(e), 0))
         return send_repost_way(st, m); /* (a tail call) */
     return lone_send(e, st, m, 0);
 }
