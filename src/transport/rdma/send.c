@@ -10,6 +10,16 @@
 
 /* ---------------- send side ---------------- */
 
+/* A free slot's marks (its message, CLOSE and window to deallocate) are
+ * NULL: calloc'd so, set only after the slot is taken, and cleared by
+ * whoever consumes them (the retirement, slot_retired and send_retire;
+ * the failure's walk of the slots; the acknowledgement scan; a stream's
+ * detach; release_windows), so that taking a slot stores none of them. */
+static inline bool slot_marks_clear(const struct sslot *s)
+{
+    return !s->done && !s->closed && !s->free_mw;
+}
+
 /* The next send slot, its work request cleared but for the unions of
  * remote addresses and window binds, which a SEND does not read (see
  * slot_take); its sg_list points at its sge from the start (engine_areas),
@@ -18,14 +28,12 @@ static inline struct sslot *slot_take_send(struct bex__engine *e)
 {
     struct sslot *s = sslot_at(e, e->tail);
     assert(s->wr.sg_list == s->sge);
+    assert(slot_marks_clear(s));
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
     s->wr.num_sge = 0;
     s->wr.opcode = IBV_WR_SEND;
     s->wr.send_flags = 0;
     s->wr.imm_data = 0;
-    s->done = NULL;
-    s->closed = NULL;
-    s->free_mw = NULL;
     s->bytes = 0;
     e->tail++;
     return s;
@@ -117,10 +125,9 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, uns
 {
     struct sslot *s = sslot_at(e, e->tail);
     assert(s->wr.sg_list == s->sge);
+    assert(slot_marks_clear(s));
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
     e->tail++;
-    s->closed = NULL;
-    s->free_mw = NULL;
     uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
     e->to_return -= credits;
     uint32_t len = (uint32_t)m->len;
