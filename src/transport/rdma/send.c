@@ -318,13 +318,12 @@ lone_fits(const struct bex__engine *e, const struct bex__stream *st, const struc
 /* An answer sent from the upcall of the peer's message carries that
  * message's credit, as progress would have it (return_owed, before its
  * turn): from the slack when it covers it, taken here (what progress does
- * first anyway, whichever way the message goes). What the slack does not
- * cover stays owed (bex__engine_credit_owed): the lone message's way posts
- * the receives again first then (send_repost_way). */
-__attribute__((always_inline)) static inline void lone_credit(struct bex__engine *e)
+ * first anyway, whichever way the message goes). True: what the slack does
+ * not cover stays owed (bex__engine_credit_owed), and the lone message's
+ * way posts the receives again first (send_repost_way). */
+__attribute__((always_inline)) static inline bool lone_credit(struct bex__engine *e)
 {
-    if (bex__engine_credit_owed(e))
-        (void)bex__engine_credit_from_slack(e);
+    return bex__engine_credit_owed(e) && !bex__engine_credit_from_slack(e);
 }
 
 /* m prepared alone (lone_open and lone_fits hold), nseg its buffers: turn_eager's
@@ -372,7 +371,7 @@ static __attribute__((noinline)) struct bex__msg *send_queue_way(struct bex__str
 static int repost_now(struct bex__engine *e);
 
 /* bex__engine_send_now's way when the lone message's credit needs the
- * receives posted again (lone_credit left it owed): posted here, then m prepared as
+ * receives posted again (lone_credit: owed): posted here, then m prepared as
  * alone. A failed post fails nothing here (m and the rest would be
  * handed back inside the caller's send, against send_now's contract,
  * transport.h): its error is kept (repost_err, with the part of the
@@ -418,14 +417,14 @@ struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m
     if (!e || st->q_head || e->streams.ring_n || !lone_open(e, st))
         return send_queue_way(st, m); /* (a tail call) */
     /* first, so that its values are dead before the request's are loaded
-     * (the frame saves fewer registers); the repost it may need is
-     * decided last, by what it left (no value kept across) */
-    lone_credit(e);
+     * (the frame, a leaf's, saves no register); the repost it may need is
+     * decided last, by the one flag it leaves (not tested again: 3 a send) */
+    bool owed = lone_credit(e);
     if (!lone_fits(e, st, m))
         return send_queue_way(st, m); /* (a tail call) */
     if (m->nseg)
         return send_gathered_way(st, m); /* (a tail call) */
-    if (__builtin_expect(bex__engine_credit_owed(e), 0))
+    if (__builtin_expect(owed, 0))
         return send_repost_way(st, m); /* (a tail call) */
     return lone_send(e, st, m, 0);
 }
