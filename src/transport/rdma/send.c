@@ -573,13 +573,16 @@ static bool chain_quiet(const struct bex__engine *e)
     return e->tail - e->head < e->quiet_max && !e->sig_force;
 }
 
-/* ibv_post_send refused the chain from bad on (rc): the signaled counter
- * recounted up to bad (signaled: what was counted), the chain lost, the
- * engine failed. Out of line (post_chain is inlined). */
+/* ibv_post_send refused the chain from post to tail from bad on (rc): the
+ * signaled counter recounted up to bad (what was counted: the chain's last
+ * request signaled or not, post_chain's one), the chain lost, the engine
+ * failed. Out of line (post_chain is inlined), and the chain found again
+ * here, so that post_chain keeps no value across its call of the NIC. */
 __attribute__((noinline, cold)) static void post_failed(struct bex__engine *e, int rc,
-                                                        struct ibv_send_wr *first,
-                                                        struct ibv_send_wr *bad, uint64_t signaled)
+                                                        struct ibv_send_wr *bad)
 {
+    struct ibv_send_wr *first = &sslot_at(e, e->post)->wr;
+    uint64_t signaled = (sslot_at(e, e->tail - 1)->wr.send_flags & IBV_SEND_SIGNALED) != 0;
     uint64_t now = 0;
     for (struct ibv_send_wr *w = first; w && w != bad; w = w->next)
         now += (w->send_flags & IBV_SEND_SIGNALED) != 0;
@@ -620,13 +623,11 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
     /* slot_take cleared the flags; prep_data may have set INLINE. Only
      * the chain's last request is ever signaled (recounted up to bad on
      * failure, so that the counter shows the signaling policy) */
-    uint64_t signaled = 0;
     if (!quiet) {
         s->wr.send_flags |= IBV_SEND_SIGNALED;
         bex__engine_wnd_posted(e, s, bytes);
         e->sig_end = e->tail;
         e->sig_force = false;
-        signaled = 1;
         BEX__STAT_ADD(e->stats, signaled, 1);
     }
     struct ibv_send_wr *bad = NULL;
@@ -636,9 +637,11 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
     BEX__STAT_ADD(e->stats, post_send_calls, 1);
-    int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
+    /* the chain's first found again (not kept across the window's call:
+     * the frame saves one register fewer) */
+    int rc = bex__rdma_post_send(e->qp, &sslot_at(e, e->post)->wr, &bad);
     if (rc) {
-        post_failed(e, rc, &first->wr, bad, signaled);
+        post_failed(e, rc, bad);
         return;
     }
     /* rxe takes a window's current key from mw->rkey when the next bind is
@@ -879,7 +882,8 @@ __attribute__((noinline)) static void prep_credit(struct bex__engine *e)
     BEX__STAT_ADD(e->stats, credit_msgs, 1);
 }
 
-bool bex__engine_progress(struct bex__engine *e)
+/* bex__engine_progress's every case. */
+static __attribute__((noinline)) bool progress_all(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
@@ -914,4 +918,42 @@ bool bex__engine_progress(struct bex__engine *e)
     if (e->sh->windows && bex__engine_spare_fill(e))
         bex__engine_wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
+}
+
+/* progress_all's posting of a lone message's chain, its one call (the
+ * doorbell) in a frame of its own: true, as progress_all's tail != before
+ * (something was prepared: post != tail on entry). */
+static __attribute__((noinline)) bool post_prepared(struct bex__engine *e)
+{
+    post_chain(e);
+    return true;
+}
+
+/* What a ping-pong's progress call finds (the answer prepared alone by
+ * bex__engine_send_now, which carried every owed credit): none of the
+ * cases progress_all tests first, each of them one bit of one word here
+ * (no window operations, keepalive, control messages, releases, queued
+ * streams, failed repost or credits to send; no credit owed, no window
+ * mode). Then its work is acks_settle's first case and the post, with no
+ * frame but the post's (the general one saves four registers). Any other
+ * state: progress_all, which does the same in this case. */
+bool bex__engine_progress(struct bex__engine *e)
+{
+    if (__builtin_expect(e->state != E_UP ||
+                             (e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due | e->ctl_n |
+                              e->rel_n | e->streams.ring_n | (uint32_t)e->repost_err |
+                              e->to_return) ||
+                             bex__engine_credit_owed(e) || e->sh->windows,
+                         0))
+        return progress_all(e); /* (a tail call) */
+    if (e->acks_owed) {
+        /* acks_settle's first case: nothing is owed (not credit_owed, no
+         * to_return) */
+        e->acks_owed = e->n_starved != 0;
+        e->ack_held = 0;
+        e->x.due_us = 0;
+    }
+    if (e->post == e->tail)
+        return false;
+    return post_prepared(e); /* (a tail call) */
 }
