@@ -287,23 +287,24 @@ static inline void msg_queue_init(struct bex__msg *m)
     m->peer_slot = false;
 }
 
-/* Whether a message for st with nothing queued while no other stream
- * waits in the ring may be prepared at once, never queued (posted by the
- * next bex__engine_progress, which was due anyway), as far as the engine
- * and st tell: nothing the scheduler would put first or count waits.
- * What progress sends first (window operations, a keepalive, control
- * messages, releases), a stream owing its OPEN or CLOSE, a send window or
- * a destination's bound (quiet_max 0: their stalls are counted by the
- * scheduler's turn): the ring's way (the queues' counts and flags or'ed:
- * one test, not six). So is every message after a repost that failed in
- * a direct send (repost_err): the engine fails at the next progress call,
- * and nothing more may be prepared for a tick's post to send before it. */
+/* Whether a message for st with nothing queued may be prepared at once,
+ * never queued (posted by the next bex__engine_progress, which was due
+ * anyway), as far as the engine and st tell: nothing the scheduler would
+ * put first or count waits. Another stream waiting in the ring, what
+ * progress sends first (window operations, a keepalive, control messages,
+ * releases), a stream owing its OPEN or CLOSE, a send window or a
+ * destination's bound (quiet_max 0: their stalls are counted by the
+ * scheduler's turn): the ring's way (the ring's and the queues' counts
+ * and flags or'ed: one test, not seven). So is every message after a
+ * repost that failed in a direct send (repost_err): the engine fails at
+ * the next progress call, and nothing more may be prepared for a tick's
+ * post to send before it. */
 __attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
                                                             const struct bex__stream *st)
 {
     return e->state == E_UP && st->state == BEX__S_OPEN && e->quiet_max &&
-           !(e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due |
-             (uint32_t)e->repost_err);
+           !(e->streams.ring_n | e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy |
+             (uint32_t)e->ka_due | (uint32_t)e->repost_err);
 }
 
 /* ... and as far as m tells, with a slot and a credit for it (no slot or
@@ -414,7 +415,7 @@ static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__
 struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
-    if (!e || st->q_head || e->streams.ring_n || !lone_open(e, st))
+    if (!e || st->q_head || !lone_open(e, st))
         return send_queue_way(st, m); /* (a tail call) */
     /* first, so that its values are dead before the request's are loaded
      * (the frame, a leaf's, saves no register); the repost it may need is
