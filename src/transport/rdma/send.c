@@ -686,12 +686,17 @@ static int repost_now(struct bex__engine *e)
         recvs_posted(e, e->n_unposted);
         return 0;
     }
-    for (uint32_t i = 0; i < e->n_unposted; i++) {
-        struct bex__rslot *r = &e->rs[e->unposted[i]];
-        r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
+    /* linked from the first, each slot looked up once */
+    assert(e->n_unposted);
+    struct ibv_recv_wr *first = &e->rs[e->unposted[0]].wr, *w = first;
+    for (uint32_t i = 1; i < e->n_unposted; i++) {
+        struct ibv_recv_wr *next = &e->rs[e->unposted[i]].wr;
+        w->next = next;
+        w = next;
     }
+    w->next = NULL;
     struct ibv_recv_wr *bad = NULL;
-    int rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
+    int rc = bex__rdma_post_recv(e->qp, first, &bad);
     BEX__STAT_ADD(e->stats, post_recv_calls, 1);
     if (!rc) {
         recvs_posted(e, e->n_unposted);
