@@ -595,12 +595,13 @@ __attribute__((noinline, cold)) static void post_failed(struct bex__engine *e, i
     bex__engine_fail_now(e, bex__rdma_err(rc));
 }
 
-/* bex__engine_post_pending's work, inlined in bex__engine_progress (once a
- * message) */
-__attribute__((always_inline)) static inline void post_chain(struct bex__engine *e)
+/* bex__engine_post_pending's work for a chain of at least one request,
+ * inlined in the progress calls (once a message). windows: whether the
+ * engine may be in window mode (false where the caller knows it is not:
+ * post_prepared, no test of it). */
+__attribute__((always_inline)) static inline void post_chain(struct bex__engine *e, bool windows)
 {
-    if (e->post == e->tail)
-        return;
+    assert(e->post != e->tail);
     /* what is posted may carry the credits of receives still staged */
     if (e->sh->srq && !bex__srq_flushed(e->sh->srq, e->srq_wait))
         bex__srq_flush(e->sh->srq);
@@ -647,7 +648,7 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
     }
     /* rxe takes a window's current key from mw->rkey when the next bind is
      * posted: it is the new key from now on */
-    if (e->sh->windows)
+    if (windows && e->sh->windows)
         for (uint32_t c = e->post; c != e->tail; c++)
             if (e->ss[c % e->sq].wr.opcode == IBV_WR_BIND_MW)
                 e->ss[c % e->sq].wr.bind_mw.mw->rkey = e->ss[c % e->sq].wr.bind_mw.rkey;
@@ -656,7 +657,8 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
 
 void bex__engine_post_pending(struct bex__engine *e)
 {
-    post_chain(e);
+    if (e->post != e->tail)
+        post_chain(e, true);
 }
 
 /* The first n unposted receive slots are posted: those of them whose
@@ -918,7 +920,8 @@ static __attribute__((noinline)) bool progress_all(struct bex__engine *e)
     assert(e->acks_owed || !e->ack_held);
     if (e->acks_owed)
         acks_settle(e);
-    post_chain(e); /* (returns at once when nothing is prepared) */
+    if (e->post != e->tail)
+        post_chain(e, true);
     /* (the checks ahead of the calls: a message's progress without window
      * mode or a keepalive due pays no call for them) */
     if (e->sh->windows && bex__engine_spare_fill(e))
@@ -926,12 +929,13 @@ static __attribute__((noinline)) bool progress_all(struct bex__engine *e)
     return e->tail != before;
 }
 
-/* progress_all's posting of a lone message's chain, its one call (the
- * doorbell) in a frame of its own: true, as progress_all's tail != before
- * (something was prepared: post != tail on entry). */
+/* progress_all's posting of a lone message's chain (not in window mode),
+ * its one call (the doorbell) in a frame of its own: true, as
+ * progress_all's tail != before (something was prepared: post != tail on
+ * entry). */
 static __attribute__((noinline)) bool post_prepared(struct bex__engine *e)
 {
-    post_chain(e);
+    post_chain(e, false);
     return true;
 }
 
