@@ -929,25 +929,35 @@ static __attribute__((noinline)) bool progress_all(struct bex__engine *e)
     return e->tail != before;
 }
 
-/* progress_all's posting of a lone message's chain (not in window mode),
- * its one call (the doorbell) in a frame of its own: true, as
- * progress_all's tail != before (something was prepared: post != tail on
- * entry). */
+/* The post of a lone message's chain (not in window mode), its one call
+ * (the doorbell) in a frame of its own: false, the transport's progress
+ * answer (bex__engine_progress_xport). */
 static __attribute__((noinline)) bool post_prepared(struct bex__engine *e)
 {
     post_chain(e, false);
-    return true;
+    return false;
 }
+
+/* progress_all for the transport: false (bex__engine_progress_xport). */
+static __attribute__((noinline)) bool progress_all_xport(struct bex__engine *e)
+{
+    (void)progress_all(e);
+    return false;
+}
+
+enum progress_case { PC_GENERAL, PC_IDLE, PC_POST };
 
 /* What a ping-pong's progress call finds (the answer prepared alone by
  * bex__engine_send_now, which carried every owed credit): none of the
  * cases progress_all tests first, each of them one bit of one word here
  * (no window operations, keepalive, control messages, releases, queued
  * streams, failed repost or credits to send; no credit owed, no window
- * mode). Then its work is acks_settle's first case and the post, with no
- * frame but the post's (the general one saves four registers). Any other
- * state: progress_all, which does the same in this case. */
-bool bex__engine_progress(struct bex__engine *e)
+ * mode). Then its work is acks_settle's first case (done here) and the
+ * post of what is prepared (PC_POST) if anything is (else PC_IDLE), with
+ * no frame but the post's (the general one saves four registers). Any
+ * other state: PC_GENERAL, progress_all's, which does the same in this
+ * case. */
+__attribute__((always_inline)) static inline enum progress_case progress_lone(struct bex__engine *e)
 {
     if (__builtin_expect(e->state != E_UP ||
                              (e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due | e->ctl_n |
@@ -955,7 +965,7 @@ bool bex__engine_progress(struct bex__engine *e)
                               e->to_return) ||
                              bex__engine_credit_owed(e) || e->sh->windows,
                          0))
-        return progress_all(e); /* (a tail call) */
+        return PC_GENERAL;
     if (e->acks_owed) {
         /* acks_settle's first case: nothing is owed (not credit_owed, no
          * to_return) */
@@ -963,7 +973,37 @@ bool bex__engine_progress(struct bex__engine *e)
         e->ack_held = 0;
         e->x.due_us = 0;
     }
-    if (e->post == e->tail)
+    return e->post == e->tail ? PC_IDLE : PC_POST;
+}
+
+bool bex__engine_progress(struct bex__engine *e)
+{
+    switch (progress_lone(e)) {
+    case PC_GENERAL:
+        return progress_all(e); /* (a tail call) */
+    case PC_IDLE:
         return false;
-    return post_prepared(e); /* (a tail call) */
+    case PC_POST:
+        break;
+    }
+    (void)post_prepared(e);
+    return true; /* (progress_all's tail != before) */
+}
+
+/* The I/O thread's call (ops.c's progress, no wrapper: the ping-pong's
+ * post is a tail call): bex__engine_progress, answering false whatever
+ * it did, since the engine moves all it can in one call (what it leaves
+ * waits for an event that asks for another call: ops.c). */
+bool bex__engine_progress_xport(struct bex__xport *x)
+{
+    struct bex__engine *e = bex__engine_of(x);
+    switch (progress_lone(e)) {
+    case PC_GENERAL:
+        return progress_all_xport(e); /* (a tail call) */
+    case PC_IDLE:
+        return false;
+    case PC_POST:
+        break;
+    }
+    return post_prepared(e); /* (a tail call: false) */
 }
