@@ -154,6 +154,7 @@ struct fk_side {
     uint64_t payload_posted;   /* every payload byte posted (fairness) */
     uint32_t min_credits_left; /* lowest granted - posted seen after a post */
     uint32_t ka_writes;        /* keepalive WRITEs posted (to the peer's word) */
+    uint64_t post_calls;       /* ibv_post_send calls (fk_progress's answer) */
 
     /* the sock layer's side */
     struct fk_stream streams[FK_MAX_STREAMS];
@@ -232,7 +233,9 @@ struct fk_msg *fk_send(struct fk_pair *p, struct fk_stream *st, uint32_t len, bo
 struct fk_msg *fk_send_now(struct fk_pair *p, struct fk_stream *st, uint32_t len);
 
 /* ---- the NIC, one step at a time (each returns whether it did anything) */
-bool fk_progress(struct fk_pair *p, int side); /* bex__engine_progress */
+/* the I/O thread's progress call (bex__engine_progress_xport): true when
+ * it posted anything (what bex__engine_progress answers) */
+bool fk_progress(struct fk_pair *p, int side);
 bool fk_exec(struct fk_pair *p, int side);     /* execute the head of its wire */
 bool fk_send_cqe(struct fk_pair *p, int side); /* deliver its next send completion */
 bool fk_recv_cqe(struct fk_pair *p, int side); /* deliver its next receive completion */

@@ -14,6 +14,7 @@
 
 #include "fake/fake.h"
 #include "harness.h"
+#include "transport/rdma/engine_internal.h"
 
 enum { HOW_LOCAL, HOW_NIC, HOW_PEER, HOW_CLOSE_THEN_LOCAL, HOW_COUNT };
 
@@ -307,7 +308,104 @@ static int repost_partly_in_send(void)
     return 0;
 }
 
+/* After a repost that failed in a direct send (repost_err kept, the
+ * answer queued, the engine to fail at the next progress call), nothing
+ * more is prepared to go alone: here the answer's stream is detached (its
+ * answer handed back), so no stream waits in the ring, and another
+ * stream's send comes before the progress call. It must be queued, not
+ * prepared, so that a tick (keepalive due) posts no message of an engine
+ * that is about to fail: the fake NIC's count of receive-consuming posts
+ * does not move, and the message comes back once, never sent
+ * (-ECANCELED), with the engine's failure. On main before, the chain the
+ * NIC took in part left the slack to cover the second send's credit, so
+ * that it was prepared alone and the tick posted it (-EIO). */
+static bool failed_in_send;
+static uint32_t failed_stream;
+
+static void answer_until_failed(struct fk_pair *p, int side, uint32_t stream)
+{
+    if (side != 1 || failed_in_send)
+        return;
+    fk_send_now(p, fk_stream(p, 1, stream), 32);
+    if (!fk_dead(p, 1) && p->s[1].e->repost_err) {
+        failed_in_send = true;
+        failed_stream = stream;
+    }
+}
+
+/* Side 0's messages on a, answered by side 1, until an answer's repost
+ * failed in its send: every step as fk_quiesce's, but side 1's progress
+ * call never comes after that failure. */
+static void exchange_until_failed(struct fk_pair *p, struct fk_stream *a, uint32_t rounds)
+{
+    for (uint32_t r = 0; r < rounds && !failed_in_send; r++) {
+        fk_send(p, a, 32, false);
+        for (uint32_t step = 0; step < 1000 && !failed_in_send; step++) {
+            bool any = fk_progress(p, 0);
+            while (fk_exec(p, 0))
+                any = true;
+            while (!failed_in_send && fk_recv_cqe(p, 1))
+                any = true;
+            if (failed_in_send)
+                break;
+            any |= fk_progress(p, 1);
+            while (fk_exec(p, 1))
+                any = true;
+            for (int i = 0; i < 2; i++)
+                while (fk_send_cqe(p, i))
+                    any = true;
+            while (fk_recv_cqe(p, 0))
+                any = true;
+            if (!any)
+                break;
+        }
+    }
+}
+
+static int repost_failed_then_lone(void)
+{
+    struct bex__engine_config c;
+    fk_default_config(&c);
+    struct fk_pair p;
+    fk_pair_init(&p, &c, &c, 12);
+    p.virt_clock = true;
+    struct fk_stream *a = fk_open(&p), *b = fk_open(&p);
+    fk_quiesce(&p);
+    failed_in_send = false;
+    p.on_msg = answer_until_failed;
+    p.s[1].fail_recv = true;
+    p.s[1].recv_take = 1; /* the chain goes in part: the slack grows */
+    exchange_until_failed(&p, a, 2 * c.rq_depth);
+    CHECK(failed_in_send);
+    CHECK(!fk_dead(&p, 1));
+    CHECK_EQ(failed_stream, a->id);
+    /* the failed answer's stream goes (its answer back, never sent) */
+    struct fk_stream *a1 = fk_stream(&p, 1, a->id);
+    bex__engine_detach(&a1->st);
+    a1->attached = false;
+    uint64_t posted = p.s[1].consumers_posted;
+    struct fk_msg *m = fk_send_now(&p, fk_stream(&p, 1, b->id), 32);
+    CHECK(m != NULL);
+    CHECK_EQ(m->done, 0);
+    /* two ticks: the first puts the keepalive off (the peer heard from
+     * us), the second finds it due and posts what is prepared */
+    fk_tick(&p, 1, 0);
+    fk_tick(&p, 1, 2 * c.keepalive_ms);
+    CHECK_EQ(p.s[1].consumers_posted, posted);
+    CHECK(!fk_dead(&p, 1));
+    fk_progress(&p, 1);
+    CHECK(fk_dead(&p, 1));
+    CHECK_EQ(p.s[1].fail_err, -ENOBUFS);
+    CHECK_EQ(m->done, 1);
+    CHECK_EQ(m->status, -ECANCELED);
+    CHECK(!m->final_posted);
+    p.on_msg = NULL;
+    p.s[1].fail_recv = false;
+    fk_pair_fini(&p);
+    return 0;
+}
+
 BEX_TEST_MAIN(BEX_CASE(local_fail), BEX_CASE(nic_error), BEX_CASE(peer_fail),
               BEX_CASE(random_schedules), BEX_CASE(peer_close_unopened), BEX_CASE(peer_ready_twice),
               BEX_CASE(prepared_unsent), BEX_CASE(repost_fails_in_send),
-              BEX_CASE(repost_partly_in_send))
+              BEX_CASE(repost_partly_in_send), BEX_CASE(repost_failed_then_lone))

@@ -207,6 +207,12 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc);
 uint32_t bex__engine_charged(const struct bex__engine *e);
 /* Schedule and post what can go. Returns true if anything was posted. */
 bool bex__engine_progress(struct bex__engine *e);
+/* The transport's progress (ops.c): the same, returning false. The engine
+ * moves all it can in one call: what it leaves waits for a send
+ * completion, a receive, a command or a tick, each of which asks for
+ * another call (bex__engine_complete, bex__engine_tick). So no call on the
+ * next turn for nothing: that was a second call per message. */
+bool bex__engine_progress_xport(struct bex__xport *x);
 /* Timer tick: keepalive. now in ms (CLOCK_MONOTONIC). */
 bool bex__engine_tick(struct bex__engine *e, uint64_t now_ms);
 /* Whether its next tick should come soon (the I/O thread's tick period)

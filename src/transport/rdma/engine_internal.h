@@ -409,13 +409,21 @@ static inline bool bex__engine_credit_from_slack(struct bex__engine *e)
     return true;
 }
 
+/* Whether the peer waits for credits we have not returned: of receives
+ * we handled (acks_owed) and hold unposted, not yet credited from the
+ * slack. Whatever we send next must carry them. */
+static inline bool bex__engine_credit_owed(const struct bex__engine *e)
+{
+    return e->acks_owed && e->n_unposted != e->n_credited;
+}
+
 /* The peer waits for the credits of receives we handled (acks_owed) to
  * report its messages: those not yet returned go back now (credited from
  * the slack, or the receives posted again), so that whatever we send next
  * carries them. False: the repost failed the engine. */
 static inline bool bex__engine_return_owed(struct bex__engine *e)
 {
-    if (!e->acks_owed || e->n_unposted == e->n_credited)
+    if (!bex__engine_credit_owed(e))
         return true;
     /* bex__engine_repost_recvs's first case, without the call */
     if (bex__engine_credit_from_slack(e))

@@ -57,16 +57,6 @@ static void rdma_peer_closed(struct bex__xport *x, struct bex__stream *st)
     bex__engine_peer_closed(st);
 }
 
-/* The engine moves all it can in one call: what it leaves waits for a
- * send completion, a receive, a command or a tick, each of which asks for
- * another call (bex__engine_complete, bex__engine_tick). So no call on the
- * next turn for nothing: that was a second call per message. */
-static bool rdma_progress(struct bex__xport *x)
-{
-    (void)bex__engine_progress(bex__engine_of(x));
-    return false;
-}
-
 static unsigned rdma_tick(struct bex__xport *x, uint64_t now_ms)
 {
     struct bex__engine *e = bex__engine_of(x);
@@ -102,7 +92,7 @@ const struct bex__transport_ops bex__rdma_transport = {
     .send_now = rdma_send_now,
     .close_stream = rdma_close_stream,
     .peer_closed = rdma_peer_closed,
-    .progress = rdma_progress,
+    .progress = bex__engine_progress_xport,
     .tick = rdma_tick,
     .fail = rdma_fail,
     .bind_window = rdma_bind_window,

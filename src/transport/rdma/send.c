@@ -10,6 +10,16 @@
 
 /* ---------------- send side ---------------- */
 
+/* A free slot's marks (its message, CLOSE and window to deallocate) are
+ * NULL: calloc'd so, set only after the slot is taken, and cleared by
+ * whoever consumes them (the retirement, slot_retired and send_retire;
+ * the failure's walk of the slots; the acknowledgement scan; a stream's
+ * detach; release_windows), so that taking a slot stores none of them. */
+static inline bool slot_marks_clear(const struct sslot *s)
+{
+    return !s->done && !s->closed && !s->free_mw;
+}
+
 /* The next send slot, its work request cleared but for the unions of
  * remote addresses and window binds, which a SEND does not read (see
  * slot_take); its sg_list points at its sge from the start (engine_areas),
@@ -18,14 +28,12 @@ static inline struct sslot *slot_take_send(struct bex__engine *e)
 {
     struct sslot *s = sslot_at(e, e->tail);
     assert(s->wr.sg_list == s->sge);
+    assert(slot_marks_clear(s));
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
     s->wr.num_sge = 0;
     s->wr.opcode = IBV_WR_SEND;
     s->wr.send_flags = 0;
     s->wr.imm_data = 0;
-    s->done = NULL;
-    s->closed = NULL;
-    s->free_mw = NULL;
     s->bytes = 0;
     e->tail++;
     return s;
@@ -117,10 +125,9 @@ prep_data(struct bex__engine *e, struct bex__stream *st, struct bex__msg *m, uns
 {
     struct sslot *s = sslot_at(e, e->tail);
     assert(s->wr.sg_list == s->sge);
+    assert(slot_marks_clear(s));
     s->wr.wr_id = wrid(e, e->tail & WR_CNT_MASK);
     e->tail++;
-    s->closed = NULL;
-    s->free_mw = NULL;
     uint32_t credits = e->to_return > BEX__IMM_CREDITS_MAX ? BEX__IMM_CREDITS_MAX : e->to_return;
     e->to_return -= credits;
     uint32_t len = (uint32_t)m->len;
@@ -280,20 +287,24 @@ static inline void msg_queue_init(struct bex__msg *m)
     m->peer_slot = false;
 }
 
-/* Whether a message for st with nothing queued while no other stream
- * waits in the ring may be prepared at once, never queued (posted by the
- * next bex__engine_progress, which was due anyway), as far as the engine
- * and st tell: nothing the scheduler would put first or count waits.
- * What progress sends first (window operations, a keepalive, control
- * messages, releases), a stream owing its OPEN or CLOSE, a send window or
- * a destination's bound (quiet_max 0: their stalls are counted by the
- * scheduler's turn): the ring's way (the queues' counts and flags or'ed:
- * one test, not five). */
+/* Whether a message for st with nothing queued may be prepared at once,
+ * never queued (posted by the next bex__engine_progress, which was due
+ * anyway), as far as the engine and st tell: nothing the scheduler would
+ * put first or count waits. Another stream waiting in the ring, what
+ * progress sends first (window operations, a keepalive, control messages,
+ * releases), a stream owing its OPEN or CLOSE, a send window or a
+ * destination's bound (quiet_max 0: their stalls are counted by the
+ * scheduler's turn): the ring's way (the ring's and the queues' counts
+ * and flags or'ed: one test, not seven). So is every message after a
+ * repost that failed in a direct send (repost_err): the engine fails at
+ * the next progress call, and nothing more may be prepared for a tick's
+ * post to send before it. */
 __attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
                                                             const struct bex__stream *st)
 {
     return e->state == E_UP && st->state == BEX__S_OPEN && e->quiet_max &&
-           !(e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due);
+           !(e->streams.ring_n | e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy |
+             (uint32_t)e->ka_due | (uint32_t)e->repost_err);
 }
 
 /* ... and as far as m tells, with a slot and a credit for it (no slot or
@@ -307,12 +318,13 @@ lone_fits(const struct bex__engine *e, const struct bex__stream *st, const struc
 
 /* An answer sent from the upcall of the peer's message carries that
  * message's credit, as progress would have it (return_owed, before its
- * turn): from the slack when it covers it, done here (what progress does
- * first anyway, whichever way the message goes); else the receives must
- * be posted again first (send_repost_way): true then. */
-__attribute__((always_inline)) static inline bool lone_repost(struct bex__engine *e)
+ * turn): from the slack when it covers it, taken here (what progress does
+ * first anyway, whichever way the message goes). True: what the slack does
+ * not cover stays owed (bex__engine_credit_owed), and the lone message's
+ * way posts the receives again first (send_repost_way). */
+__attribute__((always_inline)) static inline bool lone_credit(struct bex__engine *e)
 {
-    return e->acks_owed && e->n_unposted != e->n_credited && !bex__engine_credit_from_slack(e);
+    return bex__engine_credit_owed(e) && !bex__engine_credit_from_slack(e);
 }
 
 /* m prepared alone (lone_open and lone_fits hold), nseg its buffers: turn_eager's
@@ -360,20 +372,21 @@ static __attribute__((noinline)) struct bex__msg *send_queue_way(struct bex__str
 static int repost_now(struct bex__engine *e);
 
 /* bex__engine_send_now's way when the lone message's credit needs the
- * receives posted again (lone_repost): posted here, then m prepared as
+ * receives posted again (lone_credit: owed): posted here, then m prepared as
  * alone. A failed post fails nothing here (m and the rest would be
  * handed back inside the caller's send, against send_now's contract,
  * transport.h): its error is kept (repost_err, with the part of the
  * chain the NIC took counted as posted: repost_now), m goes the queue's
  * way, and the progress call the send marked the connection for fails
- * the engine, which hands m back never sent. Out of line, a tail call:
+ * the engine, which hands m back never sent; until then every later
+ * message goes the queue's way too (lone_open). Out of line, a tail call:
  * the lone message's frame stays a leaf's. */
 static __attribute__((noinline)) struct bex__msg *send_repost_way(struct bex__stream *st,
                                                                   struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
-    if (!e->repost_err)
-        e->repost_err = repost_now(e);
+    assert(!e->repost_err); /* (lone_open refused it) */
+    e->repost_err = repost_now(e);
     if (e->repost_err)
         return send_queue_way(st, m); /* (a tail call) */
     return lone_send(e, st, m, m->nseg);
@@ -389,7 +402,7 @@ static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__
     struct bex__engine *e = st->eng;
     if (m->nseg > e->max_sge)
         return send_queue_way(st, m); /* (a tail call) */
-    if (e->acks_owed && e->n_unposted != e->n_credited)
+    if (bex__engine_credit_owed(e))
         return send_repost_way(st, m); /* (a tail call) */
     return lone_send(e, st, m, m->nseg);
 }
@@ -402,17 +415,17 @@ static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__
 struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
 {
     struct bex__engine *e = st->eng;
-    if (!e || st->q_head || e->streams.ring_n || !lone_open(e, st))
+    if (!e || st->q_head || !lone_open(e, st))
         return send_queue_way(st, m); /* (a tail call) */
     /* first, so that its values are dead before the request's are loaded
-     * (the frame saves fewer registers); the repost it may need is
-     * decided last, by what it left (no value kept across) */
-    (void)lone_repost(e);
+     * (the frame, a leaf's, saves no register); the repost it may need is
+     * decided last, by the one flag it leaves (not tested again: 3 a send) */
+    bool owed = lone_credit(e);
     if (!lone_fits(e, st, m))
         return send_queue_way(st, m); /* (a tail call) */
     if (m->nseg)
         return send_gathered_way(st, m); /* (a tail call) */
-    if (__builtin_expect(e->acks_owed && e->n_unposted != e->n_credited, 0))
+    if (__builtin_expect(owed, 0))
         return send_repost_way(st, m); /* (a tail call) */
     return lone_send(e, st, m, 0);
 }
@@ -561,13 +574,16 @@ static bool chain_quiet(const struct bex__engine *e)
     return e->tail - e->head < e->quiet_max && !e->sig_force;
 }
 
-/* ibv_post_send refused the chain from bad on (rc): the signaled counter
- * recounted up to bad (signaled: what was counted), the chain lost, the
- * engine failed. Out of line (post_chain is inlined). */
+/* ibv_post_send refused the chain from post to tail from bad on (rc): the
+ * signaled counter recounted up to bad (what was counted: the chain's last
+ * request signaled or not, post_chain's one), the chain lost, the engine
+ * failed. Out of line (post_chain is inlined), and the chain found again
+ * here, so that post_chain keeps no value across its call of the NIC. */
 __attribute__((noinline, cold)) static void post_failed(struct bex__engine *e, int rc,
-                                                        struct ibv_send_wr *first,
-                                                        struct ibv_send_wr *bad, uint64_t signaled)
+                                                        struct ibv_send_wr *bad)
 {
+    struct ibv_send_wr *first = &sslot_at(e, e->post)->wr;
+    uint64_t signaled = (sslot_at(e, e->tail - 1)->wr.send_flags & IBV_SEND_SIGNALED) != 0;
     uint64_t now = 0;
     for (struct ibv_send_wr *w = first; w && w != bad; w = w->next)
         now += (w->send_flags & IBV_SEND_SIGNALED) != 0;
@@ -579,12 +595,13 @@ __attribute__((noinline, cold)) static void post_failed(struct bex__engine *e, i
     bex__engine_fail_now(e, bex__rdma_err(rc));
 }
 
-/* bex__engine_post_pending's work, inlined in bex__engine_progress (once a
- * message) */
-__attribute__((always_inline)) static inline void post_chain(struct bex__engine *e)
+/* bex__engine_post_pending's work for a chain of at least one request,
+ * inlined in the progress calls (once a message). windows: whether the
+ * engine may be in window mode (false where the caller knows it is not:
+ * post_prepared, no test of it). */
+__attribute__((always_inline)) static inline void post_chain(struct bex__engine *e, bool windows)
 {
-    if (e->post == e->tail)
-        return;
+    assert(e->post != e->tail);
     /* what is posted may carry the credits of receives still staged */
     if (e->sh->srq && !bex__srq_flushed(e->sh->srq, e->srq_wait))
         bex__srq_flush(e->sh->srq);
@@ -608,13 +625,11 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
     /* slot_take cleared the flags; prep_data may have set INLINE. Only
      * the chain's last request is ever signaled (recounted up to bad on
      * failure, so that the counter shows the signaling policy) */
-    uint64_t signaled = 0;
     if (!quiet) {
         s->wr.send_flags |= IBV_SEND_SIGNALED;
         bex__engine_wnd_posted(e, s, bytes);
         e->sig_end = e->tail;
         e->sig_force = false;
-        signaled = 1;
         BEX__STAT_ADD(e->stats, signaled, 1);
     }
     struct ibv_send_wr *bad = NULL;
@@ -624,14 +639,16 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
     BEX__STAT_ADD(e->stats, post_send_calls, 1);
-    int rc = bex__rdma_post_send(e->qp, &first->wr, &bad);
+    /* the chain's first found again (not kept across the window's call:
+     * the frame saves one register fewer) */
+    int rc = bex__rdma_post_send(e->qp, &sslot_at(e, e->post)->wr, &bad);
     if (rc) {
-        post_failed(e, rc, &first->wr, bad, signaled);
+        post_failed(e, rc, bad);
         return;
     }
     /* rxe takes a window's current key from mw->rkey when the next bind is
      * posted: it is the new key from now on */
-    if (e->sh->windows)
+    if (windows && e->sh->windows)
         for (uint32_t c = e->post; c != e->tail; c++)
             if (e->ss[c % e->sq].wr.opcode == IBV_WR_BIND_MW)
                 e->ss[c % e->sq].wr.bind_mw.mw->rkey = e->ss[c % e->sq].wr.bind_mw.rkey;
@@ -640,7 +657,8 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
 
 void bex__engine_post_pending(struct bex__engine *e)
 {
-    post_chain(e);
+    if (e->post != e->tail)
+        post_chain(e, true);
 }
 
 /* The first n unposted receive slots are posted: those of them whose
@@ -670,12 +688,17 @@ static int repost_now(struct bex__engine *e)
         recvs_posted(e, e->n_unposted);
         return 0;
     }
-    for (uint32_t i = 0; i < e->n_unposted; i++) {
-        struct bex__rslot *r = &e->rs[e->unposted[i]];
-        r->wr.next = i + 1 < e->n_unposted ? &e->rs[e->unposted[i + 1]].wr : NULL;
+    /* linked from the first, each slot looked up once */
+    assert(e->n_unposted);
+    struct ibv_recv_wr *first = &e->rs[e->unposted[0]].wr, *w = first;
+    for (uint32_t i = 1; i < e->n_unposted; i++) {
+        struct ibv_recv_wr *next = &e->rs[e->unposted[i]].wr;
+        w->next = next;
+        w = next;
     }
+    w->next = NULL;
     struct ibv_recv_wr *bad = NULL;
-    int rc = bex__rdma_post_recv(e->qp, &e->rs[e->unposted[0]].wr, &bad);
+    int rc = bex__rdma_post_recv(e->qp, first, &bad);
     BEX__STAT_ADD(e->stats, post_recv_calls, 1);
     if (!rc) {
         recvs_posted(e, e->n_unposted);
@@ -867,7 +890,8 @@ __attribute__((noinline)) static void prep_credit(struct bex__engine *e)
     BEX__STAT_ADD(e->stats, credit_msgs, 1);
 }
 
-bool bex__engine_progress(struct bex__engine *e)
+/* bex__engine_progress's every case. */
+static __attribute__((noinline)) bool progress_all(struct bex__engine *e)
 {
     if (e->state != E_UP)
         return false;
@@ -896,10 +920,90 @@ bool bex__engine_progress(struct bex__engine *e)
     assert(e->acks_owed || !e->ack_held);
     if (e->acks_owed)
         acks_settle(e);
-    post_chain(e); /* (returns at once when nothing is prepared) */
+    if (e->post != e->tail)
+        post_chain(e, true);
     /* (the checks ahead of the calls: a message's progress without window
      * mode or a keepalive due pays no call for them) */
     if (e->sh->windows && bex__engine_spare_fill(e))
         bex__engine_wops_hold(e); /* the queue is idle: the binds go out now */
     return e->tail != before;
+}
+
+/* The post of a lone message's chain (not in window mode), its one call
+ * (the doorbell) in a frame of its own: false, the transport's progress
+ * answer (bex__engine_progress_xport). */
+static __attribute__((noinline)) bool post_prepared(struct bex__engine *e)
+{
+    post_chain(e, false);
+    return false;
+}
+
+/* progress_all for the transport: false (bex__engine_progress_xport). */
+static __attribute__((noinline)) bool progress_all_xport(struct bex__engine *e)
+{
+    (void)progress_all(e);
+    return false;
+}
+
+enum progress_case { PC_GENERAL, PC_IDLE, PC_POST };
+
+/* What a ping-pong's progress call finds (the answer prepared alone by
+ * bex__engine_send_now, which carried every owed credit): none of the
+ * cases progress_all tests first, each of them one bit of one word here
+ * (no window operations, keepalive, control messages, releases, queued
+ * streams, failed repost or credits to send; no credit owed, no window
+ * mode). Then its work is acks_settle's first case (done here) and the
+ * post of what is prepared (PC_POST) if anything is (else PC_IDLE), with
+ * no frame but the post's (the general one saves four registers). Any
+ * other state: PC_GENERAL, progress_all's, which does the same in this
+ * case. */
+__attribute__((always_inline)) static inline enum progress_case progress_lone(struct bex__engine *e)
+{
+    if (__builtin_expect(e->state != E_UP ||
+                             (e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due | e->ctl_n |
+                              e->rel_n | e->streams.ring_n | (uint32_t)e->repost_err |
+                              e->to_return) ||
+                             bex__engine_credit_owed(e) || e->sh->windows,
+                         0))
+        return PC_GENERAL;
+    if (e->acks_owed) {
+        /* acks_settle's first case: nothing is owed (not credit_owed, no
+         * to_return) */
+        e->acks_owed = e->n_starved != 0;
+        e->ack_held = 0;
+        e->x.due_us = 0;
+    }
+    return e->post == e->tail ? PC_IDLE : PC_POST;
+}
+
+bool bex__engine_progress(struct bex__engine *e)
+{
+    switch (progress_lone(e)) {
+    case PC_GENERAL:
+        return progress_all(e); /* (a tail call) */
+    case PC_IDLE:
+        return false;
+    case PC_POST:
+        break;
+    }
+    (void)post_prepared(e);
+    return true; /* (progress_all's tail != before) */
+}
+
+/* The I/O thread's call (ops.c's progress, no wrapper: the ping-pong's
+ * post is a tail call): bex__engine_progress, answering false whatever
+ * it did, since the engine moves all it can in one call (what it leaves
+ * waits for an event that asks for another call: ops.c). */
+bool bex__engine_progress_xport(struct bex__xport *x)
+{
+    struct bex__engine *e = bex__engine_of(x);
+    switch (progress_lone(e)) {
+    case PC_GENERAL:
+        return progress_all_xport(e); /* (a tail call) */
+    case PC_IDLE:
+        return false;
+    case PC_POST:
+        break;
+    }
+    return post_prepared(e); /* (a tail call: false) */
 }
