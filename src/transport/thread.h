@@ -94,10 +94,16 @@ static inline bool bex__recv_room(struct bex__engine_shared *sh, uint64_t want)
 }
 
 /* A received buffer of size bytes was allocated / posted (+) or taken
- * from a posted receive (-). */
+ * from a posted receive (-); _at: a is bex__recv_acct_of(sh), read once
+ * by a caller that asks the estimate too. */
+static inline void bex__recv_allocated_at(struct bex__recv_acct *a, int64_t size)
+{
+    atomic_fetch_add(&a->allocated, size);
+}
+
 static inline void bex__recv_allocated(struct bex__engine_shared *sh, int64_t size)
 {
-    atomic_fetch_add(&bex__recv_acct_of(sh)->allocated, size);
+    bex__recv_allocated_at(bex__recv_acct_of(sh), size);
 }
 
 static inline void bex__recv_posted(struct bex__engine_shared *sh, int64_t size)

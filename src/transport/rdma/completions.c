@@ -327,17 +327,8 @@ slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const voi
     }
     /* the same size class as gone's (bex__engine_rbuf_usable asserts it) */
     assert(bex_mem_usable_size(fresh) == (size_t)u);
-    atomic_fetch_add(&a->allocated, u); /* (bex__recv_allocated) */
-    /* bex__engine_slot_put, but for the key: r's SGE holds gone's, which
-     * is fresh's too when both lie in one 4 MiB slot of the address space
-     * (one mapping's: its header, region and key are found from the
-     * slot's start, mem/lookup.h), as blocks of one class mostly do */
-    r->buf = fresh;
-    r->sge.addr = (uintptr_t)fresh;
-    r->sge.length = e->rbuf_len;
-    if (((uintptr_t)fresh ^ (uintptr_t)gone) >> BEX__MEM_LOOKUP_SHIFT)
-        r->sge.lkey = bex__mem_block_mr(fresh)->lkey;
-    assert(r->sge.lkey == bex__mem_block_mr(fresh)->lkey);
+    bex__recv_allocated_at(a, u);
+    bex__engine_slot_put(e, r, fresh, gone);
     bex__engine_hold_unposted(e, idx);
 }
 
