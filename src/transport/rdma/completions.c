@@ -286,8 +286,11 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
  * and bex_mem_alloc refills it when empty. */
 __attribute__((noinline)) static void *rbuf_new_slow(struct bex__engine *e)
 {
-    if (!e->rbin)
-        e->rbin = bex__mem_thread_bin(e->sh->recv_pool, e->rbuf_len);
+    if (e->rbin == &bex__mem_bin_none) {
+        struct bex__mem_bin *b = bex__mem_thread_bin(e->sh->recv_pool, e->rbuf_len);
+        if (b)
+            e->rbin = b;
+    }
     return bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
 }
 
@@ -295,7 +298,7 @@ __attribute__((noinline)) static void *rbuf_new_slow(struct bex__engine *e)
  * I/O thread's bin of its class, inline. */
 __attribute__((always_inline)) static inline void *rbuf_new(struct bex__engine *e)
 {
-    void *b = e->rbin ? bex__mem_bin_take(e->rbin) : NULL;
+    void *b = bex__mem_bin_take(e->rbin);
     return __builtin_expect(b != NULL, 1) ? b : rbuf_new_slow(e);
 }
 

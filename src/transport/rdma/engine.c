@@ -56,6 +56,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
     e->frag = cfg->frag_size;
     if (cfg->send_window && cfg->send_window < e->frag)
         e->frag = cfg->send_window;
+    e->rbin = &bex__mem_bin_none;
     e->state = E_INIT;
     bex__stream_set_init(&e->streams);
     e->head = e->post = e->tail = e->sig_end = e->dscan = SEND_CNT_START;

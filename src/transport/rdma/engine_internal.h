@@ -186,8 +186,9 @@ struct bex__engine {
     uint32_t rbuf_usable; /* their usable size (one size class: the same for
                              all), known after the first (0: not yet) */
     /* the I/O thread's bin of their class in the receive pool, where a
-     * consumed receive's fresh buffer comes from (NULL: not taken yet, or
-     * the pool has none; bex_mem_alloc then) */
+     * consumed receive's fresh buffer comes from (bex__mem_bin_none: not
+     * taken yet, or the pool has none; bex_mem_alloc then): never NULL, so
+     * that the refill's one test is the bin's own emptiness */
     struct bex__mem_bin *rbin;
     uint32_t *unposted; /* consumed receive slots awaiting repost */
     uint32_t n_unposted;
