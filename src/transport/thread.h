@@ -47,7 +47,9 @@ struct bex__engine_shared {
      * per context: see bex__recv_room() in thread.c. */
     bex_mem_pool *recv_pool;
     uint64_t recv_max; /* received-but-not-freed bytes allowed; 0 = no limit */
-    /* the context's counters, shared by its I/O threads (NULL: recv_own) */
+    /* the context's counters, shared by its I/O threads (NULL: recv_own;
+     * an RDMA engine's creation sets it to recv_own then, so that its
+     * receive path reads it without bex__recv_acct_of's test) */
     struct bex__recv_acct *recv_acct;
     struct bex__recv_acct recv_own;
     int64_t recv_base;       /* this thread's last exact count less the allocated

@@ -314,8 +314,10 @@ slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const voi
     int64_t u = bex__engine_rbuf_usable(e, gone);
     struct bex__engine_shared *sh = e->sh;
     /* the counters' pointer once: the estimate's and the count's (the
-     * bin's stores, through void pointers, would have it read again) */
-    struct bex__recv_acct *a = bex__recv_acct_of(sh);
+     * bin's stores, through void pointers, would have it read again); set
+     * since the engine's creation (engine_init), so no test of it */
+    struct bex__recv_acct *a = sh->recv_acct;
+    assert(a == bex__recv_acct_of(sh));
     void *fresh = NULL;
     /* room for rbuf_len more with gone already out of the count */
     uint64_t want = e->rbuf_len + (uint64_t)u;
