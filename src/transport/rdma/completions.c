@@ -619,6 +619,36 @@ void bex__engine_describe_send(struct bex__engine *e, uint32_t cnt, char *out, s
              e->post - e->head);
 }
 
+/* A receive the peer had no right to send (rc: recv_completed's): logged, and
+ * the engine failed. Out of line: no valid peer causes it. */
+__attribute__((noinline, cold)) static void recv_violated(struct bex__engine *e, int rc)
+{
+    if (rc == -EPROTO) /* the peer's fault: a WARN (bex__stream_violation) */
+        bex__stream_violation(e->sh->log, e->name, "RDMA", &e->said, "a message it sent");
+    else
+        bex__log_once(e->sh->log, &e->said, BEX__SAID_VIOLATION, BEX_LOG_ERROR, "%s: %s from peer",
+                      e->name, strerror(-rc));
+    bex__engine_fail(e, rc);
+}
+
+bool bex__engine_complete_recv(struct bex__engine *e, const struct ibv_wc *wc)
+{
+    uint32_t low = (uint32_t)wc->wr_id;
+    /* (a receive opcode is a receive request's, whose wr_id has WR_RECV;
+     * the opcode itself is recv_completed's to check) */
+    assert(wc->status == IBV_WC_SUCCESS && (low & WR_RECV));
+    if (e->state == E_DEAD)
+        return true; /* (as bex__engine_complete) */
+    e->peer_heard = true;
+    int rc = recv_completed(e, wc, low & WR_CNT_MASK);
+    if (rc)
+        recv_violated(e, rc);
+    /* the upcalls may have failed the engine (a bad OPEN, say) */
+    else if (e->state != E_DEAD && e->n_unposted >= e->k)
+        bex__engine_repost_recvs(e);
+    return true;
+}
+
 bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
@@ -638,28 +668,11 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return true;
     }
-    int rc = 0;
-    if (low & WR_RECV) {
-        e->peer_heard = true;
-        rc = recv_completed(e, wc, low & WR_CNT_MASK);
-        /* the upcalls may have failed the engine (a bad OPEN, say) */
-        if (!rc && e->state != E_DEAD && e->n_unposted >= e->k)
-            bex__engine_repost_recvs(e);
-    } else {
-        send_completed(e, low & WR_CNT_MASK);
-        /* the window mode's spares are bound once the queue is idle */
-        if (e->state == E_UP && !bex__engine_work(e) && !(e->sh->windows && e->spare_want))
-            return false;
-    }
-    if (rc) {
-        if (rc == -EPROTO) /* the peer's fault: a WARN (bex__stream_violation) */
-            bex__stream_violation(e->sh->log, e->name, "RDMA", &e->said, "a message it sent");
-        else
-            bex__log_once(e->sh->log, &e->said, BEX__SAID_VIOLATION, BEX_LOG_ERROR,
-                          "%s: %s from peer", e->name, strerror(-rc));
-        bex__engine_fail(e, rc);
-    }
-    return true;
+    if (low & WR_RECV)
+        return bex__engine_complete_recv(e, wc); /* (a tail call) */
+    send_completed(e, low & WR_CNT_MASK);
+    /* the window mode's spares are bound once the queue is idle */
+    return !(e->state == E_UP && !bex__engine_work(e) && !(e->sh->windows && e->spare_want));
 }
 
 void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
