@@ -631,7 +631,10 @@ __attribute__((noinline, cold)) static void recv_violated(struct bex__engine *e,
     bex__engine_fail(e, rc);
 }
 
-bool bex__engine_complete_recv(struct bex__engine *e, const struct ibv_wc *wc)
+/* (noinline: bex__engine_complete's tail call, one copy of the receive's
+ * path) */
+__attribute__((noinline)) bool bex__engine_complete_recv(struct bex__engine *e,
+                                                         const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
     /* (a receive opcode is a receive request's, whose wr_id has WR_RECV;
@@ -649,7 +652,10 @@ bool bex__engine_complete_recv(struct bex__engine *e, const struct ibv_wc *wc)
     return true;
 }
 
-bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
+/* bex__engine_complete's every completion but a receive's success: out
+ * of line, so that a receive's path through bex__engine_complete (the
+ * shared receive queue's) saves no registers for it. */
+__attribute__((noinline)) static bool complete_other(struct bex__engine *e, const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
     if (e->state == E_DEAD)
@@ -668,11 +674,19 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return true;
     }
-    if (low & WR_RECV)
-        return bex__engine_complete_recv(e, wc); /* (a tail call) */
+    assert(!(low & WR_RECV));
     send_completed(e, low & WR_CNT_MASK);
     /* the window mode's spares are bound once the queue is idle */
     return !(e->state == E_UP && !bex__engine_work(e) && !(e->sh->windows && e->spare_want));
+}
+
+bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
+{
+    /* a receive's success first (bex__engine_complete_recv tests the
+     * engine's state as complete_other does): both are tail calls */
+    if (__builtin_expect(wc->status == IBV_WC_SUCCESS && ((uint32_t)wc->wr_id & WR_RECV), 1))
+        return bex__engine_complete_recv(e, wc);
+    return complete_other(e, wc);
 }
 
 void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
