@@ -362,6 +362,8 @@ __attribute__((always_inline)) static inline bool dispatch_one(struct bex__io *i
         if (__builtin_expect(!(wc->opcode & IBV_WC_RECV), 0))
             return dispatch_sent(c, wc);
         count_recv_ok(io, c);
+        bex__conn_ready(c);
+        return bex__engine_complete_recv(c->eng, wc); /* (true; tested here) */
     }
     bex__conn_ready(c);
     return bex__engine_complete(c->eng, wc); /* (true) */

@@ -783,6 +783,8 @@ void *bex_mem_alloc(bex_mem_pool *pool, size_t size)
     return small_refill(h, c);
 }
 
+struct bex__mem_bin bex__mem_bin_none;
+
 struct bex__mem_bin *bex__mem_thread_bin(bex_mem_pool *pool, size_t size)
 {
     if (!pool || pool->kind == BEX_MEM_POOL_LANDING || size > BEX__MEM_SMALL_MAX)

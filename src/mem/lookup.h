@@ -100,8 +100,14 @@ struct bex__mem_bin {
  * only it may take from it, until it exits or the pool is destroyed. */
 struct bex__mem_bin *bex__mem_thread_bin(bex_mem_pool *pool, size_t size);
 
-/* A block of b's class from b (the calling thread's, bex__mem_thread_bin),
- * or NULL when b is empty: then bex_mem_alloc refills it. */
+/* A bin that is always empty (never written: bex__mem_bin_take of it
+ * reads its list alone), for a caller's "no bin yet" without a test of its
+ * own. */
+extern struct bex__mem_bin bex__mem_bin_none;
+
+/* A block of b's class from b (the calling thread's, bex__mem_thread_bin,
+ * or bex__mem_bin_none), or NULL when b is empty: then bex_mem_alloc
+ * refills it. */
 static inline void *bex__mem_bin_take(struct bex__mem_bin *b)
 {
     void *p = b->list;

@@ -47,7 +47,9 @@ struct bex__engine_shared {
      * per context: see bex__recv_room() in thread.c. */
     bex_mem_pool *recv_pool;
     uint64_t recv_max; /* received-but-not-freed bytes allowed; 0 = no limit */
-    /* the context's counters, shared by its I/O threads (NULL: recv_own) */
+    /* the context's counters, shared by its I/O threads (NULL: recv_own;
+     * an RDMA engine's creation sets it to recv_own then, so that its
+     * receive path reads it without bex__recv_acct_of's test) */
     struct bex__recv_acct *recv_acct;
     struct bex__recv_acct recv_own;
     int64_t recv_base;       /* this thread's last exact count less the allocated
@@ -94,10 +96,16 @@ static inline bool bex__recv_room(struct bex__engine_shared *sh, uint64_t want)
 }
 
 /* A received buffer of size bytes was allocated / posted (+) or taken
- * from a posted receive (-). */
+ * from a posted receive (-); _at: a is bex__recv_acct_of(sh), read once
+ * by a caller that asks the estimate too. */
+static inline void bex__recv_allocated_at(struct bex__recv_acct *a, int64_t size)
+{
+    atomic_fetch_add(&a->allocated, size);
+}
+
 static inline void bex__recv_allocated(struct bex__engine_shared *sh, int64_t size)
 {
-    atomic_fetch_add(&bex__recv_acct_of(sh)->allocated, size);
+    bex__recv_allocated_at(bex__recv_acct_of(sh), size);
 }
 
 static inline void bex__recv_posted(struct bex__engine_shared *sh, int64_t size)

@@ -286,8 +286,11 @@ static int handle_ctl(struct bex__engine *e, const struct bex__hdr *h)
  * and bex_mem_alloc refills it when empty. */
 __attribute__((noinline)) static void *rbuf_new_slow(struct bex__engine *e)
 {
-    if (!e->rbin)
-        e->rbin = bex__mem_thread_bin(e->sh->recv_pool, e->rbuf_len);
+    if (e->rbin == &bex__mem_bin_none) {
+        struct bex__mem_bin *b = bex__mem_thread_bin(e->sh->recv_pool, e->rbuf_len);
+        if (b)
+            e->rbin = b;
+    }
     return bex_mem_alloc(e->sh->recv_pool, e->rbuf_len);
 }
 
@@ -295,7 +298,7 @@ __attribute__((noinline)) static void *rbuf_new_slow(struct bex__engine *e)
  * I/O thread's bin of its class, inline. */
 __attribute__((always_inline)) static inline void *rbuf_new(struct bex__engine *e)
 {
-    void *b = e->rbin ? bex__mem_bin_take(e->rbin) : NULL;
+    void *b = bex__mem_bin_take(e->rbin);
     return __builtin_expect(b != NULL, 1) ? b : rbuf_new_slow(e);
 }
 
@@ -311,8 +314,10 @@ slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const voi
     int64_t u = bex__engine_rbuf_usable(e, gone);
     struct bex__engine_shared *sh = e->sh;
     /* the counters' pointer once: the estimate's and the count's (the
-     * bin's stores, through void pointers, would have it read again) */
-    struct bex__recv_acct *a = bex__recv_acct_of(sh);
+     * bin's stores, through void pointers, would have it read again); set
+     * since the engine's creation (engine_init), so no test of it */
+    struct bex__recv_acct *a = sh->recv_acct;
+    assert(a == bex__recv_acct_of(sh));
     void *fresh = NULL;
     /* room for rbuf_len more with gone already out of the count */
     uint64_t want = e->rbuf_len + (uint64_t)u;
@@ -327,17 +332,8 @@ slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const voi
     }
     /* the same size class as gone's (bex__engine_rbuf_usable asserts it) */
     assert(bex_mem_usable_size(fresh) == (size_t)u);
-    atomic_fetch_add(&a->allocated, u); /* (bex__recv_allocated) */
-    /* bex__engine_slot_put, but for the key: r's SGE holds gone's, which
-     * is fresh's too when both lie in one 4 MiB slot of the address space
-     * (one mapping's: its header, region and key are found from the
-     * slot's start, mem/lookup.h), as blocks of one class mostly do */
-    r->buf = fresh;
-    r->sge.addr = (uintptr_t)fresh;
-    r->sge.length = e->rbuf_len;
-    if (((uintptr_t)fresh ^ (uintptr_t)gone) >> BEX__MEM_LOOKUP_SHIFT)
-        r->sge.lkey = bex__mem_block_mr(fresh)->lkey;
-    assert(r->sge.lkey == bex__mem_block_mr(fresh)->lkey);
+    bex__recv_allocated_at(a, u);
+    bex__engine_slot_put(e, r, fresh, gone);
     bex__engine_hold_unposted(e, idx);
 }
 
@@ -623,7 +619,43 @@ void bex__engine_describe_send(struct bex__engine *e, uint32_t cnt, char *out, s
              e->post - e->head);
 }
 
-bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
+/* A receive the peer had no right to send (rc: recv_completed's): logged, and
+ * the engine failed. Out of line: no valid peer causes it. */
+__attribute__((noinline, cold)) static void recv_violated(struct bex__engine *e, int rc)
+{
+    if (rc == -EPROTO) /* the peer's fault: a WARN (bex__stream_violation) */
+        bex__stream_violation(e->sh->log, e->name, "RDMA", &e->said, "a message it sent");
+    else
+        bex__log_once(e->sh->log, &e->said, BEX__SAID_VIOLATION, BEX_LOG_ERROR, "%s: %s from peer",
+                      e->name, strerror(-rc));
+    bex__engine_fail(e, rc);
+}
+
+/* (noinline: bex__engine_complete's tail call, one copy of the receive's
+ * path) */
+__attribute__((noinline)) bool bex__engine_complete_recv(struct bex__engine *e,
+                                                         const struct ibv_wc *wc)
+{
+    uint32_t low = (uint32_t)wc->wr_id;
+    /* (a receive opcode is a receive request's, whose wr_id has WR_RECV;
+     * the opcode itself is recv_completed's to check) */
+    assert(wc->status == IBV_WC_SUCCESS && (low & WR_RECV));
+    if (e->state == E_DEAD)
+        return true; /* (as bex__engine_complete) */
+    e->peer_heard = true;
+    int rc = recv_completed(e, wc, low & WR_CNT_MASK);
+    if (rc)
+        recv_violated(e, rc);
+    /* the upcalls may have failed the engine (a bad OPEN, say) */
+    else if (e->state != E_DEAD && e->n_unposted >= e->k)
+        bex__engine_repost_recvs(e);
+    return true;
+}
+
+/* bex__engine_complete's every completion but a receive's success: out
+ * of line, so that a receive's path through bex__engine_complete (the
+ * shared receive queue's) saves no registers for it. */
+__attribute__((noinline)) static bool complete_other(struct bex__engine *e, const struct ibv_wc *wc)
 {
     uint32_t low = (uint32_t)wc->wr_id;
     if (e->state == E_DEAD)
@@ -642,28 +674,19 @@ bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
         bex__engine_fail(e, bex__rdma_wc_errno(wc->status));
         return true;
     }
-    int rc = 0;
-    if (low & WR_RECV) {
-        e->peer_heard = true;
-        rc = recv_completed(e, wc, low & WR_CNT_MASK);
-        /* the upcalls may have failed the engine (a bad OPEN, say) */
-        if (!rc && e->state != E_DEAD && e->n_unposted >= e->k)
-            bex__engine_repost_recvs(e);
-    } else {
-        send_completed(e, low & WR_CNT_MASK);
-        /* the window mode's spares are bound once the queue is idle */
-        if (e->state == E_UP && !bex__engine_work(e) && !(e->sh->windows && e->spare_want))
-            return false;
-    }
-    if (rc) {
-        if (rc == -EPROTO) /* the peer's fault: a WARN (bex__stream_violation) */
-            bex__stream_violation(e->sh->log, e->name, "RDMA", &e->said, "a message it sent");
-        else
-            bex__log_once(e->sh->log, &e->said, BEX__SAID_VIOLATION, BEX_LOG_ERROR,
-                          "%s: %s from peer", e->name, strerror(-rc));
-        bex__engine_fail(e, rc);
-    }
-    return true;
+    assert(!(low & WR_RECV));
+    send_completed(e, low & WR_CNT_MASK);
+    /* the window mode's spares are bound once the queue is idle */
+    return !(e->state == E_UP && !bex__engine_work(e) && !(e->sh->windows && e->spare_want));
+}
+
+bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc)
+{
+    /* a receive's success first (bex__engine_complete_recv tests the
+     * engine's state as complete_other does): both are tail calls */
+    if (__builtin_expect(wc->status == IBV_WC_SUCCESS && ((uint32_t)wc->wr_id & WR_RECV), 1))
+        return bex__engine_complete_recv(e, wc);
+    return complete_other(e, wc);
 }
 
 void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)

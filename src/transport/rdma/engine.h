@@ -198,6 +198,12 @@ void bex__engine_retire_window(struct bex__engine *e, struct ibv_mw *mw, uint32_
  * idle engine, the answer of a ping-pong say, frees nothing anyone waits
  * for). */
 bool bex__engine_complete(struct bex__engine *e, const struct ibv_wc *wc);
+/* bex__engine_complete for a completion the caller knows to be a
+ * receive's success (wc's status IBV_WC_SUCCESS, and a receive request's:
+ * its opcode has IBV_WC_RECV set), which it then need not test again
+ * (issue 25 item 2); true, as bex__engine_complete's answer for a receive,
+ * so that the caller's return may be a tail call. */
+bool bex__engine_complete_recv(struct bex__engine *e, const struct ibv_wc *wc);
 /* SRQ mode: a receive completion of the thread's shared queue (engine id 0
  * in its wr_id), handed to the engine of its QP. Returns that engine's
  * user (its connection), or NULL when the QP is gone. */

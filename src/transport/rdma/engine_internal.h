@@ -186,8 +186,9 @@ struct bex__engine {
     uint32_t rbuf_usable; /* their usable size (one size class: the same for
                              all), known after the first (0: not yet) */
     /* the I/O thread's bin of their class in the receive pool, where a
-     * consumed receive's fresh buffer comes from (NULL: not taken yet, or
-     * the pool has none; bex_mem_alloc then) */
+     * consumed receive's fresh buffer comes from (bex__mem_bin_none: not
+     * taken yet, or the pool has none; bex_mem_alloc then): never NULL, so
+     * that the refill's one test is the bin's own emptiness */
     struct bex__mem_bin *rbin;
     uint32_t *unposted; /* consumed receive slots awaiting repost */
     uint32_t n_unposted;
@@ -373,11 +374,22 @@ static inline int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void 
     return e->rbuf_usable;
 }
 
-static inline void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf)
+/* Slot r takes buf (a block's start, bex_mem_alloc's: its region inline)
+ * in place of old, the buffer whose key r's SGE holds (NULL: none). That
+ * key is buf's too when both lie in one 4 MiB slot of the address space
+ * (one mapping's: its header, region and key are found from the slot's
+ * start, mem/lookup.h), as a refill's blocks of one class mostly do: it is
+ * looked up only when they differ. NULL differs from every block (a
+ * mapping's header starts its slot, and no mapping starts at address 0). */
+static inline void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot *r, void *buf,
+                                        const void *old)
 {
     r->buf = buf;
-    /* buf is a block's start (bex_mem_alloc's): its region inline */
-    r->sge = (struct ibv_sge){(uintptr_t)buf, e->rbuf_len, bex__mem_block_mr(buf)->lkey};
+    r->sge.addr = (uintptr_t)buf;
+    r->sge.length = e->rbuf_len;
+    if (((uintptr_t)buf ^ (uintptr_t)old) >> BEX__MEM_LOOKUP_SHIFT)
+        r->sge.lkey = bex__mem_block_mr(buf)->lkey;
+    assert(r->sge.lkey == bex__mem_block_mr(buf)->lkey);
 }
 
 /* Receive slot idx: the engine's own, or in SRQ mode the shared queue's. */

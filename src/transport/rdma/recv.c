@@ -44,7 +44,7 @@ void bex__engine_recv_free(struct bex__engine *e, void *b)
 
 void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf)
 {
-    bex__engine_slot_put(e, r, buf);
+    bex__engine_slot_put(e, r, buf, NULL);
     bex__recv_posted(e->sh, bex__engine_rbuf_usable(e, buf));
 }
 

@@ -33,7 +33,11 @@ struct bex__rslot {
     struct ibv_recv_wr wr;
     struct ibv_sge sge;
     void *buf;
+    /* to 64 bytes: a completion's slot is then its index shifted, not
+     * multiplied (issue 25 item 2) */
+    void *pad_;
 };
+_Static_assert(sizeof(struct bex__rslot) == 64, "a receive slot is 64 bytes");
 
 /* wr_id of an SRQ receive: engine id 0 (no engine has it: the receive is
  * nobody's until a QP consumes it; wc->qp_num says whose), receive bit,
