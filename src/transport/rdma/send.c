@@ -782,6 +782,15 @@ static bool ack_due(struct bex__engine *e)
     return bex__ack_hold_due(&e->x, &e->ack_held, e->cfg.ack_delay_us);
 }
 
+/* Every owed credit went (or waits for a buffer: starved): none is held,
+ * and no return is due. */
+static inline void acks_all_gone(struct bex__engine *e)
+{
+    e->acks_owed = e->n_starved != 0;
+    e->ack_held = 0;
+    e->x.due_us = 0;
+}
+
 /* Owed credits (acks_owed): when every one went (or waits for a buffer:
  * starved), nothing is held; else, held past ack_delay with no slot or
  * credit to send them, their return calls progress (x.due_us cleared).
@@ -790,9 +799,7 @@ static bool ack_due(struct bex__engine *e)
 static inline void acks_settle(struct bex__engine *e)
 {
     if (!e->to_return && e->n_unposted == e->n_credited) {
-        e->acks_owed = e->n_starved != 0;
-        e->ack_held = 0;
-        e->x.due_us = 0;
+        acks_all_gone(e);
         return;
     }
     if (e->ack_held && e->x.due_us && bex__now_us() >= e->x.due_us)
@@ -966,13 +973,8 @@ __attribute__((always_inline)) static inline enum progress_case progress_lone(st
                              bex__engine_credit_owed(e) || e->sh->windows,
                          0))
         return PC_GENERAL;
-    if (e->acks_owed) {
-        /* acks_settle's first case: nothing is owed (not credit_owed, no
-         * to_return) */
-        e->acks_owed = e->n_starved != 0;
-        e->ack_held = 0;
-        e->x.due_us = 0;
-    }
+    if (e->acks_owed)
+        acks_all_gone(e); /* acks_settle's first case: not credit_owed, no to_return */
     return e->post == e->tail ? PC_IDLE : PC_POST;
 }
 
