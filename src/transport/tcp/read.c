@@ -181,6 +181,15 @@ static struct part *part_place(struct bex__tcp *t, const struct bex__hdr *h, con
     return p;
 }
 
+/* p, a DATA message's new entry, is held partly received: its bytes
+ * counted against the budget and its hold noted. */
+static inline void part_hold(struct bex__tcp *t, struct part *p)
+{
+    p->held = true;
+    t->part_bytes += p->len;
+    bex__tcp_hold_note(t);
+}
+
 /* A DATA or DIRECT frame that starts a message: its entry, or NULL, and
  * on_header returns *ret (false: the connection failed). */
 static struct part *part_start(struct bex__tcp *t, const struct bex__hdr *h, bool direct, bool *ret)
@@ -210,11 +219,8 @@ static struct part *part_start(struct bex__tcp *t, const struct bex__hdr *h, boo
             return NULL;
         t->one_busy = true;
         t->parts_n++;
-        if (h->len > t->stage_end - t->stage_off) { /* as below */
-            p->held = true;
-            t->part_bytes += p->len;
-            bex__tcp_hold_note(t);
-        }
+        if (h->len > t->stage_end - t->stage_off) /* as below */
+            part_hold(t, p);
         return p;
     }
     struct part d = {.stream = h->stream, .direct = direct};
@@ -240,11 +246,8 @@ static struct part *part_start(struct bex__tcp *t, const struct bex__hdr *h, boo
      * header, is delivered before the next header is read: it is never
      * held partly received, and its hold is not noted (two atomic updates
      * of the context's holders a message; issue 25 item 5). */
-    if (!direct && (h->len != p->len || h->len > t->stage_end - t->stage_off)) {
-        p->held = true;
-        t->part_bytes += p->len;
-        bex__tcp_hold_note(t);
-    }
+    if (!direct && (h->len != p->len || h->len > t->stage_end - t->stage_off))
+        part_hold(t, p);
     return p;
 }
 
