@@ -21,6 +21,7 @@ int bex__engine_queue_ctl(struct bex__engine *e, const struct bex__hdr *h)
                                      e->ctl_n);
     e->ctlq[(e->ctl_head + e->ctl_n) % e->ctl_cap] = *h;
     e->ctl_n++;
+    bex__engine_alone_sync(e);
     if (h->type == BEX__MSG_RNDV_RESP && h->status)
         e->ctl_errs++;
     else if (h->type == BEX__MSG_CLOSE)

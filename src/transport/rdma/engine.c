@@ -63,6 +63,7 @@ static void engine_init(struct bex__engine *e, struct bex__engine_shared *sh,
     if (!sh->recv_acct)
         sh->recv_acct = &sh->recv_own;
     e->state = E_INIT;
+    bex__engine_alone_sync(e);
     bex__stream_set_init(&e->streams);
     e->head = e->post = e->tail = e->sig_end = e->dscan = SEND_CNT_START;
     e->srq_cur = NO_SLOT;
@@ -283,6 +284,7 @@ static void drop_wops(struct bex__engine *e)
     for (; e->wq_n; e->wq_n--, e->wq_head = (e->wq_head + 1) % e->wq_cap)
         if (e->wq[e->wq_head].dealloc)
             ibv_dealloc_mw(e->wq[e->wq_head].mw);
+    bex__engine_alone_sync(e);
 }
 
 /* Before the QP is destroyed, every window that may still be bound on it
@@ -404,6 +406,7 @@ void bex__engine_move(struct bex__engine *e, enum bex__engine_state to)
         bex__log(e->sh->log, BEX_LOG_DEBUG, "%s: %s -> %s", e->name, bex__engine_state_name(from),
                  bex__engine_state_name(to));
     e->state = to;
+    bex__engine_alone_sync(e);
 }
 
 bool bex__engine_is_up(struct bex__engine *e)

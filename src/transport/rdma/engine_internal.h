@@ -197,6 +197,13 @@ struct bex__engine {
      * with which the next bex__engine_progress (the send marked the
      * connection for it) or repost fails it (0: none) */
     int repost_err;
+    /* nonzero while any of the conditions that keep a message from going
+     * alone holds (bex__engine_alone_sync): the engine not up, window
+     * operations queued or posted, a keepalive due, control messages or
+     * releases queued, a failed repost. One word for send.c's lone tests
+     * (the direct send's and the progress call's), where the seven were
+     * loaded and or'ed in each (issue 25 item 2). */
+    uint32_t not_alone;
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
     uint32_t n_starved;
@@ -419,6 +426,17 @@ static inline bool bex__engine_credit_from_slack(struct bex__engine *e)
     e->n_credited = e->n_unposted;
     e->to_return += fresh;
     return true;
+}
+
+/* e->not_alone again from the conditions it stands for: called by every
+ * line that changes one of them (state, wq_n, wop_busy, ka_due, ctl_n,
+ * rel_n, repost_err; after a loop that counts one down, once), so that
+ * it is never zero while one holds. Those lines are on the general ways
+ * only (the ping-pong's messages change none of them). */
+static inline void bex__engine_alone_sync(struct bex__engine *e)
+{
+    e->not_alone = (uint32_t)(e->state != E_UP) | e->wq_n | (uint32_t)e->wop_busy |
+                   (uint32_t)e->ka_due | e->ctl_n | e->rel_n | (uint32_t)e->repost_err;
 }
 
 /* Whether the peer waits for credits we have not returned: of receives

@@ -108,6 +108,7 @@ static void retire_quiet(struct bex__engine *e)
         return;
     }
     e->ka_due = true;
+    bex__engine_alone_sync(e);
     if (!bex__engine_wops_hold(e)) {
         bex__engine_prep_keepalive(e);
         bex__engine_post_pending(e);
@@ -233,6 +234,7 @@ bool bex__engine_tick(struct bex__engine *e, uint64_t now)
     if (now + e->cfg.keepalive_ms / 8 >= e->ka_next_ms) {
         e->ka_next_ms = now + e->cfg.keepalive_ms;
         e->ka_due = true;
+        bex__engine_alone_sync(e);
         if (!bex__engine_wops_hold(e)) {
             bex__engine_prep_keepalive(e);
             bex__engine_post_pending(e);
@@ -327,6 +329,7 @@ void bex__engine_fail_now(struct bex__engine *e, int err)
     e->rout_used = 0;
     e->rel_n = 0;
     e->ctl_n = e->ctl_errs = e->ctl_refusals = 0;
+    bex__engine_alone_sync(e);
     fail_streams(e);
     for (uint32_t i = 0; i < e->max_rndv; i++) {
         if (e->rin[i].used) {

@@ -294,17 +294,16 @@ static inline void msg_queue_init(struct bex__msg *m)
  * progress sends first (window operations, a keepalive, control messages,
  * releases), a stream owing its OPEN or CLOSE, a send window or a
  * destination's bound (quiet_max 0: their stalls are counted by the
- * scheduler's turn): the ring's way (the ring's and the queues' counts
- * and flags or'ed: one test, not seven). So is every message after a
+ * scheduler's turn): the ring's way (the ring's count or'ed with the
+ * engine's not_alone, which says whether it is up too: one test where
+ * seven fields were loaded and or'ed). So is every message after a
  * repost that failed in a direct send (repost_err): the engine fails at
  * the next progress call, and nothing more may be prepared for a tick's
  * post to send before it. */
 __attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
                                                             const struct bex__stream *st)
 {
-    return e->state == E_UP && st->state == BEX__S_OPEN && e->quiet_max &&
-           !(e->streams.ring_n | e->ctl_n | e->rel_n | e->wq_n | (uint32_t)e->wop_busy |
-             (uint32_t)e->ka_due | (uint32_t)e->repost_err);
+    return st->state == BEX__S_OPEN && e->quiet_max && !(e->streams.ring_n | e->not_alone);
 }
 
 /* ... and as far as m tells, with a slot and a credit for it (no slot or
@@ -387,8 +386,10 @@ static __attribute__((noinline)) struct bex__msg *send_repost_way(struct bex__st
     struct bex__engine *e = st->eng;
     assert(!e->repost_err); /* (lone_open refused it) */
     e->repost_err = repost_now(e);
-    if (e->repost_err)
+    if (e->repost_err) {
+        bex__engine_alone_sync(e);    /* (0 before: unchanged when still 0) */
         return send_queue_way(st, m); /* (a tail call) */
+    }
     return lone_send(e, st, m, m->nseg);
 }
 
@@ -740,6 +741,7 @@ void bex__engine_prep_keepalive(struct bex__engine *e)
     if (!e->ka_due || !bex__engine_free_slots(e))
         return;
     e->ka_due = false;
+    bex__engine_alone_sync(e);
     BEX__STAT_ADD(e->stats, keepalive_writes, 1);
     struct sslot *s = bex__engine_slot_take(e);
     uint64_t seq = ++e->ka_seq;
@@ -813,10 +815,12 @@ bool bex__engine_wops_hold(struct bex__engine *e)
     if (e->head != e->post)
         return true; /* draining for them, or they are still in flight */
     e->wop_busy = false;
+    bex__engine_alone_sync(e);
     if (!e->wq_n)
         return false;
     bex__engine_prep_wops(e);
     e->wop_busy = true;
+    bex__engine_alone_sync(e);
     bex__engine_post_pending(e);
     return true;
 }
@@ -870,6 +874,7 @@ __attribute__((noinline)) static bool progress_queues(struct bex__engine *e)
         if (h.type == BEX__MSG_RNDV_RESP && h.status == 0)
             e->rin[h.stream & 0xffff].granted = true;
     }
+    bex__engine_alone_sync(e);
     /* destinations given back unwritten: each frees a peer slot */
     while (e->rel_n && bex__engine_free_slots(e) && bex__engine_have_credit(e, false)) {
         struct rndv_rel r = e->relq[e->rel_head];
@@ -885,6 +890,7 @@ __attribute__((noinline)) static bool progress_queues(struct bex__engine *e)
         e->peer_rndv_used--;
         BEX__STAT_ADD(e->stats, writes_posted, 1);
     }
+    bex__engine_alone_sync(e);
     schedule_streams(e);
     return true;
 }
@@ -966,10 +972,7 @@ enum progress_case { PC_GENERAL, PC_IDLE, PC_POST };
  * case. */
 __attribute__((always_inline)) static inline enum progress_case progress_lone(struct bex__engine *e)
 {
-    if (__builtin_expect(e->state != E_UP ||
-                             (e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due | e->ctl_n |
-                              e->rel_n | e->streams.ring_n | (uint32_t)e->repost_err |
-                              e->to_return) ||
+    if (__builtin_expect((e->not_alone | e->streams.ring_n | e->to_return) ||
                              bex__engine_credit_owed(e) || e->sh->windows,
                          0))
         return PC_GENERAL;

@@ -21,6 +21,7 @@ void bex__engine_queue_release(struct bex__engine *e, uint64_t addr, uint32_t rk
     assert(e->rel_n < e->max_rndv);
     e->relq[(e->rel_head + e->rel_n) % e->max_rndv] = (struct rndv_rel){addr, rkey, imm};
     e->rel_n++;
+    bex__engine_alone_sync(e);
 }
 
 /* Is counter c in flight, [head, tail)? */

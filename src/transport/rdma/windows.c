@@ -26,6 +26,7 @@ int bex__engine_wop_push(struct bex__engine *e, const struct wop *w)
     }
     e->wq[(e->wq_head + e->wq_n) % e->wq_cap] = *w;
     e->wq_n++;
+    bex__engine_alone_sync(e);
     return 0;
 }
 
@@ -53,6 +54,7 @@ void bex__engine_prep_wops(struct bex__engine *e)
             };
         }
     }
+    bex__engine_alone_sync(e);
 }
 
 void bex__engine_bind_window(struct bex__engine *e, struct ibv_mw *mw, uint32_t rkey, void *addr,
