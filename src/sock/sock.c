@@ -847,18 +847,27 @@ void bex__sock_msg_put_slow(struct sock_msg *w)
     free(w); /* the cache is full */
 }
 
-/* w as a fresh descriptor of buf: every field of its message set, one by
- * one, and of the rest those the path reads (the command's are set by
- * bex__io_push, free_next by the cache). Not *w = (struct sock_msg){...}:
- * that clears all 18 words with a `rep stos` (some 28 instructions a send,
- * issue 25 item 2) before the fields are written again. */
+/* w as a fresh descriptor of buf: of its message the fields a transport
+ * reads before it sets them, one by one, and of the rest those the path
+ * reads (the command's are set by bex__io_push, free_next by the cache).
+ * Not *w = (struct sock_msg){...}: that clears all 18 words with a
+ * `rep stos` (some 28 instructions a send, issue 25 item 2) before the
+ * fields are written again. Left to the transports (both set them
+ * whichever way m goes, taken or queued, before anything reads them; the
+ * socket's queue while no transport is chosen links by next itself,
+ * io.c): next, st, state and status (TCP's tcp_msg_init, RDMA's
+ * lone_send, send_queue_way and the refusal in bex__engine_send); the
+ * RDMA engine's ack_seq (set with the slot's done, and at each post) and
+ * last_wr (read only once off is past 0, which its post sets with it).
+ * The rest (off, the rendezvous' fields, the destination's) are read by
+ * the RDMA engine's lone way, which does not set them, or by a message's
+ * abandonment in flight (issue 25 item 2: six stores a send less). */
 _Static_assert(sizeof(struct bex__msg) == 104,
-               "sock_msg_fill sets every field of struct bex__msg: add a new one there");
+               "sock_msg_fill sets or leaves to the transports every field of struct bex__msg: "
+               "place a new one");
 static inline void sock_msg_fill(struct sock_msg *w, bex_sock *s, void *buf, size_t len,
                                  void *msg_user, uint32_t lkey, bool caller_owned)
 {
-    w->m.next = NULL;
-    w->m.st = NULL;
     w->m.buf = buf;
     w->m.len = len;
     w->m.user = msg_user;
@@ -868,13 +877,9 @@ static inline void sock_msg_fill(struct sock_msg *w, bex_sock *s, void *buf, siz
     w->m.imm = 0;
     w->m.lkey = lkey;
     w->m.rndv_id = 0;
-    w->m.last_wr = 0;
-    w->m.ack_seq = 0;
-    w->m.state = 0;
     w->m.direct = false;
     w->m.rndv_asked = false;
     w->m.peer_slot = false;
-    w->m.status = 0;
     w->m.nseg = 0;
     w->m.seg = NULL;
     w->s = s;
