@@ -433,10 +433,14 @@ static inline bool bex__engine_credit_from_slack(struct bex__engine *e)
  * rel_n, repost_err; after a loop that counts one down, once), so that
  * it is never zero while one holds. Those lines are on the general ways
  * only (the ping-pong's messages change none of them). */
+static inline uint32_t bex__engine_alone_word(const struct bex__engine *e)
+{
+    return (uint32_t)(e->state != E_UP) | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due |
+           e->ctl_n | e->rel_n | (uint32_t)e->repost_err;
+}
 static inline void bex__engine_alone_sync(struct bex__engine *e)
 {
-    e->not_alone = (uint32_t)(e->state != E_UP) | e->wq_n | (uint32_t)e->wop_busy |
-                   (uint32_t)e->ka_due | e->ctl_n | e->rel_n | (uint32_t)e->repost_err;
+    e->not_alone = bex__engine_alone_word(e);
 }
 
 /* Whether the peer waits for credits we have not returned: of receives

@@ -303,6 +303,7 @@ static inline void msg_queue_init(struct bex__msg *m)
 __attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
                                                             const struct bex__stream *st)
 {
+    assert(e->not_alone == bex__engine_alone_word(e)); /* (a setter without its sync) */
     return st->state == BEX__S_OPEN && e->quiet_max && !(e->streams.ring_n | e->not_alone);
 }
 
@@ -972,6 +973,7 @@ enum progress_case { PC_GENERAL, PC_IDLE, PC_POST };
  * case. */
 __attribute__((always_inline)) static inline enum progress_case progress_lone(struct bex__engine *e)
 {
+    assert(e->not_alone == bex__engine_alone_word(e)); /* (a setter without its sync) */
     if (__builtin_expect((e->not_alone | e->streams.ring_n | e->to_return) ||
                              bex__engine_credit_owed(e) || e->sh->windows,
                          0))
