@@ -630,10 +630,12 @@ void bex_ctx_stats(bex_ctx *ctx, bex_sock_stats *out);
 
 /* The context's transport counters (bex_sock_stats: engines and TCP
  * connections now, messages and bytes, credit and window stalls, receive
- * pacing, RNR and retry errors, keepalive failures, fallbacks to TCP) and
- * its pools' registered and in-use bytes (label pool: "main", "recv",
- * "landing"), in Prometheus text exposition format (metric names
- * bex_transport_* and bex_pool_*, docs/configuration.md lists them),
+ * pacing, RNR and retry errors, keepalive failures, fallbacks to TCP;
+ * work requests, doorbells and lone credit updates; the I/O threads'
+ * epoll_wait calls) and its pools' registered and in-use bytes (label
+ * pool: "main", "recv", "landing"), in Prometheus text exposition format
+ * (metric names bex_transport_*, bex_loop_* and bex_pool_*,
+ * docs/configuration.md lists them),
  * NUL-terminated, into buf (cap bytes). Returns the length it needed
  * (without the NUL), like snprintf: the output is cut when that is >= cap;
  * -EINVAL. Any thread (approximate while the context runs). */

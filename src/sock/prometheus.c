@@ -55,6 +55,17 @@ static const struct {
       dest_bound_hits),
     G("bex_transport_dest_max_inflight_bytes", "Highest bytes in flight to one destination seen",
       dest_max_inflight),
+    /* what a message costs in work requests and system calls: over TCP a
+     * SEND is a frame, a doorbell a sendmsg call, and a credit message a
+     * frame of acknowledgements alone (which the peer wakes for and reads) */
+    C("bex_transport_sends_total", "SEND work requests posted (TCP: frames other than DIRECT)",
+      sends_posted),
+    C("bex_transport_doorbells_total", "ibv_post_send calls (TCP: sendmsg calls)", post_send_calls),
+    C("bex_transport_credit_messages_total",
+      "Credit updates sent alone (TCP: frames of acknowledgements alone)", credit_msgs),
+    C("bex_loop_waits_total", "epoll_wait calls of the I/O threads", loop_waits),
+    C("bex_loop_sleeps_total", "Of the I/O threads' epoll_wait calls, those that slept",
+      loop_sleeps),
 #undef C
 #undef G
 };

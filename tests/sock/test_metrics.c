@@ -7,7 +7,8 @@
  *    any connection; a short buffer gets the length needed, NUL-ended.
  *  - load: the stated load, LOAD_N echoes of LOAD_LEN bytes, moves
  *    messages and bytes sent and received by at least that much; engines
- *    is 1 while the socket is up; with a buffer of 1 MiB held the main
+ *    is 1 while the socket is up; doorbells move, and over TCP frames
+ *    (sends) by at least LOAD_N; with a buffer of 1 MiB held the main
  *    pool's in-use bytes are at least 1 MiB (the echoes' buffers, freed
  *    on the I/O thread, count until collected: no exact difference), and
  *    its registered bytes at least its in-use bytes.
@@ -57,6 +58,11 @@ static const char *const families[] = {
     "bex_transport_retry_errors_total",
     "bex_transport_keepalive_failures_total",
     "bex_transport_tcp_fallbacks_total",
+    "bex_transport_sends_total",
+    "bex_transport_doorbells_total",
+    "bex_transport_credit_messages_total",
+    "bex_loop_waits_total",
+    "bex_loop_sleeps_total",
     "bex_pool_registered_bytes",
     "bex_pool_in_use_bytes",
 };
@@ -192,6 +198,10 @@ static int load_client(struct pair *p, void *arg)
     CHECK(metric(ctx, "bex_transport_messages_received_total") >= LOAD_N);
     CHECK(metric(ctx, "bex_transport_sent_bytes_total") >= bytes0 + (long long)LOAD_N * LOAD_LEN);
     CHECK(metric(ctx, "bex_transport_received_bytes_total") >= (long long)LOAD_N * LOAD_LEN);
+    /* the messages went out through doorbells; over TCP each in a frame */
+    CHECK(metric(ctx, "bex_transport_doorbells_total") >= 1);
+    if (pair_tcp())
+        CHECK(metric(ctx, "bex_transport_sends_total") >= LOAD_N);
     void *big = bex_sock_alloc(ctx, 1 << 20);
     CHECK(big);
     long long used1 = metric(ctx, "bex_pool_in_use_bytes{pool=\"main\"}");
