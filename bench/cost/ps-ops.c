@@ -8,7 +8,11 @@
  * another address; BEX_* environment overrides apply); exits 1 on the
  * first failed operation. With PS_OPS_SHARDS=S it prints to stdout how
  * many of S shards each operation's keys touch (its sub-requests), for
- * bench/cost/ps-fanout. */
+ * bench/cost/ps-fanout. With PS_OPS_METRICS=FILE it writes the context's
+ * counters (bex_ctx_prometheus) to FILE after the last operation, while
+ * the connections are still up (ps-fanout's counters: frames,
+ * acknowledgement-only frames and loop waits without a tool that slows
+ * the process). */
 #include <arpa/inet.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -94,6 +98,19 @@ static int run(bex_ctx *ctx, bex_ps_client *c, long n, int op, uint32_t keys, ui
     return 0;
 }
 
+/* The context's Prometheus text into path; 0, or 1 after a message. */
+static int write_metrics(bex_ctx *ctx, const char *path)
+{
+    static char text[1 << 16];
+    int n = bex_ctx_prometheus(ctx, text, sizeof text);
+    FILE *f = fopen(path, "w");
+    if (n < 0 || (size_t)n >= sizeof text || !f || fputs(text, f) < 0 || fclose(f)) {
+        fprintf(stderr, "ps-ops: PS_OPS_METRICS %s: cannot write\n", path);
+        return 1;
+    }
+    return 0;
+}
+
 #define PS_OPS_USAGE                                                                               \
     "usage: bex-ps-ops CLUSTER_FILE N fetch|push|fetch_into|push_from [KEYS] [DIM] [TABLE]\n"
 
@@ -137,6 +154,8 @@ int main(int argc, char **argv)
     if ((rc = bex_ps_client_create(ctx, &pc, &c)))
         return fail("client", rc);
     int ret = run(ctx, c, n, op_of(argv[3]), keys, dim, table);
+    if (!ret && getenv("PS_OPS_METRICS"))
+        ret = write_metrics(ctx, getenv("PS_OPS_METRICS"));
     bex_ps_client_destroy(c);
     bex_dir_destroy(dir);
     bex_ctx_destroy(ctx);

@@ -32,7 +32,10 @@
 #            and its client allocates no call record nor send descriptor
 #            per sub-request (3.5 before); with the client's
 #            acknowledgements held (tcp_ack_delay_us) a server makes 3
-#            system calls a sub-request over 4 shards
+#            system calls a sub-request over 4 shards; bex's own counters
+#            at native speed (frames, ackframes, waits: no tool) give one
+#            frame a sub-request from every bex-ps, and the client's
+#            frames its requests and its frames of acknowledgements alone
 #   futex    a synchronous PS Fetch or Push costs its client process at
 #            most one wake-up of the calling thread (bench/cost/ps-futex:
 #            2 futex calls, the I/O thread's wake and the caller's wait;
@@ -353,6 +356,21 @@ if [ "$part" = fanout ]; then
     v=$(awk '$1 == "fanout" && $2 == 4 && $3 == "syscalls" && $4 == "srv" {print $8}' <<<"$fan")
     awk -v v="$v" 'BEGIN {exit !(v != "" && v <= 3.5)}' ||
         fail "PS fan-out: $v system calls per sub-request in bex-ps with the client's acknowledgements held (guard: at most 3.5)"
+    # bex's own counters at native speed (no tool; ports $port+56..63,
+    # the /metrics among them): every bex-ps sends one frame a
+    # sub-request, its answer, and wakes for one; the client as many, its
+    # requests, and its acknowledgement-only frames (timing's doing) are
+    # counted, at most one a sub-request
+    fan=$(cd "$src" && BEX_BUILD_DIR=$build PORT=$((port + 56)) SHARDS=2 TOOLS="frames ackframes waits" \
+        N1=50 N2=250 bench/cost/ps-fanout)
+    echo "$fan"
+    c() { awk -v t="$1" -v d="$2" '$1 == "fanout" && $2 == 2 && $3 == t && $4 == d {print $8}' <<<"$fan"; }
+    awk -v v="$(c frames srv)" 'BEGIN {exit !(v != "" && v >= 0.95 && v <= 1.05)}' ||
+        fail "PS fan-out: bex-ps sent $(c frames srv) frames a sub-request (want 1)"
+    awk -v v="$(c ackframes cli)" -v f="$(c frames cli)" 'BEGIN {exit !(v != "" && v >= -0.05 && v <= 1.05 && f >= 0.95 + v)}' ||
+        fail "PS fan-out: the client sent $(c frames cli) frames a sub-request, $(c ackframes cli) of acknowledgements alone"
+    awk -v v="$(c waits srv)" 'BEGIN {exit !(v != "" && v >= 0.5)}' ||
+        fail "PS fan-out: bex-ps waited $(c waits srv) times a sub-request in epoll_wait (want about 1)"
     echo "ok"
     exit 0
 fi
