@@ -36,6 +36,13 @@
 #            at native speed (frames, ackframes, waits: no tool) give one
 #            frame a sub-request from every bex-ps, and the client's
 #            frames its requests and its frames of acknowledgements alone
+#   connect  (with a third argument "connect", that alone: CTest's
+#            bench.cost_connect) bench/cost/run's run_pair_once with
+#            stand-in processes: a client refused after its server said
+#            "listening on" is started again, each time logged, and
+#            succeeds on its second try; refused every time it gives up
+#            after LATE_TRIES (3) more tries; a server that never says
+#            it listens still fails the run
 #   futex    a synchronous PS Fetch or Push costs its client process at
 #            most one wake-up of the calling thread (bench/cost/ps-futex:
 #            2 futex calls, the I/O thread's wake and the caller's wait;
@@ -59,13 +66,61 @@
 #            it, and the message path is the message's true cost; the
 #            function names the rule takes from UCX are the installed
 #            libucs's (nm -D)
-# usage: test_cost.sh SOURCE_DIR BUILD_DIR [fanout|rounds]
+# usage: test_cost.sh SOURCE_DIR BUILD_DIR [fanout|rounds|connect]
 set -euo pipefail
 src=$1 build=$2 part=${3:-}
 fail() { echo "FAIL: $*" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
+if [ "$part" = connect ]; then
+    defs=$(sed -n '/^run_pair_once() {/,/^}/p' "$src/bench/cost/run")
+    grep -q '^run_pair_once() {' <<<"$defs" || fail "no run_pair_once in bench/cost/run"
+    eval "$defs"
+    # what run_pair_once reads of bench/cost/run's state, and its stacks'
+    # commands: the stand-ins below
+    out=$tmp port=1 late_tries=3 dev0= dev1=
+    env_of() { echo STAND_IN=1; }
+    wrap() { echo env; }
+    server_cmd() { echo "bash $tmp/srv.sh"; }
+    client_cmd() { echo "bash $tmp/cli.sh"; }
+    # the server: says it listens (or not: LISTENS=0) and lives until the
+    # client got through, or for LIFE seconds
+    cat >"$tmp/srv.sh" <<'SRV'
+[ "$LISTENS" = 0 ] || echo "listening on 127.0.0.1:1"
+for _ in $(seq $((LIFE * 10))); do [ -e "$DIR/through" ] && exit 0; sleep 0.1; done
+exit 1
+SRV
+    # the client: refused its first REFUSALS tries, then through
+    cat >"$tmp/cli.sh" <<'CLI'
+n=$(($(cat "$DIR/n") + 1))
+echo $n >"$DIR/n"
+[ "$n" -gt "$REFUSALS" ] || { echo "bex-perf: connect: Connection refused"; exit 1; }
+touch "$DIR/through"
+CLI
+    export DIR=$tmp
+    # pair LISTENS REFUSALS LIFE TIMEOUT: run_pair_once's status, the
+    # client's tries and the retries logged, one line (TIMEOUT: seconds a
+    # process may run, and the wait for the server's line)
+    pair() {
+        echo 0 >"$tmp/n"
+        rm -f "$tmp/through"
+        local rc=0
+        run_timeout=$4
+        LISTENS=$1 REFUSALS=$2 LIFE=$3 run_pair_once bex syscalls 10 2>"$tmp/err" || rc=1
+        echo "$rc $(cat "$tmp/n") $(grep -c "refused after its server listened" "$tmp/err")"
+    }
+    r=$(pair 1 1 10 10)
+    [ "$r" = "0 2 1" ] || fail "refused once after listening: status, tries, retries logged $r (want 0 2 1)"
+    r=$(pair 1 100 20 20)
+    [ "$r" = "1 4 3" ] || fail "refused always after listening: status, tries, retries logged $r (want 1 4 3)"
+    # never listening: the wait for its line lasts as long as the server
+    # may run (run_timeout), which then ends it: no client, a failure
+    r=$(pair 0 100 4 2)
+    [ "$r" = "1 0 0" ] || fail "a server that never listens: status, tries, retries logged $r (want 1 0 0)"
+    echo "ok"
+    exit 0
+fi
 if [ "$part" = rounds ]; then
     # the time-driven rule's names are functions of bex-perf as
     # bench/cost/run measures it, a plain build (a rename or an inlining
