@@ -61,6 +61,10 @@ PY
 
 # listen IP: a bex-info --listen on IP:0; its port into $port
 listen() {
+    # made here, not by the background job's redirection: the first sed
+    # below may run before that job has opened it (a loaded host's native
+    # tier failed so: "sed: can't read .../listen.out")
+    : >"$tmp/listen.out"
     "$bin" --listen "$1:0" >"$tmp/listen.out" 2>"$tmp/listen.err" &
     listener=$!
     for _ in $(seq 100); do
