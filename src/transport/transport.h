@@ -200,8 +200,10 @@ struct bex__transport_ops {
      * (bex__io_send_now) must not report on_send_done inside that call: its
      * caller queues a refused m as a command instead. One call where a
      * check (takes) and the send were two (issue 25 item 2); the refused m
-     * is returned so that the caller keeps nothing across the call. */
-    struct bex__msg *(*send_now)(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
+     * is returned so that the caller keeps nothing across the call. x
+     * last: the RDMA engine's entry, which does not read it, is the ops
+     * table's own, its arguments where they came (no wrapper). */
+    struct bex__msg *(*send_now)(struct bex__stream *st, struct bex__msg *m, struct bex__xport *x);
     /* Send the queue, then CLOSE; on_stream_closed once the peer's CLOSE
      * has arrived too. Works before the transport is up. */
     void (*close_stream)(struct bex__xport *x, struct bex__stream *st);

@@ -414,8 +414,10 @@ static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__
  * the lone message's request reads of m is set here or by the caller,
  * never the queue's link nor the fields of the rendezvous and fragments,
  * which send_queue_way sets for the queue's way. */
-struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
+struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m,
+                                      struct bex__xport *x)
 {
+    (void)x;
     struct bex__engine *e = st->eng;
     if (!e || st->q_head || !lone_open(e, st))
         return send_queue_way(st, m); /* (a tail call) */
@@ -434,7 +436,7 @@ struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
 {
-    if (!bex__engine_send_now(st, m))
+    if (!bex__engine_send_now(st, m, NULL))
         return;
     /* refused (stream failed or closing, engine dead or absent): reported */
     m->st = st;
