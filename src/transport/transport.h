@@ -49,31 +49,34 @@ struct bex__seg {
 /* Buffers one gathered message has, at most (BEX_SOCK_IOV_MAX). */
 #define BEX__SEG_MAX 4
 
+/* The fields from off to nseg are the ones a fresh message has zero
+ * (sock.c's sock_msg_fill clears them with two 16-byte stores where seven
+ * stores of four sizes were, issue 25 item 2): keep them together. */
 struct bex__msg {
     struct bex__msg *next;
     struct bex__stream *st;
     void *buf;
     size_t len;
     void *user;
-    size_t off;     /* bytes of payload already in posted fragments */
-    uint64_t raddr; /* destination (large messages) */
+    uint32_t lkey;              /* buf's, set by whoever queues m (RDMA): resolved once at submit */
+    uint32_t ack_seq;           /* RDMA: the peer receive its last work request takes
+                                   (engine's cons_sent): reported 0 once acknowledged */
+    uint32_t last_wr;           /* send counter of its last posted fragment (off > 0) */
+    int status;                 /* the error it ends with, when it failed before posting
+                                   (rendezvous refused) or was abandoned in flight */
+    const struct bex__seg *seg; /* read only while nseg is not 0 */
+    size_t off;                 /* bytes of payload already in posted fragments */
+    uint64_t raddr;             /* destination (large messages) */
     uint32_t rkey;
     uint32_t imm;
-    uint32_t lkey;    /* buf's, set by whoever queues m (RDMA): resolved once at submit */
     uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
-    uint32_t last_wr; /* send counter of its last posted fragment (off > 0) */
-    uint32_t ack_seq; /* RDMA: the peer receive its last work request takes
-                         (engine's cons_sent): reported 0 once acknowledged */
+    bool direct;      /* destination given by the caller */
+    bool rndv_asked;  /* request already prepared */
+    bool peer_slot;   /* holds one of the peer's rendezvous slots (counted in
+                         the engine's peer_rndv_used until written or released) */
+    uint8_t nseg;     /* gathered: its bytes are seg[0..nseg) in order (buf and
+                         lkey the first's, len their total); 0: buf alone */
     uint8_t state;
-    bool direct;     /* destination given by the caller */
-    bool rndv_asked; /* request already prepared */
-    bool peer_slot;  /* holds one of the peer's rendezvous slots (counted in
-                        the engine's peer_rndv_used until written or released) */
-    int status;      /* the error it ends with, when it failed before posting
-                        (rendezvous refused) or was abandoned in flight */
-    uint8_t nseg;    /* gathered: its bytes are seg[0..nseg) in order (buf and
-                        lkey the first's, len their total); 0: buf alone */
-    const struct bex__seg *seg;
 };
 
 /* Where m's byte off lies: the address, the bytes from there to the end of
