@@ -626,6 +626,7 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
     assert(chain_loud_holds(e));
     bool quiet = !e->chain_loud && chain_quiet(e);
     e->chain_loud = false;
+    struct ibv_send_wr *wr = &first->wr;
     /* slot_take cleared the flags; prep_data may have set INLINE. Only
      * the chain's last request is ever signaled (recounted up to bad on
      * failure, so that the counter shows the signaling policy) */
@@ -635,6 +636,9 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
         e->sig_end = e->tail;
         e->sig_force = false;
         BEX__STAT_ADD(e->stats, signaled, 1);
+        /* the chain's first found again (not kept across the window's
+         * call: the frame saves one register fewer) */
+        wr = &sslot_at(e, e->post)->wr;
     }
     struct ibv_send_wr *bad = NULL;
     /* counted before the call, as its work requests were when prepared:
@@ -643,9 +647,8 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
     BEX__STAT_ADD(e->stats, post_send_calls, 1);
-    /* the chain's first found again (not kept across the window's call:
-     * the frame saves one register fewer) */
-    int rc = bex__rdma_post_send(e->qp, &sslot_at(e, e->post)->wr, &bad);
+    /* (a quiet chain's first is kept: no call since it was found) */
+    int rc = bex__rdma_post_send(e->qp, wr, &bad);
     if (rc) {
         post_failed(e, rc, bad);
         return;
