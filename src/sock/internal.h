@@ -325,7 +325,7 @@ static inline struct bex__msg *bex__io_send_direct(struct bex_sock *s, struct so
     BEX__STAT_ADD(s->io, direct_sends, 1);
     bex__conn_ready(s->conn);
     struct bex__xport *x = s->conn->x;
-    return x->ops->send_now(x, &s->st, &w->m);
+    return x->ops->send_now(&s->st, &w->m, x);
 }
 /* bex__io_send_direct's refusal of m: its counts taken back. */
 static inline struct sock_msg *bex__io_direct_refused(struct bex__msg *m)

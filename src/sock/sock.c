@@ -859,29 +859,34 @@ void bex__sock_msg_put_slow(struct sock_msg *w)
  * lone_send, send_queue_way and the refusal in bex__engine_send); the
  * RDMA engine's ack_seq (set with the slot's done, and at each post) and
  * last_wr (read only once off is past 0, which its post sets with it).
- * The rest (off, the rendezvous' fields, the destination's) are read by
- * the RDMA engine's lone way, which does not set them, or by a message's
- * abandonment in flight (issue 25 item 2: six stores a send less). */
+ * The rest (off, the rendezvous' fields, the destination's, nseg) are
+ * read by the RDMA engine's lone way, which does not set them, or by a
+ * message's abandonment in flight (issue 25 item 2: six stores a send
+ * less); they lie together in struct bex__msg, cleared by two 16-byte
+ * stores where seven of four sizes were. seg is read only while nseg is
+ * not 0 (a gathered message's, bex_sock_sendv's own): not set. */
 _Static_assert(sizeof(struct bex__msg) == 104,
                "sock_msg_fill sets or leaves to the transports every field of struct bex__msg: "
                "place a new one");
+_Static_assert(offsetof(struct bex__msg, nseg) + 1 - offsetof(struct bex__msg, off) == 32 &&
+                   (offsetof(struct sock_msg, m) + offsetof(struct bex__msg, off)) % 16 == 0,
+               "a fresh message's zero fields: 32 bytes together, 16-aligned in a descriptor");
 static inline void sock_msg_fill(struct sock_msg *w, bex_sock *s, void *buf, size_t len,
                                  void *msg_user, uint32_t lkey, bool caller_owned)
 {
     w->m.buf = buf;
     w->m.len = len;
     w->m.user = msg_user;
+    w->m.lkey = lkey;
     w->m.off = 0;
     w->m.raddr = 0;
     w->m.rkey = 0;
     w->m.imm = 0;
-    w->m.lkey = lkey;
     w->m.rndv_id = 0;
     w->m.direct = false;
     w->m.rndv_asked = false;
     w->m.peer_slot = false;
     w->m.nseg = 0;
-    w->m.seg = NULL;
     w->s = s;
     w->caller_owned = caller_owned;
     w->gathered = false;

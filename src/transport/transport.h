@@ -49,31 +49,34 @@ struct bex__seg {
 /* Buffers one gathered message has, at most (BEX_SOCK_IOV_MAX). */
 #define BEX__SEG_MAX 4
 
+/* The fields from off to nseg are the ones a fresh message has zero
+ * (sock.c's sock_msg_fill clears them with two 16-byte stores where seven
+ * stores of four sizes were, issue 25 item 2): keep them together. */
 struct bex__msg {
     struct bex__msg *next;
     struct bex__stream *st;
     void *buf;
     size_t len;
     void *user;
-    size_t off;     /* bytes of payload already in posted fragments */
-    uint64_t raddr; /* destination (large messages) */
+    uint32_t lkey;              /* buf's, set by whoever queues m (RDMA): resolved once at submit */
+    uint32_t ack_seq;           /* RDMA: the peer receive its last work request takes
+                                   (engine's cons_sent): reported 0 once acknowledged */
+    uint32_t last_wr;           /* send counter of its last posted fragment (off > 0) */
+    int status;                 /* the error it ends with, when it failed before posting
+                                   (rendezvous refused) or was abandoned in flight */
+    const struct bex__seg *seg; /* read only while nseg is not 0 */
+    size_t off;                 /* bytes of payload already in posted fragments */
+    uint64_t raddr;             /* destination (large messages) */
     uint32_t rkey;
     uint32_t imm;
-    uint32_t lkey;    /* buf's, set by whoever queues m (RDMA): resolved once at submit */
     uint32_t rndv_id; /* index in the engine's rendezvous table + 1, or 0 */
-    uint32_t last_wr; /* send counter of its last posted fragment (off > 0) */
-    uint32_t ack_seq; /* RDMA: the peer receive its last work request takes
-                         (engine's cons_sent): reported 0 once acknowledged */
+    bool direct;      /* destination given by the caller */
+    bool rndv_asked;  /* request already prepared */
+    bool peer_slot;   /* holds one of the peer's rendezvous slots (counted in
+                         the engine's peer_rndv_used until written or released) */
+    uint8_t nseg;     /* gathered: its bytes are seg[0..nseg) in order (buf and
+                         lkey the first's, len their total); 0: buf alone */
     uint8_t state;
-    bool direct;     /* destination given by the caller */
-    bool rndv_asked; /* request already prepared */
-    bool peer_slot;  /* holds one of the peer's rendezvous slots (counted in
-                        the engine's peer_rndv_used until written or released) */
-    int status;      /* the error it ends with, when it failed before posting
-                        (rendezvous refused) or was abandoned in flight */
-    uint8_t nseg;    /* gathered: its bytes are seg[0..nseg) in order (buf and
-                        lkey the first's, len their total); 0: buf alone */
-    const struct bex__seg *seg;
 };
 
 /* Where m's byte off lies: the address, the bytes from there to the end of
@@ -200,8 +203,10 @@ struct bex__transport_ops {
      * (bex__io_send_now) must not report on_send_done inside that call: its
      * caller queues a refused m as a command instead. One call where a
      * check (takes) and the send were two (issue 25 item 2); the refused m
-     * is returned so that the caller keeps nothing across the call. */
-    struct bex__msg *(*send_now)(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
+     * is returned so that the caller keeps nothing across the call. x
+     * last: the RDMA engine's entry, which does not read it, is the ops
+     * table's own, its arguments where they came (no wrapper). */
+    struct bex__msg *(*send_now)(struct bex__stream *st, struct bex__msg *m, struct bex__xport *x);
     /* Send the queue, then CLOSE; on_stream_closed once the peer's CLOSE
      * has arrived too. Works before the transport is up. */
     void (*close_stream)(struct bex__xport *x, struct bex__stream *st);

@@ -858,7 +858,7 @@ struct fk_msg *fk_send_now(struct fk_pair *p, struct fk_stream *st, uint32_t len
         return NULL;
     struct fk_side *s = &p->s[st->side];
     s->in_send_now = true;
-    struct bex__msg *back = bex__engine_send_now(&st->st, &m->m);
+    struct bex__msg *back = bex__engine_send_now(&st->st, &m->m, NULL);
     s->in_send_now = false;
     if (back) {
         FK_CHECK(back == &m->m && m->done == 0);

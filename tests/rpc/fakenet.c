@@ -380,7 +380,7 @@ static void x_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg
 /* The inner transport (TCP) refuses what bex__tcp_send_now refuses, asked
  * through its ops before this wrapper records anything of m: a dead
  * transport, a stream not open, a message over the peer's limit. */
-static struct bex__msg *x_send_now(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
+static struct bex__msg *x_send_now(struct bex__stream *st, struct bex__msg *m, struct bex__xport *x)
 {
     struct fn_x *w = of(x);
     if (w->in->ops->is_dead(w->in) || !bex__stream_open(st) ||

@@ -200,9 +200,11 @@ struct bex__engine {
     /* nonzero while any of the conditions that keep a message from going
      * alone holds (bex__engine_alone_sync): the engine not up, window
      * operations queued or posted, a keepalive due, control messages or
-     * releases queued, a failed repost. One word for send.c's lone tests
-     * (the direct send's and the progress call's), where the seven were
-     * loaded and or'ed in each (issue 25 item 2). */
+     * releases queued, a failed repost, every chain signaled (quiet_max
+     * 0: a send window, a destination's bound or window mode). One word
+     * for send.c's lone tests (the direct send's and the progress
+     * call's), where the eight were loaded and tested in each (issue 25
+     * item 2). */
     uint32_t not_alone;
     uint32_t *starved; /* consumed slots whose buffer went up, not yet replaced
                           (the context's received bytes are at their limit) */
@@ -430,13 +432,16 @@ static inline bool bex__engine_credit_from_slack(struct bex__engine *e)
 
 /* e->not_alone again from the conditions it stands for: called by every
  * line that changes one of them (state, wq_n, wop_busy, ka_due, ctl_n,
- * rel_n, repost_err; after a loop that counts one down, once), so that
- * it is never zero while one holds. Those lines are on the general ways
- * only (the ping-pong's messages change none of them). */
+ * rel_n, repost_err, quiet_max; after a loop that counts one down, once),
+ * so that it is never zero while one holds. Those lines are on the
+ * general ways only (the ping-pong's messages change none of them).
+ * Window mode (sh->windows, the context's from its creation on) sets
+ * quiet_max 0 for the engine's life (engine.c's engine_init), so the word
+ * covers it too. */
 static inline uint32_t bex__engine_alone_word(const struct bex__engine *e)
 {
     return (uint32_t)(e->state != E_UP) | e->wq_n | (uint32_t)e->wop_busy | (uint32_t)e->ka_due |
-           e->ctl_n | e->rel_n | (uint32_t)e->repost_err;
+           e->ctl_n | e->rel_n | (uint32_t)e->repost_err | (uint32_t)(e->quiet_max == 0);
 }
 static inline void bex__engine_alone_sync(struct bex__engine *e)
 {

@@ -38,13 +38,6 @@ static void rdma_send(struct bex__xport *x, struct bex__stream *st, struct bex__
     bex__engine_send(st, m);
 }
 
-static struct bex__msg *rdma_send_now(struct bex__xport *x, struct bex__stream *st,
-                                      struct bex__msg *m)
-{
-    (void)x;
-    return bex__engine_send_now(st, m);
-}
-
 static void rdma_close_stream(struct bex__xport *x, struct bex__stream *st)
 {
     (void)x;
@@ -89,7 +82,7 @@ const struct bex__transport_ops bex__rdma_transport = {
     .refuse_stream = rdma_refuse_stream,
     .attach = rdma_attach,
     .send = rdma_send,
-    .send_now = rdma_send_now,
+    .send_now = bex__engine_send_now,
     .close_stream = rdma_close_stream,
     .peer_closed = rdma_peer_closed,
     .progress = bex__engine_progress_xport,

@@ -295,16 +295,16 @@ static inline void msg_queue_init(struct bex__msg *m)
  * releases), a stream owing its OPEN or CLOSE, a send window or a
  * destination's bound (quiet_max 0: their stalls are counted by the
  * scheduler's turn): the ring's way (the ring's count or'ed with the
- * engine's not_alone, which says whether it is up too: one test where
- * seven fields were loaded and or'ed). So is every message after a
- * repost that failed in a direct send (repost_err): the engine fails at
- * the next progress call, and nothing more may be prepared for a tick's
- * post to send before it. */
+ * engine's not_alone, which says whether it is up and quiet_max set
+ * too: one test where eight fields were loaded and tested). So is every
+ * message after a repost that failed in a direct send (repost_err): the
+ * engine fails at the next progress call, and nothing more may be
+ * prepared for a tick's post to send before it. */
 __attribute__((always_inline)) static inline bool lone_open(const struct bex__engine *e,
                                                             const struct bex__stream *st)
 {
     assert(e->not_alone == bex__engine_alone_word(e)); /* (a setter without its sync) */
-    return st->state == BEX__S_OPEN && e->quiet_max && !(e->streams.ring_n | e->not_alone);
+    return st->state == BEX__S_OPEN && !(e->streams.ring_n | e->not_alone);
 }
 
 /* ... and as far as m tells, with a slot and a credit for it (no slot or
@@ -414,8 +414,10 @@ static __attribute__((noinline)) struct bex__msg *send_gathered_way(struct bex__
  * the lone message's request reads of m is set here or by the caller,
  * never the queue's link nor the fields of the rendezvous and fragments,
  * which send_queue_way sets for the queue's way. */
-struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m)
+struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m,
+                                      struct bex__xport *x)
 {
+    (void)x;
     struct bex__engine *e = st->eng;
     if (!e || st->q_head || !lone_open(e, st))
         return send_queue_way(st, m); /* (a tail call) */
@@ -434,7 +436,7 @@ struct bex__msg *bex__engine_send_now(struct bex__stream *st, struct bex__msg *m
 
 void bex__engine_send(struct bex__stream *st, struct bex__msg *m)
 {
-    if (!bex__engine_send_now(st, m))
+    if (!bex__engine_send_now(st, m, NULL))
         return;
     /* refused (stream failed or closing, engine dead or absent): reported */
     m->st = st;
@@ -624,6 +626,7 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
     assert(chain_loud_holds(e));
     bool quiet = !e->chain_loud && chain_quiet(e);
     e->chain_loud = false;
+    struct ibv_send_wr *wr = &first->wr;
     /* slot_take cleared the flags; prep_data may have set INLINE. Only
      * the chain's last request is ever signaled (recounted up to bad on
      * failure, so that the counter shows the signaling policy) */
@@ -633,6 +636,9 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
         e->sig_end = e->tail;
         e->sig_force = false;
         BEX__STAT_ADD(e->stats, signaled, 1);
+        /* the chain's first found again (not kept across the window's
+         * call: the frame saves one register fewer) */
+        wr = &sslot_at(e, e->post)->wr;
     }
     struct ibv_send_wr *bad = NULL;
     /* counted before the call, as its work requests were when prepared:
@@ -641,9 +647,8 @@ __attribute__((always_inline)) static inline void post_chain(struct bex__engine 
      * or a CREDIT message without its doorbell (test_poll_turn), or a
      * doorbell without its signaled request (test_sock_rxe.multiplex) */
     BEX__STAT_ADD(e->stats, post_send_calls, 1);
-    /* the chain's first found again (not kept across the window's call:
-     * the frame saves one register fewer) */
-    int rc = bex__rdma_post_send(e->qp, &sslot_at(e, e->post)->wr, &bad);
+    /* (a quiet chain's first is kept: no call since it was found) */
+    int rc = bex__rdma_post_send(e->qp, wr, &bad);
     if (rc) {
         post_failed(e, rc, bad);
         return;
@@ -965,18 +970,18 @@ enum progress_case { PC_GENERAL, PC_IDLE, PC_POST };
  * bex__engine_send_now, which carried every owed credit): none of the
  * cases progress_all tests first, each of them one bit of one word here
  * (no window operations, keepalive, control messages, releases, queued
- * streams, failed repost or credits to send; no credit owed, no window
- * mode). Then its work is acks_settle's first case (done here) and the
- * post of what is prepared (PC_POST) if anything is (else PC_IDLE), with
- * no frame but the post's (the general one saves four registers). Any
- * other state: PC_GENERAL, progress_all's, which does the same in this
- * case. */
+ * streams, failed repost or credits to send; no credit owed; no window
+ * mode, which not_alone's quiet_max covers). Then its work is
+ * acks_settle's first case (done here) and the post of what is prepared
+ * (PC_POST) if anything is (else PC_IDLE), with no frame but the post's
+ * (the general one saves four registers). Any other state: PC_GENERAL,
+ * progress_all's, which does the same in this case. */
 __attribute__((always_inline)) static inline enum progress_case progress_lone(struct bex__engine *e)
 {
     assert(e->not_alone == bex__engine_alone_word(e)); /* (a setter without its sync) */
-    if (__builtin_expect((e->not_alone | e->streams.ring_n | e->to_return) ||
-                             bex__engine_credit_owed(e) || e->sh->windows,
-                         0))
+    assert(!e->sh->windows || e->not_alone);           /* (window mode: quiet_max 0, in the word) */
+    if (__builtin_expect(
+            (e->not_alone | e->streams.ring_n | e->to_return) || bex__engine_credit_owed(e), 0))
         return PC_GENERAL;
     if (e->acks_owed)
         acks_all_gone(e); /* acks_settle's first case: not credit_owed, no to_return */

@@ -25,8 +25,10 @@ void bex__engine_set_dest(struct bex__engine *e, uint32_t ip)
         return;
     struct bex__wnd_memo m;
     e->dest = bex__wnd_dest_get(e->cfg.dests, ip, adaptive(e) ? &m : NULL);
-    if (e->dest)
+    if (e->dest) {
         e->quiet_max = 0; /* its bound counts bytes: every chain signaled */
+        bex__engine_alone_sync(e);
+    }
     if (!e->dest || !adaptive(e))
         return;
     uint32_t old = e->wnd.cwnd;

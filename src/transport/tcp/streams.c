@@ -53,7 +53,7 @@ static inline int tcp_refusal(const struct bex__tcp *t, const struct bex__stream
     return 0;
 }
 
-struct bex__msg *bex__tcp_send_now(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m)
+struct bex__msg *bex__tcp_send_now(struct bex__stream *st, struct bex__msg *m, struct bex__xport *x)
 {
     struct bex__tcp *t = tcp_of(x);
     if (tcp_refusal(t, st, m))

@@ -185,8 +185,8 @@ static inline void bex__tcp_part_release(struct bex__tcp *t, struct part *p)
 int bex__tcp_flush(struct bex__tcp *t);
 void bex__tcp_ring_add(struct bex__tcp *t, struct bex__stream *st);
 void bex__tcp_attach(struct bex__xport *x, struct bex__stream *st, uint32_t id, bool client);
-struct bex__msg *bex__tcp_send_now(struct bex__xport *x, struct bex__stream *st,
-                                   struct bex__msg *m);
+struct bex__msg *bex__tcp_send_now(struct bex__stream *st, struct bex__msg *m,
+                                   struct bex__xport *x);
 void bex__tcp_send(struct bex__xport *x, struct bex__stream *st, struct bex__msg *m);
 void bex__tcp_close_stream(struct bex__xport *x, struct bex__stream *st);
 void bex__tcp_peer_closed(struct bex__xport *x, struct bex__stream *st);
