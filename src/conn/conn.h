@@ -124,7 +124,7 @@ struct conn {
                                          message (setup_evict's order) */
     bool heard;                       /* setup: its first bytes wait to be read */
     bool coming;                      /* in set-up (not UP, not dead): counted in
-                                         io->n_coming (bex__conn_came) */
+                                         io->n_watch (bex__conn_came) */
     uint64_t conn_id;
     uint32_t mode;               /* BEX_TRANSPORT_* wanted for this connection */
     bool rdma_ok;                /* this side may use RDMA (mode, device) */
@@ -160,7 +160,7 @@ static inline void bex__conn_came(struct conn *c)
 {
     if (c->coming) {
         c->coming = false;
-        c->io->n_coming--;
+        c->io->n_watch--;
     }
 }
 const char *bex__conn_life_name(enum bex__conn_life life);
