@@ -94,7 +94,9 @@ __attribute__((always_inline)) static inline bool acks_posted(struct bex__engine
             e->dscan++;
             continue;
         }
-        bool copied = !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE);
+        /* (a small message's request is inline: its flag first, one
+         * test where the bytes' came first) */
+        bool copied = (s->wr.send_flags & IBV_SEND_INLINE) || !s->bytes;
         if (m->status || !copied || !acked(e, m->ack_seq))
             return false;
         s->done = NULL;
