@@ -47,7 +47,7 @@ static void conn_move(struct conn *c, enum bex__conn_life to)
         c->io->n_setup--;
     c->life = to;
     if (to == CONN_DEAD)
-        c->io->reap = true;
+        bex__io_reap_due(c->io);
 }
 
 static void conn_die(struct conn *c)
@@ -60,7 +60,7 @@ void bex__conn_stream_del(struct conn *c, uint32_t id)
     if (c->last_id == id)
         c->last_st = NULL;
     if (bex__hmap_del(&c->streams, id))
-        c->io->reap = true; /* a dead connection may have lost its last */
+        bex__io_reap_due(c->io); /* a dead connection may have lost its last */
 }
 
 void bex__io_lists_init(struct bex__io *io)

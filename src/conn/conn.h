@@ -249,6 +249,12 @@ void bex__listener_on_event(struct ep_tag *t, uint32_t events);
 void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd, const bex_addr *peer);
 /* Free dead connections no socket refers to. */
 void bex__conn_reap(struct bex__io *io);
+/* A connection died or lost a socket: the loop's next turn reaps. */
+static inline void bex__io_reap_due(struct bex__io *io)
+{
+    io->reap = true;
+    io->chores = true;
+}
 
 /* Timers (conn/timers.c), all on the connection's I/O thread's heap. */
 /* The thread's timers and housekeeping, before its loop starts. */

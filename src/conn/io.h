@@ -146,6 +146,9 @@ struct bex__io {
     struct bex__list conns; /* struct conn.link, newest first */
     struct bex__list ready; /* connections with work (struct conn.ready_link: bex__conn_ready) */
     bool reap;              /* a connection died or lost a socket: bex__conn_reap looks */
+    /* reap, or SRQ mode (bex__io_srq_timer's look): a turn's one test for
+     * both (conn/thread.c turn_chores; set with reap: bex__io_reap_due) */
+    bool chores;
     /* its timers (common/timer.h, in bex__now_us() time): connections'
      * setup deadlines, ticks (keepalive, stalls) and transports' due_us,
      * listeners' backoff, its own housekeeping; the loop sleeps until the

@@ -647,14 +647,27 @@ void bex__io_move(struct bex__io *io, enum bex__io_state to)
     atomic_store_explicit(&io->state, (int)to, memory_order_release);
 }
 
-/* The loop of one poll mode (event: the completion channel's, else
- * polling), until the thread stops. Inline twice, one copy a mode
- * (bex__io_main): a turn tests the mode three times, each a load from
- * the frame and a branch in one loop for both (issue 25 item 2), and none
- * in its own. */
-__attribute__((always_inline)) static inline void io_loop(struct bex__io *io,
-                                                          const bex_ctx_config *cfg, bool event)
+/* A turn's rare work: the dead connections reaped, and in SRQ mode the
+ * draining QPs' timer looked at. One flag tested a turn where reap and the
+ * shared queue were (issue 25 item 2), kept while either holds. */
+__attribute__((noinline)) static void turn_chores(struct bex__io *io)
 {
+    if (io->reap)
+        bex__conn_reap(io);
+    if (io->sh.srq)
+        bex__io_srq_timer(io);
+    io->chores = io->reap || io->sh.srq; /* (reaping may set reap again) */
+}
+
+/* The loop of one poll mode (BEX_POLL_*), until the thread stops. Inline
+ * once a mode (bex__io_main): a turn tested the mode three times, each a
+ * load from the frame and a branch in one loop for all (issue 25 item 2),
+ * and a busy turn with work kept the spin-then-sleep's idle count and
+ * clock (two stores); in its own copy none of that. */
+__attribute__((always_inline)) static inline void io_loop(struct bex__io *io,
+                                                          const bex_ctx_config *cfg, uint32_t mode)
+{
+    const bool event = mode == BEX_POLL_EVENT, spin_sleep = mode == BEX_POLL_SPIN_SLEEP;
     struct ibv_wc wc[WC_BATCH];
     struct epoll_event ev[16];
     uint64_t idle_since = 0;
@@ -685,13 +698,13 @@ __attribute__((always_inline)) static inline void io_loop(struct bex__io *io,
                      atomic_load_explicit(&io->turns, memory_order_relaxed) % WORK_TIMERS == 0))
             run_timers(io);
         did |= run_ready(io);
-        if (io->reap)
-            bex__conn_reap(io);
-        if (io->sh.srq)
-            bex__io_srq_timer(io);
+        if (__builtin_expect(io->chores, 0))
+            turn_chores(io);
         if (did) {
-            idle_since = 0;
-            idle_polls = 0;
+            if (spin_sleep) {
+                idle_since = 0;
+                idle_polls = 0;
+            }
             spun_out = false;
             /* Event mode, a completion event read since the CQs were
              * armed: the sleep's look (arm, then poll) is the next turn's
@@ -716,7 +729,7 @@ __attribute__((always_inline)) static inline void io_loop(struct bex__io *io,
          * never sleeps; event mode sleeps at once. */
         if (event)
             spun_out = true;
-        else if (cfg->poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0)
+        else if (spin_sleep && idle_polls++ % 16 == 0)
             spun_out = spin_done(io, cfg->poll_spin_us, &idle_since);
         if (!spun_out) {
             spin_look(io, ev, wc);
@@ -737,9 +750,17 @@ void *bex__io_main(void *arg)
     bex__io_self = io;
     bex__io_timers_init(io);
     bex__io_cq_way_sync(io); /* (the device's CQ and queue are made before) */
-    if (cfg->poll_mode == BEX_POLL_EVENT)
-        io_loop(io, cfg, true);
-    else
-        io_loop(io, cfg, false);
+    io->chores = io->reap || io->sh.srq;
+    switch (cfg->poll_mode) {
+    case BEX_POLL_EVENT:
+        io_loop(io, cfg, BEX_POLL_EVENT);
+        break;
+    case BEX_POLL_SPIN_SLEEP:
+        io_loop(io, cfg, BEX_POLL_SPIN_SLEEP);
+        break;
+    default: /* (BEX_POLL_BUSY) */
+        io_loop(io, cfg, BEX_POLL_BUSY);
+        break;
+    }
     return NULL;
 }
