@@ -47,7 +47,7 @@ static void conn_move(struct conn *c, enum bex__conn_life to)
         c->io->n_setup--;
     c->life = to;
     if (to == CONN_DEAD)
-        c->io->reap = true;
+        bex__io_reap_due(c->io);
 }
 
 static void conn_die(struct conn *c)
@@ -60,7 +60,7 @@ void bex__conn_stream_del(struct conn *c, uint32_t id)
     if (c->last_id == id)
         c->last_st = NULL;
     if (bex__hmap_del(&c->streams, id))
-        c->io->reap = true; /* a dead connection may have lost its last */
+        bex__io_reap_due(c->io); /* a dead connection may have lost its last */
 }
 
 void bex__io_lists_init(struct bex__io *io)
@@ -110,7 +110,7 @@ static int conn_new(struct bex__io *io, int fd, bool client, struct conn **out)
     c->rdma_ok = c->mode != BEX_TRANSPORT_TCP && ctx->dev;
     c->next_stream = 1;
     c->coming = true;
-    io->n_coming++;
+    io->n_watch++;
     bex__conn_timers_start(c);
     io->engines[bex__conn_engine_slot(io, id)] = c;
     bex__list_init(&c->ready_link);
@@ -143,6 +143,7 @@ void bex__conn_free(struct conn *c)
                 io->cqs[c->cq_idx].used -= c->cqe_reserved;
         } else {
             BEX__STAT_ADD(&io->stats, tcp_conns, (uint64_t)-1);
+            io->n_watch--; /* (setup.c go_tcp counted it) */
         }
         BEX__STAT_ADD(&io->stats, engines, (uint64_t)-1);
     }
@@ -266,6 +267,7 @@ static int cq_room(struct bex__io *io, uint32_t need, uint32_t *idx)
     io->cqs[io->n_cq] = (struct io_cq){.cq = cq, .cap = cqe};
     io->cq_armed = false; /* armed before the thread sleeps */
     *idx = io->n_cq++;
+    bex__io_cq_way_sync(io);
     return 0;
 }
 

@@ -124,7 +124,7 @@ struct conn {
                                          message (setup_evict's order) */
     bool heard;                       /* setup: its first bytes wait to be read */
     bool coming;                      /* in set-up (not UP, not dead): counted in
-                                         io->n_coming (bex__conn_came) */
+                                         io->n_watch (bex__conn_came) */
     uint64_t conn_id;
     uint32_t mode;               /* BEX_TRANSPORT_* wanted for this connection */
     bool rdma_ok;                /* this side may use RDMA (mode, device) */
@@ -160,7 +160,7 @@ static inline void bex__conn_came(struct conn *c)
 {
     if (c->coming) {
         c->coming = false;
-        c->io->n_coming--;
+        c->io->n_watch--;
     }
 }
 const char *bex__conn_life_name(enum bex__conn_life life);
@@ -249,6 +249,12 @@ void bex__listener_on_event(struct ep_tag *t, uint32_t events);
 void bex__conn_adopt(struct bex__io *io, struct bex_listener *l, int fd, const bex_addr *peer);
 /* Free dead connections no socket refers to. */
 void bex__conn_reap(struct bex__io *io);
+/* A connection died or lost a socket: the loop's next turn reaps. */
+static inline void bex__io_reap_due(struct bex__io *io)
+{
+    io->reap = true;
+    io->chores = true;
+}
 
 /* Timers (conn/timers.c), all on the connection's I/O thread's heap. */
 /* The thread's timers and housekeeping, before its loop starts. */

@@ -123,6 +123,11 @@ void bex__conn_env_init(struct bex__conn_env *env, const struct bex__conn_owner_
  * the other's. Nothing a peer does moves it. */
 enum bex__io_state { IO_NEW, IO_RUNNING, IO_STOPPING, IO_JOINED };
 
+/* How the loop polls (bex__io.cq_way): no CQ (no device), one CQ and no
+ * shared receive queue (the usual with a device), or every CQ and the
+ * shared queue. */
+enum bex__io_cq_way { IO_CQ_NONE, IO_CQ_ONE, IO_CQ_ALL };
+
 /* One I/O thread of a context and everything only it touches. */
 struct bex__io {
     bex_ctx *ctx; /* its owner's handle (opaque here) */
@@ -141,6 +146,9 @@ struct bex__io {
     struct bex__list conns; /* struct conn.link, newest first */
     struct bex__list ready; /* connections with work (struct conn.ready_link: bex__conn_ready) */
     bool reap;              /* a connection died or lost a socket: bex__conn_reap looks */
+    /* reap, or SRQ mode (bex__io_srq_timer's look): a turn's one test for
+     * both (conn/thread.c turn_chores; set with reap: bex__io_reap_due) */
+    bool chores;
     /* its timers (common/timer.h, in bex__now_us() time): connections'
      * setup deadlines, ticks (keepalive, stalls) and transports' due_us,
      * listeners' backoff, its own housekeeping; the loop sleeps until the
@@ -171,22 +179,27 @@ struct bex__io {
     uint64_t poll_no;              /* poll turns with CQs (conn/thread.c) */
     bool draining;                 /* the owner is running commands it took */
     /* spinning (conn/thread.c spin_look): connections of this thread in
-     * set-up (struct conn.coming), the coarse clock this turn read
-     * (run_timers) and the one of the last look at the epoll set, and the
-     * turns since a look */
-    uint32_t n_coming;
+     * set-up (struct conn.coming) plus those over TCP (the count of both
+     * is all the spinning asks: one load a turn, where it read the set-up's
+     * and stats.tcp_conns), the coarse clock this turn read (run_timers)
+     * and the one of the last look at the epoll set, and the turns since a
+     * look */
+    uint32_t n_watch;
     uint32_t spins;
     uint64_t turn_ms, looked_ms;
     /* turns that found the nearest deadline within the coarse clock's lag
-     * (run_timers: the precise clock on every 16th of them), and turns of
-     * a polling thread that found work (its timers on every 16th of them:
-     * conn/thread.c WORK_TIMERS) */
-    uint32_t near_turns, work_turns;
+     * (run_timers: the precise clock on every 16th of them) */
+    uint32_t near_turns;
     struct bex__list listeners; /* struct bex_listener.link */
     struct conn **engines;      /* by engine id (bex__conn_by_engine) */
     uint32_t next_engine_seq;
     struct io_cq *cqs; /* with a device: at least one; sh.cq is cqs[0].cq */
     uint32_t n_cq;
+    /* bex__io_cq_way_of(this), kept (bex__io_cq_way_sync) where n_cq or
+     * the shared receive queue change after the thread starts, and at its
+     * start: one load and test where the loop tested n_cq and the queue
+     * (conn/thread.c, twice a round trip in event mode; issue 25 item 2) */
+    uint8_t cq_way;
     /* every CQ (and the SRQ's) armed for an event since the last event was
      * read (thread.c; a CQ added or grown clears it), and whether the last
      * poll ran armed and took each CQ to empty: then sleeping needs no
@@ -229,6 +242,16 @@ void *bex__io_main(void *arg);
  * own code's). */
 void bex__io_move(struct bex__io *io, enum bex__io_state to);
 const char *bex__io_state_name(int s);
+static inline enum bex__io_cq_way bex__io_cq_way_of(const struct bex__io *io)
+{
+    if (io->n_cq == 1 && !io->sh.srq)
+        return IO_CQ_ONE;
+    return io->n_cq ? IO_CQ_ALL : IO_CQ_NONE;
+}
+static inline void bex__io_cq_way_sync(struct bex__io *io)
+{
+    io->cq_way = (uint8_t)bex__io_cq_way_of(io);
+}
 static inline enum bex__io_state bex__io_state(struct bex__io *io)
 {
     return (enum bex__io_state)atomic_load_explicit(&io->state, memory_order_acquire);

@@ -295,6 +295,7 @@ static int go_tcp(struct conn *c)
         return err;
     BEX__STAT_ADD(&c->io->stats, engines, 1); /* counts transports of either kind */
     BEX__STAT_ADD(&c->io->stats, tcp_conns, 1);
+    c->io->n_watch++; /* the spinning looks at its descriptor (bex__conn_free's) */
     if (c->mode == BEX_TRANSPORT_AUTO)
         BEX__STAT_ADD(&c->io->stats, tcp_fallbacks, 1); /* RDMA would have done */
     bex__conn_set_phase(c, P_UP);

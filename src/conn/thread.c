@@ -33,11 +33,15 @@
 
 /* A polling thread's turns look at its timers (run_timers: the coarse
  * clock, some 26 instructions) when they found nothing to do (no
- * completion that made work, no command), and on every WORK_TIMERS-th turn
- * that found some: a timer runs at most that many turns with work late.
- * Before (issue 25 item 2, busy mode), on every turn: a busy ping-pong's
- * one turn with work a round trip paid the clock read that the idle turns
- * around it make anyway. */
+ * completion that made work, no command), and when the loop's count of
+ * turns is a multiple of WORK_TIMERS on one that found some: of any
+ * WORK_TIMERS turns in a row one looks, so a timer runs at most that many
+ * turns late. Before (issue 25 item 2, busy mode), on every turn: a busy
+ * ping-pong's one turn with work a round trip paid the clock read that the
+ * idle turns around it make anyway. The count is the turns' statistic,
+ * which the turn has just added to (a count of the turns with work of its
+ * own, its store and its test were 5 instructions a busy round trip's
+ * turn, now a load and a test). */
 #define WORK_TIMERS 16
 
 /* Completion events acknowledged together (on_channel). */
@@ -341,8 +345,8 @@ __attribute__((noinline)) static bool dispatch_sent(struct conn *c, const struct
     return true;
 }
 
-/* One completion of a thread without a shared receive queue, to its
- * engine: dispatch's body for n == 1 (issue 25: the general loop of
+/* One completion of a thread without a shared receive queue, the only
+ * one its poll gave, to its engine: dispatch's body for n == 1 (issue 25: the general loop of
  * poll_cq_more, with its batch and turn bounds, saved six registers and
  * spilled five values, some 100 instructions for a ping-pong's one
  * completion). After a receive or a failure the engine always wants its
@@ -361,7 +365,13 @@ __attribute__((always_inline)) static inline bool dispatch_one(struct bex__io *i
     if (__builtin_expect(wc->status == IBV_WC_SUCCESS, 1)) {
         if (__builtin_expect(!(wc->opcode & IBV_WC_RECV), 0))
             return dispatch_sent(c, wc);
-        count_recv_ok(io, c);
+        /* count_recv_ok's counts: the poll's one completion is its
+         * connection's first receive of the turn, so c->recv_turn, which
+         * only a later completion of this poll would look at, is neither
+         * tested nor set (a later poll's number differs from any it holds;
+         * issue 25 item 2: 5 instructions a receive) */
+        BEX__STAT_ADD(&io->stats, poll_recvs, 1);
+        BEX__STAT_ADD(&io->stats, poll_recv_conns, 1);
         bex__conn_ready(c);
         return bex__engine_complete_recv(c->eng, wc); /* (true; tested here) */
     }
@@ -397,10 +407,11 @@ __attribute__((noinline)) static bool poll_one_rest(struct bex__io *io, struct i
 
 /* Whether the thread has one CQ and no shared receive queue (the usual
  * with a device; a shared receive queue comes with a CQ, so n_cq is 0
- * only without a device). */
+ * only without a device): the kept way, one load. */
 static inline bool one_cq(const struct bex__io *io)
 {
-    return io->n_cq == 1 && io->sh.srq == NULL;
+    assert(io->cq_way == bex__io_cq_way_of(io)); /* (a change without its sync) */
+    return io->cq_way == IO_CQ_ONE;
 }
 
 /* Poll every CQ of the thread (up to WC_TURN_MAX each): whether a
@@ -416,7 +427,7 @@ static inline bool one_cq(const struct bex__io *io)
 static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
 {
     if (__builtin_expect(!one_cq(io), 0)) {
-        if (!io->n_cq) {
+        if (io->cq_way == IO_CQ_NONE) {
             io->cq_quiet = io->cq_armed;
             return false;
         }
@@ -424,7 +435,9 @@ static inline bool poll_cqs(struct bex__io *io, struct ibv_wc *wc)
         return poll_cqs_all(io, wc);
     }
     io->poll_no++;
-    int n = bex__rdma_poll_cq(io->cqs[0].cq, WC_BATCH, wc);
+    /* sh.cq is cqs[0].cq (but within an engine's creation): one load */
+    assert(io->sh.cq == io->cqs[0].cq);
+    int n = bex__rdma_poll_cq(io->sh.cq, WC_BATCH, wc);
     bex__stat_poll(&io->stats, n);
     if (n == 0) {
         io->cq_quiet = io->cq_armed;
@@ -460,7 +473,7 @@ static inline void arm_cqs(struct bex__io *io)
         arm_cqs_all(io);
         return;
     }
-    ibv_req_notify_cq(io->cqs[0].cq, 0);
+    ibv_req_notify_cq(io->sh.cq, 0); /* (cqs[0].cq: poll_cqs) */
     BEX__STAT_ADD(&io->stats, cq_arms, 1);
     io->cq_armed = true;
     io->cq_quiet = false;
@@ -589,7 +602,7 @@ __attribute__((noinline)) static void spin_look_now(struct bex__io *io, struct e
  * call and its frame on every turn). */
 static inline void spin_look(struct bex__io *io, struct epoll_event *ev, struct ibv_wc *wc)
 {
-    if (io->n_coming || atomic_load_explicit(&io->stats.tcp_conns, memory_order_relaxed)) {
+    if (io->n_watch) {
         if (++io->spins % 64)
             return;
     } else if (io->turn_ms == io->looked_ms) {
@@ -634,19 +647,32 @@ void bex__io_move(struct bex__io *io, enum bex__io_state to)
     atomic_store_explicit(&io->state, (int)to, memory_order_release);
 }
 
-void *bex__io_main(void *arg)
+/* A turn's rare work: the dead connections reaped, and in SRQ mode the
+ * draining QPs' timer looked at. One flag tested a turn where reap and the
+ * shared queue were (issue 25 item 2), kept while either holds. */
+__attribute__((noinline)) static void turn_chores(struct bex__io *io)
 {
-    struct bex__io *io = arg;
-    const bex_ctx_config *cfg = io->env->cfg;
-    bex__io_ctx = io->ctx;
-    bex__io_self = io;
+    if (io->reap)
+        bex__conn_reap(io);
+    if (io->sh.srq)
+        bex__io_srq_timer(io);
+    io->chores = io->reap || io->sh.srq; /* (reaping may set reap again) */
+}
+
+/* The loop of one poll mode (BEX_POLL_*), until the thread stops. Inline
+ * once a mode (bex__io_main): a turn tested the mode three times, each a
+ * load from the frame and a branch in one loop for all (issue 25 item 2),
+ * and a busy turn with work kept the spin-then-sleep's idle count and
+ * clock (two stores); in its own copy none of that. */
+__attribute__((always_inline)) static inline void io_loop(struct bex__io *io,
+                                                          const bex_ctx_config *cfg, uint32_t mode)
+{
+    const bool event = mode == BEX_POLL_EVENT, spin_sleep = mode == BEX_POLL_SPIN_SLEEP;
     struct ibv_wc wc[WC_BATCH];
     struct epoll_event ev[16];
     uint64_t idle_since = 0;
-    bex__io_timers_init(io);
     uint32_t idle_polls = 0;
     bool spun_out = false;
-    bool event = cfg->poll_mode == BEX_POLL_EVENT;
     for (;;) {
         BEX__STAT_ADD(io, turns, 1);
         bool did = poll_cqs(io, wc);
@@ -667,16 +693,18 @@ void *bex__io_main(void *arg)
         /* Event mode, CQs not armed: the sleep's look runs them (io_sleep).
          * Else on a turn that found nothing, and on every WORK_TIMERS-th
          * one that found work (see there). */
-        if (event ? io->cq_armed : (!did || ++io->work_turns % WORK_TIMERS == 0))
+        if (event ? io->cq_armed
+                  : (!did ||
+                     atomic_load_explicit(&io->turns, memory_order_relaxed) % WORK_TIMERS == 0))
             run_timers(io);
         did |= run_ready(io);
-        if (io->reap)
-            bex__conn_reap(io);
-        if (io->sh.srq)
-            bex__io_srq_timer(io);
+        if (__builtin_expect(io->chores, 0))
+            turn_chores(io);
         if (did) {
-            idle_since = 0;
-            idle_polls = 0;
+            if (spin_sleep) {
+                idle_since = 0;
+                idle_polls = 0;
+            }
             spun_out = false;
             /* Event mode, a completion event read since the CQs were
              * armed: the sleep's look (arm, then poll) is the next turn's
@@ -701,7 +729,7 @@ void *bex__io_main(void *arg)
          * never sleeps; event mode sleeps at once. */
         if (event)
             spun_out = true;
-        else if (cfg->poll_mode == BEX_POLL_SPIN_SLEEP && idle_polls++ % 16 == 0)
+        else if (spin_sleep && idle_polls++ % 16 == 0)
             spun_out = spin_done(io, cfg->poll_spin_us, &idle_since);
         if (!spun_out) {
             spin_look(io, ev, wc);
@@ -711,6 +739,28 @@ void *bex__io_main(void *arg)
         idle_since = 0;
         idle_polls = 0;
         spun_out = false;
+    }
+}
+
+void *bex__io_main(void *arg)
+{
+    struct bex__io *io = arg;
+    const bex_ctx_config *cfg = io->env->cfg;
+    bex__io_ctx = io->ctx;
+    bex__io_self = io;
+    bex__io_timers_init(io);
+    bex__io_cq_way_sync(io); /* (the device's CQ and queue are made before) */
+    io->chores = io->reap || io->sh.srq;
+    switch (cfg->poll_mode) {
+    case BEX_POLL_EVENT:
+        io_loop(io, cfg, BEX_POLL_EVENT);
+        break;
+    case BEX_POLL_SPIN_SLEEP:
+        io_loop(io, cfg, BEX_POLL_SPIN_SLEEP);
+        break;
+    default: /* (BEX_POLL_BUSY) */
+        io_loop(io, cfg, BEX_POLL_BUSY);
+        break;
     }
     return NULL;
 }

@@ -885,8 +885,12 @@ void bex_mem_free(void *ptr)
      * owner's test says both (bex__mem_fast) */
     const struct bex__mem_fast *f = bex__mem_fast_of(ptr);
     struct bex__mem_heap *h = f->heap;
+    /* read with the heap (the descriptor is the chunk's header, always
+     * mapped; used only when the thread owns the heap): a load from f's
+     * address, where reading it after the test kept f's own (issue 25
+     * item 2: one instruction a free) */
+    struct bex__mem_bin *b = f->bin;
     if (BEX__MEM_LIKELY(atomic_load_explicit(&h->owner, memory_order_relaxed) == tl.tid)) {
-        struct bex__mem_bin *b = f->bin;
         *(void **)ptr = b->list;
         b->list = ptr;
         uint32_t n = atomic_load_explicit(&b->count, memory_order_relaxed); /* before */

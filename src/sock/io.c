@@ -118,7 +118,7 @@ static void forget_listener(struct bex__io *io, struct bex_listener *l)
         if (cn->l == l)
             cn->l = NULL;
     }
-    io->reap = true; /* those without sockets close (bex__conn_reap) */
+    bex__io_reap_due(io); /* those without sockets close (bex__conn_reap) */
 }
 
 static void do_unlisten(struct bex__io *io, struct bex_listener *l)

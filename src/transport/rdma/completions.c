@@ -94,7 +94,9 @@ __attribute__((always_inline)) static inline bool acks_posted(struct bex__engine
             e->dscan++;
             continue;
         }
-        bool copied = !s->bytes || (s->wr.send_flags & IBV_SEND_INLINE);
+        /* (a small message's request is inline: its flag first, one
+         * test where the bytes' came first) */
+        bool copied = (s->wr.send_flags & IBV_SEND_INLINE) || !s->bytes;
         if (m->status || !copied || !acked(e, m->ack_seq))
             return false;
         s->done = NULL;
@@ -312,7 +314,11 @@ __attribute__((always_inline)) static inline void *rbuf_new(struct bex__engine *
 __attribute__((always_inline)) static inline void
 slot_refill(struct bex__engine *e, uint32_t idx, struct bex__rslot *r, const void *gone)
 {
-    int64_t u = bex__engine_rbuf_usable(e, gone);
+    /* known since a buffer was posted: the engine's own slots' first
+     * (bex__engine_slot_set_buf), or a shared queue's receive's
+     * (bex__engine_srq_complete), so read without a test */
+    int64_t u = e->rbuf_usable;
+    assert(u && bex__engine_rbuf_usable(e, gone) == u);
     struct bex__engine_shared *sh = e->sh;
     /* the counters' pointer once: the estimate's and the count's (the
      * bin's stores, through void pointers, would have it read again); set
@@ -697,6 +703,8 @@ void *bex__engine_srq_complete(struct bex__srq *q, const struct ibv_wc *wc)
     if (!e)
         return NULL; /* a QP destroyed since: the slot went back to the pool */
     e->srq_cur = idx;
+    if (__builtin_expect(!e->rbuf_usable, 0)) /* (slot_refill reads it untested) */
+        (void)bex__engine_rbuf_usable(e, q->slots[idx].buf);
     /* The peer's credits: its share less what it consumed and we have not
      * returned, held (unposted, starved) or reposted but not yet told
      * (to_return). Without to_return, the reposts every k receives would

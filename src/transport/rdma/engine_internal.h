@@ -384,7 +384,10 @@ static inline int64_t bex__engine_rbuf_usable(struct bex__engine *e, const void 
 }
 
 /* Slot r takes buf (a block's start, bex_mem_alloc's: its region inline)
- * in place of old, the buffer whose key r's SGE holds (NULL: none). That
+ * in place of old, the buffer whose key r's SGE holds (NULL: none); its
+ * SGE's length is rbuf_len already (bex__engine_slot_set_buf's, the shared
+ * queue's bex__srq_create's, which is the same: engine.c), so a refill
+ * stores none (issue 25 item 2). That
  * key is buf's too when both lie in one 4 MiB slot of the address space
  * (one mapping's: its header, region and key are found from the slot's
  * start, mem/lookup.h), as a refill's blocks of one class mostly do: it is
@@ -395,7 +398,8 @@ static inline void bex__engine_slot_put(struct bex__engine *e, struct bex__rslot
 {
     r->buf = buf;
     r->sge.addr = (uintptr_t)buf;
-    r->sge.length = e->rbuf_len;
+    assert(r->sge.length == e->rbuf_len);
+    (void)e; /* (the assert's) */
     if (((uintptr_t)buf ^ (uintptr_t)old) >> BEX__MEM_LOOKUP_SHIFT)
         r->sge.lkey = bex__mem_block_mr(buf)->lkey;
     assert(r->sge.lkey == bex__mem_block_mr(buf)->lkey);
@@ -408,12 +412,14 @@ static inline struct bex__rslot *bex__engine_rslot_at(struct bex__engine *e, uin
 }
 
 /* A consumed receive is kept for reposting (with its buffer) or starved
- * (without): in SRQ mode the slot is the engine's charge from now on. */
+ * (without): in SRQ mode the slot is the engine's charge from now on. Its
+ * completion's (srq_cur is idx then, or NO_SLOT with the engine's own
+ * slots): a store where a test was (issue 25 item 2). */
 static inline void bex__engine_hold_unposted(struct bex__engine *e, uint32_t idx)
 {
+    assert(idx == e->srq_cur || e->srq_cur == NO_SLOT);
     e->unposted[e->n_unposted++] = idx;
-    if (idx == e->srq_cur)
-        e->srq_cur = NO_SLOT;
+    e->srq_cur = NO_SLOT;
 }
 
 /* Receives consumed and handled whose credits are not yet returned go

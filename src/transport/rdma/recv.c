@@ -44,6 +44,7 @@ void bex__engine_recv_free(struct bex__engine *e, void *b)
 
 void bex__engine_slot_set_buf(struct bex__engine *e, struct bex__rslot *r, void *buf)
 {
+    r->sge.length = e->rbuf_len; /* (bex__engine_slot_put's refills keep it) */
     bex__engine_slot_put(e, r, buf, NULL);
     bex__recv_posted(e->sh, bex__engine_rbuf_usable(e, buf));
 }
