@@ -273,6 +273,13 @@ PY
         busycg "$tmp/busy/perftest.instructions.1200.$side" 1200 12000 0 0
         busycg "$tmp/busy/perftest.instructions.200s.$side" 200 20000 0 0
     done
+    # calls callgrind counted where it did not collect (UCX_CALLGRIND
+    # toggling UCX's set-up wait off: neither the call instruction nor
+    # the callee's instructions counted) are no polls: a site's calls
+    # are its calling instruction's executions
+    sed 's/^calls=2400 0x2ca0 0$/calls=2417 0x2ca0 0/' "$tmp/busy/ucx.instructions.200.srv" >"$tmp/phantom"
+    read -r _ _ p d _ < <(python3 "$src/bench/cost/cg-counts" "$tmp/phantom")
+    [ "$p $d" = "2400 400" ] || fail "17 uncollected calls: $p polls, $d completions (want 2400, 400)"
     out=$(cd "$src" && FROM=$tmp/busy TRANSPORT=rdma MODE=busy STACKS="perftest ucx" TOOLS=instructions \
         N1=200 N2=1200 bench/cost/run)
     echo "$out"
@@ -298,6 +305,30 @@ PY
                 fail "cg-counts' time-driven rule names $n, no function of the installed libucs"
         done
     fi
+    # UCX_CALLGRIND's options reach UCX's processes under callgrind and
+    # no other stack's, and by default none: the arguments a fake
+    # valgrind was given (a server's stays a second, for its client to
+    # find it; a fake tc for the spinning run's netem)
+    mkdir -p "$tmp/fake"
+    # shellcheck disable=SC2016
+    printf '#!/bin/bash\nfor a; do case $a in --callgrind-out-file=*) echo "$*" >"${a#*=}.args"
+        case $a in *.srv) sleep 1 ;; esac ;; esac; done\n' >"$tmp/fake/valgrind"
+    printf '#!/bin/sh\nexit 0\n' >"$tmp/fake/tc"
+    chmod +x "$tmp/fake/valgrind" "$tmp/fake/tc"
+    for how in default set; do
+        (cd "$src" && if [ $how = set ]; then export UCX_CALLGRIND="--toggle-collect=ucp_worker_flush --collect-atstart=yes"; fi &&
+            PATH=$tmp/fake:$PATH TRANSPORT=rdma MODE=busy STACKS="ucx perftest" TOOLS=instructions \
+                N1=1 N2=2 REPORT=no KEEP=$tmp/tog.$how bench/cost/run) >/dev/null
+        for f in ucx.instructions.{1,2,1s}.{srv,cli} perftest.instructions.{1,2,1s}.{srv,cli}; do
+            [ -s "$tmp/tog.$how/$f.args" ] || fail "no valgrind run for $f"
+            case $how.$f in
+            set.ucx.*) grep -q -- "--toggle-collect=ucp_worker_flush --collect-atstart=yes" "$tmp/tog.$how/$f.args" ||
+                fail "UCX_CALLGRIND did not reach $f: $(cat "$tmp/tog.$how/$f.args")" ;;
+            *) ! grep -q -- "--toggle-collect" "$tmp/tog.$how/$f.args" ||
+                fail "$how: $f given UCX's options: $(cat "$tmp/tog.$how/$f.args")" ;;
+            esac
+        done
+    done
     # a run keeps each round apart, KEEP/rR
     lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
     out=$(cd "$src" && BEX_BUILD_DIR=$build STACKS=kernel TOOLS=syscalls N1=100 N2=300 ROUNDS=2 \
