@@ -600,6 +600,29 @@ void bex__conn_lost(struct conn *c, int err)
              c->eng_id, open, open == 1 ? "" : "s", bex_strerror(err));
 }
 
+/* A connect to a local port in the ephemeral range where nobody listens
+ * may be given that very port as its own: TCP's simultaneous open then
+ * joins the socket to itself, and the setup would go on with ourselves as
+ * the peer (our hello answered by our own) while the port stays taken from
+ * the listener meant to come back there. Such a connection is refused,
+ * which the owner's reconnection handles as any refusal, and its port
+ * given back at once. */
+static int not_self(int fd)
+{
+    bex_addr me, peer;
+    socklen_t sl = sizeof(me), pl = sizeof(peer);
+    if (getsockname(fd, &me.sa, &sl) || getpeername(fd, &peer.sa, &pl))
+        return -errno;
+    if (!bex_addr_equal(&me, &peer))
+        return 0;
+    /* closed with a reset: a TIME_WAIT would keep the port from a
+     * listener for a minute (SO_REUSEADDR does not pass a TIME_WAIT whose
+     * socket did not set it) */
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+    return -ECONNREFUSED;
+}
+
 /* Advance the setup state machine; any error fails the connection.
  * Whether the connection's transport wants a progress call: an up TCP
  * one made its own (bex__tcp_events) and wants one only when it has more
@@ -620,6 +643,8 @@ bool bex__conn_step(struct conn *c, uint32_t events)
             err = err ? -err : -errno;
             goto fail;
         }
+        if ((err = not_self(c->fd)))
+            goto fail;
         if ((err = setup_client_start(c)))
             goto fail;
         if ((err = conn_want(c, EPOLLIN | EPOLLRDHUP)))

@@ -3,6 +3,10 @@
  * owner a fake that records what conn tells it (up, chosen, down, open
  * streams) and plays one stream per connection. */
 #include <arpa/inet.h>
+#include <net/if.h>
+#include <sched.h>
+#include <stdio.h>
+#include <sys/ioctl.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -375,6 +379,71 @@ static int refused(void)
     return 0;
 }
 
+/* In a network namespace of its own (root: CI runs as root), whose
+ * loopback is up and whose ephemeral ports are one, SELF_PORT: a connect
+ * to 127.0.0.1:SELF_PORT, where nobody listens, gets that port as its own,
+ * and TCP's simultaneous open joins the socket to itself. Outside a test it
+ * happens by chance to a client that reconnects to a dead local peer whose
+ * port is in the ephemeral range (a replica restarted on its port found it
+ * taken: EADDRINUSE). */
+#define SELF_PORT 40000
+static int self_netns(void)
+{
+    if (unshare(CLONE_NEWNET)) {
+        fprintf(stderr, "self_connect: unshare(CLONE_NEWNET): %s (needs root)\n", strerror(errno));
+        return -1;
+    }
+    int s = socket(AF_INET, SOCK_DGRAM, 0);
+    struct ifreq ifr = {0};
+    strcpy(ifr.ifr_name, "lo");
+    ifr.ifr_flags = IFF_UP | IFF_LOOPBACK | IFF_RUNNING;
+    int rc = s < 0 ? -1 : ioctl(s, SIOCSIFFLAGS, &ifr);
+    if (s >= 0)
+        close(s);
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "w");
+    if (rc || !f || fprintf(f, "%d %d\n", SELF_PORT, SELF_PORT) < 0 || fclose(f)) {
+        fprintf(stderr, "self_connect: the namespace's loopback or port range: %s\n",
+                strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* A connection that TCP joined to itself is no peer: the owner hears down
+ * while connecting with ECONNREFUSED, as from a refused connect, and the
+ * port is given back at once. Before, the setup went on with itself as the
+ * peer: its hello answered by its own, its streams' OPENs by its own. */
+static int self_connect(void)
+{
+    CHECK_OK(self_netns());
+    struct world w;
+    struct fake_stream f = {0};
+    world_init(&w);
+    bex_addr to = {0};
+    to.in4.sin_family = AF_INET;
+    to.in4.sin_port = htons(SELF_PORT);
+    to.in4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct conn *c;
+    CHECK_OK(bex__conn_start_client(&w.io, &to, BEX_TRANSPORT_TCP, &c));
+    CHECK_OK(bex__conn_stream_add(c, c->next_stream++, &f.st));
+    TURN_UNTIL(&w, cli.down == 1 || cli.chosen);
+    CHECK_EQ(cli.chosen, 0);
+    CHECK(cli.down_connecting);
+    CHECK_EQ(cli.down_err, -ECONNREFUSED);
+    TURN_UNTIL(&w, bex__list_empty(&w.io.conns));
+    /* the port is free at once: a listener takes it (no TIME_WAIT left) */
+    int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    CHECK(l >= 0);
+    CHECK(setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) == 0);
+    if (bind(l, &to.sa, sizeof to.in4)) {
+        fprintf(stderr, "self_connect: bind to the port after: %s\n", strerror(errno));
+        CHECK(0);
+    }
+    close(l);
+    world_fini(&w);
+    return 0;
+}
+
 /* Whether the peer closed fd (EOF or reset); the bytes it wrote first are
  * dropped. */
 static bool peer_gone(int fd)
@@ -488,4 +557,5 @@ static int timers_under_work(void)
 }
 
 BEX_TEST_MAIN({"tcp_setup", tcp_setup}, {"down", down}, {"refused", refused},
-              {"ready_first", ready_first}, {"timers_under_work", timers_under_work})
+              {"self_connect", self_connect}, {"ready_first", ready_first},
+              {"timers_under_work", timers_under_work})
