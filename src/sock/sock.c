@@ -862,8 +862,9 @@ void bex__sock_msg_put_slow(struct sock_msg *w)
  * The rest (off, the rendezvous' fields, the destination's, nseg) are
  * read by the RDMA engine's lone way, which does not set them, or by a
  * message's abandonment in flight (issue 25 item 2: six stores a send
- * less); they lie together in struct bex__msg, cleared by two 16-byte
- * stores where seven of four sizes were. seg is read only while nseg is
+ * less); they lie together in struct bex__msg, cleared by one 16-byte
+ * and two 8-byte stores (bex_sock_send's code, GCC 12) where seven of
+ * four sizes were. seg is read only while nseg is
  * not 0 (a gathered message's, bex_sock_sendv's own): not set. */
 _Static_assert(sizeof(struct bex__msg) == 104,
                "sock_msg_fill sets or leaves to the transports every field of struct bex__msg: "

@@ -50,8 +50,9 @@ struct bex__seg {
 #define BEX__SEG_MAX 4
 
 /* The fields from off to nseg are the ones a fresh message has zero
- * (sock.c's sock_msg_fill clears them with two 16-byte stores where seven
- * stores of four sizes were, issue 25 item 2): keep them together. */
+ * (sock.c's sock_msg_fill clears them with one 16-byte and two 8-byte
+ * stores where seven stores of four sizes were, issue 25 item 2): keep
+ * them together. */
 struct bex__msg {
     struct bex__msg *next;
     struct bex__stream *st;
